@@ -1,0 +1,324 @@
+"""The save side of the File contract: write everything, agree, then publish.
+
+Protocol (DESIGN.md, "Commit protocol"):
+
+1. Rank 0 prepares: the root and, on a new root, tracker 0 and contract phase 0; it sweeps
+   temp directories whose owner died and creates ``.tmp-<step>-<nonce>/``.
+2. Every rank writes its DCP shards and its extras there (or into ``stage_dir`` first,
+   then copies with checksum verification) and reports success or its first error.
+3. If any rank failed, every rank raises the same CheckpointWriteError; the tracker
+   does not move.
+4. Rank 0 writes ``manifest.json`` (temp, fsync, rename), uncommits an orphan or
+   overwritten directory of the same step, renames the temp directory, fsyncs the root
+   and replaces the tracker. Every rank learns the outcome before returning.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import secrets
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import _faults, _layout, _manifest, _rng
+from . import contract as _contract
+from ._digest import digest, file_digest
+from ._dist import Agreement
+from ._state import Captured, capture
+from ._storage import Storage, StorageContext, WrittenFile
+from .config import CheckpointConfig
+from .errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    ConfigError,
+    ReplicatedDivergenceError,
+    WriteFailure,
+)
+
+RNG_ITEM = "_rng"
+
+
+@dataclass
+class Context:
+    """Everything a save or restore needs, resolved once by the manager."""
+
+    root: Path
+    config: CheckpointConfig
+    naming: _layout.StepNaming
+    agreement: Agreement
+    storage: Storage
+    storage_ctx: StorageContext
+
+    @property
+    def rank(self) -> int:
+        return self.agreement.info.rank
+
+    @property
+    def world(self) -> int:
+        return self.agreement.info.world_size
+
+    def topology(self) -> dict[str, Any]:
+        layout = self.config.layout.as_dict() if self.config.layout else {"dp": self.world, "tp": 1, "pp": 1, "ep": 1}
+        return {"world_size": self.world, **layout}
+
+
+def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
+    """The first error of this rank with errno and path, digging through DCP's wrapper."""
+    collateral = False
+    if isinstance(exc, CheckpointException):
+        mine = exc.failures.get(rank)
+        if mine is None:
+            collateral = True
+        else:
+            exc = getattr(mine, "exc", mine)
+    root = exc
+    while root.__cause__ is not None and not isinstance(root, OSError):
+        root = root.__cause__
+    oserr = root if isinstance(root, OSError) else None
+    return WriteFailure(
+        rank=rank,
+        phase=phase + (" (another rank failed first)" if collateral else ""),
+        exc_type=type(root).__name__,
+        message=str(root)[:2000],
+        errno=oserr.errno if oserr else None,
+        path=str(oserr.filename) if oserr and oserr.filename else None,
+        offset=getattr(root, "offset", None),
+        requested_bytes=getattr(root, "requested_bytes", None),
+        returned_bytes=getattr(root, "returned_bytes", None),
+        time_ns=time.time_ns() + (10**18 if collateral else 0),
+    )
+
+
+def _raise_if_failed(ctx: Context, reports: list[dict[str, Any]], *, step: int, phase: str) -> None:
+    failures = [WriteFailure.from_json(r["failure"]) for r in reports if r.get("failure")]
+    if not failures:
+        return
+    first = min(failures, key=lambda f: (f.time_ns, f.rank))
+    raise CheckpointWriteError(
+        f"save of step {step} under {ctx.root} failed at {phase}; first error: {first.describe()}. "
+        f"All {ctx.world} ranks raise this together; the tracker was not moved, so the previous "
+        "committed step stays the resume target. Fix the cause (disk space, permissions, "
+        "storage health) and save again.",
+        step=step,
+        failures=failures,
+    )
+
+
+# ---------------------------------------------------------------- step 0: guard
+
+
+def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> None:
+    """Refuse a plain tensor that differs across ranks: DCP would keep one rank's copy."""
+    if ctx.world == 1:
+        return
+    per_key = {k: digest(t) for c in items.values() for k, t in c.tensors.items() if k in set(c.replicated_keys)}
+    combined = digest(sorted(per_key.items()))
+    views = ctx.agreement.exchange("save.replicated", {"combined": combined, "keys": sorted(per_key)})
+    if all(v == views[0] for v in views):
+        return
+    details = ctx.agreement.exchange("save.replicated_keys", per_key)
+    bad = []
+    for key in sorted(set().union(*[set(d) for d in details])):
+        values = [d.get(key) for d in details]
+        if len(set(values)) > 1:
+            groups: dict[str | None, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            bad.append(f"{key} (ranks grouped by content: {sorted(groups.values())})")
+    raise ReplicatedDivergenceError(
+        f"save of step {step}: {len(bad)} plain tensor(s) differ across ranks, and DCP stores a "
+        f"plain tensor once, so restore would hand every rank one rank's copy: {'; '.join(bad[:10])}"
+        f"{' ...' if len(bad) > 10 else ''}. Wrap per-rank values in ckptguard.PerRank(...), "
+        "make them DTensors, or put the rank in the item name."
+    )
+
+
+# ---------------------------------------------------------------- step 1: prepare
+
+
+def _prepare_root(ctx: Context, step: int) -> dict[str, Any]:
+    """Rank 0: root, tracker 0, phase 0, sweep, existing-step check, temp directory."""
+    root = ctx.root
+    root.mkdir(parents=True, exist_ok=True)
+    if _layout.read_tracker(root) is None:
+        # Declared fresh start first: "steps but no tracker" then never comes from us.
+        _layout.write_tracker(root, 0)
+    phases = _contract.read_phases(root)
+    if not phases:
+        _contract.write_phase(root, 0, _contract.initial_phase(uuid.uuid4().hex, ctx.config.contract))
+    phase = _contract.check(root, ctx.config.contract, where=f"save of step {step}")
+    _layout.sweep_temp_dirs(root, max_age_s=ctx.config.stale_temp_age_s)
+    name = ctx.naming.name(step)
+    existing = root / name
+    tracker = _layout.read_tracker(root) or 0
+    if existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists():
+        if not ctx.config.overwrite:
+            raise ConfigError(
+                f"step {step} is already committed at {existing}; saving it again would replace "
+                "it. Save a different step, or set CheckpointConfig(overwrite=True) to replace it "
+                "(it is uncommitted first, then rewritten)."
+            )
+    nonce = secrets.token_hex(6)
+    tmp = root / _layout.temp_dir_name(name, nonce)
+    tmp.mkdir()
+    (tmp / _layout.STATE_DIR).mkdir()
+    _layout.write_owner(tmp)
+    return {"tmp": str(tmp), "chain_id": phase["chain_id"], "phase": phase["phase"], "hash": phase["contract_hash"]}
+
+
+def _prepare(ctx: Context, step: int) -> dict[str, Any]:
+    payload: dict[str, Any] = {"step": step}
+    if ctx.rank == 0:
+        try:
+            payload.update(_prepare_root(ctx, step))
+        except CheckpointError as exc:
+            payload["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        except Exception as exc:  # reported to every rank instead of leaving them waiting
+            payload["failure"] = failure_from(exc, rank=0, phase="prepare").to_json()
+    views = ctx.agreement.exchange("save.prepare", payload)
+    steps = [v["step"] for v in views]
+    if len(set(steps)) > 1:
+        raise ConfigError(f"ranks called save with different steps {steps} (index = rank); every rank must save the same step")
+    head = views[0]
+    if "error" in head:
+        raise _rebuild(head["error"], ctx.rank)
+    _raise_if_failed(ctx, views, step=step, phase="prepare")
+    return head
+
+
+def _rebuild(err: dict[str, str], rank: int) -> CheckpointError:
+    from . import errors
+
+    cls = getattr(errors, err["type"], CheckpointError)
+    msg = err["message"] if rank == 0 else f"(reported by rank 0) {err['message']}"
+    try:
+        return cls(msg)
+    except TypeError:
+        return CheckpointError(msg)
+
+
+# ---------------------------------------------------------------- step 2: write
+
+
+def _write_extras(path: Path, extras: dict[str, Any]) -> WrittenFile:
+    with open(path, "wb") as f:
+        torch.save(extras, f)
+        f.flush()
+        os.fsync(f.fileno())
+    size, xxh = file_digest(str(path))
+    return WrittenFile(path=path.name, size=size, xxh3=xxh)
+
+
+def _copy_verified(src: Path, dst: Path) -> None:
+    """Copy to a temp name on the target, fsync, re-read and compare, then rename."""
+    part = dst.with_name(f"{dst.name}.part-{secrets.token_hex(4)}")
+    with open(src, "rb") as fin, open(part, "wb") as fout:
+        while block := fin.read(8 << 20):
+            view = memoryview(block)
+            while view:
+                n = fout.write(view)
+                view = view[n:]  # a short write continues where it stopped
+        fout.flush()
+        os.fsync(fout.fileno())
+    if file_digest(str(src)) != file_digest(str(part)):
+        raise OSError(_errno.EIO, f"staged copy differs from its source after fsync: {src} -> {part}", str(part))
+    os.replace(part, dst)
+
+
+def _write_rank(ctx: Context, step: int, tmp: Path, items: dict[str, Captured], rng: Any) -> list[WrittenFile]:
+    extras = {
+        "format_version": _manifest.FORMAT_VERSION,
+        "step": step,
+        "rank": ctx.rank,
+        "kinds": {n: c.kind.value for n, c in items.items()},
+        "items": {n: c.skeleton for n, c in items.items()},
+        "rng": rng,
+    }
+    tensors = {k: t for c in items.values() for k, t in c.tensors.items()}
+    stage = ctx.config.stage_dir
+    if stage is None:
+        files = ctx.storage.write(tmp / _layout.STATE_DIR, tensors, ctx.storage_ctx)
+        files.append(_write_extras(tmp / _layout.extras_name(ctx.rank), extras))
+        return files
+    local = stage / tmp.name
+    (local / _layout.STATE_DIR).mkdir(parents=True, exist_ok=True)
+    try:
+        files = ctx.storage.write(local / _layout.STATE_DIR, tensors, ctx.storage_ctx)
+        files.append(_write_extras(local / _layout.extras_name(ctx.rank), extras))
+        for f in files:
+            _copy_verified(local / f.path, tmp / f.path)
+        return files
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- step 4: publish
+
+
+def _publish(ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: list[dict[str, Any]], kinds: dict[str, str]) -> None:
+    _faults.reached("commit.before_manifest")
+    files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep["files"]]
+    manifest = _manifest.build(
+        step=step,
+        chain_id=prep["chain_id"],
+        dir_template=ctx.naming.template,
+        topology={**ctx.topology(), "rank_hosts": [rep["host"] for rep in reports]},
+        items=kinds,
+        files=files,
+        digests={str(r): rep["digests"] for r, rep in enumerate(reports)},
+        contract={"phase": prep["phase"], "hash": prep["hash"]},
+    )
+    _layout.atomic_write_json(
+        tmp / _layout.MANIFEST_NAME, manifest, before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
+    )
+    (tmp / _layout.OWNER_NAME).unlink()
+    _faults.reached("commit.before_rename")
+    final = ctx.root / ctx.naming.name(step)
+    if final.exists():
+        # An orphan (crash between rename and tracker) or an explicit overwrite: its old
+        # files must never pair with the new ones, so it is uncommitted and removed first.
+        _layout.remove_step_dir(final)
+    os.rename(tmp, final)
+    _layout.fsync_dir(ctx.root)
+    _faults.reached("commit.before_tracker")
+    _layout.write_tracker(ctx.root, step)
+
+
+def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
+    items = capture(state)
+    rng = _rng.capture() if ctx.config.capture_rng else None
+    check_replicated(ctx, items, step)
+    prep = _prepare(ctx, step)
+    tmp = Path(prep["tmp"])
+    report: dict[str, Any] = {"host": ctx.agreement.info.host, "files": [], "digests": {}}
+    try:
+        written = _write_rank(ctx, step, tmp, items, rng)
+        report["files"] = [f.__dict__ for f in written]
+        report["digests"] = {n: c.digest for n, c in items.items()}
+        if rng is not None:
+            report["digests"][RNG_ITEM] = digest(rng)
+    except Exception as exc:  # every error is reported to all ranks, then re-raised by all
+        report["failure"] = failure_from(exc, rank=ctx.rank, phase="write").to_json()
+    reports = ctx.agreement.exchange("save.written", report)
+    try:
+        _raise_if_failed(ctx, reports, step=step, phase="write")
+    except CheckpointWriteError:
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space an ENOSPC needs
+        raise
+    outcome: dict[str, Any] = {}
+    if ctx.rank == 0:
+        try:
+            _publish(ctx, step, tmp, prep, reports, {n: c.kind.value for n, c in items.items()})
+        except Exception as exc:
+            outcome["failure"] = failure_from(exc, rank=0, phase="publish").to_json()
+    _raise_if_failed(ctx, ctx.agreement.exchange("save.published", outcome), step=step, phase="publish")
+    return ctx.root / ctx.naming.name(step)

@@ -1,0 +1,126 @@
+"""How ranks agree: a small all-gather of JSON payloads with a timeout that names ranks.
+
+Contract: ``exchange(phase, payload)`` returns every rank's payload, in rank order, or
+raises on every rank that is still alive. A plain gloo/NCCL collective that times out
+names no rank and a dead peer can leave it waiting until the process-group timeout, so
+agreement goes through the c10d store instead: each rank sets one key per phase and
+waits for the others' keys with our own timeout, then says which keys never arrived.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import socket
+import zlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from .errors import CollectiveTimeoutError, ConfigError
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who this process is within the group that saves together."""
+
+    rank: int
+    world_size: int
+    host: str
+
+    @classmethod
+    def single(cls) -> RankInfo:
+        return cls(rank=0, world_size=1, host=socket.gethostname())
+
+
+class Agreement(Protocol):
+    info: RankInfo
+
+    def exchange(self, phase: str, payload: Any) -> list[Any]: ...
+
+
+class LocalAgreement:
+    """One process: nothing to agree with."""
+
+    def __init__(self) -> None:
+        self.info = RankInfo.single()
+
+    def exchange(self, phase: str, payload: Any) -> list[Any]:
+        return [json.loads(json.dumps(payload))]
+
+
+class StoreAgreement:
+    """All-gather through the c10d store of the default process group."""
+
+    def __init__(self, group: Any | None, *, timeout_s: float, namespace: str) -> None:
+        store = dist.distributed_c10d._get_default_store()
+        self.ranks = dist.get_process_group_ranks(group) if group else list(
+            range(dist.get_world_size())
+        )
+        rank = dist.get_rank(group) if group else dist.get_rank()
+        self.info = RankInfo(rank=rank, world_size=len(self.ranks), host=socket.gethostname())
+        # Distinct groups and managers must not read each other's keys.
+        tag = zlib.crc32(json.dumps([namespace, self.ranks]).encode())
+        self._store = dist.PrefixStore(f"ckptguard/{tag:08x}/", store)
+        self._timeout = _dt.timedelta(seconds=timeout_s)
+        self._seq = 0
+        self._previous: str | None = None
+
+    def exchange(self, phase: str, payload: Any) -> list[Any]:
+        self._seq += 1
+        base = f"{self._seq}/{phase}/"
+        keys = [f"{base}{r}" for r in range(self.info.world_size)]
+        me = keys[self.info.rank]
+        try:
+            self._store.set(me, json.dumps(payload))
+        except Exception as exc:
+            raise self._unreachable(phase, exc) from exc
+        try:
+            self._store.wait(keys, self._timeout)
+        except Exception as exc:
+            missing = self._missing(keys)
+            if missing is None:
+                raise self._unreachable(phase, exc) from exc
+            raise CollectiveTimeoutError(
+                f"rank {self.info.rank} waited {self._timeout.total_seconds():.0f} s at "
+                f"checkpoint phase {phase!r} and ranks {missing} never arrived (dead, stalled "
+                "or not calling the same ckptguard method); every live rank raises this. "
+                "Check those ranks' logs for their first error; raise timeout_s if they are "
+                "merely slow.",
+                phase=phase,
+                missing_ranks=missing,
+            ) from exc
+        values = [json.loads(self._store.get(k)) for k in keys]
+        # Every rank has read the previous phase once all ranks have posted this one.
+        if self._previous is not None:
+            self._store.delete_key(self._previous)
+        self._previous = me
+        return values
+
+    def _missing(self, keys: list[str]) -> list[int] | None:
+        try:
+            return [r for r, k in enumerate(keys) if not self._store.check([k])]
+        except Exception:
+            return None
+
+    def _unreachable(self, phase: str, exc: Exception) -> CollectiveTimeoutError:
+        return CollectiveTimeoutError(
+            f"rank {self.info.rank} lost the c10d store at checkpoint phase {phase!r} "
+            f"({type(exc).__name__}: {exc}); the store's host (usually rank 0) has probably "
+            "died. Look at rank 0's log for its first error.",
+            phase=phase,
+            missing_ranks=[0],
+        )
+
+
+def make_agreement(process_group: Any | None, *, timeout_s: float, namespace: str) -> Agreement:
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ConfigError(
+                "process_group was given but torch.distributed is not initialized; call "
+                "init_process_group first, or pass process_group=None for one process"
+            )
+        return LocalAgreement()
+    return StoreAgreement(process_group, timeout_s=timeout_s, namespace=namespace)
+

@@ -1,0 +1,277 @@
+"""The resume side: decide which step (``resolve``), then load it exactly (``restore``).
+
+Contract: the decision is made by every rank from what it sees on disk, then agreed;
+ranks that see different steps, or a rank missing its files, make every rank raise
+together. A guessed fresh start is never an outcome: a fresh start happens only when
+the root does not exist, when the tracker says 0, or under ResumeMode.NEVER, and it is
+logged as a warning. Restore checks versions, topology, contract and keys (both ways)
+before reading any tensor, and the restored items' digests after.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _layout, _manifest, _rng, _state
+from . import contract as _contract
+from ._commit import RNG_ITEM, Context
+from .config import ReshardRule, ResumeMode
+from .errors import (
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    RankDisagreementError,
+    ResumeError,
+    StateMismatchError,
+    TopologyMismatchError,
+)
+
+log = logging.getLogger("ckptguard")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Which checkpoint a restore would load, and why."""
+
+    step: int
+    """The step to resume from (0 for a fresh start)."""
+    path: Path | None
+    """The committed step directory, or None for a fresh start."""
+    reason: str
+    """One sentence: why this step."""
+    mode: ResumeMode
+
+    @property
+    def fresh(self) -> bool:
+        return self.path is None
+
+    def describe(self) -> str:
+        if self.fresh:
+            return f"FRESH START at step 0: {self.reason}"
+        return f"resume from step {self.step} at {self.path}: {self.reason}"
+
+
+def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path: Path | None) -> Resolution:
+    """What this rank sees on disk; raises ResumeError rather than guessing."""
+    if path is not None:
+        step_dir = Path(path)
+        if not step_dir.is_dir():
+            raise CheckpointNotFoundError(f"restore(path={str(path)!r}): no such directory; pass a committed step directory")
+        manifest = _manifest.read(step_dir)
+        return Resolution(manifest.step, step_dir, "explicit path", mode)
+    if mode is ResumeMode.NEVER:
+        count = len(_layout.step_dirs(root, naming))
+        return Resolution(0, None, f"ResumeMode.NEVER; {count} step directories under {root} ignored", mode)
+    if not root.exists():
+        if mode is ResumeMode.MUST:
+            raise ResumeError(f"ResumeMode.MUST: checkpoint root {root} does not exist; check the path (it is never created by restore)")
+        return Resolution(0, None, f"checkpoint root {root} does not exist (it was not created; the first save creates it)", mode)
+    tracker = _layout.read_tracker(root)
+    dirs = _layout.step_dirs(root, naming)
+    if tracker is None:
+        if dirs:
+            raise ResumeError(
+                f"{root} holds step directories {sorted(dirs)[-3:]} but no tracker "
+                f"{_layout.TRACKER_NAME}; ckptguard writes the tracker before any step, so "
+                "something outside it removed the tracker or wrote these steps. Inspect the "
+                "root, then restore(path=...) the step you trust or move the steps away."
+            )
+        if mode is ResumeMode.MUST:
+            raise ResumeError(f"ResumeMode.MUST: {root} has no tracker and no checkpoint")
+        return Resolution(0, None, f"{root} exists but holds no checkpoint and no tracker", mode)
+    if tracker == 0:
+        if mode is ResumeMode.MUST:
+            raise ResumeError(f"ResumeMode.MUST: the tracker in {root} says 0 (no step committed yet)")
+        orphans = f"; uncommitted step directories {sorted(dirs)} are ignored" if dirs else ""
+        return Resolution(0, None, f"tracker in {root} says 0: fresh start declared by the first save{orphans}", mode)
+    step_dir = root / naming.name(tracker)
+    try:
+        manifest = _manifest.read(step_dir)
+    except (CheckpointNotFoundError, CheckpointError) as exc:
+        raise ResumeError(
+            f"the tracker in {root} points at step {tracker}, but {step_dir} is not a committed "
+            f"checkpoint ({exc}). ckptguard never moves the tracker before the commit, so the "
+            "directory was changed afterwards (deleted, copied partially, node-local disk). "
+            "Restore the files, or restore(path=...) an older committed step explicitly."
+        ) from exc
+    if manifest.step != tracker:
+        raise ResumeError(f"{step_dir}/manifest.json says step {manifest.step} but the tracker says {tracker}")
+    return Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
+
+
+def _error_payload(exc: Exception) -> dict[str, str]:
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
+    """resolve_local on every rank, then agreement on the step and on every rank's files."""
+    try:
+        res = resolve_local(ctx.root, ctx.naming, mode, path)
+        view: dict[str, Any] = {"step": res.step, "path": str(res.path) if res.path else None}
+    except CheckpointError as exc:
+        res, view = None, {"error": _error_payload(exc)}
+    views = ctx.agreement.exchange("resolve.step", view)
+    errors = {r: v["error"] for r, v in enumerate(views) if "error" in v}
+    if errors:
+        if res is None and len(errors) == ctx.world:
+            raise _reraise_same(errors)
+        raise RankDisagreementError(
+            "ranks could not all resolve a checkpoint: "
+            + "; ".join(f"rank {r}: {e['message']}" for r, e in errors.items())
+            + ". Every rank must see the same root (shared storage, or the same files on each node)."
+        )
+    if len({(v["step"], v["path"]) for v in views}) > 1:
+        listing = "; ".join(f"rank {r}: step {v['step']} at {v['path']}" for r, v in enumerate(views))
+        raise RankDisagreementError(f"ranks resolved different checkpoints ({listing}); fix the storage so every rank sees the same tracker")
+    assert res is not None
+    if not res.fresh:
+        _agree_files(ctx, res)
+    return res
+
+
+def _reraise_same(errors: dict[int, dict[str, str]]) -> CheckpointError:
+    from . import errors as errs
+
+    first = errors[min(errors)]
+    cls = getattr(errs, first["type"], ResumeError)
+    return cls(first["message"])
+
+
+def _source_rank(ctx: Context, manifest: _manifest.Manifest) -> int:
+    old = manifest.world_size
+    if old == ctx.world or ctx.config.reshard is ReshardRule.REFUSE:
+        return ctx.rank
+    if ctx.config.reshard is ReshardRule.EXTRAS_FROM_RANK0:
+        return 0
+    return ctx.rank % old
+
+
+def _agree_files(ctx: Context, res: Resolution) -> None:
+    """Each rank checks the files it will read; all raise together if any lacks one."""
+    assert res.path is not None
+    manifest = _manifest.read(res.path)
+    src = _source_rank(ctx, manifest)
+    needed = [f for f in manifest.files if f["path"].startswith(_layout.STATE_DIR + "/") or f["path"] == _layout.extras_name(src)]
+    problems = []
+    for f in needed:
+        p = res.path / f["path"]
+        if not p.exists():
+            problems.append(f"missing {p}")
+        elif p.stat().st_size != f["size"]:
+            problems.append(f"{p} has {p.stat().st_size} bytes, manifest says {f['size']}")
+    views = ctx.agreement.exchange("resolve.files", {"host": ctx.agreement.info.host, "problems": problems[:5]})
+    bad = {r: v for r, v in enumerate(views) if v["problems"]}
+    if bad:
+        raise RankDisagreementError(
+            f"step {res.step} at {res.path} is incomplete on some ranks: "
+            + "; ".join(f"rank {r} (host {v['host']}): {', '.join(v['problems'])}" for r, v in bad.items())
+            + ". With node-local checkpoints every rank's node needs its files: copy them there before launch."
+        )
+
+
+# ---------------------------------------------------------------- restore
+
+
+def _check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
+    saved = {k: v for k, v in manifest.topology.items() if k != "rank_hosts"}
+    now = ctx.topology()
+    if saved == now:
+        return
+    if ctx.config.reshard is ReshardRule.REFUSE or saved.get("ep", 1) != now.get("ep", 1):
+        raise TopologyMismatchError(
+            f"{manifest.path.parent} was saved with {saved}; this run has {now}. Restore with the "
+            "same world size and layout, or set CheckpointConfig(reshard=ReshardRule...) to let "
+            "DCP reshard tensor state under a declared rule for per-rank extras (expert-parallel "
+            "size changes are never resharded)."
+        )
+    log.warning("ckptguard: resharding %s -> %s under %s", saved, now, ctx.config.reshard.value)
+
+
+def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys: set[str], where: Path) -> list[str]:
+    problems = []
+    if missing := sorted(live_keys - ckpt_keys):
+        problems.append(f"item {name!r}: keys the model expects but the checkpoint lacks: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected := sorted((saved_keys | {k for k in ckpt_keys if k.startswith(name + '.')}) - live_keys):
+        problems.append(f"item {name!r}: keys in the checkpoint the model does not have: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    return problems
+
+
+def _plan(ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, extras: dict[str, Any]) -> tuple[dict, dict]:
+    """Compare items and keys both ways; return (targets, flat tensors for DCP)."""
+    step_dir = manifest.path.parent
+    problems = []
+    if missing := sorted(set(state) - set(manifest.items)):
+        problems.append(f"items requested but absent from the checkpoint: {missing} (there is never a silent fresh start for them)")
+    if unexpected := sorted(set(manifest.items) - set(state)):
+        problems.append(f"items in the checkpoint not given to restore: {unexpected} (pass them, or they are lost)")
+    targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items})
+    ckpt_keys = set(ctx.storage.read_metadata(step_dir / _layout.STATE_DIR).state_dict_metadata)
+    flat: dict[str, torch.Tensor] = {}
+    for name, (kind, _sd, live) in targets.items():
+        if kind.value != manifest.items[name]:
+            problems.append(f"item {name!r} is a {kind.value} now but was saved as a {manifest.items[name]}")
+            continue
+        saved_keys = _state.tensor_keys(extras["items"][name])
+        problems += _check_keys(name, saved_keys, set(live), ckpt_keys, step_dir)
+        flat.update(live)
+    views = ctx.agreement.exchange("restore.plan", {"problems": problems[:20]})
+    bad = {r: v["problems"] for r, v in enumerate(views) if v["problems"]}
+    if bad:
+        r0 = min(bad)
+        raise StateMismatchError(
+            f"restore of step {manifest.step} from {step_dir}: the state does not match the "
+            f"checkpoint (rank {r0}: {'; '.join(bad[r0])}). Build the same model/optimizer as the "
+            "run that saved, or restore into matching objects."
+        )
+    return targets, flat
+
+
+def restore(ctx: Context, state: dict[str, Any], res: Resolution) -> int:
+    assert res.path is not None
+    manifest = _manifest.read(res.path)
+    _manifest.check_torch_version(manifest, allow_newer=ctx.config.allow_newer_torch)
+    _check_topology(ctx, manifest)
+    if (ctx.root / _contract.CONTRACT_DIR).exists():
+        _contract.check(ctx.root, ctx.config.contract, where=f"restore of step {manifest.step} from {res.path}")
+    src = _source_rank(ctx, manifest)
+    extras_path = res.path / _layout.extras_name(src)
+    try:
+        extras = torch.load(extras_path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointIncompleteError(f"{extras_path} is missing (rank {ctx.rank}); restore an earlier step") from None
+    targets, flat = _plan(ctx, state, manifest, extras)
+    if flat:
+        ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)
+    for name, (kind, _sd, live) in targets.items():
+        _state.apply(state, name, kind, extras["items"][name], live)
+    if ctx.config.restore_rng and extras.get("rng") is not None:
+        _rng.restore(extras["rng"], where=f"restore of step {manifest.step}, rank {ctx.rank}")
+    if ctx.config.verify_restored and src == ctx.rank and manifest.world_size == ctx.world:
+        _verify_digests(ctx, state, manifest, targets, extras)
+    return manifest.step
+
+
+def _verify_digests(ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, targets: dict, extras: dict) -> None:
+    saved = manifest.digests.get(str(ctx.rank), {})
+    problems = []
+    for name, (kind, _sd, _live) in targets.items():
+        try:
+            _state.check_restored(name, kind, state[name], state, saved.get(name, ""))
+        except StateMismatchError as exc:
+            problems.append(str(exc))
+    if ctx.config.restore_rng and extras.get("rng") is not None and RNG_ITEM in saved:
+        from ._digest import digest
+
+        if digest(_rng.capture()) != saved[RNG_ITEM]:
+            problems.append("the RNG streams differ from the saved ones after restore")
+    views = ctx.agreement.exchange("restore.verify", {"problems": problems})
+    bad = {r: v["problems"] for r, v in enumerate(views) if v["problems"]}
+    if bad:
+        raise StateMismatchError(
+            f"restore of step {manifest.step}: " + " | ".join(f"rank {r}: {'; '.join(p)}" for r, p in bad.items())
+        )

@@ -1,0 +1,237 @@
+"""The storage seam: how tensor state reaches ``state/`` and comes back.
+
+Contract: ``write`` either writes every planned item of this rank and returns the
+files it wrote with their sizes and checksums, or raises the first error it hit.
+``read`` fills the given tensors in place and raises if any key is missing. The files
+stay standard PyTorch DCP, so plain ``torch.distributed.checkpoint.load`` reads them.
+DCP pickles ``.metadata``; we only ever unpickle it with ``SafeMetadataUnpickler``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import pickletools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+
+from . import _faults
+from ._digest import file_digest
+from .errors import CheckpointCorruptError, CheckpointIncompleteError, UnsafeCheckpointError
+
+DCP_METADATA = ".metadata"
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """One file a rank wrote, relative to the step directory."""
+
+    path: str
+    size: int
+    xxh3: str
+
+
+@dataclass(frozen=True)
+class StorageContext:
+    """What a storage call needs to know about the collective it runs in."""
+
+    rank: int
+    world_size: int
+    process_group: Any | None  # None: one process, no collectives
+
+
+class Storage(Protocol):
+    """How tensor state is written to and read from a step's ``state/`` directory."""
+
+    def write(
+        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
+    ) -> list[WrittenFile]:
+        """Write this rank's part of ``tensors``; collective over ``ctx.process_group``."""
+        ...
+
+    def read_metadata(self, state_dir: Path) -> Metadata:
+        """The DCP metadata, read without running pickled code."""
+        ...
+
+    def read(
+        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
+    ) -> None:
+        """Fill ``tensors`` in place from ``state_dir``; collective over ``ctx.process_group``."""
+        ...
+
+
+# ---------------------------------------------------------------- restricted unpickling
+
+_ALLOWED_MODULES = {
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+}
+_ALLOWED_NAMES = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
+
+
+class SafeMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata`` allowing only DCP's own classes and torch dtypes.
+
+    A crafted ``.metadata`` can name any callable (``os.system``); plain ``pickle.load``
+    would call it. We refuse any global outside the allow-list before it is resolved.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.memory_format):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def read_dcp_metadata(state_dir: Path) -> Metadata:
+    path = state_dir / DCP_METADATA
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointIncompleteError(
+            f"{path} is missing: the tensor state of this checkpoint was never finished; "
+            "resume from an earlier committed step"
+        ) from None
+    try:
+        md = SafeMetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        if "is not allowed" in str(exc):
+            raise UnsafeCheckpointError(
+                f"{path} refers to {exc}: the file was not written by DCP, or was tampered "
+                "with; it could run code if unpickled, so ckptguard will not read it. "
+                "Do not load this checkpoint; restore an earlier step or rewrite it."
+            ) from None
+        raise CheckpointCorruptError(f"{path} is not a readable DCP metadata file: {exc}") from None
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{path} is not a readable DCP metadata file: {exc}") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointCorruptError(f"{path} holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+def pickle_globals(data: bytes) -> set[str]:
+    """Every global a pickle names, without running it (for verify reports)."""
+    names: set[str] = set()
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("GLOBAL", "INST") and isinstance(arg, str):
+            names.add(arg.replace(" ", "."))
+    return names
+
+
+# ---------------------------------------------------------------- DCP-backed default
+
+
+class _CheckedWriter(FileSystemWriter):
+    """DCP's writer, holding us to the plan: every planned item must come back written.
+
+    DCP's writer threads can lose an OSError (measured with thread_count > 1), which
+    would leave a shard short while DCP still writes ``.metadata``. We compare results
+    with the plan and raise instead.
+    """
+
+    def __init__(self, path: Path, *, thread_count: int, on_written: Callable[[], None]) -> None:
+        super().__init__(path, thread_count=thread_count, sync_files=True, overwrite=False)
+        self.files: set[str] = set()
+        self._on_written = on_written
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        results = future.wait() if hasattr(future, "wait") else future.result()
+        planned = {item.index for item in plan.items}
+        written = {r.index for r in results}
+        if planned != written:
+            missing = sorted(str(i.fqn) for i in planned - written)[:5]
+            raise OSError(
+                f"DCP wrote {len(written)} of {len(plan.items)} planned items under {self.path}; "
+                f"missing e.g. {missing} (a writer thread failed)"
+            )
+        self.files.update(r.storage_data.relative_path for r in results)
+        self._on_written()
+        return future
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return read_dcp_metadata(Path(self.path))
+
+
+class DCPStorage:
+    """The default storage: standard DCP files, checked against the plan."""
+
+    def __init__(self, *, thread_count: int = 1) -> None:
+        self.thread_count = thread_count
+
+    def write(
+        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
+    ) -> list[WrittenFile]:
+        writer = _CheckedWriter(
+            state_dir,
+            thread_count=self.thread_count,
+            on_written=lambda: _faults.reached("storage.data_written"),
+        )
+        with _quiet_single_process(ctx):
+            dcp.save(
+                tensors,
+                storage_writer=writer,
+                process_group=ctx.process_group,
+                no_dist=ctx.process_group is None,
+            )
+        names = sorted(writer.files)
+        if ctx.rank == 0:
+            names.append(DCP_METADATA)
+        out = []
+        for name in names:
+            size, xxh = file_digest(os.path.join(state_dir, name))
+            out.append(WrittenFile(path=f"state/{name}", size=size, xxh3=xxh))
+        return out
+
+    def read_metadata(self, state_dir: Path) -> Metadata:
+        return read_dcp_metadata(state_dir)
+
+    def read(
+        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
+    ) -> None:
+        with _quiet_single_process(ctx):
+            dcp.load(
+                tensors,
+                storage_reader=_SafeReader(state_dir),
+                process_group=ctx.process_group,
+                no_dist=ctx.process_group is None,
+            )
+
+
+class _quiet_single_process(warnings.catch_warnings):
+    """DCP warns that it assumes one process whenever dist is not initialized; we know."""
+
+    def __init__(self, ctx: StorageContext) -> None:
+        super().__init__()
+        self._single = ctx.process_group is None
+
+    def __enter__(self) -> Any:
+        out = super().__enter__()
+        if self._single:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return out

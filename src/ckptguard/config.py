@@ -1,0 +1,100 @@
+"""Configuration: one frozen, keyword-only dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._layout import StepNaming
+from .contract import RunContract
+from .errors import ConfigError
+
+
+class ResumeMode(enum.Enum):
+    """How ``resolve``/``restore`` pick the step to resume from."""
+
+    AUTO = "auto"
+    """The tracker's step; a missing root or tracker 0 is a declared fresh start."""
+    MUST = "must"
+    """Like AUTO, but raise instead of starting fresh."""
+    NEVER = "never"
+    """Always start fresh; existing checkpoints are listed in the log and left alone."""
+
+
+class ReshardRule(enum.Enum):
+    """What happens to per-rank extras when the world size changes on restore."""
+
+    REFUSE = "refuse"
+    """A different world size or layout raises TopologyMismatchError."""
+    EXTRAS_FROM_RANK0 = "extras_from_rank0"
+    """DCP reshards tensors; every rank takes rank 0's per-rank values and RNG."""
+    EXTRAS_MODULO = "extras_modulo"
+    """DCP reshards tensors; rank r takes the extras of old rank r % old_world_size."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """Parallel sizes recorded in the manifest and compared on restore."""
+
+    dp: int = 1
+    """Data-parallel (incl. FSDP shard) size."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    ep: int = 1
+    """Expert-parallel size."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ParallelLayout.{name} must be an int >= 1, got {value!r}")
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Settings of a CheckpointManager. Runtime objects (process group, storage) are
+    passed to the manager directly, never here."""
+
+    dir_template: str = "step_{step:08d}"
+    """Step directory name; one {step} field. verl style: 'global_step_{step}'."""
+    timeout_s: float = 600.0
+    """Longest wait at any agreement point before raising with the missing ranks."""
+    stage_dir: Path | None = None
+    """Node-local directory to serialize into before copying to the root (None: write in place)."""
+    capture_rng: bool = True
+    """Save the CPU, CUDA, Python and NumPy RNG streams of every rank."""
+    restore_rng: bool = True
+    """Put the saved RNG streams back on restore (off only to show what breaks without it)."""
+    verify_restored: bool = True
+    """After restore, recompute every item's digest and raise if it differs from the save's."""
+    contract: RunContract | None = None
+    """The run contract compared on save and restore; None means an empty contract."""
+    layout: ParallelLayout | None = None
+    """Parallel sizes; None means pure data parallel over the whole group."""
+    reshard: ReshardRule = ReshardRule.REFUSE
+    """Whether and how to restore onto a different world size."""
+    allow_newer_torch: bool = False
+    """Read checkpoints written by a newer torch (refused by default, before any read)."""
+    overwrite: bool = False
+    """Allow saving a step that is already committed (it is uncommitted, then replaced)."""
+    stale_temp_age_s: float = 24 * 3600.0
+    """Age after which another host's leftover temp directory is swept."""
+
+    def __post_init__(self) -> None:
+        StepNaming(self.dir_template)  # raises ConfigError naming the field
+        if not self.timeout_s > 0:
+            raise ConfigError(f"CheckpointConfig.timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+        if not isinstance(self.reshard, ReshardRule):
+            raise ConfigError(f"CheckpointConfig.reshard must be a ReshardRule, got {self.reshard!r}")
+        if self.stage_dir is not None and not isinstance(self.stage_dir, Path):
+            object.__setattr__(self, "stage_dir", Path(self.stage_dir))
+        if self.contract is not None and not isinstance(self.contract, RunContract):
+            raise ConfigError("CheckpointConfig.contract must be a RunContract or None")
+        if self.stale_temp_age_s <= 0:
+            raise ConfigError("CheckpointConfig.stale_temp_age_s must be > 0")

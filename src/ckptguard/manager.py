@@ -1,0 +1,156 @@
+"""CheckpointManager: the public face of the File and Resume-state contracts.
+
+Every public method is collective: all ranks of the group call it in the same order.
+The manager owns the cross-cutting guards (arguments, timeouts, logging); the protocol
+itself lives in ``_commit`` (save) and ``_restore`` (resolve, restore).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from . import _commit, _layout, _manifest, _restore
+from . import contract as _contract
+from ._dist import make_agreement
+from ._storage import DCPStorage, Storage, StorageContext
+from .config import CheckpointConfig, ResumeMode
+from .errors import CheckpointError, ConfigError
+
+log = logging.getLogger("ckptguard")
+
+
+class CheckpointManager:
+    """Saves and restores a dict of named state items under one checkpoint root.
+
+    ``root`` is never created by the constructor or by ``restore``: a mistyped path must
+    not turn into a silent fresh start. The first ``save`` creates it.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        config: CheckpointConfig | None = None,
+        process_group: Any | None = None,
+        storage: Storage | None = None,
+    ) -> None:
+        self.config = config or CheckpointConfig()
+        if not isinstance(self.config, CheckpointConfig):
+            raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
+        self.root = Path(root).absolute()
+        agreement = make_agreement(process_group, timeout_s=self.config.timeout_s, namespace=str(self.root))
+        info = agreement.info
+        group = None
+        if dist.is_available() and dist.is_initialized():
+            ranks = dist.get_process_group_ranks(process_group) if process_group else list(range(dist.get_world_size()))
+            # DCP's own collectives get our timeout too: a dedicated gloo group, created by
+            # the group's members only, so a stalled peer fails this save within timeout_s.
+            group = dist.new_group(
+                ranks, backend="gloo", timeout=_dt.timedelta(seconds=self.config.timeout_s), use_local_synchronization=True
+            )
+        self._ctx = _commit.Context(
+            root=self.root,
+            config=self.config,
+            naming=_layout.StepNaming(self.config.dir_template),
+            agreement=agreement,
+            storage=storage or DCPStorage(),
+            storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
+        )
+
+    @property
+    def rank(self) -> int:
+        return self._ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ctx.world
+
+    # ------------------------------------------------------------ queries
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a valid manifest and no newer than the tracker, ascending."""
+        tracker = _layout.read_tracker(self.root)
+        if tracker is None:
+            return []
+        out = []
+        for step, path in sorted(_layout.step_dirs(self.root, self._ctx.naming).items()):
+            if step > tracker:
+                continue
+            try:
+                _manifest.read(path)
+            except CheckpointError:
+                continue
+            out.append(step)
+        return out
+
+    def resolve(self, *, mode: ResumeMode = ResumeMode.AUTO, path: str | os.PathLike[str] | None = None) -> _restore.Resolution:
+        """Which step a restore would load and why, agreed by all ranks; loads nothing."""
+        if not isinstance(mode, ResumeMode):
+            raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        return _restore.resolve(self._ctx, mode, Path(path) if path is not None else None)
+
+    # ------------------------------------------------------------ save / restore
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Commit ``state`` as step ``step`` on every rank, or raise on every rank.
+
+        Returns the committed step directory. On any failure the tracker does not
+        move and the previous committed step stays the resume target.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ConfigError(f"save(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
+        self._check_state(state, "save")
+        path = _commit.save(self._ctx, step, state)
+        log.info("ckptguard: committed step %d at %s", step, path)
+        return path
+
+    def restore(
+        self,
+        state: dict[str, Any],
+        *,
+        mode: ResumeMode = ResumeMode.AUTO,
+        path: str | os.PathLike[str] | None = None,
+    ) -> int:
+        """Load the resolved checkpoint into ``state`` in place; return its step (0: fresh).
+
+        Tensors are written into the existing tensors; plain values are replaced in
+        ``state``. Logs one line with the resolved path and step before returning.
+        """
+        self._check_state(state, "restore")
+        res = self.resolve(mode=mode, path=path)
+        if res.fresh:
+            log.warning("ckptguard: %s", res.describe())
+            return 0
+        log.info("ckptguard: %s", res.describe())
+        return _restore.restore(self._ctx, state, res)
+
+    def declare_phase(self, reason: str, changes: Iterable[str]) -> Path:
+        """Append a contract phase: the only way to extend training or change data.
+
+        ``changes`` names the contract items that changed (code, data, recipe,
+        total_steps); it must equal the actual difference from the phase in force.
+        """
+        changes = sorted(changes)
+        written: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                written["path"] = str(_contract.declare(self.root, self.config.contract, reason, changes))
+            except CheckpointError as exc:
+                written["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        head = self._ctx.agreement.exchange("declare_phase", written)[0]
+        if "error" in head:
+            raise _commit._rebuild(head["error"], self.rank)
+        log.warning("ckptguard: declared contract phase %s (%s): %s", head["path"], reason, changes)
+        return Path(head["path"])
+
+    @staticmethod
+    def _check_state(state: Any, where: str) -> None:
+        if not isinstance(state, dict) or not state:
+            raise ConfigError(f"{where}(state): state must be a non-empty dict of named items, got {type(state).__name__}")
