@@ -78,7 +78,7 @@ def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
         if mine is None:
             collateral = True
         else:
-            exc = getattr(mine, "exc", mine)
+            exc = mine[0] if isinstance(mine, tuple) else mine  # DCP wraps (exc, traceback)
     root = exc
     while root.__cause__ is not None and not isinstance(root, OSError):
         root = root.__cause__
@@ -279,7 +279,6 @@ def _publish(ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: 
     _layout.atomic_write_json(
         tmp / _layout.MANIFEST_NAME, manifest, before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
     )
-    (tmp / _layout.OWNER_NAME).unlink()
     _faults.reached("commit.before_rename")
     final = ctx.root / ctx.naming.name(step)
     if final.exists():
@@ -287,6 +286,7 @@ def _publish(ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: 
         # files must never pair with the new ones, so it is uncommitted and removed first.
         _layout.remove_step_dir(final)
     os.rename(tmp, final)
+    (final / _layout.OWNER_NAME).unlink()  # kept until now so a crash leaves a sweepable temp dir
     _layout.fsync_dir(ctx.root)
     _faults.reached("commit.before_tracker")
     _layout.write_tracker(ctx.root, step)
@@ -305,7 +305,7 @@ def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
         report["digests"] = {n: c.digest for n, c in items.items()}
         if rng is not None:
             report["digests"][RNG_ITEM] = digest(rng)
-    except Exception as exc:  # every error is reported to all ranks, then re-raised by all
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
         report["failure"] = failure_from(exc, rank=ctx.rank, phase="write").to_json()
     reports = ctx.agreement.exchange("save.written", report)
     try:

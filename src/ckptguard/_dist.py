@@ -91,12 +91,30 @@ class StoreAgreement:
                 phase=phase,
                 missing_ranks=missing,
             ) from exc
-        values = [json.loads(self._store.get(k)) for k in keys]
-        # Every rank has read the previous phase once all ranks have posted this one.
-        if self._previous is not None:
-            self._store.delete_key(self._previous)
+        try:
+            values = [json.loads(self._store.get(k)) for k in keys]
+            # Every rank has read the previous phase once all ranks have posted this one.
+            if self._previous is not None:
+                self._store.delete_key(self._previous)
+        except Exception as exc:
+            raise self._unreachable(phase, exc) from exc
         self._previous = me
+        self._linger(base)
         return values
+
+    def _linger(self, base: str) -> None:
+        """Wait until every rank has read this phase before returning.
+
+        The store lives in one rank's process (rank 0 under tcp:// init); if that rank
+        returned from the last exchange and exited, the others could not read the
+        values. A failure here is harmless: this rank already holds every value.
+        """
+        acks = [f"{base}ack/{r}" for r in range(self.info.world_size)]
+        try:
+            self._store.set(acks[self.info.rank], b"")
+            self._store.wait(acks, self._timeout)
+        except Exception:
+            pass
 
     def _missing(self, keys: list[str]) -> list[int] | None:
         try:

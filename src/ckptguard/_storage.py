@@ -187,11 +187,7 @@ class DCPStorage:
     def write(
         self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
     ) -> list[WrittenFile]:
-        writer = _CheckedWriter(
-            state_dir,
-            thread_count=self.thread_count,
-            on_written=lambda: _faults.reached("storage.data_written"),
-        )
+        writer = self._writer(state_dir)
         with _quiet_single_process(ctx):
             dcp.save(
                 tensors,
@@ -210,6 +206,13 @@ class DCPStorage:
 
     def read_metadata(self, state_dir: Path) -> Metadata:
         return read_dcp_metadata(state_dir)
+
+    def _writer(self, state_dir: Path) -> _CheckedWriter:
+        return _CheckedWriter(
+            state_dir,
+            thread_count=self.thread_count,
+            on_written=lambda: _faults.reached("storage.data_written"),
+        )
 
     def read(
         self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
