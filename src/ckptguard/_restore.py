@@ -125,7 +125,8 @@ def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
             + "; ".join(f"rank {r}: {e['message']}" for r, e in errors.items())
             + ". Every rank must see the same root (shared storage, or the same files on each node)."
         )
-    if len({(v["step"], v["path"]) for v in views}) > 1:
+    # Compare step and directory name: node-local roots may sit at different paths.
+    if len({(v["step"], v["path"] and Path(v["path"]).name) for v in views}) > 1:
         listing = "; ".join(f"rank {r}: step {v['step']} at {v['path']}" for r, v in enumerate(views))
         raise RankDisagreementError(f"ranks resolved different checkpoints ({listing}); fix the storage so every rank sees the same tracker")
     assert res is not None

@@ -33,6 +33,8 @@ class CheckpointManager:
     not turn into a silent fresh start. The first ``save`` creates it.
     """
 
+    _created = 0
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -45,7 +47,13 @@ class CheckpointManager:
         if not isinstance(self.config, CheckpointConfig):
             raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
         self.root = Path(root).absolute()
-        agreement = make_agreement(process_group, timeout_s=self.config.timeout_s, namespace=str(self.root))
+        # Managers are created collectively, in the same order on every rank, so a
+        # counter names this one's store keys alike everywhere; the root path would not
+        # (node-local roots may differ per node).
+        CheckpointManager._created += 1
+        agreement = make_agreement(
+            process_group, timeout_s=self.config.timeout_s, namespace=f"manager-{CheckpointManager._created}"
+        )
         info = agreement.info
         group = None
         if dist.is_available() and dist.is_initialized():
