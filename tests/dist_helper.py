@@ -41,7 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, pg_timeout_s: float, args: tuple) -> None:
+def _child(
+    fn: Callable[..., Any], rank: int, world: int, port: int, out: str, pg_timeout_s: float, args: tuple
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import datetime
 
@@ -99,7 +101,11 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
-                results.append(RankResult(rank, None, error_type="HelperTimeout", error=f"rank {rank} still running after {timeout} s"))
+                results.append(
+                    RankResult(
+                        rank, None, error_type="HelperTimeout", error=f"rank {rank} still running after {timeout} s"
+                    )
+                )
                 continue
             res = RankResult(rank, p.exitcode)
             if os.path.exists(out):

@@ -144,8 +144,14 @@ def _failed_write_worker(rank: int, world: int, root: str) -> dict:
         mgr.save(2, job.state())
     except cg.CheckpointWriteError as exc:
         first = exc.first
-        return {"errno": exc.errno, "rank": first.rank, "path": first.path, "msg": str(exc),
-                "elapsed": time.monotonic() - start, "tracker": _layout.read_tracker(Path(root))}
+        return {
+            "errno": exc.errno,
+            "rank": first.rank,
+            "path": first.path,
+            "msg": str(exc),
+            "elapsed": time.monotonic() - start,
+            "tracker": _layout.read_tracker(Path(root)),
+        }
     return {}
 
 

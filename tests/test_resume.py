@@ -166,7 +166,7 @@ def test_ranks_that_disagree_all_raise_together(tmp_path):
     # The same checkpoint on one rank: a topology change is refused, naming both...
     job = build_job()
     before = fingerprint(job)
-    with pytest.raises(cg.TopologyMismatchError, match="'world_size': 2.*'world_size': 1"):
+    with pytest.raises(cg.TopologyMismatchError, match=r"'world_size': 2.*'world_size': 1"):
         cg.CheckpointManager(a).restore(job.state())
     assert fingerprint(job) == before  # refused before anything was read
     # ...unless resharding is declared: DCP reshards the FSDP2 shards into full tensors.
@@ -187,7 +187,7 @@ def test_checkpoint_from_newer_torch_is_reported_before_reading(tmp_path):
     path.write_text(json.dumps(data))
     job = build_job(seed=3)
     before = fingerprint(job)
-    with pytest.raises(cg.VersionMismatchError, match="torch 99.1.0"):
+    with pytest.raises(cg.VersionMismatchError, match=r"torch 99\.1\.0"):
         mgr.restore(job.state())
     assert fingerprint(job) == before
     ok = cg.CheckpointManager(root, config=cg.CheckpointConfig(allow_newer_torch=True))
@@ -206,8 +206,14 @@ def test_missing_and_unexpected_items_and_keys_raise(tmp_path):
     bigger = build_job()
     bigger.model.append(torch.nn.Linear(1, 1))
     with pytest.raises(cg.StateMismatchError, match=r"model.7.weight"):
-        mgr.restore({"model": bigger.model, "optim": torch.optim.Adam(bigger.model.parameters()),
-                     "sched": bigger.sched, "loader": bigger.loader})
+        mgr.restore(
+            {
+                "model": bigger.model,
+                "optim": torch.optim.Adam(bigger.model.parameters()),
+                "sched": bigger.sched,
+                "loader": bigger.loader,
+            }
+        )
 
 
 class ForgetfulScheduler:
@@ -228,7 +234,7 @@ def test_scheduler_whose_restored_value_differs_raises(tmp_path):
     sched = ForgetfulScheduler()
     sched.lr = 0.025
     mgr.save(1, {"sched": sched})
-    with pytest.raises(cg.StateMismatchError, match="'sched'.*differs after restore"):
+    with pytest.raises(cg.StateMismatchError, match=r"'sched'.*differs after restore"):
         mgr.restore({"sched": ForgetfulScheduler()})
 
 

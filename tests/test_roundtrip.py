@@ -31,7 +31,7 @@ def _roundtrip_worker(rank: int, world: int, root: str) -> dict:
     plain = build_job(rank=rank, world=world, seed=9)
     sd = {f"model.{k}": v for k, v in get_model_state_dict(plain.model).items()}
     dcp.load(sd, checkpoint_id=f"{root}/step_00000003/state")
-    set_model_state_dict(plain.model, {k[len("model."):]: v for k, v in sd.items()})
+    set_model_state_dict(plain.model, {k[len("model.") :]: v for k, v in sd.items()})
     plain_fp = {k: v for k, v in fingerprint(plain).items() if k.startswith("param:")}
     return {"step": step, "saved": saved, "restored": restored, "plain": plain_fp}
 

@@ -159,13 +159,13 @@ def _prepare_root(ctx: Context, step: int) -> dict[str, Any]:
     name = ctx.naming.name(step)
     existing = root / name
     tracker = _layout.read_tracker(root) or 0
-    if existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists():
-        if not ctx.config.overwrite:
-            raise ConfigError(
-                f"step {step} is already committed at {existing}; saving it again would replace "
-                "it. Save a different step, or set CheckpointConfig(overwrite=True) to replace it "
-                "(it is uncommitted first, then rewritten)."
-            )
+    committed = existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists()
+    if committed and not ctx.config.overwrite:
+        raise ConfigError(
+            f"step {step} is already committed at {existing}; saving it again would replace "
+            "it. Save a different step, or set CheckpointConfig(overwrite=True) to replace it "
+            "(it is uncommitted first, then rewritten)."
+        )
     nonce = secrets.token_hex(6)
     tmp = root / _layout.temp_dir_name(name, nonce)
     tmp.mkdir()
@@ -186,7 +186,9 @@ def _prepare(ctx: Context, step: int) -> dict[str, Any]:
     views = ctx.agreement.exchange("save.prepare", payload)
     steps = [v["step"] for v in views]
     if len(set(steps)) > 1:
-        raise ConfigError(f"ranks called save with different steps {steps} (index = rank); every rank must save the same step")
+        raise ConfigError(
+            f"ranks called save with different steps {steps} (index = rank); every rank must save the same step"
+        )
     head = views[0]
     if "error" in head:
         raise _rebuild(head["error"], ctx.rank)
@@ -263,7 +265,9 @@ def _write_rank(ctx: Context, step: int, tmp: Path, items: dict[str, Captured], 
 # ---------------------------------------------------------------- step 4: publish
 
 
-def _publish(ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: list[dict[str, Any]], kinds: dict[str, str]) -> None:
+def _publish(
+    ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: list[dict[str, Any]], kinds: dict[str, str]
+) -> None:
     _faults.reached("commit.before_manifest")
     files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep["files"]]
     manifest = _manifest.build(

@@ -55,9 +55,7 @@ class StoreAgreement:
 
     def __init__(self, group: Any | None, *, timeout_s: float, namespace: str) -> None:
         store = dist.distributed_c10d._get_default_store()
-        self.ranks = dist.get_process_group_ranks(group) if group else list(
-            range(dist.get_world_size())
-        )
+        self.ranks = dist.get_process_group_ranks(group) if group else list(range(dist.get_world_size()))
         rank = dist.get_rank(group) if group else dist.get_rank()
         self.info = RankInfo(rank=rank, world_size=len(self.ranks), host=socket.gethostname())
         # Distinct groups and managers must not read each other's keys.
@@ -141,4 +139,3 @@ def make_agreement(process_group: Any | None, *, timeout_s: float, namespace: st
             )
         return LocalAgreement()
     return StoreAgreement(process_group, timeout_s=timeout_s, namespace=namespace)
-

@@ -74,9 +74,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(
-    path: Path, data: bytes, *, before_rename: Callable[[], None] | None = None
-) -> None:
+def atomic_write_bytes(path: Path, data: bytes, *, before_rename: Callable[[], None] | None = None) -> None:
     """Write ``data`` to ``path`` so a reader sees the old file or the whole new one."""
     tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
     with open(tmp, "wb") as f:

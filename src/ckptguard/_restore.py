@@ -61,7 +61,9 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
     if path is not None:
         step_dir = Path(path)
         if not step_dir.is_dir():
-            raise CheckpointNotFoundError(f"restore(path={str(path)!r}): no such directory; pass a committed step directory")
+            raise CheckpointNotFoundError(
+                f"restore(path={str(path)!r}): no such directory; pass a committed step directory"
+            )
         manifest = _manifest.read(step_dir)
         return Resolution(manifest.step, step_dir, "explicit path", mode)
     if mode is ResumeMode.NEVER:
@@ -69,8 +71,13 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
         return Resolution(0, None, f"ResumeMode.NEVER; {count} step directories under {root} ignored", mode)
     if not root.exists():
         if mode is ResumeMode.MUST:
-            raise ResumeError(f"ResumeMode.MUST: checkpoint root {root} does not exist; check the path (it is never created by restore)")
-        return Resolution(0, None, f"checkpoint root {root} does not exist (it was not created; the first save creates it)", mode)
+            raise ResumeError(
+                f"ResumeMode.MUST: checkpoint root {root} does not exist; "
+                "check the path (it is never created by restore)"
+            )
+        return Resolution(
+            0, None, f"checkpoint root {root} does not exist (it was not created; the first save creates it)", mode
+        )
     tracker = _layout.read_tracker(root)
     dirs = _layout.step_dirs(root, naming)
     if tracker is None:
@@ -128,7 +135,9 @@ def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
     # Compare step and directory name: node-local roots may sit at different paths.
     if len({(v["step"], v["path"] and Path(v["path"]).name) for v in views}) > 1:
         listing = "; ".join(f"rank {r}: step {v['step']} at {v['path']}" for r, v in enumerate(views))
-        raise RankDisagreementError(f"ranks resolved different checkpoints ({listing}); fix the storage so every rank sees the same tracker")
+        raise RankDisagreementError(
+            f"ranks resolved different checkpoints ({listing}); fix the storage so every rank sees the same tracker"
+        )
     assert res is not None
     if not res.fresh:
         _agree_files(ctx, res)
@@ -157,7 +166,11 @@ def _agree_files(ctx: Context, res: Resolution) -> None:
     assert res.path is not None
     manifest = _manifest.read(res.path)
     src = _source_rank(ctx, manifest)
-    needed = [f for f in manifest.files if f["path"].startswith(_layout.STATE_DIR + "/") or f["path"] == _layout.extras_name(src)]
+    needed = [
+        f
+        for f in manifest.files
+        if f["path"].startswith(_layout.STATE_DIR + "/") or f["path"] == _layout.extras_name(src)
+    ]
     problems = []
     for f in needed:
         p = res.path / f["path"]
@@ -193,21 +206,29 @@ def _check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
     log.warning("ckptguard: resharding %s -> %s under %s", saved, now, ctx.config.reshard.value)
 
 
+def _some(keys: list[str], n: int = 8) -> str:
+    return f"{keys[:n]}{' ...' if len(keys) > n else ''}"
+
+
 def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys: set[str], where: Path) -> list[str]:
     problems = []
     if missing := sorted(live_keys - ckpt_keys):
-        problems.append(f"item {name!r}: keys the model expects but the checkpoint lacks: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    if unexpected := sorted((saved_keys | {k for k in ckpt_keys if k.startswith(name + '.')}) - live_keys):
-        problems.append(f"item {name!r}: keys in the checkpoint the model does not have: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        problems.append(f"item {name!r}: keys the model expects but the checkpoint lacks: {_some(missing)}")
+    if unexpected := sorted((saved_keys | {k for k in ckpt_keys if k.startswith(name + ".")}) - live_keys):
+        problems.append(f"item {name!r}: keys in the checkpoint the model does not have: {_some(unexpected)}")
     return problems
 
 
-def _plan(ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, extras: dict[str, Any]) -> tuple[dict, dict]:
+def _plan(
+    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, extras: dict[str, Any]
+) -> tuple[dict, dict]:
     """Compare items and keys both ways; return (targets, flat tensors for DCP)."""
     step_dir = manifest.path.parent
     problems = []
     if missing := sorted(set(state) - set(manifest.items)):
-        problems.append(f"items requested but absent from the checkpoint: {missing} (there is never a silent fresh start for them)")
+        problems.append(
+            f"items requested but absent from the checkpoint: {missing} (there is never a silent fresh start for them)"
+        )
     if unexpected := sorted(set(manifest.items) - set(state)):
         problems.append(f"items in the checkpoint not given to restore: {unexpected} (pass them, or they are lost)")
     targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items})
@@ -244,7 +265,9 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution) -> int:
     try:
         extras = torch.load(extras_path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
-        raise CheckpointIncompleteError(f"{extras_path} is missing (rank {ctx.rank}); restore an earlier step") from None
+        raise CheckpointIncompleteError(
+            f"{extras_path} is missing (rank {ctx.rank}); restore an earlier step"
+        ) from None
     targets, flat = _plan(ctx, state, manifest, extras)
     if flat:
         ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)
@@ -257,7 +280,9 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution) -> int:
     return manifest.step
 
 
-def _verify_digests(ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, targets: dict, extras: dict) -> None:
+def _verify_digests(
+    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, targets: dict, extras: dict
+) -> None:
     saved = manifest.digests.get(str(ctx.rank), {})
     problems = []
     for name, (kind, _sd, _live) in targets.items():

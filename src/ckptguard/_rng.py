@@ -57,6 +57,5 @@ def restore(saved: dict[str, Any], *, where: str) -> None:
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     npd = saved["numpy"]
     np.random.set_state(
-        (npd["kind"], npd["keys"].numpy().astype(np.uint32), npd["pos"], npd["has_gauss"],
-         npd["gauss"])
+        (npd["kind"], npd["keys"].numpy().astype(np.uint32), npd["pos"], npd["has_gauss"], npd["gauss"])
     )

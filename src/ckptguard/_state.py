@@ -87,9 +87,7 @@ def classify(value: Any) -> ItemKind:
         return ItemKind.MODULE
     if isinstance(value, torch.optim.Optimizer):
         return ItemKind.OPTIMIZER
-    if callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    ):
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
         return ItemKind.STATEFUL
     if _has_tensor(value):
         return ItemKind.TENSORS
@@ -229,9 +227,7 @@ def apply(
     """Put one loaded item back into the live objects."""
     value = state[name]
     if kind is ItemKind.MODULE:
-        set_model_state_dict(
-            value, _unflatten(skeleton, loaded), options=StateDictOptions(strict=True)
-        )
+        set_model_state_dict(value, _unflatten(skeleton, loaded), options=StateDictOptions(strict=True))
     elif kind is ItemKind.OPTIMIZER:
         model = _model_for(value, state, name)
         set_optimizer_state_dict(model, value, _unflatten(skeleton, loaded))

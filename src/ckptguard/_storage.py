@@ -52,9 +52,7 @@ class StorageContext:
 class Storage(Protocol):
     """How tensor state is written to and read from a step's ``state/`` directory."""
 
-    def write(
-        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
-    ) -> list[WrittenFile]:
+    def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
         """Write this rank's part of ``tensors``; collective over ``ctx.process_group``."""
         ...
 
@@ -62,9 +60,7 @@ class Storage(Protocol):
         """The DCP metadata, read without running pickled code."""
         ...
 
-    def read(
-        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
-    ) -> None:
+    def read(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> None:
         """Fill ``tensors`` in place from ``state_dir``; collective over ``ctx.process_group``."""
         ...
 
@@ -184,9 +180,7 @@ class DCPStorage:
     def __init__(self, *, thread_count: int = 1) -> None:
         self.thread_count = thread_count
 
-    def write(
-        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
-    ) -> list[WrittenFile]:
+    def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
         writer = self._writer(state_dir)
         with _quiet_single_process(ctx):
             dcp.save(
@@ -214,9 +208,7 @@ class DCPStorage:
             on_written=lambda: _faults.reached("storage.data_written"),
         )
 
-    def read(
-        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
-    ) -> None:
+    def read(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> None:
         with _quiet_single_process(ctx):
             dcp.load(
                 tensors,

@@ -47,9 +47,7 @@ class RunContract:
     """Planned length of training; extending it is a new phase."""
 
     def __post_init__(self) -> None:
-        if self.total_steps is not None and (
-            not isinstance(self.total_steps, int) or self.total_steps <= 0
-        ):
+        if self.total_steps is not None and (not isinstance(self.total_steps, int) or self.total_steps <= 0):
             raise ConfigError(f"RunContract.total_steps must be a positive int, got {self.total_steps!r}")
         if self.recipe is not None:
             _canonical(self.recipe)
@@ -87,10 +85,9 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, str]
 
 def hash_git_tree(repo: str | os.PathLike[str] = ".") -> str:
     """``git:<commit>`` plus ``+dirty:<hash>`` of the uncommitted diff (untracked files included)."""
+
     def git(*args: str) -> bytes:
-        return subprocess.run(
-            ["git", "-C", str(repo), *args], check=True, capture_output=True
-        ).stdout
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True).stdout
 
     try:
         commit = git("rev-parse", "HEAD").decode().strip()
@@ -146,7 +143,9 @@ def read_phases(root: Path) -> list[dict[str, Any]]:
         try:
             phases.append(json.loads(path.read_text()))
         except ValueError as exc:
-            raise CheckpointCorruptError(f"{path} is not valid JSON ({exc}); it is append-only and must not be edited") from None
+            raise CheckpointCorruptError(
+                f"{path} is not valid JSON ({exc}); it is append-only and must not be edited"
+            ) from None
     return phases
 
 

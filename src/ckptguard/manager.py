@@ -61,7 +61,10 @@ class CheckpointManager:
             # DCP's own collectives get our timeout too: a dedicated gloo group, created by
             # the group's members only, so a stalled peer fails this save within timeout_s.
             group = dist.new_group(
-                ranks, backend="gloo", timeout=_dt.timedelta(seconds=self.config.timeout_s), use_local_synchronization=True
+                ranks,
+                backend="gloo",
+                timeout=_dt.timedelta(seconds=self.config.timeout_s),
+                use_local_synchronization=True,
             )
         self._ctx = _commit.Context(
             root=self.root,
@@ -98,7 +101,9 @@ class CheckpointManager:
             out.append(step)
         return out
 
-    def resolve(self, *, mode: ResumeMode = ResumeMode.AUTO, path: str | os.PathLike[str] | None = None) -> _restore.Resolution:
+    def resolve(
+        self, *, mode: ResumeMode = ResumeMode.AUTO, path: str | os.PathLike[str] | None = None
+    ) -> _restore.Resolution:
         """Which step a restore would load and why, agreed by all ranks; loads nothing."""
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
@@ -161,4 +166,6 @@ class CheckpointManager:
     @staticmethod
     def _check_state(state: Any, where: str) -> None:
         if not isinstance(state, dict) or not state:
-            raise ConfigError(f"{where}(state): state must be a non-empty dict of named items, got {type(state).__name__}")
+            raise ConfigError(
+                f"{where}(state): state must be a non-empty dict of named items, got {type(state).__name__}"
+            )

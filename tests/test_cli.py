@@ -1,0 +1,79 @@
+"""The command line: exit codes, output, and a frozen option set."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import click
+from click.testing import CliRunner
+
+import ckptguard as cg
+from ckptguard.cli import main
+from ckptguard.demo import build_job, train_step
+
+# Changing a command's options is a user-visible change: update this and the CHANGELOG.
+FROZEN = {
+    "demo": ["directory", "ranks", "steps", "save_every", "kill_at"],
+    "list": ["root", "template"],
+    "resolve": ["root", "mode", "path", "template", "as_json"],
+}
+
+
+def test_cli_option_set_is_frozen():
+    seen = {name: [p.name for p in cmd.params if p.name != "help"] for name, cmd in main.commands.items()}
+    assert {k: v for k, v in seen.items() if k in FROZEN} == FROZEN
+    assert set(seen) >= set(FROZEN)
+
+
+def test_resolve_command(tmp_path):
+    runner = CliRunner()
+    fresh = runner.invoke(main, ["resolve", str(tmp_path / "none"), "--json"])
+    assert fresh.exit_code == 0 and json.loads(fresh.output)["fresh"] is True
+    job = build_job()
+    train_step(job)
+    cg.CheckpointManager(tmp_path / "ck").save(5, job.state())
+    out = runner.invoke(main, ["resolve", str(tmp_path / "ck")])
+    assert out.exit_code == 0 and "resume from step 5" in out.output
+    (tmp_path / "ck/step_00000005/manifest.json").unlink()
+    bad = runner.invoke(main, ["resolve", str(tmp_path / "ck")])
+    assert bad.exit_code == 1 and "points at step 5" in bad.output
+    listing = runner.invoke(main, ["list", str(tmp_path / "ck")])
+    assert "NOT committed" in listing.output and "tracker: 5" in listing.output
+    usage = runner.invoke(main, ["resolve", str(tmp_path), "--mode", "sometimes"])
+    assert usage.exit_code == 2
+
+
+def test_demo_runs_kill_resume_and_proves(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptguard.cli",
+            "demo",
+            "--dir",
+            str(tmp_path / "d"),
+            "--ranks",
+            "1",
+            "--steps",
+            "8",
+            "--save-every",
+            "2",
+            "--kill-at",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the job died (exit -9) at step 6" in proc.stdout
+    assert "resume from step 4" in proc.stdout
+    assert proc.stdout.count("PASS") == 6 and "resume proven exact" in proc.stdout
+
+
+def test_demo_usage_error():
+    result = CliRunner().invoke(main, ["demo", "--save-every", "9", "--kill-at", "8"])
+    assert result.exit_code == 2
+    assert isinstance(main, click.Group)
