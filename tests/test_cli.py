@@ -18,6 +18,11 @@ FROZEN = {
     "demo": ["directory", "ranks", "steps", "save_every", "kill_at"],
     "list": ["root", "template"],
     "resolve": ["root", "mode", "path", "template", "as_json"],
+    "verify": ["path", "deep", "do_restore", "template", "as_json"],
+    "preflight": ["root", "hosts", "rank_hosts", "expect_step", "template", "as_json"],
+    "gc": ["root", "dry_run", "template"],
+    "hold": ["root", "step", "reason", "template"],
+    "release": ["root", "step"],
 }
 
 

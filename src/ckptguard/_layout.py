@@ -177,12 +177,32 @@ def sweep_temp_dirs(root: Path, *, max_age_s: float) -> list[Path]:
     return removed
 
 
+TRASH_PREFIX = ".trash-"
+
+
 def remove_step_dir(path: Path) -> None:
     """Uncommit, then delete: the manifest goes first, so a crash midway leaves no
-    directory that still looks committed while old files pair with new ones."""
+    directory that still looks committed while old files pair with new ones. The
+    directory is then renamed into the trash, so a failed delete is retried by
+    ``empty_trash`` instead of leaving a step-named directory behind."""
+    if path.is_symlink():
+        raise OSError(f"{path} is a symlink; ckptguard never deletes through links")
     marker = path / MANIFEST_NAME
     if marker.exists():
         marker.unlink()
         fsync_dir(path)
-    shutil.rmtree(path)
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
+    os.rename(path, trash)
     fsync_dir(path.parent)
+    shutil.rmtree(trash)
+
+
+def empty_trash(root: Path) -> list[Path]:
+    """Retry deletes that failed earlier; returns what is still there."""
+    left = []
+    for path in root.glob(f"{TRASH_PREFIX}*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            if path.exists():
+                left.append(path)
+    return left

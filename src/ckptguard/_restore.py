@@ -166,13 +166,17 @@ def _agree_files(ctx: Context, res: Resolution) -> None:
     assert res.path is not None
     manifest = _manifest.read(res.path)
     src = _source_rank(ctx, manifest)
-    needed = [
-        f
-        for f in manifest.files
-        if f["path"].startswith(_layout.STATE_DIR + "/") or f["path"] == _layout.extras_name(src)
-    ]
-    problems = []
-    for f in needed:
+    problems: list[str] = []
+    wanted = {f["path"] for f in manifest.files if f["path"].startswith(_layout.STATE_DIR + "/")}
+    wanted.add(_layout.extras_name(src))
+    if manifest.world_size == ctx.world:  # same layout: only this rank's shards (node-local storage)
+        from .preflight import files_needed
+
+        try:
+            wanted = files_needed(res.path, manifest, src)
+        except CheckpointError as exc:
+            problems.append(str(exc).split(";")[0])
+    for f in [f for f in manifest.files if f["path"] in wanted]:
         p = res.path / f["path"]
         if not p.exists():
             problems.append(f"missing {p}")

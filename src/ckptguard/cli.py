@@ -91,6 +91,149 @@ def list_steps(root: Path, template: str) -> None:
         click.echo(f"{'-':>10}  in flight or abandoned  {tmp.name}")
 
 
+def _emit(findings: list, as_json: bool, extra: dict | None = None) -> None:
+    if as_json:
+        ok = not any(f.severity.value == "ERROR" for f in findings)
+        click.echo(json.dumps({**(extra or {}), "ok": ok, "findings": [f.to_json() for f in findings]}))
+    else:
+        for f in findings:
+            click.echo(f.line())
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--deep", is_flag=True, help="Also check every file's xxh3 checksum (reads every byte).")
+@click.option(
+    "--restore",
+    "do_restore",
+    is_flag=True,
+    help="Also restore in a new process from the checkpoint's own metadata and compare digests.",
+)
+@TEMPLATE
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def verify(path: Path, deep: bool, do_restore: bool, template: str, as_json: bool) -> None:
+    """Check that PATH (a step directory, or a root: every committed step) is complete.
+
+    Exit 0 complete, 1 incomplete or corrupt, 2 bad usage. One line per finding:
+    severity, code, file, what is wrong and what to do.
+    """
+    from . import _layout
+    from . import verify as _verify
+
+    path = path.absolute()
+    naming = StepNaming(template)
+    is_root = not (path / _layout.MANIFEST_NAME).exists() and naming.parse(path.name) is None
+    candidates = list(_layout.step_dirs(path, naming).values()) if is_root else [path]
+    total = sum(_verify.deep_bytes(p) for p in candidates) if deep else 0
+    show = deep and not as_json and total > 256 << 20
+    with click.progressbar(length=max(total, 1), label="checksums", file=sys.stderr, hidden=not show) as bar:
+        if is_root:
+            steps, findings = _verify.verify_root(path, naming, deep=deep, progress=bar.update)
+        else:
+            steps, findings = [path], _verify.verify_step(path, deep=deep, progress=bar.update)
+    if do_restore and not _verify.worst(findings):
+        findings += _verify.restore_check(steps)
+    _emit(findings, as_json, {"checked": [str(p) for p in steps]})
+    if not as_json:
+        verdict = "FAIL" if _verify.worst(findings) else "OK"
+        how = (" with checksums" if deep else "") + (" and a real restore" if do_restore else "")
+        click.echo(f"{verdict}: {len(steps)} step(s) checked{how}, {len(findings)} finding(s)")
+    sys.exit(_verify.worst(findings))
+
+
+@main.command()
+@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option(
+    "--hosts",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="New allocation: one host per line; ranks fill hosts in equal contiguous blocks.",
+)
+@click.option(
+    "--rank-hosts",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="New allocation: 'RANK HOST' per line, or a JSON object {rank: host}.",
+)
+@click.option("--expect-step", type=click.IntRange(0), help="Fail unless the resume step is this one.")
+@TEMPLATE
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def preflight(
+    root: Path, hosts: Path | None, rank_hosts: Path | None, expect_step: int | None, template: str, as_json: bool
+) -> None:
+    """Before a launch: the resume step and path, its completeness, and each rank's files on its host.
+
+    Exit 0 ready to launch, 1 not ready, 2 bad usage.
+    """
+    from . import _manifest
+    from . import preflight as _pre
+
+    if hosts and rank_hosts:
+        raise click.UsageError("give --hosts or --rank-hosts, not both")
+    naming = StepNaming(template)
+    root = root.absolute()
+    report = _pre.preflight(root, naming, expect_step=expect_step)
+    if report.ok and report.path and (hosts or rank_hosts):
+        world = _manifest.read(Path(report.path)).world_size
+        try:
+            placement = _pre.parse_hosts(hosts, world) if hosts else _pre.parse_rank_hosts(rank_hosts)  # type: ignore[arg-type]
+        except CheckpointError as exc:
+            raise click.UsageError(str(exc)) from None
+        report = _pre.preflight(root, naming, expect_step=expect_step, rank_hosts=placement)
+    if not as_json:
+        where = f"step {report.step} at {report.path or '(fresh start)'} ({report.reason})"
+        click.echo(f"resume: {where}" if report.step is not None else "resume: unresolved")
+    _emit(report.findings, as_json, {"step": report.step, "path": report.path, "reason": report.reason})
+    if not as_json:
+        click.echo("READY" if report.ok else "NOT READY: fix the ERROR lines above before launching")
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
+@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@TEMPLATE
+def gc(root: Path, dry_run: bool, template: str) -> None:
+    """Remove orphans (newer than the tracker), uncommitted step directories and dead temp directories.
+
+    Committed checkpoints are never touched here; rotation handles those.
+    """
+    from . import retention
+
+    victims = retention.gc(root.absolute(), StepNaming(template), dry_run=dry_run)
+    for v in victims:
+        click.echo(f"{'would remove' if dry_run else 'removed'} {v}")
+    click.echo(f"{len(victims)} director{'y' if len(victims) == 1 else 'ies'} {'to remove' if dry_run else 'removed'}")
+
+
+@main.command()
+@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("step", type=click.IntRange(1))
+@click.option("--reason", required=True, help="Who needs this step and until when.")
+@TEMPLATE
+def hold(root: Path, step: int, reason: str, template: str) -> None:
+    """Pin STEP under ROOT against rotation (e.g. for evaluation); survives restarts."""
+    from . import _layout, _manifest, retention
+
+    try:
+        _manifest.read(root / StepNaming(template).name(step))
+    except CheckpointError as exc:
+        _fail(str(exc), False)
+    if step > (_layout.read_tracker(root) or 0):
+        _fail(f"step {step} is newer than the tracker: not committed", False)
+    click.echo(f"held step {step}: {retention.hold(root, step, reason)}")
+
+
+@main.command()
+@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("step", type=click.IntRange(1))
+def release(root: Path, step: int) -> None:
+    """Remove the hold on STEP; rotation may then delete it."""
+    from . import retention
+
+    if not retention.release(root, step):
+        _fail(f"step {step} has no hold under {root}", False)
+    click.echo(f"released step {step}")
+
+
 @main.command()
 @click.option(
     "--dir",

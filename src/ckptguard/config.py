@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._layout import StepNaming
 from .contract import RunContract
 from .errors import ConfigError
+from .retention import RetentionPolicy, default_policy
 
 
 class ResumeMode(enum.Enum):
@@ -85,6 +86,8 @@ class CheckpointConfig:
     """Allow saving a step that is already committed (it is uncommitted, then replaced)."""
     stale_temp_age_s: float = 24 * 3600.0
     """Age after which another host's leftover temp directory is swept."""
+    retention: RetentionPolicy | None = field(default_factory=default_policy)
+    """Which committed steps survive rotation (default: last 3 + every 20th); None keeps all."""
 
     def __post_init__(self) -> None:
         StepNaming(self.dir_template)  # raises ConfigError naming the field
@@ -96,5 +99,7 @@ class CheckpointConfig:
             object.__setattr__(self, "stage_dir", Path(self.stage_dir))
         if self.contract is not None and not isinstance(self.contract, RunContract):
             raise ConfigError("CheckpointConfig.contract must be a RunContract or None")
+        if self.retention is not None and not callable(getattr(self.retention, "keep", None)):
+            raise ConfigError("CheckpointConfig.retention must be a policy (KeepLast, KeepEvery, a | b) or None")
         if self.stale_temp_age_s <= 0:
             raise ConfigError("CheckpointConfig.stale_temp_age_s must be > 0")

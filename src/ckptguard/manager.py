@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _commit, _layout, _manifest, _restore
+from . import _commit, _layout, _manifest, _restore, retention
 from . import contract as _contract
 from ._dist import make_agreement
 from ._storage import DCPStorage, Storage, StorageContext
@@ -66,6 +66,7 @@ class CheckpointManager:
                 timeout=_dt.timedelta(seconds=self.config.timeout_s),
                 use_local_synchronization=True,
             )
+        self._restored_step: int | None = None
         self._ctx = _commit.Context(
             root=self.root,
             config=self.config,
@@ -122,7 +123,29 @@ class CheckpointManager:
         self._check_state(state, "save")
         path = _commit.save(self._ctx, step, state)
         log.info("ckptguard: committed step %d at %s", step, path)
+        self._rotate(step)
         return path
+
+    def _rotate(self, step: int) -> None:
+        """Rank 0 applies retention after the commit; a failure is logged, never raised."""
+        policy = self.config.retention
+        if policy is None or self.rank != 0:
+            return
+        protect = {step} | ({self._restored_step} if self._restored_step else set())
+        try:
+            report = retention.apply(self.root, self._ctx.naming, policy, protect=protect)
+        except Exception as exc:  # rotation must never stop training
+            log.warning(
+                "ckptguard: retention after step %d failed (%s: %s); retried at the next save",
+                step,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        if report.deleted:
+            log.info("ckptguard: retention deleted steps %s, kept %s", report.deleted, report.kept)
+        for name, why in report.not_counted.items():
+            log.warning("ckptguard: %s is not counted as a kept checkpoint: %s", name, why)
 
     def restore(
         self,
@@ -142,7 +165,19 @@ class CheckpointManager:
             log.warning("ckptguard: %s", res.describe())
             return 0
         log.info("ckptguard: %s", res.describe())
-        return _restore.restore(self._ctx, state, res)
+        step = _restore.restore(self._ctx, state, res)
+        self._restored_step = step
+        return step
+
+    def hold(self, step: int, reason: str) -> Path:
+        """Pin a committed step against rotation (e.g. for evaluation); survives restarts."""
+        if step not in self.committed_steps():
+            raise ConfigError(f"hold({step}): step {step} is not committed under {self.root}")
+        return retention.hold(self.root, step, reason)
+
+    def release(self, step: int) -> bool:
+        """Remove a hold; True if there was one."""
+        return retention.release(self.root, step)
 
     def declare_phase(self, reason: str, changes: Iterable[str]) -> Path:
         """Append a contract phase: the only way to extend training or change data.
