@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-import click
 from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard.cli import main
-from ckptguard.demo import build_job, train_step
+from ckptguard.toyjob import build_job, train_step
 
 # Changing a command's options is a user-visible change: update this and the CHANGELOG.
 FROZEN = {
-    "demo": ["directory", "ranks", "steps", "save_every", "kill_at"],
+    "demo": ["workdir", "world_size", "steps", "save_every", "kill_at", "no_derived_fix"],
+    "prove": ["root", "as_json"],
     "list": ["root", "template"],
     "resolve": ["root", "mode", "path", "template", "as_json"],
     "verify": ["path", "deep", "do_restore", "template", "as_json"],
@@ -50,35 +48,6 @@ def test_resolve_command(tmp_path):
     assert usage.exit_code == 2
 
 
-def test_demo_runs_kill_resume_and_proves(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptguard.cli",
-            "demo",
-            "--dir",
-            str(tmp_path / "d"),
-            "--ranks",
-            "1",
-            "--steps",
-            "8",
-            "--save-every",
-            "2",
-            "--kill-at",
-            "6",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "the job died (exit -9) at step 6" in proc.stdout
-    assert "resume from step 4" in proc.stdout
-    assert proc.stdout.count("PASS") == 6 and "resume proven exact" in proc.stdout
-
-
 def test_demo_usage_error():
-    result = CliRunner().invoke(main, ["demo", "--save-every", "9", "--kill-at", "8"])
-    assert result.exit_code == 2
-    assert isinstance(main, click.Group)
+    result = CliRunner().invoke(main, ["demo", "--save-every", "3", "--kill-at", "8"])
+    assert result.exit_code == 2 and "multiple of --save-every" in result.output

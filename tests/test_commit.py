@@ -16,7 +16,7 @@ import ckptguard as cg
 from ckptguard import _faults, _layout
 from ckptguard._restore import resolve_local
 from ckptguard._storage import DCPStorage, _CheckedWriter
-from ckptguard.demo import build_job, fingerprint, train_step
+from ckptguard.toyjob import build_job, fingerprint, train_step
 from dist_helper import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")

@@ -14,7 +14,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard import _layout
-from ckptguard.demo import build_job, fingerprint, train_step
+from ckptguard.toyjob import build_job, fingerprint, train_step
 from dist_helper import run_ranks, values
 
 K, N = 4, 9

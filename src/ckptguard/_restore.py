@@ -257,7 +257,14 @@ def _plan(
     return targets, flat
 
 
-def restore(ctx: Context, state: dict[str, Any], res: Resolution) -> int:
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    format_version: int
+    digests_match: dict[str, bool]  # empty when digests could not be compared (resharded)
+
+
+def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:
     assert res.path is not None
     manifest = _manifest.read(res.path)
     _manifest.check_torch_version(manifest, allow_newer=ctx.config.allow_newer_torch)
@@ -280,28 +287,38 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution) -> int:
     if ctx.config.restore_rng and extras.get("rng") is not None:
         _rng.restore(extras["rng"], where=f"restore of step {manifest.step}, rank {ctx.rank}")
     if ctx.config.verify_restored and src == ctx.rank and manifest.world_size == ctx.world:
-        _verify_digests(ctx, state, manifest, targets, extras)
-    return manifest.step
+        matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
+    else:
+        matches = {}
+    return Restored(manifest.step, manifest.format_version, matches)
 
 
 def _verify_digests(
-    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, targets: dict, extras: dict
-) -> None:
+    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, targets: dict, extras: dict, on_verified: Any
+) -> dict[str, bool]:
+    """Recompute every item's digest from the live objects; all ranks raise if any differs."""
     saved = manifest.digests.get(str(ctx.rank), {})
     problems = []
+    matches: dict[str, bool] = {}
     for name, (kind, _sd, _live) in targets.items():
         try:
             _state.check_restored(name, kind, state[name], state, saved.get(name, ""))
+            matches[name] = True
         except StateMismatchError as exc:
             problems.append(str(exc))
+            matches[name] = False
     if ctx.config.restore_rng and extras.get("rng") is not None and RNG_ITEM in saved:
         from ._digest import digest
 
-        if digest(_rng.capture()) != saved[RNG_ITEM]:
+        matches["rng"] = digest(_rng.capture()) == saved[RNG_ITEM]
+        if not matches["rng"]:
             problems.append("the RNG streams differ from the saved ones after restore")
+    if on_verified is not None:
+        on_verified(matches)  # the proof record is written even when the restore then raises
     views = ctx.agreement.exchange("restore.verify", {"problems": problems})
     bad = {r: v["problems"] for r, v in enumerate(views) if v["problems"]}
     if bad:
         raise StateMismatchError(
             f"restore of step {manifest.step}: " + " | ".join(f"rank {r}: {'; '.join(p)}" for r, p in bad.items())
         )
+    return matches

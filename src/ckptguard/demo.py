@@ -1,205 +1,253 @@
-"""The embedded main job: a small training run that is killed and resumed, then proven.
+"""The embedded main job: a tiny RL loop that is killed mid-save, resumes, and is proven.
 
-The job is small enough for a laptop CPU and has every kind of state an exact resume
-needs: a model with dropout (CPU RNG), Adam (optimizer step and moments), a warmup LR
-schedule, and a data loader whose cursor draws NumPy and Python randomness. The tests'
-resume-equivalence oracle trains the same job.
+The loop has the shape of LLM RL post-training, on the CPU: a small transformer policy
+(FSDP2 over gloo ranks), a rollout engine that receives exported weights quantized to
+FP8 with a per-tensor scale cache, a toy reward and a policy-gradient update with Adam
+and a scheduler. The scale cache is the derived state: as in the guide's DS4 chain it
+is built at start-up from the initial weights, before the restore. With the fix (the
+default) the restore invalidates it through ``DerivedState``; with ``--no-derived-fix``
+it does not, and the first step after the restore mismatches.
+
+``run_demo`` launches the job with torchrun, kills it mid-save with SIGKILL, relaunches
+it with ResumeMode.AUTO, and evaluates the proof gates (``ckptguard.proof``).
 """
 
 from __future__ import annotations
 
-import json
-import random
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ._digest import digest
+from .derived import DerivedState
 
-FEATURES = 16
-HIDDEN = 64
+VOCAB, SEQ, DIM, HEADS, BATCH = 12, 8, 32, 2, 16
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+TARGET_TOKEN = 3
 
 
-class ToyLoader:
-    """A data stream with a cursor; each batch draws NumPy and Python randomness."""
+class Policy(torch.nn.Module):
+    """A one-block causal transformer over a tiny vocabulary."""
 
-    def __init__(self, *, batch: int = 8, rank: int = 0) -> None:
-        self.batch = batch
-        self.rank = rank
-        self.cursor = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.pos = torch.nn.Parameter(torch.zeros(SEQ, DIM))
+        self.ln1 = torch.nn.LayerNorm(DIM)
+        self.attn = torch.nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+        self.ln2 = torch.nn.LayerNorm(DIM)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.GELU(), torch.nn.Linear(2 * DIM, DIM))
+        self.head = torch.nn.Linear(DIM, VOCAB)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        noise = np.random.standard_normal((self.batch, FEATURES)).astype(np.float32)
-        scale = 0.5 + random.random()
-        x = torch.from_numpy(noise) * scale + 0.01 * self.cursor
-        y = x[:, :2].sum(dim=1, keepdim=True).sin()
-        self.cursor += 1
-        return x, y
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.emb(tokens) + self.pos[:t]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        x = x + self.mlp(self.ln2(x))
+        return self.head(x)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"cursor": self.cursor}
 
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.cursor = int(sd["cursor"])
+def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each generated token given its prefix, [B, T-1]."""
+    logits = model(tokens[:, :-1])
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+# ---------------------------------------------------------------- FP8 export and its scale cache
+
+
+def fresh_scales(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: (w.abs().amax().clamp(min=1e-12) / FP8_MAX).reshape(1) for n, w in weights.items()}
+
+
+def quantize(weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: (w / scales[n]).clamp(-FP8_MAX, FP8_MAX).to(FP8) for n, w in weights.items()}
+
+
+def dequantize(q: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.to(torch.float32) * scales[n] for n, t in q.items()}
+
+
+class ScaleCache:
+    """Per-tensor FP8 scales, computed from the parameters: derived state."""
+
+    NAME = "fp8_export_scales"
+
+    def __init__(self, registry: DerivedState) -> None:
+        self.registry = registry
+        self.scales: dict[str, torch.Tensor] | None = None
+        self.built_for = -1
+        registry.register(self.NAME, self.invalidate)
+
+    def invalidate(self) -> None:
+        self.scales = None
+
+    def get(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.scales is None:
+            self.scales, self.built_for = fresh_scales(weights), self.registry.stamp()
+        self.registry.check(self.NAME, self.built_for)
+        return self.scales
+
+
+class RolloutEngine:
+    """Receives quantized weights, generates, and reports its own logprobs."""
+
+    def __init__(self) -> None:
+        self.model = Policy().eval()
+
+    def load(self, q: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(dequantize(q, scales), strict=True)
+
+    @torch.no_grad()
+    def generate(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, VOCAB, (batch, 1))  # prompts, from the restored CPU RNG
+        for _ in range(SEQ - 1):
+            probs = torch.softmax(self.model(tokens)[:, -1].float(), dim=-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1)], dim=1)
+        return tokens, sequence_logprobs(self.model, tokens)
+
+
+# ---------------------------------------------------------------- the trainer (one rank)
 
 
 @dataclass
-class Job:
+class Trainer:
     model: torch.nn.Module
     optim: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
-    loader: ToyLoader
-    rank: int
+    registry: DerivedState
+    cache: ScaleCache
+    engine: RolloutEngine
+    world: int
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, p in self.model.named_parameters():
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[n] = t.detach().clone()
+        return out
+
+    def export(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        weights = self.full_weights()
+        scales = self.cache.get(weights)
+        return quantize(weights, scales), scales
+
+    @torch.no_grad()
+    def old_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The trainer's recompute, with the same quantized weights built with a fresh scale."""
+        weights = self.full_weights()
+        scales = fresh_scales(weights)
+        shadow = Policy().eval()
+        shadow.load_state_dict(dequantize(quantize(weights, scales), scales), strict=True)
+        return sequence_logprobs(shadow, tokens)
+
+    def update(self, tokens: torch.Tensor) -> tuple[float, bool]:
+        reward = (tokens[:, 1:] == TARGET_TOKEN).float().mean(dim=1)
+        advantage = reward - reward.mean()
+        logp = sequence_logprobs(self.model, tokens).sum(dim=1)
+        loss = -(advantage * logp).mean()
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        before = digest([p for p in self.model.parameters()])
+        norm = self._grad_norm()
+        self.optim.step()
+        self.sched.step()
+        self.registry.mark_updated()
+        return norm, digest([p for p in self.model.parameters()]) != before
+
+    def _grad_norm(self) -> float:
+        local = sum(
+            float((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).double().pow(2).sum())
+            for p in self.model.parameters()
+            if p.grad is not None
+        )
+        if self.world > 1:
+            import torch.distributed as dist
+
+            t = torch.tensor([local], dtype=torch.float64)
+            dist.all_reduce(t)
+            local = float(t.item())
+        return math.sqrt(local)
 
     def state(self) -> dict[str, Any]:
-        return {"model": self.model, "optim": self.optim, "sched": self.sched, "loader": self.loader}
+        return {"policy": self.model, "optim": self.optim, "sched": self.sched}
 
 
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
-
-
-def build_job(*, rank: int = 0, world: int = 1, seed: int = 0, warmup: int = 5) -> Job:
-    """The same initial weights on every rank; per-rank data and dropout streams.
-    Under a process group of world > 1 the model is sharded with FSDP2."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Dropout(0.2),
-        torch.nn.Linear(HIDDEN, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Dropout(0.2),
-        torch.nn.Linear(HIDDEN, 1),
-    )
+def build_trainer(*, rank: int, world: int) -> Trainer:
+    torch.manual_seed(0)
+    model = Policy()
     if world > 1:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
         fully_shard(model)
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup))
-    seed_everything(seed + 1000 * (rank + 1))
-    return Job(model, optim, sched, ToyLoader(rank=rank), rank)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    registry = DerivedState()
+    trainer = Trainer(model, optim, sched, registry, ScaleCache(registry), RolloutEngine(), world)
+    trainer.export()  # DS4's order: the scale cache is built from the initial weights, before restore
+    torch.manual_seed(1000 + rank)
+    return trainer
 
 
-def train_step(job: Job) -> float:
-    x, y = job.loader.next_batch()
-    loss = torch.nn.functional.mse_loss(job.model(x), y)
-    job.optim.zero_grad(set_to_none=True)
-    loss.backward()
-    job.optim.step()
-    job.sched.step()
-    return float(loss.item())
-
-
-def fingerprint(job: Job) -> dict[str, str]:
-    """Bitwise digest of every parameter and every optimizer tensor this rank holds."""
-    out = {f"param:{n}": digest(p) for n, p in job.model.named_parameters()}
-    names = {id(p): n for n, p in job.model.named_parameters()}
-    for group in job.optim.param_groups:
-        for p in group["params"]:
-            for k, v in job.optim.state.get(p, {}).items():
-                out[f"optim:{names[id(p)]}:{k}"] = digest(v)
-    out["lr"] = json.dumps(job.sched.get_last_lr())
-    return out
-
-
-# ---------------------------------------------------------------- the worker process
-
-
-def _init_dist() -> tuple[int, int]:
-    """Rank and world from torchrun's environment; one process without it."""
-    import os
+def worker(*, root: str, steps: int, save_every: int, kill_at: int | None, derived_fix: bool) -> None:
+    """One rank of the RL job: resume (AUTO), then rollout, old-logprob, update, save."""
+    import logging
+    import signal
 
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    dist.init_process_group("gloo")
-    return dist.get_rank(), world
-
-
-def worker(*, mode: str, root: str, out: str, steps: int, save_every: int, kill_at: int | None) -> None:
-    """One rank of the demo job. ``mode`` is 'train' (resume, train, save, maybe die) or
-    'reference' (train straight through without checkpoints)."""
-    import logging
-    import os
-    import signal
-    from pathlib import Path
-
-    from . import CheckpointManager
+    from . import CheckpointConfig, CheckpointManager, ResumeMode, _faults, retention
 
     torch.set_num_threads(1)
-    rank, world = _init_dist()
-    logging.basicConfig(level=logging.INFO, format=f"  [rank {rank}] %(message)s")
-    job = build_job(rank=rank, world=world)
-    record: dict[str, Any] = {"pid": os.getpid(), "rank": rank, "losses": {}}
-    start = 0
-    mgr = None
-    if mode == "train":
-        mgr = CheckpointManager(root)
-        start = mgr.restore(job.state())
-        record["restored_step"] = start
-    log_path = Path(out) / f"{mode}_rank{rank}.jsonl"
-    with open(log_path, "a") as log_file:
-        for step in range(start + 1, steps + 1):
-            if kill_at is not None and step == kill_at:
-                log_file.write(json.dumps({"event": "killed", "step": step, "pid": os.getpid()}) + "\n")
-                log_file.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-            loss = train_step(job)
-            record["losses"][step] = loss
-            log_file.write(json.dumps({"step": step, "loss": loss}) + "\n")
-            log_file.flush()
-            if mgr is not None and step % save_every == 0:
-                mgr.save(step, job.state())
-                log_file.write(json.dumps({"event": "committed", "step": step}) + "\n")
-    record["fingerprint"] = fingerprint(job)
-    (Path(out) / f"{mode}_rank{rank}.json").write_text(json.dumps(record))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    logging.basicConfig(level=logging.WARNING if rank else logging.INFO, format=f"  [rank {rank}] %(message)s")
+    say = logging.getLogger("ckptguard.demo").info
+    trainer = build_trainer(rank=rank, world=world)
+    cfg = CheckpointConfig(retention=retention.KeepLast(2))
+    mgr = CheckpointManager(root, config=cfg, derived=trainer.registry if derived_fix else None)
+    start = mgr.restore(trainer.state(), mode=ResumeMode.AUTO)
+    for step in range(start + 1, steps + 1):
+        q, scales = trainer.export()
+        mgr.record_export(step - 1, {n: t.view(torch.uint8) for n, t in q.items()}, scales=scales)
+        trainer.engine.load(q, scales)
+        tokens, rollout_lp = trainer.engine.generate(BATCH)
+        diff = mgr.record_logprobs(step, trainer.old_logprobs(tokens), rollout_lp)
+        norm, changed = trainer.update(tokens)
+        mgr.record_update(step, grad_norm=norm, params_changed=changed)
+        reward = float((tokens[:, 1:] == TARGET_TOKEN).float().mean())
+        say(f"step {step:>2}: reward {reward:.3f}  grad_norm {norm:.4f}  probs_diff {diff['probs_diff']:.3g}")
+        if step % save_every == 0:
+            if step == kill_at:
+                _faults.set_hook("storage.data_written", lambda: os.kill(os.getpid(), signal.SIGKILL))
+                say(f"step {step:>2}: saving... (this save will be SIGKILLed mid-write)")
+            mgr.save(step, trainer.state())
 
 
 # ---------------------------------------------------------------- the orchestrator
 
 
-@dataclass
-class Gate:
-    name: str
-    passed: bool
-    evidence: str
-
-
 def _launch(
-    mode: str, *, ranks: int, root: str, out: str, steps: int, save_every: int, kill_at: int | None, echo: Any
+    *, world: int, root: Path, steps: int, save_every: int, kill_at: int | None, derived_fix: bool, echo: Any
 ) -> int:
-    import os
     import socket
     import subprocess
     import sys
 
-    args = [
-        "-m",
-        "ckptguard.demo",
-        mode,
-        "--root",
-        root,
-        "--out",
-        out,
-        "--steps",
-        str(steps),
-        "--save-every",
-        str(save_every),
-    ]
-    if kill_at is not None:
-        args += ["--kill-at", str(kill_at)]
-    if ranks == 1:
+    args = ["-m", "ckptguard.demo", "--root", str(root), "--steps", str(steps), "--save-every", str(save_every)]
+    args += ["--kill-at", str(kill_at)] if kill_at else []
+    args += [] if derived_fix else ["--no-derived-fix"]
+    if world == 1:
         cmd = [sys.executable, *args]
     else:
         with socket.socket() as s:
@@ -210,7 +258,7 @@ def _launch(
             "-m",
             "torch.distributed.run",
             "--nproc_per_node",
-            str(ranks),
+            str(world),
             "--master_addr",
             "127.0.0.1",
             "--master_port",
@@ -222,131 +270,67 @@ def _launch(
     assert proc.stdout is not None
     other = []
     for line in proc.stdout:
-        if line.startswith("  [rank"):
-            echo(line.rstrip())
-        else:
-            other.append(line)
+        (echo if line.startswith("  [rank") else other.append)(line.rstrip())
     code = proc.wait()
     if code != 0 and kill_at is None:
-        echo("".join(other[-40:]))
+        echo("\n".join(other[-30:]))
     return code
 
 
-def _read(out: str, name: str) -> dict[str, Any]:
-    from pathlib import Path
-
-    return json.loads((Path(out) / name).read_text())
-
-
 def run_demo(
-    directory: str, *, ranks: int = 2, steps: int = 12, save_every: int = 3, kill_at: int = 8, echo: Any = print
-) -> list[Gate]:
-    """Train, SIGKILL, resume in a new process, and compare with a straight run."""
+    workdir: str,
+    *,
+    world: int = 2,
+    steps: int = 12,
+    save_every: int = 3,
+    kill_at: int = 9,
+    derived_fix: bool = True,
+    echo: Any = print,
+) -> tuple[list[Any], Path]:
+    """Run, kill mid-save, resume, and return the proof gates and the checkpoint root."""
     import shutil
-    from pathlib import Path
 
-    base = Path(directory).absolute()
+    from .proof import evaluate
+
+    base = Path(workdir).absolute()
     shutil.rmtree(base, ignore_errors=True)
-    root, out = base / "ckpt", base / "records"
-    out.mkdir(parents=True)
+    base.mkdir(parents=True)
+    root = base / "ckpt"
     common = {
-        "ranks": ranks,
-        "root": str(root),
-        "out": str(out),
+        "world": world,
+        "root": root,
         "steps": steps,
         "save_every": save_every,
+        "derived_fix": derived_fix,
         "echo": echo,
     }
+    fsdp = " (FSDP2 over gloo)" if world > 1 else ""
     echo(
-        f"[1/3] training {steps} steps on {ranks} CPU rank(s)"
-        f"{' under FSDP2' if ranks > 1 else ''}, saving every {save_every}; SIGKILL at step {kill_at}"
+        f"[1/3] RL job on {world} CPU rank(s){fsdp}: FP8 rollout export, saves every {save_every} steps; "
+        f"the save of step {kill_at} is SIGKILLed mid-write"
     )
-    died = _launch("train", kill_at=kill_at, **common)
-    first = [json.loads(x) for x in (out / "train_rank0.jsonl").read_text().splitlines()]
-    killed = [e for e in first if e.get("event") == "killed"]
-    echo(
-        f"      the job died (exit {died}) at step {killed[0]['step'] if killed else '?'}, "
-        f"pid {killed[0]['pid'] if killed else '?'}"
-    )
-    (out / "train_rank0.jsonl").rename(out / "killed_rank0.jsonl")
-    echo("[2/3] relaunching the same command: it resumes by itself")
-    resumed_code = _launch("train", kill_at=None, **common)
-    echo(f"[3/3] reference: {steps} steps straight through, never interrupted")
-    ref_code = _launch("reference", kill_at=None, **common)
-    if resumed_code or ref_code:
-        return [Gate("runs completed", False, f"resume exit {resumed_code}, reference exit {ref_code}")]
-    return _gates(out, ranks, steps, save_every, kill_at, killed)
-
-
-def _gates(out: Any, ranks: int, steps: int, save_every: int, kill_at: int, killed: list) -> list[Gate]:
-    expected_step = (kill_at - 1) // save_every * save_every
-    gates = []
-    res = [_read(out, f"train_rank{r}.json") for r in range(ranks)]
-    ref = [_read(out, f"reference_rank{r}.json") for r in range(ranks)]
-    restored = {r["restored_step"] for r in res}
-    gates.append(
-        Gate("killed mid-run", bool(killed), f"SIGKILL at step {kill_at}, after the save of step {expected_step}")
-    )
-    gates.append(
-        Gate(
-            "resolved the last committed step",
-            restored == {expected_step},
-            f"restored step {sorted(restored)} on every rank, from the tracker",
-        )
-    )
-    old_pid = killed[0]["pid"] if killed else None
-    gates.append(
-        Gate(
-            "restored in a new process",
-            old_pid not in {r["pid"] for r in res},
-            f"pid {old_pid} -> {res[0]['pid']} (rank 0)",
-        )
-    )
-    gates.append(
-        Gate(
-            "per-rank, per-item digests equal the save's",
-            True,
-            "checked inside restore (model, optim, sched, loader, rng); it raises otherwise",
-        )
-    )
-    same_loss = all(
-        r["losses"][str(s)] == f["losses"][str(s)]
-        for r, f in zip(res, ref, strict=True)
-        for s in range(expected_step + 1, steps + 1)
-    )
-    gates.append(
-        Gate(
-            f"losses of steps {expected_step + 1}..{steps} bitwise equal",
-            same_loss,
-            f"{ranks} rank(s) x {steps - expected_step} steps compared with float equality",
-        )
-    )
-    tensors = sum(len(r["fingerprint"]) for r in res)
-    equal = sum(
-        1 for r, f in zip(res, ref, strict=True) for k, v in r["fingerprint"].items() if f["fingerprint"].get(k) == v
-    )
-    gates.append(
-        Gate(
-            f"model and optimizer bitwise equal at step {steps}",
-            equal == tensors,
-            f"{equal}/{tensors} tensors and LR values equal (xxh3 of every byte)",
-        )
-    )
-    return gates
+    code = _launch(kill_at=kill_at, **common)
+    echo(f"      the job died (exit {code}); the tracker still points at the last committed step")
+    fix = "restore invalidates the FP8 scale cache" if derived_fix else "NO derived-state fix: scales stay stale"
+    echo(f"[2/3] relaunching the same command with ResumeMode.AUTO ({fix})")
+    code = _launch(kill_at=None, **common)
+    echo(f"[3/3] ckptguard prove {root}")
+    if code != 0:
+        echo(f"      the resumed run failed (exit {code})")
+    return evaluate(root), root
 
 
 def _main() -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m ckptguard.demo", description="one rank of the demo job")
-    p.add_argument("mode", choices=["train", "reference"])
+    p = argparse.ArgumentParser(prog="python -m ckptguard.demo", description="one rank of the demo RL job")
     p.add_argument("--root", required=True)
-    p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-every", type=int, required=True)
     p.add_argument("--kill-at", type=int)
+    p.add_argument("--no-derived-fix", action="store_true")
     a = p.parse_args()
-    worker(mode=a.mode, root=a.root, out=a.out, steps=a.steps, save_every=a.save_every, kill_at=a.kill_at)
+    worker(root=a.root, steps=a.steps, save_every=a.save_every, kill_at=a.kill_at, derived_fix=not a.no_derived_fix)
 
 
 if __name__ == "__main__":

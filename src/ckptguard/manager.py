@@ -21,7 +21,9 @@ from . import contract as _contract
 from ._dist import make_agreement
 from ._storage import DCPStorage, Storage, StorageContext
 from .config import CheckpointConfig, ResumeMode
+from .derived import DerivedState
 from .errors import CheckpointError, ConfigError
+from .proof import ProofLog
 
 log = logging.getLogger("ckptguard")
 
@@ -42,6 +44,7 @@ class CheckpointManager:
         config: CheckpointConfig | None = None,
         process_group: Any | None = None,
         storage: Storage | None = None,
+        derived: DerivedState | None = None,
     ) -> None:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
@@ -67,6 +70,9 @@ class CheckpointManager:
                 use_local_synchronization=True,
             )
         self._restored_step: int | None = None
+        self.derived = derived
+        """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
+        self._proof = ProofLog(self.root, agreement.info.rank)
         self._ctx = _commit.Context(
             root=self.root,
             config=self.config,
@@ -123,6 +129,7 @@ class CheckpointManager:
         self._check_state(state, "save")
         path = _commit.save(self._ctx, step, state)
         log.info("ckptguard: committed step %d at %s", step, path)
+        self._record("save", step=step, path=str(path))
         self._rotate(step)
         return path
 
@@ -163,11 +170,59 @@ class CheckpointManager:
         res = self.resolve(mode=mode, path=path)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
+            self._record("restore", step=0, fresh=True, reason=res.reason)
             return 0
         log.info("ckptguard: %s", res.describe())
-        step = _restore.restore(self._ctx, state, res)
-        self._restored_step = step
-        return step
+        matches: dict[str, bool] = {}
+        try:
+            done = _restore.restore(self._ctx, state, res, on_verified=matches.update)
+        except CheckpointError:
+            self._record("restore", step=res.step, path=str(res.path), digests_match=matches, ok=False)
+            raise
+        self._record(
+            "restore",
+            step=done.step,
+            path=str(res.path),
+            digests_match=done.digests_match,
+            format_version=done.format_version,
+            ok=True,
+        )
+        self._restored_step = done.step
+        if self.derived is not None:
+            self.derived.mark_restored(done.step)
+        return done.step
+
+    # ------------------------------------------------------------ proof records
+
+    def record_export(self, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
+        """Record the weights exported for rollout at ``step`` (after ``step`` updates).
+
+        ``payload`` is what the rollout receives (tensors or bytes); ``scales`` the
+        quantization scales sent with it. The first export after a restore must equal
+        the export the saving run recorded for the same step.
+        """
+        from .proof import export_fingerprint
+
+        fp = export_fingerprint(payload, scales)
+        self._record("export", step=step, fingerprint=fp)
+        return fp
+
+    def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
+        """Record the trainer's old-logprob against the rollout's for the same tokens."""
+        from .proof import logprob_diff
+
+        diff = logprob_diff(trainer_logprobs, rollout_logprobs)
+        self._record("logprobs", step=step, **diff)
+        return diff
+
+    def record_update(self, step: int, *, grad_norm: float, params_changed: bool) -> None:
+        """Record an optimizer update: its gradient norm and whether the parameters moved."""
+        self._record("update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed))
+
+    def _record(self, event: str, **fields: Any) -> None:
+        # Never create the root for a record: a mistyped path must stay visible.
+        if self.config.record_proof and self.root.is_dir():
+            self._proof.append(event, **fields)
 
     def hold(self, step: int, reason: str) -> Path:
         """Pin a committed step against rotation (e.g. for evaluation); survives restarts."""
