@@ -23,14 +23,24 @@ from .contract import (
     hash_imported_files,
     hash_recipe,
 )
+from .derived import DerivedState, StaleDerivedStateError
 from .errors import *  # noqa: F403  (errors.__all__ is the exception tree)
 from .errors import __all__ as _error_names
+from .expert import ExpertParallel
 from .manager import CheckpointManager
+from .retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
 
 __all__ = [
     "CheckpointConfig",
     "CheckpointManager",
     "DCPStorage",
+    "DerivedState",
+    "ExpertParallel",
+    "KeepAny",
+    "KeepEvery",
+    "KeepLast",
+    "RetentionPolicy",
+    "StaleDerivedStateError",
     "ParallelLayout",
     "PerRank",
     "ReshardRule",

@@ -42,6 +42,7 @@ from .errors import (
     ReplicatedDivergenceError,
     WriteFailure,
 )
+from .expert import ExpertParallel
 
 RNG_ITEM = "_rng"
 
@@ -56,6 +57,7 @@ class Context:
     agreement: Agreement
     storage: Storage
     storage_ctx: StorageContext
+    expert: ExpertParallel | None = None
 
     @property
     def rank(self) -> int:
@@ -67,7 +69,12 @@ class Context:
 
     def topology(self) -> dict[str, Any]:
         layout = self.config.layout.as_dict() if self.config.layout else {"dp": self.world, "tp": 1, "pp": 1, "ep": 1}
+        if self.expert is not None:
+            layout["ep"] = self.expert.size
         return {"world_size": self.world, **layout}
+
+    def keyfn(self) -> Any:
+        return self.expert.key if self.expert is not None else (lambda key: key)
 
 
 def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
@@ -115,29 +122,46 @@ def _raise_if_failed(ctx: Context, reports: list[dict[str, Any]], *, step: int, 
 # ---------------------------------------------------------------- step 0: guard
 
 
+def _chunk_id(key: str, t: torch.Tensor) -> str:
+    """Where DCP files this rank's piece of ``key``: the key and the chunk's global offset."""
+    if hasattr(t, "device_mesh") and hasattr(t, "placements"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1]
+        return f"{key}@{tuple(int(o) for o in offsets)}"
+    return f"{key}@{(0,) * t.dim()}"
+
+
 def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> None:
-    """Refuse a plain tensor that differs across ranks: DCP would keep one rank's copy."""
+    """Refuse two ranks holding the same (key, offset) chunk with different bytes.
+
+    DCP keeps one copy per (key, offset): a plain tensor that differs per rank, or an
+    expert shard whose FSDP offset repeats in another EP group, would come back as some
+    other rank's bytes, silently.
+    """
     if ctx.world == 1:
         return
-    per_key = {k: digest(t) for c in items.values() for k, t in c.tensors.items() if k in set(c.replicated_keys)}
-    combined = digest(sorted(per_key.items()))
-    views = ctx.agreement.exchange("save.replicated", {"combined": combined, "keys": sorted(per_key)})
-    if all(v == views[0] for v in views):
+    mine = {_chunk_id(k, t): digest(t) for c in items.values() for k, t in c.tensors.items()}
+    views = ctx.agreement.exchange("save.chunks", mine)
+    holders: dict[str, dict[str, list[int]]] = {}
+    for rank, view in enumerate(views):
+        for chunk, dig in view.items():
+            holders.setdefault(chunk, {}).setdefault(dig, []).append(rank)
+    bad = [(chunk, sorted(groups.values())) for chunk, groups in sorted(holders.items()) if len(groups) > 1]
+    if not bad:
         return
-    details = ctx.agreement.exchange("save.replicated_keys", per_key)
-    bad = []
-    for key in sorted(set().union(*[set(d) for d in details])):
-        values = [d.get(key) for d in details]
-        if len(set(values)) > 1:
-            groups: dict[str | None, list[int]] = {}
-            for r, v in enumerate(values):
-                groups.setdefault(v, []).append(r)
-            bad.append(f"{key} (ranks grouped by content: {sorted(groups.values())})")
+    plain = [
+        f"{c.rsplit('@', 1)[0]} (ranks grouped by content: {g})"
+        for c, g in bad
+        if c.endswith("@()") or set(c.rsplit("@", 1)[1].strip("(),").replace(" ", "").split(",")) <= {"0", ""}
+    ]
+    shown = plain if len(plain) == len(bad) else [f"{c} (ranks grouped by content: {g})" for c, g in bad]
     raise ReplicatedDivergenceError(
-        f"save of step {step}: {len(bad)} plain tensor(s) differ across ranks, and DCP stores a "
-        f"plain tensor once, so restore would hand every rank one rank's copy: {'; '.join(bad[:10])}"
-        f"{' ...' if len(bad) > 10 else ''}. Wrap per-rank values in ckptguard.PerRank(...), "
-        "make them DTensors, or put the rank in the item name."
+        f"save of step {step}: {len(bad)} tensor chunk(s) are held by several ranks with different bytes, and DCP "
+        f"stores one copy per key and offset, so restore would hand them one rank's copy: {'; '.join(shown[:10])}"
+        f"{' ...' if len(bad) > 10 else ''}. Wrap per-rank values in ckptguard.PerRank(...), make them DTensors, "
+        "or, for expert-parallel state, pass CheckpointManager(expert_parallel=ExpertParallel(group=ep_group)) "
+        "so expert keys carry the EP rank."
     )
 
 
@@ -274,7 +298,11 @@ def _publish(
         step=step,
         chain_id=prep["chain_id"],
         dir_template=ctx.naming.template,
-        topology={**ctx.topology(), "rank_hosts": [rep["host"] for rep in reports]},
+        topology={
+            **ctx.topology(),
+            "rank_hosts": [rep["host"] for rep in reports],
+            **({"ep_ranks": [rep["ep_rank"] for rep in reports]} if ctx.expert is not None else {}),
+        },
         items=kinds,
         files=files,
         digests={str(r): rep["digests"] for r, rep in enumerate(reports)},
@@ -297,12 +325,17 @@ def _publish(
 
 
 def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
-    items = capture(state)
+    items = capture(state, ctx.keyfn())
     rng = _rng.capture() if ctx.config.capture_rng else None
     check_replicated(ctx, items, step)
     prep = _prepare(ctx, step)
     tmp = Path(prep["tmp"])
-    report: dict[str, Any] = {"host": ctx.agreement.info.host, "files": [], "digests": {}}
+    report: dict[str, Any] = {
+        "host": ctx.agreement.info.host,
+        "files": [],
+        "digests": {},
+        "ep_rank": ctx.expert.rank if ctx.expert is not None else None,
+    }
     try:
         written = _write_rank(ctx, step, tmp, items, rng)
         report["files"] = [f.__dict__ for f in written]

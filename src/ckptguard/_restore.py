@@ -30,6 +30,7 @@ from .errors import (
     StateMismatchError,
     TopologyMismatchError,
 )
+from .expert import other_ep_key
 
 log = logging.getLogger("ckptguard")
 
@@ -167,6 +168,7 @@ def _agree_files(ctx: Context, res: Resolution) -> None:
     manifest = _manifest.read(res.path)
     src = _source_rank(ctx, manifest)
     problems: list[str] = []
+    error: dict[str, str] | None = None
     wanted = {f["path"] for f in manifest.files if f["path"].startswith(_layout.STATE_DIR + "/")}
     wanted.add(_layout.extras_name(src))
     if manifest.world_size == ctx.world:  # same layout: only this rank's shards (node-local storage)
@@ -174,15 +176,20 @@ def _agree_files(ctx: Context, res: Resolution) -> None:
 
         try:
             wanted = files_needed(res.path, manifest, src)
-        except CheckpointError as exc:
-            problems.append(str(exc).split(";")[0])
+        except CheckpointError as exc:  # e.g. unsafe metadata: every rank raises this same error
+            error = _error_payload(exc)
     for f in [f for f in manifest.files if f["path"] in wanted]:
         p = res.path / f["path"]
         if not p.exists():
             problems.append(f"missing {p}")
         elif p.stat().st_size != f["size"]:
             problems.append(f"{p} has {p.stat().st_size} bytes, manifest says {f['size']}")
-    views = ctx.agreement.exchange("resolve.files", {"host": ctx.agreement.info.host, "problems": problems[:5]})
+    views = ctx.agreement.exchange(
+        "resolve.files", {"host": ctx.agreement.info.host, "problems": problems[:5], "error": error}
+    )
+    errors = {r: v["error"] for r, v in enumerate(views) if v.get("error")}
+    if errors:
+        raise _reraise_same(errors)
     bad = {r: v for r, v in enumerate(views) if v["problems"]}
     if bad:
         raise RankDisagreementError(
@@ -196,7 +203,7 @@ def _agree_files(ctx: Context, res: Resolution) -> None:
 
 
 def _check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
-    saved = {k: v for k, v in manifest.topology.items() if k != "rank_hosts"}
+    saved = {k: v for k, v in manifest.topology.items() if k not in ("rank_hosts", "ep_ranks")}
     now = ctx.topology()
     if saved == now:
         return
@@ -235,7 +242,7 @@ def _plan(
         )
     if unexpected := sorted(set(manifest.items) - set(state)):
         problems.append(f"items in the checkpoint not given to restore: {unexpected} (pass them, or they are lost)")
-    targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items})
+    targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items}, ctx.keyfn())
     ckpt_keys = set(ctx.storage.read_metadata(step_dir / _layout.STATE_DIR).state_dict_metadata)
     flat: dict[str, torch.Tensor] = {}
     for name, (kind, _sd, live) in targets.items():
@@ -243,7 +250,11 @@ def _plan(
             problems.append(f"item {name!r} is a {kind.value} now but was saved as a {manifest.items[name]}")
             continue
         saved_keys = _state.tensor_keys(extras["items"][name])
-        problems += _check_keys(name, saved_keys, set(live), ckpt_keys, step_dir)
+        if ctx.expert is not None:  # other EP ranks' experts are theirs, not unexpected here
+            ckpt_keys_here = {k for k in ckpt_keys if not other_ep_key(k, ctx.expert.rank)}
+        else:
+            ckpt_keys_here = ckpt_keys
+        problems += _check_keys(name, saved_keys, set(live), ckpt_keys_here, step_dir)
         flat.update(live)
     views = ctx.agreement.exchange("restore.plan", {"problems": problems[:20]})
     bad = {r: v["problems"] for r, v in enumerate(views) if v["problems"]}

@@ -12,7 +12,7 @@ in the caller's mapping.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,15 +117,23 @@ def check_weights_only(obj: Any, where: str) -> None:
     )
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
+KeyFn = Callable[[str], str]
+
+
+def _same(key: str) -> str:
+    return key
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], keyfn: KeyFn = _same) -> Any:
     """Replace tensor leaves by references to flat keys, collecting the tensors."""
     if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-        return {TENSOR_REF: prefix}
+        key = keyfn(prefix)
+        out[key] = obj
+        return {TENSOR_REF: key}
     if isinstance(obj, Mapping):
-        return {k: _flatten(v, f"{prefix}.{k}", out) for k, v in obj.items()}
+        return {k: _flatten(v, f"{prefix}.{k}", out, keyfn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [_flatten(v, f"{prefix}.{i}", out) for i, v in enumerate(obj)]
+        items = [_flatten(v, f"{prefix}.{i}", out, keyfn) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
     return obj
 
@@ -183,7 +191,7 @@ def current_state(name: str, value: Any, kind: ItemKind, state: Mapping[str, Any
     return value
 
 
-def capture(state: Mapping[str, Any]) -> dict[str, Captured]:
+def capture(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, Captured]:
     """Snapshot every item: its skeleton, its DCP tensors and its digest."""
     out = {}
     for name, value in state.items():
@@ -196,7 +204,7 @@ def capture(state: Mapping[str, Any]) -> dict[str, Captured]:
         sd = current_state(name, value, kind, state)
         if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS):
             tensors: dict[str, torch.Tensor] = {}
-            skeleton = _flatten(sd, name, tensors)
+            skeleton = _flatten(sd, name, tensors, keyfn)
         else:
             tensors, skeleton = {}, sd
         check_weights_only(skeleton, f"state item {name!r}")
@@ -204,7 +212,7 @@ def capture(state: Mapping[str, Any]) -> dict[str, Captured]:
     return out
 
 
-def restore_targets(state: Mapping[str, Any]) -> dict[str, tuple[ItemKind, Any, dict]]:
+def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, tuple[ItemKind, Any, dict]]:
     """For each item: its kind, its current state dict, and the flat tensors DCP fills."""
     targets = {}
     for name, value in state.items():
@@ -212,7 +220,7 @@ def restore_targets(state: Mapping[str, Any]) -> dict[str, tuple[ItemKind, Any, 
         sd = current_state(name, value, kind, state)
         flat: dict[str, torch.Tensor] = {}
         if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS):
-            _flatten(sd, name, flat)
+            _flatten(sd, name, flat, keyfn)
         targets[name] = (kind, sd, flat)
     return targets
 

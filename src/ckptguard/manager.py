@@ -23,6 +23,7 @@ from ._storage import DCPStorage, Storage, StorageContext
 from .config import CheckpointConfig, ResumeMode
 from .derived import DerivedState
 from .errors import CheckpointError, ConfigError
+from .expert import ExpertParallel
 from .proof import ProofLog
 
 log = logging.getLogger("ckptguard")
@@ -45,6 +46,7 @@ class CheckpointManager:
         process_group: Any | None = None,
         storage: Storage | None = None,
         derived: DerivedState | None = None,
+        expert_parallel: ExpertParallel | None = None,
     ) -> None:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
@@ -80,6 +82,7 @@ class CheckpointManager:
             agreement=agreement,
             storage=storage or DCPStorage(),
             storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
+            expert=expert_parallel,
         )
 
     @property
