@@ -21,6 +21,8 @@ demo: $(STAMP)
 	$(BIN)/ckptguard demo
 
 test: $(STAMP)
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+		|| echo "chromium not installable: the browser test of the memory report will be skipped"
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 	$(BIN)/ruff check src tests
 

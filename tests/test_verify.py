@@ -15,8 +15,8 @@ from click.testing import CliRunner
 import ckptguard as cg
 from ckptguard import _layout, retention
 from ckptguard.cli import main
-from ckptguard.toyjob import build_job, train_step
 from ckptguard.preflight import preflight
+from ckptguard.toyjob import build_job, train_step
 from ckptguard.verify import verify_root, verify_step
 from dist_helper import run_ranks, values
 

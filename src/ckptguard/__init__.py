@@ -27,6 +27,7 @@ from .derived import DerivedState, StaleDerivedStateError
 from .errors import *  # noqa: F403  (errors.__all__ is the exception tree)
 from .errors import __all__ as _error_names
 from .expert import ExpertParallel
+from .fastio import IOStats, StreamingConfig, StreamingStorage
 from .manager import CheckpointManager
 from .retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
 
@@ -36,6 +37,9 @@ __all__ = [
     "DCPStorage",
     "DerivedState",
     "ExpertParallel",
+    "IOStats",
+    "StreamingConfig",
+    "StreamingStorage",
     "KeepAny",
     "KeepEvery",
     "KeepLast",

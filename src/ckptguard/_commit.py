@@ -45,6 +45,7 @@ from .errors import (
 from .expert import ExpertParallel
 
 RNG_ITEM = "_rng"
+FAILED_PREFIX = ".failed-"
 
 
 @dataclass
@@ -324,6 +325,27 @@ def _publish(
     _layout.write_tracker(ctx.root, step)
 
 
+def _discard(ctx: Context, tmp: Path) -> None:
+    """Delete a failed save's temp directory (frees what an ENOSPC needs), or keep it as
+    the scene of the failure when ``keep_failed`` is set."""
+    if ctx.config.keep_failed:
+        try:
+            os.rename(tmp, tmp.with_name(tmp.name.replace(_layout.TMP_PREFIX, FAILED_PREFIX, 1)))
+            return
+        except OSError:
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _release_host_cache() -> None:
+    """Hand the caching host allocator's free pinned blocks back after a save (the guide:
+    D2H staging stays in the pinned pool unless emptied)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty is not None:
+            empty()
+
+
 def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
     items = capture(state, ctx.keyfn())
     rng = _rng.capture() if ctx.config.capture_rng else None
@@ -344,12 +366,13 @@ def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
             report["digests"][RNG_ITEM] = digest(rng)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
         report["failure"] = failure_from(exc, rank=ctx.rank, phase="write").to_json()
+    _release_host_cache()
     reports = ctx.agreement.exchange("save.written", report)
     try:
         _raise_if_failed(ctx, reports, step=step, phase="write")
     except CheckpointWriteError:
         if ctx.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # frees the space an ENOSPC needs
+            _discard(ctx, tmp)
         raise
     outcome: dict[str, Any] = {}
     if ctx.rank == 0:

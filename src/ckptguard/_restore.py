@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _layout, _manifest, _rng, _state
 from . import contract as _contract
 from ._commit import RNG_ITEM, Context
 from .config import ReshardRule, ResumeMode
 from .errors import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
@@ -30,7 +32,6 @@ from .errors import (
     StateMismatchError,
     TopologyMismatchError,
 )
-from .expert import other_ep_key
 
 log = logging.getLogger("ckptguard")
 
@@ -221,11 +222,14 @@ def _some(keys: list[str], n: int = 8) -> str:
     return f"{keys[:n]}{' ...' if len(keys) > n else ''}"
 
 
-def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys: set[str], where: Path) -> list[str]:
+def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys: set[str]) -> list[str]:
+    """Both ways: every live key must be stored (DCP has it, and this rank saved it), and
+    every key this rank saved must be live. Keys of other ranks (per-rank or per-EP-rank
+    names) are theirs, judged on their own rank."""
     problems = []
-    if missing := sorted(live_keys - ckpt_keys):
+    if missing := sorted((live_keys - ckpt_keys) | (live_keys - saved_keys)):
         problems.append(f"item {name!r}: keys the model expects but the checkpoint lacks: {_some(missing)}")
-    if unexpected := sorted((saved_keys | {k for k in ckpt_keys if k.startswith(name + ".")}) - live_keys):
+    if unexpected := sorted(saved_keys - live_keys):
         problems.append(f"item {name!r}: keys in the checkpoint the model does not have: {_some(unexpected)}")
     return problems
 
@@ -250,11 +254,7 @@ def _plan(
             problems.append(f"item {name!r} is a {kind.value} now but was saved as a {manifest.items[name]}")
             continue
         saved_keys = _state.tensor_keys(extras["items"][name])
-        if ctx.expert is not None:  # other EP ranks' experts are theirs, not unexpected here
-            ckpt_keys_here = {k for k in ckpt_keys if not other_ep_key(k, ctx.expert.rank)}
-        else:
-            ckpt_keys_here = ckpt_keys
-        problems += _check_keys(name, saved_keys, set(live), ckpt_keys_here, step_dir)
+        problems += _check_keys(name, saved_keys, set(live), ckpt_keys)
         flat.update(live)
     views = ctx.agreement.exchange("restore.plan", {"problems": problems[:20]})
     bad = {r: v["problems"] for r, v in enumerate(views) if v["problems"]}
@@ -292,7 +292,15 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
         ) from None
     targets, flat = _plan(ctx, state, manifest, extras)
     if flat:
-        ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)
+        try:
+            ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; all ranks get it
+            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise CheckpointCorruptError(
+                f"reading the tensor state of step {manifest.step} from {res.path} failed on rank {ctx.rank}: "
+                f"{detail}. If shapes differ, restore into objects built like the saving run's; otherwise "
+                "run `ckptguard verify --deep` on the step."
+            ) from exc
     for name, (kind, _sd, live) in targets.items():
         _state.apply(state, name, kind, extras["items"][name], live)
     if ctx.config.restore_rng and extras.get("rng") is not None:

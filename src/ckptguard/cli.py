@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -315,6 +316,83 @@ def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: i
     sys.exit(0 if ok else 1)
 
 
+@main.command(name="repro-save")
+@click.option(
+    "--target",
+    required=True,
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Directory on the filesystem under suspicion.",
+)
+@click.option(
+    "--control",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Same run on a control path (e.g. node-local disk), printed side by side.",
+)
+@click.option("--rounds", type=click.IntRange(1, 10000), default=10, show_default=True)
+@click.option(
+    "--size",
+    "size_gib",
+    type=click.FloatRange(0.0001, 4096),
+    default=1.0,
+    show_default=True,
+    help="GiB of tensor state per save, split across ranks.",
+)
+@click.option("--ranks", type=click.IntRange(1, 64), default=1, show_default=True)
+@click.option("--report", type=click.Path(path_type=Path, dir_okay=False), help="Also write the JSON report here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report.")
+def repro_save(
+    target: Path, control: Path | None, rounds: int, size_gib: float, ranks: int, report: Path | None, as_json: bool
+) -> None:
+    """Repeat ckptguard's real save on TARGET until the first failure, and keep the scene.
+
+    Exit 0 if every round committed (on every path), 1 if a round failed.
+    """
+    from .repro import ReproConfig, run_repro
+
+    cfg = ReproConfig(rounds=rounds, size_gib=size_gib, ranks=ranks)
+    paths = {"target": target, **({"control": control} if control else {})}
+    reports = {}
+    for label, path in paths.items():
+        if not as_json:
+            click.echo(f"{label}: {rounds} round(s) of {size_gib:g} GiB on {ranks} rank(s) under {path} ...", err=True)
+        reports[label] = run_repro(path, cfg)
+    if report:
+        report.write_text(json.dumps(reports, indent=1) + "\n")
+    if as_json:
+        click.echo(json.dumps(reports, indent=1))
+    else:
+        _repro_table(reports)
+    sys.exit(1 if any(r["failed"] for r in reports.values()) else 0)
+
+
+def _repro_table(reports: dict) -> None:
+    def row(name: str, fn: Any) -> None:
+        click.echo(f"{name:<24}" + "".join(f"{str(fn(r))[:60]:<62}" for r in reports.values()))
+
+    row("", lambda r: "")
+    click.echo(f"{'':<24}" + "".join(f"{label:<62}" for label in reports))
+    row("path", lambda r: r["target"])
+    row("filesystem", lambda r: f"{r['filesystem']['type']} on {r['filesystem']['mount']}")
+    row("free before / after", lambda r: f"{r['filesystem']['free_bytes'] >> 20} / {r['free_bytes_after'] >> 20} MiB")
+    row("free inodes", lambda r: r["filesystem"]["free_inodes"])
+    row("rounds committed", lambda r: f"{r['completed_rounds']} of {r['config']['rounds']}")
+    row("GiB/s (median)", lambda r: f"{r['gib_per_s_median']:.2f}" if r["gib_per_s_median"] else "-")
+    row("threads first->last", lambda r: r["growth_first_to_last_round"].get("threads", "-"))
+    row("open files first->last", lambda r: r["growth_first_to_last_round"].get("fds", "-"))
+    row("oom_kill before/after", lambda r: f"{r['oom_kill_before']} / {r['oom_kill_after']}")
+    row("first failure", lambda r: _describe_failure(r["first_failure"]))
+    row("scene kept", lambda r: ", ".join(r["kept_scene"]) or "-")
+
+
+def _describe_failure(f: dict | None) -> str:
+    if not f:
+        return "none"
+    first = f.get("first")
+    if first:
+        return f"round {f['round']}: rank {first['rank']} errno {first['errno']} {first['path']}"
+    return f"round {f['round']}: {f['type']}"
+
+
 def _fail(message: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"error": message}))
@@ -322,6 +400,14 @@ def _fail(message: str, as_json: bool) -> None:
         click.echo(f"error: {message}", err=True)
     sys.exit(1)
 
+
+def _register() -> None:
+    from .memory.cli import mem
+
+    main.add_command(mem)
+
+
+_register()
 
 if __name__ == "__main__":
     main()

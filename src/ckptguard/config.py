@@ -86,6 +86,8 @@ class CheckpointConfig:
     """Allow saving a step that is already committed (it is uncommitted, then replaced)."""
     stale_temp_age_s: float = 24 * 3600.0
     """Age after which another host's leftover temp directory is swept."""
+    keep_failed: bool = False
+    """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
     record_proof: bool = True
     """Append save/restore/export/logprob/update records to ROOT/proof for ``ckptguard prove``."""
     retention: RetentionPolicy | None = field(default_factory=default_policy)

@@ -59,9 +59,3 @@ class ExpertParallel:
     def key(self, key: str) -> str:
         """The DCP key for a flat state key on this rank."""
         return f"{key}{EP_SUFFIX}{self.rank}" if self.is_expert(key) else key
-
-
-def other_ep_key(key: str, ep_rank: int) -> bool:
-    """True for a key stored by another EP rank (not unexpected on this one)."""
-    _, sep, tail = key.rpartition(EP_SUFFIX)
-    return bool(sep) and tail.isdigit() and int(tail) != ep_rank

@@ -225,7 +225,10 @@ class CheckpointManager:
     def _record(self, event: str, **fields: Any) -> None:
         # Never create the root for a record: a mistyped path must stay visible.
         if self.config.record_proof and self.root.is_dir():
-            self._proof.append(event, **fields)
+            try:
+                self._proof.append(event, **fields)
+            except OSError as exc:  # a read-only or full root must not fail a restore
+                log.warning("ckptguard: could not append the %s proof record under %s (%s)", event, self.root, exc)
 
     def hold(self, step: int, reason: str) -> Path:
         """Pin a committed step against rotation (e.g. for evaluation); survives restarts."""

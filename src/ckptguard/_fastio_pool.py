@@ -1,0 +1,195 @@
+"""A bounded pool of exact-size host buffers, and the system calls that move their bytes.
+
+Contract: a ``BufferPool`` owns ``count`` buffers of exactly ``size`` bytes, each its own
+anonymous mapping (page-aligned, no allocator rounding, no cache that outlives us), page
+locked with ``cudaHostRegister`` when CUDA is available and pinning is asked for.
+``close()`` unregisters and unmaps every buffer: after it, the pool holds no host memory.
+``get`` waits at most a timeout for a free buffer and raises ``TimeoutError`` naming what
+it waited for.
+
+``write_all`` and ``read_into`` turn every failed or short system call into an
+``OSError`` with ``errno``, ``filename`` and the attributes the commit protocol reports:
+``offset`` (file position of the failing call), ``requested_bytes`` and
+``returned_bytes`` (what the call returned: a short count, 0, or -1 for an errno).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as _errno
+import mmap
+import os
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# The system calls, looked up here at call time: a seam for tests that inject short writes.
+_write = os.write
+_preadv = os.preadv
+
+
+@dataclass
+class IOStats:
+    """What one ``write`` or ``read`` of this rank did (per rank; bytes as int, times in s)."""
+
+    bytes: int = 0
+    """Bytes written to or read from data files (frames included)."""
+    seconds: float = 0.0
+    """Wall time of the whole call, collectives included."""
+    io_seconds: float = 0.0
+    """Time inside write/pread/fsync calls (the I/O thread)."""
+    hash_seconds: float = 0.0
+    """Time spent computing xxh3 (its own thread, overlapped with the writes)."""
+    stall_seconds: float = 0.0
+    """Time the caller's thread waited for a free buffer (the pipeline was I/O bound)."""
+    short_writes: int = 0
+    """Writes that returned fewer bytes than asked and were continued."""
+    pool_bytes: int = 0
+    """Host bytes the pool held while the call ran; it is released before the call returns."""
+    files: int = 0
+    """Data files written or opened."""
+
+
+def io_error(err: int, what: str, path: str, *, offset: int, requested: int, returned: int, cause: str = "") -> OSError:
+    """An OSError carrying the figures ``failure_from`` reads with getattr."""
+    detail = f"{what} {path} failed at offset {offset}: requested {requested} B, returned {returned}"
+    exc = OSError(err, f"{detail} ({cause or os.strerror(err)})", path)
+    exc.offset = offset  # type: ignore[attr-defined]
+    exc.requested_bytes = requested  # type: ignore[attr-defined]
+    exc.returned_bytes = returned  # type: ignore[attr-defined]
+    return exc
+
+
+def write_all(fd: int, view: memoryview, path: str, offset: int) -> int:
+    """Write all of ``view`` at the current position (``offset``); returns the short-write count."""
+    done, short = 0, 0
+    while done < len(view):
+        try:
+            n = _write(fd, view[done:])
+        except OSError as exc:
+            raise io_error(
+                exc.errno or _errno.EIO, "write to", path, offset=offset + done, requested=len(view) - done, returned=-1
+            ) from exc
+        if n == 0:
+            # A zero-byte write would loop forever; the device accepts nothing more.
+            raise io_error(
+                _errno.EIO,
+                "write to",
+                path,
+                offset=offset + done,
+                requested=len(view) - done,
+                returned=0,
+                cause="the write returned 0 bytes",
+            )
+        if n < len(view) - done:
+            short += 1  # a short write (signal, quota edge, 2 GiB cap) continues where it stopped
+        done += n
+    return short
+
+
+def read_into(fd: int, view: memoryview, path: str, offset: int) -> None:
+    """Fill ``view`` from file position ``offset``; a file that ends early is an error."""
+    done = 0
+    while done < len(view):
+        try:
+            n = _preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise io_error(
+                exc.errno or _errno.EIO, "read of", path, offset=offset + done, requested=len(view) - done, returned=-1
+            ) from exc
+        if n == 0:
+            raise io_error(
+                _errno.EIO,
+                "read of",
+                path,
+                offset=offset + done,
+                requested=len(view) - done,
+                returned=0,
+                cause="the file ends before the bytes its DCP metadata points at; it was truncated",
+            )
+        done += n
+
+
+def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Ask the kernel to drop these (already synced) pages from the page cache."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+class Buffer:
+    """One exact-size host buffer: a uint8 tensor and a memoryview over the same bytes."""
+
+    def __init__(self, size: int, pin: bool) -> None:
+        self.size = size
+        self._map: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._map)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=size)
+        self.pinned = False
+        if pin:
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
+            if int(rc) != 0:
+                self.release()
+                raise OSError(_errno.ENOMEM, f"cudaHostRegister of a {size} B host buffer failed (cudaError {rc})")
+            self.pinned = True
+
+    def release(self) -> None:
+        if self._map is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        del self.tensor
+        self.view.release()
+        # munmap: the pages go back to the system now, not at some later GC. If a view of
+        # the buffer is still alive (BufferError), the mapping goes with the last one.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        self._map = None
+
+
+class BufferPool:
+    """``count`` buffers of ``size`` bytes; ``get`` blocks until one is free."""
+
+    def __init__(self, *, count: int, size: int, pin: bool, timeout_s: float) -> None:
+        self.size = size
+        self.timeout_s = timeout_s
+        self._all: list[Buffer] = []
+        self._free: queue.Queue[Buffer] = queue.Queue()
+        try:
+            for _ in range(count):
+                buf = Buffer(size, pin)
+                self._all.append(buf)
+                self._free.put(buf)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(b.size for b in self._all)
+
+    def get(self, what: str) -> Buffer:
+        try:
+            return self._free.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                _errno.ETIMEDOUT,
+                f"no host buffer came free within {self.timeout_s} s while {what}: the storage stalled "
+                "(a hung filesystem or device); raise StreamingConfig.stall_timeout_s only if it is just slow",
+            ) from None
+
+    def put(self, buf: Buffer) -> None:
+        self._free.put(buf)
+
+    def close(self) -> None:
+        for buf in self._all:
+            buf.release()
+        self._all.clear()
+
+    def __enter__(self) -> BufferPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,250 @@
+"""The ``ckptguard mem`` command group: a thin layer over ckptguard.memory.
+
+Register with ``main.add_command(mem)``. Exit codes as the rest of the CLI: 0 success, 1 the
+check failed (plan exceeds the limit, a process is rising, a recipe finding, a failure found),
+2 bad usage or unreadable input. ``watch`` exits with the command's own status (128 + N when
+it was killed by signal N, as a shell reports it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from ..errors import CheckpointError
+from .colocation import check_recipe, parse_vllm_log
+from .estimate import estimate_dir
+from .growth import GrowthConfig, analyze_growth
+from .killer import Killer, classify_failure
+from .plan import compute_plan, load_plan_toml, plan_from_records
+from .records import read_records
+from .report import render_html
+from .watch import WatchConfig, watch
+
+__all__ = ["mem"]
+
+FILES = click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path, exists=True, dir_okay=False))
+JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+
+
+def _gib(n: float | None) -> str:
+    return "not obtained" if n is None else f"{n / 2**30:,.2f} GiB"
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _records(files: tuple[Path, ...]) -> list[dict[str, Any]]:
+    try:
+        return read_records(files)
+    except CheckpointError as exc:
+        _fail(str(exc))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def mem() -> None:
+    """Host and GPU memory budget: phase records, growth, capacity plan, report."""
+
+
+@mem.command(name="watch", context_settings={"ignore_unknown_options": True})
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between samples.")
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=Path("mem-watch.jsonl"),
+              show_default=True, help="JSONL file to append samples to.")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def watch_cmd(interval: float, out: Path, cmd: tuple[str, ...]) -> None:
+    """Run CMD (after --) and sample the node and every process of its tree."""
+    try:
+        rc = watch(list(cmd), WatchConfig(out=out, interval_s=interval))
+    except CheckpointError as exc:
+        _fail(str(exc))
+    click.echo(f"mem watch: {cmd[0]} exited with {rc}; samples in {out}", err=True)
+    sys.exit(128 - rc if rc < 0 else rc)
+
+
+@mem.command()
+@FILES
+@JSON
+@click.option("--interval", type=float, default=None, help="Floor window in seconds (default: span / 20).")
+@click.option("--skip", "skip_s", type=float, default=0.0, show_default=True,
+              help="Ignore each process's first seconds (start-up).")
+@click.option("--noise-step", type=int, default=GrowthConfig().noise_floor_bytes_per_step, show_default=True,
+              help="Noise floor in bytes per step.")
+@click.option("--noise-s", type=int, default=GrowthConfig().noise_floor_bytes_per_s, show_default=True,
+              help="Noise floor in bytes per second.")
+def growth(files: tuple[Path, ...], as_json: bool, interval: float | None, skip_s: float, noise_step: int,
+           noise_s: int) -> None:
+    """Per-process PSS floors and slopes from watch samples and/or phase records. Exit 1 if any is rising."""
+    try:
+        cfg = GrowthConfig(interval_s=interval, skip_s=skip_s, noise_floor_bytes_per_step=noise_step,
+                           noise_floor_bytes_per_s=noise_s)
+    except CheckpointError as exc:
+        _fail(str(exc))
+    report = analyze_growth(_records(files), cfg)
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+    else:
+        click.echo(f"{report.steps_seen} steps seen; floors per {'step' if report.steps_seen else 'interval'}")
+        for p in report.processes:
+            per_s = "n/a" if p.per_second is None else f"{p.per_second.value / 1024:,.1f} KiB/s"
+            per_step = "n/a" if p.per_step is None else f"{p.per_step.value / 2**20:,.2f} MiB/step"
+            flag = "RISING" if p.rising else "flat"
+            click.echo(f"  {p.pid:>7} {p.comm[:16]:<16} floor {_gib(p.last_floor):>14}  {per_s:>14}  "
+                       f"{per_step:>16}  {flag}  ({p.reason})")
+        n = report.node
+        if n.hint_seconds_to_limit is not None or n.hint_steps_to_limit is not None:
+            click.echo(f"  node: {n.hint_label}")
+            click.echo(f"        would reach {_gib(n.limit_bytes)} in ~{n.hint_seconds_to_limit or 0:,.0f} s"
+                       + (f" / ~{n.hint_steps_to_limit:,.0f} steps" if n.hint_steps_to_limit is not None else ""))
+    sys.exit(1 if any(p.rising for p in report.processes) else 0)
+
+
+@mem.command()
+@click.argument("plan_file", required=False, type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--from-records", "records", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="Phase records; measured terms from the last save phase (repeatable).")
+@JSON
+def plan(plan_file: Path | None, records: tuple[Path, ...], as_json: bool) -> None:
+    """Save-step peak as the sum of what is alive together, against memory.max x Ray threshold.
+
+    Exit 1 if the peak exceeds the limit.
+    """
+    if plan_file is None and not records:
+        _fail("give PLAN.toml, --from-records FILE, or both")
+    try:
+        base = load_plan_toml(plan_file) if plan_file else None
+        inputs = plan_from_records(_records(records), base) if records else base
+        assert inputs is not None
+        result = compute_plan(inputs)
+    except CheckpointError as exc:
+        _fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+    else:
+        for t in result.terms:
+            how = "measured" if t.measured else "estimated"
+            click.echo(f"  {t.name:<58} {_gib(t.bytes):>14}  {how:<9}  {t.detail}")
+        if result.sampled_peak is not None:
+            click.echo(f"  {'sampled save-phase peak (measured)':<58} {_gib(result.sampled_peak):>14}")
+        click.echo(f"  {'peak':<58} {_gib(result.peak):>14}")
+        src = "measured" if result.limit_measured else "given"
+        click.echo(f"  limit = {result.limit_base_name} {_gib(result.limit_base)} x Ray threshold "
+                   f"{result.ray_threshold} = {_gib(result.limit)} ({src})")
+        click.echo(f"  headroom {_gib(result.headroom)}; verdict: {result.verdict.value if result.verdict else 'none'}")
+        for note in result.notes:
+            click.echo(f"  note: {note}")
+    sys.exit(1 if result.verdict is not None and result.verdict.value == "exceeds" else 0)
+
+
+@mem.command()
+@click.argument("model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--as-dtype", default=None, help="Also give the size expanded to this dtype (e.g. BF16).")
+@JSON
+def estimate(model_dir: Path, as_dtype: str | None, as_json: bool) -> None:
+    """Bytes per dtype and in total, from safetensors headers only (no weight is read)."""
+    try:
+        est = estimate_dir(model_dir, as_dtype=as_dtype)
+    except CheckpointError as exc:
+        _fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(est.to_json()))
+        return
+    click.echo(f"{est.files} files, {est.tensors} tensors")
+    for dtype, n in sorted(est.bytes_by_dtype.items()):
+        click.echo(f"  {dtype:<8} {n:>20,} B  {_gib(n):>14}")
+    click.echo(f"  {'total':<8} {est.total_bytes:>20,} B  {_gib(est.total_bytes):>14}")
+    if est.expanded_bytes is not None:
+        click.echo(f"  as {as_dtype}: {est.expanded_bytes:,} B ({_gib(est.expanded_bytes)}); one copy, not a peak")
+
+
+@mem.command()
+@FILES
+@click.option("--html", "html_out", type=click.Path(path_type=Path, dir_okay=False), help="Write the HTML page here.")
+@click.option("--png", "png_out", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write a PNG of the charts here (needs matplotlib).")
+@click.option("--ray-log", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="Ray log to look for its kill line.")
+def report(files: tuple[Path, ...], html_out: Path | None, png_out: Path | None, ray_log: Path | None) -> None:
+    """One page: host memory with phases and limits, process floors with verdicts, GPU memory."""
+    records = _records(files)
+    log = ray_log.read_text(errors="replace") if ray_log else None
+    if html_out is None and png_out is None:
+        html_out = Path("mem-report.html")
+    if html_out is not None:
+        html_out.write_text(render_html(records, ray_log=log), encoding="utf-8")
+        click.echo(f"wrote {html_out}")
+    if png_out is not None:
+        from .figure import render_png
+
+        try:
+            render_png(records, png_out)
+        except CheckpointError as exc:
+            _fail(str(exc))
+        click.echo(f"wrote {png_out}")
+
+
+@mem.command()
+@FILES
+@click.option("--ray-log", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Ray log to search.")
+@JSON
+def killer(files: tuple[Path, ...], ray_log: Path | None, as_json: bool) -> None:
+    """Who killed it: cgroup OOM kill, Ray's monitor, or a CUDA allocation failure. Exit 1 if a failure is found."""
+    verdict = classify_failure(_records(files), ray_log=ray_log.read_text(errors="replace") if ray_log else None)
+    if as_json:
+        click.echo(json.dumps(verdict.to_json()))
+    else:
+        where = f" in phase {verdict.phase!r} (step {verdict.step})" if verdict.phase else ""
+        click.echo(f"killer: {verdict.killer.value}{where}")
+        for line in verdict.evidence:
+            click.echo(f"  evidence: {line}")
+        for line in verdict.notes:
+            click.echo(f"  note: {line}")
+        if verdict.load_peak:
+            click.echo(f"  load-phase peak: host {_gib(verdict.load_peak.get('host_current'))}")
+    sys.exit(0 if verdict.killer is Killer.NONE else 1)
+
+
+@mem.command(name="vllm-log")
+@click.argument("log", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@JSON
+def vllm_log(log: Path, as_json: bool) -> None:
+    """What vLLM actually got: resolved gpu_memory_utilization, KV budget, memory errors. Exit 1 on an error."""
+    summary = parse_vllm_log(log.read_text(errors="replace"))
+    if as_json:
+        click.echo(json.dumps(summary.to_json()))
+    else:
+        click.echo(f"gpu_memory_utilization (resolved): {summary.gpu_memory_utilization}")
+        click.echo(f"KV cache: {_gib(summary.kv_cache_bytes)}, {summary.kv_cache_tokens} tokens, "
+                   f"max concurrency {summary.max_concurrency}")
+        for e in summary.errors:
+            click.echo(f"  line {e.line_no}: {e.kind.value}: {e.text}")
+    sys.exit(1 if summary.errors else 0)
+
+
+@mem.command()
+@click.argument("recipe_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--modes-key", default="modes", show_default=True, help="Table holding one sub-table per training mode.")
+@JSON
+def recipe(recipe_file: Path, modes_key: str, as_json: bool) -> None:
+    """Check that gpu_memory_utilization is set per training mode (TOML or JSON recipe). Exit 1 on a finding."""
+    from .plan import tomllib
+
+    text = recipe_file.read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text) if recipe_file.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        _fail(f"{recipe_file}: not valid {'JSON' if recipe_file.suffix == '.json' else 'TOML'} ({exc})")
+    findings = check_recipe(doc, modes_key=modes_key)
+    if as_json:
+        click.echo(json.dumps([f.to_json() for f in findings]))
+    else:
+        for f in findings:
+            click.echo(f"{f.severity.value}: {f.path}: {f.message}")
+        if not findings:
+            click.echo("gpu_memory_utilization is set per training mode")
+    sys.exit(1 if findings else 0)
