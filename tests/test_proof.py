@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import ckptguard as cg
 from ckptguard.derived import DerivedState, StaleDerivedStateError
@@ -37,6 +38,7 @@ def _honest(**over) -> list[dict]:
             "digests_match": {"model": True, "optim": True},
             "ok": True,
             "format_version": 1,
+            "addresses_changed": over.get("moved", []),
         },
         {"event": "export", "pid": NEW, "step": 6, "fingerprint": over.get("fp", fp)},
         {
@@ -61,7 +63,7 @@ def test_honest_records_pass_every_gate(tmp_path):
         _write(tmp_path, rank, _honest())
     gates = evaluate(tmp_path)
     assert passed(gates)
-    assert [g.status for g in gates if g.required] == [Status.PASS] * 6
+    assert [g.status for g in gates if g.required] == [Status.PASS] * 7
 
 
 @pytest.mark.parametrize(
@@ -71,6 +73,7 @@ def test_honest_records_pass_every_gate(tmp_path):
         ({"fp": {"bytes": "b6", "scales": "stale"}}, "first export byte-identical"),
         ({"diff": 0.06}, "first old-logprob aligned"),
         ({"norm": 0.0}, "one non-zero update"),
+        ({"moved": ["model.weight"]}, "addresses unchanged"),
     ],
 )
 def test_each_gate_fails_for_its_own_reason(tmp_path, change, gate):
@@ -173,7 +176,7 @@ def test_demo_proves_the_resume(tmp_path):
     proc = _demo(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resume from step 2" in proc.stdout and "resume PROVEN" in proc.stdout
-    assert proc.stdout.count("PASS") == 6
+    assert proc.stdout.count("PASS") == 7
     prove = subprocess.run(
         [sys.executable, "-m", "ckptguard.cli", "prove", str(tmp_path / "d/ckpt"), "--json"],
         capture_output=True,
@@ -192,3 +195,24 @@ def test_demo_negative_control_fails_the_right_gates(tmp_path):
     assert rows["one non-zero update"] == "PASS"
     lines = [x for x in proc.stdout.splitlines() if "step  3:" in x or "step  4:" in x]
     assert not lines[-2].endswith("probs_diff 0") and lines[-1].endswith("probs_diff 0")  # the next step recovers
+
+
+class Replacing(torch.nn.Linear):
+    """A module whose load swaps in new Parameters: the bug the address gate exists for."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("weight", "bias"):
+            setattr(self, name, torch.nn.Parameter(state_dict[prefix + name].clone()))
+
+
+def test_address_gate_catches_a_restore_that_replaced_tensors(tmp_path):
+    for cls, expected in ((torch.nn.Linear, Status.PASS), (Replacing, Status.FAIL)):
+        root = tmp_path / cls.__name__
+        torch.manual_seed(0)
+        cg.CheckpointManager(root, config=cg.CheckpointConfig(verify_restored=False)).save(1, {"model": cls(4, 2)})
+        _write(root, 0, [{"event": "save", "pid": OLD, "step": 1}])  # as if saved by another process
+        fresh = cls(4, 2)
+        ptr = fresh.weight.data_ptr()
+        cg.CheckpointManager(root, config=cg.CheckpointConfig(verify_restored=False)).restore({"model": fresh})
+        assert (fresh.weight.data_ptr() == ptr) == (expected is Status.PASS)
+        assert _gates(root)["addresses unchanged"] is expected

@@ -16,6 +16,7 @@ Protocol (DESIGN.md, "Commit protocol"):
 from __future__ import annotations
 
 import errno as _errno
+import logging
 import os
 import secrets
 import shutil
@@ -26,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _faults, _layout, _manifest, _rng
 from . import contract as _contract
+from . import lease as _lease
 from ._digest import digest, file_digest
 from ._dist import Agreement
 from ._state import Captured, capture
@@ -43,6 +46,8 @@ from .errors import (
     WriteFailure,
 )
 from .expert import ExpertParallel
+
+log = logging.getLogger("ckptguard")
 
 RNG_ITEM = "_rng"
 FAILED_PREFIX = ".failed-"
@@ -59,6 +64,7 @@ class Context:
     storage: Storage
     storage_ctx: StorageContext
     expert: ExpertParallel | None = None
+    last_save: tuple[int, float] | None = None  # (step, monotonic end) of this process's last save
 
     @property
     def rank(self) -> int:
@@ -180,6 +186,9 @@ def _prepare_root(ctx: Context, step: int) -> dict[str, Any]:
     if not phases:
         _contract.write_phase(root, 0, _contract.initial_phase(uuid.uuid4().hex, ctx.config.contract))
     phase = _contract.check(root, ctx.config.contract, where=f"save of step {step}")
+    note = _lease.acquire(root, ttl_s=ctx.config.lease_ttl_s, override=ctx.config.break_lease)
+    if note:
+        log.warning("ckptguard: %s: %s", root, note)
     _layout.sweep_temp_dirs(root, max_age_s=ctx.config.stale_temp_age_s)
     name = ctx.naming.name(step)
     existing = root / name
@@ -244,20 +253,27 @@ def _write_extras(path: Path, extras: dict[str, Any]) -> WrittenFile:
     return WrittenFile(path=path.name, size=size, xxh3=xxh)
 
 
-def _copy_verified(src: Path, dst: Path) -> None:
-    """Copy to a temp name on the target, fsync, re-read and compare, then rename."""
+def _copy_verified(src: Path, dst: Path, *, expect: str | None = None) -> str:
+    """Copy to a temp name on the target, fsync, re-read and compare, then rename.
+
+    The source is hashed while it is copied; the copy is hashed again from disk. ``expect``
+    (a recorded xxh3) must match too. Returns the xxh3 of what was published."""
     part = dst.with_name(f"{dst.name}.part-{secrets.token_hex(4)}")
+    h = xxhash.xxh3_64()
     with open(src, "rb") as fin, open(part, "wb") as fout:
         while block := fin.read(8 << 20):
+            h.update(block)
             view = memoryview(block)
             while view:
                 n = fout.write(view)
                 view = view[n:]  # a short write continues where it stopped
         fout.flush()
         os.fsync(fout.fileno())
-    if file_digest(str(src)) != file_digest(str(part)):
-        raise OSError(_errno.EIO, f"staged copy differs from its source after fsync: {src} -> {part}", str(part))
+    copied = file_digest(str(part))[1]
+    if copied != h.hexdigest() or (expect is not None and copied != expect):
+        raise OSError(_errno.EIO, f"copy differs from its source or record after fsync: {src} -> {part}", str(part))
     os.replace(part, dst)
+    return copied
 
 
 def _write_rank(ctx: Context, step: int, tmp: Path, items: dict[str, Captured], rng: Any) -> list[WrittenFile]:
@@ -290,11 +306,26 @@ def _write_rank(ctx: Context, step: int, tmp: Path, items: dict[str, Captured], 
 # ---------------------------------------------------------------- step 4: publish
 
 
+def _cost(ctx: Context, step: int, started: float, files: list[dict[str, Any]]) -> dict[str, Any]:
+    """Size and save time, and the save as a fraction of step time (the guide's section 7)."""
+    now = time.monotonic()
+    step_s = None
+    if ctx.last_save is not None and step > ctx.last_save[0]:
+        step_s = (started - ctx.last_save[1]) / (step - ctx.last_save[0])
+    return {
+        "bytes": sum(int(f["size"]) for f in files),
+        "save_seconds": round(now - started, 3),
+        "step_seconds": round(step_s, 3) if step_s else None,
+        "save_fraction_of_step": round((now - started) / step_s, 4) if step_s else None,
+    }
+
+
 def _publish(
     ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: list[dict[str, Any]], kinds: dict[str, str]
 ) -> None:
     _faults.reached("commit.before_manifest")
     files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep["files"]]
+    cost = _cost(ctx, step, prep["started"], files)
     manifest = _manifest.build(
         step=step,
         chain_id=prep["chain_id"],
@@ -309,6 +340,7 @@ def _publish(
         digests={str(r): rep["digests"] for r, rep in enumerate(reports)},
         contract={"phase": prep["phase"], "hash": prep["hash"]},
     )
+    manifest["cost"] = cost  # optional in format 1: absent in manifests written before it
     _layout.atomic_write_json(
         tmp / _layout.MANIFEST_NAME, manifest, before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
     )
@@ -347,10 +379,12 @@ def _release_host_cache() -> None:
 
 
 def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
+    started = time.monotonic()
     items = capture(state, ctx.keyfn())
     rng = _rng.capture() if ctx.config.capture_rng else None
     check_replicated(ctx, items, step)
     prep = _prepare(ctx, step)
+    prep["started"] = started
     tmp = Path(prep["tmp"])
     report: dict[str, Any] = {
         "host": ctx.agreement.info.host,
@@ -381,4 +415,5 @@ def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
         except Exception as exc:
             outcome["failure"] = failure_from(exc, rank=0, phase="publish").to_json()
     _raise_if_failed(ctx, ctx.agreement.exchange("save.published", outcome), step=step, phase="publish")
+    ctx.last_save = (step, time.monotonic())
     return ctx.root / ctx.naming.name(step)

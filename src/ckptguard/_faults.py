@@ -8,6 +8,7 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``commit.manifest_tmp_written``: manifest bytes are in a temp file, not renamed
 - ``commit.before_rename``: manifest in place inside the temp directory
 - ``commit.before_tracker``: step directory published, tracker not yet moved
+- ``transfer.file_copied``: ``ckptguard transfer`` copied one file of several
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ POINTS = (
     "commit.manifest_tmp_written",
     "commit.before_rename",
     "commit.before_tracker",
+    "transfer.file_copied",
 )
 
 _hooks: dict[str, Callable[[], None]] = {}

@@ -280,8 +280,9 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
     manifest = _manifest.read(res.path)
     _manifest.check_torch_version(manifest, allow_newer=ctx.config.allow_newer_torch)
     _check_topology(ctx, manifest)
-    if (ctx.root / _contract.CONTRACT_DIR).exists():
-        _contract.check(ctx.root, ctx.config.contract, where=f"restore of step {manifest.step} from {res.path}")
+    where = f"restore of step {manifest.step} from {res.path}"
+    _contract.check_chain(ctx.root, manifest.chain_id, where=where)
+    _contract.check(ctx.root, ctx.config.contract, where=where)
     src = _source_rank(ctx, manifest)
     extras_path = res.path / _layout.extras_name(src)
     try:
@@ -326,11 +327,12 @@ def _verify_digests(
         except StateMismatchError as exc:
             problems.append(str(exc))
             matches[name] = False
-    if ctx.config.restore_rng and extras.get("rng") is not None and RNG_ITEM in saved:
+    if extras.get("rng") is not None and RNG_ITEM in saved:
         from ._digest import digest
 
         matches["rng"] = digest(_rng.capture()) == saved[RNG_ITEM]
-        if not matches["rng"]:
+        # With restore_rng off the streams differ by choice: recorded for the proof, not raised.
+        if not matches["rng"] and ctx.config.restore_rng:
             problems.append("the RNG streams differ from the saved ones after restore")
     if on_verified is not None:
         on_verified(matches)  # the proof record is written even when the restore then raises

@@ -92,6 +92,12 @@ def list_steps(root: Path, template: str) -> None:
         click.echo(f"{'-':>10}  in flight or abandoned  {tmp.name}")
 
 
+def _cost_line(c: dict) -> str:
+    frac = c.get("save_fraction_of_step")
+    step = f", {100 * frac:.1f}% of a {c['step_seconds']:.2f} s step" if frac is not None else ""
+    return f"{c['bytes'] / (1 << 30):.3f} GiB, saved in {c['save_seconds']:.2f} s{step}"
+
+
 def _emit(findings: list, as_json: bool, extra: dict | None = None) -> None:
     if as_json:
         ok = not any(f.severity.value == "ERROR" for f in findings)
@@ -134,7 +140,12 @@ def verify(path: Path, deep: bool, do_restore: bool, template: str, as_json: boo
             steps, findings = [path], _verify.verify_step(path, deep=deep, progress=bar.update)
     if do_restore and not _verify.worst(findings):
         findings += _verify.restore_check(steps)
-    _emit(findings, as_json, {"checked": [str(p) for p in steps]})
+    costs = {str(p): _verify.cost(p) for p in steps}
+    _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs})
+    if not as_json:
+        for p, c in costs.items():
+            if c:
+                click.echo(f"cost    {Path(p).name}: {_cost_line(c)}")
     if not as_json:
         verdict = "FAIL" if _verify.worst(findings) else "OK"
         how = (" with checksums" if deep else "") + (" and a real restore" if do_restore else "")
@@ -391,6 +402,27 @@ def _describe_failure(f: dict | None) -> str:
     if first:
         return f"round {f['round']}: rank {first['rank']} errno {first['errno']} {first['path']}"
     return f"round {f['round']}: {f['type']}"
+
+
+@main.command()
+@click.argument("step_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("dest_root", type=click.Path(path_type=Path, file_okay=False))
+@click.option("--record", type=click.Path(path_type=Path, dir_okay=False),
+              help="Where to write the transfer record (default DEST_ROOT/transfers/).")
+def transfer(step_dir: Path, dest_root: Path, record: Path | None) -> None:
+    """Copy a committed STEP_DIR to DEST_ROOT (e.g. a new node) with the save's publish protocol.
+
+    Each file is copied to a temp name, fsynced, checked against the manifest and renamed; the
+    destination's tracker moves only after everything verified. Exit 0 done, 1 refused or failed.
+    """
+    from .transfer import describe
+    from .transfer import transfer as _transfer
+
+    try:
+        info = _transfer(step_dir, dest_root, record=record)
+    except CheckpointError as exc:
+        _fail(str(exc), False)
+    click.echo(describe(info))
 
 
 def _fail(message: str, as_json: bool) -> None:

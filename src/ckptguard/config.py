@@ -86,6 +86,10 @@ class CheckpointConfig:
     """Allow saving a step that is already committed (it is uncommitted, then replaced)."""
     stale_temp_age_s: float = 24 * 3600.0
     """Age after which another host's leftover temp directory is swept."""
+    lease_ttl_s: float = 6 * 3600.0
+    """A lease from another host not renewed (by a save) for this long counts as abandoned."""
+    break_lease: bool = False
+    """Take the root's write lease even from a live owner (reported in the log)."""
     keep_failed: bool = False
     """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
     record_proof: bool = True

@@ -21,7 +21,7 @@ from typing import Any
 import xxhash
 
 from ._layout import CONTRACT_DIR, fsync_dir
-from .errors import CheckpointCorruptError, ConfigError, ContractMismatchError
+from .errors import ChainMismatchError, CheckpointCorruptError, ConfigError, ContractMismatchError
 
 ITEMS = ("code", "data", "recipe", "total_steps")
 
@@ -226,6 +226,53 @@ def declare(root: Path, contract: RunContract | None, reason: str, changes: Iter
         "created_unix": time.time(),
         "reason": reason,
         "changes": [d for _, d in actual],
+        "contract": items,
+        "contract_hash": contract_hash(items),
+    }
+    return write_phase(root, record["phase"], record)
+
+
+# ---------------------------------------------------------------- chain identity
+
+
+def chains(root: Path) -> tuple[str | None, set[str]]:
+    """(the root's own chain id, the chain ids adopted into it by declared phases)."""
+    phases = read_phases(root)
+    if not phases:
+        return None, set()
+    return phases[0]["chain_id"], {c for p in phases for c in p.get("adopted_chains", [])}
+
+
+def check_chain(root: Path, chain_id: str, *, where: str) -> None:
+    """Refuse a checkpoint of another run chain unless a phase adopted it."""
+    if not chain_id:
+        return  # written before chain ids existed
+    own, adopted = chains(root)
+    if chain_id == own or chain_id in adopted:
+        return
+    raise ChainMismatchError(
+        f"{where}: the checkpoint belongs to run chain {chain_id}, but {root} is "
+        f"{'chain ' + own if own else 'not a run root yet'}. A checkpoint copied in for evaluation or from the "
+        "other arm of an experiment is not this run's past. If you mean to continue from it, adopt it "
+        "explicitly: manager.adopt(path, reason) (a new contract phase)."
+    )
+
+
+def adopt(root: Path, contract: RunContract | None, chain_id: str, reason: str) -> Path:
+    """Append a phase that adopts ``chain_id``; creates the root's phase 0 if it has none."""
+    import uuid
+
+    if not reason.strip():
+        raise ConfigError("adopt: give a reason (why this run continues from another chain)")
+    phases = read_phases(root)
+    items = (contract or RunContract()).items()
+    record = {
+        "phase": phases[-1]["phase"] + 1 if phases else 0,
+        "chain_id": phases[0]["chain_id"] if phases else uuid.uuid4().hex,
+        "created_unix": time.time(),
+        "reason": reason,
+        "changes": [f"adopted chain {chain_id}"],
+        "adopted_chains": [chain_id],
         "contract": items,
         "contract_hash": contract_hash(items),
     }

@@ -15,6 +15,8 @@ One root, and leaves that also subclass the builtin a caller would naturally cat
     +-- TopologyMismatchError (ValueError)       world size or parallel layout changed
     +-- VersionMismatchError (RuntimeError)      written by a newer torch or ckptguard
     +-- ContractMismatchError (ValueError)       the run contract changed without a new phase
+    |   +-- ChainMismatchError                   a checkpoint of another run chain, not adopted
+    +-- LeaseHeldError (RuntimeError)            another live run writes this root
     +-- CheckpointWriteError (OSError)           a rank failed to write; carries the first error
     +-- CollectiveTimeoutError (TimeoutError)    a rank did not arrive at an agreement point
 
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = [
+    "ChainMismatchError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointIncompleteError",
@@ -37,6 +40,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigError",
     "ContractMismatchError",
+    "LeaseHeldError",
     "RankDisagreementError",
     "ReplicatedDivergenceError",
     "ResumeError",
@@ -98,6 +102,14 @@ class VersionMismatchError(CheckpointError, RuntimeError):
 
 class ContractMismatchError(CheckpointError, ValueError):
     """The run contract (code, data, recipe, total steps) changed without a declared phase."""
+
+
+class LeaseHeldError(CheckpointError, RuntimeError):
+    """Another live run holds the root's write lease."""
+
+
+class ChainMismatchError(ContractMismatchError):
+    """The checkpoint belongs to another run chain and was not adopted."""
 
 
 class CollectiveTimeoutError(CheckpointError, TimeoutError):

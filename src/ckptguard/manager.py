@@ -19,14 +19,36 @@ import torch.distributed as dist
 from . import _commit, _layout, _manifest, _restore, retention
 from . import contract as _contract
 from ._dist import make_agreement
-from ._storage import DCPStorage, Storage, StorageContext
+from ._storage import Storage, StorageContext
 from .config import CheckpointConfig, ResumeMode
 from .derived import DerivedState
 from .errors import CheckpointError, ConfigError
 from .expert import ExpertParallel
+from .fastio import StreamingStorage
 from .proof import ProofLog
 
 log = logging.getLogger("ckptguard")
+
+
+def _addresses(state: dict[str, Any]) -> dict[str, int]:
+    """data_ptr of every parameter and buffer of the modules in ``state`` (local shard for DTensor).
+
+    CUDA graphs and colocated rollout engines hold these addresses; a restore must copy into
+    the existing storages, never swap in new tensors.
+    """
+    import torch
+
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, torch.nn.Module):
+            for key, t in [*value.named_parameters(), *value.named_buffers()]:
+                local = t.to_local() if hasattr(t, "to_local") else t
+                out[f"{name}.{key}"] = local.data_ptr()
+    return out
+
+
+def _moved(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    return sorted(k for k in before if after.get(k) != before[k])
 
 
 class CheckpointManager:
@@ -80,7 +102,7 @@ class CheckpointManager:
             config=self.config,
             naming=_layout.StepNaming(self.config.dir_template),
             agreement=agreement,
-            storage=storage or DCPStorage(),
+            storage=storage or StreamingStorage(),
             storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
             expert=expert_parallel,
         )
@@ -177,6 +199,7 @@ class CheckpointManager:
             return 0
         log.info("ckptguard: %s", res.describe())
         matches: dict[str, bool] = {}
+        before = _addresses(state)
         try:
             done = _restore.restore(self._ctx, state, res, on_verified=matches.update)
         except CheckpointError:
@@ -188,6 +211,7 @@ class CheckpointManager:
             path=str(res.path),
             digests_match=done.digests_match,
             format_version=done.format_version,
+            addresses_changed=_moved(before, _addresses(state)),
             ok=True,
         )
         self._restored_step = done.step
@@ -229,6 +253,25 @@ class CheckpointManager:
                 self._proof.append(event, **fields)
             except OSError as exc:  # a read-only or full root must not fail a restore
                 log.warning("ckptguard: could not append the %s proof record under %s (%s)", event, self.root, exc)
+
+    def adopt(self, path: str | os.PathLike[str], reason: str) -> Path:
+        """Adopt the run chain of the checkpoint at ``path`` into this root (a new contract
+        phase), so ``restore(path=...)`` may continue from it. Rank 0 writes; collective."""
+        from . import _manifest as manifest_mod
+
+        chain = manifest_mod.read(Path(path)).chain_id
+        written: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)  # adopting is an explicit act of creating a run
+                written["path"] = str(_contract.adopt(self.root, self.config.contract, chain, reason))
+            except CheckpointError as exc:
+                written["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        head = self._ctx.agreement.exchange("adopt", written)[0]
+        if "error" in head:
+            raise _commit._rebuild(head["error"], self.rank)
+        log.warning("ckptguard: %s adopted chain %s from %s (%s)", self.root, chain, path, reason)
+        return Path(head["path"])
 
     def hold(self, step: int, reason: str) -> Path:
         """Pin a committed step against rotation (e.g. for evaluation); survives restarts."""

@@ -220,10 +220,23 @@ def _gate_update(seg: _Segment) -> tuple[Status, str]:
     return Status.PASS, f"first update non-zero: grad_norm {first['grad_norm']:.3g}, parameters changed"
 
 
+def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
+    if not _restored(seg):
+        return Status.NOT_RUN, "no restore of a non-zero step"
+    moved = seg.restore.get("addresses_changed")
+    if moved is None:
+        return Status.NOT_RUN, f"rank {seg.rank}: addresses were not recorded"
+    if moved:
+        return Status.FAIL, (f"rank {seg.rank}: restore replaced {len(moved)} tensor(s) instead of copying into "
+                             f"them, e.g. {moved[:3]}; CUDA graphs and rollout engines hold the old addresses")
+    return Status.PASS, "every parameter and buffer kept its data_ptr through the restore"
+
+
 _GATES = (
     ("restored step confirmed before training", _gate_confirmed),
     ("all PIDs changed", _gate_pids),
     ("digests equal, item by item", _gate_digests),
+    ("addresses unchanged", _gate_addresses),
     ("first export byte-identical", _gate_export),
     ("first old-logprob aligned", _gate_logprobs),
     ("one non-zero update", _gate_update),

@@ -312,3 +312,13 @@ def restore_check(step_dirs: Iterable[Path]) -> list[Finding]:
         for problem in compare(step_dir, json.loads(proc.stdout)):
             findings.append(_err("digest-mismatch", step_dir, problem, RESTORE_HINT))
     return findings
+
+
+def cost(step_dir: Path) -> dict[str, Any] | None:
+    """The manifest's size and save-time record, when it has one."""
+    import json
+
+    try:
+        return json.loads((Path(step_dir) / _layout.MANIFEST_NAME).read_text()).get("cost")
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,21 @@
+"""Adapters for where RL users run: ranks as Ray actors, and verl- or OpenRLHF-style trainers.
+
+Contract: every adapter here is a thin layer over the public ``CheckpointManager``; none
+changes the on-disk format or the commit protocol. Importing this package imports no
+optional dependency: ``ray``, ``verl`` and ``deepspeed`` are imported only by the functions
+that need them, and a missing one raises ``ConfigError`` naming the package to install.
+
+- ``ckptguard.integrations.ray``: rank 0's actor opens a rendezvous, every actor joins a gloo
+  (or NCCL) process group; after that ckptguard behaves exactly as under ``torchrun``.
+- ``ckptguard.integrations.external``: a ``Storage`` that commits files written by someone
+  else (verl's workers, DeepSpeed) inside the same atomic step directory, checksummed in
+  the manifest.
+- ``ckptguard.integrations.verl``: a mixin replacing ``RayPPOTrainer._save_checkpoint`` and
+  ``_load_checkpoint``, honouring verl's ``trainer.*`` checkpoint options.
+- ``ckptguard.integrations.openrlhf``: the same for ``DeepspeedStrategy.save_ckpt``/``load_ckpt``
+  and the ``--ckpt.*`` flags.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

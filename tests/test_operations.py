@@ -1,0 +1,164 @@
+"""Operating a long run: one writer per root (lease), chain identity, transfer, cost per step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptguard as cg
+from ckptguard import _layout
+from ckptguard.lease import LEASE_NAME
+
+HOLDER = """
+import sys, time, torch, ckptguard as cg
+cg.CheckpointManager(sys.argv[1]).save(1, {"w": torch.ones(2)})
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _state(v: float = 1.0) -> dict:
+    return {"w": torch.full((2,), v)}
+
+
+def test_a_second_writer_is_refused_naming_the_owner(tmp_path, caplog):
+    root = tmp_path / "ck"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(cg.LeaseHeldError, match=f"pid {holder.pid} on host"):
+            cg.CheckpointManager(root).save(2, _state())
+        assert _layout.read_tracker(root) == 1
+        caplog.set_level(logging.WARNING, logger="ckptguard")
+        cg.CheckpointManager(root, config=cg.CheckpointConfig(break_lease=True)).save(2, _state())
+        assert f"broke the lease of pid {holder.pid}" in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
+    # The owner is gone now: a relaunch on the same host takes over without any flag.
+    (root / LEASE_NAME).write_text(
+        json.dumps(
+            {
+                "host": _host(),
+                "pid": holder.pid,
+                "start": "1",
+                "acquired_unix": time.time(),
+                "renewed_unix": time.time(),
+            }
+        )
+    )
+    caplog.clear()
+    cg.CheckpointManager(root).save(3, _state())
+    assert "took over the lease of dead" in caplog.text
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def test_another_hosts_lease_is_refused_until_it_expires(tmp_path):
+    root = tmp_path / "ck"
+    cg.CheckpointManager(root).save(1, _state())
+    lease = {"host": "node-b", "pid": 4242, "start": "9", "acquired_unix": time.time(), "renewed_unix": time.time()}
+    (root / LEASE_NAME).write_text(json.dumps(lease))
+    with pytest.raises(cg.LeaseHeldError, match="pid 4242 on host node-b"):
+        cg.CheckpointManager(root).save(2, _state())
+    lease["renewed_unix"] = time.time() - 7 * 3600
+    (root / LEASE_NAME).write_text(json.dumps(lease))
+    cg.CheckpointManager(root).save(2, _state())
+    assert json.loads((root / LEASE_NAME).read_text())["host"] == _host()
+
+
+def test_a_checkpoint_of_another_chain_needs_adoption(tmp_path):
+    arm_a, arm_b = tmp_path / "arm_a", tmp_path / "arm_b"
+    cg.CheckpointManager(arm_a).save(5, _state(5.0))
+    cg.CheckpointManager(arm_b).save(3, _state(3.0))
+    mgr = cg.CheckpointManager(arm_b)
+    target = _state(0.0)
+    with pytest.raises(cg.ChainMismatchError, match="adopt it"):
+        mgr.restore(target, path=arm_a / "step_00000005")
+    # A step directory copied in from the other arm is refused too, even through the tracker.
+    shutil.copytree(arm_a / "step_00000005", arm_b / "step_00000005")
+    _layout.write_tracker(arm_b, 5)
+    with pytest.raises(cg.ChainMismatchError):
+        mgr.restore(target)
+    phase = mgr.adopt(arm_a / "step_00000005", "continue arm B from arm A's step 5 for the ablation")
+    assert json.loads(phase.read_text())["adopted_chains"]
+    assert mgr.restore(target) == 5 and target["w"].tolist() == [5.0, 5.0]
+    # A brand-new root adopting a checkpoint for evaluation.
+    fresh = cg.CheckpointManager(tmp_path / "eval")
+    with pytest.raises(cg.ChainMismatchError, match="not a run root yet"):
+        fresh.restore(_state(0.0), path=arm_a / "step_00000005")
+    fresh.adopt(arm_a / "step_00000005", "evaluation copy")
+    assert fresh.restore(_state(0.0), path=arm_a / "step_00000005") == 5
+
+
+KILL_MID_TRANSFER = """
+import os, signal, sys
+from ckptguard import _faults
+from ckptguard.transfer import transfer
+_faults.set_hook("transfer.file_copied", lambda: os.kill(os.getpid(), signal.SIGKILL))
+transfer(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_transfer_publishes_like_a_save_and_resumes(tmp_path):
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+    from ckptguard.toyjob import build_job, fingerprint, train_step
+
+    src = tmp_path / "node1"
+    job = build_job()
+    train_step(job)
+    mgr = cg.CheckpointManager(src)
+    time.sleep(0.05)
+    mgr.save(1, job.state())
+    train_step(job)
+    mgr.save(2, job.state())
+    # A transfer killed midway leaves no tracker at the destination.
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_MID_TRANSFER, str(src / "step_00000002"), str(tmp_path / "node2_killed")]
+    )
+    assert killed.returncode == -9
+    assert _layout.read_tracker(tmp_path / "node2_killed") is None
+    assert not (tmp_path / "node2_killed" / "step_00000002").exists()
+    # A complete transfer: record, tracker last, and the resume passes verify and preflight.
+    dest = tmp_path / "node2"
+    out = CliRunner().invoke(main, ["transfer", str(src / "step_00000002"), str(dest)])
+    assert out.exit_code == 0, out.output
+    record = json.loads(next((dest / "transfers").glob("*.json")).read_text())
+    assert record["step"] == 2 and record["tracker_set_to"] == 2 and len(record["files"]) >= 3
+    assert CliRunner().invoke(main, ["verify", str(dest), "--deep"]).exit_code == 0
+    assert CliRunner().invoke(main, ["preflight", str(dest), "--expect-step", "2"]).exit_code == 0
+    fresh = build_job(seed=4)
+    assert cg.CheckpointManager(dest).restore(fresh.state()) == 2
+    assert fingerprint(fresh) == fingerprint(job)
+    again = CliRunner().invoke(main, ["transfer", str(src / "step_00000002"), str(dest)])
+    assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_manifest_records_size_and_save_time_per_step(tmp_path):
+    mgr = cg.CheckpointManager(tmp_path / "ck")
+    for step in (1, 2, 3):
+        time.sleep(0.1)
+        mgr.save(step, _state(step))
+    cost = json.loads((tmp_path / "ck/step_00000003/manifest.json").read_text())["cost"]
+    assert cost["bytes"] > 0 and cost["save_seconds"] > 0
+    assert 0.1 <= cost["step_seconds"] < 5 and 0 < cost["save_fraction_of_step"] < 1
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+
+    out = CliRunner().invoke(main, ["verify", str(tmp_path / "ck")])
+    assert "cost    step_00000003:" in out.output and "% of a" in out.output
