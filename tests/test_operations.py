@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +161,53 @@ def test_manifest_records_size_and_save_time_per_step(tmp_path):
 
     out = CliRunner().invoke(main, ["verify", str(tmp_path / "ck")])
     assert "cost    step_00000003:" in out.output and "% of a" in out.output
+
+
+def _phase(kind: str, rank: int, pid: int, ago_s: float, **extra) -> dict:
+    import socket
+
+    return {"v": 1, "kind": kind, "mono_ns": time.monotonic_ns() - int(ago_s * 1e9), "wall_time": time.time() - ago_s,
+            "node": socket.gethostname(), "rank": rank, "pid": pid, "phase": "save", "step": 40, **extra}
+
+
+def test_status_tells_a_stalled_rank_from_a_busy_one(tmp_path):
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+
+    stalled = subprocess.Popen(["sleep", "60"])
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        records = []
+        for rank, pid in ((0, stalled.pid), (1, busy.pid)):
+            records += [_phase("phase_start", rank, pid, 30), _phase("phase_end", rank, pid, 29, duration_s=1.0),
+                        _phase("phase_start", rank, pid, 12)]
+        path = tmp_path / "phases.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        out = CliRunner().invoke(main, ["status", str(path), "--sample", "0.5"])
+        assert out.exit_code == 0, out.output
+        lines = out.output.splitlines()
+        assert "STALLED" in lines[0] and "'save'" in lines[0] and "typical 1.0 s" in lines[0]
+        assert "SLOW, not hung" in lines[1] and "CPU" in lines[1]
+    finally:
+        for proc in (stalled, busy):
+            proc.kill()
+            proc.wait()
+    out = CliRunner().invoke(main, ["status", str(path), "--json"])
+    assert all("EXITED inside phase 'save'" in r["verdict"] for r in json.loads(out.output))
+
+
+@pytest.mark.parametrize(("extra", "code", "failing"), [((), 0, None), (("--no-rng-restore",), 1, "digests")])
+def test_rehearse_passes_and_fails_on_the_right_gate(tmp_path, extra, code, failing):
+    root = tmp_path / "ck"
+    cmd = [sys.executable, "-m", "ckptguard.cli", "rehearse", "--root", str(root), "--timeout", "150", "--",
+           sys.executable, "-m", "ckptguard.demo", "--root", str(root), "--steps", "100000", "--save-every", "2",
+           *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "SIGKILLed the whole process group" in proc.stdout and "checkpoint of step" in proc.stdout
+    fails = [line.split("  ")[0] for line in proc.stdout.splitlines() if "  FAIL  " in line]
+    if failing is None:
+        assert not fails and "rehearsal PASSED" in proc.stdout
+    else:
+        assert fails == ["digests equal, item by item"] and "['rng']" in proc.stdout

@@ -425,6 +425,64 @@ def transfer(step_dir: Path, dest_root: Path, record: Path | None) -> None:
     click.echo(describe(info))
 
 
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path, exists=True))
+@click.option("--sample", "sample_s", type=click.FloatRange(0.05, 10), default=0.5, show_default=True,
+              help="Seconds between the two /proc readings of each local process.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per rank.")
+def status(path: Path, sample_s: float, as_json: bool) -> None:
+    """Each rank's current phase, for how long, against its typical duration, and whether it is busy.
+
+    PATH is a phase-records file (PhaseRecorder) or a directory holding them. Tells a stalled
+    rank (no CPU, no I/O, overdue) from a slow one: slow is not a hang.
+    """
+    from dataclasses import asdict
+
+    from .status import record_files
+    from .status import status as _status
+
+    files = record_files(path)
+    if not files:
+        _fail(f"no phase records under {path}; write them with ckptguard.memory.PhaseRecorder", as_json)
+    ranks = _status(files, sample_s=sample_s)
+    if as_json:
+        click.echo(json.dumps([asdict(r) for r in ranks]))
+        return
+    for r in ranks:
+        click.echo(f"rank {r.rank:<3} pid {r.pid:<8} {r.node:<12} step {r.step}: {r.verdict}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--root", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="The checkpoint root the training command writes.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=600, show_default=True,
+              help="Longest wait for the first save, and for the resumed run's first update.")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def rehearse(root: Path, timeout_s: float, cmd: tuple[str, ...]) -> None:
+    """Run CMD to its first save, SIGKILL it, relaunch it, and prove the resume.
+
+    Use before a long run on a new save path or layout:
+
+        ckptguard rehearse --root /ckpt/run1 -- torchrun --nproc_per_node 8 train.py ...
+
+    Exit 0 only if every proof gate passes.
+    """
+    from .proof import passed
+    from .rehearse import rehearse as _rehearse
+
+    try:
+        result = _rehearse(list(cmd), root, timeout_s=timeout_s, echo=click.echo)
+    except CheckpointError as exc:
+        _fail(str(exc), False)
+    _gate_table(result.gates, False)
+    if result.cost:
+        click.echo(f"\ncheckpoint of step {result.step}: {_cost_line(result.cost)}")
+    click.echo(f"log: {result.log}")
+    ok = passed(result.gates)
+    click.echo("\nrehearsal PASSED" if ok else "\nrehearsal FAILED: see the FAIL/NOT RUN rows")
+    sys.exit(0 if ok else 1)
+
+
 def _fail(message: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"error": message}))

@@ -197,7 +197,9 @@ def build_trainer(*, rank: int, world: int) -> Trainer:
     return trainer
 
 
-def worker(*, root: str, steps: int, save_every: int, kill_at: int | None, derived_fix: bool) -> None:
+def worker(
+    *, root: str, steps: int, save_every: int, kill_at: int | None, derived_fix: bool, restore_rng: bool = True
+) -> None:
     """One rank of the RL job: resume (AUTO), then rollout, old-logprob, update, save."""
     import logging
     import signal
@@ -214,7 +216,7 @@ def worker(*, root: str, steps: int, save_every: int, kill_at: int | None, deriv
     logging.basicConfig(level=logging.WARNING if rank else logging.INFO, format=f"  [rank {rank}] %(message)s")
     say = logging.getLogger("ckptguard.demo").info
     trainer = build_trainer(rank=rank, world=world)
-    cfg = CheckpointConfig(retention=retention.KeepLast(2))
+    cfg = CheckpointConfig(retention=retention.KeepLast(2), restore_rng=restore_rng)
     mgr = CheckpointManager(root, config=cfg, derived=trainer.registry if derived_fix else None)
     start = mgr.restore(trainer.state(), mode=ResumeMode.AUTO)
     for step in range(start + 1, steps + 1):
@@ -329,8 +331,10 @@ def _main() -> None:
     p.add_argument("--save-every", type=int, required=True)
     p.add_argument("--kill-at", type=int)
     p.add_argument("--no-derived-fix", action="store_true")
+    p.add_argument("--no-rng-restore", action="store_true", help="negative control for `ckptguard rehearse`")
     a = p.parse_args()
-    worker(root=a.root, steps=a.steps, save_every=a.save_every, kill_at=a.kill_at, derived_fix=not a.no_derived_fix)
+    worker(root=a.root, steps=a.steps, save_every=a.save_every, kill_at=a.kill_at, derived_fix=not a.no_derived_fix,
+           restore_rng=not a.no_rng_restore)
 
 
 if __name__ == "__main__":
