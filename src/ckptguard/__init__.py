@@ -12,6 +12,7 @@ Public surface::
 
 __version__ = "0.1.0"
 
+from ._async import PendingSave
 from ._restore import Resolution
 from ._state import PerRank
 from ._storage import DCPStorage, Storage, StorageContext, WrittenFile, read_dcp_metadata
@@ -46,6 +47,7 @@ __all__ = [
     "RetentionPolicy",
     "StaleDerivedStateError",
     "ParallelLayout",
+    "PendingSave",
     "PerRank",
     "ReshardRule",
     "Resolution",

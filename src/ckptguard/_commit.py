@@ -378,13 +378,35 @@ def _release_host_cache() -> None:
             empty()
 
 
-def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
+@dataclass
+class Snapshot:
+    """What a save writes, taken in the caller's thread: the blocking part of a save."""
+
+    step: int
+    items: dict[str, Captured]
+    rng: Any
+    started: float
+    staged_bytes: int = 0
+
+
+def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
+    """Capture every item, the RNG streams and the digests, and run the divergence guard."""
     started = time.monotonic()
     items = capture(state, ctx.keyfn())
     rng = _rng.capture() if ctx.config.capture_rng else None
     check_replicated(ctx, items, step)
+    return Snapshot(step, items, rng, started)
+
+
+def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
+    return commit(ctx, snapshot(ctx, step, state))
+
+
+def commit(ctx: Context, snap: Snapshot) -> Path:
+    """Steps 1 to 4 of the protocol for a snapshot; in the caller's or a background thread."""
+    step, items, rng = snap.step, snap.items, snap.rng
     prep = _prepare(ctx, step)
-    prep["started"] = started
+    prep["started"] = snap.started
     tmp = Path(prep["tmp"])
     report: dict[str, Any] = {
         "host": ctx.agreement.info.host,

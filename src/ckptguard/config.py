@@ -90,6 +90,10 @@ class CheckpointConfig:
     """A lease from another host not renewed (by a save) for this long counts as abandoned."""
     break_lease: bool = False
     """Take the root's write lease even from a live owner (reported in the log)."""
+    async_gpu_bytes: int = 0
+    """Spare GPU memory a ``save_async`` snapshot may take (bytes); 0: never snapshot into GPU memory."""
+    async_host_bytes: int = 1 << 30
+    """Host memory a ``save_async`` snapshot may take (bytes); a larger snapshot saves synchronously."""
     keep_failed: bool = False
     """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
     record_proof: bool = True
@@ -109,5 +113,8 @@ class CheckpointConfig:
             raise ConfigError("CheckpointConfig.contract must be a RunContract or None")
         if self.retention is not None and not callable(getattr(self.retention, "keep", None)):
             raise ConfigError("CheckpointConfig.retention must be a policy (KeepLast, KeepEvery, a | b) or None")
+        for name in ("async_gpu_bytes", "async_host_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ConfigError(f"CheckpointConfig.{name} must be an int >= 0 (bytes), got {getattr(self, name)!r}")
         if self.stale_temp_age_s <= 0:
             raise ConfigError("CheckpointConfig.stale_temp_age_s must be > 0")

@@ -10,14 +10,16 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from . import _commit, _layout, _manifest, _restore, retention
+from . import _async, _commit, _layout, _manifest, _restore, retention
 from . import contract as _contract
+from ._async import PendingSave
 from ._dist import make_agreement
 from ._storage import Storage, StorageContext
 from .config import CheckpointConfig, ResumeMode
@@ -94,6 +96,7 @@ class CheckpointManager:
                 use_local_synchronization=True,
             )
         self._restored_step: int | None = None
+        self._pending: _async.PendingSave | None = None
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         self._proof = ProofLog(self.root, agreement.info.rank)
@@ -149,14 +152,50 @@ class CheckpointManager:
         Returns the committed step directory. On any failure the tracker does not
         move and the previous committed step stays the resume target.
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ConfigError(f"save(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
+        self._check_step(step, "save")
         self._check_state(state, "save")
-        path = _commit.save(self._ctx, step, state)
+        self.wait()
+        return self._committed(_commit.save(self._ctx, step, state), step)
+
+    def save_async(self, step: int, state: dict[str, Any]) -> PendingSave:
+        """Snapshot ``state`` now and commit step ``step`` in the background.
+
+        The caller blocks only for the snapshot (into spare GPU memory within
+        ``async_gpu_bytes``, else host memory within ``async_host_bytes``; a snapshot that
+        fits neither is saved synchronously). The tracker moves when the background commit
+        completes; its error is raised by ``wait()``, or by the next save, restore or wait.
+        """
+        self._check_step(step, "save_async")
+        self._check_state(state, "save_async")
+        self.wait()
+        start = time.monotonic()
+        snap = _commit.snapshot(self._ctx, step, state)
+        cfg = self.config
+        if not _async.stage(snap, gpu_bytes=cfg.async_gpu_bytes, host_bytes=cfg.async_host_bytes):
+            log.warning("ckptguard: step %d does not fit the async budgets (gpu %d B, host %d B): saving "
+                        "synchronously", step, cfg.async_gpu_bytes, cfg.async_host_bytes)
+            path = self._committed(_commit.commit(self._ctx, snap), step)
+            self._pending = _async.PendingSave.completed(step, path, time.monotonic() - start)
+        else:
+            run = lambda: self._committed(_commit.commit(self._ctx, snap), step)  # noqa: E731
+            self._pending = _async.PendingSave(step, run, time.monotonic() - start)
+        return self._pending
+
+    def wait(self) -> Path | None:
+        """Wait for a pending ``save_async``; returns its step directory, raises its error."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    def _committed(self, path: Path, step: int) -> Path:
         log.info("ckptguard: committed step %d at %s", step, path)
         self._record("save", step=step, path=str(path))
         self._rotate(step)
         return path
+
+    @staticmethod
+    def _check_step(step: Any, where: str) -> None:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ConfigError(f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
 
     def _rotate(self, step: int) -> None:
         """Rank 0 applies retention after the commit; a failure is logged, never raised."""
@@ -192,6 +231,7 @@ class CheckpointManager:
         ``state``. Logs one line with the resolved path and step before returning.
         """
         self._check_state(state, "restore")
+        self.wait()
         res = self.resolve(mode=mode, path=path)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
@@ -259,6 +299,7 @@ class CheckpointManager:
         phase), so ``restore(path=...)`` may continue from it. Rank 0 writes; collective."""
         from . import _manifest as manifest_mod
 
+        self.wait()
         chain = manifest_mod.read(Path(path)).chain_id
         written: dict[str, Any] = {}
         if self.rank == 0:
@@ -289,6 +330,7 @@ class CheckpointManager:
         ``changes`` names the contract items that changed (code, data, recipe,
         total_steps); it must equal the actual difference from the phase in force.
         """
+        self.wait()
         changes = sorted(changes)
         written: dict[str, Any] = {}
         if self.rank == 0:
