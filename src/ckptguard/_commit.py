@@ -417,7 +417,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     try:
         written = _write_rank(ctx, step, tmp, items, rng)
         report["files"] = [f.__dict__ for f in written]
-        report["digests"] = {n: c.digest for n, c in items.items()}
+        report["digests"] = {n: c.digest() for n, c in items.items()}
         if rng is not None:
             report["digests"][RNG_ITEM] = digest(rng)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all

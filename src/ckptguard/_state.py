@@ -59,7 +59,10 @@ class Captured:
     kind: ItemKind
     skeleton: Any  # the item's structure; tensor leaves replaced by {TENSOR_REF: key}
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    digest: str = ""
+
+    def digest(self) -> str:
+        """The item's digest, from the captured tensors (a staged copy hashes the same bytes)."""
+        return digest(_unflatten(self.skeleton, self.tensors))
 
     @property
     def replicated_keys(self) -> list[str]:
@@ -208,7 +211,7 @@ def capture(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, Capture
         else:
             tensors, skeleton = {}, sd
         check_weights_only(skeleton, f"state item {name!r}")
-        out[name] = Captured(name, kind, skeleton, tensors, digest(sd))
+        out[name] = Captured(name, kind, skeleton, tensors)
     return out
 
 
