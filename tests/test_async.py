@@ -85,3 +85,21 @@ def _async_ranks(rank: int, world: int, root: str) -> bool:
 
 def test_async_save_under_fsdp2_on_two_ranks(tmp_path):
     assert values(run_ranks(_async_ranks, 2, str(tmp_path / "ck"))) == [True, True]
+
+
+def test_plain_values_are_snapshotted_too(tmp_path):
+    mgr = cg.CheckpointManager(tmp_path / "ck")
+    counters = {"tokens": 100}
+    state = {"counters": counters, "w": torch.ones(2)}
+    gate = threading.Event()
+    _faults.set_hook("commit.before_manifest", gate.wait)
+    try:
+        pending = mgr.save_async(1, state)
+        counters["tokens"] = 999  # the trainer moves on before the commit finished
+        gate.set()
+        pending.wait()
+    finally:
+        _faults.set_hook("commit.before_manifest", None)
+    target = {"counters": {}, "w": torch.zeros(2)}
+    mgr.restore(target)
+    assert target["counters"] == {"tokens": 100}

@@ -89,7 +89,7 @@ def _assert_scene(root: Path, point: str) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigkill_at_each_commit_point_keeps_previous_step(tmp_path, world):
     roots = []
-    for point in _faults.POINTS:
+    for point in _faults.COMMIT_POINTS:
         root = tmp_path / point.replace(".", "_")
         crash_rank = 1 if (point == "storage.data_written" and world == 2) else 0
         res = run_ranks(_crash_worker, world, str(root), point, crash_rank, distributed=world > 1)
@@ -276,3 +276,30 @@ def test_node_local_staging_publishes_verified_copies(tmp_path):
     fresh = build_job(seed=2)
     assert mgr.restore(fresh.state()) == 1
     assert fingerprint(fresh) == fingerprint(job)
+
+
+class _DottedBoom:
+    """Protocol 4 resolves dotted names: an allowed module must not reach os.system."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/ckptguard-pwned",))
+
+
+def test_dotted_global_through_an_allowed_module_is_refused(tmp_path):
+    import pickletools
+
+    marker = Path("/tmp/ckptguard-pwned")
+    marker.unlink(missing_ok=True)
+    # STACK_GLOBAL with module "torch.distributed.checkpoint.filesystem" and name "os.system".
+    payload = (
+        b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00"
+        + pickle.dumps("torch.distributed.checkpoint.filesystem", protocol=4)[11:-1]
+        + pickle.dumps("os.system", protocol=4)[11:-1]
+        + b"\x93" + pickle.dumps(("touch /tmp/ckptguard-pwned",), protocol=4)[11:-1] + b"R."
+    )
+    assert any(op.name == "STACK_GLOBAL" for op, _, _ in pickletools.genops(payload))  # well-formed
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / ".metadata").write_bytes(payload)
+    with pytest.raises(cg.UnsafeCheckpointError, match=r"os\.system"):
+        cg.read_dcp_metadata(tmp_path / "state")
+    assert not marker.exists()

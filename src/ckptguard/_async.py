@@ -10,6 +10,8 @@ calls before its next collective call, so it is never lost.
 
 from __future__ import annotations
 
+import copy
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +20,8 @@ from pathlib import Path
 import torch
 
 from ._commit import Snapshot
+
+log = logging.getLogger("ckptguard")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -53,6 +57,10 @@ def stage(snap: Snapshot, *, gpu_bytes: int, host_bytes: int) -> bool:
         return False
     for item, key, t in tensors:
         item.tensors[key] = _copy(t, None if (_local(t).is_cuda and gpu_fits) else "cpu")
+    for item in snap.items.values():
+        # Plain values, PerRank values and stateful state are live objects too: a counter the
+        # trainer bumps while the commit runs must not change what is saved.
+        item.skeleton = copy.deepcopy(item.skeleton)
     if on_gpu:
         torch.cuda.synchronize()  # the copies are complete before another thread reads them
     snap.staged_bytes = on_gpu + on_cpu
@@ -68,6 +76,8 @@ class PendingSave:
         """How long ``save_async`` held the caller (the snapshot)."""
         self._result: Path | None = None
         self._error: BaseException | None = None
+        self.reported = False
+        """True once ``wait()`` raised the error: the manager does not raise it a second time."""
         # Not a daemon: an interpreter exit waits for the commit instead of cutting it off.
         self._thread = threading.Thread(target=self._run, args=(run,), name=f"ckptguard-save-{step}")
         self._thread.start()
@@ -81,6 +91,8 @@ class PendingSave:
             self._result = run()
         except BaseException as exc:  # kept for wait(), never lost in the thread
             self._error = exc
+            log.error("ckptguard: the background save of step %d failed: %s: %s (raised by the next "
+                      "save, restore or wait)", self.step, type(exc).__name__, exc)
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -93,6 +105,7 @@ class PendingSave:
             raise TimeoutError(f"the background save of step {self.step} is still running after "
                                f"{time.monotonic() - start:.0f} s")
         if self._error is not None:
+            self.reported = True
             raise self._error
         assert self._result is not None
         return self._result

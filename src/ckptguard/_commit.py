@@ -44,6 +44,8 @@ from .errors import (
     ConfigError,
     ReplicatedDivergenceError,
     WriteFailure,
+    error_payload,
+    rebuild,
 )
 from .expert import ExpertParallel
 
@@ -179,6 +181,10 @@ def _prepare_root(ctx: Context, step: int) -> dict[str, Any]:
     """Rank 0: root, tracker 0, phase 0, sweep, existing-step check, temp directory."""
     root = ctx.root
     root.mkdir(parents=True, exist_ok=True)
+    # The lease first: a second writer is refused before it changes anything in the root.
+    note = _lease.acquire(root, ttl_s=ctx.config.lease_ttl_s, override=ctx.config.break_lease)
+    if note:
+        log.warning("ckptguard: %s: %s", root, note)
     if _layout.read_tracker(root) is None:
         # Declared fresh start first: "steps but no tracker" then never comes from us.
         _layout.write_tracker(root, 0)
@@ -186,13 +192,16 @@ def _prepare_root(ctx: Context, step: int) -> dict[str, Any]:
     if not phases:
         _contract.write_phase(root, 0, _contract.initial_phase(uuid.uuid4().hex, ctx.config.contract))
     phase = _contract.check(root, ctx.config.contract, where=f"save of step {step}")
-    note = _lease.acquire(root, ttl_s=ctx.config.lease_ttl_s, override=ctx.config.break_lease)
-    if note:
-        log.warning("ckptguard: %s: %s", root, note)
     _layout.sweep_temp_dirs(root, max_age_s=ctx.config.stale_temp_age_s)
     name = ctx.naming.name(step)
     existing = root / name
     tracker = _layout.read_tracker(root) or 0
+    if step < tracker and not ctx.config.overwrite:
+        raise ConfigError(
+            f"save of step {step} under {root}: the tracker is at step {tracker}; saving an older step would "
+            "move it back and orphan the newer ones. If this is a deliberate rollback, set "
+            "CheckpointConfig(overwrite=True); otherwise check the step counter after restore."
+        )
     committed = existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists()
     if committed and not ctx.config.overwrite:
         raise ConfigError(
@@ -214,7 +223,7 @@ def _prepare(ctx: Context, step: int) -> dict[str, Any]:
         try:
             payload.update(_prepare_root(ctx, step))
         except CheckpointError as exc:
-            payload["error"] = {"type": type(exc).__name__, "message": str(exc)}
+            payload["error"] = error_payload(exc)
         except Exception as exc:  # reported to every rank instead of leaving them waiting
             payload["failure"] = failure_from(exc, rank=0, phase="prepare").to_json()
     views = ctx.agreement.exchange("save.prepare", payload)
@@ -231,14 +240,7 @@ def _prepare(ctx: Context, step: int) -> dict[str, Any]:
 
 
 def _rebuild(err: dict[str, str], rank: int) -> CheckpointError:
-    from . import errors
-
-    cls = getattr(errors, err["type"], CheckpointError)
-    msg = err["message"] if rank == 0 else f"(reported by rank 0) {err['message']}"
-    try:
-        return cls(msg)
-    except TypeError:
-        return CheckpointError(msg)
+    return rebuild(err, note="" if rank == 0 else "(reported by rank 0) ")
 
 
 # ---------------------------------------------------------------- step 2: write
@@ -346,15 +348,20 @@ def _publish(
     )
     _faults.reached("commit.before_rename")
     final = ctx.root / ctx.naming.name(step)
+    trash = None
     if final.exists():
         # An orphan (crash between rename and tracker) or an explicit overwrite: its old
-        # files must never pair with the new ones, so it is uncommitted and removed first.
-        _layout.remove_step_dir(final)
+        # files must never pair with the new ones, so it is uncommitted and moved aside
+        # first; deleting it waits until after the tracker (a slow delete must not hold
+        # the other ranks at the publish agreement).
+        trash = _layout.uncommit_to_trash(final)
     os.rename(tmp, final)
     (final / _layout.OWNER_NAME).unlink()  # kept until now so a crash leaves a sweepable temp dir
     _layout.fsync_dir(ctx.root)
     _faults.reached("commit.before_tracker")
     _layout.write_tracker(ctx.root, step)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
 
 
 def _discard(ctx: Context, tmp: Path) -> None:
@@ -392,8 +399,17 @@ class Snapshot:
 def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
     """Capture every item, the RNG streams and the digests, and run the divergence guard."""
     started = time.monotonic()
-    items = capture(state, ctx.keyfn())
-    rng = _rng.capture() if ctx.config.capture_rng else None
+    error = None
+    try:
+        items = capture(state, ctx.keyfn())
+        rng = _rng.capture() if ctx.config.capture_rng else None
+    except Exception as exc:  # shipped, so no rank waits at the next agreement for one that raised
+        error = error_payload(exc)
+    views = ctx.agreement.exchange("save.capture", {"error": error}) if ctx.world > 1 else [{"error": error}]
+    errors = {r: v["error"] for r, v in enumerate(views) if v.get("error")}
+    if errors:
+        rank = min(errors)
+        raise rebuild(errors[rank], note="" if rank == ctx.rank else f"(rank {rank}) ")
     check_replicated(ctx, items, step)
     return Snapshot(step, items, rng, started)
 
@@ -423,7 +439,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
         report["failure"] = failure_from(exc, rank=ctx.rank, phase="write").to_json()
     _release_host_cache()
-    reports = ctx.agreement.exchange("save.written", report)
+    reports = ctx.agreement.exchange("save.written", report, patience=2.0)
     try:
         _raise_if_failed(ctx, reports, step=step, phase="write")
     except CheckpointWriteError:

@@ -37,7 +37,7 @@ class RankInfo:
 class Agreement(Protocol):
     info: RankInfo
 
-    def exchange(self, phase: str, payload: Any) -> list[Any]: ...
+    def exchange(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any]: ...
 
 
 class LocalAgreement:
@@ -46,7 +46,7 @@ class LocalAgreement:
     def __init__(self) -> None:
         self.info = RankInfo.single()
 
-    def exchange(self, phase: str, payload: Any) -> list[Any]:
+    def exchange(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any]:
         return [json.loads(json.dumps(payload))]
 
 
@@ -65,8 +65,12 @@ class StoreAgreement:
         self._seq = 0
         self._previous: str | None = None
 
-    def exchange(self, phase: str, payload: Any) -> list[Any]:
+    def exchange(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any]:
+        """``patience`` scales the timeout: a phase that follows a collective with the same
+        timeout waits longer, so that its peers' own timeout fires first and every rank
+        reports the same first error instead of some reporting a timeout."""
         self._seq += 1
+        timeout = self._timeout * patience
         base = f"{self._seq}/{phase}/"
         keys = [f"{base}{r}" for r in range(self.info.world_size)]
         me = keys[self.info.rank]
@@ -75,13 +79,13 @@ class StoreAgreement:
         except Exception as exc:
             raise self._unreachable(phase, exc) from exc
         try:
-            self._store.wait(keys, self._timeout)
+            self._store.wait(keys, timeout)
         except Exception as exc:
             missing = self._missing(keys)
             if missing is None:
                 raise self._unreachable(phase, exc) from exc
             raise CollectiveTimeoutError(
-                f"rank {self.info.rank} waited {self._timeout.total_seconds():.0f} s at "
+                f"rank {self.info.rank} waited {timeout.total_seconds():.0f} s at "
                 f"checkpoint phase {phase!r} and ranks {missing} never arrived (dead, stalled "
                 "or not calling the same ckptguard method); every live rank raises this. "
                 "Check those ranks' logs for their first error; raise timeout_s if they are "

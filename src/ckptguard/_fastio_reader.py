@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ._fastio_format import FileSlice, Record, read_record
 from ._fastio_pool import BufferPool, IOStats, drop_cached, read_into
-from .errors import CheckpointCorruptError, StateMismatchError
+from .errors import CheckpointCorruptError, StateMismatchError, UnsafeCheckpointError
 
 SMALL_ITEM = 64 << 10  # items up to this size are read whole: one pread instead of a dozen
 
@@ -104,6 +104,12 @@ class ItemReader:
     # ------------------------------------------------------------ planning
 
     def _open(self, state_dir: Path, rel: str, fds: dict[str, int]) -> tuple[int, str]:
+        # The name comes from the checkpoint's metadata: it must name a plain file in state_dir.
+        if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+            raise UnsafeCheckpointError(
+                f"{state_dir}/.metadata names the data file {rel!r}, which is not a file inside {state_dir}; "
+                "the checkpoint was not written by DCP or was changed: do not read it"
+            )
         path = str(state_dir / rel)
         if rel not in fds:
             fds[rel] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

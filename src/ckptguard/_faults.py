@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-POINTS = (
+COMMIT_POINTS = (
     "storage.data_written",
     "commit.before_manifest",
     "commit.manifest_tmp_written",
     "commit.before_rename",
     "commit.before_tracker",
-    "transfer.file_copied",
 )
+POINTS = (*COMMIT_POINTS, "transfer.file_copied")
 
 _hooks: dict[str, Callable[[], None]] = {}
 

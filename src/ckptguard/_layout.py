@@ -185,6 +185,12 @@ def remove_step_dir(path: Path) -> None:
     directory that still looks committed while old files pair with new ones. The
     directory is then renamed into the trash, so a failed delete is retried by
     ``empty_trash`` instead of leaving a step-named directory behind."""
+    shutil.rmtree(uncommit_to_trash(path))
+
+
+def uncommit_to_trash(path: Path) -> Path:
+    """Remove the manifest (the directory stops counting as committed), then move the
+    directory into the trash; returns the trash path, to delete when convenient."""
     if path.is_symlink():
         raise OSError(f"{path} is a symlink; ckptguard never deletes through links")
     marker = path / MANIFEST_NAME
@@ -194,7 +200,7 @@ def remove_step_dir(path: Path) -> None:
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
     os.rename(path, trash)
     fsync_dir(path.parent)
-    shutil.rmtree(trash)
+    return trash
 
 
 def empty_trash(root: Path) -> list[Path]:

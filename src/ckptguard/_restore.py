@@ -11,6 +11,7 @@ before reading any tensor, and the restored items' digests after.
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ from .errors import (
     ResumeError,
     StateMismatchError,
     TopologyMismatchError,
+    UnsafeCheckpointError,
+    error_payload,
+    rebuild,
 )
 
 log = logging.getLogger("ckptguard")
@@ -113,17 +117,13 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
     return Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
 
 
-def _error_payload(exc: Exception) -> dict[str, str]:
-    return {"type": type(exc).__name__, "message": str(exc)}
-
-
 def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
     """resolve_local on every rank, then agreement on the step and on every rank's files."""
     try:
         res = resolve_local(ctx.root, ctx.naming, mode, path)
         view: dict[str, Any] = {"step": res.step, "path": str(res.path) if res.path else None}
-    except CheckpointError as exc:
-        res, view = None, {"error": _error_payload(exc)}
+    except Exception as exc:  # any local failure is shipped, so no rank waits for a peer that raised
+        res, view = None, {"error": error_payload(exc)}
     views = ctx.agreement.exchange("resolve.step", view)
     errors = {r: v["error"] for r, v in enumerate(views) if "error" in v}
     if errors:
@@ -147,11 +147,9 @@ def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
 
 
 def _reraise_same(errors: dict[int, dict[str, str]]) -> CheckpointError:
-    from . import errors as errs
-
-    first = errors[min(errors)]
-    cls = getattr(errs, first["type"], ResumeError)
-    return cls(first["message"])
+    """Every rank raises the lowest failing rank's error (its class and message)."""
+    rank = min(errors)
+    return rebuild(errors[rank], note=f"(rank {rank}) " if len(errors) < 2 or rank else "")
 
 
 def _source_rank(ctx: Context, manifest: _manifest.Manifest) -> int:
@@ -178,10 +176,14 @@ def _agree_files(ctx: Context, res: Resolution) -> None:
         try:
             wanted = files_needed(res.path, manifest, src)
         except CheckpointError as exc:  # e.g. unsafe metadata: every rank raises this same error
-            error = _error_payload(exc)
+            error = error_payload(exc)
+    from .verify import safe_member
+
     for f in [f for f in manifest.files if f["path"] in wanted]:
-        p = res.path / f["path"]
-        if not p.exists():
+        p = safe_member(res.path, f["path"])
+        if p is None:
+            problems.append(f"the manifest lists {f['path']!r}, which leaves {res.path}; run `ckptguard verify`")
+        elif not p.exists():
             problems.append(f"missing {p}")
         elif p.stat().st_size != f["size"]:
             problems.append(f"{p} has {p.stat().st_size} bytes, manifest says {f['size']}")
@@ -246,8 +248,12 @@ def _plan(
         )
     if unexpected := sorted(set(manifest.items) - set(state)):
         problems.append(f"items in the checkpoint not given to restore: {unexpected} (pass them, or they are lost)")
-    targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items}, ctx.keyfn())
-    ckpt_keys = set(ctx.storage.read_metadata(step_dir / _layout.STATE_DIR).state_dict_metadata)
+    try:
+        targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items}, ctx.keyfn())
+        ckpt_keys = set(ctx.storage.read_metadata(step_dir / _layout.STATE_DIR).state_dict_metadata)
+    except Exception as exc:  # reported through the plan exchange below, like any mismatch
+        problems.append(f"{type(exc).__name__}: {exc}")
+        targets, ckpt_keys = {}, set()
     flat: dict[str, torch.Tensor] = {}
     for name, (kind, _sd, live) in targets.items():
         if kind.value != manifest.items[name]:
@@ -275,7 +281,9 @@ class Restored:
     digests_match: dict[str, bool]  # empty when digests could not be compared (resharded)
 
 
-def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:
+def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[str, Any]]:
+    """Everything decided before a byte of tensor state is read: versions, topology, chain,
+    contract, and this rank's extras (loaded with weights_only)."""
     assert res.path is not None
     manifest = _manifest.read(res.path)
     _manifest.check_torch_version(manifest, allow_newer=ctx.config.allow_newer_torch)
@@ -283,14 +291,35 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
     where = f"restore of step {manifest.step} from {res.path}"
     _contract.check_chain(ctx.root, manifest.chain_id, where=where)
     _contract.check(ctx.root, ctx.config.contract, where=where)
-    src = _source_rank(ctx, manifest)
-    extras_path = res.path / _layout.extras_name(src)
+    extras_path = res.path / _layout.extras_name(_source_rank(ctx, manifest))
     try:
-        extras = torch.load(extras_path, weights_only=True, map_location="cpu")
+        return manifest, torch.load(extras_path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
         raise CheckpointIncompleteError(
             f"{extras_path} is missing (rank {ctx.rank}); restore an earlier step"
         ) from None
+    except (pickle.UnpicklingError, RuntimeError) as exc:
+        raise UnsafeCheckpointError(
+            f"{extras_path} (rank {ctx.rank}) does not load with torch.load(weights_only=True): {exc}. "
+            "It was not written by ckptguard or was changed; do not load it unsafely: restore an earlier step."
+        ) from None
+
+
+def _agree_or_raise(ctx: Context, phase: str, error: dict[str, str] | None) -> None:
+    views = ctx.agreement.exchange(phase, {"error": error})
+    errors = {r: v["error"] for r, v in enumerate(views) if v.get("error")}
+    if errors:
+        raise _reraise_same(errors)
+
+
+def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:
+    error = None
+    try:
+        manifest, extras = _precheck(ctx, res)
+    except Exception as exc:  # shipped to every rank: no rank waits for one that raised
+        error = error_payload(exc)
+    _agree_or_raise(ctx, "restore.precheck", error)
+    assert res.path is not None
     targets, flat = _plan(ctx, state, manifest, extras)
     if flat:
         try:
@@ -302,11 +331,16 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
                 f"{detail}. If shapes differ, restore into objects built like the saving run's; otherwise "
                 "run `ckptguard verify --deep` on the step."
             ) from exc
-    for name, (kind, _sd, live) in targets.items():
-        _state.apply(state, name, kind, extras["items"][name], live)
-    if ctx.config.restore_rng and extras.get("rng") is not None:
-        _rng.restore(extras["rng"], where=f"restore of step {manifest.step}, rank {ctx.rank}")
-    if ctx.config.verify_restored and src == ctx.rank and manifest.world_size == ctx.world:
+    error = None
+    try:
+        for name, (kind, _sd, live) in targets.items():
+            _state.apply(state, name, kind, extras["items"][name], live)
+        if ctx.config.restore_rng and extras.get("rng") is not None:
+            _rng.restore(extras["rng"], where=f"restore of step {manifest.step}, rank {ctx.rank}")
+    except Exception as exc:
+        error = error_payload(exc)
+    _agree_or_raise(ctx, "restore.applied", error)
+    if ctx.config.verify_restored and manifest.world_size == ctx.world:
         matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
     else:
         matches = {}

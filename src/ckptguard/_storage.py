@@ -70,12 +70,24 @@ class Storage(Protocol):
 
 # ---------------------------------------------------------------- restricted unpickling
 
-_ALLOWED_MODULES = {
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-}
+_DCP_METADATA_CLASSES = (
+    "ChunkStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "StorageMeta",
+    "Metadata",
+    "MetadataIndex",
+)
+# Exact (module, name) pairs only: a module-wide allowance would let protocol 4's dotted
+# names reach through it ("filesystem", "os.system") to any callable.
 _ALLOWED_NAMES = {
+    *(("torch.distributed.checkpoint.metadata", n) for n in _DCP_METADATA_CLASSES),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch.distributed.checkpoint.planner", "LoadItemType"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
@@ -96,11 +108,10 @@ class SafeMetadataUnpickler(pickle.Unpickler):
     """
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_NAMES:
+        if "." not in name and (module, name) in _ALLOWED_NAMES:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.memory_format):
+        if module == "torch" and "." not in name and isinstance(getattr(torch, name, None),
+                                                               (torch.dtype, torch.memory_format)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 

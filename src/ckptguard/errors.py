@@ -173,3 +173,19 @@ class CheckpointWriteError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+
+def error_payload(exc: BaseException) -> dict[str, str]:
+    """An error as JSON, to ship to the other ranks so that every rank raises the same one."""
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def rebuild(payload: dict[str, str], *, note: str = "") -> CheckpointError:
+    """The ckptguard error a payload describes; a foreign error becomes a CheckpointError that names it."""
+    cls = globals().get(payload["type"])
+    message = f"{note}{payload['message']}"
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        return CheckpointError(f"{note}{payload['type']}: {payload['message']}")
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)  # leaves' extra constructor fields are not shipped
+    return exc

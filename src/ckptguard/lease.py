@@ -9,6 +9,8 @@ just works. ``override`` breaks any lease and reports whose it broke.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
 import os
@@ -70,11 +72,20 @@ def acquire(root: Path, *, ttl_s: float, override: bool = False) -> str | None:
     me = Owner.me()
     held = _read(path)
     if held is None:
-        _write(path, me)
+        try:  # O_EXCL: of two runs taking a free lease at once, exactly one wins
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return acquire(root, ttl_s=ttl_s, override=override)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(asdict(me)))
+            f.flush()
+            os.fsync(f.fileno())
+        _release_at_exit(path, me)
         return None
     if held.same_process(me):
         _write(path, Owner(me.host, me.pid, me.start, held.acquired_unix, me.renewed_unix))
         return None
+    _release_at_exit(path, me)
     if override:
         _write(path, me)
         return f"broke the lease of {held.describe()} (override)"
@@ -89,3 +100,21 @@ def acquire(root: Path, *, ttl_s: float, override: bool = False) -> str | None:
         "Stop that run, point this one at another root, or, if you are sure it is gone, pass "
         "CheckpointConfig(break_lease=True)."
     )
+
+
+_registered: set[str] = set()
+
+
+def _release_at_exit(path: Path, me: Owner) -> None:
+    """A clean exit hands the lease back, so a relaunch on another host need not wait for it."""
+    if str(path) in _registered:
+        return
+    _registered.add(str(path))
+
+    def release() -> None:
+        held = _read(path)
+        if held is not None and held.same_process(me):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    atexit.register(release)

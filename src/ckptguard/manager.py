@@ -142,6 +142,7 @@ class CheckpointManager:
         """Which step a restore would load and why, agreed by all ranks; loads nothing."""
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        self.wait()  # the agreement is not shared with a background commit
         return _restore.resolve(self._ctx, mode, Path(path) if path is not None else None)
 
     # ------------------------------------------------------------ save / restore
@@ -184,7 +185,7 @@ class CheckpointManager:
     def wait(self) -> Path | None:
         """Wait for a pending ``save_async``; returns its step directory, raises its error."""
         pending, self._pending = self._pending, None
-        return pending.wait() if pending is not None else None
+        return pending.wait() if pending is not None and not pending.reported else None
 
     def _committed(self, path: Path, step: int) -> Path:
         log.info("ckptguard: committed step %d at %s", step, path)
@@ -299,20 +300,15 @@ class CheckpointManager:
         phase), so ``restore(path=...)`` may continue from it. Rank 0 writes; collective."""
         from . import _manifest as manifest_mod
 
-        self.wait()
         chain = manifest_mod.read(Path(path)).chain_id
-        written: dict[str, Any] = {}
-        if self.rank == 0:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)  # adopting is an explicit act of creating a run
-                written["path"] = str(_contract.adopt(self.root, self.config.contract, chain, reason))
-            except CheckpointError as exc:
-                written["error"] = {"type": type(exc).__name__, "message": str(exc)}
-        head = self._ctx.agreement.exchange("adopt", written)[0]
-        if "error" in head:
-            raise _commit._rebuild(head["error"], self.rank)
+
+        def write() -> Path:
+            self.root.mkdir(parents=True, exist_ok=True)  # adopting is an explicit act of creating a run
+            return _contract.adopt(self.root, self.config.contract, chain, reason)
+
+        written = self._on_rank0("adopt", write)
         log.warning("ckptguard: %s adopted chain %s from %s (%s)", self.root, chain, path, reason)
-        return Path(head["path"])
+        return written
 
     def hold(self, step: int, reason: str) -> Path:
         """Pin a committed step against rotation (e.g. for evaluation); survives restarts."""
@@ -330,18 +326,25 @@ class CheckpointManager:
         ``changes`` names the contract items that changed (code, data, recipe,
         total_steps); it must equal the actual difference from the phase in force.
         """
-        self.wait()
         changes = sorted(changes)
-        written: dict[str, Any] = {}
+        written = self._on_rank0(
+            "declare_phase", lambda: _contract.declare(self.root, self.config.contract, reason, changes)
+        )
+        log.warning("ckptguard: declared contract phase %s (%s): %s", written, reason, changes)
+        return written
+
+    def _on_rank0(self, phase: str, write: Any) -> Path:
+        """Rank 0 writes a root-level file; every rank returns its path or raises its error."""
+        self.wait()
+        out: dict[str, Any] = {}
         if self.rank == 0:
             try:
-                written["path"] = str(_contract.declare(self.root, self.config.contract, reason, changes))
+                out["path"] = str(write())
             except CheckpointError as exc:
-                written["error"] = {"type": type(exc).__name__, "message": str(exc)}
-        head = self._ctx.agreement.exchange("declare_phase", written)[0]
+                out["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        head = self._ctx.agreement.exchange(phase, out)[0]
         if "error" in head:
             raise _commit._rebuild(head["error"], self.rank)
-        log.warning("ckptguard: declared contract phase %s (%s): %s", head["path"], reason, changes)
         return Path(head["path"])
 
     @staticmethod

@@ -62,9 +62,20 @@ def _committed_step(root: Path, after: int) -> int | None:
     return step if step is not None and step > after else None
 
 
+def _exported(root: Path, step: int) -> bool:
+    """The saving run recorded the export of ``step`` on every rank (the export gate's reference)."""
+    per_rank = read_records(root)
+    return bool(per_rank) and all(
+        any(r["event"] == "export" and r.get("step") == step for r in records) for records in per_rank.values()
+    )
+
+
 def _resumed(root: Path, step: int, since: float) -> bool:
-    """A restore of ``step`` after ``since``, followed by an update in the same process."""
-    for records in read_records(root).values():
+    """A restore of ``step`` after ``since``, followed by an update in the same process, on every rank."""
+    per_rank = read_records(root)
+    if not per_rank:
+        return False
+    for records in per_rank.values():
         restores = [i for i, r in enumerate(records) if r["event"] == "restore" and r.get("step") == step
                     and r["time"] >= since]
         if not restores or not any(r["event"] == "update" and r["pid"] == records[restores[-1]]["pid"]
@@ -83,6 +94,11 @@ def rehearse(cmd: Sequence[str], root: Path, *, timeout_s: float = 600.0, workdi
         echo(f"[1/3] running until the first save commits under {root}")
         first = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         _wait("first committed save", lambda: _committed_step(root, start_step) is not None, first, timeout_s, log)
+        step = _committed_step(root, start_step) or 0
+        # The export gate compares with the saving run's export of this step: give it a moment
+        # to record it (a run that records no exports simply times out here and is killed).
+        with contextlib.suppress(RehearsalError):
+            _wait(f"export of step {step}", lambda: _exported(root, step), first, min(30.0, timeout_s), log)
         _kill(first)
         step = _layout.read_tracker(root) or 0  # read after the kill: a later save may have committed
         echo(f"      step {step} committed; SIGKILLed the whole process group (pid {first.pid})")
