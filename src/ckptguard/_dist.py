@@ -95,9 +95,11 @@ class StoreAgreement:
             ) from exc
         try:
             values = [json.loads(self._store.get(k)) for k in keys]
-            # Every rank has read the previous phase once all ranks have posted this one.
+            # Every rank has read (and acknowledged) the previous phase once all ranks have
+            # posted this one, so this rank's keys of that phase can go: the store stays small.
             if self._previous is not None:
                 self._store.delete_key(self._previous)
+                self._store.delete_key(self._previous.rsplit("/", 1)[0] + f"/ack/{self.info.rank}")
         except Exception as exc:
             raise self._unreachable(phase, exc) from exc
         self._previous = me
