@@ -10,7 +10,7 @@ from ckptguard.memory.cli import mem
 FROZEN = {
     "watch": ["--interval", "--out"],
     "growth": ["--interval", "--json", "--noise-s", "--noise-step", "--skip"],
-    "plan": ["--from-records", "--json"],
+    "plan": ["--from-records", "--json", "--ray-address"],
     "estimate": ["--as-dtype", "--json"],
     "report": ["--html", "--png", "--ray-log"],
     "killer": ["--json", "--ray-log"],

@@ -159,3 +159,15 @@ def test_memory_figure_and_threshold_come_from_the_running_cluster(cluster):
     inputs, found = with_cluster_threshold(PlanInputs(terms=(), mem_total=1 << 30))
     assert inputs.ray_threshold == THRESHOLD and found.sources["threshold"] == "cluster"
     assert cluster_ray_config(environ={}).config.threshold == THRESHOLD
+
+
+def test_mem_plan_reads_the_threshold_from_the_running_cluster(cluster):
+    from click.testing import CliRunner
+
+    from ckptguard.memory.cli import mem
+
+    plan = Path(__file__).parent / "fixtures" / "memory" / "plan.toml"
+    out = CliRunner().invoke(mem, ["plan", str(plan), "--ray-address", "auto"])
+    assert out.exit_code in (0, 1), out.output
+    assert f"Ray threshold {THRESHOLD} from cluster" in out.output
+    assert f"x Ray threshold {THRESHOLD}" in out.output

@@ -108,8 +108,10 @@ def growth(files: tuple[Path, ...], as_json: bool, interval: float | None, skip_
 @click.argument("plan_file", required=False, type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option("--from-records", "records", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="Phase records; measured terms from the last save phase (repeatable).")
+@click.option("--ray-address", default=None,
+              help="Read Ray's memory threshold from this running cluster ('auto': the local one).")
 @JSON
-def plan(plan_file: Path | None, records: tuple[Path, ...], as_json: bool) -> None:
+def plan(plan_file: Path | None, records: tuple[Path, ...], ray_address: str | None, as_json: bool) -> None:
     """Save-step peak as the sum of what is alive together, against memory.max x Ray threshold.
 
     Exit 1 if the peak exceeds the limit.
@@ -120,6 +122,8 @@ def plan(plan_file: Path | None, records: tuple[Path, ...], as_json: bool) -> No
         base = load_plan_toml(plan_file) if plan_file else None
         inputs = plan_from_records(_records(records), base) if records else base
         assert inputs is not None
+        if ray_address:
+            inputs = _cluster_threshold(inputs, ray_address, as_json)
         result = compute_plan(inputs)
     except CheckpointError as exc:
         _fail(str(exc))
@@ -139,6 +143,27 @@ def plan(plan_file: Path | None, records: tuple[Path, ...], as_json: bool) -> No
         for note in result.notes:
             click.echo(f"  note: {note}")
     sys.exit(1 if result.verdict is not None and result.verdict.value == "exceeds" else 0)
+
+
+def _cluster_threshold(inputs: Any, address: str, quiet: bool) -> Any:
+    """The plan's Ray threshold as the running cluster has it (cluster config > env > default)."""
+    try:
+        import ray
+    except ImportError:
+        _fail("--ray-address needs the ray package (pip install 'ckptguard[integration]')")
+    from ..memory_ray_cluster import with_cluster_threshold
+
+    joined = not ray.is_initialized()  # inside a driver that is already connected, reuse it
+    if joined:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        inputs, found = with_cluster_threshold(inputs)
+    finally:
+        if joined:
+            ray.shutdown()
+    if not quiet:
+        click.echo(f"  Ray threshold {found.config.threshold} from {found.sources['threshold']} ({found.why})")
+    return inputs
 
 
 @mem.command()
