@@ -13,7 +13,7 @@ from ckptguard.toyjob import build_job, train_step
 # Changing a command's options is a user-visible change: update this and the CHANGELOG.
 FROZEN = {
     "demo": ["workdir", "world_size", "steps", "save_every", "kill_at", "no_derived_fix"],
-    "gc": ["root", "dry_run", "template"],
+    "gc": ["root", "dry_run", "force", "template"],
     "hold": ["root", "step", "reason", "template"],
     "list": ["root", "template"],
     "mem": [],

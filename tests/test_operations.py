@@ -211,3 +211,23 @@ def test_rehearse_passes_and_fails_on_the_right_gate(tmp_path, extra, code, fail
         assert not fails and "rehearsal PASSED" in proc.stdout
     else:
         assert fails == ["digests equal, item by item"] and "['rng']" in proc.stdout
+
+
+def test_gc_refuses_while_a_live_run_holds_the_lease(tmp_path):
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+
+    root = tmp_path / "ck"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        (root / "step_00000099").mkdir()  # looks like an orphan, may be a commit in flight
+        refused = CliRunner().invoke(main, ["gc", str(root)])
+        assert refused.exit_code == 1 and f"pid {holder.pid}" in refused.output
+        assert (root / "step_00000099").exists()
+        forced = CliRunner().invoke(main, ["gc", str(root), "--force"])
+        assert forced.exit_code == 0 and not (root / "step_00000099").exists()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -202,13 +202,21 @@ def preflight(
 @main.command()
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@click.option("--force", is_flag=True, help="Run even though a live run holds the root's write lease.")
 @TEMPLATE
-def gc(root: Path, dry_run: bool, template: str) -> None:
+def gc(root: Path, dry_run: bool, force: bool, template: str) -> None:
     """Remove orphans (newer than the tracker), uncommitted step directories and dead temp directories.
 
-    Committed checkpoints are never touched here; rotation handles those.
+    Committed checkpoints are never touched here; rotation handles those. Refused while a live
+    run holds the root's lease (its newest step may be a commit in flight) unless --force.
     """
-    from . import retention
+    from . import lease, retention
+
+    if not (force or dry_run):
+        try:
+            lease.check_idle(root.absolute(), ttl_s=6 * 3600.0)
+        except CheckpointError as exc:
+            _fail(str(exc), False)
 
     victims = retention.gc(root.absolute(), StepNaming(template), dry_run=dry_run)
     for v in victims:

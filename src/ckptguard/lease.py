@@ -102,6 +102,19 @@ def acquire(root: Path, *, ttl_s: float, override: bool = False) -> str | None:
     )
 
 
+def check_idle(root: Path, *, ttl_s: float) -> None:
+    """Raise if a live run holds the root's lease (``gc`` must not race a commit)."""
+    held = _read(root / LEASE_NAME)
+    if held is None or held.same_process(Owner.me()):
+        return
+    live = _alive_here(held) if held.host == socket.gethostname() else time.time() - held.renewed_unix <= ttl_s
+    if live:
+        raise LeaseHeldError(
+            f"{root} is being written by {held.describe()}; a step newer than the tracker may be a commit in "
+            "flight. Run gc when that run has stopped, or pass --force if you are sure it is gone."
+        )
+
+
 _registered: set[str] = set()
 
 
