@@ -151,7 +151,7 @@ def pickle_globals(data: bytes) -> set[str]:
     return names
 
 
-# ---------------------------------------------------------------- DCP-backed default
+# ---------------------------------------------------------------- DCP-backed storage
 
 
 class _RecordingStream:
@@ -266,7 +266,7 @@ class _SafeReader(FileSystemReader):
 
 
 class DCPStorage:
-    """The default storage: standard DCP files, checked against the plan."""
+    """DCP's own writer and reader, checked against the plan (the default is StreamingStorage)."""
 
     def __init__(self, *, thread_count: int = 1) -> None:
         self.thread_count = thread_count
