@@ -41,6 +41,7 @@ from .config import CheckpointConfig
 from .errors import (
     CheckpointError,
     CheckpointWriteError,
+    CollectiveTimeoutError,
     ConfigError,
     ReplicatedDivergenceError,
     WriteFailure,
@@ -114,7 +115,8 @@ def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
 
 
 def _raise_if_failed(ctx: Context, reports: list[dict[str, Any]], *, step: int, phase: str) -> None:
-    failures = [WriteFailure.from_json(r["failure"]) for r in reports if r.get("failure")]
+    failures = [WriteFailure.from_json(f) for r in reports for f in ([r["failure"]] if r.get("failure") else [])
+                + r.get("failures", [])]
     if not failures:
         return
     first = min(failures, key=lambda f: (f.time_ns, f.rank))
@@ -151,12 +153,21 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
     if ctx.world == 1:
         return
     mine = {_chunk_id(k, t): digest(t) for c in items.values() for k, t in c.tensors.items()}
-    views = ctx.agreement.exchange("save.chunks", mine)
-    holders: dict[str, dict[str, list[int]]] = {}
-    for rank, view in enumerate(views):
-        for chunk, dig in view.items():
-            holders.setdefault(chunk, {}).setdefault(dig, []).append(rank)
-    bad = [(chunk, sorted(groups.values())) for chunk, groups in sorted(holders.items()) if len(groups) > 1]
+    verdict: dict[str, Any] = {}
+    try:
+        views = ctx.agreement.gather("save.chunks", mine)  # only rank 0 reads every rank's digests
+    except CollectiveTimeoutError as exc:
+        views, verdict = None, {"error": error_payload(exc), "missing": exc.missing_ranks}
+    if views is not None:
+        holders: dict[str, dict[str, list[int]]] = {}
+        for rank, view in enumerate(views):
+            for chunk, dig in view.items():
+                holders.setdefault(chunk, {}).setdefault(dig, []).append(rank)
+        verdict["bad"] = [[c, sorted(g.values())] for c, g in sorted(holders.items()) if len(g) > 1]
+    head = ctx.agreement.bcast("save.chunks.verdict", verdict, live=_live(verdict, ctx))
+    if head.get("error"):
+        raise rebuild(head["error"], note="" if ctx.rank == 0 else "(reported by rank 0) ")
+    bad = [(c, g) for c, g in head.get("bad", [])]
     if not bad:
         return
     plain = [
@@ -364,6 +375,27 @@ def _publish(
         shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
 
 
+def _live(decision: dict[str, Any], ctx: Context) -> list[int]:
+    """The ranks rank 0 waits for after a decision: not those its gather found missing."""
+    missing = set(decision.get("missing", []))
+    return [r for r in range(ctx.world) if r not in missing]
+
+
+def _publish_or_fail(
+    ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: list[dict[str, Any]], items: dict
+) -> dict[str, Any]:
+    """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
+    failures = [r["failure"] for r in reports if r.get("failure")]
+    if failures:
+        _discard(ctx, tmp)
+        return {"failures": failures, "phase": "write"}
+    try:
+        _publish(ctx, step, tmp, prep, reports, {n: c.kind.value for n, c in items.items()})
+    except Exception as exc:
+        return {"failures": [failure_from(exc, rank=0, phase="publish").to_json()], "phase": "publish"}
+    return {}
+
+
 def _discard(ctx: Context, tmp: Path) -> None:
     """Delete a failed save's temp directory (frees what an ENOSPC needs), or keep it as
     the scene of the failure when ``keep_failed`` is set."""
@@ -439,19 +471,16 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
         report["failure"] = failure_from(exc, rank=ctx.rank, phase="write").to_json()
     _release_host_cache()
-    reports = ctx.agreement.exchange("save.written", report, patience=2.0)
-    try:
-        _raise_if_failed(ctx, reports, step=step, phase="write")
-    except CheckpointWriteError:
-        if ctx.rank == 0:
-            _discard(ctx, tmp)
-        raise
     outcome: dict[str, Any] = {}
-    if ctx.rank == 0:
-        try:
-            _publish(ctx, step, tmp, prep, reports, {n: c.kind.value for n, c in items.items()})
-        except Exception as exc:
-            outcome["failure"] = failure_from(exc, rank=0, phase="publish").to_json()
-    _raise_if_failed(ctx, ctx.agreement.exchange("save.published", outcome), step=step, phase="publish")
+    try:  # file lists and digests are for rank 0's manifest only
+        reports = ctx.agreement.gather("save.written", report, patience=2.0)
+    except CollectiveTimeoutError as exc:
+        reports, outcome = None, {"error": error_payload(exc), "missing": exc.missing_ranks}
+    if reports is not None:
+        outcome = _publish_or_fail(ctx, step, tmp, prep, reports, items)
+    head = ctx.agreement.bcast("save.published", outcome, live=_live(outcome, ctx))
+    if head.get("error"):
+        raise rebuild(head["error"], note="" if ctx.rank == 0 else "(reported by rank 0) ")
+    _raise_if_failed(ctx, [head], step=step, phase=head.get("phase", "write"))
     ctx.last_save = (step, time.monotonic())
     return ctx.root / ctx.naming.name(step)

@@ -9,6 +9,7 @@ waits for the others' keys with our own timeout, then says which keys never arri
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import socket
@@ -39,6 +40,10 @@ class Agreement(Protocol):
 
     def exchange(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any]: ...
 
+    def gather(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any] | None: ...
+
+    def bcast(self, phase: str, payload: Any = None, *, live: list[int] | None = None) -> Any: ...
+
 
 class LocalAgreement:
     """One process: nothing to agree with."""
@@ -48,6 +53,12 @@ class LocalAgreement:
 
     def exchange(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any]:
         return [json.loads(json.dumps(payload))]
+
+    def gather(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any] | None:
+        return self.exchange(phase, payload)
+
+    def bcast(self, phase: str, payload: Any = None, *, live: list[int] | None = None) -> Any:
+        return self.exchange(phase, payload)[0]
 
 
 class StoreAgreement:
@@ -105,6 +116,82 @@ class StoreAgreement:
         self._previous = me
         self._linger(base)
         return values
+
+    def gather(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any] | None:
+        """Every rank posts; only rank 0 waits for and reads them all (others get None).
+
+        Store traffic is then linear in the world size, not quadratic: what only rank 0
+        needs (chunk digests, file lists) goes this way, and rank 0 ships its verdict in a
+        small ``exchange``. On rank 0 a missing rank raises CollectiveTimeoutError; rank 0
+        must pass that on to the others in its next exchange.
+        """
+        self._seq += 1
+        keys = [f"{self._seq}/{phase}/{r}" for r in range(self.info.world_size)]
+        try:
+            self._store.set(keys[self.info.rank], json.dumps(payload))
+        except Exception as exc:
+            raise self._unreachable(phase, exc) from exc
+        if self.info.rank != 0:
+            return None
+        timeout = self._timeout * patience
+        try:
+            self._store.wait(keys, timeout)
+        except Exception as exc:
+            missing = self._missing(keys)
+            if missing is None:
+                raise self._unreachable(phase, exc) from exc
+            raise CollectiveTimeoutError(
+                f"rank 0 waited {timeout.total_seconds():.0f} s at checkpoint phase {phase!r} and ranks {missing} "
+                "never arrived (dead, stalled or not calling the same ckptguard method). Check those ranks' logs "
+                "for their first error; raise timeout_s if they are merely slow.",
+                phase=phase,
+                missing_ranks=missing,
+            ) from exc
+        try:
+            values = [json.loads(self._store.get(k)) for k in keys]
+            for k in keys:
+                self._store.delete_key(k)
+        except Exception as exc:
+            raise self._unreachable(phase, exc) from exc
+        return values
+
+    def bcast(self, phase: str, payload: Any = None, *, live: list[int] | None = None) -> Any:
+        """Rank 0's payload, on every rank; only rank 0's key is waited for.
+
+        Rank 0 then waits (bounded, failures ignored) for the acknowledgements of the
+        ``live`` ranks (default: all), so it does not exit before they have read.
+        """
+        self._seq += 1
+        base = f"{self._seq}/{phase}/"
+        if self.info.rank == 0:
+            try:
+                self._store.set(base + "0", json.dumps(payload))
+            except Exception as exc:
+                raise self._unreachable(phase, exc) from exc
+            others = [r for r in (live if live is not None else range(self.info.world_size)) if r != 0]
+            with contextlib.suppress(Exception):
+                self._store.wait([f"{base}ack/{r}" for r in others], self._timeout)
+                for key in [base + "0", *(f"{base}ack/{r}" for r in others)]:
+                    self._store.delete_key(key)
+            return json.loads(json.dumps(payload))
+        try:
+            self._store.wait([base + "0"], self._timeout)
+        except Exception as exc:
+            if self._missing([base + "0"]) is None:
+                raise self._unreachable(phase, exc) from exc
+            raise CollectiveTimeoutError(
+                f"rank {self.info.rank} waited {self._timeout.total_seconds():.0f} s at checkpoint phase {phase!r} "
+                "for rank 0's decision, which never came (rank 0 dead or stalled). Check rank 0's log.",
+                phase=phase,
+                missing_ranks=[0],
+            ) from exc
+        try:
+            value = json.loads(self._store.get(base + "0"))
+        except Exception as exc:
+            raise self._unreachable(phase, exc) from exc
+        with contextlib.suppress(Exception):
+            self._store.set(f"{base}ack/{self.info.rank}", b"")
+        return value
 
     def _linger(self, base: str) -> None:
         """Wait until every rank has read this phase before returning.

@@ -58,6 +58,9 @@ class CheckpointManager:
 
     ``root`` is never created by the constructor or by ``restore``: a mistyped path must
     not turn into a silent fresh start. The first ``save`` creates it.
+
+    The constructor is collective too: every rank creates its managers in the same order
+    (their agreement keys are numbered by creation), e.g. the actor's and the critic's.
     """
 
     _created = 0
