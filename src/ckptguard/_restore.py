@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _layout, _manifest, _rng, _state
 from . import contract as _contract
-from ._commit import RNG_ITEM, Context
+from ._commit import RNG_ITEM, Context, _release_host_cache
 from .config import ReshardRule, ResumeMode
 from .errors import (
     CheckpointCorruptError,
@@ -342,6 +342,7 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
     _agree_or_raise(ctx, "restore.applied", error)
     if ctx.config.verify_restored and manifest.world_size == ctx.world:
         matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
+        _release_host_cache()  # digests of GPU tensors staged through pinned chunks
     else:
         matches = {}
     return Restored(manifest.step, manifest.format_version, matches)

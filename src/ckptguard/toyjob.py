@@ -77,12 +77,14 @@ def build_job(*, rank: int = 0, world: int = 1, seed: int = 0, warmup: int = 5) 
         torch.nn.Linear(HIDDEN, 1),
     )
     if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (world,))  # a CPU job, also on a machine with GPUs
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup))
     seed_everything(seed + 1000 * (rank + 1))
