@@ -166,7 +166,7 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
         verdict["bad"] = [[c, sorted(g.values())] for c, g in sorted(holders.items()) if len(g) > 1]
     head = ctx.agreement.bcast("save.chunks.verdict", verdict, live=_live(verdict, ctx))
     if head.get("error"):
-        raise rebuild(head["error"], note="" if ctx.rank == 0 else "(reported by rank 0) ")
+        raise _rebuild(head["error"], ctx.rank)
     bad = [(c, g) for c, g in head.get("bad", [])]
     if not bad:
         return
@@ -251,6 +251,7 @@ def _prepare(ctx: Context, step: int) -> dict[str, Any]:
 
 
 def _rebuild(err: dict[str, str], rank: int) -> CheckpointError:
+    """The error rank 0 decided on, raised alike on every rank."""
     return rebuild(err, note="" if rank == 0 else "(reported by rank 0) ")
 
 
@@ -480,7 +481,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
         outcome = _publish_or_fail(ctx, step, tmp, prep, reports, items)
     head = ctx.agreement.bcast("save.published", outcome, live=_live(outcome, ctx))
     if head.get("error"):
-        raise rebuild(head["error"], note="" if ctx.rank == 0 else "(reported by rank 0) ")
+        raise _rebuild(head["error"], ctx.rank)
     _raise_if_failed(ctx, [head], step=step, phase=head.get("phase", "write"))
     ctx.last_save = (step, time.monotonic())
     return ctx.root / ctx.naming.name(step)

@@ -80,15 +80,73 @@ class StoreAgreement:
         """``patience`` scales the timeout: a phase that follows a collective with the same
         timeout waits longer, so that its peers' own timeout fires first and every rank
         reports the same first error instead of some reporting a timeout."""
-        self._seq += 1
-        timeout = self._timeout * patience
-        base = f"{self._seq}/{phase}/"
-        keys = [f"{base}{r}" for r in range(self.info.world_size)]
+        base, keys = self._keys(phase)
         me = keys[self.info.rank]
+        self._post(phase, me, payload)
+        self._wait(phase, keys, self._timeout * patience)
+        values = self._read(phase, keys)
+        # Every rank has read (and acknowledged) the previous phase once all ranks have
+        # posted this one, so this rank's keys of that phase can go: the store stays small.
+        if self._previous is not None:
+            self._delete(self._previous, self._previous.rsplit("/", 1)[0] + f"/ack/{self.info.rank}")
+        self._previous = me
+        self._linger(base)
+        return values
+
+    def gather(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any] | None:
+        """Every rank posts; only rank 0 waits for and reads them all (others get None).
+
+        Store traffic is then linear in the world size, not quadratic: what only rank 0
+        needs (chunk digests, file lists) goes this way, and rank 0 ships its verdict with
+        ``bcast``. On rank 0 a missing rank raises CollectiveTimeoutError; rank 0 must pass
+        that on to the others in its next broadcast.
+        """
+        _, keys = self._keys(phase)
+        self._post(phase, keys[self.info.rank], payload)
+        if self.info.rank != 0:
+            return None
+        self._wait(phase, keys, self._timeout * patience)
+        values = self._read(phase, keys)
+        self._delete(*keys)
+        return values
+
+    def bcast(self, phase: str, payload: Any = None, *, live: list[int] | None = None) -> Any:
+        """Rank 0's payload, on every rank; only rank 0's key is waited for.
+
+        Rank 0 then waits (bounded, failures ignored) for the acknowledgements of the
+        ``live`` ranks (default: all), so it does not exit before they have read.
+        """
+        base, keys = self._keys(phase)
+        if self.info.rank == 0:
+            self._post(phase, keys[0], payload)
+            others = [r for r in (live if live is not None else range(self.info.world_size)) if r != 0]
+            acks = [f"{base}ack/{r}" for r in others]
+            with contextlib.suppress(Exception):
+                self._store.wait(acks, self._timeout)
+                self._delete(keys[0], *acks)
+            return json.loads(json.dumps(payload))
+        self._wait(phase, keys[:1], self._timeout)
+        value = self._read(phase, keys[:1])[0]
+        with contextlib.suppress(Exception):
+            self._store.set(f"{base}ack/{self.info.rank}", b"")
+        return value
+
+    # ------------------------------------------------------------ store primitives
+
+    def _keys(self, phase: str) -> tuple[str, list[str]]:
+        """A fresh key per rank for this call; every rank numbers its calls alike."""
+        self._seq += 1
+        base = f"{self._seq}/{phase}/"
+        return base, [f"{base}{r}" for r in range(self.info.world_size)]
+
+    def _post(self, phase: str, key: str, payload: Any) -> None:
         try:
-            self._store.set(me, json.dumps(payload))
+            self._store.set(key, json.dumps(payload))
         except Exception as exc:
             raise self._unreachable(phase, exc) from exc
+
+    def _wait(self, phase: str, keys: list[str], timeout: _dt.timedelta) -> None:
+        """Wait for ``keys``; on timeout raise naming the ranks whose keys never came."""
         try:
             self._store.wait(keys, timeout)
         except Exception as exc:
@@ -104,94 +162,18 @@ class StoreAgreement:
                 phase=phase,
                 missing_ranks=missing,
             ) from exc
+
+    def _read(self, phase: str, keys: list[str]) -> list[Any]:
         try:
-            values = [json.loads(self._store.get(k)) for k in keys]
-            # Every rank has read (and acknowledged) the previous phase once all ranks have
-            # posted this one, so this rank's keys of that phase can go: the store stays small.
-            if self._previous is not None:
-                self._store.delete_key(self._previous)
-                self._store.delete_key(self._previous.rsplit("/", 1)[0] + f"/ack/{self.info.rank}")
+            return [json.loads(self._store.get(k)) for k in keys]
         except Exception as exc:
             raise self._unreachable(phase, exc) from exc
-        self._previous = me
-        self._linger(base)
-        return values
 
-    def gather(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any] | None:
-        """Every rank posts; only rank 0 waits for and reads them all (others get None).
-
-        Store traffic is then linear in the world size, not quadratic: what only rank 0
-        needs (chunk digests, file lists) goes this way, and rank 0 ships its verdict in a
-        small ``exchange``. On rank 0 a missing rank raises CollectiveTimeoutError; rank 0
-        must pass that on to the others in its next exchange.
-        """
-        self._seq += 1
-        keys = [f"{self._seq}/{phase}/{r}" for r in range(self.info.world_size)]
-        try:
-            self._store.set(keys[self.info.rank], json.dumps(payload))
-        except Exception as exc:
-            raise self._unreachable(phase, exc) from exc
-        if self.info.rank != 0:
-            return None
-        timeout = self._timeout * patience
-        try:
-            self._store.wait(keys, timeout)
-        except Exception as exc:
-            missing = self._missing(keys)
-            if missing is None:
-                raise self._unreachable(phase, exc) from exc
-            raise CollectiveTimeoutError(
-                f"rank 0 waited {timeout.total_seconds():.0f} s at checkpoint phase {phase!r} and ranks {missing} "
-                "never arrived (dead, stalled or not calling the same ckptguard method). Check those ranks' logs "
-                "for their first error; raise timeout_s if they are merely slow.",
-                phase=phase,
-                missing_ranks=missing,
-            ) from exc
-        try:
-            values = [json.loads(self._store.get(k)) for k in keys]
-            for k in keys:
-                self._store.delete_key(k)
-        except Exception as exc:
-            raise self._unreachable(phase, exc) from exc
-        return values
-
-    def bcast(self, phase: str, payload: Any = None, *, live: list[int] | None = None) -> Any:
-        """Rank 0's payload, on every rank; only rank 0's key is waited for.
-
-        Rank 0 then waits (bounded, failures ignored) for the acknowledgements of the
-        ``live`` ranks (default: all), so it does not exit before they have read.
-        """
-        self._seq += 1
-        base = f"{self._seq}/{phase}/"
-        if self.info.rank == 0:
-            try:
-                self._store.set(base + "0", json.dumps(payload))
-            except Exception as exc:
-                raise self._unreachable(phase, exc) from exc
-            others = [r for r in (live if live is not None else range(self.info.world_size)) if r != 0]
-            with contextlib.suppress(Exception):
-                self._store.wait([f"{base}ack/{r}" for r in others], self._timeout)
-                for key in [base + "0", *(f"{base}ack/{r}" for r in others)]:
-                    self._store.delete_key(key)
-            return json.loads(json.dumps(payload))
-        try:
-            self._store.wait([base + "0"], self._timeout)
-        except Exception as exc:
-            if self._missing([base + "0"]) is None:
-                raise self._unreachable(phase, exc) from exc
-            raise CollectiveTimeoutError(
-                f"rank {self.info.rank} waited {self._timeout.total_seconds():.0f} s at checkpoint phase {phase!r} "
-                "for rank 0's decision, which never came (rank 0 dead or stalled). Check rank 0's log.",
-                phase=phase,
-                missing_ranks=[0],
-            ) from exc
-        try:
-            value = json.loads(self._store.get(base + "0"))
-        except Exception as exc:
-            raise self._unreachable(phase, exc) from exc
+    def _delete(self, *keys: str) -> None:
+        # Housekeeping only: a key left behind costs store memory, never correctness.
         with contextlib.suppress(Exception):
-            self._store.set(f"{base}ack/{self.info.rank}", b"")
-        return value
+            for key in keys:
+                self._store.delete_key(key)
 
     def _linger(self, base: str) -> None:
         """Wait until every rank has read this phase before returning.

@@ -153,12 +153,13 @@ def _unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def tensor_keys(skeleton: Any) -> set[str]:
-    found: dict[str, torch.Tensor] = {}
+    """The DCP keys a skeleton refers to."""
+    found: set[str] = set()
 
     def walk(node: Any) -> None:
         if isinstance(node, Mapping):
             if set(node) == {TENSOR_REF}:
-                found[node[TENSOR_REF]] = None  # type: ignore[assignment]
+                found.add(node[TENSOR_REF])
                 return
             for v in node.values():
                 walk(v)
@@ -167,7 +168,7 @@ def tensor_keys(skeleton: Any) -> set[str]:
                 walk(v)
 
     walk(skeleton)
-    return set(found)
+    return found
 
 
 def _model_for(optim: torch.optim.Optimizer, state: Mapping[str, Any], name: str) -> Any:

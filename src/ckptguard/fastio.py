@@ -128,21 +128,11 @@ class StreamingStorage:
     def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
         stats = IOStats()
         writer = _StreamingWriter(state_dir, self, stats, pin=self._pin(tensors))
-        t0 = time.perf_counter()
-        try:
-            with _quiet_single_process(ctx):
-                _unwrapped(
-                    ctx,
-                    lambda: dcp.save(
-                        tensors,
-                        storage_writer=writer,
-                        process_group=ctx.process_group,
-                        no_dist=ctx.process_group is None,
-                    ),
-                )
-        finally:
-            stats.seconds = time.perf_counter() - t0
-            self.last_stats = stats
+        self._run(
+            ctx,
+            stats,
+            lambda group, single: dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=single),
+        )
         return sorted(writer.written, key=lambda f: f.path)
 
     def read_metadata(self, state_dir: Path) -> Metadata:
@@ -151,18 +141,18 @@ class StreamingStorage:
     def read(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> None:
         stats = IOStats()
         reader = _StreamingReader(state_dir, self, stats, pin=self._pin(tensors))
+        self._run(
+            ctx,
+            stats,
+            lambda group, single: dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=single),
+        )
+
+    def _run(self, ctx: StorageContext, stats: IOStats, call: Any) -> None:
+        """One DCP save or load over ``ctx``'s group, timed into ``stats``; our own error unwrapped."""
         t0 = time.perf_counter()
         try:
             with _quiet_single_process(ctx):
-                _unwrapped(
-                    ctx,
-                    lambda: dcp.load(
-                        tensors,
-                        storage_reader=reader,
-                        process_group=ctx.process_group,
-                        no_dist=ctx.process_group is None,
-                    ),
-                )
+                _unwrapped(ctx, lambda: call(ctx.process_group, ctx.process_group is None))
         finally:
             stats.seconds = time.perf_counter() - t0
             self.last_stats = stats
