@@ -43,8 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from ckptguard._storage import StorageContext
-from ckptguard.fastio import StreamingConfig, StreamingStorage
+from ckptguard.storage.base import StorageContext
+from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
 
 GiB = 1 << 30
 CHUNK = 32 << 20

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 import ckptguard as cg
-from ckptguard import _faults, proof
+from ckptguard import _faults
+from ckptguard.ops import prove as proof
 
 TEXT = (
     "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
@@ -156,7 +157,7 @@ def train(
                 _faults.set_hook("storage.data_written", lambda: os.kill(os.getpid(), signal.SIGKILL))
                 print(f"step {step:>3}  saving; SIGKILL in the middle of this save", flush=True)
             mgr.save(step, state)
-    from ckptguard._digest import digest
+    from ckptguard._resume.digest import digest
 
     return digest(list(full_weights(model).values()))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import ray
 
-from ckptguard import proof
+from ckptguard.ops import prove as proof
 
 HERE = Path(__file__).resolve().parent
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard import _faults, _layout
-from ckptguard._storage import DCPStorage
-from ckptguard.toyjob import build_job, fingerprint, train_step
+from ckptguard import _faults
+from ckptguard._commit import layout as _layout
+from ckptguard.demo.toyjob import build_job, fingerprint, train_step
+from ckptguard.storage.dcp import DCPStorage
 from dist_helper import run_ranks, values
 
 

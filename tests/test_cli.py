@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard.cli import main
-from ckptguard.toyjob import build_job, train_step
+from ckptguard.demo.toyjob import build_job, train_step
 
 # Changing a command's options is a user-visible change: update this and the CHANGELOG.
 FROZEN = {

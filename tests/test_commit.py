@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard import _faults, _layout
-from ckptguard._restore import resolve_local
-from ckptguard._storage import DCPStorage, _CheckedWriter
-from ckptguard.toyjob import build_job, fingerprint, train_step
+from ckptguard import _faults
+from ckptguard._commit import layout as _layout
+from ckptguard._resume.restore import resolve_local
+from ckptguard.demo.toyjob import build_job, fingerprint, train_step
+from ckptguard.storage.dcp import DCPStorage, _CheckedWriter
 from dist_helper import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")

@@ -17,13 +17,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptguard as cg
-from ckptguard import _fastio_pool
-from ckptguard._digest import file_digest
-from ckptguard._fastio_format import item_frame, read_record
-from ckptguard._storage import StorageContext
+from ckptguard._resume.digest import file_digest
+from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.errors import ConfigError, UnsafeCheckpointError
-from ckptguard.fastio import StreamingConfig, StreamingStorage
-from ckptguard.toyjob import build_job, fingerprint, train_step
+from ckptguard.storage import _pool as _fastio_pool
+from ckptguard.storage._format import item_frame, read_record
+from ckptguard.storage.base import StorageContext
+from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
 
 CTX = StorageContext(rank=0, world_size=1, process_group=None)
 # An odd buffer size, so the test can find (or not find) exactly these mappings in /proc/self/maps.
@@ -213,7 +213,7 @@ def test_disk_full_mid_stream_raises_enospc_with_offset(tiny_tmpfs):
     assert exc.filename == str(tiny_tmpfs / "__0_0.distcp")
     assert 0 < exc.offset <= 1 << 20 and exc.requested_bytes > 0 and exc.returned_bytes == -1
     # The commit protocol reads these through failure_from.
-    from ckptguard._commit import failure_from
+    from ckptguard._commit.protocol import failure_from
 
     failure = failure_from(exc, rank=0, phase="write")
     assert (failure.errno, failure.offset, failure.returned_bytes) == (errno.ENOSPC, exc.offset, -1)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from ckptguard._digest import digest, file_digest
-from ckptguard._storage import StorageContext
-from ckptguard.fastio import StreamingConfig, StreamingStorage
-from ckptguard.toyjob import build_job, train_step
+from ckptguard._resume.digest import digest, file_digest
+from ckptguard.demo.toyjob import build_job, train_step
+from ckptguard.storage.base import StorageContext
+from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
 from dist_helper import run_ranks, values
 
 # Small buffers so every parameter shard is cut into several pieces and blocks.

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptguard import _fastio_pool
-from ckptguard._digest import file_digest
-from ckptguard._storage import StorageContext
-from ckptguard.fastio import StreamingConfig, StreamingStorage
+from ckptguard._resume.digest import file_digest
+from ckptguard.storage import _pool as _fastio_pool
+from ckptguard.storage.base import StorageContext
+from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
 
 pytestmark = [
     pytest.mark.gpu,

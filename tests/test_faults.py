@@ -20,11 +20,12 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard import _faults, _layout
-from ckptguard._storage import DCPStorage, _CheckedWriter
+from ckptguard import _faults
+from ckptguard._commit import layout as _layout
 from ckptguard.cli import main
-from ckptguard.toyjob import build_job, fingerprint, train_step
-from ckptguard.verify import verify_root
+from ckptguard.demo.toyjob import build_job, fingerprint, train_step
+from ckptguard.ops.verify import verify_root
+from ckptguard.storage.dcp import DCPStorage, _CheckedWriter
 from dist_helper import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")

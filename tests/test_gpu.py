@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._digest import digest
+from ckptguard._resume.digest import digest
 
 pytestmark = [
     pytest.mark.gpu,

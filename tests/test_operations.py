@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard import _layout
-from ckptguard.lease import LEASE_NAME
+from ckptguard._commit import layout as _layout
+from ckptguard._commit.lease import LEASE_NAME
 
 HOLDER = """
 import sys, time, torch, ckptguard as cg
@@ -115,7 +115,7 @@ def test_transfer_publishes_like_a_save_and_resumes(tmp_path):
     from click.testing import CliRunner
 
     from ckptguard.cli import main
-    from ckptguard.toyjob import build_job, fingerprint, train_step
+    from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 
     src = tmp_path / "node1"
     job = build_job()

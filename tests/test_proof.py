@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard.derived import DerivedState, StaleDerivedStateError
-from ckptguard.proof import Status, evaluate, passed
-from ckptguard.toyjob import build_job, train_step
+from ckptguard._resume.derived import DerivedState, StaleDerivedStateError
+from ckptguard.demo.toyjob import build_job, train_step
+from ckptguard.ops.prove import Status, evaluate, passed
 
 OLD, NEW = 111, 222
 

@@ -18,8 +18,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install ray (make test installs it)")
 
 import ckptguard as cg  # noqa: E402
-from ckptguard import proof  # noqa: E402
-from ckptguard.memory_ray_cluster import cluster_ray_config, with_cluster_threshold  # noqa: E402
+from ckptguard.memory.ray_cluster import cluster_ray_config, with_cluster_threshold  # noqa: E402
+from ckptguard.ops import prove as proof  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 THRESHOLD = 0.93  # the cluster's own setting, distinct from Ray's 0.95 default
@@ -68,7 +68,8 @@ class RankActor:
     def run(self, root: str, steps: int, save_every: int, kill_at: int | None, timeout_s: float) -> dict:
         import torch
 
-        from ckptguard import _faults, demo
+        from ckptguard import _faults
+        from ckptguard.demo import job as demo
 
         trainer = demo.build_trainer(rank=self.rank, world=self.world)
         cfg = cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=timeout_s)
@@ -99,7 +100,7 @@ class RankActor:
 
         from ckptguard.memory.host import HostProbe
         from ckptguard.memory.ray import ray_figure
-        from ckptguard.memory_ray_cluster import object_store_pss
+        from ckptguard.memory.ray_cluster import object_store_pss
 
         found = cluster_ray_config()
         held = ray.get(ray.put(np.ones(16 * 1024 * 1024, dtype=np.uint8)))  # zero-copy: maps plasma

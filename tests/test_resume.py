@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard import _layout
-from ckptguard.toyjob import build_job, fingerprint, train_step
+from ckptguard._commit import layout as _layout
+from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from dist_helper import run_ranks, values
 
 K, N = 4, 9

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard.toyjob import build_job, fingerprint, train_step
+from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from dist_helper import run_ranks, values
 
 

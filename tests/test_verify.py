@@ -13,11 +13,13 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard import _layout, retention
+from ckptguard._commit import layout as _layout
+from ckptguard._commit import retention
+from ckptguard._commit.checks import verify_step
 from ckptguard.cli import main
-from ckptguard.preflight import preflight
-from ckptguard.toyjob import build_job, train_step
-from ckptguard.verify import verify_root, verify_step
+from ckptguard.demo.toyjob import build_job, train_step
+from ckptguard.ops.preflight import preflight
+from ckptguard.ops.verify import verify_root
 from dist_helper import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")
@@ -87,7 +89,7 @@ def test_restore_check_catches_what_checksums_cannot(ckpt):
     extras["items"]["loader"]["cursor"] = 999
     torch.save(extras, extras_path)
     manifest = json.loads((step / "manifest.json").read_text())
-    from ckptguard._digest import file_digest
+    from ckptguard._resume.digest import file_digest
 
     for f in manifest["files"]:
         if f["path"] == "rank_00000.pt":

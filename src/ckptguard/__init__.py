@@ -12,49 +12,87 @@ Public surface::
 
 __version__ = "0.1.0"
 
-from ._async import PendingSave
-from ._restore import Resolution
-from ._state import PerRank
-from ._storage import DCPStorage, Storage, StorageContext, WrittenFile, read_dcp_metadata
+from ._commit.pending import PendingSave
+from ._commit.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
+from ._resume.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
+from ._resume.derived import DerivedState, StaleDerivedStateError
+from ._resume.expert import ExpertParallel
+from ._resume.restore import Resolution
+from ._resume.state import PerRank
 from .config import CheckpointConfig, ParallelLayout, ReshardRule, ResumeMode
-from .contract import (
-    RunContract,
-    hash_data_files,
-    hash_git_tree,
-    hash_imported_files,
-    hash_recipe,
+from .errors import (
+    ChainMismatchError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CollectiveTimeoutError,
+    ConfigError,
+    ContractMismatchError,
+    LeaseHeldError,
+    RankDisagreementError,
+    ReplicatedDivergenceError,
+    ResumeError,
+    StateMismatchError,
+    TopologyMismatchError,
+    UnsafeCheckpointError,
+    VersionMismatchError,
+    WriteFailure,
 )
-from .derived import DerivedState, StaleDerivedStateError
-from .errors import *  # noqa: F403  (errors.__all__ is the exception tree)
-from .errors import __all__ as _error_names
-from .expert import ExpertParallel
-from .fastio import IOStats, StreamingConfig, StreamingStorage
 from .manager import CheckpointManager
-from .retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
+from .storage import (
+    DCPStorage,
+    IOStats,
+    Storage,
+    StorageContext,
+    StreamingConfig,
+    StreamingStorage,
+    WrittenFile,
+    read_dcp_metadata,
+)
 
 __all__ = [
+    "ChainMismatchError",
     "CheckpointConfig",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointIncompleteError",
     "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "ContractMismatchError",
     "DCPStorage",
     "DerivedState",
     "ExpertParallel",
     "IOStats",
-    "StreamingConfig",
-    "StreamingStorage",
     "KeepAny",
     "KeepEvery",
     "KeepLast",
-    "RetentionPolicy",
-    "StaleDerivedStateError",
+    "LeaseHeldError",
     "ParallelLayout",
     "PendingSave",
     "PerRank",
+    "RankDisagreementError",
+    "ReplicatedDivergenceError",
     "ReshardRule",
     "Resolution",
+    "ResumeError",
     "ResumeMode",
+    "RetentionPolicy",
     "RunContract",
+    "StaleDerivedStateError",
+    "StateMismatchError",
     "Storage",
     "StorageContext",
+    "StreamingConfig",
+    "StreamingStorage",
+    "TopologyMismatchError",
+    "UnsafeCheckpointError",
+    "VersionMismatchError",
+    "WriteFailure",
     "WrittenFile",
     "__version__",
     "hash_data_files",
@@ -62,5 +100,4 @@ __all__ = [
     "hash_imported_files",
     "hash_recipe",
     "read_dcp_metadata",
-    *_error_names,
 ]

@@ -13,8 +13,8 @@ from typing import Any
 import click
 
 from . import __version__
-from ._layout import StepNaming, read_tracker
-from ._restore import resolve_local
+from ._commit.layout import StepNaming, read_tracker
+from ._resume.restore import resolve_local
 from .config import ResumeMode
 from .errors import CheckpointError
 
@@ -76,7 +76,8 @@ def resolve(root: Path, mode: str, path: Path | None, template: str, as_json: bo
 @TEMPLATE
 def list_steps(root: Path, template: str) -> None:
     """List the step directories under ROOT and whether each is committed."""
-    from . import _layout, _manifest
+    from ._commit import layout as _layout
+    from ._commit import manifest as _manifest
 
     naming = StepNaming(template)
     tracker = read_tracker(root)
@@ -124,8 +125,8 @@ def verify(path: Path, deep: bool, do_restore: bool, template: str, as_json: boo
     Exit 0 complete, 1 incomplete or corrupt, 2 bad usage. One line per finding:
     severity, code, file, what is wrong and what to do.
     """
-    from . import _layout
-    from . import verify as _verify
+    from ._commit import layout as _layout
+    from .ops import verify as _verify
 
     path = path.absolute()
     naming = StepNaming(template)
@@ -175,8 +176,8 @@ def preflight(
 
     Exit 0 ready to launch, 1 not ready, 2 bad usage.
     """
-    from . import _manifest
-    from . import preflight as _pre
+    from ._commit import manifest as _manifest
+    from .ops import preflight as _pre
 
     if hosts and rank_hosts:
         raise click.UsageError("give --hosts or --rank-hosts, not both")
@@ -210,7 +211,7 @@ def gc(root: Path, dry_run: bool, force: bool, template: str) -> None:
     Committed checkpoints are never touched here; rotation handles those. Refused while a live
     run holds the root's lease (its newest step may be a commit in flight) unless --force.
     """
-    from . import lease, retention
+    from ._commit import lease, retention
 
     if not (force or dry_run):
         try:
@@ -231,7 +232,9 @@ def gc(root: Path, dry_run: bool, force: bool, template: str) -> None:
 @TEMPLATE
 def hold(root: Path, step: int, reason: str, template: str) -> None:
     """Pin STEP under ROOT against rotation (e.g. for evaluation); survives restarts."""
-    from . import _layout, _manifest, retention
+    from ._commit import layout as _layout
+    from ._commit import manifest as _manifest
+    from ._commit import retention
 
     try:
         _manifest.read(root / StepNaming(template).name(step))
@@ -247,7 +250,7 @@ def hold(root: Path, step: int, reason: str, template: str) -> None:
 @click.argument("step", type=click.IntRange(1))
 def release(root: Path, step: int) -> None:
     """Remove the hold on STEP; rotation may then delete it."""
-    from . import retention
+    from ._commit import retention
 
     if not retention.release(root, step):
         _fail(f"step {step} has no hold under {root}", False)
@@ -280,7 +283,7 @@ def prove(root: Path, as_json: bool) -> None:
     Exit 0 only if every required gate passes. A gate whose event was never recorded is
     NOT RUN, never PASS.
     """
-    from .proof import evaluate, passed
+    from .ops.prove import evaluate, passed
 
     gates = evaluate(root.absolute())
     _gate_table(gates, as_json)
@@ -314,8 +317,8 @@ def prove(root: Path, as_json: bool) -> None:
 )
 def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: int, no_derived_fix: bool) -> None:
     """A tiny RL job on the CPU: SIGKILL mid-save, resume with AUTO, and the proof table."""
-    from .demo import run_demo
-    from .proof import passed
+    from .demo.job import run_demo
+    from .ops.prove import passed
 
     if kill_at % save_every or not save_every < kill_at < steps:
         raise click.UsageError("need --save-every < --kill-at < --steps with --kill-at a multiple of --save-every")
@@ -366,7 +369,7 @@ def repro_save(
 
     Exit 0 if every round committed (on every path), 1 if a round failed.
     """
-    from .repro import ReproConfig, run_repro
+    from .ops.repro import ReproConfig, run_repro
 
     cfg = ReproConfig(rounds=rounds, size_gib=size_gib, ranks=ranks)
     paths = {"target": target, **({"control": control} if control else {})}
@@ -423,8 +426,8 @@ def transfer(step_dir: Path, dest_root: Path, record: Path | None) -> None:
     Each file is copied to a temp name, fsynced, checked against the manifest and renamed; the
     destination's tracker moves only after everything verified. Exit 0 done, 1 refused or failed.
     """
-    from .transfer import describe
-    from .transfer import transfer as _transfer
+    from .ops.transfer import describe
+    from .ops.transfer import transfer as _transfer
 
     try:
         info = _transfer(step_dir, dest_root, record=record)
@@ -446,8 +449,8 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
     """
     from dataclasses import asdict
 
-    from .status import record_files
-    from .status import status as _status
+    from .ops.status import record_files
+    from .ops.status import status as _status
 
     files = record_files(path)
     if not files:
@@ -475,8 +478,8 @@ def rehearse(root: Path, timeout_s: float, cmd: tuple[str, ...]) -> None:
 
     Exit 0 only if every proof gate passes.
     """
-    from .proof import passed
-    from .rehearse import rehearse as _rehearse
+    from .ops.prove import passed
+    from .ops.rehearse import rehearse as _rehearse
 
     try:
         result = _rehearse(list(cmd), root, timeout_s=timeout_s, echo=click.echo)

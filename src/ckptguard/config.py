@@ -6,10 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._layout import StepNaming
-from .contract import RunContract
+from ._commit.layout import StepNaming
+from ._commit.retention import RetentionPolicy, default_policy
+from ._resume.contract import RunContract
 from .errors import ConfigError
-from .retention import RetentionPolicy, default_policy
 
 
 class ResumeMode(enum.Enum):

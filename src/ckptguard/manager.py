@@ -17,17 +17,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _async, _commit, _layout, _manifest, _restore, retention
-from . import contract as _contract
-from ._async import PendingSave
+from ._commit import layout as _layout
+from ._commit import manifest as _manifest
+from ._commit import pending as _async
+from ._commit import protocol as _commit
+from ._commit import retention
+from ._commit.pending import PendingSave
 from ._dist import make_agreement
-from ._storage import Storage, StorageContext
+from ._resume import contract as _contract
+from ._resume import restore as _restore
+from ._resume.derived import DerivedState
+from ._resume.expert import ExpertParallel
+from ._resume.prooflog import ProofLog
 from .config import CheckpointConfig, ResumeMode
-from .derived import DerivedState
 from .errors import CheckpointError, ConfigError
-from .expert import ExpertParallel
-from .fastio import StreamingStorage
-from .proof import ProofLog
+from .storage.base import Storage, StorageContext
+from .storage.streaming import StreamingStorage
 
 log = logging.getLogger("ckptguard")
 
@@ -272,7 +277,7 @@ class CheckpointManager:
         quantization scales sent with it. The first export after a restore must equal
         the export the saving run recorded for the same step.
         """
-        from .proof import export_fingerprint
+        from ._resume.prooflog import export_fingerprint
 
         fp = export_fingerprint(payload, scales)
         self._record("export", step=step, fingerprint=fp)
@@ -280,7 +285,7 @@ class CheckpointManager:
 
     def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
         """Record the trainer's old-logprob against the rollout's for the same tokens."""
-        from .proof import logprob_diff
+        from ._resume.prooflog import logprob_diff
 
         diff = logprob_diff(trainer_logprobs, rollout_logprobs)
         self._record("logprobs", step=step, **diff)
@@ -301,7 +306,7 @@ class CheckpointManager:
     def adopt(self, path: str | os.PathLike[str], reason: str) -> Path:
         """Adopt the run chain of the checkpoint at ``path`` into this root (a new contract
         phase), so ``restore(path=...)`` may continue from it. Rank 0 writes; collective."""
-        from . import _manifest as manifest_mod
+        from ._commit import manifest as manifest_mod
 
         chain = manifest_mod.read(Path(path)).chain_id
 

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._digest import file_digest
-from .._storage import Storage, StorageContext, WrittenFile
+from .._resume.digest import file_digest
 from ..errors import ConfigError
+from ..storage.base import Storage, StorageContext, WrittenFile
 
 __all__ = ["ExternalFiles", "Writer"]
 

@@ -30,13 +30,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .. import _layout
-from .._state import PerRank
+from .._commit import layout as _layout
+from .._commit.retention import KeepLast
+from .._resume.state import PerRank
 from ..config import CheckpointConfig, ResumeMode
 from ..errors import ConfigError
-from ..fastio import StreamingStorage
 from ..manager import CheckpointManager
-from ..retention import KeepLast
+from ..storage.streaming import StreamingStorage
 from .external import ExternalFiles
 
 __all__ = ["DIR_TEMPLATE", "DS_SUBDIR", "CkptguardStrategyMixin", "step_of", "strategy_class"]
@@ -145,7 +145,7 @@ class CkptguardStrategyMixin:
 
     @staticmethod
     def _ckptguard_hold_best(mgr: CheckpointManager, step: int, key: Any, value: Any) -> None:
-        from .. import retention
+        from .._commit import retention
 
         for old, reason in retention.holds(mgr.root).items():
             if old != step and reason.startswith("best "):

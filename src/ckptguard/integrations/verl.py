@@ -35,11 +35,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .._commit.retention import KeepLast
 from ..config import CheckpointConfig, ResumeMode
 from ..errors import ConfigError
-from ..fastio import StreamingStorage
 from ..manager import CheckpointManager
-from ..retention import KeepLast
+from ..storage.streaming import StreamingStorage
 from .external import ExternalFiles
 
 __all__ = ["CkptguardTrainerMixin", "checkpoint_config", "resume_args", "should_save", "trainer_class"]

@@ -151,7 +151,7 @@ def _cluster_threshold(inputs: Any, address: str, quiet: bool) -> Any:
         import ray
     except ImportError:
         _fail("--ray-address needs the ray package (pip install 'ckptguard[integration]')")
-    from ..memory_ray_cluster import with_cluster_threshold
+    from .ray_cluster import with_cluster_threshold
 
     joined = not ray.is_initialized()  # inside a driver that is already connected, reuse it
     if joined:

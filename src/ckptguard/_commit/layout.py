@@ -1,0 +1,214 @@
+"""Names on disk and the primitives that publish them atomically.
+
+Contract: a file that another process may read is only ever created by writing a
+temporary name in the same directory, fsyncing it, renaming it over the final name
+and fsyncing the directory. Discovery matches step directories by exact name, so a
+temporary or foreign directory is never mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointCorruptError, ConfigError
+
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+MANIFEST_NAME = "manifest.json"
+STATE_DIR = "state"
+CONTRACT_DIR = "contract"
+PROOF_DIR = "proof"
+TMP_PREFIX = ".tmp-"
+OWNER_NAME = "owner.json"
+
+_FIELD = re.compile(r"\{step(?::0?(\d+)d)?\}")
+
+
+def extras_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+class StepNaming:
+    """Maps steps to directory names through a template such as ``step_{step:08d}``."""
+
+    def __init__(self, template: str) -> None:
+        fields = _FIELD.findall(template)
+        if len(fields) != 1 or "/" in template or template.startswith("."):
+            raise ConfigError(
+                f"dir_template {template!r} must hold exactly one {{step}} or {{step:0Nd}} field "
+                "and no '/', and must not start with '.'; e.g. 'step_{step:08d}' or "
+                "'global_step_{step}'"
+            )
+        self.template = template
+        width = fields[0]
+        digits = rf"(\d{{{width},}})" if width else r"(\d+)"
+        head, tail = _FIELD.split(template, maxsplit=1)[0], _FIELD.split(template)[-1]
+        self._pattern = re.compile(re.escape(head) + digits + re.escape(tail) + r"\Z")
+
+    def name(self, step: int) -> str:
+        return self.template.format(step=step)
+
+    def parse(self, name: str) -> int | None:
+        """The step a directory name stands for, or None; exact match only."""
+        match = self._pattern.match(name)
+        if match is None:
+            return None
+        step = int(match.group(1))
+        # Reject look-alikes such as step_0100 for a width-8 template.
+        return step if self.name(step) == name else None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, before_rename: Callable[[], None] | None = None) -> None:
+    """Write ``data`` to ``path`` so a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        if before_rename is not None:
+            before_rename()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any, **kw: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), **kw)
+
+
+def read_tracker(root: Path) -> int | None:
+    """The step in the tracker, or None if there is no tracker."""
+    path = root / TRACKER_NAME
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        step = int(text)
+    except ValueError:
+        raise CheckpointCorruptError(
+            f"tracker {path} holds {text[:40]!r}, not a step number; it is written only by "
+            "ckptguard (or Megatron/verl): inspect it, then fix or delete it by hand"
+        ) from None
+    if step < 0:
+        raise CheckpointCorruptError(f"tracker {path} holds a negative step {step}")
+    return step
+
+
+def write_tracker(root: Path, step: int) -> None:
+    atomic_write_bytes(root / TRACKER_NAME, f"{step}\n".encode())
+
+
+def step_dirs(root: Path, naming: StepNaming) -> dict[int, Path]:
+    """Every directory under root whose name is exactly a step name (committed or not)."""
+    found: dict[int, Path] = {}
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return found
+    for entry in entries:
+        step = naming.parse(entry.name)
+        if step is not None and entry.is_dir():
+            found[step] = Path(entry.path)
+    return found
+
+
+# ---------------------------------------------------------------- temp directories
+
+
+def temp_dir_name(step_name: str, nonce: str) -> str:
+    return f"{TMP_PREFIX}{step_name}-{nonce}"
+
+
+def write_owner(tmp: Path) -> None:
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "start": _proc_start(os.getpid())}
+    (tmp / OWNER_NAME).write_text(json.dumps(owner))
+
+
+def _proc_start(pid: int) -> str | None:
+    # The start time tells a live owner from a recycled PID.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owner_is_dead(tmp: Path, *, max_age_s: float) -> bool:
+    """True when the process that created ``tmp`` is gone.
+
+    Same host: the PID is not running (or runs a different process). Another host:
+    we cannot look, so only an owner older than ``max_age_s`` counts as dead.
+    """
+    try:
+        owner = json.loads((tmp / OWNER_NAME).read_text())
+    except (OSError, ValueError):
+        owner = None
+    age = time.time() - tmp.stat().st_mtime
+    if not owner or owner.get("host") != socket.gethostname():
+        return age > max_age_s
+    pid = int(owner.get("pid", -1))
+    if pid <= 0 or not Path(f"/proc/{pid}").exists():
+        return True
+    return _proc_start(pid) != owner.get("start")
+
+
+def sweep_temp_dirs(root: Path, *, max_age_s: float) -> list[Path]:
+    """Remove temporary step directories whose owner is dead; returns what was removed."""
+    removed = []
+    for entry in sorted(root.glob(f"{TMP_PREFIX}*")):
+        if entry.is_dir() and owner_is_dead(entry, max_age_s=max_age_s):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+TRASH_PREFIX = ".trash-"
+
+
+def remove_step_dir(path: Path) -> None:
+    """Uncommit, then delete: the manifest goes first, so a crash midway leaves no
+    directory that still looks committed while old files pair with new ones. The
+    directory is then renamed into the trash, so a failed delete is retried by
+    ``empty_trash`` instead of leaving a step-named directory behind."""
+    shutil.rmtree(uncommit_to_trash(path))
+
+
+def uncommit_to_trash(path: Path) -> Path:
+    """Remove the manifest (the directory stops counting as committed), then move the
+    directory into the trash; returns the trash path, to delete when convenient."""
+    if path.is_symlink():
+        raise OSError(f"{path} is a symlink; ckptguard never deletes through links")
+    marker = path / MANIFEST_NAME
+    if marker.exists():
+        marker.unlink()
+        fsync_dir(path)
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    return trash
+
+
+def empty_trash(root: Path) -> list[Path]:
+    """Retry deletes that failed earlier; returns what is still there."""
+    left = []
+    for path in root.glob(f"{TRASH_PREFIX}*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            if path.exists():
+                left.append(path)
+    return left

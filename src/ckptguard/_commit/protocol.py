@@ -1,0 +1,490 @@
+"""The save side of the File contract: write everything, agree, then publish.
+
+Protocol (DESIGN.md, "Commit protocol"):
+
+1. Rank 0 prepares: the root and, on a new root, tracker 0 and contract phase 0; it sweeps
+   temp directories whose owner died and creates ``.tmp-<step>-<nonce>/``.
+2. Every rank writes its DCP shards and its extras there (or into ``stage_dir`` first,
+   then copies with checksum verification) and reports success or its first error.
+3. If any rank failed, every rank raises the same CheckpointWriteError; the tracker
+   does not move.
+4. Rank 0 writes ``manifest.json`` (temp, fsync, rename), uncommits an orphan or
+   overwritten directory of the same step, renames the temp directory, fsyncs the root
+   and replaces the tracker. Every rank learns the outcome before returning.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import logging
+import os
+import secrets
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .. import _faults
+from .._dist import Agreement
+from .._resume import contract as _contract
+from .._resume import rng as _rng
+from .._resume.digest import digest, file_digest
+from .._resume.expert import ExpertParallel
+from .._resume.state import Captured, capture
+from ..config import CheckpointConfig
+from ..errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CollectiveTimeoutError,
+    ConfigError,
+    ReplicatedDivergenceError,
+    WriteFailure,
+    error_payload,
+    rebuild,
+)
+from ..storage.base import Storage, StorageContext, WrittenFile
+from . import layout as _layout
+from . import lease as _lease
+from . import manifest as _manifest
+
+log = logging.getLogger("ckptguard")
+
+RNG_ITEM = "_rng"
+FAILED_PREFIX = ".failed-"
+
+
+@dataclass
+class Context:
+    """Everything a save or restore needs, resolved once by the manager."""
+
+    root: Path
+    config: CheckpointConfig
+    naming: _layout.StepNaming
+    agreement: Agreement
+    storage: Storage
+    storage_ctx: StorageContext
+    expert: ExpertParallel | None = None
+    last_save: tuple[int, float] | None = None  # (step, monotonic end) of this process's last save
+
+    @property
+    def rank(self) -> int:
+        return self.agreement.info.rank
+
+    @property
+    def world(self) -> int:
+        return self.agreement.info.world_size
+
+    def topology(self) -> dict[str, Any]:
+        layout = self.config.layout.as_dict() if self.config.layout else {"dp": self.world, "tp": 1, "pp": 1, "ep": 1}
+        if self.expert is not None:
+            layout["ep"] = self.expert.size
+        return {"world_size": self.world, **layout}
+
+    def keyfn(self) -> Any:
+        return self.expert.key if self.expert is not None else (lambda key: key)
+
+
+def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
+    """The first error of this rank with errno and path, digging through DCP's wrapper."""
+    collateral = False
+    if isinstance(exc, CheckpointException):
+        mine = exc.failures.get(rank)
+        if mine is None:
+            collateral = True
+        else:
+            exc = mine[0] if isinstance(mine, tuple) else mine  # DCP wraps (exc, traceback)
+    root = exc
+    while root.__cause__ is not None and not isinstance(root, OSError):
+        root = root.__cause__
+    oserr = root if isinstance(root, OSError) else None
+    return WriteFailure(
+        rank=rank,
+        phase=phase + (" (another rank failed first)" if collateral else ""),
+        exc_type=type(root).__name__,
+        message=str(root)[:2000],
+        errno=oserr.errno if oserr else None,
+        path=str(oserr.filename) if oserr and oserr.filename else None,
+        offset=getattr(root, "offset", None),
+        requested_bytes=getattr(root, "requested_bytes", None),
+        returned_bytes=getattr(root, "returned_bytes", None),
+        time_ns=time.time_ns() + (10**18 if collateral else 0),
+    )
+
+
+def _raise_if_failed(ctx: Context, reports: list[dict[str, Any]], *, step: int, phase: str) -> None:
+    failures = [WriteFailure.from_json(f) for r in reports for f in ([r["failure"]] if r.get("failure") else [])
+                + r.get("failures", [])]
+    if not failures:
+        return
+    first = min(failures, key=lambda f: (f.time_ns, f.rank))
+    raise CheckpointWriteError(
+        f"save of step {step} under {ctx.root} failed at {phase}; first error: {first.describe()}. "
+        f"All {ctx.world} ranks raise this together; the tracker was not moved, so the previous "
+        "committed step stays the resume target. Fix the cause (disk space, permissions, "
+        "storage health) and save again.",
+        step=step,
+        failures=failures,
+    )
+
+
+# ---------------------------------------------------------------- step 0: guard
+
+
+def _chunk_id(key: str, t: torch.Tensor) -> str:
+    """Where DCP files this rank's piece of ``key``: the key and the chunk's global offset."""
+    if hasattr(t, "device_mesh") and hasattr(t, "placements"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1]
+        return f"{key}@{tuple(int(o) for o in offsets)}"
+    return f"{key}@{(0,) * t.dim()}"
+
+
+def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> None:
+    """Refuse two ranks holding the same (key, offset) chunk with different bytes.
+
+    DCP keeps one copy per (key, offset): a plain tensor that differs per rank, or an
+    expert shard whose FSDP offset repeats in another EP group, would come back as some
+    other rank's bytes, silently.
+    """
+    if ctx.world == 1:
+        return
+    mine = {_chunk_id(k, t): digest(t) for c in items.values() for k, t in c.tensors.items()}
+    verdict: dict[str, Any] = {}
+    try:
+        views = ctx.agreement.gather("save.chunks", mine)  # only rank 0 reads every rank's digests
+    except CollectiveTimeoutError as exc:
+        views, verdict = None, {"error": error_payload(exc), "missing": exc.missing_ranks}
+    if views is not None:
+        holders: dict[str, dict[str, list[int]]] = {}
+        for rank, view in enumerate(views):
+            for chunk, dig in view.items():
+                holders.setdefault(chunk, {}).setdefault(dig, []).append(rank)
+        verdict["bad"] = [[c, sorted(g.values())] for c, g in sorted(holders.items()) if len(g) > 1]
+    head = ctx.agreement.bcast("save.chunks.verdict", verdict, live=_live(verdict, ctx))
+    if head.get("error"):
+        raise _rebuild(head["error"], ctx.rank)
+    bad = [(c, g) for c, g in head.get("bad", [])]
+    if not bad:
+        return
+    plain = [
+        f"{c.rsplit('@', 1)[0]} (ranks grouped by content: {g})"
+        for c, g in bad
+        if c.endswith("@()") or set(c.rsplit("@", 1)[1].strip("(),").replace(" ", "").split(",")) <= {"0", ""}
+    ]
+    shown = plain if len(plain) == len(bad) else [f"{c} (ranks grouped by content: {g})" for c, g in bad]
+    raise ReplicatedDivergenceError(
+        f"save of step {step}: {len(bad)} tensor chunk(s) are held by several ranks with different bytes, and DCP "
+        f"stores one copy per key and offset, so restore would hand them one rank's copy: {'; '.join(shown[:10])}"
+        f"{' ...' if len(bad) > 10 else ''}. Wrap per-rank values in ckptguard.PerRank(...), make them DTensors, "
+        "or, for expert-parallel state, pass CheckpointManager(expert_parallel=ExpertParallel(group=ep_group)) "
+        "so expert keys carry the EP rank."
+    )
+
+
+# ---------------------------------------------------------------- step 1: prepare
+
+
+def _prepare_root(ctx: Context, step: int) -> dict[str, Any]:
+    """Rank 0: root, tracker 0, phase 0, sweep, existing-step check, temp directory."""
+    root = ctx.root
+    root.mkdir(parents=True, exist_ok=True)
+    # The lease first: a second writer is refused before it changes anything in the root.
+    note = _lease.acquire(root, ttl_s=ctx.config.lease_ttl_s, override=ctx.config.break_lease)
+    if note:
+        log.warning("ckptguard: %s: %s", root, note)
+    if _layout.read_tracker(root) is None:
+        # Declared fresh start first: "steps but no tracker" then never comes from us.
+        _layout.write_tracker(root, 0)
+    phases = _contract.read_phases(root)
+    if not phases:
+        _contract.write_phase(root, 0, _contract.initial_phase(uuid.uuid4().hex, ctx.config.contract))
+    phase = _contract.check(root, ctx.config.contract, where=f"save of step {step}")
+    _layout.sweep_temp_dirs(root, max_age_s=ctx.config.stale_temp_age_s)
+    name = ctx.naming.name(step)
+    existing = root / name
+    tracker = _layout.read_tracker(root) or 0
+    if step < tracker and not ctx.config.overwrite:
+        raise ConfigError(
+            f"save of step {step} under {root}: the tracker is at step {tracker}; saving an older step would "
+            "move it back and orphan the newer ones. If this is a deliberate rollback, set "
+            "CheckpointConfig(overwrite=True); otherwise check the step counter after restore."
+        )
+    committed = existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists()
+    if committed and not ctx.config.overwrite:
+        raise ConfigError(
+            f"step {step} is already committed at {existing}; saving it again would replace "
+            "it. Save a different step, or set CheckpointConfig(overwrite=True) to replace it "
+            "(it is uncommitted first, then rewritten)."
+        )
+    nonce = secrets.token_hex(6)
+    tmp = root / _layout.temp_dir_name(name, nonce)
+    tmp.mkdir()
+    (tmp / _layout.STATE_DIR).mkdir()
+    _layout.write_owner(tmp)
+    return {"tmp": str(tmp), "chain_id": phase["chain_id"], "phase": phase["phase"], "hash": phase["contract_hash"]}
+
+
+def _prepare(ctx: Context, step: int) -> dict[str, Any]:
+    payload: dict[str, Any] = {"step": step}
+    if ctx.rank == 0:
+        try:
+            payload.update(_prepare_root(ctx, step))
+        except CheckpointError as exc:
+            payload["error"] = error_payload(exc)
+        except Exception as exc:  # reported to every rank instead of leaving them waiting
+            payload["failure"] = failure_from(exc, rank=0, phase="prepare").to_json()
+    views = ctx.agreement.exchange("save.prepare", payload)
+    steps = [v["step"] for v in views]
+    if len(set(steps)) > 1:
+        raise ConfigError(
+            f"ranks called save with different steps {steps} (index = rank); every rank must save the same step"
+        )
+    head = views[0]
+    if "error" in head:
+        raise _rebuild(head["error"], ctx.rank)
+    _raise_if_failed(ctx, views, step=step, phase="prepare")
+    return head
+
+
+def _rebuild(err: dict[str, str], rank: int) -> CheckpointError:
+    """The error rank 0 decided on, raised alike on every rank."""
+    return rebuild(err, note="" if rank == 0 else "(reported by rank 0) ")
+
+
+# ---------------------------------------------------------------- step 2: write
+
+
+def _write_extras(path: Path, extras: dict[str, Any]) -> WrittenFile:
+    with open(path, "wb") as f:
+        torch.save(extras, f)
+        f.flush()
+        os.fsync(f.fileno())
+    size, xxh = file_digest(str(path))
+    return WrittenFile(path=path.name, size=size, xxh3=xxh)
+
+
+def _copy_verified(src: Path, dst: Path, *, expect: str | None = None) -> str:
+    """Copy to a temp name on the target, fsync, re-read and compare, then rename.
+
+    The source is hashed while it is copied; the copy is hashed again from disk. ``expect``
+    (a recorded xxh3) must match too. Returns the xxh3 of what was published."""
+    part = dst.with_name(f"{dst.name}.part-{secrets.token_hex(4)}")
+    h = xxhash.xxh3_64()
+    with open(src, "rb") as fin, open(part, "wb") as fout:
+        while block := fin.read(8 << 20):
+            h.update(block)
+            view = memoryview(block)
+            while view:
+                n = fout.write(view)
+                view = view[n:]  # a short write continues where it stopped
+        fout.flush()
+        os.fsync(fout.fileno())
+    copied = file_digest(str(part))[1]
+    if copied != h.hexdigest() or (expect is not None and copied != expect):
+        raise OSError(_errno.EIO, f"copy differs from its source or record after fsync: {src} -> {part}", str(part))
+    os.replace(part, dst)
+    return copied
+
+
+def _write_rank(ctx: Context, step: int, tmp: Path, items: dict[str, Captured], rng: Any) -> list[WrittenFile]:
+    extras = {
+        "format_version": _manifest.FORMAT_VERSION,
+        "step": step,
+        "rank": ctx.rank,
+        "kinds": {n: c.kind.value for n, c in items.items()},
+        "items": {n: c.skeleton for n, c in items.items()},
+        "rng": rng,
+    }
+    tensors = {k: t for c in items.values() for k, t in c.tensors.items()}
+    stage = ctx.config.stage_dir
+    if stage is None:
+        files = ctx.storage.write(tmp / _layout.STATE_DIR, tensors, ctx.storage_ctx)
+        files.append(_write_extras(tmp / _layout.extras_name(ctx.rank), extras))
+        return files
+    local = stage / tmp.name
+    (local / _layout.STATE_DIR).mkdir(parents=True, exist_ok=True)
+    try:
+        files = ctx.storage.write(local / _layout.STATE_DIR, tensors, ctx.storage_ctx)
+        files.append(_write_extras(local / _layout.extras_name(ctx.rank), extras))
+        for f in files:
+            _copy_verified(local / f.path, tmp / f.path)
+        return files
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- step 4: publish
+
+
+def _cost(ctx: Context, step: int, started: float, files: list[dict[str, Any]]) -> dict[str, Any]:
+    """Size and save time, and the save as a fraction of step time (the guide's section 7)."""
+    now = time.monotonic()
+    step_s = None
+    if ctx.last_save is not None and step > ctx.last_save[0]:
+        step_s = (started - ctx.last_save[1]) / (step - ctx.last_save[0])
+    return {
+        "bytes": sum(int(f["size"]) for f in files),
+        "save_seconds": round(now - started, 3),
+        "step_seconds": round(step_s, 3) if step_s else None,
+        "save_fraction_of_step": round((now - started) / step_s, 4) if step_s else None,
+    }
+
+
+def _publish(
+    ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: list[dict[str, Any]], kinds: dict[str, str]
+) -> None:
+    _faults.reached("commit.before_manifest")
+    files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep["files"]]
+    cost = _cost(ctx, step, prep["started"], files)
+    manifest = _manifest.build(
+        step=step,
+        chain_id=prep["chain_id"],
+        dir_template=ctx.naming.template,
+        topology={
+            **ctx.topology(),
+            "rank_hosts": [rep["host"] for rep in reports],
+            **({"ep_ranks": [rep["ep_rank"] for rep in reports]} if ctx.expert is not None else {}),
+        },
+        items=kinds,
+        files=files,
+        digests={str(r): rep["digests"] for r, rep in enumerate(reports)},
+        contract={"phase": prep["phase"], "hash": prep["hash"]},
+    )
+    manifest["cost"] = cost  # optional in format 1: absent in manifests written before it
+    _layout.atomic_write_json(
+        tmp / _layout.MANIFEST_NAME, manifest, before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
+    )
+    _faults.reached("commit.before_rename")
+    final = ctx.root / ctx.naming.name(step)
+    trash = None
+    if final.exists():
+        # An orphan (crash between rename and tracker) or an explicit overwrite: its old
+        # files must never pair with the new ones, so it is uncommitted and moved aside
+        # first; deleting it waits until after the tracker (a slow delete must not hold
+        # the other ranks at the publish agreement).
+        trash = _layout.uncommit_to_trash(final)
+    os.rename(tmp, final)
+    (final / _layout.OWNER_NAME).unlink()  # kept until now so a crash leaves a sweepable temp dir
+    _layout.fsync_dir(ctx.root)
+    _faults.reached("commit.before_tracker")
+    _layout.write_tracker(ctx.root, step)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
+
+
+def _live(decision: dict[str, Any], ctx: Context) -> list[int]:
+    """The ranks rank 0 waits for after a decision: not those its gather found missing."""
+    missing = set(decision.get("missing", []))
+    return [r for r in range(ctx.world) if r not in missing]
+
+
+def _publish_or_fail(
+    ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: list[dict[str, Any]], items: dict
+) -> dict[str, Any]:
+    """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
+    failures = [r["failure"] for r in reports if r.get("failure")]
+    if failures:
+        _discard(ctx, tmp)
+        return {"failures": failures, "phase": "write"}
+    try:
+        _publish(ctx, step, tmp, prep, reports, {n: c.kind.value for n, c in items.items()})
+    except Exception as exc:
+        return {"failures": [failure_from(exc, rank=0, phase="publish").to_json()], "phase": "publish"}
+    return {}
+
+
+def _discard(ctx: Context, tmp: Path) -> None:
+    """Delete a failed save's temp directory (frees what an ENOSPC needs), or keep it as
+    the scene of the failure when ``keep_failed`` is set."""
+    if ctx.config.keep_failed:
+        try:
+            os.rename(tmp, tmp.with_name(tmp.name.replace(_layout.TMP_PREFIX, FAILED_PREFIX, 1)))
+            return
+        except OSError:
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _release_host_cache() -> None:
+    """Hand the caching host allocator's free pinned blocks back after a save (the guide:
+    D2H staging stays in the pinned pool unless emptied)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty is not None:
+            empty()
+
+
+@dataclass
+class Snapshot:
+    """What a save writes, taken in the caller's thread: the blocking part of a save."""
+
+    step: int
+    items: dict[str, Captured]
+    rng: Any
+    started: float
+    staged_bytes: int = 0
+
+
+def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
+    """Capture every item, the RNG streams and the digests, and run the divergence guard."""
+    started = time.monotonic()
+    error = None
+    try:
+        items = capture(state, ctx.keyfn())
+        rng = _rng.capture() if ctx.config.capture_rng else None
+    except Exception as exc:  # shipped, so no rank waits at the next agreement for one that raised
+        error = error_payload(exc)
+    views = ctx.agreement.exchange("save.capture", {"error": error}) if ctx.world > 1 else [{"error": error}]
+    errors = {r: v["error"] for r, v in enumerate(views) if v.get("error")}
+    if errors:
+        rank = min(errors)
+        raise rebuild(errors[rank], note="" if rank == ctx.rank else f"(rank {rank}) ")
+    check_replicated(ctx, items, step)
+    return Snapshot(step, items, rng, started)
+
+
+def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
+    return commit(ctx, snapshot(ctx, step, state))
+
+
+def commit(ctx: Context, snap: Snapshot) -> Path:
+    """Steps 1 to 4 of the protocol for a snapshot; in the caller's or a background thread."""
+    step, items, rng = snap.step, snap.items, snap.rng
+    prep = _prepare(ctx, step)
+    prep["started"] = snap.started
+    tmp = Path(prep["tmp"])
+    report: dict[str, Any] = {
+        "host": ctx.agreement.info.host,
+        "files": [],
+        "digests": {},
+        "ep_rank": ctx.expert.rank if ctx.expert is not None else None,
+    }
+    try:
+        written = _write_rank(ctx, step, tmp, items, rng)
+        report["files"] = [f.__dict__ for f in written]
+        report["digests"] = {n: c.digest() for n, c in items.items()}
+        if rng is not None:
+            report["digests"][RNG_ITEM] = digest(rng)
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
+        report["failure"] = failure_from(exc, rank=ctx.rank, phase="write").to_json()
+    _release_host_cache()
+    outcome: dict[str, Any] = {}
+    try:  # file lists and digests are for rank 0's manifest only
+        reports = ctx.agreement.gather("save.written", report, patience=2.0)
+    except CollectiveTimeoutError as exc:
+        reports, outcome = None, {"error": error_payload(exc), "missing": exc.missing_ranks}
+    if reports is not None:
+        outcome = _publish_or_fail(ctx, step, tmp, prep, reports, items)
+    head = ctx.agreement.bcast("save.published", outcome, live=_live(outcome, ctx))
+    if head.get("error"):
+        raise _rebuild(head["error"], ctx.rank)
+    _raise_if_failed(ctx, [head], step=step, phase=head.get("phase", "write"))
+    ctx.last_save = (step, time.monotonic())
+    return ctx.root / ctx.naming.name(step)

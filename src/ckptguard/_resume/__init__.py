@@ -1,0 +1,1 @@
+"""The Resume-state contract: resolve, restore, captured state, RNG, digests, derived state and proof records."""

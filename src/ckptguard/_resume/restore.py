@@ -1,0 +1,383 @@
+"""The resume side: decide which step (``resolve``), then load it exactly (``restore``).
+
+Contract: the decision is made by every rank from what it sees on disk, then agreed;
+ranks that see different steps, or a rank missing its files, make every rank raise
+together. A guessed fresh start is never an outcome: a fresh start happens only when
+the root does not exist, when the tracker says 0, or under ResumeMode.NEVER, and it is
+logged as a warning. Restore checks versions, topology, contract and keys (both ways)
+before reading any tensor, and the restored items' digests after.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .._commit import layout as _layout
+from .._commit import manifest as _manifest
+from .._commit.protocol import RNG_ITEM, Context, _release_host_cache
+from ..config import ReshardRule, ResumeMode
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    RankDisagreementError,
+    ResumeError,
+    StateMismatchError,
+    TopologyMismatchError,
+    UnsafeCheckpointError,
+    error_payload,
+    rebuild,
+)
+from . import contract as _contract
+from . import rng as _rng
+from . import state as _state
+
+log = logging.getLogger("ckptguard")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Which checkpoint a restore would load, and why."""
+
+    step: int
+    """The step to resume from (0 for a fresh start)."""
+    path: Path | None
+    """The committed step directory, or None for a fresh start."""
+    reason: str
+    """One sentence: why this step."""
+    mode: ResumeMode
+
+    @property
+    def fresh(self) -> bool:
+        return self.path is None
+
+    def describe(self) -> str:
+        if self.fresh:
+            return f"FRESH START at step 0: {self.reason}"
+        return f"resume from step {self.step} at {self.path}: {self.reason}"
+
+
+def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path: Path | None) -> Resolution:
+    """What this rank sees on disk; raises ResumeError rather than guessing."""
+    if path is not None:
+        step_dir = Path(path)
+        if not step_dir.is_dir():
+            raise CheckpointNotFoundError(
+                f"restore(path={str(path)!r}): no such directory; pass a committed step directory"
+            )
+        manifest = _manifest.read(step_dir)
+        return Resolution(manifest.step, step_dir, "explicit path", mode)
+    if mode is ResumeMode.NEVER:
+        count = len(_layout.step_dirs(root, naming))
+        return Resolution(0, None, f"ResumeMode.NEVER; {count} step directories under {root} ignored", mode)
+    if not root.exists():
+        if mode is ResumeMode.MUST:
+            raise ResumeError(
+                f"ResumeMode.MUST: checkpoint root {root} does not exist; "
+                "check the path (it is never created by restore)"
+            )
+        return Resolution(
+            0, None, f"checkpoint root {root} does not exist (it was not created; the first save creates it)", mode
+        )
+    tracker = _layout.read_tracker(root)
+    dirs = _layout.step_dirs(root, naming)
+    if tracker is None:
+        if dirs:
+            raise ResumeError(
+                f"{root} holds step directories {sorted(dirs)[-3:]} but no tracker "
+                f"{_layout.TRACKER_NAME}; ckptguard writes the tracker before any step, so "
+                "something outside it removed the tracker or wrote these steps. Inspect the "
+                "root, then restore(path=...) the step you trust or move the steps away."
+            )
+        if mode is ResumeMode.MUST:
+            raise ResumeError(f"ResumeMode.MUST: {root} has no tracker and no checkpoint")
+        return Resolution(0, None, f"{root} exists but holds no checkpoint and no tracker", mode)
+    if tracker == 0:
+        if mode is ResumeMode.MUST:
+            raise ResumeError(f"ResumeMode.MUST: the tracker in {root} says 0 (no step committed yet)")
+        orphans = f"; uncommitted step directories {sorted(dirs)} are ignored" if dirs else ""
+        return Resolution(0, None, f"tracker in {root} says 0: fresh start declared by the first save{orphans}", mode)
+    step_dir = root / naming.name(tracker)
+    try:
+        manifest = _manifest.read(step_dir)
+    except (CheckpointNotFoundError, CheckpointError) as exc:
+        raise ResumeError(
+            f"the tracker in {root} points at step {tracker}, but {step_dir} is not a committed "
+            f"checkpoint ({exc}). ckptguard never moves the tracker before the commit, so the "
+            "directory was changed afterwards (deleted, copied partially, node-local disk). "
+            "Restore the files, or restore(path=...) an older committed step explicitly."
+        ) from exc
+    if manifest.step != tracker:
+        raise ResumeError(f"{step_dir}/manifest.json says step {manifest.step} but the tracker says {tracker}")
+    return Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
+
+
+def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
+    """resolve_local on every rank, then agreement on the step and on every rank's files."""
+    try:
+        res = resolve_local(ctx.root, ctx.naming, mode, path)
+        view: dict[str, Any] = {"step": res.step, "path": str(res.path) if res.path else None}
+    except Exception as exc:  # any local failure is shipped, so no rank waits for a peer that raised
+        res, view = None, {"error": error_payload(exc)}
+    views = ctx.agreement.exchange("resolve.step", view)
+    errors = {r: v["error"] for r, v in enumerate(views) if "error" in v}
+    if errors:
+        if res is None and len(errors) == ctx.world:
+            raise _reraise_same(errors)
+        raise RankDisagreementError(
+            "ranks could not all resolve a checkpoint: "
+            + "; ".join(f"rank {r}: {e['message']}" for r, e in errors.items())
+            + ". Every rank must see the same root (shared storage, or the same files on each node)."
+        )
+    # Compare step and directory name: node-local roots may sit at different paths.
+    if len({(v["step"], v["path"] and Path(v["path"]).name) for v in views}) > 1:
+        listing = "; ".join(f"rank {r}: step {v['step']} at {v['path']}" for r, v in enumerate(views))
+        raise RankDisagreementError(
+            f"ranks resolved different checkpoints ({listing}); fix the storage so every rank sees the same tracker"
+        )
+    assert res is not None
+    if not res.fresh:
+        _agree_files(ctx, res)
+    return res
+
+
+def _reraise_same(errors: dict[int, dict[str, str]]) -> CheckpointError:
+    """Every rank raises the lowest failing rank's error (its class and message)."""
+    rank = min(errors)
+    return rebuild(errors[rank], note=f"(rank {rank}) " if len(errors) < 2 or rank else "")
+
+
+def _source_rank(ctx: Context, manifest: _manifest.Manifest) -> int:
+    old = manifest.world_size
+    if old == ctx.world or ctx.config.reshard is ReshardRule.REFUSE:
+        return ctx.rank
+    if ctx.config.reshard is ReshardRule.EXTRAS_FROM_RANK0:
+        return 0
+    return ctx.rank % old
+
+
+def _agree_files(ctx: Context, res: Resolution) -> None:
+    """Each rank checks the files it will read; all raise together if any lacks one."""
+    assert res.path is not None
+    manifest = _manifest.read(res.path)
+    src = _source_rank(ctx, manifest)
+    problems: list[str] = []
+    error: dict[str, str] | None = None
+    wanted = {f["path"] for f in manifest.files if f["path"].startswith(_layout.STATE_DIR + "/")}
+    wanted.add(_layout.extras_name(src))
+    if manifest.world_size == ctx.world:  # same layout: only this rank's shards (node-local storage)
+        from .._commit.checks import files_needed
+
+        try:
+            wanted = files_needed(res.path, manifest, src)
+        except CheckpointError as exc:  # e.g. unsafe metadata: every rank raises this same error
+            error = error_payload(exc)
+    from .._commit.checks import safe_member
+
+    for f in [f for f in manifest.files if f["path"] in wanted]:
+        p = safe_member(res.path, f["path"])
+        if p is None:
+            problems.append(f"the manifest lists {f['path']!r}, which leaves {res.path}; run `ckptguard verify`")
+        elif not p.exists():
+            problems.append(f"missing {p}")
+        elif p.stat().st_size != f["size"]:
+            problems.append(f"{p} has {p.stat().st_size} bytes, manifest says {f['size']}")
+    views = ctx.agreement.exchange(
+        "resolve.files", {"host": ctx.agreement.info.host, "problems": problems[:5], "error": error}
+    )
+    errors = {r: v["error"] for r, v in enumerate(views) if v.get("error")}
+    if errors:
+        raise _reraise_same(errors)
+    bad = {r: v for r, v in enumerate(views) if v["problems"]}
+    if bad:
+        raise RankDisagreementError(
+            f"step {res.step} at {res.path} is incomplete on some ranks: "
+            + "; ".join(f"rank {r} (host {v['host']}): {', '.join(v['problems'])}" for r, v in bad.items())
+            + ". With node-local checkpoints every rank's node needs its files: copy them there before launch."
+        )
+
+
+# ---------------------------------------------------------------- restore
+
+
+def _check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
+    saved = {k: v for k, v in manifest.topology.items() if k not in ("rank_hosts", "ep_ranks")}
+    now = ctx.topology()
+    if saved == now:
+        return
+    if ctx.config.reshard is ReshardRule.REFUSE or saved.get("ep", 1) != now.get("ep", 1):
+        raise TopologyMismatchError(
+            f"{manifest.path.parent} was saved with {saved}; this run has {now}. Restore with the "
+            "same world size and layout, or set CheckpointConfig(reshard=ReshardRule...) to let "
+            "DCP reshard tensor state under a declared rule for per-rank extras (expert-parallel "
+            "size changes are never resharded)."
+        )
+    log.warning("ckptguard: resharding %s -> %s under %s", saved, now, ctx.config.reshard.value)
+
+
+def _some(keys: list[str], n: int = 8) -> str:
+    return f"{keys[:n]}{' ...' if len(keys) > n else ''}"
+
+
+def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys: set[str]) -> list[str]:
+    """Both ways: every live key must be stored (DCP has it, and this rank saved it), and
+    every key this rank saved must be live. Keys of other ranks (per-rank or per-EP-rank
+    names) are theirs, judged on their own rank."""
+    problems = []
+    if missing := sorted((live_keys - ckpt_keys) | (live_keys - saved_keys)):
+        problems.append(f"item {name!r}: keys the model expects but the checkpoint lacks: {_some(missing)}")
+    if unexpected := sorted(saved_keys - live_keys):
+        problems.append(f"item {name!r}: keys in the checkpoint the model does not have: {_some(unexpected)}")
+    return problems
+
+
+def _plan(
+    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, extras: dict[str, Any]
+) -> tuple[dict, dict]:
+    """Compare items and keys both ways; return (targets, flat tensors for DCP)."""
+    step_dir = manifest.path.parent
+    problems = []
+    if missing := sorted(set(state) - set(manifest.items)):
+        problems.append(
+            f"items requested but absent from the checkpoint: {missing} (there is never a silent fresh start for them)"
+        )
+    if unexpected := sorted(set(manifest.items) - set(state)):
+        problems.append(f"items in the checkpoint not given to restore: {unexpected} (pass them, or they are lost)")
+    try:
+        targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items}, ctx.keyfn())
+        ckpt_keys = set(ctx.storage.read_metadata(step_dir / _layout.STATE_DIR).state_dict_metadata)
+    except Exception as exc:  # reported through the plan exchange below, like any mismatch
+        problems.append(f"{type(exc).__name__}: {exc}")
+        targets, ckpt_keys = {}, set()
+    flat: dict[str, torch.Tensor] = {}
+    for name, (kind, _sd, live) in targets.items():
+        if kind.value != manifest.items[name]:
+            problems.append(f"item {name!r} is a {kind.value} now but was saved as a {manifest.items[name]}")
+            continue
+        saved_keys = _state.tensor_keys(extras["items"][name])
+        problems += _check_keys(name, saved_keys, set(live), ckpt_keys)
+        flat.update(live)
+    views = ctx.agreement.exchange("restore.plan", {"problems": problems[:20]})
+    bad = {r: v["problems"] for r, v in enumerate(views) if v["problems"]}
+    if bad:
+        r0 = min(bad)
+        raise StateMismatchError(
+            f"restore of step {manifest.step} from {step_dir}: the state does not match the "
+            f"checkpoint (rank {r0}: {'; '.join(bad[r0])}). Build the same model/optimizer as the "
+            "run that saved, or restore into matching objects."
+        )
+    return targets, flat
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    format_version: int
+    digests_match: dict[str, bool]  # empty when digests could not be compared (resharded)
+
+
+def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[str, Any]]:
+    """Everything decided before a byte of tensor state is read: versions, topology, chain,
+    contract, and this rank's extras (loaded with weights_only)."""
+    assert res.path is not None
+    manifest = _manifest.read(res.path)
+    _manifest.check_torch_version(manifest, allow_newer=ctx.config.allow_newer_torch)
+    _check_topology(ctx, manifest)
+    where = f"restore of step {manifest.step} from {res.path}"
+    _contract.check_chain(ctx.root, manifest.chain_id, where=where)
+    _contract.check(ctx.root, ctx.config.contract, where=where)
+    extras_path = res.path / _layout.extras_name(_source_rank(ctx, manifest))
+    try:
+        return manifest, torch.load(extras_path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointIncompleteError(
+            f"{extras_path} is missing (rank {ctx.rank}); restore an earlier step"
+        ) from None
+    except (pickle.UnpicklingError, RuntimeError) as exc:
+        raise UnsafeCheckpointError(
+            f"{extras_path} (rank {ctx.rank}) does not load with torch.load(weights_only=True): {exc}. "
+            "It was not written by ckptguard or was changed; do not load it unsafely: restore an earlier step."
+        ) from None
+
+
+def _agree_or_raise(ctx: Context, phase: str, error: dict[str, str] | None) -> None:
+    views = ctx.agreement.exchange(phase, {"error": error})
+    errors = {r: v["error"] for r, v in enumerate(views) if v.get("error")}
+    if errors:
+        raise _reraise_same(errors)
+
+
+def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:
+    error = None
+    try:
+        manifest, extras = _precheck(ctx, res)
+    except Exception as exc:  # shipped to every rank: no rank waits for one that raised
+        error = error_payload(exc)
+    _agree_or_raise(ctx, "restore.precheck", error)
+    assert res.path is not None
+    targets, flat = _plan(ctx, state, manifest, extras)
+    if flat:
+        try:
+            ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; all ranks get it
+            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise CheckpointCorruptError(
+                f"reading the tensor state of step {manifest.step} from {res.path} failed on rank {ctx.rank}: "
+                f"{detail}. If shapes differ, restore into objects built like the saving run's; otherwise "
+                "run `ckptguard verify --deep` on the step."
+            ) from exc
+    error = None
+    try:
+        for name, (kind, _sd, live) in targets.items():
+            _state.apply(state, name, kind, extras["items"][name], live)
+        if ctx.config.restore_rng and extras.get("rng") is not None:
+            _rng.restore(extras["rng"], where=f"restore of step {manifest.step}, rank {ctx.rank}")
+    except Exception as exc:
+        error = error_payload(exc)
+    _agree_or_raise(ctx, "restore.applied", error)
+    if ctx.config.verify_restored and manifest.world_size == ctx.world:
+        matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
+        _release_host_cache()  # digests of GPU tensors staged through pinned chunks
+    else:
+        matches = {}
+    return Restored(manifest.step, manifest.format_version, matches)
+
+
+def _verify_digests(
+    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, targets: dict, extras: dict, on_verified: Any
+) -> dict[str, bool]:
+    """Recompute every item's digest from the live objects; all ranks raise if any differs."""
+    saved = manifest.digests.get(str(ctx.rank), {})
+    problems = []
+    matches: dict[str, bool] = {}
+    for name, (kind, _sd, _live) in targets.items():
+        try:
+            _state.check_restored(name, kind, state[name], state, saved.get(name, ""))
+            matches[name] = True
+        except StateMismatchError as exc:
+            problems.append(str(exc))
+            matches[name] = False
+    if extras.get("rng") is not None and RNG_ITEM in saved:
+        from .digest import digest
+
+        matches["rng"] = digest(_rng.capture()) == saved[RNG_ITEM]
+        # With restore_rng off the streams differ by choice: recorded for the proof, not raised.
+        if not matches["rng"] and ctx.config.restore_rng:
+            problems.append("the RNG streams differ from the saved ones after restore")
+    if on_verified is not None:
+        on_verified(matches)  # the proof record is written even when the restore then raises
+    views = ctx.agreement.exchange("restore.verify", {"problems": problems})
+    bad = {r: v["problems"] for r, v in enumerate(views) if v["problems"]}
+    if bad:
+        raise StateMismatchError(
+            f"restore of step {manifest.step}: " + " | ".join(f"rank {r}: {'; '.join(p)}" for r, p in bad.items())
+        )
+    return matches

@@ -1,0 +1,3 @@
+from .job import _main
+
+_main()

@@ -1,0 +1,128 @@
+"""Where each rank is now, from the phase records: "slow is not a hang".
+
+Contract: for each rank, the newest phase that started and has not ended, how long it has
+run, how that compares with the median duration of that phase in the same records, and
+whether the process is using CPU or doing I/O right now (two /proc readings ``sample_s``
+apart, on this node only). A rank with neither CPU nor I/O far beyond its typical
+duration is reported as stalled; a busy one as slow. Processes on other nodes are
+reported without a sample, never guessed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..memory.records import read_records
+
+TICKS = os.sysconf("SC_CLK_TCK")
+STALL_FACTOR = 3.0
+"""A phase this many times longer than its median counts as overdue."""
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    pid: int
+    node: str
+    phase: str | None
+    step: int | None
+    in_phase_s: float | None
+    typical_s: float | None
+    cpu_fraction: float | None
+    io_bytes_per_s: float | None
+    verdict: str
+
+
+def _cpu_and_io(pid: int) -> tuple[float, int] | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / TICKS
+        io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+        return cpu, int(io["rchar"]) + int(io["wchar"])
+    except (OSError, IndexError, KeyError, ValueError):
+        return None
+
+
+def _open_phases(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per rank: the newest phase_start without a matching end or failure."""
+    open_: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        kind, rank = rec.get("kind"), rec.get("rank")
+        if rank is None:
+            continue
+        if kind == "phase_start":
+            open_[rank] = rec
+        elif kind in ("phase_end", "phase_failure") and rank in open_ and open_[rank].get("phase") == rec.get("phase"):
+            del open_[rank]
+    return open_
+
+
+def _typical(records: list[dict[str, Any]]) -> dict[str, float]:
+    durations: dict[str, list[float]] = {}
+    for rec in records:
+        if rec.get("kind") == "phase_end" and rec.get("duration_s") is not None:
+            durations.setdefault(rec["phase"], []).append(float(rec["duration_s"]))
+    return {phase: statistics.median(v) for phase, v in durations.items()}
+
+
+def status(paths: list[Path], *, sample_s: float = 0.5) -> list[RankStatus]:
+    records = read_records(paths)
+    open_ = _open_phases(records)
+    typical = _typical(records)
+    last = {}
+    for rec in records:
+        if rec.get("rank") is not None:
+            last[rec["rank"]] = rec
+    here = socket.gethostname()
+    local = [r["pid"] for r in last.values() if r.get("node") == here]
+    first = {pid: _cpu_and_io(pid) for pid in local}
+    time.sleep(sample_s if local else 0)
+    second = {pid: _cpu_and_io(pid) for pid in local}
+    out = []
+    for rank in sorted(last):
+        rec = open_.get(rank, last[rank])
+        out.append(_judge(rank, rec, rank in open_, typical, first.get(rec["pid"]), second.get(rec["pid"]),
+                          sample_s, rec.get("node") == here))
+    return out
+
+
+def _judge(rank: int, rec: dict[str, Any], in_phase: bool, typical: dict[str, float], a: Any, b: Any,
+           sample_s: float, local: bool) -> RankStatus:
+    phase = rec.get("phase") if in_phase else None
+    elapsed = (time.monotonic_ns() - rec["mono_ns"]) / 1e9 if local else time.time() - rec["wall_time"]
+    st = RankStatus(rank, rec["pid"], rec.get("node", "?"), phase, rec.get("step"),
+                    elapsed if in_phase else None, typical.get(phase) if phase else None, None, None, "")
+    if not local:
+        st.verdict = "on another node: not sampled"
+        return st
+    if a is None or b is None:
+        st.verdict = "EXITED" + (f" inside phase {phase!r} (no end record: it died there)" if in_phase else "")
+        return st
+    st.cpu_fraction = (b[0] - a[0]) / sample_s
+    st.io_bytes_per_s = (b[1] - a[1]) / sample_s
+    busy = st.cpu_fraction > 0.05 or st.io_bytes_per_s > (1 << 20)
+    activity = f"CPU {100 * st.cpu_fraction:.0f}%, I/O {st.io_bytes_per_s / (1 << 20):.1f} MiB/s"
+    overdue = in_phase and st.typical_s and elapsed > STALL_FACTOR * st.typical_s
+    if not in_phase:
+        st.verdict = f"between phases ({activity})"
+    elif overdue and not busy:
+        st.verdict = (f"STALLED: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s) with no CPU and no "
+                      "I/O; look at what it waits for (a peer, a lock, the filesystem)")
+    elif overdue:
+        st.verdict = f"SLOW, not hung: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s), {activity}"
+    else:
+        st.verdict = f"in {phase!r} for {elapsed:.1f} s ({activity})"
+    return st
+
+
+def record_files(path: Path) -> list[Path]:
+    """A records file, or every *.jsonl with phase records under a directory."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*.jsonl") if '"kind"' in p.read_text()[:2000])

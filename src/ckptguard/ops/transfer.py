@@ -1,0 +1,99 @@
+"""Move a committed checkpoint to another root (a new node after a node failure).
+
+Contract: the copy follows the save's publish protocol: files go to a temp directory
+under the destination, each through a temp name, fsync and a checksum compared with the
+manifest, then renamed; the manifest is copied last; the directory is renamed; the
+destination's tracker is set only after all of that, so a transfer killed midway leaves
+no tracker pointing at it. The contract phases travel with it (chain identity), and a
+transfer record says what moved, from where, by whom and when.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import _faults
+from .._commit import layout as _layout
+from .._commit import manifest as _manifest
+from .._commit.checks import verify_step
+from .._commit.protocol import _copy_verified
+from .._resume import contract as _contract
+from ..errors import CheckpointCorruptError, ConfigError
+
+TRANSFERS_DIR = "transfers"
+
+
+def transfer(step_dir: Path, dest_root: Path, *, record: Path | None = None) -> dict[str, Any]:
+    step_dir, dest_root = Path(step_dir).absolute(), Path(dest_root).absolute()
+    findings = [f for f in verify_step(step_dir) if f.severity.value == "ERROR"]
+    if findings:
+        raise CheckpointCorruptError(f"transfer: {step_dir} is not a complete checkpoint: {findings[0].line()}")
+    manifest = _manifest.read(step_dir)
+    final = dest_root / step_dir.name
+    if final.exists():
+        raise ConfigError(f"transfer: {final} already exists; remove it or pick another destination root")
+    dest_root.mkdir(parents=True, exist_ok=True)
+    _copy_contract(step_dir.parent, dest_root)
+    tmp = dest_root / _layout.temp_dir_name(step_dir.name, secrets.token_hex(6))
+    tmp.mkdir()
+    _layout.write_owner(tmp)
+    started = time.time()
+    try:
+        for entry in manifest.files:
+            (tmp / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
+            _copy_verified(step_dir / entry["path"], tmp / entry["path"], expect=entry["xxh3"])
+            _faults.reached("transfer.file_copied")
+        _copy_verified(step_dir / _layout.MANIFEST_NAME, tmp / _layout.MANIFEST_NAME)
+        (tmp / _layout.OWNER_NAME).unlink()
+        os.rename(tmp, final)
+        _layout.fsync_dir(dest_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    current = _layout.read_tracker(dest_root) or 0
+    if manifest.step >= current:
+        _layout.write_tracker(dest_root, manifest.step)
+    info = {
+        "source": str(step_dir),
+        "destination": str(final),
+        "step": manifest.step,
+        "files": [{k: f[k] for k in ("path", "size", "xxh3")} for f in manifest.files],
+        "who": f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}",
+        "started_unix": started,
+        "finished_unix": time.time(),
+        "tracker_set_to": max(manifest.step, current),
+    }
+    rec_path = record or dest_root / TRANSFERS_DIR / f"{int(started)}-step{manifest.step}.json"
+    rec_path.parent.mkdir(parents=True, exist_ok=True)
+    _layout.atomic_write_json(rec_path, info)
+    info["record"] = str(rec_path)
+    return info
+
+
+def _copy_contract(src_root: Path, dest_root: Path) -> None:
+    """The destination continues the same chain: its phases must be the source's."""
+    src, dst = _contract.read_phases(src_root), _contract.read_phases(dest_root)
+    if not src:
+        return
+    if dst and dst[0]["chain_id"] != src[0]["chain_id"]:
+        raise ConfigError(
+            f"transfer: {dest_root} belongs to run chain {dst[0]['chain_id']}, the checkpoint to "
+            f"{src[0]['chain_id']}; transfer into an empty root, or adopt the checkpoint there instead"
+        )
+    for path in _contract.phase_files(src_root):
+        target = dest_root / _contract.CONTRACT_DIR / path.name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _layout.atomic_write_bytes(target, path.read_bytes())
+
+
+def describe(info: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in info.items() if k != "files"}, indent=1)
