@@ -105,7 +105,7 @@ def test_a_checkpoint_of_another_chain_needs_adoption(tmp_path):
 KILL_MID_TRANSFER = """
 import os, signal, sys
 from ckptguard import _faults
-from ckptguard.transfer import transfer
+from ckptguard.ops.transfer import transfer
 _faults.set_hook("transfer.file_copied", lambda: os.kill(os.getpid(), signal.SIGKILL))
 transfer(sys.argv[1], sys.argv[2])
 """
