@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 from ._commit.pending import PendingSave
 from ._commit.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
 from ._resume.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
-from ._resume.derived import DerivedState, StaleDerivedStateError
+from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.restore import Resolution
 from ._resume.state import PerRank
@@ -31,10 +31,17 @@ from .errors import (
     ConfigError,
     ContractMismatchError,
     LeaseHeldError,
+    PinnedMemoryUnavailableError,
     RankDisagreementError,
+    RecordFormatError,
+    RehearsalError,
     ReplicatedDivergenceError,
     ResumeError,
+    SaveStillRunningError,
+    StaleDerivedStateError,
     StateMismatchError,
+    StorageFormatError,
+    StorageStallError,
     TopologyMismatchError,
     UnsafeCheckpointError,
     VersionMismatchError,
@@ -75,7 +82,10 @@ __all__ = [
     "ParallelLayout",
     "PendingSave",
     "PerRank",
+    "PinnedMemoryUnavailableError",
     "RankDisagreementError",
+    "RecordFormatError",
+    "RehearsalError",
     "ReplicatedDivergenceError",
     "ReshardRule",
     "Resolution",
@@ -83,10 +93,13 @@ __all__ = [
     "ResumeMode",
     "RetentionPolicy",
     "RunContract",
+    "SaveStillRunningError",
     "StaleDerivedStateError",
     "StateMismatchError",
     "Storage",
     "StorageContext",
+    "StorageFormatError",
+    "StorageStallError",
     "StreamingConfig",
     "StreamingStorage",
     "TopologyMismatchError",

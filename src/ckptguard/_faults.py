@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .errors import ConfigError
+
 COMMIT_POINTS = (
     "storage.data_written",
     "commit.before_manifest",
@@ -29,7 +31,7 @@ _hooks: dict[str, Callable[[], None]] = {}
 
 def set_hook(point: str, hook: Callable[[], None] | None) -> None:
     if point not in POINTS:
-        raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
+        raise ConfigError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
     if hook is None:
         _hooks.pop(point, None)
     else:

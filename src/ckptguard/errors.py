@@ -19,6 +19,17 @@ One root, and leaves that also subclass the builtin a caller would naturally cat
     +-- LeaseHeldError (RuntimeError)            another live run writes this root
     +-- CheckpointWriteError (OSError)           a rank failed to write; carries the first error
     +-- CollectiveTimeoutError (TimeoutError)    a rank did not arrive at an agreement point
+    +-- StorageStallError (TimeoutError)         a storage thread or buffer did not come back in time
+    +-- StorageFormatError (RuntimeError)        torch.save produced a layout the streaming writer cannot frame
+    +-- SaveStillRunningError (TimeoutError)     wait(timeout) returned while a background save still runs
+    +-- StaleDerivedStateError (RuntimeError)    a parameter-derived cache of an older version was about to be used
+    +-- RehearsalError (RuntimeError)            `ckptguard rehearse` could not reach a point it waits for
+    +-- RecordFormatError (ValueError)           a memory records file holds a line that is not a record
+    +-- PinnedMemoryUnavailableError (RuntimeError)  exact-size pinning needs CUDA
+
+Errors cross ranks as JSON (``error_payload`` / ``rebuild``): a leaf's fields (``phase``,
+``missing_ranks``, ``step``, ``failures``) are carried, and the leaf is rebuilt with them, so
+every rank sees the same class, message and fields.
 
 Every message says what happened, where (path, step, rank) and what to do.
 """
@@ -28,7 +39,7 @@ from __future__ import annotations
 import errno as _errno
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "ChainMismatchError",
@@ -41,10 +52,17 @@ __all__ = [
     "ConfigError",
     "ContractMismatchError",
     "LeaseHeldError",
+    "PinnedMemoryUnavailableError",
     "RankDisagreementError",
+    "RecordFormatError",
+    "RehearsalError",
     "ReplicatedDivergenceError",
     "ResumeError",
+    "SaveStillRunningError",
+    "StaleDerivedStateError",
     "StateMismatchError",
+    "StorageFormatError",
+    "StorageStallError",
     "TopologyMismatchError",
     "UnsafeCheckpointError",
     "VersionMismatchError",
@@ -54,6 +72,20 @@ __all__ = [
 
 class CheckpointError(Exception):
     """Root of every ckptguard error."""
+
+    #: Names of the keyword fields a leaf carries (set in its ``__init__``); they cross ranks.
+    fields: ClassVar[tuple[str, ...]] = ()
+
+    def wire_fields(self) -> dict[str, Any]:
+        """The fields as JSON values."""
+        return {name: getattr(self, name, None) for name in self.fields}
+
+    @classmethod
+    def from_wire(cls, message: str, fields: dict[str, Any]) -> CheckpointError:
+        """The leaf rebuilt on another rank, with its fields."""
+        if not cls.fields:
+            return cls(message)
+        return cls(message, **{name: fields.get(name) for name in cls.fields})
 
 
 class ConfigError(CheckpointError, ValueError):
@@ -115,6 +147,8 @@ class ChainMismatchError(ContractMismatchError):
 class CollectiveTimeoutError(CheckpointError, TimeoutError):
     """A rank did not reach an agreement point within the timeout."""
 
+    fields = ("phase", "missing_ranks")
+
     def __init__(self, message: str, *, phase: str, missing_ranks: Sequence[int]) -> None:
         super().__init__(message)
         self.phase = phase
@@ -164,7 +198,10 @@ class CheckpointWriteError(CheckpointError, OSError):
     ``failures`` holds every rank's report.
     """
 
-    def __init__(self, message: str, *, step: int, failures: Sequence[WriteFailure]) -> None:
+    fields = ("step", "failures")
+
+    def __init__(self, message: str, *, step: int, failures: Sequence[WriteFailure | dict[str, Any]]) -> None:
+        failures = [f if isinstance(f, WriteFailure) else WriteFailure.from_json(f) for f in failures]
         first = min(failures, key=lambda f: (f.time_ns, f.rank)) if failures else None
         super().__init__(first.errno if first and first.errno else 0, message)
         self.step = step
@@ -174,18 +211,77 @@ class CheckpointWriteError(CheckpointError, OSError):
     def __str__(self) -> str:
         return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
+    def wire_fields(self) -> dict[str, Any]:
+        return {"step": self.step, "failures": [f.to_json() for f in self.failures]}
 
-def error_payload(exc: BaseException) -> dict[str, str]:
+
+class StorageStallError(CheckpointError, TimeoutError):
+    """A storage thread, read or host buffer did not come back within the stall timeout.
+
+    Raised as ``StorageStallError(errno.ETIMEDOUT, message)``: it is an OSError, so the commit
+    reports it like any I/O error (errno, rank, phase)."""
+
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+    @classmethod
+    def from_wire(cls, message: str, fields: dict[str, Any]) -> CheckpointError:
+        return cls(_errno.ETIMEDOUT, message)
+
+
+class StorageFormatError(CheckpointError, RuntimeError):
+    """torch.save framed a tensor in a way the streaming writer cannot place (an internal invariant)."""
+
+
+class SaveStillRunningError(CheckpointError, TimeoutError):
+    """``PendingSave.wait(timeout)`` returned while the background save is still running."""
+
+    fields = ("step",)
+
+    def __init__(self, message: str, *, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class StaleDerivedStateError(CheckpointError, RuntimeError):
+    """A cache built for an older parameter version was about to be used."""
+
+
+class RehearsalError(CheckpointError, RuntimeError):
+    """The rehearsal could not reach a point it waits for (timeout, or the command exited)."""
+
+
+class RecordFormatError(CheckpointError, ValueError):
+    """A memory records file holds a line that is not a record (and is not a truncated last line)."""
+
+
+class PinnedMemoryUnavailableError(CheckpointError, RuntimeError):
+    """Exact-size pinning needs CUDA, and it is not available (or registration failed)."""
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
     """An error as JSON, to ship to the other ranks so that every rank raises the same one."""
-    return {"type": type(exc).__name__, "message": str(exc)}
+    out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, CheckpointError) and type(exc).fields:
+        out["fields"] = exc.wire_fields()
+    return out
 
 
-def rebuild(payload: dict[str, str], *, note: str = "") -> CheckpointError:
-    """The ckptguard error a payload describes; a foreign error becomes a CheckpointError that names it."""
-    cls = globals().get(payload["type"])
+def _leaves() -> dict[str, type[CheckpointError]]:
+    found: dict[str, type[CheckpointError]] = {}
+    todo: list[type[CheckpointError]] = [CheckpointError]
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo += cls.__subclasses__()
+    return found
+
+
+def rebuild(payload: dict[str, Any], *, note: str = "") -> CheckpointError:
+    """The ckptguard error a payload describes, with its fields; a foreign error becomes a
+    CheckpointError that names its type."""
+    cls = _leaves().get(payload["type"])
     message = f"{note}{payload['message']}"
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+    if cls is None:
         return CheckpointError(f"{note}{payload['type']}: {payload['message']}")
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, message)  # leaves' extra constructor fields are not shipped
-    return exc
+    return cls.from_wire(message, payload.get("fields") or {})

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit import retention
 from ._commit.pending import PendingSave
-from ._dist import make_agreement
+from ._dist import Wire, gather_decide, make_agreement
 from ._resume import contract as _contract
 from ._resume import restore as _restore
 from ._resume.derived import DerivedState
@@ -35,6 +36,16 @@ from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
 log = logging.getLogger("ckptguard")
+
+
+@dataclass(frozen=True)
+class _Empty(Wire):
+    """A rank's part of an agreement where only rank 0 acts."""
+
+
+@dataclass(frozen=True)
+class _Written(Wire):
+    path: str
 
 
 def _addresses(state: dict[str, Any]) -> dict[str, int]:
@@ -344,16 +355,11 @@ class CheckpointManager:
     def _on_rank0(self, phase: str, write: Any) -> Path:
         """Rank 0 writes a root-level file; every rank returns its path or raises its error."""
         self.wait()
-        out: dict[str, Any] = {}
-        if self.rank == 0:
-            try:
-                out["path"] = str(write())
-            except CheckpointError as exc:
-                out["error"] = {"type": type(exc).__name__, "message": str(exc)}
-        head = self._ctx.agreement.exchange(phase, out)[0]
-        if "error" in head:
-            raise _commit._rebuild(head["error"], self.rank)
-        return Path(head["path"])
+
+        def decide(_: list[_Empty]) -> _Written:
+            return _Written(str(write()))
+
+        return Path(gather_decide(self._ctx.agreement, phase, _Empty(), decide, decision=_Written).path)
 
     @staticmethod
     def _check_state(state: Any, where: str) -> None:

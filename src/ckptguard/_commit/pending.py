@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import SaveStillRunningError
 from .protocol import Snapshot
 
 log = logging.getLogger("ckptguard")
@@ -102,8 +103,11 @@ class PendingSave:
         start = time.monotonic()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"the background save of step {self.step} is still running after "
-                               f"{time.monotonic() - start:.0f} s")
+            raise SaveStillRunningError(
+                f"the background save of step {self.step} is still running after {time.monotonic() - start:.0f} s; "
+                "call wait() again (without a timeout to block until it ends)",
+                step=self.step,
+            )
         if self._error is not None:
             self.reported = True
             raise self._error

@@ -22,7 +22,7 @@ import secrets
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _faults
-from .._dist import Agreement
+from .._dist import Agreement, Wire, gather_decide, on_every_rank
 from .._resume import contract as _contract
 from .._resume import rng as _rng
 from .._resume.digest import digest, file_digest
@@ -41,12 +41,9 @@ from ..config import CheckpointConfig
 from ..errors import (
     CheckpointError,
     CheckpointWriteError,
-    CollectiveTimeoutError,
     ConfigError,
     ReplicatedDivergenceError,
     WriteFailure,
-    error_payload,
-    rebuild,
 )
 from ..storage.base import Storage, StorageContext, WrittenFile
 from . import layout as _layout
@@ -90,6 +87,58 @@ class Context:
         return self.expert.key if self.expert is not None else (lambda key: key)
 
 
+# ---------------------------------------------------------------- messages between ranks
+
+
+@dataclass(frozen=True)
+class ChunkDigests(Wire):
+    """One rank's digest of every tensor chunk it holds, keyed ``key@offset``."""
+
+    chunks: dict[str, str]
+
+
+@dataclass(frozen=True)
+class ChunkVerdict(Wire):
+    """Chunks held by several ranks with different bytes: ``[chunk, [[ranks alike], ...]]``."""
+
+    bad: list[list[Any]]
+
+
+@dataclass(frozen=True)
+class PrepareRequest(Wire):
+    step: int
+
+
+@dataclass(frozen=True)
+class Prepared(Wire):
+    """Rank 0's reply to prepare: the temp directory and the contract phase in force, or its failure."""
+
+    tmp: str = ""
+    chain_id: str = ""
+    phase: int = 0
+    contract_hash: str = ""
+    failure: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RankReport(Wire):
+    """What one rank wrote (files with sizes and checksums, per-item digests), or its first error."""
+
+    host: str
+    files: list[dict[str, Any]] = field(default_factory=list)
+    digests: dict[str, str] = field(default_factory=dict)
+    ep_rank: int | None = None
+    failure: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Outcome(Wire):
+    """Rank 0's publish outcome: no failures means committed."""
+
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    phase: str = "write"
+
+
 def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
     """The first error of this rank with errno and path, digging through DCP's wrapper."""
     collateral = False
@@ -117,9 +166,8 @@ def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
     )
 
 
-def _raise_if_failed(ctx: Context, reports: list[dict[str, Any]], *, step: int, phase: str) -> None:
-    failures = [WriteFailure.from_json(f) for r in reports for f in ([r["failure"]] if r.get("failure") else [])
-                + r.get("failures", [])]
+def _raise_if_failed(ctx: Context, shipped: list[dict[str, Any]], *, step: int, phase: str) -> None:
+    failures = [WriteFailure.from_json(f) for f in shipped]
     if not failures:
         return
     first = min(failures, key=lambda f: (f.time_ns, f.rank))
@@ -146,6 +194,14 @@ def _chunk_id(key: str, t: torch.Tensor) -> str:
     return f"{key}@{(0,) * t.dim()}"
 
 
+def _divergent_chunks(views: list[ChunkDigests]) -> ChunkVerdict:
+    holders: dict[str, dict[str, list[int]]] = {}
+    for rank, view in enumerate(views):
+        for chunk, dig in view.chunks.items():
+            holders.setdefault(chunk, {}).setdefault(dig, []).append(rank)
+    return ChunkVerdict([[c, sorted(g.values())] for c, g in sorted(holders.items()) if len(g) > 1])
+
+
 def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> None:
     """Refuse two ranks holding the same (key, offset) chunk with different bytes.
 
@@ -155,22 +211,9 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
     """
     if ctx.world == 1:
         return
-    mine = {_chunk_id(k, t): digest(t) for c in items.values() for k, t in c.tensors.items()}
-    verdict: dict[str, Any] = {}
-    try:
-        views = ctx.agreement.gather("save.chunks", mine)  # only rank 0 reads every rank's digests
-    except CollectiveTimeoutError as exc:
-        views, verdict = None, {"error": error_payload(exc), "missing": exc.missing_ranks}
-    if views is not None:
-        holders: dict[str, dict[str, list[int]]] = {}
-        for rank, view in enumerate(views):
-            for chunk, dig in view.items():
-                holders.setdefault(chunk, {}).setdefault(dig, []).append(rank)
-        verdict["bad"] = [[c, sorted(g.values())] for c, g in sorted(holders.items()) if len(g) > 1]
-    head = ctx.agreement.bcast("save.chunks.verdict", verdict, live=_live(verdict, ctx))
-    if head.get("error"):
-        raise _rebuild(head["error"], ctx.rank)
-    bad = [(c, g) for c, g in head.get("bad", [])]
+    mine = ChunkDigests({_chunk_id(k, t): digest(t) for c in items.values() for k, t in c.tensors.items()})
+    verdict = gather_decide(ctx.agreement, "save.chunks", mine, _divergent_chunks, decision=ChunkVerdict)
+    bad = [(c, g) for c, g in verdict.bad]
     if not bad:
         return
     plain = [
@@ -191,7 +234,7 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
 # ---------------------------------------------------------------- step 1: prepare
 
 
-def _prepare_root(ctx: Context, step: int) -> dict[str, Any]:
+def _prepare_root(ctx: Context, step: int) -> Prepared:
     """Rank 0: root, tracker 0, phase 0, sweep, existing-step check, temp directory."""
     root = ctx.root
     root.mkdir(parents=True, exist_ok=True)
@@ -228,34 +271,28 @@ def _prepare_root(ctx: Context, step: int) -> dict[str, Any]:
     tmp.mkdir()
     (tmp / _layout.STATE_DIR).mkdir()
     _layout.write_owner(tmp)
-    return {"tmp": str(tmp), "chain_id": phase["chain_id"], "phase": phase["phase"], "hash": phase["contract_hash"]}
+    return Prepared(
+        tmp=str(tmp), chain_id=phase["chain_id"], phase=phase["phase"], contract_hash=phase["contract_hash"]
+    )
 
 
-def _prepare(ctx: Context, step: int) -> dict[str, Any]:
-    payload: dict[str, Any] = {"step": step}
-    if ctx.rank == 0:
+def _prepare(ctx: Context, step: int) -> Prepared:
+    def decide(requests: list[PrepareRequest]) -> Prepared:
+        steps = [r.step for r in requests]
+        if len(set(steps)) > 1:
+            raise ConfigError(
+                f"ranks called save with different steps {steps} (index = rank); every rank must save the same step"
+            )
         try:
-            payload.update(_prepare_root(ctx, step))
-        except CheckpointError as exc:
-            payload["error"] = error_payload(exc)
-        except Exception as exc:  # reported to every rank instead of leaving them waiting
-            payload["failure"] = failure_from(exc, rank=0, phase="prepare").to_json()
-    views = ctx.agreement.exchange("save.prepare", payload)
-    steps = [v["step"] for v in views]
-    if len(set(steps)) > 1:
-        raise ConfigError(
-            f"ranks called save with different steps {steps} (index = rank); every rank must save the same step"
-        )
-    head = views[0]
-    if "error" in head:
-        raise _rebuild(head["error"], ctx.rank)
-    _raise_if_failed(ctx, views, step=step, phase="prepare")
-    return head
+            return _prepare_root(ctx, step)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # an OSError of the root: reported like a write failure, with errno and path
+            return Prepared(failure=failure_from(exc, rank=0, phase="prepare").to_json())
 
-
-def _rebuild(err: dict[str, str], rank: int) -> CheckpointError:
-    """The error rank 0 decided on, raised alike on every rank."""
-    return rebuild(err, note="" if rank == 0 else "(reported by rank 0) ")
+    prep = gather_decide(ctx.agreement, "save.prepare", PrepareRequest(step), decide, decision=Prepared)
+    _raise_if_failed(ctx, [prep.failure] if prep.failure else [], step=step, phase="prepare")
+    return prep
 
 
 # ---------------------------------------------------------------- step 2: write
@@ -338,24 +375,25 @@ def _cost(ctx: Context, step: int, started: float, files: list[dict[str, Any]]) 
 
 
 def _publish(
-    ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: list[dict[str, Any]], kinds: dict[str, str]
+    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
+    kinds: dict[str, str],
 ) -> None:
     _faults.reached("commit.before_manifest")
-    files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep["files"]]
-    cost = _cost(ctx, step, prep["started"], files)
+    files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files]
+    cost = _cost(ctx, step, started, files)
     manifest = _manifest.build(
         step=step,
-        chain_id=prep["chain_id"],
+        chain_id=prep.chain_id,
         dir_template=ctx.naming.template,
         topology={
             **ctx.topology(),
-            "rank_hosts": [rep["host"] for rep in reports],
-            **({"ep_ranks": [rep["ep_rank"] for rep in reports]} if ctx.expert is not None else {}),
+            "rank_hosts": [rep.host for rep in reports],
+            **({"ep_ranks": [rep.ep_rank for rep in reports]} if ctx.expert is not None else {}),
         },
         items=kinds,
         files=files,
-        digests={str(r): rep["digests"] for r, rep in enumerate(reports)},
-        contract={"phase": prep["phase"], "hash": prep["hash"]},
+        digests={str(r): rep.digests for r, rep in enumerate(reports)},
+        contract={"phase": prep.phase, "hash": prep.contract_hash},
     )
     manifest["cost"] = cost  # optional in format 1: absent in manifests written before it
     _layout.atomic_write_json(
@@ -379,25 +417,19 @@ def _publish(
         shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
 
 
-def _live(decision: dict[str, Any], ctx: Context) -> list[int]:
-    """The ranks rank 0 waits for after a decision: not those its gather found missing."""
-    missing = set(decision.get("missing", []))
-    return [r for r in range(ctx.world) if r not in missing]
-
-
 def _publish_or_fail(
-    ctx: Context, step: int, tmp: Path, prep: dict[str, Any], reports: list[dict[str, Any]], items: dict
-) -> dict[str, Any]:
+    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport], items: dict
+) -> Outcome:
     """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
-    failures = [r["failure"] for r in reports if r.get("failure")]
+    failures = [r.failure for r in reports if r.failure]
     if failures:
         _discard(ctx, tmp)
-        return {"failures": failures, "phase": "write"}
+        return Outcome(failures, "write")
     try:
-        _publish(ctx, step, tmp, prep, reports, {n: c.kind.value for n, c in items.items()})
+        _publish(ctx, step, tmp, prep, started, reports, {n: c.kind.value for n, c in items.items()})
     except Exception as exc:
-        return {"failures": [failure_from(exc, rank=0, phase="publish").to_json()], "phase": "publish"}
-    return {}
+        return Outcome([failure_from(exc, rank=0, phase="publish").to_json()], "publish")
+    return Outcome()
 
 
 def _discard(ctx: Context, tmp: Path) -> None:
@@ -435,17 +467,11 @@ class Snapshot:
 def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
     """Capture every item, the RNG streams and the digests, and run the divergence guard."""
     started = time.monotonic()
-    error = None
-    try:
-        items = capture(state, ctx.keyfn())
-        rng = _rng.capture() if ctx.config.capture_rng else None
-    except Exception as exc:  # shipped, so no rank waits at the next agreement for one that raised
-        error = error_payload(exc)
-    views = ctx.agreement.exchange("save.capture", {"error": error}) if ctx.world > 1 else [{"error": error}]
-    errors = {r: v["error"] for r, v in enumerate(views) if v.get("error")}
-    if errors:
-        rank = min(errors)
-        raise rebuild(errors[rank], note="" if rank == ctx.rank else f"(rank {rank}) ")
+
+    def take() -> tuple[dict[str, Captured], Any]:
+        return capture(state, ctx.keyfn()), (_rng.capture() if ctx.config.capture_rng else None)
+
+    items, rng = on_every_rank(ctx.agreement, "save.capture", take)
     check_replicated(ctx, items, step)
     return Snapshot(step, items, rng, started)
 
@@ -458,33 +484,26 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     """Steps 1 to 4 of the protocol for a snapshot; in the caller's or a background thread."""
     step, items, rng = snap.step, snap.items, snap.rng
     prep = _prepare(ctx, step)
-    prep["started"] = snap.started
-    tmp = Path(prep["tmp"])
-    report: dict[str, Any] = {
-        "host": ctx.agreement.info.host,
-        "files": [],
-        "digests": {},
-        "ep_rank": ctx.expert.rank if ctx.expert is not None else None,
-    }
+    tmp = Path(prep.tmp)
     try:
         written = _write_rank(ctx, step, tmp, items, rng)
-        report["files"] = [f.__dict__ for f in written]
-        report["digests"] = {n: c.digest() for n, c in items.items()}
+        digests = {n: c.digest() for n, c in items.items()}
         if rng is not None:
-            report["digests"][RNG_ITEM] = digest(rng)
+            digests[RNG_ITEM] = digest(rng)
+        report = RankReport(
+            ctx.agreement.info.host, [f.__dict__ for f in written], digests, ctx.expert.rank if ctx.expert else None
+        )
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
-        report["failure"] = failure_from(exc, rank=ctx.rank, phase="write").to_json()
+        report = RankReport(ctx.agreement.info.host, failure=failure_from(exc, rank=ctx.rank, phase="write").to_json())
     _release_host_cache()
-    outcome: dict[str, Any] = {}
-    try:  # file lists and digests are for rank 0's manifest only
-        reports = ctx.agreement.gather("save.written", report, patience=2.0)
-    except CollectiveTimeoutError as exc:
-        reports, outcome = None, {"error": error_payload(exc), "missing": exc.missing_ranks}
-    if reports is not None:
-        outcome = _publish_or_fail(ctx, step, tmp, prep, reports, items)
-    head = ctx.agreement.bcast("save.published", outcome, live=_live(outcome, ctx))
-    if head.get("error"):
-        raise _rebuild(head["error"], ctx.rank)
-    _raise_if_failed(ctx, [head], step=step, phase=head.get("phase", "write"))
+    outcome = gather_decide(  # file lists and digests are for rank 0's manifest only
+        ctx.agreement,
+        "save.written",
+        report,
+        lambda reports: _publish_or_fail(ctx, step, tmp, prep, snap.started, reports, items),
+        decision=Outcome,
+        patience=2.0,
+    )
+    _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
     ctx.last_save = (step, time.monotonic())
     return ctx.root / ctx.naming.name(step)

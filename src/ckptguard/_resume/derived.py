@@ -15,13 +15,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError, StaleDerivedStateError
 
 log = logging.getLogger("ckptguard")
 
-
-class StaleDerivedStateError(CheckpointError, RuntimeError):
-    """A cache built for an older parameter version was about to be used."""
 
 
 @dataclass

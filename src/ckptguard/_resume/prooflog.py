@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .._commit.layout import PROOF_DIR
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, ConfigError
 from .digest import digest
 
 
@@ -49,7 +49,7 @@ def logprob_diff(trainer: torch.Tensor, rollout: torch.Tensor) -> dict[str, floa
     """Max absolute difference of logprobs and of probabilities (probs_diff)."""
     a, b = trainer.detach().double().cpu(), rollout.detach().double().cpu()
     if a.shape != b.shape:
-        raise ValueError(f"record_logprobs: shapes differ, trainer {tuple(a.shape)} vs rollout {tuple(b.shape)}")
+        raise ConfigError(f"record_logprobs: shapes differ, trainer {tuple(a.shape)} vs rollout {tuple(b.shape)}")
     return {
         "max_abs_logprob_diff": float((a - b).abs().max()) if a.numel() else 0.0,
         "probs_diff": float((a.exp() - b.exp()).abs().max()) if a.numel() else 0.0,

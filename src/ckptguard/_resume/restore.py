@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .._commit import layout as _layout
 from .._commit import manifest as _manifest
 from .._commit.protocol import RNG_ITEM, Context, _release_host_cache
+from .._dist import Wire, gather_decide, on_every_rank
 from ..config import ReshardRule, ResumeMode
 from ..errors import (
     CheckpointCorruptError,
@@ -120,17 +121,53 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
     return Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
 
 
+@dataclass(frozen=True)
+class ResolveView(Wire):
+    """What one rank resolved: step and directory, or its error."""
+
+    step: int = 0
+    path: str | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class FilesView(Wire):
+    """The problems one rank found with the files it will read, or its error."""
+
+    host: str
+    problems: list[str] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Problems(Wire):
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Agreed(Wire):
+    """Rank 0's verdict: every rank may go on (a disagreement is raised instead)."""
+
+
 def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
     """resolve_local on every rank, then agreement on the step and on every rank's files."""
+    res: Resolution | None = None
     try:
         res = resolve_local(ctx.root, ctx.naming, mode, path)
-        view: dict[str, Any] = {"step": res.step, "path": str(res.path) if res.path else None}
+        view = ResolveView(res.step, str(res.path) if res.path else None)
     except Exception as exc:  # any local failure is shipped, so no rank waits for a peer that raised
-        res, view = None, {"error": error_payload(exc)}
-    views = ctx.agreement.exchange("resolve.step", view)
-    errors = {r: v["error"] for r, v in enumerate(views) if "error" in v}
+        view = ResolveView(error=error_payload(exc))
+    gather_decide(ctx.agreement, "resolve.step", view, _same_checkpoint, decision=Agreed)
+    assert res is not None
+    if not res.fresh:
+        _agree_files(ctx, res)
+    return res
+
+
+def _same_checkpoint(views: list[ResolveView]) -> Agreed:
+    errors = {r: v.error for r, v in enumerate(views) if v.error}
     if errors:
-        if res is None and len(errors) == ctx.world:
+        if len(errors) == len(views):
             raise _reraise_same(errors)
         raise RankDisagreementError(
             "ranks could not all resolve a checkpoint: "
@@ -138,19 +175,16 @@ def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
             + ". Every rank must see the same root (shared storage, or the same files on each node)."
         )
     # Compare step and directory name: node-local roots may sit at different paths.
-    if len({(v["step"], v["path"] and Path(v["path"]).name) for v in views}) > 1:
-        listing = "; ".join(f"rank {r}: step {v['step']} at {v['path']}" for r, v in enumerate(views))
+    if len({(v.step, v.path and Path(v.path).name) for v in views}) > 1:
+        listing = "; ".join(f"rank {r}: step {v.step} at {v.path}" for r, v in enumerate(views))
         raise RankDisagreementError(
             f"ranks resolved different checkpoints ({listing}); fix the storage so every rank sees the same tracker"
         )
-    assert res is not None
-    if not res.fresh:
-        _agree_files(ctx, res)
-    return res
+    return Agreed()
 
 
-def _reraise_same(errors: dict[int, dict[str, str]]) -> CheckpointError:
-    """Every rank raises the lowest failing rank's error (its class and message)."""
+def _reraise_same(errors: dict[int, dict[str, Any]]) -> CheckpointError:
+    """Every rank raises the lowest failing rank's error (its class, message and fields)."""
     rank = min(errors)
     return rebuild(errors[rank], note=f"(rank {rank}) " if len(errors) < 2 or rank else "")
 
@@ -190,19 +224,22 @@ def _agree_files(ctx: Context, res: Resolution) -> None:
             problems.append(f"missing {p}")
         elif p.stat().st_size != f["size"]:
             problems.append(f"{p} has {p.stat().st_size} bytes, manifest says {f['size']}")
-    views = ctx.agreement.exchange(
-        "resolve.files", {"host": ctx.agreement.info.host, "problems": problems[:5], "error": error}
-    )
-    errors = {r: v["error"] for r, v in enumerate(views) if v.get("error")}
-    if errors:
-        raise _reraise_same(errors)
-    bad = {r: v for r, v in enumerate(views) if v["problems"]}
-    if bad:
-        raise RankDisagreementError(
-            f"step {res.step} at {res.path} is incomplete on some ranks: "
-            + "; ".join(f"rank {r} (host {v['host']}): {', '.join(v['problems'])}" for r, v in bad.items())
-            + ". With node-local checkpoints every rank's node needs its files: copy them there before launch."
-        )
+    view = FilesView(ctx.agreement.info.host, problems[:5], error)
+
+    def decide(views: list[FilesView]) -> Agreed:
+        errors = {r: v.error for r, v in enumerate(views) if v.error}
+        if errors:
+            raise _reraise_same(errors)
+        bad = {r: v for r, v in enumerate(views) if v.problems}
+        if bad:
+            raise RankDisagreementError(
+                f"step {res.step} at {res.path} is incomplete on some ranks: "
+                + "; ".join(f"rank {r} (host {v.host}): {', '.join(v.problems)}" for r, v in bad.items())
+                + ". With node-local checkpoints every rank's node needs its files: copy them there before launch."
+            )
+        return Agreed()
+
+    gather_decide(ctx.agreement, "resolve.files", view, decide, decision=Agreed)
 
 
 # ---------------------------------------------------------------- restore
@@ -265,15 +302,18 @@ def _plan(
         saved_keys = _state.tensor_keys(extras["items"][name])
         problems += _check_keys(name, saved_keys, set(live), ckpt_keys)
         flat.update(live)
-    views = ctx.agreement.exchange("restore.plan", {"problems": problems[:20]})
-    bad = {r: v["problems"] for r, v in enumerate(views) if v["problems"]}
-    if bad:
-        r0 = min(bad)
-        raise StateMismatchError(
-            f"restore of step {manifest.step} from {step_dir}: the state does not match the "
-            f"checkpoint (rank {r0}: {'; '.join(bad[r0])}). Build the same model/optimizer as the "
-            "run that saved, or restore into matching objects."
-        )
+    def decide(views: list[Problems]) -> Agreed:
+        bad = {r: v.problems for r, v in enumerate(views) if v.problems}
+        if bad:
+            r0 = min(bad)
+            raise StateMismatchError(
+                f"restore of step {manifest.step} from {step_dir}: the state does not match the "
+                f"checkpoint (rank {r0}: {'; '.join(bad[r0])}). Build the same model/optimizer as the "
+                "run that saved, or restore into matching objects."
+            )
+        return Agreed()
+
+    gather_decide(ctx.agreement, "restore.plan", Problems(problems[:20]), decide, decision=Agreed)
     return targets, flat
 
 
@@ -308,20 +348,8 @@ def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[s
         ) from None
 
 
-def _agree_or_raise(ctx: Context, phase: str, error: dict[str, str] | None) -> None:
-    views = ctx.agreement.exchange(phase, {"error": error})
-    errors = {r: v["error"] for r, v in enumerate(views) if v.get("error")}
-    if errors:
-        raise _reraise_same(errors)
-
-
 def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:
-    error = None
-    try:
-        manifest, extras = _precheck(ctx, res)
-    except Exception as exc:  # shipped to every rank: no rank waits for one that raised
-        error = error_payload(exc)
-    _agree_or_raise(ctx, "restore.precheck", error)
+    manifest, extras = on_every_rank(ctx.agreement, "restore.precheck", lambda: _precheck(ctx, res))
     assert res.path is not None
     targets, flat = _plan(ctx, state, manifest, extras)
     if flat:
@@ -334,15 +362,13 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
                 f"{detail}. If shapes differ, restore into objects built like the saving run's; otherwise "
                 "run `ckptguard verify --deep` on the step."
             ) from exc
-    error = None
-    try:
+    def apply() -> None:
         for name, (kind, _sd, live) in targets.items():
             _state.apply(state, name, kind, extras["items"][name], live)
         if ctx.config.restore_rng and extras.get("rng") is not None:
             _rng.restore(extras["rng"], where=f"restore of step {manifest.step}, rank {ctx.rank}")
-    except Exception as exc:
-        error = error_payload(exc)
-    _agree_or_raise(ctx, "restore.applied", error)
+
+    on_every_rank(ctx.agreement, "restore.applied", apply)
     if ctx.config.verify_restored and manifest.world_size == ctx.world:
         matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
         _release_host_cache()  # digests of GPU tensors staged through pinned chunks
@@ -374,10 +400,13 @@ def _verify_digests(
             problems.append("the RNG streams differ from the saved ones after restore")
     if on_verified is not None:
         on_verified(matches)  # the proof record is written even when the restore then raises
-    views = ctx.agreement.exchange("restore.verify", {"problems": problems})
-    bad = {r: v["problems"] for r, v in enumerate(views) if v["problems"]}
-    if bad:
-        raise StateMismatchError(
-            f"restore of step {manifest.step}: " + " | ".join(f"rank {r}: {'; '.join(p)}" for r, p in bad.items())
-        )
+    def decide(views: list[Problems]) -> Agreed:
+        bad = {r: v.problems for r, v in enumerate(views) if v.problems}
+        if bad:
+            raise StateMismatchError(
+                f"restore of step {manifest.step}: " + " | ".join(f"rank {r}: {'; '.join(p)}" for r, p in bad.items())
+            )
+        return Agreed()
+
+    gather_decide(ctx.agreement, "restore.verify", Problems(problems), decide, decision=Agreed)
     return matches

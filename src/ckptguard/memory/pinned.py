@@ -20,16 +20,13 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError, PinnedMemoryUnavailableError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["HostRegistrar", "PinnedBuffer", "PinnedMemoryUnavailableError", "pinned_empty", "pow2_ceil"]
 
-
-class PinnedMemoryUnavailableError(CheckpointError, RuntimeError):
-    """Exact-size pinning needs CUDA, and it is not available (or registration failed)."""
 
 
 def pow2_ceil(nbytes: int) -> int:

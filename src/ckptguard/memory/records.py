@@ -26,7 +26,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import RecordFormatError
 
 __all__ = ["FORMAT_VERSION", "RecordFormatError", "RecordKind", "read_records"]
 
@@ -41,9 +41,6 @@ class RecordKind(Enum):
     WATCH_START = "watch_start"
     WATCH_END = "watch_end"
 
-
-class RecordFormatError(CheckpointError, ValueError):
-    """A memory records file holds a line that is not a record (and is not a truncated last line)."""
 
 
 def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:

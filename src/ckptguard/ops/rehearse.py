@@ -22,12 +22,8 @@ from typing import Any
 
 from .._commit import layout as _layout
 from .._resume.prooflog import read_records
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RehearsalError
 from .prove import Gate, evaluate
-
-
-class RehearsalError(CheckpointError, RuntimeError):
-    """The rehearsal could not reach a point it waits for (timeout, or the command exited)."""
 
 
 @dataclass

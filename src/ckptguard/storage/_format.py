@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, UnsafeCheckpointError
+from ..errors import CheckpointCorruptError, StorageFormatError, UnsafeCheckpointError
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def _build_frame(shape: tuple[int, ...], dtype: torch.dtype) -> Frame:
     if nbytes == 0 and not rec.gaps:
         rec.gaps.append((rec.pos, 0))  # torch's writer skips nothing for an empty storage
     if len(rec.gaps) != 1 or rec.gaps[0][1] != nbytes:
-        raise RuntimeError(f"torch.save left gaps {rec.gaps} for a {dtype} tensor of shape {shape}; expected one")
+        raise StorageFormatError(f"torch.save left gaps {rec.gaps} for a {dtype} tensor of shape {shape}; expected one")
     gap_at = rec.gaps[0][0]
     blob = bytearray(rec.pos - nbytes)
     for pos, data in rec.parts:

@@ -4,7 +4,7 @@ Contract: a ``BufferPool`` owns ``count`` buffers of exactly ``size`` bytes, eac
 anonymous mapping (page-aligned, no allocator rounding, no cache that outlives us), page
 locked with ``cudaHostRegister`` when CUDA is available and pinning is asked for.
 ``close()`` unregisters and unmaps every buffer: after it, the pool holds no host memory.
-``get`` waits at most a timeout for a free buffer and raises ``TimeoutError`` naming what
+``get`` waits at most a timeout for a free buffer and raises ``StorageStallError`` (a ``TimeoutError``) naming what
 it waited for.
 
 ``write_all`` and ``read_into`` turn every failed or short system call into an
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..errors import StorageStallError
 
 # The system calls, looked up here at call time: a seam for tests that inject short writes.
 _write = os.write
@@ -174,7 +176,7 @@ class BufferPool:
         try:
             return self._free.get(timeout=self.timeout_s)
         except queue.Empty:
-            raise TimeoutError(
+            raise StorageStallError(
                 _errno.ETIMEDOUT,
                 f"no host buffer came free within {self.timeout_s} s while {what}: the storage stalled "
                 "(a hung filesystem or device); raise StreamingConfig.stall_timeout_s only if it is just slow",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from ..errors import CheckpointCorruptError, StateMismatchError, UnsafeCheckpointError
+from ..errors import CheckpointCorruptError, StateMismatchError, StorageStallError, UnsafeCheckpointError
 from ._format import FileSlice, Record, read_record
 from ._pool import BufferPool, IOStats, drop_cached, read_into
 
@@ -216,7 +216,7 @@ class ItemReader:
         try:
             got = ready.get(timeout=self._pool.timeout_s)
         except queue.Empty:
-            raise TimeoutError(
+            raise StorageStallError(
                 _errno.ETIMEDOUT, f"no data read within {self._pool.timeout_s} s: the storage stalled"
             ) from None
         self._stats.stall_seconds += time.perf_counter() - t0

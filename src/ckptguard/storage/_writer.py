@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ..errors import StorageStallError
 from ._pool import Buffer, BufferPool, IOStats, drop_cached, io_error, write_all
 
 
@@ -231,7 +232,7 @@ class FileStreamer:
         for th in self._threads:
             th.join(timeout=self._pool.timeout_s)
             if th.is_alive():
-                raise TimeoutError(
+                raise StorageStallError(
                     _errno.ETIMEDOUT, f"the {th.name} thread did not finish {self.path} within {self._pool.timeout_s} s"
                 )
 

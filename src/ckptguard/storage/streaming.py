@@ -47,7 +47,7 @@ from torch.futures import Future
 
 from .. import _faults
 from .._resume.digest import file_digest
-from ..errors import ConfigError
+from ..errors import ConfigError, StateMismatchError
 from ._format import item_frame
 from ._pool import BufferPool, IOStats
 from ._reader import ItemReader
@@ -77,7 +77,7 @@ class StreamingConfig:
     writeback_bytes: int | None = 1 << 30
     """fdatasync (and drop) every this many bytes while writing; None: only the final fsync."""
     stall_timeout_s: float = 600.0
-    """Longest wait for a free buffer or an I/O thread before raising TimeoutError."""
+    """Longest wait for a free buffer or an I/O thread before raising StorageStallError (a TimeoutError)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.buffer_bytes) or self.buffer_bytes < _PAGE or self.buffer_bytes % _PAGE:
@@ -203,7 +203,9 @@ def _write_item(out: FileStreamer, name: str, item: Any, planner: Any) -> WriteR
         t = exact(data)
         planned = tuple(item.tensor_data.chunk.sizes)
         if tuple(t.shape) != planned:
-            raise ValueError(f"item {item.index.fqn!r}: tensor shape {tuple(t.shape)} differs from the plan {planned}")
+            raise StateMismatchError(
+                f"item {item.index.fqn!r}: tensor shape {tuple(t.shape)} differs from the plan {planned}"
+            )
         frame = item_frame(planned, t.dtype)
         out.add_bytes(frame.head)
         out.add_tensor(t)
