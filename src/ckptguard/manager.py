@@ -24,6 +24,7 @@ from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit import retention
 from ._commit.pending import PendingSave
+from . import _log
 from ._dist import Wire, gather_decide, make_agreement
 from ._resume import contract as _contract
 from ._resume import restore as _restore
@@ -35,7 +36,7 @@ from .errors import CheckpointError, ConfigError
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
-log = logging.getLogger("ckptguard")
+log = _log.logger()
 
 
 @dataclass(frozen=True)
