@@ -5,10 +5,10 @@ from __future__ import annotations
 import errno
 
 import pytest
-from dist_helper import run_ranks, values
 
 from ckptguard import errors as E
 from ckptguard.errors import error_payload, rebuild
+from ckptguard.testing import run_ranks, values
 
 FAILURE = E.WriteFailure(rank=1, phase="write", exc_type="OSError", message="No space left", errno=errno.ENOSPC,
                          path="/ckpt/x", offset=4096, requested_bytes=100, returned_bytes=3, time_ns=7)

@@ -8,7 +8,6 @@ itself lives in ``_commit`` (save) and ``_restore`` (resolve, restore).
 from __future__ import annotations
 
 import datetime as _dt
-import logging
 import os
 import time
 from collections.abc import Iterable
@@ -18,13 +17,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import _log
 from ._commit import layout as _layout
 from ._commit import manifest as _manifest
 from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit import retention
 from ._commit.pending import PendingSave
-from . import _log
 from ._dist import Wire, gather_decide, make_agreement
 from ._resume import contract as _contract
 from ._resume import restore as _restore

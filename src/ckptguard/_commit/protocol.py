@@ -43,6 +43,7 @@ from ..errors import (
     CheckpointWriteError,
     ConfigError,
     ReplicatedDivergenceError,
+    StateMismatchError,
     WriteFailure,
 )
 from ..storage.base import Storage, StorageContext, WrittenFile
@@ -95,13 +96,16 @@ class ChunkDigests(Wire):
     """One rank's digest of every tensor chunk it holds, keyed ``key@offset``."""
 
     chunks: dict[str, str]
+    kinds: dict[str, str] = field(default_factory=dict)  # item -> ItemKind value
 
 
 @dataclass(frozen=True)
 class ChunkVerdict(Wire):
-    """Chunks held by several ranks with different bytes: ``[chunk, [[ranks alike], ...]]``."""
+    """Chunks held by several ranks with different bytes: ``[chunk, [[ranks alike], ...]]``, and
+    items whose kind differs across ranks: ``[item, {kind: [ranks]}]``."""
 
     bad: list[list[Any]]
+    kinds: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,18 @@ def _divergent_chunks(views: list[ChunkDigests]) -> ChunkVerdict:
     for rank, view in enumerate(views):
         for chunk, dig in view.chunks.items():
             holders.setdefault(chunk, {}).setdefault(dig, []).append(rank)
-    return ChunkVerdict([[c, sorted(g.values())] for c, g in sorted(holders.items()) if len(g) > 1])
+    kinds: dict[str, dict[str, list[int]]] = {}
+    for rank, view in enumerate(views):
+        for item, kind in view.kinds.items():
+            kinds.setdefault(item, {}).setdefault(kind, []).append(rank)
+    for item in kinds:
+        absent = [r for r, v in enumerate(views) if item not in v.kinds]
+        if absent:
+            kinds[item]["absent"] = absent
+    return ChunkVerdict(
+        [[c, sorted(g.values())] for c, g in sorted(holders.items()) if len(g) > 1],
+        [[item, by_kind] for item, by_kind in sorted(kinds.items()) if len(by_kind) > 1],
+    )
 
 
 def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> None:
@@ -211,8 +226,23 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
     """
     if ctx.world == 1:
         return
-    mine = ChunkDigests({_chunk_id(k, t): digest(t) for c in items.values() for k, t in c.tensors.items()})
+    mine = ChunkDigests(
+        {_chunk_id(k, t): digest(t) for c in items.values() for k, t in c.tensors.items()},
+        {name: c.kind.value for name, c in items.items()},
+    )
     verdict = gather_decide(ctx.agreement, "save.chunks", mine, _divergent_chunks, decision=ChunkVerdict)
+    if verdict.kinds:
+        # Committed, such a step could not be restored by any fresh process: one rank's
+        # extras hold a value where the DCP files hold a tensor.
+        listing = "; ".join(
+            f"{item!r}: "
+            + ", ".join(f"{kind} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for kind, r in by.items())
+            for item, by in verdict.kinds
+        )
+        raise StateMismatchError(
+            f"save of step {step}: state items differ in kind across ranks ({listing}); every rank must pass "
+            "the same items with the same kinds (wrap per-rank values in ckptguard.PerRank(...))"
+        )
     bad = [(c, g) for c, g in verdict.bad]
     if not bad:
         return
@@ -421,7 +451,7 @@ def _publish_or_fail(
     ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport], items: dict
 ) -> Outcome:
     """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
-    failures = [r.failure for r in reports if r.failure]
+    failures = [r.failure for r in reports if r.failure] or _unseen_files(tmp, reports)
     if failures:
         _discard(ctx, tmp)
         return Outcome(failures, "write")
@@ -430,6 +460,42 @@ def _publish_or_fail(
     except Exception as exc:
         return Outcome([failure_from(exc, rank=0, phase="publish").to_json()], "publish")
     return Outcome()
+
+
+def _unseen_files(tmp: Path, reports: list[RankReport]) -> list[dict[str, Any]]:
+    """Every file a rank reported must be where rank 0 publishes, with its size.
+
+    With a separate disk per node (node-local roots at the same path), rank 0 would otherwise
+    publish a manifest listing files that stay on the other nodes' disks: "committed" with no
+    complete checkpoint anywhere. Per-node publish is what such roots need; until then, refuse."""
+    out = []
+    for rank, rep in enumerate(reports):
+        lost = [f["path"] for f in rep.files if not _has_size(tmp / f["path"], int(f["size"]))]
+        if lost:
+            out.append(
+                WriteFailure(
+                    rank=rank,
+                    phase="publish check",
+                    exc_type="FileNotFoundError",
+                    message=(
+                        f"rank {rank} (host {rep.host}) reported {len(lost)} file(s) that rank 0 does not see "
+                        f"under {tmp} with their sizes, e.g. {lost[0]}: the root is node-local storage (a "
+                        "separate disk per node), which ckptguard cannot publish atomically yet. Use a root "
+                        "on storage every rank shares, or stage_dir= for node-local staging"
+                    ),
+                    errno=_errno.ENOENT,
+                    path=str(tmp / lost[0]),
+                    time_ns=time.time_ns(),
+                ).to_json()
+            )
+    return out
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def _discard(ctx: Context, tmp: Path) -> None:

@@ -400,6 +400,9 @@ def _verify_digests(
             problems.append("the RNG streams differ from the saved ones after restore")
     if on_verified is not None:
         on_verified(matches)  # the proof record is written even when the restore then raises
+    if problems:  # the files first: a damaged shard reads as "fix load_state_dict" otherwise
+        problems = _changed_files(manifest, ctx.rank) + problems
+
     def decide(views: list[Problems]) -> Agreed:
         bad = {r: v.problems for r, v in enumerate(views) if v.problems}
         if bad:
@@ -410,3 +413,30 @@ def _verify_digests(
 
     gather_decide(ctx.agreement, "restore.verify", Problems(problems), decide, decision=Agreed)
     return matches
+
+
+def _changed_files(manifest: _manifest.Manifest, rank: int) -> list[str]:
+    """When an item's digest differs, say whether the bytes on disk changed since the save.
+
+    A flipped byte in a shard otherwise reads as "fix load_state_dict"; the files' xxh3 tell
+    the two apart. Only this rank's files and the shared ones are hashed (what it read)."""
+    from .._commit.checks import safe_member
+    from .digest import file_digest
+
+    step_dir = manifest.path.parent
+    changed = []
+    for entry in manifest.files:
+        if entry.get("rank") not in (None, rank) and not str(entry.get("path", "")).startswith("state/"):
+            continue
+        path = safe_member(step_dir, str(entry.get("path", "")))
+        if path is None or not path.is_file():
+            continue
+        if file_digest(str(path))[1] != entry.get("xxh3"):
+            changed.append(str(path))
+    if not changed:
+        return ["the files' checksums still match the manifest, so the difference comes from the restore path"]
+    return [
+        f"file(s) changed on disk since the save (xxh3 differs from the manifest): {', '.join(changed[:5])}; "
+        f"the checkpoint is damaged, not the code: run `ckptguard verify --deep {step_dir}` and "
+        "restore(path=<an older committed step>)"
+    ]
