@@ -207,7 +207,7 @@ def report(files: tuple[Path, ...], html_out: Path | None, png_out: Path | None,
         from .figure import render_png
 
         try:
-            render_png(records, png_out)
+            render_png(records, png_out, ray_log=log)
         except CheckpointError as exc:
             _fail(str(exc))
         click.echo(f"wrote {png_out}")
