@@ -325,7 +325,7 @@ DOM_FACTS = """JSON.stringify((() => {
       e => [e.dataset.series, e.getAttribute('points').trim().split(/\\s+/).length]),
     phases: q(chart('host-memory') + ' [data-phase]').map(e => e.dataset.phase),
     limits: q(chart('host-memory') + ' [data-limit]').map(e => [e.dataset.limit, e.dataset.bytes, e.textContent]),
-    plot: host ? box(host.querySelector('[data-plot-area]')) : null,
+    plot: host && host.querySelector('[data-plot-area]') ? box(host.querySelector('[data-plot-area]')) : null,
     svg: host ? box(host) : null,
     limit_labels: q(chart('host-memory') + ' [data-limit] text').map(e => [e.textContent, box(e)]),
     phase_labels: q(chart('host-memory') + ' [data-phase-label]').map(e => [e.textContent, box(e)]),
@@ -405,6 +405,7 @@ def test_report_in_headless_chromium(records_file, spike_file, tmp_path):
     assert {name for name, _ in s["charts"]} == {"host-memory", "process-floors"}
     assert "No GPU chart: GPU figures not obtained" in s["text"]
     # Every limit label and the save mark's label lie inside the plot area, apart from each other.
+    assert s["plot"] is not None, "the host chart marks no plot area"
     assert len(s["limit_labels"]) == 2 and len(s["mark"]) >= 1
     labels = s["limit_labels"] + s["mark"]
     for text, b in labels:
