@@ -16,6 +16,7 @@ so a peak is drawn across its phase, never as a point at a guessed time.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -146,12 +147,24 @@ def _t(r: dict[str, Any]) -> float:
     return float(r["mono_ns"]) / 1e9
 
 
-def _same_host(r: dict[str, Any], node: str, cgroup: Any) -> bool:
-    return str(r.get("node")) == node and (r.get("host") or {}).get("cgroup_dir") == cgroup
+_Readings = dict[tuple[str, Any], tuple[list[float], list[int]]]
+
+
+def _readings(records: list[dict[str, Any]]) -> _Readings:
+    """Every current reading per (node, cgroup), in time order, for range lookups by bisection."""
+    out: _Readings = {}
+    for r in records:
+        h = r.get("host") or {}
+        if h.get("current") is not None:
+            ts, vs = out.setdefault((str(r.get("node")), h.get("cgroup_dir")), ([], []))
+            ts.append(_t(r))
+            vs.append(int(h["current"]))
+    return out
 
 
 def _spans(records: list[dict[str, Any]], t_end: float) -> list[Span]:
     spans: list[Span] = []
+    readings = _readings(records)
     # A stack per (node, pid, phase): a phase may nest in another of the same name.
     open_: dict[tuple[str, Any, Any], list[dict[str, Any]]] = {}
     for r in records:
@@ -159,9 +172,9 @@ def _spans(records: list[dict[str, Any]], t_end: float) -> list[Span]:
         if r["kind"] == RecordKind.PHASE_START.value:
             open_.setdefault(key, []).append(r)
         elif r["kind"] in (RecordKind.PHASE_END.value, RecordKind.PHASE_FAILURE.value) and open_.get(key):
-            spans.append(_span(open_[key].pop(), r, records, t_end))
+            spans.append(_span(open_[key].pop(), r, readings, t_end))
     for stack in open_.values():
-        spans.extend(_span(start, None, records, _death_bound(start, records, t_end)) for start in stack)
+        spans.extend(_span(start, None, readings, _death_bound(start, records, t_end)) for start in stack)
     spans.sort(key=lambda s: (s.t0, s.t1))
     return spans
 
@@ -180,7 +193,7 @@ def _death_bound(start: dict[str, Any], records: list[dict[str, Any]], t_end: fl
     return t_end
 
 
-def _span(start: dict[str, Any], end: dict[str, Any] | None, records: list[dict[str, Any]], t_end: float) -> Span:
+def _span(start: dict[str, Any], end: dict[str, Any] | None, readings: _Readings, t_end: float) -> Span:
     node, host0 = str(start.get("node")), start.get("host") or {}
     t0, t1 = _t(start), (_t(end) if end is not None else t_end)
     peak_rec = (end or {}).get("peak") or {}
@@ -188,12 +201,11 @@ def _span(start: dict[str, Any], end: dict[str, Any] | None, records: list[dict[
     source = f"{samples} samples in {t1 - t0:.2f} s" if peak is not None else ""
     # Other readings of the same cgroup inside the span (mem watch ticks, nested boundaries):
     # they are samples of this phase too, and the only ones left when the process died in it.
-    cgroup = host0.get("cgroup_dir")
-    inside = [r["host"]["current"] for r in records
-              if t0 <= _t(r) <= t1 and _same_host(r, node, cgroup) and r["host"].get("current") is not None]
+    ts, vs = readings.get((node, host0.get("cgroup_dir")), ([], []))
+    inside = vs[bisect.bisect_left(ts, t0):bisect.bisect_right(ts, t1)]
     if inside and (peak is None or max(inside) > peak):
         if peak is None:
-            source = f"highest of {len(inside)} readings by other records inside the phase"
+            source = f"highest of {len(inside)} readings inside the phase (its start and mem watch samples)"
         else:
             source += "; other records inside it read higher"
         peak = max(inside)
@@ -255,7 +267,7 @@ def _node_story(node: str, records: list[dict[str, Any]], spans: list[Span]) -> 
     mark, note = None, None
     if measured and budget.bytes is not None:
         # The save step closest to the limit is the one the plan has to survive.
-        top = max(measured, key=lambda s: s.peak or 0)
+        top = max(measured, key=lambda s: (s.peak or 0, s.t0))  # of equal peaks, the latest
         mark = SaveMark(top, budget.bytes, budget.bytes - int(top.peak or 0))
     elif measured:
         note = f"Save-step peak on {node}: {fmt_bytes(max(s.peak or 0 for s in measured))}; no limit was recorded"

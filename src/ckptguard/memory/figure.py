@@ -71,8 +71,7 @@ def _host_axes(ax: Any, n: NodeStory, story: Story, axes_px: tuple[float, float]
               [s.peak for s in n.spans if s.peak is not None] + [1])
     near = [lim.bytes for lim in n.limits if lim.bytes is not None and lim.bytes <= 4 * top]
     unit, div, _, ymax = nice_scale(max([top, *near]) * 1.04)
-    for s in n.spans:
-        ax.axvspan(tx(s.t0), tx(s.t1), color="#e15759" if s.died else "#999", alpha=0.22 if s.died else 0.12, lw=0)
+    _bands(ax, n.spans, tx)
     if n.stack:
         ts = [tx(t) for t, _ in n.stack]
         ax.stackplot(ts, *[[v[k] / div for _, v in n.stack] for k in ("anon", "shmem", "file")],
@@ -84,15 +83,16 @@ def _host_axes(ax: Any, n: NodeStory, story: Story, axes_px: tuple[float, float]
     span_s = (story.t1 - story.t0) or 1.0
     width_px = axes_px[0]
     min_w = 8 / width_px * span_s / tdiv
-    first = True
+    bars = []
     for s in n.spans:
         if s.peak is None:
             continue
         a, b = tx(s.t0), tx(s.t1)
         if b - a < min_w:  # a phase a few pixels wide still shows its peak
             a, b = (a + b - min_w) / 2, (a + b + min_w) / 2
-        ax.hlines(s.peak / div, a, b, color="#111", lw=2.5, label="in-phase sampled peak" if first else None)
-        first = False
+        bars.append((s.peak / div, a, b))
+    if bars:  # one collection: a long run has thousands of phases
+        ax.hlines(*zip(*bars, strict=True), color="#111", lw=2.5, label="in-phase sampled peak")
     # Phase names in a strip above the plot, the same ones the page shows.
     for x, text, _ in phase_labels(n.spans, lambda t: (t - story.t0) / span_s * width_px, LABEL_PT * 0.62, width_px):
         ax.text(x / width_px, 1.01, text, transform=ax.transAxes, fontsize=LABEL_PT, va="bottom",
@@ -105,6 +105,14 @@ def _host_axes(ax: Any, n: NodeStory, story: Story, axes_px: tuple[float, float]
     ax.set_title(f"Host memory on {n.node}", pad=16, fontsize=11, loc="left")
     ax.set(xlabel=f"{tu} since the first record", ylabel=unit)
     ax.legend(loc="upper left", bbox_to_anchor=(0, -0.13), ncol=6, fontsize=8, frameon=False)
+
+
+def _bands(ax: Any, spans: list[Any], tx: Any) -> None:
+    """Phase bands as two collections (ended, died): one axvspan per phase takes minutes for a long run."""
+    for died, color, alpha in ((False, "#999", 0.12), (True, "#e15759", 0.22)):
+        ranges = [(tx(s.t0), tx(s.t1) - tx(s.t0)) for s in spans if s.died is died]
+        if ranges:
+            ax.broken_barh(ranges, (0, 1), transform=ax.get_xaxis_transform(), color=color, alpha=alpha, lw=0)
 
 
 def _limit_lines(ax: Any, n: NodeStory, ymax: float, div: int, axes_px: tuple[float, float],
@@ -179,9 +187,7 @@ def _gpu_axes(ax: Any, series: dict[str, list[tuple[float, int]]], story: Story)
     tu, tdiv = time_unit(story.t1 - story.t0)
     top = max(v for s in series.values() for _, v in s)
     unit, div, _, ymax = nice_scale(top * 1.08)
-    for s in story.nodes[0].spans if story.nodes else []:
-        ax.axvspan((s.t0 - story.t0) / tdiv, (s.t1 - story.t0) / tdiv, color="#e15759" if s.died else "#999",
-                   alpha=0.22 if s.died else 0.12, lw=0)
+    _bands(ax, story.nodes[0].spans if story.nodes else [], lambda t: (t - story.t0) / tdiv)
     for name, pts in series.items():
         if pts:
             ax.plot([(t - story.t0) / tdiv for t, _ in pts], [v / div for _, v in pts], label=name,
