@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from click.testing import CliRunner
 
 from ckptguard.errors import CheckpointCorruptError, ConfigError
 from ckptguard.memory import (
+    HostProbe,
+    HostProbeConfig,
     PhaseKind,
     PhaseRecorder,
     RecorderConfig,
@@ -84,13 +87,69 @@ def test_plan_from_records_of_a_real_save_phase(tmp_path):
     assert all(t.measured for t in plan.terms) and plan.limit_measured
     assert plan.sampled_peak == recs[-1]["peak"]["host_current"]
     assert plan.limit is not None and plan.verdict is not None
-    # With a PLAN.toml as well: its (estimated) terms, limit from the TOML where given.
+    # With a PLAN.toml as well: the measured terms, then its estimates; limit from the TOML.
     both = compute_plan(plan_from_records(recs, load_plan_toml(FIX / "plan.toml")))
-    assert both.limit_base == 480 * GiB and len(both.terms) == 6
+    assert both.limit_base == 480 * GiB and len(both.terms) == 3 + 6
     r = CliRunner().invoke(mem, ["plan", "--from-records", str(path)])
     assert r.exit_code in (0, 1) and "measured" in r.output and "headroom" in r.output
     with pytest.raises(ConfigError, match="no completed save"):
         plan_from_records([r for r in recs if r["kind"] == "phase_start"])
+
+
+MEASURED = ["pinned and shared memory (shmem)", "page cache of new checkpoint files",
+            "anonymous memory (other processes' floors, pageable staging)"]
+
+
+def _recorded_save(tmp_path: Path) -> Path:
+    """A real save phase on a copy of the v2 fixture cgroup (memory.max 8 GiB, memory.current 6 GiB,
+    anon 3 GiB, shmem 1 GiB); the save writes 64 MiB of new page cache."""
+    tree = tmp_path / "tree"
+    shutil.copytree(FIX / "cgroup_v2", tree)
+    stat = tree / "sys" / "fs" / "cgroup" / "job.slice" / "run1" / "memory.stat"
+    probe = HostProbe(HostProbeConfig(proc_root=tree / "proc", cgroup_root=tree / "sys" / "fs" / "cgroup"))
+    path = tmp_path / "mem.jsonl"
+    with PhaseRecorder(RecorderConfig(path=path, node="n1", probe_gpu=False), host_probe=probe) as rec, \
+            rec.phase(PhaseKind.SAVE, step=7):
+        stat.write_text(stat.read_text().replace("inactive_file 536870912", f"inactive_file {536870912 + (64 << 20)}"))
+    return path
+
+
+def test_plan_toml_with_records_keeps_the_measured_terms_and_labels_the_limit(tmp_path):
+    """Issue 15 item 19: with both, the measured terms stay (measured) and the TOML's limit is configured."""
+    path = _recorded_save(tmp_path)
+    recs = read_records([path])
+    plan = compute_plan(plan_from_records(recs, load_plan_toml(FIX / "plan.toml")))
+    assert [t.name for t in plan.terms[:3]] == MEASURED
+    assert [t.bytes for t in plan.terms[:3]] == [GiB, 64 << 20, 3 * GiB]
+    assert all(t.measured and t.covered_by is None for t in plan.terms[:3])
+    # The TOML's estimates are kept beside the measured term that holds them, not summed again.
+    covered = {t.name: t.covered_by for t in plan.terms[3:]}
+    assert covered == {"pinned optimizer offload": MEASURED[0], "D2H staging": MEASURED[0],
+                       "serving backup (sleep level 1)": MEASURED[0], "page cache of new checkpoint files": MEASURED[1],
+                       "floor: ray driver": MEASURED[2], "floor: raylet + gcs": MEASURED[2]}
+    assert plan.sampled_peak == 6 * GiB == recs[-1]["peak"]["host_current"]
+    assert plan.peak == 6 * GiB  # the sampled peak is above the sum of the measured terms (4.06 GiB)
+    assert any("estimates 256.00 GiB in shmem, the records measured 1.00 GiB" in n for n in plan.notes)
+    # The limit is the TOML's, and says so.
+    assert plan.limit_base == 480 * GiB and plan.limit == int(480 * GiB * 0.95)
+    assert not plan.limit_measured and plan.limit_source == "configured in plan.toml"
+    assert plan.threshold_source == "configured in plan.toml"
+    r = CliRunner().invoke(mem, ["plan", str(FIX / "plan.toml"), "--from-records", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "limit = memory.max 480.00 GiB (configured in plan.toml) x Ray threshold 0.95 (configured in plan.toml)" \
+        in r.output
+    line = next(x for x in r.output.splitlines() if x.strip().startswith(MEASURED[0]))
+    assert "1.00 GiB" in line and "measured" in line
+    assert "not summed: inside the measured 'pinned and shared memory (shmem)'" in r.output
+    assert "sampled save-phase peak (measured)" in r.output
+    # A TOML without [limit]: the limit comes from the records, labelled measured.
+    toml = tmp_path / "nolimit.toml"
+    toml.write_text('[page_cache]\nbytes = "1 GiB"\n')
+    plan = compute_plan(plan_from_records(recs, load_plan_toml(toml)))
+    assert plan.limit_base == 8 * GiB and plan.limit_measured and plan.limit_source == "measured in the records"
+    assert plan.ray_threshold == 0.95 and plan.threshold_source == "from the records"
+    r = CliRunner().invoke(mem, ["plan", str(toml), "--from-records", str(path)])
+    assert "memory.max 8.00 GiB (measured in the records) x Ray threshold 0.95 (from the records)" in r.output
 
 
 def test_plan_cli_prints_every_term_and_fails_on_exceeds(tmp_path):

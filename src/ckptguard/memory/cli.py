@@ -8,6 +8,7 @@ it was killed by signal N, as a shell reports it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 import click
 
 from ..errors import CheckpointError
+from ._story import fmt_bytes
 from .colocation import check_recipe, parse_vllm_log
 from .estimate import estimate_dir
 from .growth import GrowthConfig, analyze_growth
@@ -32,7 +34,7 @@ JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON obje
 
 
 def _gib(n: float | None) -> str:
-    return "not obtained" if n is None else f"{n / 2**30:,.2f} GiB"
+    return fmt_bytes(n)  # GiB from 1 GiB up, MiB below: a 64 MiB term is not "0.06 GiB"
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -132,13 +134,13 @@ def plan(plan_file: Path | None, records: tuple[Path, ...], ray_address: str | N
     else:
         for t in result.terms:
             how = "measured" if t.measured else "estimated"
-            click.echo(f"  {t.name:<58} {_gib(t.bytes):>14}  {how:<9}  {t.detail}")
+            covered = f"; not summed: inside the measured '{t.covered_by}'" if t.covered_by else ""
+            click.echo(f"  {t.name:<58} {_gib(t.bytes):>14}  {how:<9}  {t.detail}{covered}")
         if result.sampled_peak is not None:
             click.echo(f"  {'sampled save-phase peak (measured)':<58} {_gib(result.sampled_peak):>14}")
         click.echo(f"  {'peak':<58} {_gib(result.peak):>14}")
-        src = "measured" if result.limit_measured else "given"
-        click.echo(f"  limit = {result.limit_base_name} {_gib(result.limit_base)} x Ray threshold "
-                   f"{result.ray_threshold} = {_gib(result.limit)} ({src})")
+        click.echo(f"  limit = {result.limit_base_name} {_gib(result.limit_base)} ({result.limit_source}) x Ray "
+                   f"threshold {result.ray_threshold} ({result.threshold_source}) = {_gib(result.limit)}")
         click.echo(f"  headroom {_gib(result.headroom)}; verdict: {result.verdict.value if result.verdict else 'none'}")
         for note in result.notes:
             click.echo(f"  note: {note}")
@@ -161,6 +163,7 @@ def _cluster_threshold(inputs: Any, address: str, quiet: bool) -> Any:
     finally:
         if joined:
             ray.shutdown()
+    inputs = dataclasses.replace(inputs, threshold_source=f"Ray cluster: {found.sources['threshold']}")
     if not quiet:
         click.echo(f"  Ray threshold {found.config.threshold} from {found.sources['threshold']} ({found.why})")
     return inputs
@@ -207,7 +210,7 @@ def report(files: tuple[Path, ...], html_out: Path | None, png_out: Path | None,
         from .figure import render_png
 
         try:
-            render_png(records, png_out)
+            render_png(records, png_out, ray_log=log)
         except CheckpointError as exc:
             _fail(str(exc))
         click.echo(f"wrote {png_out}")

@@ -26,6 +26,7 @@ observe instead of trusting it.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -195,7 +196,8 @@ def _floors_per_step(points: list[tuple[int, int]], starts: list[tuple[int, int]
     times = [t for t, _ in starts]
     floors: dict[int, int] = {}
     for t, v in points:
-        idx = int(np.searchsorted(times, t, side="right")) - 1
+        # bisect on the list: np.searchsorted would copy the whole list into an array per point.
+        idx = bisect.bisect_right(times, t) - 1
         if idx < 0:
             continue  # before the first step: warm-up, not part of any step
         step = starts[idx][1]

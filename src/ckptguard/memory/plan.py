@@ -10,16 +10,25 @@ Contract (guide, Memory budget 4)::
     limit = (memory.max, else MemTotal) x Ray threshold
 
 ``compute_plan(inputs)`` returns every term with its bytes and whether it was measured or
-estimated, the peak, the limit, the headroom and a ``Verdict``. Inputs come from a PLAN.toml
-(``load_plan_toml``: estimates, every size written as an int of bytes or a string such as
-"1.1 GiB") or from phase records (``plan_from_records``: measured at the end of the last save
-phase, from cgroup memory.stat: shmem (pinned memory is shmem), the page cache the save added,
-and anon, which holds the other processes' floors). With both, the TOML's terms are used and the
-limit is taken from the records where the TOML leaves it out.
+estimated, the peak, the limit (with where its parts came from), the headroom and a ``Verdict``.
+Inputs come from a PLAN.toml (``load_plan_toml``: estimates, every size written as an int of
+bytes or a string such as "1.1 GiB") or from phase records (``plan_from_records``: measured at
+the end of the last save phase, from cgroup memory.stat: shmem (pinned memory is shmem), the
+page cache the save added, and anon, which holds the other processes' floors; and the peak
+sampled during that save).
+
+With both, the measured terms are summed and each TOML estimate is kept beside the measured term
+whose memory.stat class holds it (pinned blocks: shmem; pageable or exact-size blocks and other
+processes' floors: anon; page cache: page cache), shown but not summed, so nothing is counted
+twice; a note says where the estimates exceed the measurement (something they list may not
+have been alive in the recorded save). A class the records could not measure is summed from the
+TOML. The limit's parts are labelled by source: memory.max / MemTotal and the Ray threshold
+that the TOML's [limit] gives are "configured"; the rest come from the records ("measured").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from dataclasses import dataclass, field
@@ -64,12 +73,19 @@ class Verdict(Enum):
     EXCEEDS = "exceeds"
 
 
+SHMEM, PAGE_CACHE, ANON = "shmem", "page cache", "anon"
+
+
 @dataclass(frozen=True)
 class PlanTerm:
     name: str
     bytes: int
     measured: bool
     detail: str
+    lands_in: str | None = None
+    """The memory.stat class these bytes are charged to (shmem, page cache, anon), where known."""
+    covered_by: str | None = None
+    """The measured term that already holds these bytes: the term is shown, not summed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,10 +100,17 @@ class PlanInputs:
     ray_threshold: float = 0.95
     """RAY_memory_usage_threshold."""
     limit_measured: bool = False
+    """memory.max / MemTotal were read from phase records (True) or written in a PLAN.toml."""
     tight_fraction: float = 0.10
     """Headroom below this fraction of the limit is TIGHT."""
     sampled_peak: int | None = None
     """The peak sampled during a recorded save phase, if any (measured)."""
+    limit_source: str = "configured in PLAN.toml"
+    """Where memory.max / MemTotal came from, as the plan prints it."""
+    threshold_source: str = "default"
+    """Where the Ray threshold came from: "default" (0.95), PLAN.toml, the records or the cluster."""
+    notes: tuple[str, ...] = ()
+    """Findings of assembling the inputs, printed with the plan."""
 
     def __post_init__(self) -> None:
         if not (0.0 < self.ray_threshold <= 1.0):
@@ -109,6 +132,8 @@ class Plan:
     limit_measured: bool
     sampled_peak: int | None = None
     notes: list[str] = field(default_factory=list)
+    limit_source: str = "configured in PLAN.toml"
+    threshold_source: str = "default"
 
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -119,8 +144,8 @@ class Plan:
 
 def compute_plan(inputs: PlanInputs) -> Plan:
     """Sum the terms and compare with the limit."""
-    peak = sum(t.bytes for t in inputs.terms)
-    notes: list[str] = []
+    peak = sum(t.bytes for t in inputs.terms if t.covered_by is None)
+    notes: list[str] = list(inputs.notes)
     if inputs.sampled_peak is not None and inputs.sampled_peak > peak:
         notes.append(f"the sampled save-phase peak ({inputs.sampled_peak} B) exceeds the sum of terms; it is used")
         peak = inputs.sampled_peak
@@ -142,7 +167,8 @@ def compute_plan(inputs: PlanInputs) -> Plan:
         else:
             verdict = Verdict.FITS
     return Plan(list(inputs.terms), peak, base, name, limit, headroom, verdict, inputs.ray_threshold,
-                inputs.limit_measured, inputs.sampled_peak, notes)
+                inputs.limit_measured, inputs.sampled_peak, notes, limit_source=inputs.limit_source,
+                threshold_source=inputs.threshold_source)
 
 
 def _section_term(doc: dict[str, Any], key: str, label: str) -> PlanTerm | None:
@@ -154,20 +180,23 @@ def _section_term(doc: dict[str, Any], key: str, label: str) -> PlanTerm | None:
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ConfigError(f"{where} ranks must be a positive int, got {ranks!r}")
     measured = bool(sec.get("measured", False))
+    pinned = bool(sec.get("pinned", True)) and not bool(sec.get("exact", False))
+    # Pinned blocks from the caching host allocator are shmem in memory.stat; pageable ones and
+    # exact-size pinning (cudaHostRegister on a pageable buffer) stay anon.
+    lands_in = PAGE_CACHE if key == "page_cache" else (SHMEM if pinned else ANON)
     if "block_bytes" in sec:
         blocks = [parse_bytes(b, f"{where} block_bytes[{i}]") for i, b in enumerate(sec["block_bytes"])]
     elif "bytes_per_rank" in sec:
         blocks = [parse_bytes(sec["bytes_per_rank"], f"{where} bytes_per_rank")]
     elif "bytes" in sec:
-        return PlanTerm(label, parse_bytes(sec["bytes"], f"{where} bytes"), measured, "as given")
+        return PlanTerm(label, parse_bytes(sec["bytes"], f"{where} bytes"), measured, "as given", lands_in)
     else:
         raise ConfigError(f"{where} needs block_bytes, bytes_per_rank or bytes")
-    pinned = bool(sec.get("pinned", True)) and not bool(sec.get("exact", False))
     per_rank = sum(pow2_ceil(b) if pinned else b for b in blocks)
     nominal = sum(blocks)
     how = "power-of-two rounded per pinned block" if pinned else "exact size (pageable or pinned_empty)"
     detail = f"{ranks} rank(s) x {per_rank} B ({how}; nominal {nominal} B per rank)"
-    return PlanTerm(label, ranks * per_rank, measured, detail)
+    return PlanTerm(label, ranks * per_rank, measured, detail, lands_in)
 
 
 def load_plan_toml(path: Path) -> PlanInputs:
@@ -187,56 +216,100 @@ def load_plan_toml(path: Path) -> PlanInputs:
     for i, proc in enumerate(doc.get("other_processes", [])):
         name = proc.get("name", f"process {i}")
         terms.append(PlanTerm(f"floor: {name}", parse_bytes(proc.get("floor"), f"[[other_processes]] {name} floor"),
-                              bool(proc.get("measured", False)), "other process floor"))
+                              bool(proc.get("measured", False)), "other process floor", ANON))
     lim = doc.get("limit", {})
     mm = lim.get("memory_max")
+    marked = bool(lim.get("measured", False))
     return PlanInputs(
         terms=tuple(terms),
         memory_max=parse_bytes(mm, "[limit] memory_max") if mm is not None else None,
         mem_total=parse_bytes(lim["mem_total"], "[limit] mem_total") if "mem_total" in lim else None,
         ray_threshold=float(lim.get("ray_threshold", 0.95)),
-        limit_measured=bool(lim.get("measured", False)),
+        limit_measured=marked,
         tight_fraction=float(lim.get("tight_fraction", 0.10)),
+        limit_source=f"configured in {path.name}" + (", marked measured there" if marked else ""),
+        threshold_source=f"configured in {path.name}" if "ray_threshold" in lim else "default",
     )
 
 
 def plan_from_records(records: list[dict[str, Any]], base: PlanInputs | None = None) -> PlanInputs:
-    """Measured inputs from the last recorded save phase (and the limit of the last host figure)."""
-    ends = [r for r in records if r["kind"] == RecordKind.PHASE_END.value and r.get("phase") == "save"]
+    """Measured inputs from the last recorded save phase (and the limit of the last host figure);
+    with ``base`` (a PLAN.toml), its estimates and limit joined as the module docstring says."""
     hosts = [r["host"] for r in records if r.get("host")]
     if not hosts:
         raise ConfigError("the records carry no host figures; record phases with PhaseRecorder or run mem watch")
     last = hosts[-1]
     thr = next((r["ray"]["threshold_bytes"] / r["ray"]["total"] for r in reversed(records)
-                if (r.get("ray") or {}).get("threshold_bytes") and r["ray"].get("total")), 0.95)
-    limit_kw: dict[str, Any] = {
+                if (r.get("ray") or {}).get("threshold_bytes") and r["ray"].get("total")), None)
+    recorded = {
         "memory_max": last.get("limit") if last.get("source") != "none" else None,
         "mem_total": last.get("mem_total"),
-        "ray_threshold": round(thr, 4),
-        "limit_measured": True,
     }
-    if base is not None:
-        keep = {k: v for k, v in (("memory_max", base.memory_max), ("mem_total", base.mem_total)) if v is not None}
-        return PlanInputs(terms=base.terms, **{**limit_kw, **keep}, tight_fraction=base.tight_fraction,
-                          sampled_peak=None)
-    if not ends:
+    ends = [r for r in records if r["kind"] == RecordKind.PHASE_END.value and r.get("phase") == "save"]
+    if base is None and not ends:
         raise ConfigError("the records hold no completed save phase; record one with rec.phase('save', ...)")
-    end = ends[-1]
+    terms, missing = _measured_terms(records, ends[-1]) if ends else ([], {})
+    notes: list[str] = []
+    sampled = (ends[-1].get("peak") or {}).get("host_current") if ends else None
+    if base is None:
+        if missing:
+            name, why = next(iter(missing.items()))
+            raise ConfigError(f"plan from records: {name} was not obtained ({why}); use a PLAN.toml for it")
+        return PlanInputs(terms=tuple(terms), sampled_peak=sampled, **recorded, limit_measured=True,
+                          ray_threshold=round(thr or 0.95, 4), limit_source="measured in the records",
+                          threshold_source="from the records" if thr else "default")
+    if not ends:
+        notes.append("the records hold no completed save phase: no measured term, PLAN.toml's estimates are summed")
+    by_class = {t.lands_in: t for t in terms}
+    joined = list(terms)
+    for t in base.terms:
+        m = by_class.get(t.lands_in)
+        joined.append(dataclasses.replace(t, covered_by=m.name) if m is not None else t)
+    for cls, m in by_class.items():
+        est = sum(t.bytes for t in base.terms if t.lands_in == cls)
+        if est > m.bytes:
+            notes.append(f"PLAN.toml estimates {_gib(est)} in {cls}, the records measured {_gib(m.bytes)} at the "
+                         f"end of save step {ends[-1].get('step')}: was all it lists alive in the recorded save?")
+    for name, why in missing.items():
+        notes.append(f"{name} was not measured ({why}): PLAN.toml's estimate is summed instead")
+    configured = base.memory_max is not None or base.mem_total is not None
+    limit = {"memory_max": base.memory_max, "mem_total": base.mem_total} if configured else recorded
+    toml_thr = base.threshold_source != "default"
+    return PlanInputs(
+        terms=tuple(joined), **limit, tight_fraction=base.tight_fraction, sampled_peak=sampled,
+        limit_measured=base.limit_measured if configured else True,
+        limit_source=base.limit_source if configured else "measured in the records",
+        ray_threshold=base.ray_threshold if toml_thr or thr is None else round(thr, 4),
+        threshold_source=base.threshold_source if toml_thr or thr is None else "from the records",
+        notes=tuple(notes),
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def _measured_terms(records: list[dict[str, Any]], end: dict[str, Any]) -> tuple[list[PlanTerm], dict[str, str]]:
+    """The measured terms at the end of save phase ``end``, and the ones that could not be read."""
     start = next((r for r in reversed(records) if r["kind"] == RecordKind.PHASE_START.value and
                   r.get("phase") == "save" and r.get("pid") == end.get("pid") and r["mono_ns"] <= end["mono_ns"]), None)
-    h_end = end["host"]
+    h_end = end.get("host") or {}
     terms: list[PlanTerm] = []
+    missing: dict[str, str] = {}
 
-    def add(name: str, value: int | None, detail: str) -> None:
+    def add(name: str, value: int | None, detail: str, lands_in: str) -> None:
         if value is None:
-            raise ConfigError(f"plan from records: {name} was not obtained ({detail}); use a PLAN.toml for it")
-        terms.append(PlanTerm(name, int(value), True, detail))
+            missing[name] = detail
+        else:
+            terms.append(PlanTerm(name, int(value), True, detail, lands_in))
 
     add("pinned and shared memory (shmem)", h_end.get("shmem"),
-        "memory.stat shmem at the end of save: pinned optimizer, staging kept in the pinned cache, serving backup")
+        "memory.stat shmem at the end of save: pinned optimizer, staging kept in the pinned cache, serving backup",
+        SHMEM)
     rec_end, rec_start = h_end.get("reclaimable"), (start or {}).get("host", {}).get("reclaimable")
     new_cache = max(0, rec_end - rec_start) if rec_end is not None and rec_start is not None else None
-    add("page cache of new checkpoint files", new_cache, "active_file + inactive_file, save end minus save start")
+    add("page cache of new checkpoint files", new_cache, "active_file + inactive_file, save end minus save start",
+        PAGE_CACHE)
     add("anonymous memory (other processes' floors, pageable staging)", h_end.get("anon"),
-        "memory.stat anon at the end of save")
-    return PlanInputs(terms=tuple(terms), sampled_peak=(end.get("peak") or {}).get("host_current"), **limit_kw)
+        "memory.stat anon at the end of save", ANON)
+    return terms, missing

@@ -2,18 +2,25 @@
 
 Contract: ``render_html(records)`` returns a page with inline SVG and inline CSS only; its
 Content-Security-Policy forbids every network load, so it opens the same offline, from a
-ticket attachment or a CI artifact. Charts, each an ``<svg data-chart=...>``:
+ticket attachment or a CI artifact. It shows what the guide says matters (Memory budget 2-4):
+the failure verdict (who killed it) first, then the save step's peak and its headroom to the
+limit (cgroup memory.max x Ray threshold), then one chart per node, each an
+``<svg data-chart=...>``:
 
-* ``host-memory``: host memory over time, stacked by anon, shmem and file (page cache without
-  shmem: in memory.stat shmem is counted inside file, so stacking file whole would count pinned
-  memory twice); phases as bands (``data-phase``); limit lines (``data-limit`` = memory.max,
-  ray-threshold, MemTotal) with their bytes in ``data-bytes``;
+* ``host-memory`` (``data-node``): host memory over time, stacked by anon, shmem and file (page
+  cache without shmem: memory.stat counts shmem inside file); the current figure (memory.current)
+  at every record (``data-series="current"``); phases as bands (``data-phase``) named in a strip
+  above the plot; each phase's in-phase sampled peak drawn across its band (``data-peak`` =
+  phase, ``data-bytes``); the limit lines (``data-limit`` = memory.max, ray-threshold,
+  MemTotal; ``data-bytes``) labelled inside the plot; and the save step's peak marked with its
+  headroom to the limit (``data-mark="save-peak"``, ``data-bytes``, ``data-headroom``);
+* a phase table (``table.phases``): per phase its boundary figures, sampled peak and headroom;
 * ``process-floors``: each process's PSS floor per interval (``data-series`` = "pid comm"), next to
   a table with the growth verdict (``data-verdict`` = rising or flat);
 * ``gpu-memory``: allocated and reserved from the phase records (and in-phase peaks).
 
-A figure that was not obtained is said so on the page, never drawn as 0. The failure verdict
-(who killed it) heads the page when a failure is visible.
+A chart with nothing to draw is left out and the page says why in one line; a figure that was
+not obtained is said so, never drawn as 0. The same content is drawn in the PNG (``figure``).
 """
 
 from __future__ import annotations
@@ -22,18 +29,30 @@ import html
 from dataclasses import dataclass
 from typing import Any
 
+from ._story import (
+    NodeStory,
+    Span,
+    Story,
+    build_story,
+    fmt_bytes,
+    gpu_series,
+    nice_scale,
+    nice_ticks,
+    phase_labels,
+    save_sentence,
+    spread_labels,
+    time_unit,
+)
 from .growth import GrowthConfig, GrowthReport, analyze_growth
-from .killer import Killer, classify_failure
+from .killer import Killer
 
 __all__ = ["render_html"]
 
-W, H, L, R, T, B = 940, 280, 70, 190, 20, 36
+W, H, L, R, T, B = 940, 360, 64, 16, 44, 36
+CHAR_PX = 6.0  # width of one character of the 10-11px labels, to keep labels apart
 COLORS = {"anon": "#4e79a7", "shmem": "#e15759", "file": "#76b7b2", "allocated": "#59a14f", "reserved": "#f28e2b"}
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"]
-
-
-def _gib(n: float | None) -> str:
-    return "not obtained" if n is None else f"{n / 2**30:.2f} GiB"
+MAX_TABLE_ROWS = 40
 
 
 def _e(s: Any) -> str:
@@ -54,124 +73,237 @@ class _Axes:
         return H - B - (v / (self.ymax or 1.0)) * (H - T - B)
 
 
-def _frame(ax: _Axes, title: str) -> list[str]:
-    # Small jobs (and tests) stay readable: MiB ticks below 2 GiB.
-    unit, div = ("GiB", 2**30) if ax.ymax >= 2 * 2**30 else ("MiB", 2**20)
+def _scaled(t0: float, t1: float, vmax: float) -> tuple[_Axes, str, int, list[float]]:
+    unit, div, ticks, top = nice_scale(vmax)
+    return _Axes(t0, t1, top), unit, div, ticks
+
+
+def _frame(ax: _Axes, title: str, unit: str, div: int, ticks: list[float]) -> list[str]:
     out = [f'<text x="{L}" y="14" class="title">{_e(title)}</text>',
+           f'<rect data-plot-area="" x="{L}" y="{T}" width="{W - L - R}" height="{H - T - B}" class="plot-area"/>',
            f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" class="axis"/>',
            f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" class="axis"/>']
-    for i in range(5):
-        v = ax.ymax * i / 4
-        out.append(f'<text x="{L - 6}" y="{ax.y(v) + 4:.1f}" class="tick" text-anchor="end">{v / div:.1f}</text>')
-    for i in range(5):
-        t = ax.t0 + (ax.t1 - ax.t0) * i / 4
-        out.append(f'<text x="{ax.x(t):.1f}" y="{H - B + 16}" class="tick" text-anchor="middle">'
-                   f'{t - ax.t0:.1f}s</text>')
-    out.append(f'<text x="12" y="{T + 10}" class="tick">{unit}</text>')
+    for v in ticks:
+        y = ax.y(v * div)
+        out.append(f'<line x1="{L}" y1="{y:.1f}" x2="{W - R}" y2="{y:.1f}" class="grid"/>'
+                   f'<text x="{L - 6}" y="{y + 4:.1f}" class="tick" text-anchor="end">{v:g}</text>')
+    tu, tdiv = time_unit(ax.t1 - ax.t0)
+    for v in nice_ticks((ax.t1 - ax.t0) / tdiv)[1]:
+        x = ax.x(ax.t0 + v * tdiv)
+        # The last tick may sit on the right edge: anchor it at its end so it is not cut off.
+        anchor = "end" if x > W - R - 20 else "middle"
+        out.append(f'<text x="{x:.1f}" y="{H - B + 16}" class="tick" text-anchor="{anchor}">{v:g} {tu}</text>')
+    out.append(f'<text x="{L - 6}" y="{T - 8}" class="tick" text-anchor="end">{unit}</text>')
     return out
 
 
-def _phase_bands(records: list[dict[str, Any]], ax: _Axes) -> list[str]:
-    out, open_ = [], {}
-    for r in records:
-        key = (r.get("node"), r.get("pid"), r.get("phase"))
-        if r["kind"] == "phase_start":
-            open_[key] = r["mono_ns"] / 1e9
-        elif r["kind"] in ("phase_end", "phase_failure") and key in open_:
-            t0, t1 = open_.pop(key), r["mono_ns"] / 1e9
-            x0, x1 = ax.x(t0), ax.x(t1)
-            cls = "band fail" if r["kind"] == "phase_failure" else "band"
-            out.append(f'<g data-phase="{_e(r["phase"])}" data-step="{_e(r.get("step"))}">'
-                       f'<rect x="{x0:.1f}" y="{T}" width="{max(1.0, x1 - x0):.1f}" height="{H - T - B}" '
-                       f'class="{cls}"/>'
-                       f'<text x="{x0 + 2:.1f}" y="{T + 10}" class="phase">{_e(r["phase"])}</text></g>')
-    for (_, _, phase), t0 in open_.items():  # started, never ended: the process died in it
-        x0 = ax.x(t0)
-        out.append(f'<g data-phase="{_e(phase)}" data-open="true"><rect x="{x0:.1f}" y="{T}" '
-                   f'width="{max(1.0, W - R - x0):.1f}" height="{H - T - B}" class="band fail"/>'
-                   f'<text x="{x0 + 2:.1f}" y="{T + 10}" class="phase">{_e(phase)} (never ended)</text></g>')
+def _bands(spans: list[Span], ax: _Axes) -> list[str]:
+    out = []
+    for s in spans:
+        x0, x1 = ax.x(s.t0), ax.x(s.t1)
+        cls = "band fail" if s.died else "band"
+        state = "never ended" if s.never_ended else ("failed" if s.failed else "ended")
+        out.append(f'<g data-phase="{_e(s.phase)}" data-step="{_e(s.step)}" data-state="{state}">'
+                   f'<rect x="{x0:.1f}" y="{T}" width="{max(1.0, x1 - x0):.1f}" height="{H - T - B}" class="{cls}"/>'
+                   f'<title>{_e(s.phase)} step {_e(s.step)} (pid {_e(s.pid)}): {state}</title></g>')
+    for x, text, s in phase_labels(spans, ax.x, CHAR_PX, W - R):
+        cls = "phase-label fail" if "died" in text else "phase-label"
+        out.append(f'<text data-phase-label="{_e(s.phase)}" x="{x:.1f}" y="{T - 6}" class="{cls}">{_e(text)}</text>')
     return out
 
 
-def _limit(ax: _Axes, name: str, value: int | None, why: str) -> str:
-    if value is None:
-        return f'<text data-limit="{_e(name)}" data-bytes="" x="{W - R + 6}" y="{H - B}" class="note">' \
-               f'{_e(name)}: not obtained ({_e(why)})</text>'
-    y = ax.y(value)
-    return (f'<g data-limit="{_e(name)}" data-bytes="{value}"><line x1="{L}" y1="{y:.1f}" x2="{W - R}" y2="{y:.1f}" '
-            f'class="limit"/><text x="{W - R + 6}" y="{y + 4:.1f}" class="limit-label">{_e(name)} {_gib(value)}'
-            '</text></g>')
+def _peak_bars(spans: list[Span], ax: _Axes, limit: int | None) -> list[str]:
+    out = []
+    for s in spans:
+        if s.peak is None:
+            continue
+        x0, x1, y = ax.x(s.t0), ax.x(s.t1), ax.y(s.peak)
+        if x1 - x0 < 8:  # a phase shorter than a few pixels still shows its peak
+            x0, x1 = (x0 + x1) / 2 - 4, (x0 + x1) / 2 + 4
+        room = f"; headroom {fmt_bytes(limit - s.peak)}" if limit is not None else ""
+        out.append(f'<g data-peak="{_e(s.phase)}" data-step="{_e(s.step)}" data-bytes="{s.peak}">'
+                   f'<line x1="{x0:.1f}" y1="{y:.1f}" x2="{x1:.1f}" y2="{y:.1f}" class="peak"/>'
+                   f'<title>{_e(s.phase)} step {_e(s.step)}: in-phase peak {fmt_bytes(s.peak)} '
+                   f'({_e(s.peak_source)}){room}</title></g>')
+    return out
 
 
-def _host_chart(records: list[dict[str, Any]], t0: float, t1: float) -> str:
-    pts = []
-    for r in records:
-        h = r.get("host")
-        if h and h.get("anon") is not None:
-            shmem = h.get("shmem") or 0
-            file_ = max(0, (h.get("file") or 0) - shmem)
-            pts.append((r["mono_ns"] / 1e9, {"anon": h["anon"], "shmem": shmem, "file": file_}))
-    last_h = next((r["host"] for r in reversed(records) if r.get("host")), {}) or {}
-    last_ray = next((r["ray"] for r in reversed(records) if r.get("ray")), {}) or {}
-    mm = last_h.get("limit") if last_h.get("source") not in (None, "none") else None
-    limits = [("memory.max", mm, (last_h.get("not_obtained") or {}).get("limit", "no cgroup"))]
-    limits.append(("ray-threshold", last_ray.get("threshold_bytes"), "no Ray figure in the records"))
-    if mm is None:
-        limits.append(("MemTotal", last_h.get("mem_total"), "meminfo unreadable"))
-    top = max([sum(v.values()) for _, v in pts] + [0])
-    shown = [v for _, v, _ in limits if v is not None]
+Box = tuple[float, float, float, float]
+
+
+def _limit_lines(n: NodeStory, ax: _Axes, arrow_x: float | None) -> tuple[list[str], list[Box]]:
+    shown = [lim for lim in n.limits if lim.bytes is not None and lim.bytes <= ax.ymax]
+    above = [lim for lim in n.limits if lim.bytes is not None and lim.bytes > ax.ymax]
+    # Labels sit inside the plot, above their line; a label that would be struck through by the
+    # line above it (two limits a few pixels apart) goes below its own line instead, so no label
+    # is cut off or drawn over another.
+    ys, prev = [], None
+    for lim in sorted(shown, key=lambda lim: -(lim.bytes or 0)):
+        y = ax.y(lim.bytes or 0)
+        ys.append(y + 13 if prev is not None and y - 15 < prev + 2 else y - 4)
+        prev = y
+    shown = sorted(shown, key=lambda lim: -(lim.bytes or 0))
+    ys = spread_labels(ys, 13, T + 12, H - B - 4)
+    out, boxes = [], []
+    for lim, ly in zip(shown, ys, strict=True):
+        y = ax.y(lim.bytes or 0)
+        width = len(lim.label) * CHAR_PX
+        # At the right end, else at the left end, else just left of the save mark's arrow: a
+        # label the arrow runs through is not readable.
+        starts = [W - R - 6 - width, L + 6] + ([arrow_x - 8 - width] if arrow_x is not None else [])
+        x0 = next((x for x in starts if arrow_x is None or x > arrow_x + 6 or x + width < arrow_x - 6), starts[0])
+        boxes.append((x0, ly - 11, x0 + width, ly + 3))
+        out.append(f'<g data-limit="{_e(lim.name)}" data-bytes="{lim.bytes}">'
+                   f'<line x1="{L}" y1="{y:.1f}" x2="{W - R}" y2="{y:.1f}" class="limit"/>'
+                   f'<text x="{x0:.1f}" y="{ly:.1f}" class="limit-label">{_e(lim.label)}</text></g>')
+    for i, lim in enumerate(above):
+        text, ly = f"{lim.label} (above the scale)", T + 12 + 13 * i
+        boxes.append((W - R - 6 - len(text) * CHAR_PX, ly - 11, W - R - 6, ly + 3))
+        out.append(f'<text data-limit="{_e(lim.name)}" data-bytes="{lim.bytes}" x="{W - R - 6}" '
+                   f'y="{ly}" class="limit-label" text-anchor="end">{_e(text)}</text>')
+    return out, boxes
+
+
+def _overlaps(a: Box, boxes: list[Box]) -> bool:
+    return any(a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3] for b in boxes)
+
+
+def _save_mark(n: NodeStory, ax: _Axes, taken: list[Box]) -> list[str]:
+    if n.save is None:
+        return []
+    s, limit, room = n.save.span, n.save.limit, n.save.headroom
+    xa = (ax.x(s.t0) + ax.x(s.t1)) / 2
+    yp, yl = ax.y(s.peak or 0), ax.y(min(limit, ax.ymax))
+    # Arrowheads as polygons, not <marker> ids that would collide between two nodes' charts.
+    tip = 5 if yl < yp else -5
+    arrow = (f'<line x1="{xa:.1f}" y1="{yp:.1f}" x2="{xa:.1f}" y2="{yl:.1f}" class="headroom"/>'
+             f'<polygon points="{xa - 4:.1f},{yl + tip:.1f} {xa + 4:.1f},{yl + tip:.1f} {xa:.1f},{yl:.1f}" '
+             'class="headroom-head"/>')
+    died = ", died in it" if s.died else ""
+    room_text = f"headroom {fmt_bytes(room)} to the {fmt_bytes(limit)} limit" if room >= 0 else \
+        f"OVER the {fmt_bytes(limit)} limit by {fmt_bytes(-room)}"
+    head = f"save peak {fmt_bytes(s.peak)} (step {s.step}{died})"
+    # Beside the arrow, clear of the limit labels and inside the plot: one line if it fits
+    # somewhere, else two.
+    spot = _place([f"{head}, {room_text}"], xa, yp, yl, taken) or _place([head, room_text], xa, yp, yl, taken)
+    lines = [f"{head}, {room_text}"] if spot and spot[3] == 1 else [head, room_text]
+    fallback = ("start", min(xa + 8, W - R - len(head) * CHAR_PX), min(max(yp, yl) + 15, H - B - 18), 2)
+    anchor, tx, ty, _ = spot or fallback
+    cls = "mark-label over" if room < 0 else "mark-label"
+    text = "".join(f'<text x="{tx:.1f}" y="{ty + 13 * i:.1f}" text-anchor="{anchor}" class="{cls}">{_e(t)}</text>'
+                   for i, t in enumerate(lines))
+    return [f'<g data-mark="save-peak" data-step="{_e(s.step)}" data-bytes="{s.peak}" data-limit-bytes="{limit}" '
+            f'data-headroom="{room}">{arrow}<circle cx="{xa:.1f}" cy="{yp:.1f}" r="4" class="save-dot"/>{text}</g>']
+
+
+def _place(lines: list[str], xa: float, yp: float, yl: float,
+           taken: list[Box]) -> tuple[str, float, float, int] | None:
+    """(anchor, x, first baseline, line count) for a label beside the arrow at ``xa``: between the
+    peak and the limit, else under the peak, else above the limit, on the side with more room."""
+    width, extra = max(len(t) for t in lines) * CHAR_PX, 13 * (len(lines) - 1)
+    top, bottom = min(yp, yl), max(yp, yl)
+    rows = ([(top + bottom - extra) / 2 + 4] if bottom - top >= 18 + extra else []) + [bottom + 15, top - 6 - extra]
+    sides = [("end", xa - 8), ("start", xa + 8)] if xa > (L + W - R) / 2 else [("start", xa + 8), ("end", xa - 8)]
+    for y in rows:
+        for anchor, x in sides:
+            x0 = x - width if anchor == "end" else x
+            box = (x0, y - 11, x0 + width, y + 3 + extra)
+            if box[0] >= L + 2 and box[2] <= W - R - 2 and box[1] >= T and box[3] <= H - B and \
+                    not _overlaps(box, taken):
+                return anchor, x, y, len(lines)
+    return None
+
+
+def _host_chart(n: NodeStory, t0: float, t1: float) -> str:
+    top = max([sum(v.values()) for _, v in n.stack] + [v for _, v in n.current] +
+              [s.peak for s in n.spans if s.peak is not None] + [1])
     # Scale to the data, but keep a limit line in view when it is within 4x of the data.
-    ymax = max([top] + [v for v in shown if v <= 4 * max(top, 1)]) * 1.08 or 1.0
-    ax = _Axes(t0, t1, ymax)
-    out = _frame(ax, "Host memory (stacked: anon, shmem, file without shmem)")
-    out += _phase_bands(records, ax)
-    base = [0.0] * len(pts)
+    near = [lim.bytes for lim in n.limits if lim.bytes is not None and lim.bytes <= 4 * top]
+    ax, unit, div, ticks = _scaled(t0, t1, max([top, *near]) * 1.04)
+    out = _frame(ax, f"Host memory on {n.node} (stacked: anon, shmem, file without shmem)", unit, div, ticks)
+    out += _bands(n.spans, ax)
+    base = [0] * len(n.stack)
     for name in ("anon", "shmem", "file"):
-        tops = [b + v[name] for b, (_, v) in zip(base, pts, strict=True)]
-        if pts:
-            fwd = " ".join(f"{ax.x(t):.1f},{ax.y(min(y, ymax)):.1f}" for (t, _), y in zip(pts, tops, strict=True))
-            back = " ".join(f"{ax.x(t):.1f},{ax.y(min(y, ymax)):.1f}" for (t, _), y in reversed(
-                list(zip(pts, base, strict=True))))
+        tops = [b + v[name] for b, (_, v) in zip(base, n.stack, strict=True)]
+        if n.stack:
+            fwd = " ".join(f"{ax.x(t):.1f},{ax.y(y):.1f}" for (t, _), y in zip(n.stack, tops, strict=True))
+            back = " ".join(f"{ax.x(t):.1f},{ax.y(y):.1f}" for (t, _), y in reversed(
+                list(zip(n.stack, base, strict=True))))
             out.append(f'<polygon data-series="{name}" points="{fwd} {back}" fill="{COLORS[name]}" '
-                       f'fill-opacity="0.75"><title>{name}</title></polygon>')
+                       f'fill-opacity="0.7"><title>{name}</title></polygon>')
         base = tops
-    off = 0
-    for name, value, why in limits:
-        if value is not None and value > ymax:
-            out.append(_limit_off(name, value, T + 24 + 14 * off))
-            off += 1
-        else:
-            out.append(_limit(ax, name, value, why))
-    legend = "".join(f'<span class="key" style="background:{COLORS[n]}"></span>{n} ' for n in ("anon", "shmem", "file"))
-    return _svg("host-memory", out) + f'<p class="legend">{legend} (x: seconds since the first record)</p>'
+    if n.current:
+        pts = " ".join(f"{ax.x(t):.1f},{ax.y(v):.1f}" for t, v in n.current)
+        out.append(f'<polyline data-series="current" points="{pts}" class="current">'
+                   f'<title>{_e(n.current_name)} at each record</title></polyline>')
+    out += _peak_bars(n.spans, ax, n.budget.bytes)
+    arrow_x = (ax.x(n.save.span.t0) + ax.x(n.save.span.t1)) / 2 if n.save is not None else None
+    lines, taken = _limit_lines(n, ax, arrow_x)
+    out += lines
+    out += _save_mark(n, ax, taken)
+    legend = "".join(f'<span class="key" style="background:{COLORS[k]}"></span>{k} ' for k in ("anon", "shmem", "file"))
+    legend += (f'<span class="key line"></span>{_e(n.current_name)} at each record '
+               '<span class="key peak"></span>in-phase sampled peak (drawn across its phase) '
+               '<span class="key limit"></span>limit')
+    missing = "".join(f'<p class="note" data-limit="{_e(lim.name)}" data-bytes="">{_e(lim.name)}: not obtained '
+                      f'({_e(lim.why)})</p>' for lim in n.limits if lim.bytes is None)
+    return (f'<svg data-chart="host-memory" data-node="{_e(n.node)}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
+            f'role="img">{"".join(out)}</svg><p class="legend">{legend}</p>{missing}')
 
 
-def _limit_off(name: str, value: int, y: float) -> str:
-    return (f'<text data-limit="{_e(name)}" data-bytes="{value}" x="{W - R + 6}" y="{y}" class="note">'
-            f'{_e(name)} {_gib(value)} (above the scale)</text>')
-
-
-def _svg(name: str, parts: list[str]) -> str:
-    return f'<svg data-chart="{name}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img">' + "".join(parts) + \
-        "</svg>"
+def _phase_table(n: NodeStory) -> str:
+    spans = n.spans
+    caption = f"{len(spans)} phase(s) on {_e(n.node)}"
+    if len(spans) > MAX_TABLE_ROWS:
+        # A long run has thousands of phases: keep, per phase name, the one with the highest
+        # peak, and every phase a process died in.
+        best: dict[str, Span] = {}
+        for s in spans:
+            if s.phase not in best or (s.peak or -1) > (best[s.phase].peak or -1):
+                best[s.phase] = s
+        spans = sorted({id(s): s for s in [*best.values(), *(s for s in spans if s.died)]}.values(),
+                       key=lambda s: s.t0)
+        caption += "; shown: the highest peak of each phase name and every phase that did not end"
+    limit = n.budget.bytes
+    rows = []
+    for s in spans:
+        room = "n/a" if limit is None or s.peak is None else fmt_bytes(limit - s.peak)
+        state = "never ended" if s.never_ended else ("failed" if s.failed else "")
+        end = "none (never ended)" if s.never_ended else fmt_bytes(s.end_current)
+        cls = ' class="save"' if n.save and s is n.save.span else (' class="died"' if s.died else "")
+        rows.append(f'<tr data-phase="{_e(s.phase)}" data-step="{_e(s.step)}" data-peak="{s.peak or ""}"{cls}>'
+                    f'<td>{_e(s.phase)} {_e(state)}</td><td>{_e(s.step)}</td><td>{_e(s.rank)}</td><td>{_e(s.pid)}</td>'
+                    f'<td>{s.t1 - s.t0:.2f} s</td><td>{fmt_bytes(s.start_current)}</td><td>{end}'
+                    f'</td><td><b>{fmt_bytes(s.peak)}</b></td><td>{_e(s.peak_source)}</td><td>{room}</td></tr>')
+    hp = ("" if n.memory_peak is None else
+          f'<p class="legend">cgroup memory.peak at the last record: {fmt_bytes(n.memory_peak)} (high-water mark '
+          'since the cgroup was created or reset, not per phase).</p>')
+    return (f'<table class="phases"><caption>{caption}; limit {fmt_bytes(limit)} = {_e(n.budget.derivation)}'
+            f'</caption><tr><th>phase</th><th>step</th><th>rank</th><th>pid</th><th>duration</th>'
+            f'<th>{_e(n.current_name)} at start</th><th>at end</th><th>in-phase peak</th><th>peak from</th>'
+            f'<th>headroom</th></tr>{"".join(rows)}</table>{hp}')
 
 
 def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
-    ymax = max([v for p in growth.processes for _, v in p.floors_per_interval] + [1]) * 1.08
-    ax = _Axes(t0, t1, ymax)
-    out = _frame(ax, "Per-process PSS floor")
+    procs = [p for p in growth.processes if p.floors_per_interval]
+    if not procs:
+        return '<p class="note" data-not-obtained="floors">No per-process PSS readings in the records ' \
+               '(run the job under mem watch, or record phases with probe_process).</p>'
+    ax, unit, div, ticks = _scaled(t0, t1, max(v for p in procs for _, v in p.floors_per_interval) * 1.08)
+    out = _frame(ax, "Per-process PSS floor", unit, div, ticks)
     rows = []
     for i, p in enumerate(growth.processes):
         color = PALETTE[i % len(PALETTE)]
         label = f"{p.pid} {p.comm}"
         pts = " ".join(f"{ax.x(t):.1f},{ax.y(v):.1f}" for t, v in p.floors_per_interval)
-        out.append(f'<polyline data-series="{_e(label)}" points="{pts}" fill="none" stroke="{color}" '
-                   f'stroke-width="2"><title>{_e(label)}</title></polyline>')
+        if pts:
+            out.append(f'<polyline data-series="{_e(label)}" points="{pts}" fill="none" stroke="{color}" '
+                       f'stroke-width="2"><title>{_e(label)}</title></polyline>')
         verdict = "rising" if p.rising else "flat"
         per_s = "n/a" if p.per_second is None else f"{p.per_second.value / 1024:.1f} KiB/s"
         per_step = "n/a" if p.per_step is None else f"{p.per_step.value / 2**20:.2f} MiB/step"
         rows.append(f'<tr data-pid="{p.pid}" data-verdict="{verdict}"><td><span class="key" style="background:{color}">'
-                    f'</span>{p.pid}</td><td>{_e(p.comm)}</td><td>{_e(p.argv0)}</td><td>{_gib(p.last_floor)}</td>'
+                    f'</span>{p.pid}</td><td>{_e(p.comm)}</td><td>{_e(p.argv0)}</td><td>{fmt_bytes(p.last_floor)}</td>'
                     f'<td>{per_s}</td><td>{per_step}</td><td class="{verdict}">{verdict}</td>'
                     f'<td>{_e(p.reason)}</td></tr>')
     table = ('<table class="verdicts"><tr><th>pid</th><th>comm</th><th>argv0</th><th>last floor</th><th>slope/s</th>'
@@ -180,79 +312,97 @@ def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
     n = growth.node
     if n.hint_seconds_to_limit is not None or n.hint_steps_to_limit is not None:
         hint = (f'<p class="hint" data-hint="limit">{_e(n.hint_label)}: node floor would reach '
-                f'{_gib(n.limit_bytes)} in ~{n.hint_seconds_to_limit or float("nan"):.0f} s / '
+                f'{fmt_bytes(n.limit_bytes)} in ~{n.hint_seconds_to_limit or float("nan"):.0f} s / '
                 f'~{n.hint_steps_to_limit or float("nan"):.0f} steps.</p>')
     return _svg("process-floors", out) + table + hint
 
 
-def _gpu_chart(records: list[dict[str, Any]], t0: float, t1: float) -> str:
-    series: dict[str, list[tuple[float, int]]] = {"allocated": [], "reserved": []}
-    reasons = set()
-    for r in records:
-        g = r.get("gpu")
-        if not g:
-            continue
-        for name in series:
-            if g.get(name) is not None:
-                series[name].append((r["mono_ns"] / 1e9, g[name]))
-            else:
-                reasons.add((g.get("not_obtained") or {}).get(name, "not obtained"))
-        peak = r.get("peak") or {}
-        for name in series:
-            if peak.get("gpu_" + name) is not None:
-                series[name].append((r["mono_ns"] / 1e9 - 1e-6, peak["gpu_" + name]))
-    for s in series.values():
-        s.sort()
+def _svg(name: str, parts: list[str]) -> str:
+    return f'<svg data-chart="{name}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img">' + "".join(parts) + \
+        "</svg>"
+
+
+def _gpu_chart(story: Story, records: list[dict[str, Any]]) -> str:
+    series, reasons = gpu_series(records)
+    if not any(series.values()):
+        why = "; ".join(sorted(reasons)) or "no record carries GPU figures (no CUDA, or probe_gpu off)"
+        return f'<p class="note" data-not-obtained="gpu">No GPU chart: GPU figures not obtained ({_e(why)}).</p>'
     totals = [g["device_total"] for r in records if (g := r.get("gpu")) and g.get("device_total")]
-    ymax = max([v for s in series.values() for _, v in s] + [1]) * 1.08
-    ax = _Axes(t0, t1, ymax)
-    out = _frame(ax, "GPU memory (this process's caching allocator)")
-    out += _phase_bands(records, ax)
+    top = max(v for s in series.values() for _, v in s)
+    near = [totals[-1]] if totals and totals[-1] <= 1.5 * top else []
+    ax, unit, div, ticks = _scaled(story.t0, story.t1, max([top, *near]) * 1.04)
+    out = _frame(ax, "GPU memory (this process's caching allocator)", unit, div, ticks)
+    out += _bands([s for n in story.nodes for s in n.spans], ax)
     for name, pts in series.items():
         p = " ".join(f"{ax.x(t):.1f},{ax.y(v):.1f}" for t, v in pts)
         out.append(f'<polyline data-series="{name}" data-points="{len(pts)}" points="{p}" fill="none" '
                    f'stroke="{COLORS[name]}" stroke-width="2"><title>{name}</title></polyline>')
-    if totals and totals[-1] <= ymax:
-        out.append(_limit(ax, "device total", totals[-1], ""))
-    note = ""
-    if not any(series.values()):
-        why = "; ".join(sorted(reasons)) or "no GPU records"
-        note = f'<p class="note" data-not-obtained="gpu">GPU figures not obtained: {_e(why)}</p>'
+    if near:
+        y = ax.y(near[0])
+        out.append(f'<g data-limit="device total" data-bytes="{near[0]}"><line x1="{L}" y1="{y:.1f}" x2="{W - R}" '
+                   f'y2="{y:.1f}" class="limit"/><text x="{L + 6}" y="{y - 4:.1f}" class="limit-label">device total '
+                   f'{fmt_bytes(near[0])}</text></g>')
     legend = "".join(f'<span class="key" style="background:{COLORS[n]}"></span>{n} ' for n in series)
-    return _svg("gpu-memory", out) + f'<p class="legend">{legend}</p>' + note
+    return _svg("gpu-memory", out) + f'<p class="legend">{legend}</p>'
 
 
 CSS = """body{font:14px sans-serif;margin:24px;color:#222}h1{font-size:20px}h2{font-size:16px;margin-top:28px}
-.axis{stroke:#444}.tick{font-size:11px;fill:#444}.title{font-size:13px;font-weight:bold}
-.band{fill:#bbb;fill-opacity:.18;stroke:#999;stroke-dasharray:2 2}.band.fail{fill:#e15759;fill-opacity:.25}
-.phase{font-size:10px;fill:#333}.limit{stroke:#c00;stroke-width:1.5;stroke-dasharray:6 3}
-.limit-label{font-size:11px;fill:#c00}.note{font-size:12px;fill:#a00;color:#a00}
+.axis{stroke:#444}.plot-area{fill:none;stroke:none}.grid{stroke:#000;stroke-opacity:.07}.tick{font-size:11px;fill:#444}
+.title{font-size:13px;font-weight:bold}
+.band{fill:#999;fill-opacity:.12;stroke:#888;stroke-opacity:.6;stroke-dasharray:2 2}
+.band.fail{fill:#e15759;fill-opacity:.22}
+.phase-label{font-size:10px;fill:#333}.phase-label.fail{fill:#c00;font-weight:bold}
+.current{fill:none;stroke:#222;stroke-width:1.2}.peak{stroke:#111;stroke-width:3}
+.limit{stroke:#c00;stroke-width:1.5;stroke-dasharray:6 3}
+.limit-label,.mark-label{font-size:11px;fill:#c00;paint-order:stroke;stroke:#fff;stroke-width:3px}
+.mark-label{fill:#111;font-weight:bold}.mark-label.over{fill:#c00}
+.headroom{stroke:#111;stroke-width:1.5}.headroom-head{fill:#111}.save-dot{fill:#fff;stroke:#111;stroke-width:2}
+.note{font-size:12px;fill:#a00;color:#a00}
 .key{display:inline-block;width:12px;height:12px;margin:0 4px 0 10px;vertical-align:middle}
-table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font-size:12px}
+.key.line{height:2px;background:#222}.key.peak{height:4px;background:#111}
+.key.limit{height:0;border-top:2px dashed #c00}
+table{border-collapse:collapse;margin-top:8px}td,th{border:1px solid #ccc;padding:3px 8px;font-size:12px}
+caption{text-align:left;font-size:12px;padding:4px 0}tr.save{background:#fff3cd}tr.died{background:#fdd}
 .rising{color:#c00;font-weight:bold}.flat{color:#270}.verdict{padding:8px;border:2px solid #c00;background:#fee}
-.ok{border-color:#270;background:#efe}.hint{font-style:italic}"""
+.ok{border-color:#270;background:#efe}.hint{font-style:italic}
+.budget{padding:8px;border:2px solid #444;background:#f6f6f6;margin-top:10px}"""
+
+
+def _budget_box(story: Story) -> str:
+    parts = []
+    for n in story.nodes:
+        if n.save is not None:
+            parts.append(f'<li data-save-peak="{n.save.span.peak}" data-headroom="{n.save.headroom}" '
+                         f'data-node="{_e(n.node)}">{_e(save_sentence(n))}</li>')
+        else:
+            parts.append(f'<li data-save-peak="" data-node="{_e(n.node)}">{_e(n.save_note)}</li>')
+    if not parts:
+        parts.append('<li data-save-peak="">No host figures in the records: no save-step peak, no limit.</li>')
+    return (f'<div class="budget"><b>Save-step peak against the limit</b> (guide: limit = cgroup memory.max x '
+            f'RAY_memory_usage_threshold)<ul>{"".join(parts)}</ul></div>')
 
 
 def render_html(records: list[dict[str, Any]], *, growth: GrowthReport | None = None, ray_log: str | None = None,
                 title: str = "ckptguard memory report") -> str:
     """The whole page as a string; ``records`` sorted by time, as read_records returns them."""
     growth = growth or analyze_growth(records, GrowthConfig())
-    kill = classify_failure(records, ray_log=ray_log)
-    t0 = records[0]["mono_ns"] / 1e9 if records else 0.0
-    t1 = records[-1]["mono_ns"] / 1e9 if records else 1.0
+    story = build_story(records, ray_log=ray_log)
+    kill = story.failure
     cls = "verdict ok" if kill.killer is Killer.NONE else "verdict"
     evidence = "".join(f"<li>{_e(e)}</li>" for e in kill.evidence + kill.notes)
-    head = (f'<div class="{cls}" data-killer="{kill.killer.value}"><b>Failure:</b> {_e(kill.killer.value)}'
-            f'{" in phase " + _e(kill.phase) if kill.phase else ""}<ul>{evidence}</ul></div>')
+    head = (f'<div class="{cls}" data-killer="{kill.killer.value}"><b>{_e(story.headline())}</b>'
+            f'<ul>{evidence}</ul></div>')
     nodes = sorted({str(r.get("node")) for r in records})
+    host = "".join(f"{_host_chart(n, story.t0, story.t1)}{_phase_table(n)}" for n in story.nodes) or \
+        '<p class="note" data-not-obtained="host">No host figures in the records.</p>'
     return (
         "<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
         f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"
         f"<h1>{_e(title)}</h1><p>{len(records)} records from node(s) {_e(', '.join(nodes))}; "
-        f"{growth.steps_seen} steps.</p>{head}"
-        f"<h2>Host memory</h2>{_host_chart(records, t0, t1)}"
-        f"<h2>Per-process floors and growth</h2>{_floors_chart(growth, t0, t1)}"
-        f"<h2>GPU memory</h2>{_gpu_chart(records, t0, t1)}"
+        f"{growth.steps_seen} steps.</p>{head}{_budget_box(story)}"
+        f"<h2>Host memory</h2>{host}"
+        f"<h2>Per-process floors and growth</h2>{_floors_chart(growth, story.t0, story.t1)}"
+        f"<h2>GPU memory</h2>{_gpu_chart(story, records)}"
         "</body></html>"
     )
