@@ -12,8 +12,9 @@ from ckptguard.demo.toyjob import build_job, train_step
 
 # Changing a command's options is a user-visible change: update this and the CHANGELOG.
 FROZEN = {
+    "adopt": ["root", "step", "template"],
     "demo": ["workdir", "world_size", "steps", "save_every", "kill_at", "no_derived_fix"],
-    "gc": ["root", "dry_run", "force", "template"],
+    "gc": ["root", "dry_run", "orphans", "force", "template"],
     "hold": ["root", "step", "reason", "template"],
     "list": ["root", "template"],
     "mem": [],

@@ -143,8 +143,13 @@ def test_transfer_publishes_like_a_save_and_resumes(tmp_path):
     fresh = build_job(seed=4)
     assert cg.CheckpointManager(dest).restore(fresh.state()) == 2
     assert fingerprint(fresh) == fingerprint(job)
+    # Run again, it finds its own complete copy and only confirms it; a different directory
+    # of that name is never replaced.
     again = CliRunner().invoke(main, ["transfer", str(src / "step_00000002"), str(dest)])
-    assert again.exit_code == 1 and "already exists" in again.output
+    assert again.exit_code == 0 and '"resumed": true' in again.output
+    (dest / "step_00000002" / "rank_00000.pt").write_bytes(b"another run's file")
+    clash = CliRunner().invoke(main, ["transfer", str(src / "step_00000002"), str(dest)])
+    assert clash.exit_code == 1 and "already exists and is not a complete copy" in clash.output
 
 
 def test_manifest_records_size_and_save_time_per_step(tmp_path):
@@ -222,11 +227,11 @@ def test_gc_refuses_while_a_live_run_holds_the_lease(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "ready"
-        (root / "step_00000099").mkdir()  # looks like an orphan, may be a commit in flight
-        refused = CliRunner().invoke(main, ["gc", str(root)])
+        shutil.copytree(root / "step_00000001", root / "step_00000099")  # an orphan, or a commit in flight
+        refused = CliRunner().invoke(main, ["gc", str(root), "--orphans"])
         assert refused.exit_code == 1 and f"pid {holder.pid}" in refused.output
         assert (root / "step_00000099").exists()
-        forced = CliRunner().invoke(main, ["gc", str(root), "--force"])
+        forced = CliRunner().invoke(main, ["gc", str(root), "--orphans", "--force"])
         assert forced.exit_code == 0 and not (root / "step_00000099").exists()
     finally:
         holder.kill()

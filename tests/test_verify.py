@@ -18,6 +18,7 @@ from ckptguard._commit import retention
 from ckptguard._commit.checks import verify_step
 from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, train_step
+from ckptguard.ops.gc import gc
 from ckptguard.ops.preflight import preflight
 from ckptguard.ops.verify import verify_root
 from dist_helper import run_ranks, values
@@ -202,8 +203,12 @@ def test_retention_across_restart_with_hold_orphan_and_corrupt(tmp_path):
     assert mgr.release(6)
     mgr.save(13, _state(13))
     assert mgr.committed_steps() == [5, 10, 12, 13]
-    removed = retention.gc(root, NAMING)
-    assert sorted(p.name for p in removed) == ["step_00000003", "step_00000099"]
+    # gc never removes a complete checkpoint (the orphan 99) or a directory it did not
+    # create (3: no manifest, no owner record); --orphans removes the orphan.
+    report = gc(root, NAMING)
+    assert report.removed == [] and {p.name for p, _ in report.kept} == {"step_00000003", "step_00000099"}
+    report = gc(root, NAMING, orphans=True)
+    assert [p.name for p, _ in report.removed] == ["step_00000099"] and (root / "step_00000003").exists()
 
 
 def test_retention_keeps_the_restored_step_and_default_policy(tmp_path):

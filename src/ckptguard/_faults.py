@@ -9,6 +9,7 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``commit.before_rename``: manifest in place inside the temp directory
 - ``commit.before_tracker``: step directory published, tracker not yet moved
 - ``transfer.file_copied``: ``ckptguard transfer`` copied one file of several
+- ``transfer.before_tracker``: the transferred step directory is renamed in, the tracker not yet set
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ COMMIT_POINTS = (
     "commit.before_rename",
     "commit.before_tracker",
 )
-POINTS = (*COMMIT_POINTS, "transfer.file_copied")
+POINTS = (*COMMIT_POINTS, "transfer.file_copied", "transfer.before_tracker")
 
 _hooks: dict[str, Callable[[], None]] = {}
 

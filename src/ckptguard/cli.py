@@ -203,26 +203,61 @@ def preflight(
 @main.command()
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@click.option(
+    "--orphans",
+    is_flag=True,
+    help="Also remove step directories newer than the tracker, complete or not (needs a tracker).",
+)
 @click.option("--force", is_flag=True, help="Run even though a live run holds the root's write lease.")
 @TEMPLATE
-def gc(root: Path, dry_run: bool, force: bool, template: str) -> None:
-    """Remove orphans (newer than the tracker), uncommitted step directories and dead temp directories.
+def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str) -> None:
+    """Remove what crashes left under ROOT: dead saves' temp directories, interrupted deletes, temp files.
 
-    Committed checkpoints are never touched here; rotation handles those. Refused while a live
-    run holds the root's lease (its newest step may be a commit in flight) unless --force.
+    Acts only on a checkpoint root (a tracker or contract/ present) and only on entries ckptguard
+    created. A complete checkpoint is never removed, whatever the tracker says: a step newer than
+    the tracker (or any step when the tracker is missing) is listed with what to do, and removed
+    only with --orphans. Foreign entries and incomplete steps are listed and left alone; rotation
+    handles committed steps. Refused while a live run holds the root's lease (its newest step may
+    be a commit in flight) unless --force. Exit 0 done, 1 refused, 2 bad usage (not a root).
     """
-    from ._commit import lease, retention
+    from .errors import ConfigError
+    from .ops import gc as _gc
 
-    if not (force or dry_run):
-        try:
-            lease.check_idle(root.absolute(), ttl_s=6 * 3600.0)
-        except CheckpointError as exc:
-            _fail(str(exc), False)
+    try:
+        report = _gc.gc(root.absolute(), StepNaming(template), dry_run=dry_run, orphans=orphans, force=force)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    except CheckpointError as exc:
+        _fail(str(exc), False)
+    for path, what in report.removed:
+        click.echo(f"{'would remove' if dry_run else 'removed'} {path}: {what}")
+    for path, why in report.kept:
+        click.echo(f"kept    {path}: {why}")
+    n = len(report.removed)
+    click.echo(
+        f"{n} entr{'y' if n == 1 else 'ies'} {'to remove' if dry_run else 'removed'}, "
+        f"{len(report.kept)} left in place (listed above)"
+    )
 
-    victims = retention.gc(root.absolute(), StepNaming(template), dry_run=dry_run)
-    for v in victims:
-        click.echo(f"{'would remove' if dry_run else 'removed'} {v}")
-    click.echo(f"{len(victims)} director{'y' if len(victims) == 1 else 'ies'} {'to remove' if dry_run else 'removed'}")
+
+@main.command()
+@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("step", type=click.IntRange(1))
+@TEMPLATE
+def adopt(root: Path, step: int, template: str) -> None:
+    """Point ROOT's tracker at STEP, a complete checkpoint newer than the tracker (an orphan).
+
+    For a save that died between publishing and moving the tracker, or a root whose tracker was
+    lost. STEP is verified with checksums and must belong to ROOT's run chain; the tracker only
+    moves forward, under the root's lease. (To continue from another run's checkpoint, see
+    CheckpointManager.adopt.) Exit 0 done, 1 refused.
+    """
+    from .ops import gc as _gc
+
+    try:
+        click.echo(_gc.adopt_step(root.absolute(), StepNaming(template), step))
+    except CheckpointError as exc:
+        _fail(str(exc), False)
 
 
 @main.command()
@@ -296,7 +331,7 @@ def prove(root: Path, as_json: bool) -> None:
     default="demo-run",
     show_default=True,
     type=click.Path(path_type=Path),
-    help="Working directory (wiped first).",
+    help="Working directory: new or empty, or one an earlier demo created (wiped first); any other is refused.",
 )
 @click.option(
     "--world-size", type=click.IntRange(1, 4), default=2, show_default=True, help="CPU ranks (gloo; FSDP2 above 1)."
@@ -316,12 +351,21 @@ def prove(root: Path, as_json: bool) -> None:
     help="Negative control: the restore does not invalidate the FP8 scale cache; the proof must FAIL.",
 )
 def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: int, no_derived_fix: bool) -> None:
-    """A tiny RL job on the CPU: SIGKILL mid-save, resume with AUTO, and the proof table."""
-    from .demo.job import run_demo
+    """A tiny RL job on the CPU: SIGKILL mid-save, resume with AUTO, and the proof table.
+
+    WORKDIR is wiped first, so it must be new, empty, or made by an earlier demo (it holds a
+    .ckptguard-demo marker); a non-empty directory the demo did not create is refused (exit 2).
+    """
+    from .demo.job import prepare_workdir, run_demo
+    from .errors import ConfigError
     from .ops.prove import passed
 
     if kill_at % save_every or not save_every < kill_at < steps:
         raise click.UsageError("need --save-every < --kill-at < --steps with --kill-at a multiple of --save-every")
+    try:
+        prepare_workdir(workdir)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     gates, root = run_demo(
         str(workdir),
         world=world_size,
@@ -424,7 +468,9 @@ def transfer(step_dir: Path, dest_root: Path, record: Path | None) -> None:
     """Copy a committed STEP_DIR to DEST_ROOT (e.g. a new node) with the save's publish protocol.
 
     Each file is copied to a temp name, fsynced, checked against the manifest and renamed; the
-    destination's tracker moves only after everything verified. Exit 0 done, 1 refused or failed.
+    destination's tracker moves only after everything verified. The destination's write lease is
+    held meanwhile, so a live run there refuses it. A transfer killed before it set the tracker is
+    finished by running it again. Exit 0 done, 1 refused or failed.
     """
     from .ops.transfer import describe
     from .ops.transfer import transfer as _transfer

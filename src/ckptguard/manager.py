@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import _log
 from ._commit import layout as _layout
+from ._commit import lease as _lease
 from ._commit import manifest as _manifest
 from ._commit import pending as _async
 from ._commit import protocol as _commit
@@ -31,7 +32,7 @@ from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.prooflog import ProofLog
 from .config import CheckpointConfig, ResumeMode
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, error_payload
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -128,6 +129,23 @@ class CheckpointManager:
             storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
             expert=expert_parallel,
         )
+        self._check_lease("create")
+
+    def _check_lease(self, where: str) -> None:
+        """Refuse when another live run holds the root's write lease: a duplicate launch stops
+        at creation or restore, not after training until its first save. Rank 0 looks (and
+        never writes); every rank raises alike. ``break_lease`` leaves it to the save."""
+        if self.config.break_lease:
+            return
+        out: dict[str, Any] = {}
+        if self.rank == 0 and self.root.is_dir():
+            try:
+                _lease.check_free(self.root, ttl_s=self.config.lease_ttl_s)
+            except CheckpointError as exc:
+                out["error"] = error_payload(exc)
+        head = self._ctx.agreement.bcast(f"lease.{where}", out)
+        if head.get("error"):
+            raise _commit._rebuild(head["error"], self.rank)
 
     @property
     def rank(self) -> int:
@@ -252,6 +270,7 @@ class CheckpointManager:
         """
         self._check_state(state, "restore")
         self.wait()
+        self._check_lease("restore")
         res = self.resolve(mode=mode, path=path)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())

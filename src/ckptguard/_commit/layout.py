@@ -3,19 +3,25 @@
 Contract: a file that another process may read is only ever created by writing a
 temporary name in the same directory, fsyncing it, renaming it over the final name
 and fsyncing the directory. Discovery matches step directories by exact name, so a
-temporary or foreign directory is never mistaken for a checkpoint.
+temporary or foreign directory is never mistaken for a checkpoint. Every temporary
+entry carries a name ckptguard gives (and a temp directory an owner record), so sweeping
+and ``gc`` remove only what ckptguard created, never a foreign ``.tmp-build-cache``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,11 +134,78 @@ def step_dirs(root: Path, naming: StepNaming) -> dict[int, Path]:
     return found
 
 
+# ---------------------------------------------------------------- small files
+
+
+SMALL_FILE_BYTES = 1 << 20
+JSON_DEPTH = 32
+
+
+def read_small(path: Path, *, limit: int = SMALL_FILE_BYTES) -> bytes:
+    """The bytes of a small regular file, read without following a final symlink.
+
+    Raises FileNotFoundError if absent and ValueError for a link, a FIFO or device (which
+    would hang the reader) or a file over ``limit`` bytes (which would be read without end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symlink; ckptguard reads its own files only") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        data = os.read(fd, limit + 1)
+        while len(data) <= limit:  # os.read may return less than asked
+            more = os.read(fd, limit + 1 - len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes; ckptguard writes it much smaller")
+    return data
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def read_small_json(path: Path, *, limit: int = SMALL_FILE_BYTES, max_depth: int = JSON_DEPTH) -> Any:
+    """JSON from a small regular file (see ``read_small`` and ``loads_bounded``)."""
+    return loads_bounded(read_small(path, limit=limit), where=str(path), max_depth=max_depth)
+
+
+def loads_bounded(data: bytes, *, where: str, max_depth: int = JSON_DEPTH) -> Any:
+    """``json.loads``, refusing nesting deeper than ``max_depth``.
+
+    A hostile file nested 100k deep makes ``json.loads`` raise RecursionError; the depth is
+    counted first, outside strings, so such a file is a ValueError like any malformed one."""
+    depth = 0
+    for ch in _JSON_STRING.sub(b'""', data):
+        if ch in b"[{":
+            depth += 1
+            if depth > max_depth:
+                raise ValueError(f"{where} nests JSON deeper than {max_depth} levels")
+        elif ch in b"]}":
+            depth -= 1
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{where} is not valid JSON ({exc})") from None
+
+
 # ---------------------------------------------------------------- temp directories
 
 
 def temp_dir_name(step_name: str, nonce: str) -> str:
     return f"{TMP_PREFIX}{step_name}-{nonce}"
+
+
+# The names ckptguard gives its temporary entries: a foreign ".tmp-build-cache" never matches.
+_TEMP_DIR = re.compile(re.escape(TMP_PREFIX) + r".+-[0-9a-f]{12}\Z")
+_TEMP_FILE = re.compile(r"\.tmp-[0-9a-f]{8}\Z")
 
 
 def write_owner(tmp: Path) -> None:
@@ -148,58 +221,97 @@ def _proc_start(pid: int) -> str | None:
         return None
 
 
-def owner_is_dead(tmp: Path, *, max_age_s: float) -> bool:
-    """True when the process that created ``tmp`` is gone.
-
-    Same host: the PID is not running (or runs a different process). Another host:
-    we cannot look, so only an owner older than ``max_age_s`` counts as dead.
-    """
+def read_owner(directory: Path) -> dict[str, Any] | None:
+    """The owner record ckptguard wrote into ``directory``, or None (absent or unreadable)."""
     try:
-        owner = json.loads((tmp / OWNER_NAME).read_text())
+        owner = read_small_json(directory / OWNER_NAME, limit=4096)
     except (OSError, ValueError):
-        owner = None
-    age = time.time() - tmp.stat().st_mtime
-    if not owner or owner.get("host") != socket.gethostname():
-        return age > max_age_s
-    pid = int(owner.get("pid", -1))
+        return None
+    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int) or not isinstance(owner.get("host"), str):
+        return None
+    return owner
+
+
+def owner_state(directory: Path, *, max_age_s: float) -> str:
+    """"dead", "alive" or "foreign" (no owner record: not ckptguard's, never removed).
+
+    Same host: dead when the PID is not running (or runs a different process). Another
+    host: we cannot look, so an owner counts as dead only once the directory is older
+    than ``max_age_s``."""
+    owner = read_owner(directory)
+    if owner is None:
+        return "foreign"
+    if owner["host"] != socket.gethostname():
+        try:
+            age = time.time() - directory.stat().st_mtime
+        except OSError:
+            return "alive"
+        return "dead" if age > max_age_s else "alive"
+    pid = owner["pid"]
     if pid <= 0 or not Path(f"/proc/{pid}").exists():
-        return True
-    return _proc_start(pid) != owner.get("start")
+        return "dead"
+    return "alive" if _proc_start(pid) == owner.get("start") else "dead"
+
+
+def owner_is_dead(tmp: Path, *, max_age_s: float) -> bool:
+    """True when the process that created ``tmp`` is gone; a directory without ckptguard's
+    owner record is never dead: it is not ours to remove."""
+    return owner_state(tmp, max_age_s=max_age_s) == "dead"
+
+
+def describe_owner(directory: Path) -> str:
+    owner = read_owner(directory)
+    return f"pid {owner['pid']} on host {owner['host']}" if owner else "no owner record"
 
 
 def sweep_temp_dirs(root: Path, *, max_age_s: float) -> list[Path]:
-    """Remove temporary step directories whose owner is dead; returns what was removed."""
+    """Remove ckptguard's temporary step directories whose owner is dead; returns what was removed."""
     removed = []
     for entry in sorted(root.glob(f"{TMP_PREFIX}*")):
-        if entry.is_dir() and owner_is_dead(entry, max_age_s=max_age_s):
+        if is_own_temp_dir(entry) and owner_is_dead(entry, max_age_s=max_age_s):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
 
 
+def is_own_temp_dir(path: Path) -> bool:
+    return bool(_TEMP_DIR.match(path.name)) and path.is_dir() and not path.is_symlink()
+
+
 TRASH_PREFIX = ".trash-"
+_TRASH_DIR = re.compile(re.escape(TRASH_PREFIX) + r".+-[0-9a-f]{8}\Z")
+
+
+def is_trash_dir(path: Path) -> bool:
+    """A directory ckptguard moved aside to delete (named by ``uncommit_to_trash``)."""
+    return bool(_TRASH_DIR.match(path.name)) and path.is_dir() and not path.is_symlink()
+
+
+def is_temp_file(path: Path, *, of: str) -> bool:
+    """A temporary file that ``atomic_write_bytes`` left for ``of`` (crashed before its rename)."""
+    return path.name.startswith(of) and bool(_TEMP_FILE.match(path.name[len(of) :])) and not path.is_symlink()
 
 
 def remove_step_dir(path: Path) -> None:
-    """Uncommit, then delete: the manifest goes first, so a crash midway leaves no
-    directory that still looks committed while old files pair with new ones. The
-    directory is then renamed into the trash, so a failed delete is retried by
-    ``empty_trash`` instead of leaving a step-named directory behind."""
+    """Uncommit, then delete: the directory is first renamed into the trash, so a crash or
+    a failed delete midway never leaves a step-named directory whose old files could pair
+    with new ones; ``empty_trash`` retries what is left."""
     shutil.rmtree(uncommit_to_trash(path))
 
 
 def uncommit_to_trash(path: Path) -> Path:
-    """Remove the manifest (the directory stops counting as committed), then move the
-    directory into the trash; returns the trash path, to delete when convenient."""
+    """Move a step directory into the trash (it stops counting as a step at once: discovery
+    matches exact step names), then remove its manifest; returns the trash path, to delete
+    when convenient."""
     if path.is_symlink():
         raise OSError(f"{path} is a symlink; ckptguard never deletes through links")
-    marker = path / MANIFEST_NAME
-    if marker.exists():
-        marker.unlink()
-        fsync_dir(path)
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
     os.rename(path, trash)
     fsync_dir(path.parent)
+    with contextlib.suppress(OSError):
+        write_owner(trash)  # who is deleting it; the name alone already marks it as ckptguard's
+    with contextlib.suppress(FileNotFoundError):
+        (trash / MANIFEST_NAME).unlink()
     return trash
 
 
@@ -207,8 +319,66 @@ def empty_trash(root: Path) -> list[Path]:
     """Retry deletes that failed earlier; returns what is still there."""
     left = []
     for path in root.glob(f"{TRASH_PREFIX}*"):
-        if path.is_dir() and not path.is_symlink():
+        if is_trash_dir(path):
             shutil.rmtree(path, ignore_errors=True)
             if path.exists():
                 left.append(path)
     return left
+
+
+# ---------------------------------------------------------------- crash leftovers
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """An entry a crash left in the root: what it is, and whether ``gc`` may remove it."""
+
+    path: Path
+    kind: str  # temp-dir, trash, temp-file, foreign
+    removable: bool
+    detail: str
+
+
+def _count_files(path: Path, *, limit: int = 100_000) -> str:
+    n = 0
+    for _dirpath, _dirs, files in os.walk(path, followlinks=False):
+        n += len(files)
+        if n >= limit:
+            return f"{limit}+ files"
+    return f"{n} files"
+
+
+def leftovers(root: Path, *, max_age_s: float, tmp_files: tuple[str, ...] = (TRACKER_NAME,)) -> list[Leftover]:
+    """Temp directories, trash and temp files under ``root``, each with what ``gc`` does with it."""
+    out: list[Leftover] = []
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return out
+    for entry in entries:
+        path = Path(entry.path)
+        if entry.name.startswith(TMP_PREFIX):
+            if not is_own_temp_dir(path):
+                out.append(Leftover(path, "foreign", False, "not created by ckptguard (no such temp name)"))
+                continue
+            state = owner_state(path, max_age_s=max_age_s)
+            who = describe_owner(path)
+            if state == "dead":
+                out.append(Leftover(path, "temp-dir", True, f"a save's temp directory whose owner ({who}) is dead"))
+            elif state == "alive":
+                out.append(
+                    Leftover(
+                        path,
+                        "temp-dir",
+                        False,
+                        f"a save's temp directory whose owner ({who}) is alive: a save in flight, or one that "
+                        "timed out and left it",
+                    )
+                )
+            else:
+                out.append(Leftover(path, "foreign", False, "not created by ckptguard (no owner record)"))
+        elif entry.name.startswith(TRASH_PREFIX) and is_trash_dir(path):
+            out.append(Leftover(path, "trash", True, f"a step being deleted ({_count_files(path)}), interrupted"))
+        elif any(is_temp_file(path, of=name) for name in tmp_files):
+            out.append(Leftover(path, "temp-file", True, "a temporary file of a write that crashed before its rename"))
+    return out

@@ -430,6 +430,7 @@ def _publish(
         tmp / _layout.MANIFEST_NAME, manifest, before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
     )
     _faults.reached("commit.before_rename")
+    _check_publish(ctx, step)
     final = ctx.root / ctx.naming.name(step)
     trash = None
     if final.exists():
@@ -447,6 +448,21 @@ def _publish(
         shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
 
 
+def _check_publish(ctx: Context, step: int) -> None:
+    """Right before the rename: this run still holds the lease, and no other writer moved the
+    tracker past this step since prepare, so a publish never moves the tracker backwards
+    (which would orphan a committed newer step) unless ``overwrite`` asked for a rollback."""
+    _lease.confirm(ctx.root, step=step)
+    tracker = _layout.read_tracker(ctx.root) or 0
+    taken = tracker == step and (ctx.root / ctx.naming.name(step)).exists()
+    if (tracker > step or taken) and not ctx.config.overwrite:
+        raise ConfigError(
+            f"save of step {step} under {ctx.root} is not published: the tracker moved to step {tracker} while "
+            "it was written (another writer on this root); publishing would move it back and orphan the newer "
+            "step. Stop the other writer; for a deliberate rollback set CheckpointConfig(overwrite=True)."
+        )
+
+
 def _publish_or_fail(
     ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport], items: dict
 ) -> Outcome:
@@ -458,6 +474,8 @@ def _publish_or_fail(
     try:
         _publish(ctx, step, tmp, prep, started, reports, {n: c.kind.value for n, c in items.items()})
     except Exception as exc:
+        if tmp.exists():  # refused or failed before the rename: nothing of it may linger
+            _discard(ctx, tmp)
         return Outcome([failure_from(exc, rank=0, phase="publish").to_json()], "publish")
     return Outcome()
 

@@ -2,25 +2,29 @@
 
 Contract: policies are pure functions of the committed steps found on disk, so a restart
 rebuilds the same decision (no in-memory list to lose). A directory is deleted only if it
-is committed (manifest, shard set and sizes check out), is not the tracker's target, not
-protected by the caller (the step being restored or written) and not held. Corrupt and
-orphan directories are never counted among the kept ones and are removed only by ``gc``.
-Deletion removes the manifest first, so a half-deleted directory never looks committed.
-A failed delete is reported and retried at the next run; it never raises into training.
+is committed (manifest, shard set and sizes check out, and the tracker covers it), is not
+the tracker's target, not protected by the caller (the step being restored or written)
+and not held; a hold file that cannot be read still holds its step. Without a tracker
+nothing is deleted. Corrupt and orphan directories are never counted among the kept ones
+and are never deleted here; one that cannot even be checked is one finding, never a
+failure of the whole rotation. Deletion renames the directory into the trash first, so
+a half-deleted directory never looks committed. A failed delete is reported and retried
+at the next run; it never raises into training.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import shutil
+import os
+import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from . import layout as _layout
 
 log = logging.getLogger("ckptguard")
@@ -101,20 +105,46 @@ def hold(root: Path, step: int, reason: str) -> Path:
 
 def release(root: Path, step: int) -> bool:
     path = root / HOLDS_DIR / f"{step}.json"
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return False
     path.unlink()
     return True
 
 
+_HOLD_NAME = re.compile(r"(\d+)\.json\Z")
+
+
 def holds(root: Path) -> dict[int, str]:
-    out = {}
-    for path in (root / HOLDS_DIR).glob("*.json"):
+    """Held steps and why. A hold file that cannot be read still holds the step its name
+    gives (``<step>.json``): a damaged hold must never free a step someone relies on."""
+    out: dict[int, str] = {}
+    try:
+        entries = sorted(os.scandir(root / HOLDS_DIR), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for entry in entries:
+        match = _HOLD_NAME.match(entry.name)
+        if match is None:
+            continue  # not a name ``hold`` writes (e.g. a temp file of a hold being written)
+        path = Path(entry.path)
+        step = int(match.group(1))
         try:
-            data = json.loads(path.read_text())
-            out[int(data["step"])] = str(data.get("reason", ""))
-        except (OSError, ValueError, KeyError):
-            log.warning("ckptguard: unreadable hold file %s is treated as holding nothing; fix or remove it", path)
+            data = _layout.read_small_json(path, limit=64 << 10)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            out[step] = str(data.get("reason", ""))
+            if data.get("step") != step:  # a hand-edited file: hold both steps it names
+                with contextlib.suppress(TypeError, ValueError):
+                    out.setdefault(int(data["step"]), out[step])
+        except (OSError, ValueError, KeyError) as exc:
+            why = str(exc).split(";")[0][:200]
+            out[step] = f"UNREADABLE hold file {path} ({why}): treated as held; fix or `ckptguard release` it"
+            log.warning(
+                "ckptguard: hold file %s is unreadable (%s); step %d stays held until it is fixed or released",
+                path,
+                why,
+                step,
+            )
     return out
 
 
@@ -137,10 +167,41 @@ def _is_committed(path: Path) -> str | None:
     return errors[0].line() if errors else None
 
 
+def check_step(path: Path) -> str | None:
+    """None if ``path`` is a complete checkpoint, else why not. Never raises: a step that
+    cannot even be checked (a link loop, an unreadable file) is one incomplete step."""
+    try:
+        return _is_committed(path)
+    except Exception as exc:  # one bad step must never stop rotation of the whole root
+        return f"could not be checked ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def orphan_hint(path: Path, tracker: int | None) -> str:
+    """What to do with a complete step the tracker does not cover."""
+    where = "there is no tracker" if tracker is None else f"newer than the tracker ({tracker})"
+    return (
+        f"a complete checkpoint, {where}: never deleted by rotation or plain gc. Resume from it with "
+        f"restore(path={str(path)!r}), point the tracker at it with `ckptguard adopt ROOT STEP`, or delete "
+        "it with `ckptguard gc ROOT --orphans`"
+    )
+
+
+INCOMPLETE_HINT = (
+    "inspect it with `ckptguard verify ROOT`; copy the missing files back (node-local storage keeps some on "
+    "other nodes), or delete it by hand if it cannot be repaired"
+)
+
+
 def apply(
     root: Path, naming: _layout.StepNaming, policy: RetentionPolicy, *, protect: Iterable[int] = ()
 ) -> RetentionReport:
-    tracker = _layout.read_tracker(root) or 0
+    """Delete the committed steps ``policy`` drops. Committed means complete and covered by
+    the tracker: without a tracker nothing is deleted, and a complete step newer than the
+    tracker is an orphan that is reported, never deleted (the tracker may be the stale one)."""
+    try:
+        tracker = _layout.read_tracker(root)
+    except CheckpointError as exc:
+        return RetentionReport([], [], {}, {_layout.TRACKER_NAME: f"{exc}; nothing is deleted until it is fixed"})
     for path in _layout.empty_trash(root):
         log.warning("ckptguard: %s could not be deleted yet; retried at the next save", path)
     committed: list[int] = []
@@ -150,15 +211,15 @@ def apply(
         if path.is_symlink():
             not_counted[path.name] = "a symlink; rotation never deletes through links"
             continue
-        if step > tracker:
-            not_counted[path.name] = f"orphan newer than the tracker ({tracker}); `ckptguard gc` removes it"
-            continue
-        why = _is_committed(path)
+        why = check_step(path)
         if why is not None:
-            not_counted[path.name] = f"not a complete checkpoint ({why}); `ckptguard gc` removes it"
+            not_counted[path.name] = f"not a complete checkpoint ({why}); {INCOMPLETE_HINT}"
+            continue
+        if tracker is None or step > tracker:
+            not_counted[path.name] = orphan_hint(path, tracker)
             continue
         committed.append(step)
-    keep = policy.keep(committed) | {tracker} | set(protect) | set(holds(root))
+    keep = policy.keep(committed) | set(protect) | set(holds(root)) | ({tracker} if tracker is not None else set())
     report = RetentionReport(
         kept=sorted(s for s in committed if s in keep), deleted=[], failed={}, not_counted=not_counted
     )
@@ -174,28 +235,3 @@ def apply(
                 "ckptguard: could not delete step %d at %s (%s); retried at the next save", step, dirs[step], exc
             )
     return report
-
-
-def gc(root: Path, naming: _layout.StepNaming, *, dry_run: bool = False, max_age_s: float = 24 * 3600.0) -> list[Path]:
-    """Remove what rotation never touches: orphans, uncommitted step dirs, dead temp dirs."""
-    tracker = _layout.read_tracker(root) or 0
-    victims = []
-    for step, path in sorted(_layout.step_dirs(root, naming).items()):
-        if path.is_symlink():
-            continue  # never delete through a link
-        if step > tracker or not (path / _layout.MANIFEST_NAME).exists():
-            victims.append(path)
-    victims += [
-        p
-        for p in sorted(root.glob(f"{_layout.TMP_PREFIX}*"))
-        if p.is_dir() and not p.is_symlink() and _layout.owner_is_dead(p, max_age_s=max_age_s)
-    ]
-    if not dry_run:
-        for path in victims:
-            if (path / _layout.MANIFEST_NAME).exists():
-                _layout.remove_step_dir(path)
-            else:
-                shutil.rmtree(path)
-        if victims:
-            _layout.fsync_dir(root)
-    return victims

@@ -280,6 +280,33 @@ def _launch(
     return code
 
 
+WORKDIR_MARKER = ".ckptguard-demo"
+
+
+def prepare_workdir(workdir: str | Path) -> Path:
+    """Create or empty the demo's working directory and mark it as the demo's.
+
+    The demo wipes its working directory at each run, so a non-empty directory without
+    the marker (``--workdir ~`` or ``.``) is refused, never wiped."""
+    import shutil
+
+    from ..errors import ConfigError
+
+    base = Path(workdir).absolute()
+    if base.is_symlink() or (base.exists() and not base.is_dir()):
+        raise ConfigError(f"demo --workdir {base}: not a directory (or a symlink); give a new or empty directory")
+    if base.exists() and any(base.iterdir()):
+        if not (base / WORKDIR_MARKER).is_file():
+            raise ConfigError(
+                f"demo --workdir {base}: the directory is not empty and was not created by `ckptguard demo` "
+                f"(no {WORKDIR_MARKER} in it); the demo wipes its working directory, so give it a new or empty one"
+            )
+        shutil.rmtree(base)
+    base.mkdir(parents=True, exist_ok=True)
+    (base / WORKDIR_MARKER).write_text("made by `ckptguard demo`; the next demo with this --workdir wipes it\n")
+    return base
+
+
 def run_demo(
     workdir: str,
     *,
@@ -290,14 +317,12 @@ def run_demo(
     derived_fix: bool = True,
     echo: Any = print,
 ) -> tuple[list[Any], Path]:
-    """Run, kill mid-save, resume, and return the proof gates and the checkpoint root."""
-    import shutil
+    """Run, kill mid-save, resume, and return the proof gates and the checkpoint root.
 
+    ``workdir`` is emptied first (see ``prepare_workdir``, which refuses a foreign one)."""
     from ..ops.prove import evaluate
 
-    base = Path(workdir).absolute()
-    shutil.rmtree(base, ignore_errors=True)
-    base.mkdir(parents=True)
+    base = prepare_workdir(workdir)
     root = base / "ckpt"
     common = {
         "world": world,

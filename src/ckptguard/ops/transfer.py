@@ -4,8 +4,10 @@ Contract: the copy follows the save's publish protocol: files go to a temp direc
 under the destination, each through a temp name, fsync and a checksum compared with the
 manifest, then renamed; the manifest is copied last; the directory is renamed; the
 destination's tracker is set only after all of that, so a transfer killed midway leaves
-no tracker pointing at it. The contract phases travel with it (chain identity), and a
-transfer record says what moved, from where, by whom and when.
+no tracker pointing at it, and running it again finishes it. The destination's write
+lease is held throughout: a live run there refuses the transfer. The contract phases
+travel with it (chain identity), and a transfer record says what moved, from where, by
+whom and when.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from .. import _faults
 from .._commit import layout as _layout
+from .._commit import lease as _lease
 from .._commit import manifest as _manifest
 from .._commit.checks import verify_step
 from .._commit.protocol import _copy_verified
@@ -31,33 +34,58 @@ from ..errors import CheckpointCorruptError, ConfigError
 TRANSFERS_DIR = "transfers"
 
 
-def transfer(step_dir: Path, dest_root: Path, *, record: Path | None = None) -> dict[str, Any]:
+def transfer(
+    step_dir: Path, dest_root: Path, *, record: Path | None = None, ttl_s: float = 6 * 3600.0
+) -> dict[str, Any]:
+    """Copy the committed ``step_dir`` into ``dest_root`` under the destination's lease.
+
+    A transfer killed after its rename and before the tracker left a complete copy: run
+    again, it checks that copy against the source's manifest and finishes (``resumed``)."""
     step_dir, dest_root = Path(step_dir).absolute(), Path(dest_root).absolute()
     findings = [f for f in verify_step(step_dir) if f.severity.value == "ERROR"]
     if findings:
         raise CheckpointCorruptError(f"transfer: {step_dir} is not a complete checkpoint: {findings[0].line()}")
     manifest = _manifest.read(step_dir)
     final = dest_root / step_dir.name
-    if final.exists():
-        raise ConfigError(f"transfer: {final} already exists; remove it or pick another destination root")
     dest_root.mkdir(parents=True, exist_ok=True)
-    _copy_contract(step_dir.parent, dest_root)
-    tmp = dest_root / _layout.temp_dir_name(step_dir.name, secrets.token_hex(6))
-    tmp.mkdir()
-    _layout.write_owner(tmp)
-    started = time.time()
+    # A live run writing the destination must not see its tracker or contract moved under it.
+    ours = _lease.is_mine(dest_root)  # this process already writes there: keep its lease afterwards
+    note = _lease.acquire(dest_root, ttl_s=ttl_s)
     try:
-        for entry in manifest.files:
-            (tmp / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
-            _copy_verified(step_dir / entry["path"], tmp / entry["path"], expect=entry["xxh3"])
-            _faults.reached("transfer.file_copied")
-        _copy_verified(step_dir / _layout.MANIFEST_NAME, tmp / _layout.MANIFEST_NAME)
-        (tmp / _layout.OWNER_NAME).unlink()
-        os.rename(tmp, final)
-        _layout.fsync_dir(dest_root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return _transfer_locked(step_dir, dest_root, final, manifest, record, note)
+    finally:
+        if not ours:
+            _lease.release(dest_root)
+
+
+def _same_copy(step_dir: Path, final: Path) -> bool:
+    """Whether ``final`` is a complete copy of ``step_dir`` (an interrupted transfer's)."""
+    if final.is_symlink() or not final.is_dir():
+        return False
+    try:
+        same = (final / _layout.MANIFEST_NAME).read_bytes() == (step_dir / _layout.MANIFEST_NAME).read_bytes()
+    except OSError:
+        return False
+    errors = [f for f in verify_step(final, deep=True) if f.severity.value == "ERROR"]
+    return same and not errors
+
+
+def _transfer_locked(
+    step_dir: Path, dest_root: Path, final: Path, manifest: Any, record: Path | None, note: str | None
+) -> dict[str, Any]:
+    started = time.time()
+    resumed = False
+    if final.exists() or final.is_symlink():
+        if not _same_copy(step_dir, final):
+            raise ConfigError(
+                f"transfer: {final} already exists and is not a complete copy of {step_dir}; remove it or pick "
+                "another destination root"
+            )
+        resumed = True  # killed between its rename and the tracker: only the tracker and record are left
+    _copy_contract(step_dir.parent, dest_root)
+    if not resumed:
+        _copy_files(step_dir, dest_root, final, manifest)
+    _faults.reached("transfer.before_tracker")
     current = _layout.read_tracker(dest_root) or 0
     if manifest.step >= current:
         _layout.write_tracker(dest_root, manifest.step)
@@ -70,12 +98,32 @@ def transfer(step_dir: Path, dest_root: Path, *, record: Path | None = None) -> 
         "started_unix": started,
         "finished_unix": time.time(),
         "tracker_set_to": max(manifest.step, current),
+        "resumed": resumed,
+        **({"lease": note} if note else {}),
     }
     rec_path = record or dest_root / TRANSFERS_DIR / f"{int(started)}-step{manifest.step}.json"
     rec_path.parent.mkdir(parents=True, exist_ok=True)
     _layout.atomic_write_json(rec_path, info)
     info["record"] = str(rec_path)
     return info
+
+
+def _copy_files(step_dir: Path, dest_root: Path, final: Path, manifest: Any) -> None:
+    tmp = dest_root / _layout.temp_dir_name(step_dir.name, secrets.token_hex(6))
+    tmp.mkdir()
+    _layout.write_owner(tmp)
+    try:
+        for entry in manifest.files:
+            (tmp / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
+            _copy_verified(step_dir / entry["path"], tmp / entry["path"], expect=entry["xxh3"])
+            _faults.reached("transfer.file_copied")
+        _copy_verified(step_dir / _layout.MANIFEST_NAME, tmp / _layout.MANIFEST_NAME)
+        (tmp / _layout.OWNER_NAME).unlink()
+        os.rename(tmp, final)
+        _layout.fsync_dir(dest_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _copy_contract(src_root: Path, dest_root: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from .._commit import checks as _checks
 from .._commit import layout as _layout
 from .._commit.checks import RESTORE_HINT, Finding, Severity, _err, cost, deep_bytes, safe_member, verify_step  # noqa: F401
 from ..errors import CheckpointError
@@ -38,7 +39,7 @@ def verify_root(
                     "something outside ckptguard removed it; restore(path=...) the step you trust",
                 )
             )
-        return [], findings
+        return [], findings + _checks.leftover_findings(root)
     checked = []
     for step, path in sorted(dirs.items()):
         if path.is_symlink():
@@ -58,7 +59,8 @@ def verify_root(
                     "orphan",
                     str(path),
                     f"is newer than the tracker ({tracker}): a save died between publish and tracker",
-                    "ignored for resume; `ckptguard gc` removes it",
+                    "ignored for resume: resume from it with restore(path=...), point the tracker at it with "
+                    "`ckptguard adopt ROOT STEP`, or delete it with `ckptguard gc ROOT --orphans`",
                 )
             )
             continue
@@ -73,16 +75,7 @@ def verify_root(
                 "restore the step directory, or restore(path=...) an older one",
             )
         )
-    for tmp in sorted(root.glob(f"{_layout.TMP_PREFIX}*")):
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                "temp-dir",
-                str(tmp),
-                "a save in flight or abandoned",
-                "swept by the next save once its owner is dead; `ckptguard gc` removes it now",
-            )
-        )
+    findings += _checks.leftover_findings(root)
     return checked, findings
 
 

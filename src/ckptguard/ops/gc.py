@@ -1,0 +1,162 @@
+"""Clean a checkpoint root of what crashes leave, without ever losing a checkpoint.
+
+Contract: ``gc`` acts only on a root it can identify (a tracker or contract phase files)
+and only on entries ckptguard created: its temp directories (named ``.tmp-<step>-<nonce>``
+with an owner record) once their owner is dead, its trash, the temp files of its atomic
+writes and stale lease take-over markers. A step directory with a complete checkpoint is
+never removed, whatever the tracker says; one newer than the tracker (or with no tracker)
+is reported with what to do, and removed only with ``orphans=True``. Anything else (a
+foreign directory, an incomplete step) is reported and left alone. It refuses while a
+live run holds the root's lease unless ``force``. ``adopt_step`` points the tracker at a
+verified orphan instead.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .._commit import layout as _layout
+from .._commit import lease as _lease
+from .._commit import manifest as _manifest
+from .._commit import retention as _retention
+from .._commit.checks import verify_step
+from .._resume import contract as _contract
+from ..errors import CheckpointCorruptError, ConfigError
+
+LEASE_TTL_S = 6 * 3600.0
+STALE_TEMP_AGE_S = 24 * 3600.0
+
+
+@dataclass
+class GcReport:
+    removed: list[tuple[Path, str]] = field(default_factory=list)  # (path, what it was)
+    kept: list[tuple[Path, str]] = field(default_factory=list)  # (path, why it stays and what to do)
+
+
+def identify(root: Path) -> None:
+    """Raise ConfigError unless ``root`` is a checkpoint root ckptguard wrote."""
+    tracker = root / _layout.TRACKER_NAME
+    if tracker.exists() or tracker.is_symlink() or _contract.phase_files(root):
+        return
+    raise ConfigError(
+        f"{root} is not a checkpoint root: it has neither a tracker ({_layout.TRACKER_NAME}) nor "
+        f"{_contract.CONTRACT_DIR}/phase_*.json files. gc acts only on roots ckptguard wrote, and removed "
+        "nothing; pass the directory the run saves to (the root given to CheckpointManager)."
+    )
+
+
+def _has_manifest(path: Path) -> bool:
+    try:
+        _manifest.read(path)
+    except Exception:  # any unreadable manifest: gc cannot tell this directory is ckptguard's
+        return False
+    return True
+
+
+def gc(
+    root: Path,
+    naming: _layout.StepNaming,
+    *,
+    dry_run: bool = False,
+    orphans: bool = False,
+    force: bool = False,
+    max_age_s: float = STALE_TEMP_AGE_S,
+    ttl_s: float = LEASE_TTL_S,
+) -> GcReport:
+    """Remove ckptguard's dead leftovers under ``root`` (and, with ``orphans``, the steps
+    newer than the tracker); report everything else it finds. Returns what it did."""
+    root = Path(root).absolute()
+    identify(root)
+    tracker = _layout.read_tracker(root)
+    if orphans and tracker is None:
+        raise ConfigError(
+            f"gc --orphans: {root} has no tracker, so every step would look like an orphan; point the "
+            "tracker at the step you trust with `ckptguard adopt ROOT STEP` first"
+        )
+    if not (force or dry_run):
+        _lease.check_idle(root, ttl_s=ttl_s)
+    report = GcReport()
+    victims: list[tuple[Path, str]] = []
+    steps: set[Path] = set()  # victims that are step directories: uncommitted through the trash
+    for step, path in sorted(_layout.step_dirs(root, naming).items()):
+        if path.is_symlink():
+            report.kept.append((path, "a symlink: never deleted through; replace it with the real directory"))
+            continue
+        if not _has_manifest(path):
+            report.kept.append(
+                (
+                    path,
+                    "not created by ckptguard, or no longer recognisable (no readable manifest.json): left "
+                    "alone; delete it by hand if you know it is a checkpoint's remains",
+                )
+            )
+            continue
+        why = _retention.check_step(path)
+        newer = tracker is None or step > tracker
+        if newer and orphans:
+            victims.append((path, f"orphan step {step}, newer than the tracker ({tracker}); --orphans"))
+            steps.add(path)
+        elif newer and why is None:
+            report.kept.append((path, _retention.orphan_hint(path, tracker)))
+        elif newer:
+            report.kept.append(
+                (path, f"incomplete ({why}), newer than the tracker; {_retention.INCOMPLETE_HINT}, or --orphans")
+            )
+        elif why is not None:
+            report.kept.append((path, f"incomplete ({why}); {_retention.INCOMPLETE_HINT}"))
+    for item in _layout.leftovers(root, max_age_s=max_age_s, tmp_files=(_layout.TRACKER_NAME, _lease.LEASE_NAME)):
+        if item.removable:
+            victims.append((item.path, item.detail))
+        elif item.kind == "foreign":
+            report.kept.append((item.path, f"{item.detail}: left alone"))
+        else:
+            report.kept.append((item.path, f"{item.detail}; gc removes it once that process has exited"))
+    for marker, dead in _lease.leftover_markers(root):
+        if dead:
+            victims.append((marker, "a lease take-over marker whose writer is dead"))
+    if dry_run:
+        report.removed = victims
+        return report
+    for path, what in victims:
+        if path in steps:
+            _layout.remove_step_dir(path)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+        report.removed.append((path, what))
+    if victims:
+        _layout.fsync_dir(root)
+    return report
+
+
+def adopt_step(root: Path, naming: _layout.StepNaming, step: int, *, ttl_s: float = LEASE_TTL_S) -> str:
+    """Point the tracker of ``root`` at ``step`` after verifying it with checksums: for a
+    complete orphan (a save that died before its tracker, or a root whose tracker was lost).
+    The tracker only moves forward; the root's lease is taken while it moves."""
+    root = Path(root).absolute()
+    identify(root)
+    path = root / naming.name(step)
+    if path.is_symlink() or not path.is_dir():
+        raise ConfigError(f"adopt: {path} is not a step directory (absent or a symlink)")
+    errors = [f for f in verify_step(path, deep=True) if f.severity.value == "ERROR" and f.code != "unexpected-file"]
+    if errors:
+        raise CheckpointCorruptError(
+            f"adopt: {path} is not a complete checkpoint, the tracker stays where it is: {errors[0].line()}"
+        )
+    _contract.check_chain(root, _manifest.read(path).chain_id, where=f"adopt of step {step}")
+    tracker = _layout.read_tracker(root)
+    if tracker is not None and step <= tracker:
+        raise ConfigError(
+            f"adopt: the tracker of {root} is at step {tracker}; moving it back to {step} would orphan the newer "
+            f"steps. To resume from step {step}, restore(path={str(path)!r}) instead"
+        )
+    _lease.acquire(root, ttl_s=ttl_s)
+    try:
+        _layout.write_tracker(root, step)
+    finally:
+        _lease.release(root)
+    was = "absent" if tracker is None else f"step {tracker}"
+    return f"the tracker of {root} now points at step {step} (was {was}); a restore resumes from it"
