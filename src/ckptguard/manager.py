@@ -32,7 +32,7 @@ from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.prooflog import ProofLog
 from .config import CheckpointConfig, ResumeMode
-from .errors import CheckpointError, ConfigError, error_payload
+from .errors import CheckpointError, ConfigError
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -137,15 +137,13 @@ class CheckpointManager:
         never writes); every rank raises alike. ``break_lease`` leaves it to the save."""
         if self.config.break_lease:
             return
-        out: dict[str, Any] = {}
-        if self.rank == 0 and self.root.is_dir():
-            try:
+
+        def decide(_: list[_Empty]) -> _Empty:
+            if self.root.is_dir():
                 _lease.check_free(self.root, ttl_s=self.config.lease_ttl_s)
-            except CheckpointError as exc:
-                out["error"] = error_payload(exc)
-        head = self._ctx.agreement.bcast(f"lease.{where}", out)
-        if head.get("error"):
-            raise _commit._rebuild(head["error"], self.rank)
+            return _Empty()
+
+        gather_decide(self._ctx.agreement, f"lease.{where}", _Empty(), decide, decision=_Empty)
 
     @property
     def rank(self) -> int:
