@@ -141,9 +141,9 @@ def test_grpo_killed_five_times_incl_mid_save_ends_bitwise_equal(tmp_path, grpo_
     # each relaunch resumed from the step before its kill, and said so in one line
     resumed = [next((ln for ln in r.stderr.splitlines() if "resume from step" in ln), None) for r in runs[1:]]
     assert [ln and int(ln.split("resume from step ")[1].split()[0]) for ln in resumed] == [2, 4, 6, 8, 12]
+    assert _differences(_result(cfg), grpo_reference) == []
     assert "restored the train sampler's generator (epoch_start) at step 12" in runs[-1].stderr
     assert "restored the train sampler's generator (now) at step 8" in runs[4].stderr
-    assert _differences(_result(cfg), grpo_reference) == []
     out = Path(json.loads(cfg.read_text())["out"])
     assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]  # swept, never picked
     print(f"6 launches, 5 kills: {elapsed:.1f} s")
