@@ -14,12 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import ckptguard as cg
+from ckptguard.integrations import hf as chf
+
 REPO = Path(__file__).resolve().parents[1]
 HF_PYTHON = Path(os.environ.get("CKPTGUARD_HF_PYTHON", REPO / ".venv-hf" / "bin" / "python"))
 JOB = REPO / "tests" / "hf_job.py"
 PINS = {"transformers": "5.23.0", "trl": "1.16.0"}
 
-pytestmark = pytest.mark.skipif(
+needs_hf = pytest.mark.skipif(
     not HF_PYTHON.exists(),
     reason=f"HF venv not found at {HF_PYTHON}: run `make hf-venv` (torch==2.13.0 CPU, "
     f"transformers=={PINS['transformers']}, trl=={PINS['trl']})",
@@ -124,6 +127,7 @@ def grpo_reference(tmp_path_factory):
     return res
 
 
+@needs_hf
 def test_grpo_killed_five_times_incl_mid_save_ends_bitwise_equal(tmp_path, grpo_reference):
     plan = [
         "storage.data_written@4",  # mid-save: ckptguard's part written, HF's folder not yet
@@ -157,6 +161,7 @@ def _hf_control(tmp_path: Path, name: str, plan: list[str]) -> tuple[Path, list[
     return cfg, runs
 
 
+@needs_hf
 def test_negative_control_hf_checkpoints_torn_folder_and_epoch2_divergence(tmp_path, grpo_reference):
     # 1. killed mid-save: HF leaves checkpoint-6 with weights and no trainer state, picks it, and crashes
     cfg, runs = _hf_control(tmp_path, "torn", ["hf:optimizer.pt@6"])
@@ -175,6 +180,7 @@ def test_negative_control_hf_checkpoints_torn_folder_and_epoch2_divergence(tmp_p
     print(f"HF's own resume at step 12 diverged in {len(diff)} leaves, e.g. {diff[:3]}")
 
 
+@needs_hf
 def test_flipped_byte_in_hf_optimizer_is_refused_naming_the_file(tmp_path):
     cfg = _config(tmp_path, "flip", trainer="grpo", mode="ckptguard", epochs=1, plan=["step@5"])
     runs = [_launch(cfg)]
@@ -188,6 +194,7 @@ def test_flipped_byte_in_hf_optimizer_is_refused_naming_the_file(tmp_path):
     assert "CheckpointCorruptError" in run.stderr and "checkpoint-4/hf/optimizer.pt of step 4" in run.stderr
 
 
+@needs_hf
 def test_ddp_two_processes_killed_mid_save_resume_exact(tmp_path):
     # 12 samples, 2 per process and step: 3 steps per epoch, 6 in all
     ref = _config(tmp_path, "ref", trainer="causal", mode="ckptguard", epochs=2, save_steps=3)
@@ -237,6 +244,7 @@ print("BOUNDARY" + json.dumps(out))
 """
 
 
+@needs_hf
 def test_boundary_with_pinned_transformers_and_trl(tmp_path):
     # HF's own reader never sees an in-flight step: its regex ignores '.tmp-checkpoint-N-*'
     root = tmp_path / "out"
@@ -256,3 +264,76 @@ def test_boundary_with_pinned_transformers_and_trl(tmp_path):
     assert out["repeat_sampler_generator"]
     assert out["finds"] == str(root / "checkpoint-4")
 
+
+
+def test_resume_mode_and_retention_mapping(tmp_path):
+    assert chf.resume_args("auto") == {"mode": cg.ResumeMode.AUTO, "path": None}
+    assert chf.resume_args(None)["mode"] is cg.ResumeMode.AUTO
+    assert chf.resume_args(True)["mode"] is cg.ResumeMode.MUST  # HF: resume_from_checkpoint=True must find one
+    assert chf.resume_args("must")["mode"] is cg.ResumeMode.MUST
+    assert chf.resume_args("never")["mode"] is cg.ResumeMode.NEVER
+    assert chf.resume_args("out/checkpoint-8/hf", cwd=tmp_path)["path"] == tmp_path / "out" / "checkpoint-8"
+    assert chf.resume_args(tmp_path / "checkpoint-8")["path"] == tmp_path / "checkpoint-8"
+    with pytest.raises(cg.ConfigError, match="'auto', 'must', 'never' or a step directory"):
+        chf.resume_args(3)
+
+    class Args:
+        save_total_limit = 2
+
+    cfg = chf.checkpoint_config(Args(), timeout_s=5)
+    assert cfg.retention == cg.KeepLast(2) and cfg.dir_template == "checkpoint-{step}" and cfg.timeout_s == 5
+    Args.save_total_limit = None
+    assert chf.checkpoint_config(Args()).retention is None  # HF: None keeps every checkpoint
+    Args.save_total_limit = 0
+    assert chf.checkpoint_config(Args()).retention is None  # HF: <= 0 deletes nothing
+    Args.save_total_limit = "3"
+    with pytest.raises(cg.ConfigError, match="save_total_limit"):
+        chf.checkpoint_config(Args())
+
+
+_MODES = r"""
+import json, logging, os, sys, warnings
+warnings.filterwarnings("ignore")
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+logging.getLogger("transformers").setLevel(logging.WARNING)
+sys.path.insert(0, os.environ["TESTS"])
+import ckptguard as cg
+import hf_job  # the same tiny causal-LM job, configured by sys.argv[1]
+from ckptguard.integrations.hf import attach
+
+def attempt(fn):
+    try:
+        return fn()
+    except cg.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+def best():
+    t = hf_job._causal()
+    t.args.load_best_model_at_end = True
+    return t.train()
+
+out = {
+    "must_empty": attempt(lambda: hf_job._causal().train(resume_from_checkpoint=True)),
+    "best": attempt(best),
+    "fresh": attempt(lambda: hf_job._causal().train().global_step),
+    "again": attempt(lambda: hf_job._causal().train().global_step),
+    "twice": attempt(lambda: attach(hf_job._causal())),
+}
+print("MODES" + json.dumps(out))
+"""
+
+
+@needs_hf
+def test_attach_resume_modes_and_refusals_on_real_trainer(tmp_path):
+    cfg = _config(tmp_path, "modes", trainer="causal", mode="ckptguard", epochs=1, save_steps=3)
+    proc = subprocess.run([str(HF_PYTHON), "-c", _MODES, str(cfg)], capture_output=True, text=True,
+                          env=_env({"TESTS": str(REPO / "tests")}), timeout=120, cwd=cfg.parent)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("MODES")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(line[len("MODES"):])
+    assert out["must_empty"].startswith("ResumeError:") and "MUST" in out["must_empty"], out
+    assert "no tracker and no checkpoint" in out["must_empty"]
+    assert out["best"].startswith("ConfigError:") and "load_best_model_at_end" in out["best"]
+    assert out["fresh"] == 6  # 12 samples, 2 per step, one epoch
+    assert out["again"] == 6 and "resume from step 6" in proc.stderr  # resumed at the end: nothing left to train
+    assert out["twice"].startswith("ConfigError:") and "attach it once" in out["twice"]
