@@ -11,7 +11,8 @@
   line per kill done, so a relaunch arms the next one. ``WHERE`` is a ckptguard fault point
   (``commit.before_rename``...), ``hf:FILE`` (while HF's torch.save is about to write FILE of
   that step's folder) or ``step`` (at the end of that optimizer step, between saves).
-- ``epochs``, ``save_steps``, ``save_total_limit``, ``resume_mode`` (ckptguard mode only)
+- ``epochs``, ``save_steps``, ``save_total_limit``, ``resume_mode`` (ckptguard mode only),
+  ``rng_consumer`` (the save draws a random number between ckptguard's RNG capture and HF's)
 """
 
 from __future__ import annotations
@@ -181,6 +182,16 @@ def main() -> None:
             _maybe_kill("step")
 
     trainer.add_callback(KillAtStep())
+    if CFG.get("rng_consumer"):
+        # a save_model override that draws a random number: HF's rng_state.pth is then taken
+        # later than ckptguard's copy, and the resume must say so instead of continuing
+        real_save_model = trainer.save_model
+
+        def save_model(*args, **kwargs):
+            torch.rand(1)
+            return real_save_model(*args, **kwargs)
+
+        trainer.save_model = save_model
     _arm()
     if CFG["mode"] == "hf":
         from transformers.trainer_utils import get_last_checkpoint

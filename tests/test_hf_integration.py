@@ -195,6 +195,16 @@ def test_flipped_byte_in_hf_optimizer_is_refused_naming_the_file(tmp_path):
 
 
 @needs_hf
+def test_hf_rng_file_taken_at_another_moment_is_refused(tmp_path):
+    cfg = _config(tmp_path, "rng", trainer="grpo", mode="ckptguard", epochs=1, plan=["step@5"], rng_consumer=True)
+    runs = [_launch(cfg), _launch(cfg)]
+    assert runs[0].returncode == -9, runs[0].stderr[-2000:]
+    assert runs[1].returncode != 0
+    assert "StateMismatchError" in runs[1].stderr and "checkpoint-4/hf/rng_state.pth" in runs[1].stderr
+    assert "differs from ckptguard's copy of step 4" in runs[1].stderr
+
+
+@needs_hf
 def test_ddp_two_processes_killed_mid_save_resume_exact(tmp_path):
     # 12 samples, 2 per process and step: 3 steps per epoch, 6 in all
     ref = _config(tmp_path, "ref", trainer="causal", mode="ckptguard", epochs=2, save_steps=3)
