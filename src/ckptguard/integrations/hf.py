@@ -24,7 +24,7 @@ and reads every file of its checkpoint folder; what changes:
   the current epoch's iteration began and as it is now, so a resume inside epoch 2 replays epoch
   2's order, not epoch 1's; TRL's micro-step counter (``_step``); every rank's four RNG streams.
   HF's ``rng_state*.pth`` is compared with ckptguard's copy when HF loads it (a difference raises
-  ``StateMismatchError`` naming the file); where HF has no RNG file, ckptguard's copy is applied.
+  ``StateMismatchError`` naming the file).
 - retention: ``save_total_limit`` is ``KeepLast(save_total_limit)`` applied after the commit from
   the steps on disk; the step just committed and the step restored from are never deleted. HF's
   own rotation only ever sees the staging folder.
@@ -191,10 +191,7 @@ class CkptguardHFMixin:
             return
         name = "rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"
         hf_file = Path(checkpoint) / name
-        if not hf_file.is_file():
-            # HF leaves the streams as they are; the resume is still exact with ckptguard's copy.
-            _rng.restore(copy, where=f"HF resume from {checkpoint}, rank {self.args.process_index}")
-            log.info("ckptguard: %s has no %s; applied ckptguard's RNG streams instead", checkpoint, name)
+        if not hf_file.is_file():  # save_only_model: HF saved no RNG and says so in its own log
             return
         if _streams(_rng.capture()) != _streams(copy):
             raise StateMismatchError(
