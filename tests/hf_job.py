@@ -12,7 +12,7 @@
   (``commit.before_rename``...), ``hf:FILE`` (while HF's torch.save is about to write FILE of
   that step's folder) or ``step`` (at the end of that optimizer step, between saves).
 - ``epochs``, ``save_steps``, ``save_total_limit``, ``resume_mode`` (ckptguard mode only),
-  ``rng_consumer`` (the save draws a random number between ckptguard's RNG capture and HF's)
+  ``num_iterations`` (GRPO), ``rng_consumer`` (the save draws a random number between ckptguard's RNG capture and HF's)
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def _grpo():
         # varies within a group, so most steps have a non-zero advantage and a real update
         return [float(len(c.split()) + 2 * c.count("w3")) for c in completions]
 
-    args = GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=6, **_common_args())
+    args = GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                      num_iterations=CFG.get("num_iterations", 1), **_common_args())
     kw = dict(model=_model(len(tokenizer)), reward_funcs=reward, args=args,
               train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
     if CFG["mode"] == "hf":

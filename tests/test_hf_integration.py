@@ -195,6 +195,18 @@ def test_flipped_byte_in_hf_optimizer_is_refused_naming_the_file(tmp_path):
 
 
 @needs_hf
+def test_grpo_resumed_inside_a_generation_block_is_exact(tmp_path):
+    # num_iterations=2: each generation trains two steps; a save at step 3 falls between them
+    ref = _config(tmp_path, "ref", trainer="grpo", mode="ckptguard", epochs=1, save_steps=3, num_iterations=2)
+    _until_done(ref, max_launches=1)
+    cfg = _config(tmp_path, "killed", trainer="grpo", mode="ckptguard", epochs=1, save_steps=3, num_iterations=2,
+                  plan=["step@5"])
+    runs = _until_done(cfg)
+    assert [r.returncode for r in runs] == [-9, 0] and "resume from step 3" in runs[1].stderr
+    assert _differences(_result(cfg), _result(ref)) == []
+
+
+@needs_hf
 def test_hf_rng_file_taken_at_another_moment_is_refused(tmp_path):
     cfg = _config(tmp_path, "rng", trainer="grpo", mode="ckptguard", epochs=1, plan=["step@5"], rng_consumer=True)
     runs = [_launch(cfg), _launch(cfg)]

@@ -22,7 +22,8 @@ and reads every file of its checkpoint folder; what changes:
 - what HF does not save is saved by ckptguard: the train sampler's ``generator`` (TRL's
   ``RepeatSampler``, any sampler exposing a ``torch.Generator`` as ``.generator``), as it was when
   the current epoch's iteration began and as it is now, so a resume inside epoch 2 replays epoch
-  2's order, not epoch 1's; TRL's micro-step counter (``_step``); every rank's four RNG streams.
+  2's order, not epoch 1's; TRL's micro-step counter (``_step``) and, when the step is inside a
+  generation block, the completions TRL buffered for the next steps; every rank's RNG streams.
   HF's ``rng_state*.pth`` is compared with ckptguard's copy when HF loads it (a difference raises
   ``StateMismatchError`` naming the file).
 - retention: ``save_total_limit`` is ``KeepLast(save_total_limit)`` applied after the commit from
@@ -166,6 +167,7 @@ class CkptguardHFMixin:
             hf_dir = str(mgr.resolve(**args).path / HF_SUBDIR)
             if "trl_step" in saved and hasattr(self, "_step"):
                 self._step = int(saved["trl_step"])
+                self._buffered_inputs = saved.get("trl_buffered_inputs")
         return super().train(
             resume_from_checkpoint=hf_dir, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
         )
@@ -282,6 +284,12 @@ class CkptguardHFMixin:
             values["sampler_generator"] = {"epoch_start": self._ckptguard_epoch_start, "now": now}
         if hasattr(self, "_step"):  # TRL's micro-step counter (GRPO, RLOO)
             values["trl_step"] = int(self._step)
+            # Inside a generation block (num_iterations > 1, or steps_per_generation > gradient
+            # accumulation) the next steps train on completions TRL generated earlier and keeps in
+            # memory; without them a resume would generate new ones.
+            every = int(getattr(self.args, "steps_per_generation", 1) or 1) * int(getattr(self, "num_iterations", 1))
+            if getattr(self, "_buffered_inputs", None) is not None and self._step % every:
+                values["trl_buffered_inputs"] = self._buffered_inputs
         return values
 
     def _ckptguard_epoch_begin(self, dataloader: Any) -> None:
