@@ -8,8 +8,11 @@ STAMP := $(VENV)/.installed
 # verl pins clash with ours: it gets its own venv, for the boundary test only.
 VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
+# transformers/TRL pins: their own venv too, for the HF/TRL integration tests.
+HF_VENV := .venv-hf
+HF_STAMP := $(HF_VENV)/.installed
 
-.PHONY: demo test lint venv verl-venv clean
+.PHONY: demo test lint venv verl-venv hf-venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +34,17 @@ $(VERL_STAMP): Makefile
 
 verl-venv: $(VERL_STAMP)
 
+$(HF_STAMP): Makefile pyproject.toml
+	test -x $(HF_VENV)/bin/python || $(PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(HF_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(HF_VENV)/bin/python -m pip install --quiet transformers==5.23.0 trl==1.16.0
+	$(HF_VENV)/bin/python -m pip install --quiet -e .
+	$(HF_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(HF_STAMP)
+
+hf-venv: $(HF_STAMP)
+
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -38,6 +52,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	-@$(MAKE) --no-print-directory verl-venv || echo "verl not installable: the verl boundary test will be skipped"
+	-@$(MAKE) --no-print-directory hf-venv || echo "transformers/trl not installable: the HF/TRL tests will be skipped"
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium not installable: the browser test of the memory report will be skipped"
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
@@ -47,4 +62,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VERL_VENV) $(HF_VENV) build *.egg-info src/*.egg-info

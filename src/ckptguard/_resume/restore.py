@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,7 @@ def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[s
     where = f"restore of step {manifest.step} from {res.path}"
     _contract.check_chain(ctx.root, manifest.chain_id, where=where)
     _contract.check(ctx.root, ctx.config.contract, where=where)
+    _check_external_files(ctx, manifest)
     extras_path = res.path / _layout.extras_name(_source_rank(ctx, manifest))
     try:
         return manifest, torch.load(extras_path, weights_only=True, map_location="cpu")
@@ -346,6 +348,46 @@ def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[s
             f"{extras_path} (rank {ctx.rank}) does not load with torch.load(weights_only=True): {exc}. "
             "It was not written by ckptguard or was changed; do not load it unsafely: restore an earlier step."
         ) from None
+
+
+def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
+    """Size and xxh3 of every file the manifest lists outside ``state/`` and the extras (a
+    framework's own files, committed through ``ExternalFiles``), before the caller hands the
+    directory to that framework: a changed byte in HF's ``optimizer.pt`` would otherwise load
+    silently. The ranks split the files (shared storage); a failure reaches every rank through
+    the precheck agreement, naming the file."""
+    step_dir = manifest.path.parent
+    ours = {_layout.extras_name(r) for r in range(manifest.world_size)}
+    files = sorted(
+        (f for f in manifest.files if not f["path"].startswith(_layout.STATE_DIR + "/") and f["path"] not in ours),
+        key=lambda f: (-int(f["size"]), f["path"]),
+    )
+    mine = files[ctx.rank :: ctx.world]
+    if not mine:
+        return
+    from .._commit.checks import safe_member
+    from .digest import file_digest
+
+    started = time.monotonic()
+    for f in mine:
+        path = safe_member(step_dir, f["path"])
+        where = f"external file {path or f['path']} of step {manifest.step} (checked on rank {ctx.rank})"
+        if path is None or not path.is_file():
+            raise CheckpointIncompleteError(
+                f"{where} is listed in the manifest but {'leaves the step directory' if path is None else 'absent'}; "
+                "restore an earlier step (restore(path=...)) or copy the file back, then run `ckptguard verify`"
+            )
+        size, xxh3 = file_digest(str(path))
+        if size != f["size"] or xxh3 != f["xxh3"]:
+            raise CheckpointCorruptError(
+                f"{where} has {size} bytes and xxh3 {xxh3}, the manifest says {f['size']} bytes and xxh3 "
+                f"{f['xxh3']}: it changed after the commit and is not handed to the framework. Restore an earlier "
+                "step (restore(path=...)) or copy the file back from where it was written"
+            )
+    log.info(
+        "ckptguard: rank %d checked %d external files of step %d (%d bytes) in %.2f s",
+        ctx.rank, len(mine), manifest.step, sum(int(f["size"]) for f in mine), time.monotonic() - started,
+    )
 
 
 def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:

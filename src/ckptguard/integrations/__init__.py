@@ -1,8 +1,8 @@
-"""Adapters for where RL users run: ranks as Ray actors, and verl- or OpenRLHF-style trainers.
+"""Adapters for where post-training users run: HF/TRL trainers, Ray actors, verl and OpenRLHF.
 
 Contract: every adapter here is a thin layer over the public ``CheckpointManager``; none
 changes the on-disk format or the commit protocol. Importing this package imports no
-optional dependency: ``ray``, ``verl`` and ``deepspeed`` are imported only by the functions
+optional dependency: ``ray``, ``verl``, ``transformers`` and ``deepspeed`` are imported only by the functions
 that need them, and a missing one raises ``ConfigError`` naming the package to install.
 
 - ``ckptguard.integrations.ray``: rank 0's actor opens a rendezvous, every actor joins a gloo
@@ -12,6 +12,9 @@ that need them, and a missing one raises ``ConfigError`` naming the package to i
   the manifest.
 - ``ckptguard.integrations.verl``: a mixin replacing ``RayPPOTrainer._save_checkpoint`` and
   ``_load_checkpoint``, honouring verl's ``trainer.*`` checkpoint options.
+- ``ckptguard.integrations.hf``: a mixin (or ``attach``) for ``transformers.Trainer`` and TRL
+  trainers: each HF save one commit with HF's folder inside the step, exact resume through HF's
+  own loader plus what HF does not save (the sampler's generator, RNG streams).
 - ``ckptguard.integrations.openrlhf``: the same for ``DeepspeedStrategy.save_ckpt``/``load_ckpt``
   and the ``--ckpt.*`` flags.
 """

@@ -7,6 +7,10 @@ the manifest lists and checksums them. They are published by the same rename as 
 the step, and a failing writer fails the save on every rank, with the tracker unmoved. A
 writer must write only below the directory it is given.
 
+A writer may return a callable: once every rank's writers are done, rank 0 calls it before
+listing the files. Frameworks whose ranks all write into one staging folder of their own
+naming (HF's ``checkpoint-N``) use it to move that folder into place in one rename.
+
 Under a process group the writers run on every rank (verl's and DeepSpeed's own saves are
 collective), then the ranks meet at a barrier and rank 0 alone lists the files: each file is
 then listed once, whoever wrote it. ``read`` delegates to ``inner``; loading the external
@@ -30,8 +34,8 @@ from ..storage.base import Storage, StorageContext, WrittenFile
 
 __all__ = ["ExternalFiles", "Writer"]
 
-Writer = Callable[[Path], None]
-"""Called with the directory to write into (it exists and is empty)."""
+Writer = Callable[[Path], Callable[[], None] | None]
+"""Called with the directory to write into (it exists and is empty); may return a finisher."""
 
 
 class ExternalFiles:
@@ -51,16 +55,21 @@ class ExternalFiles:
     def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
         files = self.inner.write(state_dir, tensors, ctx)
         step_dir = state_dir.parent
+        finishers = []
         for name, writer in self.writers.items():
             target = step_dir / name
             target.mkdir(exist_ok=True)
-            writer(target)
+            done = writer(target)
+            if callable(done):
+                finishers.append(done)
         if ctx.process_group is not None:
             # Every rank's writer must be done before rank 0 lists the shared directories.
             dist.monitored_barrier(
                 ctx.process_group, timeout=_dt.timedelta(seconds=self.barrier_timeout_s), wait_all_ranks=True
             )
         if ctx.rank == 0:
+            for finish in finishers:
+                finish()
             files += [self._entry(step_dir, path) for name in self.writers for path in _walk(step_dir / name)]
         return files
 

@@ -1,0 +1,336 @@
+"""Hugging Face ``Trainer`` and TRL trainers: every save one ckptguard commit, every resume exact.
+
+Contract: ``CkptguardHFMixin`` goes before the trainer class in the bases
+(``class MyTrainer(CkptguardHFMixin, GRPOTrainer)``), or ``attach(trainer)`` converts a trainer
+already built; pinned and checked: transformers 5.23.0, trl 1.16.0. HF's own code still writes
+and reads every file of its checkpoint folder; what changes:
+
+- layout: ``output_dir/checkpoint-{N}/`` is a ckptguard step (``manifest.json``, ``state/``, one
+  extras file per rank) and HF's folder for step N is ``checkpoint-{N}/hf/``, exactly what HF
+  would have put in ``checkpoint-{N}/``. The tracker is ``latest_checkpointed_iteration.txt``.
+- saving: each HF save (``save_steps``, ``save_strategy``, the final save) is one commit. HF's
+  ``_save_checkpoint`` runs on every rank into a staging folder inside the in-flight
+  ``.tmp-checkpoint-{N}-*`` directory; once every rank is done, rank 0 renames it to ``hf/``; the
+  manifest checksums every file; one rename publishes the step and the tracker moves last. A
+  kill leaves the previous step as the resume target, and ``get_last_checkpoint`` never sees a
+  torn folder (in-flight directories start with a dot).
+- resuming: ``train()`` resolves the step with ckptguard (``resume_mode`` ``"auto"``, ``"must"``,
+  ``"never"`` or a step directory; ``train(resume_from_checkpoint=True)`` is ``"must"``, a path is
+  that step), logs the one resume line, then hands ``checkpoint-{N}/hf`` to HF's own resume, so
+  everything HF restores (weights, optimizer, scheduler, scaler, trainer state, callbacks, its
+  RNG files) is restored by HF. Before that, every external file's size and xxh3 are checked.
+- what HF does not save is saved by ckptguard: the train sampler's ``generator`` (TRL's
+  ``RepeatSampler``, any sampler exposing a ``torch.Generator`` as ``.generator``), as it was when
+  the current epoch's iteration began and as it is now, so a resume inside epoch 2 replays epoch
+  2's order, not epoch 1's; TRL's micro-step counter (``_step``) and, when the step is inside a
+  generation block, the completions TRL buffered for the next steps; every rank's RNG streams.
+  HF's ``rng_state*.pth`` is compared with ckptguard's copy when HF loads it (a difference raises
+  ``StateMismatchError`` naming the file).
+- retention: ``save_total_limit`` is ``KeepLast(save_total_limit)`` applied after the commit from
+  the steps on disk; the step just committed and the step restored from are never deleted. HF's
+  own rotation only ever sees the staging folder.
+- refused (``ConfigError``): hyperparameter search, ``load_best_model_at_end`` /
+  ``metric_for_best_model`` (HF's best-checkpoint bookkeeping points into its folders, not ours),
+  ``push_to_hub``, DeepSpeed and FSDP (their saves are not covered yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _rng
+from .._digest import digest
+from .._state import PerRank
+from ..config import CheckpointConfig, ResumeMode
+from ..errors import ConfigError, StateMismatchError
+from ..fastio import StreamingStorage
+from ..manager import CheckpointManager
+from ..retention import KeepLast
+from .external import ExternalFiles
+
+__all__ = [
+    "DIR_TEMPLATE",
+    "HF_SUBDIR",
+    "CkptguardHFMixin",
+    "attach",
+    "checkpoint_config",
+    "resume_args",
+    "trainer_class",
+]
+
+log = logging.getLogger("ckptguard")
+
+DIR_TEMPLATE = "checkpoint-{step}"
+HF_SUBDIR = "hf"
+STATE_ITEM = "hf_trainer"
+_STAGING = "hf.staging"
+_MODES = {"auto": ResumeMode.AUTO, "must": ResumeMode.MUST, "never": ResumeMode.NEVER}
+_RNG_STREAMS = ("cpu", "python", "numpy")
+
+
+def resume_args(spec: Any, cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """A ``resume_mode`` (``"auto"``, ``"must"``, ``"never"``, a ``ResumeMode`` or a step directory,
+    relative to ``cwd``) as ``restore(mode=..., path=...)`` arguments. A path to the ``hf/`` folder
+    inside a step means that step."""
+    if isinstance(spec, ResumeMode):
+        return {"mode": spec, "path": None}
+    if spec is None or spec is True or isinstance(spec, bool):
+        return {"mode": ResumeMode.MUST if spec is True else ResumeMode.AUTO, "path": None}
+    if isinstance(spec, str) and spec in _MODES:
+        return {"mode": _MODES[spec], "path": None}
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ConfigError(
+            f"resume_mode={spec!r}: give 'auto', 'must', 'never' or a step directory such as output/checkpoint-120"
+        )
+    path = Path(spec)
+    if path.name == HF_SUBDIR:
+        path = path.parent
+    return {"mode": ResumeMode.AUTO, "path": path if path.is_absolute() else Path(cwd or os.getcwd()) / path}
+
+
+def checkpoint_config(args: Any, **overrides: Any) -> CheckpointConfig:
+    """``TrainingArguments`` as a ``CheckpointConfig``: HF's directory names, ``save_total_limit``."""
+    limit = getattr(args, "save_total_limit", None)
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+        raise ConfigError(f"TrainingArguments.save_total_limit={limit!r}: give an int, or None to keep every step")
+    # HF: "No deletion if None or <= 0"
+    retention = KeepLast(limit) if limit and limit > 0 else None
+    kwargs: dict[str, Any] = {"dir_template": DIR_TEMPLATE, "retention": retention}
+    kwargs.update(overrides)
+    return CheckpointConfig(**kwargs)
+
+
+def _generator_sampler(dataloader: Any) -> Any:
+    """The sampler under an (accelerate-wrapped) DataLoader that owns a ``torch.Generator``."""
+    from torch.utils.data import DataLoader
+
+    todo, seen = [dataloader], set()
+    while todo:
+        obj = todo.pop(0)
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if not isinstance(obj, DataLoader) and isinstance(getattr(obj, "generator", None), torch.Generator):
+            return obj
+        todo += [getattr(obj, name, None) for name in ("batch_sampler", "sampler")]
+    return None
+
+
+def _streams(captured: dict[str, Any]) -> str:
+    return digest({k: captured[k] for k in _RNG_STREAMS})
+
+
+class CkptguardHFMixin:
+    """Commits HF's checkpoints with ckptguard and resumes them exactly; put it first in the bases.
+
+    ``ckptguard_resume_mode`` (class attribute or constructor keyword): ``"auto"`` (default: the
+    tracker's step, a declared fresh start when there is none), ``"must"``, ``"never"``, or a step
+    directory. ``ckptguard_config_overrides``: ``CheckpointConfig`` fields (``timeout_s``,
+    ``contract``, ...) applied on top of what ``TrainingArguments`` imply. The checkpoint root is
+    ``args.output_dir``.
+    """
+
+    ckptguard_resume_mode: Any = "auto"
+    ckptguard_config_overrides: dict[str, Any] = {}
+
+    def __init__(
+        self,
+        *args: Any,
+        ckptguard_resume_mode: Any = None,
+        ckptguard_config_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._ckptguard_setup(ckptguard_resume_mode, ckptguard_config_overrides)
+
+    # ------------------------------------------------------------ HF's methods
+
+    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None,
+              **kwargs: Any) -> Any:
+        self._ckptguard_check_supported(trial)
+        spec = self.ckptguard_resume_mode if resume_from_checkpoint in (None, False) else resume_from_checkpoint
+        args = resume_args(spec)
+        mgr = self._ckptguard_manager()
+        state = {STATE_ITEM: PerRank({})}
+        step = mgr.restore(state, **args)
+        hf_dir = None
+        self._ckptguard_restored, self._ckptguard_rng = None, None
+        if step:
+            saved = dict(state[STATE_ITEM].value)
+            self._ckptguard_restored = saved
+            self._ckptguard_rng = _rng.capture()  # the streams restore just verified: ckptguard's copy
+            hf_dir = str(mgr.resolve(**args).path / HF_SUBDIR)
+            if "trl_step" in saved and hasattr(self, "_step"):
+                self._step = int(saved["trl_step"])
+                self._buffered_inputs = saved.get("trl_buffered_inputs")
+        return super().train(
+            resume_from_checkpoint=hf_dir, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+        )
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        step = int(self.state.global_step)
+        self._ckptguard_saving = (model, trial)
+        try:  # the manager logs the commit
+            self._ckptguard_manager().save(step, {STATE_ITEM: PerRank(self._ckptguard_values(step))})
+        finally:
+            self._ckptguard_saving = None
+
+    def _get_output_dir(self, trial: Any) -> str:
+        # While ckptguard commits a step, HF's run directory is the staging folder inside it.
+        if self._ckptguard_run_dir is not None:
+            return self._ckptguard_run_dir
+        return super()._get_output_dir(trial)
+
+    def _load_rng_state(self, checkpoint: Any) -> None:
+        super()._load_rng_state(checkpoint)
+        copy, self._ckptguard_rng = self._ckptguard_rng, None
+        if copy is None or checkpoint is None:
+            return
+        name = "rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"
+        hf_file = Path(checkpoint) / name
+        if not hf_file.is_file():  # save_only_model: HF saved no RNG and says so in its own log
+            return
+        if _streams(_rng.capture()) != _streams(copy):
+            raise StateMismatchError(
+                f"{hf_file}: HF's RNG state (rank {self.args.process_index}) differs from ckptguard's copy of step "
+                f"{self.state.global_step}; the two were taken at different moments of the save (something consumed "
+                "random numbers in between, e.g. a callback or a _save_checkpoint override). Resume cannot be exact: "
+                "remove that consumer, or restore an earlier step"
+            )
+
+    # ------------------------------------------------------------ pieces
+
+    def _ckptguard_setup(self, resume_mode: Any, overrides: dict[str, Any] | None) -> None:
+        try:
+            from transformers import TrainerCallback
+        except ImportError as exc:
+            raise ConfigError("ckptguard.integrations.hf needs transformers: pip install transformers") from exc
+        if resume_mode is not None:
+            resume_args(resume_mode)  # refused now, not at train()
+            self.ckptguard_resume_mode = resume_mode
+        if overrides is not None:
+            self.ckptguard_config_overrides = dict(overrides)
+        self._ckptguard_mgr: CheckpointManager | None = None
+        self._ckptguard_run_dir: str | None = None
+        self._ckptguard_saving: tuple[Any, Any] | None = None
+        self._ckptguard_sampler: Any = None
+        self._ckptguard_epoch_start: torch.Tensor | None = None
+        self._ckptguard_restored: dict[str, Any] | None = None
+        self._ckptguard_rng: dict[str, Any] | None = None
+        trainer = self
+
+        class CkptguardEpochCallback(TrainerCallback):
+            def on_epoch_begin(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kw: Any):
+                trainer._ckptguard_epoch_begin(train_dataloader)
+
+        self.add_callback(CkptguardEpochCallback())
+
+    def _ckptguard_check_supported(self, trial: Any) -> None:
+        a = self.args
+        if trial is not None or getattr(self, "hp_search_backend", None) is not None:
+            raise ConfigError("ckptguard's HF mixin does not cover hyperparameter search: run each trial as a job")
+        if a.load_best_model_at_end or a.metric_for_best_model is not None:
+            raise ConfigError(
+                "TrainingArguments.load_best_model_at_end / metric_for_best_model: HF's best-checkpoint bookkeeping "
+                "is not mapped to ckptguard yet; unset them and pin the step you want with `ckptguard hold`"
+            )
+        if a.push_to_hub:
+            raise ConfigError("TrainingArguments.push_to_hub: push the committed checkpoint-N/hf folder after training")
+        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+            raise ConfigError(
+                "ckptguard's HF mixin covers one process and DDP; DeepSpeed and FSDP saves are not committed by it yet"
+            )
+
+    def _ckptguard_manager(self) -> CheckpointManager:
+        """One manager per trainer, created collectively (``train()`` runs on every rank)."""
+        if self._ckptguard_mgr is None:
+            root = Path(self.args.output_dir).absolute()
+            cfg = checkpoint_config(self.args, **self.ckptguard_config_overrides)
+            storage = ExternalFiles(StreamingStorage(), {HF_SUBDIR: self._ckptguard_write})
+            self._ckptguard_mgr = CheckpointManager(root, config=cfg, storage=storage)
+        return self._ckptguard_mgr
+
+    def _ckptguard_write(self, directory: Path) -> Any:
+        """ExternalFiles writer: HF's own ``_save_checkpoint`` into ``<step>/hf.staging/checkpoint-N``,
+        renamed to ``<step>/hf`` by rank 0 once every rank has written its part."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        assert self._ckptguard_saving is not None
+        model, trial = self._ckptguard_saving
+        staging = directory.parent / _STAGING
+        self._ckptguard_run_dir = str(staging)
+        try:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        finally:
+            self._ckptguard_run_dir = None
+        folder = staging / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+
+        def finish() -> None:
+            os.rename(folder, directory)  # onto the empty directory ExternalFiles made
+            staging.rmdir()
+
+        return finish
+
+    def _ckptguard_values(self, step: int) -> dict[str, Any]:
+        values: dict[str, Any] = {"global_step": step}
+        sampler = self._ckptguard_sampler
+        if sampler is not None and self._ckptguard_epoch_start is not None:
+            now = sampler.generator.get_state()
+            values["sampler_generator"] = {"epoch_start": self._ckptguard_epoch_start, "now": now}
+        if hasattr(self, "_step"):  # TRL's micro-step counter (GRPO, RLOO)
+            values["trl_step"] = int(self._step)
+            # Inside a generation block (num_iterations > 1, or steps_per_generation > gradient
+            # accumulation) the next steps train on completions TRL generated earlier and keeps in
+            # memory; without them a resume would generate new ones.
+            every = int(getattr(self.args, "steps_per_generation", 1) or 1) * int(getattr(self, "num_iterations", 1))
+            if getattr(self, "_buffered_inputs", None) is not None and self._step % every:
+                values["trl_buffered_inputs"] = self._buffered_inputs
+        return values
+
+    def _ckptguard_epoch_begin(self, dataloader: Any) -> None:
+        """Called right before HF iterates the train dataloader for an epoch (and skips the batches
+        already trained in a resumed one): the moment the sampler draws the epoch's order."""
+        sampler = _generator_sampler(dataloader)
+        self._ckptguard_sampler = sampler
+        if sampler is None:
+            return
+        saved = (self._ckptguard_restored or {}).pop("sampler_generator", None)
+        if saved is not None:
+            # HF resumes inside the epoch when global_step is not a multiple of the update steps per
+            # epoch (its own formula, from set_initial_training_values): then it iterates the epoch
+            # again from the start and skips, so the generator must be as at that epoch's start.
+            n, ga = len(dataloader), self.args.gradient_accumulation_steps
+            per_epoch = max(n // ga + int(n % ga > 0), 1)
+            key = "epoch_start" if self.state.global_step % per_epoch else "now"
+            sampler.generator.set_state(saved[key].clone())
+            log.info("ckptguard: restored the train sampler's generator (%s) at step %d", key, self.state.global_step)
+        self._ckptguard_epoch_start = sampler.generator.get_state()
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def trainer_class(base: type) -> type:
+    """``class CkptguardGRPOTrainer(CkptguardHFMixin, base)``, named after ``base``."""
+    if issubclass(base, CkptguardHFMixin):
+        return base
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Ckptguard{base.__name__}", (CkptguardHFMixin, base), {"__module__": __name__})
+    return _CLASSES[base]
+
+
+def attach(trainer: Any, *, resume_mode: Any = "auto", **config_overrides: Any) -> Any:
+    """The one-call form: turn a constructed HF/TRL trainer into a ckptguard one, in place.
+
+    ``attach(GRPOTrainer(...), resume_mode="auto", timeout_s=900).train()``
+    """
+    if isinstance(trainer, CkptguardHFMixin):
+        raise ConfigError(f"{type(trainer).__name__} already commits through ckptguard; attach it once")
+    trainer.__class__ = trainer_class(type(trainer))
+    trainer._ckptguard_setup(resume_mode, config_overrides)
+    return trainer
