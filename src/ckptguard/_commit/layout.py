@@ -164,7 +164,7 @@ def owner_is_dead(tmp: Path, *, max_age_s: float) -> bool:
     pid = int(owner.get("pid", -1))
     if pid <= 0 or not Path(f"/proc/{pid}").exists():
         return True
-    return _proc_start(pid) != owner.get("start")
+    return bool(_proc_start(pid) != owner.get("start"))
 
 
 def sweep_temp_dirs(root: Path, *, max_age_s: float) -> list[Path]:

@@ -111,8 +111,8 @@ def _host_chart(records: list[dict[str, Any]], t0: float, t1: float) -> str:
             shmem = h.get("shmem") or 0
             file_ = max(0, (h.get("file") or 0) - shmem)
             pts.append((r["mono_ns"] / 1e9, {"anon": h["anon"], "shmem": shmem, "file": file_}))
-    last_h = next((r["host"] for r in reversed(records) if r.get("host")), {}) or {}
-    last_ray = next((r["ray"] for r in reversed(records) if r.get("ray")), {}) or {}
+    last_h: dict[str, Any] = next((r["host"] for r in reversed(records) if r.get("host")), {}) or {}
+    last_ray: dict[str, Any] = next((r["ray"] for r in reversed(records) if r.get("ray")), {}) or {}
     mm = last_h.get("limit") if last_h.get("source") not in (None, "none") else None
     limits = [("memory.max", mm, (last_h.get("not_obtained") or {}).get("limit", "no cgroup"))]
     limits.append(("ray-threshold", last_ray.get("threshold_bytes"), "no Ray figure in the records"))
