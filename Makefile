@@ -57,9 +57,11 @@ test: $(STAMP)
 		|| echo "chromium not installable: the browser test of the memory report will be skipped"
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/python -m mypy
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/python -m mypy
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) $(HF_VENV) build *.egg-info src/*.egg-info

@@ -93,13 +93,13 @@ def list_steps(root: Path, template: str) -> None:
         click.echo(f"{'-':>10}  in flight or abandoned  {tmp.name}")
 
 
-def _cost_line(c: dict) -> str:
+def _cost_line(c: dict[str, Any]) -> str:
     frac = c.get("save_fraction_of_step")
     step = f", {100 * frac:.1f}% of a {c['step_seconds']:.2f} s step" if frac is not None else ""
     return f"{c['bytes'] / (1 << 30):.3f} GiB, saved in {c['save_seconds']:.2f} s{step}"
 
 
-def _emit(findings: list, as_json: bool, extra: dict | None = None) -> None:
+def _emit(findings: list[Any], as_json: bool, extra: dict[str, Any] | None = None) -> None:
     if as_json:
         ok = not any(f.severity.value == "ERROR" for f in findings)
         click.echo(json.dumps({**(extra or {}), "ok": ok, "findings": [f.to_json() for f in findings]}))
@@ -292,7 +292,7 @@ def release(root: Path, step: int) -> None:
     click.echo(f"released step {step}")
 
 
-def _gate_table(gates: list, as_json: bool) -> None:
+def _gate_table(gates: list[Any], as_json: bool) -> None:
     if as_json:
         click.echo(
             json.dumps(
@@ -431,7 +431,7 @@ def repro_save(
     sys.exit(1 if any(r["failed"] for r in reports.values()) else 0)
 
 
-def _repro_table(reports: dict) -> None:
+def _repro_table(reports: dict[str, Any]) -> None:
     def row(name: str, fn: Any) -> None:
         click.echo(f"{name:<24}" + "".join(f"{str(fn(r))[:60]:<62}" for r in reports.values()))
 
@@ -450,7 +450,7 @@ def _repro_table(reports: dict) -> None:
     row("scene kept", lambda r: ", ".join(r["kept_scene"]) or "-")
 
 
-def _describe_failure(f: dict | None) -> str:
+def _describe_failure(f: dict[str, Any] | None) -> str:
     if not f:
         return "none"
     first = f.get("first")

@@ -201,11 +201,11 @@ class CheckpointWriteError(CheckpointError, OSError):
     fields = ("step", "failures")
 
     def __init__(self, message: str, *, step: int, failures: Sequence[WriteFailure | dict[str, Any]]) -> None:
-        failures = [f if isinstance(f, WriteFailure) else WriteFailure.from_json(f) for f in failures]
-        first = min(failures, key=lambda f: (f.time_ns, f.rank)) if failures else None
+        parsed = [f if isinstance(f, WriteFailure) else WriteFailure.from_json(f) for f in failures]
+        first = min(parsed, key=lambda f: (f.time_ns, f.rank)) if parsed else None
         super().__init__(first.errno if first and first.errno else 0, message)
         self.step = step
-        self.failures = list(failures)
+        self.failures = parsed
         self.first = first
 
     def __str__(self) -> str:

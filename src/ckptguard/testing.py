@@ -58,11 +58,11 @@ class RankResult:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, world: int, port: int, out: str, pg_timeout_s: float, args: tuple
+    fn: Callable[..., Any], rank: int, world: int, port: int, out: str, pg_timeout_s: float, args: tuple[Any, ...]
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import datetime

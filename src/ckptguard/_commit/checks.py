@@ -69,7 +69,9 @@ def safe_member(step_dir: Path, rel: str) -> Path | None:
 RESTORE_HINT = "restore an earlier committed step, or copy the file back from where it was written"
 
 
-def _check_files(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[Finding], list[tuple[Path, dict]]]:
+def _check_files(
+    step_dir: Path, manifest: _manifest.Manifest
+) -> tuple[list[Finding], list[tuple[Path, dict[str, Any]]]]:
     findings, ok = [], []
     for entry in manifest.files:
         rel = str(entry.get("path", ""))
@@ -261,7 +263,8 @@ def cost(step_dir: Path) -> dict[str, Any] | None:
     import json
 
     try:
-        return json.loads((Path(step_dir) / _layout.MANIFEST_NAME).read_text()).get("cost")
+        cost: dict[str, Any] | None = json.loads((Path(step_dir) / _layout.MANIFEST_NAME).read_text()).get("cost")
+        return cost
     except (OSError, ValueError):
         return None
 def files_needed(step_dir: Path, manifest: _manifest.Manifest, rank: int) -> set[str]:

@@ -42,8 +42,9 @@ def _copy(t: torch.Tensor, device: str | None) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         local = t.to_local().detach().to(device, copy=True)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
+        # t is a DTensor (it has to_local); the stub types it as a plain Tensor.
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,  # type: ignore[attr-defined]
+                                  shape=t.shape, stride=t.stride())
     return t.detach().to(device, copy=True)
 
 

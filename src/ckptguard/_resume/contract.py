@@ -266,7 +266,7 @@ def adopt(root: Path, contract: RunContract | None, chain_id: str, reason: str) 
         raise ConfigError("adopt: give a reason (why this run continues from another chain)")
     phases = read_phases(root)
     items = (contract or RunContract()).items()
-    record = {
+    record: dict[str, Any] = {
         "phase": phases[-1]["phase"] + 1 if phases else 0,
         "chain_id": phases[0]["chain_id"] if phases else uuid.uuid4().hex,
         "created_unix": time.time(),

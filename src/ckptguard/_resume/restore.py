@@ -279,7 +279,7 @@ def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys:
 
 def _plan(
     ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, extras: dict[str, Any]
-) -> tuple[dict, dict]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Compare items and keys both ways; return (targets, flat tensors for DCP)."""
     step_dir = manifest.path.parent
     problems = []
@@ -420,7 +420,12 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
 
 
 def _verify_digests(
-    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, targets: dict, extras: dict, on_verified: Any
+    ctx: Context,
+    state: dict[str, Any],
+    manifest: _manifest.Manifest,
+    targets: dict[str, Any],
+    extras: dict[str, Any],
+    on_verified: Any,
 ) -> dict[str, bool]:
     """Recompute every item's digest from the live objects; all ranks raise if any differs."""
     saved = manifest.digests.get(str(ctx.rank), {})

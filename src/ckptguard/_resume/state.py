@@ -216,7 +216,7 @@ def capture(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, Capture
     return out
 
 
-def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, tuple[ItemKind, Any, dict]]:
+def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, tuple[ItemKind, Any, dict[str, Any]]]:
     """For each item: its kind, its current state dict, and the flat tensors DCP fills."""
     targets = {}
     for name, value in state.items():

@@ -51,7 +51,8 @@ class Policy(torch.nn.Module):
         h = self.ln1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         x = x + self.mlp(self.ln2(x))
-        return self.head(x)
+        out: torch.Tensor = self.head(x)
+        return out
 
 
 def sequence_logprobs(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -271,7 +272,7 @@ def _launch(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
-    other = []
+    other: list[str] = []
     for line in proc.stdout:
         (echo if line.startswith("  [rank") else other.append)(line.rstrip())
     code = proc.wait()

@@ -68,7 +68,8 @@ class CkptguardStrategyMixin:
 
     ckptguard_config_overrides: dict[str, Any] = {}
 
-    def save_ckpt(
+    # OpenRLHF's exact signatures, unannotated: test_signatures_match_pinned_openrlhf compares them.
+    def save_ckpt(  # type: ignore[no-untyped-def]
         self,
         model,
         save_dir,
@@ -99,7 +100,7 @@ class CkptguardStrategyMixin:
                 _layout.atomic_write_bytes(Path(save_dir) / "latest", f"{path.name}/{DS_SUBDIR}".encode())
         return path
 
-    def load_ckpt(
+    def load_ckpt(  # type: ignore[no-untyped-def]  # OpenRLHF's signature, see save_ckpt
         self,
         model,
         load_dir,
@@ -130,7 +131,7 @@ class CkptguardStrategyMixin:
 
     def _ckptguard_manager(self, root: Any, max_num: int | None, write: Any) -> CheckpointManager:
         """One manager per root; the DeepSpeed writer is swapped in for each save."""
-        managers = self.__dict__.setdefault("_ckptguard_managers", {})
+        managers: dict[str, CheckpointManager] = self.__dict__.setdefault("_ckptguard_managers", {})
         key = os.path.abspath(str(root))
         if key not in managers:
             storage = ExternalFiles(StreamingStorage(), {DS_SUBDIR: self._ckptguard_write})

@@ -106,7 +106,7 @@ def should_save(trainer_cfg: Any, step: int, *, is_last_step: bool) -> bool:
 
 def _critic_dir() -> str:
     try:
-        from verl.trainer.ppo.utils import Role
+        from verl.trainer.ppo.utils import Role  # type: ignore[import-not-found]  # optional, often absent
 
         return str(Role.Critic)
     except ImportError:
@@ -123,6 +123,11 @@ class CkptguardTrainerMixin:
     """
 
     ckptguard_config_overrides: dict[str, Any] = {}
+    # The trainer's own attributes (declared only, no value): verl ships no type stubs.
+    config: Any
+    actor_rollout_wg: Any
+    critic_wg: Any
+    train_dataloader: Any
 
     # ------------------------------------------------------------ verl's hooks
 
@@ -153,6 +158,7 @@ class CkptguardTrainerMixin:
         if step == 0:
             return 0
         step_dir = self._ckptguard_manager(None).resolve(**args).path
+        assert step_dir is not None  # restore returned a step: resolve found its directory
         self.actor_rollout_wg.load_checkpoint(str(step_dir / "actor"), del_local_after_load=False)
         if getattr(self, "use_critic", False):
             self.critic_wg.load_checkpoint(str(step_dir / _critic_dir()), del_local_after_load=False)

@@ -260,7 +260,10 @@ def vllm_log(log: Path, as_json: bool) -> None:
 @JSON
 def recipe(recipe_file: Path, modes_key: str, as_json: bool) -> None:
     """Check that gpu_memory_utilization is set per training mode (TOML or JSON recipe). Exit 1 on a finding."""
-    from .plan import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
 
     text = recipe_file.read_text(encoding="utf-8")
     try:

@@ -66,6 +66,13 @@ class VllmLogSummary:
 
 
 _NUM = r"(\d+(?:\.\d+)?)"
+
+
+def _set(s: VllmLogSummary, **values: Any) -> None:
+    for name, value in values.items():
+        setattr(s, name, value)
+
+
 _PATTERNS: list[tuple[re.Pattern[str], Any]] = [
     (re.compile(r"gpu_memory_utilization[=:'\"\s]+" + _NUM), lambda s, m: setattr(s, KEY, float(m[1]))),
     (re.compile(r"Available KV cache memory: " + _NUM + " GiB"),
@@ -77,14 +84,12 @@ _PATTERNS: list[tuple[re.Pattern[str], Any]] = [
     (re.compile(r"Model loading took " + _NUM + " GiB"),
      lambda s, m: setattr(s, "weights_bytes", round(float(m[1]) * _GIB))),
     (re.compile(r"Sleep mode freed " + _NUM + " GiB memory, " + _NUM + " GiB memory is still in use"),
-     lambda s, m: (setattr(s, "sleep_freed_bytes", round(float(m[1]) * _GIB)),
-                   setattr(s, "sleep_still_in_use_bytes", round(float(m[2]) * _GIB)))),
+     lambda s, m: _set(s, sleep_freed_bytes=round(float(m[1]) * _GIB),
+                       sleep_still_in_use_bytes=round(float(m[2]) * _GIB))),
     (re.compile(r"Free memory on device \S+ \(" + _NUM + "/" + _NUM + r" GiB\) on startup is less than desired "
                 r"GPU memory utilization \(" + _NUM + ", " + _NUM + " GiB\\)"),
-     lambda s, m: (setattr(s, "free_at_startup_bytes", round(float(m[1]) * _GIB)),
-                   setattr(s, "total_bytes", round(float(m[2]) * _GIB)),
-                   setattr(s, KEY, float(m[3])),
-                   setattr(s, "requested_bytes", round(float(m[4]) * _GIB)))),
+     lambda s, m: _set(s, free_at_startup_bytes=round(float(m[1]) * _GIB), total_bytes=round(float(m[2]) * _GIB),
+                       **{KEY: float(m[3])}, requested_bytes=round(float(m[4]) * _GIB))),
 ]
 
 _ERRORS = [

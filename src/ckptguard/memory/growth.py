@@ -225,6 +225,11 @@ def _window_ns(records: list[dict[str, Any]], config: GrowthConfig) -> int:
     return max(1, span // 20)
 
 
+def _fit(points: list[tuple[float, int]] | list[tuple[int, int]], confidence: float) -> Slope | None:
+    xs, ys = zip(*points, strict=True)  # x values, y values: callers pass at least min_points (>= 3) points
+    return theil_sen(xs, ys, confidence=confidence)
+
+
 def analyze_growth(records: list[dict[str, Any]], config: GrowthConfig | None = None) -> GrowthReport:
     """Growth verdicts for every process in ``records`` (sorted by time, as read_records returns)."""
     cfg = config or GrowthConfig()
@@ -244,9 +249,9 @@ def analyze_growth(records: list[dict[str, Any]], config: GrowthConfig | None = 
         g.floors_per_step = _floors_per_step(pts, starts)
         g.floors_per_interval = _floors_per_interval(pts, window)
         if len(g.floors_per_step) >= cfg.min_points:
-            g.per_step = theil_sen(*zip(*g.floors_per_step, strict=True), confidence=cfg.confidence)
+            g.per_step = _fit(g.floors_per_step, cfg.confidence)
         if len(g.floors_per_interval) >= cfg.min_points:
-            g.per_second = theil_sen(*zip(*g.floors_per_interval, strict=True), confidence=cfg.confidence)
+            g.per_second = _fit(g.floors_per_interval, cfg.confidence)
         _verdict(g, cfg)
         out.append(g)
     return GrowthReport(out, _node_growth(records, starts, window, cfg), len(starts))
@@ -278,9 +283,9 @@ def _node_growth(
     per_step = _floors_per_step(pts, starts)
     node.last_floor = per_interval[-1][1]
     if len(per_interval) >= cfg.min_points:
-        node.per_second = theil_sen(*zip(*per_interval, strict=True), confidence=cfg.confidence)
+        node.per_second = _fit(per_interval, cfg.confidence)
     if len(per_step) >= cfg.min_points:
-        node.per_step = theil_sen(*zip(*per_step, strict=True), confidence=cfg.confidence)
+        node.per_step = _fit(per_step, cfg.confidence)
     if not limits:
         node.not_obtained["limit"] = "no record carries a limit (neither memory.max nor MemTotal)"
         return node

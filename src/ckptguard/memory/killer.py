@@ -70,7 +70,7 @@ def _gib(n: int | None) -> str:
 def _in_flight(records: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(the failure record, or the last phase_start that never ended) per writer."""
     failure = next((r for r in reversed(records) if r["kind"] == RecordKind.PHASE_FAILURE.value), None)
-    open_: dict[tuple[Any, Any, str], dict[str, Any]] = {}
+    open_: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
     for r in records:
         key = (r.get("node"), r.get("pid"), r.get("phase"))
         if r["kind"] == RecordKind.PHASE_START.value:

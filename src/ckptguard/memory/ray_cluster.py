@@ -49,7 +49,8 @@ def _cluster_system_config() -> tuple[dict[str, Any] | None, str]:
     try:
         from ray._private.state import state
 
-        return dict(state.get_system_config()), "read from the cluster's GCS"
+        # ray's private API carries no annotations.
+        return dict(state.get_system_config()), "read from the cluster's GCS"  # type: ignore[no-untyped-call]
     except Exception as exc:  # a private API: say so instead of guessing
         return None, f"the cluster's system config could not be read ({type(exc).__name__}: {exc})"
 

@@ -72,35 +72,39 @@ def _combine(name: str, per_rank: list[tuple[Status, str]], required: bool = Tru
     return Gate(name, status, "; ".join(dict.fromkeys(shown)), required)
 
 
-def _restored(seg: _Segment) -> bool:
-    return seg.restore is not None and int(seg.restore.get("step", 0)) > 0
+def _restored(seg: _Segment) -> dict[str, Any] | None:
+    """The segment's restore record when it restored a non-zero step, else None."""
+    return seg.restore if seg.restore is not None and int(seg.restore.get("step", 0)) > 0 else None
 
 
 def _gate_confirmed(seg: _Segment) -> tuple[Status, str]:
-    if not _restored(seg):
+    restore = _restored(seg)
+    if restore is None:
         return Status.NOT_RUN, "no restore of a non-zero step"
     early = [r for r in seg.same_pid_before if r["event"] == "update"]
     if early:
         return Status.FAIL, f"rank {seg.rank}: process trained (update of step {early[0].get('step')}) before restore"
-    return Status.PASS, f"step {seg.restore['step']} confirmed before the first training step"
+    return Status.PASS, f"step {restore['step']} confirmed before the first training step"
 
 
 def _gate_pids(seg: _Segment) -> tuple[Status, str]:
-    if not _restored(seg):
+    restore = _restored(seg)
+    if restore is None:
         return Status.NOT_RUN, "no restore of a non-zero step"
-    step = seg.restore["step"]
+    step = restore["step"]
     saver = next((r for r in reversed(seg.before) if r["event"] == "save" and r["step"] == step), None)
     if saver is None:
         return Status.NOT_RUN, f"rank {seg.rank}: no record of the process that saved step {step}"
-    if saver["pid"] == seg.restore["pid"] and saver.get("host") == seg.restore.get("host"):
+    if saver["pid"] == restore["pid"] and saver.get("host") == restore.get("host"):
         return Status.FAIL, f"rank {seg.rank}: restored in the same process (pid {saver['pid']}) that saved"
     return Status.PASS, "every rank restored in a new process"
 
 
 def _gate_digests(seg: _Segment) -> tuple[Status, str]:
-    if not _restored(seg):
+    restore = _restored(seg)
+    if restore is None:
         return Status.NOT_RUN, "no restore of a non-zero step"
-    items = seg.restore.get("digests_match") or {}
+    items = restore.get("digests_match") or {}
     if not items:
         return Status.NOT_RUN, f"rank {seg.rank}: digests were not compared (verify_restored off or resharded)"
     bad = sorted(k for k, ok in items.items() if not ok)
@@ -152,9 +156,10 @@ def _gate_update(seg: _Segment) -> tuple[Status, str]:
 
 
 def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
-    if not _restored(seg):
+    restore = _restored(seg)
+    if restore is None:
         return Status.NOT_RUN, "no restore of a non-zero step"
-    moved = seg.restore.get("addresses_changed")
+    moved = restore.get("addresses_changed")
     if moved is None:
         return Status.NOT_RUN, f"rank {seg.rank}: addresses were not recorded"
     if moved:
@@ -181,7 +186,7 @@ def evaluate(root: Path) -> list[Gate]:
     segments = [_segment(rank, recs) for rank, recs in sorted(records.items())]
     gates = [_combine(name, [fn(s) for s in segments]) for name, fn in _GATES]
     restores = [s.restore for s in segments if s.restore is not None]
-    written = sorted({r.get("format_version") for r in restores if r.get("format_version")})
+    written = sorted({r["format_version"] for r in restores if r.get("format_version")})
     gates.append(
         Gate(
             "new code reads an old checkpoint",

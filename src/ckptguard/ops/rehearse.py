@@ -34,7 +34,7 @@ class Rehearsal:
     log: Path
 
 
-def _wait(what: str, ready: Callable[[], bool], proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+def _wait(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
         if proc.poll() is not None:
@@ -45,7 +45,7 @@ def _wait(what: str, ready: Callable[[], bool], proc: subprocess.Popen, timeout_
         time.sleep(0.2)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

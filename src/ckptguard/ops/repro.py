@@ -150,7 +150,9 @@ def run_repro(target: Path, cfg: ReproConfig) -> dict[str, Any]:
     return _report(target, cfg, before, results, [p.exitcode for p in procs])
 
 
-def _report(target: Path, cfg: ReproConfig, before: dict, results: list, exitcodes: list) -> dict[str, Any]:
+def _report(
+    target: Path, cfg: ReproConfig, before: dict[str, Any], results: list[Any], exitcodes: list[Any]
+) -> dict[str, Any]:
     rank0 = results[0] or {"rounds": [], "failure": None}
     failures = [r["failure"] for r in results if r and r.get("failure")]
     dead = [r for r, code in enumerate(exitcodes) if code != 0]

@@ -137,7 +137,7 @@ def _copy_contract(src_root: Path, dest_root: Path) -> None:
             f"{src[0]['chain_id']}; transfer into an empty root, or adopt the checkpoint there instead"
         )
     for path in _contract.phase_files(src_root):
-        target = dest_root / _contract.CONTRACT_DIR / path.name
+        target = dest_root / _layout.CONTRACT_DIR / path.name
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             _layout.atomic_write_bytes(target, path.read_bytes())

@@ -15,8 +15,12 @@ from pathlib import Path
 
 from .._commit import checks as _checks
 from .._commit import layout as _layout
-from .._commit.checks import RESTORE_HINT, Finding, Severity, _err, cost, deep_bytes, safe_member, verify_step  # noqa: F401
+from .._commit.checks import RESTORE_HINT, Finding, Severity, _err, cost, deep_bytes, safe_member, verify_step
 from ..errors import CheckpointError
+
+# The re-exported checks: ops.verify is where the CLI and users find them.
+__all__ = ["RESTORE_HINT", "Finding", "Severity", "cost", "deep_bytes", "restore_check", "safe_member", "verify_root",
+           "verify_step", "worst"]
 
 
 def verify_root(

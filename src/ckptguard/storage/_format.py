@@ -105,7 +105,7 @@ def _build_frame(shape: tuple[int, ...], dtype: torch.dtype) -> Frame:
         fake = torch.empty(shape, dtype=dtype)
     rec = _Recorder()
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(fake, rec)
+        torch.save(fake, rec)  # type: ignore[arg-type]  # torch needs only write(); its stub says IO[bytes]
     nbytes = fake.numel() * fake.element_size()
     if nbytes == 0 and not rec.gaps:
         rec.gaps.append((rec.pos, 0))  # torch's writer skips nothing for an empty storage
@@ -157,13 +157,13 @@ class _StorageType:
 
 def _rebuild_v2(
     storage: _StorageRef, offset: int, size: Any, stride: Any, _rg: Any = None, _h: Any = None, meta: Any = None
-) -> tuple:
+) -> tuple[Any, ...]:
     return storage, storage.dtype, offset, tuple(size), tuple(stride), dict(meta or {})
 
 
 def _rebuild_v3(
     storage: _StorageRef, offset: int, size: Any, stride: Any, _rg: Any, _h: Any, dtype: Any, meta: Any = None
-) -> tuple:
+) -> tuple[Any, ...]:
     return storage, dtype, offset, tuple(size), tuple(stride), dict(meta or {})
 
 
@@ -215,10 +215,10 @@ class _DescriptorUnpickler(pickle.Unpickler):
         return _StorageRef(str(key), stype.dtype if isinstance(stype, _StorageType) else None, int(numel))
 
 
-def read_record(f: io.RawIOBase, where: str) -> Record:
+def read_record(f: io.IOBase, where: str) -> Record:
     """Locate the tensor record in one item's archive; ``f`` is seekable over that item only."""
     try:
-        zf = torch._C.PyTorchFileReader(f)
+        zf = torch._C.PyTorchFileReader(f)  # type: ignore[call-overload]  # any seekable reader works
         if zf.has_record("byteorder") and zf.get_record("byteorder").decode() != sys.byteorder:
             raise CheckpointCorruptError(f"{where}: written on a {zf.get_record('byteorder')!r}-endian machine")
         desc = _DescriptorUnpickler(io.BytesIO(zf.get_record("data.pkl"))).load()

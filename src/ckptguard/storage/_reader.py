@@ -211,7 +211,7 @@ class ItemReader:
         if self._error is not None:
             raise self._error
 
-    def _next(self, ready: queue.Queue) -> Any:
+    def _next(self, ready: queue.Queue[tuple[_Job, Any] | None]) -> Any:
         t0 = time.perf_counter()
         try:
             got = ready.get(timeout=self._pool.timeout_s)
@@ -239,7 +239,7 @@ class ItemReader:
         event.synchronize()  # the buffer is reused only after its H2D copy has read it
         self._pool.put(buf)
 
-    def _drain(self, ready: queue.Queue) -> None:
+    def _drain(self, ready: queue.Queue[tuple[_Job, Any] | None]) -> None:
         while True:
             try:
                 got = ready.get_nowait()
@@ -248,7 +248,7 @@ class ItemReader:
             if got is not None:
                 self._pool.put(got[1])
 
-    def _prefetch(self, jobs: list[_Job], ready: queue.Queue) -> None:
+    def _prefetch(self, jobs: list[_Job], ready: queue.Queue[tuple[_Job, Any] | None]) -> None:
         try:
             for job in jobs:
                 if self._cancel.is_set():

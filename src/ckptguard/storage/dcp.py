@@ -42,11 +42,11 @@ class _RecordingStream:
     def __init__(self, stream: Any, path: str, sink: _CheckedWriter) -> None:
         self._stream, self._path, self._sink = stream, path, sink
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Any) -> int | None:
         want = len(memoryview(data).cast("B"))
         offset = self._stream.tell()
         try:
-            n = self._stream.write(data)
+            n: int | None = self._stream.write(data)
         except OSError as exc:
             self._sink.record(exc, self._path, offset, want, 0)
             raise
@@ -84,7 +84,7 @@ class _CheckedWriter(FileSystemWriter):
         self.files: set[str] = set()
         self._on_written = on_written
         self.first_error: OSError | None = None
-        self.fs = _RecordingFS(self.fs, self)
+        self.fs = _RecordingFS(self.fs, self)  # type: ignore[assignment]  # duck-typed wrapper
 
     def record(self, exc: OSError, path: str, offset: int, requested: int, returned: int) -> None:
         if self.first_error is None:  # the first error, not the last message
@@ -120,7 +120,8 @@ class _CheckedWriter(FileSystemWriter):
 
     def _write(self, plan: Any, planner: Any) -> list[Any]:
         future = super().write_data(plan, planner)
-        return future.wait() if hasattr(future, "wait") else future.result()
+        # A future without wait() is a concurrent.futures one: torch's stub does not know that type.
+        return future.wait() if hasattr(future, "wait") else future.result()  # type: ignore[attr-defined]
 
     def _check_lengths(self, results: list[Any]) -> None:
         """A short write that went unnoticed leaves a file shorter than its items' extent."""
@@ -190,7 +191,7 @@ class _quiet_single_process(warnings.catch_warnings):
     """DCP warns that it assumes one process whenever dist is not initialized; we know."""
 
     def __init__(self, ctx: StorageContext) -> None:
-        super().__init__()
+        super().__init__(record=False)
         self._single = ctx.process_group is None
 
     def __enter__(self) -> Any:

@@ -232,7 +232,7 @@ def _unwrapped(ctx: StorageContext, call: Any) -> Any:
         raise
 
 
-def _fsync_dir(path: Path | str) -> None:
+def _fsync_dir(path: Path | str | os.PathLike[str]) -> None:
     # New names in state/ are durable only once the directory itself is synced.
     fd = os.open(str(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
