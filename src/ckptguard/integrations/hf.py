@@ -43,14 +43,14 @@ from typing import Any
 
 import torch
 
-from .. import _rng
-from .._digest import digest
-from .._state import PerRank
+from .._commit.retention import KeepLast
+from .._resume import rng as _rng
+from .._resume.digest import digest
+from .._resume.state import PerRank
 from ..config import CheckpointConfig, ResumeMode
 from ..errors import ConfigError, StateMismatchError
-from ..fastio import StreamingStorage
 from ..manager import CheckpointManager
-from ..retention import KeepLast
+from ..storage.streaming import StreamingStorage
 from .external import ExternalFiles
 
 __all__ = [
@@ -265,7 +265,7 @@ class CkptguardHFMixin:
         staging = directory.parent / _STAGING
         self._ckptguard_run_dir = str(staging)
         try:
-            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            super()._save_checkpoint(model, trial)
         finally:
             self._ckptguard_run_dir = None
         folder = staging / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"

@@ -222,8 +222,8 @@ def _span(start: dict[str, Any], end: dict[str, Any] | None, readings: _Readings
 
 
 def _limits(records: list[dict[str, Any]]) -> tuple[list[LimitLine], Budget]:
-    last_h = next((r["host"] for r in reversed(records) if r.get("host")), {}) or {}
-    last_ray = next((r["ray"] for r in reversed(records) if r.get("ray")), {}) or {}
+    last_h: dict[str, Any] = next((r["host"] for r in reversed(records) if r.get("host")), {}) or {}
+    last_ray: dict[str, Any] = next((r["ray"] for r in reversed(records) if r.get("ray")), {}) or {}
     cgroup = last_h.get("source") not in (None, "none")
     mm = last_h.get("limit") if cgroup else None
     lines = [LimitLine("memory.max", mm, f"memory.max {fmt_bytes(mm)}",
@@ -260,7 +260,7 @@ def _node_story(node: str, records: list[dict[str, Any]], spans: list[Span]) -> 
             stack.append((_t(r), {"anon": h["anon"], "shmem": shmem, "file": max(0, (h.get("file") or 0) - shmem)}))
         if h.get("current") is not None:
             current.append((_t(r), int(h["current"])))
-    last_h = next((r["host"] for r in reversed(records) if r.get("host")), {}) or {}
+    last_h: dict[str, Any] = next((r["host"] for r in reversed(records) if r.get("host")), {}) or {}
     limits, budget = _limits(records)
     saves = [s for s in spans if s.phase == "save"]
     measured = [s for s in saves if s.peak is not None]

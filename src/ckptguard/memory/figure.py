@@ -117,11 +117,12 @@ def _bands(ax: Any, spans: list[Any], tx: Any) -> None:
 
 def _limit_lines(ax: Any, n: NodeStory, ymax: float, div: int, axes_px: tuple[float, float],
                  arrow: float | None) -> None:
-    shown = sorted((lim for lim in n.limits if lim.bytes is not None and lim.bytes <= ymax), key=lambda lm: -lm.bytes)
+    levels = sorted(((lim.bytes, lim) for lim in n.limits if lim.bytes is not None and lim.bytes <= ymax),
+                    key=lambda bl: -bl[0])
     prev = None
-    for i, lim in enumerate(shown):
-        ax.axhline(lim.bytes / div, color="#c00", ls="--", lw=1.2, label="limit" if i == 0 else None)
-        y_px = lim.bytes / ymax * axes_px[1]
+    for i, (nbytes, lim) in enumerate(levels):
+        ax.axhline(nbytes / div, color="#c00", ls="--", lw=1.2, label="limit" if i == 0 else None)
+        y_px = nbytes / ymax * axes_px[1]
         # A label that the line above would strike through goes below its own line.
         below = prev is not None and prev - y_px < 15
         # At the right end, else the left end, else just left of the save mark's arrow: a label
@@ -129,7 +130,7 @@ def _limit_lines(ax: Any, n: NodeStory, ymax: float, div: int, axes_px: tuple[fl
         w = len(lim.label) * LABEL_PT * 0.7 / axes_px[0]  # DejaVu Sans: ~0.6 em a character, with margin
         starts = [0.995 - w, 0.005] + ([arrow - 0.01 - w] if arrow is not None else [])
         x0 = next((x for x in starts if arrow is None or x > arrow + 0.008 or x + w < arrow - 0.008), starts[0])
-        ax.annotate(lim.label, xy=(x0, lim.bytes / div), xycoords=("axes fraction", "data"),
+        ax.annotate(lim.label, xy=(x0, nbytes / div), xycoords=("axes fraction", "data"),
                     xytext=(0, -11 if below else 3), textcoords="offset points", ha="left",
                     fontsize=LABEL_PT, color="#c00")
         prev = y_px

@@ -42,7 +42,7 @@ def identify(root: Path) -> None:
         return
     raise ConfigError(
         f"{root} is not a checkpoint root: it has neither a tracker ({_layout.TRACKER_NAME}) nor "
-        f"{_contract.CONTRACT_DIR}/phase_*.json files. gc acts only on roots ckptguard wrote, and removed "
+        f"{_layout.CONTRACT_DIR}/phase_*.json files. gc acts only on roots ckptguard wrote, and removed "
         "nothing; pass the directory the run saves to (the root given to CheckpointManager)."
     )
 
