@@ -216,6 +216,8 @@ def worker(
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     logging.basicConfig(level=logging.WARNING if rank else logging.INFO, format=f"  [rank {rank}] %(message)s")
+    # ckptguard sets its own logger to INFO (the resume lines must be seen); rank 1 stays quiet.
+    logging.getLogger("ckptguard").setLevel(logging.WARNING if rank else logging.INFO)
     say = logging.getLogger("ckptguard.demo").info
     trainer = build_trainer(rank=rank, world=world)
     cfg = CheckpointConfig(retention=retention.KeepLast(2), restore_rng=restore_rng)
