@@ -273,11 +273,11 @@ def hold(root: Path, step: int, reason: str, template: str) -> None:
 
     try:
         _manifest.read(root / StepNaming(template).name(step))
+        if step > (_layout.read_tracker(root) or 0):
+            _fail(f"step {step} is newer than the tracker: not committed", False)
+        click.echo(f"held step {step}: {retention.hold(root, step, reason)}")
     except CheckpointError as exc:
         _fail(str(exc), False)
-    if step > (_layout.read_tracker(root) or 0):
-        _fail(f"step {step} is newer than the tracker: not committed", False)
-    click.echo(f"held step {step}: {retention.hold(root, step, reason)}")
 
 
 @main.command()
@@ -287,7 +287,11 @@ def release(root: Path, step: int) -> None:
     """Remove the hold on STEP; rotation may then delete it."""
     from ._commit import retention
 
-    if not retention.release(root, step):
+    try:
+        released = retention.release(root, step)
+    except OSError as exc:
+        _fail(f"could not remove the hold of step {step} under {root}: {exc}", False)
+    if not released:
         _fail(f"step {step} has no hold under {root}", False)
     click.echo(f"released step {step}")
 

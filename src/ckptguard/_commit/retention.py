@@ -97,6 +97,10 @@ def hold(root: Path, step: int, reason: str) -> Path:
     if not reason.strip():
         raise ConfigError("hold: give a reason (who needs this step, and until when)")
     directory = root / HOLDS_DIR
+    if directory.is_symlink():
+        raise ConfigError(
+            f"hold: {directory} is a symlink; ckptguard never writes through links: replace it with a real directory"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{step}.json"
     _layout.atomic_write_json(path, {"step": step, "reason": reason, "created_unix": time.time()})
