@@ -229,6 +229,8 @@ def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str) -> 
         raise click.UsageError(str(exc)) from None
     except CheckpointError as exc:
         _fail(str(exc), False)
+    except OSError as exc:  # e.g. a directory it may not delete: what is done stays done, rerun after fixing
+        _fail(f"gc of {root} stopped: {exc}; fix the cause and run it again", False)
     for path, what in report.removed:
         click.echo(f"{'would remove' if dry_run else 'removed'} {path}: {what}")
     for path, why in report.kept:
@@ -258,6 +260,8 @@ def adopt(root: Path, step: int, template: str) -> None:
         click.echo(_gc.adopt_step(root.absolute(), StepNaming(template), step))
     except CheckpointError as exc:
         _fail(str(exc), False)
+    except OSError as exc:
+        _fail(f"adopt of step {step} under {root} failed: {exc}; the tracker was not moved", False)
 
 
 @main.command()
@@ -483,6 +487,10 @@ def transfer(step_dir: Path, dest_root: Path, record: Path | None) -> None:
         info = _transfer(step_dir, dest_root, record=record)
     except CheckpointError as exc:
         _fail(str(exc), False)
+    except OSError as exc:  # ENOSPC, EACCES...: the tracker moves last, so it was not moved
+        _fail(f"transfer of {step_dir} to {dest_root} failed: {exc}; the destination's tracker moves only once "
+              "every file is verified. Fix the cause and run the same transfer again (it finishes a complete copy)",
+              False)
     click.echo(describe(info))
 
 
