@@ -67,6 +67,8 @@ class CheckpointManager:
 
     The constructor is collective too: every rank creates its managers in the same order
     (their agreement keys are numbered by creation), e.g. the actor's and the critic's.
+    It raises LeaseHeldError when another live run holds the root's write lease, and so
+    does ``restore``: a duplicate launch stops before it trains.
     """
 
     _created = 0
@@ -130,7 +132,7 @@ class CheckpointManager:
         if self.rank == 0 and self.root.is_dir():
             try:
                 _lease.check_free(self.root, ttl_s=self.config.lease_ttl_s)
-            except CheckpointError as exc:
+            except Exception as exc:  # shipped, so no rank waits for rank 0 at the broadcast
                 out["error"] = error_payload(exc)
         head = self._ctx.agreement.bcast(f"lease.{where}", out)
         if head.get("error"):
