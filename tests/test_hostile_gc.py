@@ -5,10 +5,8 @@ Items 1, 6, 10 (retention side), 12 (holds, leftovers) and 19 (the retention war
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard import _layout, retention
-from hostile_helper import DEEP, MANIFEST, TRACKER, cli, committed_on_disk, dead_pid, no_traceback, step_dir, tiny_root
+from hostile_helper import DEEP, MANIFEST, TRACKER, cli, committed_on_disk, no_traceback, run_py, step_dir, tiny_root
 
 
 def _mgr(root: Path, keep: int) -> cg.CheckpointManager:
@@ -96,6 +94,14 @@ def _old(path: Path) -> None:
     os.utime(path, (past, past))
 
 
+KILLED_SAVE = """
+import os, signal, sys, torch, ckptguard as cg
+from ckptguard import _faults
+_faults.set_hook("storage.data_written", lambda: os.kill(os.getpid(), signal.SIGKILL))
+cg.CheckpointManager(sys.argv[1]).save(2, {"w": torch.ones(4)})
+"""
+
+
 @pytest.mark.parametrize("template", [None, "{step}"])
 def test_item06_gc_leaves_a_directory_that_is_not_a_root_alone(tmp_path, template):
     foreign = tmp_path / "project"
@@ -117,10 +123,10 @@ def test_item06_gc_in_a_root_removes_only_what_ckptguard_created(tmp_path):
     foreign.mkdir()
     (foreign / "obj.o").write_bytes(b"x")
     _old(foreign)
-    # A save temp dir whose owner is dead: gc's own job, which must keep working.
-    ours = root / ".tmp-step_00000002-0123456789ab"
-    (ours / "state").mkdir(parents=True)
-    (ours / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "start": "1"}))
+    # The temp dir of a save killed mid-write (owner dead): gc's own job, which must keep working.
+    killed = run_py(KILLED_SAVE, root)
+    assert killed.returncode == -9, killed.stderr
+    (ours,) = root.glob(".tmp-step_00000002-*")
     result = cli("gc", root)
     no_traceback(result, "6")
     assert (foreign / "obj.o").exists(), f"issue 15 item 6: gc deleted {foreign}, which has no owner record\n" + (
@@ -211,12 +217,14 @@ def test_item12_an_unreadable_hold_still_protects_its_step(tmp_path):
 
 def test_item12_crash_leftovers_are_reported_by_verify_and_removed_by_gc(tmp_path):
     root = tiny_root(tmp_path / "ck", (1, 2))
-    trash = root / ".trash-step_00000000-0badf00d"
+    trash = root / ".trash-step_00000000-0badf00d"  # a delete that died midway
     (trash / "state").mkdir(parents=True)
     for i in range(1000):
         (trash / "state" / f"part_{i:04d}").write_bytes(b"x")
-    tracker_tmp = root / f"{TRACKER}.tmp-deadbeef"
+    tracker_tmp = root / f"{TRACKER}.tmp-deadbeef"  # a tracker write that died before its rename
     tracker_tmp.write_text("7\n")
+    for path in (trash / "state", trash, tracker_tmp):
+        _old(path)  # crash leftovers from two days ago: dead by any age rule
     live = root / ".tmp-step_00000003-0123456789ab"
     (live / "state").mkdir(parents=True)
     _layout.write_owner(live)  # owned by this (live) process: a save that timed out
