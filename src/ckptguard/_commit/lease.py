@@ -322,7 +322,7 @@ def release(root: Path) -> bool:
 
 
 def leftover_markers(root: Path) -> list[tuple[Path, bool]]:
-    """Take-over markers and lease temp files under ``root``, each with whether its writer is dead."""
+    """Lease take-over markers under ``root``, each with whether its writer is dead."""
     out = []
     for marker in sorted(root.glob(f"{LEASE_NAME}.*")):
         if marker.name.startswith(TAKEOVER_PREFIX):
