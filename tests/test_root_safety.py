@@ -7,6 +7,7 @@ Each test builds a real root through the public API, then breaks it the way the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -185,6 +186,29 @@ def test_two_relaunches_on_a_stale_lease_never_both_commit(tmp_path):
     assert not list(tmp_path.glob(f"t*/{LEASE_NAME}.takeover-*")), "a take-over marker was left behind"
 
 
+DIE_HOLDING_THE_MARKER = """
+import os, signal, sys
+from pathlib import Path
+from ckptguard._commit import lease
+lease._write = lambda path, owner: os.kill(os.getpid(), signal.SIGKILL)  # dies inside the take-over
+lease.acquire(Path(sys.argv[1]), ttl_s=60)
+"""
+
+
+def test_a_taker_that_died_holding_its_marker_never_wedges_the_root(tmp_path):
+    root = _root(tmp_path / "ck", (1,))
+    _dead_lease(root)
+    killed = subprocess.run([sys.executable, "-c", DIE_HOLDING_THE_MARKER, str(root)])
+    assert killed.returncode == -9
+    markers = list(root.glob(f"{LEASE_NAME}.takeover-*"))
+    assert len(markers) == 1  # the dead taker's marker is left, the dead lease unchanged
+    out = CliRunner().invoke(main, ["verify", str(root)])
+    assert "takeover-marker" in out.output and markers[0].name in out.output
+    cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None)).save(2, _w(2))
+    assert json.loads((root / LEASE_NAME).read_text())["pid"] == os.getpid()
+    assert not list(root.glob(f"{LEASE_NAME}.takeover-*")) and _layout.read_tracker(root) == 2
+
+
 def test_publish_never_moves_the_tracker_backwards(tmp_path):
     root = tmp_path / "ck"
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None))
@@ -216,13 +240,17 @@ def _holder(root: Path, step: int) -> subprocess.Popen:
     return proc
 
 
-def test_the_lease_is_checked_at_creation_and_at_restore(tmp_path):
+def test_the_lease_is_checked_at_creation_and_at_restore(tmp_path, caplog):
     root = _root(tmp_path / "ck", (1,))
     early = cg.CheckpointManager(root)  # the root is free now
     holder = _holder(root, 2)
     try:
+        caplog.set_level(logging.WARNING, logger="ckptguard")
+        late = cg.CheckpointManager(root)  # warned at creation; a manager that only reads stays usable
+        assert f"pid {holder.pid}" in caplog.text and "restore and save will refuse" in caplog.text
+        assert late.committed_steps() == [1]
         with pytest.raises(cg.LeaseHeldError, match=f"pid {holder.pid}"):
-            cg.CheckpointManager(root)  # a duplicate launch is refused before it trains
+            late.restore(_w(0))  # a duplicate launch is refused before it trains
         with pytest.raises(cg.LeaseHeldError, match=f"pid {holder.pid}"):
             early.restore(_w(0))
         # Reading another run's root under a manager of one's own root stays possible.

@@ -229,6 +229,8 @@ def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str) -> 
         raise click.UsageError(str(exc)) from None
     except CheckpointError as exc:
         _fail(str(exc), False)
+    except OSError as exc:  # e.g. a directory it may not delete: what is done stays done, rerun after fixing
+        _fail(f"gc of {root} stopped: {exc}; fix the cause and run it again", False)
     for path, what in report.removed:
         click.echo(f"{'would remove' if dry_run else 'removed'} {path}: {what}")
     for path, why in report.kept:
@@ -258,6 +260,8 @@ def adopt(root: Path, step: int, template: str) -> None:
         click.echo(_gc.adopt_step(root.absolute(), StepNaming(template), step))
     except CheckpointError as exc:
         _fail(str(exc), False)
+    except OSError as exc:
+        _fail(f"adopt of step {step} under {root} failed: {exc}; the tracker was not moved", False)
 
 
 @main.command()
@@ -273,11 +277,11 @@ def hold(root: Path, step: int, reason: str, template: str) -> None:
 
     try:
         _manifest.read(root / StepNaming(template).name(step))
+        if step > (_layout.read_tracker(root) or 0):
+            _fail(f"step {step} is newer than the tracker: not committed", False)
+        click.echo(f"held step {step}: {retention.hold(root, step, reason)}")
     except CheckpointError as exc:
         _fail(str(exc), False)
-    if step > (_layout.read_tracker(root) or 0):
-        _fail(f"step {step} is newer than the tracker: not committed", False)
-    click.echo(f"held step {step}: {retention.hold(root, step, reason)}")
 
 
 @main.command()
@@ -287,7 +291,11 @@ def release(root: Path, step: int) -> None:
     """Remove the hold on STEP; rotation may then delete it."""
     from ._commit import retention
 
-    if not retention.release(root, step):
+    try:
+        released = retention.release(root, step)
+    except OSError as exc:
+        _fail(f"could not remove the hold of step {step} under {root}: {exc}", False)
+    if not released:
         _fail(f"step {step} has no hold under {root}", False)
     click.echo(f"released step {step}")
 
@@ -479,6 +487,10 @@ def transfer(step_dir: Path, dest_root: Path, record: Path | None) -> None:
         info = _transfer(step_dir, dest_root, record=record)
     except CheckpointError as exc:
         _fail(str(exc), False)
+    except OSError as exc:  # ENOSPC, EACCES...: the tracker moves last, so it was not moved
+        _fail(f"transfer of {step_dir} to {dest_root} failed: {exc}; the destination's tracker moves only once "
+              "every file is verified. Fix the cause and run the same transfer again (it finishes a complete copy)",
+              False)
     click.echo(describe(info))
 
 

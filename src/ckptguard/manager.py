@@ -32,7 +32,7 @@ from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.prooflog import ProofLog
 from .config import CheckpointConfig, ResumeMode
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, LeaseHeldError
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -78,6 +78,8 @@ class CheckpointManager:
 
     The constructor is collective too: every rank creates its managers in the same order
     (their agreement keys are numbered by creation), e.g. the actor's and the critic's.
+    It raises LeaseHeldError when another live run holds the root's write lease, and so
+    does ``restore``: a duplicate launch stops before it trains.
     """
 
     _created = 0
@@ -132,15 +134,23 @@ class CheckpointManager:
         self._check_lease("create")
 
     def _check_lease(self, where: str) -> None:
-        """Refuse when another live run holds the root's write lease: a duplicate launch stops
-        at creation or restore, not after training until its first save. Rank 0 looks (and
-        never writes); every rank raises alike. ``break_lease`` leaves it to the save."""
+        """Look for another live run holding the root's write lease: at creation a loud warning
+        (a manager that only reads, ``committed_steps`` or ``resolve``, stays usable), at
+        ``restore`` a refusal on every rank, so a duplicate launch stops before its first training
+        step instead of at its first save. Rank 0 looks and never writes. ``break_lease`` leaves
+        it to the save."""
         if self.config.break_lease:
             return
 
         def decide(_: list[_Empty]) -> _Empty:
-            if self.root.is_dir():
+            if not self.root.is_dir():
+                return _Empty()
+            try:
                 _lease.check_free(self.root, ttl_s=self.config.lease_ttl_s)
+            except LeaseHeldError as exc:
+                if where != "create":
+                    raise
+                log.warning("ckptguard: %s (restore and save will refuse)", exc)
             return _Empty()
 
         gather_decide(self._ctx.agreement, f"lease.{where}", _Empty(), decide, decision=_Empty)

@@ -22,11 +22,12 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import LeaseHeldError
+from ..errors import CheckpointCorruptError, LeaseHeldError
 from .layout import _proc_start, atomic_write_bytes, fsync_dir, loads_bounded, read_small
 
 log = logging.getLogger("ckptguard")
@@ -76,6 +77,14 @@ class _Seen:
     owner: Owner | None  # None: absent or unreadable
     problem: str | None = None  # why it is unreadable
     being_created: bool = False  # empty and a moment old: an O_EXCL create not yet written
+    foreign: bool = False  # not a small regular file: something else put it there
+
+    def refuse_foreign(self, path: Path) -> None:
+        if self.foreign:
+            raise CheckpointCorruptError(
+                f"{path} is not ckptguard's lease ({self.problem}); ckptguard writes it as a small regular "
+                "file and never opens anything else there. Find out what put it there, then remove it by hand."
+            )
 
     def describe(self) -> str:
         return self.owner.describe() if self.owner else f"an unreadable lease ({self.problem})"
@@ -90,9 +99,9 @@ def _look(path: Path) -> _Seen:
         raw = read_small(path, limit=_LEASE_BYTES)
     except FileNotFoundError:
         return _Seen(None, None)
-    except (OSError, ValueError) as exc:  # a link, FIFO or huge file: keyed by its inode
+    except (OSError, ValueError) as exc:  # a link, FIFO or device is never ckptguard's; a huge file is damaged
         key = f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}:{st.st_mode}".encode()
-        return _Seen(hashlib.sha256(key).hexdigest(), None, str(exc))
+        return _Seen(hashlib.sha256(key).hexdigest(), None, str(exc), foreign=not stat.S_ISREG(st.st_mode))
     fingerprint = hashlib.sha256(raw).hexdigest()
     if not raw:
         young = time.time() - st.st_mtime < _YOUNG_S
@@ -209,6 +218,7 @@ def acquire(root: Path, *, ttl_s: float, override: bool = False) -> str | None:
     me = Owner.me()
     for _attempt in range(200):
         seen = _look(path)
+        seen.refuse_foreign(path)
         if seen.fingerprint is None:
             if _create(path, me):  # of two runs taking a free lease at once, exactly one wins
                 _release_at_exit(path, me)
@@ -254,14 +264,17 @@ def live_holder(root: Path, *, ttl_s: float) -> Owner | None:
 
 
 def check_free(root: Path, *, ttl_s: float) -> None:
-    """Raise LeaseHeldError if another live run holds the root's lease (manager creation, restore)."""
+    """Raise LeaseHeldError if another live run holds the root's lease (manager creation,
+    restore). A damaged or foreign lease file is left to the save, which refuses or replaces it."""
     owner = live_holder(root, ttl_s=ttl_s)
     if owner is not None:
         raise _held(root, owner)
 
 
 def check_idle(root: Path, *, ttl_s: float) -> None:
-    """Raise if a live run holds the root's lease (``gc`` must not race a commit)."""
+    """Raise if a live run holds the root's lease (``gc`` must not race a commit), or if
+    something that is not a lease sits in its place (no owner can be ruled out)."""
+    _look(root / LEASE_NAME).refuse_foreign(root / LEASE_NAME)
     held = live_holder(root, ttl_s=ttl_s)
     if held is not None:
         raise LeaseHeldError(
@@ -276,6 +289,7 @@ def confirm(root: Path, *, step: int) -> None:
     path = root / LEASE_NAME
     me = Owner.me()
     seen = _look(path)
+    seen.refuse_foreign(path)
     if seen.owner is not None and seen.owner.same_process(me):
         return
     if seen.fingerprint is None and _create(path, me):
@@ -308,7 +322,7 @@ def release(root: Path) -> bool:
 
 
 def leftover_markers(root: Path) -> list[tuple[Path, bool]]:
-    """Take-over markers and lease temp files under ``root``, each with whether its writer is dead."""
+    """Lease take-over markers under ``root``, each with whether its writer is dead."""
     out = []
     for marker in sorted(root.glob(f"{LEASE_NAME}.*")):
         if marker.name.startswith(TAKEOVER_PREFIX):

@@ -97,6 +97,10 @@ def hold(root: Path, step: int, reason: str) -> Path:
     if not reason.strip():
         raise ConfigError("hold: give a reason (who needs this step, and until when)")
     directory = root / HOLDS_DIR
+    if directory.is_symlink():
+        raise ConfigError(
+            f"hold: {directory} is a symlink; ckptguard never writes through links: replace it with a real directory"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{step}.json"
     _layout.atomic_write_json(path, {"step": step, "reason": reason, "created_unix": time.time()})
@@ -176,13 +180,14 @@ def check_step(path: Path) -> str | None:
         return f"could not be checked ({type(exc).__name__}: {str(exc)[:200]})"
 
 
-def orphan_hint(path: Path, tracker: int | None) -> str:
-    """What to do with a complete step the tracker does not cover."""
+def orphan_hint(path: Path, step: int, tracker: int | None, naming: _layout.StepNaming) -> str:
+    """What to do with a complete step the tracker does not cover (the commands spelled out)."""
     where = "there is no tracker" if tracker is None else f"newer than the tracker ({tracker})"
+    template = "" if naming.template == "step_{step:08d}" else f" --template '{naming.template}'"
     return (
         f"a complete checkpoint, {where}: never deleted by rotation or plain gc. Resume from it with "
-        f"restore(path={str(path)!r}), point the tracker at it with `ckptguard adopt ROOT STEP`, or delete "
-        "it with `ckptguard gc ROOT --orphans`"
+        f"restore(path={str(path)!r}), point the tracker at it with `ckptguard adopt {path.parent} {step}{template}`, "
+        f"or delete it with `ckptguard gc {path.parent} --orphans{template}`"
     )
 
 
@@ -216,7 +221,7 @@ def apply(
             not_counted[path.name] = f"not a complete checkpoint ({why}); {INCOMPLETE_HINT}"
             continue
         if tracker is None or step > tracker:
-            not_counted[path.name] = orphan_hint(path, tracker)
+            not_counted[path.name] = orphan_hint(path, step, tracker, naming)
             continue
         committed.append(step)
     keep = policy.keep(committed) | set(protect) | set(holds(root)) | ({tracker} if tracker is not None else set())

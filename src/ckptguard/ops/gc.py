@@ -99,7 +99,7 @@ def gc(
             victims.append((path, f"orphan step {step}, newer than the tracker ({tracker}); --orphans"))
             steps.add(path)
         elif newer and why is None:
-            report.kept.append((path, _retention.orphan_hint(path, tracker)))
+            report.kept.append((path, _retention.orphan_hint(path, step, tracker, naming)))
         elif newer:
             report.kept.append(
                 (path, f"incomplete ({why}), newer than the tracker; {_retention.INCOMPLETE_HINT}, or --orphans")
