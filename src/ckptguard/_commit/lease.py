@@ -19,8 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import LeaseHeldError
-from .layout import _proc_start, atomic_write_bytes
+from ..errors import LeaseHeldError, UnsafeCheckpointError
+from .layout import _proc_start, atomic_write_bytes, read_json
 
 log = logging.getLogger("ckptguard")
 
@@ -54,9 +54,11 @@ def _alive_here(owner: Owner) -> bool:
 
 def _read(path: Path) -> Owner | None:
     try:
-        return Owner(**json.loads(path.read_text()))
+        return Owner(**read_json(path, what="write lease"))
     except FileNotFoundError:
         return None
+    except UnsafeCheckpointError:
+        raise  # a link, FIFO or device: refused, never read and never taken for abandoned
     except (ValueError, TypeError) as exc:
         log.warning("ckptguard: unreadable lease %s (%s) is treated as abandoned", path, exc)
         return None
@@ -125,7 +127,10 @@ def _release_at_exit(path: Path, me: Owner) -> None:
     _registered.add(str(path))
 
     def release() -> None:
-        held = _read(path)
+        try:
+            held = _read(path)
+        except UnsafeCheckpointError:
+            return  # replaced by a link or FIFO since: not ours to remove, and exit must not raise
         if held is not None and held.same_process(me):
             with contextlib.suppress(OSError):
                 path.unlink()

@@ -11,7 +11,6 @@ A failed delete is reported and retried at the next run; it never raises into tr
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -93,6 +92,7 @@ def hold(root: Path, step: int, reason: str) -> Path:
     if not reason.strip():
         raise ConfigError("hold: give a reason (who needs this step, and until when)")
     directory = root / HOLDS_DIR
+    _layout.refuse_link(directory, "holds directory")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{step}.json"
     _layout.atomic_write_json(path, {"step": step, "reason": reason, "created_unix": time.time()})
@@ -109,11 +109,12 @@ def release(root: Path, step: int) -> bool:
 
 def holds(root: Path) -> dict[int, str]:
     out = {}
+    _layout.refuse_link(root / HOLDS_DIR, "holds directory")
     for path in (root / HOLDS_DIR).glob("*.json"):
         try:
-            data = json.loads(path.read_text())
+            data = _layout.read_json(path, what="hold record")
             out[int(data["step"])] = str(data.get("reason", ""))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             log.warning("ckptguard: unreadable hold file %s is treated as holding nothing; fix or remove it", path)
     return out
 

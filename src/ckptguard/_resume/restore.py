@@ -69,6 +69,7 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
     """What this rank sees on disk; raises ResumeError rather than guessing."""
     if path is not None:
         step_dir = Path(path)
+        _layout.refuse_link(step_dir, "step directory")  # a link may lead outside every root
         if not step_dir.is_dir():
             raise CheckpointNotFoundError(
                 f"restore(path={str(path)!r}): no such directory; pass a committed step directory"
@@ -106,8 +107,11 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
         orphans = f"; uncommitted step directories {sorted(dirs)} are ignored" if dirs else ""
         return Resolution(0, None, f"tracker in {root} says 0: fresh start declared by the first save{orphans}", mode)
     step_dir = root / naming.name(tracker)
+    _layout.refuse_link(step_dir, f"step directory of the tracker's step {tracker}")
     try:
         manifest = _manifest.read(step_dir)
+    except UnsafeCheckpointError:
+        raise  # a link or a FIFO in place of the manifest: refused as such, not as "not committed"
     except (CheckpointNotFoundError, CheckpointError) as exc:
         raise ResumeError(
             f"the tracker in {root} points at step {tracker}, but {step_dir} is not a committed "
