@@ -615,3 +615,16 @@ def test_restore_check_stays_within_a_host_budget(tmp_path):
     assert result["peak_tensor_bytes"] <= 48 << 20
     cli = _invoke("verify", tmp_path / "big", "--restore")
     assert cli.exit_code == 0 and "a real restore" in cli.output, cli.output
+
+
+def test_the_streamed_digest_equals_the_digest_of_the_rebuilt_item():
+    from ckptguard._resume.digest import digest
+    from ckptguard._resume.state import TENSOR_REF, _unflatten
+    from ckptguard.ops._offline import skeleton_digest
+
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.int8), "c": torch.tensor(3.5)}
+    skeleton = {"x": {TENSOR_REF: "a"}, 2: [{TENSOR_REF: "b"}, 1.5, ("t", {TENSOR_REF: "c"})], "n": None,
+                "s": {"lr": 0.1, "ids": [1, 2]}}
+    fetched = []
+    assert skeleton_digest(skeleton, lambda k: fetched.append(k) or tensors[k]) == digest(_unflatten(skeleton, tensors))
+    assert sorted(fetched) == ["a", "b", "c"]

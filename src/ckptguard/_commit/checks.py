@@ -263,11 +263,15 @@ def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] 
         manifest = _manifest.read(step_dir)
     except CheckpointError as exc:
         code = "no-manifest" if isinstance(exc, FileNotFoundError) else "bad-manifest"
+        where = step_dir / _layout.MANIFEST_NAME
+        what = str(exc).split(";")[0]
+        if what.startswith(str(where)):  # the finding names the file already
+            what = what[len(str(where)) :].lstrip(": ") or what
         return [
             _err(
                 code,
-                step_dir / _layout.MANIFEST_NAME,
-                str(exc).split(";")[0],
+                where,
+                what,
                 "this step is not committed: never restore it; resume from the tracker's step",
             )
         ]
