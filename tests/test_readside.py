@@ -188,6 +188,9 @@ def test_symlinked_proof_and_holds_directories_are_refused(tmp_path):
     before = (outside / "rank_00000.jsonl").read_text()
     with pytest.raises(UnsafeCheckpointError):
         ProofLog(root, 0).append("save", step=1)
+    target = _state(0.0)
+    assert cg.CheckpointManager(root).restore(target) == 1  # the proof record is refused and logged, not fatal
+    assert torch.equal(target["w"], _state(1.0)["w"])
     assert (outside / "rank_00000.jsonl").read_text() == before  # nothing written through the link
     (root / retention.HOLDS_DIR).symlink_to(outside, target_is_directory=True)
     with pytest.raises(UnsafeCheckpointError):

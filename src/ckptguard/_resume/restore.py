@@ -300,7 +300,17 @@ def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[s
     _contract.check(ctx.root, ctx.config.contract, where=where)
     extras_path = res.path / _layout.extras_name(_source_rank(ctx, manifest))
     try:
-        return manifest, torch.load(extras_path, weights_only=True, map_location="cpu")
+        extras = torch.load(extras_path, weights_only=True, map_location="cpu")
+        items = extras.get("items") if isinstance(extras, dict) else None
+        items = items if isinstance(items, dict) else {}
+        if not set(manifest.items) <= set(items):
+            # Checked here, inside the precheck every rank agrees on: a KeyError later would strand the others.
+            raise CheckpointCorruptError(
+                f"{extras_path} (rank {ctx.rank}) is not the extras file ckptguard wrote for this step (its "
+                f"'items' table lacks {sorted(set(manifest.items) - set(items))[:4]}); "
+                "restore an earlier step"
+            )
+        return manifest, extras
     except FileNotFoundError:
         raise CheckpointIncompleteError(
             f"{extras_path} is missing (rank {ctx.rank}); restore an earlier step"
