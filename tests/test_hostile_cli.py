@@ -354,7 +354,7 @@ def test_item19_verify_prints_a_readable_size_for_small_checkpoints(root):
 HASH_TWICE = """
 import ckptguard as cg
 first = cg.hash_imported_files(["ckptguard"])
-import ckptguard.cli, ckptguard.transfer, ckptguard.memory.report  # lazily imported by real runs
+import ckptguard.cli, ckptguard.ops.transfer, ckptguard.memory.report  # lazily imported by real runs
 print(first == cg.hash_imported_files(["ckptguard"]))
 print(repr(cg.hash_imported_files.__doc__))
 """

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard.toyjob import build_job, train_step
+from ckptguard.demo.toyjob import build_job, train_step
 from hostile_helper import MANIFEST, TRACKER, cli, no_traceback, refresh_entry, refused, rewrite_manifest, tiny_root
 
 # ---------------------------------------------------------------- item 4: absolute paths in DCP metadata

@@ -23,7 +23,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard import _faults
-from ckptguard.toyjob import build_job, train_step
+from ckptguard.demo.toyjob import build_job, train_step
 from dist_helper import run_ranks
 from hostile_helper import (
     MANIFEST,
@@ -216,8 +216,8 @@ def test_item08_transfer_refuses_a_destination_a_live_run_writes(live_writer):
 KILL_BEFORE_TRACKER = """
 import os, signal, sys
 from pathlib import Path
-from ckptguard import _layout
-from ckptguard.transfer import transfer
+from ckptguard._commit import layout as _layout
+from ckptguard.ops.transfer import transfer
 
 real = _layout.write_tracker
 step_name = Path(sys.argv[1]).name

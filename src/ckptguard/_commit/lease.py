@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import LeaseHeldError, UnsafeCheckpointError
+from ..errors import CheckpointCorruptError, LeaseHeldError, UnsafeCheckpointError
 from .layout import _proc_start, atomic_write_bytes, read_json
 
 log = logging.getLogger("ckptguard")
@@ -77,6 +77,16 @@ def acquire(root: Path, *, ttl_s: float, override: bool = False) -> str | None:
         try:  # O_EXCL: of two runs taking a free lease at once, exactly one wins
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
+            if _read(path) is None and os.path.lexists(path):
+                # There but unreadable (torn, damaged): retrying would recurse forever.
+                if override and not path.is_symlink():
+                    _write(path, me)
+                    _release_at_exit(path, me)
+                    return f"replaced the unreadable lease {path} (override)"
+                raise CheckpointCorruptError(
+                    f"{path} exists but is not a readable lease; if no run is writing {root}, remove it and "
+                    "relaunch (or pass CheckpointConfig(break_lease=True))"
+                ) from None
             return acquire(root, ttl_s=ttl_s, override=override)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(asdict(me)))
