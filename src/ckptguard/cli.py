@@ -170,7 +170,7 @@ def list_steps(root: Path, template: str) -> None:
 
 
 def _size(n: float) -> str:
-    """Bytes in the largest unit that keeps the figure at least 1 (``12.3 KiB``, ``4.00 GiB``)."""
+    """Bytes in the largest unit that keeps the figure at least 1 (``512 B``, ``19.4 KiB``, ``4 GiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}" if n < 100 else f"{n:.0f} {unit}"

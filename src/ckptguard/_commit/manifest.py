@@ -159,8 +159,6 @@ def read(step_dir: Path) -> Manifest:
             f"{step_dir} has no {MANIFEST_NAME}: it was never committed (a save died before "
             "publishing it) and must not be restored; resume from the tracker's step"
         ) from None
-    except IsADirectoryError:
-        raise CheckpointCorruptError(f"{path} is a directory, not a manifest") from None
     try:
         data = parse_json(raw, where=str(path))
     except CheckpointCorruptError as exc:

@@ -90,6 +90,7 @@ def _check(records: list[dict[str, Any]]) -> None:
                 ("mono_ns", _int(rec.get("mono_ns"))),
                 ("wall_time", isinstance(rec.get("wall_time"), (int, float))),
                 ("node", isinstance(rec.get("node", ""), str)),
+                ("phase", isinstance(rec.get("phase"), str) or not str(rec.get("kind")).startswith("phase_")),
                 ("duration_s", rec.get("duration_s") is None or isinstance(rec.get("duration_s"), (int, float))),
             )
             if not ok

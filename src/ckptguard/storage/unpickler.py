@@ -83,8 +83,6 @@ def read_dcp_metadata(state_dir: Path) -> Metadata:
             f"{path} is missing: the tensor state of this checkpoint was never finished; "
             "resume from an earlier committed step"
         ) from None
-    except IsADirectoryError:
-        raise CheckpointCorruptError(f"{path} is a directory, not DCP metadata") from None
     try:
         md = SafeMetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
