@@ -268,8 +268,8 @@ def test_contract_hash_helpers(tmp_path):
     (tmp_path / "a.bin").write_bytes(b"y" * 10)
     assert cg.hash_data_files([tmp_path / "a.bin"]) != h1
     assert cg.hash_recipe({"a": 1, "b": 2}) == cg.hash_recipe({"b": 2, "a": 1})
-    assert cg.hash_imported_files(["ckptguard"]).startswith("imported:")
-    with pytest.raises(cg.ConfigError, match="nothing imported"):
+    assert cg.hash_imported_files(["ckptguard"]).startswith("sources:")
+    with pytest.raises(cg.ConfigError, match="no Python source files"):
         cg.hash_imported_files(["no_such_pkg_xyz"])
     repo = Path(__file__).resolve().parents[1]
     if (repo / ".git").exists():

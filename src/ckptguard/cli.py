@@ -1,22 +1,95 @@
 """The ckptguard command line: a thin layer over the public API.
 
 Exit codes: 0 success, 1 the check failed (or the checkpoint refused), 2 bad usage.
+Every command runs inside one error mapping (``_mapped``): whatever a command meets on
+disk (a malformed manifest, tracker, proof record or extras file, a full filesystem)
+ends in one ``error:`` line (a JSON ``{"error": ...}`` under ``--json``) and exit 1, or
+exit 2 for a bad argument; never a traceback. ``CKPTGUARD_DEBUG=1`` re-raises instead,
+for a bug report.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as _errno
 import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from . import __version__
+from ._commit.checks import printable
 from ._commit.layout import StepNaming, read_tracker
 from ._resume.restore import resolve_local
 from .config import ResumeMode
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
+
+_OS_HINTS = {
+    _errno.ENOSPC: "the filesystem is full: free space there (or pick another destination) and retry; "
+    "ckptguard publishes nothing half-written",
+    _errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota, then retry",
+    _errno.EROFS: "the filesystem is mounted read-only",
+    _errno.EACCES: "check the permissions of that path",
+    _errno.EPERM: "check the permissions of that path",
+    _errno.ENOENT: "check the path",
+    _errno.EIO: "the storage reported an I/O error: check the device, then `ckptguard verify --deep`",
+}
+
+
+def _os_message(exc: OSError) -> str:
+    name = _errno.errorcode.get(exc.errno or 0, "")
+    where = f"{exc.filename}: " if exc.filename else ""
+    hint = _OS_HINTS.get(exc.errno or 0, "")
+    return f"{where}{exc.strerror or exc} (errno {exc.errno} {name})" + (f"; {hint}" if hint else "")
+
+
+def _mapped(call: Callable[[], Any], as_json: bool) -> Any:
+    """Run a command; map every error it raises to one clear message and an exit code."""
+    try:
+        return call()
+    except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        raise
+    except Exception as exc:
+        if os.environ.get("CKPTGUARD_DEBUG"):
+            raise
+        if isinstance(exc, ConfigError):
+            _fail(str(exc), as_json, code=2)
+        if isinstance(exc, CheckpointError):
+            _fail(str(exc), as_json)
+        if isinstance(exc, OSError):
+            _fail(_os_message(exc), as_json)
+        if isinstance(exc, (RecursionError, UnicodeError, KeyError, TypeError, ValueError, AttributeError,
+                            IndexError, EOFError)):
+            _fail(
+                f"malformed input ({type(exc).__name__}: {str(exc)[:300]}); a file this command read is not "
+                "what ckptguard writes: run `ckptguard verify` on the root, and set CKPTGUARD_DEBUG=1 for the "
+                "traceback if you think the file is fine",
+                as_json,
+            )
+        _fail(
+            f"unexpected {type(exc).__name__}: {str(exc)[:300]}; this is a bug in ckptguard: rerun with "
+            "CKPTGUARD_DEBUG=1 and report the traceback",
+            as_json,
+        )
+
+
+class _Command(click.Command):
+    def invoke(self, ctx: click.Context) -> Any:
+        return _mapped(lambda: super(_Command, self).invoke(ctx), bool(ctx.params.get("as_json")))
+
+
+class _Group(click.Group):
+    """Commands made with ``@main.command`` map their errors themselves (they know ``--json``);
+    the group maps what escapes from the others (``mem ...``) too."""
+
+    command_class = _Command
+
+    def invoke(self, ctx: click.Context) -> Any:
+        return _mapped(lambda: super(_Group, self).invoke(ctx), False)
 
 TEMPLATE = click.option(
     "--template",
@@ -26,7 +99,7 @@ TEMPLATE = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptguard")
 def main() -> None:
     """Checkpoints that commit atomically across ranks, and resumes that are proven.
@@ -68,7 +141,7 @@ def resolve(root: Path, mode: str, path: Path | None, template: str, as_json: bo
             )
         )
     else:
-        click.echo(res.describe())
+        click.echo(printable(res.describe()))
 
 
 @main.command(name="list")
@@ -83,20 +156,33 @@ def list_steps(root: Path, template: str) -> None:
     tracker = read_tracker(root)
     click.echo(f"tracker: {tracker if tracker is not None else 'absent'}")
     for step, path in sorted(_layout.step_dirs(root, naming).items()):
-        try:
-            _manifest.read(path)
-            state = "committed" if tracker is not None and step <= tracker else "orphan (newer than tracker)"
-        except CheckpointError as exc:
-            state = f"NOT committed: {str(exc).split(':')[0]}"
-        click.echo(f"{step:>10}  {state}  {path.name}")
+        if path.is_symlink():
+            state = "NOT committed: a symlink (never read through)"
+        else:
+            try:
+                _manifest.read(path)
+                state = "committed" if tracker is not None and step <= tracker else "orphan (newer than tracker)"
+            except CheckpointError as exc:
+                state = f"NOT committed: {str(exc).split(';')[0]}"
+        click.echo(printable(f"{step:>10}  {state}  {path.name}"))
     for tmp in sorted(root.glob(".tmp-*")):
-        click.echo(f"{'-':>10}  in flight or abandoned  {tmp.name}")
+        click.echo(printable(f"{'-':>10}  in flight or abandoned  {tmp.name}"))
+
+
+def _size(n: float) -> str:
+    """Bytes in the largest unit that keeps the figure at least 1 (``512 B``, ``19.4 KiB``, ``4 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}" if n < 100 else f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB" if n < 100 else f"{n:.0f} TiB"
 
 
 def _cost_line(c: dict[str, Any]) -> str:
     frac = c.get("save_fraction_of_step")
-    step = f", {100 * frac:.1f}% of a {c['step_seconds']:.2f} s step" if frac is not None else ""
-    return f"{c['bytes'] / (1 << 30):.3f} GiB, saved in {c['save_seconds']:.2f} s{step}"
+    step = f", {100 * frac:.1f}% of a {c['step_seconds']:.2f} s step" if frac is not None and c.get(
+        "step_seconds") is not None else ""
+    return f"{_size(c['bytes'])}, saved in {c['save_seconds']:.2f} s{step}"
 
 
 def _emit(findings: list[Any], as_json: bool, extra: dict[str, Any] | None = None) -> None:
@@ -105,7 +191,7 @@ def _emit(findings: list[Any], as_json: bool, extra: dict[str, Any] | None = Non
         click.echo(json.dumps({**(extra or {}), "ok": ok, "findings": [f.to_json() for f in findings]}))
     else:
         for f in findings:
-            click.echo(f.line())
+            click.echo(f.line())  # escaped: a file name cannot forge a line
 
 
 @main.command()
@@ -139,19 +225,43 @@ def verify(path: Path, deep: bool, do_restore: bool, template: str, as_json: boo
             steps, findings = _verify.verify_root(path, naming, deep=deep, progress=bar.update)
         else:
             steps, findings = [path], _verify.verify_step(path, deep=deep, progress=bar.update)
-    if do_restore and not _verify.worst(findings):
-        findings += _verify.restore_check(steps)
+    restored = do_restore and not _verify.worst(findings) and bool(steps)
+    if restored:
+        findings += _restore_with_progress(_verify, steps, as_json)
     costs = {str(p): _verify.cost(p) for p in steps}
-    _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs})
+    _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs, "restored": restored})
     if not as_json:
         for p, c in costs.items():
             if c:
-                click.echo(f"cost    {Path(p).name}: {_cost_line(c)}")
+                click.echo(printable(f"cost    {Path(p).name}: {_cost_line(c)}"))
     if not as_json:
         verdict = "FAIL" if _verify.worst(findings) else "OK"
-        how = (" with checksums" if deep else "") + (" and a real restore" if do_restore else "")
+        how = " with checksums" if deep else ""
+        if restored:
+            how += " and a real restore"
+        elif do_restore:
+            how += "; restore skipped: fix the ERROR findings first"
         click.echo(f"{verdict}: {len(steps)} step(s) checked{how}, {len(findings)} finding(s)")
     sys.exit(_verify.worst(findings))
+
+
+def _restore_with_progress(_verify: Any, steps: list[Path], as_json: bool) -> list[Any]:
+    """The restore check, with a progress bar on stderr (bytes restored) for a large checkpoint."""
+    from ._commit import manifest as _manifest
+
+    total = 0
+    for p in steps:
+        with contextlib.suppress(CheckpointError):
+            total += sum(f["size"] for f in _manifest.read(p).files if f["path"].startswith("state/"))
+    show = not as_json and total > 256 << 20
+    with click.progressbar(length=max(total, 1), label="restore", file=sys.stderr, hidden=not show) as bar:
+
+        def progress(step_dir: Path, event: dict[str, Any]) -> None:
+            bar.label = f"restore {step_dir.name} rank {event['rank'] + 1}/{event['world']}"
+            bar.update(int(event.get("bytes", 0)))
+
+        found: list[Any] = _verify.restore_check(steps, progress=progress)
+        return found
 
 
 @main.command()
@@ -193,7 +303,7 @@ def preflight(
         report = _pre.preflight(root, naming, expect_step=expect_step, rank_hosts=placement)
     if not as_json:
         where = f"step {report.step} at {report.path or '(fresh start)'} ({report.reason})"
-        click.echo(f"resume: {where}" if report.step is not None else "resume: unresolved")
+        click.echo(printable(f"resume: {where}") if report.step is not None else "resume: unresolved")
     _emit(report.findings, as_json, {"step": report.step, "path": report.path, "reason": report.reason})
     if not as_json:
         click.echo("READY" if report.ok else "NOT READY: fix the ERROR lines above before launching")
@@ -503,7 +613,8 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
     """Each rank's current phase, for how long, against its typical duration, and whether it is busy.
 
     PATH is a phase-records file (PhaseRecorder) or a directory holding them. Tells a stalled
-    rank (no CPU, no I/O, overdue) from a slow one: slow is not a hang.
+    rank (no CPU, no I/O, overdue) from a slow one: slow is not a hang. Exit 0 if no rank is
+    stalled, 1 if one is stalled or died inside a phase (for a watchdog).
     """
     from dataclasses import asdict
 
@@ -516,9 +627,10 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
     ranks = _status(files, sample_s=sample_s)
     if as_json:
         click.echo(json.dumps([asdict(r) for r in ranks]))
-        return
-    for r in ranks:
-        click.echo(f"rank {r.rank:<3} pid {r.pid:<8} {r.node:<12} step {r.step}: {r.verdict}")
+    else:
+        for r in ranks:
+            click.echo(printable(f"rank {r.rank:<3} pid {r.pid:<8} {r.node:<12} step {r.step}: {r.verdict}"))
+    sys.exit(1 if any(r.needs_attention for r in ranks) else 0)
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -552,12 +664,12 @@ def rehearse(root: Path, timeout_s: float, cmd: tuple[str, ...]) -> None:
     sys.exit(0 if ok else 1)
 
 
-def _fail(message: str, as_json: bool) -> None:
+def _fail(message: str, as_json: bool, code: int = 1) -> NoReturn:
     if as_json:
         click.echo(json.dumps({"error": message}))
     else:
-        click.echo(f"error: {message}", err=True)
-    sys.exit(1)
+        click.echo(f"error: {printable(message)}", err=True)
+    sys.exit(code)
 
 
 def _register() -> None:

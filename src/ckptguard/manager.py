@@ -32,7 +32,7 @@ from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.prooflog import ProofLog
 from .config import CheckpointConfig, ResumeMode
-from .errors import CheckpointError, ConfigError, LeaseHeldError
+from .errors import CheckpointError, ConfigError, LeaseHeldError, UnsafeCheckpointError
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -336,9 +336,10 @@ class CheckpointManager:
     def _record(self, event: str, **fields: Any) -> None:
         # Never create the root for a record: a mistyped path must stay visible.
         if self.config.record_proof and self.root.is_dir():
+            # A read-only or full root, or a symlinked proof/ (refused), must not fail a restore.
             try:
                 self._proof.append(event, **fields)
-            except OSError as exc:  # a read-only or full root must not fail a restore
+            except (OSError, UnsafeCheckpointError) as exc:
                 log.warning("ckptguard: could not append the %s proof record under %s (%s)", event, self.root, exc)
 
     def adopt(self, path: str | os.PathLike[str], reason: str) -> Path:

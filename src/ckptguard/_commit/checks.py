@@ -14,13 +14,38 @@ from pathlib import Path
 from typing import Any
 
 from .._resume.digest import file_digest
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsafeCheckpointError
 from ..storage.base import DCP_METADATA
 from ..storage.unpickler import read_dcp_metadata
 from . import layout as _layout
 from . import manifest as _manifest
 
 _ALLOWED_EXTRA = {_layout.MANIFEST_NAME}
+
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped (``\\n``, ``\\x1b``, ``\\u202e``).
+
+    File names come from the disk: a newline in one would forge a line of output, an
+    ANSI escape would rewrite the terminal, and an undecodable byte (a surrogate after
+    ``os.fsdecode``) would make printing raise. Undecodable bytes show as ``\\xNN``."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable():
+            out.append(ch)
+        elif ch in _NAMED:
+            out.append(_NAMED[ch])
+        elif 0xDC80 <= ord(ch) <= 0xDCFF:  # surrogateescape: the raw byte of the name
+            out.append(f"\\x{ord(ch) - 0xDC00:02x}")
+        elif ord(ch) < 0x100:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
+    return "".join(out)
 
 
 class Severity(str, enum.Enum):
@@ -39,11 +64,16 @@ class Finding:
     fix: str
 
     def line(self) -> str:
-        return f"{self.severity.value:<7} {self.code:<18} {self.path}: {self.message}; {self.fix}"
+        """One line of output; names from the disk are escaped, so it is always exactly one line."""
+        text = f"{self.severity.value:<7} {self.code:<18} {self.path}: {self.message}; {self.fix}"
+        return printable(text)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["severity"] = self.severity.value
+        # JSON escapes control characters itself; undecodable bytes of a name become \\xNN,
+        # since a lone surrogate cannot be encoded as UTF-8 by the reader of the output.
+        out["path"] = out["path"].encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         return out
 
 
@@ -59,7 +89,7 @@ def safe_member(step_dir: Path, rel: str) -> Path | None:
     base = step_dir.resolve()
     try:
         real = path.resolve()
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
         return None
     if real != base and base not in real.parents:
         return None
@@ -75,7 +105,8 @@ def _check_files(
     findings, ok = [], []
     for entry in manifest.files:
         rel = str(entry.get("path", ""))
-        path = safe_member(step_dir, rel)
+        lexical = bool(rel) and not os.path.isabs(rel) and ".." not in Path(rel).parts
+        path = safe_member(step_dir, rel) if not (lexical and (step_dir / rel).is_symlink()) else step_dir / rel
         if path is None:
             findings.append(
                 _err(
@@ -119,17 +150,32 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
     """Every rank's extras and every file DCP's metadata points at must be listed."""
     listed = {str(f.get("path")) for f in manifest.files}
     findings = []
-    for rank in range(manifest.world_size):
-        name = _layout.extras_name(rank)
-        if name not in listed:
-            findings.append(
-                _err(
-                    "missing-rank",
-                    step_dir / name,
-                    f"rank {rank} of {manifest.world_size} has no extras in the manifest",
-                    RESTORE_HINT,
-                )
+    world = manifest.world_size
+    # Ranks are counted from the names listed, never enumerated up to a world size the
+    # manifest merely claims (10**8 would spin for minutes).
+    present = {r for r in (_extras_rank(p) for p in listed) if r is not None and r < world}
+    if len(present) < world:
+        missing = []
+        for rank in range(world):
+            if rank not in present:
+                missing.append(rank)
+                if len(missing) == 8:
+                    break
+        count = world - len(present)
+        names = ", ".join(str(r) for r in missing) + (" ..." if count > len(missing) else "")
+        path = step_dir / _layout.extras_name(missing[0]) if count == 1 else step_dir
+        findings.append(
+            _err(
+                "missing-rank",
+                path,
+                f"{count} of {world} ranks have no extras in the manifest (rank {names})"
+                if count > 1
+                else f"rank {missing[0]} of {world} has no extras in the manifest",
+                RESTORE_HINT
+                if count < world
+                else "the manifest's world_size does not match its files: do not restore it; restore an earlier step",
             )
+        )
     state = step_dir / _layout.STATE_DIR
     if f"{_layout.STATE_DIR}/{DCP_METADATA}" not in listed:
         return [
@@ -138,6 +184,16 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
         ]
     try:
         md = read_dcp_metadata(state)
+    except UnsafeCheckpointError as exc:
+        return [
+            *findings,
+            _err(
+                "unsafe-path",
+                state / DCP_METADATA,
+                str(exc).split(": DCP writes")[0].split("; ckptguard")[0],
+                "do not restore this checkpoint: inspect it by hand, restore an earlier step",
+            ),
+        ]
     except (CheckpointError, OSError) as exc:
         return [*findings, _err("bad-metadata", state / DCP_METADATA, str(exc).split(";")[0], RESTORE_HINT)]
     for rel in sorted({info.relative_path for info in (md.storage_data or {}).values()}):
@@ -151,6 +207,14 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
                 )
             )
     return findings
+
+
+def _extras_rank(rel: str) -> int | None:
+    if rel.startswith("rank_") and rel.endswith(".pt") and rel[5:-3].isdigit() and rel == _layout.extras_name(
+        int(rel[5:-3])
+    ):
+        return int(rel[5:-3])
+    return None
 
 
 def _leftovers(step_dir: Path, manifest: _manifest.Manifest) -> list[Finding]:
@@ -173,17 +237,44 @@ def _leftovers(step_dir: Path, manifest: _manifest.Manifest) -> list[Finding]:
 
 
 def verify_step(step_dir: Path, *, deep: bool = False, progress: Callable[[int], None] | None = None) -> list[Finding]:
-    """Findings for one step directory (empty: complete)."""
+    """Findings for one step directory (empty: complete); never raises on what it finds on disk."""
     step_dir = Path(step_dir)
+    if step_dir.is_symlink():
+        return [
+            _err(
+                "symlink",
+                step_dir,
+                "the step directory is a symlink",
+                "replace it with the real directory; ckptguard never reads or deletes through links",
+            )
+        ]
+    try:
+        return _verify_step(step_dir, deep=deep, progress=progress)
+    except Exception as exc:  # one bad step is one finding, never a failure of the whole root
+        return [
+            _err(
+                "check-failed",
+                step_dir,
+                f"could not be checked ({type(exc).__name__}: {str(exc)[:300]})",
+                "inspect the step by hand; do not restore it until `ckptguard verify` passes",
+            )
+        ]
+
+
+def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None) -> list[Finding]:
     try:
         manifest = _manifest.read(step_dir)
     except CheckpointError as exc:
         code = "no-manifest" if isinstance(exc, FileNotFoundError) else "bad-manifest"
+        where = step_dir / _layout.MANIFEST_NAME
+        what = str(exc).split(";")[0]
+        if what.startswith(str(where)):  # the finding names the file already
+            what = what[len(str(where)) :].lstrip(": ") or what
         return [
             _err(
                 code,
-                step_dir / _layout.MANIFEST_NAME,
-                str(exc).split(";")[0],
+                where,
+                what,
                 "this step is not committed: never restore it; resume from the tracker's step",
             )
         ]
@@ -259,14 +350,21 @@ def deep_bytes(step_dir: Path) -> int:
 
 
 def cost(step_dir: Path) -> dict[str, Any] | None:
-    """The manifest's size and save-time record, when it has one."""
-    import json
-
+    """The manifest's size and save-time record, when it has one of the shape ckptguard writes."""
     try:
-        cost: dict[str, Any] | None = json.loads((Path(step_dir) / _layout.MANIFEST_NAME).read_text()).get("cost")
-        return cost
-    except (OSError, ValueError):
+        path = Path(step_dir) / _layout.MANIFEST_NAME
+        data = _layout.read_json(path, limit=_manifest.MANIFEST_BYTES, what="manifest")
+    except (CheckpointError, OSError):
         return None
+    found = data.get("cost") if isinstance(data, dict) else None
+    keys = ("bytes", "save_seconds")
+    if not isinstance(found, dict) or not all(isinstance(found.get(k), (int, float)) for k in keys):
+        return None
+    for k in ("step_seconds", "save_fraction_of_step"):
+        if found.get(k) is not None and not isinstance(found[k], (int, float)):
+            return None
+    return found
+
 def files_needed(step_dir: Path, manifest: _manifest.Manifest, rank: int) -> set[str]:
     """Files (relative to the step) that ``rank`` reads when restoring on the same layout:
     its extras, the DCP metadata, the shards it wrote, and the files of replicated keys."""
@@ -290,11 +388,12 @@ def file_hosts(manifest: _manifest.Manifest) -> dict[str, str]:
     """Which host wrote each per-rank file (where it lives on node-local storage).
 
     The global files (manifest, DCP metadata, tracker) are published to every node."""
-    hosts = manifest.topology.get("rank_hosts") or []
+    hosts = manifest.topology.get("rank_hosts")
+    hosts = [str(h) for h in hosts] if isinstance(hosts, list) else []
     return {
         f["path"]: hosts[f["rank"]]
         for f in manifest.files
-        if f.get("rank") is not None and f["rank"] < len(hosts) and f["path"] not in GLOBAL_FILES
+        if f.get("rank") is not None and 0 <= f["rank"] < len(hosts) and f["path"] not in GLOBAL_FILES
     }
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointCorruptError, ConfigError
+from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MANIFEST_NAME = "manifest.json"
@@ -97,18 +97,134 @@ def atomic_write_json(path: Path, obj: Any, **kw: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), **kw)
 
 
+# ---------------------------------------------------------------- bounded reads
+
+SMALL_FILE_BYTES = 1 << 20
+"""Default bound of ``read_small``: trackers, leases, holds, owner and phase records are bytes long."""
+JSON_MAX_DEPTH = 64
+"""Deepest JSON nesting ckptguard accepts; what it writes nests a few levels."""
+
+
+def read_small(path: Path, *, limit: int = SMALL_FILE_BYTES, what: str = "file") -> bytes:
+    """The bytes of a small regular file: never through a symlink, never a FIFO or device, never past ``limit``.
+
+    A FIFO would block the reader forever and ``/dev/zero`` never ends, so the entry is
+    checked with ``lstat`` before it is opened, and again with ``fstat`` on the descriptor
+    (opened with O_NOFOLLOW | O_NONBLOCK, so a swap in between neither follows a link nor
+    blocks). Raises FileNotFoundError when absent, UnsafeCheckpointError for a link or a
+    non-regular file, CheckpointCorruptError when larger than ``limit``.
+    """
+    path = Path(path)
+    _regular(path, os.lstat(path).st_mode, what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # became a symlink after the lstat
+            _regular(path, stat.S_IFLNK, what)
+        raise
+    try:
+        info = os.fstat(fd)
+        _regular(path, info.st_mode, what)
+        if info.st_size > limit:
+            raise CheckpointCorruptError(
+                f"{path} ({what}) has {info.st_size} bytes, more than the {limit} bytes such a file can "
+                "hold; it was not written by ckptguard: inspect it, then fix or remove it by hand"
+            )
+        parts, total = [], 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
+            parts.append(chunk)
+            total += len(chunk)
+            if total > limit:  # it grew while we read: still bounded
+                raise CheckpointCorruptError(f"{path} ({what}) grew past {limit} bytes while being read")
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _regular(path: Path, mode: int, what: str) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kind = "a symlink" if stat.S_ISLNK(mode) else ("a directory" if stat.S_ISDIR(mode) else "not a regular file")
+    if stat.S_ISFIFO(mode):
+        kind = "not a regular file (a FIFO)"
+    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        kind = "not a regular file (a device)"
+    raise UnsafeCheckpointError(
+        f"{path} ({what}) is {kind}; ckptguard reads such files only as regular files inside the root, "
+        "never through links or from pipes and devices: replace it with the real file or remove it"
+    )
+
+
+def parse_json(data: bytes | str, *, where: str, max_depth: int = JSON_MAX_DEPTH) -> Any:
+    """JSON from bytes ckptguard did not necessarily write: UTF-8, bounded depth, one error class.
+
+    Any failure (not UTF-8, not JSON, nested deeper than ``max_depth``) is a
+    CheckpointCorruptError naming ``where``; never a RecursionError or UnicodeDecodeError.
+    """
+    try:
+        text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+        obj = json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(
+            f"{where} is not UTF-8 text (byte {exc.start}); it was not written by ckptguard"
+        ) from None
+    except RecursionError:
+        obj = None
+        depth = max_depth + 1
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{where} is not valid JSON ({exc})") from None
+    else:
+        depth = json_depth(obj, max_depth)
+    if depth > max_depth:
+        raise CheckpointCorruptError(
+            f"{where} nests JSON deeper than {max_depth} levels; ckptguard never writes that: "
+            "it was damaged or crafted, so fix or remove it by hand"
+        )
+    return obj
+
+
+def json_depth(obj: Any, stop: int) -> int:
+    """Nesting depth of parsed JSON, counted without recursion and at most ``stop + 1``."""
+    depth, level = 0, [obj]
+    while level and depth <= stop:
+        depth += 1
+        nxt: list[Any] = []
+        for node in level:
+            if isinstance(node, dict):
+                nxt.extend(node.values())
+            elif isinstance(node, list):
+                nxt.extend(node)
+        level = nxt
+    return depth if not level else stop + 1
+
+
+def read_json(path: Path, *, limit: int = SMALL_FILE_BYTES, what: str = "file") -> Any:
+    """``parse_json(read_small(path))``: a bounded, regular, link-free JSON file."""
+    return parse_json(read_small(path, limit=limit, what=what), where=f"{path} ({what})")
+
+
+def refuse_link(path: Path, what: str) -> None:
+    """Raise if ``path`` is a symlink: ckptguard never reads or writes root entries through links."""
+    if path.is_symlink():
+        raise UnsafeCheckpointError(
+            f"{path} ({what}) is a symlink; ckptguard never reads or writes through links inside a "
+            "checkpoint root (it could reach outside the root): replace it with the real directory or file"
+        )
+
+
 def read_tracker(root: Path) -> int | None:
     """The step in the tracker, or None if there is no tracker."""
     path = root / TRACKER_NAME
     try:
-        text = path.read_text().strip()
+        raw = read_small(path, limit=4096, what="tracker")
     except FileNotFoundError:
         return None
     try:
+        text = raw.decode("ascii").strip()
         step = int(text)
-    except ValueError:
+    except ValueError:  # UnicodeDecodeError is one too
         raise CheckpointCorruptError(
-            f"tracker {path} holds {text[:40]!r}, not a step number; it is written only by "
+            f"tracker {path} holds {raw[:40]!r}, not a step number; it is written only by "
             "ckptguard (or Megatron/verl): inspect it, then fix or delete it by hand"
         ) from None
     if step < 0:
@@ -132,68 +248,6 @@ def step_dirs(root: Path, naming: StepNaming) -> dict[int, Path]:
         if step is not None and entry.is_dir():
             found[step] = Path(entry.path)
     return found
-
-
-# ---------------------------------------------------------------- small files
-
-
-SMALL_FILE_BYTES = 1 << 20
-JSON_DEPTH = 32
-
-
-def read_small(path: Path, *, limit: int = SMALL_FILE_BYTES) -> bytes:
-    """The bytes of a small regular file, read without following a final symlink.
-
-    Raises FileNotFoundError if absent and ValueError for a link, a FIFO or device (which
-    would hang the reader) or a file over ``limit`` bytes (which would be read without end)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError(f"{path} is a symlink; ckptguard reads its own files only") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path} is not a regular file")
-        data = os.read(fd, limit + 1)
-        while len(data) <= limit:  # os.read may return less than asked
-            more = os.read(fd, limit + 1 - len(data))
-            if not more:
-                break
-            data += more
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise ValueError(f"{path} is larger than {limit} bytes; ckptguard writes it much smaller")
-    return data
-
-
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-
-
-def read_small_json(path: Path, *, limit: int = SMALL_FILE_BYTES, max_depth: int = JSON_DEPTH) -> Any:
-    """JSON from a small regular file (see ``read_small`` and ``loads_bounded``)."""
-    return loads_bounded(read_small(path, limit=limit), where=str(path), max_depth=max_depth)
-
-
-def loads_bounded(data: bytes, *, where: str, max_depth: int = JSON_DEPTH) -> Any:
-    """``json.loads``, refusing nesting deeper than ``max_depth``.
-
-    A hostile file nested 100k deep makes ``json.loads`` raise RecursionError; the depth is
-    counted first, outside strings, so such a file is a ValueError like any malformed one."""
-    depth = 0
-    for ch in _JSON_STRING.sub(b'""', data):
-        if ch in b"[{":
-            depth += 1
-            if depth > max_depth:
-                raise ValueError(f"{where} nests JSON deeper than {max_depth} levels")
-        elif ch in b"]}":
-            depth -= 1
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{where} is not valid JSON ({exc})") from None
 
 
 # ---------------------------------------------------------------- temp directories
@@ -224,7 +278,7 @@ def _proc_start(pid: int) -> str | None:
 def read_owner(directory: Path) -> dict[str, Any] | None:
     """The owner record ckptguard wrote into ``directory``, or None (absent or unreadable)."""
     try:
-        owner = read_small_json(directory / OWNER_NAME, limit=4096)
+        owner = read_json(directory / OWNER_NAME, limit=4096, what="temp-dir owner record")
     except (OSError, ValueError):
         return None
     if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int) or not isinstance(owner.get("host"), str):

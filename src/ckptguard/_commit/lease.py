@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import CheckpointCorruptError, LeaseHeldError
-from .layout import _proc_start, atomic_write_bytes, fsync_dir, loads_bounded, read_small
+from .layout import _proc_start, atomic_write_bytes, fsync_dir, parse_json, read_small
 
 log = logging.getLogger("ckptguard")
 
@@ -107,7 +107,7 @@ def _look(path: Path) -> _Seen:
         young = time.time() - st.st_mtime < _YOUNG_S
         return _Seen(fingerprint, None, "an empty file", being_created=young)
     try:
-        data = loads_bounded(raw, where=str(path))
+        data = parse_json(raw, where=str(path))
         owner = Owner(**data)
         if not (isinstance(owner.pid, int) and isinstance(owner.host, str)):
             raise TypeError("host and pid must be a string and an int")

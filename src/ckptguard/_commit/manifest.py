@@ -8,7 +8,6 @@ per-item digests of the state. Readers accept every format version up to ours.
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, VersionMismatchError
-from .layout import MANIFEST_NAME
+from .layout import MANIFEST_NAME, parse_json, read_small
 
 FORMAT_VERSION = 1
 READABLE_VERSIONS = (1,)
@@ -93,39 +92,105 @@ def build(
 
 _REQUIRED = ("format_version", "step", "topology", "versions", "items", "files", "digests")
 
+MANIFEST_BYTES = 256 << 20
+"""Bound of one manifest read: about a million file entries."""
+MAX_WORLD_SIZE = 1 << 20
+"""Largest world size a manifest may claim; per-rank checks then stay bounded by the files listed."""
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _str_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _file_entry(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("path"), str)
+        and _int(value.get("size"))
+        and value["size"] >= 0
+        and isinstance(value.get("xxh3"), str)
+        and (value.get("rank") is None or _int(value.get("rank")))
+    )
+
+
+def _shape_problem(data: dict[str, Any]) -> str | None:
+    """Why ``data`` is not shaped like a manifest ckptguard writes, or None."""
+    if not _int(data["step"]) or data["step"] < 0:
+        return f"'step' must be a non-negative int, not {data['step']!r:.40}"
+    topology = data["topology"]
+    if not isinstance(topology, dict) or not _int(topology.get("world_size")):
+        return "'topology' must be an object with an int 'world_size'"
+    if not 1 <= topology["world_size"] <= MAX_WORLD_SIZE:
+        return f"'topology.world_size' is {topology['world_size']}, outside 1..{MAX_WORLD_SIZE}"
+    if not _str_map(data["versions"]):
+        return "'versions' must map names to version strings"
+    if not _str_map(data["items"]):
+        return "'items' must map item names to kinds"
+    files = data["files"]
+    if not isinstance(files, list) or not all(_file_entry(f) for f in files):
+        return "'files' must be a list of {path: str, size: int, xxh3: str, rank: int} entries"
+    digests = data["digests"]
+    if not isinstance(digests, dict) or not all(_str_map(d) for d in digests.values()):
+        return "'digests' must map ranks to {item: digest} objects"
+    if not isinstance(data.get("contract", {}), dict):
+        return "'contract' must be an object"
+    if not isinstance(data.get("chain_id", ""), str) or not isinstance(data.get("dir_template", ""), str):
+        return "'chain_id' and 'dir_template' must be strings"
+    if not isinstance(data.get("created_unix", 0.0), (int, float)):
+        return "'created_unix' must be a number"
+    return None
+
 
 def read(step_dir: Path) -> Manifest:
-    """Parse the manifest of ``step_dir``; raise if the step is not committed."""
+    """Parse the manifest of ``step_dir``; raise if the step is not committed.
+
+    The file is read bounded, never through a link or from a FIFO, and every field is
+    checked for the shape ckptguard writes, so a damaged or crafted manifest is one
+    CheckpointCorruptError, never a KeyError or TypeError further on."""
     path = step_dir / MANIFEST_NAME
     try:
-        raw = path.read_text()
+        raw = read_small(path, limit=MANIFEST_BYTES, what="manifest")
     except FileNotFoundError:
         raise CheckpointIncompleteError(
             f"{step_dir} has no {MANIFEST_NAME}: it was never committed (a save died before "
             "publishing it) and must not be restored; resume from the tracker's step"
         ) from None
     try:
-        data = json.loads(raw)
-    except ValueError as exc:
+        data = parse_json(raw, where=str(path))
+    except CheckpointCorruptError as exc:
         raise CheckpointCorruptError(
-            f"{path} is not valid JSON ({exc}); the manifest is written atomically, so this "
-            "file was damaged after the fact: restore an earlier step"
+            f"{exc}; the manifest is written atomically, so this file was damaged after the fact: "
+            "restore an earlier step"
         ) from None
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{path} holds a JSON {type(data).__name__}, not a manifest object")
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise CheckpointCorruptError(f"{path} lacks the fields {missing}; it is not a manifest")
     version = data["format_version"]
+    if not _int(version):
+        raise CheckpointCorruptError(f"{path}: 'format_version' must be an int, not {version!r:.40}")
     if version not in READABLE_VERSIONS:
         raise VersionMismatchError(
             f"{path} has format version {version}; this ckptguard {ckptguard_version()} reads "
             f"versions {list(READABLE_VERSIONS)}. Upgrade ckptguard to read it."
         )
+    problem = _shape_problem(data)
+    if problem is not None:
+        raise CheckpointCorruptError(
+            f"{path}: {problem}; this is not a manifest ckptguard wrote (damaged or edited): "
+            "restore an earlier step"
+        )
     return Manifest(
         path=path,
         format_version=version,
-        step=int(data["step"]),
-        chain_id=str(data.get("chain_id", "")),
-        dir_template=str(data.get("dir_template", "")),
+        step=data["step"],
+        chain_id=data.get("chain_id", ""),
+        dir_template=data.get("dir_template", ""),
         topology=data["topology"],
         versions=data["versions"],
         items=data["items"],

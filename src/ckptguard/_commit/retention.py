@@ -133,7 +133,7 @@ def holds(root: Path) -> dict[int, str]:
         path = Path(entry.path)
         step = int(match.group(1))
         try:
-            data = _layout.read_small_json(path, limit=64 << 10)
+            data = _layout.read_json(path, limit=64 << 10, what="hold record")
             if not isinstance(data, dict):
                 raise ValueError("not a JSON object")
             out[step] = str(data.get("reason", ""))

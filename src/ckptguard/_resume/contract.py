@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any
 
 import xxhash
 
-from .._commit.layout import CONTRACT_DIR, fsync_dir
+from .._commit.layout import CONTRACT_DIR, fsync_dir, read_json, refuse_link
 from ..errors import ChainMismatchError, CheckpointCorruptError, ConfigError, ContractMismatchError
 
 ITEMS = ("code", "data", "recipe", "total_steps")
@@ -98,21 +97,52 @@ def hash_git_tree(repo: str | os.PathLike[str] = ".") -> str:
 
 
 def hash_imported_files(packages: Iterable[str]) -> str:
-    """Hash of the source files actually imported from ``packages`` (the code that runs)."""
-    prefixes = tuple(packages)
+    """Hash of every Python source file of ``packages`` (top-level names), read from disk.
+
+    Stable at any call point: the files are found from each package's import location and
+    walked in sorted order, not taken from ``sys.modules``, so a module the program imports
+    later (lazily) counts from the first call on, and a change to it changes the hash. The
+    packages must be importable (their parents are imported to locate them); only ``*.py``
+    files count, ``__pycache__`` and links leaving the package are skipped."""
+    import importlib.util
+
+    prefixes = sorted(set(packages))
     h = xxhash.xxh3_64()
     found = 0
-    for name in sorted(sys.modules):
-        if name.split(".")[0] not in prefixes:
+    for name in prefixes:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
             continue
-        path = getattr(sys.modules[name], "__file__", None)
-        if not path or not os.path.isfile(path):
+        if spec.submodule_search_locations:
+            files = _package_sources([Path(p) for p in spec.submodule_search_locations])
+        elif spec.origin and spec.origin.endswith(".py") and os.path.isfile(spec.origin):
+            files = [(Path(spec.origin).name, Path(spec.origin))]
+        else:
             continue
-        h.update(name.encode() + b"\0" + Path(path).read_bytes() + b"\0")
-        found += 1
+        for rel, path in files:
+            h.update(f"{name}/{rel}".encode() + b"\0" + path.read_bytes() + b"\0")
+            found += 1
     if not found:
-        raise ConfigError(f"hash_imported_files: nothing imported from {list(prefixes)}; import them first")
-    return f"imported:{found}:{h.hexdigest()}"
+        raise ConfigError(
+            f"hash_imported_files: no Python source files found for {prefixes}; pass importable package names"
+        )
+    return f"sources:{found}:{h.hexdigest()}"
+
+
+def _package_sources(roots: list[Path]) -> list[tuple[str, Path]]:
+    out: dict[str, Path] = {}
+    for root in roots:
+        base = root.resolve()
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+            for fname in filenames:
+                path = Path(dirpath, fname)
+                if fname.endswith(".py") and path.is_file() and base in path.resolve().parents:
+                    out.setdefault(path.relative_to(root).as_posix(), path)
+    return sorted(out.items())
 
 
 def hash_data_files(paths: Iterable[str | os.PathLike[str]]) -> str:
@@ -138,14 +168,26 @@ def phase_files(root: Path) -> list[Path]:
 
 
 def read_phases(root: Path) -> list[dict[str, Any]]:
+    """The phase records in order; each bounded, link-free, and shaped as ``write_phase`` writes them."""
+    refuse_link(root / CONTRACT_DIR, "contract directory")
     phases = []
     for path in phase_files(root):
         try:
-            phases.append(json.loads(path.read_text()))
-        except ValueError as exc:
+            phase = read_json(path, what="contract phase")
+        except CheckpointCorruptError as exc:
+            raise CheckpointCorruptError(f"{exc}; phase files are append-only and must not be edited") from None
+        if not (
+            isinstance(phase, dict)
+            and isinstance(phase.get("phase"), int)
+            and isinstance(phase.get("chain_id"), str)
+            and isinstance(phase.get("contract"), dict)
+            and isinstance(phase.get("adopted_chains", []), list)
+        ):
             raise CheckpointCorruptError(
-                f"{path} is not valid JSON ({exc}); it is append-only and must not be edited"
-            ) from None
+                f"{path} is not a contract phase (an object with int 'phase', str 'chain_id' and a "
+                "'contract' object); phase files are append-only and must not be edited: restore it from a backup"
+            )
+        phases.append(phase)
     return phases
 
 

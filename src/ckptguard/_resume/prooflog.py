@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._commit.layout import PROOF_DIR
+from .._commit.layout import PROOF_DIR, parse_json, read_small, refuse_link
 from ..errors import CheckpointCorruptError, ConfigError
 from .digest import digest
 
@@ -24,6 +24,7 @@ class ProofLog:
         self.rank = rank
 
     def append(self, event: str, **fields: Any) -> None:
+        refuse_link(self.path.parent, "proof directory")  # appending through a link writes outside the root
         self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "event": event,
@@ -60,20 +61,47 @@ def logprob_diff(trainer: torch.Tensor, rollout: torch.Tensor) -> dict[str, floa
 # ---------------------------------------------------------------- evaluation
 
 
+PROOF_BYTES = 256 << 20
+"""Bound of one rank's proof records file."""
+
+
 def read_records(root: Path) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's proof records, checked for the shape ``evaluate`` relies on.
+
+    Never through a symlinked ``proof/`` or record file, never from a FIFO, bounded in size
+    and JSON depth; a malformed line is one CheckpointCorruptError naming file and line."""
     out: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted((Path(root) / PROOF_DIR).glob("rank_*.jsonl")):
-        rank = int(path.stem.split("_")[1])
-        lines = path.read_text().splitlines()
+    directory = Path(root) / PROOF_DIR
+    refuse_link(directory, "proof directory")
+    for path in sorted(directory.glob("rank_*.jsonl")):
+        try:
+            rank = int(path.stem.split("_")[1])
+        except (IndexError, ValueError):
+            continue  # not a name ProofLog writes
+        try:
+            text = read_small(path, limit=PROOF_BYTES, what="proof records").decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CheckpointCorruptError(
+                f"{path} is not UTF-8 text (byte {exc.start}); proof records are written by ckptguard only"
+            ) from None
+        lines = text.splitlines()
         records = []
         for n, line in enumerate(lines, 1):
             try:
-                records.append(json.loads(line))
-            except ValueError:
-                if n == len(lines):
+                rec = parse_json(line, where=f"{path}:{n}")
+            except CheckpointCorruptError as exc:
+                if n == len(lines) and "deeper" not in str(exc):
                     continue  # a torn last line from a kill mid-append
-                raise CheckpointCorruptError(f"{path}:{n} is not JSON; proof records are append-only") from None
+                raise CheckpointCorruptError(f"{exc}; proof records are append-only") from None
+            if not (isinstance(rec, dict) and isinstance(rec.get("event"), str) and _int(rec.get("pid"))):
+                raise CheckpointCorruptError(
+                    f"{path}:{n} is not a proof record (an object with a string 'event' and an int 'pid'); "
+                    "proof records are append-only and written by ckptguard: move the file away to re-prove"
+                )
+            records.append(rec)
         out[rank] = records
     return out
 
 
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -71,6 +71,7 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
     """What this rank sees on disk; raises ResumeError rather than guessing."""
     if path is not None:
         step_dir = Path(path)
+        _layout.refuse_link(step_dir, "step directory")  # a link may lead outside every root
         if not step_dir.is_dir():
             raise CheckpointNotFoundError(
                 f"restore(path={str(path)!r}): no such directory; pass a committed step directory"
@@ -108,8 +109,11 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
         orphans = f"; uncommitted step directories {sorted(dirs)} are ignored" if dirs else ""
         return Resolution(0, None, f"tracker in {root} says 0: fresh start declared by the first save{orphans}", mode)
     step_dir = root / naming.name(tracker)
+    _layout.refuse_link(step_dir, f"step directory of the tracker's step {tracker}")
     try:
         manifest = _manifest.read(step_dir)
+    except UnsafeCheckpointError:
+        raise  # a link or a FIFO in place of the manifest: refused as such, not as "not committed"
     except (CheckpointNotFoundError, CheckpointError) as exc:
         raise ResumeError(
             f"the tracker in {root} points at step {tracker}, but {step_dir} is not a committed "
@@ -338,7 +342,17 @@ def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[s
     _check_external_files(ctx, manifest)
     extras_path = res.path / _layout.extras_name(_source_rank(ctx, manifest))
     try:
-        return manifest, torch.load(extras_path, weights_only=True, map_location="cpu")
+        extras = torch.load(extras_path, weights_only=True, map_location="cpu")
+        items = extras.get("items") if isinstance(extras, dict) else None
+        items = items if isinstance(items, dict) else {}
+        if not set(manifest.items) <= set(items):
+            # Checked here, inside the precheck every rank agrees on: a KeyError later would strand the others.
+            raise CheckpointCorruptError(
+                f"{extras_path} (rank {ctx.rank}) is not the extras file ckptguard wrote for this step (its "
+                f"'items' table lacks {sorted(set(manifest.items) - set(items))[:4]}); "
+                "restore an earlier step"
+            )
+        return manifest, extras
     except FileNotFoundError:
         raise CheckpointIncompleteError(
             f"{extras_path} is missing (rank {ctx.rank}); restore an earlier step"

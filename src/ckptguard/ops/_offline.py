@@ -1,99 +1,272 @@
-"""A real restore without model code: ``python -m ckptguard.ops._offline STEP_DIR``.
+"""A real restore without model code: ``python -m ckptguard.ops._offline STEP_DIR [--budget-bytes N]``.
 
-Contract: in a fresh process, allocate every tensor from the checkpoint's own DCP
-metadata (shape, dtype), load it with DCP through the restricted metadata reader,
-rebuild each rank's items from its extras, and recompute each rank's per-item digests
-for comparison with the manifest. A correct save digest is not a restore test (the
-guide, 3.5); this is one. Prints one JSON object on stdout.
+Contract: in a fresh process, rank by rank and, within a rank, item by item, allocate the
+tensors that rank held (the chunk it wrote, or a replicated key's one full chunk) from the
+checkpoint's own DCP metadata, load them with ``dcp.load`` through ckptguard's streaming
+reader and restricted metadata reader, rebuild the item from the rank's extras, recompute
+its digest for comparison with the manifest, and drop the tensors. A correct save digest
+is not a restore test (the guide, 3.5); this is one. Host memory stays within the budget:
+tensors are loaded in batches of at most ``budget_bytes`` (a single tensor larger than the
+budget alone), through a reader pool of ``POOL_BYTES``, with one rank's extras at a time;
+never the whole checkpoint. Prints one JSON line per item done (``{"progress": ...}``) and
+then the result object on stdout.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+import xxhash
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .._commit import layout as _layout
 from .._commit import manifest as _manifest
-from .._resume.digest import digest
-from .._resume.state import ItemKind, _unflatten
-from ..storage.dcp import _SafeReader
+from .._resume.digest import _update, digest, update_with_tensor
+from .._resume.state import TENSOR_REF, ItemKind
+from ..errors import CheckpointCorruptError
+from ..storage._pool import IOStats
+from ..storage.streaming import StreamingConfig, StreamingStorage, _StreamingReader
 from ..storage.unpickler import read_dcp_metadata
 
-Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
-Owners = dict[str, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]]
+DEFAULT_BUDGET = 512 << 20
+"""Host bytes of restored tensors held at once, by default."""
+POOL_BYTES = 32 << 20
+"""The streaming reader's buffers (two of 16 MiB)."""
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes
+_TENSOR_KINDS = {ItemKind.MODULE.value, ItemKind.OPTIMIZER.value, ItemKind.TENSORS.value}
+_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp\Z")
 
 
-def _layout_of(step_dir: Path) -> tuple[Shapes, Owners]:
-    """Each key's full shape and dtype; for each key, which rank wrote which chunk."""
-    md = read_dcp_metadata(step_dir / _layout.STATE_DIR)
-    shapes: Shapes = {}
-    owners: Owners = {}
-    for index, info in (md.storage_data or {}).items():
-        meta = md.state_dict_metadata[index.fqn]
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
-        chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
-        writer = int(info.relative_path.split("_")[2])  # DCP names files "__R_I.distcp"
-        shapes[index.fqn] = (tuple(meta.size), meta.properties.dtype)
-        owners.setdefault(index.fqn, {})[writer] = (tuple(chunk.offsets), tuple(chunk.sizes))
-    return shapes, owners
+class _Layout:
+    """For each key: its DCP metadata, and which rank wrote which chunk."""
 
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.md: Metadata = read_dcp_metadata(state_dir)
+        self.boxes: dict[str, dict[int, Box]] = {}
+        for index, info in (self.md.storage_data or {}).items():
+            meta = self.md.state_dict_metadata.get(index.fqn)
+            if not isinstance(meta, TensorStorageMetadata):
+                continue
+            chunk = next((c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset)), None)
+            match = _DATA_FILE.match(info.relative_path)
+            if chunk is None or match is None:
+                raise CheckpointCorruptError(
+                    f"{state_dir / '.metadata'}: key {index.fqn!r} at offset {list(index.offset)} has "
+                    f"{'no chunk' if chunk is None else 'the data file ' + repr(info.relative_path)}; DCP writes "
+                    "a chunk per stored offset in files named __RANK_N.distcp: restore an earlier step"
+                )
+            self.boxes.setdefault(index.fqn, {})[int(match.group(1))] = (tuple(chunk.offsets), tuple(chunk.sizes))
 
-def _load_full(step_dir: Path, shapes: Shapes) -> dict[str, torch.Tensor]:
-    full = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in shapes.items()}
-    dcp.load(full, storage_reader=_SafeReader(step_dir / _layout.STATE_DIR), no_dist=True)
-    return full
-
-
-def _cut(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    for dim, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
-        t = t.narrow(dim, off, size)
-    return t
-
-
-def _local_view(rank: int, shapes: Shapes, owners: Owners, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What rank ``rank`` held: the chunk it wrote, or the one full chunk of a replicated key."""
-    local = {}
-    for key, per_writer in owners.items():
-        chunk = per_writer.get(rank)
-        if chunk is None and len(per_writer) == 1:
+    def box(self, key: str, rank: int) -> Box | None:
+        """What ``rank`` held of ``key``: the chunk it wrote, or the one full chunk of a replicated key."""
+        per_writer = self.boxes.get(key)
+        if per_writer is None:
+            return None
+        box = per_writer.get(rank)
+        if box is None and len(per_writer) == 1:
             only = next(iter(per_writer.values()))
-            chunk = only if only[1] == shapes[key][0] else None
-        if chunk is not None:
-            local[key] = _cut(full[key], *chunk)
-    return local
+            box = only if only[1] == tuple(self.tensor_meta(key).size) else None
+        return box
+
+    def tensor_meta(self, key: str) -> TensorStorageMetadata:
+        meta = self.md.state_dict_metadata[key]
+        assert isinstance(meta, TensorStorageMetadata)
+        return meta
+
+    def nbytes(self, key: str, box: Box) -> int:
+        count = 1
+        for n in box[1]:
+            count *= n
+        return count * self.tensor_meta(key).properties.dtype.itemsize
 
 
-def recompute(step_dir: Path) -> dict[str, Any]:
+class _BoxPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, asked for one box (offsets, sizes) of each key instead of the whole tensor."""
+
+    def __init__(self, offsets: dict[str, tuple[int, ...]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        requests = []
+        for fqn, target in self.state_dict.items():
+            chunk = ChunkStorageMetadata(offsets=torch.Size(self._offsets[fqn]), sizes=target.size())
+            md = self.metadata.state_dict_metadata[fqn]
+            assert isinstance(md, TensorStorageMetadata)  # tensors only: _layout_of lists no bytes entries
+            requests += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: Any) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the target is the box itself, whatever its offset
+
+
+class _CachedReader(_StreamingReader):
+    """The streaming reader, with the metadata read (and checked) once for every batch."""
+
+    def __init__(self, layout: _Layout, storage: StreamingStorage, stats: IOStats) -> None:
+        super().__init__(layout.state_dir, storage, stats, pin=False)
+        self._md = layout.md
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._md
+
+
+class _Loader:
+    """Loads a rank's tensors in budget-sized batches, in the order the digest walk asks for them."""
+
+    def __init__(self, layout: _Layout, rank: int, keys: list[str], budget: int, storage: StreamingStorage) -> None:
+        self._layout, self._rank, self._storage = layout, rank, storage
+        self._batch_of: dict[str, int] = {}
+        self._batches: list[list[str]] = []
+        size = 0
+        for key in dict.fromkeys(keys):
+            n = layout.nbytes(key, layout.box(key, rank))  # type: ignore[arg-type]
+            if not self._batches or size + n > budget:
+                self._batches.append([])
+                size = 0
+            self._batches[-1].append(key)
+            self._batch_of[key] = len(self._batches) - 1
+            size += n
+        self._current: dict[str, torch.Tensor] = {}
+        self._loaded = -1
+        self.peak_bytes = 0
+        self.bytes_read = 0
+
+    def get(self, key: str) -> torch.Tensor:
+        index = self._batch_of[key]
+        if index != self._loaded:
+            self._current = {}  # the previous batch is dropped before the next is allocated
+            self._current = self._load(self._batches[index])
+            self._loaded = index
+        return self._current[key]
+
+    def _load(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        offsets, targets = {}, {}
+        for key in keys:
+            box = self._layout.box(key, self._rank)
+            assert box is not None
+            offsets[key] = box[0]
+            targets[key] = torch.empty(box[1], dtype=self._layout.tensor_meta(key).properties.dtype)
+        size = sum(t.numel() * t.element_size() for t in targets.values())
+        self.peak_bytes = max(self.peak_bytes, size)
+        reader = _CachedReader(self._layout, self._storage, IOStats())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=reader, planner=_BoxPlanner(offsets), no_dist=True)
+        self.bytes_read += size
+        return targets
+
+
+def _refs(node: Any) -> Iterator[str]:
+    """The tensor keys of a skeleton, in the order ``digest`` visits them."""
+    if isinstance(node, Mapping):
+        if set(node) == {TENSOR_REF}:
+            yield node[TENSOR_REF]
+            return
+        for key in sorted(node, key=repr):
+            yield from _refs(node[key])
+    elif isinstance(node, (list, tuple)):
+        for item in node:
+            yield from _refs(item)
+
+
+def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor]) -> None:
+    """``digest._update`` over the skeleton, each tensor fetched when reached (same bytes, same order)."""
+    if isinstance(node, Mapping):
+        if set(node) == {TENSOR_REF}:
+            update_with_tensor(h, get(node[TENSOR_REF]))
+            return
+        h.update(b"{")
+        for key in sorted(node, key=repr):
+            h.update(repr(key).encode() + b":")
+            _walk(h, node[key], get)
+        h.update(b"}")
+    elif isinstance(node, (list, tuple)):
+        h.update(b"[" if isinstance(node, list) else b"(")
+        for item in node:
+            _walk(h, item, get)
+            h.update(b",")
+        h.update(b"]")
+    else:
+        _update(h, node)
+
+
+def skeleton_digest(skeleton: Any, get: Callable[[str], torch.Tensor]) -> str:
+    """``digest(_unflatten(skeleton, tensors))`` without holding every tensor at once."""
+    h = xxhash.xxh3_64()
+    _walk(h, skeleton, get)
+    return h.hexdigest()
+
+
+def _load_extras(step_dir: Path, rank: int) -> tuple[dict[str, Any] | None, str | None]:
+    path = step_dir / _layout.extras_name(rank)
+    try:
+        extras = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # a damaged or foreign file: this rank fails, the others are still checked
+        return None, f"rank {rank}: {path.name} does not load with torch.load(weights_only=True) ({exc})"
+    if not isinstance(extras, dict) or not isinstance(extras.get("items"), dict):
+        return None, f"rank {rank}: {path.name} holds no 'items' table; it was not written by ckptguard"
+    return extras, None
+
+
+def recompute(
+    step_dir: Path, *, budget_bytes: int = DEFAULT_BUDGET, progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     manifest = _manifest.read(step_dir)
-    shapes, owners = _layout_of(step_dir)
-    full = _load_full(step_dir, shapes)
-    result: dict[str, Any] = {"step": manifest.step, "ranks": {}, "unverifiable": []}
-    for rank in range(manifest.world_size):
-        extras = torch.load(step_dir / _layout.extras_name(rank), weights_only=True, map_location="cpu")
-        local = _local_view(rank, shapes, owners, full)
+    layout = _Layout(step_dir / _layout.STATE_DIR)
+    storage = StreamingStorage(StreamingConfig(pool_bytes=POOL_BYTES, buffer_bytes=POOL_BYTES // 2))
+    result: dict[str, Any] = {"step": manifest.step, "ranks": {}, "unverifiable": [], "failed": [],
+                              "budget_bytes": budget_bytes, "peak_tensor_bytes": 0, "bytes_read": 0}
+    world = manifest.world_size
+    for rank in range(world):
+        extras, problem = _load_extras(step_dir, rank)
+        if extras is None:
+            result["failed"].append(problem)
+            continue
         digests = {}
         for name, kind in manifest.items.items():
-            skeleton = extras["items"][name]
-            try:
-                value = _unflatten(skeleton, local) if kind in _TENSOR_KINDS else skeleton
-            except KeyError as exc:
-                result["unverifiable"].append(f"rank {rank} item {name}: no stored chunk for {exc}")
+            if name not in extras["items"]:
+                result["failed"].append(f"rank {rank} item {name}: absent from {_layout.extras_name(rank)}")
                 continue
-            digests[name] = digest(value)
+            skeleton = extras["items"][name]
+            if kind not in _TENSOR_KINDS:
+                digests[name] = digest(skeleton)
+                continue
+            keys = list(_refs(skeleton))
+            absent = [k for k in keys if k not in layout.md.state_dict_metadata]
+            if absent:
+                result["failed"].append(f"rank {rank} item {name}: keys not in the DCP metadata: {absent[:4]}")
+                continue
+            unheld = [k for k in keys if layout.box(k, rank) is None]
+            if unheld:
+                result["unverifiable"].append(f"rank {rank} item {name}: no stored chunk for {unheld[0]!r}")
+                continue
+            loader = _Loader(layout, rank, keys, budget_bytes, storage)
+            digests[name] = skeleton_digest(skeleton, loader.get)
+            result["peak_tensor_bytes"] = max(result["peak_tensor_bytes"], loader.peak_bytes)
+            result["bytes_read"] += loader.bytes_read
+            if progress is not None:
+                progress({"rank": rank, "world": world, "item": name, "bytes": loader.bytes_read})
         if extras.get("rng") is not None:
             digests["_rng"] = digest(extras["rng"])
         result["ranks"][str(rank)] = digests
+        del extras
     return result
-
-
-_TENSOR_KINDS = {ItemKind.MODULE.value, ItemKind.OPTIMIZER.value, ItemKind.TENSORS.value}
 
 
 def compare(step_dir: Path, recomputed: dict[str, Any]) -> list[str]:
@@ -108,5 +281,18 @@ def compare(step_dir: Path, recomputed: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ckptguard.ops._offline")
+    parser.add_argument("step_dir", type=Path)
+    parser.add_argument("--budget-bytes", type=int, default=DEFAULT_BUDGET)
+    args = parser.parse_args(argv)
+
+    def report(event: dict[str, Any]) -> None:
+        print(json.dumps({"progress": event}), flush=True)
+
+    print(json.dumps(recompute(args.step_dir, budget_bytes=max(1, args.budget_bytes), progress=report)), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(recompute(Path(sys.argv[1]))))
+    sys.exit(_main(sys.argv[1:]))

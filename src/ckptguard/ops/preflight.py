@@ -8,7 +8,7 @@ pitfall 14: node-local checkpoints and a new node set silently restart at step 0
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +20,16 @@ from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
 
 
+def _text(path: Path) -> str:
+    try:
+        return _layout.read_small(path, limit=64 << 20, what="host list").decode("utf-8")
+    except (CheckpointError, OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable host list ({exc})") from None
+
+
 def parse_hosts(path: Path, world: int) -> dict[int, str]:
     """A host list (one per line; ranks in equal contiguous blocks) as rank -> host."""
-    hosts = [h.strip() for h in path.read_text().splitlines() if h.strip() and not h.startswith("#")]
+    hosts = [h.strip() for h in _text(path).splitlines() if h.strip() and not h.startswith("#")]
     if not hosts or world % len(hosts):
         raise ConfigError(
             f"{path}: {len(hosts)} hosts cannot hold {world} ranks in equal blocks; "
@@ -34,12 +41,16 @@ def parse_hosts(path: Path, world: int) -> dict[int, str]:
 
 def parse_rank_hosts(path: Path) -> dict[int, str]:
     """A rank-to-host map: JSON {"0": "h1", ...} or lines 'RANK HOST'."""
-    text = path.read_text()
+    text = _text(path)
     try:
-        data = json.loads(text)
-        return {int(k): str(v) for k, v in data.items()}
-    except ValueError:
-        pass
+        data = _layout.parse_json(text, where=str(path))
+    except CheckpointError:
+        data = None
+    if isinstance(data, dict):
+        try:
+            return {int(k): str(v) for k, v in data.items()}
+        except ValueError:
+            raise ConfigError(f"{path}: the JSON rank-to-host map must have rank numbers as keys") from None
     out = {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
@@ -68,7 +79,7 @@ def preflight(
 ) -> PreflightReport:
     report = PreflightReport()
     tracker_path = root / _layout.TRACKER_NAME
-    if not tracker_path.exists():
+    if not os.path.lexists(tracker_path):  # a dangling link is refused below, not reported as absent
         report.findings.append(
             Finding(
                 Severity.ERROR,
@@ -102,13 +113,20 @@ def preflight(
         return report
     report.findings += verify_step(res.path)
     if rank_hosts is not None and report.ok:
-        report.findings += _placement(res.path, rank_hosts)
+        try:
+            report.findings += _placement(res.path, rank_hosts)
+        except (CheckpointError, OSError) as exc:
+            report.findings.append(
+                Finding(Severity.ERROR, "unplaceable", str(res.path), str(exc).split(";")[0],
+                        "run `ckptguard verify --deep` on the step and fix it before launching")
+            )
     return report
 
 
 def _placement(step_dir: Path, rank_hosts: dict[int, str]) -> list[Finding]:
     manifest = _manifest.read(step_dir)
-    if sorted(rank_hosts) != list(range(manifest.world_size)):
+    world = manifest.world_size
+    if len(rank_hosts) != world or set(rank_hosts) != set(range(world)):
         return [
             Finding(
                 Severity.ERROR,

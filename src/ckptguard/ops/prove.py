@@ -179,12 +179,24 @@ _GATES = (
 )
 
 
+def _judged(gate: Any, seg: _Segment) -> tuple[Status, str]:
+    """A gate over records missing a field or of the wrong type FAILs with that as evidence, never raises."""
+    try:
+        judged: tuple[Status, str] = gate(seg)
+        return judged
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        return Status.FAIL, (
+            f"rank {seg.rank}: malformed proof record ({type(exc).__name__}: {exc}); the records under proof/ "
+            "were edited or damaged, so nothing can be proven from them"
+        )
+
+
 def evaluate(root: Path) -> list[Gate]:
     from .._commit.manifest import FORMAT_VERSION
 
     records = read_records(root)
     segments = [_segment(rank, recs) for rank, recs in sorted(records.items())]
-    gates = [_combine(name, [fn(s) for s in segments]) for name, fn in _GATES]
+    gates = [_combine(name, [_judged(fn, s) for s in segments]) for name, fn in _GATES]
     restores = [s.restore for s in segments if s.restore is not None]
     written = sorted({r["format_version"] for r in restores if r.get("format_version")})
     gates.append(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import CheckpointCorruptError
 from ..memory.records import read_records
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -37,6 +38,11 @@ class RankStatus:
     cpu_fraction: float | None
     io_bytes_per_s: float | None
     verdict: str
+
+    @property
+    def needs_attention(self) -> bool:
+        """Stalled, or died inside a phase: what a watchdog acts on (``ckptguard status`` exits 1)."""
+        return self.verdict.startswith("STALLED") or self.verdict.startswith("EXITED inside")
 
 
 def _cpu_and_io(pid: int) -> tuple[float, int] | None:
@@ -71,8 +77,38 @@ def _typical(records: list[dict[str, Any]]) -> dict[str, float]:
     return {phase: statistics.median(v) for phase, v in durations.items()}
 
 
+def _check(records: list[dict[str, Any]]) -> None:
+    """Rank records carry what ``status`` relies on; a damaged one is one clear error, not a KeyError."""
+    for rec in records:
+        if rec.get("rank") is None:
+            continue
+        bad = [
+            name
+            for name, ok in (
+                ("rank", _int(rec.get("rank"))),
+                ("pid", _int(rec.get("pid"))),
+                ("mono_ns", _int(rec.get("mono_ns"))),
+                ("wall_time", isinstance(rec.get("wall_time"), (int, float))),
+                ("node", isinstance(rec.get("node", ""), str)),
+                ("phase", isinstance(rec.get("phase"), str) or not str(rec.get("kind")).startswith("phase_")),
+                ("duration_s", rec.get("duration_s") is None or isinstance(rec.get("duration_s"), (int, float))),
+            )
+            if not ok
+        ]
+        if bad:
+            raise CheckpointCorruptError(
+                f"a {rec.get('kind')} record of rank {rec.get('rank')!r} has no valid {bad} (ints for rank, pid and "
+                "mono_ns, a number for wall_time); it was not written by PhaseRecorder: fix or cut that line"
+            )
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def status(paths: list[Path], *, sample_s: float = 0.5) -> list[RankStatus]:
     records = read_records(paths)
+    _check(records)
     open_ = _open_phases(records)
     typical = _typical(records)
     last = {}
@@ -122,7 +158,19 @@ def _judge(rank: int, rec: dict[str, Any], in_phase: bool, typical: dict[str, fl
 
 
 def record_files(path: Path) -> list[Path]:
-    """A records file, or every *.jsonl with phase records under a directory."""
+    """A records file, or every regular *.jsonl with phase records under a directory.
+
+    Only regular files are opened (a FIFO would block forever), and only their first
+    2000 bytes are read to tell records from other JSONL."""
     if path.is_file():
         return [path]
-    return sorted(p for p in path.rglob("*.jsonl") if '"kind"' in p.read_text()[:2000])
+    if not path.is_dir():
+        raise CheckpointCorruptError(f"{path} is neither a records file nor a directory (a FIFO or device?)")
+    out = []
+    for p in sorted(path.rglob("*.jsonl")):
+        if not p.is_file() or p.is_symlink():
+            continue
+        with open(p, "rb") as f:
+            if b'"kind"' in f.read(2000):
+                out.append(p)
+    return out

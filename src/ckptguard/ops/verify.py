@@ -4,34 +4,71 @@ Contract: ``verify_step`` returns findings, never raises on bad content. It read
 manifest as JSON and DCP's ``.metadata`` only through the restricted unpickler; paths
 from the manifest that are absolute, climb out with ``..`` or pass through a symlink
 leaving the step directory are findings, and are never opened. A clean checkpoint
-yields no ERROR finding. ``--deep`` adds every checksum; ``--restore`` (see
-``_offline``) a real restore in a new process.
+yields no ERROR finding; a directory that holds no checkpoint is one. ``--deep`` adds
+every checksum; ``--restore`` (see ``_offline``) a real restore in a new process, rank by
+rank within a bounded host budget.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from .._commit import checks as _checks
 from .._commit import layout as _layout
-from .._commit.checks import RESTORE_HINT, Finding, Severity, _err, cost, deep_bytes, safe_member, verify_step
+from .._commit.checks import (
+    RESTORE_HINT,
+    Finding,
+    Severity,
+    _err,
+    cost,
+    deep_bytes,
+    printable,
+    safe_member,
+    verify_step,
+)
+from .._commit.lease import LEASE_NAME
+from .._commit.retention import HOLDS_DIR
 from ..errors import CheckpointError
 
+_ROOT_ENTRIES = {
+    LEASE_NAME: "write lease",
+    _layout.PROOF_DIR: "proof records",
+    HOLDS_DIR: "holds",
+    _layout.CONTRACT_DIR: "run contract",
+    "transfers": "transfer records",
+}
+
 # The re-exported checks: ops.verify is where the CLI and users find them.
-__all__ = ["RESTORE_HINT", "Finding", "Severity", "cost", "deep_bytes", "restore_check", "safe_member", "verify_root",
-           "verify_step", "worst"]
+__all__ = ["RESTORE_HINT", "Finding", "Severity", "cost", "deep_bytes", "printable", "restore_check", "safe_member",
+           "verify_root", "verify_step", "worst"]
 
 
 def verify_root(
     root: Path, naming: _layout.StepNaming, *, deep: bool = False, progress: Callable[[int], None] | None = None
 ) -> tuple[list[Path], list[Finding]]:
-    """(committed step directories checked, findings) for a whole root, tracker included."""
-    findings: list[Finding] = []
+    """(committed step directories checked, findings) for a whole root, tracker included.
+
+    A root that holds no checkpoint at all is an ERROR finding (``no-checkpoint``) that
+    names the root the caller probably meant, never an "OK" over zero steps."""
+    findings = [
+        _err(
+            "symlink",
+            root / name,
+            f"the root's {what} entry is a symlink",
+            "replace it with the real file or directory; ckptguard never reads or writes through links",
+        )
+        for name, what in _ROOT_ENTRIES.items()
+        if (root / name).is_symlink()
+    ]
     try:
         tracker = _layout.read_tracker(root)
-    except CheckpointError as exc:
-        return [], [_err("bad-tracker", root / _layout.TRACKER_NAME, str(exc), "fix or remove the tracker by hand")]
+    except (CheckpointError, OSError) as exc:
+        tracker_path = root / _layout.TRACKER_NAME
+        return [], [*findings, _err("bad-tracker", tracker_path, str(exc), "fix or remove the tracker by hand")]
     dirs = _layout.step_dirs(root, naming)
     if tracker is None:
         if dirs:
@@ -43,6 +80,8 @@ def verify_root(
                     "something outside ckptguard removed it; restore(path=...) the step you trust",
                 )
             )
+        else:
+            findings.append(_no_checkpoint(root, naming, f"no tracker {_layout.TRACKER_NAME} and no step directory"))
         return [], findings + _checks.leftover_findings(root)
     checked = []
     for step, path in sorted(dirs.items()):
@@ -71,16 +110,85 @@ def verify_root(
         checked.append(path)
         findings += verify_step(path, deep=deep, progress=progress)
     if tracker > 0 and tracker not in dirs:
+        hint = _template_hint(root, naming)
         findings.append(
             _err(
                 "tracker-target",
                 root / _layout.TRACKER_NAME,
-                f"points at step {tracker}, which does not exist",
-                "restore the step directory, or restore(path=...) an older one",
+                f"points at step {tracker}, which does not exist as {naming.name(tracker)}",
+                hint or "restore the step directory, or restore(path=...) an older one",
             )
         )
+    elif not checked and not any(f.severity is Severity.ERROR for f in findings):
+        findings.append(_no_checkpoint(root, naming, f"the tracker says {tracker}: no step is committed yet"))
     findings += _checks.leftover_findings(root)
     return checked, findings
+
+
+# ---------------------------------------------------------------- "did you mean"
+
+_SEARCH_DEPTH = 3
+_SEARCH_DIRS = 2000  # a home directory must not make verify walk for minutes
+_NUMBERED = re.compile(r"(.*?)(\d+)\Z")
+
+
+def _no_checkpoint(root: Path, naming: _layout.StepNaming, why: str) -> Finding:
+    hints = [_template_hint(root, naming)] if _template_hint(root, naming) else []
+    below = suggest_roots(root)
+    if below:
+        hints.append("did you mean " + " or ".join(f"`ckptguard verify {p}`" for p in below))
+    return _err(
+        "no-checkpoint",
+        root,
+        f"holds no checkpoint ({why})",
+        "; ".join(h for h in hints if h)
+        or "pass the checkpoint root (the directory holding the tracker) or one step directory",
+    )
+
+
+def suggest_roots(path: Path, *, limit: int = 3) -> list[Path]:
+    """Directories below ``path`` (at most three levels, links not followed) that hold a tracker."""
+    found: list[Path] = []
+    level, seen = [path], 0
+    for _depth in range(_SEARCH_DEPTH):
+        nxt = []
+        for directory in level:
+            try:
+                entries = sorted(os.scandir(directory), key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+                    seen += 1
+                    child = Path(entry.path)
+                    if (child / _layout.TRACKER_NAME).exists():
+                        found.append(child)
+                        if len(found) == limit:
+                            return found
+                    else:
+                        nxt.append(child)
+                if seen > _SEARCH_DIRS:
+                    return found
+        level = nxt
+    return found
+
+
+def _template_hint(root: Path, naming: _layout.StepNaming) -> str | None:
+    """``--template`` for step directories under another naming (verl's ``global_step_N``)."""
+    try:
+        names = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return None
+    for name in names[:_SEARCH_DIRS]:
+        match = _NUMBERED.match(name)
+        if match is None or naming.parse(name) is not None or name.startswith("."):
+            continue
+        if not (root / name / _layout.MANIFEST_NAME).exists():
+            continue
+        head, digits = match.groups()
+        field = f"{{step:0{len(digits)}d}}" if digits.startswith("0") and len(digits) > 1 else "{step}"
+        return f"the step directories are named like {name!r}: pass --template '{head}{field}'"
+    return None
 
 
 def worst(findings: Iterable[Finding]) -> int:
@@ -88,27 +196,50 @@ def worst(findings: Iterable[Finding]) -> int:
     return 1 if any(f.severity is Severity.ERROR for f in findings) else 0
 
 
-def restore_check(step_dirs: Iterable[Path]) -> list[Finding]:
-    """A real restore of each step in a new process; digests compared item by item."""
+def restore_check(
+    step_dirs: Iterable[Path],
+    *,
+    budget_bytes: int | None = None,
+    progress: Callable[[Path, dict[str, Any]], None] | None = None,
+) -> list[Finding]:
+    """A real restore of each step in a new process, rank by rank and item by item within
+    ``budget_bytes`` of host memory; digests compared item by item. ``progress`` gets
+    (step directory, {"rank", "world", "item", "bytes"}) after each item."""
     import json
     import subprocess
     import sys
+    import tempfile
 
-    from ._offline import compare
+    from ._offline import DEFAULT_BUDGET, compare
 
     findings = []
     for step_dir in step_dirs:
-        proc = subprocess.run(
-            [sys.executable, "-m", "ckptguard.ops._offline", str(step_dir)], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        cmd = [sys.executable, "-m", "ckptguard.ops._offline", str(step_dir),
+               "--budget-bytes", str(budget_bytes or DEFAULT_BUDGET)]
+        result: dict[str, Any] | None = None
+        # stderr goes to a file: a pipe nobody reads while stdout is followed could fill and stall the child.
+        with tempfile.TemporaryFile(mode="w+") as err:
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(event, dict) and "progress" in event:
+                        if progress is not None:
+                            progress(step_dir, event["progress"])
+                    elif isinstance(event, dict):
+                        result = event
+            err.seek(0)
+            tail = (err.read().strip().splitlines() or ["no output"])[-1]
+        if proc.returncode != 0 or result is None:
             findings.append(
                 _err("restore-failed", step_dir, f"a restore in a new process failed: {tail}", RESTORE_HINT)
             )
             continue
-        for problem in compare(step_dir, json.loads(proc.stdout)):
+        for problem in result.get("failed", []):
+            findings.append(_err("restore-failed", step_dir, problem, RESTORE_HINT))
+        for problem in compare(step_dir, result):
             findings.append(_err("digest-mismatch", step_dir, problem, RESTORE_HINT))
     return findings
-
-

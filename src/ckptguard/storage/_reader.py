@@ -18,6 +18,7 @@ import errno as _errno
 import io
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -112,7 +113,14 @@ class ItemReader:
             )
         path = str(state_dir / rel)
         if rel not in fds:
-            fds[rel] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # Never through a link, never a FIFO (the open would block) or a device.
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise UnsafeCheckpointError(
+                    f"{path} is not a regular file; the checkpoint's data files are: restore an earlier step"
+                )
+            fds[rel] = fd
             self._stats.files += 1
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fds[rel], 0, 0, os.POSIX_FADV_SEQUENTIAL)

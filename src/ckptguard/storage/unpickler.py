@@ -62,10 +62,22 @@ class SafeMetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
 
+METADATA_BYTES = 1 << 30
+"""Bound of one ``.metadata`` read; DCP's metadata of a large model is megabytes."""
+
+
 def read_dcp_metadata(state_dir: Path) -> Metadata:
+    """DCP's ``.metadata`` of ``state_dir``, unpickled only through the allow-list.
+
+    The file is read bounded and never through a link or from a FIFO, and every data
+    file it names must be a plain file name inside ``state_dir``: DCP's own reader joins
+    that name to the directory, so an absolute name or one with ``..`` would read tensor
+    data from outside the checkpoint."""
+    from .._commit.layout import read_small
+
     path = state_dir / DCP_METADATA
     try:
-        data = path.read_bytes()
+        data = read_small(path, limit=METADATA_BYTES, what="DCP metadata")
     except FileNotFoundError:
         raise CheckpointIncompleteError(
             f"{path} is missing: the tensor state of this checkpoint was never finished; "
@@ -81,11 +93,32 @@ def read_dcp_metadata(state_dir: Path) -> Metadata:
                 "Do not load this checkpoint; restore an earlier step or rewrite it."
             ) from None
         raise CheckpointCorruptError(f"{path} is not a readable DCP metadata file: {exc}") from None
-    except Exception as exc:
-        raise CheckpointCorruptError(f"{path} is not a readable DCP metadata file: {exc}") from None
+    except Exception as exc:  # RecursionError, MemoryError-free garbage, ...: all one error
+        raise CheckpointCorruptError(
+            f"{path} is not a readable DCP metadata file: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(md, Metadata):
         raise CheckpointCorruptError(f"{path} holds a {type(md).__name__}, not DCP Metadata")
+    _confine(path, md)
     return md
+
+
+def _confine(path: Path, md: Metadata) -> None:
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data or {}, dict):
+        raise CheckpointCorruptError(f"{path} is not DCP metadata (its tables are not mappings)")
+    for index, info in (md.storage_data or {}).items():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not plain_name(rel):
+            raise UnsafeCheckpointError(
+                f"{path} names the data file {rel!r} for {getattr(index, 'fqn', index)!r}, which leaves "
+                f"{path.parent} (absolute, '..', a subdirectory): DCP writes plain names there, so the "
+                "file was crafted or damaged. Do not restore it; restore an earlier step."
+            )
+
+
+def plain_name(rel: str) -> bool:
+    """True for a plain file name (what DCP writes in ``state/``): no directory part, no '..'."""
+    return bool(rel) and rel not in (".", "..") and "/" not in rel and "\\" not in rel and "\0" not in rel
 
 
 def pickle_globals(data: bytes) -> set[str]:
