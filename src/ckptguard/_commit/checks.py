@@ -196,13 +196,30 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
         ]
     except (CheckpointError, OSError) as exc:
         return [*findings, _err("bad-metadata", state / DCP_METADATA, str(exc).split(";")[0], RESTORE_HINT)]
-    for rel in sorted({info.relative_path for info in (md.storage_data or {}).values()}):
+    referenced = {info.relative_path for info in (md.storage_data or {}).values()}
+    for rel in sorted(referenced):
         if f"{_layout.STATE_DIR}/{rel}" not in listed:
             findings.append(
                 _err(
                     "missing-shard",
                     state / rel,
                     "DCP metadata points at it but the manifest does not list it",
+                    RESTORE_HINT,
+                )
+            )
+    # The other way round: a data file the save wrote that the metadata never points at means
+    # the metadata lost entries (a .metadata listing no tensors passes every other check).
+    prefix = f"{_layout.STATE_DIR}/"
+    for f in manifest.files:
+        rel = str(f.get("path", ""))
+        data_file = rel.startswith(prefix) and rel.endswith(".distcp") and int(f.get("size") or 0) > 0
+        if data_file and rel[len(prefix):] not in referenced:
+            findings.append(
+                _err(
+                    "unreferenced-shard",
+                    step_dir / rel,
+                    "the manifest lists this data file but the DCP metadata points at none of its bytes "
+                    "(the metadata lost its tensor entries)",
                     RESTORE_HINT,
                 )
             )

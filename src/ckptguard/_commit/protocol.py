@@ -111,6 +111,7 @@ class ChunkVerdict(Wire):
 @dataclass(frozen=True)
 class PrepareRequest(Wire):
     step: int
+    root: str = ""
 
 
 @dataclass(frozen=True)
@@ -313,6 +314,16 @@ def _prepare(ctx: Context, step: int) -> Prepared:
             raise ConfigError(
                 f"ranks called save with different steps {steps} (index = rank); every rank must save the same step"
             )
+        roots = [r.root for r in requests]
+        if len(set(roots)) > 1:
+            # Rank 0 creates the temp directory and every rank writes into it by its absolute path:
+            # a rank with another root would publish into rank 0's and leave its own root empty.
+            listing = "; ".join(f"rank {r}: {root}" for r, root in enumerate(roots))
+            raise ConfigError(
+                f"save of step {step}: ranks passed different checkpoint roots ({listing}). Every rank must "
+                "pass the same root on storage they all share; node-local roots (a disk per node) cannot be "
+                "published atomically yet: use shared storage, or stage_dir= for node-local staging"
+            )
         try:
             return _prepare_root(ctx, step)
         except CheckpointError:
@@ -320,7 +331,8 @@ def _prepare(ctx: Context, step: int) -> Prepared:
         except Exception as exc:  # an OSError of the root: reported like a write failure, with errno and path
             return Prepared(failure=failure_from(exc, rank=0, phase="prepare").to_json())
 
-    prep = gather_decide(ctx.agreement, "save.prepare", PrepareRequest(step), decide, decision=Prepared)
+    request = PrepareRequest(step, str(ctx.root.absolute()))
+    prep = gather_decide(ctx.agreement, "save.prepare", request, decide, decision=Prepared)
     _raise_if_failed(ctx, [prep.failure] if prep.failure else [], step=step, phase="prepare")
     return prep
 

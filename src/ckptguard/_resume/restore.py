@@ -302,7 +302,16 @@ def _plan(
     flat: dict[str, torch.Tensor] = {}
     for name, (kind, _sd, live) in targets.items():
         if kind.value != manifest.items[name]:
-            problems.append(f"item {name!r} is a {kind.value} now but was saved as a {manifest.items[name]}")
+            saved_kind = manifest.items[name]
+            if "value" in (kind.value, saved_kind):
+                # A plain value is a snapshot: the caller passes one of the type it saved and reads
+                # the restored one back from the state dict (a float does not become a tensor).
+                problems.append(
+                    f"item {name!r} was saved as a {saved_kind} and is passed as a {kind.value} now: pass the "
+                    "same type the run saved (e.g. a float for a float) and read it back from the state after restore"
+                )
+            else:
+                problems.append(f"item {name!r} is a {kind.value} now but was saved as a {saved_kind}")
             continue
         saved_keys = _state.tensor_keys(extras["items"][name])
         problems += _check_keys(name, saved_keys, set(live), ckpt_keys)
@@ -313,8 +322,8 @@ def _plan(
             r0 = min(bad)
             raise StateMismatchError(
                 f"restore of step {manifest.step} from {step_dir}: the state does not match the "
-                f"checkpoint (rank {r0}: {'; '.join(bad[r0])}). Build the same model/optimizer as the "
-                "run that saved, or restore into matching objects."
+                f"checkpoint (rank {r0}: {'; '.join(bad[r0])}). Restore into objects like the saving run's "
+                "(modules and optimizers built the same way, plain values of the same type)."
             )
         return Agreed()
 
