@@ -317,7 +317,8 @@ def test_deep_json_is_a_finding_never_a_crash(tmp_path, caplog):
     _save(root, 2)
     (root / retention.HOLDS_DIR).mkdir()
     (root / retention.HOLDS_DIR / "1.json").write_text(deep)
-    assert retention.holds(root) == {}  # a warning, not a RecursionError
+    held = retention.holds(root)  # a warning, not a RecursionError; and still held (issue 15 item 12)
+    assert list(held) == [1] and held[1].startswith("UNREADABLE")
     report = retention.apply(root, NAMING, retention.KeepLast(5))
     assert report.deleted == []
     (step / "manifest.json").write_text(deep)
@@ -409,6 +410,7 @@ CLI_CASES = {
     "release": [("none", ["release", "{root}", "3"])],
     "transfer": [("manifest-files", ["transfer", "{step}", "{dest}"]),
                  ("manifest-topology", ["transfer", "{step}", "{dest}"])],
+    "adopt": [("manifest-items", ["adopt", "{root}", "1"]), ("tracker-utf8", ["adopt", "{root}", "1"])],
     "demo": [("none", ["demo", "--workdir", "{file}"])],
     "repro-save": [("none", ["repro-save", "--target", "{file}", "--rounds", "1", "--size", "0.0001"])],
     "rehearse": [("none", ["rehearse", "--root", "{file}", "--timeout", "5", "--", sys.executable, "-c", "pass"])],

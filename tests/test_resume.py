@@ -114,6 +114,7 @@ def test_tracker_zero_is_declared_fresh_start(tmp_path):
 def test_restore_logs_one_line_with_path_and_step(tmp_path, caplog):
     mgr, root = _saved(tmp_path)
     caplog.set_level(logging.INFO, logger="ckptguard")
+    caplog.clear()  # the two "committed" lines of the saves
     assert mgr.restore(build_job().state()) == 2
     lines = [r.getMessage() for r in caplog.records if r.name == "ckptguard"]
     assert len(lines) == 1 and "step 2" in lines[0] and str(root / "step_00000002") in lines[0]

@@ -598,9 +598,11 @@ def transfer(step_dir: Path, dest_root: Path, record: Path | None) -> None:
     except CheckpointError as exc:
         _fail(str(exc), False)
     except OSError as exc:  # ENOSPC, EACCES...: the tracker moves last, so it was not moved
-        _fail(f"transfer of {step_dir} to {dest_root} failed: {exc}; the destination's tracker moves only once "
-              "every file is verified. Fix the cause and run the same transfer again (it finishes a complete copy)",
-              False)
+        name = _errno.errorcode.get(exc.errno or 0, "")
+        full = "; the filesystem is full: free space or pick another destination" if exc.errno == _errno.ENOSPC else ""
+        _fail(f"transfer of {step_dir} to {dest_root} failed: {exc} ({name}){full}; the destination's tracker moves "
+              "only once every file is verified. Fix the cause and run the same transfer again (it finishes a "
+              "complete copy)", False)
     click.echo(describe(info))
 
 

@@ -97,10 +97,7 @@ def hold(root: Path, step: int, reason: str) -> Path:
     if not reason.strip():
         raise ConfigError("hold: give a reason (who needs this step, and until when)")
     directory = root / HOLDS_DIR
-    if directory.is_symlink():
-        raise ConfigError(
-            f"hold: {directory} is a symlink; ckptguard never writes through links: replace it with a real directory"
-        )
+    _layout.refuse_link(directory, "holds directory")  # never written through a link
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{step}.json"
     _layout.atomic_write_json(path, {"step": step, "reason": reason, "created_unix": time.time()})
@@ -122,6 +119,7 @@ def holds(root: Path) -> dict[int, str]:
     """Held steps and why. A hold file that cannot be read still holds the step its name
     gives (``<step>.json``): a damaged hold must never free a step someone relies on."""
     out: dict[int, str] = {}
+    _layout.refuse_link(root / HOLDS_DIR, "holds directory")  # never read through a link
     try:
         entries = sorted(os.scandir(root / HOLDS_DIR), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
