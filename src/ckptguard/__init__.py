@@ -5,6 +5,7 @@ Public surface::
     CheckpointManager(root, *, config=None, process_group=None, storage=None)
         .save(step, state) -> Path
         .restore(state, *, mode=ResumeMode.AUTO, path=None) -> int
+        .record_step(step, *, sample_ids=None, batch=None, loss=None, grad_norm=None, **extra)
         .resolve(*, mode=..., path=None) -> Resolution
         .committed_steps() -> list[int]
         .declare_phase(reason, changes) -> Path
@@ -18,8 +19,9 @@ from ._resume.contract import RunContract, hash_data_files, hash_git_tree, hash_
 from ._resume.derived import DerivedState, StaleDerivedStateError
 from ._resume.expert import ExpertParallel
 from ._resume.restore import Resolution
+from ._resume.rng import GeneratorState
 from ._resume.state import PerRank
-from .config import CheckpointConfig, ParallelLayout, ReshardRule, ResumeMode
+from .config import CheckpointConfig, ParallelLayout, ProofPlan, ReshardRule, ResumeMode
 from .errors import (
     ChainMismatchError,
     CheckpointCorruptError,
@@ -67,6 +69,7 @@ __all__ = [
     "DCPStorage",
     "DerivedState",
     "ExpertParallel",
+    "GeneratorState",
     "IOStats",
     "KeepAny",
     "KeepEvery",
@@ -75,6 +78,7 @@ __all__ = [
     "ParallelLayout",
     "PendingSave",
     "PerRank",
+    "ProofPlan",
     "RankDisagreementError",
     "ReplicatedDivergenceError",
     "ReshardRule",

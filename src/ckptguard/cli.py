@@ -257,17 +257,7 @@ def release(root: Path, step: int) -> None:
     click.echo(f"released step {step}")
 
 
-def _gate_table(gates: list, as_json: bool) -> None:
-    if as_json:
-        click.echo(
-            json.dumps(
-                [
-                    {"gate": g.name, "status": g.status.value, "evidence": g.evidence, "required": g.required}
-                    for g in gates
-                ]
-            )
-        )
-        return
+def _gate_table(gates: list) -> None:
     width = max(len(g.name) for g in gates)
     click.echo(f"{'gate':<{width}}  {'result':<7}  evidence")
     for g in gates:
@@ -276,17 +266,25 @@ def _gate_table(gates: list, as_json: bool) -> None:
 
 @main.command()
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the gates as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict and the gates as one JSON object.")
 def prove(root: Path, as_json: bool) -> None:
-    """Evaluate the resume-proof gates from ROOT/proof records: PASS, FAIL or NOT RUN, with evidence.
+    """Evaluate the resume-proof gates from ROOT/proof records, with evidence, and a one-line verdict.
 
-    Exit 0 only if every required gate passes. A gate whose event was never recorded is
-    NOT RUN, never PASS.
+    Each gate is PASS, FAIL, NOT RUN, INFO or N/A (the job's ProofPlan, recorded with the save, says
+    it does not apply). Exit 0 only if every required gate passes: `resume PROVEN`; otherwise
+    `resume NOT proven: <first failing gate>`. A gate whose event was never recorded is NOT RUN.
     """
-    from .ops.prove import evaluate, passed
+    from .ops.prove import evaluate, passed, to_json, verdict
 
-    gates = evaluate(root.absolute())
-    _gate_table(gates, as_json)
+    try:
+        gates = evaluate(root.absolute())
+    except CheckpointError as exc:
+        _fail(str(exc), as_json)
+    if as_json:
+        click.echo(json.dumps(to_json(gates)))
+    else:
+        _gate_table(gates)
+        click.echo(f"\n{verdict(gates)}")
     sys.exit(0 if passed(gates) else 1)
 
 
@@ -318,7 +316,7 @@ def prove(root: Path, as_json: bool) -> None:
 def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: int, no_derived_fix: bool) -> None:
     """A tiny RL job on the CPU: SIGKILL mid-save, resume with AUTO, and the proof table."""
     from .demo.job import run_demo
-    from .ops.prove import passed
+    from .ops.prove import passed, verdict
 
     if kill_at % save_every or not save_every < kill_at < steps:
         raise click.UsageError("need --save-every < --kill-at < --steps with --kill-at a multiple of --save-every")
@@ -332,9 +330,9 @@ def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: i
         echo=click.echo,
     )
     click.echo("")
-    _gate_table(gates, False)
+    _gate_table(gates)
     ok = passed(gates)
-    click.echo("\nresume PROVEN" if ok else f"\nresume NOT proven: see the FAIL/NOT RUN rows (records in {root}/proof)")
+    click.echo(f"\n{verdict(gates)}" + ("" if ok else f" (records in {root}/proof)"))
     sys.exit(0 if ok else 1)
 
 

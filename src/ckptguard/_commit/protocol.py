@@ -34,7 +34,7 @@ from .. import _faults
 from .._dist import Agreement
 from .._resume import contract as _contract
 from .._resume import rng as _rng
-from .._resume.digest import digest, file_digest
+from .._resume.digest import combine_layout_free, digest, file_digest, layout_free_partials
 from .._resume.expert import ExpertParallel
 from .._resume.state import Captured, capture
 from ..config import CheckpointConfig
@@ -358,6 +358,8 @@ def _publish(
         contract={"phase": prep["phase"], "hash": prep["hash"]},
     )
     manifest["cost"] = cost  # optional in format 1: absent in manifests written before it
+    # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).
+    manifest["layout_free"] = combine_layout_free([rep.get("layout_free", {}) for rep in reports])
     _layout.atomic_write_json(
         tmp / _layout.MANIFEST_NAME, manifest, before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
     )
@@ -470,6 +472,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
         written = _write_rank(ctx, step, tmp, items, rng)
         report["files"] = [f.__dict__ for f in written]
         report["digests"] = {n: c.digest() for n, c in items.items()}
+        report["layout_free"] = layout_free_partials({n: c.tensors for n, c in items.items()})
         if rng is not None:
             report["digests"][RNG_ITEM] = digest(rng)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all

@@ -3,6 +3,10 @@
 A digest covers each leaf's path, type, dtype, shape and bytes (for a DTensor: the
 local shard this rank holds). Two states with equal digests hold the same bytes in
 the same structure; digests are compared only between the same rank and layout.
+
+The layout-free digest (``layout_free_partials``, ``combine_layout_free``) depends only on
+each tensor's global shape, dtype and values: every rank sums its shard, the sums are
+combined, and a save on N ranks compares with a restore on M.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -142,3 +147,207 @@ def file_digest(path: str, *, chunk: int = 8 << 20) -> tuple[int, str]:
         free.put(buf)
     thread.join()
     return size, h.hexdigest()
+
+
+# ---------------------------------------------------------------- layout-free digests
+#
+# A tensor's bytes in global row-major order are read as 64-bit little-endian words W_j
+# (the last one zero-padded). Its layout-free sum is sum_j W_j * P[j mod B] * S(j div B)
+# mod 2**64, with P a fixed table of odd weights and S an odd mix of the block index. The sum
+# is linear in the bytes, so every rank sums the runs of global words its shard covers (a
+# run may start or end inside a word: its bytes sit at their positions, zeros elsewhere) and
+# the per-shard sums add up to the whole tensor's under any sharding. Odd weights make any
+# one changed word change the sum; the position weights make moved data change it. On the CPU
+# one einsum over uint64 blocks runs at xxh3's speed; on a GPU it is two int64 reductions.
+
+_MASK = (1 << 64) - 1
+_LF_BLOCK = 1024  # words per block: one position weight each
+_LF_GPU_WORDS = 8 << 20  # words per GPU pass, bounding the temporary product
+
+
+def _splitmix(x: Any) -> Any:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+_POS = _splitmix(np.arange(_LF_BLOCK, dtype=np.uint64) + np.uint64(0x5EED)) | np.uint64(1)
+_POS_DEVICE: dict[str, torch.Tensor] = {}
+
+
+def _mix_blocks(first: int, count: int) -> np.ndarray:
+    return _splitmix(np.arange(first, first + count, dtype=np.uint64) ^ np.uint64(0xD1B54A32D192ED03)) | np.uint64(1)
+
+
+_BLOCKS_CACHED = 1 << 14  # the weights of the first 16384 blocks (tensors up to 128 MiB), computed once
+_BW = _mix_blocks(0, _BLOCKS_CACHED)
+
+
+def _block_weights(first: int, count: int) -> np.ndarray:
+    if first + count <= _BLOCKS_CACHED:
+        return _BW[first : first + count]
+    return _mix_blocks(first, count)
+
+
+def _word_weight(j: int) -> int:
+    return int(_POS[j % _LF_BLOCK]) * int(_block_weights(j // _LF_BLOCK, 1)[0]) & _MASK
+
+
+def _words_sum_cpu(words: np.ndarray, j0: int) -> int:
+    """sum of words[i] * weight(j0 + i) over a run of whole words (uint64, aligned)."""
+    m, i, total = words.size, 0, 0
+    k0 = j0 % _LF_BLOCK
+    if k0:  # the run starts inside a block
+        c = min(m, _LF_BLOCK - k0)
+        total += int(np.einsum("i,i->", words[:c], _POS[k0 : k0 + c])) * int(_block_weights(j0 // _LF_BLOCK, 1)[0])
+        i = c
+    nb = (m - i) // _LF_BLOCK
+    if nb:
+        per_block = np.einsum("ij,j->i", words[i : i + nb * _LF_BLOCK].reshape(nb, _LF_BLOCK), _POS)
+        total += int(np.einsum("i,i->", per_block, _block_weights((j0 + i) // _LF_BLOCK, nb)))
+        i += nb * _LF_BLOCK
+    if i < m:
+        c = m - i
+        total += int(np.einsum("i,i->", words[i:], _POS[:c])) * int(_block_weights((j0 + i) // _LF_BLOCK, 1)[0])
+    return total & _MASK
+
+
+def _words_sum_cuda(words: torch.Tensor, j0: int) -> int:
+    """The same sum on the GPU: int64 arithmetic wraps like uint64 modulo 2**64."""
+    dev = str(words.device)
+    pos = _POS_DEVICE.get(dev)
+    if pos is None:
+        pos = _POS_DEVICE[dev] = torch.from_numpy(_POS.view(np.int64).copy()).to(words.device)
+    m, i, total = words.numel(), 0, 0
+    k0 = j0 % _LF_BLOCK
+    if k0:
+        c = min(m, _LF_BLOCK - k0)
+        head = int((words[:c] * pos[k0 : k0 + c]).sum().item())
+        total += head * int(_block_weights(j0 // _LF_BLOCK, 1)[0])
+        i = c
+    while (m - i) // _LF_BLOCK:
+        nb = min((m - i) // _LF_BLOCK, _LF_GPU_WORDS // _LF_BLOCK)
+        per_block = (words[i : i + nb * _LF_BLOCK].view(nb, _LF_BLOCK) * pos).sum(dim=1)
+        weights = torch.from_numpy(_block_weights((j0 + i) // _LF_BLOCK, nb).view(np.int64)).to(words.device)
+        total += int((per_block * weights).sum().item())
+        i += nb * _LF_BLOCK
+    if i < m:
+        c = m - i
+        tail = int((words[i:] * pos[:c]).sum().item())
+        total += tail * int(_block_weights((j0 + i) // _LF_BLOCK, 1)[0])
+    return total & _MASK
+
+
+def _bytes_sum(flat: torch.Tensor, start: int) -> int:
+    """The layout-free sum of ``flat`` (uint8, contiguous) placed at global byte offset ``start``."""
+    n = flat.numel()
+    total = 0
+    head = min((-start) % 8, n)
+    if head:  # a partial first word: its bytes at their positions inside the word
+        word = int.from_bytes(bytes(start % 8) + flat[:head].cpu().numpy().tobytes(), "little")
+        total += word * _word_weight(start // 8)
+    m = (n - head) // 8
+    j0 = (start + head) // 8
+    if m:
+        body = flat[head : head + 8 * m]
+        if flat.device.type == "cuda":
+            if body.storage_offset() % 8 or body.data_ptr() % 8:
+                body = body.clone()
+            total += _words_sum_cuda(body.view(torch.int64), j0)
+        else:
+            arr = body.cpu().numpy()
+            if arr.ctypes.data % 8:
+                arr = arr.copy()
+            total += _words_sum_cpu(arr.view(np.uint64), j0)
+    tail = n - head - 8 * m
+    if tail:
+        word = int.from_bytes(flat[head + 8 * m :].cpu().numpy().tobytes(), "little")
+        total += word * _word_weight(j0 + m)
+    return total & _MASK
+
+
+def _global_offset(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's piece of ``t`` and where it starts in the global tensor."""
+    if hasattr(t, "device_mesh") and hasattr(t, "placements"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        if tuple(local.shape) != tuple(shape):  # a padded local shard: only the real part counts
+            local = local[tuple(slice(0, int(s)) for s in shape)]
+        return local, tuple(int(o) for o in offset)
+    return t, (0,) * t.dim()
+
+
+def layout_free_partial(t: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
+    """(header, global offset, partial sum) of this rank's piece of ``t``.
+
+    The piece is a box of the global tensor; every run of it that is contiguous in the global
+    row-major order (all of it, when only the first dimension is split) is summed at its place.
+    """
+    local, offset = _global_offset(t)
+    gshape = tuple(int(s) for s in t.shape)
+    return f"{local.dtype}|{gshape}", offset, box_sum(local, offset, gshape)
+
+
+def box_sum(local: torch.Tensor, offset: tuple[int, ...], gshape: tuple[int, ...]) -> int:
+    """The layout-free sum of ``local``, the box of a tensor of shape ``gshape`` at ``offset``."""
+    if local.numel() == 0:
+        return 0
+    esize = local.element_size()
+    flat = tensor_bytes_view(local.detach())
+    lshape = tuple(int(s) for s in local.shape)
+    split = [d for d in range(len(gshape)) if lshape[d] != gshape[d]]
+    if not split:
+        return _bytes_sum(flat, 0)
+    last = split[-1]
+    gstride = [1] * len(gshape)
+    for d in range(len(gshape) - 2, -1, -1):
+        gstride[d] = gstride[d + 1] * gshape[d + 1]
+    run = lshape[last] * gstride[last]  # elements of one run: the dims after ``last`` are whole
+    total = 0
+    for r, idx in enumerate(np.ndindex(*lshape[:last])):
+        start = sum((offset[d] + idx[d]) * gstride[d] for d in range(last)) + offset[last] * gstride[last]
+        total += _bytes_sum(flat[r * run * esize : (r + 1) * run * esize], start * esize)
+    return total & _MASK
+
+
+def layout_free_partials(items: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, list[str]]:
+    """This rank's part of every tensor item: ``{chunk id: [item, key, header, partial hex]}``.
+
+    The chunk id is the DCP key and the piece's global offset: ranks holding the same chunk
+    (replicas) report it alike and it is counted once (``combine_layout_free``)."""
+    out: dict[str, list[str]] = {}
+    for item, tensors in items.items():
+        for key, t in tensors.items():
+            header, offset, partial = layout_free_partial(t)
+            out[f"{key}@{offset}"] = [item, key, header, f"{partial:016x}"]
+    return out
+
+
+REPLICAS_DIFFER = "replicas differ"
+
+
+def combine_layout_free(views: list[Mapping[str, list[str]]]) -> dict[str, dict[str, str]]:
+    """Every rank's partials into ``{item: {key: digest}}``, which no sharding changes.
+
+    A chunk reported by several ranks with different bytes gives the key the value
+    ``REPLICAS_DIFFER`` (it never equals a recorded digest)."""
+    chunks: dict[str, list[str]] = {}
+    differ: set[tuple[str, str]] = set()
+    for view in views:
+        for cid, entry in view.items():
+            item, key = entry[0], entry[1]
+            prev = chunks.setdefault(cid, list(entry))
+            if prev[2:] != list(entry[2:]):
+                differ.add((item, key))
+    sums: dict[tuple[str, str], list[Any]] = {}
+    for item, key, header, part in chunks.values():
+        acc = sums.setdefault((item, key), [header, 0])
+        acc[1] = (acc[1] + int(part, 16)) & _MASK
+    out: dict[str, dict[str, str]] = {}
+    for (item, key), (header, total) in sorted(sums.items()):
+        value = xxhash.xxh3_64(f"{header}|{total:016x}".encode()).hexdigest()
+        out.setdefault(item, {})[key] = REPLICAS_DIFFER if (item, key) in differ else value
+    return out
