@@ -333,7 +333,7 @@ def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Re
                                 f"consumed {_show(b)}, the killed run {_show(a)}. {hint}")
                 return out
             na, nb = numerics(a), numerics(b)
-            for name in sorted(set(na) | set(nb)):
+            for name in [*na, *(n for n in nb if n not in na)]:  # loss, grad_norm, then the extras
                 out.numbers += 1
                 if name not in na or name not in nb or not same_bits(na[name], nb[name]):
                     out.diffs.append((s, name, na.get(name, "absent"), nb.get(name, "absent")))
@@ -359,7 +359,8 @@ def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
         steps = sorted({s for r in replays for s in r.steps})
         data = Gate(data.name, Status.PASS, f"{data.evidence} on {len(replays)} rank(s): sample ids and batch "
                     f"digests equal the killed run's ({len(steps)} step(s))")
-    diffs = sorted((s, r.rank, name, a, b) for r in replays for s, name, a, b in r.diffs)
+    diffs = [(s, r.rank, name, a, b) for r in replays for s, name, a, b in r.diffs]
+    diffs.sort(key=lambda d: (d[0], d[1]))  # stable: within a step, loss and grad_norm before the extras
     compared = [r for r in replays if r.steps and r.status is not Status.FAIL]
     count = sum(r.numbers for r in compared)
     name = "replayed steps identical"
@@ -459,12 +460,12 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
     for name, fn in (("restored step confirmed before training", _gate_confirmed), ("all PIDs changed", _gate_pids),
                      ("digests equal, item by item", _gate_digests), ("addresses unchanged", _gate_addresses)):
         gates.append(_combine(name, [fn(s) for s in segments]))
-    gates += _replay_gates([_replay(s, before(s), plan) for s in segments], plan)
     gates.append(_not_rl("first export byte-identical", [_gate_export(s) for s in segments], plan, where,
                          "export" in events))
     gates.append(_not_rl("first old-logprob aligned", [_gate_logprobs(s) for s in segments], plan, where,
                          "logprobs" in events))
     gates.append(_combine("one non-zero update", [_gate_update(s) for s in segments]))
+    gates += _replay_gates([_replay(s, before(s), plan) for s in segments], plan)
     restores = [s.restore for s in segments if s.restore is not None]
     written = sorted({r.get("format_version") for r in restores if r.get("format_version")})
     gates.append(
