@@ -124,7 +124,7 @@ def test_record_step_fields_and_records_made_before_the_root_exists(tmp_path):
     b = mgr.record_step(1, sample_ids=torch.tensor([3, 1, 2]), batch={"x": torch.arange(6)}, loss=0.1)
     assert a["sample_ids"] == b["sample_ids"] and a["ids_head"] == [3, 1, 2]  # list and tensor of the same ids
     assert a["loss"] == float(torch.tensor(0.1)) and a["extra"] == {"reward": 2}
-    with pytest.raises(cg.ConfigError, match="record_step\\(tokens=...\\).*not a scalar"):
+    with pytest.raises(cg.ConfigError, match=r"record_step\(tokens=...\).*not a scalar"):
         mgr.record_step(2, tokens=torch.ones(3))
     with pytest.raises(cg.ConfigError, match="step must be an int"):
         mgr.record_step(0)

@@ -465,31 +465,39 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
 @click.option("--root", required=True, type=click.Path(path_type=Path, file_okay=False),
               help="The checkpoint root the training command writes.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=600, show_default=True,
-              help="Longest wait for the first save, and for the resumed run's first update.")
+              help="Longest wait for each point the rehearsal waits for (a save, a replayed step, a pause).")
+@click.option("--json", "as_json", is_flag=True, help="Print the kills, both resumes' gates and the verdict as JSON.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def rehearse(root: Path, timeout_s: float, cmd: tuple[str, ...]) -> None:
-    """Run CMD to its first save, SIGKILL it, relaunch it, and prove the resume.
+def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) -> None:
+    """Run CMD past a save and kill it, resume it and kill it mid-save, resume and save again; prove both resumes.
 
-    Use before a long run on a new save path or layout:
+    CMD must be the long run's command (same save path, same layout) and call
+    CheckpointManager.record_step every step. Every kill takes the whole process tree, torchrun's
+    workers in their own sessions included. Use before a long run on a new save path or layout:
 
         ckptguard rehearse --root /ckpt/run1 -- torchrun --nproc_per_node 8 train.py ...
 
-    Exit 0 only if every proof gate passes.
+    Exit 0 only if both resumes are proven.
     """
-    from .ops.prove import passed
+    from .ops.prove import verdict
     from .ops.rehearse import rehearse as _rehearse
 
     try:
-        result = _rehearse(list(cmd), root, timeout_s=timeout_s, echo=click.echo)
+        result = _rehearse(list(cmd), root, timeout_s=timeout_s, echo=(lambda s: None) if as_json else click.echo)
     except CheckpointError as exc:
-        _fail(str(exc), False)
-    _gate_table(result.gates, False)
+        _fail(str(exc), as_json)
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+        sys.exit(0 if result.proven else 1)
+    _gate_table(result.gates)
+    click.echo("")
+    for r in result.resumes:
+        click.echo(f"resume after {r.after}: {verdict(r.gates).removeprefix('resume ')}")
     if result.cost:
         click.echo(f"\ncheckpoint of step {result.step}: {_cost_line(result.cost)}")
     click.echo(f"log: {result.log}")
-    ok = passed(result.gates)
-    click.echo("\nrehearsal PASSED" if ok else "\nrehearsal FAILED: see the FAIL/NOT RUN rows")
-    sys.exit(0 if ok else 1)
+    click.echo(f"\n{result.verdict()}")
+    sys.exit(0 if result.proven else 1)
 
 
 def _fail(message: str, as_json: bool) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import _faults
 from ._commit import layout as _layout
 from ._commit import manifest as _manifest
 from ._commit import pending as _async
@@ -108,6 +109,7 @@ class CheckpointManager:
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         self._proof = ProofLog(self.root, agreement.info.rank)
+        _faults.arm_pause_from_env(info.rank)  # only under `ckptguard rehearse`
         self._ctx = _commit.Context(
             root=self.root,
             config=self.config,

@@ -8,9 +8,10 @@ evidence. A gate whose event never happened is NOT RUN, never PASS; a gate the j
 the gates look at the newest restore of a non-zero step on each rank of the newest run.
 
 The replay gates compare the steps the resumed run runs again (restored step + 1 up to the
-last step the killed run recorded) with the killed run's ``step`` records of the same step
-and rank (under resharding: of the rank whose extras it took): the data exactly, always;
-the numbers exactly where the plan is deterministic, else as information.
+last step the killed run recorded) with the ``step`` records of the same step and rank
+(under resharding: of the rank whose extras it took) made by the process that saved the
+restored step and ran on from it until it was killed: the data exactly, always; the
+numbers exactly where the plan is deterministic, else as information.
 """
 
 from __future__ import annotations
@@ -269,10 +270,15 @@ def _hint(rank: int, step: int, resumed: dict[str, Any], ref: dict[int, list], h
             "state_dict/load_state_dict)")
 
 
-def _reference(seg: _Segment, before: list[dict[str, Any]]) -> tuple[dict[int, list], dict[tuple, int]]:
-    """The killed run's step records after the restored step, and every earlier step's data (for hints)."""
+def _reference(seg: _Segment, before: list[dict[str, Any]]) -> tuple[int | None, dict[int, list], dict[tuple, int]]:
+    """The pid of the process that saved the restored step, its step records after that step (the
+    segment that ran on from the save and was killed), and every earlier step's data (for hints).
+
+    Only the saving process ran on from the saved state without a resume in between; an earlier
+    resume of the same step may share the resumed run's bug, so it is never the reference."""
     assert seg.restore is not None
     k, pid = int(seg.restore["step"]), seg.restore["pid"]
+    saver = next((r["pid"] for r in reversed(before) if r["event"] == "save" and r["step"] == k), None)
     ref: dict[int, list[dict[str, Any]]] = {}
     history: dict[tuple, int] = {}
     for r in before:
@@ -280,13 +286,9 @@ def _reference(seg: _Segment, before: list[dict[str, Any]]) -> tuple[dict[int, l
             continue
         if _data(r):
             history.setdefault(tuple(sorted(_data(r).items())), int(r["step"]))
-        if r["step"] <= k:
-            continue
-        recs = ref.setdefault(int(r["step"]), [])
-        if recs and recs[0]["pid"] != r["pid"]:
-            recs.clear()  # a later process ran this step again: compare with the newest run of it
-        recs.append(r)
-    return ref, history
+        if r["pid"] == saver and r["step"] > k:
+            ref.setdefault(int(r["step"]), []).append(r)
+    return saver, ref, history
 
 
 def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Replay:
@@ -296,14 +298,17 @@ def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Re
         return out
     assert seg.restore is not None
     k = int(seg.restore["step"])
-    ref, history = _reference(seg, before)
+    saver, ref, history = _reference(seg, before)
     resumed: dict[int, list[dict[str, Any]]] = {}
     for r in seg.after:
         if r["event"] == "step" and r["step"] > k:
             resumed.setdefault(int(r["step"]), []).append(r)
+    if saver is None:
+        out.evidence = f"rank {seg.rank}: no record of the process that saved step {k}: no killed run to compare with"
+        return out
     if not ref:
-        out.evidence = (f"rank {seg.rank}: the killed run recorded no step after step {k} (killed right after the "
-                        "save, or record_step not called): nothing was replayed")
+        out.evidence = (f"rank {seg.rank}: the run that saved step {k} (pid {saver}) recorded no step after it "
+                        "(killed right after the save, or record_step not called): nothing was replayed")
         return out
     if not resumed:
         out.evidence = f"rank {seg.rank}: the resumed run recorded no step after the restore of step {k}"
