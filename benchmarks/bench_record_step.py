@@ -64,7 +64,8 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(result, indent=1))
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / f"record_step_{'cpu' if a.device == 'cpu' else 'gpu'}.json").write_text(json.dumps(result, indent=1) + "\n")
+    name = f"record_step_{'cpu' if a.device == 'cpu' else 'gpu'}.json"
+    (a.out / name).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -103,3 +103,27 @@ def test_resharded_resumes_are_proven_and_a_flipped_byte_is_caught(tmp_path):
     assert bad.status is Status.FAIL and "'model (layout-free)'" in bad.evidence and "optim" not in bad.evidence
     confirmed = _gate(flipped, "restored step confirmed before training")
     assert confirmed.status is Status.FAIL and "raised StateMismatchError" in confirmed.evidence
+
+
+def test_layout_free_digest_ignores_the_sharding_and_sees_every_byte():
+    import itertools
+
+    from ckptguard._resume import digest as d
+    from ckptguard._resume.state import capture, digests_and_layout_free
+
+    torch.manual_seed(0)
+    for t in (torch.randn(7, 5), torch.randn(5, 3).to(torch.bfloat16), torch.arange(4097, dtype=torch.int64)):
+        shape, whole = tuple(t.shape), d.box_sum(t, (0,) * t.dim(), tuple(t.shape))
+        for dim, cut in itertools.product(range(t.dim()), (1, shape[-1] // 2)):  # two shards on any dimension
+            a, b = t.narrow(dim, 0, cut).contiguous(), t.narrow(dim, cut, shape[dim] - cut).contiguous()
+            at = tuple(cut if i == dim else 0 for i in range(t.dim()))
+            assert (d.box_sum(a, (0,) * t.dim(), shape) + d.box_sum(b, at, shape)) & d._MASK == whole
+        flipped = t.clone()
+        flipped.view(-1).view(torch.uint8)[7] ^= 1
+        moved = t.flip(0)
+        assert whole not in (d.box_sum(flipped, (0,) * t.dim(), shape), d.box_sum(moved, (0,) * t.dim(), shape))
+    # the save's one pass (xxh3 here, the pool summing the same bytes) gives both digests unchanged
+    big = {"w": torch.randn(3 << 20), "v": torch.randn(9, 7)[1:, 2:], "tied": [torch.ones(3)] * 2}
+    items = capture({"model": torch.nn.Linear(8, 4), "t": big})
+    assert digests_and_layout_free(items) == (
+        {n: c.digest() for n, c in items.items()}, d.layout_free_partials({n: c.tensors for n, c in items.items()}))

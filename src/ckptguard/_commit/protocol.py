@@ -34,9 +34,9 @@ from .. import _faults
 from .._dist import Agreement
 from .._resume import contract as _contract
 from .._resume import rng as _rng
-from .._resume.digest import combine_layout_free, digest, file_digest, layout_free_partials
+from .._resume.digest import combine_layout_free, digest, file_digest
 from .._resume.expert import ExpertParallel
-from .._resume.state import Captured, capture
+from .._resume.state import Captured, capture, digests_and_layout_free
 from ..config import CheckpointConfig
 from ..errors import (
     CheckpointError,
@@ -471,8 +471,8 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     try:
         written = _write_rank(ctx, step, tmp, items, rng)
         report["files"] = [f.__dict__ for f in written]
-        report["digests"] = {n: c.digest() for n, c in items.items()}
-        report["layout_free"] = layout_free_partials({n: c.tensors for n, c in items.items()})
+        # Both digests in one pass over the bytes: the per-rank one and the one no sharding changes.
+        report["digests"], report["layout_free"] = digests_and_layout_free(items)
         if rng is not None:
             report["digests"][RNG_ITEM] = digest(rng)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
