@@ -239,6 +239,7 @@ class _Replay:
     first_bad: int | None = None
     diffs: list[tuple[int, str, Any, Any]] = field(default_factory=list)  # (step, name, killed, resumed)
     numbers: int = 0  # values compared
+    fields: set[str] = field(default_factory=set)  # data fields compared (sample_ids, batch)
 
 
 def _data(r: dict[str, Any]) -> dict[str, Any]:
@@ -258,16 +259,17 @@ def _hint(rank: int, step: int, resumed: dict[str, Any], ref: dict[int, list], h
     ahead = [s for s, recs in ref.items() if s > step and any(tuple(sorted(_data(r).items())) == key for r in recs)]
     if ahead:
         later = min(ahead)
-        return (f"the resumed run consumed at step {step} what the killed run consumed at step {later}: a batch "
+        return (f"The resumed run consumed at step {step} what the killed run consumed at step {later}: a batch "
                 "drawn before the save point (a prefetch) was lost; keep it in the state, e.g. "
                 "state['prefetched'] = ckptguard.PerRank(batch)")
     if key in history and history[key] < step:
-        return (f"the resumed run consumed at step {step} the data of step {history[key]} again: an epoch or a "
+        return (f"The resumed run consumed at step {step} the data of step {history[key]} again: an epoch or a "
                 "stream replayed, typically a sampler whose torch.Generator is not in the state; add "
                 "state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)")
-    return ("the state usually lacks one of: a batch drawn before the save point (prefetch: save it as PerRank), "
+    more = " (with more replayed steps, ProofPlan(replay_steps=2), the gate tells which)" if len(ref) < 2 else ""
+    return ("The state usually lacks one of: a batch drawn before the save point (prefetch: save it as PerRank), "
             "a sampler's torch.Generator (GeneratorState), a data iterator's position (a loader without "
-            "state_dict/load_state_dict)")
+            f"state_dict/load_state_dict){more}")
 
 
 def _reference(seg: _Segment, before: list[dict[str, Any]]) -> tuple[int | None, dict[int, list], dict[tuple, int]]:
@@ -326,6 +328,7 @@ def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Re
         for a, b in zip(a_recs, b_recs, strict=False):
             da, db = _data(a), _data(b)
             data_seen = data_seen or bool(da or db)
+            out.fields |= set(da) & set(db)
             if set(da) != set(db):
                 out.status, out.first_bad = Status.FAIL, s
                 out.evidence = (f"rank {seg.rank}, step {s}: the killed run recorded {sorted(da) or 'no data'}, "
@@ -360,10 +363,17 @@ def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Re
 
 def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
     data = _combine("data order identical", [(r.status, r.evidence) for r in replays])
-    if data.status is Status.PASS:
+    failed = sorted((r.first_bad, r.rank, r) for r in replays if r.status is Status.FAIL and r.first_bad is not None)
+    if failed:  # the earliest differing step, and which other ranks differ too
+        others = [rank for _s, rank, _r in failed[1:]]
+        also = f" (ranks {others} differ too)" if others else ""
+        data = Gate(data.name, Status.FAIL, failed[0][2].evidence + also)
+    elif data.status is Status.PASS:
         steps = sorted({s for r in replays for s in r.steps})
-        data = Gate(data.name, Status.PASS, f"{data.evidence} on {len(replays)} rank(s): sample ids and batch "
-                    f"digests equal the killed run's ({len(steps)} step(s))")
+        names = {"sample_ids": "sample ids", "batch": "batch"}
+        what = " and ".join(names[f] for f in DATA_FIELDS if any(f in r.fields for r in replays))
+        data = Gate(data.name, Status.PASS, f"{data.evidence} on {len(replays)} rank(s): {what} digests equal the "
+                    f"killed run's ({len(steps)} step(s))")
     diffs = [(s, r.rank, name, a, b) for r in replays for s, name, a, b in r.diffs]
     diffs.sort(key=lambda d: (d[0], d[1]))  # stable: within a step, loss and grad_norm before the extras
     compared = [r for r in replays if r.steps and r.status is not Status.FAIL]
