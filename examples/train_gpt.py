@@ -11,7 +11,10 @@ What it shows, in order of the loop:
 2. every step: the weights are "exported" to a sampler copy (as an RL trainer exports to its
    rollout engine) and recorded (``record_export``), the sampler's and the trainer's
    logprobs on the same tokens are recorded (``record_logprobs``), then the update
-   (``record_update``). These are the evidence ``ckptguard prove ROOT`` checks after a resume.
+   (``record_update``) and the step's fingerprint (``record_step``: the batch it read, its loss
+   and gradient norm). These are the evidence ``ckptguard prove ROOT`` checks after a resume:
+   the steps a resumed run replays must read the same data and, since this job declares
+   ``ProofPlan(rl=True, deterministic=True)``, produce the same numbers bitwise.
 3. every ``--save-every`` steps: ``save`` commits the step atomically; retention keeps the
    last two. ``--kill-at N`` SIGKILLs the process in the middle of the save of step N.
 
@@ -132,7 +135,9 @@ def train(
     batches = Batches()
     torch.manual_seed(1000 + rank)  # per-rank data and dropout streams; saved and restored
     state = {"model": model, "optim": optim, "sched": sched, "data": batches}
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=timeout_s))
+    plan = cg.ProofPlan(rl=True, deterministic=True)  # exports are gates; a resume replays steps bitwise
+    cfg = cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=timeout_s, proof=plan)
+    mgr = cg.CheckpointManager(root, config=cfg)
     start = mgr.restore(state, mode=cg.ResumeMode.AUTO)
     for step in range(start + 1, steps + 1):
         weights = full_weights(model)
@@ -150,6 +155,7 @@ def train(
         optim.step()
         sched.step()
         mgr.record_update(step, grad_norm=norm, params_changed=norm > 0)
+        mgr.record_step(step, batch=(x, y), loss=loss, grad_norm=norm)
         if rank == 0:
             print(f"step {step:>3}  loss {loss.item():.4f}  grad_norm {norm:.3f}", flush=True)
         if step % save_every == 0:
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         gates = proof.evaluate(args.root)
         for g in gates:
             print(f"  {g.name:<42} {g.status.value:<8} {g.evidence}")
+        print(proof.verdict(gates))
         print(f"final {args.steps} {final}", flush=True)
     if world > 1:
         # Leave together: a rank that exits while a peer still talks to it can abort the peer's gloo.

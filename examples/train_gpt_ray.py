@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     gates = proof.evaluate(Path(args.root))
     for g in gates:
         print(f"  {g.name:<42} {g.status.value:<8} {g.evidence}")
-    print("resume PROVEN" if proof.passed(gates) else "resume NOT proven")
+    print(proof.verdict(gates))
     print(f"final {args.steps} {final}", flush=True)
     return 0 if proof.passed(gates) else 1
 

@@ -20,7 +20,7 @@ FROZEN = {
     "mem": [],
     "preflight": ["root", "hosts", "rank_hosts", "expect_step", "template", "as_json"],
     "prove": ["root", "as_json"],
-    "rehearse": ["root", "timeout_s", "cmd"],
+    "rehearse": ["root", "timeout_s", "as_json", "cmd"],
     "release": ["root", "step"],
     "repro-save": ["target", "control", "rounds", "size_gib", "ranks", "report", "as_json"],
     "resolve": ["root", "mode", "path", "template", "as_json"],

@@ -49,3 +49,21 @@ def test_manager_roundtrip_of_gpu_state(tmp_path):
     assert mgr.restore({"model": fresh, "optim": fresh_optim}) == 1
     assert torch.equal(fresh.weight, model.weight) and fresh.weight.data_ptr() == ptr
     assert torch.equal(torch.cuda.get_rng_state(), expect)
+
+
+def test_gpu_layout_free_digest_equals_cpu_and_record_step_hashes_on_the_gpu(tmp_path):
+    from ckptguard._resume import digest as d
+
+    torch.manual_seed(2)
+    # tiny, odd byte counts (partial words), an unaligned view, a box at an unaligned offset, and more
+    # than one pass of the GPU's bounded product (d._LF_GPU_WORDS words)
+    cases = [torch.randn(5, 3), torch.randint(0, 255, (4097,), dtype=torch.uint8), torch.randn(9, 7)[1:, 2:5],
+             torch.randn(d._LF_GPU_WORDS + 3 * d._LF_BLOCK + 5, dtype=torch.float64)]
+    for t in cases:
+        gshape = tuple(t.shape)
+        assert d.box_sum(t.cuda(), (0,) * t.dim(), gshape) == d.box_sum(t, (0,) * t.dim(), gshape)
+    part = torch.randn(11, 3)[5:]  # rows 5.. of an (11, 3) float32 tensor: starts at byte 60, not a word boundary
+    assert d.box_sum(part.cuda(), (5, 0), (11, 3)) == d.box_sum(part, (5, 0), (11, 3))
+    mgr = cg.CheckpointManager(tmp_path / "ck")
+    batch = torch.randint(0, 50000, (64, 2048), device="cuda")
+    assert mgr.record_step(1, batch=batch)["batch"] == mgr.record_step(1, batch=batch.cpu())["batch"]

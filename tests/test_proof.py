@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard._resume.derived import DerivedState, StaleDerivedStateError
+from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, train_step
-from ckptguard.ops.prove import Status, evaluate, passed
+from ckptguard.ops.prove import Status, evaluate, passed, verdict
 
 OLD, NEW = 111, 222
 
@@ -26,11 +28,18 @@ def _write(root: Path, rank: int, records: list[dict]) -> None:
             f.write(json.dumps({"rank": rank, "host": "h", "time": 0.0, "mono": 0.0, **r}) + "\n")
 
 
+PLAN = {"rl": True, "deterministic": True, "replay_steps": 1}
+
+
 def _honest(**over) -> list[dict]:
     fp = {"bytes": "b6", "scales": "s6"}
+    killed = {"event": "step", "pid": OLD, "step": 7, "sample_ids": "ids7", "batch": "b7", "loss": 0.51866,
+              "grad_norm": 0.5}
+    resumed = {**killed, "pid": NEW, **over.get("step", {})}
     records = [
         {"event": "export", "pid": OLD, "step": 6, "fingerprint": fp},
-        {"event": "save", "pid": OLD, "step": 6},
+        {"event": "save", "pid": OLD, "step": 6, "plan": over.get("plan", PLAN)},
+        *([killed] if over.get("killed", True) else []),
         {
             "event": "restore",
             "pid": NEW,
@@ -50,6 +59,7 @@ def _honest(**over) -> list[dict]:
             "max_abs_logprob_diff": 0.0,
         },
         {"event": "update", "pid": NEW, "step": 7, "grad_norm": over.get("norm", 0.5), "params_changed": True},
+        resumed,
     ]
     return records
 
@@ -58,12 +68,16 @@ def _gates(root: Path) -> dict[str, Status]:
     return {g.name: g.status for g in evaluate(root)}
 
 
+def _evidence(root: Path, name: str) -> str:
+    return next(g.evidence for g in evaluate(root) if g.name == name)
+
+
 def test_honest_records_pass_every_gate(tmp_path):
     for rank in (0, 1):
         _write(tmp_path, rank, _honest())
     gates = evaluate(tmp_path)
-    assert passed(gates)
-    assert [g.status for g in gates if g.required] == [Status.PASS] * 7
+    assert passed(gates) and verdict(gates) == "resume PROVEN"
+    assert [g.status for g in gates if g.required] == [Status.PASS] * 9
 
 
 @pytest.mark.parametrize(
@@ -74,6 +88,8 @@ def test_honest_records_pass_every_gate(tmp_path):
         ({"diff": 0.06}, "first old-logprob aligned"),
         ({"norm": 0.0}, "one non-zero update"),
         ({"moved": ["model.weight"]}, "addresses unchanged"),
+        ({"step": {"batch": "b8"}}, "data order identical"),
+        ({"step": {"loss": 0.51793}}, "replayed steps identical"),
     ],
 )
 def test_each_gate_fails_for_its_own_reason(tmp_path, change, gate):
@@ -82,12 +98,48 @@ def test_each_gate_fails_for_its_own_reason(tmp_path, change, gate):
     gates = _gates(tmp_path)
     assert gates[gate] is Status.FAIL
     assert [name for name, s in gates.items() if s is Status.FAIL] == [gate]
-    assert not passed(evaluate(tmp_path))
+    assert not passed(evaluate(tmp_path)) and verdict(evaluate(tmp_path)) == f"resume NOT proven: {gate} (FAIL)"
+
+
+def test_replay_gates_name_the_step_and_follow_the_plan(tmp_path):
+    _write(tmp_path / "loss", 0, _honest(step={"loss": 0.51793}))
+    assert _evidence(tmp_path / "loss", "replayed steps identical").startswith(
+        "rank 0, step 7: loss 0.51866 in the killed run, 0.51793 after the resume")
+    lenient = {**PLAN, "deterministic": False}
+    _write(tmp_path / "info", 0, _honest(step={"loss": 0.51793}, plan=lenient))
+    info = next(g for g in evaluate(tmp_path / "info") if g.name == "replayed steps identical")
+    assert info.status is Status.INFO and not info.required and "largest difference 0.00073 in loss" in info.evidence
+    assert passed(evaluate(tmp_path / "info"))
+    # no overlap: the kill came right after the save
+    _write(tmp_path / "none", 0, _honest(killed=False))
+    assert _gates(tmp_path / "none")["data order identical"] is Status.NOT_RUN
+    assert "recorded no step after it" in _evidence(tmp_path / "none", "data order identical")
+    _write(tmp_path / "short", 0, _honest(plan={**PLAN, "replay_steps": 2}))
+    assert "the plan asks for 2" in _evidence(tmp_path / "short", "data order identical")
+    # a plain training job: the RL gates are N/A, not faked, and it is proven without them
+    plain = [r for r in _honest(plan={**PLAN, "rl": False}) if r["event"] not in ("export", "logprobs")]
+    _write(tmp_path / "plain", 0, plain)
+    gates = evaluate(tmp_path / "plain")
+    na = [g for g in gates if g.status is Status.NA]
+    assert [g.name for g in na] == ["first export byte-identical", "first old-logprob aligned"]
+    assert all(g.evidence.startswith("(not an RL job)") and not g.required for g in na) and passed(gates)
+
+
+def test_a_restore_that_raised_is_a_failure_naming_the_error(tmp_path):
+    records = _honest()
+    records[3] = {**records[3], "ok": False, "error": "CheckpointCorruptError: reading step 6 failed"}
+    _write(tmp_path, 0, records)
+    gates = _gates(tmp_path)
+    assert gates["restored step confirmed before training"] is Status.FAIL
+    assert gates["all PIDs changed"] is Status.NOT_RUN  # not a PASS for a restore that did not complete
+    assert "raised CheckpointCorruptError: reading step 6 failed" in _evidence(
+        tmp_path, "restored step confirmed before training")
+    assert verdict(evaluate(tmp_path)) == "resume NOT proven: restored step confirmed before training (FAIL)"
 
 
 def test_tampered_digest_same_pid_and_late_confirmation_fail(tmp_path):
     records = _honest()
-    records[2]["digests_match"]["optim"] = False
+    records[3]["digests_match"]["optim"] = False
     _write(tmp_path / "a", 0, records)
     assert _gates(tmp_path / "a")["digests equal, item by item"] is Status.FAIL
     same = [dict(r, pid=OLD) for r in _honest()]
@@ -96,7 +148,7 @@ def test_tampered_digest_same_pid_and_late_confirmation_fail(tmp_path):
     )
     assert _gates(tmp_path / "b")["all PIDs changed"] is Status.FAIL
     late = _honest()
-    late.insert(2, {"event": "update", "pid": NEW, "step": 7, "grad_norm": 1.0, "params_changed": True})
+    late.insert(3, {"event": "update", "pid": NEW, "step": 7, "grad_norm": 1.0, "params_changed": True})
     _write(tmp_path / "c", 0, late)
     assert _gates(tmp_path / "c")["restored step confirmed before training"] is Status.FAIL
 
@@ -123,6 +175,9 @@ def test_real_tampered_manifest_digest_is_recorded_and_fails(tmp_path):
     with pytest.raises(cg.StateMismatchError, match="'optim'"):
         mgr.restore(build_job().state())
     assert _gates(tmp_path / "ck")["digests equal, item by item"] is Status.FAIL
+    # the restore raised: shown as a failure naming the error, never as a confirmed step
+    assert "raised StateMismatchError: restore of step 1" in _evidence(
+        tmp_path / "ck", "restored step confirmed before training")
 
 
 def test_derived_state_invalidates_on_restore_and_update(tmp_path):
@@ -175,14 +230,14 @@ def _demo(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_demo_proves_the_resume(tmp_path):
     proc = _demo(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "resume from step 2" in proc.stdout and "resume PROVEN" in proc.stdout
-    assert proc.stdout.count("PASS") == 7
-    prove = subprocess.run(
-        [sys.executable, "-m", "ckptguard.cli", "prove", str(tmp_path / "d/ckpt"), "--json"],
-        capture_output=True,
-        text=True,
-    )
-    assert prove.returncode == 0 and {g["status"] for g in json.loads(prove.stdout)} == {"PASS", "INFO"}
+    assert "resume from step 2" in proc.stdout and proc.stdout.rstrip().endswith("resume PROVEN")
+    assert proc.stdout.count("  PASS  ") == 9
+    assert "rl=True, deterministic=True" in proc.stdout
+    assert "steps 3-4 replayed after the restore of step 2" in proc.stdout
+    out = CliRunner().invoke(main, ["prove", str(tmp_path / "d/ckpt"), "--json"])
+    shown = json.loads(out.output)
+    assert out.exit_code == 0 and shown["verdict"] == "resume PROVEN"
+    assert {g["status"] for g in shown["gates"]} == {"PASS", "INFO"}
 
 
 def test_demo_negative_control_fails_the_right_gates(tmp_path):
@@ -193,6 +248,9 @@ def test_demo_negative_control_fails_the_right_gates(tmp_path):
     assert rows["first old-logprob aligned"] == "FAIL"
     assert rows["digests equal, item by item"] == "PASS"  # the files are fine: a derived-state bug
     assert rows["one non-zero update"] == "PASS"
+    assert rows["data order identical"] == "PASS"  # the same prompts...
+    assert rows["replayed steps identical"] == "FAIL"  # ...trained on stale scales
+    assert "resume NOT proven: first export byte-identical (FAIL)" in proc.stdout
     lines = [x for x in proc.stdout.splitlines() if "step  3:" in x or "step  4:" in x]
     assert not lines[-2].endswith("probs_diff 0") and lines[-1].endswith("probs_diff 0")  # the next step recovers
 

@@ -72,17 +72,20 @@ class RankActor:
         from ckptguard.demo import job as demo
 
         trainer = demo.build_trainer(rank=self.rank, world=self.world)
-        cfg = cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=timeout_s)
+        cfg = cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=timeout_s,
+                                  proof=cg.ProofPlan(rl=True, deterministic=True))
         mgr = cg.CheckpointManager(root, config=cfg, derived=trainer.registry)
         start = mgr.restore(trainer.state(), mode=cg.ResumeMode.AUTO)
         for step in range(start + 1, steps + 1):
             q, scales = trainer.export()
             mgr.record_export(step - 1, {n: t.view(torch.uint8) for n, t in q.items()}, scales=scales)
             trainer.engine.load(q, scales)
-            tokens, rollout_lp = trainer.engine.generate(demo.BATCH)
+            prompts = torch.randint(0, demo.VOCAB, (demo.BATCH, 1))
+            tokens, rollout_lp = trainer.engine.generate(prompts)
             mgr.record_logprobs(step, trainer.old_logprobs(tokens), rollout_lp)
-            norm, changed = trainer.update(tokens)
+            norm, changed, loss = trainer.update(tokens)
             mgr.record_update(step, grad_norm=norm, params_changed=changed)
+            mgr.record_step(step, batch=prompts, loss=loss, grad_norm=norm)
             if step % save_every:
                 continue
             if step == kill_at and self.rank == 1:

@@ -5,6 +5,7 @@ Public surface::
     CheckpointManager(root, *, config=None, process_group=None, storage=None)
         .save(step, state) -> Path
         .restore(state, *, mode=ResumeMode.AUTO, path=None) -> int
+        .record_step(step, *, sample_ids=None, batch=None, loss=None, grad_norm=None, **extra)
         .resolve(*, mode=..., path=None) -> Resolution
         .committed_steps() -> list[int]
         .declare_phase(reason, changes) -> Path
@@ -18,8 +19,9 @@ from ._resume.contract import RunContract, hash_data_files, hash_git_tree, hash_
 from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.restore import Resolution
+from ._resume.rng import GeneratorState
 from ._resume.state import PerRank
-from .config import CheckpointConfig, ParallelLayout, ReshardRule, ResumeMode
+from .config import CheckpointConfig, ParallelLayout, ProofPlan, ReshardRule, ResumeMode
 from .errors import (
     ChainMismatchError,
     CheckpointCorruptError,
@@ -74,6 +76,7 @@ __all__ = [
     "DCPStorage",
     "DerivedState",
     "ExpertParallel",
+    "GeneratorState",
     "IOStats",
     "KeepAny",
     "KeepEvery",
@@ -83,6 +86,7 @@ __all__ = [
     "PendingSave",
     "PerRank",
     "PinnedMemoryUnavailableError",
+    "ProofPlan",
     "RankDisagreementError",
     "RecordFormatError",
     "RehearsalError",

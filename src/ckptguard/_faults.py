@@ -10,11 +10,20 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``commit.before_tracker``: step directory published, tracker not yet moved
 - ``transfer.file_copied``: ``ckptguard transfer`` copied one file of several
 - ``transfer.before_tracker``: the transferred step directory is renamed in, the tracker not yet set
+
+``ckptguard rehearse`` sets ``PAUSE_ENV`` for one launch of the user's command: the first
+save of each process then stops at ``storage.data_written`` (mid-write, nothing committed),
+leaves a marker file and waits there for rehearse to SIGKILL the whole process tree.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from .errors import ConfigError
 
@@ -43,3 +52,28 @@ def reached(point: str) -> None:
     hook = _hooks.get(point)
     if hook is not None:
         hook()
+
+
+PAUSE_ENV = "CKPTGUARD_REHEARSE_PAUSE_DIR"
+PAUSE_POINT = "storage.data_written"
+
+
+def arm_pause_from_env(rank: int) -> None:
+    """Pause this process's first save mid-write when ``ckptguard rehearse`` asked for it (``PAUSE_ENV``)."""
+    where = os.environ.get(PAUSE_ENV)
+    if not where or PAUSE_POINT in _hooks:
+        return
+    logging.getLogger("ckptguard").warning(
+        "ckptguard: %s is set: the first save of this process stops mid-write for `ckptguard rehearse`", PAUSE_ENV
+    )
+
+    def pause() -> None:
+        set_hook(PAUSE_POINT, None)
+        Path(where, f"paused_rank_{rank:05d}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 3600.0
+        while Path(where).is_dir() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # rehearse is gone without killing us: end as its kill would have, never finish the save
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    set_hook(PAUSE_POINT, pause)

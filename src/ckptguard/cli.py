@@ -410,17 +410,7 @@ def release(root: Path, step: int) -> None:
     click.echo(f"released step {step}")
 
 
-def _gate_table(gates: list[Any], as_json: bool) -> None:
-    if as_json:
-        click.echo(
-            json.dumps(
-                [
-                    {"gate": g.name, "status": g.status.value, "evidence": g.evidence, "required": g.required}
-                    for g in gates
-                ]
-            )
-        )
-        return
+def _gate_table(gates: list) -> None:
     width = max(len(g.name) for g in gates)
     click.echo(f"{'gate':<{width}}  {'result':<7}  evidence")
     for g in gates:
@@ -429,17 +419,25 @@ def _gate_table(gates: list[Any], as_json: bool) -> None:
 
 @main.command()
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the gates as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict and the gates as one JSON object.")
 def prove(root: Path, as_json: bool) -> None:
-    """Evaluate the resume-proof gates from ROOT/proof records: PASS, FAIL or NOT RUN, with evidence.
+    """Evaluate the resume-proof gates from ROOT/proof records, with evidence, and a one-line verdict.
 
-    Exit 0 only if every required gate passes. A gate whose event was never recorded is
-    NOT RUN, never PASS.
+    Each gate is PASS, FAIL, NOT RUN, INFO or N/A (the job's ProofPlan, recorded with the save, says
+    it does not apply). Exit 0 only if every required gate passes: `resume PROVEN`; otherwise
+    `resume NOT proven: <first failing gate>`. A gate whose event was never recorded is NOT RUN.
     """
-    from .ops.prove import evaluate, passed
+    from .ops.prove import evaluate, passed, to_json, verdict
 
-    gates = evaluate(root.absolute())
-    _gate_table(gates, as_json)
+    try:
+        gates = evaluate(root.absolute())
+    except CheckpointError as exc:
+        _fail(str(exc), as_json)
+    if as_json:
+        click.echo(json.dumps(to_json(gates)))
+    else:
+        _gate_table(gates)
+        click.echo(f"\n{verdict(gates)}")
     sys.exit(0 if passed(gates) else 1)
 
 
@@ -476,7 +474,7 @@ def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: i
     """
     from .demo.job import prepare_workdir, run_demo
     from .errors import ConfigError
-    from .ops.prove import passed
+    from .ops.prove import passed, verdict
 
     if kill_at % save_every or not save_every < kill_at < steps:
         raise click.UsageError("need --save-every < --kill-at < --steps with --kill-at a multiple of --save-every")
@@ -494,9 +492,9 @@ def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: i
         echo=click.echo,
     )
     click.echo("")
-    _gate_table(gates, False)
+    _gate_table(gates)
     ok = passed(gates)
-    click.echo("\nresume PROVEN" if ok else f"\nresume NOT proven: see the FAIL/NOT RUN rows (records in {root}/proof)")
+    click.echo(f"\n{verdict(gates)}" + ("" if ok else f" (records in {root}/proof)"))
     sys.exit(0 if ok else 1)
 
 
@@ -639,31 +637,39 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
 @click.option("--root", required=True, type=click.Path(path_type=Path, file_okay=False),
               help="The checkpoint root the training command writes.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=600, show_default=True,
-              help="Longest wait for the first save, and for the resumed run's first update.")
+              help="Longest wait for each point the rehearsal waits for (a save, a replayed step, a pause).")
+@click.option("--json", "as_json", is_flag=True, help="Print the kills, both resumes' gates and the verdict as JSON.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def rehearse(root: Path, timeout_s: float, cmd: tuple[str, ...]) -> None:
-    """Run CMD to its first save, SIGKILL it, relaunch it, and prove the resume.
+def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) -> None:
+    """Run CMD past a save and kill it, resume it and kill it mid-save, resume and save again; prove both resumes.
 
-    Use before a long run on a new save path or layout:
+    CMD must be the long run's command (same save path, same layout) and call
+    CheckpointManager.record_step every step. Every kill takes the whole process tree, torchrun's
+    workers in their own sessions included. Use before a long run on a new save path or layout:
 
         ckptguard rehearse --root /ckpt/run1 -- torchrun --nproc_per_node 8 train.py ...
 
-    Exit 0 only if every proof gate passes.
+    Exit 0 only if both resumes are proven.
     """
-    from .ops.prove import passed
+    from .ops.prove import verdict
     from .ops.rehearse import rehearse as _rehearse
 
     try:
-        result = _rehearse(list(cmd), root, timeout_s=timeout_s, echo=click.echo)
+        result = _rehearse(list(cmd), root, timeout_s=timeout_s, echo=(lambda s: None) if as_json else click.echo)
     except CheckpointError as exc:
-        _fail(str(exc), False)
-    _gate_table(result.gates, False)
+        _fail(str(exc), as_json)
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+        sys.exit(0 if result.proven else 1)
+    _gate_table(result.gates)
+    click.echo("")
+    for r in result.resumes:
+        click.echo(f"resume after {r.after}: {verdict(r.gates).removeprefix('resume ')}")
     if result.cost:
         click.echo(f"\ncheckpoint of step {result.step}: {_cost_line(result.cost)}")
     click.echo(f"log: {result.log}")
-    ok = passed(result.gates)
-    click.echo("\nrehearsal PASSED" if ok else "\nrehearsal FAILED: see the FAIL/NOT RUN rows")
-    sys.exit(0 if ok else 1)
+    click.echo(f"\n{result.verdict()}")
+    sys.exit(0 if result.proven else 1)
 
 
 def _fail(message: str, as_json: bool, code: int = 1) -> NoReturn:

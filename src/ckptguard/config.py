@@ -58,6 +58,35 @@ class ParallelLayout:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProofPlan:
+    """Which resume-proof gates apply to this job; recorded with every save and read by ``ckptguard prove``.
+
+    A gate that applies and did not run leaves the resume NOT proven; a gate that does not
+    apply is shown as N/A, so a plain training job is proven without faking exports.
+    """
+
+    rl: bool = False
+    """An RL job: the first export and the first old-logprob after a restore are gates
+    (``record_export``, ``record_logprobs``). Off: they are N/A unless such records exist."""
+    deterministic: bool = False
+    """Replayed steps must reproduce ``loss``, ``grad_norm`` and every extra bitwise. Off
+    (sampling across processes is not bitwise): their differences are reported as INFO."""
+    replay_steps: int = 1
+    """Steps after the restored step that the killed run and the resumed run must both record
+    (``record_step``); fewer is NOT RUN. ``ckptguard rehearse`` runs this many past a save."""
+
+    def __post_init__(self) -> None:
+        for name in ("rl", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"ProofPlan.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.replay_steps, int) or isinstance(self.replay_steps, bool) or self.replay_steps < 1:
+            raise ConfigError(f"ProofPlan.replay_steps must be an int >= 1, got {self.replay_steps!r}")
+
+    def as_dict(self) -> dict[str, object]:
+        return {"rl": self.rl, "deterministic": self.deterministic, "replay_steps": self.replay_steps}
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Settings of a CheckpointManager. Runtime objects (process group, storage) are
     passed to the manager directly, never here."""
@@ -97,7 +126,9 @@ class CheckpointConfig:
     keep_failed: bool = False
     """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
     record_proof: bool = True
-    """Append save/restore/export/logprob/update records to ROOT/proof for ``ckptguard prove``."""
+    """Append save/restore/step/export/logprob/update records to ROOT/proof for ``ckptguard prove``."""
+    proof: ProofPlan = field(default_factory=ProofPlan)
+    """Which proof gates apply (RL gates, bitwise replay, replayed steps); recorded with each save."""
     retention: RetentionPolicy | None = field(default_factory=default_policy)
     """Which committed steps survive rotation (default: last 3 + every 20th); None keeps all."""
 
@@ -116,5 +147,7 @@ class CheckpointConfig:
         for name in ("async_gpu_bytes", "async_host_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"CheckpointConfig.{name} must be an int >= 0 (bytes), got {getattr(self, name)!r}")
+        if not isinstance(self.proof, ProofPlan):
+            raise ConfigError(f"CheckpointConfig.proof must be a ProofPlan, got {self.proof!r}")
         if self.stale_temp_age_s <= 0:
             raise ConfigError("CheckpointConfig.stale_temp_age_s must be > 0")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _log
+from . import _faults, _log
 from ._commit import layout as _layout
 from ._commit import lease as _lease
 from ._commit import manifest as _manifest
@@ -122,6 +122,7 @@ class CheckpointManager:
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         self._proof = ProofLog(self.root, agreement.info.rank)
+        _faults.arm_pause_from_env(info.rank)  # only under `ckptguard rehearse`
         self._ctx = _commit.Context(
             root=self.root,
             config=self.config,
@@ -234,7 +235,7 @@ class CheckpointManager:
 
     def _committed(self, path: Path, step: int) -> Path:
         log.info("ckptguard: committed step %d at %s", step, path)
-        self._record("save", step=step, path=str(path))
+        self._record("save", step=step, path=str(path), plan=self.config.proof.as_dict(), world_size=self.world_size)
         self._rotate(step)
         return path
 
@@ -282,24 +283,33 @@ class CheckpointManager:
         res = self.resolve(mode=mode, path=path)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
-            self._record("restore", step=0, fresh=True, reason=res.reason)
+            self._record("restore", step=0, fresh=True, reason=res.reason, world_size=self.world_size)
             return 0
         log.info("ckptguard: %s", res.describe())
-        matches: dict[str, bool] = {}
+        seen: dict[str, dict[str, bool]] = {"digests": {}, "layout_free": {}}
         before = _addresses(state)
+        where = {"world_size": self.world_size, "plan": self.config.proof.as_dict()}
         try:
-            done = _restore.restore(self._ctx, state, res, on_verified=matches.update)
-        except CheckpointError:
-            self._record("restore", step=res.step, path=str(res.path), digests_match=matches, ok=False)
+            done = _restore.restore(
+                self._ctx, state, res, on_verified=lambda m, kind="digests": seen[kind].update(m)
+            )
+        except Exception as exc:  # recorded as a failed restore (prove shows it as FAIL), then raised
+            self._record("restore", step=res.step, path=str(res.path), digests_match=seen["digests"],
+                         layout_free_match=seen["layout_free"], ok=False,
+                         error=f"{type(exc).__name__}: {exc}"[:2000], **where)
             raise
         self._record(
             "restore",
             step=done.step,
             path=str(res.path),
             digests_match=done.digests_match,
+            layout_free_match=done.layout_free_match,
+            source_rank=done.source_rank,
+            saved_world_size=done.saved_world_size,
             format_version=done.format_version,
             addresses_changed=_moved(before, _addresses(state)),
             ok=True,
+            **where,
         )
         self._restored_step = done.step
         if self.derived is not None:
@@ -333,14 +343,50 @@ class CheckpointManager:
         """Record an optimizer update: its gradient norm and whether the parameters moved."""
         self._record("update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed))
 
-    def _record(self, event: str, **fields: Any) -> None:
-        # Never create the root for a record: a mistyped path must stay visible.
-        if self.config.record_proof and self.root.is_dir():
-            # A read-only or full root, or a symlinked proof/ (refused), must not fail a restore.
-            try:
-                self._proof.append(event, **fields)
-            except (OSError, UnsafeCheckpointError) as exc:
-                log.warning("ckptguard: could not append the %s proof record under %s (%s)", event, self.root, exc)
+    def record_step(
+        self,
+        step: int,
+        *,
+        sample_ids: Any = None,
+        batch: Any = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """Record what training step ``step`` consumed and produced, on this rank.
+
+        ``step`` is the number the step's state is saved under (the first step after a restore
+        of step k is k+1). ``sample_ids`` are the ids or indices of the samples or prompts it
+        read; ``batch`` the tensors it read (hashed bitwise; a dict or list of tensors is
+        fine); ``loss``, ``grad_norm`` and any ``extra`` scalar (reward, lr, ...) are kept
+        exactly. After a resume, ``ckptguard prove`` compares the steps the resumed run replays
+        with the killed run's records of the same steps: data order exactly, the values
+        exactly where ``ProofPlan(deterministic=True)``. Returns the recorded fields.
+        """
+        from ._resume.trajectory import fingerprint
+
+        self._check_step(step, "record_step")
+        fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
+        self._record("step", durable=False, step=step, **fields)
+        return fields
+
+    def _record(self, event: str, *, durable: bool = True, **fields: Any) -> None:
+        if not self.config.record_proof:
+            return
+        record = self._proof.build(event, **fields)
+        # Never create the root for a record: a mistyped path must stay visible. Until the first
+        # save creates it, records are held and then written ahead of the save's.
+        if not self.root.is_dir():
+            self._proof.hold(record)
+            return
+        try:
+            self._proof.write(record, durable=durable)
+        except (OSError, UnsafeCheckpointError) as exc:  # read-only/full root or symlinked proof/: never fatal
+            log.warning("ckptguard: could not append the %s proof record under %s (%s)", event, self.root, exc)
+        if self._proof.dropped:
+            log.warning("ckptguard: %d proof records made before %s existed were dropped (more than %d held)",
+                        self._proof.dropped, self.root, self._proof.HELD_MAX)
+            self._proof.dropped = 0
 
     def adopt(self, path: str | os.PathLike[str], reason: str) -> Path:
         """Adopt the run chain of the checkpoint at ``path`` into this root (a new contract

@@ -34,9 +34,9 @@ from .. import _faults
 from .._dist import Agreement, Wire, gather_decide, on_every_rank
 from .._resume import contract as _contract
 from .._resume import rng as _rng
-from .._resume.digest import digest, file_digest
+from .._resume.digest import combine_layout_free, digest, file_digest
 from .._resume.expert import ExpertParallel
-from .._resume.state import Captured, capture
+from .._resume.state import Captured, capture, digests_and_layout_free
 from ..config import CheckpointConfig
 from ..errors import (
     CheckpointError,
@@ -134,6 +134,7 @@ class RankReport(Wire):
     digests: dict[str, str] = field(default_factory=dict)
     ep_rank: int | None = None
     failure: dict[str, Any] | None = None
+    layout_free: dict[str, list[str]] = field(default_factory=dict)  # item -> partials (see digest.layout_free)
 
 
 @dataclass(frozen=True)
@@ -438,6 +439,8 @@ def _publish(
         contract={"phase": prep.phase, "hash": prep.contract_hash},
     )
     manifest["cost"] = cost  # optional in format 1: absent in manifests written before it
+    # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).
+    manifest["layout_free"] = combine_layout_free([rep.layout_free for rep in reports])
     _layout.atomic_write_json(
         tmp / _layout.MANIFEST_NAME, manifest, before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
     )
@@ -583,11 +586,16 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     tmp = Path(prep.tmp)
     try:
         written = _write_rank(ctx, step, tmp, items, rng)
-        digests = {n: c.digest() for n, c in items.items()}
+        # Both digests in one pass over the bytes: the per-rank one and the one no sharding changes.
+        digests, layout_free = digests_and_layout_free(items)
         if rng is not None:
             digests[RNG_ITEM] = digest(rng)
         report = RankReport(
-            ctx.agreement.info.host, [f.__dict__ for f in written], digests, ctx.expert.rank if ctx.expert else None
+            ctx.agreement.info.host,
+            [f.__dict__ for f in written],
+            digests,
+            ctx.expert.rank if ctx.expert else None,
+            layout_free=layout_free,
         )
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
         report = RankReport(ctx.agreement.info.host, failure=failure_from(exc, rank=ctx.rank, phase="write").to_json())

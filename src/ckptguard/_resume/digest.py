@@ -3,16 +3,23 @@
 A digest covers each leaf's path, type, dtype, shape and bytes (for a DTensor: the
 local shard this rank holds). Two states with equal digests hold the same bytes in
 the same structure; digests are compared only between the same rank and layout.
+
+The layout-free digest (``layout_free_partials``, ``combine_layout_free``) depends only on
+each tensor's global shape, dtype and values: every rank sums its shard, the sums are
+combined, and a save on N ranks compares with a restore on M.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -30,11 +37,21 @@ def tensor_bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def update_with_tensor(h: xxhash.xxh3_64, t: torch.Tensor) -> None:
+Feed = Callable[[torch.Tensor, int], None]
+_FUSED_CHUNK = 8 << 20  # bytes xxh3 reads in this thread while the pool sums the previous ones layout-free
+
+
+def update_with_tensor(h: xxhash.xxh3_64, t: torch.Tensor, feed: Feed | None = None) -> None:
+    """Hash ``t``; ``feed(chunk, offset)`` (CPU tensors) sees the same bytes, chunk by chunk, right after."""
     local = t.to_local() if hasattr(t, "to_local") else t
     h.update(f"T{local.dtype}{tuple(local.shape)}".encode())
     flat = tensor_bytes_view(local)
-    if flat.device.type == "cpu":
+    if flat.device.type == "cpu" and feed is not None:
+        arr = flat.numpy()
+        for start in range(0, arr.size, _FUSED_CHUNK):
+            h.update(arr[start : start + _FUSED_CHUNK].data)
+            feed(flat[start : start + _FUSED_CHUNK], start)
+    elif flat.device.type == "cpu":
         h.update(flat.numpy().data)
     elif flat.device.type == "cuda":
         _update_from_cuda(h, flat)
@@ -74,19 +91,19 @@ def _update_from_cuda(h: xxhash.xxh3_64, flat: torch.Tensor) -> None:
     flat.record_stream(stream)  # the caller's allocator must not reuse flat before the copies finish
 
 
-def _update(h: xxhash.xxh3_64, obj: Any) -> None:
+def _update(h: xxhash.xxh3_64, obj: Any, on_tensor: Callable[[torch.Tensor], Feed | None] | None = None) -> None:
     if isinstance(obj, torch.Tensor):
-        update_with_tensor(h, obj)
+        update_with_tensor(h, obj, on_tensor(obj) if on_tensor is not None else None)
     elif isinstance(obj, Mapping):
         h.update(b"{")
         for key in sorted(obj, key=repr):
             h.update(repr(key).encode() + b":")
-            _update(h, obj[key])
+            _update(h, obj[key], on_tensor)
         h.update(b"}")
     elif isinstance(obj, (list, tuple)):
         h.update(b"[" if isinstance(obj, list) else b"(")
         for item in obj:
-            _update(h, item)
+            _update(h, item, on_tensor)
             h.update(b",")
         h.update(b"]")
     else:
@@ -142,3 +159,293 @@ def file_digest(path: str, *, chunk: int = 8 << 20) -> tuple[int, str]:
         free.put(buf)
     thread.join()
     return size, h.hexdigest()
+
+
+# ---------------------------------------------------------------- layout-free digests
+#
+# A tensor's bytes in global row-major order are read as 64-bit little-endian words W_j
+# (the last one zero-padded). Its layout-free sum is sum_j W_j * P[j mod B] * S(j div B)
+# mod 2**64, with P a fixed table of odd weights and S an odd mix of the block index. The sum
+# is linear in the bytes, so every rank sums the runs of global words its shard covers (a
+# run may start or end inside a word: its bytes sit at their positions, zeros elsewhere) and
+# the per-shard sums add up to the whole tensor's under any sharding. Odd weights make any
+# one changed word change the sum; the position weights make moved data change it. On the CPU
+# one einsum over uint64 blocks runs at xxh3's speed; on a GPU it is two int64 reductions.
+
+_MASK = (1 << 64) - 1
+_LF_BLOCK = 1024  # words per block: one position weight each
+_LF_GPU_WORDS = 8 << 20  # words per GPU pass, bounding the temporary product
+
+
+def _splitmix(x: Any) -> Any:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+_POS = _splitmix(np.arange(_LF_BLOCK, dtype=np.uint64) + np.uint64(0x5EED)) | np.uint64(1)
+_POS_DEVICE: dict[str, torch.Tensor] = {}
+
+
+def _mix_blocks(first: int, count: int) -> np.ndarray:
+    return _splitmix(np.arange(first, first + count, dtype=np.uint64) ^ np.uint64(0xD1B54A32D192ED03)) | np.uint64(1)
+
+
+_BLOCKS_CACHED = 1 << 14  # the weights of the first 16384 blocks (tensors up to 128 MiB), computed once
+_BW = _mix_blocks(0, _BLOCKS_CACHED)
+
+
+def _block_weights(first: int, count: int) -> np.ndarray:
+    if first + count <= _BLOCKS_CACHED:
+        return _BW[first : first + count]
+    return _mix_blocks(first, count)
+
+
+def _word_weight(j: int) -> int:
+    return int(_POS[j % _LF_BLOCK]) * int(_block_weights(j // _LF_BLOCK, 1)[0]) & _MASK
+
+
+# Large runs are summed in parallel pieces (the sum is linear): numpy's einsum releases the GIL,
+# so the layout-free pass is not slower than today's single-threaded xxh3 pass on any CPU.
+_PIECE_WORDS = 1 << 20  # 8 MiB per task
+_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():  # a forked child gets a pool of its own (no threads came along)
+        _POOL = (os.getpid(), ThreadPoolExecutor(_THREADS, thread_name_prefix="ckptguard-layout-free"))
+    return _POOL[1]
+
+
+def _words_sum_cpu(words: np.ndarray, j0: int, parallel: bool = True) -> int:
+    m = words.size
+    if not parallel or m <= 2 * _PIECE_WORDS:
+        return _words_sum_serial(words, j0)
+    cuts, at = [0], _PIECE_WORDS - j0 % _LF_BLOCK  # pieces start on a block boundary of the global order
+    while at < m:
+        cuts.append(at)
+        at += _PIECE_WORDS
+    cuts.append(m)
+    pieces = [_pool().submit(_words_sum_serial, words[a:b], j0 + a) for a, b in itertools.pairwise(cuts)]
+    return sum(f.result() for f in pieces) & _MASK
+
+
+def _words_sum_serial(words: np.ndarray, j0: int) -> int:
+    """sum of words[i] * weight(j0 + i) over a run of whole words (uint64, aligned)."""
+    m, i, total = words.size, 0, 0
+    k0 = j0 % _LF_BLOCK
+    if k0:  # the run starts inside a block
+        c = min(m, _LF_BLOCK - k0)
+        total += int(np.einsum("i,i->", words[:c], _POS[k0 : k0 + c])) * int(_block_weights(j0 // _LF_BLOCK, 1)[0])
+        i = c
+    nb = (m - i) // _LF_BLOCK
+    if nb:
+        per_block = np.einsum("ij,j->i", words[i : i + nb * _LF_BLOCK].reshape(nb, _LF_BLOCK), _POS)
+        total += int(np.einsum("i,i->", per_block, _block_weights((j0 + i) // _LF_BLOCK, nb)))
+        i += nb * _LF_BLOCK
+    if i < m:
+        c = m - i
+        total += int(np.einsum("i,i->", words[i:], _POS[:c])) * int(_block_weights((j0 + i) // _LF_BLOCK, 1)[0])
+    return total & _MASK
+
+
+def _words_sum_cuda(words: torch.Tensor, j0: int) -> int:
+    """The same sum on the GPU: int64 arithmetic wraps like uint64 modulo 2**64."""
+    dev = str(words.device)
+    pos = _POS_DEVICE.get(dev)
+    if pos is None:
+        pos = _POS_DEVICE[dev] = torch.from_numpy(_POS.view(np.int64).copy()).to(words.device)
+    m, i, total = words.numel(), 0, 0
+    k0 = j0 % _LF_BLOCK
+    if k0:
+        c = min(m, _LF_BLOCK - k0)
+        head = int((words[:c] * pos[k0 : k0 + c]).sum().item())
+        total += head * int(_block_weights(j0 // _LF_BLOCK, 1)[0])
+        i = c
+    while (m - i) // _LF_BLOCK:
+        nb = min((m - i) // _LF_BLOCK, _LF_GPU_WORDS // _LF_BLOCK)
+        per_block = (words[i : i + nb * _LF_BLOCK].view(nb, _LF_BLOCK) * pos).sum(dim=1)
+        weights = torch.from_numpy(_block_weights((j0 + i) // _LF_BLOCK, nb).view(np.int64)).to(words.device)
+        total += int((per_block * weights).sum().item())
+        i += nb * _LF_BLOCK
+    if i < m:
+        c = m - i
+        tail = int((words[i:] * pos[:c]).sum().item())
+        total += tail * int(_block_weights((j0 + i) // _LF_BLOCK, 1)[0])
+    return total & _MASK
+
+
+def _bytes_sum(flat: torch.Tensor, start: int, parallel: bool = True) -> int:
+    """The layout-free sum of ``flat`` (uint8, contiguous) placed at global byte offset ``start``."""
+    n = flat.numel()
+    total = 0
+    head = min((-start) % 8, n)
+    if head:  # a partial first word: its bytes at their positions inside the word
+        word = int.from_bytes(bytes(start % 8) + flat[:head].cpu().numpy().tobytes(), "little")
+        total += word * _word_weight(start // 8)
+    m = (n - head) // 8
+    j0 = (start + head) // 8
+    if m:
+        body = flat[head : head + 8 * m]
+        if flat.device.type == "cuda":
+            if body.storage_offset() % 8 or body.data_ptr() % 8:
+                body = body.clone()
+            total += _words_sum_cuda(body.view(torch.int64), j0)
+        else:
+            arr = body.cpu().numpy()
+            if arr.ctypes.data % 8:
+                arr = arr.copy()
+            total += _words_sum_cpu(arr.view(np.uint64), j0, parallel)
+    tail = n - head - 8 * m
+    if tail:
+        word = int.from_bytes(flat[head + 8 * m :].cpu().numpy().tobytes(), "little")
+        total += word * _word_weight(j0 + m)
+    return total & _MASK
+
+
+def _global_offset(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's piece of ``t`` and where it starts in the global tensor."""
+    if hasattr(t, "device_mesh") and hasattr(t, "placements"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        if tuple(local.shape) != tuple(shape):  # a padded local shard: only the real part counts
+            local = local[tuple(slice(0, int(s)) for s in shape)]
+        return local, tuple(int(o) for o in offset)
+    return t, (0,) * t.dim()
+
+
+def layout_free_partial(t: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
+    """(header, global offset, partial sum) of this rank's piece of ``t``.
+
+    The piece is a box of the global tensor; every run of it that is contiguous in the global
+    row-major order (all of it, when only the first dimension is split) is summed at its place.
+    """
+    local, offset = _global_offset(t)
+    gshape = tuple(int(s) for s in t.shape)
+    return f"{local.dtype}|{gshape}", offset, box_sum(local, offset, gshape)
+
+
+def box_sum(local: torch.Tensor, offset: tuple[int, ...], gshape: tuple[int, ...]) -> int:
+    """The layout-free sum of ``local``, the box of a tensor of shape ``gshape`` at ``offset``."""
+    if local.numel() == 0:
+        return 0
+    esize = local.element_size()
+    flat = tensor_bytes_view(local.detach())
+    lshape = tuple(int(s) for s in local.shape)
+    split = [d for d in range(len(gshape)) if lshape[d] != gshape[d]]
+    if not split:
+        return _bytes_sum(flat, 0)
+    last = split[-1]
+    gstride = [1] * len(gshape)
+    for d in range(len(gshape) - 2, -1, -1):
+        gstride[d] = gstride[d + 1] * gshape[d + 1]
+    run = lshape[last] * gstride[last]  # elements of one run: the dims after ``last`` are whole
+    total = 0
+    for r, idx in enumerate(np.ndindex(*lshape[:last])):
+        start = sum((offset[d] + idx[d]) * gstride[d] for d in range(last)) + offset[last] * gstride[last]
+        total += _bytes_sum(flat[r * run * esize : (r + 1) * run * esize], start * esize)
+    return total & _MASK
+
+
+def layout_free_partials(items: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, list[str]]:
+    """This rank's part of every tensor item: ``{chunk id: [item, key, header, partial hex]}``.
+
+    The chunk id is the DCP key and the piece's global offset: ranks holding the same chunk
+    (replicas) report it alike and it is counted once (``combine_layout_free``)."""
+    out: dict[str, list[str]] = {}
+    for item, tensors in items.items():
+        for key, t in tensors.items():
+            header, offset, partial = layout_free_partial(t)
+            out[f"{key}@{offset}"] = [item, key, header, f"{partial:016x}"]
+    return out
+
+
+REPLICAS_DIFFER = "replicas differ"
+
+
+def combine_layout_free(views: list[Mapping[str, list[str]]]) -> dict[str, dict[str, str]]:
+    """Every rank's partials into ``{item: {key: digest}}``, which no sharding changes.
+
+    A chunk reported by several ranks with different bytes gives the key the value
+    ``REPLICAS_DIFFER`` (it never equals a recorded digest)."""
+    chunks: dict[str, list[str]] = {}
+    differ: set[tuple[str, str]] = set()
+    for view in views:
+        for cid, entry in view.items():
+            item, key = entry[0], entry[1]
+            prev = chunks.setdefault(cid, list(entry))
+            if prev[2:] != list(entry[2:]):
+                differ.add((item, key))
+    sums: dict[tuple[str, str], list[Any]] = {}
+    for item, key, header, part in chunks.values():
+        acc = sums.setdefault((item, key), [header, 0])
+        acc[1] = (acc[1] + int(part, 16)) & _MASK
+    out: dict[str, dict[str, str]] = {}
+    for (item, key), (header, total) in sorted(sums.items()):
+        value = xxhash.xxh3_64(f"{header}|{total:016x}".encode()).hexdigest()
+        out.setdefault(item, {})[key] = REPLICAS_DIFFER if (item, key) in differ else value
+    return out
+
+
+def _single_run(local: torch.Tensor, gshape: tuple[int, ...]) -> bool:
+    """The piece is one run of the global row-major order (e.g. whole, or split on dim 0 only)."""
+    lshape = tuple(int(x) for x in local.shape)
+    split = [d for d in range(len(gshape)) if lshape[d] != gshape[d]]
+    return not split or all(x == 1 for x in lshape[: split[-1]])
+
+
+def _run_start(offset: tuple[int, ...], gshape: tuple[int, ...]) -> int:
+    start, stride = 0, 1
+    for d in range(len(gshape) - 1, -1, -1):
+        start += offset[d] * stride
+        stride *= gshape[d]
+    return start
+
+
+def digest_with_layout_free(obj: Any, keys: Mapping[str, torch.Tensor], item: str) -> tuple[str, dict[str, list[str]]]:
+    """``digest(obj)`` and, in the same pass over memory, the layout-free partials of its tensors.
+
+    ``keys`` are the DCP keys of the tensors inside ``obj`` (by identity). A CPU tensor that is one
+    run of its global order is summed chunk by chunk by a thread pool while this thread hashes
+    the next chunks with xxh3, so the layout-free digest adds little to the save's digest pass;
+    any other tensor is summed on its own (on a GPU, on the device)."""
+    pending: dict[int, list[str]] = {}
+    for key, t in keys.items():
+        pending.setdefault(id(t), []).append(key)
+    partials: dict[str, list[str]] = {}
+
+    def on_tensor(t: torch.Tensor) -> Feed | None:
+        names = pending.get(id(t))
+        if not names:
+            return None
+        key = names.pop(0)
+        local, offset = _global_offset(t)
+        gshape = tuple(int(x) for x in t.shape)
+        header = f"{local.dtype}|{gshape}"
+        whole = local.device.type == "cpu" and (not hasattr(t, "to_local") or t.to_local().shape == local.shape)
+        if not (whole and _single_run(local, gshape)) or local.numel() == 0:
+            partials[f"{key}@{offset}"] = [item, key, header, f"{box_sum(local, offset, gshape):016x}"]
+            return None
+        base = _run_start(offset, gshape) * local.element_size()
+        sums = running.setdefault(f"{key}@{offset}", (item, key, header, []))[3]
+
+        def feed(chunk: torch.Tensor, at: int) -> None:
+            sums.append(_pool().submit(_bytes_sum, chunk, base + at, False))
+
+        return feed
+
+    running: dict[str, tuple[str, str, str, list[Future[int]]]] = {}
+    h = xxhash.xxh3_64()
+    _update(h, obj, on_tensor)
+    for cid, (item_, key, header, sums) in running.items():
+        partials[cid] = [item_, key, header, f"{sum(f.result() for f in sums) & _MASK:016x}"]
+    for key, t in keys.items():  # a tensor the walk did not reach (none in a captured item)
+        if key in pending.get(id(t), []):
+            header, offset, partial = layout_free_partial(t)
+            partials[f"{key}@{offset}"] = [item, key, header, f"{partial:016x}"]
+    return h.hexdigest(), partials

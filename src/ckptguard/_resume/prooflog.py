@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -15,30 +16,60 @@ from .._commit.layout import PROOF_DIR, parse_json, read_small, refuse_link
 from ..errors import CheckpointCorruptError, ConfigError
 from .digest import digest
 
+_HOST = socket.gethostname()
+
 
 class ProofLog:
-    """One rank's append-only proof records."""
+    """One rank's append-only proof records.
+
+    Records made before the root exists (an export before the first save, the steps before
+    it) are held in memory and written, in order, by the first append that finds the root:
+    a mistyped root must stay visible, so a record never creates it.
+    """
+
+    HELD_MAX = 100_000  # records held before the root exists; older ones are dropped beyond this
 
     def __init__(self, root: Path, rank: int) -> None:
         self.path = Path(root) / PROOF_DIR / f"rank_{rank:05d}.jsonl"
         self.rank = rank
+        self._held: deque[dict[str, Any]] = deque(maxlen=self.HELD_MAX)
+        self.dropped = 0
 
-    def append(self, event: str, **fields: Any) -> None:
-        refuse_link(self.path.parent, "proof directory")  # appending through a link writes outside the root
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = {
+    def build(self, event: str, **fields: Any) -> dict[str, Any]:
+        return {
             "event": event,
             "rank": self.rank,
             "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "host": _HOST,
             "time": time.time(),
             "mono": time.monotonic(),
             **fields,
         }
+
+    def hold(self, record: dict[str, Any]) -> None:
+        if len(self._held) == self._held.maxlen:
+            self.dropped += 1
+        self._held.append(record)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def write(self, record: dict[str, Any], *, durable: bool = True) -> None:
+        """Append the held records and ``record``. ``durable`` fsyncs (saves, restores); a step
+        record is only written, which a SIGKILL of the process does not lose (a node crash may)."""
+        refuse_link(self.path.parent, "proof directory")  # appending through a link writes outside the root
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(r, sort_keys=True) + "\n" for r in (*self._held, record)]
         with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.write("".join(lines))
             f.flush()
-            os.fsync(f.fileno())
+            if durable or self._held:
+                os.fsync(f.fileno())
+        self._held.clear()
+
+    def append(self, event: str, **fields: Any) -> None:
+        self.write(self.build(event, **fields))
 
 
 def export_fingerprint(payload: Any, scales: Any = None) -> dict[str, str]:

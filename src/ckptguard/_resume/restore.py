@@ -39,6 +39,7 @@ from ..errors import (
     rebuild,
 )
 from . import contract as _contract
+from . import layoutfree as _layoutfree
 from . import rng as _rng
 from . import state as _state
 
@@ -335,7 +336,10 @@ def _plan(
 class Restored:
     step: int
     format_version: int
-    digests_match: dict[str, bool]  # empty when digests could not be compared (resharded)
+    digests_match: dict[str, bool]  # per rank; resharded: the extras items against their source rank
+    layout_free_match: dict[str, bool] = field(default_factory=dict)  # tensor items, any layout
+    source_rank: int = 0  # whose extras (and RNG) this rank took
+    saved_world_size: int = 0
 
 
 def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[str, Any]]:
@@ -434,12 +438,18 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
             _rng.restore(extras["rng"], where=f"restore of step {manifest.step}, rank {ctx.rank}")
 
     on_every_rank(ctx.agreement, "restore.applied", apply)
-    if ctx.config.verify_restored and manifest.world_size == ctx.world:
-        matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
+    matches: dict[str, bool] = {}
+    layout_free: dict[str, bool] = {}
+    source = _source_rank(ctx, manifest)
+    if ctx.config.verify_restored:
+        if manifest.world_size == ctx.world:
+            matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
+        # Any layout: tensor items through the layout-free digest; resharded: extras against their source rank.
+        checked = _layoutfree.verify(ctx, state, manifest, targets, extras, source, on_verified)
+        matches.update(checked.items)
+        layout_free = checked.layout_free
         _release_host_cache()  # digests of GPU tensors staged through pinned chunks
-    else:
-        matches = {}
-    return Restored(manifest.step, manifest.format_version, matches)
+    return Restored(manifest.step, manifest.format_version, matches, layout_free, source, manifest.world_size)
 
 
 def _verify_digests(

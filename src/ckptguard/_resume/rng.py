@@ -4,6 +4,7 @@ Contract: ``capture()`` returns a structure ``torch.load(weights_only=True)`` re
 (NumPy's state object is split into a key tensor plus ints), and ``restore(capture())``
 puts every stream back exactly. CUDA streams are captured for every device only once
 CUDA is initialized, so a CPU-only process never creates a CUDA context.
+``GeneratorState`` makes any other ``torch.Generator`` (a sampler's, a rollout's) a state item.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import TopologyMismatchError
+from ..errors import ConfigError, TopologyMismatchError
 
 
 def capture() -> dict[str, Any]:
@@ -59,3 +60,38 @@ def restore(saved: dict[str, Any], *, where: str) -> None:
     np.random.set_state(
         (npd["kind"], npd["keys"].numpy().astype(np.uint32), npd["pos"], npd["has_gauss"], npd["gauss"])
     )
+
+
+class GeneratorState:
+    """A ``torch.Generator`` as a state item: ``state["sampler_gen"] = GeneratorState(sampler.generator)``.
+
+    The four global streams are saved by default; a generator a sampler or a rollout holds
+    is not, and a resume then replays the order of its first epoch. This wraps one so that
+    its state is saved per rank (in the extras) and put back into the same object on restore.
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        if not isinstance(generator, torch.Generator):
+            raise ConfigError(f"GeneratorState needs a torch.Generator, got {type(generator).__name__}")
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"device": str(self.generator.device), "state": self.generator.get_state()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        saved = sd["state"]
+        now = self.generator.get_state()
+        if str(sd.get("device", now.device)) != str(self.generator.device) or saved.numel() != now.numel():
+            raise ConfigError(
+                f"GeneratorState: the saved state is of a {sd.get('device')} generator with {saved.numel()} bytes; "
+                f"this one is a {self.generator.device} generator with {now.numel()} bytes. Restore into a "
+                "generator of the same device as the one saved."
+            )
+        # A loaded tensor can be a view into a shared storage with an offset, and set_state on such
+        # a view segfaults (torch 2.13): always hand it a fresh contiguous ByteTensor.
+        fresh = torch.empty(saved.numel(), dtype=torch.uint8)
+        fresh.copy_(saved.detach().reshape(-1).to("cpu", torch.uint8))
+        self.generator.set_state(fresh)
+
+    def __repr__(self) -> str:
+        return f"GeneratorState({self.generator.device} generator)"

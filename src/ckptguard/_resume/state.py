@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import ConfigError, StateMismatchError
-from .digest import digest
+from .digest import digest, digest_with_layout_free
 
 TENSOR_REF = "__ckptguard_dcp_key__"
 
@@ -63,6 +63,10 @@ class Captured:
     def digest(self) -> str:
         """The item's digest, from the captured tensors (a staged copy hashes the same bytes)."""
         return digest(_unflatten(self.skeleton, self.tensors))
+
+    def digest_and_layout_free(self) -> tuple[str, dict[str, list[str]]]:
+        """``digest()`` and the layout-free partials of the item's tensors, reading their bytes once."""
+        return digest_with_layout_free(_unflatten(self.skeleton, self.tensors), self.tensors, self.name)
 
     @property
     def replicated_keys(self) -> list[str]:
@@ -214,6 +218,16 @@ def capture(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, Capture
         check_weights_only(skeleton, f"state item {name!r}")
         out[name] = Captured(name, kind, skeleton, tensors)
     return out
+
+
+def digests_and_layout_free(items: Mapping[str, Captured]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Every item's digest and the layout-free partials of all tensor items, in one pass over memory."""
+    digests: dict[str, str] = {}
+    partials: dict[str, list[str]] = {}
+    for name, c in items.items():
+        digests[name], mine = c.digest_and_layout_free()
+        partials.update(mine)
+    return digests, partials
 
 
 def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, tuple[ItemKind, Any, dict[str, Any]]]:

@@ -108,8 +108,8 @@ class RolloutEngine:
             self.model.load_state_dict(dequantize(q, scales), strict=True)
 
     @torch.no_grad()
-    def generate(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, VOCAB, (batch, 1))  # prompts, from the restored CPU RNG
+    def generate(self, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = prompts
         for _ in range(SEQ - 1):
             probs = torch.softmax(self.model(tokens)[:, -1].float(), dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1)], dim=1)
@@ -150,7 +150,7 @@ class Trainer:
         shadow.load_state_dict(dequantize(quantize(weights, scales), scales), strict=True)
         return sequence_logprobs(shadow, tokens)
 
-    def update(self, tokens: torch.Tensor) -> tuple[float, bool]:
+    def update(self, tokens: torch.Tensor) -> tuple[float, bool, float]:
         reward = (tokens[:, 1:] == TARGET_TOKEN).float().mean(dim=1)
         advantage = reward - reward.mean()
         logp = sequence_logprobs(self.model, tokens).sum(dim=1)
@@ -162,7 +162,7 @@ class Trainer:
         self.optim.step()
         self.sched.step()
         self.registry.mark_updated()
-        return norm, digest([p for p in self.model.parameters()]) != before
+        return norm, digest([p for p in self.model.parameters()]) != before, float(loss.item())
 
     def _grad_norm(self) -> float:
         local = sum(
@@ -207,7 +207,7 @@ def worker(
 
     import torch.distributed as dist
 
-    from .. import CheckpointConfig, CheckpointManager, ResumeMode, _faults
+    from .. import CheckpointConfig, CheckpointManager, ProofPlan, ResumeMode, _faults
     from .._commit import retention
 
     torch.set_num_threads(1)
@@ -220,18 +220,22 @@ def worker(
     logging.getLogger("ckptguard").setLevel(logging.WARNING if rank else logging.INFO)
     say = logging.getLogger("ckptguard.demo").info
     trainer = build_trainer(rank=rank, world=world)
-    cfg = CheckpointConfig(retention=retention.KeepLast(2), restore_rng=restore_rng)
+    # An RL job whose resume is bitwise on the CPU: the RL gates apply and replayed steps must match exactly.
+    plan = ProofPlan(rl=True, deterministic=True)
+    cfg = CheckpointConfig(retention=retention.KeepLast(2), restore_rng=restore_rng, proof=plan)
     mgr = CheckpointManager(root, config=cfg, derived=trainer.registry if derived_fix else None)
     start = mgr.restore(trainer.state(), mode=ResumeMode.AUTO)
     for step in range(start + 1, steps + 1):
         q, scales = trainer.export()
         mgr.record_export(step - 1, {n: t.view(torch.uint8) for n, t in q.items()}, scales=scales)
         trainer.engine.load(q, scales)
-        tokens, rollout_lp = trainer.engine.generate(BATCH)
+        prompts = torch.randint(0, VOCAB, (BATCH, 1))  # from the restored CPU RNG
+        tokens, rollout_lp = trainer.engine.generate(prompts)
         diff = mgr.record_logprobs(step, trainer.old_logprobs(tokens), rollout_lp)
-        norm, changed = trainer.update(tokens)
+        norm, changed, loss = trainer.update(tokens)
         mgr.record_update(step, grad_norm=norm, params_changed=changed)
         reward = float((tokens[:, 1:] == TARGET_TOKEN).float().mean())
+        mgr.record_step(step, batch=prompts, loss=loss, grad_norm=norm, reward=reward)
         say(f"step {step:>2}: reward {reward:.3f}  grad_norm {norm:.4f}  probs_diff {diff['probs_diff']:.3g}")
         if step % save_every == 0:
             if step == kill_at:

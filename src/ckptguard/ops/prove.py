@@ -1,10 +1,17 @@
 """Proof that a resume is exact: append-only records, and the gates of the guide's section 6.
 
 Contract: each rank appends JSON lines to ``ROOT/proof/rank_NNNNN.jsonl`` (one record
-per event: save, restore, export, logprobs, update), never rewriting earlier lines.
-``evaluate`` reads them and decides each gate as PASS, FAIL or NOT RUN, with evidence.
-A gate whose event never happened is NOT RUN, never PASS. A run segment is one PID;
-the gates look at the newest restore of a non-zero step on each rank.
+per event: save, restore, step, export, logprobs, update), never rewriting earlier lines.
+``evaluate`` reads them and decides each gate as PASS, FAIL, NOT RUN, INFO or N/A, with
+evidence. A gate whose event never happened is NOT RUN, never PASS; a gate the job's
+``ProofPlan`` (recorded with the save) says does not apply is N/A. A run segment is one PID;
+the gates look at the newest restore of a non-zero step on each rank of the newest run.
+
+The replay gates compare the steps the resumed run runs again (restored step + 1 up to the
+last step the killed run recorded) with the ``step`` records of the same step and rank
+(under resharding: of the rank whose extras it took) made by the process that saved the
+restored step and ran on from it until it was killed: the data exactly, always; the
+numbers exactly where the plan is deterministic, else as information.
 """
 
 from __future__ import annotations
@@ -15,6 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from .._resume.prooflog import ProofLog, export_fingerprint, logprob_diff, read_records  # noqa: F401 (re-exported)
+from .._resume.trajectory import difference, numerics, same_bits
+from ..config import ProofPlan
+
+LEGACY_PLAN = ProofPlan(rl=True)
+"""The plan of records written before plans were recorded: every gate applied."""
+
+DATA_FIELDS = ("sample_ids", "batch")
 
 
 class Status(str, enum.Enum):
@@ -22,6 +36,7 @@ class Status(str, enum.Enum):
     FAIL = "FAIL"
     NOT_RUN = "NOT RUN"
     INFO = "INFO"
+    NA = "N/A"
 
 
 @dataclass(frozen=True)
@@ -30,6 +45,9 @@ class Gate:
     status: Status
     evidence: str
     required: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gate": self.name, "status": self.status.value, "evidence": self.evidence, "required": self.required}
 
 
 @dataclass
@@ -49,7 +67,7 @@ class _Segment:
 def _segment(rank: int, records: list[dict[str, Any]]) -> _Segment:
     idx = max((i for i, r in enumerate(records) if r["event"] == "restore"), default=None)
     if idx is None:
-        return _Segment(rank, None)
+        return _Segment(rank, None, list(records))
     restore = records[idx]
     pid = restore["pid"]
     before = records[:idx]
@@ -66,56 +84,90 @@ def _combine(name: str, per_rank: list[tuple[Status, str]], required: bool = Tru
         status = Status.FAIL
     elif Status.NOT_RUN in statuses:
         status = Status.NOT_RUN
+    elif statuses == {Status.NA}:
+        return Gate(name, Status.NA, per_rank[0][1], False)
     else:
         status = Status.PASS
     shown = [e for s, e in per_rank if s is status] or [e for _, e in per_rank]
     return Gate(name, status, "; ".join(dict.fromkeys(shown)), required)
 
 
-def _restored(seg: _Segment) -> dict[str, Any] | None:
-    """The segment's restore record when it restored a non-zero step, else None."""
-    return seg.restore if seg.restore is not None and int(seg.restore.get("step", 0)) > 0 else None
+def _restored(seg: _Segment) -> bool:
+    return seg.restore is not None and int(seg.restore.get("step", 0)) > 0
+
+
+def _raised(seg: _Segment) -> bool:
+    return _restored(seg) and seg.restore.get("ok") is False  # type: ignore[union-attr]
+
+
+def _needs_restore(seg: _Segment) -> tuple[Status, str] | None:
+    """NOT RUN without a completed restore of a non-zero step (a restore that raised is not one)."""
+    if not _restored(seg):
+        return Status.NOT_RUN, "no restore of a non-zero step"
+    if _raised(seg):
+        return Status.NOT_RUN, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"  # type: ignore[index]
+    return None
 
 
 def _gate_confirmed(seg: _Segment) -> tuple[Status, str]:
-    restore = _restored(seg)
-    if restore is None:
+    if not _restored(seg):
         return Status.NOT_RUN, "no restore of a non-zero step"
-    early = [r for r in seg.same_pid_before if r["event"] == "update"]
+    assert seg.restore is not None
+    if _raised(seg):
+        error = seg.restore.get("error") or "an error (not recorded)"
+        return Status.FAIL, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised {error}"
+    early = [r for r in seg.same_pid_before if r["event"] in ("update", "step")]
     if early:
-        return Status.FAIL, f"rank {seg.rank}: process trained (update of step {early[0].get('step')}) before restore"
-    return Status.PASS, f"step {restore['step']} confirmed before the first training step"
+        return Status.FAIL, f"rank {seg.rank}: process trained (step {early[0].get('step')}) before restore"
+    return Status.PASS, f"step {seg.restore['step']} confirmed before the first training step"
 
 
 def _gate_pids(seg: _Segment) -> tuple[Status, str]:
-    restore = _restored(seg)
-    if restore is None:
-        return Status.NOT_RUN, "no restore of a non-zero step"
-    step = restore["step"]
+    if (missing := _needs_restore(seg)) is not None:
+        return missing
+    assert seg.restore is not None
+    step = seg.restore["step"]
+    if seg.restore.get("saved_world_size") not in (None, seg.restore.get("world_size")) and not any(
+        r["event"] == "save" for r in seg.before
+    ):
+        return Status.PASS, "every rank restored in a new process"  # a rank the saving run did not have
     saver = next((r for r in reversed(seg.before) if r["event"] == "save" and r["step"] == step), None)
     if saver is None:
         return Status.NOT_RUN, f"rank {seg.rank}: no record of the process that saved step {step}"
-    if saver["pid"] == restore["pid"] and saver.get("host") == restore.get("host"):
+    if saver["pid"] == seg.restore["pid"] and saver.get("host") == seg.restore.get("host"):
         return Status.FAIL, f"rank {seg.rank}: restored in the same process (pid {saver['pid']}) that saved"
     return Status.PASS, "every rank restored in a new process"
 
 
 def _gate_digests(seg: _Segment) -> tuple[Status, str]:
-    restore = _restored(seg)
-    if restore is None:
+    if not _restored(seg):
         return Status.NOT_RUN, "no restore of a non-zero step"
-    items = restore.get("digests_match") or {}
-    if not items:
-        return Status.NOT_RUN, f"rank {seg.rank}: digests were not compared (verify_restored off or resharded)"
+    assert seg.restore is not None
+    items = seg.restore.get("digests_match") or {}
+    free = seg.restore.get("layout_free_match") or {}
     bad = sorted(k for k, ok in items.items() if not ok)
+    bad += sorted(f"{k} (layout-free)" for k, ok in free.items() if not ok)
     if bad:
         return Status.FAIL, f"rank {seg.rank}: items {bad} differ from the save"
-    return Status.PASS, f"{len(items)} items per rank equal the save's ({', '.join(sorted(items))})"
+    if _raised(seg):
+        return Status.NOT_RUN, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"
+    old, new = seg.restore.get("saved_world_size"), seg.restore.get("world_size")
+    if old and new and old != new:
+        if not free:
+            return Status.NOT_RUN, (f"rank {seg.rank}: resharded restore ({old} -> {new} ranks) and the save recorded "
+                                    "no layout-free digests (written by an older ckptguard): tensor items not compared")
+        extras = f"; {', '.join(sorted(items))} equal the saving rank's" if items else ""
+        return Status.PASS, (f"resharded {old} -> {new} ranks: {', '.join(sorted(free))} equal the save's "
+                             f"layout-free digests{extras}")
+    if not items:
+        return Status.NOT_RUN, f"rank {seg.rank}: digests were not compared (verify_restored off)"
+    also = f"; layout-free digests equal too ({', '.join(sorted(free))})" if free else ""
+    return Status.PASS, f"{len(items)} items per rank equal the save's ({', '.join(sorted(items))}){also}"
 
 
 def _gate_export(seg: _Segment) -> tuple[Status, str]:
-    if not _restored(seg):
-        return Status.NOT_RUN, "no restore of a non-zero step"
+    if (missing := _needs_restore(seg)) is not None:
+        return missing
     first = seg.first("export")
     if first is None:
         return Status.NOT_RUN, f"rank {seg.rank}: no export recorded after the restore"
@@ -130,8 +182,8 @@ def _gate_export(seg: _Segment) -> tuple[Status, str]:
 
 
 def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
-    if not _restored(seg):
-        return Status.NOT_RUN, "no restore of a non-zero step"
+    if (missing := _needs_restore(seg)) is not None:
+        return missing
     first = seg.first("logprobs")
     if first is None:
         return Status.NOT_RUN, f"rank {seg.rank}: no old-logprob recorded after the restore"
@@ -142,24 +194,29 @@ def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
 
 
 def _gate_update(seg: _Segment) -> tuple[Status, str]:
-    if not _restored(seg):
-        return Status.NOT_RUN, "no restore of a non-zero step"
+    if (missing := _needs_restore(seg)) is not None:
+        return missing
     first = seg.first("update")
     if first is None:
-        return Status.NOT_RUN, f"rank {seg.rank}: no update recorded after the restore"
-    if not first.get("grad_norm") or not first.get("params_changed"):
+        step = next((r for r in seg.after if r["event"] == "step" and "grad_norm" in r), None)
+        if step is None:
+            return Status.NOT_RUN, f"rank {seg.rank}: no update recorded after the restore"
+        changed = (step.get("extra") or {}).get("params_changed", True)
+        first = {"step": step["step"], "grad_norm": step["grad_norm"], "params_changed": changed}
+    norm = first.get("grad_norm")
+    if not isinstance(norm, (int, float)) or not norm or norm != norm or not first.get("params_changed"):
         return Status.FAIL, (
             f"rank {seg.rank}: first update (step {first['step']}) had grad_norm "
-            f"{first.get('grad_norm')} and params_changed={first.get('params_changed')}"
+            f"{norm} and params_changed={first.get('params_changed')}"
         )
-    return Status.PASS, f"first update non-zero: grad_norm {first['grad_norm']:.3g}, parameters changed"
+    return Status.PASS, f"first update non-zero: grad_norm {norm:.3g}, parameters changed"
 
 
 def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
-    restore = _restored(seg)
-    if restore is None:
-        return Status.NOT_RUN, "no restore of a non-zero step"
-    moved = restore.get("addresses_changed")
+    if (missing := _needs_restore(seg)) is not None:
+        return missing
+    assert seg.restore is not None
+    moved = seg.restore.get("addresses_changed")
     if moved is None:
         return Status.NOT_RUN, f"rank {seg.rank}: addresses were not recorded"
     if moved:
@@ -168,15 +225,223 @@ def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
     return Status.PASS, "every parameter and buffer kept its data_ptr through the restore"
 
 
-_GATES = (
-    ("restored step confirmed before training", _gate_confirmed),
-    ("all PIDs changed", _gate_pids),
-    ("digests equal, item by item", _gate_digests),
-    ("addresses unchanged", _gate_addresses),
-    ("first export byte-identical", _gate_export),
-    ("first old-logprob aligned", _gate_logprobs),
-    ("one non-zero update", _gate_update),
-)
+# ---------------------------------------------------------------- replayed steps
+
+
+@dataclass
+class _Replay:
+    """One rank's comparison of its replayed steps with the killed run's."""
+
+    rank: int
+    status: Status = Status.NOT_RUN
+    evidence: str = ""
+    steps: list[int] = field(default_factory=list)  # compared
+    first_bad: int | None = None
+    diffs: list[tuple[int, str, Any, Any]] = field(default_factory=list)  # (step, name, killed, resumed)
+    numbers: int = 0  # values compared
+    fields: set[str] = field(default_factory=set)  # data fields compared (sample_ids, batch)
+
+
+def _data(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: r[k] for k in DATA_FIELDS if k in r}
+
+
+def _show(r: dict[str, Any]) -> str:
+    if "ids_head" in r:
+        more = " ..." if r.get("samples", 0) > len(r["ids_head"]) else ""
+        return f"ids {r['ids_head']}{more} (digest {r['sample_ids']})"
+    return ", ".join(f"{k} {v}" for k, v in _data(r).items())
+
+
+def _hint(rank: int, step: int, resumed: dict[str, Any], ref: dict[int, list], history: dict[tuple, int]) -> str:
+    """What kind of state is usually missing, from where the resumed run's data came from."""
+    key = tuple(sorted(_data(resumed).items()))
+    ahead = [s for s, recs in ref.items() if s > step and any(tuple(sorted(_data(r).items())) == key for r in recs)]
+    if ahead:
+        later = min(ahead)
+        return (f"The resumed run consumed at step {step} what the killed run consumed at step {later}: a batch "
+                "drawn before the save point (a prefetch) was lost; keep it in the state, e.g. "
+                "state['prefetched'] = ckptguard.PerRank(batch)")
+    if key in history and history[key] < step:
+        return (f"The resumed run consumed at step {step} the data of step {history[key]} again: an epoch or a "
+                "stream replayed, typically a sampler whose torch.Generator is not in the state; add "
+                "state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)")
+    more = " (with more replayed steps, ProofPlan(replay_steps=2), the gate tells which)" if len(ref) < 2 else ""
+    return ("The state usually lacks one of: a batch drawn before the save point (prefetch: save it as PerRank), "
+            "a sampler's torch.Generator (GeneratorState), a data iterator's position (a loader without "
+            f"state_dict/load_state_dict){more}")
+
+
+def _reference(seg: _Segment, before: list[dict[str, Any]]) -> tuple[int | None, dict[int, list], dict[tuple, int]]:
+    """The pid of the process that saved the restored step, its step records after that step (the
+    segment that ran on from the save and was killed), and every earlier step's data (for hints).
+
+    Only the saving process ran on from the saved state without a resume in between; an earlier
+    resume of the same step may share the resumed run's bug, so it is never the reference."""
+    assert seg.restore is not None
+    k, pid = int(seg.restore["step"]), seg.restore["pid"]
+    saver = next((r["pid"] for r in reversed(before) if r["event"] == "save" and r["step"] == k), None)
+    ref: dict[int, list[dict[str, Any]]] = {}
+    history: dict[tuple, int] = {}
+    for r in before:
+        if r["event"] != "step" or r["pid"] == pid:
+            continue
+        if _data(r):
+            history.setdefault(tuple(sorted(_data(r).items())), int(r["step"]))
+        if r["pid"] == saver and r["step"] > k:
+            ref.setdefault(int(r["step"]), []).append(r)
+    return saver, ref, history
+
+
+def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Replay:
+    out = _Replay(seg.rank)
+    if (missing := _needs_restore(seg)) is not None:
+        out.status, out.evidence = missing
+        return out
+    assert seg.restore is not None
+    k = int(seg.restore["step"])
+    saver, ref, history = _reference(seg, before)
+    resumed: dict[int, list[dict[str, Any]]] = {}
+    for r in seg.after:
+        if r["event"] == "step" and r["step"] > k:
+            resumed.setdefault(int(r["step"]), []).append(r)
+    if saver is None:
+        out.evidence = f"rank {seg.rank}: no record of the process that saved step {k}: no killed run to compare with"
+        return out
+    if not ref:
+        out.evidence = (f"rank {seg.rank}: the run that saved step {k} (pid {saver}) recorded no step after it "
+                        "(killed right after the save, or record_step not called): nothing was replayed")
+        return out
+    if not resumed:
+        out.evidence = f"rank {seg.rank}: the resumed run recorded no step after the restore of step {k}"
+        return out
+    last = max(ref)
+    out.steps = sorted(set(ref) & set(resumed))
+    data_seen = False
+    for s in out.steps:
+        a_recs, b_recs = ref[s], resumed[s]
+        if len(a_recs) != len(b_recs) and s != last:
+            out.status, out.first_bad = Status.FAIL, s
+            out.evidence = (f"rank {seg.rank}, step {s}: recorded {len(a_recs)} time(s) by the killed run and "
+                            f"{len(b_recs)} by the resumed run")
+            return out
+        for a, b in zip(a_recs, b_recs, strict=False):
+            da, db = _data(a), _data(b)
+            data_seen = data_seen or bool(da or db)
+            out.fields |= set(da) & set(db)
+            if set(da) != set(db):
+                out.status, out.first_bad = Status.FAIL, s
+                out.evidence = (f"rank {seg.rank}, step {s}: the killed run recorded {sorted(da) or 'no data'}, "
+                                f"the resumed run {sorted(db) or 'no data'}")
+                return out
+            if da != db:
+                out.status, out.first_bad = Status.FAIL, s
+                hint = _hint(seg.rank, s, b, ref, history)
+                out.evidence = (f"rank {seg.rank}, step {s} (first replayed step {min(out.steps)}): the resumed run "
+                                f"consumed {_show(b)}, the killed run {_show(a)}. {hint}")
+                return out
+            na, nb = numerics(a), numerics(b)
+            for name in [*na, *(n for n in nb if n not in na)]:  # loss, grad_norm, then the extras
+                out.numbers += 1
+                if name not in na or name not in nb or not same_bits(na[name], nb[name]):
+                    out.diffs.append((s, name, na.get(name, "absent"), nb.get(name, "absent")))
+    if not out.steps:
+        out.evidence = (f"rank {seg.rank}: the killed run recorded steps {min(ref)}-{last} after step {k}, the "
+                        f"resumed run steps {min(resumed)}-{max(resumed)}: no step in common")
+    elif not data_seen:
+        out.evidence = (f"rank {seg.rank}: steps {out.steps[0]}-{out.steps[-1]} were recorded without sample_ids or "
+                        "batch: the data order was not compared")
+    elif len(out.steps) < plan.replay_steps:
+        out.evidence = (f"rank {seg.rank}: {len(out.steps)} step(s) replayed, the plan asks for "
+                        f"{plan.replay_steps} (ProofPlan.replay_steps)")
+    else:
+        out.status = Status.PASS
+        span = f"step {out.steps[0]}" if len(out.steps) == 1 else f"steps {out.steps[0]}-{out.steps[-1]}"
+        out.evidence = f"{span} replayed after the restore of step {k}"
+    return out
+
+
+def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
+    data = _combine("data order identical", [(r.status, r.evidence) for r in replays])
+    failed = sorted((r.first_bad, r.rank, r) for r in replays if r.status is Status.FAIL and r.first_bad is not None)
+    if failed:  # the earliest differing step, and which other ranks differ too
+        others = [rank for _s, rank, _r in failed[1:]]
+        also = f" (ranks {others} differ too)" if others else ""
+        data = Gate(data.name, Status.FAIL, failed[0][2].evidence + also)
+    elif data.status is Status.PASS:
+        steps = sorted({s for r in replays for s in r.steps})
+        names = {"sample_ids": "sample ids", "batch": "batch"}
+        what = " and ".join(names[f] for f in DATA_FIELDS if any(f in r.fields for r in replays))
+        data = Gate(data.name, Status.PASS, f"{data.evidence} on {len(replays)} rank(s): {what} digests equal the "
+                    f"killed run's ({len(steps)} step(s))")
+    diffs = [(s, r.rank, name, a, b) for r in replays for s, name, a, b in r.diffs]
+    diffs.sort(key=lambda d: (d[0], d[1]))  # stable: within a step, loss and grad_norm before the extras
+    compared = [r for r in replays if r.steps and r.status is not Status.FAIL]
+    count = sum(r.numbers for r in compared)
+    name = "replayed steps identical"
+    if plan.deterministic:
+        if diffs:
+            s, rank, what, a, b = diffs[0]
+            return [data, Gate(name, Status.FAIL, f"rank {rank}, step {s}: {what} {a!r} in the killed run, {b!r} "
+                               "after the resume (ProofPlan(deterministic=True) asks for bitwise equality)")]
+        if data.status is not Status.PASS or not count:
+            why = "no values (loss, grad_norm, extras) recorded" if data.status is Status.PASS else "no replay compared"
+            return [data, Gate(name, Status.NOT_RUN, why)]
+        return [data, Gate(name, Status.PASS, f"{count} values (loss, grad_norm, extras) bitwise equal to the "
+                           "killed run's")]
+    plan_note = "information only: ProofPlan(deterministic=False)"
+    if not count:
+        return [data, Gate(name, Status.INFO, f"not compared (no replayed values); {plan_note}", required=False)]
+    if not diffs:
+        return [data, Gate(name, Status.INFO, f"{count} values bitwise equal to the killed run's; {plan_note}",
+                           required=False)]
+    numeric = [(difference(a, b), s, rank, what, a, b) for s, rank, what, a, b in diffs]
+    sized = [d for d in numeric if d[0] is not None]
+    worst = max(sized, key=lambda d: d[0]) if sized else (None, *diffs[0])
+    size, s, rank, what, a, b = worst
+    largest = f"largest difference {size:.3g}" if size is not None else "differs"
+    return [data, Gate(name, Status.INFO, f"{len(diffs)} of {count} values not bitwise; {largest} in {what} at "
+                       f"step {s}, rank {rank} ({a!r} killed, {b!r} resumed); {plan_note}", required=False)]
+
+
+# ---------------------------------------------------------------- plan and evaluation
+
+
+def _newest_run(segments: list[_Segment]) -> list[_Segment]:
+    """The ranks of the newest run: a resharded resume onto fewer ranks leaves the others' files behind."""
+    restores = [s for s in segments if s.restore is not None]
+    if not restores:
+        return segments
+    newest = max(restores, key=lambda s: s.restore["time"])  # type: ignore[index]
+    world = newest.restore.get("world_size")  # type: ignore[union-attr]
+    return [s for s in segments if s.rank < world] if isinstance(world, int) else segments
+
+
+def recorded_plan(root: Path) -> tuple[ProofPlan, str]:
+    """The plan recorded with the save of the newest restored step, and where it came from."""
+    records = read_records(root)
+    return _plan(records, _newest_run([_segment(r, recs) for r, recs in sorted(records.items())]))
+
+
+def _plan(records: dict[int, list[dict[str, Any]]], segments: list[_Segment]) -> tuple[ProofPlan, str]:
+    step = next((s.restore["step"] for s in segments if _restored(s)), None)  # type: ignore[index]
+    saves = [r for recs in records.values() for r in recs if r["event"] == "save" and "plan" in r]
+    if step is not None:
+        own = [r for r in saves if r["step"] == step]
+        if own:
+            return ProofPlan(**max(own, key=lambda r: r["time"])["plan"]), f"recorded with the save of step {step}"
+    restores = [s.restore for s in segments if s.restore is not None and "plan" in s.restore]
+    if restores:
+        return ProofPlan(**restores[0]["plan"]), "recorded by the restoring run"
+    if saves:
+        return ProofPlan(**max(saves, key=lambda r: r["time"])["plan"]), "recorded with the newest save"
+    return LEGACY_PLAN, "not recorded (records written before ProofPlan): every gate applies"
+
+
+def _not_rl(name: str, per_rank: list[tuple[Status, str]], plan: ProofPlan, where: str, recorded: bool) -> Gate:
+    if not plan.rl and not recorded:
+        return Gate(name, Status.NA, f"(not an RL job): ProofPlan(rl=False), {where}", required=False)
+    return _combine(name, per_rank)
 
 
 def _judged(gate: Any, seg: _Segment) -> tuple[Status, str]:
@@ -191,14 +456,45 @@ def _judged(gate: Any, seg: _Segment) -> tuple[Status, str]:
         )
 
 
-def evaluate(root: Path) -> list[Gate]:
+def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
+    """Every gate, in order. ``plan`` overrides the recorded plan (to read the same records under another)."""
     from .._commit.manifest import FORMAT_VERSION
 
     records = read_records(root)
-    segments = [_segment(rank, recs) for rank, recs in sorted(records.items())]
-    gates = [_combine(name, [_judged(fn, s) for s in segments]) for name, fn in _GATES]
+    all_segments = [_segment(rank, recs) for rank, recs in sorted(records.items())]
+    segments = _newest_run(all_segments)
+    found, where = _plan(records, segments)
+    if plan is None:
+        plan = found
+    else:
+        where = "given to evaluate"
+    by_rank = {s.rank: s for s in all_segments}
+
+    def before(seg: _Segment) -> list[dict[str, Any]]:
+        """The killed run's records this rank replays: its own, or under resharding its source rank's."""
+        if seg.restore is None:
+            return []
+        src = seg.restore.get("source_rank", seg.rank)
+        if src == seg.rank or src not in by_rank:
+            return seg.before
+        source = by_rank[src]
+        in_new_run = source.restore is not None and any(x is source for x in segments)
+        return source.before if in_new_run else records.get(src, [])
+
+    events = {r["event"] for recs in records.values() for r in recs}
+    gates = [Gate("proof plan", Status.INFO, f"rl={plan.rl}, deterministic={plan.deterministic}, "
+                  f"replay_steps={plan.replay_steps} ({where})", required=False)]
+    for name, fn in (("restored step confirmed before training", _gate_confirmed), ("all PIDs changed", _gate_pids),
+                     ("digests equal, item by item", _gate_digests), ("addresses unchanged", _gate_addresses)):
+        gates.append(_combine(name, [_judged(fn, s) for s in segments]))
+    gates.append(_not_rl("first export byte-identical", [_judged(_gate_export, s) for s in segments], plan, where,
+                         "export" in events))
+    gates.append(_not_rl("first old-logprob aligned", [_judged(_gate_logprobs, s) for s in segments], plan, where,
+                         "logprobs" in events))
+    gates.append(_combine("one non-zero update", [_judged(_gate_update, s) for s in segments]))
+    gates += _replay_gates([_replay(s, before(s), plan) for s in segments], plan)
     restores = [s.restore for s in segments if s.restore is not None]
-    written = sorted({r["format_version"] for r in restores if r.get("format_version")})
+    written = sorted({r.get("format_version") for r in restores if r.get("format_version")})
     gates.append(
         Gate(
             "new code reads an old checkpoint",
@@ -213,3 +509,16 @@ def evaluate(root: Path) -> list[Gate]:
 
 def passed(gates: list[Gate]) -> bool:
     return all(g.status is Status.PASS for g in gates if g.required)
+
+
+def verdict(gates: list[Gate]) -> str:
+    """One line: ``resume PROVEN`` or ``resume NOT proven: <first failing gate> (<status>)``."""
+    if passed(gates):
+        return "resume PROVEN"
+    failing = [g for g in gates if g.required and g.status is not Status.PASS]
+    first = next((g for g in failing if g.status is Status.FAIL), failing[0])
+    return f"resume NOT proven: {first.name} ({first.status.value})"
+
+
+def to_json(gates: list[Gate]) -> dict[str, Any]:
+    return {"verdict": verdict(gates), "proven": passed(gates), "gates": [g.to_json() for g in gates]}

@@ -1,119 +1,264 @@
-"""Rehearse a long run's resume before the long run (the guide, 3.2 and 6).
+"""Rehearse a long run's resume before the long run (the guide, 3.2 and 6): kill, resume, save again.
 
-Contract: run the user's training command (which uses ckptguard on ``root``) until its
-first save commits (the tracker moves), SIGKILL its whole process group, relaunch the
-same command, wait for its restore record and its first update record, stop it, and
-evaluate the proof gates. Every wait is bounded by ``timeout_s``. The command must be
-the one the long run will use: same save path, same layout.
+Contract: run the user's training command (which uses ckptguard on ``root`` and records its
+steps with ``record_step``) three times, each time killing its whole process tree with
+SIGKILL (torchrun's workers sit in their own sessions; ``_proctree`` finds them all):
+
+1. until a save commits and ``ProofPlan.replay_steps`` steps past it are recorded on every
+   rank, so the killed run leaves a segment to replay; the tree is frozen before the kill
+   decision, so a save that commits meanwhile is seen;
+2. relaunched, it resumes, replays, and its next save stops in the middle of its write
+   (``_faults.PAUSE_ENV``): the kill lands mid-write, nothing of that save is committed;
+3. relaunched again, it resumes from the same step, replays the steps the first run recorded
+   past that save and must commit a save again (the guide's kill -> resume -> save again).
+
+Each resume is evaluated by the proof gates (the second while its run sits paused, the third
+after its save); the rehearsal passes only if both are proven. Every wait is bounded by
+``timeout_s``, and no process of a killed run may survive its kill.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import _faults
 from .._commit import layout as _layout
 from .._resume.prooflog import read_records
+from ..config import ProofPlan
 from ..errors import CheckpointError, RehearsalError
-from .prove import Gate, evaluate
+from . import _proctree
+from .prove import Gate, evaluate, passed, verdict
+
+
+@dataclass
+class Kill:
+    """One kill of the command's whole process tree."""
+
+    when: str
+    pids: list[int]
+    survivors: list[int] = field(default_factory=list)
+    tracker: int | None = None
+
+
+@dataclass
+class Resume:
+    """One resume of the rehearsal and its proof."""
+
+    after: str
+    step: int
+    gates: list[Gate]
+
+    @property
+    def proven(self) -> bool:
+        return passed(self.gates)
 
 
 @dataclass
 class Rehearsal:
-    gates: list[Gate]
+    gates: list[Gate]  # the proof after the last resume
     step: int
     cost: dict[str, Any] | None
     log: Path
+    kills: list[Kill] = field(default_factory=list)
+    resumes: list[Resume] = field(default_factory=list)
+
+    @property
+    def proven(self) -> bool:
+        return bool(self.resumes) and all(r.proven for r in self.resumes)
+
+    def verdict(self) -> str:
+        if self.proven:
+            return "rehearsal PASSED"
+        bad = next(r for r in self.resumes if not r.proven)
+        return f"rehearsal FAILED: {verdict(bad.gates)} (the resume after {bad.after})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.proven,
+            "verdict": self.verdict(),
+            "step": self.step,
+            "kills": [asdict(k) for k in self.kills],
+            "resumes": [{"after": r.after, "step": r.step, "verdict": verdict(r.gates),
+                         "gates": [g.to_json() for g in r.gates]} for r in self.resumes],
+            "cost": self.cost,
+            "log": str(self.log),
+        }
 
 
-def _wait(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if proc.poll() is not None:
-            raise RehearsalError(f"rehearse: the command exited ({proc.returncode}) before {what}; see {log}")
-        if time.monotonic() > deadline:
-            _kill(proc)
-            raise RehearsalError(f"rehearse: no {what} within {timeout_s:.0f} s; see {log} (raise --timeout if slow)")
-        time.sleep(0.2)
+class _Run:
+    """One launch of the command, followed as a process tree."""
+
+    def __init__(self, cmd: Sequence[str], log: Any, env: dict[str, str], label: str, logpath: Path) -> None:
+        self.label, self.logpath = label, logpath
+        self.since = time.time()
+        self.proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.tree = _proctree.Tree(self.proc)
+
+    def wait(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.tree.scan()  # follow the tree while it runs: a worker whose parent dies stays known
+            if ready():
+                return
+            if self.proc.poll() is not None:
+                self.kill(f"{self.label} exited")
+                raise RehearsalError(f"rehearse: the command exited ({self.proc.returncode}) before {what}; "
+                                     f"see {self.logpath}")
+            if time.monotonic() > deadline:
+                self.kill(f"{self.label} timed out")
+                raise RehearsalError(f"rehearse: no {what} within {timeout_s:.0f} s; see {self.logpath} "
+                                     "(raise --timeout if the job is slow)")
+            time.sleep(0.2)
+
+    def kill_when(self, what: str, ready: Callable[[], bool], timeout_s: float) -> Kill:
+        """Wait for ``ready``, then freeze the tree, check again (a save may have committed), and kill it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.wait(what, ready, max(1.0, deadline - time.monotonic()))
+            frozen = self.tree.freeze()
+            if ready():
+                return self.kill(what, frozen=frozen)
+            self.tree.thaw(frozen)
+
+    def kill(self, when: str, *, frozen: list[int] | None = None) -> Kill:
+        pids, survivors = self.tree.kill(frozen=frozen)
+        return Kill(when, pids, survivors)
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _committed_step(root: Path, after: int) -> int | None:
+def _tracker(root: Path) -> int:
     try:
-        step = _layout.read_tracker(root)
+        return _layout.read_tracker(root) or 0
     except CheckpointError:
-        return None
-    return step if step is not None and step > after else None
+        return 0
 
 
-def _exported(root: Path, step: int) -> bool:
-    """The saving run recorded the export of ``step`` on every rank (the export gate's reference)."""
-    per_rank = read_records(root)
-    return bool(per_rank) and all(
-        any(r["event"] == "export" and r.get("step") == step for r in records) for records in per_rank.values()
-    )
+def _world(root: Path) -> int:
+    saves = [r for recs in read_records(root).values() for r in recs if r["event"] == "save"]
+    return max((int(r.get("world_size", 1)) for r in saves), default=max(1, len(read_records(root))))
 
 
-def _resumed(root: Path, step: int, since: float) -> bool:
-    """A restore of ``step`` after ``since``, followed by an update in the same process, on every rank."""
-    per_rank = read_records(root)
-    if not per_rank:
+def _plan(root: Path) -> ProofPlan:
+    saves = [r for recs in read_records(root).values() for r in recs if r["event"] == "save" and "plan" in r]
+    return ProofPlan(**saves[-1]["plan"]) if saves else ProofPlan()
+
+
+def _steps_past_save(root: Path, since: float, count: int, world: int) -> bool:
+    """Every rank recorded ``count`` steps after the committed step, in this launch."""
+    tracker = _tracker(root)
+    if tracker < 1:
         return False
-    for records in per_rank.values():
-        restores = [i for i, r in enumerate(records) if r["event"] == "restore" and r.get("step") == step
-                    and r["time"] >= since]
-        if not restores or not any(r["event"] == "update" and r["pid"] == records[restores[-1]]["pid"]
-                                   for r in records[restores[-1] + 1:]):
+    per_rank = read_records(root)
+    for rank in range(world):
+        recs = [r for r in per_rank.get(rank, []) if r["time"] >= since]
+        event = "step" if any(r["event"] == "step" for r in recs) else "update"
+        if len({r["step"] for r in recs if r["event"] == event and r["step"] > tracker}) < count:
             return False
     return True
+
+
+def _saved_again(root: Path, since: float, world: int) -> bool:
+    per_rank = read_records(root)
+    return all(any(r["event"] == "save" and r["time"] >= since for r in per_rank.get(r_, [])) for r_ in range(world))
+
+
+def _paused(where: Path, world: int) -> bool:
+    return len(list(where.glob("paused_rank_*"))) >= world
+
+
+def _newest_restore(root: Path, since: float) -> int | None:
+    recs = [r for r in read_records(root).get(0, []) if r["event"] == "restore" and r["time"] >= since]
+    return int(recs[-1]["step"]) if recs else None
 
 
 def rehearse(cmd: Sequence[str], root: Path, *, timeout_s: float = 600.0, workdir: Path | None = None,
              echo: Callable[[str], None] = lambda s: None) -> Rehearsal:
     root = Path(root).absolute()
-    start_step = _layout.read_tracker(root) or 0 if root.exists() else 0
+    start = _tracker(root) if root.exists() else 0
     log = Path(workdir or root.parent) / f"rehearse-{int(time.time())}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
-        echo(f"[1/3] running until the first save commits under {root}")
-        first = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait("first committed save", lambda: _committed_step(root, start_step) is not None, first, timeout_s, log)
-        step = _committed_step(root, start_step) or 0
-        # The export gate compares with the saving run's export of this step: give it a moment
-        # to record it (a run that records no exports simply times out here and is killed).
-        with contextlib.suppress(RehearsalError):
-            _wait(f"export of step {step}", lambda: _exported(root, step), first, min(30.0, timeout_s), log)
-        _kill(first)
-        step = _layout.read_tracker(root) or 0  # read after the kill: a later save may have committed
-        echo(f"      step {step} committed; SIGKILLed the whole process group (pid {first.pid})")
-        echo("[2/3] relaunching the same command; waiting for its restore and first update")
-        since = time.time()
-        second = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait(f"restore of step {step} and a first update", lambda: _resumed(root, step, since), second,
-              timeout_s, log)
-        _kill(second)
-    echo("[3/3] evaluating the proof gates")
-    manifest = json.loads((root / _layout.StepNaming(_template(root, step)).name(step) / "manifest.json").read_text())
-    return Rehearsal(evaluate(root), step, manifest.get("cost"), log)
+    _proctree.become_subreaper()  # orphans of a killed tree come to us and are reaped
+    pause_dir = Path(tempfile.mkdtemp(prefix="ckptguard-rehearse-"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop(_faults.PAUSE_ENV, None)
+    kills: list[Kill] = []
+    resumes: list[Resume] = []
+    runs: list[_Run] = []
+
+    def launch(label: str, extra: dict[str, str] | None = None) -> _Run:
+        runs.append(_Run(cmd, out, {**env, **(extra or {})}, label, log))
+        return runs[-1]
+
+    def check(kill: Kill) -> Kill:
+        kill.tracker = _tracker(root)
+        kills.append(kill)
+        if kill.survivors:
+            raise RehearsalError(f"rehearse: processes {kill.survivors} of the command survived SIGKILL ({kill.when})")
+        return kill
+
+    try:
+        with open(log, "ab") as out:
+            echo(f"[1/4] running until a save commits under {root} and the run continues past it")
+            first = launch("the first run")
+            first.wait("first committed save", lambda: _tracker(root) > start, timeout_s)
+            plan, world = _plan(root), _world(root)
+            n = plan.replay_steps
+            kill = check(first.kill_when(f"{n} step(s) recorded past a committed save on {world} rank(s)",
+                                         lambda: _steps_past_save(root, first.since, n, world), timeout_s))
+            saved = kill.tracker or 0
+            echo(f"      SIGKILLed the whole process tree ({_count(kill.pids)}) {n}+ step(s) past the "
+                 f"committed step {saved}; none survived")
+
+            echo("[2/4] relaunching: it resumes and replays; its next save is SIGKILLed mid-write")
+            second = launch("the second run", {_faults.PAUSE_ENV: str(pause_dir)})
+            second.wait("a save of the resumed run paused mid-write on every rank",
+                        lambda: _paused(pause_dir, world), timeout_s)
+            step_b = _newest_restore(root, second.since)
+            resumes.append(Resume(f"the kill past the save of step {saved}", step_b or 0, evaluate(root)))
+            kill = check(second.kill("mid-write of a save"))
+            if kill.tracker != saved:
+                raise RehearsalError(f"rehearse: the tracker moved from {saved} to {kill.tracker} although the save "
+                                     "was killed mid-write; the commit protocol is broken on this storage")
+            echo(f"      resumed from step {step_b}; SIGKILLed the whole process tree ({_count(kill.pids)}) "
+                 f"in the middle of a save; the tracker still says {saved}")
+
+            echo("[3/4] relaunching: it resumes from the same step, replays, and must commit a save again")
+            third = launch("the third run")
+            third.wait("a committed save of the resumed run", lambda: _saved_again(root, third.since, world),
+                       timeout_s)
+            step_c = _newest_restore(root, third.since)
+            kill = check(third.kill("after the resumed run saved again"))
+            echo(f"      resumed from step {step_c}, committed step {kill.tracker} again; stopped the whole "
+                 f"process tree ({_count(kill.pids)})")
+    finally:
+        shutil.rmtree(pause_dir, ignore_errors=True)  # a paused process left behind ends itself
+        for run in runs:  # on an error: nothing of the command outlives the rehearsal
+            if run.tree.members():
+                run.kill("rehearse stopped on an error")
+    echo("[4/4] evaluating the proof gates")
+    gates = evaluate(root)
+    resumes.append(Resume(f"the kill mid-write of a save (resumed from step {step_c})", step_c or 0, gates))
+    step_dir = root / _layout.StepNaming(_template(root)).name(saved)
+    manifest = json.loads((step_dir / _layout.MANIFEST_NAME).read_text()) if step_dir.exists() else {}
+    return Rehearsal(gates, saved, manifest.get("cost"), log, kills, resumes)
 
 
-def _template(root: Path, step: int) -> str:
+def _template(root: Path) -> str:
     """The step directory template the run used, read back from its newest manifest."""
     for path in sorted(root.iterdir(), reverse=True):
         manifest = path / _layout.MANIFEST_NAME
         if path.is_dir() and manifest.exists():
             return json.loads(manifest.read_text()).get("dir_template") or "step_{step:08d}"
     return "step_{step:08d}"
+
+
+def _count(pids: list[int]) -> str:
+    return f"{len(pids)} process{'' if len(pids) == 1 else 'es'}"

@@ -1,0 +1,138 @@
+"""After any restore, resharded or not: every tensor item against the save's layout-free digest.
+
+Contract: the save recorded, per item and DCP key, a digest that no sharding changes
+(``digest.combine_layout_free``, in ``manifest.json`` under ``layout_free``). After the
+restore each rank sums the pieces it now holds, rank 0 combines them and compares key by
+key, and every rank raises the same StateMismatchError if an item differs. On a restore
+onto another world size the items kept in the extras (stateful objects, plain and PerRank
+values, the RNG streams) are compared with the digests of the rank they came from.
+A manifest written before layout-free digests existed is compared per rank only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._commit import manifest as _manifest
+from .._commit.protocol import RNG_ITEM, Context
+from .._dist import Wire, gather_decide
+from ..errors import StateMismatchError
+from . import rng as _rng
+from . import state as _state
+from .digest import combine_layout_free, digest, layout_free_partials
+
+_TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemKind.TENSORS)
+
+
+@dataclass(frozen=True)
+class _Pieces(Wire):
+    """One rank's layout-free partials of what it now holds, and its problems with the extras."""
+
+    partials: dict[str, Any]
+    problems: list[str]
+
+
+@dataclass(frozen=True)
+class _Verdict(Wire):
+    """Per item the keys whose layout-free digest differs from the save's; per rank its problems."""
+
+    differ: dict[str, list[str]] = field(default_factory=dict)
+    problems: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class Checked:
+    items: dict[str, bool] = field(default_factory=dict)
+    """Extras items compared with their source rank's digests (resharded restores only)."""
+    layout_free: dict[str, bool] = field(default_factory=dict)
+    """Tensor items compared through the layout-free digest; empty when the save recorded none."""
+
+
+def recorded(manifest: _manifest.Manifest) -> dict[str, dict[str, str]] | None:
+    """The save's layout-free digests, or None for a manifest written before them."""
+    data = json.loads(manifest.path.read_text())
+    value = data.get("layout_free")
+    return value if isinstance(value, dict) else None
+
+
+def _extras_items(
+    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, targets: dict, extras: dict, source: int
+) -> tuple[dict[str, bool], list[str]]:
+    saved = manifest.digests.get(str(source), {})
+    matches: dict[str, bool] = {}
+    problems: list[str] = []
+    for name, (kind, _sd, _live_tensors) in targets.items():
+        if kind in _TENSOR_KINDS or name not in saved:
+            continue
+        matches[name] = digest(_state.current_state(name, state[name], kind, state)) == saved[name]
+        if not matches[name]:
+            problems.append(f"state item {name!r} ({kind.value}) differs from what rank {source} saved")
+    if extras.get("rng") is not None and RNG_ITEM in saved and ctx.config.restore_rng:
+        matches["rng"] = digest(_rng.capture()) == saved[RNG_ITEM]
+        if not matches["rng"]:
+            problems.append(f"the RNG streams differ from the ones rank {source} saved")
+    return matches, problems
+
+
+def _live_tensors(ctx: Context, state: dict[str, Any], targets: dict) -> dict[str, dict[str, Any]]:
+    """Every tensor item as it is now in the live objects, by DCP key (as the save captured it)."""
+    out = {}
+    for name, (kind, _sd, _flat) in targets.items():
+        if kind in _TENSOR_KINDS:
+            flat: dict[str, Any] = {}
+            _state._flatten(_state.current_state(name, state[name], kind, state), name, flat, ctx.keyfn())
+            out[name] = flat
+    return out
+
+
+def _compare(saved: dict[str, dict[str, str]], now: dict[str, dict[str, str]], items: list[str]) -> dict[str, list]:
+    """Per item, the keys whose digest differs (or that one side lacks)."""
+    out = {}
+    for item in items:
+        a, b = saved.get(item, {}), now.get(item, {})
+        out[item] = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return out
+
+
+def verify(
+    ctx: Context,
+    state: dict[str, Any],
+    manifest: _manifest.Manifest,
+    targets: dict,
+    extras: dict,
+    source: int,
+    on_verified: Callable[..., None] | None = None,
+) -> Checked:
+    """Collective: compare, record through ``on_verified``, and raise on every rank if anything differs."""
+    resharded = manifest.world_size != ctx.world
+    items, problems = _extras_items(ctx, state, manifest, targets, extras, source) if resharded else ({}, [])
+    saved = recorded(manifest)
+    tensor_items = sorted(n for n, (kind, _sd, _f) in targets.items() if kind in _TENSOR_KINDS)
+    partials = layout_free_partials(_live_tensors(ctx, state, targets)) if saved is not None else {}
+
+    def decide(views: list[_Pieces]) -> _Verdict:
+        differ = _compare(saved, combine_layout_free([v.partials for v in views]), tensor_items) if saved else {}
+        return _Verdict(differ, {str(r): v.problems for r, v in enumerate(views) if v.problems})
+
+    # Rank 0 decides without raising: every rank records the outcome for the proof, then all raise alike.
+    head = gather_decide(ctx.agreement, "restore.layout_free", _Pieces(partials, problems), decide, decision=_Verdict)
+    differ = head.differ
+    checked = Checked(items, {item: not keys for item, keys in differ.items()})
+    if on_verified is not None:  # recorded for the proof even when the restore then raises
+        if checked.items:
+            on_verified(checked.items)
+        on_verified(checked.layout_free, kind="layout_free")
+    bad = [f"item {item!r}: keys {keys[:8]}{' ...' if len(keys) > 8 else ''}" for item, keys in differ.items() if keys]
+    others = [f"rank {r}: {'; '.join(p)}" for r, p in sorted(head.problems.items())]
+    if bad or others:
+        how = f"onto {ctx.world} ranks from {manifest.world_size}" if resharded else "on the same layout"
+        parts = ([f"the layout-free digests differ from the save's ({', '.join(bad)})"] if bad else []) + others
+        raise StateMismatchError(
+            f"restore of step {manifest.step} {how}: {' | '.join(parts)}. The bytes now in the model and "
+            "optimizer are not the bytes that were saved: do not train on. Run `ckptguard verify --deep` on "
+            f"{manifest.path.parent}; if the files are intact, the resharding read is at fault."
+        )
+    return checked
