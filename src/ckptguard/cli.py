@@ -410,7 +410,7 @@ def release(root: Path, step: int) -> None:
     click.echo(f"released step {step}")
 
 
-def _gate_table(gates: list) -> None:
+def _gate_table(gates: list[Any]) -> None:
     width = max(len(g.name) for g in gates)
     click.echo(f"{'gate':<{width}}  {'result':<7}  evidence")
     for g in gates:

@@ -288,7 +288,7 @@ class CheckpointManager:
         log.info("ckptguard: %s", res.describe())
         seen: dict[str, dict[str, bool]] = {"digests": {}, "layout_free": {}}
         before = _addresses(state)
-        where = {"world_size": self.world_size, "plan": self.config.proof.as_dict()}
+        where: dict[str, Any] = {"world_size": self.world_size, "plan": self.config.proof.as_dict()}
         try:
             done = _restore.restore(
                 self._ctx, state, res, on_verified=lambda m, kind="digests": seen[kind].update(m)
@@ -336,7 +336,7 @@ class CheckpointManager:
         from ._resume.prooflog import logprob_diff
 
         diff = logprob_diff(trainer_logprobs, rollout_logprobs)
-        self._record("logprobs", step=step, **diff)
+        self._record("logprobs", step=step, **dict[str, Any](diff))
         return diff
 
     def record_update(self, step: int, *, grad_norm: float, params_changed: bool) -> None:

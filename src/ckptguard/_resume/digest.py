@@ -189,7 +189,8 @@ _POS_DEVICE: dict[str, torch.Tensor] = {}
 
 
 def _mix_blocks(first: int, count: int) -> np.ndarray:
-    return _splitmix(np.arange(first, first + count, dtype=np.uint64) ^ np.uint64(0xD1B54A32D192ED03)) | np.uint64(1)
+    mixed = _splitmix(np.arange(first, first + count, dtype=np.uint64) ^ np.uint64(0xD1B54A32D192ED03))
+    return mixed | np.uint64(1)  # type: ignore[no-any-return]  # numpy types uint64 operators as Any
 
 
 _BLOCKS_CACHED = 1 << 14  # the weights of the first 16384 blocks (tensors up to 128 MiB), computed once
@@ -312,7 +313,7 @@ def _global_offset(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        local = t.to_local()
+        local = t.to_local()  # type: ignore[attr-defined]  # a DTensor; torch types it as Tensor
         if tuple(local.shape) != tuple(shape):  # a padded local shard: only the real part counts
             local = local[tuple(slice(0, int(s)) for s in shape)]
         return local, tuple(int(o) for o in offset)

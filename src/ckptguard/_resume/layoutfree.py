@@ -59,7 +59,12 @@ def recorded(manifest: _manifest.Manifest) -> dict[str, dict[str, str]] | None:
 
 
 def _extras_items(
-    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, targets: dict, extras: dict, source: int
+    ctx: Context,
+    state: dict[str, Any],
+    manifest: _manifest.Manifest,
+    targets: dict[str, Any],
+    extras: dict[str, Any],
+    source: int,
 ) -> tuple[dict[str, bool], list[str]]:
     saved = manifest.digests.get(str(source), {})
     matches: dict[str, bool] = {}
@@ -77,7 +82,7 @@ def _extras_items(
     return matches, problems
 
 
-def _live_tensors(ctx: Context, state: dict[str, Any], targets: dict) -> dict[str, dict[str, Any]]:
+def _live_tensors(ctx: Context, state: dict[str, Any], targets: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every tensor item as it is now in the live objects, by DCP key (as the save captured it)."""
     out = {}
     for name, (kind, _sd, _flat) in targets.items():
@@ -88,9 +93,11 @@ def _live_tensors(ctx: Context, state: dict[str, Any], targets: dict) -> dict[st
     return out
 
 
-def _compare(saved: dict[str, dict[str, str]], now: dict[str, dict[str, str]], items: list[str]) -> dict[str, list]:
+def _compare(
+    saved: dict[str, dict[str, str]], now: dict[str, dict[str, str]], items: list[str]
+) -> dict[str, list[str]]:
     """Per item, the keys whose digest differs (or that one side lacks)."""
-    out = {}
+    out: dict[str, list[str]] = {}
     for item in items:
         a, b = saved.get(item, {}), now.get(item, {})
         out[item] = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
@@ -101,8 +108,8 @@ def verify(
     ctx: Context,
     state: dict[str, Any],
     manifest: _manifest.Manifest,
-    targets: dict,
-    extras: dict,
+    targets: dict[str, Any],
+    extras: dict[str, Any],
     source: int,
     on_verified: Callable[..., None] | None = None,
 ) -> Checked:

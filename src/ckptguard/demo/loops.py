@@ -85,7 +85,8 @@ class Model(torch.nn.Module):
         self.head = torch.nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.emb(tokens)))
+        out: torch.Tensor = self.head(torch.tanh(self.emb(tokens)))
+        return out
 
 
 def _sync_grads(model: torch.nn.Module, world: int) -> float:
@@ -94,9 +95,11 @@ def _sync_grads(model: torch.nn.Module, world: int) -> float:
         import torch.distributed as dist
 
         for p in model.parameters():
+            assert p.grad is not None
             dist.all_reduce(p.grad)
             p.grad /= world
-    return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())))
+    grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+    return float(torch.sqrt(torch.stack([(g**2).sum() for g in grads]).sum()))
 
 
 def _rollout_loss(model: Model, prompts: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:

@@ -26,7 +26,7 @@ def become_subreaper() -> bool:
     """Orphans of our descendants come to us instead of init (Linux); False where unsupported."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 
@@ -77,7 +77,7 @@ def descendants(pid: int) -> list[int]:
 class Tree:
     """The processes of one launched command, including those it started in other sessions."""
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.proc = proc
         self.known: dict[int, int] = {}  # pid -> start time
 

@@ -253,7 +253,9 @@ def _show(r: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in _data(r).items())
 
 
-def _hint(rank: int, step: int, resumed: dict[str, Any], ref: dict[int, list], history: dict[tuple, int]) -> str:
+def _hint(
+    rank: int, step: int, resumed: dict[str, Any], ref: dict[int, list[Any]], history: dict[tuple[Any, ...], int]
+) -> str:
     """What kind of state is usually missing, from where the resumed run's data came from."""
     key = tuple(sorted(_data(resumed).items()))
     ahead = [s for s, recs in ref.items() if s > step and any(tuple(sorted(_data(r).items())) == key for r in recs)]
@@ -272,7 +274,9 @@ def _hint(rank: int, step: int, resumed: dict[str, Any], ref: dict[int, list], h
             f"state_dict/load_state_dict){more}")
 
 
-def _reference(seg: _Segment, before: list[dict[str, Any]]) -> tuple[int | None, dict[int, list], dict[tuple, int]]:
+def _reference(
+    seg: _Segment, before: list[dict[str, Any]]
+) -> tuple[int | None, dict[int, list[Any]], dict[tuple[Any, ...], int]]:
     """The pid of the process that saved the restored step, its step records after that step (the
     segment that ran on from the save and was killed), and every earlier step's data (for hints).
 
@@ -282,7 +286,7 @@ def _reference(seg: _Segment, before: list[dict[str, Any]]) -> tuple[int | None,
     k, pid = int(seg.restore["step"]), seg.restore["pid"]
     saver = next((r["pid"] for r in reversed(before) if r["event"] == "save" and r["step"] == k), None)
     ref: dict[int, list[dict[str, Any]]] = {}
-    history: dict[tuple, int] = {}
+    history: dict[tuple[Any, ...], int] = {}
     for r in before:
         if r["event"] != "step" or r["pid"] == pid:
             continue
@@ -397,7 +401,7 @@ def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
                            required=False)]
     numeric = [(difference(a, b), s, rank, what, a, b) for s, rank, what, a, b in diffs]
     sized = [d for d in numeric if d[0] is not None]
-    worst = max(sized, key=lambda d: d[0]) if sized else (None, *diffs[0])
+    worst = max(sized, key=lambda d: d[0] or 0.0) if sized else (None, *diffs[0])
     size, s, rank, what, a, b = worst
     largest = f"largest difference {size:.3g}" if size is not None else "differs"
     return [data, Gate(name, Status.INFO, f"{len(diffs)} of {count} values not bitwise; {largest} in {what} at "
@@ -494,7 +498,7 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
     gates.append(_combine("one non-zero update", [_judged(_gate_update, s) for s in segments]))
     gates += _replay_gates([_replay(s, before(s), plan) for s in segments], plan)
     restores = [s.restore for s in segments if s.restore is not None]
-    written = sorted({r.get("format_version") for r in restores if r.get("format_version")})
+    written = sorted({int(r["format_version"]) for r in restores if r.get("format_version")})
     gates.append(
         Gate(
             "new code reads an old checkpoint",
