@@ -124,3 +124,30 @@ def test_exported_members():
     modules = {n for n in dir(ckptguard) if isinstance(getattr(ckptguard, n), type(ckptguard))}
     public = {n for n in dir(ckptguard) if not n.startswith("_")} - modules
     assert public <= set(EXPORTED), f"public but not in __all__: {sorted(public - set(EXPORTED))}"
+
+
+def private_imports(path: Path, module: str) -> list[str]:
+    """The private ckptguard modules a file imports (a path component starting with ``_``)."""
+    if module:
+        names = _imports(path)
+    else:  # a script outside the package: absolute imports only
+        names = {
+            n.module.removeprefix("ckptguard").lstrip(".")
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("ckptguard")
+        }
+    public_dunder = {"__version__"}  # ckptguard.__version__ is public
+    return sorted(n for n in names if any(p.startswith("_") and p not in public_dunder for p in n.split(".") if p))
+
+
+def test_the_cli_and_the_examples_use_only_public_names():
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    found = {"cli": private_imports(PKG / "cli.py", "cli")}
+    found |= {p.name: private_imports(p, "") for p in sorted(examples.glob("*.py"))}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_public_names_rule_catches_a_private_import(tmp_path):
+    script = tmp_path / "x.py"
+    script.write_text("from ckptguard._commit import layout\nfrom ckptguard.ops import verify\n")
+    assert private_imports(script, "") == ["_commit"]

@@ -10,7 +10,6 @@ for a bug report.
 
 from __future__ import annotations
 
-import contextlib
 import errno as _errno
 import json
 import os
@@ -22,11 +21,10 @@ from typing import Any, NoReturn
 import click
 
 from . import __version__
-from ._commit.checks import printable
-from ._commit.layout import StepNaming, read_tracker
-from ._resume.restore import resolve_local
 from .config import ResumeMode
 from .errors import CheckpointError, ConfigError
+from .ops import inspect as _inspect
+from .ops.verify import printable
 
 _OS_HINTS = {
     _errno.ENOSPC: "the filesystem is full: free space there (or pick another destination) and retry; "
@@ -126,7 +124,7 @@ def resolve(root: Path, mode: str, path: Path | None, template: str, as_json: bo
     Exit 0 with the decision; exit 1 if a restore would refuse (and why).
     """
     try:
-        res = resolve_local(root.absolute(), StepNaming(template), ResumeMode(mode), path)
+        res = _inspect.resolve(root, template, ResumeMode(mode), path)
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
@@ -149,24 +147,10 @@ def resolve(root: Path, mode: str, path: Path | None, template: str, as_json: bo
 @TEMPLATE
 def list_steps(root: Path, template: str) -> None:
     """List the step directories under ROOT and whether each is committed."""
-    from ._commit import layout as _layout
-    from ._commit import manifest as _manifest
-
-    naming = StepNaming(template)
-    tracker = read_tracker(root)
-    click.echo(f"tracker: {tracker if tracker is not None else 'absent'}")
-    for step, path in sorted(_layout.step_dirs(root, naming).items()):
-        if path.is_symlink():
-            state = "NOT committed: a symlink (never read through)"
-        else:
-            try:
-                _manifest.read(path)
-                state = "committed" if tracker is not None and step <= tracker else "orphan (newer than tracker)"
-            except CheckpointError as exc:
-                state = f"NOT committed: {str(exc).split(';')[0]}"
-        click.echo(printable(f"{step:>10}  {state}  {path.name}"))
-    for tmp in sorted(root.glob(".tmp-*")):
-        click.echo(printable(f"{'-':>10}  in flight or abandoned  {tmp.name}"))
+    listing = _inspect.list_steps(root, template)
+    click.echo(f"tracker: {listing.tracker if listing.tracker is not None else 'absent'}")
+    for e in listing.entries:
+        click.echo(printable(f"{e.step if e.step is not None else '-':>10}  {e.state}  {e.name}"))
 
 
 def _size(n: float) -> str:
@@ -211,13 +195,11 @@ def verify(path: Path, deep: bool, do_restore: bool, template: str, as_json: boo
     Exit 0 complete, 1 incomplete or corrupt, 2 bad usage. One line per finding:
     severity, code, file, what is wrong and what to do.
     """
-    from ._commit import layout as _layout
     from .ops import verify as _verify
 
     path = path.absolute()
-    naming = StepNaming(template)
-    is_root = not (path / _layout.MANIFEST_NAME).exists() and naming.parse(path.name) is None
-    candidates = list(_layout.step_dirs(path, naming).values()) if is_root else [path]
+    naming = _inspect.naming(template)
+    is_root, candidates = _inspect.verify_targets(path, template)
     total = sum(_verify.deep_bytes(p) for p in candidates) if deep else 0
     show = deep and not as_json and total > 256 << 20
     with click.progressbar(length=max(total, 1), label="checksums", file=sys.stderr, hidden=not show) as bar:
@@ -247,12 +229,7 @@ def verify(path: Path, deep: bool, do_restore: bool, template: str, as_json: boo
 
 def _restore_with_progress(_verify: Any, steps: list[Path], as_json: bool) -> list[Any]:
     """The restore check, with a progress bar on stderr (bytes restored) for a large checkpoint."""
-    from ._commit import manifest as _manifest
-
-    total = 0
-    for p in steps:
-        with contextlib.suppress(CheckpointError):
-            total += sum(f["size"] for f in _manifest.read(p).files if f["path"].startswith("state/"))
+    total = _inspect.state_bytes(steps)
     show = not as_json and total > 256 << 20
     with click.progressbar(length=max(total, 1), label="restore", file=sys.stderr, hidden=not show) as bar:
 
@@ -286,16 +263,15 @@ def preflight(
 
     Exit 0 ready to launch, 1 not ready, 2 bad usage.
     """
-    from ._commit import manifest as _manifest
     from .ops import preflight as _pre
 
     if hosts and rank_hosts:
         raise click.UsageError("give --hosts or --rank-hosts, not both")
-    naming = StepNaming(template)
+    naming = _inspect.naming(template)
     root = root.absolute()
     report = _pre.preflight(root, naming, expect_step=expect_step)
     if report.ok and report.path and (hosts or rank_hosts):
-        world = _manifest.read(Path(report.path)).world_size
+        world = _inspect.world_size(Path(report.path))
         try:
             placement = _pre.parse_hosts(hosts, world) if hosts else _pre.parse_rank_hosts(rank_hosts)  # type: ignore[arg-type]
         except CheckpointError as exc:
@@ -334,7 +310,7 @@ def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str) -> 
     from .ops import gc as _gc
 
     try:
-        report = _gc.gc(root.absolute(), StepNaming(template), dry_run=dry_run, orphans=orphans, force=force)
+        report = _gc.gc(root.absolute(), _inspect.naming(template), dry_run=dry_run, orphans=orphans, force=force)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     except CheckpointError as exc:
@@ -367,7 +343,7 @@ def adopt(root: Path, step: int, template: str) -> None:
     from .ops import gc as _gc
 
     try:
-        click.echo(_gc.adopt_step(root.absolute(), StepNaming(template), step))
+        click.echo(_gc.adopt_step(root.absolute(), _inspect.naming(template), step))
     except CheckpointError as exc:
         _fail(str(exc), False)
     except OSError as exc:
@@ -381,15 +357,8 @@ def adopt(root: Path, step: int, template: str) -> None:
 @TEMPLATE
 def hold(root: Path, step: int, reason: str, template: str) -> None:
     """Pin STEP under ROOT against rotation (e.g. for evaluation); survives restarts."""
-    from ._commit import layout as _layout
-    from ._commit import manifest as _manifest
-    from ._commit import retention
-
     try:
-        _manifest.read(root / StepNaming(template).name(step))
-        if step > (_layout.read_tracker(root) or 0):
-            _fail(f"step {step} is newer than the tracker: not committed", False)
-        click.echo(f"held step {step}: {retention.hold(root, step, reason)}")
+        click.echo(f"held step {step}: {_inspect.hold(root, template, step, reason)}")
     except CheckpointError as exc:
         _fail(str(exc), False)
 
@@ -399,10 +368,8 @@ def hold(root: Path, step: int, reason: str, template: str) -> None:
 @click.argument("step", type=click.IntRange(1))
 def release(root: Path, step: int) -> None:
     """Remove the hold on STEP; rotation may then delete it."""
-    from ._commit import retention
-
     try:
-        released = retention.release(root, step)
+        released = _inspect.release(root, step)
     except OSError as exc:
         _fail(f"could not remove the hold of step {step} under {root}: {exc}", False)
     if not released:

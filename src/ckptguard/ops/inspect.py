@@ -1,0 +1,97 @@
+"""What the CLI's reading commands ask of a root: resolve, list, the steps verify checks, holds.
+
+Each function is what one command does, so ``cli.py`` only parses arguments and prints:
+``resolve`` (which step a restore would load), ``list_steps`` (every step directory and its
+state), ``verify_targets`` (a root's step directories or one step), ``state_bytes`` (what a
+restore check reads), ``world_size`` (of a committed step), ``hold`` and ``release``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._commit import layout as _layout
+from .._commit import manifest as _manifest
+from .._commit import retention as _retention
+from .._resume.restore import Resolution, resolve_local
+from ..config import ResumeMode
+from ..errors import CheckpointError, ConfigError
+
+__all__ = ["Listing", "StepEntry", "hold", "list_steps", "naming", "release", "resolve", "state_bytes",
+           "verify_targets", "world_size"]
+
+
+def naming(template: str) -> _layout.StepNaming:
+    """The step-directory naming of a ``--template`` (raises ConfigError for a bad one)."""
+    return _layout.StepNaming(template)
+
+
+def resolve(root: Path, template: str, mode: ResumeMode, path: Path | None = None) -> Resolution:
+    """Which step a restore under ``root`` would load, and why, decided as ``restore`` decides."""
+    return resolve_local(root.absolute(), naming(template), mode, path)
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    step: int | None  # None: a temp directory
+    state: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Listing:
+    tracker: int | None
+    entries: list[StepEntry]
+
+
+def list_steps(root: Path, template: str) -> Listing:
+    """Every step directory under ``root`` (committed, orphan, not committed) and the temp directories."""
+    steps = naming(template)
+    tracker = _layout.read_tracker(root)
+    entries = []
+    for step, path in sorted(_layout.step_dirs(root, steps).items()):
+        if path.is_symlink():
+            state = "NOT committed: a symlink (never read through)"
+        else:
+            try:
+                _manifest.read(path)
+                state = "committed" if tracker is not None and step <= tracker else "orphan (newer than tracker)"
+            except CheckpointError as exc:
+                state = f"NOT committed: {str(exc).split(';')[0]}"
+        entries.append(StepEntry(step, state, path.name))
+    entries += [StepEntry(None, "in flight or abandoned", tmp.name) for tmp in sorted(root.glob(".tmp-*"))]
+    return Listing(tracker, entries)
+
+
+def verify_targets(path: Path, template: str) -> tuple[bool, list[Path]]:
+    """(is a root, the step directories ``verify PATH`` checks)."""
+    steps = naming(template)
+    is_root = not (path / _layout.MANIFEST_NAME).exists() and steps.parse(path.name) is None
+    return is_root, (list(_layout.step_dirs(path, steps).values()) if is_root else [path])
+
+
+def state_bytes(step_dirs: list[Path]) -> int:
+    """Bytes of tensor state a restore check of these steps reads (for its progress bar)."""
+    total = 0
+    for p in step_dirs:
+        with contextlib.suppress(CheckpointError):
+            total += sum(f["size"] for f in _manifest.read(p).files if f["path"].startswith("state/"))
+    return total
+
+
+def world_size(step_dir: Path) -> int:
+    return _manifest.read(step_dir).world_size
+
+
+def hold(root: Path, template: str, step: int, reason: str) -> Path:
+    """Pin a committed step against rotation; refuses a step that is not committed."""
+    _manifest.read(root / naming(template).name(step))
+    if step > (_layout.read_tracker(root) or 0):
+        raise ConfigError(f"step {step} is newer than the tracker: not committed")
+    return _retention.hold(root, step, reason)
+
+
+def release(root: Path, step: int) -> bool:
+    return _retention.release(root, step)
