@@ -137,6 +137,21 @@ def test_a_restore_that_raised_is_a_failure_naming_the_error(tmp_path):
     assert verdict(evaluate(tmp_path)) == "resume NOT proven: restored step confirmed before training (FAIL)"
 
 
+def test_a_record_torn_by_a_kill_mid_append_leaves_the_log_readable(tmp_path):
+    from ckptguard._resume.prooflog import ProofLog, read_records
+
+    ProofLog(tmp_path, 0).append("save", step=6)
+    with open(tmp_path / "proof/rank_00000.jsonl", "a") as f:
+        f.write('{"event": "step", "step": 7, "ba')  # SIGKILL in the middle of an append
+    ProofLog(tmp_path, 0).append("restore", step=6)  # the next process
+    assert [r["event"] for r in read_records(tmp_path)[0]] == ["save", "restore"]
+    with open(tmp_path / "proof/rank_00000.jsonl", "a") as f:
+        f.write("edited by hand\n")
+    ProofLog(tmp_path, 0).append("step", step=7)
+    with pytest.raises(cg.CheckpointCorruptError, match="append-only"):
+        read_records(tmp_path)
+
+
 def test_tampered_digest_same_pid_and_late_confirmation_fail(tmp_path):
     records = _honest()
     records[3]["digests_match"]["optim"] = False

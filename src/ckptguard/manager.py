@@ -31,6 +31,7 @@ from ._resume import restore as _restore
 from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.prooflog import ProofLog
+from ._resume.trajectory import fingerprint
 from .config import CheckpointConfig, ResumeMode
 from .errors import CheckpointError, ConfigError, LeaseHeldError, UnsafeCheckpointError
 from .storage.base import Storage, StorageContext
@@ -363,8 +364,6 @@ class CheckpointManager:
         with the killed run's records of the same steps: data order exactly, the values
         exactly where ``ProofPlan(deterministic=True)``. Returns the recorded fields.
         """
-        from ._resume.trajectory import fingerprint
-
         self._check_step(step, "record_step")
         fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
         self._record("step", durable=False, step=step, **fields)

@@ -34,6 +34,7 @@ class ProofLog:
         self.rank = rank
         self._held: deque[dict[str, Any]] = deque(maxlen=self.HELD_MAX)
         self.dropped = 0
+        self._tail_checked = False
 
     def build(self, event: str, **fields: Any) -> dict[str, Any]:
         return {
@@ -61,6 +62,14 @@ class ProofLog:
         refuse_link(self.path.parent, "proof directory")  # appending through a link writes outside the root
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lines = [json.dumps(r, sort_keys=True) + "\n" for r in (*self._held, record)]
+        if not self._tail_checked:
+            # A process killed mid-append leaves a torn last line: end it, so our records start on their own.
+            self._tail_checked = True
+            if self.path.exists() and self.path.stat().st_size:
+                with open(self.path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        lines.insert(0, "\n")
         with open(self.path, "a") as f:
             f.write("".join(lines))
             f.flush()
@@ -121,8 +130,8 @@ def read_records(root: Path) -> dict[int, list[dict[str, Any]]]:
             try:
                 rec = parse_json(line, where=f"{path}:{n}")
             except CheckpointCorruptError as exc:
-                if n == len(lines) and "deeper" not in str(exc):
-                    continue  # a torn last line from a kill mid-append
+                if (n == len(lines) or line.startswith("{")) and "deeper" not in str(exc):
+                    continue  # a record torn by a kill mid-append (the next process starts a new line)
                 raise CheckpointCorruptError(f"{exc}; proof records are append-only") from None
             if not (isinstance(rec, dict) and isinstance(rec.get("event"), str) and _int(rec.get("pid"))):
                 raise CheckpointCorruptError(
