@@ -11,8 +11,9 @@
   line per kill done, so a relaunch arms the next one. ``WHERE`` is a ckptguard fault point
   (``commit.before_rename``...), ``hf:FILE`` (while HF's torch.save is about to write FILE of
   that step's folder) or ``step`` (at the end of that optimizer step, between saves).
-- ``epochs``, ``save_steps``, ``save_total_limit``, ``resume_mode`` (ckptguard mode only),
-  ``num_iterations`` (GRPO), ``rng_consumer`` (the save draws a random number between ckptguard's RNG capture and HF's)
+- ``epochs``, ``save_steps``, ``save_total_limit``; ckptguard mode: ``resume_mode``, ``deterministic``
+  (the ProofPlan), ``rng_consumer`` (the save draws a random number between ckptguard's RNG capture
+  and HF's); GRPO: ``num_iterations``, ``own_sampler`` (TRL's sampler hidden in a sampler of ours)
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _grpo():
 
     def reward(completions, **kw):
         # varies within a group, so most steps have a non-zero advantage and a real update
-        return [float(len(c.split()) + 2 * c.count("w3")) for c in completions]
+        return [float(sum(int(w[1:]) % 7 for w in c.split() if w[1:].isdigit())) for c in completions]
 
     args = GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
                       num_iterations=CFG.get("num_iterations", 1), **_common_args())
@@ -133,13 +134,30 @@ def _grpo():
               train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
     if CFG["mode"] == "hf":
         return GRPOTrainer(**kw)
+    import ckptguard as cg
     from ckptguard.integrations.hf import CkptguardHFMixin
 
     class Trainer(CkptguardHFMixin, GRPOTrainer):
-        pass
+        def _get_train_sampler(self, dataset=None):
+            sampler = super()._get_train_sampler(dataset)
+            return _OwnSampler(sampler) if CFG.get("own_sampler") else sampler
 
-    return Trainer(**kw, ckptguard_resume_mode=CFG.get("resume_mode", "auto"),
-                   ckptguard_config_overrides={"timeout_s": 60})
+    overrides = {"timeout_s": 60, "proof": cg.ProofPlan(deterministic=bool(CFG.get("deterministic")))}
+    return Trainer(**kw, ckptguard_resume_mode=CFG.get("resume_mode", "auto"), ckptguard_config_overrides=overrides)
+
+
+class _OwnSampler(torch.utils.data.Sampler):
+    """A user's sampler that keeps TRL's sampler (and so its generator) under a name of its own:
+    not the ``.generator`` / ``.sampler`` convention the mixin finds."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
 
 
 class _Tokens(torch.utils.data.Dataset):

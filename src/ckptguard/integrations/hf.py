@@ -26,6 +26,10 @@ and reads every file of its checkpoint folder; what changes:
   generation block, the completions TRL buffered for the next steps; every rank's RNG streams.
   HF's ``rng_state*.pth`` is compared with ckptguard's copy when HF loads it (a difference raises
   ``StateMismatchError`` naming the file).
+- step fingerprints: after every optimizer step, ``record_step`` with the digest of the batches it
+  consumed (``prompt_ids`` for TRL's generating trainers, else ``input_ids``), the summed loss and
+  the gradient norm, so ``ckptguard prove`` compares the steps a resumed run replays (data order
+  always; the numbers bitwise under ``ckptguard_config_overrides={"proof": ProofPlan(deterministic=True)}``).
 - retention: ``save_total_limit`` is ``KeepLast(save_total_limit)`` applied after the commit from
   the steps on disk; the step just committed and the step restored from are never deleted. HF's
   own rotation only ever sees the staging folder.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +76,7 @@ STATE_ITEM = "hf_trainer"
 _STAGING = "hf.staging"
 _MODES = {"auto": ResumeMode.AUTO, "must": ResumeMode.MUST, "never": ResumeMode.NEVER}
 _RNG_STREAMS = ("cpu", "python", "numpy")
+_BATCH_KEYS = ("prompt_ids", "input_ids")
 
 
 def resume_args(spec: Any, cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -180,6 +186,28 @@ class CkptguardHFMixin:
         finally:
             self._ckptguard_saving = None
 
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        prepared = super()._prepare_inputs(inputs)
+        model = getattr(self, "model", None)
+        if model is not None and model.training and isinstance(prepared, Mapping):
+            # What the step consumed from the data: the prompts for TRL's generating trainers
+            # (their completions are sampled), the token ids for every other trainer.
+            key = next((k for k in _BATCH_KEYS if isinstance(prepared.get(k), torch.Tensor)), None)
+            if key is not None:
+                self._ckptguard_batch.append(prepared[key])
+        return prepared
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._ckptguard_losses.append(loss.detach())
+        return loss
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
+        # HF calls it after every optimizer step, before it saves that step: the step's record
+        # is on disk before the commit, and the killed segment's records after it survive.
+        self._ckptguard_record_step(grad_norm)
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
     def _get_output_dir(self, trial: Any) -> str:
         # While ckptguard commits a step, HF's run directory is the staging folder inside it.
         if self._ckptguard_run_dir is not None:
@@ -222,6 +250,9 @@ class CkptguardHFMixin:
         self._ckptguard_epoch_start: torch.Tensor | None = None
         self._ckptguard_restored: dict[str, Any] | None = None
         self._ckptguard_rng: dict[str, Any] | None = None
+        self._ckptguard_batch: list[torch.Tensor] = []
+        self._ckptguard_losses: list[torch.Tensor] = []
+        self._ckptguard_recorded = 0
         trainer = self
 
         class CkptguardEpochCallback(TrainerCallback):
@@ -291,6 +322,22 @@ class CkptguardHFMixin:
             if getattr(self, "_buffered_inputs", None) is not None and self._step % every:
                 values["trl_buffered_inputs"] = self._buffered_inputs
         return values
+
+    def _ckptguard_record_step(self, grad_norm: Any) -> None:
+        """One ``record_step`` per optimizer step: the digest of the batches it consumed (every
+        micro-batch of gradient accumulation), the sum of their losses, the gradient norm."""
+        step = int(self.state.global_step)
+        batch, losses = self._ckptguard_batch, self._ckptguard_losses
+        self._ckptguard_batch, self._ckptguard_losses = [], []
+        if step < 1 or step == self._ckptguard_recorded or not (batch or losses):
+            return  # the epoch-end call repeats the step just recorded
+        self._ckptguard_recorded = step
+        self._ckptguard_manager().record_step(
+            step,
+            batch=batch or None,
+            loss=torch.stack(losses).sum() if losses else None,
+            grad_norm=grad_norm,
+        )
 
     def _ckptguard_epoch_begin(self, dataloader: Any) -> None:
         """Called right before HF iterates the train dataloader for an epoch (and skips the batches
