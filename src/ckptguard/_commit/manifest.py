@@ -54,18 +54,24 @@ class Manifest:
     digests: dict[str, dict[str, str]]  # str(rank) -> item -> digest
     contract: dict[str, Any]  # {"phase", "hash"}
     created_unix: float
+    cost: dict[str, Any] | None = None  # size and save time (optional in format 1: older manifests lack it)
+    layout_free: dict[str, dict[str, str]] | None = None  # item -> key -> digest no sharding changes (optional)
 
     @property
     def world_size(self) -> int:
         return int(self.topology["world_size"])
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "path"}
-        return out
+        """The ``manifest.json`` object: every field but the path; the optional ones only when set."""
+        return {k: v for k, v in self.__dict__.items() if k != "path" and not (v is None and k in _OPTIONAL)}
+
+
+_OPTIONAL = ("cost", "layout_free")
 
 
 def build(
     *,
+    path: Path,
     step: int,
     chain_id: str,
     dir_template: str,
@@ -74,20 +80,26 @@ def build(
     files: list[dict[str, Any]],
     digests: dict[str, dict[str, str]],
     contract: dict[str, Any],
-) -> dict[str, Any]:
-    return {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "chain_id": chain_id,
-        "dir_template": dir_template,
-        "topology": topology,
-        "versions": current_versions(),
-        "items": items,
-        "files": sorted(files, key=lambda f: f["path"]),
-        "digests": digests,
-        "contract": contract,
-        "created_unix": time.time(),
-    }
+    cost: dict[str, Any] | None = None,
+    layout_free: dict[str, dict[str, str]] | None = None,
+) -> Manifest:
+    """The manifest of a step being committed at ``path`` (written by the caller with ``to_json``)."""
+    return Manifest(
+        path=path,
+        format_version=FORMAT_VERSION,
+        step=step,
+        chain_id=chain_id,
+        dir_template=dir_template,
+        topology=topology,
+        versions=current_versions(),
+        items=items,
+        files=sorted(files, key=lambda f: f["path"]),
+        digests=digests,
+        contract=contract,
+        created_unix=time.time(),
+        cost=cost,
+        layout_free=layout_free,
+    )
 
 
 _REQUIRED = ("format_version", "step", "topology", "versions", "items", "files", "digests")
@@ -198,6 +210,8 @@ def read(step_dir: Path) -> Manifest:
         digests=data["digests"],
         contract=data.get("contract", {}),
         created_unix=float(data.get("created_unix", 0.0)),
+        cost=data["cost"] if isinstance(data.get("cost"), dict) else None,
+        layout_free=data["layout_free"] if isinstance(data.get("layout_free"), dict) else None,
     )
 
 

@@ -425,6 +425,7 @@ def _publish(
     files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files]
     cost = _cost(ctx, step, started, files)
     manifest = _manifest.build(
+        path=tmp / _layout.MANIFEST_NAME,
         step=step,
         chain_id=prep.chain_id,
         dir_template=ctx.naming.template,
@@ -437,12 +438,12 @@ def _publish(
         files=files,
         digests={str(r): rep.digests for r, rep in enumerate(reports)},
         contract={"phase": prep.phase, "hash": prep.contract_hash},
+        cost=cost,  # optional in format 1: absent in manifests written before it
+        # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).
+        layout_free=combine_layout_free([rep.layout_free for rep in reports]),
     )
-    manifest["cost"] = cost  # optional in format 1: absent in manifests written before it
-    # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).
-    manifest["layout_free"] = combine_layout_free([rep.layout_free for rep in reports])
     _layout.atomic_write_json(
-        tmp / _layout.MANIFEST_NAME, manifest, before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
+        manifest.path, manifest.to_json(), before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
     )
     _faults.reached("commit.before_rename")
     _check_publish(ctx, step)

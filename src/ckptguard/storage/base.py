@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.metadata import Metadata
 
 DCP_METADATA = ".metadata"
@@ -27,7 +28,7 @@ class StorageContext:
 
     rank: int
     world_size: int
-    process_group: Any | None  # None: one process, no collectives
+    process_group: ProcessGroup | None  # None: one process, no collectives
 
 
 class Storage(Protocol):
