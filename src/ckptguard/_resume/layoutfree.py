@@ -11,7 +11,6 @@ A manifest written before layout-free digests existed is compared per rank only.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,13 +48,6 @@ class Checked:
     """Extras items compared with their source rank's digests (resharded restores only)."""
     layout_free: dict[str, bool] = field(default_factory=dict)
     """Tensor items compared through the layout-free digest; empty when the save recorded none."""
-
-
-def recorded(manifest: _manifest.Manifest) -> dict[str, dict[str, str]] | None:
-    """The save's layout-free digests, or None for a manifest written before them."""
-    data = json.loads(manifest.path.read_text())
-    value = data.get("layout_free")
-    return value if isinstance(value, dict) else None
 
 
 def _extras_items(
@@ -116,7 +108,7 @@ def verify(
     """Collective: compare, record through ``on_verified``, and raise on every rank if anything differs."""
     resharded = manifest.world_size != ctx.world
     items, problems = _extras_items(ctx, state, manifest, targets, extras, source) if resharded else ({}, [])
-    saved = recorded(manifest)
+    saved = manifest.layout_free  # None: a manifest written before layout-free digests
     tensor_items = sorted(n for n, (kind, _sd, _f) in targets.items() if kind in _TENSOR_KINDS)
     partials = layout_free_partials(_live_tensors(ctx, state, targets)) if saved is not None else {}
 

@@ -19,7 +19,7 @@ after its save); the rehearsal passes only if both are proven. Every wait is bou
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import shutil
 import subprocess
@@ -32,6 +32,8 @@ from typing import Any
 
 from .. import _faults
 from .._commit import layout as _layout
+from .._commit import manifest as _manifest
+from .._commit.checks import cost
 from .._resume.prooflog import read_records
 from ..config import ProofPlan
 from ..errors import CheckpointError, RehearsalError
@@ -247,16 +249,15 @@ def rehearse(cmd: Sequence[str], root: Path, *, timeout_s: float = 600.0, workdi
     gates = evaluate(root)
     resumes.append(Resume(f"the kill mid-write of a save (resumed from step {step_c})", step_c or 0, gates))
     step_dir = root / _layout.StepNaming(_template(root)).name(saved)
-    manifest = json.loads((step_dir / _layout.MANIFEST_NAME).read_text()) if step_dir.exists() else {}
-    return Rehearsal(gates, saved, manifest.get("cost"), log, kills, resumes)
+    return Rehearsal(gates, saved, cost(step_dir), log, kills, resumes)
 
 
 def _template(root: Path) -> str:
     """The step directory template the run used, read back from its newest manifest."""
     for path in sorted(root.iterdir(), reverse=True):
-        manifest = path / _layout.MANIFEST_NAME
-        if path.is_dir() and manifest.exists():
-            return json.loads(manifest.read_text()).get("dir_template") or "step_{step:08d}"
+        if path.is_dir() and not path.is_symlink() and (path / _layout.MANIFEST_NAME).exists():
+            with contextlib.suppress(CheckpointError):  # the manifest reader bounds and checks it
+                return _manifest.read(path).dir_template or "step_{step:08d}"
     return "step_{step:08d}"
 
 
