@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 from ._commit.pending import PendingSave
 from ._commit.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
+from ._commit.trust import HealthPolicy, Prefer
 from ._resume.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
 from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
@@ -77,6 +78,7 @@ __all__ = [
     "DerivedState",
     "ExpertParallel",
     "GeneratorState",
+    "HealthPolicy",
     "IOStats",
     "KeepAny",
     "KeepEvery",
@@ -86,6 +88,7 @@ __all__ = [
     "PendingSave",
     "PerRank",
     "PinnedMemoryUnavailableError",
+    "Prefer",
     "ProofPlan",
     "RankDisagreementError",
     "RecordFormatError",

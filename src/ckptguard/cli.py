@@ -116,15 +116,22 @@ def main() -> None:
     help="auto: the tracker's step; must: fail instead of starting fresh; never: start fresh.",
 )
 @click.option("--path", "path", type=click.Path(path_type=Path), help="Resolve this step directory instead.")
+@click.option(
+    "--prefer",
+    type=click.Choice(["latest", "verified"]),
+    default="latest",
+    show_default=True,
+    help="latest: the tracker's step; verified: the newest verified step (restore(prefer='verified')).",
+)
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def resolve(root: Path, mode: str, path: Path | None, template: str, as_json: bool) -> None:
+def resolve(root: Path, mode: str, path: Path | None, prefer: str, template: str, as_json: bool) -> None:
     """Say which step a restore under ROOT would load, and why, without loading it.
 
     Exit 0 with the decision; exit 1 if a restore would refuse (and why).
     """
     try:
-        res = _inspect.resolve(root, template, ResumeMode(mode), path)
+        res = _inspect.resolve(root, template, ResumeMode(mode), path, prefer)
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
@@ -145,12 +152,19 @@ def resolve(root: Path, mode: str, path: Path | None, template: str, as_json: bo
 @main.command(name="list")
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @TEMPLATE
-def list_steps(root: Path, template: str) -> None:
-    """List the step directories under ROOT and whether each is committed."""
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def list_steps(root: Path, template: str, as_json: bool) -> None:
+    """List the step directories under ROOT, whether each is committed, and its trust state
+    (candidate, or verified after enough healthy later steps)."""
     listing = _inspect.list_steps(root, template)
+    if as_json:
+        entries = [{"step": e.step, "state": e.state, "name": e.name, "trust": e.trust} for e in listing.entries]
+        click.echo(json.dumps({"tracker": listing.tracker, "entries": entries}))
+        return
     click.echo(f"tracker: {listing.tracker if listing.tracker is not None else 'absent'}")
     for e in listing.entries:
-        click.echo(printable(f"{e.step if e.step is not None else '-':>10}  {e.state}  {e.name}"))
+        trust = f"  [{e.trust}]" if e.trust else ""
+        click.echo(printable(f"{e.step if e.step is not None else '-':>10}  {e.state}  {e.name}{trust}"))
 
 
 def _size(n: float) -> str:

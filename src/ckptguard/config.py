@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ._commit.layout import StepNaming
 from ._commit.retention import RetentionPolicy, default_policy
+from ._commit.trust import HealthPolicy
 from ._resume.contract import RunContract
 from .errors import ConfigError
 
@@ -131,6 +132,9 @@ class CheckpointConfig:
     """Which proof gates apply (RL gates, bitwise replay, replayed steps); recorded with each save."""
     retention: RetentionPolicy | None = field(default_factory=default_policy)
     """Which committed steps survive rotation (default: last 3 + every 20th); None keeps all."""
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    """Which steps may be committed (finite loss and grad norm, a user check), when a committed step
+    is verified, and whether AUTO resumes prefer the newest verified step (``ckptguard._commit.trust``)."""
 
     def __post_init__(self) -> None:
         StepNaming(self.dir_template)  # raises ConfigError naming the field
@@ -149,5 +153,7 @@ class CheckpointConfig:
                 raise ConfigError(f"CheckpointConfig.{name} must be an int >= 0 (bytes), got {getattr(self, name)!r}")
         if not isinstance(self.proof, ProofPlan):
             raise ConfigError(f"CheckpointConfig.proof must be a ProofPlan, got {self.proof!r}")
+        if not isinstance(self.health, HealthPolicy):
+            raise ConfigError(f"CheckpointConfig.health must be a HealthPolicy, got {self.health!r}")
         if self.stale_temp_age_s <= 0:
             raise ConfigError("CheckpointConfig.stale_temp_age_s must be > 0")

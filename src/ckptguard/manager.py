@@ -24,14 +24,15 @@ from ._commit import manifest as _manifest
 from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit import retention
+from ._commit import trust as _trust
 from ._commit.pending import PendingSave
-from ._dist import Wire, gather_decide, make_agreement
+from ._dist import Wire, gather_decide, make_agreement, on_every_rank
 from ._resume import contract as _contract
 from ._resume import restore as _restore
 from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.prooflog import ProofLog
-from ._resume.trajectory import fingerprint
+from ._resume.trajectory import _scalar, fingerprint
 from .config import CheckpointConfig, ResumeMode
 from .errors import CheckpointError, ConfigError, LeaseHeldError, UnsafeCheckpointError
 from .storage.base import Storage, StorageContext
@@ -120,6 +121,11 @@ class CheckpointManager:
             )
         self._restored_step: int | None = None
         self._pending: _async.PendingSave | None = None
+        self._group = process_group  # a PreemptionGuard agrees over the same ranks
+        self._health = _trust.HealthLog()
+        self._committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
+        self.last_health: _trust.HealthVerdict | None = None
+        """The health verdict of the last ``save``/``save_async`` call (``.skip``: it was not committed)."""
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         self._proof = ProofLog(self.root, agreement.info.rank)
@@ -184,38 +190,66 @@ class CheckpointManager:
         return out
 
     def resolve(
-        self, *, mode: ResumeMode = ResumeMode.AUTO, path: str | os.PathLike[str] | None = None
+        self,
+        *,
+        mode: ResumeMode = ResumeMode.AUTO,
+        path: str | os.PathLike[str] | None = None,
+        prefer: _trust.Prefer | str | None = None,
     ) -> _restore.Resolution:
-        """Which step a restore would load and why, agreed by all ranks; loads nothing."""
+        """Which step a restore would load and why, agreed by all ranks; loads nothing.
+
+        ``prefer="verified"`` (or ``HealthPolicy.prefer``) makes AUTO and MUST pick the newest
+        verified step no newer than the tracker (``ckptguard._commit.trust``); resuming it while
+        newer candidates exist is a rollback: saving their steps again needs ``overwrite=True``.
+        """
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        chosen = self.config.health.prefer if prefer is None else _trust.as_prefer(prefer, "prefer")
         self.wait()  # the agreement is not shared with a background commit
-        return _restore.resolve(self._ctx, mode, Path(path) if path is not None else None)
+        return _restore.resolve(self._ctx, mode, Path(path) if path is not None else None, prefer=chosen)
 
     # ------------------------------------------------------------ save / restore
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def save(
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+    ) -> Path | None:
         """Commit ``state`` as step ``step`` on every rank, or raise on every rank.
 
         Returns the committed step directory. On any failure the tracker does not
         move and the previous committed step stays the resume target.
+
+        Healthy steps only (``CheckpointConfig.health``): when, on any rank, ``loss`` or
+        ``grad_norm`` (these arguments, else that rank's ``record_step`` of ``step``) is not
+        finite, ``healthy=False`` was passed or the policy's check fails, no rank commits: the
+        reasons are logged as an error, nothing is written, the tracker stays, and every rank
+        returns None (``last_health`` holds the verdict). It returns rather than raises: a
+        skipped step is the policy working, not a failed save, and the loop decides whether to
+        go on to its next save or roll back; ``if mgr.save(...) is None`` tells it.
         """
         self._check_step(step, "save")
         self._check_state(state, "save")
         self.wait()
+        if not self._healthy(step, healthy, loss, grad_norm):
+            return None
         return self._committed(_commit.save(self._ctx, step, state), step)
 
-    def save_async(self, step: int, state: dict[str, Any]) -> PendingSave:
+    def save_async(
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+    ) -> PendingSave | None:
         """Snapshot ``state`` now and commit step ``step`` in the background.
 
         The caller blocks only for the snapshot (into spare GPU memory within
         ``async_gpu_bytes``, else host memory within ``async_host_bytes``; a snapshot that
         fits neither is saved synchronously). The tracker moves when the background commit
         completes; its error is raised by ``wait()``, or by the next save, restore or wait.
+        The health agreement runs before the snapshot, as in ``save``: an unhealthy step
+        snapshots nothing and returns None.
         """
         self._check_step(step, "save_async")
         self._check_state(state, "save_async")
         self.wait()
+        if not self._healthy(step, healthy, loss, grad_norm):
+            return None
         start = time.monotonic()
         snap = _commit.snapshot(self._ctx, step, state)
         cfg = self.config
@@ -237,8 +271,61 @@ class CheckpointManager:
     def _committed(self, path: Path, step: int) -> Path:
         log.info("ckptguard: committed step %d at %s", step, path)
         self._record("save", step=step, path=str(path), plan=self.config.proof.as_dict(), world_size=self.world_size)
+        self._committed_here.append(step)
+        if self.rank == 0:
+            self._trust_write("commit", lambda: _trust.committed(
+                self.root, step, self.config.health.verify_after,
+                on_disk=_layout.step_dirs(self.root, self._ctx.naming)))
         self._rotate(step)
         return path
+
+    def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
+        """The health agreement of a save: every rank's view, one verdict; rank 0 updates the trust record."""
+        policy = self.config.health
+        metrics = {n: _scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
+        view = on_every_rank(self._ctx.agreement, "save.health.local",
+                             lambda: self._health.view(policy, step, healthy, metrics))
+
+        def decide(views: list[_trust.HealthView]) -> _trust.HealthVerdict:
+            verdict = _trust.agree(views, step)
+            mine = set(self._committed_here)
+            restored = self._restored_step or 0
+
+            def eligible(k: int) -> bool:
+                return k in mine or k <= restored
+
+            promoted = self._trust_write(
+                "observe", lambda: _trust.observe(self.root, verdict.healthy, verdict.unhealthy, eligible))
+            if promoted:
+                log.info("ckptguard: steps %s are verified (%d healthy steps after each)", promoted,
+                         policy.verify_after)
+            return verdict
+
+        verdict = gather_decide(self._ctx.agreement, "save.health", view, decide, decision=_trust.HealthVerdict)
+        self.last_health = verdict
+        if not verdict.skip:
+            return True
+        tracker = self._safe_tracker()
+        log.error("ckptguard: step %d NOT committed: unhealthy on %d of %d rank(s): %s. Nothing was written; the "
+                  "tracker stays at %s under %s", step, len(verdict.reasons), self.world_size, verdict.describe(),
+                  tracker, self.root)
+        self._record("skip", step=step, reasons=verdict.reasons)
+        return False
+
+    def _safe_tracker(self) -> str:
+        try:
+            return str(_layout.read_tracker(self.root))
+        except CheckpointError as exc:
+            return f"? ({exc})"
+
+    def _trust_write(self, what: str, write: Any) -> Any:
+        """Rank 0's sidecar updates; a failure is logged, never raised (the commit is what matters)."""
+        try:
+            return write()
+        except (OSError, CheckpointError) as exc:
+            log.warning("ckptguard: could not update the trust record %s/%s at %s (%s: %s); the steps it "
+                        "concerns stay candidates", self.root, _trust.TRUST_NAME, what, type(exc).__name__, exc)
+            return None
 
     @staticmethod
     def _check_step(step: Any, where: str) -> None:
@@ -272,16 +359,18 @@ class CheckpointManager:
         *,
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
+        prefer: _trust.Prefer | str | None = None,
     ) -> int:
         """Load the resolved checkpoint into ``state`` in place; return its step (0: fresh).
 
         Tensors are written into the existing tensors; plain values are replaced in
         ``state``. Logs one line with the resolved path and step before returning.
+        ``prefer`` as in ``resolve``.
         """
         self._check_state(state, "restore")
         self.wait()
         self._check_lease("restore")
-        res = self.resolve(mode=mode, path=path)
+        res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
             self._record("restore", step=0, fresh=True, reason=res.reason, world_size=self.world_size)
@@ -366,6 +455,10 @@ class CheckpointManager:
         """
         self._check_step(step, "record_step")
         fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
+        # Judged now, shipped with the next save: the evidence of healthy and unhealthy steps.
+        metrics: dict[str, Any] = dict(fields.get("extra", {}))
+        metrics.update({k: fields[k] for k in ("loss", "grad_norm") if k in fields})
+        self._health.note(self.config.health, step, metrics)
         self._record("step", durable=False, step=step, **fields)
         return fields
 

@@ -3,8 +3,10 @@
 Contract: policies are pure functions of the committed steps found on disk, so a restart
 rebuilds the same decision (no in-memory list to lose). A directory is deleted only if it
 is committed (manifest, shard set and sizes check out, and the tracker covers it), is not
-the tracker's target, not protected by the caller (the step being restored or written)
-and not held; a hold file that cannot be read still holds its step. Without a tracker
+the tracker's target, not protected by the caller (the step being restored or written),
+not held, and not the newest verified step (``trust.json``: the step a ``prefer="verified"``
+resume needs after a NaN; with that record unreadable nothing is deleted); a hold file that
+cannot be read still holds its step. Without a tracker
 nothing is deleted. Corrupt and orphan directories are never counted among the kept ones
 and are never deleted here; one that cannot even be checked is one finding, never a
 failure of the whole rotation. Deletion renames the directory into the trash first, so
@@ -26,6 +28,7 @@ from typing import Protocol
 
 from ..errors import CheckpointError, ConfigError
 from . import layout as _layout
+from . import trust as _trust
 
 log = logging.getLogger("ckptguard")
 
@@ -222,7 +225,13 @@ def apply(
             not_counted[path.name] = orphan_hint(path, step, tracker, naming)
             continue
         committed.append(step)
+    try:
+        verified = _trust.newest_verified(root, committed)
+    except CheckpointError as exc:
+        not_counted[_trust.TRUST_NAME] = f"{exc}; nothing is deleted until it is fixed"
+        return RetentionReport(committed, [], {}, not_counted)
     keep = policy.keep(committed) | set(protect) | set(holds(root)) | ({tracker} if tracker is not None else set())
+    keep |= {verified} if verified is not None else set()
     report = RetentionReport(
         kept=sorted(s for s in committed if s in keep), deleted=[], failed={}, not_counted=not_counted
     )

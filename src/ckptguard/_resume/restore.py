@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._commit import layout as _layout
 from .._commit import manifest as _manifest
+from .._commit import trust as _trust
 from .._commit.protocol import RNG_ITEM, Context, _release_host_cache
 from .._dist import Wire, gather_decide, on_every_rank
 from ..config import ReshardRule, ResumeMode
@@ -68,7 +69,13 @@ class Resolution:
         return f"resume from step {self.step} at {self.path}: {self.reason}"
 
 
-def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path: Path | None) -> Resolution:
+def resolve_local(
+    root: Path,
+    naming: _layout.StepNaming,
+    mode: ResumeMode,
+    path: Path | None,
+    prefer: _trust.Prefer = _trust.Prefer.LATEST,
+) -> Resolution:
     """What this rank sees on disk; raises ResumeError rather than guessing."""
     if path is not None:
         step_dir = Path(path)
@@ -124,7 +131,39 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
         ) from exc
     if manifest.step != tracker:
         raise ResumeError(f"{step_dir}/manifest.json says step {manifest.step} but the tracker says {tracker}")
-    return Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
+    res = Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
+    return _prefer_verified(root, naming, res) if prefer is _trust.Prefer.VERIFIED else res
+
+
+def _prefer_verified(root: Path, naming: _layout.StepNaming, res: Resolution) -> Resolution:
+    """prefer='verified': the newest verified committed step no newer than the tracker (module doc of trust)."""
+    try:
+        trust = _trust.read(root)
+    except CheckpointCorruptError as exc:
+        raise ResumeError(f"prefer='verified' under {root}: {exc}") from None
+    for step in sorted((s for s in trust if s <= res.step), reverse=True):
+        if _trust.state(trust[step]) is not _trust.Trust.VERIFIED:
+            continue
+        step_dir = root / naming.name(step)
+        try:
+            if step_dir.is_symlink() or _manifest.read(step_dir).step != step:
+                continue
+        except CheckpointError:
+            continue  # deleted or damaged since it was verified: the next older one
+        newer = "" if step == res.step else (
+            f"; the tracker's step {res.step} and the steps between are not verified: resuming here is a "
+            "rollback (saving those steps again needs CheckpointConfig(overwrite=True))")
+        return Resolution(step, step_dir, f"prefer='verified': step {step} is the newest verified step{newer}",
+                          res.mode)
+    entry = trust.get(res.step)
+    if entry is not None and entry.get("unhealthy_after") is not None:
+        raise ResumeError(
+            f"prefer='verified' under {root}: no committed step is verified, and the tracker's step {res.step} was "
+            f"followed by the unhealthy step {entry['unhealthy_after']}. Restore an older step with "
+            "restore(path=...), or resume it anyway with prefer='latest'"
+        )
+    return Resolution(res.step, res.path, f"{res.reason}; prefer='verified': no step is verified yet, and no "
+                      f"unhealthy step followed step {res.step} ({_trust.describe(entry)})", res.mode)
 
 
 @dataclass(frozen=True)
@@ -155,11 +194,13 @@ class Agreed(Wire):
     """Rank 0's verdict: every rank may go on (a disagreement is raised instead)."""
 
 
-def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
+def resolve(
+    ctx: Context, mode: ResumeMode, path: Path | None, *, prefer: _trust.Prefer = _trust.Prefer.LATEST
+) -> Resolution:
     """resolve_local on every rank, then agreement on the step and on every rank's files."""
     res: Resolution | None = None
     try:
-        res = resolve_local(ctx.root, ctx.naming, mode, path)
+        res = resolve_local(ctx.root, ctx.naming, mode, path, prefer)
         view = ResolveView(res.step, str(res.path) if res.path else None)
     except Exception as exc:  # any local failure is shipped, so no rank waits for a peer that raised
         view = ResolveView(error=error_payload(exc))

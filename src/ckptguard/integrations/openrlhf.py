@@ -93,6 +93,8 @@ class CkptguardStrategyMixin:
 
         mgr = self._ckptguard_manager(save_dir, max_num, write)
         path = mgr.save(step, {"client_state": PerRank(dict(client_state or {}))})
+        if path is None:  # an unhealthy step (CheckpointConfig.health): not committed, logged as an error
+            return None
         if mgr.rank == 0:
             if best:
                 self._ckptguard_hold_best(mgr, step, metric_key, metric_value)

@@ -136,6 +136,8 @@ class CkptguardTrainerMixin:
         step = int(self.global_steps)
         mgr = self._ckptguard_manager(step)
         path = mgr.save(step, self._ckptguard_state())
+        if path is None:  # an unhealthy step (CheckpointConfig.health): not committed, logged as an error
+            return
         log.info("ckptguard: verl step %d committed at %s", step, path)
         callback = getattr(self, "checkpoint_callback", None)  # v1 trainer's on_save hook, after the commit
         if callback is not None:

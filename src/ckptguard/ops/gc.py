@@ -21,6 +21,7 @@ from .._commit import layout as _layout
 from .._commit import lease as _lease
 from .._commit import manifest as _manifest
 from .._commit import retention as _retention
+from .._commit import trust as _trust
 from .._commit.checks import verify_step
 from .._resume import contract as _contract
 from ..errors import CheckpointCorruptError, ConfigError
@@ -80,7 +81,9 @@ def gc(
     report = GcReport()
     victims: list[tuple[Path, str]] = []
     steps: set[Path] = set()  # victims that are step directories: uncommitted through the trash
-    for step, path in sorted(_layout.step_dirs(root, naming).items()):
+    dirs = _layout.step_dirs(root, naming)
+    verified = _trust.newest_verified(root, dirs)  # an unreadable trust record stops gc, naming the file
+    for step, path in sorted(dirs.items()):
         if path.is_symlink():
             report.kept.append((path, "a symlink: never deleted through; replace it with the real directory"))
             continue
@@ -95,7 +98,10 @@ def gc(
             continue
         why = _retention.check_step(path)
         newer = tracker is None or step > tracker
-        if newer and orphans:
+        if newer and orphans and step == verified:
+            report.kept.append((path, f"the newest verified step ({_trust.TRUST_NAME}): never removed by gc, "
+                                      "also not with --orphans; adopt it, or move it away by hand"))
+        elif newer and orphans:
             victims.append((path, f"orphan step {step}, newer than the tracker ({tracker}); --orphans"))
             steps.add(path)
         elif newer and why is None:
@@ -106,7 +112,8 @@ def gc(
             )
         elif why is not None:
             report.kept.append((path, f"incomplete ({why}); {_retention.INCOMPLETE_HINT}"))
-    for item in _layout.leftovers(root, max_age_s=max_age_s, tmp_files=(_layout.TRACKER_NAME, _lease.LEASE_NAME)):
+    own_files = (_layout.TRACKER_NAME, _lease.LEASE_NAME, _trust.TRUST_NAME)
+    for item in _layout.leftovers(root, max_age_s=max_age_s, tmp_files=own_files):
         if item.removable:
             victims.append((item.path, item.detail))
         elif item.kind == "foreign":

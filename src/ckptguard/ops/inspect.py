@@ -15,6 +15,7 @@ from pathlib import Path
 from .._commit import layout as _layout
 from .._commit import manifest as _manifest
 from .._commit import retention as _retention
+from .._commit import trust as _trust
 from .._resume.restore import Resolution, resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
@@ -28,9 +29,11 @@ def naming(template: str) -> _layout.StepNaming:
     return _layout.StepNaming(template)
 
 
-def resolve(root: Path, template: str, mode: ResumeMode, path: Path | None = None) -> Resolution:
+def resolve(
+    root: Path, template: str, mode: ResumeMode, path: Path | None = None, prefer: str = "latest"
+) -> Resolution:
     """Which step a restore under ``root`` would load, and why, decided as ``restore`` decides."""
-    return resolve_local(root.absolute(), naming(template), mode, path)
+    return resolve_local(root.absolute(), naming(template), mode, path, _trust.as_prefer(prefer, "--prefer"))
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class StepEntry:
     step: int | None  # None: a temp directory
     state: str
     name: str
+    trust: str | None = None  # committed and orphan steps: candidate / verified, with why
 
 
 @dataclass(frozen=True)
@@ -50,17 +54,24 @@ def list_steps(root: Path, template: str) -> Listing:
     """Every step directory under ``root`` (committed, orphan, not committed) and the temp directories."""
     steps = naming(template)
     tracker = _layout.read_tracker(root)
+    try:
+        trust: dict[int, dict[str, object]] | None = _trust.read(root)
+        unreadable = ""
+    except CheckpointError as exc:
+        trust, unreadable = None, f"unknown ({str(exc).split(';')[0]})"
     entries = []
     for step, path in sorted(_layout.step_dirs(root, steps).items()):
+        trusted = None
         if path.is_symlink():
             state = "NOT committed: a symlink (never read through)"
         else:
             try:
                 _manifest.read(path)
                 state = "committed" if tracker is not None and step <= tracker else "orphan (newer than tracker)"
+                trusted = _trust.describe(trust.get(step)) if trust is not None else unreadable
             except CheckpointError as exc:
                 state = f"NOT committed: {str(exc).split(';')[0]}"
-        entries.append(StepEntry(step, state, path.name))
+        entries.append(StepEntry(step, state, path.name, trusted))
     entries += [StepEntry(None, "in flight or abandoned", tmp.name) for tmp in sorted(root.glob(".tmp-*"))]
     return Listing(tracker, entries)
 
