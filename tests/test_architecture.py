@@ -83,6 +83,8 @@ EXPORTED = [
     "PendingSave",
     "PerRank",
     "PinnedMemoryUnavailableError",
+    "Preempted",
+    "PreemptionGuard",
     "Prefer",
     "ProofPlan",
     "RankDisagreementError",

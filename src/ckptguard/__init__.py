@@ -51,6 +51,7 @@ from .errors import (
     WriteFailure,
 )
 from .manager import CheckpointManager
+from .preempt import Preempted, PreemptionGuard
 from .storage import (
     DCPStorage,
     IOStats,
@@ -88,6 +89,8 @@ __all__ = [
     "PendingSave",
     "PerRank",
     "PinnedMemoryUnavailableError",
+    "Preempted",
+    "PreemptionGuard",
     "Prefer",
     "ProofPlan",
     "RankDisagreementError",

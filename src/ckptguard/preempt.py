@@ -1,0 +1,239 @@
+"""Save on preemption: a SIGTERM (or SIGUSR1) becomes one last commit at the next step boundary.
+
+Contract: ``PreemptionGuard(mgr, grace_s=...)`` installs handlers for ``signals`` (the previous
+handlers come back on ``close``, or at the end of a ``with`` block). A handler only notes the
+signal and when it came; the training loop calls ``guard.step_boundary(step, state)`` once per
+step, on every rank, after the step's update (``state`` is then the state of ``step``). That call
+is collective: each rank posts whether it got a signal, so one rank's signal is every rank's
+(a scheduler often signals one node first). Without a signal anywhere it returns at once.
+
+With a signal, every rank decides the same from rank 0's figures:
+
+- the save time: ``save_estimate_s`` if given, else the ``save_seconds`` of the cost block of this
+  run's newest save, else (no save yet in this process) of the tracker's step, written by an
+  earlier run of the same root; with none at all the save is attempted (a kill mid-save leaves
+  no partial commit, the protocol makes sure);
+- the budget left: ``grace_s`` minus the time since the earliest rank got its signal.
+
+If ``estimate x safety`` fits the budget, every rank saves ``step`` (``mgr.save``; skipped when
+this run committed that step already) and raises ``Preempted`` with ``EXIT_SAVED``; if it does not
+fit, or the step is unhealthy, nothing is saved, the log says why and ``Preempted`` carries
+``EXIT_NOT_SAVED``. ``Preempted`` is a ``SystemExit``: uncaught, the process exits with that code
+(so a launcher sees it), and ``finally`` blocks and ``with`` blocks run on the way out. A loop
+that wants to stop by itself calls ``should_stop(step, state)`` instead, which does the same and
+returns True (``guard.outcome`` then holds the ``Preempted``).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from . import _log
+from ._commit import layout as _layout
+from ._commit import manifest as _manifest
+from ._dist import Wire, gather_decide, make_agreement
+from .errors import CheckpointError, ConfigError
+from .manager import CheckpointManager
+
+log = _log.logger()
+
+EXIT_SAVED = 75
+"""Exit code after a preemption whose step was committed (EX_TEMPFAIL: retry; the resume loses nothing)."""
+EXIT_NOT_SAVED = 76
+"""Exit code after a preemption with no save (it did not fit the grace budget, or the step was
+unhealthy): the resume starts from the tracker's step, which did not move."""
+
+
+class Preempted(SystemExit):
+    """Raised by ``step_boundary`` on every rank after a preemption signal: exits with ``code``."""
+
+    def __init__(self, code: int, *, step: int, saved: bool, reason: str) -> None:
+        super().__init__(code)
+        self.step = step
+        """The step boundary where the ranks stopped."""
+        self.saved = saved
+        """Whether ``step`` is committed (then ``code`` is EXIT_SAVED)."""
+        self.reason = reason
+        """One sentence: which signal, and why the step was or was not saved."""
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(frozen=True)
+class _Flag(Wire):
+    signal: str | None = None
+    ago_s: float | None = None
+
+
+@dataclass(frozen=True)
+class _Plan(Wire):
+    save: bool
+    reason: str
+    skip_save: bool = False  # the step is committed already by this run
+
+
+class PreemptionGuard:
+    """Turns SIGTERM/SIGUSR1 into a collective save at the next step boundary (see module doc).
+
+    ``grace_s``: seconds between the first signal and the hard kill (the scheduler's grace
+    period, e.g. Slurm's ``--signal`` lead time or Kubernetes' ``terminationGracePeriodSeconds``,
+    minus what the exit itself takes). ``safety`` multiplies the save time estimate.
+    Created (collectively, in the same order on every rank) in the main thread, after the manager.
+    """
+
+    EXIT_SAVED = EXIT_SAVED
+    EXIT_NOT_SAVED = EXIT_NOT_SAVED
+    _created = 0
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        *,
+        grace_s: float,
+        signals: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1),
+        safety: float = 1.5,
+        save_estimate_s: float | None = None,
+    ) -> None:
+        if not isinstance(manager, CheckpointManager):
+            raise ConfigError(f"PreemptionGuard(manager=...): a CheckpointManager, got {type(manager).__name__}")
+        for name, value in (("grace_s", grace_s), ("safety", safety), ("save_estimate_s", save_estimate_s)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"PreemptionGuard({name}={value!r}): a number of seconds > 0")
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigError(
+                "PreemptionGuard must be created in the main thread: Python delivers signals only there"
+            )
+        self.manager = manager
+        self.grace_s = float(grace_s)
+        self.safety = float(safety)
+        self.save_estimate_s = save_estimate_s
+        self.outcome: Preempted | None = None
+        """The ``Preempted`` of the boundary that stopped the run (``should_stop`` returned True)."""
+        self._got: tuple[int, float] | None = None  # (signal, monotonic time) of the first signal
+        PreemptionGuard._created += 1
+        self._agreement = make_agreement(
+            manager._group, timeout_s=manager.config.timeout_s, namespace=f"preempt-{PreemptionGuard._created}"
+        )
+        self._previous: dict[int, Any] = {}
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    # ------------------------------------------------------------ handlers
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only note it: the save runs at the next step boundary, on every rank together.
+        if self._got is None:
+            self._got = (signum, time.monotonic())
+
+    @property
+    def requested(self) -> bool:
+        """True once this rank got a signal (the other ranks learn it at the next boundary)."""
+        return self._got is not None
+
+    def close(self) -> None:
+        """Put the previous handlers back (idempotent)."""
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def __enter__(self) -> PreemptionGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ the step boundary
+
+    def step_boundary(self, step: int, state: dict[str, Any], **save_kwargs: Any) -> None:
+        """Collective, once per step: returns at once without a signal on any rank; after one,
+        saves ``step`` if it fits the grace budget and raises ``Preempted`` on every rank.
+        ``save_kwargs`` go to ``mgr.save`` (``loss=``, ``grad_norm=``, ``healthy=``)."""
+        stop = self._boundary(step, state, save_kwargs)
+        if stop is not None:
+            raise stop
+
+    def should_stop(self, step: int, state: dict[str, Any], **save_kwargs: Any) -> bool:
+        """``step_boundary`` that returns True instead of raising (``outcome`` holds the exit)."""
+        self.outcome = self._boundary(step, state, save_kwargs)
+        return self.outcome is not None
+
+    def _boundary(self, step: int, state: dict[str, Any], save_kwargs: dict[str, Any]) -> Preempted | None:
+        mine = _Flag() if self._got is None else _Flag(signal.Signals(self._got[0]).name,
+                                                       time.monotonic() - self._got[1])
+        flags = [_Flag(**v) for v in self._agreement.exchange("preempt.flag", mine.to_json())]
+        signaled = [(r, f) for r, f in enumerate(flags) if f.signal is not None]
+        if not signaled:
+            return None
+        checked = time.monotonic()
+        self.manager.wait()  # a background save in flight finishes first (its time counts against the budget)
+        rank, first = max(signaled, key=lambda item: item[1].ago_s or 0.0)
+        ago = float(first.ago_s or 0.0)
+        what = f"{first.signal} on rank {rank} {ago:.2f} s before the boundary of step {step}"
+        if len(signaled) > 1:
+            what += f" (signaled ranks: {[r for r, _ in signaled]})"
+        plan = gather_decide(
+            self._agreement, "preempt.plan", _Flag(), lambda _: self._plan(step, what, ago, checked), decision=_Plan
+        )
+        if not plan.save:
+            log.error("ckptguard: preempted: %s; exiting with code %d", plan.reason, EXIT_NOT_SAVED)
+            return Preempted(EXIT_NOT_SAVED, step=step, saved=False, reason=plan.reason)
+        log.warning("ckptguard: preempted: %s", plan.reason)
+        if not plan.skip_save and self.manager.save(step, state, **save_kwargs) is None:
+            reason = f"{what}: step {step} is unhealthy and was not saved (see the error above); the tracker stays"
+            log.error("ckptguard: preempted: %s; exiting with code %d", reason, EXIT_NOT_SAVED)
+            return Preempted(EXIT_NOT_SAVED, step=step, saved=False, reason=reason)
+        reason = f"{what}: step {step} committed under {self.manager.root}; exiting with code {EXIT_SAVED}"
+        log.warning("ckptguard: preempted: %s", reason)
+        return Preempted(EXIT_SAVED, step=step, saved=True, reason=reason)
+
+    def _plan(self, step: int, what: str, ago: float, checked: float) -> _Plan:
+        """Rank 0: does a save of ``step`` fit the grace budget left?"""
+        mgr = self.manager
+        left = self.grace_s - ago - (time.monotonic() - checked)
+        tracker = self._tracker()
+        if mgr._committed_here and mgr._committed_here[-1] == step:
+            return _Plan(True, f"{what}: step {step} is committed already; saving nothing more", skip_save=True)
+        estimate, source = self._estimate(tracker)
+        if estimate is None:
+            return _Plan(True, f"{what}: no save time measured on this root yet; saving step {step} in the "
+                               f"{left:.2f} s left of grace_s={self.grace_s:g} (a kill mid-save commits nothing)")
+        needed = estimate * self.safety
+        if needed > left:
+            return _Plan(False, (
+                f"{what}: NOT saving step {step}: the measured save time {estimate:.3f} s ({source}) x safety "
+                f"{self.safety:g} = {needed:.3f} s does not fit the {left:.3f} s left of the grace budget "
+                f"grace_s={self.grace_s:g}; nothing was written, the tracker stays at step {tracker}, the resume "
+                "starts there. Raise grace_s (the scheduler's grace period) or save more often"))
+        return _Plan(True, f"{what}: saving step {step}: the measured save time {estimate:.3f} s ({source}) x "
+                           f"safety {self.safety:g} fits the {left:.3f} s left of grace_s={self.grace_s:g}")
+
+    def _tracker(self) -> int | None:
+        try:
+            return _layout.read_tracker(self.manager.root)
+        except CheckpointError:
+            return None
+
+    def _estimate(self, tracker: int | None) -> tuple[float | None, str]:
+        """The save time to plan with, and where it comes from."""
+        if self.save_estimate_s is not None:
+            return float(self.save_estimate_s), "save_estimate_s"
+        mgr = self.manager
+        candidates = [(s, f"this run's save of step {s}") for s in reversed(mgr._committed_here)]
+        if tracker:
+            candidates.append((tracker, f"an earlier run's save of step {tracker}, the tracker's"))
+        for step, source in candidates:
+            try:
+                cost = _manifest.read(mgr.root / mgr._ctx.naming.name(step)).cost or {}
+            except CheckpointError:
+                continue  # rotated out or damaged: the next one
+            seconds = cost.get("save_seconds")
+            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                return float(seconds), source
+        return None, ""
