@@ -159,3 +159,21 @@ def test_an_unreadable_trust_record_stops_rotation(tmp_path):
     assert mgr.committed_steps() == [1, 2, 3]  # nothing deleted while the record cannot be read
     listing = json.loads(CliRunner().invoke(main, ["list", str(root), "--json"]).output)
     assert listing["entries"][0]["trust"].startswith("unknown")
+
+
+def test_a_step_of_an_abandoned_trajectory_is_not_verified_by_the_new_one(tmp_path):
+    root = tmp_path / "ck"
+    cfg = cg.CheckpointConfig(health=cg.HealthPolicy(verify_after=1))
+    first = cg.CheckpointManager(root, config=cfg)
+    first.save(1, _state())
+    first.save(2, _state())  # a healthy step after 1: 1 is verified, 2 a candidate
+    assert _trust.state(_trust.read(root)[1]) is _trust.Trust.VERIFIED
+    # a new run branches off step 1 (restore(path=...)); its steps 2 and 3 are not the old run's
+    second = cg.CheckpointManager(root, config=cfg)
+    assert second.restore(_state(), path=root / "step_00000001") == 1
+    second.record_step(2, loss=0.5)
+    second.save(3, _state(), loss=0.5)
+    trust = _trust.read(root)
+    assert _trust.state(trust[2]) is _trust.Trust.CANDIDATE and trust[2]["healthy_after"] == []
+    second.save(4, _state(), loss=0.5)
+    assert _trust.state(_trust.read(root)[3]) is _trust.Trust.VERIFIED  # its own commits are verified
