@@ -3,12 +3,13 @@
 Public surface::
 
     CheckpointManager(root, *, config=None, process_group=None, storage=None)
-        .save(step, state) -> Path
-        .restore(state, *, mode=ResumeMode.AUTO, path=None) -> int
+        .save(step, state, *, healthy=None, loss=None, grad_norm=None) -> Path | None (None: unhealthy, skipped)
+        .restore(state, *, mode=ResumeMode.AUTO, path=None, prefer=None) -> int
         .record_step(step, *, sample_ids=None, batch=None, loss=None, grad_norm=None, **extra)
         .resolve(*, mode=..., path=None) -> Resolution
         .committed_steps() -> list[int]
         .declare_phase(reason, changes) -> Path
+    PreemptionGuard(mgr, grace_s=...).step_boundary(step, state)   # exits 75 after a save on SIGTERM
 """
 
 __version__ = "0.1.0"

@@ -163,12 +163,19 @@ def agree(views: list[HealthView], step: int) -> HealthVerdict:
 class HealthLog:
     """One rank's in-memory record of the steps it saw since the last save agreement."""
 
+    HELD_MAX = 100_000  # steps held between two saves; beyond it the oldest are forgotten (they only verify)
+
     def __init__(self) -> None:
         self._seen: dict[int, tuple[dict[str, Any], list[str]]] = {}
 
     def note(self, policy: HealthPolicy, step: int, metrics: dict[str, Any]) -> None:
         """A ``record_step``: judged now, shipped at the next save (the latest record of a step wins)."""
         self._seen[step] = (metrics, reasons(policy, step, metrics, f"record_step of step {step}"))
+        if len(self._seen) > self.HELD_MAX:
+            # Forget the older half of the healthy ones (amortized): an unhealthy step must still block candidates.
+            healthy = sorted(s for s, (_, why) in self._seen.items() if not why)
+            for old in healthy[: len(healthy) // 2]:
+                del self._seen[old]
 
     def view(self, policy: HealthPolicy, step: int, healthy: bool | None, metrics: dict[str, Any]) -> HealthView:
         """This rank's view of saving ``step``; the recorded steps are handed over (and forgotten)."""
