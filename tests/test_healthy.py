@@ -177,3 +177,18 @@ def test_a_step_of_an_abandoned_trajectory_is_not_verified_by_the_new_one(tmp_pa
     assert _trust.state(trust[2]) is _trust.Trust.CANDIDATE and trust[2]["healthy_after"] == []
     second.save(4, _state(), loss=0.5)
     assert _trust.state(_trust.read(root)[3]) is _trust.Trust.VERIFIED  # its own commits are verified
+
+
+def test_gc_orphans_never_removes_the_newest_verified_step(tmp_path):
+    from ckptguard._commit.layout import StepNaming, write_tracker
+    from ckptguard.ops.gc import gc
+
+    root = tmp_path / "ck"
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(health=cg.HealthPolicy(verify_after=1)))
+    mgr.save(1, _state())
+    mgr.save(2, _state())  # 1 is verified
+    write_tracker(root, 0)  # both steps are now newer than the tracker: orphans
+    report = gc(root, StepNaming("step_{step:08d}"), orphans=True, force=True)
+    assert [p.name for p, _ in report.removed if p.name.startswith("step_")] == ["step_00000002"]
+    assert any("newest verified step" in why for p, why in report.kept if p.name == "step_00000001")
+    assert (root / "step_00000001" / "manifest.json").exists()

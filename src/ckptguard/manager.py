@@ -297,7 +297,7 @@ class CheckpointManager:
             promoted = self._trust_write(
                 "observe", lambda: _trust.observe(self.root, verdict.healthy, verdict.unhealthy, eligible))
             if promoted:
-                log.info("ckptguard: steps %s are verified (%d healthy steps after each)", promoted,
+                log.debug("ckptguard: steps %s are verified (%d healthy steps after each)", promoted,
                          policy.verify_after)
             return verdict
 
