@@ -192,3 +192,18 @@ def test_gc_orphans_never_removes_the_newest_verified_step(tmp_path):
     assert [p.name for p, _ in report.removed if p.name.startswith("step_")] == ["step_00000002"]
     assert any("newest verified step" in why for p, why in report.kept if p.name == "step_00000001")
     assert (root / "step_00000001" / "manifest.json").exists()
+
+
+def _bad_argument_on_rank_1(rank: int, world: int, root: str) -> str:
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30))
+    try:
+        mgr.save(1, {"w": torch.zeros(2)}, loss=[1.0, 2.0] if rank == 1 else 0.5)
+    except cg.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_a_bad_health_argument_on_one_rank_fails_the_save_on_every_rank_without_a_hang(tmp_path):
+    out = values(run_ranks(_bad_argument_on_rank_1, 2, str(tmp_path / "ck"), timeout=120))
+    assert all(o.startswith("ConfigError") and "not a number or string" in o for o in out), out
+    assert not (tmp_path / "ck").exists()  # nothing was written, not even the root

@@ -282,9 +282,12 @@ class CheckpointManager:
     def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
         """The health agreement of a save: every rank's view, one verdict; rank 0 updates the trust record."""
         policy = self.config.health
-        metrics = {n: _scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
-        view = on_every_rank(self._ctx.agreement, "save.health.local",
-                             lambda: self._health.view(policy, step, healthy, metrics))
+
+        def local() -> _trust.HealthView:  # a bad argument or a raising check fails the save on every rank
+            metrics = {n: _scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
+            return self._health.view(policy, step, healthy, metrics)
+
+        view = on_every_rank(self._ctx.agreement, "save.health.local", local)
 
         def decide(views: list[_trust.HealthView]) -> _trust.HealthVerdict:
             verdict = _trust.agree(views, step)
@@ -298,7 +301,7 @@ class CheckpointManager:
                 "observe", lambda: _trust.observe(self.root, verdict.healthy, verdict.unhealthy, eligible))
             if promoted:
                 log.debug("ckptguard: steps %s are verified (%d healthy steps after each)", promoted,
-                         policy.verify_after)
+                          policy.verify_after)
             return verdict
 
         verdict = gather_decide(self._ctx.agreement, "save.health", view, decide, decision=_trust.HealthVerdict)
