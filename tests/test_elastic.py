@@ -125,7 +125,7 @@ def _resume(rank: int, world: int, root: str) -> dict:
 
 
 def _derived(rank: int) -> list[bytes]:
-    """The rule's derivation, as the README states it: seed = xxh3_64("ckptguard-rng:{seed}:{step}:{rank}") >> 1 bit."""
+    """The rule's derivation as the README states it: xxh3_64("ckptguard-rng:{seed}:{step}:{rank}") & (2**63 - 1)."""
     s = xxhash.xxh3_64_intdigest(f"ckptguard-rng:{SEED}:{K}:{rank}".encode()) & ((1 << 63) - 1)
     torch.manual_seed(s)
     np.random.seed(s % (1 << 32))
