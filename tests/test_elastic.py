@@ -281,3 +281,35 @@ def test_data_cursor_partitions_the_rest_of_an_epoch_exactly_once():
     assert drop.take(2) == [2, 3] and drop.exhausted(2) and drop.take(2) == [2, 3] and drop.epoch == 1
     with pytest.raises(cg.ConfigError, match="seed=3"):
         cg.DataCursor(23, seed=4).load_state_dict(state)
+
+
+def test_rules_refuse_what_they_cannot_carry(saved, tmp_path):
+    """In one process, from the 2-rank save onto 1 rank: each refusal names the item and the fix,
+    and leaves the live objects as they were."""
+    root = tmp_path / "root"
+    shutil.copytree(saved[2][0], root)
+    manifest = root / "step_00000002" / "manifest.json"
+    job, cursor, tokens, state = _job(0, 1, seed=99)
+    before = _full(job)
+
+    def refused(error, match, live=state, **cfg):
+        with pytest.raises(error, match=match):
+            cg.CheckpointManager(root, config=_config(**cfg)).restore(live)
+        assert all(torch.equal(before[k], v) for k, v in _full(job).items()) and cursor.consumed == 0
+
+    refused(cg.TopologyMismatchError, r"'world_size': 2.*'world_size': 1.*ReshardRule.BY_ITEM",
+            reshard=cg.ReshardRule.REFUSE)
+    refused(cg.TopologyMismatchError, r"item 'data' was saved under the rule 'data_cursor' and declares 'user'",
+            {**state, "data": cg.PerRank(0, reshard=_split_tokens)})
+    refused(cg.StateMismatchError, r"_rules_refuse.*<lambda> of item 'tokens' returned a list of 2.*list of 1",
+            {**state, "tokens": cg.PerRank(0, reshard=lambda old, new: old)})
+    refused(cg.TopologyMismatchError, r"item 'sched' \(stateful\) has no rule.*replicated=", replicated=())
+    data = json.loads(manifest.read_text())
+    del data["reshard"]["_rng"]  # as a save without rng_seed (or an older ckptguard) writes it
+    data["digests"]["1"]["sched"] = "0" * 16
+    manifest.write_text(json.dumps(data))
+    refused(cg.TopologyMismatchError, r"the RNG streams .* have no rule: set CheckpointConfig\(rng_seed=",
+            rng_seed=None)
+    refused(cg.StateMismatchError, r"item 'sched' \(rule replicated\) was saved with different values.*ranks \[0\]; "
+            r"ranks \[1\]")
+    assert tokens.value == 0
