@@ -50,13 +50,15 @@ def _job(rank: int, world: int, seed: int):
     job = build_job(rank=rank, world=world, seed=seed)
     cursor = cg.DataCursor(N, seed=SEED, rank=rank, world_size=world)
     tokens = cg.PerRank(0, reshard=_split_tokens)
-    state = {"model": job.model, "optim": job.optim, "sched": job.sched, "data": cursor, "tokens": tokens}
+    gen = cg.GeneratorState(torch.Generator().manual_seed(seed + rank))  # a per-rank augmentation stream
+    state = {"model": job.model, "optim": job.optim, "sched": job.sched, "data": cursor, "tokens": tokens, "gen": gen}
     return job, cursor, tokens, state
 
 
-def _step(mgr, job, cursor, tokens, step: int) -> list[int]:
+def _step(mgr, job, cursor, tokens, step: int, gen: cg.GeneratorState) -> list[int]:
     ids = cursor.take(B)
     x = torch.randn(N, FEATURES, generator=torch.Generator().manual_seed(5))[ids]
+    x = x + 0.01 * torch.randn(x.shape, generator=gen.generator)
     loss = torch.nn.functional.mse_loss(job.model(x), x[:, :2].sum(1, keepdim=True).sin())  # dropout draws RNG
     job.optim.zero_grad(set_to_none=True)
     loss.backward()
@@ -87,11 +89,11 @@ def _train_and_kill(rank: int, world: int, root: str, out: str) -> None:
     job, cursor, tokens, state = _job(rank, world, seed=0)
     mgr = cg.CheckpointManager(root, config=_config())
     assert mgr.restore(state) == 0
-    ids = [_step(mgr, job, cursor, tokens, s) for s in range(1, K + 1)]
+    ids = [_step(mgr, job, cursor, tokens, s, state["gen"]) for s in range(1, K + 1)]
     mgr.save(K, state)
     torch.save({"full": _full(job), "ids": ids, "tokens": tokens.value}, f"{out}/rank{rank}.pt")
     for s in (K + 1, K + 2):  # the segment the kill loses, recorded for the proof
-        _step(mgr, job, cursor, tokens, s)
+        _step(mgr, job, cursor, tokens, s, state["gen"])
     if world > 1:
         torch.distributed.barrier()  # every rank's records are written before any rank dies
     os.kill(os.getpid(), signal.SIGKILL)
@@ -115,12 +117,13 @@ def _resume(rank: int, world: int, root: str) -> dict:
     out["untouched"] = all(torch.equal(before[k], after[k]) for k in before) and cursor.consumed == 0
     assert mgr.restore(state) == K
     out["streams"] = _streams()
+    out["gen"] = state["gen"].generator.get_state()
     out["full"] = _full(job)
     out["tokens"] = tokens.value
     out["ids"], step = [], K
     while not cursor.exhausted(B):
         step += 1
-        out["ids"].append(_step(mgr, job, cursor, tokens, step))
+        out["ids"].append(_step(mgr, job, cursor, tokens, step, state["gen"]))
     return out
 
 
@@ -153,7 +156,7 @@ def test_resume_on_another_world_size_is_exact_and_proven(saved, tmp_path, old, 
     rules = json.loads((root / "step_00000002" / "manifest.json").read_text())["reshard"]
     assert {n: r["rule"] for n, r in rules.items()} == {
         "model": "dcp", "optim": "dcp", "sched": "replicated", "data": "data_cursor", "tokens": "user",
-        "_rng": "rng_rederive"}
+        "gen": "rng_rederive", "_rng": "rng_rederive"}
     assert rules["_rng"]["seed"] == SEED and rules["tokens"]["fn"].endswith("_split_tokens")
     out = values(run_ranks(_resume, new, str(root)))
 
@@ -175,6 +178,10 @@ def test_resume_on_another_world_size_is_exact_and_proven(saved, tmp_path, old, 
     # Each rank's streams are the rule's derivation from (seed, step, rank), and no two ranks share them.
     assert [r["streams"] for r in out] == [_derived(rank) for rank in range(new)]
     assert len({tuple(r["streams"]) for r in out}) == new
+    for rank, r in enumerate(out):  # a GeneratorState item: the same rule, its name mixed into the seed
+        text = f"ckptguard-rng:{SEED}:{K}:{rank}:gen".encode()
+        seed = xxhash.xxh3_64_intdigest(text) & ((1 << 63) - 1)
+        assert torch.equal(r["gen"], torch.Generator().manual_seed(seed).get_state())
 
     gates = evaluate(root)
     assert passed(gates), [(g.name, g.status.value, g.evidence) for g in gates if g.status is not Status.PASS]
@@ -220,7 +227,7 @@ def _legacy(rank: int, world: int, root: str, v1_root: str) -> dict:
     step = K
     while not cursor.exhausted(B):
         step += 1
-        _step(mgr, job, cursor, state["tokens"], step)
+        _step(mgr, job, cursor, state["tokens"], step, state["gen"])
     return out
 
 

@@ -13,7 +13,8 @@ each save (``manifest.json`` field ``reshard``: item -> ``{"rule": ..., ...}``):
   new values, one per new rank; every new rank runs it and the results must agree (checked);
 - ``rng_rederive``: the four RNG streams of new rank r are seeded from
   ``derived_seed(seed, step, r)`` (the seed recorded at save, ``CheckpointConfig(rng_seed=...)``),
-  never copied from another rank; the ranks' streams must then be distinct (checked).
+  never copied from another rank, and so is every ``GeneratorState`` item (its seed also mixes in
+  the item's name); the ranks' streams must then be distinct (checked).
 
 An item without a rule refuses the restore on every rank, naming the item and the rules that
 would apply, before any byte of tensor state is read. A rule recorded at save that differs
@@ -49,9 +50,11 @@ DCP, REPLICATED, DATA_CURSOR, USER, RNG = "dcp", "replicated", "data_cursor", "u
 _TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemKind.TENSORS)
 
 
-def derived_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of new rank ``rank``'s RNG streams after a resharded restore of ``step``."""
-    return xxhash.xxh3_64_intdigest(f"ckptguard-rng:{seed}:{step}:{rank}".encode()) & ((1 << 63) - 1)
+def derived_seed(seed: int, step: int, rank: int, item: str | None = None) -> int:
+    """The seed of new rank ``rank``'s RNG streams (or of its generator ``item``) after a resharded
+    restore of ``step``."""
+    text = f"ckptguard-rng:{seed}:{step}:{rank}" + (f":{item}" if item is not None else "")
+    return xxhash.xxh3_64_intdigest(text.encode()) & ((1 << 63) - 1)
 
 
 def seed_streams(seed: int) -> None:
@@ -88,6 +91,8 @@ def declared(state: Mapping[str, Any], config: CheckpointConfig) -> dict[str, di
             rules[name] = {"rule": USER, "fn": _fn_name(value.reshard)}
         elif name in config.replicated:
             rules[name] = {"rule": REPLICATED}
+        elif isinstance(value, _rng.GeneratorState) and config.rng_seed is not None:
+            rules[name] = {"rule": RNG, "seed": config.rng_seed}
     if config.capture_rng and config.rng_seed is not None:
         rules[RNG_ITEM] = {"rule": RNG, "seed": config.rng_seed}
     return rules
@@ -97,8 +102,11 @@ def _would_apply(value: Any) -> str:
     kind = _state.classify(value)
     if kind is _state.ItemKind.PER_RANK:
         return "PerRank(value, reshard=f) with f(old_values_by_rank, new_world) -> new_values_by_rank"
+    if isinstance(value, _rng.GeneratorState):
+        return "CheckpointConfig(rng_seed=<the job's seed>): each new rank's generator is re-derived from it"
+    what = "object's state_dict()" if kind is _state.ItemKind.STATEFUL else "value"
     return (f"CheckpointConfig(replicated=(...)) if it is equal on every rank, a ckptguard.DataCursor for a data "
-            f"position, or PerRank(value, reshard=f) for a {kind.value} that differs per rank")
+            f"position, or, if it differs per rank, pass its {what} as PerRank(value, reshard=f)")
 
 
 def skeleton_rank(manifest: _manifest.Manifest, ep_rank: int | None) -> int:
@@ -145,7 +153,8 @@ def _rules(ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any])
             problems.append(f"item {name!r} was saved under the rule {was.get('rule')!r} and declares "
                             f"{rule['rule']!r} now: declare the rule it was saved under")
         else:
-            rules[name] = rule
+            # A generator is re-derived from the seed recorded at save, like the four streams.
+            rules[name] = dict(rule, seed=was["seed"]) if rule["rule"] == RNG and was and "seed" in was else rule
     if RNG_ITEM in manifest.digests.get("0", {}) and ctx.config.restore_rng:
         seed = saved.get(RNG_ITEM, {}).get("seed", ctx.config.rng_seed)
         if seed is None:
@@ -207,8 +216,22 @@ def prepare(
         plan.expected[RNG_ITEM] = digest(extras["rng"])
     elif not ctx.config.restore_rng:
         extras["rng"] = None
+    for name in generators(rules):
+        extras["items"][name] = _derived_generator(state[name], rules[name]["seed"], manifest.step, ctx.rank, name)
+        plan.expected[name] = digest(extras["items"][name])
     plan.extras = extras
     return plan
+
+
+def generators(rules: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The ``GeneratorState`` items re-derived under the RNG rule."""
+    return sorted(n for n, r in rules.items() if r["rule"] == RNG and n != RNG_ITEM)
+
+
+def _derived_generator(item: Any, seed: int, step: int, rank: int, name: str) -> dict[str, Any]:
+    """The state a ``GeneratorState`` item gets: a fresh generator of its device seeded by the rule."""
+    gen = torch.Generator(device=item.generator.device).manual_seed(derived_seed(seed, step, rank, name))
+    return {"device": str(item.generator.device), "state": gen.get_state()}
 
 
 def _run_user_rule(
@@ -234,6 +257,7 @@ def _run_user_rule(
 class _After(Wire):
     rng: str = ""
     users: dict[str, str] = field(default_factory=dict)
+    generators: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -245,16 +269,19 @@ def confirm(ctx: Context, plan: Plan) -> str | None:
     """Collective, after the items are applied: re-derived streams distinct across ranks and user
     rules alike on every rank; every rank raises if not. Returns this rank's RNG digest."""
     mine = digest(_rng.capture()) if RNG_ITEM in plan.rules else ""
+    gens = {n: digest(plan.extras["items"][n]) for n in generators(plan.rules)}
 
     def decide(views: list[_After]) -> _Fine:
         problems = []
-        seen: dict[str, list[int]] = {}
-        for r, v in enumerate(views):
-            if v.rng:
-                seen.setdefault(v.rng, []).append(r)
-        if same := [ranks for ranks in seen.values() if len(ranks) > 1]:
-            problems.append(f"ranks {same[0]} hold the same RNG streams after re-deriving them (their dropout "
-                            "masks and sampling would be identical)")
+        for what, of in [("RNG streams", lambda v: v.rng)] + [(f"generator {n!r}", lambda v, n=n: v.generators[n])
+                                                                for n in gens]:
+            seen: dict[str, list[int]] = {}
+            for r, v in enumerate(views):
+                if of(v):
+                    seen.setdefault(of(v), []).append(r)
+            if same := [ranks for ranks in seen.values() if len(ranks) > 1]:
+                problems.append(f"ranks {same[0]} hold the same {what} after re-deriving them (their dropout "
+                                "masks and sampling would be identical)")
         for name in plan.user_digests:
             if len({v.users.get(name) for v in views}) > 1:
                 problems.append(f"the reshard rule of item {name!r} returned different lists on different ranks: "
@@ -264,5 +291,5 @@ def confirm(ctx: Context, plan: Plan) -> str | None:
                                      f"ranks): {'; '.join(problems)}. Do not train on.")
         return _Fine()
 
-    gather_decide(ctx.agreement, "restore.reshard", _After(mine, plan.user_digests), decide, decision=_Fine)
+    gather_decide(ctx.agreement, "restore.reshard", _After(mine, plan.user_digests, gens), decide, decision=_Fine)
     return mine or None
