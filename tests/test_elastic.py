@@ -192,6 +192,14 @@ def test_resume_on_another_world_size_is_exact_and_proven(saved, tmp_path, old, 
     assert shown["RNG streams distinct across ranks"].status is Status.PASS
     data = shown["data order identical"].evidence
     assert f"resharded {old} -> {new} ranks" in data and "multiset over the union of ranks" in data
+    if (old, new) == (1, 2):  # the CLI shows it: the reshard, the rules, and the verdict
+        from click.testing import CliRunner
+
+        from ckptguard.cli import main
+
+        shown_cli = CliRunner().invoke(main, ["prove", str(root)])
+        assert shown_cli.exit_code == 0 and "resume PROVEN" in shown_cli.output, shown_cli.output
+        assert "resharded resume" in shown_cli.output and "1 -> 2 ranks under by_item" in shown_cli.output
     if (old, new) == (2, 1):  # the resumed run's first step read step 1's samples again: caught over the union
         _replay_step_one(root / "proof" / "rank_00000.jsonl", before[:B])
         data = next(g for g in evaluate(root) if g.name == "data order identical")
