@@ -42,7 +42,9 @@ def _count(name: str, value: Any, low: int) -> int:
 class DataCursor:
     """A position in a seeded global order of ``num_samples`` ids, counted in samples consumed.
 
-    ``rank``/``world_size`` default to the process group's (0 and 1 without one). Put the cursor
+    ``rank``/``world_size`` are the data-parallel rank and size; they default to the default process
+    group's (0 and 1 without one), which is right for pure data parallelism; with tensor or pipeline
+    parallelism pass the DP rank and size (the ranks of one DP replica read the same ids). Put the cursor
     in the state (``state["data"] = cursor``): on a restore onto another world size it is
     re-partitioned over the new ranks (``ReshardRule.BY_ITEM``).
     """
