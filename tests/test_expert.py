@@ -89,6 +89,7 @@ def test_expert_state_roundtrips_per_ep_rank(tmp_path, world, ep):
         # With them, every expert parameter and its Adam state comes back bit for bit.
         assert r["bitwise"] and r["n_tensors"] == EXPERTS * 2 * 4
         assert "'ep': 2" in r["mismatch"] and "'ep': 1" in r["mismatch"]
+        assert "regroups the experts of every old EP rank" in r["mismatch"]  # what an EP reshard would need
 
 
 def _dcp_bug_worker(rank: int, world: int, root: str) -> list[float]:

@@ -24,6 +24,7 @@ from ._resume.restore import Resolution
 from ._resume.rng import GeneratorState
 from ._resume.state import PerRank
 from .config import CheckpointConfig, ParallelLayout, ProofPlan, ReshardRule, ResumeMode
+from .cursor import CursorSampler, DataCursor
 from .errors import (
     ChainMismatchError,
     CheckpointCorruptError,
@@ -76,7 +77,9 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigError",
     "ContractMismatchError",
+    "CursorSampler",
     "DCPStorage",
+    "DataCursor",
     "DerivedState",
     "ExpertParallel",
     "GeneratorState",

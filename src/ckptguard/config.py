@@ -25,14 +25,20 @@ class ResumeMode(enum.Enum):
 
 
 class ReshardRule(enum.Enum):
-    """What happens to per-rank extras when the world size changes on restore."""
+    """What happens to per-rank state when the world size changes on restore."""
 
     REFUSE = "refuse"
     """A different world size or layout raises TopologyMismatchError."""
+    BY_ITEM = "by_item"
+    """DCP reshards tensors; every other item by its declared rule (a ``DataCursor`` is re-partitioned,
+    ``replicated`` items are checked equal and copied, ``PerRank(value, reshard=f)`` runs ``f``, the RNG
+    streams are re-derived from ``rng_seed``, step and new rank); an item without a rule refuses the restore."""
     EXTRAS_FROM_RANK0 = "extras_from_rank0"
-    """DCP reshards tensors; every rank takes rank 0's per-rank values and RNG."""
+    """Legacy, kept for old jobs: every rank takes rank 0's per-rank values and RNG streams (identical
+    dropout and sampling on every rank); ``ckptguard prove`` fails such a resume. Use BY_ITEM."""
     EXTRAS_MODULO = "extras_modulo"
-    """DCP reshards tensors; rank r takes the extras of old rank r % old_world_size."""
+    """Legacy, kept for old jobs: rank r takes the extras of old rank r % old_world_size (growing duplicates
+    streams; shrinking drops ranks' data positions). Use BY_ITEM."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +116,12 @@ class CheckpointConfig:
     """Parallel sizes; None means pure data parallel over the whole group."""
     reshard: ReshardRule = ReshardRule.REFUSE
     """Whether and how to restore onto a different world size."""
+    rng_seed: int | None = None
+    """The job's base seed, recorded with every save: a ``BY_ITEM`` resharded restore seeds new rank r's
+    RNG streams from (this seed, the restored step, r). None: the RNG streams have no reshard rule."""
+    replicated: tuple[str, ...] = ()
+    """State items equal on every rank (a scheduler, a step counter): a ``BY_ITEM`` resharded restore checks
+    that every saving rank saved the same value and gives it to every new rank."""
     allow_newer_torch: bool = False
     """Read checkpoints written by a newer torch (refused by default, before any read)."""
     overwrite: bool = False
@@ -142,6 +154,13 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.timeout_s must be > 0 seconds, got {self.timeout_s!r}")
         if not isinstance(self.reshard, ReshardRule):
             raise ConfigError(f"CheckpointConfig.reshard must be a ReshardRule, got {self.reshard!r}")
+        if self.rng_seed is not None and (not isinstance(self.rng_seed, int) or isinstance(self.rng_seed, bool)
+                                          or self.rng_seed < 0):
+            raise ConfigError(f"CheckpointConfig.rng_seed must be an int >= 0 or None, got {self.rng_seed!r}")
+        if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
+            raise ConfigError(
+                f"CheckpointConfig.replicated must be a tuple of state item names, got {self.replicated!r}")
+        object.__setattr__(self, "replicated", tuple(self.replicated))
         if self.stage_dir is not None and not isinstance(self.stage_dir, Path):
             object.__setattr__(self, "stage_dir", Path(self.stage_dir))
         if self.contract is not None and not isinstance(self.contract, RunContract):

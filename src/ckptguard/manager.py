@@ -391,6 +391,8 @@ class CheckpointManager:
                          layout_free_match=seen["layout_free"], ok=False,
                          error=f"{type(exc).__name__}: {exc}"[:2000], **where)
             raise
+        if done.reshard is not None:  # old -> new world, the rules, this rank's RNG streams (prove shows them)
+            where["reshard"] = done.reshard
         self._record(
             "restore",
             step=done.step,

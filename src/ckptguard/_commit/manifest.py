@@ -56,6 +56,7 @@ class Manifest:
     created_unix: float
     cost: dict[str, Any] | None = None  # size and save time (optional in format 1: older manifests lack it)
     layout_free: dict[str, dict[str, str]] | None = None  # item -> key -> digest no sharding changes (optional)
+    reshard: dict[str, dict[str, Any]] | None = None  # item -> its declared reshard rule (optional, _resume/reshard)
 
     @property
     def world_size(self) -> int:
@@ -66,7 +67,7 @@ class Manifest:
         return {k: v for k, v in self.__dict__.items() if k != "path" and not (v is None and k in _OPTIONAL)}
 
 
-_OPTIONAL = ("cost", "layout_free")
+_OPTIONAL = ("cost", "layout_free", "reshard")
 
 
 def build(
@@ -82,6 +83,7 @@ def build(
     contract: dict[str, Any],
     cost: dict[str, Any] | None = None,
     layout_free: dict[str, dict[str, str]] | None = None,
+    reshard: dict[str, dict[str, Any]] | None = None,
 ) -> Manifest:
     """The manifest of a step being committed at ``path`` (written by the caller with ``to_json``)."""
     return Manifest(
@@ -99,6 +101,7 @@ def build(
         created_unix=time.time(),
         cost=cost,
         layout_free=layout_free,
+        reshard=reshard,
     )
 
 
@@ -212,7 +215,15 @@ def read(step_dir: Path) -> Manifest:
         created_unix=float(data.get("created_unix", 0.0)),
         cost=data["cost"] if isinstance(data.get("cost"), dict) else None,
         layout_free=data["layout_free"] if isinstance(data.get("layout_free"), dict) else None,
+        reshard=_rules(data.get("reshard")),
     )
+
+
+def _rules(value: Any) -> dict[str, dict[str, Any]] | None:
+    """The optional per-item reshard rules; a malformed table reads as none (the restore then asks for rules)."""
+    if isinstance(value, dict) and all(isinstance(v, dict) and isinstance(v.get("rule"), str) for v in value.values()):
+        return value
+    return None
 
 
 def check_torch_version(manifest: Manifest, *, allow_newer: bool) -> None:

@@ -135,6 +135,7 @@ class RankReport(Wire):
     ep_rank: int | None = None
     failure: dict[str, Any] | None = None
     layout_free: dict[str, list[str]] = field(default_factory=dict)  # item -> partials (see digest.layout_free)
+    reshard: dict[str, dict[str, Any]] = field(default_factory=dict)  # item -> declared reshard rule
 
 
 @dataclass(frozen=True)
@@ -441,6 +442,7 @@ def _publish(
         cost=cost,  # optional in format 1: absent in manifests written before it
         # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).
         layout_free=combine_layout_free([rep.layout_free for rep in reports]),
+        reshard=reports[0].reshard or None,  # optional in format 1: how each item crosses a world-size change
     )
     _layout.atomic_write_json(
         manifest.path, manifest.to_json(), before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
@@ -562,6 +564,7 @@ class Snapshot:
     rng: Any
     started: float
     staged_bytes: int = 0
+    reshard: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
@@ -573,7 +576,9 @@ def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
 
     items, rng = on_every_rank(ctx.agreement, "save.capture", take)
     check_replicated(ctx, items, step)
-    return Snapshot(step, items, rng, started)
+    from .._resume.reshard import declared
+
+    return Snapshot(step, items, rng, started, reshard=declared(state, ctx.config))
 
 
 def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
@@ -597,6 +602,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
             digests,
             ctx.expert.rank if ctx.expert else None,
             layout_free=layout_free,
+            reshard=snap.reshard,
         )
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
         report = RankReport(ctx.agreement.info.host, failure=failure_from(exc, rank=ctx.rank, phase="write").to_json())

@@ -57,8 +57,9 @@ def _extras_items(
     targets: dict[str, Any],
     extras: dict[str, Any],
     source: int,
+    expected: dict[str, str] | None = None,
 ) -> tuple[dict[str, bool], list[str]]:
-    saved = manifest.digests.get(str(source), {})
+    saved = manifest.digests.get(str(source), {}) if expected is None else expected
     matches: dict[str, bool] = {}
     problems: list[str] = []
     for name, (kind, _sd, _live_tensors) in targets.items():
@@ -104,10 +105,12 @@ def verify(
     extras: dict[str, Any],
     source: int,
     on_verified: Callable[..., None] | None = None,
+    *,
+    expected: dict[str, str] | None = None,
 ) -> Checked:
     """Collective: compare, record through ``on_verified``, and raise on every rank if anything differs."""
     resharded = manifest.world_size != ctx.world
-    items, problems = _extras_items(ctx, state, manifest, targets, extras, source) if resharded else ({}, [])
+    items, problems = _extras_items(ctx, state, manifest, targets, extras, source, expected) if resharded else ({}, [])
     saved = manifest.layout_free  # None: a manifest written before layout-free digests
     tensor_items = sorted(n for n, (kind, _sd, _f) in targets.items() if kind in _TENSOR_KINDS)
     partials = layout_free_partials(_live_tensors(ctx, state, targets)) if saved is not None else {}

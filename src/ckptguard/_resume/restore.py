@@ -41,6 +41,7 @@ from ..errors import (
 )
 from . import contract as _contract
 from . import layoutfree as _layoutfree
+from . import reshard as _reshard
 from . import rng as _rng
 from . import state as _state
 
@@ -237,12 +238,19 @@ def _reraise_same(errors: dict[int, dict[str, Any]]) -> CheckpointError:
 
 
 def _source_rank(ctx: Context, manifest: _manifest.Manifest) -> int:
+    """Whose extras this rank reads (under BY_ITEM: whose skeletons of the tensor items)."""
     old = manifest.world_size
     if old == ctx.world or ctx.config.reshard is ReshardRule.REFUSE:
         return ctx.rank
+    if ctx.config.reshard is ReshardRule.BY_ITEM:
+        return _reshard.skeleton_rank(manifest, ctx.expert.rank if ctx.expert is not None else None)
     if ctx.config.reshard is ReshardRule.EXTRAS_FROM_RANK0:
         return 0
     return ctx.rank % old
+
+
+def _by_item(ctx: Context, manifest: _manifest.Manifest) -> bool:
+    return manifest.world_size != ctx.world and ctx.config.reshard is ReshardRule.BY_ITEM
 
 
 def _agree_files(ctx: Context, res: Resolution) -> None:
@@ -254,6 +262,8 @@ def _agree_files(ctx: Context, res: Resolution) -> None:
     error: dict[str, str] | None = None
     wanted = {f["path"] for f in manifest.files if f["path"].startswith(_layout.STATE_DIR + "/")}
     wanted.add(_layout.extras_name(src))
+    if _by_item(ctx, manifest):  # a user rule reads every old rank's extras
+        wanted |= {_layout.extras_name(r) for r in range(manifest.world_size)}
     if manifest.world_size == ctx.world:  # same layout: only this rank's shards (node-local storage)
         from .._commit.checks import files_needed
 
@@ -297,14 +307,28 @@ def _check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
     now = ctx.topology()
     if saved == now:
         return
-    if ctx.config.reshard is ReshardRule.REFUSE or saved.get("ep", 1) != now.get("ep", 1):
+    if saved.get("ep", 1) != now.get("ep", 1):
+        raise TopologyMismatchError(
+            f"{manifest.path.parent} was saved with {saved}; this run has {now}. The expert-parallel size changed "
+            f"({saved.get('ep', 1)} -> {now.get('ep', 1)}), which is never resharded: experts are stored per EP "
+            "rank (<key>#ep<r>), and a new EP size would need a rule that regroups the experts of every old EP "
+            "rank onto the new ones, with their optimizer state, and re-derives the expert-parallel RNG. "
+            f"Restore with ep={saved.get('ep', 1)} (the data-parallel size may change under "
+            "ReshardRule.BY_ITEM), or convert the checkpoint offline."
+        )
+    if ctx.config.reshard is ReshardRule.REFUSE:
         raise TopologyMismatchError(
             f"{manifest.path.parent} was saved with {saved}; this run has {now}. Restore with the "
-            "same world size and layout, or set CheckpointConfig(reshard=ReshardRule...) to let "
-            "DCP reshard tensor state under a declared rule for per-rank extras (expert-parallel "
-            "size changes are never resharded)."
+            "same world size and layout, or set CheckpointConfig(reshard=ReshardRule.BY_ITEM) to let "
+            "DCP reshard tensor state and every per-rank item follow its declared rule (a DataCursor, "
+            "replicated=..., PerRank(value, reshard=f), rng_seed=...)."
         )
-    log.warning("ckptguard: resharding %s -> %s under %s", saved, now, ctx.config.reshard.value)
+    if ctx.config.reshard is not ReshardRule.BY_ITEM:
+        log.warning("ckptguard: resharding %s -> %s under the legacy %s: per-rank state is copied from other "
+                    "ranks, and `ckptguard prove` will not prove this resume; use ReshardRule.BY_ITEM",
+                    saved, now, ctx.config.reshard.value)
+    else:
+        log.warning("ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules", saved, now)
 
 
 def _some(keys: list[str], n: int = 8) -> str:
@@ -381,11 +405,15 @@ class Restored:
     layout_free_match: dict[str, bool] = field(default_factory=dict)  # tensor items, any layout
     source_rank: int = 0  # whose extras (and RNG) this rank took
     saved_world_size: int = 0
+    reshard: dict[str, Any] | None = None  # resharded: old -> new world, rules, this rank's RNG digest
 
 
-def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[str, Any]]:
+def _precheck(
+    ctx: Context, res: Resolution, state: dict[str, Any]
+) -> tuple[_manifest.Manifest, dict[str, Any], _reshard.Plan | None]:
     """Everything decided before a byte of tensor state is read: versions, topology, chain,
-    contract, and this rank's extras (loaded with weights_only)."""
+    contract, and this rank's extras (loaded with weights_only; resharded under BY_ITEM: built
+    by every item's rule, or refused naming the items without one)."""
     assert res.path is not None
     manifest = _manifest.read(res.path)
     _manifest.check_torch_version(manifest, allow_newer=ctx.config.allow_newer_torch)
@@ -394,7 +422,16 @@ def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[s
     _contract.check_chain(ctx.root, manifest.chain_id, where=where)
     _contract.check(ctx.root, ctx.config.contract, where=where)
     _check_external_files(ctx, manifest)
-    extras_path = res.path / _layout.extras_name(_source_rank(ctx, manifest))
+    if _by_item(ctx, manifest):
+        plan = _reshard.prepare(ctx, manifest, state, lambda r: _load_extras(ctx, res.path, manifest, r))
+        return manifest, plan.extras, plan
+    return manifest, _load_extras(ctx, res.path, manifest, _source_rank(ctx, manifest)), None
+
+
+def _load_extras(ctx: Context, step_dir: Path | None, manifest: _manifest.Manifest, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s extras file of the step, loaded with weights_only and checked against the manifest."""
+    assert step_dir is not None
+    extras_path = step_dir / _layout.extras_name(rank)
     try:
         extras = torch.load(extras_path, weights_only=True, map_location="cpu")
         items = extras.get("items") if isinstance(extras, dict) else None
@@ -406,7 +443,8 @@ def _precheck(ctx: Context, res: Resolution) -> tuple[_manifest.Manifest, dict[s
                 f"'items' table lacks {sorted(set(manifest.items) - set(items))[:4]}); "
                 "restore an earlier step"
             )
-        return manifest, extras
+        loaded: dict[str, Any] = extras
+        return loaded
     except FileNotFoundError:
         raise CheckpointIncompleteError(
             f"{extras_path} is missing (rank {ctx.rank}); restore an earlier step"
@@ -459,7 +497,7 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
 
 
 def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:
-    manifest, extras = on_every_rank(ctx.agreement, "restore.precheck", lambda: _precheck(ctx, res))
+    manifest, extras, plan = on_every_rank(ctx.agreement, "restore.precheck", lambda: _precheck(ctx, res, state))
     assert res.path is not None
     targets, flat = _plan(ctx, state, manifest, extras)
     if flat:
@@ -479,18 +517,38 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
             _rng.restore(extras["rng"], where=f"restore of step {manifest.step}, rank {ctx.rank}")
 
     on_every_rank(ctx.agreement, "restore.applied", apply)
+    resharded = _resharded_record(ctx, manifest, plan)
     matches: dict[str, bool] = {}
     layout_free: dict[str, bool] = {}
     source = _source_rank(ctx, manifest)
     if ctx.config.verify_restored:
         if manifest.world_size == ctx.world:
             matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
-        # Any layout: tensor items through the layout-free digest; resharded: extras against their source rank.
-        checked = _layoutfree.verify(ctx, state, manifest, targets, extras, source, on_verified)
+        # Any layout: tensor items through the layout-free digest; resharded: extras against their source
+        # rank, or (BY_ITEM) against what their rule gives.
+        expected = plan.expected if plan is not None else None
+        checked = _layoutfree.verify(ctx, state, manifest, targets, extras, source, on_verified, expected=expected)
         matches.update(checked.items)
         layout_free = checked.layout_free
         _release_host_cache()  # digests of GPU tensors staged through pinned chunks
-    return Restored(manifest.step, manifest.format_version, matches, layout_free, source, manifest.world_size)
+    return Restored(
+        manifest.step, manifest.format_version, matches, layout_free, source, manifest.world_size, resharded
+    )
+
+
+def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard.Plan | None) -> dict[str, Any] | None:
+    """The proof record's ``reshard`` field: old -> new world, the rules, and this rank's RNG streams.
+    Under BY_ITEM the streams are checked distinct across ranks first (collective)."""
+    if manifest.world_size == ctx.world:
+        return None
+    if plan is not None:
+        return plan.record(_reshard.confirm(ctx, plan))
+    from .digest import digest
+
+    rng = digest(_rng.capture()) if ctx.config.restore_rng and RNG_ITEM in manifest.digests.get("0", {}) else None
+    src = "rank 0" if ctx.config.reshard is ReshardRule.EXTRAS_FROM_RANK0 else f"rank r % {manifest.world_size}"
+    return {"mode": ctx.config.reshard.value, "from": manifest.world_size, "to": ctx.world,
+            "rules": {"(every per-rank item)": f"copied from old {src}"}, "rng": rng}
 
 
 def _verify_digests(

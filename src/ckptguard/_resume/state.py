@@ -46,9 +46,14 @@ class PerRank:
 
     DCP stores a plain tensor once for all ranks (rank 1 silently gets rank 0's copy),
     so anything that differs per rank must be wrapped in ``PerRank`` or be a DTensor.
+
+    ``reshard``: how the value crosses a change of world size (``ReshardRule.BY_ITEM``):
+    ``reshard(old_values_by_rank, new_world) -> new_values_by_rank``, a deterministic function
+    (every new rank runs it); without one a resharded restore refuses the item.
     """
 
     value: Any
+    reshard: Callable[[list[Any], int], list[Any]] | None = None
 
 
 @dataclass

@@ -39,17 +39,33 @@ def _ids_array(ids: Any) -> np.ndarray | None:
     return None
 
 
+def ids_multiset(hashes: np.ndarray) -> str:
+    """An order-free digest of a multiset of ids: the sum mod 2**64 of a bijective mix of each id.
+
+    Sums add, so the union over ranks and steps is the sum of the records' digests: a resharded
+    resume (ranks and batch boundaries changed) is compared with the killed run over the same
+    samples (``ops/prove``). A repeated or a skipped id changes the sum."""
+    z = hashes.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return f"{int(z.sum(dtype=np.uint64)):016x}"
+
+
 def ids_fields(ids: Any) -> dict[str, Any]:
     arr = _ids_array(ids)
     if arr is not None:
         h = xxhash.xxh3_64(b"ids:int64:")
         h.update(np.ascontiguousarray(arr).data)
-        return {"sample_ids": h.hexdigest(), "samples": int(arr.size), "ids_head": [int(i) for i in arr[:_HEAD]]}
+        return {"sample_ids": h.hexdigest(), "samples": int(arr.size), "ids_head": [int(i) for i in arr[:_HEAD]],
+                "ids_sum": ids_multiset(arr.view(np.uint64))}
     if isinstance(ids, (list, tuple)) and all(isinstance(i, str) for i in ids):
         h = xxhash.xxh3_64(b"ids:str:")
         for i in ids:
             h.update(i.encode() + b"\0")
-        return {"sample_ids": h.hexdigest(), "samples": len(ids), "ids_head": list(ids[:_HEAD])}
+        hashed = np.array([xxhash.xxh3_64_intdigest(i.encode()) for i in ids], dtype=np.uint64)
+        return {"sample_ids": h.hexdigest(), "samples": len(ids), "ids_head": list(ids[:_HEAD]),
+                "ids_sum": ids_multiset(hashed)}
     return {"sample_ids": digest(ids)}
 
 

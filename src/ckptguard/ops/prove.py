@@ -156,7 +156,9 @@ def _gate_digests(seg: _Segment) -> tuple[Status, str]:
         if not free:
             return Status.NOT_RUN, (f"rank {seg.rank}: resharded restore ({old} -> {new} ranks) and the save recorded "
                                     "no layout-free digests (written by an older ckptguard): tensor items not compared")
-        extras = f"; {', '.join(sorted(items))} equal the saving rank's" if items else ""
+        by_rule = (seg.restore.get("reshard") or {}).get("mode") == "by_item"
+        source = "what their reshard rules give" if by_rule else "the saving rank's"
+        extras = f"; {', '.join(sorted(items))} equal {source}" if items else ""
         return Status.PASS, (f"resharded {old} -> {new} ranks: {', '.join(sorted(free))} equal the save's "
                              f"layout-free digests{extras}")
     if not items:
@@ -408,6 +410,160 @@ def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
                        f"step {s}, rank {rank} ({a!r} killed, {b!r} resumed); {plan_note}", required=False)]
 
 
+# ---------------------------------------------------------------- resharded resumes
+
+
+def _resharded(segments: list[_Segment]) -> tuple[int, int, int] | None:
+    """(restored step, old world, new world) when the newest run restored onto another world size."""
+    for seg in segments:
+        r = seg.restore
+        if r is not None and _restored(seg) and r.get("saved_world_size") not in (None, 0, r.get("world_size")):
+            return int(r["step"]), int(r["saved_world_size"]), int(r["world_size"])
+    return None
+
+
+def _gate_topology(segments: list[_Segment], old: int, new: int) -> Gate:
+    name = "resharded resume"
+    info = next((s.restore.get("reshard") for s in segments if s.restore and s.restore.get("reshard")), None)
+    if not info:
+        return Gate(name, Status.INFO, f"{old} -> {new} ranks; the reshard rules were not recorded (older ckptguard)",
+                    required=False)
+    rules = ", ".join(f"{n}={r}" for n, r in sorted((info.get("rules") or {}).items()))
+    return Gate(name, Status.INFO, f"{old} -> {new} ranks under {info.get('mode')}: {rules}", required=False)
+
+
+def _gate_rng_distinct(segments: list[_Segment]) -> Gate:
+    """After a resharded restore every rank's RNG streams must differ from every other's: a copy of
+    another rank's (EXTRAS_FROM_RANK0, EXTRAS_MODULO when growing) gives identical dropout and sampling."""
+    name = "RNG streams distinct across ranks"
+    digests: dict[int, str | None] = {}
+    mode = None
+    for seg in segments:
+        if (missing := _needs_restore(seg)) is not None:
+            return Gate(name, missing[0], missing[1])
+        info = seg.restore.get("reshard") if seg.restore else None
+        if not isinstance(info, dict):
+            return Gate(name, Status.NOT_RUN, f"rank {seg.rank}: the resharded restore recorded no RNG streams "
+                        "(written by an older ckptguard)")
+        digests[seg.rank], mode = info.get("rng"), info.get("mode")
+    if all(d is None for d in digests.values()):
+        return Gate(name, Status.NA, "no RNG streams were saved or put back", required=False)
+    alike: dict[str | None, list[int]] = {}
+    for rank, d in sorted(digests.items()):
+        alike.setdefault(d, []).append(rank)
+    same = [ranks for d, ranks in alike.items() if len(ranks) > 1 or d is None]
+    if same:
+        return Gate(name, Status.FAIL, (
+            f"ranks {same[0]} hold the same RNG streams after the resharded restore (mode {mode}): their dropout "
+            "masks and sampling are identical. Restore under ReshardRule.BY_ITEM with "
+            "CheckpointConfig(rng_seed=<the job's seed>): each rank's streams are re-derived from (seed, step, rank)"))
+    how = "re-derived from (seed, step, rank)" if mode == "by_item" else f"under {mode}"
+    return Gate(name, Status.PASS, f"the {len(digests)} ranks' streams differ from each other ({how})")
+
+
+def _killed_steps(
+    records: dict[int, list[dict[str, Any]]], k: int, old: int, new_pids: set[Any]
+) -> tuple[dict[int, dict[int, list[dict[str, Any]]]], list[int]]:
+    """Per step and old rank, the step records of the processes that saved step k and ran on; and the
+    old ranks without a record of that save."""
+    out: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    missing = []
+    for r in range(old):
+        recs = records.get(r, [])
+        saver = next((x["pid"] for x in reversed(recs)
+                      if x["event"] == "save" and x["step"] == k and x["pid"] not in new_pids), None)
+        if saver is None:
+            missing.append(r)
+            continue
+        for x in recs:
+            if x["event"] == "step" and x["pid"] == saver and x["step"] > k:
+                out.setdefault(int(x["step"]), {}).setdefault(r, []).append(x)
+    return out, missing
+
+
+def _spans(
+    by_step: dict[int, dict[int, list[dict[str, Any]]]], k: int, world: int
+) -> list[tuple[int, int, int]] | None:
+    """(step, samples so far, multiset sum so far) over the steps after k that every rank recorded, in
+    order; None when a record lacks the order-free digest of its sample ids."""
+    out: list[tuple[int, int, int]] = []
+    count = total = 0
+    step = k + 1
+    while len(by_step.get(step, {})) == world:
+        for recs in by_step[step].values():
+            for x in recs:
+                if not isinstance(x.get("ids_sum"), str) or not isinstance(x.get("samples"), int):
+                    return None
+                count += x["samples"]
+                total = (total + int(x["ids_sum"], 16)) % (1 << 64)
+        out.append((step, count, total))
+        step += 1
+    return out
+
+
+def _union_data(segments: list[_Segment], records: dict[int, list[dict[str, Any]]], plan: ProofPlan,
+                k: int, old: int, new: int) -> Gate:
+    """Exactly-once over the union of ranks: the samples the resumed run consumed after step k, as a
+    multiset over all its ranks, equal the killed run's over all of its ranks, up to the last point
+    where both had consumed the same number (batch boundaries differ when the world size does)."""
+    name = "data order identical"
+    for seg in segments:
+        if (missing := _needs_restore(seg)) is not None:
+            return Gate(name, missing[0], missing[1])
+    new_pids = {s.restore["pid"] for s in segments if s.restore is not None}
+    killed, missing_savers = _killed_steps(records, k, old, new_pids)
+    if missing_savers:
+        return Gate(name, Status.NOT_RUN, f"no record of the processes that saved step {k} on old ranks "
+                    f"{missing_savers}: no killed run to compare with")
+    resumed: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for seg in segments:
+        for x in seg.after:
+            if x["event"] == "step" and x["step"] > k:
+                resumed.setdefault(int(x["step"]), {}).setdefault(seg.rank, []).append(x)
+    a, b = _spans(killed, k, old), _spans(resumed, k, new)
+    if a is None or b is None:
+        return Gate(name, Status.NOT_RUN, f"resharded {old} -> {new} ranks: steps after {k} were recorded without "
+                    "integer or string sample_ids (or by an older ckptguard): exactly-once consumption over the "
+                    "union of ranks was not checked")
+    if not a or not b:
+        who = "the run that saved" if not a else "the resumed run"
+        return Gate(name, Status.NOT_RUN, f"resharded {old} -> {new} ranks: {who} step {k} recorded no step after it "
+                    "on all of its ranks: nothing to compare")
+    at_a = {count: (step, total) for step, count, total in a}
+    common = [(count, step, total) for step, count, total in b if count in at_a and count > 0]
+    if not common:
+        return Gate(name, Status.NOT_RUN, (
+            f"resharded {old} -> {new} ranks: after step {k} the killed run consumed {[c for _s, c, _t in a]} samples "
+            f"by step, the resumed run {[c for _s, c, _t in b]}: no step where both had consumed as many; record "
+            "more steps"))
+    for count, step, total in common:
+        killed_step, killed_total = at_a[count]
+        if total != killed_total:
+            return Gate(name, Status.FAIL, (
+                f"resharded {old} -> {new} ranks: the {count} samples the resumed run consumed in steps {k + 1}-{step} "
+                f"over its {new} ranks are not, as a multiset, the {count} the killed run consumed in steps "
+                f"{k + 1}-{killed_step} over its {old} ranks: a sample was repeated or skipped. A per-rank data "
+                "position does not survive a change of world size: count the global position with "
+                "ckptguard.DataCursor"))
+    count, step, _total = common[-1]
+    if step - k < plan.replay_steps:
+        return Gate(name, Status.NOT_RUN, f"resharded {old} -> {new} ranks: {step - k} step(s) replayed, the plan "
+                    f"asks for {plan.replay_steps} (ProofPlan.replay_steps)")
+    return Gate(name, Status.PASS, (
+        f"resharded {old} -> {new} ranks: the {count} samples the killed run consumed in steps "
+        f"{k + 1}-{at_a[count][0]} over {old} ranks are exactly, as a multiset over the union of ranks, the "
+        f"{count} the resumed run consumed in steps {k + 1}-{step} over {new} ranks: each sample once"))
+
+
+def _resharded_gates(segments: list[_Segment], records: dict[int, list[dict[str, Any]]], plan: ProofPlan,
+                     k: int, old: int, new: int) -> list[Gate]:
+    data = _union_data(segments, records, plan, k, old, new)
+    numbers = Gate("replayed steps identical", Status.INFO, (
+        f"resharded {old} -> {new} ranks: each rank's batches differ from the killed run's, so loss and grad_norm "
+        "are not compared step by step"), required=False)
+    return [data, numbers]
+
+
 # ---------------------------------------------------------------- plan and evaluation
 
 
@@ -488,15 +644,23 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
     events = {r["event"] for recs in records.values() for r in recs}
     gates = [Gate("proof plan", Status.INFO, f"rl={plan.rl}, deterministic={plan.deterministic}, "
                   f"replay_steps={plan.replay_steps} ({where})", required=False)]
+    resharded = _resharded(segments)
+    if resharded is not None:
+        gates.append(_gate_topology(segments, *resharded[1:]))
     for name, fn in (("restored step confirmed before training", _gate_confirmed), ("all PIDs changed", _gate_pids),
                      ("digests equal, item by item", _gate_digests), ("addresses unchanged", _gate_addresses)):
         gates.append(_combine(name, [_judged(fn, s) for s in segments]))
+    if resharded is not None:
+        gates.append(_gate_rng_distinct(segments))
     gates.append(_not_rl("first export byte-identical", [_judged(_gate_export, s) for s in segments], plan, where,
                          "export" in events))
     gates.append(_not_rl("first old-logprob aligned", [_judged(_gate_logprobs, s) for s in segments], plan, where,
                          "logprobs" in events))
     gates.append(_combine("one non-zero update", [_judged(_gate_update, s) for s in segments]))
-    gates += _replay_gates([_replay(s, before(s), plan) for s in segments], plan)
+    if resharded is not None:  # ranks changed: exactly-once over the union of ranks, not rank by rank
+        gates += _resharded_gates(segments, records, plan, *resharded)
+    else:
+        gates += _replay_gates([_replay(s, before(s), plan) for s in segments], plan)
     restores = [s.restore for s in segments if s.restore is not None]
     written = sorted({int(r["format_version"]) for r in restores if r.get("format_version")})
     gates.append(
