@@ -93,6 +93,7 @@ EXPORTED = [
     "ResumeMode",
     "RetentionPolicy",
     "RunContract",
+    "RunStepError",
     "SaveStillRunningError",
     "StaleDerivedStateError",
     "StateMismatchError",

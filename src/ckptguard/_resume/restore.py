@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,18 @@ class Resolution:
         return f"resume from step {self.step} at {self.path}: {self.reason}"
 
 
-def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path: Path | None) -> Resolution:
-    """What this rank sees on disk; raises ResumeError rather than guessing."""
+def resolve_local(
+    root: Path,
+    naming: _layout.StepNaming,
+    mode: ResumeMode,
+    path: Path | None,
+    *,
+    read_manifest: Callable[[Path], Any] = _manifest.read,
+) -> Resolution:
+    """What this rank sees on disk; raises ResumeError rather than guessing.
+
+    ``read_manifest`` reads a step's commit marker (an object with ``step``) or raises: a run
+    of several roles passes its own, which also refuses a step missing a role (``ckptguard.run``)."""
     if path is not None:
         step_dir = Path(path)
         _layout.refuse_link(step_dir, "step directory")  # a link may lead outside every root
@@ -77,7 +88,7 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
             raise CheckpointNotFoundError(
                 f"restore(path={str(path)!r}): no such directory; pass a committed step directory"
             )
-        manifest = _manifest.read(step_dir)
+        manifest = read_manifest(step_dir)
         return Resolution(manifest.step, step_dir, "explicit path", mode)
     if mode is ResumeMode.NEVER:
         count = len(_layout.step_dirs(root, naming))
@@ -112,7 +123,7 @@ def resolve_local(root: Path, naming: _layout.StepNaming, mode: ResumeMode, path
     step_dir = root / naming.name(tracker)
     _layout.refuse_link(step_dir, f"step directory of the tracker's step {tracker}")
     try:
-        manifest = _manifest.read(step_dir)
+        manifest = read_manifest(step_dir)
     except UnsafeCheckpointError:
         raise  # a link or a FIFO in place of the manifest: refused as such, not as "not committed"
     except (CheckpointNotFoundError, CheckpointError) as exc:
