@@ -51,6 +51,8 @@ from .errors import (
     WriteFailure,
 )
 from .manager import CheckpointManager
+from .rollout import RolloutLedger
+from .run import Role, RunCheckpoint
 from .storage import (
     DCPStorage,
     IOStats,
@@ -97,6 +99,9 @@ __all__ = [
     "ResumeError",
     "ResumeMode",
     "RetentionPolicy",
+    "Role",
+    "RolloutLedger",
+    "RunCheckpoint",
     "RunContract",
     "RunStepError",
     "SaveStillRunningError",

@@ -360,7 +360,9 @@ class RunCheckpoint:
             return 0
         log.info("ckptguard: %s (roles %s)", res.describe(), ", ".join(self._ranks))
         assert res.path is not None
-        parts = {n: Resolution(res.step, res.path / n, f"role {n!r} of run step {res.step}", res.mode) for n in self._ranks}
+        parts = {
+            n: Resolution(res.step, res.path / n, f"role {n!r} of run step {res.step}", res.mode) for n in self._ranks
+        }
 
         def each_role(act: Any) -> None:
             first: BaseException | None = None

@@ -487,8 +487,8 @@ def _check_publish(ctx: Context, step: int) -> None:
 
 
 def _publish_or_fail(
-    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport], items: dict[str, Any],
-    *, part: bool = False,
+    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
+    items: dict[str, Any], *, part: bool = False,
 ) -> Outcome:
     """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
     failures = [r.failure for r in reports if r.failure] or _unseen_files(tmp, reports)

@@ -167,7 +167,7 @@ def read(step_dir: Path) -> RunManifest:
         problem = f"role names {sorted(map(str, roles))[:8]} are not names ckptguard writes"
     elif not _int(data.get("world_size")) or data["world_size"] < 1:
         problem = "'world_size' must be an int >= 1"
-    if problem is not None:
+    if problem is not None or not isinstance(roles, dict):
         raise CheckpointCorruptError(f"{path}: {problem}; damaged or edited after the commit: restore an earlier step")
     return RunManifest(
         path=path,
