@@ -349,9 +349,10 @@ class RunCheckpoint:
     ) -> int:
         """Load the resolved run step into every role's state in place; return its step (0: fresh).
 
-        ``states`` as for ``save``. Every role's files and prechecks pass on every rank before
-        any role reads a tensor; a failure after that (a key mismatch, a damaged shard) raises
-        on every rank of the run, so no rank trains on a partly restored run."""
+        ``states`` as for ``save``. Every role's files, versions, topology, contract, items and
+        keys are checked on every rank before any role reads a tensor; a failure after that (a
+        damaged shard, a digest that differs) raises on every rank of the run, so no rank trains
+        on a partly restored run."""
         self._check_states(states, "restore")
         self._check_lease("restore")
         res = self.resolve(mode=mode, path=path)
@@ -375,8 +376,11 @@ class RunCheckpoint:
                 raise first
 
         def check(name: str, ctx: _commit.Context) -> None:
+            # What restore checks before it reads a tensor, for every role before any role reads one.
             _restore._agree_files(ctx, parts[name])
-            on_every_rank(ctx.agreement, "run.precheck", lambda: _restore._precheck(ctx, parts[name]))
+            part = parts[name]
+            manifest, extras = on_every_rank(ctx.agreement, "run.precheck", lambda: _restore._precheck(ctx, part))
+            _restore._plan(ctx, states[name], manifest, extras)  # items and keys, both ways
 
         def load(name: str, ctx: _commit.Context) -> None:
             _restore.restore(ctx, states[name], parts[name])
