@@ -258,3 +258,27 @@ def test_a_failed_role_write_commits_nothing_and_names_the_role(tmp_path):
     wrong = cg.RunCheckpoint(root, [cg.Role("actor")], config=_config())
     with pytest.raises(cg.ResumeError, match=r"role\(s\) \['critic'\] would not be restored"):
         wrong.restore({"actor": {"model": model}})
+
+
+def test_operator_commands_read_a_run_root(tmp_path):
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+
+    root = tmp_path / "ckpt"
+    run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")], config=_config())
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2):
+        run.save(step, {"actor": {"model": model}, "driver": {"n": step}})
+    cli = CliRunner()
+    assert "resume from step 2" in cli.invoke(main, ["resolve", str(root)]).output
+    listing = cli.invoke(main, ["list", str(root)]).output
+    assert listing.count("committed (run step: actor, driver)") == 2, listing
+    ok = cli.invoke(main, ["verify", str(root), "--deep"])
+    assert ok.exit_code == 0 and "0 finding(s)" in ok.output, ok.output
+    (root / NAMING.name(2) / "driver" / "rank_00000.pt").unlink()
+    bad = cli.invoke(main, ["verify", str(root)])
+    assert bad.exit_code == 1 and "role 'driver'" in bad.output and "missing-file" in bad.output, bad.output
+    refused = cli.invoke(main, ["resolve", str(root)])
+    assert refused.exit_code == 1 and "missing role 'driver'" in refused.output, refused.output
+    assert "NOT committed" in cli.invoke(main, ["list", str(root)]).output

@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from .._resume.digest import file_digest
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError, VersionMismatchError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    ConfigError,
+    RunStepError,
+    VersionMismatchError,
+)
 from . import layout as _layout
 from . import manifest as _manifest
 
@@ -269,3 +275,12 @@ def verify(step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None
                                     "is not a role of the run manifest (a leftover or a foreign write)",
                                     "find out who wrote it, then delete it; the checkpoint itself is intact"))
     return findings
+
+
+def read_any(step_dir: Path) -> Any:
+    """The commit marker of a single-role step (``manifest.read``) or of a run step (``checked``:
+    every role's part in place); what the operator tools read to call a step committed."""
+    try:
+        return _manifest.read(step_dir)
+    except RunStepError:
+        return checked(step_dir)
