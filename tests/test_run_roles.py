@@ -282,3 +282,42 @@ def test_operator_commands_read_a_run_root(tmp_path):
     refused = cli.invoke(main, ["resolve", str(root)])
     assert refused.exit_code == 1 and "missing role 'driver'" in refused.output, refused.output
     assert "NOT committed" in cli.invoke(main, ["list", str(root)]).output
+
+
+@pytest.mark.parametrize("point", ["run.role_written", "run.before_manifest", "commit.before_rename",
+                                   "commit.before_tracker"])
+def test_sigkill_at_each_run_point_keeps_the_previous_step(tmp_path, point):
+    """One process (forked, so no interpreter start): SIGKILLed at ``point`` of the save of step 2."""
+    root = tmp_path / "ckpt"
+    roles = [cg.Role("actor"), cg.Role("critic"), cg.Role("driver")]
+
+    def states(value: float) -> dict:
+        torch.manual_seed(0)
+        model, critic = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+        with torch.no_grad():
+            model.weight.fill_(value)
+        return {"actor": {"model": model}, "critic": {"model": critic}, "driver": {"n": value}}
+
+    pid = os.fork()
+    if pid == 0:  # the child saves step 1, then dies in the save of step 2
+        try:
+            run = cg.RunCheckpoint(root, roles, config=_config())
+            run.save(1, states(1.0))
+            set_fault_hook(point, lambda: os.kill(os.getpid(), signal.SIGKILL))
+            run.save(2, states(2.0))
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+    run = cg.RunCheckpoint(root, roles, config=_config())
+    target = states(0.0)
+    assert run.restore(target) == 1  # the previous step, every role
+    assert torch.equal(target["actor"]["model"].weight, torch.ones(3, 3)) and target["driver"]["n"] == 1.0
+    if point == "commit.before_tracker":  # renamed but not tracked: a complete orphan, ignored and replaced
+        assert (root / NAMING.name(2) / "manifest.json").is_file()
+        assert "orphan" in dict((p.name, why) for p, why in _gc.gc(root, NAMING, force=True).kept)[NAMING.name(2)]
+    else:
+        assert not (root / NAMING.name(2)).exists()
+    run.save(2, states(2.0))  # the relaunch commits step 2 again (the dead save's leftovers are swept or replaced)
+    assert run.committed_steps() == [1, 2] and not list(root.glob(".tmp-*"))
+    assert verify_step(root / NAMING.name(2), deep=True) == []
