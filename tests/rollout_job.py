@@ -11,11 +11,13 @@ per ``run ROOT MODE`` line on stdin (a relaunch costs milliseconds, not an inter
 prints ``pid N`` and then ``exit STATUS`` once the job ended; the test SIGKILLs the pid at
 seeded random moments. MODE ``ledger`` saves the RolloutLedger with the models; ``position``
 saves only how many prompts were drawn (the dataloader's position), not the ledger: the bug.
+``<mode>-die`` SIGKILLs itself right after its first commit (a kill at a known point).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -33,6 +35,7 @@ MAX_STALENESS = 2
 
 
 def job(root: str, mode: str) -> None:
+    mode, _, die = mode.partition("-")  # "<mode>-die": SIGKILL itself right after its first commit
     torch.manual_seed(0)
     policy = torch.nn.Module()
     policy.counts = torch.nn.Parameter(torch.zeros(N_PROMPTS), requires_grad=False)  # trained-on counts
@@ -83,6 +86,8 @@ def job(root: str, mode: str) -> None:
         if mode != "ledger":
             driver["drawn"] = base + count("drawn")
         run.save(step, {"policy": {"policy": policy}, "driver": driver})
+        if die:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=produce, daemon=True).start()
     step = saved = start
