@@ -54,10 +54,10 @@ class Role:
     """One role of a run: its name, the ranks that hold it, and how its part is written.
 
     ``ranks`` are ranks of the default process group (None: every rank); a role's part of each
-    step is a single-role step directory ``<step>/<name>/`` written by those ranks, with role
-    ranks 0..len(ranks)-1 in the order of ``ranks``. ``layout``, ``expert_parallel`` and
-    ``storage`` are those of a CheckpointManager for the role's ranks; ``derived`` is
-    invalidated when the role is restored."""
+    step is a single-role step directory ``<step>/<name>/`` written by those ranks, numbered
+    0..len(ranks)-1 in ascending order (as ``torch.distributed.new_group`` numbers them).
+    ``layout``, ``expert_parallel`` and ``storage`` are those of a CheckpointManager for the
+    role's ranks; ``derived`` is invalidated when the role is restored."""
 
     name: str
     ranks: tuple[int, ...] | None = None
@@ -74,7 +74,7 @@ class Role:
                 raise ConfigError(f"Role({self.name!r}, ranks={self.ranks!r}): ranks must be non-empty ints >= 0")
             if len(set(ranks)) != len(ranks):
                 raise ConfigError(f"Role({self.name!r}, ranks={self.ranks!r}): a rank is listed twice")
-            object.__setattr__(self, "ranks", ranks)
+            object.__setattr__(self, "ranks", tuple(sorted(ranks)))
 
 
 @dataclass(frozen=True)
