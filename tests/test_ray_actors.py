@@ -175,3 +175,64 @@ def test_mem_plan_reads_the_threshold_from_the_running_cluster(cluster):
     assert out.exit_code in (0, 1), out.output
     assert f"Ray threshold {THRESHOLD} from cluster" in out.output
     assert f"x Ray threshold {THRESHOLD}" in out.output
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class RoleRankActor:
+    """One rank of a run of two roles inside a Ray actor: the actor model on both, the driver on rank 0."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.rank, self.world = rank, world
+
+    def open(self, timeout_s: float) -> str:
+        from ckptguard.integrations.ray import open_rendezvous
+
+        return open_rendezvous(timeout_s=timeout_s)
+
+    def join(self, address: str, timeout_s: float) -> None:
+        from ckptguard.integrations.ray import join_process_group
+
+        join_process_group(rank=self.rank, world_size=self.world, address=address, timeout_s=timeout_s)
+
+    def run_roles(self, root: str, steps: int) -> dict:
+        import torch
+
+        run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver", ranks=(0,))],
+                               config=cg.CheckpointConfig(timeout_s=30.0, retention=None))
+        torch.manual_seed(steps)  # another init than the saving group's: only the restore can make them equal
+        model = torch.nn.Linear(3, 3)
+        ledger = cg.RolloutLedger(range(10))
+        states = lambda: {"actor": {"model": model}, **({"driver": {"ledger": ledger}} if self.rank == 0 else {})}  # noqa: E731
+        start = run.restore(states())
+        for step in range(start + 1, steps + 1):
+            with torch.no_grad():
+                model.weight.add_(step)
+            if self.rank == 0:
+                pid = ledger.next_prompt()
+                ledger.completed(pid, None)
+                ledger.trained([pid], step)
+            run.save(step, states())
+        return {"start": start, "weight": model.weight.detach().tolist(), "committed": run.committed_steps(),
+                "trained": sorted(ledger.trained_ids) if self.rank == 0 else None}
+
+
+def test_run_checkpoint_of_two_roles_inside_ray_actors(cluster, tmp_path):
+    root = str(tmp_path / "run")
+    actors = [RoleRankActor.remote(r, 2) for r in range(2)]
+    address = ray.get(actors[0].open.remote(30.0), timeout=GET_TIMEOUT)
+    ray.get([a.join.remote(address, 30.0) for a in actors], timeout=GET_TIMEOUT)
+    # Saves of steps 1-2, then a second RunCheckpoint (its own role groups) restores into new objects.
+    first, second = (ray.get([a.run_roles.remote(root, n) for a in actors], timeout=GET_TIMEOUT) for n in (2, 3))
+    for a in actors:
+        ray.kill(a)
+    assert [o["start"] for o in second] == [2, 2] and second[0]["committed"] == [1, 2, 3]
+    assert second[0]["weight"] == second[1]["weight"]  # the restored actor, then one more update, on both ranks
+    assert first[0]["trained"] == [0, 1] and second[0]["trained"] == [0, 1, 2]
+    import torch
+
+    torch.manual_seed(2)
+    expected = torch.nn.Linear(3, 3).weight.detach() + 1 + 2 + 3
+    assert torch.allclose(torch.tensor(second[0]["weight"]), expected)

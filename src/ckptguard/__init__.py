@@ -42,6 +42,7 @@ from .errors import (
     RehearsalError,
     ReplicatedDivergenceError,
     ResumeError,
+    RunStepError,
     SaveStillRunningError,
     StaleDerivedStateError,
     StateMismatchError,
@@ -54,6 +55,8 @@ from .errors import (
 )
 from .manager import CheckpointManager
 from .preempt import Preempted, PreemptionGuard
+from .rollout import RolloutLedger
+from .run import Role, RunCheckpoint
 from .storage import (
     DCPStorage,
     IOStats,
@@ -106,7 +109,11 @@ __all__ = [
     "ResumeError",
     "ResumeMode",
     "RetentionPolicy",
+    "Role",
+    "RolloutLedger",
+    "RunCheckpoint",
     "RunContract",
+    "RunStepError",
     "SaveStillRunningError",
     "StaleDerivedStateError",
     "StateMismatchError",

@@ -8,6 +8,9 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``commit.manifest_tmp_written``: manifest bytes are in a temp file, not renamed
 - ``commit.before_rename``: manifest in place inside the temp directory
 - ``commit.before_tracker``: step directory published, tracker not yet moved
+- ``run.role_written``: one role's part of a run step is written and confirmed by the role's ranks
+  (its manifest is in the run's temp directory); reached on every rank of the role, before the next role
+- ``run.before_manifest``: every role on every rank confirmed; the run manifest is not written yet
 - ``transfer.file_copied``: ``ckptguard transfer`` copied one file of several
 - ``transfer.before_tracker``: the transferred step directory is renamed in, the tracker not yet set
 
@@ -34,7 +37,8 @@ COMMIT_POINTS = (
     "commit.before_rename",
     "commit.before_tracker",
 )
-POINTS = (*COMMIT_POINTS, "transfer.file_copied", "transfer.before_tracker")
+RUN_POINTS = ("run.role_written", "run.before_manifest")
+POINTS = (*COMMIT_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker")
 
 _hooks: dict[str, Callable[[], None]] = {}
 

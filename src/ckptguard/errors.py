@@ -4,6 +4,7 @@ One root, and leaves that also subclass the builtin a caller would naturally cat
 
     CheckpointError
     +-- ConfigError (ValueError)                 a bad argument or config field
+    |   +-- RunStepError                         a single-role reader met a run step (RunCheckpoint's)
     +-- CheckpointNotFoundError (FileNotFoundError)
     |   +-- CheckpointIncompleteError            files or the commit marker are missing
     +-- CheckpointCorruptError (ValueError)      a file is present but unreadable or wrong
@@ -58,6 +59,7 @@ __all__ = [
     "RehearsalError",
     "ReplicatedDivergenceError",
     "ResumeError",
+    "RunStepError",
     "SaveStillRunningError",
     "StaleDerivedStateError",
     "StateMismatchError",
@@ -90,6 +92,10 @@ class CheckpointError(Exception):
 
 class ConfigError(CheckpointError, ValueError):
     """A configuration field or argument is invalid."""
+
+
+class RunStepError(ConfigError):
+    """A step directory holds a run manifest (several roles, ``RunCheckpoint``), not one state."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._resume.digest import file_digest
-from ..errors import CheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, RunStepError, UnsafeCheckpointError
 from ..storage.base import DCP_METADATA
 from ..storage.unpickler import read_dcp_metadata
 from . import layout as _layout
@@ -281,6 +281,10 @@ def verify_step(step_dir: Path, *, deep: bool = False, progress: Callable[[int],
 def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None) -> list[Finding]:
     try:
         manifest = _manifest.read(step_dir)
+    except RunStepError:  # several roles committed as one step: each role's part is checked as a step
+        from . import runmanifest
+
+        return runmanifest.verify(step_dir, deep=deep, progress=progress)
     except CheckpointError as exc:
         code = "no-manifest" if isinstance(exc, FileNotFoundError) else "bad-manifest"
         where = step_dir / _layout.MANIFEST_NAME

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch.torch_version import TorchVersion
 
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError, VersionMismatchError
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, RunStepError, VersionMismatchError
 from .layout import MANIFEST_NAME, parse_json, read_small
 
 FORMAT_VERSION = 1
 READABLE_VERSIONS = (1,)
+RUN_KIND = "ckptguard-run"
+"""The ``kind`` of a run step's manifest (``_commit.runmanifest``): its roles' parts are steps of this format."""
 
 
 def ckptguard_version() -> str:
@@ -183,6 +185,14 @@ def read(step_dir: Path) -> Manifest:
         ) from None
     if not isinstance(data, dict):
         raise CheckpointCorruptError(f"{path} holds a JSON {type(data).__name__}, not a manifest object")
+    if data.get("kind") == RUN_KIND:
+        # A run step is committed as a whole; one role's part read as the step would miss the others.
+        roles = sorted(data["roles"]) if isinstance(data.get("roles"), dict) else []
+        raise RunStepError(
+            f"{step_dir} is a run step of several roles ({', '.join(map(str, roles[:8]))}) written by "
+            "ckptguard.RunCheckpoint: restore it with RunCheckpoint(...).restore, or one role's part alone "
+            f"with restore(path='{step_dir}/<role>')"
+        )
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise CheckpointCorruptError(f"{path} lacks the fields {missing}; it is not a manifest")

@@ -420,7 +420,7 @@ def _cost(ctx: Context, step: int, started: float, files: list[dict[str, Any]]) 
 
 def _publish(
     ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
-    kinds: dict[str, str],
+    kinds: dict[str, str], *, part: bool = False,
 ) -> None:
     _faults.reached("commit.before_manifest")
     files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files]
@@ -447,7 +447,14 @@ def _publish(
     _layout.atomic_write_json(
         manifest.path, manifest.to_json(), before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
     )
+    if part:  # one role's part of a run step: the run commit renames and moves the tracker (ckptguard.run)
+        return
     _faults.reached("commit.before_rename")
+    publish_dir(ctx, step, tmp)
+
+
+def publish_dir(ctx: Context, step: int, tmp: Path) -> None:
+    """Rename a temp directory whose commit marker is in place to its step name, then move the tracker."""
     _check_publish(ctx, step)
     final = ctx.root / ctx.naming.name(step)
     trash = None
@@ -482,7 +489,8 @@ def _check_publish(ctx: Context, step: int) -> None:
 
 
 def _publish_or_fail(
-    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport], items: dict[str, Any]
+    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
+    items: dict[str, Any], *, part: bool = False,
 ) -> Outcome:
     """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
     failures = [r.failure for r in reports if r.failure] or _unseen_files(tmp, reports)
@@ -490,7 +498,7 @@ def _publish_or_fail(
         _discard(ctx, tmp)
         return Outcome(failures, "write")
     try:
-        _publish(ctx, step, tmp, prep, started, reports, {n: c.kind.value for n, c in items.items()})
+        _publish(ctx, step, tmp, prep, started, reports, {n: c.kind.value for n, c in items.items()}, part=part)
     except Exception as exc:
         if tmp.exists():  # refused or failed before the rename: nothing of it may linger
             _discard(ctx, tmp)
@@ -585,10 +593,14 @@ def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
     return commit(ctx, snapshot(ctx, step, state))
 
 
-def commit(ctx: Context, snap: Snapshot) -> Path:
-    """Steps 1 to 4 of the protocol for a snapshot; in the caller's or a background thread."""
+def commit(ctx: Context, snap: Snapshot, *, part: Prepared | None = None) -> Path:
+    """Steps 1 to 4 of the protocol for a snapshot; in the caller's or a background thread.
+
+    ``part``: write the snapshot as one role's part of a run step into ``part.tmp`` (prepared by
+    the run's commit, ``ckptguard.run``) and stop after its manifest: the run commit renames the
+    step directory and moves the tracker once every role on every rank confirmed. Returns ``part.tmp``."""
     step, items, rng = snap.step, snap.items, snap.rng
-    prep = _prepare(ctx, step)
+    prep = part if part is not None else _prepare(ctx, step)
     tmp = Path(prep.tmp)
     try:
         written = _write_rank(ctx, step, tmp, items, rng)
@@ -611,10 +623,10 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
         ctx.agreement,
         "save.written",
         report,
-        lambda reports: _publish_or_fail(ctx, step, tmp, prep, snap.started, reports, items),
+        lambda reports: _publish_or_fail(ctx, step, tmp, prep, snap.started, reports, items, part=part is not None),
         decision=Outcome,
         patience=2.0,
     )
     _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
     ctx.last_save = (step, time.monotonic())
-    return ctx.root / ctx.naming.name(step)
+    return tmp if part is not None else ctx.root / ctx.naming.name(step)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,13 @@ def resolve_local(
     mode: ResumeMode,
     path: Path | None,
     prefer: _trust.Prefer = _trust.Prefer.LATEST,
+    *,
+    read_manifest: Callable[[Path], Any] = _manifest.read,
 ) -> Resolution:
-    """What this rank sees on disk; raises ResumeError rather than guessing."""
+    """What this rank sees on disk; raises ResumeError rather than guessing.
+
+    ``read_manifest`` reads a step's commit marker (an object with ``step``) or raises: a run
+    of several roles passes its own, which also refuses a step missing a role (``ckptguard.run``)."""
     if path is not None:
         step_dir = Path(path)
         _layout.refuse_link(step_dir, "step directory")  # a link may lead outside every root
@@ -85,7 +91,7 @@ def resolve_local(
             raise CheckpointNotFoundError(
                 f"restore(path={str(path)!r}): no such directory; pass a committed step directory"
             )
-        manifest = _manifest.read(step_dir)
+        manifest = read_manifest(step_dir)
         return Resolution(manifest.step, step_dir, "explicit path", mode)
     if mode is ResumeMode.NEVER:
         count = len(_layout.step_dirs(root, naming))
@@ -120,7 +126,7 @@ def resolve_local(
     step_dir = root / naming.name(tracker)
     _layout.refuse_link(step_dir, f"step directory of the tracker's step {tracker}")
     try:
-        manifest = _manifest.read(step_dir)
+        manifest = read_manifest(step_dir)
     except UnsafeCheckpointError:
         raise  # a link or a FIFO in place of the manifest: refused as such, not as "not committed"
     except (CheckpointNotFoundError, CheckpointError) as exc:
@@ -133,10 +139,12 @@ def resolve_local(
     if manifest.step != tracker:
         raise ResumeError(f"{step_dir}/manifest.json says step {manifest.step} but the tracker says {tracker}")
     res = Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
-    return _prefer_verified(root, naming, res) if prefer is _trust.Prefer.VERIFIED else res
+    return _prefer_verified(root, naming, res, read_manifest) if prefer is _trust.Prefer.VERIFIED else res
 
 
-def _prefer_verified(root: Path, naming: _layout.StepNaming, res: Resolution) -> Resolution:
+def _prefer_verified(
+    root: Path, naming: _layout.StepNaming, res: Resolution, read_manifest: Callable[[Path], Any] = _manifest.read
+) -> Resolution:
     """prefer='verified': the newest verified committed step no newer than the tracker (module doc of trust)."""
     try:
         trust = _trust.read(root)
@@ -147,7 +155,7 @@ def _prefer_verified(root: Path, naming: _layout.StepNaming, res: Resolution) ->
             continue
         step_dir = root / naming.name(step)
         try:
-            if step_dir.is_symlink() or _manifest.read(step_dir).step != step:
+            if step_dir.is_symlink() or read_manifest(step_dir).step != step:
                 continue
         except CheckpointError:
             continue  # deleted or damaged since it was verified: the next older one

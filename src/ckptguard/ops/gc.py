@@ -24,7 +24,7 @@ from .._commit import retention as _retention
 from .._commit import trust as _trust
 from .._commit.checks import verify_step
 from .._resume import contract as _contract
-from ..errors import CheckpointCorruptError, ConfigError
+from ..errors import CheckpointCorruptError, ConfigError, RunStepError
 
 LEASE_TTL_S = 6 * 3600.0
 STALE_TEMP_AGE_S = 24 * 3600.0
@@ -51,7 +51,19 @@ def identify(root: Path) -> None:
 def _has_manifest(path: Path) -> bool:
     try:
         _manifest.read(path)
+    except RunStepError:  # a RunCheckpoint step: ckptguard's if its run manifest reads
+        return _has_run_manifest(path)
     except Exception:  # any unreadable manifest: gc cannot tell this directory is ckptguard's
+        return False
+    return True
+
+
+def _has_run_manifest(path: Path) -> bool:
+    from .._commit import runmanifest
+
+    try:
+        runmanifest.read(path)
+    except Exception:
         return False
     return True
 

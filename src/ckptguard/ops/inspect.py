@@ -15,6 +15,7 @@ from pathlib import Path
 from .._commit import layout as _layout
 from .._commit import manifest as _manifest
 from .._commit import retention as _retention
+from .._commit import runmanifest as _runmanifest
 from .._commit import trust as _trust
 from .._resume.restore import Resolution, resolve_local
 from ..config import ResumeMode
@@ -33,7 +34,10 @@ def resolve(
     root: Path, template: str, mode: ResumeMode, path: Path | None = None, prefer: str = "latest"
 ) -> Resolution:
     """Which step a restore under ``root`` would load, and why, decided as ``restore`` decides."""
-    return resolve_local(root.absolute(), naming(template), mode, path, _trust.as_prefer(prefer, "--prefer"))
+    return resolve_local(
+        root.absolute(), naming(template), mode, path, _trust.as_prefer(prefer, "--prefer"),
+        read_manifest=_runmanifest.read_any,
+    )
 
 
 @dataclass(frozen=True)
@@ -66,9 +70,11 @@ def list_steps(root: Path, template: str) -> Listing:
             state = "NOT committed: a symlink (never read through)"
         else:
             try:
-                _manifest.read(path)
+                found = _runmanifest.read_any(path)
                 state = "committed" if tracker is not None and step <= tracker else "orphan (newer than tracker)"
                 trusted = _trust.describe(trust.get(step)) if trust is not None else unreadable
+                if isinstance(found, _runmanifest.RunManifest):
+                    state += f" (run step: {', '.join(sorted(found.roles))})"
             except CheckpointError as exc:
                 state = f"NOT committed: {str(exc).split(';')[0]}"
         entries.append(StepEntry(step, state, path.name, trusted))
@@ -98,7 +104,7 @@ def world_size(step_dir: Path) -> int:
 
 def hold(root: Path, template: str, step: int, reason: str) -> Path:
     """Pin a committed step against rotation; refuses a step that is not committed."""
-    _manifest.read(root / naming(template).name(step))
+    _runmanifest.read_any(root / naming(template).name(step))
     if step > (_layout.read_tracker(root) or 0):
         raise ConfigError(f"step {step} is newer than the tracker: not committed")
     return _retention.hold(root, step, reason)
