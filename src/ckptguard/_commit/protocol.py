@@ -20,8 +20,10 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -400,6 +402,33 @@ def _write_rank(ctx: Context, step: int, tmp: Path, items: dict[str, Captured], 
         shutil.rmtree(local, ignore_errors=True)
 
 
+def _write_and_digest(
+    ctx: Context, step: int, tmp: Path, items: dict[str, Captured], rng: Any
+) -> tuple[list[WrittenFile], tuple[dict[str, str], dict[str, list[str]]]]:
+    """The write and the digest pass over the same bytes, overlapped: digests in a second thread.
+
+    Run one after the other, the digest pass added its whole time to every save; the two read
+    the same (staged or live) tensors and neither changes them."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            # Both digests in one pass over the bytes: the per-rank one and the one no sharding changes.
+            box["digests"] = digests_and_layout_free(items)
+        except BaseException as exc:  # raised below, in the commit's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"ckptguard-digest-{step}", daemon=True)
+    thread.start()
+    try:
+        written = _write_rank(ctx, step, tmp, items, rng)
+    finally:
+        thread.join()
+    if "error" in box:
+        raise box["error"]
+    return written, box["digests"]
+
+
 # ---------------------------------------------------------------- step 4: publish
 
 
@@ -419,11 +448,11 @@ def _cost(ctx: Context, step: int, started: float, files: list[dict[str, Any]]) 
 
 def _publish(
     ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
-    kinds: dict[str, str],
+    kinds: dict[str, str], extra_cost: dict[str, Any] | None = None,
 ) -> None:
     _faults.reached("commit.before_manifest")
     files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files]
-    cost = _cost(ctx, step, started, files)
+    cost = {**_cost(ctx, step, started, files), **(extra_cost or {})}
     manifest = _manifest.build(
         path=tmp / _layout.MANIFEST_NAME,
         step=step,
@@ -480,7 +509,8 @@ def _check_publish(ctx: Context, step: int) -> None:
 
 
 def _publish_or_fail(
-    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport], items: dict[str, Any]
+    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
+    items: dict[str, Any], extra_cost: dict[str, Any] | None = None,
 ) -> Outcome:
     """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
     failures = [r.failure for r in reports if r.failure] or _unseen_files(tmp, reports)
@@ -488,7 +518,7 @@ def _publish_or_fail(
         _discard(ctx, tmp)
         return Outcome(failures, "write")
     try:
-        _publish(ctx, step, tmp, prep, started, reports, {n: c.kind.value for n, c in items.items()})
+        _publish(ctx, step, tmp, prep, started, reports, {n: c.kind.value for n, c in items.items()}, extra_cost)
     except Exception as exc:
         if tmp.exists():  # refused or failed before the rename: nothing of it may linger
             _discard(ctx, tmp)
@@ -562,6 +592,10 @@ class Snapshot:
     rng: Any
     started: float
     staged_bytes: int = 0
+    cost: dict[str, Any] = field(default_factory=dict)
+    """Figures of the staging (async saves) added to the manifest's cost block."""
+    read_done: Callable[[], None] | None = None
+    """Called once the write and the digest pass no longer read the snapshot's tensors."""
 
 
 def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
@@ -586,9 +620,11 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     prep = _prepare(ctx, step)
     tmp = Path(prep.tmp)
     try:
-        written = _write_rank(ctx, step, tmp, items, rng)
-        # Both digests in one pass over the bytes: the per-rank one and the one no sharding changes.
-        digests, layout_free = digests_and_layout_free(items)
+        try:
+            written, (digests, layout_free) = _write_and_digest(ctx, step, tmp, items, rng)
+        finally:
+            if snap.read_done is not None:
+                snap.read_done()  # live tensors (a state larger than the staging pool) may change now
         if rng is not None:
             digests[RNG_ITEM] = digest(rng)
         report = RankReport(
@@ -605,7 +641,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
         ctx.agreement,
         "save.written",
         report,
-        lambda reports: _publish_or_fail(ctx, step, tmp, prep, snap.started, reports, items),
+        lambda reports: _publish_or_fail(ctx, step, tmp, prep, snap.started, reports, items, snap.cost),
         decision=Outcome,
         patience=2.0,
     )
