@@ -186,7 +186,8 @@ def test_the_pool_is_released_after_the_idle_time(tmp_path):
 def test_pool_places_exactly_and_within_the_budget():
     pool = StagingPool(pin=False)
     slots = pool.place([100, 7, 1000], budget=10_000)
-    assert all(s is not None for s in slots) and pool.held_bytes == 192 + 1000  # 64-byte aligned starts, no padding at the end
+    # 64-byte aligned starts, no padding after the last slot
+    assert all(s is not None for s in slots) and pool.held_bytes == 192 + 1000
     pool.done()
     again = pool.place([100, 7, 1000, 4000], budget=4000)  # the new tensor does not fit the budget left
     assert again[3] is None and pool.held_bytes == 1192
