@@ -240,7 +240,8 @@ class CheckpointManager:
                 if pool is not None:
                     pool.done()
 
-        self._pending = _async.PendingSave(step, run, time.monotonic() - start, fence=staged.fence, started=start)
+        snap.resumed = time.monotonic()
+        self._pending = _async.PendingSave(step, run, snap.resumed - start, fence=staged.fence, started=start)
         return self._pending
 
     def staged(self) -> float:

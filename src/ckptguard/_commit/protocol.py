@@ -596,6 +596,8 @@ class Snapshot:
     """Figures of the staging (async saves) added to the manifest's cost block."""
     read_done: Callable[[], None] | None = None
     """Called once the write and the digest pass no longer read the snapshot's tensors."""
+    resumed: float | None = None
+    """monotonic time the caller got control back (async saves), for the step time in the cost block."""
 
 
 def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
@@ -646,5 +648,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
         patience=2.0,
     )
     _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
-    ctx.last_save = (step, time.monotonic())
+    # Training resumed when the caller got control back: at the end of a sync save, but right
+    # after the snapshot of an async one (its commit overlaps the steps that follow).
+    ctx.last_save = (step, snap.resumed if snap.resumed is not None else time.monotonic())
     return ctx.root / ctx.naming.name(step)

@@ -30,6 +30,7 @@ from ..errors import StorageStallError
 # The system calls, looked up here at call time: a seam for tests that inject short writes.
 _write = os.write
 _preadv = os.preadv
+_HUGE = 64 << 20  # buffers from this size on ask for transparent huge pages
 
 
 @dataclass
@@ -126,6 +127,11 @@ class Buffer:
     def __init__(self, size: int, pin: bool) -> None:
         self.size = size
         self._map: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if pin and size >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+            # Registering faults in every page first: 2 MiB pages make a multi-GiB pool's first
+            # save (the one that allocates it) several times faster than 4 KiB pages.
+            with contextlib.suppress(OSError):
+                self._map.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=size)
         self.pinned = False
@@ -156,6 +162,7 @@ class BufferPool:
 
     def __init__(self, *, count: int, size: int, pin: bool, timeout_s: float) -> None:
         self.size = size
+        self.count = count
         self.timeout_s = timeout_s
         self._all: list[Buffer] = []
         self._free: queue.Queue[Buffer] = queue.Queue()
