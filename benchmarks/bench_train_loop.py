@@ -291,7 +291,9 @@ class DcpMethod(Method):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         m, o = get_state_dict(job.model, job.opt)
-        return {"model": m, "optim": o}
+        # The tensors only: torch 2.11's DefaultStager deep-copies the dict and fails on the
+        # optimizer's param_groups (KeyError: <class 'type'>); the hyperparameters are the run's own.
+        return {"model": m, "optim": {"state": o["state"]}}
 
     def save(self, step: int) -> float:
         import torch.distributed.checkpoint as dcp
@@ -346,11 +348,13 @@ class DcpMethod(Method):
 
     def restore(self, job: Job) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         sd = self._sd(job)
         dcp.load(sd, checkpoint_id=str(self.last_dir), process_group=self.pg, no_dist=not dist.is_initialized())
-        set_state_dict(job.model, job.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        groups = get_state_dict(job.model, job.opt)[1]["param_groups"]
+        set_state_dict(job.model, job.opt, model_state_dict=sd["model"],
+                       optim_state_dict={"state": sd["optim"]["state"], "param_groups": groups})
 
     def close(self) -> None:
         if self.stager is not None:
@@ -535,6 +539,11 @@ def cg_restore(root: Path, job: Job, threads: int) -> dict[str, Any]:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(stats).items()} if stats else {}
 
 
+def write(path: Path, res: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -583,6 +592,8 @@ def markdown(res: dict) -> str:
              "|---" * (len(cols) + 1) + "|"]
     for name, row in res["summary"].items():
         lines.append(f"| {name} | " + " | ".join("-" if row[c] is None else str(row[c]) for c in cols) + " |")
+    for name, err in res.get("errors", {}).items():
+        lines.append(f"\n{name} failed: {err[:300]}")
     return "\n".join(lines) + "\n"
 
 
@@ -635,14 +646,22 @@ def main() -> None:
     }
     if "none" not in methods:
         methods.insert(0, "none")
+    failed = []
     for name in methods:
-        res["methods"][name] = run_method(name, a, job, device, disk)
+        try:
+            res["methods"][name] = run_method(name, a, job, device, disk)
+        except Exception as exc:  # one method's failure is reported; the others still run
+            if a.tiny:
+                raise
+            failed.append(name)
+            res.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:2000]
+            shutil.rmtree(a.dir / name, ignore_errors=True)
         if rank() == 0:
-            print(f"{name}: {json.dumps(res['methods'][name])[:600]}", flush=True)
+            print(f"{name}: {json.dumps(res['methods'].get(name, res.get('errors', {}).get(name)))[:600]}", flush=True)
+            write(a.out, res)  # after every method: a later crash keeps what was measured
     res["summary"] = summary(res)
     if rank() == 0:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=1) + "\n")
+        write(a.out, res)
         a.out.with_suffix(".md").write_text(markdown(res))
         print(markdown(res), flush=True)
     if dist.is_initialized():
