@@ -263,3 +263,23 @@ def test_the_background_thread_runs_at_lower_priority(tmp_path):
     pending.wait()
     assert any(p.startswith("nice") for p in pending.priority)
     assert Path(tmp_path / "ck" / "step_00000001").is_dir()
+
+
+def _async_divergence_worker(rank: int, world: int, root: str) -> dict:
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=20))
+    pending = mgr.save_async(1, {"w": torch.full((3,), float(rank))})  # the guard runs in the background
+    out: dict = {}
+    try:
+        pending.wait()
+    except cg.ReplicatedDivergenceError as exc:
+        out["refused"] = str(exc)
+    out["committed"] = mgr.committed_steps()
+    mgr.close()
+    return out
+
+
+def test_the_divergence_guard_of_an_async_save_runs_on_the_staged_copies(tmp_path):
+    from dist_helper import run_ranks, values
+
+    for r in values(run_ranks(_async_divergence_worker, 2, str(tmp_path / "ck"))):
+        assert "w (ranks grouped by content: [[0], [1]])" in r["refused"] and r["committed"] == []

@@ -222,7 +222,8 @@ class CheckpointManager:
         self._check_state(state, "save_async")
         self.wait()
         start = time.monotonic()
-        snap = _commit.snapshot(self._ctx, step, state)
+        # The divergence guard hashes every tensor: on the staged copies, in the background.
+        snap = _commit.snapshot(self._ctx, step, state, guard=False)
         staged = self._staging.stage(snap, state, self.config)
         if staged.live_bytes:
             log.warning(

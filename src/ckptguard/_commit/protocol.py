@@ -598,18 +598,22 @@ class Snapshot:
     """Called once the write and the digest pass no longer read the snapshot's tensors."""
     resumed: float | None = None
     """monotonic time the caller got control back (async saves), for the step time in the cost block."""
+    guarded: bool = True
+    """False: the divergence guard has not run yet; ``commit`` runs it first."""
 
 
-def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
-    """Capture every item, the RNG streams and the digests, and run the divergence guard."""
+def snapshot(ctx: Context, step: int, state: dict[str, Any], *, guard: bool = True) -> Snapshot:
+    """Capture every item and the RNG streams, and run the divergence guard (``guard=False``: the
+    commit runs it, on the staged copies, so an async save's caller does not wait for its digests)."""
     started = time.monotonic()
 
     def take() -> tuple[dict[str, Captured], Any]:
         return capture(state, ctx.keyfn()), (_rng.capture() if ctx.config.capture_rng else None)
 
     items, rng = on_every_rank(ctx.agreement, "save.capture", take)
-    check_replicated(ctx, items, step)
-    return Snapshot(step, items, rng, started)
+    if guard:
+        check_replicated(ctx, items, step)
+    return Snapshot(step, items, rng, started, guarded=guard)
 
 
 def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
@@ -619,6 +623,8 @@ def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
 def commit(ctx: Context, snap: Snapshot) -> Path:
     """Steps 1 to 4 of the protocol for a snapshot; in the caller's or a background thread."""
     step, items, rng = snap.step, snap.items, snap.rng
+    if not snap.guarded:
+        check_replicated(ctx, items, step)  # collective: every rank raises alike, before prepare
     prep = _prepare(ctx, step)
     tmp = Path(prep.tmp)
     try:
