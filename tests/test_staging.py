@@ -283,3 +283,41 @@ def test_the_divergence_guard_of_an_async_save_runs_on_the_staged_copies(tmp_pat
 
     for r in values(run_ranks(_async_divergence_worker, 2, str(tmp_path / "ck"))):
         assert "w (ranks grouped by content: [[0], [1]])" in r["refused"] and r["committed"] == []
+
+
+def test_a_region_that_cannot_be_allocated_leaves_the_tensors_live(monkeypatch, caplog):
+    from ckptguard.storage import _staging
+
+    def refuse(size, pin):
+        raise OSError(12, "cudaHostRegister of a host buffer failed")
+
+    monkeypatch.setattr(_staging, "Buffer", refuse)
+    pool = StagingPool(pin=True)
+    caplog.set_level("WARNING", logger="ckptguard")
+    assert pool.place([100, 200], budget=1 << 20) == [None, None] and pool.held_bytes == 0
+    assert "could not allocate a 328 B staging region" in caplog.text
+    pool.done()
+    assert pool._busy == 0
+
+
+def test_only_modules_with_persistent_buffers_hold_their_forward():
+    bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    plain = torch.nn.Linear(2, 2)
+    plain.register_buffer("cache", torch.zeros(2), persistent=False)
+    assert _pending._has_saved_buffers(bn) and not _pending._has_saved_buffers(plain)
+
+
+def test_a_forward_that_updates_running_statistics_waits_for_the_copies(tmp_path, lazy):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model(torch.randn(8, 4))
+    saved = model[1].running_mean.clone()
+    mgr = cg.CheckpointManager(tmp_path / "ck")
+    pending = mgr.save_async(1, {"model": model})
+    model(torch.randn(8, 4) + 5.0)  # train-mode forward: running_mean changes in place
+    assert not torch.equal(model[1].running_mean, saved) and not lazy.queued
+    lazy.landed.set()
+    pending.wait()
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    mgr.restore({"model": fresh})
+    assert torch.equal(fresh[1].running_mean, saved)

@@ -209,8 +209,13 @@ class AsyncStaging:
 
 
 def _has_saved_buffers(module: torch.nn.Module) -> bool:
-    params = {name for name, _ in module.named_parameters()}
-    return any(name not in params for name in module.state_dict(keep_vars=True))
+    """A persistent buffer anywhere in the module (running statistics); read without state_dict(),
+    whose hooks (FSDP's) must not run on every save."""
+    return any(
+        b is not None and name not in m._non_persistent_buffers_set
+        for m in module.modules()
+        for name, b in m._buffers.items()
+    )
 
 
 def _ranks_per_node() -> int:

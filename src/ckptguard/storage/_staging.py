@@ -25,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ import torch
 
 from ..errors import CheckpointError
 from ._pool import Buffer
+
+log = logging.getLogger("ckptguard")
 
 ALIGN = 64  # every slot starts on a multiple of this: any dtype's view is aligned
 
@@ -82,7 +85,15 @@ class StagingPool:
                     fit.append(i)
                     need = end
             if need:
-                self._regions.append(Buffer(need, self.pin))
+                try:
+                    region = Buffer(need, self.pin)
+                except OSError as exc:
+                    # No pinnable memory now: those tensors stay live (reported by the caller as
+                    # live bytes, read by the writer) instead of failing the save.
+                    log.warning("ckptguard: could not allocate a %d B staging region (%s); the tensors it "
+                                "would hold are read from the live state", need, exc)
+                    return out
+                self._regions.append(region)
                 self._used.append(0)
                 for i in fit:
                     out[i] = self._first_fit(sizes[i])
