@@ -16,10 +16,12 @@ it waited for.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno as _errno
 import mmap
 import os
 import queue
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +115,30 @@ def read_into(fd: int, view: memoryview, path: str, offset: int) -> None:
                 cause="the file ends before the bytes its DCP metadata points at; it was truncated",
             )
         done += n
+
+
+def _load_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing these dirty pages to the device now, without waiting (Linux ``sync_file_range``).
+
+    Without it the disk idles until the next fdatasync while the page cache fills, and a save
+    runs below the disk's speed. Only a hint: a refusal (a filesystem without it) changes nothing,
+    and durability still comes from the final fsync."""
+    if _sync_file_range is not None and length > 0:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
