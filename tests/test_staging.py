@@ -321,3 +321,22 @@ def test_a_forward_that_updates_running_statistics_waits_for_the_copies(tmp_path
     fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     mgr.restore({"model": fresh})
     assert torch.equal(fresh[1].running_mean, saved)
+
+
+def test_parallel_reads_fill_every_span_bitwise(tmp_path):
+    from ckptguard.storage.base import StorageContext
+    from ckptguard.storage.streaming import StreamingConfig
+
+    ctx = StorageContext(rank=0, world_size=1, process_group=None)
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(300, 1000, generator=g)
+    state = {"big": big, "t": big.t(), "small": torch.arange(7), "mid": torch.randn(70_000, generator=g)}
+    StreamingStorage().write(tmp_path, state, ctx)
+    cfg = StreamingConfig(pool_bytes=6 * 61 * 4096, buffer_bytes=61 * 4096, read_threads=3)
+    storage = StreamingStorage(cfg)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    storage.read(tmp_path, got, ctx)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert storage.last_stats.pool_bytes == 6 * 61 * 4096 and storage.last_stats.bytes >= big.numel() * 8
+    with pytest.raises(cg.ConfigError, match="read_threads"):
+        StreamingConfig(read_threads=0)
