@@ -134,8 +134,13 @@ class CheckpointConfig:
     """Take the root's write lease even from a live owner (reported in the log)."""
     async_gpu_bytes: int = 0
     """Spare GPU memory a ``save_async`` snapshot may take (bytes); 0: never snapshot into GPU memory."""
-    async_host_bytes: int = 1 << 30
-    """Host memory a ``save_async`` snapshot may take (bytes); a larger snapshot saves synchronously."""
+    async_host_bytes: int | None = None
+    """Host memory a ``save_async`` snapshot may stage into (bytes, per rank); None: derived from the memory
+    contract (cgroup memory.max x the Ray threshold, minus what is resident and a margin). What does not fit
+    is read from the live tensors by the background writer, and the next optimizer step waits for it."""
+    async_pool_idle_s: float | None = 600.0
+    """Release the pinned staging pool after this many seconds without a ``save_async`` (None: keep it until
+    ``close()``); the pool is reused by every save meanwhile and reported in each manifest's cost block."""
     keep_failed: bool = False
     """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
     record_proof: bool = True
@@ -168,8 +173,14 @@ class CheckpointConfig:
         if self.retention is not None and not callable(getattr(self.retention, "keep", None)):
             raise ConfigError("CheckpointConfig.retention must be a policy (KeepLast, KeepEvery, a | b) or None")
         for name in ("async_gpu_bytes", "async_host_bytes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ConfigError(f"CheckpointConfig.{name} must be an int >= 0 (bytes), got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value is None and name == "async_host_bytes":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"CheckpointConfig.{name} must be an int >= 0 (bytes), got {value!r}")
+        idle = self.async_pool_idle_s
+        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle > 0):
+            raise ConfigError(f"CheckpointConfig.async_pool_idle_s must be > 0 seconds or None, got {idle!r}")
         if not isinstance(self.proof, ProofPlan):
             raise ConfigError(f"CheckpointConfig.proof must be a ProofPlan, got {self.proof!r}")
         if not isinstance(self.health, HealthPolicy):

@@ -126,6 +126,7 @@ class CheckpointManager:
         self._committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
         self.last_health: _trust.HealthVerdict | None = None
         """The health verdict of the last ``save``/``save_async`` call (``.skip``: it was not committed)."""
+        self._staging = _async.AsyncStaging()
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         self._proof = ProofLog(self.root, agreement.info.rank)
@@ -238,10 +239,14 @@ class CheckpointManager:
     ) -> PendingSave | None:
         """Snapshot ``state`` now and commit step ``step`` in the background.
 
-        The caller blocks only for the snapshot (into spare GPU memory within
-        ``async_gpu_bytes``, else host memory within ``async_host_bytes``; a snapshot that
-        fits neither is saved synchronously). The tracker moves when the background commit
-        completes; its error is raised by ``wait()``, or by the next save, restore or wait.
+        The caller blocks only until the snapshot's copies are queued: into spare GPU memory
+        within ``async_gpu_bytes``, else into the reusable pinned host pool within
+        ``async_host_bytes`` (None: the budget the memory contract leaves), on a side stream.
+        The next optimizer step (any optimizer: a step pre-hook), the next forward of a module
+        with buffers, or ``staged()`` waits for the copies; what does not fit the pool is read
+        live by the background writer and that wait lasts until it was read (reported, never a
+        silent synchronous save). The tracker moves when the background commit completes; its
+        error is raised by ``wait()``, or by the next save, restore or wait.
         The health agreement runs before the snapshot, as in ``save``: an unhealthy step
         snapshots nothing and returns None.
         """
@@ -251,17 +256,46 @@ class CheckpointManager:
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
-        snap = _commit.snapshot(self._ctx, step, state)
-        cfg = self.config
-        if not _async.stage(snap, gpu_bytes=cfg.async_gpu_bytes, host_bytes=cfg.async_host_bytes):
-            log.warning("ckptguard: step %d does not fit the async budgets (gpu %d B, host %d B): saving "
-                        "synchronously", step, cfg.async_gpu_bytes, cfg.async_host_bytes)
-            path = self._committed(_commit.commit(self._ctx, snap), step)
-            self._pending = _async.PendingSave.completed(step, path, time.monotonic() - start)
-        else:
-            run = lambda: self._committed(_commit.commit(self._ctx, snap), step)  # noqa: E731
-            self._pending = _async.PendingSave(step, run, time.monotonic() - start)
+        # The divergence guard hashes every tensor: on the staged copies, in the background.
+        snap = _commit.snapshot(self._ctx, step, state, guard=False)
+        staged = self._staging.stage(snap, state, self.config)
+        if staged.live_bytes:
+            log.warning(
+                "ckptguard: step %d: %d of %d B do not fit the host staging budget (%d B): the background writer "
+                "reads them from the live tensors, and the next optimizer step waits until it has (see "
+                "PendingSave.mutation_wait_seconds); raise CheckpointConfig.async_host_bytes to stage them",
+                step, staged.live_bytes, staged.live_bytes + snap.staged_bytes, staged.host_budget,
+            )
+        pool = self._staging.pool
+
+        def run() -> Path:
+            try:
+                return self._committed(_commit.commit(self._ctx, snap), step)
+            finally:
+                if pool is not None:
+                    pool.done()
+
+        snap.resumed = time.monotonic()
+        self._pending = _async.PendingSave(step, run, snap.resumed - start, fence=staged.fence, started=start)
         return self._pending
+
+    def staged(self) -> float:
+        """Make later changes of the saved tensors safe for the last ``save_async``: work queued on the
+        current CUDA stream from now on runs after its copies (the CPU is not held for them), and what
+        did not fit the pool has been read (the CPU waits for that). Call it before changing saved
+        tensors outside an optimizer step (a manual ``p.add_()``, a weight sync into the model).
+        Returns the seconds it blocked."""
+        pending = self._pending
+        if pending is None or pending.fence is None:
+            return 0.0
+        return pending.fence.before_mutation()
+
+    def close(self) -> None:
+        """Wait for a pending save (raising its error) and release the host staging pool now."""
+        try:
+            self.wait()
+        finally:
+            self._staging.close()
 
     def wait(self) -> Path | None:
         """Wait for a pending ``save_async``; returns its step directory, raises its error."""

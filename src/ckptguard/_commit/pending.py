@@ -1,25 +1,37 @@
 """Async save: the caller blocks only for the snapshot; writing and commit run in the background.
 
 Contract: ``stage`` replaces every tensor of a snapshot by a private copy, into spare GPU
-memory when the GPU copies fit ``gpu_bytes``, otherwise into host memory within
-``host_bytes``; if they fit neither, it returns False and the caller saves synchronously.
-``PendingSave`` runs the commit protocol in a thread. The tracker moves only when that
-commit completes; an error there is kept and raised by ``wait()``, which the manager
-calls before its next collective call, so it is never lost.
+memory when the GPU copies fit ``gpu_bytes``, otherwise into slots of the reusable host
+staging pool (``storage._staging``) within ``host_bytes``: the caller waits only until the
+copies are queued. What fits neither stays live: the background writer reads it, and the
+fence holds the next mutation (optimizer step, ``staged()``) until it has; never a silent
+synchronous save. ``PendingSave`` runs the commit protocol in a thread at lowered CPU and
+I/O priority, after the staged copies landed. The tracker moves only when that commit
+completes; an error there is kept and raised by ``wait()``, which the manager calls before
+its next collective call, so it is never lost.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._priority import lower_this_thread
+from ..config import CheckpointConfig
 from ..errors import SaveStillRunningError
+from ..memory.budget import host_budget
+from ..storage._staging import Fence, HostCopier, StagingPool, copier_for, slot_view
+from ..storage._writer import exact
 from .protocol import Snapshot
 
 log = logging.getLogger("ckptguard")
@@ -34,48 +46,202 @@ def _nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _copy(t: torch.Tensor, device: str | None) -> torch.Tensor:
-    """A private copy; ``device=None`` keeps the device (spare GPU memory)."""
-    if device is None:
-        return t.detach().clone()
-    if hasattr(t, "to_local"):
-        from torch.distributed.tensor import DTensor
+def _rewrap(staged: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``staged`` as ``t`` is: the same DTensor placement around the staged local shard."""
+    if not hasattr(t, "to_local"):
+        return staged
+    from torch.distributed.tensor import DTensor
 
-        local = t.to_local().detach().to(device, copy=True)
-        # t is a DTensor (it has to_local); the stub types it as a plain Tensor.
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,  # type: ignore[attr-defined]
-                                  shape=t.shape, stride=t.stride())
-    return t.detach().to(device, copy=True)
+    # t is a DTensor (it has to_local); the stub types it as a plain Tensor.
+    return DTensor.from_local(staged, t.device_mesh, t.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=t.shape, stride=t.stride())
 
 
-def stage(snap: Snapshot, *, gpu_bytes: int, host_bytes: int) -> bool:
-    """Make the snapshot independent of the live tensors, within the byte budgets."""
+@dataclass
+class Staged:
+    """What ``stage`` did with a snapshot: where its bytes went and what a mutation must wait for."""
+
+    fence: Fence
+    gpu_bytes: int = 0
+    """Bytes cloned into spare GPU memory."""
+    host_bytes: int = 0
+    """Bytes copied into the host staging pool."""
+    live_bytes: int = 0
+    """Bytes that fit neither: the background writer reads them from the live tensors."""
+    live_keys: list[str] = field(default_factory=list)
+    host_budget: int = 0
+
+    def cost(self, pool: StagingPool | None) -> dict[str, Any]:
+        return {
+            "staged_gpu_bytes": self.gpu_bytes,
+            "staged_host_bytes": self.host_bytes,
+            "live_bytes": self.live_bytes,
+            "host_budget_bytes": self.host_budget,
+            "host_pool_bytes": pool.held_bytes if pool is not None else 0,
+        }
+
+
+def stage(
+    snap: Snapshot, *, gpu_bytes: int, host_bytes: int, pool: StagingPool | None, timeout_s: float
+) -> Staged:
+    """Make the snapshot independent of the live tensors, within the byte budgets.
+
+    GPU tensors go to spare GPU memory when all of them fit ``gpu_bytes`` (a clone on the
+    caller's stream: later kernels are ordered after it); the rest into ``pool`` slots, at most
+    ``host_bytes`` in all; what fits neither stays live and is read by the writer, the fence
+    then holding the next mutation until it was."""
     tensors = [(c, k, t) for c in snap.items.values() for k, t in c.tensors.items()]
     on_gpu = sum(_nbytes(t) for _, _, t in tensors if _local(t).is_cuda)
-    on_cpu = sum(_nbytes(t) for _, _, t in tensors if not _local(t).is_cuda)
-    gpu_fits = on_gpu == 0 or (on_gpu <= gpu_bytes and torch.cuda.mem_get_info()[0] > on_gpu)
-    host_needed = on_cpu + (0 if gpu_fits else on_gpu)
-    if host_needed > host_bytes:
-        return False
-    for item, key, t in tensors:
-        item.tensors[key] = _copy(t, None if (_local(t).is_cuda and gpu_fits) else "cpu")
+    gpu_fits = on_gpu > 0 and on_gpu <= gpu_bytes and torch.cuda.mem_get_info()[0] > on_gpu
     for item in snap.items.values():
         # Plain values, PerRank values and stateful state are live objects too: a counter the
         # trainer bumps while the commit runs must not change what is saved.
         item.skeleton = copy.deepcopy(item.skeleton)
-    if on_gpu:
-        torch.cuda.synchronize()  # the copies are complete before another thread reads them
-    snap.staged_bytes = on_gpu + on_cpu
-    return True
+    out = Staged(fence=HostCopier().fence(live=False, timeout_s=timeout_s), host_budget=host_bytes)
+    gpu_event = None
+    to_host = []
+    for item, key, t in tensors:
+        local = exact(t)
+        if local.is_cuda and gpu_fits:
+            item.tensors[key] = _rewrap(local.clone(), t)
+            out.gpu_bytes += _nbytes(t)
+        elif local.numel() == 0:
+            item.tensors[key] = _rewrap(torch.empty(local.shape, dtype=local.dtype), t)
+        else:
+            to_host.append((item, key, t, local))
+    if gpu_fits:
+        gpu_event = torch.cuda.Event()
+        gpu_event.record()
+    slots: list[torch.Tensor | None] = []
+    if to_host and pool is not None:
+        slots = pool.place([_nbytes(t) for _, _, t, _ in to_host], host_bytes)
+    copier = copier_for([local for *_, local in to_host])
+    for i, (item, key, t, local) in enumerate(to_host):
+        slot = slots[i] if i < len(slots) else None
+        if slot is None:
+            out.live_bytes += _nbytes(t)
+            out.live_keys.append(key)
+            continue
+        dst = slot_view(slot, local)
+        copier.copy(dst, local)
+        item.tensors[key] = _rewrap(dst, t)
+        out.host_bytes += _nbytes(t)
+    out.fence = copier.fence(live=out.live_bytes > 0, timeout_s=timeout_s)
+    if gpu_event is not None:
+        out.fence.also_wait(gpu_event)
+    snap.staged_bytes = out.gpu_bytes + out.host_bytes
+    return out
+
+
+class AsyncStaging:
+    """A manager's host staging: the pool (created at the first ``save_async``, reused, released
+    by ``close()`` or after ``async_pool_idle_s``), the host budget (derived once, logged once)
+    and the hooks that make the next mutation wait for a save's fence."""
+
+    def __init__(self) -> None:
+        self.pool: StagingPool | None = None
+        self.budget: int | None = None
+        self.budget_why = ""
+        self._handles: list[Any] = []
+
+    def host_budget(self, config: CheckpointConfig) -> int:
+        if self.budget is None:
+            if config.async_host_bytes is not None:
+                self.budget, self.budget_why = config.async_host_bytes, "CheckpointConfig.async_host_bytes"
+            else:
+                per_node = _ranks_per_node()
+                found = host_budget(ranks_per_node=per_node)
+                self.budget, self.budget_why = found.bytes, found.why
+            log.info("ckptguard: save_async host staging budget %d B per rank (%s)", self.budget, self.budget_why)
+        return self.budget
+
+    def stage(self, snap: Snapshot, state: dict[str, Any], config: CheckpointConfig) -> Staged:
+        budget = self.host_budget(config)
+        pin = torch.cuda.is_available() and any(
+            _local(t).is_cuda for c in snap.items.values() for t in c.tensors.values()
+        )
+        if self.pool is not None and pin and not self.pool.pin:
+            self.pool.release()  # a CPU-only state's pool cannot serve non-blocking D2H copies
+            self.pool = None
+        if self.pool is None:
+            self.pool = StagingPool(pin=pin, idle_s=config.async_pool_idle_s)
+        staged = stage(snap, gpu_bytes=config.async_gpu_bytes, host_bytes=budget, pool=self.pool,
+                       timeout_s=config.timeout_s)
+        snap.read_done = staged.fence.live_read
+        snap.cost = {
+            **staged.cost(self.pool),
+            "host_budget_why": self.budget_why,
+            "host_pool_release": "close()" + (
+                f" or {config.async_pool_idle_s:g} s without a save_async" if config.async_pool_idle_s else ""
+            ),
+        }
+        self.guard(staged.fence, state)
+        return staged
+
+    def guard(self, fence: Fence, state: dict[str, Any]) -> None:
+        """Hold the next optimizer step (any optimizer), and the next forward of a module whose saved
+        state has buffers (running statistics change in forward), until ``fence`` allows mutation."""
+        self.unguard()
+        handles: list[Any] = []
+
+        def before(*_: Any) -> None:
+            for h in handles:
+                h.remove()
+            handles.clear()
+            fence.before_mutation()
+
+        handles.append(register_optimizer_step_pre_hook(before))
+        for value in state.values():
+            if isinstance(value, torch.nn.Module) and _has_saved_buffers(value):
+                handles.append(value.register_forward_pre_hook(before))
+        self._handles = handles
+
+    def unguard(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def close(self) -> None:
+        self.unguard()
+        if self.pool is not None:
+            self.pool.release()
+            self.pool = None
+
+
+def _has_saved_buffers(module: torch.nn.Module) -> bool:
+    """A persistent buffer anywhere in the module (running statistics); read without state_dict(),
+    whose hooks (FSDP's) must not run on every save."""
+    return any(
+        b is not None and name not in m._non_persistent_buffers_set
+        for m in module.modules()
+        for name, b in m._buffers.items()
+    )
+
+
+def _ranks_per_node() -> int:
+    """Ranks sharing this node's memory: torchrun's LOCAL_WORLD_SIZE, else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 class PendingSave:
     """A save whose commit runs in the background; ``wait()`` returns its step directory."""
 
-    def __init__(self, step: int, run: Callable[[], Path], blocked_s: float) -> None:
+    def __init__(
+        self, step: int, run: Callable[[], Path], blocked_s: float, *, fence: Fence | None = None,
+        started: float | None = None,
+    ) -> None:
         self.step = step
         self.blocked_seconds = blocked_s
-        """How long ``save_async`` held the caller (the snapshot)."""
+        """How long ``save_async`` held the caller (the copies queued; into GPU memory, the clones)."""
+        self.fence = fence
+        self.staged_seconds: float | None = None
+        """From the ``save_async`` call until every staged copy had landed (set by the background thread)."""
+        self.priority: list[str] = []
+        """What the background thread lowered (nice, ioprio); empty where the system refused."""
+        self._started = started if started is not None else time.monotonic()
         self._result: Path | None = None
         self._error: BaseException | None = None
         self.reported = False
@@ -84,17 +250,30 @@ class PendingSave:
         self._thread = threading.Thread(target=self._run, args=(run,), name=f"ckptguard-save-{step}")
         self._thread.start()
 
+    @property
+    def mutation_wait_seconds(self) -> float:
+        """How long later mutations (optimizer step, ``staged()``) waited for this save's reads."""
+        return self.fence.waited_s if self.fence is not None else 0.0
+
     @classmethod
     def completed(cls, step: int, path: Path, blocked_s: float) -> PendingSave:
         return cls(step, lambda: path, blocked_s)
 
     def _run(self, run: Callable[[], Path]) -> None:
+        # Writes, checksums and digests of this save yield the CPU and the disk to training.
+        self.priority = lower_this_thread()
         try:
+            if self.fence is not None:
+                self.fence.host_wait()  # the staged copies have landed before anything reads them
+                self.staged_seconds = time.monotonic() - self._started
             self._result = run()
         except BaseException as exc:  # kept for wait(), never lost in the thread
             self._error = exc
             log.error("ckptguard: the background save of step %d failed: %s: %s (raised by the next "
                       "save, restore or wait)", self.step, type(exc).__name__, exc)
+        finally:
+            if self.fence is not None:
+                self.fence.live_read()  # a failed save reads nothing more: training may go on
 
     def done(self) -> bool:
         return not self._thread.is_alive()

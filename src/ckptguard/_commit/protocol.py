@@ -20,8 +20,10 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -401,6 +403,33 @@ def _write_rank(ctx: Context, step: int, tmp: Path, items: dict[str, Captured], 
         shutil.rmtree(local, ignore_errors=True)
 
 
+def _write_and_digest(
+    ctx: Context, step: int, tmp: Path, items: dict[str, Captured], rng: Any
+) -> tuple[list[WrittenFile], tuple[dict[str, str], dict[str, list[str]]]]:
+    """The write and the digest pass over the same bytes, overlapped: digests in a second thread.
+
+    Run one after the other, the digest pass added its whole time to every save; the two read
+    the same (staged or live) tensors and neither changes them."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            # Both digests in one pass over the bytes: the per-rank one and the one no sharding changes.
+            box["digests"] = digests_and_layout_free(items)
+        except BaseException as exc:  # raised below, in the commit's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"ckptguard-digest-{step}", daemon=True)
+    thread.start()
+    try:
+        written = _write_rank(ctx, step, tmp, items, rng)
+    finally:
+        thread.join()
+    if "error" in box:
+        raise box["error"]
+    return written, box["digests"]
+
+
 # ---------------------------------------------------------------- step 4: publish
 
 
@@ -420,11 +449,11 @@ def _cost(ctx: Context, step: int, started: float, files: list[dict[str, Any]]) 
 
 def _publish(
     ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
-    kinds: dict[str, str], *, part: bool = False,
+    kinds: dict[str, str], extra_cost: dict[str, Any] | None = None, *, part: bool = False,
 ) -> None:
     _faults.reached("commit.before_manifest")
     files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files]
-    cost = _cost(ctx, step, started, files)
+    cost = {**_cost(ctx, step, started, files), **(extra_cost or {})}
     manifest = _manifest.build(
         path=tmp / _layout.MANIFEST_NAME,
         step=step,
@@ -490,7 +519,7 @@ def _check_publish(ctx: Context, step: int) -> None:
 
 def _publish_or_fail(
     ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
-    items: dict[str, Any], *, part: bool = False,
+    items: dict[str, Any], extra_cost: dict[str, Any] | None = None, *, part: bool = False,
 ) -> Outcome:
     """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
     failures = [r.failure for r in reports if r.failure] or _unseen_files(tmp, reports)
@@ -498,7 +527,9 @@ def _publish_or_fail(
         _discard(ctx, tmp)
         return Outcome(failures, "write")
     try:
-        _publish(ctx, step, tmp, prep, started, reports, {n: c.kind.value for n, c in items.items()}, part=part)
+        _publish(
+            ctx, step, tmp, prep, started, reports, {n: c.kind.value for n, c in items.items()}, extra_cost, part=part
+        )
     except Exception as exc:
         if tmp.exists():  # refused or failed before the rename: nothing of it may linger
             _discard(ctx, tmp)
@@ -573,20 +604,30 @@ class Snapshot:
     started: float
     staged_bytes: int = 0
     reshard: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cost: dict[str, Any] = field(default_factory=dict)
+    """Figures of the staging (async saves) added to the manifest's cost block."""
+    read_done: Callable[[], None] | None = None
+    """Called once the write and the digest pass no longer read the snapshot's tensors."""
+    resumed: float | None = None
+    """monotonic time the caller got control back (async saves), for the step time in the cost block."""
+    guarded: bool = True
+    """False: the divergence guard has not run yet; ``commit`` runs it first."""
 
 
-def snapshot(ctx: Context, step: int, state: dict[str, Any]) -> Snapshot:
-    """Capture every item, the RNG streams and the digests, and run the divergence guard."""
+def snapshot(ctx: Context, step: int, state: dict[str, Any], *, guard: bool = True) -> Snapshot:
+    """Capture every item and the RNG streams, and run the divergence guard (``guard=False``: the
+    commit runs it, on the staged copies, so an async save's caller does not wait for its digests)."""
     started = time.monotonic()
 
     def take() -> tuple[dict[str, Captured], Any]:
         return capture(state, ctx.keyfn()), (_rng.capture() if ctx.config.capture_rng else None)
 
     items, rng = on_every_rank(ctx.agreement, "save.capture", take)
-    check_replicated(ctx, items, step)
+    if guard:
+        check_replicated(ctx, items, step)
     from .._resume.reshard import declared
 
-    return Snapshot(step, items, rng, started, reshard=declared(state, ctx.config))
+    return Snapshot(step, items, rng, started, reshard=declared(state, ctx.config), guarded=guard)
 
 
 def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
@@ -600,12 +641,16 @@ def commit(ctx: Context, snap: Snapshot, *, part: Prepared | None = None) -> Pat
     the run's commit, ``ckptguard.run``) and stop after its manifest: the run commit renames the
     step directory and moves the tracker once every role on every rank confirmed. Returns ``part.tmp``."""
     step, items, rng = snap.step, snap.items, snap.rng
+    if not snap.guarded:
+        check_replicated(ctx, items, step)  # collective: every rank raises alike, before prepare
     prep = part if part is not None else _prepare(ctx, step)
     tmp = Path(prep.tmp)
     try:
-        written = _write_rank(ctx, step, tmp, items, rng)
-        # Both digests in one pass over the bytes: the per-rank one and the one no sharding changes.
-        digests, layout_free = digests_and_layout_free(items)
+        try:
+            written, (digests, layout_free) = _write_and_digest(ctx, step, tmp, items, rng)
+        finally:
+            if snap.read_done is not None:
+                snap.read_done()  # live tensors (a state larger than the staging pool) may change now
         if rng is not None:
             digests[RNG_ITEM] = digest(rng)
         report = RankReport(
@@ -623,10 +668,14 @@ def commit(ctx: Context, snap: Snapshot, *, part: Prepared | None = None) -> Pat
         ctx.agreement,
         "save.written",
         report,
-        lambda reports: _publish_or_fail(ctx, step, tmp, prep, snap.started, reports, items, part=part is not None),
+        lambda reports: _publish_or_fail(
+            ctx, step, tmp, prep, snap.started, reports, items, snap.cost, part=part is not None
+        ),
         decision=Outcome,
         patience=2.0,
     )
     _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
-    ctx.last_save = (step, time.monotonic())
+    # Training resumed when the caller got control back: at the end of a sync save, but right
+    # after the snapshot of an async one (its commit overlaps the steps that follow).
+    ctx.last_save = (step, snap.resumed if snap.resumed is not None else time.monotonic())
     return tmp if part is not None else ctx.root / ctx.naming.name(step)

@@ -15,11 +15,13 @@ Public surface::
     parse_vllm_log(text), check_recipe(recipe)                  GPU colocation
     render_html(records) -> str                                 the one-page report
     pinned_empty(nbytes) -> PinnedBuffer                        exact-size pinned host memory
+    host_budget(snapshot, ray) -> HostBudget                    bytes a save may stage (limit x Ray threshold)
 
 The CLI group ``mem`` lives in ``ckptguard.memory.cli``. Every figure is bytes as int, per
 process, per cgroup or per device as named; an unreadable source is None with a reason.
 """
 
+from .budget import HostBudget, host_budget
 from .colocation import Finding, VllmLogSummary, check_recipe, parse_vllm_log
 from .estimate import Estimate, estimate_dir, read_safetensors_header
 from .gpu import CudaOomInfo, GpuSnapshot, parse_cuda_oom, pinned_figures, read_gpu
@@ -44,6 +46,7 @@ __all__ = [
     "GpuSnapshot",
     "GrowthConfig",
     "GrowthReport",
+    "HostBudget",
     "HostProbe",
     "HostProbeConfig",
     "HostSnapshot",
@@ -74,6 +77,7 @@ __all__ = [
     "classify_failure",
     "compute_plan",
     "estimate_dir",
+    "host_budget",
     "list_tree",
     "load_plan_toml",
     "parse_cuda_oom",

@@ -16,10 +16,12 @@ it waited for.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno as _errno
 import mmap
 import os
 import queue
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ from ..errors import StorageStallError
 # The system calls, looked up here at call time: a seam for tests that inject short writes.
 _write = os.write
 _preadv = os.preadv
+_HUGE = 64 << 20  # buffers from this size on ask for transparent huge pages
 
 
 @dataclass
@@ -114,6 +117,30 @@ def read_into(fd: int, view: memoryview, path: str, offset: int) -> None:
         done += n
 
 
+def _load_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing these dirty pages to the device now, without waiting (Linux ``sync_file_range``).
+
+    Without it the disk idles until the next fdatasync while the page cache fills, and a save
+    runs below the disk's speed. Only a hint: a refusal (a filesystem without it) changes nothing,
+    and durability still comes from the final fsync."""
+    if _sync_file_range is not None and length > 0:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
 def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
     """Ask the kernel to drop these (already synced) pages from the page cache."""
     if hasattr(os, "posix_fadvise"):
@@ -126,6 +153,11 @@ class Buffer:
     def __init__(self, size: int, pin: bool) -> None:
         self.size = size
         self._map: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if pin and size >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+            # Registering faults in every page first: 2 MiB pages make a multi-GiB pool's first
+            # save (the one that allocates it) several times faster than 4 KiB pages.
+            with contextlib.suppress(OSError):
+                self._map.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=size)
         self.pinned = False
@@ -156,6 +188,7 @@ class BufferPool:
 
     def __init__(self, *, count: int, size: int, pin: bool, timeout_s: float) -> None:
         self.size = size
+        self.count = count
         self.timeout_s = timeout_s
         self._all: list[Buffer] = []
         self._free: queue.Queue[Buffer] = queue.Queue()

@@ -5,7 +5,8 @@ item's ``torch.save`` archive (``_fastio_format.read_record``: nothing is unpick
 descriptor), and exactly the requested box of the saved tensor is copied into the
 target, CPU or GPU, in file spans of at most one pool buffer. A prefetch thread preads
 the next spans while the caller's thread copies the previous one to the target (on a
-side stream, asynchronously, for a GPU target). Host memory: the pool, plus items of at
+side stream, asynchronously, for a GPU target); with ``threads`` > 1, that many threads
+pread interleaved spans, so the disk sees several requests at once. Host memory: the pool, plus items of at
 most ``SMALL_ITEM`` bytes read whole. Items written by plain ``dcp.save`` read the same,
 whatever their strides. Targets come from the planner's ``resolve_tensor`` up front, as
 DCP's default planner returns views of the state; ``commit_tensor`` follows the copies.
@@ -83,8 +84,10 @@ def file_blocks(
 class ItemReader:
     """Reads one rank's share of a DCP checkpoint into the planner's tensors."""
 
-    def __init__(self, pool: BufferPool, stats: IOStats, *, drop_cache: bool) -> None:
+    def __init__(self, pool: BufferPool, stats: IOStats, *, drop_cache: bool, threads: int = 1) -> None:
         self._pool, self._stats, self._drop = pool, stats, drop_cache
+        self._threads = max(1, threads)
+        self._lock = threading.Lock()
         self._stream: Any = None
         self._error: BaseException | None = None
         self._cancel = threading.Event()
@@ -192,16 +195,29 @@ class ItemReader:
         if not jobs:
             return
         ready: queue.Queue[tuple[_Job, Any] | None] = queue.Queue()
-        thread = threading.Thread(target=self._prefetch, args=(jobs, ready), name="ckptguard-read", daemon=True)
-        thread.start()
+        # Several preads in flight (interleaved spans of the same files): one at a time left a
+        # virtual disk's queue mostly empty and the load below its sequential read speed.
+        count = min(self._threads, len(jobs), max(1, self._pool.count - 1))
+        threads = [
+            threading.Thread(target=self._prefetch, args=(jobs[i::count], ready), name=f"ckptguard-read-{i}",
+                             daemon=True)
+            for i in range(count)
+        ]
+        for thread in threads:
+            thread.start()
         pending: collections.deque[tuple[Any, Any]] = collections.deque()
+        ended = 0
         try:
-            while (got := self._next(ready)) is not None:
+            while ended < count:
+                got = self._next(ready)
+                if got is None:
+                    ended += 1
+                    continue
                 job, buf = got
                 src = job.rec.logical(buf.tensor[: job.nbytes].view(job.dtype).as_strided(job.size, job.stride, 0))
                 if job.dest.device.type == "cuda":
                     pending.append((self._copy_to_cuda(job.dest, src), buf))
-                    while len(pending) > 1:  # one H2D in flight; the prefetch thread keeps the rest
+                    while len(pending) > 1:  # one H2D in flight; the prefetch threads keep the rest
                         self._release(*pending.popleft())
                 else:
                     job.dest.copy_(src)
@@ -212,8 +228,12 @@ class ItemReader:
             self._cancel.set()
             while pending:
                 self._release(*pending.popleft())
+            deadline = time.monotonic() + self._pool.timeout_s
+            for thread in threads:
+                while thread.is_alive() and time.monotonic() < deadline:
+                    self._drain(ready)  # a thread waiting for a buffer gets one back, then sees the cancel
+                    thread.join(timeout=0.05)
             self._drain(ready)
-            thread.join(timeout=self._pool.timeout_s)
             if self._stream is not None:
                 torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         if self._error is not None:
@@ -268,11 +288,14 @@ class ItemReader:
                 except BaseException:
                     self._pool.put(buf)
                     raise
-                self._stats.io_seconds += time.perf_counter() - t0
-                self._stats.bytes += job.nbytes
+                with self._lock:
+                    self._stats.io_seconds += time.perf_counter() - t0
+                    self._stats.bytes += job.nbytes
                 ready.put((job, buf))
         except BaseException as exc:
-            self._error = exc
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
         finally:
             ready.put(None)
 

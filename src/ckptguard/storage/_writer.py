@@ -27,7 +27,7 @@ import torch
 import xxhash
 
 from ..errors import StorageStallError
-from ._pool import Buffer, BufferPool, IOStats, drop_cached, io_error, write_all
+from ._pool import Buffer, BufferPool, IOStats, drop_cached, io_error, start_writeback, write_all
 
 
 def tensor_pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
@@ -269,6 +269,7 @@ class FileStreamer:
                     chunk.ready()
                     t0 = time.perf_counter()
                     self._stats.short_writes += write_all(self._fd, chunk.view, self.path, self._written)
+                    start_writeback(self._fd, self._written, len(chunk.view))
                     self._written += len(chunk.view)
                     if self._writeback and self._written - synced >= self._writeback:
                         self._sync_range(synced)

@@ -76,6 +76,10 @@ class StreamingConfig:
     """posix_fadvise(DONTNEED) the files once synced, so the save/load does not leave page cache behind."""
     writeback_bytes: int | None = 1 << 30
     """fdatasync (and drop) every this many bytes while writing; None: only the final fsync."""
+    read_threads: int = 1
+    """Threads that pread a load's spans at once, each into its own pool buffer (at most buffer_count - 1 run,
+    so one buffer is always free for the copy to the target). 1 (one request at a time) reads the H200
+    machine's local disk as fast as 2 did (4.20 s vs 4.17 s for 6.2 GiB); more can help a network filesystem."""
     stall_timeout_s: float = 600.0
     """Longest wait for a free buffer or an I/O thread before raising StorageStallError (a TimeoutError)."""
 
@@ -93,6 +97,8 @@ class StreamingConfig:
             raise ConfigError(
                 f"StreamingConfig.writeback_bytes must be a positive int or None, got {self.writeback_bytes!r}"
             )
+        if not _is_int(self.read_threads) or self.read_threads < 1:
+            raise ConfigError(f"StreamingConfig.read_threads must be an int >= 1, got {self.read_threads!r}")
         for name in ("pin_memory", "drop_page_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"StreamingConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -278,7 +284,8 @@ class _StreamingReader(FileSystemReader):
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
         with self._storage.pool(pin=self._pin) as pool:
             self._stats.pool_bytes = pool.allocated_bytes
-            reader = ItemReader(pool, self._stats, drop_cache=self._storage.config.drop_page_cache)
+            cfg = self._storage.config
+            reader = ItemReader(pool, self._stats, drop_cache=cfg.drop_page_cache, threads=cfg.read_threads)
             reader.read(Path(self.path), plan.items, self.storage_data, planner)
         fut: Future[None] = Future()
         fut.set_result(None)

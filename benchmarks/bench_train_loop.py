@@ -1,0 +1,672 @@
+"""What checkpointing costs a real training loop, per method, side by side, in one run.
+
+A GPT-style transformer (fp32 parameters, bf16 autocast, fused AdamW; the default config is
+~553M parameters, 6.2 GiB of model + optimizer) trains on random tokens and saves every K steps
+with each method in turn:
+
+    none, cg_sync, cg_async_host, cg_async_gpu, dcp_sync, dcp_async (DefaultStager: pinned,
+    async staging, non-blocking copies), torch_save
+
+Per method: the time each save blocked the loop (for the async methods also the wait of the
+next optimizer step), p50/p95 step time while a background write runs against the steps
+without one, the loop's total overhead against `none`, the host memory the method added (peak
+while the loop ran, and what is left after its last save), each save's throughput and the
+restore's (cold page cache) against this disk's own write+fsync and cold read of as many bytes,
+measured in the same run, and whether the restore is bitwise exact.
+
+    python benchmarks/bench_train_loop.py --out $OUT/train_loop.json --dir /tmp/cg-loop
+    torchrun --nproc-per-node 2 benchmarks/bench_train_loop.py ...   # FSDP2, any rank count
+    python benchmarks/bench_train_loop.py --tiny --out x.json          # CPU, seconds, correctness only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import ckptguard as cg
+
+METHODS = ("none", "cg_sync", "cg_async_host", "cg_async_gpu", "dcp_sync", "dcp_async", "torch_save")
+GiB = 1 << 30
+
+
+# ---------------------------------------------------------------- the model
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.emb, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tok) + self.pos(torch.arange(tok.shape[1], device=tok.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+class Job:
+    """Model, optimizer and batch on this rank; FSDP2 when more than one rank."""
+
+    def __init__(self, a: argparse.Namespace, device: torch.device, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.device, self.a = device, a
+        self.model = GPT(a.vocab, a.d_model, a.layers, a.heads, a.seq).to(device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for blk in self.model.blocks:
+                fully_shard(blk)
+            fully_shard(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        g = torch.Generator(device="cpu").manual_seed(1000 + rank())
+        self.tok = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(device)
+
+    def step(self) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        ctx = torch.autocast("cuda", torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            logits = self.model(self.tok[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.tok[:, 1:].reshape(-1))
+        loss.backward()
+        self.opt.step()
+        return float(loss.item())  # a real loop logs its loss: the step ends on the host
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.opt}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every saved tensor (local shards), keyed; for bitwise comparison."""
+        out = {f"m.{k}": _local(v) for k, v in self.model.state_dict().items()}
+        for i, s in self.opt.state_dict()["state"].items():
+            out.update({f"o.{i}.{k}": _local(v) for k, v in s.items() if torch.is_tensor(v)})
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Sampler:
+    """Peak RSS of this process, sampled every 10 ms in a thread."""
+
+    def __init__(self) -> None:
+        self.peak, self._stop = rss(), threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return max(self.peak, rss())
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def drop_cache(path: Path) -> None:
+    """Drop the (synced) pages of every file under path: the next read is cold."""
+    os.sync()
+    for p in path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def disk_figures(where: Path, nbytes: int) -> dict[str, float]:
+    """This disk's own write+fsync and cold sequential read of nbytes, in GiB/s."""
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"disk_probe_{rank()}.bin"
+    block = os.urandom(64 << 20)
+    t = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(block[: min(left, len(block))])
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t
+    drop_cache(where)
+    buf = bytearray(64 << 20)
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    read_s = time.perf_counter() - t
+    path.unlink()
+    return {"bytes": nbytes, "write_fsync_gib_s": nbytes / GiB / write_s, "cold_read_gib_s": nbytes / GiB / read_s}
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+# ---------------------------------------------------------------- methods
+
+
+class Method:
+    """One way to save and restore; ``save`` returns the seconds the loop was held."""
+
+    name = "?"
+
+    def __init__(self, root: Path, job: Job) -> None:
+        self.root, self.job = root, job
+        self.last_dir: Path | None = None
+        self.write_seconds: list[float] = []
+        self._began = 0.0
+
+    def save(self, step: int) -> float:
+        raise NotImplementedError
+
+    def writing(self) -> bool:
+        return False
+
+    def before_step(self) -> float:
+        return 0.0
+
+    def finish(self) -> None:
+        pass
+
+    def restore(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class CgMethod(Method):
+    def __init__(self, root: Path, job: Job, *, mode: str) -> None:
+        super().__init__(root, job)
+        self.mode = mode
+        gpu = (1 << 40) if mode == "gpu" else 0
+        self.mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(async_gpu_bytes=gpu, retention=None))
+        self.pending: Any = None
+        self.fence_waits: list[float] = []
+        self.staged: list[float] = []
+
+    def save(self, step: int) -> float:
+        self.finish()
+        t = time.perf_counter()
+        self._began = t
+        if self.mode == "sync":
+            self.last_dir = self.mgr.save(step, self.job.state())
+            self.write_seconds.append(time.perf_counter() - t)
+            return time.perf_counter() - t
+        self.pending = self.mgr.save_async(step, self.job.state())
+        return time.perf_counter() - t
+
+    def writing(self) -> bool:
+        if self.pending is not None and self.pending.done():
+            self.finish()
+        return self.pending is not None
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            self.last_dir = p.wait()
+            self.write_seconds.append(time.perf_counter() - self._began)
+            self.fence_waits.append(p.mutation_wait_seconds)
+            if p.staged_seconds is not None:
+                self.staged.append(p.staged_seconds)
+
+    def restore(self, job: Job) -> None:
+        self.mgr.restore(job.state())
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+class DcpMethod(Method):
+    def __init__(self, root: Path, job: Job, *, use_async: bool) -> None:
+        super().__init__(root, job)
+        self.use_async = use_async
+        self.response: Any = None
+        self.stager: Any = None
+        self.staging_waits: list[float] = []
+        self.pg = None
+        if dist.is_initialized():
+            self.pg = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=1800))
+
+    def _sd(self, job: Job) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        m, o = get_state_dict(job.model, job.opt)
+        # The tensors only: torch 2.11's DefaultStager deep-copies the dict and fails on the
+        # optimizer's param_groups (KeyError: <class 'type'>); the hyperparameters are the run's own.
+        return {"model": m, "optim": {"state": o["state"]}}
+
+    def save(self, step: int) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        self.finish()
+        path = self.root / f"step_{step:08d}"
+        t = time.perf_counter()
+        self._began = t
+        single = not dist.is_initialized()
+        if not self.use_async:
+            dcp.save(self._sd(self.job), checkpoint_id=str(path), process_group=self.pg, no_dist=single)
+            self.last_dir = path
+            self.write_seconds.append(time.perf_counter() - t)
+            return time.perf_counter() - t
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self.stager is None:  # one stager: its pinned buffers are reused by every save
+            cuda = torch.cuda.is_available()
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=cuda))
+        self.response = dcp.async_save(self._sd(self.job), checkpoint_id=str(path), process_group=self.pg,
+                                       async_stager=self.stager, no_dist=single)
+        self.last_dir = path
+        return time.perf_counter() - t
+
+    def _upload(self) -> Any:
+        r = self.response
+        return getattr(r, "upload_completion", r)
+
+    def before_step(self) -> float:
+        # DCP's contract with async staging: the state must not change before staging completed.
+        staging = getattr(self.response, "staging_completion", None)
+        if staging is None or staging.done():
+            return 0.0
+        t = time.perf_counter()
+        staging.result()
+        waited = time.perf_counter() - t
+        self.staging_waits.append(waited)
+        return waited
+
+    def writing(self) -> bool:
+        if self.response is not None and self._upload().done():
+            self.finish()
+        return self.response is not None
+
+    def finish(self) -> None:
+        if self.response is not None:
+            self.before_step()
+            self._upload().result()
+            self.response = None
+            self.write_seconds.append(time.perf_counter() - self._began)
+
+    def restore(self, job: Job) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        sd = self._sd(job)
+        dcp.load(sd, checkpoint_id=str(self.last_dir), process_group=self.pg, no_dist=not dist.is_initialized())
+        groups = get_state_dict(job.model, job.opt)[1]["param_groups"]
+        set_state_dict(job.model, job.opt, model_state_dict=sd["model"],
+                       optim_state_dict={"state": sd["optim"]["state"], "param_groups": groups})
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+
+class TorchSave(Method):
+    def save(self, step: int) -> float:
+        path = self.root / f"step_{step:08d}"
+        path.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        with open(path / f"rank_{rank()}.pt", "wb") as f:
+            torch.save({"model": self.job.model.state_dict(), "optim": self.job.opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self.last_dir = path
+        self.write_seconds.append(time.perf_counter() - t)
+        return time.perf_counter() - t
+
+    def restore(self, job: Job) -> None:
+        # weights_only: a checkpoint is never unpickled unrestricted (DTensor shards load too).
+        sd = torch.load(self.last_dir / f"rank_{rank()}.pt", map_location=job.device, weights_only=True)
+        job.model.load_state_dict(sd["model"])
+        job.opt.load_state_dict(sd["optim"])
+
+
+def make(name: str, root: Path, job: Job) -> Method | None:
+    if name == "none":
+        return None
+    if name.startswith("cg_"):
+        return CgMethod(root, job, mode={"cg_sync": "sync", "cg_async_host": "host", "cg_async_gpu": "gpu"}[name])
+    if name.startswith("dcp_"):
+        return DcpMethod(root, job, use_async=name == "dcp_async")
+    return TorchSave(root, job)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device, disk: dict[str, float]) -> dict:
+    root = a.dir / name
+    if rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    barrier()
+    method = make(name, root, job)
+    for _ in range(a.warmup):
+        job.step()
+    gc.collect()
+    base_rss = rss()
+    sampler = Sampler()
+    first: dict[str, Any] = {}
+    if method is not None:
+        # The first save pays one-time costs (a pinned pool, a stager's buffers): timed on its own,
+        # outside the loop, so the loop shows what every later save costs.
+        first["blocked_s"] = round(method.save(1), 4)
+        method.finish()
+        first["write_s"] = round(method.write_seconds.pop(), 3) if method.write_seconds else None
+        if isinstance(method, CgMethod):
+            method.fence_waits.clear()
+            method.staged.clear()
+    steps, saves = a.every * (a.saves + 1), []
+    step_times: list[tuple[float, bool]] = []
+    reference: dict[str, torch.Tensor] | None = None
+    t_loop = time.perf_counter()
+    last = t_loop
+    for i in range(1, steps + 1):
+        held = method.before_step() if method else 0.0
+        busy = bool(method and method.writing())
+        job.step()
+        now = time.perf_counter()
+        step_times.append((now - last, busy))
+        last = now
+        if method is not None and i % a.every == 0 and i < steps:
+            if i == a.every * a.saves:  # the state of the last save, for the bitwise check
+                reference = {k: v.detach().clone() for k, v in job.tensors().items()}
+            blocked = method.save(i)
+            saves.append({"step": i, "blocked_s": round(blocked, 4), "next_step_wait_s": 0.0})
+            last = time.perf_counter()
+            step_times[-1] = (step_times[-1][0] + (last - now), busy)
+        if held and saves:
+            saves[-1]["next_step_wait_s"] = round(saves[-1]["next_step_wait_s"] + held, 4)
+    loop_s = time.perf_counter() - t_loop
+    if method is not None:
+        t = time.perf_counter()
+        method.finish()
+        tail_s = time.perf_counter() - t
+    else:
+        tail_s = 0.0
+    gc.collect()
+    peak = sampler.stop()
+    left = rss()
+    out: dict[str, Any] = {
+        "loop_s": round(loop_s, 3),
+        "tail_wait_s": round(tail_s, 3),
+        "steps": steps,
+        "host_extra_peak_bytes": peak - base_rss,
+        "host_extra_left_bytes": left - base_rss,
+        "first_save": first,
+        "saves": saves,
+    }
+    busy_t = [t for t, b in step_times[1:] if b]
+    idle_t = [t for t, b in step_times[1:] if not b and t < 10 * statistics.median([x for x, _ in step_times])]
+    every = [t for t, _ in step_times[1:]]
+    out["step_p50_s"], out["step_p95_s"] = pct(every, 0.5), pct(every, 0.95)
+    out["steps_during_write"] = len(busy_t)
+    out["during_write_p50_s"], out["during_write_p95_s"] = pct(busy_t, 0.5), pct(busy_t, 0.95)
+    out["without_write_p50_s"], out["without_write_p95_s"] = pct(idle_t, 0.5), pct(idle_t, 0.95)
+    if method is None:
+        return out
+    if isinstance(method, CgMethod):
+        out["next_step_fence_wait_s"] = [round(x, 4) for x in method.fence_waits]
+        out["staged_s"] = [round(x, 4) for x in method.staged]
+        pool = method.mgr._staging.pool
+        out["pool_held_bytes_after"] = pool.held_bytes if pool is not None else 0
+        manifest = json.loads((method.last_dir / "manifest.json").read_text())
+        out["manifest_cost"] = manifest.get("cost")
+    barrier()
+    nbytes = dir_bytes(method.last_dir) if rank() == 0 else 0
+    out["checkpoint_bytes"] = nbytes
+    out["write_s"] = [round(x, 3) for x in method.write_seconds]
+    if nbytes and method.write_seconds:
+        best = min(method.write_seconds)
+        out["save_gib_s"] = round(nbytes / GiB / best, 3)
+        out["save_vs_disk_write"] = round(nbytes / GiB / best / disk["write_fsync_gib_s"], 3)
+    method.close()
+    out.update(restore(method, a, device, reference, nbytes, disk))
+    if rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def restore(method: Method, a: argparse.Namespace, device: torch.device, reference: dict | None, nbytes: int,
+            disk: dict[str, float]) -> dict[str, Any]:
+    fresh = Job(a, device, seed=7)
+    fresh.step()  # the optimizer has state to load into
+    if rank() == 0:
+        drop_cache(method.last_dir)
+    barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    extra: dict[str, Any] = {}
+    t = time.perf_counter()
+    if isinstance(method, CgMethod):
+        extra["read"] = cg_restore(method.root, fresh, a.read_threads)
+    else:
+        method.restore(fresh)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    restore_s = time.perf_counter() - t
+    if isinstance(method, CgMethod) and method.mode == "sync" and a.read_threads != 1:
+        # The same restore with one read thread: what the parallel reads are worth on this disk.
+        if rank() == 0:
+            drop_cache(method.last_dir)
+        barrier()
+        t = time.perf_counter()
+        extra["read_1thread"] = cg_restore(method.root, fresh, 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        extra["restore_1thread_s"] = round(time.perf_counter() - t, 3)
+    got = fresh.tensors()
+    exact = reference is not None and set(got) == set(reference) and all(
+        torch.equal(got[k], reference[k]) for k in reference
+    )
+    out = {"restore_s": round(restore_s, 3), "restore_bitwise_exact": bool(exact), **extra}
+    if nbytes:
+        out["restore_gib_s"] = round(nbytes / GiB / restore_s, 3)
+        out["restore_vs_cold_read"] = round(nbytes / GiB / restore_s / disk["cold_read_gib_s"], 3)
+    del fresh, got
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def cg_restore(root: Path, job: Job, threads: int) -> dict[str, Any]:
+    """Restore through a new manager (as a new process would: no cache of the saving one); the read's figures."""
+    from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
+
+    storage = StreamingStorage(StreamingConfig(read_threads=threads))
+    cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None), storage=storage).restore(job.state())
+    stats = storage.last_stats
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(stats).items()} if stats else {}
+
+
+def write(path: Path, res: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def summary(res: dict) -> dict[str, Any]:
+    """Per method, the figures the issue's goals name."""
+    base = res["methods"].get("none", {})
+    out = {}
+    for name, m in res["methods"].items():
+        if name == "none":
+            continue
+        blocked = [s["blocked_s"] + s["next_step_wait_s"] for s in m["saves"]]
+        row = {
+            "blocked_first_s": m["first_save"].get("blocked_s"),
+            "blocked_later_max_s": max(blocked) if blocked else None,
+            "loop_overhead": round(m["loop_s"] / base["loop_s"] - 1, 4) if base else None,
+            "during_write_p50_slowdown": None,
+            "during_write_p95_slowdown": None,
+            "host_extra_peak_gib": round(m["host_extra_peak_bytes"] / GiB, 3),
+            "host_extra_left_gib": round(m["host_extra_left_bytes"] / GiB, 3),
+            "save_vs_disk_write": m.get("save_vs_disk_write"),
+            "restore_vs_cold_read": m.get("restore_vs_cold_read"),
+            "restore_bitwise_exact": m.get("restore_bitwise_exact"),
+        }
+        if m.get("during_write_p50_s") and base.get("step_p50_s"):
+            row["during_write_p50_slowdown"] = round(m["during_write_p50_s"] / base["step_p50_s"] - 1, 4)
+            row["during_write_p95_slowdown"] = round(m["during_write_p95_s"] / base["step_p95_s"] - 1, 4)
+        out[name] = row
+    return out
+
+
+def markdown(res: dict) -> str:
+    cols = ["blocked_first_s", "blocked_later_max_s", "loop_overhead", "during_write_p50_slowdown",
+            "during_write_p95_slowdown", "host_extra_peak_gib", "host_extra_left_gib", "save_vs_disk_write",
+            "restore_vs_cold_read", "restore_bitwise_exact"]
+    lines = [f"# bench_train_loop: {res['device']}, {res['params'] / 1e6:.0f}M params, "
+             f"{res['state_bytes'] / GiB:.2f} GiB state per rank, {res['world_size']} rank(s), "
+             f"save every {res['config']['every']} steps",
+             "",
+             f"disk: write+fsync {res['disk']['write_fsync_gib_s']:.2f} GiB/s, cold read "
+             f"{res['disk']['cold_read_gib_s']:.2f} GiB/s; step p50 without saves "
+             f"{res['methods']['none']['step_p50_s']:.3f} s",
+             "",
+             "| method | " + " | ".join(cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
+    for name, row in res["summary"].items():
+        lines.append(f"| {name} | " + " | ".join("-" if row[c] is None else str(row[c]) for c in cols) + " |")
+    for name, err in res.get("errors", {}).items():
+        lines.append(f"\n{name} failed: {err[:300]}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/ckptguard-train-loop"))
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=12288)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--every", type=int, default=45, help="steps between saves")
+    ap.add_argument("--saves", type=int, default=3, help="saves per method")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--read-threads", type=int, default=2, help="StreamingConfig.read_threads of ckptguard's restores")
+    ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes: correctness only")
+    a = ap.parse_args()
+    if a.tiny:
+        a.d_model, a.layers, a.heads, a.vocab, a.seq, a.batch, a.every, a.saves, a.warmup = 32, 2, 2, 64, 8, 2, 3, 2, 1
+    os.environ.setdefault("CKPTGUARD_QUIET", "1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and not a.tiny
+    if world > 1:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    methods = [m for m in a.methods.split(",") if m]
+    if not cuda:
+        methods = [m for m in methods if m != "cg_async_gpu"]  # no spare GPU memory on a CPU
+    job = Job(a, device, seed=0)
+    job.step()  # the optimizer's state exists from the first step on
+    state_bytes = job.nbytes()
+    disk = disk_figures(a.dir, state_bytes if not a.tiny else 8 << 20)
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "world_size": world,
+        "params": sum(p.numel() for p in job.model.parameters()) * (world if world > 1 else 1),
+        "state_bytes": state_bytes,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "disk": disk,
+        "methods": {},
+    }
+    if "none" not in methods:
+        methods.insert(0, "none")
+    failed = []
+    for name in methods:
+        try:
+            res["methods"][name] = run_method(name, a, job, device, disk)
+        except Exception as exc:  # one method's failure is reported; the others still run
+            if a.tiny:
+                raise
+            failed.append(name)
+            res.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:2000]
+            shutil.rmtree(a.dir / name, ignore_errors=True)
+        if rank() == 0:
+            print(f"{name}: {json.dumps(res['methods'].get(name, res.get('errors', {}).get(name)))[:600]}", flush=True)
+            write(a.out, res)  # after every method: a later crash keeps what was measured
+    res["summary"] = summary(res)
+    if rank() == 0:
+        write(a.out, res)
+        a.out.with_suffix(".md").write_text(markdown(res))
+        print(markdown(res), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
