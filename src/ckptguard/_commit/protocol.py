@@ -71,6 +71,7 @@ class Context:
     storage_ctx: StorageContext
     expert: ExpertParallel | None = None
     last_save: tuple[int, float] | None = None  # (step, monotonic end) of this process's last save
+    node_publisher: bool = False  # the last save was on node-local roots and this rank published its node's part
 
     @property
     def rank(self) -> int:
@@ -771,6 +772,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     tmp = ctx.root.absolute() / Path(prep.tmp).name
     if prep.nodes:
         return _commit_nodes(ctx, snap, prep, tmp)
+    ctx.node_publisher = False
     report = _report(ctx, step, tmp, snap)
     outcome = gather_decide(  # file lists and digests are for rank 0's manifest only
         ctx.agreement,
@@ -848,6 +850,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
     step = snap.step
     mine = _my_node(ctx, prep)
     leader = mine[0] == ctx.rank
+    ctx.node_publisher = leader  # retention then runs on every node's root, by its publishing rank
     published = False
     trash: Path | None = None
     try:
@@ -870,7 +873,8 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
         failure = _copy_files(ctx, tmp, plan.copies)
         if leader and failure is None:
             failure = _confirm_node(ctx, step, tmp, prep, plan)
-        _node_round(ctx, "save.node_confirm", failure, step=step, phase="node confirm")
+        # The copies and the leaders' checksums of their node's files come first: a longer wait.
+        _node_round(ctx, "save.node_confirm", failure, step=step, phase="node confirm", patience=2.0)
         failure = None
         if leader:
             try:
@@ -900,12 +904,14 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
     return ctx.root / ctx.naming.name(step)
 
 
-def _node_round(ctx: Context, key: str, failure: dict[str, Any] | None, *, step: int, phase: str) -> None:
+def _node_round(
+    ctx: Context, key: str, failure: dict[str, Any] | None, *, step: int, phase: str, patience: float = 1.0
+) -> None:
     """Every rank learns whether every node did its part of ``phase``; all raise together if not."""
     outcome = gather_decide(
         ctx.agreement, key, NodeReport(failure),
         lambda reports: Outcome([r.failure for r in reports if r.failure], phase),
-        decision=Outcome, patience=2.0,
+        decision=Outcome, patience=patience,
     )
     _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
 
