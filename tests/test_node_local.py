@@ -56,10 +56,10 @@ def test_publish_reads_every_reported_file_back_with_size_and_checksum(tmp_path,
 NODES = 2  # 4 ranks: ranks 0, 1 on node0 and 2, 3 on node1
 
 
-def _own_disk(base: Path, node: int, *more: Path) -> Path:
+def _own_disk(base: Path, node: int, *more: Path, disk: int | None = None) -> Path:
     """This process becomes a rank of ``node``: its node identity, and a private mount namespace in
-    which ``base/disk<node>`` is bound over ``base/shared`` (every node's disk at the same path);
-    the same for each of ``more``. Returns ``base/shared``."""
+    which ``base/disk<node>`` (or ``base/disk<disk>``) is bound over ``base/shared`` (every node's
+    disk at the same path); the same for each of ``more``. Returns ``base/shared``."""
     import ctypes
     import os
 
@@ -72,7 +72,8 @@ def _own_disk(base: Path, node: int, *more: Path) -> Path:
         raise PermissionError(ctypes.get_errno(), "mount --make-rprivate /")
     for b in (base, *more):
         shared = b / "shared"
-        if libc.mount(str(b / f"disk{node}").encode(), str(shared).encode(), None, ms_bind, None) != 0:
+        mine = b / f"disk{node if disk is None else disk}"
+        if libc.mount(str(mine).encode(), str(shared).encode(), None, ms_bind, None) != 0:
             raise PermissionError(ctypes.get_errno(), f"mount --bind {b}/disk{node} {shared}")
         # The check that a node sees only its own disk is real: its marker, never the other node's.
         assert (shared / "marker").read_text() == str(node), "this rank does not see its own node's disk"
@@ -94,6 +95,33 @@ def _bases(tmp_path: Path, names: list[str]) -> list[Path]:
         (base / "shared").mkdir()
         out.append(base)
     return out
+
+
+def _two_disks_on_node1(rank: int, world: int, base: str) -> str:
+    """Rank 3 claims node1 but sees a third disk at the shared path: its files would not be where
+    node1 publishes (the issue's reproduction, on the second node)."""
+    shared = _own_disk(Path(base), rank // 2, disk=2 if rank == 3 else None)
+    try:
+        cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(1, _state(rank))
+    except cg.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "committed"
+
+
+def test_a_node_whose_ranks_see_different_disks_is_refused_on_every_rank(tmp_path):
+    from ckptguard.testing import values
+
+    (base,) = _bases(tmp_path, ["run"])
+    (base / "disk2").mkdir()
+    (base / "disk2" / "marker").write_text("1")
+    for rank, out in enumerate(values(run_ranks(_two_disks_on_node1, 4, str(base), timeout=120))):
+        assert out.startswith("CheckpointWriteError"), (rank, out)
+        assert "rank 3 of node node1" in out and "node-local" in out, (rank, out)
+    for disk in range(3):
+        root = base / f"disk{disk}" / "ck"
+        assert not root.exists() or (_layout.read_tracker(root) in (None, 0) and not list(root.glob("*step_*"))), (
+            f"disk{disk} holds a step or a temp directory of the refused save"
+        )
 
 
 def _state(rank: int) -> dict:

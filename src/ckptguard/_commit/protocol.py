@@ -443,9 +443,28 @@ def _prepare_nodes(ctx: Context, step: int, prep: Prepared) -> None:
                                                                         "prepare"),
         decision=Outcome,
     )
+    tmp = ctx.root.absolute() / Path(prep.tmp).name
+    if not outcome.failures:
+        # Every rank of a node must see the temp directory its node's first rank created on the node's
+        # disk; one that does not (two disks under one node identity) would write where nobody publishes.
+        owner = _layout.read_owner(tmp) or {}
+        seen = NodeReport()
+        if owner.get("node") != ctx.agreement.info.host:
+            found = f"node {owner['node']}'s" if owner.get("node") else "no"
+            seen = NodeReport(WriteFailure(
+                rank=ctx.rank, phase="placement", exc_type="ConfigError", path=str(tmp), time_ns=time.time_ns(),
+                message=f"rank {ctx.rank} of node {ctx.agreement.info.host} finds {found} temp directory at {tmp}, "
+                f"not the one rank {mine[0]} of its node created: node-local storage (a separate disk per process "
+                "at one path) under one node identity. Give each node its own identity (its host name) and its "
+                "ranks one disk",
+            ).to_json())
+        outcome = gather_decide(
+            ctx.agreement, "save.node_seen", seen,
+            lambda rs: Outcome([r.failure for r in rs if r.failure], "placement"), decision=Outcome,
+        )
     if outcome.failures and mine[0] == ctx.rank and report.failure is None:
-        _discard(ctx, ctx.root.absolute() / Path(prep.tmp).name)
-    _raise_if_failed(ctx, outcome.failures, step=step, phase="prepare")
+        _discard(ctx, tmp)
+    _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
 
 
 # ---------------------------------------------------------------- step 2: write
@@ -855,14 +874,6 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
     trash: Path | None = None
     try:
         report = _report(ctx, step, tmp, snap)
-        if report.failure is None and (_layout.read_owner(tmp) or {}).get("node") != ctx.agreement.info.host:
-            # Seen before anything is trusted: this rank's root is not its node's disk.
-            owner = _layout.read_owner(tmp) or {}
-            report = RankReport(ctx.agreement.info.host, failure=WriteFailure(
-                rank=ctx.rank, phase="write", exc_type="ConfigError", path=str(tmp), time_ns=time.time_ns(),
-                message=f"rank {ctx.rank} (node {ctx.agreement.info.host}) finds the temp directory {tmp} of node "
-                f"{owner.get('node')!r} at its root: node-local roots must be each node's own disk",
-            ).to_json())
         kinds = {n: c.kind.value for n, c in snap.items.items()}
         plan = gather_decide(
             ctx.agreement, "save.written", report,
