@@ -283,7 +283,7 @@ def _recover_worker(rank: int, world: int, bases: list[str]) -> list[dict]:
         for _ in range(step):
             expected += 1.0  # as the saving run did, one addition per step (x + 1 + 1 is not x + 2 in floats)
         exact = torch.equal(state["model"].weight, expected)
-        mgr.save(step + 1, state)
+        mgr.save(step + 2, state)  # skips a step: what the killed save published on one node must go
         out.append({"step": step, "exact": exact, "committed": mgr.committed_steps(), "listing": _listing(root)})
     return out
 
@@ -307,8 +307,10 @@ def test_sigkill_of_one_node_at_each_point_leaves_both_nodes_agreeing(tmp_path):
     for (point, _victim, _trackers, agreed), result in zip(CRASHES, zip(*per_rank, strict=True), strict=True):
         for rank, r in enumerate(result):
             assert r["step"] == agreed and r["exact"], f"{point}: rank {rank} resumed {r}, expected step {agreed}"
-            assert r["committed"][-2:] == [agreed, agreed + 1], f"{point}: rank {rank}: {r['committed']}"
+            assert r["committed"][-2:] == [agreed, agreed + 2], f"{point}: rank {rank}: {r['committed']}"
             names = list(r["listing"])
-            # Nothing of the killed save lingers, and the agreed step is never deleted.
+            # Nothing of the killed save lingers (its temp directory, a step directory only one node
+            # published), and the agreed step is never deleted.
             assert not [n for n in names if n.startswith(".tmp-")], f"{point}: rank {rank} keeps {names}"
-            assert f"step_{agreed:08d}" in names and f"step_{agreed + 1:08d}" in names, (point, rank, names)
+            assert f"step_{agreed + 1:08d}" not in names, f"{point}: rank {rank} keeps the unagreed step: {names}"
+            assert f"step_{agreed:08d}" in names and f"step_{agreed + 2:08d}" in names, (point, rank, names)

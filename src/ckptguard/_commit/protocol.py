@@ -334,6 +334,15 @@ class NodeReport(Wire):
     """One node's publishing rank's outcome of a per-node phase (others send an empty one)."""
 
     failure: dict[str, Any] | None = None
+    tracker: int | None = None  # at prepare: the publishing rank's tracker on its node's root
+
+
+@dataclass(frozen=True)
+class NodesSeen(Wire):
+    """Rank 0's verdict on the node placement: failures, or the newest tracker of any node."""
+
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    newest: int = 0
 
 
 def _prepare(ctx: Context, step: int) -> Prepared:
@@ -458,13 +467,40 @@ def _prepare_nodes(ctx: Context, step: int, prep: Prepared) -> None:
                 "at one path) under one node identity. Give each node its own identity (its host name) and its "
                 "ranks one disk",
             ).to_json())
-        outcome = gather_decide(
+        if mine[0] == ctx.rank:
+            seen = NodeReport(seen.failure, _layout.read_tracker(ctx.root) or 0)
+        verdict = gather_decide(
             ctx.agreement, "save.node_seen", seen,
-            lambda rs: Outcome([r.failure for r in rs if r.failure], "placement"), decision=Outcome,
+            lambda rs: NodesSeen(
+                [r.failure for r in rs if r.failure], max(r.tracker for r in rs if r.tracker is not None)
+            ),
+            decision=NodesSeen,
         )
+        outcome = Outcome(verdict.failures, "placement")
+        if not verdict.failures and mine[0] == ctx.rank:
+            _sweep_unagreed(ctx, verdict.newest, step)
     if outcome.failures and mine[0] == ctx.rank and report.failure is None:
         _discard(ctx, tmp)
     _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
+
+
+def _sweep_unagreed(ctx: Context, newest: int, step: int) -> None:
+    """Remove this node's step directories newer than every node's tracker: a per-node save killed
+    after some nodes published and before any tracker moved left them; no node resumes from them.
+    A step some node's tracker reached is kept (a node whose own tracker lags still holds it: the
+    resume target). The step being saved is left to the publish, which replaces it."""
+    for found, path in sorted(_layout.step_dirs(ctx.root, ctx.naming).items()):
+        if found <= newest or found == step:
+            continue
+        try:
+            _layout.remove_step_dir(path)
+        except OSError as exc:  # never fatal: it stays uncommitted, newer than every tracker
+            log.warning("ckptguard: could not remove %s (%s); it is not a resume target", path, exc)
+            continue
+        log.warning(
+            "ckptguard: removed %s: published on this node by a save that no node's tracker reached (killed "
+            "between the nodes' publish and their trackers)", path,
+        )
 
 
 # ---------------------------------------------------------------- step 2: write
