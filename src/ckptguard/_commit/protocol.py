@@ -663,7 +663,9 @@ def _publish_or_fail(
     ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport], items: dict[str, Any]
 ) -> Outcome:
     """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
-    failures = [r.failure for r in reports if r.failure] or _unseen_files(tmp, reports)
+    failures = [r.failure for r in reports if r.failure] or _unseen_files(
+        tmp, reports, checksums=ctx.config.publish_checksums
+    )
     if failures:
         _discard(ctx, tmp)
         return Outcome(failures, "write")
@@ -676,7 +678,9 @@ def _publish_or_fail(
     return Outcome()
 
 
-def _unseen_files(tmp: Path, reports: list[RankReport], *, publisher: int = 0) -> list[dict[str, Any]]:
+def _unseen_files(
+    tmp: Path, reports: list[RankReport], *, publisher: int = 0, checksums: bool = True
+) -> list[dict[str, Any]]:
     """Every file a rank reported must be where ``publisher`` publishes, with its size and checksum.
 
     A rank's report is what its writer saw; the publisher reads the files back from its own
@@ -688,7 +692,7 @@ def _unseen_files(tmp: Path, reports: list[RankReport], *, publisher: int = 0) -
     for rank, rep in enumerate(reports):
         if not rep.files:
             continue
-        bad = _file_problems(tmp, rep.files)
+        bad = _file_problems(tmp, rep.files, checksums=checksums)
         if bad:
             rel, why = bad[0]
             missing = all(w == "absent" for _r, w in bad)
@@ -716,11 +720,11 @@ def _unseen_files(tmp: Path, reports: list[RankReport], *, publisher: int = 0) -
     return out
 
 
-def _file_problems(base: Path, files: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def _file_problems(base: Path, files: list[dict[str, Any]], *, checksums: bool = True) -> list[tuple[str, str]]:
     """(path, why) for each reported file that is not under ``base`` with its size and xxh3.
 
-    The sizes first (one stat each), then the checksums, hashed in parallel threads (the
-    hash and the reads release the GIL)."""
+    The sizes first (one stat each), then (``checksums``) the xxh3 read back, hashed in
+    parallel threads (the hash and the reads release the GIL)."""
     problems: list[tuple[str, str]] = []
     sized = []
     for f in files:
@@ -734,7 +738,7 @@ def _file_problems(base: Path, files: list[dict[str, Any]]) -> list[tuple[str, s
             problems.append((f["path"], f"{size} bytes, reported {f['size']}"))
         else:
             sized.append(f)
-    if not sized:
+    if not sized or not checksums:
         return problems
 
     def hashed(f: dict[str, Any]) -> tuple[str, str] | None:
@@ -971,7 +975,7 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
     ranks, copies = set(node["ranks"]), set(node["copies"])
     files = [f for f in plan.manifest["files"] if f.get("rank") in ranks or f["path"] in copies]
     try:
-        bad = _file_problems(tmp, files)
+        bad = _file_problems(tmp, files, checksums=ctx.config.publish_checksums)
         if bad:
             rel, why = bad[0]
             raise OSError(
