@@ -245,6 +245,11 @@ CRASHES = [
 ]
 
 
+# Where a node holds step 2 published above its own tracker after the kill: node 0 renamed before
+# node 1 died (no tracker moved: the next save removes it); node 1 lags node 0's tracker (resumed).
+PUBLISHED_NEWER = {("node.before_rename", 0), ("node.before_tracker", 1)}
+
+
 def _crash_worker(rank: int, world: int, base: str, point: str, victim: int) -> dict:
     import os
     import signal
@@ -279,11 +284,15 @@ def _crash_worker(rank: int, world: int, base: str, point: str, victim: int) -> 
 
 
 def _recover_worker(rank: int, world: int, bases: list[str]) -> list[dict]:
+    from ckptguard.ops.preflight import preflight
+
     node = rank // 2
     _own_disk(Path(bases[0]), node, *(Path(b) for b in bases[1:]))
     out = []
     for base in bases:
         root = Path(base) / "shared" / "ck"
+        before = preflight(root, _layout.StepNaming("step_{step:08d}"))
+        lagging = [f.code for f in before.findings if f.code == "published-newer"]
         mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30))
         state = _state(rank)
         expected = state["model"].weight.detach().clone()
@@ -292,7 +301,8 @@ def _recover_worker(rank: int, world: int, bases: list[str]) -> list[dict]:
             expected += 1.0  # as the saving run did, one addition per step (x + 1 + 1 is not x + 2 in floats)
         exact = torch.equal(state["model"].weight, expected)
         mgr.save(step + 2, state)  # skips a step: what the killed save published on one node must go
-        out.append({"step": step, "exact": exact, "committed": mgr.committed_steps(), "listing": _listing(root)})
+        out.append({"step": step, "exact": exact, "committed": mgr.committed_steps(), "listing": _listing(root),
+                    "preflight": (before.step, lagging)})
     return out
 
 
@@ -311,10 +321,15 @@ def test_sigkill_of_one_node_at_each_point_leaves_both_nodes_agreeing(tmp_path):
                 assert r.ok and r.value["error"] is not None and r.value["elapsed"] < 40, (point, r)
         seen = tuple(_layout.read_tracker(base / f"disk{n}" / "ck") for n in range(NODES))
         assert seen == trackers, f"{point}: trackers {seen}, expected {trackers}"
+    trackers_of = {point: trackers for point, _victim, trackers, _agreed in CRASHES}
     per_rank = values(run_ranks(_recover_worker, 4, [str(b) for b in bases], timeout=200))
     for (point, _victim, _trackers, agreed), result in zip(CRASHES, zip(*per_rank, strict=True), strict=True):
         for rank, r in enumerate(result):
             assert r["step"] == agreed and r["exact"], f"{point}: rank {rank} resumed {r}, expected step {agreed}"
+            # Preflight on a node sees its own tracker, and is told when this node holds a newer step published.
+            own = trackers_of[point][rank // 2]
+            newer = ["published-newer"] if (point, rank // 2) in PUBLISHED_NEWER else []
+            assert r["preflight"] == (own, newer), (point, rank, r["preflight"])
             assert r["committed"][-2:] == [agreed, agreed + 2], f"{point}: rank {rank}: {r['committed']}"
             names = list(r["listing"])
             # Nothing of the killed save lingers (its temp directory, a step directory only one node

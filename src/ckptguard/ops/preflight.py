@@ -133,6 +133,7 @@ def preflight(
                 "find out which is right before launch",
             )
         )
+    report.findings += _lagging(root, naming, res.step)
     if res.path is None:
         return report
     report.findings += verify_step(res.path)
@@ -145,6 +146,33 @@ def preflight(
                         "run `ckptguard verify --deep` on the step and fix it before launching")
             )
     return report
+
+
+def _lagging(root: Path, naming: _layout.StepNaming, step: int) -> list[Finding]:
+    """Steps newer than this node's tracker that this node holds published on node-local roots: a
+    per-node save stopped between the nodes' trackers. The job resumes such a step when another
+    node's tracker names it (its restore agrees across nodes); this node alone cannot tell."""
+    out = []
+    for found, path in sorted(_layout.step_dirs(root, naming).items()):
+        if found <= step:
+            continue
+        try:
+            manifest = _manifest.read(path)
+        except CheckpointError:
+            continue
+        if manifest.nodes and manifest.step == found:
+            out.append(
+                Finding(
+                    Severity.WARNING,
+                    "published-newer",
+                    str(path),
+                    f"step {found} is published on this node (node-local roots) but this node's tracker says {step}: "
+                    f"a save stopped between the nodes' trackers; the job resumes step {found} if another node's "
+                    "tracker says so, else it is removed by the next save",
+                    "run preflight on the other nodes; the launch itself agrees on one step",
+                )
+            )
+    return out
 
 
 def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Finding]:
