@@ -11,6 +11,13 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``run.role_written``: one role's part of a run step is written and confirmed by the role's ranks
   (its manifest is in the run's temp directory); reached on every rank of the role, before the next role
 - ``run.before_manifest``: every role on every rank confirmed; the run manifest is not written yet
+- ``commit.rank_written``: this rank wrote all its files and is about to report them
+- ``node.files_verified``: (node-local roots) this node's publishing rank checked its node's files,
+  the replicated copies included; no node manifest yet
+- ``node.confirmed``: this node's node manifest is written; not every node has confirmed
+- ``node.before_rename``: every node confirmed; the global manifest is in this node's temp directory
+- ``node.before_tracker``: this node's step directory is published, its tracker not yet moved
+- ``node.after_tracker``: this node's tracker is moved; other nodes' may not be
 - ``transfer.file_copied``: ``ckptguard transfer`` copied one file of several
 - ``transfer.before_tracker``: the transferred step directory is renamed in, the tracker not yet set
 
@@ -38,7 +45,17 @@ COMMIT_POINTS = (
     "commit.before_tracker",
 )
 RUN_POINTS = ("run.role_written", "run.before_manifest")
-POINTS = (*COMMIT_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker")
+NODE_POINTS = (
+    "node.files_verified",
+    "node.confirmed",
+    "node.before_rename",
+    "node.before_tracker",
+    "node.after_tracker",
+)
+"""The points of per-node publish (node-local roots), reached by each node's publishing rank."""
+POINTS = (
+    *COMMIT_POINTS, "commit.rank_written", *NODE_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker"
+)
 
 _hooks: dict[str, Callable[[], None]] = {}
 

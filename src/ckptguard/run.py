@@ -233,7 +233,7 @@ class RunCheckpoint:
             view = ResolveView(res.step, str(res.path) if res.path else None)
         except Exception as exc:  # shipped, so no rank waits for a peer that raised
             view = ResolveView(error=error_payload(exc))
-        gather_decide(self._run.agreement, "run.resolve", view, _restore._same_checkpoint, decision=_restore.Agreed)
+        gather_decide(self._run.agreement, "run.resolve", view, _restore._same_checkpoint, decision=_restore.AgreedStep)
         assert res is not None
         return res
 
@@ -261,6 +261,12 @@ class RunCheckpoint:
 
         on_every_rank(self._run.agreement, "run.snapshot", take)
         prep = _commit._prepare(self._run, step)
+        if prep.nodes:  # every rank got the same verdict: all raise alike; the temp dir is swept as dead
+            raise ConfigError(
+                f"RunCheckpoint save of step {step} under {self.root}: the ranks see node-local disks (not one "
+                "shared root); a run of several roles commits on a shared filesystem only. Put the root on "
+                "shared storage, or give each role its own CheckpointManager (per-node publish)."
+            )
         tmp = Path(prep.tmp)
         if self.rank == 0:
             with contextlib.suppress(OSError):  # the run directory holds roles, not a state/ of its own
