@@ -93,6 +93,27 @@ def test_an_optimizer_step_right_after_save_async_waits_for_the_copies(tmp_path,
     assert pending.mutation_wait_seconds >= 0 and pending.fence is not None and pending.fence.passed
 
 
+def test_two_managers_pending_at_once_do_not_break_the_optimizer_step(tmp_path, lazy):
+    # Each save_async registers a global optimizer pre-hook; a hook that removed itself while torch
+    # iterated them raised "OrderedDict mutated during iteration" inside the user's opt.step().
+    model, opt = _job()
+    _train(model, opt)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    actor = cg.CheckpointManager(tmp_path / "actor")
+    critic = cg.CheckpointManager(tmp_path / "critic")
+    first = actor.save_async(1, {"model": model})
+    second = critic.save_async(1, {"model": model})
+    _train(model, opt)  # both hooks run; neither may mutate torch's hook dict while it is iterated
+    _train(model, opt)  # disarmed hooks stay harmless until the next save_async or close()
+    lazy.landed.set()
+    first.wait()
+    second.wait()
+    for mgr in (actor, critic):
+        got = _restored(mgr, with_optim=False)
+        assert all(torch.equal(saved[k], got[k]) for k in saved)
+        mgr.close()
+
+
 def test_staged_guards_a_mutation_outside_an_optimizer_step(tmp_path, lazy):
     model, opt = _job()
     _train(model, opt)

@@ -183,12 +183,16 @@ class AsyncStaging:
         state has buffers (running statistics change in forward), until ``fence`` allows mutation."""
         self.unguard()
         handles: list[Any] = []
+        armed = [True]
 
         def before(*_: Any) -> None:
-            for h in handles:
-                h.remove()
-            handles.clear()
-            fence.before_mutation()
+            # Disarm, never remove here: torch iterates its hook dicts while calling them, and
+            # removing one then raises "OrderedDict mutated during iteration" in the user's
+            # optimizer.step() whenever another hook (another manager's, FSDP's) is registered.
+            # The handles go at the next save_async or close() (unguard).
+            if armed[0]:
+                armed[0] = False
+                fence.before_mutation()
 
         handles.append(register_optimizer_step_pre_hook(before))
         for value in state.values():
