@@ -102,6 +102,8 @@ EXPORTED = [
     "StorageStallError",
     "StreamingConfig",
     "StreamingStorage",
+    "Tier",
+    "TieredCheckpoint",
     "TopologyMismatchError",
     "UnsafeCheckpointError",
     "VersionMismatchError",

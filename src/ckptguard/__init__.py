@@ -60,6 +60,7 @@ from .storage import (
     WrittenFile,
     read_dcp_metadata,
 )
+from .tiers import Tier, TieredCheckpoint
 
 __all__ = [
     "ChainMismatchError",
@@ -106,6 +107,8 @@ __all__ = [
     "StorageStallError",
     "StreamingConfig",
     "StreamingStorage",
+    "Tier",
+    "TieredCheckpoint",
     "TopologyMismatchError",
     "UnsafeCheckpointError",
     "VersionMismatchError",

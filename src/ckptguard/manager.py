@@ -123,6 +123,9 @@ class CheckpointManager:
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         self._proof = ProofLog(self.root, agreement.info.rank)
+        # A TieredCheckpoint sends both tiers' records to one root (the one prove reads) and tags them.
+        self._proof_root = self.root
+        self._proof_fields: dict[str, Any] = {}
         _faults.arm_pause_from_env(info.rank)  # only under `ckptguard rehearse`
         self._ctx = _commit.Context(
             root=self.root,
@@ -372,10 +375,10 @@ class CheckpointManager:
     def _record(self, event: str, *, durable: bool = True, **fields: Any) -> None:
         if not self.config.record_proof:
             return
-        record = self._proof.build(event, **fields)
+        record = self._proof.build(event, **{**self._proof_fields, **fields})
         # Never create the root for a record: a mistyped path must stay visible. Until the first
         # save creates it, records are held and then written ahead of the save's.
-        if not self.root.is_dir():
+        if not self._proof_root.is_dir():
             self._proof.hold(record)
             return
         try:
