@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import os
 import socket
 import zlib
 from collections.abc import Callable
@@ -29,6 +30,18 @@ from typing import Any, Protocol, TypeVar
 import torch.distributed as dist
 
 from .errors import CollectiveTimeoutError, ConfigError, error_payload, rebuild
+
+NODE_ENV = "CKPTGUARD_NODE"
+"""For tests only: the node identity this process reports instead of its host name.
+
+Ranks on one node share its disk; with node-local roots each node publishes its own ranks'
+files. Tests fake two nodes on one machine (a private mount namespace per node) and set
+this in each rank before creating a manager; it is read once per manager."""
+
+
+def node_name() -> str:
+    """This process's node: the host name, or ``CKPTGUARD_NODE`` where a test fakes nodes."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -41,7 +54,7 @@ class RankInfo:
 
     @classmethod
     def single(cls) -> RankInfo:
-        return cls(rank=0, world_size=1, host=socket.gethostname())
+        return cls(rank=0, world_size=1, host=node_name())
 
 
 class Agreement(Protocol):
@@ -77,7 +90,7 @@ class StoreAgreement:
         store = dist.distributed_c10d._get_default_store()
         self.ranks = dist.get_process_group_ranks(group) if group else list(range(dist.get_world_size()))
         rank = dist.get_rank(group) if group else dist.get_rank()
-        self.info = RankInfo(rank=rank, world_size=len(self.ranks), host=socket.gethostname())
+        self.info = RankInfo(rank=rank, world_size=len(self.ranks), host=node_name())
         # Distinct groups and managers must not read each other's keys.
         tag = zlib.crc32(json.dumps([namespace, self.ranks]).encode())
         self._store = dist.PrefixStore(f"ckptguard/{tag:08x}/", store)

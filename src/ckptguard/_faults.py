@@ -8,6 +8,13 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``commit.manifest_tmp_written``: manifest bytes are in a temp file, not renamed
 - ``commit.before_rename``: manifest in place inside the temp directory
 - ``commit.before_tracker``: step directory published, tracker not yet moved
+- ``commit.rank_written``: this rank wrote all its files and is about to report them
+- ``node.files_verified``: (node-local roots) this node's publishing rank checked its node's files,
+  the replicated copies included; no node manifest yet
+- ``node.confirmed``: this node's node manifest is written; not every node has confirmed
+- ``node.before_rename``: every node confirmed; the global manifest is in this node's temp directory
+- ``node.before_tracker``: this node's step directory is published, its tracker not yet moved
+- ``node.after_tracker``: this node's tracker is moved; other nodes' may not be
 - ``transfer.file_copied``: ``ckptguard transfer`` copied one file of several
 - ``transfer.before_tracker``: the transferred step directory is renamed in, the tracker not yet set
 
@@ -34,7 +41,15 @@ COMMIT_POINTS = (
     "commit.before_rename",
     "commit.before_tracker",
 )
-POINTS = (*COMMIT_POINTS, "transfer.file_copied", "transfer.before_tracker")
+NODE_POINTS = (
+    "node.files_verified",
+    "node.confirmed",
+    "node.before_rename",
+    "node.before_tracker",
+    "node.after_tracker",
+)
+"""The points of per-node publish (node-local roots), reached by each node's publishing rank."""
+POINTS = (*COMMIT_POINTS, "commit.rank_written", *NODE_POINTS, "transfer.file_copied", "transfer.before_tracker")
 
 _hooks: dict[str, Callable[[], None]] = {}
 

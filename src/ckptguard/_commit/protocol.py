@@ -22,6 +22,7 @@ import secrets
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -496,40 +497,77 @@ def _publish_or_fail(
     return Outcome()
 
 
-def _unseen_files(tmp: Path, reports: list[RankReport]) -> list[dict[str, Any]]:
-    """Every file a rank reported must be where rank 0 publishes, with its size.
+def _unseen_files(tmp: Path, reports: list[RankReport], *, publisher: int = 0) -> list[dict[str, Any]]:
+    """Every file a rank reported must be where ``publisher`` publishes, with its size and checksum.
 
-    With a separate disk per node (node-local roots at the same path), rank 0 would otherwise
-    publish a manifest listing files that stay on the other nodes' disks: "committed" with no
-    complete checkpoint anywhere. Per-node publish is what such roots need; until then, refuse."""
+    A rank's report is what its writer saw; the publisher reads the files back from its own
+    view of the temp directory. With a separate disk per node at the same path (and ranks
+    that claim one node), the publisher would otherwise commit a manifest listing files that
+    sit on another disk; and a file changed or truncated between its write and the publish
+    (a second writer, a storage fault) would be committed under its recorded checksum."""
     out = []
     for rank, rep in enumerate(reports):
-        lost = [f["path"] for f in rep.files if not _has_size(tmp / f["path"], int(f["size"]))]
-        if lost:
+        if not rep.files:
+            continue
+        bad = _file_problems(tmp, rep.files)
+        if bad:
+            rel, why = bad[0]
+            missing = all(w == "absent" for _r, w in bad)
+            where = (
+                "the root is node-local storage (a separate disk per node) but the ranks report one node: "
+                "give each node its own identity (its host name), or use a root on storage every rank shares"
+                if missing
+                else "the bytes on disk are not what the rank wrote (another writer, or a storage fault): check "
+                "the storage, then save again"
+            )
             out.append(
                 WriteFailure(
                     rank=rank,
                     phase="publish check",
-                    exc_type="FileNotFoundError",
+                    exc_type="FileNotFoundError" if missing else "CheckpointCorruptError",
                     message=(
-                        f"rank {rank} (host {rep.host}) reported {len(lost)} file(s) that rank 0 does not see "
-                        f"under {tmp} with their sizes, e.g. {lost[0]}: the root is node-local storage (a "
-                        "separate disk per node), which ckptguard cannot publish atomically yet. Use a root "
-                        "on storage every rank shares, or stage_dir= for node-local staging"
+                        f"rank {rank} (node {rep.host}) reported {len(rep.files)} file(s) of which {len(bad)} are not "
+                        f"under {tmp} as rank {publisher} (the publishing rank) reads them, e.g. {rel}: {why}; {where}"
                     ),
-                    errno=_errno.ENOENT,
-                    path=str(tmp / lost[0]),
+                    errno=_errno.ENOENT if missing else _errno.EIO,
+                    path=str(tmp / rel),
                     time_ns=time.time_ns(),
                 ).to_json()
             )
     return out
 
 
-def _has_size(path: Path, size: int) -> bool:
-    try:
-        return path.stat().st_size == size
-    except OSError:
-        return False
+def _file_problems(base: Path, files: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(path, why) for each reported file that is not under ``base`` with its size and xxh3.
+
+    The sizes first (one stat each), then the checksums, hashed in parallel threads (the
+    hash and the reads release the GIL)."""
+    problems: list[tuple[str, str]] = []
+    sized = []
+    for f in files:
+        path = base / f["path"]
+        try:
+            size = path.stat().st_size
+        except OSError:
+            problems.append((f["path"], "absent"))
+            continue
+        if size != int(f["size"]):
+            problems.append((f["path"], f"{size} bytes, reported {f['size']}"))
+        else:
+            sized.append(f)
+    if not sized:
+        return problems
+
+    def hashed(f: dict[str, Any]) -> tuple[str, str] | None:
+        try:
+            xxh = file_digest(str(base / f["path"]))[1]
+        except OSError as exc:
+            return (f["path"], f"unreadable ({exc.strerror or exc})")
+        return None if xxh == f["xxh3"] else (f["path"], f"xxh3 {xxh}, reported {f['xxh3']}")
+
+    with ThreadPoolExecutor(max_workers=min(4, len(sized))) as pool:
+        problems += [p for p in pool.map(hashed, sized) if p is not None]
+    return problems
 
 
 def _discard(ctx: Context, tmp: Path) -> None:
@@ -598,6 +636,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
             ctx.expert.rank if ctx.expert else None,
             layout_free=layout_free,
         )
+        _faults.reached("commit.rank_written")
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
         report = RankReport(ctx.agreement.info.host, failure=failure_from(exc, rank=ctx.rank, phase="write").to_json())
     _release_host_cache()
