@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ckptguard as cg
+from ckptguard.ops.prove import evaluate
 from ckptguard.testing import run_ranks, values
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private UTS/mount namespaces (fake nodes)")
@@ -120,3 +121,61 @@ def test_both_fast_tiers_lost_restores_the_older_persistent_step(tmp_path):
     records = restore_records(Path(persistent))
     assert [r["tier"] for r in records] == ["persistent"] * WORLD
     assert "tier persistent: step 2" in records[0]["tier_detail"]
+    gate = next(g for g in evaluate(Path(persistent)) if g.name == "restored from tier")
+    assert gate.status.value == "INFO" and gate.evidence.startswith("step 2 from the persistent tier on 4 rank(s)")
+
+
+def node_files(step_dir: Path, node: int) -> list[Path]:
+    """The files only ``node`` holds of a step on node-local disks: those its ranks wrote, less the ones
+    the other node's ranks read too (DCP stores a replicated tensor once; each node keeps a copy)."""
+    from ckptguard._commit import manifest as _manifest
+    from ckptguard._commit.checks import files_needed
+
+    manifest = _manifest.read(step_dir)
+    ranks = range(node * PER_NODE, (node + 1) * PER_NODE)
+    others = set().union(*(files_needed(step_dir, manifest, r) for r in range(WORLD) if r not in ranks))
+    return [step_dir / f["path"] for f in manifest.files if f["rank"] in ranks and f["path"] not in others]
+
+
+def test_lost_node_files_come_back_from_peer_replicas_exactly(tmp_path):
+    (tmp_path / "disk").mkdir()
+    kw = {"fast_every": 1, "replicas": 1}
+    values(run_ranks(save_run, WORLD, str(tmp_path), 2, False, kw, timeout=180))
+    fast = tmp_path / "disk" / "fast"
+    held = sorted(p.relative_to(fast).as_posix() for p in (fast / "replicas").glob("*/rank_*/replica.json"))
+    assert held == [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2) for r in range(WORLD)]
+    lost = node_files(fast / "step_00000002", 1)
+    assert lost and all(p.exists() for p in lost)
+    for p in lost:
+        p.unlink()
+    out = values(run_ranks(restore_run, WORLD, str(tmp_path), False, kw, timeout=180))
+    assert [o.get("step") for o in out] == [2] * WORLD, out
+    assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [r * 1000 + 2 for r in range(WORLD)]
+    assert all(p.exists() for p in lost)
+    records = restore_records(fast)
+    assert [r["tier"] for r in records] == ["fast"] * WORLD
+    assert records[0]["replica_ranks"] == [2, 3] and "from peer replicas" in records[0]["tier_detail"]
+    gate = next(g for g in evaluate(fast) if g.name == "restored from tier")
+    assert gate.evidence == "step 2 from the fast tier on 4 rank(s); ranks [2, 3] fetched their files from peer " \
+        "replicas"
+
+
+def test_lost_node_without_replicas_is_refused_naming_files_or_falls_back(tmp_path):
+    (tmp_path / "disk").mkdir()
+    persistent = str(tmp_path / "persistent")
+    kw = {"fast_every": 1, "persistent_every": 2, "persistent": persistent}
+    values(run_ranks(save_run, WORLD, str(tmp_path), 3, False, kw, timeout=180))
+    lost = node_files(tmp_path / "disk" / "fast" / "step_00000003", 1)
+    for p in lost:
+        p.unlink()
+    out = values(run_ranks(restore_run, WORLD, str(tmp_path), False, kw, timeout=180))
+    assert [o.get("step") for o in out] == [2] * WORLD, out  # step 2: fast on every rank (newest loadable)
+    detail = restore_records(Path(persistent))[0]["tier_detail"]
+    assert "the newer fast step 3 is not loadable on every rank" in detail and str(lost[0]) in detail, detail
+    shutil.rmtree(persistent)
+    for p in node_files(tmp_path / "disk" / "fast" / "step_00000002", 1):
+        p.unlink()
+    out = values(run_ranks(restore_run, WORLD, str(tmp_path), False, {"fast_every": 1}, timeout=180))
+    for o in out:
+        assert o.get("error", "").startswith("CheckpointIncompleteError"), o
+        assert "rank 2 (host node1): missing" in o["error"] and "Without replicas=1" in o["error"], o

@@ -225,6 +225,21 @@ def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
     return Status.PASS, "every parameter and buffer kept its data_ptr through the restore"
 
 
+def _tier(segments: list[_Segment]) -> Gate | None:
+    """Which tier the newest restore loaded (a TieredCheckpoint records it), as information."""
+    tiers = [s.restore for s in segments if _restored(s) and "tier" in s.restore]  # type: ignore[operator]
+    if not tiers:
+        return None
+    names = sorted({str(r.get("tier")) for r in tiers})
+    fetched = sorted({int(x) for r in tiers for x in (r.get("replica_ranks") or []) if isinstance(x, int)})
+    step = tiers[0].get("step")
+    also = f"; ranks {fetched} fetched their files from peer replicas" if fetched else ""
+    detail = str(tiers[0].get("tier_detail") or "")
+    why = f" ({detail})" if detail and not fetched else ""
+    return Gate("restored from tier", Status.INFO, f"step {step} from the {' and '.join(names)} tier on "
+                f"{len(tiers)} rank(s){also}{why}", required=False)
+
+
 # ---------------------------------------------------------------- replayed steps
 
 
@@ -491,6 +506,8 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
     for name, fn in (("restored step confirmed before training", _gate_confirmed), ("all PIDs changed", _gate_pids),
                      ("digests equal, item by item", _gate_digests), ("addresses unchanged", _gate_addresses)):
         gates.append(_combine(name, [_judged(fn, s) for s in segments]))
+    if (tier := _tier(segments)) is not None:
+        gates.insert(2, tier)
     gates.append(_not_rl("first export byte-identical", [_judged(_gate_export, s) for s in segments], plan, where,
                          "export" in events))
     gates.append(_not_rl("first old-logprob aligned", [_judged(_gate_logprobs, s) for s in segments], plan, where,
