@@ -119,14 +119,13 @@ class TieredCheckpoint:
         if persistent is not None and Path(persistent).absolute() == Path(fast).absolute():
             raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
         self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
-        common = {"process_group": process_group, "storage": storage, "derived": derived,
-                  "expert_parallel": expert_parallel}
-        self.fast = CheckpointManager(
-            fast, config=dataclasses.replace(base, retention=fast_retention or KeepLast(2)), **common
-        )
-        self.persistent = None if persistent is None else CheckpointManager(
-            persistent, config=dataclasses.replace(base, retention=persistent_retention or default_policy()), **common
-        )
+        def manager(root: str | os.PathLike[str], retention: RetentionPolicy) -> CheckpointManager:
+            return CheckpointManager(root, config=dataclasses.replace(base, retention=retention),
+                                     process_group=process_group, storage=storage, derived=derived,
+                                     expert_parallel=expert_parallel)
+
+        self.fast = manager(fast, fast_retention or KeepLast(2))
+        self.persistent = None if persistent is None else manager(persistent, persistent_retention or default_policy())
         # One proof log for both tiers, in the root every rank can read: prove sees the whole run.
         home = self.persistent or self.fast
         for mgr, tier in ((self.fast, Tier.FAST), (self.persistent, Tier.PERSISTENT)):

@@ -227,7 +227,7 @@ def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
 
 def _tier(segments: list[_Segment]) -> Gate | None:
     """Which tier the newest restore loaded (a TieredCheckpoint records it), as information."""
-    tiers = [s.restore for s in segments if _restored(s) and "tier" in s.restore]  # type: ignore[operator]
+    tiers = [s.restore for s in segments if s.restore is not None and _restored(s) and "tier" in s.restore]
     if not tiers:
         return None
     names = sorted({str(r.get("tier")) for r in tiers})
