@@ -100,10 +100,10 @@ RESTORE_HINT = "restore an earlier committed step, or copy the file back from wh
 
 
 def _check_files(
-    step_dir: Path, manifest: _manifest.Manifest
+    step_dir: Path, manifest: _manifest.Manifest, entries: list[dict[str, Any]] | None = None
 ) -> tuple[list[Finding], list[tuple[Path, dict[str, Any]]]]:
     findings, ok = [], []
-    for entry in manifest.files:
+    for entry in manifest.files if entries is None else entries:
         rel = str(entry.get("path", ""))
         lexical = bool(rel) and not os.path.isabs(rel) and ".." not in Path(rel).parts
         path = safe_member(step_dir, rel) if not (lexical and (step_dir / rel).is_symlink()) else step_dir / rel
@@ -236,6 +236,8 @@ def _extras_rank(rel: str) -> int | None:
 
 def _leftovers(step_dir: Path, manifest: _manifest.Manifest) -> list[Finding]:
     listed = {str(f.get("path")) for f in manifest.files} | _ALLOWED_EXTRA
+    if manifest.nodes:
+        listed.add(_layout.NODE_MANIFEST_NAME)
     findings = []
     for dirpath, dirnames, filenames in os.walk(step_dir, followlinks=False):
         for name in filenames + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
@@ -295,7 +297,11 @@ def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] 
                 "this step is not committed: never restore it; resume from the tracker's step",
             )
         ]
-    findings, present = _check_files(step_dir, manifest)
+    entries, findings = node_part(step_dir, manifest)
+    if entries is None:
+        return findings
+    more, present = _check_files(step_dir, manifest, entries)
+    findings += more
     if any(f.code == "unsafe-path" for f in findings):
         return findings  # never walk or hash through a manifest that points outside
     findings += _check_shard_set(step_dir, manifest)
@@ -316,6 +322,48 @@ def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] 
                     )
                 )
     return findings
+
+
+def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[str, Any]] | None, list[Finding]]:
+    """The files this disk must hold of the step: every file (one shared root), or on node-local
+    roots (format 2 ``nodes``) the part of the node whose node manifest is here, which must match
+    the global manifest. None, with the findings, when this disk holds no valid node part."""
+    if not manifest.nodes:
+        return list(manifest.files), []
+    where = step_dir / _layout.NODE_MANIFEST_NAME
+    try:
+        node = _manifest.read_node(step_dir)
+    except CheckpointError as exc:
+        return None, [_err("bad-node-manifest", where, str(exc).split(": ", 1)[-1], RESTORE_HINT)]
+    if node is None:
+        return None, [
+            _err(
+                "no-node-manifest",
+                where,
+                f"is absent: the step was saved on node-local roots ({len(manifest.nodes)} nodes), and this disk "
+                "holds no node's part of it (its node manifest is written with the node's files)",
+                "run this on a node that saved the step, or copy that node's part here (`ckptguard transfer`)",
+            )
+        ]
+    index = int(node["node"])
+    if not 0 <= index < len(manifest.nodes):
+        return None, [_err("bad-node-manifest", where, f"names node {index} of {len(manifest.nodes)}", RESTORE_HINT)]
+    expected = manifest.node_files(index)
+
+    def key(files: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
+        return sorted((str(f["path"]), int(f["size"]), str(f["xxh3"])) for f in files)
+
+    if node["step"] != manifest.step or key(node["files"]) != key(expected):
+        return None, [
+            _err(
+                "bad-node-manifest",
+                where,
+                f"lists other files than the global manifest gives node {index} ({manifest.nodes[index]['name']}) "
+                f"of step {manifest.step}",
+                RESTORE_HINT,
+            )
+        ]
+    return expected, []
 
 
 def leftover_findings(root: Path, *, max_age_s: float = 24 * 3600.0) -> list[Finding]:
@@ -385,8 +433,14 @@ def cost(step_dir: Path) -> dict[str, Any] | None:
 def files_needed(step_dir: Path, manifest: _manifest.Manifest, rank: int) -> set[str]:
     """Files (relative to the step) that ``rank`` reads when restoring on the same layout:
     its extras, the DCP metadata, the shards it wrote, and the files of replicated keys."""
-    needed = {_layout.extras_name(rank), f"{_layout.STATE_DIR}/{DCP_METADATA}"}
-    md = read_dcp_metadata(step_dir / _layout.STATE_DIR)
+    return {_layout.extras_name(rank)} | rank_reads(read_dcp_metadata(step_dir / _layout.STATE_DIR), rank)
+
+
+def rank_reads(md: Any, rank: int) -> set[str]:
+    """The DCP files (relative to the step) that ``rank`` reads on the same layout, given the
+    metadata ``md``: the metadata itself, its own shards, and the file of each replicated key
+    (stored once, by whichever rank DCP chose)."""
+    needed = {f"{_layout.STATE_DIR}/{DCP_METADATA}"}
     writers: dict[str, set[str]] = {}
     for index, info in (md.storage_data or {}).items():
         writers.setdefault(index.fqn, set()).add(info.relative_path)

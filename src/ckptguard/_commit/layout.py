@@ -29,6 +29,7 @@ from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MANIFEST_NAME = "manifest.json"
+NODE_MANIFEST_NAME = "node_manifest.json"  # node-local roots: this node's part, written before MANIFEST_NAME
 STATE_DIR = "state"
 CONTRACT_DIR = "contract"
 PROOF_DIR = "proof"
@@ -262,8 +263,12 @@ _TEMP_DIR = re.compile(re.escape(TMP_PREFIX) + r".+-[0-9a-f]{12}\Z")
 _TEMP_FILE = re.compile(r"\.tmp-[0-9a-f]{8}\Z")
 
 
-def write_owner(tmp: Path) -> None:
-    owner = {"host": socket.gethostname(), "pid": os.getpid(), "start": _proc_start(os.getpid())}
+def write_owner(tmp: Path, *, node: str | None = None) -> None:
+    """``node``: the node identity of the creating rank (a save's temp directory), so a rank of
+    another node that finds this directory at its own root's path knows it is not its node's disk."""
+    owner: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "start": _proc_start(os.getpid())}
+    if node is not None:
+        owner["node"] = node
     (tmp / OWNER_NAME).write_text(json.dumps(owner))
 
 

@@ -4,6 +4,11 @@ Contract: a step directory is committed when it holds a manifest that parses, ha
 known format version, and names the step of its directory. The manifest lists every
 file with its size and xxh3, the topology, the versions that wrote it and per-rank,
 per-item digests of the state. Readers accept every format version up to ours.
+
+Format 2 adds ``nodes`` (written on node-local roots only): each node's ranks and the files
+copied to it (replicated DCP files another node's rank wrote), so a node's part of the step is
+its ranks' files plus those copies; and the node manifest, ``node_manifest.json``, that each
+node writes before the global manifest: its ranks' files and the copies it verified.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import torch
 from torch.torch_version import TorchVersion
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, VersionMismatchError
-from .layout import MANIFEST_NAME, parse_json, read_small
+from .layout import MANIFEST_NAME, NODE_MANIFEST_NAME, parse_json, read_json, read_small
 
-FORMAT_VERSION = 1
-READABLE_VERSIONS = (1,)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 def ckptguard_version() -> str:
@@ -56,17 +61,31 @@ class Manifest:
     created_unix: float
     cost: dict[str, Any] | None = None  # size and save time (optional in format 1: older manifests lack it)
     layout_free: dict[str, dict[str, str]] | None = None  # item -> key -> digest no sharding changes (optional)
+    nodes: list[dict[str, Any]] | None = None  # format 2, node-local roots: [{"name", "ranks", "copies"}]
 
     @property
     def world_size(self) -> int:
         return int(self.topology["world_size"])
+
+    def node_of(self, rank: int) -> int | None:
+        """The index of the node that holds ``rank``'s files (None: one shared root holds every file)."""
+        for index, node in enumerate(self.nodes or []):
+            if rank in node["ranks"]:
+                return index
+        return None
+
+    def node_files(self, index: int) -> list[dict[str, Any]]:
+        """The files node ``index`` holds: its ranks' files and the copies it received."""
+        node = (self.nodes or [])[index]
+        ranks, copies = set(node["ranks"]), set(node["copies"])
+        return [f for f in self.files if f.get("rank") in ranks or f["path"] in copies]
 
     def to_json(self) -> dict[str, Any]:
         """The ``manifest.json`` object: every field but the path; the optional ones only when set."""
         return {k: v for k, v in self.__dict__.items() if k != "path" and not (v is None and k in _OPTIONAL)}
 
 
-_OPTIONAL = ("cost", "layout_free")
+_OPTIONAL = ("cost", "layout_free", "nodes")
 
 
 def build(
@@ -82,6 +101,7 @@ def build(
     contract: dict[str, Any],
     cost: dict[str, Any] | None = None,
     layout_free: dict[str, dict[str, str]] | None = None,
+    nodes: list[dict[str, Any]] | None = None,
 ) -> Manifest:
     """The manifest of a step being committed at ``path`` (written by the caller with ``to_json``)."""
     return Manifest(
@@ -99,6 +119,7 @@ def build(
         created_unix=time.time(),
         cost=cost,
         layout_free=layout_free,
+        nodes=nodes,
     )
 
 
@@ -154,7 +175,28 @@ def _shape_problem(data: dict[str, Any]) -> str | None:
         return "'chain_id' and 'dir_template' must be strings"
     if not isinstance(data.get("created_unix", 0.0), (int, float)):
         return "'created_unix' must be a number"
+    if "nodes" in data:
+        return _nodes_problem(data["nodes"], topology["world_size"])
     return None
+
+
+def _nodes_problem(nodes: Any, world: int) -> str | None:
+    shape = "'nodes' must be a list of {name: str, ranks: [int], copies: [str]} covering every rank once"
+    if not isinstance(nodes, list) or not nodes:
+        return shape
+    seen: list[int] = []
+    for node in nodes:
+        if not (
+            isinstance(node, dict)
+            and isinstance(node.get("name"), str)
+            and isinstance(node.get("ranks"), list)
+            and all(_int(r) for r in node["ranks"])
+            and isinstance(node.get("copies"), list)
+            and all(isinstance(c, str) for c in node["copies"])
+        ):
+            return shape
+        seen += node["ranks"]
+    return None if sorted(seen) == list(range(world)) else shape
 
 
 def read(step_dir: Path) -> Manifest:
@@ -212,7 +254,40 @@ def read(step_dir: Path) -> Manifest:
         created_unix=float(data.get("created_unix", 0.0)),
         cost=data["cost"] if isinstance(data.get("cost"), dict) else None,
         layout_free=data["layout_free"] if isinstance(data.get("layout_free"), dict) else None,
+        nodes=data.get("nodes"),
     )
+
+
+def node_manifest(*, step: int, index: int, name: str, ranks: list[int], files: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``node_manifest.json`` object of node ``index``: what that node verified it holds."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "node": index,
+        "name": name,
+        "ranks": sorted(ranks),
+        "files": sorted(files, key=lambda f: f["path"]),
+        "created_unix": time.time(),
+    }
+
+
+def read_node(step_dir: Path) -> dict[str, Any] | None:
+    """This disk's node manifest of ``step_dir`` (None when absent); CheckpointCorruptError if malformed."""
+    path = step_dir / NODE_MANIFEST_NAME
+    try:
+        data = read_json(path, limit=MANIFEST_BYTES, what="node manifest")
+    except FileNotFoundError:
+        return None
+    if not (
+        isinstance(data, dict)
+        and _int(data.get("node"))
+        and _int(data.get("step"))
+        and isinstance(data.get("ranks"), list)
+        and isinstance(data.get("files"), list)
+        and all(_file_entry(f) for f in data["files"])
+    ):
+        raise CheckpointCorruptError(f"{path}: not a node manifest ckptguard wrote (damaged or edited)")
+    return data
 
 
 def check_torch_version(manifest: Manifest, *, allow_newer: bool) -> None:

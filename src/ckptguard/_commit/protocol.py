@@ -48,6 +48,7 @@ from ..errors import (
     WriteFailure,
 )
 from ..storage.base import Storage, StorageContext, WrittenFile
+from ..storage.unpickler import read_dcp_metadata
 from . import layout as _layout
 from . import lease as _lease
 from . import manifest as _manifest
@@ -113,6 +114,7 @@ class ChunkVerdict(Wire):
 class PrepareRequest(Wire):
     step: int
     root: str = ""
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class Prepared(Wire):
     phase: int = 0
     contract_hash: str = ""
     failure: dict[str, Any] | None = None
+    nodes: list[list[int]] = field(default_factory=list)  # node-local roots: each node's ranks; empty: shared
 
 
 @dataclass(frozen=True)
@@ -267,8 +270,9 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
 # ---------------------------------------------------------------- step 1: prepare
 
 
-def _prepare_root(ctx: Context, step: int) -> Prepared:
-    """Rank 0: root, tracker 0, phase 0, sweep, existing-step check, temp directory."""
+def _prepare_root(ctx: Context, step: int, *, like: Prepared | None = None) -> Prepared:
+    """Rank 0 (or, on node-local roots, each node's publishing rank, ``like`` rank 0's outcome):
+    root, tracker 0, phase 0, sweep, existing-step check, temp directory."""
     root = ctx.root
     root.mkdir(parents=True, exist_ok=True)
     # The lease first: a second writer is refused before it changes anything in the root.
@@ -280,8 +284,16 @@ def _prepare_root(ctx: Context, step: int) -> Prepared:
         _layout.write_tracker(root, 0)
     phases = _contract.read_phases(root)
     if not phases:
-        _contract.write_phase(root, 0, _contract.initial_phase(uuid.uuid4().hex, ctx.config.contract))
+        # Every node's root carries rank 0's chain: one run, one chain id on every disk.
+        chain = like.chain_id if like is not None else uuid.uuid4().hex
+        _contract.write_phase(root, 0, _contract.initial_phase(chain, ctx.config.contract))
     phase = _contract.check(root, ctx.config.contract, where=f"save of step {step}")
+    if like is not None and (phase["chain_id"], phase["phase"]) != (like.chain_id, like.phase):
+        raise ConfigError(
+            f"save of step {step}: this node's root {root} is at run chain {phase['chain_id']} phase {phase['phase']}, "
+            f"rank 0's at chain {like.chain_id} phase {like.phase}: the node-local roots belong to different runs. "
+            "Give every node of this run the root of this run (or empty ones for a new run)."
+        )
     _layout.sweep_temp_dirs(root, max_age_s=ctx.config.stale_temp_age_s)
     name = ctx.naming.name(step)
     existing = root / name
@@ -299,33 +311,51 @@ def _prepare_root(ctx: Context, step: int) -> Prepared:
             "it. Save a different step, or set CheckpointConfig(overwrite=True) to replace it "
             "(it is uncommitted first, then rewritten)."
         )
-    nonce = secrets.token_hex(6)
-    tmp = root / _layout.temp_dir_name(name, nonce)
+    # Node-local roots: every node's temp directory has rank 0's name (and, once published, the step's).
+    tmp = root / (Path(like.tmp).name if like is not None else _layout.temp_dir_name(name, secrets.token_hex(6)))
     tmp.mkdir()
     (tmp / _layout.STATE_DIR).mkdir()
-    _layout.write_owner(tmp)
+    _layout.write_owner(tmp, node=ctx.agreement.info.host)
     return Prepared(
         tmp=str(tmp), chain_id=phase["chain_id"], phase=phase["phase"], contract_hash=phase["contract_hash"]
     )
 
 
+@dataclass(frozen=True)
+class PlaceView(Wire):
+    """Whether this rank finds rank 0's temp directory at its own root: the same disk, or another."""
+
+    sees: bool
+
+
+@dataclass(frozen=True)
+class NodeReport(Wire):
+    """One node's publishing rank's outcome of a per-node phase (others send an empty one)."""
+
+    failure: dict[str, Any] | None = None
+
+
 def _prepare(ctx: Context, step: int) -> Prepared:
+    nodes: dict[str, list[int]] = {}  # rank 0 only: node -> ranks, from the requests
+
     def decide(requests: list[PrepareRequest]) -> Prepared:
         steps = [r.step for r in requests]
         if len(set(steps)) > 1:
             raise ConfigError(
                 f"ranks called save with different steps {steps} (index = rank); every rank must save the same step"
             )
-        roots = [r.root for r in requests]
-        if len(set(roots)) > 1:
-            # Rank 0 creates the temp directory and every rank writes into it by its absolute path:
-            # a rank with another root would publish into rank 0's and leave its own root empty.
-            listing = "; ".join(f"rank {r}: {root}" for r, root in enumerate(roots))
-            raise ConfigError(
-                f"save of step {step}: ranks passed different checkpoint roots ({listing}). Every rank must "
-                "pass the same root on storage they all share; node-local roots (a disk per node) cannot be "
-                "published atomically yet: use shared storage, or stage_dir= for node-local staging"
-            )
+        for rank, r in enumerate(requests):
+            nodes.setdefault(r.node, []).append(rank)
+        for node, ranks in nodes.items():
+            roots = {requests[r].root for r in ranks}
+            if len(roots) > 1:
+                # One node, one disk: ranks of a node write into the one temp directory of that node.
+                listing = "; ".join(f"rank {r}: {requests[r].root}" for r in ranks)
+                raise ConfigError(
+                    f"save of step {step}: ranks of node {node} passed different checkpoint roots ({listing}). "
+                    "Every rank of a node must pass the same root: storage they all share, or the node's own "
+                    "node-local disk (each node then publishes its own ranks' files)"
+                )
         try:
             return _prepare_root(ctx, step)
         except CheckpointError:
@@ -333,10 +363,88 @@ def _prepare(ctx: Context, step: int) -> Prepared:
         except Exception as exc:  # an OSError of the root: reported like a write failure, with errno and path
             return Prepared(failure=failure_from(exc, rank=0, phase="prepare").to_json())
 
-    request = PrepareRequest(step, str(ctx.root.absolute()))
+    request = PrepareRequest(step, str(ctx.root.absolute()), ctx.agreement.info.host)
     prep = gather_decide(ctx.agreement, "save.prepare", request, decide, decision=Prepared)
     _raise_if_failed(ctx, [prep.failure] if prep.failure else [], step=step, phase="prepare")
+    if ctx.world == 1:
+        return prep
+    prep = _place(ctx, step, prep, nodes)
+    if prep.nodes:
+        _prepare_nodes(ctx, step, prep)
     return prep
+
+
+def _place(ctx: Context, step: int, prep: Prepared, nodes: dict[str, list[int]]) -> Prepared:
+    """Shared root (every rank sees rank 0's temp directory) or node-local roots (each node's
+    ranks see their node's disk, none sees another's); anything in between is refused."""
+    name = Path(prep.tmp).name
+
+    def decide(views: list[PlaceView]) -> Prepared:
+        if all(v.sees for v in views):
+            return prep
+        order = sorted(nodes.values(), key=min)  # rank 0's node first; ranks ascending, the first publishes
+        problems = []
+        for ranks in order:
+            seeing = [r for r in ranks if views[r].sees]
+            node = ctx.agreement.info.host if 0 in ranks else _node_of(nodes, ranks[0])
+            if seeing and len(seeing) < len(ranks):
+                blind = [r for r in ranks if not views[r].sees]
+                problems.append(
+                    f"{_ranks(blind)} of node {node} cannot see rank 0's temp directory {name} under its root, "
+                    f"which {_ranks(seeing)} of the same node see: node-local storage (a separate disk per "
+                    "process at one path) under one node identity, so no node would hold its ranks' files. Give "
+                    "each node its own identity (its host name) and its ranks one disk, or use one shared root"
+                )
+            elif seeing and 0 not in ranks:
+                problems.append(
+                    f"node {node} (ranks {ranks}) shares rank 0's disk while other nodes do not: a mix of shared "
+                    "and node-local roots; give every node its own disk, or every rank the same shared root"
+                )
+        if problems:
+            _discard(ctx, Path(prep.tmp))
+            failure = WriteFailure(
+                rank=0, phase="placement", exc_type="ConfigError", message="; ".join(problems),
+                path=prep.tmp, time_ns=time.time_ns(),
+            )
+            return Prepared(failure=failure.to_json())
+        return Prepared(prep.tmp, prep.chain_id, prep.phase, prep.contract_hash, nodes=order)
+
+    sees = (ctx.root.absolute() / name).is_dir()
+    placed = gather_decide(ctx.agreement, "save.place", PlaceView(sees), decide, decision=Prepared)
+    _raise_if_failed(ctx, [placed.failure] if placed.failure else [], step=step, phase="placement")
+    return placed
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _node_of(nodes: dict[str, list[int]], rank: int) -> str:
+    return next(node for node, ranks in nodes.items() if rank in ranks)
+
+
+def _my_node(ctx: Context, prep: Prepared) -> list[int]:
+    return next(ranks for ranks in prep.nodes if ctx.rank in ranks)
+
+
+def _prepare_nodes(ctx: Context, step: int, prep: Prepared) -> None:
+    """Every other node's publishing rank prepares its own root like rank 0 did; all raise on a failure."""
+    mine = _my_node(ctx, prep)
+    leader = mine[0] == ctx.rank and ctx.rank != 0
+    report = NodeReport()
+    if leader:
+        try:
+            _prepare_root(ctx, step, like=prep)
+        except Exception as exc:
+            report = NodeReport(failure_from(exc, rank=ctx.rank, phase="prepare").to_json())
+    outcome = gather_decide(
+        ctx.agreement, "save.prepare_nodes", report, lambda rs: Outcome([r.failure for r in rs if r.failure],
+                                                                        "prepare"),
+        decision=Outcome,
+    )
+    if outcome.failures and mine[0] == ctx.rank and report.failure is None:
+        _discard(ctx, ctx.root.absolute() / Path(prep.tmp).name)
+    _raise_if_failed(ctx, outcome.failures, step=step, phase="prepare")
 
 
 # ---------------------------------------------------------------- step 2: write
@@ -418,15 +526,14 @@ def _cost(ctx: Context, step: int, started: float, files: list[dict[str, Any]]) 
     }
 
 
-def _publish(
-    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
-    kinds: dict[str, str],
-) -> None:
-    _faults.reached("commit.before_manifest")
+def _build_manifest(
+    ctx: Context, step: int, path: Path, prep: Prepared, started: float, reports: list[RankReport],
+    kinds: dict[str, str], nodes: list[dict[str, Any]] | None = None,
+) -> _manifest.Manifest:
     files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files]
     cost = _cost(ctx, step, started, files)
-    manifest = _manifest.build(
-        path=tmp / _layout.MANIFEST_NAME,
+    return _manifest.build(
+        path=path,
         step=step,
         chain_id=prep.chain_id,
         dir_template=ctx.naming.template,
@@ -442,11 +549,30 @@ def _publish(
         cost=cost,  # optional in format 1: absent in manifests written before it
         # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).
         layout_free=combine_layout_free([rep.layout_free for rep in reports]),
+        nodes=nodes,
     )
+
+
+def _publish(
+    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
+    kinds: dict[str, str],
+) -> None:
+    _faults.reached("commit.before_manifest")
+    manifest = _build_manifest(ctx, step, tmp / _layout.MANIFEST_NAME, prep, started, reports, kinds)
     _layout.atomic_write_json(
         manifest.path, manifest.to_json(), before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
     )
     _faults.reached("commit.before_rename")
+    trash = _rename_in(ctx, step, tmp)
+    _faults.reached("commit.before_tracker")
+    _layout.write_tracker(ctx.root, step)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
+
+
+def _rename_in(ctx: Context, step: int, tmp: Path) -> Path | None:
+    """Publish ``tmp`` (its manifest in place) as the step directory; returns the trash to delete
+    after the tracker moved, if a directory of this step was there."""
     _check_publish(ctx, step)
     final = ctx.root / ctx.naming.name(step)
     trash = None
@@ -459,10 +585,7 @@ def _publish(
     os.rename(tmp, final)
     (final / _layout.OWNER_NAME).unlink()  # kept until now so a crash leaves a sweepable temp dir
     _layout.fsync_dir(ctx.root)
-    _faults.reached("commit.before_tracker")
-    _layout.write_tracker(ctx.root, step)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
+    return trash
 
 
 def _check_publish(ctx: Context, step: int) -> None:
@@ -618,17 +741,14 @@ def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
     return commit(ctx, snapshot(ctx, step, state))
 
 
-def commit(ctx: Context, snap: Snapshot) -> Path:
-    """Steps 1 to 4 of the protocol for a snapshot; in the caller's or a background thread."""
-    step, items, rng = snap.step, snap.items, snap.rng
-    prep = _prepare(ctx, step)
-    tmp = Path(prep.tmp)
+def _report(ctx: Context, step: int, tmp: Path, snap: Snapshot) -> RankReport:
+    """Write this rank's part and describe it; a failure is described instead."""
     try:
-        written = _write_rank(ctx, step, tmp, items, rng)
+        written = _write_rank(ctx, step, tmp, snap.items, snap.rng)
         # Both digests in one pass over the bytes: the per-rank one and the one no sharding changes.
-        digests, layout_free = digests_and_layout_free(items)
-        if rng is not None:
-            digests[RNG_ITEM] = digest(rng)
+        digests, layout_free = digests_and_layout_free(snap.items)
+        if snap.rng is not None:
+            digests[RNG_ITEM] = digest(snap.rng)
         report = RankReport(
             ctx.agreement.info.host,
             [f.__dict__ for f in written],
@@ -640,6 +760,18 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
         report = RankReport(ctx.agreement.info.host, failure=failure_from(exc, rank=ctx.rank, phase="write").to_json())
     _release_host_cache()
+    return report
+
+
+def commit(ctx: Context, snap: Snapshot) -> Path:
+    """Steps 1 to 4 of the protocol for a snapshot; in the caller's or a background thread."""
+    step, items = snap.step, snap.items
+    prep = _prepare(ctx, step)
+    # This rank's view: on node-local roots its own node's disk, where the name is the same.
+    tmp = ctx.root.absolute() / Path(prep.tmp).name
+    if prep.nodes:
+        return _commit_nodes(ctx, snap, prep, tmp)
+    report = _report(ctx, step, tmp, snap)
     outcome = gather_decide(  # file lists and digests are for rank 0's manifest only
         ctx.agreement,
         "save.written",
@@ -651,3 +783,224 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
     ctx.last_save = (step, time.monotonic())
     return ctx.root / ctx.naming.name(step)
+
+
+# ---------------------------------------------------------------- per-node publish (node-local roots)
+#
+# Each node's first rank publishes its node's part: the files of its ranks and the replicated DCP
+# files its ranks read that another node's rank wrote (DCP stores a replicated value once, and only
+# rank 0 writes .metadata), copied over torch.distributed and verified by checksum. The rounds, each
+# an agreement every rank takes part in:
+#
+#   write     every rank writes into its node's temp directory and reports; rank 0 plans the copies
+#             and builds the global manifest
+#   confirm   copies sent and received; each node checks its files (size, xxh3) and writes its node
+#             manifest
+#   publish   every node confirmed: each node writes the global manifest and renames its temp
+#             directory to the step name (an orphan until its tracker moves)
+#   tracker   every node published: each node moves its tracker (the commit point)
+#
+# A kill before every node published leaves every tracker at the previous step; a kill between
+# trackers leaves some nodes at the new step and the others holding it published (a valid global
+# manifest, written only after every node confirmed), so restore agrees on the new step.
+
+
+@dataclass(frozen=True)
+class NodePlan(Wire):
+    """Rank 0's verdict on the write: the failures, or the global manifest and the copies to make."""
+
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    copies: list[dict[str, Any]] = field(default_factory=list)  # {path, size, xxh3, src, dsts}
+
+
+def _plan_nodes(
+    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport], kinds: dict[str, str]
+) -> NodePlan:
+    failures = [r.failure for r in reports if r.failure]
+    if failures:
+        return NodePlan(failures)
+    from .checks import rank_reads
+
+    try:
+        md = read_dcp_metadata(tmp / _layout.STATE_DIR)
+    except (CheckpointError, OSError) as exc:
+        return NodePlan([failure_from(exc, rank=0, phase="copy plan").to_json()])
+    written = {f["path"]: dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files}
+    nodes: list[dict[str, Any]] = []
+    needs: dict[str, list[int]] = {}
+    for ranks in prep.nodes:
+        held = {f["path"] for r in ranks for f in reports[r].files}
+        wanted = set().union(*(rank_reads(md, r) for r in ranks))
+        wants = sorted(p for p in wanted - held if p in written)
+        nodes.append({"name": reports[ranks[0]].host, "ranks": list(ranks), "copies": wants})
+        for path in wants:
+            needs.setdefault(path, []).append(ranks[0])
+    manifest = _build_manifest(ctx, step, tmp / _layout.MANIFEST_NAME, prep, started, reports, kinds, nodes)
+    copies = [
+        {"path": p, "size": written[p]["size"], "xxh3": written[p]["xxh3"], "src": written[p]["rank"], "dsts": d}
+        for p, d in sorted(needs.items())
+    ]
+    return NodePlan(manifest=manifest.to_json(), copies=copies)
+
+
+def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Path:
+    step = snap.step
+    mine = _my_node(ctx, prep)
+    leader = mine[0] == ctx.rank
+    published = False
+    trash: Path | None = None
+    try:
+        report = _report(ctx, step, tmp, snap)
+        if report.failure is None and (_layout.read_owner(tmp) or {}).get("node") != ctx.agreement.info.host:
+            # Seen before anything is trusted: this rank's root is not its node's disk.
+            owner = _layout.read_owner(tmp) or {}
+            report = RankReport(ctx.agreement.info.host, failure=WriteFailure(
+                rank=ctx.rank, phase="write", exc_type="ConfigError", path=str(tmp), time_ns=time.time_ns(),
+                message=f"rank {ctx.rank} (node {ctx.agreement.info.host}) finds the temp directory {tmp} of node "
+                f"{owner.get('node')!r} at its root: node-local roots must be each node's own disk",
+            ).to_json())
+        kinds = {n: c.kind.value for n, c in snap.items.items()}
+        plan = gather_decide(
+            ctx.agreement, "save.written", report,
+            lambda reports: _plan_nodes(ctx, step, tmp, prep, snap.started, reports, kinds),
+            decision=NodePlan, patience=2.0,
+        )
+        _raise_if_failed(ctx, plan.failures, step=step, phase="write")
+        failure = _copy_files(ctx, tmp, plan.copies)
+        if leader and failure is None:
+            failure = _confirm_node(ctx, step, tmp, prep, plan)
+        _node_round(ctx, "save.node_confirm", failure, step=step, phase="node confirm")
+        failure = None
+        if leader:
+            try:
+                _layout.atomic_write_json(tmp / _layout.MANIFEST_NAME, plan.manifest)
+                _faults.reached("node.before_rename")
+                trash = _rename_in(ctx, step, tmp)
+                published = True
+            except Exception as exc:
+                failure = failure_from(exc, rank=ctx.rank, phase="node publish").to_json()
+        _node_round(ctx, "save.node_publish", failure, step=step, phase="node publish")
+        failure = None
+        if leader:
+            try:
+                _faults.reached("node.before_tracker")
+                _layout.write_tracker(ctx.root, step)
+                _faults.reached("node.after_tracker")
+                if trash is not None:
+                    shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
+            except Exception as exc:
+                failure = failure_from(exc, rank=ctx.rank, phase="node tracker").to_json()
+        _node_round(ctx, "save.node_tracker", failure, step=step, phase="node tracker")
+    except BaseException:
+        if leader and not published and tmp.exists():
+            _discard(ctx, tmp)  # nothing of a save that did not publish may linger on this node
+        raise
+    ctx.last_save = (step, time.monotonic())
+    return ctx.root / ctx.naming.name(step)
+
+
+def _node_round(ctx: Context, key: str, failure: dict[str, Any] | None, *, step: int, phase: str) -> None:
+    """Every rank learns whether every node did its part of ``phase``; all raise together if not."""
+    outcome = gather_decide(
+        ctx.agreement, key, NodeReport(failure),
+        lambda reports: Outcome([r.failure for r in reports if r.failure], phase),
+        decision=Outcome, patience=2.0,
+    )
+    _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
+
+
+def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: NodePlan) -> dict[str, Any] | None:
+    """This node's publishing rank: every file of its part is here with its size and xxh3; then the
+    node manifest, written last on this node before the agreement."""
+    index = next(i for i, ranks in enumerate(prep.nodes) if ctx.rank in ranks)
+    node = plan.manifest["nodes"][index]
+    ranks, copies = set(node["ranks"]), set(node["copies"])
+    files = [f for f in plan.manifest["files"] if f.get("rank") in ranks or f["path"] in copies]
+    try:
+        bad = _file_problems(tmp, files)
+        if bad:
+            rel, why = bad[0]
+            raise OSError(
+                _errno.EIO, f"node {node['name']} (ranks {sorted(ranks)}): {len(bad)} of its {len(files)} file(s) "
+                f"are not under {tmp} with their recorded size and xxh3, e.g. {rel}: {why}", str(tmp / rel),
+            )
+        _faults.reached("node.files_verified")
+        record = _manifest.node_manifest(step=step, index=index, name=node["name"], ranks=sorted(ranks), files=files)
+        _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record)
+        _faults.reached("node.confirmed")
+    except Exception as exc:
+        return failure_from(exc, rank=ctx.rank, phase="node confirm").to_json()
+    return None
+
+
+COPY_CHUNK = 64 << 20
+"""Bytes per message of a replicated file sent to another node."""
+
+
+def _copy_files(ctx: Context, tmp: Path, copies: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Send each replicated file from the rank that wrote it to every node that reads it.
+
+    Every rank walks the same list in the same order and takes part only where it sends or
+    receives, so the pairs never wait on each other in a cycle. Each message waits at most
+    ``timeout_s``; the receiver writes a temp name, fsyncs, compares the xxh3 read back from
+    disk with the writer's, then renames. Returns this rank's first failure."""
+    import datetime as _dt
+
+    import torch.distributed as dist
+
+    group = ctx.storage_ctx.process_group
+    timeout = _dt.timedelta(seconds=ctx.config.timeout_s)
+
+    def peer(rank: int) -> int:
+        return dist.get_global_rank(group, rank) if group is not None else rank
+
+    for entry in copies:
+        src, dsts, size = int(entry["src"]), [int(d) for d in entry["dsts"]], int(entry["size"])
+        if ctx.rank != src and ctx.rank not in dsts:
+            continue
+        try:
+            if ctx.rank == src:
+                for dst in dsts:
+                    with open(tmp / entry["path"], "rb") as f:
+                        sent = 0
+                        while sent < size:
+                            block = f.read(min(COPY_CHUNK, size - sent))
+                            if not block:
+                                raise OSError(_errno.EIO, f"{tmp / entry['path']} ended at byte {sent} of {size}")
+                            buf = torch.frombuffer(bytearray(block), dtype=torch.uint8)
+                            _wait(dist.isend(buf, dst=peer(dst), group=group), timeout)
+                            sent += len(block)
+            else:
+                source = peer(src)
+                _receive(tmp / entry["path"], size, str(entry["xxh3"]),
+                         lambda buf, source=source: _wait(dist.irecv(buf, src=source, group=group), timeout))
+        except Exception as exc:
+            return failure_from(exc, rank=ctx.rank, phase=f"copy of {entry['path']}").to_json()
+    return None
+
+
+def _wait(work: Any, timeout: Any) -> None:
+    if work is not None:  # None: this rank is not in the group (never here: every rank of the save is)
+        work.wait(timeout)
+
+
+def _receive(dst: Path, size: int, xxh3: str, recv: Any) -> None:
+    part = dst.with_name(f"{dst.name}.part-{secrets.token_hex(4)}")
+    try:
+        with open(part, "wb") as f:
+            got = 0
+            while got < size:
+                buf = torch.empty(min(COPY_CHUNK, size - got), dtype=torch.uint8)
+                recv(buf)
+                f.write(buf.numpy().tobytes())
+                got += buf.numel()
+            f.flush()
+            os.fsync(f.fileno())
+        copied = file_digest(str(part))[1]
+        if copied != xxh3:
+            raise OSError(_errno.EIO, f"copy of {dst.name} has xxh3 {copied}, its writer's is {xxh3}", str(part))
+        os.replace(part, dst)
+    finally:
+        if part.exists():
+            part.unlink()

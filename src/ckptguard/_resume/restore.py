@@ -134,6 +134,15 @@ class ResolveView(Wire):
     step: int = 0
     path: str | None = None
     error: dict[str, Any] | None = None
+    published: list[int] = field(default_factory=list)  # node-local: newer steps this node holds published
+
+
+@dataclass(frozen=True)
+class AgreedStep(Wire):
+    """The step every rank restores; differs from a rank's own only on node-local roots whose
+    trackers a killed save left apart (see ``_published_newer``)."""
+
+    step: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,17 +169,48 @@ def resolve(ctx: Context, mode: ResumeMode, path: Path | None) -> Resolution:
     res: Resolution | None = None
     try:
         res = resolve_local(ctx.root, ctx.naming, mode, path)
-        view = ResolveView(res.step, str(res.path) if res.path else None)
+        newer = _published_newer(ctx, res) if path is None and mode is not ResumeMode.NEVER else []
+        view = ResolveView(res.step, str(res.path) if res.path else None, published=newer)
     except Exception as exc:  # any local failure is shipped, so no rank waits for a peer that raised
         view = ResolveView(error=error_payload(exc))
-    gather_decide(ctx.agreement, "resolve.step", view, _same_checkpoint, decision=Agreed)
+    agreed = gather_decide(ctx.agreement, "resolve.step", view, _same_checkpoint, decision=AgreedStep)
     assert res is not None
+    if agreed.step != res.step:
+        res = Resolution(
+            agreed.step,
+            ctx.root / ctx.naming.name(agreed.step),
+            f"the other nodes' trackers say {agreed.step}; this node's says {res.step}, and it holds step "
+            f"{agreed.step} published (a save was stopped between the nodes' trackers)",
+            mode,
+        )
     if not res.fresh:
         _agree_files(ctx, res)
     return res
 
 
-def _same_checkpoint(views: list[ResolveView]) -> Agreed:
+def _published_newer(ctx: Context, res: Resolution) -> list[int]:
+    """Steps newer than this rank's tracker that its node holds published on node-local roots.
+
+    Per-node publish writes the global manifest on a node only after every node confirmed its
+    part, and moves the trackers one node after another; a kill between them leaves some
+    trackers at the new step and the others' nodes holding it published. Such a step is the
+    resume target only when another node's tracker names it (see ``_same_checkpoint``)."""
+    if not ctx.root.is_dir():
+        return []
+    out = []
+    for step, step_dir in sorted(_layout.step_dirs(ctx.root, ctx.naming).items()):
+        if step <= res.step:
+            continue
+        try:
+            manifest = _manifest.read(step_dir)
+        except CheckpointError:
+            continue
+        if manifest.nodes and manifest.step == step:
+            out.append(step)
+    return out
+
+
+def _same_checkpoint(views: list[ResolveView]) -> AgreedStep:
     errors = {r: v.error for r, v in enumerate(views) if v.error}
     if errors:
         if len(errors) == len(views):
@@ -180,13 +220,16 @@ def _same_checkpoint(views: list[ResolveView]) -> Agreed:
             + "; ".join(f"rank {r}: {e['message']}" for r, e in errors.items())
             + ". Every rank must see the same root (shared storage, or the same files on each node)."
         )
+    newest = max(v.step for v in views)
+    if all(v.step == newest or newest in v.published for v in views) and any(v.step != newest for v in views):
+        return AgreedStep(newest)  # node-local roots: a save stopped between the nodes' trackers
     # Compare step and directory name: node-local roots may sit at different paths.
     if len({(v.step, v.path and Path(v.path).name) for v in views}) > 1:
         listing = "; ".join(f"rank {r}: step {v.step} at {v.path}" for r, v in enumerate(views))
         raise RankDisagreementError(
             f"ranks resolved different checkpoints ({listing}); fix the storage so every rank sees the same tracker"
         )
-    return Agreed()
+    return AgreedStep(newest)
 
 
 def _reraise_same(errors: dict[int, dict[str, Any]]) -> CheckpointError:
@@ -390,6 +433,11 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
         key=lambda f: (-int(f["size"]), f["path"]),
     )
     mine = files[ctx.rank :: ctx.world]
+    index = manifest.node_of(ctx.rank)
+    if index is not None:  # node-local roots: this node's ranks check the files on this node's disk
+        ranks = sorted(manifest.nodes[index]["ranks"]) if manifest.nodes else [ctx.rank]
+        here = {f["path"] for f in manifest.node_files(index)}
+        mine = [f for f in files if f["path"] in here][ranks.index(ctx.rank) :: len(ranks)]
     if not mine:
         return
     from .._commit.checks import safe_member
