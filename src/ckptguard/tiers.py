@@ -24,15 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from ._commit import layout as _layout
 from ._commit import manifest as _manifest
 from ._commit import replica as _replica
+from ._commit import retention
 from ._commit.checks import files_needed
 from ._commit.retention import KeepLast, RetentionPolicy, default_policy
 from ._dist import Wire, gather_decide
@@ -62,6 +66,7 @@ class _View(Wire):
 
     host: str
     complete: list[int] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)  # complete here, newer than this node's tracker
     missing: dict[str, list[str]] = field(default_factory=dict)  # str(step) -> files this rank lacks
     replicas: dict[str, list[int]] = field(default_factory=dict)  # str(step) -> source ranks held here
     persistent: int = 0  # the persistent tier's committed step (0: none)
@@ -154,11 +159,33 @@ class TieredCheckpoint:
         out: dict[Tier, Path] = {}
         if step % self.fast_every == 0:
             out[Tier.FAST] = self.fast.save(step, state)
+            self._rotate_node(step)
             if self.replicas:
                 self._push(step)
         if self.persistent is not None and step % self.persistent_every == 0:
             out[Tier.PERSISTENT] = self.persistent.save(step, state)
         return out
+
+    def _rotate_node(self, step: int) -> None:
+        """On node-local fast roots, every other node's first rank rotates its own disk (the manager
+        rotates rank 0's root only); a failure is logged, never raised, like the manager's."""
+        if self.rank == 0 or self._hosts.index(self._hosts[self.rank]) != self.rank:
+            return
+        if self._hosts[self.rank] == self._hosts[0] or self.fast.config.retention is None:
+            return
+        try:
+            if not _manifest.read(self.fast.root / self.fast._ctx.naming.name(step)).nodes:
+                return  # a shared root: rank 0 rotated it
+            restored = self.fast._restored_step
+            report = retention.apply(self.fast.root, self.fast._ctx.naming, self.fast.config.retention,
+                                     protect={step} | ({restored} if restored else set()))
+        except Exception as exc:  # rotation must never stop training
+            log.warning("ckptguard: retention of the fast tier %s after step %d failed (%s: %s); retried at the "
+                        "next save", self.fast.root, step, type(exc).__name__, exc)
+            return
+        if report.deleted:
+            log.info("ckptguard: fast tier %s: retention deleted steps %s, kept %s", self.fast.root, report.deleted,
+                     report.kept)
 
     def _push(self, step: int) -> None:
         """Send this rank's files of ``step`` to its peer; a failed replica is a loud warning on every rank
@@ -214,13 +241,13 @@ class TieredCheckpoint:
             step = mgr.restore(state, path=mgr.root / mgr._ctx.naming.name(choice.step))
         finally:
             mgr._proof_fields = fields
-        self._rewind_fast(step)
+        self._align_fast(step, Tier(choice.tier))
         return step
 
     def _view(self) -> _View:
         host = self.fast._ctx.agreement.info.host
         try:
-            complete, missing = self._fast_steps()
+            complete, published, missing = self._fast_steps()
             replicas = {str(s): r for s, r in _replica.held(self.fast.root, self.fast._ctx.naming).items()}
         except Exception as exc:  # shipped: no rank waits for a peer that raised
             return _View(host, error=error_payload(exc))
@@ -231,21 +258,27 @@ class TieredCheckpoint:
                 persistent = res.step
             except Exception as exc:
                 perror = error_payload(exc)
-        return _View(host, complete, missing, replicas, persistent, perror)
+        return _View(host, complete, published, missing, replicas, persistent, perror)
 
-    def _fast_steps(self) -> tuple[list[int], dict[str, list[str]]]:
-        """Committed fast steps whose files this rank has on its own disk (sizes as the manifest
-        says), and for the others the files it lacks."""
+    def _fast_steps(self) -> tuple[list[int], list[int], dict[str, list[str]]]:
+        """Fast steps whose files this rank has on its own disk (sizes as the manifest says): committed
+        ones (up to the tracker), and published ones past it (node-local roots: a save stopped between
+        the nodes' trackers; they count only where another node's tracker names them). For the
+        others, the files this rank lacks."""
         root, naming, rank = self.fast.root, self.fast._ctx.naming, self.rank
         tracker = _layout.read_tracker(root) if root.is_dir() else None
-        complete, missing = [], {}
+        complete: list[int] = []
+        published: list[int] = []
+        missing: dict[str, list[str]] = {}
         for step, path in sorted(_layout.step_dirs(root, naming).items()):
-            if tracker is None or step > tracker:
-                continue
+            if tracker is None:
+                break
             try:
                 manifest = _manifest.read(path)
-                if manifest.world_size != self.fast.world_size:
+                if manifest.world_size != self.fast.world_size or manifest.step != step:
                     continue  # another layout: restore decides, on its own tier
+                if step > tracker and not manifest.nodes:
+                    continue  # an orphan on a shared root: never a resume target
                 needed = files_needed(path, manifest, rank)
             except CheckpointError:
                 continue
@@ -254,8 +287,8 @@ class TieredCheckpoint:
             if lacking:
                 missing[str(step)] = [str(path / p) for p in lacking[:5]]
             else:
-                complete.append(step)
-        return complete, missing
+                (complete if step <= tracker else published).append(step)
+        return complete, published, missing
 
     def _choose(self, views: list[_View]) -> _Choice:
         """Rank 0: the newest step every rank can load, preferring the fast tier at equal steps."""
@@ -263,7 +296,7 @@ class TieredCheckpoint:
         if errors:
             r = min(errors)
             raise rebuild(errors[r], note=f"(rank {r}, reading the fast tier) ")
-        fast_steps = {s for v in views for s in v.complete} | {int(s) for v in views for s in v.replicas}
+        fast_steps = {s for v in views for s in v.complete}  # committed: some node's tracker names it
         best: tuple[int, dict[str, int]] | None = None
         for step in sorted(fast_steps, reverse=True):
             senders = self._senders(views, step)
@@ -307,33 +340,54 @@ class TieredCheckpoint:
         """For every rank that lacks ``step``, a rank on another node that holds its replica and the step."""
         senders: dict[str, int] = {}
         for r, v in enumerate(views):
-            if step in v.complete:
+            if step in v.complete or step in v.published:
                 continue
-            holder = next((h for h, w in enumerate(views) if w.host != v.host and step in w.complete
+            holder = next((h for h, w in enumerate(views) if w.host != v.host and step in w.complete + w.published
                            and r in w.replicas.get(str(step), [])), None)
             if holder is None:
                 return None
             senders[str(r)] = holder
         return senders
 
-    @staticmethod
-    def _gap(views: list[_View], step: int) -> str:
+    def _gap(self, views: list[_View], step: int) -> str:
+        """Which rank lacks which files of ``step`` (for a rank whose disk has no trace of the step, rank 0
+        names the files from its own copy of the step, where it has one)."""
         lacking = []
         for r, v in enumerate(views):
-            if step in v.complete:
+            if step in v.complete or step in v.published:
                 continue
-            files = v.missing.get(str(step))
+            files = v.missing.get(str(step)) or self._expected(step, r)
             what = f"missing {', '.join(files)}" if files else f"no committed step {step} on its disk"
             lacking.append(f"rank {r} (host {v.host}): {what}")
         return "; ".join(lacking[:8]) + (" ..." if len(lacking) > 8 else "")
 
+    def _expected(self, step: int, rank: int) -> list[str]:
+        path = self.fast.root / self.fast._ctx.naming.name(step)
+        try:
+            needed = files_needed(path, _manifest.read(path), rank)
+        except (CheckpointError, OSError):
+            return []
+        return [str(path / p) for p in sorted(needed)[:5]] + (["..."] if len(needed) > 5 else [])
+
     def _fetch(self, choice: _Choice) -> None:
-        """Rebuild the lacking ranks' part of the chosen fast step from their peers' replicas."""
+        """Rebuild the lacking ranks' part of the chosen fast step from their peers' replicas: into a
+        temp directory of the node's root, checked against the manifest, then sealed (node manifest,
+        manifest, rename) by the node's first receiving rank once every rank's part arrived."""
         ctx = self.fast._ctx
         name = ctx.naming.name(choice.step)
         group = ctx.storage_ctx.process_group
+        receivers = sorted(int(r) for r in choice.senders)
+        nonce = xxhash.xxh3_64_hexdigest(json.dumps([choice.step, receivers]).encode())[:12]
+        tmp = self.fast.root / _layout.temp_dir_name(name, nonce)  # the same on every receiver of a node
         problems: list[str] = []
-        for receiver, sender in sorted((int(r), s) for r, s in choice.senders.items()):
+        if self.rank in receivers:
+            try:
+                (tmp / _layout.STATE_DIR).mkdir(parents=True, exist_ok=True)  # an empty node's root is rebuilt too
+                _layout.write_owner(tmp, node=ctx.agreement.info.host)  # swept if this process dies
+            except OSError as exc:
+                problems.append(f"creating {tmp}: {exc}")
+        for receiver in receivers:
+            sender = choice.senders[str(receiver)]
             try:
                 if self.rank == sender:
                     step_dir = self.fast.root / name
@@ -342,13 +396,9 @@ class TieredCheckpoint:
                                                        manifest.files, receiver)
                     problems += _replica.send_part(specs, paths, receiver, group)
                 elif self.rank == receiver:
-                    problems += _replica.recv_part(self.fast.root, name, sender, group)
+                    problems += _replica.recv_part(self.fast.root, tmp, receiver, sender, group)
             except (OSError, CheckpointError) as exc:
                 problems.append(f"{type(exc).__name__}: {exc}")
-        if self.rank in {int(r) for r in choice.senders} and not problems:
-            tracker = _layout.read_tracker(self.fast.root)
-            if tracker is None or tracker < choice.step:
-                _layout.write_tracker(self.fast.root, choice.step)
 
         def decide(views: list[_Done]) -> _Done:
             bad = [f"rank {r}: {'; '.join(v.problems)}" for r, v in enumerate(views) if v.problems]
@@ -360,24 +410,55 @@ class TieredCheckpoint:
             return _Done()
 
         gather_decide(ctx.agreement, "tiers.fetch", _Done(problems[:5]), decide, decision=_Done)
+        sealer = next((r for r in receivers if self._hosts[r] == self._hosts[self.rank]), None) == self.rank
+        failure: list[str] = []
+        if sealer:
+            try:
+                _replica.seal_fetch(tmp, self.fast.root / name, self.rank, self._node_record)
+                tracker = _layout.read_tracker(self.fast.root)
+                if tracker is None or tracker < choice.step:
+                    _layout.write_tracker(self.fast.root, choice.step)
+            except (OSError, CheckpointError) as exc:
+                failure = [f"sealing {tmp}: {type(exc).__name__}: {exc}"]
+        gather_decide(ctx.agreement, "tiers.fetch_sealed", _Done(failure), decide, decision=_Done)
         log.info("ckptguard: rebuilt step %d on ranks %s from peer replicas (xxh3 checked against the manifest)",
-                 choice.step, sorted(int(r) for r in choice.senders))
+                 choice.step, receivers)
 
-    def _rewind_fast(self, step: int) -> None:
-        """A fast tracker past the restored step points at a trajectory the job no longer follows (a newer
-        step only part of the job had): move it back so the next fast saves are not refused as going
-        backwards. Those steps stay on disk as orphans (``ckptguard gc --orphans`` removes them)."""
+    def _node_record(self, manifest: _manifest.Manifest) -> dict[str, Any] | None:
+        """The node manifest of the node this rank's part belongs to (node-local roots); None on a
+        shared root (no ``nodes`` in the manifest)."""
+        index = manifest.node_of(self.rank)
+        if index is None or manifest.nodes is None:
+            return None
+        node = manifest.nodes[index]
+        return _manifest.node_manifest(step=manifest.step, index=index, name=str(node["name"]),
+                                       ranks=list(node["ranks"]), files=manifest.node_files(index))
+
+    def _align_fast(self, step: int, tier: Tier) -> None:
+        """After a restore of ``step``, one rank per node points its fast tracker at the step where the
+        node holds it committed (a node rebuilt from replicas, one a stopped save left behind), or, when
+        its tracker is past it (a newer step only part of the job had), back at the newest step it holds
+        up to ``step``, so the next fast saves are not refused as going backwards. Newer steps stay on
+        disk as orphans (``ckptguard gc --orphans`` removes them)."""
         root = self.fast.root
-        first_on_host = self._hosts.index(self._hosts[self.rank]) == self.rank
-        tracker = _layout.read_tracker(root) if first_on_host and root.is_dir() else None
-        if tracker is None or tracker <= step:
+        if self._hosts.index(self._hosts[self.rank]) != self.rank or not root.is_dir():
             return
-        older = [s for s in self.fast.committed_steps() if s <= step]
-        target = max(older, default=0)
+        tracker = _layout.read_tracker(root)
+        if tracker is None or tracker == step:
+            return
+        held = [s for s, path in _layout.step_dirs(root, self.fast._ctx.naming).items()
+                if s <= step and (path / _layout.MANIFEST_NAME).is_file()]
+        if tier is Tier.FAST and step in held:
+            target = step
+        elif tracker > step:
+            target = max(held, default=0)
+        else:
+            return
         _layout.write_tracker(root, target)
-        log.warning("ckptguard: fast tier %s: tracker moved back from step %d to %d after the restore of step %d; "
-                    "the newer steps there are orphans now (kept; `ckptguard gc --orphans` removes them)",
-                    root, tracker, target, step)
+        log.warning("ckptguard: fast tier %s: tracker moved from step %d to %d after the restore of step %d from "
+                    "the %s tier%s", root, tracker, target, step, tier.value,
+                    "; the newer steps there are orphans now (kept; `ckptguard gc --orphans` removes them)"
+                    if tracker > target else "")
 
     # ------------------------------------------------------------ proof records and queries
 

@@ -26,6 +26,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,26 +302,70 @@ def send_part(specs: list[FileSpec], paths: list[Path], dst: int, group: Any) ->
     return [e for s, p in zip(specs, paths, strict=True) if (e := send_file(p, s.size, dst, group)) is not None]
 
 
-def recv_part(root: Path, step_name: str, src: int, group: Any) -> list[str]:
-    """Receive a step's part into this node's root: root files, step files, the manifest last."""
+def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any) -> list[str]:
+    """Receive a rank's part of a step into ``tmp`` (a temp directory of this node's root): the
+    contract files into the root where absent (where present they must be the same bytes), the step
+    files, and the manifest as ``tmp/.fetched-manifest-<rank>``, checked against every file received."""
+    from .._resume.digest import file_digest
+
     specs = [FileSpec(**s) for s in recv_json(src, group)]
     problems: list[str] = []
-    step_dir = root / step_name
-    manifest_spec = specs[-1]
     for spec in specs[:-1]:
-        dest = (root if spec.where == "root" else step_dir) / spec.path
-        if (err := recv_file(dest, spec, src, group)) is not None:
+        if spec.where != "root":
+            if (err := recv_file(tmp / spec.path, spec, src, group)) is not None:
+                problems.append(err)
+            continue
+        dest = root / spec.path
+        if not dest.exists():
+            if (err := recv_file(dest, spec, src, group)) is not None:
+                problems.append(err)
+            continue
+        # A root of this run already holds its contract: never overwritten, it must be the same file.
+        scratch = tmp / f".fetched-{secrets.token_hex(4)}"
+        err = recv_file(scratch, spec, src, group)
+        scratch.unlink(missing_ok=True)
+        if err is None and file_digest(str(dest))[1] != spec.xxh3:
+            err = (f"{dest} differs from the run's contract file on rank {src}: this node's root holds another "
+                   "run; give the replacement node an empty root (or this run's)")
+        if err is not None:
             problems.append(err)
-    # The commit marker only after every file it lists arrived intact.
-    tmp = step_dir / f".{_layout.MANIFEST_NAME}.fetch-{secrets.token_hex(4)}"
-    if (err := recv_file(tmp, manifest_spec, src, group)) is not None:
+    manifest = fetched_manifest(tmp, rank)
+    if (err := recv_file(manifest, specs[-1], src, group)) is not None:
         problems.append(err)
-    elif problems or (problems := _against_manifest(tmp, specs)):
-        tmp.unlink(missing_ok=True)
-    else:
-        os.replace(tmp, step_dir / _layout.MANIFEST_NAME)
-        _layout.fsync_dir(step_dir)
+    elif problems or (problems := _against_manifest(manifest, specs)):
+        manifest.unlink(missing_ok=True)
     return problems
+
+
+def fetched_manifest(tmp: Path, rank: int) -> Path:
+    return tmp / f".fetched-manifest-{rank:05d}"
+
+
+def seal_fetch(tmp: Path, final: Path, rank: int, node_record: Callable[[Any], dict[str, Any] | None]) -> None:
+    """The first receiving rank of a node, after every rank's fetch arrived intact: the manifest and
+    the node manifest (``node_record(manifest)``) in the temp directory, then the step directory in
+    place (a rename, or where part of the step was still here, its files with the manifest last)."""
+    from . import manifest as _manifest
+
+    for other in tmp.glob(".fetched-manifest-*"):
+        if other != fetched_manifest(tmp, rank):
+            other.unlink()
+    os.replace(fetched_manifest(tmp, rank), tmp / _layout.MANIFEST_NAME)  # a temp directory: not committed yet
+    record = node_record(_manifest.read(tmp))
+    if record is not None:
+        _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record)
+    (tmp / _layout.OWNER_NAME).unlink(missing_ok=True)
+    if not final.exists():
+        os.rename(tmp, final)
+    else:  # part of the step was still here (a rank lost only some files): fill it in, marker last
+        moved = sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: p.name == _layout.MANIFEST_NAME)
+        for p in moved:
+            dest = final / p.relative_to(tmp)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(p, dest)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _layout.fsync_dir(final)
+    _layout.fsync_dir(final.parent)
 
 
 def _against_manifest(manifest_path: Path, specs: list[FileSpec]) -> list[str]:

@@ -1,0 +1,116 @@
+"""Peer replicas on node-local roots: two fake nodes of two gloo ranks, each node with its own disk.
+
+A node is lost by deleting its whole disk and giving the replacement an empty one; the restore
+then rebuilds its part from the surviving node's replicas (over torch.distributed, xxh3 checked
+against the manifest), or without replicas falls back to the persistent tier or refuses.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import ckptguard as cg
+from ckptguard.ops.prove import evaluate
+from ckptguard.testing import run_ranks, values
+from test_tiers import PER_NODE, WORLD, fake_node, make_state, pytestmark, restore_records, tiers, train_to
+
+__all__ = ["pytestmark"]
+
+
+def disks(tmp_path: Path) -> None:
+    (tmp_path / "disk").mkdir(exist_ok=True)
+    for node in range(WORLD // PER_NODE):
+        (tmp_path / f"node{node}").mkdir(exist_ok=True)
+        (tmp_path / f"node{node}" / "marker").write_text(str(node))
+
+
+def replace_node(tmp_path: Path, node: int) -> None:
+    """The node is gone with its disk; its replacement starts with an empty one."""
+    shutil.rmtree(tmp_path / f"node{node}")
+    disks(tmp_path)
+
+
+def save_local(rank: int, world: int, base: str, steps: int, kw: dict) -> dict:
+    fake_node(base, rank, local_disk=True)
+    mgr = tiers(base, **kw)
+    state = make_state(rank)
+    for step in range(1, steps + 1):
+        train_to(state, rank, step)
+        mgr.save(step, state)
+    fast = Path(base, "disk", "fast")
+    return {"steps": sorted(p.name for p in fast.glob("step_*")),
+            "replicas": sorted(p.relative_to(fast).as_posix() for p in fast.glob("replicas/*/rank_*/replica.json"))}
+
+
+def restore_local(rank: int, world: int, base: str, kw: dict, then_save: bool) -> dict:
+    from ckptguard._commit.checks import verify_step
+    from test_tiers import expected
+
+    fake_node(base, rank, local_disk=True)
+    mgr = tiers(base, **kw)
+    state = make_state(rank)
+    try:
+        step = mgr.restore(state)
+    except cg.CheckpointError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    out = {"step": step, "mine": state["mine"].value,
+           "exact": all(torch_equal(v, expected(rank, step)[k]) for k, v in state["model"].state_dict().items())}
+    fast = Path(base, "disk", "fast")
+    out["verify"] = [f.line() for f in verify_step(fast / f"step_{step:08d}", deep=True) if f.severity == "ERROR"]
+    if then_save:
+        train_to(state, rank, step + 1)
+        mgr.save(step + 1, state)
+        out["next"] = sorted(p.name for p in fast.glob("step_*"))
+    return out
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+def test_replacement_node_restores_exactly_from_peer_replicas_and_trains_on(tmp_path):
+    disks(tmp_path)
+    kw = {"fast_every": 1, "replicas": 1}
+    saved = values(run_ranks(save_local, WORLD, str(tmp_path), 2, kw, timeout=240))
+    # Each node holds its own steps and the other node's ranks' replicas, never its own.
+    assert saved[0]["steps"] == ["step_00000001", "step_00000002"] == saved[2]["steps"]
+    assert saved[0]["replicas"] == [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2)
+                                    for r in (2, 3)]
+    assert saved[2]["replicas"] == [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2)
+                                    for r in (0, 1)]
+    replace_node(tmp_path, 1)
+    out = values(run_ranks(restore_local, WORLD, str(tmp_path), kw, True, timeout=240))
+    assert [o.get("step") for o in out] == [2] * WORLD, out
+    assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [r * 1000 + 2 for r in range(WORLD)]
+    assert [o["verify"] for o in out] == [[]] * WORLD, out  # the rebuilt node's part verifies, node manifest too
+    assert out[2]["next"] == ["step_00000002", "step_00000003"], out  # the job saves on, on both nodes
+    fast0 = tmp_path / "node0" / "fast"
+    recs = restore_records(fast0)  # node 0's proof log holds its ranks' records
+    assert [r["tier"] for r in recs] == ["fast"] * PER_NODE and recs[0]["replica_ranks"] == [2, 3]
+    gate = next(g for g in evaluate(fast0) if g.name == "restored from tier")
+    assert "from the fast tier" in gate.evidence and "ranks [2, 3] fetched their files from peer replicas" \
+        in gate.evidence
+
+
+def test_lost_node_without_replicas_falls_back_to_persistent_or_is_refused(tmp_path):
+    disks(tmp_path)
+    persistent = str(tmp_path / "persistent")  # outside the bind mount: every node sees it
+    kw = {"fast_every": 1, "persistent_every": 2, "persistent": persistent}
+    values(run_ranks(save_local, WORLD, str(tmp_path), 3, kw, timeout=240))
+    replace_node(tmp_path, 1)
+    out = values(run_ranks(restore_local, WORLD, str(tmp_path), kw, False, timeout=240))
+    assert [o.get("step") for o in out] == [2] * WORLD, out
+    assert all(o["exact"] for o in out)
+    detail = restore_records(Path(persistent))[0]["tier_detail"]
+    assert detail.startswith("tier persistent: step 2 (the fast tier's newest step 3 cannot be loaded"), detail
+    assert "rank 2 (host node1): missing" in detail and "rank_00002.pt" in detail, detail
+    # Without a persistent tier the same loss is refused on every rank, naming the files.
+    replace_node(tmp_path, 1)
+    out = values(run_ranks(restore_local, WORLD, str(tmp_path), {"fast_every": 1}, False, timeout=240))
+    for o in out:
+        assert o.get("error", "").startswith("CheckpointIncompleteError"), o
+        assert "rank 3 (host node1): missing" in o["error"] and "rank_00003.pt" in o["error"], o
+        assert "Without replicas=1" in o["error"] and "there is no persistent tier" in o["error"], o
