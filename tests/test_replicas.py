@@ -114,3 +114,22 @@ def test_lost_node_without_replicas_falls_back_to_persistent_or_is_refused(tmp_p
         assert o.get("error", "").startswith("CheckpointIncompleteError"), o
         assert "rank 3 (host node1): missing" in o["error"] and "rank_00003.pt" in o["error"], o
         assert "Without replicas=1" in o["error"] and "there is no persistent tier" in o["error"], o
+
+
+def test_damaged_replica_is_caught_by_checksum_and_an_older_step_restored(tmp_path):
+    disks(tmp_path)
+    kw = {"fast_every": 1, "replicas": 1}
+    values(run_ranks(save_local, WORLD, str(tmp_path), 2, kw, timeout=240))
+    replace_node(tmp_path, 1)
+    held = tmp_path / "node0" / "fast" / "replicas" / "step_00000002" / "rank_00002" / "rank_00002.pt"
+    raw = bytearray(held.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size: only the manifest's xxh3 sees it
+    held.write_bytes(bytes(raw))
+    out = values(run_ranks(restore_local, WORLD, str(tmp_path), kw, False, timeout=240))
+    assert [o.get("step") for o in out] == [1] * WORLD, out
+    assert all(o["exact"] for o in out) and [o["verify"] for o in out] == [[]] * WORLD, out
+    detail = restore_records(tmp_path / "node0" / "fast")[0]["tier_detail"]
+    assert detail.startswith("tier fast: step 1, ranks [2, 3] from peer replicas"), detail
+    assert "step 2" in detail and "xxh3" in detail and "rank_00002.pt" in detail, detail
+    node1 = tmp_path / "node1" / "fast"
+    assert not list(node1.glob(".tmp-*")) and not (node1 / "step_00000002").exists()

@@ -27,6 +27,7 @@ import enum
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,18 +223,26 @@ class TieredCheckpoint:
         self.fast.wait()
         if self.persistent is not None:
             self.persistent.wait()
-        choice = gather_decide(self.fast._ctx.agreement, "tiers.choose", self._view(), self._choose,
-                               decision=_Choice)
-        if not choice.tier:
-            return home.restore(state, mode=mode)  # nothing committed anywhere: the manager's own fresh start
-        if choice.fell_back:
-            log.warning("ckptguard: %s", choice.detail)
-        else:
-            log.info("ckptguard: %s", choice.detail)
+        broken: dict[int, str] = {}  # fast steps whose fetch failed (the same on every rank: an agreed error)
+        while True:
+            choice = gather_decide(self.fast._ctx.agreement, "tiers.choose", self._view(),
+                                   lambda views: self._choose(views, broken), decision=_Choice)
+            if not choice.tier:
+                return home.restore(state, mode=mode)  # nothing committed anywhere: the manager's own fresh start
+            if choice.fell_back:
+                log.warning("ckptguard: %s", choice.detail)
+            else:
+                log.info("ckptguard: %s", choice.detail)
+            if not choice.senders:
+                break
+            try:
+                self._fetch(choice)
+                break
+            except CheckpointIncompleteError as exc:  # a damaged replica: the next choice, never a guess
+                broken[choice.step] = str(exc)
+                log.warning("ckptguard: %s; choosing again without fast step %d", exc, choice.step)
         mgr = self.fast if choice.tier == Tier.FAST.value else self.persistent
         assert mgr is not None
-        if choice.senders:
-            self._fetch(choice)
         fields = mgr._proof_fields
         mgr._proof_fields = {**fields, "tier_detail": choice.detail,
                              "replica_ranks": sorted(int(r) for r in choice.senders)}
@@ -290,8 +299,9 @@ class TieredCheckpoint:
                 (complete if step <= tracker else published).append(step)
         return complete, published, missing
 
-    def _choose(self, views: list[_View]) -> _Choice:
-        """Rank 0: the newest step every rank can load, preferring the fast tier at equal steps."""
+    def _choose(self, views: list[_View], broken: dict[int, str]) -> _Choice:
+        """Rank 0: the newest step every rank can load, preferring the fast tier at equal steps; a fast
+        step in ``broken`` (its fetch failed) is loadable only where no rank needs a fetch."""
         errors = {r: v.error for r, v in enumerate(views) if v.error}
         if errors:
             r = min(errors)
@@ -300,11 +310,15 @@ class TieredCheckpoint:
         best: tuple[int, dict[str, int]] | None = None
         for step in sorted(fast_steps, reverse=True):
             senders = self._senders(views, step)
+            if senders and step in broken:
+                continue
             if senders is not None:
                 best = (step, senders)
                 break
         newest = max(fast_steps, default=0)
         gap = self._gap(views, newest) if newest and (best is None or best[0] < newest) else ""
+        if newest in broken:
+            gap = f"its replicas failed: {broken[newest]}"
         perrors = {r: v.persistent_error for r, v in enumerate(views) if v.persistent_error}
         persistent = min(v.persistent for v in views) if not perrors else 0
         if best is not None and best[0] >= persistent:
@@ -409,7 +423,12 @@ class TieredCheckpoint:
                 )
             return _Done()
 
-        gather_decide(ctx.agreement, "tiers.fetch", _Done(problems[:5]), decide, decision=_Done)
+        try:
+            gather_decide(ctx.agreement, "tiers.fetch", _Done(problems[:5]), decide, decision=_Done)
+        except CheckpointError:
+            if self.rank in receivers:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing of a failed fetch lingers on the node
+            raise
         sealer = next((r for r in receivers if self._hosts[r] == self._hosts[self.rank]), None) == self.rank
         failure: list[str] = []
         if sealer:
