@@ -125,6 +125,7 @@ class TieredCheckpoint:
         if persistent is not None and Path(persistent).absolute() == Path(fast).absolute():
             raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
         self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
+
         def manager(root: str | os.PathLike[str], retention: RetentionPolicy) -> CheckpointManager:
             return CheckpointManager(root, config=dataclasses.replace(base, retention=retention),
                                      process_group=process_group, storage=storage, derived=derived,
@@ -157,6 +158,7 @@ class TieredCheckpoint:
 
         The fast tier first (and its peer replicas), then the persistent tier; a failure of
         either raises on every rank, like ``CheckpointManager.save``."""
+        CheckpointManager._check_step(step, "save")
         out: dict[Tier, Path] = {}
         if step % self.fast_every == 0:
             out[Tier.FAST] = self.fast.save(step, state)
@@ -326,7 +328,10 @@ class TieredCheckpoint:
             fetched = f", ranks {sorted(int(r) for r in senders)} from peer replicas on ranks " \
                       f"{sorted(set(senders.values()))}" if senders else " on every rank's own disk"
             older = f"; the newer fast step {newest} is not loadable on every rank ({gap})" if gap else ""
-            return _Choice(Tier.FAST.value, step, senders, f"tier fast: step {step}{fetched}{older}", bool(gap))
+            if perrors:  # said, not hidden: the fallback a later loss of this tier would need is broken
+                older += f"; the persistent tier cannot be read: {perrors[min(perrors)]['message']}"
+            return _Choice(Tier.FAST.value, step, senders, f"tier fast: step {step}{fetched}{older}",
+                           bool(gap or perrors))
         if persistent:
             why = f" (the fast tier's newest step {newest} cannot be loaded on every rank: {gap})" if gap else ""
             if best is not None:
