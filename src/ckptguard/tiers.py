@@ -200,8 +200,11 @@ class TieredCheckpoint:
             files = _manifest.read(self.fast.root / name).files
         except CheckpointError as exc:
             files, problems = [], [f"{type(exc).__name__}: {exc}"]
-        problems += _replica.push(root=self.fast.root, step=step, step_name=name, manifest_files=files,
-                                  peer_of=self._peers, rank=self.rank, group=ctx.storage_ctx.process_group)
+        try:
+            problems += _replica.push(root=self.fast.root, step=step, step_name=name, manifest_files=files,
+                                      peer_of=self._peers, rank=self.rank, group=ctx.storage_ctx.process_group)
+        except RuntimeError as exc:  # a peer died mid-transfer (gloo names no rank): the agreement below does
+            problems.append(f"the replica transfer broke off: {exc}")
         sources = [r for r, p in enumerate(self._peers) if p == self.rank]
         _replica.prune(self.fast.root, ctx.naming, set(self.fast.committed_steps()) | {step}, sources)
 
@@ -409,15 +412,22 @@ class TieredCheckpoint:
             sender = choice.senders[str(receiver)]
             try:
                 if self.rank == sender:
-                    step_dir = self.fast.root / name
-                    manifest = _manifest.read(step_dir)
-                    specs, paths = _replica.fetch_plan(self.fast.root, name, files_needed(step_dir, manifest, receiver),
-                                                       manifest.files, receiver)
+                    try:
+                        step_dir = self.fast.root / name
+                        manifest = _manifest.read(step_dir)
+                        needed = files_needed(step_dir, manifest, receiver)
+                        specs, paths = _replica.fetch_plan(self.fast.root, name, needed, manifest.files, receiver)
+                    except (OSError, CheckpointError, KeyError) as exc:  # told to the receiver, which then stops
+                        why = f"rank {self.rank} cannot send step {choice.step}: {type(exc).__name__}: {exc}"
+                        _replica.send_json({"error": why}, receiver, group)
+                        problems.append(why)
+                        continue
                     problems += _replica.send_part(specs, paths, receiver, group)
                 elif self.rank == receiver:
                     problems += _replica.recv_part(self.fast.root, tmp, receiver, sender, group)
-            except (OSError, CheckpointError) as exc:
+            except (OSError, CheckpointError, RuntimeError) as exc:  # RuntimeError: a peer died mid-transfer
                 problems.append(f"{type(exc).__name__}: {exc}")
+                break  # the agreement below names the ranks that never arrived
 
         def decide(views: list[_Done]) -> _Done:
             bad = [f"rank {r}: {'; '.join(v.problems)}" for r, v in enumerate(views) if v.problems]

@@ -101,16 +101,26 @@ def _marker(directory: Path) -> dict[str, Any] | None:
 
 
 def prune(root: Path, naming: _layout.StepNaming, keep: set[int], sources: list[int]) -> list[int]:
-    """Delete this rank's replicas (of ``sources``) of steps not in ``keep``; returns the steps pruned."""
+    """Delete this rank's replicas (of ``sources``) of steps not in ``keep``, and the temp directories
+    of its pushes that a kill left behind; returns the steps pruned."""
     pruned = []
-    for step, ranks in held(root, naming).items():
-        if step in keep:
+    try:
+        entries = list(os.scandir(root / REPLICA_DIR))
+    except OSError:
+        return []
+    for entry in entries:
+        step = naming.parse(entry.name)
+        if step is None or not entry.is_dir(follow_symlinks=False):
             continue
-        for source in set(ranks) & set(sources):
-            shutil.rmtree(replica_dir(root, naming.name(step), source), ignore_errors=True)
-            pruned.append(step)
+        for source in sources:
+            final = replica_dir(root, entry.name, source)
+            for stale in final.parent.glob(f"{final.name}.tmp-*"):  # this rank's pushes are all sealed now
+                shutil.rmtree(stale, ignore_errors=True)
+            if step not in keep and final.exists():
+                shutil.rmtree(final, ignore_errors=True)
+                pruned.append(step)
         with contextlib.suppress(OSError):  # the last holder removes the step's folder
-            (root / REPLICA_DIR / naming.name(step)).rmdir()
+            (root / REPLICA_DIR / entry.name).rmdir()
     return sorted(set(pruned))
 
 
@@ -308,7 +318,10 @@ def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any) -> list[st
     files, and the manifest as ``tmp/.fetched-manifest-<rank>``, checked against every file received."""
     from .._resume.digest import file_digest
 
-    specs = [FileSpec(**s) for s in recv_json(src, group)]
+    header = recv_json(src, group)
+    if isinstance(header, dict):  # the sender could not read its part: nothing follows
+        return [str(header.get("error"))]
+    specs = [FileSpec(**s) for s in header]
     problems: list[str] = []
     for spec in specs[:-1]:
         if spec.where != "root":
