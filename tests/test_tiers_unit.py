@@ -72,3 +72,27 @@ def test_config_is_checked():
         cg.TieredCheckpoint(fast="/nonexistent/f", replicas=2)
     with pytest.raises(cg.ConfigError, match="another node"):
         cg.TieredCheckpoint(fast="/nonexistent/f", replicas=1)
+
+
+def test_recovery_benchmark_runs_at_tiny_size(tmp_path):
+    """benchmarks/bench_recovery.py --tiny on the CPU: both restores exact, each from its own tier."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "recovery.json"
+    (tmp_path / "shm").mkdir()  # stand-ins for /dev/shm and the local disk
+    (tmp_path / "disk").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_recovery.py"), "--tiny", "--out", str(out),
+         "--fast-dir", str(tmp_path / "shm" / "fast"), "--persistent-dir", str(tmp_path / "disk" / "persistent")],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {t: (r["tier_recorded"], r["bitwise_exact"]) for t, r in result["restore"].items()} == {
+        "fast": ("fast", True), "persistent": ("persistent", True)}
