@@ -96,3 +96,17 @@ def test_recovery_benchmark_runs_at_tiny_size(tmp_path):
     result = json.loads(out.read_text())
     assert {t: (r["tier_recorded"], r["bitwise_exact"]) for t, r in result["restore"].items()} == {
         "fast": ("fast", True), "persistent": ("persistent", True)}
+
+
+def test_fast_steps_without_a_tracker_are_refused_not_ignored(tmp_path):
+    """A fast root holding steps but no tracker was changed outside ckptguard: refused like a manager's
+    restore does, never read as an empty tier (which would fall back or start fresh)."""
+    import torch
+
+    state = {"w": torch.nn.Linear(2, 2)}
+    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent", persistent_every=2)
+    tiers.save(1, state)
+    tiers.save(2, state)
+    (tmp_path / "fast" / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(cg.ResumeError, match="no tracker"):
+        cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent").restore(state)

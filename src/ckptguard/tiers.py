@@ -284,9 +284,11 @@ class TieredCheckpoint:
         complete: list[int] = []
         published: list[int] = []
         missing: dict[str, list[str]] = {}
+        if tracker is None:
+            # Steps but no tracker was never written by ckptguard: raised as the manager's resolve does.
+            resolve_local(root, naming, ResumeMode.AUTO, None)
+            return complete, published, missing
         for step, path in sorted(_layout.step_dirs(root, naming).items()):
-            if tracker is None:
-                break
             try:
                 manifest = _manifest.read(path)
                 if manifest.world_size != self.fast.world_size or manifest.step != step:
