@@ -110,3 +110,17 @@ def test_fast_steps_without_a_tracker_are_refused_not_ignored(tmp_path):
     (tmp_path / "fast" / "latest_checkpointed_iteration.txt").unlink()
     with pytest.raises(cg.ResumeError, match="no tracker"):
         cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent").restore(state)
+
+
+def test_fast_saves_before_the_first_persistent_one_leave_durable_proof_records(tmp_path):
+    import json
+
+    import torch
+
+    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent", persistent_every=100)
+    tiers.save(1, {"w": torch.nn.Linear(2, 2)})
+    tiers.record_step(1, loss=0.5)
+    records = [json.loads(x) for x in (tmp_path / "persistent" / "proof" / "rank_00000.jsonl").read_text().split("\n")
+               if x]
+    assert [(r["event"], r["step"], r.get("tier")) for r in records] == [("save", 1, "fast"), ("step", 1, None)]
+    assert (tmp_path / "persistent" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"

@@ -160,6 +160,11 @@ class TieredCheckpoint:
         either raises on every rank, like ``CheckpointManager.save``."""
         CheckpointManager._check_step(step, "save")
         out: dict[Tier, Path] = {}
+        if self.persistent is not None and self.rank == 0 and not self.persistent.root.exists():
+            # The run's first save creates the persistent root too (tracker 0: a declared fresh start),
+            # so the proof records of the fast saves before the first persistent one are durable there.
+            self.persistent.root.mkdir(parents=True)
+            _layout.write_tracker(self.persistent.root, 0)
         if step % self.fast_every == 0:
             out[Tier.FAST] = self.fast.save(step, state)
             self._rotate_node(step)
