@@ -56,9 +56,10 @@ def test_publish_reads_every_reported_file_back_with_size_and_checksum(tmp_path,
 NODES = 2  # 4 ranks: ranks 0, 1 on node0 and 2, 3 on node1
 
 
-def _own_disk(base: Path, node: int) -> Path:
+def _own_disk(base: Path, node: int, *more: Path, disk: int | None = None) -> Path:
     """This process becomes a rank of ``node``: its node identity, and a private mount namespace in
-    which ``base/disk<node>`` is bound over ``base/shared`` (every node's disk at the same path)."""
+    which ``base/disk<node>`` (or ``base/disk<disk>``) is bound over ``base/shared`` (every node's
+    disk at the same path); the same for each of ``more``. Returns ``base/shared``."""
     import ctypes
     import os
 
@@ -69,13 +70,15 @@ def _own_disk(base: Path, node: int) -> Path:
         raise PermissionError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
     if libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0:
         raise PermissionError(ctypes.get_errno(), "mount --make-rprivate /")
-    shared = base / "shared"
-    if libc.mount(str(base / f"disk{node}").encode(), str(shared).encode(), None, ms_bind, None) != 0:
-        raise PermissionError(ctypes.get_errno(), f"mount --bind {base}/disk{node} {shared}")
-    # The check that a node sees only its own disk is real: its marker, never the other node's.
-    assert (shared / "marker").read_text() == str(node), "this rank does not see its own node's disk"
-    assert not os.path.samefile(shared / "marker", base / f"disk{1 - node}" / "marker")
-    return shared
+    for b in (base, *more):
+        shared = b / "shared"
+        mine = b / f"disk{node if disk is None else disk}"
+        if libc.mount(str(mine).encode(), str(shared).encode(), None, ms_bind, None) != 0:
+            raise PermissionError(ctypes.get_errno(), f"mount --bind {b}/disk{node} {shared}")
+        # The check that a node sees only its own disk is real: its marker, never the other node's.
+        assert (shared / "marker").read_text() == str(node), "this rank does not see its own node's disk"
+        assert not os.path.samefile(shared / "marker", b / f"disk{1 - node}" / "marker")
+    return base / "shared"
 
 
 def _bases(tmp_path: Path, names: list[str]) -> list[Path]:
@@ -92,6 +95,33 @@ def _bases(tmp_path: Path, names: list[str]) -> list[Path]:
         (base / "shared").mkdir()
         out.append(base)
     return out
+
+
+def _two_disks_on_node1(rank: int, world: int, base: str) -> str:
+    """Rank 3 claims node1 but sees a third disk at the shared path: its files would not be where
+    node1 publishes (the issue's reproduction, on the second node)."""
+    shared = _own_disk(Path(base), rank // 2, disk=2 if rank == 3 else None)
+    try:
+        cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(1, _state(rank))
+    except cg.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "committed"
+
+
+def test_a_node_whose_ranks_see_different_disks_is_refused_on_every_rank(tmp_path):
+    from ckptguard.testing import values
+
+    (base,) = _bases(tmp_path, ["run"])
+    (base / "disk2").mkdir()
+    (base / "disk2" / "marker").write_text("1")
+    for rank, out in enumerate(values(run_ranks(_two_disks_on_node1, 4, str(base), timeout=120))):
+        assert out.startswith("CheckpointWriteError"), (rank, out)
+        assert "rank 3 of node node1" in out and "node-local" in out, (rank, out)
+    for disk in range(3):
+        root = base / f"disk{disk}" / "ck"
+        assert not root.exists() or (_layout.read_tracker(root) in (None, 0) and not list(root.glob("*step_*"))), (
+            f"disk{disk} holds a step or a temp directory of the refused save"
+        )
 
 
 def _state(rank: int) -> dict:
@@ -114,17 +144,32 @@ def _save_and_check(rank: int, world: int, base: str) -> dict:
     node = rank // 2
     shared = _own_disk(Path(base), node)
     root = shared / "ck"
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30))
+    # KeepLast(1): every node's retention runs on its own disk, so step 1 goes from both.
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30, retention=cg.KeepLast(1)))
     state = _state(rank)
     for step in (1, 2):
         state["model"].weight.data += 1.0
         mgr.save(step, state)
     fresh = _state(rank)
     restored = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30)).restore(fresh)
+    from ckptguard.ops.transfer import transfer
+
     naming = _layout.StepNaming("step_{step:08d}")
     report = preflight(root, naming)
     _steps, findings = verify_root(root, naming, deep=True)
+    placed = {r: f"node{r // 2}" for r in range(world)}
+    moved = {**placed, 2 * (1 - node): f"node{node}"}  # one rank of the other node moves here
+    checks = {
+        "same": [f"{f.severity.value} {f.code}" for f in preflight(root, naming, rank_hosts=placed).findings],
+        "moved": [f.line() for f in preflight(root, naming, rank_hosts=moved).findings if f.code != "not-checked"],
+    }
+    if rank % 2 == 0:  # each node's first rank moves its node's part to another root on its disk
+        transfer(root / "step_00000002", shared / "moved")
+        checks["transferred"] = [f.line() for f in preflight(shared / "moved", naming).findings]
+        checks["transferred_listing"] = _listing(shared / "moved")
+    checks["absent"] = [f.code for f in preflight(shared / "nope", naming).findings]
     return {
+        "checks": checks,
         "restored": restored,
         "same": torch.equal(fresh["model"].weight, state["model"].weight) and fresh["n"].value == rank * 10,
         "listing": _listing(root),
@@ -146,14 +191,26 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
         assert o["restored"] == 2 and o["same"] and o["tracker"] == 2, (rank, o)
         assert not o["preflight"] and o["preflight_step"] == 2, (rank, o["preflight"])
         assert not o["verify"], (rank, o["verify"])
+        checks = o["checks"]
+        other = 1 - rank // 2
+        # Preflight on this node checks this disk: its own ranks pass, the other node's are not checked.
+        assert checks["same"] == ["WARNING not-checked"], (rank, checks["same"])
+        # A rank of the other node placed here would not find its extras on this disk.
+        assert len(checks["moved"]) == 1 and f"rank {2 * other} will run on node{rank // 2}" in checks["moved"][0]
+        assert f"rank_{2 * other:05d}.pt" in checks["moved"][0], checks["moved"]
+        assert checks["absent"] == ["no-root"]
+        if rank % 2 == 0:
+            assert checks["transferred"] == [], (rank, checks["transferred"])
+            moved_files = set(checks["transferred_listing"]["step_00000002"])
+            assert moved_files == set(o["listing"]["step_00000002"]), (rank, moved_files)
     manifest = json.loads((base / "disk0/ck/step_00000002/manifest.json").read_text())
     assert manifest["format_version"] == 2
     assert [n["ranks"] for n in manifest["nodes"]] == [[0, 1], [2, 3]]
     for node in range(NODES):
         root = base / f"disk{node}" / "ck"
-        assert sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-"))) == [
-            "step_00000001", "step_00000002"
-        ], f"node {node}: a temp directory or a step is missing"
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-", ".trash-"))) == [
+            "step_00000002"
+        ], f"node {node}: a temp directory is left, a step is missing, or retention did not run on this node"
         held = set(out[2 * node]["listing"]["step_00000002"])
         mine = {f["path"] for f in manifest["files"] if f["rank"] in (2 * node, 2 * node + 1)}
         copies = set(manifest["nodes"][node]["copies"])
@@ -167,3 +224,91 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
     assert manifest["nodes"][0]["copies"] or manifest["nodes"][1]["copies"] != ["state/.metadata"], (
         "DCP spread no replicated value across the nodes: the test shows nothing about the copies"
     )
+
+
+# ---------------------------------------------------------------- SIGKILL of one node at each per-node point
+
+# (point, node whose ranks are killed there, each node's tracker afterwards, the step both agree on)
+CRASHES = [
+    ("node.confirmed", 1, (1, 1), 1),  # node 1 confirmed, node 0 waits for the others: nothing published
+    ("node.before_rename", 1, (1, 1), 1),  # node 0 may publish its directory: an orphan, the trackers stay
+    ("node.before_tracker", 1, (2, 1), 2),  # node 0 moved its tracker; node 1 holds step 2 published
+    ("node.after_tracker", 0, (2, 2), 2),  # rank 0 (and the store) gone after its tracker moved
+]
+
+
+def _crash_worker(rank: int, world: int, base: str, point: str, victim: int) -> dict:
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    node = rank // 2
+    shared = _own_disk(Path(base), node)
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    state = _state(rank)
+    state["model"].weight.data += 1.0
+    cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(1, state)
+    mgr = cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=5))  # survivors give up soon
+    if node == victim:
+        siblings = [pids[r] for r in range(world) if r // 2 == node and r != rank]
+
+        def kill_node() -> None:  # reached by the node's publishing rank: the whole node dies at once
+            for pid in siblings:
+                os.kill(pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        set_fault_hook(point, kill_node)
+    state["model"].weight.data += 1.0
+    started = time.monotonic()
+    try:
+        mgr.save(2, state)
+    except cg.CheckpointError as exc:
+        return {"error": type(exc).__name__, "elapsed": time.monotonic() - started}
+    return {"error": None}
+
+
+def _recover_worker(rank: int, world: int, bases: list[str]) -> list[dict]:
+    node = rank // 2
+    _own_disk(Path(bases[0]), node, *(Path(b) for b in bases[1:]))
+    out = []
+    for base in bases:
+        root = Path(base) / "shared" / "ck"
+        mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30))
+        state = _state(rank)
+        expected = state["model"].weight.detach().clone()
+        step = mgr.restore(state)
+        for _ in range(step):
+            expected += 1.0  # as the saving run did, one addition per step (x + 1 + 1 is not x + 2 in floats)
+        exact = torch.equal(state["model"].weight, expected)
+        mgr.save(step + 1, state)
+        out.append({"step": step, "exact": exact, "committed": mgr.committed_steps(), "listing": _listing(root)})
+    return out
+
+
+def test_sigkill_of_one_node_at_each_point_leaves_both_nodes_agreeing(tmp_path):
+    import signal
+
+    from ckptguard.testing import values
+
+    bases = _bases(tmp_path, [point.replace(".", "_") for point, *_ in CRASHES])
+    for base, (point, victim, trackers, _agreed) in zip(bases, CRASHES, strict=True):
+        results = run_ranks(_crash_worker, 4, str(base), point, victim, timeout=120)
+        for r in results:
+            if r.rank // 2 == victim:
+                assert r.exitcode == -signal.SIGKILL, (point, r)
+            else:  # the survivors raised a ckptguard error within the timeout, never committed silently
+                assert r.ok and r.value["error"] is not None and r.value["elapsed"] < 40, (point, r)
+        seen = tuple(_layout.read_tracker(base / f"disk{n}" / "ck") for n in range(NODES))
+        assert seen == trackers, f"{point}: trackers {seen}, expected {trackers}"
+    per_rank = values(run_ranks(_recover_worker, 4, [str(b) for b in bases], timeout=200))
+    for (point, _victim, _trackers, agreed), result in zip(CRASHES, zip(*per_rank, strict=True), strict=True):
+        for rank, r in enumerate(result):
+            assert r["step"] == agreed and r["exact"], f"{point}: rank {rank} resumed {r}, expected step {agreed}"
+            assert r["committed"][-2:] == [agreed, agreed + 1], f"{point}: rank {rank}: {r['committed']}"
+            names = list(r["listing"])
+            # Nothing of the killed save lingers, and the agreed step is never deleted.
+            assert not [n for n in names if n.startswith(".tmp-")], f"{point}: rank {rank} keeps {names}"
+            assert f"step_{agreed:08d}" in names and f"step_{agreed + 1:08d}" in names, (point, rank, names)

@@ -140,29 +140,30 @@ def test_path_traversal_and_symlinks_are_never_followed(ckpt, tmp_path):
     assert outside.read_bytes() == b"precious"
 
 
-def test_preflight_names_host_and_rank_missing_a_shard(ckpt, tmp_path):
+def test_preflight_checks_the_real_files_not_the_recorded_hosts(ckpt, tmp_path):
     step = ckpt / "step_00000001"
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["topology"]["rank_hosts"] = ["nodeA", "nodeB"]
     (step / "manifest.json").write_text(json.dumps(manifest))
-    same = preflight(ckpt, NAMING, rank_hosts={0: "nodeA", 1: "nodeB"}, expect_step=1)
-    assert same.step == 1
-    # Same placement: each rank's own files are local; what is left is DCP's once-stored
-    # replicated keys (Adam's step counters), which node-local storage must copy to every node.
-    assert all("rank_0000" not in f.message for f in same.findings)
-    assert all("rank 0 will run on nodeA" in f.message and "__1_" in f.message for f in same.findings)
-    moved = preflight(ckpt, NAMING, rank_hosts={0: "nodeA", 1: "nodeC"})
-    assert not moved.ok
-    lines = [f.line() for f in moved.findings if f.path.startswith("nodeC:")]
-    assert lines and "rank 1 will run on nodeC" in lines[0] and "rank_00001.pt (on nodeB)" in lines[0]
+    # One shared root: every file is where preflight looks, wherever the ranks ran and will run
+    # (the recorded hosts once made this a guessed "missing-on-host").
+    for placement in ({0: "nodeA", 1: "nodeB"}, {0: "nodeA", 1: "nodeC"}):
+        report = preflight(ckpt, NAMING, rank_hosts=placement, expect_step=1)
+        assert report.step == 1 and report.ok and not report.findings, [f.line() for f in report.findings]
     hosts = tmp_path / "map.txt"
     hosts.write_text("0 nodeA\n1 nodeC\n")
     result = CliRunner().invoke(main, ["preflight", str(ckpt), "--rank-hosts", str(hosts)])
-    assert result.exit_code == 1 and "nodeC" in result.output and "NOT READY" in result.output
+    assert result.exit_code == 0 and "READY" in result.output, result.output
+    (step / "rank_00001.pt").unlink()
+    result = CliRunner().invoke(main, ["preflight", str(ckpt), "--rank-hosts", str(hosts)])
+    assert result.exit_code == 1 and "rank_00001.pt" in result.output and "NOT READY" in result.output
     wrong = CliRunner().invoke(main, ["preflight", str(ckpt), "--expect-step", "7"])
     assert wrong.exit_code == 1 and "unexpected-step" in wrong.output
     (ckpt / _layout.TRACKER_NAME).unlink()
     assert codes(preflight(ckpt, NAMING).findings) == ["no-tracker"]
+    # A root that does not exist (a replacement node's empty disk) is NOT READY, not a usage error.
+    missing = CliRunner().invoke(main, ["preflight", str(tmp_path / "nope")])
+    assert missing.exit_code == 1 and "no-root" in missing.output and "NOT READY" in missing.output, missing.output
 
 
 def test_verify_usage_error(tmp_path):

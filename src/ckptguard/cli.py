@@ -242,7 +242,7 @@ def _restore_with_progress(_verify: Any, steps: list[Path], as_json: bool) -> li
 
 
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("root", type=click.Path(path_type=Path, exists=False, file_okay=False))
 @click.option(
     "--hosts",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
@@ -261,7 +261,7 @@ def preflight(
 ) -> None:
     """Before a launch: the resume step and path, its completeness, and each rank's files on its host.
 
-    Exit 0 ready to launch, 1 not ready, 2 bad usage.
+    Exit 0 ready to launch, 1 not ready (a ROOT that does not exist here included), 2 bad usage.
     """
     from .ops import preflight as _pre
 

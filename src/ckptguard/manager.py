@@ -250,9 +250,10 @@ class CheckpointManager:
             raise ConfigError(f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
 
     def _rotate(self, step: int) -> None:
-        """Rank 0 applies retention after the commit; a failure is logged, never raised."""
+        """Rank 0 applies retention after the commit (on node-local roots, each node's publishing rank
+        on its node's root); a failure is logged, never raised."""
         policy = self.config.retention
-        if policy is None or self.rank != 0:
+        if policy is None or not (self.rank == 0 or self._ctx.node_publisher):
             return
         protect = {step} | ({self._restored_step} if self._restored_step else set())
         try:

@@ -452,19 +452,3 @@ def rank_reads(md: Any, rank: int) -> set[str]:
     return needed
 
 
-GLOBAL_FILES = {f"{_layout.STATE_DIR}/{DCP_METADATA}"}
-
-
-def file_hosts(manifest: _manifest.Manifest) -> dict[str, str]:
-    """Which host wrote each per-rank file (where it lives on node-local storage).
-
-    The global files (manifest, DCP metadata, tracker) are published to every node."""
-    hosts = manifest.topology.get("rank_hosts")
-    hosts = [str(h) for h in hosts] if isinstance(hosts, list) else []
-    return {
-        f["path"]: hosts[f["rank"]]
-        for f in manifest.files
-        if f.get("rank") is not None and 0 <= f["rank"] < len(hosts) and f["path"] not in GLOBAL_FILES
-    }
-
-

@@ -71,6 +71,7 @@ class Context:
     storage_ctx: StorageContext
     expert: ExpertParallel | None = None
     last_save: tuple[int, float] | None = None  # (step, monotonic end) of this process's last save
+    node_publisher: bool = False  # the last save was on node-local roots and this rank published its node's part
 
     @property
     def rank(self) -> int:
@@ -442,9 +443,28 @@ def _prepare_nodes(ctx: Context, step: int, prep: Prepared) -> None:
                                                                         "prepare"),
         decision=Outcome,
     )
+    tmp = ctx.root.absolute() / Path(prep.tmp).name
+    if not outcome.failures:
+        # Every rank of a node must see the temp directory its node's first rank created on the node's
+        # disk; one that does not (two disks under one node identity) would write where nobody publishes.
+        owner = _layout.read_owner(tmp) or {}
+        seen = NodeReport()
+        if owner.get("node") != ctx.agreement.info.host:
+            found = f"node {owner['node']}'s" if owner.get("node") else "no"
+            seen = NodeReport(WriteFailure(
+                rank=ctx.rank, phase="placement", exc_type="ConfigError", path=str(tmp), time_ns=time.time_ns(),
+                message=f"rank {ctx.rank} of node {ctx.agreement.info.host} finds {found} temp directory at {tmp}, "
+                f"not the one rank {mine[0]} of its node created: node-local storage (a separate disk per process "
+                "at one path) under one node identity. Give each node its own identity (its host name) and its "
+                "ranks one disk",
+            ).to_json())
+        outcome = gather_decide(
+            ctx.agreement, "save.node_seen", seen,
+            lambda rs: Outcome([r.failure for r in rs if r.failure], "placement"), decision=Outcome,
+        )
     if outcome.failures and mine[0] == ctx.rank and report.failure is None:
-        _discard(ctx, ctx.root.absolute() / Path(prep.tmp).name)
-    _raise_if_failed(ctx, outcome.failures, step=step, phase="prepare")
+        _discard(ctx, tmp)
+    _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
 
 
 # ---------------------------------------------------------------- step 2: write
@@ -771,6 +791,7 @@ def commit(ctx: Context, snap: Snapshot) -> Path:
     tmp = ctx.root.absolute() / Path(prep.tmp).name
     if prep.nodes:
         return _commit_nodes(ctx, snap, prep, tmp)
+    ctx.node_publisher = False
     report = _report(ctx, step, tmp, snap)
     outcome = gather_decide(  # file lists and digests are for rank 0's manifest only
         ctx.agreement,
@@ -848,18 +869,11 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
     step = snap.step
     mine = _my_node(ctx, prep)
     leader = mine[0] == ctx.rank
+    ctx.node_publisher = leader  # retention then runs on every node's root, by its publishing rank
     published = False
     trash: Path | None = None
     try:
         report = _report(ctx, step, tmp, snap)
-        if report.failure is None and (_layout.read_owner(tmp) or {}).get("node") != ctx.agreement.info.host:
-            # Seen before anything is trusted: this rank's root is not its node's disk.
-            owner = _layout.read_owner(tmp) or {}
-            report = RankReport(ctx.agreement.info.host, failure=WriteFailure(
-                rank=ctx.rank, phase="write", exc_type="ConfigError", path=str(tmp), time_ns=time.time_ns(),
-                message=f"rank {ctx.rank} (node {ctx.agreement.info.host}) finds the temp directory {tmp} of node "
-                f"{owner.get('node')!r} at its root: node-local roots must be each node's own disk",
-            ).to_json())
         kinds = {n: c.kind.value for n, c in snap.items.items()}
         plan = gather_decide(
             ctx.agreement, "save.written", report,
@@ -870,7 +884,8 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
         failure = _copy_files(ctx, tmp, plan.copies)
         if leader and failure is None:
             failure = _confirm_node(ctx, step, tmp, prep, plan)
-        _node_round(ctx, "save.node_confirm", failure, step=step, phase="node confirm")
+        # The copies and the leaders' checksums of their node's files come first: a longer wait.
+        _node_round(ctx, "save.node_confirm", failure, step=step, phase="node confirm", patience=2.0)
         failure = None
         if leader:
             try:
@@ -900,12 +915,14 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
     return ctx.root / ctx.naming.name(step)
 
 
-def _node_round(ctx: Context, key: str, failure: dict[str, Any] | None, *, step: int, phase: str) -> None:
+def _node_round(
+    ctx: Context, key: str, failure: dict[str, Any] | None, *, step: int, phase: str, patience: float = 1.0
+) -> None:
     """Every rank learns whether every node did its part of ``phase``; all raise together if not."""
     outcome = gather_decide(
         ctx.agreement, key, NodeReport(failure),
         lambda reports: Outcome([r.failure for r in reports if r.failure], phase),
-        decision=Outcome, patience=2.0,
+        decision=Outcome, patience=patience,
     )
     _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
 

@@ -233,7 +233,12 @@ def recompute(
     result: dict[str, Any] = {"step": manifest.step, "ranks": {}, "unverifiable": [], "failed": [],
                               "budget_bytes": budget_bytes, "peak_tensor_bytes": 0, "bytes_read": 0}
     world = manifest.world_size
-    for rank in range(world):
+    ranks = list(range(world))
+    if manifest.nodes:  # node-local roots: this disk holds its node's ranks' part (its node manifest says which)
+        node = _manifest.read_node(step_dir)
+        ranks = sorted(manifest.nodes[int(node["node"])]["ranks"]) if node is not None else []
+        result["elsewhere"] = [r for r in range(world) if r not in ranks]
+    for rank in ranks:
         extras, problem = _load_extras(step_dir, rank)
         if extras is None:
             result["failed"].append(problem)

@@ -1,9 +1,13 @@
 """Before launch: is the resume target complete, and will each rank find its files?
 
 Contract: ``preflight`` resolves the step exactly as ``restore`` would (tracker, committed,
-quick verify), and, given the new allocation (which host each rank runs on), lists per
-host the files its ranks need but that were written on another host. That is the guide's
-pitfall 14: node-local checkpoints and a new node set silently restart at step 0.
+quick verify of the files this disk holds: on node-local roots, this node's part, named by
+its node manifest), and, given the new allocation (which host each rank runs on), checks
+that the ranks placed on this node find their files on this disk. It looks at the real
+files, never at where the manifest says they were written; the ranks placed on other nodes
+of node-local roots are reported as not checked (run preflight there). That is the guide's
+pitfall 14: node-local checkpoints and a new node set silently restart at step 0. A root
+that does not exist here is NOT READY, never a fresh start.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from pathlib import Path
 
 from .._commit import layout as _layout
 from .._commit import manifest as _manifest
-from .._commit.checks import Finding, Severity, file_hosts, files_needed, verify_step
+from .._commit.checks import Finding, Severity, files_needed, safe_member, verify_step
+from .._dist import node_name
 from .._resume.restore import resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
@@ -75,9 +80,28 @@ class PreflightReport:
 
 
 def preflight(
-    root: Path, naming: _layout.StepNaming, *, rank_hosts: dict[int, str] | None = None, expect_step: int | None = None
+    root: Path,
+    naming: _layout.StepNaming,
+    *,
+    rank_hosts: dict[int, str] | None = None,
+    expect_step: int | None = None,
+    node: str | None = None,
 ) -> PreflightReport:
+    """``node``: the node this runs on, as the ranks name it (default: ``CKPTGUARD_NODE`` or the host name)."""
     report = PreflightReport()
+    if not root.is_dir():
+        report.findings.append(
+            Finding(
+                Severity.ERROR,
+                "no-root",
+                str(root),
+                "does not exist on this node (or is not a directory), so a launch with resume 'auto' would start "
+                "from step 0",
+                "point the launch at the root that holds the checkpoint, or copy this node's part of it here "
+                "(`ckptguard transfer`) before launching",
+            )
+        )
+        return report
     tracker_path = root / _layout.TRACKER_NAME
     if not os.path.lexists(tracker_path):  # a dangling link is refused below, not reported as absent
         report.findings.append(
@@ -114,7 +138,7 @@ def preflight(
     report.findings += verify_step(res.path)
     if rank_hosts is not None and report.ok:
         try:
-            report.findings += _placement(res.path, rank_hosts)
+            report.findings += _placement(res.path, rank_hosts, node or node_name())
         except (CheckpointError, OSError) as exc:
             report.findings.append(
                 Finding(Severity.ERROR, "unplaceable", str(res.path), str(exc).split(";")[0],
@@ -123,7 +147,7 @@ def preflight(
     return report
 
 
-def _placement(step_dir: Path, rank_hosts: dict[int, str]) -> list[Finding]:
+def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Finding]:
     manifest = _manifest.read(step_dir)
     world = manifest.world_size
     if len(rank_hosts) != world or set(rank_hosts) != set(range(world)):
@@ -136,23 +160,41 @@ def _placement(step_dir: Path, rank_hosts: dict[int, str]) -> list[Finding]:
                 "launch with the saved world size",
             )
         ]
-    where = file_hosts(manifest)
-    missing: dict[str, dict[int, list[str]]] = {}
-    for rank, host in sorted(rank_hosts.items()):
-        for rel in sorted(files_needed(step_dir, manifest, rank)):
-            if where.get(rel, host) != host:
-                missing.setdefault(host, {}).setdefault(rank, []).append(f"{rel} (on {where[rel]})")
+    # One shared root: every rank reads this storage, wherever it runs. Node-local roots: this disk
+    # serves the ranks placed on this node only; the other nodes' disks are out of sight here.
+    here = sorted(r for r, h in rank_hosts.items() if h == node) if manifest.nodes else sorted(rank_hosts)
     findings = []
-    for host, per_rank in sorted(missing.items()):
-        for rank, files in per_rank.items():
+    for rank in here:
+        files = {f["path"]: f for f in manifest.files}
+        lost = []
+        for rel in sorted(files_needed(step_dir, manifest, rank)):
+            path = safe_member(step_dir, rel)
+            entry = files.get(rel)
+            if path is None or entry is None or not path.is_file() or path.stat().st_size != entry["size"]:
+                lost.append(rel)
+        if lost:
             findings.append(
                 Finding(
                     Severity.ERROR,
                     "missing-on-host",
-                    f"{host}:{step_dir}",
-                    f"rank {rank} will run "
-                    f"on {host} but needs {len(files)} file(s) written elsewhere: {', '.join(files[:4])}",
-                    "copy them to that host before launch, or keep the old rank-to-host placement",
+                    f"{rank_hosts[rank]}:{step_dir}",
+                    f"rank {rank} will run on {rank_hosts[rank]} but {len(lost)} file(s) it reads are not on this "
+                    f"disk: {', '.join(lost[:4])}{' ...' if len(lost) > 4 else ''}",
+                    "copy them here before launch (`ckptguard transfer` of the node that holds them), or keep the "
+                    "old rank-to-host placement",
                 )
             )
+    others = sorted({h for r, h in rank_hosts.items() if r not in here})
+    for host in others:
+        ranks = sorted(r for r, h in rank_hosts.items() if h == host)
+        findings.append(
+            Finding(
+                Severity.WARNING,
+                "not-checked",
+                f"{host}:{step_dir}",
+                f"ranks {ranks} will run on {host}, whose disk this preflight on {node} cannot see (node-local "
+                "roots), so their files were not checked",
+                f"run `ckptguard preflight` on {host} too",
+            )
+        )
     return findings

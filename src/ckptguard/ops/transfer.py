@@ -7,7 +7,8 @@ destination's tracker is set only after all of that, so a transfer killed midway
 no tracker pointing at it, and running it again finishes it. The destination's write
 lease is held throughout: a live run there refuses the transfer. The contract phases
 travel with it (chain identity), and a transfer record says what moved, from where, by
-whom and when.
+whom and when. A step saved on node-local roots moves this node's part: the files its node
+manifest names, the node manifest, then the global manifest.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .. import _faults
 from .._commit import layout as _layout
 from .._commit import lease as _lease
 from .._commit import manifest as _manifest
-from .._commit.checks import verify_step
+from .._commit.checks import node_part, verify_step
 from .._commit.protocol import _copy_verified
 from .._resume import contract as _contract
 from ..errors import CheckpointCorruptError, ConfigError
@@ -93,7 +94,7 @@ def _transfer_locked(
         "source": str(step_dir),
         "destination": str(final),
         "step": manifest.step,
-        "files": [{k: f[k] for k in ("path", "size", "xxh3")} for f in manifest.files],
+        "files": [{k: f[k] for k in ("path", "size", "xxh3")} for f in node_part(step_dir, manifest)[0] or []],
         "who": f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}",
         "started_unix": started,
         "finished_unix": time.time(),
@@ -112,11 +113,14 @@ def _copy_files(step_dir: Path, dest_root: Path, final: Path, manifest: Any) -> 
     tmp = dest_root / _layout.temp_dir_name(step_dir.name, secrets.token_hex(6))
     tmp.mkdir()
     _layout.write_owner(tmp)
+    entries, _findings = node_part(step_dir, manifest)  # verified complete by the caller
     try:
-        for entry in manifest.files:
+        for entry in entries or []:
             (tmp / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
             _copy_verified(step_dir / entry["path"], tmp / entry["path"], expect=entry["xxh3"])
             _faults.reached("transfer.file_copied")
+        if manifest.nodes:
+            _copy_verified(step_dir / _layout.NODE_MANIFEST_NAME, tmp / _layout.NODE_MANIFEST_NAME)
         _copy_verified(step_dir / _layout.MANIFEST_NAME, tmp / _layout.MANIFEST_NAME)
         (tmp / _layout.OWNER_NAME).unlink()
         os.rename(tmp, final)

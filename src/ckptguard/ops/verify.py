@@ -242,4 +242,15 @@ def restore_check(
             findings.append(_err("restore-failed", step_dir, problem, RESTORE_HINT))
         for problem in compare(step_dir, result):
             findings.append(_err("digest-mismatch", step_dir, problem, RESTORE_HINT))
+        elsewhere = result.get("elsewhere") or []
+        if elsewhere:  # never a PASS for what was not restored: said, as not checked here
+            findings.append(
+                Finding(
+                    Severity.WARNING,
+                    "not-checked",
+                    str(step_dir),
+                    f"saved on node-local roots: ranks {elsewhere} are on other nodes' disks, not restored here",
+                    "run `ckptguard verify --restore` on those nodes too",
+                )
+            )
     return findings
