@@ -44,16 +44,21 @@ def save_local(rank: int, world: int, base: str, steps: int, kw: dict) -> dict:
 
 
 def restore_local(rank: int, world: int, base: str, kw: dict, then_save: bool) -> dict:
-    from ckptguard._commit.checks import verify_step
+    from ckptguard._commit.checks import Severity, verify_step
+    from ckptguard._commit.layout import StepNaming
+    from ckptguard.ops.preflight import preflight
     from test_tiers import expected
 
     fake_node(base, rank, local_disk=True)
+    # What `ckptguard preflight` says of this node's fast root before the restore (which may rebuild it).
+    checked = preflight(Path(base, "disk", "fast"), StepNaming("step_{step:08d}"))
+    ready = [f.code for f in checked.findings if f.severity is Severity.ERROR]
     mgr = tiers(base, **kw)
     state = make_state(rank)
     try:
         step = mgr.restore(state)
     except cg.CheckpointError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": f"{type(exc).__name__}: {exc}", "preflight": ready}
     out = {"step": step, "mine": state["mine"].value,
            "exact": all(torch_equal(v, expected(rank, step)[k]) for k, v in state["model"].state_dict().items())}
     fast = Path(base, "disk", "fast")
@@ -110,6 +115,7 @@ def test_lost_node_without_replicas_falls_back_to_persistent_or_is_refused(tmp_p
     # Without a persistent tier the same loss is refused on every rank, naming the files.
     replace_node(tmp_path, 1)
     out = values(run_ranks(restore_local, WORLD, str(tmp_path), {"fast_every": 1}, False, timeout=240))
+    assert [o["preflight"] for o in out] == [[], [], ["no-root"], ["no-root"]], out  # the empty node is NOT READY
     for o in out:
         assert o.get("error", "").startswith("CheckpointIncompleteError"), o
         assert "rank 3 (host node1): missing" in o["error"] and "rank_00003.pt" in o["error"], o

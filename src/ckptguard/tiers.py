@@ -37,7 +37,6 @@ import xxhash
 from ._commit import layout as _layout
 from ._commit import manifest as _manifest
 from ._commit import replica as _replica
-from ._commit import retention
 from ._commit.checks import files_needed
 from ._commit.retention import KeepLast, RetentionPolicy, default_policy
 from ._dist import Wire, gather_decide
@@ -167,33 +166,11 @@ class TieredCheckpoint:
             _layout.write_tracker(self.persistent.root, 0)
         if step % self.fast_every == 0:
             out[Tier.FAST] = self.fast.save(step, state)
-            self._rotate_node(step)
             if self.replicas:
                 self._push(step)
         if self.persistent is not None and step % self.persistent_every == 0:
             out[Tier.PERSISTENT] = self.persistent.save(step, state)
         return out
-
-    def _rotate_node(self, step: int) -> None:
-        """On node-local fast roots, every other node's first rank rotates its own disk (the manager
-        rotates rank 0's root only); a failure is logged, never raised, like the manager's."""
-        if self.rank == 0 or self._hosts.index(self._hosts[self.rank]) != self.rank:
-            return
-        if self._hosts[self.rank] == self._hosts[0] or self.fast.config.retention is None:
-            return
-        try:
-            if not _manifest.read(self.fast.root / self.fast._ctx.naming.name(step)).nodes:
-                return  # a shared root: rank 0 rotated it
-            restored = self.fast._restored_step
-            report = retention.apply(self.fast.root, self.fast._ctx.naming, self.fast.config.retention,
-                                     protect={step} | ({restored} if restored else set()))
-        except Exception as exc:  # rotation must never stop training
-            log.warning("ckptguard: retention of the fast tier %s after step %d failed (%s: %s); retried at the "
-                        "next save", self.fast.root, step, type(exc).__name__, exc)
-            return
-        if report.deleted:
-            log.info("ckptguard: fast tier %s: retention deleted steps %s, kept %s", self.fast.root, report.deleted,
-                     report.kept)
 
     def _push(self, step: int) -> None:
         """Send this rank's files of ``step`` to its peer; a failed replica is a loud warning on every rank
