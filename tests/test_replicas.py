@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import ckptguard as cg
-from ckptguard.ops.prove import evaluate
+from ckptguard.ops.prove import evaluate, verdict
 from ckptguard.testing import run_ranks, values
 from test_tiers import PER_NODE, WORLD, fake_node, make_state, pytestmark, restore_records, tiers, train_to
 
@@ -31,13 +31,22 @@ def replace_node(tmp_path: Path, node: int) -> None:
     disks(tmp_path)
 
 
-def save_local(rank: int, world: int, base: str, steps: int, kw: dict) -> dict:
+def train_recorded(mgr: cg.TieredCheckpoint, state: dict, rank: int, step: int) -> None:
+    """One training step and its proof record: what it read (ids) and a value it produced."""
+    train_to(state, rank, step)
+    loss = float(sum(p.double().sum() for p in state["model"].parameters()))
+    mgr.record_step(step, sample_ids=[rank, step], loss=loss, grad_norm=1.0 + step)
+
+
+def save_local(rank: int, world: int, base: str, steps: int, kw: dict, ran_on: int = 0) -> dict:
+    """Train and save ``steps`` steps, then train ``ran_on`` more without a save (then it dies)."""
     fake_node(base, rank, local_disk=True)
     mgr = tiers(base, **kw)
     state = make_state(rank)
-    for step in range(1, steps + 1):
-        train_to(state, rank, step)
-        mgr.save(step, state)
+    for step in range(1, steps + ran_on + 1):
+        train_recorded(mgr, state, rank, step)
+        if step <= steps:
+            mgr.save(step, state)
     fast = Path(base, "disk", "fast")
     return {"steps": sorted(p.name for p in fast.glob("step_*")),
             "replicas": sorted(p.relative_to(fast).as_posix() for p in fast.glob("replicas/*/rank_*/replica.json"))}
@@ -62,9 +71,10 @@ def restore_local(rank: int, world: int, base: str, kw: dict, then_save: bool) -
     out = {"step": step, "mine": state["mine"].value,
            "exact": all(torch_equal(v, expected(rank, step)[k]) for k, v in state["model"].state_dict().items())}
     fast = Path(base, "disk", "fast")
-    out["verify"] = [f.line() for f in verify_step(fast / f"step_{step:08d}", deep=True) if f.severity == "ERROR"]
+    out["verify"] = [f.line() for f in verify_step(fast / f"step_{step:08d}", deep=True)
+                     if f.severity is Severity.ERROR]
     if then_save:
-        train_to(state, rank, step + 1)
+        train_recorded(mgr, state, rank, step + 1)
         mgr.save(step + 1, state)
         out["next"] = sorted(p.name for p in fast.glob("step_*"))
     return out
@@ -78,8 +88,9 @@ def torch_equal(a, b) -> bool:
 
 def test_replacement_node_restores_exactly_from_peer_replicas_and_trains_on(tmp_path):
     disks(tmp_path)
-    kw = {"fast_every": 1, "replicas": 1}
-    saved = values(run_ranks(save_local, WORLD, str(tmp_path), 2, kw, timeout=240))
+    persistent = tmp_path / "persistent"  # shared: it holds the run's one proof log (no step saved there yet)
+    kw = {"fast_every": 1, "replicas": 1, "persistent": str(persistent), "persistent_every": 100}
+    saved = values(run_ranks(save_local, WORLD, str(tmp_path), 2, kw, 1, timeout=240))
     # Each node holds its own steps and the other node's ranks' replicas, never its own.
     assert saved[0]["steps"] == ["step_00000001", "step_00000002"] == saved[2]["steps"]
     assert saved[0]["replicas"] == [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2)
@@ -92,12 +103,14 @@ def test_replacement_node_restores_exactly_from_peer_replicas_and_trains_on(tmp_
     assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [r * 1000 + 2 for r in range(WORLD)]
     assert [o["verify"] for o in out] == [[]] * WORLD, out  # the rebuilt node's part verifies, node manifest too
     assert out[2]["next"] == ["step_00000002", "step_00000003"], out  # the job saves on, on both nodes
-    fast0 = tmp_path / "node0" / "fast"
-    recs = restore_records(fast0)  # node 0's proof log holds its ranks' records
-    assert [r["tier"] for r in recs] == ["fast"] * PER_NODE and recs[0]["replica_ranks"] == [2, 3]
-    gate = next(g for g in evaluate(fast0) if g.name == "restored from tier")
-    assert "from the fast tier" in gate.evidence and "ranks [2, 3] fetched their files from peer replicas" \
-        in gate.evidence
+    recs = restore_records(persistent)
+    assert [r["tier"] for r in recs] == ["fast"] * WORLD and recs[0]["replica_ranks"] == [2, 3]
+    gates = evaluate(persistent)
+    tier = next(g for g in gates if g.name == "restored from tier")
+    assert tier.evidence == "step 2 from the fast tier on 4 rank(s); ranks [2, 3] fetched their files from peer " \
+        "replicas"
+    # The resume is proven like any other: digests, PIDs, data order of the replayed step 3.
+    assert verdict(gates) == "resume PROVEN", [(g.name, g.status.value, g.evidence) for g in gates]
 
 
 def test_lost_node_without_replicas_falls_back_to_persistent_or_is_refused(tmp_path):
