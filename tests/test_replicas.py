@@ -7,6 +7,7 @@ against the manifest), or without replicas falls back to the persistent tier or 
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -152,3 +153,42 @@ def test_damaged_replica_is_caught_by_checksum_and_an_older_step_restored(tmp_pa
     assert "step 2" in detail and "xxh3" in detail and "rank_00002.pt" in detail, detail
     node1 = tmp_path / "node1" / "fast"
     assert not list(node1.glob(".tmp-*")) and not (node1 / "step_00000002").exists()
+
+
+def save_killed_mid_push(rank: int, world: int, base: str, kw: dict) -> str:
+    """Step 1 commits with its replicas; in step 2's replica push rank 2 dies (SIGKILL) mid-file."""
+    import signal
+
+    import ckptguard._commit.replica as replica
+
+    fake_node(base, rank, local_disk=True)
+    mgr = tiers(base, **kw)
+    state = make_state(rank)
+    for step in (1, 2):
+        train_to(state, rank, step)
+        if step == 2 and rank == 2:
+            def die(*args, **kwargs):  # fault injection: the process dies inside the transfer, nothing cleans up
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            replica.send_file = die
+        try:
+            mgr.save(step, state)
+        except cg.CheckpointError as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_a_node_killed_mid_replica_push_leaves_no_replica_that_counts(tmp_path):
+    disks(tmp_path)
+    kw = {"fast_every": 1, "replicas": 1, "timeout_s": 20}
+    results = run_ranks(save_killed_mid_push, WORLD, str(tmp_path), kw, timeout=240)
+    assert results[2].exitcode == -9, results[2]
+    for r in (0, 1, 3):  # every live rank raises, naming the rank that never arrived
+        assert results[r].ok and results[r].value.startswith("CollectiveTimeoutError"), results[r]
+        assert "[2]" in results[r].value, results[r].value
+    held = tmp_path / "node0" / "fast" / "replicas" / "step_00000002"
+    assert not (held / "rank_00002").exists()  # rank 2's replica never sealed: it does not count
+    # The step itself committed on both nodes before the push; the restarted job resumes from it exactly.
+    out = values(run_ranks(restore_local, WORLD, str(tmp_path), {"fast_every": 1, "replicas": 1}, False,
+                           timeout=240))
+    assert [o.get("step") for o in out] == [2] * WORLD and all(o["exact"] for o in out), out

@@ -73,8 +73,10 @@ def expected(rank: int, step: int) -> dict:
 
 
 def tiers(base: str, **kw) -> cg.TieredCheckpoint:
+    kw = dict(kw)
+    config = cg.CheckpointConfig(timeout_s=kw.pop("timeout_s", 60))
     return cg.TieredCheckpoint(fast=os.path.join(base, "disk", "fast"), persistent=kw.pop("persistent", None),
-                               config=cg.CheckpointConfig(timeout_s=60), **kw)
+                               config=config, **kw)
 
 
 def save_run(rank: int, world: int, base: str, steps: int, local_disk: bool, kw: dict) -> list:

@@ -83,11 +83,6 @@ class _Choice(Wire):
     fell_back: bool = False  # a newer step exists on part of the job: said as a warning
 
 
-@dataclass(frozen=True)
-class _Done(Wire):
-    problems: list[str] = field(default_factory=list)
-
-
 class TieredCheckpoint:
     """A fast node-local tier and a persistent shared tier under one object.
 
@@ -190,13 +185,10 @@ class TieredCheckpoint:
         sources = [r for r, p in enumerate(self._peers) if p == self.rank]
         _replica.prune(self.fast.root, ctx.naming, set(self.fast.committed_steps()) | {step}, sources)
 
-        def decide(views: list[_Done]) -> _Done:
-            return _Done([f"rank {r}: {p}" for r, v in enumerate(views) for p in v.problems])
-
-        verdict = gather_decide(ctx.agreement, "tiers.replicas", _Done(problems[:5]), decide, decision=_Done)
-        if verdict.problems:
+        bad = _after_transfers(ctx.agreement, "tiers.replicas", problems)
+        if bad:
             log.warning("ckptguard: step %d is committed in the fast tier but its peer replicas are incomplete "
-                        "(%s); losing a node now loses this step's files there", step, "; ".join(verdict.problems))
+                        "(%s); losing a node now loses this step's files there", step, " | ".join(bad))
 
     # ------------------------------------------------------------ restore
 
@@ -413,17 +405,16 @@ class TieredCheckpoint:
                 problems.append(f"{type(exc).__name__}: {exc}")
                 break  # the agreement below names the ranks that never arrived
 
-        def decide(views: list[_Done]) -> _Done:
-            bad = [f"rank {r}: {'; '.join(v.problems)}" for r, v in enumerate(views) if v.problems]
-            if bad:
-                raise CheckpointIncompleteError(
-                    f"fetching step {choice.step} from peer replicas failed ({' | '.join(bad)}); nothing was "
-                    "loaded. Check the disks of the ranks named, then restore again"
-                )
-            return _Done()
+        def failed(bad: list[str]) -> CheckpointIncompleteError:
+            return CheckpointIncompleteError(
+                f"fetching step {choice.step} from peer replicas failed ({' | '.join(bad)}); nothing was "
+                "loaded. Check the disks of the ranks named, then restore again"
+            )
 
         try:
-            gather_decide(ctx.agreement, "tiers.fetch", _Done(problems[:5]), decide, decision=_Done)
+            bad = _after_transfers(ctx.agreement, "tiers.fetch", problems)
+            if bad:
+                raise failed(bad)  # on every rank alike: the same list everywhere
         except CheckpointError:
             if self.rank in receivers:
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing of a failed fetch lingers on the node
@@ -438,7 +429,8 @@ class TieredCheckpoint:
                     _layout.write_tracker(self.fast.root, choice.step)
             except (OSError, CheckpointError) as exc:
                 failure = [f"sealing {tmp}: {type(exc).__name__}: {exc}"]
-        gather_decide(ctx.agreement, "tiers.fetch_sealed", _Done(failure), decide, decision=_Done)
+        if bad := _after_transfers(ctx.agreement, "tiers.fetch_sealed", failure):
+            raise failed(bad)
         log.info("ckptguard: rebuilt step %d on ranks %s from peer replicas (xxh3 checked against the manifest)",
                  choice.step, receivers)
 
@@ -495,6 +487,14 @@ class TieredCheckpoint:
 
     def record_update(self, step: int, *, grad_norm: float, params_changed: bool) -> None:
         self._home().record_update(step, grad_norm=grad_norm, params_changed=params_changed)
+
+
+def _after_transfers(agreement: Any, phase: str, problems: list[str]) -> list[str]:
+    """Every rank's problems, on every rank. An all-gather, not rank 0's verdict: a rank still blocked
+    in a transfer with a dead peer arrives up to one timeout late, and every live rank must then name
+    the dead one (waiting 2x the timeout for it), not the late one."""
+    views = agreement.exchange(phase, problems[:5], patience=2.0)
+    return [f"rank {r}: {'; '.join(v)}" for r, v in enumerate(views) if v]
 
 
 def _size_is(path: Path, size: int) -> bool:
