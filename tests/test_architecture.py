@@ -112,6 +112,8 @@ EXPORTED = [
     "StorageStallError",
     "StreamingConfig",
     "StreamingStorage",
+    "Tier",
+    "TieredCheckpoint",
     "TopologyMismatchError",
     "UnsafeCheckpointError",
     "VersionMismatchError",

@@ -67,6 +67,7 @@ from .storage import (
     WrittenFile,
     read_dcp_metadata,
 )
+from .tiers import Tier, TieredCheckpoint
 
 __all__ = [
     "ChainMismatchError",
@@ -123,6 +124,8 @@ __all__ = [
     "StorageStallError",
     "StreamingConfig",
     "StreamingStorage",
+    "Tier",
+    "TieredCheckpoint",
     "TopologyMismatchError",
     "UnsafeCheckpointError",
     "VersionMismatchError",

@@ -130,6 +130,10 @@ class CheckpointManager:
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         self._proof = ProofLog(self.root, agreement.info.rank)
+        # A TieredCheckpoint sends both tiers' records to one root (the one prove reads) and tags the
+        # save and restore records with their tier.
+        self._proof_root = self.root
+        self._proof_fields: dict[str, Any] = {}
         _faults.arm_pause_from_env(info.rank)  # only under `ckptguard rehearse`
         self._ctx = _commit.Context(
             root=self.root,
@@ -505,10 +509,11 @@ class CheckpointManager:
     def _record(self, event: str, *, durable: bool = True, **fields: Any) -> None:
         if not self.config.record_proof:
             return
-        record = self._proof.build(event, **fields)
+        tagged = self._proof_fields if event in ("save", "restore") else {}
+        record = self._proof.build(event, **{**tagged, **fields})
         # Never create the root for a record: a mistyped path must stay visible. Until the first
         # save creates it, records are held and then written ahead of the save's.
-        if not self.root.is_dir():
+        if not self._proof_root.is_dir():
             self._proof.hold(record)
             return
         try:

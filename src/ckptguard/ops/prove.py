@@ -227,6 +227,21 @@ def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
     return Status.PASS, "every parameter and buffer kept its data_ptr through the restore"
 
 
+def _tier(segments: list[_Segment]) -> Gate | None:
+    """Which tier the newest restore loaded (a TieredCheckpoint records it), as information."""
+    tiers = [s.restore for s in segments if s.restore is not None and _restored(s) and "tier" in s.restore]
+    if not tiers:
+        return None
+    names = sorted({str(r.get("tier")) for r in tiers})
+    fetched = sorted({int(x) for r in tiers for x in (r.get("replica_ranks") or []) if isinstance(x, int)})
+    step = tiers[0].get("step")
+    also = f"; ranks {fetched} fetched their files from peer replicas" if fetched else ""
+    detail = str(tiers[0].get("tier_detail") or "")
+    why = f" ({detail})" if detail and not fetched else ""
+    return Gate("restored from tier", Status.INFO, f"step {step} from the {' and '.join(names)} tier on "
+                f"{len(tiers)} rank(s){also}{why}", required=False)
+
+
 # ---------------------------------------------------------------- replayed steps
 
 
@@ -650,6 +665,8 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
     for name, fn in (("restored step confirmed before training", _gate_confirmed), ("all PIDs changed", _gate_pids),
                      ("digests equal, item by item", _gate_digests), ("addresses unchanged", _gate_addresses)):
         gates.append(_combine(name, [_judged(fn, s) for s in segments]))
+    if (tier := _tier(segments)) is not None:
+        gates.insert(2, tier)
     if resharded is not None:
         gates.append(_gate_rng_distinct(segments))
     gates.append(_not_rl("first export byte-identical", [_judged(_gate_export, s) for s in segments], plan, where,

@@ -1,0 +1,392 @@
+"""Peer replicas: each rank's files of a fast-tier step, kept also on a rank of another node.
+
+Contract. Ranks are paired across nodes (``peers``: the rank with the same local index on the
+next node, nodes in the order of their first rank). After a step commits, every rank sends the
+files it wrote (the manifest's entries of its rank) to its peer over ``torch.distributed``
+point-to-point (never through a shared filesystem), and the peer keeps them under
+``ROOT/replicas/<step name>/rank_NNNNN/`` with ``replica.json`` written last: a replica without
+its marker does not count. Every file is checked against the manifest's size and xxh3 when it
+arrives, and again when it is fetched back.
+
+Losing one node then leaves every file of the step on some surviving node: its own ranks'
+files on its disk, the lost node's files in its replicas. ``fetch`` rebuilds a replacement
+node's root from them: the contract files, the files its ranks need, the manifest last (the
+commit marker), then the tracker.
+
+Transfers run in one global order that every rank walks; a rank takes part only in the
+transfers it sends or receives, so any plan completes without deadlock. A failure on either
+side never leaves the peer waiting: the sender then sends zeros of the same length, the
+receiver keeps receiving and discards, and both report the failure for the agreement after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from . import layout as _layout
+
+REPLICA_DIR = "replicas"
+MARKER = "replica.json"
+CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file of a transfer: where the sender reads it, where the receiver puts it."""
+
+    path: str  # relative to the step directory (or to the root for ``root`` files)
+    size: int
+    xxh3: str
+    where: str = "step"  # "step" or "root" (contract files)
+
+
+def peers(hosts: list[str]) -> list[int | None]:
+    """The peer of every rank: same local index on the next node (None with a single node)."""
+    nodes: list[str] = []
+    for h in hosts:
+        if h not in nodes:
+            nodes.append(h)
+    if len(nodes) < 2:
+        return [None] * len(hosts)
+    ranks = {n: [r for r, h in enumerate(hosts) if h == n] for n in nodes}
+    out: list[int | None] = []
+    for r, h in enumerate(hosts):
+        nxt = ranks[nodes[(nodes.index(h) + 1) % len(nodes)]]
+        out.append(nxt[ranks[h].index(r) % len(nxt)])
+    return out
+
+
+def replica_dir(root: Path, step_name: str, source: int) -> Path:
+    return root / REPLICA_DIR / step_name / f"rank_{source:05d}"
+
+
+def held(root: Path, naming: _layout.StepNaming) -> dict[int, list[int]]:
+    """Complete replicas on this disk: step -> the source ranks whose files are here."""
+    out: dict[int, list[int]] = {}
+    base = root / REPLICA_DIR
+    try:
+        steps = list(os.scandir(base))
+    except OSError:
+        return out
+    for entry in steps:
+        step = naming.parse(entry.name)
+        if step is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        for sub in sorted(Path(entry.path).glob("rank_*")):
+            marker = _marker(sub)
+            if marker is not None and marker.get("step") == step:
+                out.setdefault(step, []).append(int(marker["source_rank"]))
+    return out
+
+
+def _marker(directory: Path) -> dict[str, Any] | None:
+    try:
+        data = _layout.read_json(directory / MARKER, what="replica marker")
+    except Exception:  # absent, torn or crafted: this replica does not count
+        return None
+    ok = isinstance(data, dict) and isinstance(data.get("step"), int) and isinstance(data.get("source_rank"), int)
+    return data if ok else None
+
+
+def prune(root: Path, naming: _layout.StepNaming, keep: set[int], sources: list[int]) -> list[int]:
+    """Delete this rank's replicas (of ``sources``) of steps not in ``keep``, and the temp directories
+    of its pushes that a kill left behind; returns the steps pruned."""
+    pruned = []
+    try:
+        entries = list(os.scandir(root / REPLICA_DIR))
+    except OSError:
+        return []
+    for entry in entries:
+        step = naming.parse(entry.name)
+        if step is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        for source in sources:
+            final = replica_dir(root, entry.name, source)
+            for stale in final.parent.glob(f"{final.name}.tmp-*"):  # this rank's pushes are all sealed now
+                shutil.rmtree(stale, ignore_errors=True)
+            if step not in keep and final.exists():
+                shutil.rmtree(final, ignore_errors=True)
+                pruned.append(step)
+        with contextlib.suppress(OSError):  # the last holder removes the step's folder
+            (root / REPLICA_DIR / entry.name).rmdir()
+    return sorted(set(pruned))
+
+
+# ---------------------------------------------------------------- bytes over torch.distributed
+
+
+def _send_bytes(data: bytes | memoryview, dst: int, group: Any) -> None:
+    if len(data):
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), group=group, group_dst=dst)
+
+
+def _recv_bytes(size: int, src: int, group: Any) -> bytes:
+    if not size:
+        return b""
+    buf = torch.empty(size, dtype=torch.uint8)
+    dist.recv(buf, group=group, group_src=src)
+    return bytes(buf.numpy())
+
+
+def send_file(path: Path, size: int, dst: int, group: Any) -> str | None:
+    """Send ``size`` bytes of ``path``; returns the error, if any, after sending zeros for the rest."""
+    error = None
+    sent = 0
+    try:
+        with open(path, "rb") as f:
+            while sent < size:
+                block = f.read(min(CHUNK, size - sent))
+                if not block:
+                    raise OSError(f"{path} ended at byte {sent} of {size}")
+                _send_bytes(block, dst, group)
+                sent += len(block)
+    except OSError as exc:
+        error = f"reading {path}: {exc}"
+    while sent < size:  # the receiver waits for every byte it was promised
+        n = min(CHUNK, size - sent)
+        _send_bytes(bytes(n), dst, group)
+        sent += n
+    return error
+
+
+def recv_file(dest: Path, spec: FileSpec, src: int, group: Any) -> str | None:
+    """Receive ``spec.size`` bytes into ``dest`` (temp name, fsync, xxh3 against ``spec``, rename)."""
+    part = dest.with_name(f"{dest.name}.part-{secrets.token_hex(4)}")
+    h = xxhash.xxh3_64()
+    error = None
+    out = None
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        out = open(part, "wb")  # noqa: SIM115 (kept open across the receive loop, closed below)
+    except OSError as exc:
+        error = f"creating {part}: {exc}"
+    got = 0
+    while got < spec.size:
+        block = _recv_bytes(min(CHUNK, spec.size - got), src, group)
+        got += len(block)
+        h.update(block)
+        if out is not None and error is None:
+            try:
+                out.write(block)
+            except OSError as exc:
+                error = f"writing {part}: {exc}"
+    if out is not None:
+        try:
+            out.flush()
+            os.fsync(out.fileno())
+        except OSError as exc:
+            error = error or f"writing {part}: {exc}"
+        out.close()
+    if error is None and h.hexdigest() != spec.xxh3:
+        error = f"{dest}: received bytes have xxh3 {h.hexdigest()}, the manifest says {spec.xxh3} (rank {src} sent it)"
+    if error is None:
+        try:
+            os.replace(part, dest)
+            return None
+        except OSError as exc:
+            error = f"renaming {part}: {exc}"
+    part.unlink(missing_ok=True)
+    return error
+
+
+def send_json(obj: Any, dst: int, group: Any) -> None:
+    data = json.dumps(obj).encode()
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), group=group, group_dst=dst)
+    _send_bytes(data, dst, group)
+
+
+def recv_json(src: int, group: Any) -> Any:
+    n = torch.empty(1, dtype=torch.int64)
+    dist.recv(n, group=group, group_src=src)
+    return json.loads(_recv_bytes(int(n.item()), src, group))
+
+
+# ---------------------------------------------------------------- push after a commit
+
+
+def own_files(manifest_files: list[dict[str, Any]], rank: int) -> list[FileSpec]:
+    return [FileSpec(f["path"], int(f["size"]), str(f["xxh3"])) for f in manifest_files if f.get("rank") == rank]
+
+
+def push(
+    *, root: Path, step: int, step_name: str, manifest_files: list[dict[str, Any]], peer_of: list[int | None],
+    rank: int, group: Any,
+) -> list[str]:
+    """Every rank sends its own files of ``step`` to its peer; returns this rank's problems."""
+    problems: list[str] = []
+    step_dir = root / step_name
+    incoming: dict[int, Path] = {}
+    for source, peer in enumerate(peer_of):
+        if peer == rank:
+            final = replica_dir(root, step_name, source)
+            tmp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
+            incoming[source] = tmp
+    for source, peer in enumerate(peer_of):  # the global order: source rank ascending
+        if peer is None:
+            continue
+        files = own_files(manifest_files, source)
+        if source == rank:
+            for f in files:
+                if (err := send_file(step_dir / f.path, f.size, peer, group)) is not None:
+                    problems.append(err)
+        elif peer == rank:
+            tmp = incoming[source]
+            for f in files:
+                if (err := recv_file(tmp / f.path, f, source, group)) is not None:
+                    problems.append(err)
+            problems += _seal(tmp, replica_dir(root, step_name, source), step, source, files, failed=bool(problems))
+    return problems
+
+
+def _seal(tmp: Path, final: Path, step: int, source: int, files: list[FileSpec], *, failed: bool) -> list[str]:
+    """Marker last, then the rename; a failed replica is removed, never left to look complete."""
+    if failed:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return []
+    try:
+        marker = {"step": step, "source_rank": source, "files": [f.__dict__ for f in files]}
+        _layout.atomic_write_json(tmp / MARKER, marker)
+        if final.exists():
+            shutil.rmtree(final)  # a replica of the same step saved again (overwrite)
+        os.rename(tmp, final)
+        _layout.fsync_dir(final.parent)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return [f"sealing the replica {final}: {exc}"]
+    return []
+
+
+# ---------------------------------------------------------------- fetch at restore
+
+
+def fetch_plan(root: Path, step_name: str, needed: set[str], manifest_files: list[dict[str, Any]],
+               source: int) -> tuple[list[FileSpec], list[Path]]:
+    """What a sender sends to rebuild ``source``'s part of a step: the contract files, every file
+    the rank needs (from this node's step directory, else from the replica of ``source``), and
+    the manifest last. Returns the specs and where the sender reads each."""
+    from .._resume.digest import file_digest
+
+    step_dir = root / step_name
+    specs: list[FileSpec] = []
+    paths: list[Path] = []
+    for p in sorted((root / _layout.CONTRACT_DIR).glob("phase_*.json")):
+        size, xxh = file_digest(str(p))
+        specs.append(FileSpec(f"{_layout.CONTRACT_DIR}/{p.name}", size, xxh, "root"))
+        paths.append(p)
+    by_path = {f["path"]: f for f in manifest_files}
+    for rel in sorted(needed):
+        f = by_path[rel]
+        local = step_dir / rel
+        replica = replica_dir(root, step_name, source) / rel
+        src = local if _has_size(local, int(f["size"])) else replica
+        specs.append(FileSpec(rel, int(f["size"]), str(f["xxh3"])))
+        paths.append(src)
+    manifest = step_dir / _layout.MANIFEST_NAME
+    size, xxh = file_digest(str(manifest))
+    specs.append(FileSpec(_layout.MANIFEST_NAME, size, xxh))
+    paths.append(manifest)
+    return specs, paths
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
+def send_part(specs: list[FileSpec], paths: list[Path], dst: int, group: Any) -> list[str]:
+    send_json([s.__dict__ for s in specs], dst, group)
+    return [e for s, p in zip(specs, paths, strict=True) if (e := send_file(p, s.size, dst, group)) is not None]
+
+
+def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any) -> list[str]:
+    """Receive a rank's part of a step into ``tmp`` (a temp directory of this node's root): the
+    contract files into the root where absent (where present they must be the same bytes), the step
+    files, and the manifest as ``tmp/.fetched-manifest-<rank>``, checked against every file received."""
+    from .._resume.digest import file_digest
+
+    header = recv_json(src, group)
+    if isinstance(header, dict):  # the sender could not read its part: nothing follows
+        return [str(header.get("error"))]
+    specs = [FileSpec(**s) for s in header]
+    problems: list[str] = []
+    for spec in specs[:-1]:
+        if spec.where != "root":
+            if (err := recv_file(tmp / spec.path, spec, src, group)) is not None:
+                problems.append(err)
+            continue
+        dest = root / spec.path
+        if not dest.exists():
+            if (err := recv_file(dest, spec, src, group)) is not None:
+                problems.append(err)
+            continue
+        # A root of this run already holds its contract: never overwritten, it must be the same file.
+        scratch = tmp / f".fetched-{secrets.token_hex(4)}"
+        err = recv_file(scratch, spec, src, group)
+        scratch.unlink(missing_ok=True)
+        if err is None and file_digest(str(dest))[1] != spec.xxh3:
+            err = (f"{dest} differs from the run's contract file on rank {src}: this node's root holds another "
+                   "run; give the replacement node an empty root (or this run's)")
+        if err is not None:
+            problems.append(err)
+    manifest = fetched_manifest(tmp, rank)
+    if (err := recv_file(manifest, specs[-1], src, group)) is not None:
+        problems.append(err)
+    elif problems or (problems := _against_manifest(manifest, specs)):
+        manifest.unlink(missing_ok=True)
+    return problems
+
+
+def fetched_manifest(tmp: Path, rank: int) -> Path:
+    return tmp / f".fetched-manifest-{rank:05d}"
+
+
+def seal_fetch(tmp: Path, final: Path, rank: int, node_record: Callable[[Any], dict[str, Any] | None]) -> None:
+    """The first receiving rank of a node, after every rank's fetch arrived intact: the manifest and
+    the node manifest (``node_record(manifest)``) in the temp directory, then the step directory in
+    place (a rename, or where part of the step was still here, its files with the manifest last)."""
+    from . import manifest as _manifest
+
+    for other in tmp.glob(".fetched-manifest-*"):
+        if other != fetched_manifest(tmp, rank):
+            other.unlink()
+    os.replace(fetched_manifest(tmp, rank), tmp / _layout.MANIFEST_NAME)  # a temp directory: not committed yet
+    record = node_record(_manifest.read(tmp))
+    if record is not None:
+        _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record)
+    (tmp / _layout.OWNER_NAME).unlink(missing_ok=True)
+    if not final.exists():
+        os.rename(tmp, final)
+    else:  # part of the step was still here (a rank lost only some files): fill it in, marker last
+        moved = sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: p.name == _layout.MANIFEST_NAME)
+        for p in moved:
+            dest = final / p.relative_to(tmp)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(p, dest)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _layout.fsync_dir(final)
+    _layout.fsync_dir(final.parent)
+
+
+def _against_manifest(manifest_path: Path, specs: list[FileSpec]) -> list[str]:
+    """Every step file received must be the manifest's entry (size and xxh3), not only the sender's word."""
+    try:
+        entries = {f["path"]: f for f in _layout.read_json(manifest_path, what="manifest")["files"]}
+    except Exception as exc:  # a torn or crafted manifest: nothing of this part is published
+        return [f"the received manifest {manifest_path} does not parse: {exc}"]
+    bad = [s.path for s in specs[:-1] if s.where == "step"
+           and (s.path not in entries or (entries[s.path]["size"], entries[s.path]["xxh3"]) != (s.size, s.xxh3))]
+    return [f"received files differ from the manifest's entries: {bad[:5]}"] if bad else []

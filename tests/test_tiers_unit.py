@@ -1,0 +1,126 @@
+"""The tier choice and the replica pairing as pure functions (one process, synthetic rank views)."""
+
+from __future__ import annotations
+
+import pytest
+
+import ckptguard as cg
+from ckptguard._commit.replica import peers
+from ckptguard.tiers import _View
+
+
+def test_peers_pair_ranks_across_nodes():
+    assert peers(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert peers(["a", "b", "c"]) == [1, 2, 0]  # a ring over three nodes
+    assert peers(["a", "a", "b"]) == [2, 2, 0]  # unequal nodes: local index modulo the peer node's size
+    assert peers(["a", "a"]) == [None, None]
+
+
+def views(a: dict, b: dict, persistent: int = 0) -> list[_View]:
+    """Ranks 0, 1 on node a and 2, 3 on node b, each node's ranks alike."""
+    return [_View(host, persistent=persistent, **kw) for host, kw in (("a", a), ("a", a), ("b", b), ("b", b))]
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    return cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent")
+
+
+def test_a_newer_step_on_part_of_the_job_is_never_chosen(tiers):
+    v = views({"complete": [1, 2, 3]}, {"complete": [1, 2], "missing": {"3": ["/f/step_00000003/rank_00002.pt"]}})
+    choice = tiers._choose(v, {})
+    assert (choice.tier, choice.step, choice.senders, choice.fell_back) == ("fast", 2, {}, True)
+    assert "newer fast step 3 is not loadable on every rank" in choice.detail
+    assert "rank 2 (host b): missing /f/step_00000003/rank_00002.pt" in choice.detail
+
+
+def test_replicas_on_another_node_make_the_newest_step_loadable(tiers):
+    v = views({"complete": [2, 3]}, {"complete": [2]})
+    v[0], v[1] = (_View("a", complete=[2, 3], replicas={"3": [r]}) for r in (2, 3))  # rank 0 holds rank 2's
+    choice = tiers._choose(v, {})
+    assert (choice.tier, choice.step, choice.senders) == ("fast", 3, {"2": 0, "3": 1})
+    # A replica held on the rank's own node is lost with it: it does not count.
+    v = views({"complete": [2, 3]}, {"complete": [2], "replicas": {"3": [2, 3]}})
+    assert tiers._choose(v, {}).step == 2
+    # A fetch that failed its checksum: the step is not chosen again through replicas.
+    v = views({"complete": [2, 3], "replicas": {"3": [2, 3]}}, {"complete": [2]})
+    assert tiers._choose(v, {3: "xxh3 differs"}).step == 2
+
+
+def test_persistent_wins_only_when_newer(tiers):
+    v = views({"complete": [4]}, {"complete": [4]}, persistent=4)
+    assert (tiers._choose(v, {}).tier, tiers._choose(v, {}).step) == ("fast", 4)
+    v = views({"complete": [4]}, {"complete": []}, persistent=3)
+    choice = tiers._choose(v, {})
+    assert (choice.tier, choice.step, choice.fell_back) == ("persistent", 3, True)
+    assert "the fast tier's newest step 4 cannot be loaded on every rank" in choice.detail
+    assert tiers._choose(views({}, {}), {}).tier == ""  # nothing anywhere: the manager's own fresh start
+
+
+def test_nothing_loadable_but_something_committed_is_refused(tiers):
+    v = views({"complete": [4]}, {"missing": {"4": ["/f/step_00000004/rank_00002.pt"]}})
+    with pytest.raises(cg.CheckpointIncompleteError) as info:
+        tiers._choose(v, {})
+    msg = str(info.value)
+    assert "rank 2 (host b): missing /f/step_00000004/rank_00002.pt" in msg and "holds no committed step" in msg
+
+
+def test_config_is_checked():
+    with pytest.raises(cg.ConfigError, match="fast_every"):
+        cg.TieredCheckpoint(fast="/nonexistent/f", fast_every=0)
+    with pytest.raises(cg.ConfigError, match="replicas"):
+        cg.TieredCheckpoint(fast="/nonexistent/f", replicas=2)
+    with pytest.raises(cg.ConfigError, match="another node"):
+        cg.TieredCheckpoint(fast="/nonexistent/f", replicas=1)
+
+
+def test_recovery_benchmark_runs_at_tiny_size(tmp_path):
+    """benchmarks/bench_recovery.py --tiny on the CPU: both restores exact, each from its own tier."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "recovery.json"
+    (tmp_path / "shm").mkdir()  # stand-ins for /dev/shm and the local disk
+    (tmp_path / "disk").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_recovery.py"), "--tiny", "--out", str(out),
+         "--fast-dir", str(tmp_path / "shm" / "fast"), "--persistent-dir", str(tmp_path / "disk" / "persistent")],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {t: (r["tier_recorded"], r["bitwise_exact"]) for t, r in result["restore"].items()} == {
+        "fast": ("fast", True), "persistent": ("persistent", True)}
+
+
+def test_fast_steps_without_a_tracker_are_refused_not_ignored(tmp_path):
+    """A fast root holding steps but no tracker was changed outside ckptguard: refused like a manager's
+    restore does, never read as an empty tier (which would fall back or start fresh)."""
+    import torch
+
+    state = {"w": torch.nn.Linear(2, 2)}
+    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent", persistent_every=2)
+    tiers.save(1, state)
+    tiers.save(2, state)
+    (tmp_path / "fast" / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(cg.ResumeError, match="no tracker"):
+        cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent").restore(state)
+
+
+def test_fast_saves_before_the_first_persistent_one_leave_durable_proof_records(tmp_path):
+    import json
+
+    import torch
+
+    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent", persistent_every=100)
+    tiers.save(1, {"w": torch.nn.Linear(2, 2)})
+    tiers.record_step(1, loss=0.5)
+    records = [json.loads(x) for x in (tmp_path / "persistent" / "proof" / "rank_00000.jsonl").read_text().split("\n")
+               if x]
+    assert [(r["event"], r["step"], r.get("tier")) for r in records] == [("save", 1, "fast"), ("step", 1, None)]
+    assert (tmp_path / "persistent" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
