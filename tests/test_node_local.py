@@ -34,7 +34,8 @@ def _damage_after_write(root: Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_publish_reads_every_reported_file_back_with_size_and_checksum(tmp_path, how):
     root = tmp_path / "ck"
-    mgr = cg.CheckpointManager(root)
+    # A shared root checks sizes by default; checksums on request (node-local roots: by default).
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(publish_checksums=True))
     state = {"w": torch.nn.Linear(8, 8)}
     mgr.save(1, state)
     _damage_after_write(root, how)
@@ -49,8 +50,8 @@ def test_publish_reads_every_reported_file_back_with_size_and_checksum(tmp_path,
     assert _layout.read_tracker(root) == 1, "a save whose files changed after their write was committed"
     assert not (root / "step_00000002").exists() and not list(root.glob(".tmp-*"))
     assert mgr.restore(state) == 1
-    if how == "flip":  # with publish_checksums off, only the sizes are compared: the flip commits
-        quick = cg.CheckpointManager(root, config=cg.CheckpointConfig(publish_checksums=False))
+    if how == "flip":  # a shared root by default compares only the sizes: the flip commits
+        quick = cg.CheckpointManager(root)
         _damage_after_write(root, how)
         try:
             quick.save(2, state)

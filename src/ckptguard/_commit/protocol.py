@@ -704,8 +704,11 @@ def _publish_or_fail(
     items: dict[str, Any], extra_cost: dict[str, Any] | None = None, *, part: bool = False,
 ) -> Outcome:
     """Rank 0: publish if every rank wrote its part, else discard; the outcome every rank raises on."""
+    # A shared root: sizes unless asked (publish_checksums None: the placement round already showed
+    # every rank sees this temp directory, and a read-back of every rank's bytes on rank 0 would cost
+    # one more read of the whole state per save).
     failures = [r.failure for r in reports if r.failure] or _unseen_files(
-        tmp, reports, checksums=ctx.config.publish_checksums
+        tmp, reports, checksums=ctx.config.publish_checksums is True
     )
     if failures:
         _discard(ctx, tmp)
@@ -1054,7 +1057,7 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
     ranks, copies = set(node["ranks"]), set(node["copies"])
     files = [f for f in plan.manifest["files"] if f.get("rank") in ranks or f["path"] in copies]
     try:
-        bad = _file_problems(tmp, files, checksums=ctx.config.publish_checksums)
+        bad = _file_problems(tmp, files, checksums=ctx.config.publish_checksums is not False)
         if bad:
             rel, why = bad[0]
             raise OSError(
