@@ -13,6 +13,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard._commit import layout as _layout
+from ckptguard._commit import trust as _trust
 from ckptguard.testing import run_ranks, set_fault_hook
 
 
@@ -186,6 +187,7 @@ def _save_and_check(rank: int, world: int, base: str) -> dict:
         "preflight": [f.line() for f in report.findings if f.severity.value == "ERROR"],
         "preflight_step": report.step,
         "verify": [f.line() for f in findings if f.severity.value == "ERROR"],
+        "trust": sorted(_trust.read(root) or {}) if (root / _trust.TRUST_NAME).exists() else None,
     }
 
 
@@ -208,6 +210,8 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
         assert len(checks["moved"]) == 1 and f"rank {2 * other} will run on node{rank // 2}" in checks["moved"][0]
         assert f"rank_{2 * other:05d}.pt" in checks["moved"][0], checks["moved"]
         assert checks["absent"] == ["no-root"]
+        # Every node keeps its own trust record (prefer="verified" must resolve alike on every node).
+        assert o["trust"] is not None and 2 in o["trust"], (rank, o["trust"])
         if rank % 2 == 0:
             assert checks["transferred"] == [], (rank, checks["transferred"])
             moved_files = set(checks["transferred_listing"]["step_00000002"])

@@ -310,7 +310,7 @@ class CheckpointManager:
         log.info("ckptguard: committed step %d at %s", step, path)
         self._record("save", step=step, path=str(path), plan=self.config.proof.as_dict(), world_size=self.world_size)
         self._committed_here.append(step)
-        if self.rank == 0:
+        if self.rank == 0 or self._ctx.node_publisher:  # node-local roots: every node keeps its own record
             self._trust_write("commit", lambda: _trust.committed(
                 self.root, step, self.config.health.verify_after,
                 on_disk=_layout.step_dirs(self.root, self._ctx.naming)))
@@ -343,6 +343,12 @@ class CheckpointManager:
             return verdict
 
         verdict = gather_decide(self._ctx.agreement, "save.health", view, decide, decision=_trust.HealthVerdict)
+        if self._ctx.node_publisher and self.rank != 0:
+            # Node-local roots: each node's publisher keeps its node's trust record as rank 0 keeps its own,
+            # so prefer="verified" resolves the same step on every node.
+            mine, restored = set(self._committed_here), self._restored_step or 0
+            self._trust_write("observe", lambda: _trust.observe(
+                self.root, verdict.healthy, verdict.unhealthy, lambda k: k in mine or k <= restored))
         self.last_health = verdict
         if not verdict.skip:
             return True
