@@ -207,3 +207,20 @@ def test_a_bad_health_argument_on_one_rank_fails_the_save_on_every_rank_without_
     out = values(run_ranks(_bad_argument_on_rank_1, 2, str(tmp_path / "ck"), timeout=120))
     assert all(o.startswith("ConfigError") and "not a number or string" in o for o in out), out
     assert not (tmp_path / "ck").exists()  # nothing was written, not even the root
+
+
+def test_a_skipped_step_stays_skipped_when_saved_again_until_a_restore_abandons_it(tmp_path):
+    # A second save of the same step (a preemption save at that boundary, or a plain retry) has no
+    # metrics left to judge it by; it must not commit the step the first save skipped as unhealthy.
+    model = torch.nn.Linear(4, 4)
+    state = {"model": model}
+    mgr = cg.CheckpointManager(tmp_path / "ck", config=_config())
+    assert mgr.save(1, state) is not None
+    mgr.record_step(2, loss=math.nan)
+    assert mgr.save(2, state) is None
+    assert mgr.save(2, state) is None, "the unhealthy step 2 was committed by a second save"
+    assert "earlier save of step 2 was skipped" in mgr.last_health.describe()
+    assert mgr.committed_steps() == [1]
+    assert mgr.restore(state) == 1  # a rollback: step 2 is replayed on a new trajectory
+    assert mgr.save(2, state) is not None
+    assert mgr.committed_steps() == [1, 2]

@@ -124,6 +124,8 @@ class CheckpointManager:
         self._group = process_group  # a PreemptionGuard agrees over the same ranks
         self._health = _trust.HealthLog()
         self._committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
+        self._unobserved: list[tuple[Any, Any]] = []  # health verdicts a node's publisher has still to record
+        self._skipped: dict[int, str] = {}  # steps a save skipped as unhealthy (on any rank), with the reasons
         self.last_health: _trust.HealthVerdict | None = None
         """The health verdict of the last ``save``/``save_async`` call (``.skip``: it was not committed)."""
         self._staging = _async.AsyncStaging()
@@ -310,6 +312,7 @@ class CheckpointManager:
         log.info("ckptguard: committed step %d at %s", step, path)
         self._record("save", step=step, path=str(path), plan=self.config.proof.as_dict(), world_size=self.world_size)
         self._committed_here.append(step)
+        self._observe_held()
         if self.rank == 0 or self._ctx.node_publisher:  # node-local roots: every node keeps its own record
             self._trust_write("commit", lambda: _trust.committed(
                 self.root, step, self.config.health.verify_after,
@@ -323,7 +326,9 @@ class CheckpointManager:
 
         def local() -> _trust.HealthView:  # a bad argument or a raising check fails the save on every rank
             metrics = {n: _scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
-            return self._health.view(policy, step, healthy, metrics)
+            earlier = self._skipped.get(step)
+            known_bad = [f"an earlier save of step {step} was skipped as unhealthy ({earlier})"] if earlier else None
+            return self._health.view(policy, step, healthy, metrics, known_bad)
 
         view = on_every_rank(self._ctx.agreement, "save.health.local", local)
 
@@ -343,12 +348,14 @@ class CheckpointManager:
             return verdict
 
         verdict = gather_decide(self._ctx.agreement, "save.health", view, decide, decision=_trust.HealthVerdict)
-        if self._ctx.node_publisher and self.rank != 0:
+        if self.rank != 0:
             # Node-local roots: each node's publisher keeps its node's trust record as rank 0 keeps its own,
-            # so prefer="verified" resolves the same step on every node.
+            # so prefer="verified" resolves the same step on every node. Whether this rank publishes a node
+            # is known only after a commit (the first save of a process included): held until then.
             mine, restored = set(self._committed_here), self._restored_step or 0
-            self._trust_write("observe", lambda: _trust.observe(
-                self.root, verdict.healthy, verdict.unhealthy, lambda k: k in mine or k <= restored))
+            self._unobserved.append((verdict, lambda k: k in mine or k <= restored))
+            if self._ctx.node_publisher:  # known from this process's last commit: record it now
+                self._observe_held()
         self.last_health = verdict
         if not verdict.skip:
             return True
@@ -357,11 +364,23 @@ class CheckpointManager:
                   "tracker stays at %s under %s", step, len(verdict.reasons), self.world_size, verdict.describe(),
                   tracker, self.root)
         self._record("skip", step=step, reasons=verdict.reasons)
+        self._skipped[step] = verdict.describe()
         return False
+
+    def _observe_held(self) -> None:
+        """A node's publisher (rank != 0, node-local roots) records the health verdicts rank 0 recorded,
+        in the same order; on a shared root (not a publisher) they are dropped."""
+        held, self._unobserved = self._unobserved, []
+        if self.rank == 0 or not self._ctx.node_publisher:
+            return
+        for verdict, eligible in held:
+            self._trust_write("observe", lambda v=verdict, e=eligible: _trust.observe(
+                self.root, v.healthy, v.unhealthy, e))
 
     def _safe_tracker(self) -> str:
         try:
-            return str(_layout.read_tracker(self.root))
+            tracker = _layout.read_tracker(self.root)
+            return "no step (nothing committed yet)" if tracker is None else str(tracker)
         except CheckpointError as exc:
             return f"? ({exc})"
 
@@ -452,6 +471,11 @@ class CheckpointManager:
             **where,
         )
         self._restored_step = done.step
+        # A restore (a rollback within this process included) starts a new trajectory from done.step: the
+        # commits and skips above it belong to the abandoned one (a preemption save must not take step N
+        # as "committed already", and trust must not promote those steps).
+        self._committed_here = [s for s in self._committed_here if s <= done.step]
+        self._skipped = {s: why for s, why in self._skipped.items() if s <= done.step}
         if self.derived is not None:
             self.derived.mark_restored(done.step)
         return done.step

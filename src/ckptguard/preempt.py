@@ -174,7 +174,11 @@ class PreemptionGuard:
         if not signaled:
             return None
         checked = time.monotonic()
-        self.manager.wait()  # a background save in flight finishes first (its time counts against the budget)
+        try:
+            self.manager.wait()  # a background save in flight finishes first (its time counts against the budget)
+        except CheckpointError as exc:  # raised on every rank alike: that save is lost, this step may still fit
+            log.error("ckptguard: preempted: the pending save_async failed (%s: %s); planning a save of step %d",
+                      type(exc).__name__, exc, step)
         rank, first = max(signaled, key=lambda item: item[1].ago_s or 0.0)
         ago = float(first.ago_s or 0.0)
         what = f"{first.signal} on rank {rank} {ago:.2f} s before the boundary of step {step}"

@@ -177,9 +177,14 @@ class HealthLog:
             for old in healthy[: len(healthy) // 2]:
                 del self._seen[old]
 
-    def view(self, policy: HealthPolicy, step: int, healthy: bool | None, metrics: dict[str, Any]) -> HealthView:
-        """This rank's view of saving ``step``; the recorded steps are handed over (and forgotten)."""
-        why: list[str] = []
+    def view(
+        self, policy: HealthPolicy, step: int, healthy: bool | None, metrics: dict[str, Any],
+        known_bad: list[str] | None = None,
+    ) -> HealthView:
+        """This rank's view of saving ``step``; the recorded steps are handed over (and forgotten).
+        ``known_bad``: why an earlier save of this same step was skipped (it stays skipped: a second
+        ``save`` of the step, a preemption save among them, has no metrics left to judge it by)."""
+        why: list[str] = list(known_bad or [])
         if healthy is not None and not isinstance(healthy, bool):
             raise ConfigError(f"save(step={step}, healthy={healthy!r}): healthy must be True, False or None")
         if healthy is False:

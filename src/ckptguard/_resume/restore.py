@@ -219,7 +219,10 @@ def resolve(
     res: Resolution | None = None
     try:
         res = resolve_local(ctx.root, ctx.naming, mode, path, prefer)
-        newer = _published_newer(ctx, res) if path is None and mode is not ResumeMode.NEVER else []
+        # Only for the tracker's step: under prefer="verified" a node resolving an older verified step
+        # holds newer committed steps by design, which are no sign of a save stopped between trackers.
+        latest = path is None and mode is not ResumeMode.NEVER and prefer is _trust.Prefer.LATEST
+        newer = _published_newer(ctx, res) if latest else []
         view = ResolveView(res.step, str(res.path) if res.path else None, published=newer)
     except Exception as exc:  # any local failure is shipped, so no rank waits for a peer that raised
         view = ResolveView(error=error_payload(exc))
@@ -247,9 +250,14 @@ def _published_newer(ctx: Context, res: Resolution) -> list[int]:
     resume target only when another node's tracker names it (see ``_same_checkpoint``)."""
     if not ctx.root.is_dir():
         return []
+    try:
+        tracker = _layout.read_tracker(ctx.root)
+    except CheckpointError:
+        tracker = None
+    floor = res.step if tracker is None else tracker
     out = []
     for step, step_dir in sorted(_layout.step_dirs(ctx.root, ctx.naming).items()):
-        if step <= res.step:
+        if step <= floor:
             continue
         try:
             manifest = _manifest.read(step_dir)
