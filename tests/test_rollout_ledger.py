@@ -146,6 +146,29 @@ def test_a_stateful_source_is_saved_with_the_ledger_and_resumes_itself():
         cg.RolloutLedger(range(10)).load_state_dict(state)
 
 
+def test_a_data_cursor_is_a_prompt_source_saved_inside_the_ledger():
+    saving = cg.RolloutLedger(cg.DataCursor(10, shuffle=False, rank=0, world_size=1))
+    _mid_run(saving)  # (it names prompts 0-5: an unshuffled order)
+    state = saving.state_dict()
+    assert state["source"]["consumed"] == 6
+    loaded = cg.RolloutLedger(cg.DataCursor(10, shuffle=False, rank=0, world_size=1))
+    loaded.load_state_dict(state)
+    assert [loaded.next_prompt() for _ in range(4)] == [4, 5, 6, 7]
+
+
+def test_work_done_after_a_restore_before_the_first_take_is_kept():
+    # A driver that names its own prompts (issued/completed) before its first take() after a restore:
+    # the resume rule applies first, so the new process's prompts are neither re-issued nor dropped.
+    saving = cg.RolloutLedger(range(10), keep_buffered=False)
+    _mid_run(saving)
+    loaded = cg.RolloutLedger(range(10), keep_buffered=False)
+    loaded.load_state_dict(saving.state_dict())
+    loaded.issued(1000)
+    loaded.completed(1000, "fresh")
+    assert [r.prompt_id for r in loaded.take(4)] == [1000]
+    assert loaded.next_prompt() == 4  # the in-flight prompts of the killed run come back first
+
+
 def test_the_ledger_is_a_state_item_restored_and_digest_checked(tmp_path):
     ledger = cg.RolloutLedger(range(10), max_staleness=3)
     _mid_run(ledger)

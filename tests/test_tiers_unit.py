@@ -124,3 +124,21 @@ def test_fast_saves_before_the_first_persistent_one_leave_durable_proof_records(
                if x]
     assert [(r["event"], r["step"], r.get("tier")) for r in records] == [("save", 1, "fast"), ("step", 1, None)]
     assert (tmp_path / "persistent" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+
+
+def test_a_nan_recorded_at_a_step_keeps_it_out_of_both_tiers_and_prefer_verified_is_refused(tmp_path):
+    import math
+
+    import torch
+
+    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
+                                persistent_every=2)
+    state = {"m": torch.nn.Linear(2, 2)}
+    assert set(tiers.save(1, state)) == {cg.Tier.FAST}
+    tiers.record_step(2, loss=math.nan)  # the proof log is the persistent tier's; the fast tier's check sees it too
+    assert tiers.save(2, state) == {}
+    assert tiers.fast.committed_steps() == [1] and tiers.persistent.committed_steps() == []
+    assert set(tiers.save(4, state, loss=1.0)) == {cg.Tier.FAST, cg.Tier.PERSISTENT}
+    verified = cg.CheckpointConfig(health=cg.HealthPolicy(prefer="verified"))
+    with pytest.raises(cg.ConfigError, match="prefer='verified'"):
+        cg.TieredCheckpoint(fast=tmp_path / "f2", config=verified).restore(dict(state))

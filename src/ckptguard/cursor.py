@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from . import _log
 from .errors import ConfigError
 
 STATE_VERSION = 1
+log = _log.logger()
 
 
 def _count(name: str, value: Any, low: int) -> int:
@@ -75,6 +77,18 @@ class DataCursor:
         self.epoch = 0
         self.consumed = 0
         self._order: tuple[int, list[int]] | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        """One id at a time, for a single consumer (an RL driver's prompt stream, ``RolloutLedger(cursor)``):
+        build it with ``rank=0, world_size=1`` there, or each rank's share is all it yields. Ends with the
+        epoch; iterating again continues with the next one."""
+        if self.exhausted(1):
+            self.epoch, self.consumed = self.epoch + 1, 0
+        epoch = self.epoch
+        while self.epoch == epoch and not self.exhausted(1):
+            ids = self.take(1)
+            if ids:
+                yield ids[0]
 
     # ------------------------------------------------------------ the global order
 
@@ -176,6 +190,17 @@ class CursorSampler(torch.utils.data.Sampler[int]):
     def __init__(self, cursor: DataCursor, batch_size: int) -> None:
         self.cursor = cursor
         self.batch_size = _count("batch_size", batch_size, 1)
+        if cursor.world_size > 1 and not (cursor.drop_last or cursor.pad) and cursor.num_samples % (
+            batch_size * cursor.world_size
+        ):
+            # The default end of an epoch gives some ranks fewer ids, possibly none: a loader with no last
+            # batch on one rank while the others enter one more all-reduce hangs a data-parallel loop.
+            log.warning(
+                "ckptguard: DataCursor(num_samples=%d).sampler(%d) on %d ranks: the last batch of an epoch leaves "
+                "some ranks with fewer ids or none, so their loaders yield a different number of batches; in a "
+                "data-parallel loop (equal collectives per step) use DataCursor(..., pad=True) or drop_last=True",
+                cursor.num_samples, batch_size, cursor.world_size,
+            )
 
     def __iter__(self) -> Iterator[int]:
         c, n = self.cursor, self.batch_size

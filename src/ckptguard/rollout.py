@@ -111,6 +111,7 @@ class RolloutLedger:
         """``prompt_id`` went to generation with the policy of ``policy_version`` (default: the current one)."""
         _check_id(prompt_id, "issued")
         with self._lock:
+            self._resume_if_pending()  # the first use after a restore applies the rule first
             if prompt_id in self._in_flight or prompt_id in self._buffered or prompt_id in self._taken:
                 raise ConfigError(f"issued({prompt_id!r}): the prompt is already in flight or buffered")
             if prompt_id in self._trained:
@@ -128,6 +129,7 @@ class RolloutLedger:
     def completed(self, prompt_id: PromptId, rollout_ref: Any = None) -> None:
         """The rollout of ``prompt_id`` is back and buffered; ``rollout_ref`` finds it again."""
         with self._lock:
+            self._resume_if_pending()  # the first use after a restore applies the rule first
             if prompt_id not in self._in_flight:
                 raise ConfigError(
                     f"completed({prompt_id!r}): the prompt is not in flight (never issued, completed twice, or "
@@ -162,6 +164,7 @@ class RolloutLedger:
         version ``policy_version`` (default: ``step``)."""
         ids = list(prompt_ids)
         with self._lock:
+            self._resume_if_pending()  # the first use after a restore applies the rule first
             unknown = [p for p in ids if p not in self._taken and p not in self._buffered]
             if unknown or len(set(ids)) != len(ids):
                 raise ConfigError(

@@ -126,6 +126,12 @@ class RunCheckpoint:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
             raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
+        if self.config.health.prefer.value != "latest":
+            # RunCheckpoint keeps no trust record yet (no healthy= on its save): refused, never ignored.
+            raise ConfigError(
+                "RunCheckpoint: CheckpointConfig(health=HealthPolicy(prefer='verified')) is not supported for a "
+                "run of several roles (it keeps no trust record); use prefer='latest'"
+            )
         roles = list(roles)
         if not roles or not all(isinstance(r, Role) for r in roles):
             raise ConfigError("RunCheckpoint(roles=...): give a non-empty list of ckptguard.Role(name, ranks=...)")

@@ -37,6 +37,7 @@ import xxhash
 from ._commit import layout as _layout
 from ._commit import manifest as _manifest
 from ._commit import replica as _replica
+from ._commit import trust as _trust
 from ._commit.checks import files_needed
 from ._commit.retention import KeepLast, RetentionPolicy, default_policy
 from ._dist import Wire, gather_decide
@@ -147,7 +148,9 @@ class TieredCheckpoint:
 
     # ------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict[str, Any]) -> dict[Tier, Path]:
+    def save(
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+    ) -> dict[Tier, Path]:
         """Commit ``step`` to the tiers whose interval it is on; returns the committed directories
         (none for a step the health policy skipped on every rank).
 
@@ -161,14 +164,14 @@ class TieredCheckpoint:
             self.persistent.root.mkdir(parents=True)
             _layout.write_tracker(self.persistent.root, 0)
         if step % self.fast_every == 0:
-            fast = self.fast.save(step, state)
+            fast = self.fast.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm)
             if fast is None:  # an unhealthy step (CheckpointConfig.health): skipped on every rank, every tier
                 return out
             out[Tier.FAST] = fast
             if self.replicas:
                 self._push(step)
         if self.persistent is not None and step % self.persistent_every == 0:
-            persistent = self.persistent.save(step, state)
+            persistent = self.persistent.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm)
             if persistent is not None:
                 out[Tier.PERSISTENT] = persistent
         return out
@@ -199,9 +202,16 @@ class TieredCheckpoint:
     # ------------------------------------------------------------ restore
 
     def restore(self, state: dict[str, Any], *, mode: ResumeMode = ResumeMode.AUTO) -> int:
-        """Load the newest step every rank can load from some tier; return it (0: fresh start)."""
+        """Load the newest step every rank can load from some tier; return it (0: fresh start).
+        ``HealthPolicy(prefer="verified")`` is refused here: the tier choice takes the newest step."""
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        if self.fast.config.health.prefer is not _trust.Prefer.LATEST:
+            raise ConfigError(
+                "TieredCheckpoint.restore: CheckpointConfig(health=HealthPolicy(prefer='verified')) is not "
+                "supported across tiers (the choice is the newest step every rank can load); use prefer='latest', "
+                "or restore the persistent tier with a CheckpointManager(..., prefer='verified')"
+            )
         home = self.persistent or self.fast
         if mode is ResumeMode.NEVER:
             return home.restore(state, mode=mode)
@@ -236,6 +246,9 @@ class TieredCheckpoint:
         finally:
             mgr._proof_fields = fields
         self._align_fast(step, Tier(choice.tier))
+        for other in (self.fast, self.persistent):  # both tiers continue the restored trajectory (trust)
+            if other is not None and other is not mgr:
+                other._restored_step = step
         return step
 
     def _view(self) -> _View:
@@ -482,8 +495,15 @@ class TieredCheckpoint:
         return self.persistent or self.fast
 
     def record_step(self, step: int, **fields: Any) -> dict[str, Any]:
-        """``CheckpointManager.record_step`` into the one proof log of both tiers."""
-        return self._home().record_step(step, **fields)
+        """``CheckpointManager.record_step`` into the one proof log of both tiers; both tiers' health
+        checks see it (a NaN recorded at a step keeps that step out of either tier)."""
+        home = self._home()
+        recorded = home.record_step(step, **fields)
+        if self.persistent is not None:
+            metrics: dict[str, Any] = dict(recorded.get("extra", {}))
+            metrics.update({k: recorded[k] for k in ("loss", "grad_norm") if k in recorded})
+            self.fast._health.note(self.fast.config.health, step, metrics)
+        return recorded
 
     def record_export(self, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
         return self._home().record_export(step, payload, scales=scales)
