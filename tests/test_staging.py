@@ -5,7 +5,6 @@ the write, and the background thread's lowered priority. The GPU half is in test
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import threading
@@ -342,37 +341,3 @@ def test_parallel_reads_fill_every_span_bitwise(tmp_path):
     with pytest.raises(cg.ConfigError, match="read_threads"):
         StreamingConfig(read_threads=0)
 
-
-def test_read_ahead_hands_the_next_spans_to_the_kernel_once_and_reads_bitwise(tmp_path, monkeypatch):
-    from ckptguard.storage.base import StorageContext
-    from ckptguard.storage.streaming import StreamingConfig
-
-    ctx = StorageContext(rank=0, world_size=1, process_group=None)
-    g = torch.Generator().manual_seed(1)
-    state = {"a": torch.randn(400, 1000, generator=g), "b": torch.randn(250_000, generator=g)}
-    StreamingStorage().write(tmp_path, state, ctx)
-    advised: list[tuple[int, int]] = []
-    real = os.posix_fadvise
-
-    def spy(fd: int, offset: int, length: int, advice: int) -> None:
-        if advice == os.POSIX_FADV_WILLNEED:
-            advised.append((offset, length))
-        real(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", spy)
-    buffer = 61 * 4096
-    storage = StreamingStorage(StreamingConfig(pool_bytes=6 * buffer, buffer_bytes=buffer, read_threads=2,
-                                               read_ahead_bytes=4 * buffer))
-    got = {k: torch.zeros_like(v) for k, v in state.items()}
-    storage.read(tmp_path, got, ctx)
-    assert all(torch.equal(got[k], v) for k, v in state.items())
-    assert len(advised) > 2 and advised[0][1] >= 4 * buffer, advised  # the first hint reaches past 4 buffers
-    ends = [o + n for o, n in advised]
-    assert all(b > a for a, b in itertools.pairwise(ends)), advised  # each later hint only extends the range
-    assert all(o >= e for (o, _n), e in zip(advised[1:], ends, strict=False)), advised  # no byte advised twice
-    assert max(ends) >= (400 * 1000 + 250_000) * 4, advised
-    advised.clear()
-    StreamingStorage(StreamingConfig(pool_bytes=6 * buffer, buffer_bytes=buffer)).read(tmp_path, got, ctx)
-    assert advised == []  # off by default
-    with pytest.raises(cg.ConfigError, match="read_ahead_bytes"):
-        StreamingConfig(read_ahead_bytes=-1)

@@ -84,13 +84,9 @@ def file_blocks(
 class ItemReader:
     """Reads one rank's share of a DCP checkpoint into the planner's tensors."""
 
-    def __init__(
-        self, pool: BufferPool, stats: IOStats, *, drop_cache: bool, threads: int = 1, read_ahead: int = 0
-    ) -> None:
+    def __init__(self, pool: BufferPool, stats: IOStats, *, drop_cache: bool, threads: int = 1) -> None:
         self._pool, self._stats, self._drop = pool, stats, drop_cache
         self._threads = max(1, threads)
-        self._ahead = read_ahead if hasattr(os, "posix_fadvise") else 0
-        self._advised: dict[int, int] = {}  # per fd: the end of the range already handed to WILLNEED
         self._lock = threading.Lock()
         self._stream: Any = None
         self._error: BaseException | None = None
@@ -280,25 +276,11 @@ class ItemReader:
             if got is not None:
                 self._pool.put(got[1])
 
-    def _advise(self, job: _Job) -> None:
-        """Queue the kernel's read of the file up to ``read_ahead`` bytes past this span (asynchronous): a pread
-        at a time left the disk idle between requests. Only a hint; the pread reads whatever it misses."""
-        if not self._ahead:
-            return
-        with self._lock:
-            start = max(self._advised.get(job.fd, 0), job.file_pos)
-            end = job.file_pos + job.nbytes + self._ahead
-            if end <= start:
-                return
-            self._advised[job.fd] = end
-        os.posix_fadvise(job.fd, start, end - start, os.POSIX_FADV_WILLNEED)
-
     def _prefetch(self, jobs: list[_Job], ready: queue.Queue[tuple[_Job, Any] | None]) -> None:
         try:
             for job in jobs:
                 if self._cancel.is_set():
                     break
-                self._advise(job)
                 buf = self._pool.get(f"reading {job.path} at offset {job.file_pos}")
                 t0 = time.perf_counter()
                 try:

@@ -80,10 +80,6 @@ class StreamingConfig:
     """Threads that pread a load's spans at once, each into its own pool buffer (at most buffer_count - 1 run,
     so one buffer is always free for the copy to the target). 1 (one request at a time) reads the H200
     machine's local disk as fast as 2 did (4.20 s vs 4.17 s for 6.2 GiB); more can help a network filesystem."""
-    read_ahead_bytes: int = 0
-    """A load asks the kernel (posix_fadvise WILLNEED) to start reading this many bytes past the span being
-    read, so the disk has requests queued while a thread copies or waits; 0: only the kernel's own readahead.
-    The page cache it fills is dropped with the rest (drop_page_cache)."""
     stall_timeout_s: float = 600.0
     """Longest wait for a free buffer or an I/O thread before raising StorageStallError (a TimeoutError)."""
 
@@ -103,8 +99,6 @@ class StreamingConfig:
             )
         if not _is_int(self.read_threads) or self.read_threads < 1:
             raise ConfigError(f"StreamingConfig.read_threads must be an int >= 1, got {self.read_threads!r}")
-        if not _is_int(self.read_ahead_bytes) or self.read_ahead_bytes < 0:
-            raise ConfigError(f"StreamingConfig.read_ahead_bytes must be an int >= 0, got {self.read_ahead_bytes!r}")
         for name in ("pin_memory", "drop_page_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"StreamingConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -291,8 +285,7 @@ class _StreamingReader(FileSystemReader):
         with self._storage.pool(pin=self._pin) as pool:
             self._stats.pool_bytes = pool.allocated_bytes
             cfg = self._storage.config
-            reader = ItemReader(pool, self._stats, drop_cache=cfg.drop_page_cache, threads=cfg.read_threads,
-                                read_ahead=cfg.read_ahead_bytes)
+            reader = ItemReader(pool, self._stats, drop_cache=cfg.drop_page_cache, threads=cfg.read_threads)
             reader.read(Path(self.path), plan.items, self.storage_data, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
