@@ -410,7 +410,9 @@ def _plan(
 class Restored:
     step: int
     format_version: int
-    digests_match: dict[str, bool]  # per rank; resharded: the extras items against their source rank
+    # per rank (tensor items on the same layout: their skeleton; their tensors are in layout_free_match);
+    # resharded: the extras items against their source rank
+    digests_match: dict[str, bool]
     layout_free_match: dict[str, bool] = field(default_factory=dict)  # tensor items, any layout
     source_rank: int = 0  # whose extras (and RNG) this rank took
     saved_world_size: int = 0
