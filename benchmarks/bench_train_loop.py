@@ -504,16 +504,23 @@ def restore(method: Method, a: argparse.Namespace, device: torch.device, referen
     if device.type == "cuda":
         torch.cuda.synchronize()
     restore_s = time.perf_counter() - t
-    if isinstance(method, CgMethod) and method.mode == "sync" and a.read_threads != 1:
-        # The same restore with one read thread: what the parallel reads are worth on this disk.
+    if isinstance(method, CgMethod):
+        # What the restore spends outside the read (precheck, plan, apply, verification).
+        extra["restore_outside_read_s"] = round(restore_s - float(extra["read"].get("seconds", 0.0)), 3)
+    for setting in (a.alt_read.split(",") if isinstance(method, CgMethod) and method.mode == "sync" else []):
+        # The same restore with other read settings (threads:buffer MiB:pool MiB): what they are worth on this disk.
+        alt = [int(x) for x in setting.split(":")]
         if rank() == 0:
             drop_cache(method.last_dir)
         barrier()
         t = time.perf_counter()
-        extra["read_1thread"] = cg_restore(method.root, fresh, 1)
+        got_alt = {"setting": setting, **cg_restore(method.root, fresh, *alt[:3])}
         if device.type == "cuda":
             torch.cuda.synchronize()
-        extra["restore_1thread_s"] = round(time.perf_counter() - t, 3)
+        got_alt["restore_s"] = round(time.perf_counter() - t, 3)
+        if nbytes:
+            got_alt["restore_vs_cold_read"] = round(nbytes / GiB / got_alt["restore_s"] / disk["cold_read_gib_s"], 3)
+        extra.setdefault("read_alt", []).append(got_alt)
     got = fresh.tensors()
     exact = reference is not None and set(got) == set(reference) and all(
         torch.equal(got[k], reference[k]) for k in reference
@@ -529,11 +536,12 @@ def restore(method: Method, a: argparse.Namespace, device: torch.device, referen
     return out
 
 
-def cg_restore(root: Path, job: Job, threads: int) -> dict[str, Any]:
+def cg_restore(root: Path, job: Job, threads: int, buffer_mib: int = 0, pool_mib: int = 0) -> dict[str, Any]:
     """Restore through a new manager (as a new process would: no cache of the saving one); the read's figures."""
     from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
 
-    storage = StreamingStorage(StreamingConfig(read_threads=threads))
+    sizes = {"buffer_bytes": buffer_mib << 20, "pool_bytes": pool_mib << 20} if buffer_mib and pool_mib else {}
+    storage = StreamingStorage(StreamingConfig(read_threads=threads, **sizes))
     cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None), storage=storage).restore(job.state())
     stats = storage.last_stats
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(stats).items()} if stats else {}
@@ -612,6 +620,9 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=3, help="saves per method")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--read-threads", type=int, default=2, help="StreamingConfig.read_threads of ckptguard's restores")
+    ap.add_argument("--alt-read", default="1:32:256",
+                    help="cg_sync also restores with each of these read settings, comma-separated "
+                    "threads:buffer MiB:pool MiB ('': none)")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes: correctness only")
     a = ap.parse_args()
     if a.tiny:

@@ -67,3 +67,40 @@ def test_gpu_layout_free_digest_equals_cpu_and_record_step_hashes_on_the_gpu(tmp
     mgr = cg.CheckpointManager(tmp_path / "ck")
     batch = torch.randint(0, 50000, (64, 2048), device="cuda")
     assert mgr.record_step(1, batch=batch)["batch"] == mgr.record_step(1, batch=batch.cpu())["batch"]
+
+
+def test_restore_of_gpu_state_verifies_on_the_device_and_a_flipped_byte_names_the_file(tmp_path, monkeypatch):
+    """Same layout: GPU tensor items are checked by the layout-free pass on the device, with no
+    D2H copy of every byte for an xxh3 pass (issue 19), and a changed byte is still caught."""
+    from ckptguard._resume import digest as d
+
+    torch.manual_seed(3)
+    model = torch.nn.Linear(512, 512).cuda()
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 512, device="cuda")).sum().backward()
+    optim.step()
+    root = tmp_path / "ck"
+    cg.CheckpointManager(root).save(1, {"model": model, "optim": optim})
+    staged: list[int] = []
+    real = d._update_from_cuda
+    monkeypatch.setattr(d, "_update_from_cuda", lambda h, flat: (staged.append(flat.numel()), real(h, flat))[1])
+
+    def fresh() -> dict:
+        m = torch.nn.Linear(512, 512).cuda()
+        return {"model": m, "optim": torch.optim.AdamW(m.parameters())}
+
+    again = fresh()
+    assert cg.CheckpointManager(root).restore(again) == 1
+    assert staged == [], staged  # no GPU tensor went through the pinned-chunk xxh3 pass
+    assert torch.equal(again["model"].weight, model.weight)
+    moment = again["optim"].state_dict()["state"][0]["exp_avg_sq"]
+    assert torch.equal(moment, optim.state_dict()["state"][0]["exp_avg_sq"])
+    state_dir = root / "step_00000001" / "state"
+    info = max(cg.read_dcp_metadata(state_dir).storage_data.values(), key=lambda i: i.length)
+    shard = state_dir / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(cg.StateMismatchError) as caught:
+        cg.CheckpointManager(root).restore(fresh())
+    assert shard.name in str(caught.value) and "layout-free digests differ" in str(caught.value), str(caught.value)

@@ -178,16 +178,21 @@ def test_cold_start_and_unexecuted_gates_are_not_run(tmp_path):
     assert _gates(tmp_path / "nolog")["first old-logprob aligned"] is Status.NOT_RUN
 
 
-def test_real_tampered_manifest_digest_is_recorded_and_fails(tmp_path):
+@pytest.mark.parametrize("item", ["optim", "sched"])
+def test_real_tampered_manifest_digest_is_recorded_and_fails(tmp_path, item):
     job = build_job()
     train_step(job)
     mgr = cg.CheckpointManager(tmp_path / "ck")
     mgr.save(1, job.state())
     manifest = tmp_path / "ck/step_00000001/manifest.json"
     data = json.loads(manifest.read_text())
-    data["digests"]["0"]["optim"] = "0" * 16
+    if item == "optim":  # a tensor item: the restore compares its layout-free digests (issue 19)
+        key = sorted(data["layout_free"]["optim"])[0]
+        data["layout_free"]["optim"][key] = "0" * 16
+    else:  # a stateful object: its per-rank digest
+        data["digests"]["0"]["sched"] = "0" * 16
     manifest.write_text(json.dumps(data))
-    with pytest.raises(cg.StateMismatchError, match="'optim'"):
+    with pytest.raises(cg.StateMismatchError, match=f"'{item}'"):
         mgr.restore(build_job().state())
     assert _gates(tmp_path / "ck")["digests equal, item by item"] is Status.FAIL
     # the restore raised: shown as a failure naming the error, never as a confirmed step

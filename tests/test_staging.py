@@ -361,3 +361,4 @@ def test_parallel_reads_fill_every_span_bitwise(tmp_path):
     assert storage.last_stats.pool_bytes == 6 * 61 * 4096 and storage.last_stats.bytes >= big.numel() * 8
     with pytest.raises(cg.ConfigError, match="read_threads"):
         StreamingConfig(read_threads=0)
+

@@ -109,7 +109,9 @@ class CheckpointConfig:
     restore_rng: bool = True
     """Put the saved RNG streams back on restore (off only to show what breaks without it)."""
     verify_restored: bool = True
-    """After restore, recompute every item's digest and raise if it differs from the save's."""
+    """After restore, compare every item with the save and raise if it differs: tensor items by their
+    layout-free digest (on the device for GPU tensors) and, on the same layout, their structure and
+    non-tensor values; other items by their per-rank digest."""
     contract: RunContract | None = None
     """The run contract compared on save and restore; None means an empty contract."""
     layout: ParallelLayout | None = None

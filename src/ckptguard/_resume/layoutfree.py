@@ -107,8 +107,12 @@ def verify(
     on_verified: Callable[..., None] | None = None,
     *,
     expected: dict[str, str] | None = None,
+    explain: Callable[[], list[str]] | None = None,
 ) -> Checked:
-    """Collective: compare, record through ``on_verified``, and raise on every rank if anything differs."""
+    """Collective: compare, record through ``on_verified``, and raise on every rank if anything differs.
+
+    ``explain`` (same layout): what the files say when a tensor item differs, e.g. which data file
+    changed on disk since the save; called only then, as it hashes the files."""
     resharded = manifest.world_size != ctx.world
     items, problems = _extras_items(ctx, state, manifest, targets, extras, source, expected) if resharded else ({}, [])
     saved = manifest.layout_free  # None: a manifest written before layout-free digests
@@ -132,6 +136,8 @@ def verify(
     if bad or others:
         how = f"onto {ctx.world} ranks from {manifest.world_size}" if resharded else "on the same layout"
         parts = ([f"the layout-free digests differ from the save's ({', '.join(bad)})"] if bad else []) + others
+        if bad and explain is not None:
+            parts += explain()
         raise StateMismatchError(
             f"restore of step {manifest.step} {how}: {' | '.join(parts)}. The bytes now in the model and "
             "optimizer are not the bytes that were saved: do not train on. Run `ckptguard verify --deep` on "

@@ -45,6 +45,7 @@ from . import layoutfree as _layoutfree
 from . import reshard as _reshard
 from . import rng as _rng
 from . import state as _state
+from .digest import digest
 
 log = logging.getLogger("ckptguard")
 
@@ -460,7 +461,9 @@ def _plan(
 class Restored:
     step: int
     format_version: int
-    digests_match: dict[str, bool]  # per rank; resharded: the extras items against their source rank
+    # per rank (tensor items on the same layout: their skeleton; their tensors are in layout_free_match);
+    # resharded: the extras items against their source rank
+    digests_match: dict[str, bool]
     layout_free_match: dict[str, bool] = field(default_factory=dict)  # tensor items, any layout
     source_rank: int = 0  # whose extras (and RNG) this rank took
     saved_world_size: int = 0
@@ -591,7 +594,11 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
         # Any layout: tensor items through the layout-free digest; resharded: extras against their source
         # rank, or (BY_ITEM) against what their rule gives.
         expected = plan.expected if plan is not None else None
-        checked = _layoutfree.verify(ctx, state, manifest, targets, extras, source, on_verified, expected=expected)
+        same = manifest.world_size == ctx.world
+        checked = _layoutfree.verify(
+            ctx, state, manifest, targets, extras, source, on_verified, expected=expected,
+            explain=(lambda: _changed_files(manifest, ctx.rank)) if same else None,
+        )
         matches.update(checked.items)
         layout_free = checked.layout_free
         _release_host_cache()  # digests of GPU tensors staged through pinned chunks
@@ -627,7 +634,20 @@ def _verify_digests(
     saved = manifest.digests.get(str(ctx.rank), {})
     problems = []
     matches: dict[str, bool] = {}
+    by_layout_free = _layout_free_items(ctx, manifest, targets, extras)
     for name, (kind, _sd, _live) in targets.items():
+        if name in by_layout_free:
+            # Its tensors are compared by the layout-free pass that follows (on the GPU for GPU tensors);
+            # here everything else: the structure, the keys and every non-tensor leaf, against the
+            # extras file whose xxh3 matched the manifest.
+            matches[name] = _skeleton_digest(ctx, name, kind, state) == digest(extras["items"][name])
+            if not matches[name]:
+                problems.append(
+                    f"state item {name!r} ({kind.value}) differs after restore from what was saved (its structure "
+                    "or a non-tensor value such as a hyperparameter). Do not train on: fix the object's "
+                    "load_state_dict, or restore into an object built with the saved configuration."
+                )
+            continue
         try:
             _state.check_restored(name, kind, state[name], state, saved.get(name, ""))
             matches[name] = True
@@ -635,8 +655,6 @@ def _verify_digests(
             problems.append(str(exc))
             matches[name] = False
     if extras.get("rng") is not None and RNG_ITEM in saved:
-        from .digest import digest
-
         matches["rng"] = digest(_rng.capture()) == saved[RNG_ITEM]
         # With restore_rng off the streams differ by choice: recorded for the proof, not raised.
         if not matches["rng"] and ctx.config.restore_rng:
@@ -656,6 +674,47 @@ def _verify_digests(
 
     gather_decide(ctx.agreement, "restore.verify", Problems(problems), decide, decision=Agreed)
     return matches
+
+
+_TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemKind.TENSORS)
+
+
+def _layout_free_items(
+    ctx: Context, manifest: _manifest.Manifest, targets: dict[str, Any], extras: dict[str, Any]
+) -> set[str]:
+    """Tensor items whose per-rank xxh3 pass the restore may skip (same layout only).
+
+    The xxh3 digest of an item hashes every tensor byte again after the read, through a D2H
+    copy for GPU tensors: on a 6 GiB state a second of restore. The layout-free pass that runs
+    anyway covers each tensor's dtype, global shape and bytes by DCP key (a missing or extra key
+    differs too); what it does not cover, the skeleton (structure and non-tensor leaves), came
+    from this rank's extras file. So an item qualifies when the save recorded its layout-free
+    digests and that extras file's size and xxh3 still match the manifest (a changed
+    hyperparameter in the file would otherwise be applied and compared with itself). Otherwise
+    the full xxh3 digest is compared, as before."""
+    lf = manifest.layout_free
+    if not lf:
+        return set()
+    from .._commit.checks import safe_member
+    from .digest import file_digest
+
+    rel = _layout.extras_name(_source_rank(ctx, manifest))
+    entry = next((f for f in manifest.files if f.get("path") == rel), None)
+    path = safe_member(manifest.path.parent, rel)
+    if entry is None or path is None or not path.is_file():
+        return set()
+    if file_digest(str(path)) != (entry.get("size"), entry.get("xxh3")):
+        return set()  # the full digests below then say which items differ
+    return {
+        name for name, (kind, _sd, _flat) in targets.items()
+        if kind in _TENSOR_KINDS and name in lf and name in extras.get("items", {})
+    }
+
+
+def _skeleton_digest(ctx: Context, name: str, kind: _state.ItemKind, state: dict[str, Any]) -> str:
+    """The item as it is now with each tensor replaced by its DCP key, as the save's skeleton holds it."""
+    skeleton = _state._flatten(_state.current_state(name, state[name], kind, state), name, {}, ctx.keyfn())
+    return digest(skeleton)
 
 
 def _changed_files(manifest: _manifest.Manifest, rank: int) -> list[str]:

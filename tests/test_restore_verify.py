@@ -1,0 +1,109 @@
+"""How a same-layout restore verifies tensor items (issue 19, item 5): by the layout-free pass
+alone, with no second xxh3 pass over every tensor byte, yet a changed byte, key or
+hyperparameter is still caught and named."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+import ckptguard as cg
+from ckptguard._resume import state as _state
+from ckptguard._resume.prooflog import read_records
+
+
+def _job(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The items the restore verifies through their full per-rank xxh3 digest."""
+    seen: list[str] = []
+    real = _state.check_restored
+
+    def spy(name, kind, value, state, saved):  # type: ignore[no-untyped-def]
+        seen.append(name)
+        return real(name, kind, value, state, saved)
+
+    monkeypatch.setattr(_state, "check_restored", spy)
+    return seen
+
+
+def test_tensor_items_are_verified_without_a_second_xxh3_pass(tmp_path, monkeypatch):
+    model, optim = _job()
+    cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim, "cursor": {"at": 3}})
+    hashed = _hashed(monkeypatch)
+    fresh, fresh_optim = _job(seed=1)
+    assert cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim, "cursor": {"at": 0}}) == 1
+    assert hashed == ["cursor"]  # model and optim: skeleton here, tensors by the layout-free pass
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
+    record = [r for r in read_records(tmp_path)[0] if r["event"] == "restore"][-1]
+    assert record["digests_match"] == {"model": True, "optim": True, "cursor": True, "rng": True}, record
+    assert record["layout_free_match"] == {"model": True, "optim": True}, record
+
+
+def test_a_flipped_tensor_byte_is_caught_by_the_layout_free_pass_and_names_the_file(tmp_path, monkeypatch):
+    model, optim = _job()
+    cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim})
+    state_dir = tmp_path / "step_00000001" / "state"
+    infos = [i for k, i in cg.read_dcp_metadata(state_dir).storage_data.items() if k.fqn.startswith("optim.")]
+    info = max(infos, key=lambda i: i.length)
+    shard = state_dir / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x10  # inside an optimizer moment's bytes
+    shard.write_bytes(bytes(data))
+    hashed = _hashed(monkeypatch)
+    fresh, fresh_optim = _job(seed=1)
+    with pytest.raises(cg.StateMismatchError) as caught:
+        cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim})
+    message = str(caught.value)
+    assert hashed == [], hashed  # caught without the xxh3 pass
+    assert "layout-free digests differ" in message and "'optim'" in message, message
+    assert shard.name in message and "changed on disk" in message and "verify --deep" in message, message
+
+
+class _ForgetfulAdamW(torch.optim.AdamW):
+    """Loads the tensors but keeps its own learning rate: a load_state_dict bug ckptguard must catch."""
+
+    def load_state_dict(self, state_dict):  # type: ignore[no-untyped-def]
+        lrs = [g["lr"] for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for g, lr in zip(self.param_groups, lrs, strict=True):
+            g["lr"] = lr
+
+
+def test_a_hyperparameter_the_load_did_not_reproduce_is_caught(tmp_path, monkeypatch):
+    model, optim = _job()
+    cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim})
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+    fresh_optim = _ForgetfulAdamW(fresh.parameters(), lr=5e-2)
+    hashed = _hashed(monkeypatch)
+    with pytest.raises(cg.StateMismatchError, match=r"'optim'.*differs after restore.*non-tensor value"):
+        cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim})
+    assert hashed == []
+
+
+def test_a_changed_extras_file_falls_back_to_the_full_digests(tmp_path, monkeypatch):
+    """A hyperparameter changed in the extras file would be applied and then equal itself in the
+    skeleton check: the file's xxh3 against the manifest sends every item to the full digest."""
+    model, optim = _job()
+    cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim})
+    extras_path = tmp_path / "step_00000001" / "rank_00000.pt"
+    data = extras_path.read_bytes()
+    lr = b"G" + struct.pack(">d", 1e-3)  # pickle's BINFLOAT of the learning rate
+    assert data.count(lr) == 1
+    extras_path.write_bytes(data.replace(lr, b"G" + struct.pack(">d", 2e-3)))  # same size, still loads
+    assert torch.load(extras_path, weights_only=True)["items"]["optim"]["param_groups"][0]["lr"] == 2e-3
+    hashed = _hashed(monkeypatch)
+    fresh, fresh_optim = _job(seed=1)
+    with pytest.raises(cg.StateMismatchError, match=r"'optim'.*differs after restore"):
+        cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim})
+    assert sorted(hashed) == ["model", "optim"]
