@@ -238,6 +238,7 @@ class CheckpointManager:
         log.info("ckptguard: committed step %d at %s", step, path)
         self._record("save", step=step, path=str(path), plan=self.config.proof.as_dict(), world_size=self.world_size)
         self._rotate(step)
+        self._proof.prune(self._ctx.naming)  # proof records no retained checkpoint's proof reads again
         return path
 
     @staticmethod
