@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -58,6 +59,15 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all cores since boot (Linux), to say how busy the machine was."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + fields[4], sum(fields[:8])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=1024)
@@ -67,6 +77,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="layout-free pool threads (default: up to 4)")
     ap.add_argument("--fused-chunk-mib", type=int, default=None, help="bytes per pool task in the save's pass")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     a = ap.parse_args()
     state = build(a.dim, a.layers, a.device)
     items = capture(state)
@@ -78,11 +89,13 @@ def main() -> None:
     if a.fused_chunk_mib is not None:
         digest_mod._FUSED_CHUNK = a.fused_chunk_mib << 20
     today, free, both = [], [], []
+    before = cpu_times()
     for _ in range(a.reps + 1):  # the first repetition warms up and is dropped
         today.append(timed(lambda: {n: c.digest() for n, c in items.items()}))
         free.append(timed(lambda: combine_layout_free([layout_free_partials(tensors)])))
         both.append(timed(lambda: digests_and_layout_free(items)))
     today, free, both = today[1:], free[1:], both[1:]
+    after = cpu_times()
     result = {
         "what": "per-item digest pass of a save: today's xxh3 digests vs the layout-free digest, same tensors",
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
@@ -102,6 +115,12 @@ def main() -> None:
         "today_s": today,
         "layout_free_s": free,
         "save_pass_s": both,
+        "ratio_layout_free_to_today_best": min(free) / min(today),
+        "ratio_save_pass_to_today_best": min(both) / min(today),
+        # idle share of all cores during the run, this process's own work included: a shared machine
+        # that was busy elsewhere gives ratios that say little about the passes
+        "machine_idle_pct": (100 * (after[0] - before[0]) / max(1, after[1] - before[1])) if before and after else None,
+        "cores": os.cpu_count(),
         "today_gb_per_s": nbytes / statistics.median(today) / 1e9,
         "layout_free_gb_per_s": nbytes / statistics.median(free) / 1e9,
     }
@@ -114,6 +133,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     tag = "" if a.threads is None else f"_t{a.threads}"
     tag += "" if a.fused_chunk_mib is None else f"_c{a.fused_chunk_mib}"
+    tag += a.tag
     name = f"layout_digest_{'cpu' if a.device == 'cpu' else 'gpu'}{tag}.json"
     (a.out / name).write_text(json.dumps(result, indent=1) + "\n")
 
