@@ -49,13 +49,17 @@ def build(dim: int, layers: int, device: str) -> dict:
     return {"model": model, "optim": optim}
 
 
+CPU_S: list[float] = []  # the process's CPU seconds (all threads) of each timed call, in call order
+
+
 def timed(fn) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t = time.perf_counter()
+    c, t = time.process_time(), time.perf_counter()
     fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    CPU_S.append(time.process_time() - c)
     return time.perf_counter() - t
 
 
@@ -95,6 +99,7 @@ def main() -> None:
         free.append(timed(lambda: combine_layout_free([layout_free_partials(tensors)])))
         both.append(timed(lambda: digests_and_layout_free(items)))
     today, free, both = today[1:], free[1:], both[1:]
+    cpu_today, cpu_free, cpu_both = CPU_S[3::3], CPU_S[4::3], CPU_S[5::3]
     after = cpu_times()
     result = {
         "what": "per-item digest pass of a save: today's xxh3 digests vs the layout-free digest, same tensors",
@@ -116,6 +121,9 @@ def main() -> None:
         "layout_free_s": free,
         "save_pass_s": both,
         "ratio_layout_free_to_today_best": min(free) / min(today),
+        # CPU seconds of all threads: the work, which a busy machine changes less than the wall time
+        "cpu_s_median": {"today": statistics.median(cpu_today), "layout_free": statistics.median(cpu_free),
+                         "save_pass": statistics.median(cpu_both)},
         "ratio_save_pass_to_today_best": min(both) / min(today),
         # idle share of all cores during the run, this process's own work included: a shared machine
         # that was busy elsewhere gives ratios that say little about the passes
