@@ -63,13 +63,16 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(idle, total) jiffies of all cores since boot (Linux), to say how busy the machine was."""
+def cpu_times() -> tuple[float, float] | None:
+    """(seconds all cores were busy with other processes, seconds of all cores) since boot (Linux):
+    how much of the machine others took while this benchmark ran."""
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
         return None
-    return fields[3] + fields[4], sum(fields[:8])
+    tick = os.sysconf("SC_CLK_TCK")
+    own = sum(os.times()[:2])  # this process's user + system seconds, all threads
+    return (sum(fields[:8]) - fields[3] - fields[4]) / tick - own, sum(fields[:8]) / tick
 
 
 def main() -> None:
@@ -125,9 +128,9 @@ def main() -> None:
         "cpu_s_median": {"today": statistics.median(cpu_today), "layout_free": statistics.median(cpu_free),
                          "save_pass": statistics.median(cpu_both)},
         "ratio_save_pass_to_today_best": min(both) / min(today),
-        # idle share of all cores during the run, this process's own work included: a shared machine
-        # that was busy elsewhere gives ratios that say little about the passes
-        "machine_idle_pct": (100 * (after[0] - before[0]) / max(1, after[1] - before[1])) if before and after else None,
+        # the share of all cores other processes took during the run: on a shared machine that was
+        # busy elsewhere the ratios say little about the passes (the 2-thread passes lose most)
+        "others_busy_pct": 100 * (after[0] - before[0]) / max(1e-9, after[1] - before[1]) if before and after else None,
         "cores": os.cpu_count(),
         "today_gb_per_s": nbytes / statistics.median(today) / 1e9,
         "layout_free_gb_per_s": nbytes / statistics.median(free) / 1e9,
