@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -44,6 +45,9 @@ class ProofLog:
         self.dropped = 0
         self._tail_checked = False
         self._pruned_to = 0  # the file's size after the last prune: the next waits until it doubled
+        # A save_async commits (and prunes) in a background thread while training appends step
+        # records: a record appended between the prune's read and its rename would be lost.
+        self._lock = threading.Lock()
 
     def build(self, event: str, **fields: Any) -> dict[str, Any]:
         return {
@@ -68,6 +72,10 @@ class ProofLog:
     def write(self, record: dict[str, Any], *, durable: bool = True) -> None:
         """Append the held records and ``record``. ``durable`` fsyncs (saves, restores); a step
         record is only written, which a SIGKILL of the process does not lose (a node crash may)."""
+        with self._lock:
+            self._write(record, durable)
+
+    def _write(self, record: dict[str, Any], durable: bool) -> None:
         refuse_link(self.path.parent, "proof directory")  # appending through a link writes outside the root
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lines = [json.dumps(r, sort_keys=True) + "\n" for r in (*self._held, record)]
@@ -98,6 +106,10 @@ class ProofLog:
         """Rewrite this rank's file without the records no proof can read again (``prunable``);
         returns how many lines were dropped. Called after a save, by the process that appends to
         the file (no other writer). A failure is logged, never raised: the records stay whole."""
+        with self._lock:
+            return self._prune(naming)
+
+    def _prune(self, naming: StepNaming) -> int:
         try:
             size = self.path.stat().st_size if self.path.is_file() else 0
             if not size or size < max(self.PRUNE_BYTES, self.PRUNE_GROWTH * self._pruned_to):
