@@ -7,9 +7,15 @@ interleaved repetitions, medians and their ratios to today's:
 
 - today's: ``Captured.digest()`` of every item (xxh3 of every tensor, single-threaded), what
   the commit computed for the manifest before;
-- the layout-free pass alone (``layout_free_partials``): what a restore adds to compare;
+- the layout-free pass alone (``layout_free_partials``): what a restore adds to compare; the
+  caller and a pool of up to 4 threads (``--threads``, cores - 1 by default) sum its pieces;
 - the save's pass now (``digests_and_layout_free``): both digests, xxh3 in the caller's thread
-  while a pool of up to 4 threads (``--threads``) sums the same bytes layout-free.
+  while the pool sums the same bytes layout-free one chunk ahead, the caller summing what the
+  pool has not reached of the chunks it has hashed.
+
+Besides the wall times: the CPU seconds of each pass (all threads) and the share of the cores
+other processes took during the run; on a shared machine only runs with that share near 0
+measure the passes.
 
 ``--device cuda`` puts the state on the GPU: today's digest then stages through pinned chunks,
 the layout-free sums run on the device, and the script checks that the GPU gives the same

@@ -238,7 +238,8 @@ class _Shared:
     otherwise wait for pieces forever."""
 
     def __init__(self) -> None:
-        self._items: collections.deque[tuple[str, np.ndarray, int]] = collections.deque()
+        self._items: collections.deque[tuple[str, np.ndarray, int, int]] = collections.deque()
+        self.batch = 0  # what ``put`` tags its pieces with (the save's pass: the chunk's number)
         self._cv = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
@@ -267,11 +268,11 @@ class _Shared:
                 at += _PIECE_WORDS
             cuts.append(m)
         with self._cv:
-            self._items.extend((key, words[a:b], j0 + a) for a, b in itertools.pairwise(cuts))
+            self._items.extend((key, words[a:b], j0 + a, self.batch) for a, b in itertools.pairwise(cuts))
             self._cv.notify(len(cuts) - 1)
 
-    def _run(self, entry: tuple[str, np.ndarray, int]) -> None:
-        key, words, j0 = entry
+    def _run(self, entry: tuple[str, np.ndarray, int, int]) -> None:
+        key, words, j0, _ = entry
         self.add(key, _words_sum_serial(words, j0))
 
     def _work(self) -> None:
@@ -297,6 +298,15 @@ class _Shared:
                 if len(self._items) <= keep or self._error is not None:
                     return
                 entry = self._items.pop()
+            self._run(entry)
+
+    def help_through(self, batch: int) -> None:
+        """Sum in this thread the oldest pieces tagged ``batch`` or earlier that the pool has not taken."""
+        while True:
+            with self._cv:
+                if not self._items or self._items[0][3] > batch or self._error is not None:
+                    return
+                entry = self._items.popleft()
             self._run(entry)
 
     def close(self) -> None:
@@ -576,7 +586,6 @@ def digest_with_layout_free(obj: Any, keys: Mapping[str, torch.Tensor], item: st
     for key, t in keys.items():
         pending.setdefault(id(t), []).append(key)
     partials: dict[str, list[str]] = {}
-    backlog = max(_THREADS, _FUSED_CHUNK // (8 * _PIECE_WORDS))  # one chunk's pieces stay for the pool
 
     with _Shared() as shared:
 
@@ -596,8 +605,11 @@ def digest_with_layout_free(obj: Any, keys: Mapping[str, torch.Tensor], item: st
             base = _run_start(offset, gshape) * local.element_size()
 
             def feed(chunk: torch.Tensor, at: int) -> None:
+                # xxh3 has read every chunk fed two calls ago (the feed runs a chunk ahead): what
+                # the pool has not summed of those, this thread sums while it is still in its cache
+                shared.help_through(shared.batch - 1)
+                shared.batch += 1
                 shared.add(cid, _bytes_sum(chunk, base + at, into=(shared, cid)))
-                shared.help(backlog)
 
             return feed
 
