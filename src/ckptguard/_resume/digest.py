@@ -578,10 +578,10 @@ def digest_with_layout_free(obj: Any, keys: Mapping[str, torch.Tensor], item: st
     """``digest(obj)`` and, in the same pass over memory, the layout-free partials of its tensors.
 
     ``keys`` are the DCP keys of the tensors inside ``obj`` (by identity). The bytes of a CPU
-    tensor are queued chunk by chunk right after xxh3 read them in this thread; the pool sums
-    them while this thread hashes the next chunk, and this thread sums what the pool has not
-    reached (on 2 cores xxh3 alone is faster than one core's layout-free sum). Any other tensor
-    is summed on its own (on a GPU, on the device)."""
+    tensor are queued chunk by chunk one chunk ahead of xxh3 in this thread; the pool sums them,
+    and this thread sums what the pool has not reached of the chunks it has hashed (one core's
+    layout-free sum is slower than xxh3). Any other tensor is summed on its own (on a GPU, on
+    the device)."""
     pending: dict[int, list[str]] = {}
     for key, t in keys.items():
         pending.setdefault(id(t), []).append(key)
