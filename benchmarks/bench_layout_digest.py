@@ -7,9 +7,15 @@ interleaved repetitions, medians and their ratios to today's:
 
 - today's: ``Captured.digest()`` of every item (xxh3 of every tensor, single-threaded), what
   the commit computed for the manifest before;
-- the layout-free pass alone (``layout_free_partials``): what a restore adds to compare;
+- the layout-free pass alone (``layout_free_partials``): what a restore adds to compare; the
+  caller and a pool of up to 4 threads (``--threads``, cores - 1 by default) sum its pieces;
 - the save's pass now (``digests_and_layout_free``): both digests, xxh3 in the caller's thread
-  while a pool of up to 4 threads (``--threads``) sums the same bytes layout-free.
+  while the pool sums the same bytes layout-free one chunk ahead, the caller summing what the
+  pool has not reached of the chunks it has hashed.
+
+Besides the wall times: the CPU seconds of each pass (all threads) and the share of the cores
+other processes took during the run; on a shared machine only runs with that share near 0
+measure the passes.
 
 ``--device cuda`` puts the state on the GPU: today's digest then stages through pinned chunks,
 the layout-free sums run on the device, and the script checks that the GPU gives the same
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -48,14 +55,30 @@ def build(dim: int, layers: int, device: str) -> dict:
     return {"model": model, "optim": optim}
 
 
+CPU_S: list[float] = []  # the process's CPU seconds (all threads) of each timed call, in call order
+
+
 def timed(fn) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t = time.perf_counter()
+    c, t = time.process_time(), time.perf_counter()
     fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    CPU_S.append(time.process_time() - c)
     return time.perf_counter() - t
+
+
+def cpu_times() -> tuple[float, float] | None:
+    """(seconds all cores were busy with other processes, seconds of all cores) since boot (Linux):
+    how much of the machine others took while this benchmark ran."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    own = sum(os.times()[:2])  # this process's user + system seconds, all threads
+    return (sum(fields[:8]) - fields[3] - fields[4]) / tick - own, sum(fields[:8]) / tick
 
 
 def main() -> None:
@@ -67,6 +90,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="layout-free pool threads (default: up to 4)")
     ap.add_argument("--fused-chunk-mib", type=int, default=None, help="bytes per pool task in the save's pass")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     a = ap.parse_args()
     state = build(a.dim, a.layers, a.device)
     items = capture(state)
@@ -78,11 +102,14 @@ def main() -> None:
     if a.fused_chunk_mib is not None:
         digest_mod._FUSED_CHUNK = a.fused_chunk_mib << 20
     today, free, both = [], [], []
+    before = cpu_times()
     for _ in range(a.reps + 1):  # the first repetition warms up and is dropped
         today.append(timed(lambda: {n: c.digest() for n, c in items.items()}))
         free.append(timed(lambda: combine_layout_free([layout_free_partials(tensors)])))
         both.append(timed(lambda: digests_and_layout_free(items)))
     today, free, both = today[1:], free[1:], both[1:]
+    cpu_today, cpu_free, cpu_both = CPU_S[3::3], CPU_S[4::3], CPU_S[5::3]
+    after = cpu_times()
     result = {
         "what": "per-item digest pass of a save: today's xxh3 digests vs the layout-free digest, same tensors",
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
@@ -102,6 +129,15 @@ def main() -> None:
         "today_s": today,
         "layout_free_s": free,
         "save_pass_s": both,
+        "ratio_layout_free_to_today_best": min(free) / min(today),
+        # CPU seconds of all threads: the work, which a busy machine changes less than the wall time
+        "cpu_s_median": {"today": statistics.median(cpu_today), "layout_free": statistics.median(cpu_free),
+                         "save_pass": statistics.median(cpu_both)},
+        "ratio_save_pass_to_today_best": min(both) / min(today),
+        # the share of all cores other processes took during the run: on a shared machine that was
+        # busy elsewhere the ratios say little about the passes (the 2-thread passes lose most)
+        "others_busy_pct": 100 * (after[0] - before[0]) / max(1e-9, after[1] - before[1]) if before and after else None,
+        "cores": os.cpu_count(),
         "today_gb_per_s": nbytes / statistics.median(today) / 1e9,
         "layout_free_gb_per_s": nbytes / statistics.median(free) / 1e9,
     }
@@ -114,6 +150,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     tag = "" if a.threads is None else f"_t{a.threads}"
     tag += "" if a.fused_chunk_mib is None else f"_c{a.fused_chunk_mib}"
+    tag += a.tag
     name = f"layout_digest_{'cpu' if a.device == 'cpu' else 'gpu'}{tag}.json"
     (a.out / name).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -318,6 +318,7 @@ class CheckpointManager:
                 self.root, step, self.config.health.verify_after,
                 on_disk=_layout.step_dirs(self.root, self._ctx.naming)))
         self._rotate(step)
+        self._proof.prune(self._ctx.naming)  # proof records no retained checkpoint's proof reads again
         return path
 
     def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:

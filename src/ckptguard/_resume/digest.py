@@ -11,12 +11,13 @@ combined, and a save on N ranks compares with a restore on M.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import queue
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -42,15 +43,20 @@ _FUSED_CHUNK = 8 << 20  # bytes xxh3 reads in this thread while the pool sums th
 
 
 def update_with_tensor(h: xxhash.xxh3_64, t: torch.Tensor, feed: Feed | None = None) -> None:
-    """Hash ``t``; ``feed(chunk, offset)`` (CPU tensors) sees the same bytes, chunk by chunk, right after."""
+    """Hash ``t``; ``feed(chunk, offset)`` (CPU tensors) sees the same bytes, chunk by chunk."""
     local = t.to_local() if hasattr(t, "to_local") else t
     h.update(f"T{local.dtype}{tuple(local.shape)}".encode())
     flat = tensor_bytes_view(local)
     if flat.device.type == "cpu" and feed is not None:
+        # The feed sees each chunk one chunk ahead of xxh3: the pool's sums (slower than memory)
+        # pull the bytes in from DRAM, and xxh3 then reads them from the shared L3 cache.
         arr = flat.numpy()
-        for start in range(0, arr.size, _FUSED_CHUNK):
+        starts = range(0, arr.size, _FUSED_CHUNK)
+        feed(flat[:_FUSED_CHUNK], 0)
+        for i, start in enumerate(starts):
+            if i + 1 < len(starts):
+                feed(flat[starts[i + 1] : starts[i + 1] + _FUSED_CHUNK], starts[i + 1])
             h.update(arr[start : start + _FUSED_CHUNK].data)
-            feed(flat[start : start + _FUSED_CHUNK], start)
     elif flat.device.type == "cpu":
         h.update(flat.numpy().data)
     elif flat.device.type == "cuda":
@@ -170,7 +176,9 @@ def file_digest(path: str, *, chunk: int = 8 << 20) -> tuple[int, str]:
 # run may start or end inside a word: its bytes sit at their positions, zeros elsewhere) and
 # the per-shard sums add up to the whole tensor's under any sharding. Odd weights make any
 # one changed word change the sum; the position weights make moved data change it. On the CPU
-# one einsum over uint64 blocks runs at xxh3's speed; on a GPU it is two int64 reductions.
+# one einsum over uint64 blocks runs at about 0.7x of xxh3's speed on one core (a scalar 64-bit
+# multiply a word: no faster form of this sum exists in numpy or torch, plain sums of rows and
+# columns measured slower), so the pass is spread over the cores; on a GPU it is two int64 reductions.
 
 _MASK = (1 << 64) - 1
 _LF_BLOCK = 1024  # words per block: one position weight each
@@ -207,9 +215,11 @@ def _word_weight(j: int) -> int:
     return int(_POS[j % _LF_BLOCK]) * int(_block_weights(j // _LF_BLOCK, 1)[0]) & _MASK
 
 
-# Large runs are summed in parallel pieces (the sum is linear): numpy's einsum releases the GIL,
-# so the layout-free pass is not slower than today's single-threaded xxh3 pass on any CPU.
-_PIECE_WORDS = 1 << 20  # 8 MiB per task
+# The layout-free pass is split into pieces of about _PIECE_WORDS words that the pool's threads take
+# from the oldest end of a queue while the caller takes the newest (still in its cache): on 2 cores
+# both cores sum, and in the save's pass the caller hashes with xxh3 and takes only what the pool
+# has not reached. numpy's einsum and xxh3 release the GIL. The sum is linear, so pieces add up.
+_PIECE_WORDS = 1 << 19  # 4 MiB per piece: smaller pieces streamed from DRAM ran up to a third slower
 _THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
@@ -221,17 +231,106 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL[1]
 
 
+class _Shared:
+    """A queue of layout-free pieces summed by the pool and the caller, added up per key.
+
+    Use as a context manager: leaving it (also on an error) stops the pool's workers, which
+    otherwise wait for pieces forever."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[str, np.ndarray, int, int]] = collections.deque()
+        self.batch = 0  # what ``put`` tags its pieces with (the save's pass: the chunk's number)
+        self._cv = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        self.sums: dict[str, int] = {}
+        self._workers = [_pool().submit(self._work) for _ in range(_THREADS)]
+
+    def __enter__(self) -> _Shared:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add(self, key: str, value: int) -> None:
+        with self._cv:
+            self.sums[key] = (self.sums.get(key, 0) + value) & _MASK
+
+    def put(self, key: str, words: np.ndarray, j0: int) -> None:
+        """Queue the sum of a run of whole words (uint64) at global word index ``j0``, in pieces."""
+        m = words.size
+        if m <= _PIECE_WORDS:
+            cuts = [0, m]
+        else:
+            cuts, at = [0], _PIECE_WORDS - j0 % _LF_BLOCK  # pieces start on a block boundary of the global order
+            while at < m:
+                cuts.append(at)
+                at += _PIECE_WORDS
+            cuts.append(m)
+        with self._cv:
+            self._items.extend((key, words[a:b], j0 + a, self.batch) for a, b in itertools.pairwise(cuts))
+            self._cv.notify(len(cuts) - 1)
+
+    def _run(self, entry: tuple[str, np.ndarray, int, int]) -> None:
+        key, words, j0, _ = entry
+        self.add(key, _words_sum_serial(words, j0))
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._closed:
+                    self._cv.wait()
+                if not self._items or self._error is not None:
+                    return
+                entry = self._items.popleft()
+            try:
+                self._run(entry)
+            except BaseException as exc:  # handed to the caller in result(), never lost in the thread
+                with self._cv:
+                    self._error = exc
+                    self._items.clear()
+                return
+
+    def help(self, keep: int = 0) -> None:
+        """Sum the newest pieces in this thread until at most ``keep`` are left for the pool."""
+        while True:
+            with self._cv:
+                if len(self._items) <= keep or self._error is not None:
+                    return
+                entry = self._items.pop()
+            self._run(entry)
+
+    def help_through(self, batch: int) -> None:
+        """Sum in this thread the oldest pieces tagged ``batch`` or earlier that the pool has not taken."""
+        while True:
+            with self._cv:
+                if not self._items or self._items[0][3] > batch or self._error is not None:
+                    return
+                entry = self._items.popleft()
+            self._run(entry)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for f in self._workers:  # a worker that never started (the pool busy elsewhere) is dropped
+            if not f.cancel():
+                f.result()
+
+    def result(self) -> dict[str, int]:
+        self.help(0)
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self.sums
+
+
 def _words_sum_cpu(words: np.ndarray, j0: int, parallel: bool = True) -> int:
-    m = words.size
-    if not parallel or m <= 2 * _PIECE_WORDS:
+    if not parallel or words.size <= 2 * _PIECE_WORDS:
         return _words_sum_serial(words, j0)
-    cuts, at = [0], _PIECE_WORDS - j0 % _LF_BLOCK  # pieces start on a block boundary of the global order
-    while at < m:
-        cuts.append(at)
-        at += _PIECE_WORDS
-    cuts.append(m)
-    pieces = [_pool().submit(_words_sum_serial, words[a:b], j0 + a) for a, b in itertools.pairwise(cuts)]
-    return sum(f.result() for f in pieces) & _MASK
+    with _Shared() as shared:
+        shared.put("", words, j0)
+        return shared.result().get("", 0)
 
 
 def _words_sum_serial(words: np.ndarray, j0: int) -> int:
@@ -279,8 +378,11 @@ def _words_sum_cuda(words: torch.Tensor, j0: int) -> int:
     return total & _MASK
 
 
-def _bytes_sum(flat: torch.Tensor, start: int, parallel: bool = True) -> int:
-    """The layout-free sum of ``flat`` (uint8, contiguous) placed at global byte offset ``start``."""
+def _bytes_sum(flat: torch.Tensor, start: int, parallel: bool = True, into: _Into | None = None) -> int:
+    """The layout-free sum of ``flat`` (uint8, contiguous) placed at global byte offset ``start``.
+
+    With ``into`` (a CPU tensor), the whole words are queued there and only the partial words
+    at either end are summed here."""
     n = flat.numel()
     total = 0
     head = min((-start) % 8, n)
@@ -299,11 +401,46 @@ def _bytes_sum(flat: torch.Tensor, start: int, parallel: bool = True) -> int:
             arr = body.cpu().numpy()
             if arr.ctypes.data % 8:
                 arr = arr.copy()
-            total += _words_sum_cpu(arr.view(np.uint64), j0, parallel)
+            if into is not None:
+                into[0].put(into[1], arr.view(np.uint64), j0)
+            else:
+                total += _words_sum_cpu(arr.view(np.uint64), j0, parallel)
     tail = n - head - 8 * m
     if tail:
         word = int.from_bytes(flat[head + 8 * m :].cpu().numpy().tobytes(), "little")
         total += word * _word_weight(j0 + m)
+    return total & _MASK
+
+
+_Into = tuple[_Shared, str]
+
+
+def _weights_at(j: np.ndarray) -> np.ndarray:
+    """The weight of every global word index in ``j`` (uint64, any shape)."""
+    blocks = j // np.uint64(_LF_BLOCK)
+    if blocks.size and int(blocks.max()) >= _BLOCKS_CACHED:
+        bw = _splitmix(blocks ^ np.uint64(0xD1B54A32D192ED03)) | np.uint64(1)
+    else:
+        bw = _BW[blocks]
+    return _POS[j % np.uint64(_LF_BLOCK)] * bw  # type: ignore[no-any-return]  # wraps modulo 2**64, as the sum does
+
+
+_ROWS_WORDS = 1 << 18  # words per vectorised batch of rows (2 MiB), bounding the weight table
+
+
+def _rows_sum(words: torch.Tensor, starts: np.ndarray) -> int:
+    """sum over rows r and i of words[r, i] * weight(starts[r] + i): the runs of a box, word-aligned."""
+    rows, width = words.shape
+    step = max(1, _ROWS_WORDS // max(1, width))
+    cols = np.arange(width, dtype=np.uint64)
+    total = 0
+    for r in range(0, rows, step):
+        w = _weights_at(starts[r : r + step, None].astype(np.uint64) + cols)
+        part = words[r : r + step]
+        if part.device.type == "cpu":
+            total += int(np.einsum("ij,ij->", part.numpy().view(np.uint64), w))
+        else:
+            total += int((part * torch.from_numpy(w.view(np.int64)).to(part.device)).sum().item())
     return total & _MASK
 
 
@@ -331,25 +468,45 @@ def layout_free_partial(t: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
     return f"{local.dtype}|{gshape}", offset, box_sum(local, offset, gshape)
 
 
-def box_sum(local: torch.Tensor, offset: tuple[int, ...], gshape: tuple[int, ...]) -> int:
-    """The layout-free sum of ``local``, the box of a tensor of shape ``gshape`` at ``offset``."""
+def box_sum(
+    local: torch.Tensor, offset: tuple[int, ...], gshape: tuple[int, ...], into: _Into | None = None
+) -> int:
+    """The layout-free sum of ``local``, the box of a tensor of shape ``gshape`` at ``offset``.
+
+    With ``into`` (a CPU tensor), the sum is added to ``into``'s key there (returns 0)."""
     if local.numel() == 0:
         return 0
+    if into is not None and local.device.type != "cpu":
+        into = None
     esize = local.element_size()
     flat = tensor_bytes_view(local.detach())
     lshape = tuple(int(s) for s in local.shape)
     split = [d for d in range(len(gshape)) if lshape[d] != gshape[d]]
-    if not split:
-        return _bytes_sum(flat, 0)
-    last = split[-1]
-    gstride = [1] * len(gshape)
-    for d in range(len(gshape) - 2, -1, -1):
-        gstride[d] = gstride[d + 1] * gshape[d + 1]
-    run = lshape[last] * gstride[last]  # elements of one run: the dims after ``last`` are whole
     total = 0
-    for r, idx in enumerate(np.ndindex(*lshape[:last])):
-        start = sum((offset[d] + idx[d]) * gstride[d] for d in range(last)) + offset[last] * gstride[last]
-        total += _bytes_sum(flat[r * run * esize : (r + 1) * run * esize], start * esize)
+    if not split or all(x == 1 for x in lshape[: split[-1]]):  # one run of the global order
+        total = _bytes_sum(flat, _run_start(offset, gshape) * esize, into=into)
+    else:
+        last = split[-1]
+        gstride = [1] * len(gshape)
+        for d in range(len(gshape) - 2, -1, -1):
+            gstride[d] = gstride[d + 1] * gshape[d + 1]
+        run = lshape[last] * gstride[last]  # elements of one run: the dims after ``last`` are whole
+        starts = np.full((), offset[last] * gstride[last], dtype=np.int64)
+        for d in range(last):  # every run's first element in the global order, rows in C order
+            starts = np.add.outer(starts, (np.arange(lshape[d], dtype=np.int64) + offset[d]) * gstride[d])
+        byte_starts = starts.reshape(-1) * esize
+        if (run * esize) % 8 == 0 and not (byte_starts % 8).any():
+            # TP Shard(1) and the like: every run is whole words, summed for many rows at once
+            words = flat.view(-1, run * esize).view(torch.int64)
+            if words.data_ptr() % 8:
+                words = words.clone()
+            total = _rows_sum(words, byte_starts // 8)
+        else:
+            for r, at in enumerate(byte_starts.tolist()):
+                total += _bytes_sum(flat[r * run * esize : (r + 1) * run * esize], at, into=into)
+    if into is not None:
+        into[0].add(into[1], total & _MASK)
+        return 0
     return total & _MASK
 
 
@@ -357,12 +514,21 @@ def layout_free_partials(items: Mapping[str, Mapping[str, torch.Tensor]]) -> dic
     """This rank's part of every tensor item: ``{chunk id: [item, key, header, partial hex]}``.
 
     The chunk id is the DCP key and the piece's global offset: ranks holding the same chunk
-    (replicas) report it alike and it is counted once (``combine_layout_free``)."""
+    (replicas) report it alike and it is counted once (``combine_layout_free``). The CPU
+    tensors' pieces go through one queue that the pool and this thread sum together."""
     out: dict[str, list[str]] = {}
-    for item, tensors in items.items():
-        for key, t in tensors.items():
-            header, offset, partial = layout_free_partial(t)
-            out[f"{key}@{offset}"] = [item, key, header, f"{partial:016x}"]
+    with _Shared() as shared:
+        for item, tensors in items.items():
+            for key, t in tensors.items():
+                local, offset = _global_offset(t)
+                gshape = tuple(int(s) for s in t.shape)
+                cid = f"{key}@{offset}"
+                out[cid] = [item, key, f"{local.dtype}|{gshape}", ""]
+                shared.add(cid, box_sum(local, offset, gshape, (shared, cid)))
+                shared.help(_THREADS)  # this thread sums too, the newest pieces first (the hottest in cache)
+        sums = shared.result()
+    for cid, entry in out.items():
+        entry[3] = f"{sums.get(cid, 0):016x}"
     return out
 
 
@@ -411,42 +577,52 @@ def _run_start(offset: tuple[int, ...], gshape: tuple[int, ...]) -> int:
 def digest_with_layout_free(obj: Any, keys: Mapping[str, torch.Tensor], item: str) -> tuple[str, dict[str, list[str]]]:
     """``digest(obj)`` and, in the same pass over memory, the layout-free partials of its tensors.
 
-    ``keys`` are the DCP keys of the tensors inside ``obj`` (by identity). A CPU tensor that is one
-    run of its global order is summed chunk by chunk by a thread pool while this thread hashes
-    the next chunks with xxh3, so the layout-free digest adds little to the save's digest pass;
-    any other tensor is summed on its own (on a GPU, on the device)."""
+    ``keys`` are the DCP keys of the tensors inside ``obj`` (by identity). The bytes of a CPU
+    tensor are queued chunk by chunk one chunk ahead of xxh3 in this thread; the pool sums them,
+    and this thread sums what the pool has not reached of the chunks it has hashed (one core's
+    layout-free sum is slower than xxh3). Any other tensor is summed on its own (on a GPU, on
+    the device)."""
     pending: dict[int, list[str]] = {}
     for key, t in keys.items():
         pending.setdefault(id(t), []).append(key)
     partials: dict[str, list[str]] = {}
 
-    def on_tensor(t: torch.Tensor) -> Feed | None:
-        names = pending.get(id(t))
-        if not names:
-            return None
-        key = names.pop(0)
-        local, offset = _global_offset(t)
-        gshape = tuple(int(x) for x in t.shape)
-        header = f"{local.dtype}|{gshape}"
-        whole = local.device.type == "cpu" and (not hasattr(t, "to_local") or t.to_local().shape == local.shape)
-        if not (whole and _single_run(local, gshape)) or local.numel() == 0:
-            partials[f"{key}@{offset}"] = [item, key, header, f"{box_sum(local, offset, gshape):016x}"]
-            return None
-        base = _run_start(offset, gshape) * local.element_size()
-        sums = running.setdefault(f"{key}@{offset}", (item, key, header, []))[3]
+    with _Shared() as shared:
 
-        def feed(chunk: torch.Tensor, at: int) -> None:
-            sums.append(_pool().submit(_bytes_sum, chunk, base + at, False))
+        def on_tensor(t: torch.Tensor) -> Feed | None:
+            names = pending.get(id(t))
+            if not names:
+                return None
+            key = names.pop(0)
+            local, offset = _global_offset(t)
+            gshape = tuple(int(x) for x in t.shape)
+            cid = f"{key}@{offset}"
+            partials[cid] = [item, key, f"{local.dtype}|{gshape}", ""]
+            whole = local.device.type == "cpu" and (not hasattr(t, "to_local") or t.to_local().shape == local.shape)
+            if not (whole and _single_run(local, gshape)) or local.numel() == 0:
+                shared.add(cid, box_sum(local, offset, gshape, (shared, cid)))
+                return None
+            base = _run_start(offset, gshape) * local.element_size()
 
-        return feed
+            def feed(chunk: torch.Tensor, at: int) -> None:
+                # xxh3 has read every chunk fed two calls ago (the feed runs a chunk ahead): what
+                # the pool has not summed of those, this thread sums while it is still in its cache
+                shared.help_through(shared.batch - 1)
+                shared.batch += 1
+                shared.add(cid, _bytes_sum(chunk, base + at, into=(shared, cid)))
 
-    running: dict[str, tuple[str, str, str, list[Future[int]]]] = {}
-    h = xxhash.xxh3_64()
-    _update(h, obj, on_tensor)
-    for cid, (item_, key, header, sums) in running.items():
-        partials[cid] = [item_, key, header, f"{sum(f.result() for f in sums) & _MASK:016x}"]
-    for key, t in keys.items():  # a tensor the walk did not reach (none in a captured item)
-        if key in pending.get(id(t), []):
-            header, offset, partial = layout_free_partial(t)
-            partials[f"{key}@{offset}"] = [item, key, header, f"{partial:016x}"]
+            return feed
+
+        h = xxhash.xxh3_64()
+        _update(h, obj, on_tensor)
+        for key, t in keys.items():  # a tensor the walk did not reach (none in a captured item)
+            if key in pending.get(id(t), []):
+                local, offset = _global_offset(t)
+                gshape = tuple(int(x) for x in t.shape)
+                cid = f"{key}@{offset}"
+                partials[cid] = [item, key, f"{local.dtype}|{gshape}", ""]
+                shared.add(cid, box_sum(local, offset, gshape, (shared, cid)))
+        sums = shared.result()
+    for cid, entry in partials.items():
+        entry[3] = f"{sums.get(cid, 0):016x}"
     return h.hexdigest(), partials

@@ -1,10 +1,17 @@
-"""Append-only proof records, one JSONL file per rank (``ROOT/proof/rank_NNNNN.jsonl``)."""
+"""Append-only proof records, one JSONL file per rank (``ROOT/proof/rank_NNNNN.jsonl``).
+
+Records are appended and never edited. A file that grew past ``ProofLog.PRUNE_BYTES`` is
+rewritten at a save without the records no proof can read again (``prunable``): those
+before the oldest checkpoint on disk, except what the proof of the newest restore reads.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -12,11 +19,13 @@ from typing import Any
 
 import torch
 
-from .._commit.layout import PROOF_DIR, parse_json, read_small, refuse_link
+from .._commit.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
+from .._log import NAME
 from ..errors import CheckpointCorruptError, ConfigError
 from .digest import digest
 
 _HOST = socket.gethostname()
+log = logging.getLogger(NAME)
 
 
 class ProofLog:
@@ -35,6 +44,10 @@ class ProofLog:
         self._held: deque[dict[str, Any]] = deque(maxlen=self.HELD_MAX)
         self.dropped = 0
         self._tail_checked = False
+        self._pruned_to = 0  # the file's size after the last prune: the next waits until it doubled
+        # A save_async commits (and prunes) in a background thread while training appends step
+        # records: a record appended between the prune's read and its rename would be lost.
+        self._lock = threading.Lock()
 
     def build(self, event: str, **fields: Any) -> dict[str, Any]:
         return {
@@ -59,6 +72,10 @@ class ProofLog:
     def write(self, record: dict[str, Any], *, durable: bool = True) -> None:
         """Append the held records and ``record``. ``durable`` fsyncs (saves, restores); a step
         record is only written, which a SIGKILL of the process does not lose (a node crash may)."""
+        with self._lock:
+            self._write(record, durable)
+
+    def _write(self, record: dict[str, Any], durable: bool) -> None:
         refuse_link(self.path.parent, "proof directory")  # appending through a link writes outside the root
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lines = [json.dumps(r, sort_keys=True) + "\n" for r in (*self._held, record)]
@@ -79,6 +96,125 @@ class ProofLog:
 
     def append(self, event: str, **fields: Any) -> None:
         self.write(self.build(event, **fields))
+
+    PRUNE_BYTES = 8 << 20
+    """A records file smaller than this is never rewritten (the rewrite reads the whole file)."""
+    PRUNE_GROWTH = 2.0
+    """After a prune the next waits until the file grew this much: the rewrites cost O(1) per record."""
+
+    def prune(self, naming: StepNaming) -> int:
+        """Rewrite this rank's file without the records no proof can read again (``prunable``);
+        returns how many lines were dropped. Called after a save, by the process that appends to
+        the file (no other writer). A failure is logged, never raised: the records stay whole."""
+        with self._lock:
+            return self._prune(naming)
+
+    def _prune(self, naming: StepNaming) -> int:
+        try:
+            size = self.path.stat().st_size if self.path.is_file() else 0
+            if not size or size < max(self.PRUNE_BYTES, self.PRUNE_GROWTH * self._pruned_to):
+                return 0
+            steps = step_dirs(self.path.parent.parent, naming)  # committed or not: a smaller oldest keeps more
+            if not steps:
+                return 0
+            refuse_link(self.path.parent, "proof directory")
+            lines = read_small(self.path, limit=PROOF_BYTES, what="proof records").splitlines(keepends=True)
+            drop = prunable([_parsed(line) for line in lines], min(steps))
+            gone = sum(b - a for a, b in drop)
+            self._pruned_to = self.path.stat().st_size  # also when nothing goes: no re-read at every save
+            if not gone:
+                return 0
+            dropped = {i for a, b in drop for i in range(a, b)}
+            kept = b"".join(line for i, line in enumerate(lines) if i not in dropped)
+            if kept and not kept.endswith(b"\n"):
+                kept += b"\n"  # a torn last line ends here, so the next append starts its own
+            atomic_write_bytes(self.path, kept)
+            self._pruned_to = len(kept)
+        except (OSError, ValueError, CheckpointCorruptError) as exc:
+            log.warning("ckptguard: could not prune the proof records %s (%s); they are kept whole", self.path, exc)
+            return 0
+        log.info("ckptguard: pruned %d proof records of %s older than step %d's save", gone, self.path, min(steps))
+        return gone
+
+
+def _parsed(line: bytes) -> dict[str, Any] | None:
+    try:
+        rec = parse_json(line, where="proof record")
+    except (CheckpointCorruptError, UnicodeDecodeError):
+        return None  # a torn line: kept where it is, unless in a dropped range
+    return rec if isinstance(rec, dict) else None
+
+
+def _step(rec: dict[str, Any] | None) -> int | None:
+    value = rec.get("step") if rec is not None else None
+    return value if _int(value) else None
+
+
+def _last_save(recs: list[dict[str, Any] | None], step: int, before: int) -> int | None:
+    return next((i for i in range(before - 1, -1, -1) if _is(recs[i], "save") and _step(recs[i]) == step), None)
+
+
+def _is(rec: dict[str, Any] | None, event: str) -> bool:
+    return rec is not None and rec.get("event") == event
+
+
+def _window(recs: list[dict[str, Any] | None], save: int) -> int:
+    """Where the records that led to the save at ``save`` start: right after the previous save
+    (the steps, export and logprobs of that interval belong to it)."""
+    return next((i + 1 for i in range(save - 1, -1, -1) if _is(recs[i], "save")), 0)
+
+
+def prunable(recs: list[dict[str, Any] | None], oldest: int) -> list[tuple[int, int]]:
+    """The index ranges ``[a, b)`` of one rank's records that no proof reads again, with
+    ``oldest`` the oldest step on disk (any later resume starts from it or a newer one).
+
+    Kept: everything from the interval that led to the last save of ``oldest`` on (every later
+    save, the killed segment after the last one); and, when the newest restore came before
+    that, what its proof reads: the interval before the save it restored, the restore, and
+    after it the process's records up to its first save, the last step the killed run recorded,
+    and the first record of every kind. Nothing is dropped where a needed save is not found."""
+    save = _last_save(recs, oldest, len(recs))
+    if save is None:
+        return []
+    keep_from = _window(recs, save)
+    restore = next((i for i in range(len(recs) - 1, -1, -1) if _is(recs[i], "restore")), None)
+    if restore is None or restore >= keep_from:
+        if restore is not None and (k := _step(recs[restore])):  # its save may precede oldest's (a rerun)
+            own = _last_save(recs, k, restore)
+            if own is None:
+                return []
+            keep_from = min(keep_from, _window(recs, own))
+        return [(0, keep_from)] if keep_from else []
+    rec = recs[restore]
+    assert rec is not None
+    k, pid = _step(rec) or 0, rec.get("pid")
+    out: list[tuple[int, int]] = []
+    if k:
+        own = _last_save(recs, k, restore)
+        if own is None:
+            return []
+        start = _window(recs, own)
+        saver = recs[own].get("pid")  # type: ignore[union-attr]  # a save record is a dict
+        killed = [s for r in recs[own + 1 : restore] if _is(r, "step") and r.get("pid") == saver  # type: ignore[union-attr]
+                  and (s := _step(r)) is not None and s > k]
+        last_killed = max(killed, default=k)
+    else:
+        start, last_killed = restore, 0  # a fresh start reads nothing before it
+    if start:
+        out.append((0, start))
+    end, seen, saved = restore, set(), False
+    for i in range(restore + 1, keep_from):
+        r = recs[i]
+        if r is None or r.get("pid") != pid:
+            continue
+        event, s = r.get("event"), _step(r)
+        if event not in seen or not saved or (s is not None and s <= last_killed):
+            end = i
+        seen.add(event)
+        saved = saved or event == "save"
+    if end + 1 < keep_from:
+        out.append((end + 1, keep_from))
+    return out
 
 
 def export_fingerprint(payload: Any, scales: Any = None) -> dict[str, str]:
