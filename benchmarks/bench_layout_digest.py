@@ -9,9 +9,12 @@ interleaved repetitions, medians and their ratios to today's:
   the commit computed for the manifest before;
 - the layout-free pass alone (``layout_free_partials``): what a restore adds to compare; the
   caller and a pool of up to 4 threads (``--threads``, cores - 1 by default) sum its pieces;
-- the save's pass now (``digests_and_layout_free``): both digests, xxh3 in the caller's thread
-  while the pool sums the same bytes layout-free one chunk ahead, the caller summing what the
-  pool has not reached of the chunks it has hashed.
+- the save's pass now (``digests_and_layout_free``, format 3): the layout-free pass plus, per
+  tensor item, an xxh3 of its structure only (keys, dtypes, shapes, non-tensor values); no
+  tensor byte is hashed with xxh3 any more;
+- the save's pass before format 3 (``Captured.digest_and_layout_free`` of every item): both
+  digests, xxh3 of every byte in the caller's thread while the pool sums the same bytes
+  layout-free one chunk ahead.
 
 Besides the wall times: the CPU seconds of each pass (all threads) and the share of the cores
 other processes took during the run; on a shared machine only runs with that share near 0
@@ -101,14 +104,15 @@ def main() -> None:
         digest_mod._THREADS = a.threads
     if a.fused_chunk_mib is not None:
         digest_mod._FUSED_CHUNK = a.fused_chunk_mib << 20
-    today, free, both = [], [], []
+    today, free, both, old = [], [], [], []
     before = cpu_times()
     for _ in range(a.reps + 1):  # the first repetition warms up and is dropped
         today.append(timed(lambda: {n: c.digest() for n, c in items.items()}))
         free.append(timed(lambda: combine_layout_free([layout_free_partials(tensors)])))
         both.append(timed(lambda: digests_and_layout_free(items)))
-    today, free, both = today[1:], free[1:], both[1:]
-    cpu_today, cpu_free, cpu_both = CPU_S[3::3], CPU_S[4::3], CPU_S[5::3]
+        old.append(timed(lambda: {n: c.digest_and_layout_free() for n, c in items.items()}))
+    today, free, both, old = today[1:], free[1:], both[1:], old[1:]
+    cpu_today, cpu_free, cpu_both, cpu_old = CPU_S[4::4], CPU_S[5::4], CPU_S[6::4], CPU_S[7::4]
     after = cpu_times()
     result = {
         "what": "per-item digest pass of a save: today's xxh3 digests vs the layout-free digest, same tensors",
@@ -124,15 +128,19 @@ def main() -> None:
         "ratio_layout_free_to_today": statistics.median(free) / statistics.median(today),
         "save_pass_s_median": statistics.median(both),
         "ratio_save_pass_to_today": statistics.median(both) / statistics.median(today),
+        "save_pass_before_s_median": statistics.median(old),
+        "ratio_save_pass_before_to_today": statistics.median(old) / statistics.median(today),
+        "save_pass": "format 3: layout-free sums + xxh3 of each tensor item's structure (no tensor bytes)",
         "layout_free_threads": digest_mod._THREADS,
         "fused_chunk_bytes": digest_mod._FUSED_CHUNK,
         "today_s": today,
         "layout_free_s": free,
         "save_pass_s": both,
+        "save_pass_before_s": old,
         "ratio_layout_free_to_today_best": min(free) / min(today),
         # CPU seconds of all threads: the work, which a busy machine changes less than the wall time
         "cpu_s_median": {"today": statistics.median(cpu_today), "layout_free": statistics.median(cpu_free),
-                         "save_pass": statistics.median(cpu_both)},
+                         "save_pass": statistics.median(cpu_both), "save_pass_before": statistics.median(cpu_old)},
         "ratio_save_pass_to_today_best": min(both) / min(today),
         # the share of all cores other processes took during the run: on a shared machine that was
         # busy elsewhere the ratios say little about the passes (the 2-thread passes lose most)

@@ -13,6 +13,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard._commit import layout as _layout
+from ckptguard._commit import manifest as _manifest
 from ckptguard._commit import trust as _trust
 from ckptguard.testing import run_ranks, set_fault_hook
 
@@ -217,7 +218,7 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
             moved_files = set(checks["transferred_listing"]["step_00000002"])
             assert moved_files == set(o["listing"]["step_00000002"]), (rank, moved_files)
     manifest = json.loads((base / "disk0/ck/step_00000002/manifest.json").read_text())
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == _manifest.FORMAT_VERSION
     assert [n["ranks"] for n in manifest["nodes"]] == [[0, 1], [2, 3]]
     for node in range(NODES):
         root = base / f"disk{node}" / "ck"

@@ -4,13 +4,16 @@ hyperparameter is still caught and named."""
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
 import torch
 
 import ckptguard as cg
+from ckptguard._commit import manifest as _manifest
 from ckptguard._resume import state as _state
+from ckptguard._resume.digest import digest, structure_digest
 from ckptguard._resume.prooflog import read_records
 
 
@@ -28,9 +31,9 @@ def _hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     real = _state.check_restored
 
-    def spy(name, kind, value, state, saved):  # type: ignore[no-untyped-def]
+    def spy(name, kind, value, state, saved, **kw):  # type: ignore[no-untyped-def]
         seen.append(name)
-        return real(name, kind, value, state, saved)
+        return real(name, kind, value, state, saved, **kw)
 
     monkeypatch.setattr(_state, "check_restored", spy)
     return seen
@@ -107,3 +110,73 @@ def test_a_changed_extras_file_falls_back_to_the_full_digests(tmp_path, monkeypa
     with pytest.raises(cg.StateMismatchError, match=r"'optim'.*differs after restore"):
         cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim})
     assert sorted(hashed) == ["model", "optim"]
+
+
+def _flip_optimizer_byte(step_dir) -> None:  # type: ignore[no-untyped-def]
+    state_dir = step_dir / "state"
+    infos = [i for k, i in cg.read_dcp_metadata(state_dir).storage_data.items() if k.fqn.startswith("optim.")]
+    info = max(infos, key=lambda i: i.length)
+    shard = state_dir / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def _edit_manifest(step_dir, edit) -> None:  # type: ignore[no-untyped-def]
+    path = step_dir / "manifest.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def test_the_save_records_structure_digests_for_tensor_items(tmp_path):
+    """Format 3: a tensor item's per-rank digest covers its structure, not its bytes (those the
+    layout-free digests cover); every other item's covers its bytes."""
+    model, optim = _job()
+    cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim, "cursor": {"at": 3}})
+    data = json.loads((tmp_path / "step_00000001" / "manifest.json").read_text())
+    assert data["format_version"] == 3
+    assert data["digest_kind"] == {"model": "structure", "optim": "structure", "cursor": "bytes"}
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    flat: dict[str, torch.Tensor] = {}
+    skeleton = _state._flatten(sd, "model", flat)
+    assert data["digests"]["0"]["model"] == structure_digest(_state._unflatten(skeleton, flat))
+    assert data["digests"]["0"]["model"] != digest(_state._unflatten(skeleton, flat))
+    sd["0.weight"][0, 0] += 1  # a tensor byte changes nothing of the structure digest, the layout-free one only
+    assert structure_digest(_state._unflatten(skeleton, flat)) == data["digests"]["0"]["model"]
+
+
+def test_the_fallback_catches_a_flipped_byte_through_the_layout_free_digests(tmp_path, monkeypatch):
+    """The extras file no longer matching the manifest sends the items to the fallback; for format 3
+    tensor items it compares their structure digest, and their bytes still by the layout-free pass."""
+    model, optim = _job()
+    cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim})
+    step = tmp_path / "step_00000001"
+    _flip_optimizer_byte(step)
+
+    def forget_extras_xxh3(data):  # type: ignore[no-untyped-def]
+        for f in data["files"]:
+            if f["path"] == "rank_00000.pt":
+                f["xxh3"] = "0" * 16
+    _edit_manifest(step, forget_extras_xxh3)
+    hashed = _hashed(monkeypatch)
+    fresh, fresh_optim = _job(seed=1)
+    with pytest.raises(cg.StateMismatchError, match=r"layout-free digests differ.*'optim'"):
+        cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim})
+    assert sorted(hashed) == ["model", "optim"]  # the fallback ran, and its structure digests passed
+
+
+def test_a_format3_manifest_without_layout_free_digests_never_passes(tmp_path):
+    model, optim = _job()
+    cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim})
+    step = tmp_path / "step_00000001"
+    _edit_manifest(step, lambda d: d.pop("layout_free"))
+    with pytest.raises(cg.CheckpointCorruptError, match="layout_free"):
+        _manifest.read(step)
+    _edit_manifest(step, lambda d: d.update(layout_free={}))  # present but emptied: every key differs
+    fresh, fresh_optim = _job(seed=1)
+    with pytest.raises(cg.StateMismatchError, match="layout-free digests differ"):
+        cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim})
+    _edit_manifest(step, lambda d: d.update(layout_free={"x": {}}, digest_kind={"model": "bytes"}))
+    with pytest.raises(cg.CheckpointCorruptError, match="digest_kind"):
+        _manifest.read(step)

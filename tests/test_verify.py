@@ -101,6 +101,30 @@ def test_restore_check_catches_what_checksums_cannot(ckpt):
     assert result.exit_code == 1 and "digest-mismatch" in result.output and "rank 0 item loader" in result.output
 
 
+def test_restore_check_catches_a_tensor_byte_through_the_layout_free_digests(ckpt):
+    """Format 3 records no xxh3 of tensor bytes per rank: a flipped byte in a data file whose
+    manifest entry was updated is caught by the layout-free digests the offline restore recomputes."""
+    step = ckpt / "step_00000001"
+    state_dir = step / "state"
+    infos = [i for k, i in cg.read_dcp_metadata(state_dir).storage_data.items() if k.fqn.startswith("model.")]
+    info = max(infos, key=lambda i: i.length)
+    shard = state_dir / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    manifest = json.loads((step / "manifest.json").read_text())
+    from ckptguard._resume.digest import file_digest
+
+    for f in manifest["files"]:
+        if f["path"] == f"state/{info.relative_path}":
+            f["size"], f["xxh3"] = file_digest(str(shard))
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_step(step, deep=True) == []
+    result = CliRunner().invoke(main, ["verify", str(step), "--restore"])
+    assert result.exit_code == 1 and "digest-mismatch" in result.output, result.output
+    assert "item model: restored layout-free digests differ" in result.output, result.output
+
+
 def test_leftover_temp_file(ckpt):
     (ckpt / "step_00000001" / "state" / "__0_0.distcp.part-1234").write_bytes(b"x")
     assert codes(verify_step(ckpt / "step_00000001")) == ["unexpected-file"]

@@ -9,6 +9,12 @@ Format 2 adds ``nodes`` (written on node-local roots only): each node's ranks an
 copied to it (replicated DCP files another node's rank wrote), so a node's part of the step is
 its ranks' files plus those copies; and the node manifest, ``node_manifest.json``, that each
 node writes before the global manifest: its ranks' files and the copies it verified.
+
+Format 3 adds ``digest_kind`` (required): for every item, what its per-rank digests cover.
+``"bytes"``: the whole item, every tensor byte included (every item of formats 1 and 2).
+``"structure"``: the item's structure, each tensor's dtype and local shape and every non-tensor
+value, not the tensor bytes, which the item's ``layout_free`` digests cover (tensor items:
+modules, optimizers, tensor dicts). The save then reads each tensor byte once.
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ from torch.torch_version import TorchVersion
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, RunStepError, VersionMismatchError
 from .layout import MANIFEST_NAME, NODE_MANIFEST_NAME, parse_json, read_json, read_small
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+DIGEST_BYTES = "bytes"
+DIGEST_STRUCTURE = "structure"
+_DIGEST_KINDS = (DIGEST_BYTES, DIGEST_STRUCTURE)
 RUN_KIND = "ckptguard-run"
 """The ``kind`` of a run step's manifest (``_commit.runmanifest``): its roles' parts are steps of this format."""
 
@@ -65,6 +74,11 @@ class Manifest:
     layout_free: dict[str, dict[str, str]] | None = None  # item -> key -> digest no sharding changes (optional)
     reshard: dict[str, dict[str, Any]] | None = None  # item -> its declared reshard rule (optional, _resume/reshard)
     nodes: list[dict[str, Any]] | None = None  # format 2, node-local roots: [{"name", "ranks", "copies"}]
+    digest_kind: dict[str, str] | None = None  # format 3: item -> "bytes" | "structure" (None: all "bytes")
+
+    def digest_covers_bytes(self, item: str) -> bool:
+        """Whether ``item``'s per-rank digests cover its tensor bytes (formats 1 and 2: every item)."""
+        return (self.digest_kind or {}).get(item, DIGEST_BYTES) == DIGEST_BYTES
 
     @property
     def world_size(self) -> int:
@@ -88,7 +102,7 @@ class Manifest:
         return {k: v for k, v in self.__dict__.items() if k != "path" and not (v is None and k in _OPTIONAL)}
 
 
-_OPTIONAL = ("cost", "layout_free", "reshard", "nodes")
+_OPTIONAL = ("cost", "layout_free", "reshard", "nodes", "digest_kind")
 
 
 def build(
@@ -106,6 +120,7 @@ def build(
     layout_free: dict[str, dict[str, str]] | None = None,
     reshard: dict[str, dict[str, Any]] | None = None,
     nodes: list[dict[str, Any]] | None = None,
+    digest_kind: dict[str, str] | None = None,
 ) -> Manifest:
     """The manifest of a step being committed at ``path`` (written by the caller with ``to_json``)."""
     return Manifest(
@@ -125,6 +140,7 @@ def build(
         layout_free=layout_free,
         reshard=reshard,
         nodes=nodes,
+        digest_kind=digest_kind,
     )
 
 
@@ -180,6 +196,14 @@ def _shape_problem(data: dict[str, Any]) -> str | None:
         return "'chain_id' and 'dir_template' must be strings"
     if not isinstance(data.get("created_unix", 0.0), (int, float)):
         return "'created_unix' must be a number"
+    if data["format_version"] >= 3:
+        kinds: Any = data.get("digest_kind")
+        if not _str_map(kinds) or set(kinds) != set(data["items"]) or not set(kinds.values()) <= set(_DIGEST_KINDS):
+            # A reader that took a missing table as "bytes" would compare structure digests with bytes digests.
+            return f"'digest_kind' must map every item to one of {list(_DIGEST_KINDS)} (format 3)"
+        if DIGEST_STRUCTURE in kinds.values() and not isinstance(data.get("layout_free"), dict):
+            # The tensor bytes of such items are covered by their layout-free digests alone.
+            return "items with 'digest_kind' \"structure\" need the 'layout_free' table, which is absent"
     if "nodes" in data:
         return _nodes_problem(data["nodes"], topology["world_size"])
     return None
@@ -269,6 +293,7 @@ def read(step_dir: Path) -> Manifest:
         layout_free=data["layout_free"] if isinstance(data.get("layout_free"), dict) else None,
         reshard=_rules(data.get("reshard")),
         nodes=data.get("nodes"),
+        digest_kind=data["digest_kind"] if version >= 3 else None,
     )
 
 

@@ -39,7 +39,7 @@ from .._resume import contract as _contract
 from .._resume import rng as _rng
 from .._resume.digest import combine_layout_free, digest, file_digest
 from .._resume.expert import ExpertParallel
-from .._resume.state import Captured, capture, digests_and_layout_free
+from .._resume.state import Captured, capture, digest_kind, digests_and_layout_free
 from ..config import CheckpointConfig
 from ..errors import (
     CheckpointError,
@@ -637,6 +637,8 @@ def _build_manifest(
         layout_free=combine_layout_free([rep.layout_free for rep in reports]),
         reshard=reports[0].reshard or None,  # optional in format 1: how each item crosses a world-size change
         nodes=nodes,
+        # Format 3: tensor items' per-rank digests cover their structure; their bytes, layout_free above.
+        digest_kind={name: digest_kind(kind) for name, kind in kinds.items()},
     )
 
 

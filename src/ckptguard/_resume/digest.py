@@ -97,23 +97,49 @@ def _update_from_cuda(h: xxhash.xxh3_64, flat: torch.Tensor) -> None:
     flat.record_stream(stream)  # the caller's allocator must not reuse flat before the copies finish
 
 
-def _update(h: xxhash.xxh3_64, obj: Any, on_tensor: Callable[[torch.Tensor], Feed | None] | None = None) -> None:
+def _update(
+    h: xxhash.xxh3_64, obj: Any, on_tensor: Callable[[torch.Tensor], Feed | None] | None = None,
+    *, structure: bool = False,
+) -> None:
     if isinstance(obj, torch.Tensor):
-        update_with_tensor(h, obj, on_tensor(obj) if on_tensor is not None else None)
+        if structure:
+            update_tensor_header(h, obj)
+        else:
+            update_with_tensor(h, obj, on_tensor(obj) if on_tensor is not None else None)
     elif isinstance(obj, Mapping):
         h.update(b"{")
         for key in sorted(obj, key=repr):
             h.update(repr(key).encode() + b":")
-            _update(h, obj[key], on_tensor)
+            _update(h, obj[key], on_tensor, structure=structure)
         h.update(b"}")
     elif isinstance(obj, (list, tuple)):
         h.update(b"[" if isinstance(obj, list) else b"(")
         for item in obj:
-            _update(h, item, on_tensor)
+            _update(h, item, on_tensor, structure=structure)
             h.update(b",")
         h.update(b"]")
     else:
         h.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+
+def update_tensor_header(h: xxhash.xxh3_64, t: torch.Tensor) -> None:
+    """What a structure digest takes of a tensor: its local dtype and shape, never its bytes."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    h.update(f"T{local.dtype}{tuple(local.shape)}".encode())
+
+
+DIGEST_BYTES = "bytes"
+DIGEST_STRUCTURE = "structure"
+_STRUCTURE_SEED = b"ckptguard-structure|"  # a structure digest never equals a bytes digest of the same object
+
+
+def structure_digest(obj: Any) -> str:
+    """xxh3-64 of ``obj``'s structure: keys, containers, every non-tensor leaf, and each tensor's dtype and
+    (local) shape, not its bytes. A tensor item's bytes are covered by its layout-free digest instead."""
+    h = xxhash.xxh3_64()
+    h.update(_STRUCTURE_SEED)
+    _update(h, obj, structure=True)
+    return h.hexdigest()
 
 
 def digest(obj: Any) -> str:

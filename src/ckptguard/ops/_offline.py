@@ -33,7 +33,15 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from .._commit import layout as _layout
 from .._commit import manifest as _manifest
-from .._resume.digest import _update, digest, update_with_tensor
+from .._resume.digest import (
+    _STRUCTURE_SEED,
+    _update,
+    box_sum,
+    combine_layout_free,
+    digest,
+    update_tensor_header,
+    update_with_tensor,
+)
 from .._resume.state import TENSOR_REF, ItemKind
 from ..errors import CheckpointCorruptError
 from ..storage._pool import IOStats
@@ -185,31 +193,40 @@ def _refs(node: Any) -> Iterator[str]:
             yield from _refs(item)
 
 
-def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor]) -> None:
-    """``digest._update`` over the skeleton, each tensor fetched when reached (same bytes, same order)."""
+def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor], structure: bool = False) -> None:
+    """``digest._update`` over the skeleton, each tensor fetched when reached (same bytes, same order).
+
+    ``structure``: as ``structure_digest`` (format 3 tensor items): a tensor's dtype and shape only."""
     if isinstance(node, Mapping):
         if set(node) == {TENSOR_REF}:
-            update_with_tensor(h, get(node[TENSOR_REF]))
+            t = get(node[TENSOR_REF])
+            if structure:
+                update_tensor_header(h, t)
+            else:
+                update_with_tensor(h, t)
             return
         h.update(b"{")
         for key in sorted(node, key=repr):
             h.update(repr(key).encode() + b":")
-            _walk(h, node[key], get)
+            _walk(h, node[key], get, structure)
         h.update(b"}")
     elif isinstance(node, (list, tuple)):
         h.update(b"[" if isinstance(node, list) else b"(")
         for item in node:
-            _walk(h, item, get)
+            _walk(h, item, get, structure)
             h.update(b",")
         h.update(b"]")
     else:
         _update(h, node)
 
 
-def skeleton_digest(skeleton: Any, get: Callable[[str], torch.Tensor]) -> str:
-    """``digest(_unflatten(skeleton, tensors))`` without holding every tensor at once."""
+def skeleton_digest(skeleton: Any, get: Callable[[str], torch.Tensor], *, structure: bool = False) -> str:
+    """``digest(_unflatten(skeleton, tensors))`` (``structure``: ``structure_digest(...)``) without holding
+    every tensor at once."""
     h = xxhash.xxh3_64()
-    _walk(h, skeleton, get)
+    if structure:
+        h.update(_STRUCTURE_SEED)
+    _walk(h, skeleton, get, structure)
     return h.hexdigest()
 
 
@@ -233,6 +250,7 @@ def recompute(
     result: dict[str, Any] = {"step": manifest.step, "ranks": {}, "unverifiable": [], "failed": [],
                               "budget_bytes": budget_bytes, "peak_tensor_bytes": 0, "bytes_read": 0}
     world = manifest.world_size
+    partials: dict[str, list[str]] = {}  # format 3: every rank's layout-free partials, combined at the end
     ranks = list(range(world))
     if manifest.nodes:  # node-local roots: this disk holds its node's ranks' part (its node manifest says which)
         node = _manifest.read_node(step_dir)
@@ -262,7 +280,12 @@ def recompute(
                 result["unverifiable"].append(f"rank {rank} item {name}: no stored chunk for {unheld[0]!r}")
                 continue
             loader = _Loader(layout, rank, keys, budget_bytes, storage)
-            digests[name] = skeleton_digest(skeleton, loader.get)
+            if manifest.digest_covers_bytes(name):
+                digests[name] = skeleton_digest(skeleton, loader.get)
+            else:
+                # Format 3: the per-rank digest covers the structure; the bytes go into the layout-free sums.
+                digests[name] = skeleton_digest(skeleton, _summing(layout, rank, name, loader.get, partials),
+                                                structure=True)
             result["peak_tensor_bytes"] = max(result["peak_tensor_bytes"], loader.peak_bytes)
             result["bytes_read"] += loader.bytes_read
             if progress is not None:
@@ -271,7 +294,26 @@ def recompute(
             digests["_rng"] = digest(extras["rng"])
         result["ranks"][str(rank)] = digests
         del extras
+    if any(not manifest.digest_covers_bytes(n) for n in manifest.items):
+        # Every rank's chunks are needed for a key's total: on node-local roots it is not checked here.
+        result["layout_free"] = None if result.get("elsewhere") else combine_layout_free([partials])
     return result
+
+
+def _summing(
+    layout: _Layout, rank: int, item: str, get: Callable[[str], torch.Tensor], partials: dict[str, list[str]]
+) -> Callable[[str], torch.Tensor]:
+    """``get``, also adding each loaded chunk's layout-free sum to ``partials`` (as the save's pass did)."""
+
+    def fetch(key: str) -> torch.Tensor:
+        t = get(key)
+        box = layout.box(key, rank)
+        assert box is not None
+        gshape = tuple(int(x) for x in layout.tensor_meta(key).size)
+        partials[f"{key}@{box[0]}"] = [item, key, f"{t.dtype}|{gshape}", f"{box_sum(t, box[0], gshape):016x}"]
+        return t
+
+    return fetch
 
 
 def compare(step_dir: Path, recomputed: dict[str, Any]) -> list[str]:
@@ -283,6 +325,17 @@ def compare(step_dir: Path, recomputed: dict[str, Any]) -> list[str]:
         for item, value in sorted(saved.items()):
             if item in now and now[item] != value:
                 problems.append(f"rank {rank} item {item}: restored digest {now[item]} != saved {value}")
+    structure = sorted(n for n in manifest.items if not manifest.digest_covers_bytes(n))
+    if structure and recomputed.get("layout_free") is not None:
+        # Format 3: those items' per-rank digests cover no tensor byte; their layout-free digests do.
+        saved_lf, now_lf = manifest.layout_free or {}, recomputed["layout_free"]
+        for item in structure:
+            a, b = saved_lf.get(item, {}), now_lf.get(item, {})
+            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            if keys:
+                problems.append(f"item {item}: restored layout-free digests differ from the save's for keys {keys[:8]}")
+    elif structure and not recomputed.get("elsewhere"):
+        problems.append(f"items {structure}: their tensor bytes were not compared (no layout-free digests recomputed)")
     return problems
 
 

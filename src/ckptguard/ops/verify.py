@@ -249,7 +249,10 @@ def restore_check(
                     Severity.WARNING,
                     "not-checked",
                     str(step_dir),
-                    f"saved on node-local roots: ranks {elsewhere} are on other nodes' disks, not restored here",
+                    f"saved on node-local roots: ranks {elsewhere} are on other nodes' disks, not restored here"
+                    + ("; the tensor bytes of format-3 tensor items (covered only by their layout-free digests, "
+                       "which need every rank's chunks) were not compared on any rank"
+                       if "layout_free" in result else ""),
                     "run `ckptguard verify --restore` on those nodes too",
                 )
             )
