@@ -9,9 +9,11 @@ and the newest restore's window, and the resumes are still PROVEN.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
+import ckptguard as cg
 from ckptguard._resume import prooflog
 from ckptguard.demo import loops
 from ckptguard.ops.prove import evaluate, passed, verdict
@@ -21,6 +23,13 @@ from ckptguard.testing import run_ranks, values
 def _segment(rank: int, world: int, root: str, steps: int, stop_after: int | None) -> int:
     prooflog.ProofLog.PRUNE_BYTES = 0  # every save prunes (the default waits for 8 MiB of records, then doubling)
     prooflog.ProofLog.PRUNE_GROWTH = 0
+    # Retention also keeps the newest verified step (trust), and pruning then keeps its records too;
+    # this spawned worker pins KeepLast(2) alone, so the expected windows below are KeepLast's.
+    from ckptguard.config import CheckpointConfig
+
+    cg.CheckpointConfig = functools.partial(  # type: ignore[misc]
+        CheckpointConfig, health=cg.HealthPolicy(verify_after=1_000_000)
+    )
     return loops.run(root, steps=steps, save_every=5, stop_after=stop_after)["start"]
 
 

@@ -12,12 +12,14 @@ start costs seconds on 2 cores), and the test SIGKILLs the forked job.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,7 +222,10 @@ def _relaunch_until_done(proc, root: Path, mode: str, kills: int, rng: random.Ra
         launches += 1
         assert launches < kills + 50, "the job never finished"
         if landed < kills and not select.select([proc.stdout], [], [], rng.uniform(*delays))[0]:
-            os.kill(pid, signal.SIGKILL)  # the zygote reaps it only after it died: the pid is still this job's
+            # The zygote reaps it only after it died, so the pid is still this job's; it may have just
+            # finished and been reaped, and then its exit line follows.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         status = int(_line(proc, 60).split()[1])
         if status == -signal.SIGKILL:
             landed += 1
@@ -250,8 +255,15 @@ def _trained_counts(root: Path) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def uninterrupted(zygote, tmp_path_factory):
     root = tmp_path_factory.mktemp("straight") / "ckpt"
+    started = time.monotonic()
     assert _relaunch_until_done(zygote, root, "ledger", 0, random.Random(0), (0, 0)) == 0
+    # Kills land at random moments within an uninterrupted run's length, measured here: a fixed window
+    # would miss a fast machine's runs (they finish before the kill) and bunch up on a slow one.
+    _RUN_SECONDS.append(time.monotonic() - started)
     return _trained_counts(root)
+
+
+_RUN_SECONDS: list[float] = []
 
 
 KILLS_PER_CASE = 25
@@ -260,7 +272,7 @@ KILLS_PER_CASE = 25
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_sigkill_at_random_moments_trains_every_prompt_exactly_once(zygote, uninterrupted, tmp_path, seed):
     assert torch.equal(uninterrupted, torch.ones(job.N_PROMPTS))
-    roots = _runs_with_kills(zygote, tmp_path, "ledger", KILLS_PER_CASE, seed, (0.0, 0.8))
+    roots = _runs_with_kills(zygote, tmp_path, "ledger", KILLS_PER_CASE, seed, (0.0, 0.9 * _RUN_SECONDS[0]))
     for root in roots:
         counts = _trained_counts(root)
         lost, twice = (counts == 0).nonzero().flatten().tolist(), (counts > 1).nonzero().flatten().tolist()
