@@ -36,39 +36,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from bench_train_loop import GPT  # the same model as issue 19's benchmark (this script's folder is on sys.path)
+
 import ckptguard as cg
 
 GiB = 1 << 30
-
-
-class Block(torch.nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-class GPT(torch.nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.emb, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
-        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tok: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tok) + self.pos(torch.arange(tok.shape[1], device=tok.device))
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln(x))
 
 
 class Job:

@@ -34,7 +34,7 @@ from ._resume.expert import ExpertParallel
 from ._resume.prooflog import ProofLog
 from ._resume.trajectory import _scalar, fingerprint
 from .config import CheckpointConfig, ResumeMode
-from .errors import CheckpointError, ConfigError, LeaseHeldError, UnsafeCheckpointError
+from .errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -156,19 +156,9 @@ class CheckpointManager:
         it to the save."""
         if self.config.break_lease:
             return
-
-        def decide(_: list[_Empty]) -> _Empty:
-            if not self.root.is_dir():
-                return _Empty()
-            try:
-                _lease.check_free(self.root, ttl_s=self.config.lease_ttl_s)
-            except LeaseHeldError as exc:
-                if where != "create":
-                    raise
-                log.warning("ckptguard: %s (restore and save will refuse)", exc)
-            return _Empty()
-
-        gather_decide(self._ctx.agreement, f"lease.{where}", _Empty(), decide, decision=_Empty)
+        _lease.check_on_every_rank(
+            self._ctx.agreement, self.root, ttl_s=self.config.lease_ttl_s, where=where, key=f"lease.{where}"
+        )
 
     @property
     def rank(self) -> int:

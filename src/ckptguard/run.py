@@ -42,7 +42,7 @@ from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.restore import Resolution, ResolveView
 from .config import CheckpointConfig, ParallelLayout, ResumeMode
-from .errors import CheckpointError, CheckpointWriteError, ConfigError, LeaseHeldError, error_payload
+from .errors import CheckpointError, CheckpointWriteError, ConfigError, error_payload
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -75,11 +75,6 @@ class Role:
             if len(set(ranks)) != len(ranks):
                 raise ConfigError(f"Role({self.name!r}, ranks={self.ranks!r}): a rank is listed twice")
             object.__setattr__(self, "ranks", tuple(sorted(ranks)))
-
-
-@dataclass(frozen=True)
-class _Empty(Wire):
-    """A rank's part of an agreement where only rank 0 acts."""
 
 
 @dataclass(frozen=True)
@@ -431,16 +426,6 @@ class RunCheckpoint:
         creation and a refusal on every rank at restore."""
         if self.config.break_lease:
             return
-
-        def decide(_: list[_Empty]) -> _Empty:
-            if not self.root.is_dir():
-                return _Empty()
-            try:
-                _lease.check_free(self.root, ttl_s=self.config.lease_ttl_s)
-            except LeaseHeldError as exc:
-                if where != "create":
-                    raise
-                log.warning("ckptguard: %s (restore and save will refuse)", exc)
-            return _Empty()
-
-        gather_decide(self._run.agreement, f"run.lease.{where}", _Empty(), decide, decision=_Empty)
+        _lease.check_on_every_rank(
+            self._run.agreement, self.root, ttl_s=self.config.lease_ttl_s, where=where, key=f"run.lease.{where}"
+        )

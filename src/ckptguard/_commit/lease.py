@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .._dist import Agreement, Wire, gather_decide
 from ..errors import CheckpointCorruptError, LeaseHeldError
 from .layout import _proc_start, atomic_write_bytes, fsync_dir, parse_json, read_small
 
@@ -346,3 +347,28 @@ def _release_at_exit(path: Path, me: Owner) -> None:
                 path.unlink()
 
     atexit.register(release)
+
+
+@dataclass(frozen=True)
+class _Nothing(Wire):
+    """A rank's part of an agreement where only rank 0 acts."""
+
+
+def check_on_every_rank(agreement: Agreement, root: Path, *, ttl_s: float, where: str, key: str) -> None:
+    """Rank 0 looks for another live run holding ``root``'s write lease, and never writes: at
+    creation (``where="create"``) a loud warning (a manager that only reads stays usable),
+    elsewhere a LeaseHeldError on every rank, so a duplicate launch stops before its first
+    training step instead of at its first save."""
+
+    def decide(_: list[_Nothing]) -> _Nothing:
+        if not root.is_dir():
+            return _Nothing()
+        try:
+            check_free(root, ttl_s=ttl_s)
+        except LeaseHeldError as exc:
+            if where != "create":
+                raise
+            log.warning("ckptguard: %s (restore and save will refuse)", exc)
+        return _Nothing()
+
+    gather_decide(agreement, key, _Nothing(), decide, decision=_Nothing)
