@@ -286,9 +286,10 @@ def _hint(
                 "stream replayed, typically a sampler whose torch.Generator is not in the state; add "
                 "state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)")
     more = " (with more replayed steps, ProofPlan(replay_steps=2), the gate tells which)" if len(ref) < 2 else ""
-    return ("The state usually lacks one of: a batch drawn before the save point (prefetch: save it as PerRank), "
-            "a sampler's torch.Generator (GeneratorState), a data iterator's position (a loader without "
-            f"state_dict/load_state_dict){more}")
+    return ("The state usually lacks one of: a batch drawn before the save point (a prefetch: "
+            "state['prefetched'] = ckptguard.PerRank(batch)), a sampler's torch.Generator "
+            "(state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)), a data iterator's position "
+            f"(a loader without state_dict/load_state_dict){more}")
 
 
 def _reference(
