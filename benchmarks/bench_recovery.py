@@ -21,7 +21,6 @@ on the local disk. Measured in one run:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -32,44 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_train_loop import GPT  # the same model as issue 19's benchmark (this script's folder is on sys.path)
+from bench_train_loop import Job  # the same model as issue 19's benchmark (this script's folder is on sys.path)
 
 import ckptguard as cg
 
 GiB = 1 << 30
-
-
-class Job:
-    def __init__(self, a: argparse.Namespace, device: torch.device) -> None:
-        torch.manual_seed(0)
-        self.device = device
-        self.model = GPT(a.vocab, a.d_model, a.layers, a.heads, a.seq).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        gen = torch.Generator().manual_seed(1)
-        self.tok = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=gen).to(device)
-
-    def step(self) -> float:
-        self.opt.zero_grad(set_to_none=True)
-        ctx = torch.autocast("cuda", torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
-        with ctx:
-            logits = self.model(self.tok[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.tok[:, 1:].reshape(-1))
-        loss.backward()
-        self.opt.step()
-        return float(loss.item())  # a real loop logs its loss: the step ends on the host
-
-    def state(self) -> dict[str, Any]:
-        return {"model": self.model, "optim": self.opt}
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = dict(self.model.state_dict())
-        for i, s in self.opt.state_dict()["state"].items():
-            out.update({f"o.{i}.{k}": v for k, v in s.items() if torch.is_tensor(v)})
-        return out
 
 
 def sync(device: torch.device) -> None:
@@ -160,7 +129,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     for d in (a.fast_dir, a.persistent_dir):
         shutil.rmtree(d, ignore_errors=True)
-    job = Job(a, device)
+    job = Job(a, device, seed=0)
     for _ in range(a.warmup):
         job.step()
     nbytes = sum(t.numel() * t.element_size() for t in job.tensors().values())
