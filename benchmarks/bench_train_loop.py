@@ -32,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -541,7 +542,8 @@ def cg_restore(root: Path, job: Job, threads: int, buffer_mib: int = 0, pool_mib
     from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
 
     sizes = {"buffer_bytes": buffer_mib << 20, "pool_bytes": pool_mib << 20} if buffer_mib and pool_mib else {}
-    storage = StreamingStorage(StreamingConfig(read_threads=threads, **sizes))
+    threads_kw = {"read_threads": threads} if threads else {}
+    storage = StreamingStorage(StreamingConfig(**threads_kw, **sizes))
     cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None), storage=storage).restore(job.state())
     stats = storage.last_stats
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(stats).items()} if stats else {}
@@ -619,7 +621,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=45, help="steps between saves")
     ap.add_argument("--saves", type=int, default=3, help="saves per method")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--read-threads", type=int, default=2, help="StreamingConfig.read_threads of ckptguard's restores")
+    ap.add_argument("--read-threads", type=int, default=0,
+                    help="StreamingConfig.read_threads of ckptguard's restores (0: the library's default)")
     ap.add_argument("--alt-read", default="1:32:256",
                     help="cg_sync also restores with each of these read settings, comma-separated "
                     "threads:buffer MiB:pool MiB ('': none)")
@@ -666,6 +669,8 @@ def main() -> None:
                 raise
             failed.append(name)
             res.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:2000]
+            res.setdefault("tracebacks", {})[name] = traceback.format_exc()[-6000:]
+            traceback.print_exc()
             shutil.rmtree(a.dir / name, ignore_errors=True)
         if rank() == 0:
             print(f"{name}: {json.dumps(res['methods'].get(name, res.get('errors', {}).get(name)))[:600]}", flush=True)

@@ -117,6 +117,35 @@ def read_into(fd: int, view: memoryview, path: str, offset: int) -> None:
         done += n
 
 
+def read_scattered(fd: int, views: list[memoryview], path: str, offset: int) -> None:
+    """Fill ``views`` in order from the contiguous file range starting at ``offset`` (preadv)."""
+    views = [v for v in views if len(v)]
+    pos, i = offset, 0
+    while i < len(views):
+        try:
+            n = _preadv(fd, views[i:], pos)
+        except OSError as exc:
+            left = sum(len(v) for v in views[i:])
+            raise io_error(exc.errno or _errno.EIO, "read of", path, offset=pos, requested=left, returned=-1) from exc
+        if n == 0:
+            left = sum(len(v) for v in views[i:])
+            raise io_error(
+                _errno.EIO,
+                "read of",
+                path,
+                offset=pos,
+                requested=left,
+                returned=0,
+                cause="the file ends before the bytes its DCP metadata points at; it was truncated",
+            )
+        pos += n
+        while i < len(views) and n >= len(views[i]):  # a short read continues inside the view it stopped in
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+
+
 def _load_sync_file_range() -> Any:
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range

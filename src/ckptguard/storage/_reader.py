@@ -1,15 +1,27 @@
 """DCP items into their target tensors through the pool, with no full host copy.
 
-Contract: for each ``ReadItem`` of this rank, the tensor record is located inside the
-item's ``torch.save`` archive (``_fastio_format.read_record``: nothing is unpickled but a
-descriptor), and exactly the requested box of the saved tensor is copied into the
-target, CPU or GPU, in file spans of at most one pool buffer. A prefetch thread preads
-the next spans while the caller's thread copies the previous one to the target (on a
-side stream, asynchronously, for a GPU target); with ``threads`` > 1, that many threads
-pread interleaved spans, so the disk sees several requests at once. Host memory: the pool, plus items of at
-most ``SMALL_ITEM`` bytes read whole. Items written by plain ``dcp.save`` read the same,
-whatever their strides. Targets come from the planner's ``resolve_tensor`` up front, as
-DCP's default planner returns views of the state; ``commit_tensor`` follows the copies.
+Contract: for each ``ReadItem`` of this rank, exactly the requested box of the saved tensor
+is copied into the target, CPU or GPU, and nothing is unpickled but a descriptor. Where
+an item's tensor record lies comes from one of two places:
+
+- an item as long as ``item_frame(chunk shape, dtype)`` (ckptguard's writer, and plain
+  ``dcp.save`` of a compact tensor) is read as that frame says, and the frame's head (zip
+  header, ``data.pkl`` with dtype, shape and strides, the data record's header: all that
+  places the bytes), which arrives with the data, must equal the frame's byte for byte;
+  an item whose head differs (a strided view saved by plain DCP, another torch's writer)
+  is parsed and read again, over what the guess wrote. The tail (CRCs, central directory)
+  places nothing; the file digests of ``verify`` cover it;
+- any other item: its archive is parsed (``_format.read_record``) before the read.
+
+The bytes move in spans: neighbouring pieces of one file (frames, tensor blocks, small
+items, gaps of at most ``MERGE_GAP``) read by one ``preadv`` into one pool buffer, each
+piece at a 64-byte aligned place in it, so a load issues requests of about a buffer's
+size whatever the tensors' sizes. ``threads`` threads take the spans in file order from
+one queue (the disk sees that many requests at once, close together) while the caller's
+thread copies finished spans to the targets (on a side stream, asynchronously, for a GPU
+target). Host memory: the pool. Targets come from the planner's ``resolve_tensor`` up
+front, as DCP's default planner returns views of the state; ``commit_tensor`` follows the
+copies.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,23 +43,41 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from ..errors import CheckpointCorruptError, StateMismatchError, StorageStallError, UnsafeCheckpointError
-from ._format import FileSlice, Record, read_record
-from ._pool import BufferPool, IOStats, drop_cached, read_into
+from ._format import FileSlice, Frame, Record, item_frame, read_record
+from ._pool import BufferPool, IOStats, drop_cached, read_into, read_scattered
 
-SMALL_ITEM = 64 << 10  # items up to this size are read whole: one pread instead of a dozen
+SMALL_ITEM = 64 << 10  # items up to this size are read whole and parsed from the span's bytes
+MERGE_GAP = 256 << 10  # bytes no item asks for that a span reads through rather than start another request
+_ALIGN = 64  # where each piece starts in a buffer: any dtype's view of it is aligned
+_MAX_PIECES = 500  # per span: with a gap before each, preadv gets at most IOV_MAX (1024) buffers
 
 
 @dataclass(frozen=True)
-class _Job:
+class _Piece:
+    """A range of one file and what to do with its bytes once read."""
+
+    pos: int
+    nbytes: int
+    kind: str  # "copy" (a block of a tensor), "check" (frame bytes to compare), "small" (a whole small item)
+    item: int  # index into the plan's items: a failed check re-reads that item
+    dest: Any = None
+    dtype: Any = None
+    size: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    rec: Record | None = None
+    expected: bytes = b""
+    req: Any = None
+    where: str = ""
+
+
+@dataclass
+class _Span:
     fd: int
     path: str
-    file_pos: int
-    nbytes: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dest: torch.Tensor
-    rec: Record
+    pos: int
+    end: int = 0
+    pieces: list[tuple[_Piece, int]] = field(default_factory=list)  # (piece, its place in the buffer)
+    used: int = 0  # buffer bytes taken so far
 
 
 def _extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
@@ -81,6 +111,29 @@ def file_blocks(
         yield from file_blocks(sub_size, sub_stride, offset + a * stride[d], dest.select(d, a), limit)
 
 
+def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(size):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def _chunk_of(metadata: Any, index: Any) -> Any:
+    """The saved chunk (offsets, sizes) and properties that a ReadItem's storage index names, or None."""
+    entry = getattr(metadata, "state_dict_metadata", {}).get(index.fqn) if metadata is not None else None
+    chunks = getattr(entry, "chunks", None)
+    if not chunks or index.offset is None:
+        return None
+    hint = index.index
+    if hint is not None and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == tuple(index.offset):
+        return entry, chunks[hint]
+    for chunk in chunks:
+        if tuple(chunk.offsets) == tuple(index.offset):
+            return entry, chunk
+    return None
+
+
 class ItemReader:
     """Reads one rank's share of a DCP checkpoint into the planner's tensors."""
 
@@ -91,12 +144,27 @@ class ItemReader:
         self._stream: Any = None
         self._error: BaseException | None = None
         self._cancel = threading.Event()
+        self._failed_checks: set[int] = set()
 
-    def read(self, state_dir: Path, items: list[Any], storage_data: dict[Any, Any], planner: Any) -> None:
+    def read(
+        self, state_dir: Path, items: list[Any], storage_data: dict[Any, Any], planner: Any, metadata: Any = None
+    ) -> None:
         fds: dict[str, int] = {}
         try:
-            jobs, commits = self._plan(state_dir, items, storage_data, planner, fds)
-            self._run(jobs)
+            ordered = sorted(
+                items,
+                key=lambda r: (storage_data[r.storage_index].relative_path, storage_data[r.storage_index].offset),
+            )
+            pieces, commits = self._plan(state_dir, ordered, storage_data, planner, fds, metadata)
+            self._run(self._spans(pieces))
+            if self._failed_checks:
+                # Items whose bytes are not ckptguard's frame (plain dcp.save, another torch's
+                # writer): parse their archives and read them again over what the guess wrote.
+                again = [ordered[i] for i in sorted(self._failed_checks)]
+                self._failed_checks.clear()
+                self._cancel.clear()
+                redo, _ = self._plan(state_dir, again, storage_data, planner, fds, None)
+                self._run(self._spans(redo))
             for req, dest in commits:
                 planner.commit_tensor(req, dest)
         finally:
@@ -130,14 +198,18 @@ class ItemReader:
         return fds[rel], path
 
     def _plan(
-        self, state_dir: Path, items: list[Any], storage_data: dict[Any, Any], planner: Any, fds: dict[str, int]
-    ) -> tuple[list[_Job], list[tuple[Any, torch.Tensor]]]:
-        jobs: list[_Job] = []
+        self,
+        state_dir: Path,
+        ordered: list[Any],
+        storage_data: dict[Any, Any],
+        planner: Any,
+        fds: dict[str, int],
+        metadata: Any,
+    ) -> tuple[list[tuple[int, str, _Piece]], list[tuple[Any, torch.Tensor]]]:
+        pieces: list[tuple[int, str, _Piece]] = []
         commits: list[tuple[Any, torch.Tensor]] = []
-        ordered = sorted(
-            items, key=lambda r: (storage_data[r.storage_index].relative_path, storage_data[r.storage_index].offset)
-        )
-        for req in ordered:
+        limit_bytes = self._pool.size - _ALIGN
+        for n, req in enumerate(ordered):
             info = storage_data[req.storage_index]
             fd, path = self._open(state_dir, info.relative_path, fds)
             where = f"{path} item {req.storage_index.fqn!r} at offset {info.offset}"
@@ -152,21 +224,65 @@ class ItemReader:
             dest = planner.resolve_tensor(req).detach()
             if tuple(dest.shape) != tuple(req.lengths):
                 raise StateMismatchError(f"{where}: target shape {tuple(dest.shape)} != requested {tuple(req.lengths)}")
-            if info.length <= SMALL_ITEM:
-                self._read_small(fd, path, info, req, dest, where)
-                commits.append((req, dest))
+            commits.append((req, dest))
+            if info.length <= min(SMALL_ITEM, limit_bytes):  # read whole, in one buffer with its neighbours
+                pieces.append((fd, path, _Piece(info.offset, info.length, "small", n, dest=dest, req=req, where=where)))
                 continue
-            rec = read_record(FileSlice(fd, info.offset, info.length), where)
+            guess = self._guess(metadata, req, info)
+            if guess is not None:
+                rec, frame = guess
+                pieces.append((fd, path, _Piece(info.offset, len(frame.head), "check", n, expected=frame.head)))
+            else:
+                rec = read_record(FileSlice(fd, info.offset, info.length), where)
+                _check_box(rec.size, rec.stride, req, where)
             offset = rec.storage_offset + sum(o * s for o, s in zip(req.storage_offsets, rec.stride, strict=True))
             item_pos = info.offset + rec.data_offset
             isz = rec.dtype.itemsize
-            _check_box(rec.size, rec.stride, req, where)
             for first, extent, size, stride, view in file_blocks(
-                tuple(req.lengths), rec.stride, offset, dest, self._pool.size // isz
+                tuple(req.lengths), rec.stride, offset, dest, limit_bytes // isz
             ):
-                jobs.append(_Job(fd, path, item_pos + first * isz, extent * isz, rec.dtype, size, stride, view, rec))
-            commits.append((req, dest))
-        return jobs, commits
+                piece = _Piece(item_pos + first * isz, extent * isz, "copy", n, dest=view, dtype=rec.dtype,
+                               size=size, stride=stride, rec=rec)
+                pieces.append((fd, path, piece))
+        return pieces, commits
+
+    def _guess(self, metadata: Any, req: Any, info: Any) -> tuple[Record, Frame] | None:
+        """The record ckptguard's writer gives this item, if its length is that frame's; else None."""
+        found = _chunk_of(metadata, req.storage_index)
+        if found is None:
+            return None
+        entry, chunk = found
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            return None
+        size = tuple(int(x) for x in chunk.sizes)
+        frame = item_frame(size, dtype)
+        if frame.size != info.length or len(frame.head) > self._pool.size - _ALIGN:
+            return None
+        rec = Record(data_offset=len(frame.head), dtype=dtype, storage_offset=0, size=size, stride=_contiguous(size))
+        try:
+            _check_box(rec.size, rec.stride, req, "")
+        except CheckpointCorruptError:
+            return None  # the parsed record decides, and names the item
+        return rec, frame
+
+    def _spans(self, pieces: list[tuple[int, str, _Piece]]) -> list[_Span]:
+        """Neighbouring pieces of one file grouped into spans that fit one buffer each."""
+        spans: list[_Span] = []
+        cur: _Span | None = None
+        for fd, path, piece in pieces:
+            end = piece.pos + piece.nbytes
+            if cur is not None and cur.fd == fd and cur.end <= piece.pos <= cur.end + MERGE_GAP \
+                    and len(cur.pieces) < _MAX_PIECES:
+                gap = piece.pos - cur.end
+                place = -(-(cur.used + gap) // _ALIGN) * _ALIGN
+                if place + piece.nbytes <= self._pool.size:
+                    cur.pieces.append((piece, place))
+                    cur.used, cur.end = place + piece.nbytes, end
+                    continue
+            cur = _Span(fd, path, piece.pos, end, [(piece, 0)], piece.nbytes)
+            spans.append(cur)
+        return spans
 
     def _pread(self, fd: int, path: str, offset: int, length: int) -> bytearray:
         data = bytearray(length)
@@ -174,10 +290,10 @@ class ItemReader:
         self._stats.bytes += length
         return data
 
-    def _read_small(self, fd: int, path: str, info: Any, req: Any, dest: torch.Tensor, where: str) -> None:
-        data = self._pread(fd, path, info.offset, info.length)
-        rec = read_record(io.BytesIO(data), where)
-        _check_box(rec.size, rec.stride, req, where)
+    def _copy_small(self, data: bytearray, piece: _Piece) -> None:
+        rec = read_record(io.BytesIO(data), piece.where)
+        req, dest = piece.req, piece.dest
+        _check_box(rec.size, rec.stride, req, piece.where)
         if rec.dtype.itemsize == 0 or dest.numel() == 0:
             return
         raw = torch.frombuffer(data, dtype=torch.uint8)[rec.data_offset :]
@@ -191,16 +307,18 @@ class ItemReader:
 
     # ------------------------------------------------------------ streaming
 
-    def _run(self, jobs: list[_Job]) -> None:
-        if not jobs:
+    def _run(self, spans: list[_Span]) -> None:
+        if not spans:
             return
-        ready: queue.Queue[tuple[_Job, Any] | None] = queue.Queue()
-        # Several preads in flight (interleaved spans of the same files): one at a time left a
-        # virtual disk's queue mostly empty and the load below its sequential read speed.
-        count = min(self._threads, len(jobs), max(1, self._pool.count - 1))
+        todo: queue.Queue[_Span] = queue.Queue()
+        for span in spans:
+            todo.put(span)  # in file order: the threads read close together, the disk sees neighbours
+        ready: queue.Queue[tuple[_Span, Any] | None] = queue.Queue()
+        # Several preads in flight: one at a time left a virtual disk's queue mostly empty and
+        # the load below its sequential read speed.
+        count = min(self._threads, len(spans), max(1, self._pool.count - 1))
         threads = [
-            threading.Thread(target=self._prefetch, args=(jobs[i::count], ready), name=f"ckptguard-read-{i}",
-                             daemon=True)
+            threading.Thread(target=self._prefetch, args=(todo, ready), name=f"ckptguard-read-{i}", daemon=True)
             for i in range(count)
         ]
         for thread in threads:
@@ -213,14 +331,13 @@ class ItemReader:
                 if got is None:
                     ended += 1
                     continue
-                job, buf = got
-                src = job.rec.logical(buf.tensor[: job.nbytes].view(job.dtype).as_strided(job.size, job.stride, 0))
-                if job.dest.device.type == "cuda":
-                    pending.append((self._copy_to_cuda(job.dest, src), buf))
-                    while len(pending) > 1:  # one H2D in flight; the prefetch threads keep the rest
+                span, buf = got
+                event = self._deliver(span, buf)
+                if event is not None:
+                    pending.append((event, buf))
+                    while len(pending) > 1:  # one span's H2D in flight; the prefetch threads keep the rest
                         self._release(*pending.popleft())
                 else:
-                    job.dest.copy_(src)
                     self._pool.put(buf)
             while pending:
                 self._release(*pending.popleft())
@@ -239,7 +356,29 @@ class ItemReader:
         if self._error is not None:
             raise self._error
 
-    def _next(self, ready: queue.Queue[tuple[_Job, Any] | None]) -> Any:
+    def _deliver(self, span: _Span, buf: Any) -> Any:
+        """Each piece of a read span to its place; the event of the span's H2D copies, if any."""
+        event = None
+        for piece, at in span.pieces:
+            if piece.item in self._failed_checks:
+                continue  # read again after this pass
+            if piece.kind == "check":
+                if buf.view[at : at + piece.nbytes] != piece.expected:
+                    self._failed_checks.add(piece.item)
+                continue
+            if piece.kind == "small":
+                self._copy_small(bytearray(buf.view[at : at + piece.nbytes]), piece)
+                continue
+            raw = buf.tensor[at : at + piece.nbytes].view(piece.dtype)
+            assert piece.rec is not None
+            src = piece.rec.logical(raw.as_strided(piece.size, piece.stride, raw.storage_offset()))
+            if piece.dest.device.type == "cuda":
+                event = self._copy_to_cuda(piece.dest, src)
+            else:
+                piece.dest.copy_(src)
+        return event
+
+    def _next(self, ready: queue.Queue[tuple[_Span, Any] | None]) -> Any:
         t0 = time.perf_counter()
         try:
             got = ready.get(timeout=self._pool.timeout_s)
@@ -264,10 +403,10 @@ class ItemReader:
         return event
 
     def _release(self, event: Any, buf: Any) -> None:
-        event.synchronize()  # the buffer is reused only after its H2D copy has read it
+        event.synchronize()  # the buffer is reused only after its H2D copies have read it
         self._pool.put(buf)
 
-    def _drain(self, ready: queue.Queue[tuple[_Job, Any] | None]) -> None:
+    def _drain(self, ready: queue.Queue[tuple[_Span, Any] | None]) -> None:
         while True:
             try:
                 got = ready.get_nowait()
@@ -276,28 +415,44 @@ class ItemReader:
             if got is not None:
                 self._pool.put(got[1])
 
-    def _prefetch(self, jobs: list[_Job], ready: queue.Queue[tuple[_Job, Any] | None]) -> None:
+    def _prefetch(self, todo: queue.Queue[_Span], ready: queue.Queue[tuple[_Span, Any] | None]) -> None:
         try:
-            for job in jobs:
-                if self._cancel.is_set():
+            while not self._cancel.is_set():
+                try:
+                    span = todo.get_nowait()
+                except queue.Empty:
                     break
-                buf = self._pool.get(f"reading {job.path} at offset {job.file_pos}")
+                buf = self._pool.get(f"reading {span.path} at offset {span.pos}")
                 t0 = time.perf_counter()
                 try:
-                    read_into(job.fd, buf.view[: job.nbytes], job.path, job.file_pos)
+                    read_scattered(span.fd, _views(span, buf), span.path, span.pos)
                 except BaseException:
                     self._pool.put(buf)
                     raise
                 with self._lock:
                     self._stats.io_seconds += time.perf_counter() - t0
-                    self._stats.bytes += job.nbytes
-                ready.put((job, buf))
+                    self._stats.bytes += span.end - span.pos
+                ready.put((span, buf))
         except BaseException as exc:
             with self._lock:
                 if self._error is None:
                     self._error = exc
         finally:
             ready.put(None)
+
+
+def _views(span: _Span, buf: Any) -> list[memoryview]:
+    """The buffer ranges one preadv of the span's file range fills: pieces at their places, gaps between."""
+    views: list[memoryview] = []
+    pos, used = span.pos, 0
+    for piece, at in span.pieces:
+        if piece.pos > pos:  # bytes nobody asked for: into the padding before this piece's place
+            gap = piece.pos - pos
+            views.append(buf.view[used : used + gap])
+            used += gap
+        views.append(buf.view[at : at + piece.nbytes])
+        pos, used = piece.pos + piece.nbytes, at + piece.nbytes
+    return views
 
 
 def _check_box(size: tuple[int, ...], stride: tuple[int, ...], req: Any, where: str) -> None:

@@ -77,9 +77,11 @@ class StreamingConfig:
     writeback_bytes: int | None = 1 << 30
     """fdatasync (and drop) every this many bytes while writing; None: only the final fsync."""
     read_threads: int = 1
-    """Threads that pread a load's spans at once, each into its own pool buffer (at most buffer_count - 1 run,
-    so one buffer is always free for the copy to the target). 1 (one request at a time) reads the H200
-    machine's local disk as fast as 2 did (4.20 s vs 4.17 s for 6.2 GiB); more can help a network filesystem."""
+    """Threads that read a load's spans at once, each into its own pool buffer (at most buffer_count - 1 run,
+    so one buffer is always free for the copy to the target); they take the spans in file order. On the H200
+    machine's virtual disk (benchmarks/results/read_h200.md) 1 thread read a 6.2 GiB checkpoint at 0.95x the
+    disk's own 64 MiB sequential reads and 4 at 0.88x on one machine, 4 faster than 1 on another: more can
+    help a network filesystem or a disk that wants a deep queue; measure before raising it."""
     stall_timeout_s: float = 600.0
     """Longest wait for a free buffer or an I/O thread before raising StorageStallError (a TimeoutError)."""
 
@@ -277,6 +279,11 @@ class _StreamingReader(FileSystemReader):
     def __init__(self, path: Path, storage: StreamingStorage, stats: IOStats, *, pin: bool) -> None:
         super().__init__(path)
         self._storage, self._stats, self._pin = storage, stats, pin
+        self._metadata: Metadata | None = None
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata  # chunk shapes and dtypes: the reader knows each item's frame from them
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return read_dcp_metadata(Path(self.path))
@@ -286,7 +293,7 @@ class _StreamingReader(FileSystemReader):
             self._stats.pool_bytes = pool.allocated_bytes
             cfg = self._storage.config
             reader = ItemReader(pool, self._stats, drop_cache=cfg.drop_page_cache, threads=cfg.read_threads)
-            reader.read(Path(self.path), plan.items, self.storage_data, planner)
+            reader.read(Path(self.path), plan.items, self.storage_data, planner, self._metadata)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
