@@ -122,6 +122,11 @@ class Job:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
+def _plain(x: Any) -> Any:
+    """Dicts (OrderedDicts and other subclasses too) as plain dicts, all the way down."""
+    return {k: _plain(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -284,6 +289,7 @@ class DcpMethod(Method):
         self.response: Any = None
         self.stager: Any = None
         self.staging_waits: list[float] = []
+        self.reuse_stager = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
         self.pg = None
         if dist.is_initialized():
             self.pg = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=1800))
@@ -292,9 +298,10 @@ class DcpMethod(Method):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         m, o = get_state_dict(job.model, job.opt)
-        # The tensors only: torch 2.11's DefaultStager deep-copies the dict and fails on the
-        # optimizer's param_groups (KeyError: <class 'type'>); the hyperparameters are the run's own.
-        return {"model": m, "optim": {"state": o["state"]}}
+        # The tensors only, in plain dicts: torch 2.11's DefaultStager deep-copies the state and fails
+        # on any object it must rebuild from a class (KeyError: <class 'type'>); the hyperparameters
+        # are the run's own.
+        return _plain({"model": m, "optim": {"state": o["state"]}})
 
     def save(self, step: int) -> float:
         import torch.distributed.checkpoint as dcp
@@ -311,7 +318,12 @@ class DcpMethod(Method):
             return time.perf_counter() - t
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        if self.stager is None:  # one stager: its pinned buffers are reused by every save
+        if self.stager is None or not self.reuse_stager:
+            # One stager, whose pinned buffers every save reuses, where torch allows: 2.11's fails on
+            # its second save (KeyError: <class 'type'> in its deep copy), so there each save gets a
+            # new one and pins its buffers anew (what a 2.11 user of DefaultStager gets).
+            if self.stager is not None:
+                self.stager.close()
             cuda = torch.cuda.is_available()
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                        use_async_staging=True, use_non_blocking_copy=cuda))

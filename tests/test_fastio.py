@@ -302,6 +302,20 @@ def test_many_small_tensors_are_read_in_buffer_sized_requests(tmp_path, monkeypa
     assert calls["n"] <= size // (1 << 20) + 4, f"{calls['n']} reads of a {size} B file"
 
 
+def test_several_read_threads_each_read_a_stretch_and_close_their_files(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    state = {f"w{i}": torch.randn(50_000 + i, generator=g) for i in range(12)}
+    StreamingStorage(SMALL).write(tmp_path, state, CTX)
+    before = len(os.listdir("/proc/self/fd"))
+    for threads in (1, 2, 3):
+        out = _zeros(state)
+        StreamingStorage(StreamingConfig(pool_bytes=4 * BUF, buffer_bytes=BUF, read_threads=threads)).read(
+            tmp_path, out, CTX
+        )
+        assert all(_bitwise(out[k], state[k]) for k in state), threads
+    assert len(os.listdir("/proc/self/fd")) == before, "a reader thread left a file open"
+
+
 def test_a_short_read_continues_inside_a_span(tmp_path, monkeypatch):
     state = _state()
     StreamingStorage(SMALL).write(tmp_path, state, CTX)

@@ -16,9 +16,9 @@ an item's tensor record lies comes from one of two places:
 The bytes move in spans: neighbouring pieces of one file (frames, tensor blocks, small
 items, gaps of at most ``MERGE_GAP``) read by one ``preadv`` into one pool buffer, each
 piece at a 64-byte aligned place in it, so a load issues requests of about a buffer's
-size whatever the tensors' sizes. ``threads`` threads take the spans in file order from
-one queue (the disk sees that many requests at once, close together) while the caller's
-thread copies finished spans to the targets (on a side stream, asynchronously, for a GPU
+size whatever the tensors' sizes. ``threads`` threads each read one contiguous stretch of
+the spans through an open file of their own (the disk sees that many sequential streams)
+while the caller's thread copies finished spans to the targets (on a side stream, asynchronously, for a GPU
 target). Host memory: the pool. Targets come from the planner's ``resolve_tensor`` up
 front, as DCP's default planner returns views of the state; ``commit_tensor`` follows the
 copies.
@@ -310,17 +310,17 @@ class ItemReader:
     def _run(self, spans: list[_Span]) -> None:
         if not spans:
             return
-        todo: queue.Queue[_Span] = queue.Queue()
-        for span in spans:
-            todo.put(span)  # in file order: the threads read close together, the disk sees neighbours
         ready: queue.Queue[tuple[_Span, Any] | None] = queue.Queue()
-        # Several preads in flight: one at a time left a virtual disk's queue mostly empty and
-        # the load below its sequential read speed.
+        # Several reads in flight, each thread one contiguous stretch of the spans through its own
+        # open file (its own readahead): threads interleaving spans of one descriptor read no faster
+        # than one thread (benchmarks/results/read_h200.md).
         count = min(self._threads, len(spans), max(1, self._pool.count - 1))
         threads = [
-            threading.Thread(target=self._prefetch, args=(todo, ready), name=f"ckptguard-read-{i}", daemon=True)
-            for i in range(count)
+            threading.Thread(target=self._prefetch, args=(part, ready, count > 1), name=f"ckptguard-read-{i}",
+                             daemon=True)
+            for i, part in enumerate(_stretches(spans, count))
         ]
+        count = len(threads)
         for thread in threads:
             thread.start()
         pending: collections.deque[tuple[Any, Any]] = collections.deque()
@@ -415,20 +415,26 @@ class ItemReader:
             if got is not None:
                 self._pool.put(got[1])
 
-    def _prefetch(self, todo: queue.Queue[_Span], ready: queue.Queue[tuple[_Span, Any] | None]) -> None:
+    def _prefetch(self, spans: list[_Span], ready: queue.Queue[tuple[_Span, Any] | None], own: bool) -> None:
+        mine: dict[int, int] = {}
         try:
-            while not self._cancel.is_set():
-                try:
-                    span = todo.get_nowait()
-                except queue.Empty:
+            for span in spans:
+                if self._cancel.is_set():
                     break
+                fd = span.fd
+                if own:
+                    if span.fd not in mine:
+                        mine[span.fd] = _reopen(span.fd)
+                    fd = mine[span.fd]
                 buf = self._pool.get(f"reading {span.path} at offset {span.pos}")
                 t0 = time.perf_counter()
                 try:
-                    read_scattered(span.fd, _views(span, buf), span.path, span.pos)
+                    read_scattered(fd, _views(span, buf), span.path, span.pos)
                 except BaseException:
                     self._pool.put(buf)
                     raise
+                if self._drop:
+                    drop_cached(fd, span.pos, span.end - span.pos)  # in our buffer now: no page cache kept
                 with self._lock:
                     self._stats.io_seconds += time.perf_counter() - t0
                     self._stats.bytes += span.end - span.pos
@@ -438,7 +444,32 @@ class ItemReader:
                 if self._error is None:
                     self._error = exc
         finally:
+            for shared, fd in mine.items():
+                if fd != shared:
+                    os.close(fd)
             ready.put(None)
+
+
+def _reopen(fd: int) -> int:
+    """A second open file of the same inode (its own file position and readahead), else fd itself."""
+    try:
+        # Through /proc/self/fd: the same file the checks accepted, not whatever the path names now.
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return fd
+
+
+def _stretches(spans: list[_Span], count: int) -> list[list[_Span]]:
+    """The spans in ``count`` contiguous runs of about equal bytes, in file order."""
+    if count <= 1:
+        return [spans]
+    total = sum(s.end - s.pos for s in spans)
+    parts: list[list[_Span]] = [[] for _ in range(count)]
+    done = 0
+    for span in spans:
+        parts[min(count - 1, done * count // max(total, 1))].append(span)
+        done += span.end - span.pos
+    return [p for p in parts if p]
 
 
 def _views(span: _Span, buf: Any) -> list[memoryview]:

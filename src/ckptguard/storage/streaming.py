@@ -76,12 +76,11 @@ class StreamingConfig:
     """posix_fadvise(DONTNEED) the files once synced, so the save/load does not leave page cache behind."""
     writeback_bytes: int | None = 1 << 30
     """fdatasync (and drop) every this many bytes while writing; None: only the final fsync."""
-    read_threads: int = 1
-    """Threads that read a load's spans at once, each into its own pool buffer (at most buffer_count - 1 run,
-    so one buffer is always free for the copy to the target); they take the spans in file order. On the H200
-    machine's virtual disk (benchmarks/results/read_h200.md) 1 thread read a 6.2 GiB checkpoint at 0.95x the
-    disk's own 64 MiB sequential reads and 4 at 0.88x on one machine, 4 faster than 1 on another: more can
-    help a network filesystem or a disk that wants a deep queue; measure before raising it."""
+    read_threads: int = 4
+    """Threads that read a load's spans at once, each one contiguous stretch through its own open file and
+    into its own pool buffers (at most buffer_count - 1 run, so one buffer is always free for the copy to
+    the target). On the H200 machine's virtual disk (benchmarks/results/read_h200.md) a 6.2 GiB restore ran
+    at 1.00x the disk's own 64 MiB sequential reads with 4, 0.95x with 2 and 0.86x with 1."""
     stall_timeout_s: float = 600.0
     """Longest wait for a free buffer or an I/O thread before raising StorageStallError (a TimeoutError)."""
 
