@@ -1,0 +1,242 @@
+"""RunCheckpoint against the single-manager API, on 2 real gloo ranks: an actor on ranks {0,1}, a
+critic on rank 1 and a driver on rank 0.
+
+- Healthy steps: a NaN loss on the critic's rank skips the save on every rank of every role; the
+  trust record of the run promotes the older step; ``prefer="verified"`` resumes it on every role.
+- Operator commands on the run root: ``prove`` (per-role gates, one run-step gate), ``preflight``
+  (per-role placement, a step missing a role is NOT READY naming it), ``status``; ``--json`` too.
+- Node-local roots are refused before anything is written, on every rank alike.
+- PreemptionGuard on a RunCheckpoint: a SIGTERM on one rank commits every role, exit 75; a grace
+  time too short for the measured save exits 76 with nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptguard as cg
+from ckptguard.cli import main
+from ckptguard.testing import run_ranks, values
+
+ROLES = [cg.Role("actor", ranks=(0, 1)), cg.Role("critic", ranks=(1,)), cg.Role("driver", ranks=(0,))]
+
+
+def _config(prefer: str = "latest") -> cg.CheckpointConfig:
+    return cg.CheckpointConfig(timeout_s=30.0, retention=None, health=cg.HealthPolicy(verify_after=1, prefer=prefer))
+
+
+def _states(rank: int, value: float) -> dict:
+    torch.manual_seed(0)
+    actor, critic = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        actor.weight.fill_(value)
+        critic.bias.fill_(value)
+    out = {"actor": {"model": actor}}
+    out.update({"critic": {"model": critic}} if rank == 1 else {"driver": {"n": value}})
+    return out
+
+
+def _values(rank: int, states: dict) -> dict:
+    out = {"actor": float(states["actor"]["model"].weight[0, 0])}
+    if rank == 1:
+        out["critic"] = float(states["critic"]["model"].bias[0])
+    else:
+        out["driver"] = states["driver"]["n"]
+    return out
+
+
+def _record(run: cg.RunCheckpoint, rank: int, step: int, loss: float) -> None:
+    for role in run.my_roles:
+        run.record_step(role, step, sample_ids=[step * 10 + rank], loss=loss if role == "critic" else 1.0,
+                        grad_norm=1.0)
+        run.record_update(role, step, grad_norm=1.0, params_changed=True)
+
+
+def _train_worker(rank: int, world: int, root: str) -> dict:
+    run = cg.RunCheckpoint(root, ROLES, config=_config())
+    assert run.restore(_states(rank, 0.0)) == 0
+    out = {}
+    for step in (1, 2, 3):
+        # Step 3: the critic's loss is NaN on rank 1 only, passed to nobody's save: its record_step is the evidence.
+        _record(run, rank, step, float("nan") if step == 3 else 1.0)
+        saved = run.save(step, _states(rank, float(step)))
+        out[step] = None if saved is None else saved.name
+    out["skip"] = run.last_health.skip
+    out["committed"] = run.committed_steps()
+    return out
+
+
+def _resume_worker(rank: int, world: int, root: str) -> dict:
+    run = cg.RunCheckpoint(root, ROLES, config=_config(prefer="verified"))
+    states = _states(rank, -1.0)
+    start = run.restore(states)
+    restored = _values(rank, states)
+    _record(run, rank, start + 1, 1.0)  # the replayed step: the same ids as the killed run's step 2
+    return {"start": start, "restored": restored}
+
+
+def test_health_trust_prefer_and_the_operator_commands_on_a_run_root(tmp_path):
+    root = tmp_path / "ckpt"
+    for rank, out in enumerate(values(run_ranks(_train_worker, 2, str(root)))):
+        assert out[1] == "step_00000001" and out[2] == "step_00000002"
+        assert out[3] is None and out["skip"], f"rank {rank}: the unhealthy step 3 was not skipped: {out}"
+        assert out["committed"] == [1, 2]
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not (root / "step_00000003").exists() and not list(root.glob(".tmp-*"))
+    trust = json.loads((root / "trust.json").read_text())["steps"]
+    assert trust["1"]["state"] == "verified" and trust["2"]["state"] == "candidate"
+    assert trust["2"]["unhealthy_after"] == 3
+    cli = CliRunner()
+    assert "[verified" in cli.invoke(main, ["list", str(root)]).output
+
+    # prefer="verified": every role resumes step 1 (a rollback past the candidate step 2) in new processes.
+    for rank, out in enumerate(values(run_ranks(_resume_worker, 2, str(root)))):
+        assert out["start"] == 1
+        want = {"actor": 1.0, **({"critic": 1.0} if rank == 1 else {"driver": 1.0})}
+        assert out["restored"] == want, f"rank {rank}: {out['restored']}"
+
+    # prove: one run-step gate, then every role's gates, each line naming its role.
+    proved = cli.invoke(main, ["prove", str(root)])
+    assert proved.exit_code == 0 and "resume PROVEN" in proved.output, proved.output
+    lines = proved.output.splitlines()[1:-2]
+    assert all(any(r in line for r in ("actor", "critic", "driver")) for line in lines), proved.output
+    gates = {g["gate"]: g for g in json.loads(cli.invoke(main, ["prove", str(root), "--json"]).output)["gates"]}
+    assert gates["every role restored one run step"]["status"] == "PASS"
+    for role in ("actor", "critic", "driver"):
+        assert gates[f"{role}: all PIDs changed"]["status"] == "PASS"
+        assert gates[f"{role}: data order identical"]["status"] == "PASS", gates[f"{role}: data order identical"]
+        assert gates[f"{role}: digests equal, item by item"]["status"] == "PASS"
+
+    # preflight: READY with the run's placement (role by role), a world-size mismatch otherwise.
+    hosts = tmp_path / "hosts"
+    hosts.write_text("0 h0\n1 h1\n")
+    ready = cli.invoke(main, ["preflight", str(root), "--rank-hosts", str(hosts), "--json"])
+    report = json.loads(ready.output)
+    assert ready.exit_code == 0 and report["ok"] and report["step"] == 2, ready.output
+    assert report["roles"] == {"actor": [0, 1], "critic": [1], "driver": [0]}
+    hosts.write_text("0 h0\n")
+    wrong = cli.invoke(main, ["preflight", str(root), "--rank-hosts", str(hosts)])
+    assert wrong.exit_code == 1 and "world-size" in wrong.output and "2 ranks" in wrong.output, wrong.output
+
+    # status on the run root: no phase records is "not checked" (exit 1), naming the roles; with records,
+    # each rank's line names the roles it holds.
+    none = cli.invoke(main, ["status", str(root), "--json"])
+    assert none.exit_code == 1 and "no rank's status was checked" in none.output, none.output
+    assert "RunCheckpoint root" in none.output and "critic" in none.output, none.output
+    from ckptguard.memory import PhaseKind, PhaseRecorder, RecorderConfig
+
+    for rank in (0, 1):
+        with PhaseRecorder(RecorderConfig(path=root / f"phases_{rank}.jsonl", rank=rank)) as rec, \
+                rec.phase(PhaseKind.SAVE, step=2):
+            pass
+    shown = cli.invoke(main, ["status", str(root), "--sample", "0.05"])
+    assert "rank 0   (actor, driver)" in shown.output and "rank 1   (actor, critic)" in shown.output, shown.output
+    assert [r["roles"] for r in json.loads(cli.invoke(main, ["status", str(root), "--sample", "0.05", "--json"])
+                                           .output)] == [["actor", "driver"], ["actor", "critic"]]
+
+    # A step missing a role: preflight NOT READY naming it; prove FAILs naming it (the restored step 1).
+    shutil.rmtree(root / "step_00000002" / "critic")
+    shutil.rmtree(root / "step_00000001" / "critic")
+    bad = cli.invoke(main, ["preflight", str(root)])
+    assert bad.exit_code == 1 and "NOT READY" in bad.output and "missing role 'critic'" in bad.output, bad.output
+    bad_json = json.loads(cli.invoke(main, ["preflight", str(root), "--json"]).output)
+    assert not bad_json["ok"] and "missing role 'critic'" in bad_json["findings"][0]["message"]
+    failed = json.loads(cli.invoke(main, ["prove", str(root), "--json"]).output)
+    gate = next(g for g in failed["gates"] if g["gate"] == "every role restored one run step")
+    assert not failed["proven"] and gate["status"] == "FAIL" and "missing role 'critic'" in gate["evidence"], gate
+
+
+def test_prove_on_a_run_root_without_records_is_not_run_for_every_role(tmp_path):
+    root = tmp_path / "ckpt"
+    run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")],
+                           config=cg.CheckpointConfig(record_proof=False, retention=None))
+    run.save(1, {"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": 1}})
+    out = json.loads(CliRunner().invoke(main, ["prove", str(root), "--json"]).output)
+    assert not out["proven"]
+    gates = {g["gate"]: g["status"] for g in out["gates"]}
+    assert gates["every role restored one run step"] == "NOT RUN"
+    assert gates["actor: all PIDs changed"] == "NOT RUN" and gates["driver: all PIDs changed"] == "NOT RUN"
+    assert "PASS" not in gates.values()
+
+
+# ---------------------------------------------------------------- node-local roots
+
+
+def _own_disk(base: Path, rank: int) -> Path:
+    """This rank sees ``base/disk<rank>`` at ``base/shared`` in a private mount namespace (node-local disks
+    at one path: what a second node's local disk looks like)."""
+    import ctypes
+
+    os.environ["CKPTGUARD_NODE"] = f"node{rank}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0 or libc.mount(None, b"/", None, 0x4000 | (1 << 18), None) != 0:
+        raise PermissionError(ctypes.get_errno(), "unshare(CLONE_NEWNS) / make-rprivate /")
+    if libc.mount(str(base / f"disk{rank}").encode(), str(base / "shared").encode(), None, 0x1000, None) != 0:
+        raise PermissionError(ctypes.get_errno(), "mount --bind")
+    assert (base / "shared" / "marker").read_text() == str(rank)
+    return base / "shared"
+
+
+def _node_local_worker(rank: int, world: int, base: str) -> str:
+    shared = _own_disk(Path(base), rank)
+    run = cg.RunCheckpoint(shared / "ck", ROLES, config=_config())
+    try:
+        run.save(1, _states(rank, 1.0))
+    except cg.ConfigError as exc:
+        return str(exc)
+    return "committed"
+
+
+def test_node_local_roots_are_refused_before_anything_is_written(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root for private mount namespaces (two disks at one path)")
+    for rank in (0, 1):
+        (tmp_path / f"disk{rank}").mkdir()
+        (tmp_path / f"disk{rank}" / "marker").write_text(str(rank))
+    (tmp_path / "shared").mkdir()
+    for message in values(run_ranks(_node_local_worker, 2, str(tmp_path))):
+        assert "ranks [1] do not see rank 0's disk" in message and "Nothing was written" in message, message
+    for rank in (0, 1):  # no root, tracker, contract or temp directory on either disk
+        assert sorted(p.name for p in (tmp_path / f"disk{rank}").iterdir()) == ["marker"]
+
+
+# ---------------------------------------------------------------- preemption
+
+
+def _preempt_worker(rank: int, world: int, root: str, grace_s: float, estimate: float | None) -> dict:
+    run = cg.RunCheckpoint(root, ROLES, config=_config())
+    guard = cg.PreemptionGuard(run, grace_s=grace_s, save_estimate_s=estimate)
+    run.save(1, _states(rank, 1.0))
+    for step in (2, 3, 4):
+        if step == 3 and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler only notes it: the save is at the boundary
+        if guard.should_stop(step, _states(rank, float(step))):
+            return {"step": step, "code": guard.outcome.code, "reason": guard.outcome.reason,
+                    "committed": run.committed_steps()}
+    return {"step": None}
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_sigterm_on_one_rank_saves_every_role_or_exits_76(tmp_path, fits):
+    root = tmp_path / "ckpt"
+    # Not fitting: a measured save time of 5 s against a 1 s grace time.
+    out = values(run_ranks(_preempt_worker, 2, str(root), 30.0 if fits else 1.0, None if fits else 5.0))
+    for o in out:
+        assert o["step"] == 3, o
+        if fits:
+            assert o["code"] == 75 and o["committed"] == [1, 3] and "SIGTERM on rank 1" in o["reason"], o
+        else:
+            assert o["code"] == 76 and o["committed"] == [1] and "NOT saving step 3" in o["reason"], o
+    if fits:
+        assert (root / "step_00000003" / "critic" / "manifest.json").is_file()
+        assert "resume from step 3" in CliRunner().invoke(main, ["resolve", str(root)]).output
+    else:
+        assert not (root / "step_00000003").exists() and not list(root.glob(".tmp-*"))
