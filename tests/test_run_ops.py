@@ -154,6 +154,20 @@ def test_health_trust_prefer_and_the_operator_commands_on_a_run_root(tmp_path):
     assert not failed["proven"] and gate["status"] == "FAIL" and "missing role 'critic'" in gate["evidence"], gate
 
 
+def test_preflight_reads_a_run_root_and_names_a_missing_role(tmp_path):
+    root = tmp_path / "ckpt"
+    run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")], config=cg.CheckpointConfig(retention=None))
+    run.save(1, {"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": 1}})
+    cli = CliRunner()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("h0\n")
+    ok = cli.invoke(main, ["preflight", str(root), "--hosts", str(hosts)])
+    assert ok.exit_code == 0 and "READY" in ok.output and "actor (ranks [0])" in ok.output, ok.output
+    (root / "step_00000001" / "actor" / "rank_00000.pt").unlink()
+    bad = json.loads(cli.invoke(main, ["preflight", str(root), "--json"]).output)
+    assert not bad["ok"] and "missing role 'actor'" in bad["findings"][0]["message"], bad
+
+
 def test_prove_on_a_run_root_without_records_is_not_run_for_every_role(tmp_path):
     root = tmp_path / "ckpt"
     run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")],
