@@ -475,7 +475,7 @@ class RunCheckpoint:
         fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
         metrics: dict[str, Any] = dict(fields.get("extra", {}))
         metrics.update({k: fields[k] for k in ("loss", "grad_norm") if k in fields})
-        self._health.note(self.config.health, step, metrics)
+        self._health.note(self.config.health, step, metrics, role=role)
         self._record(role, "step", durable=False, step=step, **fields)
         return fields
 
