@@ -9,6 +9,11 @@ renames the directory to the step name and moves the one tracker. A crash anywhe
 leaves the previous step as the resume target; a step missing a role is never restored.
 On-disk form: ``_commit.runmanifest`` (each role's part is a step directory that plain DCP reads).
 
+As a CheckpointManager: healthy steps only (one verdict over every rank of every role), one trust
+record for the run (``prefer="verified"`` resumes one step for every role), proof records per role
+under ``ROOT/proof/<role>/`` (numbered by the role's ranks; ``ckptguard prove`` reads them role by
+role). Node-local roots are refused at the first save, before anything of it is written.
+
 Collective rules: every rank of the default process group creates the RunCheckpoint with the
 same roles in the same order (each role gets its own gloo group, created by every rank as
 ``torch.distributed.new_group`` requires) and calls ``save``/``restore`` together, passing the
