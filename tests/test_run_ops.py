@@ -257,3 +257,53 @@ def test_sigterm_on_one_rank_saves_every_role_or_exits_76(tmp_path):
     assert (tmp_path / "fits" / "step_00000003" / "critic" / "manifest.json").is_file()
     assert "resume from step 3" in CliRunner().invoke(main, ["resolve", str(tmp_path / "fits")]).output
     assert not (tmp_path / "late" / "step_00000003").exists() and not list((tmp_path / "late").glob(".tmp-*"))
+
+
+# ---------------------------------------------------------------- save_async
+
+
+def _async_worker(rank: int, world: int, root: str) -> dict:
+    from ckptguard.testing import set_fault_hook
+
+    run = cg.RunCheckpoint(root, ROLES, config=_config())
+    states = _states(rank, 1.0)
+    optim = torch.optim.SGD(states["actor"]["model"].parameters(), lr=1.0)
+    states["actor"]["optim"] = optim
+    pending = run.save_async(1, states)
+    # Every saved value changes at once: the optimizer step (its pre-hook waits for the staged copies), a
+    # manual change after staged(), a plain value. The commit in the background must not see any of it.
+    states["actor"]["model"](torch.ones(1, 3)).sum().backward()
+    optim.step()
+    run.staged()
+    with torch.no_grad():
+        if rank == 1:
+            states["critic"]["model"].bias.fill_(-5.0)
+        else:
+            states["driver"]["n"] = 99.0
+    first = pending.wait().name
+    # A background commit that fails (rank 0's run manifest write) raises at wait() on every rank.
+    if rank == 0:
+        set_fault_hook("run.before_manifest", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    run.save_async(2, _states(rank, 2.0))
+    try:
+        run.wait()
+        failed = None
+    except cg.CheckpointWriteError as exc:
+        failed = str(exc)
+    set_fault_hook("run.before_manifest", None)
+    fresh = _states(rank, -1.0)
+    fresh["actor"]["optim"] = torch.optim.SGD(fresh["actor"]["model"].parameters(), lr=1.0)
+    start = run.restore(fresh)
+    run.close()
+    return {"first": first, "failed": failed, "start": start, "restored": _values(rank, fresh),
+            "committed": run.committed_steps()}
+
+
+def test_save_async_commits_every_role_from_the_snapshot_and_raises_a_failure_on_every_rank(tmp_path):
+    root = tmp_path / "ckpt"
+    for rank, out in enumerate(values(run_ranks(_async_worker, 2, str(root)))):
+        assert out["first"] == "step_00000001" and out["start"] == 1 and out["committed"] == [1], out
+        assert out["failed"] is not None and "No space left" in out["failed"], out
+        want = {"actor": 1.0, **({"critic": 1.0} if rank == 1 else {"driver": 1.0})}
+        assert out["restored"] == want, f"rank {rank}: the background commit saw a later change: {out['restored']}"
+    assert not (root / "step_00000002").exists() and not list(root.glob(".tmp-*"))

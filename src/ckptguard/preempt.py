@@ -184,8 +184,7 @@ class PreemptionGuard:
             return None
         checked = time.monotonic()
         try:
-            if isinstance(self.manager, CheckpointManager):  # a RunCheckpoint has no background save
-                self.manager.wait()  # a save in flight finishes first (its time counts against the budget)
+            self.manager.wait()  # a background save in flight finishes first (its time counts against the budget)
         except CheckpointError as exc:  # raised on every rank alike: that save is lost, this step may still fit
             log.error("ckptguard: preempted: the pending save_async failed (%s: %s); planning a save of step %d",
                       type(exc).__name__, exc, step)

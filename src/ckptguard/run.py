@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -42,6 +42,7 @@ from . import _faults, _log
 from ._commit import layout as _layout
 from ._commit import lease as _lease
 from ._commit import manifest as _manifest
+from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit import retention, runmanifest
 from ._commit import trust as _trust
@@ -55,6 +56,7 @@ from ._resume.restore import Resolution, ResolveView
 from ._resume.trajectory import _scalar, fingerprint
 from .config import CheckpointConfig, ParallelLayout, ResumeMode
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, error_payload
+from .storage._staging import Fence
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -110,6 +112,28 @@ class _Placed(Wire):
     """Rank 0's verdict on the probe: the ranks that do not see rank 0's disk at the root's path."""
 
     blind: list[int] = field(default_factory=list)
+
+
+class _Fences:
+    """The fences of every role of one save_async, as one (what PendingSave and ``staged`` wait on)."""
+
+    def __init__(self, fences: list[Any]) -> None:
+        self._fences = fences
+
+    def host_wait(self) -> None:
+        for f in self._fences:
+            f.host_wait()
+
+    def live_read(self) -> None:
+        for f in self._fences:
+            f.live_read()
+
+    def before_mutation(self) -> float:
+        return float(sum(f.before_mutation() for f in self._fences))
+
+    @property
+    def waited_s(self) -> float:
+        return float(sum(f.waited_s for f in self._fences))
 
 
 def _in_role(exc: BaseException, role: str) -> BaseException:
@@ -195,6 +219,9 @@ class RunCheckpoint:
         self._committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
         self._skipped: dict[int, str] = {}  # steps a save skipped as unhealthy (on any rank), with the reasons
         self._save_times: dict[int, float] = {}  # this process's run saves: step -> seconds (a PreemptionGuard's plan)
+        self._pending: _async.PendingSave | None = None
+        self._staging: dict[str, _async.AsyncStaging] = {}  # save_async: one host pool per role this rank holds
+        self._budget: tuple[int, str] | None = None
         self.last_health: _trust.HealthVerdict | None = None
         """The health verdict of the last ``save`` (``.skip``: it was not committed)."""
         self._check_lease("create")
@@ -260,6 +287,7 @@ class RunCheckpoint:
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
         chosen = self.config.health.prefer if prefer is None else _trust.as_prefer(prefer, "prefer")
+        self.wait()  # the run's agreement is not shared with a background commit
         res: Resolution | None = None
         names = list(self._ranks)
         try:
@@ -298,26 +326,135 @@ class RunCheckpoint:
         or ``grad_norm`` (these arguments, else that rank's ``record_step`` of ``step``) is not
         finite, ``healthy=False`` was passed or the policy's check fails, no role commits on any
         rank: nothing is written, the tracker stays, every rank returns None (``last_health``)."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ConfigError(f"save(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
-        self._check_states(states, "save")
-        self._check_shared_root(step)
-        if not self._healthy(step, healthy, loss, grad_norm):
+        if not self._begin(step, states, "save", healthy, loss, grad_norm):
             return None
         started = time.monotonic()
+        snaps = self._snapshots(lambda name, ctx: _commit.snapshot(ctx, step, states[name]))
+        return self._commit_roles(step, snaps, started)
+
+    def save_async(
+        self,
+        step: int,
+        states: dict[str, dict[str, Any]],
+        *,
+        healthy: bool | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+    ) -> _async.PendingSave | None:
+        """Snapshot every role's state now and commit run step ``step`` in the background, as
+        ``CheckpointManager.save_async`` does for one state: the copies go to spare GPU memory or to
+        a pinned host pool per role (this rank's host budget split between the roles it holds), the
+        next optimizer step or forward, or ``staged()``, waits for them; the tracker moves when the
+        background commit of every role completed; its error is raised by ``wait()`` or by the
+        next save, restore or wait, on every rank. The health agreement runs first, as in ``save``."""
+        if not self._begin(step, states, "save_async", healthy, loss, grad_norm):
+            return None
+        started = time.monotonic()
+        fences: list[Any] = []
+        budget = self._role_budget()
+        pools: list[Any] = []
+
+        def stage(name: str, ctx: _commit.Context) -> _commit.Snapshot:
+            # The divergence guard hashes every tensor: on the staged copies, in the background commit.
+            snap = _commit.snapshot(ctx, step, states[name], guard=False)
+            staging = self._staging.setdefault(name, _async.AsyncStaging())
+            staging.budget, staging.budget_why = budget
+            staged = staging.stage(snap, states[name], self.config)
+            fences.append(staged.fence)
+            if staging.pool is not None:
+                pools.append(staging.pool)  # placed slots: done() once the commit no longer reads them
+            if staged.live_bytes:
+                log.warning(
+                    "ckptguard: role %r, run step %d: %d of %d B do not fit the host staging budget (%d B): the "
+                    "background writer reads them from the live tensors, and the next optimizer step waits until it "
+                    "has; raise CheckpointConfig.async_host_bytes to stage them", name, step, staged.live_bytes,
+                    staged.live_bytes + snap.staged_bytes, staged.host_budget,
+                )
+            return snap
+
+        try:
+            snaps = self._snapshots(stage)
+        except BaseException:
+            for fence in fences:  # nothing will read the staged or live tensors: training may change them
+                fence.live_read()
+            for pool in pools:
+                pool.done()
+            raise
+        resumed = time.monotonic()
+        for snap in snaps.values():
+            snap.resumed = resumed
+
+        def run() -> Path:
+            try:
+                return self._commit_roles(step, snaps, started)
+            finally:
+                for pool in pools:
+                    pool.done()
+
+        # The fence PendingSave and staged() use: host_wait, live_read, before_mutation, waited_s (duck-typed).
+        fence = cast(Fence, _Fences(fences))
+        self._pending = _async.PendingSave(step, run, resumed - started, fence=fence, started=started)
+        return self._pending
+
+    def staged(self) -> float:
+        """As ``CheckpointManager.staged``: later changes of the saved tensors of every role are safe for the
+        last ``save_async``. Returns the seconds it blocked."""
+        pending = self._pending
+        if pending is None or pending.fence is None:
+            return 0.0
+        return pending.fence.before_mutation()
+
+    def wait(self) -> Path | None:
+        """Wait for a pending ``save_async``; returns its run step directory, raises its error."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None and not pending.reported else None
+
+    def close(self) -> None:
+        """Wait for a pending save (raising its error) and release every role's host staging pool now."""
+        try:
+            self.wait()
+        finally:
+            for staging in self._staging.values():
+                staging.close()
+
+    def _role_budget(self) -> tuple[int, str]:
+        """This rank's host staging budget, split evenly between the roles it holds (derived once)."""
+        if self._budget is None:
+            total = _async.AsyncStaging().host_budget(self.config)
+            n = max(1, len(self._roles))
+            self._budget = (total // n, f"this rank's host staging budget {total} B split between its {n} role(s)")
+        return self._budget
+
+    def _begin(self, step: Any, states: Any, where: str, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
+        """The checks of a save, a pending background save waited for, the shared-root probe and the
+        health agreement; False: the step is unhealthy and not saved."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ConfigError(f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
+        self._check_states(states, where)
+        self.wait()
+        self._check_shared_root(step)
+        return self._healthy(step, healthy, loss, grad_norm)
+
+    def _snapshots(self, take_one: Any) -> dict[str, _commit.Snapshot]:
+        """Every role's snapshot, in declared order on every rank (no cross-role wait cycle); the later
+        roles still run after a failure, so their other ranks are not stranded; every rank raises alike."""
         snaps: dict[str, _commit.Snapshot] = {}
 
         def take() -> None:
             first: BaseException | None = None
-            for name, ctx in self._roles.items():  # declared order on every rank: no cross-role wait cycle
+            for name, ctx in self._roles.items():
                 try:
-                    snaps[name] = _commit.snapshot(ctx, step, states[name])
-                except Exception as exc:  # the later roles still run, so their other ranks are not stranded
+                    snaps[name] = take_one(name, ctx)
+                except Exception as exc:
                     first = first or _in_role(exc, name)
             if first is not None:
                 raise first
 
         on_every_rank(self._run.agreement, "run.snapshot", take)
+        return snaps
+
+    def _commit_roles(self, step: int, snaps: dict[str, _commit.Snapshot], started: float) -> Path:
+        """Prepare the run step, write every role's part, publish: in the caller's or a background thread."""
         prep = _commit._prepare(self._run, step)
         if prep.nodes:  # the probe's verdict changed since (a remount): every rank raises alike
             raise ConfigError(self._node_local_message(step, [r for ranks in prep.nodes[1:] for r in ranks]))
@@ -346,7 +483,7 @@ class RunCheckpoint:
         log.info("ckptguard: committed run step %d (roles %s) at %s", step, ", ".join(self._ranks), path)
         for name, ctx in self._roles.items():
             self._record(name, "save", step=step, path=str(path / name), plan=self.config.proof.as_dict(),
-                         world_size=ctx.world)
+                         world_size=ctx.world, **({"async": True} if snaps[name].resumed is not None else {}))
         self._committed_here.append(step)
         self._save_times[step] = time.monotonic() - started
         if self.rank == 0:
@@ -575,6 +712,7 @@ class RunCheckpoint:
         damaged shard, a digest that differs) raises on every rank of the run, so no rank trains
         on a partly restored run. ``prefer`` as in ``resolve``."""
         self._check_states(states, "restore")
+        self.wait()
         self._check_lease("restore")
         res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
