@@ -294,7 +294,10 @@ def preflight(
     if not as_json:
         where = f"step {report.step} at {report.path or '(fresh start)'} ({report.reason})"
         click.echo(printable(f"resume: {where}") if report.step is not None else "resume: unresolved")
-    _emit(report.findings, as_json, {"step": report.step, "path": report.path, "reason": report.reason})
+    if not as_json and report.roles:
+        click.echo(printable("roles: " + ", ".join(f"{n} (ranks {r})" for n, r in report.roles.items())))
+    _emit(report.findings, as_json,
+          {"step": report.step, "path": report.path, "reason": report.reason, "roles": report.roles})
     if not as_json:
         click.echo("READY" if report.ok else "NOT READY: fix the ERROR lines above before launching")
     sys.exit(0 if report.ok else 1)
@@ -594,23 +597,28 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
     """Each rank's current phase, for how long, against its typical duration, and whether it is busy.
 
     PATH is a phase-records file (PhaseRecorder) or a directory holding them. Tells a stalled
-    rank (no CPU, no I/O, overdue) from a slow one: slow is not a hang. Exit 0 if no rank is
-    stalled, 1 if one is stalled or died inside a phase (for a watchdog).
+    rank (no CPU, no I/O, overdue) from a slow one: slow is not a hang. On a RunCheckpoint root
+    each rank's line names the roles it holds. Exit 0 if no rank is stalled, 1 if one is stalled
+    or died inside a phase (for a watchdog), or if there are no phase records (nothing checked).
     """
     from dataclasses import asdict
 
-    from .ops.status import record_files
+    from .ops.status import record_files, run_rank_roles
     from .ops.status import status as _status
 
+    roles = run_rank_roles(path)
     files = record_files(path)
     if not files:
-        _fail(f"no phase records under {path}; write them with ckptguard.memory.PhaseRecorder", as_json)
-    ranks = _status(files, sample_s=sample_s)
+        what = f" (a RunCheckpoint root of roles {sorted({r for rs in roles.values() for r in rs})})" if roles else ""
+        _fail(f"no phase records under {path}{what}: no rank's status was checked; write them with "
+              "ckptguard.memory.PhaseRecorder", as_json)
+    ranks = _status(files, sample_s=sample_s, roles=roles)
     if as_json:
         click.echo(json.dumps([asdict(r) for r in ranks]))
     else:
         for r in ranks:
-            click.echo(printable(f"rank {r.rank:<3} pid {r.pid:<8} {r.node:<12} step {r.step}: {r.verdict}"))
+            held = f" ({', '.join(r.roles) or 'no role'})" if r.roles is not None else ""
+            click.echo(printable(f"rank {r.rank:<3}{held} pid {r.pid:<8} {r.node:<12} step {r.step}: {r.verdict}"))
     sys.exit(1 if any(r.needs_attention for r in ranks) else 0)
 
 

@@ -24,6 +24,11 @@ fit, or the step is unhealthy, nothing is saved, the log says why and ``Preempte
 (so a launcher sees it), and ``finally`` blocks and ``with`` blocks run on the way out. A loop
 that wants to stop by itself calls ``should_stop(step, state)`` instead, which does the same and
 returns True (``guard.outcome`` then holds the ``Preempted``).
+
+A ``RunCheckpoint`` is guarded the same way over every rank of the run: ``state`` is then the
+``states`` its ``save`` takes (this rank's roles), and the save commits every role. Its save time
+is this process's measured run save, else the sum of the roles' ``save_seconds`` of the tracker's
+run step.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ._commit import manifest as _manifest
 from ._dist import Wire, gather_decide, make_agreement
 from .errors import CheckpointError, ConfigError
 from .manager import CheckpointManager
+from .run import RunCheckpoint
 
 log = _log.logger()
 
@@ -96,15 +102,17 @@ class PreemptionGuard:
 
     def __init__(
         self,
-        manager: CheckpointManager,
+        manager: CheckpointManager | RunCheckpoint,
         *,
         grace_s: float,
         signals: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1),
         safety: float = 1.5,
         save_estimate_s: float | None = None,
     ) -> None:
-        if not isinstance(manager, CheckpointManager):
-            raise ConfigError(f"PreemptionGuard(manager=...): a CheckpointManager, got {type(manager).__name__}")
+        if not isinstance(manager, (CheckpointManager, RunCheckpoint)):
+            raise ConfigError(
+                f"PreemptionGuard(manager=...): a CheckpointManager or RunCheckpoint, got {type(manager).__name__}"
+            )
         for name, value in (("grace_s", grace_s), ("safety", safety), ("save_estimate_s", save_estimate_s)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ConfigError(f"PreemptionGuard({name}={value!r}): a number of seconds > 0")
@@ -120,8 +128,9 @@ class PreemptionGuard:
         """The ``Preempted`` of the boundary that stopped the run (``should_stop`` returned True)."""
         self._got: tuple[int, float] | None = None  # (signal, monotonic time) of the first signal
         PreemptionGuard._created += 1
+        group = manager._group if isinstance(manager, CheckpointManager) else None  # a run: the default group
         self._agreement = make_agreement(
-            manager._group, timeout_s=manager.config.timeout_s, namespace=f"preempt-{PreemptionGuard._created}"
+            group, timeout_s=manager.config.timeout_s, namespace=f"preempt-{PreemptionGuard._created}"
         )
         self._previous: dict[int, Any] = {}
         for sig in signals:
@@ -235,11 +244,13 @@ class PreemptionGuard:
         if tracker:
             candidates.append((tracker, f"an earlier run's save of step {tracker}, the tracker's"))
         for step, source in candidates:
-            try:
-                cost = _manifest.read(mgr.root / mgr._ctx.naming.name(step)).cost or {}
-            except CheckpointError:
-                continue  # rotated out or damaged: the next one
-            seconds = cost.get("save_seconds")
+            if isinstance(mgr, RunCheckpoint):
+                seconds: Any = mgr._save_seconds(step)
+            else:
+                try:
+                    seconds = (_manifest.read(mgr.root / mgr._ctx.naming.name(step)).cost or {}).get("save_seconds")
+                except CheckpointError:
+                    continue  # rotated out or damaged: the next one
             if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
                 return float(seconds), source
         return None, ""

@@ -9,6 +9,11 @@ renames the directory to the step name and moves the one tracker. A crash anywhe
 leaves the previous step as the resume target; a step missing a role is never restored.
 On-disk form: ``_commit.runmanifest`` (each role's part is a step directory that plain DCP reads).
 
+As a CheckpointManager: healthy steps only (one verdict over every rank of every role), one trust
+record for the run (``prefer="verified"`` resumes one step for every role), proof records per role
+under ``ROOT/proof/<role>/`` (numbered by the role's ranks; ``ckptguard prove`` reads them role by
+role). Node-local roots are refused at the first save, before anything of it is written.
+
 Collective rules: every rank of the default process group creates the RunCheckpoint with the
 same roles in the same order (each role gets its own gloo group, created by every rank as
 ``torch.distributed.new_group`` requires) and calls ``save``/``restore`` together, passing the
@@ -22,10 +27,13 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import os
+import secrets
+import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -33,16 +41,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import _faults, _log
 from ._commit import layout as _layout
 from ._commit import lease as _lease
+from ._commit import manifest as _manifest
+from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit import retention, runmanifest
+from ._commit import trust as _trust
 from ._commit.protocol import Outcome, failure_from
 from ._dist import Wire, gather_decide, make_agreement, on_every_rank
 from ._resume import restore as _restore
 from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
+from ._resume.prooflog import ProofLog
 from ._resume.restore import Resolution, ResolveView
+from ._resume.trajectory import _scalar, fingerprint
 from .config import CheckpointConfig, ParallelLayout, ResumeMode
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, error_payload
+from .storage._staging import Fence
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -85,6 +99,43 @@ class _RunReport(Wire):
     failure: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class _Probe(Wire):
+    """Rank 0's probe directory under the root (its name), or whether this rank sees it."""
+
+    name: str = ""
+    sees: bool = True
+
+
+@dataclass(frozen=True)
+class _Placed(Wire):
+    """Rank 0's verdict on the probe: the ranks that do not see rank 0's disk at the root's path."""
+
+    blind: list[int] = field(default_factory=list)
+
+
+class _Fences:
+    """The fences of every role of one save_async, as one (what PendingSave and ``staged`` wait on)."""
+
+    def __init__(self, fences: list[Any]) -> None:
+        self._fences = fences
+
+    def host_wait(self) -> None:
+        for f in self._fences:
+            f.host_wait()
+
+    def live_read(self) -> None:
+        for f in self._fences:
+            f.live_read()
+
+    def before_mutation(self) -> float:
+        return float(sum(f.before_mutation() for f in self._fences))
+
+    @property
+    def waited_s(self) -> float:
+        return float(sum(f.waited_s for f in self._fences))
+
+
 def _in_role(exc: BaseException, role: str) -> BaseException:
     """The same error, its message naming the role (fields kept, so every rank rebuilds it alike)."""
     if not isinstance(exc, CheckpointError) or str(exc).startswith("role "):
@@ -121,12 +172,6 @@ class RunCheckpoint:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
             raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
-        if self.config.health.prefer.value != "latest":
-            # RunCheckpoint keeps no trust record yet (no healthy= on its save): refused, never ignored.
-            raise ConfigError(
-                "RunCheckpoint: CheckpointConfig(health=HealthPolicy(prefer='verified')) is not supported for a "
-                "run of several roles (it keeps no trust record); use prefer='latest'"
-            )
         roles = list(roles)
         if not roles or not all(isinstance(r, Role) for r in roles):
             raise ConfigError("RunCheckpoint(roles=...): give a non-empty list of ckptguard.Role(name, ranks=...)")
@@ -149,6 +194,7 @@ class RunCheckpoint:
         self._run = self._context(run_agreement, self.config, StreamingStorage(), None, None)
         self._roles: dict[str, _commit.Context] = {}
         self._derived: dict[str, DerivedState] = {}
+        self._proof: dict[str, ProofLog] = {}  # the roles this rank holds: ROOT/proof/<role>/, by role rank
         for role in roles:
             group = None
             if distributed:
@@ -166,7 +212,18 @@ class RunCheckpoint:
             )
             if role.derived is not None:
                 self._derived[role.name] = role.derived
+            self._proof[role.name] = ProofLog(self.root, agreement.info.rank, role=role.name)
         self._restored_step: int | None = None
+        self._shared_root = world == 1  # a run commits on one shared root only: probed at the first save
+        self._health = _trust.HealthLog()
+        self._committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
+        self._skipped: dict[int, str] = {}  # steps a save skipped as unhealthy (on any rank), with the reasons
+        self._save_times: dict[int, float] = {}  # this process's run saves: step -> seconds (a PreemptionGuard's plan)
+        self._pending: _async.PendingSave | None = None
+        self._staging: dict[str, _async.AsyncStaging] = {}  # save_async: one host pool per role this rank holds
+        self._budget: tuple[int, str] | None = None
+        self.last_health: _trust.HealthVerdict | None = None
+        """The health verdict of the last ``save`` (``.skip``: it was not committed)."""
         self._check_lease("create")
 
     def _context(
@@ -214,13 +271,23 @@ class RunCheckpoint:
             out.append(step)
         return out
 
-    def resolve(self, *, mode: ResumeMode = ResumeMode.AUTO, path: str | os.PathLike[str] | None = None) -> Resolution:
+    def resolve(
+        self,
+        *,
+        mode: ResumeMode = ResumeMode.AUTO,
+        path: str | os.PathLike[str] | None = None,
+        prefer: _trust.Prefer | str | None = None,
+    ) -> Resolution:
         """Which run step a restore would load and why, agreed by every rank; loads nothing.
 
         The tracker's step (or ``path``) must be a run step holding every declared role;
-        otherwise every rank raises, naming the role that is missing."""
+        otherwise every rank raises, naming the role that is missing. ``prefer="verified"`` (or
+        ``HealthPolicy.prefer``) picks the newest verified run step, as for a CheckpointManager:
+        one trust record for the whole run, so every role resumes the same step."""
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        chosen = self.config.health.prefer if prefer is None else _trust.as_prefer(prefer, "prefer")
+        self.wait()  # the run's agreement is not shared with a background commit
         res: Resolution | None = None
         names = list(self._ranks)
         try:
@@ -229,6 +296,7 @@ class RunCheckpoint:
                 self._naming,
                 mode,
                 Path(path) if path is not None else None,
+                chosen,
                 read_manifest=lambda d: runmanifest.checked(d, roles=names),
             )
             view = ResolveView(res.step, str(res.path) if res.path else None)
@@ -240,34 +308,156 @@ class RunCheckpoint:
 
     # ------------------------------------------------------------ save
 
-    def save(self, step: int, states: dict[str, dict[str, Any]]) -> Path:
+    def save(
+        self,
+        step: int,
+        states: dict[str, dict[str, Any]],
+        *,
+        healthy: bool | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+    ) -> Path | None:
         """Commit every role's state as run step ``step`` on every rank, or raise on every rank.
 
         ``states`` maps each role this rank holds (``my_roles``) to its state dict (the items
-        a CheckpointManager takes). Returns the committed step directory."""
+        a CheckpointManager takes). Returns the committed step directory.
+
+        Healthy steps only, as ``CheckpointManager.save``: when, on any rank of any role, ``loss``
+        or ``grad_norm`` (these arguments, else that rank's ``record_step`` of ``step``) is not
+        finite, ``healthy=False`` was passed or the policy's check fails, no role commits on any
+        rank: nothing is written, the tracker stays, every rank returns None (``last_health``)."""
+        if not self._begin(step, states, "save", healthy, loss, grad_norm):
+            return None
+        started = time.monotonic()
+        snaps = self._snapshots(lambda name, ctx: _commit.snapshot(ctx, step, states[name]))
+        return self._commit_roles(step, snaps, started)
+
+    def save_async(
+        self,
+        step: int,
+        states: dict[str, dict[str, Any]],
+        *,
+        healthy: bool | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+    ) -> _async.PendingSave | None:
+        """Snapshot every role's state now and commit run step ``step`` in the background, as
+        ``CheckpointManager.save_async`` does for one state: the copies go to spare GPU memory or to
+        a pinned host pool per role (this rank's host budget split between the roles it holds), the
+        next optimizer step or forward, or ``staged()``, waits for them; the tracker moves when the
+        background commit of every role completed; its error is raised by ``wait()`` or by the
+        next save, restore or wait, on every rank. The health agreement runs first, as in ``save``."""
+        if not self._begin(step, states, "save_async", healthy, loss, grad_norm):
+            return None
+        started = time.monotonic()
+        fences: list[Any] = []
+        budget = self._role_budget()
+        pools: list[Any] = []
+
+        def stage(name: str, ctx: _commit.Context) -> _commit.Snapshot:
+            # The divergence guard hashes every tensor: on the staged copies, in the background commit.
+            snap = _commit.snapshot(ctx, step, states[name], guard=False)
+            staging = self._staging.setdefault(name, _async.AsyncStaging())
+            staging.budget, staging.budget_why = budget
+            staged = staging.stage(snap, states[name], self.config)
+            fences.append(staged.fence)
+            if staging.pool is not None:
+                pools.append(staging.pool)  # placed slots: done() once the commit no longer reads them
+            if staged.live_bytes:
+                log.warning(
+                    "ckptguard: role %r, run step %d: %d of %d B do not fit the host staging budget (%d B): the "
+                    "background writer reads them from the live tensors, and the next optimizer step waits until it "
+                    "has; raise CheckpointConfig.async_host_bytes to stage them", name, step, staged.live_bytes,
+                    staged.live_bytes + snap.staged_bytes, staged.host_budget,
+                )
+            return snap
+
+        try:
+            snaps = self._snapshots(stage)
+        except BaseException:
+            for fence in fences:  # nothing will read the staged or live tensors: training may change them
+                fence.live_read()
+            for pool in pools:
+                pool.done()
+            raise
+        resumed = time.monotonic()
+        for snap in snaps.values():
+            snap.resumed = resumed
+
+        def run() -> Path:
+            try:
+                return self._commit_roles(step, snaps, started)
+            finally:
+                for pool in pools:
+                    pool.done()
+
+        # The fence PendingSave and staged() use: host_wait, live_read, before_mutation, waited_s (duck-typed).
+        fence = cast(Fence, _Fences(fences))
+        self._pending = _async.PendingSave(step, run, resumed - started, fence=fence, started=started)
+        return self._pending
+
+    def staged(self) -> float:
+        """As ``CheckpointManager.staged``: later changes of the saved tensors of every role are safe for the
+        last ``save_async``. Returns the seconds it blocked."""
+        pending = self._pending
+        if pending is None or pending.fence is None:
+            return 0.0
+        return pending.fence.before_mutation()
+
+    def wait(self) -> Path | None:
+        """Wait for a pending ``save_async``; returns its run step directory, raises its error."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None and not pending.reported else None
+
+    def close(self) -> None:
+        """Wait for a pending save (raising its error) and release every role's host staging pool now."""
+        try:
+            self.wait()
+        finally:
+            for staging in self._staging.values():
+                staging.close()
+
+    def _role_budget(self) -> tuple[int, str]:
+        """This rank's host staging budget, split evenly between the roles it holds (derived once)."""
+        if self._budget is None:
+            total = _async.AsyncStaging().host_budget(self.config)
+            n = max(1, len(self._roles))
+            self._budget = (total // n, f"this rank's host staging budget {total} B split between its {n} role(s)")
+        return self._budget
+
+    def _begin(self, step: Any, states: Any, where: str, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
+        """The checks of a save, a pending background save waited for, the shared-root probe and the
+        health agreement; False: the step is unhealthy and not saved."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ConfigError(f"save(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
-        self._check_states(states, "save")
+            raise ConfigError(f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
+        self._check_states(states, where)
+        self.wait()
+        self._check_shared_root(step)
+        return self._healthy(step, healthy, loss, grad_norm)
+
+    def _snapshots(self, take_one: Any) -> dict[str, _commit.Snapshot]:
+        """Every role's snapshot, in declared order on every rank (no cross-role wait cycle); the later
+        roles still run after a failure, so their other ranks are not stranded; every rank raises alike."""
         snaps: dict[str, _commit.Snapshot] = {}
 
         def take() -> None:
             first: BaseException | None = None
-            for name, ctx in self._roles.items():  # declared order on every rank: no cross-role wait cycle
+            for name, ctx in self._roles.items():
                 try:
-                    snaps[name] = _commit.snapshot(ctx, step, states[name])
-                except Exception as exc:  # the later roles still run, so their other ranks are not stranded
+                    snaps[name] = take_one(name, ctx)
+                except Exception as exc:
                     first = first or _in_role(exc, name)
             if first is not None:
                 raise first
 
         on_every_rank(self._run.agreement, "run.snapshot", take)
+        return snaps
+
+    def _commit_roles(self, step: int, snaps: dict[str, _commit.Snapshot], started: float) -> Path:
+        """Prepare the run step, write every role's part, publish: in the caller's or a background thread."""
         prep = _commit._prepare(self._run, step)
-        if prep.nodes:  # every rank got the same verdict: all raise alike; the temp dir is swept as dead
-            raise ConfigError(
-                f"RunCheckpoint save of step {step} under {self.root}: the ranks see node-local disks (not one "
-                "shared root); a run of several roles commits on a shared filesystem only. Put the root on "
-                "shared storage, or give each role its own CheckpointManager (per-node publish)."
-            )
+        if prep.nodes:  # the probe's verdict changed since (a remount): every rank raises alike
+            raise ConfigError(self._node_local_message(step, [r for ranks in prep.nodes[1:] for r in ranks]))
         tmp = Path(prep.tmp)
         if self.rank == 0:
             with contextlib.suppress(OSError):  # the run directory holds roles, not a state/ of its own
@@ -291,8 +481,168 @@ class RunCheckpoint:
         _commit._raise_if_failed(self._run, outcome.failures, step=step, phase=outcome.phase)
         path = self.root / self._naming.name(step)
         log.info("ckptguard: committed run step %d (roles %s) at %s", step, ", ".join(self._ranks), path)
+        for name, ctx in self._roles.items():
+            self._record(name, "save", step=step, path=str(path / name), plan=self.config.proof.as_dict(),
+                         world_size=ctx.world, **({"async": True} if snaps[name].resumed is not None else {}))
+        self._committed_here.append(step)
+        self._save_times[step] = time.monotonic() - started
+        if self.rank == 0:
+            self._trust_write("commit", lambda: _trust.committed(
+                self.root, step, self.config.health.verify_after, on_disk=_layout.step_dirs(self.root, self._naming)))
         self._rotate(step)
+        for proof in self._proof.values():
+            proof.prune(self._naming)  # proof records no retained checkpoint's proof reads again
         return path
+
+    # ------------------------------------------------------------ shared root, health, trust
+
+    def _save_seconds(self, step: int) -> float | None:
+        """How long the run save of ``step`` took: measured by this process, else the sum of its roles'
+        recorded ``save_seconds`` (the roles are written one after another); None if unknown."""
+        if step in self._save_times:
+            return self._save_times[step]
+        step_dir = self.root / self._naming.name(step)
+        try:
+            parts = [_manifest.read(step_dir / name).cost or {} for name in runmanifest.read(step_dir).roles]
+        except CheckpointError:
+            return None  # rotated out or damaged
+        seconds = [c.get("save_seconds") for c in parts]
+        numbers = [float(x) for x in seconds if isinstance(x, (int, float)) and not isinstance(x, bool)]
+        return sum(numbers) if numbers and len(numbers) == len(seconds) else None
+
+    def _node_local_message(self, step: int, blind: list[int]) -> str:
+        return (
+            f"RunCheckpoint save of step {step} under {self.root}: ranks {blind} do not see rank 0's disk at that "
+            "path (node-local disks, not one shared root); a run of several roles commits on a shared filesystem "
+            "only. Nothing was written. Put the root on shared storage, or give each role its own "
+            "CheckpointManager (per-node publish)."
+        )
+
+    def _check_shared_root(self, step: int) -> None:
+        """Refuse node-local roots before anything of the save is written, with one verdict on every rank:
+        rank 0 makes a probe directory (a temp directory, swept if this process dies) under the root, every
+        rank looks for it, rank 0 removes it (and the root, if it made it for the probe and refuses)."""
+        if self._shared_root:
+            return
+        made_root: list[bool] = []
+
+        def make(_: list[_Probe]) -> _Probe:
+            made_root.append(not self.root.exists())
+            self.root.mkdir(parents=True, exist_ok=True)  # the first save creates it anyway
+            probe = self.root / _layout.temp_dir_name("probe", secrets.token_hex(6))
+            probe.mkdir()
+            _layout.write_owner(probe)
+            return _Probe(probe.name)
+
+        probe = gather_decide(self._run.agreement, "run.probe", _Probe(), make, decision=_Probe)
+        sees = (self.root / probe.name).is_dir()
+
+        def judge(views: list[_Probe]) -> _Placed:
+            shutil.rmtree(self.root / probe.name, ignore_errors=True)
+            blind = [r for r, v in enumerate(views) if not v.sees]
+            if blind and made_root and made_root[0]:
+                with contextlib.suppress(OSError):  # only if still empty: never anything else's
+                    self.root.rmdir()
+            return _Placed(blind)
+
+        placed = gather_decide(self._run.agreement, "run.placed", _Probe(probe.name, sees), judge, decision=_Placed)
+        if placed.blind:
+            raise ConfigError(self._node_local_message(step, placed.blind))
+        self._shared_root = True
+
+    def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
+        """The health agreement of a save over every rank of the run (every role); rank 0 updates the trust
+        record, one for the whole run."""
+        policy = self.config.health
+
+        def local() -> _trust.HealthView:  # a bad argument or a raising check fails the save on every rank
+            metrics = {n: _scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
+            earlier = self._skipped.get(step)
+            known_bad = [f"an earlier save of step {step} was skipped as unhealthy ({earlier})"] if earlier else None
+            return self._health.view(policy, step, healthy, metrics, known_bad)
+
+        view = on_every_rank(self._run.agreement, "run.health.local", local)
+
+        def decide(views: list[_trust.HealthView]) -> _trust.HealthVerdict:
+            verdict = _trust.agree(views, step)
+            mine, restored = set(self._committed_here), self._restored_step or 0
+            self._trust_write("observe", lambda: _trust.observe(
+                self.root, verdict.healthy, verdict.unhealthy, lambda k: k in mine or k <= restored))
+            return verdict
+
+        verdict = gather_decide(self._run.agreement, "run.health", view, decide, decision=_trust.HealthVerdict)
+        self.last_health = verdict
+        if not verdict.skip:
+            return True
+        log.error("ckptguard: run step %d NOT committed (no role): unhealthy on %d of %d rank(s): %s. Nothing was "
+                  "written; the tracker stays under %s", step, len(verdict.reasons), self._run.world,
+                  verdict.describe(), self.root)
+        for name in self._roles:
+            self._record(name, "skip", step=step, reasons=verdict.reasons)
+        self._skipped[step] = verdict.describe()
+        return False
+
+    def _trust_write(self, what: str, write: Any) -> Any:
+        """Rank 0's trust record updates; a failure is logged, never raised (the commit is what matters)."""
+        try:
+            return write()
+        except (OSError, CheckpointError) as exc:
+            log.warning("ckptguard: could not update the trust record %s/%s at %s (%s: %s); the steps it "
+                        "concerns stay candidates", self.root, _trust.TRUST_NAME, what, type(exc).__name__, exc)
+            return None
+
+    # ------------------------------------------------------------ proof records
+
+    def _held(self, role: Any, where: str) -> ProofLog:
+        if role not in self._proof:
+            raise ConfigError(f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles {self.my_roles}; "
+                              "record a role's events on the ranks that hold it")
+        return self._proof[role]
+
+    def _record(self, role: str, event: str, *, durable: bool = True, **fields: Any) -> None:
+        if self.config.record_proof:
+            proof = self._proof[role]
+            proof.keep(proof.build(event, role=role, **fields), durable=durable)
+
+    def record_step(
+        self, role: str, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None,
+        grad_norm: Any = None, **extra: Any,
+    ) -> dict[str, Any]:
+        """Record what training step ``step`` of ``role`` consumed and produced on this rank, as
+        ``CheckpointManager.record_step`` (``ckptguard prove`` compares a resumed run's replayed steps
+        with the killed run's, role by role); its loss and grad_norm are health evidence for the save."""
+        self._held(role, "record_step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ConfigError(f"record_step(step={step!r}): step must be an int >= 1")
+        fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
+        metrics: dict[str, Any] = dict(fields.get("extra", {}))
+        metrics.update({k: fields[k] for k in ("loss", "grad_norm") if k in fields})
+        self._health.note(self.config.health, step, metrics, role=role)
+        self._record(role, "step", durable=False, step=step, **fields)
+        return fields
+
+    def record_update(self, role: str, step: int, *, grad_norm: float, params_changed: bool) -> None:
+        """Record an optimizer update of ``role``: its gradient norm and whether the parameters moved."""
+        self._held(role, "record_update")
+        self._record(role, "update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed))
+
+    def record_export(self, role: str, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
+        """Record the weights ``role`` exported for rollout at ``step`` (see CheckpointManager.record_export)."""
+        from ._resume.prooflog import export_fingerprint
+
+        self._held(role, "record_export")
+        fp = export_fingerprint(payload, scales)
+        self._record(role, "export", step=step, fingerprint=fp)
+        return fp
+
+    def record_logprobs(self, role: str, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
+        """Record ``role``'s old-logprob against the rollout's for the same tokens."""
+        from ._resume.prooflog import logprob_diff
+
+        self._held(role, "record_logprobs")
+        diff = logprob_diff(trainer_logprobs, rollout_logprobs)
+        self._record(role, "logprobs", step=step, **dict[str, Any](diff))
+        return diff
 
     def _publish_or_fail(self, step: int, tmp: Path, prep: _commit.Prepared, reports: list[_RunReport]) -> Outcome:
         """Rank 0: the run manifest, the rename and the tracker if every role on every rank confirmed."""
@@ -353,18 +703,22 @@ class RunCheckpoint:
         *,
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
+        prefer: _trust.Prefer | str | None = None,
     ) -> int:
         """Load the resolved run step into every role's state in place; return its step (0: fresh).
 
         ``states`` as for ``save``. Every role's files, versions, topology, contract, items and
         keys are checked on every rank before any role reads a tensor; a failure after that (a
         damaged shard, a digest that differs) raises on every rank of the run, so no rank trains
-        on a partly restored run."""
+        on a partly restored run. ``prefer`` as in ``resolve``."""
         self._check_states(states, "restore")
+        self.wait()
         self._check_lease("restore")
-        res = self.resolve(mode=mode, path=path)
+        res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
+            for name, ctx in self._roles.items():
+                self._record(name, "restore", step=0, fresh=True, reason=res.reason, world_size=ctx.world)
             return 0
         log.info("ckptguard: %s (roles %s)", res.describe(), ", ".join(self._ranks))
         assert res.path is not None
@@ -392,13 +746,31 @@ class RunCheckpoint:
             _restore._plan(ctx, states[name], manifest, extras)  # items and keys, both ways
 
         def load(name: str, ctx: _commit.Context) -> None:
-            _restore.restore(ctx, states[name], parts[name])
+            from .manager import _addresses, _moved
+
+            before = _addresses(states[name])
+            where: dict[str, Any] = {"step": res.step, "path": str(parts[name].path), "world_size": ctx.world,
+                                     "plan": self.config.proof.as_dict()}
+            try:
+                done = _restore.restore(ctx, states[name], parts[name])
+            except Exception as exc:  # recorded as a failed restore (prove shows it as FAIL), then raised
+                self._record(name, "restore", ok=False, error=f"{type(exc).__name__}: {exc}"[:2000], **where)
+                raise
+            if done.reshard is not None:  # old -> new world, the rules, this rank's RNG streams (prove shows them)
+                where["reshard"] = done.reshard
+            self._record(name, "restore", digests_match=done.digests_match, layout_free_match=done.layout_free_match,
+                         source_rank=done.source_rank, saved_world_size=done.saved_world_size,
+                         format_version=done.format_version, addresses_changed=_moved(before, _addresses(states[name])),
+                         ok=True, **where)
             if name in self._derived:
                 self._derived[name].mark_restored(res.step)
 
         on_every_rank(self._run.agreement, "run.checked", lambda: each_role(check))
         on_every_rank(self._run.agreement, "run.restored", lambda: each_role(load))
         self._restored_step = res.step
+        # A restore starts a new trajectory from res.step: the commits and skips above it are the abandoned one's.
+        self._committed_here = [s for s in self._committed_here if s <= res.step]
+        self._skipped = {s: why for s, why in self._skipped.items() if s <= res.step}
         return res.step
 
     # ------------------------------------------------------------ guards

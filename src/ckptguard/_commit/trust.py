@@ -167,15 +167,24 @@ class HealthLog:
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[dict[str, Any], list[str]]] = {}
+        self._roles: dict[int, dict[str, list[str]]] = {}  # a run's ranks: step -> role -> its latest reasons
 
-    def note(self, policy: HealthPolicy, step: int, metrics: dict[str, Any]) -> None:
-        """A ``record_step``: judged now, shipped at the next save (the latest record of a step wins)."""
-        self._seen[step] = (metrics, reasons(policy, step, metrics, f"record_step of step {step}"))
+    def note(self, policy: HealthPolicy, step: int, metrics: dict[str, Any], *, role: str | None = None) -> None:
+        """A ``record_step``: judged now, shipped at the next save (the latest record of a step wins).
+        ``role`` (a RunCheckpoint rank holding several roles): each role's latest record wins, and the
+        step is unhealthy if any role's is (a critic's finite loss must not hide the actor's NaN)."""
+        source = f"record_step of step {step}" if role is None else f"record_step of role {role!r}, step {step}"
+        why = reasons(policy, step, metrics, source)
+        if role is not None:
+            self._roles.setdefault(step, {})[role] = why
+            why = [r for rs in self._roles[step].values() for r in rs]
+        self._seen[step] = (metrics, why)
         if len(self._seen) > self.HELD_MAX:
             # Forget the older half of the healthy ones (amortized): an unhealthy step must still block candidates.
             healthy = sorted(s for s, (_, why) in self._seen.items() if not why)
             for old in healthy[: len(healthy) // 2]:
                 del self._seen[old]
+                self._roles.pop(old, None)
 
     def view(
         self, policy: HealthPolicy, step: int, healthy: bool | None, metrics: dict[str, Any],
@@ -195,7 +204,7 @@ class HealthLog:
             why += self._seen[step][1]
         else:
             why += reasons(policy, step, {}, f"save of step {step}") if policy.check is not None else []
-        seen, self._seen = self._seen, {}
+        seen, self._seen, self._roles = self._seen, {}, {}
         seen.pop(step, None)
         return HealthView(
             why,

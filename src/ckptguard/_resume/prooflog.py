@@ -1,4 +1,5 @@
-"""Append-only proof records, one JSONL file per rank (``ROOT/proof/rank_NNNNN.jsonl``).
+"""Append-only proof records, one JSONL file per rank (``ROOT/proof/rank_NNNNN.jsonl``; a role of a
+``RunCheckpoint``: ``ROOT/proof/<role>/rank_NNNNN.jsonl``, numbered by the role's ranks).
 
 Records are appended and never edited. A file that grew past ``ProofLog.PRUNE_BYTES`` is
 rewritten at a save without the records no proof can read again (``prunable``): those
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -21,7 +23,7 @@ import torch
 
 from .._commit.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
 from .._log import NAME
-from ..errors import CheckpointCorruptError, ConfigError
+from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
 from .digest import digest
 
 _HOST = socket.gethostname()
@@ -38,8 +40,9 @@ class ProofLog:
 
     HELD_MAX = 100_000  # records held before the root exists; older ones are dropped beyond this
 
-    def __init__(self, root: Path, rank: int) -> None:
-        self.path = Path(root) / PROOF_DIR / f"rank_{rank:05d}.jsonl"
+    def __init__(self, root: Path, rank: int, *, role: str | None = None) -> None:
+        self.root = Path(root)
+        self.path = records_dir(root, role) / f"rank_{rank:05d}.jsonl"
         self.rank = rank
         self._held: deque[dict[str, Any]] = deque(maxlen=self.HELD_MAX)
         self.dropped = 0
@@ -76,7 +79,8 @@ class ProofLog:
             self._write(record, durable)
 
     def _write(self, record: dict[str, Any], durable: bool) -> None:
-        refuse_link(self.path.parent, "proof directory")  # appending through a link writes outside the root
+        refuse_link(self.root / PROOF_DIR, "proof directory")  # appending through a link writes outside the root
+        refuse_link(self.path.parent, "proof directory")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lines = [json.dumps(r, sort_keys=True) + "\n" for r in (*self._held, record)]
         if not self._tail_checked:
@@ -97,6 +101,22 @@ class ProofLog:
     def append(self, event: str, **fields: Any) -> None:
         self.write(self.build(event, **fields))
 
+    def keep(self, record: dict[str, Any], *, durable: bool = True) -> None:
+        """Write ``record`` (after the held ones), or hold it while the root does not exist; never raises:
+        a read-only or full root, or a symlinked proof/, is logged and training goes on."""
+        if not self.root.is_dir():  # a record never creates the root: a mistyped path must stay visible
+            self.hold(record)
+            return
+        try:
+            self.write(record, durable=durable)
+        except (OSError, UnsafeCheckpointError) as exc:
+            log.warning("ckptguard: could not append the %s proof record to %s (%s)", record.get("event"), self.path,
+                        exc)
+        if self.dropped:
+            log.warning("ckptguard: %d proof records made before %s existed were dropped (more than %d held)",
+                        self.dropped, self.root, self.HELD_MAX)
+            self.dropped = 0
+
     PRUNE_BYTES = 8 << 20
     """A records file smaller than this is never rewritten (the rewrite reads the whole file)."""
     PRUNE_GROWTH = 2.0
@@ -114,7 +134,7 @@ class ProofLog:
             size = self.path.stat().st_size if self.path.is_file() else 0
             if not size or size < max(self.PRUNE_BYTES, self.PRUNE_GROWTH * self._pruned_to):
                 return 0
-            steps = step_dirs(self.path.parent.parent, naming)  # committed or not: a smaller oldest keeps more
+            steps = step_dirs(self.root, naming)  # committed or not: a smaller oldest keeps more
             if not steps:
                 return 0
             refuse_link(self.path.parent, "proof directory")
@@ -241,13 +261,31 @@ PROOF_BYTES = 256 << 20
 """Bound of one rank's proof records file."""
 
 
-def read_records(root: Path) -> dict[int, list[dict[str, Any]]]:
-    """Every rank's proof records, checked for the shape ``evaluate`` relies on.
+def records_dir(root: Path, role: str | None = None) -> Path:
+    """Where the proof records of ``root`` (of one role of a run root) are."""
+    return Path(root) / PROOF_DIR / role if role is not None else Path(root) / PROOF_DIR
+
+
+def record_roles(root: Path) -> list[str]:
+    """The roles of a run root that have proof records (``ROOT/proof/<role>/``), sorted."""
+    directory = Path(root) / PROOF_DIR
+    if not directory.is_dir() or directory.is_symlink():
+        return []
+    return sorted(d.name for d in directory.iterdir() if d.is_dir() and not d.is_symlink() and _ROLE.match(d.name))
+
+
+_ROLE = re.compile(r"[a-z][a-z0-9_-]{0,63}\Z")  # runmanifest's role names
+
+
+def read_records(root: Path, role: str | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's proof records (of ``role``, numbered by its ranks), checked for the shape ``evaluate``
+    relies on.
 
     Never through a symlinked ``proof/`` or record file, never from a FIFO, bounded in size
     and JSON depth; a malformed line is one CheckpointCorruptError naming file and line."""
     out: dict[int, list[dict[str, Any]]] = {}
-    directory = Path(root) / PROOF_DIR
+    directory = records_dir(root, role)
+    refuse_link(Path(root) / PROOF_DIR, "proof directory")
     refuse_link(directory, "proof directory")
     for path in sorted(directory.glob("rank_*.jsonl")):
         try:

@@ -9,6 +9,7 @@ restore check reads), ``world_size`` (of a committed step), ``hold`` and ``relea
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
 
 __all__ = ["Listing", "StepEntry", "hold", "list_steps", "naming", "release", "resolve", "state_bytes",
-           "verify_targets", "world_size"]
+           "tracker_run_step", "verify_targets", "world_size"]
 
 
 def naming(template: str) -> _layout.StepNaming:
@@ -99,7 +100,8 @@ def state_bytes(step_dirs: list[Path]) -> int:
 
 
 def world_size(step_dir: Path) -> int:
-    return _manifest.read(step_dir).world_size
+    """The saved world size of a committed step (a run step: of the whole run)."""
+    return int(_runmanifest.read_any(step_dir).world_size)
 
 
 def hold(root: Path, template: str, step: int, reason: str) -> Path:
@@ -112,3 +114,26 @@ def hold(root: Path, template: str, step: int, reason: str) -> Path:
 
 def release(root: Path, step: int) -> bool:
     return _retention.release(root, step)
+
+
+_TRAILING = re.compile(r".*?(\d+)\Z")
+
+
+def tracker_run_step(root: Path) -> Path | None:
+    """The tracker's step directory when it is a run step (any naming template), else None."""
+    try:
+        tracker = _layout.read_tracker(root)
+    except (CheckpointError, OSError):
+        return None
+    if not tracker:
+        return None
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        match = _TRAILING.match(entry.name)
+        if entry.name.startswith(".") or match is None or int(match.group(1)) != tracker or entry.is_symlink():
+            continue
+        try:
+            if entry.is_dir() and _runmanifest.read(entry).step == tracker:
+                return entry
+        except (CheckpointError, OSError):
+            continue
+    return None

@@ -8,6 +8,11 @@ files, never at where the manifest says they were written; the ranks placed on o
 of node-local roots are reported as not checked (run preflight there). That is the guide's
 pitfall 14: node-local checkpoints and a new node set silently restart at step 0. A root
 that does not exist here is NOT READY, never a fresh start.
+
+A RunCheckpoint root (a run step of several roles): the tracker's step must hold every role (a
+step missing a role is NOT READY naming it), each role's part is verified as a step, and the
+placement is checked role by role (a role's rank i is the run rank ``ranks[i]`` of the run
+manifest), every finding naming its role.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 
 from .._commit import layout as _layout
 from .._commit import manifest as _manifest
+from .._commit import runmanifest as _runmanifest
 from .._commit.checks import Finding, Severity, files_needed, safe_member, verify_step
 from .._dist import node_name
 from .._resume.restore import resolve_local
@@ -73,6 +79,7 @@ class PreflightReport:
     path: str | None = None
     reason: str = ""
     findings: list[Finding] = field(default_factory=list)
+    roles: dict[str, list[int]] | None = None  # a run step: each role and its run ranks
 
     @property
     def ok(self) -> bool:
@@ -115,7 +122,7 @@ def preflight(
         )
         return report
     try:
-        res = resolve_local(root, naming, ResumeMode.AUTO, None)
+        res = resolve_local(root, naming, ResumeMode.AUTO, None, read_manifest=_runmanifest.read_any)
     except CheckpointError as exc:
         report.findings.append(
             Finding(Severity.ERROR, "unresolvable", str(root), str(exc).split(". ")[0], "fix the root before launching")
@@ -136,6 +143,9 @@ def preflight(
     report.findings += _lagging(root, naming, res.step)
     if res.path is None:
         return report
+    found = _runmanifest.read_any(res.path)
+    if isinstance(found, _runmanifest.RunManifest):
+        report.roles = {name: list(e.ranks) for name, e in found.roles.items()}
     report.findings += verify_step(res.path)
     if rank_hosts is not None and report.ok:
         try:
@@ -175,19 +185,32 @@ def _lagging(root: Path, naming: _layout.StepNaming, step: int) -> list[Finding]
     return out
 
 
+def _world_mismatch(step_dir: Path, world: int, rank_hosts: dict[int, str]) -> list[Finding]:
+    if len(rank_hosts) == world and set(rank_hosts) == set(range(world)):
+        return []
+    return [Finding(Severity.ERROR, "world-size", str(step_dir),
+                    f"the checkpoint has {world} ranks, the allocation {len(rank_hosts)}",
+                    "launch with the saved world size")]
+
+
 def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Finding]:
-    manifest = _manifest.read(step_dir)
+    found = _runmanifest.read_any(step_dir)
+    if isinstance(found, _runmanifest.RunManifest):
+        # A run step is on one shared root (RunCheckpoint refuses node-local ones): every role's ranks read
+        # this disk. Role rank i is run rank ranks[i]; each finding names the role.
+        if bad := _world_mismatch(step_dir, found.world_size, rank_hosts):
+            return bad
+        out = []
+        for role, held in sorted(found.roles.items()):
+            hosts = {i: rank_hosts[r] for i, r in enumerate(held.ranks)}
+            for f in _placement(step_dir / role, hosts, node):
+                out.append(Finding(f.severity, f.code, f.path, f"role {role!r} (run ranks {held.ranks}): {f.message}",
+                                   f.fix))
+        return out
+    manifest = found
     world = manifest.world_size
-    if len(rank_hosts) != world or set(rank_hosts) != set(range(world)):
-        return [
-            Finding(
-                Severity.ERROR,
-                "world-size",
-                str(step_dir),
-                f"the checkpoint has {manifest.world_size} ranks, the allocation {len(rank_hosts)}",
-                "launch with the saved world size",
-            )
-        ]
+    if bad := _world_mismatch(step_dir, world, rank_hosts):
+        return bad
     # One shared root: every rank reads this storage, wherever it runs. Node-local roots: this disk
     # serves the ranks placed on this node only; the other nodes' disks are out of sight here.
     here = sorted(r for r, h in rank_hosts.items() if h == node) if manifest.nodes else sorted(rank_hosts)

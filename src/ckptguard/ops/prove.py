@@ -21,9 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._resume.prooflog import ProofLog, export_fingerprint, logprob_diff, read_records  # noqa: F401 (re-exported)
+from .._commit import runmanifest as _runmanifest
+from .._resume.prooflog import (  # noqa: F401 (re-exported)
+    ProofLog,
+    export_fingerprint,
+    logprob_diff,
+    read_records,
+    record_roles,
+)
 from .._resume.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
+from ..errors import CheckpointError
+from .inspect import tracker_run_step
 
 LEGACY_PLAN = ProofPlan(rl=True)
 """The plan of records written before plans were recorded: every gate applied."""
@@ -633,10 +642,21 @@ def _judged(gate: Any, seg: _Segment) -> tuple[Status, str]:
 
 
 def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
-    """Every gate, in order. ``plan`` overrides the recorded plan (to read the same records under another)."""
+    """Every gate, in order. ``plan`` overrides the recorded plan (to read the same records under another).
+
+    A RunCheckpoint root (``run_roles``): a required gate that every role restored one run step
+    holding every role, then every role's gates, each named ``<role>: <gate>``; a role without
+    records has its gates NOT RUN."""
+    roles = run_roles(root)
+    if roles:
+        return _evaluate_run(root, roles, plan)
+    return _evaluate(root, plan, None)
+
+
+def _evaluate(root: Path, plan: ProofPlan | None, role: str | None) -> list[Gate]:
     from .._commit.manifest import FORMAT_VERSION
 
-    records = read_records(root)
+    records = read_records(root, role)
     all_segments = [_segment(rank, recs) for rank, recs in sorted(records.items())]
     segments = _newest_run(all_segments)
     found, where = _plan(records, segments)
@@ -708,3 +728,58 @@ def verdict(gates: list[Gate]) -> str:
 
 def to_json(gates: list[Gate]) -> dict[str, Any]:
     return {"verdict": verdict(gates), "proven": passed(gates), "gates": [g.to_json() for g in gates]}
+
+
+# ---------------------------------------------------------------- run roots (RunCheckpoint)
+
+def run_roles(root: Path) -> list[str]:
+    """The roles of a RunCheckpoint root: those with records under ``proof/<role>/`` and those of the
+    tracker's run step; empty for a root of a single CheckpointManager."""
+    roles = set(record_roles(root))
+    step_dir = tracker_run_step(root)
+    if step_dir is not None:
+        roles |= set(_runmanifest.read(step_dir).roles)
+    return sorted(roles)
+
+
+def _gate_run_step(root: Path, roles: list[str]) -> Gate:
+    """Every role restored the same run step, and that step (as on disk now) holds every role."""
+    name = "every role restored one run step"
+    restored: dict[str, set[tuple[int, str]]] = {}
+    for role in roles:
+        segments = _newest_run([_segment(r, recs) for r, recs in sorted(read_records(root, role).items())])
+        got = {(int(r["step"]), str(Path(str(r.get("path", ""))).parent))
+               for s in segments if _restored(s) and (r := s.restore) is not None}
+        if got:
+            restored[role] = got
+    if not restored:
+        return Gate(name, Status.NOT_RUN, f"no role of {roles} recorded a restore of a non-zero step")
+    steps = sorted({step for got in restored.values() for step, _ in got})
+    if len(steps) > 1:
+        shown = "; ".join(f"role {r!r}: step(s) {sorted(s for s, _ in got)}" for r, got in sorted(restored.items()))
+        return Gate(name, Status.FAIL, f"the roles restored different steps ({shown}): a run resumes every role "
+                    "from one run step")
+    step = steps[0]
+    recorded = Path(next(iter(restored.values())).pop()[1])
+    step_dir = recorded if recorded.is_dir() else root / recorded.name  # the root was moved since
+    try:
+        run = _runmanifest.checked(step_dir)
+    except CheckpointError as exc:
+        return Gate(name, Status.FAIL, f"run step {step}: {str(exc).split('. ')[0]}")
+    declared = sorted(set(roles) | set(run.roles))
+    unrecorded = [r for r in declared if r not in restored]
+    if unrecorded:
+        return Gate(name, Status.NOT_RUN, f"run step {step} was restored by roles {sorted(restored)}; role(s) "
+                    f"{unrecorded} recorded no restore of it (record_proof off there, or records removed)")
+    return Gate(name, Status.PASS, f"roles {', '.join(declared)} restored run step {step} ({step_dir.name}), which "
+                "holds every role")
+
+
+def _evaluate_run(root: Path, roles: list[str], plan: ProofPlan | None) -> list[Gate]:
+    gates = [Gate("run roles", Status.INFO, f"RunCheckpoint root: roles {', '.join(roles)}; each role's gates are "
+                  "its own records (proof/<role>/)", required=False), _gate_run_step(root, roles)]
+    for role in roles:
+        for g in _evaluate(root, plan, role):
+            evidence = g.evidence if g.evidence.startswith("role ") else f"role {role!r}: {g.evidence}"
+            gates.append(Gate(f"{role}: {g.name}", g.status, evidence, g.required))
+    return gates

@@ -6,6 +6,9 @@ whether the process is using CPU or doing I/O right now (two /proc readings ``sa
 apart, on this node only). A rank with neither CPU nor I/O far beyond its typical
 duration is reported as stalled; a busy one as slow. Processes on other nodes are
 reported without a sample, never guessed.
+
+PATH may be a RunCheckpoint root: each rank is shown with the roles it holds (from the tracker's
+run step; ranks are the run's ranks, as the PhaseRecorders of the run's processes number them).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class RankStatus:
     cpu_fraction: float | None
     io_bytes_per_s: float | None
     verdict: str
+    roles: list[str] | None = None  # a run root: the roles this rank holds
 
     @property
     def needs_attention(self) -> bool:
@@ -106,7 +110,22 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def status(paths: list[Path], *, sample_s: float = 0.5) -> list[RankStatus]:
+def run_rank_roles(path: Path) -> dict[int, list[str]] | None:
+    """A RunCheckpoint root: each run rank and the roles it holds (the tracker's run step), else None."""
+    from .._commit import runmanifest
+    from .inspect import tracker_run_step
+
+    step_dir = tracker_run_step(path) if path.is_dir() else None
+    if step_dir is None:
+        return None
+    out: dict[int, list[str]] = {}
+    for role, entry in runmanifest.read(step_dir).roles.items():
+        for rank in entry.ranks:
+            out.setdefault(rank, []).append(role)
+    return {rank: sorted(roles) for rank, roles in sorted(out.items())}
+
+
+def status(paths: list[Path], *, sample_s: float = 0.5, roles: dict[int, list[str]] | None = None) -> list[RankStatus]:
     records = read_records(paths)
     _check(records)
     open_ = _open_phases(records)
@@ -123,8 +142,11 @@ def status(paths: list[Path], *, sample_s: float = 0.5) -> list[RankStatus]:
     out = []
     for rank in sorted(last):
         rec = open_.get(rank, last[rank])
-        out.append(_judge(rank, rec, rank in open_, typical, first.get(rec["pid"]), second.get(rec["pid"]),
-                          sample_s, rec.get("node") == here))
+        st = _judge(rank, rec, rank in open_, typical, first.get(rec["pid"]), second.get(rec["pid"]),
+                    sample_s, rec.get("node") == here)
+        if roles is not None:
+            st.roles = roles.get(rank, [])
+        out.append(st)
     return out
 
 
