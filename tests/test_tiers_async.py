@@ -23,9 +23,11 @@ from test_tiers import PER_NODE, WORLD, expected, fake_node, make_state, train_t
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private UTS namespaces (fake nodes)")
 
 
-def _tiers(base: str, **kw) -> cg.TieredCheckpoint:
+def _tiers(base: str, host_bytes: int = 1 << 20, **kw) -> cg.TieredCheckpoint:
+    """``host_bytes=0``: nothing fits the staging pools, the writers read the live tensors and the next
+    optimizer step waits until both tiers' writers have read them."""
     return cg.TieredCheckpoint(fast=os.path.join(base, kw.pop("fast", "fast")), persistent=os.path.join(base, "pers"),
-                               config=cg.CheckpointConfig(timeout_s=60, async_host_bytes=1 << 20), **kw)
+                               config=cg.CheckpointConfig(timeout_s=60, async_host_bytes=host_bytes), **kw)
 
 
 def _exact(state: dict, rank: int, step: int) -> bool:
@@ -34,7 +36,7 @@ def _exact(state: dict, rank: int, step: int) -> bool:
 
 
 def async_run(rank: int, world: int, base: str) -> dict:
-    tiers = _tiers(base, fast_every=1, persistent_every=2)
+    tiers = _tiers(base, fast_every=1, persistent_every=2)  # the state fits the pools: staged copies
     state = make_state(rank)
     blocked, kinds = [], []
     for step in range(1, 5):
@@ -81,7 +83,8 @@ def restore_run(rank: int, world: int, base: str) -> tuple[int, bool]:
 
 def replica_run(rank: int, world: int, base: str) -> dict:
     """Fake nodes on one shared fast root: while a fast step's commit is between its manifest and its
-    tracker (uncommitted), no peer replica of it exists; after wait() every rank's replica does."""
+    tracker (uncommitted), no peer replica of it exists; after wait() every rank's replica does. Nothing
+    fits the staging pools: the optimizer steps after each save_async wait for the writers' reads."""
     import time
 
     import torch.distributed as dist
@@ -89,7 +92,7 @@ def replica_run(rank: int, world: int, base: str) -> dict:
     from ckptguard import _faults
 
     fake_node(base, rank, local_disk=False)
-    tiers = _tiers(base, fast="disk/fast", fast_every=1, persistent_every=100, replicas=1)
+    tiers = _tiers(base, 0, fast="disk/fast", fast_every=1, persistent_every=2, replicas=1)
     fast = Path(base, "disk", "fast")
     early: list[list[str]] = []
 
@@ -122,7 +125,10 @@ def test_save_async_pushes_replicas_only_after_the_commit(tmp_path):
     (tmp_path / "disk").mkdir()
     out = values(run_ranks(replica_run, WORLD, str(tmp_path), timeout=300))
     step1 = [f"{tmp_path}/disk/fast/replicas/step_00000001/rank_0000{r}/replica.json" for r in range(WORLD)]
-    assert out[0]["early"] == [[], step1], out[0]["early"]  # at step 2's publish, only step 1's replicas
+    step2 = [f"{tmp_path}/disk/fast/replicas/step_00000002/rank_0000{r}/replica.json" for r in range(WORLD)]
+    # At each fast publish only the older steps' replicas exist; the persistent commit of step 2 comes
+    # after step 2's push.
+    assert out[0]["early"] == [[], step1, sorted(step1 + step2)], out[0]["early"]
     assert all(o["held"] == [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2)
                              for r in range(WORLD)] for o in out)
     assert [(o["step"], o["exact"]) for o in out] == [(2, True)] * WORLD, out
