@@ -18,7 +18,7 @@ import torch
 import ckptguard as cg
 from ckptguard._commit import lease as _lease
 from ckptguard.testing import run_ranks, values
-from test_tiers import PER_NODE, WORLD, expected, fake_node, make_state, train_to
+from test_tiers import PER_NODE, WORLD, expected, fake_node, make_state, restore_records, train_to
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private UTS namespaces (fake nodes)")
 
@@ -53,8 +53,10 @@ def async_run(rank: int, world: int, base: str) -> dict:
     state["mine"].value = -1
     # A restore while step 4 is pending: it ends first, and the choice is step 4 on every rank.
     step = tiers.restore(state)
-    out = {"kinds": kinds, "step": step, "exact": _exact(state, rank, step), "mine": state["mine"].value,
-           "fast": tiers.fast.committed_steps(), "persistent": tiers.persistent.committed_steps()}
+    out = {"kinds": kinds, "step": step, "exact": _exact(state, rank, step), "mine": state["mine"].value}
+    # Unhealthy on one rank: skipped on every rank and every tier, nothing staged or pending.
+    out["skipped"] = tiers.save_async(6, state, healthy=rank != 1) is None and tiers.wait() == {}
+    out.update(fast=tiers.fast.committed_steps(), persistent=tiers.persistent.committed_steps())
     tiers.close()
     return out
 
@@ -63,7 +65,7 @@ def test_save_async_saves_both_tiers_in_the_background_with_the_old_values(tmp_p
     out = values(run_ranks(async_run, 2, str(tmp_path), timeout=240))
     for rank, o in enumerate(out):
         assert o["kinds"] == [["fast"], ["fast", "persistent"], ["fast"], ["fast", "persistent"]]
-        assert o["step"] == 4 and o["exact"] and o["mine"] == rank * 1000 + 4, o
+        assert o["step"] == 4 and o["exact"] and o["mine"] == rank * 1000 + 4 and o["skipped"], o
         assert o["fast"] == [3, 4] and o["persistent"] == [2, 4]
     # A fresh job restores the persistent tier alone, exactly, once the fast tier is gone.
     for p in (tmp_path / "fast").iterdir():
@@ -82,57 +84,70 @@ def restore_run(rank: int, world: int, base: str) -> tuple[int, bool]:
 
 
 def replica_run(rank: int, world: int, base: str) -> dict:
-    """Fake nodes on one shared fast root: while a fast step's commit is between its manifest and its
-    tracker (uncommitted), no peer replica of it exists; after wait() every rank's replica does. Nothing
-    fits the staging pools: the optimizer steps after each save_async wait for the writers' reads."""
+    """Fake nodes, each with its own fast disk: while a fast step is published on a node but its
+    tracker not yet moved (uncommitted), the node holds no replica of it; after wait() every rank's
+    part of both steps is on the other node. Nothing fits the staging pools: the optimizer steps after
+    each save_async wait for the writers' reads. Then node 1 loses its fast tier and restores step 2
+    from the replicas on node 0."""
+    import shutil
     import time
 
     import torch.distributed as dist
 
     from ckptguard import _faults
 
-    fake_node(base, rank, local_disk=False)
+    fake_node(base, rank, local_disk=True)
     tiers = _tiers(base, 0, fast="disk/fast", fast_every=1, persistent_every=2, replicas=1)
     fast = Path(base, "disk", "fast")
-    early: list[list[str]] = []
+    early: list[list] = []
 
-    def before_tracker() -> None:  # rank 0 publishes a shared root; a concurrent push would show here
+    def look(point: str) -> None:  # a push running alongside the commit would show here
         time.sleep(0.3)
-        early.append(sorted(p.as_posix() for p in fast.glob("replicas/*/rank_*/replica.json")))
+        held = fast.glob("replicas/*/rank_*/replica.json")
+        early.append([point, sorted(p.relative_to(fast).as_posix() for p in held)])
 
-    _faults.set_hook("commit.before_tracker", before_tracker)
+    for point in ("node.before_tracker", "commit.before_tracker"):
+        _faults.set_hook(point, lambda point=point: look(point))
     state = make_state(rank)
     for step in (1, 2):
         train_to(state, rank, step)
         tiers.save_async(step, state)
     tiers.wait()
-    _faults.set_hook("commit.before_tracker", None)
+    for point in ("node.before_tracker", "commit.before_tracker"):
+        _faults.set_hook(point, None)
     held = sorted(p.relative_to(fast).as_posix() for p in fast.glob("replicas/*/rank_*/replica.json"))
     dist.barrier()
-    if rank == 0:  # node 1's own files of step 2 are lost; its replicas on node 0 rebuild them
-        from test_tiers import node_files
-
-        for p in node_files(fast / "step_00000002", 1):
-            p.unlink()
+    if rank == PER_NODE:  # node 1's fast disk is lost (the persistent tier holds step 2 too: fast wins)
+        shutil.rmtree(fast)
     dist.barrier()
     train_to(state, rank, 3)
     step = tiers.restore(state)
-    return {"early": early, "held": held, "step": step, "exact": _exact(state, rank, step)}
+    return {"early": early, "held": held, "step": step, "exact": _exact(state, rank, step),
+            "tier": restore_records(Path(base, "pers"))[rank]["tier"] if rank == 0 else None}
 
 
 @needs_root
 def test_save_async_pushes_replicas_only_after_the_commit(tmp_path):
     (tmp_path / "disk").mkdir()
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "marker").write_text(str(node))
     out = values(run_ranks(replica_run, WORLD, str(tmp_path), timeout=300))
-    step1 = [f"{tmp_path}/disk/fast/replicas/step_00000001/rank_0000{r}/replica.json" for r in range(WORLD)]
-    step2 = [f"{tmp_path}/disk/fast/replicas/step_00000002/rank_0000{r}/replica.json" for r in range(WORLD)]
-    # At each fast publish only the older steps' replicas exist; the persistent commit of step 2 comes
-    # after step 2's push.
-    assert out[0]["early"] == [[], step1, sorted(step1 + step2)], out[0]["early"]
-    assert all(o["held"] == [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2)
-                             for r in range(WORLD)] for o in out)
+
+    def markers(steps, node):  # the replicas node ``node`` holds: those of the other node's ranks
+        ranks = [r for r in range(WORLD) if r // PER_NODE != node]
+        return [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in steps for r in ranks]
+
+    for leader, node in ((0, 0), (PER_NODE, 1)):
+        # Each fast publish sees only the older steps' replicas; the persistent commit of step 2 (rank 0,
+        # the shared root) comes after step 2's push.
+        want = [["node.before_tracker", []], ["node.before_tracker", markers([1], node)]]
+        if leader == 0:
+            want.append(["commit.before_tracker", markers([1, 2], node)])
+        assert out[leader]["early"] == want, out[leader]["early"]
+        assert out[leader]["held"] == markers([1, 2], node)
     assert [(o["step"], o["exact"]) for o in out] == [(2, True)] * WORLD, out
-    assert PER_NODE == 2
+    assert out[0]["tier"] == "fast"
 
 
 # ---------------------------------------------------------------- the persistent tier's lease
