@@ -4,7 +4,11 @@ Contract. ``TieredCheckpoint.save(step, state)`` commits ``step`` to the fast ti
 ``step % fast_every == 0`` and to the persistent tier when ``step % persistent_every == 0``,
 each a full ``CheckpointManager`` commit with its own retention. With ``replicas=1`` every
 rank's files of a fast step are also sent to its peer on another node (``_commit.replica``),
-so losing any one node leaves the whole step on the others.
+so losing any one node leaves the whole step on the others. ``save_async`` snapshots each due
+tier now (its manager's staging) and commits them in one background thread: the fast tier, then
+its replica push (never of an uncommitted step), then the persistent tier; every later collective
+call waits for it first. Rank 0 holds the persistent root's write lease from the first save of
+any tier on, so a second live job on that root is refused at its first save or restore.
 
 ``restore`` is collective: every rank reports what it can load (fast steps complete on its
 own disk, peer replicas it holds, the persistent tier's step), and rank 0 picks the newest
