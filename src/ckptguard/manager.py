@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from ._resume.prooflog import ProofLog
 from ._resume.trajectory import _scalar, fingerprint
 from .config import CheckpointConfig, ResumeMode
 from .errors import CheckpointError, ConfigError, UnsafeCheckpointError
+from .storage._staging import Fence
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -258,7 +259,7 @@ class CheckpointManager:
 
     def _prepare_async(
         self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any
-    ) -> tuple[Any, Any, float] | None:
+    ) -> tuple[Callable[[], Path], Fence, float] | None:
         """The caller's part of ``save_async`` (the health agreement, the snapshot, the staged copies
         queued): returns the background commit, the mutation fence and the start time, or None for
         an unhealthy step. A ``TieredCheckpoint`` runs several managers' commits in one thread: one

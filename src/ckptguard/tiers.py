@@ -48,7 +48,7 @@ from ._commit import replica as _replica
 from ._commit import trust as _trust
 from ._commit.checks import files_needed
 from ._commit.retention import KeepLast, RetentionPolicy, default_policy
-from ._dist import Wire, gather_decide, make_agreement, on_every_rank
+from ._dist import Wire, gather_decide, on_every_rank
 from ._priority import lower_this_thread
 from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
@@ -173,8 +173,6 @@ class TieredCheckpoint:
     Every method is collective, like ``CheckpointManager``'s.
     """
 
-    _created = 0
-
     def __init__(
         self,
         *,
@@ -213,11 +211,6 @@ class TieredCheckpoint:
         for mgr, tier in ((self.fast, Tier.FAST), (self.persistent, Tier.PERSISTENT)):
             if mgr is not None:
                 mgr._proof, mgr._proof_root, mgr._proof_fields = home._proof, home.root, {"tier": tier.value}
-        # Its own agreement: the persistent lease round runs while a tier's background commit uses that
-        # manager's agreement (numbered rounds, one thread each).
-        TieredCheckpoint._created += 1
-        self._agreement = make_agreement(process_group, timeout_s=base.timeout_s,
-                                         namespace=f"tiers-{TieredCheckpoint._created}")
         self._pending: TieredSave | None = None
         agreement = self.fast._ctx.agreement
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
@@ -341,7 +334,8 @@ class TieredCheckpoint:
             if created:
                 _layout.write_tracker(mgr.root, 0)
 
-        on_every_rank(self._agreement, "tiers.persistent_lease", take)
+        # The fast manager's agreement: no background commit uses it now (every caller waited first).
+        on_every_rank(self.fast._ctx.agreement, "tiers.persistent_lease", take)
 
     def _push(self, step: int) -> None:
         """Send this rank's files of ``step`` to its peer; a failed replica is a loud warning on every rank
