@@ -123,7 +123,8 @@ class TieredSave:
         """True once ``wait()`` raised: ``TieredCheckpoint`` does not raise it a second time."""
         # Not a daemon: an interpreter exit waits for the commits instead of cutting them off.
         self._thread = threading.Thread(target=self._run, args=(parts, push), name=f"ckptguard-tiers-save-{step}")
-        self._thread.start()
+        if parts:  # a step on neither interval starts no thread
+            self._thread.start()
 
     @property
     def mutation_wait_seconds(self) -> float:
@@ -150,7 +151,8 @@ class TieredSave:
 
     def wait(self, timeout: float | None = None) -> dict[Tier, Path]:
         """Block until every tier's commit (and the replica push) ended; raise the first error."""
-        self._thread.join(timeout)
+        if self.tiers:
+            self._thread.join(timeout)
         if self._thread.is_alive():
             raise SaveStillRunningError(
                 f"the background save of step {self.step} ({', '.join(t.value for t in self.tiers)} tier) is still "
@@ -237,8 +239,10 @@ class TieredCheckpoint:
         either raises on every rank, like ``CheckpointManager.save``."""
         CheckpointManager._check_step(step, "save")
         self.wait()
-        self._hold_persistent()
         out: dict[Tier, Path] = {}
+        if not self._due(step):
+            return out  # no collective, no lease write: a loop may call save at every step
+        self._hold_persistent()
         if step % self.fast_every == 0:
             fast = self.fast.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm)
             if fast is None:  # an unhealthy step (CheckpointConfig.health): skipped on every rank, every tier
@@ -268,11 +272,10 @@ class TieredCheckpoint:
         CheckpointManager._check_state(state, "save_async")
         start = time.monotonic()
         self.wait()
-        self._hold_persistent()
+        due = self._due(step)
+        if due:
+            self._hold_persistent()
         parts: list[tuple[Tier, Callable[[], Path], Fence]] = []
-        due = [(Tier.FAST, self.fast)] if step % self.fast_every == 0 else []
-        if self.persistent is not None and step % self.persistent_every == 0:
-            due.append((Tier.PERSISTENT, self.persistent))
         push = (lambda: self._push(step)) if self.replicas else None
         try:
             for tier, mgr in due:
@@ -289,6 +292,12 @@ class TieredCheckpoint:
             if parts:
                 self._pending = TieredSave(step, parts, time.monotonic() - start, push)
         return self._pending if parts else TieredSave(step, [], time.monotonic() - start, None)
+
+    def _due(self, step: int) -> list[tuple[Tier, CheckpointManager]]:
+        due = [(Tier.FAST, self.fast)] if step % self.fast_every == 0 else []
+        if self.persistent is not None and step % self.persistent_every == 0:
+            due.append((Tier.PERSISTENT, self.persistent))
+        return due
 
     def wait(self) -> dict[Tier, Path]:
         """Wait for a pending ``save_async`` (both tiers, the replica push); returns its directories,
