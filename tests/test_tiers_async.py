@@ -182,3 +182,15 @@ def test_a_second_live_job_on_the_persistent_root_is_refused(tmp_path):
     assert _lease.release(pers)  # the first job is gone: the second one starts
     out = values(run_ranks(second_job, 2, base, timeout=120))
     assert [(o["restore"], o["save"], o["fast"]) for o in out] == [(0, ["fast"], ["step_00000001"])] * 2, out
+
+
+def test_a_step_on_neither_interval_touches_nothing(tmp_path):
+    tiers = _tiers(str(tmp_path), fast_every=2, persistent_every=4)
+    state = make_state(0)
+    assert tiers.save(1, state) == {}
+    pending = tiers.save_async(3, state)
+    assert pending is not None and pending.tiers == [] and pending.done() and pending.wait() == {}
+    assert not (tmp_path / "pers").exists() and not (tmp_path / "fast").exists()  # no root, no lease
+    assert [t.value for t in tiers.save_async(4, state).tiers] == ["fast", "persistent"]
+    assert sorted(t.value for t in tiers.wait()) == ["fast", "persistent"] and _lease.is_mine(tmp_path / "pers")
+    tiers.close()
