@@ -114,6 +114,7 @@ EXPORTED = [
     "StreamingStorage",
     "Tier",
     "TieredCheckpoint",
+    "TieredSave",
     "TopologyMismatchError",
     "UnsafeCheckpointError",
     "VersionMismatchError",

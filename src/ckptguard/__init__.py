@@ -67,7 +67,7 @@ from .storage import (
     WrittenFile,
     read_dcp_metadata,
 )
-from .tiers import Tier, TieredCheckpoint
+from .tiers import Tier, TieredCheckpoint, TieredSave
 
 __all__ = [
     "ChainMismatchError",
@@ -126,6 +126,7 @@ __all__ = [
     "StreamingStorage",
     "Tier",
     "TieredCheckpoint",
+    "TieredSave",
     "TopologyMismatchError",
     "UnsafeCheckpointError",
     "VersionMismatchError",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from ._resume.prooflog import ProofLog
 from ._resume.trajectory import _scalar, fingerprint
 from .config import CheckpointConfig, ResumeMode
 from .errors import CheckpointError, ConfigError, UnsafeCheckpointError
+from .storage._staging import Fence
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
 
@@ -249,6 +250,21 @@ class CheckpointManager:
         self._check_step(step, "save_async")
         self._check_state(state, "save_async")
         self.wait()
+        prepared = self._prepare_async(step, state, healthy, loss, grad_norm)
+        if prepared is None:
+            return None
+        run, fence, start = prepared
+        self._pending = _async.PendingSave(step, run, time.monotonic() - start, fence=fence, started=start)
+        return self._pending
+
+    def _prepare_async(
+        self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any
+    ) -> tuple[Callable[[], Path], Fence, float] | None:
+        """The caller's part of ``save_async`` (the health agreement, the snapshot, the staged copies
+        queued): returns the background commit, the mutation fence and the start time, or None for
+        an unhealthy step. A ``TieredCheckpoint`` runs several managers' commits in one thread: one
+        process's c10d store client serves one blocking wait at a time, so two commits' agreements
+        in two threads hold each other's ranks until the timeout."""
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
@@ -272,8 +288,7 @@ class CheckpointManager:
                     pool.done()
 
         snap.resumed = time.monotonic()
-        self._pending = _async.PendingSave(step, run, snap.resumed - start, fence=staged.fence, started=start)
-        return self._pending
+        return run, staged.fence, start
 
     def staged(self) -> float:
         """Make later changes of the saved tensors safe for the last ``save_async``: work queued on the

@@ -4,7 +4,11 @@ Contract. ``TieredCheckpoint.save(step, state)`` commits ``step`` to the fast ti
 ``step % fast_every == 0`` and to the persistent tier when ``step % persistent_every == 0``,
 each a full ``CheckpointManager`` commit with its own retention. With ``replicas=1`` every
 rank's files of a fast step are also sent to its peer on another node (``_commit.replica``),
-so losing any one node leaves the whole step on the others.
+so losing any one node leaves the whole step on the others. ``save_async`` snapshots each due
+tier now (its manager's staging) and commits them in one background thread: the fast tier, then
+its replica push (never of an uncommitted step), then the persistent tier; every later collective
+call waits for it first. Rank 0 holds the persistent root's write lease from the first save of
+any tier on, so a second live job on that root is refused at its first save or restore.
 
 ``restore`` is collective: every rank reports what it can load (fast steps complete on its
 own disk, peer replicas it holds, the persistent tier's step), and rank 0 picks the newest
@@ -28,6 +32,9 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,18 +42,28 @@ from typing import Any
 import xxhash
 
 from ._commit import layout as _layout
+from ._commit import lease as _lease
 from ._commit import manifest as _manifest
 from ._commit import replica as _replica
 from ._commit import trust as _trust
 from ._commit.checks import files_needed
 from ._commit.retention import KeepLast, RetentionPolicy, default_policy
-from ._dist import Wire, gather_decide
+from ._dist import Wire, gather_decide, on_every_rank
+from ._priority import lower_this_thread
 from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.restore import resolve_local
 from .config import CheckpointConfig, ResumeMode
-from .errors import CheckpointError, CheckpointIncompleteError, ConfigError, error_payload, rebuild
+from .errors import (
+    CheckpointError,
+    CheckpointIncompleteError,
+    ConfigError,
+    SaveStillRunningError,
+    error_payload,
+    rebuild,
+)
 from .manager import CheckpointManager
+from .storage._staging import Fence
 from .storage.base import Storage
 
 log = logging.getLogger("ckptguard")
@@ -82,6 +99,69 @@ class _Choice(Wire):
     senders: dict[str, int] = field(default_factory=dict)  # str(receiver rank) -> sender rank
     detail: str = ""
     fell_back: bool = False  # a newer step exists on part of the job: said as a warning
+
+
+class TieredSave:
+    """A ``TieredCheckpoint.save_async`` in flight: the tiers' background commits, one after the other
+    in one thread (the fast tier, its replica push with ``replicas=1``, then the persistent tier).
+    ``wait()`` returns the committed directories as ``save`` does and raises the first failure."""
+
+    def __init__(
+        self, step: int, parts: list[tuple[Tier, Callable[[], Path], Fence]], blocked_s: float,
+        push: Callable[[], None] | None,
+    ) -> None:
+        self.step = step
+        self.tiers = [tier for tier, _, _ in parts]
+        """The tiers this step is saved to (none: the step is on neither tier's interval)."""
+        self.blocked_seconds = blocked_s
+        """How long ``save_async`` held the caller (every tier's snapshot and queued copies)."""
+        self.priority: list[str] = []
+        self._fences = [fence for _, _, fence in parts]
+        self._result: dict[Tier, Path] = {}
+        self._error: BaseException | None = None
+        self.reported = False
+        """True once ``wait()`` raised: ``TieredCheckpoint`` does not raise it a second time."""
+        # Not a daemon: an interpreter exit waits for the commits instead of cutting them off.
+        self._thread = threading.Thread(target=self._run, args=(parts, push), name=f"ckptguard-tiers-save-{step}")
+        if parts:  # a step on neither interval starts no thread
+            self._thread.start()
+
+    @property
+    def mutation_wait_seconds(self) -> float:
+        """How long later mutations (optimizer step, ``staged()``) waited for this save's reads."""
+        return sum(f.waited_s for f in self._fences)
+
+    def _run(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None) -> None:
+        self.priority = lower_this_thread()
+        for tier, run, fence in parts:
+            try:
+                fence.host_wait()  # the staged copies have landed before anything reads them
+                self._result[tier] = run()
+                if tier is Tier.FAST and push is not None:
+                    push()  # after the commit: a replica is never made of an uncommitted step
+            except BaseException as exc:  # kept for wait(); the next tier still saves (its own commit)
+                self._error = self._error or exc
+                log.error("ckptguard: the background save of step %d to the %s tier failed: %s: %s (raised by the "
+                          "next save, restore or wait)", self.step, tier.value, type(exc).__name__, exc)
+            finally:
+                fence.live_read()  # a failed save reads nothing more: training may go on
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> dict[Tier, Path]:
+        """Block until every tier's commit (and the replica push) ended; raise the first error."""
+        if self.tiers:
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise SaveStillRunningError(
+                f"the background save of step {self.step} ({', '.join(t.value for t in self.tiers)} tier) is still "
+                "running; call wait() again (without a timeout to block until it ends)", step=self.step,
+            )
+        if self._error is not None:
+            self.reported = True
+            raise self._error
+        return dict(self._result)
 
 
 class TieredCheckpoint:
@@ -133,6 +213,7 @@ class TieredCheckpoint:
         for mgr, tier in ((self.fast, Tier.FAST), (self.persistent, Tier.PERSISTENT)):
             if mgr is not None:
                 mgr._proof, mgr._proof_root, mgr._proof_fields = home._proof, home.root, {"tier": tier.value}
+        self._pending: TieredSave | None = None
         agreement = self.fast._ctx.agreement
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
         self._peers = _replica.peers(self._hosts)
@@ -157,12 +238,11 @@ class TieredCheckpoint:
         The fast tier first (and its peer replicas), then the persistent tier; a failure of
         either raises on every rank, like ``CheckpointManager.save``."""
         CheckpointManager._check_step(step, "save")
+        self.wait()
         out: dict[Tier, Path] = {}
-        if self.persistent is not None and self.rank == 0 and not self.persistent.root.exists():
-            # The run's first save creates the persistent root too (tracker 0: a declared fresh start),
-            # so the proof records of the fast saves before the first persistent one are durable there.
-            self.persistent.root.mkdir(parents=True)
-            _layout.write_tracker(self.persistent.root, 0)
+        if not self._due(step):
+            return out  # no collective, no lease write: a loop may call save at every step
+        self._hold_persistent()
         if step % self.fast_every == 0:
             fast = self.fast.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm)
             if fast is None:  # an unhealthy step (CheckpointConfig.health): skipped on every rank, every tier
@@ -175,6 +255,96 @@ class TieredCheckpoint:
             if persistent is not None:
                 out[Tier.PERSISTENT] = persistent
         return out
+
+    def save_async(
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+    ) -> TieredSave | None:
+        """``save`` in the background. Each tier on its interval is snapshotted now as its manager's
+        ``save_async`` does (the health agreement; copies queued into its pinned staging pool; the
+        next optimizer step, the next forward of a module with buffers, or ``staged()`` waits for
+        them), then one background thread commits the fast tier, pushes its peer replicas once that
+        commit completed (a replica is never made of an uncommitted step), and commits the persistent
+        tier: one thread, because one process's c10d store client serves one blocking wait at a time.
+        Returns a ``TieredSave``, or None for a step the health policy skipped on every rank. The next
+        ``save``, ``save_async``, ``restore``, ``wait`` or ``close`` waits for it first and raises its
+        error: a restore chooses its step with every pending save ended, on every rank alike."""
+        CheckpointManager._check_step(step, "save_async")
+        CheckpointManager._check_state(state, "save_async")
+        start = time.monotonic()
+        self.wait()
+        due = self._due(step)
+        if due:
+            self._hold_persistent()
+        parts: list[tuple[Tier, Callable[[], Path], Fence]] = []
+        push = (lambda: self._push(step)) if self.replicas else None
+        try:
+            for tier, mgr in due:
+                prepared = mgr._prepare_async(step, state, healthy, loss, grad_norm)
+                if prepared is None:  # an unhealthy step: skipped on every rank (the fast verdict: every tier)
+                    if tier is Tier.FAST or not parts:
+                        return None
+                    continue
+                run, fence, _ = prepared
+                parts.append((tier, run, fence))
+        finally:
+            # Also when the persistent snapshot raised (on every rank alike): the fast part already
+            # staged commits, so its pool slots and its fence are released, never left hanging.
+            if parts:
+                self._pending = TieredSave(step, parts, time.monotonic() - start, push)
+        return self._pending if parts else TieredSave(step, [], time.monotonic() - start, None)
+
+    def _due(self, step: int) -> list[tuple[Tier, CheckpointManager]]:
+        due = [(Tier.FAST, self.fast)] if step % self.fast_every == 0 else []
+        if self.persistent is not None and step % self.persistent_every == 0:
+            due.append((Tier.PERSISTENT, self.persistent))
+        return due
+
+    def wait(self) -> dict[Tier, Path]:
+        """Wait for a pending ``save_async`` (both tiers, the replica push); returns its directories,
+        raises its error."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None and not pending.reported else {}
+
+    def staged(self) -> float:
+        """``CheckpointManager.staged`` for both tiers of the last ``save_async``: call it before changing
+        saved tensors outside an optimizer step. Returns the seconds it blocked."""
+        pending = self._pending
+        return sum(f.before_mutation() for f in pending._fences) if pending is not None else 0.0
+
+    def close(self) -> None:
+        """Wait for a pending save (raising its error) and release both tiers' host staging pools."""
+        try:
+            self.wait()
+        finally:
+            for mgr in (self.fast, self.persistent):
+                if mgr is not None:
+                    mgr.close()
+
+    def _hold_persistent(self) -> None:
+        """Rank 0 takes (or renews) the persistent root's write lease at every save, creating the root
+        (tracker 0: a declared fresh start) at the first one, so the proof records of the fast saves
+        before the first persistent save are durable there, and a second live job on the same root is
+        refused at once, on every rank, as a plain manager's save refuses it. Without it a job whose
+        persistent saves are rare wrote into a root it held no lease of, and a duplicate launch went
+        on training until its own first persistent save."""
+        mgr = self.persistent
+        if mgr is None:
+            return
+
+        def take() -> None:
+            if self.rank != 0:
+                return
+            created = not mgr.root.exists()
+            if created:
+                mgr.root.mkdir(parents=True)
+            note = _lease.acquire(mgr.root, ttl_s=mgr.config.lease_ttl_s, override=mgr.config.break_lease)
+            if note:
+                log.warning("ckptguard: %s: %s", mgr.root, note)
+            if created:
+                _layout.write_tracker(mgr.root, 0)
+
+        # The fast manager's agreement: no background commit uses it now (every caller waited first).
+        on_every_rank(self.fast._ctx.agreement, "tiers.persistent_lease", take)
 
     def _push(self, step: int) -> None:
         """Send this rank's files of ``step`` to its peer; a failed replica is a loud warning on every rank
@@ -213,11 +383,12 @@ class TieredCheckpoint:
                 "or restore the persistent tier with a CheckpointManager(..., prefer='verified')"
             )
         home = self.persistent or self.fast
+        self.wait()  # a pending save_async ends first: the choice below sees its step, or its error is raised
         if mode is ResumeMode.NEVER:
             return home.restore(state, mode=mode)
-        self.fast.wait()
-        if self.persistent is not None:
-            self.persistent.wait()
+        for mgr in (self.fast, self.persistent):  # a duplicate launch stops here, whichever tier it would load
+            if mgr is not None:
+                mgr._check_lease("restore")
         broken: dict[int, str] = {}  # fast steps whose fetch failed (the same on every rank: an agreed error)
         while True:
             choice = gather_decide(self.fast._ctx.agreement, "tiers.choose", self._view(),

@@ -13,7 +13,9 @@ and reads every file of its checkpoint folder; what changes:
   ``.tmp-checkpoint-{N}-*`` directory; once every rank is done, rank 0 renames it to ``hf/``; the
   manifest checksums every file; one rename publishes the step and the tracker moves last. A
   kill leaves the previous step as the resume target, and ``get_last_checkpoint`` never sees a
-  torn folder (in-flight directories start with a dot).
+  torn folder (in-flight directories start with a dot). A save the health policy skips
+  (``CheckpointConfig.health``: nothing written, ``last_health``) does not fire HF's ``on_save``
+  callbacks: to HF it did not happen.
 - resuming: ``train()`` resolves the step with ckptguard (``resume_mode`` ``"auto"``, ``"must"``,
   ``"never"`` or a step directory; ``train(resume_from_checkpoint=True)`` is ``"must"``, a path is
   that step), logs the one resume line, then hands ``checkpoint-{N}/hf`` to HF's own resume, so
@@ -182,9 +184,12 @@ class CkptguardHFMixin:
         step = int(self.state.global_step)
         self._ckptguard_saving = (model, trial)
         try:  # the manager logs the commit
-            self._ckptguard_manager().save(step, {STATE_ITEM: PerRank(self._ckptguard_values(step))})
+            committed = self._ckptguard_manager().save(step, {STATE_ITEM: PerRank(self._ckptguard_values(step))})
         finally:
             self._ckptguard_saving = None
+        # Skipped as unhealthy on every rank (the manager logged why): HF wrote nothing either, and its
+        # on_save, which Trainer calls right after this method returns, must not fire for it.
+        self._ckptguard_skipped = step if committed is None else None
 
     def _prepare_inputs(self, inputs: Any) -> Any:
         prepared = super()._prepare_inputs(inputs)
@@ -253,7 +258,25 @@ class CkptguardHFMixin:
         self._ckptguard_batch: list[torch.Tensor] = []
         self._ckptguard_losses: list[torch.Tensor] = []
         self._ckptguard_recorded = 0
+        self._ckptguard_skipped: int | None = None
         trainer = self
+        handler = self.callback_handler
+        fire_on_save = handler.on_save
+
+        def on_save(args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            # Trainer (5.23, _maybe_log_save_evaluate) calls on_save after every _save_checkpoint, and
+            # callbacks take it as "checkpoint-N exists" (W&B, MLflow and others upload that folder). A step
+            # ckptguard skipped as unhealthy exists nowhere: the request is cleared as HF's handler clears
+            # it, and no callback hears of a save.
+            skipped, trainer._ckptguard_skipped = trainer._ckptguard_skipped, None
+            if skipped is not None and skipped == state.global_step:
+                control.should_save = False
+                log.warning("ckptguard: step %d was not saved (unhealthy, see the error above; last_health): HF's "
+                            "on_save callbacks are not called for it", skipped)
+                return control
+            return fire_on_save(args, state, control, **kw)
+
+        handler.on_save = on_save
 
         class CkptguardEpochCallback(TrainerCallback):
             def on_epoch_begin(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kw: Any):
