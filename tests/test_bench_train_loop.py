@@ -28,3 +28,19 @@ def test_tiny_train_loop_benchmark_runs_every_method_exactly(tmp_path):
     assert cost["live_bytes"] == 0 and cost["staged_host_bytes"] > 0 and cost["host_pool_bytes"] > 0
     assert (tmp_path / "loop.md").read_text().count("| cg_") == 2
     assert not any((tmp_path / "ck").glob("cg_*"))  # each method's checkpoints are removed after it
+
+
+def test_tiny_read_benchmark_reads_the_files_and_restores_exactly(tmp_path):
+    out = tmp_path / "read.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    script = SCRIPT.with_name("bench_read.py")
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--out", str(out), "--dir", str(tmp_path / "ck"),
+                        "--raw", "probe,buffered:2:1,regions:2:1", "--restores", "1,3", "--rounds", "2"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = res["raw"]
+    assert {x["variant"] for x in rows} == {"probe", "buffered:2:1", "regions:2:1", "restore:1", "restore:3"}
+    assert all(x["bytes"] == res["data_bytes"] for x in rows if not x["variant"].startswith("restore"))
+    assert [x["bitwise_exact"] for x in rows if x["variant"].startswith("restore")] == [True] * 4
+    assert res["all_restores_exact"] is True and res["median_x_probe"]["probe"] == 1.0
