@@ -19,9 +19,11 @@ descriptor (no torch function is ever called from pickled content).
 from __future__ import annotations
 
 import collections
+import errno
 import io
 import os
 import pickle
+import pickletools
 import sys
 import threading
 from dataclasses import dataclass
@@ -133,6 +135,7 @@ class Record:
     stride: tuple[int, ...]
     conj: bool = False  # torch.save keeps a lazy conjugate/negation as a flag over the raw bytes
     neg: bool = False
+    storage_numel: int | None = None  # elements of the saved storage (None: not recorded, a guessed frame)
 
     def logical(self, raw: torch.Tensor) -> torch.Tensor:
         """The saved tensor's values from a view of its raw bytes."""
@@ -215,18 +218,47 @@ class _DescriptorUnpickler(pickle.Unpickler):
         return _StorageRef(str(key), stype.dtype if isinstance(stype, _StorageType) else None, int(numel))
 
 
+# The opcodes torch.save's data.pkl of one tensor is made of (protocols 2 to 5). Anything else is
+# refused before unpickling: BUILD, for one, would setattr on the allowed rebuild functions
+# (their __defaults__) and change how every later item of the process is read.
+_DATA_PKL_OPCODES = frozenset({
+    "PROTO", "FRAME", "STOP", "MARK", "GLOBAL", "STACK_GLOBAL", "BINPERSID", "REDUCE",
+    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_DICT", "SETITEM", "SETITEMS",
+    "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1",
+    "BINUNICODE", "SHORT_BINUNICODE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", "MEMOIZE",
+})
+
+
+def _check_opcodes(data: bytes, where: str) -> None:
+    try:
+        ops = {op.name for op, _, _ in pickletools.genops(data)}
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{where}: data.pkl is not a pickle ({type(exc).__name__}: {exc})") from None
+    extra = sorted(ops - _DATA_PKL_OPCODES)
+    if extra:
+        raise UnsafeCheckpointError(
+            f"{where}: data.pkl uses pickle opcodes {extra}, which torch.save never writes for a tensor; "
+            "ckptguard will not unpickle it: the file was crafted or damaged, restore an earlier step"
+        )
+
+
 def read_record(f: io.IOBase, where: str) -> Record:
     """Locate the tensor record in one item's archive; ``f`` is seekable over that item only."""
     try:
         zf = torch._C.PyTorchFileReader(f)  # type: ignore[call-overload]  # any seekable reader works
         if zf.has_record("byteorder") and zf.get_record("byteorder").decode() != sys.byteorder:
             raise CheckpointCorruptError(f"{where}: written on a {zf.get_record('byteorder')!r}-endian machine")
-        desc = _DescriptorUnpickler(io.BytesIO(zf.get_record("data.pkl"))).load()
+        pkl = zf.get_record("data.pkl")
+        _check_opcodes(pkl, where)
+        desc = _DescriptorUnpickler(io.BytesIO(pkl)).load()
         storage, dtype, offset, size, stride, meta = desc
         offset_in_item = zf.get_record_offset(f"data/{storage.key}")
     except (UnsafeCheckpointError, CheckpointCorruptError):
         raise
     except Exception as exc:
+        failed = getattr(f, "error", None)
+        if isinstance(failed, OSError):
+            raise failed from None  # the storage failed (errno, path, offset), not the item's format
         raise CheckpointCorruptError(f"{where}: not a readable tensor item ({type(exc).__name__}: {exc})") from None
     if not isinstance(dtype, torch.dtype):
         raise CheckpointCorruptError(f"{where}: tensor item without a dtype")
@@ -241,15 +273,17 @@ def read_record(f: io.IOBase, where: str) -> Record:
         stride=stride,
         conj=bool(meta.get("conj")),
         neg=bool(meta.get("neg")),
+        storage_numel=storage.numel,
     )
 
 
 class FileSlice(io.RawIOBase):
     """A read-only, seekable window ``[start, start + length)`` of an open file descriptor."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: int, start: int, length: int, path: str = "") -> None:
         super().__init__()
-        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+        self._fd, self._start, self._length, self._pos, self._path = fd, start, length, 0, path
+        self.error: OSError | None = None  # the first failed read: torch's zip reader hides it behind its own
 
     def readable(self) -> bool:
         return True
@@ -267,7 +301,15 @@ class FileSlice(io.RawIOBase):
 
     def readinto(self, buf: Any) -> int:
         n = max(0, min(len(buf), self._length - self._pos))
-        data = os.pread(self._fd, n, self._start + self._pos)
+        try:
+            data = os.pread(self._fd, n, self._start + self._pos)
+        except OSError as exc:
+            from ._pool import io_error
+
+            self.error = self.error or io_error(
+                exc.errno or errno.EIO, "read of", self._path, offset=self._start + self._pos, requested=n, returned=-1
+            )
+            raise self.error from exc
         buf[: len(data)] = data
         self._pos += len(data)
         return len(data)

@@ -27,8 +27,10 @@ copies.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno as _errno
 import io
+import logging
 import os
 import queue
 import stat
@@ -44,7 +46,9 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ..errors import CheckpointCorruptError, StateMismatchError, StorageStallError, UnsafeCheckpointError
 from ._format import FileSlice, Frame, Record, item_frame, read_record
-from ._pool import BufferPool, IOStats, drop_cached, read_into, read_scattered
+from ._pool import BufferPool, IOStats, drop_cached, read_scattered
+
+log = logging.getLogger("ckptguard")
 
 SMALL_ITEM = 64 << 10  # items up to this size are read whole and parsed from the span's bytes
 MERGE_GAP = 256 << 10  # bytes no item asks for that a span reads through rather than start another request
@@ -145,33 +149,48 @@ class ItemReader:
         self._error: BaseException | None = None
         self._cancel = threading.Event()
         self._failed_checks: set[int] = set()
+        self._threads_run: list[threading.Thread] = []
+        self._stalled = False
+        self._reading: dict[str, tuple[str, int]] = {}  # thread name -> (file, offset) of the read it is in
 
     def read(
         self, state_dir: Path, items: list[Any], storage_data: dict[Any, Any], planner: Any, metadata: Any = None
     ) -> None:
         fds: dict[str, int] = {}
+        self._error, self._threads_run, self._stalled = None, [], False
+        self._cancel.clear()
+        self._failed_checks.clear()
         try:
             ordered = sorted(
                 items,
                 key=lambda r: (storage_data[r.storage_index].relative_path, storage_data[r.storage_index].offset),
             )
-            pieces, commits = self._plan(state_dir, ordered, storage_data, planner, fds, metadata)
+            dests: dict[int, torch.Tensor] = {}  # each item's target, resolved once (a planner may stage it)
+            pieces = self._plan(state_dir, ordered, storage_data, planner, fds, metadata, dests)
             self._run(self._spans(pieces))
             if self._failed_checks:
-                # Items whose bytes are not ckptguard's frame (plain dcp.save, another torch's
-                # writer): parse their archives and read them again over what the guess wrote.
-                again = [ordered[i] for i in sorted(self._failed_checks)]
+                # Items whose head is not ckptguard's frame (a strided view by plain dcp.save, another
+                # torch's writer): parse their archives and read them again over what the guess wrote.
+                again = set(self._failed_checks)
                 self._failed_checks.clear()
                 self._cancel.clear()
-                redo, _ = self._plan(state_dir, again, storage_data, planner, fds, None)
+                redo = self._plan(state_dir, ordered, storage_data, planner, fds, None, dests, only=again)
                 self._run(self._spans(redo))
-            for req, dest in commits:
-                planner.commit_tensor(req, dest)
+            for n, req in enumerate(ordered):
+                planner.commit_tensor(req, dests[n])
         finally:
-            for fd in fds.values():
-                if self._drop:
-                    drop_cached(fd)
-                os.close(fd)
+            stuck = [t.name for t in self._threads_run if t.is_alive()]
+            if stuck:
+                # A thread still blocked in a read of a hung filesystem: closing its descriptor now would let
+                # the number be reused under it. The descriptors stay open (a few per load, named here).
+                log.warning("ckptguard: read threads %s still blocked in the storage; %d data file descriptor(s) "
+                            "left open for them: %s", stuck, len(fds), sorted(fds))
+            else:
+                for fd in fds.values():
+                    if self._drop:
+                        with contextlib.suppress(OSError):
+                            drop_cached(fd)
+                    os.close(fd)
 
     # ------------------------------------------------------------ planning
 
@@ -205,11 +224,16 @@ class ItemReader:
         planner: Any,
         fds: dict[str, int],
         metadata: Any,
-    ) -> tuple[list[tuple[int, str, _Piece]], list[tuple[Any, torch.Tensor]]]:
+        dests: dict[int, torch.Tensor],
+        only: set[int] | None = None,
+    ) -> list[tuple[int, str, _Piece]]:
+        """The pieces to read for ``ordered`` (those in ``only``), each naming its item by index in ``ordered``;
+        every tensor item's target in ``dests``. ``metadata`` None: every item's archive is parsed."""
         pieces: list[tuple[int, str, _Piece]] = []
-        commits: list[tuple[Any, torch.Tensor]] = []
         limit_bytes = self._pool.size - _ALIGN
         for n, req in enumerate(ordered):
+            if only is not None and n not in only:
+                continue
             info = storage_data[req.storage_index]
             fd, path = self._open(state_dir, info.relative_path, fds)
             where = f"{path} item {req.storage_index.fqn!r} at offset {info.offset}"
@@ -219,12 +243,17 @@ class ItemReader:
                     "StreamingStorage reads plain items only: read this checkpoint with DCPStorage"
                 )
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(self._pread(fd, path, info.offset, info.length)))
-                continue
-            dest = planner.resolve_tensor(req).detach()
+                # DCP's load_bytes unpickles with weights_only=False; this reader only ever fills tensors.
+                raise UnsafeCheckpointError(
+                    f"{where} is stored as pickled bytes, where a tensor is asked for: unpickling it could run "
+                    "code, so ckptguard will not read it; the checkpoint was tampered with or written for "
+                    "another state: restore an earlier step"
+                )
+            if n not in dests:
+                dests[n] = planner.resolve_tensor(req).detach()
+            dest = dests[n]
             if tuple(dest.shape) != tuple(req.lengths):
                 raise StateMismatchError(f"{where}: target shape {tuple(dest.shape)} != requested {tuple(req.lengths)}")
-            commits.append((req, dest))
             if info.length <= min(SMALL_ITEM, limit_bytes):  # read whole, in one buffer with its neighbours
                 pieces.append((fd, path, _Piece(info.offset, info.length, "small", n, dest=dest, req=req, where=where)))
                 continue
@@ -233,7 +262,8 @@ class ItemReader:
                 rec, frame = guess
                 pieces.append((fd, path, _Piece(info.offset, len(frame.head), "check", n, expected=frame.head)))
             else:
-                rec = read_record(FileSlice(fd, info.offset, info.length), where)
+                rec = read_record(FileSlice(fd, info.offset, info.length, path), where)
+                _check_record(rec, info.length, where)
                 _check_box(rec.size, rec.stride, req, where)
             offset = rec.storage_offset + sum(o * s for o, s in zip(req.storage_offsets, rec.stride, strict=True))
             item_pos = info.offset + rec.data_offset
@@ -244,7 +274,7 @@ class ItemReader:
                 piece = _Piece(item_pos + first * isz, extent * isz, "copy", n, dest=view, dtype=rec.dtype,
                                size=size, stride=stride, rec=rec)
                 pieces.append((fd, path, piece))
-        return pieces, commits
+        return pieces
 
     def _guess(self, metadata: Any, req: Any, info: Any) -> tuple[Record, Frame] | None:
         """The record ckptguard's writer gives this item, if its length is that frame's; else None."""
@@ -284,15 +314,10 @@ class ItemReader:
             spans.append(cur)
         return spans
 
-    def _pread(self, fd: int, path: str, offset: int, length: int) -> bytearray:
-        data = bytearray(length)
-        read_into(fd, memoryview(data), path, offset)
-        self._stats.bytes += length
-        return data
-
     def _copy_small(self, data: bytearray, piece: _Piece) -> None:
         rec = read_record(io.BytesIO(data), piece.where)
         req, dest = piece.req, piece.dest
+        _check_record(rec, len(data), piece.where)
         _check_box(rec.size, rec.stride, req, piece.where)
         if rec.dtype.itemsize == 0 or dest.numel() == 0:
             return
@@ -321,6 +346,7 @@ class ItemReader:
             for i, part in enumerate(_stretches(spans, count))
         ]
         count = len(threads)
+        self._threads_run += threads
         for thread in threads:
             thread.start()
         pending: collections.deque[tuple[Any, Any]] = collections.deque()
@@ -345,7 +371,9 @@ class ItemReader:
             self._cancel.set()
             while pending:
                 self._release(*pending.popleft())
-            deadline = time.monotonic() + self._pool.timeout_s
+            # After a stall the caller's thread has already waited a whole timeout: a short grace, not another.
+            grace = min(1.0, self._pool.timeout_s) if self._stalled else self._pool.timeout_s
+            deadline = time.monotonic() + grace
             for thread in threads:
                 while thread.is_alive() and time.monotonic() < deadline:
                     self._drain(ready)  # a thread waiting for a buffer gets one back, then sees the cancel
@@ -383,8 +411,14 @@ class ItemReader:
         try:
             got = ready.get(timeout=self._pool.timeout_s)
         except queue.Empty:
+            self._stalled = True
+            with self._lock:
+                waiting = sorted(f"{path} at offset {pos}" for path, pos in self._reading.values())
             raise StorageStallError(
-                _errno.ETIMEDOUT, f"no data read within {self._pool.timeout_s} s: the storage stalled"
+                _errno.ETIMEDOUT,
+                f"no data read within {self._pool.timeout_s} s: the storage stalled (reads in flight: "
+                f"{', '.join(waiting) or 'none'}); check the filesystem, or raise StreamingConfig.stall_timeout_s "
+                "only if it is just slow",
             ) from None
         self._stats.stall_seconds += time.perf_counter() - t0
         if got is None and self._error is not None:
@@ -428,11 +462,16 @@ class ItemReader:
                     fd = mine[span.fd]
                 buf = self._pool.get(f"reading {span.path} at offset {span.pos}")
                 t0 = time.perf_counter()
+                with self._lock:
+                    self._reading[threading.current_thread().name] = (span.path, span.pos)
                 try:
                     read_scattered(fd, _views(span, buf), span.path, span.pos)
                 except BaseException:
                     self._pool.put(buf)
                     raise
+                finally:
+                    with self._lock:
+                        self._reading.pop(threading.current_thread().name, None)
                 if self._drop:
                     drop_cached(fd, span.pos, span.end - span.pos)  # in our buffer now: no page cache kept
                 with self._lock:
@@ -484,6 +523,30 @@ def _views(span: _Span, buf: Any) -> list[memoryview]:
         views.append(buf.view[at : at + piece.nbytes])
         pos, used = piece.pos + piece.nbytes, at + piece.nbytes
     return views
+
+
+def _check_record(rec: Record, length: int, where: str) -> None:
+    """A parsed layout must stay inside its storage, and the storage inside its item: else the
+    view would be filled from the bytes of the next item (plain DCP refuses such a file too)."""
+    dims = (*rec.size, *rec.stride, rec.storage_offset)
+    if len(rec.size) != len(rec.stride) or any(type(x) is not int for x in dims) or min(dims, default=0) < 0:
+        raise CheckpointCorruptError(
+            f"{where}: saved layout size {rec.size}, stride {rec.stride}, offset {rec.storage_offset} is not one "
+            "a tensor has (negative or not integers): the item was damaged; restore an earlier step"
+        )
+    if rec.storage_numel is None or type(rec.storage_numel) is not int or rec.storage_numel < 0:
+        raise CheckpointCorruptError(f"{where}: the item records no storage size; restore an earlier step")
+    last = rec.storage_offset + sum((n - 1) * st for n, st in zip(rec.size, rec.stride, strict=True))
+    if 0 not in rec.size and last >= rec.storage_numel:
+        raise CheckpointCorruptError(
+            f"{where}: the saved view (size {rec.size}, stride {rec.stride}, offset {rec.storage_offset}) reaches "
+            f"element {last} of a storage of {rec.storage_numel}: the item was damaged; restore an earlier step"
+        )
+    if rec.data_offset < 0 or rec.data_offset + rec.storage_numel * rec.dtype.itemsize > length:
+        raise CheckpointCorruptError(
+            f"{where}: the storage ({rec.storage_numel} x {rec.dtype.itemsize} B at {rec.data_offset}) runs past the "
+            f"item's {length} B: the item was damaged or truncated; restore an earlier step"
+        )
 
 
 def _check_box(size: tuple[int, ...], stride: tuple[int, ...], req: Any, where: str) -> None:

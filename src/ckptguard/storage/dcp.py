@@ -20,13 +20,50 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.futures import Future
 
 from .. import _faults
 from .._resume.digest import file_digest
+from ..errors import UnsafeCheckpointError
 from .base import DCP_METADATA, StorageContext, WrittenFile
 from .unpickler import read_dcp_metadata
+
+# ---------------------------------------------------------------- loading tensors only
+
+
+class TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default load planner for a state of tensors, which is all ``Storage.read`` is given.
+
+    The type of each item comes from the checkpoint's ``.metadata``, not from the target: a
+    ``.metadata`` that calls a key "bytes" would have DCP's ``load_bytes`` run
+    ``torch.load(weights_only=False)`` on the file's bytes, that is, any pickled code. Such a key
+    is refused before anything is read, and ``load_bytes`` is never reached.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        super().__init__()
+        self._dir = state_dir
+
+    def create_local_plan(self) -> Any:
+        assert self.metadata is not None
+        for fqn in self.state_dict:
+            if isinstance(self.metadata.state_dict_metadata.get(fqn), BytesStorageMetadata):
+                raise self._refuse(fqn)
+        return super().create_local_plan()
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise self._refuse(read_item.storage_index.fqn)
+
+    def _refuse(self, fqn: str) -> UnsafeCheckpointError:
+        return UnsafeCheckpointError(
+            f"{self._dir}/.metadata stores {fqn!r} as pickled bytes, where this state holds a tensor: loading it "
+            "would unpickle whatever the file holds (it can run code), so ckptguard will not. The checkpoint was "
+            "not written for this state, or was tampered with: restore an earlier step"
+        )
+
 
 # ---------------------------------------------------------------- DCP-backed storage
 
@@ -179,12 +216,31 @@ class DCPStorage:
 
     def read(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> None:
         with _quiet_single_process(ctx):
-            dcp.load(
+            _unwrapped(ctx, lambda: dcp.load(
                 tensors,
                 storage_reader=_SafeReader(state_dir),
+                planner=TensorsOnlyPlanner(state_dir),
                 process_group=ctx.process_group,
                 no_dist=ctx.process_group is None,
-            )
+            ))
+
+
+def _unwrapped(ctx: StorageContext, call: Any) -> Any:
+    """Run a DCP collective; this rank's own error is raised as itself, not wrapped.
+
+    DCP gathers every rank's exception into a CheckpointException; the commit protocol
+    wants this rank's errno/offset first, and a rank that did not fail keeps DCP's wrapper.
+    """
+    try:
+        return call()
+    except CheckpointException as exc:
+        mine = exc.failures.get(ctx.rank)
+        if mine is None:
+            raise
+        own = mine[0] if isinstance(mine, tuple) else mine
+        if isinstance(own, BaseException):
+            raise own from exc
+        raise
 
 
 class _quiet_single_process(warnings.catch_warnings):

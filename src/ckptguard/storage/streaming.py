@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
 # _StorageInfo is what DCP's FileSystemReader expects in Metadata.storage_data; it is the
 # class DCP itself pickles there, and ckptguard's metadata unpickler allows it.
@@ -53,7 +52,7 @@ from ._pool import BufferPool, IOStats
 from ._reader import ItemReader
 from ._writer import FileStreamer, exact
 from .base import DCP_METADATA, StorageContext, WrittenFile
-from .dcp import _quiet_single_process
+from .dcp import TensorsOnlyPlanner, _quiet_single_process, _unwrapped
 from .unpickler import read_dcp_metadata
 
 __all__ = ["IOStats", "StreamingConfig", "StreamingStorage"]
@@ -153,7 +152,10 @@ class StreamingStorage:
         self._run(
             ctx,
             stats,
-            lambda group, single: dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=single),
+            lambda group, single: dcp.load(
+                tensors, storage_reader=reader, planner=TensorsOnlyPlanner(state_dir), process_group=group,
+                no_dist=single,
+            ),
         )
 
     def _run(self, ctx: StorageContext, stats: IOStats, call: Any) -> None:
@@ -219,24 +221,6 @@ def _write_item(out: FileStreamer, name: str, item: Any, planner: Any) -> WriteR
         out.add_bytes(frame.tail)
     length = out.position - offset
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
-
-
-def _unwrapped(ctx: StorageContext, call: Any) -> Any:
-    """Run a DCP collective; this rank's own error is raised as itself, not wrapped.
-
-    DCP gathers every rank's exception into a CheckpointException; the commit protocol
-    wants this rank's errno/offset first, and a rank that did not fail keeps DCP's wrapper.
-    """
-    try:
-        return call()
-    except CheckpointException as exc:
-        mine = exc.failures.get(ctx.rank)
-        if mine is None:
-            raise
-        own = mine[0] if isinstance(mine, tuple) else mine
-        if isinstance(own, BaseException):
-            raise own from exc
-        raise
 
 
 def _fsync_dir(path: Path | str | os.PathLike[str]) -> None:

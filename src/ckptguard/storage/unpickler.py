@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import pickletools
@@ -62,6 +63,61 @@ class SafeMetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
 
+def _allowed_objects() -> list[Any]:
+    import importlib
+
+    out = []
+    for module, name in sorted(_ALLOWED_NAMES):
+        obj = getattr(importlib.import_module(module), name, None)
+        if obj is not None:
+            out.append(obj)
+    return out
+
+
+_FUNCTION_FIELDS = ("__defaults__", "__kwdefaults__", "__code__")
+
+
+class _NoBuildOnGlobals:
+    """Refuses a pickle that changed an allowed class or function (BUILD on a global sets its
+    attributes: a DCP class's methods, a function's defaults, for every later use in the process),
+    and puts back what it changed."""
+
+    def __enter__(self) -> _NoBuildOnGlobals:
+        self._before = [(o, _saved(o)) for o in _allowed_objects()]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        changed = []
+        for obj, saved in self._before:
+            now = _saved(obj)
+            added = set(now) - set(saved)
+            moved = [k for k, v in saved.items() if k not in now or now[k] is not v]
+            if not added and not moved:
+                continue
+            changed.append(getattr(obj, "__qualname__", repr(obj)))
+            for key in added:
+                with contextlib.suppress(AttributeError, TypeError):
+                    delattr(obj, key)
+            for key in moved:
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(obj, key, saved[key])
+        if changed and exc[0] is None:
+            raise pickle.UnpicklingError(f"a BUILD on the global(s) {sorted(changed)} is not allowed in DCP metadata")
+
+
+def _saved(obj: Any) -> dict[str, Any]:
+    """What a pickle's BUILD could change on an allowed class or function: its attributes."""
+    try:
+        got = dict(vars(obj))
+    except TypeError:  # a C type (torch.Size, OrderedDict, set): BUILD cannot set its attributes
+        got = {}
+    if not isinstance(obj, type):
+        for name in _FUNCTION_FIELDS:
+            if hasattr(obj, name):
+                got[name] = getattr(obj, name)
+    return got
+
+
 METADATA_BYTES = 1 << 30
 """Bound of one ``.metadata`` read; DCP's metadata of a large model is megabytes."""
 
@@ -84,7 +140,8 @@ def read_dcp_metadata(state_dir: Path) -> Metadata:
             "resume from an earlier committed step"
         ) from None
     try:
-        md = SafeMetadataUnpickler(io.BytesIO(data)).load()
+        with _NoBuildOnGlobals():
+            md = SafeMetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
         if "is not allowed" in str(exc):
             raise UnsafeCheckpointError(
