@@ -145,7 +145,7 @@ class ItemReader:
         self._pool, self._stats, self._drop = pool, stats, drop_cache
         self._threads = max(1, threads)
         self._lock = threading.Lock()
-        self._stream: Any = None
+        self._streams: dict[Any, Any] = {}  # a side stream per target GPU
         self._error: BaseException | None = None
         self._cancel = threading.Event()
         self._failed_checks: set[int] = set()
@@ -358,13 +358,16 @@ class ItemReader:
                     ended += 1
                     continue
                 span, buf = got
-                event = self._deliver(span, buf)
-                if event is not None:
-                    pending.append((event, buf))
-                    while len(pending) > 1:  # one span's H2D in flight; the prefetch threads keep the rest
-                        self._release(*pending.popleft())
-                else:
-                    self._pool.put(buf)
+                events: list[Any] = []
+                try:
+                    self._deliver(span, buf, events)
+                finally:
+                    if events:  # also when a later piece raised: the copies queued still read this buffer
+                        pending.append((events, buf))
+                    else:
+                        self._pool.put(buf)
+                while len(pending) > 1:  # one span's H2D in flight; the prefetch threads keep the rest
+                    self._release(*pending.popleft())
             while pending:
                 self._release(*pending.popleft())
         finally:
@@ -379,14 +382,20 @@ class ItemReader:
                     self._drain(ready)  # a thread waiting for a buffer gets one back, then sees the cancel
                     thread.join(timeout=0.05)
             self._drain(ready)
-            if self._stream is not None:
-                torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            for device, stream in self._streams.items():
+                torch.cuda.current_stream(device).wait_stream(stream)
         if self._error is not None:
             raise self._error
 
-    def _deliver(self, span: _Span, buf: Any) -> Any:
-        """Each piece of a read span to its place; the event of the span's H2D copies, if any."""
-        event = None
+    def _deliver(self, span: _Span, buf: Any, events: list[Any]) -> None:
+        """Each piece of a read span to its place; ``events`` gets one event per GPU its H2D copies went to."""
+        last: dict[Any, Any] = {}
+        try:
+            self._pieces_to_targets(span, buf, last)
+        finally:
+            events.extend(last.values())
+
+    def _pieces_to_targets(self, span: _Span, buf: Any, last: dict[Any, Any]) -> None:
         for piece, at in span.pieces:
             if piece.item in self._failed_checks:
                 continue  # read again after this pass
@@ -401,10 +410,9 @@ class ItemReader:
             assert piece.rec is not None
             src = piece.rec.logical(raw.as_strided(piece.size, piece.stride, raw.storage_offset()))
             if piece.dest.device.type == "cuda":
-                event = self._copy_to_cuda(piece.dest, src)
+                last[piece.dest.device] = self._copy_to_cuda(piece.dest, src)
             else:
                 piece.dest.copy_(src)
-        return event
 
     def _next(self, ready: queue.Queue[tuple[_Span, Any] | None]) -> Any:
         t0 = time.perf_counter()
@@ -426,18 +434,22 @@ class ItemReader:
         return got
 
     def _copy_to_cuda(self, dest: torch.Tensor, src: torch.Tensor) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=dest.device)
+        stream = self._streams.get(dest.device)
+        if stream is None:
+            # One side stream per GPU: a copy queued inside another GPU's stream context would run on this
+            # GPU's current stream, which that stream's events do not cover.
+            stream = self._streams[dest.device] = torch.cuda.Stream(device=dest.device)
             # The targets may still be in use by kernels queued on the current stream.
-            self._stream.wait_stream(torch.cuda.current_stream(dest.device))
-        with torch.cuda.stream(self._stream):
+            stream.wait_stream(torch.cuda.current_stream(dest.device))
+        with torch.cuda.device(dest.device), torch.cuda.stream(stream):
             dest.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(stream)
         return event
 
-    def _release(self, event: Any, buf: Any) -> None:
-        event.synchronize()  # the buffer is reused only after its H2D copies have read it
+    def _release(self, events: list[Any], buf: Any) -> None:
+        for event in events:
+            event.synchronize()  # the buffer is reused only after its H2D copies have read it
         self._pool.put(buf)
 
     def _drain(self, ready: queue.Queue[tuple[_Span, Any] | None]) -> None:
