@@ -8,6 +8,7 @@ CollectiveTimeoutError. Each agreement now has a store connection of its own.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -147,3 +148,25 @@ def test_agreement_connections_close_when_dropped(tmp_path):
     for rank, got in enumerate(out):
         assert got["opened"] >= got["before"] + 5, (rank, got)  # one connection per agreement
         assert got["after"] <= got["before"], (rank, got)
+
+
+class _NoClone:
+    """A store as older torch has it: no clone()."""
+
+
+class _CloneFails:
+    def clone(self):
+        raise RuntimeError("clone is not supported by this store")
+
+
+def test_store_without_clone_keeps_the_shared_client_and_says_so_once(caplog, monkeypatch):
+    from ckptguard import _dist
+
+    monkeypatch.setattr(_dist, "_shared_logged", False)
+    old, failing = _NoClone(), _CloneFails()
+    with caplog.at_level(logging.DEBUG, logger="ckptguard"):
+        assert _dist.own_connection(old) is old
+        assert _dist.own_connection(failing) is failing
+    said = [r for r in caplog.records if "shared store client" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.DEBUG
+    assert "_NoClone has no clone()" in said[0].getMessage()
