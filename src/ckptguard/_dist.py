@@ -13,6 +13,11 @@ raises on every rank that is still alive. A plain gloo/NCCL collective that time
 names no rank and a dead peer can leave it waiting until the process-group timeout, so
 agreement goes through the c10d store instead: each rank sets one key per phase and
 waits for the others' keys with our own timeout, then says which keys never arrived.
+
+Each ``StoreAgreement`` talks to the store over a connection of its own (``Store.clone()``):
+a c10d client serializes its operations, so a background commit blocked in ``wait`` on a
+shared client would hold up the training thread's ``set`` (a PreemptionGuard's flag, a
+second manager's save) until our timeout fired on every rank.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
+import torch
 import torch.distributed as dist
 
+from ._log import logger
 from .errors import CollectiveTimeoutError, ConfigError, error_payload, rebuild
 
 NODE_ENV = "CKPTGUARD_NODE"
@@ -83,11 +90,46 @@ class LocalAgreement:
         return self.exchange(phase, payload)[0]
 
 
+_shared_logged = False
+
+
+def own_connection(store: dist.Store) -> dist.Store:
+    """A client of ``store``'s server of its own, with the same keys (prefixes included).
+
+    A TCPStore client runs one request at a time: while one thread waits for a peer's key
+    (up to timeout_s), another thread's ``set`` on the same client waits behind it. Two
+    threads of one rank that agree at the same time (a background commit and a
+    PreemptionGuard, or two managers' commits) then each wait for a key that the other
+    rank's blocked thread cannot post, and every rank times out. The clone is made here,
+    while every rank is alive (agreements are created collectively): cloning connects to the
+    store's host, and against a dead host it would block for the process group's timeout.
+    Where clone() is missing (older torch) or fails, the shared client is kept: the
+    behaviour of before, where concurrent agreements on one rank can time out.
+    """
+    global _shared_logged
+    clone = getattr(store, "clone", None)
+    if clone is not None:
+        try:
+            return clone()  # type: ignore[no-any-return]
+        except Exception as exc:
+            reason = f"{type(store).__name__}.clone() failed ({type(exc).__name__}: {exc})"
+    else:
+        reason = f"{type(store).__name__} has no clone() in torch {torch.__version__}"
+    if not _shared_logged:
+        _shared_logged = True
+        logger().debug(
+            "ckptguard agrees through the process group's shared store client: %s; a save_async "
+            "agreeing while another ckptguard collective runs on this rank may time out",
+            reason,
+        )
+    return store
+
+
 class StoreAgreement:
-    """All-gather through the c10d store of the default process group."""
+    """All-gather through the c10d store of the default process group, on a connection of its own."""
 
     def __init__(self, group: Any | None, *, timeout_s: float, namespace: str) -> None:
-        store = dist.distributed_c10d._get_default_store()
+        store = own_connection(dist.distributed_c10d._get_default_store())
         self.ranks = dist.get_process_group_ranks(group) if group else list(range(dist.get_world_size()))
         rank = dist.get_rank(group) if group else dist.get_rank()
         self.info = RankInfo(rank=rank, world_size=len(self.ranks), host=node_name())

@@ -1,0 +1,172 @@
+"""Two threads of one rank agreeing through the c10d store at once must not block each other.
+
+A c10d store client runs one request at a time: with one shared client, a background commit
+waiting for a slower peer's key held up the training thread's PreemptionGuard flag (or a second
+manager's commit), the peer's threads waited likewise, and every rank ended in
+CollectiveTimeoutError. Each agreement now has a store connection of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+import ckptguard as cg
+from ckptguard import _faults
+from ckptguard._commit import layout as _layout
+from dist_helper import run_ranks, values
+
+# Low enough that the shared-client deadlock fails the old code within seconds; the slow
+# rank's extra write time stays well below it, so a correct run never comes near it.
+TIMEOUT_S = 4.0
+SLOW_S = 1.5
+
+
+def _slow_rank_one(rank: int) -> None:
+    if rank == 1:
+        _faults.set_hook("commit.rank_written", lambda: time.sleep(SLOW_S))
+
+
+def _guard_while_pending(rank, world, base):
+    """The reproduction: step boundaries on the training thread while save_async commits."""
+    mgr = cg.CheckpointManager(base, config=cg.CheckpointConfig(timeout_s=TIMEOUT_S))
+    guard = cg.PreemptionGuard(mgr, grace_s=60)
+    _slow_rank_one(rank)
+    state = {"w": cg.PerRank(torch.full((1000,), float(rank)))}
+    t0 = time.monotonic()
+    pending = mgr.save_async(1, state)
+    overlapped = 0  # boundaries agreed while this rank's commit was still running
+    for step in range(2, 30):
+        time.sleep(0.05)
+        overlapped += not pending.done()
+        guard.step_boundary(step, state)
+    committed = mgr.wait()
+    return {"overlapped": overlapped, "committed": str(committed), "seconds": time.monotonic() - t0}
+
+
+def test_preemption_guard_agrees_while_save_async_commits(tmp_path):
+    base = tmp_path / "ck"
+    out = values(run_ranks(_guard_while_pending, 2, str(base), timeout=60))
+    for rank, got in enumerate(out):
+        # The guard really agreed during the commit (rank 1 writes SLOW_S longer), and nothing
+        # waited for a timeout: the whole run takes about SLOW_S, not TIMEOUT_S.
+        assert got["overlapped"] >= 5, (rank, got)
+        assert got["committed"] == str(base / "step_00000001"), (rank, got)
+        assert got["seconds"] < TIMEOUT_S, (rank, got)
+    assert _layout.read_tracker(base) == 1
+
+
+def _two_managers(rank, world, base_a, base_b):
+    """Two managers' background commits agreeing at the same time on every rank."""
+    cfg = cg.CheckpointConfig(timeout_s=TIMEOUT_S)
+    a, b = cg.CheckpointManager(base_a, config=cfg), cg.CheckpointManager(base_b, config=cfg)
+    _slow_rank_one(rank)
+    t0 = time.monotonic()
+    pa = a.save_async(1, {"w": cg.PerRank(torch.full((1000,), float(rank)))})
+    pb = b.save_async(7, {"v": cg.PerRank(torch.full((500,), float(rank) + 1))})
+    both_pending = not pa.done() and not pb.done()
+    return {"both_pending": both_pending, "a": str(a.wait()), "b": str(b.wait()), "seconds": time.monotonic() - t0}
+
+
+def test_two_managers_commit_in_background_at_once(tmp_path):
+    base_a, base_b = tmp_path / "a", tmp_path / "b"
+    out = values(run_ranks(_two_managers, 2, str(base_a), str(base_b), timeout=60))
+    for rank, got in enumerate(out):
+        assert got["both_pending"], (rank, got)
+        assert got["a"] == str(base_a / "step_00000001"), (rank, got)
+        assert got["b"] == str(base_b / "step_00000007"), (rank, got)
+        assert got["seconds"] < TIMEOUT_S, (rank, got)
+    assert _layout.read_tracker(base_a) == 1 and _layout.read_tracker(base_b) == 7
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _many_saves(rank, world, base, n):
+    """Store connections are per agreement, never per save or per commit thread."""
+    mgr = cg.CheckpointManager(base, config=cg.CheckpointConfig(timeout_s=30))
+    guard = cg.PreemptionGuard(mgr, grace_s=60)
+    state = {"w": cg.PerRank(torch.full((10,), float(rank)))}
+    # Warm up first: the first save opens files and pools that stay open by design.
+    mgr.save_async(1, state)
+    guard.step_boundary(1, state)
+    mgr.wait()
+    before, threads = _fds(), threading.active_count()
+    for step in range(2, n + 2):
+        mgr.save_async(step, state)
+        guard.step_boundary(step, state)  # agrees on its own connection while the commit runs
+    mgr.wait()
+    # On rank 0 the store's server closes its side of a dropped connection asynchronously.
+    deadline = time.monotonic() + 5
+    while _fds() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {"before": before, "after": _fds(), "threads": threads, "threads_after": threading.active_count()}
+
+
+def test_many_background_saves_leak_no_store_connection(tmp_path):
+    n = 50
+    out = values(run_ranks(_many_saves, 2, str(tmp_path / "ck"), n, timeout=120))
+    for rank, got in enumerate(out):
+        assert got["after"] <= got["before"], (rank, got)
+        assert got["threads_after"] <= got["threads"], (rank, got)
+    assert _layout.read_tracker(tmp_path / "ck") == n + 1
+
+
+def _manager_clone_dropped(rank, world, base):
+    """A dropped agreement's connection closes with it (the clone is not kept anywhere)."""
+    import gc
+
+    from ckptguard._dist import StoreAgreement
+
+    StoreAgreement(None, timeout_s=5, namespace="warmup").exchange("warm", rank)
+    gc.collect()
+    before = _fds()
+    held = []
+    for i in range(5):
+        # Spaced out: a burst of new connections stalls 5 s in torch 2.13's TCPStore.
+        time.sleep(0.2)
+        held.append(StoreAgreement(None, timeout_s=5, namespace=f"n{i}"))
+        assert held[-1].exchange("hello", rank) == [0, 1]
+    opened = _fds()
+    del held
+    gc.collect()
+    t0 = time.monotonic()
+    while _fds() > before and time.monotonic() < t0 + 5:
+        time.sleep(0.1)
+    settle = time.monotonic() - t0
+    torch.distributed.barrier()
+    return {"before": before, "opened": opened, "after": _fds(), "settle": settle}
+
+
+def test_agreement_connections_close_when_dropped(tmp_path):
+    out = values(run_ranks(_manager_clone_dropped, 2, str(tmp_path), timeout=60))
+    for rank, got in enumerate(out):
+        assert got["opened"] >= got["before"] + 5, (rank, got)  # one connection per agreement
+        assert got["after"] <= got["before"], (rank, got)
+
+
+class _NoClone:
+    """A store as older torch has it: no clone()."""
+
+
+class _CloneFails:
+    def clone(self):
+        raise RuntimeError("clone is not supported by this store")
+
+
+def test_store_without_clone_keeps_the_shared_client_and_says_so_once(caplog, monkeypatch):
+    from ckptguard import _dist
+
+    monkeypatch.setattr(_dist, "_shared_logged", False)
+    old, failing = _NoClone(), _CloneFails()
+    with caplog.at_level(logging.DEBUG, logger="ckptguard"):
+        assert _dist.own_connection(old) is old
+        assert _dist.own_connection(failing) is failing
+    said = [r for r in caplog.records if "shared store client" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.DEBUG
+    assert "_NoClone has no clone()" in said[0].getMessage()
