@@ -21,6 +21,7 @@ from ckptguard.storage.dcp import DCPStorage, _CheckedWriter
 from dist_helper import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")
+TIMEOUT_S = 5  # of a save a rank dies in: long above a live peer's skew, and waited once per commit point
 
 
 def _kill_self() -> None:
@@ -29,10 +30,12 @@ def _kill_self() -> None:
 
 def _crash_worker(rank: int, world: int, root: str, point: str, crash_rank: int) -> dict:
     job = build_job(rank=rank, world=world)
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=10))
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30))
     for _ in range(2):
         train_step(job)
     mgr.save(2, job.state())
+    # The crashing save: the survivor waits for its dead peer up to this timeout at each of the points.
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=TIMEOUT_S))
     at_two = fingerprint(job)
     with open(f"{root}/fp2_rank{rank}.pkl", "wb") as f:
         pickle.dump(at_two, f)
@@ -99,7 +102,7 @@ def test_sigkill_at_each_commit_point_keeps_previous_step(tmp_path, world):
             if r.rank != crash_rank:
                 # The survivor raised a ckptguard error instead of hanging or committing.
                 assert r.ok and r.value["error"] in ("CollectiveTimeoutError", "CheckpointWriteError"), r
-                assert r.value["elapsed"] < 10 + 15
+                assert r.value["elapsed"] < TIMEOUT_S + 15
         _assert_scene(root, point)
         roots.append(str(root))
     for result in values(run_ranks(_recover_worker, world, roots, distributed=world > 1)):

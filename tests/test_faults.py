@@ -179,13 +179,21 @@ def _stall_worker(rank: int, world: int, root: str) -> dict:
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=4))
     train_step(job)
     mgr.save(1, job.state())
+    gave_up = Path(root).with_name(f"{Path(root).name}.rank0-gave-up")
     if rank == 1:
-        _faults.set_hook("storage.data_written", lambda: time.sleep(25))
+        def stall() -> None:  # stalled until rank 0 has given up on it (25 s at most), not a fixed 25 s
+            deadline = time.monotonic() + 25
+            while not gave_up.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        _faults.set_hook("storage.data_written", stall)
     start = time.monotonic()
     try:
         mgr.save(2, job.state())
         return {"outcome": "committed"}
     except BaseException as exc:  # rank 1 fails on a dead peer; rank 0 on the timeout
+        if rank == 0:
+            gave_up.touch()
         return {"outcome": type(exc).__name__, "msg": str(exc), "elapsed": time.monotonic() - start}
 
 

@@ -32,6 +32,7 @@ from ckptguard.cli import main
 from ckptguard.errors import CheckpointError, UnsafeCheckpointError
 from ckptguard.ops.verify import verify_root
 from ckptguard.storage import DCPStorage, StreamingStorage, read_dcp_metadata
+from cli_helper import run_cli
 
 NAMING = _layout.StepNaming("step_{step:08d}")
 TIMEOUT = 60  # seconds; a FIFO read blocks forever, so anything near this is a hang
@@ -50,9 +51,7 @@ def _save(root: Path, step: int = 1, value: float = 1.0) -> Path:
 
 def _cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     """The real command line in a new process: a hang becomes a TimeoutExpired, not a stuck suite."""
-    return subprocess.run(
-        [sys.executable, "-m", "ckptguard.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return run_cli(*args, timeout=timeout)
 
 
 def _py(code: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:

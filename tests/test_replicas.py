@@ -180,7 +180,9 @@ def save_killed_mid_push(rank: int, world: int, base: str, kw: dict) -> str:
 
 def test_a_node_killed_mid_replica_push_leaves_no_replica_that_counts(tmp_path):
     disks(tmp_path)
-    kw = {"fast_every": 1, "replicas": 1, "timeout_s": 20}
+    # The live ranks wait up to 3 timeouts for the dead rank (the transfer, then its view): 10 s each is
+    # still far above the arrival skew of live ranks, and a 20 s timeout made this test a minute of waiting.
+    kw = {"fast_every": 1, "replicas": 1, "timeout_s": 10}
     results = run_ranks(save_killed_mid_push, WORLD, str(tmp_path), kw, timeout=240)
     assert results[2].exitcode == -9, results[2]
     for r in (0, 1, 3):  # every live rank raises, naming the rank that never arrived

@@ -7,6 +7,11 @@ message of the exception it raised. A rank that SIGKILLs itself reports exit cod
 Nothing is mocked: the collectives are torch.distributed's own. (The result files are
 pickles this helper's own children wrote into a private temp directory.)
 
+The ranks are forked from one fork server per parent process that has imported torch and
+ckptguard once (a spawned rank paid that import, 2-3 s of CPU, every time). Each rank still
+starts as a spawned one would: the caller's environment, working directory, sys.path,
+stdout and stderr at the call, and fresh random seeds (torch, NumPy, ``random``).
+
 Fault points: ``kill_at(point)`` makes this process SIGKILL itself when the commit protocol
 reaches ``point`` (one of ``FAULT_POINTS``); ``set_fault_hook(point, fn)`` runs any callable
 there, ``None`` removes it. Nothing happens at a point without a hook.
@@ -18,6 +23,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -61,9 +67,59 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What the fork server imports once; every rank forked from it starts with these loaded.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+            "torch.distributed.tensor", "numpy", "ckptguard", "ckptguard.ops.prove", "pytest"]
+
+
+class _StdStreams:
+    """The caller's stdout and stderr as they are at the call, handed to the rank: the fork server's
+    own are those of the call that started it (under pytest, another test's capture)."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        from multiprocessing import reduction
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return {"dup": [reduction.DupFd(1), reduction.DupFd(2)]}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.fds = [d.detach() for d in state["dup"]]
+
+    def install(self) -> None:
+        for target, fd in zip((1, 2), self.fds, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _fresh_process(env: dict[str, str], streams: _StdStreams) -> None:
+    """Make a rank forked from the fork server look spawned: the caller's environment now (the
+    server has the one of its start) and output, and random streams of its own (forked ranks
+    would share the server's torch and NumPy states; ``random`` reseeds itself after a fork)."""
+    os.environ.clear()
+    os.environ.update(env)
+    streams.install()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+
+
 def _child(
-    fn: Callable[..., Any], rank: int, world: int, port: int, out: str, pg_timeout_s: float, args: tuple[Any, ...]
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    pg_timeout_s: float,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    streams: _StdStreams,
 ) -> None:
+    _fresh_process(env, streams)
     os.environ["OMP_NUM_THREADS"] = "1"
     import datetime
 
@@ -101,15 +157,17 @@ def run_ranks(
 ) -> list[RankResult]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; ``distributed=False``
     runs one plain process with no process group (world must be 1)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     port = free_port()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="ckptguard-ranks-") as tmp:
         procs = []
         for rank in range(world):
             out = str(Path(tmp) / f"rank{rank}.pkl")
             p = ctx.Process(
                 target=_child,
-                args=(fn, rank, world if distributed else 0, port, out, pg_timeout_s, args),
+                args=(fn, rank, world if distributed else 0, port, out, pg_timeout_s, args, env, _StdStreams()),
                 daemon=False,
             )
             p.start()
