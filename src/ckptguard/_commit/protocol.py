@@ -54,6 +54,7 @@ from ..storage.unpickler import read_dcp_metadata
 from . import layout as _layout
 from . import lease as _lease
 from . import manifest as _manifest
+from . import transfer as _transfer
 
 log = logging.getLogger("ckptguard")
 
@@ -1005,7 +1006,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
             decision=NodePlan, patience=2.0,
         )
         _raise_if_failed(ctx, plan.failures, step=step, phase="write")
-        failure = _copy_files(ctx, tmp, plan.copies)
+        failure = _copy_files(ctx, step, tmp, plan.copies)
         if leader and failure is None:
             failure = _confirm_node(ctx, step, tmp, prep, plan)
         # The copies and the leaders' checksums of their node's files come first: a longer wait.
@@ -1075,73 +1076,31 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
     return None
 
 
-COPY_CHUNK = 64 << 20
-"""Bytes per message of a replicated file sent to another node."""
-
-
-def _copy_files(ctx: Context, tmp: Path, copies: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Send each replicated file from the rank that wrote it to every node that reads it.
+def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Send each replicated file from the rank that wrote it to every node that reads it (``transfer``).
 
     Every rank walks the same list in the same order and takes part only where it sends or
-    receives, so the pairs never wait on each other in a cycle. Each message waits at most
-    ``timeout_s``; the receiver writes a temp name, fsyncs, compares the xxh3 read back from
-    disk with the writer's, then renames. Returns this rank's first failure."""
-    import datetime as _dt
-
-    import torch.distributed as dist
-
-    group = ctx.storage_ctx.process_group
-    timeout = _dt.timedelta(seconds=ctx.config.timeout_s)
-
-    def peer(rank: int) -> int:
-        return dist.get_global_rank(group, rank) if group is not None else rank
-
+    receives, so the pairs never wait on each other in a cycle; a failed pair is known to both
+    its ranks within one block, and both go on with the next entry (no peer waits a timeout).
+    Returns this rank's first failure."""
+    link = _transfer.Link(
+        ctx.storage_ctx.process_group, step=step, what="copy of a replicated DCP file to a node that reads it",
+        retry="save again", timeout_s=ctx.config.timeout_s,
+    )
+    first: dict[str, Any] | None = None
     for entry in copies:
-        src, dsts, size = int(entry["src"]), [int(d) for d in entry["dsts"]], int(entry["size"])
-        if ctx.rank != src and ctx.rank not in dsts:
-            continue
-        try:
-            if ctx.rank == src:
-                for dst in dsts:
-                    with open(tmp / entry["path"], "rb") as f:
-                        sent = 0
-                        while sent < size:
-                            block = f.read(min(COPY_CHUNK, size - sent))
-                            if not block:
-                                raise OSError(_errno.EIO, f"{tmp / entry['path']} ended at byte {sent} of {size}")
-                            buf = torch.frombuffer(bytearray(block), dtype=torch.uint8)
-                            _wait(dist.isend(buf, dst=peer(dst), group=group), timeout)
-                            sent += len(block)
-            else:
-                source = peer(src)
-                _receive(tmp / entry["path"], size, str(entry["xxh3"]),
-                         lambda buf, source=source: _wait(dist.irecv(buf, src=source, group=group), timeout))
-        except Exception as exc:
-            return failure_from(exc, rank=ctx.rank, phase=f"copy of {entry['path']}").to_json()
-    return None
-
-
-def _wait(work: Any, timeout: Any) -> None:
-    if work is not None:  # None: this rank is not in the group (never here: every rank of the save is)
-        work.wait(timeout)
-
-
-def _receive(dst: Path, size: int, xxh3: str, recv: Any) -> None:
-    part = dst.with_name(f"{dst.name}.part-{secrets.token_hex(4)}")
-    try:
-        with open(part, "wb") as f:
-            got = 0
-            while got < size:
-                buf = torch.empty(min(COPY_CHUNK, size - got), dtype=torch.uint8)
-                recv(buf)
-                f.write(buf.numpy().tobytes())
-                got += buf.numel()
-            f.flush()
-            os.fsync(f.fileno())
-        copied = file_digest(str(part))[1]
-        if copied != xxh3:
-            raise OSError(_errno.EIO, f"copy of {dst.name} has xxh3 {copied}, its writer's is {xxh3}", str(part))
-        os.replace(part, dst)
-    finally:
-        if part.exists():
-            part.unlink()
+        src, dsts = int(entry["src"]), [int(d) for d in entry["dsts"]]
+        spec = _transfer.FileSpec(entry["path"], int(entry["size"]), str(entry["xxh3"]))
+        problems: list[_transfer.Problem | None] = []
+        if ctx.rank == src:
+            problems = [_transfer.send_file(link, tmp / spec.path, spec, dst) for dst in dsts]
+        elif ctx.rank in dsts:
+            problems = [_transfer.recv_file(link, tmp / spec.path, spec, src)]
+        for problem in problems:
+            if problem is not None and first is None:
+                first = WriteFailure(  # the rank that hit it: the same report on both ranks of the pair
+                    rank=problem.rank if problem.rank >= 0 else ctx.rank, phase=f"copy of {spec.path}",
+                    exc_type=problem.exc_type, message=problem.message, errno=problem.errno, path=problem.path,
+                    time_ns=problem.time_ns,
+                ).to_json()
+    return first
