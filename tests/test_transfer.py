@@ -1,0 +1,180 @@
+"""Files between nodes over torch.distributed (``_commit/transfer.py``, used by per-node publish and
+peer replicas), and the node-loss leftovers of issue 22: the tracker-round message, gc on a lagging node.
+
+A failed transfer must reach the peer at once: neither side waits a timeout, both report the same
+problem (the file, the step, the sending and receiving rank, what to do), and the pair stays in step
+for the next file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+import ckptguard as cg
+from ckptguard._commit import layout as _layout
+from ckptguard.testing import run_ranks, set_fault_hook, values
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private mount namespaces")
+TIMEOUT_S = 60  # per message: a transfer that waited on a failed peer would take this long
+PROMPT_S = 8.0  # what "at once" allows on a loaded 2-core machine
+
+
+def _mount(source: bytes | None, target: Path, fstype: bytes | None, flags: int, data: bytes | None = None) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(source, str(target).encode(), fstype, flags, data) != 0:
+        raise PermissionError(ctypes.get_errno(), f"mount {source!r} {target} ({fstype!r}, {flags:#x})")
+
+
+def _private_mounts() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS: mounts below stay in this process
+        raise PermissionError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    _mount(None, Path("/"), None, 0x4000 | (1 << 18))  # MS_REC | MS_PRIVATE
+
+
+def _read_only(path: Path) -> None:
+    """Remount the bind mount at ``path`` read-only (root ignores chmod; a read-only mount it does not)."""
+    _mount(None, path, None, 32 | 0x1000 | 1)  # MS_REMOUNT | MS_BIND | MS_RDONLY
+
+
+# ---------------------------------------------------------------- one pair, every way a file can fail
+
+
+def _xxh(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def _pair_cases(rank: int, world: int, base: str) -> dict:
+    from ckptguard._commit import replica
+    from ckptguard._commit import transfer as t
+
+    t.CHUNK = 16 << 10  # several blocks per file: failures in the middle of a file, not only at its start
+    base_p = Path(base)
+    data = (base_p / "src.bin").read_bytes()
+    good = t.FileSpec("state/__0_0.distcp", len(data), _xxh(data))
+    link = t.Link(None, step=7, what="test copy", retry="try again", timeout_s=TIMEOUT_S)
+    small = base_p / "small"
+    if rank == 1:
+        # Rank 1's target for the "full" case: a 64 KiB tmpfs, full after four of the file's 16 blocks.
+        _private_mounts()
+        _mount(b"tmpfs", small, b"tmpfs", 0, b"size=64k")
+    cases = {
+        "short": (base_p / "short.bin", good, base_p / "r1" / "short" / good.path),  # the sender's file shrank
+        "absent": (base_p / "nope.bin", good, base_p / "r1" / "absent" / good.path),  # the sender's file is gone
+        "full": (base_p / "src.bin", good, small / "state" / "x.distcp"),  # the receiver's disk fills mid-file
+        "checksum": (base_p / "src.bin", t.FileSpec(good.path, good.size, "0" * 16), base_p / "r1" / "sum" / "x"),
+        # The receiver cannot create its file: its parent is a regular file.
+        "blocked": (base_p / "src.bin", good, base_p / "blocker" / "x"),
+    }
+    out: dict = {}
+    for case, (src, spec, dest) in cases.items():
+        started = time.monotonic()
+        problem = t.send_file(link, src, spec, 1) if rank == 0 else t.recv_file(link, dest, spec, 0)
+        elapsed = time.monotonic() - started
+        # The pair is still in step: the next file of the same two ranks arrives intact.
+        after = base_p / "r1" / f"after-{case}.bin"
+        nxt = t.send_file(link, base_p / "src.bin", good, 1) if rank == 0 else t.recv_file(link, after, good, 0)
+        out[case] = {
+            "problem": None if problem is None else problem.__dict__,
+            "elapsed": elapsed,
+            "next": None if nxt is None else str(nxt),
+            "left": sorted(p.name for p in dest.parent.iterdir()) if rank == 1 and dest.parent.is_dir() else [],
+            "after": rank == 1 and after.read_bytes() == data,
+        }
+    # Peer replicas through the same transfer: rank 1's replica folder is blocked; rank 0's is fine.
+    roots = [base_p / "rep0", base_p / "rep1"]
+    files = [{"path": "state/__0_0.distcp", "size": len(data), "xxh3": _xxh(data), "rank": r} for r in (0, 1)]
+    started = time.monotonic()
+    problems = replica.push(root=roots[rank], step=7, step_name="step_00000007", manifest_files=files,
+                            peer_of=[1, 0], rank=rank, group=None, timeout_s=TIMEOUT_S)
+    out["push"] = {"problems": problems, "elapsed": time.monotonic() - started,
+                   "held": replica.held(roots[rank], _layout.StepNaming("step_{step:08d}"))}
+    return out
+
+
+@ROOT_ONLY
+def test_a_failed_transfer_reaches_both_ranks_at_once_with_the_same_problem(tmp_path):
+    data = os.urandom(256 << 10)
+    (tmp_path / "src.bin").write_bytes(data)
+    (tmp_path / "short.bin").write_bytes(data[: 40 << 10])
+    (tmp_path / "small").mkdir()
+    (tmp_path / "blocker").write_text("a file where the receiver wants a folder")
+    for r in (0, 1):
+        (tmp_path / f"rep{r}" / "step_00000007" / "state").mkdir(parents=True)
+        (tmp_path / f"rep{r}" / "step_00000007" / "state" / "__0_0.distcp").write_bytes(data)
+    (tmp_path / "rep1" / "replicas").write_text("blocks rank 1's replicas")
+    sender, receiver = values(run_ranks(_pair_cases, 2, str(tmp_path), timeout=120))
+    expect = {
+        "short": ("rank 0 cannot send it: it ends at byte 40960, its recorded size is 262144", 0),
+        "absent": ("rank 0 cannot open it", 0),
+        "full": ("rank 1 failed writing", 1),
+        "checksum": ("have xxh3", 1),
+        "blocked": ("rank 1 failed creating", 1),
+    }
+    for case, (cause, origin) in expect.items():
+        s, r = sender[case], receiver[case]
+        assert s["problem"] is not None and s["problem"] == r["problem"], (case, s, r)
+        msg = s["problem"]["message"]
+        assert cause in msg and s["problem"]["rank"] == origin, (case, msg)
+        # What, where (file, step, both ranks) and what to do.
+        assert "test copy, step 7: state/__0_0.distcp (262144 bytes) from rank 0 to rank 1" in msg, (case, msg)
+        assert msg.endswith("then try again"), (case, msg)
+        assert max(s["elapsed"], r["elapsed"]) < PROMPT_S, (case, s["elapsed"], r["elapsed"])
+        assert r["left"] == [], (case, "a partial file is left where the receiver wrote", r["left"])
+        assert s["next"] is None and r["next"] is None and r["after"], (case, "the pair is out of step after it")
+    assert "No space left on device" in sender["full"]["problem"]["message"]
+    assert sender["checksum"]["problem"]["exc_type"] == "CheckpointCorruptError"
+    push0, push1 = sender["push"], receiver["push"]
+    assert len(push0["problems"]) == 1 and push0["problems"] == push1["problems"], (push0, push1)
+    assert "peer replica, step 7: state/__0_0.distcp" in push0["problems"][0], push0
+    assert "from rank 0 to rank 1" in push0["problems"][0] and "save again" in push0["problems"][0], push0
+    assert max(push0["elapsed"], push1["elapsed"]) < PROMPT_S, (push0, push1)
+    # The failed replica does not count; the other direction of the pair was unaffected.
+    assert push1["held"] == {} and push0["held"] == {7: [1]}, (push0["held"], push1["held"])
+
+
+# ---------------------------------------------------------------- per-node publish: a node that cannot take its copy
+
+
+def _save_onto_read_only_node(rank: int, world: int, base: str) -> dict:
+    from test_node_local import _own_disk
+
+    shared = _own_disk(Path(base), rank)  # one rank per node: rank 0 on node0, rank 1 on node1
+    torch.manual_seed(0)
+    # Replicated values: DCP stores each once, so the node without it gets a copy (and .metadata) at publish.
+    state = {"model": torch.nn.Linear(32, 32), "n": cg.PerRank(rank), "table": torch.arange(2048.0)}
+    mgr = cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=TIMEOUT_S))
+    mgr.save(1, state)
+    if rank == 1:  # node1's disk turns read-only after its rank wrote its own files: the copies cannot land
+        set_fault_hook("commit.rank_written", lambda: _read_only(shared))
+    started = time.monotonic()
+    try:
+        mgr.save(2, state)
+        out = "committed"
+    except cg.CheckpointWriteError as exc:
+        out = str(exc)
+    return {"error": out, "elapsed": time.monotonic() - started, "tracker": _layout.read_tracker(shared / "ck")}
+
+
+@ROOT_ONLY
+def test_a_copy_that_cannot_land_on_its_node_fails_the_save_on_both_nodes_at_once(tmp_path):
+    from test_node_local import _bases
+
+    (base,) = _bases(tmp_path, ["run"])
+    out = values(run_ranks(_save_onto_read_only_node, 2, str(base), timeout=120))
+    for rank, o in enumerate(out):
+        msg = o["error"]
+        # Before, rank 0 sent into a receiver that had given up and waited the whole timeout.
+        assert o["elapsed"] < PROMPT_S, (rank, o["elapsed"], f"waited about the {TIMEOUT_S} s timeout")
+        assert msg.startswith("save of step 2 under") and "node confirm" in msg, (rank, msg)
+        assert "copy of a replicated DCP file to a node that reads it, step 2: state/" in msg, (rank, msg)
+        assert "from rank 0 to rank 1: rank 1 failed creating" in msg and "Read-only file system" in msg, (rank, msg)
+        assert "then save again" in msg, (rank, msg)
+        assert o["tracker"] == 1, (rank, o["tracker"])
