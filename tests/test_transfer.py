@@ -178,3 +178,89 @@ def test_a_copy_that_cannot_land_on_its_node_fails_the_save_on_both_nodes_at_onc
         assert "from rank 0 to rank 1: rank 1 failed creating" in msg and "Read-only file system" in msg, (rank, msg)
         assert "then save again" in msg, (rank, msg)
         assert o["tracker"] == 1, (rank, o["tracker"])
+
+
+# ---------------------------------------------------------------- per-node publish: a failed node-tracker round
+
+
+def _read_write(path: Path) -> None:
+    _mount(None, path, None, 32 | 0x1000)  # MS_REMOUNT | MS_BIND: writable again
+
+
+def _trackers_apart(rank: int, world: int, base: str) -> dict:
+    """Per-node saves whose tracker round fails on node1, on both nodes, and after every tracker moved;
+    after each, what a fresh restore really resumes from."""
+    from test_node_local import _own_disk, _state
+
+    shared = _own_disk(Path(base), rank)
+    root = shared / "ck"
+    config = cg.CheckpointConfig(timeout_s=TIMEOUT_S)
+    state = _state(rank)
+    weights: dict[int, torch.Tensor] = {}
+
+    def save(step: int, fault: str | None = None, on: tuple[int, ...] = ()) -> str:
+        state["model"].weight.data += 1.0
+        weights[step] = state["model"].weight.detach().clone()
+        if rank in on:
+            if fault == "node.after_tracker":
+                def hook() -> None:
+                    raise OSError(5, "injected: the disk failed right after the tracker moved")
+            else:  # the node's disk turns read-only before its tracker moves: its write fails for real
+                def hook() -> None:
+                    _read_only(shared)
+            set_fault_hook(fault, hook)
+        try:
+            cg.CheckpointManager(root, config=config).save(step, state)
+            return "committed"
+        except cg.CheckpointWriteError as exc:
+            return str(exc)
+        finally:
+            if fault is not None:
+                set_fault_hook(fault, None)
+            if rank in on and fault == "node.before_tracker":
+                _read_write(shared)
+
+    def restore() -> dict:
+        fresh = _state(rank)
+        step = cg.CheckpointManager(root, config=config).restore(fresh)
+        return {"step": step, "exact": torch.equal(fresh["model"].weight, weights[step]),
+                "tracker": _layout.read_tracker(root)}
+
+    out: dict = {"first": save(1)}
+    out["lagging"] = {"error": save(2, "node.before_tracker", on=(1,)), "restore": restore()}
+    out["after_lagging"] = {"save": save(3), "tracker": _layout.read_tracker(root)}
+    out["none"] = {"error": save(4, "node.before_tracker", on=(0, 1)), "restore": restore()}
+    out["after_none"] = {"save": save(5), "step4": (root / "step_00000004").exists()}
+    out["all"] = {"error": save(6, "node.after_tracker", on=(0,)), "restore": restore()}
+    return out
+
+
+@ROOT_ONLY
+def test_a_failed_tracker_round_says_which_nodes_moved_and_what_a_restore_takes(tmp_path):
+    from test_node_local import _bases
+
+    (base,) = _bases(tmp_path, ["run"])
+    out = values(run_ranks(_trackers_apart, 2, str(base), timeout=180))
+    for rank, o in enumerate(out):
+        assert o["first"] == "committed", (rank, o["first"])
+        # node0's tracker moved to step 2, node1's did not: the step IS the resume target everywhere.
+        msg = o["lagging"]["error"]
+        assert "failed at node tracker" in msg and "Read-only file system" in msg, (rank, msg)
+        assert "the trackers of node0 (ranks 0) moved to step 2; those of node1 (ranks 1) at step 1 did not" in msg, (
+            rank, msg)
+        assert "A restore (prefer='latest', the default) agrees on step 2 on every node" in msg, (rank, msg)
+        assert "previous committed step stays the resume target" not in msg, (rank, msg)
+        assert o["lagging"]["restore"] == {"step": 2, "exact": True, "tracker": 2 - rank}, (rank, o["lagging"])
+        assert o["after_lagging"] == {"save": "committed", "tracker": 3}, (rank, o["after_lagging"])
+        # No node's tracker moved: the previous step stays, and the next save removes the published step 4.
+        msg = o["none"]["error"]
+        assert "no node's tracker moved (node0 (ranks 0) at step 3, node1 (ranks 1) at step 3)" in msg, (rank, msg)
+        assert "the next save removes them" in msg, (rank, msg)
+        assert o["none"]["restore"] == {"step": 3, "exact": True, "tracker": 3}, (rank, o["none"])
+        assert o["after_none"] == {"save": "committed", "step4": False}, (rank, o["after_none"])
+        # Every tracker moved and a failure came after: the step is committed, and said so.
+        msg = o["all"]["error"]
+        assert "every node's tracker moved to step 6 (node0 (ranks 0), node1 (ranks 1)), so step 6 is committed" in (
+            msg), (rank, msg)
+        assert "injected" in msg, (rank, msg)
+        assert o["all"]["restore"] == {"step": 6, "exact": True, "tracker": 6}, (rank, o["all"])
