@@ -9,6 +9,7 @@ for the next file.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import time
 from pathlib import Path
@@ -264,3 +265,72 @@ def test_a_failed_tracker_round_says_which_nodes_moved_and_what_a_restore_takes(
             msg), (rank, msg)
         assert "injected" in msg, (rank, msg)
         assert o["all"]["restore"] == {"step": 6, "exact": True, "tracker": 6}, (rank, o["all"])
+
+
+# ---------------------------------------------------------------- gc --orphans on a node whose tracker lags
+
+
+def _gc_on_the_lagging_node(rank: int, world: int, base: str) -> dict:
+    import socket
+    import subprocess
+
+    from ckptguard.ops.gc import adopt_step, gc
+    from test_node_local import _own_disk, _state
+
+    shared = _own_disk(Path(base), rank)
+    root = shared / "ck"
+    config = cg.CheckpointConfig(timeout_s=TIMEOUT_S)
+    naming = _layout.StepNaming("step_{step:08d}")
+    state = _state(rank)
+    cg.CheckpointManager(root, config=config).save(1, state)
+    state["model"].weight.data += 1.0
+    saved = state["model"].weight.detach().clone()
+    if rank == 1:  # node1's tracker cannot move: node0's does, the global commit of step 2 is done there
+        set_fault_hook("node.before_tracker", lambda: _read_only(shared))
+    try:
+        cg.CheckpointManager(root, config=config).save(2, state)
+    except cg.CheckpointWriteError:
+        pass
+    finally:
+        set_fault_hook("node.before_tracker", None)
+    out: dict = {"tracker": _layout.read_tracker(root)}
+    if rank == 1:
+        _read_write(shared)
+        # A true orphan next to it: the temp directory of a save whose process is gone.
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        tmp = root / _layout.temp_dir_name(naming.name(3), "0123456789ab")
+        (tmp / _layout.STATE_DIR).mkdir(parents=True)
+        (tmp / _layout.OWNER_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+        report = gc(root, naming, orphans=True, force=True)
+        out["removed"] = [p.name for p, _what in report.removed]
+        out["kept"] = {p.name: why for p, why in report.kept}
+        out["step2"] = (root / "step_00000002" / "manifest.json").exists()
+    from torch.distributed import barrier
+
+    barrier()  # node1's gc has run before any rank restores
+    fresh = _state(rank)
+    out["restored"] = cg.CheckpointManager(root, config=config).restore(fresh)
+    out["exact"] = torch.equal(fresh["model"].weight, saved)
+    if rank == 1:  # what the hint says: adopt moves the lagging tracker to the agreed step
+        out["adopt"] = adopt_step(root, naming, 2)
+        out["adopted"] = _layout.read_tracker(root)
+    return out
+
+
+@ROOT_ONLY
+def test_gc_orphans_on_a_lagging_node_keeps_the_agreed_step_and_removes_true_orphans(tmp_path):
+    from test_node_local import _bases
+
+    (base,) = _bases(tmp_path, ["run"])
+    node0, node1 = values(run_ranks(_gc_on_the_lagging_node, 2, str(base), timeout=120))
+    assert node0["tracker"] == 2 and node1["tracker"] == 1, (node0, node1)
+    # Before, --orphans took step 2 as an orphan of node1 (newer than its own tracker) and deleted it.
+    assert node1["step2"], ("gc --orphans deleted the agreed step on the lagging node", node1)
+    assert "step_00000002" not in node1["removed"], node1["removed"]
+    why = node1["kept"]["step_00000002"]
+    assert "per-node save" in why and "tracker is at 1" in why and "never removes it" in why, why
+    assert node1["removed"] == [".tmp-step_00000003-0123456789ab"], node1["removed"]
+    for o in (node0, node1):
+        assert o["restored"] == 2 and o["exact"], o
+    assert node1["adopted"] == 2 and "now points at step 2" in node1["adopt"], node1
