@@ -73,6 +73,9 @@ def _pair_cases(rank: int, world: int, base: str) -> dict:
         "checksum": (base_p / "src.bin", t.FileSpec(good.path, good.size, "0" * 16), base_p / "r1" / "sum" / "x"),
         # The receiver cannot create its file: its parent is a regular file.
         "blocked": (base_p / "src.bin", good, base_p / "blocker" / "x"),
+        # A path from the peer that leaves the receiver's directory: refused before anything is written.
+        "escape": (base_p / "src.bin", t.FileSpec("../outside.bin", good.size, good.xxh3),
+                   base_p / "r1" / "esc" / "../outside.bin"),
     }
     out: dict = {}
     for case, (src, spec, dest) in cases.items():
@@ -130,6 +133,10 @@ def test_a_failed_transfer_reaches_both_ranks_at_once_with_the_same_problem(tmp_
         assert max(s["elapsed"], r["elapsed"]) < PROMPT_S, (case, s["elapsed"], r["elapsed"])
         assert r["left"] == [], (case, "a partial file is left where the receiver wrote", r["left"])
         assert s["next"] is None and r["next"] is None and r["after"], (case, "the pair is out of step after it")
+    s, r = sender["escape"], receiver["escape"]
+    assert s["problem"] == r["problem"] and "rank 1 refuses the path" in s["problem"]["message"], (s, r)
+    assert "test copy, step 7: ../outside.bin" in s["problem"]["message"] and s["next"] is None and r["after"]
+    assert not (tmp_path / "r1" / "outside.bin").exists() and max(s["elapsed"], r["elapsed"]) < PROMPT_S
     assert "No space left on device" in sender["full"]["problem"]["message"]
     assert sender["checksum"]["problem"]["exc_type"] == "CheckpointCorruptError"
     push0, push1 = sender["push"], receiver["push"]

@@ -197,7 +197,7 @@ def _lost(link: Link, spec: FileSpec, src: int, dst: int, peer: int, exc: BaseEx
         f"rank {peer} stopped answering after {time.monotonic() - started:.1f} s ({type(exc).__name__}: "
         f"{str(exc)[:300]})",
         f"rank {peer} died or hangs (its node's log says why); restart the job once every rank runs",
-        at=src if peer == dst else dst, exc_type="PeerLostError",
+        at=src if peer == dst else dst, exc=exc,
     )
 
 
@@ -277,6 +277,13 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int) -> Problem | Non
                         exc=exc)
 
     try:
+        if not spec.path or os.path.isabs(spec.path) or ".." in Path(spec.path).parts:
+            # The path comes from the peer: one that leaves the receiver's directory is never written.
+            problem = _problem(link, spec, src, me, f"rank {me} refuses the path: it leaves the directory it is "
+                               "received into (absolute or '..')", f"the sender's manifest or plan is damaged or "
+                               f"crafted; check rank {src}'s checkpoint root", at=me, exc_type="CheckpointCorruptError")
+            _send_fail(link, src, problem)
+            return problem
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             out = open(part, "wb")  # noqa: SIM115 (kept open across the block loop, closed below)
