@@ -1,4 +1,4 @@
-"""Files between nodes over torch.distributed (``_commit/transfer.py``, used by per-node publish and
+"""Files between nodes over torch.distributed (``_commit/p2p.py``, used by per-node publish and
 peer replicas), and the node-loss leftovers of issue 22: the tracker-round message, gc on a lagging node.
 
 A failed transfer must reach the peer at once: neither side waits a timeout, both report the same
@@ -53,8 +53,8 @@ def _xxh(data: bytes) -> str:
 
 
 def _pair_cases(rank: int, world: int, base: str) -> dict:
+    from ckptguard._commit import p2p as t
     from ckptguard._commit import replica
-    from ckptguard._commit import transfer as t
 
     t.CHUNK = 16 << 10  # several blocks per file: failures in the middle of a file, not only at its start
     base_p = Path(base)

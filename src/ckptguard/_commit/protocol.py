@@ -54,7 +54,7 @@ from ..storage.unpickler import read_dcp_metadata
 from . import layout as _layout
 from . import lease as _lease
 from . import manifest as _manifest
-from . import transfer as _transfer
+from . import p2p as _p2p
 
 log = logging.getLogger("ckptguard")
 
@@ -1153,25 +1153,25 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
 
 
 def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Send each replicated file from the rank that wrote it to every node that reads it (``transfer``).
+    """Send each replicated file from the rank that wrote it to every node that reads it (``p2p``).
 
     Every rank walks the same list in the same order and takes part only where it sends or
     receives, so the pairs never wait on each other in a cycle; a failed pair is known to both
     its ranks within one block, and both go on with the next entry (no peer waits a timeout).
     Returns this rank's first failure."""
-    link = _transfer.Link(
+    link = _p2p.Link(
         ctx.storage_ctx.process_group, step=step, what="copy of a replicated DCP file to a node that reads it",
         retry="save again", timeout_s=ctx.config.timeout_s,
     )
     first: dict[str, Any] | None = None
     for entry in copies:
         src, dsts = int(entry["src"]), [int(d) for d in entry["dsts"]]
-        spec = _transfer.FileSpec(entry["path"], int(entry["size"]), str(entry["xxh3"]))
-        problems: list[_transfer.Problem | None] = []
+        spec = _p2p.FileSpec(entry["path"], int(entry["size"]), str(entry["xxh3"]))
+        problems: list[_p2p.Problem | None] = []
         if ctx.rank == src:
-            problems = [_transfer.send_file(link, tmp / spec.path, spec, dst) for dst in dsts]
+            problems = [_p2p.send_file(link, tmp / spec.path, spec, dst) for dst in dsts]
         elif ctx.rank in dsts:
-            problems = [_transfer.recv_file(link, tmp / spec.path, spec, src)]
+            problems = [_p2p.recv_file(link, tmp / spec.path, spec, src)]
         for problem in problems:
             if problem is not None and first is None:
                 first = WriteFailure(  # the rank that hit it: the same report on both ranks of the pair

@@ -13,7 +13,7 @@ files on its disk, the lost node's files in its replicas. ``fetch`` rebuilds a r
 node's root from them: the contract files, the files its ranks need, the manifest last (the
 commit marker), then the tracker.
 
-Every file moves through ``transfer`` (the one file transfer between nodes, also used by
+Every file moves through ``p2p`` (the one file transfer between nodes, also used by
 per-node publish): in one global order that every rank walks, a rank taking part only in the
 transfers it sends or receives, so any plan completes without deadlock. A failure on either
 side reaches the peer within one block (both then skip the rest of that pair's files) and both
@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as _layout
-from . import transfer as _transfer
+from . import p2p as _p2p
 
 REPLICA_DIR = "replicas"
 MARKER = "replica.json"
-FileSpec = _transfer.FileSpec
+FileSpec = _p2p.FileSpec
 
 
 def peers(hosts: list[str]) -> list[int | None]:
@@ -110,30 +110,30 @@ def prune(root: Path, naming: _layout.StepNaming, keep: set[int], sources: list[
     return sorted(set(pruned))
 
 
-# ---------------------------------------------------------------- files over torch.distributed (``transfer``)
+# ---------------------------------------------------------------- files over torch.distributed (``p2p``)
 
 
-def _link(group: Any, step: int | None, what: str, retry: str, timeout_s: float | None) -> _transfer.Link:
-    return _transfer.Link(group, step=step, what=what, retry=retry, timeout_s=timeout_s)
+def _link(group: Any, step: int | None, what: str, retry: str, timeout_s: float | None) -> _p2p.Link:
+    return _p2p.Link(group, step=step, what=what, retry=retry, timeout_s=timeout_s)
 
 
-def send_file(path: Path, spec: FileSpec, dst: int, link: _transfer.Link) -> str | None:
+def send_file(path: Path, spec: FileSpec, dst: int, link: _p2p.Link) -> str | None:
     """Send one file of a push or fetch (the receiver calls ``recv_file``); the problem, if it did not arrive."""
-    problem = _transfer.send_file(link, path, spec, dst)
+    problem = _p2p.send_file(link, path, spec, dst)
     return None if problem is None else str(problem)
 
 
-def recv_file(dest: Path, spec: FileSpec, src: int, link: _transfer.Link) -> str | None:
-    problem = _transfer.recv_file(link, dest, spec, src)
+def recv_file(dest: Path, spec: FileSpec, src: int, link: _p2p.Link) -> str | None:
+    problem = _p2p.recv_file(link, dest, spec, src)
     return None if problem is None else str(problem)
 
 
 def send_json(obj: Any, dst: int, group: Any, *, timeout_s: float | None = None) -> None:
-    _transfer.send_json(_link(group, None, "header", "", timeout_s), obj, dst)
+    _p2p.send_json(_link(group, None, "header", "", timeout_s), obj, dst)
 
 
 def recv_json(src: int, group: Any, *, timeout_s: float | None = None) -> Any:
-    return _transfer.recv_json(_link(group, None, "header", "", timeout_s), src)
+    return _p2p.recv_json(_link(group, None, "header", "", timeout_s), src)
 
 
 # ---------------------------------------------------------------- push after a commit
@@ -242,7 +242,7 @@ def send_part(specs: list[FileSpec], paths: list[Path], dst: int, group: Any, *,
     if step is None:
         step = _step_of(paths[-1]) if paths else None
     link = _link(group, step, "fetch from a peer replica", FETCH_RETRY, timeout_s)
-    _transfer.send_json(link, {"step": step, "files": [s.__dict__ for s in specs]}, dst)
+    _p2p.send_json(link, {"step": step, "files": [s.__dict__ for s in specs]}, dst)
     for s, p in zip(specs, paths, strict=True):
         if (err := send_file(p, s, dst, link)) is not None:
             return [err]
@@ -264,7 +264,7 @@ def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any, *, timeout
     files, and the manifest as ``tmp/.fetched-manifest-<rank>``, checked against every file received."""
     from .._resume.digest import file_digest
 
-    header = _transfer.recv_json(_link(group, None, "fetch from a peer replica", FETCH_RETRY, timeout_s), src)
+    header = _p2p.recv_json(_link(group, None, "fetch from a peer replica", FETCH_RETRY, timeout_s), src)
     if "error" in header:  # the sender could not read its part: nothing follows
         return [str(header.get("error"))]
     link = _link(group, header.get("step"), "fetch from a peer replica", FETCH_RETRY, timeout_s)
