@@ -7,12 +7,12 @@ rank of another node and fetch them back (``replica``).
 Contract. Both sides know the file (``FileSpec``: path, size, xxh3) before it moves. The
 receiver writes a temp name next to the destination, hashes the bytes as they arrive, fsyncs,
 compares the xxh3 with the spec, and only then renames it in place. Each exchange is a fixed
-sequence of messages that both sides walk in step, and every message that can fail answers:
+sequence of messages that both sides walk in step (``max(1, ceil(size / CHUNK))`` blocks):
 
-1. receiver -> sender: ready, or why it cannot take the file (its temp file could not be created);
-2. for each block: sender -> receiver: the block, or why it cannot send it (unreadable, shorter
-   than its size); receiver -> sender (every block but the last): written, or why not;
-3. receiver -> sender: the file is in place, or why not (fsync, checksum, rename).
+1. for each block: sender -> receiver: one message, a 16-byte header (ok, or failed with the
+   length of the description that follows) and the block's bytes; receiver -> sender (every
+   block but the last): written, or why not (its temp file could not be created, a write failed);
+2. receiver -> sender: the file is in place, or why not (fsync, checksum, rename).
 
 So a failure on either side reaches the peer within one block (``CHUNK`` bytes), never after
 a timeout, and both sides return the same problem: what failed (the file, the step, the
@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import secrets
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ import xxhash
 
 CHUNK = 64 << 20
 """Bytes per block message; a failure reaches the peer after at most one block."""
+HEADER = 16  # bytes before each block: status and length (int64 each)
 _TEXT_MAX = 16 << 10
 
 _OK, _FAIL = 0, 1
@@ -154,13 +156,17 @@ def _recv_answer(link: Link, src: int) -> int:
         return n
     if code != _FAIL or not 0 < n <= _TEXT_MAX:
         raise RuntimeError(f"transfer protocol out of step with rank {src} (word {code}, {n})")
+    raise _PeerProblem(_parse_problem(link, src, n))
+
+
+def _parse_problem(link: Link, src: int, n: int) -> Problem:
+    """The description of a failure that follows the peer's "failed" header."""
     buf = torch.empty(n, dtype=torch.uint8)
     _recv(link, buf, src)
     try:
-        problem = Problem(**json.loads(bytes(buf.numpy())))
+        return Problem(**json.loads(bytes(buf.numpy())))
     except (ValueError, TypeError) as exc:  # a torn description: still a failure of the peer
-        problem = Problem(f"rank {src} failed the transfer; its description does not parse ({exc})")
-    raise _PeerProblem(problem)
+        return Problem(f"rank {src} failed the transfer; its description does not parse ({exc})", rank=src)
 
 
 def send_json(link: Link, obj: Any, dst: int) -> None:
@@ -219,39 +225,52 @@ def _read_block(f: Any, buf: torch.Tensor, at: int, size: int) -> str | None:
 # ---------------------------------------------------------------- one file
 
 
+def _blocks(size: int) -> int:
+    return max(1, -(-size // CHUNK))  # a file of 0 bytes is one empty block: the exchange still runs
+
+
+def _send_block(link: Link, dst: int, buf: torch.Tensor, n: int, problem: Problem | None = None) -> None:
+    """``buf[HEADER:HEADER + n]`` holds the block; with ``problem`` the header says it failed (the
+    bytes are garbage) and the description follows in a second message."""
+    text = b"" if problem is None else json.dumps(problem.__dict__).encode()[:_TEXT_MAX]
+    struct.pack_into("<qq", buf.numpy().data, 0, _OK if problem is None else _FAIL, n if problem is None else len(text))
+    _send(link, buf[: HEADER + n], dst)
+    if text:
+        _send(link, torch.frombuffer(bytearray(text), dtype=torch.uint8), dst)
+
+
 def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | None:
     """Send ``spec.size`` bytes of ``path`` to ``dst`` (which calls ``recv_file``); returns the problem,
     this side's or the receiver's, if the file did not arrive in place."""
     me = dist.get_rank(link.group)
     started = time.monotonic()
     f = None
+    problem: Problem | None = None
     try:
-        _recv_answer(link, dst)  # ready: the receiver could create its temp file
         try:
             f = open(path, "rb")  # noqa: SIM115 (kept open across the block loop, closed below)
         except OSError as exc:
             problem = _problem(link, spec, me, dst, f"rank {me} cannot open it: {exc}",
                                f"the file on rank {me}'s disk is gone or unreadable; check {path}", at=me, exc=exc)
-            _send_fail(link, dst, problem)
-            return problem
+        buf = torch.empty(HEADER + min(CHUNK, spec.size), dtype=torch.uint8)
         sent = 0
-        block = torch.empty(min(CHUNK, spec.size), dtype=torch.uint8)
         n = min(CHUNK, spec.size)
-        error = _read_block(f, block[:n], sent, spec.size)
-        while sent < spec.size:
-            if error is not None:
+        error = _read_block(f, buf[HEADER: HEADER + n], sent, spec.size) if f is not None else None
+        blocks = _blocks(spec.size)
+        for i in range(blocks):
+            if problem is None and error is not None:
                 problem = _problem(link, spec, me, dst, f"rank {me} cannot send it: {error}",
                                    f"the file on rank {me}'s disk changed after its write, or the disk fails; "
                                    f"check {path}", at=me, path=path)
-                _send_fail(link, dst, problem)
+            if problem is not None:
+                _send_block(link, dst, buf, n, problem)
                 return problem
-            _send_word(link, dst, _OK, n)
-            _send(link, block[:n], dst)  # once sent, the buffer is free for the next block
+            _send_block(link, dst, buf, n)  # once sent, the buffer is free for the next block
             sent += n
-            if sent < spec.size:
+            if i < blocks - 1:
                 n = min(CHUNK, spec.size - sent)
-                error = _read_block(f, block[:n], sent, spec.size)  # while the receiver writes the last one
-                _recv_answer(link, dst)  # written (always taken before the next word: the pair stays in step)
+                error = _read_block(f, buf[HEADER: HEADER + n], sent, spec.size)  # while the receiver writes
+                _recv_answer(link, dst)  # written (always taken before the next block: the pair stays in step)
         _recv_answer(link, dst)  # fsynced, checked and in place
         return None
     except _PeerProblem as exc:
@@ -265,11 +284,15 @@ def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | Non
 
 def recv_file(link: Link, dest: Path, spec: FileSpec, src: int) -> Problem | None:
     """Receive ``spec`` from ``src`` (which calls ``send_file``) into ``dest``: a temp name, fsync,
-    xxh3 against ``spec``, rename. Returns the problem, this side's or the sender's."""
+    xxh3 against ``spec``, rename. Returns the problem, this side's or the sender's.
+
+    A problem of this side is answered in place of the next "written" (or the final answer): the
+    block in flight is still received, so the sender never waits on a receiver that gave up."""
     me = dist.get_rank(link.group)
     started = time.monotonic()
     part = dest.with_name(f"{dest.name}.part-{secrets.token_hex(4)}")
     out = None
+    problem: Problem | None = None
 
     def refused(doing: str, exc: OSError) -> Problem:
         return _problem(link, spec, src, me, f"rank {me} failed {doing} {part}: {exc}",
@@ -282,56 +305,58 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int) -> Problem | Non
             problem = _problem(link, spec, src, me, f"rank {me} refuses the path: it leaves the directory it is "
                                "received into (absolute or '..')", f"the sender's manifest or plan is damaged or "
                                f"crafted; check rank {src}'s checkpoint root", at=me, exc_type="CheckpointCorruptError")
-            _send_fail(link, src, problem)
-            return problem
-        try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            out = open(part, "wb")  # noqa: SIM115 (kept open across the block loop, closed below)
-        except OSError as exc:
-            problem = refused("creating", exc)
-            _send_fail(link, src, problem)
-            return problem
-        _send_ok(link, src)  # ready
-        h = xxhash.xxh3_64()
-        block = torch.empty(min(CHUNK, spec.size), dtype=torch.uint8)
-        got = 0
-        while got < spec.size:
-            n = _recv_answer(link, src)
-            if not 0 < n <= min(CHUNK, spec.size - got):
-                raise RuntimeError(f"transfer protocol out of step with rank {src} (block of {n} bytes at {got})")
-            _recv(link, block[:n], src)
-            view = block[:n].numpy().data
-            h.update(view)
+        else:
             try:
-                out.write(view)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                out = open(part, "wb")  # noqa: SIM115 (kept open across the block loop, closed below)
+            except OSError as exc:
+                problem = refused("creating", exc)
+        h = xxhash.xxh3_64()
+        buf = torch.empty(HEADER + min(CHUNK, spec.size), dtype=torch.uint8)
+        got = 0
+        blocks = _blocks(spec.size)
+        for i in range(blocks):
+            n = min(CHUNK, spec.size - got)
+            _recv(link, buf[: HEADER + n], src)
+            view = buf.numpy().data
+            code, count = struct.unpack_from("<qq", view, 0)
+            if code == _FAIL and 0 < count <= _TEXT_MAX:
+                raise _PeerProblem(_parse_problem(link, src, count))
+            if code != _OK or count != n:
+                raise RuntimeError(f"transfer protocol out of step with rank {src} (header {code}, {count}; {n})")
+            if problem is None and out is not None:
+                payload = view[HEADER: HEADER + n]
+                h.update(payload)
+                try:
+                    out.write(payload)
+                except OSError as exc:
+                    problem = refused("writing", exc)
+            got += n
+            if i < blocks - 1:
+                if problem is not None:
+                    _send_fail(link, src, problem)
+                    return problem
+                _send_ok(link, src)  # written
+        if problem is None and out is not None:
+            try:
+                out.flush()
+                os.fsync(out.fileno())
+                out.close()
             except OSError as exc:
                 problem = refused("writing", exc)
-                _send_fail(link, src, problem)
-                return problem
-            got += n
-            if got < spec.size:
-                _send_ok(link, src)  # written
-        try:
-            out.flush()
-            os.fsync(out.fileno())
-            out.close()
-        except OSError as exc:
-            problem = refused("writing", exc)
-            _send_fail(link, src, problem)
-            return problem
-        if h.hexdigest() != spec.xxh3:
+        if problem is None and h.hexdigest() != spec.xxh3:
             problem = _problem(
                 link, spec, src, me, f"the bytes rank {me} received have xxh3 {h.hexdigest()}, the writer recorded "
                 f"{spec.xxh3}", f"the file changed on rank {src}'s disk after its write, or the transfer corrupted "
                 f"it; check that disk and the network between the nodes", at=me, exc_type="CheckpointCorruptError",
                 path=part,
             )
-            _send_fail(link, src, problem)
-            return problem
-        try:
-            os.replace(part, dest)
-        except OSError as exc:
-            problem = refused("renaming", exc)
+        if problem is None:
+            try:
+                os.replace(part, dest)
+            except OSError as exc:
+                problem = refused("renaming", exc)
+        if problem is not None:
             _send_fail(link, src, problem)
             return problem
         _send_ok(link, src)  # in place
@@ -343,5 +368,5 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int) -> Problem | Non
     finally:
         if out is not None and not out.closed:
             out.close()
-        if part.exists():
+        if out is not None and part.exists():
             part.unlink(missing_ok=True)
