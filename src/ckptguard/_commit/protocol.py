@@ -54,6 +54,7 @@ from ..storage.unpickler import read_dcp_metadata
 from . import layout as _layout
 from . import lease as _lease
 from . import manifest as _manifest
+from . import p2p as _p2p
 
 log = logging.getLogger("ckptguard")
 
@@ -151,6 +152,7 @@ class Outcome(Wire):
 
     failures: list[dict[str, Any]] = field(default_factory=list)
     phase: str = "write"
+    consequence: str = ""  # where the resume target stands after the failure, when not NOT_MOVED
 
 
 def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
@@ -180,16 +182,22 @@ def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
     )
 
 
-def _raise_if_failed(ctx: Context, shipped: list[dict[str, Any]], *, step: int, phase: str) -> None:
+NOT_MOVED = (
+    "the tracker was not moved, so the previous committed step stays the resume target. Fix the cause (disk "
+    "space, permissions, storage health) and save again."
+)
+
+
+def _raise_if_failed(
+    ctx: Context, shipped: list[dict[str, Any]], *, step: int, phase: str, consequence: str = NOT_MOVED
+) -> None:
     failures = [WriteFailure.from_json(f) for f in shipped]
     if not failures:
         return
     first = min(failures, key=lambda f: (f.time_ns, f.rank))
     raise CheckpointWriteError(
         f"save of step {step} under {ctx.root} failed at {phase}; first error: {first.describe()}. "
-        f"All {ctx.world} ranks raise this together; the tracker was not moved, so the previous "
-        "committed step stays the resume target. Fix the cause (disk space, permissions, "
-        "storage health) and save again.",
+        f"All {ctx.world} ranks raise this together; {consequence}",
         step=step,
         failures=failures,
     )
@@ -337,7 +345,8 @@ class NodeReport(Wire):
     """One node's publishing rank's outcome of a per-node phase (others send an empty one)."""
 
     failure: dict[str, Any] | None = None
-    tracker: int | None = None  # at prepare: the publishing rank's tracker on its node's root
+    tracker: int | None = None  # the publishing rank's tracker on its node's root (at prepare; after the tracker round)
+    tracker_error: str = ""  # after the tracker round: why the tracker could not be read back
 
 
 @dataclass(frozen=True)
@@ -1005,7 +1014,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
             decision=NodePlan, patience=2.0,
         )
         _raise_if_failed(ctx, plan.failures, step=step, phase="write")
-        failure = _copy_files(ctx, tmp, plan.copies)
+        failure = _copy_files(ctx, step, tmp, plan.copies)
         if leader and failure is None:
             failure = _confirm_node(ctx, step, tmp, prep, plan)
         # The copies and the leaders' checksums of their node's files come first: a longer wait.
@@ -1021,6 +1030,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
                 failure = failure_from(exc, rank=ctx.rank, phase="node publish").to_json()
         _node_round(ctx, "save.node_publish", failure, step=step, phase="node publish")
         failure = None
+        moved = NodeReport()
         if leader:
             try:
                 _faults.reached("node.before_tracker")
@@ -1030,7 +1040,8 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path) -> Pa
                     shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
             except Exception as exc:
                 failure = failure_from(exc, rank=ctx.rank, phase="node tracker").to_json()
-        _node_round(ctx, "save.node_tracker", failure, step=step, phase="node tracker")
+            moved = _tracker_now(ctx, failure)
+        _tracker_round(ctx, step, prep, plan, moved)
     except BaseException:
         if leader and not published and tmp.exists():
             _discard(ctx, tmp)  # nothing of a save that did not publish may linger on this node
@@ -1049,6 +1060,72 @@ def _node_round(
         decision=Outcome, patience=patience,
     )
     _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
+
+
+def _tracker_now(ctx: Context, failure: dict[str, Any] | None) -> NodeReport:
+    """This node's outcome of the tracker round, with where its tracker really is now."""
+    try:
+        return NodeReport(failure, _layout.read_tracker(ctx.root))
+    except Exception as exc:  # said in the error: that node's restore cannot resolve until it reads
+        return NodeReport(failure, None, f"{type(exc).__name__}: {exc}"[:500])
+
+
+def _tracker_round(ctx: Context, step: int, prep: Prepared, plan: NodePlan, mine: NodeReport) -> None:
+    """Every rank learns whether every node moved its tracker; if some did not, all raise together
+    with where each node's tracker stands and which step a restore then takes."""
+
+    def decide(reports: list[NodeReport]) -> Outcome:
+        failures = [r.failure for r in reports if r.failure]
+        if not failures:
+            return Outcome()
+        nodes = [(plan.manifest["nodes"][i]["name"], ranks, reports[ranks[0]]) for i, ranks in enumerate(prep.nodes)]
+        return Outcome(failures, "node tracker", _trackers_after(step, nodes))
+
+    outcome = gather_decide(ctx.agreement, "save.node_tracker", mine, decide, decision=Outcome)
+    _raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase, consequence=outcome.consequence)
+
+
+def _trackers_after(step: int, nodes: list[tuple[str, list[int], NodeReport]]) -> str:
+    """Where the resume target stands after a failed tracker round (every node had published ``step``
+    with its global manifest), as ``restore`` resolves it: the newest step any node's tracker names,
+    on every node, when every other node holds that step published (``_resume/restore.py``)."""
+
+    def listing(group: list[tuple[str, list[int], NodeReport]], *, at: bool) -> str:
+        return ", ".join(
+            f"{name} (ranks {', '.join(map(str, ranks))}){f' at step {rep.tracker}' if at else ''}"
+            for name, ranks, rep in group
+        )
+
+    moved = [n for n in nodes if n[2].tracker == step]
+    unread = [n for n in nodes if n[2].tracker is None]
+    behind = [n for n in nodes if n[2].tracker is not None and n[2].tracker != step]
+    if unread:
+        why = "; ".join(f"{name}: {rep.tracker_error}" for name, _r, rep in unread)
+        return (
+            f"the trackers of {listing(moved, at=False) or 'no node'} moved to step {step}; "
+            f"{listing(behind, at=True) or 'no other node'} did not move; the tracker of {listing(unread, at=False)} "
+            f"cannot be read back ({why}). A restore refuses, naming that node's error, until every node's tracker "
+            "reads: check that node's disk, then restore."
+        )
+    if not behind:
+        return (
+            f"every node's tracker moved to step {step} ({listing(moved, at=False)}), so step {step} is committed and "
+            "a restore resumes from it; the failure came after the tracker moved. Fix its cause before the next save."
+        )
+    if not moved:
+        return (
+            f"no node's tracker moved ({listing(behind, at=True)}), so the previous committed step stays the resume "
+            f"target on every node; the step {step} directories every node published are no resume target, and the "
+            "next save removes them. Fix the cause (disk space, permissions, storage health) and save again."
+        )
+    return (
+        f"the trackers of {listing(moved, at=False)} moved to step {step}; those of {listing(behind, at=True)} did "
+        f"not, and those nodes hold step {step} published (its global manifest, written after every node "
+        f"confirmed). A restore (prefer='latest', the default) agrees on step {step} on every node: it takes the "
+        "newest step a node's tracker names when every other node holds it published, and the lagging nodes log "
+        f"that their tracker is older. Fix the cause on {', '.join(n[0] for n in behind)}, then train on: the next "
+        f"save moves every tracker (step {step} cannot be saved again: it is committed where the tracker moved)."
+    )
 
 
 def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: NodePlan) -> dict[str, Any] | None:
@@ -1075,73 +1152,31 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
     return None
 
 
-COPY_CHUNK = 64 << 20
-"""Bytes per message of a replicated file sent to another node."""
-
-
-def _copy_files(ctx: Context, tmp: Path, copies: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Send each replicated file from the rank that wrote it to every node that reads it.
+def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Send each replicated file from the rank that wrote it to every node that reads it (``p2p``).
 
     Every rank walks the same list in the same order and takes part only where it sends or
-    receives, so the pairs never wait on each other in a cycle. Each message waits at most
-    ``timeout_s``; the receiver writes a temp name, fsyncs, compares the xxh3 read back from
-    disk with the writer's, then renames. Returns this rank's first failure."""
-    import datetime as _dt
-
-    import torch.distributed as dist
-
-    group = ctx.storage_ctx.process_group
-    timeout = _dt.timedelta(seconds=ctx.config.timeout_s)
-
-    def peer(rank: int) -> int:
-        return dist.get_global_rank(group, rank) if group is not None else rank
-
+    receives, so the pairs never wait on each other in a cycle; a failed pair is known to both
+    its ranks within one block, and both go on with the next entry (no peer waits a timeout).
+    Returns this rank's first failure."""
+    link = _p2p.Link(
+        ctx.storage_ctx.process_group, step=step, what="copy of a replicated DCP file to a node that reads it",
+        retry="save again", timeout_s=ctx.config.timeout_s,
+    )
+    first: dict[str, Any] | None = None
     for entry in copies:
-        src, dsts, size = int(entry["src"]), [int(d) for d in entry["dsts"]], int(entry["size"])
-        if ctx.rank != src and ctx.rank not in dsts:
-            continue
-        try:
-            if ctx.rank == src:
-                for dst in dsts:
-                    with open(tmp / entry["path"], "rb") as f:
-                        sent = 0
-                        while sent < size:
-                            block = f.read(min(COPY_CHUNK, size - sent))
-                            if not block:
-                                raise OSError(_errno.EIO, f"{tmp / entry['path']} ended at byte {sent} of {size}")
-                            buf = torch.frombuffer(bytearray(block), dtype=torch.uint8)
-                            _wait(dist.isend(buf, dst=peer(dst), group=group), timeout)
-                            sent += len(block)
-            else:
-                source = peer(src)
-                _receive(tmp / entry["path"], size, str(entry["xxh3"]),
-                         lambda buf, source=source: _wait(dist.irecv(buf, src=source, group=group), timeout))
-        except Exception as exc:
-            return failure_from(exc, rank=ctx.rank, phase=f"copy of {entry['path']}").to_json()
-    return None
-
-
-def _wait(work: Any, timeout: Any) -> None:
-    if work is not None:  # None: this rank is not in the group (never here: every rank of the save is)
-        work.wait(timeout)
-
-
-def _receive(dst: Path, size: int, xxh3: str, recv: Any) -> None:
-    part = dst.with_name(f"{dst.name}.part-{secrets.token_hex(4)}")
-    try:
-        with open(part, "wb") as f:
-            got = 0
-            while got < size:
-                buf = torch.empty(min(COPY_CHUNK, size - got), dtype=torch.uint8)
-                recv(buf)
-                f.write(buf.numpy().tobytes())
-                got += buf.numel()
-            f.flush()
-            os.fsync(f.fileno())
-        copied = file_digest(str(part))[1]
-        if copied != xxh3:
-            raise OSError(_errno.EIO, f"copy of {dst.name} has xxh3 {copied}, its writer's is {xxh3}", str(part))
-        os.replace(part, dst)
-    finally:
-        if part.exists():
-            part.unlink()
+        src, dsts = int(entry["src"]), [int(d) for d in entry["dsts"]]
+        spec = _p2p.FileSpec(entry["path"], int(entry["size"]), str(entry["xxh3"]))
+        problems: list[_p2p.Problem | None] = []
+        if ctx.rank == src:
+            problems = [_p2p.send_file(link, tmp / spec.path, spec, dst) for dst in dsts]
+        elif ctx.rank in dsts:
+            problems = [_p2p.recv_file(link, tmp / spec.path, spec, src)]
+        for problem in problems:
+            if problem is not None and first is None:
+                first = WriteFailure(  # the rank that hit it: the same report on both ranks of the pair
+                    rank=problem.rank if problem.rank >= 0 else ctx.rank, phase=f"copy of {spec.path}",
+                    exc_type=problem.exc_type, message=problem.message, errno=problem.errno, path=problem.path,
+                    time_ns=problem.time_ns,
+                ).to_json()
+    return first

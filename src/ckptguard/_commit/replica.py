@@ -13,43 +13,29 @@ files on its disk, the lost node's files in its replicas. ``fetch`` rebuilds a r
 node's root from them: the contract files, the files its ranks need, the manifest last (the
 commit marker), then the tracker.
 
-Transfers run in one global order that every rank walks; a rank takes part only in the
+Every file moves through ``p2p`` (the one file transfer between nodes, also used by
+per-node publish): in one global order that every rank walks, a rank taking part only in the
 transfers it sends or receives, so any plan completes without deadlock. A failure on either
-side never leaves the peer waiting: the sender then sends zeros of the same length, the
-receiver keeps receiving and discards, and both report the failure for the agreement after.
+side reaches the peer within one block (both then skip the rest of that pair's files) and both
+report the same problem, naming the file, the step and both ranks, for the agreement after.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import xxhash
-
 from . import layout as _layout
+from . import p2p as _p2p
 
 REPLICA_DIR = "replicas"
 MARKER = "replica.json"
-CHUNK = 64 << 20
-
-
-@dataclass(frozen=True)
-class FileSpec:
-    """One file of a transfer: where the sender reads it, where the receiver puts it."""
-
-    path: str  # relative to the step directory (or to the root for ``root`` files)
-    size: int
-    xxh3: str
-    where: str = "step"  # "step" or "root" (contract files)
+FileSpec = _p2p.FileSpec
 
 
 def peers(hosts: list[str]) -> list[int | None]:
@@ -124,93 +110,30 @@ def prune(root: Path, naming: _layout.StepNaming, keep: set[int], sources: list[
     return sorted(set(pruned))
 
 
-# ---------------------------------------------------------------- bytes over torch.distributed
+# ---------------------------------------------------------------- files over torch.distributed (``p2p``)
 
 
-def _send_bytes(data: bytes | memoryview, dst: int, group: Any) -> None:
-    if len(data):
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), group=group, group_dst=dst)
+def _link(group: Any, step: int | None, what: str, retry: str, timeout_s: float | None) -> _p2p.Link:
+    return _p2p.Link(group, step=step, what=what, retry=retry, timeout_s=timeout_s)
 
 
-def _recv_bytes(size: int, src: int, group: Any) -> bytes:
-    if not size:
-        return b""
-    buf = torch.empty(size, dtype=torch.uint8)
-    dist.recv(buf, group=group, group_src=src)
-    return bytes(buf.numpy())
+def send_file(path: Path, spec: FileSpec, dst: int, link: _p2p.Link) -> str | None:
+    """Send one file of a push or fetch (the receiver calls ``recv_file``); the problem, if it did not arrive."""
+    problem = _p2p.send_file(link, path, spec, dst)
+    return None if problem is None else str(problem)
 
 
-def send_file(path: Path, size: int, dst: int, group: Any) -> str | None:
-    """Send ``size`` bytes of ``path``; returns the error, if any, after sending zeros for the rest."""
-    error = None
-    sent = 0
-    try:
-        with open(path, "rb") as f:
-            while sent < size:
-                block = f.read(min(CHUNK, size - sent))
-                if not block:
-                    raise OSError(f"{path} ended at byte {sent} of {size}")
-                _send_bytes(block, dst, group)
-                sent += len(block)
-    except OSError as exc:
-        error = f"reading {path}: {exc}"
-    while sent < size:  # the receiver waits for every byte it was promised
-        n = min(CHUNK, size - sent)
-        _send_bytes(bytes(n), dst, group)
-        sent += n
-    return error
+def recv_file(dest: Path, spec: FileSpec, src: int, link: _p2p.Link) -> str | None:
+    problem = _p2p.recv_file(link, dest, spec, src)
+    return None if problem is None else str(problem)
 
 
-def recv_file(dest: Path, spec: FileSpec, src: int, group: Any) -> str | None:
-    """Receive ``spec.size`` bytes into ``dest`` (temp name, fsync, xxh3 against ``spec``, rename)."""
-    part = dest.with_name(f"{dest.name}.part-{secrets.token_hex(4)}")
-    h = xxhash.xxh3_64()
-    error = None
-    out = None
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        out = open(part, "wb")  # noqa: SIM115 (kept open across the receive loop, closed below)
-    except OSError as exc:
-        error = f"creating {part}: {exc}"
-    got = 0
-    while got < spec.size:
-        block = _recv_bytes(min(CHUNK, spec.size - got), src, group)
-        got += len(block)
-        h.update(block)
-        if out is not None and error is None:
-            try:
-                out.write(block)
-            except OSError as exc:
-                error = f"writing {part}: {exc}"
-    if out is not None:
-        try:
-            out.flush()
-            os.fsync(out.fileno())
-        except OSError as exc:
-            error = error or f"writing {part}: {exc}"
-        out.close()
-    if error is None and h.hexdigest() != spec.xxh3:
-        error = f"{dest}: received bytes have xxh3 {h.hexdigest()}, the manifest says {spec.xxh3} (rank {src} sent it)"
-    if error is None:
-        try:
-            os.replace(part, dest)
-            return None
-        except OSError as exc:
-            error = f"renaming {part}: {exc}"
-    part.unlink(missing_ok=True)
-    return error
+def send_json(obj: Any, dst: int, group: Any, *, timeout_s: float | None = None) -> None:
+    _p2p.send_json(_link(group, None, "header", "", timeout_s), obj, dst)
 
 
-def send_json(obj: Any, dst: int, group: Any) -> None:
-    data = json.dumps(obj).encode()
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), group=group, group_dst=dst)
-    _send_bytes(data, dst, group)
-
-
-def recv_json(src: int, group: Any) -> Any:
-    n = torch.empty(1, dtype=torch.int64)
-    dist.recv(n, group=group, group_src=src)
-    return json.loads(_recv_bytes(int(n.item()), src, group))
+def recv_json(src: int, group: Any, *, timeout_s: float | None = None) -> Any:
+    return _p2p.recv_json(_link(group, None, "header", "", timeout_s), src)
 
 
 # ---------------------------------------------------------------- push after a commit
@@ -222,31 +145,33 @@ def own_files(manifest_files: list[dict[str, Any]], rank: int) -> list[FileSpec]
 
 def push(
     *, root: Path, step: int, step_name: str, manifest_files: list[dict[str, Any]], peer_of: list[int | None],
-    rank: int, group: Any,
+    rank: int, group: Any, timeout_s: float | None = None,
 ) -> list[str]:
-    """Every rank sends its own files of ``step`` to its peer; returns this rank's problems."""
+    """Every rank sends its own files of ``step`` to its peer; returns this rank's problems. After a
+    failed file both ranks of the pair skip the rest of it (a replica missing one file does not count)."""
+    link = _link(group, step, "peer replica", "save again (the step is committed; only its replica is missing)",
+                 timeout_s)
     problems: list[str] = []
     step_dir = root / step_name
-    incoming: dict[int, Path] = {}
-    for source, peer in enumerate(peer_of):
-        if peer == rank:
-            final = replica_dir(root, step_name, source)
-            tmp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
-            incoming[source] = tmp
     for source, peer in enumerate(peer_of):  # the global order: source rank ascending
         if peer is None:
             continue
         files = own_files(manifest_files, source)
         if source == rank:
             for f in files:
-                if (err := send_file(step_dir / f.path, f.size, peer, group)) is not None:
+                if (err := send_file(step_dir / f.path, f, peer, link)) is not None:
                     problems.append(err)
+                    break
         elif peer == rank:
-            tmp = incoming[source]
+            final = replica_dir(root, step_name, source)
+            tmp = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
+            failed = False
             for f in files:
-                if (err := recv_file(tmp / f.path, f, source, group)) is not None:
+                if (err := recv_file(tmp / f.path, f, source, link)) is not None:
                     problems.append(err)
-            problems += _seal(tmp, replica_dir(root, step_name, source), step, source, files, failed=bool(problems))
+                    failed = True
+                    break
+            problems += _seal(tmp, final, step, source, files, failed=failed)
     return problems
 
 
@@ -307,45 +232,67 @@ def _has_size(path: Path, size: int) -> bool:
         return False
 
 
-def send_part(specs: list[FileSpec], paths: list[Path], dst: int, group: Any) -> list[str]:
-    send_json([s.__dict__ for s in specs], dst, group)
-    return [e for s, p in zip(specs, paths, strict=True) if (e := send_file(p, s.size, dst, group)) is not None]
+FETCH_RETRY = "restore again"
 
 
-def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any) -> list[str]:
+def send_part(specs: list[FileSpec], paths: list[Path], dst: int, group: Any, *, step: int | None = None,
+              timeout_s: float | None = None) -> list[str]:
+    """Send a rank's part of a step (``fetch_plan``) to ``dst``, which calls ``recv_part``: a header
+    (the step and the specs), then the files; both stop at the first file that failed."""
+    if step is None:
+        step = _step_of(paths[-1]) if paths else None
+    link = _link(group, step, "fetch from a peer replica", FETCH_RETRY, timeout_s)
+    _p2p.send_json(link, {"step": step, "files": [s.__dict__ for s in specs]}, dst)
+    for s, p in zip(specs, paths, strict=True):
+        if (err := send_file(p, s, dst, link)) is not None:
+            return [err]
+    return []
+
+
+def _step_of(manifest: Path) -> int | None:
+    """The step a manifest records, for the errors of a transfer (None where it does not read)."""
+    try:
+        step = _layout.read_json(manifest, what="manifest").get("step")
+    except Exception:  # the transfer of this very file reports what is wrong with it
+        return None
+    return step if isinstance(step, int) else None
+
+
+def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any, *, timeout_s: float | None = None) -> list[str]:
     """Receive a rank's part of a step into ``tmp`` (a temp directory of this node's root): the
     contract files into the root where absent (where present they must be the same bytes), the step
     files, and the manifest as ``tmp/.fetched-manifest-<rank>``, checked against every file received."""
     from .._resume.digest import file_digest
 
-    header = recv_json(src, group)
-    if isinstance(header, dict):  # the sender could not read its part: nothing follows
+    header = _p2p.recv_json(_link(group, None, "fetch from a peer replica", FETCH_RETRY, timeout_s), src)
+    if "error" in header:  # the sender could not read its part: nothing follows
         return [str(header.get("error"))]
-    specs = [FileSpec(**s) for s in header]
-    problems: list[str] = []
+    link = _link(group, header.get("step"), "fetch from a peer replica", FETCH_RETRY, timeout_s)
+    specs = [FileSpec(**s) for s in header["files"]]
+    problems: list[str] = []  # not transfer failures (those stop both sides at once): the fetch is refused after
     for spec in specs[:-1]:
         if spec.where != "root":
-            if (err := recv_file(tmp / spec.path, spec, src, group)) is not None:
-                problems.append(err)
+            if (err := recv_file(tmp / spec.path, spec, src, link)) is not None:
+                return [*problems, err]
             continue
         dest = root / spec.path
         if not dest.exists():
-            if (err := recv_file(dest, spec, src, group)) is not None:
-                problems.append(err)
+            if (err := recv_file(dest, spec, src, link)) is not None:
+                return [*problems, err]
             continue
         # A root of this run already holds its contract: never overwritten, it must be the same file.
         scratch = tmp / f".fetched-{secrets.token_hex(4)}"
-        err = recv_file(scratch, spec, src, group)
+        err = recv_file(scratch, spec, src, link)
         scratch.unlink(missing_ok=True)
-        if err is None and file_digest(str(dest))[1] != spec.xxh3:
-            err = (f"{dest} differs from the run's contract file on rank {src}: this node's root holds another "
-                   "run; give the replacement node an empty root (or this run's)")
         if err is not None:
-            problems.append(err)
+            return [*problems, err]
+        if file_digest(str(dest))[1] != spec.xxh3:
+            problems.append(f"{dest} differs from the run's contract file on rank {src}: this node's root holds "
+                            "another run; give the replacement node an empty root (or this run's)")
     manifest = fetched_manifest(tmp, rank)
-    if (err := recv_file(manifest, specs[-1], src, group)) is not None:
-        problems.append(err)
-    elif problems or (problems := _against_manifest(manifest, specs)):
+    if (err := recv_file(manifest, specs[-1], src, link)) is not None:
+        return [*problems, err]
+    if problems or (problems := _against_manifest(manifest, specs)):
         manifest.unlink(missing_ok=True)
     return problems
 

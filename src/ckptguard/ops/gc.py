@@ -5,7 +5,9 @@ and only on entries ckptguard created: its temp directories (named ``.tmp-<step>
 with an owner record) once their owner is dead, its trash, the temp files of its atomic
 writes and stale lease take-over markers. A step directory with a complete checkpoint is
 never removed, whatever the tracker says; one newer than the tracker (or with no tracker)
-is reported with what to do, and removed only with ``orphans=True``. Anything else (a
+is reported with what to do, and removed only with ``orphans=True``; never one of per-node publish
+(node-local roots, a global manifest naming the nodes), whose node's tracker may lag the step the other
+nodes' trackers agreed on (gc sees one node). Anything else (a
 foreign directory, an incomplete step) is reported and left alone. It refuses while a
 live run holds the root's lease unless ``force``. ``adopt_step`` points the tracker at a
 verified orphan instead.
@@ -68,6 +70,29 @@ def _has_run_manifest(path: Path) -> bool:
     return True
 
 
+def _per_node(path: Path) -> bool:
+    """A step published by per-node publish (node-local roots): its global manifest names the nodes."""
+    try:
+        return bool(_manifest.read(path).nodes)
+    except Exception:  # not a per-node step (or unreadable: handled as before)
+        return False
+
+
+def _per_node_hint(path: Path, step: int, tracker: int | None, why: str | None, naming: _layout.StepNaming) -> str:
+    state = "this node's part is complete" if why is None else f"this node's part is incomplete ({why})"
+    where = "this node's root has no tracker" if tracker is None else f"this node's tracker is at {tracker}"
+    template = "" if naming.template == "step_{step:08d}" else f" --template '{naming.template}'"
+    return (
+        f"step {step} was published on this node by a per-node save (node-local roots; {state}), and {where}. "
+        "Its global manifest is written only after every node confirmed its part, so "
+        f"another node's tracker may already be at step {step}: a restore then agrees on step {step} on every "
+        "node, this one included. gc sees one node only and never removes it, also not with --orphans; the next "
+        f"save removes it where no node's tracker reached step {step}. Where the other nodes' trackers are at "
+        f"step {step}, `ckptguard adopt {path.parent} {step}{template}` moves this node's tracker there too"
+        + ("" if why is None else f"; {_retention.INCOMPLETE_HINT}")
+    )
+
+
 def gc(
     root: Path,
     naming: _layout.StepNaming,
@@ -110,7 +135,11 @@ def gc(
             continue
         why = _retention.check_step(path)
         newer = tracker is None or step > tracker
-        if newer and orphans and step == verified:
+        if newer and _per_node(path):
+            # Node-local roots: the trackers move one node after another, so this node's may lag the
+            # agreed step; removing it would take that node's part of the resume target away.
+            report.kept.append((path, _per_node_hint(path, step, tracker, why, naming)))
+        elif newer and orphans and step == verified:
             report.kept.append((path, f"the newest verified step ({_trust.TRUST_NAME}): never removed by gc, "
                                       "also not with --orphans; adopt it, or move it away by hand"))
         elif newer and orphans:

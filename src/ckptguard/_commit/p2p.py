@@ -1,0 +1,372 @@
+"""Files streamed from one rank to another over torch.distributed point-to-point, verified by xxh3.
+
+The one implementation of a file transfer between nodes: per-node publish copies the replicated
+DCP files to the nodes that read them (``protocol``), and peer replicas push a step's files to a
+rank of another node and fetch them back (``replica``).
+
+Contract. Both sides know the file (``FileSpec``: path, size, xxh3) before it moves. The
+receiver writes a temp name next to the destination, hashes the bytes as they arrive, fsyncs,
+compares the xxh3 with the spec, and only then renames it in place. Each exchange is a fixed
+sequence of messages that both sides walk in step (``max(1, ceil(size / CHUNK))`` blocks):
+
+1. for each block: sender -> receiver: one message, a 16-byte header (ok, or failed with the
+   length of the description that follows) and the block's bytes; receiver -> sender (every
+   block but the last): written, or why not (its temp file could not be created, a write failed);
+2. receiver -> sender: the file is in place, or why not (fsync, checksum, rename).
+
+So a failure on either side reaches the peer within one block (``CHUNK`` bytes), never after
+a timeout, and both sides return the same problem: what failed (the file, the step, the
+sending and receiving rank) and what to do. A peer that dies or hangs mid-transfer shows as
+a gloo error, or after ``timeout_s`` per message, on the side still alive.
+
+Callers walk their transfers in one global order and each rank takes part only in the pairs
+it sends or receives: the earliest unfinished pair always has both its ranks at it, so any
+plan completes without deadlock, and after a failed pair both ranks go on with the next.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+CHUNK = 64 << 20
+"""Bytes per block message; a failure reaches the peer after at most one block."""
+HEADER = 16  # bytes before each block: status and length (int64 each)
+_TEXT_MAX = 16 << 10
+
+_OK, _FAIL = 0, 1
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file of a transfer: where the sender reads it, where the receiver puts it."""
+
+    path: str  # relative to the step directory (or to the root for ``root`` files)
+    size: int
+    xxh3: str
+    where: str = "step"  # "step" or "root" (contract files)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where transfers run and what their errors say."""
+
+    group: Any  # the process group (None: the default group); ranks below are ranks of this group
+    step: int | None  # the step the files belong to, named in every error
+    what: str  # the kind of transfer, e.g. "copy of a replicated DCP file"
+    retry: str  # what to do once the cause is fixed, e.g. "save again"
+    timeout_s: float | None = None  # per message; None: the process group's own timeout
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A failed transfer, the same on both sides."""
+
+    message: str
+    rank: int = -1  # the rank that hit it (the peer reports the same problem)
+    exc_type: str = "OSError"
+    errno: int | None = None
+    path: str | None = None
+    time_ns: int = 0
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _PeerProblem(Exception):
+    """The peer answered that it failed: ``problem`` is its description."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+# ---------------------------------------------------------------- messages
+
+
+def _wait(link: Link, work: Any) -> None:
+    if work is None:  # this rank is not in the group (never here: both ranks of a pair are)
+        return
+    if link.timeout_s is None:
+        work.wait()
+    else:
+        work.wait(datetime.timedelta(seconds=link.timeout_s))
+
+
+def _send(link: Link, tensor: torch.Tensor, dst: int) -> None:
+    _wait(link, dist.isend(tensor, group=link.group, group_dst=dst))
+
+
+def _recv(link: Link, tensor: torch.Tensor, src: int) -> None:
+    _wait(link, dist.irecv(tensor, group=link.group, group_src=src))
+
+
+def _send_word(link: Link, dst: int, code: int, n: int = 0) -> None:
+    _send(link, torch.tensor([code, n], dtype=torch.int64), dst)
+
+
+def _recv_word(link: Link, src: int) -> tuple[int, int]:
+    word = torch.empty(2, dtype=torch.int64)
+    _recv(link, word, src)
+    return int(word[0]), int(word[1])
+
+
+def _send_blob(link: Link, dst: int, data: bytes) -> None:
+    _send_word(link, dst, _OK, len(data))
+    if data:
+        _send(link, torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+
+
+def _recv_blob(link: Link, src: int, limit: int) -> bytes:
+    code, n = _recv_word(link, src)
+    if code != _OK or not 0 <= n <= limit:
+        raise RuntimeError(f"transfer protocol out of step with rank {src} (word {code}, {n})")
+    if not n:
+        return b""
+    buf = torch.empty(n, dtype=torch.uint8)
+    _recv(link, buf, src)
+    return bytes(buf.numpy())
+
+
+def _send_ok(link: Link, dst: int) -> None:
+    _send_word(link, dst, _OK)
+
+
+def _send_fail(link: Link, dst: int, problem: Problem) -> None:
+    data = json.dumps(problem.__dict__).encode()[:_TEXT_MAX]
+    _send_word(link, dst, _FAIL, len(data))
+    _send(link, torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+
+
+def _recv_answer(link: Link, src: int) -> int:
+    """The peer's next word: raises its problem where it failed, else returns the word's count."""
+    code, n = _recv_word(link, src)
+    if code == _OK:
+        return n
+    if code != _FAIL or not 0 < n <= _TEXT_MAX:
+        raise RuntimeError(f"transfer protocol out of step with rank {src} (word {code}, {n})")
+    raise _PeerProblem(_parse_problem(link, src, n))
+
+
+def _parse_problem(link: Link, src: int, n: int) -> Problem:
+    """The description of a failure that follows the peer's "failed" header."""
+    buf = torch.empty(n, dtype=torch.uint8)
+    _recv(link, buf, src)
+    try:
+        return Problem(**json.loads(bytes(buf.numpy())))
+    except (ValueError, TypeError) as exc:  # a torn description: still a failure of the peer
+        return Problem(f"rank {src} failed the transfer; its description does not parse ({exc})", rank=src)
+
+
+def send_json(link: Link, obj: Any, dst: int) -> None:
+    _send_blob(link, dst, json.dumps(obj).encode())
+
+
+def recv_json(link: Link, src: int) -> Any:
+    return json.loads(_recv_blob(link, src, 1 << 30))
+
+
+# ---------------------------------------------------------------- problems
+
+
+def _problem(
+    link: Link, spec: FileSpec, src: int, dst: int, cause: str, todo: str, *, at: int,
+    exc: BaseException | None = None, exc_type: str = "OSError", path: Path | str | None = None,
+) -> Problem:
+    step = f"step {link.step}" if link.step is not None else "step unknown"
+    oserr = exc if isinstance(exc, OSError) else None
+    return Problem(
+        f"{link.what}, {step}: {spec.path} ({spec.size} bytes) from rank {src} to rank {dst}: {cause}; "
+        f"{todo}, then {link.retry}",
+        rank=at,
+        exc_type=type(exc).__name__ if exc is not None else exc_type,
+        errno=oserr.errno if oserr is not None else None,
+        path=str(path) if path is not None else (str(oserr.filename) if oserr and oserr.filename else None),
+        time_ns=time.time_ns(),
+    )
+
+
+def _lost(link: Link, spec: FileSpec, src: int, dst: int, peer: int, exc: BaseException, started: float) -> Problem:
+    return _problem(
+        link, spec, src, dst,
+        f"rank {peer} stopped answering after {time.monotonic() - started:.1f} s ({type(exc).__name__}: "
+        f"{str(exc)[:300]})",
+        f"rank {peer} died or hangs (its node's log says why); restart the job once every rank runs",
+        at=src if peer == dst else dst, exc=exc,
+    )
+
+
+def _read_block(f: Any, buf: torch.Tensor, at: int, size: int) -> str | None:
+    """Fill ``buf`` from ``f`` (at byte ``at`` of a ``size``-byte file); why not, if it could not."""
+    view = buf.numpy().data
+    got = 0
+    try:
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                return f"it ends at byte {at + got}, its recorded size is {size}"
+            got += n
+    except OSError as exc:
+        return f"reading it failed at byte {at + got}: {exc}"
+    return None
+
+
+# ---------------------------------------------------------------- one file
+
+
+def _blocks(size: int) -> int:
+    return max(1, -(-size // CHUNK))  # a file of 0 bytes is one empty block: the exchange still runs
+
+
+def _send_block(link: Link, dst: int, buf: torch.Tensor, n: int, problem: Problem | None = None) -> None:
+    """``buf[HEADER:HEADER + n]`` holds the block; with ``problem`` the header says it failed (the
+    bytes are garbage) and the description follows in a second message."""
+    text = b"" if problem is None else json.dumps(problem.__dict__).encode()[:_TEXT_MAX]
+    struct.pack_into("<qq", buf.numpy().data, 0, _OK if problem is None else _FAIL, n if problem is None else len(text))
+    _send(link, buf[: HEADER + n], dst)
+    if text:
+        _send(link, torch.frombuffer(bytearray(text), dtype=torch.uint8), dst)
+
+
+def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | None:
+    """Send ``spec.size`` bytes of ``path`` to ``dst`` (which calls ``recv_file``); returns the problem,
+    this side's or the receiver's, if the file did not arrive in place."""
+    me = dist.get_rank(link.group)
+    started = time.monotonic()
+    f = None
+    problem: Problem | None = None
+    try:
+        try:
+            f = open(path, "rb")  # noqa: SIM115 (kept open across the block loop, closed below)
+        except OSError as exc:
+            problem = _problem(link, spec, me, dst, f"rank {me} cannot open it: {exc}",
+                               f"the file on rank {me}'s disk is gone or unreadable; check {path}", at=me, exc=exc)
+        buf = torch.empty(HEADER + min(CHUNK, spec.size), dtype=torch.uint8)
+        sent = 0
+        n = min(CHUNK, spec.size)
+        error = _read_block(f, buf[HEADER: HEADER + n], sent, spec.size) if f is not None else None
+        blocks = _blocks(spec.size)
+        for i in range(blocks):
+            if problem is None and error is not None:
+                problem = _problem(link, spec, me, dst, f"rank {me} cannot send it: {error}",
+                                   f"the file on rank {me}'s disk changed after its write, or the disk fails; "
+                                   f"check {path}", at=me, path=path)
+            if problem is not None:
+                _send_block(link, dst, buf, n, problem)
+                return problem
+            _send_block(link, dst, buf, n)  # once sent, the buffer is free for the next block
+            sent += n
+            if i < blocks - 1:
+                n = min(CHUNK, spec.size - sent)
+                error = _read_block(f, buf[HEADER: HEADER + n], sent, spec.size)  # while the receiver writes
+                _recv_answer(link, dst)  # written (always taken before the next block: the pair stays in step)
+        _recv_answer(link, dst)  # fsynced, checked and in place
+        return None
+    except _PeerProblem as exc:
+        return exc.problem
+    except RuntimeError as exc:  # gloo: the peer died, or a message waited past timeout_s
+        return _lost(link, spec, me, dst, dst, exc, started)
+    finally:
+        if f is not None:
+            f.close()
+
+
+def recv_file(link: Link, dest: Path, spec: FileSpec, src: int) -> Problem | None:
+    """Receive ``spec`` from ``src`` (which calls ``send_file``) into ``dest``: a temp name, fsync,
+    xxh3 against ``spec``, rename. Returns the problem, this side's or the sender's.
+
+    A problem of this side is answered in place of the next "written" (or the final answer): the
+    block in flight is still received, so the sender never waits on a receiver that gave up."""
+    me = dist.get_rank(link.group)
+    started = time.monotonic()
+    part = dest.with_name(f"{dest.name}.part-{secrets.token_hex(4)}")
+    out = None
+    problem: Problem | None = None
+
+    def refused(doing: str, exc: OSError) -> Problem:
+        return _problem(link, spec, src, me, f"rank {me} failed {doing} {part}: {exc}",
+                        f"rank {me}'s disk refused the file: free space there, or make {dest.parent} writable", at=me,
+                        exc=exc)
+
+    try:
+        if not spec.path or os.path.isabs(spec.path) or ".." in Path(spec.path).parts:
+            # The path comes from the peer: one that leaves the receiver's directory is never written.
+            problem = _problem(link, spec, src, me, f"rank {me} refuses the path: it leaves the directory it is "
+                               "received into (absolute or '..')", f"the sender's manifest or plan is damaged or "
+                               f"crafted; check rank {src}'s checkpoint root", at=me, exc_type="CheckpointCorruptError")
+        else:
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                out = open(part, "wb")  # noqa: SIM115 (kept open across the block loop, closed below)
+            except OSError as exc:
+                problem = refused("creating", exc)
+        h = xxhash.xxh3_64()
+        buf = torch.empty(HEADER + min(CHUNK, spec.size), dtype=torch.uint8)
+        got = 0
+        blocks = _blocks(spec.size)
+        for i in range(blocks):
+            n = min(CHUNK, spec.size - got)
+            _recv(link, buf[: HEADER + n], src)
+            view = buf.numpy().data
+            code, count = struct.unpack_from("<qq", view, 0)
+            if code == _FAIL and 0 < count <= _TEXT_MAX:
+                raise _PeerProblem(_parse_problem(link, src, count))
+            if code != _OK or count != n:
+                raise RuntimeError(f"transfer protocol out of step with rank {src} (header {code}, {count}; {n})")
+            if problem is None and out is not None:
+                payload = view[HEADER: HEADER + n]
+                h.update(payload)
+                try:
+                    out.write(payload)
+                except OSError as exc:
+                    problem = refused("writing", exc)
+            got += n
+            if i < blocks - 1:
+                if problem is not None:
+                    _send_fail(link, src, problem)
+                    return problem
+                _send_ok(link, src)  # written
+        if problem is None and out is not None:
+            try:
+                out.flush()
+                os.fsync(out.fileno())
+                out.close()
+            except OSError as exc:
+                problem = refused("writing", exc)
+        if problem is None and h.hexdigest() != spec.xxh3:
+            problem = _problem(
+                link, spec, src, me, f"the bytes rank {me} received have xxh3 {h.hexdigest()}, the writer recorded "
+                f"{spec.xxh3}", f"the file changed on rank {src}'s disk after its write, or the transfer corrupted "
+                f"it; check that disk and the network between the nodes", at=me, exc_type="CheckpointCorruptError",
+                path=part,
+            )
+        if problem is None:
+            try:
+                os.replace(part, dest)
+            except OSError as exc:
+                problem = refused("renaming", exc)
+        if problem is not None:
+            _send_fail(link, src, problem)
+            return problem
+        _send_ok(link, src)  # in place
+        return None
+    except _PeerProblem as exc:
+        return exc.problem
+    except RuntimeError as exc:  # gloo: the peer died, or a message waited past timeout_s
+        return _lost(link, spec, src, me, src, exc, started)
+    finally:
+        if out is not None and not out.closed:
+            out.close()
+        if out is not None and part.exists():
+            part.unlink(missing_ok=True)
