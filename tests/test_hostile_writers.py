@@ -100,7 +100,9 @@ def test_item02_concurrent_relaunches_on_a_stale_lease_commit_once(tmp_path):
                 w: p.poll() for w, p in procs.items()
             }
             time.sleep(0.05)
-        (tmp_path / "go").write_text(repr(time.time() + 0.5))
+        # Written whole, then renamed: a relaunch polling for "go" must never read it half-written.
+        (tmp_path / "go.tmp").write_text(repr(time.time() + 0.5))
+        os.replace(tmp_path / "go.tmp", tmp_path / "go")
         for who, proc in procs.items():
             out, _ = proc.communicate(timeout=60 + TRIALS * SPACING_S)
             assert proc.returncode == 0, f"relaunch {who} failed:\n{out}"

@@ -32,7 +32,7 @@ from ._resume import restore as _restore
 from ._resume.derived import DerivedState
 from ._resume.expert import ExpertParallel
 from ._resume.prooflog import ProofLog
-from ._resume.trajectory import _scalar, fingerprint
+from ._resume.trajectory import fingerprint
 from .config import CheckpointConfig, ResumeMode
 from .errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from .storage._staging import Fence
@@ -331,10 +331,7 @@ class CheckpointManager:
         policy = self.config.health
 
         def local() -> _trust.HealthView:  # a bad argument or a raising check fails the save on every rank
-            metrics = {n: _scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
-            earlier = self._skipped.get(step)
-            known_bad = [f"an earlier save of step {step} was skipped as unhealthy ({earlier})"] if earlier else None
-            return self._health.view(policy, step, healthy, metrics, known_bad)
+            return self._health.save_view(policy, step, healthy, loss, grad_norm, self._skipped.get(step))
 
         view = on_every_rank(self._ctx.agreement, "save.health.local", local)
 

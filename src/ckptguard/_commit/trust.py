@@ -186,6 +186,17 @@ class HealthLog:
                 del self._seen[old]
                 self._roles.pop(old, None)
 
+    def save_view(
+        self, policy: HealthPolicy, step: int, healthy: bool | None, loss: Any, grad_norm: Any, earlier: str | None
+    ) -> HealthView:
+        """This rank's view of ``save(step, healthy=, loss=, grad_norm=)``: the arguments as scalars (a bad one
+        raises, failing the save on every rank) and ``earlier``, why an earlier save of the step was skipped."""
+        from .._resume.trajectory import _scalar
+
+        metrics = {n: _scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
+        known_bad = [f"an earlier save of step {step} was skipped as unhealthy ({earlier})"] if earlier else None
+        return self.view(policy, step, healthy, metrics, known_bad)
+
     def view(
         self, policy: HealthPolicy, step: int, healthy: bool | None, metrics: dict[str, Any],
         known_bad: list[str] | None = None,

@@ -647,6 +647,7 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
     A RunCheckpoint root (``run_roles``): a required gate that every role restored one run step
     holding every role, then every role's gates, each named ``<role>: <gate>``; a role without
     records has its gates NOT RUN."""
+    root = Path(root)  # a str from a script (examples/train_gpt.py passes its --root) works as a Path
     roles = run_roles(root)
     if roles:
         return _evaluate_run(root, roles, plan)
