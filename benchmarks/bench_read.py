@@ -45,10 +45,6 @@ def data_files(step_dir: Path) -> list[Path]:
     return sorted(p for p in step_dir.rglob("*.distcp") if p.is_file())
 
 
-def cold(step_dir: Path) -> None:
-    tl.drop_cache(step_dir)
-
-
 def probe(files: list[Path]) -> int:
     buf = bytearray(64 * MiB)
     total = 0
@@ -138,17 +134,16 @@ def main() -> None:
                     help="raw read variants, comma-separated")
     ap.add_argument("--restores", default="1,2,4", help="ckptguard restores, by StreamingConfig.read_threads")
     ap.add_argument("--rounds", type=int, default=3, help="repetitions of every variant, order rotated")
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=10)
+    tl.add_model_args(ap)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes: correctness only")
     a = ap.parse_args()
-    ns = argparse.Namespace(vocab=12288, d_model=a.d_model, layers=a.layers, heads=16, seq=1024, batch=16)
     if a.tiny:
-        ns = argparse.Namespace(vocab=64, d_model=32, layers=2, heads=2, seq=8, batch=2)
+        vars(a).update(tl.TINY_MODEL)
+
     os.environ.setdefault("CKPTGUARD_QUIET", "1")
     cuda = torch.cuda.is_available() and not a.tiny
     device = torch.device("cuda") if cuda else torch.device("cpu")
-    job = tl.Job(ns, device, seed=0)
+    job = tl.Job(a, device, seed=0)
     job.step()
     reference = {k: v.detach().clone() for k, v in job.tensors().items()}
     root = a.dir / "root"
@@ -168,7 +163,7 @@ def main() -> None:
     }
     gpu = torch.empty(256 * MiB, dtype=torch.uint8, device=device) if cuda else None
     del job
-    fresh = tl.Job(ns, device, seed=7)
+    fresh = tl.Job(a, device, seed=7)
     fresh.step()  # restored over and over: every restore must overwrite all of it
     variants = [v for v in a.raw.split(",") if v] + [f"restore:{t}" for t in a.restores.split(",") if t]
     for r in range(a.rounds):
@@ -182,7 +177,7 @@ def main() -> None:
                 with torch.no_grad():
                     for t in fresh.tensors().values():
                         t.zero_()
-            cold(step_dir)
+            tl.drop_cache(step_dir)
             if cuda:
                 torch.cuda.synchronize()
             row: dict[str, Any] = {"variant": v, "round": r}

@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_train_loop import Job  # the same model as issue 19's benchmark (this script's folder is on sys.path)
+# The same model as issue 19's benchmark (this script's folder is on sys.path).
+from bench_train_loop import TINY_MODEL, Job, add_model_args
 
 import ckptguard as cg
 
@@ -112,19 +113,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--fast-dir", type=Path, default=Path("/dev/shm/cg-recovery-fast"))
     ap.add_argument("--persistent-dir", type=Path, default=Path("/tmp/cg-recovery-persistent"))
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=10)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=12288)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=16)
+    add_model_args(ap)
     ap.add_argument("--fast-every", type=int, default=10)
     ap.add_argument("--saves", type=int, default=3, help="fast saves in the measured loop")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes: correctness only")
     a = ap.parse_args()
     if a.tiny:
-        a.d_model, a.layers, a.heads, a.vocab, a.seq, a.batch, a.fast_every, a.saves = 32, 2, 2, 64, 8, 2, 3, 2
+        vars(a).update(TINY_MODEL)
+        a.fast_every, a.saves = 3, 2
         a.fast_dir, a.persistent_dir = Path(str(a.fast_dir) + "-tiny"), Path(str(a.persistent_dir) + "-tiny")
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     for d in (a.fast_dir, a.persistent_dir):

@@ -122,6 +122,17 @@ class Job:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
+MODEL_ARGS = {"d_model": 2048, "layers": 10, "heads": 16, "vocab": 12288, "seq": 1024, "batch": 16}
+"""The 556M-param GPT of the issue (6.21 GiB of fp32 model + AdamW on one rank), and the batch it trains on."""
+TINY_MODEL = {"d_model": 32, "layers": 2, "heads": 2, "vocab": 64, "seq": 8, "batch": 2}
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--d-model, --layers, --heads, --vocab, --seq, --batch: the Job's shape (every benchmark that trains it)."""
+    for name, default in MODEL_ARGS.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+
+
 def _plain(x: Any) -> Any:
     """Dicts (OrderedDicts and other subclasses too) as plain dicts, all the way down."""
     return {k: _plain(v) for k, v in x.items()} if isinstance(x, dict) else x
@@ -624,12 +635,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/ckptguard-train-loop"))
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=10)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=12288)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=16)
+    add_model_args(ap)
     ap.add_argument("--every", type=int, default=45, help="steps between saves")
     ap.add_argument("--saves", type=int, default=3, help="saves per method")
     ap.add_argument("--warmup", type=int, default=5)
@@ -641,7 +647,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes: correctness only")
     a = ap.parse_args()
     if a.tiny:
-        a.d_model, a.layers, a.heads, a.vocab, a.seq, a.batch, a.every, a.saves, a.warmup = 32, 2, 2, 64, 8, 2, 3, 2, 1
+        vars(a).update(TINY_MODEL)
+        a.every, a.saves, a.warmup = 3, 2, 1
     os.environ.setdefault("CKPTGUARD_QUIET", "1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available() and not a.tiny

@@ -173,19 +173,7 @@ class CheckpointManager:
 
     def committed_steps(self) -> list[int]:
         """Steps with a valid manifest and no newer than the tracker, ascending."""
-        tracker = _layout.read_tracker(self.root)
-        if tracker is None:
-            return []
-        out = []
-        for step, path in sorted(_layout.step_dirs(self.root, self._ctx.naming).items()):
-            if step > tracker:
-                continue
-            try:
-                _manifest.read(path)
-            except CheckpointError:
-                continue
-            out.append(step)
-        return out
+        return _layout.committed_steps(self.root, self._ctx.naming, _manifest.read)
 
     def resolve(
         self,

@@ -259,17 +259,8 @@ class RunCheckpoint:
 
     def committed_steps(self) -> list[int]:
         """Run steps with every role's part in place and no newer than the tracker, ascending."""
-        tracker = _layout.read_tracker(self.root)
-        out = []
-        for step, path in sorted(_layout.step_dirs(self.root, self._naming).items()):
-            if tracker is None or step > tracker:
-                continue
-            try:
-                runmanifest.checked(path, roles=list(self._ranks))
-            except CheckpointError:
-                continue
-            out.append(step)
-        return out
+        return _layout.committed_steps(
+            self.root, self._naming, lambda path: runmanifest.checked(path, roles=list(self._ranks)))
 
     def resolve(
         self,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, UnsafeCheckpointError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MANIFEST_NAME = "manifest.json"
@@ -253,6 +253,24 @@ def step_dirs(root: Path, naming: StepNaming) -> dict[int, Path]:
 
 # ---------------------------------------------------------------- temp directories
 
+
+
+def committed_steps(root: Path, naming: StepNaming, read_manifest: Callable[[Path], Any]) -> list[int]:
+    """Steps no newer than the tracker whose ``read_manifest`` passes (it raises a CheckpointError
+    otherwise), ascending; [] without a tracker."""
+    tracker = read_tracker(root)
+    if tracker is None:
+        return []
+    out = []
+    for step, path in sorted(step_dirs(root, naming).items()):
+        if step > tracker:
+            continue
+        try:
+            read_manifest(path)
+        except CheckpointError:
+            continue
+        out.append(step)
+    return out
 
 def temp_dir_name(step_name: str, nonce: str) -> str:
     return f"{TMP_PREFIX}{step_name}-{nonce}"

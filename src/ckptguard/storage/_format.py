@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError, StorageFormatError, UnsafeCheckpointError
+from ._pool import io_error
 
 
 @dataclass(frozen=True)
@@ -304,8 +305,6 @@ class FileSlice(io.RawIOBase):
         try:
             data = os.pread(self._fd, n, self._start + self._pos)
         except OSError as exc:
-            from ._pool import io_error
-
             self.error = self.error or io_error(
                 exc.errno or errno.EIO, "read of", self._path, offset=self._start + self._pos, requested=n, returned=-1
             )

@@ -187,6 +187,8 @@ class ItemReader:
                             "left open for them: %s", stuck, len(fds), sorted(fds))
             else:
                 for fd in fds.values():
+                    # Each span dropped its own pages; this catches the readahead past the last span and the
+                    # pages of parsed archives (a no-op where nothing is cached).
                     if self._drop:
                         with contextlib.suppress(OSError):
                             drop_cached(fd)
