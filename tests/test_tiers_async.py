@@ -122,6 +122,7 @@ def replica_run(rank: int, world: int, base: str) -> dict:
     dist.barrier()
     train_to(state, rank, 3)
     step = tiers.restore(state)
+    dist.barrier()  # every rank's restore record is written before rank 0 reads them all
     return {"early": early, "held": held, "step": step, "exact": _exact(state, rank, step),
             "tier": restore_records(Path(base, "pers"))[rank]["tier"] if rank == 0 else None}
 
