@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from ckptguard._resume import digest as d
-from ckptguard._resume.state import capture, digests_and_layout_free
+from ckptguard._disk import digest as d
+from ckptguard._state.state import capture, digests_and_layout_free
 
 
 def _serial(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
-from ckptguard._commit.lease import LEASE_NAME
+from ckptguard._disk import layout as _layout
+from ckptguard._disk.lease import LEASE_NAME
 
 HOLDER = """
 import sys, time, torch, ckptguard as cg

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import manifest as _manifest
-from ckptguard._resume import state as _state
-from ckptguard._resume.digest import digest, structure_digest
-from ckptguard._resume.prooflog import read_records
+from ckptguard._disk.digest import digest, structure_digest
+from ckptguard._records import manifest as _manifest
+from ckptguard._records.prooflog import read_records
+from ckptguard._state import state as _state
 
 
 def _job(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -22,9 +22,9 @@ from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard import _faults
-from ckptguard._commit import layout as _layout
-from ckptguard._commit import retention
-from ckptguard._commit.lease import LEASE_NAME
+from ckptguard._disk import layout as _layout
+from ckptguard._disk.lease import LEASE_NAME
+from ckptguard._records import retention
 from ckptguard.cli import main
 
 NAMING = _layout.StepNaming("step_{step:08d}")

@@ -6,10 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._commit.layout import StepNaming
-from ._commit.retention import RetentionPolicy, default_policy
-from ._commit.trust import HealthPolicy
-from ._resume.contract import RunContract
+from ._disk.layout import StepNaming
+from ._records.contract import RunContract
+from ._records.retention import RetentionPolicy, default_policy
+from ._records.trust import HealthPolicy
 from .errors import ConfigError
 
 
@@ -161,7 +161,7 @@ class CheckpointConfig:
     """Which committed steps survive rotation (default: last 3 + every 20th); None keeps all."""
     health: HealthPolicy = field(default_factory=HealthPolicy)
     """Which steps may be committed (finite loss and grad norm, a user check), when a committed step
-    is verified, and whether AUTO resumes prefer the newest verified step (``ckptguard._commit.trust``)."""
+    is verified, and whether AUTO resumes prefer the newest verified step (``ckptguard._records.trust``)."""
 
     def __post_init__(self) -> None:
         StepNaming(self.dir_template)  # raises ConfigError naming the field

@@ -7,7 +7,7 @@ into one run temp directory, the role's ranks confirming its part (its manifest)
 rank of the run reports, and rank 0 writes the run manifest listing every role (written last),
 renames the directory to the step name and moves the one tracker. A crash anywhere before that
 leaves the previous step as the resume target; a step missing a role is never restored.
-On-disk form: ``_commit.runmanifest`` (each role's part is a step directory that plain DCP reads).
+On-disk form: ``_records.runmanifest`` (each role's part is a step directory that plain DCP reads).
 
 As a CheckpointManager: healthy steps only (one verdict over every rank of every role), one trust
 record for the run (``prefer="verified"`` resumes one step for every role), proof records per role
@@ -39,21 +39,26 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _faults, _log
-from ._commit import layout as _layout
-from ._commit import lease as _lease
-from ._commit import manifest as _manifest
 from ._commit import pending as _async
 from ._commit import protocol as _commit
-from ._commit import retention, runmanifest
-from ._commit import trust as _trust
-from ._commit.protocol import Outcome, failure_from
+from ._commit import stepdir as _stepdir
+from ._commit.messages import Outcome, Prepared, failure_from, raise_if_failed
+from ._commit.snapshot import Snapshot, snapshot
+from ._context import Context
+from ._core.guard import GuardTarget
+from ._core.root import Root
+from ._disk import layout as _layout
 from ._dist import Wire, gather_decide, make_agreement, on_every_rank
+from ._records import manifest as _manifest
+from ._records import runmanifest
+from ._records import trust as _trust
+from ._records.prooflog import ProofLog, export_fingerprint, logprob_diff
 from ._resume import restore as _restore
-from ._resume.derived import DerivedState
-from ._resume.expert import ExpertParallel
-from ._resume.prooflog import ProofLog
 from ._resume.restore import Resolution, ResolveView
-from ._resume.trajectory import fingerprint
+from ._state.derived import DerivedState
+from ._state.expert import ExpertParallel
+from ._state.state import addresses, moved
+from ._state.trajectory import fingerprint
 from .config import CheckpointConfig, ParallelLayout, ResumeMode
 from .errors import CheckpointError, CheckpointWriteError, ConfigError, error_payload
 from .storage._staging import Fence
@@ -192,7 +197,7 @@ class RunCheckpoint:
         run_agreement = make_agreement(None, timeout_s=self.config.timeout_s, namespace=ns)
         me = run_agreement.info.rank
         self._run = self._context(run_agreement, self.config, StreamingStorage(), None, None)
-        self._roles: dict[str, _commit.Context] = {}
+        self._roles: dict[str, Context] = {}
         self._derived: dict[str, DerivedState] = {}
         self._proof: dict[str, ProofLog] = {}  # the roles this rank holds: ROOT/proof/<role>/, by role rank
         for role in roles:
@@ -213,24 +218,24 @@ class RunCheckpoint:
             if role.derived is not None:
                 self._derived[role.name] = role.derived
             self._proof[role.name] = ProofLog(self.root, agreement.info.rank, role=role.name)
-        self._restored_step: int | None = None
         self._shared_root = world == 1  # a run commits on one shared root only: probed at the first save
-        self._health = _trust.HealthLog()
-        self._committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
-        self._skipped: dict[int, str] = {}  # steps a save skipped as unhealthy (on any rank), with the reasons
-        self._save_times: dict[int, float] = {}  # this process's run saves: step -> seconds (a PreemptionGuard's plan)
         self._pending: _async.PendingSave | None = None
         self._staging: dict[str, _async.AsyncStaging] = {}  # save_async: one host pool per role this rank holds
         self._budget: tuple[int, str] | None = None
-        self.last_health: _trust.HealthVerdict | None = None
+        self.core = Root(self.root, self.config, self._naming, run_agreement, label="run step", lease_key="run.lease")
+        """The bookkeeping of the run's root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
+        self.core.check_lease("create")
+
+    @property
+    def last_health(self) -> _trust.HealthVerdict | None:
         """The health verdict of the last ``save`` (``.skip``: it was not committed)."""
-        self._check_lease("create")
+        return self.core.last_health
 
     def _context(
         self, agreement: Any, config: CheckpointConfig, storage: Storage, group: Any, expert: ExpertParallel | None
-    ) -> _commit.Context:
+    ) -> Context:
         info = agreement.info
-        return _commit.Context(
+        return Context(
             root=self.root,
             config=config,
             naming=self._naming,
@@ -238,6 +243,13 @@ class RunCheckpoint:
             storage=storage,
             storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
             expert=expert,
+        )
+
+    def preemption_target(self) -> GuardTarget:
+        """What a ``PreemptionGuard`` guards: the run's save over every role, its commits and save times."""
+        return GuardTarget(
+            root=self.root, timeout_s=self.config.timeout_s, process_group=None, save=self.save, wait=self.wait,
+            committed_here=lambda: list(self.core.committed_here), save_seconds=self._save_seconds,
         )
 
     @property
@@ -293,7 +305,7 @@ class RunCheckpoint:
             view = ResolveView(res.step, str(res.path) if res.path else None)
         except Exception as exc:  # shipped, so no rank waits for a peer that raised
             view = ResolveView(error=error_payload(exc))
-        gather_decide(self._run.agreement, "run.resolve", view, _restore._same_checkpoint, decision=_restore.AgreedStep)
+        gather_decide(self._run.agreement, "run.resolve", view, _restore.same_checkpoint, decision=_restore.AgreedStep)
         assert res is not None
         return res
 
@@ -320,7 +332,7 @@ class RunCheckpoint:
         if not self._begin(step, states, "save", healthy, loss, grad_norm):
             return None
         started = time.monotonic()
-        snaps = self._snapshots(lambda name, ctx: _commit.snapshot(ctx, step, states[name]))
+        snaps = self._snapshots(lambda name, ctx: snapshot(ctx, step, states[name]))
         return self._commit_roles(step, snaps, started)
 
     def save_async(
@@ -345,9 +357,9 @@ class RunCheckpoint:
         budget = self._role_budget()
         pools: list[Any] = []
 
-        def stage(name: str, ctx: _commit.Context) -> _commit.Snapshot:
+        def stage(name: str, ctx: Context) -> Snapshot:
             # The divergence guard hashes every tensor: on the staged copies, in the background commit.
-            snap = _commit.snapshot(ctx, step, states[name], guard=False)
+            snap = snapshot(ctx, step, states[name], guard=False)
             staging = self._staging.setdefault(name, _async.AsyncStaging())
             staging.budget, staging.budget_why = budget
             staged = staging.stage(snap, states[name], self.config)
@@ -426,10 +438,10 @@ class RunCheckpoint:
         self._check_shared_root(step)
         return self._healthy(step, healthy, loss, grad_norm)
 
-    def _snapshots(self, take_one: Any) -> dict[str, _commit.Snapshot]:
+    def _snapshots(self, take_one: Any) -> dict[str, Snapshot]:
         """Every role's snapshot, in declared order on every rank (no cross-role wait cycle); the later
         roles still run after a failure, so their other ranks are not stranded; every rank raises alike."""
-        snaps: dict[str, _commit.Snapshot] = {}
+        snaps: dict[str, Snapshot] = {}
 
         def take() -> None:
             first: BaseException | None = None
@@ -444,9 +456,9 @@ class RunCheckpoint:
         on_every_rank(self._run.agreement, "run.snapshot", take)
         return snaps
 
-    def _commit_roles(self, step: int, snaps: dict[str, _commit.Snapshot], started: float) -> Path:
+    def _commit_roles(self, step: int, snaps: dict[str, Snapshot], started: float) -> Path:
         """Prepare the run step, write every role's part, publish: in the caller's or a background thread."""
-        prep = _commit._prepare(self._run, step)
+        prep = _commit.prepare(self._run, step)
         if prep.nodes:  # the probe's verdict changed since (a remount): every rank raises alike
             raise ConfigError(self._node_local_message(step, [r for ranks in prep.nodes[1:] for r in ranks]))
         tmp = Path(prep.tmp)
@@ -469,18 +481,17 @@ class RunCheckpoint:
             decision=Outcome,
             patience=2.0,
         )
-        _commit._raise_if_failed(self._run, outcome.failures, step=step, phase=outcome.phase)
+        raise_if_failed(self._run, outcome.failures, step=step, phase=outcome.phase)
         path = self.root / self._naming.name(step)
         log.info("ckptguard: committed run step %d (roles %s) at %s", step, ", ".join(self._ranks), path)
         for name, ctx in self._roles.items():
             self._record(name, "save", step=step, path=str(path / name), plan=self.config.proof.as_dict(),
                          world_size=ctx.world, **({"async": True} if snaps[name].resumed is not None else {}))
-        self._committed_here.append(step)
-        self._save_times[step] = time.monotonic() - started
+        self.core.committed(step, seconds=time.monotonic() - started)
         if self.rank == 0:
-            self._trust_write("commit", lambda: _trust.committed(
-                self.root, step, self.config.health.verify_after, on_disk=_layout.step_dirs(self.root, self._naming)))
-        self._rotate(step)
+            self.core.trust_committed(step)
+            # Whole run steps: a run step missing a role is incomplete for retention (``verify_step``).
+            self.core.rotate(step)
         for proof in self._proof.values():
             proof.prune(self._naming)  # proof records no retained checkpoint's proof reads again
         return path
@@ -490,8 +501,8 @@ class RunCheckpoint:
     def _save_seconds(self, step: int) -> float | None:
         """How long the run save of ``step`` took: measured by this process, else the sum of its roles'
         recorded ``save_seconds`` (the roles are written one after another); None if unknown."""
-        if step in self._save_times:
-            return self._save_times[step]
+        if step in self.core.save_times:
+            return self.core.save_times[step]
         step_dir = self.root / self._naming.name(step)
         try:
             parts = [_manifest.read(step_dir / name).cost or {} for name in runmanifest.read(step_dir).roles]
@@ -544,22 +555,7 @@ class RunCheckpoint:
     def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
         """The health agreement of a save over every rank of the run (every role); rank 0 updates the trust
         record, one for the whole run."""
-        policy = self.config.health
-
-        def local() -> _trust.HealthView:  # a bad argument or a raising check fails the save on every rank
-            return self._health.save_view(policy, step, healthy, loss, grad_norm, self._skipped.get(step))
-
-        view = on_every_rank(self._run.agreement, "run.health.local", local)
-
-        def decide(views: list[_trust.HealthView]) -> _trust.HealthVerdict:
-            verdict = _trust.agree(views, step)
-            mine, restored = set(self._committed_here), self._restored_step or 0
-            self._trust_write("observe", lambda: _trust.observe(
-                self.root, verdict.healthy, verdict.unhealthy, lambda k: k in mine or k <= restored))
-            return verdict
-
-        verdict = gather_decide(self._run.agreement, "run.health", view, decide, decision=_trust.HealthVerdict)
-        self.last_health = verdict
+        verdict = self.core.health_round(step, healthy, loss, grad_norm, key="run.health")
         if not verdict.skip:
             return True
         log.error("ckptguard: run step %d NOT committed (no role): unhealthy on %d of %d rank(s): %s. Nothing was "
@@ -567,17 +563,7 @@ class RunCheckpoint:
                   verdict.describe(), self.root)
         for name in self._roles:
             self._record(name, "skip", step=step, reasons=verdict.reasons)
-        self._skipped[step] = verdict.describe()
         return False
-
-    def _trust_write(self, what: str, write: Any) -> Any:
-        """Rank 0's trust record updates; a failure is logged, never raised (the commit is what matters)."""
-        try:
-            return write()
-        except (OSError, CheckpointError) as exc:
-            log.warning("ckptguard: could not update the trust record %s/%s at %s (%s: %s); the steps it "
-                        "concerns stay candidates", self.root, _trust.TRUST_NAME, what, type(exc).__name__, exc)
-            return None
 
     # ------------------------------------------------------------ proof records
 
@@ -605,7 +591,7 @@ class RunCheckpoint:
         fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
         metrics: dict[str, Any] = dict(fields.get("extra", {}))
         metrics.update({k: fields[k] for k in ("loss", "grad_norm") if k in fields})
-        self._health.note(self.config.health, step, metrics, role=role)
+        self.core.health.note(self.config.health, step, metrics, role=role)
         self._record(role, "step", durable=False, step=step, **fields)
         return fields
 
@@ -616,8 +602,6 @@ class RunCheckpoint:
 
     def record_export(self, role: str, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
         """Record the weights ``role`` exported for rollout at ``step`` (see CheckpointManager.record_export)."""
-        from ._resume.prooflog import export_fingerprint
-
         self._held(role, "record_export")
         fp = export_fingerprint(payload, scales)
         self._record(role, "export", step=step, fingerprint=fp)
@@ -625,18 +609,16 @@ class RunCheckpoint:
 
     def record_logprobs(self, role: str, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
         """Record ``role``'s old-logprob against the rollout's for the same tokens."""
-        from ._resume.prooflog import logprob_diff
-
         self._held(role, "record_logprobs")
         diff = logprob_diff(trainer_logprobs, rollout_logprobs)
         self._record(role, "logprobs", step=step, **dict[str, Any](diff))
         return diff
 
-    def _publish_or_fail(self, step: int, tmp: Path, prep: _commit.Prepared, reports: list[_RunReport]) -> Outcome:
+    def _publish_or_fail(self, step: int, tmp: Path, prep: Prepared, reports: list[_RunReport]) -> Outcome:
         """Rank 0: the run manifest, the rename and the tracker if every role on every rank confirmed."""
         failures = [r.failure for r in reports if r.failure]
         if failures:
-            _commit._discard(self._run, tmp)
+            _stepdir.discard(self._run, tmp)
             return Outcome(failures, "write")
         try:
             held = {name: [r for r, rep in enumerate(reports) if name in rep.roles] for name in self._ranks}
@@ -658,30 +640,12 @@ class RunCheckpoint:
             )
             _layout.atomic_write_json(manifest.path, manifest.to_json())
             _faults.reached("commit.before_rename")
-            _commit.publish_dir(self._run, step, tmp)
+            _stepdir.publish_dir(self._run, step, tmp)
         except Exception as exc:
             if tmp.exists():  # refused or failed before the rename: nothing of it may linger
-                _commit._discard(self._run, tmp)
+                _stepdir.discard(self._run, tmp)
             return Outcome([failure_from(exc, rank=0, phase="publish").to_json()], "publish")
         return Outcome()
-
-    def _rotate(self, step: int) -> None:
-        """Rank 0 applies retention to whole run steps after the commit; a failure is logged, never raised.
-        A run step missing a role is incomplete for retention (``verify_step``): never counted, never deleted."""
-        policy = self.config.retention
-        if policy is None or self.rank != 0:
-            return
-        protect = {step} | ({self._restored_step} if self._restored_step else set())
-        try:
-            report = retention.apply(self.root, self._naming, policy, protect=protect)
-        except Exception as exc:  # rotation must never stop training
-            log.warning("ckptguard: retention after run step %d failed (%s: %s); retried at the next save",
-                        step, type(exc).__name__, exc)
-            return
-        if report.deleted:
-            log.info("ckptguard: retention deleted run steps %s, kept %s", report.deleted, report.kept)
-        for name, why in report.not_counted.items():
-            log.warning("ckptguard: %s is not counted as a kept checkpoint: %s", name, why)
 
     # ------------------------------------------------------------ restore
 
@@ -701,7 +665,7 @@ class RunCheckpoint:
         on a partly restored run. ``prefer`` as in ``resolve``."""
         self._check_states(states, "restore")
         self.wait()
-        self._check_lease("restore")
+        self.core.check_lease("restore")
         res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
@@ -724,19 +688,17 @@ class RunCheckpoint:
             if first is not None:
                 raise first
 
-        def check(name: str, ctx: _commit.Context) -> None:
+        def check(name: str, ctx: Context) -> None:
             # What restore checks before it reads a tensor, for every role before any role reads one.
-            _restore._agree_files(ctx, parts[name])
+            _restore.agree_files(ctx, parts[name])
             part = parts[name]
             manifest, extras, _plan = on_every_rank(
-                ctx.agreement, "run.precheck", lambda: _restore._precheck(ctx, part, states[name])
+                ctx.agreement, "run.precheck", lambda: _restore.precheck(ctx, part, states[name])
             )
-            _restore._plan(ctx, states[name], manifest, extras)  # items and keys, both ways
+            _restore.plan_targets(ctx, states[name], manifest, extras)  # items and keys, both ways
 
-        def load(name: str, ctx: _commit.Context) -> None:
-            from .manager import _addresses, _moved
-
-            before = _addresses(states[name])
+        def load(name: str, ctx: Context) -> None:
+            before = addresses(states[name])
             where: dict[str, Any] = {"step": res.step, "path": str(parts[name].path), "world_size": ctx.world,
                                      "plan": self.config.proof.as_dict()}
             try:
@@ -748,17 +710,14 @@ class RunCheckpoint:
                 where["reshard"] = done.reshard
             self._record(name, "restore", digests_match=done.digests_match, layout_free_match=done.layout_free_match,
                          source_rank=done.source_rank, saved_world_size=done.saved_world_size,
-                         format_version=done.format_version, addresses_changed=_moved(before, _addresses(states[name])),
+                         format_version=done.format_version, addresses_changed=moved(before, addresses(states[name])),
                          ok=True, **where)
             if name in self._derived:
                 self._derived[name].mark_restored(res.step)
 
         on_every_rank(self._run.agreement, "run.checked", lambda: each_role(check))
         on_every_rank(self._run.agreement, "run.restored", lambda: each_role(load))
-        self._restored_step = res.step
-        # A restore starts a new trajectory from res.step: the commits and skips above it are the abandoned one's.
-        self._committed_here = [s for s in self._committed_here if s <= res.step]
-        self._skipped = {s: why for s, why in self._skipped.items() if s <= res.step}
+        self.core.restarted_at(res.step)
         return res.step
 
     # ------------------------------------------------------------ guards
@@ -780,12 +739,3 @@ class RunCheckpoint:
         for name, state in states.items():
             if not isinstance(state, dict) or not state:
                 raise ConfigError(f"{where}(states[{name!r}]): a non-empty dict of named items, got {state!r:.60}")
-
-    def _check_lease(self, where: str) -> None:
-        """As CheckpointManager: another live run holding the root's lease is a warning at
-        creation and a refusal on every rank at restore."""
-        if self.config.break_lease:
-            return
-        _lease.check_on_every_rank(
-            self._run.agreement, self.root, ttl_s=self.config.lease_ttl_s, where=where, key=f"run.lease.{where}"
-        )

@@ -41,18 +41,20 @@ from typing import Any
 
 import xxhash
 
-from ._commit import layout as _layout
-from ._commit import lease as _lease
-from ._commit import manifest as _manifest
 from ._commit import replica as _replica
-from ._commit import trust as _trust
-from ._commit.checks import files_needed
-from ._commit.retention import KeepLast, RetentionPolicy, default_policy
+from ._core.guard import GuardTarget, recorded_save_seconds
+from ._core.root import check_state, check_step
+from ._disk import layout as _layout
+from ._disk import lease as _lease
 from ._dist import Wire, gather_decide, on_every_rank
 from ._priority import lower_this_thread
-from ._resume.derived import DerivedState
-from ._resume.expert import ExpertParallel
+from ._records import manifest as _manifest
+from ._records import trust as _trust
+from ._records.checks import files_needed
+from ._records.retention import KeepLast, RetentionPolicy, default_policy
 from ._resume.restore import resolve_local
+from ._state.derived import DerivedState
+from ._state.expert import ExpertParallel
 from .config import CheckpointConfig, ResumeMode
 from .errors import (
     CheckpointError,
@@ -116,7 +118,7 @@ class TieredSave:
         self.blocked_seconds = blocked_s
         """How long ``save_async`` held the caller (every tier's snapshot and queued copies)."""
         self.priority: list[str] = []
-        self._fences = [fence for _, _, fence in parts]
+        self.fences = [fence for _, _, fence in parts]
         self._result: dict[Tier, Path] = {}
         self._error: BaseException | None = None
         self.reported = False
@@ -129,7 +131,7 @@ class TieredSave:
     @property
     def mutation_wait_seconds(self) -> float:
         """How long later mutations (optimizer step, ``staged()``) waited for this save's reads."""
-        return sum(f.waited_s for f in self._fences)
+        return sum(f.waited_s for f in self.fences)
 
     def _run(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None) -> None:
         self.priority = lower_this_thread()
@@ -212,9 +214,9 @@ class TieredCheckpoint:
         home = self.persistent or self.fast
         for mgr, tier in ((self.fast, Tier.FAST), (self.persistent, Tier.PERSISTENT)):
             if mgr is not None:
-                mgr._proof, mgr._proof_root, mgr._proof_fields = home._proof, home.root, {"tier": tier.value}
+                mgr.core.proof.share(home.core.proof, {"tier": tier.value})
         self._pending: TieredSave | None = None
-        agreement = self.fast._ctx.agreement
+        agreement = self.fast.context.agreement
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
         self._peers = _replica.peers(self._hosts)
         if replicas and self._peers[0] is None:
@@ -222,6 +224,27 @@ class TieredCheckpoint:
                 f"TieredCheckpoint(replicas=1): all {len(self._hosts)} ranks run on host {self._hosts[0]}; a peer "
                 "replica must live on another node. Run on two or more nodes, or use replicas=0"
             )
+
+    def preemption_target(self) -> GuardTarget:
+        """What a ``PreemptionGuard`` guards: a save of the step now, to the persistent tier when there is
+        one (the node may not come back), else to the fast tier (with its peer replicas), whatever the
+        tiers' intervals."""
+        home = self._home()
+        return GuardTarget(
+            root=home.root, timeout_s=home.config.timeout_s, process_group=home.process_group,
+            save=self._save_now, wait=self.wait, committed_here=lambda: list(home.core.committed_here),
+            save_seconds=lambda step: recorded_save_seconds(home.root / home.context.naming.name(step)),
+        )
+
+    def _save_now(self, step: int, state: dict[str, Any], **save_kwargs: Any) -> Path | None:
+        check_step(step, "save")
+        self.wait()
+        self._hold_persistent()
+        home = self._home()
+        path = home.save(step, state, **save_kwargs)
+        if path is not None and home is self.fast and self.replicas:
+            self._push(step)
+        return path
 
     @property
     def rank(self) -> int:
@@ -237,7 +260,7 @@ class TieredCheckpoint:
 
         The fast tier first (and its peer replicas), then the persistent tier; a failure of
         either raises on every rank, like ``CheckpointManager.save``."""
-        CheckpointManager._check_step(step, "save")
+        check_step(step, "save")
         self.wait()
         out: dict[Tier, Path] = {}
         if not self._due(step):
@@ -268,8 +291,8 @@ class TieredCheckpoint:
         Returns a ``TieredSave``, or None for a step the health policy skipped on every rank. The next
         ``save``, ``save_async``, ``restore``, ``wait`` or ``close`` waits for it first and raises its
         error: a restore chooses its step with every pending save ended, on every rank alike."""
-        CheckpointManager._check_step(step, "save_async")
-        CheckpointManager._check_state(state, "save_async")
+        check_step(step, "save_async")
+        check_state(state, "save_async")
         start = time.monotonic()
         self.wait()
         due = self._due(step)
@@ -279,7 +302,7 @@ class TieredCheckpoint:
         push = (lambda: self._push(step)) if self.replicas else None
         try:
             for tier, mgr in due:
-                prepared = mgr._prepare_async(step, state, healthy, loss, grad_norm)
+                prepared = mgr.stage_commit(step, state, healthy, loss, grad_norm)
                 if prepared is None:  # an unhealthy step: skipped on every rank (the fast verdict: every tier)
                     if tier is Tier.FAST or not parts:
                         return None
@@ -309,7 +332,7 @@ class TieredCheckpoint:
         """``CheckpointManager.staged`` for both tiers of the last ``save_async``: call it before changing
         saved tensors outside an optimizer step. Returns the seconds it blocked."""
         pending = self._pending
-        return sum(f.before_mutation() for f in pending._fences) if pending is not None else 0.0
+        return sum(f.before_mutation() for f in pending.fences) if pending is not None else 0.0
 
     def close(self) -> None:
         """Wait for a pending save (raising its error) and release both tiers' host staging pools."""
@@ -344,12 +367,12 @@ class TieredCheckpoint:
                 _layout.write_tracker(mgr.root, 0)
 
         # The fast manager's agreement: no background commit uses it now (every caller waited first).
-        on_every_rank(self.fast._ctx.agreement, "tiers.persistent_lease", take)
+        on_every_rank(self.fast.context.agreement, "tiers.persistent_lease", take)
 
     def _push(self, step: int) -> None:
         """Send this rank's files of ``step`` to its peer; a failed replica is a loud warning on every rank
         (the step is committed; only its protection against a lost node is missing)."""
-        ctx = self.fast._ctx
+        ctx = self.fast.context
         name = ctx.naming.name(step)
         problems: list[str] = []
         try:
@@ -388,10 +411,10 @@ class TieredCheckpoint:
             return home.restore(state, mode=mode)
         for mgr in (self.fast, self.persistent):  # a duplicate launch stops here, whichever tier it would load
             if mgr is not None:
-                mgr._check_lease("restore")
+                mgr.core.check_lease("restore")
         broken: dict[int, str] = {}  # fast steps whose fetch failed (the same on every rank: an agreed error)
         while True:
-            choice = gather_decide(self.fast._ctx.agreement, "tiers.choose", self._view(),
+            choice = gather_decide(self.fast.context.agreement, "tiers.choose", self._view(),
                                    lambda views: self._choose(views, broken), decision=_Choice)
             if not choice.tier:
                 return home.restore(state, mode=mode)  # nothing committed anywhere: the manager's own fresh start
@@ -409,30 +432,30 @@ class TieredCheckpoint:
                 log.warning("ckptguard: %s; choosing again without fast step %d", exc, choice.step)
         mgr = self.fast if choice.tier == Tier.FAST.value else self.persistent
         assert mgr is not None
-        fields = mgr._proof_fields
-        mgr._proof_fields = {**fields, "tier_detail": choice.detail,
-                             "replica_ranks": sorted(int(r) for r in choice.senders)}
+        tags = mgr.core.proof.tags
+        mgr.core.proof.tags = {**tags, "tier_detail": choice.detail,
+                               "replica_ranks": sorted(int(r) for r in choice.senders)}
         try:
-            step = mgr.restore(state, path=mgr.root / mgr._ctx.naming.name(choice.step))
+            step = mgr.restore(state, path=mgr.root / mgr.context.naming.name(choice.step))
         finally:
-            mgr._proof_fields = fields
+            mgr.core.proof.tags = tags
         self._align_fast(step, Tier(choice.tier))
         for other in (self.fast, self.persistent):  # both tiers continue the restored trajectory (trust)
             if other is not None and other is not mgr:
-                other._restored_step = step
+                other.core.restored_step = step
         return step
 
     def _view(self) -> _View:
-        host = self.fast._ctx.agreement.info.host
+        host = self.fast.context.agreement.info.host
         try:
             complete, published, missing = self._fast_steps()
-            replicas = {str(s): r for s, r in _replica.held(self.fast.root, self.fast._ctx.naming).items()}
+            replicas = {str(s): r for s, r in _replica.held(self.fast.root, self.fast.context.naming).items()}
         except Exception as exc:  # shipped: no rank waits for a peer that raised
             return _View(host, error=error_payload(exc))
         persistent, perror = 0, None
         if self.persistent is not None:
             try:
-                res = resolve_local(self.persistent.root, self.persistent._ctx.naming, ResumeMode.AUTO, None)
+                res = resolve_local(self.persistent.root, self.persistent.context.naming, ResumeMode.AUTO, None)
                 persistent = res.step
             except Exception as exc:
                 perror = error_payload(exc)
@@ -443,7 +466,7 @@ class TieredCheckpoint:
         ones (up to the tracker), and published ones past it (node-local roots: a save stopped between
         the nodes' trackers; they count only where another node's tracker names them). For the
         others, the files this rank lacks."""
-        root, naming, rank = self.fast.root, self.fast._ctx.naming, self.rank
+        root, naming, rank = self.fast.root, self.fast.context.naming, self.rank
         tracker = _layout.read_tracker(root) if root.is_dir() else None
         complete: list[int] = []
         published: list[int] = []
@@ -550,7 +573,7 @@ class TieredCheckpoint:
         return "; ".join(lacking[:8]) + (" ..." if len(lacking) > 8 else "")
 
     def _expected(self, step: int, rank: int) -> list[str]:
-        path = self.fast.root / self.fast._ctx.naming.name(step)
+        path = self.fast.root / self.fast.context.naming.name(step)
         try:
             needed = files_needed(path, _manifest.read(path), rank)
         except (CheckpointError, OSError):
@@ -561,7 +584,7 @@ class TieredCheckpoint:
         """Rebuild the lacking ranks' part of the chosen fast step from their peers' replicas: into a
         temp directory of the node's root, checked against the manifest, then sealed (node manifest,
         manifest, rename) by the node's first receiving rank once every rank's part arrived."""
-        ctx = self.fast._ctx
+        ctx = self.fast.context
         name = ctx.naming.name(choice.step)
         group = ctx.storage_ctx.process_group
         receivers = sorted(int(r) for r in choice.senders)
@@ -646,7 +669,7 @@ class TieredCheckpoint:
         tracker = _layout.read_tracker(root)
         if tracker is None or tracker == step:
             return
-        held = [s for s, path in _layout.step_dirs(root, self.fast._ctx.naming).items()
+        held = [s for s, path in _layout.step_dirs(root, self.fast.context.naming).items()
                 if s <= step and (path / _layout.MANIFEST_NAME).is_file()]
         if tier is Tier.FAST and step in held:
             target = step
@@ -673,7 +696,7 @@ class TieredCheckpoint:
         if self.persistent is not None:
             metrics: dict[str, Any] = dict(recorded.get("extra", {}))
             metrics.update({k: recorded[k] for k in ("loss", "grad_norm") if k in recorded})
-            self.fast._health.note(self.fast.config.health, step, metrics)
+            self.fast.core.health.note(self.fast.config.health, step, metrics)
         return recorded
 
     def record_export(self, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:

@@ -32,7 +32,7 @@ from ..errors import SaveStillRunningError
 from ..memory.budget import host_budget
 from ..storage._staging import Fence, HostCopier, StagingPool, copier_for, slot_view
 from ..storage._writer import exact
-from .protocol import Snapshot
+from .snapshot import Snapshot
 
 log = logging.getLogger("ckptguard")
 

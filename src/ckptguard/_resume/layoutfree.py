@@ -15,13 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._commit import manifest as _manifest
-from .._commit.protocol import RNG_ITEM, Context
+from .._context import Context
+from .._disk.digest import combine_layout_free, digest, layout_free_partials
 from .._dist import Wire, gather_decide
+from .._records import manifest as _manifest
+from .._state import rng as _rng
+from .._state import state as _state
+from .._state.rng import RNG_ITEM
 from ..errors import StateMismatchError
-from . import rng as _rng
-from . import state as _state
-from .digest import combine_layout_free, digest, layout_free_partials
 
 _TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemKind.TENSORS)
 

@@ -21,11 +21,16 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._commit import trust as _trust
-from .._commit.protocol import RNG_ITEM, Context, _release_host_cache
+from .._context import Context
+from .._disk import layout as _layout
+from .._disk.digest import digest
 from .._dist import Wire, gather_decide, on_every_rank
+from .._records import contract as _contract
+from .._records import manifest as _manifest
+from .._records import trust as _trust
+from .._state import rng as _rng
+from .._state import state as _state
+from .._state.rng import RNG_ITEM
 from ..config import ReshardRule, ResumeMode
 from ..errors import (
     CheckpointCorruptError,
@@ -40,12 +45,9 @@ from ..errors import (
     error_payload,
     rebuild,
 )
-from . import contract as _contract
+from ..storage._staging import release_host_cache
 from . import layoutfree as _layoutfree
 from . import reshard as _reshard
-from . import rng as _rng
-from . import state as _state
-from .digest import digest
 
 log = logging.getLogger("ckptguard")
 
@@ -227,7 +229,7 @@ def resolve(
         view = ResolveView(res.step, str(res.path) if res.path else None, published=newer)
     except Exception as exc:  # any local failure is shipped, so no rank waits for a peer that raised
         view = ResolveView(error=error_payload(exc))
-    agreed = gather_decide(ctx.agreement, "resolve.step", view, _same_checkpoint, decision=AgreedStep)
+    agreed = gather_decide(ctx.agreement, "resolve.step", view, same_checkpoint, decision=AgreedStep)
     assert res is not None
     if agreed.step != res.step:
         res = Resolution(
@@ -238,7 +240,7 @@ def resolve(
             mode,
         )
     if not res.fresh:
-        _agree_files(ctx, res)
+        agree_files(ctx, res)
     return res
 
 
@@ -248,7 +250,7 @@ def _published_newer(ctx: Context, res: Resolution) -> list[int]:
     Per-node publish writes the global manifest on a node only after every node confirmed its
     part, and moves the trackers one node after another; a kill between them leaves some
     trackers at the new step and the others' nodes holding it published. Such a step is the
-    resume target only when another node's tracker names it (see ``_same_checkpoint``)."""
+    resume target only when another node's tracker names it (see ``same_checkpoint``)."""
     if not ctx.root.is_dir():
         return []
     try:
@@ -269,7 +271,7 @@ def _published_newer(ctx: Context, res: Resolution) -> list[int]:
     return out
 
 
-def _same_checkpoint(views: list[ResolveView]) -> AgreedStep:
+def same_checkpoint(views: list[ResolveView]) -> AgreedStep:
     errors = {r: v.error for r, v in enumerate(views) if v.error}
     if errors:
         if len(errors) == len(views):
@@ -313,7 +315,7 @@ def _by_item(ctx: Context, manifest: _manifest.Manifest) -> bool:
     return manifest.world_size != ctx.world and ctx.config.reshard is ReshardRule.BY_ITEM
 
 
-def _agree_files(ctx: Context, res: Resolution) -> None:
+def agree_files(ctx: Context, res: Resolution) -> None:
     """Each rank checks the files it will read; all raise together if any lacks one."""
     assert res.path is not None
     manifest = _manifest.read(res.path)
@@ -325,13 +327,13 @@ def _agree_files(ctx: Context, res: Resolution) -> None:
     if _by_item(ctx, manifest):  # a user rule reads every old rank's extras
         wanted |= {_layout.extras_name(r) for r in range(manifest.world_size)}
     if manifest.world_size == ctx.world:  # same layout: only this rank's shards (node-local storage)
-        from .._commit.checks import files_needed
+        from .._records.checks import files_needed
 
         try:
             wanted = files_needed(res.path, manifest, src)
         except CheckpointError as exc:  # e.g. unsafe metadata: every rank raises this same error
             error = error_payload(exc)
-    from .._commit.checks import safe_member
+    from .._records.checks import safe_member
 
     for f in [f for f in manifest.files if f["path"] in wanted]:
         p = safe_member(res.path, f["path"])
@@ -407,7 +409,7 @@ def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys:
     return problems
 
 
-def _plan(
+def plan_targets(
     ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, extras: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Compare items and keys both ways; return (targets, flat tensors for DCP)."""
@@ -470,7 +472,7 @@ class Restored:
     reshard: dict[str, Any] | None = None  # resharded: old -> new world, rules, this rank's RNG digest
 
 
-def _precheck(
+def precheck(
     ctx: Context, res: Resolution, state: dict[str, Any]
 ) -> tuple[_manifest.Manifest, dict[str, Any], _reshard.Plan | None]:
     """Everything decided before a byte of tensor state is read: versions, topology, chain,
@@ -538,8 +540,8 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
         mine = [f for f in files if f["path"] in here][ranks.index(ctx.rank) :: len(ranks)]
     if not mine:
         return
-    from .._commit.checks import safe_member
-    from .digest import file_digest
+    from .._disk.digest import file_digest
+    from .._records.checks import safe_member
 
     started = time.monotonic()
     for f in mine:
@@ -564,9 +566,9 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
 
 
 def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:
-    manifest, extras, plan = on_every_rank(ctx.agreement, "restore.precheck", lambda: _precheck(ctx, res, state))
+    manifest, extras, plan = on_every_rank(ctx.agreement, "restore.precheck", lambda: precheck(ctx, res, state))
     assert res.path is not None
-    targets, flat = _plan(ctx, state, manifest, extras)
+    targets, flat = plan_targets(ctx, state, manifest, extras)
     if flat:
         try:
             ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)
@@ -601,7 +603,7 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
         )
         matches.update(checked.items)
         layout_free = checked.layout_free
-        _release_host_cache()  # digests of GPU tensors staged through pinned chunks
+        release_host_cache()  # digests of GPU tensors staged through pinned chunks
     return Restored(
         manifest.step, manifest.format_version, matches, layout_free, source, manifest.world_size, resharded
     )
@@ -614,7 +616,7 @@ def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard
         return None
     if plan is not None:
         return plan.record(_reshard.confirm(ctx, plan))
-    from .digest import digest
+    from .._disk.digest import digest
 
     rng = digest(_rng.capture()) if ctx.config.restore_rng and RNG_ITEM in manifest.digests.get("0", {}) else None
     src = "rank 0" if ctx.config.reshard is ReshardRule.EXTRAS_FROM_RANK0 else f"rank r % {manifest.world_size}"
@@ -704,8 +706,8 @@ def _layout_free_items(
     lf = manifest.layout_free
     if not lf:
         return set()
-    from .._commit.checks import safe_member
-    from .digest import file_digest
+    from .._disk.digest import file_digest
+    from .._records.checks import safe_member
 
     rel = _layout.extras_name(_source_rank(ctx, manifest))
     entry = next((f for f in manifest.files if f.get("path") == rel), None)
@@ -731,8 +733,8 @@ def _changed_files(manifest: _manifest.Manifest, rank: int) -> list[str]:
 
     A flipped byte in a shard otherwise reads as "fix load_state_dict"; the files' xxh3 tell
     the two apart. Only this rank's files and the shared ones are hashed (what it read)."""
-    from .._commit.checks import safe_member
-    from .digest import file_digest
+    from .._disk.digest import file_digest
+    from .._records.checks import safe_member
 
     step_dir = manifest.path.parent
     changed = []

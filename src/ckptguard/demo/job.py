@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .._resume.derived import DerivedState
-from .._resume.digest import digest
+from .._disk.digest import digest
+from .._state.derived import DerivedState
 
 VOCAB, SEQ, DIM, HEADS, BATCH = 12, 8, 32, 2, 16
 FP8 = torch.float8_e4m3fn
@@ -208,7 +208,7 @@ def worker(
     import torch.distributed as dist
 
     from .. import CheckpointConfig, CheckpointManager, ProofPlan, ResumeMode, _faults
-    from .._commit import retention
+    from .._records import retention
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -31,9 +31,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._resume.digest import (
+from .._disk import layout as _layout
+from .._disk.digest import (
     _STRUCTURE_SEED,
     _update,
     box_sum,
@@ -42,7 +41,8 @@ from .._resume.digest import (
     update_tensor_header,
     update_with_tensor,
 )
-from .._resume.state import TENSOR_REF, ItemKind
+from .._records import manifest as _manifest
+from .._state.state import TENSOR_REF, ItemKind
 from ..errors import CheckpointCorruptError
 from ..storage._pool import IOStats
 from ..storage.streaming import StreamingConfig, StreamingStorage, _StreamingReader

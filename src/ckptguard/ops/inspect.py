@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._commit import retention as _retention
-from .._commit import runmanifest as _runmanifest
-from .._commit import trust as _trust
+from .._disk import layout as _layout
+from .._records import manifest as _manifest
+from .._records import retention as _retention
+from .._records import runmanifest as _runmanifest
+from .._records import trust as _trust
 from .._resume.restore import Resolution, resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError

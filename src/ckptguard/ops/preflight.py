@@ -21,11 +21,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._commit import runmanifest as _runmanifest
-from .._commit.checks import Finding, Severity, files_needed, safe_member, verify_step
+from .._disk import layout as _layout
 from .._dist import node_name
+from .._records import manifest as _manifest
+from .._records import runmanifest as _runmanifest
+from .._records.checks import Finding, Severity, files_needed, safe_member, verify_step
 from .._resume.restore import resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError

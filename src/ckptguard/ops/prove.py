@@ -21,15 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._commit import runmanifest as _runmanifest
-from .._resume.prooflog import (  # noqa: F401 (re-exported)
-    ProofLog,
-    export_fingerprint,
-    logprob_diff,
-    read_records,
-    record_roles,
-)
-from .._resume.trajectory import difference, numerics, same_bits
+from .._records import runmanifest as _runmanifest
+from .._records.prooflog import read_records, record_roles
+from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError
 from .inspect import tracker_run_step
@@ -655,7 +649,7 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
 
 
 def _evaluate(root: Path, plan: ProofPlan | None, role: str | None) -> list[Gate]:
-    from .._commit.manifest import FORMAT_VERSION
+    from .._records.manifest import FORMAT_VERSION
 
     records = read_records(root, role)
     all_segments = [_segment(rank, recs) for rank, recs in sorted(records.items())]

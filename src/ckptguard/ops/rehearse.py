@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._commit.checks import cost
-from .._resume.prooflog import read_records
+from .._disk import layout as _layout
+from .._records import manifest as _manifest
+from .._records.checks import cost
+from .._records.prooflog import read_records
 from ..config import ProofPlan
 from ..errors import CheckpointError, RehearsalError
 from . import _proctree

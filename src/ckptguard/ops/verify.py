@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .._commit import checks as _checks
-from .._commit import layout as _layout
-from .._commit.checks import (
+from .._disk import layout as _layout
+from .._disk.lease import LEASE_NAME
+from .._records import checks as _checks
+from .._records.checks import (
     RESTORE_HINT,
     Finding,
     Severity,
@@ -30,8 +31,7 @@ from .._commit.checks import (
     safe_member,
     verify_step,
 )
-from .._commit.lease import LEASE_NAME
-from .._commit.retention import HOLDS_DIR
+from .._records.retention import HOLDS_DIR
 from ..errors import CheckpointError
 
 _ROOT_ENTRIES = {

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.futures import Future
 
 from .. import _faults
-from .._resume.digest import file_digest
+from .._disk.digest import file_digest
 from ..errors import UnsafeCheckpointError
 from .base import DCP_METADATA, StorageContext, WrittenFile
 from .unpickler import read_dcp_metadata

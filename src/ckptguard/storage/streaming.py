@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .. import _faults
-from .._resume.digest import file_digest
+from .._disk.digest import file_digest
 from ..errors import ConfigError, StateMismatchError
 from ._format import item_frame
 from ._pool import BufferPool, IOStats

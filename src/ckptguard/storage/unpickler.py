@@ -129,7 +129,7 @@ def read_dcp_metadata(state_dir: Path) -> Metadata:
     file it names must be a plain file name inside ``state_dir``: DCP's own reader joins
     that name to the directory, so an absolute name or one with ``..`` would read tensor
     data from outside the checkpoint."""
-    from .._commit.layout import read_small
+    from .._disk.layout import read_small
 
     path = state_dir / DCP_METADATA
     try:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import xxhash
 
+from .._disk.digest import digest
 from ..errors import ConfigError
-from .digest import digest
 
 _HEAD = 4  # ids shown in evidence when a step's data differs
 

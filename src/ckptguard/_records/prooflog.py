@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .._commit.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
+from .._disk.digest import digest
+from .._disk.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
 from .._log import NAME
 from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
-from .digest import digest
 
 _HOST = socket.gethostname()
 log = logging.getLogger(NAME)

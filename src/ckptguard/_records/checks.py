@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .._resume.digest import file_digest
+from .._disk import layout as _layout
+from .._disk.digest import file_digest
 from ..errors import CheckpointError, RunStepError, UnsafeCheckpointError
 from ..storage.base import DCP_METADATA
 from ..storage.unpickler import read_dcp_metadata
-from . import layout as _layout
 from . import manifest as _manifest
 
 _ALLOWED_EXTRA = {_layout.MANIFEST_NAME}
@@ -373,7 +373,7 @@ def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[s
 def leftover_findings(root: Path, *, max_age_s: float = 24 * 3600.0) -> list[Finding]:
     """A WARNING per crash leftover in ``root`` (temp directories, trash, temp files, lease
     take-over markers, foreign temp-like entries) and per unreadable hold file."""
-    from . import lease as _lease
+    from .._disk import lease as _lease
     from . import retention as _retention
 
     findings = []

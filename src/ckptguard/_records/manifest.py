@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch.torch_version import TorchVersion
 
+from .._disk.layout import MANIFEST_NAME, NODE_MANIFEST_NAME, parse_json, read_json, read_small
+from .._version import __version__
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, RunStepError, VersionMismatchError
-from .layout import MANIFEST_NAME, NODE_MANIFEST_NAME, parse_json, read_json, read_small
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -37,12 +38,10 @@ DIGEST_BYTES = "bytes"
 DIGEST_STRUCTURE = "structure"
 _DIGEST_KINDS = (DIGEST_BYTES, DIGEST_STRUCTURE)
 RUN_KIND = "ckptguard-run"
-"""The ``kind`` of a run step's manifest (``_commit.runmanifest``): its roles' parts are steps of this format."""
+"""The ``kind`` of a run step's manifest (``_records.runmanifest``): its roles' parts are steps of this format."""
 
 
 def ckptguard_version() -> str:
-    from .. import __version__
-
     return __version__
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from .._disk import layout as _layout
 from ..errors import CheckpointError, ConfigError
-from . import layout as _layout
 from . import trust as _trust
 
 log = logging.getLogger("ckptguard")

@@ -17,6 +17,9 @@ import torch
 
 from ..errors import ConfigError, TopologyMismatchError
 
+RNG_ITEM = "_rng"
+"""The name of the four streams' item in a step's per-rank digests."""
+
 
 def capture() -> dict[str, Any]:
     py_version, py_state, py_gauss = random.getstate()

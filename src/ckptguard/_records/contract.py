@@ -19,7 +19,7 @@ from typing import Any
 
 import xxhash
 
-from .._commit.layout import CONTRACT_DIR, fsync_dir, read_json, refuse_link
+from .._disk.layout import CONTRACT_DIR, fsync_dir, read_json, refuse_link
 from ..errors import ChainMismatchError, CheckpointCorruptError, ConfigError, ContractMismatchError
 
 ITEMS = ("code", "data", "recipe", "total_steps")

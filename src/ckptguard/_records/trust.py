@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._disk import layout as _layout
 from .._dist import Wire
 from ..errors import CheckpointCorruptError, ConfigError
-from . import layout as _layout
 
 TRUST_NAME = "trust.json"
 TRUST_FORMAT = 1
@@ -191,7 +191,7 @@ class HealthLog:
     ) -> HealthView:
         """This rank's view of ``save(step, healthy=, loss=, grad_norm=)``: the arguments as scalars (a bad one
         raises, failing the save on every rank) and ``earlier``, why an earlier save of the step was skipped."""
-        from .._resume.trajectory import _scalar
+        from .._state.trajectory import _scalar
 
         metrics = {n: _scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
         known_bad = [f"an earlier save of step {step} was skipped as unhealthy ({earlier})"] if earlier else None

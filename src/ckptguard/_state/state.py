@@ -25,8 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import ConfigError, StateMismatchError
-from .digest import (
+from .._disk.digest import (
     DIGEST_BYTES,
     DIGEST_STRUCTURE,
     digest,
@@ -34,6 +33,7 @@ from .digest import (
     layout_free_partials,
     structure_digest,
 )
+from ..errors import ConfigError, StateMismatchError
 
 TENSOR_REF = "__ckptguard_dcp_key__"
 
@@ -359,3 +359,22 @@ def check_restored(
             "Do not train on: fix the object's load_state_dict, or restore into an object "
             "built with the saved configuration."
         )
+
+
+def addresses(state: dict[str, Any]) -> dict[str, int]:
+    """data_ptr of every parameter and buffer of the modules in ``state`` (local shard for DTensor).
+
+    CUDA graphs and colocated rollout engines hold these addresses; a restore must copy into
+    the existing storages, never swap in new tensors.
+    """
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, torch.nn.Module):
+            for key, t in [*value.named_parameters(), *value.named_buffers()]:
+                local = t.to_local() if hasattr(t, "to_local") else t
+                out[f"{name}.{key}"] = local.data_ptr()
+    return out
+
+
+def moved(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    return sorted(k for k in before if after.get(k) != before[k])

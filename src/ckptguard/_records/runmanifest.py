@@ -28,15 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._resume.digest import file_digest
-from ..errors import (
-    CheckpointCorruptError,
-    CheckpointIncompleteError,
-    ConfigError,
-    RunStepError,
-    VersionMismatchError,
-)
-from . import layout as _layout
+from .._disk import layout as _layout
+from .._disk.digest import file_digest
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError, RunStepError, VersionMismatchError
 from . import manifest as _manifest
 
 RUN_FORMAT_VERSION = 1
