@@ -49,6 +49,7 @@ from ._core.guard import GuardTarget
 from ._core.root import Root
 from ._disk import layout as _layout
 from ._dist import Wire, gather_decide, make_agreement, on_every_rank
+from ._records import checks as _checks
 from ._records import manifest as _manifest
 from ._records import runmanifest
 from ._records import trust as _trust
@@ -272,7 +273,7 @@ class RunCheckpoint:
     def committed_steps(self) -> list[int]:
         """Run steps with every role's part in place and no newer than the tracker, ascending."""
         return _layout.committed_steps(
-            self.root, self._naming, lambda path: runmanifest.checked(path, roles=list(self._ranks)))
+            self.root, self._naming, lambda path: _checks.checked_run_step(path, roles=list(self._ranks)))
 
     def resolve(
         self,
@@ -300,7 +301,7 @@ class RunCheckpoint:
                 mode,
                 Path(path) if path is not None else None,
                 chosen,
-                read_manifest=lambda d: runmanifest.checked(d, roles=names),
+                read_manifest=lambda d: _checks.checked_run_step(d, roles=names),
             )
             view = ResolveView(res.step, str(res.path) if res.path else None)
         except Exception as exc:  # shipped, so no rank waits for a peer that raised

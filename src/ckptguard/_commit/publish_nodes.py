@@ -35,6 +35,7 @@ from .._context import Context
 from .._disk import layout as _layout
 from .._dist import gather_decide
 from .._records import manifest as _manifest
+from .._records.checks import rank_reads
 from ..errors import (
     CheckpointError,
     WriteFailure,
@@ -184,7 +185,6 @@ def _plan_nodes(
     failures = [r.failure for r in reports if r.failure]
     if failures:
         return NodePlan(failures)
-    from .._records.checks import rank_reads
 
     try:
         md = read_dcp_metadata(tmp / _layout.STATE_DIR)

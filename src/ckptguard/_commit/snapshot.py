@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .._context import Context
 from .._disk.digest import digest
@@ -106,7 +107,6 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
 def _chunk_id(key: str, t: torch.Tensor) -> str:
     """Where DCP files this rank's piece of ``key``: the key and the chunk's global offset."""
     if hasattr(t, "device_mesh") and hasattr(t, "placements"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1]
         return f"{key}@{tuple(int(o) for o in offsets)}"

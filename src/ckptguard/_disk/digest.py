@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # Hash GPU tensors through a bounded host buffer instead of one full host copy.
 _CHUNK_BYTES = 64 << 20
@@ -97,7 +98,7 @@ def _update_from_cuda(h: xxhash.xxh3_64, flat: torch.Tensor) -> None:
     flat.record_stream(stream)  # the caller's allocator must not reuse flat before the copies finish
 
 
-def _update(
+def update_digest(
     h: xxhash.xxh3_64, obj: Any, on_tensor: Callable[[torch.Tensor], Feed | None] | None = None,
     *, structure: bool = False,
 ) -> None:
@@ -110,12 +111,12 @@ def _update(
         h.update(b"{")
         for key in sorted(obj, key=repr):
             h.update(repr(key).encode() + b":")
-            _update(h, obj[key], on_tensor, structure=structure)
+            update_digest(h, obj[key], on_tensor, structure=structure)
         h.update(b"}")
     elif isinstance(obj, (list, tuple)):
         h.update(b"[" if isinstance(obj, list) else b"(")
         for item in obj:
-            _update(h, item, on_tensor, structure=structure)
+            update_digest(h, item, on_tensor, structure=structure)
             h.update(b",")
         h.update(b"]")
     else:
@@ -130,22 +131,22 @@ def update_tensor_header(h: xxhash.xxh3_64, t: torch.Tensor) -> None:
 
 DIGEST_BYTES = "bytes"
 DIGEST_STRUCTURE = "structure"
-_STRUCTURE_SEED = b"ckptguard-structure|"  # a structure digest never equals a bytes digest of the same object
+STRUCTURE_SEED = b"ckptguard-structure|"  # a structure digest never equals a bytes digest of the same object
 
 
 def structure_digest(obj: Any) -> str:
     """xxh3-64 of ``obj``'s structure: keys, containers, every non-tensor leaf, and each tensor's dtype and
     (local) shape, not its bytes. A tensor item's bytes are covered by its layout-free digest instead."""
     h = xxhash.xxh3_64()
-    h.update(_STRUCTURE_SEED)
-    _update(h, obj, structure=True)
+    h.update(STRUCTURE_SEED)
+    update_digest(h, obj, structure=True)
     return h.hexdigest()
 
 
 def digest(obj: Any) -> str:
     """xxh3-64 hex digest of a nested structure of tensors and plain values."""
     h = xxhash.xxh3_64()
-    _update(h, obj)
+    update_digest(h, obj)
     return h.hexdigest()
 
 
@@ -473,7 +474,6 @@ def _rows_sum(words: torch.Tensor, starts: np.ndarray) -> int:
 def _global_offset(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """This rank's piece of ``t`` and where it starts in the global tensor."""
     if hasattr(t, "device_mesh") and hasattr(t, "placements"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local = t.to_local()  # type: ignore[attr-defined]  # a DTensor; torch types it as Tensor
@@ -640,7 +640,7 @@ def digest_with_layout_free(obj: Any, keys: Mapping[str, torch.Tensor], item: st
             return feed
 
         h = xxhash.xxh3_64()
-        _update(h, obj, on_tensor)
+        update_digest(h, obj, on_tensor)
         for key, t in keys.items():  # a tensor the walk did not reach (none in a captured item)
             if key in pending.get(id(t), []):
                 local, offset = _global_offset(t)

@@ -284,13 +284,13 @@ _TEMP_FILE = re.compile(r"\.tmp-[0-9a-f]{8}\Z")
 def write_owner(tmp: Path, *, node: str | None = None) -> None:
     """``node``: the node identity of the creating rank (a save's temp directory), so a rank of
     another node that finds this directory at its own root's path knows it is not its node's disk."""
-    owner: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "start": _proc_start(os.getpid())}
+    owner: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "start": proc_start(os.getpid())}
     if node is not None:
         owner["node"] = node
     (tmp / OWNER_NAME).write_text(json.dumps(owner))
 
 
-def _proc_start(pid: int) -> str | None:
+def proc_start(pid: int) -> str | None:
     # The start time tells a live owner from a recycled PID.
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -327,7 +327,7 @@ def owner_state(directory: Path, *, max_age_s: float) -> str:
     pid = owner["pid"]
     if pid <= 0 or not Path(f"/proc/{pid}").exists():
         return "dead"
-    return "alive" if _proc_start(pid) == owner.get("start") else "dead"
+    return "alive" if proc_start(pid) == owner.get("start") else "dead"
 
 
 def owner_is_dead(tmp: Path, *, max_age_s: float) -> bool:

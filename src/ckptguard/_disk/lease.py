@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .._dist import Agreement, Wire, gather_decide
 from ..errors import CheckpointCorruptError, LeaseHeldError
-from .layout import _proc_start, atomic_write_bytes, fsync_dir, parse_json, read_small
+from .layout import atomic_write_bytes, fsync_dir, parse_json, proc_start, read_small
 
 log = logging.getLogger("ckptguard")
 
@@ -53,7 +53,7 @@ class Owner:
     @classmethod
     def me(cls) -> Owner:
         now = time.time()
-        return cls(socket.gethostname(), os.getpid(), _proc_start(os.getpid()), now, now)
+        return cls(socket.gethostname(), os.getpid(), proc_start(os.getpid()), now, now)
 
     def same_process(self, other: Owner) -> bool:
         return (self.host, self.pid, self.start) == (other.host, other.pid, other.start)
@@ -67,7 +67,7 @@ class Owner:
 
 
 def _alive_here(owner: Owner) -> bool:
-    return Path(f"/proc/{owner.pid}").exists() and _proc_start(owner.pid) == owner.start
+    return Path(f"/proc/{owner.pid}").exists() and proc_start(owner.pid) == owner.start
 
 
 @dataclass(frozen=True)

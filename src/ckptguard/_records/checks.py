@@ -6,79 +6,28 @@ manifest that leave the step directory are findings and are never opened.
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .._disk import layout as _layout
 from .._disk.digest import file_digest
-from ..errors import CheckpointError, RunStepError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    RunStepError,
+    UnsafeCheckpointError,
+)
 from ..storage.base import DCP_METADATA
 from ..storage.unpickler import read_dcp_metadata
 from . import manifest as _manifest
+from . import runmanifest
+from .findings import RESTORE_HINT, Finding, Severity, finding
+from .runmanifest import RunManifest
 
 _ALLOWED_EXTRA = {_layout.MANIFEST_NAME}
-
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def printable(text: str) -> str:
-    """``text`` with every non-printable character escaped (``\\n``, ``\\x1b``, ``\\u202e``).
-
-    File names come from the disk: a newline in one would forge a line of output, an
-    ANSI escape would rewrite the terminal, and an undecodable byte (a surrogate after
-    ``os.fsdecode``) would make printing raise. Undecodable bytes show as ``\\xNN``."""
-    if text.isprintable():
-        return text
-    out = []
-    for ch in text:
-        if ch.isprintable():
-            out.append(ch)
-        elif ch in _NAMED:
-            out.append(_NAMED[ch])
-        elif 0xDC80 <= ord(ch) <= 0xDCFF:  # surrogateescape: the raw byte of the name
-            out.append(f"\\x{ord(ch) - 0xDC00:02x}")
-        elif ord(ch) < 0x100:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
-    return "".join(out)
-
-
-class Severity(str, enum.Enum):
-    ERROR = "ERROR"
-    WARNING = "WARNING"
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing wrong: what, which file, what to do."""
-
-    severity: Severity
-    code: str
-    path: str
-    message: str
-    fix: str
-
-    def line(self) -> str:
-        """One line of output; names from the disk are escaped, so it is always exactly one line."""
-        text = f"{self.severity.value:<7} {self.code:<18} {self.path}: {self.message}; {self.fix}"
-        return printable(text)
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["severity"] = self.severity.value
-        # JSON escapes control characters itself; undecodable bytes of a name become \\xNN,
-        # since a lone surrogate cannot be encoded as UTF-8 by the reader of the output.
-        out["path"] = out["path"].encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        return out
-
-
-def _err(code: str, path: Path | str, message: str, fix: str) -> Finding:
-    return Finding(Severity.ERROR, code, str(path), message, fix)
 
 
 def safe_member(step_dir: Path, rel: str) -> Path | None:
@@ -96,9 +45,6 @@ def safe_member(step_dir: Path, rel: str) -> Path | None:
     return path
 
 
-RESTORE_HINT = "restore an earlier committed step, or copy the file back from where it was written"
-
-
 def _check_files(
     step_dir: Path, manifest: _manifest.Manifest, entries: list[dict[str, Any]] | None = None
 ) -> tuple[list[Finding], list[tuple[Path, dict[str, Any]]]]:
@@ -109,7 +55,7 @@ def _check_files(
         path = safe_member(step_dir, rel) if not (lexical and (step_dir / rel).is_symlink()) else step_dir / rel
         if path is None:
             findings.append(
-                _err(
+                finding(
                     "unsafe-path",
                     step_dir / _layout.MANIFEST_NAME,
                     f"lists {rel!r}, which leaves the step directory (absolute, '..' or a symlink out)",
@@ -119,7 +65,7 @@ def _check_files(
             continue
         if path.is_symlink():
             findings.append(
-                _err(
+                finding(
                     "symlink",
                     path,
                     "is a symlink; checkpoint files are regular files",
@@ -129,7 +75,7 @@ def _check_files(
             continue
         if not path.is_file():
             findings.append(
-                _err(
+                finding(
                     "missing-file",
                     path,
                     f"is listed in the manifest (rank {entry.get('rank')}) but absent",
@@ -140,7 +86,8 @@ def _check_files(
         size = path.stat().st_size
         if size == 0 or size != entry.get("size"):
             code = "empty-file" if size == 0 else "size-mismatch"
-            findings.append(_err(code, path, f"has {size} bytes, the manifest says {entry.get('size')}", RESTORE_HINT))
+            said = f"has {size} bytes, the manifest says {entry.get('size')}"
+            findings.append(finding(code, path, said, RESTORE_HINT))
             continue
         ok.append((path, entry))
     return findings, ok
@@ -165,7 +112,7 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
         names = ", ".join(str(r) for r in missing) + (" ..." if count > len(missing) else "")
         path = step_dir / _layout.extras_name(missing[0]) if count == 1 else step_dir
         findings.append(
-            _err(
+            finding(
                 "missing-rank",
                 path,
                 f"{count} of {world} ranks have no extras in the manifest (rank {names})"
@@ -180,14 +127,14 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
     if f"{_layout.STATE_DIR}/{DCP_METADATA}" not in listed:
         return [
             *findings,
-            _err("missing-file", state / DCP_METADATA, "DCP metadata is not in the manifest", RESTORE_HINT),
+            finding("missing-file", state / DCP_METADATA, "DCP metadata is not in the manifest", RESTORE_HINT),
         ]
     try:
         md = read_dcp_metadata(state)
     except UnsafeCheckpointError as exc:
         return [
             *findings,
-            _err(
+            finding(
                 "unsafe-path",
                 state / DCP_METADATA,
                 str(exc).split(": DCP writes")[0].split("; ckptguard")[0],
@@ -195,12 +142,12 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
             ),
         ]
     except (CheckpointError, OSError) as exc:
-        return [*findings, _err("bad-metadata", state / DCP_METADATA, str(exc).split(";")[0], RESTORE_HINT)]
+        return [*findings, finding("bad-metadata", state / DCP_METADATA, str(exc).split(";")[0], RESTORE_HINT)]
     referenced = {info.relative_path for info in (md.storage_data or {}).values()}
     for rel in sorted(referenced):
         if f"{_layout.STATE_DIR}/{rel}" not in listed:
             findings.append(
-                _err(
+                finding(
                     "missing-shard",
                     state / rel,
                     "DCP metadata points at it but the manifest does not list it",
@@ -215,7 +162,7 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
         data_file = rel.startswith(prefix) and rel.endswith(".distcp") and int(f.get("size") or 0) > 0
         if data_file and rel[len(prefix):] not in referenced:
             findings.append(
-                _err(
+                finding(
                     "unreferenced-shard",
                     step_dir / rel,
                     "the manifest lists this data file but the DCP metadata points at none of its bytes "
@@ -260,7 +207,7 @@ def verify_step(step_dir: Path, *, deep: bool = False, progress: Callable[[int],
     step_dir = Path(step_dir)
     if step_dir.is_symlink():
         return [
-            _err(
+            finding(
                 "symlink",
                 step_dir,
                 "the step directory is a symlink",
@@ -271,7 +218,7 @@ def verify_step(step_dir: Path, *, deep: bool = False, progress: Callable[[int],
         return _verify_step(step_dir, deep=deep, progress=progress)
     except Exception as exc:  # one bad step is one finding, never a failure of the whole root
         return [
-            _err(
+            finding(
                 "check-failed",
                 step_dir,
                 f"could not be checked ({type(exc).__name__}: {str(exc)[:300]})",
@@ -284,9 +231,7 @@ def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] 
     try:
         manifest = _manifest.read(step_dir)
     except RunStepError:  # several roles committed as one step: each role's part is checked as a step
-        from . import runmanifest
-
-        return runmanifest.verify(step_dir, deep=deep, progress=progress)
+        return verify_run_step(step_dir, deep=deep, progress=progress)
     except CheckpointError as exc:
         code = "no-manifest" if isinstance(exc, FileNotFoundError) else "bad-manifest"
         where = step_dir / _layout.MANIFEST_NAME
@@ -294,7 +239,7 @@ def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] 
         if what.startswith(str(where)):  # the finding names the file already
             what = what[len(str(where)) :].lstrip(": ") or what
         return [
-            _err(
+            finding(
                 code,
                 where,
                 what,
@@ -317,7 +262,7 @@ def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] 
                 progress(entry["size"])
             if xxh != entry.get("xxh3"):
                 findings.append(
-                    _err(
+                    finding(
                         "checksum",
                         path,
                         f"xxh3 {xxh} differs from the manifest's {entry.get('xxh3')} "
@@ -338,10 +283,10 @@ def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[s
     try:
         node = _manifest.read_node(step_dir)
     except CheckpointError as exc:
-        return None, [_err("bad-node-manifest", where, str(exc).split(": ", 1)[-1], RESTORE_HINT)]
+        return None, [finding("bad-node-manifest", where, str(exc).split(": ", 1)[-1], RESTORE_HINT)]
     if node is None:
         return None, [
-            _err(
+            finding(
                 "no-node-manifest",
                 where,
                 f"is absent: the step was saved on node-local roots ({len(manifest.nodes)} nodes), and this disk "
@@ -351,7 +296,7 @@ def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[s
         ]
     index = int(node["node"])
     if not 0 <= index < len(manifest.nodes):
-        return None, [_err("bad-node-manifest", where, f"names node {index} of {len(manifest.nodes)}", RESTORE_HINT)]
+        return None, [finding("bad-node-manifest", where, f"names node {index} of {len(manifest.nodes)}", RESTORE_HINT)]
     expected = manifest.node_files(index)
 
     def key(files: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
@@ -359,7 +304,7 @@ def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[s
 
     if node["step"] != manifest.step or key(node["files"]) != key(expected):
         return None, [
-            _err(
+            finding(
                 "bad-node-manifest",
                 where,
                 f"lists other files than the global manifest gives node {index} ({manifest.nodes[index]['name']}) "
@@ -368,47 +313,6 @@ def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[s
             )
         ]
     return expected, []
-
-
-def leftover_findings(root: Path, *, max_age_s: float = 24 * 3600.0) -> list[Finding]:
-    """A WARNING per crash leftover in ``root`` (temp directories, trash, temp files, lease
-    take-over markers, foreign temp-like entries) and per unreadable hold file."""
-    from .._disk import lease as _lease
-    from . import retention as _retention
-
-    findings = []
-    for item in _layout.leftovers(root, max_age_s=max_age_s, tmp_files=(_layout.TRACKER_NAME, _lease.LEASE_NAME)):
-        if item.removable:
-            fix = "`ckptguard gc ROOT` removes it"
-        elif item.kind == "foreign":
-            fix = "ckptguard never removes it; delete it by hand if it is yours and unneeded"
-        else:
-            fix = "if that process is a stuck save, stop it; `ckptguard gc ROOT` removes it once the owner is gone"
-        code = "foreign-entry" if item.kind == "foreign" else item.kind
-        findings.append(Finding(Severity.WARNING, code, str(item.path), item.detail, fix))
-    for marker, dead in _lease.leftover_markers(root):
-        if dead:
-            findings.append(
-                Finding(
-                    Severity.WARNING,
-                    "takeover-marker",
-                    str(marker),
-                    "a lease take-over marker whose writer is dead",
-                    "`ckptguard gc ROOT` removes it; the next take-over also steps past it",
-                )
-            )
-    for step, reason in sorted(_retention.holds(root).items()):
-        if reason.startswith("UNREADABLE"):
-            findings.append(
-                Finding(
-                    Severity.WARNING,
-                    "bad-hold",
-                    str(root / _retention.HOLDS_DIR / f"{step}.json"),
-                    f"cannot be read, so step {step} stays held",
-                    f"rewrite it with `ckptguard hold ROOT {step} --reason ...`, or `ckptguard release ROOT {step}`",
-                )
-            )
-    return findings
 
 
 def deep_bytes(step_dir: Path) -> int:
@@ -456,3 +360,98 @@ def rank_reads(md: Any, rank: int) -> set[str]:
     return needed
 
 
+
+# ---------------------------------------------------------------- run steps (several roles)
+
+
+def role_problem(step_dir: Path, run: RunManifest, role: str) -> str | None:
+    """Why ``role``'s part of the run step is not there as committed (None: it is): the quick check."""
+    part = step_dir / role
+    if part.is_symlink() or not part.is_dir():
+        return f"its part {part} is {'a symlink' if part.is_symlink() else 'missing'}"
+    entry = run.roles[role]
+    try:
+        size, xxh3 = file_digest(str(part / _layout.MANIFEST_NAME))
+    except OSError:
+        return f"its part {part} has no {_layout.MANIFEST_NAME}"
+    if (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
+        return (
+            f"{part / _layout.MANIFEST_NAME} has {size} bytes and xxh3 {xxh3}, the run manifest recorded "
+            f"{entry.manifest_bytes} bytes and xxh3 {entry.manifest_xxh3} (replaced after the commit)"
+        )
+    errors = [f for f in verify_step(part) if f.severity.value == "ERROR" and f.code != "unexpected-file"]
+    return errors[0].line() if errors else None
+
+
+def checked_run_step(step_dir: Path, *, roles: list[str] | None = None) -> RunManifest:
+    """``read`` plus every role's part (quick check), and the roles equal to ``roles`` when given:
+    a step missing a role, or with one damaged, raises naming the role."""
+    run = runmanifest.read(step_dir)
+    where = f"run step {run.step} at {step_dir}"
+    if roles is not None and set(roles) != set(run.roles):
+        missing, extra = sorted(set(roles) - set(run.roles)), sorted(set(run.roles) - set(roles))
+        raise CheckpointIncompleteError(
+            f"{where} holds the roles {sorted(run.roles)}, this run declares {sorted(roles)}"
+            + (f"; role(s) {missing} have no part in it" if missing else "")
+            + (f"; role(s) {extra} would not be restored" if extra else "")
+            + ". Declare the same roles as the run that saved it, or restore an earlier step"
+        )
+    for role in sorted(run.roles):
+        why = role_problem(step_dir, run, role)
+        if why is not None:
+            raise CheckpointIncompleteError(
+                f"{where} is missing role {role!r}: {why}. A step missing a role is not committed; restore an "
+                "earlier step (restore(path=...)) or copy the role's files back, then `ckptguard verify` it"
+            )
+        part = _manifest.read(step_dir / role)
+        if part.step != run.step or part.chain_id != run.chain_id:
+            raise CheckpointCorruptError(
+                f"{where}: role {role!r} holds step {part.step} of chain {part.chain_id!r}, the run manifest "
+                f"step {run.step} of chain {run.chain_id!r}; restore an earlier step"
+            )
+    return run
+
+
+def verify_run_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None) -> list[Any]:
+    """Findings of a run step (``checks.verify_step`` for a run manifest): each role's part checked
+    as a step, its findings naming the role, plus roles missing or replaced and stray entries."""
+    def err(code: str, path: Path, message: str, fix: str) -> Finding:
+        return Finding(Severity.ERROR, code, str(path), message, fix)
+
+    try:
+        run = runmanifest.read(step_dir)
+    except Exception as exc:  # a finding, never a raise (verify_step's contract)
+        return [err("bad-manifest", step_dir / _layout.MANIFEST_NAME, str(exc).split(";")[0],
+                    "this run step is not committed: never restore it; resume from the tracker's step")]
+    fix = "a step missing a role is not committed: restore an earlier step, or copy the role's files back"
+    findings = []
+    for role in sorted(run.roles):
+        part = step_dir / role
+        if part.is_symlink() or not part.is_dir():
+            findings.append(err("missing-role", part, f"role {role!r} of run step {run.step} is missing", fix))
+            continue
+        entry = run.roles[role]
+        try:
+            size, xxh3 = file_digest(str(part / _layout.MANIFEST_NAME))
+        except OSError:
+            size, xxh3 = -1, ""
+        if size >= 0 and (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
+            findings.append(err("role-manifest", part / _layout.MANIFEST_NAME,
+                                f"role {role!r}: differs from what the run manifest recorded", fix))
+        for f in verify_step(part, deep=deep, progress=progress):
+            findings.append(Finding(f.severity, f.code, f.path, f"role {role!r}: {f.message}", f.fix))
+    for entry_path in sorted(step_dir.iterdir()):
+        if entry_path.name != _layout.MANIFEST_NAME and entry_path.name not in run.roles:
+            findings.append(Finding(Severity.ERROR, "unexpected-file", str(entry_path),
+                                    "is not a role of the run manifest (a leftover or a foreign write)",
+                                    "find out who wrote it, then delete it; the checkpoint itself is intact"))
+    return findings
+
+
+def read_any(step_dir: Path) -> Any:
+    """The commit marker of a single-role step (``manifest.read``) or of a run step (``checked_run_step``:
+    every role's part in place); what the operator tools read to call a step committed."""
+    try:
+        return _manifest.read(step_dir)
+    except RunStepError:
+        return checked_run_step(step_dir)

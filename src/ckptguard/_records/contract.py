@@ -8,10 +8,12 @@ with ``CheckpointManager.declare_phase`` (a new file; an old one is never edited
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +106,6 @@ def hash_imported_files(packages: Iterable[str]) -> str:
     later (lazily) counts from the first call on, and a change to it changes the hash. The
     packages must be importable (their parents are imported to locate them); only ``*.py``
     files count, ``__pycache__`` and links leaving the package are skipped."""
-    import importlib.util
 
     prefixes = sorted(set(packages))
     h = xxhash.xxh3_64()
@@ -302,7 +303,6 @@ def check_chain(root: Path, chain_id: str, *, where: str) -> None:
 
 def adopt(root: Path, contract: RunContract | None, chain_id: str, reason: str) -> Path:
     """Append a phase that adopts ``chain_id``; creates the root's phase 0 if it has none."""
-    import uuid
 
     if not reason.strip():
         raise ConfigError("adopt: give a reason (why this run continues from another chain)")

@@ -29,6 +29,7 @@ from typing import Protocol
 from .._disk import layout as _layout
 from ..errors import CheckpointError, ConfigError
 from . import trust as _trust
+from .checks import verify_step
 
 log = logging.getLogger("ckptguard")
 
@@ -166,8 +167,6 @@ class RetentionReport:
 
 def _is_committed(path: Path) -> str | None:
     """None if the quick check passes, else why not."""
-    from .checks import verify_step
-
     errors = [f for f in verify_step(path) if f.severity.value == "ERROR" and f.code != "unexpected-file"]
     return errors[0].line() if errors else None
 

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._disk import layout as _layout
 from .._disk.digest import file_digest
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError, RunStepError, VersionMismatchError
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError, VersionMismatchError
 from . import manifest as _manifest
 
 RUN_FORMAT_VERSION = 1
@@ -181,100 +180,3 @@ def read(step_dir: Path) -> RunManifest:
         contract=data["contract"] if isinstance(data.get("contract"), dict) else {},
         created_unix=float(data.get("created_unix", 0.0)),
     )
-
-
-def role_problem(step_dir: Path, run: RunManifest, role: str) -> str | None:
-    """Why ``role``'s part of the run step is not there as committed (None: it is): the quick check."""
-    from .checks import verify_step
-
-    part = step_dir / role
-    if part.is_symlink() or not part.is_dir():
-        return f"its part {part} is {'a symlink' if part.is_symlink() else 'missing'}"
-    entry = run.roles[role]
-    try:
-        size, xxh3 = file_digest(str(part / _layout.MANIFEST_NAME))
-    except OSError:
-        return f"its part {part} has no {_layout.MANIFEST_NAME}"
-    if (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
-        return (
-            f"{part / _layout.MANIFEST_NAME} has {size} bytes and xxh3 {xxh3}, the run manifest recorded "
-            f"{entry.manifest_bytes} bytes and xxh3 {entry.manifest_xxh3} (replaced after the commit)"
-        )
-    errors = [f for f in verify_step(part) if f.severity.value == "ERROR" and f.code != "unexpected-file"]
-    return errors[0].line() if errors else None
-
-
-def checked(step_dir: Path, *, roles: list[str] | None = None) -> RunManifest:
-    """``read`` plus every role's part (quick check), and the roles equal to ``roles`` when given:
-    a step missing a role, or with one damaged, raises naming the role."""
-    run = read(step_dir)
-    where = f"run step {run.step} at {step_dir}"
-    if roles is not None and set(roles) != set(run.roles):
-        missing, extra = sorted(set(roles) - set(run.roles)), sorted(set(run.roles) - set(roles))
-        raise CheckpointIncompleteError(
-            f"{where} holds the roles {sorted(run.roles)}, this run declares {sorted(roles)}"
-            + (f"; role(s) {missing} have no part in it" if missing else "")
-            + (f"; role(s) {extra} would not be restored" if extra else "")
-            + ". Declare the same roles as the run that saved it, or restore an earlier step"
-        )
-    for role in sorted(run.roles):
-        why = role_problem(step_dir, run, role)
-        if why is not None:
-            raise CheckpointIncompleteError(
-                f"{where} is missing role {role!r}: {why}. A step missing a role is not committed; restore an "
-                "earlier step (restore(path=...)) or copy the role's files back, then `ckptguard verify` it"
-            )
-        part = _manifest.read(step_dir / role)
-        if part.step != run.step or part.chain_id != run.chain_id:
-            raise CheckpointCorruptError(
-                f"{where}: role {role!r} holds step {part.step} of chain {part.chain_id!r}, the run manifest "
-                f"step {run.step} of chain {run.chain_id!r}; restore an earlier step"
-            )
-    return run
-
-
-def verify(step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None) -> list[Any]:
-    """Findings of a run step (``checks.verify_step`` for a run manifest): each role's part checked
-    as a step, its findings naming the role, plus roles missing or replaced and stray entries."""
-    from .checks import Finding, Severity, verify_step
-
-    def err(code: str, path: Path, message: str, fix: str) -> Finding:
-        return Finding(Severity.ERROR, code, str(path), message, fix)
-
-    try:
-        run = read(step_dir)
-    except Exception as exc:  # a finding, never a raise (verify_step's contract)
-        return [err("bad-manifest", step_dir / _layout.MANIFEST_NAME, str(exc).split(";")[0],
-                    "this run step is not committed: never restore it; resume from the tracker's step")]
-    fix = "a step missing a role is not committed: restore an earlier step, or copy the role's files back"
-    findings = []
-    for role in sorted(run.roles):
-        part = step_dir / role
-        if part.is_symlink() or not part.is_dir():
-            findings.append(err("missing-role", part, f"role {role!r} of run step {run.step} is missing", fix))
-            continue
-        entry = run.roles[role]
-        try:
-            size, xxh3 = file_digest(str(part / _layout.MANIFEST_NAME))
-        except OSError:
-            size, xxh3 = -1, ""
-        if size >= 0 and (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
-            findings.append(err("role-manifest", part / _layout.MANIFEST_NAME,
-                                f"role {role!r}: differs from what the run manifest recorded", fix))
-        for f in verify_step(part, deep=deep, progress=progress):
-            findings.append(Finding(f.severity, f.code, f.path, f"role {role!r}: {f.message}", f.fix))
-    for entry_path in sorted(step_dir.iterdir()):
-        if entry_path.name != _layout.MANIFEST_NAME and entry_path.name not in run.roles:
-            findings.append(Finding(Severity.ERROR, "unexpected-file", str(entry_path),
-                                    "is not a role of the run manifest (a leftover or a foreign write)",
-                                    "find out who wrote it, then delete it; the checkpoint itself is intact"))
-    return findings
-
-
-def read_any(step_dir: Path) -> Any:
-    """The commit marker of a single-role step (``manifest.read``) or of a run step (``checked``:
-    every role's part in place); what the operator tools read to call a step committed."""
-    try:
-        return _manifest.read(step_dir)
-    except RunStepError:
-        return checked(step_dir)

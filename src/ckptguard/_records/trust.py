@@ -38,6 +38,7 @@ from typing import Any
 
 from .._disk import layout as _layout
 from .._dist import Wire
+from .._state.trajectory import scalar
 from ..errors import CheckpointCorruptError, ConfigError
 
 TRUST_NAME = "trust.json"
@@ -191,9 +192,8 @@ class HealthLog:
     ) -> HealthView:
         """This rank's view of ``save(step, healthy=, loss=, grad_norm=)``: the arguments as scalars (a bad one
         raises, failing the save on every rank) and ``earlier``, why an earlier save of the step was skipped."""
-        from .._state.trajectory import _scalar
 
-        metrics = {n: _scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
+        metrics = {n: scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
         known_bad = [f"an earlier save of step {step} was skipped as unhealthy ({earlier})"] if earlier else None
         return self.view(policy, step, healthy, metrics, known_bad)
 

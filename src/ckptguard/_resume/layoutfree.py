@@ -82,7 +82,7 @@ def _live_tensors(ctx: Context, state: dict[str, Any], targets: dict[str, Any]) 
     for name, (kind, _sd, _flat) in targets.items():
         if kind in _TENSOR_KINDS:
             flat: dict[str, Any] = {}
-            _state._flatten(_state.current_state(name, state[name], kind, state), name, flat, ctx.keyfn())
+            _state.flatten(_state.current_state(name, state[name], kind, state), name, flat, ctx.keyfn())
             out[name] = flat
     return out
 

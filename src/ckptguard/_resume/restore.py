@@ -23,11 +23,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._context import Context
 from .._disk import layout as _layout
-from .._disk.digest import digest
+from .._disk.digest import digest, file_digest
 from .._dist import Wire, gather_decide, on_every_rank
 from .._records import contract as _contract
 from .._records import manifest as _manifest
 from .._records import trust as _trust
+from .._records.checks import files_needed, safe_member
 from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
@@ -327,13 +328,11 @@ def agree_files(ctx: Context, res: Resolution) -> None:
     if _by_item(ctx, manifest):  # a user rule reads every old rank's extras
         wanted |= {_layout.extras_name(r) for r in range(manifest.world_size)}
     if manifest.world_size == ctx.world:  # same layout: only this rank's shards (node-local storage)
-        from .._records.checks import files_needed
 
         try:
             wanted = files_needed(res.path, manifest, src)
         except CheckpointError as exc:  # e.g. unsafe metadata: every rank raises this same error
             error = error_payload(exc)
-    from .._records.checks import safe_member
 
     for f in [f for f in manifest.files if f["path"] in wanted]:
         p = safe_member(res.path, f["path"])
@@ -540,8 +539,6 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
         mine = [f for f in files if f["path"] in here][ranks.index(ctx.rank) :: len(ranks)]
     if not mine:
         return
-    from .._disk.digest import file_digest
-    from .._records.checks import safe_member
 
     started = time.monotonic()
     for f in mine:
@@ -616,7 +613,6 @@ def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard
         return None
     if plan is not None:
         return plan.record(_reshard.confirm(ctx, plan))
-    from .._disk.digest import digest
 
     rng = digest(_rng.capture()) if ctx.config.restore_rng and RNG_ITEM in manifest.digests.get("0", {}) else None
     src = "rank 0" if ctx.config.reshard is ReshardRule.EXTRAS_FROM_RANK0 else f"rank r % {manifest.world_size}"
@@ -706,8 +702,6 @@ def _layout_free_items(
     lf = manifest.layout_free
     if not lf:
         return set()
-    from .._disk.digest import file_digest
-    from .._records.checks import safe_member
 
     rel = _layout.extras_name(_source_rank(ctx, manifest))
     entry = next((f for f in manifest.files if f.get("path") == rel), None)
@@ -724,7 +718,7 @@ def _layout_free_items(
 
 def _skeleton_digest(ctx: Context, name: str, kind: _state.ItemKind, state: dict[str, Any]) -> str:
     """The item as it is now with each tensor replaced by its DCP key, as the save's skeleton holds it."""
-    skeleton = _state._flatten(_state.current_state(name, state[name], kind, state), name, {}, ctx.keyfn())
+    skeleton = _state.flatten(_state.current_state(name, state[name], kind, state), name, {}, ctx.keyfn())
     return digest(skeleton)
 
 
@@ -733,8 +727,6 @@ def _changed_files(manifest: _manifest.Manifest, rank: int) -> list[str]:
 
     A flipped byte in a shard otherwise reads as "fix load_state_dict"; the files' xxh3 tell
     the two apart. Only this rank's files and the shared ones are hashed (what it read)."""
-    from .._disk.digest import file_digest
-    from .._records.checks import safe_member
 
     step_dir = manifest.path.parent
     changed = []

@@ -147,16 +147,16 @@ def _same(key: str) -> str:
     return key
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], keyfn: KeyFn = _same) -> Any:
+def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], keyfn: KeyFn = _same) -> Any:
     """Replace tensor leaves by references to flat keys, collecting the tensors."""
     if isinstance(obj, torch.Tensor):
         key = keyfn(prefix)
         out[key] = obj
         return {TENSOR_REF: key}
     if isinstance(obj, Mapping):
-        return {k: _flatten(v, f"{prefix}.{k}", out, keyfn) for k, v in obj.items()}
+        return {k: flatten(v, f"{prefix}.{k}", out, keyfn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [_flatten(v, f"{prefix}.{i}", out, keyfn) for i, v in enumerate(obj)]
+        items = [flatten(v, f"{prefix}.{i}", out, keyfn) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
     return obj
 
@@ -228,7 +228,7 @@ def capture(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, Capture
         sd = current_state(name, value, kind, state)
         if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS):
             tensors: dict[str, torch.Tensor] = {}
-            skeleton = _flatten(sd, name, tensors, keyfn)
+            skeleton = flatten(sd, name, tensors, keyfn)
         else:
             tensors, skeleton = {}, sd
         check_weights_only(skeleton, f"state item {name!r}")
@@ -270,7 +270,7 @@ def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str,
         sd = current_state(name, value, kind, state)
         flat: dict[str, torch.Tensor] = {}
         if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS):
-            _flatten(sd, name, flat, keyfn)
+            flatten(sd, name, flat, keyfn)
         targets[name] = (kind, sd, flat)
     return targets
 

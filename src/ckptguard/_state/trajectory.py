@@ -69,7 +69,7 @@ def ids_fields(ids: Any) -> dict[str, Any]:
     return {"sample_ids": digest(ids)}
 
 
-def _scalar(name: str, value: Any) -> float | int | bool | str:
+def scalar(name: str, value: Any) -> float | int | bool | str:
     """An exact scalar for the record; a tensor or NumPy number of one element is read out."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         count = value.numel() if isinstance(value, torch.Tensor) else value.size
@@ -103,11 +103,11 @@ def fingerprint(
     if batch is not None:
         out["batch"] = digest(batch)
     if loss is not None:
-        out["loss"] = _scalar("loss", loss)
+        out["loss"] = scalar("loss", loss)
     if grad_norm is not None:
-        out["grad_norm"] = _scalar("grad_norm", grad_norm)
+        out["grad_norm"] = scalar("grad_norm", grad_norm)
     if extra:
-        out["extra"] = {str(k): _scalar(str(k), v) for k, v in sorted(extra.items())}
+        out["extra"] = {str(k): scalar(str(k), v) for k, v in sorted(extra.items())}
     return out
 
 

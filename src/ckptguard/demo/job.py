@@ -355,7 +355,7 @@ def run_demo(
     return evaluate(root), root
 
 
-def _main() -> None:
+def main() -> None:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m ckptguard.demo", description="one rank of the demo RL job")
@@ -371,4 +371,4 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    main()

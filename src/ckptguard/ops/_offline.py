@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from .._disk import layout as _layout
 from .._disk.digest import (
-    _STRUCTURE_SEED,
-    _update,
+    STRUCTURE_SEED,
     box_sum,
     combine_layout_free,
     digest,
+    update_digest,
     update_tensor_header,
     update_with_tensor,
 )
@@ -45,7 +45,7 @@ from .._records import manifest as _manifest
 from .._state.state import TENSOR_REF, ItemKind
 from ..errors import CheckpointCorruptError
 from ..storage._pool import IOStats
-from ..storage.streaming import StreamingConfig, StreamingStorage, _StreamingReader
+from ..storage.streaming import StreamingConfig, StreamingReader, StreamingStorage
 from ..storage.unpickler import read_dcp_metadata
 
 DEFAULT_BUDGET = 512 << 20
@@ -123,7 +123,7 @@ class _BoxPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the target is the box itself, whatever its offset
 
 
-class _CachedReader(_StreamingReader):
+class _CachedReader(StreamingReader):
     """The streaming reader, with the metadata read (and checked) once for every batch."""
 
     def __init__(self, layout: _Layout, storage: StreamingStorage, stats: IOStats) -> None:
@@ -194,7 +194,7 @@ def _refs(node: Any) -> Iterator[str]:
 
 
 def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor], structure: bool = False) -> None:
-    """``digest._update`` over the skeleton, each tensor fetched when reached (same bytes, same order).
+    """``digest.update_digest`` over the skeleton, each tensor fetched when reached (same bytes, same order).
 
     ``structure``: as ``structure_digest`` (format 3 tensor items): a tensor's dtype and shape only."""
     if isinstance(node, Mapping):
@@ -217,7 +217,7 @@ def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor], structure: bool
             h.update(b",")
         h.update(b"]")
     else:
-        _update(h, node)
+        update_digest(h, node)
 
 
 def skeleton_digest(skeleton: Any, get: Callable[[str], torch.Tensor], *, structure: bool = False) -> str:
@@ -225,7 +225,7 @@ def skeleton_digest(skeleton: Any, get: Callable[[str], torch.Tensor], *, struct
     every tensor at once."""
     h = xxhash.xxh3_64()
     if structure:
-        h.update(_STRUCTURE_SEED)
+        h.update(STRUCTURE_SEED)
     _walk(h, skeleton, get, structure)
     return h.hexdigest()
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._records import checks as _checks
 from .._records import runmanifest as _runmanifest
 from .._records.prooflog import read_records, record_roles
 from .._state.trajectory import difference, numerics, same_bits
@@ -758,7 +759,7 @@ def _gate_run_step(root: Path, roles: list[str]) -> Gate:
     recorded = Path(next(iter(restored.values())).pop()[1])
     step_dir = recorded if recorded.is_dir() else root / recorded.name  # the root was moved since
     try:
-        run = _runmanifest.checked(step_dir)
+        run = _checks.checked_run_step(step_dir)
     except CheckpointError as exc:
         return Gate(name, Status.FAIL, f"run step {step}: {str(exc).split('. ')[0]}")
     declared = sorted(set(roles) | set(run.roles))

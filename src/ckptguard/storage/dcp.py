@@ -188,7 +188,7 @@ class DCPStorage:
 
     def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
         writer = self._writer(state_dir)
-        with _quiet_single_process(ctx):
+        with quiet_single_process(ctx):
             dcp.save(
                 tensors,
                 storage_writer=writer,
@@ -215,8 +215,8 @@ class DCPStorage:
         )
 
     def read(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> None:
-        with _quiet_single_process(ctx):
-            _unwrapped(ctx, lambda: dcp.load(
+        with quiet_single_process(ctx):
+            unwrapped(ctx, lambda: dcp.load(
                 tensors,
                 storage_reader=_SafeReader(state_dir),
                 planner=TensorsOnlyPlanner(state_dir),
@@ -225,7 +225,7 @@ class DCPStorage:
             ))
 
 
-def _unwrapped(ctx: StorageContext, call: Any) -> Any:
+def unwrapped(ctx: StorageContext, call: Any) -> Any:
     """Run a DCP collective; this rank's own error is raised as itself, not wrapped.
 
     DCP gathers every rank's exception into a CheckpointException; the commit protocol
@@ -243,7 +243,7 @@ def _unwrapped(ctx: StorageContext, call: Any) -> Any:
         raise
 
 
-class _quiet_single_process(warnings.catch_warnings):
+class quiet_single_process(warnings.catch_warnings):
     """DCP warns that it assumes one process whenever dist is not initialized; we know."""
 
     def __init__(self, ctx: StorageContext) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import pickle
 import pickletools
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .._disk.layout import read_small
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, UnsafeCheckpointError
 from .base import DCP_METADATA
 
@@ -64,7 +66,6 @@ class SafeMetadataUnpickler(pickle.Unpickler):
 
 
 def _allowed_objects() -> list[Any]:
-    import importlib
 
     out = []
     for module, name in sorted(_ALLOWED_NAMES):
@@ -129,7 +130,6 @@ def read_dcp_metadata(state_dir: Path) -> Metadata:
     file it names must be a plain file name inside ``state_dir``: DCP's own reader joins
     that name to the directory, so an absolute name or one with ``..`` would read tensor
     data from outside the checkpoint."""
-    from .._disk.layout import read_small
 
     path = state_dir / DCP_METADATA
     try:
