@@ -16,7 +16,7 @@ from ._commit.pending import PendingSave
 from ._records.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
 from ._records.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
 from ._records.trust import HealthPolicy, Prefer
-from ._resume.restore import Resolution
+from ._resume.resolve import Resolution
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from ._state.rng import GeneratorState

@@ -32,6 +32,7 @@ from ._records import manifest as _manifest
 from ._records import retention
 from ._records import trust as _trust
 from ._records.prooflog import export_fingerprint, logprob_diff
+from ._resume import resolve as _resolve
 from ._resume import restore as _restore
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
@@ -161,7 +162,7 @@ class CheckpointManager:
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
         prefer: _trust.Prefer | str | None = None,
-    ) -> _restore.Resolution:
+    ) -> _resolve.Resolution:
         """Which step a restore would load and why, agreed by all ranks; loads nothing.
 
         ``prefer="verified"`` (or ``HealthPolicy.prefer``) makes AUTO and MUST pick the newest
@@ -172,7 +173,7 @@ class CheckpointManager:
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
         chosen = self.config.health.prefer if prefer is None else _trust.as_prefer(prefer, "prefer")
         self.wait()  # the agreement is not shared with a background commit
-        return _restore.resolve(self._ctx, mode, Path(path) if path is not None else None, prefer=chosen)
+        return _resolve.resolve(self._ctx, mode, Path(path) if path is not None else None, prefer=chosen)
 
     # ------------------------------------------------------------ save / restore
 

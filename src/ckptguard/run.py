@@ -54,8 +54,9 @@ from ._records import manifest as _manifest
 from ._records import runmanifest
 from ._records import trust as _trust
 from ._records.prooflog import ProofLog, export_fingerprint, logprob_diff
+from ._resume import resolve as _resolve
 from ._resume import restore as _restore
-from ._resume.restore import Resolution, ResolveView
+from ._resume.resolve import Resolution, ResolveView
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from ._state.state import addresses, moved
@@ -295,7 +296,7 @@ class RunCheckpoint:
         res: Resolution | None = None
         names = list(self._ranks)
         try:
-            res = _restore.resolve_local(
+            res = _resolve.resolve_local(
                 self.root,
                 self._naming,
                 mode,
@@ -306,7 +307,7 @@ class RunCheckpoint:
             view = ResolveView(res.step, str(res.path) if res.path else None)
         except Exception as exc:  # shipped, so no rank waits for a peer that raised
             view = ResolveView(error=error_payload(exc))
-        gather_decide(self._run.agreement, "run.resolve", view, _restore.same_checkpoint, decision=_restore.AgreedStep)
+        gather_decide(self._run.agreement, "run.resolve", view, _resolve.same_checkpoint, decision=_resolve.AgreedStep)
         assert res is not None
         return res
 
@@ -691,7 +692,7 @@ class RunCheckpoint:
 
         def check(name: str, ctx: Context) -> None:
             # What restore checks before it reads a tensor, for every role before any role reads one.
-            _restore.agree_files(ctx, parts[name])
+            _resolve.agree_files(ctx, parts[name])
             part = parts[name]
             manifest, extras, _plan = on_every_rank(
                 ctx.agreement, "run.precheck", lambda: _restore.precheck(ctx, part, states[name])

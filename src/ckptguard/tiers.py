@@ -52,7 +52,7 @@ from ._records import manifest as _manifest
 from ._records import trust as _trust
 from ._records.checks import files_needed
 from ._records.retention import KeepLast, RetentionPolicy, default_policy
-from ._resume.restore import resolve_local
+from ._resume.resolve import resolve_local
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from .config import CheckpointConfig, ResumeMode

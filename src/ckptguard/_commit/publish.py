@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from .. import _faults
 from .._context import Context
 from .._disk import layout as _layout
-from .._disk.digest import combine_layout_free
+from .._disk.layoutfree import combine_layout_free
 from .._dist import gather_decide
 from .._records import manifest as _manifest
 from .._state.state import digest_kind

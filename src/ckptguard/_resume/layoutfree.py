@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._context import Context
-from .._disk.digest import combine_layout_free, digest, layout_free_partials
+from .._disk.digest import digest
+from .._disk.layoutfree import combine_layout_free, layout_free_partials
 from .._dist import Wire, gather_decide
 from .._records import manifest as _manifest
 from .._state import rng as _rng

@@ -25,14 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .._disk.digest import (
-    DIGEST_BYTES,
-    DIGEST_STRUCTURE,
-    digest,
-    digest_with_layout_free,
-    layout_free_partials,
-    structure_digest,
-)
+from .._disk.digest import DIGEST_BYTES, DIGEST_STRUCTURE, digest, structure_digest
+from .._disk.layoutfree import digest_with_layout_free, layout_free_partials
 from ..errors import ConfigError, StateMismatchError
 
 TENSOR_REF = "__ckptguard_dcp_key__"

@@ -28,7 +28,7 @@ from .._records import manifest as _manifest
 from .._records import runmanifest as _runmanifest
 from .._records.checks import files_needed, safe_member, verify_step
 from .._records.findings import Finding, Severity
-from .._resume.restore import resolve_local
+from .._resume.resolve import resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
 
