@@ -218,7 +218,7 @@ def test_no_private_reach_in():
 def test_the_reach_in_rule_catches_a_private_name_of_another_module():
     sources = _sources()
     sources["tiers"] += "\n\ndef _peek(mgr):\n    return mgr._ctx, mgr.core._unobserved\n"
-    sources["preempt"] += "\nfrom .run import _in_role\n"
+    sources["preempt"] += "\nfrom .manager import _Written\n"
     assert len(reach_ins(sources)) == 3
 
 

@@ -13,6 +13,8 @@ Public surface::
 """
 
 from ._commit.pending import PendingSave
+from ._core.roles import Role
+from ._core.tierrestore import Tier
 from ._records.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
 from ._records.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
 from ._records.trust import HealthPolicy, Prefer
@@ -55,7 +57,7 @@ from .errors import (
 from .manager import CheckpointManager
 from .preempt import Preempted, PreemptionGuard
 from .rollout import RolloutLedger
-from .run import Role, RunCheckpoint
+from .run import RunCheckpoint
 from .storage import (
     DCPStorage,
     IOStats,
@@ -66,7 +68,7 @@ from .storage import (
     WrittenFile,
     read_dcp_metadata,
 )
-from .tiers import Tier, TieredCheckpoint, TieredSave
+from .tiers import TieredCheckpoint, TieredSave
 
 __all__ = [
     "ChainMismatchError",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .._records import manifest as _manifest
+from .._records import runmanifest as _runmanifest
 from ..errors import CheckpointError
 
 
@@ -50,3 +51,15 @@ def recorded_save_seconds(step_dir: Path) -> float | None:
     except CheckpointError:
         return None
     return float(seconds) if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) else None
+
+
+def recorded_run_save_seconds(step_dir: Path) -> float | None:
+    """A run step's save time: the sum of its roles' recorded ``save_seconds`` (the roles are written one
+    after another); None when rotated out, damaged, or a role's figure is missing."""
+    try:
+        parts = [_manifest.read(step_dir / name).cost or {} for name in _runmanifest.read(step_dir).roles]
+    except CheckpointError:
+        return None  # rotated out or damaged
+    seconds = [c.get("save_seconds") for c in parts]
+    numbers = [float(x) for x in seconds if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    return sum(numbers) if numbers and len(numbers) == len(seconds) else None
