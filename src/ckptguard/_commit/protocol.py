@@ -1,6 +1,6 @@
 """The save side of the File contract: write everything, agree, then publish.
 
-Protocol (DESIGN.md, "Commit protocol"):
+Protocol (docs/architecture.md, the walk of one save; docs/practices.md, 3.3-3.4):
 
 1. Rank 0 prepares: the root and, on a new root, tracker 0 and contract phase 0; it sweeps
    temp directories whose owner died and creates ``.tmp-<step>-<nonce>/``.

@@ -26,7 +26,7 @@ from .stepdir import discard, file_problems
 
 
 def save_cost(ctx: Context, step: int, started: float, files: list[dict[str, Any]]) -> dict[str, Any]:
-    """Size and save time, and the save as a fraction of step time (the guide's section 7)."""
+    """Size and save time, and the save as a fraction of step time (docs/practices.md, 7)."""
     now = time.monotonic()
     step_s = None
     if ctx.last_save is not None and step > ctx.last_save[0]:

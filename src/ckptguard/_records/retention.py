@@ -1,4 +1,4 @@
-"""Rotation that never deletes the checkpoint you need (the guide's rule 7).
+"""Rotation that never deletes the checkpoint you need (docs/practices.md, 7).
 
 Contract: policies are pure functions of the committed steps found on disk, so a restart
 rebuilds the same decision (no in-memory list to lose). A directory is deleted only if it

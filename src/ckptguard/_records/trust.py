@@ -1,6 +1,6 @@
 """Healthy steps only, and how much each committed step is trusted.
 
-Contract (the guide's rule 7 and DESIGN.md, "roles"): a step is **unhealthy** when, on any
+Contract (docs/practices.md, 7): a step is **unhealthy** when, on any
 rank, its ``loss`` or ``grad_norm`` is not finite (taken from the ``save`` arguments, else from
 this rank's ``record_step`` record of the same step), when ``save(..., healthy=False)`` was
 passed, or when the policy's ``check`` returns False. An unhealthy step is never committed:

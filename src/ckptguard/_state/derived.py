@@ -5,7 +5,7 @@ weights, version markers) is registered once with its invalidation callback. The
 parameter version rises on ``mark_restored()`` (the manager calls it after a restore)
 and on ``mark_updated()`` (the trainer calls it after each optimizer step); both run
 the same invalidation path. A cache stamped with an older version raises in ``check``
-when checks are on. This is the guide's DS4 chain (section 5, pitfall 13): files
+when checks are on. This is the derived-state chain of docs/practices.md (5, pitfall 13): files
 restored correctly, but the first export used scales built from the initial weights.
 """
 

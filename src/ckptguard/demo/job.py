@@ -3,7 +3,7 @@
 The loop has the shape of LLM RL post-training, on the CPU: a small transformer policy
 (FSDP2 over gloo ranks), a rollout engine that receives exported weights quantized to
 FP8 with a per-tensor scale cache, a toy reward and a policy-gradient update with Adam
-and a scheduler. The scale cache is the derived state: as in the guide's DS4 chain it
+and a scheduler. The scale cache is the derived state: as in the derived-state chain of docs/practices.md (5) it
 is built at start-up from the initial weights, before the restore. With the fix (the
 default) the restore invalidates it through ``DerivedState``; with ``--no-derived-fix``
 it does not, and the first step after the restore mismatches.

@@ -5,7 +5,7 @@ tensors that rank held (the chunk it wrote, or a replicated key's one full chunk
 checkpoint's own DCP metadata, load them with ``dcp.load`` through ckptguard's streaming
 reader and restricted metadata reader, rebuild the item from the rank's extras, recompute
 its digest for comparison with the manifest, and drop the tensors. A correct save digest
-is not a restore test (the guide, 3.5); this is one. Host memory stays within the budget:
+is not a restore test (docs/practices.md, 3.5); this is one. Host memory stays within the budget:
 tensors are loaded in batches of at most ``budget_bytes`` (a single tensor larger than the
 budget alone), through a reader pool of ``POOL_BYTES``, with one rank's extras at a time;
 never the whole checkpoint. Prints one JSON line per item done (``{"progress": ...}``) and

@@ -5,7 +5,7 @@ quick verify of the files this disk holds: on node-local roots, this node's part
 its node manifest), and, given the new allocation (which host each rank runs on), checks
 that the ranks placed on this node find their files on this disk. It looks at the real
 files, never at where the manifest says they were written; the ranks placed on other nodes
-of node-local roots are reported as not checked (run preflight there). That is the guide's
+of node-local roots are reported as not checked (run preflight there). That is docs/practices.md's
 pitfall 14: node-local checkpoints and a new node set silently restart at step 0. A root
 that does not exist here is NOT READY, never a fresh start.
 

@@ -1,4 +1,4 @@
-"""Proof that a resume is exact: append-only records, and the gates of the guide's section 6.
+"""Proof that a resume is exact: append-only records, and the gates of docs/practices.md, section 6.
 
 Contract: each rank appends JSON lines to ``ROOT/proof/rank_NNNNN.jsonl`` (one record
 per event: save, restore, step, export, logprobs, update), never rewriting earlier lines.

@@ -1,4 +1,4 @@
-"""Verify a written checkpoint without trusting it (the guide's rule 3.5).
+"""Verify a written checkpoint without trusting it (docs/practices.md, 3.5).
 
 Contract: ``verify_step`` returns findings, never raises on bad content. It reads the
 manifest as JSON and DCP's ``.metadata`` only through the restricted unpickler; paths

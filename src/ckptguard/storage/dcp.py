@@ -72,7 +72,7 @@ class _RecordingStream:
     """A file stream that remembers the first OSError of a write, with offset and byte counts.
 
     torch.save inside DCP turns a failed write (ENOSPC, EIO, EDQUOT) into
-    "RuntimeError: unexpected pos N vs M" and drops the errno; the guide's 3.1 asks for
+    "RuntimeError: unexpected pos N vs M" and drops the errno; docs/practices.md, 3.1 asks for
     the first error, so we keep it here and raise it instead.
     """
 
