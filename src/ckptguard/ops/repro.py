@@ -32,7 +32,7 @@ class ReproConfig:
     """One repro run."""
 
     rounds: int = 10
-    """Most saves to attempt; size it to the failure probability (the failures this tool was built for came by round 2-6)."""
+    """Most saves to attempt; size it to the failure probability (the failures it was built for came by round 2-6)."""
     size_gib: float = 1.0
     """Tensor state per save, in GiB, split evenly across ranks."""
     ranks: int = 1
