@@ -227,8 +227,8 @@ def test_publish_never_moves_the_tracker_backwards(tmp_path):
         with pytest.raises(cg.CheckpointWriteError, match="back"):
             mgr.save(5, _w(5))
         assert _layout.read_tracker(root) == 9 and not (root / "step_00000005").exists()
-        deliberate = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None, overwrite=True))
-        deliberate.save(6, _w(6))  # a rollback asked for with overwrite=True still publishes
+        deliberate = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None))
+        deliberate.save(6, _w(6), overwrite=True)  # a rollback asked for with overwrite=True still publishes
         assert _layout.read_tracker(root) == 6
     finally:
         _faults.set_hook("commit.before_manifest", None)

@@ -18,6 +18,24 @@ from .config import CheckpointConfig
 from .storage.base import Storage, StorageContext
 
 
+@dataclass(frozen=True)
+class Actions:
+    """One-shot actions of one save: arguments of the call that asks for them, never config that
+    survives a restart of the job (``save(..., overwrite=True)``, ``save(..., break_lease=True)``)."""
+
+    overwrite: bool = False
+    """Replace a committed step, or save a step older than the tracker (a deliberate rollback)."""
+    break_lease: bool = False
+    """Take the root's write lease even from a live owner (reported in the log)."""
+
+    def with_config(self, config: CheckpointConfig) -> Actions:
+        """These actions, or the deprecated config fields of the same name (kept for one release)."""
+        return Actions(self.overwrite or config.overwrite, self.break_lease or config.break_lease)
+
+
+NO_ACTIONS = Actions()
+
+
 @dataclass
 class Context:
     """Everything a save or restore needs, resolved once by the manager."""

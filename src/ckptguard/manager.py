@@ -22,7 +22,7 @@ from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit.pending import PendingSave
 from ._commit.snapshot import snapshot
-from ._context import Context
+from ._context import NO_ACTIONS, Actions, Context
 from ._core.guard import GuardTarget, recorded_save_seconds
 from ._core.root import Root, check_state, check_step
 from ._disk import layout as _layout
@@ -178,7 +178,8 @@ class CheckpointManager:
     # ------------------------------------------------------------ save / restore
 
     def save(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> Path | None:
         """Commit ``state`` as step ``step`` on every rank, or raise on every rank.
 
@@ -192,16 +193,20 @@ class CheckpointManager:
         returns None (``last_health`` holds the verdict). It returns rather than raises: a
         skipped step is the policy working, not a failed save, and the loop decides whether to
         go on to its next save or roll back; ``if mgr.save(...) is None`` tells it.
+        ``overwrite=True`` replaces a committed step or saves one older than the tracker (a deliberate
+        rollback); ``break_lease=True`` takes the root's write lease from a live owner. Both act on this
+        call only (one-shot actions; ``CheckpointConfig(overwrite=, break_lease=)`` is deprecated).
         """
         check_step(step, "save")
         check_state(state, "save")
         self.wait()
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
-        return self._committed(_commit.save(self._ctx, step, state), step)
+        return self._committed(_commit.save(self._ctx, step, state, Actions(overwrite, break_lease)), step)
 
     def save_async(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> PendingSave | None:
         """Snapshot ``state`` now and commit step ``step`` in the background.
 
@@ -214,12 +219,12 @@ class CheckpointManager:
         silent synchronous save). The tracker moves when the background commit completes; its
         error is raised by ``wait()``, or by the next save, restore or wait.
         The health agreement runs before the snapshot, as in ``save``: an unhealthy step
-        snapshots nothing and returns None.
+        snapshots nothing and returns None. ``overwrite`` and ``break_lease`` as in ``save``.
         """
         check_step(step, "save_async")
         check_state(state, "save_async")
         self.wait()
-        prepared = self.stage_commit(step, state, healthy, loss, grad_norm)
+        prepared = self.stage_commit(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease))
         if prepared is None:
             return None
         run, fence, start = prepared
@@ -227,7 +232,8 @@ class CheckpointManager:
         return self._pending
 
     def stage_commit(
-        self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any
+        self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any,
+        actions: Actions = NO_ACTIONS,
     ) -> tuple[Callable[[], Path], Fence, float] | None:
         """The caller's part of ``save_async`` (the health agreement, the snapshot, the staged copies
         queued): returns the background commit, the mutation fence and the start time, or None for
@@ -238,7 +244,7 @@ class CheckpointManager:
             return None
         start = time.monotonic()
         # The divergence guard hashes every tensor: on the staged copies, in the background.
-        snap = snapshot(self._ctx, step, state, guard=False)
+        snap = snapshot(self._ctx, step, state, guard=False, actions=actions)
         staged = self._staging.stage(snap, state, self.config)
         if staged.live_bytes:
             log.warning(
@@ -312,8 +318,12 @@ class CheckpointManager:
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
         prefer: _trust.Prefer | str | None = None,
+        break_lease: bool = False,
     ) -> int:
         """Load the resolved checkpoint into ``state`` in place; return its step (0: fresh).
+
+        ``break_lease=True``: restore even while another live run holds the root's write lease (the
+        next ``save(..., break_lease=True)`` takes it); otherwise such a restore is refused.
 
         Tensors are written into the existing tensors; plain values are replaced in
         ``state``. Logs one line with the resolved path and step before returning.
@@ -321,7 +331,7 @@ class CheckpointManager:
         """
         check_state(state, "restore")
         self.wait()
-        self.core.check_lease("restore")
+        self.core.check_lease("restore", break_lease=break_lease)
         res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())

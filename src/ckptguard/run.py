@@ -41,7 +41,7 @@ from ._commit import protocol as _commit
 from ._commit.messages import Outcome, raise_if_failed
 from ._commit.publish_run import RunReport, check_shared_root, node_local_message, publish_run_step
 from ._commit.snapshot import Snapshot, snapshot
-from ._context import Context
+from ._context import Actions, Context
 from ._core.guard import GuardTarget, recorded_run_save_seconds
 from ._core.roles import (
     Fences,
@@ -226,6 +226,8 @@ class RunCheckpoint:
         healthy: bool | None = None,
         loss: Any = None,
         grad_norm: Any = None,
+        overwrite: bool = False,
+        break_lease: bool = False,
     ) -> Path | None:
         """Commit every role's state as run step ``step`` on every rank, or raise on every rank.
 
@@ -235,12 +237,13 @@ class RunCheckpoint:
         Healthy steps only, as ``CheckpointManager.save``: when, on any rank of any role, ``loss``
         or ``grad_norm`` (these arguments, else that rank's ``record_step`` of ``step``) is not
         finite, ``healthy=False`` was passed or the policy's check fails, no role commits on any
-        rank: nothing is written, the tracker stays, every rank returns None (``last_health``)."""
+        rank: nothing is written, the tracker stays, every rank returns None (``last_health``).
+        ``overwrite`` and ``break_lease`` act on this call only, as in ``CheckpointManager.save``."""
         if not self._begin(step, states, "save", healthy, loss, grad_norm):
             return None
         started = time.monotonic()
         snaps = self._snapshots(lambda name, ctx: snapshot(ctx, step, states[name]))
-        return self._commit_roles(step, snaps, started)
+        return self._commit_roles(step, snaps, started, Actions(overwrite, break_lease))
 
     def save_async(
         self,
@@ -250,6 +253,8 @@ class RunCheckpoint:
         healthy: bool | None = None,
         loss: Any = None,
         grad_norm: Any = None,
+        overwrite: bool = False,
+        break_lease: bool = False,
     ) -> _async.PendingSave | None:
         """Snapshot every role's state now and commit run step ``step`` in the background, as
         ``CheckpointManager.save_async`` does for one state: the copies go to spare GPU memory or to
@@ -296,7 +301,7 @@ class RunCheckpoint:
 
         def run() -> Path:
             try:
-                return self._commit_roles(step, snaps, started)
+                return self._commit_roles(step, snaps, started, Actions(overwrite, break_lease))
             finally:
                 for pool in pools:
                     pool.done()
@@ -353,9 +358,10 @@ class RunCheckpoint:
             self._roles, lambda name, ctx: snaps.__setitem__(name, take_one(name, ctx))))
         return snaps
 
-    def _commit_roles(self, step: int, snaps: dict[str, Snapshot], started: float) -> Path:
+    def _commit_roles(self, step: int, snaps: dict[str, Snapshot], started: float, actions: Actions) -> Path:
         """Prepare the run step, write every role's part, publish: in the caller's or a background thread."""
-        prep = _commit.prepare(self._run, step)
+        actions = actions.with_config(self.config)
+        prep = _commit.prepare(self._run, step, actions)
         if prep.nodes:  # the probe's verdict changed since (a remount): every rank raises alike
             raise ConfigError(node_local_message(self.root, step, [r for ranks in prep.nodes[1:] for r in ranks]))
         tmp = Path(prep.tmp)
@@ -374,7 +380,7 @@ class RunCheckpoint:
             self._run.agreement,
             "run.written",
             RunReport(list(self._roles), failure),
-            lambda reports: publish_run_step(self._run, step, tmp, prep, reports, self._ranks),
+            lambda reports: publish_run_step(self._run, step, tmp, prep, reports, self._ranks, actions),
             decision=Outcome,
             patience=2.0,
         )
@@ -457,6 +463,7 @@ class RunCheckpoint:
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
         prefer: _trust.Prefer | str | None = None,
+        break_lease: bool = False,
     ) -> int:
         """Load the resolved run step into every role's state in place; return its step (0: fresh).
 
@@ -466,7 +473,7 @@ class RunCheckpoint:
         on a partly restored run. ``prefer`` as in ``resolve``."""
         self._check_states(states, "restore")
         self.wait()
-        self.core.check_lease("restore")
+        self.core.check_lease("restore", break_lease=break_lease)
         res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())

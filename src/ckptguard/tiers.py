@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ._commit import replica as _replica
+from ._context import Actions
 from ._core.guard import GuardTarget, recorded_save_seconds
 from ._core.root import check_state, check_step
 from ._core.tierrestore import Choice, Tier, TierRestore, after_transfers
@@ -200,7 +201,7 @@ class TieredCheckpoint:
     def _save_now(self, step: int, state: dict[str, Any], **save_kwargs: Any) -> Path | None:
         check_step(step, "save")
         self.wait()
-        self._hold_persistent()
+        self._hold_persistent(bool(save_kwargs.get("break_lease", False)))
         home = self._home()
         path = home.save(step, state, **save_kwargs)
         if path is not None and home is self.fast and self.replicas:
@@ -214,34 +215,39 @@ class TieredCheckpoint:
     # ------------------------------------------------------------ save
 
     def save(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> dict[Tier, Path]:
         """Commit ``step`` to the tiers whose interval it is on; returns the committed directories
         (none for a step the health policy skipped on every rank).
 
         The fast tier first (and its peer replicas), then the persistent tier; a failure of
-        either raises on every rank, like ``CheckpointManager.save``."""
+        either raises on every rank, like ``CheckpointManager.save`` (``overwrite`` and ``break_lease``
+        too: one-shot actions of this call, for each tier it saves)."""
         check_step(step, "save")
         self.wait()
         out: dict[Tier, Path] = {}
         if not self._due(step):
             return out  # no collective, no lease write: a loop may call save at every step
-        self._hold_persistent()
+        self._hold_persistent(break_lease)
         if step % self.fast_every == 0:
-            fast = self.fast.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm)
+            fast = self.fast.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm, overwrite=overwrite,
+                                  break_lease=break_lease)
             if fast is None:  # an unhealthy step (CheckpointConfig.health): skipped on every rank, every tier
                 return out
             out[Tier.FAST] = fast
             if self.replicas:
                 self._push(step)
         if self.persistent is not None and step % self.persistent_every == 0:
-            persistent = self.persistent.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm)
+            persistent = self.persistent.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm,
+                                              overwrite=overwrite, break_lease=break_lease)
             if persistent is not None:
                 out[Tier.PERSISTENT] = persistent
         return out
 
     def save_async(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> TieredSave | None:
         """``save`` in the background. Each tier on its interval is snapshotted now as its manager's
         ``save_async`` does (the health agreement; copies queued into its pinned staging pool; the
@@ -258,12 +264,12 @@ class TieredCheckpoint:
         self.wait()
         due = self._due(step)
         if due:
-            self._hold_persistent()
+            self._hold_persistent(break_lease)
         parts: list[tuple[Tier, Callable[[], Path], Fence]] = []
         push = (lambda: self._push(step)) if self.replicas else None
         try:
             for tier, mgr in due:
-                prepared = mgr.stage_commit(step, state, healthy, loss, grad_norm)
+                prepared = mgr.stage_commit(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease))
                 if prepared is None:  # an unhealthy step: skipped on every rank (the fast verdict: every tier)
                     if tier is Tier.FAST or not parts:
                         return None
@@ -304,7 +310,7 @@ class TieredCheckpoint:
                 if mgr is not None:
                     mgr.close()
 
-    def _hold_persistent(self) -> None:
+    def _hold_persistent(self, break_lease: bool = False) -> None:
         """Rank 0 takes (or renews) the persistent root's write lease at every save, creating the root
         (tracker 0: a declared fresh start) at the first one, so the proof records of the fast saves
         before the first persistent save are durable there, and a second live job on the same root is
@@ -321,7 +327,8 @@ class TieredCheckpoint:
             created = not mgr.root.exists()
             if created:
                 mgr.root.mkdir(parents=True)
-            note = _lease.acquire(mgr.root, ttl_s=mgr.config.lease_ttl_s, override=mgr.config.break_lease)
+            override = break_lease or mgr.config.break_lease
+            note = _lease.acquire(mgr.root, ttl_s=mgr.config.lease_ttl_s, override=override)
             if note:
                 log.warning("ckptguard: %s: %s", mgr.root, note)
             if created:
@@ -355,7 +362,7 @@ class TieredCheckpoint:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, state: dict[str, Any], *, mode: ResumeMode = ResumeMode.AUTO) -> int:
+    def restore(self, state: dict[str, Any], *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> int:
         """Load the newest step every rank can load from some tier; return it (0: fresh start).
         ``HealthPolicy(prefer="verified")`` is refused here: the tier choice takes the newest step."""
         if not isinstance(mode, ResumeMode):
@@ -369,16 +376,17 @@ class TieredCheckpoint:
         home = self.persistent or self.fast
         self.wait()  # a pending save_async ends first: the choice below sees its step, or its error is raised
         if mode is ResumeMode.NEVER:
-            return home.restore(state, mode=mode)
+            return home.restore(state, mode=mode, break_lease=break_lease)
         for mgr in (self.fast, self.persistent):  # a duplicate launch stops here, whichever tier it would load
             if mgr is not None:
-                mgr.core.check_lease("restore")
+                mgr.core.check_lease("restore", break_lease=break_lease)
         broken: dict[int, str] = {}  # fast steps whose fetch failed (the same on every rank: an agreed error)
         while True:
             choice = gather_decide(self.fast.context.agreement, "tiers.choose", self._restorer.view(),
                                    lambda views: self._restorer.choose(views, broken), decision=Choice)
             if not choice.tier:
-                return home.restore(state, mode=mode)  # nothing committed anywhere: the manager's own fresh start
+                # Nothing committed anywhere: the manager's own fresh start.
+                return home.restore(state, mode=mode, break_lease=break_lease)
             if choice.fell_back:
                 log.warning("ckptguard: %s", choice.detail)
             else:
@@ -397,7 +405,7 @@ class TieredCheckpoint:
         mgr.core.proof.tags = {**tags, "tier_detail": choice.detail,
                                "replica_ranks": sorted(int(r) for r in choice.senders)}
         try:
-            step = mgr.restore(state, path=mgr.root / mgr.context.naming.name(choice.step))
+            step = mgr.restore(state, path=mgr.root / mgr.context.naming.name(choice.step), break_lease=break_lease)
         finally:
             mgr.core.proof.tags = tags
         self._restorer.align_fast(step, Tier(choice.tier))

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _faults
-from .._context import Context
+from .._context import NO_ACTIONS, Actions, Context
 from .._disk import layout as _layout
 from .._disk.digest import digest, file_digest
 from .._dist import gather_decide
@@ -53,7 +53,7 @@ log = logging.getLogger("ckptguard")
 # ---------------------------------------------------------------- step 1: prepare
 
 
-def prepare(ctx: Context, step: int) -> Prepared:
+def prepare(ctx: Context, step: int, actions: Actions = NO_ACTIONS) -> Prepared:
     nodes: dict[str, list[int]] = {}  # rank 0 only: node -> ranks, from the requests
 
     def decide(requests: list[PrepareRequest]) -> Prepared:
@@ -75,7 +75,7 @@ def prepare(ctx: Context, step: int) -> Prepared:
                     "node-local disk (each node then publishes its own ranks' files)"
                 )
         try:
-            return prepare_root(ctx, step)
+            return prepare_root(ctx, step, actions=actions)
         except CheckpointError:
             raise
         except Exception as exc:  # an OSError of the root: reported like a write failure, with errno and path
@@ -88,7 +88,7 @@ def prepare(ctx: Context, step: int) -> Prepared:
         return prep
     prep = place(ctx, step, prep, nodes)
     if prep.nodes:
-        prepare_nodes(ctx, step, prep)
+        prepare_nodes(ctx, step, prep, actions)
     return prep
 
 
@@ -161,8 +161,8 @@ def _write_and_digest(
 # ---------------------------------------------------------------- steps 3 and 4: confirm and publish
 
 
-def save(ctx: Context, step: int, state: dict[str, Any]) -> Path:
-    return commit(ctx, snapshot(ctx, step, state))
+def save(ctx: Context, step: int, state: dict[str, Any], actions: Actions = NO_ACTIONS) -> Path:
+    return commit(ctx, snapshot(ctx, step, state, actions=actions))
 
 
 def write_part(ctx: Context, step: int, tmp: Path, snap: Snapshot) -> RankReport:
@@ -202,7 +202,7 @@ def commit(ctx: Context, snap: Snapshot, *, part: Prepared | None = None) -> Pat
     if part is not None:
         prep, tmp, publisher = part, Path(part.tmp), RolePartPublisher()
     else:
-        prep = prepare(ctx, snap.step)
+        prep = prepare(ctx, snap.step, snap.actions)
         # This rank's view: on node-local roots its own node's disk, where the name is the same.
         tmp = ctx.root.absolute() / Path(prep.tmp).name
         publisher = NodePublisher() if prep.nodes else SharedRootPublisher()

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
-from .._context import Context
+from .._context import Actions, Context
 from .._disk import layout as _layout
 from .._dist import gather_decide
 from .._records import manifest as _manifest
@@ -112,14 +112,14 @@ def my_node(ctx: Context, prep: Prepared) -> list[int]:
     return next(ranks for ranks in prep.nodes if ctx.rank in ranks)
 
 
-def prepare_nodes(ctx: Context, step: int, prep: Prepared) -> None:
+def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> None:
     """Every other node's publishing rank prepares its own root like rank 0 did; all raise on a failure."""
     mine = my_node(ctx, prep)
     leader = mine[0] == ctx.rank and ctx.rank != 0
     report = NodeReport()
     if leader:
         try:
-            prepare_root(ctx, step, like=prep)
+            prepare_root(ctx, step, like=prep, actions=actions)
         except Exception as exc:
             report = NodeReport(failure_from(exc, rank=ctx.rank, phase="prepare").to_json())
     outcome = gather_decide(
@@ -245,7 +245,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
             try:
                 _layout.atomic_write_json(tmp / _layout.MANIFEST_NAME, plan.manifest)
                 _faults.reached("node.before_rename")
-                trash = rename_in(ctx, step, tmp)
+                trash = rename_in(ctx, step, tmp, snap.actions)
                 published = True
             except Exception as exc:
                 failure = failure_from(exc, rank=ctx.rank, phase="node publish").to_json()

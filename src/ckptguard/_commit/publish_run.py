@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
-from .._context import Context
+from .._context import Actions, Context
 from .._disk import layout as _layout
 from .._dist import Wire, gather_decide
 from .._records import runmanifest
@@ -89,7 +89,8 @@ def check_shared_root(ctx: Context, step: int) -> None:
 
 
 def publish_run_step(
-    ctx: Context, step: int, tmp: Path, prep: Prepared, reports: list[RunReport], declared: dict[str, list[int]]
+    ctx: Context, step: int, tmp: Path, prep: Prepared, reports: list[RunReport], declared: dict[str, list[int]],
+    actions: Actions,
 ) -> Outcome:
     """Rank 0: the run manifest, the rename and the tracker if every role on every rank confirmed."""
     failures = [r.failure for r in reports if r.failure]
@@ -116,7 +117,7 @@ def publish_run_step(
         )
         _layout.atomic_write_json(manifest.path, manifest.to_json())
         _faults.reached("commit.before_rename")
-        _stepdir.publish_dir(ctx, step, tmp)
+        _stepdir.publish_dir(ctx, step, tmp, actions)
     except Exception as exc:
         if tmp.exists():  # refused or failed before the rename: nothing of it may linger
             _stepdir.discard(ctx, tmp)

@@ -28,7 +28,7 @@ class SharedRootPublisher:
 
         def rename_and_move_tracker() -> None:
             _faults.reached("commit.before_rename")
-            publish_dir(ctx, snap.step, tmp)
+            publish_dir(ctx, snap.step, tmp, snap.actions)
 
         confirm_and_publish(ctx, snap, prep, tmp, write, rename_and_move_tracker)
         return ctx.root / ctx.naming.name(snap.step)

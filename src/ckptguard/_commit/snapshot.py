@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .._context import Context
+from .._context import NO_ACTIONS, Actions, Context
 from .._disk.digest import digest
 from .._dist import gather_decide, on_every_rank
 from .._state import rng as _rng
@@ -44,9 +44,13 @@ class Snapshot:
     """monotonic time the caller got control back (async saves), for the step time in the cost block."""
     guarded: bool = True
     """False: the divergence guard has not run yet; ``commit`` runs it first."""
+    actions: Actions = NO_ACTIONS
+    """The one-shot actions of this save (``overwrite``, ``break_lease``)."""
 
 
-def snapshot(ctx: Context, step: int, state: dict[str, Any], *, guard: bool = True) -> Snapshot:
+def snapshot(
+    ctx: Context, step: int, state: dict[str, Any], *, guard: bool = True, actions: Actions = NO_ACTIONS
+) -> Snapshot:
     """Capture every item and the RNG streams, and run the divergence guard (``guard=False``: the
     commit runs it, on the staged copies, so an async save's caller does not wait for its digests)."""
     started = time.monotonic()
@@ -57,7 +61,8 @@ def snapshot(ctx: Context, step: int, state: dict[str, Any], *, guard: bool = Tr
     items, rng = on_every_rank(ctx.agreement, "save.capture", take)
     if guard:
         check_replicated(ctx, items, step)
-    return Snapshot(step, items, rng, started, reshard=ctx.declared_rules(state), guarded=guard)
+    return Snapshot(step, items, rng, started, reshard=ctx.declared_rules(state), guarded=guard,
+                    actions=actions.with_config(ctx.config))
 
 
 def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import xxhash
 
 from .. import _faults
-from .._context import Context
+from .._context import NO_ACTIONS, Actions, Context
 from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._disk.digest import file_digest
@@ -33,13 +33,13 @@ from .pending import log
 FAILED_PREFIX = ".failed-"
 
 
-def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None) -> Prepared:
+def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actions: Actions = NO_ACTIONS) -> Prepared:
     """Rank 0 (or, on node-local roots, each node's publishing rank, ``like`` rank 0's outcome):
     root, tracker 0, phase 0, sweep, existing-step check, temp directory."""
     root = ctx.root
     root.mkdir(parents=True, exist_ok=True)
     # The lease first: a second writer is refused before it changes anything in the root.
-    note = _lease.acquire(root, ttl_s=ctx.config.lease_ttl_s, override=ctx.config.break_lease)
+    note = _lease.acquire(root, ttl_s=ctx.config.lease_ttl_s, override=actions.break_lease)
     if note:
         log.warning("ckptguard: %s: %s", root, note)
     if _layout.read_tracker(root) is None:
@@ -61,17 +61,17 @@ def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None) -> Pr
     name = ctx.naming.name(step)
     existing = root / name
     tracker = _layout.read_tracker(root) or 0
-    if step < tracker and not ctx.config.overwrite:
+    if step < tracker and not actions.overwrite:
         raise ConfigError(
             f"save of step {step} under {root}: the tracker is at step {tracker}; saving an older step would "
             "move it back and orphan the newer ones. If this is a deliberate rollback, set "
-            "CheckpointConfig(overwrite=True); otherwise check the step counter after restore."
+            "save(..., overwrite=True); otherwise check the step counter after restore."
         )
     committed = existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists()
-    if committed and not ctx.config.overwrite:
+    if committed and not actions.overwrite:
         raise ConfigError(
             f"step {step} is already committed at {existing}; saving it again would replace "
-            "it. Save a different step, or set CheckpointConfig(overwrite=True) to replace it "
+            "it. Save a different step, or pass save(..., overwrite=True) to replace it "
             "(it is uncommitted first, then rewritten)."
         )
     # Node-local roots: every node's temp directory has rank 0's name (and, once published, the step's).
@@ -107,19 +107,19 @@ def copy_verified(src: Path, dst: Path, *, expect: str | None = None) -> str:
     return copied
 
 
-def publish_dir(ctx: Context, step: int, tmp: Path) -> None:
+def publish_dir(ctx: Context, step: int, tmp: Path, actions: Actions = NO_ACTIONS) -> None:
     """Rename a temp directory whose commit marker is in place to its step name, then move the tracker."""
-    trash = rename_in(ctx, step, tmp)
+    trash = rename_in(ctx, step, tmp, actions)
     _faults.reached("commit.before_tracker")
     _layout.write_tracker(ctx.root, step)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
 
 
-def rename_in(ctx: Context, step: int, tmp: Path) -> Path | None:
+def rename_in(ctx: Context, step: int, tmp: Path, actions: Actions = NO_ACTIONS) -> Path | None:
     """Publish ``tmp`` (its manifest in place) as the step directory; returns the trash to delete
     after the tracker moved, if a directory of this step was there."""
-    _check_publish(ctx, step)
+    _check_publish(ctx, step, actions)
     final = ctx.root / ctx.naming.name(step)
     trash = None
     if final.exists():
@@ -134,18 +134,18 @@ def rename_in(ctx: Context, step: int, tmp: Path) -> Path | None:
     return trash
 
 
-def _check_publish(ctx: Context, step: int) -> None:
+def _check_publish(ctx: Context, step: int, actions: Actions) -> None:
     """Right before the rename: this run still holds the lease, and no other writer moved the
     tracker past this step since prepare, so a publish never moves the tracker backwards
     (which would orphan a committed newer step) unless ``overwrite`` asked for a rollback."""
     _lease.confirm(ctx.root, step=step)
     tracker = _layout.read_tracker(ctx.root) or 0
     taken = tracker == step and (ctx.root / ctx.naming.name(step)).exists()
-    if (tracker > step or taken) and not ctx.config.overwrite:
+    if (tracker > step or taken) and not actions.overwrite:
         raise ConfigError(
             f"save of step {step} under {ctx.root} is not published: the tracker moved to step {tracker} while "
             "it was written (another writer on this root); publishing would move it back and orphan the newer "
-            "step. Stop the other writer; for a deliberate rollback set CheckpointConfig(overwrite=True)."
+            "step. Stop the other writer; for a deliberate rollback pass save(..., overwrite=True)."
         )
 
 

@@ -109,12 +109,12 @@ class Root:
 
     # ------------------------------------------------------------ lease
 
-    def check_lease(self, where: str) -> None:
+    def check_lease(self, where: str, *, break_lease: bool = False) -> None:
         """Look for another live run holding the root's write lease: at creation a loud warning
         (a front door that only reads stays usable), at ``restore`` a refusal on every rank, so a
         duplicate launch stops before its first training step instead of at its first save. Rank 0
         looks and never writes. ``break_lease`` leaves it to the save."""
-        if self.config.break_lease:
+        if break_lease or self.config.break_lease:
             return
         _lease.check_on_every_rank(
             self.agreement, self.path, ttl_s=self.config.lease_ttl_s, where=where, key=f"{self.lease_key}.{where}"

@@ -251,7 +251,8 @@ def _held(root: Path, owner: Owner) -> LeaseHeldError:
     return LeaseHeldError(
         f"{root} is being written by another run: {owner.describe()}. Two runs must not write one root. "
         "Stop that run, point this one at another root, or, if you are sure it is gone, pass "
-        "CheckpointConfig(break_lease=True). To only read one of its steps, restore(path=...) from a "
+        "break_lease=True to the save (and the restore) that takes it over. To only read one of its steps, "
+        "restore(path=...) from a "
         "manager of another root."
     )
 

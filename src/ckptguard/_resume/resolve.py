@@ -145,7 +145,7 @@ def _prefer_verified(
             continue  # deleted or damaged since it was verified: the next older one
         newer = "" if step == res.step else (
             f"; the tracker's step {res.step} and the steps between are not verified: resuming here is a "
-            "rollback (saving those steps again needs CheckpointConfig(overwrite=True))")
+            "rollback (saving those steps again needs save(..., overwrite=True))")
         return Resolution(step, step_dir, f"prefer='verified': step {step} is the newest verified step{newer}",
                           res.mode)
     entry = trust.get(res.step)
