@@ -223,11 +223,8 @@ class RunCheckpoint:
         step: int,
         states: dict[str, dict[str, Any]],
         *,
-        healthy: bool | None = None,
-        loss: Any = None,
-        grad_norm: Any = None,
-        overwrite: bool = False,
-        break_lease: bool = False,
+        healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> Path | None:
         """Commit every role's state as run step ``step`` on every rank, or raise on every rank.
 
@@ -250,11 +247,8 @@ class RunCheckpoint:
         step: int,
         states: dict[str, dict[str, Any]],
         *,
-        healthy: bool | None = None,
-        loss: Any = None,
-        grad_norm: Any = None,
-        overwrite: bool = False,
-        break_lease: bool = False,
+        healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> _async.PendingSave | None:
         """Snapshot every role's state now and commit run step ``step`` in the background, as
         ``CheckpointManager.save_async`` does for one state: the copies go to spare GPU memory or to
