@@ -290,8 +290,11 @@ class MegatronState:
     def __init__(self, model: Any, optimizer: Any = None, *, metadata: dict[str, Any] | None = None) -> None:
         self.chunks = _chunks(model)
         self.optimizer = optimizer
-        self.metadata = dict(metadata) if metadata else None
+        # megatron-core 0.16 refuses its own default (fully_sharded_model_space: "flattened_range is not
+        # supported"); dp_reshardable is Megatron-LM's default: fully parallel, reshardable in DP only.
+        self.metadata = {"distrib_optim_sharding_type": "dp_reshardable", **(metadata or {})}
         self.load_from: Path | None = None
+        self._loaded = False  # set by load_state_dict during a restore
 
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict[str, Any]:
         """Megatron-LM's layout: ``model`` (``model0``, ``model1``, ... for several chunks), ``optimizer``."""
@@ -336,6 +339,10 @@ class MegatronState:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        if self.load_from is not None and not self._loaded:
+            # ckptguard reads the item's structure before loading it: a fresh DistributedOptimizer has no
+            # state to build a sharded state dict from yet (Megatron asserts), and none is needed for it.
+            return {"format": _FORMAT, "loading": str(self.load_from)}
         tracker = _tracker()
         states = {k: v.clone() for k, v in tracker.get_states().items()} if tracker is not None else {}
         return {"format": _FORMAT, "cuda_rng_tracker": states, "shards": self.shard_digests()}
@@ -367,6 +374,7 @@ class MegatronState:
         tracker = _tracker()
         if tracker is not None and saved.get("cuda_rng_tracker"):
             tracker.set_states({k: v.clone() for k, v in saved["cuda_rng_tracker"].items()})
+        self._loaded = True
         self._compare(directory, dict(saved.get("shards") or {}))
 
     def _compare(self, directory: Path, saved: dict[str, str]) -> None:
@@ -471,11 +479,11 @@ class MegatronCheckpoint:
         if res.fresh:
             return self.manager.restore(items, mode=mode, path=path)
         assert res.path is not None
-        self.megatron.load_from = res.path / SUBDIR
+        self.megatron.load_from, self.megatron._loaded = res.path / SUBDIR, False
         try:
             step = self.manager.restore(items, mode=mode, path=res.path)
         finally:
-            self.megatron.load_from = None
+            self.megatron.load_from, self.megatron._loaded = None, False
         if state is not None:
             for name in state:
                 state[name] = items[name]
