@@ -19,6 +19,7 @@ PROVEN. Needs CUDA and megatron-core 0.16.1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -138,6 +139,8 @@ def _arm(kind: str) -> None:
 
         orig = fa._write_item
 
+        # wraps: Megatron passes serialization_format only when inspect.signature(_write_item) names it
+        @functools.wraps(orig)
         def write_then_kill(*a: Any, **k: Any) -> Any:  # in Megatron's forked writer process
             out = orig(*a, **k)
             os.kill(me, signal.SIGKILL)
@@ -229,7 +232,8 @@ def campaign(args: argparse.Namespace) -> int:
     ref = {r["step"]: r for r in recs if r["run"] == "ref" and r["event"] == "step"}
     root = work / "root"
     results, torn = [], []
-    for i, kill in enumerate([*KILLS, None]):
+    kills = args.kills.split(",") if args.kills else KILLS
+    for i, kill in enumerate([*kills, None]):
         tag = f"run{i}"
         rc = _run_child(args, root, log, tag, kill, args.steps)
         recs = [json.loads(x) for x in log.read_text().splitlines()]
@@ -255,10 +259,10 @@ def campaign(args: argparse.Namespace) -> int:
                         if (root / "latest_checkpointed_iteration.txt").exists() else None})
         print(json.dumps(results[-1]), flush=True)
     final_ref = ref[args.steps]["state"]
-    final = [r for r in recs if r["run"] == f"run{len(KILLS)}" and r["event"] == "step"]
+    final = [r for r in recs if r["run"] == f"run{len(kills)}" and r["event"] == "step"]
     prove = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", str(root)], capture_output=True,
                            text=True, check=False)
-    summary = {"kills": len(KILLS), "runs": results, "torn_dirs": torn,
+    summary = {"kills": len(kills), "runs": results, "torn_dirs": torn,
                "final_equal_reference": bool(final) and final[-1]["state"] == final_ref,
                "prove_rc": prove.returncode, "prove": prove.stdout[-4000:] + prove.stderr[-2000:]}
     print(prove.stdout, prove.stderr, flush=True)
@@ -428,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log")
     p.add_argument("--tag", default="run")
     p.add_argument("--kill")
+    p.add_argument("--kills", help="campaign: comma-separated KIND@STEP list (default: KILLS)")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)

@@ -103,7 +103,7 @@ _FORMAT = 1
 
 def _megatron() -> Any:
     try:
-        from megatron.core import dist_checkpointing  # type: ignore[import-not-found]
+        from megatron.core import dist_checkpointing
     except ImportError as exc:
         raise ConfigError(
             f"ckptguard.integrations.megatron needs megatron-core ({exc}); install it: "
@@ -251,8 +251,8 @@ def _unwrap(chunk: Any) -> Any:
     """The model under Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``), as Megatron-LM's
     ``unwrap_model``: a wrapper's default ``sharded_state_dict`` prefixes every key with ``module.``, which the
     wrapped model's ``load_state_dict`` then refuses."""
-    from megatron.core.distributed import DistributedDataParallel  # type: ignore[import-not-found]
-    from megatron.core.transformer.module import Float16Module  # type: ignore[import-not-found]
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
 
     wrappers = (DistributedDataParallel, Float16Module, torch.nn.parallel.DistributedDataParallel)
     while isinstance(chunk, wrappers):
@@ -313,7 +313,7 @@ class MegatronState:
     def shard_digests(self) -> dict[str, str]:
         """xxh3 of every local piece Megatron saves: ``key@offset[range]`` -> digest; the non-sharded
         values (optimizer hyperparameters) under ``(common)``."""
-        from megatron.core.dist_checkpointing.mapping import (  # type: ignore[import-not-found]
+        from megatron.core.dist_checkpointing.mapping import (
             LocalNonpersistentObject,
             ShardedBase,
             apply_factories,
@@ -358,6 +358,7 @@ class MegatronState:
             raise CheckpointCorruptError(f"{directory.parent}: the {ITEM!r} item has format {saved.get('format')!r}")
         check_files(directory)  # the bytes Megatron's DCP reader will unpickle, through the allow-list first
         dcp = _megatron()
+        self._init_fresh_optimizer()
         sd = self.sharded_state_dict(is_loading=True)
         try:
             loaded = dcp.load(sd, str(directory))
@@ -377,6 +378,18 @@ class MegatronState:
         self._loaded = True
         self._compare(directory, dict(saved.get("shards") or {}))
 
+    def _init_fresh_optimizer(self) -> None:
+        """A DistributedOptimizer that never stepped has no state: megatron-core 0.16's torch fallback (no Apex,
+        no Transformer Engine) then asserts in ``state_dict()`` (``assert len(steps) == 1``) while building the
+        loading sharded state dict. Megatron's own dummy-state initialization (what it runs before an
+        ``fsdp_dtensor`` load) gives it state, which the load then overwrites; the shard digests check that."""
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        for opt in chained:
+            inner = getattr(opt, "optimizer", None)
+            init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+            if inner is not None and callable(init) and not inner.state:
+                init()
+
     def _compare(self, directory: Path, saved: dict[str, str]) -> None:
         now = self.shard_digests()
         changed = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k])
@@ -392,7 +405,7 @@ class MegatronState:
 
 def _tracker() -> Any:
     try:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # type: ignore[import-not-found]
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     except ImportError:
         return None
     return get_cuda_rng_tracker()
