@@ -251,6 +251,7 @@ def _unwrap(chunk: Any) -> Any:
     """The model under Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``), as Megatron-LM's
     ``unwrap_model``: a wrapper's default ``sharded_state_dict`` prefixes every key with ``module.``, which the
     wrapped model's ``load_state_dict`` then refuses."""
+    _megatron()  # a ConfigError naming the package when it is missing
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
