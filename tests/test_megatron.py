@@ -140,6 +140,23 @@ def test_torn_megatron_save_is_never_picked_as_latest(tmp_path: Path) -> None:
     assert mgr.committed_steps() == [4]
 
 
+def test_ckptguard_verify_checks_megatron_files_by_checksum(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = _copy(OPT_ROOT, tmp_path)
+    cmd = [sys.executable, "-m", "ckptguard.cli", "verify", "--deep", "--json", "--template", mg.DIR_TEMPLATE,
+           str(root)]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    data = root / "iter_0000004" / "megatron" / "__0_1.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 1
+    data.write_bytes(bytes(raw))
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 1 and "megatron/__0_1.distcp" in bad.stdout
+
+
 # ---------------------------------------------------------------- one CPU rank: a real GPTModel, Megatron's load
 
 

@@ -60,6 +60,7 @@ from ..errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
     ConfigError,
+    ResumeError,
     StateMismatchError,
     UnsafeCheckpointError,
 )
@@ -495,9 +496,14 @@ class MegatronCheckpoint:
         assert res.path is not None
         self.megatron.load_from, self.megatron._loaded = res.path / SUBDIR, False
         try:
-            step = self.manager.restore(items, mode=mode, path=res.path)
+            step = self.manager.restore(items, mode=mode, path=path)
         finally:
             self.megatron.load_from, self.megatron._loaded = None, False
+        if step != res.step:  # cannot happen under the write lease; the shard comparison would fail first
+            raise ResumeError(
+                f"{self.manager.root}: resolve chose step {res.step} but restore loaded step {step}; another "
+                "process changed the root while this one restored: stop it, then restore again"
+            )
         if state is not None:
             for name in state:
                 state[name] = items[name]
