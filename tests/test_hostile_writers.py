@@ -8,7 +8,6 @@ run), 11 (malformed extras on one rank), 15 (a tensor on one rank, a float on an
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ import torch
 import ckptguard as cg
 from ckptguard import _faults
 from ckptguard.demo.toyjob import build_job, train_step
+from ckptguard.testing import fake_node
 from dist_helper import run_ranks
 from hostile_helper import (
     MANIFEST,
@@ -257,19 +257,13 @@ def test_item08_a_transfer_killed_before_the_tracker_is_resumable(tmp_path):
 
 # ---------------------------------------------------------------- items 3, 11, 15: two ranks
 
-CLONE_NEWNS = 0x00020000
-
-
 def _own_disk(disk: str, shared: str) -> str | None:
-    """This rank sees ``disk`` at ``shared``: a node with its own local disk (a private mount
-    namespace, so the other rank keeps its own view). Returns why not, if it cannot."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNS) != 0:
-        return f"unshare(CLONE_NEWNS) failed: {os.strerror(ctypes.get_errno())}"
-    for args in (["--make-rprivate", "/"], ["--bind", disk, shared]):
-        proc = subprocess.run(["mount", *args], capture_output=True, text=True)
-        if proc.returncode:
-            return f"mount {' '.join(args)}: {proc.stderr.strip()}"
+    """This rank sees ``disk`` at ``shared`` (``fake_node``, the node identity unchanged): a node with
+    its own local disk, while the other rank keeps its own view. Returns why not, if it cannot."""
+    try:
+        fake_node(disks={shared: disk})
+    except OSError as exc:
+        return str(exc)
     return None
 
 
