@@ -1,4 +1,4 @@
-"""Issue 22 item 1: the publish check, and per-node publish for node-local roots.
+"""The publish check, and per-node publish for node-local roots.
 
 The publish check: every file a rank reported is read back by the publishing rank, with its
 size and checksum, before anything is committed.
@@ -100,7 +100,7 @@ def _bases(tmp_path: Path, names: list[str]) -> list[Path]:
 
 def _two_disks_on_node1(rank: int, world: int, base: str) -> str:
     """Rank 3 claims node1 but sees a third disk at the shared path: its files would not be where
-    node1 publishes (the issue's reproduction, on the second node)."""
+    node1 publishes (a node whose ranks see different disks, on the second node)."""
     shared = _own_disk(Path(base), rank // 2, disk=2 if rank == 3 else None)
     try:
         cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(1, _state(rank))

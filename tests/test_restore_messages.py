@@ -1,4 +1,6 @@
-"""Restore errors that say what really happened (issue 15, items 15 and 16)."""
+"""Errors that say what really happened: a flipped shard byte names the file, an item of
+different kinds across ranks or a plain value that became a tensor is refused, node-local
+roots do not commit."""
 
 from __future__ import annotations
 
