@@ -186,7 +186,7 @@ def test_real_tampered_manifest_digest_is_recorded_and_fails(tmp_path, item):
     mgr.save(1, job.state())
     manifest = tmp_path / "ck/step_00000001/manifest.json"
     data = json.loads(manifest.read_text())
-    if item == "optim":  # a tensor item: the restore compares its layout-free digests (issue 19)
+    if item == "optim":  # a tensor item: the restore compares its layout-free digests
         key = sorted(data["layout_free"]["optim"])[0]
         data["layout_free"]["optim"][key] = "0" * 16
     else:  # a stateful object: its per-rank digest
