@@ -228,16 +228,19 @@ def test_expert_parallel_step_is_numbered_globally(tmp_path):
 # ---------------------------------------------------------------- transformers, in .venv-hf
 
 
-def _job(mode: str, tmp_path: Path) -> dict:
-    proc = subprocess.run([str(HF_PYTHON), str(JOB), mode, str(tmp_path)], capture_output=True, text=True,
-                          env=_env(), timeout=600, cwd=tmp_path)
+@pytest.fixture(scope="module")
+def hf_jobs(tmp_path_factory) -> dict:
+    """Both transformers round trips in one .venv-hf process (its imports are the expensive part)."""
+    work = tmp_path_factory.mktemp("hfexport")
+    proc = subprocess.run([str(HF_PYTHON), str(JOB), "all", str(work)], capture_output=True, text=True,
+                          env=_env(), timeout=900, cwd=work)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @needs_hf
-def test_fsdp2_step_exported_loads_in_transformers_with_the_trainers_logits(tmp_path):
-    out = _job("fsdp2", tmp_path)
+def test_fsdp2_step_exported_loads_in_transformers_with_the_trainers_logits(hf_jobs):
+    out = hf_jobs["fsdp2"]
     assert out["ranks_agree"] and out["sharded_params"] > 0 and out["trainer_logits_nonzero"]
     assert out["fp32_bitwise"]  # from_pretrained(export) gives the FSDP2 trainer's logits bit for bit
     assert out["bf16_equals_rounded"]  # the bf16 export is exactly the trainer's weights rounded to bf16
@@ -246,7 +249,7 @@ def test_fsdp2_step_exported_loads_in_transformers_with_the_trainers_logits(tmp_
 
 
 @needs_hf
-def test_expert_parallel_step_exported_loads_in_transformers(tmp_path):
-    out = _job("expert", tmp_path)
-    assert out["ep_ranks"] == [0, 1] and out["bitwise"]
+def test_expert_parallel_step_exported_loads_in_transformers(hf_jobs):
+    out = hf_jobs["expert"]
+    assert out["ep_ranks"] == [0, 1] and out["bitwise"] and len(out["ep_keys"]) == 8  # stored per EP rank
     assert out["expert_names"] and all("#ep" not in n for n in out["expert_names"])
