@@ -47,6 +47,7 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .. import _faults
 from .._commit import layout as _layout
 from .._commit import manifest as _manifest
 from .._commit.checks import Finding, Severity, _err
@@ -295,7 +296,7 @@ class Budget:
         return cls(total, pool, total - pool - cast, cast)
 
 
-def _shards(planned: list[Planned], limit: int) -> list[list[Planned]]:
+def shards(planned: list[Planned], limit: int) -> list[list[Planned]]:
     """The tensors in order, cut into files of at most ``limit`` bytes (a larger tensor alone)."""
     shards: list[list[Planned]] = []
     size = 0
@@ -311,7 +312,7 @@ def _shards(planned: list[Planned], limit: int) -> list[list[Planned]]:
 # ---------------------------------------------------------------- digests
 
 
-def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """The layout-free digest of each whole tensor (what a save records for a tensor held by one rank)."""
     if not tensors:
         return {}
@@ -320,7 +321,7 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 
 def _check_sources(step_dir: Path, step: int, p: Planned, out: torch.Tensor) -> None:
     views = {s.key: (out if s.rows is None else out[s.rows[0] : s.rows[1]]) for s in p.sources}
-    now = _digests(views)
+    now = digests(views)
     for s in p.sources:
         if now[s.key] != s.digest:
             raise CheckpointCorruptError(
@@ -371,25 +372,25 @@ class _Reader:
         self._storage.read(self._state, views, self._ctx)
 
 
-def _load_shard(
-    reader: _Reader, step_dir: Path, step: int, shard: list[Planned], result: ExportResult, progress: Progress | None,
-    done: list[int],
-) -> dict[str, torch.Tensor]:
+Fill = Callable[[Planned, torch.Tensor], None]
+"""Reads ``p``'s bytes into a tensor of its source dtype and shape, and checks them (raises if they differ)."""
+
+
+def _load_shard(fill: Fill, shard: list[Planned], result: ExportResult, progress: Progress | None,
+                done: list[int]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for p in shard:
         out = torch.empty(p.shape, dtype=p.out_dtype)
+        held = sum(t.numel() * t.element_size() for t in tensors.values()) + out.nbytes
         if p.cast:
             src = torch.empty(p.shape, dtype=p.dtype)
-            reader.fill(p, src)
-            _check_sources(step_dir, step, p, src)  # the read is checked before the cast
+            fill(p, src)  # checked before the cast
             out.copy_(src)
-            held = sum(t.numel() * t.element_size() for t in tensors.values()) + out.nbytes + src.nbytes
+            held += src.nbytes
             del src
-            _trim()
+            trim()
         else:
-            reader.fill(p, out)
-            _check_sources(step_dir, step, p, out)
-            held = sum(t.numel() * t.element_size() for t in tensors.values()) + out.nbytes
+            fill(p, out)
         result.peak_tensor_bytes = max(result.peak_tensor_bytes, held)
         tensors[p.name] = out
         done[0] += 1
@@ -399,7 +400,7 @@ def _load_shard(
     return tensors
 
 
-def _trim() -> None:
+def trim() -> None:
     """Give freed heap memory back to the OS. glibc raises its mmap threshold after a large free, so the
     next tensors of that size come from the heap, whose freed pages stay in the RSS unless trimmed
     (measured: the budget overrun by a file's worth of tensors without this)."""
@@ -465,11 +466,11 @@ def read_tensors(path: Path, names: list[str] | None = None) -> Iterator[tuple[s
             yield name, t
 
 
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Write one safetensors file with Hugging Face's serializer, fsync it; the digests meant to be in it."""
     from safetensors.torch import save_file
 
-    meant = _digests(tensors)
+    meant = digests(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -479,14 +480,14 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, str]
     return meant
 
 
-def _check_file(path: Path, meant: dict[str, str], planned: dict[str, Planned]) -> None:
+def check_file(path: Path, meant: dict[str, str], planned: dict[str, Planned]) -> None:
     """The written file, read back: every tensor's dtype, shape and layout-free digest as meant."""
     for name, t in read_tensors(path, sorted(meant)):
         p = planned[name]
         if t.dtype != p.out_dtype or tuple(t.shape) != p.shape:
             raise CheckpointCorruptError(f"{path}: tensor {name!r} was written as {t.dtype} {tuple(t.shape)}, "
                                          f"meant {p.out_dtype} {p.shape}; nothing was published")
-        now = _digests({name: t})[name]
+        now = digests({name: t})[name]
         if now != meant[name]:
             raise CheckpointCorruptError(
                 f"{path}: tensor {name!r} reads back from the written file with digest {now}, the bytes handed "
@@ -495,7 +496,7 @@ def _check_file(path: Path, meant: dict[str, str], planned: dict[str, Planned]) 
             )
 
 
-def _copy_configs(step_dir: Path, manifest: _manifest.Manifest, tmp: Path, dtype: torch.dtype | None) -> list[str]:
+def copy_configs(step_dir: Path, manifest: _manifest.Manifest, tmp: Path, dtype: torch.dtype | None) -> list[str]:
     """The step's config/tokenizer files (``hf/``), checked against the manifest's size and xxh3 as copied."""
     copied = []
     for entry in manifest.files:
@@ -584,20 +585,46 @@ def export_hf(
     progress: Progress | None = None,
 ) -> ExportResult:
     """Export ``item`` of the committed step ``step_dir`` to ``out`` (see the module docstring)."""
-    t0 = time.perf_counter()
     out = _target(out)
     manifest = _manifest.read(step_dir)
     item = _module_item(manifest, item)
     planned = plan_export(step_dir, item=item, dtype=dtype)
     if not planned:
         raise ConfigError(f"item {item!r} of step {manifest.step} holds no tensor to export")
+    reader = _Reader(step_dir, Budget.of(max_host_bytes, planned).pool)
+
+    def fill(p: Planned, target: torch.Tensor) -> None:
+        reader.fill(p, target)
+        _check_sources(step_dir, manifest.step, p, target)
+
+    def configs(tmp: Path) -> list[str]:
+        return copy_configs(step_dir, manifest, tmp, dtype)
+
+    return publish(out, planned, fill, source_of(step_dir, manifest, item), configs, dtype=dtype,
+                   max_host_bytes=max_host_bytes, progress=progress)
+
+
+def source_of(step_dir: Path, manifest: _manifest.Manifest, item: str) -> dict[str, Any]:
+    """What an export manifest says of the step it came from."""
+    return {"step": manifest.step, "step_dir": str(step_dir), "chain_id": manifest.chain_id, "item": item,
+            "manifest_xxh3": file_digest(str(manifest.path))[1]}
+
+
+def publish(
+    out: Path, planned: list[Planned], fill: Fill, source: dict[str, Any], configs: Callable[[Path], list[str]],
+    *, dtype: torch.dtype | None, max_host_bytes: int, progress: Progress | None, extra: dict[str, Any] | None = None,
+) -> ExportResult:
+    """Write ``planned`` (bytes from ``fill``) into a temp directory beside ``out``, check, and publish it."""
+    t0 = time.perf_counter()
+    out = _target(out)
     budget = Budget.of(max_host_bytes, planned)
-    shards = _shards(planned, budget.shard)
-    result = ExportResult(out, manifest.step, item, str(dtype).removeprefix("torch.") if dtype else None,
-                          budget=budget.__dict__)
+    result = ExportResult(out, int(source["step"]), str(source["item"]),
+                          str(dtype).removeprefix("torch.") if dtype else None, budget=budget.__dict__)
     tmp = _temp_dir(out)
     try:
-        _export_into(tmp, step_dir, manifest, planned, shards, budget, result, progress)
+        body = _export_into(tmp, planned, shards(planned, budget.shard), fill, configs, result, progress)
+        _faults.reached("export.before_manifest")
+        _layout.atomic_write_json(tmp / EXPORT_MANIFEST, {**body, "source": source, **(extra or {})})
         (tmp / _layout.OWNER_NAME).unlink()  # after the manifest: the published export holds only what it lists
         os.rename(tmp, out)  # onto nothing or an empty directory: one step publishes the whole export
         _layout.fsync_dir(out.parent)
@@ -610,70 +637,50 @@ def export_hf(
 
 
 def _export_into(
-    tmp: Path, step_dir: Path, manifest: _manifest.Manifest, planned: list[Planned], shards: list[list[Planned]],
-    budget: Budget, result: ExportResult, progress: Progress | None,
-) -> None:
-    from .. import _faults
-
-    reader = _Reader(step_dir, budget.pool)
+    tmp: Path, planned: list[Planned], groups: list[list[Planned]], fill: Fill,
+    configs: Callable[[Path], list[str]], result: ExportResult, progress: Progress | None,
+) -> dict[str, Any]:
+    """Every file of the export in ``tmp``, each checked; the export manifest's body."""
     by_name = {p.name: p for p in planned}
     weight_map: dict[str, str] = {}
     files: list[dict[str, Any]] = []
     written: dict[str, str] = {}
     done = [0, 0]
-    total = sum(p.out_bytes for p in planned)
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = _load_shard(reader, step_dir, manifest.step, shard, result, progress, done)
-        meant = _write_shard(tmp / name, tensors)
+    for i, shard in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = _load_shard(fill, shard, result, progress, done)
+        meant = write_shard(tmp / name, tensors)
         del tensors  # dropped before the read-back: one file's tensors are held at a time
-        _trim()
+        trim()
         _faults.reached("export.shard_written")
-        _check_file(tmp / name, meant, by_name)
+        check_file(tmp / name, meant, by_name)
         size, xxh3 = file_digest(str(tmp / name))
         files.append({"path": name, "size": size, "xxh3": xxh3})
         written.update(meant)
         weight_map.update({p.name: name for p in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _layout.atomic_write_json(tmp / INDEX_NAME, index)
-    result.copied = _copy_configs(step_dir, manifest, tmp, DTYPES.get(result.dtype or ""))
+    total = sum(p.out_bytes for p in planned)
+    _layout.atomic_write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total},
+                                                 "weight_map": dict(sorted(weight_map.items()))})
+    result.copied = configs(tmp)
     for extra in [INDEX_NAME, *result.copied]:
         size, xxh3 = file_digest(str(tmp / extra))
         files.append({"path": extra, "size": size, "xxh3": xxh3})
     result.files = [f["path"] for f in files]
     result.tensors, result.bytes = len(planned), total
-    _faults.reached("export.before_manifest")
-    _layout.atomic_write_json(tmp / EXPORT_MANIFEST, _export_manifest(step_dir, manifest, planned, written, files,
-                                                                       weight_map, result))
+    return {"kind": EXPORT_KIND, "format_version": EXPORT_FORMAT, "dtype": result.dtype, "files": files,
+            "tensors": {p.name: _tensor_entry(p, weight_map, written) for p in planned},
+            "versions": _manifest.current_versions(), "created_unix": time.time()}
 
 
-def _export_manifest(
-    step_dir: Path, manifest: _manifest.Manifest, planned: list[Planned], written: dict[str, str],
-    files: list[dict[str, Any]], weight_map: dict[str, str], result: ExportResult,
-) -> dict[str, Any]:
-    _size, manifest_xxh3 = file_digest(str(manifest.path))
-    tensors = {
-        p.name: {
-            "file": weight_map[p.name],
-            "dtype": str(p.out_dtype).removeprefix("torch."),
-            "shape": list(p.shape),
-            "digest": written[p.name],
-            **({"cast_from": str(p.dtype).removeprefix("torch.")} if p.cast else {}),
-            "sources": [{"key": s.key, "digest": s.digest, **({"rows": list(s.rows)} if s.rows else {})}
-                        for s in p.sources],
-        }
-        for p in planned
-    }
+def _tensor_entry(p: Planned, weight_map: dict[str, str], written: dict[str, str]) -> dict[str, Any]:
     return {
-        "kind": EXPORT_KIND,
-        "format_version": EXPORT_FORMAT,
-        "source": {"step": manifest.step, "step_dir": str(step_dir), "chain_id": manifest.chain_id,
-                   "item": result.item, "manifest_xxh3": manifest_xxh3},
-        "dtype": result.dtype,
-        "files": files,
-        "tensors": tensors,
-        "versions": _manifest.current_versions(),
-        "created_unix": time.time(),
+        "file": weight_map[p.name],
+        "dtype": str(p.out_dtype).removeprefix("torch."),
+        "shape": list(p.shape),
+        "digest": written[p.name],
+        **({"cast_from": str(p.dtype).removeprefix("torch.")} if p.cast else {}),
+        "sources": [{"key": s.key, "digest": s.digest, **({"rows": list(s.rows)} if s.rows else {})}
+                    for s in p.sources],
     }
 
 
@@ -735,7 +742,7 @@ def _tensor_findings(path: Path, data: dict[str, Any]) -> list[Finding]:
     for file, names in sorted(by_file.items()):
         try:
             for name, t in read_tensors(path / file, sorted(names)):
-                if _digests({name: t})[name] != data["tensors"][name]["digest"]:
+                if digests({name: t})[name] != data["tensors"][name]["digest"]:
                     findings.append(_err("tensor-digest", path / file, f"tensor {name!r} differs from the export",
                                          "export the step again"))
         except CheckpointCorruptError as exc:
