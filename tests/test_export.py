@@ -74,7 +74,9 @@ def _offset_of(path: Path, t: torch.Tensor) -> int:
 
 def test_export_is_bitwise_and_sharded_within_the_budget(step, tmp_path):
     root, model = step
-    budget = 8 << 20 | 40_000  # the reader's 8 MiB pool and about 40 kB of tensors: several files
+    planned = ex.plan_export(root / "step_00000004")
+    # the reader's 8 MiB pool, the slack for what is not a tensor, and about 40 kB of tensors: several files
+    budget = next(b for b in range(56 << 20, 64 << 20, 4096) if ex.Budget.of(b, planned).shard >= 40_000)
     result = ex.export_hf(ex.step_dir_of(root, None), tmp_path / "out", max_host_bytes=budget)
     assert result.step == 4 and result.item == "model" and result.tensors == 6
     got = _load(tmp_path / "out")
@@ -88,7 +90,7 @@ def test_export_is_bitwise_and_sharded_within_the_budget(step, tmp_path):
     assert ex.verify_export(tmp_path / "out", deep=True) == []
     # A budget no tensor fits in is refused before anything is read or created, naming what it needs.
     with pytest.raises(cg.ConfigError, match=r"'0.weight'.*pass --max-host-bytes \d+"):
-        ex.export_hf(ex.step_dir_of(root, 4), tmp_path / "small", max_host_bytes=8 << 20)
+        ex.export_hf(ex.step_dir_of(root, 4), tmp_path / "small", max_host_bytes=56 << 20)
     assert not (tmp_path / "small").exists()
 
 
@@ -138,7 +140,7 @@ from pathlib import Path
 from ckptguard.ops import export as ex
 from ckptguard.testing import kill_at
 kill_at(sys.argv[3])
-ex.export_hf(Path(sys.argv[1]), Path(sys.argv[2]), max_host_bytes=(8 << 20) + 40_000)
+ex.export_hf(Path(sys.argv[1]), Path(sys.argv[2]), max_host_bytes=int(sys.argv[4]))
 """
 
 
@@ -146,7 +148,9 @@ ex.export_hf(Path(sys.argv[1]), Path(sys.argv[2]), max_host_bytes=(8 << 20) + 40
 def test_a_killed_export_leaves_no_manifest_and_is_swept_by_the_next(step, tmp_path, point):
     root = step[0]
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-c", _KILLED, str(root / "step_00000004"), str(out), point],
+    planned = ex.plan_export(root / "step_00000004")
+    budget = next(b for b in range(56 << 20, 64 << 20, 4096) if ex.Budget.of(b, planned).shard >= 40_000)
+    proc = subprocess.run([sys.executable, "-c", _KILLED, str(root / "step_00000004"), str(out), point, str(budget)],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     (left,) = tmp_path.glob(".out.tmp-export-*")
@@ -253,3 +257,40 @@ def test_expert_parallel_step_exported_loads_in_transformers(hf_jobs):
     out = hf_jobs["expert"]
     assert out["ep_ranks"] == [0, 1] and out["bitwise"] and len(out["ep_keys"]) == 8  # stored per EP rank
     assert out["expert_names"] and all("#ep" not in n for n in out["expert_names"])
+
+
+# ---------------------------------------------------------------- LoRA / PEFT, in .venv-hf
+
+LORA_JOB = REPO / "tests" / "lora_job.py"
+
+
+@pytest.fixture(scope="module")
+def lora_job(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("lora")
+    proc = subprocess.run([str(HF_PYTHON), str(LORA_JOB), str(work)], capture_output=True, text=True, env=_env(),
+                          timeout=600, cwd=work)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_hf
+def test_lora_step_holds_the_adapter_only_and_resumes_bitwise(lora_job):
+    assert lora_job["saved_keys"] and all("lora_" in k for k in lora_job["saved_keys"])  # no base weight saved
+    assert lora_job["resumed_step"] == 2 and lora_job["resume_bitwise"] and lora_job["cache"]
+
+
+@needs_hf
+def test_lora_restore_refused_on_another_base_config_or_a_merged_base(lora_job):
+    assert "base file 'model.safetensors'" in lora_job["other_base"]
+    assert "adapter config field 'r': saved 4, now 8" in lora_job["other_config"]
+    assert "an adapter was merged into them" in lora_job["merged_in_memory"]
+
+
+@needs_hf
+def test_lora_exported_merged_once_equals_peft_merge(lora_job):
+    assert isinstance(lora_job["export"], dict), lora_job["export"]
+    assert lora_job["merged_bitwise"] and lora_job["merged_logits_bitwise"] and lora_job["merged_differs_from_base"]
+    assert lora_job["verify_rc"] == 0
+    # Negative controls: the delta added twice, and a base folder that already holds the merge.
+    assert "2.00 x the adapter's delta" in lora_job["double_merge"] and not lora_job["double_merge_published"]
+    assert "differs from the base step 2 was trained on" in lora_job["merged_base"]

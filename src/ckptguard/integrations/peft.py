@@ -123,8 +123,20 @@ def _cache(cache_dir: Path | None) -> tuple[Path | None, dict[str, Any]]:
 
 def base_identity(base_dir: Path, *, cache_dir: Path | None = None) -> dict[str, Any]:
     """``{"dir", "files": {name: [size, xxh3]}, "tensors": {name: layout-free digest}}`` of a base model folder."""
+    identity, cache = _identity_and_cache(base_dir, cache_dir)
+    write_cache(cache_dir, cache)
+    return identity
+
+
+def write_cache(cache_dir: Path | None, cache: dict[str, Any]) -> None:
+    path = None if cache_dir is None else cache_dir / CACHE_NAME
+    if path is not None and path.parent.is_dir():  # the root exists once the first save began; never created here
+        _layout.atomic_write_json(path, cache)
+
+
+def _identity_and_cache(base_dir: Path, cache_dir: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
     base_dir = base_dir.absolute()
-    path, cache = _cache(cache_dir)
+    _path, cache = _cache(cache_dir)
     files = {}
     for f in [*_weight_files(base_dir), *([base_dir / "config.json"] if (base_dir / "config.json").exists() else [])]:
         st = f.stat()
@@ -142,9 +154,7 @@ def base_identity(base_dir: Path, *, cache_dir: Path | None = None) -> dict[str,
             for name, t in read_tensors(f):
                 tensors[name] = _digest(t)
         cache["tensors"] = {key: tensors}  # the current contents only: the cache never grows without bound
-    if path is not None:
-        _layout.atomic_write_json(path, cache)
-    return {"dir": str(base_dir), "files": files, "tensors": tensors}
+    return {"dir": str(base_dir), "files": files, "tensors": tensors}, cache
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -164,11 +174,18 @@ class LoraBinding:
                  adapter: str = "default") -> None:
         self.model, self.base_dir, self.cache_dir, self.adapter = model, Path(base_dir), cache_dir, adapter
         self._identity: dict[str, Any] | None = None
+        self._cache: dict[str, Any] = {}
 
     def identity(self) -> dict[str, Any]:
         if self._identity is None:  # hashed once per process; the cache spares the next process the hashing
-            self._identity = base_identity(self.base_dir, cache_dir=self.cache_dir)
+            self._identity, self._cache = _identity_and_cache(self.base_dir, self.cache_dir)
+            write_cache(self.cache_dir, self._cache)
         return self._identity
+
+    def write_cache(self) -> None:
+        """Keep the identity for the next process (a first save computed it before the root existed)."""
+        if self._cache and self.cache_dir is not None and not (self.cache_dir / CACHE_NAME).exists():
+            write_cache(self.cache_dir, self._cache)
 
     def state_dict(self) -> dict[str, Any]:
         return {"adapter_name": self.adapter, "adapter_config": adapter_config(self.model, self.adapter),
@@ -237,7 +254,9 @@ class LoraCheckpoint:
         return {ADAPTER_ITEM: self.adapter, OPTIM_ITEM: self.optim, BINDING_ITEM: self.binding}
 
     def save(self, step: int, **kwargs: Any) -> Any:
-        return self.manager.save(step, self.state(), **kwargs)
+        committed = self.manager.save(step, self.state(), **kwargs)
+        self.binding.write_cache()
+        return committed
 
     def restore(self, **kwargs: Any) -> int:
         """Restore the adapter and its optimizer; refused, before a tensor is read, on another base or config."""

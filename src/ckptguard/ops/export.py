@@ -59,6 +59,7 @@ from ..storage import StorageContext, StreamingConfig, StreamingStorage, read_dc
 __all__ = [
     "DEFAULT_BUDGET",
     "EXPORT_MANIFEST",
+    "Budget",
     "ExportResult",
     "Planned",
     "export_hf",
@@ -85,7 +86,7 @@ CONFIG_FILES = (
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 # safetensors' dtype names (its format spec), for the independent read-back of what was written.
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _EP_KEY = re.compile(re.escape(EP_SUFFIX) + r"(\d+)\Z")
@@ -114,6 +115,8 @@ class Planned:
     dtype: torch.dtype
     out_dtype: torch.dtype
     sources: tuple[Source, ...]
+    extra_bytes: int = 0
+    """Host bytes the fill holds besides the tensor itself (a merge's copy of the base weight)."""
 
     @property
     def numel(self) -> int:
@@ -133,6 +136,11 @@ class Planned:
     @property
     def cast(self) -> bool:
         return self.out_dtype != self.dtype
+
+    @property
+    def held_besides(self) -> int:
+        """Bytes held while this tensor is filled, besides the output tensors: its source before a cast."""
+        return (self.src_bytes if self.cast else 0) + self.extra_bytes
 
 
 def _module_item(manifest: _manifest.Manifest, item: str | None) -> str:
@@ -283,17 +291,25 @@ class Budget:
         if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
             raise ConfigError(f"max_host_bytes must be a positive int of bytes, got {total!r}")
         pool = max(8 * _MiB, min(64 * _MiB, total // 16)) // (2 * 4096) * (2 * 4096)
-        cast = max([p.src_bytes for p in planned if p.cast] or [0])
+        cast = max([p.held_besides for p in planned] or [0])
         largest = max([p.out_bytes for p in planned] or [0])
-        need = pool + cast + largest
+        need = pool + cast + largest + _slack(total)
         if need > total:
-            big = max(planned, key=lambda p: p.out_bytes + (p.src_bytes if p.cast else 0))
+            big = max(planned, key=lambda p: p.out_bytes + p.held_besides)
             raise ConfigError(
                 f"--max-host-bytes {total} is too small: tensor {big.name!r} ({big.out_bytes} bytes"
-                f"{f', read as {big.src_bytes} bytes before its cast' if big.cast else ''}) and the reader's pool "
+                f"{f', and {big.held_besides} bytes while it is read' if big.held_besides else ''}) and the "
+                f"reader's pool "
                 f"({pool} bytes) need {need} bytes at once; pass --max-host-bytes {need} or more"
             )
-        return cls(total, pool, total - pool - cast, cast)
+        return cls(total, pool, total - pool - cast - _slack(total), cast)
+
+
+def _slack(total: int) -> int:
+    """Bytes kept for what is not a tensor (DCP's plans and metadata, the digest threads' heap arenas,
+    fragments between files): measured at up to 55 MiB above the tensors with a 256 MiB budget
+    (benchmarks/results/export_memory.md)."""
+    return 48 * _MiB + total // 32
 
 
 def shards(planned: list[Planned], limit: int) -> list[list[Planned]]:
@@ -381,7 +397,7 @@ def _load_shard(fill: Fill, shard: list[Planned], result: ExportResult, progress
     tensors: dict[str, torch.Tensor] = {}
     for p in shard:
         out = torch.empty(p.shape, dtype=p.out_dtype)
-        held = sum(t.numel() * t.element_size() for t in tensors.values()) + out.nbytes
+        held = sum(t.numel() * t.element_size() for t in tensors.values()) + out.nbytes + p.extra_bytes
         if p.cast:
             src = torch.empty(p.shape, dtype=p.dtype)
             fill(p, src)  # checked before the cast
@@ -441,20 +457,25 @@ def read_header(path: Path) -> tuple[int, dict[str, Any]]:
     return 8 + n, header
 
 
-def read_tensors(path: Path, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of a safetensors file, one at a time, read with plain file reads (no mmap)."""
+def read_tensors(
+    path: Path, names: list[str] | None = None, into: dict[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a safetensors file, one at a time, read with plain file reads (no mmap); into the
+    tensor ``into[name]`` when given (its dtype and shape must be the file's)."""
     start, header = read_header(path)
     size = path.stat().st_size
     with open(path, "rb", buffering=0) as f:
         for name in names if names is not None else sorted(k for k in header if k != "__metadata__"):
             info = header.get(name)
-            if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
+            if not isinstance(info, dict) or info.get("dtype") not in ST_DTYPES:
                 raise CheckpointCorruptError(f"{path}: tensor {name!r} is absent or has an unknown dtype")
             a, b = (int(x) for x in info["data_offsets"])
-            t = torch.empty([int(s) for s in info["shape"]], dtype=_ST_DTYPES[info["dtype"]])
-            if b - a != t.numel() * t.element_size() or start + b > size:
-                raise CheckpointCorruptError(f"{path}: tensor {name!r} spans bytes {a}..{b}, which do not match its "
-                                             f"shape {info['shape']} ({info['dtype']}) or the file's size {size}")
+            shape, dtype = [int(s) for s in info["shape"]], ST_DTYPES[info["dtype"]]
+            t = into[name] if into is not None and name in into else torch.empty(shape, dtype=dtype)
+            if list(t.shape) != shape or t.dtype != dtype or b - a != t.numel() * t.element_size() or start + b > size:
+                raise CheckpointCorruptError(f"{path}: tensor {name!r} spans bytes {a}..{b} as {info['dtype']} "
+                                             f"{shape}, which do not match {t.dtype} {list(t.shape)} or the file's "
+                                             f"size {size}")
             f.seek(start + a)
             view = memoryview(t.view(-1).view(torch.uint8).numpy().data) if t.numel() else memoryview(bytearray())
             got = 0
@@ -488,6 +509,8 @@ def check_file(path: Path, meant: dict[str, str], planned: dict[str, Planned]) -
             raise CheckpointCorruptError(f"{path}: tensor {name!r} was written as {t.dtype} {tuple(t.shape)}, "
                                          f"meant {p.out_dtype} {p.shape}; nothing was published")
         now = digests({name: t})[name]
+        del t
+        trim()  # one tensor read back at a time, its pages given back before the next
         if now != meant[name]:
             raise CheckpointCorruptError(
                 f"{path}: tensor {name!r} reads back from the written file with digest {now}, the bytes handed "
@@ -510,13 +533,13 @@ def copy_configs(step_dir: Path, manifest: _manifest.Manifest, tmp: Path, dtype:
                                          "changed after the commit: nothing was exported")
         name = rel.split("/")[1]
         if name == "config.json" and dtype is not None:
-            data = _retyped_config(src, data, dtype)
+            data = retyped_config(src, data, dtype)
         (tmp / name).write_bytes(data)
         copied.append(name)
     return copied
 
 
-def _retyped_config(src: Path, data: bytes, dtype: torch.dtype) -> bytes:
+def retyped_config(src: Path, data: bytes, dtype: torch.dtype) -> bytes:
     """config.json with the exported dtype, so ``from_pretrained(dtype="auto")`` loads what was written."""
     config = _layout.parse_json(data, where=str(src))
     if not isinstance(config, dict):
