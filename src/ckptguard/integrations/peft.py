@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from .._commit import layout as _layout
-from .._resume.digest import combine_layout_free, file_digest, layout_free_partials
+from .._resume.digest import file_digest
 from ..errors import ConfigError, StateMismatchError
-from ..ops.export import read_tensors
+from ..ops.hffiles import digests, read_tensors
 
 __all__ = ["ADAPTER_ITEM", "BINDING_ITEM", "AdapterModule", "LoraBinding", "LoraCheckpoint", "base_identity",
            "base_name", "read_binding"]
@@ -158,7 +158,7 @@ def _identity_and_cache(base_dir: Path, cache_dir: Path | None) -> tuple[dict[st
 
 
 def _digest(t: torch.Tensor) -> str:
-    return combine_layout_free([layout_free_partials({"x": {"t": t}})])["x"]["t"]
+    return digests({"t": t})["t"]
 
 
 def _differences(saved: Mapping[str, Any], now: Mapping[str, Any], what: str) -> list[str]:

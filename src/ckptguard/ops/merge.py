@@ -26,6 +26,7 @@ from ..errors import CheckpointCorruptError, ConfigError
 from ..integrations import peft as _peft
 from ..storage import StorageContext, StreamingStorage, read_dcp_metadata
 from . import export as _export
+from . import hffiles as _files
 
 __all__ = ["export_merged", "merge_delta"]
 
@@ -57,7 +58,7 @@ def _adapter(step_dir: Path, manifest: _manifest.Manifest, adapter: str) -> dict
         meta = md.state_dict_metadata[key]
         tensors[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)  # type: ignore[union-attr]
     StreamingStorage().read(step_dir / "state", tensors, StorageContext(rank=0, world_size=1, process_group=None))
-    now = _export.digests(tensors)
+    now = _files.digests(tensors)
     bad = sorted(k for k in expected if now[k] != expected[k])
     if bad:
         raise CheckpointCorruptError(f"{step_dir}/state: adapter keys {bad[:4]} read back with other layout-free "
@@ -139,9 +140,9 @@ def export_merged(
         raise CheckpointCorruptError(f"the adapter targets {missing[:4]}, which the base at {base_dir} lacks")
 
     def fill(p: _export.Planned, target: torch.Tensor) -> None:
-        for _name, _t in _export.read_tensors(where[p.name], [p.name], into={p.name: target}):
+        for _name, _t in _files.read_tensors(where[p.name], [p.name], into={p.name: target}):
             pass
-        if _export.digests({p.name: target})[p.name] != recorded[p.name]:
+        if _files.digests({p.name: target})[p.name] != recorded[p.name]:
             raise CheckpointCorruptError(
                 f"{where[p.name]}: base tensor {p.name!r} differs from the base step {manifest.step} was trained on "
                 "(its identity is in the step): the base files changed since, e.g. an adapter was merged into "
@@ -167,13 +168,13 @@ def _plan(base_dir: Path, recorded: dict[str, str], adapter: dict[str, Any],
           dtype: torch.dtype | None) -> tuple[list[_export.Planned], dict[str, Path]]:
     planned, where = [], {}
     for path in sorted(base_dir.glob("*.safetensors")):
-        _start, header = _export.read_header(path)
+        _start, header = _files.read_header(path)
         for name, info in sorted(header.items()):
             if name == "__metadata__":
                 continue
             if name not in recorded:
                 raise CheckpointCorruptError(f"{path}: tensor {name!r} is not in the base identity the step recorded")
-            src = _export.ST_DTYPES[info["dtype"]]
+            src = _files.ST_DTYPES[info["dtype"]]
             shape = tuple(int(s) for s in info["shape"])
             out = dtype if dtype is not None and src.is_floating_point else src
             p = _export.Planned(name, shape, src, out, (_export.Source(f"base:{path.name}:{name}", recorded[name],
