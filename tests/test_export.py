@@ -310,3 +310,27 @@ def test_lora_exported_merged_once_equals_peft_merge(lora_job):
     # Negative controls: the delta added twice, and a base folder that already holds the merge.
     assert "2.00 x the adapter's delta" in lora_job["double_merge"] and not lora_job["double_merge_published"]
     assert "differs from the base step 2 was trained on" in lora_job["merged_base"]
+
+
+def test_lora_base_identity_is_cached_by_file_stats_and_hashes(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from ckptguard.integrations import peft as cpeft
+
+    base, root = tmp_path / "base", tmp_path / "ck"
+    base.mkdir()
+    root.mkdir()
+    save_file({"w": torch.arange(12.0).reshape(3, 4)}, str(base / "model.safetensors"))
+    first = cpeft.base_identity(base, cache_dir=root)
+    assert set(first["files"]) == {"model.safetensors"} and set(first["tensors"]) == {"w"}
+
+    def no_hashing(*_a, **_k):
+        raise AssertionError("hashed again although nothing changed")
+
+    monkeypatch.setattr(cpeft, "file_digest", no_hashing)
+    monkeypatch.setattr(cpeft, "read_tensors", no_hashing)
+    assert cpeft.base_identity(base, cache_dir=root) == first  # from ROOT/lora_base_cache.json alone
+    monkeypatch.undo()
+    save_file({"w": torch.arange(12.0).reshape(3, 4) + 1}, str(base / "model.safetensors"))  # a new file
+    second = cpeft.base_identity(base, cache_dir=root)
+    assert second["files"] != first["files"] and second["tensors"]["w"] != first["tensors"]["w"]
