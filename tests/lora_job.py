@@ -117,6 +117,9 @@ def main(work: Path) -> dict:
         AutoModelForCausalLM.from_pretrained(str(work / "base")).state_dict()["model.layers.0.self_attn.q_proj.weight"])
     verify = subprocess.run([str(cli), "verify", str(work / "merged"), "--deep"], capture_output=True, text=True)
     out["verify_rc"] = verify.returncode
+    proof = subprocess.run([str(cli), "prove", str(root), "--json"], capture_output=True, text=True)
+    gates = {g["gate"]: g for g in json.loads(proof.stdout)["gates"]}
+    out["prove_lora"] = gates.get("LoRA base and adapter", {}).get("evidence", "absent")
 
     # Negative controls: the delta added twice by the exporter, and a base replaced by a merged one.
     once = merge.merge_delta

@@ -291,6 +291,9 @@ def lora_job(tmp_path_factory) -> dict:
 def test_lora_step_holds_the_adapter_only_and_resumes_bitwise(lora_job):
     assert lora_job["saved_keys"] and all("lora_" in k for k in lora_job["saved_keys"])  # no base weight saved
     assert lora_job["resumed_step"] == 2 and lora_job["resume_bitwise"] and lora_job["cache"]
+    # prove shows what the restore was bound to: the base's files and the adapter's digests
+    assert "model.safetensors" in lora_job["prove_lora"] and "r=4 alpha=8" in lora_job["prove_lora"]
+    assert "8 tensors, digest" in lora_job["prove_lora"]
 
 
 @needs_hf
