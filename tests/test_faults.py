@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard import _faults
-from ckptguard._commit import layout as _layout
+from ckptguard._disk import layout as _layout
 from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.ops.verify import verify_root

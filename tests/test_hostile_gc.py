@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
-from ckptguard._commit import retention
+from ckptguard._disk import layout as _layout
+from ckptguard._records import retention
 from hostile_helper import DEEP, MANIFEST, TRACKER, cli, committed_on_disk, no_traceback, run_py, step_dir, tiny_root
 
 

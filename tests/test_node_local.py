@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
-from ckptguard._commit import manifest as _manifest
-from ckptguard._commit import trust as _trust
+from ckptguard._disk import layout as _layout
+from ckptguard._records import manifest as _manifest
+from ckptguard._records import trust as _trust
 from ckptguard.testing import run_ranks, set_fault_hook
 
 

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard._resume.derived import DerivedState, StaleDerivedStateError
+from ckptguard._state.derived import DerivedState, StaleDerivedStateError
 from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, train_step
 from ckptguard.ops.prove import Status, evaluate, passed, verdict
@@ -138,7 +138,7 @@ def test_a_restore_that_raised_is_a_failure_naming_the_error(tmp_path):
 
 
 def test_a_record_torn_by_a_kill_mid_append_leaves_the_log_readable(tmp_path):
-    from ckptguard._resume.prooflog import ProofLog, read_records
+    from ckptguard._records.prooflog import ProofLog, read_records
 
     ProofLog(tmp_path, 0).append("save", step=6)
     with open(tmp_path / "proof/rank_00000.jsonl", "a") as f:

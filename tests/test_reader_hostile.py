@@ -21,7 +21,7 @@ from ckptguard.storage import _pool as _fastio_pool
 from ckptguard.storage._pool import IOStats
 from ckptguard.storage.base import StorageContext
 from ckptguard.storage.dcp import DCPStorage
-from ckptguard.storage.streaming import StreamingConfig, StreamingStorage, _StreamingReader
+from ckptguard.storage.streaming import StreamingConfig, StreamingReader, StreamingStorage
 from ckptguard.storage.unpickler import read_dcp_metadata
 
 CTX = StorageContext(rank=0, world_size=1, process_group=None)
@@ -134,7 +134,7 @@ def test_an_item_read_again_lands_in_the_target_that_is_committed(tmp_path):
     planner = _StagingPlanner()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reader = _StreamingReader(Path(tmp_path), StreamingStorage(SMALL), IOStats(), pin=False)
+        reader = StreamingReader(Path(tmp_path), StreamingStorage(SMALL), IOStats(), pin=False)
         dcp.load(out, storage_reader=reader, planner=planner, no_dist=True)
     assert planner.resolved == 2
     assert torch.equal(out["t"], state["t"]) and torch.equal(out["c"], state["c"])
@@ -183,7 +183,7 @@ def test_a_reader_reads_again_when_reused(tmp_path):
     with BufferPool(count=4, size=BUF, pin=False, timeout_s=30) as pool:
         reader = ItemReader(pool, IOStats(), drop_cache=False, threads=2)
 
-        class _Reuse(_StreamingReader):
+        class _Reuse(StreamingReader):
             def read_data(self, plan, planner):
                 from torch.futures import Future
 

@@ -24,10 +24,10 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
-from ckptguard._commit import retention
-from ckptguard._commit.checks import verify_step
-from ckptguard._resume.digest import file_digest
+from ckptguard._disk import layout as _layout
+from ckptguard._disk.digest import file_digest
+from ckptguard._records import retention
+from ckptguard._records.checks import verify_step
 from ckptguard.cli import main
 from ckptguard.errors import CheckpointError, UnsafeCheckpointError
 from ckptguard.ops.verify import verify_root
@@ -182,7 +182,7 @@ def test_symlinked_proof_and_holds_directories_are_refused(tmp_path):
     out = _invoke("prove", root)
     assert out.exit_code == 1 and "symlink" in out.output, out.output
     _no_traceback(out)
-    from ckptguard._resume.prooflog import ProofLog
+    from ckptguard._records.prooflog import ProofLog
 
     before = (outside / "rank_00000.jsonl").read_text()
     with pytest.raises(UnsafeCheckpointError):
@@ -622,8 +622,8 @@ def test_restore_check_stays_within_a_host_budget(tmp_path):
 
 
 def test_the_streamed_digest_equals_the_digest_of_the_rebuilt_item():
-    from ckptguard._resume.digest import digest
-    from ckptguard._resume.state import TENSOR_REF, _unflatten
+    from ckptguard._disk.digest import digest
+    from ckptguard._state.state import TENSOR_REF, _unflatten
     from ckptguard.ops._offline import skeleton_digest
 
     tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.int8), "c": torch.tensor(3.5)}

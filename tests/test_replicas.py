@@ -54,8 +54,8 @@ def save_local(rank: int, world: int, base: str, steps: int, kw: dict, ran_on: i
 
 
 def restore_local(rank: int, world: int, base: str, kw: dict, then_save: bool) -> dict:
-    from ckptguard._commit.checks import Severity, verify_step
-    from ckptguard._commit.layout import StepNaming
+    from ckptguard._disk.layout import StepNaming
+    from ckptguard._records.checks import Severity, verify_step
     from ckptguard.ops.preflight import preflight
     from test_tiers import expected
 

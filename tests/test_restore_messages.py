@@ -102,7 +102,7 @@ def test_node_local_roots_do_not_commit(tmp_path):
         assert r.ok, r.error
         assert r.value.startswith("CheckpointWriteError"), r.value
         assert "node-local" in r.value and "rank 1" in r.value, r.value
-    from ckptguard._commit import layout
+    from ckptguard._disk import layout
 
     assert layout.read_tracker(tmp_path / "node0" / "ckpt") == 0  # fresh start declared, nothing committed
     assert not (tmp_path / "node0" / "ckpt" / "step_00000001").exists()

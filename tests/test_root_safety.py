@@ -22,9 +22,9 @@ from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard import _faults
-from ckptguard._commit import layout as _layout
-from ckptguard._commit import retention
-from ckptguard._commit.lease import LEASE_NAME
+from ckptguard._disk import layout as _layout
+from ckptguard._disk.lease import LEASE_NAME
+from ckptguard._records import retention
 from ckptguard.cli import main
 
 NAMING = _layout.StepNaming("step_{step:08d}")
@@ -227,8 +227,8 @@ def test_publish_never_moves_the_tracker_backwards(tmp_path):
         with pytest.raises(cg.CheckpointWriteError, match="back"):
             mgr.save(5, _w(5))
         assert _layout.read_tracker(root) == 9 and not (root / "step_00000005").exists()
-        deliberate = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None, overwrite=True))
-        deliberate.save(6, _w(6))  # a rollback asked for with overwrite=True still publishes
+        deliberate = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None))
+        deliberate.save(6, _w(6), overwrite=True)  # a rollback asked for with overwrite=True still publishes
         assert _layout.read_tracker(root) == 6
     finally:
         _faults.set_hook("commit.before_manifest", None)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import lease as _lease
+from ckptguard._disk import lease as _lease
 from ckptguard.testing import run_ranks, values
 from test_tiers import PER_NODE, WORLD, expected, fake_node, make_state, restore_records, train_to
 

@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
+from ckptguard._disk import layout as _layout
 from ckptguard.testing import run_ranks, set_fault_hook, values
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private mount namespaces")

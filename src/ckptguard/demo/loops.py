@@ -108,7 +108,7 @@ def _rollout_loss(model: Model, prompts: torch.Tensor, gen: torch.Generator) -> 
         for _ in range(SEQ - prompts.shape[1]):
             probs = torch.softmax(model(tokens)[:, -1], dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=gen)], dim=1)
-    # A reward that varies across samples: a zero advantage would make the update zero (the guide's DS4.1 trap).
+    # A reward that varies across samples: a zero advantage would make the update zero (docs/practices.md, 6.4).
     reward = tokens[:, prompts.shape[1] :].float().mean(dim=1) / VOCAB
     logp = torch.log_softmax(model(tokens[:, :-1]), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1).sum(1)
     return -((reward - reward.mean()) * logp).mean(), float(reward.mean())

@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from .._commit.retention import KeepLast
-from .._resume import rng as _rng
-from .._resume.digest import digest
-from .._resume.state import PerRank
+from .._disk.digest import digest
+from .._records.retention import KeepLast
+from .._state import rng as _rng
+from .._state.state import PerRank
 from ..config import CheckpointConfig, ResumeMode
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from .._commit import layout as _layout
-from .._resume.digest import file_digest
+from .._disk import layout as _layout
+from .._disk.digest import file_digest
 from ..errors import ConfigError, StateMismatchError
 from ..ops.hffiles import digests, read_tensors
 

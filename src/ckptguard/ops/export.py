@@ -48,11 +48,13 @@ import xxhash
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import _faults
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._commit.checks import Finding, Severity, _err
-from .._resume.digest import REPLICAS_DIFFER, file_digest
-from .._resume.expert import EP_SUFFIX
+from .._disk import layout as _layout
+from .._disk.digest import file_digest
+from .._disk.layoutfree import REPLICAS_DIFFER
+from .._records import manifest as _manifest
+from .._records.checks import safe_member
+from .._records.findings import Finding, Severity, finding
+from .._state.expert import EP_SUFFIX
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError
 from ..storage import StorageContext, StreamingConfig, StreamingStorage, read_dcp_metadata
 from .hffiles import digests, read_tensors, trim, write_shard
@@ -636,23 +638,22 @@ def read_export_manifest(path: Path) -> dict[str, Any]:
 def verify_export(path: Path, *, deep: bool = False) -> list[Finding]:
     """Findings for an export directory: every listed file present with its size; ``deep``: its xxh3
     and every tensor's layout-free digest, read back from the files."""
-    from .._commit.checks import safe_member
-
     try:
         data = read_export_manifest(path)
     except (CheckpointCorruptError, OSError) as exc:
-        return [_err("bad-export", path / EXPORT_MANIFEST, str(exc), "export the step again")]
+        return [finding("bad-export", path / EXPORT_MANIFEST, str(exc), "export the step again")]
     findings: list[Finding] = []
     fix = "the export was changed after it was published: export the step again"
     listed = {f["path"] for f in data["files"]}
     for f in data["files"]:
         file = safe_member(path, f["path"])
         if file is None or not file.is_file():
-            findings.append(_err("missing", path / f["path"], "listed in the export manifest but absent", fix))
+            findings.append(finding("missing", path / f["path"], "is listed in the export manifest but absent", fix))
         elif file.stat().st_size != f["size"]:
-            findings.append(_err("size", file, f"is {file.stat().st_size} bytes, the manifest says {f['size']}", fix))
+            size = file.stat().st_size
+            findings.append(finding("size", file, f"is {size} bytes, the manifest says {f['size']}", fix))
         elif deep and file_digest(str(file))[1] != f["xxh3"]:
-            findings.append(_err("checksum", file, "xxh3 differs from the export manifest", fix))
+            findings.append(finding("checksum", file, "xxh3 differs from the export manifest", fix))
     for extra in sorted(e.name for e in path.iterdir()):
         if extra not in listed and extra != EXPORT_MANIFEST:
             findings.append(Finding(Severity.WARNING, "unlisted", str(path / extra),
@@ -671,8 +672,8 @@ def _tensor_findings(path: Path, data: dict[str, Any]) -> list[Finding]:
         try:
             for name, t in read_tensors(path / file, sorted(names)):
                 if digests({name: t})[name] != data["tensors"][name]["digest"]:
-                    findings.append(_err("tensor-digest", path / file, f"tensor {name!r} differs from the export",
+                    findings.append(finding("tensor-digest", path / file, f"tensor {name!r} differs from the export",
                                          "export the step again"))
         except CheckpointCorruptError as exc:
-            findings.append(_err("bad-file", path / file, str(exc), "export the step again"))
+            findings.append(finding("bad-file", path / file, str(exc), "export the step again"))
     return findings

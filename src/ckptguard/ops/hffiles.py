@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .._commit import layout as _layout
-from .._resume.digest import combine_layout_free, layout_free_partials
+from .._disk import layout as _layout
+from .._disk.layoutfree import combine_layout_free, layout_free_partials
 from ..errors import CheckpointCorruptError
 
 __all__ = ["ST_DTYPES", "digests", "read_header", "read_tensors", "trim", "write_shard"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import xxhash
 
-from .._commit import manifest as _manifest
+from .._records import manifest as _manifest
 from ..errors import CheckpointError
 from ..integrations.peft import ADAPTER_ITEM, read_binding
 

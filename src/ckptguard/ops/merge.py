@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .._commit import manifest as _manifest
+from .._records import manifest as _manifest
 from ..errors import CheckpointCorruptError, ConfigError
 from ..integrations import peft as _peft
 from ..storage import StorageContext, StreamingStorage, read_dcp_metadata

@@ -1,4 +1,4 @@
-"""Proof that a resume is exact: append-only records, and the gates of the guide's section 6.
+"""Proof that a resume is exact: append-only records, and the gates of docs/practices.md, section 6.
 
 Contract: each rank appends JSON lines to ``ROOT/proof/rank_NNNNN.jsonl`` (one record
 per event: save, restore, step, export, logprobs, update), never rewriting earlier lines.
@@ -21,15 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._commit import runmanifest as _runmanifest
-from .._resume.prooflog import (  # noqa: F401 (re-exported)
-    ProofLog,
-    export_fingerprint,
-    logprob_diff,
-    read_records,
-    record_roles,
-)
-from .._resume.trajectory import difference, numerics, same_bits
+from .._records import checks as _checks
+from .._records import runmanifest as _runmanifest
+from .._records.prooflog import read_records, record_roles
+from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError
 from .inspect import tracker_run_step
@@ -656,7 +651,7 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
 
 
 def _evaluate(root: Path, plan: ProofPlan | None, role: str | None) -> list[Gate]:
-    from .._commit.manifest import FORMAT_VERSION
+    from .._records.manifest import FORMAT_VERSION
 
     records = read_records(root, role)
     all_segments = [_segment(rank, recs) for rank, recs in sorted(records.items())]
@@ -767,7 +762,7 @@ def _gate_run_step(root: Path, roles: list[str]) -> Gate:
     recorded = Path(next(iter(restored.values())).pop()[1])
     step_dir = recorded if recorded.is_dir() else root / recorded.name  # the root was moved since
     try:
-        run = _runmanifest.checked(step_dir)
+        run = _checks.checked_run_step(step_dir)
     except CheckpointError as exc:
         return Gate(name, Status.FAIL, f"run step {step}: {str(exc).split('. ')[0]}")
     declared = sorted(set(roles) | set(run.roles))
