@@ -14,6 +14,7 @@ from ckptguard.demo.toyjob import build_job, train_step
 FROZEN = {
     "adopt": ["root", "step", "template"],
     "demo": ["workdir", "world_size", "steps", "save_every", "kill_at", "no_derived_fix"],
+    "export": ["root", "step", "out", "dtype", "item", "merged", "max_host_bytes", "template", "as_json"],
     "gc": ["root", "dry_run", "orphans", "force", "template"],
     "hold": ["root", "step", "reason", "template"],
     "list": ["root", "template", "as_json"],

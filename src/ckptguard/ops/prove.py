@@ -28,6 +28,7 @@ from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError
 from .inspect import tracker_run_step
+from .lora import lora_gate
 
 LEGACY_PLAN = ProofPlan(rl=True)
 """The plan of records written before plans were recorded: every gate applied."""
@@ -696,6 +697,8 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None) -> list[Gate
     else:
         gates += _replay_gates([_replay(s, before(s), plan) for s in segments], plan)
     restores = [s.restore for s in segments if s.restore is not None]
+    if (lora := lora_gate(restores)) is not None:
+        gates.append(Gate("LoRA base and adapter", Status.INFO, lora, required=False))
     written = sorted({int(r["format_version"]) for r in restores if r.get("format_version")})
     gates.append(
         Gate(
