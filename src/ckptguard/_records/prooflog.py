@@ -25,6 +25,7 @@ from .._disk.digest import digest
 from .._disk.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
 from .._log import NAME
 from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
+from .resumewatch import ResumeWatch
 
 _HOST = socket.gethostname()
 log = logging.getLogger(NAME)
@@ -51,8 +52,12 @@ class ProofLog:
         # A save_async commits (and prunes) in a background thread while training appends step
         # records: a record appended between the prune's read and its rename would be lost.
         self._lock = threading.Lock()
+        self.watch = ResumeWatch(rank, str(self.path), lambda event, fields: self.keep(self.build(event, **fields)))
 
     def build(self, event: str, **fields: Any) -> dict[str, Any]:
+        self.watch.observe(event, fields)
+        if event == "step":  # the thread count splits CPU reductions: prove names a change of it
+            fields.setdefault("threads", torch.get_num_threads())
         return {
             "event": event,
             "rank": self.rank,
