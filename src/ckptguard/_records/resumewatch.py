@@ -66,11 +66,13 @@ class ResumeWatch:
         if self.total is not None and self.restored >= self.total:
             log.info("ckptguard: rank %d %s: the job had ended (total_steps %d)", self.rank, self.line(), self.total)
             return
-        left = ("" if self.total is not None else
-                " (ProofPlan(total_steps=) is not declared, so prove judges from the records whether steps were left)")
-        log.error("ckptguard: rank %d %s before the process exited%s: the data loader or the step range ended "
-                  "right after the restore (an exhausted loader at an epoch boundary?); the run made no progress "
-                  "(%s)", self.rank, self.line(), left, self.where)
+        if self.total is None:  # whether steps were left is for prove to tell from the records
+            log.warning("ckptguard: rank %d %s before the process exited (%s); declare ProofPlan(total_steps=) to "
+                        "have a zero-step resume called out here", self.rank, self.line(), self.where)
+            return
+        log.error("ckptguard: rank %d %s before the process exited: the data loader or the step range ended right "
+                  "after the restore (an exhausted loader at an epoch boundary?); the run made no progress (%s)",
+                  self.rank, self.line(), self.where)
 
 
 @atexit.register
