@@ -239,3 +239,25 @@ def test_the_exit_hook_records_and_logs_only_after_a_restore(tmp_path, caplog):
     caplog.clear()
     log.watch.at_exit()
     assert "trained 0" not in caplog.text
+
+
+# ---------------------------------------------------------------- the proof names its code
+
+
+def test_restore_and_save_records_name_their_code_and_prove_says_when_it_changed(replayed, tmp_path):
+    code = _by_name(evaluate(replayed / "exact"))["code identity"]
+    assert code.status is Status.INFO and code.evidence.startswith("step 5 saved and resumed by the same code (no "
+                                                                   "code hash, ckptguard ")
+    assert "torch 2.13" in code.evidence and "RunContract(code=hash_git_tree('.'))" in code.evidence
+    records = (replayed / "exact" / "proof" / "rank_00000.jsonl").read_text().splitlines()
+    changed = []
+    for line in records:  # the resumed run ran other code: its restore record says so
+        rec = json.loads(line)
+        if rec["event"] == "restore" and rec["step"] == SAVE_EVERY:
+            rec["code"] = {**rec["code"], "hash": "new", "ckptguard": "9.9"}
+        changed.append(json.dumps(rec))
+    (tmp_path / "proof").mkdir()
+    (tmp_path / "proof" / "rank_00000.jsonl").write_text("\n".join(changed) + "\n")
+    code = _by_name(evaluate(tmp_path))["code identity"]
+    assert "the saving and the resumed runs ran different code (ckptguard, hash differ)" in code.evidence
+    assert "resumed by code new, ckptguard 9.9" in code.evidence

@@ -278,6 +278,34 @@ def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
     return Status.PASS, "every parameter and buffer kept its data_ptr through the restore"
 
 
+def _code_text(code: dict[str, Any]) -> str:
+    parts = [f"code {code['hash']}" if code.get("hash") else "no code hash"]
+    parts += [f"{k} {code[k]}" for k in ("ckptguard", "torch", "python") if code.get(k)]
+    return ", ".join(parts)
+
+
+def _code(segments: list[_Segment]) -> Gate | None:
+    """Which code saved the restored step and which resumed it (recorded with saves and restores), as information."""
+    seg = next((s for s in segments if _restored(s) and s.restore is not None and "code" in s.restore), None)
+    if seg is None or seg.restore is None:
+        return None
+    resumed, step = seg.restore["code"], seg.restore["step"]
+    save = next((r for r in reversed(seg.before) if r["event"] == "save" and r["step"] == step), None)
+    saved = save.get("code") if save is not None else None
+    hint = "" if resumed.get("hash") else "; declare CheckpointConfig(contract=RunContract(code=hash_git_tree('.')))" \
+        " to record the code's own hash"
+    if not isinstance(saved, dict):
+        return Gate("code identity", Status.INFO, f"resumed by {_code_text(resumed)}; the save of step {step} "
+                    f"recorded no code identity (an older ckptguard){hint}", required=False)
+    if saved == resumed:
+        return Gate("code identity", Status.INFO, f"step {step} saved and resumed by the same code "
+                    f"({_code_text(resumed)}){hint}", required=False)
+    changed = sorted(k for k in {*saved, *resumed} if saved.get(k) != resumed.get(k))
+    return Gate("code identity", Status.INFO, (
+        f"the saving and the resumed runs ran different code ({', '.join(changed)} differ): saved by "
+        f"{_code_text(saved)}, resumed by {_code_text(resumed)}; the replay compares the two{hint}"), required=False)
+
+
 def _tier(segments: list[_Segment]) -> Gate | None:
     """Which tier the newest restore loaded (a TieredCheckpoint records it), as information."""
     tiers = [s.restore for s in segments if s.restore is not None and _restored(s) and "tier" in s.restore]
@@ -901,6 +929,8 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
         gates += _resharded_gates(segments, records, plan, *resharded)
     else:
         gates += _replay_gates([_replay(s, before(s), plan) for s in segments], plan)
+    if (code := _code(segments)) is not None:
+        gates.append(code)
     restores = [s.restore for s in segments if s.restore is not None]
     written = sorted({int(r["format_version"]) for r in restores if r.get("format_version")})
     gates.append(
