@@ -509,7 +509,8 @@ def _epoch_of(r: dict[str, Any]) -> Any:
 
 def _epoch_crossing(k: int, compared: list[dict[str, Any]], before: list[dict[str, Any]]) -> tuple[bool | None, str]:
     """Whether the compared steps (the killed run's records) reach the data's next pass: exactly from a
-    recorded ``epoch`` extra, else when a compared step's recorded ids were consumed before step k+1."""
+    recorded ``epoch`` extra, else when a compared step consumes an id already consumed in the pass of step
+    k (found back from k to the first repeated id; only each step's first ids are recorded)."""
     if not compared:
         return None, ""
     at_k = next((r for r in reversed(before) if r["event"] == "step" and r["step"] == k), None)
@@ -519,16 +520,18 @@ def _epoch_crossing(k: int, compared: list[dict[str, Any]], before: list[dict[st
             if prev is not None and _epoch_of(prev) is not None and _epoch_of(r) != _epoch_of(prev):
                 return True, f"epoch {_epoch_of(prev)} -> {_epoch_of(r)} at step {r['step']} (record_step epoch=)"
         return False, f"all in epoch {epochs[-1]} (record_step epoch=)"
-    seen: dict[Any, int] = {}
-    for r in before:
-        if r["event"] == "step" and r["step"] <= k:
-            for i in r.get("ids_head") or []:
-                seen.setdefault(i, int(r["step"]))
+    heads = {int(r["step"]): list(r.get("ids_head") or []) for r in before if r["event"] == "step" and r["step"] <= k}
+    seen: dict[Any, int] = {}  # the ids of the pass the restored step is in: back from k to the first repeat
+    for step in sorted(heads, reverse=True):
+        if any(i in seen for i in heads[step]):
+            break
+        seen.update({i: step for i in heads[step]})
     for r in compared:
         again = [i for i in r.get("ids_head") or [] if i in seen]
         if again:
             first = seen[again[0]]
-            return True, f"step {r['step']} consumed sample {again[0]!r} again (first consumed at step {first})"
+            return True, f"step {r['step']} consumed sample {again[0]!r} again (also consumed at step {first})"
+        seen.update({i: int(r["step"]) for i in r.get("ids_head") or []})
     if not any("ids_head" in r for r in compared):
         return None, "not known (record_step(..., epoch=) or integer/string sample_ids tell)"
     return None, ("not seen: no compared step's first recorded ids were consumed before (only the first ids of each "
