@@ -261,3 +261,16 @@ def test_restore_and_save_records_name_their_code_and_prove_says_when_it_changed
     code = _by_name(evaluate(tmp_path))["code identity"]
     assert "the saving and the resumed runs ran different code (ckptguard, hash differ)" in code.evidence
     assert "resumed by code new, ckptguard 9.9" in code.evidence
+
+
+def test_a_changed_thread_count_is_named_as_the_cause(tmp_path):
+    plan = {"rl": False, "deterministic": True, "replay_steps": 1}
+    step = {"event": "step", "step": 6, "sample_ids": "i6", "ids_head": [6], "grad_norm": 0.5}
+    _write(tmp_path, [{"event": "save", "pid": 1, "step": 5, "plan": plan},
+                      {**step, "pid": 1, "loss": 0.25, "threads": 4},
+                      {"event": "restore", "pid": 2, "step": 5, "ok": True, "plan": plan,
+                       "digests_match": {"model": True}},
+                      {**step, "pid": 2, "loss": 0.2500001, "threads": 1}])
+    gate = _by_name(evaluate(tmp_path))["replayed steps identical"]
+    assert gate.status is Status.FAIL and gate.evidence.startswith("rank 0, step 6: loss 0.25 in the killed run")
+    assert "The killed run ran with 4 CPU threads, the resumed run with 1" in gate.evidence
