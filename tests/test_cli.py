@@ -20,7 +20,7 @@ FROZEN = {
     "list": ["root", "template", "as_json"],
     "mem": [],
     "preflight": ["root", "hosts", "rank_hosts", "expect_step", "template", "as_json"],
-    "prove": ["root", "as_json"],
+    "prove": ["root", "as_json", "resume", "every"],
     "rehearse": ["root", "timeout_s", "as_json", "cmd"],
     "release": ["root", "step"],
     "repro-save": ["target", "control", "rounds", "size_gib", "ranks", "report", "as_json"],

@@ -472,17 +472,26 @@ def _gate_table(gates: list[Any]) -> None:
 @main.command()
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict and the gates as one JSON object.")
-def prove(root: Path, as_json: bool) -> None:
+@click.option("--resume", "resume", type=click.IntRange(1), default=None, metavar="N",
+              help="Judge resume N (1 is the oldest restore of a non-zero step) instead of the newest with evidence.")
+@click.option("--all", "every", is_flag=True, help="Judge each resume in turn: a verdict line per resume.")
+def prove(root: Path, as_json: bool, resume: int | None, every: bool) -> None:
     """Evaluate the resume-proof gates from ROOT/proof records, with evidence, and a one-line verdict.
 
     Each gate is PASS, FAIL, NOT RUN, INFO or N/A (the job's ProofPlan, recorded with the save, says
     it does not apply). Exit 0 only if every required gate passes: `resume PROVEN`; otherwise
     `resume NOT proven: <first failing gate>`. A gate whose event was never recorded is NOT RUN.
+    The judged resume is the newest that recorded a step after its restore (the `resume judged`
+    line says which); --resume N judges another, --all each (exit 0 only if every one is proven).
     """
     from .ops.prove import evaluate, passed, to_json, verdict
 
+    if every and resume is not None:
+        raise click.UsageError("--all judges every resume: give it or --resume N, not both")
+    if every:
+        _prove_all(root.absolute(), as_json)
     try:
-        gates = evaluate(root.absolute())
+        gates = evaluate(root.absolute(), resume=resume)
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
@@ -491,6 +500,30 @@ def prove(root: Path, as_json: bool) -> None:
         _gate_table(gates)
         click.echo(f"\n{verdict(gates)}")
     sys.exit(0 if passed(gates) else 1)
+
+
+def _prove_all(root: Path, as_json: bool) -> None:
+    """`prove --all`: every resume judged, one line each (and the first failing gate's evidence)."""
+    from .ops.prove import evaluate, passed, resume_count, to_json, verdict
+
+    try:
+        found = resume_count(root)
+        judged = [(r, evaluate(root, resume=r.number)) for r in found]
+    except CheckpointError as exc:
+        _fail(str(exc), as_json)
+    if not found:
+        _fail(f"{root}: the proof records hold no restore of a non-zero step: nothing to judge", as_json)
+    if as_json:
+        rows = [{"resume": r.number, "step": r.step, "pid": r.pid, **to_json(g)} for r, g in judged]
+        click.echo(json.dumps({"proven": all(passed(g) for _r, g in judged), "resumes": rows}))
+    else:
+        for r, gates in judged:
+            click.echo(f"resume {r.number} (step {r.step}, pid {r.pid}): {verdict(gates)}")
+            bad = next((g for g in gates if g.required and g.status.value == "FAIL"), None) or next(
+                (g for g in gates if g.required and g.status.value != "PASS"), None)
+            if bad is not None:
+                click.echo(f"    {bad.name}: {bad.evidence}")
+    sys.exit(0 if all(passed(g) for _r, g in judged) else 1)
 
 
 @main.command()

@@ -133,6 +133,7 @@ class RunCheckpoint:
             if role.derived is not None:
                 self._derived[role.name] = role.derived
             proofs[role.name] = ProofLog(self.root, agreement.info.rank, role=role.name)
+            proofs[role.name].code = self.config.contract.code if self.config.contract is not None else None
         self._proofs = RoleProofs(proofs, enabled=self.config.record_proof, health=self.config.health, rank=me)
         self._shared_root = world == 1  # a run commits on one shared root only: probed at the first save
         self._pending: _async.PendingSave | None = None
