@@ -53,12 +53,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: the e
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the engine's KV cache
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with our functions (own process)
 
-import torch  # noqa: E402
+import torch
 
-import ckptguard as cg  # noqa: E402
-from ckptguard import testing as cg_testing  # noqa: E402
-from ckptguard.integrations import vllm as cgv  # noqa: E402
-from ckptguard.ops import prove as proof  # noqa: E402
+import ckptguard as cg
+from ckptguard import testing as cg_testing
+from ckptguard.integrations import vllm as cgv
+from ckptguard.ops import prove as proof
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(60)]
 PROMPTS = [" ".join(f"w{(i * 7 + j * 3) % 60}" for j in range(1 + i % 3)) for i in range(16)]

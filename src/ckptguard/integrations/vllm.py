@@ -66,7 +66,9 @@ def _probe(module: torch.nn.Module, dtype: torch.dtype, k: int) -> torch.Tensor:
     return out.t().contiguous()
 
 
-def _split(name: str, tensor: torch.Tensor, sizes: Sequence[int], packed: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+def _split(
+    name: str, tensor: torch.Tensor, sizes: Sequence[int], packed: Mapping[str, Sequence[str]]
+) -> dict[str, Any]:
     """``...qkv_proj.weight`` back into ``...q_proj.weight`` etc., along the output dimension."""
     prefix, _, leaf = name.rpartition(".")
     head, _, module = prefix.rpartition(".")
@@ -122,10 +124,11 @@ def rebuild_stale_kernels(worker: Any) -> list[str]:
     rebuilt = []
     with torch.no_grad():
         for mname, module in model.named_modules():
-            if _has_kernel(module) and module.weight.dim() == 2 and module.weight.numel():
-                if not torch.equal(_probe(module, module.weight.dtype, int(module.weight.shape[1])), module.weight):
-                    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-                    rebuilt.append(mname)
+            if not (_has_kernel(module) and module.weight.dim() == 2 and module.weight.numel()):
+                continue
+            if not torch.equal(_probe(module, module.weight.dtype, int(module.weight.shape[1])), module.weight):
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                rebuilt.append(mname)
     return rebuilt
 
 
@@ -395,6 +398,8 @@ class Colocated:
         return generate(self.llm, prompts, prompt_ids, step=step, n=n, params=params, seeded=self.seeded,
                         run_seed=self.run_seed)
 
-    def record_old_logprobs(self, step: int, actor_logprobs: torch.Tensor, samples: Sequence[Sample]) -> dict[str, float]:
+    def record_old_logprobs(
+        self, step: int, actor_logprobs: torch.Tensor, samples: Sequence[Sample]
+    ) -> dict[str, float]:
         """The actor's recomputed old-logprob of the sampled tokens against the engine's (``record_logprobs``)."""
         return self.mgr.record_logprobs(step, actor_logprobs.reshape(-1), engine_logprobs(samples))
