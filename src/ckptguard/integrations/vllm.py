@@ -92,7 +92,7 @@ def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
             if hasattr(module, "output_partition_sizes"):
                 for leaf in ("weight", "bias"):
                     sizes[f"{mname}.{leaf}"] = list(module.output_partition_sizes)
-            if _has_kernel(module):
+            if isinstance(weight, torch.Tensor) and _has_kernel(module):
                 k = int(module.input_size_per_partition) if weight.numel() == 0 else int(weight.shape[1])
                 kernels[f"{mname}.weight"] = _probe(module, weight.dtype, k)
         for pname, param in model.named_parameters():
