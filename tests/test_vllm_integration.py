@@ -153,3 +153,55 @@ def test_an_engine_in_its_own_process_replays_with_per_request_seeds_only(work, 
     else:  # the engine's sampling generator restarted with the process: step 3's completions differ
         assert rc == 1 and gates["replayed steps identical"]["status"] == "FAIL", proof
         assert "step 3" in gates["replayed steps identical"]["evidence"]
+
+
+# ---------------------------------------------------------------- without an engine (the suite's venv)
+
+
+def test_request_seeds_depend_on_step_prompt_and_sample_only():
+    from ckptguard.integrations.vllm import request_seed
+
+    seeds = {request_seed(s, p, i) for s in range(1, 9) for p in range(32) for i in range(4)}
+    assert len(seeds) == 8 * 32 * 4 and all(0 <= x < 2**63 for x in seeds)
+    assert request_seed(3, 7, 1) == request_seed(3, 7, 1)
+    assert request_seed(3, 7, 1) != request_seed(3, "7", 1)  # a str id is another prompt than an int id
+    assert request_seed(3, 7, 1, run_seed=1) != request_seed(3, 7, 1)
+
+
+def test_packed_modules_split_back_into_checkpoint_names():
+    import torch
+
+    from ckptguard.integrations.vllm import _split, layout_free_digests
+
+    q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    parts = _split("model.layers.0.self_attn.qkv_proj.weight", torch.cat([q, k, v]), [4, 2, 2], packed)
+    names = [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"]
+    assert list(parts) == names
+    sent = dict(zip(names, (q, k, v), strict=True))
+    assert layout_free_digests(parts) == layout_free_digests(sent)
+    # sizes that do not add up: kept whole under the engine's name (and then reported as not sent)
+    assert list(_split("a.qkv_proj.weight", torch.cat([q, k, v]), [4, 2, 1], packed)) == ["a.qkv_proj.weight"]
+
+
+def test_tied_aliases_found_by_storage_and_differences_named():
+    import torch
+
+    from ckptguard.integrations.vllm import Push, _compare, _packed, _tied_aliases, _unpacked, layout_free_digests
+
+    emb = torch.randn(5, 3)
+    named = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "norm.weight": torch.ones(3)}
+    tied = _tied_aliases(named, None)
+    assert tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    sent = layout_free_digests(named)
+    engine = {k: v for k, v in sent.items() if k != "lm_head.weight"}
+    assert _compare(engine, sent, tied) == ([], [], [])  # the engine ties the head to the embedding
+    stale = {**engine, "norm.weight": layout_free_digests({"norm.weight": torch.zeros(3)})["norm.weight"],
+             "lm_head.weight@kernel": "x"}
+    differ, missing, unsent = _compare(stale, sent, tied)
+    assert (differ, missing, unsent) == (["norm.weight"], [], ["lm_head.weight@kernel"])
+    assert _compare(engine, sent, {}) == ([], ["lm_head.weight"], [])  # untied: the head was sent and not held
+    push = Push(1, stale, sent, tied, 0.0, 0.0, differ, missing, unsent)
+    assert not push.ok and "differ from what was sent: ['norm.weight']" in push.problem()
+    t = torch.randn(2, 3, dtype=torch.bfloat16)
+    assert torch.equal(_unpacked(_packed(t)), t) and _unpacked(_packed(t)).dtype == torch.bfloat16
