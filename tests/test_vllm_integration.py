@@ -73,14 +73,19 @@ def _prove(root: Path) -> tuple[int, dict]:
 
 
 def _random_kills(n: int, seed: int) -> list[str]:
-    """``n`` kill points in the order a run meets them: at random steps of the 8, in random phases; the last
-    one mid-save of the final step, so the resume of step 6 replays steps 7 and 8 for the proof."""
+    """``n`` kill points in the order a run meets them: every phase in turn (shuffled) at random steps of
+    1-6, then mid-save of the final step 8. The saving process of step 6 then runs on to record steps 7
+    and 8 (a kill at 7 after 6 committed would leave nothing replayed to prove) and the final launch,
+    restoring step 6, replays them."""
     rng = random.Random(seed)
     order = {"generate": 0, "update": 1, "push": 2, "save": 3}
     points = []
-    for _ in range(n - 1):
-        step = rng.randint(1, 8)
-        phase = rng.choice(["generate", "update", "push"] + (["save"] if step % 2 == 0 else []))
+    for i in range(n - 1):
+        if i % 4 == 0:
+            phases = list(order)
+            rng.shuffle(phases)
+        phase, step = phases[i % 4], rng.randint(1, 6)
+        step += phase == "save" and step % 2  # saves are at even steps
         points.append((step, order[phase], f"{phase}@{step}"))
     return [p for *_k, p in sorted(points)] + ["save@8"]
 
