@@ -121,6 +121,11 @@ def test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven(w
     assert "byte-identical to the saving run's" in gates["first export byte-identical"]["evidence"]
     assert gates["first old-logprob aligned"]["status"] == "PASS"
     assert "steps 7-8 replayed after the restore of step 6" in gates["data order identical"]["evidence"]
+    # `mem vllm-log` reads the engine's real startup log: the KV space it got is VLLM_CPU_KVCACHE_SPACE
+    from ckptguard.memory import parse_vllm_log
+
+    summary = parse_vllm_log(runs[-1].stderr)
+    assert summary.kv_cache_bytes == 1 << 30 and summary.kv_cache_tokens and summary.errors == []
     print(f"{len(kills)} kills {kills}, {len(runs)} launches: {elapsed:.0f} s")
 
 
