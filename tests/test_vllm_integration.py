@@ -139,7 +139,7 @@ def test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven(w
     # `mem vllm-log` reads the engine's real startup log: the KV space it got is VLLM_CPU_KVCACHE_SPACE
     from ckptguard.memory import parse_vllm_log
 
-    summary = parse_vllm_log(runs[-1].stderr)
+    summary = parse_vllm_log(runs[-1].stdout + runs[-1].stderr)  # vLLM logs to stdout
     assert summary.kv_cache_bytes == 1 << 30 and summary.kv_cache_tokens and summary.errors == []
     print(f"{len(kills)} kills {kills}, {len(runs)} launches: {elapsed:.0f} s")
 
