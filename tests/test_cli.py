@@ -15,6 +15,7 @@ FROZEN = {
     "adopt": ["root", "step", "template"],
     "demo": ["workdir", "world_size", "steps", "save_every", "kill_at", "no_derived_fix"],
     "gc": ["root", "dry_run", "orphans", "force", "template"],
+    "goodput": ["root", "mtbf_s", "as_json"],
     "hold": ["root", "step", "reason", "template"],
     "list": ["root", "template", "as_json"],
     "mem": [],
