@@ -157,3 +157,25 @@ def test_a_deletion_runs_after_the_commit_and_never_holds_the_next_save(tmp_path
     cleanups = [r for r in read_records(root)[0] if r["event"] == "cleanup"]
     assert [r["deleted"] for r in cleanups] == [[1], [2]] and cleanups[0]["seconds"] >= 1.5
     assert _layout.read_tracker(root) == 3
+
+
+def test_a_tiered_save_async_during_the_tiers_commit_is_skipped_and_retention_still_runs(tmp_path):
+    gate = threading.Event()
+    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
+                                persistent_every=2, fast_retention=cg.KeepLast(1))
+    _faults.set_hook("commit.before_tracker", gate.wait)
+    try:
+        first = tiers.save_async(1, _state(1.0))
+        assert tiers.save_async(2, _state(2.0)) is None and tiers.busy.skipped_total == 1
+        gate.set()
+        assert set(first.wait()) == {cg.Tier.FAST}
+    finally:
+        _faults.set_hook("commit.before_tracker", None)
+    third = tiers.save_async(3, _state(3.0))
+    fourth = tiers.save_async(4, _state(4.0))  # requested at once: skipped unless step 3's commit ended first
+    tiers.wait()
+    expected = [3] if fourth is None else [4]
+    assert tiers.fast.committed_steps() == expected and third is not None  # KeepLast(1) ran after each commit
+    skips = [r["step"] for r in read_records(tmp_path / "pers")[0] if r["event"] == "busy_skip"]
+    assert skips == ([2, 4] if fourth is None else [2])
+    tiers.close()
