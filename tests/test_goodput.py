@@ -48,11 +48,13 @@ def killed_run(tmp_path_factory):
     return root, seen
 
 
+# Four job launches (each imports torch): a few seconds each on a quiet machine, a minute on a loaded one.
+@pytest.mark.timeout(900)
 def test_goodput_of_a_run_killed_three_times_matches_the_outside_view(killed_run):
     root, seen = killed_run
     g = goodput(root)
     assert len(g.launches) == 4 and g.failures == 3
-    for before, after, launch in zip(seen, seen[1:], g.launches[1:], strict=True):
+    for before, after, launch in zip(seen, seen[1:], g.launches[1:], strict=False):
         assert launch.restored_step == after["restored"]
         assert launch.lost_steps == before["steps"][-1][0] - after["restored"]  # killed at its last printed step
     for outside, launch in zip(seen, g.launches, strict=True):
@@ -64,6 +66,7 @@ def test_goodput_of_a_run_killed_three_times_matches_the_outside_view(killed_run
     assert g.interval_s == pytest.approx(max(young_daly(g.save_cost_s, g.mtbf_s), g.commit_s))
 
 
+@pytest.mark.timeout(900)
 def test_goodput_command(killed_run, tmp_path):
     root, _ = killed_run
     runner = CliRunner()

@@ -10,12 +10,14 @@ import time
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard import _faults
 from ckptguard._disk import layout as _layout
 from ckptguard._records import retention as _retention
 from ckptguard._records.prooflog import read_records
+from ckptguard.cli import main
 from ckptguard.storage import _staging
 from dist_helper import run_ranks, values
 
@@ -82,6 +84,10 @@ def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path,
     warning = next(r.getMessage() for r in caplog.records if "SKIPPED" in r.getMessage())
     assert "save_async of step 4 SKIPPED (1 so far)" in warning and "step 2's commit" in warning
     assert "steps or more fits it" in warning and "on_busy=OnBusy.WAIT" in warning
+    mgr.save_async(6, _state(2.0)).wait()  # the next committed step carries the skip; verify shows it
+    assert _cost(tmp_path / "ck", 6)["skipped_steps"] == [4]
+    shown = CliRunner().invoke(main, ["verify", str(tmp_path / "ck" / "step_00000006")])
+    assert shown.exit_code == 0 and "1 save(s) skipped before it" in shown.output, shown.output
     # WAIT: the request waits for the commit in flight and is saved.
     waiting = cg.CheckpointManager(tmp_path / "w", config=cg.CheckpointConfig(on_busy=cg.OnBusy.WAIT))
     waiting.save_async(1, _state())

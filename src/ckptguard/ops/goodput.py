@@ -12,9 +12,10 @@ launches (one process id each, in time order). For each launch:
 - the seconds the loop was held by saves (``blocked_s`` of each save record), the saves skipped
   because a commit was in flight (``busy_skip`` records) and the retention time spent off the path.
 
-In total: the wall time (first process start to the last record), the failures (relaunches), and
-the ETTR, effective training time ratio: (time training after each recovery, less the seconds held
-by saves and less the lost steps at the measured step time) / wall time. From the mean blocking cost
+In total: the wall time (first process start to the last step recorded), the failures (relaunches),
+and the ETTR, effective training time ratio: (time training after each recovery, first to last step
+of each launch, less the seconds held by saves and less the lost steps at the measured step time) /
+wall time. From the mean blocking cost
 of a save C and the mean time between failures M (observed: wall time / failures, or declared),
 the Young/Daly interval sqrt(2 C M) that maximises goodput, in seconds and in steps; never shorter
 than one measured commit (a save requested sooner is skipped). Only the records the root keeps are
@@ -64,7 +65,9 @@ class Launch:
     lost_steps: int | None = None
     """Steps the launch before it had recorded past the step this one restored."""
     training_s: float = 0.0
-    """From the first step after the restore to the last record."""
+    """From the first step after the restore to its last step."""
+    last_step_time: float | None = None
+    """Wall time of its last step record (the end of its training)."""
 
 
 @dataclass
@@ -118,10 +121,11 @@ def _launch(pid: int, recs: list[dict[str, Any]]) -> Launch:
         if after and end is not None:
             out.to_first_step_s = float(after[0]["time"]) - end
             out.recover_s = float(after[0]["time"]) - out.start
-            out.training_s = out.end - float(after[0]["time"])
+            out.training_s = float(after[-1]["time"]) - float(after[0]["time"])
     elif steps:
-        out.training_s = out.end - float(steps[0]["time"])
+        out.training_s = float(steps[-1]["time"]) - float(steps[0]["time"])
     if steps:
+        out.last_step_time = max(float(r["time"]) for r in steps)
         out.first_step, out.last_step, out.steps = steps[0]["step"], max(r["step"] for r in steps), len(steps)
         per = [(float(b["time"]) - float(a["time"])) / (b["step"] - a["step"])
                for a, b in itertools.pairwise(steps) if b["step"] > a["step"]]
@@ -158,7 +162,10 @@ def goodput(root: str | Path, *, mtbf_s: float | None = None) -> Goodput:
     if not runs:
         return Goodput(str(root), [], 0.0, 0, 0.0, 0, 0.0, 0.0, 0, 0.0, None, None, None, None, mtbf_s,
                        "declared" if mtbf_s else "no records", None, None)
-    wall = max(x.end for x in runs) - runs[0].start
+    # To the end of training (the last step), not to the last record: a final wait for the last commit
+    # after the loop is not training time lost to checkpointing's failures.
+    ends = [x.last_step_time for x in runs if x.last_step_time is not None]
+    wall = (max(ends) if ends else max(x.end for x in runs)) - runs[0].start
     step_times = [x.step_s for x in runs if x.step_s]
     step_s = statistics.median(step_times) if step_times else None
     lost = sum(x.lost_steps or 0 for x in runs)
