@@ -71,7 +71,7 @@ def test_gpu_layout_free_digest_equals_cpu_and_record_step_hashes_on_the_gpu(tmp
 
 def test_restore_of_gpu_state_verifies_on_the_device_and_a_flipped_byte_names_the_file(tmp_path, monkeypatch):
     """Same layout: GPU tensor items are checked by the layout-free pass on the device, with no
-    D2H copy of every byte for an xxh3 pass (issue 19), and a changed byte is still caught."""
+    D2H copy of every byte for an xxh3 pass, and a changed byte is still caught."""
     from ckptguard._disk import digest as d
 
     torch.manual_seed(3)

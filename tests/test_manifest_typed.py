@@ -1,4 +1,4 @@
-"""The manifest builder returns a typed Manifest whose JSON is exactly what is on disk (issue 16)."""
+"""The manifest builder returns a typed Manifest whose JSON is exactly what is on disk."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How a same-layout restore verifies tensor items (issue 19, item 5): by the layout-free pass
+"""How a same-layout restore verifies tensor items: by the layout-free pass
 alone, with no second xxh3 pass over every tensor byte, yet a changed byte, key or
 hyperparameter is still caught and named."""
 

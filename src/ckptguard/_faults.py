@@ -20,6 +20,8 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``node.after_tracker``: this node's tracker is moved; other nodes' may not be
 - ``transfer.file_copied``: ``ckptguard transfer`` copied one file of several
 - ``transfer.before_tracker``: the transferred step directory is renamed in, the tracker not yet set
+- ``export.shard_written``: ``ckptguard export`` wrote and fsynced one safetensors file, not yet read back
+- ``export.before_manifest``: every export file is written and checked; the export manifest is not written
 
 ``ckptguard rehearse`` sets ``PAUSE_ENV`` for one launch of the user's command: the first
 save of each process then stops at ``storage.data_written`` (mid-write, nothing committed),
@@ -54,7 +56,8 @@ NODE_POINTS = (
 )
 """The points of per-node publish (node-local roots), reached by each node's publishing rank."""
 POINTS = (
-    *COMMIT_POINTS, "commit.rank_written", *NODE_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker"
+    *COMMIT_POINTS, "commit.rank_written", *NODE_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker",
+    "export.shard_written", "export.before_manifest",
 )
 
 _hooks: dict[str, Callable[[], None]] = {}

@@ -85,23 +85,38 @@ class ProofPlan:
 
     rl: bool = False
     """An RL job: the first export and the first old-logprob after a restore are gates
-    (``record_export``, ``record_logprobs``). Off: they are N/A unless such records exist."""
-    deterministic: bool = False
-    """Replayed steps must reproduce ``loss``, ``grad_norm`` and every extra bitwise. Off
-    (sampling across processes is not bitwise): their differences are reported as INFO."""
+    (``record_export``, ``record_logprobs``). Off: they are N/A unless such records exist. Rollouts
+    sample across processes, which is not bitwise, so ``rl=True`` implies ``deterministic=False``
+    unless it is given."""
+    deterministic: bool | None = None
+    """Replayed steps must reproduce ``loss``, ``grad_norm`` and every extra bitwise (the default,
+    ``None``, means ``not rl``). ``False`` declares steps that are legitimately not bitwise: their
+    differences are then INFO and the verdict says the numerics were not compared."""
     replay_steps: int = 1
     """Steps after the restored step that the killed run and the resumed run must both record
     (``record_step``); fewer is NOT RUN. ``ckptguard rehearse`` runs this many past a save."""
+    total_steps: int | None = None
+    """The step the job ends at. A resumed run that records no step before its process exits while
+    the restored step is below it is a FAIL (``resumed run trained``); None: only the records tell
+    whether steps were left (the killed run recorded steps past the restored one)."""
 
     def __post_init__(self) -> None:
+        if self.deterministic is None:
+            object.__setattr__(self, "deterministic", not self.rl if isinstance(self.rl, bool) else None)
         for name in ("rl", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ProofPlan.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.replay_steps, int) or isinstance(self.replay_steps, bool) or self.replay_steps < 1:
             raise ConfigError(f"ProofPlan.replay_steps must be an int >= 1, got {self.replay_steps!r}")
+        total = self.total_steps
+        if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total < 1):
+            raise ConfigError(f"ProofPlan.total_steps must be an int >= 1 or None, got {total!r}")
 
     def as_dict(self) -> dict[str, object]:
-        return {"rl": self.rl, "deterministic": self.deterministic, "replay_steps": self.replay_steps}
+        out: dict[str, object] = {"rl": self.rl, "deterministic": self.deterministic, "replay_steps": self.replay_steps}
+        if self.total_steps is not None:  # older readers take ProofPlan(**plan): only a declared total is written
+            out["total_steps"] = self.total_steps
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

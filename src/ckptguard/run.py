@@ -133,6 +133,7 @@ class RunCheckpoint:
             if role.derived is not None:
                 self._derived[role.name] = role.derived
             proofs[role.name] = ProofLog(self.root, agreement.info.rank, role=role.name)
+            proofs[role.name].code = self.config.contract.code if self.config.contract is not None else None
         self._proofs = RoleProofs(proofs, enabled=self.config.record_proof, health=self.config.health, rank=me)
         self._shared_root = world == 1  # a run commits on one shared root only: probed at the first save
         self._pending: _async.PendingSave | None = None
@@ -223,11 +224,8 @@ class RunCheckpoint:
         step: int,
         states: dict[str, dict[str, Any]],
         *,
-        healthy: bool | None = None,
-        loss: Any = None,
-        grad_norm: Any = None,
-        overwrite: bool = False,
-        break_lease: bool = False,
+        healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> Path | None:
         """Commit every role's state as run step ``step`` on every rank, or raise on every rank.
 
@@ -250,11 +248,8 @@ class RunCheckpoint:
         step: int,
         states: dict[str, dict[str, Any]],
         *,
-        healthy: bool | None = None,
-        loss: Any = None,
-        grad_norm: Any = None,
-        overwrite: bool = False,
-        break_lease: bool = False,
+        healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> _async.PendingSave | None:
         """Snapshot every role's state now and commit run step ``step`` in the background, as
         ``CheckpointManager.save_async`` does for one state: the copies go to spare GPU memory or to

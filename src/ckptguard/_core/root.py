@@ -103,6 +103,7 @@ class Root:
         self.last_health: _trust.HealthVerdict | None = None
         self._unobserved: list[tuple[_trust.HealthVerdict, Callable[[int], bool]]] = []
         self.proof = ProofSink(ProofLog(path, agreement.info.rank), path, enabled=config.record_proof)
+        self.proof.log.code = config.contract.code if config.contract is not None else None
 
     @property
     def rank(self) -> int:

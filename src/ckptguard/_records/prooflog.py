@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import re
 import socket
 import threading
@@ -24,7 +25,9 @@ import torch
 from .._disk.digest import digest
 from .._disk.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
 from .._log import NAME
+from .._version import __version__
 from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
+from .resumewatch import ResumeWatch
 
 _HOST = socket.gethostname()
 log = logging.getLogger(NAME)
@@ -51,8 +54,16 @@ class ProofLog:
         # A save_async commits (and prunes) in a background thread while training appends step
         # records: a record appended between the prune's read and its rename would be lost.
         self._lock = threading.Lock()
+        self.watch = ResumeWatch(rank, str(self.path), lambda event, fields: self.keep(self.build(event, **fields)))
+        self.code: str | None = None  # the run contract's code hash, recorded with saves and restores (prove shows it)
 
     def build(self, event: str, **fields: Any) -> dict[str, Any]:
+        self.watch.observe(event, fields)
+        if event == "step":  # the thread count splits CPU reductions: prove names a change of it
+            fields.setdefault("threads", torch.get_num_threads())
+        elif event in ("save", "restore"):  # which code saved, which resumed: prove says when they differ
+            code = {"ckptguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
+            fields.setdefault("code", {**code, **({"hash": self.code} if self.code else {})})
         return {
             "event": event,
             "rank": self.rank,

@@ -31,7 +31,7 @@ and reads every file of its checkpoint folder; what changes:
 - step fingerprints: after every optimizer step, ``record_step`` with the digest of the batches it
   consumed (``prompt_ids`` for TRL's generating trainers, else ``input_ids``), the summed loss and
   the gradient norm, so ``ckptguard prove`` compares the steps a resumed run replays (data order
-  always; the numbers bitwise under ``ckptguard_config_overrides={"proof": ProofPlan(deterministic=True)}``).
+  always; the numbers bitwise unless ``ckptguard_config_overrides={"proof": ProofPlan(deterministic=False)}``).
 - retention: ``save_total_limit`` is ``KeepLast(save_total_limit)`` applied after the commit from
   the steps on disk; the step just committed and the step restored from are never deleted. HF's
   own rotation only ever sees the staging folder.

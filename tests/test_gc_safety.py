@@ -1,6 +1,10 @@
-"""Issue 15, hostile review: gc and retention never delete what is committed or foreign.
+"""gc and retention never delete what is committed or foreign.
 
-Items 1, 6, 10 (retention side), 12 (holds, leftovers) and 19 (the retention warning).
+Committed steps survive a missing, zero or older tracker; gc outside a root, or on entries it
+did not create, deletes nothing; one bad entry (a deeply nested hold, a link loop) never
+disables retention for the root; an unreadable hold still protects its step; crash leftovers
+are reported by verify and removed by gc; the retention warning for an incomplete step says
+what to do. (tests/test_root_safety.py has its own cases of the same rules.)
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import ckptguard as cg
 from ckptguard._disk import layout as _layout
 from ckptguard._records import retention
-from hostile_helper import DEEP, MANIFEST, TRACKER, cli, committed_on_disk, no_traceback, run_py, step_dir, tiny_root
+from damage_helper import DEEP, MANIFEST, TRACKER, cli, committed_on_disk, no_traceback, run_py, step_dir, tiny_root
 
 
 def _mgr(root: Path, keep: int) -> cg.CheckpointManager:
@@ -27,67 +31,67 @@ def _w(step: int) -> dict:
     return {"w": torch.full((4,), float(step))}
 
 
-# ---------------------------------------------------------------- item 1: gc deletes committed checkpoints
+# ---------------------------------------------------------------- gc keeps committed checkpoints
 
 
 @pytest.mark.parametrize("template", ["step_{step:08d}", "global_step_{step}"])
-def test_item01_gc_keeps_committed_steps_when_the_tracker_is_missing(tmp_path, template):
+def test_gc_keeps_committed_steps_when_the_tracker_is_missing(tmp_path, template):
     root = tiny_root(tmp_path / "ck", (1, 2, 3), template=template)
     (root / TRACKER).unlink()  # a root copied by hand without its tracker
     before = committed_on_disk(root)
     result = cli("gc", root, "--template", template)
-    no_traceback(result, "1")
+    no_traceback(result, "gc without a tracker")
     assert committed_on_disk(root) == before, (
-        f"issue 15 item 1: gc without a tracker deleted committed steps: before {before}, after "
+        f"gc without a tracker deleted committed steps: before {before}, after "
         f"{committed_on_disk(root)}\n{result.output}"
     )
 
 
-def test_item01_gc_keeps_committed_steps_when_the_tracker_says_zero(tmp_path):
+def test_gc_keeps_committed_steps_when_the_tracker_says_zero(tmp_path):
     root = tiny_root(tmp_path / "ck", (1, 2, 3))
     (root / TRACKER).write_text("0\n")
     result = cli("gc", root)
-    no_traceback(result, "1")
+    no_traceback(result, "gc with tracker 0")
     assert committed_on_disk(root) == ["step_00000001", "step_00000002", "step_00000003"], (
-        f"issue 15 item 1: gc with tracker 0 deleted committed steps, left {committed_on_disk(root)}\n{result.output}"
+        f"gc with tracker 0 deleted committed steps, left {committed_on_disk(root)}\n{result.output}"
     )
 
 
-def test_item01_gc_keeps_newer_committed_steps_and_says_what_to_do(tmp_path):
+def test_gc_keeps_newer_committed_steps_and_says_what_to_do(tmp_path):
     root = tiny_root(tmp_path / "ck", (1, 2, 3))
     (root / TRACKER).write_text("1\n")  # a tracker pointing at an older step
     result = cli("gc", root)
-    no_traceback(result, "1")
+    no_traceback(result, "gc with an older tracker")
     assert committed_on_disk(root) == ["step_00000001", "step_00000002", "step_00000003"], (
-        f"issue 15 item 1: gc deleted committed steps newer than the tracker as orphans, left "
+        f"gc deleted committed steps newer than the tracker as orphans, left "
         f"{committed_on_disk(root)}\n{result.output}"
     )
     assert "step_00000003" in result.output or " 3" in result.output, (
-        f"issue 15 item 1: gc did not report the complete orphan step 3\n{result.output}"
+        f"gc did not report the complete orphan step 3\n{result.output}"
     )
     assert any(hint in result.output for hint in ("restore(path=", "adopt", "--orphans")), (
-        f"issue 15 item 1: gc reported no way forward for a complete orphan (restore(path=...), adopt, "
+        f"gc reported no way forward for a complete orphan (restore(path=...), adopt, "
         f"gc --orphans)\n{result.output}"
     )
 
 
-def test_item01_retention_never_deletes_complete_steps_beyond_the_tracker(tmp_path):
+def test_retention_never_deletes_complete_steps_beyond_the_tracker(tmp_path):
     """Same rule for retention: only committed steps the policy drops are deleted."""
     root = tiny_root(tmp_path / "ck", (1, 2, 3, 4))
     (root / TRACKER).write_text("2\n")
     naming = _layout.StepNaming("step_{step:08d}")
     report = retention.apply(root, naming, cg.KeepLast(1))
     assert committed_on_disk(root) == ["step_00000002", "step_00000003", "step_00000004"], (
-        f"issue 15 item 1: retention deleted {report.deleted}, left {committed_on_disk(root)}"
+        f"retention deleted {report.deleted}, left {committed_on_disk(root)}"
     )
     (root / TRACKER).unlink()
     report = retention.apply(root, naming, cg.KeepLast(1))
     assert committed_on_disk(root) == ["step_00000002", "step_00000003", "step_00000004"], (
-        f"issue 15 item 1: retention without a tracker deleted {report.deleted}"
+        f"retention without a tracker deleted {report.deleted}"
     )
 
 
-# ---------------------------------------------------------------- item 6: gc outside a checkpoint root
+# ---------------------------------------------------------------- gc outside a checkpoint root
 
 
 def _old(path: Path) -> None:
@@ -104,7 +108,7 @@ cg.CheckpointManager(sys.argv[1]).save(2, {"w": torch.ones(4)})
 
 
 @pytest.mark.parametrize("template", [None, "{step}"])
-def test_item06_gc_leaves_a_directory_that_is_not_a_root_alone(tmp_path, template):
+def test_gc_leaves_a_directory_that_is_not_a_root_alone(tmp_path, template):
     foreign = tmp_path / "project"
     (foreign / ".tmp-build-cache").mkdir(parents=True)
     (foreign / ".tmp-build-cache" / "obj.o").write_bytes(b"build output")
@@ -113,12 +117,12 @@ def test_item06_gc_leaves_a_directory_that_is_not_a_root_alone(tmp_path, templat
     _old(foreign / ".tmp-build-cache")
     _old(foreign / "2024")
     result = cli("gc", foreign, *(["--template", template] if template else []))
-    no_traceback(result, "6")
+    no_traceback(result, "gc on a directory that is no root")
     gone = [n for n in (".tmp-build-cache/obj.o", "2024/report.txt") if not (foreign / n).exists()]
-    assert not gone, f"issue 15 item 6: gc on a directory that is no checkpoint root deleted {gone}\n{result.output}"
+    assert not gone, f"gc on a directory that is no checkpoint root deleted {gone}\n{result.output}"
 
 
-def test_item06_gc_in_a_root_removes_only_what_ckptguard_created(tmp_path):
+def test_gc_in_a_root_removes_only_what_ckptguard_created(tmp_path):
     root = tiny_root(tmp_path / "ck", (1,))
     foreign = root / ".tmp-build-cache"
     foreign.mkdir()
@@ -129,17 +133,17 @@ def test_item06_gc_in_a_root_removes_only_what_ckptguard_created(tmp_path):
     assert killed.returncode == -9, killed.stderr
     (ours,) = root.glob(".tmp-step_00000002-*")
     result = cli("gc", root)
-    no_traceback(result, "6")
-    assert (foreign / "obj.o").exists(), f"issue 15 item 6: gc deleted {foreign}, which has no owner record\n" + (
+    no_traceback(result, "gc in a root with a foreign directory")
+    assert (foreign / "obj.o").exists(), f"gc deleted {foreign}, which has no owner record\n" + (
         result.output
     )
-    assert not ours.exists(), f"issue 15 item 6: gc no longer removes a dead save's temp dir {ours}"
+    assert not ours.exists(), f"gc no longer removes a dead save's temp dir {ours}"
 
 
-# ---------------------------------------------------------------- item 10: one bad entry disables retention
+# ---------------------------------------------------------------- one bad entry never disables retention
 
 
-def test_item10_a_deep_hold_file_does_not_disable_retention(tmp_path, caplog):
+def test_a_deep_hold_file_does_not_disable_retention(tmp_path, caplog):
     root = tmp_path / "ck"
     mgr = _mgr(root, 1)
     mgr.save(1, _w(1))
@@ -149,12 +153,12 @@ def test_item10_a_deep_hold_file_does_not_disable_retention(tmp_path, caplog):
     mgr.save(2, _w(2))
     mgr.save(3, _w(3))
     assert committed_on_disk(root) == ["step_00000003"], (
-        f"issue 15 item 10: a deeply nested hold file disabled retention for the root: {committed_on_disk(root)} "
+        f"a deeply nested hold file disabled retention for the root: {committed_on_disk(root)} "
         f"left\n{caplog.text}"
     )
 
 
-def test_item10_a_symlink_loop_in_one_step_is_one_finding(tmp_path):
+def test_a_symlink_loop_in_one_step_is_one_finding(tmp_path):
     root = tmp_path / "ck"
     mgr = _mgr(root, 1)
     mgr.save(1, _w(1))
@@ -164,46 +168,46 @@ def test_item10_a_symlink_loop_in_one_step_is_one_finding(tmp_path):
     mgr.save(2, _w(2))
     mgr.save(3, _w(3))
     assert not (root / "step_00000002").exists(), (
-        "issue 15 item 10: a symlink loop in step 1 disabled retention for the whole root (step 2 kept)"
+        "a symlink loop in step 1 disabled retention for the whole root (step 2 kept)"
     )
-    assert (root / "step_00000001").exists(), "issue 15 item 10: the damaged step 1 was deleted by rotation"
+    assert (root / "step_00000001").exists(), "the damaged step 1 was deleted by rotation"
     result = cli("verify", root)
-    no_traceback(result, "10")
+    no_traceback(result, "verify with a link loop in step 1")
     assert result.exit_code == 1 and "step_00000001" in result.output, (
-        f"issue 15 item 10: verify did not report the looping link in step 1 as a finding\n{result.output}"
+        f"verify did not report the looping link in step 1 as a finding\n{result.output}"
     )
     # The same loop in the tracker's step: preflight reports it instead of crashing.
     latest = root / "step_00000003" / "state" / "__0_0.distcp"
     latest.unlink()
     os.symlink(latest.name, latest)
     result = cli("preflight", root)
-    no_traceback(result, "10")
-    assert result.exit_code == 1, f"issue 15 item 10: preflight passed a step with a looping link\n{result.output}"
+    no_traceback(result, "preflight with a link loop in the tracker's step")
+    assert result.exit_code == 1, f"preflight passed a step with a looping link\n{result.output}"
 
 
 @pytest.mark.parametrize("where", ["lease.json", "contract/phase_0001.json"])
-def test_item10_a_deep_lease_or_phase_file_gives_a_clear_error(tmp_path, where):
+def test_a_deep_lease_or_phase_file_gives_a_clear_error(tmp_path, where):
     root = tiny_root(tmp_path / "ck", (1,))
     (root / where).write_text(DEEP)
     try:
         for args in (("gc", root, "--dry-run"), ("gc", root), ("verify", root), ("preflight", root)):
-            no_traceback(cli(*args), f"10 ({args[0]} with a deep {where})")
+            no_traceback(cli(*args), f"{args[0]} with a deep {where}")
         for call in ("save", "restore"):
             mgr = cg.CheckpointManager(root)
             try:
                 mgr.save(2, _w(2)) if call == "save" else mgr.restore(_w(0))
             except cg.CheckpointError as exc:  # a refusal must name the file (where) it refuses
-                assert Path(where).name in str(exc), f"issue 15 item 10: {call} with a deep {where}: {exc}"
+                assert Path(where).name in str(exc), f"{call} with a deep {where}: {exc}"
             except RecursionError as exc:
-                pytest.fail(f"issue 15 item 10: {call} with a deeply nested {where} raised RecursionError: {exc}")
+                pytest.fail(f"{call} with a deeply nested {where} raised RecursionError: {exc}")
     finally:
         (root / "lease.json").unlink(missing_ok=True)  # this process's exit handler reads it
 
 
-# ---------------------------------------------------------------- item 12: holds and leftovers
+# ---------------------------------------------------------------- holds and leftovers
 
 
-def test_item12_an_unreadable_hold_still_protects_its_step(tmp_path):
+def test_an_unreadable_hold_still_protects_its_step(tmp_path):
     root = tmp_path / "ck"
     mgr = _mgr(root, 1)
     mgr.save(1, _w(1))
@@ -212,11 +216,11 @@ def test_item12_an_unreadable_hold_still_protects_its_step(tmp_path):
     mgr.save(2, _w(2))
     mgr.save(3, _w(3))
     assert (root / "step_00000001" / MANIFEST).exists(), (
-        "issue 15 item 12: held step 1 was deleted by rotation once its hold file became unreadable"
+        "held step 1 was deleted by rotation once its hold file became unreadable"
     )
 
 
-def test_item12_crash_leftovers_are_reported_by_verify_and_removed_by_gc(tmp_path):
+def test_crash_leftovers_are_reported_by_verify_and_removed_by_gc(tmp_path):
     root = tiny_root(tmp_path / "ck", (1, 2))
     trash = root / ".trash-step_00000000-0badf00d"  # a delete that died midway
     (trash / "state").mkdir(parents=True)
@@ -230,21 +234,21 @@ def test_item12_crash_leftovers_are_reported_by_verify_and_removed_by_gc(tmp_pat
     (live / "state").mkdir(parents=True)
     _layout.write_owner(live)  # owned by this (live) process: a save that timed out
     out = cli("verify", root)
-    no_traceback(out, "12")
+    no_traceback(out, "verify with crash leftovers")
     unreported = [p.name for p in (trash, tracker_tmp, live) if p.name not in out.output]
-    assert not unreported, f"issue 15 item 12: verify did not report the leftovers {unreported}\n{out.output}"
+    assert not unreported, f"verify did not report the leftovers {unreported}\n{out.output}"
     out = cli("gc", root)
-    no_traceback(out, "12")
+    no_traceback(out, "gc with crash leftovers")
     left = [p.name for p in (trash, tracker_tmp) if p.exists()]
-    assert not left, f"issue 15 item 12: gc left the dead leftovers {left}\n{out.output}"
-    assert live.exists(), "issue 15 item 12: gc removed the temp dir of a live owner"
+    assert not left, f"gc left the dead leftovers {left}\n{out.output}"
+    assert live.exists(), "gc removed the temp dir of a live owner"
     assert committed_on_disk(root) == ["step_00000001", "step_00000002"]
 
 
-# ---------------------------------------------------------------- item 19: the retention warning
+# ---------------------------------------------------------------- the retention warning
 
 
-def test_item19_the_retention_warning_for_an_incomplete_step_is_actionable(tmp_path, caplog):
+def test_the_retention_warning_for_an_incomplete_step_is_actionable(tmp_path, caplog):
     root = tmp_path / "ck"
     mgr = _mgr(root, 3)
     mgr.save(1, _w(1))
@@ -253,12 +257,12 @@ def test_item19_the_retention_warning_for_an_incomplete_step_is_actionable(tmp_p
     caplog.set_level(logging.WARNING, logger="ckptguard")
     mgr.save(3, _w(3))
     warnings = [r.getMessage() for r in caplog.records if "step_00000001" in r.getMessage()]
-    assert warnings, f"issue 15 item 19: retention did not report the incomplete step 1\n{caplog.text}"
+    assert warnings, f"retention did not report the incomplete step 1\n{caplog.text}"
     if any("gc" in w for w in warnings):
         result = cli("gc", root)
-        no_traceback(result, "19")
+        no_traceback(result, "gc of an incomplete step")
         assert not step_dir(root, 1).exists(), (
-            f"issue 15 item 19: retention sends the user to gc for step 1 ({warnings[0]}), but gc keeps it\n"
+            f"retention sends the user to gc for step 1 ({warnings[0]}), but gc keeps it\n"
             f"{result.output}"
         )
 

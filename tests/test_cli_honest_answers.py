@@ -1,9 +1,13 @@
-"""Issue 15, hostile review and real use: every command answers honestly and never crashes.
+"""Every command answers honestly and never crashes.
 
-Items 7 (demo --workdir), 11 (malformed files, every command), 12 (metadata without
-tensors), 14 (verify on no checkpoint; the restore claim), 15 (a plain value whose type
-changed), 16 (a corrupted shard at restore), 18 (README), 19 (mem plan, transfer ENOSPC,
-status, verify's size unit, hash_imported_files) and 21 (verify --restore memory).
+A malformed manifest, tracker, proof record or extras file is a clear error from every
+command; DCP metadata that lists no tensors fails verify and preflight; verify on a directory
+without a checkpoint fails and points below, and never claims a restore it skipped; a plain
+value whose type changed restores as saved; a corrupted shard is named at restore; demo
+refuses a non-empty directory it did not create; the README shows plain values are
+snapshots; mem plan keeps measured terms, transfer on ENOSPC is a clear error, status exits
+1 with a stalled rank, verify prints readable sizes, hash_imported_files is stable; verify
+--restore holds one item at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from hostile_helper import (
+from damage_helper import (
     DEEP,
     MANIFEST,
     TRACKER,
@@ -49,7 +53,7 @@ def root(tmp_path, base_root) -> Path:
     return copy
 
 
-# ---------------------------------------------------------------- item 11: malformed files, every command
+# ---------------------------------------------------------------- malformed files, every command
 
 
 def _manifest_text(text: str | bytes):
@@ -105,13 +109,13 @@ def _must_fail(corruption: str, command: str) -> bool:
 
 @pytest.mark.parametrize("command", list(COMMANDS))
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
-def test_item11_malformed_manifest_or_tracker_gives_a_clear_error(root, tmp_path, corruption, command):
+def test_malformed_manifest_or_tracker_gives_a_clear_error(root, tmp_path, corruption, command):
     CORRUPTIONS[corruption](root)
     result = cli(*COMMANDS[command](root, tmp_path))
-    no_traceback(result, f"11 ({command} on a {corruption})")
+    no_traceback(result, f"{command} on a {corruption}")
     if _must_fail(corruption, command):
         assert result.exit_code in (1, 2), (
-            f"issue 15 item 11: {command} on a {corruption}: exit {result.exit_code}\n{result.output}"
+            f"{command} on a {corruption}: exit {result.exit_code}\n{result.output}"
         )
 
 
@@ -123,12 +127,12 @@ PROOFS = {
 
 
 @pytest.mark.parametrize("proof", list(PROOFS))
-def test_item11_malformed_proof_records_give_a_clear_error(root, proof):
+def test_malformed_proof_records_give_a_clear_error(root, proof):
     (root / "proof").mkdir(exist_ok=True)
     (root / "proof" / "rank_00000.jsonl").write_text(PROOFS[proof])
     result = cli("prove", root)
-    refused(result, "11", f"prove with {proof}")
-    assert "rank_00000.jsonl" in result.output, f"issue 15 item 11: prove does not name the file\n{result.output}"
+    refused(result, f"prove with {proof}")
+    assert "rank_00000.jsonl" in result.output, f"prove does not name the file\n{result.output}"
 
 
 EXTRAS = {
@@ -139,27 +143,27 @@ EXTRAS = {
 
 
 @pytest.mark.parametrize("extras", list(EXTRAS))
-def test_item11_malformed_extras_give_a_clear_error(root, extras):
+def test_malformed_extras_give_a_clear_error(root, extras):
     step = root / "step_00000002"
     torch.save(EXTRAS[extras], step / "rank_00000.pt")
     refresh_entry(step, "rank_00000.pt")  # sizes and checksums agree: only the content is wrong
     if extras == "no items":  # the one CLI command that reads extras (a subprocess: once is enough)
         result = cli("verify", root, "--restore")
-        refused(result, "11", f"verify --restore with extras that are {extras}")
+        refused(result, f"verify --restore with extras that are {extras}")
     try:
         cg.CheckpointManager(root).restore({"w": torch.zeros(4)})
     except cg.CheckpointError as exc:
-        assert "rank_00000.pt" in str(exc), f"issue 15 item 11: the error does not name the file: {exc}"
+        assert "rank_00000.pt" in str(exc), f"the error does not name the file: {exc}"
     except Exception as exc:  # the defect under test: anything but a ckptguard error
-        pytest.fail(f"issue 15 item 11: restore with extras that are {extras} raised {type(exc).__name__}: {exc}")
+        pytest.fail(f"restore with extras that are {extras} raised {type(exc).__name__}: {exc}")
     else:
-        pytest.fail(f"issue 15 item 11: restore accepted extras that are {extras}")
+        pytest.fail(f"restore accepted extras that are {extras}")
 
 
-# ---------------------------------------------------------------- item 12: metadata that lists no tensors
+# ---------------------------------------------------------------- metadata that lists no tensors
 
 
-def test_item12_metadata_listing_no_tensors_fails_verify_and_preflight(root):
+def test_metadata_listing_no_tensors_fails_verify_and_preflight(root):
     from torch.distributed.checkpoint.metadata import Metadata
 
     step = root / "step_00000002"
@@ -169,30 +173,30 @@ def test_item12_metadata_listing_no_tensors_fails_verify_and_preflight(root):
         pickle.dump(md, f)  # what DCP writes, minus every tensor
     refresh_entry(step, "state/.metadata")
     result = cli("verify", step, "--deep")
-    refused(result, "12", "verify --deep of a step whose .metadata lists no tensors")
+    refused(result, "verify --deep of a step whose .metadata lists no tensors")
     result = cli("preflight", root)
-    refused(result, "12", "preflight of a step whose .metadata lists no tensors")
+    refused(result, "preflight of a step whose .metadata lists no tensors")
 
 
-# ---------------------------------------------------------------- item 14: honest answers from verify
+# ---------------------------------------------------------------- honest answers from verify
 
 
-def test_item14_verify_on_a_directory_without_a_checkpoint_fails_and_points_below(tmp_path, base_root):
+def test_verify_on_a_directory_without_a_checkpoint_fails_and_points_below(tmp_path, base_root):
     empty = tmp_path / "empty"
     empty.mkdir()
     result = cli("verify", empty)
-    refused(result, "14", "verify of an empty directory")
+    refused(result, "verify of an empty directory")
     project = tmp_path / "project"
     project.mkdir()
     shutil.copytree(base_root, project / "ckptguard", symlinks=True)
     result = cli("verify", project)
-    refused(result, "14", "verify of a directory whose checkpoint root is one level below")
+    refused(result, "verify of a directory whose checkpoint root is one level below")
     assert str(project / "ckptguard") in result.output, (
-        f"issue 15 item 14: verify did not suggest the root {project / 'ckptguard'}\n{result.output}"
+        f"verify did not suggest the root {project / 'ckptguard'}\n{result.output}"
     )
 
 
-def test_item14_verify_never_claims_a_restore_it_skipped(root):
+def test_verify_never_claims_a_restore_it_skipped(root):
     shard = root / "step_00000002" / "state" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -201,13 +205,13 @@ def test_item14_verify_never_claims_a_restore_it_skipped(root):
     assert result.exit_code == 1, result.output
     verdict = result.output.strip().splitlines()[-1]
     claims = "real restore" in verdict and not re.search(r"skip|not run", verdict, re.IGNORECASE)
-    assert not claims, f"issue 15 item 14: the checksum failed, the restore was skipped, yet: {verdict!r}"
+    assert not claims, f"the checksum failed, the restore was skipped, yet: {verdict!r}"
 
 
-# ---------------------------------------------------------------- item 15: a plain value whose type changed
+# ---------------------------------------------------------------- a plain value whose type changed
 
 
-def test_item15_a_plain_value_whose_type_changed_is_restored_as_saved(tmp_path):
+def test_a_plain_value_whose_type_changed_is_restored_as_saved(tmp_path):
     """Plain values are replaced on restore: a float saved is a float restored, whatever
     placeholder the caller passes (here a 0-d tensor), and never a model/optimizer hint."""
     root = tmp_path / "ck"
@@ -217,18 +221,18 @@ def test_item15_a_plain_value_whose_type_changed_is_restored_as_saved(tmp_path):
         step = cg.CheckpointManager(root).restore(state)
     except cg.CheckpointError as exc:
         assert "'lr'" in str(exc) and "model/optimizer" not in str(exc), (
-            f"issue 15 item 15: a plain value whose type changed is refused with a hint about model/optimizer: {exc}"
+            f"a plain value whose type changed is refused with a hint about model/optimizer: {exc}"
         )
         return
     assert step == 1 and state["lr"] == 0.5 and isinstance(state["lr"], float), (
-        f"issue 15 item 15: lr came back as {state['lr']!r}"
+        f"lr came back as {state['lr']!r}"
     )
 
 
-# ---------------------------------------------------------------- item 16: a corrupted shard at restore
+# ---------------------------------------------------------------- a corrupted shard at restore
 
 
-def test_item16_a_corrupted_shard_is_named_at_restore(tmp_path):
+def test_a_corrupted_shard_is_named_at_restore(tmp_path):
     root = tmp_path / "ck"
     cg.CheckpointManager(root).save(1, {"w": torch.arange(4096, dtype=torch.float32)})
     (root / "lease.json").unlink()
@@ -240,14 +244,14 @@ def test_item16_a_corrupted_shard_is_named_at_restore(tmp_path):
         cg.CheckpointManager(root).restore({"w": torch.zeros(4096)})
     msg = str(info.value)
     for needed in ("__0_0.distcp", "verify --deep", "restore(path="):
-        assert needed in msg, f"issue 15 item 16: the restore error lacks {needed!r}: {msg}"
+        assert needed in msg, f"the restore error lacks {needed!r}: {msg}"
 
 
-# ---------------------------------------------------------------- item 7: demo --workdir
+# ---------------------------------------------------------------- demo --workdir
 
 
 @pytest.mark.timeout(150)
-def test_item07_demo_refuses_a_non_empty_directory_it_did_not_create(tmp_path):
+def test_demo_refuses_a_non_empty_directory_it_did_not_create(tmp_path):
     mine = tmp_path / "mine"
     (mine / "src").mkdir(parents=True)
     (mine / "notes.txt").write_text("a week of notes")
@@ -260,31 +264,31 @@ def test_item07_demo_refuses_a_non_empty_directory_it_did_not_create(tmp_path):
     except subprocess.TimeoutExpired:
         proc, output = None, "(still running after 120 s)"
     gone = [n for n in ("notes.txt", "src/train.py") if not (mine / n).exists()]
-    assert not gone, f"issue 15 item 7: demo --workdir wiped {gone} from a directory it did not create\n{output}"
+    assert not gone, f"demo --workdir wiped {gone} from a directory it did not create\n{output}"
     assert proc is not None and proc.returncode in (1, 2) and "Traceback" not in output, output
 
 
-# ---------------------------------------------------------------- item 18: the README's usage
+# ---------------------------------------------------------------- the README's usage
 
 
-def test_item18_the_readme_shows_plain_values_are_snapshots():
+def test_the_readme_shows_plain_values_are_snapshots():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     usage = readme.split("## Usage", 1)[1].split("\n## ", 1)[0]
     code = "\n".join(re.findall(r"```python\n(.*?)```", usage, re.DOTALL))
-    assert "snapshot" in usage.lower(), "issue 15 item 18: the README's Usage does not say plain values are snapshots"
+    assert "snapshot" in usage.lower(), "the README's Usage does not say plain values are snapshots"
     assert re.search(r'state\["tokens"\]\s*[+]?=', code), (
-        "issue 15 item 18: the README's loop never refreshes state['tokens'] before save"
+        "the README's loop never refreshes state['tokens'] before save"
     )
     assert re.search(r'=\s*state\["tokens"\]', code), (
-        "issue 15 item 18: the README never reads state['tokens'] back after restore"
+        "the README never reads state['tokens'] back after restore"
     )
-    assert "prefetch" in usage.lower(), "issue 15 item 18: the README shows no loop that prefetches its next batch"
+    assert "prefetch" in usage.lower(), "the README shows no loop that prefetches its next batch"
 
 
-# ---------------------------------------------------------------- item 19: the smaller honest answers
+# ---------------------------------------------------------------- the smaller honest answers
 
 
-def test_item19_mem_plan_with_toml_and_records_keeps_the_measured_terms(tmp_path):
+def test_mem_plan_with_toml_and_records_keeps_the_measured_terms(tmp_path):
     from click.testing import CliRunner
 
     from ckptguard.memory import PhaseKind, PhaseRecorder, RecorderConfig
@@ -296,16 +300,16 @@ def test_item19_mem_plan_with_toml_and_records_keeps_the_measured_terms(tmp_path
     toml = tmp_path / "plan.toml"
     toml.write_text('[limit]\nmemory_max = "480 GiB"\n[staging]\nranks = 8\nbytes_per_rank = "5 GiB"\n')
     result = CliRunner().invoke(mem, ["plan", str(toml), "--from-records", str(records), "--json"])
-    no_traceback(result, "19")
+    no_traceback(result, "mem plan with a TOML and records")
     plan = json.loads(result.output)
     measured = [t["name"] for t in plan["terms"] if t["measured"]]
-    assert measured, f"issue 15 item 19: with PLAN.toml and --from-records the measured terms were dropped: {plan}"
+    assert measured, f"with PLAN.toml and --from-records the measured terms were dropped: {plan}"
     assert plan["limit_base"] == 480 << 30 and not plan["limit_measured"], (
-        f"issue 15 item 19: the TOML's limit is labelled measured: {plan['limit_base']} {plan['limit_measured']}"
+        f"the TOML's limit is labelled measured: {plan['limit_base']} {plan['limit_measured']}"
     )
 
 
-def test_item19_transfer_on_enospc_gives_a_clear_error(tmp_path):
+def test_transfer_on_enospc_gives_a_clear_error(tmp_path):
     src = tiny_root(tmp_path / "src", (1,), mib=2)
     small = tmp_path / "small"
     small.mkdir()
@@ -314,13 +318,13 @@ def test_item19_transfer_on_enospc_gives_a_clear_error(tmp_path):
         pytest.skip(f"mounting a small tmpfs is refused here ({mounted.stderr.decode().strip()})")
     try:
         result = cli("transfer", src / "step_00000001", small / "dest")
-        refused(result, "19", "transfer onto a full filesystem")
+        refused(result, "transfer onto a full filesystem")
         assert "ENOSPC" in result.output or "No space" in result.output, result.output
     finally:
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
 
 
-def test_item19_status_exits_1_with_a_stalled_rank(tmp_path):
+def test_status_exits_1_with_a_stalled_rank(tmp_path):
     import socket
 
     stalled = subprocess.Popen(["sleep", "60"])
@@ -335,19 +339,19 @@ def test_item19_status_exits_1_with_a_stalled_rank(tmp_path):
         lines = [rec("phase_start", 30), rec("phase_end", 29, duration_s=1.0), rec("phase_start", 12)]
         path.write_text("".join(json.dumps(r) + "\n" for r in lines))
         result = cli("status", path, "--sample", "0.2")
-        no_traceback(result, "19")
+        no_traceback(result, "status with a stalled rank")
         assert "STALLED" in result.output, result.output
-        assert result.exit_code == 1, f"issue 15 item 19: status exits {result.exit_code} with a stalled rank"
+        assert result.exit_code == 1, f"status exits {result.exit_code} with a stalled rank"
     finally:
         stalled.kill()
         stalled.wait()
 
 
-def test_item19_verify_prints_a_readable_size_for_small_checkpoints(root):
+def test_verify_prints_a_readable_size_for_small_checkpoints(root):
     result = cli("verify", root)
     cost = [line for line in result.output.splitlines() if line.startswith("cost")]
     assert cost, result.output
-    assert not any("0.000 GiB" in line for line in cost), f"issue 15 item 19: {cost[0]!r}"
+    assert not any("0.000 GiB" in line for line in cost), f"{cost[0]!r}"
     assert all(re.search(r"\d(\.\d+)? ?(B|KiB|MiB|GiB|TiB)\b", line) for line in cost), cost
 
 
@@ -360,18 +364,18 @@ print(repr(cg.hash_imported_files.__doc__))
 """
 
 
-def test_item19_hash_imported_files_does_not_depend_on_when_it_is_called():
+def test_hash_imported_files_does_not_depend_on_when_it_is_called():
     proc = run_py(HASH_TWICE)
     assert proc.returncode == 0, proc.stderr
     same, doc = proc.stdout.splitlines()[:2]
     documented = "after" in doc and "import" in doc and ("call" in doc or "when" in doc)
     assert same == "True" or documented, (
-        f"issue 15 item 19: hash_imported_files changed after lazy imports and its docstring names no call point: "
+        f"hash_imported_files changed after lazy imports and its docstring names no call point: "
         f"{doc}"
     )
 
 
-# ---------------------------------------------------------------- item 21: verify --restore memory
+# ---------------------------------------------------------------- verify --restore memory
 
 MEASURE = """
 import json, resource, subprocess, sys
@@ -385,7 +389,7 @@ ITEMS, ITEM_MIB = 8, 48
 
 
 @pytest.mark.timeout(200)
-def test_item21_verify_restore_holds_one_item_at_a_time(tmp_path):
+def test_verify_restore_holds_one_item_at_a_time(tmp_path):
     """Peak RSS of verify --restore (the largest of its processes) on a 384 MiB checkpoint of
     8 items, above the same command on a tiny checkpoint: bounded by far less than the whole."""
     big = tmp_path / "big"
@@ -402,7 +406,7 @@ def test_item21_verify_restore_holds_one_item_at_a_time(tmp_path):
     ckpt = ITEMS * ITEM_MIB << 20
     extra = peaks["big"] - peaks["small"]
     assert extra < ckpt // 2, (
-        f"issue 15 item 21: verify --restore held {extra >> 20} MiB more for a {ckpt >> 20} MiB checkpoint than for "
+        f"verify --restore held {extra >> 20} MiB more for a {ckpt >> 20} MiB checkpoint than for "
         f"a tiny one (peaks {peaks['big'] >> 20} / {peaks['small'] >> 20} MiB): it materialises the whole checkpoint"
     )
 

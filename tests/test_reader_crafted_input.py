@@ -1,5 +1,6 @@
-"""The load path against crafted and failing checkpoints: what a hostile review of the span
-reader found, each case failing on the code before its fix."""
+"""The span reader's load path against crafted and failing checkpoints: pickled keys, crafted
+``data.pkl`` and ``.metadata`` globals, layouts that overrun their storage, re-read items,
+stalls, I/O errors while parsing, and a reader reused."""
 
 from __future__ import annotations
 

@@ -1,14 +1,16 @@
-"""Issue 15, hostile review: one writer per root, and a commit only when a checkpoint exists.
+"""One writer per root, and a commit only when a checkpoint exists.
 
-Items 2 (concurrent relaunches on a stale lease), 3 (node-local roots), 8 (transfer vs a live
-run), 11 (malformed extras on one rank), 15 (a tensor on one rank, a float on another) and
-17 (the resume line without logging configured).
+Two relaunches racing on a stale lease never both commit and the tracker never moves back; a
+duplicate launch is refused before training; transfer refuses a root a live run writes, and a
+transfer killed before the tracker resumes; node-local roots (one root per rank, or one path
+over per-rank disks) never commit; on two ranks, malformed extras on one rank fail every rank
+at once and an item that is a tensor on one rank and a float on another is refused at save;
+the resume lines reach stderr with no logging configured.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -24,8 +26,8 @@ import torch
 import ckptguard as cg
 from ckptguard import _faults
 from ckptguard.demo.toyjob import build_job, train_step
-from dist_helper import run_ranks
-from hostile_helper import (
+from ckptguard.testing import fake_node, run_ranks
+from damage_helper import (
     MANIFEST,
     TRACKER,
     cli,
@@ -43,7 +45,7 @@ def _tracker(root: Path) -> int | None:
     return int(path.read_text()) if path.is_file() else None
 
 
-# ---------------------------------------------------------------- item 2: two relaunches, one stale lease
+# ---------------------------------------------------------------- one writer: two relaunches on a stale lease, transfer
 
 TRIALS = 20
 SPACING_S = 0.3
@@ -74,7 +76,7 @@ for i in range(trials):
 
 
 @pytest.mark.timeout(200)
-def test_item02_concurrent_relaunches_on_a_stale_lease_commit_once(tmp_path):
+def test_concurrent_relaunches_on_a_stale_lease_commit_once(tmp_path):
     """20 trials: a crashed run left step 3 and its (dead) lease; two relaunches start at
     once, one saving step 5, one step 4. Never two commits, never a tracker moving back."""
     template = tiny_root(tmp_path / "template", (1, 2, 3))
@@ -123,12 +125,12 @@ def test_item02_concurrent_relaunches_on_a_stale_lease_commit_once(tmp_path):
             none.append((i, results["a"][str(i)][:200], results["b"][str(i)][:200]))
         if _tracker(root) != newest:
             backwards.append((i, _tracker(root), on_disk))
-    assert not double, f"issue 15 item 2: both relaunches committed in trials {double} of {TRIALS}"
-    assert not backwards, f"issue 15 item 2: the tracker is behind the newest committed step: {backwards}"
-    assert not none, f"issue 15 item 2: neither relaunch committed: {none}"
+    assert not double, f"both relaunches committed in trials {double} of {TRIALS}"
+    assert not backwards, f"the tracker is behind the newest committed step: {backwards}"
+    assert not none, f"neither relaunch committed: {none}"
 
 
-def test_item02_publishing_never_moves_the_tracker_backwards(tmp_path):
+def test_publishing_never_moves_the_tracker_backwards(tmp_path):
     """While step 4 is being saved, another writer commits step 6: step 4's publish must not
     set the tracker back to 4 under the committed step 6. (A fix that makes the other writer
     wait or fail instead passes too: the tracker must end at the newest committed step.)"""
@@ -160,7 +162,7 @@ def test_item02_publishing_never_moves_the_tracker_backwards(tmp_path):
     other[0].join(30)
     newest = max(int(n.split("_")[1]) for n in committed_on_disk(root))
     assert _tracker(root) == newest, (
-        f"issue 15 item 2: the tracker moved back to {_tracker(root)} under a committed step {newest} "
+        f"the tracker moved back to {_tracker(root)} under a committed step {newest} "
         f"({committed_on_disk(root)})"
     )
 
@@ -196,29 +198,29 @@ def live_writer(tmp_path_factory):
         holder.wait()
 
 
-def test_item02_a_duplicate_launch_is_refused_before_training(live_writer):
+def test_a_duplicate_launch_is_refused_before_training(live_writer):
     """The lease is checked when the manager is created or at restore, not at the first save."""
     with pytest.raises(cg.LeaseHeldError, match=f"pid {live_writer['pid']}"):
         mgr = cg.CheckpointManager(live_writer["run"])
         mgr.restore({"w": torch.zeros(4)})
-        pytest.fail("issue 15 item 2: a duplicate launch restored (and would train) while a live run holds the lease")
+        pytest.fail("a duplicate launch restored (and would train) while a live run holds the lease")
 
 
-def test_item08_transfer_refuses_a_destination_a_live_run_writes(live_writer):
+def test_transfer_refuses_a_destination_a_live_run_writes(live_writer):
     dest = live_writer["dest"]
     result = cli("transfer", live_writer["src"] / "step_00000003", dest)
-    no_traceback(result, "8")
+    no_traceback(result, "transfer into a root a live run writes")
     assert result.exit_code == 1 and f"pid {live_writer['pid']}" in result.output, (
-        f"issue 15 item 8: transfer into a root whose lease a live run holds was not refused naming it\n"
+        f"transfer into a root whose lease a live run holds was not refused naming it\n"
         f"{result.output}"
     )
-    assert _tracker(dest) == 2, f"issue 15 item 8: transfer moved a live run's tracker to {_tracker(dest)}"
+    assert _tracker(dest) == 2, f"transfer moved a live run's tracker to {_tracker(dest)}"
 
 
 KILL_BEFORE_TRACKER = """
 import os, signal, sys
 from pathlib import Path
-from ckptguard._commit import layout as _layout
+from ckptguard._disk import layout as _layout
 from ckptguard.ops.transfer import transfer
 
 real = _layout.write_tracker
@@ -236,40 +238,34 @@ transfer(sys.argv[1], sys.argv[2])
 """
 
 
-def test_item08_a_transfer_killed_before_the_tracker_is_resumable(tmp_path):
+def test_a_transfer_killed_before_the_tracker_is_resumable(tmp_path):
     src = tiny_root(tmp_path / "src", (1, 2))
     dest = tmp_path / "dest"
     killed = run_py(KILL_BEFORE_TRACKER, src / "step_00000002", dest)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     published = (dest / "step_00000002" / MANIFEST).exists()
     gc = cli("gc", dest)
-    no_traceback(gc, "8")
+    no_traceback(gc, "gc after a killed transfer")
     if published:  # complete before the kill, so gc must never delete it
         assert (dest / "step_00000002" / MANIFEST).exists(), (
-            f"issue 15 item 8: gc emptied the complete step a killed transfer published\n{gc.output}"
+            f"gc emptied the complete step a killed transfer published\n{gc.output}"
         )
     again = cli("transfer", src / "step_00000002", dest)
-    assert again.exit_code == 0, f"issue 15 item 8: the retry of a killed transfer was refused\n{again.output}"
+    assert again.exit_code == 0, f"the retry of a killed transfer was refused\n{again.output}"
     assert cg.CheckpointManager(dest).restore({"w": torch.zeros(4)}) == 2, (
-        "issue 15 item 8: the destination does not resume from the transferred step"
+        "the destination does not resume from the transferred step"
     )
 
 
-# ---------------------------------------------------------------- items 3, 11, 15: two ranks
-
-CLONE_NEWNS = 0x00020000
-
+# ---------------------------------------------------------------- two ranks: node-local roots, mixed items, bad extras
 
 def _own_disk(disk: str, shared: str) -> str | None:
-    """This rank sees ``disk`` at ``shared``: a node with its own local disk (a private mount
-    namespace, so the other rank keeps its own view). Returns why not, if it cannot."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNS) != 0:
-        return f"unshare(CLONE_NEWNS) failed: {os.strerror(ctypes.get_errno())}"
-    for args in (["--make-rprivate", "/"], ["--bind", disk, shared]):
-        proc = subprocess.run(["mount", *args], capture_output=True, text=True)
-        if proc.returncode:
-            return f"mount {' '.join(args)}: {proc.stderr.strip()}"
+    """This rank sees ``disk`` at ``shared`` (``fake_node``, the node identity unchanged): a node with
+    its own local disk, while the other rank keeps its own view. Returns why not, if it cannot."""
+    try:
+        fake_node(disks={shared: disk})
+    except OSError as exc:
+        return str(exc)
     return None
 
 
@@ -294,7 +290,7 @@ def _two_rank_scenes(rank: int, world: int, base: str) -> dict:
     base_path = Path(base)
     out: dict = {}
 
-    # item 15: a tensor on rank 0, a float on rank 1, under one item name.
+    # A tensor on rank 0, a float on rank 1, under one item name.
     def mixed():
         mgr = cg.CheckpointManager(base_path / "mixed", config=cg.CheckpointConfig(timeout_s=20))
         mgr.save(1, {"count": torch.tensor(1.0) if rank == 0 else 1.0, "w": torch.ones(3)})
@@ -302,7 +298,7 @@ def _two_rank_scenes(rank: int, world: int, base: str) -> dict:
     out["mixed"] = _attempt(mixed)
     dist.barrier()
 
-    # item 11: malformed extras on rank 1 only; rank 0 must not wait for the whole timeout.
+    # Malformed extras on rank 1 only; rank 0 must not wait for the whole timeout.
     extras_root = base_path / "extras"
     job = build_job(rank=rank, world=world)
     train_step(job)
@@ -320,7 +316,7 @@ def _two_rank_scenes(rank: int, world: int, base: str) -> dict:
     )
     dist.barrier()
 
-    # item 3, two root directories standing in for two nodes' local disks.
+    # Node-local roots: two root directories standing in for two nodes' local disks.
     def per_rank_root():
         mgr = cg.CheckpointManager(base_path / f"node{rank}" / "ck", config=cg.CheckpointConfig(timeout_s=20))
         j = build_job(rank=rank, world=world)
@@ -330,7 +326,7 @@ def _two_rank_scenes(rank: int, world: int, base: str) -> dict:
     out["roots"] = _attempt(per_rank_root)
     dist.barrier()
 
-    # item 3, one path, two disks: each rank mounts its own disk over the shared path.
+    # Node-local roots: one path, two disks; each rank sees its own disk at the shared path.
     why = _own_disk(str(base_path / f"disk{rank}"), str(base_path / "shared"))
     views = [None] * world
     dist.all_gather_object(views, why)
@@ -359,36 +355,36 @@ def two_ranks(tmp_path_factory) -> dict:
     return {"base": base, "ranks": [r.value for r in results]}
 
 
-def test_item15_a_tensor_on_one_rank_and_a_float_on_another_is_refused_at_save(two_ranks):
+def test_a_tensor_on_one_rank_and_a_float_on_another_is_refused_at_save(two_ranks):
     outcomes = [r["mixed"] for r in two_ranks["ranks"]]
     for rank, o in enumerate(outcomes):
         assert o["outcome"] == "raised" and o["clear"], (
-            f"issue 15 item 15: rank {rank} committed an item that is a tensor on rank 0 and a float on rank 1: {o}"
+            f"rank {rank} committed an item that is a tensor on rank 0 and a float on rank 1: {o}"
         )
         msg = o["message"]
         assert "count" in msg and "rank" in msg and "0" in msg and "1" in msg, (
-            f"issue 15 item 15: rank {rank}'s refusal does not name the item and the ranks: {msg}"
+            f"rank {rank}'s refusal does not name the item and the ranks: {msg}"
         )
-    assert _tracker(two_ranks["base"] / "mixed") in (None, 0), "issue 15 item 15: the mixed item was committed"
+    assert _tracker(two_ranks["base"] / "mixed") in (None, 0), "the mixed item was committed"
 
 
-def test_item11_malformed_extras_on_one_rank_fail_every_rank_at_once(two_ranks):
+def test_malformed_extras_on_one_rank_fail_every_rank_at_once(two_ranks):
     for rank, r in enumerate(two_ranks["ranks"]):
         o = r["extras"]
         assert o["outcome"] == "raised" and o["clear"], (
-            f"issue 15 item 11: rank {rank} did not raise a ckptguard error for rank 1's malformed extras: {o}"
+            f"rank {rank} did not raise a ckptguard error for rank 1's malformed extras: {o}"
         )
         assert o["elapsed"] < 10, (
-            f"issue 15 item 11: rank {rank} raised after {o['elapsed']:.1f} s (timeout 20 s): the error was not "
+            f"rank {rank} raised after {o['elapsed']:.1f} s (timeout 20 s): the error was not "
             f"shipped to all ranks at once: {o['message'][:300]}"
         )
         assert "rank_00001.pt" in o["message"] or "rank 1" in o["message"], (
-            f"issue 15 item 11: rank {rank}'s error does not name rank 1's extras: {o['message'][:500]}"
+            f"rank {rank}'s error does not name rank 1's extras: {o['message'][:500]}"
         )
 
 
 @pytest.mark.parametrize("scene", ["roots", "disks"])
-def test_item03_node_local_roots_never_commit(two_ranks, scene):
+def test_node_local_roots_never_commit(two_ranks, scene):
     """``roots``: each rank has its own root directory; ``disks``: one path, and each rank
     sees its own disk there (private mount namespaces). No node holds the whole checkpoint."""
     outcomes = [r[scene] for r in two_ranks["ranks"]]
@@ -396,19 +392,19 @@ def test_item03_node_local_roots_never_commit(two_ranks, scene):
         pytest.skip(f"per-rank mounts are not available here: {outcomes[0]['why']}")
     for rank, o in enumerate(outcomes):
         assert o["outcome"] == "raised" and o["clear"], (
-            f"issue 15 item 3 ({scene}): rank {rank} logged a commit although no node holds every rank's files: {o}"
+            f"{scene}: rank {rank} logged a commit although no node holds every rank's files: {o}"
         )
         assert "node-local" in o["message"].lower(), (
-            f"issue 15 item 3 ({scene}): rank {rank}'s error does not name node-local storage: {o['message'][:500]}"
+            f"{scene}: rank {rank}'s error does not name node-local storage: {o['message'][:500]}"
         )
     base = two_ranks["base"]
     rank0_root = base / ("node0/ck" if scene == "roots" else "disk0/ck")
     assert _tracker(rank0_root) in (None, 0), (
-        f"issue 15 item 3 ({scene}): rank 0 published step {_tracker(rank0_root)} listing files it does not hold"
+        f"{scene}: rank 0 published step {_tracker(rank0_root)} listing files it does not hold"
     )
 
 
-# ---------------------------------------------------------------- item 17: the resume line
+# ---------------------------------------------------------------- the resume line without logging configured
 
 RESUME_LINES = """
 import logging, sys, torch, ckptguard as cg
@@ -425,11 +421,11 @@ cg.CheckpointManager(root).restore({"w": torch.zeros(4)})
 """
 
 
-def test_item17_the_resume_lines_reach_stderr_without_logging_configured(tmp_path):
+def test_the_resume_lines_reach_stderr_without_logging_configured(tmp_path):
     proc = run_py(RESUME_LINES, tmp_path / "ck")
     assert proc.returncode == 0, proc.stderr
     loud, _, quiet = proc.stderr.partition("--- silenced ---")
     for line in ("FRESH START", "committed step 1", "resume from step 1"):
-        assert line in loud, f"issue 15 item 17: {line!r} did not reach stderr without logging configured:\n{loud}"
-    assert "root logger: 0 WARNING" in proc.stdout, f"issue 15 item 17: the root logger was touched: {proc.stdout}"
-    assert "resume from" not in quiet, f"issue 15 item 17: the lines cannot be silenced:\n{quiet}"
+        assert line in loud, f"{line!r} did not reach stderr without logging configured:\n{loud}"
+    assert "root logger: 0 WARNING" in proc.stdout, f"the root logger was touched: {proc.stdout}"
+    assert "resume from" not in quiet, f"the lines cannot be silenced:\n{quiet}"

@@ -1,9 +1,10 @@
-"""Builders and checks shared by the hostile tests of issue 15 (tests/test_hostile_*.py).
+"""Builders and checks for the tests of damaged and hostile roots (test_gc_safety.py,
+test_confinement.py, test_single_writer.py, test_cli_honest_answers.py).
 
-Every hostile test builds a small real checkpoint through the public API, damages it the
-way the hostile review did, and runs a public entry point on it: ``ckptguard.cli.main``
-in-process (CliRunner) when a failure can only be a wrong answer or a traceback, a
-subprocess with a timeout when it can be a hang.
+Each such test builds a small real checkpoint through the public API, damages it (a lost
+tracker, a symlink, a FIFO, a malformed file...), and runs a public entry point on it:
+``ckptguard.cli.main`` in-process (CliRunner) when a failure can only be a wrong answer or a
+traceback, a subprocess with a timeout when it can be a hang.
 """
 
 from __future__ import annotations
@@ -56,22 +57,20 @@ def cli(*args: object) -> Result:
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def no_traceback(result: Result, item: str) -> None:
-    """The CLI's rule: a clear message, never an exception escaping the command."""
+def no_traceback(result: Result, what: str) -> None:
+    """The CLI's rule: a clear message, never an exception escaping the command (``what``: the
+    case, for the failure message)."""
     exc = result.exception
     assert exc is None or isinstance(exc, SystemExit), (
-        f"issue 15 item {item}: the command raised {type(exc).__name__}: {exc} instead of a clear message\n"
-        f"{result.output}"
+        f"{what}: the command raised {type(exc).__name__}: {exc} instead of a clear message\n{result.output}"
     )
-    assert "Traceback" not in result.output, f"issue 15 item {item}: a traceback in the output\n{result.output}"
+    assert "Traceback" not in result.output, f"{what}: a traceback in the output\n{result.output}"
 
 
-def refused(result: Result, item: str, what: str) -> None:
+def refused(result: Result, what: str) -> None:
     """Exit 1 (failed check) or 2 (bad usage), with a message, never a traceback."""
-    no_traceback(result, item)
-    assert result.exit_code in (1, 2), (
-        f"issue 15 item {item}: {what}: exit {result.exit_code}, expected 1 or 2\n{result.output}"
-    )
+    no_traceback(result, what)
+    assert result.exit_code in (1, 2), f"{what}: exit {result.exit_code}, expected 1 or 2\n{result.output}"
 
 
 def run_py(code: str, *args: object, timeout: float = 60.0, env: dict | None = None) -> subprocess.CompletedProcess:
