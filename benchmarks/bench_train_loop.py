@@ -4,8 +4,13 @@ A GPT-style transformer (fp32 parameters, bf16 autocast, fused AdamW; the defaul
 ~553M parameters, 6.2 GiB of model + optimizer) trains on random tokens and saves every K steps
 with each method in turn:
 
-    none, cg_sync, cg_async_host, cg_async_gpu, dcp_sync, dcp_async (DefaultStager: pinned,
-    async staging, non-blocking copies), torch_save
+    none, cg_sync, cg_async_host, cg_async_skip, cg_async_gpu, dcp_sync, dcp_async (DefaultStager:
+    pinned, async staging, non-blocking copies), torch_save
+
+cg_async_host waits for the previous commit before each save (OnBusy.WAIT, what every save_async
+did before); cg_async_skip is the default OnBusy.SKIP with ``prepare_async`` called at start (as a
+job does after its restore): a save requested while a commit runs is skipped (counted in
+``skipped_steps``), and the first save's pool is pinned in the background.
 
 Per method: the time each save blocked the loop (for the async methods also the wait of the
 next optimizer step), p50/p95 step time while a background write runs against the steps
@@ -44,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ckptguard as cg
 
-METHODS = ("none", "cg_sync", "cg_async_host", "cg_async_gpu", "dcp_sync", "dcp_async", "torch_save")
+METHODS = ("none", "cg_sync", "cg_async_host", "cg_async_skip", "cg_async_gpu", "dcp_sync", "dcp_async", "torch_save")
 GiB = 1 << 30
 
 
@@ -256,12 +261,18 @@ class CgMethod(Method):
         super().__init__(root, job)
         self.mode = mode
         gpu = (1 << 40) if mode == "gpu" else 0
-        self.mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(async_gpu_bytes=gpu, retention=None))
+        on_busy = cg.OnBusy.SKIP if mode == "skip" else cg.OnBusy.WAIT
+        self.mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(async_gpu_bytes=gpu, retention=None,
+                                                                         on_busy=on_busy))
+        self.skipped: list[int] = []
+        self.prepared = self.mgr.prepare_async(job.state()) if mode == "skip" else None
         self.pending: Any = None
         self.fence_waits: list[float] = []
         self.staged: list[float] = []
 
     def save(self, step: int) -> float:
+        if self.mode == "skip":
+            return self._save_or_skip(step)
         self.finish()
         t = time.perf_counter()
         self._began = t
@@ -271,6 +282,20 @@ class CgMethod(Method):
             return time.perf_counter() - t
         self.pending = self.mgr.save_async(step, self.job.state())
         return time.perf_counter() - t
+
+    def _save_or_skip(self, step: int) -> float:
+        """Never wait for the previous commit: a request while one runs is skipped (on every rank alike)."""
+        if self.pending is not None and self.pending.done():
+            self.finish()
+        t = time.perf_counter()
+        pending = self.mgr.save_async(step, self.job.state())
+        blocked = time.perf_counter() - t
+        if pending is None:
+            self.skipped.append(step)
+        else:
+            self.finish()  # the previous one is published (the save started): collect its figures
+            self.pending, self._began = pending, t
+        return blocked
 
     def writing(self) -> bool:
         if self.pending is not None and self.pending.done():
@@ -409,7 +434,8 @@ def make(name: str, root: Path, job: Job) -> Method | None:
     if name == "none":
         return None
     if name.startswith("cg_"):
-        return CgMethod(root, job, mode={"cg_sync": "sync", "cg_async_host": "host", "cg_async_gpu": "gpu"}[name])
+        modes = {"cg_sync": "sync", "cg_async_host": "host", "cg_async_skip": "skip", "cg_async_gpu": "gpu"}
+        return CgMethod(root, job, mode=modes[name])
     if name.startswith("dcp_"):
         return DcpMethod(root, job, use_async=name == "dcp_async")
     return TorchSave(root, job)
@@ -430,6 +456,9 @@ def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device,
     base_rss = rss()
     sampler = Sampler()
     first: dict[str, Any] = {}
+    if isinstance(method, CgMethod) and method.mode == "skip":
+        for _ in range(max(0, a.every - a.warmup)):
+            job.step()  # its first save comes one interval after the start, as in a job (prepare_async ran then)
     if method is not None:
         # The first save pays one-time costs (a pinned pool, a stager's buffers): timed on its own,
         # outside the loop, so the loop shows what every later save costs.
@@ -437,6 +466,10 @@ def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device,
         method.finish()
         first["write_s"] = round(method.write_seconds.pop(), 3) if method.write_seconds else None
         if isinstance(method, CgMethod):
+            first["next_step_wait_s"] = round(method.fence_waits[0], 4) if method.fence_waits else None
+            if rank() == 0 and method.last_dir is not None:
+                cost = json.loads((method.last_dir / "manifest.json").read_text()).get("cost") or {}
+                first["live_bytes"], first["staged_host_bytes"] = cost.get("live_bytes"), cost.get("staged_host_bytes")
             method.fence_waits.clear()
             method.staged.clear()
     steps, saves = a.every * (a.saves + 1), []
@@ -452,9 +485,13 @@ def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device,
         step_times.append((now - last, busy))
         last = now
         if method is not None and i % a.every == 0 and i < steps:
-            if i == a.every * a.saves:  # the state of the last save, for the bitwise check
+            skipping = isinstance(method, CgMethod) and method.mode == "skip"
+            kept = reference
+            if i == a.every * a.saves or skipping:  # the state of the last save, for the bitwise check
                 reference = {k: v.detach().clone() for k, v in job.tensors().items()}
             blocked = method.save(i)
+            if skipping and method.skipped and method.skipped[-1] == i:
+                reference = kept  # skipped: the restore loads the last save that was taken
             saves.append({"step": i, "blocked_s": round(blocked, 4), "next_step_wait_s": 0.0})
             last = time.perf_counter()
             step_times[-1] = (step_times[-1][0] + (last - now), busy)
@@ -489,6 +526,10 @@ def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device,
     if method is None:
         return out
     if isinstance(method, CgMethod):
+        out["skipped_steps"] = method.skipped
+        out["skipped_by_manager"] = method.mgr.busy.skipped_total
+        if method.prepared is not None:
+            out["prepare_async_bytes"] = method.prepared.result(timeout=600)
         out["next_step_fence_wait_s"] = [round(x, 4) for x in method.fence_waits]
         out["staged_s"] = [round(x, 4) for x in method.staged]
         pool = method.mgr._staging.pool
@@ -601,6 +642,8 @@ def summary(res: dict) -> dict[str, Any]:
             "save_vs_disk_write": m.get("save_vs_disk_write"),
             "restore_vs_cold_read": m.get("restore_vs_cold_read"),
             "restore_bitwise_exact": m.get("restore_bitwise_exact"),
+            "first_next_step_wait_s": m["first_save"].get("next_step_wait_s"),
+            "skipped_saves": len(m["skipped_steps"]) if "skipped_steps" in m else None,
         }
         if m.get("during_write_p50_s") and base.get("step_p50_s"):
             row["during_write_p50_slowdown"] = round(m["during_write_p50_s"] / base["step_p50_s"] - 1, 4)
@@ -612,7 +655,7 @@ def summary(res: dict) -> dict[str, Any]:
 def markdown(res: dict) -> str:
     cols = ["blocked_first_s", "blocked_later_max_s", "loop_overhead", "during_write_p50_slowdown",
             "during_write_p95_slowdown", "host_extra_peak_gib", "host_extra_left_gib", "save_vs_disk_write",
-            "restore_vs_cold_read", "restore_bitwise_exact"]
+            "restore_vs_cold_read", "restore_bitwise_exact", "first_next_step_wait_s", "skipped_saves"]
     lines = [f"# bench_train_loop: {res['device']}, {res['params'] / 1e6:.0f}M params, "
              f"{res['state_bytes'] / GiB:.2f} GiB state per rank, {res['world_size']} rank(s), "
              f"save every {res['config']['every']} steps",

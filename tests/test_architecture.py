@@ -265,6 +265,7 @@ EXPORTED = [
     "KeepEvery",
     "KeepLast",
     "LeaseHeldError",
+    "OnBusy",
     "ParallelLayout",
     "PendingSave",
     "PerRank",

@@ -20,14 +20,16 @@ def test_tiny_train_loop_benchmark_runs_every_method_exactly(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    expected = {"cg_sync", "cg_async_host", "dcp_sync", "dcp_async", "torch_save"}
+    expected = {"cg_sync", "cg_async_host", "cg_async_skip", "dcp_sync", "dcp_async", "torch_save"}
     assert set(res["summary"]) == expected
     for name, row in res["summary"].items():
         assert row["restore_bitwise_exact"] is True, name
         assert len(res["methods"][name]["saves"]) == 2 and row["save_vs_disk_write"] > 0, name
     cost = res["methods"]["cg_async_host"]["manifest_cost"]
     assert cost["live_bytes"] == 0 and cost["staged_host_bytes"] > 0 and cost["host_pool_bytes"] > 0
-    assert (tmp_path / "loop.md").read_text().count("| cg_") == 2
+    skip = res["methods"]["cg_async_skip"]
+    assert skip["prepare_async_bytes"] > 0 and skip["skipped_by_manager"] == len(skip["skipped_steps"])
+    assert (tmp_path / "loop.md").read_text().count("| cg_") == 3
     assert not any((tmp_path / "ck").glob("cg_*"))  # each method's checkpoints are removed after it
 
 

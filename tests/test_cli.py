@@ -16,6 +16,7 @@ FROZEN = {
     "demo": ["workdir", "world_size", "steps", "save_every", "kill_at", "no_derived_fix"],
     "export": ["root", "step", "out", "dtype", "item", "merged", "max_host_bytes", "template", "as_json"],
     "gc": ["root", "dry_run", "orphans", "force", "template"],
+    "goodput": ["root", "mtbf_s", "as_json"],
     "hold": ["root", "step", "reason", "template"],
     "list": ["root", "template", "as_json"],
     "mem": [],

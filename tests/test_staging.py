@@ -81,6 +81,7 @@ def test_an_optimizer_step_right_after_save_async_waits_for_the_copies(tmp_path,
     _train(model, opt)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     mgr = cg.CheckpointManager(tmp_path / "ck")
+    mgr.prepare_async({"model": model, "optim": opt}).result(timeout=30)  # the pool, pinned ahead
     pending = mgr.save_async(1, {"model": model, "optim": opt})
     assert lazy.queued, "the copies are queued, not done, when save_async returns"
     _train(model, opt)  # the step pre-hook runs the copies before AdamW changes anything
@@ -101,6 +102,8 @@ def test_two_managers_pending_at_once_do_not_break_the_optimizer_step(tmp_path, 
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     actor = cg.CheckpointManager(tmp_path / "actor")
     critic = cg.CheckpointManager(tmp_path / "critic")
+    for mgr in (actor, critic):
+        mgr.prepare_async({"model": model}).result(timeout=30)
     first = actor.save_async(1, {"model": model})
     second = critic.save_async(1, {"model": model})
     _train(model, opt)  # both hooks run; neither may mutate torch's hook dict while it is iterated
@@ -119,6 +122,7 @@ def test_staged_guards_a_mutation_outside_an_optimizer_step(tmp_path, lazy):
     _train(model, opt)
     saved = model[0].weight.detach().clone()
     mgr = cg.CheckpointManager(tmp_path / "ck")
+    mgr.prepare_async({"model": model}).result(timeout=30)
     pending = mgr.save_async(1, {"model": model})
     assert lazy.queued
     assert mgr.staged() >= 0
@@ -147,8 +151,9 @@ def test_a_state_larger_than_the_budget_is_read_live_and_the_next_step_waits(tmp
     mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_host_bytes=1024),
                                storage=_gated_storage(gate))
     caplog.set_level("WARNING", logger="ckptguard")
+    mgr.prepare_async({"model": model, "optim": opt}).result(timeout=30)  # 1 KiB pinned ahead
     pending = mgr.save_async(1, {"model": model, "optim": opt})
-    assert "do not fit the host staging budget" in caplog.text and not pending.done()
+    assert "are not staged (host staging budget 1024 B" in caplog.text and not pending.done()
     stepped = threading.Event()
 
     def step() -> None:
@@ -174,6 +179,7 @@ def test_the_pool_is_reused_reported_and_released(tmp_path):
     mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_pool_idle_s=None))
     state = {"model": model, "optim": opt}
     _train(model, opt)
+    mgr.prepare_async(state).result(timeout=30)
     first = mgr.save_async(1, state).wait()
     pool = mgr._staging.pool
     assert pool is not None
@@ -194,13 +200,14 @@ def test_the_pool_is_reused_reported_and_released(tmp_path):
 def test_the_pool_is_released_after_the_idle_time(tmp_path):
     model, opt = _job()
     mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_pool_idle_s=0.05))
+    mgr.prepare_async({"model": model, "optim": opt}).result(timeout=30)
     mgr.save_async(1, {"model": model, "optim": opt}).wait()
     pool = mgr._staging.pool
     assert pool is not None and pool._timer is not None
     pool._timer.join(10)
     assert pool.held_bytes == 0 and pool.released_idle == 1
-    mgr.save_async(2, {"model": model, "optim": opt}).wait()  # a later save allocates again
-    assert pool.held_bytes > 0
+    mgr.save_async(2, {"model": model, "optim": opt}).wait()  # a later save grows it again, in the background
+    assert pool._growing is not None and pool._growing.result(timeout=10) > 0 and pool.held_bytes > 0
     mgr.close()
 
 
@@ -334,6 +341,7 @@ def test_a_forward_that_updates_running_statistics_waits_for_the_copies(tmp_path
     model(torch.randn(8, 4))
     saved = model[1].running_mean.clone()
     mgr = cg.CheckpointManager(tmp_path / "ck")
+    mgr.prepare_async({"model": model}).result(timeout=30)
     pending = mgr.save_async(1, {"model": model})
     model(torch.randn(8, 4) + 5.0)  # train-mode forward: running_mean changes in place
     assert not torch.equal(model[1].running_mean, saved) and not lazy.queued

@@ -89,7 +89,7 @@ def _fds() -> int:
 
 def _many_saves(rank, world, base, n):
     """Store connections are per agreement, never per save or per commit thread."""
-    mgr = cg.CheckpointManager(base, config=cg.CheckpointConfig(timeout_s=30))
+    mgr = cg.CheckpointManager(base, config=cg.CheckpointConfig(timeout_s=30, on_busy=cg.OnBusy.WAIT))
     guard = cg.PreemptionGuard(mgr, grace_s=60)
     state = {"w": cg.PerRank(torch.full((10,), float(rank)))}
     # Warm up first: the first save opens files and pools that stay open by design.

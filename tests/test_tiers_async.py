@@ -27,7 +27,8 @@ def _tiers(base: str, host_bytes: int = 1 << 20, **kw) -> cg.TieredCheckpoint:
     """``host_bytes=0``: nothing fits the staging pools, the writers read the live tensors and the next
     optimizer step waits until both tiers' writers have read them."""
     return cg.TieredCheckpoint(fast=os.path.join(base, kw.pop("fast", "fast")), persistent=os.path.join(base, "pers"),
-                               config=cg.CheckpointConfig(timeout_s=60, async_host_bytes=host_bytes), **kw)
+                               config=cg.CheckpointConfig(timeout_s=60, async_host_bytes=host_bytes,
+                                                          on_busy=cg.OnBusy.WAIT), **kw)
 
 
 def _exact(state: dict, rank: int, step: int) -> bool:

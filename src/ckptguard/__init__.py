@@ -24,7 +24,7 @@ from ._state.expert import ExpertParallel
 from ._state.rng import GeneratorState
 from ._state.state import PerRank
 from ._version import __version__
-from .config import CheckpointConfig, ParallelLayout, ProofPlan, ReshardRule, ResumeMode
+from .config import CheckpointConfig, OnBusy, ParallelLayout, ProofPlan, ReshardRule, ResumeMode
 from .cursor import CursorSampler, DataCursor
 from .errors import (
     ChainMismatchError,
@@ -94,6 +94,7 @@ __all__ = [
     "KeepEvery",
     "KeepLast",
     "LeaseHeldError",
+    "OnBusy",
     "ParallelLayout",
     "PendingSave",
     "PerRank",

@@ -180,7 +180,9 @@ def _cost_line(c: dict[str, Any]) -> str:
     frac = c.get("save_fraction_of_step")
     step = f", {100 * frac:.1f}% of a {c['step_seconds']:.2f} s step" if frac is not None and c.get(
         "step_seconds") is not None else ""
-    return f"{_size(c['bytes'])}, saved in {c['save_seconds']:.2f} s{step}"
+    skipped = c.get("skipped_saves")
+    busy = f", {skipped} save(s) skipped before it (a commit in flight)" if isinstance(skipped, int) and skipped else ""
+    return f"{_size(c['bytes'])}, saved in {c['save_seconds']:.2f} s{step}{busy}"
 
 
 def _emit(findings: list[Any], as_json: bool, extra: dict[str, Any] | None = None) -> None:
@@ -760,6 +762,58 @@ def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) 
     click.echo(f"log: {result.log}")
     click.echo(f"\n{result.verdict()}")
     sys.exit(0 if result.proven else 1)
+
+
+@main.command()
+@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--mtbf", "mtbf_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Declared mean time between failures in seconds (default: observed from the relaunches).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
+def goodput(root: Path, mtbf_s: float | None, as_json: bool) -> None:
+    """What checkpointing and failures cost the run under ROOT, from its proof records.
+
+    Per launch: the time to recover (process start to the first step after the restore: start-up,
+    restore, first step), the steps lost to the failure before it, the seconds saves held the loop and
+    the saves skipped while a commit ran. In total: the ETTR (effective training time ratio) and the
+    Young/Daly save interval sqrt(2 x save cost x MTBF), printed with the inputs it used. Exit 1 if
+    ROOT has no proof records (nothing measured).
+    """
+    from dataclasses import asdict
+
+    from .ops.goodput import goodput as _goodput
+
+    try:
+        g = _goodput(root.absolute(), mtbf_s=mtbf_s)
+    except CheckpointError as exc:
+        _fail(str(exc), as_json)
+    if not g.launches:
+        _fail(f"no proof records under {root}/proof: nothing was measured (CheckpointConfig(record_proof=True) "
+              "writes them)", as_json)
+    if as_json:
+        click.echo(json.dumps({**g.to_json(), "launches": [asdict(x) for x in g.launches]}))
+        return
+
+    def s(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    click.echo(f"{'launch':<7} {'pid':>8} {'restored':>8} {'lost':>5} {'recover_s':>9} {'startup':>8} "
+               f"{'restore':>8} {'1st step':>8} {'steps':>6} {'blocked_s':>9} {'skipped':>7}")
+    for i, x in enumerate(g.launches):
+        click.echo(f"{i:<7} {x.pid:>8} {x.restored_step if x.restored_step is not None else '-':>8} "
+                   f"{x.lost_steps if x.lost_steps is not None else '-':>5} {s(x.recover_s):>9} {s(x.startup_s):>8} "
+                   f"{s(x.restore_s):>8} {s(x.to_first_step_s):>8} {x.steps:>6} {x.blocked_s:>9.3f} "
+                   f"{x.skipped_saves:>7}")
+    ettr = "-" if g.ettr is None else f"{100 * g.ettr:.1f}%"
+    click.echo(f"\ntotal: {g.wall_s:.1f} s wall, {g.failures} failure(s), {g.recover_s:.2f} s recovering, "
+               f"{g.lost_steps} step(s) lost ({g.lost_s:.2f} s), {g.blocked_s:.3f} s blocked by saves, "
+               f"{g.skipped_saves} save(s) skipped, {g.cleanup_s:.3f} s of retention off the loop; ETTR {ettr}")
+    if g.interval_s is None:
+        click.echo(f"Young/Daly interval: not computed (save cost {s(g.save_cost_s)} s, MTBF {s(g.mtbf_s)} s: "
+                   "needs a recorded save and a failure, or --mtbf)")
+    else:
+        steps = f" = {g.interval_steps} steps of {g.step_s:.3f} s" if g.interval_steps else ""
+        click.echo(f"Young/Daly interval: {g.interval_s:.1f} s{steps} (sqrt(2 x {g.save_cost_s:.4f} s per save x "
+                   f"MTBF {g.mtbf_s:.1f} s, {g.mtbf_source}); never below one commit ({s(g.commit_s)} s)")
 
 
 def _fail(message: str, as_json: bool, code: int = 1) -> NoReturn:

@@ -25,6 +25,16 @@ class ResumeMode(enum.Enum):
     """Always start fresh; existing checkpoints are listed in the log and left alone."""
 
 
+class OnBusy(enum.Enum):
+    """What a ``save_async`` requested while the previous one still commits does (every rank alike)."""
+
+    SKIP = "skip"
+    """Skip it: nothing is snapshotted, the caller is not held; the reason is logged (with the interval
+    that fits the measured commit time), counted, and recorded in the next committed step's cost block."""
+    WAIT = "wait"
+    """Wait for the commit in flight, then save (the caller is held for the rest of that commit)."""
+
+
 class ReshardRule(enum.Enum):
     """What happens to per-rank state when the world size changes on restore."""
 
@@ -162,6 +172,9 @@ class CheckpointConfig:
     async_pool_idle_s: float | None = 600.0
     """Release the pinned staging pool after this many seconds without a ``save_async`` (None: keep it until
     ``close()``); the pool is reused by every save meanwhile and reported in each manifest's cost block."""
+    on_busy: OnBusy = OnBusy.SKIP
+    """A ``save_async`` requested while the previous commit is still running: skipped (the default) or waited
+    for (``OnBusy``); decided alike on every rank, before any rank snapshots."""
     keep_failed: bool = False
     """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
     publish_checksums: bool | None = None
@@ -194,6 +207,8 @@ class CheckpointConfig:
                 )
         if not self.timeout_s > 0:
             raise ConfigError(f"CheckpointConfig.timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+        if not isinstance(self.on_busy, OnBusy):
+            raise ConfigError(f"CheckpointConfig.on_busy must be an OnBusy (SKIP, WAIT), got {self.on_busy!r}")
         if not isinstance(self.reshard, ReshardRule):
             raise ConfigError(f"CheckpointConfig.reshard must be a ReshardRule, got {self.reshard!r}")
         if self.rng_seed is not None and (not isinstance(self.rng_seed, int) or isinstance(self.rng_seed, bool)

@@ -11,6 +11,7 @@ import datetime as _dt
 import os
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from . import _faults, _log
 from ._commit import pending as _async
 from ._commit import protocol as _commit
+from ._commit.busy import BusyRound, may_start
 from ._commit.pending import PendingSave
 from ._commit.snapshot import snapshot
 from ._context import NO_ACTIONS, Actions, Context
@@ -31,12 +33,12 @@ from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records import retention
 from ._records import trust as _trust
-from ._records.prooflog import export_fingerprint, logprob_diff
+from ._records.prooflog import export_fingerprint, logprob_diff, process_start
 from ._resume import resolve as _resolve
 from ._resume import restore as _restore
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
-from ._state.state import addresses, moved
+from ._state.state import addresses, capture, moved
 from ._state.trajectory import fingerprint
 from .config import CheckpointConfig, ResumeMode
 from .errors import ConfigError
@@ -104,7 +106,11 @@ class CheckpointManager:
                 timeout=_dt.timedelta(seconds=self.config.timeout_s),
                 use_local_synchronization=True,
             )
-        self._pending: _async.PendingSave | None = None
+        self._pending: PendingSave | None = None
+        # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
+        self.busy = BusyRound(make_agreement(process_group, timeout_s=self.config.timeout_s,
+                                             namespace=f"manager-{CheckpointManager._created}-busy"))
+        """The ``on_busy`` decisions of ``save_async``: ``busy.skipped_total``, ``busy.last_commit_s``."""
         self.process_group = process_group
         """The group this manager agrees over (None: the default group); a PreemptionGuard agrees over it too."""
         self._staging = _async.AsyncStaging()
@@ -202,7 +208,12 @@ class CheckpointManager:
         self.wait()
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
-        return self._committed(_commit.save(self._ctx, step, state, Actions(overwrite, break_lease)), step)
+        start = time.monotonic()
+        snap = snapshot(self._ctx, step, state, actions=Actions(overwrite, break_lease))
+        snap.cost.update(self.busy.pending_cost())
+        path = self._published(_commit.commit(self._ctx, snap), step, blocked_s=time.monotonic() - start, began=start)
+        self.cleanup_after(step)
+        return path
 
     def save_async(
         self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
@@ -210,6 +221,11 @@ class CheckpointManager:
     ) -> PendingSave | None:
         """Snapshot ``state`` now and commit step ``step`` in the background.
 
+        Requested while the previous commit still runs (on any rank), it follows
+        ``CheckpointConfig.on_busy``: ``SKIP`` (the default) returns None at once, logged with the
+        interval that fits the measured commit time, counted (``busy.skipped_total``) and recorded
+        in the next step's cost block; ``WAIT`` waits for that commit first. The retention after a
+        commit runs in its background thread and never holds the next ``save_async``.
         The caller blocks only until the snapshot's copies are queued: into spare GPU memory
         within ``async_gpu_bytes``, else into the reusable pinned host pool within
         ``async_host_bytes`` (None: the budget the memory contract leaves), on a side stream.
@@ -217,18 +233,21 @@ class CheckpointManager:
         with buffers, or ``staged()`` waits for the copies; what does not fit the pool is read
         live by the background writer and that wait lasts until it was read (reported, never a
         silent synchronous save). The tracker moves when the background commit completes; its
-        error is raised by ``wait()``, or by the next save, restore or wait.
-        The health agreement runs before the snapshot, as in ``save``: an unhealthy step
-        snapshots nothing and returns None. ``overwrite`` and ``break_lease`` as in ``save``.
+        error is raised by ``wait()``, or by the next save, save_async, restore or wait. The health
+        agreement runs before the snapshot, as in ``save``: an unhealthy step snapshots nothing and
+        returns None. ``overwrite`` and ``break_lease`` as in ``save``; ``prepare_async`` pins the pool ahead.
         """
         check_step(step, "save_async")
         check_state(state, "save_async")
-        self.wait()
-        prepared = self.stage_commit(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease))
+        previous = self._pending
+        go = may_start(self.busy, step, previous, self.config.on_busy, wait=self.wait, record=self._record)
+        actions = Actions(overwrite, break_lease)
+        prepared = self.stage_commit(step, state, healthy, loss, grad_norm, actions) if go else None
         if prepared is None:
             return None
         run, fence, start = prepared
-        self._pending = _async.PendingSave(step, run, time.monotonic() - start, fence=fence, started=start)
+        self._pending = PendingSave(step, run, time.monotonic() - start, fence=fence, started=start,
+                                    cleanup=lambda: self.cleanup_after(step), after=previous)
         return self._pending
 
     def stage_commit(
@@ -236,34 +255,33 @@ class CheckpointManager:
         actions: Actions = NO_ACTIONS,
     ) -> tuple[Callable[[], Path], Fence, float] | None:
         """The caller's part of ``save_async`` (the health agreement, the snapshot, the staged copies
-        queued): returns the background commit, the mutation fence and the start time, or None for
-        an unhealthy step. A ``TieredCheckpoint`` runs several managers' commits in one thread: one
-        process's c10d store client serves one blocking wait at a time, so two commits' agreements
-        in two threads hold each other's ranks until the timeout."""
+        queued): the background commit, the mutation fence and the start time; None: unhealthy."""
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
         # The divergence guard hashes every tensor: on the staged copies, in the background.
         snap = snapshot(self._ctx, step, state, guard=False, actions=actions)
         staged = self._staging.stage(snap, state, self.config)
-        if staged.live_bytes:
-            log.warning(
-                "ckptguard: step %d: %d of %d B do not fit the host staging budget (%d B): the background writer "
-                "reads them from the live tensors, and the next optimizer step waits until it has (see "
-                "PendingSave.mutation_wait_seconds); raise CheckpointConfig.async_host_bytes to stage them",
-                step, staged.live_bytes, staged.live_bytes + snap.staged_bytes, staged.host_budget,
-            )
+        snap.cost.update({**self.busy.pending_cost(), "on_busy": self.config.on_busy.value})
         pool = self._staging.pool
 
         def run() -> Path:
             try:
-                return self._committed(_commit.commit(self._ctx, snap), step)
+                return self._published(_commit.commit(self._ctx, snap), step, blocked_s=blocked[0], began=start)
             finally:
                 if pool is not None:
                     pool.done()
 
         snap.resumed = time.monotonic()
+        blocked = [snap.resumed - start]
         return run, staged.fence, start
+
+    def prepare_async(self, state: dict[str, Any]) -> Future[int]:
+        """Map and pin the host staging pool for ``state`` in a background thread now (after ``restore``): the
+        first ``save_async`` is then as cheap as later ones. Local (no collective); a future of the bytes added.
+        A ``save_async`` before it is ready reads what the pool cannot hold from the live tensors."""
+        check_state(state, "prepare_async")
+        return self._staging.prepare(capture(state, self._ctx.keyfn()), self.config)
 
     def staged(self) -> float:
         """Make later changes of the saved tensors safe for the last ``save_async``: work queued on the
@@ -284,20 +302,25 @@ class CheckpointManager:
             self._staging.close()
 
     def wait(self) -> Path | None:
-        """Wait for a pending ``save_async``; returns its step directory, raises its error."""
+        """Wait for a pending ``save_async`` and its cleanup; returns its step directory, raises its error."""
         pending, self._pending = self._pending, None
         return pending.wait() if pending is not None and not pending.reported else None
 
-    def _committed(self, path: Path, step: int) -> Path:
+    def _published(self, path: Path, step: int, *, blocked_s: float, began: float) -> Path:
+        """What follows a commit before the caller may go on: the log line, the save record (with the
+        seconds the caller was held, ``ckptguard goodput``), trust."""
         log.info("ckptguard: committed step %d at %s", step, path)
-        self._record("save", step=step, path=str(path), plan=self.config.proof.as_dict(), world_size=self.world_size)
+        self._record("save", step=step, path=str(path), plan=self.config.proof.as_dict(), world_size=self.world_size,
+                     blocked_s=round(blocked_s, 4), commit_s=round(time.monotonic() - began, 4))
         self.core.committed(step)
         self.core.observe_held(publisher=self._ctx.node_publisher)
         if self.rank == 0 or self._ctx.node_publisher:  # node-local roots: every node keeps its own record
             self.core.trust_committed(step)
-            self.core.rotate(step)  # on node-local roots, each node's publishing rank on its node's root
-        self.core.proof.log.prune(self._ctx.naming)  # proof records no retained checkpoint's proof reads again
         return path
+
+    def cleanup_after(self, step: int) -> None:
+        """Retention and proof pruning after the commit of ``step`` (``Root.cleanup``; off the caller's path)."""
+        self.core.cleanup(step, rotate=self.rank == 0 or self._ctx.node_publisher)
 
     def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
         """The health agreement of a save (``Root.health_round``); an unhealthy step is logged and recorded."""
@@ -330,12 +353,16 @@ class CheckpointManager:
         ``prefer`` as in ``resolve``.
         """
         check_state(state, "restore")
+        began = time.monotonic()
         self.wait()
         self.core.check_lease("restore", break_lease=break_lease)
         res = self.resolve(mode=mode, path=path, prefer=prefer)
+        # What ``ckptguard goodput`` splits the time to recover by: start-up, this restore, the first step.
+        timing: dict[str, Any] = {"process_start": process_start(), "began_mono": began}
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
-            self._record("restore", step=0, fresh=True, reason=res.reason, world_size=self.world_size)
+            self._record("restore", step=0, fresh=True, reason=res.reason, world_size=self.world_size,
+                         seconds=round(time.monotonic() - began, 4), **timing)
             return 0
         log.info("ckptguard: %s", res.describe())
         seen: dict[str, dict[str, bool]] = {"digests": {}, "layout_free": {}}
@@ -363,6 +390,8 @@ class CheckpointManager:
             format_version=done.format_version,
             addresses_changed=moved(before, addresses(state)),
             ok=True,
+            seconds=round(time.monotonic() - began, 4),
+            **timing,
             **where,
         )
         self.core.restarted_at(done.step)

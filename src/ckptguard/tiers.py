@@ -27,6 +27,7 @@ root's when there is one (shared, so ``prove`` sees every rank), else the fast r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -36,13 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from ._commit import replica as _replica
+from ._commit.busy import BusyRound, may_start
 from ._context import Actions
 from ._core.guard import GuardTarget, recorded_save_seconds
 from ._core.root import check_state, check_step
 from ._core.tierrestore import Choice, Tier, TierRestore, after_transfers
 from ._disk import layout as _layout
 from ._disk import lease as _lease
-from ._dist import gather_decide, on_every_rank
+from ._dist import gather_decide, make_agreement, on_every_rank
 from ._priority import lower_this_thread
 from ._records import manifest as _manifest
 from ._records import trust as _trust
@@ -70,7 +72,8 @@ class TieredSave:
 
     def __init__(
         self, step: int, parts: list[tuple[Tier, Callable[[], Path], Fence]], blocked_s: float,
-        push: Callable[[], None] | None,
+        push: Callable[[], None] | None, *, cleanups: list[Callable[[], None]] | None = None,
+        after: TieredSave | None = None,
     ) -> None:
         self.step = step
         self.tiers = [tier for tier, _, _ in parts]
@@ -81,20 +84,46 @@ class TieredSave:
         self.fences = [fence for _, _, fence in parts]
         self._result: dict[Tier, Path] = {}
         self._error: BaseException | None = None
+        self._started = time.monotonic() - blocked_s
+        self._published = threading.Event()
+        self.commit_seconds: float | None = None
+        """From the ``save_async`` call until every tier's commit (and the replica push) ended."""
+        self.cleanup_seconds: float | None = None
+        """How long the tiers' retention and proof pruning took after the commits, off the caller's path."""
         self.reported = False
         """True once ``wait()`` raised: ``TieredCheckpoint`` does not raise it a second time."""
         # Not a daemon: an interpreter exit waits for the commits instead of cutting them off.
-        self._thread = threading.Thread(target=self._run, args=(parts, push), name=f"ckptguard-tiers-save-{step}")
+        self._thread = threading.Thread(target=self._run, args=(parts, push, cleanups or [], after),
+                                        name=f"ckptguard-tiers-save-{step}")
         if parts:  # a step on neither interval starts no thread
             self._thread.start()
+        else:
+            self._published.set()
 
     @property
     def mutation_wait_seconds(self) -> float:
         """How long later mutations (optimizer step, ``staged()``) waited for this save's reads."""
         return sum(f.waited_s for f in self.fences)
 
-    def _run(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None) -> None:
+    def _run(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None,
+             cleanups: list[Callable[[], None]], after: TieredSave | None) -> None:
         self.priority = lower_this_thread()
+        if after is not None:
+            after.join()  # the previous save's cleanup ends before these commits touch the roots
+        try:
+            self._commit(parts, push)
+        finally:
+            self.commit_seconds = time.monotonic() - self._started
+            self._published.set()
+        began = time.monotonic()
+        for cleanup in cleanups if self._error is None else []:
+            try:
+                cleanup()
+            except Exception as exc:  # retention never stops training
+                log.warning("ckptguard: the cleanup after step %d failed: %s: %s", self.step, type(exc).__name__, exc)
+        self.cleanup_seconds = time.monotonic() - began
+
+    def _commit(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None) -> None:
         for tier, run, fence in parts:
             try:
                 fence.host_wait()  # the staged copies have landed before anything reads them
@@ -111,8 +140,19 @@ class TieredSave:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def busy(self) -> bool:
+        """True until every tier's commit ended (the cleanup after them does not count)."""
+        return not self._published.is_set()
+
+    def running_seconds(self) -> float:
+        return time.monotonic() - self._started
+
+    def join(self) -> None:
+        if self.tiers:
+            self._thread.join()
+
     def wait(self, timeout: float | None = None) -> dict[Tier, Path]:
-        """Block until every tier's commit (and the replica push) ended; raise the first error."""
+        """Block until every tier's commit (and the replica push) and their cleanup ended; raise the first error."""
         if self.tiers:
             self._thread.join(timeout)
         if self._thread.is_alive():
@@ -120,6 +160,11 @@ class TieredSave:
                 f"the background save of step {self.step} ({', '.join(t.value for t in self.tiers)} tier) is still "
                 "running; call wait() again (without a timeout to block until it ends)", step=self.step,
             )
+        return self.outcome()
+
+    def outcome(self) -> dict[Tier, Path]:
+        """The tiers' committed directories once the commits ended, or the first error raised."""
+        self._published.wait()
         if self._error is not None:
             self.reported = True
             raise self._error
@@ -136,6 +181,8 @@ class TieredCheckpoint:
     the base ``CheckpointConfig`` of both tiers (its ``retention`` is replaced per tier).
     Every method is collective, like ``CheckpointManager``'s.
     """
+
+    _created = 0
 
     def __init__(
         self,
@@ -176,6 +223,12 @@ class TieredCheckpoint:
             if mgr is not None:
                 mgr.core.proof.share(home.core.proof, {"tier": tier.value})
         self._pending: TieredSave | None = None
+        self.on_busy = base.on_busy
+        TieredCheckpoint._created += 1
+        # Created collectively like the managers: the busy round agrees while a commit agrees in its own thread.
+        self.busy = BusyRound(make_agreement(process_group, timeout_s=base.timeout_s,
+                                             namespace=f"tiers-{TieredCheckpoint._created}-busy"))
+        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``)."""
         agreement = self.fast.context.agreement
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
         self._peers = _replica.peers(self._hosts)
@@ -254,19 +307,23 @@ class TieredCheckpoint:
         next optimizer step, the next forward of a module with buffers, or ``staged()`` waits for
         them), then one background thread commits the fast tier, pushes its peer replicas once that
         commit completed (a replica is never made of an uncommitted step), and commits the persistent
-        tier: one thread, because one process's c10d store client serves one blocking wait at a time.
-        Returns a ``TieredSave``, or None for a step the health policy skipped on every rank. The next
-        ``save``, ``save_async``, ``restore``, ``wait`` or ``close`` waits for it first and raises its
-        error: a restore chooses its step with every pending save ended, on every rank alike."""
+        tier, then the tiers' retention. Returns a ``TieredSave``; None for a step the health policy
+        skipped on every rank, or one requested while the tiers still commit (``CheckpointConfig.on_busy``,
+        as in ``CheckpointManager.save_async``). ``save``, ``restore``, ``wait`` or ``close`` wait for it
+        first and raise its error: a restore chooses its step with every pending save ended, on every rank."""
         check_step(step, "save_async")
         check_state(state, "save_async")
         start = time.monotonic()
-        self.wait()
         due = self._due(step)
+        previous = self._pending
+        record = self._home().core.proof.record
+        if due and not may_start(self.busy, step, self._pending, self.on_busy, wait=self.wait, record=record):
+            return None
         if due:
             self._hold_persistent(break_lease)
         parts: list[tuple[Tier, Callable[[], Path], Fence]] = []
         push = (lambda: self._push(step)) if self.replicas else None
+        cleanups: list[Callable[[], None]] = []
         try:
             for tier, mgr in due:
                 prepared = mgr.stage_commit(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease))
@@ -276,11 +333,13 @@ class TieredCheckpoint:
                     continue
                 run, fence, _ = prepared
                 parts.append((tier, run, fence))
+                cleanups.append(functools.partial(mgr.cleanup_after, step))
         finally:
             # Also when the persistent snapshot raised (on every rank alike): the fast part already
             # staged commits, so its pool slots and its fence are released, never left hanging.
             if parts:
-                self._pending = TieredSave(step, parts, time.monotonic() - start, push)
+                self._pending = TieredSave(step, parts, time.monotonic() - start, push,
+                                           cleanups=cleanups, after=previous)
         return self._pending if parts else TieredSave(step, [], time.monotonic() - start, None)
 
     def _due(self, step: int) -> list[tuple[Tier, CheckpointManager]]:
@@ -414,7 +473,6 @@ class TieredCheckpoint:
                 other.core.restored_step = step
         return step
 
-
     # ------------------------------------------------------------ proof records and queries
 
     def _home(self) -> CheckpointManager:
@@ -439,5 +497,3 @@ class TieredCheckpoint:
 
     def record_update(self, step: int, *, grad_norm: float, params_changed: bool) -> None:
         self._home().record_update(step, grad_norm=grad_norm, params_changed=params_changed)
-
-

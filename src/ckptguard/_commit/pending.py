@@ -19,6 +19,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._priority import lower_this_thread
+from .._state.state import Captured
 from ..config import CheckpointConfig
 from ..errors import SaveStillRunningError
 from ..memory.budget import host_budget
@@ -114,7 +117,12 @@ def stage(
         gpu_event.record()
     slots: list[torch.Tensor | None] = []
     if to_host and pool is not None:
-        slots = pool.place([_nbytes(t) for _, _, t, _ in to_host], host_bytes)
+        sizes = [_nbytes(t) for _, _, t, _ in to_host]
+        # Never map or pin on the caller's thread: what the pool cannot hold yet is read live this
+        # time (the fence holds the next mutation until it was), and the pool grows in the background.
+        slots = pool.place(sizes, host_bytes, grow=False)
+        if host_bytes and any(s is None for s in slots) and not pool.growing:
+            pool.grow_async(pool.missing(sizes), host_bytes)  # the state grew: more room, off this thread
     copier = copier_for([local for *_, local in to_host])
     for i, (item, key, t, local) in enumerate(to_host):
         slot = slots[i] if i < len(slots) else None
@@ -142,6 +150,7 @@ class AsyncStaging:
         self.pool: StagingPool | None = None
         self.budget: int | None = None
         self.budget_why = ""
+        self.preparing: Future[int] | None = None
         self._handles: list[Any] = []
 
     def host_budget(self, config: CheckpointConfig) -> int:
@@ -155,27 +164,62 @@ class AsyncStaging:
             log.info("ckptguard: save_async host staging budget %d B per rank (%s)", self.budget, self.budget_why)
         return self.budget
 
-    def stage(self, snap: Snapshot, state: dict[str, Any], config: CheckpointConfig) -> Staged:
-        budget = self.host_budget(config)
-        pin = torch.cuda.is_available() and any(
-            _local(t).is_cuda for c in snap.items.values() for t in c.tensors.values()
-        )
+    def prepare(self, items: dict[str, Captured], config: CheckpointConfig) -> Future[int]:
+        """Derive the host budget (a memory probe: about 1 s) and grow the pool to what ``items`` stage into
+        the host, in the background (``prepare_async``, or the first ``save_async`` without it)."""
+        pool = self._pool_for(items, config)
+        tensors = [t for c in items.values() for t in c.tensors.values()]
+        on_gpu = sum(_nbytes(t) for t in tensors if _local(t).is_cuda)
+        gpu_fits = 0 < on_gpu <= config.async_gpu_bytes
+        sizes = [_nbytes(t) for t in tensors if _nbytes(t) and not (gpu_fits and _local(t).is_cuda)]
+        done: Future[int] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(pool.grow_async(pool.missing(sizes), self.host_budget(config)).result())
+            except BaseException as exc:  # the future carries it; a later save_async reads live meanwhile
+                done.set_exception(exc)
+
+        self.preparing = done
+        threading.Thread(target=run, name="ckptguard-prepare", daemon=True).start()
+        return done
+
+    def _pool_for(self, items: dict[str, Captured], config: CheckpointConfig) -> StagingPool:
+        pin = torch.cuda.is_available() and any(_local(t).is_cuda for c in items.values() for t in c.tensors.values())
         if self.pool is not None and pin and not self.pool.pin:
             self.pool.release()  # a CPU-only state's pool cannot serve non-blocking D2H copies
             self.pool = None
         if self.pool is None:
             self.pool = StagingPool(pin=pin, idle_s=config.async_pool_idle_s)
-        staged = stage(snap, gpu_bytes=config.async_gpu_bytes, host_bytes=budget, pool=self.pool,
+        return self.pool
+
+    def stage(self, snap: Snapshot, state: dict[str, Any], config: CheckpointConfig) -> Staged:
+        pool = self._pool_for(snap.items, config)
+        if self.budget is None and self.preparing is None:
+            self.prepare(snap.items, config)  # no prepare_async: this first save reads live, never pins here
+        budget = self.budget if self.budget is not None else 0
+        staged = stage(snap, gpu_bytes=config.async_gpu_bytes, host_bytes=budget, pool=pool,
                        timeout_s=config.timeout_s)
         snap.read_done = staged.fence.live_read
         snap.cost = {
-            **staged.cost(self.pool),
+            **staged.cost(pool),
             "host_budget_why": self.budget_why,
             "host_pool_release": "close()" + (
                 f" or {config.async_pool_idle_s:g} s without a save_async" if config.async_pool_idle_s else ""
             ),
         }
         self.guard(staged.fence, state)
+        if staged.live_bytes:
+            # Growing in the background (the first save_async): this once, the documented wait, said quietly.
+            ready = pool.growing or (self.preparing is not None and not self.preparing.done())
+            log.log(logging.INFO if ready else logging.WARNING,
+                "ckptguard: step %d: %d of %d B are not staged (host staging budget %d B, pool %d B%s): the "
+                "background writer reads them from the live tensors, and the next optimizer step waits until it "
+                "has (see PendingSave.mutation_wait_seconds); raise CheckpointConfig.async_host_bytes to stage "
+                "them, or call prepare_async(state) ahead of the first save_async", snap.step, staged.live_bytes,
+                staged.live_bytes + snap.staged_bytes, staged.host_budget, pool.held_bytes,
+                ", growing in the background" if ready else "",
+            )
         return staged
 
     def guard(self, fence: Fence, state: dict[str, Any]) -> None:
@@ -207,6 +251,9 @@ class AsyncStaging:
 
     def close(self) -> None:
         self.unguard()
+        if self.preparing is not None:  # a region pinned after the release would outlive close()
+            wait_futures([self.preparing], timeout=600)
+            self.preparing = None
         if self.pool is not None:
             self.pool.release()
             self.pool = None
@@ -231,11 +278,15 @@ def _ranks_per_node() -> int:
 
 
 class PendingSave:
-    """A save whose commit runs in the background; ``wait()`` returns its step directory."""
+    """A save whose commit runs in the background; ``wait()`` returns its step directory.
+
+    ``cleanup`` (retention, proof pruning) runs in the same thread once the commit is published:
+    ``busy()`` is False from then on, so a deletion never holds the next ``save_async``, whose
+    snapshot goes on while it runs; its commit (``after``: this save) starts when the cleanup ended."""
 
     def __init__(
         self, step: int, run: Callable[[], Path], blocked_s: float, *, fence: Fence | None = None,
-        started: float | None = None,
+        started: float | None = None, cleanup: Callable[[], None] | None = None, after: PendingSave | None = None,
     ) -> None:
         self.step = step
         self.blocked_seconds = blocked_s
@@ -243,15 +294,20 @@ class PendingSave:
         self.fence = fence
         self.staged_seconds: float | None = None
         """From the ``save_async`` call until every staged copy had landed (set by the background thread)."""
+        self.commit_seconds: float | None = None
+        """From the ``save_async`` call until the commit was published (or failed)."""
+        self.cleanup_seconds: float | None = None
+        """How long the cleanup after the commit (retention, proof pruning) took, off the caller's path."""
         self.priority: list[str] = []
         """What the background thread lowered (nice, ioprio); empty where the system refused."""
         self._started = started if started is not None else time.monotonic()
         self._result: Path | None = None
         self._error: BaseException | None = None
+        self._published = threading.Event()
         self.reported = False
         """True once ``wait()`` raised the error: the manager does not raise it a second time."""
         # Not a daemon: an interpreter exit waits for the commit instead of cutting it off.
-        self._thread = threading.Thread(target=self._run, args=(run,), name=f"ckptguard-save-{step}")
+        self._thread = threading.Thread(target=self._run, args=(run, cleanup, after), name=f"ckptguard-save-{step}")
         self._thread.start()
 
     @property
@@ -263,10 +319,12 @@ class PendingSave:
     def completed(cls, step: int, path: Path, blocked_s: float) -> PendingSave:
         return cls(step, lambda: path, blocked_s)
 
-    def _run(self, run: Callable[[], Path]) -> None:
+    def _run(self, run: Callable[[], Path], cleanup: Callable[[], None] | None, after: PendingSave | None) -> None:
         # Writes, checksums and digests of this save yield the CPU and the disk to training.
         self.priority = lower_this_thread()
         try:
+            if after is not None:
+                after.join()  # the previous save's cleanup ends before this commit touches the root
             if self.fence is not None:
                 self.fence.host_wait()  # the staged copies have landed before anything reads them
                 self.staged_seconds = time.monotonic() - self._started
@@ -278,12 +336,32 @@ class PendingSave:
         finally:
             if self.fence is not None:
                 self.fence.live_read()  # a failed save reads nothing more: training may go on
+            self.commit_seconds = time.monotonic() - self._started
+            self._published.set()
+        if self._error is None and cleanup is not None:
+            began = time.monotonic()
+            try:
+                cleanup()
+            except Exception as exc:  # retention never stops training (Root.rotate logs its own)
+                log.warning("ckptguard: the cleanup after step %d failed: %s: %s", self.step, type(exc).__name__, exc)
+            self.cleanup_seconds = time.monotonic() - began
+
+    def busy(self) -> bool:
+        """True until the commit was published or failed (the cleanup after it does not count)."""
+        return not self._published.is_set()
+
+    def running_seconds(self) -> float:
+        return time.monotonic() - self._started
 
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def join(self) -> None:
+        """Until the thread ended (the cleanup included); raises nothing."""
+        self._thread.join()
+
     def wait(self, timeout: float | None = None) -> Path:
-        """Block until the commit finished; raise its error if it failed."""
+        """Block until the commit and its cleanup finished; raise its error if it failed."""
         start = time.monotonic()
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -292,6 +370,11 @@ class PendingSave:
                 "call wait() again (without a timeout to block until it ends)",
                 step=self.step,
             )
+        return self.outcome()
+
+    def outcome(self) -> Path:
+        """The published commit's directory, or its error raised (once the commit ended; see ``busy``)."""
+        self._published.wait()
         if self._error is not None:
             self.reported = True
             raise self._error

@@ -15,6 +15,7 @@ is logged, never raised: the commit is what matters.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -213,20 +214,31 @@ class Root:
 
     # ------------------------------------------------------------ retention
 
-    def rotate(self, step: int) -> None:
+    def cleanup(self, step: int, *, rotate: bool) -> None:
+        """After the commit of ``step``: retention (``rotate``: this rank applies it) and the proof records no
+        retained checkpoint's proof reads again; what retention deleted is recorded with its seconds."""
+        began = time.monotonic()
+        deleted = self.rotate(step) if rotate else []
+        self.proof.log.prune(self.naming)
+        if deleted:
+            self.proof.record("cleanup", durable=False, step=step, deleted=deleted,
+                              seconds=round(time.monotonic() - began, 3))
+
+    def rotate(self, step: int) -> list[int]:
         """Apply retention after the commit of ``step`` (the caller decides which rank does); a failure
-        is logged, never raised: rotation must never stop training."""
+        is logged, never raised: rotation must never stop training. Returns the steps deleted."""
         policy = self.config.retention
         if policy is None:
-            return
+            return []
         protect = {step} | ({self.restored_step} if self.restored_step else set())
         try:
             report = retention.apply(self.path, self.naming, policy, protect=protect)
         except Exception as exc:  # rotation must never stop training
             log.warning("ckptguard: retention after %s %d failed (%s: %s); retried at the next save",
                         self.label, step, type(exc).__name__, exc)
-            return
+            return []
         if report.deleted:
             log.info("ckptguard: retention deleted %ss %s, kept %s", self.label, report.deleted, report.kept)
         for name, why in report.not_counted.items():
             log.warning("ckptguard: %s is not counted as a kept checkpoint: %s", name, why)
+        return [int(s) for s in report.deleted]

@@ -168,6 +168,20 @@ class ProofLog:
         return gone
 
 
+def process_start() -> float | None:
+    """This process's start as a wall-clock time (seconds since the epoch), for the time to recover
+    (``ckptguard goodput``): now less the process's age, its start in /proc against CLOCK_BOOTTIME
+    (1/CLK_TCK resolution; /proc/stat's btime is whole seconds and drifts from the wall clock).
+    None where it cannot be read."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime (after the command name)
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def _parsed(line: bytes) -> dict[str, Any] | None:
     try:
         rec = parse_json(line, where="proof record")

@@ -10,7 +10,9 @@ Contract:
   new region of exactly the bytes still missing, as far as ``budget`` (the pool's total) allows;
   a tensor that does not fit gets None and stays live. Regions are reused by every later save
   and released by ``release()``, or by ``idle_s`` seconds without use. ``held_bytes`` is what
-  the pool holds now.
+  the pool holds now. ``grow_async(nbytes, budget)`` maps and pins a region in a thread of its
+  own (pinning 6 GiB takes over a second); ``place(..., grow=False)`` never allocates on the
+  caller's thread, and while a region is being pinned nothing is placed in it.
 - ``Copier`` fills slots: ``CudaCopier`` issues every GPU copy ``non_blocking`` on one side
   stream that first waits for the caller's current stream (the kernels that produced the
   tensors), and keeps the sources alive for that stream (``record_stream``); CPU sources are
@@ -29,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -59,13 +62,60 @@ class StagingPool:
         self._timer: threading.Timer | None = None
         self.released_idle = 0
         """How many times the idle timer released the pool."""
+        self._growing: Future[int] | None = None
+        self.grown_on: list[str] = []
+        """The names of the threads that allocated (and pinned) each region."""
 
     @property
     def held_bytes(self) -> int:
         return sum(r.size for r in self._regions)
 
-    def place(self, sizes: Sequence[int], budget: int) -> list[torch.Tensor | None]:
-        """A uint8 slot of each size (None where the pool and the budget have no room); marks the pool busy."""
+    @property
+    def growing(self) -> bool:
+        """A region is being allocated in the background (``grow_async``)."""
+        return self._growing is not None and not self._growing.done()
+
+    def grow_async(self, nbytes: int, budget: int) -> Future[int]:
+        """Map (and pin) one region of ``nbytes`` (within ``budget`` less what is held) in a background
+        thread; the future gives the bytes added (0: no room, or a grow already running)."""
+        with self._lock:
+            if self.growing:
+                assert self._growing is not None
+                return self._growing
+            need = min(_aligned(nbytes), max(0, budget - self.held_bytes))
+            done: Future[int] = Future()
+            self._growing = done
+        if need <= 0:
+            done.set_result(0)
+            return done
+
+        def grow() -> None:
+            try:
+                region = Buffer(need, self.pin)
+            except OSError as exc:
+                log.warning("ckptguard: could not allocate a %d B staging region in the background (%s); the "
+                            "tensors it would hold are read from the live state", need, exc)
+                done.set_result(0)
+                return
+            except BaseException as exc:
+                done.set_exception(exc)
+                return
+            with self._lock:
+                self._regions.append(region)
+                self._used.append(0)
+                self.grown_on.append(threading.current_thread().name)
+            done.set_result(need)
+
+        threading.Thread(target=grow, name="ckptguard-pin-pool", daemon=True).start()
+        return done
+
+    def missing(self, sizes: Sequence[int]) -> int:
+        """Bytes a region would need for ``sizes`` beyond what the pool holds (aligned)."""
+        return max(0, sum(_aligned(n) for n in sizes) - self.held_bytes)
+
+    def place(self, sizes: Sequence[int], budget: int, *, grow: bool = True) -> list[torch.Tensor | None]:
+        """A uint8 slot of each size (None where the pool and the budget have no room); marks the pool busy.
+        ``grow=False``: only the regions held now (the caller's thread never maps or pins)."""
         with self._lock:
             self._cancel_timer()
             self._busy += 1
@@ -77,7 +127,7 @@ class StagingPool:
                 if slot is None:
                     missing.append(i)
                 out[i] = slot
-            room = max(0, budget - self.held_bytes)
+            room = max(0, budget - self.held_bytes) if grow else 0
             fit, need = [], 0
             for i in missing:
                 end = _aligned(need) + sizes[i]  # the last slot ends the region: no padding after it

@@ -1,0 +1,173 @@
+"""A ``save_async`` requested while the previous commit still runs: one decision, alike on every rank.
+
+Contract. Whether a commit is in flight differs per rank (a rank's commit thread ends when it has
+read the outcome; another's a moment later), so no rank may act on its own view: ``BusyRound``
+gathers every rank's view through an agreement of its own (the commit thread uses the manager's
+agreement meanwhile, and one agreement numbers its phases in one thread only) and rank 0 decides
+for all, before any rank snapshots. ``OnBusy.SKIP``: nothing is snapshotted; the skip is logged
+with the interval that fits the measured commit time, counted, and handed to the next committed
+step's cost block (``pending_cost``) and to the proof log. ``OnBusy.WAIT`` needs no round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .._dist import Agreement, Wire, gather_decide
+from ..config import OnBusy
+
+log = logging.getLogger("ckptguard")
+
+
+@dataclass(frozen=True)
+class BusyView(Wire):
+    """One rank's view: the step whose commit is in flight here (None: idle) and since when (seconds)."""
+
+    running: int | None
+    running_s: float
+
+
+@dataclass(frozen=True)
+class BusyDecision(Wire):
+    """Rank 0's verdict: ``busy`` when a commit is in flight on any rank (``ranks``, ``running``)."""
+
+    busy: bool
+    running: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    running_s: float = 0.0
+
+
+class InFlight(Protocol):
+    """A background save as the busy round sees it (``PendingSave``, ``TieredSave``)."""
+
+    step: int
+    commit_seconds: float | None
+    reported: bool
+
+    def busy(self) -> bool: ...
+
+    def running_seconds(self) -> float: ...
+
+    def outcome(self) -> Any: ...
+
+
+def decide(views: list[BusyView]) -> BusyDecision:
+    ranks = [r for r, v in enumerate(views) if v.running is not None]
+    if not ranks:
+        return BusyDecision(busy=False)
+    return BusyDecision(busy=True, running=views[ranks[0]].running, ranks=ranks,
+                        running_s=round(max(views[r].running_s for r in ranks), 3))
+
+
+@dataclass
+class Skipped:
+    step: int
+    running: int | None
+    reason: str
+
+
+class BusyRound:
+    """The busy decision of one front door, its skip counter and the step-time/commit-time figures
+    that say which interval would fit."""
+
+    def __init__(self, agreement: Agreement, *, label: str = "step") -> None:
+        self.agreement = agreement
+        self.label = label
+        self.skipped_total = 0
+        """Saves this process skipped because a commit was in flight."""
+        self.since_commit: list[Skipped] = []
+        """Skips not yet reported in a committed step's cost block."""
+        self.last_commit_s: float | None = None
+        """How long the last completed background commit took (request to published)."""
+        self._requests: list[tuple[int, float]] = []  # (step, monotonic) of the last two requests
+        self._warned_interval: int | None = None
+
+    def request(self, step: int) -> None:
+        self._requests = [*self._requests, (step, time.monotonic())][-2:]
+
+    def round(self, step: int, running: int | None, running_s: float) -> BusyDecision:
+        """Collective: every rank's view, rank 0's verdict."""
+        return gather_decide(self.agreement, "save.busy", BusyView(running, round(running_s, 3)), decide,
+                             decision=BusyDecision)
+
+    def commit_took(self, seconds: float) -> None:
+        self.last_commit_s = seconds
+
+    def step_seconds(self) -> float | None:
+        if len(self._requests) < 2 or self._requests[1][0] <= self._requests[0][0]:
+            return None
+        (s0, t0), (s1, t1) = self._requests
+        return (t1 - t0) / (s1 - s0)
+
+    def fitting_interval(self, decision: BusyDecision) -> tuple[int, float] | None:
+        """(steps, commit seconds): the smallest save interval in steps the measured commit time fits."""
+        step_s = self.step_seconds()
+        commit_s = max(self.last_commit_s or 0.0, decision.running_s)
+        if step_s is None or step_s <= 0 or commit_s <= 0:
+            return None
+        return max(1, math.ceil(commit_s / step_s)), commit_s
+
+    def skip(self, step: int, decision: BusyDecision) -> Skipped:
+        """Count, log and keep a skipped request (``OnBusy.SKIP``)."""
+        fit = self.fitting_interval(decision)
+        where = f"ranks {decision.ranks}" if len(decision.ranks) > 1 else f"rank {decision.ranks[0]}"
+        reason = (f"{self.label} {decision.running}'s commit was still running on {where} "
+                  f"({decision.running_s:.2f} s in)")
+        skipped = Skipped(step, decision.running, reason)
+        self.skipped_total += 1
+        self.since_commit.append(skipped)
+        advice = ""
+        if fit is not None:
+            every, commit_s = fit
+            advice = (f"; one commit takes {commit_s:.2f} s, saves come every {self.step_seconds() or 0:.2f} s per "
+                      f"{self.label}: an interval of {every} {self.label}s or more fits it")
+        message = (f"ckptguard: save_async of {self.label} {step} SKIPPED ({self.skipped_total} so far): {reason}"
+                   f"{advice}. CheckpointConfig(on_busy=OnBusy.WAIT) waits instead")
+        interval = fit[0] if fit is not None else None
+        if self.skipped_total == 1 or interval != self._warned_interval:
+            log.warning(message)
+            self._warned_interval = interval
+        else:
+            log.info(message)
+        return skipped
+
+    def pending_cost(self) -> dict[str, Any]:
+        """The skips since the last committed step, for the next one's cost block (then forgotten)."""
+        out: dict[str, Any] = {
+            "skipped_saves": len(self.since_commit),
+            "skipped_steps": [s.step for s in self.since_commit],
+            "skipped_saves_total": self.skipped_total,
+        }
+        self.since_commit = []
+        return out
+
+
+def may_start(
+    busy: BusyRound, step: int, pending: InFlight | None, policy: OnBusy, *, wait: Callable[[], Any],
+    record: Callable[..., None],
+) -> bool:
+    """``CheckpointConfig.on_busy`` for a ``save_async`` of ``step``: False when it is skipped, on every rank
+    alike. Otherwise every rank's previous commit is published (its error is raised here, alike on every
+    rank); its cleanup may still run, and the new commit starts after it. ``record``: the proof record."""
+    busy.request(step)
+    if policy is OnBusy.WAIT:
+        wait()
+        return True
+    running = pending if pending is not None and pending.busy() else None
+    decision = busy.round(step, running.step if running else None, running.running_seconds() if running else 0.0)
+    if decision.busy:
+        skipped = busy.skip(step, decision)
+        record("busy_skip", durable=False, step=step, running=decision.running, reason=skipped.reason,
+               policy=policy.value)
+        return False
+    if pending is not None:
+        if pending.commit_seconds is not None:
+            busy.commit_took(pending.commit_seconds)
+        if not pending.reported:
+            pending.outcome()
+    return True

@@ -1,0 +1,187 @@
+"""Saves that never stall the loop: the on_busy policy (agreed by every rank), the pool pinned off
+the caller's thread, retention after the commit off the next save's path."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptguard as cg
+from ckptguard import _faults
+from ckptguard._disk import layout as _layout
+from ckptguard._records import retention as _retention
+from ckptguard._records.prooflog import read_records
+from ckptguard.cli import main
+from ckptguard.storage import _staging
+from dist_helper import run_ranks, values
+
+
+def _state(value: float = 0.0) -> dict:
+    return {"w": torch.full((256,), value), "step": 0}
+
+
+def _cost(root, step: int) -> dict:
+    return json.loads((root / f"step_{step:08d}" / "manifest.json").read_text())["cost"]
+
+
+def _disagreeing_ranks(rank, world, base):
+    """Rank 0 is still in its commit's bookkeeping (after every agreement) while rank 1's commit is done:
+    their local views differ, the decision must not."""
+    mgr = cg.CheckpointManager(base, config=cg.CheckpointConfig(timeout_s=20))
+    if rank == 0:
+        trust = mgr.core.trust_committed
+
+        def slow(step):
+            time.sleep(2.0)
+            trust(step)
+
+        mgr.core.trust_committed = slow
+    state = {"w": cg.PerRank(torch.full((64,), float(rank)))}
+    first = mgr.save_async(1, state)
+    if rank == 1:
+        first.wait()  # rank 1 is idle now; rank 0 is not
+    busy_here = first.busy()
+    skipped = mgr.save_async(2, state)
+    mgr.wait()
+    third = mgr.save_async(3, state)
+    path = third.wait() if third is not None else None
+    recs = read_records(base)[rank]
+    return {"busy_here": busy_here, "skipped": skipped is None, "count": mgr.busy.skipped_total,
+            "third": str(path), "steps": mgr.committed_steps(),
+            "records": [r["step"] for r in recs if r["event"] == "busy_skip"]}
+
+
+def test_a_save_requested_during_a_commit_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    out = values(run_ranks(_disagreeing_ranks, 2, tmp_path / "ck", timeout=120))
+    assert [o["busy_here"] for o in out] == [True, False]  # the local views differ
+    for o in out:  # the decision does not: no rank snapshots step 2, no rank hangs in its commit
+        assert o["skipped"] and o["count"] == 1 and o["steps"] == [1, 3] and o["records"] == [2], o
+    cost = _cost(tmp_path / "ck", 3)
+    assert cost["skipped_saves"] == 1 and cost["skipped_steps"] == [2] and cost["on_busy"] == "skip"
+
+
+def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path, caplog):
+    gate = threading.Event()
+    _faults.set_hook("commit.before_tracker", gate.wait)
+    mgr = cg.CheckpointManager(tmp_path / "ck")
+    try:
+        first = mgr.save_async(2, _state())
+        time.sleep(0.3)  # the loop's next steps while the commit is held
+        with caplog.at_level(logging.INFO, logger="ckptguard"):
+            t0 = time.monotonic()
+            assert mgr.save_async(4, _state(1.0)) is None
+            assert time.monotonic() - t0 < 1.0  # skipped at once, never waiting for the commit
+        gate.set()
+        assert first.wait() == tmp_path / "ck" / "step_00000002"
+    finally:
+        _faults.set_hook("commit.before_tracker", None)
+    warning = next(r.getMessage() for r in caplog.records if "SKIPPED" in r.getMessage())
+    assert "save_async of step 4 SKIPPED (1 so far)" in warning and "step 2's commit" in warning
+    assert "steps or more fits it" in warning and "on_busy=OnBusy.WAIT" in warning
+    mgr.save_async(6, _state(2.0)).wait()  # the next committed step carries the skip; verify shows it
+    assert _cost(tmp_path / "ck", 6)["skipped_steps"] == [4]
+    shown = CliRunner().invoke(main, ["verify", str(tmp_path / "ck" / "step_00000006")])
+    assert shown.exit_code == 0 and "1 save(s) skipped before it" in shown.output, shown.output
+    # WAIT: the request waits for the commit in flight and is saved.
+    waiting = cg.CheckpointManager(tmp_path / "w", config=cg.CheckpointConfig(on_busy=cg.OnBusy.WAIT))
+    waiting.save_async(1, _state())
+    waiting.save_async(2, _state())
+    waiting.wait()
+    assert waiting.committed_steps() == [1, 2] and waiting.busy.skipped_total == 0
+    with pytest.raises(cg.ConfigError, match="on_busy must be an OnBusy"):
+        cg.CheckpointConfig(on_busy="skip")
+
+
+class _SlowPin(_staging.Buffer):
+    threads: list[str] = []
+
+    def __init__(self, size, pin):
+        _SlowPin.threads.append(threading.current_thread().name)
+        time.sleep(1.0)  # what pinning 6 GiB costs (1.26-1.38 s on the H200)
+        super().__init__(size, pin)
+
+
+def test_the_first_save_async_never_pins_on_the_callers_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(_staging, "Buffer", _SlowPin)
+    _SlowPin.threads = []
+    root = tmp_path / "ck"
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(async_host_bytes=1 << 20))
+    state = {"model": torch.nn.Linear(64, 64)}
+    ready = mgr.prepare_async(state)
+    first = mgr.save_async(1, state)
+    assert first.blocked_seconds < 0.5 and not ready.done()  # the pool is still being built, not waited for
+    first.wait()
+    assert _cost(root, 1)["live_bytes"] > 0  # read live this once (the documented wait), never a sync save
+    assert ready.result(timeout=10) > 0 and _SlowPin.threads == ["ckptguard-pin-pool"]
+    second = mgr.save_async(2, state)
+    second.wait()
+    cost = _cost(root, 2)
+    assert cost["live_bytes"] == 0 and cost["staged_host_bytes"] == 64 * 64 * 4 + 64 * 4
+    # Without prepare_async, the first save_async starts the pool in the background too.
+    _SlowPin.threads = []
+    other = cg.CheckpointManager(tmp_path / "o", config=cg.CheckpointConfig(async_host_bytes=1 << 20))
+    t0 = time.monotonic()
+    other.save_async(1, state).wait()
+    assert time.monotonic() - t0 < 1.0 and _SlowPin.threads == ["ckptguard-pin-pool"]
+    other.close()
+    mgr.close()
+
+
+def test_a_deletion_runs_after_the_commit_and_never_holds_the_next_save(tmp_path, monkeypatch):
+    started, order = threading.Event(), []
+    apply = _retention.apply
+
+    def slow_apply(*args, **kwargs):
+        started.set()
+        order.append("deletion starts")
+        time.sleep(1.5)
+        order.append("deletion ends")
+        return apply(*args, **kwargs)
+
+    monkeypatch.setattr(_retention, "apply", slow_apply)
+    root = tmp_path / "ck"
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=cg.KeepLast(1)))
+    mgr.save_async(1, _state()).wait()
+    started.clear()
+    order.clear()
+    second = mgr.save_async(2, _state(2.0))
+    assert started.wait(10)  # step 2 is published; its cleanup (deleting step 1) runs now
+    assert not second.busy()
+    t0 = time.monotonic()
+    third = mgr.save_async(3, _state(3.0))
+    order.append("next snapshot taken")
+    assert third is not None and time.monotonic() - t0 < 1.0  # not skipped, not held by the deletion
+    third.wait()
+    assert order[:3] == ["deletion starts", "next snapshot taken", "deletion ends"]
+    assert mgr.committed_steps() == [3] and second.cleanup_seconds >= 1.5
+    cleanups = [r for r in read_records(root)[0] if r["event"] == "cleanup"]
+    assert [r["deleted"] for r in cleanups] == [[1], [2]] and cleanups[0]["seconds"] >= 1.5
+    assert _layout.read_tracker(root) == 3
+
+
+def test_a_tiered_save_async_during_the_tiers_commit_is_skipped_and_retention_still_runs(tmp_path):
+    gate = threading.Event()
+    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
+                                persistent_every=2, fast_retention=cg.KeepLast(1))
+    _faults.set_hook("commit.before_tracker", gate.wait)
+    try:
+        first = tiers.save_async(1, _state(1.0))
+        assert tiers.save_async(2, _state(2.0)) is None and tiers.busy.skipped_total == 1
+        gate.set()
+        assert set(first.wait()) == {cg.Tier.FAST}
+    finally:
+        _faults.set_hook("commit.before_tracker", None)
+    third = tiers.save_async(3, _state(3.0))
+    fourth = tiers.save_async(4, _state(4.0))  # requested at once: skipped unless step 3's commit ended first
+    tiers.wait()
+    expected = [3] if fourth is None else [4]
+    assert tiers.fast.committed_steps() == expected and third is not None  # KeepLast(1) ran after each commit
+    skips = [r["step"] for r in read_records(tmp_path / "pers")[0] if r["event"] == "busy_skip"]
+    assert skips == ([2, 4] if fourth is None else [2])
+    tiers.close()
