@@ -341,9 +341,9 @@ class ObjectStore:
                     newest[(parts[0], parts[1])] = max(newest.get((parts[0], parts[1]), 0.0), obj.modified_unix)
                     continue
             report.foreign.append(obj.key)
+        self._gc_uploads(now, min_age_s, dry_run, report)  # first: an attempt's owner record still says it is ours
         for (name, attempt), keys in sorted(attempts.items()):
             self._gc_attempt(name, attempt, keys, newest[(name, attempt)], now, min_age_s, dry_run, report)
-        self._gc_uploads(now, min_age_s, dry_run, report)
         return report
 
     def _marked(self, name: str) -> str | None:
