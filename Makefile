@@ -11,8 +11,11 @@ VERL_STAMP := $(VERL_VENV)/.installed
 # transformers/TRL pins: their own venv too, for the HF/TRL integration tests.
 HF_VENV := .venv-hf
 HF_STAMP := $(HF_VENV)/.installed
+# ministack (a second S3 server for the object-store tests) pins botocore: its own venv, a server process only.
+MINISTACK_VENV := .venv-ministack
+MINISTACK_STAMP := $(MINISTACK_VENV)/.installed
 
-.PHONY: demo test lint venv verl-venv hf-venv clean
+.PHONY: demo test lint venv verl-venv hf-venv ministack-venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +48,13 @@ $(HF_STAMP): Makefile pyproject.toml
 
 hf-venv: $(HF_STAMP)
 
+$(MINISTACK_STAMP): Makefile
+	test -x $(MINISTACK_VENV)/bin/python || $(PYTHON) -m venv $(MINISTACK_VENV)
+	$(MINISTACK_VENV)/bin/python -m pip install --quiet ministack==1.5.33
+	touch $(MINISTACK_STAMP)
+
+ministack-venv: $(MINISTACK_STAMP)
+
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -53,6 +63,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	-@$(MAKE) --no-print-directory verl-venv || echo "verl not installable: the verl boundary test will be skipped"
 	-@$(MAKE) --no-print-directory hf-venv || echo "transformers/trl not installable: the HF/TRL tests will be skipped"
+	-@$(MAKE) --no-print-directory ministack-venv || echo "ministack not installable: its object-store tests will be skipped"
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium not installable: the browser test of the memory report will be skipped"
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
@@ -64,4 +75,4 @@ lint: $(STAMP)
 	$(BIN)/python -m mypy
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(HF_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VERL_VENV) $(HF_VENV) $(MINISTACK_VENV) build *.egg-info src/*.egg-info

@@ -288,6 +288,7 @@ def test_the_server_stopped_mid_upload_is_a_clear_error_and_nothing_is_visible(t
     try:
         store = ObjectStore(url, h.options(endpoint))
         assert store.tracker()[0] == 1 and store.marker(2) is None and store.committed_steps() == [1]
+        ckpt.close()  # its lease: released
         assert restored_step(endpoint, url, tmp_path / "b") == 1
     finally:
         server.stop()
@@ -324,8 +325,9 @@ class Races:
         if ministack is not None:
             self.buckets[(ministack, "step")] = bucket(ministack)
         self.seen: dict[int, list[int]] = {}
+        self.results: dict[tuple[str, str], dict[int, list[tuple]]] = {}
         data = tmp / "data.bin"
-        data.write_bytes(os.urandom(256 << 10))
+        data.write_bytes(os.urandom(4096))
         races = [(endpoint, name, kind) for (endpoint, kind), name in self.buckets.items()]
         ctx = mp.get_context("spawn")
         barrier, out = ctx.Barrier(2), ctx.Queue()
@@ -336,7 +338,7 @@ class Races:
         watcher.start()
         for p in procs:
             p.start()
-        self.results: dict[tuple[str, str], dict[int, list[tuple]]] = {}
+        started = time.monotonic()
         try:
             for _ in range(2 * TRIALS * len(races)):
                 endpoint, kind, trial, role, step, attempt, result = out.get(timeout=180)
@@ -350,15 +352,20 @@ class Races:
                 if p.is_alive():
                     p.kill()
         self.exitcodes = [p.exitcode for p in procs]
+        self.seconds = time.monotonic() - started
 
     def _observe(self, moto: str, done: threading.Event) -> None:
-        """Every tracker read during the tracker race, per trial: never a smaller value after a larger."""
+        """Tracker reads of the trial in progress during the tracker race: never a smaller value after a larger."""
         client, name = boto3.client("s3", endpoint_url=moto), self.buckets[(moto, "tracker")]
-        while not done.wait(0.01):
-            for trial in range(TRIALS):
-                key = f"tracker-{trial:03d}/latest_checkpointed_iteration.txt"
-                with contextlib.suppress(client.exceptions.NoSuchKey):
-                    self.seen.setdefault(trial, []).append(int(client.get_object(Bucket=name, Key=key)["Body"].read()))
+        while not done.wait(0.005):
+            finished = self.results.get((moto, "tracker"), {})
+            trial = sum(len(v) == 2 for v in finished.values())
+            if trial >= TRIALS or not any(k == (moto, "step") for k in self.results) or \
+                    len(self.results.get((moto, "step"), {})) < TRIALS:
+                continue  # the tracker race comes after the step race on moto
+            key = f"tracker-{trial:03d}/latest_checkpointed_iteration.txt"
+            with contextlib.suppress(client.exceptions.NoSuchKey):
+                self.seen.setdefault(trial, []).append(int(client.get_object(Bucket=name, Key=key)["Body"].read()))
 
 
 @pytest.fixture(scope="module")
@@ -399,7 +406,7 @@ def test_two_writers_racing_for_the_tracker_never_move_it_back(races, moto):
         assert store.tracker()[0] == 7 and store.committed_steps() == [5, 7]
     for trial, seen in races.seen.items():
         assert seen == sorted(seen), (trial, seen)
-    assert sum(len(v) for v in races.seen.values()) > TRIALS  # the observer did look during the race
+    assert sum(len(v) for v in races.seen.values()) >= TRIALS // 2  # the observer did look during the race
 
 
 def test_two_writers_racing_for_the_lease_exactly_one_holds_it(races, moto):
@@ -482,3 +489,37 @@ def test_two_gloo_ranks_save_and_restore_through_the_store(moto, tmp_path):
     name = bucket(moto)
     got = values(run_ranks(_ranks_save, 2, moto, f"s3://{name}/run", str(tmp_path / "s"), str(tmp_path / "f")))
     assert got == [{"step": 2, "exact": True, "counter": {"step": 2, "rank": r}} for r in (0, 1)]
+
+
+# ---------------------------------------------------------------- the CLI on s3:// roots
+
+
+def test_cli_list_and_verify_an_s3_root(moto, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+
+    name = bucket(moto)
+    url = f"s3://{name}/run"
+    h.write(moto, url, str(tmp_path / "w"), 2, None)
+    store = ObjectStore(url, h.options(moto))
+    data = tmp_path / "d.bin"
+    data.write_bytes(b"z" * 10)
+    store.upload(3, store.begin(3), [("state/d.bin", data, 10)])  # an interrupted save: no marker
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto)  # the CLI takes the endpoint from boto3's configuration
+    runner = CliRunner()
+    listed = runner.invoke(main, ["list", url, "--json"])
+    assert listed.exit_code == 0, listed.output
+    got = json.loads(listed.output)
+    assert got["tracker"] == 2 and [(e["step"], e["state"].split(" (")[0].split(":")[0]) for e in got["entries"]] \
+        == [(1, "committed"), (2, "committed"), (3, "NOT committed")]
+    ok = runner.invoke(main, ["verify", url, "--deep"])
+    assert ok.exit_code == 0 and "OK: 2 step(s) checked with checksums" in ok.output, ok.output
+    victim = next(k for k in keys(moto, name) if "step_00000001/a-" in k and k.endswith(".distcp"))
+    boto3.client("s3", endpoint_url=moto).delete_object(Bucket=name, Key=victim)  # the negative control
+    bad = runner.invoke(main, ["verify", url, "--json"])
+    assert bad.exit_code == 1, bad.output
+    findings = json.loads(bad.output)["findings"]
+    assert [f["code"] for f in findings] == ["missing-object"] and victim in findings[0]["path"]
+    usage = runner.invoke(main, ["list", f"s3://{name}"])
+    assert usage.exit_code == 2 and "give a prefix" in usage.output and "Traceback" not in usage.output

@@ -79,7 +79,8 @@ class Bucket:
             connect_timeout=options.connect_timeout_s,
             read_timeout=options.read_timeout_s,
             max_pool_connections=options.threads + 4,
-            s3={"addressing_style": "path" if options.path_style else "auto"},
+            s3={"addressing_style": "path" if options.path_style else "virtual"} if options.path_style is not None
+            else None,
             # checksums are sent where ckptguard computes them (every part and PUT of data), and
             # records carry none: some S3-compatible stores reject the newer default trailers.
             request_checksum_calculation="when_required",
@@ -87,7 +88,7 @@ class Bucket:
         )
         self.client: Any = boto3.session.Session().client(
             "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
-        self.endpoint = options.endpoint_url or "AWS S3"
+        self.endpoint = str(self.client.meta.endpoint_url)
 
     # ------------------------------------------------------------ errors
 
@@ -130,6 +131,16 @@ class Bucket:
             if self.status(exc) == 404:
                 return None
             raise self.error(exc, key, f"reading the {what}", step) from exc
+
+    def head(self, key: str, *, step: int | None = None, what: str = "object") -> tuple[int, str] | None:
+        """(size, ETag) of ``key``, or None when there is none."""
+        try:
+            out = self.client.head_object(Bucket=self.url.bucket, Key=key)
+        except Exception as exc:
+            if self.status(exc) == 404:
+                return None
+            raise self.error(exc, key, f"looking up the {what}", step) from exc
+        return int(out["ContentLength"]), str(out["ETag"])
 
     def create(self, key: str, data: bytes, *, step: int | None = None, what: str = "object",
                conditional: bool = True) -> str | None:

@@ -69,12 +69,13 @@ class ObjectStoreOptions:
     """How ckptguard talks to an S3-compatible store (boto3 underneath)."""
 
     endpoint_url: str | None = None
-    """None: AWS S3 (region from ``region`` or the environment). GCS: ``https://storage.googleapis.com``
+    """None: boto3's configuration (``AWS_ENDPOINT_URL`` if set, else AWS S3 in ``region``). GCS: ``https://storage.googleapis.com``
     with HMAC keys; MinIO, Ceph, R2 and others: their S3 endpoint."""
     region: str | None = None
     """The bucket's region (None: boto3's default chain, ``AWS_REGION`` / the profile)."""
-    path_style: bool = False
-    """Address the bucket in the path (``endpoint/bucket/key``); most S3-compatible servers need it."""
+    path_style: bool | None = None
+    """Address the bucket in the path (``endpoint/bucket/key``), as most S3-compatible servers need; None:
+    boto3's configuration decides (``addressing_style`` in ``~/.aws/config``; path style for an IP endpoint)."""
     part_bytes: int = 64 * MIB
     """Multipart part size; files up to this size go as one PUT. S3 allows 5 MiB .. 5 GiB."""
     max_inflight_bytes: int | None = 1024 * MIB
