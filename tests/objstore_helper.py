@@ -28,6 +28,7 @@ CREDENTIALS = {
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 ELEMENTS = 3 * (1 << 19)  # 6 MiB of float32: two parts of a 5 MiB part size, the last one short
+LEASE_TRIALS = 20
 MINISTACK = Path(__file__).resolve().parent.parent / ".venv-ministack" / "bin" / "ministack"
 
 
@@ -170,7 +171,7 @@ def race_worker(races: list[tuple[str, str, str]], role: int, trials: int, barri
     end at 7) or "lease" (both take the write lease)."""
     os.environ.update(CREDENTIALS)
     for endpoint, bucket, kind in races:
-        for trial in range(trials):
+        for trial in range(trials if kind != "lease" else LEASE_TRIALS):
             out.put((endpoint, kind, trial, role, *_race_once(endpoint, bucket, kind, role, trial, barrier, data_path)))
 
 

@@ -13,6 +13,8 @@ error here: it returns None and the caller decides (someone else created or chan
 from __future__ import annotations
 
 import datetime as _dt
+import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -86,8 +88,7 @@ class Bucket:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self.client: Any = boto3.session.Session().client(
-            "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
+        self.client: Any = _client(options, config)
         self.endpoint = str(self.client.meta.endpoint_url)
 
     # ------------------------------------------------------------ errors
@@ -227,6 +228,23 @@ class Bucket:
         except Exception as exc:
             if self.status(exc) != 404:
                 raise self.error(exc, upload.key, "aborting the multipart upload of", step) from exc
+
+
+_clients: dict[tuple[Any, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _client(options: ObjectStoreOptions, config: botocore.config.Config) -> Any:
+    """One boto3 client per store and transfer settings in a process: creating one reads botocore's
+    service model (tens of ms of CPU), and a client is safe to share between threads."""
+    key = (options.endpoint_url, options.region, options.path_style, options.attempts, options.connect_timeout_s,
+           options.read_timeout_s, options.threads, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_PROFILE"),
+           os.environ.get("AWS_ACCESS_KEY_ID"))
+    with _clients_lock:
+        if key not in _clients:
+            _clients[key] = boto3.session.Session().client(
+                "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
+        return _clients[key]
 
 
 def _unix(value: Any) -> float:

@@ -87,6 +87,7 @@ class ObjectStore:
         self.naming = StepNaming(dir_template)
         self.bucket = Bucket(self.url, self.options)
         self.conditional = self.options.consistency is Consistency.CONDITIONAL
+        self._rooted = False  # ensure_root done by this object (the root record and tracker exist)
 
     def __str__(self) -> str:
         return str(self.url)
@@ -122,6 +123,8 @@ class ObjectStore:
 
     def ensure_root(self) -> None:
         """The root record, then tracker 0 (a declared fresh start), each created only if absent."""
+        if self._rooted:
+            return
         self.probe()
         key = self.url.key(rec.ROOT_RECORD)
         found = self.bucket.get(key, what="root record")
@@ -131,6 +134,7 @@ class ObjectStore:
         else:
             rec.RootRecord.from_bytes(found.data, self.where(rec.ROOT_RECORD))  # a foreign record raises
         self.bucket.create(self.url.key(TRACKER_NAME), b"0\n", what="tracker", conditional=self.conditional)
+        self._rooted = True
 
     # ------------------------------------------------------------ reads
 
@@ -240,13 +244,14 @@ class ObjectStore:
         _faults.reached(BEFORE_MARKER)
         created = self.bucket.create(key, marker.to_bytes(), step=step, what="commit marker",
                                      conditional=self.conditional)
-        self._check_won(step, attempt, created is None)
+        if created is None or not self.conditional:  # refused (maybe our own retry that landed), or unconditional
+            self._check_won(step, attempt)
         _faults.reached(BEFORE_TRACKER)
         self._advance(step)
-        self._check_won(step, attempt, False)
+        self._check_won(step, attempt)  # an orphan replacement racing this commit is reported, never silent
         return self.where(name, MANIFEST_NAME)
 
-    def _check_won(self, step: int, attempt: str, refused: bool) -> None:
+    def _check_won(self, step: int, attempt: str) -> None:
         # A refused create may be our own retried request that had landed: the marker's attempt decides.
         found = self.marker(step)
         if found is not None and found.attempt == attempt:
