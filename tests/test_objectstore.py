@@ -157,6 +157,9 @@ def test_a_store_ignoring_conditions_is_refused_unless_the_weaker_mode_is_named(
                                      options=h.options(proxy.endpoint, consistency=Consistency.SINGLE_WRITER_UNSAFE))
         weak.save(1, h.state_at(1))
         weak.close()
+        again = ObjectStore(f"s3://{name}/run", h.options(proxy.endpoint, consistency=Consistency.SINGLE_WRITER_UNSAFE))
+        again.ensure_root()  # plain PUTs: an existing tracker is never reset to 0
+        assert again.tracker()[0] == 1
     finally:
         proxy.stop()
     assert restored_step(moto, f"s3://{name}/run", tmp_path / "c") == 1
@@ -523,3 +526,37 @@ def test_cli_list_and_verify_an_s3_root(moto, tmp_path, monkeypatch):
     assert [f["code"] for f in findings] == ["missing-object"] and victim in findings[0]["path"]
     usage = runner.invoke(main, ["list", f"s3://{name}"])
     assert usage.exit_code == 2 and "give a prefix" in usage.output and "Traceback" not in usage.output
+
+
+# ---------------------------------------------------------------- no server needed
+
+
+def test_store_errors_cross_ranks_with_their_fields():
+    from ckptguard.errors import error_payload, rebuild
+
+    for exc in (ObjectStoreError("put failed", bucket="b", key="run/k", step=3, status=503),
+                ConditionalWriteUnsupportedError("ignored", bucket="b", key="run/.probe"),
+                CommitConflictError("taken", step=4)):
+        back = rebuild(error_payload(exc))
+        assert type(back) is type(exc) and str(back) == str(exc)
+        assert {n: getattr(back, n) for n in type(exc).fields} == {n: getattr(exc, n) for n in type(exc).fields}
+
+
+@pytest.mark.parametrize("url", ["/local/path", "s3://", "s3://Bad_Bucket/x", "s3://bucket", "s3://bucket/",
+                                 "s3://bucket/a/../b", "s3://bucket/a//b"])
+def test_a_bad_url_is_refused_naming_the_fix(url):
+    from ckptguard.storage.objectstore import StoreURL
+
+    with pytest.raises(ConfigError, match="s3://"):
+        StoreURL.parse(url)
+
+
+def test_bad_options_are_refused_naming_the_field():
+    from ckptguard.objectstore import ObjectStoreOptions
+
+    for kw, field in (({"part_bytes": 1 << 20}, "part_bytes"), ({"max_inflight_bytes": 1}, "max_inflight_bytes"),
+                      ({"threads": 0}, "threads"), ({"consistency": "none"}, "consistency"),
+                      ({"read_timeout_s": 0}, "read_timeout_s")):
+        with pytest.raises(ConfigError, match=field):
+            ObjectStoreOptions(**kw)
+    assert ObjectStoreOptions(part_bytes=8 << 20, max_inflight_bytes=20 << 20, threads=8).workers == 2

@@ -133,7 +133,8 @@ class ObjectStore:
             self.bucket.create(key, record.to_bytes(), what="root record", conditional=self.conditional)
         else:
             rec.RootRecord.from_bytes(found.data, self.where(rec.ROOT_RECORD))  # a foreign record raises
-        self.bucket.create(self.url.key(TRACKER_NAME), b"0\n", what="tracker", conditional=self.conditional)
+        if self.conditional or self.tracker()[0] is None:  # a plain PUT must never reset a tracker that exists
+            self.bucket.create(self.url.key(TRACKER_NAME), b"0\n", what="tracker", conditional=self.conditional)
         self._rooted = True
 
     # ------------------------------------------------------------ reads
@@ -336,7 +337,13 @@ class ObjectStore:
         for obj in self.bucket.listing():
             rel = self.url.relative(obj.key) or ""
             parts = rel.split("/")
-            if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE) or rel.startswith(".ckptguard-probe-"):
+            if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE):
+                continue
+            if rel.startswith(".ckptguard-probe-") and "/" not in rel:  # a probe whose process died before its delete
+                if now - obj.modified_unix >= min_age_s:
+                    report.removed_objects += 1
+                    if not dry_run:
+                        self.bucket.delete(obj.key, what="conditional-write probe")
                 continue
             if len(parts) >= 2 and self.naming.parse(parts[0]) is not None:
                 if parts[1:] == [MANIFEST_NAME]:
