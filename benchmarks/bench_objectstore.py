@@ -6,7 +6,8 @@ Starts an S3 server on 127.0.0.1 in its own process (moto's ``moto_server``, or 
 - raw PUT: boto3's own ``upload_file`` of the step's files (the same part size and concurrency,
   its default CRC32 checksums), into a scratch prefix;
 - publish: ``ObjectStoreCheckpoint.publish`` of a newly committed local step (parts with CRC32,
-  owner record, marker by conditional create, tracker by If-Match);
+  owner record, marker by conditional create, tracker by If-Match), then rotation (KeepLast(1)) timed
+  on its own;
 - raw GET: boto3's ``download_file`` of the same objects;
 - fetch: ``ObjectStore.fetch`` of the committed step (ranged GETs with If-Match, xxh3 check, fsync);
 - restore: ``ObjectStoreCheckpoint.restore`` end to end into an empty staging root (resolve, fetch,
@@ -107,10 +108,12 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
                                                 max_concurrency=a.threads, use_threads=True)
     n = a.size * MIB // 4 // 4
     state = {f"t{i}": torch.randn(n) for i in range(4)}
-    config = cg.CheckpointConfig(capture_rng=False, retention=cg.KeepLast(1))
+    # rotation is timed on its own (after publish): a listing, marker reads and deletes, no data transfer
+    config = cg.CheckpointConfig(capture_rng=False, retention=None)
+    keep = cg.KeepLast(1)
     ckpt = ObjectStoreCheckpoint("s3://bench/run", staging=a.dir / "stage", options=options, config=config)
-    times: dict[str, list[float]] = {k: [] for k in ("local_commit", "raw_put", "publish", "raw_get", "fetch",
-                                                      "restore")}
+    times: dict[str, list[float]] = {k: [] for k in ("local_commit", "raw_put", "publish", "rotate", "raw_get",
+                                                      "fetch", "restore")}
     nbytes = 0
     for rep in range(1, a.reps + 1):
         t = time.perf_counter()
@@ -126,6 +129,9 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
         t = time.perf_counter()
         ckpt.publish(rep, step_dir)
         times["publish"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ckpt.store.rotate(keep.keep, {rep})
+        times["rotate"].append(time.perf_counter() - t)
         got = a.dir / f"raw-get-{rep}"
         t = time.perf_counter()
         for rel, _ in files:

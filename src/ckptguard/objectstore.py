@@ -172,7 +172,7 @@ class ObjectStoreCheckpoint:
             raise CheckpointCorruptError(
                 f"step {step}: no rank uploaded {missing[:5]} ({len(missing)} files of the manifest); the manifest "
                 "names a rank that is not in this group: publish from the job that wrote the step")
-        self.store.acquire_lease(self._holder, override=False)  # still ours: a lost lease never commits
+        self.store.check_lease(self._holder)  # still ours (renewed at begin): a lost lease never commits
         phases = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.local.root)}
         url = self.store.commit(step, attempt, objects, manifest, phases=phases, lease=self._holder)
         self._rotate(step)
