@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,integration]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,integration,export]'
 	touch $(STAMP)
 
 $(VERL_STAMP): Makefile
@@ -41,8 +41,8 @@ $(HF_STAMP): Makefile pyproject.toml
 	test -x $(HF_VENV)/bin/python || $(PYTHON) -m venv $(HF_VENV)
 	$(HF_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(HF_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(HF_VENV)/bin/python -m pip install --quiet transformers==5.23.0 trl==1.16.0
-	$(HF_VENV)/bin/python -m pip install --quiet -e .
+	$(HF_VENV)/bin/python -m pip install --quiet transformers==5.23.0 trl==1.16.0 peft==0.21.2
+	$(HF_VENV)/bin/python -m pip install --quiet -e '.[export]'
 	$(HF_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(HF_STAMP)
 

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ckptguard as cg
-from ckptguard._commit.checks import verify_step
+from ckptguard._records.checks import verify_step
 
 
 def run(root: Path, state: dict, *, gpu_bytes: int, host_bytes: int) -> dict:

@@ -2,7 +2,7 @@
 
 Two gloo ranks on the CPU. Each rank holds replicated dense weights and its own experts
 (EP = 2, EP-aware keys), SIZE GiB per rank in all, plus Adam state. The guard is timed
-inside real saves (a wrapper around ckptguard._commit.protocol.check_replicated), so the share is
+inside real saves (a wrapper around ckptguard._commit.snapshot.check_replicated), so the share is
 guard time over the whole save of the same state, median of REPS saves.
 
     python benchmarks/bench_guard.py --size 1 --reps 3 --out benchmarks/results
@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, root: str, size_gib: float, reps: int) -> dic
     import torch.distributed as dist
 
     import ckptguard as cg
-    from ckptguard._commit import protocol as _commit
+    from ckptguard._commit import snapshot as _commit
 
     n = int(size_gib * (1 << 30) / 4 / 8)
     torch.manual_seed(0)

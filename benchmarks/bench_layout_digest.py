@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from ckptguard._resume import digest as digest_mod
-from ckptguard._resume.digest import combine_layout_free, layout_free_partials
-from ckptguard._resume.state import capture, digests_and_layout_free
+from ckptguard._disk import digest as digest_mod
+from ckptguard._disk.layoutfree import combine_layout_free, layout_free_partials
+from ckptguard._state.state import capture, digests_and_layout_free
 
 
 def build(dim: int, layers: int, device: str) -> dict:

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ckptguard as cg
-from ckptguard._resume.digest import digest
+from ckptguard._disk.digest import digest
 
 
 def raw_write(state: dict, path: Path) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import ckptguard as cg
-from ckptguard._commit.checks import verify_step
+from ckptguard._records.checks import verify_step
 
 
 def drop_caches() -> None:

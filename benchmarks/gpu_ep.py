@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ckptguard as cg
-from ckptguard._resume.digest import digest
+from ckptguard._disk.digest import digest
 
 
 class MoE(torch.nn.Module):

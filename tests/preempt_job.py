@@ -3,7 +3,8 @@
 ``python preempt_job.py RANK WORLD PORT CONFIG_JSON``: the toy job (FSDP2 over gloo) trains
 ``steps`` steps with a PreemptionGuard at every step boundary, saving every ``save_every``
 steps; when ``signal_at`` is set, rank ``signal_rank`` sends itself SIGTERM in the middle of
-that step (after its forward pass, before its update). Its bitwise fingerprint and the step it
+that step (after its forward pass, before its update); ``tiers``: a TieredCheckpoint instead of a
+manager. Its bitwise fingerprint and the step it
 started from go to ``out/rank_R.json``; a preemption exits with the guard's code.
 """
 
@@ -29,7 +30,14 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     job = build_job(rank=rank, world=world)
-    mgr = cg.CheckpointManager(cfg["root"], config=cg.CheckpointConfig(timeout_s=60))
+    config = cg.CheckpointConfig(timeout_s=60)
+    mgr: cg.CheckpointManager | cg.TieredCheckpoint
+    if cfg.get("tiers"):  # fast tier every save_every steps, the persistent tier only at a preemption
+        root = Path(cfg["root"])
+        mgr = cg.TieredCheckpoint(fast=root / "fast", persistent=root / "persistent", fast_every=cfg["save_every"],
+                                  persistent_every=1000, config=config)
+    else:
+        mgr = cg.CheckpointManager(cfg["root"], config=config)
     start = mgr.restore(job.state())
     out = Path(cfg["out"]) / f"rank_{rank}.json"
     with cg.PreemptionGuard(mgr, grace_s=cfg["grace_s"]) as guard:

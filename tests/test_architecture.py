@@ -1,7 +1,8 @@
-"""The tree shows the architecture: imports flow one way, and the public surface is frozen.
+"""The tree shows the architecture: layers that only point down, no cycle, no private reach-in,
+no function-local import in the core, and a frozen public surface (docs/architecture.md).
 
-Rule (docs/architecture.md): ``ops/``, ``demo/``, ``integrations/`` and ``cli`` may import the
-core; the core never imports them; ``memory/`` depends on nothing of ckptguard but ``errors``.
+Each check is shown to fail on an injected bad edge, so a passing suite means the rule held,
+not that the check saw nothing.
 """
 
 from __future__ import annotations
@@ -12,49 +13,232 @@ from pathlib import Path
 import ckptguard
 
 PKG = Path(ckptguard.__file__).parent
-TOOLS = ("ops", "demo", "integrations", "cli", "testing")
+
+# The rank table: a module may import modules of its own layer or a lower one. ``_commit`` and
+# ``_resume`` stand side by side at one rank and never import each other. The first matching
+# prefix names a module's layer (the package root ``""`` is the public surface).
+LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
+    ("base", 0, ("errors", "_log", "_faults", "_priority", "_version", "_dist")),
+    ("memory", 1, ("memory",)),
+    ("disk and format primitives", 2, ("_disk",)),
+    ("state capture", 3, ("_state", "cursor")),
+    ("storage", 4, ("storage",)),
+    ("records on disk", 5, ("_records",)),
+    ("config", 6, ("config",)),
+    ("context", 7, ("_context",)),
+    ("commit", 8, ("_commit",)),
+    ("resume", 8, ("_resume",)),
+    ("core", 9, ("_core",)),
+    ("front doors", 10, ("manager", "run", "tiers", "preempt", "rollout", "objectstore", "")),
+    ("ops", 11, ("ops", "integrations", "demo", "testing")),
+    ("cli", 12, ("cli",)),
+]
+SIDE_BY_SIDE = {("commit", "resume"), ("resume", "commit")}
+CORE_MAX_RANK = 10  # base .. front doors: no function-local import, no module over 500 lines
+CORE_MAX_LINES = 500
 
 
-def _imports(path: Path) -> set[str]:
-    """Every ckptguard module ``path`` imports (absolute, without the ``ckptguard.`` prefix)."""
+def layer(module: str) -> tuple[str, int]:
+    for name, rank, prefixes in LAYERS:
+        for prefix in prefixes:
+            if module == prefix or (prefix and module.startswith(prefix + ".")):
+                return name, rank
+    return "", -1
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolved(path: Path, node: ast.ImportFrom) -> list[str]:
+    """The ckptguard modules (or module.name) one ``from ... import`` names, without the prefix."""
     me = list(path.relative_to(PKG).with_suffix("").parts)
-    base = me[:-1]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            parts = base[: len(base) - node.level + 1] + (node.module.split(".") if node.module else [])
-            found |= {".".join([*parts, a.name]) if not node.module else ".".join(parts) for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ckptguard"):
-            found.add(node.module.removeprefix("ckptguard").lstrip("."))
-    return found
+    if node.level:
+        base = me[:-1]
+        parts = base[: len(base) - node.level + 1] + (node.module.split(".") if node.module else [])
+    elif (node.module or "").split(".")[0] == "ckptguard":
+        parts = node.module.split(".")[1:]  # type: ignore[union-attr]
+    else:
+        return []
+    base_name = ".".join(parts)
+    if node.module:
+        return [base_name]
+    return [".".join([*parts, a.name]) for a in node.names]  # ``from . import x``: the module x
 
 
-def wrong_way(edges: dict[str, set[str]]) -> list[str]:
+def _is_module(name: str) -> bool:
+    path = PKG.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() or name == ""
+
+
+def _target(name: str) -> str:
+    """The module an imported name lives in (``from pkg import name`` names a module or a name of pkg)."""
+    return name if _is_module(name) else name.rpartition(".")[0]
+
+
+def import_graph(*, local_only: bool = False) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        nodes = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        if local_only:
+            nodes = [n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     for n in ast.walk(f) if isinstance(n, ast.ImportFrom)]
+        graph[module_name(path)] = {_target(t) for n in nodes for t in _resolved(path, n)}
+    return graph
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
     bad = []
-    for src, targets in edges.items():
-        layer = src.split(".")[0]
-        for t in targets:
-            top = t.split(".")[0]
-            if layer == "memory" and top not in ("memory", "errors"):
-                bad.append(f"{src} -> {t} (memory/ may import only errors)")
-            elif layer not in TOOLS and top in TOOLS:
-                bad.append(f"{src} -> {t} (the core must not import the tools)")
+    for src, targets in sorted(graph.items()):
+        src_layer, src_rank = layer(src)
+        for t in sorted(targets):
+            t_layer, t_rank = layer(t)
+            if src_layer == "memory" and t_layer not in ("memory", "base"):
+                bad.append(f"{src} -> {t} (memory/ imports only the base)")
+            elif t_rank > src_rank or (src_layer, t_layer) in SIDE_BY_SIDE:
+                bad.append(f"{src} ({src_layer}) -> {t} ({t_layer}): imports must point down the rank table")
     return bad
 
 
-def import_graph() -> dict[str, set[str]]:
-    return {".".join(p.relative_to(PKG).with_suffix("").parts): _imports(p) for p in PKG.rglob("*.py")}
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), as sorted module lists."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w == v or w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
 
 
-def test_imports_flow_one_way():
-    assert wrong_way(import_graph()) == []
+def _private_names() -> dict[str, set[str]]:
+    """Every private name (``_x``) ckptguard defines, and the modules that define it."""
+    defined: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [n.name]
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                names = [n.attr]
+            elif isinstance(n, ast.Assign):
+                names = [t.id for t in n.targets if isinstance(t, ast.Name)]
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                names = [n.target.id]
+            for name in names:
+                if name.startswith("_") and not name.startswith("__"):
+                    defined.setdefault(name, set()).add(module_name(path))
+    return defined
 
 
-def test_the_rule_catches_a_wrong_way_import():
+def reach_ins(sources: dict[str, str]) -> list[str]:
+    """``x._name`` where ``x`` is not ``self``/``cls``/``super()``/a class of the same module and
+    ``_name`` is a private name of another ckptguard module, and ``from m import _name``."""
+    defined = _private_names()
+    bad = []
+    for module, text in sorted(sources.items()):
+        tree = ast.parse(text)
+        classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and n.attr in defined and not n.attr.startswith("__"):
+                v = n.value
+                if isinstance(v, ast.Name) and (v.id in ("self", "cls") or v.id in classes):
+                    continue
+                if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                    continue
+                if module in defined[n.attr]:
+                    continue  # a module's own private name
+                bad.append(f"{module}:{n.lineno}: {ast.unparse(n)}")
+            elif isinstance(n, ast.ImportFrom):
+                bad += [f"{module}:{n.lineno}: import {a.name}" for a in n.names
+                        if a.name in defined and module not in defined[a.name]]
+    return bad
+
+
+def _sources() -> dict[str, str]:
+    return {module_name(p): p.read_text() for p in PKG.rglob("*.py")}
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in import_graph() if layer(m)[1] < 0] == []
+
+
+def test_imports_point_down_the_rank_table():
+    assert upward(import_graph()) == []
+
+
+def test_the_rank_rule_catches_an_upward_import():
     graph = import_graph()
-    graph["_commit.retention"] = graph["_commit.retention"] | {"ops.verify"}
-    graph["memory.plan"] = graph["memory.plan"] | {"_commit.layout"}
-    assert len(wrong_way(graph)) == 2
+    graph["_records.retention"] = graph["_records.retention"] | {"ops.verify"}
+    graph["memory.plan"] = graph["memory.plan"] | {"_disk.layout"}
+    graph["_commit.protocol"] = graph["_commit.protocol"] | {"_resume.reshard"}  # side by side
+    graph["storage.unpickler"] = graph["storage.unpickler"] | {"_records.checks"}
+    assert len(upward(graph)) == 4
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_rule_catches_a_cycle():
+    graph = import_graph()
+    graph["_records.runmanifest"] = graph["_records.runmanifest"] | {"_records.checks"}
+    assert cycles(graph) == [["_records.checks", "_records.runmanifest"]]
+
+
+def test_no_private_reach_in():
+    assert reach_ins(_sources()) == []
+
+
+def test_the_reach_in_rule_catches_a_private_name_of_another_module():
+    sources = _sources()
+    sources["tiers"] += "\n\ndef _peek(mgr):\n    return mgr._ctx, mgr.core._unobserved\n"
+    sources["preempt"] += "\nfrom .manager import _Written\n"
+    assert len(reach_ins(sources)) == 3
+
+
+def test_no_function_local_import_in_the_core():
+    """Except an optional dependency, commented ``# optional`` on its line."""
+    found = []
+    for path in PKG.rglob("*.py"):
+        if layer(module_name(path))[1] > CORE_MAX_RANK:
+            continue
+        lines = path.read_text().splitlines()
+        for f in ast.walk(ast.parse(path.read_text())):
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found += [f"{module_name(path)}:{n.lineno}" for n in ast.walk(f)
+                          if isinstance(n, (ast.Import, ast.ImportFrom)) and "# optional" not in lines[n.lineno - 1]]
+    assert found == []
+
+
+def test_no_core_module_over_500_lines():
+    sizes = {module_name(p): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    assert {m: n for m, n in sizes.items() if layer(m)[1] <= CORE_MAX_RANK and n > CORE_MAX_LINES} == {}
 
 
 EXPORTED = [
@@ -142,7 +326,8 @@ def test_exported_members():
 def private_imports(path: Path, module: str) -> list[str]:
     """The private ckptguard modules a file imports (a path component starting with ``_``)."""
     if module:
-        names = _imports(path)
+        names = {t for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
+                 for t in _resolved(path, n)}
     else:  # a script outside the package: absolute imports only
         names = {
             n.module.removeprefix("ckptguard").lstrip(".")

@@ -13,7 +13,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard import _faults
-from ckptguard._commit import layout as _layout
+from ckptguard._disk import layout as _layout
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.storage.dcp import DCPStorage
 from dist_helper import run_ranks, values

@@ -1,5 +1,6 @@
-"""benchmarks/bench_train_loop.py at tiny sizes on the CPU: every method saves, restores bitwise
-exactly, and the report carries the figures the issue names (correctness only, no timing)."""
+"""benchmarks/bench_train_loop.py and bench_read.py at tiny sizes on the CPU: every method saves,
+restores bitwise exactly, and the report carries its figures (save time against a plain disk
+write, the cost block's bytes, one table row per method; correctness only, no timing)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ import torch
 
 import ckptguard as cg
 from ckptguard import _faults
-from ckptguard._commit import layout as _layout
-from ckptguard._resume.restore import resolve_local
+from ckptguard._disk import layout as _layout
+from ckptguard._resume.resolve import resolve_local
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.storage.dcp import DCPStorage, _CheckedWriter
 from dist_helper import run_ranks, values
@@ -253,10 +253,24 @@ def test_overwrite_of_committed_step_needs_opt_in(tmp_path):
     with pytest.raises(cg.ConfigError, match="already committed"):
         mgr.save(1, job.state())
     train_step(job)
-    over = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(overwrite=True))
-    over.save(1, job.state())
+    over = cg.CheckpointManager(tmp_path / "ck")
+    over.save(1, job.state(), overwrite=True)
     fresh = build_job(seed=4)
     over.restore(fresh.state())
+    assert fingerprint(fresh) == fingerprint(job)
+    with pytest.raises(cg.ConfigError, match="already committed"):  # a one-shot action: the next save asks again
+        over.save(1, job.state())
+
+
+def test_overwrite_in_the_config_still_works_for_one_release_and_warns(tmp_path):
+    job = build_job()
+    cg.CheckpointManager(tmp_path / "ck").save(1, job.state())
+    with pytest.warns(DeprecationWarning, match=r"save\(step, state, overwrite=True\)"):
+        config = cg.CheckpointConfig(overwrite=True)
+    train_step(job)
+    cg.CheckpointManager(tmp_path / "ck", config=config).save(1, job.state())
+    fresh = build_job(seed=4)
+    cg.CheckpointManager(tmp_path / "ck").restore(fresh.state())
     assert fingerprint(fresh) == fingerprint(job)
 
 

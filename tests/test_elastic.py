@@ -207,7 +207,7 @@ def test_resume_on_another_world_size_is_exact_and_proven(saved, tmp_path, old, 
 
 
 def _replay_step_one(path: Path, ids: list[int]) -> None:
-    from ckptguard._resume.trajectory import ids_fields
+    from ckptguard._state.trajectory import ids_fields
 
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     last = max(i for i, r in enumerate(lines) if r["event"] == "step" and r["step"] == K + 1)

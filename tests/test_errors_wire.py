@@ -1,4 +1,4 @@
-"""Errors that cross ranks keep their class and fields (issue 16, item 3)."""
+"""Errors that cross ranks keep their class and fields."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._resume.digest import digest
+from ckptguard._disk.digest import digest
 from dist_helper import run_ranks, values
 
 EXPERTS = 2

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptguard as cg
-from ckptguard._resume.digest import file_digest
+from ckptguard._disk.digest import file_digest
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.errors import ConfigError, UnsafeCheckpointError
 from ckptguard.storage import _pool as _fastio_pool
@@ -213,7 +213,7 @@ def test_disk_full_mid_stream_raises_enospc_with_offset(tiny_tmpfs):
     assert exc.filename == str(tiny_tmpfs / "__0_0.distcp")
     assert 0 < exc.offset <= 1 << 20 and exc.requested_bytes > 0 and exc.returned_bytes == -1
     # The commit protocol reads these through failure_from.
-    from ckptguard._commit.protocol import failure_from
+    from ckptguard._commit.messages import failure_from
 
     failure = failure_from(exc, rank=0, phase="write")
     assert (failure.errno, failure.offset, failure.returned_bytes) == (errno.ENOSPC, exc.offset, -1)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ckptguard._resume.digest import digest, file_digest
+from ckptguard._disk.digest import digest, file_digest
 from ckptguard.demo.toyjob import build_job, train_step
 from ckptguard.storage.base import StorageContext
 from ckptguard.storage.streaming import StreamingConfig, StreamingStorage

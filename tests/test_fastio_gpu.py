@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptguard._resume.digest import file_digest
+from ckptguard._disk.digest import file_digest
 from ckptguard.storage import _pool as _fastio_pool
 from ckptguard.storage.base import StorageContext
 from ckptguard.storage.streaming import StreamingConfig, StreamingStorage

@@ -1,5 +1,7 @@
 """The fault matrix with real faults: ENOSPC on a small tmpfs, EIO and short writes at the
-writer boundary, a stalled rank, a read-only mount; then the guide's acceptance protocol.
+writer boundary, a stalled rank, a read-only mount; then the end-to-end acceptance run (two
+ranks save ten steps and are SIGKILLed, resume, save again, and ``verify --deep --restore``
+passes).
 
 In every case all ranks raise together with the first error, the tracker does not move,
 nothing committed is lost, and training resumes from the previous step. (A rank killed
@@ -21,7 +23,7 @@ from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard import _faults
-from ckptguard._commit import layout as _layout
+from ckptguard._disk import layout as _layout
 from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.ops.verify import verify_root

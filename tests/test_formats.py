@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import ckptguard as cg
-from ckptguard._commit.manifest import FORMAT_VERSION, READABLE_VERSIONS
+from ckptguard._records.manifest import FORMAT_VERSION, READABLE_VERSIONS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

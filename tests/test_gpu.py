@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._resume.digest import digest
+from ckptguard._disk.digest import digest
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,7 +52,7 @@ def test_manager_roundtrip_of_gpu_state(tmp_path):
 
 
 def test_gpu_layout_free_digest_equals_cpu_and_record_step_hashes_on_the_gpu(tmp_path):
-    from ckptguard._resume import digest as d
+    from ckptguard._disk import layoutfree as d
 
     torch.manual_seed(2)
     # tiny, odd byte counts (partial words), an unaligned view, a box at an unaligned offset, and more
@@ -71,8 +71,8 @@ def test_gpu_layout_free_digest_equals_cpu_and_record_step_hashes_on_the_gpu(tmp
 
 def test_restore_of_gpu_state_verifies_on_the_device_and_a_flipped_byte_names_the_file(tmp_path, monkeypatch):
     """Same layout: GPU tensor items are checked by the layout-free pass on the device, with no
-    D2H copy of every byte for an xxh3 pass (issue 19), and a changed byte is still caught."""
-    from ckptguard._resume import digest as d
+    D2H copy of every byte for an xxh3 pass, and a changed byte is still caught."""
+    from ckptguard._disk import digest as d
 
     torch.manual_seed(3)
     model = torch.nn.Linear(512, 512).cuda()

@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard._commit import trust as _trust
+from ckptguard._records import trust as _trust
 from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, train_step
 from ckptguard.testing import run_ranks, values
@@ -180,7 +180,7 @@ def test_a_step_of_an_abandoned_trajectory_is_not_verified_by_the_new_one(tmp_pa
 
 
 def test_gc_orphans_never_removes_the_newest_verified_step(tmp_path):
-    from ckptguard._commit.layout import StepNaming, write_tracker
+    from ckptguard._disk.layout import StepNaming, write_tracker
     from ckptguard.ops.gc import gc
 
     root = tmp_path / "ck"

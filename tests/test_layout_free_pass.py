@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from ckptguard._resume import digest as d
-from ckptguard._resume.state import capture, digests_and_layout_free
+from ckptguard._disk import digest as dg
+from ckptguard._disk import layoutfree as d
+from ckptguard._state.state import capture, digests_and_layout_free
 
 
 def _serial(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
@@ -18,7 +19,7 @@ def _serial(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     out = {}
     for key, t in tensors.items():
         header, offset, _ = d.layout_free_partial(t)
-        flat = d.tensor_bytes_view(t)
+        flat = dg.tensor_bytes_view(t)
         out[f"{key}@{offset}"] = ["m", key, header, f"{d._bytes_sum(flat, 0, parallel=False):016x}"]
     return out
 

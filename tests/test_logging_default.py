@@ -1,4 +1,4 @@
-"""The lines a user must see reach stderr without any logging setup (issue 15, item 17)."""
+"""The lines a user must see reach stderr without any logging setup."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The manifest builder returns a typed Manifest whose JSON is exactly what is on disk (issue 16)."""
+"""The manifest builder returns a typed Manifest whose JSON is exactly what is on disk."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import ckptguard as cg
-from ckptguard._commit import manifest as _manifest
+from ckptguard._records import manifest as _manifest
 from ckptguard.demo.toyjob import build_job, train_step
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1" / "root" / "step_00000003"

@@ -115,7 +115,7 @@ def _recorded_save(tmp_path: Path) -> Path:
 
 
 def test_plan_toml_with_records_keeps_the_measured_terms_and_labels_the_limit(tmp_path):
-    """Issue 15 item 19: with both, the measured terms stay (measured) and the TOML's limit is configured."""
+    """With both, the measured terms stay (measured) and the TOML's limit is configured."""
     path = _recorded_save(tmp_path)
     recs = read_records([path])
     plan = compute_plan(plan_from_records(recs, load_plan_toml(FIX / "plan.toml")))

@@ -143,14 +143,14 @@ def test_report_html_is_self_contained_and_complete(records_file, tmp_path):
 
 
 def test_report_shows_the_in_phase_peaks_and_the_save_headroom(spike_file):
-    """Issue 15 item 20: a 600 MiB save spike between two equal boundary readings is on the page."""
+    """A 600 MiB save spike between two equal boundary readings is on the page."""
     recs = read_records([spike_file])
     save_end = next(r for r in recs if r["kind"] == "phase_end" and r["phase"] == "save")
     peak = save_end["peak"]["host_current"]
     boundaries = [r["host"]["current"] for r in recs if r["kind"].startswith("phase_")]
     assert peak == 6 * GiB + SPIKE and max(boundaries) == 6 * GiB  # only the sampler saw it
     page = render_html(recs)
-    limit = int(8 * GiB * 0.95)  # the guide: cgroup memory.max x RAY_memory_usage_threshold
+    limit = int(8 * GiB * 0.95)  # the report's limit: cgroup memory.max x RAY_memory_usage_threshold
     phases = [r for r in recs if r["kind"] == "phase_end"]
     bars = re.findall(r'<g data-peak="([a-z_]+)" data-step="(\d+)" data-bytes="(\d+)">', page)
     assert sorted(bars) == sorted((r["phase"], str(r["step"]), str(r["peak"]["host_current"])) for r in phases)

@@ -1,4 +1,4 @@
-"""Issue 22 item 1: the publish check, and per-node publish for node-local roots.
+"""The publish check, and per-node publish for node-local roots.
 
 The publish check: every file a rank reported is read back by the publishing rank, with its
 size and checksum, before anything is committed.
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
-from ckptguard._commit import manifest as _manifest
-from ckptguard._commit import trust as _trust
-from ckptguard.testing import run_ranks, set_fault_hook
+from ckptguard._disk import layout as _layout
+from ckptguard._records import manifest as _manifest
+from ckptguard._records import trust as _trust
+from ckptguard.testing import fake_node, run_ranks, set_fault_hook
 
 
 def _damage_after_write(root: Path, how: str) -> None:
@@ -68,24 +68,14 @@ NODES = 2  # 4 ranks: ranks 0, 1 on node0 and 2, 3 on node1
 
 
 def _own_disk(base: Path, node: int, *more: Path, disk: int | None = None) -> Path:
-    """This process becomes a rank of ``node``: its node identity, and a private mount namespace in
-    which ``base/disk<node>`` (or ``base/disk<disk>``) is bound over ``base/shared`` (every node's
-    disk at the same path); the same for each of ``more``. Returns ``base/shared``."""
-    import ctypes
+    """This process becomes a rank of ``node`` (``fake_node``): its node identity, and
+    ``base/disk<node>`` (or ``base/disk<disk>``) seen at ``base/shared`` (every node's disk at the
+    same path); the same for each of ``more``. Returns ``base/shared``."""
     import os
 
-    os.environ["CKPTGUARD_NODE"] = f"node{node}"
-    libc = ctypes.CDLL(None, use_errno=True)
-    clone_newns, ms_rec, ms_private, ms_bind = 0x00020000, 0x4000, 1 << 18, 0x1000
-    if libc.unshare(clone_newns) != 0:
-        raise PermissionError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
-    if libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0:
-        raise PermissionError(ctypes.get_errno(), "mount --make-rprivate /")
+    fake_node(f"node{node}", disks={b / "shared": b / f"disk{node if disk is None else disk}" for b in (base, *more)})
     for b in (base, *more):
         shared = b / "shared"
-        mine = b / f"disk{node if disk is None else disk}"
-        if libc.mount(str(mine).encode(), str(shared).encode(), None, ms_bind, None) != 0:
-            raise PermissionError(ctypes.get_errno(), f"mount --bind {b}/disk{node} {shared}")
         # The check that a node sees only its own disk is real: its marker, never the other node's.
         assert (shared / "marker").read_text() == str(node), "this rank does not see its own node's disk"
         assert not os.path.samefile(shared / "marker", b / f"disk{1 - node}" / "marker")
@@ -110,7 +100,7 @@ def _bases(tmp_path: Path, names: list[str]) -> list[Path]:
 
 def _two_disks_on_node1(rank: int, world: int, base: str) -> str:
     """Rank 3 claims node1 but sees a third disk at the shared path: its files would not be where
-    node1 publishes (the issue's reproduction, on the second node)."""
+    node1 publishes (a node whose ranks see different disks, on the second node)."""
     shared = _own_disk(Path(base), rank // 2, disk=2 if rank == 3 else None)
     try:
         cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(1, _state(rank))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ckptguard as cg
-from ckptguard._commit import retention
+from ckptguard._records import retention
 from ckptguard.integrations import openrlhf as co
 from dist_helper import run_ranks, values
 

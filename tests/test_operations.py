@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
-from ckptguard._commit.lease import LEASE_NAME
+from ckptguard._disk import layout as _layout
+from ckptguard._disk.lease import LEASE_NAME
 
 HOLDER = """
 import sys, time, torch, ckptguard as cg
@@ -37,7 +37,7 @@ def test_a_second_writer_is_refused_naming_the_owner(tmp_path, caplog):
             cg.CheckpointManager(root).save(2, _state())
         assert _layout.read_tracker(root) == 1
         caplog.set_level(logging.WARNING, logger="ckptguard")
-        cg.CheckpointManager(root, config=cg.CheckpointConfig(break_lease=True)).save(2, _state())
+        cg.CheckpointManager(root).save(2, _state(), break_lease=True)
         assert f"broke the lease of pid {holder.pid}" in caplog.text
     finally:
         holder.kill()

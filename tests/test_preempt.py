@@ -79,6 +79,23 @@ def test_sigterm_to_one_rank_saves_the_same_step_on_both_and_the_resume_is_exact
         assert resumed[rank]["fingerprint"] == straight[rank]["fingerprint"], rank
 
 
+def test_a_tiered_checkpoint_is_guarded_too_and_its_preemption_save_goes_to_the_persistent_tier(tmp_path, straight):
+    root = tmp_path / "ckpt"
+    first = _launch(root, tmp_path / "out1", signal_at=SIGNAL_AT, signal_rank=1, tiers=True)
+    assert [code for code, _ in first] == [cg.PreemptionGuard.EXIT_SAVED] * 2, first
+    for _, err in first:
+        assert "SIGTERM on rank 1" in err and f"step {SIGNAL_AT} committed under {root / 'persistent'}" in err, err
+    # step 3 is on neither tier's interval (fast every 2, persistent every 1000): the guard saved it where a
+    # lost node cannot take it, the persistent tier
+    assert _tracker(root / "persistent") == SIGNAL_AT and _tracker(root / "fast") == 2
+    second = _launch(root, tmp_path / "out2", tiers=True)
+    assert [code for code, _ in second] == [0, 0], second
+    resumed = _fingerprints(tmp_path / "out2")
+    assert [r["start"] for r in resumed] == [SIGNAL_AT, SIGNAL_AT]
+    for rank in range(2):
+        assert resumed[rank]["fingerprint"] == straight[rank]["fingerprint"], rank
+
+
 def test_a_grace_budget_shorter_than_the_measured_save_time_commits_nothing_and_says_why(tmp_path):
     root = tmp_path / "ckpt"
     results = _launch(root, tmp_path / "out", signal_at=SIGNAL_AT, signal_rank=0, grace_s=0.001)

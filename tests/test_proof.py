@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard._resume.derived import DerivedState, StaleDerivedStateError
+from ckptguard._state.derived import DerivedState, StaleDerivedStateError
 from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, train_step
 from ckptguard.ops.prove import Status, evaluate, passed, verdict
@@ -77,7 +77,7 @@ def test_honest_records_pass_every_gate(tmp_path):
         _write(tmp_path, rank, _honest())
     gates = evaluate(tmp_path)
     assert passed(gates) and verdict(gates) == "resume PROVEN"
-    assert [g.status for g in gates if g.required] == [Status.PASS] * 9
+    assert [g.status for g in gates if g.required] == [Status.PASS] * 10
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_a_restore_that_raised_is_a_failure_naming_the_error(tmp_path):
 
 
 def test_a_record_torn_by_a_kill_mid_append_leaves_the_log_readable(tmp_path):
-    from ckptguard._resume.prooflog import ProofLog, read_records
+    from ckptguard._records.prooflog import ProofLog, read_records
 
     ProofLog(tmp_path, 0).append("save", step=6)
     with open(tmp_path / "proof/rank_00000.jsonl", "a") as f:
@@ -186,7 +186,7 @@ def test_real_tampered_manifest_digest_is_recorded_and_fails(tmp_path, item):
     mgr.save(1, job.state())
     manifest = tmp_path / "ck/step_00000001/manifest.json"
     data = json.loads(manifest.read_text())
-    if item == "optim":  # a tensor item: the restore compares its layout-free digests (issue 19)
+    if item == "optim":  # a tensor item: the restore compares its layout-free digests
         key = sorted(data["layout_free"]["optim"])[0]
         data["layout_free"]["optim"][key] = "0" * 16
     else:  # a stateful object: its per-rank digest
@@ -251,7 +251,7 @@ def test_demo_proves_the_resume(tmp_path):
     proc = _demo(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resume from step 2" in proc.stdout and proc.stdout.rstrip().endswith("resume PROVEN")
-    assert proc.stdout.count("  PASS  ") == 9
+    assert proc.stdout.count("  PASS  ") == 10  # the gates of the files, the trajectory and "resumed run trained"
     assert "rl=True, deterministic=True" in proc.stdout
     assert "steps 3-4 replayed after the restore of step 2" in proc.stdout
     out = CliRunner().invoke(main, ["prove", str(tmp_path / "d/ckpt"), "--json"])

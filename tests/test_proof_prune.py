@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import ckptguard as cg
-from ckptguard._resume import prooflog
+from ckptguard._records import prooflog
 from ckptguard.demo import loops
 from ckptguard.ops.prove import evaluate, passed, verdict
 from ckptguard.testing import run_ranks, values

@@ -1,9 +1,11 @@
-"""Issue 15, the read side: every read stays inside the root, is bounded, and bad input is one clear message.
+"""The read side: every read stays inside the root, is bounded, and bad input is one clear message.
 
-One test (or one parametrised group) per item: 4 (metadata paths), 5 (symlinks), 9 (FIFOs and
-unbounded reads), 10 (sizes and depth), 11 (no traceback from any command), 13 (escaped names),
-14 (honest verify), 19 (status, transfer ENOSPC, units, code hash) and 21 (bounded restore check).
-Anything that could hang runs in a subprocess with a timeout, so a hang fails fast.
+One test (or one parametrised group) per rule: metadata storage paths stay in the step;
+symlinks are refused; FIFOs and unbounded files hang nothing; huge sizes and deep JSON are
+one finding; no command shows a traceback on malformed input; file names cannot forge output
+lines; verify is honest; status, transfer on ENOSPC, units and the code hash; the restore
+check stays within a host budget. Anything that could hang runs in a subprocess with a
+timeout, so a hang fails fast.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
-from ckptguard._commit import retention
-from ckptguard._commit.checks import verify_step
-from ckptguard._resume.digest import file_digest
+from ckptguard._disk import layout as _layout
+from ckptguard._disk.digest import file_digest
+from ckptguard._records import retention
+from ckptguard._records.checks import verify_step
 from ckptguard.cli import main
 from ckptguard.errors import CheckpointError, UnsafeCheckpointError
 from ckptguard.ops.verify import verify_root
@@ -85,7 +87,7 @@ def _edit_manifest(step: Path, fn) -> None:
     (step / "manifest.json").write_text(json.dumps(manifest))
 
 
-# ---------------------------------------------------------------- item 4: metadata paths
+# ---------------------------------------------------------------- metadata paths
 
 
 @pytest.mark.parametrize("how", ["absolute", "dotdot"])
@@ -114,7 +116,7 @@ def test_metadata_storage_paths_leaving_the_step_are_refused(tmp_path, how):
         assert not torch.equal(target["w"], torch.full((16,), 7.0))  # nothing came from the other root
 
 
-# ---------------------------------------------------------------- item 5: symlinks
+# ---------------------------------------------------------------- symlinks
 
 
 def test_symlinked_tracker_is_refused_and_never_printed(tmp_path):
@@ -182,7 +184,7 @@ def test_symlinked_proof_and_holds_directories_are_refused(tmp_path):
     out = _invoke("prove", root)
     assert out.exit_code == 1 and "symlink" in out.output, out.output
     _no_traceback(out)
-    from ckptguard._resume.prooflog import ProofLog
+    from ckptguard._records.prooflog import ProofLog
 
     before = (outside / "rank_00000.jsonl").read_text()
     with pytest.raises(UnsafeCheckpointError):
@@ -201,7 +203,7 @@ def test_symlinked_proof_and_holds_directories_are_refused(tmp_path):
     assert found.exit_code == 1 and "holds" in found.output and "proof" in found.output, found.output
 
 
-# ---------------------------------------------------------------- item 9: FIFOs and unbounded reads
+# ---------------------------------------------------------------- FIFOs and unbounded reads
 
 
 def test_fifo_tracker_hangs_nothing(tmp_path):
@@ -283,7 +285,7 @@ def test_tracker_reads_are_bounded(tmp_path):
     assert out.exit_code == 1 and "bytes" in out.output, out.output
 
 
-# ---------------------------------------------------------------- item 10: sizes, depth, one bad step
+# ---------------------------------------------------------------- sizes, depth, one bad step
 
 
 def test_a_huge_world_size_is_one_fast_finding(tmp_path):
@@ -316,7 +318,7 @@ def test_deep_json_is_a_finding_never_a_crash(tmp_path, caplog):
     _save(root, 2)
     (root / retention.HOLDS_DIR).mkdir()
     (root / retention.HOLDS_DIR / "1.json").write_text(deep)
-    held = retention.holds(root)  # a warning, not a RecursionError; and still held (issue 15 item 12)
+    held = retention.holds(root)  # a warning, not a RecursionError; and still held (an unreadable hold protects)
     assert list(held) == [1] and held[1].startswith("UNREADABLE")
     report = retention.apply(root, NAMING, retention.KeepLast(5))
     assert report.deleted == []
@@ -346,7 +348,7 @@ def test_one_bad_step_is_one_finding(tmp_path):
     assert retention.apply(root, NAMING, retention.KeepLast(5)).deleted == []
 
 
-# ---------------------------------------------------------------- item 11: no traceback from any command
+# ---------------------------------------------------------------- no traceback from any command
 
 
 def _malformed_root(tmp_path: Path, what: str) -> Path:
@@ -445,7 +447,7 @@ def test_malformed_input_is_a_message_never_a_traceback(tmp_path, what, argv, li
     assert "error" in text.lower() or "FAIL" in text or "ERROR" in text or "NOT READY" in text, text
 
 
-# ---------------------------------------------------------------- item 13: escaped names
+# ---------------------------------------------------------------- escaped names
 
 
 def test_file_names_cannot_forge_verify_lines(tmp_path):
@@ -468,7 +470,7 @@ def test_file_names_cannot_forge_verify_lines(tmp_path):
     assert "\x1b" not in listing.output and listing.exit_code == 0, listing.output
 
 
-# ---------------------------------------------------------------- item 14: honest verify
+# ---------------------------------------------------------------- honest verify
 
 
 def test_verify_of_a_directory_without_a_checkpoint_fails_and_suggests_the_root(tmp_path):
@@ -498,7 +500,7 @@ def test_verify_restore_never_claims_a_skipped_restore(tmp_path):
     assert out.exit_code == 0 and "a real restore" in out.output, out.output
 
 
-# ---------------------------------------------------------------- item 19: status, ENOSPC, units, code hash
+# ---------------------------------------------------------------- status, ENOSPC, units, code hash
 
 
 def _phase(kind: str, rank: int, pid: int, ago_s: float, **extra) -> dict:
@@ -584,7 +586,7 @@ def test_hash_imported_files_does_not_depend_on_when_it_is_called(tmp_path):
     assert c != a  # a change in a lazily imported module still changes the code hash
 
 
-# ---------------------------------------------------------------- item 21: bounded restore check
+# ---------------------------------------------------------------- bounded restore check
 
 
 _RSS = """
@@ -622,8 +624,8 @@ def test_restore_check_stays_within_a_host_budget(tmp_path):
 
 
 def test_the_streamed_digest_equals_the_digest_of_the_rebuilt_item():
-    from ckptguard._resume.digest import digest
-    from ckptguard._resume.state import TENSOR_REF, _unflatten
+    from ckptguard._disk.digest import digest
+    from ckptguard._state.state import TENSOR_REF, _unflatten
     from ckptguard.ops._offline import skeleton_digest
 
     tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.int8), "c": torch.tensor(3.5)}

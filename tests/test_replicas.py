@@ -14,7 +14,7 @@ from pathlib import Path
 import ckptguard as cg
 from ckptguard.ops.prove import evaluate, verdict
 from ckptguard.testing import run_ranks, values
-from test_tiers import PER_NODE, WORLD, fake_node, make_state, pytestmark, restore_records, tiers, train_to
+from test_tiers import PER_NODE, WORLD, become_node, make_state, pytestmark, restore_records, tiers, train_to
 
 __all__ = ["pytestmark"]
 
@@ -41,7 +41,7 @@ def train_recorded(mgr: cg.TieredCheckpoint, state: dict, rank: int, step: int) 
 
 def save_local(rank: int, world: int, base: str, steps: int, kw: dict, ran_on: int = 0) -> dict:
     """Train and save ``steps`` steps, then train ``ran_on`` more without a save (then it dies)."""
-    fake_node(base, rank, local_disk=True)
+    become_node(base, rank, local_disk=True)
     mgr = tiers(base, **kw)
     state = make_state(rank)
     for step in range(1, steps + ran_on + 1):
@@ -54,12 +54,12 @@ def save_local(rank: int, world: int, base: str, steps: int, kw: dict, ran_on: i
 
 
 def restore_local(rank: int, world: int, base: str, kw: dict, then_save: bool) -> dict:
-    from ckptguard._commit.checks import Severity, verify_step
-    from ckptguard._commit.layout import StepNaming
+    from ckptguard._disk.layout import StepNaming
+    from ckptguard._records.checks import Severity, verify_step
     from ckptguard.ops.preflight import preflight
     from test_tiers import expected
 
-    fake_node(base, rank, local_disk=True)
+    become_node(base, rank, local_disk=True)
     # What `ckptguard preflight` says of this node's fast root before the restore (which may rebuild it).
     checked = preflight(Path(base, "disk", "fast"), StepNaming("step_{step:08d}"))
     ready = [f.code for f in checked.findings if f.severity is Severity.ERROR]
@@ -161,7 +161,7 @@ def save_killed_mid_push(rank: int, world: int, base: str, kw: dict) -> str:
 
     import ckptguard._commit.replica as replica
 
-    fake_node(base, rank, local_disk=True)
+    become_node(base, rank, local_disk=True)
     mgr = tiers(base, **kw)
     state = make_state(rank)
     for step in (1, 2):

@@ -113,8 +113,8 @@ def test_resharded_resumes_are_proven_and_a_flipped_byte_is_caught(tmp_path):
 def test_layout_free_digest_ignores_the_sharding_and_sees_every_byte():
     import itertools
 
-    from ckptguard._resume import digest as d
-    from ckptguard._resume.state import capture, digests_and_layout_free
+    from ckptguard._disk import layoutfree as d
+    from ckptguard._state.state import capture, digests_and_layout_free
 
     torch.manual_seed(0)
     for t in (torch.randn(7, 5), torch.randn(5, 3).to(torch.bfloat16), torch.arange(4097, dtype=torch.int64)):

@@ -1,4 +1,6 @@
-"""Restore errors that say what really happened (issue 15, items 15 and 16)."""
+"""Errors that say what really happened: a flipped shard byte names the file, an item of
+different kinds across ranks or a plain value that became a tensor is refused, node-local
+roots do not commit."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard.demo.toyjob import build_job, train_step
-from ckptguard.testing import run_ranks
+from ckptguard.testing import fake_node, run_ranks
 
 
 def test_flipped_byte_in_a_shard_names_the_file(tmp_path):
@@ -56,20 +58,12 @@ def test_plain_value_that_became_a_tensor_is_refused(tmp_path):
 
 
 def _private_disk(base: str, rank: int) -> str:
-    """Give this process its own "disk" at the shared path ``base/disk``: a private mount
-    namespace with ``base/node<rank>`` bound over it (what two nodes with local NVMe look like)."""
-    import ctypes
+    """Give this process its own "disk" at the shared path ``base/disk``: ``base/node<rank>`` seen
+    there (``fake_node``; what two nodes with local NVMe look like), the node identity unchanged."""
     import os
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    clone_newns, ms_rec, ms_private, ms_bind = 0x00020000, 0x4000, 1 << 18, 0x1000
-    if libc.unshare(clone_newns) != 0:
-        raise PermissionError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
-    if libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0:
-        raise PermissionError(ctypes.get_errno(), "mount --make-rprivate /")
-    mine, shared = os.path.join(base, f"node{rank}"), os.path.join(base, "disk")
-    if libc.mount(mine.encode(), shared.encode(), None, ms_bind, None) != 0:
-        raise PermissionError(ctypes.get_errno(), f"mount --bind {mine} {shared}")
+    shared = os.path.join(base, "disk")
+    fake_node(disks={shared: os.path.join(base, f"node{rank}")})
     return shared
 
 
@@ -102,7 +96,7 @@ def test_node_local_roots_do_not_commit(tmp_path):
         assert r.ok, r.error
         assert r.value.startswith("CheckpointWriteError"), r.value
         assert "node-local" in r.value and "rank 1" in r.value, r.value
-    from ckptguard._commit import layout
+    from ckptguard._disk import layout
 
     assert layout.read_tracker(tmp_path / "node0" / "ckpt") == 0  # fresh start declared, nothing committed
     assert not (tmp_path / "node0" / "ckpt" / "step_00000001").exists()

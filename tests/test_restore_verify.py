@@ -1,4 +1,4 @@
-"""How a same-layout restore verifies tensor items (issue 19, item 5): by the layout-free pass
+"""How a same-layout restore verifies tensor items: by the layout-free pass
 alone, with no second xxh3 pass over every tensor byte, yet a changed byte, key or
 hyperparameter is still caught and named."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import manifest as _manifest
-from ckptguard._resume import state as _state
-from ckptguard._resume.digest import digest, structure_digest
-from ckptguard._resume.prooflog import read_records
+from ckptguard._disk.digest import digest, structure_digest
+from ckptguard._records import manifest as _manifest
+from ckptguard._records.prooflog import read_records
+from ckptguard._state import state as _state
 
 
 def _job(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -139,7 +139,7 @@ def test_the_save_records_structure_digests_for_tensor_items(tmp_path):
     assert data["digest_kind"] == {"model": "structure", "optim": "structure", "cursor": "bytes"}
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     flat: dict[str, torch.Tensor] = {}
-    skeleton = _state._flatten(sd, "model", flat)
+    skeleton = _state.flatten(sd, "model", flat)
     assert data["digests"]["0"]["model"] == structure_digest(_state._unflatten(skeleton, flat))
     assert data["digests"]["0"]["model"] != digest(_state._unflatten(skeleton, flat))
     sd["0.weight"][0, 0] += 1  # a tensor byte changes nothing of the structure digest, the layout-free one only

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
+from ckptguard._disk import layout as _layout
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from dist_helper import run_ranks, values
 

@@ -158,6 +158,71 @@ def test_a_data_cursor_is_a_prompt_source_saved_inside_the_ledger():
     assert [loaded.next_prompt() for _ in range(4)] == [4, 5, 6, 7]
 
 
+EPOCH = 12
+
+
+def _drive(ledger: cg.RolloutLedger, *, steps: int | None = None, ahead: int = 3) -> list[list]:
+    """An asynchronous driver: keep ``ahead`` prompts in flight, complete the oldest, train one per step;
+    ends when the source and the buffers are empty (or after ``steps`` steps)."""
+    trained: list[list] = []
+    while steps is None or len(trained) < steps:
+        while len(ledger.in_flight) < ahead and ledger.next_prompt() is not None:
+            pass
+        if ledger.in_flight:
+            ledger.completed(next(iter(ledger.in_flight)), "ref")
+        batch = [r.prompt_id for r in ledger.take(1)]
+        if not batch:
+            return trained
+        ledger.trained(batch, step=ledger.counters()["last_step"] + 1)
+        trained.append(batch)
+    return trained
+
+
+def _cursor_ledger() -> cg.RolloutLedger:
+    return cg.RolloutLedger(cg.DataCursor(EPOCH, seed=3, rank=0, world_size=1))
+
+
+@pytest.mark.parametrize("at", range(EPOCH - 4, EPOCH + 1))
+def test_a_cursor_ledger_restored_in_the_last_steps_of_its_epoch_ends_as_the_uninterrupted_run(at):
+    # The driver draws 3 prompts ahead, so the cursor's epoch is drawn whole before training ends: a
+    # restore then must not start the next epoch (prompts already trained) but end as the run would.
+    straight = _drive(_cursor_ledger())
+    assert sorted(p for b in straight for p in b) == list(range(EPOCH))
+    saving = _cursor_ledger()
+    first = _drive(saving, steps=at)
+    state = saving.state_dict()
+    assert state["source"]["consumed"] == min(at + 2, EPOCH)  # from step 10 on: the whole epoch drawn
+    resumed = _cursor_ledger()
+    resumed.load_state_dict(state)
+    rest = _drive(resumed)
+    assert sorted(p for b in first + rest for p in b) == list(range(EPOCH))  # each prompt once
+    assert resumed.next_prompt() is None and resumed.take(1) == []
+
+
+def test_a_finished_cursor_ledger_relaunched_returns_none():
+    done = _cursor_ledger()
+    _drive(done)
+    assert done.next_prompt() is None
+    relaunched = _cursor_ledger()
+    relaunched.load_state_dict(done.state_dict())
+    for _ in range(3):  # every relaunch of the finished job: nothing to issue, nothing raised
+        assert relaunched.next_prompt() is None
+    again = _cursor_ledger()
+    again.load_state_dict(relaunched.state_dict())
+    assert again.next_prompt() is None and _drive(again) == []
+
+
+def test_a_cursor_ledger_without_an_open_iteration_starts_the_next_epoch_as_before():
+    # A state of an older ckptguard (no "source_open") or a ledger that never drew: iter() as before.
+    saving = _cursor_ledger()
+    state = saving.state_dict()
+    assert state["source_open"] is False
+    state.pop("source_open")
+    loaded = _cursor_ledger()
+    loaded.load_state_dict(state)
+    assert loaded.next_prompt() == cg.DataCursor(EPOCH, seed=3, rank=0, world_size=1).order(0)[0]
+
+
 def test_work_done_after_a_restore_before_the_first_take_is_kept():
     # A driver that names its own prompts (issued/completed) before its first take() after a restore:
     # the resume rule applies first, so the new process's prompts are neither re-issued nor dropped.

@@ -1,7 +1,10 @@
-"""Issue 15, items 1, 2, 6, 7, 8, 10 (retention) and 12: nothing committed is lost, nothing foreign is touched.
+"""Nothing committed is lost, nothing foreign is touched.
 
-Each test builds a real root through the public API, then breaks it the way the review did
-(a lost tracker, a stale lease taken over twice, a foreign directory, a killed transfer...).
+gc and retention keep committed steps whatever the tracker says; one writer per root and a
+tracker that never moves back; gc only in roots and only on entries ckptguard created; demo
+--workdir; transfer under the lease; one bad entry never disables retention; holds and crash
+leftovers. Each test builds a real root through the public API, then breaks it (a lost
+tracker, a stale lease taken over twice, a foreign directory, a killed transfer...).
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard import _faults
-from ckptguard._commit import layout as _layout
-from ckptguard._commit import retention
-from ckptguard._commit.lease import LEASE_NAME
+from ckptguard._disk import layout as _layout
+from ckptguard._disk.lease import LEASE_NAME
+from ckptguard._records import retention
 from ckptguard.cli import main
 
 NAMING = _layout.StepNaming("step_{step:08d}")
@@ -67,7 +70,7 @@ def _dead_lease(root: Path) -> None:
     (root / LEASE_NAME).write_text(json.dumps({**_dead_owner(), "acquired_unix": now - 60, "renewed_unix": now - 30}))
 
 
-# ---------------------------------------------------------------- item 1: gc and retention keep committed steps
+# ---------------------------------------------------------------- gc and retention keep committed steps
 
 
 @pytest.mark.parametrize("template", ["step_{step:08d}", "global_step_{step}"])
@@ -124,7 +127,7 @@ def test_adopt_points_the_tracker_at_a_verified_orphan(tmp_path):
     assert bad.exit_code == 1 and "rank_00000.pt" in bad.output and _layout.read_tracker(root) == 1
 
 
-# ---------------------------------------------------------------- item 2: one writer, tracker never backwards
+# ---------------------------------------------------------------- one writer, tracker never backwards
 
 RELAUNCH = r"""
 import json, sys, time
@@ -197,7 +200,7 @@ def test_two_relaunches_on_a_stale_lease_never_both_commit(tmp_path):
 DIE_HOLDING_THE_MARKER = """
 import os, signal, sys
 from pathlib import Path
-from ckptguard._commit import lease
+from ckptguard._disk import lease
 lease._write = lambda path, owner: os.kill(os.getpid(), signal.SIGKILL)  # dies inside the take-over
 lease.acquire(Path(sys.argv[1]), ttl_s=60)
 """
@@ -227,8 +230,8 @@ def test_publish_never_moves_the_tracker_backwards(tmp_path):
         with pytest.raises(cg.CheckpointWriteError, match="back"):
             mgr.save(5, _w(5))
         assert _layout.read_tracker(root) == 9 and not (root / "step_00000005").exists()
-        deliberate = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None, overwrite=True))
-        deliberate.save(6, _w(6))  # a rollback asked for with overwrite=True still publishes
+        deliberate = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None))
+        deliberate.save(6, _w(6), overwrite=True)  # a rollback asked for with overwrite=True still publishes
         assert _layout.read_tracker(root) == 6
     finally:
         _faults.set_hook("commit.before_manifest", None)
@@ -271,7 +274,7 @@ def test_the_lease_is_checked_at_creation_and_at_restore(tmp_path, caplog):
     assert early.restore(_w(0)) == 2  # the owner is dead now: the check passes
 
 
-# ---------------------------------------------------------------- item 6: only roots, only ckptguard's entries
+# ---------------------------------------------------------------- only roots, only ckptguard's entries
 
 
 def _old(path: Path) -> None:
@@ -308,7 +311,7 @@ def test_gc_in_a_root_removes_only_entries_it_created(tmp_path):
     assert "2024" in out.output and "not created by ckptguard" in out.output
 
 
-# ---------------------------------------------------------------- item 7: demo --workdir
+# ---------------------------------------------------------------- demo --workdir
 
 
 def test_demo_refuses_a_non_empty_workdir_it_did_not_create(tmp_path):
@@ -329,7 +332,7 @@ def test_demo_refuses_a_non_empty_workdir_it_did_not_create(tmp_path):
     prepare_workdir(empty)  # an empty directory holds nothing to lose
 
 
-# ---------------------------------------------------------------- item 8: transfer
+# ---------------------------------------------------------------- transfer
 
 
 KILL_BEFORE_TRACKER = """
@@ -366,7 +369,7 @@ def test_transfer_takes_the_lease_and_resumes_after_a_kill_before_the_tracker(tm
     assert cg.CheckpointManager(node2).restore(_w(0)) == 2
 
 
-# ---------------------------------------------------------------- item 10: one bad entry is one finding
+# ---------------------------------------------------------------- one bad entry is one finding
 
 DEEP = "[" * 100_000 + "]" * 100_000
 
@@ -393,7 +396,7 @@ def test_a_deep_hold_or_lease_and_a_link_loop_never_disable_retention(tmp_path):
     assert json.loads(lease.read_text())["pid"] == os.getpid()
 
 
-# ---------------------------------------------------------------- item 12: holds and crash leftovers
+# ---------------------------------------------------------------- holds and crash leftovers
 
 
 def test_an_unreadable_hold_keeps_its_step(tmp_path):

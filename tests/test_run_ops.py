@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 import ckptguard as cg
 from ckptguard.cli import main
-from ckptguard.testing import run_ranks, values
+from ckptguard.testing import fake_node, run_ranks, values
 
 ROLES = [cg.Role("actor", ranks=(0, 1)), cg.Role("critic", ranks=(1,)), cg.Role("driver", ranks=(0,))]
 
@@ -188,16 +188,9 @@ def test_prove_on_a_run_root_without_records_is_not_run_for_every_role(tmp_path)
 
 
 def _own_disk(base: Path, rank: int) -> Path:
-    """This rank sees ``base/disk<rank>`` at ``base/shared`` in a private mount namespace (node-local disks
-    at one path: what a second node's local disk looks like)."""
-    import ctypes
-
-    os.environ["CKPTGUARD_NODE"] = f"node{rank}"
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(0x00020000) != 0 or libc.mount(None, b"/", None, 0x4000 | (1 << 18), None) != 0:
-        raise PermissionError(ctypes.get_errno(), "unshare(CLONE_NEWNS) / make-rprivate /")
-    if libc.mount(str(base / f"disk{rank}").encode(), str(base / "shared").encode(), None, 0x1000, None) != 0:
-        raise PermissionError(ctypes.get_errno(), "mount --bind")
+    """This rank sees ``base/disk<rank>`` at ``base/shared`` (``fake_node``: node-local disks at one
+    path, what a second node's local disk looks like)."""
+    fake_node(f"node{rank}", disks={base / "shared": base / f"disk{rank}"})
     assert (base / "shared" / "marker").read_text() == str(rank)
     return base / "shared"
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptguard as cg
-from ckptguard._commit import retention
-from ckptguard._commit.checks import verify_step
-from ckptguard._commit.layout import StepNaming
+from ckptguard._disk.layout import StepNaming
+from ckptguard._records import retention
+from ckptguard._records.checks import verify_step
 from ckptguard.ops import gc as _gc
 from ckptguard.testing import run_ranks, set_fault_hook, values
 

@@ -17,7 +17,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard import _faults
-from ckptguard._commit import layout as _layout
+from ckptguard._disk import layout as _layout
 from dist_helper import run_ranks, values
 
 # Low enough that the shared-client deadlock fails the old code within seconds; the slow

@@ -18,34 +18,25 @@ import torch
 
 import ckptguard as cg
 from ckptguard.ops.prove import evaluate
-from ckptguard.testing import run_ranks, values
+from ckptguard.testing import fake_node, run_ranks, values
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private UTS/mount namespaces (fake nodes)")
 
 WORLD, PER_NODE = 4, 2
 
 
-def fake_node(base: str, rank: int, *, local_disk: bool) -> int:
-    """Become a rank of node ``rank // PER_NODE``: its hostname, and with ``local_disk`` its own disk
-    at ``base/disk`` (``base/node<n>`` bound over it). Returns the node index."""
-    import ctypes
+def become_node(base: str, rank: int, *, local_disk: bool) -> int:
+    """Become a rank of node ``rank // PER_NODE`` (``ckptguard.testing.fake_node``): its node name and
+    hostname, and with ``local_disk`` its own disk at ``base/disk`` (``base/node<n>`` seen there).
+    Returns the node index."""
     import socket
 
     node = rank // PER_NODE
-    libc = ctypes.CDLL(None, use_errno=True)
-    clone_newns, clone_newuts, ms_rec, ms_private, ms_bind = 0x00020000, 0x04000000, 0x4000, 1 << 18, 0x1000
-    if libc.unshare(clone_newuts | (clone_newns if local_disk else 0)) != 0:
-        raise PermissionError(ctypes.get_errno(), "unshare")
-    name = f"node{node}".encode()
-    if libc.sethostname(name, len(name)) != 0:
-        raise PermissionError(ctypes.get_errno(), "sethostname")
+    shared = os.path.join(base, "disk")
+    disks = {shared: os.path.join(base, f"node{node}")} if local_disk else None
+    fake_node(f"node{node}", disks=disks, hostname=True)
     assert socket.gethostname() == f"node{node}"
     if local_disk:
-        if libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0:
-            raise PermissionError(ctypes.get_errno(), "mount --make-rprivate /")
-        mine, shared = os.path.join(base, f"node{node}"), os.path.join(base, "disk")
-        if libc.mount(mine.encode(), shared.encode(), None, ms_bind, None) != 0:
-            raise PermissionError(ctypes.get_errno(), f"mount --bind {mine} {shared}")
         # The check that this node sees only its own disk is real: the other node's marker is not here.
         assert Path(shared, "marker").read_text() == str(node)
     return node
@@ -80,7 +71,7 @@ def tiers(base: str, **kw) -> cg.TieredCheckpoint:
 
 
 def save_run(rank: int, world: int, base: str, steps: int, local_disk: bool, kw: dict) -> list:
-    fake_node(base, rank, local_disk=local_disk)
+    become_node(base, rank, local_disk=local_disk)
     mgr = tiers(base, **kw)
     state = make_state(rank)
     saved = []
@@ -91,7 +82,7 @@ def save_run(rank: int, world: int, base: str, steps: int, local_disk: bool, kw:
 
 
 def restore_run(rank: int, world: int, base: str, local_disk: bool, kw: dict) -> dict:
-    fake_node(base, rank, local_disk=local_disk)
+    become_node(base, rank, local_disk=local_disk)
     mgr = tiers(base, **kw)
     state = make_state(rank)
     try:
@@ -135,8 +126,8 @@ def test_both_fast_tiers_lost_restores_the_older_persistent_step(tmp_path):
 def node_files(step_dir: Path, node: int) -> list[Path]:
     """The files only ``node`` holds of a step on node-local disks: those its ranks wrote, less the ones
     the other node's ranks read too (DCP stores a replicated tensor once; each node keeps a copy)."""
-    from ckptguard._commit import manifest as _manifest
-    from ckptguard._commit.checks import files_needed
+    from ckptguard._records import manifest as _manifest
+    from ckptguard._records.checks import files_needed
 
     manifest = _manifest.read(step_dir)
     ranks = range(node * PER_NODE, (node + 1) * PER_NODE)

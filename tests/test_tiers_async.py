@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import lease as _lease
+from ckptguard._disk import lease as _lease
 from ckptguard.testing import run_ranks, values
-from test_tiers import PER_NODE, WORLD, expected, fake_node, make_state, restore_records, train_to
+from test_tiers import PER_NODE, WORLD, become_node, expected, make_state, restore_records, train_to
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private UTS namespaces (fake nodes)")
 
@@ -96,7 +96,7 @@ def replica_run(rank: int, world: int, base: str) -> dict:
 
     from ckptguard import _faults
 
-    fake_node(base, rank, local_disk=True)
+    become_node(base, rank, local_disk=True)
     tiers = _tiers(base, 0, fast="disk/fast", fast_every=1, persistent_every=2, replicas=1)
     fast = Path(base, "disk", "fast")
     early: list[list] = []

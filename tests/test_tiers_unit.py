@@ -6,7 +6,7 @@ import pytest
 
 import ckptguard as cg
 from ckptguard._commit.replica import peers
-from ckptguard.tiers import _View
+from ckptguard._core.tierrestore import TierRestore, View
 
 
 def test_peers_pair_ranks_across_nodes():
@@ -16,19 +16,23 @@ def test_peers_pair_ranks_across_nodes():
     assert peers(["a", "a"]) == [None, None]
 
 
-def views(a: dict, b: dict, persistent: int = 0) -> list[_View]:
+def views(a: dict, b: dict, persistent: int = 0) -> list[View]:
     """Ranks 0, 1 on node a and 2, 3 on node b, each node's ranks alike."""
-    return [_View(host, persistent=persistent, **kw) for host, kw in (("a", a), ("a", a), ("b", b), ("b", b))]
+    return [View(host, persistent=persistent, **kw) for host, kw in (("a", a), ("a", a), ("b", b), ("b", b))]
 
 
 @pytest.fixture
 def tiers(tmp_path):
-    return cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent")
+    """The restore side of a TieredCheckpoint (its collective choice, run here on synthetic views)."""
+    tc = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent")
+    assert tc.persistent is not None
+    fast = tc.fast.context
+    return TierRestore(fast, tc.persistent.context, replicas=tc.replicas, hosts=[fast.agreement.info.host])
 
 
 def test_a_newer_step_on_part_of_the_job_is_never_chosen(tiers):
     v = views({"complete": [1, 2, 3]}, {"complete": [1, 2], "missing": {"3": ["/f/step_00000003/rank_00002.pt"]}})
-    choice = tiers._choose(v, {})
+    choice = tiers.choose(v, {})
     assert (choice.tier, choice.step, choice.senders, choice.fell_back) == ("fast", 2, {}, True)
     assert "newer fast step 3 is not loadable on every rank" in choice.detail
     assert "rank 2 (host b): missing /f/step_00000003/rank_00002.pt" in choice.detail
@@ -36,31 +40,31 @@ def test_a_newer_step_on_part_of_the_job_is_never_chosen(tiers):
 
 def test_replicas_on_another_node_make_the_newest_step_loadable(tiers):
     v = views({"complete": [2, 3]}, {"complete": [2]})
-    v[0], v[1] = (_View("a", complete=[2, 3], replicas={"3": [r]}) for r in (2, 3))  # rank 0 holds rank 2's
-    choice = tiers._choose(v, {})
+    v[0], v[1] = (View("a", complete=[2, 3], replicas={"3": [r]}) for r in (2, 3))  # rank 0 holds rank 2's
+    choice = tiers.choose(v, {})
     assert (choice.tier, choice.step, choice.senders) == ("fast", 3, {"2": 0, "3": 1})
     # A replica held on the rank's own node is lost with it: it does not count.
     v = views({"complete": [2, 3]}, {"complete": [2], "replicas": {"3": [2, 3]}})
-    assert tiers._choose(v, {}).step == 2
+    assert tiers.choose(v, {}).step == 2
     # A fetch that failed its checksum: the step is not chosen again through replicas.
     v = views({"complete": [2, 3], "replicas": {"3": [2, 3]}}, {"complete": [2]})
-    assert tiers._choose(v, {3: "xxh3 differs"}).step == 2
+    assert tiers.choose(v, {3: "xxh3 differs"}).step == 2
 
 
 def test_persistent_wins_only_when_newer(tiers):
     v = views({"complete": [4]}, {"complete": [4]}, persistent=4)
-    assert (tiers._choose(v, {}).tier, tiers._choose(v, {}).step) == ("fast", 4)
+    assert (tiers.choose(v, {}).tier, tiers.choose(v, {}).step) == ("fast", 4)
     v = views({"complete": [4]}, {"complete": []}, persistent=3)
-    choice = tiers._choose(v, {})
+    choice = tiers.choose(v, {})
     assert (choice.tier, choice.step, choice.fell_back) == ("persistent", 3, True)
     assert "the fast tier's newest step 4 cannot be loaded on every rank" in choice.detail
-    assert tiers._choose(views({}, {}), {}).tier == ""  # nothing anywhere: the manager's own fresh start
+    assert tiers.choose(views({}, {}), {}).tier == ""  # nothing anywhere: the manager's own fresh start
 
 
 def test_nothing_loadable_but_something_committed_is_refused(tiers):
     v = views({"complete": [4]}, {"missing": {"4": ["/f/step_00000004/rank_00002.pt"]}})
     with pytest.raises(cg.CheckpointIncompleteError) as info:
-        tiers._choose(v, {})
+        tiers.choose(v, {})
     msg = str(info.value)
     assert "rank 2 (host b): missing /f/step_00000004/rank_00002.pt" in msg and "holds no committed step" in msg
 

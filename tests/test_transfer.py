@@ -1,5 +1,5 @@
 """Files between nodes over torch.distributed (``_commit/p2p.py``, used by per-node publish and
-peer replicas), and the node-loss leftovers of issue 22: the tracker-round message, gc on a lagging node.
+peer replicas), and what losing a node leaves: the tracker-round message, gc on a lagging node.
 
 A failed transfer must reach the peer at once: neither side waits a timeout, both report the same
 problem (the file, the step, the sending and receiving rank, what to do), and the pair stays in step
@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
+from ckptguard._disk import layout as _layout
 from ckptguard.testing import run_ranks, set_fault_hook, values
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private mount namespaces")

@@ -13,9 +13,9 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
-from ckptguard._commit import retention
-from ckptguard._commit.checks import verify_step
+from ckptguard._disk import layout as _layout
+from ckptguard._records import retention
+from ckptguard._records.checks import verify_step
 from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, train_step
 from ckptguard.ops.gc import gc
@@ -90,7 +90,7 @@ def test_restore_check_catches_what_checksums_cannot(ckpt):
     extras["items"]["loader"]["cursor"] = 999
     torch.save(extras, extras_path)
     manifest = json.loads((step / "manifest.json").read_text())
-    from ckptguard._resume.digest import file_digest
+    from ckptguard._disk.digest import file_digest
 
     for f in manifest["files"]:
         if f["path"] == "rank_00000.pt":
@@ -113,7 +113,7 @@ def test_restore_check_catches_a_tensor_byte_through_the_layout_free_digests(ckp
     data[info.offset + info.length // 2] ^= 0x10
     shard.write_bytes(bytes(data))
     manifest = json.loads((step / "manifest.json").read_text())
-    from ckptguard._resume.digest import file_digest
+    from ckptguard._disk.digest import file_digest
 
     for f in manifest["files"]:
         if f["path"] == f"state/{info.relative_path}":

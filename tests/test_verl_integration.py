@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._commit import layout as _layout
+from ckptguard._disk import layout as _layout
 from ckptguard.integrations import verl as cv
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,17 +12,18 @@ Public surface::
     PreemptionGuard(mgr, grace_s=...).step_boundary(step, state)   # exits 75 after a save on SIGTERM
 """
 
-__version__ = "0.1.0"
-
 from ._commit.pending import PendingSave
-from ._commit.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
-from ._commit.trust import HealthPolicy, Prefer
-from ._resume.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
-from ._resume.derived import DerivedState
-from ._resume.expert import ExpertParallel
-from ._resume.restore import Resolution
-from ._resume.rng import GeneratorState
-from ._resume.state import PerRank
+from ._core.roles import Role
+from ._core.tierrestore import Tier
+from ._records.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
+from ._records.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
+from ._records.trust import HealthPolicy, Prefer
+from ._resume.resolve import Resolution
+from ._state.derived import DerivedState
+from ._state.expert import ExpertParallel
+from ._state.rng import GeneratorState
+from ._state.state import PerRank
+from ._version import __version__
 from .config import CheckpointConfig, ParallelLayout, ProofPlan, ReshardRule, ResumeMode
 from .cursor import CursorSampler, DataCursor
 from .errors import (
@@ -56,7 +57,7 @@ from .errors import (
 from .manager import CheckpointManager
 from .preempt import Preempted, PreemptionGuard
 from .rollout import RolloutLedger
-from .run import Role, RunCheckpoint
+from .run import RunCheckpoint
 from .storage import (
     DCPStorage,
     IOStats,
@@ -67,7 +68,7 @@ from .storage import (
     WrittenFile,
     read_dcp_metadata,
 )
-from .tiers import Tier, TieredCheckpoint, TieredSave
+from .tiers import TieredCheckpoint, TieredSave
 
 __all__ = [
     "ChainMismatchError",

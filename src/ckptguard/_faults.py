@@ -23,6 +23,8 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``store.part_uploaded``: (object stores) one part or small file of a step's upload is in; others may not be
 - ``store.before_marker``: (object stores) every file of the attempt is uploaded; no commit marker yet
 - ``store.before_tracker``: (object stores) the commit marker is created; the tracker not yet moved
+- ``export.shard_written``: ``ckptguard export`` wrote and fsynced one safetensors file, not yet read back
+- ``export.before_manifest``: every export file is written and checked; the export manifest is not written
 
 ``ckptguard rehearse`` sets ``PAUSE_ENV`` for one launch of the user's command: the first
 save of each process then stops at ``storage.data_written`` (mid-write, nothing committed),
@@ -61,6 +63,7 @@ STORE_POINTS = ("store.part_uploaded", "store.before_marker", "store.before_trac
 POINTS = (
     *COMMIT_POINTS, "commit.rank_written", *NODE_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker",
     *STORE_POINTS,
+    "export.shard_written", "export.before_manifest",
 )
 
 _hooks: dict[str, Callable[[], None]] = {}

@@ -244,6 +244,8 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
         return _verify_remote(path, deep, do_restore, template, as_json)
 
     path = path.absolute()
+    if _is_export(path):
+        _verify_export(path, deep, as_json)
     naming = _inspect.naming(template)
     is_root, candidates = _inspect.verify_targets(path, template)
     total = sum(_verify.deep_bytes(p) for p in candidates) if deep else 0
@@ -289,6 +291,24 @@ def _verify_remote(url: str, deep: bool, do_restore: bool, template: str, as_jso
     sys.exit(_verify.worst(findings))
 
 
+def _is_export(path: Path) -> bool:
+    from .ops import export as _export
+
+    return _export.is_export(path)
+
+
+def _verify_export(path: Path, deep: bool, as_json: bool) -> NoReturn:
+    from .ops import export as _export
+    from .ops import verify as _verify
+
+    findings = _export.verify_export(path, deep=deep)
+    _emit(findings, as_json, {"checked": [str(path)], "export": True})
+    if not as_json:
+        how = " with checksums and tensor digests" if deep else ""
+        click.echo(f"{'FAIL' if _verify.worst(findings) else 'OK'}: export checked{how}, {len(findings)} finding(s)")
+    sys.exit(_verify.worst(findings))
+
+
 def _restore_with_progress(_verify: Any, steps: list[Path], as_json: bool) -> list[Any]:
     """The restore check, with a progress bar on stderr (bytes restored) for a large checkpoint."""
     total = _inspect.state_bytes(steps)
@@ -301,6 +321,54 @@ def _restore_with_progress(_verify: Any, steps: list[Path], as_json: bool) -> li
 
         found: list[Any] = _verify.restore_check(steps, progress=progress)
         return found
+
+
+@main.command()
+@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("step", type=int, required=False)
+@click.option("--hf", "out", type=click.Path(path_type=Path), required=True,
+              help="New directory for the Hugging Face files (safetensors shards, index, config/tokenizer).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Cast floating tensors (checked first).")
+@click.option("--item", help="The model item to export when the step holds several.")
+@click.option("--merged", is_flag=True, help="A LoRA step: write its base model with the adapter merged once.")
+@click.option("--max-host-bytes", type=int, default=2 << 30, show_default=True,
+              help="Host bytes of tensors held at once (one output file, one tensor before its cast, the reader).")
+@TEMPLATE
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def export(root: Path, step: int | None, out: Path, dtype: str | None, item: str | None, merged: bool,
+           max_host_bytes: int, template: str, as_json: bool) -> None:
+    """Export STEP (default: the tracker's) of ROOT (or the step directory ROOT) as Hugging Face safetensors.
+
+    Every tensor is checked against the step's layout-free digest as it is read (before a cast) and
+    again as written; OUT appears only once all of it is written and checked, its manifest last.
+    """
+    from .ops import export as _export
+    from .ops import merge as _merge
+
+    step_dir = _export.step_dir_of(root, step, template)
+    show = not as_json and sys.stderr.isatty()
+    cast = _export.DTYPES.get(dtype or "")
+    total = 0 if merged else sum(p.out_bytes for p in _export.plan_export(step_dir, item=item, dtype=cast))
+    with click.progressbar(length=max(total, 1), label="export", file=sys.stderr, hidden=not show) as bar:
+        done = [0]
+
+        def progress(event: dict[str, Any]) -> None:
+            bar.update(event["bytes"] - done[0])
+            done[0] = event["bytes"]
+
+        if merged:
+            result = _merge.export_merged(step_dir, out, dtype=cast, max_host_bytes=max_host_bytes)
+        else:
+            result = _export.export_hf(step_dir, out, item=item, dtype=cast, max_host_bytes=max_host_bytes,
+                                       progress=progress)
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+    else:
+        click.echo(printable(f"exported step {result.step} ({result.item}): {result.tensors} tensors, "
+                             f"{_size(result.bytes)} in {len(result.files)} files to {result.out}"
+                             + (f", cast to {result.dtype}" if result.dtype else "")
+                             + (", the adapter merged into its base" if merged else "")
+                             + (f"; copied {', '.join(result.copied)}" if result.copied else "")))
 
 
 @main.command()
@@ -452,17 +520,26 @@ def _gate_table(gates: list[Any]) -> None:
 @main.command()
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict and the gates as one JSON object.")
-def prove(root: Path, as_json: bool) -> None:
+@click.option("--resume", "resume", type=click.IntRange(1), default=None, metavar="N",
+              help="Judge resume N (1 is the oldest restore of a non-zero step) instead of the newest with evidence.")
+@click.option("--all", "every", is_flag=True, help="Judge each resume in turn: a verdict line per resume.")
+def prove(root: Path, as_json: bool, resume: int | None, every: bool) -> None:
     """Evaluate the resume-proof gates from ROOT/proof records, with evidence, and a one-line verdict.
 
     Each gate is PASS, FAIL, NOT RUN, INFO or N/A (the job's ProofPlan, recorded with the save, says
     it does not apply). Exit 0 only if every required gate passes: `resume PROVEN`; otherwise
     `resume NOT proven: <first failing gate>`. A gate whose event was never recorded is NOT RUN.
+    The judged resume is the newest that recorded a step after its restore (the `resume judged`
+    line says which); --resume N judges another, --all each (exit 0 only if every one is proven).
     """
     from .ops.prove import evaluate, passed, to_json, verdict
 
+    if every and resume is not None:
+        raise click.UsageError("--all judges every resume: give it or --resume N, not both")
+    if every:
+        _prove_all(root.absolute(), as_json)
     try:
-        gates = evaluate(root.absolute())
+        gates = evaluate(root.absolute(), resume=resume)
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
@@ -471,6 +548,30 @@ def prove(root: Path, as_json: bool) -> None:
         _gate_table(gates)
         click.echo(f"\n{verdict(gates)}")
     sys.exit(0 if passed(gates) else 1)
+
+
+def _prove_all(root: Path, as_json: bool) -> None:
+    """`prove --all`: every resume judged, one line each (and the first failing gate's evidence)."""
+    from .ops.prove import evaluate, passed, resume_count, to_json, verdict
+
+    try:
+        found = resume_count(root)
+        judged = [(r, evaluate(root, resume=r.number)) for r in found]
+    except CheckpointError as exc:
+        _fail(str(exc), as_json)
+    if not found:
+        _fail(f"{root}: the proof records hold no restore of a non-zero step: nothing to judge", as_json)
+    if as_json:
+        rows = [{"resume": r.number, "step": r.step, "pid": r.pid, **to_json(g)} for r, g in judged]
+        click.echo(json.dumps({"proven": all(passed(g) for _r, g in judged), "resumes": rows}))
+    else:
+        for r, gates in judged:
+            click.echo(f"resume {r.number} (step {r.step}, pid {r.pid}): {verdict(gates)}")
+            bad = next((g for g in gates if g.required and g.status.value == "FAIL"), None) or next(
+                (g for g in gates if g.required and g.status.value != "PASS"), None)
+            if bad is not None:
+                click.echo(f"    {bad.name}: {bad.evidence}")
+    sys.exit(0 if all(passed(g) for _r, g in judged) else 1)
 
 
 @main.command()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._commit.layout import StepNaming
-from ._commit.retention import RetentionPolicy, default_policy
-from ._commit.trust import HealthPolicy
-from ._resume.contract import RunContract
+from ._disk.layout import StepNaming
+from ._records.contract import RunContract
+from ._records.retention import RetentionPolicy, default_policy
+from ._records.trust import HealthPolicy
 from .errors import ConfigError
 
 
@@ -74,23 +75,38 @@ class ProofPlan:
 
     rl: bool = False
     """An RL job: the first export and the first old-logprob after a restore are gates
-    (``record_export``, ``record_logprobs``). Off: they are N/A unless such records exist."""
-    deterministic: bool = False
-    """Replayed steps must reproduce ``loss``, ``grad_norm`` and every extra bitwise. Off
-    (sampling across processes is not bitwise): their differences are reported as INFO."""
+    (``record_export``, ``record_logprobs``). Off: they are N/A unless such records exist. Rollouts
+    sample across processes, which is not bitwise, so ``rl=True`` implies ``deterministic=False``
+    unless it is given."""
+    deterministic: bool | None = None
+    """Replayed steps must reproduce ``loss``, ``grad_norm`` and every extra bitwise (the default,
+    ``None``, means ``not rl``). ``False`` declares steps that are legitimately not bitwise: their
+    differences are then INFO and the verdict says the numerics were not compared."""
     replay_steps: int = 1
     """Steps after the restored step that the killed run and the resumed run must both record
     (``record_step``); fewer is NOT RUN. ``ckptguard rehearse`` runs this many past a save."""
+    total_steps: int | None = None
+    """The step the job ends at. A resumed run that records no step before its process exits while
+    the restored step is below it is a FAIL (``resumed run trained``); None: only the records tell
+    whether steps were left (the killed run recorded steps past the restored one)."""
 
     def __post_init__(self) -> None:
+        if self.deterministic is None:
+            object.__setattr__(self, "deterministic", not self.rl if isinstance(self.rl, bool) else None)
         for name in ("rl", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ProofPlan.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.replay_steps, int) or isinstance(self.replay_steps, bool) or self.replay_steps < 1:
             raise ConfigError(f"ProofPlan.replay_steps must be an int >= 1, got {self.replay_steps!r}")
+        total = self.total_steps
+        if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total < 1):
+            raise ConfigError(f"ProofPlan.total_steps must be an int >= 1 or None, got {total!r}")
 
     def as_dict(self) -> dict[str, object]:
-        return {"rl": self.rl, "deterministic": self.deterministic, "replay_steps": self.replay_steps}
+        out: dict[str, object] = {"rl": self.rl, "deterministic": self.deterministic, "replay_steps": self.replay_steps}
+        if self.total_steps is not None:  # older readers take ProofPlan(**plan): only a declared total is written
+            out["total_steps"] = self.total_steps
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,13 +143,16 @@ class CheckpointConfig:
     allow_newer_torch: bool = False
     """Read checkpoints written by a newer torch (refused by default, before any read)."""
     overwrite: bool = False
-    """Allow saving a step that is already committed (it is uncommitted, then replaced)."""
+    """Deprecated (a one-shot action that stayed set on every restart of the job passing this config):
+    pass ``save(..., overwrite=True)`` to the one save that replaces a committed step."""
     stale_temp_age_s: float = 24 * 3600.0
     """Age after which another host's leftover temp directory is swept."""
     lease_ttl_s: float = 6 * 3600.0
     """A lease from another host not renewed (by a save) for this long counts as abandoned."""
     break_lease: bool = False
-    """Take the root's write lease even from a live owner (reported in the log)."""
+    """Deprecated (a one-shot action that stayed set on every restart of the job passing this config):
+    pass ``save(..., break_lease=True)`` (and ``restore(..., break_lease=True)``) to the calls that take
+    the root's write lease from a live owner."""
     async_gpu_bytes: int = 0
     """Spare GPU memory a ``save_async`` snapshot may take (bytes); 0: never snapshot into GPU memory."""
     async_host_bytes: int | None = None
@@ -161,10 +180,18 @@ class CheckpointConfig:
     """Which committed steps survive rotation (default: last 3 + every 20th); None keeps all."""
     health: HealthPolicy = field(default_factory=HealthPolicy)
     """Which steps may be committed (finite loss and grad norm, a user check), when a committed step
-    is verified, and whether AUTO resumes prefer the newest verified step (``ckptguard._commit.trust``)."""
+    is verified, and whether AUTO resumes prefer the newest verified step (``ckptguard._records.trust``)."""
 
     def __post_init__(self) -> None:
         StepNaming(self.dir_template)  # raises ConfigError naming the field
+        for action in ("overwrite", "break_lease"):
+            if getattr(self, action):
+                warnings.warn(
+                    f"CheckpointConfig({action}=True) is deprecated: it acts on every save of every restart of the "
+                    f"job that passes this config. Pass {action}=True to the call that needs it instead, e.g. "
+                    f"mgr.save(step, state, {action}=True); the field goes in the next release",
+                    DeprecationWarning, stacklevel=3,
+                )
         if not self.timeout_s > 0:
             raise ConfigError(f"CheckpointConfig.timeout_s must be > 0 seconds, got {self.timeout_s!r}")
         if not isinstance(self.reshard, ReshardRule):

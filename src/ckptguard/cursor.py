@@ -90,6 +90,16 @@ class DataCursor:
             if ids:
                 yield ids[0]
 
+    def rest(self) -> Iterator[int]:
+        """The rest of the current epoch, one id at a time, never starting the next one: what an
+        iteration that was open at a save still yields after the restore (``RolloutLedger`` continues
+        its source so; at the end of an epoch it yields nothing, as the uninterrupted iteration)."""
+        epoch = self.epoch
+        while self.epoch == epoch and not self.exhausted(1):
+            ids = self.take(1)
+            if ids:
+                yield ids[0]
+
     # ------------------------------------------------------------ the global order
 
     def order(self, epoch: int | None = None) -> list[int]:

@@ -18,23 +18,28 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _faults, _log
-from ._commit import layout as _layout
-from ._commit import lease as _lease
-from ._commit import manifest as _manifest
 from ._commit import pending as _async
 from ._commit import protocol as _commit
-from ._commit import retention
-from ._commit import trust as _trust
 from ._commit.pending import PendingSave
-from ._dist import Wire, gather_decide, make_agreement, on_every_rank
-from ._resume import contract as _contract
+from ._commit.snapshot import snapshot
+from ._context import NO_ACTIONS, Actions, Context
+from ._core.guard import GuardTarget, recorded_save_seconds
+from ._core.root import Root, check_state, check_step
+from ._disk import layout as _layout
+from ._dist import Wire, gather_decide, make_agreement
+from ._records import contract as _contract
+from ._records import manifest as _manifest
+from ._records import retention
+from ._records import trust as _trust
+from ._records.prooflog import export_fingerprint, logprob_diff
+from ._resume import resolve as _resolve
 from ._resume import restore as _restore
-from ._resume.derived import DerivedState
-from ._resume.expert import ExpertParallel
-from ._resume.prooflog import ProofLog
-from ._resume.trajectory import fingerprint
+from ._state.derived import DerivedState
+from ._state.expert import ExpertParallel
+from ._state.state import addresses, moved
+from ._state.trajectory import fingerprint
 from .config import CheckpointConfig, ResumeMode
-from .errors import CheckpointError, ConfigError, UnsafeCheckpointError
+from .errors import ConfigError
 from .storage._staging import Fence
 from .storage.base import Storage, StorageContext
 from .storage.streaming import StreamingStorage
@@ -50,27 +55,6 @@ class _Empty(Wire):
 @dataclass(frozen=True)
 class _Written(Wire):
     path: str
-
-
-def _addresses(state: dict[str, Any]) -> dict[str, int]:
-    """data_ptr of every parameter and buffer of the modules in ``state`` (local shard for DTensor).
-
-    CUDA graphs and colocated rollout engines hold these addresses; a restore must copy into
-    the existing storages, never swap in new tensors.
-    """
-    import torch
-
-    out = {}
-    for name, value in state.items():
-        if isinstance(value, torch.nn.Module):
-            for key, t in [*value.named_parameters(), *value.named_buffers()]:
-                local = t.to_local() if hasattr(t, "to_local") else t
-                out[f"{name}.{key}"] = local.data_ptr()
-    return out
-
-
-def _moved(before: dict[str, int], after: dict[str, int]) -> list[str]:
-    return sorted(k for k in before if after.get(k) != before[k])
 
 
 class CheckpointManager:
@@ -120,25 +104,14 @@ class CheckpointManager:
                 timeout=_dt.timedelta(seconds=self.config.timeout_s),
                 use_local_synchronization=True,
             )
-        self._restored_step: int | None = None
         self._pending: _async.PendingSave | None = None
-        self._group = process_group  # a PreemptionGuard agrees over the same ranks
-        self._health = _trust.HealthLog()
-        self._committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
-        self._unobserved: list[tuple[Any, Any]] = []  # health verdicts a node's publisher has still to record
-        self._skipped: dict[int, str] = {}  # steps a save skipped as unhealthy (on any rank), with the reasons
-        self.last_health: _trust.HealthVerdict | None = None
-        """The health verdict of the last ``save``/``save_async`` call (``.skip``: it was not committed)."""
+        self.process_group = process_group
+        """The group this manager agrees over (None: the default group); a PreemptionGuard agrees over it too."""
         self._staging = _async.AsyncStaging()
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
-        self._proof = ProofLog(self.root, agreement.info.rank)
-        # A TieredCheckpoint sends both tiers' records to one root (the one prove reads) and tags the
-        # save and restore records with their tier.
-        self._proof_root = self.root
-        self._proof_fields: dict[str, Any] = {}
         _faults.arm_pause_from_env(info.rank)  # only under `ckptguard rehearse`
-        self._ctx = _commit.Context(
+        self._ctx = Context(
             root=self.root,
             config=self.config,
             naming=_layout.StepNaming(self.config.dir_template),
@@ -147,18 +120,26 @@ class CheckpointManager:
             storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
             expert=expert_parallel,
         )
-        self._check_lease("create")
+        self.core = Root(self.root, self.config, self._ctx.naming, agreement)
+        """The bookkeeping of this root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
+        self.core.check_lease("create")
 
-    def _check_lease(self, where: str) -> None:
-        """Look for another live run holding the root's write lease: at creation a loud warning
-        (a manager that only reads, ``committed_steps`` or ``resolve``, stays usable), at
-        ``restore`` a refusal on every rank, so a duplicate launch stops before its first training
-        step instead of at its first save. Rank 0 looks and never writes. ``break_lease`` leaves
-        it to the save."""
-        if self.config.break_lease:
-            return
-        _lease.check_on_every_rank(
-            self._ctx.agreement, self.root, ttl_s=self.config.lease_ttl_s, where=where, key=f"lease.{where}"
+    @property
+    def last_health(self) -> _trust.HealthVerdict | None:
+        """The health verdict of the last ``save``/``save_async`` call (``.skip``: it was not committed)."""
+        return self.core.last_health
+
+    @property
+    def context(self) -> Context:
+        """What the commit protocol and the restore run on for this root (``ckptguard._context``)."""
+        return self._ctx
+
+    def preemption_target(self) -> GuardTarget:
+        """What a ``PreemptionGuard`` guards: this manager's save, wait, commits and save times."""
+        return GuardTarget(
+            root=self.root, timeout_s=self.config.timeout_s, process_group=self.process_group, save=self.save,
+            wait=self.wait, committed_here=lambda: list(self.core.committed_here),
+            save_seconds=lambda step: recorded_save_seconds(self.root / self._ctx.naming.name(step)),
         )
 
     @property
@@ -181,23 +162,24 @@ class CheckpointManager:
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
         prefer: _trust.Prefer | str | None = None,
-    ) -> _restore.Resolution:
+    ) -> _resolve.Resolution:
         """Which step a restore would load and why, agreed by all ranks; loads nothing.
 
         ``prefer="verified"`` (or ``HealthPolicy.prefer``) makes AUTO and MUST pick the newest
-        verified step no newer than the tracker (``ckptguard._commit.trust``); resuming it while
+        verified step no newer than the tracker (``ckptguard._records.trust``); resuming it while
         newer candidates exist is a rollback: saving their steps again needs ``overwrite=True``.
         """
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
         chosen = self.config.health.prefer if prefer is None else _trust.as_prefer(prefer, "prefer")
         self.wait()  # the agreement is not shared with a background commit
-        return _restore.resolve(self._ctx, mode, Path(path) if path is not None else None, prefer=chosen)
+        return _resolve.resolve(self._ctx, mode, Path(path) if path is not None else None, prefer=chosen)
 
     # ------------------------------------------------------------ save / restore
 
     def save(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> Path | None:
         """Commit ``state`` as step ``step`` on every rank, or raise on every rank.
 
@@ -211,16 +193,20 @@ class CheckpointManager:
         returns None (``last_health`` holds the verdict). It returns rather than raises: a
         skipped step is the policy working, not a failed save, and the loop decides whether to
         go on to its next save or roll back; ``if mgr.save(...) is None`` tells it.
+        ``overwrite=True`` replaces a committed step or saves one older than the tracker (a deliberate
+        rollback); ``break_lease=True`` takes the root's write lease from a live owner. Both act on this
+        call only (one-shot actions; ``CheckpointConfig(overwrite=, break_lease=)`` is deprecated).
         """
-        self._check_step(step, "save")
-        self._check_state(state, "save")
+        check_step(step, "save")
+        check_state(state, "save")
         self.wait()
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
-        return self._committed(_commit.save(self._ctx, step, state), step)
+        return self._committed(_commit.save(self._ctx, step, state, Actions(overwrite, break_lease)), step)
 
     def save_async(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None
+        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> PendingSave | None:
         """Snapshot ``state`` now and commit step ``step`` in the background.
 
@@ -233,20 +219,21 @@ class CheckpointManager:
         silent synchronous save). The tracker moves when the background commit completes; its
         error is raised by ``wait()``, or by the next save, restore or wait.
         The health agreement runs before the snapshot, as in ``save``: an unhealthy step
-        snapshots nothing and returns None.
+        snapshots nothing and returns None. ``overwrite`` and ``break_lease`` as in ``save``.
         """
-        self._check_step(step, "save_async")
-        self._check_state(state, "save_async")
+        check_step(step, "save_async")
+        check_state(state, "save_async")
         self.wait()
-        prepared = self._prepare_async(step, state, healthy, loss, grad_norm)
+        prepared = self.stage_commit(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease))
         if prepared is None:
             return None
         run, fence, start = prepared
         self._pending = _async.PendingSave(step, run, time.monotonic() - start, fence=fence, started=start)
         return self._pending
 
-    def _prepare_async(
-        self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any
+    def stage_commit(
+        self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any,
+        actions: Actions = NO_ACTIONS,
     ) -> tuple[Callable[[], Path], Fence, float] | None:
         """The caller's part of ``save_async`` (the health agreement, the snapshot, the staged copies
         queued): returns the background commit, the mutation fence and the start time, or None for
@@ -257,7 +244,7 @@ class CheckpointManager:
             return None
         start = time.monotonic()
         # The divergence guard hashes every tensor: on the staged copies, in the background.
-        snap = _commit.snapshot(self._ctx, step, state, guard=False)
+        snap = snapshot(self._ctx, step, state, guard=False, actions=actions)
         staged = self._staging.stage(snap, state, self.config)
         if staged.live_bytes:
             log.warning(
@@ -304,112 +291,25 @@ class CheckpointManager:
     def _committed(self, path: Path, step: int) -> Path:
         log.info("ckptguard: committed step %d at %s", step, path)
         self._record("save", step=step, path=str(path), plan=self.config.proof.as_dict(), world_size=self.world_size)
-        self._committed_here.append(step)
-        self._observe_held()
+        self.core.committed(step)
+        self.core.observe_held(publisher=self._ctx.node_publisher)
         if self.rank == 0 or self._ctx.node_publisher:  # node-local roots: every node keeps its own record
-            self._trust_write("commit", lambda: _trust.committed(
-                self.root, step, self.config.health.verify_after,
-                on_disk=_layout.step_dirs(self.root, self._ctx.naming)))
-        self._rotate(step)
-        self._proof.prune(self._ctx.naming)  # proof records no retained checkpoint's proof reads again
+            self.core.trust_committed(step)
+            self.core.rotate(step)  # on node-local roots, each node's publishing rank on its node's root
+        self.core.proof.log.prune(self._ctx.naming)  # proof records no retained checkpoint's proof reads again
         return path
 
     def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
-        """The health agreement of a save: every rank's view, one verdict; rank 0 updates the trust record."""
-        policy = self.config.health
-
-        def local() -> _trust.HealthView:  # a bad argument or a raising check fails the save on every rank
-            return self._health.save_view(policy, step, healthy, loss, grad_norm, self._skipped.get(step))
-
-        view = on_every_rank(self._ctx.agreement, "save.health.local", local)
-
-        def decide(views: list[_trust.HealthView]) -> _trust.HealthVerdict:
-            verdict = _trust.agree(views, step)
-            mine = set(self._committed_here)
-            restored = self._restored_step or 0
-
-            def eligible(k: int) -> bool:
-                return k in mine or k <= restored
-
-            promoted = self._trust_write(
-                "observe", lambda: _trust.observe(self.root, verdict.healthy, verdict.unhealthy, eligible))
-            if promoted:
-                log.debug("ckptguard: steps %s are verified (%d healthy steps after each)", promoted,
-                          policy.verify_after)
-            return verdict
-
-        verdict = gather_decide(self._ctx.agreement, "save.health", view, decide, decision=_trust.HealthVerdict)
-        if self.rank != 0:
-            # Node-local roots: each node's publisher keeps its node's trust record as rank 0 keeps its own,
-            # so prefer="verified" resolves the same step on every node. Whether this rank publishes a node
-            # is known only after a commit (the first save of a process included): held until then.
-            mine, restored = set(self._committed_here), self._restored_step or 0
-            self._unobserved.append((verdict, lambda k: k in mine or k <= restored))
-            if self._ctx.node_publisher:  # known from this process's last commit: record it now
-                self._observe_held()
-        self.last_health = verdict
+        """The health agreement of a save (``Root.health_round``); an unhealthy step is logged and recorded."""
+        verdict = self.core.health_round(step, healthy, loss, grad_norm, key="save.health",
+                                         node_publisher=lambda: self._ctx.node_publisher)
         if not verdict.skip:
             return True
-        tracker = self._safe_tracker()
         log.error("ckptguard: step %d NOT committed: unhealthy on %d of %d rank(s): %s. Nothing was written; the "
                   "tracker stays at %s under %s", step, len(verdict.reasons), self.world_size, verdict.describe(),
-                  tracker, self.root)
+                  self.core.safe_tracker(), self.root)
         self._record("skip", step=step, reasons=verdict.reasons)
-        self._skipped[step] = verdict.describe()
         return False
-
-    def _observe_held(self) -> None:
-        """A node's publisher (rank != 0, node-local roots) records the health verdicts rank 0 recorded,
-        in the same order; on a shared root (not a publisher) they are dropped."""
-        held, self._unobserved = self._unobserved, []
-        if self.rank == 0 or not self._ctx.node_publisher:
-            return
-        for verdict, eligible in held:
-            self._trust_write("observe", lambda v=verdict, e=eligible: _trust.observe(
-                self.root, v.healthy, v.unhealthy, e))
-
-    def _safe_tracker(self) -> str:
-        try:
-            tracker = _layout.read_tracker(self.root)
-            return "no step (nothing committed yet)" if tracker is None else str(tracker)
-        except CheckpointError as exc:
-            return f"? ({exc})"
-
-    def _trust_write(self, what: str, write: Any) -> Any:
-        """Rank 0's sidecar updates; a failure is logged, never raised (the commit is what matters)."""
-        try:
-            return write()
-        except (OSError, CheckpointError) as exc:
-            log.warning("ckptguard: could not update the trust record %s/%s at %s (%s: %s); the steps it "
-                        "concerns stay candidates", self.root, _trust.TRUST_NAME, what, type(exc).__name__, exc)
-            return None
-
-    @staticmethod
-    def _check_step(step: Any, where: str) -> None:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ConfigError(f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
-
-    def _rotate(self, step: int) -> None:
-        """Rank 0 applies retention after the commit (on node-local roots, each node's publishing rank
-        on its node's root); a failure is logged, never raised."""
-        policy = self.config.retention
-        if policy is None or not (self.rank == 0 or self._ctx.node_publisher):
-            return
-        protect = {step} | ({self._restored_step} if self._restored_step else set())
-        try:
-            report = retention.apply(self.root, self._ctx.naming, policy, protect=protect)
-        except Exception as exc:  # rotation must never stop training
-            log.warning(
-                "ckptguard: retention after step %d failed (%s: %s); retried at the next save",
-                step,
-                type(exc).__name__,
-                exc,
-            )
-            return
-        if report.deleted:
-            log.info("ckptguard: retention deleted steps %s, kept %s", report.deleted, report.kept)
-        for name, why in report.not_counted.items():
-            log.warning("ckptguard: %s is not counted as a kept checkpoint: %s", name, why)
 
     def restore(
         self,
@@ -418,16 +318,20 @@ class CheckpointManager:
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
         prefer: _trust.Prefer | str | None = None,
+        break_lease: bool = False,
     ) -> int:
         """Load the resolved checkpoint into ``state`` in place; return its step (0: fresh).
+
+        ``break_lease=True``: restore even while another live run holds the root's write lease (the
+        next ``save(..., break_lease=True)`` takes it); otherwise such a restore is refused.
 
         Tensors are written into the existing tensors; plain values are replaced in
         ``state``. Logs one line with the resolved path and step before returning.
         ``prefer`` as in ``resolve``.
         """
-        self._check_state(state, "restore")
+        check_state(state, "restore")
         self.wait()
-        self._check_lease("restore")
+        self.core.check_lease("restore", break_lease=break_lease)
         res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
@@ -435,7 +339,7 @@ class CheckpointManager:
             return 0
         log.info("ckptguard: %s", res.describe())
         seen: dict[str, dict[str, bool]] = {"digests": {}, "layout_free": {}}
-        before = _addresses(state)
+        before = addresses(state)
         where: dict[str, Any] = {"world_size": self.world_size, "plan": self.config.proof.as_dict()}
         try:
             done = _restore.restore(
@@ -457,16 +361,11 @@ class CheckpointManager:
             source_rank=done.source_rank,
             saved_world_size=done.saved_world_size,
             format_version=done.format_version,
-            addresses_changed=_moved(before, _addresses(state)),
+            addresses_changed=moved(before, addresses(state)),
             ok=True,
             **where,
         )
-        self._restored_step = done.step
-        # A restore (a rollback within this process included) starts a new trajectory from done.step: the
-        # commits and skips above it belong to the abandoned one (a preemption save must not take step N
-        # as "committed already", and trust must not promote those steps).
-        self._committed_here = [s for s in self._committed_here if s <= done.step]
-        self._skipped = {s: why for s, why in self._skipped.items() if s <= done.step}
+        self.core.restarted_at(done.step)
         if self.derived is not None:
             self.derived.mark_restored(done.step)
         return done.step
@@ -480,16 +379,12 @@ class CheckpointManager:
         quantization scales sent with it. The first export after a restore must equal
         the export the saving run recorded for the same step.
         """
-        from ._resume.prooflog import export_fingerprint
-
         fp = export_fingerprint(payload, scales)
         self._record("export", step=step, fingerprint=fp)
         return fp
 
     def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
         """Record the trainer's old-logprob against the rollout's for the same tokens."""
-        from ._resume.prooflog import logprob_diff
-
         diff = logprob_diff(trainer_logprobs, rollout_logprobs)
         self._record("logprobs", step=step, **dict[str, Any](diff))
         return diff
@@ -518,40 +413,22 @@ class CheckpointManager:
         with the killed run's records of the same steps: data order exactly, the values
         exactly where ``ProofPlan(deterministic=True)``. Returns the recorded fields.
         """
-        self._check_step(step, "record_step")
+        check_step(step, "record_step")
         fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
         # Judged now, shipped with the next save: the evidence of healthy and unhealthy steps.
         metrics: dict[str, Any] = dict(fields.get("extra", {}))
         metrics.update({k: fields[k] for k in ("loss", "grad_norm") if k in fields})
-        self._health.note(self.config.health, step, metrics)
+        self.core.health.note(self.config.health, step, metrics)
         self._record("step", durable=False, step=step, **fields)
         return fields
 
     def _record(self, event: str, *, durable: bool = True, **fields: Any) -> None:
-        if not self.config.record_proof:
-            return
-        tagged = self._proof_fields if event in ("save", "restore") else {}
-        record = self._proof.build(event, **{**tagged, **fields})
-        # Never create the root for a record: a mistyped path must stay visible. Until the first
-        # save creates it, records are held and then written ahead of the save's.
-        if not self._proof_root.is_dir():
-            self._proof.hold(record)
-            return
-        try:
-            self._proof.write(record, durable=durable)
-        except (OSError, UnsafeCheckpointError) as exc:  # read-only/full root or symlinked proof/: never fatal
-            log.warning("ckptguard: could not append the %s proof record under %s (%s)", event, self.root, exc)
-        if self._proof.dropped:
-            log.warning("ckptguard: %d proof records made before %s existed were dropped (more than %d held)",
-                        self._proof.dropped, self.root, self._proof.HELD_MAX)
-            self._proof.dropped = 0
+        self.core.proof.record(event, durable=durable, **fields)
 
     def adopt(self, path: str | os.PathLike[str], reason: str) -> Path:
         """Adopt the run chain of the checkpoint at ``path`` into this root (a new contract
         phase), so ``restore(path=...)`` may continue from it. Rank 0 writes; collective."""
-        from ._commit import manifest as manifest_mod
-
-        chain = manifest_mod.read(Path(path)).chain_id
+        chain = _manifest.read(Path(path)).chain_id
 
         def write() -> Path:
             self.root.mkdir(parents=True, exist_ok=True)  # adopting is an explicit act of creating a run
@@ -592,10 +469,3 @@ class CheckpointManager:
             return _Written(str(write()))
 
         return Path(gather_decide(self._ctx.agreement, phase, _Empty(), decide, decision=_Written).path)
-
-    @staticmethod
-    def _check_state(state: Any, where: str) -> None:
-        if not isinstance(state, dict) or not state:
-            raise ConfigError(
-                f"{where}(state): state must be a non-empty dict of named items, got {type(state).__name__}"
-            )

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._commit.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_json, read_json
-from ._commit.retention import KeepLast, RetentionPolicy
+from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_json, read_json
 from ._dist import Wire, gather_decide, make_agreement, on_every_rank
-from ._resume import contract as _contract
+from ._records import contract as _contract
+from ._records.retention import KeepLast, RetentionPolicy
 from .config import CheckpointConfig, ResumeMode
 from .errors import CheckpointCorruptError, CheckpointError, ConfigError, ContractMismatchError
 from .manager import CheckpointManager
@@ -201,7 +201,9 @@ class ObjectStoreCheckpoint:
 
     def _choose(self, mode: ResumeMode) -> _Chosen:
         self.store.check_lease(self._holder, override=self.config.break_lease)
-        found = self.store.resolve(mode)
+        if mode is ResumeMode.NEVER:
+            return _Chosen(0, "ResumeMode.NEVER")
+        found = self.store.resolve(must=mode is ResumeMode.MUST)
         return _Chosen(found.step, found.reason)
 
     def restore(self, state: dict[str, Any], *, mode: ResumeMode = ResumeMode.AUTO) -> int:

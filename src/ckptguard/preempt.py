@@ -25,7 +25,10 @@ fit, or the step is unhealthy, nothing is saved, the log says why and ``Preempte
 that wants to stop by itself calls ``should_stop(step, state)`` instead, which does the same and
 returns True (``guard.outcome`` then holds the ``Preempted``).
 
-A ``RunCheckpoint`` is guarded the same way over every rank of the run: ``state`` is then the
+Any front door with ``preemption_target()`` (``ckptguard._core.guard``) is guarded the same way:
+a ``TieredCheckpoint``'s preemption save goes to its persistent tier when it has one (the node may
+not come back), else to its fast tier, whatever the tiers' intervals. A ``RunCheckpoint`` is
+guarded over every rank of the run: ``state`` is then the
 ``states`` its ``save`` takes (this rank's roles), and the save commits every role. Its save time
 is this process's measured run save, else the sum of the roles' ``save_seconds`` of the tracker's
 run step.
@@ -42,12 +45,10 @@ from types import FrameType
 from typing import Any
 
 from . import _log
-from ._commit import layout as _layout
-from ._commit import manifest as _manifest
+from ._core.guard import GuardTarget, Preemptible
+from ._disk import layout as _layout
 from ._dist import Wire, gather_decide, make_agreement
 from .errors import CheckpointError, ConfigError
-from .manager import CheckpointManager
-from .run import RunCheckpoint
 
 log = _log.logger()
 
@@ -102,16 +103,18 @@ class PreemptionGuard:
 
     def __init__(
         self,
-        manager: CheckpointManager | RunCheckpoint,
+        manager: Preemptible,
         *,
         grace_s: float,
         signals: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1),
         safety: float = 1.5,
         save_estimate_s: float | None = None,
     ) -> None:
-        if not isinstance(manager, (CheckpointManager, RunCheckpoint)):
+        target = getattr(manager, "preemption_target", None)
+        if not callable(target):
             raise ConfigError(
-                f"PreemptionGuard(manager=...): a CheckpointManager or RunCheckpoint, got {type(manager).__name__}"
+                "PreemptionGuard(manager=...): a CheckpointManager, RunCheckpoint or TieredCheckpoint, got "
+                f"{type(manager).__name__}"
             )
         for name, value in (("grace_s", grace_s), ("safety", safety), ("save_estimate_s", save_estimate_s)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
@@ -121,6 +124,7 @@ class PreemptionGuard:
                 "PreemptionGuard must be created in the main thread: Python delivers signals only there"
             )
         self.manager = manager
+        self._target: GuardTarget = target()
         self.grace_s = float(grace_s)
         self.safety = float(safety)
         self.save_estimate_s = save_estimate_s
@@ -128,9 +132,9 @@ class PreemptionGuard:
         """The ``Preempted`` of the boundary that stopped the run (``should_stop`` returned True)."""
         self._got: tuple[int, float] | None = None  # (signal, monotonic time) of the first signal
         PreemptionGuard._created += 1
-        group = manager._group if isinstance(manager, CheckpointManager) else None  # a run: the default group
         self._agreement = make_agreement(
-            group, timeout_s=manager.config.timeout_s, namespace=f"preempt-{PreemptionGuard._created}"
+            self._target.process_group, timeout_s=self._target.timeout_s,
+            namespace=f"preempt-{PreemptionGuard._created}",
         )
         self._previous: dict[int, Any] = {}
         for sig in signals:
@@ -184,7 +188,7 @@ class PreemptionGuard:
             return None
         checked = time.monotonic()
         try:
-            self.manager.wait()  # a background save in flight finishes first (its time counts against the budget)
+            self._target.wait()  # a background save in flight finishes first (its time counts against the budget)
         except CheckpointError as exc:  # raised on every rank alike: that save is lost, this step may still fit
             log.error("ckptguard: preempted: the pending save_async failed (%s: %s); planning a save of step %d",
                       type(exc).__name__, exc, step)
@@ -200,20 +204,20 @@ class PreemptionGuard:
             log.error("ckptguard: preempted: %s; exiting with code %d", plan.reason, EXIT_NOT_SAVED)
             return Preempted(EXIT_NOT_SAVED, step=step, saved=False, reason=plan.reason)
         log.warning("ckptguard: preempted: %s", plan.reason)
-        if not plan.skip_save and self.manager.save(step, state, **save_kwargs) is None:
+        if not plan.skip_save and self._target.save(step, state, **save_kwargs) is None:
             reason = f"{what}: step {step} is unhealthy and was not saved (see the error above); the tracker stays"
             log.error("ckptguard: preempted: %s; exiting with code %d", reason, EXIT_NOT_SAVED)
             return Preempted(EXIT_NOT_SAVED, step=step, saved=False, reason=reason)
-        reason = f"{what}: step {step} committed under {self.manager.root}; exiting with code {EXIT_SAVED}"
+        reason = f"{what}: step {step} committed under {self._target.root}; exiting with code {EXIT_SAVED}"
         log.warning("ckptguard: preempted: %s", reason)
         return Preempted(EXIT_SAVED, step=step, saved=True, reason=reason)
 
     def _plan(self, step: int, what: str, ago: float, checked: float) -> _Plan:
         """Rank 0: does a save of ``step`` fit the grace budget left?"""
-        mgr = self.manager
         left = self.grace_s - ago - (time.monotonic() - checked)
         tracker = self._tracker()
-        if mgr._committed_here and mgr._committed_here[-1] == step:
+        committed = self._target.committed_here()
+        if committed and committed[-1] == step:
             return _Plan(True, f"{what}: step {step} is committed already; saving nothing more", skip_save=True)
         estimate, source = self._estimate(tracker)
         if estimate is None:
@@ -231,7 +235,7 @@ class PreemptionGuard:
 
     def _tracker(self) -> int | None:
         try:
-            return _layout.read_tracker(self.manager.root)
+            return _layout.read_tracker(self._target.root)
         except CheckpointError:
             return None
 
@@ -239,18 +243,11 @@ class PreemptionGuard:
         """The save time to plan with, and where it comes from."""
         if self.save_estimate_s is not None:
             return float(self.save_estimate_s), "save_estimate_s"
-        mgr = self.manager
-        candidates = [(s, f"this run's save of step {s}") for s in reversed(mgr._committed_here)]
+        candidates = [(s, f"this run's save of step {s}") for s in reversed(self._target.committed_here())]
         if tracker:
             candidates.append((tracker, f"an earlier run's save of step {tracker}, the tracker's"))
         for step, source in candidates:
-            if isinstance(mgr, RunCheckpoint):
-                seconds: Any = mgr._save_seconds(step)
-            else:
-                try:
-                    seconds = (_manifest.read(mgr.root / mgr._ctx.naming.name(step)).cost or {}).get("save_seconds")
-                except CheckpointError:
-                    continue  # rotated out or damaged: the next one
-            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+            seconds = self._target.save_seconds(step)  # None: rotated out, damaged or not recorded
+            if seconds is not None:
                 return float(seconds), source
         return None, ""

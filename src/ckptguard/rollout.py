@@ -92,6 +92,7 @@ class RolloutLedger:
             getattr(source, "load_state_dict", None)
         )
         self._iter: Iterator[PromptId] | None = None
+        self._source_open = False  # a stateful source's iteration was started (saved: a restore continues it)
         self._lock = threading.RLock()
         self._pending_resume = False
         self.policy_version = 0
@@ -191,9 +192,7 @@ class RolloutLedger:
                 if self._source is None:
                     raise ConfigError("next_prompt(): this ledger has no source; pass RolloutLedger(source=...)")
                 if self._iter is None:
-                    it = iter(self._source)
-                    # A stateful source resumes itself; a plain one restarts and skips what was drawn.
-                    self._iter = it if self._stateful else itertools.islice(it, self._drawn, None)
+                    self._iter = self._open_source()
                 drawn = next(self._iter, None)
                 if drawn is None:
                     return None
@@ -201,6 +200,20 @@ class RolloutLedger:
                 self._drawn += 1
             self.issued(pid)
             return pid
+
+    def _open_source(self) -> Iterator[PromptId]:
+        """The source's iteration: a plain source restarts and skips what was drawn; a stateful one
+        resumes itself, and one that was being iterated at the save continues that iteration
+        (``DataCursor.rest``: a cursor restored at the end of its epoch yields nothing, as the
+        uninterrupted iteration, instead of starting the next epoch over prompts already trained)."""
+        assert self._source is not None
+        if not self._stateful:
+            return itertools.islice(iter(self._source), self._drawn, None)
+        rest = getattr(self._source, "rest", None)
+        if self._source_open and callable(rest):
+            return iter(rest())
+        self._source_open = True
+        return iter(self._source)
 
     # ------------------------------------------------------------ after a restore
 
@@ -305,6 +318,7 @@ class RolloutLedger:
             }
             if self._stateful:
                 out["source"] = self._source.state_dict()  # type: ignore[union-attr]
+                out["source_open"] = self._source_open
             return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -334,5 +348,6 @@ class RolloutLedger:
             self._trained_staleness = {int(k): int(n) for k, n in state["trained_staleness"]}
             if self._stateful:
                 self._source.load_state_dict(state["source"])  # type: ignore[union-attr]
+            self._source_open = bool(state.get("source_open", False))  # absent in states of older ckptguard
             self._iter = None
             self._pending_resume = True

@@ -7,7 +7,7 @@ into one run temp directory, the role's ranks confirming its part (its manifest)
 rank of the run reports, and rank 0 writes the run manifest listing every role (written last),
 renames the directory to the step name and moves the one tracker. A crash anywhere before that
 leaves the previous step as the resume target; a step missing a role is never restored.
-On-disk form: ``_commit.runmanifest`` (each role's part is a step directory that plain DCP reads).
+On-disk form: ``_records.runmanifest`` (each role's part is a step directory that plain DCP reads).
 
 As a CheckpointManager: healthy steps only (one verdict over every rank of every role), one trust
 record for the run (``prefer="verified"`` resumes one step for every role), proof records per role
@@ -27,11 +27,8 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import os
-import secrets
-import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -39,117 +36,40 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _faults, _log
-from ._commit import layout as _layout
-from ._commit import lease as _lease
-from ._commit import manifest as _manifest
 from ._commit import pending as _async
 from ._commit import protocol as _commit
-from ._commit import retention, runmanifest
-from ._commit import trust as _trust
-from ._commit.protocol import Outcome, failure_from
-from ._dist import Wire, gather_decide, make_agreement, on_every_rank
-from ._resume import restore as _restore
-from ._resume.derived import DerivedState
-from ._resume.expert import ExpertParallel
-from ._resume.prooflog import ProofLog
-from ._resume.restore import Resolution, ResolveView
-from ._resume.trajectory import fingerprint
-from .config import CheckpointConfig, ParallelLayout, ResumeMode
-from .errors import CheckpointError, CheckpointWriteError, ConfigError, error_payload
+from ._commit.messages import Outcome, raise_if_failed
+from ._commit.publish_run import RunReport, check_shared_root, node_local_message, publish_run_step
+from ._commit.snapshot import Snapshot, snapshot
+from ._context import Actions, Context
+from ._core.guard import GuardTarget, recorded_run_save_seconds
+from ._core.roles import (
+    Fences,
+    Role,
+    RoleProofs,
+    check_role_part,
+    check_states,
+    each_role,
+    load_role_part,
+    role_failure,
+)
+from ._core.root import Root
+from ._disk import layout as _layout
+from ._dist import gather_decide, make_agreement, on_every_rank
+from ._records import checks as _checks
+from ._records import trust as _trust
+from ._records.prooflog import ProofLog
+from ._resume import resolve as _resolve
+from ._resume.resolve import Resolution, ResolveView
+from ._state.derived import DerivedState
+from ._state.expert import ExpertParallel
+from .config import CheckpointConfig, ResumeMode
+from .errors import ConfigError, error_payload
 from .storage._staging import Fence
-from .storage.base import Storage, StorageContext
+from .storage.base import Storage
 from .storage.streaming import StreamingStorage
 
 log = _log.logger()
-
-
-@dataclass(frozen=True)
-class Role:
-    """One role of a run: its name, the ranks that hold it, and how its part is written.
-
-    ``ranks`` are ranks of the default process group (None: every rank); a role's part of each
-    step is a single-role step directory ``<step>/<name>/`` written by those ranks, numbered
-    0..len(ranks)-1 in ascending order (as ``torch.distributed.new_group`` numbers them).
-    ``layout``, ``expert_parallel`` and ``storage`` are those of a CheckpointManager for the
-    role's ranks; ``derived`` is invalidated when the role is restored."""
-
-    name: str
-    ranks: tuple[int, ...] | None = None
-    storage: Storage | None = field(default=None, compare=False)
-    layout: ParallelLayout | None = None
-    expert_parallel: ExpertParallel | None = field(default=None, compare=False)
-    derived: DerivedState | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        runmanifest.check_role_name(self.name)
-        if self.ranks is not None:
-            ranks = tuple(self.ranks)
-            if not ranks or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks):
-                raise ConfigError(f"Role({self.name!r}, ranks={self.ranks!r}): ranks must be non-empty ints >= 0")
-            if len(set(ranks)) != len(ranks):
-                raise ConfigError(f"Role({self.name!r}, ranks={self.ranks!r}): a rank is listed twice")
-            object.__setattr__(self, "ranks", tuple(sorted(ranks)))
-
-
-@dataclass(frozen=True)
-class _RunReport(Wire):
-    """Which roles this rank wrote its part of, or the first error it hit."""
-
-    roles: list[str] = field(default_factory=list)
-    failure: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class _Probe(Wire):
-    """Rank 0's probe directory under the root (its name), or whether this rank sees it."""
-
-    name: str = ""
-    sees: bool = True
-
-
-@dataclass(frozen=True)
-class _Placed(Wire):
-    """Rank 0's verdict on the probe: the ranks that do not see rank 0's disk at the root's path."""
-
-    blind: list[int] = field(default_factory=list)
-
-
-class _Fences:
-    """The fences of every role of one save_async, as one (what PendingSave and ``staged`` wait on)."""
-
-    def __init__(self, fences: list[Any]) -> None:
-        self._fences = fences
-
-    def host_wait(self) -> None:
-        for f in self._fences:
-            f.host_wait()
-
-    def live_read(self) -> None:
-        for f in self._fences:
-            f.live_read()
-
-    def before_mutation(self) -> float:
-        return float(sum(f.before_mutation() for f in self._fences))
-
-    @property
-    def waited_s(self) -> float:
-        return float(sum(f.waited_s for f in self._fences))
-
-
-def _in_role(exc: BaseException, role: str) -> BaseException:
-    """The same error, its message naming the role (fields kept, so every rank rebuilds it alike)."""
-    if not isinstance(exc, CheckpointError) or str(exc).startswith("role "):
-        return exc
-    named = type(exc).from_wire(f"role {role!r}: {exc}", exc.wire_fields())
-    named.__cause__ = exc
-    return named
-
-
-def _role_failure(exc: BaseException, *, rank: int, role: str) -> dict[str, Any]:
-    """This rank's first write error of ``role``: the role's own first failure when it has one."""
-    if isinstance(exc, CheckpointWriteError) and exc.first is not None:
-        return dataclasses.replace(exc.first, rank=rank, phase=f"role {role!r}: {exc.first.phase}").to_json()
-    return failure_from(exc, rank=rank, phase=f"role {role!r}: write").to_json()
 
 
 class RunCheckpoint:
@@ -192,9 +112,9 @@ class RunCheckpoint:
         run_agreement = make_agreement(None, timeout_s=self.config.timeout_s, namespace=ns)
         me = run_agreement.info.rank
         self._run = self._context(run_agreement, self.config, StreamingStorage(), None, None)
-        self._roles: dict[str, _commit.Context] = {}
+        self._roles: dict[str, Context] = {}
         self._derived: dict[str, DerivedState] = {}
-        self._proof: dict[str, ProofLog] = {}  # the roles this rank holds: ROOT/proof/<role>/, by role rank
+        proofs: dict[str, ProofLog] = {}  # the roles this rank holds: ROOT/proof/<role>/, by role rank
         for role in roles:
             group = None
             if distributed:
@@ -212,32 +132,32 @@ class RunCheckpoint:
             )
             if role.derived is not None:
                 self._derived[role.name] = role.derived
-            self._proof[role.name] = ProofLog(self.root, agreement.info.rank, role=role.name)
-        self._restored_step: int | None = None
+            proofs[role.name] = ProofLog(self.root, agreement.info.rank, role=role.name)
+            proofs[role.name].code = self.config.contract.code if self.config.contract is not None else None
+        self._proofs = RoleProofs(proofs, enabled=self.config.record_proof, health=self.config.health, rank=me)
         self._shared_root = world == 1  # a run commits on one shared root only: probed at the first save
-        self._health = _trust.HealthLog()
-        self._committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
-        self._skipped: dict[int, str] = {}  # steps a save skipped as unhealthy (on any rank), with the reasons
-        self._save_times: dict[int, float] = {}  # this process's run saves: step -> seconds (a PreemptionGuard's plan)
         self._pending: _async.PendingSave | None = None
         self._staging: dict[str, _async.AsyncStaging] = {}  # save_async: one host pool per role this rank holds
         self._budget: tuple[int, str] | None = None
-        self.last_health: _trust.HealthVerdict | None = None
+        self.core = Root(self.root, self.config, self._naming, run_agreement, label="run step", lease_key="run.lease")
+        """The bookkeeping of the run's root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
+        self.core.check_lease("create")
+
+    @property
+    def last_health(self) -> _trust.HealthVerdict | None:
         """The health verdict of the last ``save`` (``.skip``: it was not committed)."""
-        self._check_lease("create")
+        return self.core.last_health
 
     def _context(
         self, agreement: Any, config: CheckpointConfig, storage: Storage, group: Any, expert: ExpertParallel | None
-    ) -> _commit.Context:
-        info = agreement.info
-        return _commit.Context(
-            root=self.root,
-            config=config,
-            naming=self._naming,
-            agreement=agreement,
-            storage=storage,
-            storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
-            expert=expert,
+    ) -> Context:
+        return Context.of(self.root, config, self._naming, agreement, storage, group, expert)
+
+    def preemption_target(self) -> GuardTarget:
+        """What a ``PreemptionGuard`` guards: the run's save over every role, its commits and save times."""
+        return GuardTarget(
+            root=self.root, timeout_s=self.config.timeout_s, process_group=None, save=self.save, wait=self.wait,
+            committed_here=lambda: list(self.core.committed_here), save_seconds=self._save_seconds,
         )
 
     @property
@@ -260,7 +180,7 @@ class RunCheckpoint:
     def committed_steps(self) -> list[int]:
         """Run steps with every role's part in place and no newer than the tracker, ascending."""
         return _layout.committed_steps(
-            self.root, self._naming, lambda path: runmanifest.checked(path, roles=list(self._ranks)))
+            self.root, self._naming, lambda path: _checks.checked_run_step(path, roles=list(self._ranks)))
 
     def resolve(
         self,
@@ -282,18 +202,18 @@ class RunCheckpoint:
         res: Resolution | None = None
         names = list(self._ranks)
         try:
-            res = _restore.resolve_local(
+            res = _resolve.resolve_local(
                 self.root,
                 self._naming,
                 mode,
                 Path(path) if path is not None else None,
                 chosen,
-                read_manifest=lambda d: runmanifest.checked(d, roles=names),
+                read_manifest=lambda d: _checks.checked_run_step(d, roles=names),
             )
             view = ResolveView(res.step, str(res.path) if res.path else None)
         except Exception as exc:  # shipped, so no rank waits for a peer that raised
             view = ResolveView(error=error_payload(exc))
-        gather_decide(self._run.agreement, "run.resolve", view, _restore._same_checkpoint, decision=_restore.AgreedStep)
+        gather_decide(self._run.agreement, "run.resolve", view, _resolve.same_checkpoint, decision=_resolve.AgreedStep)
         assert res is not None
         return res
 
@@ -304,9 +224,8 @@ class RunCheckpoint:
         step: int,
         states: dict[str, dict[str, Any]],
         *,
-        healthy: bool | None = None,
-        loss: Any = None,
-        grad_norm: Any = None,
+        healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> Path | None:
         """Commit every role's state as run step ``step`` on every rank, or raise on every rank.
 
@@ -316,21 +235,21 @@ class RunCheckpoint:
         Healthy steps only, as ``CheckpointManager.save``: when, on any rank of any role, ``loss``
         or ``grad_norm`` (these arguments, else that rank's ``record_step`` of ``step``) is not
         finite, ``healthy=False`` was passed or the policy's check fails, no role commits on any
-        rank: nothing is written, the tracker stays, every rank returns None (``last_health``)."""
+        rank: nothing is written, the tracker stays, every rank returns None (``last_health``).
+        ``overwrite`` and ``break_lease`` act on this call only, as in ``CheckpointManager.save``."""
         if not self._begin(step, states, "save", healthy, loss, grad_norm):
             return None
         started = time.monotonic()
-        snaps = self._snapshots(lambda name, ctx: _commit.snapshot(ctx, step, states[name]))
-        return self._commit_roles(step, snaps, started)
+        snaps = self._snapshots(lambda name, ctx: snapshot(ctx, step, states[name]))
+        return self._commit_roles(step, snaps, started, Actions(overwrite, break_lease))
 
     def save_async(
         self,
         step: int,
         states: dict[str, dict[str, Any]],
         *,
-        healthy: bool | None = None,
-        loss: Any = None,
-        grad_norm: Any = None,
+        healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
     ) -> _async.PendingSave | None:
         """Snapshot every role's state now and commit run step ``step`` in the background, as
         ``CheckpointManager.save_async`` does for one state: the copies go to spare GPU memory or to
@@ -345,9 +264,9 @@ class RunCheckpoint:
         budget = self._role_budget()
         pools: list[Any] = []
 
-        def stage(name: str, ctx: _commit.Context) -> _commit.Snapshot:
+        def stage(name: str, ctx: Context) -> Snapshot:
             # The divergence guard hashes every tensor: on the staged copies, in the background commit.
-            snap = _commit.snapshot(ctx, step, states[name], guard=False)
+            snap = snapshot(ctx, step, states[name], guard=False)
             staging = self._staging.setdefault(name, _async.AsyncStaging())
             staging.budget, staging.budget_why = budget
             staged = staging.stage(snap, states[name], self.config)
@@ -377,13 +296,13 @@ class RunCheckpoint:
 
         def run() -> Path:
             try:
-                return self._commit_roles(step, snaps, started)
+                return self._commit_roles(step, snaps, started, Actions(overwrite, break_lease))
             finally:
                 for pool in pools:
                     pool.done()
 
         # The fence PendingSave and staged() use: host_wait, live_read, before_mutation, waited_s (duck-typed).
-        fence = cast(Fence, _Fences(fences))
+        fence = cast(Fence, Fences(fences))
         self._pending = _async.PendingSave(step, run, resumed - started, fence=fence, started=started)
         return self._pending
 
@@ -426,29 +345,20 @@ class RunCheckpoint:
         self._check_shared_root(step)
         return self._healthy(step, healthy, loss, grad_norm)
 
-    def _snapshots(self, take_one: Any) -> dict[str, _commit.Snapshot]:
+    def _snapshots(self, take_one: Any) -> dict[str, Snapshot]:
         """Every role's snapshot, in declared order on every rank (no cross-role wait cycle); the later
         roles still run after a failure, so their other ranks are not stranded; every rank raises alike."""
-        snaps: dict[str, _commit.Snapshot] = {}
-
-        def take() -> None:
-            first: BaseException | None = None
-            for name, ctx in self._roles.items():
-                try:
-                    snaps[name] = take_one(name, ctx)
-                except Exception as exc:
-                    first = first or _in_role(exc, name)
-            if first is not None:
-                raise first
-
-        on_every_rank(self._run.agreement, "run.snapshot", take)
+        snaps: dict[str, Snapshot] = {}
+        on_every_rank(self._run.agreement, "run.snapshot", lambda: each_role(
+            self._roles, lambda name, ctx: snaps.__setitem__(name, take_one(name, ctx))))
         return snaps
 
-    def _commit_roles(self, step: int, snaps: dict[str, _commit.Snapshot], started: float) -> Path:
+    def _commit_roles(self, step: int, snaps: dict[str, Snapshot], started: float, actions: Actions) -> Path:
         """Prepare the run step, write every role's part, publish: in the caller's or a background thread."""
-        prep = _commit._prepare(self._run, step)
+        actions = actions.with_config(self.config)
+        prep = _commit.prepare(self._run, step, actions)
         if prep.nodes:  # the probe's verdict changed since (a remount): every rank raises alike
-            raise ConfigError(self._node_local_message(step, [r for ranks in prep.nodes[1:] for r in ranks]))
+            raise ConfigError(node_local_message(self.root, step, [r for ranks in prep.nodes[1:] for r in ranks]))
         tmp = Path(prep.tmp)
         if self.rank == 0:
             with contextlib.suppress(OSError):  # the run directory holds roles, not a state/ of its own
@@ -460,106 +370,49 @@ class RunCheckpoint:
                 _commit.commit(ctx, snaps[name], part=dataclasses.replace(prep, tmp=str(tmp / name)))
                 _faults.reached("run.role_written")
             except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-                failure = failure or _role_failure(exc, rank=self.rank, role=name)
+                failure = failure or role_failure(exc, rank=self.rank, role=name)
         outcome = gather_decide(
             self._run.agreement,
             "run.written",
-            _RunReport(list(self._roles), failure),
-            lambda reports: self._publish_or_fail(step, tmp, prep, reports),
+            RunReport(list(self._roles), failure),
+            lambda reports: publish_run_step(self._run, step, tmp, prep, reports, self._ranks, actions),
             decision=Outcome,
             patience=2.0,
         )
-        _commit._raise_if_failed(self._run, outcome.failures, step=step, phase=outcome.phase)
+        raise_if_failed(self._run, outcome.failures, step=step, phase=outcome.phase)
         path = self.root / self._naming.name(step)
         log.info("ckptguard: committed run step %d (roles %s) at %s", step, ", ".join(self._ranks), path)
         for name, ctx in self._roles.items():
             self._record(name, "save", step=step, path=str(path / name), plan=self.config.proof.as_dict(),
                          world_size=ctx.world, **({"async": True} if snaps[name].resumed is not None else {}))
-        self._committed_here.append(step)
-        self._save_times[step] = time.monotonic() - started
+        self.core.committed(step, seconds=time.monotonic() - started)
         if self.rank == 0:
-            self._trust_write("commit", lambda: _trust.committed(
-                self.root, step, self.config.health.verify_after, on_disk=_layout.step_dirs(self.root, self._naming)))
-        self._rotate(step)
-        for proof in self._proof.values():
+            self.core.trust_committed(step)
+            # Whole run steps: a run step missing a role is incomplete for retention (``verify_step``).
+            self.core.rotate(step)
+        for proof in self._proofs.logs.values():
             proof.prune(self._naming)  # proof records no retained checkpoint's proof reads again
         return path
 
     # ------------------------------------------------------------ shared root, health, trust
 
-    def _save_seconds(self, step: int) -> float | None:
-        """How long the run save of ``step`` took: measured by this process, else the sum of its roles'
-        recorded ``save_seconds`` (the roles are written one after another); None if unknown."""
-        if step in self._save_times:
-            return self._save_times[step]
-        step_dir = self.root / self._naming.name(step)
-        try:
-            parts = [_manifest.read(step_dir / name).cost or {} for name in runmanifest.read(step_dir).roles]
-        except CheckpointError:
-            return None  # rotated out or damaged
-        seconds = [c.get("save_seconds") for c in parts]
-        numbers = [float(x) for x in seconds if isinstance(x, (int, float)) and not isinstance(x, bool)]
-        return sum(numbers) if numbers and len(numbers) == len(seconds) else None
-
-    def _node_local_message(self, step: int, blind: list[int]) -> str:
-        return (
-            f"RunCheckpoint save of step {step} under {self.root}: ranks {blind} do not see rank 0's disk at that "
-            "path (node-local disks, not one shared root); a run of several roles commits on a shared filesystem "
-            "only. Nothing was written. Put the root on shared storage, or give each role its own "
-            "CheckpointManager (per-node publish)."
-        )
 
     def _check_shared_root(self, step: int) -> None:
-        """Refuse node-local roots before anything of the save is written, with one verdict on every rank:
-        rank 0 makes a probe directory (a temp directory, swept if this process dies) under the root, every
-        rank looks for it, rank 0 removes it (and the root, if it made it for the probe and refuses)."""
-        if self._shared_root:
-            return
-        made_root: list[bool] = []
+        """Node-local roots are refused at the first save, before anything of it is written."""
+        if not self._shared_root:
+            check_shared_root(self._run, step)
+            self._shared_root = True
 
-        def make(_: list[_Probe]) -> _Probe:
-            made_root.append(not self.root.exists())
-            self.root.mkdir(parents=True, exist_ok=True)  # the first save creates it anyway
-            probe = self.root / _layout.temp_dir_name("probe", secrets.token_hex(6))
-            probe.mkdir()
-            _layout.write_owner(probe)
-            return _Probe(probe.name)
-
-        probe = gather_decide(self._run.agreement, "run.probe", _Probe(), make, decision=_Probe)
-        sees = (self.root / probe.name).is_dir()
-
-        def judge(views: list[_Probe]) -> _Placed:
-            shutil.rmtree(self.root / probe.name, ignore_errors=True)
-            blind = [r for r, v in enumerate(views) if not v.sees]
-            if blind and made_root and made_root[0]:
-                with contextlib.suppress(OSError):  # only if still empty: never anything else's
-                    self.root.rmdir()
-            return _Placed(blind)
-
-        placed = gather_decide(self._run.agreement, "run.placed", _Probe(probe.name, sees), judge, decision=_Placed)
-        if placed.blind:
-            raise ConfigError(self._node_local_message(step, placed.blind))
-        self._shared_root = True
+    def _save_seconds(self, step: int) -> float | None:
+        """How long the run save of ``step`` took: measured by this process, else from the run step's roles."""
+        if step in self.core.save_times:
+            return self.core.save_times[step]
+        return recorded_run_save_seconds(self.root / self._naming.name(step))
 
     def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
         """The health agreement of a save over every rank of the run (every role); rank 0 updates the trust
         record, one for the whole run."""
-        policy = self.config.health
-
-        def local() -> _trust.HealthView:  # a bad argument or a raising check fails the save on every rank
-            return self._health.save_view(policy, step, healthy, loss, grad_norm, self._skipped.get(step))
-
-        view = on_every_rank(self._run.agreement, "run.health.local", local)
-
-        def decide(views: list[_trust.HealthView]) -> _trust.HealthVerdict:
-            verdict = _trust.agree(views, step)
-            mine, restored = set(self._committed_here), self._restored_step or 0
-            self._trust_write("observe", lambda: _trust.observe(
-                self.root, verdict.healthy, verdict.unhealthy, lambda k: k in mine or k <= restored))
-            return verdict
-
-        verdict = gather_decide(self._run.agreement, "run.health", view, decide, decision=_trust.HealthVerdict)
-        self.last_health = verdict
+        verdict = self.core.health_round(step, healthy, loss, grad_norm, key="run.health")
         if not verdict.skip:
             return True
         log.error("ckptguard: run step %d NOT committed (no role): unhealthy on %d of %d rank(s): %s. Nothing was "
@@ -567,30 +420,12 @@ class RunCheckpoint:
                   verdict.describe(), self.root)
         for name in self._roles:
             self._record(name, "skip", step=step, reasons=verdict.reasons)
-        self._skipped[step] = verdict.describe()
         return False
-
-    def _trust_write(self, what: str, write: Any) -> Any:
-        """Rank 0's trust record updates; a failure is logged, never raised (the commit is what matters)."""
-        try:
-            return write()
-        except (OSError, CheckpointError) as exc:
-            log.warning("ckptguard: could not update the trust record %s/%s at %s (%s: %s); the steps it "
-                        "concerns stay candidates", self.root, _trust.TRUST_NAME, what, type(exc).__name__, exc)
-            return None
 
     # ------------------------------------------------------------ proof records
 
-    def _held(self, role: Any, where: str) -> ProofLog:
-        if role not in self._proof:
-            raise ConfigError(f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles {self.my_roles}; "
-                              "record a role's events on the ranks that hold it")
-        return self._proof[role]
-
     def _record(self, role: str, event: str, *, durable: bool = True, **fields: Any) -> None:
-        if self.config.record_proof:
-            proof = self._proof[role]
-            proof.keep(proof.build(event, role=role, **fields), durable=durable)
+        self._proofs.record(role, event, durable=durable, **fields)
 
     def record_step(
         self, role: str, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None,
@@ -599,89 +434,20 @@ class RunCheckpoint:
         """Record what training step ``step`` of ``role`` consumed and produced on this rank, as
         ``CheckpointManager.record_step`` (``ckptguard prove`` compares a resumed run's replayed steps
         with the killed run's, role by role); its loss and grad_norm are health evidence for the save."""
-        self._held(role, "record_step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ConfigError(f"record_step(step={step!r}): step must be an int >= 1")
-        fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
-        metrics: dict[str, Any] = dict(fields.get("extra", {}))
-        metrics.update({k: fields[k] for k in ("loss", "grad_norm") if k in fields})
-        self._health.note(self.config.health, step, metrics, role=role)
-        self._record(role, "step", durable=False, step=step, **fields)
-        return fields
+        return self._proofs.step(role, step, self.core.health, sample_ids=sample_ids, batch=batch, loss=loss,
+                                 grad_norm=grad_norm, **extra)
 
     def record_update(self, role: str, step: int, *, grad_norm: float, params_changed: bool) -> None:
         """Record an optimizer update of ``role``: its gradient norm and whether the parameters moved."""
-        self._held(role, "record_update")
-        self._record(role, "update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed))
+        self._proofs.update(role, step, grad_norm=grad_norm, params_changed=params_changed)
 
     def record_export(self, role: str, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
         """Record the weights ``role`` exported for rollout at ``step`` (see CheckpointManager.record_export)."""
-        from ._resume.prooflog import export_fingerprint
-
-        self._held(role, "record_export")
-        fp = export_fingerprint(payload, scales)
-        self._record(role, "export", step=step, fingerprint=fp)
-        return fp
+        return self._proofs.export(role, step, payload, scales=scales)
 
     def record_logprobs(self, role: str, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
         """Record ``role``'s old-logprob against the rollout's for the same tokens."""
-        from ._resume.prooflog import logprob_diff
-
-        self._held(role, "record_logprobs")
-        diff = logprob_diff(trainer_logprobs, rollout_logprobs)
-        self._record(role, "logprobs", step=step, **dict[str, Any](diff))
-        return diff
-
-    def _publish_or_fail(self, step: int, tmp: Path, prep: _commit.Prepared, reports: list[_RunReport]) -> Outcome:
-        """Rank 0: the run manifest, the rename and the tracker if every role on every rank confirmed."""
-        failures = [r.failure for r in reports if r.failure]
-        if failures:
-            _commit._discard(self._run, tmp)
-            return Outcome(failures, "write")
-        try:
-            held = {name: [r for r, rep in enumerate(reports) if name in rep.roles] for name in self._ranks}
-            for name, ranks in held.items():
-                if ranks != sorted(self._ranks[name]):
-                    raise ConfigError(
-                        f"role {name!r} was written by ranks {ranks} but is declared on {self._ranks[name]}: "
-                        "every rank must create the RunCheckpoint with the same roles"
-                    )
-            _faults.reached("run.before_manifest")
-            manifest = runmanifest.build(
-                step_dir=tmp,
-                step=step,
-                chain_id=prep.chain_id,
-                dir_template=self._naming.template,
-                world_size=self._run.world,
-                roles={name: self._ranks[name] for name in self._ranks},
-                contract={"phase": prep.phase, "hash": prep.contract_hash},
-            )
-            _layout.atomic_write_json(manifest.path, manifest.to_json())
-            _faults.reached("commit.before_rename")
-            _commit.publish_dir(self._run, step, tmp)
-        except Exception as exc:
-            if tmp.exists():  # refused or failed before the rename: nothing of it may linger
-                _commit._discard(self._run, tmp)
-            return Outcome([failure_from(exc, rank=0, phase="publish").to_json()], "publish")
-        return Outcome()
-
-    def _rotate(self, step: int) -> None:
-        """Rank 0 applies retention to whole run steps after the commit; a failure is logged, never raised.
-        A run step missing a role is incomplete for retention (``verify_step``): never counted, never deleted."""
-        policy = self.config.retention
-        if policy is None or self.rank != 0:
-            return
-        protect = {step} | ({self._restored_step} if self._restored_step else set())
-        try:
-            report = retention.apply(self.root, self._naming, policy, protect=protect)
-        except Exception as exc:  # rotation must never stop training
-            log.warning("ckptguard: retention after run step %d failed (%s: %s); retried at the next save",
-                        step, type(exc).__name__, exc)
-            return
-        if report.deleted:
-            log.info("ckptguard: retention deleted run steps %s, kept %s", report.deleted, report.kept)
-        for name, why in report.not_counted.items():
-            log.warning("ckptguard: %s is not counted as a kept checkpoint: %s", name, why)
+        return self._proofs.logprobs(role, step, trainer_logprobs, rollout_logprobs)
 
     # ------------------------------------------------------------ restore
 
@@ -692,6 +458,7 @@ class RunCheckpoint:
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
         prefer: _trust.Prefer | str | None = None,
+        break_lease: bool = False,
     ) -> int:
         """Load the resolved run step into every role's state in place; return its step (0: fresh).
 
@@ -701,7 +468,7 @@ class RunCheckpoint:
         on a partly restored run. ``prefer`` as in ``resolve``."""
         self._check_states(states, "restore")
         self.wait()
-        self._check_lease("restore")
+        self.core.check_lease("restore", break_lease=break_lease)
         res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
@@ -714,78 +481,18 @@ class RunCheckpoint:
             n: Resolution(res.step, res.path / n, f"role {n!r} of run step {res.step}", res.mode) for n in self._ranks
         }
 
-        def each_role(act: Any) -> None:
-            first: BaseException | None = None
-            for name, ctx in self._roles.items():
-                try:
-                    act(name, ctx)
-                except Exception as exc:  # the later roles still run, so their other ranks are not stranded
-                    first = first or _in_role(exc, name)
-            if first is not None:
-                raise first
-
-        def check(name: str, ctx: _commit.Context) -> None:
-            # What restore checks before it reads a tensor, for every role before any role reads one.
-            _restore._agree_files(ctx, parts[name])
-            part = parts[name]
-            manifest, extras, _plan = on_every_rank(
-                ctx.agreement, "run.precheck", lambda: _restore._precheck(ctx, part, states[name])
-            )
-            _restore._plan(ctx, states[name], manifest, extras)  # items and keys, both ways
-
-        def load(name: str, ctx: _commit.Context) -> None:
-            from .manager import _addresses, _moved
-
-            before = _addresses(states[name])
-            where: dict[str, Any] = {"step": res.step, "path": str(parts[name].path), "world_size": ctx.world,
-                                     "plan": self.config.proof.as_dict()}
-            try:
-                done = _restore.restore(ctx, states[name], parts[name])
-            except Exception as exc:  # recorded as a failed restore (prove shows it as FAIL), then raised
-                self._record(name, "restore", ok=False, error=f"{type(exc).__name__}: {exc}"[:2000], **where)
-                raise
-            if done.reshard is not None:  # old -> new world, the rules, this rank's RNG streams (prove shows them)
-                where["reshard"] = done.reshard
-            self._record(name, "restore", digests_match=done.digests_match, layout_free_match=done.layout_free_match,
-                         source_rank=done.source_rank, saved_world_size=done.saved_world_size,
-                         format_version=done.format_version, addresses_changed=_moved(before, _addresses(states[name])),
-                         ok=True, **where)
-            if name in self._derived:
-                self._derived[name].mark_restored(res.step)
-
-        on_every_rank(self._run.agreement, "run.checked", lambda: each_role(check))
-        on_every_rank(self._run.agreement, "run.restored", lambda: each_role(load))
-        self._restored_step = res.step
-        # A restore starts a new trajectory from res.step: the commits and skips above it are the abandoned one's.
-        self._committed_here = [s for s in self._committed_here if s <= res.step]
-        self._skipped = {s: why for s, why in self._skipped.items() if s <= res.step}
+        # What restore checks before it reads a tensor, for every role before any role reads one.
+        on_every_rank(self._run.agreement, "run.checked", lambda: each_role(
+            self._roles, lambda name, ctx: check_role_part(ctx, parts[name], states[name])))
+        plan = self.config.proof.as_dict()
+        on_every_rank(self._run.agreement, "run.restored", lambda: each_role(
+            self._roles, lambda name, ctx: load_role_part(
+                ctx, parts[name], states[name], step=res.step, plan=plan, derived=self._derived.get(name),
+                record=lambda event, **fields: self._record(name, event, **fields))))
+        self.core.restarted_at(res.step)
         return res.step
 
     # ------------------------------------------------------------ guards
 
     def _check_states(self, states: Any, where: str) -> None:
-        if not isinstance(states, dict):
-            raise ConfigError(f"{where}(states): a dict of role name -> state dict, got {type(states).__name__}")
-        mine = set(self._roles)
-        if missing := sorted(mine - set(states)):
-            raise ConfigError(
-                f"{where}(states) on rank {self.rank}: this rank holds roles {sorted(mine)} and got no state for "
-                f"{missing}; pass a state dict for every role of my_roles"
-            )
-        if extra := sorted(set(states) - mine):
-            raise ConfigError(
-                f"{where}(states) on rank {self.rank}: role(s) {extra} are not held by this rank (roles and their "
-                f"ranks: {self._ranks}); pass only the states of my_roles"
-            )
-        for name, state in states.items():
-            if not isinstance(state, dict) or not state:
-                raise ConfigError(f"{where}(states[{name!r}]): a non-empty dict of named items, got {state!r:.60}")
-
-    def _check_lease(self, where: str) -> None:
-        """As CheckpointManager: another live run holding the root's lease is a warning at
-        creation and a refusal on every rank at restore."""
-        if self.config.break_lease:
-            return
-        _lease.check_on_every_rank(
-            self._run.agreement, self.root, ttl_s=self.config.lease_ttl_s, where=where, key=f"run.lease.{where}"
-        )
+        check_states(states, mine=set(self._roles), ranks=self._ranks, rank=self.rank, where=where)

@@ -15,6 +15,11 @@ stdout and stderr at the call, and fresh random seeds (torch, NumPy, ``random``)
 Fault points: ``kill_at(point)`` makes this process SIGKILL itself when the commit protocol
 reaches ``point`` (one of ``FAULT_POINTS``); ``set_fault_hook(point, fn)`` runs any callable
 there, ``None`` removes it. Nothing happens at a point without a hook.
+
+Fake nodes: ``fake_node(name, disks={shared: own})`` makes the calling rank a rank of node
+``name`` (the node identity ckptguard groups ranks by, and with ``hostname=True`` its host
+name) that sees its own directory at a path every rank uses: node-local disks at one path,
+on one machine. It needs root (private mount and UTS namespaces).
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._dist import NODE_ENV
 from ._faults import COMMIT_POINTS
 from ._faults import POINTS as FAULT_POINTS
 from ._faults import set_hook as set_fault_hook
@@ -40,6 +46,7 @@ __all__ = [
     "COMMIT_POINTS",
     "FAULT_POINTS",
     "RankResult",
+    "fake_node",
     "free_port",
     "kill_at",
     "run_ranks",
@@ -209,3 +216,53 @@ def kill_at(point: str) -> None:
     import signal
 
     set_fault_hook(point, lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
+_CLONE_NEWNS, _CLONE_NEWUTS = 0x00020000, 0x04000000
+_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 1 << 18
+
+
+def fake_node(
+    name: str | None = None,
+    *,
+    disks: Mapping[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
+    hostname: bool = False,
+) -> None:
+    """Make this process a rank of a fake node, for tests that fake several nodes on one machine.
+
+    ``name``: the node this rank reports (``CKPTGUARD_NODE``, the identity ckptguard groups
+    ranks by); ``None`` keeps the real one (ranks of one node that see different disks).
+    ``hostname``: also set the host name to ``name`` (a private UTS namespace: what the lease
+    and ``socket.gethostname()`` see). ``disks``: ``{shared: own}``, the directory ``own``
+    bound over the path ``shared`` in a private mount namespace, so this process and its
+    children see ``own`` at ``shared`` while every other rank keeps its own view: a node's
+    local disk at the path every node uses. Both directories must exist.
+
+    Call it first thing in a rank (``run_ranks``): the change lasts for the process. Needs root
+    (CAP_SYS_ADMIN); raises ``PermissionError`` naming the step that failed otherwise.
+    """
+    import ctypes
+
+    if hostname and name is None:
+        raise ValueError("fake_node(hostname=True) needs the node's name")
+    binds = {os.fspath(shared): os.fspath(own) for shared, own in (disks or {}).items()}
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            errno = ctypes.get_errno()
+            raise PermissionError(errno, f"fake_node({name!r}): {what} failed: {os.strerror(errno)} (needs root)")
+
+    flags = (_CLONE_NEWUTS if hostname else 0) | (_CLONE_NEWNS if binds else 0)
+    if flags:
+        check(libc.unshare(flags) == 0, "unshare (private namespaces)")
+    if hostname and name is not None:
+        raw = name.encode()
+        check(libc.sethostname(raw, len(raw)) == 0, f"sethostname {name}")
+    if binds:
+        # Private first: a bind in a shared mount tree would show in every other rank's view too.
+        check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0, "mount --make-rprivate /")
+    for shared, own in binds.items():
+        check(libc.mount(own.encode(), shared.encode(), None, _MS_BIND, None) == 0, f"mount --bind {own} {shared}")
+    if name is not None:
+        os.environ[NODE_ENV] = name

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._priority import lower_this_thread
@@ -32,7 +33,7 @@ from ..errors import SaveStillRunningError
 from ..memory.budget import host_budget
 from ..storage._staging import Fence, HostCopier, StagingPool, copier_for, slot_view
 from ..storage._writer import exact
-from .protocol import Snapshot
+from .snapshot import Snapshot
 
 log = logging.getLogger("ckptguard")
 
@@ -50,7 +51,6 @@ def _rewrap(staged: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``staged`` as ``t`` is: the same DTensor placement around the staged local shard."""
     if not hasattr(t, "to_local"):
         return staged
-    from torch.distributed.tensor import DTensor
 
     # t is a DTensor (it has to_local); the stub types it as a plain Tensor.
     return DTensor.from_local(staged, t.device_mesh, t.placements, run_check=False,  # type: ignore[attr-defined]

@@ -30,7 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import layout as _layout
+from .._disk import layout as _layout
+from .._disk.digest import file_digest
+from .._records import manifest as _manifest
 from . import p2p as _p2p
 
 REPLICA_DIR = "replicas"
@@ -201,7 +203,6 @@ def fetch_plan(root: Path, step_name: str, needed: set[str], manifest_files: lis
     """What a sender sends to rebuild ``source``'s part of a step: the contract files, every file
     the rank needs (from this node's step directory, else from the replica of ``source``), and
     the manifest last. Returns the specs and where the sender reads each."""
-    from .._resume.digest import file_digest
 
     step_dir = root / step_name
     specs: list[FileSpec] = []
@@ -262,7 +263,6 @@ def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any, *, timeout
     """Receive a rank's part of a step into ``tmp`` (a temp directory of this node's root): the
     contract files into the root where absent (where present they must be the same bytes), the step
     files, and the manifest as ``tmp/.fetched-manifest-<rank>``, checked against every file received."""
-    from .._resume.digest import file_digest
 
     header = _p2p.recv_json(_link(group, None, "fetch from a peer replica", FETCH_RETRY, timeout_s), src)
     if "error" in header:  # the sender could not read its part: nothing follows
@@ -305,7 +305,6 @@ def seal_fetch(tmp: Path, final: Path, rank: int, node_record: Callable[[Any], d
     """The first receiving rank of a node, after every rank's fetch arrived intact: the manifest and
     the node manifest (``node_record(manifest)``) in the temp directory, then the step directory in
     place (a rename, or where part of the step was still here, its files with the manifest last)."""
-    from . import manifest as _manifest
 
     for other in tmp.glob(".fetched-manifest-*"):
         if other != fetched_manifest(tmp, rank):

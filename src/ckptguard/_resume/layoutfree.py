@@ -15,13 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._commit import manifest as _manifest
-from .._commit.protocol import RNG_ITEM, Context
+from .._context import Context
+from .._disk.digest import digest
+from .._disk.layoutfree import combine_layout_free, layout_free_partials
 from .._dist import Wire, gather_decide
+from .._records import manifest as _manifest
+from .._state import rng as _rng
+from .._state import state as _state
+from .._state.rng import RNG_ITEM
 from ..errors import StateMismatchError
-from . import rng as _rng
-from . import state as _state
-from .digest import combine_layout_free, digest, layout_free_partials
 
 _TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemKind.TENSORS)
 
@@ -81,7 +83,7 @@ def _live_tensors(ctx: Context, state: dict[str, Any], targets: dict[str, Any]) 
     for name, (kind, _sd, _flat) in targets.items():
         if kind in _TENSOR_KINDS:
             flat: dict[str, Any] = {}
-            _state._flatten(_state.current_state(name, state[name], kind, state), name, flat, ctx.keyfn())
+            _state.flatten(_state.current_state(name, state[name], kind, state), name, flat, ctx.keyfn())
             out[name] = flat
     return out
 

@@ -34,21 +34,17 @@ import numpy as np
 import torch
 import xxhash
 
-from .._commit import manifest as _manifest
-from .._commit.protocol import RNG_ITEM, Context
+from .._context import Context
+from .._disk.digest import digest
 from .._dist import Wire, gather_decide
-from ..config import CheckpointConfig
-from ..cursor import DataCursor
+from .._records import manifest as _manifest
+from .._state import rng as _rng
+from .._state import state as _state
+from .._state.rng import RNG_ITEM
+from .._state.rules import DATA_CURSOR, REPLICATED, RNG, USER, fn_name
 from ..errors import StateMismatchError, TopologyMismatchError
-from . import rng as _rng
-from . import state as _state
-from .digest import digest
 
 log = logging.getLogger("ckptguard")
-
-DCP, REPLICATED, DATA_CURSOR, USER, RNG = "dcp", "replicated", "data_cursor", "user", "rng_rederive"
-_TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemKind.TENSORS)
-
 
 def derived_seed(seed: int, step: int, rank: int, item: str | None = None) -> int:
     """The seed of new rank ``rank``'s RNG streams (or of its generator ``item``) after a resharded
@@ -72,30 +68,6 @@ def derived_streams(seed: int, step: int, rank: int) -> dict[str, Any]:
         return _rng.capture()
     finally:
         _rng.restore(keep, where="deriving RNG streams")
-
-
-def _fn_name(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-
-
-def declared(state: Mapping[str, Any], config: CheckpointConfig) -> dict[str, dict[str, Any]]:
-    """The rule of every item of ``state`` that has one (JSON, as recorded in the manifest)."""
-    rules: dict[str, dict[str, Any]] = {}
-    for name, value in state.items():
-        kind = _state.classify(value)
-        if kind in _TENSOR_KINDS:
-            rules[name] = {"rule": DCP}
-        elif isinstance(value, DataCursor):
-            rules[name] = {"rule": DATA_CURSOR}
-        elif isinstance(value, _state.PerRank) and value.reshard is not None:
-            rules[name] = {"rule": USER, "fn": _fn_name(value.reshard)}
-        elif name in config.replicated:
-            rules[name] = {"rule": REPLICATED}
-        elif isinstance(value, _rng.GeneratorState) and config.rng_seed is not None:
-            rules[name] = {"rule": RNG, "seed": config.rng_seed}
-    if config.capture_rng and config.rng_seed is not None:
-        rules[RNG_ITEM] = {"rule": RNG, "seed": config.rng_seed}
-    return rules
 
 
 def _would_apply(value: Any) -> str:
@@ -142,7 +114,7 @@ class Plan:
 def _rules(ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Every restored item's rule, or TopologyMismatchError naming each item without one."""
     saved = manifest.reshard or {}
-    live = declared(state, ctx.config)
+    live = ctx.declared_rules(state)
     rules: dict[str, dict[str, Any]] = {}
     problems = []
     for name in sorted(n for n in state if n in manifest.items):
@@ -237,7 +209,7 @@ def _derived_generator(item: Any, seed: int, step: int, rank: int, name: str) ->
 def _run_user_rule(
     manifest: _manifest.Manifest, ctx: Context, name: str, fn: Callable[..., Any], old: list[dict[str, Any]], plan: Plan
 ) -> Any:
-    where = f"restore of step {manifest.step}: the reshard rule {_fn_name(fn)} of item {name!r}"
+    where = f"restore of step {manifest.step}: the reshard rule {fn_name(fn)} of item {name!r}"
     try:
         new = fn([e["items"][name] for e in old], ctx.world)
     except Exception as exc:

@@ -1,3 +1,3 @@
-from .job import _main
+from .job import main
 
-_main()
+main()

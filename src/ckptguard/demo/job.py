@@ -3,7 +3,7 @@
 The loop has the shape of LLM RL post-training, on the CPU: a small transformer policy
 (FSDP2 over gloo ranks), a rollout engine that receives exported weights quantized to
 FP8 with a per-tensor scale cache, a toy reward and a policy-gradient update with Adam
-and a scheduler. The scale cache is the derived state: as in the guide's DS4 chain it
+and a scheduler. The scale cache is the derived state: as in the derived-state chain of docs/practices.md (5) it
 is built at start-up from the initial weights, before the restore. With the fix (the
 default) the restore invalidates it through ``DerivedState``; with ``--no-derived-fix``
 it does not, and the first step after the restore mismatches.
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .._resume.derived import DerivedState
-from .._resume.digest import digest
+from .._disk.digest import digest
+from .._state.derived import DerivedState
 
 VOCAB, SEQ, DIM, HEADS, BATCH = 12, 8, 32, 2, 16
 FP8 = torch.float8_e4m3fn
@@ -208,7 +208,7 @@ def worker(
     import torch.distributed as dist
 
     from .. import CheckpointConfig, CheckpointManager, ProofPlan, ResumeMode, _faults
-    from .._commit import retention
+    from .._records import retention
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -355,7 +355,7 @@ def run_demo(
     return evaluate(root), root
 
 
-def _main() -> None:
+def main() -> None:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m ckptguard.demo", description="one rank of the demo RL job")
@@ -371,4 +371,4 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    main()

@@ -9,6 +9,12 @@
   ``GeneratorState(sampler.generator)`` to the state.
 - ``rollout=True``: a toy RL step that samples its completions with a generator that is on
   purpose not restored: the data order stays exact, the numbers do not.
+- ``noise=True``: a plain step that adds noise from a generator that is not in the state (a
+  dropout-like bug): the data order stays exact, the numbers do not, and the default plan FAILs.
+- ``sampler="random"`` with ``prefetch="before_restore"``: nanoGPT's naive loop, whose first batch
+  is drawn from torch's global RNG above the loop, before ``restore`` put that RNG back.
+- ``epoch_loader=True``: the loop iterates a loader built for the epoch of the restored step; a
+  restore at the end of an epoch finds it exhausted, and the resumed run trains zero steps.
 
 Each rank draws its own samples and the gradients are all-reduced over gloo, so the model
 stays replicated. ``run`` is one segment of a job (one process); ``stop_after`` ends it right
@@ -51,6 +57,19 @@ class Cursor:
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         self.cursor = int(sd["cursor"])
+
+
+class RandomSampler:
+    """Ids drawn from torch's global RNG (which ckptguard saves and restores), as nanoGPT's get_batch."""
+
+    def next(self) -> torch.Tensor:
+        return torch.randint(0, SAMPLES, (BATCH,))
+
+    def state_dict(self) -> dict[str, int]:
+        return {}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        pass
 
 
 class ShuffleSampler:
@@ -108,7 +127,7 @@ def _rollout_loss(model: Model, prompts: torch.Tensor, gen: torch.Generator) -> 
         for _ in range(SEQ - prompts.shape[1]):
             probs = torch.softmax(model(tokens)[:, -1], dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=gen)], dim=1)
-    # A reward that varies across samples: a zero advantage would make the update zero (the guide's DS4.1 trap).
+    # A reward that varies across samples: a zero advantage would make the update zero (docs/practices.md, 6.4).
     reward = tokens[:, prompts.shape[1] :].float().mean(dim=1) / VOCAB
     logp = torch.log_softmax(model(tokens[:, :-1]), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1).sum(1)
     return -((reward - reward.mean()) * logp).mean(), float(reward.mean())
@@ -124,33 +143,47 @@ def run(
     prefetch: str = "none",
     sampler: str = "cursor",
     rollout: bool = False,
-    deterministic: bool = True,
+    noise: bool = False,
+    deterministic: bool | None = None,
+    total_steps: int | None = None,
+    epoch_loader: bool = False,
     stop_after: int | None = None,
     sleep_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One segment: restore (AUTO), train to ``steps`` with a step record each, save every ``save_every``."""
+    """One segment: restore (AUTO), train to ``steps`` with a step record each, save every ``save_every``.
+    ``stop_after`` at or below the restored step ends the segment right after the restore (a relaunch
+    killed before its first step)."""
     import ckptguard as cg
 
-    if prefetch not in ("none", "lost", "saved") or sampler not in ("cursor", "shuffle", "shuffle+generator"):
+    if prefetch not in ("none", "lost", "saved", "before_restore") or sampler not in (
+            "cursor", "shuffle", "shuffle+generator", "random"):
         raise ValueError(f"prefetch={prefetch!r}, sampler={sampler!r}")
     torch.manual_seed(0)
     model = Model()
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    source: Cursor | ShuffleSampler = Cursor(rank, world) if sampler == "cursor" else ShuffleSampler(rank, world)
+    source = _source(sampler, rank, world)
     state: dict[str, Any] = {"model": model, "optim": optim, "sampler": source}
     if sampler == "shuffle+generator":
         state["sampler_gen"] = cg.GeneratorState(source.generator)  # type: ignore[union-attr]
     ahead = cg.PerRank(None)  # the batch drawn before the save point
     if prefetch == "saved":
         state["prefetched"] = ahead
+    if prefetch == "before_restore":
+        ahead.value = source.next()  # nanoGPT's `X, Y = get_batch('train')` above the loop: an RNG not yet restored
     rollout_gen = torch.Generator().manual_seed(os.getpid())  # on purpose not in the state
-    plan = cg.ProofPlan(deterministic=deterministic)
+    plan = cg.ProofPlan(deterministic=deterministic, total_steps=total_steps)
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(proof=plan, retention=cg.KeepLast(2)))
     start = mgr.restore(state)
     if prefetch != "none" and ahead.value is None:
         ahead.value = source.next()
-    losses = {}
-    for step in range(start + 1, steps + 1):
+    losses: dict[int, float] = {}
+    if stop_after is not None and stop_after <= start:
+        return {"start": start, "losses": losses}
+    last = steps
+    if epoch_loader and start:  # the loader of the restored step's epoch: exhausted when restored at its end
+        per_epoch = SAMPLES // (BATCH * world)
+        last = min(steps, start if start % per_epoch == 0 else (start // per_epoch + 1) * per_epoch)
+    for step in range(start + 1, last + 1):
         if prefetch == "none":
             ids = source.next()
         else:
@@ -161,6 +194,8 @@ def run(
             extra = {"reward": reward}
         else:
             logits = model(batch[:, :-1])
+            if noise:  # drawn from a generator that is not in the state: the resumed run's noise differs
+                logits = logits + 0.1 * torch.randn(logits.shape, generator=rollout_gen)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
             extra = {}
         optim.zero_grad(set_to_none=True)
@@ -178,6 +213,12 @@ def run(
     return {"start": start, "losses": losses}
 
 
+def _source(sampler: str, rank: int, world: int) -> Cursor | ShuffleSampler | RandomSampler:
+    if sampler == "cursor":
+        return Cursor(rank, world)
+    return RandomSampler() if sampler == "random" else ShuffleSampler(rank, world)
+
+
 def _main() -> None:
     import argparse
 
@@ -187,10 +228,14 @@ def _main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-every", type=int, required=True)
-    p.add_argument("--prefetch", choices=("none", "lost", "saved"), default="none")
-    p.add_argument("--sampler", choices=("cursor", "shuffle", "shuffle+generator"), default="cursor")
+    p.add_argument("--prefetch", choices=("none", "lost", "saved", "before_restore"), default="none")
+    p.add_argument("--sampler", choices=("cursor", "shuffle", "shuffle+generator", "random"), default="cursor")
     p.add_argument("--rollout", action="store_true")
     p.add_argument("--not-deterministic", action="store_true")
+    p.add_argument("--noise", action="store_true", help="noise from a generator that is not in the state")
+    p.add_argument("--total-steps", type=int, default=None, help="ProofPlan(total_steps=)")
+    p.add_argument("--epoch-loader", action="store_true", help="a loader of the restored step's epoch only")
+    p.add_argument("--stop-after", type=int, default=None, help="end right after recording this step")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -198,8 +243,9 @@ def _main() -> None:
     if world > 1:
         dist.init_process_group("gloo")
     run(a.root, rank=dist.get_rank() if world > 1 else 0, world=world, steps=a.steps, save_every=a.save_every,
-        prefetch=a.prefetch, sampler=a.sampler, rollout=a.rollout, deterministic=not a.not_deterministic,
-        sleep_s=a.sleep)
+        prefetch=a.prefetch, sampler=a.sampler, rollout=a.rollout, noise=a.noise,
+        deterministic=False if a.not_deterministic else None, total_steps=a.total_steps, epoch_loader=a.epoch_loader,
+        stop_after=a.stop_after, sleep_s=a.sleep)
 
 
 if __name__ == "__main__":

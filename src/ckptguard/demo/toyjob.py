@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._resume.digest import digest
+from .._disk.digest import digest
 
 FEATURES = 16
 HIDDEN = 64

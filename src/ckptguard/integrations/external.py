@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._resume.digest import file_digest
+from .._disk.digest import file_digest
 from ..errors import ConfigError
 from ..storage.base import Storage, StorageContext, WrittenFile
 

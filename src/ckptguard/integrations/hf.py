@@ -31,7 +31,7 @@ and reads every file of its checkpoint folder; what changes:
 - step fingerprints: after every optimizer step, ``record_step`` with the digest of the batches it
   consumed (``prompt_ids`` for TRL's generating trainers, else ``input_ids``), the summed loss and
   the gradient norm, so ``ckptguard prove`` compares the steps a resumed run replays (data order
-  always; the numbers bitwise under ``ckptguard_config_overrides={"proof": ProofPlan(deterministic=True)}``).
+  always; the numbers bitwise unless ``ckptguard_config_overrides={"proof": ProofPlan(deterministic=False)}``).
 - retention: ``save_total_limit`` is ``KeepLast(save_total_limit)`` applied after the commit from
   the steps on disk; the step just committed and the step restored from are never deleted. HF's
   own rotation only ever sees the staging folder.
@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from .._commit.retention import KeepLast
-from .._resume import rng as _rng
-from .._resume.digest import digest
-from .._resume.state import PerRank
+from .._disk.digest import digest
+from .._records.retention import KeepLast
+from .._state import rng as _rng
+from .._state.state import PerRank
 from ..config import CheckpointConfig, ResumeMode
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager

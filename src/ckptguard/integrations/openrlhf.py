@@ -30,9 +30,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .._commit import layout as _layout
-from .._commit.retention import KeepLast
-from .._resume.state import PerRank
+from .._disk import layout as _layout
+from .._records.retention import KeepLast
+from .._state.state import PerRank
 from ..config import CheckpointConfig, ResumeMode
 from ..errors import ConfigError
 from ..manager import CheckpointManager
@@ -148,7 +148,7 @@ class CkptguardStrategyMixin:
 
     @staticmethod
     def _ckptguard_hold_best(mgr: CheckpointManager, step: int, key: Any, value: Any) -> None:
-        from .._commit import retention
+        from .._records import retention
 
         for old, reason in retention.holds(mgr.root).items():
             if old != step and reason.startswith("best "):

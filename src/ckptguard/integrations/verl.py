@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .._commit.retention import KeepLast
+from .._records.retention import KeepLast
 from ..config import CheckpointConfig, ResumeMode
 from ..errors import ConfigError
 from ..manager import CheckpointManager

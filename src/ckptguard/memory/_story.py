@@ -2,7 +2,7 @@
 
 Contract: ``build_story(records, ray_log)`` returns, per node, the host series (anon / shmem /
 file without shmem, and the current figure the sampler polls), every phase as a span with its
-in-phase peak, the limit lines, the budget limit of the guide (memory.max x Ray threshold) and
+in-phase peak, the limit lines, the budget limit of docs/practices.md (memory.max x Ray threshold) and
 the save step's peak with its headroom to that limit; and, for the whole job, the failure
 verdict. Both renderers draw exactly this, so the PNG tells the same story as the page.
 
@@ -237,7 +237,7 @@ def _limits(records: list[dict[str, Any]]) -> tuple[list[LimitLine], Budget]:
     if mm is None:
         mt = last_h.get("mem_total")
         lines.append(LimitLine("MemTotal", mt, f"MemTotal {fmt_bytes(mt)}", "" if mt else "meminfo unreadable"))
-    # The guide's budget: limit = cgroup memory.max x RAY_memory_usage_threshold; Ray kills
+    # The budget (docs/practices.md, memory budget): limit = cgroup memory.max x RAY_memory_usage_threshold; Ray kills
     # first, so its threshold is the line the save peak must stay under.
     if thr:
         budget = Budget(int(thr), derivation)

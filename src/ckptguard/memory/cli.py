@@ -20,9 +20,11 @@ from ..errors import CheckpointError
 from ._story import fmt_bytes
 from .colocation import check_recipe, parse_vllm_log
 from .estimate import estimate_dir
+from .figure import render_png
 from .growth import GrowthConfig, analyze_growth
 from .killer import Killer, classify_failure
 from .plan import compute_plan, load_plan_toml, plan_from_records
+from .ray_cluster import with_cluster_threshold
 from .records import read_records
 from .report import render_html
 from .watch import WatchConfig, watch
@@ -150,11 +152,9 @@ def plan(plan_file: Path | None, records: tuple[Path, ...], ray_address: str | N
 def _cluster_threshold(inputs: Any, address: str, quiet: bool) -> Any:
     """The plan's Ray threshold as the running cluster has it (cluster config > env > default)."""
     try:
-        import ray
+        import ray  # optional: the integration extra
     except ImportError:
         _fail("--ray-address needs the ray package (pip install 'ckptguard[integration]')")
-    from .ray_cluster import with_cluster_threshold
-
     joined = not ray.is_initialized()  # inside a driver that is already connected, reuse it
     if joined:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
@@ -207,8 +207,6 @@ def report(files: tuple[Path, ...], html_out: Path | None, png_out: Path | None,
         html_out.write_text(render_html(records, ray_log=log), encoding="utf-8")
         click.echo(f"wrote {html_out}")
     if png_out is not None:
-        from .figure import render_png
-
         try:
             render_png(records, png_out, ray_log=log)
         except CheckpointError as exc:
@@ -261,9 +259,9 @@ def vllm_log(log: Path, as_json: bool) -> None:
 def recipe(recipe_file: Path, modes_key: str, as_json: bool) -> None:
     """Check that gpu_memory_utilization is set per training mode (TOML or JSON recipe). Exit 1 on a finding."""
     if sys.version_info >= (3, 11):
-        import tomllib
+        import tomllib  # optional: the standard library's from 3.11
     else:
-        import tomli as tomllib
+        import tomli as tomllib  # optional: its backport before 3.11
 
     text = recipe_file.read_text(encoding="utf-8")
     try:

@@ -32,10 +32,10 @@ LABEL_PT = 8
 
 def _pyplot() -> Any:
     try:
-        import matplotlib
+        import matplotlib  # optional: the report extra
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: the report extra
     except ImportError:
         raise ConfigError("--png needs matplotlib: pip install 'ckptguard[report]' (or use --html)") from None
     return plt

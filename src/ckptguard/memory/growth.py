@@ -19,7 +19,7 @@ Noise floors (documented defaults, override in ``GrowthConfig``): 256 KiB per st
 shared pages being re-divided when a sibling process starts or exits.
 
 Where a limit is known (Ray's threshold in bytes, from the records), the node's floor slope
-gives a time and step at which the node would reach it. That figure is a HINT only: the guide
+gives a time and step at which the node would reach it. That figure is a HINT only: docs/practices.md
 warns that OOMs do not follow a short timeline linearly; continue from a verified checkpoint and
 observe instead of trusting it.
 """

@@ -45,7 +45,7 @@ __all__ = ["PhaseKind", "PhaseRecorder", "RecorderConfig"]
 
 
 class PhaseKind(Enum):
-    """The phases of an RL post-training step that the guide asks to record."""
+    """The phases of an RL post-training step that docs/practices.md asks to record."""
 
     LOAD = "load"
     SAVE = "save"

@@ -50,7 +50,7 @@ class _CudartRegistrar:
     FLAGS = 1
 
     def __init__(self) -> None:
-        import torch
+        import torch  # optional here: the memory wing imports without torch, so `ckptguard mem` starts fast
 
         if not torch.cuda.is_available():
             raise PinnedMemoryUnavailableError(
@@ -77,7 +77,7 @@ class PinnedBuffer:
     """An exact-size, page-locked uint8 CPU tensor; close it (or use ``with``) to free it."""
 
     def __init__(self, nbytes: int, registrar: HostRegistrar) -> None:
-        import torch
+        import torch  # optional here: the memory wing imports without torch, so `ckptguard mem` starts fast
 
         self.nbytes = nbytes
         self._registrar = registrar

@@ -6,7 +6,7 @@ says which one it reports and why:
 * ``excluding_page_cache``: current Ray (``memory_monitor_utils.cc``): cgroup ``current -
   active_file - inactive_file`` when the cgroup limit is below MemTotal, else ``MemTotal -
   MemAvailable``. Shmem (pinned CUDA host memory, plasma) counts as used in both.
-* ``including_page_cache``: cgroup ``current`` (or ``MemTotal - MemFree``): what the guide's runs
+* ``including_page_cache``: cgroup ``current`` (or ``MemTotal - MemFree``): what the runs behind it
   saw Ray count (older Ray subtracted inactive_file only, and on v2 looked up a v1 key, so the
   page cache stayed in).
 
@@ -37,7 +37,7 @@ class RayAccounting(Enum):
     EXCLUDES_PAGE_CACHE = "excludes_page_cache"
     """Current Ray: the file LRU is subtracted (cgroup-aware since 2023)."""
     INCLUDES_PAGE_CACHE = "includes_page_cache"
-    """Older Ray, and what the guide's runs saw: page cache counted as used."""
+    """Older Ray, and what the runs this tool was built from saw: page cache counted as used."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +157,7 @@ def ray_figure(snap: HostSnapshot, config: RayConfig | None = None) -> RayFigure
     if cfg.accounting is RayAccounting.EXCLUDES_PAGE_CACHE:
         why = f"reported as current Ray computes it from {where}: page cache (file LRU) excluded, shmem counted"
     else:
-        why = f"reported with page cache counted, as older Ray and the guide's runs did, from {where}"
+        why = f"reported with page cache counted, as older Ray did, from {where}"
     return RayFigure(
         excluding_page_cache=excl,
         including_page_cache=incl,

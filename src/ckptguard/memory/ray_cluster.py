@@ -41,13 +41,13 @@ class ClusterRayConfig:
 
 def _cluster_system_config() -> tuple[dict[str, Any] | None, str]:
     try:
-        import ray
+        import ray  # optional: the integration extra
     except ImportError:
         return None, "ray is not installed"
     if not ray.is_initialized():
         return None, "no connected Ray cluster in this process (call ray.init or run inside an actor)"
     try:
-        from ray._private.state import state
+        from ray._private.state import state  # optional: ray's private state API, when ray is there
 
         # ray's private API carries no annotations.
         return dict(state.get_system_config()), "read from the cluster's GCS"  # type: ignore[no-untyped-call]

@@ -2,7 +2,7 @@
 
 Contract: ``render_html(records)`` returns a page with inline SVG and inline CSS only; its
 Content-Security-Policy forbids every network load, so it opens the same offline, from a
-ticket attachment or a CI artifact. It shows what the guide says matters (Memory budget 2-4):
+ticket attachment or a CI artifact. It shows what docs/practices.md says matters (memory budget):
 the failure verdict (who killed it) first, then the save step's peak and its headroom to the
 limit (cgroup memory.max x Ray threshold), then one chart per node, each an
 ``<svg data-chart=...>``:

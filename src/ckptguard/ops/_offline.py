@@ -5,7 +5,7 @@ tensors that rank held (the chunk it wrote, or a replicated key's one full chunk
 checkpoint's own DCP metadata, load them with ``dcp.load`` through ckptguard's streaming
 reader and restricted metadata reader, rebuild the item from the rank's extras, recompute
 its digest for comparison with the manifest, and drop the tensors. A correct save digest
-is not a restore test (the guide, 3.5); this is one. Host memory stays within the budget:
+is not a restore test (docs/practices.md, 3.5); this is one. Host memory stays within the budget:
 tensors are loaded in batches of at most ``budget_bytes`` (a single tensor larger than the
 budget alone), through a reader pool of ``POOL_BYTES``, with one rank's extras at a time;
 never the whole checkpoint. Prints one JSON line per item done (``{"progress": ...}``) and
@@ -31,21 +31,14 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._resume.digest import (
-    _STRUCTURE_SEED,
-    _update,
-    box_sum,
-    combine_layout_free,
-    digest,
-    update_tensor_header,
-    update_with_tensor,
-)
-from .._resume.state import TENSOR_REF, ItemKind
+from .._disk import layout as _layout
+from .._disk.digest import STRUCTURE_SEED, digest, update_digest, update_tensor_header, update_with_tensor
+from .._disk.layoutfree import box_sum, combine_layout_free
+from .._records import manifest as _manifest
+from .._state.state import TENSOR_REF, ItemKind
 from ..errors import CheckpointCorruptError
 from ..storage._pool import IOStats
-from ..storage.streaming import StreamingConfig, StreamingStorage, _StreamingReader
+from ..storage.streaming import StreamingConfig, StreamingReader, StreamingStorage
 from ..storage.unpickler import read_dcp_metadata
 
 DEFAULT_BUDGET = 512 << 20
@@ -123,7 +116,7 @@ class _BoxPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the target is the box itself, whatever its offset
 
 
-class _CachedReader(_StreamingReader):
+class _CachedReader(StreamingReader):
     """The streaming reader, with the metadata read (and checked) once for every batch."""
 
     def __init__(self, layout: _Layout, storage: StreamingStorage, stats: IOStats) -> None:
@@ -194,7 +187,7 @@ def _refs(node: Any) -> Iterator[str]:
 
 
 def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor], structure: bool = False) -> None:
-    """``digest._update`` over the skeleton, each tensor fetched when reached (same bytes, same order).
+    """``digest.update_digest`` over the skeleton, each tensor fetched when reached (same bytes, same order).
 
     ``structure``: as ``structure_digest`` (format 3 tensor items): a tensor's dtype and shape only."""
     if isinstance(node, Mapping):
@@ -217,7 +210,7 @@ def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor], structure: bool
             h.update(b",")
         h.update(b"]")
     else:
-        _update(h, node)
+        update_digest(h, node)
 
 
 def skeleton_digest(skeleton: Any, get: Callable[[str], torch.Tensor], *, structure: bool = False) -> str:
@@ -225,7 +218,7 @@ def skeleton_digest(skeleton: Any, get: Callable[[str], torch.Tensor], *, struct
     every tensor at once."""
     h = xxhash.xxh3_64()
     if structure:
-        h.update(_STRUCTURE_SEED)
+        h.update(STRUCTURE_SEED)
     _walk(h, skeleton, get, structure)
     return h.hexdigest()
 

@@ -19,13 +19,13 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._commit import layout as _layout
-from .._commit import lease as _lease
-from .._commit import manifest as _manifest
-from .._commit import retention as _retention
-from .._commit import trust as _trust
-from .._commit.checks import verify_step
-from .._resume import contract as _contract
+from .._disk import layout as _layout
+from .._disk import lease as _lease
+from .._records import contract as _contract
+from .._records import manifest as _manifest
+from .._records import retention as _retention
+from .._records import trust as _trust
+from .._records.checks import verify_step
 from ..errors import CheckpointCorruptError, ConfigError, RunStepError
 
 LEASE_TTL_S = 6 * 3600.0
@@ -61,7 +61,7 @@ def _has_manifest(path: Path) -> bool:
 
 
 def _has_run_manifest(path: Path) -> bool:
-    from .._commit import runmanifest
+    from .._records import runmanifest
 
     try:
         runmanifest.read(path)

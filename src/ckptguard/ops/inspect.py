@@ -13,12 +13,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._commit import retention as _retention
-from .._commit import runmanifest as _runmanifest
-from .._commit import trust as _trust
-from .._resume.restore import Resolution, resolve_local
+from .._disk import layout as _layout
+from .._records import checks as _checks
+from .._records import manifest as _manifest
+from .._records import retention as _retention
+from .._records import runmanifest as _runmanifest
+from .._records import trust as _trust
+from .._resume.resolve import Resolution, resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
 
@@ -37,7 +38,7 @@ def resolve(
     """Which step a restore under ``root`` would load, and why, decided as ``restore`` decides."""
     return resolve_local(
         root.absolute(), naming(template), mode, path, _trust.as_prefer(prefer, "--prefer"),
-        read_manifest=_runmanifest.read_any,
+        read_manifest=_checks.read_any,
     )
 
 
@@ -71,7 +72,7 @@ def list_steps(root: Path, template: str) -> Listing:
             state = "NOT committed: a symlink (never read through)"
         else:
             try:
-                found = _runmanifest.read_any(path)
+                found = _checks.read_any(path)
                 state = "committed" if tracker is not None and step <= tracker else "orphan (newer than tracker)"
                 trusted = _trust.describe(trust.get(step)) if trust is not None else unreadable
                 if isinstance(found, _runmanifest.RunManifest):
@@ -101,12 +102,12 @@ def state_bytes(step_dirs: list[Path]) -> int:
 
 def world_size(step_dir: Path) -> int:
     """The saved world size of a committed step (a run step: of the whole run)."""
-    return int(_runmanifest.read_any(step_dir).world_size)
+    return int(_checks.read_any(step_dir).world_size)
 
 
 def hold(root: Path, template: str, step: int, reason: str) -> Path:
     """Pin a committed step against rotation; refuses a step that is not committed."""
-    _runmanifest.read_any(root / naming(template).name(step))
+    _checks.read_any(root / naming(template).name(step))
     if step > (_layout.read_tracker(root) or 0):
         raise ConfigError(f"step {step} is newer than the tracker: not committed")
     return _retention.hold(root, step, reason)

@@ -15,7 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._commit.checks import Finding, Severity, verify_step
+from .._records.checks import verify_step
+from .._records.findings import Finding, Severity
 from ..errors import CheckpointError
 from ..storage.objectstore import Marker, ObjectStore, ObjectStoreOptions
 

@@ -5,7 +5,7 @@ quick verify of the files this disk holds: on node-local roots, this node's part
 its node manifest), and, given the new allocation (which host each rank runs on), checks
 that the ranks placed on this node find their files on this disk. It looks at the real
 files, never at where the manifest says they were written; the ranks placed on other nodes
-of node-local roots are reported as not checked (run preflight there). That is the guide's
+of node-local roots are reported as not checked (run preflight there). That is docs/practices.md's
 pitfall 14: node-local checkpoints and a new node set silently restart at step 0. A root
 that does not exist here is NOT READY, never a fresh start.
 
@@ -21,12 +21,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._commit import runmanifest as _runmanifest
-from .._commit.checks import Finding, Severity, files_needed, safe_member, verify_step
+from .._disk import layout as _layout
 from .._dist import node_name
-from .._resume.restore import resolve_local
+from .._records import checks as _checks
+from .._records import manifest as _manifest
+from .._records import runmanifest as _runmanifest
+from .._records.checks import files_needed, safe_member, verify_step
+from .._records.findings import Finding, Severity
+from .._resume.resolve import resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
 
@@ -122,7 +124,7 @@ def preflight(
         )
         return report
     try:
-        res = resolve_local(root, naming, ResumeMode.AUTO, None, read_manifest=_runmanifest.read_any)
+        res = resolve_local(root, naming, ResumeMode.AUTO, None, read_manifest=_checks.read_any)
     except CheckpointError as exc:
         report.findings.append(
             Finding(Severity.ERROR, "unresolvable", str(root), str(exc).split(". ")[0], "fix the root before launching")
@@ -143,7 +145,7 @@ def preflight(
     report.findings += _lagging(root, naming, res.step)
     if res.path is None:
         return report
-    found = _runmanifest.read_any(res.path)
+    found = _checks.read_any(res.path)
     if isinstance(found, _runmanifest.RunManifest):
         report.roles = {name: list(e.ranks) for name, e in found.roles.items()}
     report.findings += verify_step(res.path)
@@ -194,7 +196,7 @@ def _world_mismatch(step_dir: Path, world: int, rank_hosts: dict[int, str]) -> l
 
 
 def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Finding]:
-    found = _runmanifest.read_any(step_dir)
+    found = _checks.read_any(step_dir)
     if isinstance(found, _runmanifest.RunManifest):
         # A run step is on one shared root (RunCheckpoint refuses node-local ones): every role's ranks read
         # this disk. Role rank i is run rank ranks[i]; each finding names the role.

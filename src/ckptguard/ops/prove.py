@@ -1,4 +1,4 @@
-"""Proof that a resume is exact: append-only records, and the gates of the guide's section 6.
+"""Proof that a resume is exact: append-only records, and the gates of docs/practices.md, section 6.
 
 Contract: each rank appends JSON lines to ``ROOT/proof/rank_NNNNN.jsonl`` (one record
 per event: save, restore, step, export, logprobs, update), never rewriting earlier lines.
@@ -21,18 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._commit import runmanifest as _runmanifest
-from .._resume.prooflog import (  # noqa: F401 (re-exported)
-    ProofLog,
-    export_fingerprint,
-    logprob_diff,
-    read_records,
-    record_roles,
-)
-from .._resume.trajectory import difference, numerics, same_bits
+from .._records import checks as _checks
+from .._records import runmanifest as _runmanifest
+from .._records.prooflog import read_records, record_roles
+from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError
+from . import resumes as _resumes
 from .inspect import tracker_run_step
+from .lora import lora_gate
 
 LEGACY_PLAN = ProofPlan(rl=True)
 """The plan of records written before plans were recorded: every gate applied."""
@@ -54,9 +51,12 @@ class Gate:
     status: Status
     evidence: str
     required: bool = True
+    qualifies: str = ""
+    """What the verdict must say with ``resume PROVEN`` because of this gate (numerics not compared)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"gate": self.name, "status": self.status.value, "evidence": self.evidence, "required": self.required}
+        out = {"gate": self.name, "status": self.status.value, "evidence": self.evidence, "required": self.required}
+        return {**out, "qualifies": self.qualifies} if self.qualifies else out
 
 
 @dataclass
@@ -73,8 +73,9 @@ class _Segment:
         return next((r for r in self.after if r["event"] == event), None)
 
 
-def _segment(rank: int, records: list[dict[str, Any]]) -> _Segment:
-    idx = max((i for i, r in enumerate(records) if r["event"] == "restore"), default=None)
+def _segment(rank: int, records: list[dict[str, Any]], at: int | None = -1) -> _Segment:
+    """The segment around restore record ``at`` (-1: the newest; None: none, every record is before)."""
+    idx = max((i for i, r in enumerate(records) if r["event"] == "restore"), default=None) if at == -1 else at
     if idx is None:
         return _Segment(rank, None, list(records))
     restore = records[idx]
@@ -211,7 +212,7 @@ def _gate_update(seg: _Segment) -> tuple[Status, str]:
     if first is None:
         step = next((r for r in seg.after if r["event"] == "step" and "grad_norm" in r), None)
         if step is None:
-            return Status.NOT_RUN, f"rank {seg.rank}: no update recorded after the restore"
+            return Status.NOT_RUN, _no_update(seg)
         changed = (step.get("extra") or {}).get("params_changed", True)
         first = {"step": step["step"], "grad_norm": step["grad_norm"], "params_changed": changed}
     norm = first.get("grad_norm")
@@ -221,6 +222,48 @@ def _gate_update(seg: _Segment) -> tuple[Status, str]:
             f"{norm} and params_changed={first.get('params_changed')}"
         )
     return Status.PASS, f"first update non-zero: grad_norm {norm:.3g}, parameters changed"
+
+
+def _no_update(seg: _Segment) -> str:
+    """Why the update gate has no evidence, and the call that records it."""
+    calls = ("record_step(step, ..., grad_norm=<the step's gradient norm>) or "
+             "record_update(step, grad_norm=..., params_changed=...) after the optimizer step")
+    steps = [int(r["step"]) for r in seg.after if r["event"] == "step"]
+    if steps:
+        return (f"rank {seg.rank}: steps {min(steps)}-{max(steps)} were recorded after the restore without grad_norm, "
+                f"so no update was recorded: pass {calls}")
+    return f"rank {seg.rank}: no update recorded after the restore: call {calls}"
+
+
+def _gate_trained(seg: _Segment, plan: ProofPlan) -> tuple[Status, str]:
+    """A resume that trains zero steps and exits 0 looks like success (an exhausted loader at an epoch
+    boundary): after the restore the process must record a step, unless the job had no steps left."""
+    if (missing := _needs_restore(seg)) is not None:
+        return missing
+    assert seg.restore is not None
+    k = int(seg.restore["step"])
+    trained = sorted({int(r["step"]) for r in seg.after if r["event"] in ("step", "update") and r["step"] > k})
+    if trained:
+        return Status.PASS, f"trained {len(trained)} step(s) after the restore of step {k} (to step {trained[-1]})"
+    ended = seg.first("exit")
+    declared = ended.get("total_steps") if ended is not None else None
+    total = declared if isinstance(declared, int) else plan.total_steps
+    later = [int(r["step"]) for r in seg.before if r["event"] == "step" and r["step"] > k]
+    of = f" of {total}" if total is not None else ""
+    if ended is None:
+        return Status.NOT_RUN, (f"rank {seg.rank}: the process that restored step {k}{of} recorded no step and no exit "
+                                "(killed before its first step, or still running: prove again when it ends)")
+    if total is not None and k >= total:
+        return Status.NA, f"step {k} restored, the job's last (total_steps {total}): nothing left to train"
+    if total is None and not later:
+        return Status.NOT_RUN, (f"rank {seg.rank}: resumed at step {k} and trained 0 steps before the process "
+                                "exited; no total_steps declared and no earlier run recorded a step past it, so "
+                                "whether steps were left is unknown: declare ProofPlan(total_steps=)")
+    why = f"the plan's total_steps is {total}" if total is not None else f"the killed run had reached step {max(later)}"
+    return Status.FAIL, (f"rank {seg.rank}: resumed at step {k}{of} and trained 0 steps, then the process exited "
+                         f"({why}): the data loader or the step range ended right after the restore, typically "
+                         "an exhausted loader at an epoch boundary (a loader iterator built once, a sampler whose "
+                         "epoch was not advanced); the job made no progress")
 
 
 def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
@@ -234,6 +277,34 @@ def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
         return Status.FAIL, (f"rank {seg.rank}: restore replaced {len(moved)} tensor(s) instead of copying into "
                              f"them, e.g. {moved[:3]}; CUDA graphs and rollout engines hold the old addresses")
     return Status.PASS, "every parameter and buffer kept its data_ptr through the restore"
+
+
+def _code_text(code: dict[str, Any]) -> str:
+    parts = [f"code {code['hash']}" if code.get("hash") else "no code hash"]
+    parts += [f"{k} {code[k]}" for k in ("ckptguard", "torch", "python") if code.get(k)]
+    return ", ".join(parts)
+
+
+def _code(segments: list[_Segment]) -> Gate | None:
+    """Which code saved the restored step and which resumed it (recorded with saves and restores), as information."""
+    seg = next((s for s in segments if _restored(s) and s.restore is not None and "code" in s.restore), None)
+    if seg is None or seg.restore is None:
+        return None
+    resumed, step = seg.restore["code"], seg.restore["step"]
+    save = next((r for r in reversed(seg.before) if r["event"] == "save" and r["step"] == step), None)
+    saved = save.get("code") if save is not None else None
+    hint = "" if resumed.get("hash") else "; declare CheckpointConfig(contract=RunContract(code=hash_git_tree('.')))" \
+        " to record the code's own hash"
+    if not isinstance(saved, dict):
+        return Gate("code identity", Status.INFO, f"resumed by {_code_text(resumed)}; the save of step {step} "
+                    f"recorded no code identity (an older ckptguard){hint}", required=False)
+    if saved == resumed:
+        return Gate("code identity", Status.INFO, f"step {step} saved and resumed by the same code "
+                    f"({_code_text(resumed)}){hint}", required=False)
+    changed = sorted(k for k in {*saved, *resumed} if saved.get(k) != resumed.get(k))
+    return Gate("code identity", Status.INFO, (
+        f"the saving and the resumed runs ran different code ({', '.join(changed)} differ): saved by "
+        f"{_code_text(saved)}, resumed by {_code_text(resumed)}; the replay compares the two{hint}"), required=False)
 
 
 def _tier(segments: list[_Segment]) -> Gate | None:
@@ -266,6 +337,8 @@ class _Replay:
     diffs: list[tuple[int, str, Any, Any]] = field(default_factory=list)  # (step, name, killed, resumed)
     numbers: int = 0  # values compared
     fields: set[str] = field(default_factory=set)  # data fields compared (sample_ids, batch)
+    threads: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # step -> (killed, resumed) CPU threads
+    epoch: tuple[bool | None, str] = (None, "")  # whether the compared steps crossed into the data's next pass
 
 
 def _data(r: dict[str, Any]) -> dict[str, Any]:
@@ -279,10 +352,34 @@ def _show(r: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in _data(r).items())
 
 
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted(_data(r).items()))
+
+
+def _drawn_before_restore(step: int, k: int, key: tuple[Any, ...], firsts: dict[tuple[Any, ...], int],
+                          ref: dict[int, list[Any]], after: dict[int, list[Any]]) -> str | None:
+    """A batch drawn before ``restore`` (nanoGPT's naive loop: ``X, Y = get_batch()`` above the loop)
+    comes from an RNG not yet restored: the first replayed step consumes what a fresh process's first
+    step consumed, and the next step, drawn after the restore, is the killed run's again."""
+    if step != k + 1 or key not in firsts:
+        return None
+    nxt_a, nxt_b = ref.get(step + 1), after.get(step + 1)
+    if nxt_a and nxt_b and _key(nxt_a[0]) != _key(nxt_b[0]):
+        return None  # the next step differs too: not one batch drawn early
+    then = f"; step {step + 1} matches the killed run's again" if nxt_a and nxt_b else ""
+    return (f"The resumed run consumed at its first step after the restore (step {step}) what a freshly started "
+            f"process consumed at its first step (step {firsts[key]}){then}: the batch was drawn before restore(), "
+            "from an RNG not yet restored. Draw the first batch after restore() (or keep the batch drawn ahead in "
+            "the state: state['batch'] = ckptguard.PerRank(batch))")
+
+
 def _hint(
-    rank: int, step: int, resumed: dict[str, Any], ref: dict[int, list[Any]], history: dict[tuple[Any, ...], int]
+    rank: int, step: int, resumed: dict[str, Any], ref: dict[int, list[Any]], history: dict[tuple[Any, ...], int],
+    before_restore: str | None = None,
 ) -> str:
     """What kind of state is usually missing, from where the resumed run's data came from."""
+    if before_restore is not None:
+        return before_restore
     key = tuple(sorted(_data(resumed).items()))
     ahead = [s for s, recs in ref.items() if s > step and any(tuple(sorted(_data(r).items())) == key for r in recs)]
     if ahead:
@@ -322,6 +419,18 @@ def _reference(
         if r["pid"] == saver and r["step"] > k:
             ref.setdefault(int(r["step"]), []).append(r)
     return saver, ref, history
+
+
+def _first_steps(before: list[dict[str, Any]], pid: Any) -> dict[tuple[Any, ...], int]:
+    """The data of each earlier process's first step record, by its data (the first batch a fresh process draws)."""
+    seen: set[Any] = set()
+    out: dict[tuple[Any, ...], int] = {}
+    for r in before:
+        if r["event"] == "step" and r["pid"] != pid and r["pid"] not in seen:
+            seen.add(r["pid"])
+            if _data(r):
+                out.setdefault(_key(r), int(r["step"]))
+    return out
 
 
 def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Replay:
@@ -367,15 +476,18 @@ def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Re
                 return out
             if da != db:
                 out.status, out.first_bad = Status.FAIL, s
-                hint = _hint(seg.rank, s, b, ref, history)
+                early = _drawn_before_restore(s, k, _key(b), _first_steps(before, seg.restore["pid"]), ref, resumed)
+                hint = _hint(seg.rank, s, b, ref, history, early)
                 out.evidence = (f"rank {seg.rank}, step {s} (first replayed step {min(out.steps)}): the resumed run "
                                 f"consumed {_show(b)}, the killed run {_show(a)}. {hint}")
                 return out
+            out.threads.setdefault(s, (a.get("threads"), b.get("threads")))
             na, nb = numerics(a), numerics(b)
             for name in [*na, *(n for n in nb if n not in na)]:  # loss, grad_norm, then the extras
                 out.numbers += 1
                 if name not in na or name not in nb or not same_bits(na[name], nb[name]):
                     out.diffs.append((s, name, na.get(name, "absent"), nb.get(name, "absent")))
+    out.epoch = _epoch_crossing(k, [ref[s][0] for s in out.steps], before)
     if not out.steps:
         out.evidence = (f"rank {seg.rank}: the killed run recorded steps {min(ref)}-{last} after step {k}, the "
                         f"resumed run steps {min(resumed)}-{max(resumed)}: no step in common")
@@ -390,6 +502,61 @@ def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Re
         span = f"step {out.steps[0]}" if len(out.steps) == 1 else f"steps {out.steps[0]}-{out.steps[-1]}"
         out.evidence = f"{span} replayed after the restore of step {k}"
     return out
+
+
+def _epoch_of(r: dict[str, Any]) -> Any:
+    return (r.get("extra") or {}).get("epoch")
+
+
+def _epoch_crossing(k: int, compared: list[dict[str, Any]], before: list[dict[str, Any]]) -> tuple[bool | None, str]:
+    """Whether the compared steps (the killed run's records) reach the data's next pass: exactly from a
+    recorded ``epoch`` extra, else when a compared step consumes an id already consumed in the pass of step
+    k (found back from k to the first repeated id; only each step's first ids are recorded)."""
+    if not compared:
+        return None, ""
+    at_k = next((r for r in reversed(before) if r["event"] == "step" and r["step"] == k), None)
+    epochs = [e for e in [_epoch_of(at_k) if at_k else None, *map(_epoch_of, compared)] if e is not None]
+    if epochs:
+        for prev, r in zip([at_k, *compared], compared, strict=False):
+            if prev is not None and _epoch_of(prev) is not None and _epoch_of(r) != _epoch_of(prev):
+                return True, f"epoch {_epoch_of(prev)} -> {_epoch_of(r)} at step {r['step']} (record_step epoch=)"
+        return False, f"all in epoch {epochs[-1]} (record_step epoch=)"
+    heads = {int(r["step"]): list(r.get("ids_head") or []) for r in before if r["event"] == "step" and r["step"] <= k}
+    seen: dict[Any, int] = {}  # the ids of the pass the restored step is in: back from k to the first repeat
+    for step in sorted(heads, reverse=True):
+        if any(i in seen for i in heads[step]):
+            break
+        seen.update({i: step for i in heads[step]})
+    for r in compared:
+        again = [i for i in r.get("ids_head") or [] if i in seen]
+        if again:
+            first = seen[again[0]]
+            return True, f"step {r['step']} consumed sample {again[0]!r} again (also consumed at step {first})"
+        seen.update({i: int(r["step"]) for i in r.get("ids_head") or []})
+    if not any("ids_head" in r for r in compared):
+        return None, "not known (record_step(..., epoch=) or integer/string sample_ids tell)"
+    return None, ("not seen: no compared step's first recorded ids were consumed before (only the first ids of each "
+                  "step are recorded; record_step(..., epoch=) tells exactly)")
+
+
+def _coverage(replays: list[_Replay]) -> Gate | None:
+    """How much the replay compared, and whether a state used only at the next epoch could have shown."""
+    compared = [r for r in replays if r.steps]
+    if not compared:
+        return None
+    counts = sorted({len(r.steps) for r in compared})
+    per_rank = (f"{counts[0]} replayed step(s) compared on each of {len(compared)} rank(s)" if len(counts) == 1 else
+                "replayed steps compared per rank: " + ", ".join(f"rank {r.rank}: {len(r.steps)}" for r in compared))
+    crossed = next((r.epoch for r in compared if r.epoch[0] is True), None)
+    if crossed is not None:
+        return Gate("replay coverage", Status.INFO, f"{per_rank}; they crossed into the data's next pass: {crossed[1]}",
+                    required=False)
+    known = next((r.epoch for r in compared if r.epoch[0] is False), None) or compared[0].epoch
+    return Gate("replay coverage", Status.INFO, (
+        f"{per_rank}; epoch boundary: {known[1] or 'not known'}. The replay could not have seen a state that acts "
+        "only at the next pass over the data (a sampler's torch.Generator left out of the state, a per-epoch seed or "
+        "set_epoch): kill a run past an epoch boundary, with ProofPlan(replay_steps=) reaching it, to compare there"),
+        required=False)
 
 
 def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
@@ -410,29 +577,62 @@ def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
     compared = [r for r in replays if r.steps and r.status is not Status.FAIL]
     count = sum(r.numbers for r in compared)
     name = "replayed steps identical"
+    coverage = [g for g in [_coverage(replays)] if g is not None]
     if plan.deterministic:
-        if diffs:
-            s, rank, what, a, b = diffs[0]
-            return [data, Gate(name, Status.FAIL, f"rank {rank}, step {s}: {what} {a!r} in the killed run, {b!r} "
-                               "after the resume (ProofPlan(deterministic=True) asks for bitwise equality)")]
-        if data.status is not Status.PASS or not count:
-            why = "no values (loss, grad_norm, extras) recorded" if data.status is Status.PASS else "no replay compared"
-            return [data, Gate(name, Status.NOT_RUN, why)]
-        return [data, Gate(name, Status.PASS, f"{count} values (loss, grad_norm, extras) bitwise equal to the "
-                           "killed run's")]
+        return [data, _deterministic_numbers(name, data, replays, diffs, count), *coverage]
+    return [data, _declared_numbers(name, diffs, count), *coverage]
+
+
+NOT_COMPARED = "replayed numerics not compared: the plan declares non-deterministic steps"
+
+
+def _deterministic_numbers(name: str, data: Gate, replays: list[_Replay], diffs: list[Any], count: int) -> Gate:
+    """Bitwise: the first differing value FAILs, with the likely causes in order."""
+    if diffs:
+        s, rank, what, a, b = diffs[0]
+        replay = next(r for r in replays if r.rank == rank)
+        return Gate(name, Status.FAIL, f"rank {rank}, step {s}: {what} {a!r} in the killed run, {b!r} after the "
+                    f"resume (the plan compares replayed numerics bitwise). {_numbers_hint(replay, s)}")
+    if data.status is not Status.PASS or not count:
+        why = "no values (loss, grad_norm, extras) recorded" if data.status is Status.PASS else "no replay compared"
+        return Gate(name, Status.NOT_RUN, why)
+    return Gate(name, Status.PASS, f"{count} values (loss, grad_norm, extras) bitwise equal to the killed run's")
+
+
+def _numbers_hint(replay: _Replay, step: int) -> str:
+    """The likely causes of a bitwise difference where the data was the same, most likely first."""
+    threads = replay.threads.get(step)
+    if threads is not None and None not in threads and threads[0] != threads[1]:
+        return (f"The killed run ran with {threads[0]} CPU threads, the resumed run with {threads[1]} "
+                "(torch.get_num_threads()): reductions split differently; set OMP_NUM_THREADS or "
+                "torch.set_num_threads alike in both.")
+    batch = ("a changed batch composition (padding, packing, collate order: only sample ids were recorded, "
+             "record_step(..., batch=...) compares the tensors too)" if "batch" not in replay.fields else
+             "a changed batch composition inside the step (the batch tensors recorded are equal, so after them)")
+    return ("Likely causes, in order: (1) a generator used inside the step and not in the state (dropout, noise, "
+            "sampling: add state['gen'] = ckptguard.GeneratorState(gen), or draw from torch's global RNG, which "
+            "is saved); (2) a different thread count or kernel (OMP_NUM_THREADS, torch.set_num_threads, "
+            f"torch.use_deterministic_algorithms, another device or library version); (3) {batch}. Steps that "
+            "are legitimately not bitwise (rollouts sampled across processes) declare ProofPlan(deterministic=False).")
+
+
+def _declared_numbers(name: str, diffs: list[Any], count: int) -> Gate:
+    """The plan declares non-deterministic steps: the numbers are information, and the verdict says so."""
     plan_note = "information only: ProofPlan(deterministic=False)"
     if not count:
-        return [data, Gate(name, Status.INFO, f"not compared (no replayed values); {plan_note}", required=False)]
+        return Gate(name, Status.INFO, f"not compared (no replayed values); {plan_note}", required=False,
+                    qualifies=NOT_COMPARED)
     if not diffs:
-        return [data, Gate(name, Status.INFO, f"{count} values bitwise equal to the killed run's; {plan_note}",
-                           required=False)]
+        return Gate(name, Status.INFO, f"{count} values bitwise equal to the killed run's; {plan_note}",
+                    required=False, qualifies=NOT_COMPARED)
     numeric = [(difference(a, b), s, rank, what, a, b) for s, rank, what, a, b in diffs]
     sized = [d for d in numeric if d[0] is not None]
     worst = max(sized, key=lambda d: d[0] or 0.0) if sized else (None, *diffs[0])
     size, s, rank, what, a, b = worst
     largest = f"largest difference {size:.3g}" if size is not None else "differs"
-    return [data, Gate(name, Status.INFO, f"{len(diffs)} of {count} values not bitwise; {largest} in {what} at "
-                       f"step {s}, rank {rank} ({a!r} killed, {b!r} resumed); {plan_note}", required=False)]
+    return Gate(name, Status.INFO, f"{len(diffs)} of {count} values not bitwise; {largest} in {what} at "
+                f"step {s}, rank {rank} ({a!r} killed, {b!r} resumed); {plan_note}", required=False,
+                qualifies=NOT_COMPARED)
 
 
 # ---------------------------------------------------------------- resharded resumes
@@ -585,7 +785,8 @@ def _resharded_gates(segments: list[_Segment], records: dict[int, list[dict[str,
     data = _union_data(segments, records, plan, k, old, new)
     numbers = Gate("replayed steps identical", Status.INFO, (
         f"resharded {old} -> {new} ranks: each rank's batches differ from the killed run's, so loss and grad_norm "
-        "are not compared step by step"), required=False)
+        "are not compared step by step"), required=False,
+        qualifies=f"replayed numerics not compared: resharded {old} -> {new} ranks")
     return [data, numbers]
 
 
@@ -641,8 +842,9 @@ def _judged(gate: Any, seg: _Segment) -> tuple[Status, str]:
         )
 
 
-def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
+def evaluate(root: Path, *, plan: ProofPlan | None = None, resume: int | None = None) -> list[Gate]:
     """Every gate, in order. ``plan`` overrides the recorded plan (to read the same records under another).
+    ``resume`` judges that resume (1 the oldest, ``ops.resumes``); None the newest with evidence.
 
     A RunCheckpoint root (``run_roles``): a required gate that every role restored one run step
     holding every role, then every role's gates, each named ``<role>: <gate>``; a role without
@@ -650,15 +852,42 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None) -> list[Gate]:
     root = Path(root)  # a str from a script (examples/train_gpt.py passes its --root) works as a Path
     roles = run_roles(root)
     if roles:
-        return _evaluate_run(root, roles, plan)
-    return _evaluate(root, plan, None)
+        return _evaluate_run(root, roles, plan, resume)
+    return _evaluate(root, plan, None, resume)
 
 
-def _evaluate(root: Path, plan: ProofPlan | None, role: str | None) -> list[Gate]:
-    from .._commit.manifest import FORMAT_VERSION
+def resume_count(root: Path) -> list[_resumes.Resume]:
+    """The resumes recorded under ``root`` (of its first role, on a run root), oldest first."""
+    roles = run_roles(Path(root))
+    return _resumes.resumes(read_records(Path(root), roles[0] if roles else None))
+
+
+def _chosen_segments(
+    records: dict[int, list[dict[str, Any]]], resume: int | None
+) -> tuple[list[_Segment], Gate | None]:
+    """Each rank's segment around the judged resume, and the line saying which one (None: no resume)."""
+    try:
+        chosen, why = _resumes.pick(records, resume)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    if chosen is None:
+        return [_segment(rank, recs) for rank, recs in sorted(records.items())], None
+    times = _resumes.launch_times(records)
+    out = []
+    for rank, recs in sorted(records.items()):
+        idx = _resumes.record_of(recs, chosen.time, times)
+        if idx is None:
+            out.append(_Segment(rank, None, [r for r in recs if float(r.get("time", 0)) < chosen.time]))
+        else:
+            out.append(_segment(rank, recs, idx))
+    return out, Gate("resume judged", Status.INFO, why, required=False)
+
+
+def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int | None = None) -> list[Gate]:
+    from .._records.manifest import FORMAT_VERSION
 
     records = read_records(root, role)
-    all_segments = [_segment(rank, recs) for rank, recs in sorted(records.items())]
+    all_segments, judged = _chosen_segments(records, resume)
     segments = _newest_run(all_segments)
     found, where = _plan(records, segments)
     if plan is None:
@@ -679,8 +908,11 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None) -> list[Gate
         return source.before if in_new_run else records.get(src, [])
 
     events = {r["event"] for recs in records.values() for r in recs}
+    total = f", total_steps={plan.total_steps}" if plan.total_steps is not None else ""
     gates = [Gate("proof plan", Status.INFO, f"rl={plan.rl}, deterministic={plan.deterministic}, "
-                  f"replay_steps={plan.replay_steps} ({where})", required=False)]
+                  f"replay_steps={plan.replay_steps}{total} ({where})", required=False)]
+    if judged is not None:
+        gates.append(judged)
     resharded = _resharded(segments)
     if resharded is not None:
         gates.append(_gate_topology(segments, *resharded[1:]))
@@ -688,7 +920,7 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None) -> list[Gate
                      ("digests equal, item by item", _gate_digests), ("addresses unchanged", _gate_addresses)):
         gates.append(_combine(name, [_judged(fn, s) for s in segments]))
     if (tier := _tier(segments)) is not None:
-        gates.insert(2, tier)
+        gates.insert(next(i for i, g in enumerate(gates) if g.name == "all PIDs changed"), tier)
     if resharded is not None:
         gates.append(_gate_rng_distinct(segments))
     gates.append(_not_rl("first export byte-identical", [_judged(_gate_export, s) for s in segments], plan, where,
@@ -696,11 +928,16 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None) -> list[Gate
     gates.append(_not_rl("first old-logprob aligned", [_judged(_gate_logprobs, s) for s in segments], plan, where,
                          "logprobs" in events))
     gates.append(_combine("one non-zero update", [_judged(_gate_update, s) for s in segments]))
+    gates.append(_combine("resumed run trained", [_judged(lambda s: _gate_trained(s, plan), s) for s in segments]))
     if resharded is not None:  # ranks changed: exactly-once over the union of ranks, not rank by rank
         gates += _resharded_gates(segments, records, plan, *resharded)
     else:
         gates += _replay_gates([_replay(s, before(s), plan) for s in segments], plan)
+    if (code := _code(segments)) is not None:
+        gates.append(code)
     restores = [s.restore for s in segments if s.restore is not None]
+    if (lora := lora_gate(restores)) is not None:
+        gates.append(Gate("LoRA base and adapter", Status.INFO, lora, required=False))
     written = sorted({int(r["format_version"]) for r in restores if r.get("format_version")})
     gates.append(
         Gate(
@@ -719,9 +956,11 @@ def passed(gates: list[Gate]) -> bool:
 
 
 def verdict(gates: list[Gate]) -> str:
-    """One line: ``resume PROVEN`` or ``resume NOT proven: <first failing gate> (<status>)``."""
+    """One line: ``resume PROVEN`` (with what was not compared, in parentheses) or ``resume NOT proven:
+    <first failing gate> (<status>)``."""
     if passed(gates):
-        return "resume PROVEN"
+        notes = list(dict.fromkeys(g.qualifies for g in gates if g.qualifies))
+        return "resume PROVEN" + (f" ({'; '.join(notes)})" if notes else "")
     failing = [g for g in gates if g.required and g.status is not Status.PASS]
     first = next((g for g in failing if g.status is Status.FAIL), failing[0])
     return f"resume NOT proven: {first.name} ({first.status.value})"
@@ -764,7 +1003,7 @@ def _gate_run_step(root: Path, roles: list[str]) -> Gate:
     recorded = Path(next(iter(restored.values())).pop()[1])
     step_dir = recorded if recorded.is_dir() else root / recorded.name  # the root was moved since
     try:
-        run = _runmanifest.checked(step_dir)
+        run = _checks.checked_run_step(step_dir)
     except CheckpointError as exc:
         return Gate(name, Status.FAIL, f"run step {step}: {str(exc).split('. ')[0]}")
     declared = sorted(set(roles) | set(run.roles))
@@ -776,11 +1015,11 @@ def _gate_run_step(root: Path, roles: list[str]) -> Gate:
                 "holds every role")
 
 
-def _evaluate_run(root: Path, roles: list[str], plan: ProofPlan | None) -> list[Gate]:
+def _evaluate_run(root: Path, roles: list[str], plan: ProofPlan | None, resume: int | None) -> list[Gate]:
     gates = [Gate("run roles", Status.INFO, f"RunCheckpoint root: roles {', '.join(roles)}; each role's gates are "
                   "its own records (proof/<role>/)", required=False), _gate_run_step(root, roles)]
     for role in roles:
-        for g in _evaluate(root, plan, role):
+        for g in _evaluate(root, plan, role, resume):
             evidence = g.evidence if g.evidence.startswith("role ") else f"role {role!r}: {g.evidence}"
             gates.append(Gate(f"{role}: {g.name}", g.status, evidence, g.required))
     return gates

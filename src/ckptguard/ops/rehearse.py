@@ -1,4 +1,4 @@
-"""Rehearse a long run's resume before the long run (the guide, 3.2 and 6): kill, resume, save again.
+"""Rehearse a long run's resume before the long run (docs/practices.md, 3.2 and 6): kill, resume, save again.
 
 Contract: run the user's training command (which uses ckptguard on ``root`` and records its
 steps with ``record_step``) three times, each time killing its whole process tree with
@@ -10,7 +10,7 @@ SIGKILL (torchrun's workers sit in their own sessions; ``_proctree`` finds them 
 2. relaunched, it resumes, replays, and its next save stops in the middle of its write
    (``_faults.PAUSE_ENV``): the kill lands mid-write, nothing of that save is committed;
 3. relaunched again, it resumes from the same step, replays the steps the first run recorded
-   past that save and must commit a save again (the guide's kill -> resume -> save again).
+   past that save and must commit a save again (docs/practices.md, 6: kill -> resume -> save again).
 
 Each resume is evaluated by the proof gates (the second while its run sits paused, the third
 after its save); the rehearsal passes only if both are proven. Every wait is bounded by
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
-from .._commit import layout as _layout
-from .._commit import manifest as _manifest
-from .._commit.checks import cost
-from .._resume.prooflog import read_records
+from .._disk import layout as _layout
+from .._records import manifest as _manifest
+from .._records.checks import cost
+from .._records.prooflog import read_records
 from ..config import ProofPlan
 from ..errors import CheckpointError, RehearsalError
 from . import _proctree

@@ -1,6 +1,6 @@
 """A fast save-failure repro: the real save, repeated, stopping at the first failure.
 
-Contract (the guide's 3.1 and 3.2): ``run_repro`` spawns ``ranks`` processes that form a
+Contract (docs/practices.md, 3.1 and 3.2): ``run_repro`` spawns ``ranks`` processes that form a
 gloo group and repeat ckptguard's own save (same serializer, same concurrency, real-sized
 tensors) for at most ``rounds`` rounds. It stops at the first failure and keeps the scene
 (the failed temp directory, renamed ``.failed-...``) and returns a report: the first
@@ -32,7 +32,7 @@ class ReproConfig:
     """One repro run."""
 
     rounds: int = 10
-    """Most saves to attempt; size it to the failure probability (the guide saw failures by round 2-6)."""
+    """Most saves to attempt; size it to the failure probability (the failures it was built for came by round 2-6)."""
     size_gib: float = 1.0
     """Tensor state per save, in GiB, split evenly across ranks."""
     ranks: int = 1

@@ -112,7 +112,7 @@ def _int(value: Any) -> bool:
 
 def run_rank_roles(path: Path) -> dict[int, list[str]] | None:
     """A RunCheckpoint root: each run rank and the roles it holds (the tracker's run step), else None."""
-    from .._commit import runmanifest
+    from .._records import runmanifest
     from .inspect import tracker_run_step
 
     step_dir = tracker_run_step(path) if path.is_dir() else None

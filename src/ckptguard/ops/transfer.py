@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
-from .._commit import layout as _layout
-from .._commit import lease as _lease
-from .._commit import manifest as _manifest
-from .._commit.checks import node_part, verify_step
-from .._commit.protocol import _copy_verified
-from .._resume import contract as _contract
+from .._commit.stepdir import copy_verified
+from .._disk import layout as _layout
+from .._disk import lease as _lease
+from .._records import contract as _contract
+from .._records import manifest as _manifest
+from .._records.checks import node_part, verify_step
 from ..errors import CheckpointCorruptError, ConfigError
 
 TRANSFERS_DIR = "transfers"
@@ -117,11 +117,11 @@ def _copy_files(step_dir: Path, dest_root: Path, final: Path, manifest: Any) -> 
     try:
         for entry in entries or []:
             (tmp / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
-            _copy_verified(step_dir / entry["path"], tmp / entry["path"], expect=entry["xxh3"])
+            copy_verified(step_dir / entry["path"], tmp / entry["path"], expect=entry["xxh3"])
             _faults.reached("transfer.file_copied")
         if manifest.nodes:
-            _copy_verified(step_dir / _layout.NODE_MANIFEST_NAME, tmp / _layout.NODE_MANIFEST_NAME)
-        _copy_verified(step_dir / _layout.MANIFEST_NAME, tmp / _layout.MANIFEST_NAME)
+            copy_verified(step_dir / _layout.NODE_MANIFEST_NAME, tmp / _layout.NODE_MANIFEST_NAME)
+        copy_verified(step_dir / _layout.MANIFEST_NAME, tmp / _layout.MANIFEST_NAME)
         (tmp / _layout.OWNER_NAME).unlink()
         os.rename(tmp, final)
         _layout.fsync_dir(dest_root)

@@ -1,4 +1,4 @@
-"""Verify a written checkpoint without trusting it (the guide's rule 3.5).
+"""Verify a written checkpoint without trusting it (docs/practices.md, 3.5).
 
 Contract: ``verify_step`` returns findings, never raises on bad content. It reads the
 manifest as JSON and DCP's ``.metadata`` only through the restricted unpickler; paths
@@ -17,21 +17,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .._commit import checks as _checks
-from .._commit import layout as _layout
-from .._commit.checks import (
-    RESTORE_HINT,
-    Finding,
-    Severity,
-    _err,
-    cost,
-    deep_bytes,
-    printable,
-    safe_member,
-    verify_step,
-)
-from .._commit.lease import LEASE_NAME
-from .._commit.retention import HOLDS_DIR
+from .._disk import layout as _layout
+from .._disk.lease import LEASE_NAME
+from .._records.checks import cost, deep_bytes, safe_member, verify_step
+from .._records.findings import RESTORE_HINT, Finding, Severity, finding, printable
+from .._records.leftovers import leftover_findings
+from .._records.retention import HOLDS_DIR
 from ..errors import CheckpointError
 
 _ROOT_ENTRIES = {
@@ -55,7 +46,7 @@ def verify_root(
     A root that holds no checkpoint at all is an ERROR finding (``no-checkpoint``) that
     names the root the caller probably meant, never an "OK" over zero steps."""
     findings = [
-        _err(
+        finding(
             "symlink",
             root / name,
             f"the root's {what} entry is a symlink",
@@ -68,12 +59,12 @@ def verify_root(
         tracker = _layout.read_tracker(root)
     except (CheckpointError, OSError) as exc:
         tracker_path = root / _layout.TRACKER_NAME
-        return [], [*findings, _err("bad-tracker", tracker_path, str(exc), "fix or remove the tracker by hand")]
+        return [], [*findings, finding("bad-tracker", tracker_path, str(exc), "fix or remove the tracker by hand")]
     dirs = _layout.step_dirs(root, naming)
     if tracker is None:
         if dirs:
             findings.append(
-                _err(
+                finding(
                     "no-tracker",
                     root / _layout.TRACKER_NAME,
                     "is missing although steps exist",
@@ -82,12 +73,12 @@ def verify_root(
             )
         else:
             findings.append(_no_checkpoint(root, naming, f"no tracker {_layout.TRACKER_NAME} and no step directory"))
-        return [], findings + _checks.leftover_findings(root)
+        return [], findings + leftover_findings(root)
     checked = []
     for step, path in sorted(dirs.items()):
         if path.is_symlink():
             findings.append(
-                _err(
+                finding(
                     "symlink",
                     path,
                     "the step directory is a symlink",
@@ -112,7 +103,7 @@ def verify_root(
     if tracker > 0 and tracker not in dirs:
         hint = _template_hint(root, naming)
         findings.append(
-            _err(
+            finding(
                 "tracker-target",
                 root / _layout.TRACKER_NAME,
                 f"points at step {tracker}, which does not exist as {naming.name(tracker)}",
@@ -121,7 +112,7 @@ def verify_root(
         )
     elif not checked and not any(f.severity is Severity.ERROR for f in findings):
         findings.append(_no_checkpoint(root, naming, f"the tracker says {tracker}: no step is committed yet"))
-    findings += _checks.leftover_findings(root)
+    findings += leftover_findings(root)
     return checked, findings
 
 
@@ -137,7 +128,7 @@ def _no_checkpoint(root: Path, naming: _layout.StepNaming, why: str) -> Finding:
     below = suggest_roots(root)
     if below:
         hints.append("did you mean " + " or ".join(f"`ckptguard verify {p}`" for p in below))
-    return _err(
+    return finding(
         "no-checkpoint",
         root,
         f"holds no checkpoint ({why})",
@@ -235,13 +226,13 @@ def restore_check(
             tail = (err.read().strip().splitlines() or ["no output"])[-1]
         if proc.returncode != 0 or result is None:
             findings.append(
-                _err("restore-failed", step_dir, f"a restore in a new process failed: {tail}", RESTORE_HINT)
+                finding("restore-failed", step_dir, f"a restore in a new process failed: {tail}", RESTORE_HINT)
             )
             continue
         for problem in result.get("failed", []):
-            findings.append(_err("restore-failed", step_dir, problem, RESTORE_HINT))
+            findings.append(finding("restore-failed", step_dir, problem, RESTORE_HINT))
         for problem in compare(step_dir, result):
-            findings.append(_err("digest-mismatch", step_dir, problem, RESTORE_HINT))
+            findings.append(finding("digest-mismatch", step_dir, problem, RESTORE_HINT))
         elsewhere = result.get("elsewhere") or []
         if elsewhere:  # never a PASS for what was not restored: said, as not checked here
             findings.append(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import CheckpointCorruptError, StorageFormatError, UnsafeCheckpointError
 from ._pool import io_error
@@ -98,7 +99,6 @@ def item_frame(shape: tuple[int, ...], dtype: torch.dtype) -> Frame:
 
 def _build_frame(shape: tuple[int, ...], dtype: torch.dtype) -> Frame:
     global _fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     if _fake_mode is None:
         _fake_mode = FakeTensorMode()

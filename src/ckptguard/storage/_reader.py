@@ -36,8 +36,6 @@ import queue
 import stat
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,95 +45,24 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from ..errors import CheckpointCorruptError, StateMismatchError, StorageStallError, UnsafeCheckpointError
 from ._format import FileSlice, Frame, Record, item_frame, read_record
 from ._pool import BufferPool, IOStats, drop_cached, read_scattered
+from ._spans import (
+    ALIGN,
+    MAX_PIECES,
+    MERGE_GAP,
+    SMALL_ITEM,
+    Piece,
+    Span,
+    check_box,
+    check_record,
+    chunk_of,
+    contiguous,
+    file_blocks,
+    reopen,
+    stretches,
+    views,
+)
 
 log = logging.getLogger("ckptguard")
-
-SMALL_ITEM = 64 << 10  # items up to this size are read whole and parsed from the span's bytes
-MERGE_GAP = 256 << 10  # bytes no item asks for that a span reads through rather than start another request
-_ALIGN = 64  # where each piece starts in a buffer: any dtype's view of it is aligned
-_MAX_PIECES = 500  # per span: with a gap before each, preadv gets at most IOV_MAX (1024) buffers
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """A range of one file and what to do with its bytes once read."""
-
-    pos: int
-    nbytes: int
-    kind: str  # "copy" (a block of a tensor), "check" (frame bytes to compare), "small" (a whole small item)
-    item: int  # index into the plan's items: a failed check re-reads that item
-    dest: Any = None
-    dtype: Any = None
-    size: tuple[int, ...] = ()
-    stride: tuple[int, ...] = ()
-    rec: Record | None = None
-    expected: bytes = b""
-    req: Any = None
-    where: str = ""
-
-
-@dataclass
-class _Span:
-    fd: int
-    path: str
-    pos: int
-    end: int = 0
-    pieces: list[tuple[_Piece, int]] = field(default_factory=list)  # (piece, its place in the buffer)
-    used: int = 0  # buffer bytes taken so far
-
-
-def _extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
-    return 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
-
-
-def file_blocks(
-    size: tuple[int, ...], stride: tuple[int, ...], offset: int, dest: torch.Tensor, limit: int
-) -> Iterator[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.Tensor]]:
-    """(first element, extent in elements, block size, block stride, dest view) covering a strided view.
-
-    Blocks run along the dimension of largest stride, so each is one file span of at most
-    ``limit`` elements; a slice that alone exceeds the limit is split one level deeper.
-    """
-    if any(n == 0 for n in size):
-        return
-    if _extent(size, stride) <= limit:
-        yield offset, _extent(size, stride), size, stride, dest
-        return
-    d = max((i for i, n in enumerate(size) if n > 1), key=lambda i: stride[i])
-    rest = _extent(size, stride) - (size[d] - 1) * stride[d]
-    per = (limit - rest) // stride[d] + 1 if rest <= limit else 0
-    if per >= 1:
-        for a in range(0, size[d], per):
-            k = min(per, size[d] - a)
-            sub = (*size[:d], k, *size[d + 1 :])
-            yield offset + a * stride[d], _extent(sub, stride), sub, stride, dest.narrow(d, a, k)
-        return
-    sub_size, sub_stride = size[:d] + size[d + 1 :], stride[:d] + stride[d + 1 :]
-    for a in range(size[d]):
-        yield from file_blocks(sub_size, sub_stride, offset + a * stride[d], dest.select(d, a), limit)
-
-
-def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(size):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
-def _chunk_of(metadata: Any, index: Any) -> Any:
-    """The saved chunk (offsets, sizes) and properties that a ReadItem's storage index names, or None."""
-    entry = getattr(metadata, "state_dict_metadata", {}).get(index.fqn) if metadata is not None else None
-    chunks = getattr(entry, "chunks", None)
-    if not chunks or index.offset is None:
-        return None
-    hint = index.index
-    if hint is not None and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == tuple(index.offset):
-        return entry, chunks[hint]
-    for chunk in chunks:
-        if tuple(chunk.offsets) == tuple(index.offset):
-            return entry, chunk
-    return None
 
 
 class ItemReader:
@@ -228,11 +155,11 @@ class ItemReader:
         metadata: Any,
         dests: dict[int, torch.Tensor],
         only: set[int] | None = None,
-    ) -> list[tuple[int, str, _Piece]]:
+    ) -> list[tuple[int, str, Piece]]:
         """The pieces to read for ``ordered`` (those in ``only``), each naming its item by index in ``ordered``;
         every tensor item's target in ``dests``. ``metadata`` None: every item's archive is parsed."""
-        pieces: list[tuple[int, str, _Piece]] = []
-        limit_bytes = self._pool.size - _ALIGN
+        pieces: list[tuple[int, str, Piece]] = []
+        limit_bytes = self._pool.size - ALIGN
         for n, req in enumerate(ordered):
             if only is not None and n not in only:
                 continue
@@ -257,30 +184,30 @@ class ItemReader:
             if tuple(dest.shape) != tuple(req.lengths):
                 raise StateMismatchError(f"{where}: target shape {tuple(dest.shape)} != requested {tuple(req.lengths)}")
             if info.length <= min(SMALL_ITEM, limit_bytes):  # read whole, in one buffer with its neighbours
-                pieces.append((fd, path, _Piece(info.offset, info.length, "small", n, dest=dest, req=req, where=where)))
+                pieces.append((fd, path, Piece(info.offset, info.length, "small", n, dest=dest, req=req, where=where)))
                 continue
             guess = self._guess(metadata, req, info)
             if guess is not None:
                 rec, frame = guess
-                pieces.append((fd, path, _Piece(info.offset, len(frame.head), "check", n, expected=frame.head)))
+                pieces.append((fd, path, Piece(info.offset, len(frame.head), "check", n, expected=frame.head)))
             else:
                 rec = read_record(FileSlice(fd, info.offset, info.length, path), where)
-                _check_record(rec, info.length, where)
-                _check_box(rec.size, rec.stride, req, where)
+                check_record(rec, info.length, where)
+                check_box(rec.size, rec.stride, req, where)
             offset = rec.storage_offset + sum(o * s for o, s in zip(req.storage_offsets, rec.stride, strict=True))
             item_pos = info.offset + rec.data_offset
             isz = rec.dtype.itemsize
             for first, extent, size, stride, view in file_blocks(
                 tuple(req.lengths), rec.stride, offset, dest, limit_bytes // isz
             ):
-                piece = _Piece(item_pos + first * isz, extent * isz, "copy", n, dest=view, dtype=rec.dtype,
+                piece = Piece(item_pos + first * isz, extent * isz, "copy", n, dest=view, dtype=rec.dtype,
                                size=size, stride=stride, rec=rec)
                 pieces.append((fd, path, piece))
         return pieces
 
     def _guess(self, metadata: Any, req: Any, info: Any) -> tuple[Record, Frame] | None:
         """The record ckptguard's writer gives this item, if its length is that frame's; else None."""
-        found = _chunk_of(metadata, req.storage_index)
+        found = chunk_of(metadata, req.storage_index)
         if found is None:
             return None
         entry, chunk = found
@@ -289,38 +216,38 @@ class ItemReader:
             return None
         size = tuple(int(x) for x in chunk.sizes)
         frame = item_frame(size, dtype)
-        if frame.size != info.length or len(frame.head) > self._pool.size - _ALIGN:
+        if frame.size != info.length or len(frame.head) > self._pool.size - ALIGN:
             return None
-        rec = Record(data_offset=len(frame.head), dtype=dtype, storage_offset=0, size=size, stride=_contiguous(size))
+        rec = Record(data_offset=len(frame.head), dtype=dtype, storage_offset=0, size=size, stride=contiguous(size))
         try:
-            _check_box(rec.size, rec.stride, req, "")
+            check_box(rec.size, rec.stride, req, "")
         except CheckpointCorruptError:
             return None  # the parsed record decides, and names the item
         return rec, frame
 
-    def _spans(self, pieces: list[tuple[int, str, _Piece]]) -> list[_Span]:
+    def _spans(self, pieces: list[tuple[int, str, Piece]]) -> list[Span]:
         """Neighbouring pieces of one file grouped into spans that fit one buffer each."""
-        spans: list[_Span] = []
-        cur: _Span | None = None
+        spans: list[Span] = []
+        cur: Span | None = None
         for fd, path, piece in pieces:
             end = piece.pos + piece.nbytes
             if cur is not None and cur.fd == fd and cur.end <= piece.pos <= cur.end + MERGE_GAP \
-                    and len(cur.pieces) < _MAX_PIECES:
+                    and len(cur.pieces) < MAX_PIECES:
                 gap = piece.pos - cur.end
-                place = -(-(cur.used + gap) // _ALIGN) * _ALIGN
+                place = -(-(cur.used + gap) // ALIGN) * ALIGN
                 if place + piece.nbytes <= self._pool.size:
                     cur.pieces.append((piece, place))
                     cur.used, cur.end = place + piece.nbytes, end
                     continue
-            cur = _Span(fd, path, piece.pos, end, [(piece, 0)], piece.nbytes)
+            cur = Span(fd, path, piece.pos, end, [(piece, 0)], piece.nbytes)
             spans.append(cur)
         return spans
 
-    def _copy_small(self, data: bytearray, piece: _Piece) -> None:
+    def _copy_small(self, data: bytearray, piece: Piece) -> None:
         rec = read_record(io.BytesIO(data), piece.where)
         req, dest = piece.req, piece.dest
-        _check_record(rec, len(data), piece.where)
-        _check_box(rec.size, rec.stride, req, piece.where)
+        check_record(rec, len(data), piece.where)
+        check_box(rec.size, rec.stride, req, piece.where)
         if rec.dtype.itemsize == 0 or dest.numel() == 0:
             return
         raw = torch.frombuffer(data, dtype=torch.uint8)[rec.data_offset :]
@@ -334,10 +261,10 @@ class ItemReader:
 
     # ------------------------------------------------------------ streaming
 
-    def _run(self, spans: list[_Span]) -> None:
+    def _run(self, spans: list[Span]) -> None:
         if not spans:
             return
-        ready: queue.Queue[tuple[_Span, Any] | None] = queue.Queue()
+        ready: queue.Queue[tuple[Span, Any] | None] = queue.Queue()
         # Several reads in flight, each thread one contiguous stretch of the spans through its own
         # open file (its own readahead): threads interleaving spans of one descriptor read no faster
         # than one thread (benchmarks/results/read_h200.md).
@@ -345,7 +272,7 @@ class ItemReader:
         threads = [
             threading.Thread(target=self._prefetch, args=(part, ready, count > 1), name=f"ckptguard-read-{i}",
                              daemon=True)
-            for i, part in enumerate(_stretches(spans, count))
+            for i, part in enumerate(stretches(spans, count))
         ]
         count = len(threads)
         self._threads_run += threads
@@ -389,7 +316,7 @@ class ItemReader:
         if self._error is not None:
             raise self._error
 
-    def _deliver(self, span: _Span, buf: Any, events: list[Any]) -> None:
+    def _deliver(self, span: Span, buf: Any, events: list[Any]) -> None:
         """Each piece of a read span to its place; ``events`` gets one event per GPU its H2D copies went to."""
         last: dict[Any, Any] = {}
         try:
@@ -397,7 +324,7 @@ class ItemReader:
         finally:
             events.extend(last.values())
 
-    def _pieces_to_targets(self, span: _Span, buf: Any, last: dict[Any, Any]) -> None:
+    def _pieces_to_targets(self, span: Span, buf: Any, last: dict[Any, Any]) -> None:
         for piece, at in span.pieces:
             if piece.item in self._failed_checks:
                 continue  # read again after this pass
@@ -416,7 +343,7 @@ class ItemReader:
             else:
                 piece.dest.copy_(src)
 
-    def _next(self, ready: queue.Queue[tuple[_Span, Any] | None]) -> Any:
+    def _next(self, ready: queue.Queue[tuple[Span, Any] | None]) -> Any:
         t0 = time.perf_counter()
         try:
             got = ready.get(timeout=self._pool.timeout_s)
@@ -454,7 +381,7 @@ class ItemReader:
             event.synchronize()  # the buffer is reused only after its H2D copies have read it
         self._pool.put(buf)
 
-    def _drain(self, ready: queue.Queue[tuple[_Span, Any] | None]) -> None:
+    def _drain(self, ready: queue.Queue[tuple[Span, Any] | None]) -> None:
         while True:
             try:
                 got = ready.get_nowait()
@@ -463,7 +390,7 @@ class ItemReader:
             if got is not None:
                 self._pool.put(got[1])
 
-    def _prefetch(self, spans: list[_Span], ready: queue.Queue[tuple[_Span, Any] | None], own: bool) -> None:
+    def _prefetch(self, spans: list[Span], ready: queue.Queue[tuple[Span, Any] | None], own: bool) -> None:
         mine: dict[int, int] = {}
         try:
             for span in spans:
@@ -472,14 +399,14 @@ class ItemReader:
                 fd = span.fd
                 if own:
                     if span.fd not in mine:
-                        mine[span.fd] = _reopen(span.fd)
+                        mine[span.fd] = reopen(span.fd)
                     fd = mine[span.fd]
                 buf = self._pool.get(f"reading {span.path} at offset {span.pos}")
                 t0 = time.perf_counter()
                 with self._lock:
                     self._reading[threading.current_thread().name] = (span.path, span.pos)
                 try:
-                    read_scattered(fd, _views(span, buf), span.path, span.pos)
+                    read_scattered(fd, views(span, buf), span.path, span.pos)
                 except BaseException:
                     self._pool.put(buf)
                     raise
@@ -503,77 +430,3 @@ class ItemReader:
             ready.put(None)
 
 
-def _reopen(fd: int) -> int:
-    """A second open file of the same inode (its own file position and readahead), else fd itself."""
-    try:
-        # Through /proc/self/fd: the same file the checks accepted, not whatever the path names now.
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return fd
-
-
-def _stretches(spans: list[_Span], count: int) -> list[list[_Span]]:
-    """The spans in ``count`` contiguous runs of about equal bytes, in file order."""
-    if count <= 1:
-        return [spans]
-    total = sum(s.end - s.pos for s in spans)
-    parts: list[list[_Span]] = [[] for _ in range(count)]
-    done = 0
-    for span in spans:
-        parts[min(count - 1, done * count // max(total, 1))].append(span)
-        done += span.end - span.pos
-    return [p for p in parts if p]
-
-
-def _views(span: _Span, buf: Any) -> list[memoryview]:
-    """The buffer ranges one preadv of the span's file range fills: pieces at their places, gaps between."""
-    views: list[memoryview] = []
-    pos, used = span.pos, 0
-    for piece, at in span.pieces:
-        if piece.pos > pos:  # bytes nobody asked for: into the padding before this piece's place
-            gap = piece.pos - pos
-            views.append(buf.view[used : used + gap])
-            used += gap
-        views.append(buf.view[at : at + piece.nbytes])
-        pos, used = piece.pos + piece.nbytes, at + piece.nbytes
-    return views
-
-
-def _check_record(rec: Record, length: int, where: str) -> None:
-    """A parsed layout must stay inside its storage, and the storage inside its item: else the
-    view would be filled from the bytes of the next item (plain DCP refuses such a file too)."""
-    dims = (*rec.size, *rec.stride, rec.storage_offset)
-    if len(rec.size) != len(rec.stride) or any(type(x) is not int for x in dims) or min(dims, default=0) < 0:
-        raise CheckpointCorruptError(
-            f"{where}: saved layout size {rec.size}, stride {rec.stride}, offset {rec.storage_offset} is not one "
-            "a tensor has (negative or not integers): the item was damaged; restore an earlier step"
-        )
-    if rec.storage_numel is None or type(rec.storage_numel) is not int or rec.storage_numel < 0:
-        raise CheckpointCorruptError(f"{where}: the item records no storage size; restore an earlier step")
-    last = rec.storage_offset + sum((n - 1) * st for n, st in zip(rec.size, rec.stride, strict=True))
-    if 0 not in rec.size and last >= rec.storage_numel:
-        raise CheckpointCorruptError(
-            f"{where}: the saved view (size {rec.size}, stride {rec.stride}, offset {rec.storage_offset}) reaches "
-            f"element {last} of a storage of {rec.storage_numel}: the item was damaged; restore an earlier step"
-        )
-    if rec.data_offset < 0 or rec.data_offset + rec.storage_numel * rec.dtype.itemsize > length:
-        raise CheckpointCorruptError(
-            f"{where}: the storage ({rec.storage_numel} x {rec.dtype.itemsize} B at {rec.data_offset}) runs past the "
-            f"item's {length} B: the item was damaged or truncated; restore an earlier step"
-        )
-
-
-def _check_box(size: tuple[int, ...], stride: tuple[int, ...], req: Any, where: str) -> None:
-    """The requested box must lie inside the saved tensor, whose strides must be positive."""
-    if len(size) != len(req.lengths):
-        raise CheckpointCorruptError(
-            f"{where}: saved tensor has {len(size)} dims, the plan asks for {len(req.lengths)}"
-        )
-    for n, st, o, k in zip(size, stride, req.storage_offsets, req.lengths, strict=True):
-        if o < 0 or o + k > n:
-            raise CheckpointCorruptError(
-                f"{where}: requested box {list(req.storage_offsets)}+{list(req.lengths)} "
-                f"is outside the saved shape {list(size)}"
-            )
-        if n > 1 and st <= 0:
-            raise CheckpointCorruptError(f"{where}: saved tensor has stride {list(stride)}; expected positive strides")

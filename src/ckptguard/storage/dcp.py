@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.futures import Future
 
 from .. import _faults
-from .._resume.digest import file_digest
+from .._disk.digest import file_digest
 from ..errors import UnsafeCheckpointError
 from .base import DCP_METADATA, StorageContext, WrittenFile
 from .unpickler import read_dcp_metadata
@@ -72,7 +72,7 @@ class _RecordingStream:
     """A file stream that remembers the first OSError of a write, with offset and byte counts.
 
     torch.save inside DCP turns a failed write (ENOSPC, EIO, EDQUOT) into
-    "RuntimeError: unexpected pos N vs M" and drops the errno; the guide's 3.1 asks for
+    "RuntimeError: unexpected pos N vs M" and drops the errno; docs/practices.md, 3.1 asks for
     the first error, so we keep it here and raise it instead.
     """
 
@@ -188,7 +188,7 @@ class DCPStorage:
 
     def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
         writer = self._writer(state_dir)
-        with _quiet_single_process(ctx):
+        with quiet_single_process(ctx):
             dcp.save(
                 tensors,
                 storage_writer=writer,
@@ -215,8 +215,8 @@ class DCPStorage:
         )
 
     def read(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> None:
-        with _quiet_single_process(ctx):
-            _unwrapped(ctx, lambda: dcp.load(
+        with quiet_single_process(ctx):
+            unwrapped(ctx, lambda: dcp.load(
                 tensors,
                 storage_reader=_SafeReader(state_dir),
                 planner=TensorsOnlyPlanner(state_dir),
@@ -225,7 +225,7 @@ class DCPStorage:
             ))
 
 
-def _unwrapped(ctx: StorageContext, call: Any) -> Any:
+def unwrapped(ctx: StorageContext, call: Any) -> Any:
     """Run a DCP collective; this rank's own error is raised as itself, not wrapped.
 
     DCP gathers every rank's exception into a CheckpointException; the commit protocol
@@ -243,7 +243,7 @@ def _unwrapped(ctx: StorageContext, call: Any) -> Any:
         raise
 
 
-class _quiet_single_process(warnings.catch_warnings):
+class quiet_single_process(warnings.catch_warnings):
     """DCP warns that it assumes one process whenever dist is not initialized; we know."""
 
     def __init__(self, ctx: StorageContext) -> None:

@@ -45,14 +45,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .. import _faults
-from .._resume.digest import file_digest
+from .._disk.digest import file_digest
 from ..errors import ConfigError, StateMismatchError
 from ._format import item_frame
 from ._pool import BufferPool, IOStats
 from ._reader import ItemReader
 from ._writer import FileStreamer, exact
 from .base import DCP_METADATA, StorageContext, WrittenFile
-from .dcp import TensorsOnlyPlanner, _quiet_single_process, _unwrapped
+from .dcp import TensorsOnlyPlanner, quiet_single_process, unwrapped
 from .unpickler import read_dcp_metadata
 
 __all__ = ["IOStats", "StreamingConfig", "StreamingStorage"]
@@ -148,7 +148,7 @@ class StreamingStorage:
 
     def read(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> None:
         stats = IOStats()
-        reader = _StreamingReader(state_dir, self, stats, pin=self._pin(tensors))
+        reader = StreamingReader(state_dir, self, stats, pin=self._pin(tensors))
         self._run(
             ctx,
             stats,
@@ -162,8 +162,8 @@ class StreamingStorage:
         """One DCP save or load over ``ctx``'s group, timed into ``stats``; our own error unwrapped."""
         t0 = time.perf_counter()
         try:
-            with _quiet_single_process(ctx):
-                _unwrapped(ctx, lambda: call(ctx.process_group, ctx.process_group is None))
+            with quiet_single_process(ctx):
+                unwrapped(ctx, lambda: call(ctx.process_group, ctx.process_group is None))
         finally:
             stats.seconds = time.perf_counter() - t0
             self.last_stats = stats
@@ -256,7 +256,7 @@ class _StreamingWriter(FileSystemWriter):
         self.written.append(WrittenFile(path=f"state/{DCP_METADATA}", size=size, xxh3=xxh3))
 
 
-class _StreamingReader(FileSystemReader):
+class StreamingReader(FileSystemReader):
     """DCP's file reader with metadata through the restricted unpickler and streamed reads."""
 
     def __init__(self, path: Path, storage: StreamingStorage, stats: IOStats, *, pin: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import pickle
 import pickletools
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .._disk.layout import read_small
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, UnsafeCheckpointError
 from .base import DCP_METADATA
 
@@ -54,8 +56,12 @@ class SafeMetadataUnpickler(pickle.Unpickler):
     would call it. We refuse any global outside the allow-list before it is resolved.
     """
 
+    def __init__(self, file: Any, *, extra: frozenset[tuple[str, str]] = frozenset()) -> None:
+        super().__init__(file)
+        self._allowed = _ALLOWED_NAMES | extra
+
     def find_class(self, module: str, name: str) -> Any:
-        if "." not in name and (module, name) in _ALLOWED_NAMES:
+        if "." not in name and (module, name) in self._allowed:
             return super().find_class(module, name)
         if module == "torch" and "." not in name and isinstance(getattr(torch, name, None),
                                                                (torch.dtype, torch.memory_format)):
@@ -63,11 +69,10 @@ class SafeMetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
 
-def _allowed_objects() -> list[Any]:
-    import importlib
+def _allowed_objects(extra: frozenset[tuple[str, str]] = frozenset()) -> list[Any]:
 
     out = []
-    for module, name in sorted(_ALLOWED_NAMES):
+    for module, name in sorted(_ALLOWED_NAMES | extra):
         obj = getattr(importlib.import_module(module), name, None)
         if obj is not None:
             out.append(obj)
@@ -82,8 +87,11 @@ class _NoBuildOnGlobals:
     attributes: a DCP class's methods, a function's defaults, for every later use in the process),
     and puts back what it changed."""
 
+    def __init__(self, extra: frozenset[tuple[str, str]] = frozenset()) -> None:
+        self._extra = extra
+
     def __enter__(self) -> _NoBuildOnGlobals:
-        self._before = [(o, _saved(o)) for o in _allowed_objects()]
+        self._before = [(o, _saved(o)) for o in _allowed_objects(self._extra)]
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -122,14 +130,16 @@ METADATA_BYTES = 1 << 30
 """Bound of one ``.metadata`` read; DCP's metadata of a large model is megabytes."""
 
 
-def read_dcp_metadata(state_dir: Path) -> Metadata:
+def read_dcp_metadata(state_dir: Path, *, extra: frozenset[tuple[str, str]] = frozenset()) -> Metadata:
     """DCP's ``.metadata`` of ``state_dir``, unpickled only through the allow-list.
+
+    ``extra``: more exact ``(module, name)`` pairs a writer built on DCP puts there (Megatron-core adds
+    its ranks' save plans: ``planner.SavePlan``, ``WriteItem``, ``TensorWriteData``).
 
     The file is read bounded and never through a link or from a FIFO, and every data
     file it names must be a plain file name inside ``state_dir``: DCP's own reader joins
     that name to the directory, so an absolute name or one with ``..`` would read tensor
     data from outside the checkpoint."""
-    from .._commit.layout import read_small
 
     path = state_dir / DCP_METADATA
     try:
@@ -140,8 +150,8 @@ def read_dcp_metadata(state_dir: Path) -> Metadata:
             "resume from an earlier committed step"
         ) from None
     try:
-        with _NoBuildOnGlobals():
-            md = SafeMetadataUnpickler(io.BytesIO(data)).load()
+        with _NoBuildOnGlobals(extra):
+            md = SafeMetadataUnpickler(io.BytesIO(data), extra=extra).load()
     except pickle.UnpicklingError as exc:
         if "is not allowed" in str(exc):
             raise UnsafeCheckpointError(

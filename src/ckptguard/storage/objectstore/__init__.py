@@ -8,8 +8,8 @@ step directories (``ObjectStore.begin`` / ``upload`` / ``commit``) and gives the
 ``CheckpointManager``. Needs the ``s3`` extra (boto3): ``pip install 'ckptguard[s3]'``.
 """
 
+from ._objrecords import Marker, StoredObject, Writer
 from ._options import Consistency, ObjectStoreOptions, StoreURL
-from ._records import Marker, StoredObject, Writer
 from ._store import GcReport, ObjectStore, Resolved
 
 __all__ = [

@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import _faults
-from ..._commit.layout import MANIFEST_NAME, TRACKER_NAME, StepNaming, atomic_write_json
-from ...config import ResumeMode
+from ..._disk.layout import MANIFEST_NAME, TRACKER_NAME, StepNaming, atomic_write_json
 from ...errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -44,7 +43,7 @@ from ...errors import (
     ObjectStoreError,
     ResumeError,
 )
-from . import _records as rec
+from . import _objrecords as rec
 from . import _transfer
 from ._bucket import Bucket
 from ._options import Consistency, ObjectStoreOptions, StoreURL
@@ -156,17 +155,16 @@ class ObjectStore:
             raise CheckpointCorruptError(f"{self.where(name, MANIFEST_NAME)} says step {marker.step}, its key {step}")
         return marker
 
-    def resolve(self, mode: ResumeMode = ResumeMode.AUTO) -> Resolved:
-        """The step to restore, from the tracker and that step's marker only."""
-        if mode is ResumeMode.NEVER:
-            return Resolved(0, None, "ResumeMode.NEVER")
+    def resolve(self, *, must: bool = False) -> Resolved:
+        """The step to restore, from the tracker and that step's marker only; ``must``: nothing there raises
+        (``ResumeMode.MUST``) instead of a declared fresh start."""
         step, _ = self.tracker()
         if not step:
             if step is None and self.bucket.get(self.url.key(rec.ROOT_RECORD), what="root record") is None:
                 reason = f"no checkpoint root at {self.url} (no root record, no tracker; the first save creates it)"
             else:
                 reason = f"the tracker at {self.where(TRACKER_NAME)} says 0: fresh start declared by the first save"
-            if mode is ResumeMode.MUST:
+            if must:
                 raise ResumeError(f"ResumeMode.MUST: {reason}")
             return Resolved(0, None, reason)
         try:

@@ -1,0 +1,194 @@
+"""The step directory on one root: prepared, published by rename, uncommitted, discarded.
+
+``prepare_root`` makes the temp directory (the lease, tracker 0 and phase 0 first on a new root);
+``rename_in`` publishes a temp directory whose marker is in place; ``publish_dir`` then moves the
+tracker. Every publisher (``publish_shared``, ``publish_nodes``, ``publish_role``) runs on these.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import secrets
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from .. import _faults
+from .._context import NO_ACTIONS, Actions, Context
+from .._disk import layout as _layout
+from .._disk import lease as _lease
+from .._disk.digest import file_digest
+from .._records import contract as _contract
+from ..errors import (
+    ConfigError,
+)
+from .messages import Prepared
+from .pending import log
+
+FAILED_PREFIX = ".failed-"
+
+
+def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actions: Actions = NO_ACTIONS) -> Prepared:
+    """Rank 0 (or, on node-local roots, each node's publishing rank, ``like`` rank 0's outcome):
+    root, tracker 0, phase 0, sweep, existing-step check, temp directory."""
+    root = ctx.root
+    root.mkdir(parents=True, exist_ok=True)
+    # The lease first: a second writer is refused before it changes anything in the root.
+    note = _lease.acquire(root, ttl_s=ctx.config.lease_ttl_s, override=actions.break_lease)
+    if note:
+        log.warning("ckptguard: %s: %s", root, note)
+    if _layout.read_tracker(root) is None:
+        # Declared fresh start first: "steps but no tracker" then never comes from us.
+        _layout.write_tracker(root, 0)
+    phases = _contract.read_phases(root)
+    if not phases:
+        # Every node's root carries rank 0's chain: one run, one chain id on every disk.
+        chain = like.chain_id if like is not None else uuid.uuid4().hex
+        _contract.write_phase(root, 0, _contract.initial_phase(chain, ctx.config.contract))
+    phase = _contract.check(root, ctx.config.contract, where=f"save of step {step}")
+    if like is not None and (phase["chain_id"], phase["phase"]) != (like.chain_id, like.phase):
+        raise ConfigError(
+            f"save of step {step}: this node's root {root} is at run chain {phase['chain_id']} phase {phase['phase']}, "
+            f"rank 0's at chain {like.chain_id} phase {like.phase}: the node-local roots belong to different runs. "
+            "Give every node of this run the root of this run (or empty ones for a new run)."
+        )
+    _layout.sweep_temp_dirs(root, max_age_s=ctx.config.stale_temp_age_s)
+    name = ctx.naming.name(step)
+    existing = root / name
+    tracker = _layout.read_tracker(root) or 0
+    if step < tracker and not actions.overwrite:
+        raise ConfigError(
+            f"save of step {step} under {root}: the tracker is at step {tracker}; saving an older step would "
+            "move it back and orphan the newer ones. If this is a deliberate rollback, set "
+            "save(..., overwrite=True); otherwise check the step counter after restore."
+        )
+    committed = existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists()
+    if committed and not actions.overwrite:
+        raise ConfigError(
+            f"step {step} is already committed at {existing}; saving it again would replace "
+            "it. Save a different step, or pass save(..., overwrite=True) to replace it "
+            "(it is uncommitted first, then rewritten)."
+        )
+    # Node-local roots: every node's temp directory has rank 0's name (and, once published, the step's).
+    tmp = root / (Path(like.tmp).name if like is not None else _layout.temp_dir_name(name, secrets.token_hex(6)))
+    tmp.mkdir()
+    (tmp / _layout.STATE_DIR).mkdir()
+    _layout.write_owner(tmp, node=ctx.agreement.info.host)
+    return Prepared(
+        tmp=str(tmp), chain_id=phase["chain_id"], phase=phase["phase"], contract_hash=phase["contract_hash"]
+    )
+
+
+def copy_verified(src: Path, dst: Path, *, expect: str | None = None) -> str:
+    """Copy to a temp name on the target, fsync, re-read and compare, then rename.
+
+    The source is hashed while it is copied; the copy is hashed again from disk. ``expect``
+    (a recorded xxh3) must match too. Returns the xxh3 of what was published."""
+    part = dst.with_name(f"{dst.name}.part-{secrets.token_hex(4)}")
+    h = xxhash.xxh3_64()
+    with open(src, "rb") as fin, open(part, "wb") as fout:
+        while block := fin.read(8 << 20):
+            h.update(block)
+            view = memoryview(block)
+            while view:
+                n = fout.write(view)
+                view = view[n:]  # a short write continues where it stopped
+        fout.flush()
+        os.fsync(fout.fileno())
+    copied = file_digest(str(part))[1]
+    if copied != h.hexdigest() or (expect is not None and copied != expect):
+        raise OSError(_errno.EIO, f"copy differs from its source or record after fsync: {src} -> {part}", str(part))
+    os.replace(part, dst)
+    return copied
+
+
+def publish_dir(ctx: Context, step: int, tmp: Path, actions: Actions = NO_ACTIONS) -> None:
+    """Rename a temp directory whose commit marker is in place to its step name, then move the tracker."""
+    trash = rename_in(ctx, step, tmp, actions)
+    _faults.reached("commit.before_tracker")
+    _layout.write_tracker(ctx.root, step)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
+
+
+def rename_in(ctx: Context, step: int, tmp: Path, actions: Actions = NO_ACTIONS) -> Path | None:
+    """Publish ``tmp`` (its manifest in place) as the step directory; returns the trash to delete
+    after the tracker moved, if a directory of this step was there."""
+    _check_publish(ctx, step, actions)
+    final = ctx.root / ctx.naming.name(step)
+    trash = None
+    if final.exists():
+        # An orphan (crash between rename and tracker) or an explicit overwrite: its old
+        # files must never pair with the new ones, so it is uncommitted and moved aside
+        # first; deleting it waits until after the tracker (a slow delete must not hold
+        # the other ranks at the publish agreement).
+        trash = _layout.uncommit_to_trash(final)
+    os.rename(tmp, final)
+    (final / _layout.OWNER_NAME).unlink()  # kept until now so a crash leaves a sweepable temp dir
+    _layout.fsync_dir(ctx.root)
+    return trash
+
+
+def _check_publish(ctx: Context, step: int, actions: Actions) -> None:
+    """Right before the rename: this run still holds the lease, and no other writer moved the
+    tracker past this step since prepare, so a publish never moves the tracker backwards
+    (which would orphan a committed newer step) unless ``overwrite`` asked for a rollback."""
+    _lease.confirm(ctx.root, step=step)
+    tracker = _layout.read_tracker(ctx.root) or 0
+    taken = tracker == step and (ctx.root / ctx.naming.name(step)).exists()
+    if (tracker > step or taken) and not actions.overwrite:
+        raise ConfigError(
+            f"save of step {step} under {ctx.root} is not published: the tracker moved to step {tracker} while "
+            "it was written (another writer on this root); publishing would move it back and orphan the newer "
+            "step. Stop the other writer; for a deliberate rollback pass save(..., overwrite=True)."
+        )
+
+
+def file_problems(base: Path, files: list[dict[str, Any]], *, checksums: bool = True) -> list[tuple[str, str]]:
+    """(path, why) for each reported file that is not under ``base`` with its size and xxh3.
+
+    The sizes first (one stat each), then (``checksums``) the xxh3 read back, hashed in
+    parallel threads (the hash and the reads release the GIL)."""
+    problems: list[tuple[str, str]] = []
+    sized = []
+    for f in files:
+        path = base / f["path"]
+        try:
+            size = path.stat().st_size
+        except OSError:
+            problems.append((f["path"], "absent"))
+            continue
+        if size != int(f["size"]):
+            problems.append((f["path"], f"{size} bytes, reported {f['size']}"))
+        else:
+            sized.append(f)
+    if not sized or not checksums:
+        return problems
+
+    def hashed(f: dict[str, Any]) -> tuple[str, str] | None:
+        try:
+            xxh = file_digest(str(base / f["path"]))[1]
+        except OSError as exc:
+            return (f["path"], f"unreadable ({exc.strerror or exc})")
+        return None if xxh == f["xxh3"] else (f["path"], f"xxh3 {xxh}, reported {f['xxh3']}")
+
+    with ThreadPoolExecutor(max_workers=min(4, len(sized))) as pool:
+        problems += [p for p in pool.map(hashed, sized) if p is not None]
+    return problems
+
+
+def discard(ctx: Context, tmp: Path) -> None:
+    """Delete a failed save's temp directory (frees what an ENOSPC needs), or keep it as
+    the scene of the failure when ``keep_failed`` is set."""
+    if ctx.config.keep_failed:
+        try:
+            os.rename(tmp, tmp.with_name(tmp.name.replace(_layout.TMP_PREFIX, FAILED_PREFIX, 1)))
+            return
+        except OSError:
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,84 @@
+"""The context of one checkpoint root: everything a save or a restore needs, resolved once.
+
+The commit side (``_commit``) and the resume side (``_resume``) both run on it; it sits below
+both, so neither imports the other (docs/architecture.md, the rank table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._disk import layout as _layout
+from ._dist import Agreement
+from ._state import rules as _rules
+from ._state.expert import ExpertParallel
+from .config import CheckpointConfig
+from .storage.base import Storage, StorageContext
+
+
+@dataclass(frozen=True)
+class Actions:
+    """One-shot actions of one save: arguments of the call that asks for them, never config that
+    survives a restart of the job (``save(..., overwrite=True)``, ``save(..., break_lease=True)``)."""
+
+    overwrite: bool = False
+    """Replace a committed step, or save a step older than the tracker (a deliberate rollback)."""
+    break_lease: bool = False
+    """Take the root's write lease even from a live owner (reported in the log)."""
+
+    def with_config(self, config: CheckpointConfig) -> Actions:
+        """These actions, or the deprecated config fields of the same name (kept for one release)."""
+        return Actions(self.overwrite or config.overwrite, self.break_lease or config.break_lease)
+
+
+NO_ACTIONS = Actions()
+
+
+@dataclass
+class Context:
+    """Everything a save or restore needs, resolved once by the manager."""
+
+    root: Path
+    config: CheckpointConfig
+    naming: _layout.StepNaming
+    agreement: Agreement
+    storage: Storage
+    storage_ctx: StorageContext
+    expert: ExpertParallel | None = None
+    last_save: tuple[int, float] | None = None  # (step, monotonic end) of this process's last save
+    node_publisher: bool = False  # the last save was on node-local roots and this rank published its node's part
+
+    @classmethod
+    def of(
+        cls, root: Path, config: CheckpointConfig, naming: _layout.StepNaming, agreement: Agreement, storage: Storage,
+        group: Any, expert: ExpertParallel | None,
+    ) -> Context:
+        """The context of ``root`` for the ranks of ``agreement``, DCP's collectives over ``group``."""
+        info = agreement.info
+        return cls(root=root, config=config, naming=naming, agreement=agreement, storage=storage,
+                   storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
+                   expert=expert)
+
+    @property
+    def rank(self) -> int:
+        return self.agreement.info.rank
+
+    @property
+    def world(self) -> int:
+        return self.agreement.info.world_size
+
+    def topology(self) -> dict[str, Any]:
+        layout = self.config.layout.as_dict() if self.config.layout else {"dp": self.world, "tp": 1, "pp": 1, "ep": 1}
+        if self.expert is not None:
+            layout["ep"] = self.expert.size
+        return {"world_size": self.world, **layout}
+
+    def declared_rules(self, state: Any) -> dict[str, dict[str, Any]]:
+        """The reshard rule of every item of ``state`` under this root's config (``_state.rules``)."""
+        cfg = self.config
+        return _rules.declared(state, replicated=cfg.replicated, rng_seed=cfg.rng_seed, capture_rng=cfg.capture_rng)
+
+    def keyfn(self) -> Any:
+        return self.expert.key if self.expert is not None else (lambda key: key)

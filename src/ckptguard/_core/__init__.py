@@ -1,0 +1,1 @@
+"""The core under the front doors: one root's bookkeeping (docs/architecture.md)."""

@@ -1,0 +1,207 @@
+"""The roles of a run (``ckptguard.RunCheckpoint``): what a role is, what a rank reports of its roles.
+
+A ``Role`` names the ranks that hold one model or the driver of a run; every role's part of a step
+is written by the single-role protocol into the run's temp directory (``_commit.publish_role``), and
+the run step is published once every role on every rank confirmed (``_commit.publish_run``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._commit.messages import failure_from
+from .._context import Context
+from .._dist import on_every_rank
+from .._records import runmanifest
+from .._records.prooflog import ProofLog, export_fingerprint, logprob_diff
+from .._records.trust import HealthLog, HealthPolicy
+from .._resume import resolve as _resolve
+from .._resume import restore as _restore
+from .._resume.resolve import Resolution
+from .._state.derived import DerivedState
+from .._state.expert import ExpertParallel
+from .._state.state import addresses, moved
+from .._state.trajectory import fingerprint
+from ..config import ParallelLayout
+from ..errors import CheckpointError, CheckpointWriteError, ConfigError
+from ..storage.base import Storage
+
+
+@dataclass(frozen=True)
+class Role:
+    """One role of a run: its name, the ranks that hold it, and how its part is written.
+
+    ``ranks`` are ranks of the default process group (None: every rank); a role's part of each
+    step is a single-role step directory ``<step>/<name>/`` written by those ranks, numbered
+    0..len(ranks)-1 in ascending order (as ``torch.distributed.new_group`` numbers them).
+    ``layout``, ``expert_parallel`` and ``storage`` are those of a CheckpointManager for the
+    role's ranks; ``derived`` is invalidated when the role is restored."""
+
+    name: str
+    ranks: tuple[int, ...] | None = None
+    storage: Storage | None = field(default=None, compare=False)
+    layout: ParallelLayout | None = None
+    expert_parallel: ExpertParallel | None = field(default=None, compare=False)
+    derived: DerivedState | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        runmanifest.check_role_name(self.name)
+        if self.ranks is not None:
+            ranks = tuple(self.ranks)
+            if not ranks or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks):
+                raise ConfigError(f"Role({self.name!r}, ranks={self.ranks!r}): ranks must be non-empty ints >= 0")
+            if len(set(ranks)) != len(ranks):
+                raise ConfigError(f"Role({self.name!r}, ranks={self.ranks!r}): a rank is listed twice")
+            object.__setattr__(self, "ranks", tuple(sorted(ranks)))
+
+
+class Fences:
+    """The fences of every role of one save_async, as one (what PendingSave and ``staged`` wait on)."""
+
+    def __init__(self, fences: list[Any]) -> None:
+        self._fences = fences
+
+    def host_wait(self) -> None:
+        for f in self._fences:
+            f.host_wait()
+
+    def live_read(self) -> None:
+        for f in self._fences:
+            f.live_read()
+
+    def before_mutation(self) -> float:
+        return float(sum(f.before_mutation() for f in self._fences))
+
+    @property
+    def waited_s(self) -> float:
+        return float(sum(f.waited_s for f in self._fences))
+
+
+def in_role(exc: BaseException, role: str) -> BaseException:
+    """The same error, its message naming the role (fields kept, so every rank rebuilds it alike)."""
+    if not isinstance(exc, CheckpointError) or str(exc).startswith("role "):
+        return exc
+    named = type(exc).from_wire(f"role {role!r}: {exc}", exc.wire_fields())
+    named.__cause__ = exc
+    return named
+
+
+def role_failure(exc: BaseException, *, rank: int, role: str) -> dict[str, Any]:
+    """This rank's first write error of ``role``: the role's own first failure when it has one."""
+    if isinstance(exc, CheckpointWriteError) and exc.first is not None:
+        return dataclasses.replace(exc.first, rank=rank, phase=f"role {role!r}: {exc.first.phase}").to_json()
+    return failure_from(exc, rank=rank, phase=f"role {role!r}: write").to_json()
+
+
+def each_role(roles: dict[str, Context], act: Callable[[str, Context], None]) -> None:
+    """``act`` on every role this rank holds, in declared order; the later roles still run after a
+    failure, so their other ranks are not stranded; the first failure is raised, naming its role."""
+    first: BaseException | None = None
+    for name, ctx in roles.items():
+        try:
+            act(name, ctx)
+        except Exception as exc:
+            first = first or in_role(exc, name)
+    if first is not None:
+        raise first
+
+
+def check_role_part(ctx: Context, part: Resolution, state: dict[str, Any]) -> None:
+    """Everything a restore checks of one role's part before it reads a tensor (files, versions,
+    topology, contract, items and keys, both ways), collectively over the role's ranks."""
+    _resolve.agree_files(ctx, part)
+    manifest, extras, _plan = on_every_rank(ctx.agreement, "run.precheck", lambda: _restore.precheck(ctx, part, state))
+    _restore.plan_targets(ctx, state, manifest, extras)
+
+
+def load_role_part(
+    ctx: Context, part: Resolution, state: dict[str, Any], *, step: int, plan: dict[str, Any],
+    record: Callable[..., None], derived: DerivedState | None,
+) -> None:
+    """Restore one role's part into ``state`` and record it (a failure is recorded, then raised)."""
+    before = addresses(state)
+    where: dict[str, Any] = {"step": step, "path": str(part.path), "world_size": ctx.world, "plan": plan}
+    try:
+        done = _restore.restore(ctx, state, part)
+    except Exception as exc:  # recorded as a failed restore (prove shows it as FAIL), then raised
+        record("restore", ok=False, error=f"{type(exc).__name__}: {exc}"[:2000], **where)
+        raise
+    if done.reshard is not None:  # old -> new world, the rules, this rank's RNG streams (prove shows them)
+        where["reshard"] = done.reshard
+    record("restore", digests_match=done.digests_match, layout_free_match=done.layout_free_match,
+           source_rank=done.source_rank, saved_world_size=done.saved_world_size,
+           format_version=done.format_version, addresses_changed=moved(before, addresses(state)), ok=True, **where)
+    if derived is not None:
+        derived.mark_restored(step)
+
+
+def check_states(states: Any, *, mine: set[str], ranks: dict[str, list[int]], rank: int, where: str) -> None:
+    """A run's ``states`` argument: a non-empty state dict for each role this rank holds, no other."""
+    if not isinstance(states, dict):
+        raise ConfigError(f"{where}(states): a dict of role name -> state dict, got {type(states).__name__}")
+    if missing := sorted(mine - set(states)):
+        raise ConfigError(
+            f"{where}(states) on rank {rank}: this rank holds roles {sorted(mine)} and got no state for "
+            f"{missing}; pass a state dict for every role of my_roles"
+        )
+    if extra := sorted(set(states) - mine):
+        raise ConfigError(
+            f"{where}(states) on rank {rank}: role(s) {extra} are not held by this rank (roles and their "
+            f"ranks: {ranks}); pass only the states of my_roles"
+        )
+    for name, state in states.items():
+        if not isinstance(state, dict) or not state:
+            raise ConfigError(f"{where}(states[{name!r}]): a non-empty dict of named items, got {state!r:.60}")
+
+
+class RoleProofs:
+    """The proof records of the roles this rank holds: ``ROOT/proof/<role>/``, one log per role."""
+
+    def __init__(self, logs: dict[str, ProofLog], *, enabled: bool, health: HealthPolicy, rank: int) -> None:
+        self.logs = logs
+        self.enabled = enabled
+        self.health = health
+        self.rank = rank
+
+    def held(self, role: Any, where: str) -> ProofLog:
+        if role not in self.logs:
+            raise ConfigError(f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles {list(self.logs)}; "
+                              "record a role's events on the ranks that hold it")
+        return self.logs[role]
+
+    def record(self, role: str, event: str, *, durable: bool = True, **fields: Any) -> None:
+        if self.enabled:
+            proof = self.logs[role]
+            proof.keep(proof.build(event, role=role, **fields), durable=durable)
+
+    def step(self, role: str, step: int, health: HealthLog, *, sample_ids: Any, batch: Any, loss: Any,
+             grad_norm: Any, **extra: Any) -> dict[str, Any]:
+        """A step record of ``role``; its loss and grad_norm are health evidence for the next save."""
+        self.held(role, "record_step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ConfigError(f"record_step(step={step!r}): step must be an int >= 1")
+        fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
+        metrics: dict[str, Any] = dict(fields.get("extra", {}))
+        metrics.update({k: fields[k] for k in ("loss", "grad_norm") if k in fields})
+        health.note(self.health, step, metrics, role=role)
+        self.record(role, "step", durable=False, step=step, **fields)
+        return fields
+
+    def update(self, role: str, step: int, *, grad_norm: float, params_changed: bool) -> None:
+        self.held(role, "record_update")
+        self.record(role, "update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed))
+
+    def export(self, role: str, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
+        self.held(role, "record_export")
+        fp = export_fingerprint(payload, scales)
+        self.record(role, "export", step=step, fingerprint=fp)
+        return fp
+
+    def logprobs(self, role: str, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
+        self.held(role, "record_logprobs")
+        diff = logprob_diff(trainer_logprobs, rollout_logprobs)
+        self.record(role, "logprobs", step=step, **dict[str, Any](diff))
+        return diff

@@ -1,0 +1,1 @@
+"""_disk: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""_records: see docs/architecture.md."""

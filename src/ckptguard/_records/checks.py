@@ -1,0 +1,457 @@
+"""Checks of one step directory, shared by restore, retention and the operator tools.
+
+Contract: ``verify_step`` returns findings, never raises on bad content; paths from the
+manifest that leave the step directory are findings and are never opened.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .._disk import layout as _layout
+from .._disk.digest import file_digest
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    RunStepError,
+    UnsafeCheckpointError,
+)
+from ..storage.base import DCP_METADATA
+from ..storage.unpickler import read_dcp_metadata
+from . import manifest as _manifest
+from . import runmanifest
+from .findings import RESTORE_HINT, Finding, Severity, finding
+from .runmanifest import RunManifest
+
+_ALLOWED_EXTRA = {_layout.MANIFEST_NAME}
+
+
+def safe_member(step_dir: Path, rel: str) -> Path | None:
+    """``step_dir/rel`` if it stays inside ``step_dir`` without following a symlink out."""
+    if not rel or os.path.isabs(rel) or ".." in Path(rel).parts:
+        return None
+    path = step_dir / rel
+    base = step_dir.resolve()
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        return None
+    if real != base and base not in real.parents:
+        return None
+    return path
+
+
+def _check_files(
+    step_dir: Path, manifest: _manifest.Manifest, entries: list[dict[str, Any]] | None = None
+) -> tuple[list[Finding], list[tuple[Path, dict[str, Any]]]]:
+    findings, ok = [], []
+    for entry in manifest.files if entries is None else entries:
+        rel = str(entry.get("path", ""))
+        lexical = bool(rel) and not os.path.isabs(rel) and ".." not in Path(rel).parts
+        path = safe_member(step_dir, rel) if not (lexical and (step_dir / rel).is_symlink()) else step_dir / rel
+        if path is None:
+            findings.append(
+                finding(
+                    "unsafe-path",
+                    step_dir / _layout.MANIFEST_NAME,
+                    f"lists {rel!r}, which leaves the step directory (absolute, '..' or a symlink out)",
+                    "do not restore or delete through this checkpoint; inspect it by hand",
+                )
+            )
+            continue
+        if path.is_symlink():
+            findings.append(
+                finding(
+                    "symlink",
+                    path,
+                    "is a symlink; checkpoint files are regular files",
+                    "replace it with the real file or restore an earlier step",
+                )
+            )
+            continue
+        if not path.is_file():
+            findings.append(
+                finding(
+                    "missing-file",
+                    path,
+                    f"is listed in the manifest (rank {entry.get('rank')}) but absent",
+                    RESTORE_HINT,
+                )
+            )
+            continue
+        size = path.stat().st_size
+        if size == 0 or size != entry.get("size"):
+            code = "empty-file" if size == 0 else "size-mismatch"
+            said = f"has {size} bytes, the manifest says {entry.get('size')}"
+            findings.append(finding(code, path, said, RESTORE_HINT))
+            continue
+        ok.append((path, entry))
+    return findings, ok
+
+
+def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Finding]:
+    """Every rank's extras and every file DCP's metadata points at must be listed."""
+    listed = {str(f.get("path")) for f in manifest.files}
+    findings = []
+    world = manifest.world_size
+    # Ranks are counted from the names listed, never enumerated up to a world size the
+    # manifest merely claims (10**8 would spin for minutes).
+    present = {r for r in (_extras_rank(p) for p in listed) if r is not None and r < world}
+    if len(present) < world:
+        missing = []
+        for rank in range(world):
+            if rank not in present:
+                missing.append(rank)
+                if len(missing) == 8:
+                    break
+        count = world - len(present)
+        names = ", ".join(str(r) for r in missing) + (" ..." if count > len(missing) else "")
+        path = step_dir / _layout.extras_name(missing[0]) if count == 1 else step_dir
+        findings.append(
+            finding(
+                "missing-rank",
+                path,
+                f"{count} of {world} ranks have no extras in the manifest (rank {names})"
+                if count > 1
+                else f"rank {missing[0]} of {world} has no extras in the manifest",
+                RESTORE_HINT
+                if count < world
+                else "the manifest's world_size does not match its files: do not restore it; restore an earlier step",
+            )
+        )
+    state = step_dir / _layout.STATE_DIR
+    if f"{_layout.STATE_DIR}/{DCP_METADATA}" not in listed:
+        return [
+            *findings,
+            finding("missing-file", state / DCP_METADATA, "DCP metadata is not in the manifest", RESTORE_HINT),
+        ]
+    try:
+        md = read_dcp_metadata(state)
+    except UnsafeCheckpointError as exc:
+        return [
+            *findings,
+            finding(
+                "unsafe-path",
+                state / DCP_METADATA,
+                str(exc).split(": DCP writes")[0].split("; ckptguard")[0],
+                "do not restore this checkpoint: inspect it by hand, restore an earlier step",
+            ),
+        ]
+    except (CheckpointError, OSError) as exc:
+        return [*findings, finding("bad-metadata", state / DCP_METADATA, str(exc).split(";")[0], RESTORE_HINT)]
+    referenced = {info.relative_path for info in (md.storage_data or {}).values()}
+    for rel in sorted(referenced):
+        if f"{_layout.STATE_DIR}/{rel}" not in listed:
+            findings.append(
+                finding(
+                    "missing-shard",
+                    state / rel,
+                    "DCP metadata points at it but the manifest does not list it",
+                    RESTORE_HINT,
+                )
+            )
+    # The other way round: a data file the save wrote that the metadata never points at means
+    # the metadata lost entries (a .metadata listing no tensors passes every other check).
+    prefix = f"{_layout.STATE_DIR}/"
+    for f in manifest.files:
+        rel = str(f.get("path", ""))
+        data_file = rel.startswith(prefix) and rel.endswith(".distcp") and int(f.get("size") or 0) > 0
+        if data_file and rel[len(prefix):] not in referenced:
+            findings.append(
+                finding(
+                    "unreferenced-shard",
+                    step_dir / rel,
+                    "the manifest lists this data file but the DCP metadata points at none of its bytes "
+                    "(the metadata lost its tensor entries)",
+                    RESTORE_HINT,
+                )
+            )
+    return findings
+
+
+def _extras_rank(rel: str) -> int | None:
+    if rel.startswith("rank_") and rel.endswith(".pt") and rel[5:-3].isdigit() and rel == _layout.extras_name(
+        int(rel[5:-3])
+    ):
+        return int(rel[5:-3])
+    return None
+
+
+def _leftovers(step_dir: Path, manifest: _manifest.Manifest) -> list[Finding]:
+    listed = {str(f.get("path")) for f in manifest.files} | _ALLOWED_EXTRA
+    if manifest.nodes:
+        listed.add(_layout.NODE_MANIFEST_NAME)
+    findings = []
+    for dirpath, dirnames, filenames in os.walk(step_dir, followlinks=False):
+        for name in filenames + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
+            rel = os.path.relpath(os.path.join(dirpath, name), step_dir)
+            if rel not in listed:
+                findings.append(
+                    Finding(
+                        Severity.ERROR,
+                        "unexpected-file",
+                        str(step_dir / rel),
+                        "is not in the manifest (a leftover temp file or a foreign write)",
+                        "find out who wrote it, then delete it; the checkpoint itself is intact",
+                    )
+                )
+    return findings
+
+
+def verify_step(step_dir: Path, *, deep: bool = False, progress: Callable[[int], None] | None = None) -> list[Finding]:
+    """Findings for one step directory (empty: complete); never raises on what it finds on disk."""
+    step_dir = Path(step_dir)
+    if step_dir.is_symlink():
+        return [
+            finding(
+                "symlink",
+                step_dir,
+                "the step directory is a symlink",
+                "replace it with the real directory; ckptguard never reads or deletes through links",
+            )
+        ]
+    try:
+        return _verify_step(step_dir, deep=deep, progress=progress)
+    except Exception as exc:  # one bad step is one finding, never a failure of the whole root
+        return [
+            finding(
+                "check-failed",
+                step_dir,
+                f"could not be checked ({type(exc).__name__}: {str(exc)[:300]})",
+                "inspect the step by hand; do not restore it until `ckptguard verify` passes",
+            )
+        ]
+
+
+def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None) -> list[Finding]:
+    try:
+        manifest = _manifest.read(step_dir)
+    except RunStepError:  # several roles committed as one step: each role's part is checked as a step
+        return verify_run_step(step_dir, deep=deep, progress=progress)
+    except CheckpointError as exc:
+        code = "no-manifest" if isinstance(exc, FileNotFoundError) else "bad-manifest"
+        where = step_dir / _layout.MANIFEST_NAME
+        what = str(exc).split(";")[0]
+        if what.startswith(str(where)):  # the finding names the file already
+            what = what[len(str(where)) :].lstrip(": ") or what
+        return [
+            finding(
+                code,
+                where,
+                what,
+                "this step is not committed: never restore it; resume from the tracker's step",
+            )
+        ]
+    entries, findings = node_part(step_dir, manifest)
+    if entries is None:
+        return findings
+    more, present = _check_files(step_dir, manifest, entries)
+    findings += more
+    if any(f.code == "unsafe-path" for f in findings):
+        return findings  # never walk or hash through a manifest that points outside
+    findings += _check_shard_set(step_dir, manifest)
+    findings += _leftovers(step_dir, manifest)
+    if deep:
+        for path, entry in present:
+            _size, xxh = file_digest(str(path))
+            if progress is not None:
+                progress(entry["size"])
+            if xxh != entry.get("xxh3"):
+                findings.append(
+                    finding(
+                        "checksum",
+                        path,
+                        f"xxh3 {xxh} differs from the manifest's {entry.get('xxh3')} "
+                        "(the bytes changed after the save)",
+                        RESTORE_HINT,
+                    )
+                )
+    return findings
+
+
+def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[str, Any]] | None, list[Finding]]:
+    """The files this disk must hold of the step: every file (one shared root), or on node-local
+    roots (format 2 ``nodes``) the part of the node whose node manifest is here, which must match
+    the global manifest. None, with the findings, when this disk holds no valid node part."""
+    if not manifest.nodes:
+        return list(manifest.files), []
+    where = step_dir / _layout.NODE_MANIFEST_NAME
+    try:
+        node = _manifest.read_node(step_dir)
+    except CheckpointError as exc:
+        return None, [finding("bad-node-manifest", where, str(exc).split(": ", 1)[-1], RESTORE_HINT)]
+    if node is None:
+        return None, [
+            finding(
+                "no-node-manifest",
+                where,
+                f"is absent: the step was saved on node-local roots ({len(manifest.nodes)} nodes), and this disk "
+                "holds no node's part of it (its node manifest is written with the node's files)",
+                "run this on a node that saved the step, or copy that node's part here (`ckptguard transfer`)",
+            )
+        ]
+    index = int(node["node"])
+    if not 0 <= index < len(manifest.nodes):
+        return None, [finding("bad-node-manifest", where, f"names node {index} of {len(manifest.nodes)}", RESTORE_HINT)]
+    expected = manifest.node_files(index)
+
+    def key(files: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
+        return sorted((str(f["path"]), int(f["size"]), str(f["xxh3"])) for f in files)
+
+    if node["step"] != manifest.step or key(node["files"]) != key(expected):
+        return None, [
+            finding(
+                "bad-node-manifest",
+                where,
+                f"lists other files than the global manifest gives node {index} ({manifest.nodes[index]['name']}) "
+                f"of step {manifest.step}",
+                RESTORE_HINT,
+            )
+        ]
+    return expected, []
+
+
+def deep_bytes(step_dir: Path) -> int:
+    try:
+        return sum(int(f.get("size", 0)) for f in _manifest.read(step_dir).files)
+    except CheckpointError:
+        return 0
+
+
+def cost(step_dir: Path) -> dict[str, Any] | None:
+    """The manifest's size and save-time record, when it has one of the shape ckptguard writes."""
+    try:
+        path = Path(step_dir) / _layout.MANIFEST_NAME
+        data = _layout.read_json(path, limit=_manifest.MANIFEST_BYTES, what="manifest")
+    except (CheckpointError, OSError):
+        return None
+    found = data.get("cost") if isinstance(data, dict) else None
+    keys = ("bytes", "save_seconds")
+    if not isinstance(found, dict) or not all(isinstance(found.get(k), (int, float)) for k in keys):
+        return None
+    for k in ("step_seconds", "save_fraction_of_step"):
+        if found.get(k) is not None and not isinstance(found[k], (int, float)):
+            return None
+    return found
+
+def files_needed(step_dir: Path, manifest: _manifest.Manifest, rank: int) -> set[str]:
+    """Files (relative to the step) that ``rank`` reads when restoring on the same layout:
+    its extras, the DCP metadata, the shards it wrote, and the files of replicated keys."""
+    return {_layout.extras_name(rank)} | rank_reads(read_dcp_metadata(step_dir / _layout.STATE_DIR), rank)
+
+
+def rank_reads(md: Any, rank: int) -> set[str]:
+    """The DCP files (relative to the step) that ``rank`` reads on the same layout, given the
+    metadata ``md``: the metadata itself, its own shards, and the file of each replicated key
+    (stored once, by whichever rank DCP chose)."""
+    needed = {f"{_layout.STATE_DIR}/{DCP_METADATA}"}
+    writers: dict[str, set[str]] = {}
+    for index, info in (md.storage_data or {}).items():
+        writers.setdefault(index.fqn, set()).add(info.relative_path)
+    for files in writers.values():
+        mine = {f for f in files if f.startswith(f"__{rank}_")}
+        if not mine and len(files) == 1:
+            mine = files  # a replicated key: stored once, by whichever rank DCP chose
+        needed |= {f"{_layout.STATE_DIR}/{f}" for f in mine}
+    return needed
+
+
+
+# ---------------------------------------------------------------- run steps (several roles)
+
+
+def role_problem(step_dir: Path, run: RunManifest, role: str) -> str | None:
+    """Why ``role``'s part of the run step is not there as committed (None: it is): the quick check."""
+    part = step_dir / role
+    if part.is_symlink() or not part.is_dir():
+        return f"its part {part} is {'a symlink' if part.is_symlink() else 'missing'}"
+    entry = run.roles[role]
+    try:
+        size, xxh3 = file_digest(str(part / _layout.MANIFEST_NAME))
+    except OSError:
+        return f"its part {part} has no {_layout.MANIFEST_NAME}"
+    if (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
+        return (
+            f"{part / _layout.MANIFEST_NAME} has {size} bytes and xxh3 {xxh3}, the run manifest recorded "
+            f"{entry.manifest_bytes} bytes and xxh3 {entry.manifest_xxh3} (replaced after the commit)"
+        )
+    errors = [f for f in verify_step(part) if f.severity.value == "ERROR" and f.code != "unexpected-file"]
+    return errors[0].line() if errors else None
+
+
+def checked_run_step(step_dir: Path, *, roles: list[str] | None = None) -> RunManifest:
+    """``read`` plus every role's part (quick check), and the roles equal to ``roles`` when given:
+    a step missing a role, or with one damaged, raises naming the role."""
+    run = runmanifest.read(step_dir)
+    where = f"run step {run.step} at {step_dir}"
+    if roles is not None and set(roles) != set(run.roles):
+        missing, extra = sorted(set(roles) - set(run.roles)), sorted(set(run.roles) - set(roles))
+        raise CheckpointIncompleteError(
+            f"{where} holds the roles {sorted(run.roles)}, this run declares {sorted(roles)}"
+            + (f"; role(s) {missing} have no part in it" if missing else "")
+            + (f"; role(s) {extra} would not be restored" if extra else "")
+            + ". Declare the same roles as the run that saved it, or restore an earlier step"
+        )
+    for role in sorted(run.roles):
+        why = role_problem(step_dir, run, role)
+        if why is not None:
+            raise CheckpointIncompleteError(
+                f"{where} is missing role {role!r}: {why}. A step missing a role is not committed; restore an "
+                "earlier step (restore(path=...)) or copy the role's files back, then `ckptguard verify` it"
+            )
+        part = _manifest.read(step_dir / role)
+        if part.step != run.step or part.chain_id != run.chain_id:
+            raise CheckpointCorruptError(
+                f"{where}: role {role!r} holds step {part.step} of chain {part.chain_id!r}, the run manifest "
+                f"step {run.step} of chain {run.chain_id!r}; restore an earlier step"
+            )
+    return run
+
+
+def verify_run_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None) -> list[Any]:
+    """Findings of a run step (``checks.verify_step`` for a run manifest): each role's part checked
+    as a step, its findings naming the role, plus roles missing or replaced and stray entries."""
+    def err(code: str, path: Path, message: str, fix: str) -> Finding:
+        return Finding(Severity.ERROR, code, str(path), message, fix)
+
+    try:
+        run = runmanifest.read(step_dir)
+    except Exception as exc:  # a finding, never a raise (verify_step's contract)
+        return [err("bad-manifest", step_dir / _layout.MANIFEST_NAME, str(exc).split(";")[0],
+                    "this run step is not committed: never restore it; resume from the tracker's step")]
+    fix = "a step missing a role is not committed: restore an earlier step, or copy the role's files back"
+    findings = []
+    for role in sorted(run.roles):
+        part = step_dir / role
+        if part.is_symlink() or not part.is_dir():
+            findings.append(err("missing-role", part, f"role {role!r} of run step {run.step} is missing", fix))
+            continue
+        entry = run.roles[role]
+        try:
+            size, xxh3 = file_digest(str(part / _layout.MANIFEST_NAME))
+        except OSError:
+            size, xxh3 = -1, ""
+        if size >= 0 and (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
+            findings.append(err("role-manifest", part / _layout.MANIFEST_NAME,
+                                f"role {role!r}: differs from what the run manifest recorded", fix))
+        for f in verify_step(part, deep=deep, progress=progress):
+            findings.append(Finding(f.severity, f.code, f.path, f"role {role!r}: {f.message}", f.fix))
+    for entry_path in sorted(step_dir.iterdir()):
+        if entry_path.name != _layout.MANIFEST_NAME and entry_path.name not in run.roles:
+            findings.append(Finding(Severity.ERROR, "unexpected-file", str(entry_path),
+                                    "is not a role of the run manifest (a leftover or a foreign write)",
+                                    "find out who wrote it, then delete it; the checkpoint itself is intact"))
+    return findings
+
+
+def read_any(step_dir: Path) -> Any:
+    """The commit marker of a single-role step (``manifest.read``) or of a run step (``checked_run_step``:
+    every role's part in place); what the operator tools read to call a step committed."""
+    try:
+        return _manifest.read(step_dir)
+    except RunStepError:
+        return checked_run_step(step_dir)

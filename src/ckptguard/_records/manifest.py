@@ -1,0 +1,348 @@
+"""The commit marker: ``manifest.json``, written last, describing one committed step.
+
+Contract: a step directory is committed when it holds a manifest that parses, has a
+known format version, and names the step of its directory. The manifest lists every
+file with its size and xxh3, the topology, the versions that wrote it and per-rank,
+per-item digests of the state. Readers accept every format version up to ours.
+
+Format 2 adds ``nodes`` (written on node-local roots only): each node's ranks and the files
+copied to it (replicated DCP files another node's rank wrote), so a node's part of the step is
+its ranks' files plus those copies; and the node manifest, ``node_manifest.json``, that each
+node writes before the global manifest: its ranks' files and the copies it verified.
+
+Format 3 adds ``digest_kind`` (required): for every item, what its per-rank digests cover.
+``"bytes"``: the whole item, every tensor byte included (every item of formats 1 and 2).
+``"structure"``: the item's structure, each tensor's dtype and local shape and every non-tensor
+value, not the tensor bytes, which the item's ``layout_free`` digests cover (tensor items:
+modules, optimizers, tensor dicts). The save then reads each tensor byte once.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.torch_version import TorchVersion
+
+from .._disk.layout import MANIFEST_NAME, NODE_MANIFEST_NAME, parse_json, read_json, read_small
+from .._version import __version__
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, RunStepError, VersionMismatchError
+
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+DIGEST_BYTES = "bytes"
+DIGEST_STRUCTURE = "structure"
+_DIGEST_KINDS = (DIGEST_BYTES, DIGEST_STRUCTURE)
+RUN_KIND = "ckptguard-run"
+"""The ``kind`` of a run step's manifest (``_records.runmanifest``): its roles' parts are steps of this format."""
+
+
+def ckptguard_version() -> str:
+    return __version__
+
+
+def current_versions() -> dict[str, str]:
+    return {
+        "torch": torch.__version__,
+        "ckptguard": ckptguard_version(),
+        "python": platform.python_version(),
+    }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed ``manifest.json``."""
+
+    path: Path
+    format_version: int
+    step: int
+    chain_id: str
+    dir_template: str
+    topology: dict[str, Any]
+    versions: dict[str, str]
+    items: dict[str, str]  # item name -> ItemKind value
+    files: list[dict[str, Any]]  # {"path", "size", "xxh3", "rank"}
+    digests: dict[str, dict[str, str]]  # str(rank) -> item -> digest
+    contract: dict[str, Any]  # {"phase", "hash"}
+    created_unix: float
+    cost: dict[str, Any] | None = None  # size and save time (optional in format 1: older manifests lack it)
+    layout_free: dict[str, dict[str, str]] | None = None  # item -> key -> digest no sharding changes (optional)
+    reshard: dict[str, dict[str, Any]] | None = None  # item -> its declared reshard rule (optional, _resume/reshard)
+    nodes: list[dict[str, Any]] | None = None  # format 2, node-local roots: [{"name", "ranks", "copies"}]
+    digest_kind: dict[str, str] | None = None  # format 3: item -> "bytes" | "structure" (None: all "bytes")
+
+    def digest_covers_bytes(self, item: str) -> bool:
+        """Whether ``item``'s per-rank digests cover its tensor bytes (formats 1 and 2: every item)."""
+        return (self.digest_kind or {}).get(item, DIGEST_BYTES) == DIGEST_BYTES
+
+    @property
+    def world_size(self) -> int:
+        return int(self.topology["world_size"])
+
+    def node_of(self, rank: int) -> int | None:
+        """The index of the node that holds ``rank``'s files (None: one shared root holds every file)."""
+        for index, node in enumerate(self.nodes or []):
+            if rank in node["ranks"]:
+                return index
+        return None
+
+    def node_files(self, index: int) -> list[dict[str, Any]]:
+        """The files node ``index`` holds: its ranks' files and the copies it received."""
+        node = (self.nodes or [])[index]
+        ranks, copies = set(node["ranks"]), set(node["copies"])
+        return [f for f in self.files if f.get("rank") in ranks or f["path"] in copies]
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``manifest.json`` object: every field but the path; the optional ones only when set."""
+        return {k: v for k, v in self.__dict__.items() if k != "path" and not (v is None and k in _OPTIONAL)}
+
+
+_OPTIONAL = ("cost", "layout_free", "reshard", "nodes", "digest_kind")
+
+
+def build(
+    *,
+    path: Path,
+    step: int,
+    chain_id: str,
+    dir_template: str,
+    topology: dict[str, Any],
+    items: dict[str, str],
+    files: list[dict[str, Any]],
+    digests: dict[str, dict[str, str]],
+    contract: dict[str, Any],
+    cost: dict[str, Any] | None = None,
+    layout_free: dict[str, dict[str, str]] | None = None,
+    reshard: dict[str, dict[str, Any]] | None = None,
+    nodes: list[dict[str, Any]] | None = None,
+    digest_kind: dict[str, str] | None = None,
+) -> Manifest:
+    """The manifest of a step being committed at ``path`` (written by the caller with ``to_json``)."""
+    return Manifest(
+        path=path,
+        format_version=FORMAT_VERSION,
+        step=step,
+        chain_id=chain_id,
+        dir_template=dir_template,
+        topology=topology,
+        versions=current_versions(),
+        items=items,
+        files=sorted(files, key=lambda f: f["path"]),
+        digests=digests,
+        contract=contract,
+        created_unix=time.time(),
+        cost=cost,
+        layout_free=layout_free,
+        reshard=reshard,
+        nodes=nodes,
+        digest_kind=digest_kind,
+    )
+
+
+_REQUIRED = ("format_version", "step", "topology", "versions", "items", "files", "digests")
+
+MANIFEST_BYTES = 256 << 20
+"""Bound of one manifest read: about a million file entries."""
+MAX_WORLD_SIZE = 1 << 20
+"""Largest world size a manifest may claim; per-rank checks then stay bounded by the files listed."""
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _str_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _file_entry(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("path"), str)
+        and _int(value.get("size"))
+        and value["size"] >= 0
+        and isinstance(value.get("xxh3"), str)
+        and (value.get("rank") is None or _int(value.get("rank")))
+    )
+
+
+def _shape_problem(data: dict[str, Any]) -> str | None:
+    """Why ``data`` is not shaped like a manifest ckptguard writes, or None."""
+    if not _int(data["step"]) or data["step"] < 0:
+        return f"'step' must be a non-negative int, not {data['step']!r:.40}"
+    topology = data["topology"]
+    if not isinstance(topology, dict) or not _int(topology.get("world_size")):
+        return "'topology' must be an object with an int 'world_size'"
+    if not 1 <= topology["world_size"] <= MAX_WORLD_SIZE:
+        return f"'topology.world_size' is {topology['world_size']}, outside 1..{MAX_WORLD_SIZE}"
+    if not _str_map(data["versions"]):
+        return "'versions' must map names to version strings"
+    if not _str_map(data["items"]):
+        return "'items' must map item names to kinds"
+    files = data["files"]
+    if not isinstance(files, list) or not all(_file_entry(f) for f in files):
+        return "'files' must be a list of {path: str, size: int, xxh3: str, rank: int} entries"
+    digests = data["digests"]
+    if not isinstance(digests, dict) or not all(_str_map(d) for d in digests.values()):
+        return "'digests' must map ranks to {item: digest} objects"
+    if not isinstance(data.get("contract", {}), dict):
+        return "'contract' must be an object"
+    if not isinstance(data.get("chain_id", ""), str) or not isinstance(data.get("dir_template", ""), str):
+        return "'chain_id' and 'dir_template' must be strings"
+    if not isinstance(data.get("created_unix", 0.0), (int, float)):
+        return "'created_unix' must be a number"
+    if data["format_version"] >= 3:
+        kinds: Any = data.get("digest_kind")
+        if not _str_map(kinds) or set(kinds) != set(data["items"]) or not set(kinds.values()) <= set(_DIGEST_KINDS):
+            # A reader that took a missing table as "bytes" would compare structure digests with bytes digests.
+            return f"'digest_kind' must map every item to one of {list(_DIGEST_KINDS)} (format 3)"
+        if DIGEST_STRUCTURE in kinds.values() and not isinstance(data.get("layout_free"), dict):
+            # The tensor bytes of such items are covered by their layout-free digests alone.
+            return "items with 'digest_kind' \"structure\" need the 'layout_free' table, which is absent"
+    if "nodes" in data:
+        return _nodes_problem(data["nodes"], topology["world_size"])
+    return None
+
+
+def _nodes_problem(nodes: Any, world: int) -> str | None:
+    shape = "'nodes' must be a list of {name: str, ranks: [int], copies: [str]} covering every rank once"
+    if not isinstance(nodes, list) or not nodes:
+        return shape
+    seen: list[int] = []
+    for node in nodes:
+        if not (
+            isinstance(node, dict)
+            and isinstance(node.get("name"), str)
+            and isinstance(node.get("ranks"), list)
+            and all(_int(r) for r in node["ranks"])
+            and isinstance(node.get("copies"), list)
+            and all(isinstance(c, str) for c in node["copies"])
+        ):
+            return shape
+        seen += node["ranks"]
+    return None if sorted(seen) == list(range(world)) else shape
+
+
+def read(step_dir: Path) -> Manifest:
+    """Parse the manifest of ``step_dir``; raise if the step is not committed.
+
+    The file is read bounded, never through a link or from a FIFO, and every field is
+    checked for the shape ckptguard writes, so a damaged or crafted manifest is one
+    CheckpointCorruptError, never a KeyError or TypeError further on."""
+    path = step_dir / MANIFEST_NAME
+    try:
+        raw = read_small(path, limit=MANIFEST_BYTES, what="manifest")
+    except FileNotFoundError:
+        raise CheckpointIncompleteError(
+            f"{step_dir} has no {MANIFEST_NAME}: it was never committed (a save died before "
+            "publishing it) and must not be restored; resume from the tracker's step"
+        ) from None
+    try:
+        data = parse_json(raw, where=str(path))
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(
+            f"{exc}; the manifest is written atomically, so this file was damaged after the fact: "
+            "restore an earlier step"
+        ) from None
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{path} holds a JSON {type(data).__name__}, not a manifest object")
+    if data.get("kind") == RUN_KIND:
+        # A run step is committed as a whole; one role's part read as the step would miss the others.
+        roles = sorted(data["roles"]) if isinstance(data.get("roles"), dict) else []
+        raise RunStepError(
+            f"{step_dir} is a run step of several roles ({', '.join(map(str, roles[:8]))}) written by "
+            "ckptguard.RunCheckpoint: restore it with RunCheckpoint(...).restore, or one role's part alone "
+            f"with restore(path='{step_dir}/<role>')"
+        )
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise CheckpointCorruptError(f"{path} lacks the fields {missing}; it is not a manifest")
+    version = data["format_version"]
+    if not _int(version):
+        raise CheckpointCorruptError(f"{path}: 'format_version' must be an int, not {version!r:.40}")
+    if version not in READABLE_VERSIONS:
+        raise VersionMismatchError(
+            f"{path} has format version {version}; this ckptguard {ckptguard_version()} reads "
+            f"versions {list(READABLE_VERSIONS)}. Upgrade ckptguard to read it."
+        )
+    problem = _shape_problem(data)
+    if problem is not None:
+        raise CheckpointCorruptError(
+            f"{path}: {problem}; this is not a manifest ckptguard wrote (damaged or edited): "
+            "restore an earlier step"
+        )
+    return Manifest(
+        path=path,
+        format_version=version,
+        step=data["step"],
+        chain_id=data.get("chain_id", ""),
+        dir_template=data.get("dir_template", ""),
+        topology=data["topology"],
+        versions=data["versions"],
+        items=data["items"],
+        files=data["files"],
+        digests=data["digests"],
+        contract=data.get("contract", {}),
+        created_unix=float(data.get("created_unix", 0.0)),
+        cost=data["cost"] if isinstance(data.get("cost"), dict) else None,
+        layout_free=data["layout_free"] if isinstance(data.get("layout_free"), dict) else None,
+        reshard=_rules(data.get("reshard")),
+        nodes=data.get("nodes"),
+        digest_kind=data["digest_kind"] if version >= 3 else None,
+    )
+
+
+def _rules(value: Any) -> dict[str, dict[str, Any]] | None:
+    """The optional per-item reshard rules; a malformed table reads as none (the restore then asks for rules)."""
+    if isinstance(value, dict) and all(isinstance(v, dict) and isinstance(v.get("rule"), str) for v in value.values()):
+        return value
+    return None
+
+
+def node_manifest(*, step: int, index: int, name: str, ranks: list[int], files: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``node_manifest.json`` object of node ``index``: what that node verified it holds."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "node": index,
+        "name": name,
+        "ranks": sorted(ranks),
+        "files": sorted(files, key=lambda f: f["path"]),
+        "created_unix": time.time(),
+    }
+
+
+def read_node(step_dir: Path) -> dict[str, Any] | None:
+    """This disk's node manifest of ``step_dir`` (None when absent); CheckpointCorruptError if malformed."""
+    path = step_dir / NODE_MANIFEST_NAME
+    try:
+        data = read_json(path, limit=MANIFEST_BYTES, what="node manifest")
+    except FileNotFoundError:
+        return None
+    if not (
+        isinstance(data, dict)
+        and _int(data.get("node"))
+        and _int(data.get("step"))
+        and isinstance(data.get("ranks"), list)
+        and isinstance(data.get("files"), list)
+        and all(_file_entry(f) for f in data["files"])
+    ):
+        raise CheckpointCorruptError(f"{path}: not a node manifest ckptguard wrote (damaged or edited)")
+    return data
+
+
+def check_torch_version(manifest: Manifest, *, allow_newer: bool) -> None:
+    """Refuse, before any read, a checkpoint written by a newer torch than ours."""
+    written = manifest.versions.get("torch", "0")
+    if allow_newer or TorchVersion(written.split("+")[0]) <= torch.__version__.split("+")[0]:
+        return
+    raise VersionMismatchError(
+        f"{manifest.path.parent} was written by torch {written}; this process runs torch "
+        f"{torch.__version__}. Newer torch can write formats an older one misreads (e.g. "
+        "DTensor layouts). Restore with the image that wrote it, or pass "
+        "CheckpointConfig(allow_newer_torch=True) after checking it reads correctly."
+    )

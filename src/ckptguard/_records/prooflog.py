@@ -1,0 +1,332 @@
+"""Append-only proof records, one JSONL file per rank (``ROOT/proof/rank_NNNNN.jsonl``; a role of a
+``RunCheckpoint``: ``ROOT/proof/<role>/rank_NNNNN.jsonl``, numbered by the role's ranks).
+
+Records are appended and never edited. A file that grew past ``ProofLog.PRUNE_BYTES`` is
+rewritten at a save without the records no proof can read again (``prunable``): those
+before the oldest checkpoint on disk, except what the proof of the newest restore reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+import socket
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._disk.digest import digest
+from .._disk.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
+from .._log import NAME
+from .._version import __version__
+from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
+from .resumewatch import ResumeWatch
+
+_HOST = socket.gethostname()
+log = logging.getLogger(NAME)
+
+
+class ProofLog:
+    """One rank's append-only proof records.
+
+    Records made before the root exists (an export before the first save, the steps before
+    it) are held in memory and written, in order, by the first append that finds the root:
+    a mistyped root must stay visible, so a record never creates it.
+    """
+
+    HELD_MAX = 100_000  # records held before the root exists; older ones are dropped beyond this
+
+    def __init__(self, root: Path, rank: int, *, role: str | None = None) -> None:
+        self.root = Path(root)
+        self.path = records_dir(root, role) / f"rank_{rank:05d}.jsonl"
+        self.rank = rank
+        self._held: deque[dict[str, Any]] = deque(maxlen=self.HELD_MAX)
+        self.dropped = 0
+        self._tail_checked = False
+        self._pruned_to = 0  # the file's size after the last prune: the next waits until it doubled
+        # A save_async commits (and prunes) in a background thread while training appends step
+        # records: a record appended between the prune's read and its rename would be lost.
+        self._lock = threading.Lock()
+        self.watch = ResumeWatch(rank, str(self.path), lambda event, fields: self.keep(self.build(event, **fields)))
+        self.code: str | None = None  # the run contract's code hash, recorded with saves and restores (prove shows it)
+
+    def build(self, event: str, **fields: Any) -> dict[str, Any]:
+        self.watch.observe(event, fields)
+        if event == "step":  # the thread count splits CPU reductions: prove names a change of it
+            fields.setdefault("threads", torch.get_num_threads())
+        elif event in ("save", "restore"):  # which code saved, which resumed: prove says when they differ
+            code = {"ckptguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
+            fields.setdefault("code", {**code, **({"hash": self.code} if self.code else {})})
+        return {
+            "event": event,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": _HOST,
+            "time": time.time(),
+            "mono": time.monotonic(),
+            **fields,
+        }
+
+    def hold(self, record: dict[str, Any]) -> None:
+        if len(self._held) == self._held.maxlen:
+            self.dropped += 1
+        self._held.append(record)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def write(self, record: dict[str, Any], *, durable: bool = True) -> None:
+        """Append the held records and ``record``. ``durable`` fsyncs (saves, restores); a step
+        record is only written, which a SIGKILL of the process does not lose (a node crash may)."""
+        with self._lock:
+            self._write(record, durable)
+
+    def _write(self, record: dict[str, Any], durable: bool) -> None:
+        refuse_link(self.root / PROOF_DIR, "proof directory")  # appending through a link writes outside the root
+        refuse_link(self.path.parent, "proof directory")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(r, sort_keys=True) + "\n" for r in (*self._held, record)]
+        if not self._tail_checked:
+            # A process killed mid-append leaves a torn last line: end it, so our records start on their own.
+            self._tail_checked = True
+            if self.path.exists() and self.path.stat().st_size:
+                with open(self.path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        lines.insert(0, "\n")
+        with open(self.path, "a") as f:
+            f.write("".join(lines))
+            f.flush()
+            if durable or self._held:
+                os.fsync(f.fileno())
+        self._held.clear()
+
+    def append(self, event: str, **fields: Any) -> None:
+        self.write(self.build(event, **fields))
+
+    def keep(self, record: dict[str, Any], *, durable: bool = True) -> None:
+        """Write ``record`` (after the held ones), or hold it while the root does not exist; never raises:
+        a read-only or full root, or a symlinked proof/, is logged and training goes on."""
+        if not self.root.is_dir():  # a record never creates the root: a mistyped path must stay visible
+            self.hold(record)
+            return
+        try:
+            self.write(record, durable=durable)
+        except (OSError, UnsafeCheckpointError) as exc:
+            log.warning("ckptguard: could not append the %s proof record to %s (%s)", record.get("event"), self.path,
+                        exc)
+        if self.dropped:
+            log.warning("ckptguard: %d proof records made before %s existed were dropped (more than %d held)",
+                        self.dropped, self.root, self.HELD_MAX)
+            self.dropped = 0
+
+    PRUNE_BYTES = 8 << 20
+    """A records file smaller than this is never rewritten (the rewrite reads the whole file)."""
+    PRUNE_GROWTH = 2.0
+    """After a prune the next waits until the file grew this much: the rewrites cost O(1) per record."""
+
+    def prune(self, naming: StepNaming) -> int:
+        """Rewrite this rank's file without the records no proof can read again (``prunable``);
+        returns how many lines were dropped. Called after a save, by the process that appends to
+        the file (no other writer). A failure is logged, never raised: the records stay whole."""
+        with self._lock:
+            return self._prune(naming)
+
+    def _prune(self, naming: StepNaming) -> int:
+        try:
+            size = self.path.stat().st_size if self.path.is_file() else 0
+            if not size or size < max(self.PRUNE_BYTES, self.PRUNE_GROWTH * self._pruned_to):
+                return 0
+            steps = step_dirs(self.root, naming)  # committed or not: a smaller oldest keeps more
+            if not steps:
+                return 0
+            refuse_link(self.path.parent, "proof directory")
+            lines = read_small(self.path, limit=PROOF_BYTES, what="proof records").splitlines(keepends=True)
+            drop = prunable([_parsed(line) for line in lines], min(steps))
+            gone = sum(b - a for a, b in drop)
+            self._pruned_to = self.path.stat().st_size  # also when nothing goes: no re-read at every save
+            if not gone:
+                return 0
+            dropped = {i for a, b in drop for i in range(a, b)}
+            kept = b"".join(line for i, line in enumerate(lines) if i not in dropped)
+            if kept and not kept.endswith(b"\n"):
+                kept += b"\n"  # a torn last line ends here, so the next append starts its own
+            atomic_write_bytes(self.path, kept)
+            self._pruned_to = len(kept)
+        except (OSError, ValueError, CheckpointCorruptError) as exc:
+            log.warning("ckptguard: could not prune the proof records %s (%s); they are kept whole", self.path, exc)
+            return 0
+        log.info("ckptguard: pruned %d proof records of %s older than step %d's save", gone, self.path, min(steps))
+        return gone
+
+
+def _parsed(line: bytes) -> dict[str, Any] | None:
+    try:
+        rec = parse_json(line, where="proof record")
+    except (CheckpointCorruptError, UnicodeDecodeError):
+        return None  # a torn line: kept where it is, unless in a dropped range
+    return rec if isinstance(rec, dict) else None
+
+
+def _step(rec: dict[str, Any] | None) -> int | None:
+    value = rec.get("step") if rec is not None else None
+    return value if _int(value) else None
+
+
+def _last_save(recs: list[dict[str, Any] | None], step: int, before: int) -> int | None:
+    return next((i for i in range(before - 1, -1, -1) if _is(recs[i], "save") and _step(recs[i]) == step), None)
+
+
+def _is(rec: dict[str, Any] | None, event: str) -> bool:
+    return rec is not None and rec.get("event") == event
+
+
+def _window(recs: list[dict[str, Any] | None], save: int) -> int:
+    """Where the records that led to the save at ``save`` start: right after the previous save
+    (the steps, export and logprobs of that interval belong to it)."""
+    return next((i + 1 for i in range(save - 1, -1, -1) if _is(recs[i], "save")), 0)
+
+
+def prunable(recs: list[dict[str, Any] | None], oldest: int) -> list[tuple[int, int]]:
+    """The index ranges ``[a, b)`` of one rank's records that no proof reads again, with
+    ``oldest`` the oldest step on disk (any later resume starts from it or a newer one).
+
+    Kept: everything from the interval that led to the last save of ``oldest`` on (every later
+    save, the killed segment after the last one); and, when the newest restore came before
+    that, what its proof reads: the interval before the save it restored, the restore, and
+    after it the process's records up to its first save, the last step the killed run recorded,
+    and the first record of every kind. Nothing is dropped where a needed save is not found."""
+    save = _last_save(recs, oldest, len(recs))
+    if save is None:
+        return []
+    keep_from = _window(recs, save)
+    restore = next((i for i in range(len(recs) - 1, -1, -1) if _is(recs[i], "restore")), None)
+    if restore is None or restore >= keep_from:
+        if restore is not None and (k := _step(recs[restore])):  # its save may precede oldest's (a rerun)
+            own = _last_save(recs, k, restore)
+            if own is None:
+                return []
+            keep_from = min(keep_from, _window(recs, own))
+        return [(0, keep_from)] if keep_from else []
+    rec = recs[restore]
+    assert rec is not None
+    k, pid = _step(rec) or 0, rec.get("pid")
+    out: list[tuple[int, int]] = []
+    if k:
+        own = _last_save(recs, k, restore)
+        if own is None:
+            return []
+        start = _window(recs, own)
+        saver = recs[own].get("pid")  # type: ignore[union-attr]  # a save record is a dict
+        killed = [s for r in recs[own + 1 : restore] if _is(r, "step") and r.get("pid") == saver  # type: ignore[union-attr]
+                  and (s := _step(r)) is not None and s > k]
+        last_killed = max(killed, default=k)
+    else:
+        start, last_killed = restore, 0  # a fresh start reads nothing before it
+    if start:
+        out.append((0, start))
+    end, seen, saved = restore, set(), False
+    for i in range(restore + 1, keep_from):
+        r = recs[i]
+        if r is None or r.get("pid") != pid:
+            continue
+        event, s = r.get("event"), _step(r)
+        if event not in seen or not saved or (s is not None and s <= last_killed):
+            end = i
+        seen.add(event)
+        saved = saved or event == "save"
+    if end + 1 < keep_from:
+        out.append((end + 1, keep_from))
+    return out
+
+
+def export_fingerprint(payload: Any, scales: Any = None) -> dict[str, str]:
+    """Digests of exported bytes and of the quantization scales that go with them."""
+    return {"bytes": digest(payload), "scales": digest(scales) if scales is not None else "none"}
+
+
+def logprob_diff(trainer: torch.Tensor, rollout: torch.Tensor) -> dict[str, float]:
+    """Max absolute difference of logprobs and of probabilities (probs_diff)."""
+    a, b = trainer.detach().double().cpu(), rollout.detach().double().cpu()
+    if a.shape != b.shape:
+        raise ConfigError(f"record_logprobs: shapes differ, trainer {tuple(a.shape)} vs rollout {tuple(b.shape)}")
+    return {
+        "max_abs_logprob_diff": float((a - b).abs().max()) if a.numel() else 0.0,
+        "probs_diff": float((a.exp() - b.exp()).abs().max()) if a.numel() else 0.0,
+        "tokens": int(a.numel()),
+    }
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+PROOF_BYTES = 256 << 20
+"""Bound of one rank's proof records file."""
+
+
+def records_dir(root: Path, role: str | None = None) -> Path:
+    """Where the proof records of ``root`` (of one role of a run root) are."""
+    return Path(root) / PROOF_DIR / role if role is not None else Path(root) / PROOF_DIR
+
+
+def record_roles(root: Path) -> list[str]:
+    """The roles of a run root that have proof records (``ROOT/proof/<role>/``), sorted."""
+    directory = Path(root) / PROOF_DIR
+    if not directory.is_dir() or directory.is_symlink():
+        return []
+    return sorted(d.name for d in directory.iterdir() if d.is_dir() and not d.is_symlink() and _ROLE.match(d.name))
+
+
+_ROLE = re.compile(r"[a-z][a-z0-9_-]{0,63}\Z")  # runmanifest's role names
+
+
+def read_records(root: Path, role: str | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's proof records (of ``role``, numbered by its ranks), checked for the shape ``evaluate``
+    relies on.
+
+    Never through a symlinked ``proof/`` or record file, never from a FIFO, bounded in size
+    and JSON depth; a malformed line is one CheckpointCorruptError naming file and line."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    directory = records_dir(root, role)
+    refuse_link(Path(root) / PROOF_DIR, "proof directory")
+    refuse_link(directory, "proof directory")
+    for path in sorted(directory.glob("rank_*.jsonl")):
+        try:
+            rank = int(path.stem.split("_")[1])
+        except (IndexError, ValueError):
+            continue  # not a name ProofLog writes
+        try:
+            text = read_small(path, limit=PROOF_BYTES, what="proof records").decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CheckpointCorruptError(
+                f"{path} is not UTF-8 text (byte {exc.start}); proof records are written by ckptguard only"
+            ) from None
+        lines = text.splitlines()
+        records = []
+        for n, line in enumerate(lines, 1):
+            try:
+                rec = parse_json(line, where=f"{path}:{n}")
+            except CheckpointCorruptError as exc:
+                if (n == len(lines) or line.startswith("{")) and "deeper" not in str(exc):
+                    continue  # a record torn by a kill mid-append (the next process starts a new line)
+                raise CheckpointCorruptError(f"{exc}; proof records are append-only") from None
+            if not (isinstance(rec, dict) and isinstance(rec.get("event"), str) and _int(rec.get("pid"))):
+                raise CheckpointCorruptError(
+                    f"{path}:{n} is not a proof record (an object with a string 'event' and an int 'pid'); "
+                    "proof records are append-only and written by ckptguard: move the file away to re-prove"
+                )
+            records.append(rec)
+        out[rank] = records
+    return out
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

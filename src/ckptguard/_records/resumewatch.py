@@ -1,0 +1,81 @@
+"""Whether a resumed process trained: the zero-step resume (an exhausted loader at an epoch boundary,
+a loop whose range ended) exits 0 and looks like success.
+
+Contract: a ``ResumeWatch`` sees every proof record its rank's ``ProofLog`` builds. A restore of a
+non-zero step arms it (a later restore in the same process re-arms it); a ``step`` or ``update``
+record past that step counts as trained. At interpreter exit, an armed watch appends an ``exit``
+record (the restored step, the steps trained, the plan's ``total_steps``) and, when nothing was
+trained, logs one loud line: ``resumed at step 120 of 200 and trained 0 steps``. ``ckptguard prove``
+reads the ``exit`` record (gate ``resumed run trained``). It only logs and records; it never raises.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .._log import NAME
+
+log = logging.getLogger(NAME)
+
+_WATCHES: set[ResumeWatch] = set()  # armed ones; held strongly: a manager dropped when main() returns still reports
+
+
+class ResumeWatch:
+    """One rank's restored step and the steps trained after it, in this process."""
+
+    def __init__(self, rank: int, where: str, keep: Callable[[str, dict[str, Any]], None]) -> None:
+        self.rank, self.where, self.keep = rank, where, keep
+        self.restored: int | None = None
+        self.total: int | None = None
+        self.trained: set[int] = set()
+        self.done = False
+
+    def observe(self, event: str, fields: dict[str, Any]) -> None:
+        step = fields.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            return
+        if event == "restore" and step > 0 and fields.get("ok") is not False:
+            plan = fields.get("plan") if isinstance(fields.get("plan"), dict) else {}
+            total = plan.get("total_steps") if plan else None
+            self.restored, self.trained, self.done = step, set(), False
+            self.total = total if isinstance(total, int) and not isinstance(total, bool) else None
+            _WATCHES.add(self)
+        elif event in ("step", "update") and self.restored is not None and step > self.restored:
+            self.trained.add(step)
+
+    def line(self) -> str:
+        """What this process did after its restore, in words."""
+        of = f" of {self.total}" if self.total is not None else ""
+        n = len(self.trained)
+        return f"resumed at step {self.restored}{of} and trained {n} step{'' if n == 1 else 's'}"
+
+    def at_exit(self) -> None:
+        if self.restored is None or self.done:
+            return
+        self.done = True
+        fields = {"step": self.restored, "trained": len(self.trained), "total_steps": self.total}
+        try:
+            self.keep("exit", fields)
+        except Exception as exc:  # an exit hook never raises: the process is ending
+            log.warning("ckptguard: could not record the exit of rank %d under %s (%s)", self.rank, self.where, exc)
+        if self.trained:
+            return
+        if self.total is not None and self.restored >= self.total:
+            log.info("ckptguard: rank %d %s: the job had ended (total_steps %d)", self.rank, self.line(), self.total)
+            return
+        if self.total is None:  # whether steps were left is for prove to tell from the records
+            log.warning("ckptguard: rank %d %s before the process exited (%s); declare ProofPlan(total_steps=) to "
+                        "have a zero-step resume called out here", self.rank, self.line(), self.where)
+            return
+        log.error("ckptguard: rank %d %s before the process exited: the data loader or the step range ended right "
+                  "after the restore (an exhausted loader at an epoch boundary?); the run made no progress (%s)",
+                  self.rank, self.line(), self.where)
+
+
+@atexit.register
+def _at_exit() -> None:
+    for watch in list(_WATCHES):
+        watch.at_exit()

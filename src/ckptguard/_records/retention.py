@@ -1,0 +1,248 @@
+"""Rotation that never deletes the checkpoint you need (docs/practices.md, 7).
+
+Contract: policies are pure functions of the committed steps found on disk, so a restart
+rebuilds the same decision (no in-memory list to lose). A directory is deleted only if it
+is committed (manifest, shard set and sizes check out, and the tracker covers it), is not
+the tracker's target, not protected by the caller (the step being restored or written),
+not held, and not the newest verified step (``trust.json``: the step a ``prefer="verified"``
+resume needs after a NaN; with that record unreadable nothing is deleted); a hold file that
+cannot be read still holds its step. Without a tracker
+nothing is deleted. Corrupt and orphan directories are never counted among the kept ones
+and are never deleted here; one that cannot even be checked is one finding, never a
+failure of the whole rotation. Deletion renames the directory into the trash first, so
+a half-deleted directory never looks committed. A failed delete is reported and retried
+at the next run; it never raises into training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from .._disk import layout as _layout
+from ..errors import CheckpointError, ConfigError
+from . import trust as _trust
+from .checks import verify_step
+
+log = logging.getLogger("ckptguard")
+
+HOLDS_DIR = "holds"
+
+
+class RetentionPolicy(Protocol):
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        """The steps to keep, given the committed steps in ascending order."""
+        ...
+
+
+class _Combinable:
+    def __or__(self, other: RetentionPolicy) -> KeepAny:
+        return KeepAny((self, other))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class KeepLast(_Combinable):
+    """The newest ``n`` committed steps."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"KeepLast(n={self.n!r}): n must be an int >= 1 (the newest step is always kept)")
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return set(sorted(steps)[-self.n :])
+
+
+@dataclass(frozen=True)
+class KeepEvery(_Combinable):
+    """Every step divisible by ``n``: kept outside rotation, for evaluation and rollback."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"KeepEvery(n={self.n!r}): n must be an int >= 1")
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return {s for s in steps if s % self.n == 0}
+
+
+@dataclass(frozen=True)
+class KeepAny(_Combinable):
+    """Keeps what any of its policies keeps."""
+
+    policies: tuple[RetentionPolicy, ...] = field(default_factory=tuple)
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        out: set[int] = set()
+        for p in self.policies:
+            out |= p.keep(steps)
+        return out
+
+
+def default_policy() -> KeepAny:
+    """The last 3, plus every 20th step outside rotation."""
+    return KeepLast(3) | KeepEvery(20)
+
+
+# ---------------------------------------------------------------- holds
+
+
+def hold(root: Path, step: int, reason: str) -> Path:
+    """Pin ``step`` against rotation; survives restarts (a file under ROOT/holds)."""
+    if not reason.strip():
+        raise ConfigError("hold: give a reason (who needs this step, and until when)")
+    directory = root / HOLDS_DIR
+    _layout.refuse_link(directory, "holds directory")  # never written through a link
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{step}.json"
+    _layout.atomic_write_json(path, {"step": step, "reason": reason, "created_unix": time.time()})
+    return path
+
+
+def release(root: Path, step: int) -> bool:
+    path = root / HOLDS_DIR / f"{step}.json"
+    if not path.exists() and not path.is_symlink():
+        return False
+    path.unlink()
+    return True
+
+
+_HOLD_NAME = re.compile(r"(\d+)\.json\Z")
+
+
+def holds(root: Path) -> dict[int, str]:
+    """Held steps and why. A hold file that cannot be read still holds the step its name
+    gives (``<step>.json``): a damaged hold must never free a step someone relies on."""
+    out: dict[int, str] = {}
+    _layout.refuse_link(root / HOLDS_DIR, "holds directory")  # never read through a link
+    try:
+        entries = sorted(os.scandir(root / HOLDS_DIR), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for entry in entries:
+        match = _HOLD_NAME.match(entry.name)
+        if match is None:
+            continue  # not a name ``hold`` writes (e.g. a temp file of a hold being written)
+        path = Path(entry.path)
+        step = int(match.group(1))
+        try:
+            data = _layout.read_json(path, limit=64 << 10, what="hold record")
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            out[step] = str(data.get("reason", ""))
+            if data.get("step") != step:  # a hand-edited file: hold both steps it names
+                with contextlib.suppress(TypeError, ValueError):
+                    out.setdefault(int(data["step"]), out[step])
+        except (OSError, ValueError, KeyError) as exc:
+            why = str(exc).split(";")[0][:200]
+            out[step] = f"UNREADABLE hold file {path} ({why}): treated as held; fix or `ckptguard release` it"
+            log.warning(
+                "ckptguard: hold file %s is unreadable (%s); step %d stays held until it is fixed or released",
+                path,
+                why,
+                step,
+            )
+    return out
+
+
+# ---------------------------------------------------------------- apply
+
+
+@dataclass
+class RetentionReport:
+    kept: list[int]
+    deleted: list[int]
+    failed: dict[int, str]
+    not_counted: dict[str, str]  # directory name -> why it is neither kept nor deleted
+
+
+def _is_committed(path: Path) -> str | None:
+    """None if the quick check passes, else why not."""
+    errors = [f for f in verify_step(path) if f.severity.value == "ERROR" and f.code != "unexpected-file"]
+    return errors[0].line() if errors else None
+
+
+def check_step(path: Path) -> str | None:
+    """None if ``path`` is a complete checkpoint, else why not. Never raises: a step that
+    cannot even be checked (a link loop, an unreadable file) is one incomplete step."""
+    try:
+        return _is_committed(path)
+    except Exception as exc:  # one bad step must never stop rotation of the whole root
+        return f"could not be checked ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def orphan_hint(path: Path, step: int, tracker: int | None, naming: _layout.StepNaming) -> str:
+    """What to do with a complete step the tracker does not cover (the commands spelled out)."""
+    where = "there is no tracker" if tracker is None else f"newer than the tracker ({tracker})"
+    template = "" if naming.template == "step_{step:08d}" else f" --template '{naming.template}'"
+    return (
+        f"a complete checkpoint, {where}: never deleted by rotation or plain gc. Resume from it with "
+        f"restore(path={str(path)!r}), point the tracker at it with `ckptguard adopt {path.parent} {step}{template}`, "
+        f"or delete it with `ckptguard gc {path.parent} --orphans{template}`"
+    )
+
+
+INCOMPLETE_HINT = (
+    "inspect it with `ckptguard verify ROOT`; copy the missing files back (node-local storage keeps some on "
+    "other nodes), or delete it by hand if it cannot be repaired"
+)
+
+
+def apply(
+    root: Path, naming: _layout.StepNaming, policy: RetentionPolicy, *, protect: Iterable[int] = ()
+) -> RetentionReport:
+    """Delete the committed steps ``policy`` drops. Committed means complete and covered by
+    the tracker: without a tracker nothing is deleted, and a complete step newer than the
+    tracker is an orphan that is reported, never deleted (the tracker may be the stale one)."""
+    try:
+        tracker = _layout.read_tracker(root)
+    except CheckpointError as exc:
+        return RetentionReport([], [], {}, {_layout.TRACKER_NAME: f"{exc}; nothing is deleted until it is fixed"})
+    for path in _layout.empty_trash(root):
+        log.warning("ckptguard: %s could not be deleted yet; retried at the next save", path)
+    committed: list[int] = []
+    not_counted: dict[str, str] = {}
+    dirs = _layout.step_dirs(root, naming)
+    for step, path in sorted(dirs.items()):
+        if path.is_symlink():
+            not_counted[path.name] = "a symlink; rotation never deletes through links"
+            continue
+        why = check_step(path)
+        if why is not None:
+            not_counted[path.name] = f"not a complete checkpoint ({why}); {INCOMPLETE_HINT}"
+            continue
+        if tracker is None or step > tracker:
+            not_counted[path.name] = orphan_hint(path, step, tracker, naming)
+            continue
+        committed.append(step)
+    try:
+        verified = _trust.newest_verified(root, committed)
+    except CheckpointError as exc:
+        not_counted[_trust.TRUST_NAME] = f"{exc}; nothing is deleted until it is fixed"
+        return RetentionReport(committed, [], {}, not_counted)
+    keep = policy.keep(committed) | set(protect) | set(holds(root)) | ({tracker} if tracker is not None else set())
+    keep |= {verified} if verified is not None else set()
+    report = RetentionReport(
+        kept=sorted(s for s in committed if s in keep), deleted=[], failed={}, not_counted=not_counted
+    )
+    for step in committed:
+        if step in keep:
+            continue
+        try:
+            _layout.remove_step_dir(dirs[step])
+            report.deleted.append(step)
+        except OSError as exc:
+            report.failed[step] = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "ckptguard: could not delete step %d at %s (%s); retried at the next save", step, dirs[step], exc
+            )
+    return report

@@ -1,0 +1,340 @@
+"""Which step a restore loads, agreed by every rank before anything is read (``resolve``).
+
+Modes (``ResumeMode``): AUTO (the tracker's step; an absent or empty root is a declared fresh
+start; steps without a tracker, or a tracker naming an uncommitted step, raise), MUST, NEVER,
+or an explicit ``path``. Every rank resolves the same step and finds its own files, or every
+rank raises (``agree_files``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._context import Context
+from .._disk import layout as _layout
+from .._dist import Wire, gather_decide
+from .._records import manifest as _manifest
+from .._records import trust as _trust
+from .._records.checks import files_needed, safe_member
+from ..config import ReshardRule, ResumeMode
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    RankDisagreementError,
+    ResumeError,
+    UnsafeCheckpointError,
+    error_payload,
+    rebuild,
+)
+from . import reshard as _reshard
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Which checkpoint a restore would load, and why."""
+
+    step: int
+    """The step to resume from (0 for a fresh start)."""
+    path: Path | None
+    """The committed step directory, or None for a fresh start."""
+    reason: str
+    """One sentence: why this step."""
+    mode: ResumeMode
+
+    @property
+    def fresh(self) -> bool:
+        return self.path is None
+
+    def describe(self) -> str:
+        if self.fresh:
+            return f"FRESH START at step 0: {self.reason}"
+        return f"resume from step {self.step} at {self.path}: {self.reason}"
+
+
+def resolve_local(
+    root: Path,
+    naming: _layout.StepNaming,
+    mode: ResumeMode,
+    path: Path | None,
+    prefer: _trust.Prefer = _trust.Prefer.LATEST,
+    *,
+    read_manifest: Callable[[Path], Any] = _manifest.read,
+) -> Resolution:
+    """What this rank sees on disk; raises ResumeError rather than guessing.
+
+    ``read_manifest`` reads a step's commit marker (an object with ``step``) or raises: a run
+    of several roles passes its own, which also refuses a step missing a role (``ckptguard.run``)."""
+    if path is not None:
+        step_dir = Path(path)
+        _layout.refuse_link(step_dir, "step directory")  # a link may lead outside every root
+        if not step_dir.is_dir():
+            raise CheckpointNotFoundError(
+                f"restore(path={str(path)!r}): no such directory; pass a committed step directory"
+            )
+        manifest = read_manifest(step_dir)
+        return Resolution(manifest.step, step_dir, "explicit path", mode)
+    if mode is ResumeMode.NEVER:
+        count = len(_layout.step_dirs(root, naming))
+        return Resolution(0, None, f"ResumeMode.NEVER; {count} step directories under {root} ignored", mode)
+    if not root.exists():
+        if mode is ResumeMode.MUST:
+            raise ResumeError(
+                f"ResumeMode.MUST: checkpoint root {root} does not exist; "
+                "check the path (it is never created by restore)"
+            )
+        return Resolution(
+            0, None, f"checkpoint root {root} does not exist (it was not created; the first save creates it)", mode
+        )
+    tracker = _layout.read_tracker(root)
+    dirs = _layout.step_dirs(root, naming)
+    if tracker is None:
+        if dirs:
+            raise ResumeError(
+                f"{root} holds step directories {sorted(dirs)[-3:]} but no tracker "
+                f"{_layout.TRACKER_NAME}; ckptguard writes the tracker before any step, so "
+                "something outside it removed the tracker or wrote these steps. Inspect the "
+                "root, then restore(path=...) the step you trust or move the steps away."
+            )
+        if mode is ResumeMode.MUST:
+            raise ResumeError(f"ResumeMode.MUST: {root} has no tracker and no checkpoint")
+        return Resolution(0, None, f"{root} exists but holds no checkpoint and no tracker", mode)
+    if tracker == 0:
+        if mode is ResumeMode.MUST:
+            raise ResumeError(f"ResumeMode.MUST: the tracker in {root} says 0 (no step committed yet)")
+        orphans = f"; uncommitted step directories {sorted(dirs)} are ignored" if dirs else ""
+        return Resolution(0, None, f"tracker in {root} says 0: fresh start declared by the first save{orphans}", mode)
+    step_dir = root / naming.name(tracker)
+    _layout.refuse_link(step_dir, f"step directory of the tracker's step {tracker}")
+    try:
+        manifest = read_manifest(step_dir)
+    except UnsafeCheckpointError:
+        raise  # a link or a FIFO in place of the manifest: refused as such, not as "not committed"
+    except (CheckpointNotFoundError, CheckpointError) as exc:
+        raise ResumeError(
+            f"the tracker in {root} points at step {tracker}, but {step_dir} is not a committed "
+            f"checkpoint ({exc}). ckptguard never moves the tracker before the commit, so the "
+            "directory was changed afterwards (deleted, copied partially, node-local disk). "
+            "Restore the files, or restore(path=...) an older committed step explicitly."
+        ) from exc
+    if manifest.step != tracker:
+        raise ResumeError(f"{step_dir}/manifest.json says step {manifest.step} but the tracker says {tracker}")
+    res = Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
+    return _prefer_verified(root, naming, res, read_manifest) if prefer is _trust.Prefer.VERIFIED else res
+
+
+def _prefer_verified(
+    root: Path, naming: _layout.StepNaming, res: Resolution, read_manifest: Callable[[Path], Any] = _manifest.read
+) -> Resolution:
+    """prefer='verified': the newest verified committed step no newer than the tracker (module doc of trust)."""
+    try:
+        trust = _trust.read(root)
+    except CheckpointCorruptError as exc:
+        raise ResumeError(f"prefer='verified' under {root}: {exc}") from None
+    for step in sorted((s for s in trust if s <= res.step), reverse=True):
+        if _trust.state(trust[step]) is not _trust.Trust.VERIFIED:
+            continue
+        step_dir = root / naming.name(step)
+        try:
+            if step_dir.is_symlink() or read_manifest(step_dir).step != step:
+                continue
+        except CheckpointError:
+            continue  # deleted or damaged since it was verified: the next older one
+        newer = "" if step == res.step else (
+            f"; the tracker's step {res.step} and the steps between are not verified: resuming here is a "
+            "rollback (saving those steps again needs save(..., overwrite=True))")
+        return Resolution(step, step_dir, f"prefer='verified': step {step} is the newest verified step{newer}",
+                          res.mode)
+    entry = trust.get(res.step)
+    if entry is not None and entry.get("unhealthy_after") is not None:
+        raise ResumeError(
+            f"prefer='verified' under {root}: no committed step is verified, and the tracker's step {res.step} was "
+            f"followed by the unhealthy step {entry['unhealthy_after']}. Restore an older step with "
+            "restore(path=...), or resume it anyway with prefer='latest'"
+        )
+    return Resolution(res.step, res.path, f"{res.reason}; prefer='verified': no step is verified yet, and no "
+                      f"unhealthy step followed step {res.step} ({_trust.describe(entry)})", res.mode)
+
+
+@dataclass(frozen=True)
+class ResolveView(Wire):
+    """What one rank resolved: step and directory, or its error."""
+
+    step: int = 0
+    path: str | None = None
+    error: dict[str, Any] | None = None
+    published: list[int] = field(default_factory=list)  # node-local: newer steps this node holds published
+
+
+@dataclass(frozen=True)
+class AgreedStep(Wire):
+    """The step every rank restores; differs from a rank's own only on node-local roots whose
+    trackers a killed save left apart (see ``_published_newer``)."""
+
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class FilesView(Wire):
+    """The problems one rank found with the files it will read, or its error."""
+
+    host: str
+    problems: list[str] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Problems(Wire):
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Agreed(Wire):
+    """Rank 0's verdict: every rank may go on (a disagreement is raised instead)."""
+
+
+def resolve(
+    ctx: Context, mode: ResumeMode, path: Path | None, *, prefer: _trust.Prefer = _trust.Prefer.LATEST
+) -> Resolution:
+    """resolve_local on every rank, then agreement on the step and on every rank's files."""
+    res: Resolution | None = None
+    try:
+        res = resolve_local(ctx.root, ctx.naming, mode, path, prefer)
+        # Only for the tracker's step: under prefer="verified" a node resolving an older verified step
+        # holds newer committed steps by design, which are no sign of a save stopped between trackers.
+        latest = path is None and mode is not ResumeMode.NEVER and prefer is _trust.Prefer.LATEST
+        newer = _published_newer(ctx, res) if latest else []
+        view = ResolveView(res.step, str(res.path) if res.path else None, published=newer)
+    except Exception as exc:  # any local failure is shipped, so no rank waits for a peer that raised
+        view = ResolveView(error=error_payload(exc))
+    agreed = gather_decide(ctx.agreement, "resolve.step", view, same_checkpoint, decision=AgreedStep)
+    assert res is not None
+    if agreed.step != res.step:
+        res = Resolution(
+            agreed.step,
+            ctx.root / ctx.naming.name(agreed.step),
+            f"the other nodes' trackers say {agreed.step}; this node's says {res.step}, and it holds step "
+            f"{agreed.step} published (a save was stopped between the nodes' trackers)",
+            mode,
+        )
+    if not res.fresh:
+        agree_files(ctx, res)
+    return res
+
+
+def _published_newer(ctx: Context, res: Resolution) -> list[int]:
+    """Steps newer than this rank's tracker that its node holds published on node-local roots.
+
+    Per-node publish writes the global manifest on a node only after every node confirmed its
+    part, and moves the trackers one node after another; a kill between them leaves some
+    trackers at the new step and the others' nodes holding it published. Such a step is the
+    resume target only when another node's tracker names it (see ``same_checkpoint``)."""
+    if not ctx.root.is_dir():
+        return []
+    try:
+        tracker = _layout.read_tracker(ctx.root)
+    except CheckpointError:
+        tracker = None
+    floor = res.step if tracker is None else tracker
+    out = []
+    for step, step_dir in sorted(_layout.step_dirs(ctx.root, ctx.naming).items()):
+        if step <= floor:
+            continue
+        try:
+            manifest = _manifest.read(step_dir)
+        except CheckpointError:
+            continue
+        if manifest.nodes and manifest.step == step:
+            out.append(step)
+    return out
+
+
+def same_checkpoint(views: list[ResolveView]) -> AgreedStep:
+    errors = {r: v.error for r, v in enumerate(views) if v.error}
+    if errors:
+        if len(errors) == len(views):
+            raise _reraise_same(errors)
+        raise RankDisagreementError(
+            "ranks could not all resolve a checkpoint: "
+            + "; ".join(f"rank {r}: {e['message']}" for r, e in errors.items())
+            + ". Every rank must see the same root (shared storage, or the same files on each node)."
+        )
+    newest = max(v.step for v in views)
+    if all(v.step == newest or newest in v.published for v in views) and any(v.step != newest for v in views):
+        return AgreedStep(newest)  # node-local roots: a save stopped between the nodes' trackers
+    # Compare step and directory name: node-local roots may sit at different paths.
+    if len({(v.step, v.path and Path(v.path).name) for v in views}) > 1:
+        listing = "; ".join(f"rank {r}: step {v.step} at {v.path}" for r, v in enumerate(views))
+        raise RankDisagreementError(
+            f"ranks resolved different checkpoints ({listing}); fix the storage so every rank sees the same tracker"
+        )
+    return AgreedStep(newest)
+
+
+def _reraise_same(errors: dict[int, dict[str, Any]]) -> CheckpointError:
+    """Every rank raises the lowest failing rank's error (its class, message and fields)."""
+    rank = min(errors)
+    return rebuild(errors[rank], note=f"(rank {rank}) " if len(errors) < 2 or rank else "")
+
+
+def agree_files(ctx: Context, res: Resolution) -> None:
+    """Each rank checks the files it will read; all raise together if any lacks one."""
+    assert res.path is not None
+    manifest = _manifest.read(res.path)
+    src = source_rank(ctx, manifest)
+    problems: list[str] = []
+    error: dict[str, str] | None = None
+    wanted = {f["path"] for f in manifest.files if f["path"].startswith(_layout.STATE_DIR + "/")}
+    wanted.add(_layout.extras_name(src))
+    if by_item(ctx, manifest):  # a user rule reads every old rank's extras
+        wanted |= {_layout.extras_name(r) for r in range(manifest.world_size)}
+    if manifest.world_size == ctx.world:  # same layout: only this rank's shards (node-local storage)
+
+        try:
+            wanted = files_needed(res.path, manifest, src)
+        except CheckpointError as exc:  # e.g. unsafe metadata: every rank raises this same error
+            error = error_payload(exc)
+
+    for f in [f for f in manifest.files if f["path"] in wanted]:
+        p = safe_member(res.path, f["path"])
+        if p is None:
+            problems.append(f"the manifest lists {f['path']!r}, which leaves {res.path}; run `ckptguard verify`")
+        elif not p.exists():
+            problems.append(f"missing {p}")
+        elif p.stat().st_size != f["size"]:
+            problems.append(f"{p} has {p.stat().st_size} bytes, manifest says {f['size']}")
+    view = FilesView(ctx.agreement.info.host, problems[:5], error)
+
+    def decide(views: list[FilesView]) -> Agreed:
+        errors = {r: v.error for r, v in enumerate(views) if v.error}
+        if errors:
+            raise _reraise_same(errors)
+        bad = {r: v for r, v in enumerate(views) if v.problems}
+        if bad:
+            raise RankDisagreementError(
+                f"step {res.step} at {res.path} is incomplete on some ranks: "
+                + "; ".join(f"rank {r} (host {v.host}): {', '.join(v.problems)}" for r, v in bad.items())
+                + ". With node-local checkpoints every rank's node needs its files: copy them there before launch."
+            )
+        return Agreed()
+
+    gather_decide(ctx.agreement, "resolve.files", view, decide, decision=Agreed)
+
+
+def source_rank(ctx: Context, manifest: _manifest.Manifest) -> int:
+    """Whose extras this rank reads (under BY_ITEM: whose skeletons of the tensor items)."""
+    old = manifest.world_size
+    if old == ctx.world or ctx.config.reshard is ReshardRule.REFUSE:
+        return ctx.rank
+    if ctx.config.reshard is ReshardRule.BY_ITEM:
+        return _reshard.skeleton_rank(manifest, ctx.expert.rank if ctx.expert is not None else None)
+    if ctx.config.reshard is ReshardRule.EXTRAS_FROM_RANK0:
+        return 0
+    return ctx.rank % old
+
+
+def by_item(ctx: Context, manifest: _manifest.Manifest) -> bool:
+    return manifest.world_size != ctx.world and ctx.config.reshard is ReshardRule.BY_ITEM

@@ -1,0 +1,1 @@
+"""_state: see docs/architecture.md."""

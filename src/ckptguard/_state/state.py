@@ -1,0 +1,374 @@
+"""What a state dict item is, where it goes on disk, and how it comes back.
+
+Contract: each named item is classified once (``ItemKind``). Tensor leaves of models,
+optimizers and tensor items go to DCP under ``<item>.<path>`` keys; everything else
+(plain values, stateful objects' state, ``PerRank`` values, the non-tensor leaves of
+optimizer state) goes to this rank's extras file, which ``torch.load(weights_only=True)``
+reads. Models and optimizers pass through ``torch.distributed.checkpoint.state_dict`` so
+FSDP2/DTensor parameters work. Restore writes tensors in place and replaces plain values
+in the caller's mapping.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .._disk.digest import DIGEST_BYTES, DIGEST_STRUCTURE, digest, structure_digest
+from .._disk.layoutfree import digest_with_layout_free, layout_free_partials
+from ..errors import ConfigError, StateMismatchError
+
+TENSOR_REF = "__ckptguard_dcp_key__"
+
+
+class ItemKind(str, enum.Enum):
+    MODULE = "module"
+    OPTIMIZER = "optimizer"
+    STATEFUL = "stateful"
+    TENSORS = "tensors"
+    PER_RANK = "per_rank"
+    VALUE = "value"
+
+
+@dataclass
+class PerRank:
+    """Marks a value as different on each rank: kept in this rank's extras, never in DCP.
+
+    DCP stores a plain tensor once for all ranks (rank 1 silently gets rank 0's copy),
+    so anything that differs per rank must be wrapped in ``PerRank`` or be a DTensor.
+
+    ``reshard``: how the value crosses a change of world size (``ReshardRule.BY_ITEM``):
+    ``reshard(old_values_by_rank, new_world) -> new_values_by_rank``, a deterministic function
+    (every new rank runs it); without one a resharded restore refuses the item.
+    """
+
+    value: Any
+    reshard: Callable[[list[Any], int], list[Any]] | None = None
+
+
+@dataclass
+class Captured:
+    """One item as it goes to disk."""
+
+    name: str
+    kind: ItemKind
+    skeleton: Any  # the item's structure; tensor leaves replaced by {TENSOR_REF: key}
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def digest(self) -> str:
+        """The item's digest, from the captured tensors (a staged copy hashes the same bytes)."""
+        return digest(_unflatten(self.skeleton, self.tensors))
+
+    def structure_digest(self) -> str:
+        """The item's structure digest (what format 3 records for a tensor item): no tensor byte read."""
+        return structure_digest(_unflatten(self.skeleton, self.tensors))
+
+    def digest_and_layout_free(self) -> tuple[str, dict[str, list[str]]]:
+        """``digest()`` and the layout-free partials of the item's tensors, reading their bytes once."""
+        return digest_with_layout_free(_unflatten(self.skeleton, self.tensors), self.tensors, self.name)
+
+    @property
+    def replicated_keys(self) -> list[str]:
+        return [k for k, t in self.tensors.items() if not _is_dtensor(t)]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def classify(value: Any) -> ItemKind:
+    if isinstance(value, PerRank):
+        return ItemKind.PER_RANK
+    if isinstance(value, torch.nn.Module):
+        return ItemKind.MODULE
+    if isinstance(value, torch.optim.Optimizer):
+        return ItemKind.OPTIMIZER
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return ItemKind.STATEFUL
+    if _has_tensor(value):
+        return ItemKind.TENSORS
+    return ItemKind.VALUE
+
+
+_PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def check_weights_only(obj: Any, where: str) -> None:
+    """Refuse, at save time, what ``torch.load(weights_only=True)`` could not read back."""
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            check_weights_only(k, f"{where} key")
+            check_weights_only(v, f"{where}.{k}")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_weights_only(v, f"{where}[{i}]")
+        return
+    raise ConfigError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a safe load "
+        "(torch.load(weights_only=True)) cannot read back; convert it to tensors and plain "
+        "Python types (int, float, str, list, dict) in its state_dict()"
+    )
+
+
+KeyFn = Callable[[str], str]
+
+
+def _same(key: str) -> str:
+    return key
+
+
+def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], keyfn: KeyFn = _same) -> Any:
+    """Replace tensor leaves by references to flat keys, collecting the tensors."""
+    if isinstance(obj, torch.Tensor):
+        key = keyfn(prefix)
+        out[key] = obj
+        return {TENSOR_REF: key}
+    if isinstance(obj, Mapping):
+        return {k: flatten(v, f"{prefix}.{k}", out, keyfn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [flatten(v, f"{prefix}.{i}", out, keyfn) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+def _unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, Mapping):
+        if set(skeleton) == {TENSOR_REF}:
+            return tensors[skeleton[TENSOR_REF]]
+        return {k: _unflatten(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        items = [_unflatten(v, tensors) for v in skeleton]
+        return items if isinstance(skeleton, list) else tuple(items)
+    return skeleton
+
+
+def tensor_keys(skeleton: Any) -> set[str]:
+    """The DCP keys a skeleton refers to."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            if set(node) == {TENSOR_REF}:
+                found.add(node[TENSOR_REF])
+                return
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+
+    walk(skeleton)
+    return found
+
+
+def _model_for(optim: torch.optim.Optimizer, state: Mapping[str, Any], name: str) -> Any:
+    params = {id(p) for g in optim.param_groups for p in g["params"]}
+    for value in state.values():
+        if isinstance(value, torch.nn.Module) and params <= {id(p) for p in value.parameters()}:
+            return value
+    raise ConfigError(
+        f"optimizer {name!r} has no model in the state holding all of its parameters; put the "
+        "model in the same state dict (DCP needs it to name the optimizer state by FQN)"
+    )
+
+
+def current_state(name: str, value: Any, kind: ItemKind, state: Mapping[str, Any]) -> Any:
+    """The item's state dict as it is now (tensors are live references where possible)."""
+    if kind is ItemKind.MODULE:
+        return get_model_state_dict(value)
+    if kind is ItemKind.OPTIMIZER:
+        return get_optimizer_state_dict(_model_for(value, state, name), value)
+    if kind is ItemKind.STATEFUL:
+        return value.state_dict()
+    if kind is ItemKind.PER_RANK:
+        return value.value
+    return value
+
+
+def capture(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, Captured]:
+    """Snapshot every item: its skeleton, its DCP tensors and its digest."""
+    out = {}
+    for name, value in state.items():
+        if not isinstance(name, str) or not name or "." in name or name.startswith("_"):
+            raise ConfigError(
+                f"state item name {name!r} must be a non-empty str without '.' and not "
+                "starting with '_' (dots separate DCP key parts; '_' names are ckptguard's)"
+            )
+        kind = classify(value)
+        sd = current_state(name, value, kind, state)
+        if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS):
+            tensors: dict[str, torch.Tensor] = {}
+            skeleton = flatten(sd, name, tensors, keyfn)
+        else:
+            tensors, skeleton = {}, sd
+        check_weights_only(skeleton, f"state item {name!r}")
+        out[name] = Captured(name, kind, skeleton, tensors)
+    return out
+
+
+def digests_and_layout_free(items: Mapping[str, Captured]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Every item's per-rank digest and the layout-free partials of all tensor items.
+
+    A tensor item's per-rank digest is its structure digest (``digest_kind``): its tensor bytes are
+    covered by the layout-free partials alone, so the save reads them once, not twice (xxh3 of the
+    bytes as well cost the save's pass 1.4-1.6x the layout-free pass, layout_digest.md). Every
+    other item's digest covers its bytes."""
+    digests: dict[str, str] = {}
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for name, c in items.items():
+        if c.kind in _TENSOR_ITEMS:
+            digests[name] = c.structure_digest()
+            tensors[name] = c.tensors
+        else:
+            digests[name] = c.digest()
+    return digests, layout_free_partials(tensors)
+
+
+_TENSOR_ITEMS = (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS)
+
+
+def digest_kind(kind: str) -> str:
+    """What the per-rank digest of an item of kind ``kind`` (an ItemKind value) covers, from format 3 on."""
+    return DIGEST_STRUCTURE if kind in {k.value for k in _TENSOR_ITEMS} else DIGEST_BYTES
+
+
+def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, tuple[ItemKind, Any, dict[str, Any]]]:
+    """For each item: its kind, its current state dict, and the flat tensors DCP fills."""
+    targets = {}
+    for name, value in state.items():
+        kind = classify(value)
+        sd = current_state(name, value, kind, state)
+        flat: dict[str, torch.Tensor] = {}
+        if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS):
+            flatten(sd, name, flat, keyfn)
+        targets[name] = (kind, sd, flat)
+    return targets
+
+
+def apply(
+    state: MutableMapping[str, Any],
+    name: str,
+    kind: ItemKind,
+    skeleton: Any,
+    loaded: Mapping[str, torch.Tensor],
+) -> None:
+    """Put one loaded item back into the live objects."""
+    value = state[name]
+    if kind is ItemKind.MODULE:
+        set_model_state_dict(value, _unflatten(skeleton, loaded), options=StateDictOptions(strict=True))
+    elif kind is ItemKind.OPTIMIZER:
+        model = _model_for(value, state, name)
+        set_optimizer_state_dict(model, value, _unflatten(skeleton, loaded))
+    elif kind is ItemKind.STATEFUL:
+        value.load_state_dict(skeleton)
+    elif kind is ItemKind.TENSORS:
+        # DCP filled the tensors in place; non-tensor leaves come from the skeleton.
+        rebuilt = _unflatten(skeleton, loaded)
+        if not isinstance(value, torch.Tensor):
+            _merge_into(value, rebuilt, name)
+    elif kind is ItemKind.PER_RANK:
+        value.value = _copy_into(value.value, skeleton)
+    else:
+        state[name] = skeleton
+
+
+def _copy_into(current: Any, saved: Any) -> Any:
+    """Copy saved tensors into existing ones where shapes allow, so references stay valid."""
+    if isinstance(current, torch.Tensor) and isinstance(saved, torch.Tensor):
+        if current.shape == saved.shape and current.dtype == saved.dtype:
+            with torch.no_grad():
+                current.copy_(saved)
+            return current
+        return saved.to(current.device)
+    if isinstance(current, MutableMapping) and isinstance(saved, Mapping):
+        for k, v in saved.items():
+            current[k] = _copy_into(current.get(k), v)
+        return current
+    return saved
+
+
+def _merge_into(target: Any, rebuilt: Any, where: str) -> None:
+    if isinstance(target, MutableMapping) and isinstance(rebuilt, Mapping):
+        for k, v in rebuilt.items():
+            if isinstance(v, torch.Tensor):
+                continue  # already filled in place
+            if isinstance(target.get(k), (MutableMapping, list)):
+                _merge_into(target[k], v, f"{where}.{k}")
+            else:
+                target[k] = v
+    elif isinstance(target, list) and isinstance(rebuilt, list):
+        for i, v in enumerate(rebuilt):
+            if not isinstance(v, torch.Tensor):
+                if isinstance(target[i], (MutableMapping, list)):
+                    _merge_into(target[i], v, f"{where}[{i}]")
+                else:
+                    target[i] = v
+
+
+def check_restored(
+    name: str, kind: ItemKind, value: Any, state: Mapping[str, Any], saved: str, *, structure: bool = False
+) -> None:
+    """Raise if the item, read back from the live object, differs from what was saved.
+
+    ``structure``: the saved digest is a structure digest (format 3 tensor items; their bytes are the
+    layout-free pass's to compare)."""
+    sd = current_state(name, value, kind, state)
+    now = structure_digest(sd) if structure else digest(sd)
+    if now != saved:
+        hint = ""
+        if kind is ItemKind.STATEFUL:
+            hint = (
+                f" Its load_state_dict() did not reproduce the saved state (a scheduler that "
+                f"recomputes its LR from source defaults does this): saved state "
+                f"digest {saved}, now {now}."
+            )
+        elif structure:
+            hint = " Its structure, a tensor's dtype or shape, or a non-tensor value (a hyperparameter) changed."
+        raise StateMismatchError(
+            f"state item {name!r} ({kind.value}) differs after restore from what was saved.{hint} "
+            "Do not train on: fix the object's load_state_dict, or restore into an object "
+            "built with the saved configuration."
+        )
+
+
+def addresses(state: dict[str, Any]) -> dict[str, int]:
+    """data_ptr of every parameter and buffer of the modules in ``state`` (local shard for DTensor).
+
+    CUDA graphs and colocated rollout engines hold these addresses; a restore must copy into
+    the existing storages, never swap in new tensors.
+    """
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, torch.nn.Module):
+            for key, t in [*value.named_parameters(), *value.named_buffers()]:
+                local = t.to_local() if hasattr(t, "to_local") else t
+                out[f"{name}.{key}"] = local.data_ptr()
+    return out
+
+
+def moved(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    return sorted(k for k in before if after.get(k) != before[k])

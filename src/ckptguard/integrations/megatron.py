@@ -1,0 +1,510 @@
+"""Megatron-core: ``dist_checkpointing`` saves committed atomically by ckptguard, checked before every load.
+
+Contract: ``MegatronCheckpoint(root, model, optimizer)`` saves a Megatron-core model (one module or
+a list of model chunks) and its optimizer (``DistributedOptimizer`` included) through Megatron's own
+``megatron.core.dist_checkpointing.save`` of their ``sharded_state_dict()``; pinned and checked:
+megatron-core 0.16.1. What ckptguard adds:
+
+- commit: Megatron's writer writes into the in-flight step (``.tmp-iter_NNNNNNN-*/megatron/``,
+  through ``ExternalFiles``); once it returned on every rank, ``check_files`` reads Megatron's
+  ``metadata.json`` (its own completion marker, written last), DCP's ``.metadata`` (through the
+  restricted unpickler: never plain ``pickle``), every data file it names (present, plain, no
+  shorter than the last byte range it names) and ``common.pt`` (``torch.load(weights_only=True)``);
+  the manifest lists every file with its size and xxh3; one rename publishes the step, and the
+  tracker, Megatron's own ``latest_checkpointed_iteration.txt``, moves last of all. A save killed
+  anywhere (inside Megatron's writer included) leaves the previous step as the resume target.
+- per-rank extras: the ``megatron`` item holds what Megatron's files do not (its CUDA RNG tracker's
+  states, ``tensor_parallel.random.get_cuda_rng_tracker()``) and the xxh3 of every local shard
+  Megatron saved (model and optimizer, key by key); ckptguard saves the four RNG streams itself,
+  and any other item the caller passes (the scheduler, counters, the data iterator position: a
+  ``DataCursor`` or a ``PerRank`` value) goes into the same step.
+- restore: ckptguard resolves the step, checks every listed file's size and xxh3 against the
+  manifest, then the ``megatron`` item's load runs ``check_files`` again (the bytes Megatron's DCP
+  reader will unpickle were just read through the allow-list) and Megatron's own
+  ``dist_checkpointing.load``; each shard's xxh3 after the load must equal the saved one, or the
+  restore raises ``StateMismatchError`` naming the keys (the proof's digest gate records it).
+- Megatron-core 0.16's writer needs CUDA (``filesystem_async.py`` calls ``torch.cuda.synchronize()``,
+  ``state_dict_saver.py`` ``torch.cuda.current_device()``): on a machine without it the save fails on
+  every rank with an error naming the CUDA call Megatron made; nothing is committed.
+- not covered: Megatron's async save (``async_sharded_save=True``) and its persistent worker,
+  ``save_async``; ``ckpt_format`` other than ``torch_dist``; a resume with another TP/PP/DP layout
+  (Megatron reshards its files, but the per-shard digests are then refused as a changed layout).
+
+Layout of a committed step (``DIR_TEMPLATE``: Megatron-LM's ``iter_0000100``)::
+
+    ROOT/latest_checkpointed_iteration.txt
+    ROOT/iter_0000100/manifest.json, rank_00000.pt, state/ (ckptguard's extras and tensors)
+    ROOT/iter_0000100/megatron/   .metadata, __0_0.distcp ..., common.pt, metadata.json (Megatron's)
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import logging
+import os
+import stat
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._disk.digest import digest
+from .._disk.layout import read_small
+from ..config import CheckpointConfig, ResumeMode
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    ConfigError,
+    ResumeError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
+from ..manager import CheckpointManager
+from ..storage.base import DCP_METADATA
+from ..storage.streaming import StreamingStorage
+from ..storage.unpickler import read_dcp_metadata
+from .external import ExternalFiles
+
+__all__ = [
+    "DIR_TEMPLATE",
+    "ITEM",
+    "SUBDIR",
+    "MegatronCheckpoint",
+    "MegatronFiles",
+    "MegatronState",
+    "check_files",
+    "cuda_call",
+]
+
+log = logging.getLogger("ckptguard")
+
+DIR_TEMPLATE = "iter_{step:07d}"
+"""Megatron-LM's step directory names."""
+SUBDIR = "megatron"
+"""Where Megatron's own files of a step live: ``<step>/megatron/``."""
+ITEM = "megatron"
+"""The state item holding the Megatron part of the step (``MegatronState``)."""
+CONFIG_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+COMMON_BYTES = 1 << 30
+"""Bound of ``common.pt`` (non-sharded values: optimizer hyperparameters, the iteration)."""
+_BACKENDS = {"sharded_backend": "torch_dist", "common_backend": "torch"}
+METADATA_EXTRA = frozenset(
+    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "TensorWriteData")
+)
+"""What Megatron's ``.metadata`` names beyond plain DCP's: every rank's save plan (``Metadata.all_local_plans``,
+for its cached-plan reuse); torch's own dataclasses, allowed by exact name."""
+_FORMAT = 1
+
+
+def _megatron() -> Any:
+    try:
+        from megatron.core import dist_checkpointing
+    except ImportError as exc:
+        raise ConfigError(
+            f"ckptguard.integrations.megatron needs megatron-core ({exc}); install it: "
+            "pip install megatron-core==0.16.1 psutil"
+        ) from None
+    return dist_checkpointing
+
+
+# ---------------------------------------------------------------- Megatron's files, checked
+
+
+@dataclass(frozen=True)
+class MegatronFiles:
+    """What ``check_files`` found in one Megatron checkpoint directory."""
+
+    directory: Path
+    backend: str
+    data_files: dict[str, int]
+    """Each data file DCP's ``.metadata`` names, with the bytes its byte ranges need."""
+    keys: int
+    """Entries in DCP's ``.metadata`` (tensors and sharded objects)."""
+    common_keys: list[str]
+    """Top-level keys of ``common.pt``."""
+
+
+def check_files(directory: str | os.PathLike[str]) -> MegatronFiles:
+    """Check one ``dist_checkpointing`` directory (``torch_dist``) without running pickled code.
+
+    Raises ``CheckpointIncompleteError`` for a missing or short file (a torn save),
+    ``UnsafeCheckpointError`` for content that would run code when unpickled and
+    ``CheckpointCorruptError`` for anything else Megatron did not write; each names the file."""
+    d = Path(directory)
+    backend = _check_config(d / CONFIG_FILE)
+    md = read_dcp_metadata(d, extra=METADATA_EXTRA)  # the allow-list; refuses a link, a FIFO, a name leaving d
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for name, size in sorted(need.items()):
+        _check_data_file(d / name, size)
+    common = _check_common(d / COMMON_FILE)
+    return MegatronFiles(d, backend, need, len(md.state_dict_metadata), sorted(map(str, common)))
+
+
+def _plain_file(path: Path, what: str) -> os.stat_result:
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        raise CheckpointIncompleteError(
+            f"{path} ({what}) is missing: Megatron's save of this step never finished (it writes {CONFIG_FILE} "
+            "last); resume from an earlier committed step"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeCheckpointError(
+            f"{path} ({what}) is not a plain file (a link, a FIFO or a directory): Megatron writes plain files, "
+            "so it was put there by something else; do not load this step, restore an earlier one"
+        )
+    return st
+
+
+def _check_config(path: Path) -> str:
+    _plain_file(path, "Megatron's checkpoint config")
+    raw = read_small(path, limit=1 << 20, what="Megatron's metadata.json")
+    try:
+        cfg = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointCorruptError(
+            f"{path} is not JSON ({exc}): not written by Megatron's dist_checkpointing"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise CheckpointCorruptError(f"{path} holds a {type(cfg).__name__}, not Megatron's checkpoint config")
+    for key, want in _BACKENDS.items():
+        if cfg.get(key) != want:
+            raise CheckpointCorruptError(
+                f"{path}: {key} is {cfg.get(key)!r}; ckptguard checks Megatron's {want!r} format only "
+                f"(megatron-core 0.16's default): save with dist_ckpt_format='torch_dist'"
+            )
+    return str(cfg["sharded_backend"])
+
+
+def _check_data_file(path: Path, need: int) -> None:
+    size = _plain_file(path, "a Megatron data file named in .metadata").st_size
+    if size < need:
+        raise CheckpointIncompleteError(
+            f"{path} has {size} bytes but DCP's {DCP_METADATA} names byte ranges up to {need}: the file is torn "
+            "(a save killed while writing it, or a truncated copy); resume from an earlier committed step"
+        )
+
+
+def _check_common(path: Path) -> Mapping[Any, Any]:
+    size = _plain_file(path, "Megatron's common state").st_size
+    if size > COMMON_BYTES:
+        raise CheckpointCorruptError(f"{path} has {size} bytes, over the {COMMON_BYTES}-byte bound of common state")
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        text = str(exc)
+        if "Weights only load failed" in text or "Unsupported global" in text:
+            first = next((line for line in text.splitlines() if "global" in line.lower()), text.splitlines()[0])
+            raise UnsafeCheckpointError(
+                f"{path} names a class outside torch's safe-load allow-list ({first.strip()}): it could run code if "
+                "unpickled, so ckptguard will not read it, and Megatron would be handed it only after this check; "
+                "do not load this step, restore an earlier one"
+            ) from None
+        raise CheckpointCorruptError(f"{path} is not a readable torch file: {type(exc).__name__}: {exc}") from None
+    if not isinstance(common, Mapping):
+        raise CheckpointCorruptError(f"{path} holds a {type(common).__name__}, not Megatron's common state dict")
+    return common
+
+
+# ---------------------------------------------------------------- CUDA calls Megatron makes
+
+
+def cuda_call(exc: BaseException) -> str | None:
+    """``file:line: source`` of the line in Megatron's code that called CUDA in ``exc``'s traceback, if any.
+
+    Megatron-core 0.16's writer calls CUDA unconditionally (``torch.cuda.synchronize()``,
+    ``torch.cuda.current_device()``); on a machine without a GPU that line is what to report."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if f"{os.sep}megatron{os.sep}" not in frame.filename:
+            continue
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+        if "cuda" in line:
+            short = frame.filename.split(f"{os.sep}megatron{os.sep}", 1)[1]
+            return f"megatron/{short}:{frame.lineno}: {line}"
+    return None
+
+
+def _explain(exc: BaseException, what: str) -> BaseException:
+    call = cuda_call(exc)
+    if call is None or torch.cuda.is_available():
+        return exc
+    return ConfigError(
+        f"Megatron's dist_checkpointing.{what} cannot run without CUDA: {call} raised "
+        f"{type(exc).__name__}: {exc}. Megatron-core's torch_dist writer needs a GPU on every rank; run the "
+        "save on GPU ranks, or save this state through ckptguard's own path (CheckpointManager) on the CPU"
+    )
+
+
+# ---------------------------------------------------------------- the Megatron state item
+
+
+def _unwrap(chunk: Any) -> Any:
+    """The model under Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``), as Megatron-LM's
+    ``unwrap_model``: a wrapper's default ``sharded_state_dict`` prefixes every key with ``module.``, which the
+    wrapped model's ``load_state_dict`` then refuses."""
+    _megatron()  # a ConfigError naming the package when it is missing
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    wrappers = (DistributedDataParallel, Float16Module, torch.nn.parallel.DistributedDataParallel)
+    while isinstance(chunk, wrappers):
+        chunk = chunk.module
+    return chunk
+
+
+def _chunks(model: Any) -> list[Any]:
+    chunks = [_unwrap(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
+    for i, chunk in enumerate(chunks):
+        if not callable(getattr(chunk, "sharded_state_dict", None)):
+            raise ConfigError(
+                f"model chunk {i} is a {type(chunk).__name__}, which has no sharded_state_dict(): pass Megatron-core "
+                "modules (GPTModel, or its DistributedDataParallel wrapper), one or a list of model chunks"
+            )
+    return chunks
+
+
+def _shard_name(sh: Any) -> str:
+    offset = ",".join(str(int(o)) for o in getattr(sh, "global_offset", ()))
+    flat = getattr(sh, "flattened_range", None)
+    where = f"@{offset}" + (f"[{flat.start}:{flat.stop}]" if flat is not None else "")
+    return f"{sh.key}{where}"
+
+
+class MegatronState:
+    """The Megatron part of a step, as a ckptguard ``Stateful`` item (``ITEM``).
+
+    ``state_dict()`` is what ckptguard keeps in the extras: the CUDA RNG tracker's states and the xxh3
+    of every local shard of ``sharded_state_dict()``. ``load_state_dict`` loads Megatron's files from
+    ``load_from`` (set by ``MegatronCheckpoint.restore``) into the model and optimizer, sets the
+    tracker's states, and raises if a shard differs from the save. ``metadata`` goes to Megatron's
+    ``sharded_state_dict(metadata=...)`` (e.g. ``{"distrib_optim_sharding_type": "dp_reshardable"}``)."""
+
+    def __init__(self, model: Any, optimizer: Any = None, *, metadata: dict[str, Any] | None = None) -> None:
+        self.chunks = _chunks(model)
+        self.optimizer = optimizer
+        # megatron-core 0.16 refuses its own default (fully_sharded_model_space: "flattened_range is not
+        # supported"); dp_reshardable is Megatron-LM's default: fully parallel, reshardable in DP only.
+        self.metadata = {"distrib_optim_sharding_type": "dp_reshardable", **(metadata or {})}
+        self.load_from: Path | None = None
+        self._loaded = False  # set by load_state_dict during a restore
+
+    def sharded_state_dict(self, *, is_loading: bool = False) -> dict[str, Any]:
+        """Megatron-LM's layout: ``model`` (``model0``, ``model1``, ... for several chunks), ``optimizer``."""
+        sd: dict[str, Any] = {}
+        if len(self.chunks) == 1:
+            sd["model"] = self.chunks[0].sharded_state_dict(metadata=self.metadata)
+        else:
+            for i, chunk in enumerate(self.chunks):
+                sd[f"model{i}"] = chunk.sharded_state_dict(metadata=self.metadata)
+        if self.optimizer is not None:
+            model_sd = {k: v for k, v in sd.items() if k.startswith("model")}
+            merged = model_sd.get("model", model_sd)
+            sd["optimizer"] = self.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=self.metadata)
+        return sd
+
+    def shard_digests(self) -> dict[str, str]:
+        """xxh3 of every local piece Megatron saves: ``key@offset[range]`` -> digest; the non-sharded
+        values (optimizer hyperparameters) under ``(common)``."""
+        from megatron.core.dist_checkpointing.mapping import (
+            LocalNonpersistentObject,
+            ShardedBase,
+            apply_factories,
+        )
+
+        sd = self.sharded_state_dict()
+        apply_factories(sd)
+        out: dict[str, str] = {}
+
+        def walk(node: Any) -> Any:
+            if isinstance(node, ShardedBase):
+                out[_shard_name(node)] = digest(node.data)
+                return None
+            if isinstance(node, LocalNonpersistentObject):
+                return None
+            if isinstance(node, Mapping):
+                return {k: walk(v) for k, v in node.items()}
+            if isinstance(node, (list, tuple)):
+                return [walk(v) for v in node]
+            return node
+
+        out["(common)"] = digest(walk(sd))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.load_from is not None and not self._loaded:
+            # ckptguard reads the item's structure before loading it: a fresh DistributedOptimizer has no
+            # state to build a sharded state dict from yet (Megatron asserts), and none is needed for it.
+            return {"format": _FORMAT, "loading": str(self.load_from)}
+        tracker = _tracker()
+        states = {k: v.clone() for k, v in tracker.get_states().items()} if tracker is not None else {}
+        return {"format": _FORMAT, "cuda_rng_tracker": states, "shards": self.shard_digests()}
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        directory = self.load_from
+        if directory is None:
+            raise ConfigError(
+                f"the {ITEM!r} item loads Megatron's files of the step being restored: restore it through "
+                "MegatronCheckpoint.restore, not CheckpointManager.restore"
+            )
+        if saved.get("format") != _FORMAT:
+            raise CheckpointCorruptError(f"{directory.parent}: the {ITEM!r} item has format {saved.get('format')!r}")
+        check_files(directory)  # the bytes Megatron's DCP reader will unpickle, through the allow-list first
+        dcp = _megatron()
+        self._init_fresh_optimizer()
+        sd = self.sharded_state_dict(is_loading=True)
+        try:
+            loaded = dcp.load(sd, str(directory))
+        except Exception as exc:
+            explained = _explain(exc, "load")
+            if explained is exc:
+                raise
+            # from None: the commit reports the innermost cause, and this message already names it
+            raise explained from None
+        for i, chunk in enumerate(self.chunks):
+            chunk.load_state_dict(loaded["model" if len(self.chunks) == 1 else f"model{i}"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        tracker = _tracker()
+        if tracker is not None and saved.get("cuda_rng_tracker"):
+            tracker.set_states({k: v.clone() for k, v in saved["cuda_rng_tracker"].items()})
+        self._loaded = True
+        self._compare(directory, dict(saved.get("shards") or {}))
+
+    def _init_fresh_optimizer(self) -> None:
+        """A DistributedOptimizer that never stepped has no state: megatron-core 0.16's torch fallback (no Apex,
+        no Transformer Engine) then asserts in ``state_dict()`` (``assert len(steps) == 1``) while building the
+        loading sharded state dict. Megatron's own dummy-state initialization (what it runs before an
+        ``fsdp_dtensor`` load) gives it state, which the load then overwrites; the shard digests check that."""
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        for opt in chained:
+            inner = getattr(opt, "optimizer", None)
+            init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+            if inner is not None and callable(init) and not inner.state:
+                init()
+
+    def _compare(self, directory: Path, saved: dict[str, str]) -> None:
+        now = self.shard_digests()
+        changed = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k])
+        missing, extra = sorted(saved.keys() - now.keys()), sorted(now.keys() - saved.keys())
+        if changed or missing or extra:
+            parts = [f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''} ({len(keys)})"
+                     for label, keys in (("differ", changed), ("saved only", missing), ("live only", extra)) if keys]
+            raise StateMismatchError(
+                f"Megatron's load of {directory} did not reproduce the saved shards ({'; '.join(parts)}): build the "
+                "model and optimizer with the saving run's configuration and parallel layout, then restore again"
+            )
+
+
+def _tracker() -> Any:
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    except ImportError:
+        return None
+    return get_cuda_rng_tracker()
+
+
+# ---------------------------------------------------------------- the front door
+
+
+class MegatronCheckpoint:
+    """Saves and restores a Megatron-core model and optimizer with ckptguard's commit and proof.
+
+    ``state`` in ``save``/``restore``: any other ckptguard items (the scheduler, counters, the data
+    iterator position), saved in the same step. ``config`` defaults to Megatron-LM's directory names
+    (``DIR_TEMPLATE``); ``manager`` is the ``CheckpointManager`` underneath (its ``record_step``,
+    ``committed_steps``, ``resolve``). ``strategy``: Megatron's ``sharded_strategy`` argument (None:
+    its default ``torch_dist`` writer; a ``FullyParallelSaveStrategyWrapper`` works too)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        model: Any,
+        optimizer: Any = None,
+        *,
+        config: CheckpointConfig | None = None,
+        process_group: Any = None,
+        metadata: dict[str, Any] | None = None,
+        strategy: Any = None,
+        validate_access_integrity: bool = True,
+    ) -> None:
+        _megatron()
+        self.megatron = MegatronState(model, optimizer, metadata=metadata)
+        self.strategy = strategy
+        self.validate_access_integrity = validate_access_integrity
+        self.last_files: MegatronFiles | None = None
+        """What ``check_files`` found in the last save's Megatron directory."""
+        self.last_write_seconds = 0.0
+        """Seconds the last save spent in Megatron's own ``dist_checkpointing.save`` (the rest is ckptguard's)."""
+        storage = ExternalFiles(StreamingStorage(), {SUBDIR: self._write})
+        self.manager = CheckpointManager(
+            root, config=config or CheckpointConfig(dir_template=DIR_TEMPLATE), process_group=process_group,
+            storage=storage,
+        )
+
+    def _items(self, state: Mapping[str, Any] | None) -> dict[str, Any]:
+        items = dict(state or {})
+        if ITEM in items:
+            raise ConfigError(f"state item name {ITEM!r} is the Megatron part's own; rename your item")
+        items[ITEM] = self.megatron
+        return items
+
+    def _write(self, directory: Path) -> None:
+        """``ExternalFiles`` writer: Megatron's own save into ``<tmp step>/megatron/``, then its files checked."""
+        dcp = _megatron()
+        started = time.perf_counter()
+        try:
+            dcp.save(self.megatron.sharded_state_dict(), str(directory), sharded_strategy=self.strategy,
+                     validate_access_integrity=self.validate_access_integrity)
+        except Exception as exc:
+            explained = _explain(exc, "save")
+            if explained is exc:
+                raise
+            # from None: the commit reports the innermost cause, and this message already names it
+            raise explained from None
+        self.last_write_seconds = time.perf_counter() - started
+        # Megatron's save ends with a barrier after rank 0 wrote metadata.json: every rank's files are complete.
+        self.last_files = check_files(directory)
+
+    def save(self, step: int, state: Mapping[str, Any] | None = None, **health: Any) -> Path | None:
+        """Commit step ``step`` (Megatron's files and ``state``) on every rank, or raise on every rank.
+        ``health``: ``CheckpointManager.save``'s ``healthy``/``loss``/``grad_norm``."""
+        return self.manager.save(step, self._items(state), **health)
+
+    def restore(
+        self,
+        state: dict[str, Any] | None = None,
+        *,
+        mode: ResumeMode = ResumeMode.AUTO,
+        path: str | os.PathLike[str] | None = None,
+    ) -> int:
+        """Load the resolved step into the model, optimizer and ``state``; return its step (0: fresh).
+        ``state``'s plain values are replaced in the mapping, as ``CheckpointManager.restore`` does."""
+        items = self._items(state)
+        res = self.manager.resolve(mode=mode, path=path)
+        if res.fresh:
+            return self.manager.restore(items, mode=mode, path=path)
+        assert res.path is not None
+        self.megatron.load_from, self.megatron._loaded = res.path / SUBDIR, False
+        try:
+            step = self.manager.restore(items, mode=mode, path=path)
+        finally:
+            self.megatron.load_from, self.megatron._loaded = None, False
+        if step != res.step:  # cannot happen under the write lease; the shard comparison would fail first
+            raise ResumeError(
+                f"{self.manager.root}: resolve chose step {res.step} but restore loaded step {step}; another "
+                "process changed the root while this one restored: stop it, then restore again"
+            )
+        if state is not None:
+            for name in state:
+                state[name] = items[name]
+        return step

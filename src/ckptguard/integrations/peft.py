@@ -1,0 +1,280 @@
+"""LoRA/PEFT checkpoints: the adapter and its optimizer state only, bound to the base model they belong to.
+
+Contract: ``LoraCheckpoint(manager, model, optim, base_dir=...)`` saves, as one ckptguard step, the
+trainable parameters of a ``peft`` model (``AdapterModule``: a module item holding exactly those
+parameters, so DCP, the layout-free digests and the optimizer's FQNs see nothing else), their
+optimizer's state, and ``LoraBinding``: the base model's identity and the adapter config.
+
+The base identity is what ``base_dir`` (the base model's Hugging Face folder) holds: each weights file's
+size and xxh3 and each base tensor's layout-free digest. It is computed once per set of file contents and
+cached in ``<root>/lora_base_cache.json``, keyed by each file's path, size, mtime and inode (a file is
+hashed again only when one of those changes) and, for the tensor digests, by the files' xxh3.
+
+``restore`` refuses, before any tensor is read, a base whose files differ from the saved identity
+(naming the files), an adapter config that differs (naming the fields), and after the restore a model
+whose in-memory base weights differ from the base files' (naming the tensors: a base with an adapter
+already merged into it, the "merged twice" failure, is refused here). ``ckptguard export --merged``
+writes base + adapter merged once (``ckptguard.ops.merge``).
+
+Pinned and checked: peft 0.21.2 (plain LoRA on Linear layers; DoRA, rank/alpha patterns and LoRA
+biases are refused by the merge). The in-memory base check covers plain (non-DTensor) base weights.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._disk import layout as _layout
+from .._disk.digest import file_digest
+from ..errors import ConfigError, StateMismatchError
+from ..ops.hffiles import digests, read_tensors
+
+__all__ = ["ADAPTER_ITEM", "BINDING_ITEM", "AdapterModule", "LoraBinding", "LoraCheckpoint", "base_identity",
+           "base_name", "read_binding"]
+
+ADAPTER_ITEM = "adapter"
+BINDING_ITEM = "lora"
+OPTIM_ITEM = "optim"
+CACHE_NAME = "lora_base_cache.json"
+_PREFIX = "base_model.model."
+_SEP = "-"  # stands for "." in a parameter name (a module's parameter names cannot hold dots)
+# Adapter-config fields that say nothing about the adapter's function: never a difference.
+_VOLATILE = ("peft_version", "inference_mode", "base_model_name_or_path", "revision")
+
+
+class AdapterModule(torch.nn.Module):
+    """Exactly the trainable parameters of ``model`` (the same Parameter objects), as one module."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                if _SEP in name:
+                    raise ConfigError(f"parameter {name!r} has a {_SEP!r} in its name; AdapterModule uses it for '.'")
+                self.register_parameter(name.replace(".", _SEP), param)
+        if not list(self.parameters()):
+            raise ConfigError("the model has no trainable parameter: nothing to save as an adapter")
+
+
+def original_name(key: str) -> str:
+    """An AdapterModule parameter's name (or its DCP key without the item) as the PEFT model names it."""
+    return key.replace(_SEP, ".")
+
+
+def base_name(name: str) -> str | None:
+    """The base model's tensor name of a PEFT model's frozen parameter (None: not a base weight)."""
+    if ".lora_" in name or not name.startswith(_PREFIX):
+        return None
+    return name[len(_PREFIX):].replace(".base_layer.", ".")
+
+
+def _plain(value: Any) -> Any:
+    """An adapter-config value as plain JSON types (sets sorted, enums by value)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def adapter_config(model: Any, adapter: str = "default") -> dict[str, Any]:
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, Mapping) or adapter not in configs:
+        raise ConfigError(f"the model is not a peft model with an adapter {adapter!r} (no peft_config[{adapter!r}])")
+    plain = _plain(configs[adapter].to_dict())
+    assert isinstance(plain, dict)
+    return {k: v for k, v in sorted(plain.items()) if k not in _VOLATILE}
+
+
+# ---------------------------------------------------------------- the base identity
+
+
+def _weight_files(base_dir: Path) -> list[Path]:
+    files = sorted(base_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{base_dir} holds no *.safetensors file: pass the base model's Hugging Face folder")
+    return files
+
+
+def _cache(cache_dir: Path | None) -> tuple[Path | None, dict[str, Any]]:
+    if cache_dir is None:
+        return None, {"files": {}, "tensors": {}}
+    path = cache_dir / CACHE_NAME
+    try:
+        data = _layout.read_json(path, limit=64 << 20, what="LoRA base cache")
+    except (FileNotFoundError, ValueError, OSError):
+        data = None
+    ok = isinstance(data, dict) and isinstance(data.get("files"), dict) and isinstance(data.get("tensors"), dict)
+    return path, data if ok else {"files": {}, "tensors": {}}
+
+
+def base_identity(base_dir: Path, *, cache_dir: Path | None = None) -> dict[str, Any]:
+    """``{"dir", "files": {name: [size, xxh3]}, "tensors": {name: layout-free digest}}`` of a base model folder."""
+    identity, cache = _identity_and_cache(base_dir, cache_dir)
+    write_cache(cache_dir, cache)
+    return identity
+
+
+def write_cache(cache_dir: Path | None, cache: dict[str, Any]) -> None:
+    path = None if cache_dir is None else cache_dir / CACHE_NAME
+    if path is not None and path.parent.is_dir():  # the root exists once the first save began; never created here
+        _layout.atomic_write_json(path, cache)
+
+
+def _identity_and_cache(base_dir: Path, cache_dir: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    base_dir = base_dir.absolute()
+    _path, cache = _cache(cache_dir)
+    files = {}
+    for f in [*_weight_files(base_dir), *([base_dir / "config.json"] if (base_dir / "config.json").exists() else [])]:
+        st = f.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+        hit = cache["files"].get(str(f))
+        if not (isinstance(hit, list) and hit[:3] == stamp):
+            hit = [*stamp, file_digest(str(f))[1]]
+            cache["files"][str(f)] = hit
+        files[f.name] = [st.st_size, hit[3]]
+    key = json.dumps(sorted(files.items()))
+    tensors = cache["tensors"].get(key)
+    if not isinstance(tensors, dict):
+        tensors = {}
+        for f in _weight_files(base_dir):
+            for name, t in read_tensors(f):
+                tensors[name] = _digest(t)
+        cache["tensors"] = {key: tensors}  # the current contents only: the cache never grows without bound
+    return {"dir": str(base_dir), "files": files, "tensors": tensors}, cache
+
+
+def _digest(t: torch.Tensor) -> str:
+    return digests({"t": t})["t"]
+
+
+def _differences(saved: Mapping[str, Any], now: Mapping[str, Any], what: str) -> list[str]:
+    keys = sorted(set(saved) | set(now))
+    return [f"{what} {k!r}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
+            for k in keys if saved.get(k) != now.get(k)]
+
+
+class LoraBinding:
+    """A state item: the base model's identity and the adapter config, compared on restore."""
+
+    def __init__(self, model: Any, base_dir: str | os.PathLike[str], *, cache_dir: Path | None = None,
+                 adapter: str = "default") -> None:
+        self.model, self.base_dir, self.cache_dir, self.adapter = model, Path(base_dir), cache_dir, adapter
+        self._identity: dict[str, Any] | None = None
+        self._cache: dict[str, Any] = {}
+
+    def identity(self) -> dict[str, Any]:
+        if self._identity is None:  # hashed once per process; the cache spares the next process the hashing
+            self._identity, self._cache = _identity_and_cache(self.base_dir, self.cache_dir)
+            write_cache(self.cache_dir, self._cache)
+        return self._identity
+
+    def write_cache(self) -> None:
+        """Keep the identity for the next process (a first save computed it before the root existed)."""
+        if self._cache and self.cache_dir is not None and not (self.cache_dir / CACHE_NAME).exists():
+            write_cache(self.cache_dir, self._cache)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"adapter_name": self.adapter, "adapter_config": adapter_config(self.model, self.adapter),
+                "base": self.identity()}
+
+    def problems(self, saved: Mapping[str, Any]) -> list[str]:
+        """What differs between a saved binding and this model, its base folder and adapter config."""
+        now = self.state_dict()
+        found = _differences(saved.get("adapter_config", {}), now["adapter_config"], "adapter config field")
+        base_saved, base_now = saved.get("base", {}), now["base"]
+        found += [f"base {p}" for p in _differences(base_saved.get("files", {}), base_now["files"], "file")]
+        if not found and base_saved.get("tensors") != base_now["tensors"]:
+            found.append("base tensors differ although the files match (a damaged cache): delete "
+                         f"{CACHE_NAME} in the checkpoint root")
+        return found
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        problems = self.problems(saved)
+        if problems:
+            raise _refusal(problems, self.base_dir, saved)
+
+    def live_problems(self) -> list[str]:
+        """Frozen base weights in memory that differ from the base files' (a base merged in place)."""
+        expected = self.identity()["tensors"]
+        bad = []
+        for name, param in self.model.named_parameters():
+            key = base_name(name)
+            if key is None or param.requires_grad or hasattr(param, "placements"):
+                continue
+            if key in expected and _digest(param.detach()) != expected[key]:
+                bad.append(key)
+        return bad
+
+
+def _refusal(problems: list[str], base_dir: Path, saved: Mapping[str, Any]) -> StateMismatchError:
+    where = saved.get("base", {}).get("dir", "?")
+    return StateMismatchError(
+        f"the LoRA checkpoint does not belong to this model: {'; '.join(problems[:8])}"
+        f"{' ...' if len(problems) > 8 else ''}. It was saved on the base at {where}, with the adapter config "
+        f"recorded in it; this run has the base at {base_dir}. Load the same base and adapter config (or start "
+        "a new run for the new ones)"
+    )
+
+
+def read_binding(step_dir: Path) -> dict[str, Any] | None:
+    """The binding a step recorded (rank 0's extras, read with weights_only=True), or None."""
+    extras = torch.load(step_dir / _layout.extras_name(0), weights_only=True, map_location="cpu")
+    items = extras.get("items", {}) if isinstance(extras, dict) else {}
+    binding = items.get(BINDING_ITEM)
+    return binding if isinstance(binding, dict) and "base" in binding else None
+
+
+# ---------------------------------------------------------------- the front door
+
+
+class LoraCheckpoint:
+    """Adapter-only saves of a peft model through ``manager``, restores refused on another base or config."""
+
+    def __init__(self, manager: Any, model: Any, optim: torch.optim.Optimizer,
+                 *, base_dir: str | os.PathLike[str], adapter: str = "default") -> None:
+        self.manager, self.model, self.optim = manager, model, optim
+        self.binding = LoraBinding(model, base_dir, cache_dir=Path(manager.root), adapter=adapter)
+        self.adapter = AdapterModule(model)
+
+    def state(self) -> MutableMapping[str, Any]:
+        return {ADAPTER_ITEM: self.adapter, OPTIM_ITEM: self.optim, BINDING_ITEM: self.binding}
+
+    def save(self, step: int, **kwargs: Any) -> Any:
+        committed = self.manager.save(step, self.state(), **kwargs)
+        self.binding.write_cache()
+        return committed
+
+    def restore(self, **kwargs: Any) -> int:
+        """Restore the adapter and its optimizer; refused, before a tensor is read, on another base or config."""
+        resolution = self.manager.resolve(**kwargs)
+        if resolution.path is not None:
+            saved = read_binding(resolution.path)
+            if saved is None:
+                raise StateMismatchError(f"{resolution.path} holds no LoRA binding: it was not saved by "
+                                         "LoraCheckpoint; restore it with the manager")
+            problems = self.binding.problems(saved)
+            if problems:
+                raise _refusal(problems, self.binding.base_dir, saved)
+        step: int = self.manager.restore(self.state(), **kwargs)
+        bad = self.binding.live_problems()
+        if bad:
+            raise StateMismatchError(
+                f"the model's base weights in memory differ from the base files at {self.binding.base_dir} for "
+                f"{bad[:6]}{' ...' if len(bad) > 6 else ''}: an adapter was merged into them (or they were "
+                "changed); rebuild the model from the base files before restoring the adapter"
+            )
+        return step
