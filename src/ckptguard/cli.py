@@ -149,13 +149,40 @@ def resolve(root: Path, mode: str, path: Path | None, prefer: str, template: str
         click.echo(printable(res.describe()))
 
 
+class _RootOrURL(click.ParamType):  # type: ignore[type-arg]
+    """An existing directory, or an object-store root ``s3://bucket/prefix`` (checked when read)."""
+
+    name = "ROOT"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.startswith("s3://"):
+            return value
+        return click.Path(path_type=Path, exists=True, file_okay=False).convert(value, param, ctx)
+
+
+def _list_remote(url: str, template: str, as_json: bool) -> None:
+    from .ops import objectstore as _remote
+
+    listing = _remote.list_remote(url, template)
+    if as_json:
+        entries = [{"step": e.step, "state": e.state, "name": e.name} for e in listing.entries]
+        click.echo(json.dumps({"tracker": listing.tracker, "entries": entries}))
+        return
+    click.echo(f"tracker: {listing.tracker if listing.tracker is not None else 'absent'}")
+    for e in listing.entries:
+        click.echo(printable(f"{e.step:>10}  {e.state}  {e.name}"))
+
+
 @main.command(name="list")
-@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("root", type=_RootOrURL())
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def list_steps(root: Path, template: str, as_json: bool) -> None:
+def list_steps(root: Path | str, template: str, as_json: bool) -> None:
     """List the step directories under ROOT, whether each is committed, and its trust state
-    (candidate, or verified after enough healthy later steps)."""
+    (candidate, or verified after enough healthy later steps). ROOT may be s3://bucket/prefix
+    (endpoint and credentials from boto3's configuration, e.g. AWS_ENDPOINT_URL)."""
+    if isinstance(root, str):
+        return _list_remote(root, template, as_json)
     listing = _inspect.list_steps(root, template)
     if as_json:
         entries = [{"step": e.step, "state": e.state, "name": e.name, "trust": e.trust} for e in listing.entries]
@@ -195,7 +222,7 @@ def _emit(findings: list[Any], as_json: bool, extra: dict[str, Any] | None = Non
 
 
 @main.command()
-@click.argument("path", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("path", type=_RootOrURL())
 @click.option("--deep", is_flag=True, help="Also check every file's xxh3 checksum (reads every byte).")
 @click.option(
     "--restore",
@@ -205,13 +232,18 @@ def _emit(findings: list[Any], as_json: bool, extra: dict[str, Any] | None = Non
 )
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def verify(path: Path, deep: bool, do_restore: bool, template: str, as_json: bool) -> None:
+def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_json: bool) -> None:
     """Check that PATH (a step directory, or a root: every committed step) is complete.
 
+    PATH may be an object-store root s3://bucket/prefix: every committed step's objects against
+    its marker (--deep: downloaded and checksummed; --restore is for local roots).
     Exit 0 complete, 1 incomplete or corrupt, 2 bad usage. One line per finding:
     severity, code, file, what is wrong and what to do.
     """
     from .ops import verify as _verify
+
+    if isinstance(path, str):
+        return _verify_remote(path, deep, do_restore, template, as_json)
 
     path = path.absolute()
     if _is_export(path):
@@ -242,6 +274,22 @@ def verify(path: Path, deep: bool, do_restore: bool, template: str, as_json: boo
         elif do_restore:
             how += "; restore skipped: fix the ERROR findings first"
         click.echo(f"{verdict}: {len(steps)} step(s) checked{how}, {len(findings)} finding(s)")
+    sys.exit(_verify.worst(findings))
+
+
+def _verify_remote(url: str, deep: bool, do_restore: bool, template: str, as_json: bool) -> None:
+    from .ops import objectstore as _remote
+    from .ops import verify as _verify
+
+    if do_restore:
+        raise ConfigError("verify --restore reads a local root; for s3:// use --deep (every object downloaded and "
+                          "checked), or restore it with ObjectStoreCheckpoint")
+    checked, findings = _remote.verify_remote(url, template, deep=deep)
+    _emit(findings, as_json, {"checked": checked, "restored": False})
+    if not as_json:
+        verdict = "FAIL" if _verify.worst(findings) else "OK"
+        click.echo(f"{verdict}: {len(checked)} step(s) checked{' with checksums' if deep else ''}, "
+                   f"{len(findings)} finding(s)")
     sys.exit(_verify.worst(findings))
 
 

@@ -27,6 +27,9 @@ One root, and leaves that also subclass the builtin a caller would naturally cat
     +-- RehearsalError (RuntimeError)            `ckptguard rehearse` could not reach a point it waits for
     +-- RecordFormatError (ValueError)           a memory records file holds a line that is not a record
     +-- PinnedMemoryUnavailableError (RuntimeError)  exact-size pinning needs CUDA
+    +-- ObjectStoreError (OSError)               an object-store request failed after its bounded retries
+    |   +-- ConditionalWriteUnsupportedError     the store ignores If-None-Match / If-Match (refused by default)
+    +-- CommitConflictError (FileExistsError)    another writer committed this step on the object store first
 
 Errors cross ranks as JSON (``error_payload`` / ``rebuild``): a leaf's fields (``phase``,
 ``missing_ranks``, ``step``, ``failures``) are carried, and the leaf is rebuilt with them, so
@@ -50,9 +53,12 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointWriteError",
     "CollectiveTimeoutError",
+    "CommitConflictError",
+    "ConditionalWriteUnsupportedError",
     "ConfigError",
     "ContractMismatchError",
     "LeaseHeldError",
+    "ObjectStoreError",
     "PinnedMemoryUnavailableError",
     "RankDisagreementError",
     "RecordFormatError",
@@ -263,6 +269,39 @@ class RecordFormatError(CheckpointError, ValueError):
 
 class PinnedMemoryUnavailableError(CheckpointError, RuntimeError):
     """Exact-size pinning needs CUDA, and it is not available (or registration failed)."""
+
+
+class ObjectStoreError(CheckpointError, OSError):
+    """An object-store request failed (after its bounded retries): names bucket, key and step.
+
+    ``status`` is the HTTP status the store answered (None: no answer, e.g. connection refused)."""
+
+    fields = ("bucket", "key", "step", "status")
+
+    def __init__(
+        self, message: str, *, bucket: str = "", key: str = "", step: int | None = None, status: int | None = None
+    ) -> None:
+        super().__init__(_errno.EIO, message)
+        self.bucket, self.key, self.step, self.status = bucket, key, step, status
+
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+
+class ConditionalWriteUnsupportedError(ObjectStoreError):
+    """The store accepted a conditional write it should have refused (If-None-Match / If-Match ignored):
+    two writers could both commit a step there. Refused unless a weaker mode is asked for by name."""
+
+
+class CommitConflictError(CheckpointError, FileExistsError):
+    """Another writer created this step's commit marker on the object store first (the conditional
+    create refused ours): exactly one writer commits a step."""
+
+    fields = ("step",)
+
+    def __init__(self, message: str, *, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:

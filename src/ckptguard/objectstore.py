@@ -1,0 +1,285 @@
+"""ObjectStoreCheckpoint: a CheckpointManager whose committed steps are published to an object store.
+
+Contract. ``save(step, state)`` first commits ``step`` to a local staging root with the ordinary
+protocol (every rank's files, digests, manifest, tracker: ``CheckpointManager``), then publishes
+that committed directory to ``s3://bucket/prefix`` (``ckptguard.storage.objectstore``): rank 0
+takes the store's write lease and opens an attempt, every rank uploads its own files of the step
+(multipart, checksummed parts), and once every rank reported success rank 0 creates the marker
+(``If-None-Match: *``) and moves the tracker (``If-Match``, never backwards). Any failure raises on
+every rank; nothing of the step is visible on the store unless its marker was created.
+
+``restore(state)`` resolves on the store (the tracker and that step's marker, nothing else), has
+each host's ranks download the step's objects into the staging root (a share each; skipped when
+the staging root already holds that exact step), and restores from there with the local manager,
+so every check of a local restore (files, digests, contract, topology) applies unchanged.
+
+``publish(step, step_dir)`` is the seam a ``Publisher`` calls: it takes a committed local step
+directory and does the store part alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_json, read_json
+from ._dist import Wire, gather_decide, make_agreement, on_every_rank
+from ._records import contract as _contract
+from ._records.retention import KeepLast, RetentionPolicy
+from .config import CheckpointConfig, ResumeMode
+from .errors import CheckpointCorruptError, CheckpointError, ConfigError, ContractMismatchError
+from .manager import CheckpointManager
+from .storage.base import Storage
+from .storage.objectstore import Consistency, Marker, ObjectStore, ObjectStoreOptions, StoredObject, StoreURL
+
+__all__ = ["Consistency", "ObjectStoreCheckpoint", "ObjectStoreOptions", "StoreURL"]
+
+log = logging.getLogger("ckptguard")
+
+
+@dataclass(frozen=True)
+class _Empty(Wire):
+    pass
+
+
+@dataclass(frozen=True)
+class _Begun(Wire):
+    attempt: str
+
+
+@dataclass(frozen=True)
+class _Uploaded(Wire):
+    objects: dict[str, dict[str, Any]] = field(default_factory=dict)  # relative path -> {size, xxh3, etag}
+
+
+@dataclass(frozen=True)
+class _Committed(Wire):
+    url: str
+
+
+@dataclass(frozen=True)
+class _Chosen(Wire):
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Have(Wire):
+    host: str
+    same: bool  # the staging root holds exactly this step already (its manifest equals the marker's)
+
+
+def _rank_of(entry: dict[str, Any]) -> int:
+    rank = entry.get("rank", 0)
+    return rank if isinstance(rank, int) else 0
+
+
+class ObjectStoreCheckpoint:
+    """Checkpoints on an S3-compatible object store, written through a local staging root.
+
+    ``url`` is ``s3://bucket/prefix``; ``staging`` a local directory (node-local or shared; the
+    same path on every node) that holds the newest step written or restored here. ``config``
+    is the ``CheckpointConfig`` of the staging manager, whose ``retention`` is applied on the
+    store (the staging root keeps its newest step). Every method is collective.
+    """
+
+    _created = 0
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        staging: str | os.PathLike[str],
+        options: ObjectStoreOptions | None = None,
+        config: CheckpointConfig | None = None,
+        process_group: Any | None = None,
+        storage: Storage | None = None,
+        **manager_kw: Any,
+    ) -> None:
+        base = config or CheckpointConfig()
+        if not isinstance(base, CheckpointConfig):
+            raise ConfigError(f"config must be a CheckpointConfig, got {type(base).__name__}")
+        self.store = ObjectStore(StoreURL.parse(url), options, dir_template=base.dir_template)
+        self.retention: RetentionPolicy | None = base.retention
+        self.config = base
+        self.local = CheckpointManager(staging, config=dataclasses.replace(base, retention=KeepLast(1)),
+                                       process_group=process_group, storage=storage, **manager_kw)
+        ObjectStoreCheckpoint._created += 1
+        self._agreement = make_agreement(process_group, timeout_s=base.timeout_s,
+                                         namespace=f"objectstore-{ObjectStoreCheckpoint._created}")
+        info = self._agreement.info
+        self.rank = info.rank
+        self._host = info.host  # ranks of one host share its staging root (CKPTGUARD_NODE where tests fake nodes)
+        self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # rank 0's lease id
+        self._restored: int | None = None
+
+    @property
+    def url(self) -> str:
+        return str(self.store.url)
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: int, state: dict[str, Any], **health: Any) -> str | None:
+        """Commit ``step`` locally, then on the store; returns the marker's URL (None: the health
+        policy skipped the step on every rank, nothing was written)."""
+        local = self.local.save(step, state, **health)
+        if local is None:
+            return None
+        return self.publish(step, local)
+
+    def publish(self, step: int, step_dir: Path) -> str:
+        """Publish the committed local step directory ``step_dir`` as ``step`` on the store (collective)."""
+        begun = gather_decide(self._agreement, "store.begin", _Empty(), lambda _: self._begin(step),
+                              decision=_Begun)
+        manifest = read_json(step_dir / MANIFEST_NAME, what="manifest")
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(files, list):
+            raise CheckpointCorruptError(f"{step_dir}/{MANIFEST_NAME}: no file list; publish a committed step")
+        mine = [f for f in files if _rank_of(f) == self.rank]
+
+        def upload() -> _Uploaded:
+            etags = self.store.upload(step, begun.attempt, [(f["path"], step_dir / f["path"], f["size"]) for f in mine])
+            return _Uploaded({f["path"]: {"size": f["size"], "xxh3": f["xxh3"], "etag": etags[f["path"]]}
+                              for f in mine})
+
+        uploaded = on_every_rank(self._agreement, "store.upload", upload)
+        done = gather_decide(self._agreement, "store.commit", uploaded,
+                             lambda views: self._commit(step, begun.attempt, views, files, manifest),
+                             decision=_Committed)
+        log.info("ckptguard: committed step %d on the object store at %s", step, done.url)
+        return done.url
+
+    def _begin(self, step: int) -> _Begun:
+        self.store.ensure_root()
+        note = self.store.acquire_lease(self._holder, override=self.config.break_lease)
+        if note:
+            log.warning("ckptguard: %s: %s", self.store.url, note)
+        return _Begun(self.store.begin(step, replace_orphan=True))
+
+    def _commit(self, step: int, attempt: str, views: list[_Uploaded], files: list[dict[str, Any]],
+                manifest: dict[str, Any]) -> _Committed:
+        objects = {path: StoredObject(int(o["size"]), str(o["xxh3"]), str(o["etag"]))
+                   for view in views for path, o in view.objects.items()}
+        missing = sorted({f["path"] for f in files} - set(objects))
+        if missing:
+            raise CheckpointCorruptError(
+                f"step {step}: no rank uploaded {missing[:5]} ({len(missing)} files of the manifest); the manifest "
+                "names a rank that is not in this group: publish from the job that wrote the step")
+        self.store.check_lease(self._holder)  # still ours (renewed at begin): a lost lease never commits
+        phases = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.local.root)}
+        url = self.store.commit(step, attempt, objects, manifest, phases=phases, lease=self._holder)
+        self._rotate(step)
+        return _Committed(url)
+
+    def _rotate(self, step: int) -> None:
+        if self.retention is None:
+            return
+        protect = {step} | ({self._restored} if self._restored else set())
+        try:
+            gone = self.store.rotate(self.retention.keep, protect)
+        except (CheckpointError, OSError) as exc:  # rotation never stops training; retried at the next save
+            log.warning("ckptguard: rotation on %s after step %d failed (%s: %s); retried at the next save",
+                        self.store.url, step, type(exc).__name__, exc)
+            return
+        if gone:
+            log.info("ckptguard: retention deleted steps %s on %s", gone, self.store.url)
+
+    # ------------------------------------------------------------ restore
+
+    def resolve(self, mode: ResumeMode = ResumeMode.AUTO) -> tuple[int, str]:
+        """The step a restore would load from the store and why (agreed by all ranks); loads nothing."""
+        chosen = gather_decide(self._agreement, "store.resolve", _Empty(), lambda _: self._choose(mode),
+                               decision=_Chosen)
+        return chosen.step, chosen.reason
+
+    def _choose(self, mode: ResumeMode) -> _Chosen:
+        self.store.check_lease(self._holder, override=self.config.break_lease)
+        if mode is ResumeMode.NEVER:
+            return _Chosen(0, "ResumeMode.NEVER")
+        found = self.store.resolve(must=mode is ResumeMode.MUST)
+        return _Chosen(found.step, found.reason)
+
+    def restore(self, state: dict[str, Any], *, mode: ResumeMode = ResumeMode.AUTO) -> int:
+        """Restore the store's tracker step into ``state``; returns it (0: a fresh start)."""
+        if not isinstance(mode, ResumeMode):
+            raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        step, reason = self.resolve(mode)
+        if step == 0:
+            log.warning("ckptguard: FRESH START: %s", reason)
+            return self.local.restore(state, mode=ResumeMode.NEVER)
+        log.info("ckptguard: resuming from step %d on %s (%s)", step, self.store.url, reason)
+        step_dir = self._bring(step)
+        restored = self.local.restore(state, path=step_dir)
+        self._restored = restored
+        return restored
+
+    def _bring(self, step: int) -> Path:
+        """The committed step in the staging root: downloaded, each host's ranks a share, unless there already."""
+        marker = self.store.marker(step)
+        if marker is None:
+            raise CheckpointCorruptError(f"{self.store.url}: the marker of step {step} vanished after resolve")
+        step_dir = self.local.root / self.store.naming.name(step)
+        have = _Have(self._host, self._same(step_dir, marker.manifest))
+        views = [_Have.from_json(v) for v in self._agreement.exchange("store.have", have.to_json())]
+        peers = [r for r, v in enumerate(views) if v.host == self._host]
+        if all(views[r].same for r in peers):
+            return step_dir
+        leader = self.rank == peers[0]
+        on_every_rank(self._agreement, "store.clear", lambda: _clear(step_dir) if leader else None)
+        names = sorted(marker.objects)
+        share = {n for i, n in enumerate(names) if i % len(peers) == peers.index(self.rank)}
+        on_every_rank(self._agreement, "store.fetch", lambda: self.store.fetch(marker, step_dir, only=share))
+        on_every_rank(self._agreement, "store.fetched",
+                      lambda: self._finish(marker, step_dir) if leader else None)
+        return step_dir
+
+    def _finish(self, marker: Marker, step_dir: Path) -> None:
+        """The chain's contract phases (the staging root continues the store's chain), then the manifest."""
+        own = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.local.root)}
+        for name, record in sorted(marker.phases.items()):
+            if name in own and own[name] != record:
+                raise ContractMismatchError(
+                    f"{self.local.root}/{CONTRACT_DIR}/{name} differs from the phase step {marker.step} on "
+                    f"{self.store.url} carries: the staging root belongs to another run; give this run its own "
+                    "staging directory")
+            if name not in own:
+                (self.local.root / CONTRACT_DIR).mkdir(parents=True, exist_ok=True)
+                atomic_write_json(self.local.root / CONTRACT_DIR / name, record)
+        self.store.write_manifest(marker, step_dir)
+
+    @staticmethod
+    def _same(step_dir: Path, manifest: dict[str, Any]) -> bool:
+        try:
+            return bool(read_json(step_dir / MANIFEST_NAME, what="manifest") == manifest)
+        except (OSError, CheckpointError):
+            return False
+
+    # ------------------------------------------------------------ queries
+
+    def committed_steps(self) -> list[int]:
+        """The store's committed steps, ascending (this process's reads; no collective)."""
+        return self.store.committed_steps()
+
+    def close(self) -> None:
+        """Release the store's write lease (rank 0) and the staging manager's pools."""
+        try:
+            if self.rank == 0:
+                self.store.release_lease(self._holder)
+        finally:
+            self.local.close()
+
+
+def _clear(step_dir: Path) -> None:
+    """A stale copy of the step in the staging root goes, marker first (it never looks committed half-deleted)."""
+    manifest = step_dir / MANIFEST_NAME
+    if manifest.exists():
+        manifest.unlink()
+    if step_dir.exists():
+        shutil.rmtree(step_dir)

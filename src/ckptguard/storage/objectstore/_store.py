@@ -1,0 +1,451 @@
+"""ObjectStore: the commit protocol of one checkpoint root on an S3-compatible store (one process's part).
+
+Contract (``Consistency.CONDITIONAL``, the default):
+
+- A step is committed when its marker ``<step>/manifest.json`` exists, parses, names the step, and
+  the step is no newer than the tracker. The marker is created last (``If-None-Match: *``), after
+  every file of its attempt is uploaded, so two writers can never both commit step N: the store
+  refuses the second create with 412 and that writer raises ``CommitConflictError``.
+- The tracker moves after the marker, by ``If-Match`` on the ETag it was read with, and only
+  forward: a writer that finds it at or past its step leaves it. It never names an uncommitted step.
+- ``resolve`` reads the tracker and that step's marker; nothing is decided from a listing.
+- Rotation deletes a step's marker first, then its objects: a half-deleted step is invisible.
+- gc removes only attempts that carry ckptguard's owner record, that no marker names, and that
+  are older than ``min_age_s``, aborts multipart uploads of such attempts, and never runs on a
+  prefix without the root record.
+- The write lease ``lease.json`` is created by conditional create and renewed by ``If-Match``.
+
+A marker newer than the tracker is an orphan (its writer died between marker and tracker): ignored
+by resolve, and replaced (marker deleted first) only by a writer that holds the lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ... import _faults
+from ..._disk.layout import MANIFEST_NAME, TRACKER_NAME, StepNaming, atomic_write_json
+from ...errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CommitConflictError,
+    ConditionalWriteUnsupportedError,
+    ConfigError,
+    LeaseHeldError,
+    ObjectStoreError,
+    ResumeError,
+)
+from . import _objrecords as rec
+from . import _transfer
+from ._bucket import Bucket
+from ._options import Consistency, ObjectStoreOptions, StoreURL
+
+log = logging.getLogger("ckptguard")
+
+BEFORE_MARKER = "store.before_marker"
+BEFORE_TRACKER = "store.before_tracker"
+_TRACKER_TRIES = 32
+_probed: dict[tuple[str, str], bool] = {}  # (endpoint, bucket) -> conditional writes checked in this process
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What ``ObjectStore.resolve`` found: the step (0: fresh start) and its marker."""
+
+    step: int
+    marker: rec.Marker | None
+    reason: str
+
+
+@dataclass
+class GcReport:
+    removed_attempts: list[str] = field(default_factory=list)
+    removed_objects: int = 0
+    aborted_uploads: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)  # keys under the prefix that ckptguard did not create
+    kept_young: list[str] = field(default_factory=list)  # unmarked attempts younger than min_age_s (maybe live)
+
+
+class ObjectStore:
+    """One checkpoint root ``s3://bucket/prefix``; every method is one process's part, without collectives."""
+
+    def __init__(self, url: str | StoreURL, options: ObjectStoreOptions | None = None, *,
+                 dir_template: str = "step_{step:08d}") -> None:
+        self.url = url if isinstance(url, StoreURL) else StoreURL.parse(url)
+        self.options = options or ObjectStoreOptions()
+        if not isinstance(self.options, ObjectStoreOptions):
+            raise ConfigError(f"options must be an ObjectStoreOptions, got {type(self.options).__name__}")
+        self.naming = StepNaming(dir_template)
+        self.bucket = Bucket(self.url, self.options)
+        self.conditional = self.options.consistency is Consistency.CONDITIONAL
+        self._rooted = False  # ensure_root done by this object (the root record and tracker exist)
+
+    def __str__(self) -> str:
+        return str(self.url)
+
+    def where(self, *parts: str) -> str:
+        return f"s3://{self.url.bucket}/{self.url.key(*parts)}"
+
+    # ------------------------------------------------------------ the store's promises
+
+    def probe(self) -> None:
+        """Check once per process that the store refuses a second conditional create and a stale
+        If-Match (412); raise ConditionalWriteUnsupportedError where it accepts them."""
+        ident = (self.bucket.endpoint, self.url.bucket)
+        if not self.conditional or _probed.get(ident):
+            return
+        key = self.url.key(f".ckptguard-probe-{secrets.token_hex(6)}")
+        try:
+            first = self.bucket.create(key, b"probe\n", what="conditional-write probe")
+            again = self.bucket.create(key, b"again\n", what="conditional-write probe")
+            stale = self.bucket.replace(key, b"stale\n", '"00000000000000000000000000000000"',
+                                        what="conditional-write probe")
+        finally:
+            self.bucket.delete(key, what="conditional-write probe")
+        if first is None or again is not None or stale is not None:
+            ignored = "If-None-Match: *" if again is not None else "If-Match"
+            raise ConditionalWriteUnsupportedError(
+                f"the store at {self.bucket.endpoint} accepted a write to s3://{self.url.bucket}/{key} that {ignored} "
+                "should have refused (HTTP 412): two writers could both commit a step there. Use a store with "
+                "conditional writes (S3, GCS, MinIO, R2, recent Ceph), or, with exactly one writer guaranteed by "
+                "you, ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) (docs/objectstore.md)",
+                bucket=self.url.bucket, key=key)
+        _probed[ident] = True
+
+    def ensure_root(self) -> None:
+        """The root record, then tracker 0 (a declared fresh start), each created only if absent."""
+        if self._rooted:
+            return
+        self.probe()
+        key = self.url.key(rec.ROOT_RECORD)
+        found = self.bucket.get(key, what="root record")
+        if found is None:
+            record = rec.RootRecord(time.time(), rec.Writer.here(), self.options.consistency.value)
+            self.bucket.create(key, record.to_bytes(), what="root record", conditional=self.conditional)
+        else:
+            rec.RootRecord.from_bytes(found.data, self.where(rec.ROOT_RECORD))  # a foreign record raises
+        if self.conditional or self.tracker()[0] is None:  # a plain PUT must never reset a tracker that exists
+            self.bucket.create(self.url.key(TRACKER_NAME), b"0\n", what="tracker", conditional=self.conditional)
+        self._rooted = True
+
+    # ------------------------------------------------------------ reads
+
+    def tracker(self) -> tuple[int | None, str | None]:
+        """The tracker's step and ETag; (None, None) when there is none."""
+        found = self.bucket.get(self.url.key(TRACKER_NAME), what="tracker")
+        if found is None:
+            return None, None
+        return rec.parse_tracker(found.data, self.where(TRACKER_NAME)), found.etag
+
+    def marker(self, step: int) -> rec.Marker | None:
+        name = self.naming.name(step)
+        found = self.bucket.get(self.url.key(name, MANIFEST_NAME), step=step, what="commit marker")
+        if found is None:
+            return None
+        marker = rec.Marker.from_bytes(found.data, self.where(name, MANIFEST_NAME))
+        if marker.step != step:
+            raise CheckpointCorruptError(f"{self.where(name, MANIFEST_NAME)} says step {marker.step}, its key {step}")
+        return marker
+
+    def resolve(self, *, must: bool = False) -> Resolved:
+        """The step to restore, from the tracker and that step's marker only; ``must``: nothing there raises
+        (``ResumeMode.MUST``) instead of a declared fresh start."""
+        step, _ = self.tracker()
+        if not step:
+            if step is None and self.bucket.get(self.url.key(rec.ROOT_RECORD), what="root record") is None:
+                reason = f"no checkpoint root at {self.url} (no root record, no tracker; the first save creates it)"
+            else:
+                reason = f"the tracker at {self.where(TRACKER_NAME)} says 0: fresh start declared by the first save"
+            if must:
+                raise ResumeError(f"ResumeMode.MUST: {reason}")
+            return Resolved(0, None, reason)
+        try:
+            marker = self.marker(step)
+        except CheckpointError as exc:
+            raise ResumeError(f"the tracker at {self.url} says {step}, but its marker is unreadable: {exc}") from exc
+        if marker is None:
+            marker_at = self.where(self.naming.name(step), MANIFEST_NAME)
+            raise ResumeError(
+                f"the tracker at {self.where(TRACKER_NAME)} says {step}, but {marker_at} does not exist. ckptguard "
+                "writes the marker before the tracker and rotation never deletes the tracker's step, so something "
+                "outside ckptguard deleted it: restore the objects, or set the tracker to an older committed step "
+                "by hand (`ckptguard list` shows them)")
+        return Resolved(step, marker, f"tracker {self.where(TRACKER_NAME)} says {step}")
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose marker is valid and no newer than the tracker (a listing finds the candidates;
+        each step's marker decides)."""
+        tracker, _ = self.tracker()
+        out = []
+        for name in self.bucket.children():
+            step = self.naming.parse(name)
+            if step is None or not tracker or step > tracker:
+                continue
+            try:
+                if self.marker(step) is not None:
+                    out.append(step)
+            except CheckpointCorruptError as exc:
+                log.warning("ckptguard: %s: %s (not counted as committed)", self.where(name), exc)
+        return sorted(out)
+
+    # ------------------------------------------------------------ commit
+
+    def begin(self, step: int, *, replace_orphan: bool = False) -> str:
+        """Open an attempt at ``step`` (its owner record written first); returns its name."""
+        tracker, _ = self.tracker()
+        existing = self.marker(step)
+        if existing is not None:
+            if tracker is not None and step <= tracker:
+                raise CommitConflictError(
+                    f"step {step} is already committed at {self.where(self.naming.name(step))} (attempt "
+                    f"{existing.attempt}, {existing.writer.describe()}); a committed step on an object store is "
+                    "never overwritten: save a newer step", step=step)
+            if not replace_orphan:
+                raise CommitConflictError(
+                    f"step {step} at {self.url} has a marker newer than the tracker ({tracker}): another writer "
+                    f"({existing.writer.describe()}) is committing it now or died before moving the tracker; "
+                    "only the lease holder replaces such a marker", step=step)
+            log.warning("ckptguard: %s: step %d holds an orphan marker (attempt %s, %s; the tracker says %s): "
+                        "its writer died between marker and tracker; uncommitting it (marker first) to save the "
+                        "step again", self.url, step, existing.attempt, existing.writer.describe(), tracker)
+            self.bucket.delete(self.url.key(self.naming.name(step), MANIFEST_NAME), step=step, what="orphan marker")
+        elif tracker is not None and step <= tracker:
+            raise CommitConflictError(
+                f"step {step} is not newer than the tracker ({tracker}) at {self.url}: the tracker never moves "
+                "backwards, so this step could never be resumed; save a step > the tracker", step=step)
+        attempt = f"{rec.ATTEMPT_PREFIX}{secrets.token_hex(8)}"
+        owner = rec.Owner(step, attempt, rec.Writer.here(), time.time())
+        self.bucket.create(self.url.key(self.naming.name(step), attempt, rec.OWNER), owner.to_bytes(), step=step,
+                           what="attempt owner record", conditional=False)
+        return attempt
+
+    def upload(self, step: int, attempt: str, files: Sequence[tuple[str, Path, int]]) -> dict[str, str]:
+        """Upload ``(relative name, local path, size)`` files into the attempt; returns name -> ETag."""
+        base = (self.naming.name(step), attempt)
+        items = [_transfer.Outgoing(path, self.url.key(*base, rel), size) for rel, path, size in files]
+        etags = _transfer.upload(self.bucket, items, step=step)
+        return {rel: etags[self.url.key(*base, rel)] for rel, _, _ in files}
+
+    def commit(self, step: int, attempt: str, objects: dict[str, rec.StoredObject], manifest: dict[str, Any], *,
+               phases: dict[str, dict[str, Any]] | None = None, lease: str | None = None) -> str:
+        """Write the marker (conditional create), then move the tracker forward; returns the marker's URL."""
+        name = self.naming.name(step)
+        key = self.url.key(name, MANIFEST_NAME)
+        marker = rec.Marker(step, attempt, rec.Writer.here(lease), objects, manifest, phases or {})
+        _faults.reached(BEFORE_MARKER)
+        created = self.bucket.create(key, marker.to_bytes(), step=step, what="commit marker",
+                                     conditional=self.conditional)
+        if created is None or not self.conditional:  # refused (maybe our own retry that landed), or unconditional
+            self._check_won(step, attempt)
+        _faults.reached(BEFORE_TRACKER)
+        self._advance(step)
+        self._check_won(step, attempt)  # an orphan replacement racing this commit is reported, never silent
+        return self.where(name, MANIFEST_NAME)
+
+    def _check_won(self, step: int, attempt: str) -> None:
+        # A refused create may be our own retried request that had landed: the marker's attempt decides.
+        found = self.marker(step)
+        if found is not None and found.attempt == attempt:
+            return
+        who = found.writer.describe() if found is not None else "a writer that then deleted it"
+        raise CommitConflictError(
+            f"step {step} at {self.url} was committed by another writer ({who}, attempt "
+            f"{found.attempt if found else '?'}), not by this one (attempt {attempt}): exactly one writer commits a "
+            "step. Two jobs write this root: stop one (the lease should have refused it; see its log)", step=step)
+
+    def _advance(self, step: int) -> None:
+        key = self.url.key(TRACKER_NAME)
+        for _ in range(_TRACKER_TRIES):
+            current, etag = self.tracker()
+            if current is not None and current >= step:
+                if current > step:
+                    log.warning("ckptguard: %s: the tracker is at %d already; step %d is committed but the tracker "
+                                "stays (it never moves backwards)", self.url, current, step)
+                return
+            data = f"{step}\n".encode()
+            if current is None or etag is None:
+                done = self.bucket.create(key, data, step=step, what="tracker", conditional=self.conditional)
+            else:
+                done = self.bucket.replace(key, data, etag, step=step, what="tracker", conditional=self.conditional)
+            if done is not None:
+                return
+        raise ObjectStoreError(
+            f"moving the tracker s3://{self.url.bucket}/{key} to step {step}: {_TRACKER_TRIES} conditional writes in a "
+            "row lost to other writers. Step " f"{step}'s marker is written (the step is an orphan until the tracker "
+            "covers it); two jobs write this root: stop one", bucket=self.url.bucket, key=key, step=step)
+
+    # ------------------------------------------------------------ restore
+
+    def fetch(self, marker: rec.Marker, step_dir: Path, *, only: set[str] | None = None,
+              progress: Callable[[int], None] | None = None) -> None:
+        """Download the marker's objects (or ``only`` those) into ``step_dir``; the caller writes the
+        manifest (``write_manifest``) once every process finished."""
+        base = (self.naming.name(marker.step), marker.attempt)
+        items = [_transfer.Incoming(self.url.key(*base, rel), step_dir / rel, o.size, o.etag, o.xxh3)
+                 for rel, o in sorted(marker.objects.items()) if only is None or rel in only]
+        _transfer.download(self.bucket, items, step=marker.step, progress=progress)
+
+    @staticmethod
+    def write_manifest(marker: rec.Marker, step_dir: Path) -> None:
+        atomic_write_json(step_dir / MANIFEST_NAME, marker.manifest)
+
+    def state_url(self, marker: rec.Marker) -> str:
+        """The URL of the step's DCP directory: what ``FsspecReader`` (with s3fs) reads."""
+        return self.where(self.naming.name(marker.step), marker.attempt, "state")
+
+    # ------------------------------------------------------------ rotation and gc
+
+    def delete_step(self, step: int) -> None:
+        """Marker first, then every object under the step (all attempts)."""
+        name = self.naming.name(step)
+        self.bucket.delete(self.url.key(name, MANIFEST_NAME), step=step, what="commit marker")
+        keys = [o.key for o in self.bucket.listing(name + "/")]
+        self.bucket.delete_many(keys, step=step)
+
+    def rotate(self, keep: Callable[[Sequence[int]], set[int]], protect: set[int]) -> list[int]:
+        """Delete committed steps the policy does not keep (never the tracker's or a protected one)."""
+        tracker, _ = self.tracker()
+        steps = self.committed_steps()
+        kept = keep(steps) | protect | ({tracker} if tracker else set())
+        gone = [s for s in steps if s not in kept]
+        for step in gone:
+            self.delete_step(step)
+        return gone
+
+    def gc(self, *, min_age_s: float = 3600.0, dry_run: bool = False) -> GcReport:
+        """Remove attempts no marker names (with ckptguard's owner record, older than ``min_age_s``)
+        and abort their multipart uploads."""
+        found = self.bucket.get(self.url.key(rec.ROOT_RECORD), what="root record")
+        if found is None:
+            raise ConfigError(
+                f"{self.url} holds no {rec.ROOT_RECORD}: it is not a ckptguard root (or not yet); gc removes only "
+                "what ckptguard created under its own roots. Check the URL")
+        rec.RootRecord.from_bytes(found.data, self.where(rec.ROOT_RECORD))
+        report, now = GcReport(), time.time()
+        attempts: dict[tuple[str, str], list[str]] = {}
+        newest: dict[tuple[str, str], float] = {}
+        for obj in self.bucket.listing():
+            rel = self.url.relative(obj.key) or ""
+            parts = rel.split("/")
+            if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE):
+                continue
+            if rel.startswith(".ckptguard-probe-") and "/" not in rel:  # a probe whose process died before its delete
+                if now - obj.modified_unix >= min_age_s:
+                    report.removed_objects += 1
+                    if not dry_run:
+                        self.bucket.delete(obj.key, what="conditional-write probe")
+                continue
+            if len(parts) >= 2 and self.naming.parse(parts[0]) is not None:
+                if parts[1:] == [MANIFEST_NAME]:
+                    continue
+                if parts[1].startswith(rec.ATTEMPT_PREFIX) and len(parts) >= 3:
+                    attempts.setdefault((parts[0], parts[1]), []).append(obj.key)
+                    newest[(parts[0], parts[1])] = max(newest.get((parts[0], parts[1]), 0.0), obj.modified_unix)
+                    continue
+            report.foreign.append(obj.key)
+        self._gc_uploads(now, min_age_s, dry_run, report)  # first: an attempt's owner record still says it is ours
+        for (name, attempt), keys in sorted(attempts.items()):
+            self._gc_attempt(name, attempt, keys, newest[(name, attempt)], now, min_age_s, dry_run, report)
+        return report
+
+    def _marked(self, name: str) -> str | None:
+        step = self.naming.parse(name)
+        marker = self.marker(step) if step is not None else None
+        return marker.attempt if marker is not None else None
+
+    def _gc_attempt(self, name: str, attempt: str, keys: list[str], newest: float, now: float, min_age_s: float,
+                    dry_run: bool, report: GcReport) -> None:
+        owner_key = self.url.key(name, attempt, rec.OWNER)
+        if owner_key not in keys:
+            report.foreign += keys  # no owner record: not ckptguard's to delete
+            return
+        if self._marked(name) == attempt:
+            return
+        if now - newest < min_age_s:
+            report.kept_young.append(f"{name}/{attempt}")
+            return
+        report.removed_attempts.append(f"{name}/{attempt}")
+        report.removed_objects += len(keys)
+        if not dry_run:  # the owner record last: an interrupted gc still knows the rest is ours
+            self.bucket.delete_many([k for k in keys if k != owner_key], step=self.naming.parse(name))
+            self.bucket.delete(owner_key, what="attempt owner record")
+
+    def _gc_uploads(self, now: float, min_age_s: float, dry_run: bool, report: GcReport) -> None:
+        for upload in self.bucket.uploads():
+            parts = (self.url.relative(upload.key) or "").split("/")
+            if len(parts) < 3 or self.naming.parse(parts[0]) is None or not parts[1].startswith(rec.ATTEMPT_PREFIX):
+                report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
+                continue
+            if now - upload.initiated_unix < min_age_s:
+                continue
+            if self.bucket.get(self.url.key(parts[0], parts[1], rec.OWNER), what="attempt owner record") is None:
+                report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
+                continue
+            report.aborted_uploads.append(f"{upload.key} ({upload.upload_id})")
+            if not dry_run:
+                self.bucket.abort(upload, step=self.naming.parse(parts[0]))
+
+    # ------------------------------------------------------------ the write lease
+
+    def acquire_lease(self, holder: str, *, override: bool = False) -> str | None:
+        """Take or renew ``lease.json`` for ``holder``; returns a note when a lease was taken over.
+        Raises LeaseHeldError while another live holder has it."""
+        key = self.url.key(rec.LEASE)
+        for _ in range(8):
+            now = time.time()
+            mine = rec.Lease(holder, rec.Writer.here(), now + self.options.lease_ttl_s, now).to_bytes()
+            found = self.bucket.get(key, what="write lease")
+            if found is None:
+                if self.bucket.create(key, mine, what="write lease", conditional=self.conditional) is not None:
+                    return None
+                continue  # another writer created it in between: read it again
+            lease = rec.Lease.from_bytes(found.data, self.where(rec.LEASE))
+            note = self._takeover(lease, holder, now, override)
+            if self.bucket.replace(key, mine, found.etag, what="write lease", conditional=self.conditional):
+                return note
+        raise LeaseHeldError(f"{self.where(rec.LEASE)}: 8 conditional writes in a row lost to other writers; two "
+                             "jobs start on this root at once: stop one")
+
+    def _takeover(self, lease: rec.Lease, holder: str, now: float, override: bool) -> str | None:
+        if lease.holder == holder:
+            return None
+        dead = lease.writer.host == socket.gethostname() and not _alive(lease.writer.pid)
+        if lease.expires_unix < now or dead or override:
+            why = "expired" if lease.expires_unix < now else ("its process is dead" if dead else "break_lease")
+            return f"took over the write lease of {lease.holder} ({lease.writer.describe()}; {why})"
+        raise LeaseHeldError(
+            f"{self.where(rec.LEASE)} is held by {lease.holder} ({lease.writer.describe()}) until "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lease.expires_unix))}: another live job writes "
+            f"this root. Stop it, wait for the lease to expire, or pass break_lease=True if it is dead")
+
+    def check_lease(self, holder: str, *, override: bool = False) -> None:
+        """Raise LeaseHeldError while another live holder has the lease (reads only)."""
+        found = self.bucket.get(self.url.key(rec.LEASE), what="write lease")
+        if found is not None:
+            self._takeover(rec.Lease.from_bytes(found.data, self.where(rec.LEASE)), holder, time.time(), override)
+
+    def release_lease(self, holder: str) -> None:
+        found = self.bucket.get(self.url.key(rec.LEASE), what="write lease")
+        if found is None or rec.Lease.from_bytes(found.data, self.where(rec.LEASE)).holder != holder:
+            return
+        gone = rec.Lease(holder, rec.Writer.here(), 0.0, time.time()).to_bytes()  # expired: anyone may take it
+        self.bucket.replace(self.url.key(rec.LEASE), gone, found.etag, what="write lease",
+                            conditional=self.conditional)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
