@@ -176,7 +176,8 @@ def _floors_axes(ax: Any, growth: Any, story: Story) -> None:
     unit, div, _, ymax = nice_scale(top * 1.08)
     for p in procs:
         ax.plot([(t - story.t0) / tdiv for t, _ in p.floors_per_interval], [v / div for _, v in p.floors_per_interval],
-                label=f"{p.pid} {p.comm} ({'RISING' if p.rising else 'flat'})", lw=2)
+                label=f"{p.pid} {p.comm} ({'RISING' if p.rising else 'flat'})", lw=2,
+                marker="o" if len(p.floors_per_interval) == 1 else None)  # one floor: a dot, not an empty line
     ax.set_xlim(0, (story.t1 - story.t0) / tdiv or 1)
     ax.set_ylim(0, ymax / div)
     ax.set_title("Per-process PSS floor", fontsize=11, loc="left")
@@ -210,13 +211,17 @@ def _build(records: list[dict[str, Any]], ray_log: str | None, title: str) -> tu
     plt = _pyplot()
     story = build_story(records, ray_log=ray_log)
     growth = analyze_growth(records)
-    has_floors = any(p.floors_per_interval for p in growth.processes)
+    has_floors = any(len(p.floors_per_interval) >= 2 for p in growth.processes)
+    one_floor = not has_floors and any(p.floors_per_interval for p in growth.processes)
     series, reasons = gpu_series(records)
     has_gpu = any(series.values())
     notes = []
     if not story.nodes:
         notes.append("No host chart: no record carries host figures.")
-    if not has_floors:
+    if one_floor:
+        notes.append("No per-process floor chart: the records give each process one PSS floor only (one interval), "
+                     "no line to draw.")
+    elif not has_floors:
         notes.append("No per-process floor chart: no PSS readings in the records (run the job under mem watch).")
     if not has_gpu:
         why = "; ".join(sorted(reasons)) or "no record carries GPU figures"

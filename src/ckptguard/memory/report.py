@@ -40,7 +40,6 @@ from ._story import (
     nice_ticks,
     phase_labels,
     save_sentence,
-    spread_labels,
     time_unit,
 )
 from .growth import GrowthConfig, GrowthReport, analyze_growth
@@ -112,14 +111,19 @@ def _bands(spans: list[Span], ax: _Axes) -> list[str]:
     return out
 
 
+def _bar_x(s: Span, ax: _Axes) -> tuple[float, float]:
+    x0, x1 = ax.x(s.t0), ax.x(s.t1)
+    if x1 - x0 < 8:  # a phase shorter than a few pixels still shows its peak
+        x0, x1 = (x0 + x1) / 2 - 4, (x0 + x1) / 2 + 4
+    return x0, x1
+
+
 def _peak_bars(spans: list[Span], ax: _Axes, limit: int | None) -> list[str]:
     out = []
     for s in spans:
         if s.peak is None:
             continue
-        x0, x1, y = ax.x(s.t0), ax.x(s.t1), ax.y(s.peak)
-        if x1 - x0 < 8:  # a phase shorter than a few pixels still shows its peak
-            x0, x1 = (x0 + x1) / 2 - 4, (x0 + x1) / 2 + 4
+        (x0, x1), y = _bar_x(s, ax), ax.y(s.peak)
         room = f"; headroom {fmt_bytes(limit - s.peak)}" if limit is not None else ""
         out.append(f'<g data-peak="{_e(s.phase)}" data-step="{_e(s.step)}" data-bytes="{s.peak}">'
                    f'<line x1="{x0:.1f}" y1="{y:.1f}" x2="{x1:.1f}" y2="{y:.1f}" class="peak"/>'
@@ -131,37 +135,59 @@ def _peak_bars(spans: list[Span], ax: _Axes, limit: int | None) -> list[str]:
 Box = tuple[float, float, float, float]
 
 
-def _limit_lines(n: NodeStory, ax: _Axes, arrow_x: float | None) -> tuple[list[str], list[Box]]:
-    shown = [lim for lim in n.limits if lim.bytes is not None and lim.bytes <= ax.ymax]
+LABEL_UP, LABEL_DOWN = 10, 4  # a 11px label's extent above and below its baseline, as Chromium lays it out
+CLEAR = 3  # pixels kept free between a label and any line (a limit, a peak bar): a label is never struck through
+ROW = LABEL_UP + LABEL_DOWN + 1  # one label row
+
+
+def _hline(y: float, x0: float = L, x1: float = W - R) -> Box:
+    """A horizontal line as an obstacle, widened by CLEAR on both sides."""
+    return (x0, y - CLEAR, x1, y + CLEAR)
+
+
+def _limit_lines(n: NodeStory, ax: _Axes, arrow_x: float | None,
+                 obstacles: list[Box]) -> tuple[list[str], list[Box]]:
+    """The limit lines and their labels; the boxes returned are the labels' and the lines' (for the save mark).
+
+    Each label goes above its line, else below it, at the right end, else the left end, else beside
+    the save mark's arrow, the first of those where it crosses no line (limits, peak bars) and no
+    other label; where none is free it goes above its line at the right end, as before."""
+    shown = sorted((lim for lim in n.limits if lim.bytes is not None and lim.bytes <= ax.ymax),
+                   key=lambda lim: -(lim.bytes or 0))
     above = [lim for lim in n.limits if lim.bytes is not None and lim.bytes > ax.ymax]
-    # Labels sit inside the plot, above their line; a label that would be struck through by the
-    # line above it (two limits a few pixels apart) goes below its own line instead, so no label
-    # is cut off or drawn over another.
-    ys, prev = [], None
-    for lim in sorted(shown, key=lambda lim: -(lim.bytes or 0)):
-        y = ax.y(lim.bytes or 0)
-        ys.append(y + 13 if prev is not None and y - 15 < prev + 2 else y - 4)
-        prev = y
-    shown = sorted(shown, key=lambda lim: -(lim.bytes or 0))
-    ys = spread_labels(ys, 13, T + 12, H - B - 4)
-    out, boxes = [], []
-    for lim, ly in zip(shown, ys, strict=True):
+    lines = [_hline(ax.y(lim.bytes or 0)) for lim in shown]
+    out, labels = [], []
+    for lim in shown:
         y = ax.y(lim.bytes or 0)
         width = len(lim.label) * CHAR_PX
-        # At the right end, else at the left end, else just left of the save mark's arrow: a
-        # label the arrow runs through is not readable.
-        starts = [W - R - 6 - width, L + 6] + ([arrow_x - 8 - width] if arrow_x is not None else [])
-        x0 = next((x for x in starts if arrow_x is None or x > arrow_x + 6 or x + width < arrow_x - 6), starts[0])
-        boxes.append((x0, ly - 11, x0 + width, ly + 3))
+        xs = [W - R - 6 - width, L + 6] + ([arrow_x - 8 - width, arrow_x + 8] if arrow_x is not None else [])
+        # A label the save mark's arrow runs through is not readable.
+        xs = [x for x in xs if x >= L + 2 and x + width <= W - R - 2
+              and (arrow_x is None or x > arrow_x + 6 or x + width < arrow_x - 6)] or xs[:1]
+        # Nearest its line first: just above, just below, then a row further out on either side.
+        rows = [y - CLEAR - LABEL_DOWN, y + CLEAR + LABEL_UP + 1]
+        rows += [r + d for d in (-ROW, ROW) for r in rows[(d > 0):][:1]]
+        spots = [(x, ly) for ly in rows for x in xs]
+        x0, ly = next((sp for sp in spots if _fits(_label_box(sp[0], sp[1], width), [*lines, *obstacles, *labels])),
+                      (xs[0], max(y - CLEAR - LABEL_DOWN, T + LABEL_UP + 1)))
+        labels.append(_label_box(x0, ly, width))
         out.append(f'<g data-limit="{_e(lim.name)}" data-bytes="{lim.bytes}">'
                    f'<line x1="{L}" y1="{y:.1f}" x2="{W - R}" y2="{y:.1f}" class="limit"/>'
                    f'<text x="{x0:.1f}" y="{ly:.1f}" class="limit-label">{_e(lim.label)}</text></g>')
     for i, lim in enumerate(above):
         text, ly = f"{lim.label} (above the scale)", T + 12 + 13 * i
-        boxes.append((W - R - 6 - len(text) * CHAR_PX, ly - 11, W - R - 6, ly + 3))
+        labels.append((W - R - 6 - len(text) * CHAR_PX, ly - LABEL_UP, W - R - 6, ly + LABEL_DOWN))
         out.append(f'<text data-limit="{_e(lim.name)}" data-bytes="{lim.bytes}" x="{W - R - 6}" '
                    f'y="{ly}" class="limit-label" text-anchor="end">{_e(text)}</text>')
-    return out, boxes
+    return out, labels + lines
+
+
+def _label_box(x0: float, baseline: float, width: float) -> Box:
+    return (x0, baseline - LABEL_UP, x0 + width, baseline + LABEL_DOWN)
+
+
+def _fits(box: Box, taken: list[Box]) -> bool:
+    return box[1] >= T and box[3] <= H - B and not _overlaps(box, taken)
 
 
 def _overlaps(a: Box, boxes: list[Box]) -> bool:
@@ -187,7 +213,8 @@ def _save_mark(n: NodeStory, ax: _Axes, taken: list[Box]) -> list[str]:
     # somewhere, else two.
     spot = _place([f"{head}, {room_text}"], xa, yp, yl, taken) or _place([head, room_text], xa, yp, yl, taken)
     lines = [f"{head}, {room_text}"] if spot and spot[3] == 1 else [head, room_text]
-    fallback = ("start", min(xa + 8, W - R - len(head) * CHAR_PX), min(max(yp, yl) + 15, H - B - 18), 2)
+    wide = max(len(head), len(room_text)) * CHAR_PX
+    fallback = ("start", max(L + 2, min(xa + 8, W - R - 2 - wide)), min(max(yp, yl) + 15, H - B - 18), 2)
     anchor, tx, ty, _ = spot or fallback
     cls = "mark-label over" if room < 0 else "mark-label"
     text = "".join(f'<text x="{tx:.1f}" y="{ty + 13 * i:.1f}" text-anchor="{anchor}" class="{cls}">{_e(t)}</text>'
@@ -202,12 +229,14 @@ def _place(lines: list[str], xa: float, yp: float, yl: float,
     peak and the limit, else under the peak, else above the limit, on the side with more room."""
     width, extra = max(len(t) for t in lines) * CHAR_PX, 13 * (len(lines) - 1)
     top, bottom = min(yp, yl), max(yp, yl)
-    rows = ([(top + bottom - extra) / 2 + 4] if bottom - top >= 18 + extra else []) + [bottom + 15, top - 6 - extra]
+    rows = ([(top + bottom - extra) / 2 + 4] if bottom - top >= 18 + extra else [])
+    # Under the peak, else above the limit, then a row further out each time (clear of the lines).
+    rows += [y for k in range(4) for y in (bottom + 15 + ROW * k, top - 6 - extra - ROW * k)]
     sides = [("end", xa - 8), ("start", xa + 8)] if xa > (L + W - R) / 2 else [("start", xa + 8), ("end", xa - 8)]
     for y in rows:
         for anchor, x in sides:
             x0 = x - width if anchor == "end" else x
-            box = (x0, y - 11, x0 + width, y + 3 + extra)
+            box = (x0, y - LABEL_UP, x0 + width, y + LABEL_DOWN + extra)
             if box[0] >= L + 2 and box[2] <= W - R - 2 and box[1] >= T and box[3] <= H - B and \
                     not _overlaps(box, taken):
                 return anchor, x, y, len(lines)
@@ -219,7 +248,9 @@ def _host_chart(n: NodeStory, t0: float, t1: float) -> str:
               [s.peak for s in n.spans if s.peak is not None] + [1])
     # Scale to the data, but keep a limit line in view when it is within 4x of the data.
     near = [lim.bytes for lim in n.limits if lim.bytes is not None and lim.bytes <= 4 * top]
-    ax, unit, div, ticks = _scaled(t0, t1, max([top, *near]) * 1.04)
+    # Room above the top limit line for its label (a label pushed onto its line is struck through).
+    room = 1 / (1 - (ROW + 2 * CLEAR) / (H - T - B))
+    ax, unit, div, ticks = _scaled(t0, t1, max(top * 1.04, *(b * room for b in near)))
     out = _frame(ax, f"Host memory on {n.node} (stacked: anon, shmem, file without shmem)", unit, div, ticks)
     out += _bands(n.spans, ax)
     base = [0] * len(n.stack)
@@ -238,7 +269,9 @@ def _host_chart(n: NodeStory, t0: float, t1: float) -> str:
                    f'<title>{_e(n.current_name)} at each record</title></polyline>')
     out += _peak_bars(n.spans, ax, n.budget.bytes)
     arrow_x = (ax.x(n.save.span.t0) + ax.x(n.save.span.t1)) / 2 if n.save is not None else None
-    lines, taken = _limit_lines(n, ax, arrow_x)
+    bars = [_hline(ax.y(s.peak), *_bar_x(s, ax)) for s in n.spans if s.peak is not None]
+    lines, taken = _limit_lines(n, ax, arrow_x, bars)
+    taken += bars
     out += lines
     out += _save_mark(n, ax, taken)
     legend = "".join(f'<span class="key" style="background:{COLORS[k]}"></span>{k} ' for k in ("anon", "shmem", "file"))
@@ -296,7 +329,11 @@ def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
         color = PALETTE[i % len(PALETTE)]
         label = f"{p.pid} {p.comm}"
         pts = " ".join(f"{ax.x(t):.1f},{ax.y(v):.1f}" for t, v in p.floors_per_interval)
-        if pts:
+        if len(p.floors_per_interval) == 1:  # one floor is a point, not a line (a polyline of one point is invisible)
+            (t, v), = p.floors_per_interval
+            out.append(f'<circle data-series="{_e(label)}" cx="{ax.x(t):.1f}" cy="{ax.y(v):.1f}" r="4" '
+                       f'fill="{color}"><title>{_e(label)}: one floor</title></circle>')
+        elif pts:
             out.append(f'<polyline data-series="{_e(label)}" points="{pts}" fill="none" stroke="{color}" '
                        f'stroke-width="2"><title>{_e(label)}</title></polyline>')
         verdict = "rising" if p.rising else "flat"
@@ -314,6 +351,12 @@ def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
         hint = (f'<p class="hint" data-hint="limit">{_e(n.hint_label)}: node floor would reach '
                 f'{fmt_bytes(n.limit_bytes)} in ~{n.hint_seconds_to_limit or float("nan"):.0f} s / '
                 f'~{n.hint_steps_to_limit or float("nan"):.0f} steps.</p>')
+    if all(len(p.floors_per_interval) < 2 for p in procs):
+        # A chart of single points over the whole run says nothing the table does not: say why instead.
+        why = ('<p class="note" data-not-obtained="floors-chart">No PSS floor chart: the records give each process '
+               'one floor only (their PSS samples fall in one interval), so there is no line to draw; the table '
+               'below gives each floor. Sample longer or more often (mem watch --interval) for a chart.</p>')
+        return why + table + hint
     return _svg("process-floors", out) + table + hint
 
 

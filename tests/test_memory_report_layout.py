@@ -1,0 +1,111 @@
+"""``mem report`` layout (issue 33 item 10), looked at in headless Chromium as an operator sees it:
+
+- no label (a limit's, the save mark's) is struck through by a line: every limit line and every
+  in-phase peak bar keeps clear of every label's box, also when the two limits and the save peak
+  lie a few pixels apart (memory.max 7.0 GiB, Ray threshold 6.65 GiB, a save peak of 6.59 GiB);
+- a PSS floor chart whose processes have one floor each (one sample interval) is not drawn as an
+  empty frame: the page says why and keeps the table; a single floor next to longer series is a dot.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from ckptguard.memory import read_records
+from ckptguard.memory.cli import mem
+from ckptguard.memory.report import render_html
+from test_memory_report import CHROMIUM, NO_CHROMIUM, _Cdp, _open, _record_run
+
+GiB = 1 << 30
+
+LINES = """JSON.stringify((() => {
+  const box = (e) => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const host = 'svg[data-chart="host-memory"] ';
+  return {
+    lines: [...document.querySelectorAll(host + '[data-limit] line, ' + host + '[data-peak] line')].map(box),
+    labels: [...document.querySelectorAll(host + '[data-limit] text, ' + host + '[data-mark] text')].map(
+      e => [e.textContent, box(e)]),
+  };
+})())"""
+
+
+def _with_limit(src, dst, limit: int):
+    """The records of ``src`` with memory.max (and Ray's figure of it) set to ``limit``."""
+    out = []
+    for line in src.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("host"):
+            r["host"]["limit"] = limit
+        if r.get("ray"):
+            r["ray"].update(total=limit, threshold_bytes=int(limit * 0.95))
+        out.append(json.dumps(r))
+    dst.write_text("\n".join(out) + "\n")
+    return dst
+
+
+def _struck(label: list[float], line: list[float], margin: float = 1.0) -> bool:
+    """Whether ``line`` (a box of a horizontal line) runs through ``label``'s box."""
+    x_overlap = line[0] < label[2] and label[0] < line[2]
+    return x_overlap and line[1] - margin < label[3] and label[1] < line[3] + margin
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+def test_no_label_is_struck_through_by_a_line(tmp_path):
+    spike = _record_run(tmp_path / "spike")
+    pages = {}
+    for name, limit in (("default", None), ("crowded", 7 * GiB)):
+        src = spike if limit is None else _with_limit(spike, tmp_path / f"{name}.jsonl", limit)
+        pages[name] = tmp_path / f"{name}.html"
+        assert CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
+    cdp = _Cdp(tmp_path / "profile")
+    try:
+        target = cdp.call("Target.createTarget", {"url": "about:blank"})["result"]["targetId"]
+        sid = cdp.call("Target.attachToTarget", {"targetId": target, "flatten": True})["result"]["sessionId"]
+        cdp.call("Page.enable", session=sid)
+        found = {}
+        for name, page in pages.items():
+            facts = _open(cdp, sid, page, tmp_path / f"{name}.png")  # the screenshot, for a person to look at
+            res = cdp.call("Runtime.evaluate", {"expression": LINES, "returnByValue": True}, session=sid)
+            found[name] = (facts, json.loads(res["result"]["result"]["value"]))
+    finally:
+        cdp.close()
+    for name, (facts, geo) in found.items():
+        assert len(geo["lines"]) >= 3 and len(geo["labels"]) >= 3, (name, geo)
+        for text, box in geo["labels"]:
+            struck = [line for line in geo["lines"] if _struck(box, line)]
+            assert not struck, f"{name}: the label {text!r} at {box} is struck through by the line(s) {struck}"
+            assert facts["plot"][0] - 0.5 <= box[0] and box[2] <= facts["plot"][2] + 0.5, (name, text, box)
+    assert "memory.max 7.00 GiB" in json.dumps(found["crowded"][1]["labels"])
+
+
+def _one_sample_each(src, dst):
+    """The records of ``src`` with one process sample only: every process has a single PSS floor."""
+    kept, seen = [], False
+    for line in src.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("kind") == "sample" and r.get("procs"):
+            if seen:
+                continue
+            seen = True
+        kept.append(line)
+    dst.write_text("\n".join(kept) + "\n")
+    return dst
+
+
+def test_a_one_floor_chart_is_not_an_empty_frame(tmp_path):
+    spike = _record_run(tmp_path / "spike")
+    page = render_html(read_records([_one_sample_each(spike, tmp_path / "one.jsonl")]))
+    assert 'data-chart="process-floors"' not in page
+    assert 'data-not-obtained="floors-chart"' in page and "one floor only" in page
+    assert re.search(r'<tr data-pid="100" data-verdict="flat">', page)  # the table stays
+    full = render_html(read_records([spike]))
+    assert 'data-chart="process-floors"' in full and "<polyline data-series=\"100 leaky\"" in full
+    # The recording process itself has one floor among the longer series: a dot, not an invisible line.
+    single = re.findall(r'<circle data-series="([^"]+)"', full)
+    lines = re.findall(r'<polyline data-series="([^"]+)"', full)
+    assert not set(single) & set(lines)
