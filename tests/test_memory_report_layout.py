@@ -109,3 +109,14 @@ def test_a_one_floor_chart_is_not_an_empty_frame(tmp_path):
     single = re.findall(r'<circle data-series="([^"]+)"', full)
     lines = re.findall(r'<polyline data-series="([^"]+)"', full)
     assert not set(single) & set(lines)
+
+
+def test_a_report_with_no_limit_near_the_data(tmp_path):
+    """This machine's own records of one save: its limits are far above the data (none in view)."""
+    from ckptguard.memory import PhaseKind, PhaseRecorder, RecorderConfig
+
+    path = tmp_path / "r.jsonl"
+    with PhaseRecorder(RecorderConfig(path=path, probe_gpu=False)).phase(PhaseKind.SAVE, step=1):
+        pass
+    page = render_html(read_records([path]))
+    assert 'data-chart="host-memory"' in page or "No host chart" in page

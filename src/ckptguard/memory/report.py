@@ -156,7 +156,8 @@ def _limit_lines(n: NodeStory, ax: _Axes, arrow_x: float | None,
                    key=lambda lim: -(lim.bytes or 0))
     above = [lim for lim in n.limits if lim.bytes is not None and lim.bytes > ax.ymax]
     lines = [_hline(ax.y(lim.bytes or 0)) for lim in shown]
-    out, labels = [], []
+    out: list[str] = []
+    labels: list[Box] = []
     for lim in shown:
         y = ax.y(lim.bytes or 0)
         width = len(lim.label) * CHAR_PX
@@ -250,7 +251,7 @@ def _host_chart(n: NodeStory, t0: float, t1: float) -> str:
     near = [lim.bytes for lim in n.limits if lim.bytes is not None and lim.bytes <= 4 * top]
     # Room above the top limit line for its label (a label pushed onto its line is struck through).
     room = 1 / (1 - (ROW + 2 * CLEAR) / (H - T - B))
-    ax, unit, div, ticks = _scaled(t0, t1, max(top * 1.04, *(b * room for b in near)))
+    ax, unit, div, ticks = _scaled(t0, t1, max([top * 1.04, *(b * room for b in near)]))
     out = _frame(ax, f"Host memory on {n.node} (stacked: anon, shmem, file without shmem)", unit, div, ticks)
     out += _bands(n.spans, ax)
     base = [0] * len(n.stack)
