@@ -19,7 +19,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 MINISTACK_VENV := .venv-ministack
 MINISTACK_STAMP := $(MINISTACK_VENV)/.installed
 
-.PHONY: demo test lint venv verl-venv hf-venv vllm-venv ministack-venv clean
+.PHONY: demo test test-fast lint venv verl-venv hf-venv vllm-venv ministack-venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -86,9 +86,17 @@ test: $(STAMP)
 	-@$(MAKE) --no-print-directory ministack-venv || echo "ministack not installable: its object-store tests will be skipped"
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium not installable: the browser test of the memory report will be skipped"
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	@# A failing test does not skip ruff and mypy: all three run, and the first failure's status is kept.
+	@status=0; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25 tests || status=$$?; \
+	$(BIN)/ruff check src tests benchmarks examples || { test $$status -ne 0 || status=1; }; \
+	$(BIN)/python -m mypy || { test $$status -ne 0 || status=1; }; \
+	exit $$status
+
+# The edit loop: every test not marked slow (tests/conftest.py lists the slow modules), then ruff.
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" --durations=10 tests
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m mypy
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

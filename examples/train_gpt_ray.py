@@ -8,8 +8,9 @@ actor joins the gloo group, and each runs ``train_gpt.train``, the same loop as 
 example: restore AUTO, proof records, a save every ``--save-every`` steps.
 
 ``--kill-at N`` makes rank 1 SIGKILL itself in the middle of the save of step N (as Ray's OOM
-killer would). Rank 0 then raises within ``--timeout`` seconds instead of hanging, the
-driver kills the group, starts new actors, and they resume from the last committed step.
+killer would). The driver sees the actor die, kills the group, starts new actors, and they resume
+from the last committed step; without the driver, rank 0 would raise within ``--timeout`` seconds
+instead of hanging.
 At the end the driver prints ``ckptguard prove``'s gates. ``--address`` joins a running cluster.
 """
 
@@ -61,6 +62,18 @@ def start_group(world: int, timeout_s: float) -> list:
     return actors
 
 
+def _first_failure_or_all(refs: list) -> list:
+    """Every rank's result, or the error of the first rank that fails, as soon as it fails.
+
+    ``ray.get(refs)`` would wait for rank 0 first, and rank 0 waits ``--timeout`` for the dead
+    rank before it raises; the driver instead restarts the group the moment any rank dies."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)  # raises RayActorError for a dead rank's actor
+    return ray.get(refs)
+
+
 def run(args: argparse.Namespace) -> str:
     """Train to ``args.steps``, restarting the whole group after any rank dies."""
     for attempt in range(args.max_restarts + 1):
@@ -72,7 +85,7 @@ def run(args: argparse.Namespace) -> str:
         ]
         t0 = time.monotonic()
         try:
-            return ray.get(refs)[0]
+            return _first_failure_or_all(refs)[0]
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             first = str(exc).strip().splitlines()[-1][:300]
             print(f"attempt {attempt}: the group failed after {time.monotonic() - t0:.1f} s ({first}); "

@@ -6,3 +6,54 @@ for sub in ("", "fixtures"):
     path = str(Path(__file__).parent / sub)
     if path not in sys.path:
         sys.path.insert(0, path)
+
+
+# ``make test-fast`` (the edit loop) runs ``-m "not slow"``. A test is slow when it is marked
+# ``@pytest.mark.slow`` or lives in one of these modules: each starts real training jobs or
+# torchrun/Ray groups in new processes, forms multi-rank gloo groups many times, or needs its own
+# venv. ``make test`` runs everything and prints the 25 slowest tests: move a module here when
+# its tests show up there.
+SLOW_MODULES = {
+    "test_bench_train_loop",
+    "test_elastic",
+    "test_examples",
+    "test_faults",
+    "test_healthy",
+    "test_hf_integration",
+    "test_single_writer",
+    "test_cli_honest_answers",
+    "test_commit",
+    "test_vllm_integration",
+    "test_objectstore",
+    "test_export",
+    "test_megatron",
+    "test_goodput",
+    "test_proof_resumes",
+    "test_memory_bench",
+    "test_node_local",
+    "test_openrlhf_integration",
+    "test_preempt",
+    "test_ray_actors",
+    "test_readside",
+    "test_rehearse",
+    "test_replicas",
+    "test_reshard_proof",
+    "test_resume",
+    "test_root_safety",
+    "test_run_ops",
+    "test_run_roles",
+    "test_store_threads",
+    "test_tiers",
+    "test_tiers_async",
+    "test_trajectory",
+    "test_transfer",
+    "test_verl_integration",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
