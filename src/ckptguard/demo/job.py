@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,7 +205,6 @@ def worker(
 ) -> None:
     """One rank of the RL job: resume (AUTO), then rollout, old-logprob, update, save."""
     import logging
-    import signal
 
     import torch.distributed as dist
 
@@ -247,9 +248,22 @@ def worker(
 # ---------------------------------------------------------------- the orchestrator
 
 
+_SIGKILLED = re.compile(r"exitcode\s*:?\s*-9\b|Signal 9 \(SIGKILL\)")
+
+
+def describe_exit(code: int, output: list[str]) -> str:
+    """How a launch ended, as a person needs it: a rank SIGKILLed is said so, also under torchrun,
+    which itself exits 1 when a worker died of a signal (its log names the signal)."""
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if code != 0 and any(_SIGKILLED.search(line) for line in output):
+        return f"a rank was killed by SIGKILL; torchrun exited {code}"
+    return f"exit {code}"
+
+
 def _launch(
     *, world: int, root: Path, steps: int, save_every: int, kill_at: int | None, derived_fix: bool, echo: Any
-) -> int:
+) -> tuple[int, list[str]]:
     import socket
     import subprocess
     import sys
@@ -284,7 +298,7 @@ def _launch(
     code = proc.wait()
     if code != 0 and kill_at is None:
         echo("\n".join(other[-30:]))
-    return code
+    return code, other
 
 
 WORKDIR_MARKER = ".ckptguard-demo"
@@ -344,11 +358,11 @@ def run_demo(
         f"[1/3] RL job on {world} CPU rank(s){fsdp}: FP8 rollout export, saves every {save_every} steps; "
         f"the save of step {kill_at} is SIGKILLed mid-write"
     )
-    code = _launch(kill_at=kill_at, **common)
-    echo(f"      the job died (exit {code}); the tracker still points at the last committed step")
+    code, output = _launch(kill_at=kill_at, **common)
+    echo(f"      the job died ({describe_exit(code, output)}); the tracker still points at the last committed step")
     fix = "restore invalidates the FP8 scale cache" if derived_fix else "NO derived-state fix: scales stay stale"
     echo(f"[2/3] relaunching the same command with ResumeMode.AUTO ({fix})")
-    code = _launch(kill_at=None, **common)
+    code, _ = _launch(kill_at=None, **common)
     echo(f"[3/3] ckptguard prove {root}")
     if code != 0:
         echo(f"      the resumed run failed (exit {code})")
