@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ckptguard._commit.manifest import FORMAT_VERSION
+from ckptguard._records.manifest import FORMAT_VERSION
 from ckptguard.demo.job import describe_exit
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
