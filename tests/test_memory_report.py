@@ -279,6 +279,11 @@ class _Cdp:
         os.close(from_w)
         self._buf, self._id, self.events = b"", 0, []
 
+    def blank_page(self) -> str:
+        """A new blank target, attached (flat): its session id."""
+        target = self.call("Target.createTarget", {"url": "about:blank"})["result"]["targetId"]
+        return self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["result"]["sessionId"]
+
     def call(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 20.0):
         self._id += 1
         msg = {"id": self._id, "method": method, "params": params or {}}
@@ -376,8 +381,7 @@ def test_report_in_headless_chromium(records_file, spike_file, tmp_path):
         assert CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
     cdp = _Cdp(tmp_path / "profile")
     try:
-        target = cdp.call("Target.createTarget", {"url": "about:blank"})["result"]["targetId"]
-        sid = cdp.call("Target.attachToTarget", {"targetId": target, "flatten": True})["result"]["sessionId"]
+        sid = cdp.blank_page()
         cdp.call("Network.enable", session=sid)
         cdp.call("Page.enable", session=sid)
         facts = {name: _open(cdp, sid, page, tmp_path / f"{name}-screenshot.png") for name, page in pages.items()}

@@ -64,8 +64,7 @@ def test_no_label_is_struck_through_by_a_line(tmp_path):
         assert CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
     cdp = _Cdp(tmp_path / "profile")
     try:
-        target = cdp.call("Target.createTarget", {"url": "about:blank"})["result"]["targetId"]
-        sid = cdp.call("Target.attachToTarget", {"targetId": target, "flatten": True})["result"]["sessionId"]
+        sid = cdp.blank_page()
         cdp.call("Page.enable", session=sid)
         found = {}
         for name, page in pages.items():

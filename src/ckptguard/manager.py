@@ -43,7 +43,7 @@ from ._state.trajectory import fingerprint
 from .config import CheckpointConfig, ResumeMode
 from .errors import ConfigError
 from .storage._staging import Fence
-from .storage.base import Storage, StorageContext
+from .storage.base import Storage
 from .storage.streaming import StreamingStorage
 
 log = _log.logger()
@@ -117,15 +117,8 @@ class CheckpointManager:
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         _faults.arm_pause_from_env(info.rank)  # only under `ckptguard rehearse`
-        self._ctx = Context(
-            root=self.root,
-            config=self.config,
-            naming=_layout.StepNaming(self.config.dir_template),
-            agreement=agreement,
-            storage=storage or StreamingStorage(),
-            storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
-            expert=expert_parallel,
-        )
+        self._ctx = Context.of(self.root, self.config, _layout.StepNaming(self.config.dir_template), agreement,
+                               storage or StreamingStorage(), group, expert_parallel)
         self.core = Root(self.root, self.config, self._ctx.naming, agreement)
         """The bookkeeping of this root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
         self.core.check_lease("create")

@@ -386,7 +386,7 @@ class TieredCheckpoint:
             created = not mgr.root.exists()
             if created:
                 mgr.root.mkdir(parents=True)
-            override = break_lease or mgr.config.break_lease
+            override = Actions(break_lease=break_lease).with_config(mgr.config).break_lease
             note = _lease.acquire(mgr.root, ttl_s=mgr.config.lease_ttl_s, override=override)
             if note:
                 log.warning("ckptguard: %s: %s", mgr.root, note)

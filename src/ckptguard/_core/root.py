@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._context import Actions
 from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._dist import Agreement, gather_decide, on_every_rank
@@ -116,7 +117,7 @@ class Root:
         (a front door that only reads stays usable), at ``restore`` a refusal on every rank, so a
         duplicate launch stops before its first training step instead of at its first save. Rank 0
         looks and never writes. ``break_lease`` leaves it to the save."""
-        if break_lease or self.config.break_lease:
+        if Actions(break_lease=break_lease).with_config(self.config).break_lease:
             return
         _lease.check_on_every_rank(
             self.agreement, self.path, ttl_s=self.config.lease_ttl_s, where=where, key=f"{self.lease_key}.{where}"
