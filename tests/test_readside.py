@@ -416,6 +416,10 @@ CLI_CASES = {
     "repro-save": [("none", ["repro-save", "--target", "{file}", "--rounds", "1", "--size", "0.0001"])],
     "rehearse": [("none", ["rehearse", "--root", "{file}", "--timeout", "5", "--", sys.executable, "-c", "pass"])],
     "mem": [("records-utf8", ["mem", "report", "{records}"])],
+    "export": [("manifest-files", ["export", "{root}", "--hf", "{dest}"]),
+               ("tracker-utf8", ["export", "{root}", "--hf", "{dest}", "--json"]),
+               ("metadata-name", ["export", "{step}", "--hf", "{dest}"])],
+    "goodput": [("proof", ["goodput", "{root}"]), ("proof-utf8", ["goodput", "{root}", "--json"])],
 }
 
 
