@@ -271,7 +271,7 @@ def test_demo_proves_the_resume(tmp_path):
     proc = _demo(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resume from step 2" in proc.stdout and proc.stdout.rstrip().endswith("resume PROVEN")
-    assert proc.stdout.count("  PASS  ") == 10  # the gates of the files, the trajectory and "resumed run trained"
+    assert proc.stdout.count("  PASS  ") == 11  # the files, the replicas, the trajectory, "resumed run trained"
     assert "rl=True, deterministic=True" in proc.stdout
     assert "steps 3-4 replayed after the restore of step 2" in proc.stdout
     out = CliRunner().invoke(main, ["prove", str(tmp_path / "d/ckpt"), "--json"])

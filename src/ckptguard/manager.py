@@ -358,7 +358,7 @@ class CheckpointManager:
                          seconds=round(time.monotonic() - began, 4), **timing)
             return 0
         log.info("ckptguard: %s", res.describe())
-        seen: dict[str, dict[str, bool]] = {"digests": {}, "layout_free": {}}
+        seen: dict[str, dict[str, Any]] = {"digests": {}, "layout_free": {}, "replicas": {}}
         before = addresses(state)
         where: dict[str, Any] = {"world_size": self.world_size, "plan": self.config.proof.as_dict()}
         try:
@@ -367,7 +367,7 @@ class CheckpointManager:
             )
         except Exception as exc:  # recorded as a failed restore (prove shows it as FAIL), then raised
             self._record("restore", step=res.step, path=str(res.path), digests_match=seen["digests"],
-                         layout_free_match=seen["layout_free"], ok=False,
+                         layout_free_match=seen["layout_free"], replicas=seen["replicas"], ok=False,
                          error=f"{type(exc).__name__}: {exc}"[:2000], **where)
             raise
         if done.reshard is not None:  # old -> new world, the rules, this rank's RNG streams (prove shows them)
@@ -378,6 +378,7 @@ class CheckpointManager:
             path=str(res.path),
             digests_match=done.digests_match,
             layout_free_match=done.layout_free_match,
+            replicas=done.replicas,
             source_rank=done.source_rank,
             saved_world_size=done.saved_world_size,
             format_version=done.format_version,

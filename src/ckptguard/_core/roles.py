@@ -124,15 +124,17 @@ def load_role_part(
     """Restore one role's part into ``state`` and record it (a failure is recorded, then raised)."""
     before = addresses(state)
     where: dict[str, Any] = {"step": step, "path": str(part.path), "world_size": ctx.world, "plan": plan}
+    seen: dict[str, dict[str, Any]] = {"digests": {}, "layout_free": {}, "replicas": {}}
     try:
-        done = _restore.restore(ctx, state, part)
+        done = _restore.restore(ctx, state, part, on_verified=lambda m, kind="digests": seen[kind].update(m))
     except Exception as exc:  # recorded as a failed restore (prove shows it as FAIL), then raised
-        record("restore", ok=False, error=f"{type(exc).__name__}: {exc}"[:2000], **where)
+        record("restore", ok=False, error=f"{type(exc).__name__}: {exc}"[:2000], digests_match=seen["digests"],
+               layout_free_match=seen["layout_free"], replicas=seen["replicas"], **where)
         raise
     if done.reshard is not None:  # old -> new world, the rules, this rank's RNG streams (prove shows them)
         where["reshard"] = done.reshard
     record("restore", digests_match=done.digests_match, layout_free_match=done.layout_free_match,
-           source_rank=done.source_rank, saved_world_size=done.saved_world_size,
+           replicas=done.replicas, source_rank=done.source_rank, saved_world_size=done.saved_world_size,
            format_version=done.format_version, addresses_changed=moved(before, addresses(state)), ok=True, **where)
     if derived is not None:
         derived.mark_restored(step)

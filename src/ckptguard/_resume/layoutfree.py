@@ -7,6 +7,12 @@ key, and every rank raises the same StateMismatchError if an item differs. On a 
 onto another world size the items kept in the extras (stateful objects, plain and PerRank
 values, the RNG streams) are compared with the digests of the rank they came from.
 A manifest written before layout-free digests existed is compared per rank only.
+
+The same gathered partials say whether the replicas agree: a chunk (a DCP key at a global
+offset) that several ranks hold is one tensor by construction (DDP parameters and replicated
+optimizer state, the replicated dimension of an HSDP or TP mesh); ``replica_report`` lists
+every such chunk whose holders hold different bytes, with the ranks on each side, and the
+restore then fails on every rank naming them (Megatron-LM PR#6920, AReaL PR#1468).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 from .._context import Context
 from .._disk.digest import digest
-from .._disk.layoutfree import combine_layout_free, layout_free_partials
+from .._disk.layoutfree import REPLICAS_DIFFER, combine_layout_free, layout_free_partials
 from .._dist import Wire, gather_decide
 from .._records import manifest as _manifest
 from .._state import rng as _rng
@@ -38,10 +44,12 @@ class _Pieces(Wire):
 
 @dataclass(frozen=True)
 class _Verdict(Wire):
-    """Per item the keys whose layout-free digest differs from the save's; per rank its problems."""
+    """Per item the keys whose layout-free digest differs from the save's; per rank its problems;
+    the replica report (``replica_report``)."""
 
     differ: dict[str, list[str]] = field(default_factory=dict)
     problems: dict[str, list[str]] = field(default_factory=dict)
+    replicas: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,6 +58,52 @@ class Checked:
     """Extras items compared with their source rank's digests (resharded restores only)."""
     layout_free: dict[str, bool] = field(default_factory=dict)
     """Tensor items compared through the layout-free digest; empty when the save recorded none."""
+    replicas: dict[str, Any] = field(default_factory=dict)
+    """``replica_report`` of the restored state (the proof's "replicas equal after load")."""
+
+
+REPLICAS_SHOWN = 16  # differing chunks named in the report and the error; the count says how many in all
+
+
+def replica_report(views: list[dict[str, list[str]]]) -> dict[str, Any]:
+    """Which chunks several ranks hold, and which of those their holders hold differently.
+
+    ``views`` are the ranks' ``layout_free_partials`` in rank order. Returns ``{"world": ranks,
+    "checked": chunks held by 2+ ranks, "most": the most holders of one chunk, "differing": count,
+    "differ": [{"item", "key", "offset", "ranks": [[ranks with one value], ...]}, ...]}`` (the
+    first ``REPLICAS_SHOWN`` differing chunks, by item and key)."""
+    holders: dict[str, dict[str, list[int]]] = {}
+    names: dict[str, tuple[str, str]] = {}
+    for rank, view in enumerate(views):
+        for cid, (item, key, header, part) in view.items():
+            holders.setdefault(cid, {}).setdefault(f"{header}|{part}", []).append(rank)
+            names[cid] = (item, key)
+    shared = {cid: values for cid, values in holders.items() if sum(len(r) for r in values.values()) > 1}
+    differ = sorted((cid for cid, values in shared.items() if len(values) > 1), key=lambda c: (names[c], c))
+    return {
+        "world": len(views),
+        "checked": len(shared),
+        "most": max((sum(len(r) for r in v.values()) for v in shared.values()), default=1 if views else 0),
+        "differing": len(differ),
+        "differ": [
+            {"item": names[cid][0], "key": names[cid][1], "offset": cid.rpartition("@")[2],
+             "ranks": sorted(shared[cid].values())}
+            for cid in differ[:REPLICAS_SHOWN]
+        ],
+    }
+
+
+def describe_replicas(report: dict[str, Any]) -> str:
+    """One line naming the differing replicas (empty when they agree)."""
+    if not report.get("differing"):
+        return ""
+    shown = "; ".join(
+        f"{d['key']!r} (item {d['item']!r}, offset {d['offset']}): " + " vs ".join(f"ranks {r}" for r in d["ranks"])
+        for d in report.get("differ", [])
+    )
+    more = report["differing"] - len(report.get("differ", []))
+    return (f"{report['differing']} tensor chunk(s) held by several ranks differ between their replicas after "
+            f"the load: {shown}{f' (and {more} more)' if more > 0 else ''}")
 
 
 def _extras_items(
@@ -126,21 +180,30 @@ def verify(
         compare = saved is not None and (bool(saved) or manifest.format_version >= 3)
         now = combine_layout_free([v.partials for v in views]) if compare else {}
         differ = _compare(saved or {}, now, tensor_items) if compare else {}
-        return _Verdict(differ, {str(r): v.problems for r, v in enumerate(views) if v.problems})
+        replicas = replica_report([v.partials for v in views]) if compare else {}
+        return _Verdict(differ, {str(r): v.problems for r, v in enumerate(views) if v.problems}, replicas)
 
     # Rank 0 decides without raising: every rank records the outcome for the proof, then all raise alike.
     head = gather_decide(ctx.agreement, "restore.layout_free", _Pieces(partials, problems), decide, decision=_Verdict)
     differ = head.differ
-    checked = Checked(items, {item: not keys for item, keys in differ.items()})
+    checked = Checked(items, {item: not keys for item, keys in differ.items()}, head.replicas)
     if on_verified is not None:  # recorded for the proof even when the restore then raises
         if checked.items:
             on_verified(checked.items)
         on_verified(checked.layout_free, kind="layout_free")
+        if checked.replicas:
+            on_verified(checked.replicas, kind="replicas")
     bad = [f"item {item!r}: keys {keys[:8]}{' ...' if len(keys) > 8 else ''}" for item, keys in differ.items() if keys]
     others = [f"rank {r}: {'; '.join(p)}" for r, p in sorted(head.problems.items())]
     if bad or others:
         how = f"onto {ctx.world} ranks from {manifest.world_size}" if resharded else "on the same layout"
-        parts = ([f"the layout-free digests differ from the save's ({', '.join(bad)})"] if bad else []) + others
+        split = describe_replicas(head.replicas)
+        unsaved = sorted(k for item, keys in differ.items() for k in keys
+                         if (saved or {}).get(item, {}).get(k) == REPLICAS_DIFFER)
+        parts = ([split] if split else []) + ([
+            f"the save's own replicas of {unsaved[:8]} already differed (no restore can give them one value: "
+            "restore an earlier step)"] if unsaved else []) + (
+            [f"the layout-free digests differ from the save's ({', '.join(bad)})"] if bad else []) + others
         if bad and explain is not None:
             parts += explain()
         raise StateMismatchError(

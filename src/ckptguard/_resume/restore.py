@@ -155,6 +155,7 @@ class Restored:
     source_rank: int = 0  # whose extras (and RNG) this rank took
     saved_world_size: int = 0
     reshard: dict[str, Any] | None = None  # resharded: old -> new world, rules, this rank's RNG digest
+    replicas: dict[str, Any] = field(default_factory=dict)  # layoutfree.replica_report of the restored state
 
 
 def precheck(
@@ -272,6 +273,7 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
     resharded = _resharded_record(ctx, manifest, plan)
     matches: dict[str, bool] = {}
     layout_free: dict[str, bool] = {}
+    replicas: dict[str, Any] = {}
     source = source_rank(ctx, manifest)
     if ctx.config.verify_restored:
         if manifest.world_size == ctx.world:
@@ -285,10 +287,10 @@ def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: A
             explain=(lambda: _changed_files(manifest, ctx.rank)) if same else None,
         )
         matches.update(checked.items)
-        layout_free = checked.layout_free
+        layout_free, replicas = checked.layout_free, checked.replicas
         release_host_cache()  # digests of GPU tensors staged through pinned chunks
     return Restored(
-        manifest.step, manifest.format_version, matches, layout_free, source, manifest.world_size, resharded
+        manifest.step, manifest.format_version, matches, layout_free, source, manifest.world_size, resharded, replicas
     )
 
 
@@ -324,12 +326,14 @@ def _verify_digests(
             # Its tensors are compared by the layout-free pass that follows (on the GPU for GPU tensors);
             # here everything else: the structure, the keys and every non-tensor leaf, against the
             # extras file whose xxh3 matched the manifest.
-            matches[name] = _skeleton_digest(ctx, name, kind, state) == digest(extras["items"][name])
+            now = _skeleton(ctx, name, kind, state)
+            matches[name] = digest(now) == digest(extras["items"][name])
             if not matches[name]:
                 problems.append(
                     f"state item {name!r} ({kind.value}) differs after restore from what was saved (its structure "
-                    "or a non-tensor value such as a hyperparameter). Do not train on: fix the object's "
-                    "load_state_dict, or restore into an object built with the saved configuration."
+                    f"or a non-tensor value such as a hyperparameter{_tensor_keys_changed(extras['items'][name], now)}"
+                    "). Do not train on: fix the object's load_state_dict, or restore into an object built with the "
+                    "saved configuration."
                 )
             continue
         structure = not manifest.digest_covers_bytes(name)
@@ -402,10 +406,31 @@ def _layout_free_items(
     }
 
 
-def _skeleton_digest(ctx: Context, name: str, kind: _state.ItemKind, state: dict[str, Any]) -> str:
+def _skeleton(ctx: Context, name: str, kind: _state.ItemKind, state: dict[str, Any]) -> Any:
     """The item as it is now with each tensor replaced by its DCP key, as the save's skeleton holds it."""
-    skeleton = _state.flatten(_state.current_state(name, state[name], kind, state), name, {}, ctx.keyfn())
-    return digest(skeleton)
+    return _state.flatten(_state.current_state(name, state[name], kind, state), name, {}, ctx.keyfn())
+
+
+def _tensor_refs(node: Any, out: set[str]) -> set[str]:
+    if isinstance(node, dict):
+        if set(node) == {_state.TENSOR_REF}:
+            out.add(str(node[_state.TENSOR_REF]))
+        else:
+            for v in node.values():
+                _tensor_refs(v, out)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _tensor_refs(v, out)
+    return out
+
+
+def _tensor_keys_changed(saved: Any, now: Any) -> str:
+    """The tensors the item lost or gained in the load (an optimizer moment dropped, AReaL PR#1468), or ''."""
+    before, after = _tensor_refs(saved, set()), _tensor_refs(now, set())
+    lost, gained = sorted(before - after), sorted(after - before)
+    parts = ([f"tensors saved and missing after the load: {_some(lost)}"] if lost else []) + (
+        [f"tensors the save did not hold: {_some(gained)}"] if gained else [])
+    return f"; {'; '.join(parts)}" if parts else ""
 
 
 def _changed_files(manifest: _manifest.Manifest, rank: int) -> list[str]:

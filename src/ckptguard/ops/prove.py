@@ -177,6 +177,30 @@ def _gate_digests(seg: _Segment) -> tuple[Status, str]:
     return Status.PASS, f"{len(items)} items per rank equal the save's ({', '.join(sorted(items))}){also}"
 
 
+def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
+    """Every tensor chunk that several ranks hold had one value across its holders after the load."""
+    if not _restored(seg):
+        return Status.NOT_RUN, "no restore of a non-zero step"
+    assert seg.restore is not None
+    rep = seg.restore.get("replicas")
+    if rep and rep.get("differing"):
+        shown = "; ".join(f"{d.get('key')!r} (item {d.get('item')!r}): " + " vs ".join(f"ranks {r}" for r in
+                          d.get("ranks") or []) for d in rep.get("differ") or [])
+        return Status.FAIL, (f"{rep['differing']} tensor chunk(s) held by several ranks differ between their "
+                             f"replicas after the load of step {seg.restore['step']}: {shown}")
+    if _raised(seg):
+        return Status.NOT_RUN, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"
+    if not rep:
+        why = ("the restore compared no layout-free digests (verify_restored off, or a save written before "
+               "them)" if "replicas" in seg.restore else "not recorded (a restore by an older ckptguard)")
+        return Status.NOT_RUN, f"rank {seg.rank}: replicas not compared: {why}"
+    if not rep.get("checked"):
+        return Status.NA, (f"no tensor chunk is held by more than one of the {rep.get('world')} rank(s) "
+                           "(one rank, or every tensor sharded): no replicas to compare")
+    return Status.PASS, (f"{rep['checked']} tensor chunk(s) held by several ranks (up to {rep.get('most')} each) "
+                         "have one value across their replicas, equal to the save's")
+
+
 def _gate_export(seg: _Segment) -> tuple[Status, str]:
     if (missing := _needs_restore(seg)) is not None:
         return missing
@@ -942,6 +966,11 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
     for name, fn in (("restored step confirmed before training", _gate_confirmed), ("all PIDs changed", _gate_pids),
                      ("digests equal, item by item", _gate_digests), ("addresses unchanged", _gate_addresses)):
         gates.append(_combine(name, [_judged(fn, s) for s in segments]))
+    # Required once a restore compared replicas; a restore that could not (older ckptguard, a save without
+    # layout-free digests) shows NOT RUN without holding back a verdict the other gates earn.
+    compared = any(s.restore is not None and s.restore.get("replicas") for s in segments)
+    gates.insert(len(gates) - 1, _combine("replicas equal after load", [_judged(_gate_replicas, s) for s in segments],
+                                          required=compared))
     if (tier := _tier(segments)) is not None:
         gates.insert(next(i for i, g in enumerate(gates) if g.name == "all PIDs changed"), tier)
     if resharded is not None:
