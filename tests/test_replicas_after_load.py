@@ -130,3 +130,50 @@ def test_replica_report_names_each_side_and_counts_what_it_compared():
     assert "'m.w' (item 'm', offset (0,)): ranks [0, 2] vs ranks [1]" in describe_replicas(report)
     alone = replica_report([a])
     assert alone["checked"] == 0 and alone["world"] == 1 and describe_replicas(alone) == ""
+
+
+class _Counter:
+    """A stateful object; ``skew`` makes this rank's load keep another value."""
+
+    def __init__(self, skew: bool = False) -> None:
+        self.n, self.skew = 0, skew
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"] + (1 if self.skew else 0)
+
+
+def _counter_job(rank: int, world: int, root: str, skew_rank: int | None, save: bool) -> str:
+    net = _Net()
+    counter = _Counter(skew=not save and rank == skew_rank)
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, replicated=("counter",)))
+    state = {"model": net, "counter": counter}
+    if save:  # skew_rank saves another value: the replicas had diverged before the save
+        counter.n = 7 + (rank == skew_rank)
+        mgr.save(1, state)
+        return "saved"
+    try:
+        mgr.restore(state)
+    except cg.StateMismatchError as exc:
+        return f"StateMismatchError: {exc}"
+    return "restored"
+
+
+def test_an_item_declared_replicated_must_hold_one_value_on_every_rank(tmp_path):
+    exact = str(tmp_path / "exact")
+    values(run_ranks(_counter_job, 2, exact, None, True))
+    assert values(run_ranks(_counter_job, 2, exact, None, False)) == ["restored", "restored"]
+    # rank 1 loads another value: its own digest check names the item
+    out = values(run_ranks(_counter_job, 2, exact, 1, False))
+    assert all("rank 1: " in t and "state item 'counter' (stateful) differs" in t for t in out), out
+    # the replicas diverged before the save: each rank restores what it saved (its own check passes),
+    # and only the replica check sees that the declared-replicated item has two values
+    diverged = str(tmp_path / "diverged")
+    values(run_ranks(_counter_job, 2, diverged, 1, True))
+    out = values(run_ranks(_counter_job, 2, diverged, None, False))
+    named = "item 'counter' (declared in CheckpointConfig.replicated): ranks [0] vs ranks [1]"
+    assert all(named in t for t in out), out
+    gate = _gate(Path(diverged))
+    assert gate.status is Status.FAIL and "item 'counter' (declared replicated): ranks [0] vs ranks [1]" in gate.evidence

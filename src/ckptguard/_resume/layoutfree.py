@@ -40,6 +40,7 @@ class _Pieces(Wire):
 
     partials: dict[str, Any]
     problems: list[str]
+    replicated: dict[str, str] = field(default_factory=dict)  # CheckpointConfig.replicated items: their digests
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,12 @@ class Checked:
 REPLICAS_SHOWN = 16  # differing chunks named in the report and the error; the count says how many in all
 
 
-def replica_report(views: list[dict[str, list[str]]]) -> dict[str, Any]:
+def replica_report(views: list[dict[str, list[str]]], replicated: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """Which chunks several ranks hold, and which of those their holders hold differently.
 
-    ``views`` are the ranks' ``layout_free_partials`` in rank order. Returns ``{"world": ranks,
+    ``views`` are the ranks' ``layout_free_partials`` in rank order; ``replicated`` each rank's
+    digests of the items ``CheckpointConfig(replicated=...)`` names (one value on every rank by
+    the user's word), compared like chunks (key ``(item)``, offset ``-``). Returns ``{"world": ranks,
     "checked": chunks held by 2+ ranks, "most": the most holders of one chunk, "differing": count,
     "differ": [{"item", "key", "offset", "ranks": [[ranks with one value], ...]}, ...]}`` (the
     first ``REPLICAS_SHOWN`` differing chunks, by item and key)."""
@@ -78,6 +81,10 @@ def replica_report(views: list[dict[str, list[str]]]) -> dict[str, Any]:
         for cid, (item, key, header, part) in view.items():
             holders.setdefault(cid, {}).setdefault(f"{header}|{part}", []).append(rank)
             names[cid] = (item, key)
+    for rank, items in enumerate(replicated or []):
+        for item, value in items.items():
+            holders.setdefault(f"{item}@-", {}).setdefault(value, []).append(rank)
+            names[f"{item}@-"] = (item, "(item)")
     shared = {cid: values for cid, values in holders.items() if sum(len(r) for r in values.values()) > 1}
     differ = sorted((cid for cid, values in shared.items() if len(values) > 1), key=lambda c: (names[c], c))
     return {
@@ -97,10 +104,12 @@ def describe_replicas(report: dict[str, Any]) -> str:
     """One line naming the differing replicas (empty when they agree)."""
     if not report.get("differing"):
         return ""
-    shown = "; ".join(
-        f"{d['key']!r} (item {d['item']!r}, offset {d['offset']}): " + " vs ".join(f"ranks {r}" for r in d["ranks"])
-        for d in report.get("differ", [])
-    )
+    def name(d: dict[str, Any]) -> str:
+        if d["offset"] == "-":
+            return f"item {d['item']!r} (declared in CheckpointConfig.replicated)"
+        return f"{d['key']!r} (item {d['item']!r}, offset {d['offset']})"
+
+    shown = "; ".join(f"{name(d)}: " + " vs ".join(f"ranks {r}" for r in d["ranks"]) for d in report.get("differ", []))
     more = report["differing"] - len(report.get("differ", []))
     return (f"{report['differing']} tensor chunk(s) held by several ranks differ between their replicas after "
             f"the load: {shown}{f' (and {more} more)' if more > 0 else ''}")
@@ -174,17 +183,20 @@ def verify(
     saved = manifest.layout_free  # None: a manifest written before layout-free digests
     tensor_items = sorted(n for n, (kind, _sd, _f) in targets.items() if kind in _TENSOR_KINDS)
     partials = layout_free_partials(_live_tensors(ctx, state, targets)) if saved is not None else {}
+    replicated = {n: digest(_state.current_state(n, state[n], kind, state)) for n, (kind, _sd, _f) in targets.items()
+                  if n in ctx.config.replicated and kind not in _TENSOR_KINDS}
 
     def decide(views: list[_Pieces]) -> _Verdict:
         # Format 3: an empty table is compared too (its tensor items' bytes are covered by nothing else).
         compare = saved is not None and (bool(saved) or manifest.format_version >= 3)
         now = combine_layout_free([v.partials for v in views]) if compare else {}
         differ = _compare(saved or {}, now, tensor_items) if compare else {}
-        replicas = replica_report([v.partials for v in views]) if compare else {}
+        replicas = replica_report([v.partials for v in views], [v.replicated for v in views]) if compare else {}
         return _Verdict(differ, {str(r): v.problems for r, v in enumerate(views) if v.problems}, replicas)
 
     # Rank 0 decides without raising: every rank records the outcome for the proof, then all raise alike.
-    head = gather_decide(ctx.agreement, "restore.layout_free", _Pieces(partials, problems), decide, decision=_Verdict)
+    mine = _Pieces(partials, problems, replicated)
+    head = gather_decide(ctx.agreement, "restore.layout_free", mine, decide, decision=_Verdict)
     differ = head.differ
     checked = Checked(items, {item: not keys for item, keys in differ.items()}, head.replicas)
     if on_verified is not None:  # recorded for the proof even when the restore then raises
@@ -195,7 +207,7 @@ def verify(
             on_verified(checked.replicas, kind="replicas")
     bad = [f"item {item!r}: keys {keys[:8]}{' ...' if len(keys) > 8 else ''}" for item, keys in differ.items() if keys]
     others = [f"rank {r}: {'; '.join(p)}" for r, p in sorted(head.problems.items())]
-    if bad or others:
+    if bad or others or head.replicas.get("differing"):
         how = f"onto {ctx.world} ranks from {manifest.world_size}" if resharded else "on the same layout"
         split = describe_replicas(head.replicas)
         unsaved = sorted(k for item, keys in differ.items() for k in keys

@@ -184,8 +184,9 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
     assert seg.restore is not None
     rep = seg.restore.get("replicas")
     if rep and rep.get("differing"):
-        shown = "; ".join(f"{d.get('key')!r} (item {d.get('item')!r}): " + " vs ".join(f"ranks {r}" for r in
-                          d.get("ranks") or []) for d in rep.get("differ") or [])
+        shown = "; ".join((f"item {d.get('item')!r} (declared replicated)" if d.get("offset") == "-" else
+                           f"{d.get('key')!r} (item {d.get('item')!r})") + ": " +
+                          " vs ".join(f"ranks {r}" for r in d.get("ranks") or []) for d in rep.get("differ") or [])
         return Status.FAIL, (f"{rep['differing']} tensor chunk(s) held by several ranks differ between their "
                              f"replicas after the load of step {seg.restore['step']}: {shown}")
     if _raised(seg):
