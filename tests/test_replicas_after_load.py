@@ -176,4 +176,5 @@ def test_an_item_declared_replicated_must_hold_one_value_on_every_rank(tmp_path)
     named = "item 'counter' (declared in CheckpointConfig.replicated): ranks [0] vs ranks [1]"
     assert all(named in t for t in out), out
     gate = _gate(Path(diverged))
-    assert gate.status is Status.FAIL and "item 'counter' (declared replicated): ranks [0] vs ranks [1]" in gate.evidence
+    assert gate.status is Status.FAIL
+    assert "item 'counter' (declared replicated): ranks [0] vs ranks [1]" in gate.evidence, gate
