@@ -203,6 +203,8 @@ def run(
         norm = _sync_grads(model, world)
         optim.step()
         losses[step] = float(loss.detach())
+        if isinstance(source, ShuffleSampler):  # the pass over the data this batch belongs to
+            extra["epoch"] = source.epoch
         mgr.record_step(step, sample_ids=ids, batch=batch, loss=loss, grad_norm=norm, **extra)
         if step == stop_after:
             break

@@ -5,7 +5,10 @@ steps with ``record_step``) three times, each time killing its whole process tre
 SIGKILL (torchrun's workers sit in their own sessions; ``_proctree`` finds them all):
 
 1. until a save commits and ``ProofPlan.replay_steps`` steps past it are recorded on every
-   rank, so the killed run leaves a segment to replay; the tree is frozen before the kill
+   rank, so the killed run leaves a segment to replay; where the job records its epoch
+   (``record_step(..., epoch=)``), on until a step of the next epoch is recorded past the
+   committed step (a sampler generator left out of the state shows only there), within
+   ``epoch_reach`` steps of the first committed save; the tree is frozen before the kill
    decision, so a save that commits meanwhile is seen;
 2. relaunched, it resumes, replays, and its next save stops in the middle of its write
    (``_faults.PAUSE_ENV``): the kill lands mid-write, nothing of that save is committed;
@@ -167,6 +170,38 @@ def _steps_past_save(root: Path, since: float, count: int, world: int) -> bool:
     return True
 
 
+def _epoch(r: dict[str, Any]) -> Any:
+    return (r.get("extra") or {}).get("epoch") if isinstance(r.get("extra"), dict) else None
+
+
+@dataclass
+class _EpochWait:
+    """Whether the first run should go on to the next epoch before its kill (rank 0's records)."""
+
+    root: Path
+    since: float
+    reach: int
+    first_save: int = 0
+    crossed_at: int | None = None
+    gave_up: bool = False
+
+    def done(self) -> bool:
+        """True once the recorded steps past the committed step cross an epoch, none is recorded
+        (nothing to wait for), or ``reach`` steps past the first committed save went by without one."""
+        tracker = _tracker(self.root)
+        self.first_save = self.first_save or tracker
+        steps = {r["step"]: r for r in read_records(self.root).get(0, []) if r["event"] == "step"}
+        base = steps.get(tracker)
+        if self.reach <= 0 or base is None or _epoch(base) is None:
+            return True
+        past = sorted(s for s, r in steps.items() if s > tracker and r["time"] >= self.since)
+        self.crossed_at = next((s for s in past if _epoch(steps[s]) != _epoch(base)), None)
+        if self.crossed_at is not None:
+            return True
+        self.gave_up = max(past, default=0) - self.first_save >= self.reach
+        return self.gave_up
+
+
 def _saved_again(root: Path, since: float, world: int) -> bool:
     per_rank = read_records(root)
     return all(any(r["event"] == "save" and r["time"] >= since for r in per_rank.get(r_, [])) for r_ in range(world))
@@ -182,7 +217,9 @@ def _newest_restore(root: Path, since: float) -> int | None:
 
 
 def rehearse(cmd: Sequence[str], root: Path, *, timeout_s: float = 600.0, workdir: Path | None = None,
-             echo: Callable[[str], None] = lambda s: None) -> Rehearsal:
+             echo: Callable[[str], None] = lambda s: None, epoch_reach: int = 64) -> Rehearsal:
+    """``epoch_reach``: how many steps past its first committed save the first run may go on to
+    record a step of the next epoch before its kill (0: kill at ``replay_steps`` past the save)."""
     root = Path(root).absolute()
     start = _tracker(root) if root.exists() else 0
     log = Path(workdir or root.parent) / f"rehearse-{int(time.time())}.log"
@@ -213,11 +250,17 @@ def rehearse(cmd: Sequence[str], root: Path, *, timeout_s: float = 600.0, workdi
             first.wait("first committed save", lambda: _tracker(root) > start, timeout_s)
             plan, world = _plan(root), _world(root)
             n = plan.replay_steps
+            epochs = _EpochWait(root, first.since, epoch_reach)
             kill = check(first.kill_when(f"{n} step(s) recorded past a committed save on {world} rank(s)",
-                                         lambda: _steps_past_save(root, first.since, n, world), timeout_s))
+                                         lambda: _steps_past_save(root, first.since, n, world) and epochs.done(),
+                                         timeout_s))
             saved = kill.tracker or 0
+            crossing = (f", past the epoch boundary at step {epochs.crossed_at}" if epochs.crossed_at is not None
+                        else f" (no epoch boundary within {epoch_reach} steps)" if epochs.gave_up else "")
+            if epochs.crossed_at is not None:
+                kill.when += f", into the next epoch (step {epochs.crossed_at})"
             echo(f"      SIGKILLed the whole process tree ({_count(kill.pids)}) {n}+ step(s) past the "
-                 f"committed step {saved}; none survived")
+                 f"committed step {saved}{crossing}; none survived")
 
             echo("[2/4] relaunching: it resumes and replays; its next save is SIGKILLed mid-write")
             second = launch("the second run", {_faults.PAUSE_ENV: str(pause_dir)})
