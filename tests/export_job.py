@@ -2,7 +2,9 @@
 experts expert-parallel (4 ranks, EP 2 x FSDP 2), commit a step, export it with the `ckptguard export`
 command, load the export with transformers' from_pretrained and compare logits with the trainer's.
 
-``python tests/export_job.py {fsdp2|expert|all} WORKDIR`` prints one JSON object (the figures the test asserts on)."""
+A third job exports a one-rank Llama with tied input and output embeddings.
+
+``python tests/export_job.py {fsdp2|expert|tied|all} WORKDIR`` prints one JSON object (the figures the test asserts on)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,14 @@ def llama_config():
     return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        tie_word_embeddings=False)
+
+
+def tied_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=True)
 
 
 def mixtral_config():
@@ -161,11 +171,35 @@ def expert(work: Path) -> dict:
     }
 
 
+def tied(work: Path) -> dict:
+    """A model whose LM head is its input embedding (tie_word_embeddings): one rank, trained, exported."""
+    from transformers import AutoModelForCausalLM
+
+    config = tied_config()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    batch = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    model(input_ids=batch, labels=batch).loss.backward()
+    optim.step()
+    storage = ExternalFiles(StreamingStorage(), {"hf": _config_writer(config, 0)})
+    cg.CheckpointManager(work / "ck", storage=storage).save(1, {"model": model, "optim": optim})
+    _export(work / "ck", work / "out")
+    loaded = _pretrained(work / "out", dtype=torch.float32)
+    index = json.loads((work / "out" / "model.safetensors.index.json").read_text())
+    return {
+        "tied_in_trainer": model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(),
+        "tied_after_load": loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr(),
+        "bitwise": bool(torch.equal(_logits(loaded), _logits(model))),
+        "names": sorted(index["weight_map"]),
+    }
+
+
 if __name__ == "__main__":
     mode, work = sys.argv[1], Path(sys.argv[2])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    jobs = {"fsdp2": fsdp2, "expert": expert}
+    jobs = {"fsdp2": fsdp2, "expert": expert, "tied": tied}
     run = list(jobs) if mode == "all" else [mode]
     out = {}
     for name in run:  # one interpreter for both: transformers' import is the expensive part

@@ -245,7 +245,7 @@ def test_expert_parallel_step_is_numbered_globally(tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_jobs(tmp_path_factory) -> dict:
-    """Both transformers round trips in one .venv-hf process (its imports are the expensive part)."""
+    """The transformers round trips in one .venv-hf process (its imports are the expensive part)."""
     work = tmp_path_factory.mktemp("hfexport")
     proc = subprocess.run([str(HF_PYTHON), str(JOB), "all", str(work)], capture_output=True, text=True,
                           env=_env(), timeout=900, cwd=work)
@@ -270,6 +270,16 @@ def test_expert_parallel_step_exported_loads_in_transformers(hf_jobs):
     out = hf_jobs["expert"]
     assert out["ep_ranks"] == [0, 1] and out["bitwise"] and len(out["ep_keys"]) == 8  # stored per EP rank
     assert out["expert_names"] and all("#ep" not in n for n in out["expert_names"])
+
+
+@needs_hf
+@pytest.mark.timeout(1200)
+def test_tied_embeddings_export_loads_tied_with_the_trainers_logits(hf_jobs):
+    out = hf_jobs["tied"]
+    assert out["tied_in_trainer"] and out["tied_after_load"] and out["bitwise"], out
+    # the step holds the tied tensor under both names (the model's state_dict does); the export writes both,
+    # and from_pretrained ties them again (save_pretrained would omit lm_head.weight: same logits)
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(out["names"])
 
 
 # ---------------------------------------------------------------- LoRA / PEFT, in .venv-hf
