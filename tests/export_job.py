@@ -4,7 +4,8 @@ command, load the export with transformers' from_pretrained and compare logits w
 
 A third job exports a one-rank Llama with tied input and output embeddings.
 
-``python tests/export_job.py {fsdp2|expert|tied|all} WORKDIR`` prints one JSON object (the figures the test asserts on)."""
+``python tests/export_job.py {fsdp2|expert|tied|all} WORKDIR`` prints one JSON object (the figures the test
+asserts on)."""
 
 from __future__ import annotations
 
