@@ -11,6 +11,7 @@ for a bug report.
 from __future__ import annotations
 
 import errno as _errno
+import importlib
 import json
 import os
 import sys
@@ -82,12 +83,46 @@ class _Command(click.Command):
 
 class _Group(click.Group):
     """Commands made with ``@main.command`` map their errors themselves (they know ``--json``);
-    the group maps what escapes from the others (``mem ...``) too."""
+    the group maps what escapes from the others (``mem ...``) too.
+
+    A group defined in another module (``mem``) is imported only when it is run or its own help
+    is asked for; ``ckptguard --help`` lists it from the help line kept here."""
 
     command_class = _Command
+    lazy: dict[str, tuple[str, str, str]] = {  # name: (module, attribute, the group's help line)
+        "mem": ("ckptguard.memory.cli", "mem",
+                "Host and GPU memory budget: phase records, growth, capacity plan, report."),
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(self.commands) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy and cmd_name not in self.commands:
+            module, attr, _ = self.lazy[cmd_name]
+            self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        limit = formatter.width - 6 - max(len(n) for n in self.list_commands(ctx))
+        rows: list[tuple[str, str]] = []
+        for name in self.list_commands(ctx):
+            cmd = self.commands.get(name)
+            if cmd is None:  # the help line of a group not imported yet (a test keeps it the group's own)
+                rows.append((name, click.Command(name, help=self.lazy[name][2]).get_short_help_str(limit)))
+            elif not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context) -> Any:
         return _mapped(lambda: super(_Group, self).invoke(ctx), False)
+
+
+# The commands' modules are imported when a command runs, or are torch-free: ``ckptguard --help``,
+# ``list``, ``resolve``, ``status``, ``preflight``, ``hold``, ``release``, ``gc``, ``adopt`` and
+# ``goodput`` start without torch (1-2 s of CPU alone, 20-60 s on the loaded node an operator is on
+# during an incident). tests/test_cli_start.py holds that line; benchmarks/bench_cli_start.py measures it.
 
 TEMPLATE = click.option(
     "--template",
@@ -871,14 +906,6 @@ def _fail(message: str, as_json: bool, code: int = 1) -> NoReturn:
         click.echo(f"error: {printable(message)}", err=True)
     sys.exit(code)
 
-
-def _register() -> None:
-    from .memory.cli import mem
-
-    main.add_command(mem)
-
-
-_register()
 
 if __name__ == "__main__":
     main()

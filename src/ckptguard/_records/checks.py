@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .._disk import layout as _layout
-from .._disk.digest import file_digest
+from .._disk.filedigest import file_digest
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -21,7 +21,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..storage.base import DCP_METADATA
-from ..storage.unpickler import read_dcp_metadata
+from ..storage.dcpindex import read_dcp_index
 from . import manifest as _manifest
 from . import runmanifest
 from .findings import RESTORE_HINT, Finding, Severity, finding
@@ -130,7 +130,7 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
             finding("missing-file", state / DCP_METADATA, "DCP metadata is not in the manifest", RESTORE_HINT),
         ]
     try:
-        md = read_dcp_metadata(state)
+        md = read_dcp_index(state)
     except UnsafeCheckpointError as exc:
         return [
             *findings,
@@ -341,7 +341,7 @@ def cost(step_dir: Path) -> dict[str, Any] | None:
 def files_needed(step_dir: Path, manifest: _manifest.Manifest, rank: int) -> set[str]:
     """Files (relative to the step) that ``rank`` reads when restoring on the same layout:
     its extras, the DCP metadata, the shards it wrote, and the files of replicated keys."""
-    return {_layout.extras_name(rank)} | rank_reads(read_dcp_metadata(step_dir / _layout.STATE_DIR), rank)
+    return {_layout.extras_name(rank)} | rank_reads(read_dcp_index(step_dir / _layout.STATE_DIR), rank)
 
 
 def rank_reads(md: Any, rank: int) -> set[str]:

@@ -19,7 +19,7 @@ from .._records import manifest as _manifest
 from .._records import retention as _retention
 from .._records import runmanifest as _runmanifest
 from .._records import trust as _trust
-from .._resume.resolve import Resolution, resolve_local
+from .._resume.resolution import Resolution, resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._records import checks as _checks
 from .._records import runmanifest as _runmanifest
-from .._records.prooflog import read_records, record_roles
+from .._records.proofrecords import read_records, record_roles
 from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError
