@@ -24,7 +24,7 @@ from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
 
 __all__ = ["Listing", "StepEntry", "hold", "list_steps", "naming", "release", "resolve", "state_bytes",
-           "tracker_run_step", "verify_targets", "world_size"]
+           "tracker", "tracker_run_step", "verify_targets", "world_size"]
 
 
 def naming(template: str) -> _layout.StepNaming:
@@ -118,6 +118,11 @@ def release(root: Path, step: int) -> bool:
 
 
 _TRAILING = re.compile(r".*?(\d+)\Z")
+
+
+def tracker(root: Path) -> int | None:
+    """The tracker's step (None: no tracker); raises for an unreadable one."""
+    return _layout.read_tracker(root)
 
 
 def tracker_run_step(root: Path) -> Path | None:
