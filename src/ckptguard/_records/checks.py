@@ -6,6 +6,7 @@ manifest that leave the step directory are findings and are never opened.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -438,6 +439,12 @@ def verify_run_step(step_dir: Path, *, deep: bool, progress: Callable[[int], Non
         if size >= 0 and (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
             findings.append(err("role-manifest", part / _layout.MANIFEST_NAME,
                                 f"role {role!r}: differs from what the run manifest recorded", fix))
+        with contextlib.suppress(CheckpointError):  # an unreadable part manifest is verify_step's finding
+            own = _manifest.read(part)
+            if own.step != run.step or own.chain_id != run.chain_id:  # as ``checked_run_step`` (restore, list) refuses
+                findings.append(err("role-step", part / _layout.MANIFEST_NAME,
+                                    f"role {role!r} holds step {own.step} of chain {own.chain_id!r}, the run "
+                                    f"manifest step {run.step} of chain {run.chain_id!r}", fix))
         for f in verify_step(part, deep=deep, progress=progress):
             findings.append(Finding(f.severity, f.code, f.path, f"role {role!r}: {f.message}", f.fix))
     for entry_path in sorted(step_dir.iterdir()):
