@@ -73,3 +73,26 @@ def test_resolve_names_a_killed_transfer(tmp_path):
     shutil.copytree(src / "contract", dest / "contract")
     code, out = _cli("resolve", dest)
     assert code == 1 and "ckptguard transfer" in out and "run the same transfer again" in out, out
+
+
+def test_verify_deep_says_what_it_compared(tmp_path):
+    """A rank file rewritten together with its manifest entry passes the checksums (they compare the
+    files with the manifest); verify --deep says so instead of a bare OK, and --json lists it."""
+    root = tmp_path / "ck"
+    cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None)).save(1, {"model": torch.nn.Linear(2, 2),
+                                                                                     "n": 1})
+    step = root / "step_00000001"
+    extras = torch.load(step / "rank_00000.pt", weights_only=True)
+    extras["items"]["n"] = 999
+    torch.save(extras, step / "rank_00000.pt")
+    manifest = json.loads((step / "manifest.json").read_text())
+    from ckptguard._resume.filedigest import file_digest
+
+    for f in manifest["files"]:
+        if f["path"] == "rank_00000.pt":
+            f["size"], f["xxh3"] = file_digest(str(step / "rank_00000.pt"))
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    code, out = _cli("verify", step, "--deep")
+    assert code == 0 and "--restore also compares the item digests a restore compares" in out, out
+    code, out = _cli("verify", step, "--deep", "--json")
+    assert code == 0 and json.loads(out)["compared"] == ["files", "checksums"]

@@ -318,7 +318,12 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
     if restored:
         findings += _restore_with_progress(_verify, steps, as_json)
     costs = {str(p): _verify.cost(p) for p in steps}
-    _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs, "restored": restored})
+    # What was compared, said plainly: checksums compare the files with the manifest, so a file
+    # rewritten together with its manifest entry passes them; the item digests a restore compares
+    # are recomputed only by --restore.
+    compared = ["files", *(["checksums"] if deep else []), *(["restored digests"] if restored else [])]
+    _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs, "restored": restored,
+                              "compared": compared})
     if not as_json:
         for p, c in costs.items():
             if c:
@@ -330,6 +335,8 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
             how += " and a real restore"
         elif do_restore:
             how += "; restore skipped: fix the ERROR findings first"
+        elif deep:
+            how += " (files against the manifest; --restore also compares the item digests a restore compares)"
         click.echo(f"{verdict}: {len(steps)} step(s) checked{how}, {len(findings)} finding(s)")
     sys.exit(_verify.worst(findings))
 
@@ -770,7 +777,11 @@ def repro_save(
         if not as_json:
             click.echo(f"{label}: {rounds} round(s) of {size_gib:g} GiB on {ranks} rank(s) under {path} ...", err=True)
         with _progress(rounds, f"{label}: rounds", as_json) as bar:
-            reports[label] = run_repro(path, cfg, progress=lambda n, bar=bar: bar.update(n - bar.pos))
+
+            def committed(n: int, bar: Any = bar) -> None:
+                bar.update(n - bar.pos)
+
+            reports[label] = run_repro(path, cfg, progress=committed)
     if report:
         report.write_text(json.dumps(reports, indent=1) + "\n")
     if as_json:
