@@ -168,7 +168,7 @@ def _copy_contract(src_root: Path, dest_root: Path) -> None:
 def describe(info: dict[str, Any]) -> str:
     """What a transfer did, in a few lines (``--json`` prints ``info`` itself)."""
     size = sum(int(f["size"]) for f in info["files"])
-    how = "finished an interrupted transfer (its copy was complete and verified)" if info["resumed"] else (
+    how = "resumed an interrupted transfer: its copy was complete and verified" if info["resumed"] else (
         f"copied {len(info['files'])} file(s), {size} bytes, each verified against the manifest")
     return "\n".join([
         f"step {info['step']}: {info['source']} -> {info['destination']}",
