@@ -114,3 +114,10 @@ def test_mem_watch_and_report_json(tmp_path):
     bad.write_text("not json\n{\"kind\": \"sample\", \"mono_ns\": 1}\n")  # a torn line before a record
     err = _json("mem", "report", bad, "--html", page, "--json", code=2)
     assert "bad.jsonl:1" in err["error"]
+
+
+def test_the_reading_commands_share_the_style(root):
+    assert _json("list", root, "--json")["tracker"] == 2
+    assert _json("resolve", root, "--json")["step"] == 2
+    proof = _json("prove", root, "--json", code=1)  # no restore was recorded: NOT proven, and said so
+    assert proof["proven"] is False and proof["error"] == proof["verdict"]

@@ -185,16 +185,7 @@ def resolve(root: Path, mode: str, path: Path | None, prefer: str, template: str
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "step": res.step,
-                    "path": str(res.path) if res.path else None,
-                    "fresh": res.fresh,
-                    "reason": res.reason,
-                }
-            )
-        )
+        _json_out(True, step=res.step, path=str(res.path) if res.path else None, fresh=res.fresh, reason=res.reason)
     else:
         click.echo(printable(res.describe()))
 
@@ -236,7 +227,7 @@ def list_steps(root: Path | str, template: str, as_json: bool) -> None:
     listing = _inspect.list_steps(root, template)
     if as_json:
         entries = [{"step": e.step, "state": e.state, "name": e.name, "trust": e.trust} for e in listing.entries]
-        click.echo(json.dumps({"tracker": listing.tracker, "entries": entries}))
+        _json_out(True, tracker=listing.tracker, entries=entries)
         return
     click.echo(f"tracker: {listing.tracker if listing.tracker is not None else 'absent'}")
     for e in listing.entries:
@@ -638,7 +629,8 @@ def prove(root: Path, as_json: bool, resume: int | None, every: bool) -> None:
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
-        click.echo(json.dumps(to_json(gates)))
+        proof = to_json(gates)
+        _json_out(proof["proven"], **({} if proof["proven"] else {"error": proof["verdict"]}), **proof)
     else:
         _gate_table(gates)
         click.echo(f"\n{verdict(gates)}")
@@ -917,7 +909,7 @@ def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) 
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
-        click.echo(json.dumps(result.to_json()))
+        _json_out(result.proven, **({} if result.proven else {"error": result.verdict()}), **result.to_json())
         sys.exit(0 if result.proven else 1)
     _gate_table(result.gates)
     click.echo("")
