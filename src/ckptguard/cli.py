@@ -207,7 +207,7 @@ def _list_remote(url: str, template: str, as_json: bool) -> None:
     listing = _remote.list_remote(url, template)
     if as_json:
         entries = [{"step": e.step, "state": e.state, "name": e.name} for e in listing.entries]
-        click.echo(json.dumps({"tracker": listing.tracker, "entries": entries}))
+        _json_out(True, tracker=listing.tracker, entries=entries)
         return
     click.echo(f"tracker: {listing.tracker if listing.tracker is not None else 'absent'}")
     for e in listing.entries:
@@ -417,7 +417,7 @@ def export(root: Path, step: int | None, out: Path, dtype: str | None, item: str
             result = _export.export_hf(step_dir, out, item=item, dtype=cast, max_host_bytes=max_host_bytes,
                                        progress=progress)
     if as_json:
-        click.echo(json.dumps(result.to_json()))
+        _json_out(True, **result.to_json())
     else:
         click.echo(printable(f"exported step {result.step} ({result.item}): {result.tensors} tensors, "
                              f"{_size(result.bytes)} in {len(result.files)} files to {result.out}"
@@ -650,7 +650,10 @@ def _prove_all(root: Path, as_json: bool) -> None:
         _fail(f"{root}: the proof records hold no restore of a non-zero step: nothing to judge", as_json)
     if as_json:
         rows = [{"resume": r.number, "step": r.step, "pid": r.pid, **to_json(g)} for r, g in judged]
-        click.echo(json.dumps({"proven": all(passed(g) for _r, g in judged), "resumes": rows}))
+        proven = all(passed(g) for _r, g in judged)
+        failed = [r["resume"] for r in rows if not r["proven"]]
+        _json_out(proven, **({} if proven else {"error": f"resumes {failed} are not proven"}), proven=proven,
+                  resumes=rows)
     else:
         for r, gates in judged:
             click.echo(f"resume {r.number} (step {r.step}, pid {r.pid}): {verdict(gates)}")
@@ -948,7 +951,7 @@ def goodput(root: Path, mtbf_s: float | None, as_json: bool) -> None:
         _fail(f"no proof records under {root}/proof: nothing was measured (CheckpointConfig(record_proof=True) "
               "writes them)", as_json)
     if as_json:
-        click.echo(json.dumps({**g.to_json(), "launches": [asdict(x) for x in g.launches]}))
+        _json_out(True, **g.to_json(), launches=[asdict(x) for x in g.launches])
         return
 
     def s(x: float | None) -> str:
