@@ -86,7 +86,7 @@ def test_verify_deep_says_what_it_compared(tmp_path):
     extras["items"]["n"] = 999
     torch.save(extras, step / "rank_00000.pt")
     manifest = json.loads((step / "manifest.json").read_text())
-    from ckptguard._resume.filedigest import file_digest
+    from ckptguard._disk.filedigest import file_digest
 
     for f in manifest["files"]:
         if f["path"] == "rank_00000.pt":
