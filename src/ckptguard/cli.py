@@ -951,7 +951,7 @@ def goodput(root: Path, mtbf_s: float | None, as_json: bool) -> None:
         _fail(f"no proof records under {root}/proof: nothing was measured (CheckpointConfig(record_proof=True) "
               "writes them)", as_json)
     if as_json:
-        _json_out(True, **g.to_json(), launches=[asdict(x) for x in g.launches])
+        _json_out(True, **{**g.to_json(), "launches": [asdict(x) for x in g.launches]})
         return
 
     def s(x: float | None) -> str:
