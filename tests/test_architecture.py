@@ -18,7 +18,7 @@ PKG = Path(ckptguard.__file__).parent
 # ``_resume`` stand side by side at one rank and never import each other. The first matching
 # prefix names a module's layer (the package root ``""`` is the public surface).
 LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
-    ("base", 0, ("errors", "_log", "_faults", "_priority", "_version", "_dist")),
+    ("base", 0, ("errors", "_log", "_faults", "_priority", "_version", "_agree", "_dist")),
     ("memory", 1, ("memory",)),
     ("disk and format primitives", 2, ("_disk",)),
     ("state capture", 3, ("_state", "cursor")),
@@ -222,18 +222,55 @@ def test_the_reach_in_rule_catches_a_private_name_of_another_module():
     assert len(reach_ins(sources)) == 3
 
 
-def test_no_function_local_import_in_the_core():
-    """Except an optional dependency, commented ``# optional`` on its line."""
+# Imports by name at run time (``importlib.import_module``) in the core, besides a package
+# ``__init__``'s PEP 562 ``__getattr__`` (commented ``# lazy``): the restricted unpickler imports
+# the module of a global its allow-list names (as pickle's own find_class would) to snapshot it
+# before a load.
+DYNAMIC_IMPORTS = {"storage.unpickler:_allowed_objects"}
+
+
+def local_imports(sources: dict[str, str]) -> list[str]:
+    """Function-local imports in the core: ``import`` statements (except ``# optional`` ones) and
+    calls of ``importlib.import_module``/``__import__`` (except a package ``__init__``'s PEP 562
+    ``__getattr__``, commented ``# lazy``, and ``DYNAMIC_IMPORTS``)."""
     found = []
-    for path in PKG.rglob("*.py"):
-        if layer(module_name(path))[1] > CORE_MAX_RANK:
+    for module, text in sorted(sources.items()):
+        if layer(module)[1] > CORE_MAX_RANK:
             continue
-        lines = path.read_text().splitlines()
-        for f in ast.walk(ast.parse(path.read_text())):
-            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found += [f"{module_name(path)}:{n.lineno}" for n in ast.walk(f)
-                          if isinstance(n, (ast.Import, ast.ImportFrom)) and "# optional" not in lines[n.lineno - 1]]
-    assert found == []
+        lines = text.splitlines()
+        package = (PKG.joinpath(*module.split(".")) / "__init__.py").is_file() or module == ""
+        for f in ast.walk(ast.parse(text)):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for n in ast.walk(f):
+                line = lines[n.lineno - 1] if hasattr(n, "lineno") else ""
+                if isinstance(n, (ast.Import, ast.ImportFrom)) and "# optional" not in line:
+                    found.append(f"{module}:{n.lineno}")
+                elif isinstance(n, ast.Call) and _dynamic_import(n):
+                    lazy = package and f.name == "__getattr__" and "# lazy" in line
+                    if not lazy and f"{module}:{f.name}" not in DYNAMIC_IMPORTS:
+                        found.append(f"{module}:{n.lineno} (import by name)")
+    return found
+
+
+def _dynamic_import(call: ast.Call) -> bool:
+    fn = call.func
+    return (isinstance(fn, ast.Attribute) and fn.attr == "import_module") or (
+        isinstance(fn, ast.Name) and fn.id in ("__import__", "import_module"))
+
+
+def test_no_function_local_import_in_the_core():
+    """Except an optional dependency, commented ``# optional`` on its line, and the first-use
+    imports of a package's public names (PEP 562, ``# lazy``): docs/architecture.md."""
+    assert local_imports(_sources()) == []
+
+
+def test_the_local_import_rule_catches_an_import_in_a_function():
+    sources = _sources()
+    sources["_records.trust"] += "\n\ndef _late():\n    import torch\n    return torch\n"
+    sources["_disk.layout"] += "\n\ndef _late2():\n    return importlib.import_module('torch')  # lazy\n"
+    sources["storage"] += "\n\ndef _late3(name):\n    return importlib.import_module(name)\n"
+    assert len(local_imports(sources)) == 3
 
 
 def test_no_core_module_over_500_lines():

@@ -54,7 +54,8 @@ def test_foreign_error_is_named():
 
 
 def _rank0_decides_an_error(rank: int, world: int, kind: str) -> dict:
-    from ckptguard._dist import StoreAgreement, Wire, gather_decide, on_every_rank
+    from ckptguard._agree import Wire, gather_decide, on_every_rank
+    from ckptguard._dist import StoreAgreement
 
     class Ping(Wire):
         def to_json(self) -> dict:

@@ -8,11 +8,11 @@ from click.testing import CliRunner
 from ckptguard.memory.cli import mem
 
 FROZEN = {
-    "watch": ["--interval", "--out"],
+    "watch": ["--interval", "--json", "--out"],
     "growth": ["--interval", "--json", "--noise-s", "--noise-step", "--skip"],
     "plan": ["--from-records", "--json", "--ray-address"],
     "estimate": ["--as-dtype", "--json"],
-    "report": ["--html", "--png", "--ray-log"],
+    "report": ["--html", "--json", "--png", "--ray-log"],
     "killer": ["--json", "--ray-log"],
     "vllm-log": ["--json"],
     "recipe": ["--json", "--modes-key"],

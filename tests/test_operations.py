@@ -145,8 +145,8 @@ def test_transfer_publishes_like_a_save_and_resumes(tmp_path):
     assert fingerprint(fresh) == fingerprint(job)
     # Run again, it finds its own complete copy and only confirms it; a different directory
     # of that name is never replaced.
-    again = CliRunner().invoke(main, ["transfer", str(src / "step_00000002"), str(dest)])
-    assert again.exit_code == 0 and '"resumed": true' in again.output
+    again = CliRunner().invoke(main, ["transfer", str(src / "step_00000002"), str(dest), "--json"])
+    assert again.exit_code == 0 and json.loads(again.output)["resumed"] is True, again.output
     (dest / "step_00000002" / "rank_00000.pt").write_bytes(b"another run's file")
     clash = CliRunner().invoke(main, ["transfer", str(src / "step_00000002"), str(dest)])
     assert clash.exit_code == 1 and "already exists and is not a complete copy" in clash.output

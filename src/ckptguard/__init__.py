@@ -12,63 +12,155 @@ Public surface::
     PreemptionGuard(mgr, grace_s=...).step_boundary(step, state)   # exits 75 after a save on SIGTERM
 """
 
-from ._commit.pending import PendingSave
-from ._core.roles import Role
-from ._core.tierrestore import Tier
-from ._records.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
-from ._records.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
-from ._records.trust import HealthPolicy, Prefer
-from ._resume.resolve import Resolution
-from ._state.derived import DerivedState
-from ._state.expert import ExpertParallel
-from ._state.rng import GeneratorState
-from ._state.state import PerRank
+import importlib as _importlib
+import typing as _typing
+
 from ._version import __version__
-from .config import CheckpointConfig, OnBusy, ParallelLayout, ProofPlan, ReshardRule, ResumeMode
-from .cursor import CursorSampler, DataCursor
-from .errors import (
-    ChainMismatchError,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointIncompleteError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    CollectiveTimeoutError,
-    ConfigError,
-    ContractMismatchError,
-    LeaseHeldError,
-    PinnedMemoryUnavailableError,
-    RankDisagreementError,
-    RecordFormatError,
-    RehearsalError,
-    ReplicatedDivergenceError,
-    ResumeError,
-    RunStepError,
-    SaveStillRunningError,
-    StaleDerivedStateError,
-    StateMismatchError,
-    StorageFormatError,
-    StorageStallError,
-    TopologyMismatchError,
-    UnsafeCheckpointError,
-    VersionMismatchError,
-    WriteFailure,
-)
-from .manager import CheckpointManager
-from .preempt import Preempted, PreemptionGuard
-from .rollout import RolloutLedger
-from .run import RunCheckpoint
-from .storage import (
-    DCPStorage,
-    IOStats,
-    Storage,
-    StorageContext,
-    StreamingConfig,
-    StreamingStorage,
-    WrittenFile,
-    read_dcp_metadata,
-)
-from .tiers import TieredCheckpoint, TieredSave
+
+if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; bound on first use below
+    from ._commit.pending import PendingSave
+    from ._core.roles import Role
+    from ._core.tierrestore import Tier
+    from ._records.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
+    from ._records.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
+    from ._records.trust import HealthPolicy, Prefer
+    from ._resume.resolution import Resolution
+    from ._state.derived import DerivedState
+    from ._state.expert import ExpertParallel
+    from ._state.rng import GeneratorState
+    from ._state.state import PerRank
+    from .config import CheckpointConfig, OnBusy, ParallelLayout, ProofPlan, ReshardRule, ResumeMode
+    from .cursor import CursorSampler, DataCursor
+    from .errors import (
+        ChainMismatchError,
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointIncompleteError,
+        CheckpointNotFoundError,
+        CheckpointWriteError,
+        CollectiveTimeoutError,
+        ConfigError,
+        ContractMismatchError,
+        LeaseHeldError,
+        PinnedMemoryUnavailableError,
+        RankDisagreementError,
+        RecordFormatError,
+        RehearsalError,
+        ReplicatedDivergenceError,
+        ResumeError,
+        RunStepError,
+        SaveStillRunningError,
+        StaleDerivedStateError,
+        StateMismatchError,
+        StorageFormatError,
+        StorageStallError,
+        TopologyMismatchError,
+        UnsafeCheckpointError,
+        VersionMismatchError,
+        WriteFailure,
+    )
+    from .manager import CheckpointManager
+    from .preempt import Preempted, PreemptionGuard
+    from .rollout import RolloutLedger
+    from .run import RunCheckpoint
+    from .storage import (
+        DCPStorage,
+        IOStats,
+        Storage,
+        StorageContext,
+        StreamingConfig,
+        StreamingStorage,
+        WrittenFile,
+        read_dcp_metadata,
+    )
+    from .tiers import TieredCheckpoint, TieredSave
+
+# Each public name is imported on first use (PEP 562), so ``import ckptguard`` (and every
+# ``ckptguard`` command) costs no torch import until a name that needs torch is used: an
+# operator's ``ckptguard list`` on a loaded node must answer at once, not after 20-60 s.
+_WHERE = {
+    "ChainMismatchError": ".errors",
+    "CheckpointConfig": ".config",
+    "CheckpointCorruptError": ".errors",
+    "CheckpointError": ".errors",
+    "CheckpointIncompleteError": ".errors",
+    "CheckpointManager": ".manager",
+    "CheckpointNotFoundError": ".errors",
+    "CheckpointWriteError": ".errors",
+    "CollectiveTimeoutError": ".errors",
+    "ConfigError": ".errors",
+    "ContractMismatchError": ".errors",
+    "CursorSampler": ".cursor",
+    "DCPStorage": ".storage",
+    "DataCursor": ".cursor",
+    "DerivedState": "._state.derived",
+    "ExpertParallel": "._state.expert",
+    "GeneratorState": "._state.rng",
+    "HealthPolicy": "._records.trust",
+    "IOStats": ".storage",
+    "KeepAny": "._records.retention",
+    "KeepEvery": "._records.retention",
+    "KeepLast": "._records.retention",
+    "LeaseHeldError": ".errors",
+    "OnBusy": ".config",
+    "ParallelLayout": ".config",
+    "PendingSave": "._commit.pending",
+    "PerRank": "._state.state",
+    "PinnedMemoryUnavailableError": ".errors",
+    "Preempted": ".preempt",
+    "PreemptionGuard": ".preempt",
+    "Prefer": "._records.trust",
+    "ProofPlan": ".config",
+    "RankDisagreementError": ".errors",
+    "RecordFormatError": ".errors",
+    "RehearsalError": ".errors",
+    "ReplicatedDivergenceError": ".errors",
+    "ReshardRule": ".config",
+    "Resolution": "._resume.resolution",
+    "ResumeError": ".errors",
+    "ResumeMode": ".config",
+    "RetentionPolicy": "._records.retention",
+    "Role": "._core.roles",
+    "RolloutLedger": ".rollout",
+    "RunCheckpoint": ".run",
+    "RunContract": "._records.contract",
+    "RunStepError": ".errors",
+    "SaveStillRunningError": ".errors",
+    "StaleDerivedStateError": ".errors",
+    "StateMismatchError": ".errors",
+    "Storage": ".storage",
+    "StorageContext": ".storage",
+    "StorageFormatError": ".errors",
+    "StorageStallError": ".errors",
+    "StreamingConfig": ".storage",
+    "StreamingStorage": ".storage",
+    "Tier": "._core.tierrestore",
+    "TieredCheckpoint": ".tiers",
+    "TieredSave": ".tiers",
+    "TopologyMismatchError": ".errors",
+    "UnsafeCheckpointError": ".errors",
+    "VersionMismatchError": ".errors",
+    "WriteFailure": ".errors",
+    "WrittenFile": ".storage",
+    "hash_data_files": "._records.contract",
+    "hash_git_tree": "._records.contract",
+    "hash_imported_files": "._records.contract",
+    "hash_recipe": "._records.contract",
+    "read_dcp_metadata": ".storage",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_WHERE[name], __name__), name)  # lazy: PEP 562
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "ChainMismatchError",

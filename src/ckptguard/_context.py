@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._agree import Agreement
 from ._disk import layout as _layout
-from ._dist import Agreement
 from ._state import rules as _rules
 from ._state.expert import ExpertParallel
 from .config import CheckpointConfig

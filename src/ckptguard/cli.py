@@ -11,6 +11,7 @@ for a bug report.
 from __future__ import annotations
 
 import errno as _errno
+import importlib
 import json
 import os
 import sys
@@ -25,6 +26,21 @@ from .config import ResumeMode
 from .errors import CheckpointError, ConfigError
 from .ops import inspect as _inspect
 from .ops.verify import printable
+
+
+def _json_out(ok: bool, **fields: Any) -> None:
+    """The one JSON style of every command: one object on stdout, ``ok`` first, and on a failure
+    ``error`` (what went wrong, where, what to do); the command's own fields beside them."""
+    click.echo(json.dumps({"ok": ok, **fields}))
+
+
+def _progress(length: int, label: str, as_json: bool = False) -> Any:
+    """A progress bar on stderr for long work, shown only on a terminal (never under --json, in a
+    pipe or a log file): click's, the library the CLI is written in (no further dependency)."""
+    shown = not as_json and sys.stderr.isatty()
+    return click.progressbar(length=max(length, 1), label=label, file=sys.stderr, hidden=not shown,
+                             show_pos=False, show_percent=True)
+
 
 _OS_HINTS = {
     _errno.ENOSPC: "the filesystem is full: free space there (or pick another destination) and retry; "
@@ -82,12 +98,46 @@ class _Command(click.Command):
 
 class _Group(click.Group):
     """Commands made with ``@main.command`` map their errors themselves (they know ``--json``);
-    the group maps what escapes from the others (``mem ...``) too."""
+    the group maps what escapes from the others (``mem ...``) too.
+
+    A group defined in another module (``mem``) is imported only when it is run or its own help
+    is asked for; ``ckptguard --help`` lists it from the help line kept here."""
 
     command_class = _Command
+    lazy: dict[str, tuple[str, str, str]] = {  # name: (module, attribute, the group's help line)
+        "mem": ("ckptguard.memory.cli", "mem",
+                "Host and GPU memory budget: phase records, growth, capacity plan, report."),
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(self.commands) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy and cmd_name not in self.commands:
+            module, attr, _ = self.lazy[cmd_name]
+            self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        limit = formatter.width - 6 - max(len(n) for n in self.list_commands(ctx))
+        rows: list[tuple[str, str]] = []
+        for name in self.list_commands(ctx):
+            cmd = self.commands.get(name)
+            if cmd is None:  # the help line of a group not imported yet (a test keeps it the group's own)
+                rows.append((name, click.Command(name, help=self.lazy[name][2]).get_short_help_str(limit)))
+            elif not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context) -> Any:
         return _mapped(lambda: super(_Group, self).invoke(ctx), False)
+
+
+# The commands' modules are imported when a command runs, or are torch-free: ``ckptguard --help``,
+# ``list``, ``resolve``, ``status``, ``preflight``, ``hold``, ``release``, ``gc``, ``adopt`` and
+# ``goodput`` start without torch (1-2 s of CPU alone, 20-60 s on the loaded node an operator is on
+# during an incident). tests/test_cli_start.py holds that line; benchmarks/bench_cli_start.py measures it.
 
 TEMPLATE = click.option(
     "--template",
@@ -135,16 +185,7 @@ def resolve(root: Path, mode: str, path: Path | None, prefer: str, template: str
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "step": res.step,
-                    "path": str(res.path) if res.path else None,
-                    "fresh": res.fresh,
-                    "reason": res.reason,
-                }
-            )
-        )
+        _json_out(True, step=res.step, path=str(res.path) if res.path else None, fresh=res.fresh, reason=res.reason)
     else:
         click.echo(printable(res.describe()))
 
@@ -166,7 +207,7 @@ def _list_remote(url: str, template: str, as_json: bool) -> None:
     listing = _remote.list_remote(url, template)
     if as_json:
         entries = [{"step": e.step, "state": e.state, "name": e.name} for e in listing.entries]
-        click.echo(json.dumps({"tracker": listing.tracker, "entries": entries}))
+        _json_out(True, tracker=listing.tracker, entries=entries)
         return
     click.echo(f"tracker: {listing.tracker if listing.tracker is not None else 'absent'}")
     for e in listing.entries:
@@ -186,7 +227,7 @@ def list_steps(root: Path | str, template: str, as_json: bool) -> None:
     listing = _inspect.list_steps(root, template)
     if as_json:
         entries = [{"step": e.step, "state": e.state, "name": e.name, "trust": e.trust} for e in listing.entries]
-        click.echo(json.dumps({"tracker": listing.tracker, "entries": entries}))
+        _json_out(True, tracker=listing.tracker, entries=entries)
         return
     click.echo(f"tracker: {listing.tracker if listing.tracker is not None else 'absent'}")
     for e in listing.entries:
@@ -250,18 +291,30 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
         _verify_export(path, deep, as_json)
     naming = _inspect.naming(template)
     is_root, candidates = _inspect.verify_targets(path, template)
-    total = sum(_verify.deep_bytes(p) for p in candidates) if deep else 0
-    show = deep and not as_json and total > 256 << 20
-    with click.progressbar(length=max(total, 1), label="checksums", file=sys.stderr, hidden=not show) as bar:
+    # Progress on a terminal: bytes hashed with --deep, else steps checked.
+    total = sum(_verify.deep_bytes(p) for p in candidates) if deep else len(candidates)
+    with _progress(total, "checksums" if deep else "verify", as_json) as bar:
+
+        def step_done(step_dir: Path) -> None:
+            bar.label = f"verify {step_dir.name}"
+            if not deep:
+                bar.update(1)
+
         if is_root:
-            steps, findings = _verify.verify_root(path, naming, deep=deep, progress=bar.update)
+            steps, findings = _verify.verify_root(path, naming, deep=deep, progress=bar.update, on_step=step_done)
         else:
             steps, findings = [path], _verify.verify_step(path, deep=deep, progress=bar.update)
+        bar.update(bar.length - bar.pos)  # done: orphans and links counted in the total were not hashed
     restored = do_restore and not _verify.worst(findings) and bool(steps)
     if restored:
         findings += _restore_with_progress(_verify, steps, as_json)
     costs = {str(p): _verify.cost(p) for p in steps}
-    _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs, "restored": restored})
+    # What was compared, said plainly: checksums compare the files with the manifest, so a file
+    # rewritten together with its manifest entry passes them; the item digests a restore compares
+    # are recomputed only by --restore.
+    compared = ["files", *(["checksums"] if deep else []), *(["restored digests"] if restored else [])]
+    _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs, "restored": restored,
+                              "compared": compared})
     if not as_json:
         for p, c in costs.items():
             if c:
@@ -273,6 +326,8 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
             how += " and a real restore"
         elif do_restore:
             how += "; restore skipped: fix the ERROR findings first"
+        elif deep:
+            how += " (files against the manifest; --restore also compares the item digests a restore compares)"
         click.echo(f"{verdict}: {len(steps)} step(s) checked{how}, {len(findings)} finding(s)")
     sys.exit(_verify.worst(findings))
 
@@ -312,10 +367,8 @@ def _verify_export(path: Path, deep: bool, as_json: bool) -> NoReturn:
 
 
 def _restore_with_progress(_verify: Any, steps: list[Path], as_json: bool) -> list[Any]:
-    """The restore check, with a progress bar on stderr (bytes restored) for a large checkpoint."""
-    total = _inspect.state_bytes(steps)
-    show = not as_json and total > 256 << 20
-    with click.progressbar(length=max(total, 1), label="restore", file=sys.stderr, hidden=not show) as bar:
+    """The restore check, with a progress bar on stderr (bytes restored) on a terminal."""
+    with _progress(_inspect.state_bytes(steps), "restore", as_json) as bar:
 
         def progress(step_dir: Path, event: dict[str, Any]) -> None:
             bar.label = f"restore {step_dir.name} rank {event['rank'] + 1}/{event['world']}"
@@ -364,7 +417,7 @@ def export(root: Path, step: int | None, out: Path, dtype: str | None, item: str
             result = _export.export_hf(step_dir, out, item=item, dtype=cast, max_host_bytes=max_host_bytes,
                                        progress=progress)
     if as_json:
-        click.echo(json.dumps(result.to_json()))
+        _json_out(True, **result.to_json())
     else:
         click.echo(printable(f"exported step {result.step} ({result.item}): {result.tensors} tensors, "
                              f"{_size(result.bytes)} in {len(result.files)} files to {result.out}"
@@ -431,7 +484,8 @@ def preflight(
 )
 @click.option("--force", is_flag=True, help="Run even though a live run holds the root's write lease.")
 @TEMPLATE
-def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: what was removed and what was kept.")
+def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str, as_json: bool) -> None:
     """Remove what crashes left under ROOT: dead saves' temp directories, interrupted deletes, temp files.
 
     Acts only on a checkpoint root (a tracker or contract/ present) and only on entries ckptguard
@@ -441,21 +495,35 @@ def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str) -> 
     handles committed steps. Refused while a live run holds the root's lease (its newest step may
     be a commit in flight) unless --force. Exit 0 done, 1 refused, 2 bad usage (not a root).
     """
-    from .errors import ConfigError
     from .ops import gc as _gc
 
-    try:
-        report = _gc.gc(root.absolute(), _inspect.naming(template), dry_run=dry_run, orphans=orphans, force=force)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
-    except CheckpointError as exc:
-        _fail(str(exc), False)
-    except OSError as exc:  # e.g. a directory it may not delete: what is done stays done, rerun after fixing
-        _fail(f"gc of {root} stopped: {exc}; fix the cause and run it again", False)
+    with _progress(1, "gc", as_json) as bar:
+
+        def progress(phase: str, done: int, total: int) -> None:
+            bar.label = f"gc: {'checking steps' if phase == 'check' else 'removing'} {done}/{total}"
+            bar.length = max(total, 1)
+            bar.update(done - bar.pos)
+
+        try:
+            report = _gc.gc(root.absolute(), _inspect.naming(template), dry_run=dry_run, orphans=orphans,
+                            force=force, progress=progress)
+        except ConfigError as exc:
+            if as_json:
+                _fail(str(exc), True, code=2)
+            raise click.UsageError(str(exc)) from None
+        except CheckpointError as exc:
+            _fail(str(exc), as_json)
+        except OSError as exc:  # e.g. a directory it may not delete: what is done stays done, rerun after fixing
+            _fail(f"gc of {root} stopped: {exc}; fix the cause and run it again", as_json)
+    if as_json:
+        _json_out(True, root=str(root.absolute()), dry_run=dry_run,
+                  removed=[{"path": str(p), "what": what} for p, what in report.removed],
+                  kept=[{"path": str(p), "why": why} for p, why in report.kept])
+        return
     for path, what in report.removed:
-        click.echo(f"{'would remove' if dry_run else 'removed'} {path}: {what}")
+        click.echo(printable(f"{'would remove' if dry_run else 'removed'} {path}: {what}"))
     for path, why in report.kept:
-        click.echo(f"kept    {path}: {why}")
+        click.echo(printable(f"kept    {path}: {why}"))
     n = len(report.removed)
     click.echo(
         f"{n} entr{'y' if n == 1 else 'ies'} {'to remove' if dry_run else 'removed'}, "
@@ -467,7 +535,8 @@ def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str) -> 
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("step", type=click.IntRange(1))
 @TEMPLATE
-def adopt(root: Path, step: int, template: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def adopt(root: Path, step: int, template: str, as_json: bool) -> None:
     """Point ROOT's tracker at STEP, a complete checkpoint newer than the tracker (an orphan).
 
     For a save that died between publishing and moving the tracker, or a root whose tracker was
@@ -478,11 +547,16 @@ def adopt(root: Path, step: int, template: str) -> None:
     from .ops import gc as _gc
 
     try:
-        click.echo(_gc.adopt_step(root.absolute(), _inspect.naming(template), step))
+        was = _inspect.tracker(root)
+        message = _gc.adopt_step(root.absolute(), _inspect.naming(template), step)
     except CheckpointError as exc:
-        _fail(str(exc), False)
+        _fail(str(exc), as_json)
     except OSError as exc:
-        _fail(f"adopt of step {step} under {root} failed: {exc}; the tracker was not moved", False)
+        _fail(f"adopt of step {step} under {root} failed: {exc}; the tracker was not moved", as_json)
+    if as_json:
+        _json_out(True, root=str(root.absolute()), step=step, tracker_was=was, tracker=step, message=message)
+    else:
+        click.echo(printable(message))
 
 
 @main.command()
@@ -490,26 +564,36 @@ def adopt(root: Path, step: int, template: str) -> None:
 @click.argument("step", type=click.IntRange(1))
 @click.option("--reason", required=True, help="Who needs this step and until when.")
 @TEMPLATE
-def hold(root: Path, step: int, reason: str, template: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def hold(root: Path, step: int, reason: str, template: str, as_json: bool) -> None:
     """Pin STEP under ROOT against rotation (e.g. for evaluation); survives restarts."""
     try:
-        click.echo(f"held step {step}: {_inspect.hold(root, template, step, reason)}")
+        where = _inspect.hold(root, template, step, reason)
     except CheckpointError as exc:
-        _fail(str(exc), False)
+        _fail(str(exc), as_json)
+    if as_json:
+        _json_out(True, root=str(root.absolute()), step=step, reason=reason, hold=str(where))
+    else:
+        click.echo(printable(f"held step {step}: {where}"))
 
 
 @main.command()
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("step", type=click.IntRange(1))
-def release(root: Path, step: int) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def release(root: Path, step: int, as_json: bool) -> None:
     """Remove the hold on STEP; rotation may then delete it."""
     try:
         released = _inspect.release(root, step)
     except OSError as exc:
-        _fail(f"could not remove the hold of step {step} under {root}: {exc}", False)
+        _fail(f"could not remove the hold of step {step} under {root}: {exc}", as_json)
     if not released:
-        _fail(f"step {step} has no hold under {root}", False)
-    click.echo(f"released step {step}")
+        _fail(f"step {step} has no hold under {root}: nothing was released (`ckptguard list {root}` shows the "
+              "steps; holds live in ROOT/holds/)", as_json)
+    if as_json:
+        _json_out(True, root=str(root.absolute()), step=step, released=True)
+    else:
+        click.echo(f"released step {step}")
 
 
 def _gate_table(gates: list[Any]) -> None:
@@ -545,7 +629,8 @@ def prove(root: Path, as_json: bool, resume: int | None, every: bool) -> None:
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
-        click.echo(json.dumps(to_json(gates)))
+        proof = to_json(gates)
+        _json_out(proof["proven"], **({} if proof["proven"] else {"error": proof["verdict"]}), **proof)
     else:
         _gate_table(gates)
         click.echo(f"\n{verdict(gates)}")
@@ -565,7 +650,10 @@ def _prove_all(root: Path, as_json: bool) -> None:
         _fail(f"{root}: the proof records hold no restore of a non-zero step: nothing to judge", as_json)
     if as_json:
         rows = [{"resume": r.number, "step": r.step, "pid": r.pid, **to_json(g)} for r, g in judged]
-        click.echo(json.dumps({"proven": all(passed(g) for _r, g in judged), "resumes": rows}))
+        proven = all(passed(g) for _r, g in judged)
+        failed = [r["resume"] for r in rows if not r["proven"]]
+        _json_out(proven, **({} if proven else {"error": f"resumes {failed} are not proven"}), proven=proven,
+                  resumes=rows)
     else:
         for r, gates in judged:
             click.echo(f"resume {r.number} (step {r.step}, pid {r.pid}): {verdict(gates)}")
@@ -601,22 +689,29 @@ def _prove_all(root: Path, as_json: bool) -> None:
     is_flag=True,
     help="Negative control: the restore does not invalidate the FP8 scale cache; the proof must FAIL.",
 )
-def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: int, no_derived_fix: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the verdict and the gates as one JSON object (the narration goes to stderr).")
+def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: int, no_derived_fix: bool,
+         as_json: bool) -> None:
     """A tiny RL job on the CPU: SIGKILL mid-save, resume with AUTO, and the proof table.
 
     WORKDIR is wiped first, so it must be new, empty, or made by an earlier demo (it holds a
     .ckptguard-demo marker); a non-empty directory the demo did not create is refused (exit 2).
     """
     from .demo.job import prepare_workdir, run_demo
-    from .errors import ConfigError
-    from .ops.prove import passed, verdict
+    from .ops.prove import passed, to_json, verdict
+
+    def usage(message: str) -> NoReturn:
+        if as_json:
+            _fail(message, True, code=2)
+        raise click.UsageError(message)
 
     if kill_at % save_every or not save_every < kill_at < steps:
-        raise click.UsageError("need --save-every < --kill-at < --steps with --kill-at a multiple of --save-every")
+        usage("need --save-every < --kill-at < --steps with --kill-at a multiple of --save-every")
     try:
         prepare_workdir(workdir)
     except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+        usage(str(exc))
     gates, root = run_demo(
         str(workdir),
         world=world_size,
@@ -624,11 +719,15 @@ def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: i
         save_every=save_every,
         kill_at=kill_at,
         derived_fix=not no_derived_fix,
-        echo=click.echo,
+        echo=(lambda line: click.echo(line, err=True)) if as_json else click.echo,
     )
+    ok = passed(gates)
+    if as_json:
+        failed = {} if ok else {"error": f"{verdict(gates)} (records in {root}/proof)"}
+        _json_out(ok, **failed, root=str(root), **to_json(gates))
+        sys.exit(0 if ok else 1)
     click.echo("")
     _gate_table(gates)
-    ok = passed(gates)
     click.echo(f"\n{verdict(gates)}" + ("" if ok else f" (records in {root}/proof)"))
     sys.exit(0 if ok else 1)
 
@@ -672,7 +771,12 @@ def repro_save(
     for label, path in paths.items():
         if not as_json:
             click.echo(f"{label}: {rounds} round(s) of {size_gib:g} GiB on {ranks} rank(s) under {path} ...", err=True)
-        reports[label] = run_repro(path, cfg)
+        with _progress(rounds, f"{label}: rounds", as_json) as bar:
+
+            def committed(n: int, bar: Any = bar) -> None:
+                bar.update(n - bar.pos)
+
+            reports[label] = run_repro(path, cfg, progress=committed)
     if report:
         report.write_text(json.dumps(reports, indent=1) + "\n")
     if as_json:
@@ -715,7 +819,8 @@ def _describe_failure(f: dict[str, Any] | None) -> str:
 @click.argument("dest_root", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--record", type=click.Path(path_type=Path, dir_okay=False),
               help="Where to write the transfer record (default DEST_ROOT/transfers/).")
-def transfer(step_dir: Path, dest_root: Path, record: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: the transfer record, or the error.")
+def transfer(step_dir: Path, dest_root: Path, record: Path | None, as_json: bool) -> None:
     """Copy a committed STEP_DIR to DEST_ROOT (e.g. a new node) with the save's publish protocol.
 
     Each file is copied to a temp name, fsynced, checked against the manifest and renamed; the
@@ -727,16 +832,24 @@ def transfer(step_dir: Path, dest_root: Path, record: Path | None) -> None:
     from .ops.transfer import transfer as _transfer
 
     try:
-        info = _transfer(step_dir, dest_root, record=record)
+        with _progress(1, f"transfer {step_dir.name}", as_json) as bar:
+
+            def progress(done: int, total: int) -> None:
+                bar.length = max(total, 1)
+                bar.update(done - bar.pos)
+
+            info = _transfer(step_dir, dest_root, record=record, progress=progress)
     except CheckpointError as exc:
-        _fail(str(exc), False)
+        _fail(str(exc), as_json)
     except OSError as exc:  # ENOSPC, EACCES...: the tracker moves last, so it was not moved
-        name = _errno.errorcode.get(exc.errno or 0, "")
-        full = "; the filesystem is full: free space or pick another destination" if exc.errno == _errno.ENOSPC else ""
-        _fail(f"transfer of {step_dir} to {dest_root} failed: {exc} ({name}){full}; the destination's tracker moves "
+        _fail(f"transfer of {step_dir} to {dest_root} failed: {_os_message(exc)}; the destination's tracker moves "
               "only once every file is verified. Fix the cause and run the same transfer again (it finishes a "
-              "complete copy)", False)
-    click.echo(describe(info))
+              "complete copy)", as_json)
+    if as_json:
+        _json_out(True, **{k: v for k, v in info.items() if k != "files"}, files=len(info["files"]),
+                  bytes=sum(int(f["size"]) for f in info["files"]))
+    else:
+        click.echo(printable(describe(info)))
 
 
 @main.command()
@@ -799,7 +912,7 @@ def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) 
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
-        click.echo(json.dumps(result.to_json()))
+        _json_out(result.proven, **({} if result.proven else {"error": result.verdict()}), **result.to_json())
         sys.exit(0 if result.proven else 1)
     _gate_table(result.gates)
     click.echo("")
@@ -838,7 +951,7 @@ def goodput(root: Path, mtbf_s: float | None, as_json: bool) -> None:
         _fail(f"no proof records under {root}/proof: nothing was measured (CheckpointConfig(record_proof=True) "
               "writes them)", as_json)
     if as_json:
-        click.echo(json.dumps({**g.to_json(), "launches": [asdict(x) for x in g.launches]}))
+        _json_out(True, **{**g.to_json(), "launches": [asdict(x) for x in g.launches]})
         return
 
     def s(x: float | None) -> str:
@@ -866,19 +979,11 @@ def goodput(root: Path, mtbf_s: float | None, as_json: bool) -> None:
 
 def _fail(message: str, as_json: bool, code: int = 1) -> NoReturn:
     if as_json:
-        click.echo(json.dumps({"error": message}))
+        _json_out(False, error=message)
     else:
         click.echo(f"error: {printable(message)}", err=True)
     sys.exit(code)
 
-
-def _register() -> None:
-    from .memory.cli import mem
-
-    main.add_command(mem)
-
-
-_register()
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _faults, _log
+from ._agree import Wire, gather_decide
 from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit.busy import BusyRound, may_start
@@ -28,7 +29,7 @@ from ._context import NO_ACTIONS, Actions, Context
 from ._core.guard import GuardTarget, recorded_save_seconds
 from ._core.root import Root, check_state, check_step
 from ._disk import layout as _layout
-from ._dist import Wire, gather_decide, make_agreement
+from ._dist import make_agreement
 from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records import retention

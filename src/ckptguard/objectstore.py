@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._agree import Wire, gather_decide, on_every_rank
 from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_json, read_json
-from ._dist import Wire, gather_decide, make_agreement, on_every_rank
+from ._dist import make_agreement
 from ._records import contract as _contract
 from ._records.retention import KeepLast, RetentionPolicy
 from .config import CheckpointConfig, ResumeMode

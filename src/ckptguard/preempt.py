@@ -45,9 +45,10 @@ from types import FrameType
 from typing import Any
 
 from . import _log
+from ._agree import Wire, gather_decide
 from ._core.guard import GuardTarget, Preemptible
 from ._disk import layout as _layout
-from ._dist import Wire, gather_decide, make_agreement
+from ._dist import make_agreement
 from .errors import CheckpointError, ConfigError
 
 log = _log.logger()

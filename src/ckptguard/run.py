@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _faults, _log
+from ._agree import gather_decide, on_every_rank
 from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit.messages import Outcome, raise_if_failed
@@ -55,7 +56,7 @@ from ._core.roles import (
 )
 from ._core.root import Root
 from ._disk import layout as _layout
-from ._dist import gather_decide, make_agreement, on_every_rank
+from ._dist import make_agreement
 from ._records import checks as _checks
 from ._records import trust as _trust
 from ._records.prooflog import ProofLog

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._dist import NODE_ENV
+from ._agree import NODE_ENV
 from ._faults import COMMIT_POINTS
 from ._faults import POINTS as FAULT_POINTS
 from ._faults import set_hook as set_fault_hook

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ._agree import gather_decide, on_every_rank
 from ._commit import replica as _replica
 from ._commit.busy import BusyRound, may_start
 from ._context import Actions
@@ -44,7 +45,7 @@ from ._core.root import check_state, check_step
 from ._core.tierrestore import Choice, Tier, TierRestore, after_transfers
 from ._disk import layout as _layout
 from ._disk import lease as _lease
-from ._dist import gather_decide, make_agreement, on_every_rank
+from ._dist import make_agreement
 from ._priority import lower_this_thread
 from ._records import manifest as _manifest
 from ._records import trust as _trust

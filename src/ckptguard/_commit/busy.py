@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .._dist import Agreement, Wire, gather_decide
+from .._agree import Agreement, Wire, gather_decide
 from ..config import OnBusy
 
 log = logging.getLogger("ckptguard")

@@ -12,8 +12,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._agree import Wire
 from .._context import Context
-from .._dist import Wire
 from ..errors import (
     CheckpointWriteError,
     WriteFailure,

@@ -26,10 +26,10 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _faults
+from .._agree import gather_decide
 from .._context import NO_ACTIONS, Actions, Context
 from .._disk import layout as _layout
 from .._disk.digest import digest, file_digest
-from .._dist import gather_decide
 from .._records import manifest as _manifest
 from .._state.rng import RNG_ITEM
 from .._state.state import Captured, digests_and_layout_free

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import _faults
+from .._agree import gather_decide
 from .._context import Context
 from .._disk import layout as _layout
 from .._disk.layoutfree import combine_layout_free
-from .._dist import gather_decide
 from .._records import manifest as _manifest
+from .._records.versions import current_versions
 from .._state.state import digest_kind
 from ..errors import (
     WriteFailure,
@@ -58,6 +59,7 @@ def build_manifest(
         items=kinds,
         files=files,
         digests={str(r): rep.digests for r, rep in enumerate(reports)},
+        versions=current_versions(),
         contract={"phase": prep.phase, "hash": prep.contract_hash},
         cost=cost,  # optional in format 1: absent in manifests written before it
         # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).

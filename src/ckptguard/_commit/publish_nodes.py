@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
+from .._agree import gather_decide
 from .._context import Actions, Context
 from .._disk import layout as _layout
-from .._dist import gather_decide
 from .._records import manifest as _manifest
 from .._records.checks import rank_reads
 from ..errors import (

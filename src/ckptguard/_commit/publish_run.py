@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
+from .._agree import Wire, gather_decide
 from .._context import Actions, Context
 from .._disk import layout as _layout
-from .._dist import Wire, gather_decide
 from .._records import runmanifest
+from .._records.versions import current_versions
 from ..errors import ConfigError
 from . import stepdir as _stepdir
 from .messages import Outcome, Prepared, failure_from
@@ -114,6 +115,7 @@ def publish_run_step(
             world_size=ctx.world,
             roles={name: declared[name] for name in declared},
             contract={"phase": prep.phase, "hash": prep.contract_hash},
+            versions=current_versions(),
         )
         _layout.atomic_write_json(manifest.path, manifest.to_json())
         _faults.reached("commit.before_rename")

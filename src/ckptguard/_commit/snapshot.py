@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .._agree import gather_decide, on_every_rank
 from .._context import NO_ACTIONS, Actions, Context
 from .._disk.digest import digest
-from .._dist import gather_decide, on_every_rank
 from .._state import rng as _rng
 from .._state.state import Captured, capture
 from ..errors import (

@@ -22,7 +22,7 @@ from .. import _faults
 from .._context import NO_ACTIONS, Actions, Context
 from .._disk import layout as _layout
 from .._disk import lease as _lease
-from .._disk.digest import file_digest
+from .._disk.filedigest import file_digest
 from .._records import contract as _contract
 from ..errors import (
     ConfigError,

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._agree import on_every_rank
 from .._commit.messages import failure_from
 from .._context import Context
-from .._dist import on_every_rank
 from .._records import runmanifest
 from .._records.prooflog import ProofLog, export_fingerprint, logprob_diff
 from .._records.trust import HealthLog, HealthPolicy

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._agree import Agreement, gather_decide, on_every_rank
 from .._context import Actions
 from .._disk import layout as _layout
 from .._disk import lease as _lease
-from .._dist import Agreement, gather_decide, on_every_rank
 from .._records import retention
 from .._records import trust as _trust
 from .._records.prooflog import ProofLog

@@ -19,10 +19,10 @@ from typing import Any
 
 import xxhash
 
+from .._agree import Wire
 from .._commit import replica as _replica
 from .._context import Context
 from .._disk import layout as _layout
-from .._dist import Wire
 from .._records import manifest as _manifest
 from .._records.checks import files_needed
 from .._resume.resolve import resolve_local

@@ -11,14 +11,13 @@ combined, and a save on N ranks compares with a restore on M.
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import xxhash
+
+from .filedigest import file_digest as file_digest  # re-exported: its callers predate filedigest
 
 # Hash GPU tensors through a bounded host buffer instead of one full host copy.
 _CHUNK_BYTES = 64 << 20
@@ -143,47 +142,3 @@ def digest(obj: Any) -> str:
     h = xxhash.xxh3_64()
     update_digest(h, obj)
     return h.hexdigest()
-
-
-def file_digest(path: str, *, chunk: int = 8 << 20) -> tuple[int, str]:
-    """(size, xxh3-64 hex) of a file.
-
-    A reader thread fills the next buffer while this thread hashes the current one
-    (both release the GIL), so a cold read is limited by the disk, not by read + hash.
-    """
-    h = xxhash.xxh3_64()
-    if os.path.getsize(path) <= chunk:
-        with open(path, "rb") as f:
-            data = f.read()
-        h.update(data)
-        return len(data), h.hexdigest()
-    free: queue.Queue[bytearray] = queue.Queue()
-    for _ in range(3):
-        free.put(bytearray(chunk))
-    full: queue.Queue[tuple[bytearray, int] | BaseException | None] = queue.Queue()
-
-    def reader() -> None:
-        try:
-            with open(path, "rb", buffering=0) as f:
-                while True:
-                    buf = free.get()
-                    n = f.readinto(buf)
-                    if not n:
-                        break
-                    full.put((buf, n))
-            full.put(None)
-        except BaseException as exc:  # handed to the caller, never lost in the thread
-            full.put(exc)
-
-    thread = threading.Thread(target=reader, name="ckptguard-digest", daemon=True)
-    thread.start()
-    size = 0
-    while (item := full.get()) is not None:
-        if isinstance(item, BaseException):
-            raise item
-        buf, n = item
-        h.update(memoryview(buf)[:n])
-        size += n
-        free.put(buf)
-    thread.join()
-    return size, h.hexdigest()

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .._dist import Agreement, Wire, gather_decide
+from .._agree import Agreement, Wire, gather_decide
 from ..errors import CheckpointCorruptError, LeaseHeldError
 from .layout import atomic_write_bytes, fsync_dir, parse_json, proc_start, read_small
 

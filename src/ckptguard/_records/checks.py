@@ -6,13 +6,14 @@ manifest that leave the step directory are findings and are never opened.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .._disk import layout as _layout
-from .._disk.digest import file_digest
+from .._disk.filedigest import file_digest
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -21,7 +22,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..storage.base import DCP_METADATA
-from ..storage.unpickler import read_dcp_metadata
+from ..storage.dcpindex import read_dcp_index
 from . import manifest as _manifest
 from . import runmanifest
 from .findings import RESTORE_HINT, Finding, Severity, finding
@@ -130,7 +131,7 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
             finding("missing-file", state / DCP_METADATA, "DCP metadata is not in the manifest", RESTORE_HINT),
         ]
     try:
-        md = read_dcp_metadata(state)
+        md = read_dcp_index(state)
     except UnsafeCheckpointError as exc:
         return [
             *findings,
@@ -341,7 +342,7 @@ def cost(step_dir: Path) -> dict[str, Any] | None:
 def files_needed(step_dir: Path, manifest: _manifest.Manifest, rank: int) -> set[str]:
     """Files (relative to the step) that ``rank`` reads when restoring on the same layout:
     its extras, the DCP metadata, the shards it wrote, and the files of replicated keys."""
-    return {_layout.extras_name(rank)} | rank_reads(read_dcp_metadata(step_dir / _layout.STATE_DIR), rank)
+    return {_layout.extras_name(rank)} | rank_reads(read_dcp_index(step_dir / _layout.STATE_DIR), rank)
 
 
 def rank_reads(md: Any, rank: int) -> set[str]:
@@ -438,6 +439,12 @@ def verify_run_step(step_dir: Path, *, deep: bool, progress: Callable[[int], Non
         if size >= 0 and (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
             findings.append(err("role-manifest", part / _layout.MANIFEST_NAME,
                                 f"role {role!r}: differs from what the run manifest recorded", fix))
+        with contextlib.suppress(CheckpointError):  # an unreadable part manifest is verify_step's finding
+            own = _manifest.read(part)
+            if own.step != run.step or own.chain_id != run.chain_id:  # as ``checked_run_step`` (restore, list) refuses
+                findings.append(err("role-step", part / _layout.MANIFEST_NAME,
+                                    f"role {role!r} holds step {own.step} of chain {own.chain_id!r}, the run "
+                                    f"manifest step {run.step} of chain {run.chain_id!r}", fix))
         for f in verify_step(part, deep=deep, progress=progress):
             findings.append(Finding(f.severity, f.code, f.path, f"role {role!r}: {f.message}", f.fix))
     for entry_path in sorted(step_dir.iterdir()):

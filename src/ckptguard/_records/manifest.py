@@ -19,14 +19,10 @@ modules, optimizers, tensor dicts). The save then reads each tensor byte once.
 
 from __future__ import annotations
 
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch.torch_version import TorchVersion
 
 from .._disk.layout import MANIFEST_NAME, NODE_MANIFEST_NAME, parse_json, read_json, read_small
 from .._version import __version__
@@ -43,14 +39,6 @@ RUN_KIND = "ckptguard-run"
 
 def ckptguard_version() -> str:
     return __version__
-
-
-def current_versions() -> dict[str, str]:
-    return {
-        "torch": torch.__version__,
-        "ckptguard": ckptguard_version(),
-        "python": platform.python_version(),
-    }
 
 
 @dataclass(frozen=True)
@@ -115,13 +103,15 @@ def build(
     files: list[dict[str, Any]],
     digests: dict[str, dict[str, str]],
     contract: dict[str, Any],
+    versions: dict[str, str],
     cost: dict[str, Any] | None = None,
     layout_free: dict[str, dict[str, str]] | None = None,
     reshard: dict[str, dict[str, Any]] | None = None,
     nodes: list[dict[str, Any]] | None = None,
     digest_kind: dict[str, str] | None = None,
 ) -> Manifest:
-    """The manifest of a step being committed at ``path`` (written by the caller with ``to_json``)."""
+    """The manifest of a step being committed at ``path`` (written by the caller with ``to_json``);
+    ``versions``: ``_records.versions.current_versions()`` of the writing process."""
     return Manifest(
         path=path,
         format_version=FORMAT_VERSION,
@@ -129,7 +119,7 @@ def build(
         chain_id=chain_id,
         dir_template=dir_template,
         topology=topology,
-        versions=current_versions(),
+        versions=versions,
         items=items,
         files=sorted(files, key=lambda f: f["path"]),
         digests=digests,
@@ -333,16 +323,3 @@ def read_node(step_dir: Path) -> dict[str, Any] | None:
     ):
         raise CheckpointCorruptError(f"{path}: not a node manifest ckptguard wrote (damaged or edited)")
     return data
-
-
-def check_torch_version(manifest: Manifest, *, allow_newer: bool) -> None:
-    """Refuse, before any read, a checkpoint written by a newer torch than ours."""
-    written = manifest.versions.get("torch", "0")
-    if allow_newer or TorchVersion(written.split("+")[0]) <= torch.__version__.split("+")[0]:
-        return
-    raise VersionMismatchError(
-        f"{manifest.path.parent} was written by torch {written}; this process runs torch "
-        f"{torch.__version__}. Newer torch can write formats an older one misreads (e.g. "
-        "DTensor layouts). Restore with the image that wrote it, or pass "
-        "CheckpointConfig(allow_newer_torch=True) after checking it reads correctly."
-    )

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .._disk import layout as _layout
-from .._disk.digest import file_digest
+from .._disk.filedigest import file_digest
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError, VersionMismatchError
 from . import manifest as _manifest
 
@@ -96,6 +96,7 @@ def build(
     world_size: int,
     roles: dict[str, list[int]],
     contract: dict[str, Any],
+    versions: dict[str, str],
 ) -> RunManifest:
     """The run manifest of the parts already written under ``step_dir`` (a temp directory)."""
     entries = {}
@@ -110,7 +111,7 @@ def build(
         dir_template=dir_template,
         world_size=world_size,
         roles=entries,
-        versions=_manifest.current_versions(),
+        versions=versions,
         contract=contract,
         created_unix=time.time(),
     )

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._agree import Wire
 from .._disk import layout as _layout
-from .._dist import Wire
-from .._state.trajectory import scalar
+from .._state.scalars import scalar
 from ..errors import CheckpointCorruptError, ConfigError
 
 TRUST_NAME = "trust.json"

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import xxhash
 
+from .._agree import Wire, gather_decide
 from .._context import Context
 from .._disk.digest import digest
-from .._dist import Wire, gather_decide
 from .._records import manifest as _manifest
 from .._state import rng as _rng
 from .._state import state as _state

@@ -8,155 +8,26 @@ rank raises (``agree_files``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._agree import Wire, gather_decide
 from .._context import Context
 from .._disk import layout as _layout
-from .._dist import Wire, gather_decide
 from .._records import manifest as _manifest
 from .._records import trust as _trust
 from .._records.checks import files_needed, safe_member
 from ..config import ReshardRule, ResumeMode
 from ..errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointNotFoundError,
     RankDisagreementError,
-    ResumeError,
-    UnsafeCheckpointError,
     error_payload,
     rebuild,
 )
 from . import reshard as _reshard
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """Which checkpoint a restore would load, and why."""
-
-    step: int
-    """The step to resume from (0 for a fresh start)."""
-    path: Path | None
-    """The committed step directory, or None for a fresh start."""
-    reason: str
-    """One sentence: why this step."""
-    mode: ResumeMode
-
-    @property
-    def fresh(self) -> bool:
-        return self.path is None
-
-    def describe(self) -> str:
-        if self.fresh:
-            return f"FRESH START at step 0: {self.reason}"
-        return f"resume from step {self.step} at {self.path}: {self.reason}"
-
-
-def resolve_local(
-    root: Path,
-    naming: _layout.StepNaming,
-    mode: ResumeMode,
-    path: Path | None,
-    prefer: _trust.Prefer = _trust.Prefer.LATEST,
-    *,
-    read_manifest: Callable[[Path], Any] = _manifest.read,
-) -> Resolution:
-    """What this rank sees on disk; raises ResumeError rather than guessing.
-
-    ``read_manifest`` reads a step's commit marker (an object with ``step``) or raises: a run
-    of several roles passes its own, which also refuses a step missing a role (``ckptguard.run``)."""
-    if path is not None:
-        step_dir = Path(path)
-        _layout.refuse_link(step_dir, "step directory")  # a link may lead outside every root
-        if not step_dir.is_dir():
-            raise CheckpointNotFoundError(
-                f"restore(path={str(path)!r}): no such directory; pass a committed step directory"
-            )
-        manifest = read_manifest(step_dir)
-        return Resolution(manifest.step, step_dir, "explicit path", mode)
-    if mode is ResumeMode.NEVER:
-        count = len(_layout.step_dirs(root, naming))
-        return Resolution(0, None, f"ResumeMode.NEVER; {count} step directories under {root} ignored", mode)
-    if not root.exists():
-        if mode is ResumeMode.MUST:
-            raise ResumeError(
-                f"ResumeMode.MUST: checkpoint root {root} does not exist; "
-                "check the path (it is never created by restore)"
-            )
-        return Resolution(
-            0, None, f"checkpoint root {root} does not exist (it was not created; the first save creates it)", mode
-        )
-    tracker = _layout.read_tracker(root)
-    dirs = _layout.step_dirs(root, naming)
-    if tracker is None:
-        if dirs:
-            raise ResumeError(
-                f"{root} holds step directories {sorted(dirs)[-3:]} but no tracker "
-                f"{_layout.TRACKER_NAME}; ckptguard writes the tracker before any step, so "
-                "something outside it removed the tracker or wrote these steps. Inspect the "
-                "root, then restore(path=...) the step you trust or move the steps away."
-            )
-        if mode is ResumeMode.MUST:
-            raise ResumeError(f"ResumeMode.MUST: {root} has no tracker and no checkpoint")
-        return Resolution(0, None, f"{root} exists but holds no checkpoint and no tracker", mode)
-    if tracker == 0:
-        if mode is ResumeMode.MUST:
-            raise ResumeError(f"ResumeMode.MUST: the tracker in {root} says 0 (no step committed yet)")
-        orphans = f"; uncommitted step directories {sorted(dirs)} are ignored" if dirs else ""
-        return Resolution(0, None, f"tracker in {root} says 0: fresh start declared by the first save{orphans}", mode)
-    step_dir = root / naming.name(tracker)
-    _layout.refuse_link(step_dir, f"step directory of the tracker's step {tracker}")
-    try:
-        manifest = read_manifest(step_dir)
-    except UnsafeCheckpointError:
-        raise  # a link or a FIFO in place of the manifest: refused as such, not as "not committed"
-    except (CheckpointNotFoundError, CheckpointError) as exc:
-        raise ResumeError(
-            f"the tracker in {root} points at step {tracker}, but {step_dir} is not a committed "
-            f"checkpoint ({exc}). ckptguard never moves the tracker before the commit, so the "
-            "directory was changed afterwards (deleted, copied partially, node-local disk). "
-            "Restore the files, or restore(path=...) an older committed step explicitly."
-        ) from exc
-    if manifest.step != tracker:
-        raise ResumeError(f"{step_dir}/manifest.json says step {manifest.step} but the tracker says {tracker}")
-    res = Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
-    return _prefer_verified(root, naming, res, read_manifest) if prefer is _trust.Prefer.VERIFIED else res
-
-
-def _prefer_verified(
-    root: Path, naming: _layout.StepNaming, res: Resolution, read_manifest: Callable[[Path], Any] = _manifest.read
-) -> Resolution:
-    """prefer='verified': the newest verified committed step no newer than the tracker (module doc of trust)."""
-    try:
-        trust = _trust.read(root)
-    except CheckpointCorruptError as exc:
-        raise ResumeError(f"prefer='verified' under {root}: {exc}") from None
-    for step in sorted((s for s in trust if s <= res.step), reverse=True):
-        if _trust.state(trust[step]) is not _trust.Trust.VERIFIED:
-            continue
-        step_dir = root / naming.name(step)
-        try:
-            if step_dir.is_symlink() or read_manifest(step_dir).step != step:
-                continue
-        except CheckpointError:
-            continue  # deleted or damaged since it was verified: the next older one
-        newer = "" if step == res.step else (
-            f"; the tracker's step {res.step} and the steps between are not verified: resuming here is a "
-            "rollback (saving those steps again needs save(..., overwrite=True))")
-        return Resolution(step, step_dir, f"prefer='verified': step {step} is the newest verified step{newer}",
-                          res.mode)
-    entry = trust.get(res.step)
-    if entry is not None and entry.get("unhealthy_after") is not None:
-        raise ResumeError(
-            f"prefer='verified' under {root}: no committed step is verified, and the tracker's step {res.step} was "
-            f"followed by the unhealthy step {entry['unhealthy_after']}. Restore an older step with "
-            "restore(path=...), or resume it anyway with prefer='latest'"
-        )
-    return Resolution(res.step, res.path, f"{res.reason}; prefer='verified': no step is verified yet, and no "
-                      f"unhealthy step followed step {res.step} ({_trust.describe(entry)})", res.mode)
+from .resolution import Resolution as Resolution  # re-exported: decided without torch in resolution
+from .resolution import resolve_local as resolve_local
 
 
 @dataclass(frozen=True)

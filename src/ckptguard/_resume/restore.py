@@ -20,13 +20,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._agree import gather_decide, on_every_rank
 from .._context import Context
 from .._disk import layout as _layout
 from .._disk.digest import digest, file_digest
-from .._dist import gather_decide, on_every_rank
 from .._records import contract as _contract
 from .._records import manifest as _manifest
 from .._records.checks import safe_member
+from .._records.versions import check_torch_version
 from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
@@ -166,7 +167,7 @@ def precheck(
     by every item's rule, or refused naming the items without one)."""
     assert res.path is not None
     manifest = _manifest.read(res.path)
-    _manifest.check_torch_version(manifest, allow_newer=ctx.config.allow_newer_torch)
+    check_torch_version(manifest, allow_newer=ctx.config.allow_newer_torch)
     _check_topology(ctx, manifest)
     where = f"restore of step {manifest.step} from {res.path}"
     _contract.check_chain(ctx.root, manifest.chain_id, where=where)

@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from .._disk.digest import digest
-from ..errors import ConfigError
+from .scalars import scalar
 
 _HEAD = 4  # ids shown in evidence when a step's data differs
 
@@ -67,30 +67,6 @@ def ids_fields(ids: Any) -> dict[str, Any]:
         return {"sample_ids": h.hexdigest(), "samples": len(ids), "ids_head": list(ids[:_HEAD]),
                 "ids_sum": ids_multiset(hashed)}
     return {"sample_ids": digest(ids)}
-
-
-def scalar(name: str, value: Any) -> float | int | bool | str:
-    """An exact scalar for the record; a tensor or NumPy number of one element is read out."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        count = value.numel() if isinstance(value, torch.Tensor) else value.size
-        if count != 1:
-            raise ConfigError(
-                f"record_step({name}=...): a {type(value).__name__} of {count} elements is not a scalar; pass "
-                "the tensors the step consumed as batch=..."
-            )
-        value = value.item()
-    elif isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    raise ConfigError(
-        f"record_step({name}=...): {type(value).__name__} is not a number or string; extras are the "
-        "step's scalar outputs (reward, lr, tokens, ...), compared exactly on replay"
-    )
 
 
 def fingerprint(

@@ -39,16 +39,20 @@ def _gib(n: float | None) -> str:
     return fmt_bytes(n)  # GiB from 1 GiB up, MiB below: a 64 MiB term is not "0.06 GiB"
 
 
-def _fail(message: str, code: int = 2) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
+def _fail(message: str, code: int = 2, as_json: bool = False) -> NoReturn:
+    """The CLI's one error style: ``error: ...`` on stderr, or under --json one object on stdout."""
+    if as_json:
+        click.echo(json.dumps({"ok": False, "error": message}))
+    else:
+        click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
 
-def _records(files: tuple[Path, ...]) -> list[dict[str, Any]]:
+def _records(files: tuple[Path, ...], as_json: bool = False) -> list[dict[str, Any]]:
     try:
         return read_records(files)
     except CheckpointError as exc:
-        _fail(str(exc))
+        _fail(str(exc), as_json=as_json)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -60,15 +64,23 @@ def mem() -> None:
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between samples.")
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=Path("mem-watch.jsonl"),
               show_default=True, help="JSONL file to append samples to.")
+@click.option("--json", "as_json", is_flag=True,
+              help="When CMD ends, print one JSON object: its exit status and where the samples are.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def watch_cmd(interval: float, out: Path, cmd: tuple[str, ...]) -> None:
+def watch_cmd(interval: float, out: Path, as_json: bool, cmd: tuple[str, ...]) -> None:
     """Run CMD (after --) and sample the node and every process of its tree."""
     try:
         rc = watch(list(cmd), WatchConfig(out=out, interval_s=interval))
     except CheckpointError as exc:
-        _fail(str(exc))
-    click.echo(f"mem watch: {cmd[0]} exited with {rc}; samples in {out}", err=True)
-    sys.exit(128 - rc if rc < 0 else rc)
+        _fail(str(exc), as_json=as_json)
+    status = 128 - rc if rc < 0 else rc
+    if as_json:
+        failed = {} if rc == 0 else {"error": f"{cmd[0]} exited with status {status}; samples in {out}"}
+        click.echo(json.dumps({"ok": rc == 0, **failed, "command": list(cmd), "returncode": rc,
+                               "exit_status": status, "signal": -rc if rc < 0 else None, "samples": str(out)}))
+    else:
+        click.echo(f"mem watch: {cmd[0]} exited with {rc}; samples in {out}", err=True)
+    sys.exit(status)
 
 
 @mem.command()
@@ -197,21 +209,32 @@ def estimate(model_dir: Path, as_dtype: str | None, as_json: bool) -> None:
               help="Write a PNG of the charts here (needs matplotlib).")
 @click.option("--ray-log", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="Ray log to look for its kill line.")
-def report(files: tuple[Path, ...], html_out: Path | None, png_out: Path | None, ray_log: Path | None) -> None:
+@JSON
+def report(files: tuple[Path, ...], html_out: Path | None, png_out: Path | None, ray_log: Path | None,
+           as_json: bool) -> None:
     """One page: host memory with phases and limits, process floors with verdicts, GPU memory."""
-    records = _records(files)
+    records = _records(files, as_json)
     log = ray_log.read_text(errors="replace") if ray_log else None
     if html_out is None and png_out is None:
         html_out = Path("mem-report.html")
-    if html_out is not None:
-        html_out.write_text(render_html(records, ray_log=log), encoding="utf-8")
-        click.echo(f"wrote {html_out}")
-    if png_out is not None:
-        try:
+    written: dict[str, str | None] = {"html": None, "png": None}
+    try:
+        if html_out is not None:
+            html_out.write_text(render_html(records, ray_log=log), encoding="utf-8")
+            written["html"] = str(html_out)
+        if png_out is not None:
             render_png(records, png_out, ray_log=log)
-        except CheckpointError as exc:
-            _fail(str(exc))
-        click.echo(f"wrote {png_out}")
+            written["png"] = str(png_out)
+    except CheckpointError as exc:
+        _fail(str(exc), as_json=as_json)
+    except OSError as exc:
+        _fail(f"could not write the report: {exc}", code=1, as_json=as_json)
+    if as_json:
+        click.echo(json.dumps({"ok": True, **written, "records": len(records)}))
+        return
+    for path in (written["html"], written["png"]):
+        if path is not None:
+            click.echo(f"wrote {path}")
 
 
 @mem.command()

@@ -1,4 +1,4 @@
-"""A real restore without model code: ``python -m ckptguard.ops._offline STEP_DIR [--budget-bytes N]``.
+"""A real restore without model code: ``python -m ckptguard.ops._offline STEP_DIR... [--budget-bytes N]``.
 
 Contract: in a fresh process, rank by rank and, within a rank, item by item, allocate the
 tensors that rank held (the chunk it wrote, or a replicated key's one full chunk) from the
@@ -8,8 +8,8 @@ its digest for comparison with the manifest, and drop the tensors. A correct sav
 is not a restore test (docs/practices.md, 3.5); this is one. Host memory stays within the budget:
 tensors are loaded in batches of at most ``budget_bytes`` (a single tensor larger than the
 budget alone), through a reader pool of ``POOL_BYTES``, with one rank's extras at a time;
-never the whole checkpoint. Prints one JSON line per item done (``{"progress": ...}``) and
-then the result object on stdout.
+never the whole checkpoint. Prints one JSON line per item done (``{"progress": ..., "step_dir": ...}``)
+and then one per step (``{"step_dir": ..., "result": ...}``) on stdout; one process checks every step given.
 """
 
 from __future__ import annotations
@@ -334,14 +334,22 @@ def compare(step_dir: Path, recomputed: dict[str, Any]) -> list[str]:
 
 def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckptguard.ops._offline")
-    parser.add_argument("step_dir", type=Path)
+    parser.add_argument("step_dirs", type=Path, nargs="+")
     parser.add_argument("--budget-bytes", type=int, default=DEFAULT_BUDGET)
     args = parser.parse_args(argv)
+    # One process checks every step, rank by rank (torch is imported once, not once a step): a
+    # progress line per item and a result line per step, each naming its step directory.
+    for step_dir in args.step_dirs:
 
-    def report(event: dict[str, Any]) -> None:
-        print(json.dumps({"progress": event}), flush=True)
+        def report(event: dict[str, Any], step_dir: Path = step_dir) -> None:
+            print(json.dumps({"progress": event, "step_dir": str(step_dir)}), flush=True)
 
-    print(json.dumps(recompute(args.step_dir, budget_bytes=max(1, args.budget_bytes), progress=report)), flush=True)
+        try:
+            result = recompute(step_dir, budget_bytes=max(1, args.budget_bytes), progress=report)
+        except Exception as exc:  # this step fails, the next ones are still checked
+            print(json.dumps({"step_dir": str(step_dir), "error": f"{type(exc).__name__}: {exc}"[:600]}), flush=True)
+            continue
+        print(json.dumps({"step_dir": str(step_dir), "result": result}), flush=True)
     return 0
 
 

@@ -54,6 +54,7 @@ from .._disk.layoutfree import REPLICAS_DIFFER
 from .._records import manifest as _manifest
 from .._records.checks import safe_member
 from .._records.findings import Finding, Severity, finding
+from .._records.versions import current_versions
 from .._state.expert import EP_SUFFIX
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError
 from ..storage import StorageContext, StreamingConfig, StreamingStorage, read_dcp_metadata
@@ -599,7 +600,7 @@ def _export_into(
     result.tensors, result.bytes = len(planned), total
     return {"kind": EXPORT_KIND, "format_version": EXPORT_FORMAT, "dtype": result.dtype, "files": files,
             "tensors": {p.name: _tensor_entry(p, weight_map, written) for p in planned},
-            "versions": _manifest.current_versions(), "created_unix": time.time()}
+            "versions": current_versions(), "created_unix": time.time()}
 
 
 def _tensor_entry(p: Planned, weight_map: dict[str, str], written: dict[str, str]) -> dict[str, Any]:

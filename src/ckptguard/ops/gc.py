@@ -16,6 +16,7 @@ verified orphan instead.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,9 +103,13 @@ def gc(
     force: bool = False,
     max_age_s: float = STALE_TEMP_AGE_S,
     ttl_s: float = LEASE_TTL_S,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> GcReport:
     """Remove ckptguard's dead leftovers under ``root`` (and, with ``orphans``, the steps
-    newer than the tracker); report everything else it finds. Returns what it did."""
+    newer than the tracker); report everything else it finds. Returns what it did.
+
+    ``progress(phase, done, total)``: after each step directory checked (``"check"``) and each
+    entry removed (``"remove"``)."""
     root = Path(root).absolute()
     identify(root)
     tracker = _layout.read_tracker(root)
@@ -120,7 +125,9 @@ def gc(
     steps: set[Path] = set()  # victims that are step directories: uncommitted through the trash
     dirs = _layout.step_dirs(root, naming)
     verified = _trust.newest_verified(root, dirs)  # an unreadable trust record stops gc, naming the file
-    for step, path in sorted(dirs.items()):
+    for done, (step, path) in enumerate(sorted(dirs.items()), 1):
+        if progress is not None:
+            progress("check", done, len(dirs))
         if path.is_symlink():
             report.kept.append((path, "a symlink: never deleted through; replace it with the real directory"))
             continue
@@ -167,7 +174,9 @@ def gc(
     if dry_run:
         report.removed = victims
         return report
-    for path, what in victims:
+    for done, (path, what) in enumerate(victims, 1):
+        if progress is not None:
+            progress("remove", done, len(victims))
         if path in steps:
             _layout.remove_step_dir(path)
         elif path.is_dir() and not path.is_symlink():

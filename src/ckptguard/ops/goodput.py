@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._records.prooflog import read_records
+from .._records.proofrecords import read_records
 
 __all__ = ["Goodput", "Launch", "goodput", "young_daly"]
 

@@ -19,12 +19,13 @@ from .._records import manifest as _manifest
 from .._records import retention as _retention
 from .._records import runmanifest as _runmanifest
 from .._records import trust as _trust
-from .._resume.resolve import Resolution, resolve_local
+from .._records.findings import Severity
+from .._resume.resolution import Resolution, resolve_local
 from ..config import ResumeMode
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, ResumeError
 
 __all__ = ["Listing", "StepEntry", "hold", "list_steps", "naming", "release", "resolve", "state_bytes",
-           "tracker_run_step", "verify_targets", "world_size"]
+           "tracker", "tracker_run_step", "verify_targets", "world_size"]
 
 
 def naming(template: str) -> _layout.StepNaming:
@@ -35,11 +36,32 @@ def naming(template: str) -> _layout.StepNaming:
 def resolve(
     root: Path, template: str, mode: ResumeMode, path: Path | None = None, prefer: str = "latest"
 ) -> Resolution:
-    """Which step a restore under ``root`` would load, and why, decided as ``restore`` decides."""
-    return resolve_local(
-        root.absolute(), naming(template), mode, path, _trust.as_prefer(prefer, "--prefer"),
-        read_manifest=_checks.read_any,
-    )
+    """Which step a restore under ``root`` would load, and why, decided as ``restore`` decides: the
+    step's files are checked as restore checks them before it reads (present, sizes, shard set,
+    paths), so a step restore would refuse is refused here too (ResumeError), never announced."""
+    root = root.absolute()
+    steps = naming(template)
+    if path is None and mode is not ResumeMode.NEVER and _layout.read_tracker(root) is None:
+        dirs = _layout.step_dirs(root, steps)
+        if dirs:  # the core's message blames "something outside ckptguard"; a killed transfer does this too
+            raise ResumeError(
+                f"{root} holds step directories {sorted(dirs)[-3:]} but no tracker {_layout.TRACKER_NAME}. "
+                "A `ckptguard transfer` into this root that was killed before its last step leaves exactly this: "
+                "run the same transfer again (it finishes the copy and sets the tracker). Otherwise something "
+                "outside ckptguard removed the tracker or wrote these steps: inspect the root, then "
+                "restore(path=...) the step you trust or `ckptguard adopt ROOT STEP` it"
+            )
+    res = resolve_local(root, steps, mode, path, _trust.as_prefer(prefer, "--prefer"),
+                        read_manifest=_checks.read_any)
+    if res.path is not None:
+        errors = [f for f in _checks.verify_step(res.path)
+                  if f.severity is Severity.ERROR and f.code != "unexpected-file"]
+        if errors:
+            raise ResumeError(
+                f"a restore would refuse step {res.step} at {res.path} ({res.reason}): {errors[0].line()}"
+                + (f" (and {len(errors) - 1} more: `ckptguard verify {res.path}`)" if len(errors) > 1 else "")
+            )
+    return res
 
 
 @dataclass(frozen=True)
@@ -115,6 +137,11 @@ def hold(root: Path, template: str, step: int, reason: str) -> Path:
 
 def release(root: Path, step: int) -> bool:
     return _retention.release(root, step)
+
+
+def tracker(root: Path) -> int | None:
+    """The tracker's step (None: no tracker); raises for an unreadable one."""
+    return _layout.read_tracker(root)
 
 
 _TRAILING = re.compile(r".*?(\d+)\Z")

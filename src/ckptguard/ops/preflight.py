@@ -21,14 +21,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._agree import node_name
 from .._disk import layout as _layout
-from .._dist import node_name
 from .._records import checks as _checks
 from .._records import manifest as _manifest
 from .._records import runmanifest as _runmanifest
 from .._records.checks import files_needed, safe_member, verify_step
 from .._records.findings import Finding, Severity
-from .._resume.resolve import resolve_local
+from .._resume.resolution import resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
 

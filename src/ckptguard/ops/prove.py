@@ -23,7 +23,7 @@ from typing import Any
 
 from .._records import checks as _checks
 from .._records import runmanifest as _runmanifest
-from .._records.prooflog import read_records, record_roles
+from .._records.proofrecords import read_records, record_roles
 from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError
@@ -414,11 +414,21 @@ def _drawn_before_restore(step: int, k: int, key: tuple[Any, ...], firsts: dict[
     nxt_a, nxt_b = ref.get(step + 1), after.get(step + 1)
     if nxt_a and nxt_b and _key(nxt_a[0]) != _key(nxt_b[0]):
         return None  # the next step differs too: not one batch drawn early
-    then = f"; step {step + 1} matches the killed run's again" if nxt_a and nxt_b else ""
+    if nxt_a and nxt_b:
+        return (f"The resumed run consumed at its first step after the restore (step {step}) what a freshly started "
+                f"process consumed at its first step (step {firsts[key]}); step {step + 1} matches the killed run's "
+                "again: the batch was drawn before restore(), from an RNG not yet restored. Draw the first batch "
+                "after restore() (or keep the batch drawn ahead in the state: state['batch'] = "
+                "ckptguard.PerRank(batch))")
+    # No next step to tell the two apart: a sampler without its generator that starts a new pass right
+    # after the restore draws the fresh process's first order too.
     return (f"The resumed run consumed at its first step after the restore (step {step}) what a freshly started "
-            f"process consumed at its first step (step {firsts[key]}){then}: the batch was drawn before restore(), "
-            "from an RNG not yet restored. Draw the first batch after restore() (or keep the batch drawn ahead in "
-            "the state: state['batch'] = ckptguard.PerRank(batch))")
+            f"process consumed at its first step (step {firsts[key]}); step {step + 1} was not recorded by both "
+            "runs, so two causes fit: the batch was drawn before restore(), from an RNG not yet restored (draw it "
+            "after restore(), or keep it in the state: state['batch'] = ckptguard.PerRank(batch)), or a sampler "
+            "whose torch.Generator is not in the state began a new epoch in its first order (add "
+            "state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)); more replayed steps, "
+            "ProofPlan(replay_steps=2), tell which")
 
 
 def _hint(

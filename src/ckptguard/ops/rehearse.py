@@ -37,7 +37,7 @@ from .. import _faults
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records.checks import cost
-from .._records.prooflog import read_records
+from .._records.proofrecords import read_records
 from ..config import ProofPlan
 from ..errors import CheckpointError, RehearsalError
 from . import _proctree

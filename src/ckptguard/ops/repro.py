@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,12 +126,16 @@ def _rank(rank: int, world: int, port: int, target: str, cfg: ReproConfig, out: 
                 failure["first"] = exc.first.to_json()
             break
         rounds.append({"round": n, "seconds": time.perf_counter() - start, **_process_figures()})
+        if rank == 0:  # the parent's progress: one line per committed round
+            with open(out + ".rounds", "a") as f:
+                f.write(f"{n}\n")
     Path(out).write_text(json.dumps({"rank": rank, "rounds": rounds, "failure": failure}))
     os._exit(0)
 
 
-def run_repro(target: Path, cfg: ReproConfig) -> dict[str, Any]:
-    """Repeat the save under ``target``; returns the report (also when a round failed)."""
+def run_repro(target: Path, cfg: ReproConfig, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Repeat the save under ``target``; returns the report (also when a round failed).
+    ``progress(rounds committed)`` is called as rank 0 commits them."""
     target = Path(target).absolute()
     target.mkdir(parents=True, exist_ok=True)
     before = {"fs": filesystem(target), "oom_kill": _oom_kills()}
@@ -144,10 +150,26 @@ def run_repro(target: Path, cfg: ReproConfig) -> dict[str, Any]:
         ]
         for p in procs:
             p.start()
+        seen = 0
+        while alive := [p.sentinel for p in procs if p.is_alive()]:
+            mp.connection.wait(alive, timeout=0.25)  # a rank's exit, or the next look at the progress file
+            seen = _report_rounds(outs[0] + ".rounds", seen, progress)
         for p in procs:
             p.join()
+        _report_rounds(outs[0] + ".rounds", seen, progress)
         results = [json.loads(Path(o).read_text()) if Path(o).exists() else None for o in outs]
     return _report(target, cfg, before, results, [p.exitcode for p in procs])
+
+
+def _report_rounds(path: str, seen: int, progress: Callable[[int], None] | None) -> int:
+    """Rounds rank 0 has committed (its progress file), passed on when the count grew."""
+    try:
+        n = len(Path(path).read_text().split())
+    except OSError:
+        return seen
+    if n > seen and progress is not None:
+        progress(n)
+    return max(n, seen)
 
 
 def _report(

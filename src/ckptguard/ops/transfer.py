@@ -14,12 +14,12 @@ manifest names, the node manifest, then the global manifest.
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import secrets
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,18 @@ TRANSFERS_DIR = "transfers"
 
 
 def transfer(
-    step_dir: Path, dest_root: Path, *, record: Path | None = None, ttl_s: float = 6 * 3600.0
+    step_dir: Path,
+    dest_root: Path,
+    *,
+    record: Path | None = None,
+    ttl_s: float = 6 * 3600.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Copy the committed ``step_dir`` into ``dest_root`` under the destination's lease.
 
     A transfer killed after its rename and before the tracker left a complete copy: run
-    again, it checks that copy against the source's manifest and finishes (``resumed``)."""
+    again, it checks that copy against the source's manifest and finishes (``resumed``).
+    ``progress(bytes copied, bytes in all)`` follows each file copied."""
     step_dir, dest_root = Path(step_dir).absolute(), Path(dest_root).absolute()
     findings = [f for f in verify_step(step_dir) if f.severity.value == "ERROR"]
     if findings:
@@ -53,7 +59,7 @@ def transfer(
     ours = _lease.is_mine(dest_root)  # this process already writes there: keep its lease afterwards
     note = _lease.acquire(dest_root, ttl_s=ttl_s)
     try:
-        return _transfer_locked(step_dir, dest_root, final, manifest, record, note)
+        return _transfer_locked(step_dir, dest_root, final, manifest, record, note, progress)
     finally:
         if not ours:
             _lease.release(dest_root)
@@ -72,7 +78,13 @@ def _same_copy(step_dir: Path, final: Path) -> bool:
 
 
 def _transfer_locked(
-    step_dir: Path, dest_root: Path, final: Path, manifest: Any, record: Path | None, note: str | None
+    step_dir: Path,
+    dest_root: Path,
+    final: Path,
+    manifest: Any,
+    record: Path | None,
+    note: str | None,
+    progress: Callable[[int, int], None] | None,
 ) -> dict[str, Any]:
     started = time.time()
     resumed = False
@@ -85,7 +97,7 @@ def _transfer_locked(
         resumed = True  # killed between its rename and the tracker: only the tracker and record are left
     _copy_contract(step_dir.parent, dest_root)
     if not resumed:
-        _copy_files(step_dir, dest_root, final, manifest)
+        _copy_files(step_dir, dest_root, final, manifest, progress)
     _faults.reached("transfer.before_tracker")
     current = _layout.read_tracker(dest_root) or 0
     if manifest.step >= current:
@@ -109,16 +121,22 @@ def _transfer_locked(
     return info
 
 
-def _copy_files(step_dir: Path, dest_root: Path, final: Path, manifest: Any) -> None:
+def _copy_files(
+    step_dir: Path, dest_root: Path, final: Path, manifest: Any, progress: Callable[[int, int], None] | None
+) -> None:
     tmp = dest_root / _layout.temp_dir_name(step_dir.name, secrets.token_hex(6))
     tmp.mkdir()
     _layout.write_owner(tmp)
     entries, _findings = node_part(step_dir, manifest)  # verified complete by the caller
+    total, done = sum(int(e["size"]) for e in entries or []), 0
     try:
         for entry in entries or []:
             (tmp / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
             copy_verified(step_dir / entry["path"], tmp / entry["path"], expect=entry["xxh3"])
             _faults.reached("transfer.file_copied")
+            done += int(entry["size"])
+            if progress is not None:
+                progress(done, total)
         if manifest.nodes:
             copy_verified(step_dir / _layout.NODE_MANIFEST_NAME, tmp / _layout.NODE_MANIFEST_NAME)
         copy_verified(step_dir / _layout.MANIFEST_NAME, tmp / _layout.MANIFEST_NAME)
@@ -148,4 +166,13 @@ def _copy_contract(src_root: Path, dest_root: Path) -> None:
 
 
 def describe(info: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in info.items() if k != "files"}, indent=1)
+    """What a transfer did, in a few lines (``--json`` prints ``info`` itself)."""
+    size = sum(int(f["size"]) for f in info["files"])
+    how = "resumed an interrupted transfer: its copy was complete and verified" if info["resumed"] else (
+        f"copied {len(info['files'])} file(s), {size} bytes, each verified against the manifest")
+    return "\n".join([
+        f"step {info['step']}: {info['source']} -> {info['destination']}",
+        f"  {how}, in {info['finished_unix'] - info['started_unix']:.2f} s",
+        f"  tracker of the destination: step {info['tracker_set_to']}",
+        f"  record: {info['record']}",
+    ])

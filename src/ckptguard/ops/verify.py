@@ -39,9 +39,15 @@ __all__ = ["RESTORE_HINT", "Finding", "Severity", "cost", "deep_bytes", "printab
 
 
 def verify_root(
-    root: Path, naming: _layout.StepNaming, *, deep: bool = False, progress: Callable[[int], None] | None = None
+    root: Path,
+    naming: _layout.StepNaming,
+    *,
+    deep: bool = False,
+    progress: Callable[[int], None] | None = None,
+    on_step: Callable[[Path], None] | None = None,
 ) -> tuple[list[Path], list[Finding]]:
     """(committed step directories checked, findings) for a whole root, tracker included.
+    ``progress`` gets the bytes hashed (``deep``), ``on_step`` each step directory as its check starts.
 
     A root that holds no checkpoint at all is an ERROR finding (``no-checkpoint``) that
     names the root the caller probably meant, never an "OK" over zero steps."""
@@ -76,6 +82,8 @@ def verify_root(
         return [], findings + leftover_findings(root)
     checked = []
     for step, path in sorted(dirs.items()):
+        if on_step is not None:
+            on_step(path)
         if path.is_symlink():
             findings.append(
                 finding(
@@ -187,64 +195,93 @@ def worst(findings: Iterable[Finding]) -> int:
     return 1 if any(f.severity is Severity.ERROR for f in findings) else 0
 
 
+OFFLINE = ["-m", "ckptguard.ops._offline"]
+"""The restore check's child: ``python -m ckptguard.ops._offline STEP_DIR...``."""
+
+
 def restore_check(
     step_dirs: Iterable[Path],
     *,
     budget_bytes: int | None = None,
     progress: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> list[Finding]:
-    """A real restore of each step in a new process, rank by rank and item by item within
+    """A real restore of every step in one new process, rank by rank and item by item within
     ``budget_bytes`` of host memory; digests compared item by item. ``progress`` gets
-    (step directory, {"rank", "world", "item", "bytes"}) after each item."""
+    (step directory, {"rank", "world", "item", "bytes"}) after each item. A process that dies
+    fails the step it was on; the steps after it are checked in a new process."""
+    from ._offline import compare
+
+    findings: list[Finding] = []
+    todo = [Path(p) for p in step_dirs]
+    while todo:
+        results, tail = _restore_process(todo, budget_bytes, progress)
+        for step_dir in todo[: len(results)]:
+            findings += _restore_findings(step_dir, results[step_dir], compare)
+        if len(results) < len(todo):  # the process died inside this step
+            dead = todo[len(results)]
+            findings.append(finding("restore-failed", dead, f"a restore in a new process failed: {tail}", RESTORE_HINT))
+            todo = todo[len(results) + 1:]
+        else:
+            todo = []
+    return findings
+
+
+def _restore_process(
+    step_dirs: list[Path], budget_bytes: int | None, progress: Callable[[Path, dict[str, Any]], None] | None
+) -> tuple[dict[Path, dict[str, Any]], str]:
+    """Run ``_offline`` once over ``step_dirs``: the results it printed, in order, and its last stderr line."""
     import json
     import subprocess
     import sys
     import tempfile
 
-    from ._offline import DEFAULT_BUDGET, compare
+    from ._offline import DEFAULT_BUDGET
 
-    findings = []
-    for step_dir in step_dirs:
-        cmd = [sys.executable, "-m", "ckptguard.ops._offline", str(step_dir),
-               "--budget-bytes", str(budget_bytes or DEFAULT_BUDGET)]
-        result: dict[str, Any] | None = None
-        # stderr goes to a file: a pipe nobody reads while stdout is followed could fill and stall the child.
-        with tempfile.TemporaryFile(mode="w+") as err:
-            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(event, dict) and "progress" in event:
-                        if progress is not None:
-                            progress(step_dir, event["progress"])
-                    elif isinstance(event, dict):
-                        result = event
-            err.seek(0)
-            tail = (err.read().strip().splitlines() or ["no output"])[-1]
-        if proc.returncode != 0 or result is None:
-            findings.append(
-                finding("restore-failed", step_dir, f"a restore in a new process failed: {tail}", RESTORE_HINT)
+    cmd = [sys.executable, *OFFLINE, *map(str, step_dirs),
+           "--budget-bytes", str(budget_bytes or DEFAULT_BUDGET)]
+    results: dict[Path, dict[str, Any]] = {}
+    # stderr goes to a file: a pipe nobody reads while stdout is followed could fill and stall the child.
+    with tempfile.TemporaryFile(mode="w+") as err:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(event, dict) or "step_dir" not in event:
+                    continue
+                where = Path(event["step_dir"])
+                if "progress" in event and progress is not None:
+                    progress(where, event["progress"])
+                elif len(results) < len(step_dirs) and where == step_dirs[len(results)] and isinstance(
+                        event.get("result") or event.get("error"), (dict, str)):
+                    results[where] = event["result"] if "result" in event else {"error": str(event["error"])}
+        err.seek(0)
+        tail = (err.read().strip().splitlines() or [f"exit status {proc.returncode}, no output"])[-1]
+    if proc.returncode != 0 and len(results) == len(step_dirs):  # died after its last result: say so
+        results.pop(step_dirs[-1])
+    return results, tail
+
+
+def _restore_findings(step_dir: Path, result: dict[str, Any], compare: Callable[..., list[str]]) -> list[Finding]:
+    if "error" in result:  # the restore of this step raised (the process went on with the next step)
+        return [finding("restore-failed", step_dir, f"a restore in a new process failed: {result['error']}",
+                     RESTORE_HINT)]
+    findings = [finding("restore-failed", step_dir, problem, RESTORE_HINT) for problem in result.get("failed", [])]
+    findings += [finding("digest-mismatch", step_dir, problem, RESTORE_HINT) for problem in compare(step_dir, result)]
+    elsewhere = result.get("elsewhere") or []
+    if elsewhere:  # never a PASS for what was not restored: said, as not checked here
+        findings.append(
+            Finding(
+                Severity.WARNING,
+                "not-checked",
+                str(step_dir),
+                f"saved on node-local roots: ranks {elsewhere} are on other nodes' disks, not restored here"
+                + ("; the tensor bytes of format-3 tensor items (covered only by their layout-free digests, "
+                   "which need every rank's chunks) were not compared on any rank"
+                   if "layout_free" in result else ""),
+                "run `ckptguard verify --restore` on those nodes too",
             )
-            continue
-        for problem in result.get("failed", []):
-            findings.append(finding("restore-failed", step_dir, problem, RESTORE_HINT))
-        for problem in compare(step_dir, result):
-            findings.append(finding("digest-mismatch", step_dir, problem, RESTORE_HINT))
-        elsewhere = result.get("elsewhere") or []
-        if elsewhere:  # never a PASS for what was not restored: said, as not checked here
-            findings.append(
-                Finding(
-                    Severity.WARNING,
-                    "not-checked",
-                    str(step_dir),
-                    f"saved on node-local roots: ranks {elsewhere} are on other nodes' disks, not restored here"
-                    + ("; the tensor bytes of format-3 tensor items (covered only by their layout-free digests, "
-                       "which need every rank's chunks) were not compared on any rank"
-                       if "layout_free" in result else ""),
-                    "run `ckptguard verify --restore` on those nodes too",
-                )
-            )
+        )
     return findings

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint.metadata import Metadata
+if TYPE_CHECKING:  # types only: the checks that read DCP_METADATA's name run without torch
+    import torch
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.metadata import Metadata
 
 DCP_METADATA = ".metadata"
 

@@ -13,40 +13,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._disk.layout import read_small
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError, UnsafeCheckpointError
+from ..errors import CheckpointCorruptError
 from .base import DCP_METADATA
+from .dcpindex import ALLOWED_NAMES, confine, read_bounded, unreadable
+from .dcpindex import METADATA_BYTES as METADATA_BYTES
+from .dcpindex import plain_name as plain_name
 
 # ---------------------------------------------------------------- restricted unpickling
-
-_DCP_METADATA_CLASSES = (
-    "ChunkStorageMetadata",
-    "_MEM_FORMAT_ENCODING",
-    "TensorProperties",
-    "TensorStorageMetadata",
-    "BytesStorageMetadata",
-    "StorageMeta",
-    "Metadata",
-    "MetadataIndex",
-)
-# Exact (module, name) pairs only: a module-wide allowance would let protocol 4's dotted
-# names reach through it ("filesystem", "os.system") to any callable.
-_ALLOWED_NAMES = {
-    *(("torch.distributed.checkpoint.metadata", n) for n in _DCP_METADATA_CLASSES),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
-    ("torch.distributed.checkpoint.planner", "LoadItemType"),
-    ("torch.distributed.checkpoint.planner", "WriteItemType"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-}
 
 
 class SafeMetadataUnpickler(pickle.Unpickler):
@@ -58,7 +31,7 @@ class SafeMetadataUnpickler(pickle.Unpickler):
 
     def __init__(self, file: Any, *, extra: frozenset[tuple[str, str]] = frozenset()) -> None:
         super().__init__(file)
-        self._allowed = _ALLOWED_NAMES | extra
+        self._allowed = ALLOWED_NAMES | extra
 
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name and (module, name) in self._allowed:
@@ -72,7 +45,7 @@ class SafeMetadataUnpickler(pickle.Unpickler):
 def _allowed_objects(extra: frozenset[tuple[str, str]] = frozenset()) -> list[Any]:
 
     out = []
-    for module, name in sorted(_ALLOWED_NAMES | extra):
+    for module, name in sorted(ALLOWED_NAMES | extra):
         obj = getattr(importlib.import_module(module), name, None)
         if obj is not None:
             out.append(obj)
@@ -126,10 +99,6 @@ def _saved(obj: Any) -> dict[str, Any]:
     return got
 
 
-METADATA_BYTES = 1 << 30
-"""Bound of one ``.metadata`` read; DCP's metadata of a large model is megabytes."""
-
-
 def read_dcp_metadata(state_dir: Path, *, extra: frozenset[tuple[str, str]] = frozenset()) -> Metadata:
     """DCP's ``.metadata`` of ``state_dir``, unpickled only through the allow-list.
 
@@ -142,50 +111,16 @@ def read_dcp_metadata(state_dir: Path, *, extra: frozenset[tuple[str, str]] = fr
     data from outside the checkpoint."""
 
     path = state_dir / DCP_METADATA
-    try:
-        data = read_small(path, limit=METADATA_BYTES, what="DCP metadata")
-    except FileNotFoundError:
-        raise CheckpointIncompleteError(
-            f"{path} is missing: the tensor state of this checkpoint was never finished; "
-            "resume from an earlier committed step"
-        ) from None
+    data = read_bounded(path)
     try:
         with _NoBuildOnGlobals(extra):
             md = SafeMetadataUnpickler(io.BytesIO(data), extra=extra).load()
-    except pickle.UnpicklingError as exc:
-        if "is not allowed" in str(exc):
-            raise UnsafeCheckpointError(
-                f"{path} refers to {exc}: the file was not written by DCP, or was tampered "
-                "with; it could run code if unpickled, so ckptguard will not read it. "
-                "Do not load this checkpoint; restore an earlier step or rewrite it."
-            ) from None
-        raise CheckpointCorruptError(f"{path} is not a readable DCP metadata file: {exc}") from None
-    except Exception as exc:  # RecursionError, MemoryError-free garbage, ...: all one error
-        raise CheckpointCorruptError(
-            f"{path} is not a readable DCP metadata file: {type(exc).__name__}: {exc}"
-        ) from None
+    except Exception as exc:  # RecursionError, MemoryError-free garbage, a refused global: one error each
+        raise unreadable(path, exc) from None
     if not isinstance(md, Metadata):
         raise CheckpointCorruptError(f"{path} holds a {type(md).__name__}, not DCP Metadata")
-    _confine(path, md)
+    confine(path, md)
     return md
-
-
-def _confine(path: Path, md: Metadata) -> None:
-    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data or {}, dict):
-        raise CheckpointCorruptError(f"{path} is not DCP metadata (its tables are not mappings)")
-    for index, info in (md.storage_data or {}).items():
-        rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str) or not plain_name(rel):
-            raise UnsafeCheckpointError(
-                f"{path} names the data file {rel!r} for {getattr(index, 'fqn', index)!r}, which leaves "
-                f"{path.parent} (absolute, '..', a subdirectory): DCP writes plain names there, so the "
-                "file was crafted or damaged. Do not restore it; restore an earlier step."
-            )
-
-
-def plain_name(rel: str) -> bool:
-    """True for a plain file name (what DCP writes in ``state/``): no directory part, no '..'."""
-    return bool(rel) and rel not in (".", "..") and "/" not in rel and "\\" not in rel and "\0" not in rel
 
 
 def pickle_globals(data: bytes) -> set[str]:

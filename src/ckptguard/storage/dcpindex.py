@@ -1,0 +1,286 @@
+"""DCP's ``.metadata`` read without torch, for the checks: which data file holds which key's chunk.
+
+Contract: ``read_dcp_index`` reads the file exactly as ``read_dcp_metadata`` does (bounded, never
+through a link or from a FIFO), refuses the same globals (the allow-list lives here and the
+restricted unpickler uses it), raises the same errors with the same messages, and confines every
+data file name to the state directory the same way; it only builds stand-ins for DCP's classes
+instead of importing torch. What it returns has the attributes the checks read
+(``storage_data``: ``MetadataIndex``-like keys with ``fqn`` and ``offset``, ``_StorageInfo``-like
+values with ``relative_path``); tensors are never loaded from it (``read_dcp_metadata`` is what a
+restore uses). The operator commands that check a step (``list``, ``gc``, ``adopt``, ``preflight``)
+then start without torch's 1-2 s import, 20-60 s on a loaded node.
+
+The stand-ins are stricter than DCP's classes, never looser: a shape, layout, dtype or enum value
+torch would refuse is refused here, and a BUILD on a stand-in class (which on DCP's own classes
+would change them for the rest of the process) fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pathlib
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .._disk.layout import read_small
+from ..errors import CheckpointCorruptError, CheckpointIncompleteError, UnsafeCheckpointError
+from .base import DCP_METADATA
+
+__all__ = ["METADATA_BYTES", "MetadataView", "plain_name", "read_dcp_index"]
+
+METADATA_BYTES = 1 << 30
+"""Bound of one ``.metadata`` read; DCP's metadata of a large model is megabytes."""
+
+DCP_METADATA_CLASSES = (
+    "ChunkStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "StorageMeta",
+    "Metadata",
+    "MetadataIndex",
+)
+_MD = "torch.distributed.checkpoint.metadata"
+# Exact (module, name) pairs only: a module-wide allowance would let protocol 4's dotted
+# names reach through it ("filesystem", "os.system") to any callable.
+ALLOWED_NAMES = {
+    *((_MD, n) for n in DCP_METADATA_CLASSES),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch.distributed.checkpoint.planner", "LoadItemType"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
+
+# ``torch.<name>`` globals the restricted unpickler allows: the dtypes and memory formats of torch
+# 2.13 (a test compares this with torch's own list).
+TORCH_DTYPE_NAMES = frozenset(
+    [
+        "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "cdouble", "cfloat", "chalf",
+        "channels_last", "channels_last_3d", "complex128", "complex32", "complex64", "contiguous_format", "double",
+        "float", "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn", "float8_e4m3fnuz",
+        "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "half", "int", "int1", "int16", "int2", "int3", "int32",
+        "int4", "int5", "int6", "int64", "int7", "int8", "legacy_contiguous_format", "long", "preserve_format",
+        "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "short", "uint1", "uint16", "uint2", "uint3", "uint32",
+        "uint4", "uint5", "uint6", "uint64", "uint7", "uint8"
+    ]
+)
+TORCH_LAYOUTS = frozenset(
+    [
+        "torch._mkldnn", "torch.jagged", "torch.sparse_bsc", "torch.sparse_bsr", "torch.sparse_coo",
+        "torch.sparse_csc", "torch.sparse_csr", "torch.strided"
+    ]
+)
+
+
+def refused(exc: pickle.UnpicklingError) -> bool:
+    return "is not allowed" in str(exc)
+
+
+def _refuse(what: str) -> NoReturn:
+    raise pickle.UnpicklingError(f"{what} is not allowed in DCP metadata")
+
+
+class _Frozen(type):
+    """A stand-in class: a pickle's BUILD on the class itself (not an instance) cannot change it."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        _refuse(f"a BUILD on the global(s) [{cls.__qualname__!r}]")
+
+    def __delattr__(cls, name: str) -> None:
+        _refuse(f"a BUILD on the global(s) [{cls.__qualname__!r}]")
+
+
+class _Record(metaclass=_Frozen):
+    """A DCP dataclass as its pickle builds it: NEWOBJ with no arguments, then BUILD writing its
+    fields into the instance's ``__dict__`` (no ``__setstate__``, as DCP's dataclasses have none)."""
+
+
+class MetadataView(_Record):
+    """Stands in for ``Metadata``; its defaults are DCP's."""
+
+    planner_data: Any = None
+    storage_data: Any = None
+    storage_meta: Any = None
+    version: Any = None
+
+
+class IndexView(_Record):
+    """Stands in for ``MetadataIndex`` (a dict key: hashed and compared on fqn and offset, as DCP's is)."""
+
+    offset: Any = None
+    index: Any = None
+
+    def __hash__(self) -> int:
+        return hash((self.__dict__.get("fqn"), self.offset))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, IndexView) and (self.__dict__.get("fqn"), self.offset) == (
+            other.__dict__.get("fqn"), other.offset)
+
+
+class _TensorProperties(_Record):
+    def __setstate__(self, state: Any) -> None:
+        # DCP's own __setstate__: five values; an unknown memory-format encoding raises there too.
+        dtype, layout, requires_grad, memory_format, pin_memory = state
+        if memory_format not in (0, 1, 2):
+            raise RuntimeError(f"Invalid torch.memory_format encoding: {memory_format}")
+        self.__dict__.update(dtype=dtype, layout=layout, requires_grad=requires_grad,
+                             memory_format=memory_format, pin_memory=pin_memory)
+
+
+class _Call:
+    """Stands in for an allowed function or enum: callable, and a BUILD on it is refused."""
+
+    __slots__ = ("_fn", "_name")
+    _fn: Callable[..., Any]
+    _name: str
+
+    def __init__(self, name: str, fn: Callable[[Any], Any]) -> None:
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+    @property
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]  # what BUILD writes into
+        _refuse(f"a BUILD on the global(s) [{self._name!r}]")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        _refuse(f"a BUILD on the global(s) [{self._name!r}]")
+
+
+def _size(values: Any = ()) -> tuple[int, ...]:
+    out = tuple(values)
+    if not all(isinstance(v, int) for v in out):
+        raise TypeError("torch.Size(): an element is not an int")
+    return out
+
+
+def _enum(name: str, values: tuple[int, ...]) -> _Call:
+    def make(value: Any) -> int:
+        if not isinstance(value, int) or value not in values:
+            raise ValueError(f"{value!r} is not a valid {name}")
+        return int(value)
+
+    return _Call(name, make)
+
+
+def _layout(name: Any) -> str:
+    if name not in TORCH_LAYOUTS:
+        raise KeyError(name)
+    return str(name)
+
+
+def _plain(name: str) -> type:
+    """The other DCP dataclasses (chunks, tensor and bytes entries, storage info): fields only."""
+    return _Frozen(name, (_Record,), {"__module__": __name__, "__qualname__": name})
+
+
+_FS = "torch.distributed.checkpoint.filesystem"
+_PLANNER = "torch.distributed.checkpoint.planner"
+_STANDINS: dict[tuple[str, str], Any] = {
+    (_MD, "Metadata"): MetadataView,
+    (_MD, "MetadataIndex"): IndexView,
+    (_MD, "TensorProperties"): _TensorProperties,
+    (_MD, "_MEM_FORMAT_ENCODING"): _enum("_MEM_FORMAT_ENCODING", (0, 1, 2)),
+    **{(_MD, n): _plain(n) for n in ("ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                      "StorageMeta")},
+    (_FS, "_StorageInfo"): _plain("_StorageInfo"),
+    (_FS, "_StoragePrefix"): _plain("_StoragePrefix"),
+    (_PLANNER, "LoadItemType"): _enum("LoadItemType", (1, 2)),
+    (_PLANNER, "WriteItemType"): _enum("WriteItemType", (1, 2, 3)),
+    ("torch", "Size"): _Call("Size", _size),
+    ("torch.serialization", "_get_layout"): _Call("_get_layout", _layout),
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.WindowsPath,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+}
+assert set(_STANDINS) == ALLOWED_NAMES
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """The restricted unpickler's allow-list, answered with stand-ins: no torch, and no code runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name and (module, name) in ALLOWED_NAMES:
+            return _STANDINS[(module, name)]
+        if module == "torch" and "." not in name and name in TORCH_DTYPE_NAMES:
+            return f"torch.{name}"
+        _refuse(f"global {module}.{name}")
+
+
+def read_bounded(path: Path) -> bytes:
+    """The bytes of a ``.metadata`` file: bounded, never through a link or from a FIFO."""
+    try:
+        return read_small(path, limit=METADATA_BYTES, what="DCP metadata")
+    except FileNotFoundError:
+        raise CheckpointIncompleteError(
+            f"{path} is missing: the tensor state of this checkpoint was never finished; "
+            "resume from an earlier committed step"
+        ) from None
+
+
+def unreadable(path: Path, exc: BaseException) -> Exception:
+    """The error for a ``.metadata`` that did not unpickle (``exc``): refused, or not readable."""
+    if isinstance(exc, pickle.UnpicklingError) and refused(exc):
+        return UnsafeCheckpointError(
+            f"{path} refers to {exc}: the file was not written by DCP, or was tampered "
+            "with; it could run code if unpickled, so ckptguard will not read it. "
+            "Do not load this checkpoint; restore an earlier step or rewrite it."
+        )
+    if isinstance(exc, pickle.UnpicklingError):
+        return CheckpointCorruptError(f"{path} is not a readable DCP metadata file: {exc}")
+    return CheckpointCorruptError(f"{path} is not a readable DCP metadata file: {type(exc).__name__}: {exc}")
+
+
+def read_dcp_index(state_dir: Path) -> MetadataView:
+    """DCP's ``.metadata`` of ``state_dir`` as stand-ins (see the module doc); raises what
+    ``read_dcp_metadata`` raises for the same file."""
+    path = state_dir / DCP_METADATA
+    data = read_bounded(path)
+    try:
+        md = _IndexUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # RecursionError, garbage, a refused global: all one error each
+        raise unreadable(path, exc) from None
+    if not isinstance(md, MetadataView):
+        raise CheckpointCorruptError(f"{path} holds a {type(md).__name__}, not DCP Metadata")
+    confine(path, md)
+    return md
+
+
+def confine(path: Path, md: Any) -> None:
+    """Every data file ``md`` names must be a plain name inside ``path``'s directory."""
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data or {}, dict):
+        raise CheckpointCorruptError(f"{path} is not DCP metadata (its tables are not mappings)")
+    for index, info in (md.storage_data or {}).items():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not plain_name(rel):
+            raise UnsafeCheckpointError(
+                f"{path} names the data file {rel!r} for {getattr(index, 'fqn', index)!r}, which leaves "
+                f"{path.parent} (absolute, '..', a subdirectory): DCP writes plain names there, so the "
+                "file was crafted or damaged. Do not restore it; restore an earlier step."
+            )
+
+
+def plain_name(rel: str) -> bool:
+    """True for a plain file name (what DCP writes in ``state/``): no directory part, no '..'."""
+    return bool(rel) and rel not in (".", "..") and "/" not in rel and "\\" not in rel and "\0" not in rel
+
