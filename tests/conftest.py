@@ -48,6 +48,11 @@ SLOW_MODULES = {
     "test_trajectory",
     "test_transfer",
     "test_verl_integration",
+    "test_cli_progress",
+    "test_cli_start",
+    "test_ops_refusals",
+    "test_verify_restore_once",
+    "test_replicas_after_load",
 }
 
 
