@@ -220,6 +220,9 @@ def refuse_link(path: Path, what: str) -> None:
         )
 
 
+_DIGITS = re.compile(r"[0-9]+")
+
+
 def read_tracker(root: Path) -> int | None:
     """The step in the tracker, or None if there is no tracker."""
     path = root / TRACKER_NAME
@@ -229,6 +232,8 @@ def read_tracker(root: Path) -> int | None:
         return None
     try:
         text = raw.decode("ascii").strip()
+        if not _DIGITS.fullmatch(text):  # int() also takes "+3", "0_3", "٣": none is a step ckptguard wrote
+            raise ValueError(text)
         step = int(text)
     except ValueError:  # UnicodeDecodeError is one too
         raise CheckpointCorruptError(
