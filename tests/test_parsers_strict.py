@@ -5,7 +5,6 @@ anything is imported for it (``getattr(torch, X)`` imports torch's lazy submodul
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 
