@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import time
 import zlib
 from typing import Any
 
@@ -79,11 +80,13 @@ class StoreAgreement:
         self._timeout = _dt.timedelta(seconds=timeout_s)
         self._seq = 0
         self._previous: str | None = None
+        self._deadline: float | None = None  # a gather's phase deadline, shared by the bcast that follows
 
     def exchange(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any]:
         """``patience`` scales the timeout: a phase that follows a collective with the same
         timeout waits longer, so that its peers' own timeout fires first and every rank
         reports the same first error instead of some reporting a timeout."""
+        deadline = time.monotonic() + (self._timeout * patience).total_seconds()  # one deadline for the phase
         base, keys = self._keys(phase)
         me = keys[self.info.rank]
         self._post(phase, me, payload)
@@ -94,7 +97,7 @@ class StoreAgreement:
         if self._previous is not None:
             self._delete(self._previous, self._previous.rsplit("/", 1)[0] + f"/ack/{self.info.rank}")
         self._previous = me
-        self._linger(base)
+        self._linger(base, _left(deadline))
         return values
 
     def gather(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any] | None:
@@ -105,11 +108,15 @@ class StoreAgreement:
         ``bcast``. On rank 0 a missing rank raises CollectiveTimeoutError; rank 0 must pass
         that on to the others in its next broadcast.
         """
+        total = (self._timeout * patience).total_seconds()
+        self._deadline = time.monotonic() + total  # the bcast of the verdict ends by it too
         _, keys = self._keys(phase)
         self._post(phase, keys[self.info.rank], payload)
         if self.info.rank != 0:
             return None
-        self._wait(phase, keys, self._timeout * patience)
+        # Rank 0 keeps a share of the phase to decide and broadcast, so the others' wait for its
+        # verdict ends within the same timeout_s: one deadline, not one per wait (issue 33 item 7).
+        self._wait(phase, keys, _dt.timedelta(seconds=total * (1.0 - _DECIDE_SHARE)))
         values = self._read(phase, keys)
         self._delete(*keys)
         return values
@@ -120,16 +127,18 @@ class StoreAgreement:
         Rank 0 then waits (bounded, failures ignored) for the acknowledgements of the
         ``live`` ranks (default: all), so it does not exit before they have read.
         """
+        wait = self._timeout if self._deadline is None else _left(self._deadline)
+        self._deadline = None
         base, keys = self._keys(phase)
         if self.info.rank == 0:
             self._post(phase, keys[0], payload)
             others = [r for r in (live if live is not None else range(self.info.world_size)) if r != 0]
             acks = [f"{base}ack/{r}" for r in others]
             with contextlib.suppress(Exception):
-                self._store.wait(acks, self._timeout)
+                self._store.wait(acks, wait)
                 self._delete(keys[0], *acks)
             return json.loads(json.dumps(payload))
-        self._wait(phase, keys[:1], self._timeout)
+        self._wait(phase, keys[:1], wait)
         value = self._read(phase, keys[:1])[0]
         with contextlib.suppress(Exception):
             # Store.set takes bytes as well; torch's stub names only str.
@@ -180,7 +189,7 @@ class StoreAgreement:
             for key in keys:
                 self._store.delete_key(key)
 
-    def _linger(self, base: str) -> None:
+    def _linger(self, base: str, wait: _dt.timedelta) -> None:
         """Wait until every rank has read this phase before returning.
 
         The store lives in one rank's process (rank 0 under tcp:// init); if that rank
@@ -190,7 +199,7 @@ class StoreAgreement:
         acks = [f"{base}ack/{r}" for r in range(self.info.world_size)]
         try:
             self._store.set(acks[self.info.rank], b"")  # type: ignore[arg-type]  # bytes work; stub: str
-            self._store.wait(acks, self._timeout)
+            self._store.wait(acks, wait)
         except Exception:
             pass
 
@@ -208,6 +217,15 @@ class StoreAgreement:
             phase=phase,
             missing_ranks=[0],
         )
+
+
+_DECIDE_SHARE = 0.2
+"""Of a gather_decide phase's timeout, what rank 0 keeps for its decision and broadcast."""
+
+
+def _left(deadline: float) -> _dt.timedelta:
+    # Never zero: a c10d wait of 0 s would mean "the store's default timeout", not "do not wait".
+    return _dt.timedelta(seconds=max(deadline - time.monotonic(), 0.05))
 
 
 def make_agreement(process_group: Any | None, *, timeout_s: float, namespace: str) -> Agreement:

@@ -185,6 +185,12 @@ class WriteFailure:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def cause_order(self) -> tuple[bool, bool, int, int]:
+        """The key that picks "the first error" across ranks: a rank's own failure before one that
+        only followed another rank's (its time is pushed past 10**18), an OS error (errno set) before
+        a symptom without one (a serializer's "unexpected pos", a peer's timeout), then wall clock, rank."""
+        return self.time_ns >= 10**18, self.errno is None, self.time_ns, self.rank
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WriteFailure:
         return cls(**data)
@@ -206,7 +212,8 @@ class WriteFailure:
 class CheckpointWriteError(CheckpointError, OSError):
     """A save failed on some rank; every rank raises this same error together.
 
-    ``first`` is the earliest failure reported (by wall clock, then rank);
+    ``first`` is the failure that names the cause (``WriteFailure.cause_order``: an OS error before
+    a symptom without errno, then the earliest by wall clock, then rank);
     ``failures`` holds every rank's report.
     """
 
@@ -214,7 +221,7 @@ class CheckpointWriteError(CheckpointError, OSError):
 
     def __init__(self, message: str, *, step: int, failures: Sequence[WriteFailure | dict[str, Any]]) -> None:
         parsed = [f if isinstance(f, WriteFailure) else WriteFailure.from_json(f) for f in failures]
-        first = min(parsed, key=lambda f: (f.time_ns, f.rank)) if parsed else None
+        first = min(parsed, key=WriteFailure.cause_order) if parsed else None
         super().__init__(first.errno if first and first.errno else 0, message)
         self.step = step
         self.failures = parsed

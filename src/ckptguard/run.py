@@ -378,7 +378,6 @@ class RunCheckpoint:
             RunReport(list(self._roles), failure),
             lambda reports: publish_run_step(self._run, step, tmp, prep, reports, self._ranks, actions),
             decision=Outcome,
-            patience=2.0,
         )
         raise_if_failed(self._run, outcome.failures, step=step, phase=outcome.phase)
         path = self.root / self._naming.name(step)

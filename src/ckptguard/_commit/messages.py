@@ -150,7 +150,7 @@ def raise_if_failed(
     failures = [WriteFailure.from_json(f) for f in shipped]
     if not failures:
         return
-    first = min(failures, key=lambda f: (f.time_ns, f.rank))
+    first = min(failures, key=WriteFailure.cause_order)  # an OS error before a serializer's symptom of it
     raise CheckpointWriteError(
         f"save of step {step} under {ctx.root} failed at {phase}; first error: {first.describe()}. "
         f"All {ctx.world} ranks raise this together; {consequence}",

@@ -282,12 +282,16 @@ def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | Non
             f.close()
 
 
-def recv_file(link: Link, dest: Path, spec: FileSpec, src: int) -> Problem | None:
+def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple[str, str] | None = None,
+              ) -> Problem | None:
     """Receive ``spec`` from ``src`` (which calls ``send_file``) into ``dest``: a temp name, fsync,
     xxh3 against ``spec``, rename. Returns the problem, this side's or the sender's.
 
     A problem of this side is answered in place of the next "written" (or the final answer): the
-    block in flight is still received, so the sender never waits on a receiver that gave up."""
+    block in flight is still received, so the sender never waits on a receiver that gave up.
+    ``refuse`` (what is refused and why, what to do; "the file: it is not listed ..."): the caller
+    refuses the file before a byte is written; the exchange still runs, so the sender hears it
+    within one block."""
     me = dist.get_rank(link.group)
     started = time.monotonic()
     part = dest.with_name(f"{dest.name}.part-{secrets.token_hex(4)}")
@@ -300,11 +304,13 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int) -> Problem | Non
                         exc=exc)
 
     try:
-        if not spec.path or os.path.isabs(spec.path) or ".." in Path(spec.path).parts:
+        if refuse is None and (not spec.path or os.path.isabs(spec.path) or ".." in Path(spec.path).parts):
             # The path comes from the peer: one that leaves the receiver's directory is never written.
-            problem = _problem(link, spec, src, me, f"rank {me} refuses the path: it leaves the directory it is "
-                               "received into (absolute or '..')", f"the sender's manifest or plan is damaged or "
-                               f"crafted; check rank {src}'s checkpoint root", at=me, exc_type="CheckpointCorruptError")
+            refuse = ("the path: it leaves the directory it is received into (absolute or '..')",
+                      f"the sender's manifest or plan is damaged or crafted; check rank {src}'s checkpoint root")
+        if refuse is not None:
+            problem = _problem(link, spec, src, me, f"rank {me} refuses {refuse[0]}", refuse[1], at=me,
+                               exc_type="CheckpointCorruptError")
         else:
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)

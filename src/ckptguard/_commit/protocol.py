@@ -15,6 +15,7 @@ Protocol (docs/architecture.md, the walk of one save; docs/practices.md, 3.3-3.4
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ from ..errors import (
     CheckpointError,
     ConfigError,
 )
+from ..storage._pool import io_error, write_all
 from ..storage._staging import release_host_cache
 from ..storage.base import WrittenFile
 from .messages import Prepared, PrepareRequest, RankReport, failure_from, raise_if_failed
@@ -95,11 +97,46 @@ def prepare(ctx: Context, step: int, actions: Actions = NO_ACTIONS) -> Prepared:
 # ---------------------------------------------------------------- step 2: write
 
 
+class _ExtrasFile:
+    """The file ``torch.save`` writes the extras to: every write through ``write_all``, so a failed
+    write is an OSError with errno, path and offset. Through a plain file, torch's serializer turns
+    ENOSPC into "unexpected pos 1216 vs 1110" with errno 0, the error that hides its cause."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path, self.offset = fd, path, 0
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            write_all(self.fd, view, self.path, self.offset)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        self.offset += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        """Nothing is buffered here; the fsync follows the whole file."""
+
+
 def _write_extras(path: Path, extras: dict[str, Any]) -> WrittenFile:
-    with open(path, "wb") as f:
-        torch.save(extras, f)
-        f.flush()
-        os.fsync(f.fileno())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        out = _ExtrasFile(fd, str(path))
+        try:
+            torch.save(extras, out)  # type: ignore[arg-type]  # write and flush are all torch.save calls
+        except Exception as exc:
+            if out.error is not None:  # the OS error, not the serializer's symptom of it
+                raise out.error from exc
+            raise
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise io_error(exc.errno or errno.EIO, "fsync of", str(path), offset=out.offset, requested=0,
+                           returned=-1) from exc
+    finally:
+        os.close(fd)
     size, xxh = file_digest(str(path))
     return WrittenFile(path=path.name, size=size, xxh3=xxh)
 

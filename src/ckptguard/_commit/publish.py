@@ -124,7 +124,7 @@ def confirm_and_publish(
     outcome = gather_decide(  # file lists and digests are for rank 0's manifest only
         ctx.agreement, "save.written", write(),
         lambda reports: write_marker_or_fail(ctx, snap, prep, tmp, reports, then),
-        decision=Outcome, patience=2.0,
+        decision=Outcome,
     )
     raise_if_failed(ctx, outcome.failures, step=snap.step, phase=outcome.phase)
 

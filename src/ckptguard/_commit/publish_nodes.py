@@ -232,7 +232,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
         plan = gather_decide(
             ctx.agreement, "save.written", report,
             lambda reports: _plan_nodes(ctx, step, tmp, prep, snap.started, reports, kinds, snap.cost),
-            decision=NodePlan, patience=2.0,
+            decision=NodePlan,
         )
         raise_if_failed(ctx, plan.failures, step=step, phase="write")
         failure = _copy_files(ctx, step, tmp, plan.copies)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable
@@ -33,6 +34,10 @@ from typing import Any
 from .._disk import layout as _layout
 from .._disk.digest import file_digest
 from .._records import manifest as _manifest
+from .._records.checks import rank_reads
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..storage.base import DCP_METADATA
+from ..storage.unpickler import read_dcp_metadata
 from . import p2p as _p2p
 
 REPLICA_DIR = "replicas"
@@ -125,8 +130,9 @@ def send_file(path: Path, spec: FileSpec, dst: int, link: _p2p.Link) -> str | No
     return None if problem is None else str(problem)
 
 
-def recv_file(dest: Path, spec: FileSpec, src: int, link: _p2p.Link) -> str | None:
-    problem = _p2p.recv_file(link, dest, spec, src)
+def recv_file(dest: Path, spec: FileSpec, src: int, link: _p2p.Link, *, refuse: tuple[str, str] | None = None,
+              ) -> str | None:
+    problem = _p2p.recv_file(link, dest, spec, src, refuse=refuse)
     return None if problem is None else str(problem)
 
 
@@ -200,29 +206,28 @@ def _seal(tmp: Path, final: Path, step: int, source: int, files: list[FileSpec],
 
 def fetch_plan(root: Path, step_name: str, needed: set[str], manifest_files: list[dict[str, Any]],
                source: int) -> tuple[list[FileSpec], list[Path]]:
-    """What a sender sends to rebuild ``source``'s part of a step: the contract files, every file
-    the rank needs (from this node's step directory, else from the replica of ``source``), and
-    the manifest last. Returns the specs and where the sender reads each."""
+    """What a sender sends to rebuild ``source``'s part of a step: the manifest first (the receiver
+    admits every later file by it; it is published last, at ``seal_fetch``), the contract files, and
+    every file the rank needs (from this node's step directory, else from the replica of
+    ``source``). Returns the specs and where the sender reads each."""
 
     step_dir = root / step_name
-    specs: list[FileSpec] = []
-    paths: list[Path] = []
+    manifest = step_dir / _layout.MANIFEST_NAME
+    size, xxh = file_digest(str(manifest))
+    specs: list[FileSpec] = [FileSpec(_layout.MANIFEST_NAME, size, xxh)]
+    paths: list[Path] = [manifest]
     for p in sorted((root / _layout.CONTRACT_DIR).glob("phase_*.json")):
         size, xxh = file_digest(str(p))
         specs.append(FileSpec(f"{_layout.CONTRACT_DIR}/{p.name}", size, xxh, "root"))
         paths.append(p)
     by_path = {f["path"]: f for f in manifest_files}
-    for rel in sorted(needed):
+    for rel in sorted(needed):  # state/.metadata sorts before the shards: the receiver admits them by it
         f = by_path[rel]
         local = step_dir / rel
         replica = replica_dir(root, step_name, source) / rel
         src = local if _has_size(local, int(f["size"])) else replica
         specs.append(FileSpec(rel, int(f["size"]), str(f["xxh3"])))
         paths.append(src)
-    manifest = step_dir / _layout.MANIFEST_NAME
-    size, xxh = file_digest(str(manifest))
-    specs.append(FileSpec(_layout.MANIFEST_NAME, size, xxh))
-    paths.append(manifest)
     return specs, paths
 
 
@@ -241,7 +246,7 @@ def send_part(specs: list[FileSpec], paths: list[Path], dst: int, group: Any, *,
     """Send a rank's part of a step (``fetch_plan``) to ``dst``, which calls ``recv_part``: a header
     (the step and the specs), then the files; both stop at the first file that failed."""
     if step is None:
-        step = _step_of(paths[-1]) if paths else None
+        step = _step_of(paths[0]) if paths else None
     link = _link(group, step, "fetch from a peer replica", FETCH_RETRY, timeout_s)
     _p2p.send_json(link, {"step": step, "files": [s.__dict__ for s in specs]}, dst)
     for s, p in zip(specs, paths, strict=True):
@@ -259,46 +264,158 @@ def _step_of(manifest: Path) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any, *, timeout_s: float | None = None) -> list[str]:
-    """Receive a rank's part of a step into ``tmp`` (a temp directory of this node's root): the
-    contract files into the root where absent (where present they must be the same bytes), the step
-    files, and the manifest as ``tmp/.fetched-manifest-<rank>``, checked against every file received."""
+def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any, *, step: int,
+              timeout_s: float | None = None) -> list[str]:
+    """Receive ``rank``'s part of ``step`` (the step every rank agreed) into ``tmp`` (a temp directory
+    of this node's root): the manifest first, as ``fetched_manifest(tmp, rank)``, then only the files
+    it lists for ``rank`` (its extras, the DCP metadata and the shards the metadata says it reads),
+    under ``tmp``, and the contract phases it names, staged in ``tmp`` and linked into the root once the
+    whole part arrived (where present they must be the same bytes).
 
-    header = _p2p.recv_json(_link(group, None, "fetch from a peer replica", FETCH_RETRY, timeout_s), src)
-    if "error" in header:  # the sender could not read its part: nothing follows
+    The header and its paths come from the peer: one that names any other file (a tracker, the trust
+    record, a hold, another step's marker, another rank's extras) or does not parse plants nothing;
+    the file is refused within the exchange, so the sender hears it at once and both report it."""
+
+    link = _link(group, step, "fetch from a peer replica", FETCH_RETRY, timeout_s)
+    header = _p2p.recv_json(link, src)
+    if isinstance(header, dict) and "error" in header:  # the sender could not read its part: nothing follows
         return [str(header.get("error"))]
-    link = _link(group, header.get("step"), "fetch from a peer replica", FETCH_RETRY, timeout_s)
-    specs = [FileSpec(**s) for s in header["files"]]
-    problems: list[str] = []  # not transfer failures (those stop both sides at once): the fetch is refused after
-    for spec in specs[:-1]:
-        if spec.where != "root":
-            if (err := recv_file(tmp / spec.path, spec, src, link)) is not None:
-                return [*problems, err]
-            continue
-        dest = root / spec.path
-        if not dest.exists():
-            if (err := recv_file(dest, spec, src, link)) is not None:
-                return [*problems, err]
-            continue
-        # A root of this run already holds its contract: never overwritten, it must be the same file.
-        scratch = tmp / f".fetched-{secrets.token_hex(4)}"
-        err = recv_file(scratch, spec, src, link)
-        scratch.unlink(missing_ok=True)
-        if err is not None:
-            return [*problems, err]
-        if file_digest(str(dest))[1] != spec.xxh3:
-            problems.append(f"{dest} differs from the run's contract file on rank {src}: this node's root holds "
-                            "another run; give the replacement node an empty root (or this run's)")
-    manifest = fetched_manifest(tmp, rank)
-    if (err := recv_file(manifest, specs[-1], src, link)) is not None:
-        return [*problems, err]
-    if problems or (problems := _against_manifest(manifest, specs)):
-        manifest.unlink(missing_ok=True)
-    return problems
+    specs, refusal = _header_specs(header, step)
+    if not specs:  # not even the first file's size: no exchange can follow, the sender times out
+        return [f"fetch from a peer replica, step {step}: rank {rank} refuses rank {src}'s header: {refusal}; "
+                f"rank {src}'s ckptguard is another version, or the peer is not this job's; {FETCH_RETRY}"]
+    staged = fetched_manifest(tmp, rank).parent
+    if (err := recv_file(fetched_manifest(tmp, rank), specs[0], src, link, refuse=refusal)) is not None:
+        return [err]
+    try:
+        manifest = _manifest.read(staged)
+        if manifest.step != step:
+            raise CheckpointCorruptError(f"the manifest sent is of step {manifest.step}")
+    except CheckpointError as exc:
+        shutil.rmtree(staged, ignore_errors=True)
+        return [_refuse_next(specs[1:], tmp, src, link, (f"the part: {exc}", _CRAFTED.format(src=src))) or
+                f"fetch from a peer replica, step {step}: rank {rank} refuses rank {src}'s manifest: {exc}"]
+    admit = _Admission(manifest, rank, tmp, staged, src)
+    for spec in specs[1:]:
+        dest, why = admit.where(spec)
+        if (err := recv_file(dest, spec, src, link, refuse=why)) is not None:
+            return [err]
+        if why is None and spec.path == f"{_layout.STATE_DIR}/{DCP_METADATA}":
+            admit.learn_reads(dest)
+    return admit.finish(root)
+
+
+_CRAFTED = "the peer's plan is damaged or crafted; check rank {src}'s checkpoint root"
+
+
+def _header_specs(header: Any, step: int) -> tuple[list[FileSpec], tuple[str, str] | None]:
+    """The specs of a fetch header, and why it is refused (None: it is not): the specs read up to the
+    first that does not parse, so the first file's exchange can still carry the refusal."""
+    todo = "the sender runs another ckptguard version, or its plan is damaged or crafted"
+    raw = header.get("files") if isinstance(header, dict) else None
+    if not isinstance(raw, list):
+        return [], ("the header: it holds no 'files' list", todo)
+    specs: list[FileSpec] = []
+    for entry in raw:
+        if not isinstance(entry, dict) or set(entry) - _SPEC_FIELDS or not {"path", "size", "xxh3"} <= set(entry):
+            extra = sorted(set(entry) - _SPEC_FIELDS) if isinstance(entry, dict) else []
+            return specs, (f"the header: an entry {str(entry)[:120]} is not a file spec"
+                           + (f" (unknown field {extra})" if extra else ""), todo)
+        ok = (isinstance(entry["path"], str) and isinstance(entry["xxh3"], str) and type(entry["size"]) is int
+              and 0 <= entry["size"] <= _MAX_FILE_BYTES and isinstance(entry.get("where", "step"), str))
+        if not ok:
+            return specs, (f"the header: an entry {str(entry)[:120]} is not a file spec", todo)
+        specs.append(FileSpec(**entry))
+    if header.get("step") != step:
+        return specs, (f"the header: it is of step {str(header.get('step'))[:40]}, the ranks agreed on {step}", todo)
+    if not specs or (specs[0].path, specs[0].where) != (_layout.MANIFEST_NAME, "step"):
+        return specs, ("the header: its first file is not the step's manifest", todo)
+    return specs, None
+
+
+_SPEC_FIELDS = {"path", "size", "xxh3", "where"}
+_MAX_FILE_BYTES = 1 << 50
+_PHASE = re.compile(r"phase_(\d{4})\.json\Z")
+
+
+def _refuse_next(rest: list[FileSpec], tmp: Path, src: int, link: _p2p.Link, why: tuple[str, str]) -> str | None:
+    """The sender sends its next file (if any): refuse it, so it stops there and hears why."""
+    if not rest:
+        return None
+    return recv_file(tmp / "refused", rest[0], src, link, refuse=why)  # nothing is written
+
+
+class _Admission:
+    """Which files of a fetched part the receiver accepts, by the manifest that came first."""
+
+    def __init__(self, manifest: _manifest.Manifest, rank: int, tmp: Path, staged: Path, src: int) -> None:
+        self.manifest, self.rank, self.tmp, self.staged, self.src = manifest, rank, tmp, staged, src
+        self.entries = {f["path"]: f for f in manifest.files}
+        self.reads: set[str] | None = None  # the DCP files the rank reads, once the metadata arrived
+        self.received: list[FileSpec] = []
+        phase = manifest.contract.get("phase")
+        self.phases = phase if isinstance(phase, int) and not isinstance(phase, bool) else -1
+
+    def where(self, spec: FileSpec) -> tuple[Path, tuple[str, str] | None]:
+        why = self._why_not(spec)
+        dest = self.staged / spec.path if spec.where == "root" else self.tmp / spec.path
+        if why is None:
+            self.received.append(spec)
+            return dest, None
+        return dest, (f"the file: {why}", _CRAFTED.format(src=self.src) + "; nothing else of the part is written")
+
+    def _why_not(self, spec: FileSpec) -> str | None:
+        if spec.where == "root":
+            phase = _PHASE.match(spec.path[len(_layout.CONTRACT_DIR) + 1:]) \
+                if spec.path.startswith(f"{_layout.CONTRACT_DIR}/") else None
+            if phase is None or int(phase.group(1)) > self.phases:
+                return (f"of the root it is none of the contract phases 0..{self.phases} the step's manifest "
+                        "names")
+            return None
+        if spec.where != "step":
+            return f"its destination {spec.where!r:.40} is neither the step nor the contract"
+        entry = self.entries.get(spec.path)
+        if entry is None or (int(entry["size"]), str(entry["xxh3"])) != (spec.size, spec.xxh3):
+            return "the step's manifest does not list it with this size and xxh3"
+        mine = {_layout.extras_name(self.rank), f"{_layout.STATE_DIR}/{DCP_METADATA}"} | (self.reads or set())
+        if spec.path not in mine:
+            return (f"it is not part of rank {self.rank}'s files of the step (its extras, the DCP metadata "
+                    "and the shards the metadata says it reads; the metadata comes first)")
+        return None
+
+    def learn_reads(self, metadata: Path) -> None:
+        try:
+            self.reads = rank_reads(read_dcp_metadata(metadata.parent), self.rank)
+        except (CheckpointError, OSError):  # refused below: no shard is admitted without it
+            self.reads = set()
+
+    def finish(self, root: Path) -> list[str]:
+        """Every file the rank reads arrived; then the contract phases go into the root (never over one)."""
+        step = self.manifest.step
+        got = {s.path for s in self.received if s.where == "step"}
+        need = {_layout.extras_name(self.rank), f"{_layout.STATE_DIR}/{DCP_METADATA}"} | (self.reads or set())
+        if need - got:
+            return [f"fetch from a peer replica, step {step}: rank {self.src} sent rank {self.rank}'s part without "
+                    f"{sorted(need - got)[:5]}; {FETCH_RETRY} (the peer's replica is incomplete)"]
+        problems: list[str] = []
+        for spec in (s for s in self.received if s.where == "root"):
+            dest, staged = root / spec.path, self.staged / spec.path
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.link(staged, dest)  # a sibling receiver may link it at the same time: never replaced
+                _layout.fsync_dir(dest.parent)
+            except FileExistsError:  # a root of this run already holds its contract: the same bytes
+                if file_digest(str(dest))[1] != spec.xxh3:
+                    problems.append(f"{dest} differs from the run's contract file on rank {self.src}: this node's "
+                                    "root holds another run; give the replacement node an empty root (or this run's)")
+            except OSError as exc:
+                problems.append(f"fetch from a peer replica, step {step}: placing {dest}: {exc}")
+        shutil.rmtree(self.staged / _layout.CONTRACT_DIR, ignore_errors=True)
+        return problems
 
 
 def fetched_manifest(tmp: Path, rank: int) -> Path:
-    return tmp / f".fetched-manifest-{rank:05d}"
+    return tmp / f".fetched-{rank:05d}" / _layout.MANIFEST_NAME
 
 
 def seal_fetch(tmp: Path, final: Path, rank: int, node_record: Callable[[Any], dict[str, Any] | None]) -> None:
@@ -306,10 +423,9 @@ def seal_fetch(tmp: Path, final: Path, rank: int, node_record: Callable[[Any], d
     the node manifest (``node_record(manifest)``) in the temp directory, then the step directory in
     place (a rename, or where part of the step was still here, its files with the manifest last)."""
 
-    for other in tmp.glob(".fetched-manifest-*"):
-        if other != fetched_manifest(tmp, rank):
-            other.unlink()
     os.replace(fetched_manifest(tmp, rank), tmp / _layout.MANIFEST_NAME)  # a temp directory: not committed yet
+    for staged in tmp.glob(".fetched-*"):
+        shutil.rmtree(staged)
     record = node_record(_manifest.read(tmp))
     if record is not None:
         _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record)
@@ -325,14 +441,3 @@ def seal_fetch(tmp: Path, final: Path, rank: int, node_record: Callable[[Any], d
         shutil.rmtree(tmp, ignore_errors=True)
     _layout.fsync_dir(final)
     _layout.fsync_dir(final.parent)
-
-
-def _against_manifest(manifest_path: Path, specs: list[FileSpec]) -> list[str]:
-    """Every step file received must be the manifest's entry (size and xxh3), not only the sender's word."""
-    try:
-        entries = {f["path"]: f for f in _layout.read_json(manifest_path, what="manifest")["files"]}
-    except Exception as exc:  # a torn or crafted manifest: nothing of this part is published
-        return [f"the received manifest {manifest_path} does not parse: {exc}"]
-    bad = [s.path for s in specs[:-1] if s.where == "step"
-           and (s.path not in entries or (entries[s.path]["size"], entries[s.path]["xxh3"]) != (s.size, s.xxh3))]
-    return [f"received files differ from the manifest's entries: {bad[:5]}"] if bad else []

@@ -22,8 +22,11 @@ from .. import _faults
 from .._context import NO_ACTIONS, Actions, Context
 from .._disk import layout as _layout
 from .._disk import lease as _lease
+from .._disk import tempfiles as _tempfiles
 from .._disk.filedigest import file_digest
 from .._records import contract as _contract
+from .._records import retention as _retention
+from .._records import trust as _trust
 from ..errors import (
     ConfigError,
 )
@@ -58,6 +61,10 @@ def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actio
             "Give every node of this run the root of this run (or empty ones for a new run)."
         )
     _layout.sweep_temp_dirs(root, max_age_s=ctx.config.stale_temp_age_s)
+    # The temp files of killed writers (tracker, lease, trust record, holds); never a live writer's.
+    own = (_layout.TRACKER_NAME, _lease.LEASE_NAME, _trust.TRUST_NAME)
+    _tempfiles.sweep(root, max_age_s=ctx.config.stale_temp_age_s, names=own)
+    _tempfiles.sweep(root / _retention.HOLDS_DIR, max_age_s=ctx.config.stale_temp_age_s)
     name = ctx.naming.name(step)
     existing = root / name
     tracker = _layout.read_tracker(root) or 0

@@ -245,7 +245,7 @@ class TierRestore:
                         continue
                     problems += _replica.send_part(specs, paths, receiver, group)
                 elif self.rank == receiver:
-                    problems += _replica.recv_part(self.fast.root, tmp, receiver, sender, group)
+                    problems += _replica.recv_part(self.fast.root, tmp, receiver, sender, group, step=choice.step)
             except (OSError, CheckpointError, RuntimeError) as exc:  # RuntimeError: a peer died mid-transfer
                 problems.append(f"{type(exc).__name__}: {exc}")
                 break  # the agreement below names the ranks that never arrived

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 import queue
+import stat
 import threading
 
 import xxhash
+
+from ..errors import UnsafeCheckpointError
 
 __all__ = ["file_digest"]
 
@@ -23,11 +26,25 @@ def file_digest(path: str, *, chunk: int = 8 << 20) -> tuple[int, str]:
     (both release the GIL), so a cold read is limited by the disk, not by read + hash.
     """
     h = xxhash.xxh3_64()
-    if os.path.getsize(path) <= chunk:
-        with open(path, "rb") as f:
-            data = f.read()
-        h.update(data)
-        return len(data), h.hexdigest()
+    # O_NONBLOCK: a FIFO planted where a file of the step belongs is refused here, never waited on
+    # (on a regular file the flag changes nothing).
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device"
+            raise UnsafeCheckpointError(
+                f"{path} is not a regular file ({kind}); ckptguard hashes only regular files: replace it with "
+                "the real file or remove it"
+            )
+        if os.fstat(fd).st_size <= chunk:
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read()
+            h.update(data)
+            return len(data), h.hexdigest()
+        reading = os.dup(fd)  # the reader thread reads the file checked above, not whatever the path names now
+    finally:
+        os.close(fd)
     free: queue.Queue[bytearray] = queue.Queue()
     for _ in range(3):
         free.put(bytearray(chunk))
@@ -35,7 +52,7 @@ def file_digest(path: str, *, chunk: int = 8 << 20) -> tuple[int, str]:
 
     def reader() -> None:
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(reading, "rb", buffering=0) as f:
                 while True:
                     buf = free.get()
                     n = f.readinto(buf)

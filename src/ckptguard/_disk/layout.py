@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, UnsafeCheckpointError
+from . import tempfiles as _tempfiles
+from .tempfiles import proc_start
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MANIFEST_NAME = "manifest.json"
@@ -83,14 +85,19 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes, *, before_rename: Callable[[], None] | None = None) -> None:
     """Write ``data`` to ``path`` so a reader sees the old file or the whole new one."""
-    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if before_rename is not None:
-            before_rename()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = _tempfiles.temp_name(path)  # names its owner: swept once this process is dead (``tempfiles``)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if before_rename is not None:
+                before_rename()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a failed write leaves no temp file behind (a kill is the sweep's)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     fsync_dir(path.parent)
 
 
@@ -213,6 +220,9 @@ def refuse_link(path: Path, what: str) -> None:
         )
 
 
+_DIGITS = re.compile(r"[0-9]+")
+
+
 def read_tracker(root: Path) -> int | None:
     """The step in the tracker, or None if there is no tracker."""
     path = root / TRACKER_NAME
@@ -222,6 +232,8 @@ def read_tracker(root: Path) -> int | None:
         return None
     try:
         text = raw.decode("ascii").strip()
+        if not _DIGITS.fullmatch(text):  # int() also takes "+3", "0_3", "٣": none is a step ckptguard wrote
+            raise ValueError(text)
         step = int(text)
     except ValueError:  # UnicodeDecodeError is one too
         raise CheckpointCorruptError(
@@ -278,7 +290,6 @@ def temp_dir_name(step_name: str, nonce: str) -> str:
 
 # The names ckptguard gives its temporary entries: a foreign ".tmp-build-cache" never matches.
 _TEMP_DIR = re.compile(re.escape(TMP_PREFIX) + r".+-[0-9a-f]{12}\Z")
-_TEMP_FILE = re.compile(r"\.tmp-[0-9a-f]{8}\Z")
 
 
 def write_owner(tmp: Path, *, node: str | None = None) -> None:
@@ -288,14 +299,6 @@ def write_owner(tmp: Path, *, node: str | None = None) -> None:
     if node is not None:
         owner["node"] = node
     (tmp / OWNER_NAME).write_text(json.dumps(owner))
-
-
-def proc_start(pid: int) -> str | None:
-    # The start time tells a live owner from a recycled PID.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def read_owner(directory: Path) -> dict[str, Any] | None:
@@ -366,7 +369,7 @@ def is_trash_dir(path: Path) -> bool:
 
 def is_temp_file(path: Path, *, of: str) -> bool:
     """A temporary file that ``atomic_write_bytes`` left for ``of`` (crashed before its rename)."""
-    return path.name.startswith(of) and bool(_TEMP_FILE.match(path.name[len(of) :])) and not path.is_symlink()
+    return _tempfiles.is_temp_file(path, of=of)
 
 
 def remove_step_dir(path: Path) -> None:
@@ -456,6 +459,9 @@ def leftovers(root: Path, *, max_age_s: float, tmp_files: tuple[str, ...] = (TRA
                 out.append(Leftover(path, "foreign", False, "not created by ckptguard (no owner record)"))
         elif entry.name.startswith(TRASH_PREFIX) and is_trash_dir(path):
             out.append(Leftover(path, "trash", True, f"a step being deleted ({_count_files(path)}), interrupted"))
-        elif any(is_temp_file(path, of=name) for name in tmp_files):
-            out.append(Leftover(path, "temp-file", True, "a temporary file of a write that crashed before its rename"))
+        elif any(is_temp_file(path, of=name) for name in tmp_files) or _tempfiles.is_temp_file(path):
+            dead = _tempfiles.owner_state(path, max_age_s=max_age_s) != "alive"
+            who = _tempfiles.describe_owner(path)
+            out.append(Leftover(path, "temp-file", dead, f"a temporary file of an atomic write ({who}) that "
+                                + ("crashed before its rename" if dead else "is in flight: its writer still runs")))
     return out

@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import socket
 import stat
 import time
@@ -29,7 +28,8 @@ from pathlib import Path
 
 from .._agree import Agreement, Wire, gather_decide
 from ..errors import CheckpointCorruptError, LeaseHeldError
-from .layout import atomic_write_bytes, fsync_dir, parse_json, proc_start, read_small
+from .layout import atomic_write_bytes, fsync_dir, parse_json, read_small
+from .tempfiles import proc_start, temp_name
 
 log = logging.getLogger("ckptguard")
 
@@ -128,7 +128,7 @@ def _create(path: Path, owner: Owner) -> bool:
     A complete temp file is hard-linked to the name (link fails if the name exists), so a
     reader never sees an empty lease. Where links are unsupported, O_EXCL creates it and
     readers give an unreadable young lease a moment (``_YOUNG_S``) before judging it."""
-    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+    tmp = temp_name(path)  # names this process: swept if it is killed before the unlink below
     data = owner.encode()
     try:
         with open(tmp, "wb") as f:

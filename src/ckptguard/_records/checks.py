@@ -372,9 +372,11 @@ def role_problem(step_dir: Path, run: RunManifest, role: str) -> str | None:
         return f"its part {part} is {'a symlink' if part.is_symlink() else 'missing'}"
     entry = run.roles[role]
     try:
-        size, xxh3 = file_digest(str(part / _layout.MANIFEST_NAME))
-    except OSError:
+        size, xxh3 = runmanifest.role_manifest_digest(part)
+    except FileNotFoundError:
         return f"its part {part} has no {_layout.MANIFEST_NAME}"
+    except (OSError, CheckpointError) as exc:  # a FIFO, link or device planted there: refused, never waited on
+        return str(exc).split(";")[0]
     if (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
         return (
             f"{part / _layout.MANIFEST_NAME} has {size} bytes and xxh3 {xxh3}, the run manifest recorded "
@@ -433,9 +435,13 @@ def verify_run_step(step_dir: Path, *, deep: bool, progress: Callable[[int], Non
             continue
         entry = run.roles[role]
         try:
-            size, xxh3 = file_digest(str(part / _layout.MANIFEST_NAME))
+            size, xxh3 = runmanifest.role_manifest_digest(part)
         except OSError:
             size, xxh3 = -1, ""
+        except CheckpointError as exc:  # a FIFO, link or device planted there: refused, never waited on
+            findings.append(err("role-manifest", part / _layout.MANIFEST_NAME, f"role {role!r}: {exc}".split(";")[0],
+                                fix))
+            continue
         if size >= 0 and (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
             findings.append(err("role-manifest", part / _layout.MANIFEST_NAME,
                                 f"role {role!r}: differs from what the run manifest recorded", fix))

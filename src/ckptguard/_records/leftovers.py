@@ -9,6 +9,7 @@ from pathlib import Path
 from .._disk import layout as _layout
 from .._disk import lease as _lease
 from . import retention as _retention
+from . import trust as _trust
 from .findings import Finding, Severity
 
 
@@ -16,7 +17,8 @@ def leftover_findings(root: Path, *, max_age_s: float = 24 * 3600.0) -> list[Fin
     """A WARNING per crash leftover in ``root`` (temp directories, trash, temp files, lease
     take-over markers, foreign temp-like entries) and per unreadable hold file."""
     findings = []
-    for item in _layout.leftovers(root, max_age_s=max_age_s, tmp_files=(_layout.TRACKER_NAME, _lease.LEASE_NAME)):
+    own = (_layout.TRACKER_NAME, _lease.LEASE_NAME, _trust.TRUST_NAME)
+    for item in _layout.leftovers(root, max_age_s=max_age_s, tmp_files=own):
         if item.removable:
             fix = "`ckptguard gc ROOT` removes it"
         elif item.kind == "foreign":

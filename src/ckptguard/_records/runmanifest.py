@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from .._disk import layout as _layout
-from .._disk.filedigest import file_digest
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError, VersionMismatchError
 from . import manifest as _manifest
 
@@ -101,7 +102,7 @@ def build(
     """The run manifest of the parts already written under ``step_dir`` (a temp directory)."""
     entries = {}
     for name, ranks in roles.items():
-        size, xxh3 = file_digest(str(step_dir / name / _layout.MANIFEST_NAME))
+        size, xxh3 = role_manifest_digest(step_dir / name)
         entries[name] = RoleEntry(sorted(ranks), size, xxh3)
     return RunManifest(
         path=step_dir / _layout.MANIFEST_NAME,
@@ -115,6 +116,13 @@ def build(
         contract=contract,
         created_unix=time.time(),
     )
+
+
+def role_manifest_digest(part: Path) -> tuple[int, str]:
+    """(size, xxh3) of a role's manifest, read through the bounded reader: a FIFO or a link planted
+    there is refused at once (UnsafeCheckpointError), never opened and waited on."""
+    raw = _layout.read_small(part / _layout.MANIFEST_NAME, limit=_manifest.MANIFEST_BYTES, what="role manifest")
+    return len(raw), xxhash.xxh3_64_hexdigest(raw)
 
 
 def _int(value: Any) -> bool:

@@ -11,6 +11,7 @@ before reading any tensor, and the restored items' digests after.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -225,6 +226,7 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
         ranks = sorted(manifest.nodes[index]["ranks"]) if manifest.nodes else [ctx.rank]
         here = {f["path"] for f in manifest.node_files(index)}
         mine = [f for f in files if f["path"] in here][ranks.index(ctx.rank) :: len(ranks)]
+    _refuse_unlisted(step_dir, manifest, {f["path"].split("/", 1)[0] for f in files if "/" in f["path"]})
     if not mine:
         return
 
@@ -248,6 +250,23 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
         "ckptguard: rank %d checked %d external files of step %d (%d bytes) in %.2f s",
         ctx.rank, len(mine), manifest.step, sum(int(f["size"]) for f in mine), time.monotonic() - started,
     )
+
+
+def _refuse_unlisted(step_dir: Path, manifest: _manifest.Manifest, folders: set[str]) -> None:
+    """The framework reads an external folder whole (HF's ``hf/``): a file planted there that the
+    manifest does not list would be loaded unchecked, so the restore refuses it, naming it."""
+    listed = {str(f["path"]) for f in manifest.files}
+    for folder in sorted(folders):
+        for base, dirs, names in os.walk(step_dir / folder, followlinks=False):
+            for name in sorted(names) + sorted(d for d in dirs if os.path.islink(os.path.join(base, d))):
+                rel = os.path.relpath(os.path.join(base, name), step_dir)
+                if rel not in listed:
+                    raise CheckpointCorruptError(
+                        f"{step_dir / rel} is in the external folder {folder}/ of step {manifest.step} but not in "
+                        "its manifest (planted or left after the commit); the framework would load it unchecked, so "
+                        "nothing is restored. Find out who wrote it and delete it (`ckptguard verify` lists it), or "
+                        "restore an earlier step"
+                    )
 
 
 def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:

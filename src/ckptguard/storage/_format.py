@@ -203,7 +203,7 @@ class _DescriptorUnpickler(pickle.Unpickler):
         if (module, name) == ("torch.storage", "UntypedStorage"):
             return _StorageType(None)
         if module == "torch":
-            obj = getattr(torch, name, None)
+            obj = vars(torch).get(name)  # never getattr: torch's lazy __getattr__ would import a module first
             if isinstance(obj, torch.dtype):
                 return obj
             if name in _LEGACY_STORAGES:

@@ -36,9 +36,10 @@ class SafeMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name and (module, name) in self._allowed:
             return super().find_class(module, name)
-        if module == "torch" and "." not in name and isinstance(getattr(torch, name, None),
-                                                               (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
+        # vars(), never getattr: torch's lazy __getattr__ imports a module (torch.onnx, ...) before the refusal.
+        obj = vars(torch).get(name) if module == "torch" else None
+        if isinstance(obj, (torch.dtype, torch.memory_format)):
+            return obj
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
 

@@ -1,0 +1,103 @@
+"""Temp files of atomic writes, named for their owner, and swept once that owner is dead.
+
+Contract. Every file ckptguard writes atomically (the tracker, ``lease.json``, ``trust.json``, a
+hold, a marker) goes to ``NAME.tmp-<pid>.<start>.<host>-<nonce>`` first, then is renamed over
+``NAME``: the name records the writing process (its PID, the start time that tells it from a
+recycled PID, 8 hex of its host name's hash). A writer killed before its rename leaves that name
+behind; ``sweep`` removes such files once their owner is dead (same host: the PID no longer runs
+that process; another host: older than ``max_age_s``), and never a live owner's. Names of the old
+form ``NAME.tmp-<nonce>`` (no owner) count as dead only past ``max_age_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import socket
+import time
+from pathlib import Path
+
+import xxhash
+
+_TEMP = re.compile(r"\.tmp-(?:(?P<pid>\d+)\.(?P<start>\d+|x)\.(?P<host>[0-9a-f]{8})-)?[0-9a-f]{8}\Z")
+
+
+def proc_start(pid: int) -> str | None:
+    # The start time tells a live owner from a recycled PID.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _host_tag(host: str) -> str:
+    return xxhash.xxh3_64_hexdigest(host.encode())[:8]
+
+
+def temp_name(path: Path) -> Path:
+    """Where an atomic write of ``path`` goes first: next to it, named for this process."""
+    pid = os.getpid()
+    tag = f"{pid}.{proc_start(pid) or 'x'}.{_host_tag(socket.gethostname())}"
+    return path.with_name(f"{path.name}.tmp-{tag}-{secrets.token_hex(4)}")
+
+
+def is_temp_file(path: Path, *, of: str | None = None) -> bool:
+    """A temp file an atomic write left (of ``of``, or of any name when the name records its owner)."""
+    if path.is_symlink():
+        return False
+    name = path.name
+    if of is not None:
+        return name.startswith(of) and bool(_TEMP.match(name[len(of):]))
+    match = _TEMP.search(name)
+    return match is not None and match.start() > 0 and match.group("pid") is not None
+
+
+def owner_state(path: Path, *, max_age_s: float) -> str:
+    """"dead", "alive" or "unknown" (an older name that records no owner): whether the process that
+    wrote this temp file may still rename it. Another host's owner counts as dead past ``max_age_s``."""
+    match = _TEMP.search(path.name)
+    if match is None or match.group("pid") is None:
+        return "unknown"
+    if match.group("host") != _host_tag(socket.gethostname()):
+        return "dead" if _age(path) > max_age_s else "alive"
+    pid = int(match.group("pid"))
+    if not Path(f"/proc/{pid}").exists():
+        return "dead"
+    return "alive" if (proc_start(pid) or "x") == match.group("start") else "dead"
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.lstat().st_mtime
+    except OSError:
+        return float("inf")
+
+
+def describe_owner(path: Path) -> str:
+    match = _TEMP.search(path.name)
+    if match is None or match.group("pid") is None:
+        return "no owner recorded in its name"
+    return f"pid {match.group('pid')}, host tag {match.group('host')}"
+
+
+def sweep(directory: Path, *, max_age_s: float, names: tuple[str, ...] = ()) -> list[Path]:
+    """Remove the temp files of atomic writes in ``directory`` whose owner is dead: names that record
+    an owner, and the older form only for ``names`` (ckptguard's own files: a foreign ``x.tmp-...``
+    file is never ours to remove); returns what was removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        path = Path(entry.path)
+        ours = entry.is_file(follow_symlinks=False) and (
+            is_temp_file(path) or any(is_temp_file(path, of=n) for n in names))
+        state = owner_state(path, max_age_s=max_age_s) if ours else "alive"
+        if state == "dead" or (state == "unknown" and _age(path) > max_age_s):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
