@@ -104,8 +104,8 @@ def test_a_fifo_as_a_role_manifest_is_refused_at_once_by_restore_verify_list_and
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("_disk/tempfiles.py", "proc_start", "read_text"): "/proc/<pid>/stat: a kernel file, not in a root",
     ("_records/prooflog.py", "process_start", "read_text"): "/proc/self/stat",
-    ("_disk/digest.py", "file_digest", "open"): "large data files: opened O_NONBLOCK, fstat must be regular",
-    ("_disk/digest.py", "reader", "open"): "a dup of the descriptor file_digest checked",
+    ("_disk/filedigest.py", "file_digest", "open"): "large data files: opened O_NONBLOCK, fstat must be regular",
+    ("_disk/filedigest.py", "reader", "open"): "a dup of the descriptor file_digest checked",
     ("_commit/p2p.py", "send_file", "open"): "a large step file this rank sends to a peer (not size-bounded)",
     ("_commit/stepdir.py", "copy_verified", "open"): "a data file copied between roots (per-node publish)",
     ("_disk/lease.py", "_create", "fdopen"): "writes a lease file it created with O_EXCL",
@@ -133,6 +133,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("ops/repro.py", "filesystem", "read_text"): "/proc/mounts",
     ("ops/repro.py", "_process_figures", "read_text"): "/proc/<pid> files",
     ("ops/repro.py", "run_repro", "read_text"): "the output of a repro child it started",
+    ("ops/repro.py", "_report_rounds", "read_text"): "the progress file a repro child it started writes",
     ("ops/status.py", "record_files", "open"): "the head of a memory records file that is_file() checked",
     ("ops/status.py", "_cpu_and_io", "read_text"): "/proc/<pid>/stat and io",
     ("ops/transfer.py", "_same_copy", "read_bytes"): "manifests compared between two roots (ops/, not yet read_small)",
