@@ -266,3 +266,23 @@ def test_the_retention_warning_for_an_incomplete_step_is_actionable(tmp_path, ca
             f"{result.output}"
         )
 
+
+
+def test_list_marks_held_steps_with_their_reason(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+
+    root = tmp_path / "ck"
+    mgr = _mgr(root, 1)
+    mgr.save(1, _w(1))
+    mgr.hold(1, "evaluation job 7")
+    mgr.save(2, _w(2))  # KeepLast(1): step 1 stays, held
+    text = CliRunner().invoke(main, ["list", str(root)])
+    assert text.exit_code == 0, text.output
+    lines = {ln.split()[0]: ln for ln in text.output.splitlines()[1:]}
+    assert lines["1"].endswith("[held: evaluation job 7]") and "held" not in lines["2"], text.output
+    shown = json.loads(CliRunner().invoke(main, ["list", str(root), "--json"]).output)
+    assert [(e["step"], e["held"]) for e in shown["entries"]] == [(1, "evaluation job 7"), (2, None)]

@@ -219,20 +219,23 @@ def _list_remote(url: str, template: str, as_json: bool) -> None:
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def list_steps(root: Path | str, template: str, as_json: bool) -> None:
-    """List the step directories under ROOT, whether each is committed, and its trust state
-    (candidate, or verified after enough healthy later steps). ROOT may be s3://bucket/prefix
+    """List the step directories under ROOT, whether each is committed, its trust state
+    (candidate, or verified after enough healthy later steps) and its hold (`ckptguard hold`:
+    rotation and gc keep it), with the hold's reason. ROOT may be s3://bucket/prefix
     (endpoint and credentials from boto3's configuration, e.g. AWS_ENDPOINT_URL)."""
     if isinstance(root, str):
         return _list_remote(root, template, as_json)
     listing = _inspect.list_steps(root, template)
     if as_json:
-        entries = [{"step": e.step, "state": e.state, "name": e.name, "trust": e.trust} for e in listing.entries]
+        entries = [{"step": e.step, "state": e.state, "name": e.name, "trust": e.trust, "held": e.held}
+                   for e in listing.entries]
         _json_out(True, tracker=listing.tracker, entries=entries)
         return
     click.echo(f"tracker: {listing.tracker if listing.tracker is not None else 'absent'}")
     for e in listing.entries:
         trust = f"  [{e.trust}]" if e.trust else ""
-        click.echo(printable(f"{e.step if e.step is not None else '-':>10}  {e.state}  {e.name}{trust}"))
+        held = f"  [held: {e.held}]" if e.held else ""
+        click.echo(printable(f"{e.step if e.step is not None else '-':>10}  {e.state}  {e.name}{trust}{held}"))
 
 
 def _size(n: float) -> str:

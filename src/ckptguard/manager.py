@@ -153,7 +153,9 @@ class CheckpointManager:
     # ------------------------------------------------------------ queries
 
     def committed_steps(self) -> list[int]:
-        """Steps with a valid manifest and no newer than the tracker, ascending."""
+        """Steps with a valid manifest and no newer than the tracker, ascending: this rank's reading of
+        the disk now, not agreed. While a rotation deletes (after a commit, in the background) two ranks
+        can list different steps; ``resolve()`` is the agreed answer of which step a restore loads."""
         return _layout.committed_steps(self.root, self._ctx.naming, _manifest.read)
 
     def resolve(

@@ -70,6 +70,7 @@ class StepEntry:
     state: str
     name: str
     trust: str | None = None  # committed and orphan steps: candidate / verified, with why
+    held: str | None = None  # the reason of its hold (``ckptguard hold``): rotation and gc keep it
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ def list_steps(root: Path, template: str) -> Listing:
         unreadable = ""
     except CheckpointError as exc:
         trust, unreadable = None, f"unknown ({str(exc).split(';')[0]})"
+    try:
+        held = _retention.holds(root)
+    except CheckpointError as exc:  # a linked holds/ directory: said on every step rather than hidden
+        held, unheld = {}, f"unknown ({str(exc).split(';')[0]})"
+    else:
+        unheld = None
     entries = []
     for step, path in sorted(_layout.step_dirs(root, steps).items()):
         trusted = None
@@ -101,7 +108,7 @@ def list_steps(root: Path, template: str) -> Listing:
                     state += f" (run step: {', '.join(sorted(found.roles))})"
             except CheckpointError as exc:
                 state = f"NOT committed: {str(exc).split(';')[0]}"
-        entries.append(StepEntry(step, state, path.name, trusted))
+        entries.append(StepEntry(step, state, path.name, trusted, held.get(step, unheld)))
     entries += [StepEntry(None, "in flight or abandoned", tmp.name) for tmp in sorted(root.glob(".tmp-*"))]
     return Listing(tracker, entries)
 
