@@ -128,3 +128,31 @@ def test_the_guard_restores_the_previous_handlers_and_returns_without_a_signal(t
     assert mgr.committed_steps() == [2]
     with pytest.raises(cg.ConfigError, match="grace_s"):
         cg.PreemptionGuard(mgr, grace_s=0)
+
+
+def test_without_a_measured_save_the_state_and_a_disk_probe_decide(tmp_path):
+    # signaled at step 1 of a fresh root, before any save: nothing measured on this root yet
+    root = tmp_path / "spent" / "ckpt"
+    results = _launch(root, tmp_path / "spent" / "out", signal_at=1, signal_rank=0, grace_s=0.001, save_every=100)
+    assert [code for code, _ in results] == [cg.PreemptionGuard.EXIT_NOT_SAVED] * 2, results
+    for _, err in results:
+        assert "NOT saving step 1: the estimated save time" in err and "write probe of" in err, err
+        assert "on 2 rank(s)" in err and "does not fit" in err and "Traceback" not in err, err
+    assert not (root / "latest_checkpointed_iteration.txt").exists()
+    assert not [p for p in root.iterdir() if p.name != "proof"], list(root.iterdir())  # the probe left nothing
+    # a budget the estimate fits: saved, exit 75, and the log says the time was estimated
+    root = tmp_path / "fits" / "ckpt"
+    results = _launch(root, tmp_path / "fits" / "out", signal_at=1, signal_rank=0, grace_s=60.0, save_every=100)
+    assert [code for code, _ in results] == [cg.PreemptionGuard.EXIT_SAVED] * 2, results
+    assert all("saving step 1: the estimated save time" in err for _, err in results), results
+    assert _tracker(root) == 1
+
+
+def test_state_bytes_counts_every_tensor_once_per_item_and_sums_run_roles():
+    from ckptguard.preempt import state_bytes
+
+    model = torch.nn.Linear(4, 2)  # 8 + 2 floats
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert state_bytes({"model": model, "w": torch.zeros(3, dtype=torch.float64)}) == 10 * 4 + 3 * 8
+    assert state_bytes({"actor": {"model": model}, "critic": {"w": torch.zeros(2)}}) == 10 * 4 + 2 * 4
+    assert state_bytes({"model": model, "optim": optim, "n": 3}) == 10 * 4  # SGD without momentum holds nothing

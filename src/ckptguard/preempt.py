@@ -13,9 +13,11 @@ With a signal, every rank decides the same from rank 0's figures:
 
 - the save time: ``save_estimate_s`` if given, else the ``save_seconds`` of the cost block of this
   run's newest save, else (no save yet in this process) of the tracker's step, written by an
-  earlier run of the same root; with none at all the save is attempted (a kill mid-save leaves
-  no partial commit, the protocol makes sure);
-- the budget left: ``grace_s`` minus the time since the earliest rank got its signal.
+  earlier run of the same root; with none at all, estimated from the state's bytes (every rank's
+  tensors, summed: the ranks share the disk) and a write probe of the root (16 MiB, fsynced, timed
+  inside the budget);
+- the budget left: ``grace_s`` minus the time since the earliest rank got its signal; a budget
+  already spent saves nothing.
 
 If ``estimate x safety`` fits the budget, every rank saves ``step`` (``mgr.save``; skipped when
 this run committed that step already) and raises ``Preempted`` with ``EXIT_SAVED``; if it does not
@@ -36,19 +38,25 @@ run step.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import torch
 
 from . import _log
 from ._agree import Wire, gather_decide
 from ._core.guard import GuardTarget, Preemptible
 from ._disk import layout as _layout
+from ._disk import tempfiles as _tempfiles
 from ._dist import make_agreement
+from ._state import state as _state
 from .errors import CheckpointError, ConfigError
 
 log = _log.logger()
@@ -80,6 +88,7 @@ class Preempted(SystemExit):
 class _Flag(Wire):
     signal: str | None = None
     ago_s: float | None = None
+    state_bytes: int = 0  # the plan round: this rank's tensor bytes (the estimate without a measured save)
 
 
 @dataclass(frozen=True)
@@ -199,7 +208,9 @@ class PreemptionGuard:
         if len(signaled) > 1:
             what += f" (signaled ranks: {[r for r, _ in signaled]})"
         plan = gather_decide(
-            self._agreement, "preempt.plan", _Flag(), lambda _: self._plan(step, what, ago, checked), decision=_Plan
+            self._agreement, "preempt.plan", _Flag(state_bytes=state_bytes(state)),
+            lambda views: self._plan(step, what, ago, checked, sum(v.state_bytes for v in views), len(views)),
+            decision=_Plan,
         )
         if not plan.save:
             log.error("ckptguard: preempted: %s; exiting with code %d", plan.reason, EXIT_NOT_SAVED)
@@ -213,25 +224,41 @@ class PreemptionGuard:
         log.warning("ckptguard: preempted: %s", reason)
         return Preempted(EXIT_SAVED, step=step, saved=True, reason=reason)
 
-    def _plan(self, step: int, what: str, ago: float, checked: float) -> _Plan:
+    def _plan(self, step: int, what: str, ago: float, checked: float, nbytes: int, ranks: int) -> _Plan:
         """Rank 0: does a save of ``step`` fit the grace budget left?"""
-        left = self.grace_s - ago - (time.monotonic() - checked)
         tracker = self._tracker()
         committed = self._target.committed_here()
         if committed and committed[-1] == step:
             return _Plan(True, f"{what}: step {step} is committed already; saving nothing more", skip_save=True)
         estimate, source = self._estimate(tracker)
+        probe = "no write probe"
+        if estimate is None:  # nothing measured: the state's bytes at the disk's speed, probed now (on the budget)
+            try:
+                speed = write_speed(Path(self._target.root))
+            except OSError as exc:
+                speed, probe = None, f"the write probe of {self._target.root} failed ({exc})"
+            if speed:
+                estimate = nbytes / speed
+                source = (f"estimated: {nbytes / 2**20:.1f} MiB of state on {ranks} rank(s) at {speed / 2**20:.0f} "
+                          f"MiB/s, a write probe of {self._target.root}; no save measured on this root yet")
+        left = self.grace_s - ago - (time.monotonic() - checked)
+        if estimate is None and left <= 0:
+            return _Plan(False, (
+                f"{what}: NOT saving step {step}: the grace budget grace_s={self.grace_s:g} is spent ({-left:.3f} s "
+                f"over) before the save could start ({probe}); nothing was written, the tracker stays at step "
+                f"{tracker}. Raise grace_s (the scheduler's grace period) or call step_boundary more often"))
         if estimate is None:
-            return _Plan(True, f"{what}: no save time measured on this root yet; saving step {step} in the "
+            return _Plan(True, f"{what}: no save time measured on this root and {probe}; saving step {step} in the "
                                f"{left:.2f} s left of grace_s={self.grace_s:g} (a kill mid-save commits nothing)")
         needed = estimate * self.safety
+        kind = "estimated" if source.startswith("estimated") else "measured"
         if needed > left:
             return _Plan(False, (
-                f"{what}: NOT saving step {step}: the measured save time {estimate:.3f} s ({source}) x safety "
+                f"{what}: NOT saving step {step}: the {kind} save time {estimate:.3f} s ({source}) x safety "
                 f"{self.safety:g} = {needed:.3f} s does not fit the {left:.3f} s left of the grace budget "
                 f"grace_s={self.grace_s:g}; nothing was written, the tracker stays at step {tracker}, the resume "
                 "starts there. Raise grace_s (the scheduler's grace period) or save more often"))
-        return _Plan(True, f"{what}: saving step {step}: the measured save time {estimate:.3f} s ({source}) x "
+        return _Plan(True, f"{what}: saving step {step}: the {kind} save time {estimate:.3f} s ({source}) x "
                            f"safety {self.safety:g} fits the {left:.3f} s left of grace_s={self.grace_s:g}")
 
     def _tracker(self) -> int | None:
@@ -252,3 +279,44 @@ class PreemptionGuard:
             if seconds is not None:
                 return float(seconds), source
         return None, ""
+
+
+PROBE_BYTES = 16 << 20
+
+
+def write_speed(root: Path, nbytes: int = PROBE_BYTES) -> float:
+    """Bytes per second of an fsynced write of ``nbytes`` into ``root`` (created if missing: the save
+    it plans for would create it), through a temp file named for this process and removed after."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = _tempfiles.temp_name(root / ".ckptguard-disk-probe")
+    block = os.urandom(1 << 20)  # incompressible: a compressing filesystem must not flatter the figure
+    began = time.perf_counter()
+    try:
+        with open(path, "wb") as f:
+            for _ in range(max(1, nbytes // len(block))):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return max(1, nbytes // len(block)) * len(block) / max(time.perf_counter() - began, 1e-6)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """This rank's tensor bytes in ``state`` (a DTensor counts its local shard); a ``RunCheckpoint``'s
+    states (role -> state) are summed over the roles."""
+    total = 0
+    for name, value in state.items():
+        if isinstance(value, Mapping) and value and not any(isinstance(v, torch.Tensor) for v in value.values()):
+            total += state_bytes(value)  # a role's state, or a dict of items
+            continue
+        try:
+            obj = _state.current_state(name, value, _state.classify(value), state)
+        except Exception:  # not an item ckptguard saves (the save would say why): no bytes to plan for
+            continue
+        flat: dict[str, torch.Tensor] = {}
+        _state.flatten(obj, name, flat)
+        for t in flat.values():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            total += local.numel() * local.element_size()
+    return total

@@ -88,12 +88,11 @@ def list_steps(root: Path, template: str) -> Listing:
         unreadable = ""
     except CheckpointError as exc:
         trust, unreadable = None, f"unknown ({str(exc).split(';')[0]})"
+    unheld: str | None = None
     try:
         held = _retention.holds(root)
     except CheckpointError as exc:  # a linked holds/ directory: said on every step rather than hidden
         held, unheld = {}, f"unknown ({str(exc).split(';')[0]})"
-    else:
-        unheld = None
     entries = []
     for step, path in sorted(_layout.step_dirs(root, steps).items()):
         trusted = None
