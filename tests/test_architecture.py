@@ -347,6 +347,7 @@ EXPORTED = [
     "hash_git_tree",
     "hash_imported_files",
     "hash_recipe",
+    "open_step",
     "read_dcp_metadata",
 ]
 

@@ -18,7 +18,7 @@ FROZEN = {
     "export": ["root", "step", "out", "dtype", "item", "merged", "max_host_bytes", "template", "as_json"],
     "gc": ["root", "dry_run", "orphans", "force", "template", "as_json"],
     "goodput": ["root", "mtbf_s", "as_json"],
-    "hold": ["root", "step", "reason", "template", "as_json"],
+    "hold": ["root", "step", "reason", "ttl_s", "template", "as_json"],
     "list": ["root", "template", "as_json"],
     "mem": [],
     "preflight": ["root", "hosts", "rank_hosts", "expect_step", "template", "as_json"],

@@ -9,6 +9,7 @@ Public surface::
         .resolve(*, mode=..., path=None) -> Resolution
         .committed_steps() -> list[int]
         .declare_phase(reason, changes) -> Path
+    open_step(root, step=None, *, ttl_s=600) -> context manager of a step directory that rotation keeps
     PreemptionGuard(mgr, grace_s=...).step_boundary(step, state)   # exits 75 after a save on SIGTERM
 """
 
@@ -22,6 +23,7 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; 
     from ._core.roles import Role
     from ._core.tierrestore import Tier
     from ._records.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
+    from ._records.readers import open_step
     from ._records.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
     from ._records.trust import HealthPolicy, Prefer
     from ._resume.resolution import Resolution
@@ -146,6 +148,7 @@ _WHERE = {
     "hash_git_tree": "._records.contract",
     "hash_imported_files": "._records.contract",
     "hash_recipe": "._records.contract",
+    "open_step": "._records.readers",
     "read_dcp_metadata": ".storage",
 }
 
@@ -231,5 +234,6 @@ __all__ = [
     "hash_git_tree",
     "hash_imported_files",
     "hash_recipe",
+    "open_step",
     "read_dcp_metadata",
 ]

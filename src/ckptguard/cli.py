@@ -566,18 +566,23 @@ def adopt(root: Path, step: int, template: str, as_json: bool) -> None:
 @click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.argument("step", type=click.IntRange(1))
 @click.option("--reason", required=True, help="Who needs this step and until when.")
+@click.option("--ttl", "ttl_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds: a reader lease that expires unless renewed (run the same command again to "
+                   "renew it), for a script that reads the step; without it the hold lasts until released.")
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def hold(root: Path, step: int, reason: str, template: str, as_json: bool) -> None:
-    """Pin STEP under ROOT against rotation (e.g. for evaluation); survives restarts."""
+def hold(root: Path, step: int, reason: str, ttl_s: float | None, template: str, as_json: bool) -> None:
+    """Pin STEP under ROOT against rotation and gc (e.g. for evaluation); survives restarts. In Python,
+    `with ckptguard.open_step(root, step):` holds a step while a block reads it."""
     try:
-        where = _inspect.hold(root, template, step, reason)
+        where = _inspect.hold(root, template, step, reason, ttl_s)
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if as_json:
-        _json_out(True, root=str(root.absolute()), step=step, reason=reason, hold=str(where))
+        _json_out(True, root=str(root.absolute()), step=step, reason=reason, hold=str(where), ttl_s=ttl_s)
     else:
-        click.echo(printable(f"held step {step}: {where}"))
+        until = f" for {ttl_s:g} s (renew by running this again)" if ttl_s is not None else ""
+        click.echo(printable(f"held step {step}{until}: {where}"))
 
 
 @main.command()

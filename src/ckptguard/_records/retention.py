@@ -28,6 +28,7 @@ from typing import Protocol
 
 from .._disk import layout as _layout
 from ..errors import CheckpointError, ConfigError
+from . import readers as _readers
 from . import trust as _trust
 from .checks import verify_step
 
@@ -120,8 +121,17 @@ _HOLD_NAME = re.compile(r"(\d+)\.json\Z")
 
 
 def holds(root: Path) -> dict[int, str]:
-    """Held steps and why. A hold file that cannot be read still holds the step its name
-    gives (``<step>.json``): a damaged hold must never free a step someone relies on."""
+    """Held steps and why: the holds (``hold``), then the steps live readers have open
+    (``_readers``: ``open_step``, ``hold --ttl``). A hold file that cannot be read still holds
+    the step its name gives (``<step>.json``): a damaged hold must never free a step someone
+    relies on."""
+    out = _own_holds(root)
+    for step, reader in _readers.live(root).items():
+        out.setdefault(step, reader)
+    return out
+
+
+def _own_holds(root: Path) -> dict[int, str]:
     out: dict[int, str] = {}
     _layout.refuse_link(root / HOLDS_DIR, "holds directory")  # never read through a link
     try:

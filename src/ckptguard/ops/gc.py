@@ -24,6 +24,7 @@ from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import contract as _contract
 from .._records import manifest as _manifest
+from .._records import readers as _readers
 from .._records import retention as _retention
 from .._records import trust as _trust
 from .._records.checks import verify_step
@@ -125,11 +126,15 @@ def gc(
     steps: set[Path] = set()  # victims that are step directories: uncommitted through the trash
     dirs = _layout.step_dirs(root, naming)
     verified = _trust.newest_verified(root, dirs)  # an unreadable trust record stops gc, naming the file
+    readers = _readers.live(root)  # a step a live reader has open is never removed, committed or not
     for done, (step, path) in enumerate(sorted(dirs.items()), 1):
         if progress is not None:
             progress("check", done, len(dirs))
         if path.is_symlink():
             report.kept.append((path, "a symlink: never deleted through; replace it with the real directory"))
+            continue
+        if step in readers:
+            report.kept.append((path, f"{readers[step]}: kept while that reader lease is live"))
             continue
         if not _has_manifest(path):
             report.kept.append(

@@ -16,6 +16,7 @@ from pathlib import Path
 from .._disk import layout as _layout
 from .._records import checks as _checks
 from .._records import manifest as _manifest
+from .._records import readers as _readers
 from .._records import retention as _retention
 from .._records import runmanifest as _runmanifest
 from .._records import trust as _trust
@@ -133,16 +134,21 @@ def world_size(step_dir: Path) -> int:
     return int(_checks.read_any(step_dir).world_size)
 
 
-def hold(root: Path, template: str, step: int, reason: str) -> Path:
-    """Pin a committed step against rotation; refuses a step that is not committed."""
+def hold(root: Path, template: str, step: int, reason: str, ttl_s: float | None = None) -> Path:
+    """Pin a committed step against rotation; refuses a step that is not committed. With ``ttl_s``, a
+    reader lease that expires after it (the same reason renews it) instead of a hold kept until released."""
     _checks.read_any(root / naming(template).name(step))
     if step > (_layout.read_tracker(root) or 0):
         raise ConfigError(f"step {step} is newer than the tracker: not committed")
+    if ttl_s is not None:
+        return _readers.acquire(root, step, ttl_s=ttl_s, who=reason, bind_process=False, key=reason)
     return _retention.hold(root, step, reason)
 
 
 def release(root: Path, step: int) -> bool:
-    return _retention.release(root, step)
+    """Remove the hold on ``step`` and its leases taken with ``hold --ttl``; True if there was one."""
+    leases = _readers.release_ttl(root, step)
+    return _retention.release(root, step) or leases > 0
 
 
 def tracker(root: Path) -> int | None:
