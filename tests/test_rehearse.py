@@ -44,7 +44,7 @@ def test_rehearse_kills_whole_torchrun_trees_and_fails_a_lost_prefetch(tmp_path)
 def _rehearse_shuffled(tmp_path, sampler: str) -> dict:
     root = tmp_path / sampler / "ck"
     job = [sys.executable, "-m", "ckptguard.demo.loops", "--root", str(root), "--steps", "100000",
-           "--save-every", "2", "--sampler", sampler, "--sleep", "0.3"]
+           "--save-every", "2", "--sampler", sampler, "--record-epoch", "--sleep", "0.3"]
     cmd = [sys.executable, "-m", "ckptguard.cli", "rehearse", "--root", str(root), "--timeout", "120", "--json", "--",
            *job]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)

@@ -147,6 +147,7 @@ def run(
     deterministic: bool | None = None,
     total_steps: int | None = None,
     epoch_loader: bool = False,
+    record_epoch: bool = False,
     stop_after: int | None = None,
     sleep_s: float = 0.0,
 ) -> dict[str, Any]:
@@ -203,7 +204,7 @@ def run(
         norm = _sync_grads(model, world)
         optim.step()
         losses[step] = float(loss.detach())
-        if isinstance(source, ShuffleSampler):  # the pass over the data this batch belongs to
+        if record_epoch and isinstance(source, ShuffleSampler):  # the pass over the data this batch belongs to
             extra["epoch"] = source.epoch
         mgr.record_step(step, sample_ids=ids, batch=batch, loss=loss, grad_norm=norm, **extra)
         if step == stop_after:
@@ -237,6 +238,7 @@ def _main() -> None:
     p.add_argument("--noise", action="store_true", help="noise from a generator that is not in the state")
     p.add_argument("--total-steps", type=int, default=None, help="ProofPlan(total_steps=)")
     p.add_argument("--epoch-loader", action="store_true", help="a loader of the restored step's epoch only")
+    p.add_argument("--record-epoch", action="store_true", help="record_step(..., epoch=) of the shuffling sampler")
     p.add_argument("--stop-after", type=int, default=None, help="end right after recording this step")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     a = p.parse_args()
@@ -247,7 +249,7 @@ def _main() -> None:
     run(a.root, rank=dist.get_rank() if world > 1 else 0, world=world, steps=a.steps, save_every=a.save_every,
         prefetch=a.prefetch, sampler=a.sampler, rollout=a.rollout, noise=a.noise,
         deterministic=False if a.not_deterministic else None, total_steps=a.total_steps, epoch_loader=a.epoch_loader,
-        stop_after=a.stop_after, sleep_s=a.sleep)
+        record_epoch=a.record_epoch, stop_after=a.stop_after, sleep_s=a.sleep)
 
 
 if __name__ == "__main__":
