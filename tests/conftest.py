@@ -53,6 +53,12 @@ SLOW_MODULES = {
     "test_ops_refusals",
     "test_verify_restore_once",
     "test_replicas_after_load",
+    "test_operations",
+    "test_proof",
+    "test_rollout_ledger",
+    "test_hf_skip",
+    "test_logging_default",
+    "test_memory_report",
 }
 
 
