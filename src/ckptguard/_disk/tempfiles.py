@@ -36,11 +36,15 @@ def _host_tag(host: str) -> str:
     return xxhash.xxh3_64_hexdigest(host.encode())[:8]
 
 
+def owner_tag() -> str:
+    """This process as the names of its files record it: ``<pid>.<start time>.<host tag>``."""
+    pid = os.getpid()
+    return f"{pid}.{proc_start(pid) or 'x'}.{_host_tag(socket.gethostname())}"
+
+
 def temp_name(path: Path) -> Path:
     """Where an atomic write of ``path`` goes first: next to it, named for this process."""
-    pid = os.getpid()
-    tag = f"{pid}.{proc_start(pid) or 'x'}.{_host_tag(socket.gethostname())}"
-    return path.with_name(f"{path.name}.tmp-{tag}-{secrets.token_hex(4)}")
+    return path.with_name(f"{path.name}.tmp-{owner_tag()}-{secrets.token_hex(4)}")
 
 
 def is_temp_file(path: Path, *, of: str | None = None) -> bool:

@@ -8,7 +8,7 @@ wrote it, while its process runs (PID and process start time, as the temp files 
 host whose process died frees its step once ``ttl_s`` passed, and one on the same host at once
 (there its process decides, not the expiry).
 ``live`` reports the live leases by step (retention and gc keep those steps, ``holds`` counts
-them) and removes dead ones. A lease file that cannot be read holds its step (the name gives it)
+them); retention and gc also remove the dead ones. A lease file that cannot be read holds its step (the name gives it)
 until it is older than ``UNREADABLE_AGE_S``: a damaged lease never frees a step early.
 """
 
@@ -54,10 +54,8 @@ def acquire(root: Path, step: int, *, ttl_s: float | None, who: str, bind_proces
     _layout.refuse_link(directory, "readers directory")  # never written through a link
     directory.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
-    if bind_process:
-        owner = f"{pid}.{_tempfiles.proc_start(pid) or 'x'}.{xxhash.xxh3_64_hexdigest(_host().encode())[:8]}"
-    else:
-        owner = "ttl." + xxhash.xxh3_64_hexdigest((key or who).encode())[:12]
+    ttl_owner = "ttl." + xxhash.xxh3_64_hexdigest((key or who).encode())[:12]  # the same key renews its lease
+    owner = _tempfiles.owner_tag() if bind_process else ttl_owner
     path = _path(root, step, owner)
     _layout.atomic_write_json(path, _record(step, ttl_s, who, pid if bind_process else None))
     return path
@@ -94,8 +92,9 @@ def _alive(data: dict[str, object]) -> bool:
     return isinstance(expires, (int, float)) and expires > time.time()
 
 
-def live(root: Path) -> dict[int, str]:
-    """Steps with a live reader lease, and who reads them; dead leases are removed."""
+def live(root: Path, *, sweep: bool = True) -> dict[int, str]:
+    """Steps with a live reader lease, and who reads them; ``sweep``: dead leases are removed (a read-only
+    command such as ``list`` passes False and leaves them)."""
     out: dict[int, str] = {}
     directory = root / READERS_DIR
     _layout.refuse_link(directory, "readers directory")  # never read through a link
@@ -120,7 +119,7 @@ def live(root: Path) -> dict[int, str]:
             until = data.get("expires_unix")
             when = f" until {time.strftime('%H:%M:%S', time.localtime(until))}" if isinstance(until, float) else ""
             out[step] = f"read by {data.get('who')} (pid {data.get('pid')} on {data.get('host')}){when}"
-        else:
+        elif sweep:
             with contextlib.suppress(OSError):
                 path.unlink()  # a dead reader's lease: its step is free again
     return out

@@ -120,13 +120,13 @@ def release(root: Path, step: int) -> bool:
 _HOLD_NAME = re.compile(r"(\d+)\.json\Z")
 
 
-def holds(root: Path) -> dict[int, str]:
+def holds(root: Path, *, sweep: bool = False) -> dict[int, str]:
     """Held steps and why: the holds (``hold``), then the steps live readers have open
     (``_readers``: ``open_step``, ``hold --ttl``). A hold file that cannot be read still holds
     the step its name gives (``<step>.json``): a damaged hold must never free a step someone
-    relies on."""
+    relies on. ``sweep``: dead reader leases are removed on the way (retention does)."""
     out = _own_holds(root)
-    for step, reader in _readers.live(root).items():
+    for step, reader in _readers.live(root, sweep=sweep).items():
         out.setdefault(step, reader)
     return out
 
@@ -239,7 +239,8 @@ def apply(
     except CheckpointError as exc:
         not_counted[_trust.TRUST_NAME] = f"{exc}; nothing is deleted until it is fixed"
         return RetentionReport(committed, [], {}, not_counted)
-    keep = policy.keep(committed) | set(protect) | set(holds(root)) | ({tracker} if tracker is not None else set())
+    keep = policy.keep(committed) | set(protect) | set(holds(root, sweep=True))
+    keep |= {tracker} if tracker is not None else set()
     keep |= {verified} if verified is not None else set()
     report = RetentionReport(
         kept=sorted(s for s in committed if s in keep), deleted=[], failed={}, not_counted=not_counted

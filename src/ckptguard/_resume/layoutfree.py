@@ -100,16 +100,25 @@ def replica_report(views: list[dict[str, list[str]]], replicated: list[dict[str,
     }
 
 
+def differing_chunks(report: dict[str, Any], *, short: bool = False) -> str:
+    """The report's differing chunks, each with the ranks on each side; ``short`` leaves the offsets out
+    (the proof's line)."""
+
+    def name(d: dict[str, Any]) -> str:
+        if d.get("offset") == "-":
+            return f"item {d.get('item')!r} (declared {'replicated' if short else 'in CheckpointConfig.replicated'})"
+        where = "" if short else f", offset {d.get('offset')}"
+        return f"{d.get('key')!r} (item {d.get('item')!r}{where})"
+
+    return "; ".join(f"{name(d)}: " + " vs ".join(f"ranks {r}" for r in d.get("ranks") or [])
+                     for d in report.get("differ") or [])
+
+
 def describe_replicas(report: dict[str, Any]) -> str:
     """One line naming the differing replicas (empty when they agree)."""
     if not report.get("differing"):
         return ""
-    def name(d: dict[str, Any]) -> str:
-        if d["offset"] == "-":
-            return f"item {d['item']!r} (declared in CheckpointConfig.replicated)"
-        return f"{d['key']!r} (item {d['item']!r}, offset {d['offset']})"
-
-    shown = "; ".join(f"{name(d)}: " + " vs ".join(f"ranks {r}" for r in d["ranks"]) for d in report.get("differ", []))
+    shown = differing_chunks(report)
     more = report["differing"] - len(report.get("differ", []))
     return (f"{report['differing']} tensor chunk(s) held by several ranks differ between their replicas after "
             f"the load: {shown}{f' (and {more} more)' if more > 0 else ''}")

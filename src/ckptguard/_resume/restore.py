@@ -431,22 +431,9 @@ def _skeleton(ctx: Context, name: str, kind: _state.ItemKind, state: dict[str, A
     return _state.flatten(_state.current_state(name, state[name], kind, state), name, {}, ctx.keyfn())
 
 
-def _tensor_refs(node: Any, out: set[str]) -> set[str]:
-    if isinstance(node, dict):
-        if set(node) == {_state.TENSOR_REF}:
-            out.add(str(node[_state.TENSOR_REF]))
-        else:
-            for v in node.values():
-                _tensor_refs(v, out)
-    elif isinstance(node, (list, tuple)):
-        for v in node:
-            _tensor_refs(v, out)
-    return out
-
-
 def _tensor_keys_changed(saved: Any, now: Any) -> str:
     """The tensors the item lost or gained in the load (an optimizer moment dropped, AReaL PR#1468), or ''."""
-    before, after = _tensor_refs(saved, set()), _tensor_refs(now, set())
+    before, after = _state.tensor_keys(saved), _state.tensor_keys(now)
     lost, gained = sorted(before - after), sorted(after - before)
     parts = ([f"tensors saved and missing after the load: {_some(lost)}"] if lost else []) + (
         [f"tensors the save did not hold: {_some(gained)}"] if gained else [])

@@ -126,7 +126,7 @@ def gc(
     steps: set[Path] = set()  # victims that are step directories: uncommitted through the trash
     dirs = _layout.step_dirs(root, naming)
     verified = _trust.newest_verified(root, dirs)  # an unreadable trust record stops gc, naming the file
-    readers = _readers.live(root)  # a step a live reader has open is never removed, committed or not
+    readers = _readers.live(root, sweep=not dry_run)  # a step a live reader has open is never removed
     for done, (step, path) in enumerate(sorted(dirs.items()), 1):
         if progress is not None:
             progress("check", done, len(dirs))

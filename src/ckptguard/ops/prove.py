@@ -24,6 +24,7 @@ from typing import Any
 from .._records import checks as _checks
 from .._records import runmanifest as _runmanifest
 from .._records.proofrecords import read_records, record_roles
+from .._resume.layoutfree import differing_chunks
 from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError
@@ -184,9 +185,7 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
     assert seg.restore is not None
     rep = seg.restore.get("replicas")
     if rep and rep.get("differing"):
-        shown = "; ".join((f"item {d.get('item')!r} (declared replicated)" if d.get("offset") == "-" else
-                           f"{d.get('key')!r} (item {d.get('item')!r})") + ": " +
-                          " vs ".join(f"ranks {r}" for r in d.get("ranks") or []) for d in rep.get("differ") or [])
+        shown = differing_chunks(rep, short=True)
         return Status.FAIL, (f"{rep['differing']} tensor chunk(s) held by several ranks differ between their "
                              f"replicas after the load of step {seg.restore['step']}: {shown}")
     if _raised(seg):

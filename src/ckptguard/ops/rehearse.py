@@ -156,12 +156,11 @@ def _plan(root: Path) -> ProofPlan:
     return ProofPlan(**saves[-1]["plan"]) if saves else ProofPlan()
 
 
-def _steps_past_save(root: Path, since: float, count: int, world: int) -> bool:
-    """Every rank recorded ``count`` steps after the committed step, in this launch."""
-    tracker = _tracker(root)
+def _steps_past_save(tracker: int, per_rank: dict[int, list[dict[str, Any]]], since: float, count: int,
+                     world: int) -> bool:
+    """Every rank recorded ``count`` steps after the committed step ``tracker``, in this launch."""
     if tracker < 1:
         return False
-    per_rank = read_records(root)
     for rank in range(world):
         recs = [r for r in per_rank.get(rank, []) if r["time"] >= since]
         event = "step" if any(r["event"] == "step" for r in recs) else "update"
@@ -178,19 +177,17 @@ def _epoch(r: dict[str, Any]) -> Any:
 class _EpochWait:
     """Whether the first run should go on to the next epoch before its kill (rank 0's records)."""
 
-    root: Path
     since: float
     reach: int
     first_save: int = 0
     crossed_at: int | None = None
     gave_up: bool = False
 
-    def done(self) -> bool:
+    def done(self, tracker: int, per_rank: dict[int, list[dict[str, Any]]]) -> bool:
         """True once the recorded steps past the committed step cross an epoch, none is recorded
         (nothing to wait for), or ``reach`` steps past the first committed save went by without one."""
-        tracker = _tracker(self.root)
         self.first_save = self.first_save or tracker
-        steps = {r["step"]: r for r in read_records(self.root).get(0, []) if r["event"] == "step"}
+        steps = {r["step"]: r for r in per_rank.get(0, []) if r["event"] == "step"}
         base = steps.get(tracker)
         if self.reach <= 0 or base is None or _epoch(base) is None:
             return True
@@ -250,10 +247,14 @@ def rehearse(cmd: Sequence[str], root: Path, *, timeout_s: float = 600.0, workdi
             first.wait("first committed save", lambda: _tracker(root) > start, timeout_s)
             plan, world = _plan(root), _world(root)
             n = plan.replay_steps
-            epochs = _EpochWait(root, first.since, epoch_reach)
+            epochs = _EpochWait(first.since, epoch_reach)
+
+            def past_save() -> bool:  # one reading of the tracker and the records per poll
+                tracker, per_rank = _tracker(root), read_records(root)
+                return _steps_past_save(tracker, per_rank, first.since, n, world) and epochs.done(tracker, per_rank)
+
             kill = check(first.kill_when(f"{n} step(s) recorded past a committed save on {world} rank(s)",
-                                         lambda: _steps_past_save(root, first.since, n, world) and epochs.done(),
-                                         timeout_s))
+                                         past_save, timeout_s))
             saved = kill.tracker or 0
             crossing = (f", past the epoch boundary at step {epochs.crossed_at}" if epochs.crossed_at is not None
                         else f" (no epoch boundary within {epoch_reach} steps)" if epochs.gave_up else "")
