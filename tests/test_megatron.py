@@ -311,3 +311,19 @@ def test_a_changed_megatron_file_is_refused_before_megatron_reads_it(cpu: dict[s
     kind, message = cpu["flipped_error"]
     assert kind == "CheckpointCorruptError"
     assert "__0_0.distcp" in message and "xxh3" in message
+
+
+def test_object_leaves_name_the_hyperparameter_a_load_changed() -> None:
+    # What the restore's error names when a ShardedObject (the DistributedOptimizer's param_groups) differs.
+    saved = {"optimizer": {"param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "step": 5.0, "wd_mult": 1.0}]},
+             "grad_scaler": None, "big": torch.arange(4.0)}
+    loaded = {"optimizer": {"param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "step": 1, "wd_mult": 1.0}]},
+              "big": torch.arange(4.0)}
+    a, b = mg.object_leaves(saved), mg.object_leaves(loaded)
+    assert a["optimizer.param_groups.0.betas"] == "tuple:(0.9, 0.95)"
+    assert a["big"].startswith("Tensor[torch.float32,(4,)]|")
+    assert mg.leaf_differences(a, b) == [
+        "grad_scaler saved NoneType:None, now (absent)",
+        "optimizer.param_groups.0.step saved float:5.0, now int:1",
+    ]
+    assert mg.leaf_differences(a, mg.object_leaves(saved)) == []

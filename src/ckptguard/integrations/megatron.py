@@ -79,6 +79,8 @@ __all__ = [
     "MegatronState",
     "check_files",
     "cuda_call",
+    "leaf_differences",
+    "object_leaves",
 ]
 
 log = logging.getLogger("ckptguard")
@@ -99,7 +101,11 @@ METADATA_EXTRA = frozenset(
 )
 """What Megatron's ``.metadata`` names beyond plain DCP's: every rank's save plan (``Metadata.all_local_plans``,
 for its cached-plan reuse); torch's own dataclasses, allowed by exact name."""
-_FORMAT = 1
+_FORMAT = 2
+"""The ``megatron`` item's format: 2 adds ``object_leaves`` (each ShardedObject's leaves by path, what names the
+value that differs after a load). Format 1 is read too: during its restore the item answers in format 1, so
+the restore's digest check compares like with like; the next save writes format 2."""
+_FORMATS = (1, 2)
 
 
 def _megatron() -> Any:
@@ -297,6 +303,7 @@ class MegatronState:
         self.metadata = {"distrib_optim_sharding_type": "dp_reshardable", **(metadata or {})}
         self.load_from: Path | None = None
         self._loaded = False  # set by load_state_dict during a restore
+        self._format = _FORMAT  # the restored step's, once one is restored
 
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict[str, Any]:
         """Megatron-LM's layout: ``model`` (``model0``, ``model1``, ... for several chunks), ``optimizer``."""
@@ -315,19 +322,29 @@ class MegatronState:
     def shard_digests(self) -> dict[str, str]:
         """xxh3 of every local piece Megatron saves: ``key@offset[range]`` -> digest; the non-sharded
         values (optimizer hyperparameters) under ``(common)``."""
+        return self._fingerprint()[0]
+
+    def _fingerprint(self) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+        """``shard_digests()`` and, for each non-tensor ``ShardedObject`` (the ``DistributedOptimizer``'s
+        param_groups, the step), its leaves by path: what names the value that differs after a load."""
         from megatron.core.dist_checkpointing.mapping import (
             LocalNonpersistentObject,
             ShardedBase,
+            ShardedObject,
             apply_factories,
         )
 
         sd = self.sharded_state_dict()
         apply_factories(sd)
         out: dict[str, str] = {}
+        leaves: dict[str, dict[str, str]] = {}
 
         def walk(node: Any) -> Any:
             if isinstance(node, ShardedBase):
-                out[_shard_name(node)] = digest(node.data)
+                name = _shard_name(node)
+                out[name] = digest(node.data)
+                if isinstance(node, ShardedObject) and not isinstance(node.data, torch.Tensor):
+                    leaves[name] = object_leaves(node.data)
                 return None
             if isinstance(node, LocalNonpersistentObject):
                 return None
@@ -338,7 +355,7 @@ class MegatronState:
             return node
 
         out["(common)"] = digest(walk(sd))
-        return out
+        return out, leaves
 
     def state_dict(self) -> dict[str, Any]:
         if self.load_from is not None and not self._loaded:
@@ -347,7 +364,9 @@ class MegatronState:
             return {"format": _FORMAT, "loading": str(self.load_from)}
         tracker = _tracker()
         states = {k: v.clone() for k, v in tracker.get_states().items()} if tracker is not None else {}
-        return {"format": _FORMAT, "cuda_rng_tracker": states, "shards": self.shard_digests()}
+        shards, leaves = self._fingerprint()
+        out = {"format": self._format, "cuda_rng_tracker": states, "shards": shards}
+        return {**out, "object_leaves": leaves} if self._format >= 2 else out
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         directory = self.load_from
@@ -356,8 +375,12 @@ class MegatronState:
                 f"the {ITEM!r} item loads Megatron's files of the step being restored: restore it through "
                 "MegatronCheckpoint.restore, not CheckpointManager.restore"
             )
-        if saved.get("format") != _FORMAT:
-            raise CheckpointCorruptError(f"{directory.parent}: the {ITEM!r} item has format {saved.get('format')!r}")
+        if saved.get("format") not in _FORMATS:
+            raise CheckpointCorruptError(
+                f"{directory.parent}: the {ITEM!r} item has format {saved.get('format')!r}, this ckptguard reads "
+                f"{', '.join(map(str, _FORMATS))}: restore with the ckptguard version that saved it"
+            )
+        self._format = int(saved["format"])
         check_files(directory)  # the bytes Megatron's DCP reader will unpickle, through the allow-list first
         dcp = _megatron()
         self._init_fresh_optimizer()
@@ -378,7 +401,7 @@ class MegatronState:
         if tracker is not None and saved.get("cuda_rng_tracker"):
             tracker.set_states({k: v.clone() for k, v in saved["cuda_rng_tracker"].items()})
         self._loaded = True
-        self._compare(directory, dict(saved.get("shards") or {}))
+        self._compare(directory, dict(saved.get("shards") or {}), dict(saved.get("object_leaves") or {}))
 
     def _init_fresh_optimizer(self) -> None:
         """A DistributedOptimizer that never stepped has no state: megatron-core 0.16's torch fallback (no Apex,
@@ -392,17 +415,50 @@ class MegatronState:
             if inner is not None and callable(init) and not inner.state:
                 init()
 
-    def _compare(self, directory: Path, saved: dict[str, str]) -> None:
-        now = self.shard_digests()
+    def _compare(self, directory: Path, saved: dict[str, str], saved_leaves: dict[str, dict[str, str]]) -> None:
+        now, now_leaves = self._fingerprint()
         changed = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k])
         missing, extra = sorted(saved.keys() - now.keys()), sorted(now.keys() - saved.keys())
         if changed or missing or extra:
             parts = [f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''} ({len(keys)})"
                      for label, keys in (("differ", changed), ("saved only", missing), ("live only", extra)) if keys]
+            where = [f"{k}: {d}" for k in changed if k in saved_leaves
+                     for d in leaf_differences(saved_leaves[k], now_leaves.get(k, {}))[:6]]
             raise StateMismatchError(
-                f"Megatron's load of {directory} did not reproduce the saved shards ({'; '.join(parts)}): build the "
-                "model and optimizer with the saving run's configuration and parallel layout, then restore again"
+                f"Megatron's load of {directory} did not reproduce the saved shards ({'; '.join(parts)})"
+                + (f"; in the objects: {'; '.join(where)}" if where else "")
+                + ": build the model and optimizer with the saving run's configuration and parallel layout, then "
+                "restore again"
             )
+
+
+_LEAF_REPR = 64
+"""A leaf whose repr is this short (a learning rate, a step count) is kept as its repr, else as a digest."""
+
+
+def object_leaves(obj: Any, path: str = "") -> dict[str, str]:
+    """Every leaf of a nested structure by path (``param_groups.0.lr``): ``type:repr`` for a short leaf,
+    ``type|digest`` otherwise (a tensor: its dtype and shape with the digest)."""
+    if isinstance(obj, Mapping):
+        out: dict[str, str] = {}
+        for key in sorted(obj, key=repr):
+            out.update(object_leaves(obj[key], f"{path}.{key}" if path else str(key)))
+        return out or {path: f"{type(obj).__name__}:{{}}"}
+    if isinstance(obj, (list, tuple)) and obj and not all(isinstance(v, (int, float, str, bool)) for v in obj):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(object_leaves(v, f"{path}.{i}" if path else str(i)))
+        return out
+    if isinstance(obj, torch.Tensor):
+        return {path: f"Tensor[{obj.dtype},{tuple(obj.shape)}]|{digest(obj)}"}
+    text = repr(obj)
+    return {path: f"{type(obj).__name__}:{text}" if len(text) <= _LEAF_REPR else f"{type(obj).__name__}|{digest(obj)}"}
+
+
+def leaf_differences(saved: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    """``path saved X, now Y`` for each leaf that differs, is gone or is new."""
+    return [f"{p} saved {saved.get(p, '(absent)')}, now {now.get(p, '(absent)')}"
+            for p in sorted(saved.keys() | now.keys()) if saved.get(p) != now.get(p)]
 
 
 def _tracker() -> Any:
@@ -498,7 +554,8 @@ class MegatronCheckpoint:
         try:
             step = self.manager.restore(items, mode=mode, path=path)
         finally:
-            self.megatron.load_from, self.megatron._loaded = None, False
+            # the restore compared the item in the restored step's format; saves write the current one
+            self.megatron.load_from, self.megatron._loaded, self.megatron._format = None, False, _FORMAT
         if step != res.step:  # cannot happen under the write lease; the shard comparison would fail first
             raise ResumeError(
                 f"{self.manager.root}: resolve chose step {res.step} but restore loaded step {step}; another "
