@@ -327,3 +327,32 @@ def test_object_leaves_name_the_hyperparameter_a_load_changed() -> None:
         "optimizer.param_groups.0.step saved float:5.0, now int:1",
     ]
     assert mg.leaf_differences(a, mg.object_leaves(saved)) == []
+
+
+def test_adam_steps_lost_in_megatrons_load_are_put_back_one_tensor_each(caplog: pytest.LogCaptureFixture) -> None:
+    # megatron-core 0.16's torch fallback: its load leaves one shared step tensor holding the loading
+    # template's step (seen on the H200: saved 5.0, loaded 1.0). The saved step comes back, a tensor each.
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    inner = torch.optim.AdamW(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones(3)
+    inner.step()
+    shared = torch.tensor(1.0)
+    for st in inner.state.values():
+        st["step"] = shared
+
+    class Distributed:  # what the integration reads of a DistributedOptimizer: its inner torch optimizer
+        optimizer = inner
+
+    state = object.__new__(mg.MegatronState)
+    state.optimizer = Distributed()
+    with caplog.at_level("WARNING", logger="ckptguard"):
+        state._restore_adam_steps({"optimizer": {"param_groups": [{"step": 5.0}, {"step": 5.0}]}}, Path("/x"))
+    steps = [st["step"] for st in inner.state.values()]
+    assert [float(s) for s in steps] == [5.0, 5.0, 5.0] and len({id(s) for s in steps}) == 3
+    assert "left Adam's step at [1.0] in 3 of 3" in caplog.text and "shared" in caplog.text
+    inner.step()  # each parameter's step advances once, as in a run that never stopped
+    assert [float(st["step"]) for st in inner.state.values()] == [6.0, 6.0, 6.0]
+    caplog.clear()
+    state._restore_adam_steps({"optimizer": {"param_groups": [{"step": 6.0}]}}, Path("/x"))
+    assert caplog.text == ""  # right already: untouched

@@ -397,6 +397,7 @@ class MegatronState:
             chunk.load_state_dict(loaded["model" if len(self.chunks) == 1 else f"model{i}"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(loaded["optimizer"])
+            self._restore_adam_steps(loaded["optimizer"], directory)
         tracker = _tracker()
         if tracker is not None and saved.get("cuda_rng_tracker"):
             tracker.set_states({k: v.clone() for k, v in saved["cuda_rng_tracker"].items()})
@@ -414,6 +415,37 @@ class MegatronState:
             init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
             if inner is not None and callable(init) and not inner.state:
                 init()
+
+    def _restore_adam_steps(self, loaded: Any, directory: Path) -> None:
+        """Put back the Adam step that megatron-core 0.16's torch fallback (no Apex, no Transformer Engine)
+        loses in a ``dp_reshardable`` load: ``load_state_dict`` sets every parameter's ``step`` to one tensor
+        holding the saved step (from the param_groups), then ``_set_main_param_and_optimizer_states``
+        copies the loading template's ``step`` (the fresh optimizer's, 1) into that shared tensor. Seen on
+        the H200: saved 5.0, after the load 1.0 in every parameter, so the bias correction would restart and,
+        the tensor being shared, advance once per parameter per step. Each parameter gets a tensor of its
+        own holding the saved step (as an optimizer that stepped has); the shard digests then check it."""
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        parts = [loaded] if len(chained) == 1 else [v for _, v in sorted(loaded.items())]
+        for i, (opt, part) in enumerate(zip(chained, parts, strict=True)):
+            inner = getattr(opt, "optimizer", None)
+            groups = part.get("optimizer", {}).get("param_groups", []) if isinstance(part, Mapping) else []
+            steps = {g["step"] for g in groups if isinstance(g, Mapping) and "step" in g}
+            if inner is None or len(steps) != 1:
+                continue
+            (step,) = steps
+            wrong = [st for st in inner.state.values()
+                     if isinstance(st.get("step"), torch.Tensor) and float(st["step"]) != float(step)]
+            shared = len({id(st["step"]) for st in inner.state.values() if "step" in st}) < len(inner.state)
+            if not wrong and not shared:
+                continue
+            found = sorted({float(st["step"]) for st in wrong})
+            for st in inner.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
+            log.warning("%s: Megatron's load left Adam's step at %s in %d of %d parameters of optimizer %d (saved "
+                        "%s%s); ckptguard set each parameter's step to the saved one (megatron-core 0.16's torch "
+                        "fallback)", directory, found or float(step), len(wrong), len(inner.state), i, step,
+                        "; one tensor was shared by all" if shared else "")
 
     def _compare(self, directory: Path, saved: dict[str, str], saved_leaves: dict[str, dict[str, str]]) -> None:
         now, now_leaves = self._fingerprint()
