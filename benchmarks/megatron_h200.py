@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 
+from ckptguard.memory.phases import PhaseKind, PhaseRecorder, RecorderConfig
+from ckptguard.memory.process import list_tree, read_process
+
 SEQ = 64
 
 
@@ -275,6 +278,49 @@ def campaign(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+class TreePss:
+    """The peak over time of this process tree's summed PSS (Megatron forks its writers), at ~10 Hz."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak, self.procs, self._stop = 0, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            snaps = [read_process(pid, with_fds=False) for pid in list_tree(os.getpid())]
+            self.peak = max(self.peak, sum(s.pss or 0 for s in snaps if s is not None))
+            self.procs = max(self.procs, sum(s is not None for s in snaps))
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> TreePss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def save_peaks(path: Path) -> list[dict[str, Any]]:
+    """Per save phase: the host's used memory at its start and its in-phase peak (20 Hz), the process's RSS."""
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    starts = {(r["policy_version"], r["step"]): r for r in recs if r["kind"] == "phase_start"}
+    rows = []
+    for r in recs:
+        if r["kind"] != "phase_end":
+            continue
+        start = starts[(r["policy_version"], r["step"])]
+        base = start["host"]["current"]
+        peak = r["peak"]
+        rows.append({"writer": r["policy_version"], "step": r["step"], "seconds": round(r["duration_s"], 3),
+                     "host_before_gib": round(base / 2**30, 3),
+                     "host_peak_over_before_gib": round((peak["host_current"] - base) / 2**30, 3),
+                     "process_rss_peak_gib": round(peak["process_rss"] / 2**30, 3), "samples": peak["samples"]})
+    return rows
+
+
 def _drop_cache() -> bool:
     try:
         os.sync()
@@ -321,25 +367,43 @@ def bench(args: argparse.Namespace) -> int:
     own = cg.CheckpointManager(work / "own", config=cfg)
     own_async = cg.CheckpointManager(work / "own_async", config=cfg)
     rows: list[dict[str, Any]] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # The save step's host memory, Megatron's writer (its forked writer processes included: the host figure
+    # is the machine's, which runs nothing else) against ckptguard's own writer on the same tensors.
+    mem_path = out / "megatron_mem.jsonl"
+    recorder = PhaseRecorder(RecorderConfig(path=mem_path, pss_every_s=0.0, sample_hz=20.0))
+    trees: list[dict[str, Any]] = []
     torch.cuda.synchronize()
     for rep in range(args.reps):
         step = rep + 1
         t0 = time.perf_counter()
-        ckpt.save(step, {"scheduler": sched})
+        with recorder.phase(PhaseKind.SAVE, step=step, policy_version="megatron"), TreePss() as tree:
+            ckpt.save(step, {"scheduler": sched})
+        trees.append({"writer": "megatron", "step": step, "tree_pss_peak_gib": round(tree.peak / 2**30, 3),
+                      "processes": tree.procs})
         total = time.perf_counter() - t0
         rows.append({"path": "megatron (MegatronCheckpoint.save)", "rep": rep, "blocked_s": total,
                      "megatron_write_s": ckpt.last_write_seconds,
                      "ckptguard_commit_s": total - ckpt.last_write_seconds})
         t0 = time.perf_counter()
-        own.save(step, {"shards": flat, "scheduler": sched})
+        with recorder.phase(PhaseKind.SAVE, step=step, policy_version="ckptguard_sync"), TreePss() as tree:
+            own.save(step, {"shards": flat, "scheduler": sched})
+        trees.append({"writer": "ckptguard_sync", "step": step, "tree_pss_peak_gib": round(tree.peak / 2**30, 3),
+                      "processes": tree.procs})
         total = time.perf_counter() - t0
         rows.append({"path": "ckptguard own (CheckpointManager.save)", "rep": rep, "blocked_s": total})
         t0 = time.perf_counter()
-        pending = own_async.save_async(step, {"shards": flat, "scheduler": sched})
-        blocked = time.perf_counter() - t0
-        own_async.wait()
+        with recorder.phase(PhaseKind.SAVE, step=step, policy_version="ckptguard_async"), TreePss() as tree:
+            pending = own_async.save_async(step, {"shards": flat, "scheduler": sched})
+            blocked = time.perf_counter() - t0
+            own_async.wait()
+        trees.append({"writer": "ckptguard_async", "step": step, "tree_pss_peak_gib": round(tree.peak / 2**30, 3),
+                      "processes": tree.procs})
         rows.append({"path": "ckptguard own (save_async)", "rep": rep, "blocked_s": blocked,
                      "commit_s": time.perf_counter() - t0, "pending": pending is not None})
+    recorder.close()
+    memory = [{**m, **t} for m, t in zip(save_peaks(mem_path), trees, strict=True)]
     for rep in range(args.reps):
         cold = _drop_cache()
         t0 = time.perf_counter()
@@ -351,12 +415,10 @@ def bench(args: argparse.Namespace) -> int:
         own.restore({"shards": flat, "scheduler": make_scheduler(opt)})
         rows.append({"path": "ckptguard own (CheckpointManager.restore)", "rep": rep,
                      "restore_s": time.perf_counter() - t0, "cold_cache": cold})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res = {"size": size, "state_bytes": nbytes, "tensors": len(flat), "rows": rows,
+    res = {"size": size, "state_bytes": nbytes, "tensors": len(flat), "rows": rows, "memory": memory,
            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
     (out / "megatron_bench.json").write_text(json.dumps(res, indent=1))
-    for r in rows:
+    for r in [*rows, *memory]:
         print(json.dumps(r), flush=True)
     print(f"state {nbytes / 2**30:.3f} GiB in {len(flat)} tensors", flush=True)
     torch.distributed.destroy_process_group()
