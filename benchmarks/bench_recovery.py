@@ -201,8 +201,6 @@ def main() -> None:
         t = time.perf_counter()
         job.step()
         loop_steps.append(time.perf_counter() - t)
-        if step == steps:
-            ref = {k: v.detach().cpu().clone() for k, v in job.tensors().items()}
         t = time.perf_counter()
         if step % a.fast_every == 0 and step != steps:
             if a.use_async:
@@ -211,6 +209,7 @@ def main() -> None:
                 tiers.save(step, job.state())
             fast_saves.append(time.perf_counter() - t)
     loop_s = time.perf_counter() - loop_start
+    ref = {k: v.detach().cpu().clone() for k, v in job.tensors().items()}  # the state of the last step
     wait_s = None
     if a.use_async:
         t = time.perf_counter()
@@ -265,6 +264,9 @@ def main() -> None:
             "loop_s_with_fast_saves": round(loop_s, 3),
             "loop_s_without": round(sum(base_steps), 3),
             "loop_overhead": round(loop_s / sum(base_steps) - 1, 3),
+            "step_p50_s_with_saves": round(statistics.median(loop_steps), 4),
+            "step_max_s_with_saves": round(max(loop_steps), 4),
+            "steps_sum_s_with_saves": round(sum(loop_steps), 3),
             "overhead_per_save_in_steps": round(statistics.median(fast_saves) / p50, 1),
             "mode": "save_async" if a.use_async else "save",
             "pools_prepared_s": None if prepared_s is None else round(prepared_s, 3),
