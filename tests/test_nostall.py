@@ -185,3 +185,35 @@ def test_a_tiered_save_async_during_the_tiers_commit_is_skipped_and_retention_st
     skips = [r["step"] for r in read_records(tmp_path / "pers")[0] if r["event"] == "busy_skip"]
     assert skips == ([2, 4] if fourth is None else [2])
     tiers.close()
+
+
+def _run_busy_ranks(rank, world, base):
+    """A RunCheckpoint's save_async requested while the run step before it still commits (held at the
+    tracker on every rank): skipped on every rank, recorded for every role, in the next run step's cost."""
+    gate = threading.Event()
+    _faults.set_hook("commit.before_tracker", gate.wait)
+    roles = [cg.Role("actor", ranks=[0, 1]), cg.Role("critic", ranks=[1])]
+    run = cg.RunCheckpoint(base, roles, config=cg.CheckpointConfig(timeout_s=30))
+    states = {name: {"w": cg.PerRank(torch.full((64,), float(rank)))} for name in run.my_roles}
+    try:
+        first = run.save_async(1, states)
+        skipped = run.save_async(2, states)
+    finally:
+        gate.set()
+        _faults.set_hook("commit.before_tracker", None)
+    first.wait()
+    third = run.save_async(3, states)
+    path = third.wait() if third is not None else None
+    recs = read_records(base)
+    return {"skipped": skipped is None, "count": run.busy.skipped_total, "steps": run.committed_steps(),
+            "third": str(path), "roles": run.my_roles, "recs": {k: [r["step"] for r in v if r["event"] == "busy_skip"]
+                                                                for k, v in recs.items()}}
+
+
+def test_a_run_checkpoint_save_async_during_a_commit_is_skipped_on_every_rank(tmp_path):
+    out = values(run_ranks(_run_busy_ranks, 2, tmp_path / "run", timeout=120))
+    for o in out:
+        assert o["skipped"] and o["count"] == 1 and o["steps"] == [1, 3], o
+        assert o["third"].endswith("step_00000003")
+    cost = json.loads((tmp_path / "run" / "step_00000003" / "actor" / "manifest.json").read_text())["cost"]
+    assert cost["skipped_steps"] == [2] and cost["on_busy"] == "skip"

@@ -31,7 +31,16 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; 
     from ._state.expert import ExpertParallel
     from ._state.rng import GeneratorState
     from ._state.state import PerRank
-    from .config import CheckpointConfig, OnBusy, ParallelLayout, ProofPlan, ReshardRule, ResumeMode
+    from .config import (
+        BlockingBudget,
+        CheckpointConfig,
+        OnBusy,
+        OverBudget,
+        ParallelLayout,
+        ProofPlan,
+        ReshardRule,
+        ResumeMode,
+    )
     from .cursor import CursorSampler, DataCursor
     from .errors import (
         ChainMismatchError,
@@ -51,6 +60,7 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; 
         ReplicatedDivergenceError,
         ResumeError,
         RunStepError,
+        SaveBudgetError,
         SaveStillRunningError,
         StaleDerivedStateError,
         StateMismatchError,
@@ -105,6 +115,9 @@ _WHERE = {
     "KeepLast": "._records.retention",
     "LeaseHeldError": ".errors",
     "OnBusy": ".config",
+    "OverBudget": ".config",
+    "BlockingBudget": ".config",
+    "SaveBudgetError": ".errors",
     "ParallelLayout": ".config",
     "PendingSave": "._commit.pending",
     "PerRank": "._state.state",
@@ -166,6 +179,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BlockingBudget",
     "ChainMismatchError",
     "CheckpointConfig",
     "CheckpointCorruptError",
@@ -190,6 +204,7 @@ __all__ = [
     "KeepLast",
     "LeaseHeldError",
     "OnBusy",
+    "OverBudget",
     "ParallelLayout",
     "PendingSave",
     "PerRank",
@@ -212,6 +227,7 @@ __all__ = [
     "RunCheckpoint",
     "RunContract",
     "RunStepError",
+    "SaveBudgetError",
     "SaveStillRunningError",
     "StaleDerivedStateError",
     "StateMismatchError",

@@ -155,3 +155,18 @@ def gather_decide(
             raise own
         raise rebuild(head["error"], note="(reported by rank 0) ")
     return decision.from_json(head["value"])
+
+
+@dataclass(frozen=True)
+class _Nothing(Wire):
+    """A rank's part of an agreement where only rank 0 acts."""
+
+
+@dataclass(frozen=True)
+class _Text(Wire):
+    text: str
+
+
+def rank0_does(agreement: Agreement, phase: str, fn: Callable[[], str]) -> str:
+    """Rank 0 runs ``fn`` (a root-level write, say); every rank returns its result or raises its error."""
+    return gather_decide(agreement, phase, _Nothing(), lambda _: _Text(fn()), decision=_Text).text

@@ -35,6 +35,37 @@ class OnBusy(enum.Enum):
     """Wait for the commit in flight, then save (the caller is held for the rest of that commit)."""
 
 
+class OverBudget(enum.Enum):
+    """What a synchronous ``save`` whose estimated blocking exceeds its ``BlockingBudget`` does (every rank alike)."""
+
+    BACKGROUND = "background"
+    """Commit it in the background, as ``save_async`` does: the caller is held only for the copies; ``save``
+    returns None (logged as a warning), and ``wait()`` or the next save joins the commit."""
+    REFUSE = "refuse"
+    """Raise ``SaveBudgetError`` on every rank, naming the estimate and the timeout; nothing is written."""
+
+
+@dataclass(frozen=True)
+class BlockingBudget:
+    """How long a synchronous ``save`` may hold the caller: ``fraction`` of the process group's collective
+    timeout (``timeout_s`` declared, else read from the group). Applies with more than one rank."""
+
+    fraction: float | None = 0.5
+    """Of the collective timeout; None: no budget."""
+    timeout_s: float | None = None
+    """The collective timeout to plan against (seconds); None: the smallest of the process group's backends."""
+    over: OverBudget = OverBudget.BACKGROUND
+    """What a save estimated above the budget does."""
+
+    def __post_init__(self) -> None:
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise ConfigError(f"BlockingBudget.fraction must be in (0, 1] or None, got {self.fraction!r}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ConfigError(f"BlockingBudget.timeout_s must be > 0 seconds or None, got {self.timeout_s!r}")
+        if not isinstance(self.over, OverBudget):
+            raise ConfigError(f"BlockingBudget.over must be an OverBudget (BACKGROUND, REFUSE), got {self.over!r}")
+
+
 class ReshardRule(enum.Enum):
     """What happens to per-rank state when the world size changes on restore."""
 
@@ -175,6 +206,9 @@ class CheckpointConfig:
     on_busy: OnBusy = OnBusy.SKIP
     """A ``save_async`` requested while the previous commit is still running: skipped (the default) or waited
     for (``OnBusy``); decided alike on every rank, before any rank snapshots."""
+    blocking: BlockingBudget = field(default_factory=BlockingBudget)
+    """How long a synchronous ``save`` may hold the caller (a fraction of the collective timeout) and what a
+    save estimated above it does (``BlockingBudget``): by default it commits in the background."""
     keep_failed: bool = False
     """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
     publish_checksums: bool | None = None
@@ -209,6 +243,8 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.timeout_s must be > 0 seconds, got {self.timeout_s!r}")
         if not isinstance(self.on_busy, OnBusy):
             raise ConfigError(f"CheckpointConfig.on_busy must be an OnBusy (SKIP, WAIT), got {self.on_busy!r}")
+        if not isinstance(self.blocking, BlockingBudget):
+            raise ConfigError(f"CheckpointConfig.blocking must be a BlockingBudget, got {self.blocking!r}")
         if not isinstance(self.reshard, ReshardRule):
             raise ConfigError(f"CheckpointConfig.reshard must be a ReshardRule, got {self.reshard!r}")
         if self.rng_seed is not None and (not isinstance(self.rng_seed, int) or isinstance(self.rng_seed, bool)

@@ -262,6 +262,21 @@ class SaveStillRunningError(CheckpointError, TimeoutError):
         self.step = step
 
 
+class SaveBudgetError(CheckpointError, RuntimeError):
+    """A synchronous save would hold the caller longer than its blocking budget (``BlockingBudget``, a fraction
+    of the process group's collective timeout) and ``OverBudget.REFUSE`` applies: raised on every rank before
+    anything is captured."""
+
+    fields = ("step", "seconds", "budget_s")
+
+    def __init__(self, message: str, *, step: int | None = None, seconds: float | None = None,
+                 budget_s: float | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.seconds = seconds
+        self.budget_s = budget_s
+
+
 class StaleDerivedStateError(CheckpointError, RuntimeError):
     """A cache built for an older parameter version was about to be used."""
 

@@ -12,16 +12,16 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from . import _faults, _log
-from ._agree import Wire, gather_decide
+from ._agree import rank0_does
 from ._commit import pending as _async
 from ._commit import protocol as _commit
+from ._commit.budget import BudgetRound
 from ._commit.busy import BusyRound, may_start
 from ._commit.pending import PendingSave
 from ._commit.snapshot import snapshot
@@ -48,16 +48,6 @@ from .storage.base import Storage
 from .storage.streaming import StreamingStorage
 
 log = _log.logger()
-
-
-@dataclass(frozen=True)
-class _Empty(Wire):
-    """A rank's part of an agreement where only rank 0 acts."""
-
-
-@dataclass(frozen=True)
-class _Written(Wire):
-    path: str
 
 
 class CheckpointManager:
@@ -123,6 +113,8 @@ class CheckpointManager:
         self.core = Root(self.root, self.config, self._ctx.naming, agreement)
         """The bookkeeping of this root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
         self.core.check_lease("create")
+        self.blocking = BudgetRound(agreement, info.world_size, process_group, self.config.blocking, self.root)
+        """How long a synchronous ``save`` may hold the caller (``CheckpointConfig.blocking``)."""
 
     @property
     def last_health(self) -> _trust.HealthVerdict | None:
@@ -198,16 +190,23 @@ class CheckpointManager:
         ``overwrite=True`` replaces a committed step or saves one older than the tracker (a deliberate
         rollback); ``break_lease=True`` takes the root's write lease from a live owner. Both act on this
         call only (one-shot actions; ``CheckpointConfig(overwrite=, break_lease=)`` is deprecated).
+        With several ranks, a save estimated to hold the slowest one longer than ``CheckpointConfig.blocking``
+        (half the collective timeout) commits in the background instead (None; ``wait()`` joins it) or raises
+        ``SaveBudgetError`` on every rank (``OverBudget.REFUSE``), before anything is captured.
         """
         check_step(step, "save")
         check_state(state, "save")
         self.wait()
+        if self.blocking.over(step, state):  # over CheckpointConfig.blocking, on every rank: as save_async
+            self._background(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease), None)
+            return None
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
         snap = snapshot(self._ctx, step, state, actions=Actions(overwrite, break_lease))
         snap.cost.update(self.busy.pending_cost())
         path = self._published(_commit.commit(self._ctx, snap), step, blocked_s=time.monotonic() - start, began=start)
+        self.blocking.observe(snap, time.monotonic() - start)
         self.cleanup_after(step)
         return path
 
@@ -237,8 +236,12 @@ class CheckpointManager:
         check_state(state, "save_async")
         previous = self._pending
         go = may_start(self.busy, step, previous, self.config.on_busy, wait=self.wait, record=self._record)
-        actions = Actions(overwrite, break_lease)
-        prepared = self.stage_commit(step, state, healthy, loss, grad_norm, actions) if go else None
+        return self._background(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease),
+                                previous) if go else None
+
+    def _background(self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any,
+                    actions: Actions, previous: PendingSave | None) -> PendingSave | None:
+        prepared = self.stage_commit(step, state, healthy, loss, grad_norm, actions)
         if prepared is None:
             return None
         run, fence, start = prepared
@@ -487,11 +490,7 @@ class CheckpointManager:
         log.warning("ckptguard: declared contract phase %s (%s): %s", written, reason, changes)
         return written
 
-    def _on_rank0(self, phase: str, write: Any) -> Path:
+    def _on_rank0(self, phase: str, write: Callable[[], Path]) -> Path:
         """Rank 0 writes a root-level file; every rank returns its path or raises its error."""
         self.wait()
-
-        def decide(_: list[_Empty]) -> _Written:
-            return _Written(str(write()))
-
-        return Path(gather_decide(self._ctx.agreement, phase, _Empty(), decide, decision=_Written).path)
+        return Path(rank0_does(self._ctx.agreement, phase, lambda: str(write())))

@@ -38,25 +38,21 @@ run step.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import torch
-
 from . import _log
 from ._agree import Wire, gather_decide
+from ._commit.budget import state_bytes, write_speed
 from ._core.guard import GuardTarget, Preemptible
 from ._disk import layout as _layout
-from ._disk import tempfiles as _tempfiles
 from ._dist import make_agreement
-from ._state import state as _state
 from .errors import CheckpointError, ConfigError
 
 log = _log.logger()
@@ -281,42 +277,3 @@ class PreemptionGuard:
         return None, ""
 
 
-PROBE_BYTES = 16 << 20
-
-
-def write_speed(root: Path, nbytes: int = PROBE_BYTES) -> float:
-    """Bytes per second of an fsynced write of ``nbytes`` into ``root`` (created if missing: the save
-    it plans for would create it), through a temp file named for this process and removed after."""
-    root.mkdir(parents=True, exist_ok=True)
-    path = _tempfiles.temp_name(root / ".ckptguard-disk-probe")
-    block = os.urandom(1 << 20)  # incompressible: a compressing filesystem must not flatter the figure
-    began = time.perf_counter()
-    try:
-        with open(path, "wb") as f:
-            for _ in range(max(1, nbytes // len(block))):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        return max(1, nbytes // len(block)) * len(block) / max(time.perf_counter() - began, 1e-6)
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def state_bytes(state: Mapping[str, Any]) -> int:
-    """This rank's tensor bytes in ``state`` (a DTensor counts its local shard); a ``RunCheckpoint``'s
-    states (role -> state) are summed over the roles."""
-    total = 0
-    for name, value in state.items():
-        if isinstance(value, Mapping) and value and not any(isinstance(v, torch.Tensor) for v in value.values()):
-            total += state_bytes(value)  # a role's state, or a dict of items
-            continue
-        try:
-            obj = _state.current_state(name, value, _state.classify(value), state)
-        except Exception:  # not an item ckptguard saves (the save would say why): no bytes to plan for
-            continue
-        flat: dict[str, torch.Tensor] = {}
-        _state.flatten(obj, name, flat)
-        for t in flat.values():
-            local = t.to_local() if hasattr(t, "to_local") else t
-            total += local.numel() * local.element_size()
-    return total

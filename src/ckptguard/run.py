@@ -39,6 +39,7 @@ from . import _faults, _log
 from ._agree import gather_decide, on_every_rank
 from ._commit import pending as _async
 from ._commit import protocol as _commit
+from ._commit.busy import BusyRound, may_start
 from ._commit.messages import Outcome, raise_if_failed
 from ._commit.publish_run import RunReport, check_shared_root, node_local_message, publish_run_step
 from ._commit.snapshot import Snapshot, snapshot
@@ -52,6 +53,7 @@ from ._core.roles import (
     check_states,
     each_role,
     load_role_part,
+    role_budget,
     role_failure,
 )
 from ._core.root import Root
@@ -63,11 +65,9 @@ from ._records.prooflog import ProofLog
 from ._resume import resolve as _resolve
 from ._resume.resolve import Resolution, ResolveView
 from ._state.derived import DerivedState
-from ._state.expert import ExpertParallel
 from .config import CheckpointConfig, ResumeMode
 from .errors import ConfigError, error_payload
 from .storage._staging import Fence
-from .storage.base import Storage
 from .storage.streaming import StreamingStorage
 
 log = _log.logger()
@@ -112,7 +112,7 @@ class RunCheckpoint:
         ns = f"run-{RunCheckpoint._created}"
         run_agreement = make_agreement(None, timeout_s=self.config.timeout_s, namespace=ns)
         me = run_agreement.info.rank
-        self._run = self._context(run_agreement, self.config, StreamingStorage(), None, None)
+        self._run = Context.of(self.root, self.config, self._naming, run_agreement, StreamingStorage(), None, None)
         self._roles: dict[str, Context] = {}
         self._derived: dict[str, DerivedState] = {}
         proofs: dict[str, ProofLog] = {}  # the roles this rank holds: ROOT/proof/<role>/, by role rank
@@ -128,9 +128,8 @@ class RunCheckpoint:
                 continue
             agreement = make_agreement(group, timeout_s=self.config.timeout_s, namespace=f"{ns}/{role.name}")
             cfg = dataclasses.replace(self.config, layout=role.layout)
-            self._roles[role.name] = self._context(
-                agreement, cfg, role.storage or StreamingStorage(), group, role.expert_parallel
-            )
+            self._roles[role.name] = Context.of(self.root, cfg, self._naming, agreement,
+                                                role.storage or StreamingStorage(), group, role.expert_parallel)
             if role.derived is not None:
                 self._derived[role.name] = role.derived
             proofs[role.name] = ProofLog(self.root, agreement.info.rank, role=role.name)
@@ -140,6 +139,10 @@ class RunCheckpoint:
         self._pending: _async.PendingSave | None = None
         self._staging: dict[str, _async.AsyncStaging] = {}  # save_async: one host pool per role this rank holds
         self._budget: tuple[int, str] | None = None
+        # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
+        self.busy = BusyRound(make_agreement(None, timeout_s=self.config.timeout_s, namespace=f"{ns}-busy"),
+                              label="run step")
+        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``), as ``CheckpointManager.busy``."""
         self.core = Root(self.root, self.config, self._naming, run_agreement, label="run step", lease_key="run.lease")
         """The bookkeeping of the run's root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
         self.core.check_lease("create")
@@ -148,11 +151,6 @@ class RunCheckpoint:
     def last_health(self) -> _trust.HealthVerdict | None:
         """The health verdict of the last ``save`` (``.skip``: it was not committed)."""
         return self.core.last_health
-
-    def _context(
-        self, agreement: Any, config: CheckpointConfig, storage: Storage, group: Any, expert: ExpertParallel | None
-    ) -> Context:
-        return Context.of(self.root, config, self._naming, agreement, storage, group, expert)
 
     def preemption_target(self) -> GuardTarget:
         """What a ``PreemptionGuard`` guards: the run's save over every role, its commits and save times."""
@@ -262,8 +260,10 @@ class RunCheckpoint:
             return None
         started = time.monotonic()
         fences: list[Any] = []
-        budget = self._role_budget()
+        budget = self._budget = self._budget or role_budget(self.config, len(self._roles))
         pools: list[Any] = []
+
+        skipped = {**self.busy.pending_cost(), "on_busy": self.config.on_busy.value}
 
         def stage(name: str, ctx: Context) -> Snapshot:
             # The divergence guard hashes every tensor: on the staged copies, in the background commit.
@@ -271,6 +271,7 @@ class RunCheckpoint:
             staging = self._staging.setdefault(name, _async.AsyncStaging())
             staging.budget, staging.budget_why = budget
             staged = staging.stage(snap, states[name], self.config)
+            snap.cost.update(skipped)
             fences.append(staged.fence)
             if staging.pool is not None:
                 pools.append(staging.pool)  # placed slots: done() once the commit no longer reads them
@@ -328,20 +329,15 @@ class RunCheckpoint:
             for staging in self._staging.values():
                 staging.close()
 
-    def _role_budget(self) -> tuple[int, str]:
-        """This rank's host staging budget, split evenly between the roles it holds (derived once)."""
-        if self._budget is None:
-            total = _async.AsyncStaging().host_budget(self.config)
-            n = max(1, len(self._roles))
-            self._budget = (total // n, f"this rank's host staging budget {total} B split between its {n} role(s)")
-        return self._budget
-
     def _begin(self, step: Any, states: Any, where: str, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
         """The checks of a save, a pending background save waited for, the shared-root probe and the
         health agreement; False: the step is unhealthy and not saved."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise ConfigError(f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
         self._check_states(states, where)
+        if where == "save_async" and not may_start(self.busy, step, self._pending, self.config.on_busy,
+                                                   wait=self.wait, record=self._record_all):
+            return False  # CheckpointConfig.on_busy: skipped on every rank, logged and recorded
         self.wait()
         self._check_shared_root(step)
         return self._healthy(step, healthy, loss, grad_norm)
@@ -396,7 +392,6 @@ class RunCheckpoint:
 
     # ------------------------------------------------------------ shared root, health, trust
 
-
     def _check_shared_root(self, step: int) -> None:
         """Node-local roots are refused at the first save, before anything of it is written."""
         if not self._shared_root:
@@ -426,6 +421,10 @@ class RunCheckpoint:
 
     def _record(self, role: str, event: str, *, durable: bool = True, **fields: Any) -> None:
         self._proofs.record(role, event, durable=durable, **fields)
+
+    def _record_all(self, event: str, *, durable: bool = True, **fields: Any) -> None:
+        for role in self._roles:
+            self._record(role, event, durable=durable, **fields)
 
     def record_step(
         self, role: str, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None,

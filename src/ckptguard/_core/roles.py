@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._agree import on_every_rank
+from .._commit import pending as _async
 from .._commit.messages import failure_from
 from .._context import Context
 from .._records import runmanifest
@@ -25,7 +26,7 @@ from .._state.derived import DerivedState
 from .._state.expert import ExpertParallel
 from .._state.state import addresses, moved
 from .._state.trajectory import fingerprint
-from ..config import ParallelLayout
+from ..config import CheckpointConfig, ParallelLayout
 from ..errors import CheckpointError, CheckpointWriteError, ConfigError
 from ..storage.base import Storage
 
@@ -207,3 +208,10 @@ class RoleProofs:
         diff = logprob_diff(trainer_logprobs, rollout_logprobs)
         self.record(role, "logprobs", step=step, **dict[str, Any](diff))
         return diff
+
+
+def role_budget(config: CheckpointConfig, roles: int) -> tuple[int, str]:
+    """This rank's host staging budget for ``save_async``, split evenly between the ``roles`` it holds."""
+    total = _async.AsyncStaging().host_budget(config)
+    n = max(1, roles)
+    return total // n, f"this rank's host staging budget {total} B split between its {n} role(s)"
