@@ -190,12 +190,21 @@ def child(args: argparse.Namespace) -> int:
         _log(log, run=args.tag, event="step", step=step, loss=loss.hex(), state=state_digest(ckpt))
         if kill_kind == "between" and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.async_save:
+            pending = ckpt.finalize()  # a finished Megatron write: its commit starts in the background
+            if pending is not None:
+                _log(log, run=args.tag, event="finalized", step=step, saved=pending.step)
         if step % args.save_every == 0:
             if step == kill_step:
                 _arm(kill_kind)
             t0 = time.perf_counter()
-            ckpt.save(step, state)
+            if args.async_save:
+                ckpt.save_async(step, state)
+            else:
+                ckpt.save(step, state)
             _log(log, run=args.tag, event="save", step=step, seconds=time.perf_counter() - t0)
+    if args.async_save:
+        ckpt.wait()
     torch.distributed.destroy_process_group()
     return 0
 
@@ -205,6 +214,8 @@ def _run_child(args: argparse.Namespace, root: Path, log: Path, tag: str, kill: 
            "--steps", str(steps), "--save-every", str(args.save_every), "--size", args.size]
     if kill:
         cmd += ["--kill", kill]
+    if args.async_save:
+        cmd += ["--async"]
     t0 = time.perf_counter()
     rc = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), check=False).returncode
     print(f"[{tag}] kill={kill} rc={rc} {time.perf_counter() - t0:.1f}s", flush=True)
@@ -402,6 +413,20 @@ def bench(args: argparse.Namespace) -> int:
                       "processes": tree.procs})
         rows.append({"path": "ckptguard own (save_async)", "rep": rep, "blocked_s": blocked,
                      "commit_s": time.perf_counter() - t0, "pending": pending is not None})
+    if args.async_save:
+        for rep in range(args.reps):
+            step = 100 + rep
+            t0 = time.perf_counter()
+            ckpt.save_async(step, {"scheduler": sched})
+            blocked = time.perf_counter() - t0
+            pending = None
+            while pending is None:  # the training loop's step boundaries, every 10 ms
+                time.sleep(0.01)
+                pending = ckpt.finalize()
+            finalized = time.perf_counter() - t0
+            ckpt.wait()
+            rows.append({"path": "megatron (MegatronCheckpoint.save_async)", "rep": rep, "blocked_s": blocked,
+                         "megatron_write_done_s": finalized, "commit_s": time.perf_counter() - t0})
     recorder.close()
     memory = [{**m, **t} for m, t in zip(save_peaks(mem_path), trees, strict=True)]
     for rep in range(args.reps):
@@ -498,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--async", dest="async_save", action="store_true",
+                   help="campaign/child: MegatronCheckpoint.save_async (Megatron's async writer) and finalize() "
+                        "at every step; bench: adds its rows")
     p.add_argument("--size", default=json.dumps({"layers": 2, "hidden": 128, "heads": 4, "vocab": 512, "batch": 4}),
                    help="JSON: layers, hidden, heads, vocab, batch")
     args = p.parse_args(argv)

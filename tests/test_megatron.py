@@ -224,6 +224,21 @@ def _cpu_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["save_committed"] = ck.manager.committed_steps()
     out["save_tracker"] = (root / "latest_checkpointed_iteration.txt").read_text().strip()
 
+    # Megatron's synchronous writer must not run in a background commit (it runs the group's collectives).
+    try:
+        ck.manager.save_async(2, {"megatron": ck.megatron}).wait()
+        out["bg_error"] = None
+    except Exception as exc:
+        out["bg_error"] = (type(exc).__name__, str(exc))
+    # Megatron's async save on the CPU: its error names the CUDA call; nothing is committed.
+    try:
+        ck.save_async(3)
+        ck.wait()
+        out["async_error"] = None
+    except Exception as exc:
+        out["async_error"] = (type(exc).__name__, str(exc))
+    out["async_committed"] = ck.manager.committed_steps()
+
     # The H200's checkpoint restored on the CPU through Megatron's own load: every shard equal.
     cfg = cg.CheckpointConfig(dir_template=mg.DIR_TEMPLATE, restore_rng=False)  # its CUDA RNG needs a GPU
     fresh = _gpt()
@@ -288,6 +303,15 @@ def test_save_on_the_cpu_names_the_cuda_call_and_commits_nothing(cpu: dict[str, 
     assert "filesystem_async.py" in message and "torch.cuda.synchronize()" in message
     assert "cannot run without CUDA" in message and "GPU" in message
     assert cpu["save_committed"] == [] and cpu["save_tracker"] == "0"
+
+
+@needs_megatron
+def test_megatrons_writer_never_runs_in_a_background_commit_and_async_names_cuda_on_the_cpu(cpu: dict[str, Any]) -> None:
+    kind, message = cpu["bg_error"]
+    assert "use MegatronCheckpoint.save_async, not manager.save_async" in message, (kind, message)
+    kind, message = cpu["async_error"]
+    assert kind == "CheckpointWriteError" or "CUDA" in message or "cuda" in message, (kind, message)
+    assert cpu["async_committed"] == []
 
 
 @needs_megatron

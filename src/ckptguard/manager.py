@@ -242,11 +242,15 @@ class CheckpointManager:
     def _background(self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any,
                     actions: Actions, previous: PendingSave | None) -> PendingSave | None:
         prepared = self.stage_commit(step, state, healthy, loss, grad_norm, actions)
-        if prepared is None:
-            return None
+        return None if prepared is None else self.start_commit(step, prepared, time.monotonic(), after=previous)
+
+    def start_commit(self, step: int, prepared: tuple[Callable[[], Path], Fence, float], resumed: float, *,
+                     after: PendingSave | None = None) -> PendingSave:
+        """Start in the background the commit ``stage_commit`` prepared (``resumed``: when the caller got control
+        back); an integration whose own writer finishes later (Megatron's async save) starts it then."""
         run, fence, start = prepared
-        self._pending = PendingSave(step, run, time.monotonic() - start, fence=fence, started=start,
-                                    cleanup=lambda: self.cleanup_after(step), after=previous)
+        self._pending = PendingSave(step, run, resumed - start, fence=fence, started=start,
+                                    cleanup=lambda: self.cleanup_after(step), after=after)
         return self._pending
 
     def stage_commit(

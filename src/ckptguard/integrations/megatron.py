@@ -26,9 +26,14 @@ megatron-core 0.16.1. What ckptguard adds:
 - Megatron-core 0.16's writer needs CUDA (``filesystem_async.py`` calls ``torch.cuda.synchronize()``,
   ``state_dict_saver.py`` ``torch.cuda.current_device()``): on a machine without it the save fails on
   every rank with an error naming the CUDA call Megatron made; nothing is committed.
-- not covered: Megatron's async save (``async_sharded_save=True``) and its persistent worker,
-  ``save_async``; ``ckpt_format`` other than ``torch_dist``; a resume with another TP/PP/DP layout
-  (Megatron reshards its files, but the per-shard digests are then refused as a changed layout).
+- ``save_async``: Megatron's own async save (``async_sharded_save=True``, its writer process) into
+  ``ROOT/.megatron-async-NNNNNNN/``; ``finalize()`` at each step boundary runs Megatron's finalization
+  (collectives of the training's group: in the caller's thread) once every rank's write is done, and
+  only then ckptguard's commit starts in the background: the folder moved into the in-flight step,
+  ``check_files``, the manifest, the rename, the tracker. A kill before that leaves the previous step.
+- not covered: Megatron's persistent async worker (``AsyncCallsQueue(persistent=True)``); ``ckpt_format``
+  other than ``torch_dist``; a resume with another TP/PP/DP layout (Megatron reshards its files, but the
+  per-shard digests are then refused as a changed layout).
 
 Layout of a committed step (``DIR_TEMPLATE``: Megatron-LM's ``iter_0000100``)::
 
@@ -43,6 +48,7 @@ import json
 import linecache
 import logging
 import os
+import shutil
 import stat
 import time
 import traceback
@@ -53,6 +59,7 @@ from typing import Any
 
 import torch
 
+from .._commit.pending import PendingSave
 from .._disk.digest import digest
 from .._disk.layout import read_small
 from ..config import CheckpointConfig, ResumeMode
@@ -493,6 +500,22 @@ def leaf_differences(saved: Mapping[str, str], now: Mapping[str, str]) -> list[s
             for p in sorted(saved.keys() | now.keys()) if saved.get(p) != now.get(p)]
 
 
+_ASYNC_PREFIX = ".megatron-async-"
+"""Megatron's async writes go to ``ROOT/.megatron-async-NNNNNNN/`` until ckptguard moves them into the step."""
+
+
+@dataclass
+class _AsyncWrite:
+    step: int
+    prepared: Any  # CheckpointManager.stage_commit's (run, fence, start)
+    resumed: float
+    staging: Path
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
 def _tracker() -> Any:
     try:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -533,6 +556,10 @@ class MegatronCheckpoint:
         """What ``check_files`` found in the last save's Megatron directory."""
         self.last_write_seconds = 0.0
         """Seconds the last save spent in Megatron's own ``dist_checkpointing.save`` (the rest is ckptguard's)."""
+        self._queue: Any = None  # Megatron's AsyncCallsQueue, made at the first save_async
+        self._inflight: _AsyncWrite | None = None  # a save_async whose Megatron write is not finalized yet
+        self._staged_dir: Path | None = None  # the finished async write the commit moves into the step
+        self._saving = False  # inside save(): Megatron's synchronous write runs in this (the caller's) thread
         storage = ExternalFiles(StreamingStorage(), {SUBDIR: self._write})
         self.manager = CheckpointManager(
             root, config=config or CheckpointConfig(dir_template=DIR_TEMPLATE), process_group=process_group,
@@ -546,8 +573,17 @@ class MegatronCheckpoint:
         items[ITEM] = self.megatron
         return items
 
-    def _write(self, directory: Path) -> None:
-        """``ExternalFiles`` writer: Megatron's own save into ``<tmp step>/megatron/``, then its files checked."""
+    def _write(self, directory: Path) -> Any:
+        """``ExternalFiles`` writer: Megatron's own save into ``<tmp step>/megatron/``, then its files checked;
+        for a ``save_async``, Megatron's finished files are moved in instead (rank 0, once every rank is here)."""
+        staged = self._staged_dir
+        if staged is not None:
+            return lambda: self._move_in(staged, directory)
+        if not self._saving:
+            raise ConfigError(
+                f"{directory}: Megatron's synchronous save runs collectives of the training's process group and "
+                "cannot run in a background commit: use MegatronCheckpoint.save_async, not manager.save_async"
+            )
         dcp = _megatron()
         started = time.perf_counter()
         try:
@@ -566,7 +602,79 @@ class MegatronCheckpoint:
     def save(self, step: int, state: Mapping[str, Any] | None = None, **health: Any) -> Path | None:
         """Commit step ``step`` (Megatron's files and ``state``) on every rank, or raise on every rank.
         ``health``: ``CheckpointManager.save``'s ``healthy``/``loss``/``grad_norm``."""
-        return self.manager.save(step, self._items(state), **health)
+        self.wait()  # a save_async in flight: finalized and committed first
+        self._saving = True
+        try:
+            return self.manager.save(step, self._items(state), **health)
+        finally:
+            self._saving = False
+
+    def _move_in(self, staged: Path, directory: Path) -> None:
+        """Rank 0, after every rank's writer: Megatron's finalized async files become ``<tmp step>/megatron/``."""
+        directory.rmdir()  # made empty by ExternalFiles
+        os.rename(staged, directory)
+        self.last_files = check_files(directory)
+
+    def save_async(self, step: int, state: Mapping[str, Any] | None = None, **health: Any) -> bool:
+        """Start step ``step``: Megatron's own async save (``async_sharded_save=True``: the tensors are staged
+        to the host before it returns, its writer process writes them) into a staging folder under the root,
+        and ckptguard's capture of ``state`` and the ``megatron`` item now. Collective, in the training
+        thread. The step is committed only after Megatron's write finished on every rank: call ``finalize()``
+        at each step boundary (as Megatron-LM's ``maybe_finalize_async_save``; Megatron's finalization runs
+        collectives of the training's group, so it runs in the caller's thread), then ckptguard checks the
+        files and publishes in the background. A save_async while an earlier one is not finalized finalizes
+        it first (blocking). False: the step is unhealthy and nothing was started. ``wait()`` joins all."""
+        self.wait()  # an earlier save_async: finalized and committed first
+        dcp = _megatron()
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # lazy: megatron
+
+        prepared = self.manager.stage_commit(step, self._items(state), health.get("healthy"), health.get("loss"),
+                                             health.get("grad_norm"))
+        if prepared is None:
+            return False
+        resumed = time.monotonic()
+        staging = self.manager.root / f"{_ASYNC_PREFIX}{step:07d}"
+        if _rank() == 0:
+            for old in self.manager.root.glob(f"{_ASYNC_PREFIX}*"):  # a killed run's unfinished async write
+                shutil.rmtree(old, ignore_errors=True)
+            staging.mkdir()
+        torch.distributed.barrier()  # the folder exists for every rank's writer
+        started = time.perf_counter()
+        try:
+            request = dcp.save(self.megatron.sharded_state_dict(), str(staging), sharded_strategy=self.strategy,
+                               validate_access_integrity=self.validate_access_integrity, async_sharded_save=True)
+        except Exception as exc:
+            explained = _explain(exc, "save")
+            if explained is exc:
+                raise
+            raise explained from None
+        self._queue = self._queue or AsyncCallsQueue()
+        self._queue.schedule_async_request(request)
+        self.last_write_seconds = time.perf_counter() - started
+        self._inflight = _AsyncWrite(step, prepared, resumed, staging)
+        return True
+
+    def finalize(self, *, blocking: bool = False) -> PendingSave | None:
+        """Collective, at a step boundary: finalize Megatron's async write if it is done on every rank (or wait
+        for it: ``blocking``), then start ckptguard's commit of its step in the background (its
+        ``PendingSave``); None while the write still runs. Megatron's writer error is raised on every rank."""
+        inflight = self._inflight
+        if inflight is None or self._queue is None:
+            return None
+        if not self._queue.maybe_finalize_async_calls(blocking=blocking):
+            return None
+        self._inflight = None
+        self._staged_dir = inflight.staging  # what the commit's writer moves in; reset by wait()
+        return self.manager.start_commit(inflight.step, inflight.prepared, inflight.resumed)
+
+    def wait(self) -> Path | None:
+        """Finalize a Megatron async write in flight and wait for its commit; the committed step directory."""
+        if self._inflight is not None:
+            self.finalize(blocking=True)
+        try:
+            return self.manager.wait()
+        finally:
+            self._staged_dir = None
 
     def restore(
         self,
