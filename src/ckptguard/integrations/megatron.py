@@ -637,7 +637,7 @@ class MegatronCheckpoint:
         if _rank() == 0:
             for old in self.manager.root.glob(f"{_ASYNC_PREFIX}*"):  # a killed run's unfinished async write
                 shutil.rmtree(old, ignore_errors=True)
-            staging.mkdir()
+            staging.mkdir(parents=True)  # a new root: the save it starts creates it
         torch.distributed.barrier()  # the folder exists for every rank's writer
         started = time.perf_counter()
         try:
