@@ -187,7 +187,9 @@ def child(args: argparse.Namespace) -> int:
         loss, norm = train_step(model, opt, sched, tokens)
         ckpt.manager.record_step(step, sample_ids=[data.position - 1], batch=tokens, loss=loss, grad_norm=norm)
         ckpt.manager.record_update(step, grad_norm=norm, params_changed=norm > 0)
-        _log(log, run=args.tag, event="step", step=step, loss=loss.hex(), state=state_digest(ckpt))
+        shards = ckpt.megatron.shard_digests()
+        _log(log, run=args.tag, event="step", step=step, loss=loss.hex(), state=state_digest(ckpt),
+             emb={k: v for k, v in shards.items() if k.startswith("embedding.")})
         if kill_kind == "between" and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.async_save:

@@ -463,9 +463,10 @@ class MegatronState:
                      for label, keys in (("differ", changed), ("saved only", missing), ("live only", extra)) if keys]
             where = [f"{k}: {d}" for k in changed if k in saved_leaves
                      for d in leaf_differences(saved_leaves[k], now_leaves.get(k, {}))[:6]]
+            where += [f"{k} saved xxh3 {saved[k]}, now {now[k]}" for k in changed if k not in saved_leaves][:3]
             raise StateMismatchError(
                 f"Megatron's load of {directory} did not reproduce the saved shards ({'; '.join(parts)})"
-                + (f"; in the objects: {'; '.join(where)}" if where else "")
+                + (f"; {'; '.join(where)}" if where else "")
                 + ": build the model and optimizer with the saving run's configuration and parallel layout, then "
                 "restore again"
             )
