@@ -561,6 +561,7 @@ class MegatronCheckpoint:
         self._inflight: _AsyncWrite | None = None  # a save_async whose Megatron write is not finalized yet
         self._staged_dir: Path | None = None  # the finished async write the commit moves into the step
         self._saving = False  # inside save(): Megatron's synchronous write runs in this (the caller's) thread
+        self._keep: Any = None  # the host copies of Megatron's async write in flight (see _keeping_staged)
         storage = ExternalFiles(StreamingStorage(), {SUBDIR: self._write})
         self.manager = CheckpointManager(
             root, config=config or CheckpointConfig(dir_template=DIR_TEMPLATE), process_group=process_group,
@@ -650,10 +651,27 @@ class MegatronCheckpoint:
                 raise
             raise explained from None
         self._queue = self._queue or AsyncCallsQueue()
-        self._queue.schedule_async_request(request)
+        self._queue.schedule_async_request(self._keeping_staged(request))
         self.last_write_seconds = time.perf_counter() - started
         self._inflight = _AsyncWrite(step, prepared, resumed, staging)
         return True
+
+    def _keeping_staged(self, request: Any) -> Any:
+        """Megatron's request with its host copies kept alive here until ``finalize``. Megatron 0.16 stages the
+        tensors into pinned host memory, forks its writer and drops its own references (``Process.start``
+        deletes the args): the pinned blocks go back to torch's caching host allocator, whose next pinned
+        allocation in this process (a data loader's, a digest's) overwrites what the writer has not written
+        yet. Seen on the H200: step 5's file held step 6's position embeddings (refused by the shard gate)."""
+        preload = getattr(request, "preload_fn", None)
+        if preload is None:
+            return request
+
+        def preload_and_keep() -> Any:
+            staged = preload()
+            self._keep = staged
+            return staged
+
+        return request._replace(preload_fn=preload_and_keep)
 
     def finalize(self, *, blocking: bool = False) -> PendingSave | None:
         """Collective, at a step boundary: finalize Megatron's async write if it is done on every rank (or wait
@@ -664,7 +682,7 @@ class MegatronCheckpoint:
             return None
         if not self._queue.maybe_finalize_async_calls(blocking=blocking):
             return None
-        self._inflight = None
+        self._inflight, self._keep = None, None  # the writer is done on every rank: its host copies may go
         self._staged_dir = inflight.staging  # what the commit's writer moves in; reset by wait()
         return self.manager.start_commit(inflight.step, inflight.prepared, inflight.resumed)
 
