@@ -49,6 +49,7 @@ def _budget_rank(rank: int, world: int, root: str, over: str) -> dict[str, Any]:
     try:
         started = time.monotonic()
         out["returned"] = mgr.save(3, state)
+        out["returned"] = Path(out["returned"]) if out["returned"] is not None else None
         out["held_s"] = time.monotonic() - started
         out["pending"] = mgr.wait()
         out["pending"] = str(out["pending"]) if out["pending"] is not None else None
@@ -61,14 +62,19 @@ def _budget_rank(rank: int, world: int, root: str, over: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("over", ["background", "refuse"])
+@pytest.mark.parametrize("over", ["warn", "background", "refuse"])
 def test_a_save_over_the_budget_goes_to_the_background_or_is_refused_on_every_rank(tmp_path: Path, over: str) -> None:
     results = cgt.values(cgt.run_ranks(_budget_rank, 2, str(tmp_path), over, pg_timeout_s=37.0))
     for r in results:
         assert r["group_timeout_s"] == 37.0  # read from the gloo group
         assert r["roomy"] is True
         assert r["budget_s"] == pytest.approx(0.001)
-    if over == "background":
+    if over == "warn":  # the default: said first, then saved synchronously
+        for r in results:
+            assert r["returned"] and r["returned"].name == "step_00000003" and r["committed"] == [3]
+            assert r["redirected"] == 0
+        assert "saving synchronously" in results[0]["warnings"][0]
+    elif over == "background":
         for r in results:
             assert r["returned"] is None  # committed by the background commit instead
             assert r["pending"] and r["pending"].endswith("step_00000003")
@@ -109,7 +115,7 @@ def test_a_rank_held_in_a_save_past_the_group_timeout_does_not_fail_the_next_col
 
 def test_no_budget_on_one_rank_or_without_a_timeout() -> None:
     mgr_budget = cg.BlockingBudget()
-    assert mgr_budget.fraction == 0.5 and mgr_budget.over is cg.OverBudget.BACKGROUND
+    assert mgr_budget.fraction == 0.5 and mgr_budget.over is cg.OverBudget.WARN
     with pytest.raises(cg.ConfigError, match="fraction must be in"):
         cg.BlockingBudget(fraction=1.5)
     with pytest.raises(cg.ConfigError, match="timeout_s must be > 0"):

@@ -306,7 +306,7 @@ def test_save_on_the_cpu_names_the_cuda_call_and_commits_nothing(cpu: dict[str, 
 
 
 @needs_megatron
-def test_megatrons_writer_never_runs_in_a_background_commit_and_async_names_cuda_on_the_cpu(cpu: dict[str, Any]) -> None:
+def test_megatrons_writer_never_runs_in_a_background_commit_and_async_names_cuda(cpu: dict[str, Any]) -> None:
     kind, message = cpu["bg_error"]
     assert "use MegatronCheckpoint.save_async, not manager.save_async" in message, (kind, message)
     kind, message = cpu["async_error"]

@@ -38,6 +38,10 @@ class OnBusy(enum.Enum):
 class OverBudget(enum.Enum):
     """What a synchronous ``save`` whose estimated blocking exceeds its ``BlockingBudget`` does (every rank alike)."""
 
+    WARN = "warn"
+    """Save it synchronously and say so first (a warning naming the estimate, the budget and the timeout).
+    ckptguard's own waits inside a save never enter the caller's group, so its watchdog cannot fire there;
+    this is the default because ``save``'s callers expect the step directory back."""
     BACKGROUND = "background"
     """Commit it in the background, as ``save_async`` does: the caller is held only for the copies; ``save``
     returns None (logged as a warning), and ``wait()`` or the next save joins the commit."""
@@ -54,7 +58,7 @@ class BlockingBudget:
     """Of the collective timeout; None: no budget."""
     timeout_s: float | None = None
     """The collective timeout to plan against (seconds); None: the smallest of the process group's backends."""
-    over: OverBudget = OverBudget.BACKGROUND
+    over: OverBudget = OverBudget.WARN
     """What a save estimated above the budget does."""
 
     def __post_init__(self) -> None:
@@ -63,7 +67,7 @@ class BlockingBudget:
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ConfigError(f"BlockingBudget.timeout_s must be > 0 seconds or None, got {self.timeout_s!r}")
         if not isinstance(self.over, OverBudget):
-            raise ConfigError(f"BlockingBudget.over must be an OverBudget (BACKGROUND, REFUSE), got {self.over!r}")
+            raise ConfigError(f"BlockingBudget.over must be an OverBudget (WARN, BACKGROUND, REFUSE): {self.over!r}")
 
 
 class ReshardRule(enum.Enum):
@@ -208,7 +212,7 @@ class CheckpointConfig:
     for (``OnBusy``); decided alike on every rank, before any rank snapshots."""
     blocking: BlockingBudget = field(default_factory=BlockingBudget)
     """How long a synchronous ``save`` may hold the caller (a fraction of the collective timeout) and what a
-    save estimated above it does (``BlockingBudget``): by default it commits in the background."""
+    save estimated above it does (``BlockingBudget``): by default it warns and saves."""
     keep_failed: bool = False
     """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
     publish_checksums: bool | None = None

@@ -191,8 +191,8 @@ class CheckpointManager:
         rollback); ``break_lease=True`` takes the root's write lease from a live owner. Both act on this
         call only (one-shot actions; ``CheckpointConfig(overwrite=, break_lease=)`` is deprecated).
         With several ranks, a save estimated to hold the slowest one longer than ``CheckpointConfig.blocking``
-        (half the collective timeout) commits in the background instead (None; ``wait()`` joins it) or raises
-        ``SaveBudgetError`` on every rank (``OverBudget.REFUSE``), before anything is captured.
+        (half the collective timeout) is warned about (``OverBudget.WARN``), committed in the background (None;
+        ``wait()`` joins it) or refused on every rank (``SaveBudgetError``), before anything is captured.
         """
         check_step(step, "save")
         check_state(state, "save")

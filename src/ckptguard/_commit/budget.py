@@ -10,8 +10,9 @@ so no watchdog can fire inside ckptguard; what is left is how long ``save`` hold
 seconds per byte of its last synchronous save, or, before the first, a probe of the root's write
 speed; every rank's estimate is gathered and rank 0 decides for all with the slowest. Over the
 budget (``BlockingBudget.fraction`` of the group's timeout, read from the group or declared),
-``save`` commits in the background as ``save_async`` does (``OverBudget.BACKGROUND``) or raises
-``SaveBudgetError`` on every rank (``OverBudget.REFUSE``), before any rank snapshots. One rank,
+``save`` warns and saves (``OverBudget.WARN``, the default), commits in the background as
+``save_async`` does (``OverBudget.BACKGROUND``) or raises ``SaveBudgetError`` on every rank
+(``OverBudget.REFUSE``), before any rank snapshots. One rank,
 or no readable timeout and none declared: no budget, no round.
 """
 
@@ -186,6 +187,11 @@ class BudgetRound:
                 "CheckpointConfig(blocking=BlockingBudget(over=OverBudget.BACKGROUND))",
                 step=step, seconds=verdict.seconds, budget_s=verdict.budget_s,
             )
+        if self.budget.over is OverBudget.WARN:
+            log.warning("ckptguard: %s: saving synchronously (BlockingBudget(over=OverBudget.WARN)); "
+                        "OverBudget.BACKGROUND commits it in the background instead, OverBudget.REFUSE refuses it",
+                        what)
+            return False
         self.redirected += 1
         log.warning("ckptguard: %s: committed in the background instead, as save_async does (mgr.wait() joins it; "
                     "%d so far). CheckpointConfig(blocking=BlockingBudget(over=OverBudget.REFUSE)) refuses instead",
