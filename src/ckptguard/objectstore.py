@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ._agree import Wire, gather_decide, on_every_rank
-from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_json, read_json
+from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_bytes, atomic_write_json, read_json
 from ._dist import make_agreement
 from ._records import contract as _contract
 from ._records.retention import KeepLast, RetentionPolicy
@@ -180,6 +180,24 @@ class ObjectStoreCheckpoint:
 
         gather_decide(self._agreement, "store.check_lease", _Empty(), check, decision=_Empty)
 
+    def seed_proof(self) -> None:
+        """This rank's proof log comes back from the store's copy when the staging root lost it (a lost
+        node), so its next copy continues the killed run's records instead of replacing them (no collective)."""
+        path = self.local.core.proof.log.path
+        if path.exists():
+            return
+        try:
+            data = self.store.get_proof(path.name)
+            if data is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(path, data)
+                self._rooted = True
+                log.info("ckptguard: %s: the proof records of rank %d restored from %s/proof", path, self.rank,
+                         self.store.url)
+        except (OSError, CheckpointError) as exc:
+            log.warning("ckptguard: reading the store's copy of %s failed (%s: %s); the records start anew here",
+                        path, type(exc).__name__, exc)
+
     def copy_proof(self) -> None:
         """This rank's proof log (in the staging root) copied whole to ``proof/`` on the store, where
         ``ckptguard prove s3://...`` reads every rank's; a failed copy is a warning (the step is committed)."""
@@ -241,6 +259,7 @@ class ObjectStoreCheckpoint:
         """Restore the store's tracker step into ``state``; returns it (0: a fresh start)."""
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        self.seed_proof()
         step, reason = self.resolve(mode)
         if step == 0:
             log.warning("ckptguard: FRESH START: %s", reason)
@@ -265,11 +284,14 @@ class ObjectStoreCheckpoint:
         have = _Have(self._host, self._same(step_dir, marker.manifest))
         views = [_Have.from_json(v) for v in self._agreement.exchange("store.have", have.to_json())]
         peers = [r for r, v in enumerate(views) if v.host == self._host]
-        if all(views[r].same for r in peers):
+        if all(v.same for v in views):
             return step_dir
-        leader = self.rank == peers[0]
+        # The rounds below are every rank's (the same views everywhere); a host that holds the step already
+        # takes part without downloading anything.
+        here = not all(views[r].same for r in peers)
+        leader = here and self.rank == peers[0]
         on_every_rank(self._agreement, "store.clear", lambda: _clear(step_dir) if leader else None)
-        names = sorted(marker.objects)
+        names = sorted(marker.objects) if here else []
         share = {n for i, n in enumerate(names) if i % len(peers) == peers.index(self.rank)}
         on_every_rank(self._agreement, "store.fetch", lambda: self.store.fetch(marker, step_dir, only=share))
         on_every_rank(self._agreement, "store.fetched",

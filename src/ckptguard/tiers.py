@@ -106,6 +106,7 @@ class TieredCheckpoint:
         if persistent is not None and Path(persistent).absolute() == Path(fast).absolute():
             raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
         self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
+        remote = _remote(persistent, persistent_staging, persistent_options, fast)
 
         def manager(root: str | os.PathLike[str], retention: RetentionPolicy) -> CheckpointManager:
             return CheckpointManager(root, config=dataclasses.replace(base, retention=retention),
@@ -116,7 +117,7 @@ class TieredCheckpoint:
         self.object_store: Any = None
         """The persistent tier on an object store (``persistent="s3://..."``): an ``ObjectStoreCheckpoint``
         whose staging manager is ``persistent``; None for a filesystem persistent tier."""
-        if _remote(persistent, persistent_staging, persistent_options, fast):
+        if remote:
             from .objectstore import ObjectStoreCheckpoint  # optional: boto3, the s3 extra
             self.object_store = ObjectStoreCheckpoint(
                 str(persistent), staging=persistent_staging or "", options=persistent_options,
@@ -359,6 +360,7 @@ class TieredCheckpoint:
                 mgr.core.check_lease("restore", break_lease=break_lease)
         if self.object_store is not None:
             self.object_store.check_lease(break_lease)
+            self.object_store.seed_proof()  # the proof log's home: a lost node's comes back from the store
         broken: dict[int, str] = {}  # fast steps whose fetch failed (the same on every rank: an agreed error)
         while True:
             choice = gather_decide(self.fast.context.agreement, "tiers.choose", self._restorer.view(),

@@ -402,6 +402,11 @@ class ObjectStore:
             raise ConfigError(f"{name!r} is not a proof log name (rank_NNNNN.jsonl)")
         self.bucket.create(self.url.key(PROOF_DIR, name), data, what="proof records", conditional=False)
 
+    def get_proof(self, name: str) -> bytes | None:
+        """The store's copy of one rank's proof log (None: there is none)."""
+        found = self.bucket.get(self.url.key(PROOF_DIR, name), what="proof records")
+        return None if found is None else found.data
+
     def fetch_proof(self, dest: Path) -> list[str]:
         """Every ``proof/*.jsonl`` under the root, downloaded into ``dest/proof``; returns their names."""
         names = []
