@@ -185,6 +185,12 @@ def test_transfer_a_local_step_to_the_store_and_back_exactly(moto, tmp_path):
     name = bucket(moto)
     url = f"s3://{name}/run"
     src = local_root(tmp_path / "src", 2)
+    held = ObjectStore(url, h.options(moto))
+    held.ensure_root()
+    held.acquire_lease("a-live-job")  # a live job writes the store: the transfer is refused, nothing committed
+    code, got = cli_json("transfer", str(src / "step_00000002"), url)
+    assert code == 1 and "held by a-live-job" in got["error"] and held.tracker()[0] == 0
+    held.release_lease("a-live-job")
     code, got = cli_json("transfer", str(src / "step_00000002"), url)
     assert code == 0 and got["step"] == 2 and got["destination"] == f"{url}/step_00000002/manifest.json", got
     assert got["tracker_set_to"] == 2
