@@ -202,6 +202,7 @@ def test_transfer_a_local_step_to_the_store_and_back_exactly(moto, tmp_path):
     code, got = cli_json("transfer", url, str(tmp_path / "dest"))
     assert code == 0 and got["step"] == 2, got
     assert got["step"] == 2 and got["destination"] == str(tmp_path / "dest" / "step_00000002")
+    assert json.loads(Path(got["record"]).read_text())["source"] == f"{url}/step_00000002/manifest.json"
     assert restores_exactly(tmp_path / "dest") == 2
     code, output = cli("verify", str(tmp_path / "dest"), "--deep")
     assert code == 0, output

@@ -968,8 +968,9 @@ def _transfer_remote(source: Path | str, dest: Path | str, record: Path | None, 
 
     if isinstance(source, str) and isinstance(dest, str):
         raise click.UsageError("both are s3:// roots: transfer through a local root (s3 -> local, then local -> s3)")
-    if record is not None:
-        raise click.UsageError("--record is a local transfer's; an object-store transfer prints its record (--json)")
+    if record is not None and isinstance(dest, str):
+        raise click.UsageError("--record is where a local destination's transfer record goes; on the store the "
+                               "marker names the transfer as its writer (--json prints the rest)")
     with _progress(1, "transfer", as_json) as bar:
 
         def progress(done: int, total: int) -> None:
@@ -981,7 +982,7 @@ def _transfer_remote(source: Path | str, dest: Path | str, record: Path | None, 
                 raise click.UsageError("--step picks a step of an s3:// source; a local source is its STEP_DIR")
             info = _st.to_store(Path(source), dest, template=template, progress=progress)
         else:
-            info = _st.from_store(str(source), dest, step=step, template=template, progress=progress)
+            info = _st.from_store(str(source), dest, step=step, template=template, record=record, progress=progress)
     if as_json:
         _json_out(True, **info)
         return
@@ -990,6 +991,8 @@ def _transfer_remote(source: Path | str, dest: Path | str, record: Path | None, 
                f"{'resumed an interrupted transfer; ' if info.get('resumed') else ''}"
                f"tracker of the destination: step {info['tracker_set_to']}, "
                f"in {info['finished_unix'] - info['started_unix']:.2f} s")
+    if info.get("record"):
+        click.echo(printable(f"  record: {info['record']}"))
 
 
 @main.command()

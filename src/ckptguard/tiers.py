@@ -19,6 +19,12 @@ never chosen; when the choice falls back past it, the log says which files were 
 which rank. Nothing loadable but something committed somewhere is refused, naming the
 missing files; a fresh start stays what it is for one manager (an absent root, tracker 0).
 
+``persistent="s3://bucket/prefix"`` (with ``persistent_staging``): the persistent tier is an
+``ObjectStoreCheckpoint`` (``object_store``) whose staging manager is ``persistent``; each
+persistent commit in the staging root is then published to the store (in ``save_async``'s thread
+too), the store's lease is the one held, and the persistent step a restore can load is the store's
+(downloaded into the staging root when chosen). docs/objectstore.md.
+
 The restore record (``ROOT/proof``) carries the tier it used (``tier``, ``tier_detail``) and
 ``ckptguard prove`` shows it. Proof records of both tiers go to one log: the persistent
 root's when there is one (shared, so ``prove`` sees every rank), else the fast root's.

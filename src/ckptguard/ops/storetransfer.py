@@ -12,14 +12,16 @@ nothing half-visible:
 - store -> local (``from_store``): the marker's objects are downloaded into a temp directory of the
   destination (each checked against the marker's size and xxh3, fsynced), the contract phases
   copied in, the manifest written last, the directory renamed to the step name and only then the
-  tracker moved, under the destination's lease. A killed transfer leaves a temp directory the
-  destination's sweep (``ckptguard gc``) removes.
+  tracker moved, under the destination's lease, and a transfer record written (``transfers/``, as a
+  local transfer's). A killed transfer leaves a temp directory the destination's sweep
+  (``ckptguard gc``) removes.
 
 The contract chain must match on both sides (a store's chain is in its markers' phases).
 """
 
 from __future__ import annotations
 
+import getpass
 import os
 import secrets
 import shutil
@@ -37,6 +39,7 @@ from .._records import manifest as _manifest
 from .._records.checks import verify_step
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, ResumeError
 from ..storage.objectstore import Marker, ObjectStore, ObjectStoreOptions, StoredObject
+from .transfer import TRANSFERS_DIR
 
 __all__ = ["from_store", "to_store"]
 
@@ -99,8 +102,10 @@ def _same_chain_on_store(store: ObjectStore, phases: dict[str, dict[str, Any]], 
 
 
 def from_store(url: str, dest_root: Path, *, step: int | None = None, template: str = "step_{step:08d}",
-               ttl_s: float = 6 * 3600.0, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Copy the store's committed ``step`` (None: the tracker's) into the local root ``dest_root``."""
+               record: Path | None = None, ttl_s: float = 6 * 3600.0,
+               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Copy the store's committed ``step`` (None: the tracker's) into the local root ``dest_root``; the
+    transfer record goes to ``record`` (default ``dest_root/transfers/``), as a local transfer's does."""
     store = ObjectStore(url, ObjectStoreOptions(), dir_template=template)
     marker = _committed(store, step)
     dest_root = Path(dest_root).absolute()
@@ -117,10 +122,15 @@ def from_store(url: str, dest_root: Path, *, step: int | None = None, template: 
     finally:
         if not ours:
             _lease.release(dest_root)
-    return {"source": store.where(store.naming.name(marker.step), "manifest.json"), "destination": str(final),
+    info = {"source": store.where(store.naming.name(marker.step), "manifest.json"), "destination": str(final),
             "step": marker.step, "files": len(marker.objects), "bytes": sum(o.size for o in marker.objects.values()),
             "attempt": marker.attempt, "tracker_set_to": max(marker.step, current), "resumed": resumed,
+            "who": f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}",
             "started_unix": started, "finished_unix": time.time(), **({"lease": note} if note else {})}
+    rec_path = record or dest_root / TRANSFERS_DIR / f"{int(started)}-step{marker.step}.json"
+    rec_path.parent.mkdir(parents=True, exist_ok=True)
+    _layout.atomic_write_json(rec_path, info)
+    return {**info, "record": str(rec_path)}
 
 
 def _committed(store: ObjectStore, step: int | None) -> Marker:
