@@ -26,6 +26,7 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra
 import ckptguard as cg  # noqa: E402
 import objstore_helper as h  # noqa: E402
 from ckptguard.errors import ConfigError  # noqa: E402
+from ckptguard.objectstore import ObjectStoreCheckpoint  # noqa: E402
 from ckptguard.ops.prove import evaluate  # noqa: E402
 from ckptguard.storage.objectstore import ObjectStore  # noqa: E402
 from ckptguard.testing import run_ranks, values  # noqa: E402
@@ -149,6 +150,35 @@ def test_save_async_publishes_in_the_background_and_every_node_lost_restores_fro
     assert [o["step"] for o in out] == [4] * WORLD, out
     assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [r * 1000 + 4 for r in range(WORLD)]
     assert out[0]["store"] == [2, 4, 6]
+
+
+def _budgeted(rank: int, world: int, base: str, endpoint: str, url: str) -> dict:
+    """A blocking budget every save exceeds (1 ms): the tiers' and the staging manager's saves stay whole."""
+    os.environ.update(h.CREDENTIALS)
+    config = cg.CheckpointConfig(timeout_s=60, blocking=cg.BlockingBudget(fraction=1.0, timeout_s=0.001))
+    tiers = cg.TieredCheckpoint(fast=os.path.join(base, "fast"), persistent=f"{url}/tiers",
+                                persistent_staging=os.path.join(base, "staging"),
+                                persistent_options=h.options(endpoint),
+                                fast_every=1, persistent_every=2, config=config)
+    state = make_state(rank)
+    kinds = []
+    for step in (1, 2):
+        train_to(state, rank, step)
+        kinds.append(sorted(t.value for t in tiers.save(step, state)))
+    stored = tiers.object_store.committed_steps()
+    tiers.close()
+    alone = ObjectStoreCheckpoint(f"{url}/alone", staging=os.path.join(base, "alone"), options=h.options(endpoint),
+                                  config=config)
+    marker = alone.save(1, h.state_at(1))
+    alone.close()
+    return {"kinds": kinds, "stored": stored, "marker": marker}
+
+
+def test_a_blocking_budget_never_drops_a_persistent_or_store_save(moto, tmp_path):
+    url = f"s3://{_bucket(moto, 'tiers-budget')}/run"
+    out = values(run_ranks(_budgeted, 2, str(tmp_path), moto, url, timeout=300))
+    assert [o["kinds"] for o in out] == [[["fast"], ["fast", "persistent"]]] * 2, out
+    assert out[0]["stored"] == [2] and out[0]["marker"] == f"{url}/alone/step_00000001/manifest.json"
 
 
 def test_an_object_store_tier_needs_its_staging_directory(tmp_path):

@@ -34,7 +34,7 @@ from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_bytes, atomi
 from ._dist import make_agreement
 from ._records import contract as _contract
 from ._records.retention import KeepLast, RetentionPolicy
-from .config import CheckpointConfig, ResumeMode
+from .config import BlockingBudget, CheckpointConfig, ResumeMode
 from .errors import CheckpointCorruptError, CheckpointError, ConfigError, ContractMismatchError
 from .manager import CheckpointManager
 from .storage.base import Storage
@@ -110,7 +110,10 @@ class ObjectStoreCheckpoint:
         self.store = ObjectStore(StoreURL.parse(url), options, dir_template=base.dir_template)
         self.retention: RetentionPolicy | None = base.retention
         self.config = base
-        self.local = CheckpointManager(staging, config=dataclasses.replace(base, retention=KeepLast(1)),
+        # No blocking budget in the staging manager: a save it moved to the background would return None
+        # and never be published; ObjectStoreCheckpoint.save is synchronous, upload included.
+        staged = dataclasses.replace(base, retention=KeepLast(1), blocking=BlockingBudget(fraction=None))
+        self.local = CheckpointManager(staging, config=staged,
                                        process_group=process_group, storage=storage, **manager_kw)
         ObjectStoreCheckpoint._created += 1
         self._agreement = make_agreement(process_group, timeout_s=base.timeout_s,

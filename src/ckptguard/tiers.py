@@ -57,7 +57,7 @@ from ._records import trust as _trust
 from ._records.retention import KeepLast, RetentionPolicy, default_policy
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
-from .config import CheckpointConfig, ResumeMode
+from .config import BlockingBudget, CheckpointConfig, ResumeMode
 from .errors import (
     CheckpointError,
     CheckpointIncompleteError,
@@ -108,7 +108,12 @@ class TieredCheckpoint:
                 raise ConfigError(f"TieredCheckpoint({name}={value!r}): must be an int >= 1 (steps between saves)")
         if replicas not in (0, 1):
             raise ConfigError(f"TieredCheckpoint(replicas={replicas!r}): 0 or 1 (one peer copy of each node's part)")
-        base = config or CheckpointConfig()
+        # The tiers' saves are whole: a manager whose own blocking budget moved its save to the background
+        # would return None, read here as a skipped step (no persistent save). TieredCheckpoint.save stays
+        # synchronous; save_async is the non-blocking path (docs/tiers.md).
+        if config is not None and not isinstance(config, CheckpointConfig):
+            raise ConfigError(f"TieredCheckpoint(config=...) must be a CheckpointConfig, got {type(config).__name__}")
+        base = dataclasses.replace(config or CheckpointConfig(), blocking=BlockingBudget(fraction=None))
         if persistent is not None and Path(persistent).absolute() == Path(fast).absolute():
             raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
         self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
