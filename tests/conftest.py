@@ -25,6 +25,8 @@ SLOW_MODULES = {
     "test_commit",
     "test_vllm_integration",
     "test_objectstore",
+    "test_objectstore_ops",
+    "test_objectstore_tiers",
     "test_export",
     "test_megatron",
     "test_goodput",

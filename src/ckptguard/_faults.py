@@ -23,6 +23,8 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``store.part_uploaded``: (object stores) one part or small file of a step's upload is in; others may not be
 - ``store.before_marker``: (object stores) every file of the attempt is uploaded; no commit marker yet
 - ``store.before_tracker``: (object stores) the commit marker is created; the tracker not yet moved
+- ``transfer.before_rename``: ``ckptguard transfer s3://... DEST`` downloaded and checked the step into its temp
+  directory; not renamed to the step name yet
 - ``export.shard_written``: ``ckptguard export`` wrote and fsynced one safetensors file, not yet read back
 - ``export.before_manifest``: every export file is written and checked; the export manifest is not written
 
@@ -62,7 +64,7 @@ STORE_POINTS = ("store.part_uploaded", "store.before_marker", "store.before_trac
 """The points of an object-store commit (``ckptguard.storage.objectstore``)."""
 POINTS = (
     *COMMIT_POINTS, "commit.rank_written", *NODE_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker",
-    *STORE_POINTS,
+    *STORE_POINTS, "transfer.before_rename",
     "export.shard_written", "export.before_manifest",
 )
 

@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -139,6 +140,18 @@ class _Group(click.Group):
 # ``goodput`` start without torch (1-2 s of CPU alone, 20-60 s on the loaded node an operator is on
 # during an incident). tests/test_cli_start.py holds that line; benchmarks/bench_cli_start.py measures it.
 
+class _Local(click.Path):
+    """A local path; an object-store URL is refused by name (never taken as a local path named ``s3:``)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and "://" in value:
+            command = ctx.info_name if ctx is not None else "this command"
+            self.fail(f"{value}: `ckptguard {command}` works on local paths only; on object-store roots (s3://) "
+                      "ckptguard runs list, verify, preflight, gc, transfer and prove (docs/objectstore.md)",
+                      param, ctx)
+        return super().convert(value, param, ctx)
+
+
 TEMPLATE = click.option(
     "--template",
     default="step_{step:08d}",
@@ -157,7 +170,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path))
+@click.argument("root", type=_Local(path_type=Path))
 @click.option(
     "--mode",
     type=click.Choice([m.value for m in ResumeMode]),
@@ -165,7 +178,7 @@ def main() -> None:
     show_default=True,
     help="auto: the tracker's step; must: fail instead of starting fresh; never: start fresh.",
 )
-@click.option("--path", "path", type=click.Path(path_type=Path), help="Resolve this step directory instead.")
+@click.option("--path", "path", type=_Local(path_type=Path), help="Resolve this step directory instead.")
 @click.option(
     "--prefer",
     type=click.Choice(["latest", "verified"]),
@@ -191,14 +204,18 @@ def resolve(root: Path, mode: str, path: Path | None, prefer: str, template: str
 
 
 class _RootOrURL(click.ParamType):  # type: ignore[type-arg]
-    """An existing directory, or an object-store root ``s3://bucket/prefix`` (checked when read)."""
+    """An existing directory (``exists=False``: any local path), or an object-store root
+    ``s3://bucket/prefix`` (checked when read)."""
 
     name = "ROOT"
+
+    def __init__(self, *, exists: bool = True) -> None:
+        self.exists = exists
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and value.startswith("s3://"):
             return value
-        return click.Path(path_type=Path, exists=True, file_okay=False).convert(value, param, ctx)
+        return _Local(path_type=Path, exists=self.exists, file_okay=False).convert(value, param, ctx)
 
 
 def _list_remote(url: str, template: str, as_json: bool) -> None:
@@ -382,9 +399,9 @@ def _restore_with_progress(_verify: Any, steps: list[Path], as_json: bool) -> li
 
 
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("root", type=_Local(path_type=Path, exists=True, file_okay=False))
 @click.argument("step", type=int, required=False)
-@click.option("--hf", "out", type=click.Path(path_type=Path), required=True,
+@click.option("--hf", "out", type=_Local(path_type=Path), required=True,
               help="New directory for the Hugging Face files (safetensors shards, index, config/tokenizer).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="Cast floating tensors (checked first).")
 @click.option("--item", help="The model item to export when the step holds several.")
@@ -430,31 +447,39 @@ def export(root: Path, step: int | None, out: Path, dtype: str | None, item: str
 
 
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path, exists=False, file_okay=False))
+@click.argument("root", type=_RootOrURL(exists=False))
 @click.option(
     "--hosts",
-    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    type=_Local(path_type=Path, exists=True, dir_okay=False),
     help="New allocation: one host per line; ranks fill hosts in equal contiguous blocks.",
 )
 @click.option(
     "--rank-hosts",
-    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    type=_Local(path_type=Path, exists=True, dir_okay=False),
     help="New allocation: 'RANK HOST' per line, or a JSON object {rank: host}.",
 )
 @click.option("--expect-step", type=click.IntRange(0), help="Fail unless the resume step is this one.")
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def preflight(
-    root: Path, hosts: Path | None, rank_hosts: Path | None, expect_step: int | None, template: str, as_json: bool
+    root: Path | str, hosts: Path | None, rank_hosts: Path | None, expect_step: int | None, template: str,
+    as_json: bool
 ) -> None:
     """Before a launch: the resume step and path, its completeness, and each rank's files on its host.
 
+    ROOT may be s3://bucket/prefix: the tracker's step, each of its objects present with the size
+    and ETag its marker recorded, and the store's write lease (a live job holding it is a WARNING).
     Exit 0 ready to launch, 1 not ready (a ROOT that does not exist here included), 2 bad usage.
     """
     from .ops import preflight as _pre
 
     if hosts and rank_hosts:
         raise click.UsageError("give --hosts or --rank-hosts, not both")
+    if isinstance(root, str):
+        if hosts or rank_hosts:
+            raise click.UsageError("--hosts/--rank-hosts check the files on each host's disk; on an s3:// root every "
+                                   "rank downloads its files from the store: leave them out")
+        _preflight_remote(root, expect_step, template, as_json)
     naming = _inspect.naming(template)
     root = root.absolute()
     report = _pre.preflight(root, naming, expect_step=expect_step)
@@ -477,8 +502,48 @@ def preflight(
     sys.exit(0 if report.ok else 1)
 
 
+def _preflight_remote(url: str, expect_step: int | None, template: str, as_json: bool) -> NoReturn:
+    from .ops import objectstore as _remote
+
+    report = _remote.preflight_remote(url, template, expect_step=expect_step)
+    if not as_json:
+        where = f"step {report.step} at {report.url or '(fresh start)'} ({report.reason})"
+        click.echo(printable(f"resume: {where}") if report.step is not None else "resume: unresolved")
+    _emit(report.findings, as_json, {"step": report.step, "path": report.url, "reason": report.reason})
+    if not as_json:
+        click.echo("READY" if report.ok else "NOT READY: fix the ERROR lines above before launching")
+    sys.exit(0 if report.ok else 1)
+
+
+def _gc_remote(url: str, dry_run: bool, orphans: bool, force: bool, min_age_s: float, template: str,
+               as_json: bool) -> None:
+    from .ops import objectstore as _remote
+
+    if orphans:
+        raise click.UsageError("--orphans works on local roots; on s3:// an orphan marker (newer than the tracker) "
+                               "is replaced by the next save of that step, and `ckptguard list` shows it")
+    report = _remote.gc_remote(url, template, min_age_s=min_age_s, dry_run=dry_run, force=force)
+    if as_json:
+        _json_out(True, root=url, dry_run=dry_run, removed_attempts=report.removed_attempts,
+                  removed_objects=report.removed_objects, aborted_uploads=report.aborted_uploads,
+                  kept_young=report.kept_young, foreign=report.foreign)
+        return
+    verb = "would remove" if dry_run else "removed"
+    for attempt in report.removed_attempts:
+        click.echo(printable(f"{verb} {url}/{attempt}: an attempt no marker names (a dead save or transfer)"))
+    for upload in report.aborted_uploads:
+        click.echo(printable(f"{'would abort' if dry_run else 'aborted'} multipart upload {upload}"))
+    for attempt in report.kept_young:
+        click.echo(printable(f"kept    {url}/{attempt}: younger than --min-age {min_age_s:g} s (maybe a live save)"))
+    for key in report.foreign:
+        click.echo(printable(f"kept    {key}: not created by ckptguard"))
+    click.echo(f"{len(report.removed_attempts)} attempt(s), {report.removed_objects} object(s) "
+               f"{'to remove' if dry_run else 'removed'}, {len(report.aborted_uploads)} upload(s) "
+               f"{'to abort' if dry_run else 'aborted'}, {len(report.kept_young) + len(report.foreign)} left in place")
+
+
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("root", type=_RootOrURL())
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 @click.option(
     "--orphans",
@@ -486,10 +551,17 @@ def preflight(
     help="Also remove step directories newer than the tracker, complete or not (needs a tracker).",
 )
 @click.option("--force", is_flag=True, help="Run even though a live run holds the root's write lease.")
+@click.option("--min-age", "min_age_s", type=click.FloatRange(0), default=3600.0, show_default=True,
+              help="s3:// roots: remove only unmarked attempts whose newest object is older than this (seconds).")
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: what was removed and what was kept.")
-def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str, as_json: bool) -> None:
+def gc(root: Path | str, dry_run: bool, orphans: bool, force: bool, min_age_s: float, template: str,
+       as_json: bool) -> None:
     """Remove what crashes left under ROOT: dead saves' temp directories, interrupted deletes, temp files.
+
+    ROOT may be s3://bucket/prefix: attempts no marker names that carry ckptguard's owner record and
+    are older than --min-age are removed (owner record last) and their multipart uploads aborted;
+    anything else under the prefix is listed as foreign and left alone.
 
     Acts only on a checkpoint root (a tracker or contract/ present) and only on entries ckptguard
     created. A complete checkpoint is never removed, whatever the tracker says: a step newer than
@@ -500,6 +572,8 @@ def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str, as_
     """
     from .ops import gc as _gc
 
+    if isinstance(root, str):
+        return _gc_remote(root, dry_run, orphans, force, min_age_s, template, as_json)
     with _progress(1, "gc", as_json) as bar:
 
         def progress(phase: str, done: int, total: int) -> None:
@@ -535,7 +609,7 @@ def gc(root: Path, dry_run: bool, orphans: bool, force: bool, template: str, as_
 
 
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("root", type=_Local(path_type=Path, exists=True, file_okay=False))
 @click.argument("step", type=click.IntRange(1))
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -563,7 +637,7 @@ def adopt(root: Path, step: int, template: str, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("root", type=_Local(path_type=Path, exists=True, file_okay=False))
 @click.argument("step", type=click.IntRange(1))
 @click.option("--reason", required=True, help="Who needs this step and until when.")
 @click.option("--ttl", "ttl_s", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -586,7 +660,7 @@ def hold(root: Path, step: int, reason: str, ttl_s: float | None, template: str,
 
 
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("root", type=_Local(path_type=Path, exists=True, file_okay=False))
 @click.argument("step", type=click.IntRange(1))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def release(root: Path, step: int, as_json: bool) -> None:
@@ -612,13 +686,16 @@ def _gate_table(gates: list[Any]) -> None:
 
 
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("root", type=_RootOrURL())
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict and the gates as one JSON object.")
 @click.option("--resume", "resume", type=click.IntRange(1), default=None, metavar="N",
               help="Judge resume N (1 is the oldest restore of a non-zero step) instead of the newest with evidence.")
 @click.option("--all", "every", is_flag=True, help="Judge each resume in turn: a verdict line per resume.")
-def prove(root: Path, as_json: bool, resume: int | None, every: bool) -> None:
+def prove(root: Path | str, as_json: bool, resume: int | None, every: bool) -> None:
     """Evaluate the resume-proof gates from ROOT/proof records, with evidence, and a one-line verdict.
+
+    ROOT may be s3://bucket/prefix: the records are the copies every rank puts in its proof/ at each
+    save and at close (a lost node's records included); a staging root holds the live ones.
 
     Each gate is PASS, FAIL, NOT RUN, INFO or N/A (the job's ProofPlan, recorded with the save, says
     it does not apply). Exit 0 only if every required gate passes: `resume PROVEN`; otherwise
@@ -626,10 +703,20 @@ def prove(root: Path, as_json: bool, resume: int | None, every: bool) -> None:
     The judged resume is the newest that recorded a step after its restore (the `resume judged`
     line says which); --resume N judges another, --all each (exit 0 only if every one is proven).
     """
-    from .ops.prove import evaluate, passed, to_json, verdict
-
     if every and resume is not None:
         raise click.UsageError("--all judges every resume: give it or --resume N, not both")
+    if isinstance(root, str):
+        from .ops import objectstore as _remote
+
+        with tempfile.TemporaryDirectory(prefix="ckptguard-prove-") as tmp:
+            _remote.fetch_proof(root, "step_{step:08d}", Path(tmp))
+            _prove(Path(tmp), as_json, resume, every)
+    _prove(Path(root), as_json, resume, every)
+
+
+def _prove(root: Path, as_json: bool, resume: int | None, every: bool) -> NoReturn:
+    from .ops.prove import evaluate, passed, to_json, verdict
+
     if every:
         _prove_all(root.absolute(), as_json)
     try:
@@ -677,7 +764,7 @@ def _prove_all(root: Path, as_json: bool) -> None:
     "--workdir",
     default="demo-run",
     show_default=True,
-    type=click.Path(path_type=Path),
+    type=_Local(path_type=Path),
     help="Working directory: new or empty, or one an earlier demo created (wiped first); any other is refused.",
 )
 @click.option(
@@ -744,12 +831,12 @@ def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: i
 @click.option(
     "--target",
     required=True,
-    type=click.Path(path_type=Path, file_okay=False),
+    type=_Local(path_type=Path, file_okay=False),
     help="Directory on the filesystem under suspicion.",
 )
 @click.option(
     "--control",
-    type=click.Path(path_type=Path, file_okay=False),
+    type=_Local(path_type=Path, file_okay=False),
     help="Same run on a control path (e.g. node-local disk), printed side by side.",
 )
 @click.option("--rounds", type=click.IntRange(1, 10000), default=10, show_default=True)
@@ -762,7 +849,7 @@ def demo(workdir: Path, world_size: int, steps: int, save_every: int, kill_at: i
     help="GiB of tensor state per save, split across ranks.",
 )
 @click.option("--ranks", type=click.IntRange(1, 64), default=1, show_default=True)
-@click.option("--report", type=click.Path(path_type=Path, dir_okay=False), help="Also write the JSON report here.")
+@click.option("--report", type=_Local(path_type=Path, dir_okay=False), help="Also write the JSON report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report.")
 def repro_save(
     target: Path, control: Path | None, rounds: int, size_gib: float, ranks: int, report: Path | None, as_json: bool
@@ -823,19 +910,34 @@ def _describe_failure(f: dict[str, Any] | None) -> str:
 
 
 @main.command()
-@click.argument("step_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
-@click.argument("dest_root", type=click.Path(path_type=Path, file_okay=False))
-@click.option("--record", type=click.Path(path_type=Path, dir_okay=False),
+@click.argument("step_dir", type=_RootOrURL())
+@click.argument("dest_root", type=_RootOrURL(exists=False))
+@click.option("--record", type=_Local(path_type=Path, dir_okay=False),
               help="Where to write the transfer record (default DEST_ROOT/transfers/).")
+@click.option("--step", type=click.IntRange(1), default=None,
+              help="With an s3:// source: the committed step to copy (default: the tracker's).")
+@TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: the transfer record, or the error.")
-def transfer(step_dir: Path, dest_root: Path, record: Path | None, as_json: bool) -> None:
+def transfer(step_dir: Path | str, dest_root: Path | str, record: Path | None, step: int | None, template: str,
+             as_json: bool) -> None:
     """Copy a committed STEP_DIR to DEST_ROOT (e.g. a new node) with the save's publish protocol.
 
     Each file is copied to a temp name, fsynced, checked against the manifest and renamed; the
     destination's tracker moves only after everything verified. The destination's write lease is
     held meanwhile, so a live run there refuses it. A transfer killed before it set the tracker is
     finished by running it again. Exit 0 done, 1 refused or failed.
+
+    Object stores: `transfer STEP_DIR s3://bucket/prefix` commits the step on the store (uploaded
+    under its own attempt, the marker created last, the tracker moved by If-Match; a step at or
+    below the store's tracker is refused), `transfer s3://bucket/prefix DEST_ROOT [--step N]`
+    copies the store's committed step into a local root (downloaded and checked into a temp
+    directory, renamed, then the tracker). A killed transfer leaves nothing visible; `gc` removes
+    what it left.
     """
+    if isinstance(step_dir, str) or isinstance(dest_root, str):
+        return _transfer_remote(step_dir, dest_root, record, step, template, as_json)
+    if step is not None:
+        raise click.UsageError("--step picks a step of an s3:// source; a local source is its STEP_DIR")
     from .ops.transfer import describe
     from .ops.transfer import transfer as _transfer
 
@@ -860,8 +962,41 @@ def transfer(step_dir: Path, dest_root: Path, record: Path | None, as_json: bool
         click.echo(printable(describe(info)))
 
 
+def _transfer_remote(source: Path | str, dest: Path | str, record: Path | None, step: int | None, template: str,
+                     as_json: bool) -> None:
+    from .ops import storetransfer as _st
+
+    if isinstance(source, str) and isinstance(dest, str):
+        raise click.UsageError("both are s3:// roots: transfer through a local root (s3 -> local, then local -> s3)")
+    if record is not None and isinstance(dest, str):
+        raise click.UsageError("--record is where a local destination's transfer record goes; on the store the "
+                               "marker names the transfer as its writer (--json prints the rest)")
+    with _progress(1, "transfer", as_json) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.length = max(total, 1)
+            bar.update(done - bar.pos)
+
+        if isinstance(dest, str):
+            if step is not None:
+                raise click.UsageError("--step picks a step of an s3:// source; a local source is its STEP_DIR")
+            info = _st.to_store(Path(source), dest, template=template, progress=progress)
+        else:
+            info = _st.from_store(str(source), dest, step=step, template=template, record=record, progress=progress)
+    if as_json:
+        _json_out(True, **info)
+        return
+    click.echo(printable(f"step {info['step']}: {info['source']} -> {info['destination']}"))
+    click.echo(f"  {info['files']} file(s), {info['bytes']} bytes, each checked; "
+               f"{'resumed an interrupted transfer; ' if info.get('resumed') else ''}"
+               f"tracker of the destination: step {info['tracker_set_to']}, "
+               f"in {info['finished_unix'] - info['started_unix']:.2f} s")
+    if info.get("record"):
+        click.echo(printable(f"  record: {info['record']}"))
+
+
 @main.command()
-@click.argument("path", type=click.Path(path_type=Path, exists=True))
+@click.argument("path", type=_Local(path_type=Path, exists=True))
 @click.option("--sample", "sample_s", type=click.FloatRange(0.05, 10), default=0.5, show_default=True,
               help="Seconds between the two /proc readings of each local process.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per rank.")
@@ -895,7 +1030,7 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
-@click.option("--root", required=True, type=click.Path(path_type=Path, file_okay=False),
+@click.option("--root", required=True, type=_Local(path_type=Path, file_okay=False),
               help="The checkpoint root the training command writes.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=600, show_default=True,
               help="Longest wait for each point the rehearsal waits for (a save, a replayed step, a pause).")
@@ -934,7 +1069,7 @@ def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) 
 
 
 @main.command()
-@click.argument("root", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("root", type=_Local(path_type=Path, exists=True, file_okay=False))
 @click.option("--mtbf", "mtbf_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Declared mean time between failures in seconds (default: observed from the relaunches).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")

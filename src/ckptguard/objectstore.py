@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from ._agree import Wire, gather_decide, on_every_rank
-from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_json, read_json
+from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_bytes, atomic_write_json, read_json
 from ._dist import make_agreement
 from ._records import contract as _contract
 from ._records.retention import KeepLast, RetentionPolicy
-from .config import CheckpointConfig, ResumeMode
+from .config import BlockingBudget, CheckpointConfig, ResumeMode
 from .errors import CheckpointCorruptError, CheckpointError, ConfigError, ContractMismatchError
 from .manager import CheckpointManager
 from .storage.base import Storage
@@ -110,7 +110,10 @@ class ObjectStoreCheckpoint:
         self.store = ObjectStore(StoreURL.parse(url), options, dir_template=base.dir_template)
         self.retention: RetentionPolicy | None = base.retention
         self.config = base
-        self.local = CheckpointManager(staging, config=dataclasses.replace(base, retention=KeepLast(1)),
+        # No blocking budget in the staging manager: a save it moved to the background would return None
+        # and never be published; ObjectStoreCheckpoint.save is synchronous, upload included.
+        staged = dataclasses.replace(base, retention=KeepLast(1), blocking=BlockingBudget(fraction=None))
+        self.local = CheckpointManager(staging, config=staged,
                                        process_group=process_group, storage=storage, **manager_kw)
         ObjectStoreCheckpoint._created += 1
         self._agreement = make_agreement(process_group, timeout_s=base.timeout_s,
@@ -120,6 +123,7 @@ class ObjectStoreCheckpoint:
         self._host = info.host  # ranks of one host share its staging root (CKPTGUARD_NODE where tests fake nodes)
         self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # rank 0's lease id
         self._restored: int | None = None
+        self._rooted = False  # this job published or restored a step: the root exists, proof copies may go there
 
     @property
     def url(self) -> str:
@@ -155,14 +159,61 @@ class ObjectStoreCheckpoint:
                              lambda views: self._commit(step, begun.attempt, views, files, manifest),
                              decision=_Committed)
         log.info("ckptguard: committed step %d on the object store at %s", step, done.url)
+        self._rooted = True
+        self.copy_proof()
         return done.url
 
     def _begin(self, step: int) -> _Begun:
+        self.take_lease()
+        return _Begun(self.store.begin(step, replace_orphan=True))
+
+    def take_lease(self, break_lease: bool = False) -> None:
+        """Rank 0's part (not collective): create the root record and tracker 0 if absent, then take or
+        renew the store's write lease for this job (``LeaseHeldError`` while another live job holds it)."""
         self.store.ensure_root()
-        note = self.store.acquire_lease(self._holder, override=self.config.break_lease)
+        note = self.store.acquire_lease(self._holder, override=break_lease or self.config.break_lease)
         if note:
             log.warning("ckptguard: %s: %s", self.store.url, note)
-        return _Begun(self.store.begin(step, replace_orphan=True))
+
+    def check_lease(self, break_lease: bool = False) -> None:
+        """Raise ``LeaseHeldError`` on every rank while another live job holds the store's lease (collective)."""
+        def check(_: list[_Empty]) -> _Empty:
+            self.store.check_lease(self._holder, override=break_lease or self.config.break_lease)
+            return _Empty()
+
+        gather_decide(self._agreement, "store.check_lease", _Empty(), check, decision=_Empty)
+
+    def seed_proof(self) -> None:
+        """This rank's proof log comes back from the store's copy when the staging root lost it (a lost
+        node), so its next copy continues the killed run's records instead of replacing them (no collective)."""
+        path = self.local.core.proof.log.path
+        if path.exists():
+            return
+        try:
+            data = self.store.get_proof(path.name)
+            if data is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(path, data)
+                self._rooted = True
+                log.info("ckptguard: %s: the proof records of rank %d restored from %s/proof", path, self.rank,
+                         self.store.url)
+        except (OSError, CheckpointError) as exc:
+            log.warning("ckptguard: reading the store's copy of %s failed (%s: %s); the records start anew here",
+                        path, type(exc).__name__, exc)
+
+    def copy_proof(self) -> None:
+        """This rank's proof log (in the staging root) copied whole to ``proof/`` on the store, where
+        ``ckptguard prove s3://...`` reads every rank's; a failed copy is a warning (the step is committed)."""
+        path = self.local.core.proof.log.path
+        if not self._rooted:  # a proof copy never creates anything under a prefix this job did not write
+            return
+        try:
+            if path.is_file():
+                self.store.put_proof(path.name, path.read_bytes())
+        except (OSError, CheckpointError) as exc:
+            log.warning("ckptguard: copying the proof records %s to %s/proof failed (%s: %s); the copy is retried "
+                        "at the next save; `ckptguard prove %s` reads them meanwhile", path, self.store.url,
+                        type(exc).__name__, exc, self.local.root)
 
     def _commit(self, step: int, attempt: str, views: list[_Uploaded], files: list[dict[str, Any]],
                 manifest: dict[str, Any]) -> _Committed:
@@ -211,18 +262,24 @@ class ObjectStoreCheckpoint:
         """Restore the store's tracker step into ``state``; returns it (0: a fresh start)."""
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        self.seed_proof()
         step, reason = self.resolve(mode)
         if step == 0:
             log.warning("ckptguard: FRESH START: %s", reason)
             return self.local.restore(state, mode=ResumeMode.NEVER)
         log.info("ckptguard: resuming from step %d on %s (%s)", step, self.store.url, reason)
-        step_dir = self._bring(step)
-        restored = self.local.restore(state, path=step_dir)
-        self._restored = restored
-        return restored
+        step_dir = self.bring(step)
+        return self.local.restore(state, path=step_dir)
 
-    def _bring(self, step: int) -> Path:
-        """The committed step in the staging root: downloaded, each host's ranks a share, unless there already."""
+    def tracker_step(self) -> int:
+        """The store's committed step a restore would load (the tracker, its marker checked; 0: none).
+        This process's reads; no collective."""
+        return self.store.resolve().step
+
+    def bring(self, step: int) -> Path:
+        """The committed ``step`` in the staging root: downloaded, each host's ranks a share, unless there
+        already (collective); returns its directory. Rotation on the store keeps it from now on."""
+        self._restored, self._rooted = step, True
         marker = self.store.marker(step)
         if marker is None:
             raise CheckpointCorruptError(f"{self.store.url}: the marker of step {step} vanished after resolve")
@@ -230,11 +287,14 @@ class ObjectStoreCheckpoint:
         have = _Have(self._host, self._same(step_dir, marker.manifest))
         views = [_Have.from_json(v) for v in self._agreement.exchange("store.have", have.to_json())]
         peers = [r for r, v in enumerate(views) if v.host == self._host]
-        if all(views[r].same for r in peers):
+        if all(v.same for v in views):
             return step_dir
-        leader = self.rank == peers[0]
+        # The rounds below are every rank's (the same views everywhere); a host that holds the step already
+        # takes part without downloading anything.
+        here = not all(views[r].same for r in peers)
+        leader = here and self.rank == peers[0]
         on_every_rank(self._agreement, "store.clear", lambda: _clear(step_dir) if leader else None)
-        names = sorted(marker.objects)
+        names = sorted(marker.objects) if here else []
         share = {n for i, n in enumerate(names) if i % len(peers) == peers.index(self.rank)}
         on_every_rank(self._agreement, "store.fetch", lambda: self.store.fetch(marker, step_dir, only=share))
         on_every_rank(self._agreement, "store.fetched",
@@ -271,6 +331,7 @@ class ObjectStoreCheckpoint:
     def close(self) -> None:
         """Release the store's write lease (rank 0) and the staging manager's pools."""
         try:
+            self.copy_proof()  # the records since the last save (a restore's) reach the store's copy
             if self.rank == 0:
                 self.store.release_lease(self._holder)
         finally:

@@ -19,6 +19,12 @@ never chosen; when the choice falls back past it, the log says which files were 
 which rank. Nothing loadable but something committed somewhere is refused, naming the
 missing files; a fresh start stays what it is for one manager (an absent root, tracker 0).
 
+``persistent="s3://bucket/prefix"`` (with ``persistent_staging``): the persistent tier is an
+``ObjectStoreCheckpoint`` (``object_store``) whose staging manager is ``persistent``; each
+persistent commit in the staging root is then published to the store (in ``save_async``'s thread
+too), the store's lease is the one held, and the persistent step a restore can load is the store's
+(downloaded into the staging root when chosen). docs/objectstore.md.
+
 The restore record (``ROOT/proof``) carries the tier it used (``tier``, ``tier_detail``) and
 ``ckptguard prove`` shows it. Proof records of both tiers go to one log: the persistent
 root's when there is one (shared, so ``prove`` sees every rank), else the fast root's.
@@ -30,7 +36,6 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,133 +48,28 @@ from ._context import Actions
 from ._core.guard import GuardTarget, recorded_save_seconds
 from ._core.root import check_state, check_step
 from ._core.tierrestore import Choice, Tier, TierRestore, after_transfers
+from ._core.tiersave import TieredSave
 from ._disk import layout as _layout
 from ._disk import lease as _lease
 from ._dist import make_agreement
-from ._priority import lower_this_thread
 from ._records import manifest as _manifest
 from ._records import trust as _trust
 from ._records.retention import KeepLast, RetentionPolicy, default_policy
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
-from .config import CheckpointConfig, ResumeMode
+from .config import BlockingBudget, CheckpointConfig, ResumeMode
 from .errors import (
     CheckpointError,
     CheckpointIncompleteError,
     ConfigError,
-    SaveStillRunningError,
 )
 from .manager import CheckpointManager
 from .storage._staging import Fence
 from .storage.base import Storage
 
+__all__ = ["TieredCheckpoint", "TieredSave"]
+
 log = logging.getLogger("ckptguard")
-
-
-class TieredSave:
-    """A ``TieredCheckpoint.save_async`` in flight: the tiers' background commits, one after the other
-    in one thread (the fast tier, its replica push with ``replicas=1``, then the persistent tier).
-    ``wait()`` returns the committed directories as ``save`` does and raises the first failure."""
-
-    def __init__(
-        self, step: int, parts: list[tuple[Tier, Callable[[], Path], Fence]], blocked_s: float,
-        push: Callable[[], None] | None, *, cleanups: list[Callable[[], None]] | None = None,
-        after: TieredSave | None = None,
-    ) -> None:
-        self.step = step
-        self.tiers = [tier for tier, _, _ in parts]
-        """The tiers this step is saved to (none: the step is on neither tier's interval)."""
-        self.blocked_seconds = blocked_s
-        """How long ``save_async`` held the caller (every tier's snapshot and queued copies)."""
-        self.priority: list[str] = []
-        self.fences = [fence for _, _, fence in parts]
-        self._result: dict[Tier, Path] = {}
-        self._error: BaseException | None = None
-        self._started = time.monotonic() - blocked_s
-        self._published = threading.Event()
-        self.commit_seconds: float | None = None
-        """From the ``save_async`` call until every tier's commit (and the replica push) ended."""
-        self.cleanup_seconds: float | None = None
-        """How long the tiers' retention and proof pruning took after the commits, off the caller's path."""
-        self.reported = False
-        """True once ``wait()`` raised: ``TieredCheckpoint`` does not raise it a second time."""
-        # Not a daemon: an interpreter exit waits for the commits instead of cutting them off.
-        self._thread = threading.Thread(target=self._run, args=(parts, push, cleanups or [], after),
-                                        name=f"ckptguard-tiers-save-{step}")
-        if parts:  # a step on neither interval starts no thread
-            self._thread.start()
-        else:
-            self._published.set()
-
-    @property
-    def mutation_wait_seconds(self) -> float:
-        """How long later mutations (optimizer step, ``staged()``) waited for this save's reads."""
-        return sum(f.waited_s for f in self.fences)
-
-    def _run(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None,
-             cleanups: list[Callable[[], None]], after: TieredSave | None) -> None:
-        self.priority = lower_this_thread()
-        if after is not None:
-            after.join()  # the previous save's cleanup ends before these commits touch the roots
-        try:
-            self._commit(parts, push)
-        finally:
-            self.commit_seconds = time.monotonic() - self._started
-            self._published.set()
-        began = time.monotonic()
-        for cleanup in cleanups if self._error is None else []:
-            try:
-                cleanup()
-            except Exception as exc:  # retention never stops training
-                log.warning("ckptguard: the cleanup after step %d failed: %s: %s", self.step, type(exc).__name__, exc)
-        self.cleanup_seconds = time.monotonic() - began
-
-    def _commit(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None) -> None:
-        for tier, run, fence in parts:
-            try:
-                fence.host_wait()  # the staged copies have landed before anything reads them
-                self._result[tier] = run()
-                if tier is Tier.FAST and push is not None:
-                    push()  # after the commit: a replica is never made of an uncommitted step
-            except BaseException as exc:  # kept for wait(); the next tier still saves (its own commit)
-                self._error = self._error or exc
-                log.error("ckptguard: the background save of step %d to the %s tier failed: %s: %s (raised by the "
-                          "next save, restore or wait)", self.step, tier.value, type(exc).__name__, exc)
-            finally:
-                fence.live_read()  # a failed save reads nothing more: training may go on
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def busy(self) -> bool:
-        """True until every tier's commit ended (the cleanup after them does not count)."""
-        return not self._published.is_set()
-
-    def running_seconds(self) -> float:
-        return time.monotonic() - self._started
-
-    def join(self) -> None:
-        if self.tiers:
-            self._thread.join()
-
-    def wait(self, timeout: float | None = None) -> dict[Tier, Path]:
-        """Block until every tier's commit (and the replica push) and their cleanup ended; raise the first error."""
-        if self.tiers:
-            self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise SaveStillRunningError(
-                f"the background save of step {self.step} ({', '.join(t.value for t in self.tiers)} tier) is still "
-                "running; call wait() again (without a timeout to block until it ends)", step=self.step,
-            )
-        return self.outcome()
-
-    def outcome(self) -> dict[Tier, Path]:
-        """The tiers' committed directories once the commits ended, or the first error raised."""
-        self._published.wait()
-        if self._error is not None:
-            self.reported = True
-            raise self._error
-        return dict(self._result)
 
 
 class TieredCheckpoint:
@@ -200,16 +100,24 @@ class TieredCheckpoint:
         storage: Storage | None = None,
         derived: DerivedState | None = None,
         expert_parallel: ExpertParallel | None = None,
+        persistent_staging: str | os.PathLike[str] | None = None,
+        persistent_options: Any | None = None,
     ) -> None:
         for name, value in (("fast_every", fast_every), ("persistent_every", persistent_every)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"TieredCheckpoint({name}={value!r}): must be an int >= 1 (steps between saves)")
         if replicas not in (0, 1):
             raise ConfigError(f"TieredCheckpoint(replicas={replicas!r}): 0 or 1 (one peer copy of each node's part)")
-        base = config or CheckpointConfig()
+        # The tiers' saves are whole: a manager whose own blocking budget moved its save to the background
+        # would return None, read here as a skipped step (no persistent save). TieredCheckpoint.save stays
+        # synchronous; save_async is the non-blocking path (docs/tiers.md).
+        if config is not None and not isinstance(config, CheckpointConfig):
+            raise ConfigError(f"TieredCheckpoint(config=...) must be a CheckpointConfig, got {type(config).__name__}")
+        base = dataclasses.replace(config or CheckpointConfig(), blocking=BlockingBudget(fraction=None))
         if persistent is not None and Path(persistent).absolute() == Path(fast).absolute():
             raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
         self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
+        remote = _remote(persistent, persistent_staging, persistent_options, fast)
 
         def manager(root: str | os.PathLike[str], retention: RetentionPolicy) -> CheckpointManager:
             return CheckpointManager(root, config=dataclasses.replace(base, retention=retention),
@@ -217,7 +125,19 @@ class TieredCheckpoint:
                                      expert_parallel=expert_parallel)
 
         self.fast = manager(fast, fast_retention or KeepLast(2))
-        self.persistent = None if persistent is None else manager(persistent, persistent_retention or default_policy())
+        self.object_store: Any = None
+        """The persistent tier on an object store (``persistent="s3://..."``): an ``ObjectStoreCheckpoint``
+        whose staging manager is ``persistent``; None for a filesystem persistent tier."""
+        if remote:
+            from .objectstore import ObjectStoreCheckpoint  # optional: boto3, the s3 extra
+            self.object_store = ObjectStoreCheckpoint(
+                str(persistent), staging=persistent_staging or "", options=persistent_options,
+                config=dataclasses.replace(base, retention=persistent_retention or default_policy()),
+                process_group=process_group, storage=storage, derived=derived, expert_parallel=expert_parallel)
+            self.persistent: CheckpointManager | None = self.object_store.local
+        else:
+            self.persistent = None if persistent is None else manager(persistent,
+                                                                      persistent_retention or default_policy())
         # One proof log for both tiers, in the root every rank can read: prove sees the whole run.
         home = self.persistent or self.fast
         for mgr, tier in ((self.fast, Tier.FAST), (self.persistent, Tier.PERSISTENT)):
@@ -234,7 +154,7 @@ class TieredCheckpoint:
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
         self._peers = _replica.peers(self._hosts)
         self._restorer = TierRestore(self.fast.context, self.persistent.context if self.persistent else None,
-                                     replicas=replicas, hosts=self._hosts)
+                                     replicas=replicas, hosts=self._hosts, remote=self.object_store)
         if replicas and self._peers[0] is None:
             raise ConfigError(
                 f"TieredCheckpoint(replicas=1): all {len(self._hosts)} ranks run on host {self._hosts[0]}; a peer "
@@ -260,6 +180,8 @@ class TieredCheckpoint:
         path = home.save(step, state, **save_kwargs)
         if path is not None and home is self.fast and self.replicas:
             self._push(step)
+        if path is not None and home is self.persistent and self.object_store is not None:
+            self.object_store.publish(step, path)
         return path
 
     @property
@@ -296,6 +218,8 @@ class TieredCheckpoint:
             persistent = self.persistent.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm,
                                               overwrite=overwrite, break_lease=break_lease)
             if persistent is not None:
+                if self.object_store is not None:  # the staging root's commit, then the store's
+                    self.object_store.publish(step, persistent)
                 out[Tier.PERSISTENT] = persistent
         return out
 
@@ -333,6 +257,8 @@ class TieredCheckpoint:
                         return None
                     continue
                 run, fence, _ = prepared
+                if tier is Tier.PERSISTENT and self.object_store is not None:
+                    run = functools.partial(_then_publish, run, self.object_store.publish, step)
                 parts.append((tier, run, fence))
                 cleanups.append(functools.partial(mgr.cleanup_after, step))
         finally:
@@ -366,7 +292,7 @@ class TieredCheckpoint:
         try:
             self.wait()
         finally:
-            for mgr in (self.fast, self.persistent):
+            for mgr in (self.fast, self.object_store or self.persistent):  # the store's closes its staging
                 if mgr is not None:
                     mgr.close()
 
@@ -383,6 +309,9 @@ class TieredCheckpoint:
 
         def take() -> None:
             if self.rank != 0:
+                return
+            if self.object_store is not None:  # the store's root record, tracker 0 and lease
+                self.object_store.take_lease(break_lease)
                 return
             created = not mgr.root.exists()
             if created:
@@ -440,6 +369,9 @@ class TieredCheckpoint:
         for mgr in (self.fast, self.persistent):  # a duplicate launch stops here, whichever tier it would load
             if mgr is not None:
                 mgr.core.check_lease("restore", break_lease=break_lease)
+        if self.object_store is not None:
+            self.object_store.check_lease(break_lease)
+            self.object_store.seed_proof()  # the proof log's home: a lost node's comes back from the store
         broken: dict[int, str] = {}  # fast steps whose fetch failed (the same on every rank: an agreed error)
         while True:
             choice = gather_decide(self.fast.context.agreement, "tiers.choose", self._restorer.view(),
@@ -464,8 +396,11 @@ class TieredCheckpoint:
         tags = mgr.core.proof.tags
         mgr.core.proof.tags = {**tags, "tier_detail": choice.detail,
                                "replica_ranks": sorted(int(r) for r in choice.senders)}
+        path = mgr.root / mgr.context.naming.name(choice.step)
+        if mgr is self.persistent and self.object_store is not None:
+            path = self.object_store.bring(choice.step)  # downloaded into the staging root (each host a share)
         try:
-            step = mgr.restore(state, path=mgr.root / mgr.context.naming.name(choice.step), break_lease=break_lease)
+            step = mgr.restore(state, path=path, break_lease=break_lease)
         finally:
             mgr.core.proof.tags = tags
         self._restorer.align_fast(step, Tier(choice.tier))
@@ -498,3 +433,26 @@ class TieredCheckpoint:
 
     def record_update(self, step: int, *, grad_norm: float, params_changed: bool) -> None:
         self._home().record_update(step, grad_norm=grad_norm, params_changed=params_changed)
+
+
+def _remote(persistent: Any, staging: Any, options: Any, fast: Any) -> bool:
+    """True for an object-store persistent tier (``s3://``); its arguments checked."""
+    remote = isinstance(persistent, str) and persistent.startswith("s3://")
+    if not remote and (staging is not None or options is not None):
+        raise ConfigError("TieredCheckpoint(persistent_staging=, persistent_options=) go with an object-store "
+                          f"persistent tier (persistent='s3://bucket/prefix'), not persistent={persistent!r}")
+    if remote and staging is None:
+        raise ConfigError(
+            f"TieredCheckpoint(persistent={persistent!r}): give persistent_staging=<a local directory> (node-local or "
+            "shared, the same path on every node, room for one step), where each persistent step is committed "
+            "before its upload and downloaded before a restore from the store (docs/objectstore.md)")
+    if remote and Path(staging).absolute() == Path(fast).absolute():
+        raise ConfigError(f"TieredCheckpoint: persistent_staging is the fast root {fast}; give its own directory")
+    return remote
+
+
+def _then_publish(run: Callable[[], Path], publish: Callable[[int, Path], str], step: int) -> Path:
+    """A staged commit of the persistent tier's staging root, then its publish to the object store."""
+    path = run()
+    publish(step, path)
+    return path

@@ -15,7 +15,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
@@ -38,7 +38,7 @@ class Tier(str, enum.Enum):
     FAST = "fast"
     """The node-local tier (``/dev/shm``, NVMe): every ``fast_every`` steps."""
     PERSISTENT = "persistent"
-    """The shared filesystem: every ``persistent_every`` steps."""
+    """The shared filesystem or an object store: every ``persistent_every`` steps."""
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,26 @@ class Choice(Wire):
     fell_back: bool = False  # a newer step exists on part of the job: said as a warning
 
 
-class TierRestore:
-    """The restore side of the tiers, over the fast tier's context and the persistent tier's."""
+class RemoteTier(Protocol):
+    """A persistent tier on an object store (``ckptguard.objectstore.ObjectStoreCheckpoint``)."""
 
-    def __init__(self, fast: Context, persistent: Context | None, *, replicas: int, hosts: list[str]) -> None:
+    @property
+    def url(self) -> str: ...
+
+    def tracker_step(self) -> int: ...
+
+
+class TierRestore:
+    """The restore side of the tiers, over the fast tier's context and the persistent tier's (``remote``:
+    the persistent tier's committed step is the object store's, not its staging root's)."""
+
+    def __init__(self, fast: Context, persistent: Context | None, *, replicas: int, hosts: list[str],
+                 remote: RemoteTier | None = None) -> None:
         self.fast = fast
         self.persistent = persistent
         self.replicas = replicas
         self.hosts = hosts
+        self.remote = remote
 
     @property
     def rank(self) -> int:
@@ -87,8 +99,10 @@ class TierRestore:
         persistent, perror = 0, None
         if self.persistent is not None:
             try:
-                res = resolve_local(self.persistent.root, self.persistent.naming, ResumeMode.AUTO, None)
-                persistent = res.step
+                if self.remote is not None:
+                    persistent = self.remote.tracker_step()
+                else:
+                    persistent = resolve_local(self.persistent.root, self.persistent.naming, ResumeMode.AUTO, None).step
             except Exception as exc:
                 perror = error_payload(exc)
         return View(host, complete, published, missing, replicas, persistent, perror)
@@ -169,7 +183,8 @@ class TierRestore:
             elif self.persistent is None:
                 where += "; there is no persistent tier"
             else:
-                where += f"; the persistent tier {self.persistent.root} holds no committed step"
+                home = self.remote.url if self.remote is not None else self.persistent.root
+                where += f"; the persistent tier {home} holds no committed step"
             raise CheckpointIncompleteError(
                 f"restore refused: no step can be loaded by every rank from any tier ({where}). "
                 + ("No peer replica holds the missing files. " if self.replicas else

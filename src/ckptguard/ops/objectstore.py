@@ -1,12 +1,18 @@
-"""What ``ckptguard list`` and ``ckptguard verify`` do on an object-store root (``s3://bucket/prefix``).
+"""What ``ckptguard list``, ``verify``, ``preflight``, ``gc`` and ``prove`` do on an object-store root
+(``s3://bucket/prefix``); ``transfer`` is ``ops.storetransfer``.
 
 ``list_remote``: the tracker and every step prefix under the root with its state (committed,
 orphan: a marker newer than the tracker, or not committed: objects without a marker).
 ``verify_remote``: every committed step's marker against the store (each object present with the
 size and ETag the marker recorded, the marker's objects equal to the manifest's files), the
 tracker's step committed; ``deep`` also downloads each step (xxh3 of every object checked) and
-runs the local step checks on the copy. Reads only; endpoint and credentials come from boto3's
-configuration (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...).
+runs the local step checks on the copy. ``preflight_remote``: the step a launch would resume
+(tracker and marker), its objects present as the marker recorded, the write lease (a live job's is
+said). ``gc_remote``: ``ObjectStore.gc`` (unmarked attempts with ckptguard's owner record, older
+than ``min_age_s``, and their multipart uploads), refused while a live job holds the lease.
+``fetch_proof``: every rank's proof log copied from the store's ``proof/`` (each rank's copy is
+updated at every save and at close) into a local directory ``prove`` judges. Endpoint and
+credentials come from boto3's configuration (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...).
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._disk.layout import PROOF_DIR, TRACKER_NAME
 from .._records.checks import verify_step
 from .._records.findings import Finding, Severity
-from ..errors import CheckpointError
-from ..storage.objectstore import Marker, ObjectStore, ObjectStoreOptions
+from ..errors import CheckpointError, LeaseHeldError
+from ..storage.objectstore import GcReport, Marker, ObjectStore, ObjectStoreOptions
 
-__all__ = ["RemoteEntry", "RemoteListing", "is_remote", "list_remote", "verify_remote"]
+__all__ = ["RemoteEntry", "RemoteListing", "RemotePreflight", "fetch_proof", "gc_remote", "is_remote", "list_remote",
+           "preflight_remote", "verify_remote"]
 
 
 def is_remote(root: str) -> bool:
@@ -126,3 +134,64 @@ def verify_remote(url: str, template: str, *, deep: bool = False) -> tuple[list[
                     findings.append(Finding(f.severity, f.code, f.path.replace(str(step_dir), store.where(
                         store.naming.name(step), marker.attempt)), f.message, f.fix))
     return checked, findings
+
+
+@dataclass(frozen=True)
+class RemotePreflight:
+    step: int | None
+    url: str | None  # the step's marker (None: a fresh start, or unresolved)
+    reason: str
+    findings: list[Finding]
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity is Severity.ERROR for f in self.findings)
+
+
+def preflight_remote(url: str, template: str, *, expect_step: int | None = None) -> RemotePreflight:
+    """Before a launch on an object-store root: what it resumes and whether every object is there."""
+    store = _store(url, template)
+    tracker, _ = store.tracker()
+    if tracker is None:
+        return RemotePreflight(None, None, "no tracker", [_err(
+            "no-root", store.where(TRACKER_NAME), f"no checkpoint root at {store.url} (no tracker)",
+            "check the URL and AWS_ENDPOINT_URL; a first launch needs no preflight (its first save creates the root)")])
+    try:
+        found = store.resolve()
+    except CheckpointError as exc:
+        return RemotePreflight(tracker, None, "unresolved", [_err(
+            "resolve", store.where(TRACKER_NAME), str(exc), "`ckptguard list` shows the committed steps")])
+    findings = [] if found.marker is None else _check_objects(store, found.marker)
+    if expect_step is not None and found.step != expect_step:
+        findings.append(_err("expect-step", store.where(TRACKER_NAME), f"resumes step {found.step}, expected "
+                             f"{expect_step}", "check which job wrote the newer step before launching"))
+    try:
+        store.check_lease("ckptguard-preflight")
+    except LeaseHeldError as exc:
+        findings.append(Finding(Severity.WARNING, "lease-held", store.where("lease.json"), str(exc).split(": ", 1)[-1],
+                                "a launch now is refused at its first save or restore while that job lives"))
+    where = store.where(store.naming.name(found.step), "manifest.json") if found.step else None
+    return RemotePreflight(found.step, where, found.reason, findings)
+
+
+def gc_remote(url: str, template: str, *, min_age_s: float, dry_run: bool, force: bool) -> GcReport:
+    """``ObjectStore.gc`` under the root; refused while a live job holds its lease unless ``force``."""
+    store = _store(url, template)
+    if not force:
+        try:
+            store.check_lease("ckptguard-gc")
+        except LeaseHeldError as exc:
+            raise LeaseHeldError(f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, or "
+                                 "pass --force (attempts younger than --min-age are kept anyway)") from None
+    return store.gc(min_age_s=min_age_s, dry_run=dry_run)
+
+
+def fetch_proof(url: str, template: str, dest: Path) -> list[str]:
+    """Every rank's proof log from ``<url>/proof/`` into ``dest/proof``; raises when there is none."""
+    store = _store(url, template)
+    names = store.fetch_proof(Path(dest))
+    if not names:
+        raise CheckpointError(
+            f"{store.where(PROOF_DIR)}/ holds no proof records: each rank copies its log there at every save and at "
+            "close (ckptguard >= this version); `ckptguard prove STAGING` reads a staging root's own records")
+    return names

@@ -54,6 +54,11 @@ class Upload:
     initiated_unix: float
 
 
+def _no_bucket(exc: BaseException) -> bool:
+    return isinstance(exc, botocore.exceptions.ClientError) and \
+        exc.response.get("Error", {}).get("Code") == "NoSuchBucket"
+
+
 def _hint(code: str, status: int | None, endpoint: str) -> str:
     if code in ("NoSuchBucket",):
         return "create the bucket, or fix the bucket name in the URL"
@@ -129,7 +134,7 @@ class Bucket:
         except ObjectStoreError:
             raise
         except Exception as exc:
-            if self.status(exc) == 404:
+            if self.status(exc) == 404 and not _no_bucket(exc):  # a missing bucket is an error, never "absent"
                 return None
             raise self.error(exc, key, f"reading the {what}", step) from exc
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import _faults
-from ..._disk.layout import MANIFEST_NAME, TRACKER_NAME, StepNaming, atomic_write_json
+from ..._disk.layout import MANIFEST_NAME, PROOF_DIR, TRACKER_NAME, StepNaming, atomic_write_bytes, atomic_write_json
 from ...errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -335,7 +335,7 @@ class ObjectStore:
         for obj in self.bucket.listing():
             rel = self.url.relative(obj.key) or ""
             parts = rel.split("/")
-            if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE):
+            if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE) or _is_proof(rel):
                 continue
             if rel.startswith(".ckptguard-probe-") and "/" not in rel:  # a probe whose process died before its delete
                 if now - obj.modified_unix >= min_age_s:
@@ -393,6 +393,35 @@ class ObjectStore:
             if not dry_run:
                 self.bucket.abort(upload, step=self.naming.parse(parts[0]))
 
+    # ------------------------------------------------------------ proof records (copies of the staging root's)
+
+    def put_proof(self, name: str, data: bytes) -> None:
+        """One rank's proof log ``name`` (``rank_00000.jsonl``), copied whole to ``proof/<name>``: a plain PUT,
+        each rank writes only its own file (the lease holder's job)."""
+        if not _is_proof(f"{PROOF_DIR}/{name}"):
+            raise ConfigError(f"{name!r} is not a proof log name (rank_NNNNN.jsonl)")
+        self.bucket.create(self.url.key(PROOF_DIR, name), data, what="proof records", conditional=False)
+
+    def get_proof(self, name: str) -> bytes | None:
+        """The store's copy of one rank's proof log (None: there is none)."""
+        found = self.bucket.get(self.url.key(PROOF_DIR, name), what="proof records")
+        return None if found is None else found.data
+
+    def fetch_proof(self, dest: Path) -> list[str]:
+        """Every ``proof/*.jsonl`` under the root, downloaded into ``dest/proof``; returns their names."""
+        names = []
+        (dest / PROOF_DIR).mkdir(parents=True, exist_ok=True)
+        for obj in self.bucket.listing(PROOF_DIR + "/"):
+            rel = self.url.relative(obj.key) or ""
+            if not _is_proof(rel):
+                continue
+            found = self.bucket.get(obj.key, what="proof records")
+            if found is not None:
+                name = rel.split("/", 1)[1]
+                atomic_write_bytes(dest / PROOF_DIR / name, found.data)
+                names.append(name)
+        return sorted(names)
+
     # ------------------------------------------------------------ the write lease
 
     def acquire_lease(self, holder: str, *, override: bool = False) -> str | None:
@@ -439,6 +468,11 @@ class ObjectStore:
         gone = rec.Lease(holder, rec.Writer.here(), 0.0, time.time()).to_bytes()  # expired: anyone may take it
         self.bucket.replace(self.url.key(rec.LEASE), gone, found.etag, what="write lease",
                             conditional=self.conditional)
+
+
+def _is_proof(rel: str) -> bool:
+    parts = rel.split("/")
+    return len(parts) == 2 and parts[0] == PROOF_DIR and parts[1].startswith("rank_") and parts[1].endswith(".jsonl")
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,127 @@
+"""A ``TieredCheckpoint.save_async`` in flight: the tiers' background commits in one thread.
+
+``TieredSave`` runs the due tiers' staged commits one after the other (the fast tier, its replica
+push, then the persistent tier), then their cleanup; ``wait()`` returns the committed directories
+or raises the first failure. Made by ``ckptguard.tiers.TieredCheckpoint.save_async``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .._priority import lower_this_thread
+from ..errors import SaveStillRunningError
+from ..storage._staging import Fence
+from .tierrestore import Tier
+
+log = logging.getLogger("ckptguard")
+
+
+class TieredSave:
+    """A ``TieredCheckpoint.save_async`` in flight: the tiers' background commits, one after the other
+    in one thread (the fast tier, its replica push with ``replicas=1``, then the persistent tier).
+    ``wait()`` returns the committed directories as ``save`` does and raises the first failure."""
+
+    def __init__(
+        self, step: int, parts: list[tuple[Tier, Callable[[], Path], Fence]], blocked_s: float,
+        push: Callable[[], None] | None, *, cleanups: list[Callable[[], None]] | None = None,
+        after: TieredSave | None = None,
+    ) -> None:
+        self.step = step
+        self.tiers = [tier for tier, _, _ in parts]
+        """The tiers this step is saved to (none: the step is on neither tier's interval)."""
+        self.blocked_seconds = blocked_s
+        """How long ``save_async`` held the caller (every tier's snapshot and queued copies)."""
+        self.priority: list[str] = []
+        self.fences = [fence for _, _, fence in parts]
+        self._result: dict[Tier, Path] = {}
+        self._error: BaseException | None = None
+        self._started = time.monotonic() - blocked_s
+        self._published = threading.Event()
+        self.commit_seconds: float | None = None
+        """From the ``save_async`` call until every tier's commit (and the replica push) ended."""
+        self.cleanup_seconds: float | None = None
+        """How long the tiers' retention and proof pruning took after the commits, off the caller's path."""
+        self.reported = False
+        """True once ``wait()`` raised: ``TieredCheckpoint`` does not raise it a second time."""
+        # Not a daemon: an interpreter exit waits for the commits instead of cutting them off.
+        self._thread = threading.Thread(target=self._run, args=(parts, push, cleanups or [], after),
+                                        name=f"ckptguard-tiers-save-{step}")
+        if parts:  # a step on neither interval starts no thread
+            self._thread.start()
+        else:
+            self._published.set()
+
+    @property
+    def mutation_wait_seconds(self) -> float:
+        """How long later mutations (optimizer step, ``staged()``) waited for this save's reads."""
+        return sum(f.waited_s for f in self.fences)
+
+    def _run(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None,
+             cleanups: list[Callable[[], None]], after: TieredSave | None) -> None:
+        self.priority = lower_this_thread()
+        if after is not None:
+            after.join()  # the previous save's cleanup ends before these commits touch the roots
+        try:
+            self._commit(parts, push)
+        finally:
+            self.commit_seconds = time.monotonic() - self._started
+            self._published.set()
+        began = time.monotonic()
+        for cleanup in cleanups if self._error is None else []:
+            try:
+                cleanup()
+            except Exception as exc:  # retention never stops training
+                log.warning("ckptguard: the cleanup after step %d failed: %s: %s", self.step, type(exc).__name__, exc)
+        self.cleanup_seconds = time.monotonic() - began
+
+    def _commit(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None) -> None:
+        for tier, run, fence in parts:
+            try:
+                fence.host_wait()  # the staged copies have landed before anything reads them
+                self._result[tier] = run()
+                if tier is Tier.FAST and push is not None:
+                    push()  # after the commit: a replica is never made of an uncommitted step
+            except BaseException as exc:  # kept for wait(); the next tier still saves (its own commit)
+                self._error = self._error or exc
+                log.error("ckptguard: the background save of step %d to the %s tier failed: %s: %s (raised by the "
+                          "next save, restore or wait)", self.step, tier.value, type(exc).__name__, exc)
+            finally:
+                fence.live_read()  # a failed save reads nothing more: training may go on
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def busy(self) -> bool:
+        """True until every tier's commit ended (the cleanup after them does not count)."""
+        return not self._published.is_set()
+
+    def running_seconds(self) -> float:
+        return time.monotonic() - self._started
+
+    def join(self) -> None:
+        if self.tiers:
+            self._thread.join()
+
+    def wait(self, timeout: float | None = None) -> dict[Tier, Path]:
+        """Block until every tier's commit (and the replica push) and their cleanup ended; raise the first error."""
+        if self.tiers:
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise SaveStillRunningError(
+                f"the background save of step {self.step} ({', '.join(t.value for t in self.tiers)} tier) is still "
+                "running; call wait() again (without a timeout to block until it ends)", step=self.step,
+            )
+        return self.outcome()
+
+    def outcome(self) -> dict[Tier, Path]:
+        """The tiers' committed directories once the commits ended, or the first error raised."""
+        self._published.wait()
+        if self._error is not None:
+            self.reported = True
+            raise self._error
+        return dict(self._result)
