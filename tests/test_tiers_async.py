@@ -9,6 +9,7 @@ its first persistent save.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -195,4 +196,21 @@ def test_a_step_on_neither_interval_touches_nothing(tmp_path):
     assert not (tmp_path / "pers").exists() and not (tmp_path / "fast").exists()  # no root, no lease
     assert [t.value for t in tiers.save_async(4, state).tiers] == ["fast", "persistent"]
     assert sorted(t.value for t in tiers.wait()) == ["fast", "persistent"] and _lease.is_mine(tmp_path / "pers")
+    tiers.close()
+
+
+def test_prepare_async_pins_both_tiers_pools_in_the_background(tmp_path):
+    # One process: TieredCheckpoint.prepare_async is local (no collective); its future is the bytes both
+    # tiers' pools added, and the first save_async of each tier then stages into a pool that is ready.
+    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
+                                persistent_every=2, config=cg.CheckpointConfig(async_host_bytes=1 << 22))
+    state = {"model": torch.nn.Linear(64, 64)}
+    nbytes = sum(p.numel() * p.element_size() for p in state["model"].parameters())
+    assert tiers.prepare_async(state).result(timeout=60) == 2 * nbytes  # one pool per tier
+    tiers.save_async(2, state)
+    done = tiers.wait()
+    assert sorted(t.value for t in done) == ["fast", "persistent"]
+    for tier in ("fast", "pers"):
+        cost = json.loads((tmp_path / tier / "step_00000002" / "manifest.json").read_text())["cost"]
+        assert cost["live_bytes"] == 0 and cost["staged_host_bytes"] == nbytes, cost  # no live read
     tiers.close()

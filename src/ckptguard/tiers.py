@@ -36,8 +36,10 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +282,25 @@ class TieredCheckpoint:
         raises its error."""
         pending, self._pending = self._pending, None
         return pending.wait() if pending is not None and not pending.reported else {}
+
+    def prepare_async(self, state: dict[str, Any]) -> Future[int]:
+        """``CheckpointManager.prepare_async`` for both tiers at once (after ``restore``): each tier's host staging
+        pool mapped and pinned in the background, so the first ``save_async`` of each tier is as cheap as later
+        ones. Local (no collective); a future of the bytes both added (an error of either is its exception)."""
+        futures = [m.prepare_async(state) for m in (self.fast, self.persistent) if m is not None]
+        done: Future[int] = Future()
+        lock = threading.Lock()  # the tiers' futures complete in their own threads
+
+        def settle(_: Future[int]) -> None:
+            with lock:
+                if done.done() or not all(f.done() for f in futures):
+                    return
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                done.set_exception(errors[0]) if errors else done.set_result(sum(f.result() for f in futures))
+
+        for f in futures:
+            f.add_done_callback(settle)
+        return done
 
     def staged(self) -> float:
         """``CheckpointManager.staged`` for both tiers of the last ``save_async``: call it before changing
