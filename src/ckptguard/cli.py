@@ -325,29 +325,43 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
         else:
             steps, findings = [path], _verify.verify_step(path, deep=deep, progress=bar.update)
         bar.update(bar.length - bar.pos)  # done: orphans and links counted in the total were not hashed
+    tensors: dict[str, Any] = {}
+    if deep and not _verify.worst(findings):  # what restore compares: each tensor against its layout-free digest
+        for p in steps:
+            check = _verify.tensor_findings(p)
+            findings += check.findings
+            tensors[str(p)] = check.to_json()
     restored = do_restore and not _verify.worst(findings) and bool(steps)
     if restored:
         findings += _restore_with_progress(_verify, steps, as_json)
     costs = {str(p): _verify.cost(p) for p in steps}
     # What was compared, said plainly: checksums compare the files with the manifest, so a file
-    # rewritten together with its manifest entry passes them; the item digests a restore compares
-    # are recomputed only by --restore.
-    compared = ["files", *(["checksums"] if deep else []), *(["restored digests"] if restored else [])]
+    # rewritten together with its manifest entry passes them; the tensor pass compares each tensor with
+    # its layout-free digest, as restore does; the other items' digests are recomputed only by --restore.
+    all_tensors = bool(tensors) and all(t["not_checked"] is None for t in tensors.values())
+    compared = ["files", *(["checksums"] if deep else []), *(["tensor digests"] if all_tensors else []),
+                *(["restored digests"] if restored else [])]
     _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs, "restored": restored,
-                              "compared": compared})
+                              "compared": compared, "tensors": tensors})
     if not as_json:
-        for p, c in costs.items():
+        for key, c in costs.items():
             if c:
-                click.echo(printable(f"cost    {Path(p).name}: {_cost_line(c)}"))
+                click.echo(printable(f"cost    {Path(key).name}: {_cost_line(c)}"))
     if not as_json:
         verdict = "FAIL" if _verify.worst(findings) else "OK"
         how = " with checksums" if deep else ""
+        if all_tensors:
+            how += " and tensor digests"
+        unchecked = {Path(k).name: t["not_checked"] for k, t in tensors.items() if t["not_checked"]}
+        if unchecked:
+            name, why = next(iter(unchecked.items()))
+            how += f" (tensor digests NOT compared for {len(unchecked)} step(s), e.g. {name}: {why})"
         if restored:
             how += " and a real restore"
         elif do_restore:
             how += "; restore skipped: fix the ERROR findings first"
         elif deep:
-            how += " (files against the manifest; --restore also compares the item digests a restore compares)"
+            how += " (--restore also compares the non-tensor items a restore compares)"
         click.echo(f"{verdict}: {len(steps)} step(s) checked{how}, {len(findings)} finding(s)")
     sys.exit(_verify.worst(findings))
 

@@ -24,6 +24,7 @@ from .._records.findings import RESTORE_HINT, Finding, Severity, finding, printa
 from .._records.leftovers import leftover_findings
 from .._records.retention import HOLDS_DIR
 from ..errors import CheckpointError
+from .tensorcheck import TensorCheck, tensor_findings
 
 _ROOT_ENTRIES = {
     LEASE_NAME: "write lease",
@@ -34,8 +35,21 @@ _ROOT_ENTRIES = {
 }
 
 # The re-exported checks: ops.verify is where the CLI and users find them.
-__all__ = ["RESTORE_HINT", "Finding", "Severity", "cost", "deep_bytes", "printable", "restore_check", "safe_member",
-           "verify_root", "verify_step", "worst"]
+__all__ = [
+    "RESTORE_HINT",
+    "Finding",
+    "Severity",
+    "TensorCheck",
+    "cost",
+    "deep_bytes",
+    "printable",
+    "restore_check",
+    "safe_member",
+    "tensor_findings",
+    "verify_root",
+    "verify_step",
+    "worst",
+]
 
 
 def verify_root(
