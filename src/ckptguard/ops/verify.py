@@ -24,7 +24,6 @@ from .._records.findings import RESTORE_HINT, Finding, Severity, finding, printa
 from .._records.leftovers import leftover_findings
 from .._records.retention import HOLDS_DIR
 from ..errors import CheckpointError
-from .tensorcheck import TensorCheck, tensor_findings
 
 _ROOT_ENTRIES = {
     LEASE_NAME: "write lease",
@@ -39,7 +38,6 @@ __all__ = [
     "RESTORE_HINT",
     "Finding",
     "Severity",
-    "TensorCheck",
     "cost",
     "deep_bytes",
     "printable",
@@ -202,6 +200,14 @@ def _template_hint(root: Path, naming: _layout.StepNaming) -> str | None:
         field = f"{{step:0{len(digits)}d}}" if digits.startswith("0") and len(digits) > 1 else "{step}"
         return f"the step directories are named like {name!r}: pass --template '{head}{field}'"
     return None
+
+
+def tensor_findings(step_dir: Path) -> Any:
+    """``ops.tensorcheck.tensor_findings`` (``verify --deep``'s tensor pass), imported when it runs: it needs
+    torch, which the operator commands do not import."""
+    from .tensorcheck import tensor_findings as run  # lazy: torch
+
+    return run(step_dir)
 
 
 def worst(findings: Iterable[Finding]) -> int:
