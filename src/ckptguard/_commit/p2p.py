@@ -9,9 +9,13 @@ receiver writes a temp name next to the destination, hashes the bytes as they ar
 compares the xxh3 with the spec, and only then renames it in place. Each exchange is a fixed
 sequence of messages that both sides walk in step (``max(1, ceil(size / CHUNK))`` blocks):
 
-1. for each block: sender -> receiver: one message, a 16-byte header (ok, or failed with the
-   length of the description that follows) and the block's bytes; receiver -> sender (every
-   block but the last): written, or why not (its temp file could not be created, a write failed);
+1. for each block: sender -> receiver: a 16-byte header (ok with the block's length, or failed with
+   the length of the description), then the block's bytes (or the description) as a message of
+   that length; receiver -> sender (every block but the last): written, or why not (its temp file
+   could not be created, a write failed). The receiver posts every message at the length the
+   header announced (gloo aborts the process on a message longer than the buffer it lands in), so
+   a block of another length than its own plan expects is received into scratch and refused: the
+   two sides' specs disagree, said on both sides, never a crash;
 2. receiver -> sender: the file is in place, or why not (fsync, checksum, rename).
 
 So a failure on either side reaches the peer within one block (``CHUNK`` bytes), never after
@@ -230,13 +234,15 @@ def _blocks(size: int) -> int:
 
 
 def _send_block(link: Link, dst: int, buf: torch.Tensor, n: int, problem: Problem | None = None) -> None:
-    """``buf[HEADER:HEADER + n]`` holds the block; with ``problem`` the header says it failed (the
-    bytes are garbage) and the description follows in a second message."""
+    """``buf[HEADER:HEADER + n]`` holds the block; with ``problem`` the header says it failed and the
+    description follows instead of the bytes. The header goes first, alone, at its fixed length."""
     text = b"" if problem is None else json.dumps(problem.__dict__).encode()[:_TEXT_MAX]
     struct.pack_into("<qq", buf.numpy().data, 0, _OK if problem is None else _FAIL, n if problem is None else len(text))
-    _send(link, buf[: HEADER + n], dst)
+    _send(link, buf[:HEADER], dst)
     if text:
         _send(link, torch.frombuffer(bytearray(text), dtype=torch.uint8), dst)
+    elif n:
+        _send(link, buf[HEADER : HEADER + n], dst)
 
 
 def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | None:
@@ -323,13 +329,25 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple
         blocks = _blocks(spec.size)
         for i in range(blocks):
             n = min(CHUNK, spec.size - got)
-            _recv(link, buf[: HEADER + n], src)
+            _recv(link, buf[:HEADER], src)
             view = buf.numpy().data
             code, count = struct.unpack_from("<qq", view, 0)
             if code == _FAIL and 0 < count <= _TEXT_MAX:
                 raise _PeerProblem(_parse_problem(link, src, count))
-            if code != _OK or count != n:
+            if code != _OK or not 0 <= count <= CHUNK:
                 raise RuntimeError(f"transfer protocol out of step with rank {src} (header {code}, {count}; {n})")
+            if count != n:  # the sender's plan of this file is another size: drained, then refused on both sides
+                if count:
+                    _recv(link, torch.empty(count, dtype=torch.uint8), src)
+                problem = problem or _problem(
+                    link, spec, src, me, f"rank {src} sent a block of {count} bytes where rank {me} expected {n} "
+                    f"(block {i + 1} of {blocks}, {spec.size} bytes in this rank's spec)",
+                    "the two ranks' records of this file disagree (a damaged or crafted manifest or plan): check "
+                    f"rank {src}'s checkpoint root", at=me, exc_type="CheckpointCorruptError")
+                _send_fail(link, src, problem)
+                return problem
+            if n:
+                _recv(link, buf[HEADER : HEADER + n], src)
             if problem is None and out is not None:
                 payload = view[HEADER: HEADER + n]
                 h.update(payload)
