@@ -62,6 +62,8 @@ class VllmLogSummary:
     kv_cache_tokens: int | None = None
     max_concurrency: float | None = None
     weights_bytes: int | None = None
+    checkpoint_bytes: int | None = None
+    """The weights' files as the loader sized them (vllm 0.32: "Checkpoint size: X GiB"; CPU and GPU)."""
     free_at_startup_bytes: int | None = None
     total_bytes: int | None = None
     requested_bytes: int | None = None
@@ -94,6 +96,8 @@ _PATTERNS: list[tuple[re.Pattern[str], Any]] = [
      lambda s, m: setattr(s, "kv_cache_tokens", int(m[1].replace(",", "")))),
     (re.compile(r"Maximum concurrency for [\d,]+ tokens per request: " + _NUM + "x"),
      lambda s, m: setattr(s, "max_concurrency", float(m[1]))),
+    (re.compile(r"Checkpoint size: " + _NUM + " GiB"),
+     lambda s, m: setattr(s, "checkpoint_bytes", round(float(m[1]) * _GIB))),
     (re.compile(r"Model loading took " + _NUM + " GiB"),
      lambda s, m: setattr(s, "weights_bytes", round(float(m[1]) * _GIB))),
     (re.compile(r"Sleep mode freed " + _NUM + " GiB memory, " + _NUM + " GiB memory is still in use"),
