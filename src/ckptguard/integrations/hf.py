@@ -308,7 +308,7 @@ class CkptguardHFMixin:
     def _ckptguard_vllm(self, sync: str | None) -> None:
         """TRL's colocated vLLM engine: its sync replaced by ckptguard's when asked (``"reload"``); on the CPU
         backend, where TRL's own sync fails at its first call, refused without the option."""
-        gen = getattr(self, "vllm_generation", None)
+        gen: Any = getattr(self, "vllm_generation", None)
         colocated = gen is not None and getattr(gen, "mode", None) == "colocate" and getattr(gen, "llm", None)
         if sync not in (None, _vllm.TRL_SYNC_OPTION):
             raise ConfigError(f"ckptguard_vllm_sync={sync!r}: the one option is {_vllm.TRL_SYNC_OPTION!r} (or None)")
