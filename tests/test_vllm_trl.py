@@ -75,6 +75,9 @@ def test_the_parity_gate_on_trl_s_own_sync_and_on_ckptguard_s(work):
     assert out["reload_gates"] == {"rollout-weight parity": "PASS"}
     assert out["reload_tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "one of ('check', 'reload')" in out["bad_mode"]
+    assert "needs GRPOConfig(use_vllm=True, vllm_mode='colocate')" in out["mixin_check_without_engine"]
+    assert "ckptguard_vllm_sync='bogus': one of ('check', 'reload')" in out["mixin_bogus_without_engine"]
+    assert len(out["mixin_unset_said"]) == 1 and "pass ckptguard_vllm_sync='check'" in out["mixin_unset_said"][0]
 
 
 def test_grpo_trainer_with_vllm_killed_after_a_step_resumes_bitwise_and_the_export_gate_passes(work):

@@ -48,7 +48,7 @@ def _digest(tensors: dict) -> str:
     return h.hexdigest()
 
 
-def _parts(work: Path, out: Path):
+def _parts(work: Path, out: Path, use_vllm: bool = True):
     from datasets import Dataset
     from transformers import AutoTokenizer, LlamaForCausalLM
     from trl import GRPOConfig
@@ -64,7 +64,7 @@ def _parts(work: Path, out: Path):
 
     args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
                       num_train_epochs=2, save_steps=2, logging_steps=1, report_to=[], seed=42, use_cpu=True,
-                      learning_rate=1e-2, dataloader_num_workers=0, disable_tqdm=True, use_vllm=True,
+                      learning_rate=1e-2, dataloader_num_workers=0, disable_tqdm=True, use_vllm=use_vllm,
                       vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.5)
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return dict(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
@@ -75,7 +75,7 @@ def probe(work: Path) -> dict:
     from trl import GRPOTrainer
 
     import ckptguard as cg
-    from ckptguard.integrations import vllm
+    from ckptguard.integrations import hf, vllm
 
     trainer = GRPOTrainer(**_parts(work, work / "probe"))
     gen = trainer.vllm_generation
@@ -106,6 +106,19 @@ def probe(work: Path) -> dict:
         vllm.install_trl_sync(trainer, mode="push")
     except cg.ConfigError as exc:
         out["bad_mode"] = str(exc)
+    # the HF mixin's option: refused without a colocated engine or with an unknown value; unset, said once
+    for value in ("check", "bogus"):
+        parts = _parts(work, work / f"plain-{value}", use_vllm=False)
+        out[f"mixin_{value}_without_engine"] = caught(lambda p=parts, v=value: hf.attach(GRPOTrainer(**p), vllm_sync=v),
+                                                      cg)
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptguard").addHandler(handler)
+    hf.attach(trainer)
+    out["mixin_unset_said"] = [m for m in said if "not checked" in m]
     return out
 
 
