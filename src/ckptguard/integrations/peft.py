@@ -16,6 +16,14 @@ whose in-memory base weights differ from the base files' (naming the tensors: a 
 already merged into it, the "merged twice" failure, is refused here). ``ckptguard export --merged``
 writes base + adapter merged once (``ckptguard.ops.merge``).
 
+For a rollout engine (``integrations.vllm.push_weights``): ``merged_state(model)`` is the base model's
+state with every LoRA-targeted weight replaced by ``W + delta`` computed out of place by peft's own
+``get_delta_weight`` (bitwise what ``merge_adapter`` would put there; the model is left unmerged), and
+refused on a model whose adapter is merged already (merging it again would add the delta twice) or, with
+a ``LoraBinding``, whose in-memory base differs from the base files (a merge whose flag was lost).
+``merge_count(...)`` measures, independently of peft's computation, how many times the adapter's delta
+is in a weight: ``(W_e - W) x`` against ``scaling * B (A x)`` in float64 for a random probe ``x``.
+
 Pinned and checked: peft 0.21.2 (plain LoRA on Linear layers; DoRA, rank/alpha patterns and LoRA
 biases are refused by the merge). The in-memory base check covers plain (non-DTensor) base weights.
 """
@@ -36,8 +44,9 @@ from .._disk.digest import file_digest
 from ..errors import ConfigError, StateMismatchError
 from ..ops.hffiles import digests, read_tensors
 
-__all__ = ["ADAPTER_ITEM", "BINDING_ITEM", "AdapterModule", "LoraBinding", "LoraCheckpoint", "base_identity",
-           "base_name", "read_binding"]
+__all__ = ["ADAPTER_ITEM", "BINDING_ITEM", "AdapterModule", "LoraBinding", "LoraCheckpoint", "LoraFactors",
+           "base_identity", "base_name", "is_peft_model", "lora_factors", "merge_count", "merged_state",
+           "read_binding"]
 
 ADAPTER_ITEM = "adapter"
 BINDING_ITEM = "lora"
@@ -278,3 +287,126 @@ class LoraCheckpoint:
                 "changed); rebuild the model from the base files before restoring the adapter"
             )
         return step
+
+
+# ---------------------------------------------------------------- merged weights for a rollout engine
+
+
+class LoraFactors:
+    """One LoRA-targeted weight: the base weight, its adapter factors and scaling (float64 checks use them)."""
+
+    def __init__(self, name: str, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                 fan_in_fan_out: bool) -> None:
+        self.name, self.base, self.a, self.b = name, base, a, b
+        self.scaling, self.fan_in_fan_out = float(scaling), bool(fan_in_fan_out)
+
+    def delta64(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(delta @ x, |delta| @ |x|)`` bound, in float64, from the factors (never from a merged weight)."""
+        a, b, xa = self.a.double(), self.b.double(), x.double()
+        if self.fan_in_fan_out:  # delta = (B @ A).T
+            return (a.T @ (b.T @ xa)) * self.scaling, (a.abs().T @ (b.abs().T @ xa.abs())) * self.scaling
+        return (b @ (a @ xa)) * self.scaling, (b.abs() @ (a.abs() @ xa.abs())) * self.scaling
+
+
+def is_peft_model(obj: Any) -> bool:
+    """A peft model (it has ``peft_config`` and the base model under it)."""
+    return isinstance(getattr(obj, "peft_config", None), Mapping) and callable(getattr(obj, "get_base_model", None))
+
+
+def _lora_modules(model: Any, adapter: str) -> list[tuple[str, Any]]:
+    """``[(base weight name, peft LoRA layer)]`` of the adapter; DoRA and LoRA biases refused, naming the layer."""
+    if not is_peft_model(model):
+        raise ConfigError("expected a peft model (peft.get_peft_model(...)); got "
+                          f"{type(model).__name__}, which has no peft_config")
+    if adapter not in model.peft_config:
+        raise ConfigError(f"the peft model has no adapter {adapter!r} (it has {sorted(model.peft_config)})")
+    base = model.get_base_model()
+    out = []
+    for mname, module in base.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")) or adapter not in module.lora_A:
+            continue
+        if getattr(module, "use_dora", {}).get(adapter, False) or getattr(module, "lora_bias", {}).get(adapter, False):
+            raise ConfigError(f"LoRA layer {mname!r} uses DoRA or a LoRA bias: only plain LoRA merges are pushed "
+                              "and checked")
+        if not hasattr(module.base_layer, "weight") or not hasattr(module.lora_A[adapter], "weight"):
+            raise ConfigError(f"LoRA layer {mname!r} is not a Linear LoRA layer: only Linear layers are checked")
+        out.append((f"{mname}.weight", module))
+    if not out:
+        raise ConfigError(f"the peft model's adapter {adapter!r} has no LoRA layer: nothing to merge")
+    return out
+
+
+def lora_factors(model: Any, adapter: str = "default") -> dict[str, LoraFactors]:
+    """``{base weight name: LoraFactors}`` of every LoRA layer of ``adapter`` (names as the base model's)."""
+    out = {}
+    for name, module in _lora_modules(model, adapter):
+        out[name] = LoraFactors(name, module.base_layer.weight.detach(), module.lora_A[adapter].weight.detach(),
+                                module.lora_B[adapter].weight.detach(), module.scaling[adapter],
+                                bool(getattr(module, "fan_in_fan_out", False)))
+    return out
+
+
+def merged_state(
+    model: Any, adapter: str = "default", *, binding: LoraBinding | None = None
+) -> dict[str, torch.Tensor]:
+    """The base model's state with the adapter merged exactly once, out of place (see the module doc).
+
+    Keys are the base model's (``model.layers.0.self_attn.q_proj.weight``); tied weights keep sharing
+    storage. Refused, naming the layers, when the adapter is merged already (``merge_adapter`` was called and
+    not undone: unmerge first); with ``binding``, when the in-memory base differs from the base files."""
+    modules = _lora_modules(model, adapter)
+    merged_now = [n for n, m in modules if getattr(m, "merged", False)]
+    if merged_now:
+        raise StateMismatchError(
+            f"the adapter {adapter!r} is merged into the base weights already ({merged_now[:4]}"
+            f"{' ...' if len(merged_now) > 4 else ''}): merging it for the push would add its delta twice. "
+            "Call model.unmerge_adapter() before the push (merged_state merges, out of place, once)"
+        )
+    if binding is not None:
+        bad = binding.live_problems()
+        if bad:
+            raise StateMismatchError(
+                f"the model's base weights in memory differ from the base files at {binding.base_dir} for "
+                f"{bad[:6]}{' ...' if len(bad) > 6 else ''}: an adapter is merged into them already (a merge whose "
+                "flag was lost, e.g. a model rebuilt from a merged export); pushing base + adapter would merge it "
+                "twice. Rebuild the model from the base files"
+            )
+    state: dict[str, torch.Tensor] = {}
+    targets = {name: module for name, module in modules}
+    by_storage: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+    with torch.no_grad():
+        for key, t in model.get_base_model().state_dict().items():
+            if ".lora_" in key:
+                continue
+            name = key.replace(".base_layer.", ".")
+            module = targets.get(name)
+            if module is not None:
+                state[name] = t.detach().clone() + module.get_delta_weight(adapter)  # peft's merge, out of place
+            else:
+                # tied weights (an embedding used as the head) keep one storage: the engine folds the alias
+                ident = (t.data_ptr(), tuple(t.shape))
+                state[name] = by_storage.setdefault(ident, t.detach())
+    return state
+
+
+def merge_count(factors: Mapping[str, LoraFactors], products: Mapping[str, torch.Tensor],
+                probes: Mapping[str, torch.Tensor], eps: float) -> dict[str, float | None]:
+    """How many times each adapter's delta is in the held weight ``W_e`` (1.0: merged once).
+
+    ``products[name]`` is ``W_e @ probes[name]`` in float64, computed where ``W_e`` lives (the engine's
+    worker); the base ``W`` and the factors are the actor's. ``eps``: the held weight's dtype's epsilon.
+    None: the delta is zero (an untrained LoRA B), so no count is observable. A weight whose residual
+    exceeds one rounding of ``W + delta`` for any count is reported as its least-squares count."""
+    out: dict[str, float | None] = {}
+    for name, f in factors.items():
+        x = probes[name].double()
+        d, d_size = f.delta64(x)
+        w = f.base.double()
+        got = products[name].double() - w @ x
+        if float(d.abs().max()) == 0.0:
+            out[name] = None if float(got.abs().max()) == 0.0 else float("inf")
+            continue
+        times = float((got * d).sum() / (d * d).sum())
+        tol = eps * ((w.abs() @ x.abs()) + 2 * d_size) + 4 * f.a.shape[0] * eps * d_size
+        out[name] = 1.0 if bool(((got - d).abs() <= tol + 1e-30).all()) else times
+    return out

