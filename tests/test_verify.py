@@ -55,7 +55,7 @@ def test_clean_checkpoint_passes_quick_deep_and_restore(ckpt):
     assert verify_step(ckpt / "step_00000001", deep=True) == []
     result = CliRunner().invoke(main, ["verify", str(ckpt), "--deep", "--restore"])
     assert result.exit_code == 0, result.output
-    assert "OK: 1 step(s) checked with checksums and a real restore, 0 finding(s)" in result.output
+    assert "OK: 1 step(s) checked with checksums and tensor digests and a real restore, 0 finding(s)" in result.output
 
 
 def test_missing_rank_file(ckpt):
