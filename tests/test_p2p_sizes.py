@@ -40,11 +40,16 @@ def _pair(rank: int, world: int, base: str, sent_size: int, expected_size: int) 
             "files": sorted(p.name for p in dest.iterdir())}
 
 
-@pytest.mark.parametrize(("sent", "expected"), [(4096, 1000), (1000, 4096)])
+CHUNK = 64 << 20
+
+
+# The last case: the sender's size a multiple of the block size, smaller than the receiver's: every block of the
+# sender's has the length the receiver expects; only the sizes that travel in the header tell them apart.
+@pytest.mark.parametrize(("sent", "expected"), [(4096, 1000), (1000, 4096), (CHUNK, CHUNK + 10)])
 def test_a_block_of_another_size_is_refused_on_both_sides_and_the_pair_goes_on(tmp_path: Path, sent: int,
                                                                               expected: int) -> None:
     sender, receiver = values(run_ranks(_pair, 2, str(tmp_path), sent, expected, timeout=120))
     assert receiver["problem"] == sender["problem"], (sender, receiver)  # the same problem on both sides
-    assert f"rank 0 sent a block of {sent} bytes where rank 1 expected {expected}" in receiver["problem"]
+    assert f"rank 0 sends {sent} bytes of it, rank 1 expects {expected}" in receiver["problem"]
     assert receiver["after"] is None and sender["after"] is None  # the next file of the pair still arrives
     assert receiver["files"] == ["g.bin"]  # nothing of the refused file, no .part left

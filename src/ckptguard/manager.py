@@ -113,7 +113,7 @@ class CheckpointManager:
         self.core = Root(self.root, self.config, self._ctx.naming, agreement)
         """The bookkeeping of this root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
         self.core.check_lease("create")
-        self.blocking = BudgetRound(agreement, info.world_size, process_group, self.config.blocking, self.root)
+        self.blocking = BudgetRound(agreement, info.world_size, process_group, self.config.blocking, self.root, storage)
         """How long a synchronous ``save`` may hold the caller (``CheckpointConfig.blocking``)."""
 
     @property

@@ -213,7 +213,8 @@ class PreemptionGuard:
             return Preempted(EXIT_NOT_SAVED, step=step, saved=False, reason=plan.reason)
         log.warning("ckptguard: preempted: %s", plan.reason)
         # A save its blocking budget sent to the background returns None too: wait for it before judging.
-        if not plan.skip_save and self._target.save(step, state, **save_kwargs) is None and self._target.wait() is None:
+        # (a TieredCheckpoint's wait() gives {} when nothing was pending: falsy, as a manager's None)
+        if not plan.skip_save and self._target.save(step, state, **save_kwargs) is None and not self._target.wait():
             reason = f"{what}: step {step} is unhealthy and was not saved (see the error above); the tracker stays"
             log.error("ckptguard: preempted: %s; exiting with code %d", reason, EXIT_NOT_SAVED)
             return Preempted(EXIT_NOT_SAVED, step=step, saved=False, reason=reason)

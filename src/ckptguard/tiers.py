@@ -295,7 +295,8 @@ class TieredCheckpoint:
             with lock:
                 if done.done() or not all(f.done() for f in futures):
                     return
-                errors = [f.exception() for f in futures if f.exception() is not None]
+                errors = [RuntimeError("a tier's prepare_async was cancelled") if f.cancelled() else f.exception()
+                          for f in futures if f.cancelled() or f.exception() is not None]
                 done.set_exception(errors[0]) if errors else done.set_result(sum(f.result() for f in futures))
 
         for f in futures:

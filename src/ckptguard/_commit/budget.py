@@ -81,6 +81,26 @@ def state_bytes(state: Mapping[str, Any]) -> int:
     return total
 
 
+def tensor_bytes(value: Any) -> int:
+    """This rank's tensor bytes in ``value`` read without ``state_dict()`` (which would hash or all-gather in the
+    time being estimated): tensors (a DTensor's local shard), a module's parameters and buffers, an optimizer's
+    state tensors, containers of them, a ``PerRank``'s value. Other items count 0 (their writers are not seen)."""
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return int(local.numel() * local.element_size())
+    if isinstance(value, torch.nn.Module):
+        return sum(tensor_bytes(t) for t in (*value.parameters(), *value.buffers()))
+    if isinstance(value, torch.optim.Optimizer):
+        return sum(tensor_bytes(v) for st in value.state.values() for v in st.values())
+    if isinstance(value, _state.PerRank):
+        return tensor_bytes(value.value)
+    if isinstance(value, Mapping):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
 def group_timeout_s(group: Any | None) -> float | None:
     """The smallest collective timeout of ``group``'s backends (None: the default group), in seconds; None
     when there is no process group or torch does not expose it (``ProcessGroup._get_backend(device)
@@ -124,8 +144,12 @@ class BudgetVerdict(Wire):
 class BudgetRound:
     """The blocking budget of one manager: its measured save speed and the round that applies it."""
 
-    def __init__(self, agreement: Agreement, world: int, group: Any | None, budget: BlockingBudget, root: Path) -> None:
+    def __init__(self, agreement: Agreement, world: int, group: Any | None, budget: BlockingBudget, root: Path,
+                 storage: Any = None) -> None:
         self.agreement, self.world, self.budget, self.root = agreement, world, budget, root
+        # A storage whose writers run a framework's own collective save (ExternalFiles: HF, DeepSpeed, Megatron)
+        # never writes in a background commit: BACKGROUND is WARN there.
+        self.background_ok = not getattr(storage, "foreground_only", False)
         self.timeout_s = budget.timeout_s if budget.timeout_s is not None else group_timeout_s(group)
         self.timeout_source = "declared" if budget.timeout_s is not None else "read from the process group"
         self._bytes_per_s: float | None = None
@@ -146,7 +170,15 @@ class BudgetRound:
             self._bytes_per_s = nbytes / seconds
 
     def _estimate(self, state: Mapping[str, Any], budget_s: float) -> _Estimate:
-        nbytes = state_bytes(state)
+        """Never raises: a rank that cannot estimate posts None (the others' estimates decide), so no rank
+        leaves the round that every rank walks."""
+        try:
+            return self._estimated(state, budget_s)
+        except Exception as exc:  # a probe that cannot write, an item that cannot be walked
+            return _Estimate(None, 0, f"no estimate ({type(exc).__name__}: {exc})")
+
+    def _estimated(self, state: Mapping[str, Any], budget_s: float) -> _Estimate:
+        nbytes = tensor_bytes(dict(state))
         if self._bytes_per_s is not None:
             return _Estimate(nbytes / self._bytes_per_s, nbytes, "this manager's last synchronous save")
         if nbytes / FLOOR_BYTES_PER_S <= budget_s:  # fits even at a slow disk's speed: no probe write
@@ -187,10 +219,11 @@ class BudgetRound:
                 "CheckpointConfig(blocking=BlockingBudget(over=OverBudget.BACKGROUND))",
                 step=step, seconds=verdict.seconds, budget_s=verdict.budget_s,
             )
-        if self.budget.over is OverBudget.WARN:
-            log.warning("ckptguard: %s: saving synchronously (BlockingBudget(over=OverBudget.WARN)); "
-                        "OverBudget.BACKGROUND commits it in the background instead, OverBudget.REFUSE refuses it",
-                        what)
+        if self.budget.over is OverBudget.WARN or not self.background_ok:
+            why = ("BlockingBudget(over=OverBudget.WARN); OverBudget.BACKGROUND commits it in the background instead, "
+                   "OverBudget.REFUSE refuses it" if self.background_ok else "its storage's writers are a framework's "
+                   "own collective save, which never runs in a background commit; OverBudget.REFUSE refuses it")
+            log.warning("ckptguard: %s: saving synchronously (%s)", what, why)
             return False
         self.redirected += 1
         log.warning("ckptguard: %s: committed in the background instead, as save_async does (mgr.wait() joins it; "

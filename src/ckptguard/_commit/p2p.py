@@ -46,7 +46,7 @@ import xxhash
 
 CHUNK = 64 << 20
 """Bytes per block message; a failure reaches the peer after at most one block."""
-HEADER = 16  # bytes before each block: status and length (int64 each)
+HEADER = 24  # bytes before each block: status, length and the sender's size of the file (int64 each)
 _TEXT_MAX = 16 << 10
 
 _OK, _FAIL = 0, 1
@@ -233,11 +233,12 @@ def _blocks(size: int) -> int:
     return max(1, -(-size // CHUNK))  # a file of 0 bytes is one empty block: the exchange still runs
 
 
-def _send_block(link: Link, dst: int, buf: torch.Tensor, n: int, problem: Problem | None = None) -> None:
+def _send_block(link: Link, dst: int, buf: torch.Tensor, n: int, total: int, problem: Problem | None = None) -> None:
     """``buf[HEADER:HEADER + n]`` holds the block; with ``problem`` the header says it failed and the
     description follows instead of the bytes. The header goes first, alone, at its fixed length."""
     text = b"" if problem is None else json.dumps(problem.__dict__).encode()[:_TEXT_MAX]
-    struct.pack_into("<qq", buf.numpy().data, 0, _OK if problem is None else _FAIL, n if problem is None else len(text))
+    struct.pack_into("<qqq", buf.numpy().data, 0, _OK if problem is None else _FAIL,
+                     n if problem is None else len(text), total)
     _send(link, buf[:HEADER], dst)
     if text:
         _send(link, torch.frombuffer(bytearray(text), dtype=torch.uint8), dst)
@@ -269,9 +270,9 @@ def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | Non
                                    f"the file on rank {me}'s disk changed after its write, or the disk fails; "
                                    f"check {path}", at=me, path=path)
             if problem is not None:
-                _send_block(link, dst, buf, n, problem)
+                _send_block(link, dst, buf, n, spec.size, problem)
                 return problem
-            _send_block(link, dst, buf, n)  # once sent, the buffer is free for the next block
+            _send_block(link, dst, buf, n, spec.size)  # once sent, the buffer is free for the next block
             sent += n
             if i < blocks - 1:
                 n = min(CHUNK, spec.size - sent)
@@ -331,17 +332,17 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple
             n = min(CHUNK, spec.size - got)
             _recv(link, buf[:HEADER], src)
             view = buf.numpy().data
-            code, count = struct.unpack_from("<qq", view, 0)
+            code, count, total = struct.unpack_from("<qqq", view, 0)
             if code == _FAIL and 0 < count <= _TEXT_MAX:
                 raise _PeerProblem(_parse_problem(link, src, count))
             if code != _OK or not 0 <= count <= CHUNK:
                 raise RuntimeError(f"transfer protocol out of step with rank {src} (header {code}, {count}; {n})")
-            if count != n:  # the sender's plan of this file is another size: drained, then refused on both sides
-                if count:
+            if count != n or total != spec.size:  # the sender's record of the file is another size: drained, then
+                if count:                         # refused on both sides (at the first block: the sizes travel)
                     _recv(link, torch.empty(count, dtype=torch.uint8), src)
                 problem = problem or _problem(
-                    link, spec, src, me, f"rank {src} sent a block of {count} bytes where rank {me} expected {n} "
-                    f"(block {i + 1} of {blocks}, {spec.size} bytes in this rank's spec)",
+                    link, spec, src, me, f"rank {src} sends {total} bytes of it, rank {me} expects {spec.size} "
+                    f"(a block of {count} bytes where {n} were due, block {i + 1} of {blocks})",
                     "the two ranks' records of this file disagree (a damaged or crafted manifest or plan): check "
                     f"rank {src}'s checkpoint root", at=me, exc_type="CheckpointCorruptError")
                 _send_fail(link, src, problem)

@@ -41,6 +41,10 @@ Writer = Callable[[Path], Callable[[], None] | None]
 class ExternalFiles:
     """A ``Storage`` that adds the files of named writers to the step being committed."""
 
+    foreground_only = True
+    """Its writers are a framework's own (collective) save: a blocking budget never moves it to a background
+    commit (``OverBudget.BACKGROUND`` acts as ``WARN``)."""
+
     def __init__(self, inner: Storage, writers: Mapping[str, Writer], *, barrier_timeout_s: float = 600.0) -> None:
         for name in writers:
             if not name or "/" in name or name.startswith(".") or name in ("state", "manifest.json"):

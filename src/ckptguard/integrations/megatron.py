@@ -67,6 +67,7 @@ from ..config import CheckpointConfig, OverBudget, ResumeMode
 from ..errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
+    CheckpointWriteError,
     ConfigError,
     ResumeError,
     StateMismatchError,
@@ -639,25 +640,44 @@ class MegatronCheckpoint:
             return False
         resumed = time.monotonic()
         staging = self.manager.root / f"{_ASYNC_PREFIX}{step:07d}"
-        if _rank() == 0:
-            for old in self.manager.root.glob(f"{_ASYNC_PREFIX}*"):  # a killed run's unfinished async write
-                shutil.rmtree(old, ignore_errors=True)
-            staging.mkdir(parents=True)  # a new root: the save it starts creates it
-        torch.distributed.barrier()  # the folder exists for every rank's writer
-        started = time.perf_counter()
         try:
-            request = dcp.save(self.megatron.sharded_state_dict(), str(staging), sharded_strategy=self.strategy,
-                               validate_access_integrity=self.validate_access_integrity, async_sharded_save=True)
-        except Exception as exc:
-            explained = _explain(exc, "save")
-            if explained is exc:
-                raise
-            raise explained from None
-        self._queue = self._queue or AsyncCallsQueue()
-        self._queue.schedule_async_request(self._keeping_staged(request))
+            self._make_staging(staging, step)
+            started = time.perf_counter()
+            try:
+                request = dcp.save(self.megatron.sharded_state_dict(), str(staging), sharded_strategy=self.strategy,
+                                   validate_access_integrity=self.validate_access_integrity, async_sharded_save=True)
+            except Exception as exc:
+                explained = _explain(exc, "save")
+                if explained is exc:
+                    raise
+                raise explained from None
+            self._queue = self._queue or AsyncCallsQueue()
+            self._queue.schedule_async_request(self._keeping_staged(request))
+        except BaseException:
+            prepared[1].live_read()  # no commit will read ckptguard's staged copies: training may go on
+            raise
         self.last_write_seconds = time.perf_counter() - started
         self._inflight = _AsyncWrite(step, prepared, resumed, staging)
         return True
+
+    def _make_staging(self, staging: Path, step: int) -> None:
+        """Rank 0 makes Megatron's async folder (a killed run's are removed first); every rank hears whether it
+        could (a broadcast, collective), so a failure raises on every rank instead of stranding them."""
+        problem: list[str | None] = [None]
+        if _rank() == 0:
+            try:
+                for old in self.manager.root.glob(f"{_ASYNC_PREFIX}*"):  # a killed run's unfinished async write
+                    shutil.rmtree(old)
+                staging.mkdir(parents=True)  # a new root: the save it starts creates it
+            except OSError as exc:
+                problem[0] = f"{type(exc).__name__}: {exc}"
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise CheckpointWriteError(
+                f"step {step}: rank 0 cannot make Megatron's async folder {staging} ({problem[0]}); nothing was "
+                "written and the tracker did not move: free space or fix permissions under the root, then save "
+                "again", step=step, failures=[])
 
     def _keeping_staged(self, request: Any) -> Any:
         """Megatron's request with its host copies kept alive here until ``finalize``. Megatron 0.16 stages the
@@ -683,8 +703,15 @@ class MegatronCheckpoint:
         inflight = self._inflight
         if inflight is None or self._queue is None:
             return None
-        if not self._queue.maybe_finalize_async_calls(blocking=blocking):
-            return None
+        try:
+            if not self._queue.maybe_finalize_async_calls(blocking=blocking):
+                return None
+        except BaseException:  # Megatron's writer failed (raised on every rank): this step is not committed
+            self._inflight, self._keep = None, None
+            inflight.prepared[1].live_read()  # no commit will read ckptguard's staged copies
+            if _rank() == 0:
+                shutil.rmtree(inflight.staging, ignore_errors=True)
+            raise
         self._inflight, self._keep = None, None  # the writer is done on every rank: its host copies may go
         self._staged_dir = inflight.staging  # what the commit's writer moves in; reset by wait()
         return self.manager.start_commit(inflight.step, inflight.prepared, inflight.resumed)

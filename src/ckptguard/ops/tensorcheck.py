@@ -51,6 +51,8 @@ def tensor_findings(step_dir: Path, *, progress: Callable[[int], None] | None = 
         manifest = _manifest.read(step_dir)
     except (CheckpointError, OSError) as exc:
         return TensorCheck(not_checked=f"no plain step manifest ({exc})")
+    if manifest.nodes:
+        return TensorCheck(not_checked="a node-local step: its shards live on several nodes, this one holds its part")
     table = manifest.layout_free or {}
     if not table:
         return TensorCheck(not_checked="the step records no layout-free digests (written before they existed)")
