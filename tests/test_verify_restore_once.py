@@ -46,7 +46,8 @@ def test_one_process_restores_every_step(root, monkeypatch):
     assert len(started) == 1 and [a for a in started[0] if "step_" in a] == [str(s) for s in steps], started
     assert sorted(set(seen)) == [s.name for s in steps]
     result = CliRunner().invoke(main, ["verify", str(root), "--deep", "--restore"])
-    assert result.exit_code == 0 and "OK: 3 step(s) checked with checksums and a real restore" in result.output
+    assert result.exit_code == 0, result.output
+    assert "OK: 3 step(s) checked with checksums and tensor digests and a real restore" in result.output
     assert len(started) == 2, started  # the CLI's check: one more process, for all three steps
 
 
