@@ -180,3 +180,24 @@ def test_a_format3_manifest_without_layout_free_digests_never_passes(tmp_path):
     _edit_manifest(step, lambda d: d.update(layout_free={"x": {}}, digest_kind={"model": "bytes"}))
     with pytest.raises(cg.CheckpointCorruptError, match="digest_kind"):
         _manifest.read(step)
+
+
+@pytest.mark.parametrize(("item", "kind"), [("model", "bytes"), ("n", "structure")])
+def test_an_edited_digest_kind_is_refused_alike_by_verify_and_restore(tmp_path, item, kind) -> None:
+    # Before: with model's kind edited to "bytes", verify --deep --restore compared a bytes digest with the saved
+    # structure digest (FAIL) while restore, which compares tensor items by their layout-free digests, passed.
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+
+    model, _ = _job()
+    cg.CheckpointManager(tmp_path, config=cg.CheckpointConfig(retention=None)).save(1, {"model": model, "n": 3})
+    step = tmp_path / "step_00000001"
+    _edit_manifest(step, lambda d: d["digest_kind"].update({item: kind}))
+    with pytest.raises(cg.CheckpointCorruptError, match=rf"'digest_kind' of \['{item}'\] disagrees with the item kind"):
+        _manifest.read(step)
+    result = CliRunner().invoke(main, ["verify", str(step), "--deep", "--restore"])
+    assert result.exit_code == 1 and "bad-manifest" in result.output and "disagrees with the item kind" in result.output
+    fresh, _ = _job(seed=1)
+    with pytest.raises(cg.CheckpointError, match="disagrees with the item kind"):
+        cg.CheckpointManager(tmp_path).restore({"model": fresh, "n": 0})

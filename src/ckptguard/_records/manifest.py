@@ -33,6 +33,8 @@ READABLE_VERSIONS = (1, 2, 3)
 DIGEST_BYTES = "bytes"
 DIGEST_STRUCTURE = "structure"
 _DIGEST_KINDS = (DIGEST_BYTES, DIGEST_STRUCTURE)
+_TENSOR_KINDS = ("module", "optimizer", "tensors")
+"""The item kinds (``_state.state.ItemKind`` values) whose per-rank digest is a structure digest (format 3)."""
 RUN_KIND = "ckptguard-run"
 """The ``kind`` of a run step's manifest (``_records.runmanifest``): its roles' parts are steps of this format."""
 
@@ -190,6 +192,13 @@ def _shape_problem(data: dict[str, Any]) -> str | None:
         if not _str_map(kinds) or set(kinds) != set(data["items"]) or not set(kinds.values()) <= set(_DIGEST_KINDS):
             # A reader that took a missing table as "bytes" would compare structure digests with bytes digests.
             return f"'digest_kind' must map every item to one of {list(_DIGEST_KINDS)} (format 3)"
+        wrong = sorted(n for n, k in data["items"].items()
+                       if isinstance(k, str) and kinds[n] != (DIGEST_STRUCTURE if k in _TENSOR_KINDS else DIGEST_BYTES))
+        if wrong:
+            # The save writes one kind per item kind; an edited kind would make restore and verify compare
+            # differently (one a structure digest, the other the bytes): refused alike, on read.
+            return (f"'digest_kind' of {wrong} disagrees with the item kind (tensor items record \"structure\", "
+                    "every other item \"bytes\")")
         if DIGEST_STRUCTURE in kinds.values() and not isinstance(data.get("layout_free"), dict):
             # The tensor bytes of such items are covered by their layout-free digests alone.
             return "items with 'digest_kind' \"structure\" need the 'layout_free' table, which is absent"
