@@ -66,8 +66,10 @@ SLOW_MODULES = {
 
 # ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``: each module is
 # one group (its module fixtures, an engine start or a reference run, are computed once), and the
-# modules that start a local Ray cluster share one group (two local clusters on one host collide).
-SHARED_GROUPS = {"test_examples": "ray", "test_ray_actors": "ray"}
+# modules that start a local Ray cluster share one group (two local clusters on one host collide), and so do
+# the modules that start vLLM engines (TRL's engine start binds port 29500: two at once fail with EADDRINUSE).
+SHARED_GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_integration": "vllm",
+                 "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm"}
 
 
 def pytest_collection_modifyitems(config, items):

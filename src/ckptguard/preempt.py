@@ -41,18 +41,21 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import torch
+
 from . import _log
 from ._agree import Wire, gather_decide
-from ._commit.budget import state_bytes, write_speed
+from ._commit.budget import write_speed
 from ._core.guard import GuardTarget, Preemptible
 from ._disk import layout as _layout
 from ._dist import make_agreement
+from ._state import state as _state
 from .errors import CheckpointError, ConfigError
 
 log = _log.logger()
@@ -279,3 +282,21 @@ class PreemptionGuard:
         return None, ""
 
 
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """This rank's tensor bytes in ``state`` (a DTensor counts its local shard); a ``RunCheckpoint``'s
+    states (role -> state) are summed over the roles."""
+    total = 0
+    for name, value in state.items():
+        if isinstance(value, Mapping) and value and not any(isinstance(v, torch.Tensor) for v in value.values()):
+            total += state_bytes(value)  # a role's state, or a dict of items
+            continue
+        try:
+            obj = _state.current_state(name, value, _state.classify(value), state)
+        except Exception:  # not an item ckptguard saves (the save would say why): no bytes to plan for
+            continue
+        flat: dict[str, torch.Tensor] = {}
+        _state.flatten(obj, name, flat)
+        for t in flat.values():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            total += local.numel() * local.element_size()
+    return total

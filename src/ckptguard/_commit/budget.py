@@ -61,26 +61,6 @@ def write_speed(root: Path, nbytes: int = PROBE_BYTES) -> float:
         path.unlink(missing_ok=True)
 
 
-def state_bytes(state: Mapping[str, Any]) -> int:
-    """This rank's tensor bytes in ``state`` (a DTensor counts its local shard); a ``RunCheckpoint``'s
-    states (role -> state) are summed over the roles."""
-    total = 0
-    for name, value in state.items():
-        if isinstance(value, Mapping) and value and not any(isinstance(v, torch.Tensor) for v in value.values()):
-            total += state_bytes(value)  # a role's state, or a dict of items
-            continue
-        try:
-            obj = _state.current_state(name, value, _state.classify(value), state)
-        except Exception:  # not an item ckptguard saves (the save would say why): no bytes to plan for
-            continue
-        flat: dict[str, torch.Tensor] = {}
-        _state.flatten(obj, name, flat)
-        for t in flat.values():
-            local = t.to_local() if hasattr(t, "to_local") else t
-            total += local.numel() * local.element_size()
-    return total
-
-
 def tensor_bytes(value: Any) -> int:
     """This rank's tensor bytes in ``value`` read without ``state_dict()`` (which would hash or all-gather in the
     time being estimated): tensors (a DTensor's local shard), a module's parameters and buffers, an optimizer's

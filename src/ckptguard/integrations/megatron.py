@@ -44,7 +44,6 @@ Layout of a committed step (``DIR_TEMPLATE``: Megatron-LM's ``iter_0000100``)::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import linecache
 import logging
@@ -63,7 +62,7 @@ import torch
 from .._commit.pending import PendingSave
 from .._disk.digest import digest
 from .._disk.layout import read_small
-from ..config import CheckpointConfig, OverBudget, ResumeMode
+from ..config import CheckpointConfig, ResumeMode
 from ..errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -565,11 +564,9 @@ class MegatronCheckpoint:
         self._saving = False  # inside save(): Megatron's synchronous write runs in this (the caller's) thread
         self._keep: Any = None  # the host copies of Megatron's async write in flight (see _keeping_staged)
         storage = ExternalFiles(StreamingStorage(), {SUBDIR: self._write})
+        # ExternalFiles is foreground-only: a blocking budget never sends Megatron's collective writer to a
+        # background commit (BACKGROUND acts as WARN; MegatronCheckpoint.save_async is the background path).
         config = config or CheckpointConfig(dir_template=DIR_TEMPLATE)
-        if config.blocking.over is OverBudget.BACKGROUND:  # Megatron's writer runs the group's collectives
-            log.warning("MegatronCheckpoint: BlockingBudget(over=BACKGROUND) becomes WARN: Megatron's synchronous "
-                        "writer cannot run in a background commit; use MegatronCheckpoint.save_async")
-            config = dataclasses.replace(config, blocking=dataclasses.replace(config.blocking, over=OverBudget.WARN))
         self.manager = CheckpointManager(root, config=config, process_group=process_group, storage=storage)
 
     def _items(self, state: Mapping[str, Any] | None) -> dict[str, Any]:

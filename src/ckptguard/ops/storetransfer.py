@@ -24,7 +24,6 @@ from __future__ import annotations
 import getpass
 import os
 import secrets
-import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from .._records import manifest as _manifest
 from .._records.checks import verify_step
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, ResumeError
 from ..storage.objectstore import Marker, ObjectStore, ObjectStoreOptions, StoredObject
-from .transfer import TRANSFERS_DIR
+from .transfer import TRANSFERS_DIR, publishing
 
 __all__ = ["from_store", "to_store"]
 
@@ -163,9 +162,6 @@ def _into(store: ObjectStore, marker: Marker, dest_root: Path, final: Path,
         _phases(store, marker, dest_root)
         return True  # killed between its rename and the tracker: only the tracker is left
     _phases(store, marker, dest_root)
-    tmp = dest_root / _layout.temp_dir_name(final.name, secrets.token_hex(6))
-    tmp.mkdir()
-    _layout.write_owner(tmp)  # swept by the destination's gc if this process dies
     total, done = sum(o.size for o in marker.objects.values()), [0]
 
     def fetched(size: int) -> None:
@@ -173,7 +169,7 @@ def _into(store: ObjectStore, marker: Marker, dest_root: Path, final: Path,
         if progress is not None:
             progress(done[0], total)
 
-    try:
+    with publishing(dest_root, final) as tmp:
         store.fetch(marker, tmp, progress=fetched)
         store.write_manifest(marker, tmp)  # the manifest last: the copy is complete before it says so
         errors = [f for f in verify_step(tmp) if f.severity.value == "ERROR"
@@ -182,12 +178,6 @@ def _into(store: ObjectStore, marker: Marker, dest_root: Path, final: Path,
             raise CheckpointCorruptError(f"transfer: the copy of step {marker.step} from {store.url} fails its "
                                          f"check: {errors[0].line()}")
         _faults.reached(BEFORE_RENAME)
-        (tmp / _layout.OWNER_NAME).unlink()
-        os.rename(tmp, final)
-        _layout.fsync_dir(dest_root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return False
 
 

@@ -12,7 +12,6 @@ a run step, or a step whose files already failed, is reported as not checked, ne
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +43,7 @@ class TensorCheck:
         return {"checked": self.checked, "not_checked": self.not_checked}
 
 
-def tensor_findings(step_dir: Path, *, progress: Callable[[int], None] | None = None) -> TensorCheck:
+def tensor_findings(step_dir: Path) -> TensorCheck:
     """ERROR ``tensor-digest`` findings for each tensor whose bytes read back differ from the save's layout-free
     digest, and how many were compared; ``not_checked`` says why none could be (never a pass)."""
     try:
@@ -85,8 +84,6 @@ def tensor_findings(step_dir: Path, *, progress: Callable[[int], None] | None = 
                                         "restore an earlier step"))
                 continue
             now = digests({key: t})[key]
-            if progress is not None:
-                progress(t.numel() * t.element_size())
             del t
             checked += 1
             if now != expected:

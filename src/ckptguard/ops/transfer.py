@@ -13,13 +13,14 @@ manifest names, the node manifest, then the global manifest.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import secrets
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,15 +122,30 @@ def _transfer_locked(
     return info
 
 
+@contextlib.contextmanager
+def publishing(dest_root: Path, final: Path) -> Iterator[Path]:
+    """A temp directory for the step ``final`` under ``dest_root``, with an owner record (the destination's gc
+    sweeps it if this process dies); published as ``final`` when the block ends (the owner record removed, one
+    rename, the root fsynced), removed when it raises. Every transfer into a local root goes through it."""
+    tmp = dest_root / _layout.temp_dir_name(final.name, secrets.token_hex(6))
+    tmp.mkdir()
+    _layout.write_owner(tmp)
+    try:
+        yield tmp
+        (tmp / _layout.OWNER_NAME).unlink()
+        os.rename(tmp, final)
+        _layout.fsync_dir(dest_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _copy_files(
     step_dir: Path, dest_root: Path, final: Path, manifest: Any, progress: Callable[[int, int], None] | None
 ) -> None:
-    tmp = dest_root / _layout.temp_dir_name(step_dir.name, secrets.token_hex(6))
-    tmp.mkdir()
-    _layout.write_owner(tmp)
     entries, _findings = node_part(step_dir, manifest)  # verified complete by the caller
     total, done = sum(int(e["size"]) for e in entries or []), 0
-    try:
+    with publishing(dest_root, final) as tmp:
         for entry in entries or []:
             (tmp / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
             copy_verified(step_dir / entry["path"], tmp / entry["path"], expect=entry["xxh3"])
@@ -140,12 +156,6 @@ def _copy_files(
         if manifest.nodes:
             copy_verified(step_dir / _layout.NODE_MANIFEST_NAME, tmp / _layout.NODE_MANIFEST_NAME)
         copy_verified(step_dir / _layout.MANIFEST_NAME, tmp / _layout.MANIFEST_NAME)
-        (tmp / _layout.OWNER_NAME).unlink()
-        os.rename(tmp, final)
-        _layout.fsync_dir(dest_root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _copy_contract(src_root: Path, dest_root: Path) -> None:
