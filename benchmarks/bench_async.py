@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ckptguard import AsyncOptions, StateOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ckptguard as cg
@@ -27,8 +29,8 @@ from ckptguard._records.checks import verify_step
 
 def run(root: Path, state: dict, *, gpu_bytes: int, host_bytes: int) -> dict:
     shutil.rmtree(root, ignore_errors=True)
-    cfg = cg.CheckpointConfig(async_gpu_bytes=gpu_bytes, async_host_bytes=host_bytes, capture_rng=False,
-                              retention=cg.KeepLast(1))
+    cfg = cg.CheckpointConfig(async_save=AsyncOptions(gpu_bytes=gpu_bytes, host_bytes=host_bytes),
+                              state=StateOptions(capture_rng=False), retention=cg.KeepLast(1))
     mgr = cg.CheckpointManager(root, config=cfg)
     mgr.save(1, state)  # warm-up: file creation paths, pools, imports
     expected = {k: v.clone() for k, v in state["w"].items()}

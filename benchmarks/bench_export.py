@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ckptguard import StateOptions
+
 _MiB = 1 << 20
 
 
@@ -92,7 +94,8 @@ def make(directory: Path, size: float, tensors: int) -> None:
     torch.manual_seed(0)
     for i in range(tensors):
         model.register_parameter(f"w{i:03d}", torch.nn.Parameter(torch.randn(n // 1024, 1024)))
-    cg.CheckpointManager(directory / "ck", config=cg.CheckpointConfig(capture_rng=False)).save(1, {"model": model})
+    config = cg.CheckpointConfig(state=StateOptions(capture_rng=False))
+    cg.CheckpointManager(directory / "ck", config=config).save(1, {"model": model})
 
 
 def main() -> None:

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ckptguard import StateOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
@@ -48,7 +50,7 @@ def _worker(rank: int, world: int, root: str, size_gib: float, reps: int) -> dic
     group = dist.new_group([0, 1])
     mgr = cg.CheckpointManager(
         root,
-        config=cg.CheckpointConfig(capture_rng=False, retention=cg.KeepLast(1)),
+        config=cg.CheckpointConfig(state=StateOptions(capture_rng=False), retention=cg.KeepLast(1)),
         expert_parallel=cg.ExpertParallel(group=group, patterns=(r"^model\.experts\.",)),
     )
     saves = []

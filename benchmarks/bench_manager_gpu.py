@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ckptguard import StateOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ckptguard as cg
@@ -54,7 +56,8 @@ def main() -> None:
             if method == "raw":
                 raw_write(state, a.dir)
             elif method == "manager":
-                cg.CheckpointManager(a.dir, config=cg.CheckpointConfig(capture_rng=False)).save(1, {"w": state})
+                config = cg.CheckpointConfig(state=StateOptions(capture_rng=False))
+                cg.CheckpointManager(a.dir, config=config).save(1, {"w": state})
             else:
                 import torch.distributed.checkpoint as dcp
 

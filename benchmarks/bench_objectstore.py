@@ -38,6 +38,7 @@ import boto3.s3.transfer
 import torch
 
 import ckptguard as cg
+from ckptguard import StateOptions
 from ckptguard.objectstore import ObjectStoreCheckpoint, ObjectStoreOptions
 
 MIB = 1 << 20
@@ -109,7 +110,7 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
     n = a.size * MIB // 4 // 4
     state = {f"t{i}": torch.randn(n) for i in range(4)}
     # rotation is timed on its own (after publish): a listing, marker reads and deletes, no data transfer
-    config = cg.CheckpointConfig(capture_rng=False, retention=None)
+    config = cg.CheckpointConfig(state=StateOptions(capture_rng=False), retention=None)
     keep = cg.KeepLast(1)
     ckpt = ObjectStoreCheckpoint("s3://bench/run", staging=a.dir / "stage", options=options, config=config)
     times: dict[str, list[float]] = {k: [] for k in ("local_commit", "raw_put", "publish", "rotate", "raw_get",

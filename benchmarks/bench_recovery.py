@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ckptguard import ProofPlan
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 # The same model as issue 19's benchmark (this script's folder is on sys.path).
@@ -185,7 +187,7 @@ def main() -> None:
         t = time.perf_counter()
         job.step()
         base_steps.append(time.perf_counter() - t)
-    cfg = cg.CheckpointConfig(timeout_s=600, record_proof=True)
+    cfg = cg.CheckpointConfig(timeout_s=600, proof=ProofPlan(record=True))
     tiers = cg.TieredCheckpoint(fast=a.fast_dir, persistent=a.persistent_dir, fast_every=a.fast_every,
                                 persistent_every=steps, config=cfg)
     prepared_s = None

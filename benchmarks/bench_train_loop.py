@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ckptguard import AsyncOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ckptguard as cg
@@ -262,8 +264,8 @@ class CgMethod(Method):
         self.mode = mode
         gpu = (1 << 40) if mode == "gpu" else 0
         on_busy = cg.OnBusy.SKIP if mode == "skip" else cg.OnBusy.WAIT
-        self.mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(async_gpu_bytes=gpu, retention=None,
-                                                                         on_busy=on_busy))
+        config = cg.CheckpointConfig(async_save=AsyncOptions(gpu_bytes=gpu, on_busy=on_busy), retention=None)
+        self.mgr = cg.CheckpointManager(root, config=config)
         self.skipped: list[int] = []
         self.prepared = self.mgr.prepare_async(job.state()) if mode == "skip" else None
         self.pending: Any = None

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import ckptguard as cg
+from ckptguard import StateOptions
 from ckptguard._records.checks import verify_step
 
 
@@ -50,7 +51,7 @@ def main() -> None:
     shutil.rmtree(a.dir, ignore_errors=True)
     n = int(a.size * (1 << 30) // 4 // 8)
     state = {f"t{i}": torch.randn(n) for i in range(8)}
-    mgr = cg.CheckpointManager(a.dir, config=cg.CheckpointConfig(capture_rng=False))
+    mgr = cg.CheckpointManager(a.dir, config=cg.CheckpointConfig(state=StateOptions(capture_rng=False)))
     step_dir = mgr.save(1, state)
     del state
     nbytes = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())

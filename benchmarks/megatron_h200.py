@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ckptguard import StorageOptions
 from ckptguard.memory.phases import PhaseKind, PhaseRecorder, RecorderConfig
 from ckptguard.memory.process import list_tree, read_process
 
@@ -173,7 +174,7 @@ def child(args: argparse.Namespace) -> int:
     model, opt, sched = build(size)
     data = Batches(size["vocab"], size["batch"])
     log = Path(args.log)
-    cfg = cg.CheckpointConfig(dir_template="iter_{step:07d}", retention=cg.KeepLast(3),
+    cfg = cg.CheckpointConfig(storage=StorageOptions(dir_template="iter_{step:07d}"), retention=cg.KeepLast(3),
                               proof=cg.ProofPlan(deterministic=True))
     ckpt = MegatronCheckpoint(args.root, model, opt, config=cfg)
     state = {"scheduler": sched, "data": data}
@@ -357,7 +358,7 @@ def bench(args: argparse.Namespace) -> int:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    cfg = cg.CheckpointConfig(dir_template="iter_{step:07d}", retention=cg.KeepLast(2))
+    cfg = cg.CheckpointConfig(storage=StorageOptions(dir_template="iter_{step:07d}"), retention=cg.KeepLast(2))
     ckpt = mg.MegatronCheckpoint(work / "megatron", model, opt, config=cfg)
     from megatron.core.dist_checkpointing.mapping import ShardedBase, apply_factories
 
@@ -489,7 +490,7 @@ def fixture(args: argparse.Namespace) -> int:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     root = work / "megatron_root"
-    cfg = cg.CheckpointConfig(dir_template="iter_{step:07d}")
+    cfg = cg.CheckpointConfig(storage=StorageOptions(dir_template="iter_{step:07d}"))
     ckpt = MegatronCheckpoint(root, model, opt, config=cfg)
     state = {"scheduler": sched, "data": data}
     for step in (1, 2, 3, 4):

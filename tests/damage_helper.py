@@ -19,6 +19,7 @@ import torch
 from click.testing import CliRunner, Result
 
 import ckptguard as cg
+from ckptguard import StorageOptions
 from ckptguard.cli import main
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -31,7 +32,7 @@ def tiny_root(root: Path, steps=(1, 2), *, template: str = "step_{step:08d}", mi
     retention, and no lease: the test process must not look like a live writer of it. It is
     built under another name and renamed, so this process's exit handler, which releases
     the lease of the path it saved to, never reads a lease file a test turned into a FIFO."""
-    cfg = cg.CheckpointConfig(dir_template=template, retention=None)
+    cfg = cg.CheckpointConfig(storage=StorageOptions(dir_template=template), retention=None)
     build = root.with_name(root.name + ".build")
     mgr = cg.CheckpointManager(build, config=cfg)
     for step in steps:

@@ -25,6 +25,7 @@ import time
 import torch
 
 import ckptguard as cg
+from ckptguard import ProofPlan
 
 N_PROMPTS = 64
 GROUP = 4
@@ -42,7 +43,7 @@ def job(root: str, mode: str) -> None:
     run = cg.RunCheckpoint(
         root,
         [cg.Role("policy"), cg.Role("driver")],
-        config=cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=30.0, record_proof=False),
+        config=cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=30.0, proof=ProofPlan(record=False)),
     )
     if mode == "ledger":
         ledger = cg.RolloutLedger(range(N_PROMPTS), max_staleness=MAX_STALENESS)

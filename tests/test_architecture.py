@@ -279,6 +279,7 @@ def test_no_core_module_over_500_lines():
 
 
 EXPORTED = [
+    "AsyncOptions",
     "BlockingBudget",
     "ChainMismatchError",
     "CheckpointConfig",
@@ -317,6 +318,7 @@ EXPORTED = [
     "RecordFormatError",
     "RehearsalError",
     "ReplicatedDivergenceError",
+    "ReshardOptions",
     "ReshardRule",
     "Resolution",
     "ResumeError",
@@ -331,9 +333,11 @@ EXPORTED = [
     "SaveStillRunningError",
     "StaleDerivedStateError",
     "StateMismatchError",
+    "StateOptions",
     "Storage",
     "StorageContext",
     "StorageFormatError",
+    "StorageOptions",
     "StorageStallError",
     "StreamingConfig",
     "StreamingStorage",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard import _faults
+from ckptguard import AsyncOptions, _faults
 from ckptguard._disk import layout as _layout
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.storage.dcp import DCPStorage
@@ -60,7 +60,7 @@ def test_background_failure_is_raised_at_the_next_call(tmp_path):
 
 
 def test_over_budget_snapshot_is_written_in_the_background_and_reported(tmp_path, caplog):
-    cfg = cg.CheckpointConfig(async_host_bytes=1024)
+    cfg = cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=1024))
     mgr = cg.CheckpointManager(tmp_path / "ck", config=cfg)
     caplog.set_level(logging.WARNING, logger="ckptguard")
     mgr.prepare_async({"w": torch.ones(1 << 16)}).result(timeout=30)  # what fits (1 KiB) is pinned ahead
@@ -68,8 +68,8 @@ def test_over_budget_snapshot_is_written_in_the_background_and_reported(tmp_path
     assert pending.wait() == tmp_path / "ck" / "step_00000001"
     # Never a silent synchronous save: the writer read the live tensor, and the log says so.
     assert "262144 of 262144 B are not staged (host staging budget 1024 B, pool 1024 B)" in caplog.text
-    with pytest.raises(cg.ConfigError, match="async_host_bytes"):
-        cg.CheckpointConfig(async_host_bytes=-1)
+    with pytest.raises(cg.ConfigError, match="host_bytes"):
+        cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=-1))
 
 
 def _async_ranks(rank: int, world: int, root: str) -> bool:

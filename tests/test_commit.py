@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard import _faults
+from ckptguard import StorageOptions, _faults
 from ckptguard._disk import layout as _layout
 from ckptguard._resume.resolve import resolve_local
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
@@ -275,20 +275,20 @@ def test_overwrite_in_the_config_still_works_for_one_release_and_warns(tmp_path)
 
 
 def test_verl_style_template(tmp_path):
-    cfg = cg.CheckpointConfig(dir_template="global_step_{step}")
+    cfg = cg.CheckpointConfig(storage=StorageOptions(dir_template="global_step_{step}"))
     mgr = cg.CheckpointManager(tmp_path / "ck", config=cfg)
     mgr.save(20, build_job().state())
     assert (tmp_path / "ck/global_step_20/manifest.json").exists()
     assert mgr.committed_steps() == [20]
     with pytest.raises(cg.ConfigError, match="dir_template"):
-        cg.CheckpointConfig(dir_template="no_field")
+        cg.CheckpointConfig(storage=StorageOptions(dir_template="no_field"))
 
 
 def test_node_local_staging_publishes_verified_copies(tmp_path):
     job = build_job()
     stage = tmp_path / "nvme"
     stage.mkdir()
-    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(stage_dir=stage))
+    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(storage=StorageOptions(stage_dir=stage)))
     mgr.save(1, job.state())
     assert list(stage.iterdir()) == []
     fresh = build_job(seed=2)

@@ -13,6 +13,7 @@ before reshard rules existed (the v1 fixture) is resharded under the rules decla
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -41,9 +42,10 @@ def _split_tokens(old: list[int], new_world: int) -> list[int]:
 
 
 def _config(**kw) -> cg.CheckpointConfig:
-    base = {"reshard": cg.ReshardRule.BY_ITEM, "rng_seed": SEED, "replicated": ("sched",),
-            "proof": cg.ProofPlan(deterministic=False, replay_steps=1)}
-    return cg.CheckpointConfig(**{**base, **kw})
+    """The elastic job's config; ``kw`` changes fields of its ``ReshardOptions``."""
+    reshard = cg.ReshardOptions(rule=cg.ReshardRule.BY_ITEM, rng_seed=SEED, replicated=("sched",))
+    return cg.CheckpointConfig(reshard=dataclasses.replace(reshard, **kw),
+                               proof=cg.ProofPlan(deterministic=False, replay_steps=1))
 
 
 def _job(rank: int, world: int, seed: int):
@@ -229,7 +231,7 @@ def _legacy(rank: int, world: int, root: str, v1_root: str) -> dict:
     # The old mode: every rank takes rank 0's extras, RNG streams included.
     job, cursor, _, state = _job(rank, world, seed=99)
     state["tokens"] = cg.PerRank(-1)  # no rule needed: everything is copied from rank 0
-    mgr = cg.CheckpointManager(root, config=_config(reshard=cg.ReshardRule.EXTRAS_FROM_RANK0))
+    mgr = cg.CheckpointManager(root, config=_config(rule=cg.ReshardRule.EXTRAS_FROM_RANK0))
     assert mgr.restore(state) == K
     out["streams"] = _streams()
     step = K
@@ -313,7 +315,7 @@ def test_rules_refuse_what_they_cannot_carry(saved, tmp_path):
         assert all(torch.equal(before[k], v) for k, v in _full(job).items()) and cursor.consumed == 0
 
     refused(cg.TopologyMismatchError, r"'world_size': 2.*'world_size': 1.*ReshardRule.BY_ITEM",
-            reshard=cg.ReshardRule.REFUSE)
+            rule=cg.ReshardRule.REFUSE)
     refused(cg.TopologyMismatchError, r"item 'data' was saved under the rule 'data_cursor' and declares 'user'",
             {**state, "data": cg.PerRank(0, reshard=_split_tokens)})
     refused(cg.StateMismatchError, r"_rules_refuse.*<lambda> of item 'tokens' returned a list of 2.*list of 1",
@@ -323,7 +325,8 @@ def test_rules_refuse_what_they_cannot_carry(saved, tmp_path):
     del data["reshard"]["_rng"]  # as a save without rng_seed (or an older ckptguard) writes it
     data["digests"]["1"]["sched"] = "0" * 16
     manifest.write_text(json.dumps(data))
-    refused(cg.TopologyMismatchError, r"the RNG streams .* have no rule: set CheckpointConfig\(rng_seed=",
+    refused(cg.TopologyMismatchError,
+            r"the RNG streams .* have no rule: set CheckpointConfig\(reshard=ReshardOptions\(rng_seed=",
             rng_seed=None)
     refused(cg.StateMismatchError, r"item 'sched' \(rule replicated\) was saved with different values.*ranks \[0\]; "
             r"ranks \[1\]")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ckptguard as cg
+from ckptguard import ProofPlan
 from ckptguard.integrations.external import ExternalFiles
 from ckptguard.storage import StreamingStorage
 
@@ -22,7 +23,7 @@ def _writer(directory: Path) -> None:
 
 
 def _manager(root: Path) -> cg.CheckpointManager:
-    return cg.CheckpointManager(root, config=cg.CheckpointConfig(record_proof=False),
+    return cg.CheckpointManager(root, config=cg.CheckpointConfig(proof=ProofPlan(record=False)),
                                 storage=ExternalFiles(StreamingStorage(), {"hf": _writer}))
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import ckptguard as cg
+from ckptguard import StateOptions, StorageOptions
 from ckptguard import testing as cgt
 from ckptguard.errors import CheckpointCorruptError, CheckpointIncompleteError, UnsafeCheckpointError
 from ckptguard.integrations import megatron as mg  # imports no megatron: check_files needs none
@@ -136,7 +137,7 @@ def test_torn_megatron_save_is_never_picked_as_latest(tmp_path: Path) -> None:
         mg.check_files(torn)
     orphan = root / "iter_0000008"
     shutil.copytree(step4, orphan)  # complete files, manifest of step 4: never committed as step 8
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(dir_template=mg.DIR_TEMPLATE))
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(storage=StorageOptions(dir_template=mg.DIR_TEMPLATE)))
     res = mgr.resolve()
     assert (res.step, res.path) == (4, step4)
     assert mgr.committed_steps() == [4]
@@ -240,7 +241,9 @@ def _cpu_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["async_committed"] = ck.manager.committed_steps()
 
     # The H200's checkpoint restored on the CPU through Megatron's own load: every shard equal.
-    cfg = cg.CheckpointConfig(dir_template=mg.DIR_TEMPLATE, restore_rng=False)  # its CUDA RNG needs a GPU
+    # its CUDA RNG needs a GPU
+    cfg = cg.CheckpointConfig(storage=StorageOptions(dir_template=mg.DIR_TEMPLATE),
+                              state=StateOptions(restore_rng=False))
     fresh = _gpt()
     ck = mg.MegatronCheckpoint(Path(tmp) / "model_only", fresh, config=cfg)
     state = {"data": Position()}

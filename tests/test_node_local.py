@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ckptguard as cg
+from ckptguard import StorageOptions
 from ckptguard._disk import layout as _layout
 from ckptguard._records import manifest as _manifest
 from ckptguard._records import trust as _trust
@@ -37,7 +38,7 @@ def _damage_after_write(root: Path, how: str) -> None:
 def test_publish_reads_every_reported_file_back_with_size_and_checksum(tmp_path, how):
     root = tmp_path / "ck"
     # A shared root checks sizes by default; checksums on request (node-local roots: by default).
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(publish_checksums=True))
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(storage=StorageOptions(publish_checksums=True)))
     state = {"w": torch.nn.Linear(8, 8)}
     mgr.save(1, state)
     _damage_after_write(root, how)

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptguard import AsyncOptions
+
 boto3 = pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra) is not installed")
 
@@ -75,7 +77,7 @@ def _tiers(base: str, endpoint: str, url: str, **kw) -> cg.TieredCheckpoint:
         fast=os.path.join(base, "disk", "fast"), persistent=url,
         persistent_staging=os.path.join(base, "disk", "staging"),
         persistent_options=h.options(endpoint), fast_every=1, persistent_every=2,
-        config=cg.CheckpointConfig(timeout_s=60, on_busy=cg.OnBusy.WAIT), **kw)
+        config=cg.CheckpointConfig(timeout_s=60, async_save=AsyncOptions(on_busy=cg.OnBusy.WAIT)), **kw)
 
 
 def _exact(state: dict, rank: int, step: int) -> bool:

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
+from ckptguard import StateOptions
 from ckptguard._state.derived import DerivedState, StaleDerivedStateError
 from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, train_step
@@ -307,10 +308,11 @@ def test_address_gate_catches_a_restore_that_replaced_tensors(tmp_path):
     for cls, expected in ((torch.nn.Linear, Status.PASS), (Replacing, Status.FAIL)):
         root = tmp_path / cls.__name__
         torch.manual_seed(0)
-        cg.CheckpointManager(root, config=cg.CheckpointConfig(verify_restored=False)).save(1, {"model": cls(4, 2)})
+        unchecked = cg.CheckpointConfig(state=StateOptions(verify_restored=False))
+        cg.CheckpointManager(root, config=unchecked).save(1, {"model": cls(4, 2)})
         _write(root, 0, [{"event": "save", "pid": OLD, "step": 1}])  # as if saved by another process
         fresh = cls(4, 2)
         ptr = fresh.weight.data_ptr()
-        cg.CheckpointManager(root, config=cg.CheckpointConfig(verify_restored=False)).restore({"model": fresh})
+        cg.CheckpointManager(root, config=unchecked).restore({"model": fresh})
         assert (fresh.weight.data_ptr() == ptr) == (expected is Status.PASS)
         assert _gates(root)["addresses unchanged"] is expected

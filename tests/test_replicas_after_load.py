@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import ckptguard as cg
+from ckptguard import ReshardOptions
 from ckptguard._resume.layoutfree import describe_replicas, replica_report
 from ckptguard.ops.prove import Status, evaluate
 from ckptguard.testing import run_ranks, values
@@ -148,7 +149,8 @@ class _Counter:
 def _counter_job(rank: int, world: int, root: str, skew_rank: int | None, save: bool) -> str:
     net = _Net()
     counter = _Counter(skew=not save and rank == skew_rank)
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, replicated=("counter",)))
+    config = cg.CheckpointConfig(timeout_s=60, reshard=ReshardOptions(replicated=("counter",)))
+    mgr = cg.CheckpointManager(root, config=config)
     state = {"model": net, "counter": counter}
     if save:  # skew_rank saves another value: the replicas had diverged before the save
         counter.n = 7 + (rank == skew_rank)
@@ -173,7 +175,7 @@ def test_an_item_declared_replicated_must_hold_one_value_on_every_rank(tmp_path)
     diverged = str(tmp_path / "diverged")
     values(run_ranks(_counter_job, 2, diverged, 1, True))
     out = values(run_ranks(_counter_job, 2, diverged, None, False))
-    named = "item 'counter' (declared in CheckpointConfig.replicated): ranks [0] vs ranks [1]"
+    named = "item 'counter' (declared in ReshardOptions.replicated): ranks [0] vs ranks [1]"
     assert all(named in t for t in out), out
     gate = _gate(Path(diverged))
     assert gate.status is Status.FAIL

@@ -18,7 +18,7 @@ from ckptguard.demo.toyjob import build_job
 from ckptguard.ops.prove import Status, evaluate
 from ckptguard.testing import run_ranks, values
 
-CFG = {"reshard": cg.ReshardRule.BY_ITEM, "rng_seed": 7, "replicated": ("sched", "loader"),
+CFG = {"reshard": cg.ReshardOptions(rule=cg.ReshardRule.BY_ITEM, rng_seed=7, replicated=("sched", "loader")),
        "proof": cg.ProofPlan(deterministic=False)}
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ckptguard as cg
+from ckptguard import ReshardOptions, StateOptions, StorageOptions
 from ckptguard._disk import layout as _layout
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from dist_helper import run_ranks, values
@@ -35,7 +36,7 @@ def _resume_and_reference(rank: int, world: int, root: str) -> dict:
     out = {}
     for label, restore_rng in (("resumed", True), ("no_rng", False)):
         job = build_job(rank=rank, world=world)
-        cfg = cg.CheckpointConfig(restore_rng=restore_rng)
+        cfg = cg.CheckpointConfig(state=StateOptions(restore_rng=restore_rng))
         start = cg.CheckpointManager(root, config=cfg).restore(job.state())
         losses = [train_step(job) for _ in range(start + 1, N + 1)]
         out[label] = {"start": start, "losses": losses, "fp": fingerprint(job)}
@@ -171,7 +172,7 @@ def test_ranks_that_disagree_all_raise_together(tmp_path):
         cg.CheckpointManager(a).restore(job.state())
     assert fingerprint(job) == before  # refused before anything was read
     # ...unless resharding is declared: DCP reshards the FSDP2 shards into full tensors.
-    cfg = cg.CheckpointConfig(reshard=cg.ReshardRule.EXTRAS_FROM_RANK0)
+    cfg = cg.CheckpointConfig(reshard=ReshardOptions(rule=cg.ReshardRule.EXTRAS_FROM_RANK0))
     assert cg.CheckpointManager(a, config=cfg).restore(job.state()) == 2
     assert {n: p.tolist() for n, p in job.model.named_parameters()} == full
     assert job.loader.cursor == 2
@@ -191,7 +192,7 @@ def test_checkpoint_from_newer_torch_is_reported_before_reading(tmp_path):
     with pytest.raises(cg.VersionMismatchError, match=r"torch 99\.1\.0"):
         mgr.restore(job.state())
     assert fingerprint(job) == before
-    ok = cg.CheckpointManager(root, config=cg.CheckpointConfig(allow_newer_torch=True))
+    ok = cg.CheckpointManager(root, config=cg.CheckpointConfig(storage=StorageOptions(allow_newer_torch=True)))
     assert ok.restore(job.state()) == 2
 
 

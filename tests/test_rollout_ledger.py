@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptguard as cg
 import rollout_job as job
+from ckptguard import ProofPlan
 
 JOB = Path(__file__).with_name("rollout_job.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -239,7 +240,7 @@ def test_work_done_after_a_restore_before_the_first_take_is_kept():
 def test_the_ledger_is_a_state_item_restored_and_digest_checked(tmp_path):
     ledger = cg.RolloutLedger(range(10), max_staleness=3)
     _mid_run(ledger)
-    mgr = cg.CheckpointManager(tmp_path / "ckpt", config=cg.CheckpointConfig(record_proof=False))
+    mgr = cg.CheckpointManager(tmp_path / "ckpt", config=cg.CheckpointConfig(proof=ProofPlan(record=False)))
     mgr.save(2, {"ledger": ledger})
     fresh = cg.RolloutLedger(range(10), max_staleness=3)
     assert mgr.restore({"ledger": fresh}) == 2

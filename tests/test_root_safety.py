@@ -24,7 +24,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard import _faults
+from ckptguard import StorageOptions, _faults
 from ckptguard._disk import layout as _layout
 from ckptguard._disk.lease import LEASE_NAME
 from ckptguard._records import retention
@@ -40,7 +40,8 @@ def _w(step: int) -> dict:
 
 def _root(root: Path, steps=(1, 2, 3), template: str = "step_{step:08d}") -> Path:
     """Committed ``steps``, no retention, and no lease of this (live) test process left behind."""
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None, dir_template=template))
+    config = cg.CheckpointConfig(retention=None, storage=StorageOptions(dir_template=template))
+    mgr = cg.CheckpointManager(root, config=config)
     for step in steps:
         mgr.save(step, _w(step))
     (root / LEASE_NAME).unlink()

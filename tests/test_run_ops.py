@@ -23,6 +23,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
+from ckptguard import ProofPlan
 from ckptguard.cli import main
 from ckptguard.testing import fake_node, run_ranks, values
 
@@ -174,7 +175,7 @@ def test_preflight_reads_a_run_root_and_names_a_missing_role(tmp_path):
 def test_prove_on_a_run_root_without_records_is_not_run_for_every_role(tmp_path):
     root = tmp_path / "ckpt"
     run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")],
-                           config=cg.CheckpointConfig(record_proof=False, retention=None))
+                           config=cg.CheckpointConfig(proof=ProofPlan(record=False), retention=None))
     run.save(1, {"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": 1}})
     out = json.loads(CliRunner().invoke(main, ["prove", str(root), "--json"]).output)
     assert not out["proven"]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptguard as cg
+from ckptguard import ProofPlan
 from ckptguard._disk.layout import StepNaming
 from ckptguard._records import retention
 from ckptguard._records.checks import verify_step
@@ -33,7 +34,7 @@ def _roles() -> list[cg.Role]:
 
 
 def _config() -> cg.CheckpointConfig:
-    return cg.CheckpointConfig(timeout_s=30.0, record_proof=False, retention=None)
+    return cg.CheckpointConfig(timeout_s=30.0, proof=ProofPlan(record=False), retention=None)
 
 
 class _Job:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import ckptguard as cg
+from ckptguard import ProofPlan
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ckptguard"
 PROMPT_S = 10.0  # "at once" on a loaded 2-core machine; a hang is cut at this point
@@ -31,7 +32,7 @@ PROMPT_S = 10.0  # "at once" on a loaded 2-core machine; a hang is cut at this p
 def _run_root(tmp_path: Path) -> Path:
     root = tmp_path / "ckpt"
     run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")],
-                           config=cg.CheckpointConfig(timeout_s=30.0, record_proof=False, retention=None))
+                           config=cg.CheckpointConfig(timeout_s=30.0, proof=ProofPlan(record=False), retention=None))
     for step in (1, 2):
         run.save(step, {"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": step}})
     fifo = root / "step_00000002" / "actor" / "manifest.json"
@@ -76,7 +77,8 @@ def test_a_fifo_as_a_role_manifest_is_refused_at_once_by_restore_verify_list_and
 
     def restore():
         run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")],
-                               config=cg.CheckpointConfig(timeout_s=30.0, record_proof=False, retention=None))
+                               config=cg.CheckpointConfig(timeout_s=30.0, proof=ProofPlan(record=False),
+                                                          retention=None))
         return run.restore({"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": 0}},
                            path=root / "step_00000002")
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ckptguard as cg
+from ckptguard import AsyncOptions
 from ckptguard._commit import pending as _pending
 from ckptguard._commit import protocol as _protocol
 from ckptguard._priority import lower_this_thread
@@ -148,7 +149,7 @@ def test_a_state_larger_than_the_budget_is_read_live_and_the_next_step_waits(tmp
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     gate = threading.Event()
     # 1 KiB: the biases fit, the 4 KiB weight and its AdamW moments do not.
-    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_host_bytes=1024),
+    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=1024)),
                                storage=_gated_storage(gate))
     caplog.set_level("WARNING", logger="ckptguard")
     mgr.prepare_async({"model": model, "optim": opt}).result(timeout=30)  # 1 KiB pinned ahead
@@ -176,7 +177,7 @@ def test_a_state_larger_than_the_budget_is_read_live_and_the_next_step_waits(tmp
 
 def test_the_pool_is_reused_reported_and_released(tmp_path):
     model, opt = _job()
-    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_pool_idle_s=None))
+    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_save=AsyncOptions(pool_idle_s=None)))
     state = {"model": model, "optim": opt}
     _train(model, opt)
     mgr.prepare_async(state).result(timeout=30)
@@ -199,7 +200,7 @@ def test_the_pool_is_reused_reported_and_released(tmp_path):
 
 def test_the_pool_is_released_after_the_idle_time(tmp_path):
     model, opt = _job()
-    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_pool_idle_s=0.05))
+    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_save=AsyncOptions(pool_idle_s=0.05)))
     mgr.prepare_async({"model": model, "optim": opt}).result(timeout=30)
     mgr.save_async(1, {"model": model, "optim": opt}).wait()
     pool = mgr._staging.pool
@@ -245,10 +246,10 @@ def test_budget_from_the_memory_contract():
 
 def test_config_accepts_none_and_refuses_bad_budgets():
     assert cg.CheckpointConfig().async_host_bytes is None
-    with pytest.raises(cg.ConfigError, match="async_host_bytes"):
-        cg.CheckpointConfig(async_host_bytes=-1)
-    with pytest.raises(cg.ConfigError, match="async_pool_idle_s"):
-        cg.CheckpointConfig(async_pool_idle_s=0)
+    with pytest.raises(cg.ConfigError, match="host_bytes"):
+        cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=-1))
+    with pytest.raises(cg.ConfigError, match="pool_idle_s"):
+        cg.CheckpointConfig(async_save=AsyncOptions(pool_idle_s=0))
 
 
 def test_the_digest_pass_overlaps_the_write(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckptguard as cg
+from ckptguard import AsyncOptions
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,7 +108,8 @@ def test_the_pool_is_reused_and_a_state_over_the_budget_is_read_live(tmp_path):
     assert [r.tensor.data_ptr() for r in pool._regions] == ptrs  # no new pinned memory per save
     mgr.close()
 
-    small = cg.CheckpointManager(tmp_path / "small", config=cg.CheckpointConfig(async_host_bytes=200 << 20))
+    config = cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=200 << 20))
+    small = cg.CheckpointManager(tmp_path / "small", config=config)
     _train(model, opt)
     want = _snapshot(model, opt)
     pending = small.save_async(1, _state(model, opt))

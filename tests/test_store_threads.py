@@ -16,7 +16,7 @@ import time
 import torch
 
 import ckptguard as cg
-from ckptguard import _faults
+from ckptguard import AsyncOptions, _faults
 from ckptguard._disk import layout as _layout
 from dist_helper import run_ranks, values
 
@@ -89,7 +89,8 @@ def _fds() -> int:
 
 def _many_saves(rank, world, base, n):
     """Store connections are per agreement, never per save or per commit thread."""
-    mgr = cg.CheckpointManager(base, config=cg.CheckpointConfig(timeout_s=30, on_busy=cg.OnBusy.WAIT))
+    config = cg.CheckpointConfig(timeout_s=30, async_save=AsyncOptions(on_busy=cg.OnBusy.WAIT))
+    mgr = cg.CheckpointManager(base, config=config)
     guard = cg.PreemptionGuard(mgr, grace_s=60)
     state = {"w": cg.PerRank(torch.full((10,), float(rank)))}
     # Warm up first: the first save opens files and pools that stay open by design.

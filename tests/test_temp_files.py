@@ -18,13 +18,14 @@ import pytest
 import torch
 
 import ckptguard as cg
+from ckptguard import ProofPlan
 from ckptguard._disk import layout as _layout
 
 NAMES = ["latest_checkpointed_iteration.txt", "lease.json", "trust.json", "holds/5.json"]
 
 
 def _cfg(**kw) -> cg.CheckpointConfig:
-    return cg.CheckpointConfig(record_proof=False, **kw)
+    return cg.CheckpointConfig(proof=ProofPlan(record=False), **kw)
 
 
 def _cli(*argv: str):
@@ -49,7 +50,7 @@ def _dead_writer(root: Path) -> list[str]:
 
 def test_temp_files_of_dead_writers_are_reported_and_swept_and_a_live_writers_kept(tmp_path):
     root = tmp_path / "ckpt"
-    mgr = cg.CheckpointManager(root, config=_cfg(stale_temp_age_s=3600.0))
+    mgr = cg.CheckpointManager(root, config=_cfg(storage=cg.StorageOptions(stale_temp_age_s=3600.0)))
     mgr.save(1, {"w": torch.zeros(3)})
     (root / "holds").mkdir(exist_ok=True)
     dead = _dead_writer(root)

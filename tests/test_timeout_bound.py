@@ -14,6 +14,7 @@ import time
 import torch
 
 import ckptguard as cg
+from ckptguard import ProofPlan
 from ckptguard.testing import run_ranks, set_fault_hook, values
 
 TIMEOUT_S = 4.0
@@ -21,7 +22,7 @@ SLACK = 1.25  # the measured wait may pass timeout_s by this factor (a loaded 2-
 
 
 def _job(rank: int, world: int, root: str, run: bool) -> dict:
-    cfg = cg.CheckpointConfig(timeout_s=TIMEOUT_S, record_proof=False, retention=None)
+    cfg = cg.CheckpointConfig(timeout_s=TIMEOUT_S, proof=ProofPlan(record=False), retention=None)
     point = "run.role_written" if run else "commit.rank_written"
     arrived: list[float] = []
     stuck, arrive = (lambda: time.sleep(3 * TIMEOUT_S)), (lambda: arrived.append(time.monotonic()))

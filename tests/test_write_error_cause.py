@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import ckptguard as cg
+from ckptguard import ProofPlan
 from ckptguard.errors import CheckpointWriteError, WriteFailure
 from ckptguard.storage import StreamingStorage
 from ckptguard.testing import run_ranks, values
@@ -39,7 +40,7 @@ class _FullExtras(StreamingStorage):
 
 
 def _job(rank: int, world: int, root: str, symptom: int | None) -> dict:
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30.0, record_proof=False),
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30.0, proof=ProofPlan(record=False)),
                                storage=_FullExtras(rank, 1, symptom))
     state = {"w": torch.zeros(4), "mine": cg.PerRank(torch.full((4096,), float(rank)))}
     try:

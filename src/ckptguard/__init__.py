@@ -32,14 +32,18 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; 
     from ._state.rng import GeneratorState
     from ._state.state import PerRank
     from .config import (
+        AsyncOptions,
         BlockingBudget,
         CheckpointConfig,
         OnBusy,
         OverBudget,
         ParallelLayout,
         ProofPlan,
+        ReshardOptions,
         ReshardRule,
         ResumeMode,
+        StateOptions,
+        StorageOptions,
     )
     from .cursor import CursorSampler, DataCursor
     from .errors import (
@@ -116,7 +120,11 @@ _WHERE = {
     "LeaseHeldError": ".errors",
     "OnBusy": ".config",
     "OverBudget": ".config",
+    "AsyncOptions": ".config",
     "BlockingBudget": ".config",
+    "ReshardOptions": ".config",
+    "StateOptions": ".config",
+    "StorageOptions": ".config",
     "SaveBudgetError": ".errors",
     "ParallelLayout": ".config",
     "PendingSave": "._commit.pending",
@@ -179,6 +187,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AsyncOptions",
     "BlockingBudget",
     "ChainMismatchError",
     "CheckpointConfig",
@@ -217,6 +226,7 @@ __all__ = [
     "RecordFormatError",
     "RehearsalError",
     "ReplicatedDivergenceError",
+    "ReshardOptions",
     "ReshardRule",
     "Resolution",
     "ResumeError",
@@ -231,9 +241,11 @@ __all__ = [
     "SaveStillRunningError",
     "StaleDerivedStateError",
     "StateMismatchError",
+    "StateOptions",
     "Storage",
     "StorageContext",
     "StorageFormatError",
+    "StorageOptions",
     "StorageStallError",
     "StreamingConfig",
     "StreamingStorage",

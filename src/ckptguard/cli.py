@@ -1105,7 +1105,8 @@ def goodput(root: Path, mtbf_s: float | None, as_json: bool) -> None:
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     if not g.launches:
-        _fail(f"no proof records under {root}/proof: nothing was measured (CheckpointConfig(record_proof=True) "
+        _fail(f"no proof records under {root}/proof: nothing was measured "
+               f"(CheckpointConfig(proof=ProofPlan(record=True)) "
               "writes them)", as_json)
     if as_json:
         _json_out(True, **{**g.to_json(), "launches": [asdict(x) for x in g.launches]})

@@ -1,11 +1,13 @@
-"""Configuration: one frozen, keyword-only dataclass, validated on construction."""
+"""Configuration: frozen, keyword-only option groups composed into one CheckpointConfig, validated on construction."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Generic, TypeVar, overload
 
 from ._disk.layout import StepNaming
 from ._records.contract import RunContract
@@ -118,6 +120,9 @@ class ProofPlan:
     apply is shown as N/A, so a plain training job is proven without faking exports.
     """
 
+    record: bool = True
+    """Append save/restore/step/export/logprob/update records to ROOT/proof for ``ckptguard prove``
+    (not itself recorded: a plan read back from the records always comes from a recording run)."""
     rl: bool = False
     """An RL job: the first export and the first old-logprob after a restore are gates
     (``record_export``, ``record_logprobs``). Off: they are N/A unless such records exist. Rollouts
@@ -138,7 +143,7 @@ class ProofPlan:
     def __post_init__(self) -> None:
         if self.deterministic is None:
             object.__setattr__(self, "deterministic", not self.rl if isinstance(self.rl, bool) else None)
-        for name in ("rl", "deterministic"):
+        for name in ("record", "rl", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ProofPlan.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.replay_steps, int) or isinstance(self.replay_steps, bool) or self.replay_steps < 1:
@@ -154,65 +159,60 @@ class ProofPlan:
         return out
 
 
+class _Default:
+    """The default of ``CheckpointConfig(retention=...)``, told apart from None (keep every step)."""
+
+    def __repr__(self) -> str:
+        return "default_policy()"
+
+
+DEFAULT = _Default()
+
+
+T = TypeVar("T")
+
+
+class _Flat(Generic[T]):
+    """A read-only flat name of the first releases on ``CheckpointConfig``: reads ``config.<group>.<name>``."""
+
+    def __init__(self, group: str, name: str) -> None:
+        self.group, self.name = group, name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Flat[T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+
+    def __get__(self, obj: object | None, owner: type) -> _Flat[T] | T:
+        if obj is None:
+            return self
+        value: T = getattr(getattr(obj, self.group), self.name)
+        return value
+
+
+def _seconds(owner: str, name: str, value: object, *, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{owner}.{name} must be > 0 seconds{' or None' if none_ok else ''}, got {value!r}")
+
+
+def _byte_count(owner: str, name: str, value: object, *, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{owner}.{name} must be an int >= 0 (bytes){' or None' if none_ok else ''}, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    """Settings of a CheckpointManager. Runtime objects (process group, storage) are
-    passed to the manager directly, never here."""
+class StorageOptions:
+    """Where and how a step's files are written, published and cleaned up."""
 
     dir_template: str = "step_{step:08d}"
     """Step directory name; one {step} field. verl style: 'global_step_{step}'."""
-    timeout_s: float = 600.0
-    """Longest wait at any agreement point before raising with the missing ranks."""
     stage_dir: Path | None = None
     """Node-local directory to serialize into before copying to the root (None: write in place)."""
-    capture_rng: bool = True
-    """Save the CPU, CUDA, Python and NumPy RNG streams of every rank."""
-    restore_rng: bool = True
-    """Put the saved RNG streams back on restore (off only to show what breaks without it)."""
-    verify_restored: bool = True
-    """After restore, compare every item with the save and raise if it differs: tensor items by their
-    layout-free digest (on the device for GPU tensors) and, on the same layout, their structure and
-    non-tensor values; other items by their per-rank digest."""
-    contract: RunContract | None = None
-    """The run contract compared on save and restore; None means an empty contract."""
-    layout: ParallelLayout | None = None
-    """Parallel sizes; None means pure data parallel over the whole group."""
-    reshard: ReshardRule = ReshardRule.REFUSE
-    """Whether and how to restore onto a different world size."""
-    rng_seed: int | None = None
-    """The job's base seed, recorded with every save: a ``BY_ITEM`` resharded restore seeds new rank r's
-    RNG streams from (this seed, the restored step, r). None: the RNG streams have no reshard rule."""
-    replicated: tuple[str, ...] = ()
-    """State items equal on every rank (a scheduler, a step counter): a ``BY_ITEM`` resharded restore checks
-    that every saving rank saved the same value and gives it to every new rank."""
-    allow_newer_torch: bool = False
-    """Read checkpoints written by a newer torch (refused by default, before any read)."""
-    overwrite: bool = False
-    """Deprecated (a one-shot action that stayed set on every restart of the job passing this config):
-    pass ``save(..., overwrite=True)`` to the one save that replaces a committed step."""
-    stale_temp_age_s: float = 24 * 3600.0
-    """Age after which another host's leftover temp directory is swept."""
-    lease_ttl_s: float = 6 * 3600.0
-    """A lease from another host not renewed (by a save) for this long counts as abandoned."""
-    break_lease: bool = False
-    """Deprecated (a one-shot action that stayed set on every restart of the job passing this config):
-    pass ``save(..., break_lease=True)`` (and ``restore(..., break_lease=True)``) to the calls that take
-    the root's write lease from a live owner."""
-    async_gpu_bytes: int = 0
-    """Spare GPU memory a ``save_async`` snapshot may take (bytes); 0: never snapshot into GPU memory."""
-    async_host_bytes: int | None = None
-    """Host memory a ``save_async`` snapshot may stage into (bytes, per rank); None: derived from the memory
-    contract (cgroup memory.max x the Ray threshold, minus what is resident and a margin). What does not fit
-    is read from the live tensors by the background writer, and the next optimizer step waits for it."""
-    async_pool_idle_s: float | None = 600.0
-    """Release the pinned staging pool after this many seconds without a ``save_async`` (None: keep it until
-    ``close()``); the pool is reused by every save meanwhile and reported in each manifest's cost block."""
-    on_busy: OnBusy = OnBusy.SKIP
-    """A ``save_async`` requested while the previous commit is still running: skipped (the default) or waited
-    for (``OnBusy``); decided alike on every rank, before any rank snapshots."""
-    blocking: BlockingBudget = field(default_factory=BlockingBudget)
-    """How long a synchronous ``save`` may hold the caller (a fraction of the collective timeout) and what a
-    save estimated above it does (``BlockingBudget``): by default it warns and saves."""
     keep_failed: bool = False
     """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
     publish_checksums: bool | None = None
@@ -223,63 +223,263 @@ class CheckpointConfig:
     rank sees rank 0's temp directory. The read-back costs one read of the published bytes after the
     writer dropped them from the page cache: on a shared root, O(all ranks' bytes) on rank 0 at every
     save (a 6 GiB state at 1.9 GiB/s cold read: about +3 s on a 5 s save). True: always; False: never."""
-    record_proof: bool = True
-    """Append save/restore/step/export/logprob/update records to ROOT/proof for ``ckptguard prove``."""
-    proof: ProofPlan = field(default_factory=ProofPlan)
-    """Which proof gates apply (RL gates, bitwise replay, replayed steps); recorded with each save."""
-    retention: RetentionPolicy | None = field(default_factory=default_policy)
-    """Which committed steps survive rotation (default: last 3 + every 20th); None keeps all."""
-    health: HealthPolicy = field(default_factory=HealthPolicy)
-    """Which steps may be committed (finite loss and grad norm, a user check), when a committed step
-    is verified, and whether AUTO resumes prefer the newest verified step (``ckptguard._records.trust``)."""
+    allow_newer_torch: bool = False
+    """Read checkpoints written by a newer torch (refused by default, before any read)."""
+    stale_temp_age_s: float = 24 * 3600.0
+    """Age after which another host's leftover temp directory is swept."""
+    lease_ttl_s: float = 6 * 3600.0
+    """A lease from another host not renewed (by a save) for this long counts as abandoned."""
 
     def __post_init__(self) -> None:
         StepNaming(self.dir_template)  # raises ConfigError naming the field
-        for action in ("overwrite", "break_lease"):
+        if self.stage_dir is not None and not isinstance(self.stage_dir, Path):
+            object.__setattr__(self, "stage_dir", Path(self.stage_dir))
+        if self.publish_checksums is not None and not isinstance(self.publish_checksums, bool):
+            raise ConfigError(
+                f"StorageOptions.publish_checksums must be True, False or None (auto), got {self.publish_checksums!r}"
+            )
+        for name in ("keep_failed", "allow_newer_torch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"StorageOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        _seconds("StorageOptions", "stale_temp_age_s", self.stale_temp_age_s)
+        _seconds("StorageOptions", "lease_ttl_s", self.lease_ttl_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateOptions:
+    """What is captured with the state and checked when it is put back."""
+
+    capture_rng: bool = True
+    """Save the CPU, CUDA, Python and NumPy RNG streams of every rank."""
+    restore_rng: bool = True
+    """Put the saved RNG streams back on restore (off only to show what breaks without it)."""
+    verify_restored: bool = True
+    """After restore, compare every item with the save and raise if it differs: tensor items by their
+    layout-free digest (on the device for GPU tensors) and, on the same layout, their structure and
+    non-tensor values; other items by their per-rank digest."""
+
+    def __post_init__(self) -> None:
+        for name in ("capture_rng", "restore_rng", "verify_restored"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"StateOptions.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncOptions:
+    """``save_async``: the memory its snapshot may take and what a save requested during a commit does."""
+
+    gpu_bytes: int = 0
+    """Spare GPU memory a ``save_async`` snapshot may take (bytes); 0: never snapshot into GPU memory."""
+    host_bytes: int | None = None
+    """Host memory a ``save_async`` snapshot may stage into (bytes, per rank); None: derived from the memory
+    contract (cgroup memory.max x the Ray threshold, minus what is resident and a margin). What does not fit
+    is read from the live tensors by the background writer, and the next optimizer step waits for it."""
+    pool_idle_s: float | None = 600.0
+    """Release the pinned staging pool after this many seconds without a ``save_async`` (None: keep it until
+    ``close()``); the pool is reused by every save meanwhile and reported in each manifest's cost block."""
+    on_busy: OnBusy = OnBusy.SKIP
+    """A ``save_async`` requested while the previous commit is still running: skipped (the default) or waited
+    for (``OnBusy``); decided alike on every rank, before any rank snapshots."""
+
+    def __post_init__(self) -> None:
+        _byte_count("AsyncOptions", "gpu_bytes", self.gpu_bytes)
+        _byte_count("AsyncOptions", "host_bytes", self.host_bytes, none_ok=True)
+        _seconds("AsyncOptions", "pool_idle_s", self.pool_idle_s, none_ok=True)
+        if not isinstance(self.on_busy, OnBusy):
+            raise ConfigError(f"AsyncOptions.on_busy must be an OnBusy ({', '.join(m.name for m in OnBusy)}), "
+                              f"got {self.on_busy!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReshardOptions:
+    """The parallel layout recorded with each step, and what a restore onto another layout does."""
+
+    rule: ReshardRule = ReshardRule.REFUSE
+    """Whether and how to restore onto a different world size."""
+    layout: ParallelLayout | None = None
+    """Parallel sizes recorded in the manifest and compared on restore; None: pure data parallel."""
+    rng_seed: int | None = None
+    """The job's base seed, recorded with every save: a ``BY_ITEM`` resharded restore seeds new rank r's
+    RNG streams from (this seed, the restored step, r). None: the RNG streams have no reshard rule."""
+    replicated: tuple[str, ...] = ()
+    """State items equal on every rank (a scheduler, a step counter): a ``BY_ITEM`` resharded restore checks
+    that every saving rank saved the same value and gives it to every new rank."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rule, ReshardRule):
+            raise ConfigError(f"ReshardOptions.rule must be a ReshardRule, got {self.rule!r}")
+        if self.layout is not None and not isinstance(self.layout, ParallelLayout):
+            raise ConfigError(f"ReshardOptions.layout must be a ParallelLayout or None, got {self.layout!r}")
+        seed = self.rng_seed
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ConfigError(f"ReshardOptions.rng_seed must be an int >= 0 or None, got {seed!r}")
+        if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
+            raise ConfigError(f"ReshardOptions.replicated must be a tuple of state item names, got {self.replicated!r}")
+        object.__setattr__(self, "replicated", tuple(self.replicated))
+
+
+_GROUP_CLASS: dict[str, str] = {
+    "storage": "StorageOptions", "state": "StateOptions", "async_save": "AsyncOptions",
+    "reshard": "ReshardOptions", "proof": "ProofPlan",
+}
+_ONE_SHOT = ("overwrite", "break_lease")
+
+
+def _legacy_warning(old: str, new: str) -> None:
+    warnings.warn(f"CheckpointConfig({old}=...) is deprecated: write CheckpointConfig({new}); "
+                  "the flat keyword goes in the next release", DeprecationWarning, stacklevel=4)
+
+
+@dataclass(frozen=True, kw_only=True, init=False)
+class CheckpointConfig:
+    """Settings of a CheckpointManager, a RunCheckpoint or a TieredCheckpoint, in groups of options.
+    Runtime objects (process group, storage) are passed to the front door directly, never here;
+    one-shot actions (``overwrite``, ``break_lease``) are arguments of the call that needs them.
+
+    ``CheckpointConfig(timeout_s=60, storage=StorageOptions(stage_dir=...), reshard=ReshardOptions(
+    rule=ReshardRule.BY_ITEM, rng_seed=0), retention=KeepLast(2))``. The flat keywords of earlier
+    releases (``dir_template=``, ``async_host_bytes=``, ...) still work for one release, with a
+    DeprecationWarning naming the new spelling, and every flat name still reads (``config.dir_template``).
+    """
+
+    timeout_s: float = 600.0
+    """Longest wait at any agreement point before raising with the missing ranks."""
+    storage: StorageOptions = field(default_factory=StorageOptions)
+    """Where and how a step's files are written, published and cleaned up."""
+    state: StateOptions = field(default_factory=StateOptions)
+    """RNG capture and the check of what a restore put back."""
+    async_save: AsyncOptions = field(default_factory=AsyncOptions)
+    """``save_async``: its memory and what a save requested during a commit does."""
+    blocking: BlockingBudget = field(default_factory=BlockingBudget)
+    """How long a synchronous ``save`` may hold the caller (a fraction of the collective timeout) and what a
+    save estimated above it does (``BlockingBudget``): by default it warns and saves."""
+    reshard: ReshardOptions = field(default_factory=ReshardOptions)
+    """The recorded parallel layout and what a restore onto another one does."""
+    proof: ProofPlan = field(default_factory=ProofPlan)
+    """Whether proof records are written and which gates apply (RL gates, bitwise replay, replayed steps)."""
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    """Which steps may be committed (finite loss and grad norm, a user check), when a committed step
+    is verified, and whether AUTO resumes prefer the newest verified step (``ckptguard._records.trust``)."""
+    retention: RetentionPolicy | None = field(default_factory=default_policy)
+    """Which committed steps survive rotation (default: last 3 + every 20th); None keeps all."""
+    contract: RunContract | None = None
+    """The run contract compared on save and restore; None means an empty contract."""
+    overwrite: bool = field(default=False, repr=False)
+    """Deprecated (a one-shot action that stayed set on every restart of the job passing this config):
+    pass ``save(..., overwrite=True)`` to the one save that replaces a committed step."""
+    break_lease: bool = field(default=False, repr=False)
+    """Deprecated, as ``overwrite``: pass ``save(..., break_lease=True)`` (and ``restore(...,
+    break_lease=True)``) to the calls that take the root's write lease from a live owner."""
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 600.0,
+        storage: StorageOptions | None = None,
+        state: StateOptions | None = None,
+        async_save: AsyncOptions | None = None,
+        blocking: BlockingBudget | None = None,
+        reshard: ReshardOptions | ReshardRule | None = None,
+        proof: ProofPlan | None = None,
+        health: HealthPolicy | None = None,
+        retention: RetentionPolicy | _Default | None = DEFAULT,
+        contract: RunContract | None = None,
+        overwrite: bool = False,
+        break_lease: bool = False,
+        **flat: Any,
+    ) -> None:
+        if isinstance(reshard, ReshardRule):
+            _legacy_warning("reshard=ReshardRule...", f"reshard=ReshardOptions(rule=ReshardRule.{reshard.name})")
+            flat = {"_rule": reshard, **flat}
+            reshard = None
+        groups: dict[str, Any] = {
+            "storage": storage or StorageOptions(), "state": state or StateOptions(),
+            "async_save": async_save or AsyncOptions(), "reshard": reshard or ReshardOptions(),
+            "proof": proof or ProofPlan(),
+        }
+        for name, want in (("storage", StorageOptions), ("state", StateOptions), ("async_save", AsyncOptions),
+                           ("reshard", ReshardOptions), ("proof", ProofPlan)):
+            if not isinstance(groups[name], want):
+                raise ConfigError(f"CheckpointConfig.{name} must be a {want.__name__}, got {groups[name]!r}")
+        changes: dict[str, dict[str, Any]] = {}
+        for old, value in flat.items():
+            if old == "_rule":
+                changes.setdefault("reshard", {})["rule"] = value
+                continue
+            if old not in _LEGACY:
+                known = sorted([*_LEGACY, *self.__dataclass_fields__])
+                raise TypeError(f"CheckpointConfig() got an unexpected keyword argument {old!r}; "
+                                f"the options are {', '.join(known)}")
+            group, name = _LEGACY[old]
+            _legacy_warning(old, f"{group}={_GROUP_CLASS[group]}({name}=...)")
+            changes.setdefault(group, {})[name] = value
+        for group, values in changes.items():
+            groups[group] = dataclasses.replace(groups[group], **values)
+        set_ = object.__setattr__
+        set_(self, "timeout_s", timeout_s)
+        for name, value in groups.items():
+            set_(self, name, value)
+        set_(self, "blocking", BlockingBudget() if blocking is None else blocking)
+        set_(self, "health", HealthPolicy() if health is None else health)
+        set_(self, "retention", default_policy() if isinstance(retention, _Default) else retention)
+        set_(self, "contract", contract)
+        set_(self, "overwrite", overwrite)
+        set_(self, "break_lease", break_lease)
+        self._check()
+
+    def _check(self) -> None:
+        for action in _ONE_SHOT:
             if getattr(self, action):
                 warnings.warn(
                     f"CheckpointConfig({action}=True) is deprecated: it acts on every save of every restart of the "
                     f"job that passes this config. Pass {action}=True to the call that needs it instead, e.g. "
                     f"mgr.save(step, state, {action}=True); the field goes in the next release",
-                    DeprecationWarning, stacklevel=3,
+                    DeprecationWarning, stacklevel=4,
                 )
-        if not self.timeout_s > 0:
-            raise ConfigError(f"CheckpointConfig.timeout_s must be > 0 seconds, got {self.timeout_s!r}")
-        if not isinstance(self.on_busy, OnBusy):
-            raise ConfigError(f"CheckpointConfig.on_busy must be an OnBusy (SKIP, WAIT), got {self.on_busy!r}")
+        _seconds("CheckpointConfig", "timeout_s", self.timeout_s)
         if not isinstance(self.blocking, BlockingBudget):
             raise ConfigError(f"CheckpointConfig.blocking must be a BlockingBudget, got {self.blocking!r}")
-        if not isinstance(self.reshard, ReshardRule):
-            raise ConfigError(f"CheckpointConfig.reshard must be a ReshardRule, got {self.reshard!r}")
-        if self.rng_seed is not None and (not isinstance(self.rng_seed, int) or isinstance(self.rng_seed, bool)
-                                          or self.rng_seed < 0):
-            raise ConfigError(f"CheckpointConfig.rng_seed must be an int >= 0 or None, got {self.rng_seed!r}")
-        if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
-            raise ConfigError(
-                f"CheckpointConfig.replicated must be a tuple of state item names, got {self.replicated!r}")
-        object.__setattr__(self, "replicated", tuple(self.replicated))
-        if self.stage_dir is not None and not isinstance(self.stage_dir, Path):
-            object.__setattr__(self, "stage_dir", Path(self.stage_dir))
         if self.contract is not None and not isinstance(self.contract, RunContract):
             raise ConfigError("CheckpointConfig.contract must be a RunContract or None")
         if self.retention is not None and not callable(getattr(self.retention, "keep", None)):
             raise ConfigError("CheckpointConfig.retention must be a policy (KeepLast, KeepEvery, a | b) or None")
-        for name in ("async_gpu_bytes", "async_host_bytes"):
-            value = getattr(self, name)
-            if value is None and name == "async_host_bytes":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"CheckpointConfig.{name} must be an int >= 0 (bytes), got {value!r}")
-        idle = self.async_pool_idle_s
-        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle > 0):
-            raise ConfigError(f"CheckpointConfig.async_pool_idle_s must be > 0 seconds or None, got {idle!r}")
-        if self.publish_checksums is not None and not isinstance(self.publish_checksums, bool):
-            raise ConfigError(
-                f"CheckpointConfig.publish_checksums must be True, False or None (auto), got {self.publish_checksums!r}"
-            )
-        if not isinstance(self.proof, ProofPlan):
-            raise ConfigError(f"CheckpointConfig.proof must be a ProofPlan, got {self.proof!r}")
         if not isinstance(self.health, HealthPolicy):
             raise ConfigError(f"CheckpointConfig.health must be a HealthPolicy, got {self.health!r}")
-        if self.stale_temp_age_s <= 0:
-            raise ConfigError("CheckpointConfig.stale_temp_age_s must be > 0")
+
+    # Read-only shorthands: every flat name of the first releases reads its group's field; as keywords
+    # they are accepted for one release (``_LEGACY``, derived from these).
+    dir_template = _Flat[str]("storage", "dir_template")
+    stage_dir = _Flat[Path | None]("storage", "stage_dir")
+    keep_failed = _Flat[bool]("storage", "keep_failed")
+    publish_checksums = _Flat[bool | None]("storage", "publish_checksums")
+    allow_newer_torch = _Flat[bool]("storage", "allow_newer_torch")
+    stale_temp_age_s = _Flat[float]("storage", "stale_temp_age_s")
+    lease_ttl_s = _Flat[float]("storage", "lease_ttl_s")
+    capture_rng = _Flat[bool]("state", "capture_rng")
+    restore_rng = _Flat[bool]("state", "restore_rng")
+    verify_restored = _Flat[bool]("state", "verify_restored")
+    async_gpu_bytes = _Flat[int]("async_save", "gpu_bytes")
+    async_host_bytes = _Flat[int | None]("async_save", "host_bytes")
+    async_pool_idle_s = _Flat[float | None]("async_save", "pool_idle_s")
+    on_busy = _Flat[OnBusy]("async_save", "on_busy")
+    layout = _Flat[ParallelLayout | None]("reshard", "layout")
+    rng_seed = _Flat[int | None]("reshard", "rng_seed")
+    replicated = _Flat[tuple[str, ...]]("reshard", "replicated")
+    record_proof = _Flat[bool]("proof", "record")
+
+
+# The flat keywords of the first releases: each names the group field it now is.
+_LEGACY: dict[str, tuple[str, str]] = {
+    name: (flat.group, flat.name) for name, flat in vars(CheckpointConfig).items() if isinstance(flat, _Flat)
+}
+
+
+def with_dir_template(template: str, options: dict[str, Any]) -> CheckpointConfig:
+    """A config of ``options`` (``CheckpointConfig`` keywords, the old flat ones included) whose steps are
+    named by ``template``: an integration's directory names, kept whatever ``StorageOptions`` the caller
+    passed (a flat ``dir_template=`` in ``options`` still wins, with its DeprecationWarning)."""
+    options = dict(options)
+    storage = options.pop("storage", None) or StorageOptions()
+    if not isinstance(storage, StorageOptions):
+        raise ConfigError(f"CheckpointConfig.storage must be a StorageOptions, got {storage!r}")
+    return CheckpointConfig(storage=dataclasses.replace(storage, dir_template=template), **options)

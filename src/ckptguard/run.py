@@ -127,7 +127,7 @@ class RunCheckpoint:
             if me not in self._ranks[role.name]:
                 continue
             agreement = make_agreement(group, timeout_s=self.config.timeout_s, namespace=f"{ns}/{role.name}")
-            cfg = dataclasses.replace(self.config, layout=role.layout)
+            cfg = dataclasses.replace(self.config, reshard=dataclasses.replace(self.config.reshard, layout=role.layout))
             self._roles[role.name] = Context.of(self.root, cfg, self._naming, agreement,
                                                 role.storage or StreamingStorage(), group, role.expert_parallel)
             if role.derived is not None:

@@ -35,5 +35,5 @@ def check_torch_version(manifest: Manifest, *, allow_newer: bool) -> None:
         f"{manifest.path.parent} was written by torch {written}; this process runs torch "
         f"{torch.__version__}. Newer torch can write formats an older one misreads (e.g. "
         "DTensor layouts). Restore with the image that wrote it, or pass "
-        "CheckpointConfig(allow_newer_torch=True) after checking it reads correctly."
+        "CheckpointConfig(storage=StorageOptions(allow_newer_torch=True)) after checking it reads correctly."
     )

@@ -40,7 +40,7 @@ class _Pieces(Wire):
 
     partials: dict[str, Any]
     problems: list[str]
-    replicated: dict[str, str] = field(default_factory=dict)  # CheckpointConfig.replicated items: their digests
+    replicated: dict[str, str] = field(default_factory=dict)  # ReshardOptions.replicated items: their digests
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def replica_report(views: list[dict[str, list[str]]], replicated: list[dict[str,
     """Which chunks several ranks hold, and which of those their holders hold differently.
 
     ``views`` are the ranks' ``layout_free_partials`` in rank order; ``replicated`` each rank's
-    digests of the items ``CheckpointConfig(replicated=...)`` names (one value on every rank by
+    digests of the items ``CheckpointConfig(reshard=ReshardOptions(replicated=...))`` names (one value on every rank by
     the user's word), compared like chunks (key ``(item)``, offset ``-``). Returns ``{"world": ranks,
     "checked": chunks held by 2+ ranks, "most": the most holders of one chunk, "differing": count,
     "differ": [{"item", "key", "offset", "ranks": [[ranks with one value], ...]}, ...]}`` (the
@@ -106,7 +106,7 @@ def differing_chunks(report: dict[str, Any], *, short: bool = False) -> str:
 
     def name(d: dict[str, Any]) -> str:
         if d.get("offset") == "-":
-            return f"item {d.get('item')!r} (declared {'replicated' if short else 'in CheckpointConfig.replicated'})"
+            return f"item {d.get('item')!r} (declared {'replicated' if short else 'in ReshardOptions.replicated'})"
         where = "" if short else f", offset {d.get('offset')}"
         return f"{d.get('key')!r} (item {d.get('item')!r}{where})"
 

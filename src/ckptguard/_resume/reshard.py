@@ -7,12 +7,13 @@ each save (``manifest.json`` field ``reshard``: item -> ``{"rule": ..., ...}``):
 - ``data_cursor``: a ``ckptguard.DataCursor`` counts the global position, equal on every saving
   rank (checked against the manifest's per-rank digests); each new rank loads it and takes its
   share of the rest of the epoch under the new world size;
-- ``replicated``: an item named in ``CheckpointConfig(replicated=...)`` (a scheduler, a step
+- ``replicated``: an item named in ``CheckpointConfig(reshard=ReshardOptions(replicated=...))`` (a scheduler, a step
   counter) is equal on every saving rank (checked); each new rank takes it;
 - ``user``: ``PerRank(value, reshard=f)``; ``f(old_values_by_rank, new_world)`` returns the list of
   new values, one per new rank; every new rank runs it and the results must agree (checked);
 - ``rng_rederive``: the four RNG streams of new rank r are seeded from
-  ``derived_seed(seed, step, r)`` (the seed recorded at save, ``CheckpointConfig(rng_seed=...)``),
+  ``derived_seed(seed, step, r)`` (the seed recorded at save,
+  ``CheckpointConfig(reshard=ReshardOptions(rng_seed=...))``),
   never copied from another rank, and so is every ``GeneratorState`` item (its seed also mixes in
   the item's name); the ranks' streams must then be distinct (checked).
 
@@ -75,9 +76,11 @@ def _would_apply(value: Any) -> str:
     if kind is _state.ItemKind.PER_RANK:
         return "PerRank(value, reshard=f) with f(old_values_by_rank, new_world) -> new_values_by_rank"
     if isinstance(value, _rng.GeneratorState):
-        return "CheckpointConfig(rng_seed=<the job's seed>): each new rank's generator is re-derived from it"
+        return ("CheckpointConfig(reshard=ReshardOptions(rng_seed=<the job's seed>)): each new rank's "
+                "generator is re-derived from it")
     what = "object's state_dict()" if kind is _state.ItemKind.STATEFUL else "value"
-    return (f"CheckpointConfig(replicated=(...)) if it is equal on every rank, a ckptguard.DataCursor for a data "
+    return ("CheckpointConfig(reshard=ReshardOptions(replicated=(...))) if it is equal on every rank, a "
+            "ckptguard.DataCursor for a data "
             f"position, or, if it differs per rank, pass its {what} as PerRank(value, reshard=f)")
 
 
@@ -131,20 +134,22 @@ def _rules(ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any])
         seed = saved.get(RNG_ITEM, {}).get("seed", ctx.config.rng_seed)
         if seed is None:
             problems.append("the RNG streams (CPU, CUDA, Python, NumPy) have no rule: set "
-                            "CheckpointConfig(rng_seed=<the job's seed>) so each new rank's streams are re-derived "
+                            "CheckpointConfig(reshard=ReshardOptions(rng_seed=<the job's seed>)) so each new "
+                            "rank's streams are re-derived "
                             "from (seed, step, rank), or restore_rng=False")
         else:
             if ctx.config.rng_seed not in (None, seed):
                 log.warning("ckptguard: the RNG streams are re-derived from the seed recorded at save (%d), not "
-                            "from CheckpointConfig(rng_seed=%d)", seed, ctx.config.rng_seed)
+                            "from CheckpointConfig(reshard=ReshardOptions(rng_seed=%d))", seed, ctx.config.rng_seed)
             rules[RNG_ITEM] = {"rule": RNG, "seed": int(seed)}
     if problems:
         raise TopologyMismatchError(
             f"restore of step {manifest.step} from {manifest.path.parent} onto {ctx.world} ranks (saved on "
             f"{manifest.world_size}) is refused before anything is loaded: {len(problems)} per-rank item(s) cannot "
             f"be resharded: {'; '.join(problems)}. Tensor items are resharded by DCP; every other item needs a "
-            "declared rule (ckptguard.DataCursor, CheckpointConfig(replicated=...), PerRank(value, reshard=f), "
-            "CheckpointConfig(rng_seed=...)), or restore on the saved world size."
+            "declared rule (ckptguard.DataCursor, CheckpointConfig(reshard=ReshardOptions(replicated=...)), "
+            "PerRank(value, reshard=f), "
+            "CheckpointConfig(reshard=ReshardOptions(rng_seed=...))), or restore on the saved world size."
         )
     return rules
 
@@ -157,7 +162,8 @@ def _check_equal(manifest: _manifest.Manifest, name: str, rule: str) -> str:
     if len(by_digest) != 1 or "" in by_digest:
         groups = "; ".join(f"ranks {ranks}" for ranks in by_digest.values())
         what = "a DataCursor counts the global position, so every rank must call take(n) alike" if rule == DATA_CURSOR \
-            else "it was declared replicated (CheckpointConfig(replicated=...)) but differs per rank"
+            else ("it was declared replicated (CheckpointConfig(reshard=ReshardOptions(replicated=...))) but "
+                  "differs per rank")
         raise StateMismatchError(
             f"restore of step {manifest.step} from {manifest.path.parent}: item {name!r} (rule {rule}) was saved "
             f"with different values on the saving ranks (alike: {groups}): {what}. Give it a rule that merges "

@@ -198,14 +198,14 @@ def agree_files(ctx: Context, res: Resolution) -> None:
 def source_rank(ctx: Context, manifest: _manifest.Manifest) -> int:
     """Whose extras this rank reads (under BY_ITEM: whose skeletons of the tensor items)."""
     old = manifest.world_size
-    if old == ctx.world or ctx.config.reshard is ReshardRule.REFUSE:
+    if old == ctx.world or ctx.config.reshard.rule is ReshardRule.REFUSE:
         return ctx.rank
-    if ctx.config.reshard is ReshardRule.BY_ITEM:
+    if ctx.config.reshard.rule is ReshardRule.BY_ITEM:
         return _reshard.skeleton_rank(manifest, ctx.expert.rank if ctx.expert is not None else None)
-    if ctx.config.reshard is ReshardRule.EXTRAS_FROM_RANK0:
+    if ctx.config.reshard.rule is ReshardRule.EXTRAS_FROM_RANK0:
         return 0
     return ctx.rank % old
 
 
 def by_item(ctx: Context, manifest: _manifest.Manifest) -> bool:
-    return manifest.world_size != ctx.world and ctx.config.reshard is ReshardRule.BY_ITEM
+    return manifest.world_size != ctx.world and ctx.config.reshard.rule is ReshardRule.BY_ITEM

@@ -65,17 +65,18 @@ def _check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
             f"Restore with ep={saved.get('ep', 1)} (the data-parallel size may change under "
             "ReshardRule.BY_ITEM), or convert the checkpoint offline."
         )
-    if ctx.config.reshard is ReshardRule.REFUSE:
+    if ctx.config.reshard.rule is ReshardRule.REFUSE:
         raise TopologyMismatchError(
             f"{manifest.path.parent} was saved with {saved}; this run has {now}. Restore with the "
-            "same world size and layout, or set CheckpointConfig(reshard=ReshardRule.BY_ITEM) to let "
+            "same world size and layout, or set "
+            "CheckpointConfig(reshard=ReshardOptions(rule=ReshardRule.BY_ITEM)) to let "
             "DCP reshard tensor state and every per-rank item follow its declared rule (a DataCursor, "
             "replicated=..., PerRank(value, reshard=f), rng_seed=...)."
         )
-    if ctx.config.reshard is not ReshardRule.BY_ITEM:
+    if ctx.config.reshard.rule is not ReshardRule.BY_ITEM:
         log.warning("ckptguard: resharding %s -> %s under the legacy %s: per-rank state is copied from other "
                     "ranks, and `ckptguard prove` will not prove this resume; use ReshardRule.BY_ITEM",
-                    saved, now, ctx.config.reshard.value)
+                    saved, now, ctx.config.reshard.rule.value)
     else:
         log.warning("ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules", saved, now)
 
@@ -323,8 +324,8 @@ def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard
         return plan.record(_reshard.confirm(ctx, plan))
 
     rng = digest(_rng.capture()) if ctx.config.restore_rng and RNG_ITEM in manifest.digests.get("0", {}) else None
-    src = "rank 0" if ctx.config.reshard is ReshardRule.EXTRAS_FROM_RANK0 else f"rank r % {manifest.world_size}"
-    return {"mode": ctx.config.reshard.value, "from": manifest.world_size, "to": ctx.world,
+    src = "rank 0" if ctx.config.reshard.rule is ReshardRule.EXTRAS_FROM_RANK0 else f"rank r % {manifest.world_size}"
+    return {"mode": ctx.config.reshard.rule.value, "from": manifest.world_size, "to": ctx.world,
             "rules": {"(every per-rank item)": f"copied from old {src}"}, "rng": rng}
 
 

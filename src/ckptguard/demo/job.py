@@ -26,6 +26,7 @@ import torch
 
 from .._disk.digest import digest
 from .._state.derived import DerivedState
+from ..config import StateOptions
 
 VOCAB, SEQ, DIM, HEADS, BATCH = 12, 8, 32, 2, 16
 FP8 = torch.float8_e4m3fn
@@ -223,7 +224,7 @@ def worker(
     trainer = build_trainer(rank=rank, world=world)
     # An RL job whose resume is bitwise on the CPU: the RL gates apply and replayed steps must match exactly.
     plan = ProofPlan(rl=True, deterministic=True)
-    cfg = CheckpointConfig(retention=retention.KeepLast(2), restore_rng=restore_rng, proof=plan)
+    cfg = CheckpointConfig(retention=retention.KeepLast(2), state=StateOptions(restore_rng=restore_rng), proof=plan)
     mgr = CheckpointManager(root, config=cfg, derived=trainer.registry if derived_fix else None)
     start = mgr.restore(trainer.state(), mode=ResumeMode.AUTO)
     for step in range(start + 1, steps + 1):

@@ -54,7 +54,7 @@ from .._disk.digest import digest
 from .._records.retention import KeepLast
 from .._state import rng as _rng
 from .._state.state import PerRank
-from ..config import CheckpointConfig, ResumeMode
+from ..config import CheckpointConfig, ResumeMode, with_dir_template
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager
 from ..storage.streaming import StreamingStorage
@@ -109,9 +109,7 @@ def checkpoint_config(args: Any, **overrides: Any) -> CheckpointConfig:
         raise ConfigError(f"TrainingArguments.save_total_limit={limit!r}: give an int, or None to keep every step")
     # HF: "No deletion if None or <= 0"
     retention = KeepLast(limit) if limit and limit > 0 else None
-    kwargs: dict[str, Any] = {"dir_template": DIR_TEMPLATE, "retention": retention}
-    kwargs.update(overrides)
-    return CheckpointConfig(**kwargs)
+    return with_dir_template(DIR_TEMPLATE, {"retention": retention, **overrides})
 
 
 def _generator_sampler(dataloader: Any) -> Any:

@@ -62,7 +62,7 @@ import torch
 from .._commit.pending import PendingSave
 from .._disk.digest import digest
 from .._disk.layout import read_small
-from ..config import CheckpointConfig, ResumeMode
+from ..config import CheckpointConfig, ResumeMode, StorageOptions
 from ..errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -566,7 +566,7 @@ class MegatronCheckpoint:
         storage = ExternalFiles(StreamingStorage(), {SUBDIR: self._write})
         # ExternalFiles is foreground-only: a blocking budget never sends Megatron's collective writer to a
         # background commit (BACKGROUND acts as WARN; MegatronCheckpoint.save_async is the background path).
-        config = config or CheckpointConfig(dir_template=DIR_TEMPLATE)
+        config = config or CheckpointConfig(storage=StorageOptions(dir_template=DIR_TEMPLATE))
         self.manager = CheckpointManager(root, config=config, process_group=process_group, storage=storage)
 
     def _items(self, state: Mapping[str, Any] | None) -> dict[str, Any]:

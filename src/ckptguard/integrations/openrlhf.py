@@ -33,7 +33,7 @@ from typing import Any
 from .._disk import layout as _layout
 from .._records.retention import KeepLast
 from .._state.state import PerRank
-from ..config import CheckpointConfig, ResumeMode
+from ..config import ResumeMode, with_dir_template
 from ..errors import ConfigError
 from ..manager import CheckpointManager
 from ..storage.streaming import StreamingStorage
@@ -138,7 +138,7 @@ class CkptguardStrategyMixin:
         if key not in managers:
             storage = ExternalFiles(StreamingStorage(), {DS_SUBDIR: self._ckptguard_write})
             keep = KeepLast(max_num) if max_num else None
-            cfg = CheckpointConfig(dir_template=DIR_TEMPLATE, retention=keep, **self.ckptguard_config_overrides)
+            cfg = with_dir_template(DIR_TEMPLATE, {"retention": keep, **self.ckptguard_config_overrides})
             managers[key] = CheckpointManager(key, config=cfg, storage=storage)
         self._ckptguard_writer = write
         return managers[key]

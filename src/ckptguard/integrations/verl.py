@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .._records.retention import KeepLast
-from ..config import CheckpointConfig, ResumeMode
+from ..config import CheckpointConfig, ResumeMode, with_dir_template
 from ..errors import ConfigError
 from ..manager import CheckpointManager
 from ..storage.streaming import StreamingStorage
@@ -76,9 +76,7 @@ def _keep(trainer_cfg: Any) -> int | None:
 def checkpoint_config(trainer_cfg: Any, **overrides: Any) -> CheckpointConfig:
     """verl's ``trainer`` section as a ``CheckpointConfig`` (verl's dir names, its retention)."""
     keep = _keep(trainer_cfg)
-    kwargs: dict[str, Any] = {"dir_template": DIR_TEMPLATE, "retention": KeepLast(keep) if keep else None}
-    kwargs.update(overrides)
-    return CheckpointConfig(**kwargs)
+    return with_dir_template(DIR_TEMPLATE, {"retention": KeepLast(keep) if keep else None, **overrides})
 
 
 def resume_args(trainer_cfg: Any, cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:

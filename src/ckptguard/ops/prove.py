@@ -748,7 +748,8 @@ def _gate_rng_distinct(segments: list[_Segment]) -> Gate:
         return Gate(name, Status.FAIL, (
             f"ranks {same[0]} hold the same RNG streams after the resharded restore (mode {mode}): their dropout "
             "masks and sampling are identical. Restore under ReshardRule.BY_ITEM with "
-            "CheckpointConfig(rng_seed=<the job's seed>): each rank's streams are re-derived from (seed, step, rank)"))
+            "CheckpointConfig(reshard=ReshardOptions(rng_seed=<the job's seed>)): each rank's streams are "
+            "re-derived from (seed, step, rank)"))
     how = "re-derived from (seed, step, rank)" if mode == "by_item" else f"under {mode}"
     return Gate(name, Status.PASS, f"the {len(digests)} ranks' streams differ from each other ({how})")
 

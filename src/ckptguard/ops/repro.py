@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import StateOptions, StorageOptions
 from ..errors import ConfigError
 
 REPRO_ROOT = "repro-root"
@@ -112,7 +113,8 @@ def _rank(rank: int, world: int, port: int, target: str, cfg: ReproConfig, out: 
         )
     per_rank = int(cfg.size_gib * (1 << 30) / world / 4 / 4)
     state = {"shards": {f"rank{rank}_{i}": torch.randn(per_rank) for i in range(4)}}
-    config = CheckpointConfig(timeout_s=cfg.timeout_s, keep_failed=True, retention=KeepLast(1), capture_rng=False)
+    config = CheckpointConfig(timeout_s=cfg.timeout_s, storage=StorageOptions(keep_failed=True), retention=KeepLast(1),
+                              state=StateOptions(capture_rng=False))
     mgr = CheckpointManager(Path(target) / REPRO_ROOT, config=config)
     rounds: list[dict[str, Any]] = []
     failure: dict[str, Any] | None = None
