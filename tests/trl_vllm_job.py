@@ -4,10 +4,11 @@
 ``python tests/trl_vllm_job.py probe WORK``: TRL's own sync_weights followed by ckptguard's read-back
 (``install_trl_sync(mode="check")``) after each of two updates, a sync that silently does nothing caught
 naming the tensors, and ckptguard's own sync (``mode="reload"``).
-``python tests/trl_vllm_job.py train WORK OUT [KILL_STEP]``: ``CkptguardHFMixin`` with
+``python tests/trl_vllm_job.py train WORK OUT [KILLS]``: ``CkptguardHFMixin`` with
 ``ckptguard_vllm_sync`` from env ``CKPTGUARD_TRL_SYNC`` (default ``check``), 2 epochs, a save every 2
-steps; SIGKILLed at the end of optimizer step ``KILL_STEP`` when given (once: ``OUT.fired``),
-relaunched with the same command to resume.
+steps; ``KILLS`` (``step@6,save@8,sync@9,gen@11``; a bare ``6`` is ``step@6``) SIGKILL the process at
+those points, one per launch in order (the fired ones noted in ``OUT.fired``); relaunched with the
+same command it resumes (``benchmarks/trl_vllm_kills.py`` runs the campaign).
 Each prints ``RESULT {json}``."""
 
 from __future__ import annotations
@@ -130,26 +131,83 @@ def caught(call, cg) -> str:
     return "not refused"
 
 
-def train(work: Path, out_dir: Path, kill_step: int | None) -> dict:
+KILL_ORDER = ("step", "save", "sync", "gen")  # within one global step N, in the order a run meets them
+
+
+class Kills:
+    """``WHERE@N,...`` taken in order across relaunches, one per launch (fired ones noted in ``fired``):
+    ``step@N`` at the end of optimizer step N (before its save), ``save@N`` mid-write of step N's save,
+    ``sync@N`` during the weight sync of the weights after N steps, ``gen@N`` during the generation that
+    follows it (a timer: SIGKILL lands inside the call)."""
+
+    def __init__(self, plan: list[str], fired: Path) -> None:
+        done = fired.read_text().split() if fired.is_file() else []
+        self.next = plan[len(done)] if len(plan) > len(done) else None
+        self.fired = fired
+
+    def armed(self, where: str, step: int) -> bool:
+        return self.next == f"{where}@{step}"
+
+    def note(self) -> None:
+        with open(self.fired, "a") as f:
+            f.write(f"{self.next}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.next = None
+
+    def fire(self, delay_s: float = 0.0) -> None:
+        self.note()
+        if delay_s:
+            import threading
+
+            threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _plan(arg: str | None) -> list[str]:
+    if not arg:
+        return []
+    return [f"step@{k}" if k.isdigit() else k for k in arg.split(",")]  # a bare N: step@N
+
+
+def train(work: Path, out_dir: Path, plan: list[str]) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
     import ckptguard as cg
+    from ckptguard import testing as cg_testing
     from ckptguard.integrations.hf import CkptguardHFMixin
 
     class Trainer(CkptguardHFMixin, GRPOTrainer):
         pass
 
-    fired = out_dir.parent / f"{out_dir.name}.fired"
+    kills = Kills(plan, out_dir.parent / f"{out_dir.name}.fired")
     trainer = Trainer(**_parts(work, out_dir), ckptguard_vllm_sync=os.environ.get("CKPTGUARD_TRL_SYNC", "check"),
                       ckptguard_config_overrides={"timeout_s": 60, "proof": cg.ProofPlan(rl=True, deterministic=True)})
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            if kill_step is not None and state.global_step == kill_step and not fired.exists():
-                fired.write_text(f"step@{kill_step}\n")
-                os.kill(os.getpid(), signal.SIGKILL)
+            if kills.armed("step", state.global_step):
+                kills.fire()
+            if kills.armed("save", state.global_step):
+                kills.note()
+                cg_testing.kill_at("storage.data_written")  # the save that follows this step, mid-write
 
+    gen = trainer.vllm_generation
+    sync, generate = gen.sync_weights, gen.generate
+
+    def killed_sync():
+        if kills.armed("sync", trainer.state.global_step):
+            kills.fire(delay_s=0.005)
+        return sync()
+
+    def killed_generate(*a, **kw):
+        if kills.armed("gen", trainer.state.global_step):
+            kills.fire(delay_s=0.02)
+        return generate(*a, **kw)
+
+    gen.sync_weights, gen.generate = killed_sync, killed_generate
     trainer.add_callback(Kill())
     trainer.train()
     push = getattr(trainer, "ckptguard_last_push", None)
@@ -163,5 +221,5 @@ if __name__ == "__main__":
     if phase == "probe":
         result = probe(work)
     else:
-        result = train(work, Path(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)
+        result = train(work, Path(sys.argv[3]), _plan(sys.argv[4] if len(sys.argv) > 4 else None))
     print("RESULT " + json.dumps(result), flush=True)

@@ -320,6 +320,7 @@ class CkptguardHFMixin:
         if not colocated:
             raise ConfigError(f"ckptguard_vllm_sync={sync!r} needs GRPOConfig(use_vllm=True, vllm_mode='colocate')")
         _vllm.install_trl_sync(self, lambda: self._ckptguard_mgr, mode=sync)
+        _vllm.install_trl_old_logprobs(self, lambda: self._ckptguard_mgr)
 
     def _ckptguard_manager(self) -> CheckpointManager:
         """One manager per trainer, created collectively (``train()`` runs on every rank)."""

