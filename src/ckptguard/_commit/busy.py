@@ -70,6 +70,12 @@ class InFlight(Protocol):
     def outcome(self) -> Any: ...
 
 
+class TieredInFlight(InFlight, Protocol):
+    """A tiered background save (``TieredSave``): also whether its fast part still runs here."""
+
+    def fast_busy(self) -> bool: ...
+
+
 def decide(views: list[BusyView]) -> BusyDecision:
     queued = views[0].queued
     differs = [r for r, v in enumerate(views) if v.queued != queued]
@@ -246,3 +252,24 @@ def settle(busy: BusyRound, pending: InFlight | None) -> None:
             busy.commit_took(pending.commit_seconds)
         if not pending.reported:
             pending.outcome()
+
+
+def route_tiered(busy: BusyRound, step: int, pending: TieredInFlight | None, *, record: Callable[..., None]) -> str:
+    """``OnBusy.FAST_TIER`` for a tiered ``save_async`` of ``step``, alike on every rank: ``"start"`` (no commit in
+    flight on any rank; its error raised here, as ``may_start``), ``"fast"`` (only persistent commits run: write
+    it to the fast tier alone, recorded as redirected) or ``"skip"`` (the fast tier still commits on some rank)."""
+    busy.request(step)
+    running = pending if pending is not None and pending.busy() else None
+    decision = busy.round(step, running.step if running else None, running.running_seconds() if running else 0.0,
+                          fast_busy=running is not None and running.fast_busy())
+    if not decision.busy:
+        settle(busy, pending)
+        return "start"
+    if decision.fast_busy:
+        skipped = busy.skip(step, decision, why="the fast tier still commits too, so it is not redirected there")
+        record("busy_skip", durable=False, step=step, running=decision.running, reason=skipped.reason,
+               policy=OnBusy.FAST_TIER.value)
+        return "skip"
+    moved = busy.redirect(step, decision)
+    record("busy_redirect", durable=False, step=step, running=decision.running, reason=moved.reason)
+    return "fast"
