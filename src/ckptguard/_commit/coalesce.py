@@ -140,7 +140,7 @@ class SaveQueue:
         if not decision.busy:
             settle(self.busy, pending)
             if self.queued is not None:
-                self._replace(step, "every rank's commit had ended when it was requested: the newest wins",
+                self._supersede(step, "every rank's commit had ended when it was requested: the newest wins",
                               unguard=True)
             self.reading = self.sets[0]
             return start()
@@ -162,7 +162,7 @@ class SaveQueue:
         snap.resumed = time.monotonic()
         if self.queued is not None:
             # Filled into the same set: its mutation hooks are the new save's now.
-            self._replace(step, f"requested while {self.busy.running_reason(decision)}", unguard=False)
+            self._supersede(step, f"requested while {self.busy.running_reason(decision)}", unguard=False)
         self.queued = Queued(step, snap, staged, target, began, snap.resumed - began, health)
         self._record("busy_queue", durable=False, step=step, running=decision.running)
         return None
@@ -246,7 +246,7 @@ class SaveQueue:
         return self.busy.round(step, running.step if running else None,
                                running.running_seconds() if running else 0.0, queued=self.queued_step)
 
-    def _replace(self, by: int, reason: str, *, unguard: bool) -> None:
+    def _supersede(self, by: int, reason: str, *, unguard: bool) -> None:
         old, self.queued = self.queued, None
         assert old is not None
         old.drop(unguard=unguard)
