@@ -152,6 +152,8 @@ class Placement:
     pool: StagingPool
     entries: list[tuple[Captured, str, torch.Tensor, torch.Tensor, torch.Tensor]]
     """(item, key, tensor, its exact local tensor, its slot)."""
+    budget: int = 0
+    """The host bytes this set could hold (for the cost block)."""
 
     def release(self) -> None:
         self.pool.done()
@@ -262,7 +264,7 @@ class AsyncStaging:
         slots = pool.place(sizes, budget, grow=False)
         if all(slot is not None for slot in slots):
             placed = [(*e, slot) for e, slot in zip(entries, slots, strict=True) if slot is not None]
-            return Placement(snap, pool, placed)
+            return Placement(snap, pool, placed, budget)
         pool.done()
         if budget >= pool.held_bytes + pool.missing(sizes):
             pool.grow_async(pool.missing(sizes), budget)
@@ -274,7 +276,7 @@ class AsyncStaging:
         """Copy ``placed``'s tensors into their slots; the next mutation waits for the copies (never for a
         live read: there is none)."""
         copier = copier_for([local for _, _, _, local, _ in placed.entries])
-        out = Staged(fence=HostCopier().fence(live=False, timeout_s=timeout_s))
+        out = Staged(fence=HostCopier().fence(live=False, timeout_s=timeout_s), host_budget=placed.budget)
         for item, key, t, local, slot in placed.entries:
             dst = slot_view(slot, local)
             copier.copy(dst, local)
