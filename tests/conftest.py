@@ -47,6 +47,7 @@ SLOW_MODULES = {
     "test_store_threads",
     "test_tiers",
     "test_tiers_async",
+    "test_onbusy",
     "test_trajectory",
     "test_transfer",
     "test_verl_integration",

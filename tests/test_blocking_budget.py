@@ -53,6 +53,10 @@ def _budget_rank(rank: int, world: int, root: str, over: str) -> dict[str, Any]:
         out["held_s"] = time.monotonic() - started
         out["pending"] = mgr.wait()
         out["pending"] = str(out["pending"]) if out["pending"] is not None else None
+        out["measured_by"] = mgr.blocking.measured_by
+        if over == "background":  # the next estimate uses the background commit's measured time, not the probe
+            out["fourth"] = mgr.save(4, state)
+            out["fourth_pending"] = str(mgr.wait())
     except cg.SaveBudgetError as exc:
         out["error"] = (str(exc), exc.step, exc.seconds, exc.budget_s)
     out["committed"] = mgr.committed_steps()
@@ -78,7 +82,12 @@ def test_a_save_over_the_budget_goes_to_the_background_or_is_refused_on_every_ra
         for r in results:
             assert r["returned"] is None  # committed by the background commit instead
             assert r["pending"] and r["pending"].endswith("step_00000003")
-            assert r["committed"] == [3] and r["redirected"] == 1
+            assert r["measured_by"] == "background" and r["fourth"] is None
+            assert r["fourth_pending"].endswith("step_00000004")
+            assert r["committed"] == [3, 4] and r["redirected"] == 2
+        assert "from a 16 MiB write probe" in results[0]["warnings"][0]
+        assert "the save of step 4 would hold rank" in results[0]["warnings"][1]
+        assert "(from this manager's last background save)" in results[0]["warnings"][1]
         warning = results[0]["warnings"][0]
         assert "the save of step 3 would hold rank" in warning and "above the blocking budget of 0.0 s" in warning
         assert "collective timeout, declared" in warning

@@ -268,8 +268,10 @@ def _cost_line(c: dict[str, Any]) -> str:
     frac = c.get("save_fraction_of_step")
     step = f", {100 * frac:.1f}% of a {c['step_seconds']:.2f} s step" if frac is not None and c.get(
         "step_seconds") is not None else ""
-    skipped = c.get("skipped_saves")
-    busy = f", {skipped} save(s) skipped before it (a commit in flight)" if isinstance(skipped, int) and skipped else ""
+    said = {"skipped": "skipped before it", "coalesced": "coalesced before it (replaced in the queue)",
+            "redirected": "redirected to the fast tier, it included if it is one"}
+    busy = "".join(f", {c[f'{k}_saves']} save(s) {v} (a commit in flight)" for k, v in said.items()
+                   if isinstance(c.get(f"{k}_saves"), int) and c[f"{k}_saves"])
     return f"{_size(c['bytes'])}, saved in {c['save_seconds']:.2f} s{step}{busy}"
 
 

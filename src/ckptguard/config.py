@@ -28,13 +28,28 @@ class ResumeMode(enum.Enum):
 
 
 class OnBusy(enum.Enum):
-    """What a ``save_async`` requested while the previous one still commits does (every rank alike)."""
+    """What a ``save_async`` requested while the previous one still commits does (every rank alike: rank 0
+    decides from every rank's view, before any rank snapshots). Every save not committed is logged with its
+    reason, counted, and recorded in the next committed step's cost block (``ckptguard verify`` shows it)."""
 
     SKIP = "skip"
     """Skip it: nothing is snapshotted, the caller is not held; the reason is logged (with the interval
     that fits the measured commit time), counted, and recorded in the next committed step's cost block."""
     WAIT = "wait"
     """Wait for the commit in flight, then save (the caller is held for the rest of that commit)."""
+    COALESCE = "coalesce"
+    """Snapshot it now into a second host staging set and queue it (not started); a later request while it is
+    still queued replaces it (the newest wins; the replaced step is recorded as coalesced). The queued save
+    starts only at an agreed point of the caller's thread, once every rank's commit ended: the next
+    ``save_async`` (which then replaces it: the newest wins), ``poll()`` or ``wait()`` (which commits it too).
+    A request whose snapshot the second set cannot hold whole in host memory (it never reads live tensors:
+    they change before it starts) is skipped instead, with the reason. ``CheckpointManager`` only:
+    ``RunCheckpoint`` and ``TieredCheckpoint`` refuse it (``ConfigError``)."""
+    FAST_TIER = "fast_tier"
+    """``TieredCheckpoint`` only (the others refuse it): a save requested while only the persistent tier still
+    commits is written to the fast tier alone, at once, beside that commit, recorded as redirected (skipped if
+    the fast tier commits too). A redirected step lives on node-local storage only (and peers with ``replicas=1``):
+    a restore on the same nodes resumes from it, one after a lost node from the newest persistent step."""
 
 
 class OverBudget(enum.Enum):
@@ -278,8 +293,9 @@ class AsyncOptions:
     """Release the pinned staging pool after this many seconds without a ``save_async`` (None: keep it until
     ``close()``); the pool is reused by every save meanwhile and reported in each manifest's cost block."""
     on_busy: OnBusy = OnBusy.SKIP
-    """A ``save_async`` requested while the previous commit is still running: skipped (the default) or waited
-    for (``OnBusy``); decided alike on every rank, before any rank snapshots."""
+    """A ``save_async`` requested while the previous commit is still running: skipped (the default), waited
+    for, coalesced into one queued save, or written to a ``TieredCheckpoint``'s fast tier (``OnBusy``); decided
+    alike on every rank, before any rank snapshots."""
 
     def __post_init__(self) -> None:
         _byte_count("AsyncOptions", "gpu_bytes", self.gpu_bytes)
@@ -318,10 +334,8 @@ class ReshardOptions:
         object.__setattr__(self, "replicated", tuple(self.replicated))
 
 
-_GROUP_CLASS: dict[str, str] = {
-    "storage": "StorageOptions", "state": "StateOptions", "async_save": "AsyncOptions",
-    "reshard": "ReshardOptions", "proof": "ProofPlan",
-}
+_GROUP_CLASS = {"storage": "StorageOptions", "state": "StateOptions", "async_save": "AsyncOptions",
+                "reshard": "ReshardOptions", "proof": "ProofPlan"}
 _ONE_SHOT = ("overwrite", "break_lease")
 
 

@@ -22,7 +22,8 @@ from ._agree import rank0_does
 from ._commit import pending as _async
 from ._commit import protocol as _commit
 from ._commit.budget import BudgetRound
-from ._commit.busy import BusyRound, may_start
+from ._commit.busy import BusyRound, check_policy
+from ._commit.coalesce import Queued, SaveQueue
 from ._commit.pending import PendingSave
 from ._commit.snapshot import snapshot
 from ._context import NO_ACTIONS, Actions, Context
@@ -41,7 +42,7 @@ from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from ._state.state import addresses, capture, moved
 from ._state.trajectory import fingerprint
-from .config import CheckpointConfig, ResumeMode
+from .config import CheckpointConfig, OnBusy, ResumeMode
 from .errors import ConfigError
 from .storage._staging import Fence
 from .storage.base import Storage
@@ -77,6 +78,7 @@ class CheckpointManager:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
             raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
+        check_policy(self.config.on_busy, "CheckpointManager", (OnBusy.SKIP, OnBusy.WAIT, OnBusy.COALESCE))
         self.root = Path(root).absolute()
         # Managers are created collectively, in the same order on every rank, so a
         # counter names this one's store keys alike everywhere; the root path would not
@@ -100,11 +102,14 @@ class CheckpointManager:
         self._pending: PendingSave | None = None
         # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
         self.busy = BusyRound(make_agreement(process_group, timeout_s=self.config.timeout_s,
-                                             namespace=f"manager-{CheckpointManager._created}-busy"))
+                                             namespace=f"manager-{CheckpointManager._created}-busy"),
+                              policy=self.config.on_busy)
         """The ``on_busy`` decisions of ``save_async``: ``busy.skipped_total``, ``busy.last_commit_s``."""
         self.process_group = process_group
         """The group this manager agrees over (None: the default group); a PreemptionGuard agrees over it too."""
         self._staging = _async.AsyncStaging()
+        self.queue = SaveQueue(self.busy, self._staging, self._record)
+        """``OnBusy.COALESCE``'s queued save (``queue.queued_step``) and its second staging set."""
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         _faults.arm_pause_from_env(info.rank)  # only under `ckptguard rehearse`
@@ -197,13 +202,16 @@ class CheckpointManager:
         check_step(step, "save")
         check_state(state, "save")
         self.wait()
+        actions = Actions(overwrite, break_lease)
         if self.blocking.over(step, state):  # over CheckpointConfig.blocking, on every rank: as save_async
-            self._background(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease), None)
+            prepared = self.stage_commit(step, state, healthy, loss, grad_norm, actions, measure=True)
+            if prepared is not None:
+                self.start_commit(step, prepared, time.monotonic())
             return None
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
-        snap = snapshot(self._ctx, step, state, actions=Actions(overwrite, break_lease))
+        snap = snapshot(self._ctx, step, state, actions=actions)
         snap.cost.update(self.busy.pending_cost())
         path = self._published(_commit.commit(self._ctx, snap), step, blocked_s=time.monotonic() - start, began=start)
         self.blocking.observe(snap, time.monotonic() - start)
@@ -216,33 +224,38 @@ class CheckpointManager:
     ) -> PendingSave | None:
         """Snapshot ``state`` now and commit step ``step`` in the background.
 
-        Requested while the previous commit still runs (on any rank), it follows
-        ``CheckpointConfig.on_busy``: ``SKIP`` (the default) returns None at once, logged with the
-        interval that fits the measured commit time, counted (``busy.skipped_total``) and recorded
-        in the next step's cost block; ``WAIT`` waits for that commit first. The retention after a
-        commit runs in its background thread and never holds the next ``save_async``.
-        The caller blocks only until the snapshot's copies are queued: into spare GPU memory
-        within ``async_gpu_bytes``, else into the reusable pinned host pool within
-        ``async_host_bytes`` (None: the budget the memory contract leaves), on a side stream.
-        The next optimizer step (any optimizer: a step pre-hook), the next forward of a module
-        with buffers, or ``staged()`` waits for the copies; what does not fit the pool is read
-        live by the background writer and that wait lasts until it was read (reported, never a
-        silent synchronous save). The tracker moves when the background commit completes; its
-        error is raised by ``wait()``, or by the next save, save_async, restore or wait. The health
-        agreement runs before the snapshot, as in ``save``: an unhealthy step snapshots nothing and
-        returns None. ``overwrite`` and ``break_lease`` as in ``save``; ``prepare_async`` pins the pool ahead.
+        Requested while the previous commit still runs (on any rank), it follows ``CheckpointConfig.on_busy``:
+        ``SKIP`` (the default) returns None at once, logged with the interval that fits the measured commit
+        time, counted (``busy.skipped_total``) and recorded in the next step's cost block; ``WAIT`` waits;
+        ``COALESCE`` queues it (None; ``poll()`` or ``wait()`` starts it, a newer request replaces it).
+        The caller blocks only until the snapshot's copies are queued: into spare GPU memory within
+        ``async_gpu_bytes``, else into the reusable pinned host pool within ``async_host_bytes`` (None: the
+        budget the memory contract leaves), on a side stream. The next optimizer step (a step pre-hook), the
+        next forward of a module with buffers, or ``staged()`` waits for the copies; what does not fit the pool
+        is read live by the background writer and that wait lasts until it was read (reported, never a silent
+        synchronous save). The tracker moves when the commit completes; its error is raised by ``wait()`` or
+        the next save, save_async, restore or wait. The health agreement runs first, as in ``save`` (for a
+        queued save: when it starts). ``overwrite``, ``break_lease`` as in ``save``; ``prepare_async`` pins ahead.
+        Retention runs after a commit, in its thread, and never holds the next ``save_async``.
         """
         check_step(step, "save_async")
         check_state(state, "save_async")
-        previous = self._pending
-        go = may_start(self.busy, step, previous, self.config.on_busy, wait=self.wait, record=self._record)
-        return self._background(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease),
-                                previous) if go else None
-
-    def _background(self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any,
-                    actions: Actions, previous: PendingSave | None) -> PendingSave | None:
+        previous, actions = self._pending, Actions(overwrite, break_lease)
+        if not self.queue.admit(step, previous, self._ctx, state, actions, (healthy, loss, grad_norm), wait=self.wait):
+            return None  # skipped or queued (CheckpointConfig.on_busy), alike on every rank
         prepared = self.stage_commit(step, state, healthy, loss, grad_norm, actions)
         return None if prepared is None else self.start_commit(step, prepared, time.monotonic(), after=previous)
+
+    def poll(self) -> PendingSave | None:
+        """``OnBusy.COALESCE``: start the queued save once every rank's commit ended (collective: every step, say)."""
+        return self._start_queued(self.queue.poll(self._pending, self._healthy), self._pending)
+
+    def _start_queued(self, queued: Queued | None, after: PendingSave | None) -> PendingSave | None:
+        """The commit of a queued save whose health agreement passed, in the background."""
+        if queued is None:
+            return None
+        return self.start_commit(queued.step, queued.prepared(self.busy.pending_cost(), self._commit_snap),
+                                 queued.resumed, after=after)
 
     def start_commit(self, step: int, prepared: tuple[Callable[[], Path], Fence, float], resumed: float, *,
                      after: PendingSave | None = None) -> PendingSave:
@@ -255,59 +268,46 @@ class CheckpointManager:
 
     def stage_commit(
         self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any,
-        actions: Actions = NO_ACTIONS,
+        actions: Actions = NO_ACTIONS, *, busy: BusyRound | None = None, measure: bool = False,
     ) -> tuple[Callable[[], Path], Fence, float] | None:
-        """The caller's part of ``save_async`` (the health agreement, the snapshot, the staged copies
-        queued): the background commit, the mutation fence and the start time; None: unhealthy."""
+        """The caller's part of ``save_async`` (health agreement, snapshot, copies queued): the background commit, its
+        fence, its start; None: unhealthy. ``busy``: whose skips the cost block reports; ``measure``: see budget.py."""
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
-        start = time.monotonic()
-        # The divergence guard hashes every tensor: on the staged copies, in the background.
-        snap = snapshot(self._ctx, step, state, guard=False, actions=actions)
-        staged = self._staging.stage(snap, state, self.config)
-        snap.cost.update({**self.busy.pending_cost(), "on_busy": self.config.on_busy.value})
-        pool = self._staging.pool
+        return _async.staged_commit(self._ctx, self._staging, step, state, actions, (busy or self.busy).pending_cost,
+                                    self._commit_snap, measure)
 
-        def run() -> Path:
-            try:
-                return self._published(_commit.commit(self._ctx, snap), step, blocked_s=blocked[0], began=start)
-            finally:
-                if pool is not None:
-                    pool.done()
-
-        snap.resumed = time.monotonic()
-        blocked = [snap.resumed - start]
-        return run, staged.fence, start
+    def _commit_snap(self, snap: Any, start: float, blocked_s: float, measure: bool = False) -> Path:
+        path = self._published(_commit.commit(self._ctx, snap), snap.step, blocked_s=blocked_s, began=start)
+        if measure:  # what a synchronous save would have held the caller: the next estimate's speed
+            self.blocking.observe(snap, time.monotonic() - start, by="background")
+        return path
 
     def prepare_async(self, state: dict[str, Any]) -> Future[int]:
-        """Map and pin the host staging pool for ``state`` in a background thread now (after ``restore``): the
-        first ``save_async`` is then as cheap as later ones. Local (no collective); a future of the bytes added.
-        A ``save_async`` before it is ready reads what the pool cannot hold from the live tensors."""
+        """Map and pin the host staging pool(s) for ``state`` in a background thread now (after ``restore``): the first
+        ``save_async`` is then as cheap as later ones (before it is ready, it reads live what the pool cannot hold).
+        Local (no collective); a future of the bytes added."""
         check_state(state, "prepare_async")
-        return self._staging.prepare(capture(state, self._ctx.keyfn()), self.config)
+        return self.queue.prepare(capture(state, self._ctx.keyfn()), self.config)
 
     def staged(self) -> float:
-        """Make later changes of the saved tensors safe for the last ``save_async``: work queued on the
-        current CUDA stream from now on runs after its copies (the CPU is not held for them), and what
-        did not fit the pool has been read (the CPU waits for that). Call it before changing saved
-        tensors outside an optimizer step (a manual ``p.add_()``, a weight sync into the model).
-        Returns the seconds it blocked."""
-        pending = self._pending
-        if pending is None or pending.fence is None:
-            return 0.0
-        return pending.fence.before_mutation()
+        """Make later changes of the saved tensors safe for the last ``save_async`` (and a queued one): later work on
+        the current CUDA stream runs after its copies, and what did not fit the pool has been read (the CPU waits
+        for that). Call it before changing saved tensors outside an optimizer step (a manual ``p.add_()``, a weight
+        sync into the model). Returns the seconds it blocked."""
+        return self.queue.staged(self._pending)
 
     def close(self) -> None:
-        """Wait for a pending save (raising its error) and release the host staging pool now."""
-        try:
-            self.wait()
-        finally:
-            self._staging.close()
+        """Wait for a pending save (raising its error) and release the host staging pools now."""
+        self.queue.close(self.wait)  # both staging sets, also when wait raised
 
     def wait(self) -> Path | None:
-        """Wait for a pending ``save_async`` and its cleanup; returns its step directory, raises its error."""
+        """Wait for a pending ``save_async`` and its cleanup, then commit a queued one (``OnBusy.COALESCE``) and
+        wait for it too; returns the last step directory, raises the first error."""
         pending, self._pending = self._pending, None
-        return pending.wait() if pending is not None and not pending.reported else None
+        path = pending.wait() if pending is not None and not pending.reported else None
+        started = self._start_queued(self.queue.take(self._healthy), pending)  # every rank's commit ended: agreed
+        return self.wait() if started is not None else path
 
     def _published(self, path: Path, step: int, *, blocked_s: float, began: float) -> Path:
         """What follows a commit before the caller may go on: the log line, the save record (with the

@@ -39,7 +39,7 @@ from . import _faults, _log
 from ._agree import gather_decide, on_every_rank
 from ._commit import pending as _async
 from ._commit import protocol as _commit
-from ._commit.busy import BusyRound, may_start
+from ._commit.busy import BusyRound, check_policy, may_start
 from ._commit.messages import Outcome, raise_if_failed
 from ._commit.publish_run import RunReport, check_shared_root, node_local_message, publish_run_step
 from ._commit.snapshot import Snapshot, snapshot
@@ -65,7 +65,7 @@ from ._records.prooflog import ProofLog
 from ._resume import resolve as _resolve
 from ._resume.resolve import Resolution, ResolveView
 from ._state.derived import DerivedState
-from .config import CheckpointConfig, ResumeMode
+from .config import CheckpointConfig, OnBusy, ResumeMode
 from .errors import ConfigError, error_payload
 from .storage._staging import Fence
 from .storage.streaming import StreamingStorage
@@ -93,6 +93,8 @@ class RunCheckpoint:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
             raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
+        # COALESCE would queue every role's snapshot in a second pool per role; FAST_TIER needs two tiers.
+        check_policy(self.config.on_busy, "RunCheckpoint", (OnBusy.SKIP, OnBusy.WAIT))
         roles = list(roles)
         if not roles or not all(isinstance(r, Role) for r in roles):
             raise ConfigError("RunCheckpoint(roles=...): give a non-empty list of ckptguard.Role(name, ranks=...)")
@@ -141,7 +143,7 @@ class RunCheckpoint:
         self._budget: tuple[int, str] | None = None
         # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
         self.busy = BusyRound(make_agreement(None, timeout_s=self.config.timeout_s, namespace=f"{ns}-busy"),
-                              label="run step")
+                              label="run step", policy=self.config.on_busy)
         """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``), as ``CheckpointManager.busy``."""
         self.core = Root(self.root, self.config, self._naming, run_agreement, label="run step", lease_key="run.lease")
         """The bookkeeping of the run's root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
@@ -263,7 +265,7 @@ class RunCheckpoint:
         budget = self._budget = self._budget or role_budget(self.config, len(self._roles))
         pools: list[Any] = []
 
-        skipped = {**self.busy.pending_cost(), "on_busy": self.config.on_busy.value}
+        skipped = self.busy.pending_cost()
 
         def stage(name: str, ctx: Context) -> Snapshot:
             # The divergence guard hashes every tensor: on the staged copies, in the background commit.

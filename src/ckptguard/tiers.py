@@ -45,7 +45,7 @@ from typing import Any
 
 from ._agree import gather_decide, on_every_rank
 from ._commit import replica as _replica
-from ._commit.busy import BusyRound, may_start
+from ._commit.busy import BusyRound, check_policy, may_start, route_tiered
 from ._context import Actions
 from ._core.guard import GuardTarget, recorded_save_seconds
 from ._core.root import check_state, check_step
@@ -59,7 +59,7 @@ from ._records import trust as _trust
 from ._records.retention import KeepLast, RetentionPolicy, default_policy
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
-from .config import BlockingBudget, CheckpointConfig, ResumeMode
+from .config import BlockingBudget, CheckpointConfig, OnBusy, ResumeMode
 from .errors import (
     CheckpointError,
     CheckpointIncompleteError,
@@ -116,6 +116,10 @@ class TieredCheckpoint:
         if config is not None and not isinstance(config, CheckpointConfig):
             raise ConfigError(f"TieredCheckpoint(config=...) must be a CheckpointConfig, got {type(config).__name__}")
         base = dataclasses.replace(config or CheckpointConfig(), blocking=BlockingBudget(fraction=None))
+        check_policy(base.on_busy, "TieredCheckpoint", (OnBusy.SKIP, OnBusy.WAIT, OnBusy.FAST_TIER))
+        self.on_busy = base.on_busy
+        if base.on_busy is OnBusy.FAST_TIER:  # the tiers' policy; each tier's own manager skips (its save_async)
+            base = dataclasses.replace(base, async_save=dataclasses.replace(base.async_save, on_busy=OnBusy.SKIP))
         if persistent is not None and Path(persistent).absolute() == Path(fast).absolute():
             raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
         self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
@@ -146,12 +150,11 @@ class TieredCheckpoint:
             if mgr is not None:
                 mgr.core.proof.share(home.core.proof, {"tier": tier.value})
         self._pending: TieredSave | None = None
-        self.on_busy = base.on_busy
         TieredCheckpoint._created += 1
         # Created collectively like the managers: the busy round agrees while a commit agrees in its own thread.
         self.busy = BusyRound(make_agreement(process_group, timeout_s=base.timeout_s,
-                                             namespace=f"tiers-{TieredCheckpoint._created}-busy"))
-        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``)."""
+                                             namespace=f"tiers-{TieredCheckpoint._created}-busy"), policy=self.on_busy)
+        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``, ``busy.redirected_total``)."""
         agreement = self.fast.context.agreement
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
         self._peers = _replica.peers(self._hosts)
@@ -236,24 +239,33 @@ class TieredCheckpoint:
         commit completed (a replica is never made of an uncommitted step), and commits the persistent
         tier, then the tiers' retention. Returns a ``TieredSave``; None for a step the health policy
         skipped on every rank, or one requested while the tiers still commit (``CheckpointConfig.on_busy``,
-        as in ``CheckpointManager.save_async``). ``save``, ``restore``, ``wait`` or ``close`` wait for it
-        first and raise its error: a restore chooses its step with every pending save ended, on every rank."""
+        as in ``CheckpointManager.save_async``; ``OnBusy.FAST_TIER``: one requested while only the persistent
+        tier still commits is written to the fast tier alone, at once, beside that commit). ``save``,
+        ``restore``, ``wait`` or ``close`` wait for it first and raise its error: a restore chooses its step
+        with every pending save ended, on every rank."""
         check_step(step, "save_async")
         check_state(state, "save_async")
         start = time.monotonic()
         due = self._due(step)
-        previous = self._pending
+        previous, overlaps = self._pending, None
         record = self._home().core.proof.record
-        if due and not may_start(self.busy, step, self._pending, self.on_busy, wait=self.wait, record=record):
+        if due and self.on_busy is OnBusy.FAST_TIER:
+            route = route_tiered(self.busy, step, self._pending, record=record)
+            if route == "skip":
+                return None
+            if route == "fast":  # beside the persistent commit in flight, whose lease is held already
+                due, previous, overlaps = [(Tier.FAST, self.fast)], None, self._pending
+        elif due and not may_start(self.busy, step, self._pending, self.on_busy, wait=self.wait, record=record):
             return None
-        if due:
+        if due and overlaps is None:
             self._hold_persistent(break_lease)
         parts: list[tuple[Tier, Callable[[], Path], Fence]] = []
         push = (lambda: self._push(step)) if self.replicas else None
         cleanups: list[Callable[[], None]] = []
         try:
             for tier, mgr in due:
-                prepared = mgr.stage_commit(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease))
+                prepared = mgr.stage_commit(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease),
+                                            busy=self.busy)
                 if prepared is None:  # an unhealthy step: skipped on every rank (the fast verdict: every tier)
                     if tier is Tier.FAST or not parts:
                         return None
@@ -268,7 +280,7 @@ class TieredCheckpoint:
             # staged commits, so its pool slots and its fence are released, never left hanging.
             if parts:
                 self._pending = TieredSave(step, parts, time.monotonic() - start, push,
-                                           cleanups=cleanups, after=previous)
+                                           cleanups=cleanups, after=previous, overlaps=overlaps)
         return self._pending if parts else TieredSave(step, [], time.monotonic() - start, None)
 
     def _due(self, step: int) -> list[tuple[Tier, CheckpointManager]]:
@@ -307,7 +319,7 @@ class TieredCheckpoint:
         """``CheckpointManager.staged`` for both tiers of the last ``save_async``: call it before changing
         saved tensors outside an optimizer step. Returns the seconds it blocked."""
         pending = self._pending
-        return sum(f.before_mutation() for f in pending.fences) if pending is not None else 0.0
+        return sum(f.before_mutation() for f in pending.all_fences()) if pending is not None else 0.0
 
     def close(self) -> None:
         """Wait for a pending save (raising its error) and release both tiers' host staging pools."""

@@ -12,7 +12,9 @@ speed; every rank's estimate is gathered and rank 0 decides for all with the slo
 budget (``BlockingBudget.fraction`` of the group's timeout, read from the group or declared),
 ``save`` warns and saves (``OverBudget.WARN``, the default), commits in the background as
 ``save_async`` does (``OverBudget.BACKGROUND``) or raises ``SaveBudgetError`` on every rank
-(``OverBudget.REFUSE``), before any rank snapshots. One rank,
+(``OverBudget.REFUSE``), before any rank snapshots. A save sent to the background feeds its measured
+time (request to published, what a synchronous save would have held the caller) to the next estimate,
+as a synchronous save does: the estimate never stays on the probe's figure. One rank,
 or no readable timeout and none declared: no budget, no round.
 """
 
@@ -133,6 +135,8 @@ class BudgetRound:
         self.timeout_s = budget.timeout_s if budget.timeout_s is not None else group_timeout_s(group)
         self.timeout_source = "declared" if budget.timeout_s is not None else "read from the process group"
         self._bytes_per_s: float | None = None
+        self.measured_by = ""
+        """Which save the estimate's speed was measured on (``synchronous``, ``background``); empty: none yet."""
         self.redirected = 0
         """Synchronous saves this manager committed in the background instead (``OverBudget.BACKGROUND``)."""
 
@@ -142,12 +146,15 @@ class BudgetRound:
             return None
         return self.timeout_s * self.budget.fraction
 
-    def observe(self, snap: Snapshot, seconds: float) -> None:
-        """A synchronous save of ``snap`` held the caller ``seconds``: the speed the next estimate uses."""
+    def observe(self, snap: Snapshot, seconds: float, *, by: str = "synchronous") -> None:
+        """A save of ``snap`` took ``seconds`` (a synchronous one held the caller that long; ``by="background"``:
+        a save ``OverBudget.BACKGROUND`` sent to the background, from its request until it was published):
+        the speed the next estimate uses."""
         local = [t.to_local() if hasattr(t, "to_local") else t for c in snap.items.values() for t in c.tensors.values()]
         nbytes = sum(t.numel() * t.element_size() for t in local)
         if nbytes > 0 and seconds > 0:
             self._bytes_per_s = nbytes / seconds
+            self.measured_by = by
 
     def _estimate(self, state: Mapping[str, Any], budget_s: float) -> _Estimate:
         """Never raises: a rank that cannot estimate posts None (the others' estimates decide), so no rank
@@ -160,7 +167,7 @@ class BudgetRound:
     def _estimated(self, state: Mapping[str, Any], budget_s: float) -> _Estimate:
         nbytes = tensor_bytes(dict(state))
         if self._bytes_per_s is not None:
-            return _Estimate(nbytes / self._bytes_per_s, nbytes, "this manager's last synchronous save")
+            return _Estimate(nbytes / self._bytes_per_s, nbytes, f"this manager's last {self.measured_by} save")
         if nbytes / FLOOR_BYTES_PER_S <= budget_s:  # fits even at a slow disk's speed: no probe write
             return _Estimate(nbytes / FLOOR_BYTES_PER_S, nbytes, f"a floor of {FLOOR_BYTES_PER_S >> 20} MiB/s")
         speed = write_speed(self.root)

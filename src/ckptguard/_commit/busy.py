@@ -7,6 +7,10 @@ agreement meanwhile, and one agreement numbers its phases in one thread only) an
 for all, before any rank snapshots. ``OnBusy.SKIP``: nothing is snapshotted; the skip is logged
 with the interval that fits the measured commit time, counted, and handed to the next committed
 step's cost block (``pending_cost``) and to the proof log. ``OnBusy.WAIT`` needs no round.
+``OnBusy.COALESCE`` (``_commit.coalesce``) and ``OnBusy.FAST_TIER`` (``ckptguard.tiers``) decide from
+the same round: the views also carry the step queued on each rank (every rank must hold the same one,
+checked here) and whether only a tiered save's persistent part still runs there; coalesced and
+redirected saves are counted and reported like skips.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Protocol
 
 from .._agree import Agreement, Wire, gather_decide
 from ..config import OnBusy
+from ..errors import CheckpointError, ConfigError
 
 log = logging.getLogger("ckptguard")
 
@@ -30,16 +35,25 @@ class BusyView(Wire):
 
     running: int | None
     running_s: float
+    queued: int | None = None
+    """The step of a coalesced save queued here, not started (``OnBusy.COALESCE``)."""
+    fast_busy: bool = False
+    """A tiered save's fast part (commit, replica push) still runs here, not only its persistent part."""
 
 
 @dataclass(frozen=True)
 class BusyDecision(Wire):
-    """Rank 0's verdict: ``busy`` when a commit is in flight on any rank (``ranks``, ``running``)."""
+    """Rank 0's verdict: ``busy`` when a commit is in flight on any rank (``ranks``, ``running``);
+    ``fast_busy`` when a tiered save's fast part still runs on any rank; ``queued``: the step queued on
+    rank 0, ``queue_differs``: the ranks that hold another (never expected; every rank raises)."""
 
     busy: bool
     running: int | None = None
     ranks: list[int] = field(default_factory=list)
     running_s: float = 0.0
+    fast_busy: bool = False
+    queued: int | None = None
+    queue_differs: list[int] = field(default_factory=list)
 
 
 class InFlight(Protocol):
@@ -56,30 +70,51 @@ class InFlight(Protocol):
     def outcome(self) -> Any: ...
 
 
+class TieredInFlight(InFlight, Protocol):
+    """A tiered background save (``TieredSave``): also whether its fast part still runs here."""
+
+    def fast_busy(self) -> bool: ...
+
+
 def decide(views: list[BusyView]) -> BusyDecision:
+    queued = views[0].queued
+    differs = [r for r, v in enumerate(views) if v.queued != queued]
     ranks = [r for r, v in enumerate(views) if v.running is not None]
     if not ranks:
-        return BusyDecision(busy=False)
+        return BusyDecision(busy=False, queued=queued, queue_differs=differs)
     return BusyDecision(busy=True, running=views[ranks[0]].running, ranks=ranks,
-                        running_s=round(max(views[r].running_s for r in ranks), 3))
+                        running_s=round(max(views[r].running_s for r in ranks), 3),
+                        fast_busy=any(v.fast_busy for v in views), queued=queued, queue_differs=differs)
 
 
 @dataclass
 class Skipped:
+    """A save not committed as requested: ``kind`` is ``skipped``, ``coalesced`` (a newer one replaced it
+    in the queue) or ``redirected`` (written to the fast tier only)."""
+
     step: int
     running: int | None
     reason: str
+    kind: str = "skipped"
+
+KINDS = ("skipped", "coalesced", "redirected")
 
 
 class BusyRound:
     """The busy decision of one front door, its skip counter and the step-time/commit-time figures
     that say which interval would fit."""
 
-    def __init__(self, agreement: Agreement, *, label: str = "step") -> None:
+    def __init__(self, agreement: Agreement, *, label: str = "step", policy: OnBusy = OnBusy.SKIP) -> None:
         self.agreement = agreement
         self.label = label
+        self.policy = policy
+        """The front door's ``CheckpointConfig.on_busy`` (named in every cost block)."""
         self.skipped_total = 0
         """Saves this process skipped because a commit was in flight."""
+        self.coalesced_total = 0
+        """Queued saves a newer request replaced before they started (``OnBusy.COALESCE``)."""
+        self.redirected_total = 0
+        """Saves written to the fast tier only while the persistent tier committed (``OnBusy.FAST_TIER``)."""
         self.since_commit: list[Skipped] = []
         """Skips not yet reported in a committed step's cost block."""
         self.last_commit_s: float | None = None
@@ -90,10 +125,18 @@ class BusyRound:
     def request(self, step: int) -> None:
         self._requests = [*self._requests, (step, time.monotonic())][-2:]
 
-    def round(self, step: int, running: int | None, running_s: float) -> BusyDecision:
-        """Collective: every rank's view, rank 0's verdict."""
-        return gather_decide(self.agreement, "save.busy", BusyView(running, round(running_s, 3)), decide,
-                             decision=BusyDecision)
+    def round(self, step: int, running: int | None, running_s: float, *, queued: int | None = None,
+              fast_busy: bool = False) -> BusyDecision:
+        """Collective: every rank's view, rank 0's verdict. Ranks holding different queued saves (never
+        expected: they are queued and replaced only on this round's verdicts) raise alike on every rank."""
+        view = BusyView(running, round(running_s, 3), queued=queued, fast_busy=fast_busy)
+        decision = gather_decide(self.agreement, "save.busy", view, decide, decision=BusyDecision)
+        if decision.queue_differs:
+            raise CheckpointError(
+                f"save_async of {self.label} {step}: rank 0 holds queued {self.label} {decision.queued} and ranks "
+                f"{decision.queue_differs} another (this rank: {queued}); a queued save would start on some ranks "
+                "only. This is a ckptguard bug: report it; CheckpointConfig(on_busy=OnBusy.SKIP) avoids the queue")
+        return decision
 
     def commit_took(self, seconds: float) -> None:
         self.last_commit_s = seconds
@@ -112,12 +155,15 @@ class BusyRound:
             return None
         return max(1, math.ceil(commit_s / step_s)), commit_s
 
-    def skip(self, step: int, decision: BusyDecision) -> Skipped:
-        """Count, log and keep a skipped request (``OnBusy.SKIP``)."""
-        fit = self.fitting_interval(decision)
+    def running_reason(self, decision: BusyDecision) -> str:
         where = f"ranks {decision.ranks}" if len(decision.ranks) > 1 else f"rank {decision.ranks[0]}"
-        reason = (f"{self.label} {decision.running}'s commit was still running on {where} "
-                  f"({decision.running_s:.2f} s in)")
+        return (f"{self.label} {decision.running}'s commit was still running on {where} "
+                f"({decision.running_s:.2f} s in)")
+
+    def skip(self, step: int, decision: BusyDecision, why: str = "") -> Skipped:
+        """Count, log and keep a skipped request (``OnBusy.SKIP``; ``why``: what kept another policy from it)."""
+        fit = self.fitting_interval(decision)
+        reason = self.running_reason(decision) + (f"; {why}" if why else "")
         skipped = Skipped(step, decision.running, reason)
         self.skipped_total += 1
         self.since_commit.append(skipped)
@@ -136,15 +182,45 @@ class BusyRound:
             log.info(message)
         return skipped
 
+    def coalesce(self, step: int, by: int, reason: str) -> Skipped:
+        """Count, log and keep a queued save that ``by`` replaced before it started (``OnBusy.COALESCE``)."""
+        self.coalesced_total += 1
+        gone = Skipped(step, None, f"replaced in the queue by {self.label} {by}: {reason}", kind="coalesced")
+        self.since_commit.append(gone)
+        log.info("ckptguard: queued save_async of %s %d COALESCED (%d so far): %s", self.label, step,
+                 self.coalesced_total, gone.reason)
+        return gone
+
+    def redirect(self, step: int, decision: BusyDecision) -> Skipped:
+        """Count, log and keep a save written to the fast tier only (``OnBusy.FAST_TIER``)."""
+        self.redirected_total += 1
+        moved = Skipped(step, decision.running, self.running_reason(decision).replace("commit", "persistent commit"),
+                        kind="redirected")
+        self.since_commit.append(moved)
+        log.info("ckptguard: save_async of %s %d REDIRECTED to the fast tier only (%d so far): %s", self.label, step,
+                 self.redirected_total, moved.reason)
+        return moved
+
     def pending_cost(self) -> dict[str, Any]:
-        """The skips since the last committed step, for the next one's cost block (then forgotten)."""
-        out: dict[str, Any] = {
-            "skipped_saves": len(self.since_commit),
-            "skipped_steps": [s.step for s in self.since_commit],
-            "skipped_saves_total": self.skipped_total,
-        }
+        """The skipped, coalesced and redirected saves since the last committed step, for the next one's cost
+        block (then forgotten)."""
+        totals = {"skipped": self.skipped_total, "coalesced": self.coalesced_total,
+                  "redirected": self.redirected_total}
+        out: dict[str, Any] = {"on_busy": self.policy.value}
+        for kind in KINDS:
+            mine = [s for s in self.since_commit if s.kind == kind]
+            out.update({f"{kind}_saves": len(mine), f"{kind}_steps": [s.step for s in mine],
+                        f"{kind}_saves_total": totals[kind]})
         self.since_commit = []
         return out
+
+
+def check_policy(policy: OnBusy, front_door: str, able: tuple[OnBusy, ...]) -> None:
+    """Refuse an ``on_busy`` policy ``front_door`` cannot follow, naming the ones it can."""
+    if policy not in able:
+        raise ConfigError(
+            f"{front_door}: CheckpointConfig(on_busy=OnBusy.{policy.name}) is not a policy it can follow "
+            f"({policy.name}: see the OnBusy docstring); use one of {', '.join('OnBusy.' + p.name for p in able)}")
 
 
 def may_start(
@@ -165,9 +241,35 @@ def may_start(
         record("busy_skip", durable=False, step=step, running=decision.running, reason=skipped.reason,
                policy=policy.value)
         return False
+    settle(busy, pending)
+    return True
+
+
+def settle(busy: BusyRound, pending: InFlight | None) -> None:
+    """Every rank's commit ended: note how long it took, and raise its error (alike on every rank)."""
     if pending is not None:
         if pending.commit_seconds is not None:
             busy.commit_took(pending.commit_seconds)
         if not pending.reported:
             pending.outcome()
-    return True
+
+
+def route_tiered(busy: BusyRound, step: int, pending: TieredInFlight | None, *, record: Callable[..., None]) -> str:
+    """``OnBusy.FAST_TIER`` for a tiered ``save_async`` of ``step``, alike on every rank: ``"start"`` (no commit in
+    flight on any rank; its error raised here, as ``may_start``), ``"fast"`` (only persistent commits run: write
+    it to the fast tier alone, recorded as redirected) or ``"skip"`` (the fast tier still commits on some rank)."""
+    busy.request(step)
+    running = pending if pending is not None and pending.busy() else None
+    decision = busy.round(step, running.step if running else None, running.running_seconds() if running else 0.0,
+                          fast_busy=running is not None and running.fast_busy())
+    if not decision.busy:
+        settle(busy, pending)
+        return "start"
+    if decision.fast_busy:
+        skipped = busy.skip(step, decision, why="the fast tier still commits too, so it is not redirected there")
+        record("busy_skip", durable=False, step=step, running=decision.running, reason=skipped.reason,
+               policy=OnBusy.FAST_TIER.value)
+        return "skip"
+    moved = busy.redirect(step, decision)
+    record("busy_redirect", durable=False, step=step, running=decision.running, reason=moved.reason)
+    return "fast"

@@ -5,7 +5,9 @@ memory when the GPU copies fit ``gpu_bytes``, otherwise into slots of the reusab
 staging pool (``storage._staging``) within ``host_bytes``: the caller waits only until the
 copies are queued. What fits neither stays live: the background writer reads it, and the
 fence holds the next mutation (optimizer step, ``staged()``) until it has; never a silent
-synchronous save. ``PendingSave`` runs the commit protocol in a thread at lowered CPU and
+synchronous save. ``AsyncStaging.place_whole`` and ``fill`` stage a snapshot whole or not at all
+(``OnBusy.COALESCE``'s queued save: it must never read live tensors), in two steps so that every
+rank can agree between them. ``PendingSave`` runs the commit protocol in a thread at lowered CPU and
 I/O priority, after the staged copies landed. The tracker moves only when that commit
 completes; an error there is kept and raised by ``wait()``, which the manager calls before
 its next collective call, so it is never lost.
@@ -29,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._context import Actions, Context
 from .._priority import lower_this_thread
 from .._state.state import Captured
 from ..config import CheckpointConfig
@@ -36,7 +39,7 @@ from ..errors import SaveStillRunningError
 from ..memory.budget import host_budget
 from ..storage._staging import Fence, HostCopier, StagingPool, copier_for, slot_view
 from ..storage._writer import exact
-from .snapshot import Snapshot
+from .snapshot import Snapshot, snapshot
 
 log = logging.getLogger("ckptguard")
 
@@ -141,6 +144,21 @@ def stage(
     return out
 
 
+@dataclass
+class Placement:
+    """A snapshot's slots in a pool, not filled yet (``AsyncStaging.place_whole``)."""
+
+    snap: Snapshot
+    pool: StagingPool
+    entries: list[tuple[Captured, str, torch.Tensor, torch.Tensor, torch.Tensor]]
+    """(item, key, tensor, its exact local tensor, its slot)."""
+    budget: int = 0
+    """The host bytes this set could hold (for the cost block)."""
+
+    def release(self) -> None:
+        self.pool.done()
+
+
 class AsyncStaging:
     """A manager's host staging: the pool (created at the first ``save_async``, reused, released
     by ``close()`` or after ``async_pool_idle_s``), the host budget (derived once, logged once)
@@ -164,13 +182,15 @@ class AsyncStaging:
             log.info("ckptguard: save_async host staging budget %d B per rank (%s)", self.budget, self.budget_why)
         return self.budget
 
-    def prepare(self, items: dict[str, Captured], config: CheckpointConfig) -> Future[int]:
+    def prepare(self, items: dict[str, Captured], config: CheckpointConfig, *, gpu_bytes: int | None = None
+                ) -> Future[int]:
         """Derive the host budget (a memory probe: about 1 s) and grow the pool to what ``items`` stage into
-        the host, in the background (``prepare_async``, or the first ``save_async`` without it)."""
+        the host, in the background (``prepare_async``, or the first ``save_async`` without it). ``gpu_bytes``:
+        what may go to spare GPU memory instead (None: ``async_gpu_bytes``; 0: everything to the host)."""
         pool = self._pool_for(items, config)
         tensors = [t for c in items.values() for t in c.tensors.values()]
         on_gpu = sum(_nbytes(t) for t in tensors if _local(t).is_cuda)
-        gpu_fits = 0 < on_gpu <= config.async_gpu_bytes
+        gpu_fits = 0 < on_gpu <= (config.async_gpu_bytes if gpu_bytes is None else gpu_bytes)
         sizes = [_nbytes(t) for t in tensors if _nbytes(t) and not (gpu_fits and _local(t).is_cuda)]
         done: Future[int] = Future()
 
@@ -221,6 +241,52 @@ class AsyncStaging:
                 ", growing in the background" if ready else "",
             )
         return staged
+
+    def place_whole(self, snap: Snapshot, config: CheckpointConfig, budget: int) -> Placement | str:
+        """A host slot for every tensor of ``snap`` in this set's pool (within ``budget``), or why not (nothing
+        placed then; the pool grows toward it in the background). Copies nothing: ``fill`` does, once agreed.
+        Placing resets the pool's slots: what this set held before stays intact until ``fill`` runs."""
+        pool = self._pool_for(snap.items, config)
+        for item in snap.items.values():
+            item.skeleton = copy.deepcopy(item.skeleton)  # the values the trainer bumps before it starts
+        entries = []
+        for item in snap.items.values():
+            for key, t in item.tensors.items():
+                local = exact(t)
+                if local.numel() == 0:
+                    item.tensors[key] = _rewrap(torch.empty(local.shape, dtype=local.dtype), t)
+                else:
+                    entries.append((item, key, t, local))
+        sizes = [_nbytes(t) for _, _, t, _ in entries]
+        want = sum(sizes)
+        if pool.growing:
+            return f"its host staging set for {want} B is still being allocated in the background"
+        slots = pool.place(sizes, budget, grow=False)
+        if all(slot is not None for slot in slots):
+            placed = [(*e, slot) for e, slot in zip(entries, slots, strict=True) if slot is not None]
+            return Placement(snap, pool, placed, budget)
+        pool.done()
+        if budget >= pool.held_bytes + pool.missing(sizes):
+            pool.grow_async(pool.missing(sizes), budget)
+            return f"its host staging set for {want} B was not allocated yet (now being allocated in the background)"
+        return (f"it needs {want} B of host staging beside the commit's, and {budget} B of the host staging budget "
+                "are left (raise CheckpointConfig.async_host_bytes to twice the state's bytes)")
+
+    def fill(self, placed: Placement, state: dict[str, Any], timeout_s: float) -> Staged:
+        """Copy ``placed``'s tensors into their slots; the next mutation waits for the copies (never for a
+        live read: there is none)."""
+        copier = copier_for([local for _, _, _, local, _ in placed.entries])
+        out = Staged(fence=HostCopier().fence(live=False, timeout_s=timeout_s), host_budget=placed.budget)
+        for item, key, t, local, slot in placed.entries:
+            dst = slot_view(slot, local)
+            copier.copy(dst, local)
+            item.tensors[key] = _rewrap(dst, t)
+            out.host_bytes += _nbytes(t)
+        out.fence = copier.fence(live=False, timeout_s=timeout_s)
+        placed.snap.staged_bytes = out.host_bytes
+        placed.snap.cost = out.cost(placed.pool)
+        self.guard(out.fence, state)
+        return out
 
     def guard(self, fence: Fence, state: dict[str, Any]) -> None:
         """Hold the next optimizer step (any optimizer), and the next forward of a module whose saved
@@ -275,6 +341,37 @@ def _ranks_per_node() -> int:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def committer(commit: Callable[[Snapshot, float, float, bool], Path], snap: Snapshot, start: float,
+              pool: StagingPool | None, measure: bool = False) -> Callable[[], Path]:
+    """The background commit of a staged ``snap``: ``commit(snap, start, blocked_s, measure)``, then the pool's
+    slots are free for the next save (also when it failed)."""
+    blocked_s = (snap.resumed if snap.resumed is not None else time.monotonic()) - start
+
+    def run() -> Path:
+        try:
+            return commit(snap, start, blocked_s, measure)
+        finally:
+            if pool is not None:
+                pool.done()
+
+    return run
+
+
+def staged_commit(
+    ctx: Context, staging: AsyncStaging, step: int, state: dict[str, Any], actions: Actions,
+    cost: Callable[[], dict[str, Any]], commit: Callable[[Snapshot, float, float, bool], Path], measure: bool,
+) -> tuple[Callable[[], Path], Fence, float]:
+    """A front door's ``save_async`` after its health agreement: the snapshot, its staged copies queued, and the
+    background commit (``committer``), its mutation fence and its start time."""
+    start = time.monotonic()
+    # The divergence guard hashes every tensor: on the staged copies, in the background.
+    snap = snapshot(ctx, step, state, guard=False, actions=actions)
+    staged = staging.stage(snap, state, ctx.config)
+    snap.cost.update(cost())
+    snap.resumed = time.monotonic()
+    return committer(commit, snap, start, staging.pool, measure), staged.fence, start
 
 
 class PendingSave:

@@ -1,8 +1,12 @@
 """A ``TieredCheckpoint.save_async`` in flight: the tiers' background commits in one thread.
 
 ``TieredSave`` runs the due tiers' staged commits one after the other (the fast tier, its replica
-push, then the persistent tier), then their cleanup; ``wait()`` returns the committed directories
-or raises the first failure. Made by ``ckptguard.tiers.TieredCheckpoint.save_async``.
+push and its cleanup, then the persistent tier and its cleanup); ``wait()`` returns the committed
+directories or raises the first failure. Made by ``ckptguard.tiers.TieredCheckpoint.save_async``.
+A save redirected to the fast tier (``OnBusy.FAST_TIER``) ``overlaps`` the save in flight: its commit
+starts once that save's fast part and cleanup ended on this rank (the caller's busy round has seen
+it ended on every rank), beside that save's persistent commit; waiting for it (``wait``, ``join``,
+``busy``) waits for the save it overlaps too, and raises that one's error first.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class TieredSave:
     def __init__(
         self, step: int, parts: list[tuple[Tier, Callable[[], Path], Fence]], blocked_s: float,
         push: Callable[[], None] | None, *, cleanups: list[Callable[[], None]] | None = None,
-        after: TieredSave | None = None,
+        after: TieredSave | None = None, overlaps: TieredSave | None = None,
     ) -> None:
         self.step = step
         self.tiers = [tier for tier, _, _ in parts]
@@ -48,8 +52,17 @@ class TieredSave:
         """How long the tiers' retention and proof pruning took after the commits, off the caller's path."""
         self.reported = False
         """True once ``wait()`` raised: ``TieredCheckpoint`` does not raise it a second time."""
+        self.overlaps = overlaps
+        """The save in flight this one (redirected to the fast tier) was started beside."""
+        self.fast_committed = threading.Event()
+        """Set once the fast part (commit, replica push) ended, or there is none: the fast tier is idle here."""
+        self.fast_settled = threading.Event()
+        """Set once the fast part and the fast tier's cleanup ended: a redirected save may commit there now."""
+        if Tier.FAST not in self.tiers:
+            self.fast_committed.set()
+            self.fast_settled.set()
         # Not a daemon: an interpreter exit waits for the commits instead of cutting them off.
-        self._thread = threading.Thread(target=self._run, args=(parts, push, cleanups or [], after),
+        self._thread = threading.Thread(target=self._run, args=(parts, push, cleanups or [], after, overlaps),
                                         name=f"ckptguard-tiers-save-{step}")
         if parts:  # a step on neither interval starts no thread
             self._thread.start()
@@ -61,44 +74,69 @@ class TieredSave:
         """How long later mutations (optimizer step, ``staged()``) waited for this save's reads."""
         return sum(f.waited_s for f in self.fences)
 
+    def all_fences(self) -> list[Fence]:
+        """This save's fences and those of the saves it overlaps."""
+        return self.fences + (self.overlaps.all_fences() if self.overlaps is not None else [])
+
     def _run(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None,
-             cleanups: list[Callable[[], None]], after: TieredSave | None) -> None:
+             cleanups: list[Callable[[], None]], after: TieredSave | None, overlaps: TieredSave | None) -> None:
         self.priority = lower_this_thread()
         if after is not None:
             after.join()  # the previous save's cleanup ends before these commits touch the roots
+        if overlaps is not None:
+            overlaps.fast_settled.wait()  # its fast cleanup ends before this commit touches the fast root
+        began = 0.0
         try:
-            self._commit(parts, push)
+            for i, (tier, run, fence) in enumerate(parts):
+                self._commit(tier, run, fence, push)
+                if tier is Tier.FAST:
+                    self.fast_committed.set()
+                    began = time.monotonic()
+                    self._cleanup(cleanups[i] if i < len(cleanups) else None)
+                    self.cleanup_seconds = time.monotonic() - began
+                    self.fast_settled.set()
         finally:
+            self.fast_committed.set()
+            self.fast_settled.set()
             self.commit_seconds = time.monotonic() - self._started
             self._published.set()
         began = time.monotonic()
-        for cleanup in cleanups if self._error is None else []:
-            try:
-                cleanup()
-            except Exception as exc:  # retention never stops training
-                log.warning("ckptguard: the cleanup after step %d failed: %s: %s", self.step, type(exc).__name__, exc)
-        self.cleanup_seconds = time.monotonic() - began
+        for i, (tier, _, _) in enumerate(parts):
+            if tier is not Tier.FAST:
+                self._cleanup(cleanups[i] if i < len(cleanups) else None)
+        self.cleanup_seconds = (self.cleanup_seconds or 0.0) + time.monotonic() - began
 
-    def _commit(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None) -> None:
-        for tier, run, fence in parts:
-            try:
-                fence.host_wait()  # the staged copies have landed before anything reads them
-                self._result[tier] = run()
-                if tier is Tier.FAST and push is not None:
-                    push()  # after the commit: a replica is never made of an uncommitted step
-            except BaseException as exc:  # kept for wait(); the next tier still saves (its own commit)
-                self._error = self._error or exc
-                log.error("ckptguard: the background save of step %d to the %s tier failed: %s: %s (raised by the "
-                          "next save, restore or wait)", self.step, tier.value, type(exc).__name__, exc)
-            finally:
-                fence.live_read()  # a failed save reads nothing more: training may go on
+    def _cleanup(self, cleanup: Callable[[], None] | None) -> None:
+        if cleanup is None or self._error is not None:
+            return
+        try:
+            cleanup()
+        except Exception as exc:  # retention never stops training
+            log.warning("ckptguard: the cleanup after step %d failed: %s: %s", self.step, type(exc).__name__, exc)
+
+    def _commit(self, tier: Tier, run: Callable[[], Path], fence: Fence, push: Callable[[], None] | None) -> None:
+        try:
+            fence.host_wait()  # the staged copies have landed before anything reads them
+            self._result[tier] = run()
+            if tier is Tier.FAST and push is not None:
+                push()  # after the commit: a replica is never made of an uncommitted step
+        except BaseException as exc:  # kept for wait(); the next tier still saves (its own commit)
+            self._error = self._error or exc
+            log.error("ckptguard: the background save of step %d to the %s tier failed: %s: %s (raised by the "
+                      "next save, restore or wait)", self.step, tier.value, type(exc).__name__, exc)
+        finally:
+            fence.live_read()  # a failed save reads nothing more: training may go on
 
     def done(self) -> bool:
         return not self._thread.is_alive()
 
     def busy(self) -> bool:
-        """True until every tier's commit ended (the cleanup after them does not count)."""
-        return not self._published.is_set()
+        """True until every tier's commit ended, this save's and the one it overlaps (cleanups do not count)."""
+        return not self._published.is_set() or (self.overlaps is not None and self.overlaps.busy())
+
+    def fast_busy(self) -> bool:
+        """True until the fast part (commit, replica push) ended, this save's and the one it overlaps."""
+        return not self.fast_committed.is_set() or (self.overlaps is not None and self.overlaps.fast_busy())
 
     def running_seconds(self) -> float:
         return time.monotonic() - self._started
@@ -106,9 +144,13 @@ class TieredSave:
     def join(self) -> None:
         if self.tiers:
             self._thread.join()
+        if self.overlaps is not None:
+            self.overlaps.join()
 
     def wait(self, timeout: float | None = None) -> dict[Tier, Path]:
         """Block until every tier's commit (and the replica push) and their cleanup ended; raise the first error."""
+        if self.overlaps is not None and not self.overlaps.reported:
+            self.overlaps.wait(timeout)  # its error first: it was requested first
         if self.tiers:
             self._thread.join(timeout)
         if self._thread.is_alive():
@@ -119,7 +161,10 @@ class TieredSave:
         return self.outcome()
 
     def outcome(self) -> dict[Tier, Path]:
-        """The tiers' committed directories once the commits ended, or the first error raised."""
+        """The tiers' committed directories once the commits ended, or the first error raised (the overlapped
+        save's first)."""
+        if self.overlaps is not None and not self.overlaps.reported:
+            self.overlaps.outcome()
         self._published.wait()
         if self._error is not None:
             self.reported = True
