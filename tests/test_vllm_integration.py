@@ -106,6 +106,26 @@ def _random_kills(n: int, seed: int) -> list[str]:
     return [p for *_k, p in sorted(points)] + ["save@8"]
 
 
+def _killed_until_done_and_proven(root: Path, kills: list[str], reference: dict, *args: str):
+    """Launch the example killed at ``kills`` (one per launch), then until it ends; check what every kill test
+    checks: each launch died by its SIGKILL in order, the end (params, optimizer, the last launch's completions)
+    is bitwise the uninterrupted run's, and ``prove`` says PROVEN with the export and old-logprob gates from the
+    engine. Returns the launches, the last result and the gates by name."""
+    runs = _until_done(root, *args, *[f"--kill={k}" for k in kills], max_launches=len(kills) + 2)
+    assert [r.returncode for r in runs] == [-9] * len(kills) + [0], [r.stderr[-1500:] for r in runs]
+    assert (root / "fired").read_text().split() == kills
+    out = _result(runs[-1])
+    assert out["params"] == reference["params"] and out["optim"] == reference["optim"]
+    # every step the last launch ran generated exactly the reference's completions
+    assert out["completions"] and all(reference["completions"][k] == c for k, c in out["completions"].items())
+    rc, proof = _prove(root / "ckpt")
+    gates = {g["gate"]: g for g in proof["gates"]}
+    assert rc == 0 and proof["verdict"] == "resume PROVEN", proof
+    assert "byte-identical to the saving run's" in gates["first export byte-identical"]["evidence"]
+    assert gates["first old-logprob aligned"]["status"] == "PASS"
+    return runs, out, gates
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm")
@@ -122,21 +142,10 @@ def reference(work) -> dict:
 def test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven(work, reference):
     kills = _random_kills(KILLS, seed=int(os.environ.get("CKPTGUARD_VLLM_KILL_SEED", "28")))
     started = time.monotonic()
-    runs = _until_done(work / "killed", *[f"--kill={k}" for k in kills], max_launches=len(kills) + 2)
+    runs, out, gates = _killed_until_done_and_proven(work / "killed", kills, reference)
     elapsed = time.monotonic() - started
-    assert [r.returncode for r in runs] == [-9] * len(kills) + [0], [r.stderr[-1500:] for r in runs]
-    assert (work / "killed" / "fired").read_text().split() == kills
-    out = _result(runs[-1])
-    # every prompt trained exactly once, and the end is bitwise the uninterrupted run's
+    # every prompt trained exactly once
     assert out["trained"] == list(range(32)) and out["counters"]["trained"] == 32
-    assert out["params"] == reference["params"] and out["optim"] == reference["optim"]
-    # every step the last launch ran generated exactly the reference's completions
-    assert out["completions"] and all(reference["completions"][s] == c for s, c in out["completions"].items())
-    rc, proof = _prove(work / "killed" / "ckpt")
-    gates = {g["gate"]: g for g in proof["gates"]}
-    assert rc == 0 and proof["verdict"] == "resume PROVEN", proof
-    assert "byte-identical to the saving run's" in gates["first export byte-identical"]["evidence"]
-    assert gates["first old-logprob aligned"]["status"] == "PASS"
     assert "steps 7-8 replayed after the restore of step 6" in gates["data order identical"]["evidence"]
     # `mem vllm-log` reads the engine's real startup log: the KV space it got is VLLM_CPU_KVCACHE_SPACE
     from ckptguard.memory import parse_vllm_log
@@ -164,20 +173,10 @@ def test_two_gloo_ranks_with_an_engine_each_killed_whole_resume_bitwise_and_are_
     args = ("--nproc=2", "--epochs=1")
     reference = _result(_until_done(work / "ref2", *args, max_launches=1)[-1])
     kills = _two_rank_kills(seed=int(os.environ.get("CKPTGUARD_VLLM_KILL_SEED", "28")))
-    runs = _until_done(work / "killed2", *args, *[f"--kill={k}" for k in kills], max_launches=len(kills) + 2)
-    assert [r.returncode for r in runs] == [-9] * len(kills) + [0], [r.stderr[-1500:] for r in runs]
-    assert (work / "killed2" / "fired").read_text().split() == kills
-    out = _result(runs[-1])
+    _runs, out, gates = _killed_until_done_and_proven(work / "killed2", kills, reference, *args)
     assert out["ranks"] == 2 and out["same_on_every_rank"]
     assert out["trained"] == list(range(16)) and out["counters"]["trained"] == 16  # each prompt once, over both ranks
-    assert out["params"] == reference["params"] and out["optim"] == reference["optim"]
-    assert out["completions"] and all(reference["completions"][k] == c for k, c in out["completions"].items())
     assert {k.split("/")[1] for k in out["completions"]} == {"0", "1"}  # both ranks' engines replayed
-    rc, proof = _prove(work / "killed2" / "ckpt")
-    gates = {g["gate"]: g for g in proof["gates"]}
-    assert rc == 0 and proof["verdict"] == "resume PROVEN", proof
-    assert "byte-identical to the saving run's" in gates["first export byte-identical"]["evidence"]
-    assert gates["first old-logprob aligned"]["status"] == "PASS"
     assert "steps 3-4 replayed after the restore of step 2 on 2 rank(s)" in gates["data order identical"]["evidence"]
     assert gates["replayed steps identical"]["status"] == "PASS"
 

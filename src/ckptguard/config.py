@@ -334,14 +334,14 @@ class ReshardOptions:
         object.__setattr__(self, "replicated", tuple(self.replicated))
 
 
-_GROUP_CLASS = {"storage": "StorageOptions", "state": "StateOptions", "async_save": "AsyncOptions",
-                "reshard": "ReshardOptions", "proof": "ProofPlan"}
+_GROUPS: dict[str, type[Any]] = {"storage": StorageOptions, "state": StateOptions, "async_save": AsyncOptions,
+                                 "reshard": ReshardOptions, "proof": ProofPlan}
 _ONE_SHOT = ("overwrite", "break_lease")
 
 
 def _legacy_warning(old: str, new: str) -> None:
     warnings.warn(f"CheckpointConfig({old}=...) is deprecated: write CheckpointConfig({new}); "
-                  "the flat keyword goes in the next release", DeprecationWarning, stacklevel=4)
+                  "the flat keyword goes in the next release", DeprecationWarning, stacklevel=3)
 
 
 @dataclass(frozen=True, kw_only=True, init=False)
@@ -402,37 +402,27 @@ class CheckpointConfig:
         break_lease: bool = False,
         **flat: Any,
     ) -> None:
+        given: dict[str, Any] = {"storage": storage, "state": state, "async_save": async_save,
+                                 "reshard": reshard, "proof": proof}
+        changes: dict[str, dict[str, Any]] = {}
         if isinstance(reshard, ReshardRule):
             _legacy_warning("reshard=ReshardRule...", f"reshard=ReshardOptions(rule=ReshardRule.{reshard.name})")
-            flat = {"_rule": reshard, **flat}
-            reshard = None
-        groups: dict[str, Any] = {
-            "storage": storage or StorageOptions(), "state": state or StateOptions(),
-            "async_save": async_save or AsyncOptions(), "reshard": reshard or ReshardOptions(),
-            "proof": proof or ProofPlan(),
-        }
-        for name, want in (("storage", StorageOptions), ("state", StateOptions), ("async_save", AsyncOptions),
-                           ("reshard", ReshardOptions), ("proof", ProofPlan)):
-            if not isinstance(groups[name], want):
-                raise ConfigError(f"CheckpointConfig.{name} must be a {want.__name__}, got {groups[name]!r}")
-        changes: dict[str, dict[str, Any]] = {}
+            given["reshard"], changes["reshard"] = None, {"rule": reshard}
         for old, value in flat.items():
-            if old == "_rule":
-                changes.setdefault("reshard", {})["rule"] = value
-                continue
             if old not in _LEGACY:
                 known = sorted([*_LEGACY, *self.__dataclass_fields__])
                 raise TypeError(f"CheckpointConfig() got an unexpected keyword argument {old!r}; "
                                 f"the options are {', '.join(known)}")
             group, name = _LEGACY[old]
-            _legacy_warning(old, f"{group}={_GROUP_CLASS[group]}({name}=...)")
+            _legacy_warning(old, f"{group}={_GROUPS[group].__name__}({name}=...)")
             changes.setdefault(group, {})[name] = value
-        for group, values in changes.items():
-            groups[group] = dataclasses.replace(groups[group], **values)
         set_ = object.__setattr__
         set_(self, "timeout_s", timeout_s)
-        for name, value in groups.items():
-            set_(self, name, value)
+        for group, cls in _GROUPS.items():
+            value = cls() if given[group] is None else given[group]
+            if not isinstance(value, cls):
+                raise ConfigError(f"CheckpointConfig.{group} must be a {cls.__name__}, got {value!r}")
+            set_(self, group, dataclasses.replace(value, **changes[group]) if group in changes else value)
         set_(self, "blocking", BlockingBudget() if blocking is None else blocking)
         set_(self, "health", HealthPolicy() if health is None else health)
         set_(self, "retention", default_policy() if isinstance(retention, _Default) else retention)
@@ -448,7 +438,7 @@ class CheckpointConfig:
                     f"CheckpointConfig({action}=True) is deprecated: it acts on every save of every restart of the "
                     f"job that passes this config. Pass {action}=True to the call that needs it instead, e.g. "
                     f"mgr.save(step, state, {action}=True); the field goes in the next release",
-                    DeprecationWarning, stacklevel=4,
+                    DeprecationWarning, stacklevel=3,
                 )
         _seconds("CheckpointConfig", "timeout_s", self.timeout_s)
         if not isinstance(self.blocking, BlockingBudget):
