@@ -265,6 +265,8 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
         print(f"rank {rank} step {step:>2}: reward {float(reward.mean()):.3f}  loss {loss:+.4f}  grad_norm "
               f"{norm:.4f}  probs_diff {diff['probs_diff']:.3g}  prompts {taken}", flush=True)
         if step % a.save_every == 0 or step == total:
+            if step == total:
+                mgr.wait()  # the last save must happen: OnBusy.SKIP (the default) skips one asked for mid-commit
             if kills.armed("save", step):
                 kills.note()
                 cg_testing.set_fault_hook("storage.data_written", kill_job)  # in the background writer, mid-write
