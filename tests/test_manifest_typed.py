@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import ckptguard as cg
 from ckptguard._records import manifest as _manifest
+from ckptguard._records.entries import FileEntry, NodeEntry, Topology
 from ckptguard.demo.toyjob import build_job, train_step
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1" / "root" / "step_00000003"
@@ -20,7 +23,7 @@ def test_written_manifest_round_trips_through_the_typed_manifest(tmp_path):
     typed = _manifest.read(step_dir)
     assert isinstance(typed, _manifest.Manifest)
     assert typed.to_json() == raw  # nothing lost, nothing added between the builder and the disk
-    assert typed.cost is not None and typed.cost["bytes"] > 0
+    assert typed.cost is not None and typed.cost.bytes > 0
     assert typed.layout_free and set(typed.layout_free) <= set(typed.items)
 
 
@@ -29,3 +32,61 @@ def test_an_older_manifest_without_the_optional_fields_reads_and_writes_back_the
     typed = _manifest.read(FIXTURE)
     assert typed.layout_free is None
     assert typed.to_json() == raw
+
+
+def _write_manifest(step_dir: Path, data: dict) -> None:
+    step_dir.mkdir(parents=True, exist_ok=True)
+    (step_dir / "manifest.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+def test_every_format_reads_into_typed_records_and_writes_back_byte_for_byte(version):
+    step_dir = Path(__file__).parent / "fixtures" / version / "root" / "step_00000003"
+    raw = (step_dir / "manifest.json").read_bytes()
+    typed = _manifest.read(step_dir)
+    assert all(isinstance(f, FileEntry) for f in typed.files) and isinstance(typed.topology, Topology)
+    assert typed.files[0].rank == 0 and typed.topology.world_size == 1 and typed.topology.rank_hosts
+    assert (json.dumps(typed.to_json(), indent=1, sort_keys=True) + "\n").encode() == raw
+    assert (typed.cost is None) == (version == "v1")
+
+
+def test_node_entries_and_cost_extras_are_typed_and_round_trip(tmp_path):
+    v3 = Path(__file__).parent / "fixtures" / "v3" / "root" / "step_00000003"
+    data = json.loads((v3 / "manifest.json").read_text())
+    data["topology"] = {**data["topology"], "world_size": 2, "rank_hosts": ["a", "b"], "dp": 2}
+    data["nodes"] = [{"name": "a", "ranks": [0], "copies": ["state/.metadata"]},
+                     {"name": "b", "ranks": [1], "copies": []}]
+    data["cost"] = {**data["cost"], "staged_bytes": 12, "skipped_saves": 1}
+    _write_manifest(tmp_path / "step_00000003", data)
+    typed = _manifest.read(tmp_path / "step_00000003")
+    assert typed.nodes == (NodeEntry("a", (0,), ("state/.metadata",)), NodeEntry("b", (1,), ()))
+    assert typed.node_of(1) == 1 and typed.topology.shape()["dp"] == 2
+    assert typed.cost is not None and typed.cost.figure("staged_bytes") == 12 and typed.cost.figure("save_seconds")
+    assert typed.to_json() == data
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("files", [{"path": "rank_00000.pt", "size": "12", "xxh3": "ab", "rank": 0}], "'files' must be a list"),
+    ("files", [{"path": 3, "size": 12, "xxh3": "ab"}], "'files' must be a list"),
+    ("topology", {"world_size": 0}, "outside 1.."),
+    ("topology", {"world_size": 1, "rank_hosts": [1]}, "rank_hosts"),
+    ("nodes", [{"name": "a", "ranks": [1], "copies": []}], "covering every rank once"),
+    ("nodes", [{"name": "a", "ranks": [0]}], "covering every rank once"),
+])
+def test_a_crafted_entry_is_refused_on_read_naming_what_is_wrong(tmp_path, field, value, said):
+    data = json.loads((FIXTURE / "manifest.json").read_text())
+    data[field] = value
+    _write_manifest(tmp_path / "step_00000003", data)
+    with pytest.raises(cg.CheckpointCorruptError, match=said):
+        _manifest.read(tmp_path / "step_00000003")
+
+
+def test_a_node_manifest_reads_typed_and_a_damaged_one_is_refused(tmp_path):
+    files = [FileEntry("rank_00000.pt", 10, "ab", 0)]
+    record = _manifest.node_manifest(step=3, index=0, name="a", ranks=[1, 0], files=files)
+    (tmp_path / "node_manifest.json").write_text(json.dumps(record.to_json()))
+    got = _manifest.read_node(tmp_path)
+    assert got is not None and got.ranks == (0, 1) and got.files == tuple(files) and got.step == 3
+    (tmp_path / "node_manifest.json").write_text(json.dumps({**record.to_json(), "files": [{"path": "x"}]}))
+    with pytest.raises(cg.CheckpointCorruptError, match="not a node manifest"):
+        _manifest.read_node(tmp_path)

@@ -132,7 +132,7 @@ def node_files(step_dir: Path, node: int) -> list[Path]:
     manifest = _manifest.read(step_dir)
     ranks = range(node * PER_NODE, (node + 1) * PER_NODE)
     others = set().union(*(files_needed(step_dir, manifest, r) for r in range(WORLD) if r not in ranks))
-    return [step_dir / f["path"] for f in manifest.files if f["rank"] in ranks and f["path"] not in others]
+    return [step_dir / f.path for f in manifest.files if f.rank in ranks and f.path not in others]
 
 
 def test_replicas_on_a_shared_fast_root_fill_in_lost_files_exactly(tmp_path):

@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from ._agree import Wire, gather_decide, on_every_rank
 from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_bytes, atomic_write_json, read_json
 from ._dist import make_agreement
 from ._records import contract as _contract
+from ._records import manifest as _manifest
+from ._records.entries import FileEntry
 from ._records.retention import KeepLast, RetentionPolicy
 from .config import BlockingBudget, CheckpointConfig, ResumeMode
 from .errors import CheckpointCorruptError, CheckpointError, ConfigError, ContractMismatchError
@@ -75,11 +78,6 @@ class _Chosen(Wire):
 class _Have(Wire):
     host: str
     same: bool  # the staging root holds exactly this step already (its manifest equals the marker's)
-
-
-def _rank_of(entry: dict[str, Any]) -> int:
-    rank = entry.get("rank", 0)
-    return rank if isinstance(rank, int) else 0
 
 
 class ObjectStoreCheckpoint:
@@ -143,16 +141,13 @@ class ObjectStoreCheckpoint:
         """Publish the committed local step directory ``step_dir`` as ``step`` on the store (collective)."""
         begun = gather_decide(self._agreement, "store.begin", _Empty(), lambda _: self._begin(step),
                               decision=_Begun)
-        manifest = read_json(step_dir / MANIFEST_NAME, what="manifest")
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, list):
-            raise CheckpointCorruptError(f"{step_dir}/{MANIFEST_NAME}: no file list; publish a committed step")
-        mine = [f for f in files if _rank_of(f) == self.rank]
+        typed = _manifest.read(step_dir)  # checked as a restore checks it: the store gets a committed step only
+        manifest, files = typed.to_json(), typed.files
+        mine = [f for f in files if (f.rank or 0) == self.rank]
 
         def upload() -> _Uploaded:
-            etags = self.store.upload(step, begun.attempt, [(f["path"], step_dir / f["path"], f["size"]) for f in mine])
-            return _Uploaded({f["path"]: {"size": f["size"], "xxh3": f["xxh3"], "etag": etags[f["path"]]}
-                              for f in mine})
+            etags = self.store.upload(step, begun.attempt, [(f.path, step_dir / f.path, f.size) for f in mine])
+            return _Uploaded({f.path: {"size": f.size, "xxh3": f.xxh3, "etag": etags[f.path]} for f in mine})
 
         uploaded = on_every_rank(self._agreement, "store.upload", upload)
         done = gather_decide(self._agreement, "store.commit", uploaded,
@@ -215,11 +210,11 @@ class ObjectStoreCheckpoint:
                         "at the next save; `ckptguard prove %s` reads them meanwhile", path, self.store.url,
                         type(exc).__name__, exc, self.local.root)
 
-    def _commit(self, step: int, attempt: str, views: list[_Uploaded], files: list[dict[str, Any]],
+    def _commit(self, step: int, attempt: str, views: list[_Uploaded], files: Sequence[FileEntry],
                 manifest: dict[str, Any]) -> _Committed:
         objects = {path: StoredObject(int(o["size"]), str(o["xxh3"]), str(o["etag"]))
                    for view in views for path, o in view.objects.items()}
-        missing = sorted({f["path"] for f in files} - set(objects))
+        missing = sorted({f.path for f in files} - set(objects))
         if missing:
             raise CheckpointCorruptError(
                 f"step {step}: no rank uploaded {missing[:5]} ({len(missing)} files of the manifest); the manifest "

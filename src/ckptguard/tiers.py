@@ -369,7 +369,7 @@ class TieredCheckpoint:
         try:
             files = _manifest.read(self.fast.root / name).files
         except CheckpointError as exc:
-            files, problems = [], [f"{type(exc).__name__}: {exc}"]
+            files, problems = (), [f"{type(exc).__name__}: {exc}"]
         try:
             problems += _replica.push(root=self.fast.root, step=step, step_name=name, manifest_files=files,
                                       peer_of=self._peers, rank=self.rank, group=ctx.storage_ctx.process_group)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import errno as _errno
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,6 +16,7 @@ from .._context import Context
 from .._disk import layout as _layout
 from .._disk.layoutfree import combine_layout_free
 from .._records import manifest as _manifest
+from .._records.entries import Cost, FileEntry, NodeEntry, Scalar, Topology
 from .._records.versions import current_versions
 from .._state.state import digest_kind
 from ..errors import (
@@ -26,42 +27,45 @@ from .snapshot import Snapshot
 from .stepdir import discard, file_problems
 
 
-def save_cost(ctx: Context, step: int, started: float, files: list[dict[str, Any]]) -> dict[str, Any]:
-    """Size and save time, and the save as a fraction of step time (docs/practices.md, 7)."""
+def save_cost(
+    ctx: Context, step: int, started: float, files: Sequence[FileEntry], extra: Mapping[str, Scalar] | None = None
+) -> Cost:
+    """Size and save time, and the save as a fraction of step time (docs/practices.md, 7); ``extra``: the
+    async path's and the busy policy's figures."""
     now = time.monotonic()
     step_s = None
     if ctx.last_save is not None and step > ctx.last_save[0]:
         step_s = (started - ctx.last_save[1]) / (step - ctx.last_save[0])
-    return {
-        "bytes": sum(int(f["size"]) for f in files),
-        "save_seconds": round(now - started, 3),
-        "step_seconds": round(step_s, 3) if step_s else None,
-        "save_fraction_of_step": round((now - started) / step_s, 4) if step_s else None,
-    }
+    return Cost(
+        bytes=sum(f.size for f in files),
+        save_seconds=round(now - started, 3),
+        step_seconds=round(step_s, 3) if step_s else None,
+        save_fraction_of_step=round((now - started) / step_s, 4) if step_s else None,
+        extra=dict(extra or {}),
+    )
 
 
 def build_manifest(
     ctx: Context, step: int, path: Path, prep: Prepared, started: float, reports: list[RankReport],
-    kinds: dict[str, str], nodes: list[dict[str, Any]] | None = None, extra_cost: dict[str, Any] | None = None,
+    kinds: dict[str, str], nodes: Sequence[NodeEntry] | None = None, extra_cost: Mapping[str, Scalar] | None = None,
 ) -> _manifest.Manifest:
-    files = [dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files]
-    cost = {**save_cost(ctx, step, started, files), **(extra_cost or {})}
+    files = [FileEntry(f["path"], f["size"], f["xxh3"], r) for r, rep in enumerate(reports) for f in rep.files]
+    layout = ctx.topology()
     return _manifest.build(
         path=path,
         step=step,
         chain_id=prep.chain_id,
         dir_template=ctx.naming.template,
-        topology={
-            **ctx.topology(),
-            "rank_hosts": [rep.host for rep in reports],
-            **({"ep_ranks": [rep.ep_rank for rep in reports]} if ctx.expert is not None else {}),
-        },
+        topology=Topology(
+            layout.pop("world_size"), layout, tuple(rep.host for rep in reports),
+            tuple(int(rep.ep_rank or 0) for rep in reports) if ctx.expert is not None else None,
+        ),
         items=kinds,
         files=files,
         digests={str(r): rep.digests for r, rep in enumerate(reports)},
         versions=current_versions(),
         contract={"phase": prep.phase, "hash": prep.contract_hash},
-        cost=cost,  # optional in format 1: absent in manifests written before it
+        cost=save_cost(ctx, step, started, files, extra_cost),  # optional in format 1: older manifests lack it
         # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).
         layout_free=combine_layout_free([rep.layout_free for rep in reports]),
         reshard=reports[0].reshard or None,  # optional in format 1: how each item crosses a world-size change

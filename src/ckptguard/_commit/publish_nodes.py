@@ -36,6 +36,7 @@ from .._context import Actions, Context
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records.checks import rank_reads
+from .._records.entries import FileEntry, NodeEntry
 from ..errors import (
     CheckpointError,
     WriteFailure,
@@ -191,13 +192,13 @@ def _plan_nodes(
     except (CheckpointError, OSError) as exc:
         return NodePlan([failure_from(exc, rank=0, phase="copy plan").to_json()])
     written = {f["path"]: dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files}
-    nodes: list[dict[str, Any]] = []
+    nodes: list[NodeEntry] = []
     needs: dict[str, list[int]] = {}
     for ranks in prep.nodes:
         held = {f["path"] for r in ranks for f in reports[r].files}
         wanted = set().union(*(rank_reads(md, r) for r in ranks))
         wants = sorted(p for p in wanted - held if p in written)
-        nodes.append({"name": reports[ranks[0]].host, "ranks": list(ranks), "copies": wants})
+        nodes.append(NodeEntry(reports[ranks[0]].host, tuple(ranks), tuple(wants)))
         for path in wants:
             needs.setdefault(path, []).append(ranks[0])
     manifest = build_manifest(
@@ -364,8 +365,9 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
                 f"are not under {tmp} with their recorded size and xxh3, e.g. {rel}: {why}", str(tmp / rel),
             )
         _faults.reached("node.files_verified")
-        record = _manifest.node_manifest(step=step, index=index, name=node["name"], ranks=sorted(ranks), files=files)
-        _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record)
+        record = _manifest.node_manifest(step=step, index=index, name=node["name"], ranks=ranks,
+                                         files=[FileEntry.from_json(f) for f in files])
+        _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record.to_json())
         _faults.reached("node.confirmed")
     except Exception as exc:
         return failure_from(exc, rank=ctx.rank, phase="node confirm").to_json()

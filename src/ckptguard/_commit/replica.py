@@ -27,7 +27,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from .._disk import layout as _layout
 from .._disk.digest import file_digest
 from .._records import manifest as _manifest
 from .._records.checks import rank_reads
+from .._records.entries import FileEntry
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage.base import DCP_METADATA
 from ..storage.unpickler import read_dcp_metadata
@@ -147,12 +148,12 @@ def recv_json(src: int, group: Any, *, timeout_s: float | None = None) -> Any:
 # ---------------------------------------------------------------- push after a commit
 
 
-def own_files(manifest_files: list[dict[str, Any]], rank: int) -> list[FileSpec]:
-    return [FileSpec(f["path"], int(f["size"]), str(f["xxh3"])) for f in manifest_files if f.get("rank") == rank]
+def own_files(manifest_files: Sequence[FileEntry], rank: int) -> list[FileSpec]:
+    return [FileSpec(f.path, f.size, f.xxh3) for f in manifest_files if f.rank == rank]
 
 
 def push(
-    *, root: Path, step: int, step_name: str, manifest_files: list[dict[str, Any]], peer_of: list[int | None],
+    *, root: Path, step: int, step_name: str, manifest_files: Sequence[FileEntry], peer_of: list[int | None],
     rank: int, group: Any, timeout_s: float | None = None,
 ) -> list[str]:
     """Every rank sends its own files of ``step`` to its peer; returns this rank's problems. After a
@@ -204,7 +205,7 @@ def _seal(tmp: Path, final: Path, step: int, source: int, files: list[FileSpec],
 # ---------------------------------------------------------------- fetch at restore
 
 
-def fetch_plan(root: Path, step_name: str, needed: set[str], manifest_files: list[dict[str, Any]],
+def fetch_plan(root: Path, step_name: str, needed: set[str], manifest_files: Sequence[FileEntry],
                source: int) -> tuple[list[FileSpec], list[Path]]:
     """What a sender sends to rebuild ``source``'s part of a step: the manifest first (the receiver
     admits every later file by it; it is published last, at ``seal_fetch``), the contract files, and
@@ -220,13 +221,13 @@ def fetch_plan(root: Path, step_name: str, needed: set[str], manifest_files: lis
         size, xxh = file_digest(str(p))
         specs.append(FileSpec(f"{_layout.CONTRACT_DIR}/{p.name}", size, xxh, "root"))
         paths.append(p)
-    by_path = {f["path"]: f for f in manifest_files}
+    by_path = {f.path: f for f in manifest_files}
     for rel in sorted(needed):  # state/.metadata sorts before the shards: the receiver admits them by it
         f = by_path[rel]
         local = step_dir / rel
         replica = replica_dir(root, step_name, source) / rel
-        src = local if _has_size(local, int(f["size"])) else replica
-        specs.append(FileSpec(rel, int(f["size"]), str(f["xxh3"])))
+        src = local if _has_size(local, f.size) else replica
+        specs.append(FileSpec(rel, f.size, f.xxh3))
         paths.append(src)
     return specs, paths
 
@@ -350,7 +351,7 @@ class _Admission:
 
     def __init__(self, manifest: _manifest.Manifest, rank: int, tmp: Path, staged: Path, src: int) -> None:
         self.manifest, self.rank, self.tmp, self.staged, self.src = manifest, rank, tmp, staged, src
-        self.entries = {f["path"]: f for f in manifest.files}
+        self.entries = {f.path: f for f in manifest.files}
         self.reads: set[str] | None = None  # the DCP files the rank reads, once the metadata arrived
         self.received: list[FileSpec] = []
         phase = manifest.contract.get("phase")
@@ -375,7 +376,7 @@ class _Admission:
         if spec.where != "step":
             return f"its destination {spec.where!r:.40} is neither the step nor the contract"
         entry = self.entries.get(spec.path)
-        if entry is None or (int(entry["size"]), str(entry["xxh3"])) != (spec.size, spec.xxh3):
+        if entry is None or (entry.size, entry.xxh3) != (spec.size, spec.xxh3):
             return "the step's manifest does not list it with this size and xxh3"
         mine = {_layout.extras_name(self.rank), f"{_layout.STATE_DIR}/{DCP_METADATA}"} | (self.reads or set())
         if spec.path not in mine:
@@ -418,7 +419,9 @@ def fetched_manifest(tmp: Path, rank: int) -> Path:
     return tmp / f".fetched-{rank:05d}" / _layout.MANIFEST_NAME
 
 
-def seal_fetch(tmp: Path, final: Path, rank: int, node_record: Callable[[Any], dict[str, Any] | None]) -> None:
+def seal_fetch(
+    tmp: Path, final: Path, rank: int, node_record: Callable[[_manifest.Manifest], _manifest.NodeManifest | None]
+) -> None:
     """The first receiving rank of a node, after every rank's fetch arrived intact: the manifest and
     the node manifest (``node_record(manifest)``) in the temp directory, then the step directory in
     place (a rename, or where part of the step was still here, its files with the manifest last)."""
@@ -428,7 +431,7 @@ def seal_fetch(tmp: Path, final: Path, rank: int, node_record: Callable[[Any], d
         shutil.rmtree(staged)
     record = node_record(_manifest.read(tmp))
     if record is not None:
-        _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record)
+        _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record.to_json())
     (tmp / _layout.OWNER_NAME).unlink(missing_ok=True)
     if not final.exists():
         os.rename(tmp, final)

@@ -47,19 +47,19 @@ class Preemptible(Protocol):
 def recorded_save_seconds(step_dir: Path) -> float | None:
     """The ``save_seconds`` of a committed step's cost block; None when rotated out, damaged or absent."""
     try:
-        seconds = (_manifest.read(step_dir).cost or {}).get("save_seconds")
+        cost = _manifest.read(step_dir).cost
     except CheckpointError:
         return None
-    return float(seconds) if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) else None
+    return None if cost is None or cost.save_seconds is None else float(cost.save_seconds)
 
 
 def recorded_run_save_seconds(step_dir: Path) -> float | None:
     """A run step's save time: the sum of its roles' recorded ``save_seconds`` (the roles are written one
     after another); None when rotated out, damaged, or a role's figure is missing."""
     try:
-        parts = [_manifest.read(step_dir / name).cost or {} for name in _runmanifest.read(step_dir).roles]
+        parts = [_manifest.read(step_dir / name).cost for name in _runmanifest.read(step_dir).roles]
     except CheckpointError:
         return None  # rotated out or damaged
-    seconds = [c.get("save_seconds") for c in parts]
-    numbers = [float(x) for x in seconds if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    seconds = [None if c is None else c.save_seconds for c in parts]
+    numbers = [float(x) for x in seconds if x is not None]
     return sum(numbers) if numbers and len(numbers) == len(seconds) else None

@@ -131,7 +131,7 @@ class TierRestore:
                 needed = files_needed(path, manifest, rank)
             except CheckpointError:
                 continue
-            sizes = {f["path"]: int(f["size"]) for f in manifest.files}
+            sizes = {f.path: f.size for f in manifest.files}
             lacking = sorted(p for p in needed if not _size_is(path / p, sizes.get(p, -1)))
             if lacking:
                 missing[str(step)] = [str(path / p) for p in lacking[:5]]
@@ -294,15 +294,15 @@ class TierRestore:
         log.info("ckptguard: rebuilt step %d on ranks %s from peer replicas (xxh3 checked against the manifest)",
                  choice.step, receivers)
 
-    def _node_record(self, manifest: _manifest.Manifest) -> dict[str, Any] | None:
+    def _node_record(self, manifest: _manifest.Manifest) -> _manifest.NodeManifest | None:
         """The node manifest of the node this rank's part belongs to (node-local roots); None on a
         shared root (no ``nodes`` in the manifest)."""
         index = manifest.node_of(self.rank)
         if index is None or manifest.nodes is None:
             return None
         node = manifest.nodes[index]
-        return _manifest.node_manifest(step=manifest.step, index=index, name=str(node["name"]),
-                                       ranks=list(node["ranks"]), files=manifest.node_files(index))
+        return _manifest.node_manifest(step=manifest.step, index=index, name=node.name,
+                                       ranks=node.ranks, files=manifest.node_files(index))
 
     def align_fast(self, step: int, tier: Tier) -> None:
         """After a restore of ``step``, one rank per node points its fast tracker at the step where the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from ..storage.base import DCP_METADATA
 from ..storage.dcpindex import read_dcp_index
 from . import manifest as _manifest
 from . import runmanifest
+from .entries import FileEntry
 from .findings import RESTORE_HINT, Finding, Severity, finding
 from .runmanifest import RunManifest
 
@@ -47,11 +48,11 @@ def safe_member(step_dir: Path, rel: str) -> Path | None:
 
 
 def _check_files(
-    step_dir: Path, manifest: _manifest.Manifest, entries: list[dict[str, Any]] | None = None
-) -> tuple[list[Finding], list[tuple[Path, dict[str, Any]]]]:
+    step_dir: Path, manifest: _manifest.Manifest, entries: list[FileEntry] | None = None
+) -> tuple[list[Finding], list[tuple[Path, FileEntry]]]:
     findings, ok = [], []
     for entry in manifest.files if entries is None else entries:
-        rel = str(entry.get("path", ""))
+        rel = entry.path
         lexical = bool(rel) and not os.path.isabs(rel) and ".." not in Path(rel).parts
         path = safe_member(step_dir, rel) if not (lexical and (step_dir / rel).is_symlink()) else step_dir / rel
         if path is None:
@@ -79,15 +80,15 @@ def _check_files(
                 finding(
                     "missing-file",
                     path,
-                    f"is listed in the manifest (rank {entry.get('rank')}) but absent",
+                    f"is listed in the manifest (rank {entry.rank}) but absent",
                     RESTORE_HINT,
                 )
             )
             continue
         size = path.stat().st_size
-        if size == 0 or size != entry.get("size"):
+        if size == 0 or size != entry.size:
             code = "empty-file" if size == 0 else "size-mismatch"
-            said = f"has {size} bytes, the manifest says {entry.get('size')}"
+            said = f"has {size} bytes, the manifest says {entry.size}"
             findings.append(finding(code, path, said, RESTORE_HINT))
             continue
         ok.append((path, entry))
@@ -96,7 +97,7 @@ def _check_files(
 
 def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Finding]:
     """Every rank's extras and every file DCP's metadata points at must be listed."""
-    listed = {str(f.get("path")) for f in manifest.files}
+    listed = {f.path for f in manifest.files}
     findings = []
     world = manifest.world_size
     # Ranks are counted from the names listed, never enumerated up to a world size the
@@ -159,8 +160,8 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
     # the metadata lost entries (a .metadata listing no tensors passes every other check).
     prefix = f"{_layout.STATE_DIR}/"
     for f in manifest.files:
-        rel = str(f.get("path", ""))
-        data_file = rel.startswith(prefix) and rel.endswith(".distcp") and int(f.get("size") or 0) > 0
+        rel = f.path
+        data_file = rel.startswith(prefix) and rel.endswith(".distcp") and f.size > 0
         if data_file and rel[len(prefix):] not in referenced:
             findings.append(
                 finding(
@@ -183,7 +184,7 @@ def _extras_rank(rel: str) -> int | None:
 
 
 def _leftovers(step_dir: Path, manifest: _manifest.Manifest) -> list[Finding]:
-    listed = {str(f.get("path")) for f in manifest.files} | _ALLOWED_EXTRA
+    listed = {f.path for f in manifest.files} | _ALLOWED_EXTRA
     if manifest.nodes:
         listed.add(_layout.NODE_MANIFEST_NAME)
     findings = []
@@ -260,13 +261,13 @@ def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] 
         for path, entry in present:
             _size, xxh = file_digest(str(path))
             if progress is not None:
-                progress(entry["size"])
-            if xxh != entry.get("xxh3"):
+                progress(entry.size)
+            if xxh != entry.xxh3:
                 findings.append(
                     finding(
                         "checksum",
                         path,
-                        f"xxh3 {xxh} differs from the manifest's {entry.get('xxh3')} "
+                        f"xxh3 {xxh} differs from the manifest's {entry.xxh3} "
                         "(the bytes changed after the save)",
                         RESTORE_HINT,
                     )
@@ -274,7 +275,7 @@ def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] 
     return findings
 
 
-def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[str, Any]] | None, list[Finding]]:
+def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[FileEntry] | None, list[Finding]]:
     """The files this disk must hold of the step: every file (one shared root), or on node-local
     roots (format 2 ``nodes``) the part of the node whose node manifest is here, which must match
     the global manifest. None, with the findings, when this disk holds no valid node part."""
@@ -295,20 +296,20 @@ def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[s
                 "run this on a node that saved the step, or copy that node's part here (`ckptguard transfer`)",
             )
         ]
-    index = int(node["node"])
+    index = node.node
     if not 0 <= index < len(manifest.nodes):
         return None, [finding("bad-node-manifest", where, f"names node {index} of {len(manifest.nodes)}", RESTORE_HINT)]
     expected = manifest.node_files(index)
 
-    def key(files: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
-        return sorted((str(f["path"]), int(f["size"]), str(f["xxh3"])) for f in files)
+    def key(files: Iterable[FileEntry]) -> list[tuple[str, int, str]]:
+        return sorted((f.path, f.size, f.xxh3) for f in files)
 
-    if node["step"] != manifest.step or key(node["files"]) != key(expected):
+    if node.step != manifest.step or key(node.files) != key(expected):
         return None, [
             finding(
                 "bad-node-manifest",
                 where,
-                f"lists other files than the global manifest gives node {index} ({manifest.nodes[index]['name']}) "
+                f"lists other files than the global manifest gives node {index} ({manifest.nodes[index].name}) "
                 f"of step {manifest.step}",
                 RESTORE_HINT,
             )
@@ -318,7 +319,7 @@ def node_part(step_dir: Path, manifest: _manifest.Manifest) -> tuple[list[dict[s
 
 def deep_bytes(step_dir: Path) -> int:
     try:
-        return sum(int(f.get("size", 0)) for f in _manifest.read(step_dir).files)
+        return sum(f.size for f in _manifest.read(step_dir).files)
     except CheckpointError:
         return 0
 

@@ -20,6 +20,7 @@ modules, optimizers, tensor dicts). The save then reads each tensor byte once.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from .._disk.layout import MANIFEST_NAME, NODE_MANIFEST_NAME, parse_json, read_json, read_small
 from .._version import __version__
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, RunStepError, VersionMismatchError
+from .entries import Cost, FileEntry, NodeEntry, Topology, files_from_json, files_to_json, is_int, nodes_from_json
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -52,17 +54,17 @@ class Manifest:
     step: int
     chain_id: str
     dir_template: str
-    topology: dict[str, Any]
+    topology: Topology
     versions: dict[str, str]
     items: dict[str, str]  # item name -> ItemKind value
-    files: list[dict[str, Any]]  # {"path", "size", "xxh3", "rank"}
+    files: tuple[FileEntry, ...]  # sorted by path
     digests: dict[str, dict[str, str]]  # str(rank) -> item -> digest
     contract: dict[str, Any]  # {"phase", "hash"}
     created_unix: float
-    cost: dict[str, Any] | None = None  # size and save time (optional in format 1: older manifests lack it)
+    cost: Cost | None = None  # size and save time (optional in format 1: older manifests lack it)
     layout_free: dict[str, dict[str, str]] | None = None  # item -> key -> digest no sharding changes (optional)
     reshard: dict[str, dict[str, Any]] | None = None  # item -> its declared reshard rule (optional, _resume/reshard)
-    nodes: list[dict[str, Any]] | None = None  # format 2, node-local roots: [{"name", "ranks", "copies"}]
+    nodes: tuple[NodeEntry, ...] | None = None  # format 2, node-local roots
     digest_kind: dict[str, str] | None = None  # format 3: item -> "bytes" | "structure" (None: all "bytes")
 
     def digest_covers_bytes(self, item: str) -> bool:
@@ -71,27 +73,37 @@ class Manifest:
 
     @property
     def world_size(self) -> int:
-        return int(self.topology["world_size"])
+        return self.topology.world_size
 
     def node_of(self, rank: int) -> int | None:
         """The index of the node that holds ``rank``'s files (None: one shared root holds every file)."""
-        for index, node in enumerate(self.nodes or []):
-            if rank in node["ranks"]:
+        for index, node in enumerate(self.nodes or ()):
+            if rank in node.ranks:
                 return index
         return None
 
-    def node_files(self, index: int) -> list[dict[str, Any]]:
+    def node_files(self, index: int) -> list[FileEntry]:
         """The files node ``index`` holds: its ranks' files and the copies it received."""
-        node = (self.nodes or [])[index]
-        ranks, copies = set(node["ranks"]), set(node["copies"])
-        return [f for f in self.files if f.get("rank") in ranks or f["path"] in copies]
+        node = (self.nodes or ())[index]
+        ranks, copies = set(node.ranks), set(node.copies)
+        return [f for f in self.files if f.rank in ranks or f.path in copies]
+
+    def file(self, path: str) -> FileEntry | None:
+        """The entry of ``path`` (relative to the step directory), or None when the step lists no such file."""
+        return next((f for f in self.files if f.path == path), None)
 
     def to_json(self) -> dict[str, Any]:
         """The ``manifest.json`` object: every field but the path; the optional ones only when set."""
-        return {k: v for k, v in self.__dict__.items() if k != "path" and not (v is None and k in _OPTIONAL)}
-
-
-_OPTIONAL = ("cost", "layout_free", "reshard", "nodes", "digest_kind")
+        out: dict[str, Any] = {
+            "format_version": self.format_version, "step": self.step, "chain_id": self.chain_id,
+            "dir_template": self.dir_template, "topology": self.topology.to_json(), "versions": self.versions,
+            "items": self.items, "files": files_to_json(self.files), "digests": self.digests,
+            "contract": self.contract, "created_unix": self.created_unix,
+        }
+        optional = {"cost": None if self.cost is None else self.cost.to_json(), "layout_free": self.layout_free,
+                    "reshard": self.reshard, "digest_kind": self.digest_kind,
+                    "nodes": None if self.nodes is None else [n.to_json() for n in self.nodes]}
+        return {**out, **{k: v for k, v in optional.items() if v is not None}}
 
 
 def build(
@@ -100,16 +112,16 @@ def build(
     step: int,
     chain_id: str,
     dir_template: str,
-    topology: dict[str, Any],
+    topology: Topology,
     items: dict[str, str],
-    files: list[dict[str, Any]],
+    files: Iterable[FileEntry],
     digests: dict[str, dict[str, str]],
     contract: dict[str, Any],
     versions: dict[str, str],
-    cost: dict[str, Any] | None = None,
+    cost: Cost | None = None,
     layout_free: dict[str, dict[str, str]] | None = None,
     reshard: dict[str, dict[str, Any]] | None = None,
-    nodes: list[dict[str, Any]] | None = None,
+    nodes: Sequence[NodeEntry] | None = None,
     digest_kind: dict[str, str] | None = None,
 ) -> Manifest:
     """The manifest of a step being committed at ``path`` (written by the caller with ``to_json``);
@@ -123,14 +135,14 @@ def build(
         topology=topology,
         versions=versions,
         items=items,
-        files=sorted(files, key=lambda f: f["path"]),
+        files=tuple(sorted(files, key=lambda f: f.path)),
         digests=digests,
         contract=contract,
         created_unix=time.time(),
         cost=cost,
         layout_free=layout_free,
         reshard=reshard,
-        nodes=nodes,
+        nodes=None if nodes is None else tuple(nodes),
         digest_kind=digest_kind,
     )
 
@@ -143,41 +155,18 @@ MAX_WORLD_SIZE = 1 << 20
 """Largest world size a manifest may claim; per-rank checks then stay bounded by the files listed."""
 
 
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _str_map(value: Any) -> bool:
     return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
-def _file_entry(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and isinstance(value.get("path"), str)
-        and _int(value.get("size"))
-        and value["size"] >= 0
-        and isinstance(value.get("xxh3"), str)
-        and (value.get("rank") is None or _int(value.get("rank")))
-    )
-
-
 def _shape_problem(data: dict[str, Any]) -> str | None:
     """Why ``data`` is not shaped like a manifest ckptguard writes, or None."""
-    if not _int(data["step"]) or data["step"] < 0:
+    if not is_int(data["step"]) or data["step"] < 0:
         return f"'step' must be a non-negative int, not {data['step']!r:.40}"
-    topology = data["topology"]
-    if not isinstance(topology, dict) or not _int(topology.get("world_size")):
-        return "'topology' must be an object with an int 'world_size'"
-    if not 1 <= topology["world_size"] <= MAX_WORLD_SIZE:
-        return f"'topology.world_size' is {topology['world_size']}, outside 1..{MAX_WORLD_SIZE}"
     if not _str_map(data["versions"]):
         return "'versions' must map names to version strings"
     if not _str_map(data["items"]):
         return "'items' must map item names to kinds"
-    files = data["files"]
-    if not isinstance(files, list) or not all(_file_entry(f) for f in files):
-        return "'files' must be a list of {path: str, size: int, xxh3: str, rank: int} entries"
     digests = data["digests"]
     if not isinstance(digests, dict) or not all(_str_map(d) for d in digests.values()):
         return "'digests' must map ranks to {item: digest} objects"
@@ -202,28 +191,7 @@ def _shape_problem(data: dict[str, Any]) -> str | None:
         if DIGEST_STRUCTURE in kinds.values() and not isinstance(data.get("layout_free"), dict):
             # The tensor bytes of such items are covered by their layout-free digests alone.
             return "items with 'digest_kind' \"structure\" need the 'layout_free' table, which is absent"
-    if "nodes" in data:
-        return _nodes_problem(data["nodes"], topology["world_size"])
     return None
-
-
-def _nodes_problem(nodes: Any, world: int) -> str | None:
-    shape = "'nodes' must be a list of {name: str, ranks: [int], copies: [str]} covering every rank once"
-    if not isinstance(nodes, list) or not nodes:
-        return shape
-    seen: list[int] = []
-    for node in nodes:
-        if not (
-            isinstance(node, dict)
-            and isinstance(node.get("name"), str)
-            and isinstance(node.get("ranks"), list)
-            and all(_int(r) for r in node["ranks"])
-            and isinstance(node.get("copies"), list)
-            and all(isinstance(c, str) for c in node["copies"])
-        ):
-            return shape
-        seen += node["ranks"]
-    return None if sorted(seen) == list(range(world)) else shape
 
 
 def read(step_dir: Path) -> Manifest:
@@ -261,7 +229,7 @@ def read(step_dir: Path) -> Manifest:
     if missing:
         raise CheckpointCorruptError(f"{path} lacks the fields {missing}; it is not a manifest")
     version = data["format_version"]
-    if not _int(version):
+    if not is_int(version):
         raise CheckpointCorruptError(f"{path}: 'format_version' must be an int, not {version!r:.40}")
     if version not in READABLE_VERSIONS:
         raise VersionMismatchError(
@@ -269,28 +237,34 @@ def read(step_dir: Path) -> Manifest:
             f"versions {list(READABLE_VERSIONS)}. Upgrade ckptguard to read it."
         )
     problem = _shape_problem(data)
-    if problem is not None:
+    try:
+        if problem is not None:
+            raise ValueError(problem)
+        topology = Topology.from_json(data["topology"], max_world=MAX_WORLD_SIZE)
+        files = files_from_json(data["files"])
+        nodes = nodes_from_json(data["nodes"], topology.world_size) if "nodes" in data else None
+    except ValueError as exc:
         raise CheckpointCorruptError(
-            f"{path}: {problem}; this is not a manifest ckptguard wrote (damaged or edited): "
+            f"{path}: {exc}; this is not a manifest ckptguard wrote (damaged or edited): "
             "restore an earlier step"
-        )
+        ) from None
     return Manifest(
         path=path,
         format_version=version,
         step=data["step"],
         chain_id=data.get("chain_id", ""),
         dir_template=data.get("dir_template", ""),
-        topology=data["topology"],
+        topology=topology,
         versions=data["versions"],
         items=data["items"],
-        files=data["files"],
+        files=files,
         digests=data["digests"],
         contract=data.get("contract", {}),
         created_unix=float(data.get("created_unix", 0.0)),
-        cost=data["cost"] if isinstance(data.get("cost"), dict) else None,
+        cost=Cost.from_json(data.get("cost")),
         layout_free=data["layout_free"] if isinstance(data.get("layout_free"), dict) else None,
         reshard=_rules(data.get("reshard")),
-        nodes=data.get("nodes"),
+        nodes=nodes,
         digest_kind=data["digest_kind"] if version >= 3 else None,
     )
 
@@ -302,33 +276,45 @@ def _rules(value: Any) -> dict[str, dict[str, Any]] | None:
     return None
 
 
-def node_manifest(*, step: int, index: int, name: str, ranks: list[int], files: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``node_manifest.json`` object of node ``index``: what that node verified it holds."""
-    return {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "node": index,
-        "name": name,
-        "ranks": sorted(ranks),
-        "files": sorted(files, key=lambda f: f["path"]),
-        "created_unix": time.time(),
-    }
+@dataclass(frozen=True)
+class NodeManifest:
+    """A parsed ``node_manifest.json``: what node ``node`` verified it holds of step ``step``."""
+
+    step: int
+    node: int
+    name: str
+    ranks: tuple[int, ...]
+    files: tuple[FileEntry, ...]
+    format_version: int = FORMAT_VERSION
+    created_unix: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format_version": self.format_version, "step": self.step, "node": self.node, "name": self.name,
+                "ranks": list(self.ranks), "files": files_to_json(self.files), "created_unix": self.created_unix}
 
 
-def read_node(step_dir: Path) -> dict[str, Any] | None:
+def node_manifest(
+    *, step: int, index: int, name: str, ranks: Iterable[int], files: Iterable[FileEntry]
+) -> NodeManifest:
+    """The node manifest of node ``index`` (written with ``to_json``): what that node verified it holds."""
+    return NodeManifest(step=step, node=index, name=name, ranks=tuple(sorted(ranks)),
+                        files=tuple(sorted(files, key=lambda f: f.path)), created_unix=time.time())
+
+
+def read_node(step_dir: Path) -> NodeManifest | None:
     """This disk's node manifest of ``step_dir`` (None when absent); CheckpointCorruptError if malformed."""
     path = step_dir / NODE_MANIFEST_NAME
     try:
         data = read_json(path, limit=MANIFEST_BYTES, what="node manifest")
     except FileNotFoundError:
         return None
-    if not (
-        isinstance(data, dict)
-        and _int(data.get("node"))
-        and _int(data.get("step"))
-        and isinstance(data.get("ranks"), list)
-        and isinstance(data.get("files"), list)
-        and all(_file_entry(f) for f in data["files"])
-    ):
-        raise CheckpointCorruptError(f"{path}: not a node manifest ckptguard wrote (damaged or edited)")
-    return data
+    try:
+        if not (isinstance(data, dict) and is_int(data.get("node")) and is_int(data.get("step"))
+                and isinstance(data.get("ranks"), list) and all(is_int(r) for r in data["ranks"])):
+            raise ValueError
+        return NodeManifest(step=data["step"], node=data["node"], name=str(data.get("name", "")),
+                            ranks=tuple(data["ranks"]), files=files_from_json(data.get("files")),
+                            format_version=data.get("format_version", FORMAT_VERSION),
+                            created_unix=float(data.get("created_unix", 0.0)))
+    except (ValueError, TypeError):
+        raise CheckpointCorruptError(f"{path}: not a node manifest ckptguard wrote (damaged or edited)") from None

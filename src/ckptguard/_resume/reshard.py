@@ -87,8 +87,8 @@ def _would_apply(value: Any) -> str:
 def skeleton_rank(manifest: _manifest.Manifest, ep_rank: int | None) -> int:
     """The old rank whose extras give this rank the non-tensor leaves of its tensor items:
     the lowest one of the same expert-parallel rank (their keys name it), else rank 0."""
-    ep_ranks = manifest.topology.get("ep_ranks")
-    if ep_rank is not None and isinstance(ep_ranks, list) and ep_rank in ep_ranks:
+    ep_ranks = manifest.topology.ep_ranks
+    if ep_rank is not None and ep_ranks is not None and ep_rank in ep_ranks:
         return ep_ranks.index(ep_rank)
     return 0
 

@@ -158,7 +158,7 @@ def agree_files(ctx: Context, res: Resolution) -> None:
     src = source_rank(ctx, manifest)
     problems: list[str] = []
     error: dict[str, str] | None = None
-    wanted = {f["path"] for f in manifest.files if f["path"].startswith(_layout.STATE_DIR + "/")}
+    wanted = {f.path for f in manifest.files if f.path.startswith(_layout.STATE_DIR + "/")}
     wanted.add(_layout.extras_name(src))
     if by_item(ctx, manifest):  # a user rule reads every old rank's extras
         wanted |= {_layout.extras_name(r) for r in range(manifest.world_size)}
@@ -169,14 +169,14 @@ def agree_files(ctx: Context, res: Resolution) -> None:
         except CheckpointError as exc:  # e.g. unsafe metadata: every rank raises this same error
             error = error_payload(exc)
 
-    for f in [f for f in manifest.files if f["path"] in wanted]:
-        p = safe_member(res.path, f["path"])
+    for f in [f for f in manifest.files if f.path in wanted]:
+        p = safe_member(res.path, f.path)
         if p is None:
-            problems.append(f"the manifest lists {f['path']!r}, which leaves {res.path}; run `ckptguard verify`")
+            problems.append(f"the manifest lists {f.path!r}, which leaves {res.path}; run `ckptguard verify`")
         elif not p.exists():
             problems.append(f"missing {p}")
-        elif p.stat().st_size != f["size"]:
-            problems.append(f"{p} has {p.stat().st_size} bytes, manifest says {f['size']}")
+        elif p.stat().st_size != f.size:
+            problems.append(f"{p} has {p.stat().st_size} bytes, manifest says {f.size}")
     view = FilesView(ctx.agreement.info.host, problems[:5], error)
 
     def decide(views: list[FilesView]) -> Agreed:

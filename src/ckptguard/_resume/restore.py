@@ -52,7 +52,7 @@ log = logging.getLogger("ckptguard")
 
 
 def _check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
-    saved = {k: v for k, v in manifest.topology.items() if k not in ("rank_hosts", "ep_ranks")}
+    saved = manifest.topology.shape()
     now = ctx.topology()
     if saved == now:
         return
@@ -218,45 +218,45 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
     step_dir = manifest.path.parent
     ours = {_layout.extras_name(r) for r in range(manifest.world_size)}
     files = sorted(
-        (f for f in manifest.files if not f["path"].startswith(_layout.STATE_DIR + "/") and f["path"] not in ours),
-        key=lambda f: (-int(f["size"]), f["path"]),
+        (f for f in manifest.files if not f.path.startswith(_layout.STATE_DIR + "/") and f.path not in ours),
+        key=lambda f: (-f.size, f.path),
     )
     mine = files[ctx.rank :: ctx.world]
     index = manifest.node_of(ctx.rank)
     if index is not None:  # node-local roots: this node's ranks check the files on this node's disk
-        ranks = sorted(manifest.nodes[index]["ranks"]) if manifest.nodes else [ctx.rank]
-        here = {f["path"] for f in manifest.node_files(index)}
-        mine = [f for f in files if f["path"] in here][ranks.index(ctx.rank) :: len(ranks)]
-    _refuse_unlisted(step_dir, manifest, {f["path"].split("/", 1)[0] for f in files if "/" in f["path"]})
+        ranks = sorted(manifest.nodes[index].ranks) if manifest.nodes else [ctx.rank]
+        here = {f.path for f in manifest.node_files(index)}
+        mine = [f for f in files if f.path in here][ranks.index(ctx.rank) :: len(ranks)]
+    _refuse_unlisted(step_dir, manifest, {f.path.split("/", 1)[0] for f in files if "/" in f.path})
     if not mine:
         return
 
     started = time.monotonic()
     for f in mine:
-        path = safe_member(step_dir, f["path"])
-        where = f"external file {path or f['path']} of step {manifest.step} (checked on rank {ctx.rank})"
+        path = safe_member(step_dir, f.path)
+        where = f"external file {path or f.path} of step {manifest.step} (checked on rank {ctx.rank})"
         if path is None or not path.is_file():
             raise CheckpointIncompleteError(
                 f"{where} is listed in the manifest but {'leaves the step directory' if path is None else 'absent'}; "
                 "restore an earlier step (restore(path=...)) or copy the file back, then run `ckptguard verify`"
             )
         size, xxh3 = file_digest(str(path))
-        if size != f["size"] or xxh3 != f["xxh3"]:
+        if size != f.size or xxh3 != f.xxh3:
             raise CheckpointCorruptError(
-                f"{where} has {size} bytes and xxh3 {xxh3}, the manifest says {f['size']} bytes and xxh3 "
-                f"{f['xxh3']}: it changed after the commit and is not handed to the framework. Restore an earlier "
+                f"{where} has {size} bytes and xxh3 {xxh3}, the manifest says {f.size} bytes and xxh3 "
+                f"{f.xxh3}: it changed after the commit and is not handed to the framework. Restore an earlier "
                 "step (restore(path=...)) or copy the file back from where it was written"
             )
     log.info(
         "ckptguard: rank %d checked %d external files of step %d (%d bytes) in %.2f s",
-        ctx.rank, len(mine), manifest.step, sum(int(f["size"]) for f in mine), time.monotonic() - started,
+        ctx.rank, len(mine), manifest.step, sum(f.size for f in mine), time.monotonic() - started,
     )
 
 
 def _refuse_unlisted(step_dir: Path, manifest: _manifest.Manifest, folders: set[str]) -> None:
     """The framework reads an external folder whole (HF's ``hf/``): a file planted there that the
     manifest does not list would be loaded unchecked, so the restore refuses it, naming it."""
-    listed = {str(f["path"]) for f in manifest.files}
+    listed = {f.path for f in manifest.files}
     for folder in sorted(folders):
         for base, dirs, names in os.walk(step_dir / folder, followlinks=False):
             for name in sorted(names) + sorted(d for d in dirs if os.path.islink(os.path.join(base, d))):
@@ -415,11 +415,11 @@ def _layout_free_items(
         return set()
 
     rel = _layout.extras_name(source_rank(ctx, manifest))
-    entry = next((f for f in manifest.files if f.get("path") == rel), None)
+    entry = next((f for f in manifest.files if f.path == rel), None)
     path = safe_member(manifest.path.parent, rel)
     if entry is None or path is None or not path.is_file():
         return set()
-    if file_digest(str(path)) != (entry.get("size"), entry.get("xxh3")):
+    if file_digest(str(path)) != (entry.size, entry.xxh3):
         return set()  # the full digests below then say which items differ
     return {
         name for name, (kind, _sd, _flat) in targets.items()
@@ -450,12 +450,12 @@ def _changed_files(manifest: _manifest.Manifest, rank: int) -> list[str]:
     step_dir = manifest.path.parent
     changed = []
     for entry in manifest.files:
-        if entry.get("rank") not in (None, rank) and not str(entry.get("path", "")).startswith("state/"):
+        if entry.rank not in (None, rank) and not entry.path.startswith("state/"):
             continue
-        path = safe_member(step_dir, str(entry.get("path", "")))
+        path = safe_member(step_dir, entry.path)
         if path is None or not path.is_file():
             continue
-        if file_digest(str(path))[1] != entry.get("xxh3"):
+        if file_digest(str(path))[1] != entry.xxh3:
             changed.append(str(path))
     if not changed:
         return ["the files' checksums still match the manifest, so the difference comes from the restore path"]

@@ -247,7 +247,7 @@ def recompute(
     ranks = list(range(world))
     if manifest.nodes:  # node-local roots: this disk holds its node's ranks' part (its node manifest says which)
         node = _manifest.read_node(step_dir)
-        ranks = sorted(manifest.nodes[int(node["node"])]["ranks"]) if node is not None else []
+        ranks = sorted(manifest.nodes[node.node].ranks) if node is not None else []
         result["elsewhere"] = [r for r in range(world) if r not in ranks]
     for rank in ranks:
         extras, problem = _load_extras(step_dir, rank)

@@ -256,7 +256,7 @@ def plan_export(step_dir: Path, *, item: str | None = None, dtype: torch.dtype |
             plain.append(Planned(key[len(item) + 1 :], shape, src, out, (Source(key, expected[key], shape),)))
         else:
             experts.setdefault(key[: match.start()], {})[int(match.group(1))] = (key, shape)
-    ep = int(manifest.topology.get("ep", 1))
+    ep = manifest.topology.ep
     named = _renumbered(item, experts)
     for base, per_rank in sorted(experts.items()):
         src = dtypes[per_rank[min(per_rank)][0]]
@@ -431,12 +431,12 @@ def copy_configs(step_dir: Path, manifest: _manifest.Manifest, tmp: Path, dtype:
     """The step's config/tokenizer files (``hf/``), checked against the manifest's size and xxh3 as copied."""
     copied = []
     for entry in manifest.files:
-        rel = entry["path"]
+        rel = entry.path
         if not rel.startswith(HF_DIR + "/") or rel.count("/") != 1 or rel.split("/")[1] not in CONFIG_FILES:
             continue
         src = step_dir / rel
         data = _layout.read_small(src, limit=256 * _MiB, what="config file")
-        if len(data) != entry["size"] or xxhash.xxh3_64(data).hexdigest() != entry["xxh3"]:
+        if len(data) != entry.size or xxhash.xxh3_64(data).hexdigest() != entry.xxh3:
             raise CheckpointCorruptError(f"{src}: size or xxh3 differs from step {manifest.step}'s manifest; the file "
                                          "changed after the commit: nothing was exported")
         name = rel.split("/")[1]

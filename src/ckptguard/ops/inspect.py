@@ -125,7 +125,7 @@ def state_bytes(step_dirs: list[Path]) -> int:
     total = 0
     for p in step_dirs:
         with contextlib.suppress(CheckpointError):
-            total += sum(f["size"] for f in _manifest.read(p).files if f["path"].startswith("state/"))
+            total += sum(f.size for f in _manifest.read(p).files if f.path.startswith("state/"))
     return total
 
 

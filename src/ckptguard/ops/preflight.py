@@ -218,12 +218,12 @@ def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Fi
     here = sorted(r for r, h in rank_hosts.items() if h == node) if manifest.nodes else sorted(rank_hosts)
     findings = []
     for rank in here:
-        files = {f["path"]: f for f in manifest.files}
+        files = {f.path: f for f in manifest.files}
         lost = []
         for rel in sorted(files_needed(step_dir, manifest, rank)):
             path = safe_member(step_dir, rel)
             entry = files.get(rel)
-            if path is None or entry is None or not path.is_file() or path.stat().st_size != entry["size"]:
+            if path is None or entry is None or not path.is_file() or path.stat().st_size != entry.size:
                 lost.append(rel)
         if lost:
             findings.append(

@@ -73,14 +73,14 @@ def to_store(step_dir: Path, url: str, *, template: str = "step_{step:08d}",
     try:
         _same_chain_on_store(store, phases, step_dir)
         attempt = store.begin(manifest.step, replace_orphan=True)
-        files = [(str(f["path"]), step_dir / str(f["path"]), int(f["size"])) for f in manifest.files]
+        files = [(f.path, step_dir / f.path, f.size) for f in manifest.files]
         total = sum(size for _, _, size in files)
         if progress is not None:
             progress(0, total)
         etags = store.upload(manifest.step, attempt, files)
         if progress is not None:
             progress(total, total)
-        objects = {str(f["path"]): StoredObject(int(f["size"]), str(f["xxh3"]), etags[str(f["path"])])
+        objects = {f.path: StoredObject(f.size, f.xxh3, etags[f.path])
                    for f in manifest.files}
         marker = store.commit(manifest.step, attempt, objects, raw, phases=phases, lease=holder)
     finally:

@@ -107,7 +107,7 @@ def _transfer_locked(
         "source": str(step_dir),
         "destination": str(final),
         "step": manifest.step,
-        "files": [{k: f[k] for k in ("path", "size", "xxh3")} for f in node_part(step_dir, manifest)[0] or []],
+        "files": [{"path": f.path, "size": f.size, "xxh3": f.xxh3} for f in node_part(step_dir, manifest)[0] or []],
         "who": f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}",
         "started_unix": started,
         "finished_unix": time.time(),
@@ -144,13 +144,13 @@ def _copy_files(
     step_dir: Path, dest_root: Path, final: Path, manifest: Any, progress: Callable[[int, int], None] | None
 ) -> None:
     entries, _findings = node_part(step_dir, manifest)  # verified complete by the caller
-    total, done = sum(int(e["size"]) for e in entries or []), 0
+    total, done = sum(e.size for e in entries or []), 0
     with publishing(dest_root, final) as tmp:
         for entry in entries or []:
-            (tmp / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
-            copy_verified(step_dir / entry["path"], tmp / entry["path"], expect=entry["xxh3"])
+            (tmp / entry.path).parent.mkdir(parents=True, exist_ok=True)
+            copy_verified(step_dir / entry.path, tmp / entry.path, expect=entry.xxh3)
             _faults.reached("transfer.file_copied")
-            done += int(entry["size"])
+            done += entry.size
             if progress is not None:
                 progress(done, total)
         if manifest.nodes:
