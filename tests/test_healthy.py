@@ -73,10 +73,10 @@ def test_a_nan_loss_on_one_rank_commits_nothing_and_the_tracker_stays(nan_root):
 def test_steps_become_verified_after_n_healthy_steps_and_a_nan_blocks_the_newer_ones(nan_root):
     trust = _trust.read(nan_root)
     # 3 was followed by the healthy steps 4 and 5 (N=2); 4 and 5 by the NaN step 6 first
-    assert _trust.state(trust[3]) is _trust.Trust.VERIFIED and trust[3]["healthy_after"] == [4, 5]
+    assert _trust.state(trust[3]) is _trust.Trust.VERIFIED and trust[3].healthy_after == (4, 5)
     for step in (4, 5):
         assert _trust.state(trust[step]) is _trust.Trust.CANDIDATE
-        assert trust[step]["unhealthy_after"] == NAN_AT
+        assert trust[step].unhealthy_after == NAN_AT
     # the sidecar is outside the step directories: committed manifests stay as written
     assert not (nan_root / "step_00000003" / _trust.TRUST_NAME).exists()
 
@@ -174,7 +174,7 @@ def test_a_step_of_an_abandoned_trajectory_is_not_verified_by_the_new_one(tmp_pa
     second.record_step(2, loss=0.5)
     second.save(3, _state(), loss=0.5)
     trust = _trust.read(root)
-    assert _trust.state(trust[2]) is _trust.Trust.CANDIDATE and trust[2]["healthy_after"] == []
+    assert _trust.state(trust[2]) is _trust.Trust.CANDIDATE and trust[2].healthy_after == ()
     second.save(4, _state(), loss=0.5)
     assert _trust.state(_trust.read(root)[3]) is _trust.Trust.VERIFIED  # its own commits are verified
 

@@ -90,3 +90,21 @@ def test_a_node_manifest_reads_typed_and_a_damaged_one_is_refused(tmp_path):
     (tmp_path / "node_manifest.json").write_text(json.dumps({**record.to_json(), "files": [{"path": "x"}]}))
     with pytest.raises(cg.CheckpointCorruptError, match="not a node manifest"):
         _manifest.read_node(tmp_path)
+
+
+def test_trust_entries_are_typed_written_back_the_same_and_a_bad_one_names_its_step(tmp_path):
+    from ckptguard._records import trust as _trust
+
+    _trust.committed(tmp_path, 1, 2, on_disk=[1])
+    _trust.committed(tmp_path, 2, 2, on_disk=[1, 2])
+    assert _trust.observe(tmp_path, [2, 3], [], lambda s: True) == [1]
+    entries = _trust.read(tmp_path)
+    assert entries[1].state is _trust.Trust.VERIFIED and entries[1].healthy_after == (2, 3)
+    assert entries[2].healthy_after == (3,) and _trust.describe(entries[2]) == "candidate (1/2 healthy steps after it)"
+    raw = json.loads((tmp_path / "trust.json").read_text())
+    assert {int(k): _trust.TrustEntry.from_json(v).to_json() for k, v in raw["steps"].items()} == {
+        int(k): v for k, v in raw["steps"].items()}
+    raw["steps"]["2"]["healthy_after"] = ["3"]
+    (tmp_path / "trust.json").write_text(json.dumps(raw))
+    with pytest.raises(cg.CheckpointCorruptError, match="step 2: 'healthy_after'"):
+        _trust.read(tmp_path)

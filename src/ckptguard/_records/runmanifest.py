@@ -59,6 +59,15 @@ class RoleEntry:
     manifest_bytes: int
     manifest_xxh3: str
 
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": list(self.ranks), "manifest_bytes": self.manifest_bytes, "manifest_xxh3": self.manifest_xxh3}
+
+    @classmethod
+    def from_json(cls, value: object) -> RoleEntry:
+        if not isinstance(value, dict) or not _role_entry(value):
+            raise ValueError("'roles' must map role names to {ranks, manifest_bytes, manifest_xxh3}")
+        return cls(list(value["ranks"]), value["manifest_bytes"], value["manifest_xxh3"])
+
 
 @dataclass(frozen=True)
 class RunManifest:
@@ -81,7 +90,7 @@ class RunManifest:
             "chain_id": self.chain_id,
             "dir_template": self.dir_template,
             "world_size": self.world_size,
-            "roles": {name: e.__dict__ for name, e in self.roles.items()},
+            "roles": {name: e.to_json() for name, e in self.roles.items()},
             "versions": self.versions,
             "contract": self.contract,
             "created_unix": self.created_unix,
@@ -184,7 +193,7 @@ def read(step_dir: Path) -> RunManifest:
         chain_id=str(data.get("chain_id", "")),
         dir_template=str(data.get("dir_template", "")),
         world_size=data["world_size"],
-        roles={k: RoleEntry(list(v["ranks"]), v["manifest_bytes"], v["manifest_xxh3"]) for k, v in roles.items()},
+        roles={k: RoleEntry.from_json(v) for k, v in roles.items()},
         versions=data["versions"] if isinstance(data.get("versions"), dict) else {},
         contract=data["contract"] if isinstance(data.get("contract"), dict) else {},
         created_unix=float(data.get("created_unix", 0.0)),

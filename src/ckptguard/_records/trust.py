@@ -32,7 +32,7 @@ import enum
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -231,7 +231,54 @@ def _path(root: Path) -> Path:
     return root / TRUST_NAME
 
 
-def read(root: Path) -> dict[int, dict[str, Any]]:
+@dataclass(frozen=True)
+class TrustEntry:
+    """One committed step's entry in ``trust.json``: its state, when it was committed (and verified), the
+    N later healthy steps it needs, the ones seen so far, and the unhealthy step that stopped it."""
+
+    state: Trust = Trust.CANDIDATE
+    committed_unix: float = 0.0
+    verify_after: int = 1
+    healthy_after: tuple[int, ...] = ()
+    unhealthy_after: int | None = None
+    verified_unix: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"state": self.state.value, "committed_unix": self.committed_unix,
+                               "verify_after": self.verify_after, "healthy_after": list(self.healthy_after),
+                               "unhealthy_after": self.unhealthy_after}
+        if self.verified_unix is not None:
+            out["verified_unix"] = self.verified_unix
+        return out
+
+    @classmethod
+    def from_json(cls, value: object) -> TrustEntry:
+        """An entry as written; ValueError naming the field when it is not of the shape ckptguard writes."""
+        if not isinstance(value, dict):
+            raise ValueError("an entry is not an object")
+        healthy, bad = value.get("healthy_after", []), value.get("unhealthy_after")
+        need, committed_at, verified_at = value.get("verify_after", 1), value.get("committed_unix", 0.0), \
+            value.get("verified_unix")
+        if not (isinstance(healthy, list) and all(_is_int(s) for s in healthy)):
+            raise ValueError("'healthy_after' is not a list of steps")
+        if not (bad is None or _is_int(bad)) or not _is_int(need) or need < 1:
+            raise ValueError("'unhealthy_after' or 'verify_after' is not a step count")
+        if not _is_number(committed_at) or not (verified_at is None or _is_number(verified_at)):
+            raise ValueError("'committed_unix' or 'verified_unix' is not a time")
+        state = Trust.VERIFIED if value.get("state") == Trust.VERIFIED.value else Trust.CANDIDATE
+        return cls(state, float(committed_at), need, tuple(healthy), bad,
+                   None if verified_at is None else float(verified_at))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read(root: Path) -> dict[int, TrustEntry]:
     """Every step's trust entry; {} without a sidecar. Raises CheckpointCorruptError when it cannot be read."""
     path = _path(root)
     try:
@@ -246,31 +293,35 @@ def read(root: Path) -> dict[int, dict[str, Any]]:
     steps = data.get("steps") if isinstance(data, dict) else None
     if not isinstance(steps, dict) or not all(isinstance(v, dict) for v in steps.values()):
         raise CheckpointCorruptError(f"{path} is not a trust record (no 'steps' object); move it away")
-    try:
-        return {int(k): v for k, v in steps.items()}
-    except ValueError:
-        raise CheckpointCorruptError(f"{path} names a step that is not a number; move it away") from None
+    out = {}
+    for key, value in steps.items():
+        try:
+            out[int(key)] = TrustEntry.from_json(value)
+        except ValueError as exc:
+            what = "names a step that is not a number" if not str(key).lstrip("-").isdigit() else f"step {key}: {exc}"
+            raise CheckpointCorruptError(f"{path} {what}; move it away") from None
+    return out
 
 
-def _write(root: Path, steps: Mapping[int, dict[str, Any]]) -> None:
+def _write(root: Path, steps: Mapping[int, TrustEntry]) -> None:
     _layout.refuse_link(_path(root), "trust record")  # never written through a link
-    body = {"format": TRUST_FORMAT, "steps": {str(k): v for k, v in sorted(steps.items())}}
+    body = {"format": TRUST_FORMAT, "steps": {str(k): v.to_json() for k, v in sorted(steps.items())}}
     _layout.atomic_write_json(_path(root), body)
 
 
-def state(entry: Mapping[str, Any] | None) -> Trust:
-    return Trust.VERIFIED if entry is not None and entry.get("state") == Trust.VERIFIED.value else Trust.CANDIDATE
+def state(entry: TrustEntry | None) -> Trust:
+    return Trust.CANDIDATE if entry is None else entry.state
 
 
-def describe(entry: Mapping[str, Any] | None) -> str:
+def describe(entry: TrustEntry | None) -> str:
     """One phrase for ``ckptguard list``."""
     if entry is None:
         return "candidate (no trust record)"
-    if state(entry) is Trust.VERIFIED:
+    if entry.state is Trust.VERIFIED:
         return "verified"
-    if entry.get("unhealthy_after") is not None:
-        return f"candidate (unhealthy step {entry['unhealthy_after']} followed it: never verified)"
-    return f"candidate ({len(entry.get('healthy_after', []))}/{entry.get('verify_after', '?')} healthy steps after it)"
+    if entry.unhealthy_after is not None:
+        return f"candidate (unhealthy step {entry.unhealthy_after} followed it: never verified)"
+    return f"candidate ({len(entry.healthy_after)}/{entry.verify_after} healthy steps after it)"
 
 
 def committed(root: Path, step: int, verify_after: int, *, on_disk: Iterable[int]) -> None:
@@ -278,8 +329,7 @@ def committed(root: Path, step: int, verify_after: int, *, on_disk: Iterable[int
     Entries of steps no longer on disk are dropped."""
     keep = set(on_disk) | {step}
     steps = {k: v for k, v in read(root).items() if k in keep}
-    steps[step] = {"state": Trust.CANDIDATE.value, "committed_unix": time.time(), "verify_after": verify_after,
-                   "healthy_after": [], "unhealthy_after": None}
+    steps[step] = TrustEntry(Trust.CANDIDATE, time.time(), verify_after)
     _write(root, steps)
 
 
@@ -292,20 +342,20 @@ def observe(root: Path, healthy: Iterable[int], unhealthy: Iterable[int], eligib
     steps = read(root)
     changed, promoted = False, []
     for k, entry in sorted(steps.items()):
-        if state(entry) is Trust.VERIFIED or entry.get("unhealthy_after") is not None or not eligible(k):
+        if entry.state is Trust.VERIFIED or entry.unhealthy_after is not None or not eligible(k):
             continue
         first_bad = next((s for s in bad if s > k), None)
-        seen = sorted(set(entry.get("healthy_after", [])) | {s for s in good if s > k})
-        need = int(entry.get("verify_after", 1))
+        seen = sorted(set(entry.healthy_after) | {s for s in good if s > k})
+        need = entry.verify_after
         if first_bad is not None:
             seen = [s for s in seen if s < first_bad]
         if len(seen) >= need:
-            entry.update(state=Trust.VERIFIED.value, verified_unix=time.time(), healthy_after=seen[:need])
+            steps[k] = replace(entry, state=Trust.VERIFIED, verified_unix=time.time(), healthy_after=tuple(seen[:need]))
             promoted.append(k)
         elif first_bad is not None:
-            entry.update(unhealthy_after=first_bad, healthy_after=seen)
+            steps[k] = replace(entry, unhealthy_after=first_bad, healthy_after=tuple(seen))
         else:
-            entry["healthy_after"] = seen
+            steps[k] = replace(entry, healthy_after=tuple(seen))
         changed = True
     if changed:
         _write(root, steps)

@@ -144,10 +144,10 @@ def _prefer_verified(
         return Resolution(step, step_dir, f"prefer='verified': step {step} is the newest verified step{newer}",
                           res.mode)
     entry = trust.get(res.step)
-    if entry is not None and entry.get("unhealthy_after") is not None:
+    if entry is not None and entry.unhealthy_after is not None:
         raise ResumeError(
             f"prefer='verified' under {root}: no committed step is verified, and the tracker's step {res.step} was "
-            f"followed by the unhealthy step {entry['unhealthy_after']}. Restore an older step with "
+            f"followed by the unhealthy step {entry.unhealthy_after}. Restore an older step with "
             "restore(path=...), or resume it anyway with prefer='latest'"
         )
     return Resolution(res.step, res.path, f"{res.reason}; prefer='verified': no step is verified yet, and no "

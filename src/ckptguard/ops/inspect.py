@@ -85,7 +85,7 @@ def list_steps(root: Path, template: str) -> Listing:
     steps = naming(template)
     tracker = _layout.read_tracker(root)
     try:
-        trust: dict[int, dict[str, object]] | None = _trust.read(root)
+        trust: dict[int, _trust.TrustEntry] | None = _trust.read(root)
         unreadable = ""
     except CheckpointError as exc:
         trust, unreadable = None, f"unknown ({str(exc).split(';')[0]})"
