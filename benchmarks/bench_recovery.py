@@ -188,7 +188,7 @@ def main() -> None:
         job.step()
         base_steps.append(time.perf_counter() - t)
     cfg = cg.CheckpointConfig(timeout_s=600, proof=ProofPlan(record=True))
-    tiers = cg.TieredCheckpoint(fast=a.fast_dir, persistent=a.persistent_dir, fast_every=a.fast_every,
+    tiers = cg.TieredCheckpoint(a.fast_dir, persistent=a.persistent_dir, fast_every=a.fast_every,
                                 persistent_every=steps, config=cfg)
     prepared_s = None
     if a.use_async:  # each tier's staging pool mapped and pinned off the loop, before it starts
@@ -234,7 +234,7 @@ def main() -> None:
             shutil.rmtree(a.fast_dir)  # the node's memory is gone: only the persistent tier is left
             files = drop_cache(a.persistent_dir)
         scramble(job)
-        mgr = cg.TieredCheckpoint(fast=a.fast_dir, persistent=a.persistent_dir, fast_every=a.fast_every,
+        mgr = cg.TieredCheckpoint(a.fast_dir, persistent=a.persistent_dir, fast_every=a.fast_every,
                                   persistent_every=steps, config=cfg)
         seconds, step = timed_restore(mgr, job)
         results[tier] = {"seconds": round(seconds, 3), "gib_s": round(nbytes / GiB / seconds, 3), "step": step,

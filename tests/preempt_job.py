@@ -34,7 +34,7 @@ def main() -> None:
     mgr: cg.CheckpointManager | cg.TieredCheckpoint
     if cfg.get("tiers"):  # fast tier every save_every steps, the persistent tier only at a preemption
         root = Path(cfg["root"])
-        mgr = cg.TieredCheckpoint(fast=root / "fast", persistent=root / "persistent", fast_every=cfg["save_every"],
+        mgr = cg.TieredCheckpoint(root / "fast", persistent=root / "persistent", fast_every=cfg["save_every"],
                                   persistent_every=1000, config=config)
     else:
         mgr = cg.CheckpointManager(cfg["root"], config=config)

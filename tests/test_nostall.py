@@ -167,7 +167,7 @@ def test_a_deletion_runs_after_the_commit_and_never_holds_the_next_save(tmp_path
 
 def test_a_tiered_save_async_during_the_tiers_commit_is_skipped_and_retention_still_runs(tmp_path):
     gate = threading.Event()
-    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
+    tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
                                 persistent_every=2, fast_retention=cg.KeepLast(1))
     _faults.set_hook("commit.before_tracker", gate.wait)
     try:

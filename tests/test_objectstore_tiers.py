@@ -74,7 +74,7 @@ def _lose(base: Path, node: int) -> None:
 
 def _tiers(base: str, endpoint: str, url: str, **kw) -> cg.TieredCheckpoint:
     return cg.TieredCheckpoint(
-        fast=os.path.join(base, "disk", "fast"), persistent=url,
+        os.path.join(base, "disk", "fast"), persistent=url,
         persistent_staging=os.path.join(base, "disk", "staging"),
         persistent_options=h.options(endpoint), fast_every=1, persistent_every=2,
         config=cg.CheckpointConfig(timeout_s=60, async_save=AsyncOptions(on_busy=cg.OnBusy.WAIT)), **kw)
@@ -158,7 +158,7 @@ def _budgeted(rank: int, world: int, base: str, endpoint: str, url: str) -> dict
     """A blocking budget every save exceeds (1 ms): the tiers' and the staging manager's saves stay whole."""
     os.environ.update(h.CREDENTIALS)
     config = cg.CheckpointConfig(timeout_s=60, blocking=cg.BlockingBudget(fraction=1.0, timeout_s=0.001))
-    tiers = cg.TieredCheckpoint(fast=os.path.join(base, "fast"), persistent=f"{url}/tiers",
+    tiers = cg.TieredCheckpoint(os.path.join(base, "fast"), persistent=f"{url}/tiers",
                                 persistent_staging=os.path.join(base, "staging"),
                                 persistent_options=h.options(endpoint),
                                 fast_every=1, persistent_every=2, config=config)
@@ -185,8 +185,8 @@ def test_a_blocking_budget_never_drops_a_persistent_or_store_save(moto, tmp_path
 
 def test_an_object_store_tier_needs_its_staging_directory(tmp_path):
     with pytest.raises(ConfigError, match="persistent_staging"):
-        cg.TieredCheckpoint(fast=tmp_path / "fast", persistent="s3://bucket/run")
+        cg.TieredCheckpoint(tmp_path / "fast", persistent="s3://bucket/run")
     with pytest.raises(ConfigError, match="go with an object-store"):
-        cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "p", persistent_staging=tmp_path / "s")
+        cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "p", persistent_staging=tmp_path / "s")
     with pytest.raises(ConfigError, match="is the fast root"):
-        cg.TieredCheckpoint(fast=tmp_path / "fast", persistent="s3://bucket/run", persistent_staging=tmp_path / "fast")
+        cg.TieredCheckpoint(tmp_path / "fast", persistent="s3://bucket/run", persistent_staging=tmp_path / "fast")

@@ -185,7 +185,7 @@ def test_a_request_one_rank_cannot_hold_whole_is_skipped_on_every_rank(tmp_path:
 
 
 def _redirecting(rank: int, world: int, base: str) -> dict[str, Any]:
-    tiers = cg.TieredCheckpoint(fast=Path(base) / "fast", persistent=Path(base) / "pers", fast_every=1,
+    tiers = cg.TieredCheckpoint(Path(base) / "fast", persistent=Path(base) / "pers", fast_every=1,
                                 persistent_every=2, config=cg.CheckpointConfig(
                                     timeout_s=60, on_busy=cg.OnBusy.FAST_TIER, async_host_bytes=1 << 20))
     fast_gate, pers_gate = threading.Event(), threading.Event()
@@ -218,7 +218,7 @@ def _redirecting(rank: int, world: int, base: str) -> dict[str, Any]:
     home = Path(base) / "pers"
     out["events"] = {e: _events(home, rank, e) for e in ("busy_skip", "busy_redirect")}
     tiers.close()
-    again = cg.TieredCheckpoint(fast=Path(base) / "fast", persistent=home, fast_every=1, persistent_every=2)
+    again = cg.TieredCheckpoint(Path(base) / "fast", persistent=home, fast_every=1, persistent_every=2)
     fresh = _state(rank)
     out["restored"] = again.restore(fresh)
     out["bitwise"] = torch.equal(fresh["w"].value, wanted["w"]) and torch.equal(fresh["shared"], wanted["shared"])
@@ -248,7 +248,7 @@ def test_each_front_door_refuses_a_policy_it_cannot_follow(tmp_path: Path) -> No
         cg.RunCheckpoint(tmp_path / "r", [cg.Role("actor", ranks=[0])],
                          config=cg.CheckpointConfig(on_busy=cg.OnBusy.COALESCE))
     with pytest.raises(cg.ConfigError, match=r"TieredCheckpoint: .*OnBusy.COALESCE"):
-        cg.TieredCheckpoint(fast=tmp_path / "f", persistent=tmp_path / "p",
+        cg.TieredCheckpoint(tmp_path / "f", persistent=tmp_path / "p",
                             config=cg.CheckpointConfig(on_busy=cg.OnBusy.COALESCE))
     with pytest.raises(cg.ConfigError, match="SKIP, WAIT, COALESCE, FAST_TIER"):
         cg.CheckpointConfig(on_busy="coalesce")  # type: ignore[arg-type]

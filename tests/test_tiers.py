@@ -66,7 +66,7 @@ def expected(rank: int, step: int) -> dict:
 def tiers(base: str, **kw) -> cg.TieredCheckpoint:
     kw = dict(kw)
     config = cg.CheckpointConfig(timeout_s=kw.pop("timeout_s", 60))
-    return cg.TieredCheckpoint(fast=os.path.join(base, "disk", "fast"), persistent=kw.pop("persistent", None),
+    return cg.TieredCheckpoint(os.path.join(base, "disk", "fast"), persistent=kw.pop("persistent", None),
                                config=config, **kw)
 
 

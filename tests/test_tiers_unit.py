@@ -24,7 +24,7 @@ def views(a: dict, b: dict, persistent: int = 0) -> list[View]:
 @pytest.fixture
 def tiers(tmp_path):
     """The restore side of a TieredCheckpoint (its collective choice, run here on synthetic views)."""
-    tc = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent")
+    tc = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "persistent")
     assert tc.persistent is not None
     fast = tc.fast.context
     return TierRestore(fast, tc.persistent.context, replicas=tc.replicas, hosts=[fast.agreement.info.host])
@@ -71,11 +71,11 @@ def test_nothing_loadable_but_something_committed_is_refused(tiers):
 
 def test_config_is_checked():
     with pytest.raises(cg.ConfigError, match="fast_every"):
-        cg.TieredCheckpoint(fast="/nonexistent/f", fast_every=0)
+        cg.TieredCheckpoint("/nonexistent/f", fast_every=0)
     with pytest.raises(cg.ConfigError, match="replicas"):
-        cg.TieredCheckpoint(fast="/nonexistent/f", replicas=2)
+        cg.TieredCheckpoint("/nonexistent/f", replicas=2)
     with pytest.raises(cg.ConfigError, match="another node"):
-        cg.TieredCheckpoint(fast="/nonexistent/f", replicas=1)
+        cg.TieredCheckpoint("/nonexistent/f", replicas=1)
 
 
 def test_recovery_benchmark_runs_at_tiny_size(tmp_path):
@@ -108,12 +108,12 @@ def test_fast_steps_without_a_tracker_are_refused_not_ignored(tmp_path):
     import torch
 
     state = {"w": torch.nn.Linear(2, 2)}
-    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent", persistent_every=2)
+    tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "persistent", persistent_every=2)
     tiers.save(1, state)
     tiers.save(2, state)
     (tmp_path / "fast" / "latest_checkpointed_iteration.txt").unlink()
     with pytest.raises(cg.ResumeError, match="no tracker"):
-        cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent").restore(state)
+        cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "persistent").restore(state)
 
 
 def test_fast_saves_before_the_first_persistent_one_leave_durable_proof_records(tmp_path):
@@ -121,7 +121,7 @@ def test_fast_saves_before_the_first_persistent_one_leave_durable_proof_records(
 
     import torch
 
-    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "persistent", persistent_every=100)
+    tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "persistent", persistent_every=100)
     tiers.save(1, {"w": torch.nn.Linear(2, 2)})
     tiers.record_step(1, loss=0.5)
     records = [json.loads(x) for x in (tmp_path / "persistent" / "proof" / "rank_00000.jsonl").read_text().split("\n")
@@ -135,7 +135,7 @@ def test_a_nan_recorded_at_a_step_keeps_it_out_of_both_tiers_and_prefer_verified
 
     import torch
 
-    tiers = cg.TieredCheckpoint(fast=tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
+    tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
                                 persistent_every=2)
     state = {"m": torch.nn.Linear(2, 2)}
     assert set(tiers.save(1, state)) == {cg.Tier.FAST}
@@ -145,4 +145,25 @@ def test_a_nan_recorded_at_a_step_keeps_it_out_of_both_tiers_and_prefer_verified
     assert set(tiers.save(4, state, loss=1.0)) == {cg.Tier.FAST, cg.Tier.PERSISTENT}
     verified = cg.CheckpointConfig(health=cg.HealthPolicy(prefer="verified"))
     with pytest.raises(cg.ConfigError, match="prefer='verified'"):
-        cg.TieredCheckpoint(fast=tmp_path / "f2", config=verified).restore(dict(state))
+        cg.TieredCheckpoint(tmp_path / "f2", config=verified).restore(dict(state))
+
+
+def test_the_three_front_doors_take_the_root_first_and_the_config_by_keyword(tmp_path):
+    import inspect
+
+    for door in (cg.CheckpointManager, cg.RunCheckpoint, cg.TieredCheckpoint):
+        params = list(inspect.signature(door.__init__).parameters.values())[1:]
+        assert params[0].name == "root" and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, door
+        assert inspect.signature(door.__init__).parameters["config"].kind is inspect.Parameter.KEYWORD_ONLY, door
+    tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "pers")
+    assert tiers.fast.root == (tmp_path / "fast").absolute()
+
+
+def test_fast_keyword_still_works_for_one_release_with_a_warning_naming_the_new_spelling(tmp_path):
+    with pytest.warns(DeprecationWarning, match=r"write TieredCheckpoint\(root, persistent=\.\.\.\)"):
+        tiers = cg.TieredCheckpoint(fast=tmp_path / "fast")
+    assert tiers.fast.root == (tmp_path / "fast").absolute()
+    with pytest.raises(cg.ConfigError, match="two fast roots"):
+        cg.TieredCheckpoint(tmp_path / "a", fast=tmp_path / "b")
+    with pytest.raises(cg.ConfigError, match="give the fast tier's root"):
+        cg.TieredCheckpoint(persistent=tmp_path / "p")

@@ -49,6 +49,7 @@ from ._commit.busy import BusyRound, check_policy, may_start, route_tiered
 from ._context import Actions
 from ._core.guard import GuardTarget, recorded_save_seconds
 from ._core.root import check_state, check_step
+from ._core.tierargs import fast_root, remote_tier
 from ._core.tierrestore import Choice, Tier, TierRestore, after_transfers
 from ._core.tiersave import TieredSave
 from ._disk import layout as _layout
@@ -77,7 +78,7 @@ log = logging.getLogger("ckptguard")
 class TieredCheckpoint:
     """A fast node-local tier and a persistent shared tier under one object.
 
-    ``fast`` is a root on node-local storage (the same path on every node, e.g. ``/dev/shm/run1``
+    ``root`` (the fast tier) is a root on node-local storage (the same path on every node, e.g. ``/dev/shm/run1``
     or NVMe) or, for a single node, any directory; ``persistent`` a root on the shared
     filesystem, or None for a fast tier alone (then ``replicas=1`` is what survives a lost node).
     ``fast_retention`` and ``persistent_retention`` rotate each tier on its own. ``config`` is
@@ -89,8 +90,8 @@ class TieredCheckpoint:
 
     def __init__(
         self,
+        root: str | os.PathLike[str] | None = None,
         *,
-        fast: str | os.PathLike[str],
         persistent: str | os.PathLike[str] | None = None,
         fast_every: int = 1,
         persistent_every: int = 10,
@@ -104,7 +105,9 @@ class TieredCheckpoint:
         expert_parallel: ExpertParallel | None = None,
         persistent_staging: str | os.PathLike[str] | None = None,
         persistent_options: Any | None = None,
+        fast: str | os.PathLike[str] | None = None,
     ) -> None:
+        fast = fast_root(root, fast)
         for name, value in (("fast_every", fast_every), ("persistent_every", persistent_every)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"TieredCheckpoint({name}={value!r}): must be an int >= 1 (steps between saves)")
@@ -123,7 +126,7 @@ class TieredCheckpoint:
         if persistent is not None and Path(persistent).absolute() == Path(fast).absolute():
             raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
         self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
-        remote = _remote(persistent, persistent_staging, persistent_options, fast)
+        remote = remote_tier(persistent, persistent_staging, persistent_options, fast)
 
         def manager(root: str | os.PathLike[str], retention: RetentionPolicy) -> CheckpointManager:
             return CheckpointManager(root, config=dataclasses.replace(base, retention=retention),
@@ -467,22 +470,6 @@ class TieredCheckpoint:
 
     def record_update(self, step: int, *, grad_norm: float, params_changed: bool) -> None:
         self._home().record_update(step, grad_norm=grad_norm, params_changed=params_changed)
-
-
-def _remote(persistent: Any, staging: Any, options: Any, fast: Any) -> bool:
-    """True for an object-store persistent tier (``s3://``); its arguments checked."""
-    remote = isinstance(persistent, str) and persistent.startswith("s3://")
-    if not remote and (staging is not None or options is not None):
-        raise ConfigError("TieredCheckpoint(persistent_staging=, persistent_options=) go with an object-store "
-                          f"persistent tier (persistent='s3://bucket/prefix'), not persistent={persistent!r}")
-    if remote and staging is None:
-        raise ConfigError(
-            f"TieredCheckpoint(persistent={persistent!r}): give persistent_staging=<a local directory> (node-local or "
-            "shared, the same path on every node, room for one step), where each persistent step is committed "
-            "before its upload and downloaded before a restore from the store (docs/objectstore.md)")
-    if remote and Path(staging).absolute() == Path(fast).absolute():
-        raise ConfigError(f"TieredCheckpoint: persistent_staging is the fast root {fast}; give its own directory")
-    return remote
 
 
 def _then_publish(run: Callable[[], Path], publish: Callable[[int, Path], str], step: int) -> Path:
