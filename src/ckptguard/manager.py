@@ -227,7 +227,7 @@ class CheckpointManager:
         Requested while the previous commit still runs (on any rank), it follows ``CheckpointConfig.on_busy``:
         ``SKIP`` (the default) returns None at once, logged with the interval that fits the measured commit
         time, counted (``busy.skipped_total``) and recorded in the next step's cost block (so a final save is
-        ``wait()`` first); ``WAIT`` waits; ``COALESCE`` queues it (``poll()``/``wait()`` starts it, a newer replaces it).
+        ``wait()`` first); ``WAIT`` waits; ``COALESCE`` queues it (``poll()``, ``wait()`` start it).
         The caller blocks only until the snapshot's copies are queued: into spare GPU memory within
         ``async_gpu_bytes``, else into the reusable pinned host pool within ``async_host_bytes`` (None: the
         budget the memory contract leaves), on a side stream. The next optimizer step (a step pre-hook), the
