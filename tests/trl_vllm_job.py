@@ -88,11 +88,17 @@ def probe(work: Path) -> dict:
             for p in trainer.model.parameters():
                 p.add_(0.01)  # an update: the sync must carry it
 
-    # TRL's own sync, twice, each followed by ckptguard's read-back (mode "check")
-    sync = vllm.install_trl_sync(trainer, mode="check")
-    for attempt in ("first", "second"):
-        update()
-        out[f"check_{attempt}"] = sync().gates
+    # TRL's own sync, twice, each followed by ckptguard's read-back (mode "check"); refused up front on an
+    # engine whose linears the CPU backend emptied (its model.load_weights fails: AMX CPUs with bf16 weights)
+    out["emptied"] = gen.llm.collective_rpc(vllm.emptied_linears)[0]
+    try:
+        sync = vllm.install_trl_sync(trainer, mode="check")
+    except cg.ConfigError as exc:
+        out["check_refused"] = str(exc)
+    else:
+        for attempt in ("first", "second"):
+            update()
+            out[f"check_{attempt}"] = sync().gates
     # a sync that silently does nothing: the check names the tensors
     gen.sync_weights = lambda: None
     stale = vllm.install_trl_sync(trainer, mode="check")

