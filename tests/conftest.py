@@ -1,12 +1,15 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # Test helpers and fixture generators are imported by name, also in spawned ranks.
 for sub in ("", "fixtures"):
     path = str(Path(__file__).parent / sub)
     if path not in sys.path:
         sys.path.insert(0, path)
 
+import venvs  # noqa: E402  (tests/: on sys.path just above)
 
 # ``make test-fast`` (the edit loop) runs ``-m "not slow"``. A test is slow when it is marked
 # ``@pytest.mark.slow`` or lives in one of these modules: each starts real training jobs or
@@ -73,11 +76,41 @@ SHARED_GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_in
                  "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm"}
 
 
-def pytest_collection_modifyitems(config, items):
-    import pytest
+# xdist hands the groups out in collection order. ``make test`` builds the framework venvs in the background
+# for the first minutes of the suite, so the heavy groups that need none go first, then the groups that need one
+# (the longest first: the suite ends no sooner than the vLLM group does), then the rest in file order.
+FIRST_GROUPS = ("ray", "test_preempt", "test_rehearse", "test_replicas", "test_proof", "test_readside",
+                "test_operations", "test_node_local")
+VENV_GROUPS = ("vllm", "test_hf_integration", "test_objectstore", "test_export", "test_objectstore_tiers")
 
+
+def _order(group: str) -> int:
+    if group in FIRST_GROUPS:
+        return 0
+    return 1 if group in VENV_GROUPS else 2
+
+
+def pytest_collection_modifyitems(config, items):
+    groups = {}
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if module in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
+        groups[item] = SHARED_GROUPS.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    order = {g: n for n, g in enumerate((*FIRST_GROUPS, *VENV_GROUPS))}
+    items.sort(key=lambda it: (_order(groups[it]), order.get(groups[it], len(order))))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outside the test's timeout: wait for a framework venv ``make test`` still builds (tests/venvs.py)."""
+    for mark in item.iter_markers("needs_venv"):
+        venvs.wait_for(mark.args[0])
+    yield
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs_venv"):
+        if not venvs.ready(mark.args[0]):
+            pytest.skip(mark.kwargs["reason"])

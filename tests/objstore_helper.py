@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+import venvs
+
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -30,6 +32,12 @@ CREDENTIALS = {
 ELEMENTS = 3 * (1 << 19)  # 6 MiB of float32: two parts of a 5 MiB part size, the last one short
 LEASE_TRIALS = 20
 MINISTACK = Path(__file__).resolve().parent.parent / ".venv-ministack" / "bin" / "ministack"
+
+
+def ministack_ready() -> bool:
+    """Whether the ministack server is installed (waiting while ``make test`` still builds its venv)."""
+    venvs.wait_for(MINISTACK, timeout_s=240)
+    return venvs.ready(MINISTACK)
 
 
 def free_port() -> int:

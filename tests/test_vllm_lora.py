@@ -14,12 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from venvs import needs_venv
+
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 JOB = REPO / "tests" / "vllm_lora_job.py"
 Q = "model.layers.0.self_attn.q_proj.weight"  # inside vLLM's packed qkv_proj: read back split
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200),
+              needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`")]
 
 
 def _env() -> dict:

@@ -16,12 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from venvs import needs_venv
+
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 JOB = REPO / "tests" / "trl_vllm_job.py"
 KILL_STEP = 6  # at its on_step_end, before its save: the resume starts from step 4 and replays steps 5-6
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.timeout(1800),
+              needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`")]
 
 
 def _env() -> dict:

@@ -1,0 +1,57 @@
+"""The framework venvs (.venv-hf, .venv-vllm, .venv-verl, .venv-ministack) as the tests see them.
+
+``make test`` builds them in the background while the suite starts (their builds are downloads and
+unpacking; the suite is CPU). A test that needs one carries ``needs_venv(path, reason=...)``: before its
+timeout starts, it waits while that build still runs (``BUILDING`` names the build's process), then runs
+if the venv was built (its ``.installed`` stamp, written last), else skips with the reason."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUILDING = REPO / ".venv-builds.pid"
+"""Written by ``make test`` with the pid of the background build, removed when it ends."""
+WAIT_S = 1800.0
+
+
+def _stamp(path: Path) -> Path | None:
+    venv = next((p for p in Path(path).parents if p.name.startswith(".venv")), None)
+    return None if venv is None else venv / ".installed"
+
+
+def building() -> bool:
+    """Whether ``make test``'s background build of the framework venvs is still running."""
+    try:
+        pid = int(BUILDING.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_for(path: Path, timeout_s: float = WAIT_S) -> None:
+    """Wait while the background build runs and the venv holding ``path`` has no stamp yet."""
+    stamp = _stamp(path)
+    deadline = time.monotonic() + timeout_s
+    while stamp is not None and not stamp.exists() and building() and time.monotonic() < deadline:
+        time.sleep(1.0)
+
+
+def ready(path: Path) -> bool:
+    """Whether ``path`` (a venv's python or tool) is there in a venv that finished building."""
+    stamp = _stamp(path)
+    return Path(path).exists() and (stamp is None or stamp.exists())
+
+
+def needs_venv(path: Path, reason: str) -> pytest.MarkDecorator:
+    return pytest.mark.needs_venv(Path(path), reason=reason)
