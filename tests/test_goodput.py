@@ -79,3 +79,22 @@ def test_goodput_command(killed_run, tmp_path):
     (tmp_path / "empty").mkdir()
     none = runner.invoke(main, ["goodput", str(tmp_path / "empty")])
     assert none.exit_code == 1 and "no proof records" in none.output and "Traceback" not in none.output
+
+
+def test_saves_coalesced_or_sent_to_the_fast_tier_are_counted_and_said(tmp_path):
+    """Records as ``OnBusy.COALESCE`` and ``OnBusy.FAST_TIER`` write them: counted apart from the skipped ones."""
+    proof = tmp_path / "proof"
+    proof.mkdir()
+    recs = [{"event": "step", "pid": 7, "time": 100.0 + s, "step": s} for s in range(1, 6)]
+    recs += [{"event": "save", "pid": 7, "time": 101.5, "step": 1, "blocked_s": 0.01, "commit_s": 0.5},
+             {"event": "busy_skip", "pid": 7, "time": 102.1, "step": 2},
+             {"event": "busy_coalesced", "pid": 7, "time": 103.1, "step": 3, "by": 4},
+             {"event": "busy_redirect", "pid": 7, "time": 104.1, "step": 4}]
+    (proof / "rank_00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    g = goodput(tmp_path)
+    assert (g.skipped_saves, g.coalesced_saves, g.redirected_saves) == (1, 1, 1)
+    out = CliRunner().invoke(main, ["goodput", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    assert "1 save(s) skipped (1 coalesced (replaced in the queue), 1 to the fast tier only)" in out.output
+    data = json.loads(CliRunner().invoke(main, ["goodput", str(tmp_path), "--json"]).output)
+    assert data["coalesced_saves"] == 1 and data["redirected_saves"] == 1

@@ -1084,6 +1084,13 @@ def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) 
     sys.exit(0 if result.proven else 1)
 
 
+def _busy_more(g: Any) -> str:
+    """The saves a busy policy other than SKIP kept out of a commit, when there were any."""
+    more = [f"{n} {what}" for n, what in ((g.coalesced_saves, "coalesced (replaced in the queue)"),
+                                          (g.redirected_saves, "to the fast tier only")) if n]
+    return f" ({', '.join(more)})" if more else ""
+
+
 @main.command()
 @click.argument("root", type=_Local(path_type=Path, exists=True, file_okay=False))
 @click.option("--mtbf", "mtbf_s", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -1127,7 +1134,8 @@ def goodput(root: Path, mtbf_s: float | None, as_json: bool) -> None:
     ettr = "-" if g.ettr is None else f"{100 * g.ettr:.1f}%"
     click.echo(f"\ntotal: {g.wall_s:.1f} s wall, {g.failures} failure(s), {g.recover_s:.2f} s recovering, "
                f"{g.lost_steps} step(s) lost ({g.lost_s:.2f} s), {g.blocked_s:.3f} s blocked by saves, "
-               f"{g.skipped_saves} save(s) skipped, {g.cleanup_s:.3f} s of retention off the loop; ETTR {ettr}")
+               f"{g.skipped_saves} save(s) skipped{_busy_more(g)}, {g.cleanup_s:.3f} s of retention off the loop; "
+               f"ETTR {ettr}")
     if g.interval_s is None:
         click.echo(f"Young/Daly interval: not computed (save cost {s(g.save_cost_s)} s, MTBF {s(g.mtbf_s)} s: "
                    "needs a recorded save and a failure, or --mtbf)")

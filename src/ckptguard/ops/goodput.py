@@ -10,7 +10,9 @@ launches (one process id each, in time order). For each launch:
 - the steps lost to the failure before it: the last step the killed launch recorded minus the step
   this one restored (work done again);
 - the seconds the loop was held by saves (``blocked_s`` of each save record), the saves skipped
-  because a commit was in flight (``busy_skip`` records) and the retention time spent off the path.
+  because a commit was in flight (``busy_skip`` records), the ones replaced in the queue by a newer
+  request (``busy_coalesced``, ``OnBusy.COALESCE``), the ones written to the fast tier only
+  (``busy_redirect``, ``OnBusy.FAST_TIER``) and the retention time spent off the path.
 
 In total: the wall time (first process start to the last step recorded), the failures (relaunches),
 and the ETTR, effective training time ratio: (time training after each recovery, first to last step
@@ -61,6 +63,8 @@ class Launch:
     blocked_s: float = 0.0
     commit_s: list[float] = field(default_factory=list)
     skipped_saves: int = 0
+    coalesced_saves: int = 0
+    redirected_saves: int = 0
     cleanup_s: float = 0.0
     lost_steps: int | None = None
     """Steps the launch before it had recorded past the step this one restored."""
@@ -92,6 +96,10 @@ class Goodput:
     mtbf_source: str
     interval_s: float | None
     interval_steps: int | None
+    coalesced_saves: int = 0
+    """Saves replaced in the queue by a newer request (``OnBusy.COALESCE``): never committed."""
+    redirected_saves: int = 0
+    """Saves of a tiered checkpoint written to the fast tier only (``OnBusy.FAST_TIER``)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,6 +146,10 @@ def _launch(pid: int, recs: list[dict[str, Any]]) -> Launch:
                 out.commit_s.append(float(r["commit_s"]))
         elif r["event"] == "busy_skip":
             out.skipped_saves += 1
+        elif r["event"] == "busy_coalesced":
+            out.coalesced_saves += 1
+        elif r["event"] == "busy_redirect":
+            out.redirected_saves += 1
         elif r["event"] == "cleanup":
             out.cleanup_s += _num(r.get("seconds")) or 0.0
     return out
@@ -189,4 +201,5 @@ def goodput(root: str | Path, *, mtbf_s: float | None = None) -> Goodput:
         ettr=max(0.0, training - blocked - lost_s) / wall if wall > 0 else None, step_s=step_s, save_cost_s=cost,
         commit_s=commit, mtbf_s=mtbf, mtbf_source=source, interval_s=interval,
         interval_steps=max(1, math.ceil(interval / step_s)) if interval and step_s else None,
+        coalesced_saves=sum(x.coalesced_saves for x in runs), redirected_saves=sum(x.redirected_saves for x in runs),
     )
