@@ -20,6 +20,7 @@ import xxhash
 
 import ckptguard as cg
 from ckptguard._disk import layout as _layout
+from ckptguard._records.entries import FileEntry
 from ckptguard.testing import run_ranks, set_fault_hook, values
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private mount namespaces")
@@ -94,7 +95,7 @@ def _pair_cases(rank: int, world: int, base: str) -> dict:
         }
     # Peer replicas through the same transfer: rank 1's replica folder is blocked; rank 0's is fine.
     roots = [base_p / "rep0", base_p / "rep1"]
-    files = [{"path": "state/__0_0.distcp", "size": len(data), "xxh3": _xxh(data), "rank": r} for r in (0, 1)]
+    files = [FileEntry("state/__0_0.distcp", len(data), _xxh(data), r) for r in (0, 1)]
     started = time.monotonic()
     problems = replica.push(root=roots[rank], step=7, step_name="step_00000007", manifest_files=files,
                             peer_of=[1, 0], rank=rank, group=None, timeout_s=TIMEOUT_S)
