@@ -118,6 +118,8 @@ def _killed_until_done_and_proven(root: Path, kills: list[str], reference: dict,
     assert (root / "fired").read_text().split() == kills
     out = _result(runs[-1])
     assert out["params"] == reference["params"] and out["optim"] == reference["optim"]
+    # the final save was made (never the one a busy policy skipped): the tracker names the last step
+    assert int((root / "ckpt" / "latest_checkpointed_iteration.txt").read_text()) == reference["step"]
     # every step the last launch ran generated exactly the reference's completions
     assert out["completions"] and all(reference["completions"][k] == c for k, c in out["completions"].items())
     rc, proof = _prove(root / "ckpt")
