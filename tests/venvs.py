@@ -7,11 +7,12 @@ if the venv was built (its ``.installed`` stamp, written last), else skips with 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
+
+from ckptguard.ops._proctree import alive
 
 REPO = Path(__file__).resolve().parents[1]
 BUILDING = REPO / ".venv-builds.pid"
@@ -30,13 +31,7 @@ def building() -> bool:
         pid = int(BUILDING.read_text().strip())
     except (OSError, ValueError):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return alive(pid)
 
 
 def wait_for(path: Path, timeout_s: float = WAIT_S) -> None:
