@@ -78,10 +78,11 @@ SHARED_GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_in
 
 # xdist hands the groups out in collection order. ``make test`` builds the framework venvs in the background
 # for the first minutes of the suite, so the heavy groups that need none go first, then the groups that need one
-# (the longest first: the suite ends no sooner than the vLLM group does), then the rest in file order.
-FIRST_GROUPS = ("ray", "test_preempt", "test_rehearse", "test_replicas", "test_proof", "test_readside",
-                "test_operations", "test_node_local")
-VENV_GROUPS = ("vllm", "test_hf_integration", "test_objectstore", "test_export", "test_objectstore_tiers")
+# (the longest first: the suite ends no sooner than the vLLM group does) and the Ray group (a local Ray cluster
+# started while the venvs build timed out starting its actors), then the rest in file order.
+FIRST_GROUPS = ("test_preempt", "test_rehearse", "test_replicas", "test_proof", "test_readside", "test_operations",
+                "test_node_local", "test_faults", "test_commit")
+VENV_GROUPS = ("vllm", "ray", "test_hf_integration", "test_objectstore", "test_export", "test_objectstore_tiers")
 
 
 def _order(group: str) -> int:
