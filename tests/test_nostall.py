@@ -89,13 +89,14 @@ def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path,
     shown = CliRunner().invoke(main, ["verify", str(tmp_path / "ck" / "step_00000006")])
     assert shown.exit_code == 0 and "1 save(s) skipped before it" in shown.output, shown.output
     # WAIT: the request waits for the commit in flight and is saved.
-    waiting = cg.CheckpointManager(tmp_path / "w", config=cg.CheckpointConfig(on_busy=cg.OnBusy.WAIT))
+    wait = cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.WAIT))
+    waiting = cg.CheckpointManager(tmp_path / "w", config=wait)
     waiting.save_async(1, _state())
     waiting.save_async(2, _state())
     waiting.wait()
     assert waiting.committed_steps() == [1, 2] and waiting.busy.skipped_total == 0
     with pytest.raises(cg.ConfigError, match="on_busy must be an OnBusy"):
-        cg.CheckpointConfig(on_busy="skip")
+        cg.AsyncOptions(on_busy="skip")  # type: ignore[arg-type]
 
 
 class _SlowPin(_staging.Buffer):
@@ -111,7 +112,7 @@ def test_the_first_save_async_never_pins_on_the_callers_thread(tmp_path, monkeyp
     monkeypatch.setattr(_staging, "Buffer", _SlowPin)
     _SlowPin.threads = []
     root = tmp_path / "ck"
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(async_host_bytes=1 << 20))
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 20)))
     state = {"model": torch.nn.Linear(64, 64)}
     ready = mgr.prepare_async(state)
     first = mgr.save_async(1, state)
@@ -125,7 +126,8 @@ def test_the_first_save_async_never_pins_on_the_callers_thread(tmp_path, monkeyp
     assert cost["live_bytes"] == 0 and cost["staged_host_bytes"] == 64 * 64 * 4 + 64 * 4
     # Without prepare_async, the first save_async starts the pool in the background too.
     _SlowPin.threads = []
-    other = cg.CheckpointManager(tmp_path / "o", config=cg.CheckpointConfig(async_host_bytes=1 << 20))
+    other = cg.CheckpointManager(tmp_path / "o",
+                                 config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 20)))
     t0 = time.monotonic()
     other.save_async(1, state).wait()
     assert time.monotonic() - t0 < 1.0 and _SlowPin.threads == ["ckptguard-pin-pool"]

@@ -51,8 +51,8 @@ def _restored(root: Path, rank: int) -> tuple[int, dict[str, torch.Tensor]]:
 def _coalescing(rank: int, world: int, root: str) -> dict[str, Any]:
     gate = threading.Event()
     set_fault_hook("commit.before_tracker", gate.wait)  # step 1's commit held on both ranks
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, on_busy=cg.OnBusy.COALESCE,
-                                                                async_host_bytes=1 << 20))
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
+        on_busy=cg.OnBusy.COALESCE, host_bytes=1 << 20)))
     state = _state(rank)
     assert mgr.prepare_async(state).result(timeout=60) > 0  # both staging sets, off this thread
     _bump(state, rank, 1)
@@ -98,8 +98,8 @@ def test_coalesce_queues_the_newest_request_and_restores_it_bitwise(tmp_path: Pa
 def _uneven(rank: int, world: int, root: str) -> dict[str, Any]:
     """Rank 1's commit of step 1 ends long before rank 0's (held in its bookkeeping after every agreement):
     rank 1 is idle with step 2 queued while rank 0 replaces... nothing: both replace it together, later."""
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, on_busy=cg.OnBusy.COALESCE,
-                                                                async_host_bytes=1 << 20))
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
+        on_busy=cg.OnBusy.COALESCE, host_bytes=1 << 20)))
     release = threading.Event()
     if rank == 0:
         trust = mgr.core.trust_committed
@@ -153,8 +153,8 @@ def _cannot_hold(rank: int, world: int, root: str) -> dict[str, Any]:
     budget = 1 << 20 if rank == 0 else 200
     gate = threading.Event()
     set_fault_hook("commit.before_tracker", gate.wait)
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, on_busy=cg.OnBusy.COALESCE,
-                                                                async_host_bytes=budget))
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
+        on_busy=cg.OnBusy.COALESCE, host_bytes=budget)))
     state = _state(rank)
     mgr.prepare_async(state).result(timeout=60)
     first = mgr.save_async(1, state)
@@ -242,13 +242,15 @@ def test_fast_tier_writes_a_save_beside_the_persistent_commit_and_records_it(tmp
 
 
 def test_each_front_door_refuses_a_policy_it_cannot_follow(tmp_path: Path) -> None:
-    with pytest.raises(cg.ConfigError, match=r"CheckpointManager: CheckpointConfig\(on_busy=OnBusy.FAST_TIER\)"):
-        cg.CheckpointManager(tmp_path / "m", config=cg.CheckpointConfig(on_busy=cg.OnBusy.FAST_TIER))
+    fast_tier = cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.FAST_TIER))
+    said = r"CheckpointManager: CheckpointConfig\(async_save=AsyncOptions\(on_busy=OnBusy.FAST_TIER\)\)"
+    with pytest.raises(cg.ConfigError, match=said):
+        cg.CheckpointManager(tmp_path / "m", config=fast_tier)
     with pytest.raises(cg.ConfigError, match=r"RunCheckpoint: .*OnBusy.COALESCE.*OnBusy.SKIP, OnBusy.WAIT"):
         cg.RunCheckpoint(tmp_path / "r", [cg.Role("actor", ranks=[0])],
-                         config=cg.CheckpointConfig(on_busy=cg.OnBusy.COALESCE))
+                         config=cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)))
     with pytest.raises(cg.ConfigError, match=r"TieredCheckpoint: .*OnBusy.COALESCE"):
         cg.TieredCheckpoint(tmp_path / "f", persistent=tmp_path / "p",
-                            config=cg.CheckpointConfig(on_busy=cg.OnBusy.COALESCE))
+                            config=cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)))
     with pytest.raises(cg.ConfigError, match="SKIP, WAIT, COALESCE, FAST_TIER"):
-        cg.CheckpointConfig(on_busy="coalesce")  # type: ignore[arg-type]
+        cg.AsyncOptions(on_busy="coalesce")  # type: ignore[arg-type]

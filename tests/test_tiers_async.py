@@ -28,8 +28,8 @@ def _tiers(base: str, host_bytes: int = 1 << 20, **kw) -> cg.TieredCheckpoint:
     """``host_bytes=0``: nothing fits the staging pools, the writers read the live tensors and the next
     optimizer step waits until both tiers' writers have read them."""
     return cg.TieredCheckpoint(os.path.join(base, kw.pop("fast", "fast")), persistent=os.path.join(base, "pers"),
-                               config=cg.CheckpointConfig(timeout_s=60, async_host_bytes=host_bytes,
-                                                          on_busy=cg.OnBusy.WAIT), **kw)
+                               config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
+                                   host_bytes=host_bytes, on_busy=cg.OnBusy.WAIT)), **kw)
 
 
 def _exact(state: dict, rank: int, step: int) -> bool:
@@ -203,7 +203,8 @@ def test_prepare_async_pins_both_tiers_pools_in_the_background(tmp_path):
     # One process: TieredCheckpoint.prepare_async is local (no collective); its future is the bytes both
     # tiers' pools added, and the first save_async of each tier then stages into a pool that is ready.
     tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
-                                persistent_every=2, config=cg.CheckpointConfig(async_host_bytes=1 << 22))
+                                persistent_every=2,
+                                config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 22)))
     state = {"model": torch.nn.Linear(64, 64)}
     nbytes = sum(p.numel() * p.element_size() for p in state["model"].parameters())
     assert tiers.prepare_async(state).result(timeout=60) == 2 * nbytes  # one pool per tier

@@ -135,7 +135,8 @@ class BusyRound:
             raise CheckpointError(
                 f"save_async of {self.label} {step}: rank 0 holds queued {self.label} {decision.queued} and ranks "
                 f"{decision.queue_differs} another (this rank: {queued}); a queued save would start on some ranks "
-                "only. This is a ckptguard bug: report it; CheckpointConfig(on_busy=OnBusy.SKIP) avoids the queue")
+                "only. This is a ckptguard bug: report it; CheckpointConfig(async_save=AsyncOptions("
+                "on_busy=OnBusy.SKIP)) avoids the queue")
         return decision
 
     def commit_took(self, seconds: float) -> None:
@@ -173,7 +174,7 @@ class BusyRound:
             advice = (f"; one commit takes {commit_s:.2f} s, saves come every {self.step_seconds() or 0:.2f} s per "
                       f"{self.label}: an interval of {every} {self.label}s or more fits it")
         message = (f"ckptguard: save_async of {self.label} {step} SKIPPED ({self.skipped_total} so far): {reason}"
-                   f"{advice}. CheckpointConfig(on_busy=OnBusy.WAIT) waits instead")
+                   f"{advice}. CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.WAIT)) waits instead")
         interval = fit[0] if fit is not None else None
         if self.skipped_total == 1 or interval != self._warned_interval:
             log.warning(message)
@@ -219,7 +220,8 @@ def check_policy(policy: OnBusy, front_door: str, able: tuple[OnBusy, ...]) -> N
     """Refuse an ``on_busy`` policy ``front_door`` cannot follow, naming the ones it can."""
     if policy not in able:
         raise ConfigError(
-            f"{front_door}: CheckpointConfig(on_busy=OnBusy.{policy.name}) is not a policy it can follow "
+            f"{front_door}: CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.{policy.name})) is not a policy "
+            "it can follow "
             f"({policy.name}: see the OnBusy docstring); use one of {', '.join('OnBusy.' + p.name for p in able)}")
 
 
