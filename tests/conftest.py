@@ -85,12 +85,6 @@ FIRST_GROUPS = ("test_preempt", "test_rehearse", "test_replicas", "test_proof", 
 VENV_GROUPS = ("vllm", "ray", "test_hf_integration", "test_objectstore", "test_export", "test_objectstore_tiers")
 
 
-def _order(group: str) -> int:
-    if group in FIRST_GROUPS:
-        return 0
-    return 1 if group in VENV_GROUPS else 2
-
-
 def pytest_collection_modifyitems(config, items):
     groups = {}
     for item in items:
@@ -100,7 +94,7 @@ def pytest_collection_modifyitems(config, items):
         groups[item] = SHARED_GROUPS.get(module, module)
         item.add_marker(pytest.mark.xdist_group(groups[item]))
     order = {g: n for n, g in enumerate((*FIRST_GROUPS, *VENV_GROUPS))}
-    items.sort(key=lambda it: (_order(groups[it]), order.get(groups[it], len(order))))
+    items.sort(key=lambda it: order.get(groups[it], len(order)))  # stable: file order within and after them
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptguard.testing import free_port
 from venvs import needs_venv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +47,9 @@ def _usable() -> str | None:
 def _job(work: Path, *args: str, sync: str = "check") -> subprocess.CompletedProcess:
     """One launch in a session of its own (the whole session goes once it exits, as a scheduler would)."""
     proc = subprocess.Popen([str(VLLM_PYTHON), str(JOB), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**_env(), "CKPTGUARD_TRL_SYNC": sync}, cwd=work, start_new_session=True)
+                            text=True, env={**_env(), "CKPTGUARD_TRL_SYNC": sync, "MASTER_ADDR": "127.0.0.1",
+                                            "MASTER_PORT": str(free_port())},  # TRL's default 29500: one job only
+                            cwd=work, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=900)
     finally:

