@@ -108,3 +108,44 @@ def test_trust_entries_are_typed_written_back_the_same_and_a_bad_one_names_its_s
     (tmp_path / "trust.json").write_text(json.dumps(raw))
     with pytest.raises(cg.CheckpointCorruptError, match="step 2: 'healthy_after'"):
         _trust.read(tmp_path)
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_proof_records_of_every_format_read_typed_and_write_back_line_for_line(version):
+    from ckptguard._records.proofrecords import ProofRecord, read_records
+
+    root = Path(__file__).parent / "fixtures" / version / "root"
+    lines = (root / "proof" / "rank_00000.jsonl").read_text().splitlines()
+    records = read_records(root)[0]
+    assert all(isinstance(r, ProofRecord) for r in records) and records[0].event == "save"
+    assert records[0].step == 3 and records[0].rank == 0 and isinstance(records[0].mono, float)
+    assert [json.dumps(r.to_json(), sort_keys=True) for r in records] == lines
+    assert records[0]["plan"] == json.loads(lines[0])["plan"]  # the event's own fields read as written
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("time", "noon", "'time' is 'noon', not a number"),
+    ("step", True, "'step' is True, not an int"),
+    ("rank", 1.0, "'rank' is 1.0, not an int"),
+    ("host", 7, "'host' is 7, not a string"),
+    ("pid", None, "no int 'pid'"),
+])
+def test_a_proof_record_with_a_bad_header_is_refused_naming_file_line_and_field(tmp_path, field, value, said):
+    from ckptguard._records.proofrecords import read_records
+
+    good = {"event": "save", "pid": 1, "rank": 0, "host": "h", "time": 1.0, "mono": 1.0, "step": 2}
+    path = tmp_path / "proof" / "rank_00000.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, field: value}) + "\n" + json.dumps(good) + "\n")
+    with pytest.raises(cg.CheckpointCorruptError, match=r"rank_00000\.jsonl:2 is not a proof record") as info:
+        read_records(tmp_path)
+    assert said in str(info.value)
+
+
+def test_a_record_the_writer_could_not_read_back_is_refused_when_made(tmp_path):
+    from ckptguard._records.prooflog import ProofLog
+
+    log = ProofLog(tmp_path, 0)
+    with pytest.raises(cg.ConfigError, match=r"the step proof record of rank 0 .*'step' is '7', not an int"):
+        log.build("step", step="7")
+    assert log.build("step", step=7).step == 7

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import ckptguard as cg
 from ckptguard._records import prooflog
+from ckptguard._records.proofrecords import ProofRecord
 from ckptguard.demo import loops
 from ckptguard.ops.prove import evaluate, passed, verdict
 from ckptguard.testing import run_ranks, values
@@ -70,8 +71,8 @@ def test_pruned_records_still_prove_every_resume_and_keep_the_killed_segment(tmp
 
 
 def test_nothing_is_pruned_without_the_save_a_proof_needs():
-    def rec(event: str, step: int, pid: int = 1) -> dict:
-        return {"event": event, "step": step, "pid": pid}
+    def rec(event: str, step: int, pid: int = 1) -> ProofRecord:
+        return ProofRecord.from_json({"event": event, "step": step, "pid": pid}, where="test")
 
     recs = [rec("step", 1), rec("save", 1), rec("step", 2), rec("save", 2), rec("step", 3)]
     assert prooflog.prunable(recs, 2) == [(0, 2)]  # everything before the interval that led to save 2
@@ -83,8 +84,8 @@ def test_nothing_is_pruned_without_the_save_a_proof_needs():
 def test_a_restore_older_than_every_checkpoint_keeps_its_window():
     """The restored step was deleted by hand (``ckptguard gc``): the newest restore's proof still
     reads its saver's interval, its killed segment and its first records; the middle goes."""
-    def rec(event: str, step: int, pid: int) -> dict:
-        return {"event": event, "step": step, "pid": pid}
+    def rec(event: str, step: int, pid: int) -> ProofRecord:
+        return ProofRecord.from_json({"event": event, "step": step, "pid": pid}, where="test")
 
     recs = [rec("step", 1, 1), rec("save", 1, 1), rec("step", 2, 1), rec("save", 2, 1), rec("step", 3, 1),
             rec("step", 4, 1), rec("restore", 2, 2), rec("step", 3, 2), rec("save", 3, 2), rec("step", 4, 2),

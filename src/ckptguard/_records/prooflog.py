@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from .._disk.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json
 from .._log import NAME
 from .._version import __version__
 from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
-from .proofrecords import PROOF_BYTES, records_dir
+from .proofrecords import PROOF_BYTES, ProofRecord, header_problem, records_dir
 from .proofrecords import read_records as read_records  # re-exported: its callers predate proofrecords
 from .proofrecords import record_roles as record_roles
 from .resumewatch import ResumeWatch
@@ -49,34 +50,34 @@ class ProofLog:
         self.root = Path(root)
         self.path = records_dir(root, role) / f"rank_{rank:05d}.jsonl"
         self.rank = rank
-        self._held: deque[dict[str, Any]] = deque(maxlen=self.HELD_MAX)
+        self._held: deque[ProofRecord] = deque(maxlen=self.HELD_MAX)
         self.dropped = 0
         self._tail_checked = False
         self._pruned_to = 0  # the file's size after the last prune: the next waits until it doubled
         # A save_async commits (and prunes) in a background thread while training appends step
         # records: a record appended between the prune's read and its rename would be lost.
         self._lock = threading.Lock()
-        self.watch = ResumeWatch(rank, str(self.path), lambda event, fields: self.keep(self.build(event, **fields)))
+        self.watch = ResumeWatch(rank, str(self.path), lambda event, **fields: self.keep(self.build(event, **fields)))
         self.code: str | None = None  # the run contract's code hash, recorded with saves and restores (prove shows it)
 
-    def build(self, event: str, **fields: Any) -> dict[str, Any]:
-        self.watch.observe(event, fields)
+    def build(self, event: str, **fields: Any) -> ProofRecord:
+        """The record of ``event`` with the header every record carries; ConfigError for a field that
+        would make it unreadable (a step that is not an int)."""
         if event == "step":  # the thread count splits CPU reductions: prove names a change of it
             fields.setdefault("threads", torch.get_num_threads())
         elif event in ("save", "restore"):  # which code saved, which resumed: prove says when they differ
             code = {"ckptguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
             fields.setdefault("code", {**code, **({"hash": self.code} if self.code else {})})
-        return {
-            "event": event,
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "host": _HOST,
-            "time": time.time(),
-            "mono": time.monotonic(),
-            **fields,
-        }
+        raw = {"event": event, "rank": self.rank, "pid": os.getpid(), "host": _HOST, "time": time.time(),
+               "mono": time.monotonic(), **fields}
+        problem = header_problem(raw)
+        if problem:
+            raise ConfigError(f"the {event} proof record of rank {self.rank} for {self.path}: {problem}")
+        record = ProofRecord.from_json(raw, where=str(self.path))
+        self.watch.observe(record)
+        return record
 
-    def hold(self, record: dict[str, Any]) -> None:
+    def hold(self, record: ProofRecord) -> None:
         if len(self._held) == self._held.maxlen:
             self.dropped += 1
         self._held.append(record)
@@ -85,17 +86,17 @@ class ProofLog:
     def held(self) -> int:
         return len(self._held)
 
-    def write(self, record: dict[str, Any], *, durable: bool = True) -> None:
+    def write(self, record: ProofRecord, *, durable: bool = True) -> None:
         """Append the held records and ``record``. ``durable`` fsyncs (saves, restores); a step
         record is only written, which a SIGKILL of the process does not lose (a node crash may)."""
         with self._lock:
             self._write(record, durable)
 
-    def _write(self, record: dict[str, Any], durable: bool) -> None:
+    def _write(self, record: ProofRecord, durable: bool) -> None:
         refuse_link(self.root / PROOF_DIR, "proof directory")  # appending through a link writes outside the root
         refuse_link(self.path.parent, "proof directory")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps(r, sort_keys=True) + "\n" for r in (*self._held, record)]
+        lines = [json.dumps(r.to_json(), sort_keys=True) + "\n" for r in (*self._held, record)]
         if not self._tail_checked:
             # A process killed mid-append leaves a torn last line: end it, so our records start on their own.
             self._tail_checked = True
@@ -114,7 +115,7 @@ class ProofLog:
     def append(self, event: str, **fields: Any) -> None:
         self.write(self.build(event, **fields))
 
-    def keep(self, record: dict[str, Any], *, durable: bool = True) -> None:
+    def keep(self, record: ProofRecord, *, durable: bool = True) -> None:
         """Write ``record`` (after the held ones), or hold it while the root does not exist; never raises:
         a read-only or full root, or a symlinked proof/, is logged and training goes on."""
         if not self.root.is_dir():  # a record never creates the root: a mistyped path must stay visible
@@ -123,7 +124,7 @@ class ProofLog:
         try:
             self.write(record, durable=durable)
         except (OSError, UnsafeCheckpointError) as exc:
-            log.warning("ckptguard: could not append the %s proof record to %s (%s)", record.get("event"), self.path,
+            log.warning("ckptguard: could not append the %s proof record to %s (%s)", record.event, self.path,
                         exc)
         if self.dropped:
             log.warning("ckptguard: %d proof records made before %s existed were dropped (more than %d held)",
@@ -184,34 +185,35 @@ def process_start() -> float | None:
         return None
 
 
-def _parsed(line: bytes) -> dict[str, Any] | None:
+def _parsed(line: bytes) -> ProofRecord | None:
     try:
-        rec = parse_json(line, where="proof record")
+        return ProofRecord.from_json(parse_json(line, where="proof record"), where="proof record")
     except (CheckpointCorruptError, UnicodeDecodeError):
-        return None  # a torn line: kept where it is, unless in a dropped range
-    return rec if isinstance(rec, dict) else None
+        return None  # a torn line (or not a record): kept where it is, unless in a dropped range
 
 
-def _step(rec: dict[str, Any] | None) -> int | None:
-    value = rec.get("step") if rec is not None else None
-    return value if _int(value) else None
+Records = Sequence[ProofRecord | None]  # one rank's file, line by line; None where a line is not a record
 
 
-def _last_save(recs: list[dict[str, Any] | None], step: int, before: int) -> int | None:
+def _step(rec: ProofRecord | None) -> int | None:
+    return rec.step if rec is not None else None
+
+
+def _last_save(recs: Records, step: int, before: int) -> int | None:
     return next((i for i in range(before - 1, -1, -1) if _is(recs[i], "save") and _step(recs[i]) == step), None)
 
 
-def _is(rec: dict[str, Any] | None, event: str) -> bool:
-    return rec is not None and rec.get("event") == event
+def _is(rec: ProofRecord | None, event: str) -> bool:
+    return rec is not None and rec.event == event
 
 
-def _window(recs: list[dict[str, Any] | None], save: int) -> int:
+def _window(recs: Records, save: int) -> int:
     """Where the records that led to the save at ``save`` start: right after the previous save
     (the steps, export and logprobs of that interval belong to it)."""
     return next((i + 1 for i in range(save - 1, -1, -1) if _is(recs[i], "save")), 0)
 
 
-def prunable(recs: list[dict[str, Any] | None], oldest: int) -> list[tuple[int, int]]:
+def prunable(recs: Records, oldest: int) -> list[tuple[int, int]]:
     """The index ranges ``[a, b)`` of one rank's records that no proof reads again, with
     ``oldest`` the oldest step on disk (any later resume starts from it or a newer one).
 
@@ -234,16 +236,16 @@ def prunable(recs: list[dict[str, Any] | None], oldest: int) -> list[tuple[int, 
         return [(0, keep_from)] if keep_from else []
     rec = recs[restore]
     assert rec is not None
-    k, pid = _step(rec) or 0, rec.get("pid")
+    k, pid = _step(rec) or 0, rec.pid
     out: list[tuple[int, int]] = []
     if k:
         own = _last_save(recs, k, restore)
         if own is None:
             return []
         start = _window(recs, own)
-        saver = recs[own].get("pid")  # type: ignore[union-attr]  # a save record is a dict
-        killed = [s for r in recs[own + 1 : restore] if _is(r, "step") and r.get("pid") == saver  # type: ignore[union-attr]
-                  and (s := _step(r)) is not None and s > k]
+        saver = recs[own].pid  # type: ignore[union-attr]  # _last_save found a save record there
+        killed = [s for r in recs[own + 1 : restore] if r is not None and r.is_("step") and r.pid == saver
+                  and (s := r.step) is not None and s > k]
         last_killed = max(killed, default=k)
     else:
         start, last_killed = restore, 0  # a fresh start reads nothing before it
@@ -252,9 +254,9 @@ def prunable(recs: list[dict[str, Any] | None], oldest: int) -> list[tuple[int, 
     end, seen, saved = restore, set(), False
     for i in range(restore + 1, keep_from):
         r = recs[i]
-        if r is None or r.get("pid") != pid:
+        if r is None or r.pid != pid:
             continue
-        event, s = r.get("event"), _step(r)
+        event, s = r.event, r.step
         if event not in seen or not saved or (s is not None and s <= last_killed):
             end = i
         seen.add(event)
@@ -280,6 +282,3 @@ def logprob_diff(trainer: torch.Tensor, rollout: torch.Tensor) -> dict[str, floa
         "tokens": int(a.numel()),
     }
 
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -8,18 +8,86 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from .._disk.layout import PROOF_DIR, parse_json, read_small, refuse_link
 from ..errors import CheckpointCorruptError
+from .entries import is_int, is_number
 
-__all__ = ["PROOF_BYTES", "read_records", "record_roles", "records_dir"]
-
-
+__all__ = ["PROOF_BYTES", "ProofRecord", "read_records", "record_roles", "records_dir"]
 
 PROOF_BYTES = 256 << 20
 """Bound of one rank's proof records file."""
+
+
+@dataclass(frozen=True, eq=False)
+class ProofRecord(Mapping[str, Any]):
+    """One line of a rank's proof records: the header every record carries, typed and checked on
+    read, over the JSON object as written (a record still reads as that object: ``rec["plan"]``,
+    ``rec.get("digests_match")``; ``to_json`` gives it back unchanged).
+
+    ``event`` and ``pid`` are in every record; ``rank``, ``host``, ``time`` and ``mono`` in every
+    record ``ProofLog`` writes (records written by hand in tests may lack them); ``step`` in all but
+    a few events, an int where present. The event's own fields (a save's ``plan``, a step's
+    ``sample_ids``) are the rest of the object; which event has which is ``ProofLog``'s callers'.
+    """
+
+    event: str
+    pid: int
+    rank: int | None
+    host: str | None
+    time: float | None
+    mono: float | None
+    step: int | None
+    raw: Mapping[str, Any]
+
+    @classmethod
+    def from_json(cls, obj: object, *, where: str) -> ProofRecord:
+        """The record in ``obj``; CheckpointCorruptError naming ``where`` when its header is not one."""
+        problem = header_problem(obj)
+        if problem:
+            raise CheckpointCorruptError(
+                f"{where} is not a proof record ({problem}); proof records are append-only and written by "
+                "ckptguard: move the file away to re-prove"
+            )
+        assert isinstance(obj, dict)
+        return cls(event=obj["event"], pid=obj["pid"], rank=obj.get("rank"), host=obj.get("host"),
+                   time=obj.get("time"), mono=obj.get("mono"), step=obj.get("step"),
+                   raw=MappingProxyType(dict(obj)))
+
+    def to_json(self) -> dict[str, object]:
+        return dict(self.raw)
+
+    def is_(self, event: str) -> bool:
+        return self.event == event
+
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
+def header_problem(obj: object) -> str | None:
+    """What makes ``obj`` not a proof record's object, in words; None when it is one."""
+    if not isinstance(obj, dict):
+        return f"a JSON {type(obj).__name__}, not an object"
+    if not isinstance(obj.get("event"), str):
+        return "no string 'event'"
+    if not is_int(obj.get("pid")):
+        return "no int 'pid'"
+    for key, kind, ok in (("rank", "an int", is_int), ("step", "an int", is_int), ("host", "a string", _str),
+                          ("time", "a number", is_number), ("mono", "a number", is_number)):
+        if key in obj and not ok(obj[key]):
+            return f"'{key}' is {obj[key]!r}, not {kind}"
+    return None
 
 
 def records_dir(root: Path, role: str | None = None) -> Path:
@@ -38,13 +106,13 @@ def record_roles(root: Path) -> list[str]:
 _ROLE = re.compile(r"[a-z][a-z0-9_-]{0,63}\Z")  # runmanifest's role names
 
 
-def read_records(root: Path, role: str | None = None) -> dict[int, list[dict[str, Any]]]:
+def read_records(root: Path, role: str | None = None) -> dict[int, list[ProofRecord]]:
     """Every rank's proof records (of ``role``, numbered by its ranks), checked for the shape ``evaluate``
     relies on.
 
     Never through a symlinked ``proof/`` or record file, never from a FIFO, bounded in size
     and JSON depth; a malformed line is one CheckpointCorruptError naming file and line."""
-    out: dict[int, list[dict[str, Any]]] = {}
+    out: dict[int, list[ProofRecord]] = {}
     directory = records_dir(root, role)
     refuse_link(Path(root) / PROOF_DIR, "proof directory")
     refuse_link(directory, "proof directory")
@@ -68,15 +136,10 @@ def read_records(root: Path, role: str | None = None) -> dict[int, list[dict[str
                 if (n == len(lines) or line.startswith("{")) and "deeper" not in str(exc):
                     continue  # a record torn by a kill mid-append (the next process starts a new line)
                 raise CheckpointCorruptError(f"{exc}; proof records are append-only") from None
-            if not (isinstance(rec, dict) and isinstance(rec.get("event"), str) and _int(rec.get("pid"))):
-                raise CheckpointCorruptError(
-                    f"{path}:{n} is not a proof record (an object with a string 'event' and an int 'pid'); "
-                    "proof records are append-only and written by ckptguard: move the file away to re-prove"
-                )
-            records.append(rec)
+            records.append(ProofRecord.from_json(rec, where=f"{path}:{n}"))
         out[rank] = records
     return out
 
 
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _str(value: object) -> bool:
+    return isinstance(value, str)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from .._log import NAME
+from .proofrecords import ProofRecord
 
 log = logging.getLogger(NAME)
 
@@ -26,19 +26,20 @@ _WATCHES: set[ResumeWatch] = set()  # armed ones; held strongly: a manager dropp
 class ResumeWatch:
     """One rank's restored step and the steps trained after it, in this process."""
 
-    def __init__(self, rank: int, where: str, keep: Callable[[str, dict[str, Any]], None]) -> None:
+    def __init__(self, rank: int, where: str, keep: Callable[..., None]) -> None:
+        """``keep(event, **fields)`` appends a record of this rank (``ProofLog``'s build and keep)."""
         self.rank, self.where, self.keep = rank, where, keep
         self.restored: int | None = None
         self.total: int | None = None
         self.trained: set[int] = set()
         self.done = False
 
-    def observe(self, event: str, fields: dict[str, Any]) -> None:
-        step = fields.get("step")
-        if not isinstance(step, int) or isinstance(step, bool):
+    def observe(self, record: ProofRecord) -> None:
+        step, event = record.step, record.event
+        if step is None:
             return
-        if event == "restore" and step > 0 and fields.get("ok") is not False:
-            plan = fields.get("plan") if isinstance(fields.get("plan"), dict) else {}
+        if event == "restore" and step > 0 and record.get("ok") is not False:
+            plan = record.get("plan") if isinstance(record.get("plan"), dict) else {}
             total = plan.get("total_steps") if plan else None
             self.restored, self.trained, self.done = step, set(), False
             self.total = total if isinstance(total, int) and not isinstance(total, bool) else None
@@ -56,9 +57,8 @@ class ResumeWatch:
         if self.restored is None or self.done:
             return
         self.done = True
-        fields = {"step": self.restored, "trained": len(self.trained), "total_steps": self.total}
         try:
-            self.keep("exit", fields)
+            self.keep("exit", step=self.restored, trained=len(self.trained), total_steps=self.total)
         except Exception as exc:  # an exit hook never raises: the process is ending
             log.warning("ckptguard: could not record the exit of rank %d under %s (%s)", self.rank, self.where, exc)
         if self.trained:

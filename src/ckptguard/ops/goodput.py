@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._records.proofrecords import read_records
+from .._records.proofrecords import ProofRecord, read_records
 
 __all__ = ["Goodput", "Launch", "goodput", "young_daly"]
 
@@ -114,7 +114,7 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _launch(pid: int, recs: list[dict[str, Any]]) -> Launch:
+def _launch(pid: int, recs: list[ProofRecord]) -> Launch:
     times = [float(r["time"]) for r in recs if _num(r.get("time")) is not None]
     restore = next((r for r in recs if r["event"] == "restore"), None)
     start = _num(restore.get("process_start")) if restore else None
@@ -155,9 +155,9 @@ def _launch(pid: int, recs: list[dict[str, Any]]) -> Launch:
     return out
 
 
-def launches(records: list[dict[str, Any]]) -> list[Launch]:
+def launches(records: list[ProofRecord]) -> list[Launch]:
     """Rank 0's records split by process, in the order the processes ran; lost steps filled in."""
-    by_pid: dict[int, list[dict[str, Any]]] = {}
+    by_pid: dict[int, list[ProofRecord]] = {}
     for r in records:
         by_pid.setdefault(int(r["pid"]), []).append(r)
     out = sorted((_launch(pid, recs) for pid, recs in by_pid.items()), key=lambda x: x.start)

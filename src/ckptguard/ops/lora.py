@@ -10,18 +10,18 @@ step it cannot read (the gates that restore it already say so).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import xxhash
 
 from .._records import manifest as _manifest
+from .._records.proofrecords import ProofRecord
 from ..errors import CheckpointError
 from ..integrations.peft import ADAPTER_ITEM, read_binding
 
 __all__ = ["lora_gate"]
 
 
-def lora_gate(restores: list[dict[str, Any]]) -> str | None:
+def lora_gate(restores: list[ProofRecord]) -> str | None:
     paths = sorted({str(r["path"]) for r in restores if r.get("path")})
     if not paths:
         return None

@@ -17,13 +17,14 @@ numbers exactly where the plan is deterministic, else as information.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._records import checks as _checks
 from .._records import runmanifest as _runmanifest
-from .._records.proofrecords import read_records, record_roles
+from .._records.proofrecords import ProofRecord, read_records, record_roles
 from .._resume.layoutfree import differing_chunks
 from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
@@ -65,16 +66,16 @@ class _Segment:
     """One rank's newest restore and what its process recorded around it."""
 
     rank: int
-    restore: dict[str, Any] | None
-    before: list[dict[str, Any]] = field(default_factory=list)  # every earlier record
-    same_pid_before: list[dict[str, Any]] = field(default_factory=list)
-    after: list[dict[str, Any]] = field(default_factory=list)
+    restore: ProofRecord | None
+    before: list[ProofRecord] = field(default_factory=list)  # every earlier record
+    same_pid_before: list[ProofRecord] = field(default_factory=list)
+    after: list[ProofRecord] = field(default_factory=list)
 
-    def first(self, event: str) -> dict[str, Any] | None:
+    def first(self, event: str) -> ProofRecord | None:
         return next((r for r in self.after if r["event"] == event), None)
 
 
-def _segment(rank: int, records: list[dict[str, Any]], at: int | None = -1) -> _Segment:
+def _segment(rank: int, records: list[ProofRecord], at: int | None = -1) -> _Segment:
     """The segment around restore record ``at`` (-1: the newest; None: none, every record is before)."""
     idx = max((i for i, r in enumerate(records) if r["event"] == "restore"), default=None) if at == -1 else at
     if idx is None:
@@ -201,7 +202,7 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
                          "have one value across their replicas, equal to the save's")
 
 
-def _export_tensors(ref: dict[str, Any], first: dict[str, Any]) -> str:
+def _export_tensors(ref: ProofRecord, first: ProofRecord) -> str:
     """The tensors two export records differ in, where both recorded per-tensor digests (a rollout engine's)."""
     a, b = ref.get("tensors"), first.get("tensors")
     if not (isinstance(a, dict) and isinstance(b, dict)):
@@ -265,7 +266,7 @@ def _saver_pid(seg: _Segment) -> Any:
 def _gate_update(seg: _Segment) -> tuple[Status, str]:
     if (missing := _needs_restore(seg)) is not None:
         return missing
-    first = seg.first("update")
+    first: Mapping[str, Any] | None = seg.first("update")  # else the step record's fields, in an update's names
     if first is None:
         step = next((r for r in seg.after if r["event"] == "step" and "grad_norm" in r), None)
         if step is None:
@@ -398,18 +399,18 @@ class _Replay:
     epoch: tuple[bool | None, str] = (None, "")  # whether the compared steps crossed into the data's next pass
 
 
-def _data(r: dict[str, Any]) -> dict[str, Any]:
+def _data(r: ProofRecord) -> dict[str, Any]:
     return {k: r[k] for k in DATA_FIELDS if k in r}
 
 
-def _show(r: dict[str, Any]) -> str:
+def _show(r: ProofRecord) -> str:
     if "ids_head" in r:
         more = " ..." if r.get("samples", 0) > len(r["ids_head"]) else ""
         return f"ids {r['ids_head']}{more} (digest {r['sample_ids']})"
     return ", ".join(f"{k} {v}" for k, v in _data(r).items())
 
 
-def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+def _key(r: ProofRecord) -> tuple[Any, ...]:
     return tuple(sorted(_data(r).items()))
 
 
@@ -441,7 +442,7 @@ def _drawn_before_restore(step: int, k: int, key: tuple[Any, ...], firsts: dict[
 
 
 def _hint(
-    rank: int, step: int, resumed: dict[str, Any], ref: dict[int, list[Any]], history: dict[tuple[Any, ...], int],
+    rank: int, step: int, resumed: ProofRecord, ref: dict[int, list[Any]], history: dict[tuple[Any, ...], int],
     before_restore: str | None = None,
 ) -> str:
     """What kind of state is usually missing, from where the resumed run's data came from."""
@@ -466,7 +467,7 @@ def _hint(
 
 
 def _reference(
-    seg: _Segment, before: list[dict[str, Any]]
+    seg: _Segment, before: list[ProofRecord]
 ) -> tuple[int | None, dict[int, list[Any]], dict[tuple[Any, ...], int]]:
     """The pid of the process that saved the restored step, its step records after that step (the
     segment that ran on from the save and was killed), and every earlier step's data (for hints).
@@ -476,7 +477,7 @@ def _reference(
     assert seg.restore is not None
     k, pid = int(seg.restore["step"]), seg.restore["pid"]
     saver = next((r["pid"] for r in reversed(before) if r["event"] == "save" and r["step"] == k), None)
-    ref: dict[int, list[dict[str, Any]]] = {}
+    ref: dict[int, list[ProofRecord]] = {}
     history: dict[tuple[Any, ...], int] = {}
     for r in before:
         if r["event"] != "step" or r["pid"] == pid:
@@ -488,7 +489,7 @@ def _reference(
     return saver, ref, history
 
 
-def _first_steps(before: list[dict[str, Any]], pid: Any) -> dict[tuple[Any, ...], int]:
+def _first_steps(before: list[ProofRecord], pid: Any) -> dict[tuple[Any, ...], int]:
     """The data of each earlier process's first step record, by its data (the first batch a fresh process draws)."""
     seen: set[Any] = set()
     out: dict[tuple[Any, ...], int] = {}
@@ -500,7 +501,7 @@ def _first_steps(before: list[dict[str, Any]], pid: Any) -> dict[tuple[Any, ...]
     return out
 
 
-def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Replay:
+def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Replay:
     out = _Replay(seg.rank)
     if (missing := _needs_restore(seg)) is not None:
         out.status, out.evidence = missing
@@ -508,7 +509,7 @@ def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Re
     assert seg.restore is not None
     k = int(seg.restore["step"])
     saver, ref, history = _reference(seg, before)
-    resumed: dict[int, list[dict[str, Any]]] = {}
+    resumed: dict[int, list[ProofRecord]] = {}
     for r in seg.after:
         if r["event"] == "step" and r["step"] > k:
             resumed.setdefault(int(r["step"]), []).append(r)
@@ -571,11 +572,11 @@ def _replay(seg: _Segment, before: list[dict[str, Any]], plan: ProofPlan) -> _Re
     return out
 
 
-def _epoch_of(r: dict[str, Any]) -> Any:
+def _epoch_of(r: ProofRecord) -> Any:
     return (r.get("extra") or {}).get("epoch")
 
 
-def _epoch_crossing(k: int, compared: list[dict[str, Any]], before: list[dict[str, Any]]) -> tuple[bool | None, str]:
+def _epoch_crossing(k: int, compared: list[ProofRecord], before: list[ProofRecord]) -> tuple[bool | None, str]:
     """Whether the compared steps (the killed run's records) reach the data's next pass: exactly from a
     recorded ``epoch`` extra, else when a compared step consumes an id already consumed in the pass of step
     k (found back from k to the first repeated id; only each step's first ids are recorded)."""
@@ -755,11 +756,11 @@ def _gate_rng_distinct(segments: list[_Segment]) -> Gate:
 
 
 def _killed_steps(
-    records: dict[int, list[dict[str, Any]]], k: int, old: int, new_pids: set[Any]
-) -> tuple[dict[int, dict[int, list[dict[str, Any]]]], list[int]]:
+    records: dict[int, list[ProofRecord]], k: int, old: int, new_pids: set[Any]
+) -> tuple[dict[int, dict[int, list[ProofRecord]]], list[int]]:
     """Per step and old rank, the step records of the processes that saved step k and ran on; and the
     old ranks without a record of that save."""
-    out: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    out: dict[int, dict[int, list[ProofRecord]]] = {}
     missing = []
     for r in range(old):
         recs = records.get(r, [])
@@ -775,7 +776,7 @@ def _killed_steps(
 
 
 def _spans(
-    by_step: dict[int, dict[int, list[dict[str, Any]]]], k: int, world: int
+    by_step: dict[int, dict[int, list[ProofRecord]]], k: int, world: int
 ) -> list[tuple[int, int, int]] | None:
     """(step, samples so far, multiset sum so far) over the steps after k that every rank recorded, in
     order; None when a record lacks the order-free digest of its sample ids."""
@@ -794,7 +795,7 @@ def _spans(
     return out
 
 
-def _union_data(segments: list[_Segment], records: dict[int, list[dict[str, Any]]], plan: ProofPlan,
+def _union_data(segments: list[_Segment], records: dict[int, list[ProofRecord]], plan: ProofPlan,
                 k: int, old: int, new: int) -> Gate:
     """Exactly-once over the union of ranks: the samples the resumed run consumed after step k, as a
     multiset over all its ranks, equal the killed run's over all of its ranks, up to the last point
@@ -808,7 +809,7 @@ def _union_data(segments: list[_Segment], records: dict[int, list[dict[str, Any]
     if missing_savers:
         return Gate(name, Status.NOT_RUN, f"no record of the processes that saved step {k} on old ranks "
                     f"{missing_savers}: no killed run to compare with")
-    resumed: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    resumed: dict[int, dict[int, list[ProofRecord]]] = {}
     for seg in segments:
         for x in seg.after:
             if x["event"] == "step" and x["step"] > k:
@@ -848,7 +849,7 @@ def _union_data(segments: list[_Segment], records: dict[int, list[dict[str, Any]
         f"{count} the resumed run consumed in steps {k + 1}-{step} over {new} ranks: each sample once"))
 
 
-def _resharded_gates(segments: list[_Segment], records: dict[int, list[dict[str, Any]]], plan: ProofPlan,
+def _resharded_gates(segments: list[_Segment], records: dict[int, list[ProofRecord]], plan: ProofPlan,
                      k: int, old: int, new: int) -> list[Gate]:
     data = _union_data(segments, records, plan, k, old, new)
     numbers = Gate("replayed steps identical", Status.INFO, (
@@ -877,7 +878,7 @@ def recorded_plan(root: Path) -> tuple[ProofPlan, str]:
     return _plan(records, _newest_run([_segment(r, recs) for r, recs in sorted(records.items())]))
 
 
-def _plan(records: dict[int, list[dict[str, Any]]], segments: list[_Segment]) -> tuple[ProofPlan, str]:
+def _plan(records: dict[int, list[ProofRecord]], segments: list[_Segment]) -> tuple[ProofPlan, str]:
     step = next((s.restore["step"] for s in segments if _restored(s)), None)  # type: ignore[index]
     saves = [r for recs in records.values() for r in recs if r["event"] == "save" and "plan" in r]
     if step is not None:
@@ -931,7 +932,7 @@ def resume_count(root: Path) -> list[_resumes.Resume]:
 
 
 def _chosen_segments(
-    records: dict[int, list[dict[str, Any]]], resume: int | None
+    records: dict[int, list[ProofRecord]], resume: int | None
 ) -> tuple[list[_Segment], Gate | None]:
     """Each rank's segment around the judged resume, and the line saying which one (None: no resume)."""
     try:
@@ -964,7 +965,7 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
         where = "given to evaluate"
     by_rank = {s.rank: s for s in all_segments}
 
-    def before(seg: _Segment) -> list[dict[str, Any]]:
+    def before(seg: _Segment) -> list[ProofRecord]:
         """The killed run's records this rank replays: its own, or under resharding its source rank's."""
         if seg.restore is None:
             return []

@@ -37,7 +37,7 @@ from .. import _faults
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records.checks import cost
-from .._records.proofrecords import read_records
+from .._records.proofrecords import ProofRecord, read_records
 from ..config import ProofPlan
 from ..errors import CheckpointError, RehearsalError
 from . import _proctree
@@ -156,7 +156,7 @@ def _plan(root: Path) -> ProofPlan:
     return ProofPlan(**saves[-1]["plan"]) if saves else ProofPlan()
 
 
-def _steps_past_save(tracker: int, per_rank: dict[int, list[dict[str, Any]]], since: float, count: int,
+def _steps_past_save(tracker: int, per_rank: dict[int, list[ProofRecord]], since: float, count: int,
                      world: int) -> bool:
     """Every rank recorded ``count`` steps after the committed step ``tracker``, in this launch."""
     if tracker < 1:
@@ -169,7 +169,7 @@ def _steps_past_save(tracker: int, per_rank: dict[int, list[dict[str, Any]]], si
     return True
 
 
-def _epoch(r: dict[str, Any]) -> Any:
+def _epoch(r: ProofRecord) -> Any:
     return (r.get("extra") or {}).get("epoch") if isinstance(r.get("extra"), dict) else None
 
 
@@ -183,7 +183,7 @@ class _EpochWait:
     crossed_at: int | None = None
     gave_up: bool = False
 
-    def done(self, tracker: int, per_rank: dict[int, list[dict[str, Any]]]) -> bool:
+    def done(self, tracker: int, per_rank: dict[int, list[ProofRecord]]) -> bool:
         """True once the recorded steps past the committed step cross an epoch, none is recorded
         (nothing to wait for), or ``reach`` steps past the first committed save went by without one."""
         self.first_save = self.first_save or tracker

@@ -12,9 +12,10 @@ trained nothing), and says why when it passed over newer ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-Records = dict[int, list[dict[str, Any]]]
+from .._records.proofrecords import ProofRecord
+
+Records = dict[int, list[ProofRecord]]
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Resume:
         return f"resume {self.number} (step {self.step}, pid {self.pid})"
 
 
-def _restores(recs: list[dict[str, Any]]) -> list[int]:
+def _restores(recs: list[ProofRecord]) -> list[int]:
     return [i for i, r in enumerate(recs) if r["event"] == "restore" and isinstance(r.get("time"), (int, float))]
 
 
@@ -62,7 +63,7 @@ def _nearest(times: list[float], t: float) -> float:
     return min(times, key=lambda x: abs(x - t))
 
 
-def record_of(recs: list[dict[str, Any]], launch: float, times: list[float]) -> int | None:
+def record_of(recs: list[ProofRecord], launch: float, times: list[float]) -> int | None:
     """The index of this rank's restore record of the launch at ``launch`` (None: it took no part)."""
     mine = _restores(recs)
     if not mine:
@@ -85,7 +86,7 @@ def evidence(records: Records, resume: Resume, times: list[float]) -> bool:
     return False
 
 
-def _left(exit_record: dict[str, Any]) -> bool:
+def _left(exit_record: ProofRecord) -> bool:
     total, step = exit_record.get("total_steps"), exit_record.get("step")
     return not (isinstance(total, int) and isinstance(step, int) and step >= total)
 
