@@ -149,3 +149,32 @@ def test_a_record_the_writer_could_not_read_back_is_refused_when_made(tmp_path):
     with pytest.raises(cg.ConfigError, match=r"the step proof record of rank 0 .*'step' is '7', not an int"):
         log.build("step", step="7")
     assert log.build("step", step=7).step == 7
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+def test_contract_phases_of_every_format_read_typed_and_write_back_the_same(version):
+    from ckptguard._records import contract as _contract
+
+    root = Path(__file__).parent / "fixtures" / version / "root"
+    phases = _contract.read_phases(root)
+    raw = [json.loads(p.read_text()) for p in _contract.phase_files(root)]
+    assert phases and all(isinstance(p, _contract.Phase) for p in phases)
+    assert [p.to_json() for p in phases] == raw
+    assert phases[0].phase == 0 and phases[0].reason == "initial" and phases[0].adopted == ()
+
+
+def test_declared_and_adopted_phases_are_typed_records_and_a_bad_one_names_its_file(tmp_path):
+    from ckptguard._records import contract as _contract
+
+    root = tmp_path / "ck"
+    job = build_job()
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(contract=cg.RunContract(total_steps=4)))
+    mgr.save(1, job.state())
+    _contract.adopt(root, cg.RunContract(total_steps=4), "other-chain", "eval copy")
+    phases = _contract.read_phases(root)
+    assert [p.phase for p in phases] == [0, 1] and phases[1].adopted == ("other-chain",)
+    assert phases[1].chain_id == phases[0].chain_id and _contract.chains(root)[1] == {"other-chain"}
+    path = root / "contract" / "phase_0001.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "adopted_chains": "other-chain"}))
+    with pytest.raises(cg.CheckpointCorruptError, match=r"phase_0001\.json has a field 'adopted_chains' that is not a list"):
+        _contract.read_phases(root)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
+from ._types import JsonObject
 from .errors import CollectiveTimeoutError, error_payload, rebuild
 
 NODE_ENV = "CKPTGUARD_NODE"
@@ -83,11 +84,11 @@ class LocalAgreement:
 class Wire:
     """A message between ranks: a frozen dataclass of JSON values, with ``to_json``/``from_json``."""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return asdict(self)  # type: ignore[call-overload, no-any-return]
 
     @classmethod
-    def from_json(cls: type[W], data: dict[str, Any]) -> W:
+    def from_json(cls: type[W], data: JsonObject) -> W:
         return cls(**data)
 
 

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import click
 
 from . import __version__
+from ._records.entries import Cost
 from .config import ResumeMode
 from .errors import CheckpointError, ConfigError
 from .ops import inspect as _inspect
@@ -264,15 +265,14 @@ def _size(n: float) -> str:
     return f"{n:.3g} TiB" if n < 100 else f"{n:.0f} TiB"
 
 
-def _cost_line(c: dict[str, Any]) -> str:
-    frac = c.get("save_fraction_of_step")
-    step = f", {100 * frac:.1f}% of a {c['step_seconds']:.2f} s step" if frac is not None and c.get(
-        "step_seconds") is not None else ""
+def _cost_line(c: Cost) -> str:
+    frac, secs = c.save_fraction_of_step, c.step_seconds
+    step = f", {100 * frac:.1f}% of a {secs:.2f} s step" if frac is not None and secs is not None else ""
     said = {"skipped": "skipped before it", "coalesced": "coalesced before it (replaced in the queue)",
             "redirected": "redirected to the fast tier, it included if it is one"}
-    busy = "".join(f", {c[f'{k}_saves']} save(s) {v} (a commit in flight)" for k, v in said.items()
-                   if isinstance(c.get(f"{k}_saves"), int) and c[f"{k}_saves"])
-    return f"{_size(c['bytes'])}, saved in {c['save_seconds']:.2f} s{step}{busy}"
+    busy = "".join(f", {n} save(s) {v} (a commit in flight)" for k, v in said.items()
+                   if isinstance(n := c.figure(f"{k}_saves"), int) and n)
+    return f"{_size(c.bytes)}, saved in {c.save_seconds or 0.0:.2f} s{step}{busy}"
 
 
 def _emit(findings: list[Any], as_json: bool, extra: dict[str, Any] | None = None) -> None:
@@ -337,13 +337,14 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
     if restored:
         findings += _restore_with_progress(_verify, steps, as_json)
     costs = {str(p): _verify.cost(p) for p in steps}
+    costs_json = {k: c.to_json() if c else None for k, c in costs.items()}
     # What was compared, said plainly: checksums compare the files with the manifest, so a file
     # rewritten together with its manifest entry passes them; the tensor pass compares each tensor with
     # its layout-free digest, as restore does; the other items' digests are recomputed only by --restore.
     all_tensors = bool(tensors) and all(t["not_checked"] is None for t in tensors.values())
     compared = ["files", *(["checksums"] if deep else []), *(["tensor digests"] if all_tensors else []),
                 *(["restored digests"] if restored else [])]
-    _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs, "restored": restored,
+    _emit(findings, as_json, {"checked": [str(p) for p in steps], "cost": costs_json, "restored": restored,
                               "compared": compared, "tensors": tensors})
     if not as_json:
         for key, c in costs.items():

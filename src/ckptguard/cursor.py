@@ -29,6 +29,7 @@ import torch.distributed as dist
 import xxhash
 
 from . import _log
+from ._types import StateDict
 from .errors import ConfigError
 
 STATE_VERSION = 1
@@ -155,7 +156,7 @@ class DataCursor:
 
     # ------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {
             "version": STATE_VERSION,
             "num_samples": self.num_samples,
@@ -165,7 +166,7 @@ class DataCursor:
             "consumed": self.consumed,
         }
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: StateDict) -> None:
         if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
             raise ConfigError(f"DataCursor: not a DataCursor state of version {STATE_VERSION}: {sd!r:.200}")
         # A position in another order (other dataset size, seed or shuffling) would read other samples.

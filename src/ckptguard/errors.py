@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from ._types import JsonObject
+
 __all__ = [
     "ChainMismatchError",
     "CheckpointCorruptError",
@@ -84,12 +86,12 @@ class CheckpointError(Exception):
     #: Names of the keyword fields a leaf carries (set in its ``__init__``); they cross ranks.
     fields: ClassVar[tuple[str, ...]] = ()
 
-    def wire_fields(self) -> dict[str, Any]:
+    def wire_fields(self) -> JsonObject:
         """The fields as JSON values."""
         return {name: getattr(self, name, None) for name in self.fields}
 
     @classmethod
-    def from_wire(cls, message: str, fields: dict[str, Any]) -> CheckpointError:
+    def from_wire(cls, message: str, fields: JsonObject) -> CheckpointError:
         """The leaf rebuilt on another rank, with its fields."""
         if not cls.fields:
             return cls(message)
@@ -182,7 +184,7 @@ class WriteFailure:
     returned_bytes: int | None = None
     time_ns: int = 0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return asdict(self)
 
     def cause_order(self) -> tuple[bool, bool, int, int]:
@@ -192,7 +194,7 @@ class WriteFailure:
         return self.time_ns >= 10**18, self.errno is None, self.time_ns, self.rank
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> WriteFailure:
+    def from_json(cls, data: JsonObject) -> WriteFailure:
         return cls(**data)
 
     def describe(self) -> str:
@@ -230,7 +232,7 @@ class CheckpointWriteError(CheckpointError, OSError):
     def __str__(self) -> str:
         return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
-    def wire_fields(self) -> dict[str, Any]:
+    def wire_fields(self) -> JsonObject:
         return {"step": self.step, "failures": [f.to_json() for f in self.failures]}
 
 
@@ -244,7 +246,7 @@ class StorageStallError(CheckpointError, TimeoutError):
         return str(self.args[1]) if len(self.args) > 1 else super().__str__()
 
     @classmethod
-    def from_wire(cls, message: str, fields: dict[str, Any]) -> CheckpointError:
+    def from_wire(cls, message: str, fields: JsonObject) -> CheckpointError:
         return cls(_errno.ETIMEDOUT, message)
 
 
@@ -326,7 +328,7 @@ class CommitConflictError(CheckpointError, FileExistsError):
         self.step = step
 
 
-def error_payload(exc: BaseException) -> dict[str, Any]:
+def error_payload(exc: BaseException) -> JsonObject:
     """An error as JSON, to ship to the other ranks so that every rank raises the same one."""
     out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
     if isinstance(exc, CheckpointError) and type(exc).fields:
@@ -344,7 +346,7 @@ def _leaves() -> dict[str, type[CheckpointError]]:
     return found
 
 
-def rebuild(payload: dict[str, Any], *, note: str = "") -> CheckpointError:
+def rebuild(payload: JsonObject, *, note: str = "") -> CheckpointError:
     """The ckptguard error a payload describes, with its fields; a foreign error becomes a
     CheckpointError that names its type."""
     cls = _leaves().get(payload["type"])

@@ -42,6 +42,7 @@ from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from ._state.state import addresses, capture, moved
 from ._state.trajectory import fingerprint
+from ._types import StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
 from .errors import ConfigError
 from .storage._staging import Fence
@@ -177,7 +178,7 @@ class CheckpointManager:
     # ------------------------------------------------------------ save / restore
 
     def save(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        self, step: int, state: StateDict, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
         overwrite: bool = False, break_lease: bool = False,
     ) -> Path | None:
         """Commit ``state`` as step ``step`` on every rank, or raise on every rank.
@@ -219,7 +220,7 @@ class CheckpointManager:
         return path
 
     def save_async(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        self, step: int, state: StateDict, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
         overwrite: bool = False, break_lease: bool = False,
     ) -> PendingSave | None:
         """Snapshot ``state`` now and commit step ``step`` in the background.
@@ -267,7 +268,7 @@ class CheckpointManager:
         return self._pending
 
     def stage_commit(
-        self, step: int, state: dict[str, Any], healthy: bool | None, loss: Any, grad_norm: Any,
+        self, step: int, state: StateDict, healthy: bool | None, loss: Any, grad_norm: Any,
         actions: Actions = NO_ACTIONS, *, busy: BusyRound | None = None, measure: bool = False,
     ) -> tuple[Callable[[], Path], Fence, float] | None:
         """The caller's part of ``save_async`` (health agreement, snapshot, copies queued): the background commit, its
@@ -283,7 +284,7 @@ class CheckpointManager:
             self.blocking.observe(snap, time.monotonic() - start, by="background")
         return path
 
-    def prepare_async(self, state: dict[str, Any]) -> Future[int]:
+    def prepare_async(self, state: StateDict) -> Future[int]:
         """Map and pin the host staging pool(s) for ``state`` in a background thread now (after ``restore``): the first
         ``save_async`` is then as cheap as later ones (before it is ready, it reads live what the pool cannot hold).
         Local (no collective); a future of the bytes added."""
@@ -339,7 +340,7 @@ class CheckpointManager:
 
     def restore(
         self,
-        state: dict[str, Any],
+        state: StateDict,
         *,
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,

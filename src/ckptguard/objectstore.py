@@ -37,6 +37,7 @@ from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records.entries import FileEntry
 from ._records.retention import KeepLast, RetentionPolicy
+from ._types import StateDict
 from .config import BlockingBudget, CheckpointConfig, ResumeMode
 from .errors import CheckpointCorruptError, CheckpointError, ConfigError, ContractMismatchError
 from .manager import CheckpointManager
@@ -129,7 +130,7 @@ class ObjectStoreCheckpoint:
 
     # ------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict[str, Any], **health: Any) -> str | None:
+    def save(self, step: int, state: StateDict, **health: Any) -> str | None:
         """Commit ``step`` locally, then on the store; returns the marker's URL (None: the health
         policy skipped the step on every rank, nothing was written)."""
         local = self.local.save(step, state, **health)
@@ -253,7 +254,7 @@ class ObjectStoreCheckpoint:
         found = self.store.resolve(must=mode is ResumeMode.MUST)
         return _Chosen(found.step, found.reason)
 
-    def restore(self, state: dict[str, Any], *, mode: ResumeMode = ResumeMode.AUTO) -> int:
+    def restore(self, state: StateDict, *, mode: ResumeMode = ResumeMode.AUTO) -> int:
         """Restore the store's tracker step into ``state``; returns it (0: a fresh start)."""
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")

@@ -56,6 +56,7 @@ from ._core.guard import GuardTarget, Preemptible
 from ._disk import layout as _layout
 from ._dist import make_agreement
 from ._state import state as _state
+from ._types import StateDict
 from .errors import CheckpointError, ConfigError
 
 log = _log.logger()
@@ -175,7 +176,7 @@ class PreemptionGuard:
 
     # ------------------------------------------------------------ the step boundary
 
-    def step_boundary(self, step: int, state: dict[str, Any], **save_kwargs: Any) -> None:
+    def step_boundary(self, step: int, state: StateDict, **save_kwargs: Any) -> None:
         """Collective, once per step: returns at once without a signal on any rank; after one,
         saves ``step`` if it fits the grace budget and raises ``Preempted`` on every rank.
         ``save_kwargs`` go to ``mgr.save`` (``loss=``, ``grad_norm=``, ``healthy=``)."""
@@ -183,12 +184,12 @@ class PreemptionGuard:
         if stop is not None:
             raise stop
 
-    def should_stop(self, step: int, state: dict[str, Any], **save_kwargs: Any) -> bool:
+    def should_stop(self, step: int, state: StateDict, **save_kwargs: Any) -> bool:
         """``step_boundary`` that returns True instead of raising (``outcome`` holds the exit)."""
         self.outcome = self._boundary(step, state, save_kwargs)
         return self.outcome is not None
 
-    def _boundary(self, step: int, state: dict[str, Any], save_kwargs: dict[str, Any]) -> Preempted | None:
+    def _boundary(self, step: int, state: StateDict, save_kwargs: dict[str, Any]) -> Preempted | None:
         mine = _Flag() if self._got is None else _Flag(signal.Signals(self._got[0]).name,
                                                        time.monotonic() - self._got[1])
         flags = [_Flag(**v) for v in self._agreement.exchange("preempt.flag", mine.to_json())]

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _log
+from ._types import StateDict
 from .errors import ConfigError, StateMismatchError
 
 log = _log.logger()
@@ -300,7 +301,7 @@ class RolloutLedger:
 
     # ------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Plain values (and the source's state), so ``torch.load(weights_only=True)`` reads them back."""
         with self._lock:
             out: dict[str, Any] = {
@@ -321,7 +322,7 @@ class RolloutLedger:
                 out["source_open"] = self._source_open
             return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Exactly the saved state; the rule is applied by ``resume`` (a restore checks the digest first)."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise StateMismatchError(

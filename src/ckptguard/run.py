@@ -65,6 +65,7 @@ from ._records.prooflog import ProofLog
 from ._resume import resolve as _resolve
 from ._resume.resolve import Resolution, ResolveView
 from ._state.derived import DerivedState
+from ._types import StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
 from .errors import ConfigError, error_payload
 from .storage._staging import Fence
@@ -223,7 +224,7 @@ class RunCheckpoint:
     def save(
         self,
         step: int,
-        states: dict[str, dict[str, Any]],
+        states: dict[str, StateDict],
         *,
         healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
         overwrite: bool = False, break_lease: bool = False,
@@ -247,7 +248,7 @@ class RunCheckpoint:
     def save_async(
         self,
         step: int,
-        states: dict[str, dict[str, Any]],
+        states: dict[str, StateDict],
         *,
         healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
         overwrite: bool = False, break_lease: bool = False,
@@ -454,7 +455,7 @@ class RunCheckpoint:
 
     def restore(
         self,
-        states: dict[str, dict[str, Any]],
+        states: dict[str, StateDict],
         *,
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,

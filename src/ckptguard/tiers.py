@@ -60,6 +60,7 @@ from ._records import trust as _trust
 from ._records.retention import KeepLast, RetentionPolicy, default_policy
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
+from ._types import StateDict
 from .config import BlockingBudget, CheckpointConfig, OnBusy, ResumeMode
 from .errors import (
     CheckpointError,
@@ -180,7 +181,7 @@ class TieredCheckpoint:
             save_seconds=lambda step: recorded_save_seconds(home.root / home.context.naming.name(step)),
         )
 
-    def _save_now(self, step: int, state: dict[str, Any], **save_kwargs: Any) -> Path | None:
+    def _save_now(self, step: int, state: StateDict, **save_kwargs: Any) -> Path | None:
         check_step(step, "save")
         self.wait()
         self._hold_persistent(bool(save_kwargs.get("break_lease", False)))
@@ -199,7 +200,7 @@ class TieredCheckpoint:
     # ------------------------------------------------------------ save
 
     def save(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        self, step: int, state: StateDict, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
         overwrite: bool = False, break_lease: bool = False,
     ) -> dict[Tier, Path]:
         """Commit ``step`` to the tiers whose interval it is on; returns the committed directories
@@ -232,7 +233,7 @@ class TieredCheckpoint:
         return out
 
     def save_async(
-        self, step: int, state: dict[str, Any], *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        self, step: int, state: StateDict, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
         overwrite: bool = False, break_lease: bool = False,
     ) -> TieredSave | None:
         """``save`` in the background. Each tier on its interval is snapshotted now as its manager's
@@ -298,7 +299,7 @@ class TieredCheckpoint:
         pending, self._pending = self._pending, None
         return pending.wait() if pending is not None and not pending.reported else {}
 
-    def prepare_async(self, state: dict[str, Any]) -> Future[int]:
+    def prepare_async(self, state: StateDict) -> Future[int]:
         """``CheckpointManager.prepare_async`` for both tiers at once (after ``restore``): each tier's host staging
         pool mapped and pinned in the background, so the first ``save_async`` of each tier is as cheap as later
         ones. Local (no collective); a future of the bytes both added (an error of either is its exception)."""
@@ -388,7 +389,7 @@ class TieredCheckpoint:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, state: dict[str, Any], *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> int:
+    def restore(self, state: StateDict, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> int:
         """Load the newest step every rank can load from some tier; return it (0: fresh start).
         ``HealthPolicy(prefer="verified")`` is refused here: the tier choice takes the newest step."""
         if not isinstance(mode, ResumeMode):

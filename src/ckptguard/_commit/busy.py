@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .._agree import Agreement, Wire, gather_decide
+from .._records.entries import Figure
 from ..config import OnBusy
 from ..errors import CheckpointError, ConfigError
 
@@ -202,12 +203,12 @@ class BusyRound:
                  self.redirected_total, moved.reason)
         return moved
 
-    def pending_cost(self) -> dict[str, Any]:
+    def pending_cost(self) -> dict[str, Figure]:
         """The skipped, coalesced and redirected saves since the last committed step, for the next one's cost
         block (then forgotten)."""
         totals = {"skipped": self.skipped_total, "coalesced": self.coalesced_total,
                   "redirected": self.redirected_total}
-        out: dict[str, Any] = {"on_busy": self.policy.value}
+        out: dict[str, Figure] = {"on_busy": self.policy.value}
         for kind in KINDS:
             mine = [s for s in self.since_commit if s.kind == kind]
             out.update({f"{kind}_saves": len(mine), f"{kind}_steps": [s.step for s in mine],

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,9 @@ from typing import Any, TypeVar
 
 from .._agree import Wire, gather_decide
 from .._context import Actions, Context
+from .._records.entries import Figure
 from .._state.state import Captured
+from .._types import StateDict
 from ..config import CheckpointConfig, OnBusy
 from ..storage._staging import Fence
 from .busy import BusyDecision, BusyRound, InFlight, may_start, settle
@@ -83,7 +85,7 @@ class Queued:
         """When its request gave the caller control back."""
         return self.requested + self.blocked_s
 
-    def prepared(self, cost: dict[str, Any], commit: Callable[[Snapshot, float, float, bool], Path]
+    def prepared(self, cost: Mapping[str, Figure], commit: Callable[[Snapshot, float, float, bool], Path]
                  ) -> tuple[Callable[[], Path], Fence, float]:
         """What ``CheckpointManager.start_commit`` starts: its commit (its cost block gets ``cost`` and the seconds
         it waited in the queue), its fence, its request time."""
@@ -118,7 +120,7 @@ class SaveQueue:
         return self.queued.step if self.queued is not None else None
 
     def admit(
-        self, step: int, pending: InFlight | None, ctx: Context, state: dict[str, Any], actions: Actions,
+        self, step: int, pending: InFlight | None, ctx: Context, state: StateDict, actions: Actions,
         health: tuple[bool | None, Any, Any], *, wait: Callable[[], Any],
     ) -> bool:
         """``CheckpointConfig.on_busy`` for a ``save_async`` of ``step``: True when it starts now; False when it was
@@ -128,7 +130,7 @@ class SaveQueue:
         return self.request(step, pending, ctx, state, actions, health, start=lambda: True) or False
 
     def request(
-        self, step: int, pending: InFlight | None, ctx: Context, state: dict[str, Any], actions: Actions,
+        self, step: int, pending: InFlight | None, ctx: Context, state: StateDict, actions: Actions,
         health: tuple[bool | None, Any, Any], *, start: Callable[[], T],
     ) -> T | None:
         """A ``save_async`` of ``step`` under ``OnBusy.COALESCE``: ``start()`` at once when every rank's commit

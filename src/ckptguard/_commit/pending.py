@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -33,7 +33,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._context import Actions, Context
 from .._priority import lower_this_thread
+from .._records.entries import Figure
 from .._state.state import Captured
+from .._types import StateDict
 from ..config import CheckpointConfig
 from ..errors import SaveStillRunningError
 from ..memory.budget import host_budget
@@ -77,7 +79,7 @@ class Staged:
     live_keys: list[str] = field(default_factory=list)
     host_budget: int = 0
 
-    def cost(self, pool: StagingPool | None) -> dict[str, Any]:
+    def cost(self, pool: StagingPool | None) -> dict[str, Figure]:
         return {
             "staged_gpu_bytes": self.gpu_bytes,
             "staged_host_bytes": self.host_bytes,
@@ -213,7 +215,7 @@ class AsyncStaging:
             self.pool = StagingPool(pin=pin, idle_s=config.async_pool_idle_s)
         return self.pool
 
-    def stage(self, snap: Snapshot, state: dict[str, Any], config: CheckpointConfig) -> Staged:
+    def stage(self, snap: Snapshot, state: StateDict, config: CheckpointConfig) -> Staged:
         pool = self._pool_for(snap.items, config)
         if self.budget is None and self.preparing is None:
             self.prepare(snap.items, config)  # no prepare_async: this first save reads live, never pins here
@@ -272,7 +274,7 @@ class AsyncStaging:
         return (f"it needs {want} B of host staging beside the commit's, and {budget} B of the host staging budget "
                 "are left (raise CheckpointConfig.async_host_bytes to twice the state's bytes)")
 
-    def fill(self, placed: Placement, state: dict[str, Any], timeout_s: float) -> Staged:
+    def fill(self, placed: Placement, state: StateDict, timeout_s: float) -> Staged:
         """Copy ``placed``'s tensors into their slots; the next mutation waits for the copies (never for a
         live read: there is none)."""
         copier = copier_for([local for _, _, _, local, _ in placed.entries])
@@ -288,7 +290,7 @@ class AsyncStaging:
         self.guard(out.fence, state)
         return out
 
-    def guard(self, fence: Fence, state: dict[str, Any]) -> None:
+    def guard(self, fence: Fence, state: StateDict) -> None:
         """Hold the next optimizer step (any optimizer), and the next forward of a module whose saved
         state has buffers (running statistics change in forward), until ``fence`` allows mutation."""
         self.unguard()
@@ -360,8 +362,8 @@ def committer(commit: Callable[[Snapshot, float, float, bool], Path], snap: Snap
 
 
 def staged_commit(
-    ctx: Context, staging: AsyncStaging, step: int, state: dict[str, Any], actions: Actions,
-    cost: Callable[[], dict[str, Any]], commit: Callable[[Snapshot, float, float, bool], Path], measure: bool,
+    ctx: Context, staging: AsyncStaging, step: int, state: StateDict, actions: Actions,
+    cost: Callable[[], Mapping[str, Figure]], commit: Callable[[Snapshot, float, float, bool], Path], measure: bool,
 ) -> tuple[Callable[[], Path], Fence, float]:
     """A front door's ``save_async`` after its health agreement: the snapshot, its staged copies queued, and the
     background commit (``committer``), its mutation fence and its start time."""

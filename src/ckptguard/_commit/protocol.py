@@ -34,6 +34,7 @@ from .._disk.digest import digest, file_digest
 from .._records import manifest as _manifest
 from .._state.rng import RNG_ITEM
 from .._state.state import Captured, digests_and_layout_free
+from .._types import StateDict
 from ..errors import (
     CheckpointError,
     ConfigError,
@@ -120,7 +121,7 @@ class _ExtrasFile:
         """Nothing is buffered here; the fsync follows the whole file."""
 
 
-def _write_extras(path: Path, extras: dict[str, Any]) -> WrittenFile:
+def _write_extras(path: Path, extras: StateDict) -> WrittenFile:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         out = _ExtrasFile(fd, str(path))
@@ -198,7 +199,7 @@ def _write_and_digest(
 # ---------------------------------------------------------------- steps 3 and 4: confirm and publish
 
 
-def save(ctx: Context, step: int, state: dict[str, Any], actions: Actions = NO_ACTIONS) -> Path:
+def save(ctx: Context, step: int, state: StateDict, actions: Actions = NO_ACTIONS) -> Path:
     return commit(ctx, snapshot(ctx, step, state, actions=actions))
 
 

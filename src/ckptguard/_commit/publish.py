@@ -16,7 +16,7 @@ from .._context import Context
 from .._disk import layout as _layout
 from .._disk.layoutfree import combine_layout_free
 from .._records import manifest as _manifest
-from .._records.entries import Cost, FileEntry, NodeEntry, Scalar, Topology
+from .._records.entries import Cost, Figure, FileEntry, NodeEntry, Topology
 from .._records.versions import current_versions
 from .._state.state import digest_kind
 from ..errors import (
@@ -28,7 +28,7 @@ from .stepdir import discard, file_problems
 
 
 def save_cost(
-    ctx: Context, step: int, started: float, files: Sequence[FileEntry], extra: Mapping[str, Scalar] | None = None
+    ctx: Context, step: int, started: float, files: Sequence[FileEntry], extra: Mapping[str, Figure] | None = None
 ) -> Cost:
     """Size and save time, and the save as a fraction of step time (docs/practices.md, 7); ``extra``: the
     async path's and the busy policy's figures."""
@@ -47,7 +47,7 @@ def save_cost(
 
 def build_manifest(
     ctx: Context, step: int, path: Path, prep: Prepared, started: float, reports: list[RankReport],
-    kinds: dict[str, str], nodes: Sequence[NodeEntry] | None = None, extra_cost: Mapping[str, Scalar] | None = None,
+    kinds: dict[str, str], nodes: Sequence[NodeEntry] | None = None, extra_cost: Mapping[str, Figure] | None = None,
 ) -> _manifest.Manifest:
     files = [FileEntry(f["path"], f["size"], f["xxh3"], r) for r, rep in enumerate(reports) for f in rep.files]
     layout = ctx.topology()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import errno as _errno
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from .._context import Actions, Context
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records.checks import rank_reads
-from .._records.entries import FileEntry, NodeEntry
+from .._records.entries import Figure, FileEntry, NodeEntry
 from ..errors import (
     CheckpointError,
     WriteFailure,
@@ -181,7 +181,7 @@ def _sweep_unagreed(ctx: Context, newest: int, step: int) -> None:
 
 def _plan_nodes(
     ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
-    kinds: dict[str, str], extra_cost: dict[str, Any] | None = None,
+    kinds: dict[str, str], extra_cost: Mapping[str, Figure] | None = None,
 ) -> NodePlan:
     failures = [r.failure for r in reports if r.failure]
     if failures:

@@ -17,8 +17,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from .._agree import gather_decide, on_every_rank
 from .._context import NO_ACTIONS, Actions, Context
 from .._disk.digest import digest
+from .._records.entries import Figure
 from .._state import rng as _rng
 from .._state.state import Captured, capture
+from .._types import StateDict
 from ..errors import (
     ReplicatedDivergenceError,
     StateMismatchError,
@@ -36,7 +38,7 @@ class Snapshot:
     started: float
     staged_bytes: int = 0
     reshard: dict[str, dict[str, Any]] = field(default_factory=dict)
-    cost: dict[str, Any] = field(default_factory=dict)
+    cost: dict[str, Figure] = field(default_factory=dict)
     """Figures of the staging (async saves) added to the manifest's cost block."""
     read_done: Callable[[], None] | None = None
     """Called once the write and the digest pass no longer read the snapshot's tensors."""
@@ -49,7 +51,7 @@ class Snapshot:
 
 
 def snapshot(
-    ctx: Context, step: int, state: dict[str, Any], *, guard: bool = True, actions: Actions = NO_ACTIONS
+    ctx: Context, step: int, state: StateDict, *, guard: bool = True, actions: Actions = NO_ACTIONS
 ) -> Snapshot:
     """Capture every item and the RNG streams, and run the divergence guard (``guard=False``: the
     commit runs it, on the staged copies, so an async save's caller does not wait for its digests)."""

@@ -52,11 +52,11 @@ def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actio
     if not phases:
         # Every node's root carries rank 0's chain: one run, one chain id on every disk.
         chain = like.chain_id if like is not None else uuid.uuid4().hex
-        _contract.write_phase(root, 0, _contract.initial_phase(chain, ctx.config.contract))
+        _contract.write_phase(root, _contract.initial_phase(chain, ctx.config.contract))
     phase = _contract.check(root, ctx.config.contract, where=f"save of step {step}")
-    if like is not None and (phase["chain_id"], phase["phase"]) != (like.chain_id, like.phase):
+    if like is not None and (phase.chain_id, phase.phase) != (like.chain_id, like.phase):
         raise ConfigError(
-            f"save of step {step}: this node's root {root} is at run chain {phase['chain_id']} phase {phase['phase']}, "
+            f"save of step {step}: this node's root {root} is at run chain {phase.chain_id} phase {phase.phase}, "
             f"rank 0's at chain {like.chain_id} phase {like.phase}: the node-local roots belong to different runs. "
             "Give every node of this run the root of this run (or empty ones for a new run)."
         )
@@ -86,9 +86,8 @@ def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actio
     tmp.mkdir()
     (tmp / _layout.STATE_DIR).mkdir()
     _layout.write_owner(tmp, node=ctx.agreement.info.host)
-    return Prepared(
-        tmp=str(tmp), chain_id=phase["chain_id"], phase=phase["phase"], contract_hash=phase["contract_hash"]
-    )
+    contract_hash = phase.contract_hash or _contract.contract_hash(phase.contract)
+    return Prepared(tmp=str(tmp), chain_id=phase.chain_id, phase=phase.phase, contract_hash=contract_hash)
 
 
 def copy_verified(src: Path, dst: Path, *, expect: str | None = None) -> str:

@@ -26,6 +26,7 @@ from .._state.derived import DerivedState
 from .._state.expert import ExpertParallel
 from .._state.state import addresses, moved
 from .._state.trajectory import fingerprint
+from .._types import StateDict
 from ..config import CheckpointConfig, ParallelLayout
 from ..errors import CheckpointError, CheckpointWriteError, ConfigError
 from ..storage.base import Storage
@@ -110,7 +111,7 @@ def each_role(roles: dict[str, Context], act: Callable[[str, Context], None]) ->
         raise first
 
 
-def check_role_part(ctx: Context, part: Resolution, state: dict[str, Any]) -> None:
+def check_role_part(ctx: Context, part: Resolution, state: StateDict) -> None:
     """Everything a restore checks of one role's part before it reads a tensor (files, versions,
     topology, contract, items and keys, both ways), collectively over the role's ranks."""
     _resolve.agree_files(ctx, part)
@@ -119,7 +120,7 @@ def check_role_part(ctx: Context, part: Resolution, state: dict[str, Any]) -> No
 
 
 def load_role_part(
-    ctx: Context, part: Resolution, state: dict[str, Any], *, step: int, plan: dict[str, Any],
+    ctx: Context, part: Resolution, state: StateDict, *, step: int, plan: dict[str, Any],
     record: Callable[..., None], derived: DerivedState | None,
 ) -> None:
     """Restore one role's part into ``state`` and record it (a failure is recorded, then raised)."""

@@ -25,7 +25,7 @@ from ..storage.base import DCP_METADATA
 from ..storage.dcpindex import read_dcp_index
 from . import manifest as _manifest
 from . import runmanifest
-from .entries import FileEntry
+from .entries import Cost, FileEntry
 from .findings import RESTORE_HINT, Finding, Severity, finding
 from .runmanifest import RunManifest
 
@@ -324,21 +324,17 @@ def deep_bytes(step_dir: Path) -> int:
         return 0
 
 
-def cost(step_dir: Path) -> dict[str, Any] | None:
-    """The manifest's size and save-time record, when it has one of the shape ckptguard writes."""
+def cost(step_dir: Path) -> Cost | None:
+    """The manifest's size and save-time record, when it has one of the shape ckptguard writes (a save time
+    included); read alone, so that a step whose manifest is damaged elsewhere still shows what it cost."""
     try:
         path = Path(step_dir) / _layout.MANIFEST_NAME
         data = _layout.read_json(path, limit=_manifest.MANIFEST_BYTES, what="manifest")
     except (CheckpointError, OSError):
         return None
-    found = data.get("cost") if isinstance(data, dict) else None
-    keys = ("bytes", "save_seconds")
-    if not isinstance(found, dict) or not all(isinstance(found.get(k), (int, float)) for k in keys):
-        return None
-    for k in ("step_seconds", "save_fraction_of_step"):
-        if found.get(k) is not None and not isinstance(found[k], (int, float)):
-            return None
-    return found
+    found = Cost.from_json(data.get("cost")) if isinstance(data, dict) else None
+    return found if found is not None and found.save_seconds is not None else None
+
 
 def files_needed(step_dir: Path, manifest: _manifest.Manifest, rank: int) -> set[str]:
     """Files (relative to the step) that ``rank`` reads when restoring on the same layout:

@@ -15,14 +15,16 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from .._disk.layout import CONTRACT_DIR, fsync_dir, read_json, refuse_link
+from .._types import JsonObject
 from ..errors import ChainMismatchError, CheckpointCorruptError, ConfigError, ContractMismatchError
+from .entries import is_int, is_number
 
 ITEMS = ("code", "data", "recipe", "total_steps")
 
@@ -53,7 +55,7 @@ class RunContract:
         if self.recipe is not None:
             _canonical(self.recipe)
 
-    def items(self) -> dict[str, Any]:
+    def items(self) -> JsonObject:
         recipe = json.loads(_canonical(self.recipe)) if self.recipe is not None else None
         return {"code": self.code, "data": self.data, "recipe": recipe, "total_steps": self.total_steps}
 
@@ -168,36 +170,86 @@ def phase_files(root: Path) -> list[Path]:
     return sorted((root / CONTRACT_DIR).glob("phase_[0-9][0-9][0-9][0-9].json"))
 
 
-def read_phases(root: Path) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Phase:
+    """One ``phase_NNNN.json``: its number, the run chain, the contract in force from it on (the
+    ``RunContract.items()`` of its writer) and why it was declared. ``adopted_chains`` is None where the
+    file has no such key (every phase but an ``adopt``'s); ``extra`` keeps keys a later release wrote."""
+
+    phase: int
+    chain_id: str
+    contract: Mapping[str, Any]
+    created_unix: float | None = None
+    reason: str | None = None
+    changes: tuple[str, ...] | None = None
+    contract_hash: str | None = None
+    adopted_chains: tuple[str, ...] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    _OPTIONAL = ("created_unix", "reason", "changes", "contract_hash", "adopted_chains")
+
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"phase": self.phase, "chain_id": self.chain_id, "contract": dict(self.contract)}
+        for key in self._OPTIONAL:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return {**out, **self.extra}
+
+    @classmethod
+    def from_json(cls, value: object) -> Phase:
+        """The phase in ``value``; ValueError saying what is wrong."""
+        if not (isinstance(value, dict) and is_int(value.get("phase")) and isinstance(value.get("chain_id"), str)
+                and isinstance(value.get("contract"), dict)):
+            raise ValueError("is not a contract phase (an object with int 'phase', str 'chain_id' and a "
+                             "'contract' object)")
+        for key in ("changes", "adopted_chains"):
+            if key in value and not (isinstance(value[key], list) and all(isinstance(c, str) for c in value[key])):
+                raise ValueError(f"has a field '{key}' that is not a list of strings")
+        if value.get("created_unix") is not None and not is_number(value["created_unix"]):
+            raise ValueError("has a field 'created_unix' that is not a number")
+        for key in ("reason", "contract_hash"):
+            if value.get(key) is not None and not isinstance(value[key], str):
+                raise ValueError(f"has a field '{key}' that is not a string")
+        known = {"phase", "chain_id", "contract", *cls._OPTIONAL}
+        changes, adopted = value.get("changes"), value.get("adopted_chains")
+        return cls(value["phase"], value["chain_id"], value["contract"], value.get("created_unix"),
+                   value.get("reason"), None if changes is None else tuple(changes), value.get("contract_hash"),
+                   None if adopted is None else tuple(adopted), {k: v for k, v in value.items() if k not in known})
+
+    @property
+    def adopted(self) -> tuple[str, ...]:
+        return self.adopted_chains or ()
+
+
+def _phase(number: int, chain_id: str, contract: RunContract | None, reason: str, changes: list[str],
+           adopted: tuple[str, ...] | None = None) -> Phase:
+    items = (contract or RunContract()).items()
+    return Phase(number, chain_id, items, time.time(), reason, tuple(changes), contract_hash(items), adopted)
+
+
+def read_phases(root: Path) -> list[Phase]:
     """The phase records in order; each bounded, link-free, and shaped as ``write_phase`` writes them."""
     refuse_link(root / CONTRACT_DIR, "contract directory")
     phases = []
     for path in phase_files(root):
         try:
-            phase = read_json(path, what="contract phase")
+            phases.append(Phase.from_json(read_json(path, what="contract phase")))
         except CheckpointCorruptError as exc:
             raise CheckpointCorruptError(f"{exc}; phase files are append-only and must not be edited") from None
-        if not (
-            isinstance(phase, dict)
-            and isinstance(phase.get("phase"), int)
-            and isinstance(phase.get("chain_id"), str)
-            and isinstance(phase.get("contract"), dict)
-            and isinstance(phase.get("adopted_chains", []), list)
-        ):
+        except ValueError as exc:
             raise CheckpointCorruptError(
-                f"{path} is not a contract phase (an object with int 'phase', str 'chain_id' and a "
-                "'contract' object); phase files are append-only and must not be edited: restore it from a backup"
-            )
-        phases.append(phase)
+                f"{path} {exc}; phase files are append-only and must not be edited: restore it from a backup"
+            ) from None
     return phases
 
 
-def write_phase(root: Path, phase: int, record: dict[str, Any]) -> Path:
+def write_phase(root: Path, record: Phase) -> Path:
     """Create ``phase_NNNN.json``; refuse to replace an existing one."""
     directory = root / CONTRACT_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"phase_{phase:04d}.json"
-    data = (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()
+    path = directory / f"phase_{record.phase:04d}.json"
+    data = (json.dumps(record.to_json(), indent=1, sort_keys=True) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, data)
@@ -208,20 +260,11 @@ def write_phase(root: Path, phase: int, record: dict[str, Any]) -> Path:
     return path
 
 
-def initial_phase(chain_id: str, contract: RunContract | None) -> dict[str, Any]:
-    items = (contract or RunContract()).items()
-    return {
-        "phase": 0,
-        "chain_id": chain_id,
-        "created_unix": time.time(),
-        "reason": "initial",
-        "changes": [],
-        "contract": items,
-        "contract_hash": contract_hash(items),
-    }
+def initial_phase(chain_id: str, contract: RunContract | None) -> Phase:
+    return _phase(0, chain_id, contract, "initial", [])
 
 
-def check(root: Path, contract: RunContract | None, *, where: str) -> dict[str, Any]:
+def check(root: Path, contract: RunContract | None, *, where: str) -> Phase:
     """The phase in force, after checking ``contract`` equals it."""
     phases = read_phases(root)
     if not phases:
@@ -230,11 +273,11 @@ def check(root: Path, contract: RunContract | None, *, where: str) -> dict[str, 
             "written by the first save: restore it from a backup or declare a new root"
         )
     current = phases[-1]
-    changes = diff(current["contract"], (contract or RunContract()).items())
+    changes = diff(current.contract, (contract or RunContract()).items())
     if changes:
         lines = "; ".join(d for _, d in changes)
         raise ContractMismatchError(
-            f"{where}: the run contract differs from phase {current['phase']} in "
+            f"{where}: the run contract differs from phase {current.phase} in "
             f"{root / CONTRACT_DIR}: {lines}. If the change is intended (longer training, new "
             "data), declare it: manager.declare_phase(reason, changes="
             f"{sorted({i for i, _ in changes})}); otherwise run with the original contract."
@@ -254,25 +297,16 @@ def declare(root: Path, contract: RunContract | None, reason: str, changes: Iter
         raise ConfigError(f"declare_phase: unknown items {sorted(unknown)}; items are {list(ITEMS)}")
     current = phases[-1]
     items = (contract or RunContract()).items()
-    actual = diff(current["contract"], items)
+    actual = diff(current.contract, items)
     changed = {i for i, _ in actual}
     if not changed:
-        raise ConfigError(f"declare_phase: the contract equals phase {current['phase']}; nothing to declare")
+        raise ConfigError(f"declare_phase: the contract equals phase {current.phase}; nothing to declare")
     if changed != declared:
         raise ContractMismatchError(
             f"declare_phase: declared {sorted(declared)} but the contract changed in "
             f"{sorted(changed)} ({'; '.join(d for _, d in actual)}); declare exactly what changed"
         )
-    record = {
-        "phase": current["phase"] + 1,
-        "chain_id": current["chain_id"],
-        "created_unix": time.time(),
-        "reason": reason,
-        "changes": [d for _, d in actual],
-        "contract": items,
-        "contract_hash": contract_hash(items),
-    }
-    return write_phase(root, record["phase"], record)
+    return write_phase(root, _phase(current.phase + 1, current.chain_id, contract, reason, [d for _, d in actual]))
 
 
 # ---------------------------------------------------------------- chain identity
@@ -283,7 +317,7 @@ def chains(root: Path) -> tuple[str | None, set[str]]:
     phases = read_phases(root)
     if not phases:
         return None, set()
-    return phases[0]["chain_id"], {c for p in phases for c in p.get("adopted_chains", [])}
+    return phases[0].chain_id, {c for p in phases for c in p.adopted}
 
 
 def check_chain(root: Path, chain_id: str, *, where: str) -> None:
@@ -307,15 +341,5 @@ def adopt(root: Path, contract: RunContract | None, chain_id: str, reason: str) 
     if not reason.strip():
         raise ConfigError("adopt: give a reason (why this run continues from another chain)")
     phases = read_phases(root)
-    items = (contract or RunContract()).items()
-    record: dict[str, Any] = {
-        "phase": phases[-1]["phase"] + 1 if phases else 0,
-        "chain_id": phases[0]["chain_id"] if phases else uuid.uuid4().hex,
-        "created_unix": time.time(),
-        "reason": reason,
-        "changes": [f"adopted chain {chain_id}"],
-        "adopted_chains": [chain_id],
-        "contract": items,
-        "contract_hash": contract_hash(items),
-    }
-    return write_phase(root, record["phase"], record)
+    number, chain = (phases[-1].phase + 1, phases[0].chain_id) if phases else (0, uuid.uuid4().hex)
+    return write_phase(root, _phase(number, chain, contract, reason, [f"adopted chain {chain_id}"], (chain_id,)))

@@ -12,8 +12,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._types import JsonObject
+
 Scalar = int | float | str | bool | None
-"""A value of the cost block's extra figures (staging, skipped and queued saves)."""
+Figure = Scalar | list[int]
+"""A value of the cost block's extra figures (staging, skipped and queued saves; the skipped steps)."""
 
 
 def is_int(value: object) -> bool:
@@ -34,7 +37,7 @@ class FileEntry:
     xxh3: str
     rank: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         out: dict[str, Any] = {"path": self.path, "size": self.size, "xxh3": self.xxh3}
         if self.rank is not None:
             out["rank"] = self.rank
@@ -59,7 +62,7 @@ def files_from_json(value: object) -> tuple[FileEntry, ...]:
     return tuple(FileEntry.from_json(f) for f in value)
 
 
-def files_to_json(files: Iterable[FileEntry]) -> list[dict[str, Any]]:
+def files_to_json(files: Iterable[FileEntry]) -> list[JsonObject]:
     return [f.to_json() for f in files]
 
 
@@ -72,7 +75,7 @@ class NodeEntry:
     ranks: tuple[int, ...]
     copies: tuple[str, ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"name": self.name, "ranks": list(self.ranks), "copies": list(self.copies)}
 
     @classmethod
@@ -107,7 +110,7 @@ class Topology:
         """What a restore compares with its own world: the size and the layout (not where the ranks ran)."""
         return {"world_size": self.world_size, **self.layout}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         out: dict[str, Any] = self.shape()
         if self.rank_hosts is not None:
             out["rank_hosts"] = list(self.rank_hosts)
@@ -147,13 +150,13 @@ class Cost:
     save_seconds: float | None = None
     step_seconds: float | None = None
     save_fraction_of_step: float | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Figure] = field(default_factory=dict)
 
-    def figure(self, name: str) -> Any:
+    def figure(self, name: str) -> Figure:
         """One figure by its on-disk name (a field or an extra; None when absent)."""
         return getattr(self, name) if name in _COST_FIELDS else self.extra.get(name)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"bytes": self.bytes, "save_seconds": self.save_seconds, "step_seconds": self.step_seconds,
                 "save_fraction_of_step": self.save_fraction_of_step, **self.extra}
 

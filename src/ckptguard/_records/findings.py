@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+
+from .._types import JsonObject
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -57,7 +58,7 @@ class Finding:
         text = f"{self.severity.value:<7} {self.code:<18} {self.path}: {self.message}; {self.fix}"
         return printable(text)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         out = asdict(self)
         out["severity"] = self.severity.value
         # JSON escapes control characters itself; undecodable bytes of a name become \\xNN,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .._disk.layout import MANIFEST_NAME, NODE_MANIFEST_NAME, parse_json, read_json, read_small
+from .._types import JsonObject
 from .._version import __version__
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, RunStepError, VersionMismatchError
 from .entries import Cost, FileEntry, NodeEntry, Topology, files_from_json, files_to_json, is_int, nodes_from_json
@@ -88,7 +89,7 @@ class Manifest:
         ranks, copies = set(node.ranks), set(node.copies)
         return [f for f in self.files if f.rank in ranks or f.path in copies]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The ``manifest.json`` object: every field but the path; the optional ones only when set."""
         out: dict[str, Any] = {
             "format_version": self.format_version, "step": self.step, "chain_id": self.chain_id,
@@ -155,7 +156,7 @@ def _str_map(value: Any) -> bool:
     return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
-def _shape_problem(data: dict[str, Any]) -> str | None:
+def _shape_problem(data: JsonObject) -> str | None:
     """Why ``data`` is not shaped like a manifest ckptguard writes, or None."""
     if not is_int(data["step"]) or data["step"] < 0:
         return f"'step' must be a non-negative int, not {data['step']!r:.40}"
@@ -284,7 +285,7 @@ class NodeManifest:
     format_version: int = FORMAT_VERSION
     created_unix: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"format_version": self.format_version, "step": self.step, "node": self.node, "name": self.name,
                 "ranks": list(self.ranks), "files": files_to_json(self.files), "created_unix": self.created_unix}
 

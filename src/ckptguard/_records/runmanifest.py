@@ -30,6 +30,7 @@ from typing import Any
 import xxhash
 
 from .._disk import layout as _layout
+from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError, VersionMismatchError
 from . import manifest as _manifest
 
@@ -59,7 +60,7 @@ class RoleEntry:
     manifest_bytes: int
     manifest_xxh3: str
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"ranks": list(self.ranks), "manifest_bytes": self.manifest_bytes, "manifest_xxh3": self.manifest_xxh3}
 
     @classmethod
@@ -82,7 +83,7 @@ class RunManifest:
     contract: dict[str, Any]
     created_unix: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "kind": RUN_KIND,
             "run_format_version": self.run_format_version,

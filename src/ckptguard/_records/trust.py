@@ -39,6 +39,7 @@ from typing import Any
 from .._agree import Wire
 from .._disk import layout as _layout
 from .._state.scalars import scalar
+from .._types import JsonObject
 from ..errors import CheckpointCorruptError, ConfigError
 from .entries import is_int, is_number
 
@@ -244,7 +245,7 @@ class TrustEntry:
     unhealthy_after: int | None = None
     verified_unix: float | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         out: dict[str, Any] = {"state": self.state.value, "committed_unix": self.committed_unix,
                                "verify_after": self.verify_after, "healthy_after": list(self.healthy_after),
                                "unhealthy_after": self.unhealthy_after}

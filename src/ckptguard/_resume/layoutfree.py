@@ -29,6 +29,7 @@ from .._records import manifest as _manifest
 from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
+from .._types import StateDict
 from ..errors import StateMismatchError
 
 _TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemKind.TENSORS)
@@ -126,10 +127,10 @@ def describe_replicas(report: dict[str, Any]) -> str:
 
 def _extras_items(
     ctx: Context,
-    state: dict[str, Any],
+    state: StateDict,
     manifest: _manifest.Manifest,
-    targets: dict[str, Any],
-    extras: dict[str, Any],
+    targets: _state.Targets,
+    extras: StateDict,
     source: int,
     expected: dict[str, str] | None = None,
 ) -> tuple[dict[str, bool], list[str]]:
@@ -149,7 +150,7 @@ def _extras_items(
     return matches, problems
 
 
-def _live_tensors(ctx: Context, state: dict[str, Any], targets: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _live_tensors(ctx: Context, state: StateDict, targets: _state.Targets) -> dict[str, StateDict]:
     """Every tensor item as it is now in the live objects, by DCP key (as the save captured it)."""
     out = {}
     for name, (kind, _sd, _flat) in targets.items():
@@ -173,10 +174,10 @@ def _compare(
 
 def verify(
     ctx: Context,
-    state: dict[str, Any],
+    state: StateDict,
     manifest: _manifest.Manifest,
-    targets: dict[str, Any],
-    extras: dict[str, Any],
+    targets: _state.Targets,
+    extras: StateDict,
     source: int,
     on_verified: Callable[..., None] | None = None,
     *,

@@ -43,6 +43,7 @@ from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
 from .._state.rules import DATA_CURSOR, REPLICATED, RNG, USER, fn_name
+from .._types import StateDict
 from ..errors import StateMismatchError, TopologyMismatchError
 
 log = logging.getLogger("ckptguard")
@@ -61,7 +62,7 @@ def seed_streams(seed: int) -> None:
     random.seed(seed)
 
 
-def derived_streams(seed: int, step: int, rank: int) -> dict[str, Any]:
+def derived_streams(seed: int, step: int, rank: int) -> StateDict:
     """The four streams the rule gives ``rank`` (as ``rng.capture()`` would hold them), leaving ours alone."""
     keep = _rng.capture()
     try:
@@ -101,7 +102,7 @@ class Plan:
     new_world: int
     step: int
     rules: dict[str, dict[str, Any]]
-    extras: dict[str, Any]
+    extras: StateDict
     """This rank's extras, as if the saving run had written them for it."""
     expected: dict[str, str] = field(default_factory=dict)
     """Digests the restored extras items (and the RNG streams) must have."""
@@ -173,7 +174,7 @@ def _check_equal(manifest: _manifest.Manifest, name: str, rule: str) -> str:
 
 
 def prepare(
-    ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any], load: Callable[[int], dict[str, Any]]
+    ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any], load: Callable[[int], StateDict]
 ) -> Plan:
     """Decide every item's rule and build this rank's extras; raises before anything is loaded."""
     rules = _rules(ctx, manifest, state)
@@ -206,14 +207,14 @@ def generators(rules: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return sorted(n for n, r in rules.items() if r["rule"] == RNG and n != RNG_ITEM)
 
 
-def _derived_generator(item: Any, seed: int, step: int, rank: int, name: str) -> dict[str, Any]:
+def _derived_generator(item: Any, seed: int, step: int, rank: int, name: str) -> StateDict:
     """The state a ``GeneratorState`` item gets: a fresh generator of its device seeded by the rule."""
     gen = torch.Generator(device=item.generator.device).manual_seed(derived_seed(seed, step, rank, name))
     return {"device": str(item.generator.device), "state": gen.get_state()}
 
 
 def _run_user_rule(
-    manifest: _manifest.Manifest, ctx: Context, name: str, fn: Callable[..., Any], old: list[dict[str, Any]], plan: Plan
+    manifest: _manifest.Manifest, ctx: Context, name: str, fn: Callable[..., Any], old: list[StateDict], plan: Plan
 ) -> Any:
     where = f"restore of step {manifest.step}: the reshard rule {fn_name(fn)} of item {name!r}"
     try:

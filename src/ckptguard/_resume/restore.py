@@ -32,6 +32,7 @@ from .._records.versions import check_torch_version
 from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
+from .._types import StateDict
 from ..config import ReshardRule
 from ..errors import (
     CheckpointCorruptError,
@@ -98,8 +99,8 @@ def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys:
 
 
 def plan_targets(
-    ctx: Context, state: dict[str, Any], manifest: _manifest.Manifest, extras: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    ctx: Context, state: StateDict, manifest: _manifest.Manifest, extras: StateDict
+) -> tuple[_state.Targets, dict[str, torch.Tensor]]:
     """Compare items and keys both ways; return (targets, flat tensors for DCP)."""
     step_dir = manifest.path.parent
     problems = []
@@ -162,8 +163,8 @@ class Restored:
 
 
 def precheck(
-    ctx: Context, res: Resolution, state: dict[str, Any]
-) -> tuple[_manifest.Manifest, dict[str, Any], _reshard.Plan | None]:
+    ctx: Context, res: Resolution, state: StateDict
+) -> tuple[_manifest.Manifest, StateDict, _reshard.Plan | None]:
     """Everything decided before a byte of tensor state is read: versions, topology, chain,
     contract, and this rank's extras (loaded with weights_only; resharded under BY_ITEM: built
     by every item's rule, or refused naming the items without one)."""
@@ -181,7 +182,7 @@ def precheck(
     return manifest, _load_extras(ctx, res.path, manifest, source_rank(ctx, manifest)), None
 
 
-def _load_extras(ctx: Context, step_dir: Path | None, manifest: _manifest.Manifest, rank: int) -> dict[str, Any]:
+def _load_extras(ctx: Context, step_dir: Path | None, manifest: _manifest.Manifest, rank: int) -> StateDict:
     """Rank ``rank``'s extras file of the step, loaded with weights_only and checked against the manifest."""
     assert step_dir is not None
     extras_path = step_dir / _layout.extras_name(rank)
@@ -270,7 +271,7 @@ def _refuse_unlisted(step_dir: Path, manifest: _manifest.Manifest, folders: set[
                     )
 
 
-def restore(ctx: Context, state: dict[str, Any], res: Resolution, on_verified: Any = None) -> Restored:
+def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = None) -> Restored:
     manifest, extras, plan = on_every_rank(ctx.agreement, "restore.precheck", lambda: precheck(ctx, res, state))
     assert res.path is not None
     targets, flat = plan_targets(ctx, state, manifest, extras)
@@ -331,10 +332,10 @@ def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard
 
 def _verify_digests(
     ctx: Context,
-    state: dict[str, Any],
+    state: StateDict,
     manifest: _manifest.Manifest,
-    targets: dict[str, Any],
-    extras: dict[str, Any],
+    targets: _state.Targets,
+    extras: StateDict,
     on_verified: Any,
 ) -> dict[str, bool]:
     """Recompute every item's digest from the live objects; all ranks raise if any differs."""
@@ -398,7 +399,7 @@ _TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemK
 
 
 def _layout_free_items(
-    ctx: Context, manifest: _manifest.Manifest, targets: dict[str, Any], extras: dict[str, Any]
+    ctx: Context, manifest: _manifest.Manifest, targets: _state.Targets, extras: StateDict
 ) -> set[str]:
     """Tensor items whose per-rank xxh3 pass the restore may skip (same layout only).
 
@@ -427,7 +428,7 @@ def _layout_free_items(
     }
 
 
-def _skeleton(ctx: Context, name: str, kind: _state.ItemKind, state: dict[str, Any]) -> Any:
+def _skeleton(ctx: Context, name: str, kind: _state.ItemKind, state: StateDict) -> Any:
     """The item as it is now with each tensor replaced by its DCP key, as the save's skeleton holds it."""
     return _state.flatten(_state.current_state(name, state[name], kind, state), name, {}, ctx.keyfn())
 

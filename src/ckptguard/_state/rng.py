@@ -10,18 +10,18 @@ CUDA is initialized, so a CPU-only process never creates a CUDA context.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import numpy as np
 import torch
 
+from .._types import StateDict
 from ..errors import ConfigError, TopologyMismatchError
 
 RNG_ITEM = "_rng"
 """The name of the four streams' item in a step's per-rank digests."""
 
 
-def capture() -> dict[str, Any]:
+def capture() -> StateDict:
     py_version, py_state, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     cuda = []
@@ -45,7 +45,7 @@ def capture() -> dict[str, Any]:
     }
 
 
-def restore(saved: dict[str, Any], *, where: str) -> None:
+def restore(saved: StateDict, *, where: str) -> None:
     torch.set_rng_state(saved["cpu"])
     if saved["cuda"]:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -78,10 +78,10 @@ class GeneratorState:
             raise ConfigError(f"GeneratorState needs a torch.Generator, got {type(generator).__name__}")
         self.generator = generator
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {"device": str(self.generator.device), "state": self.generator.get_state()}
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: StateDict) -> None:
         saved = sd["state"]
         now = self.generator.get_state()
         if str(sd.get("device", now.device)) != str(self.generator.device) or saved.numel() != now.numel():

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .._disk.digest import DIGEST_BYTES, DIGEST_STRUCTURE, digest, structure_digest
 from .._disk.layoutfree import digest_with_layout_free, layout_free_partials
+from .._types import StateDict
 from ..errors import ConfigError, StateMismatchError
 
 TENSOR_REF = "__ckptguard_dcp_key__"
@@ -256,7 +257,12 @@ def digest_kind(kind: str) -> str:
     return DIGEST_STRUCTURE if kind in {k.value for k in _TENSOR_ITEMS} else DIGEST_BYTES
 
 
-def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, tuple[ItemKind, Any, dict[str, Any]]]:
+Target = tuple[ItemKind, Any, dict[str, torch.Tensor]]
+"""What a restore loads one item into: its kind, its current state dict, and the flat tensors DCP fills."""
+Targets = dict[str, Target]
+
+
+def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same) -> Targets:
     """For each item: its kind, its current state dict, and the flat tensors DCP fills."""
     targets = {}
     for name, value in state.items():
@@ -355,7 +361,7 @@ def check_restored(
         )
 
 
-def addresses(state: dict[str, Any]) -> dict[str, int]:
+def addresses(state: StateDict) -> dict[str, int]:
     """data_ptr of every parameter and buffer of the modules in ``state`` (local shard for DTensor).
 
     CUDA graphs and colocated rollout engines hold these addresses; a restore must copy into

@@ -37,6 +37,7 @@ from .. import _faults
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records.checks import cost
+from .._records.entries import Cost
 from .._records.proofrecords import ProofRecord, read_records
 from ..config import ProofPlan
 from ..errors import CheckpointError, RehearsalError
@@ -71,7 +72,7 @@ class Resume:
 class Rehearsal:
     gates: list[Gate]  # the proof after the last resume
     step: int
-    cost: dict[str, Any] | None
+    cost: Cost | None
     log: Path
     kills: list[Kill] = field(default_factory=list)
     resumes: list[Resume] = field(default_factory=list)
@@ -94,7 +95,7 @@ class Rehearsal:
             "kills": [asdict(k) for k in self.kills],
             "resumes": [{"after": r.after, "step": r.step, "verdict": verdict(r.gates),
                          "gates": [g.to_json() for g in r.gates]} for r in self.resumes],
-            "cost": self.cost,
+            "cost": self.cost.to_json() if self.cost else None,
             "log": str(self.log),
         }
 

@@ -185,8 +185,8 @@ def _phases(store: ObjectStore, marker: Marker, dest_root: Path) -> None:
     """The destination continues the marker's run chain: its phases must be the marker's."""
     own = _contract.read_phases(dest_root)
     theirs = _chain(marker.phases)
-    if own and theirs and str(own[0]["chain_id"]) != theirs:
-        raise ConfigError(f"transfer: {dest_root} belongs to run chain {own[0]['chain_id']}, step {marker.step} of "
+    if own and theirs and str(own[0].chain_id) != theirs:
+        raise ConfigError(f"transfer: {dest_root} belongs to run chain {own[0].chain_id}, step {marker.step} of "
                           f"{store.url} to {theirs}; transfer into an empty root")
     for name, record in sorted(marker.phases.items()):
         target = dest_root / _layout.CONTRACT_DIR / name

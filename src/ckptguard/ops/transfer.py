@@ -163,10 +163,10 @@ def _copy_contract(src_root: Path, dest_root: Path) -> None:
     src, dst = _contract.read_phases(src_root), _contract.read_phases(dest_root)
     if not src:
         return
-    if dst and dst[0]["chain_id"] != src[0]["chain_id"]:
+    if dst and dst[0].chain_id != src[0].chain_id:
         raise ConfigError(
-            f"transfer: {dest_root} belongs to run chain {dst[0]['chain_id']}, the checkpoint to "
-            f"{src[0]['chain_id']}; transfer into an empty root, or adopt the checkpoint there instead"
+            f"transfer: {dest_root} belongs to run chain {dst[0].chain_id}, the checkpoint to "
+            f"{src[0].chain_id}; transfer into an empty root, or adopt the checkpoint there instead"
         )
     for path in _contract.phase_files(src_root):
         target = dest_root / _layout.CONTRACT_DIR / path.name

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..._types import JsonObject
 from ...errors import CheckpointCorruptError
 
 ROOT_RECORD = "ckptguard-root.json"
@@ -34,7 +35,7 @@ ATTEMPT_PREFIX = "a-"
 FORMAT = 1
 
 
-def _load(data: bytes, where: str) -> dict[str, Any]:
+def _load(data: bytes, where: str) -> JsonObject:
     try:
         value = json.loads(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -44,11 +45,11 @@ def _load(data: bytes, where: str) -> dict[str, Any]:
     return value
 
 
-def _dump(value: dict[str, Any]) -> bytes:
+def _dump(value: JsonObject) -> bytes:
     return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
 
 
-def _need(data: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
+def _need(data: JsonObject, name: str, kind: type | tuple[type, ...], where: str) -> Any:
     value = data.get(name)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         raise CheckpointCorruptError(f"{where}: field {name!r} is {value!r}; the record is damaged or foreign")
