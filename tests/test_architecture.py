@@ -18,7 +18,7 @@ PKG = Path(ckptguard.__file__).parent
 # ``_resume`` stand side by side at one rank and never import each other. The first matching
 # prefix names a module's layer (the package root ``""`` is the public surface).
 LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
-    ("base", 0, ("errors", "_log", "_faults", "_priority", "_version", "_agree", "_dist")),
+    ("base", 0, ("errors", "_log", "_faults", "_priority", "_version", "_types", "_agree", "_dist")),
     ("memory", 1, ("memory",)),
     ("disk and format primitives", 2, ("_disk",)),
     ("state capture", 3, ("_state", "cursor")),
@@ -271,6 +271,40 @@ def test_the_local_import_rule_catches_an_import_in_a_function():
     sources["_disk.layout"] += "\n\ndef _late2():\n    return importlib.import_module('torch')  # lazy\n"
     sources["storage"] += "\n\ndef _late3(name):\n    return importlib.import_module(name)\n"
     assert len(local_imports(sources)) == 3
+
+
+# Untyped records: a core function's signature names its records' types, ``StateDict`` for a
+# caller's training state or ``JsonObject`` for a JSON object at a reader or writer (``_types``),
+# never a bare ``dict[str, Any]``. The memory sampler's package keeps its own JSONL kinds
+# (``memory.records``) and is not held to it.
+UNTYPED = ("dict[str, Any]", "Dict[str, Any]")
+
+
+def untyped_signatures(sources: dict[str, str]) -> list[str]:
+    found = []
+    for module, text in sorted(sources.items()):
+        if layer(module)[1] > CORE_MAX_RANK or layer(module)[0] == "memory":
+            continue
+        for f in ast.walk(ast.parse(text)):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs, f.args.vararg, f.args.kwarg]
+            annotations = [a.annotation for a in args if a is not None and a.annotation is not None]
+            text_of = " ".join(ast.unparse(a) for a in [*annotations, *([f.returns] if f.returns else [])])
+            if any(u in text_of for u in UNTYPED):
+                found.append(f"{module}:{f.lineno} {f.name}")
+    return found
+
+
+def test_no_untyped_record_in_a_core_signature():
+    assert untyped_signatures(_sources()) == []
+
+
+def test_the_signature_rule_catches_a_bare_dict():
+    sources = _sources()
+    sources["_records.trust"] += "\n\ndef _loose(x: dict[str, Any]) -> None:\n    pass\n"
+    sources["_commit.protocol"] += "\n\ndef _loose2() -> list[dict[str, Any]]:\n    return []\n"
+    assert {s.split(" ")[1] for s in untyped_signatures(sources)} >= {"_loose", "_loose2"}
 
 
 def test_no_core_module_over_500_lines():

@@ -176,5 +176,6 @@ def test_declared_and_adopted_phases_are_typed_records_and_a_bad_one_names_its_f
     assert phases[1].chain_id == phases[0].chain_id and _contract.chains(root)[1] == {"other-chain"}
     path = root / "contract" / "phase_0001.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "adopted_chains": "other-chain"}))
-    with pytest.raises(cg.CheckpointCorruptError, match=r"phase_0001\.json has a field 'adopted_chains' that is not a list"):
+    said = r"phase_0001\.json has a field 'adopted_chains' that is not a list"
+    with pytest.raises(cg.CheckpointCorruptError, match=said):
         _contract.read_phases(root)

@@ -14,6 +14,7 @@ from ._agree import Agreement
 from ._disk import layout as _layout
 from ._state import rules as _rules
 from ._state.expert import ExpertParallel
+from ._types import JsonObject
 from .config import CheckpointConfig
 from .storage.base import Storage, StorageContext
 
@@ -69,13 +70,14 @@ class Context:
     def world(self) -> int:
         return self.agreement.info.world_size
 
-    def topology(self) -> dict[str, Any]:
+    def topology(self) -> dict[str, int]:
+        """This run's world: its size and the layout's sizes (what ``Topology.shape`` gives of a saved one)."""
         layout = self.config.layout.as_dict() if self.config.layout else {"dp": self.world, "tp": 1, "pp": 1, "ep": 1}
         if self.expert is not None:
             layout["ep"] = self.expert.size
         return {"world_size": self.world, **layout}
 
-    def declared_rules(self, state: Any) -> dict[str, dict[str, Any]]:
+    def declared_rules(self, state: Any) -> dict[str, JsonObject]:
         """The reshard rule of every item of ``state`` under this root's config (``_state.rules``)."""
         cfg = self.config
         return _rules.declared(state, replicated=cfg.replicated, rng_seed=cfg.rng_seed, capture_rng=cfg.capture_rng)

@@ -23,11 +23,10 @@ from typing import Any, NoReturn
 import click
 
 from . import __version__
-from ._records.entries import Cost
 from .config import ResumeMode
 from .errors import CheckpointError, ConfigError
 from .ops import inspect as _inspect
-from .ops.verify import printable
+from .ops.verify import Cost, printable
 
 
 def _json_out(ok: bool, **fields: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
@@ -478,7 +479,7 @@ _LEGACY: dict[str, tuple[str, str]] = {
 }
 
 
-def with_dir_template(template: str, options: dict[str, Any]) -> CheckpointConfig:
+def with_dir_template(template: str, options: Mapping[str, Any]) -> CheckpointConfig:
     """A config of ``options`` (``CheckpointConfig`` keywords, the old flat ones included) whose steps are
     named by ``template``: an integration's directory names, kept whatever ``StorageOptions`` the caller
     passed (a flat ``dir_template=`` in ``options`` still wins, with its DeprecationWarning)."""

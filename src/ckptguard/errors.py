@@ -221,7 +221,7 @@ class CheckpointWriteError(CheckpointError, OSError):
 
     fields = ("step", "failures")
 
-    def __init__(self, message: str, *, step: int, failures: Sequence[WriteFailure | dict[str, Any]]) -> None:
+    def __init__(self, message: str, *, step: int, failures: Sequence[WriteFailure | JsonObject]) -> None:
         parsed = [f if isinstance(f, WriteFailure) else WriteFailure.from_json(f) for f in failures]
         first = min(parsed, key=WriteFailure.cause_order) if parsed else None
         super().__init__(first.errno if first and first.errno else 0, message)

@@ -41,8 +41,8 @@ from ._resume import restore as _restore
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from ._state.state import addresses, capture, moved
-from ._state.trajectory import fingerprint
-from ._types import StateDict
+from ._state.trajectory import fingerprint, step_metrics
+from ._types import JsonObject, StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
 from .errors import ConfigError
 from .storage._staging import Fence
@@ -436,7 +436,7 @@ class CheckpointManager:
         loss: Any = None,
         grad_norm: Any = None,
         **extra: Any,
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         """Record what training step ``step`` consumed and produced, on this rank.
 
         ``step`` is the number the step's state is saved under (the first step after a restore
@@ -450,9 +450,7 @@ class CheckpointManager:
         check_step(step, "record_step")
         fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
         # Judged now, shipped with the next save: the evidence of healthy and unhealthy steps.
-        metrics: dict[str, Any] = dict(fields.get("extra", {}))
-        metrics.update({k: fields[k] for k in ("loss", "grad_norm") if k in fields})
-        self.core.health.note(self.config.health, step, metrics)
+        self.core.health.note(self.config.health, step, step_metrics(fields))
         self._record("step", durable=False, step=step, **fields)
         return fields
 

@@ -37,7 +37,7 @@ from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records.entries import FileEntry
 from ._records.retention import KeepLast, RetentionPolicy
-from ._types import StateDict
+from ._types import JsonObject, StateDict
 from .config import BlockingBudget, CheckpointConfig, ResumeMode
 from .errors import CheckpointCorruptError, CheckpointError, ConfigError, ContractMismatchError
 from .manager import CheckpointManager
@@ -212,7 +212,7 @@ class ObjectStoreCheckpoint:
                         type(exc).__name__, exc, self.local.root)
 
     def _commit(self, step: int, attempt: str, views: list[_Uploaded], files: Sequence[FileEntry],
-                manifest: dict[str, Any]) -> _Committed:
+                manifest: JsonObject) -> _Committed:
         objects = {path: StoredObject(int(o["size"]), str(o["xxh3"]), str(o["etag"]))
                    for view in views for path, o in view.objects.items()}
         missing = sorted({f.path for f in files} - set(objects))
@@ -312,7 +312,7 @@ class ObjectStoreCheckpoint:
         self.store.write_manifest(marker, step_dir)
 
     @staticmethod
-    def _same(step_dir: Path, manifest: dict[str, Any]) -> bool:
+    def _same(step_dir: Path, manifest: JsonObject) -> bool:
         try:
             return bool(read_json(step_dir / MANIFEST_NAME, what="manifest") == manifest)
         except (OSError, CheckpointError):

@@ -189,7 +189,7 @@ class PreemptionGuard:
         self.outcome = self._boundary(step, state, save_kwargs)
         return self.outcome is not None
 
-    def _boundary(self, step: int, state: StateDict, save_kwargs: dict[str, Any]) -> Preempted | None:
+    def _boundary(self, step: int, state: StateDict, save_kwargs: Mapping[str, Any]) -> Preempted | None:
         mine = _Flag() if self._got is None else _Flag(signal.Signals(self._got[0]).name,
                                                        time.monotonic() - self._got[1])
         flags = [_Flag(**v) for v in self._agreement.exchange("preempt.flag", mine.to_json())]

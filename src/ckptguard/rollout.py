@@ -30,7 +30,7 @@ import itertools
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from . import _log
 from ._types import StateDict
@@ -40,6 +40,23 @@ log = _log.logger()
 
 PromptId = int | str
 STATE_VERSION = 1
+
+
+class LedgerCounters(TypedDict):
+    """``RolloutLedger.counters()``: the totals, the policy version and the staleness, by name."""
+
+    issued: int
+    completed: int
+    trained: int
+    reissued: int
+    dropped_stale: int
+    policy_version: int
+    last_step: int
+    drawn: int
+    in_flight: int
+    buffered: int
+    max_buffered_staleness: int
+    trained_staleness: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -282,14 +299,16 @@ class RolloutLedger:
         with self._lock:
             return list(self._reissue)
 
-    def counters(self) -> dict[str, Any]:
+    def counters(self) -> LedgerCounters:
         """Totals (issued, completed, trained, reissued, dropped_stale, drawn from the source), the
         policy version, and staleness: of the buffered rollouts now (the largest) and of the trained
         ones (versions behind -> count)."""
         with self._lock:
             lags = [self.policy_version - v for v, _r in [*self._taken.values(), *self._buffered.values()]]
+            c = self._counts
             return {
-                **self._counts,
+                "issued": c["issued"], "completed": c["completed"], "trained": c["trained"],
+                "reissued": c["reissued"], "dropped_stale": c["dropped_stale"],
                 "policy_version": self.policy_version,
                 "last_step": self._last_step,
                 "drawn": self._drawn,

@@ -65,7 +65,7 @@ from ._records.prooflog import ProofLog
 from ._resume import resolve as _resolve
 from ._resume.resolve import Resolution, ResolveView
 from ._state.derived import DerivedState
-from ._types import StateDict
+from ._types import JsonObject, StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
 from .errors import ConfigError, error_payload
 from .storage._staging import Fence
@@ -432,7 +432,7 @@ class RunCheckpoint:
     def record_step(
         self, role: str, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None,
         grad_norm: Any = None, **extra: Any,
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         """Record what training step ``step`` of ``role`` consumed and produced on this rank, as
         ``CheckpointManager.record_step`` (``ckptguard prove`` compares a resumed run's replayed steps
         with the killed run's, role by role); its loss and grad_norm are health evidence for the save."""

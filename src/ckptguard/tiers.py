@@ -60,7 +60,7 @@ from ._records import trust as _trust
 from ._records.retention import KeepLast, RetentionPolicy, default_policy
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
-from ._types import StateDict
+from ._types import JsonObject, StateDict
 from .config import BlockingBudget, CheckpointConfig, OnBusy, ResumeMode
 from .errors import (
     CheckpointError,
@@ -452,7 +452,7 @@ class TieredCheckpoint:
     def _home(self) -> CheckpointManager:
         return self.persistent or self.fast
 
-    def record_step(self, step: int, **fields: Any) -> dict[str, Any]:
+    def record_step(self, step: int, **fields: Any) -> JsonObject:
         """``CheckpointManager.record_step`` into the one proof log of both tiers; both tiers' health
         checks see it (a NaN recorded at a step keeps that step out of either tier)."""
         home = self._home()

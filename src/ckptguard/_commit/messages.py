@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._agree import Wire
 from .._context import Context
+from .._types import JsonObject
 from ..errors import (
     CheckpointWriteError,
     WriteFailure,
@@ -145,7 +146,7 @@ NOT_MOVED = (
 
 
 def raise_if_failed(
-    ctx: Context, shipped: list[dict[str, Any]], *, step: int, phase: str, consequence: str = NOT_MOVED
+    ctx: Context, shipped: list[JsonObject], *, step: int, phase: str, consequence: str = NOT_MOVED
 ) -> None:
     failures = [WriteFailure.from_json(f) for f in shipped]
     if not failures:

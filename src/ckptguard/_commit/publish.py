@@ -8,7 +8,7 @@ import errno as _errno
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from .. import _faults
 from .._agree import gather_decide
@@ -19,6 +19,7 @@ from .._records import manifest as _manifest
 from .._records.entries import Cost, Figure, FileEntry, NodeEntry, Topology
 from .._records.versions import current_versions
 from .._state.state import digest_kind
+from .._types import JsonObject
 from ..errors import (
     WriteFailure,
 )
@@ -135,7 +136,7 @@ def confirm_and_publish(
 
 def _unseen_files(
     tmp: Path, reports: list[RankReport], *, publisher: int = 0, checksums: bool = True
-) -> list[dict[str, Any]]:
+) -> list[JsonObject]:
     """Every file a rank reported must be where ``publisher`` publishes, with its size and checksum.
 
     A rank's report is what its writer saw; the publisher reads the files back from its own

@@ -37,6 +37,7 @@ from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records.checks import rank_reads
 from .._records.entries import Figure, FileEntry, NodeEntry
+from .._types import JsonObject
 from ..errors import (
     CheckpointError,
     WriteFailure,
@@ -272,7 +273,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
 
 
 def _node_round(
-    ctx: Context, key: str, failure: dict[str, Any] | None, *, step: int, phase: str, patience: float = 1.0
+    ctx: Context, key: str, failure: JsonObject | None, *, step: int, phase: str, patience: float = 1.0
 ) -> None:
     """Every rank learns whether every node did its part of ``phase``; all raise together if not."""
     outcome = gather_decide(
@@ -283,7 +284,7 @@ def _node_round(
     raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
 
 
-def _tracker_now(ctx: Context, failure: dict[str, Any] | None) -> NodeReport:
+def _tracker_now(ctx: Context, failure: JsonObject | None) -> NodeReport:
     """This node's outcome of the tracker round, with where its tracker really is now."""
     try:
         return NodeReport(failure, _layout.read_tracker(ctx.root))
@@ -349,7 +350,7 @@ def _trackers_after(step: int, nodes: list[tuple[str, list[int], NodeReport]]) -
     )
 
 
-def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: NodePlan) -> dict[str, Any] | None:
+def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: NodePlan) -> JsonObject | None:
     """This node's publishing rank: every file of its part is here with its size and xxh3; then the
     node manifest, written last on this node before the agreement."""
     index = next(i for i, ranks in enumerate(prep.nodes) if ctx.rank in ranks)
@@ -374,7 +375,7 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
     return None
 
 
-def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[JsonObject]) -> JsonObject | None:
     """Send each replicated file from the rank that wrote it to every node that reads it (``p2p``).
 
     Every rank walks the same list in the same order and takes part only where it sends or

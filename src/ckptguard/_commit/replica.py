@@ -36,6 +36,7 @@ from .._disk.digest import file_digest
 from .._records import manifest as _manifest
 from .._records.checks import rank_reads
 from .._records.entries import FileEntry
+from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage.base import DCP_METADATA
 from ..storage.unpickler import read_dcp_metadata
@@ -85,7 +86,7 @@ def held(root: Path, naming: _layout.StepNaming) -> dict[int, list[int]]:
     return out
 
 
-def _marker(directory: Path) -> dict[str, Any] | None:
+def _marker(directory: Path) -> JsonObject | None:
     try:
         data = _layout.read_json(directory / MARKER, what="replica marker")
     except Exception:  # absent, torn or crafted: this replica does not count

@@ -14,7 +14,6 @@ import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import xxhash
 
@@ -27,6 +26,7 @@ from .._disk.filedigest import file_digest
 from .._records import contract as _contract
 from .._records import retention as _retention
 from .._records import trust as _trust
+from .._types import JsonObject
 from ..errors import (
     ConfigError,
 )
@@ -155,7 +155,7 @@ def _check_publish(ctx: Context, step: int, actions: Actions) -> None:
         )
 
 
-def file_problems(base: Path, files: list[dict[str, Any]], *, checksums: bool = True) -> list[tuple[str, str]]:
+def file_problems(base: Path, files: list[JsonObject], *, checksums: bool = True) -> list[tuple[str, str]]:
     """(path, why) for each reported file that is not under ``base`` with its size and xxh3.
 
     The sizes first (one stat each), then (``checksums``) the xxh3 read back, hashed in
@@ -176,7 +176,7 @@ def file_problems(base: Path, files: list[dict[str, Any]], *, checksums: bool = 
     if not sized or not checksums:
         return problems
 
-    def hashed(f: dict[str, Any]) -> tuple[str, str] | None:
+    def hashed(f: JsonObject) -> tuple[str, str] | None:
         try:
             xxh = file_digest(str(base / f["path"]))[1]
         except OSError as exc:

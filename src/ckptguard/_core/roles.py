@@ -25,8 +25,8 @@ from .._resume.resolve import Resolution
 from .._state.derived import DerivedState
 from .._state.expert import ExpertParallel
 from .._state.state import addresses, moved
-from .._state.trajectory import fingerprint
-from .._types import StateDict
+from .._state.trajectory import fingerprint, step_metrics
+from .._types import JsonObject, StateDict
 from ..config import CheckpointConfig, ParallelLayout
 from ..errors import CheckpointError, CheckpointWriteError, ConfigError
 from ..storage.base import Storage
@@ -91,7 +91,7 @@ def in_role(exc: BaseException, role: str) -> BaseException:
     return named
 
 
-def role_failure(exc: BaseException, *, rank: int, role: str) -> dict[str, Any]:
+def role_failure(exc: BaseException, *, rank: int, role: str) -> JsonObject:
     """This rank's first write error of ``role``: the role's own first failure when it has one."""
     if isinstance(exc, CheckpointWriteError) and exc.first is not None:
         return dataclasses.replace(exc.first, rank=rank, phase=f"role {role!r}: {exc.first.phase}").to_json()
@@ -120,7 +120,7 @@ def check_role_part(ctx: Context, part: Resolution, state: StateDict) -> None:
 
 
 def load_role_part(
-    ctx: Context, part: Resolution, state: StateDict, *, step: int, plan: dict[str, Any],
+    ctx: Context, part: Resolution, state: StateDict, *, step: int, plan: JsonObject,
     record: Callable[..., None], derived: DerivedState | None,
 ) -> None:
     """Restore one role's part into ``state`` and record it (a failure is recorded, then raised)."""
@@ -182,15 +182,13 @@ class RoleProofs:
             proof.keep(proof.build(event, role=role, **fields), durable=durable)
 
     def step(self, role: str, step: int, health: HealthLog, *, sample_ids: Any, batch: Any, loss: Any,
-             grad_norm: Any, **extra: Any) -> dict[str, Any]:
+             grad_norm: Any, **extra: Any) -> JsonObject:
         """A step record of ``role``; its loss and grad_norm are health evidence for the next save."""
         self.held(role, "record_step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise ConfigError(f"record_step(step={step!r}): step must be an int >= 1")
         fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
-        metrics: dict[str, Any] = dict(fields.get("extra", {}))
-        metrics.update({k: fields[k] for k in ("loss", "grad_norm") if k in fields})
-        health.note(self.health, step, metrics, role=role)
+        health.note(self.health, step, step_metrics(fields), role=role)
         self.record(role, "step", durable=False, step=step, **fields)
         return fields
 

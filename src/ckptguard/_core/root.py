@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +55,9 @@ class ProofSink:
         self.log = log
         self.home = home
         self.enabled = enabled
-        self.tags: dict[str, Any] = {}
+        self.tags: dict[str, str | list[int]] = {}  # a tier, the replicas a restore read
 
-    def share(self, other: ProofSink, tags: dict[str, Any]) -> None:
+    def share(self, other: ProofSink, tags: Mapping[str, str | list[int]]) -> None:
         """Send this sink's records to ``other``'s log, with ``tags`` on save and restore records."""
         self.log, self.home, self.tags = other.log, other.home, dict(tags)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, UnsafeCheckpointError
 from . import tempfiles as _tempfiles
 from .tempfiles import proc_start
@@ -301,7 +302,7 @@ def write_owner(tmp: Path, *, node: str | None = None) -> None:
     (tmp / OWNER_NAME).write_text(json.dumps(owner))
 
 
-def read_owner(directory: Path) -> dict[str, Any] | None:
+def read_owner(directory: Path) -> JsonObject | None:
     """The owner record ckptguard wrote into ``directory``, or None (absent or unreadable)."""
     try:
         owner = read_json(directory / OWNER_NAME, limit=4096, what="temp-dir owner record")

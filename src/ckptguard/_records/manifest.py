@@ -113,11 +113,11 @@ def build(
     items: dict[str, str],
     files: Iterable[FileEntry],
     digests: dict[str, dict[str, str]],
-    contract: dict[str, Any],
+    contract: JsonObject,
     versions: dict[str, str],
     cost: Cost | None = None,
     layout_free: dict[str, dict[str, str]] | None = None,
-    reshard: dict[str, dict[str, Any]] | None = None,
+    reshard: dict[str, JsonObject] | None = None,
     nodes: Sequence[NodeEntry] | None = None,
     digest_kind: dict[str, str] | None = None,
 ) -> Manifest:
@@ -266,7 +266,7 @@ def read(step_dir: Path) -> Manifest:
     )
 
 
-def _rules(value: Any) -> dict[str, dict[str, Any]] | None:
+def _rules(value: Any) -> dict[str, JsonObject] | None:
     """The optional per-item reshard rules; a malformed table reads as none (the restore then asks for rules)."""
     if isinstance(value, dict) and all(isinstance(v, dict) and isinstance(v.get("rule"), str) for v in value.values()):
         return value

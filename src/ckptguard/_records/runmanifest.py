@@ -106,7 +106,7 @@ def build(
     dir_template: str,
     world_size: int,
     roles: dict[str, list[int]],
-    contract: dict[str, Any],
+    contract: JsonObject,
     versions: dict[str, str],
 ) -> RunManifest:
     """The run manifest of the parts already written under ``step_dir`` (a temp directory)."""

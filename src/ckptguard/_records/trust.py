@@ -38,7 +38,7 @@ from typing import Any
 
 from .._agree import Wire
 from .._disk import layout as _layout
-from .._state.scalars import scalar
+from .._state.scalars import Metrics, scalar
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, ConfigError
 from .entries import is_int, is_number
@@ -172,7 +172,7 @@ class HealthLog:
         self._seen: dict[int, tuple[dict[str, Any], list[str]]] = {}
         self._roles: dict[int, dict[str, list[str]]] = {}  # a run's ranks: step -> role -> its latest reasons
 
-    def note(self, policy: HealthPolicy, step: int, metrics: dict[str, Any], *, role: str | None = None) -> None:
+    def note(self, policy: HealthPolicy, step: int, metrics: Metrics, *, role: str | None = None) -> None:
         """A ``record_step``: judged now, shipped at the next save (the latest record of a step wins).
         ``role`` (a RunCheckpoint rank holding several roles): each role's latest record wins, and the
         step is unhealthy if any role's is (a critic's finite loss must not hide the actor's NaN)."""
@@ -200,7 +200,7 @@ class HealthLog:
         return self.view(policy, step, healthy, metrics, known_bad)
 
     def view(
-        self, policy: HealthPolicy, step: int, healthy: bool | None, metrics: dict[str, Any],
+        self, policy: HealthPolicy, step: int, healthy: bool | None, metrics: Metrics,
         known_bad: list[str] | None = None,
     ) -> HealthView:
         """This rank's view of saving ``step``; the recorded steps are handed over (and forgotten).

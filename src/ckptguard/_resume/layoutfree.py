@@ -29,7 +29,7 @@ from .._records import manifest as _manifest
 from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
-from .._types import StateDict
+from .._types import JsonObject, StateDict
 from ..errors import StateMismatchError
 
 _TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemKind.TENSORS)
@@ -67,7 +67,7 @@ class Checked:
 REPLICAS_SHOWN = 16  # differing chunks named in the report and the error; the count says how many in all
 
 
-def replica_report(views: list[dict[str, list[str]]], replicated: list[dict[str, str]] | None = None) -> dict[str, Any]:
+def replica_report(views: list[dict[str, list[str]]], replicated: list[dict[str, str]] | None = None) -> JsonObject:
     """Which chunks several ranks hold, and which of those their holders hold differently.
 
     ``views`` are the ranks' ``layout_free_partials`` in rank order; ``replicated`` each rank's
@@ -101,11 +101,11 @@ def replica_report(views: list[dict[str, list[str]]], replicated: list[dict[str,
     }
 
 
-def differing_chunks(report: dict[str, Any], *, short: bool = False) -> str:
+def differing_chunks(report: JsonObject, *, short: bool = False) -> str:
     """The report's differing chunks, each with the ranks on each side; ``short`` leaves the offsets out
     (the proof's line)."""
 
-    def name(d: dict[str, Any]) -> str:
+    def name(d: JsonObject) -> str:
         if d.get("offset") == "-":
             return f"item {d.get('item')!r} (declared {'replicated' if short else 'in ReshardOptions.replicated'})"
         where = "" if short else f", offset {d.get('offset')}"
@@ -115,7 +115,7 @@ def differing_chunks(report: dict[str, Any], *, short: bool = False) -> str:
                      for d in report.get("differ") or [])
 
 
-def describe_replicas(report: dict[str, Any]) -> str:
+def describe_replicas(report: JsonObject) -> str:
     """One line naming the differing replicas (empty when they agree)."""
     if not report.get("differing"):
         return ""

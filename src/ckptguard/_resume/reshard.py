@@ -43,7 +43,7 @@ from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
 from .._state.rules import DATA_CURSOR, REPLICATED, RNG, USER, fn_name
-from .._types import StateDict
+from .._types import JsonObject, StateDict
 from ..errors import StateMismatchError, TopologyMismatchError
 
 log = logging.getLogger("ckptguard")
@@ -109,13 +109,13 @@ class Plan:
     user_digests: dict[str, str] = field(default_factory=dict)
     """Per user-rule item: digest of the whole list the rule returned (equal on every rank)."""
 
-    def record(self, rng_digest: str | None) -> dict[str, Any]:
+    def record(self, rng_digest: str | None) -> JsonObject:
         """The ``reshard`` field of the restore's proof record."""
         rules = {n: r["rule"] + (f"(seed {r['seed']})" if "seed" in r else "") for n, r in sorted(self.rules.items())}
         return {"mode": "by_item", "from": self.old_world, "to": self.new_world, "rules": rules, "rng": rng_digest}
 
 
-def _rules(ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def _rules(ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any]) -> dict[str, JsonObject]:
     """Every restored item's rule, or TopologyMismatchError naming each item without one."""
     saved = manifest.reshard or {}
     live = ctx.declared_rules(state)

@@ -18,6 +18,7 @@ from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records import trust as _trust
 from .._records.checks import files_needed, safe_member
+from .._types import JsonObject
 from ..config import ReshardRule, ResumeMode
 from ..errors import (
     CheckpointError,
@@ -145,7 +146,7 @@ def same_checkpoint(views: list[ResolveView]) -> AgreedStep:
     return AgreedStep(newest)
 
 
-def _reraise_same(errors: dict[int, dict[str, Any]]) -> CheckpointError:
+def _reraise_same(errors: dict[int, JsonObject]) -> CheckpointError:
     """Every rank raises the lowest failing rank's error (its class, message and fields)."""
     rank = min(errors)
     return rebuild(errors[rank], note=f"(rank {rank}) " if len(errors) < 2 or rank else "")

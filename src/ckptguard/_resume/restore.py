@@ -32,7 +32,7 @@ from .._records.versions import check_torch_version
 from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
-from .._types import StateDict
+from .._types import JsonObject, StateDict
 from ..config import ReshardRule
 from ..errors import (
     CheckpointCorruptError,
@@ -316,7 +316,7 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
     )
 
 
-def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard.Plan | None) -> dict[str, Any] | None:
+def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard.Plan | None) -> JsonObject | None:
     """The proof record's ``reshard`` field: old -> new world, the rules, and this rank's RNG streams.
     Under BY_ITEM the streams are checked distinct across ranks first (collective)."""
     if manifest.world_size == ctx.world:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .._types import JsonObject
 from ..cursor import DataCursor
 from .rng import RNG_ITEM, GeneratorState
 from .state import ItemKind, PerRank, classify
@@ -23,7 +24,7 @@ def fn_name(fn: Callable[..., Any]) -> str:
 
 def declared(
     state: Mapping[str, Any], *, replicated: Sequence[str], rng_seed: int | None, capture_rng: bool
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, JsonObject]:
     """The rule of every item of ``state`` that has one (JSON, as recorded in the manifest)."""
     rules: dict[str, dict[str, Any]] = {}
     for name, value in state.items():

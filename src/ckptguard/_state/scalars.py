@@ -14,6 +14,9 @@ from typing import Any
 
 from ..errors import ConfigError
 
+Metrics = dict[str, float | int | bool | str]
+"""A step's produced values by name (loss, grad_norm, the extras), each an exact scalar (``scalar``)."""
+
 __all__ = ["scalar"]
 
 

@@ -19,7 +19,8 @@ import torch
 import xxhash
 
 from .._disk.digest import digest
-from .scalars import scalar
+from .._types import JsonObject
+from .scalars import Metrics, scalar
 
 _HEAD = 4  # ids shown in evidence when a step's data differs
 
@@ -52,7 +53,7 @@ def ids_multiset(hashes: np.ndarray) -> str:
     return f"{int(z.sum(dtype=np.uint64)):016x}"
 
 
-def ids_fields(ids: Any) -> dict[str, Any]:
+def ids_fields(ids: Any) -> JsonObject:
     arr = _ids_array(ids)
     if arr is not None:
         h = xxhash.xxh3_64(b"ids:int64:")
@@ -71,7 +72,7 @@ def ids_fields(ids: Any) -> dict[str, Any]:
 
 def fingerprint(
     sample_ids: Any, batch: Any, loss: Any, grad_norm: Any, extra: Mapping[str, Any]
-) -> dict[str, Any]:
+) -> JsonObject:
     """The fields of a ``step`` record."""
     out: dict[str, Any] = {}
     if sample_ids is not None:
@@ -90,7 +91,12 @@ def fingerprint(
 NUMERIC_FIELDS = ("loss", "grad_norm")
 
 
-def numerics(record: Mapping[str, Any]) -> dict[str, Any]:
+def step_metrics(fields: Mapping[str, Any]) -> Metrics:
+    """The health evidence of a step record's fields (``fingerprint``): its extras, its loss and grad_norm."""
+    return {**fields.get("extra", {}), **{k: fields[k] for k in NUMERIC_FIELDS if k in fields}}
+
+
+def numerics(record: Mapping[str, Any]) -> Metrics:
     """A step record's produced values by name: loss, grad_norm and extra.<name>."""
     out = {k: record[k] for k in NUMERIC_FIELDS if k in record}
     out.update({f"extra.{k}": v for k, v in (record.get("extra") or {}).items()})

@@ -20,6 +20,7 @@ from typing import Any
 from .._disk import layout as _layout
 from .._disk.lease import LEASE_NAME
 from .._records.checks import cost, deep_bytes, safe_member, verify_step
+from .._records.entries import Cost
 from .._records.findings import RESTORE_HINT, Finding, Severity, finding, printable
 from .._records.leftovers import leftover_findings
 from .._records.retention import HOLDS_DIR
@@ -36,6 +37,7 @@ _ROOT_ENTRIES = {
 # The re-exported checks: ops.verify is where the CLI and users find them.
 __all__ = [
     "RESTORE_HINT",
+    "Cost",
     "Finding",
     "Severity",
     "cost",

@@ -156,7 +156,7 @@ class _Call:
         return self._fn(*args)
 
     @property
-    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]  # what BUILD writes into
+    def __dict__(self) -> NoReturn:  # type: ignore[override]  # what BUILD writes into
         _refuse(f"a BUILD on the global(s) [{self._name!r}]")
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -87,7 +87,7 @@ class _NoBuildOnGlobals:
             raise pickle.UnpicklingError(f"a BUILD on the global(s) {sorted(changed)} is not allowed in DCP metadata")
 
 
-def _saved(obj: Any) -> dict[str, Any]:
+def _saved(obj: Any) -> dict[str, object]:
     """What a pickle's BUILD could change on an allowed class or function: its attributes."""
     try:
         got = dict(vars(obj))

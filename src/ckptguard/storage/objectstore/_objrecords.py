@@ -127,7 +127,7 @@ class Marker:
                    created_unix=float(_need(raw, "created_unix", (int, float), where)))
 
 
-def _phases(value: Any, where: str) -> dict[str, dict[str, Any]]:
+def _phases(value: Any, where: str) -> dict[str, JsonObject]:
     ok = isinstance(value, dict) and all(
         isinstance(k, str) and re.fullmatch(r"phase_\d{4}\.json", k) and isinstance(v, dict) for k, v in value.items())
     if not ok:

@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ... import _faults
 from ..._disk.layout import MANIFEST_NAME, PROOF_DIR, TRACKER_NAME, StepNaming, atomic_write_bytes, atomic_write_json
+from ..._types import JsonObject
 from ...errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -234,8 +234,8 @@ class ObjectStore:
         etags = _transfer.upload(self.bucket, items, step=step)
         return {rel: etags[self.url.key(*base, rel)] for rel, _, _ in files}
 
-    def commit(self, step: int, attempt: str, objects: dict[str, rec.StoredObject], manifest: dict[str, Any], *,
-               phases: dict[str, dict[str, Any]] | None = None, lease: str | None = None) -> str:
+    def commit(self, step: int, attempt: str, objects: dict[str, rec.StoredObject], manifest: JsonObject, *,
+               phases: dict[str, JsonObject] | None = None, lease: str | None = None) -> str:
         """Write the marker (conditional create), then move the tracker forward; returns the marker's URL."""
         name = self.naming.name(step)
         key = self.url.key(name, MANIFEST_NAME)
