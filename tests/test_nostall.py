@@ -81,6 +81,10 @@ def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path,
         assert first.wait() == tmp_path / "ck" / "step_00000002"
     finally:
         _faults.set_hook("commit.before_tracker", None)
+    # status on the root says what is held back: step 4, which no committed step's cost block carries yet
+    held = CliRunner().invoke(main, ["status", str(tmp_path / "ck")])
+    assert "held back by a commit in flight after step 2: 1 skipped (skipped steps [4])" in held.output, held.output
+    assert "in all the proof records: 1 skipped" in held.output and "space the saves wider" in held.output
     warning = next(r.getMessage() for r in caplog.records if "SKIPPED" in r.getMessage())
     assert "save_async of step 4 SKIPPED (1 so far)" in warning and "step 2's commit" in warning
     assert "steps or more fits it" in warning and "on_busy=OnBusy.WAIT" in warning
@@ -88,6 +92,9 @@ def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path,
     assert _cost(tmp_path / "ck", 6)["skipped_steps"] == [4]
     shown = CliRunner().invoke(main, ["verify", str(tmp_path / "ck" / "step_00000006")])
     assert shown.exit_code == 0 and "1 save(s) skipped before it" in shown.output, shown.output
+    held = CliRunner().invoke(main, ["status", str(tmp_path / "ck")])  # carried by step 6 now; no phase records
+    assert "after step 6: none; in all the proof records: 1 skipped" in held.output, held.output
+    assert held.exit_code == 1 and "no phase records" in held.output
     # WAIT: the request waits for the commit in flight and is saved.
     wait = cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.WAIT))
     waiting = cg.CheckpointManager(tmp_path / "w", config=wait)

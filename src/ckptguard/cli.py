@@ -1021,22 +1021,32 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
 
     PATH is a phase-records file (PhaseRecorder) or a directory holding them. Tells a stalled
     rank (no CPU, no I/O, overdue) from a slow one: slow is not a hang. On a RunCheckpoint root
-    each rank's line names the roles it holds. Exit 0 if no rank is stalled, 1 if one is stalled
-    or died inside a phase (for a watchdog), or if there are no phase records (nothing checked).
+    each rank's line names the roles it holds. On a checkpoint root it also says which saves a
+    commit in flight held back (skipped, coalesced, redirected) since the last save. Exit 0 if no
+    rank is stalled, 1 if one is stalled or died inside a phase (for a watchdog), or if there are
+    no phase records (nothing checked).
     """
     from dataclasses import asdict
 
-    from .ops.status import record_files, run_rank_roles
+    from .ops.status import busy_saves, record_files, run_rank_roles
     from .ops.status import status as _status
 
     roles = run_rank_roles(path)
     files = record_files(path)
+    said: str | None = None
+    try:
+        busy = busy_saves(path) if path.is_dir() else None
+        said = busy.line() if busy is not None else None
+    except CheckpointError as exc:  # damaged proof records do not hide the ranks' phases
+        said = f"saves held back by a commit in flight: not checked ({exc})"
+    if said is not None and not as_json:
+        click.echo(printable(said))
     if not files:
         what = f" (a RunCheckpoint root of roles {sorted({r for rs in roles.values() for r in rs})})" if roles else ""
         _fail(f"no phase records under {path}{what}: no rank's status was checked; write them with "
               "ckptguard.memory.PhaseRecorder", as_json)
     ranks = _status(files, sample_s=sample_s, roles=roles)
-    if as_json:
+    if as_json:  # a list of ranks, as before; the held-back saves are in ``ckptguard goodput --json``
         click.echo(json.dumps([asdict(r) for r in ranks]))
     else:
         for r in ranks:

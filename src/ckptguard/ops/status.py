@@ -9,6 +9,10 @@ reported without a sample, never guessed.
 
 PATH may be a RunCheckpoint root: each rank is shown with the roles it holds (from the tracker's
 run step; ranks are the run's ranks, as the PhaseRecorders of the run's processes number them).
+
+On a checkpoint root, ``busy_saves`` adds what a commit in flight kept from the disk: the saves
+skipped, coalesced and redirected to the fast tier since the last save rank 0 recorded, from its
+proof records (``ckptguard goodput`` has them per launch).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._records import proofrecords as _proofrecords
 from ..errors import CheckpointCorruptError
 from ..memory.records import read_records
 
@@ -108,6 +113,57 @@ def _check(records: list[dict[str, Any]]) -> None:
 
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+BUSY_KINDS = {"busy_skip": "skipped", "busy_coalesced": "coalesced", "busy_redirect": "redirected"}
+
+
+@dataclass(frozen=True)
+class BusySaves:
+    """Saves requested while a commit was in flight, from rank 0's proof records (the first role's on a run
+    root): those no committed step's cost block carries yet, the ones after the newest step this launch saved
+    (``since_step``; None: it saved none yet), and the count in all its records."""
+
+    since_step: int | None
+    pending: dict[str, list[int]]  # skipped / coalesced / redirected -> the steps, since since_step
+    totals: dict[str, int]
+
+    def line(self) -> str:
+        def said(kinds: dict[str, int]) -> str:
+            return ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n) or "none"
+
+        since = f"after step {self.since_step}" if self.since_step is not None else "before this launch's first save"
+        steps = "; ".join(f"{kind} steps {v[:8]}{' ...' if len(v) > 8 else ''}" for kind, v in self.pending.items()
+                          if v)
+        now = said({k: len(v) for k, v in self.pending.items()})
+        hint = (": a save was requested while the previous commit ran; space the saves wider than one commit "
+                "(ckptguard goodput ROOT prints the interval)") if any(self.pending.values()) else ""
+        return (f"saves held back by a commit in flight {since}: {now}{f' ({steps})' if steps else ''}; in all the "
+                f"proof records: {said(self.totals)}{hint}")
+
+
+def busy_saves(root: Path) -> BusySaves | None:
+    """What a commit in flight kept from the disk (``BusySaves``), or None where ``root`` has no proof records."""
+    if not (root / "proof").is_dir():
+        return None
+    roles = _proofrecords.record_roles(root)
+    records = _proofrecords.read_records(root, roles[0] if roles else None).get(0, [])
+    if not records:
+        return None
+    # This launch's records (from its restore on): a skip made while step k committed is carried by the
+    # next committed step's cost block, so what is still held back is what came after the newest saved step.
+    launch = max((i for i, r in enumerate(records) if r.event == "restore"), default=0)
+    saved = max((r.step for r in records[launch:] if r.event == "save" and r.step is not None), default=None)
+    pending: dict[str, list[int]] = {kind: [] for kind in BUSY_KINDS.values()}
+    totals = dict.fromkeys(BUSY_KINDS.values(), 0)
+    for i, r in enumerate(records):
+        kind = BUSY_KINDS.get(r.event)
+        if kind is None:
+            continue
+        totals[kind] += 1
+        if i >= launch and r.step is not None and (saved is None or r.step > saved):
+            pending[kind].append(r.step)
+    return BusySaves(saved, pending, totals)
 
 
 def run_rank_roles(path: Path) -> dict[int, list[str]] | None:
