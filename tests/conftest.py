@@ -71,9 +71,14 @@ SLOW_MODULES = {
 # ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``: each module is
 # one group (its module fixtures, an engine start or a reference run, are computed once), and the
 # modules that start a local Ray cluster share one group (two local clusters on one host collide), and so do
-# the modules that start vLLM engines (TRL's engine start binds port 29500: two at once fail with EADDRINUSE).
+# the modules that start vLLM engines (two engines at once on two cores starve each other).
 SHARED_GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_integration": "vllm",
                  "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm"}
+
+
+def group_of(nodeid: str) -> str:
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return SHARED_GROUPS.get(module, module)
 
 
 # xdist hands the groups out in collection order. ``make test`` builds the framework venvs in the background
@@ -86,15 +91,26 @@ VENV_GROUPS = ("vllm", "ray", "test_hf_integration", "test_objectstore", "test_e
 
 
 def pytest_collection_modifyitems(config, items):
-    groups = {}
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in SLOW_MODULES:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-        groups[item] = SHARED_GROUPS.get(module, module)
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
     order = {g: n for n, g in enumerate((*FIRST_GROUPS, *VENV_GROUPS))}
-    items.sort(key=lambda it: order.get(groups[it], len(order)))  # stable: file order within and after them
+    items.sort(key=lambda it: order.get(group_of(it.nodeid), len(order)))  # stable: file order within and after
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` by ``group_of``, on the controller: xdist's own loadgroup reads ``xdist_group``
+    marks by appending them to each node id, which pytest 9.2's structured node ids ignore
+    (pytest-xdist#1386), so its groups silently fell apart and one module ran on both workers."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ModuleGroups(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
