@@ -144,6 +144,9 @@ def _child(
                 world_size=world,
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
             )
+            # Every rank past gloo's connect before any runs ``fn``: a rank that failed at once and exited
+            # would otherwise reset the connect of a peer still in it (a DistNetworkError, not the test's error).
+            dist.barrier()
         result["value"] = fn(rank, max(world, 1), *args)
     except BaseException as exc:
         result["error_type"] = type(exc).__name__
