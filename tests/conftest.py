@@ -106,6 +106,8 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # the order above, not xdist's default of the most tests first
+
     class ModuleGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from ._types import JsonObject
 from .errors import CollectiveTimeoutError, error_payload, rebuild
@@ -82,14 +82,19 @@ class LocalAgreement:
 
 
 class Wire:
-    """A message between ranks: a frozen dataclass of JSON values, with ``to_json``/``from_json``."""
+    """A message between ranks: a frozen dataclass of JSON values and of records (frozen dataclasses of
+    JSON values: they travel as ``asdict`` gives them), with ``to_json``/``from_json``. ``READERS`` names
+    the fields that hold records, with the reader that rebuilds each from its JSON."""
+
+    READERS: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
 
     def to_json(self) -> JsonObject:
         return asdict(self)  # type: ignore[call-overload, no-any-return]
 
     @classmethod
     def from_json(cls: type[W], data: JsonObject) -> W:
-        return cls(**data)
+        read = cls.READERS
+        return cls(**{k: read[k](v) if k in read else v for k, v in data.items()})
 
 
 W = TypeVar("W", bound=Wire)

@@ -14,11 +14,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._agree import Wire
 from .._context import Context
+from .._records.entries import FileEntry
 from .._types import JsonObject
 from ..errors import (
     CheckpointWriteError,
     WriteFailure,
 )
+
+
+def read_failure(value: JsonObject | None) -> WriteFailure | None:
+    return None if value is None else WriteFailure.from_json(value)
+
+
+def read_failures(values: list[JsonObject]) -> list[WriteFailure]:
+    return [WriteFailure.from_json(v) for v in values]
 
 
 @dataclass(frozen=True)
@@ -53,8 +62,9 @@ class Prepared(Wire):
     chain_id: str = ""
     phase: int = 0
     contract_hash: str = ""
-    failure: dict[str, Any] | None = None
+    failure: WriteFailure | None = None
     nodes: list[list[int]] = field(default_factory=list)  # node-local roots: each node's ranks; empty: shared
+    READERS = {"failure": read_failure}
 
 
 @dataclass(frozen=True)
@@ -62,21 +72,23 @@ class RankReport(Wire):
     """What one rank wrote (files with sizes and checksums, per-item digests), or its first error."""
 
     host: str
-    files: list[dict[str, Any]] = field(default_factory=list)
+    files: list[FileEntry] = field(default_factory=list)  # rank None: the publisher fills in the sender
     digests: dict[str, str] = field(default_factory=dict)
     ep_rank: int | None = None
-    failure: dict[str, Any] | None = None
+    failure: WriteFailure | None = None
     layout_free: dict[str, list[str]] = field(default_factory=dict)  # item -> partials (see digest.layout_free)
     reshard: dict[str, dict[str, Any]] = field(default_factory=dict)  # item -> declared reshard rule
+    READERS = {"failure": read_failure, "files": lambda files: [FileEntry.from_json(f) for f in files]}
 
 
 @dataclass(frozen=True)
 class Outcome(Wire):
     """Rank 0's publish outcome: no failures means committed."""
 
-    failures: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[WriteFailure] = field(default_factory=list)
     phase: str = "write"
     consequence: str = ""  # where the resume target stands after the failure, when not NOT_MOVED
+    READERS = {"failures": read_failures}
 
 
 @dataclass(frozen=True)
@@ -90,26 +102,29 @@ class PlaceView(Wire):
 class NodeReport(Wire):
     """One node's publishing rank's outcome of a per-node phase (others send an empty one)."""
 
-    failure: dict[str, Any] | None = None
+    failure: WriteFailure | None = None
     tracker: int | None = None  # the publishing rank's tracker on its node's root (at prepare; after the tracker round)
     tracker_error: str = ""  # after the tracker round: why the tracker could not be read back
+    READERS = {"failure": read_failure}
 
 
 @dataclass(frozen=True)
 class NodesSeen(Wire):
     """Rank 0's verdict on the node placement: failures, or the newest tracker of any node."""
 
-    failures: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[WriteFailure] = field(default_factory=list)
     newest: int = 0
+    READERS = {"failures": read_failures}
 
 
 @dataclass(frozen=True)
 class NodePlan(Wire):
     """Rank 0's verdict on the write: the failures, or the global manifest and the copies to make."""
 
-    failures: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[WriteFailure] = field(default_factory=list)
     manifest: dict[str, Any] = field(default_factory=dict)
     copies: list[dict[str, Any]] = field(default_factory=list)  # {path, size, xxh3, src, dsts}
+    READERS = {"failures": read_failures}
 
 
 def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
@@ -146,9 +161,8 @@ NOT_MOVED = (
 
 
 def raise_if_failed(
-    ctx: Context, shipped: list[JsonObject], *, step: int, phase: str, consequence: str = NOT_MOVED
+    ctx: Context, failures: list[WriteFailure], *, step: int, phase: str, consequence: str = NOT_MOVED
 ) -> None:
-    failures = [WriteFailure.from_json(f) for f in shipped]
     if not failures:
         return
     first = min(failures, key=WriteFailure.cause_order)  # an OS error before a serializer's symptom of it

@@ -32,6 +32,7 @@ from .._context import NO_ACTIONS, Actions, Context
 from .._disk import layout as _layout
 from .._disk.digest import digest, file_digest
 from .._records import manifest as _manifest
+from .._records.entries import FileEntry
 from .._state.rng import RNG_ITEM
 from .._state.state import Captured, digests_and_layout_free
 from .._types import StateDict
@@ -82,7 +83,7 @@ def prepare(ctx: Context, step: int, actions: Actions = NO_ACTIONS) -> Prepared:
         except CheckpointError:
             raise
         except Exception as exc:  # an OSError of the root: reported like a write failure, with errno and path
-            return Prepared(failure=failure_from(exc, rank=0, phase="prepare").to_json())
+            return Prepared(failure=failure_from(exc, rank=0, phase="prepare"))
 
     request = PrepareRequest(step, str(ctx.root.absolute()), ctx.agreement.info.host)
     prep = gather_decide(ctx.agreement, "save.prepare", request, decide, decision=Prepared)
@@ -215,7 +216,7 @@ def write_part(ctx: Context, step: int, tmp: Path, snap: Snapshot) -> RankReport
             digests[RNG_ITEM] = digest(snap.rng)
         report = RankReport(
             ctx.agreement.info.host,
-            [f.__dict__ for f in written],
+            [FileEntry(f.path, f.size, f.xxh3) for f in written],
             digests,
             ctx.expert.rank if ctx.expert else None,
             layout_free=layout_free,
@@ -223,7 +224,7 @@ def write_part(ctx: Context, step: int, tmp: Path, snap: Snapshot) -> RankReport
         )
         _faults.reached("commit.rank_written")
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
-        report = RankReport(ctx.agreement.info.host, failure=failure_from(exc, rank=ctx.rank, phase="write").to_json())
+        report = RankReport(ctx.agreement.info.host, failure=failure_from(exc, rank=ctx.rank, phase="write"))
     release_host_cache()
     return report
 

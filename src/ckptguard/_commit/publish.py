@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno as _errno
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +20,6 @@ from .._records import manifest as _manifest
 from .._records.entries import Cost, Figure, FileEntry, NodeEntry, Topology
 from .._records.versions import current_versions
 from .._state.state import digest_kind
-from .._types import JsonObject
 from ..errors import (
     WriteFailure,
 )
@@ -50,7 +50,7 @@ def build_manifest(
     ctx: Context, step: int, path: Path, prep: Prepared, started: float, reports: list[RankReport],
     kinds: dict[str, str], nodes: Sequence[NodeEntry] | None = None, extra_cost: Mapping[str, Figure] | None = None,
 ) -> _manifest.Manifest:
-    files = [FileEntry(f["path"], f["size"], f["xxh3"], r) for r, rep in enumerate(reports) for f in rep.files]
+    files = [dataclasses.replace(f, rank=r) for r, rep in enumerate(reports) for f in rep.files]
     layout = ctx.topology()
     return _manifest.build(
         path=path,
@@ -118,7 +118,7 @@ def write_marker_or_fail(
     except Exception as exc:
         if tmp.exists():  # refused or failed before the rename: nothing of it may linger
             discard(ctx, tmp)
-        return Outcome([failure_from(exc, rank=0, phase="publish").to_json()], "publish")
+        return Outcome([failure_from(exc, rank=0, phase="publish")], "publish")
     return Outcome()
 
 
@@ -136,7 +136,7 @@ def confirm_and_publish(
 
 def _unseen_files(
     tmp: Path, reports: list[RankReport], *, publisher: int = 0, checksums: bool = True
-) -> list[JsonObject]:
+) -> list[WriteFailure]:
     """Every file a rank reported must be where ``publisher`` publishes, with its size and checksum.
 
     A rank's report is what its writer saw; the publisher reads the files back from its own
@@ -171,6 +171,6 @@ def _unseen_files(
                     errno=_errno.ENOENT if missing else _errno.EIO,
                     path=str(tmp / rel),
                     time_ns=time.time_ns(),
-                ).to_json()
+                )
             )
     return out

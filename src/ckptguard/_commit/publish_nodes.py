@@ -23,12 +23,12 @@ node's publishing rank then prepares its own root like rank 0 (``prepare_nodes``
 
 from __future__ import annotations
 
+import dataclasses
 import errno as _errno
 import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from .. import _faults
 from .._agree import gather_decide
@@ -93,7 +93,7 @@ def place(ctx: Context, step: int, prep: Prepared, nodes: dict[str, list[int]]) 
                 rank=0, phase="placement", exc_type="ConfigError", message="; ".join(problems),
                 path=prep.tmp, time_ns=time.time_ns(),
             )
-            return Prepared(failure=failure.to_json())
+            return Prepared(failure=failure)
         return Prepared(prep.tmp, prep.chain_id, prep.phase, prep.contract_hash, nodes=order)
 
     sees = (ctx.root.absolute() / name).is_dir()
@@ -123,7 +123,7 @@ def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> 
         try:
             prepare_root(ctx, step, like=prep, actions=actions)
         except Exception as exc:
-            report = NodeReport(failure_from(exc, rank=ctx.rank, phase="prepare").to_json())
+            report = NodeReport(failure_from(exc, rank=ctx.rank, phase="prepare"))
     outcome = gather_decide(
         ctx.agreement, "save.prepare_nodes", report, lambda rs: Outcome([r.failure for r in rs if r.failure],
                                                                         "prepare"),
@@ -143,7 +143,7 @@ def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> 
                 f"not the one rank {mine[0]} of its node created: node-local storage (a separate disk per process "
                 "at one path) under one node identity. Give each node its own identity (its host name) and its "
                 "ranks one disk",
-            ).to_json())
+            ))
         if mine[0] == ctx.rank:
             seen = NodeReport(seen.failure, _layout.read_tracker(ctx.root) or 0)
         verdict = gather_decide(
@@ -191,12 +191,12 @@ def _plan_nodes(
     try:
         md = read_dcp_metadata(tmp / _layout.STATE_DIR)
     except (CheckpointError, OSError) as exc:
-        return NodePlan([failure_from(exc, rank=0, phase="copy plan").to_json()])
-    written = {f["path"]: dict(f, rank=r) for r, rep in enumerate(reports) for f in rep.files}
+        return NodePlan([failure_from(exc, rank=0, phase="copy plan")])
+    written = {f.path: dataclasses.replace(f, rank=r) for r, rep in enumerate(reports) for f in rep.files}
     nodes: list[NodeEntry] = []
     needs: dict[str, list[int]] = {}
     for ranks in prep.nodes:
-        held = {f["path"] for r in ranks for f in reports[r].files}
+        held = {f.path for r in ranks for f in reports[r].files}
         wanted = set().union(*(rank_reads(md, r) for r in ranks))
         wants = sorted(p for p in wanted - held if p in written)
         nodes.append(NodeEntry(reports[ranks[0]].host, tuple(ranks), tuple(wants)))
@@ -206,7 +206,7 @@ def _plan_nodes(
         ctx, step, tmp / _layout.MANIFEST_NAME, prep, started, reports, kinds, nodes, extra_cost=extra_cost
     )
     copies = [
-        {"path": p, "size": written[p]["size"], "xxh3": written[p]["xxh3"], "src": written[p]["rank"], "dsts": d}
+        {"path": p, "size": written[p].size, "xxh3": written[p].xxh3, "src": written[p].rank, "dsts": d}
         for p, d in sorted(needs.items())
     ]
     return NodePlan(manifest=manifest.to_json(), copies=copies)
@@ -237,7 +237,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
             decision=NodePlan,
         )
         raise_if_failed(ctx, plan.failures, step=step, phase="write")
-        failure = _copy_files(ctx, step, tmp, plan.copies)
+        failure: WriteFailure | None = _copy_files(ctx, step, tmp, plan.copies)
         if leader and failure is None:
             failure = _confirm_node(ctx, step, tmp, prep, plan)
         # The copies and the leaders' checksums of their node's files come first: a longer wait.
@@ -250,7 +250,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
                 trash = rename_in(ctx, step, tmp, snap.actions)
                 published = True
             except Exception as exc:
-                failure = failure_from(exc, rank=ctx.rank, phase="node publish").to_json()
+                failure = failure_from(exc, rank=ctx.rank, phase="node publish")
         _node_round(ctx, "save.node_publish", failure, step=step, phase="node publish")
         failure = None
         moved = NodeReport()
@@ -262,7 +262,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
                 if trash is not None:
                     shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
             except Exception as exc:
-                failure = failure_from(exc, rank=ctx.rank, phase="node tracker").to_json()
+                failure = failure_from(exc, rank=ctx.rank, phase="node tracker")
             moved = _tracker_now(ctx, failure)
         _tracker_round(ctx, step, prep, plan, moved)
     except BaseException:
@@ -273,7 +273,7 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
 
 
 def _node_round(
-    ctx: Context, key: str, failure: JsonObject | None, *, step: int, phase: str, patience: float = 1.0
+    ctx: Context, key: str, failure: WriteFailure | None, *, step: int, phase: str, patience: float = 1.0
 ) -> None:
     """Every rank learns whether every node did its part of ``phase``; all raise together if not."""
     outcome = gather_decide(
@@ -284,7 +284,7 @@ def _node_round(
     raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
 
 
-def _tracker_now(ctx: Context, failure: JsonObject | None) -> NodeReport:
+def _tracker_now(ctx: Context, failure: WriteFailure | None) -> NodeReport:
     """This node's outcome of the tracker round, with where its tracker really is now."""
     try:
         return NodeReport(failure, _layout.read_tracker(ctx.root))
@@ -350,13 +350,14 @@ def _trackers_after(step: int, nodes: list[tuple[str, list[int], NodeReport]]) -
     )
 
 
-def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: NodePlan) -> JsonObject | None:
+def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: NodePlan) -> WriteFailure | None:
     """This node's publishing rank: every file of its part is here with its size and xxh3; then the
     node manifest, written last on this node before the agreement."""
     index = next(i for i, ranks in enumerate(prep.nodes) if ctx.rank in ranks)
     node = plan.manifest["nodes"][index]
     ranks, copies = set(node["ranks"]), set(node["copies"])
-    files = [f for f in plan.manifest["files"] if f.get("rank") in ranks or f["path"] in copies]
+    entries = [FileEntry.from_json(f) for f in plan.manifest["files"]]
+    files = [f for f in entries if f.rank in ranks or f.path in copies]
     try:
         bad = file_problems(tmp, files, checksums=ctx.config.publish_checksums is not False)
         if bad:
@@ -367,15 +368,15 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
             )
         _faults.reached("node.files_verified")
         record = _manifest.node_manifest(step=step, index=index, name=node["name"], ranks=ranks,
-                                         files=[FileEntry.from_json(f) for f in files])
+                                         files=files)
         _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record.to_json())
         _faults.reached("node.confirmed")
     except Exception as exc:
-        return failure_from(exc, rank=ctx.rank, phase="node confirm").to_json()
+        return failure_from(exc, rank=ctx.rank, phase="node confirm")
     return None
 
 
-def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[JsonObject]) -> JsonObject | None:
+def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[JsonObject]) -> WriteFailure | None:
     """Send each replicated file from the rank that wrote it to every node that reads it (``p2p``).
 
     Every rank walks the same list in the same order and takes part only where it sends or
@@ -386,7 +387,7 @@ def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[JsonObject]) ->
         ctx.storage_ctx.process_group, step=step, what="copy of a replicated DCP file to a node that reads it",
         retry="save again", timeout_s=ctx.config.timeout_s,
     )
-    first: dict[str, Any] | None = None
+    first: WriteFailure | None = None
     for entry in copies:
         src, dsts = int(entry["src"]), [int(d) for d in entry["dsts"]]
         spec = _p2p.FileSpec(entry["path"], int(entry["size"]), str(entry["xxh3"]))
@@ -401,5 +402,5 @@ def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[JsonObject]) ->
                     rank=problem.rank if problem.rank >= 0 else ctx.rank, phase=f"copy of {spec.path}",
                     exc_type=problem.exc_type, message=problem.message, errno=problem.errno, path=problem.path,
                     time_ns=problem.time_ns,
-                ).to_json()
+                )
     return first

@@ -14,7 +14,6 @@ import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .. import _faults
 from .._agree import Wire, gather_decide
@@ -22,9 +21,9 @@ from .._context import Actions, Context
 from .._disk import layout as _layout
 from .._records import runmanifest
 from .._records.versions import current_versions
-from ..errors import ConfigError
+from ..errors import ConfigError, WriteFailure
 from . import stepdir as _stepdir
-from .messages import Outcome, Prepared, failure_from
+from .messages import Outcome, Prepared, failure_from, read_failure
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,8 @@ class RunReport(Wire):
     """Which roles this rank wrote its part of, or the first error it hit."""
 
     roles: list[str] = field(default_factory=list)
-    failure: dict[str, Any] | None = None
+    failure: WriteFailure | None = None
+    READERS = {"failure": read_failure}
 
 
 @dataclass(frozen=True)
@@ -123,5 +123,5 @@ def publish_run_step(
     except Exception as exc:
         if tmp.exists():  # refused or failed before the rename: nothing of it may linger
             _stepdir.discard(ctx, tmp)
-        return Outcome([failure_from(exc, rank=0, phase="publish").to_json()], "publish")
+        return Outcome([failure_from(exc, rank=0, phase="publish")], "publish")
     return Outcome()

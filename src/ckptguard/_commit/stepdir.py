@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from .._disk.filedigest import file_digest
 from .._records import contract as _contract
 from .._records import retention as _retention
 from .._records import trust as _trust
-from .._types import JsonObject
+from .._records.entries import FileEntry
 from ..errors import (
     ConfigError,
 )
@@ -155,33 +156,33 @@ def _check_publish(ctx: Context, step: int, actions: Actions) -> None:
         )
 
 
-def file_problems(base: Path, files: list[JsonObject], *, checksums: bool = True) -> list[tuple[str, str]]:
+def file_problems(base: Path, files: Sequence[FileEntry], *, checksums: bool = True) -> list[tuple[str, str]]:
     """(path, why) for each reported file that is not under ``base`` with its size and xxh3.
 
     The sizes first (one stat each), then (``checksums``) the xxh3 read back, hashed in
     parallel threads (the hash and the reads release the GIL)."""
     problems: list[tuple[str, str]] = []
-    sized = []
+    sized: list[FileEntry] = []
     for f in files:
-        path = base / f["path"]
+        path = base / f.path
         try:
             size = path.stat().st_size
         except OSError:
-            problems.append((f["path"], "absent"))
+            problems.append((f.path, "absent"))
             continue
-        if size != int(f["size"]):
-            problems.append((f["path"], f"{size} bytes, reported {f['size']}"))
+        if size != f.size:
+            problems.append((f.path, f"{size} bytes, reported {f.size}"))
         else:
             sized.append(f)
     if not sized or not checksums:
         return problems
 
-    def hashed(f: JsonObject) -> tuple[str, str] | None:
+    def hashed(f: FileEntry) -> tuple[str, str] | None:
         try:
-            xxh = file_digest(str(base / f["path"]))[1]
+            xxh = file_digest(str(base / f.path))[1]
         except OSError as exc:
-            return (f["path"], f"unreadable ({exc.strerror or exc})")
-        return None if xxh == f["xxh3"] else (f["path"], f"xxh3 {xxh}, reported {f['xxh3']}")
+            return (f.path, f"unreadable ({exc.strerror or exc})")
+        return None if xxh == f.xxh3 else (f.path, f"xxh3 {xxh}, reported {f.xxh3}")
 
     with ThreadPoolExecutor(max_workers=min(4, len(sized))) as pool:
         problems += [p for p in pool.map(hashed, sized) if p is not None]

@@ -28,7 +28,7 @@ from .._state.state import addresses, moved
 from .._state.trajectory import fingerprint, step_metrics
 from .._types import JsonObject, StateDict
 from ..config import CheckpointConfig, ParallelLayout
-from ..errors import CheckpointError, CheckpointWriteError, ConfigError
+from ..errors import CheckpointError, CheckpointWriteError, ConfigError, WriteFailure
 from ..storage.base import Storage
 
 
@@ -91,11 +91,11 @@ def in_role(exc: BaseException, role: str) -> BaseException:
     return named
 
 
-def role_failure(exc: BaseException, *, rank: int, role: str) -> JsonObject:
+def role_failure(exc: BaseException, *, rank: int, role: str) -> WriteFailure:
     """This rank's first write error of ``role``: the role's own first failure when it has one."""
     if isinstance(exc, CheckpointWriteError) and exc.first is not None:
-        return dataclasses.replace(exc.first, rank=rank, phase=f"role {role!r}: {exc.first.phase}").to_json()
-    return failure_from(exc, rank=rank, phase=f"role {role!r}: write").to_json()
+        return dataclasses.replace(exc.first, rank=rank, phase=f"role {role!r}: {exc.first.phase}")
+    return failure_from(exc, rank=rank, phase=f"role {role!r}: write")
 
 
 def each_role(roles: dict[str, Context], act: Callable[[str, Context], None]) -> None:
