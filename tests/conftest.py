@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -68,22 +69,31 @@ SLOW_MODULES = {
 }
 
 
-# ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``: each module is
-# one group (its module fixtures, an engine start or a reference run, are computed once), and the
-# modules that start a local Ray cluster share one group (two local clusters on one host collide), and so do
-# the modules that start vLLM engines (two engines at once on two cores starve each other).
-SHARED_GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_integration": "vllm",
-                 "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm"}
+# ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``. The modules that start a
+# local Ray cluster run on one worker, one after the other (two local clusters on one host collide); every other
+# test is handed out alone to whichever worker is free, so a module's fixtures are built on each worker that runs
+# one of its tests. (Whole modules as units made the vLLM tests one serial chain on one worker: the suite took
+# 22 min from a fresh clone, against 16 with the tests handed out one by one.)
+GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_integration": "vllm",
+          "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm"}
+TOGETHER = {"ray", *filter(None, os.environ.get("CKPTGUARD_TEST_TOGETHER", "").split(","))}
+"""The groups whose tests run on one worker (the environment variable adds some: tests/test_suite_groups.py)."""
 
 
 def group_of(nodeid: str) -> str:
     module = Path(nodeid.split("::", 1)[0]).stem
-    return SHARED_GROUPS.get(module, module)
+    return GROUPS.get(module, module)
 
 
-# xdist hands the groups out in collection order. ``make test`` builds the framework venvs in the background
+def unit_of(nodeid: str) -> str:
+    """What xdist hands out whole: a group that runs together, else the one test."""
+    group = group_of(nodeid)
+    return group if group in TOGETHER else nodeid
+
+
+# xdist hands the units out in collection order. ``make test`` builds the framework venvs in the background
 # for the first minutes of the suite, so the heavy groups that need none go first, then the groups that need one
-# (the longest first: the suite ends no sooner than the vLLM group does) and the Ray group (a local Ray cluster
+# (the longest first: the suite ends no sooner than the vLLM tests do) and the Ray group (a local Ray cluster
 # started while the venvs build timed out starting its actors), then the rest in file order.
 FIRST_GROUPS = ("test_preempt", "test_rehearse", "test_replicas", "test_proof", "test_readside", "test_operations",
                 "test_node_local", "test_faults", "test_commit")
@@ -99,20 +109,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` by ``group_of``, on the controller: xdist's own loadgroup reads ``xdist_group``
+    """``--dist loadgroup`` by ``unit_of``, on the controller: xdist's own loadgroup reads ``xdist_group``
     marks by appending them to each node id, which pytest 9.2's structured node ids ignore
-    (pytest-xdist#1386), so its groups silently fell apart and one module ran on both workers."""
+    (pytest-xdist#1386), so its groups silently fell apart (the Ray modules ran on both workers)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     config.option.loadscopereorder = False  # the order above, not xdist's default of the most tests first
 
-    class ModuleGroups(LoadScopeScheduling):
+    class Units(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return group_of(nodeid)
+            return unit_of(nodeid)
 
-    return ModuleGroups(config, log)
+    return Units(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
