@@ -22,7 +22,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 MINISTACK_VENV := .venv-ministack
 MINISTACK_STAMP := $(MINISTACK_VENV)/.installed
 
-# pytest-xdist workers of `make test` (each module stays on one worker: tests/conftest.py groups them).
+# pytest-xdist workers of `make test` (tests/conftest.py hands the tests out: the Ray group whole, the rest one by one).
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast lint venv verl-venv hf-venv vllm-venv ministack-venv clean

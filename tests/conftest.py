@@ -18,6 +18,7 @@ import venvs  # noqa: E402  (tests/: on sys.path just above)
 # venv. ``make test`` runs everything and prints the 25 slowest tests: move a module here when
 # its tests show up there.
 SLOW_MODULES = {
+    "test_suite_groups",
     "test_bench_train_loop",
     "test_elastic",
     "test_examples",
@@ -73,7 +74,8 @@ SLOW_MODULES = {
 # local Ray cluster run on one worker, one after the other (two local clusters on one host collide); every other
 # test is handed out alone to whichever worker is free, so a module's fixtures are built on each worker that runs
 # one of its tests. (Whole modules as units made the vLLM tests one serial chain on one worker: the suite took
-# 22 min from a fresh clone, against 16 with the tests handed out one by one.)
+# 22 min from a fresh clone, against 16 with the tests handed out one by one. Two vLLM engines on the CPU at once
+# only share the cores; each TRL job takes a free MASTER_PORT.)
 GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_integration": "vllm",
           "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm"}
 TOGETHER = {"ray", *filter(None, os.environ.get("CKPTGUARD_TEST_TOGETHER", "").split(","))}
@@ -108,6 +110,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: order.get(group_of(it.nodeid), len(order)))  # stable: file order within and after
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist (-p no:xdist) has no such hookspec
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` by ``unit_of``, on the controller: xdist's own loadgroup reads ``xdist_group``
     marks by appending them to each node id, which pytest 9.2's structured node ids ignore
@@ -116,7 +119,7 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    config.option.loadscopereorder = False  # the order above, not xdist's default of the most tests first
+    config.option.loadscopereorder = False  # the order above, not xdist's default (3.7+) of the most tests first
 
     class Units(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

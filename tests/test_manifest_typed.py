@@ -125,7 +125,6 @@ def test_proof_records_of_every_format_read_typed_and_write_back_line_for_line(v
 
 @pytest.mark.parametrize(("field", "value", "said"), [
     ("time", "noon", "'time' is 'noon', not a number"),
-    ("step", True, "'step' is True, not an int"),
     ("rank", 1.0, "'rank' is 1.0, not an int"),
     ("host", 7, "'host' is 7, not a string"),
     ("pid", None, "no int 'pid'"),
@@ -146,9 +145,22 @@ def test_a_record_the_writer_could_not_read_back_is_refused_when_made(tmp_path):
     from ckptguard._records.prooflog import ProofLog
 
     log = ProofLog(tmp_path, 0)
-    with pytest.raises(cg.ConfigError, match=r"the step proof record of rank 0 .*'step' is '7', not an int"):
-        log.build("step", step="7")
+    with pytest.raises(cg.ConfigError, match=r"the step proof record of rank 0 .*'time' is 'noon', not a number"):
+        log.build("step", step=7, time="noon")
     assert log.build("step", step=7).step == 7
+
+
+def test_a_step_earlier_releases_wrote_as_a_float_reads_as_no_step_and_is_kept(tmp_path):
+    from ckptguard._records.proofrecords import read_records
+
+    path = tmp_path / "proof" / "rank_00000.jsonl"
+    path.parent.mkdir()
+    lines = [{"event": "export", "pid": 1, "step": 5.0}, {"event": "update", "pid": 1, "step": None},
+             {"event": "save", "pid": 1, "step": 6}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = read_records(tmp_path)[0]
+    assert [r.step for r in records] == [None, None, 6] and [r.to_json() for r in records] == lines
+    assert read_records(tmp_path, rank=1) == {} and len(read_records(tmp_path, rank=0)[0]) == 3
 
 
 @pytest.mark.parametrize("version", ["v1", "v2", "v3"])

@@ -1037,7 +1037,7 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
     try:
         busy = busy_saves(path) if path.is_dir() else None
         said = busy.line() if busy is not None else None
-    except CheckpointError as exc:  # damaged proof records do not hide the ranks' phases
+    except (CheckpointError, OSError) as exc:  # unreadable proof records do not hide the ranks' phases
         said = f"saves held back by a commit in flight: not checked ({exc})"
     if said is not None and not as_json:
         click.echo(printable(said))

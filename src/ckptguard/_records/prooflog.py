@@ -72,7 +72,8 @@ class ProofLog:
                "mono": time.monotonic(), **fields}
         problem = header_problem(raw)
         if problem:
-            raise ConfigError(f"the {event} proof record of rank {self.rank} for {self.path}: {problem}")
+            raise ConfigError(f"the {event} proof record of rank {self.rank} for {self.path} would not read back "
+                              f"({problem}): pass what the record_* call names as documented")
         record = ProofRecord.from_json(raw, where=str(self.path))
         self.watch.observe(record)
         return record

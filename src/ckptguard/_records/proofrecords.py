@@ -11,7 +11,6 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from .._disk.layout import PROOF_DIR, parse_json, read_small, refuse_link
@@ -32,8 +31,10 @@ class ProofRecord(Mapping[str, Any]):
 
     ``event`` and ``pid`` are in every record; ``rank``, ``host``, ``time`` and ``mono`` in every
     record ``ProofLog`` writes (records written by hand in tests may lack them); ``step`` in all but
-    a few events, an int where present. The event's own fields (a save's ``plan``, a step's
-    ``sample_ids``) are the rest of the object; which event has which is ``ProofLog``'s callers'.
+    a few events: None where absent or not an int (``record_export`` and ``record_update`` of earlier
+    releases did not check it; the raw object keeps what was written). The event's own fields (a
+    save's ``plan``, a step's ``sample_ids``) are the rest of the object; which event has which is
+    ``ProofLog``'s callers'. ``raw`` is not to be changed: records are append-only.
     """
 
     event: str
@@ -43,7 +44,7 @@ class ProofRecord(Mapping[str, Any]):
     time: float | None
     mono: float | None
     step: int | None
-    raw: Mapping[str, Any]
+    raw: dict[str, object]
 
     @classmethod
     def from_json(cls, obj: object, *, where: str) -> ProofRecord:
@@ -51,13 +52,13 @@ class ProofRecord(Mapping[str, Any]):
         problem = header_problem(obj)
         if problem:
             raise CheckpointCorruptError(
-                f"{where} is not a proof record ({problem}); proof records are append-only and written by "
-                "ckptguard: move the file away to re-prove"
+                f"{where} is not a proof record ({problem}); proof records are written by ckptguard only: "
+                "restore that line from a copy or cut it, then prove again"
             )
         assert isinstance(obj, dict)
+        step = obj.get("step")
         return cls(event=obj["event"], pid=obj["pid"], rank=obj.get("rank"), host=obj.get("host"),
-                   time=obj.get("time"), mono=obj.get("mono"), step=obj.get("step"),
-                   raw=MappingProxyType(dict(obj)))
+                   time=obj.get("time"), mono=obj.get("mono"), step=step if is_int(step) else None, raw=dict(obj))
 
     def to_json(self) -> dict[str, object]:
         return dict(self.raw)
@@ -83,8 +84,8 @@ def header_problem(obj: object) -> str | None:
         return "no string 'event'"
     if not is_int(obj.get("pid")):
         return "no int 'pid'"
-    for key, kind, ok in (("rank", "an int", is_int), ("step", "an int", is_int), ("host", "a string", _str),
-                          ("time", "a number", is_number), ("mono", "a number", is_number)):
+    for key, kind, ok in (("rank", "an int", is_int), ("host", "a string", _str), ("time", "a number", is_number),
+                          ("mono", "a number", is_number)):
         if key in obj and not ok(obj[key]):
             return f"'{key}' is {obj[key]!r}, not {kind}"
     return None
@@ -106,9 +107,9 @@ def record_roles(root: Path) -> list[str]:
 _ROLE = re.compile(r"[a-z][a-z0-9_-]{0,63}\Z")  # runmanifest's role names
 
 
-def read_records(root: Path, role: str | None = None) -> dict[int, list[ProofRecord]]:
+def read_records(root: Path, role: str | None = None, *, rank: int | None = None) -> dict[int, list[ProofRecord]]:
     """Every rank's proof records (of ``role``, numbered by its ranks), checked for the shape ``evaluate``
-    relies on.
+    relies on; ``rank``: that rank's file only.
 
     Never through a symlinked ``proof/`` or record file, never from a FIFO, bounded in size
     and JSON depth; a malformed line is one CheckpointCorruptError naming file and line."""
@@ -116,9 +117,9 @@ def read_records(root: Path, role: str | None = None) -> dict[int, list[ProofRec
     directory = records_dir(root, role)
     refuse_link(Path(root) / PROOF_DIR, "proof directory")
     refuse_link(directory, "proof directory")
-    for path in sorted(directory.glob("rank_*.jsonl")):
+    for path in sorted(directory.glob("rank_*.jsonl" if rank is None else f"rank_{rank:05d}.jsonl")):
         try:
-            rank = int(path.stem.split("_")[1])
+            number = int(path.stem.split("_")[1])
         except (IndexError, ValueError):
             continue  # not a name ProofLog writes
         try:
@@ -137,7 +138,7 @@ def read_records(root: Path, role: str | None = None) -> dict[int, list[ProofRec
                     continue  # a record torn by a kill mid-append (the next process starts a new line)
                 raise CheckpointCorruptError(f"{exc}; proof records are append-only") from None
             records.append(ProofRecord.from_json(rec, where=f"{path}:{n}"))
-        out[rank] = records
+        out[number] = records
     return out
 
 

@@ -147,7 +147,7 @@ def busy_saves(root: Path) -> BusySaves | None:
     if not (root / "proof").is_dir():
         return None
     roles = _proofrecords.record_roles(root)
-    records = _proofrecords.read_records(root, roles[0] if roles else None).get(0, [])
+    records = _proofrecords.read_records(root, roles[0] if roles else None, rank=0).get(0, [])
     if not records:
         return None
     # This launch's records (from its restore on): a skip made while step k committed is carried by the
