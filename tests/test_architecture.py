@@ -8,6 +8,7 @@ not that the check saw nothing.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import ckptguard
@@ -234,23 +235,28 @@ def local_imports(sources: dict[str, str]) -> list[str]:
     calls of ``importlib.import_module``/``__import__`` (except a package ``__init__``'s PEP 562
     ``__getattr__``, commented ``# lazy``, and ``DYNAMIC_IMPORTS``)."""
     found = []
+    for module, text, f in core_functions(sources):
+        lines = text.splitlines()
+        package = (PKG.joinpath(*module.split(".")) / "__init__.py").is_file() or module == ""
+        for n in ast.walk(f):
+            line = lines[n.lineno - 1] if hasattr(n, "lineno") else ""
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and "# optional" not in line:
+                found.append(f"{module}:{n.lineno}")
+            elif isinstance(n, ast.Call) and _dynamic_import(n):
+                lazy = package and f.name == "__getattr__" and "# lazy" in line
+                if not lazy and f"{module}:{f.name}" not in DYNAMIC_IMPORTS:
+                    found.append(f"{module}:{n.lineno} (import by name)")
+    return found
+
+
+def core_functions(sources: dict[str, str]) -> Iterator[tuple[str, str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """(module, its text, a function) for every function of the modules of ranks 0-10, modules sorted."""
     for module, text in sorted(sources.items()):
         if layer(module)[1] > CORE_MAX_RANK:
             continue
-        lines = text.splitlines()
-        package = (PKG.joinpath(*module.split(".")) / "__init__.py").is_file() or module == ""
         for f in ast.walk(ast.parse(text)):
-            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for n in ast.walk(f):
-                line = lines[n.lineno - 1] if hasattr(n, "lineno") else ""
-                if isinstance(n, (ast.Import, ast.ImportFrom)) and "# optional" not in line:
-                    found.append(f"{module}:{n.lineno}")
-                elif isinstance(n, ast.Call) and _dynamic_import(n):
-                    lazy = package and f.name == "__getattr__" and "# lazy" in line
-                    if not lazy and f"{module}:{f.name}" not in DYNAMIC_IMPORTS:
-                        found.append(f"{module}:{n.lineno} (import by name)")
-    return found
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield module, text, f
 
 
 def _dynamic_import(call: ast.Call) -> bool:
@@ -282,17 +288,14 @@ UNTYPED = ("dict[str, Any]", "Dict[str, Any]")
 
 def untyped_signatures(sources: dict[str, str]) -> list[str]:
     found = []
-    for module, text in sorted(sources.items()):
-        if layer(module)[1] > CORE_MAX_RANK or layer(module)[0] == "memory":
+    for module, _text, f in core_functions(sources):
+        if layer(module)[0] == "memory":
             continue
-        for f in ast.walk(ast.parse(text)):
-            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            args = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs, f.args.vararg, f.args.kwarg]
-            annotations = [a.annotation for a in args if a is not None and a.annotation is not None]
-            text_of = " ".join(ast.unparse(a) for a in [*annotations, *([f.returns] if f.returns else [])])
-            if any(u in text_of for u in UNTYPED):
-                found.append(f"{module}:{f.lineno} {f.name}")
+        args = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs, f.args.vararg, f.args.kwarg]
+        annotations = [a.annotation for a in args if a is not None and a.annotation is not None]
+        text_of = " ".join(ast.unparse(a) for a in [*annotations, *([f.returns] if f.returns else [])])
+        if any(u in text_of for u in UNTYPED):
+            found.append(f"{module}:{f.lineno} {f.name}")
     return found
 
 

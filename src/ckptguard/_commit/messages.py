@@ -30,6 +30,10 @@ def read_failures(values: list[JsonObject]) -> list[WriteFailure]:
     return [WriteFailure.from_json(v) for v in values]
 
 
+def read_files(values: list[JsonObject]) -> list[FileEntry]:
+    return [FileEntry.from_json(v) for v in values]
+
+
 @dataclass(frozen=True)
 class ChunkDigests(Wire):
     """One rank's digest of every tensor chunk it holds, keyed ``key@offset``."""
@@ -78,7 +82,7 @@ class RankReport(Wire):
     failure: WriteFailure | None = None
     layout_free: dict[str, list[str]] = field(default_factory=dict)  # item -> partials (see digest.layout_free)
     reshard: dict[str, dict[str, Any]] = field(default_factory=dict)  # item -> declared reshard rule
-    READERS = {"failure": read_failure, "files": lambda files: [FileEntry.from_json(f) for f in files]}
+    READERS = {"failure": read_failure, "files": read_files}
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class ProofLog:
 
     def build(self, event: str, **fields: Any) -> ProofRecord:
         """The record of ``event`` with the header every record carries; ConfigError for a field that
-        would make it unreadable (a step that is not an int)."""
+        would make it unreadable (a ``time`` that is not a number)."""
         if event == "step":  # the thread count splits CPU reductions: prove names a change of it
             fields.setdefault("threads", torch.get_num_threads())
         elif event in ("save", "restore"):  # which code saved, which resumed: prove says when they differ
@@ -74,7 +74,7 @@ class ProofLog:
         if problem:
             raise ConfigError(f"the {event} proof record of rank {self.rank} for {self.path} would not read back "
                               f"({problem}): pass what the record_* call names as documented")
-        record = ProofRecord.from_json(raw, where=str(self.path))
+        record = ProofRecord.of(raw)
         self.watch.observe(record)
         return record
 
@@ -97,7 +97,7 @@ class ProofLog:
         refuse_link(self.root / PROOF_DIR, "proof directory")  # appending through a link writes outside the root
         refuse_link(self.path.parent, "proof directory")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps(r.to_json(), sort_keys=True) + "\n" for r in (*self._held, record)]
+        lines = [json.dumps(r.raw, sort_keys=True) + "\n" for r in (*self._held, record)]
         if not self._tail_checked:
             # A process killed mid-append leaves a torn last line: end it, so our records start on their own.
             self._tail_checked = True
@@ -245,7 +245,7 @@ def prunable(recs: Records, oldest: int) -> list[tuple[int, int]]:
             return []
         start = _window(recs, own)
         saver = recs[own].pid  # type: ignore[union-attr]  # _last_save found a save record there
-        killed = [s for r in recs[own + 1 : restore] if r is not None and r.is_("step") and r.pid == saver
+        killed = [s for r in recs[own + 1 : restore] if r is not None and r.event == "step" and r.pid == saver
                   and (s := r.step) is not None and s > k]
         last_killed = max(killed, default=k)
     else:

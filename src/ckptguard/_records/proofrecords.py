@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._disk.layout import PROOF_DIR, parse_json, read_small, refuse_link
+from .._types import JsonObject
 from ..errors import CheckpointCorruptError
 from .entries import is_int, is_number
 
@@ -44,7 +45,7 @@ class ProofRecord(Mapping[str, Any]):
     time: float | None
     mono: float | None
     step: int | None
-    raw: dict[str, object]
+    raw: JsonObject
 
     @classmethod
     def from_json(cls, obj: object, *, where: str) -> ProofRecord:
@@ -56,15 +57,17 @@ class ProofRecord(Mapping[str, Any]):
                 "restore that line from a copy or cut it, then prove again"
             )
         assert isinstance(obj, dict)
-        step = obj.get("step")
-        return cls(event=obj["event"], pid=obj["pid"], rank=obj.get("rank"), host=obj.get("host"),
-                   time=obj.get("time"), mono=obj.get("mono"), step=step if is_int(step) else None, raw=dict(obj))
+        return cls.of(dict(obj))
 
-    def to_json(self) -> dict[str, object]:
+    @classmethod
+    def of(cls, raw: JsonObject) -> ProofRecord:
+        """The record of ``raw``, an object ``header_problem`` passed; the record keeps it (not a copy)."""
+        step = raw.get("step")
+        return cls(event=raw["event"], pid=raw["pid"], rank=raw.get("rank"), host=raw.get("host"),
+                   time=raw.get("time"), mono=raw.get("mono"), step=step if is_int(step) else None, raw=raw)
+
+    def to_json(self) -> JsonObject:
         return dict(self.raw)
-
-    def is_(self, event: str) -> bool:
-        return self.event == event
 
     def __getitem__(self, key: str) -> Any:
         return self.raw[key]

@@ -144,7 +144,7 @@ class BusySaves:
 
 def busy_saves(root: Path) -> BusySaves | None:
     """What a commit in flight kept from the disk (``BusySaves``), or None where ``root`` has no proof records."""
-    if not (root / "proof").is_dir():
+    if not _proofrecords.records_dir(root).is_dir():
         return None
     roles = _proofrecords.record_roles(root)
     records = _proofrecords.read_records(root, roles[0] if roles else None, rank=0).get(0, [])
