@@ -38,7 +38,7 @@ def _final(proc: subprocess.CompletedProcess) -> str:
 def _gates(proc: subprocess.CompletedProcess) -> dict[str, str]:
     out = {}
     for ln in proc.stdout.splitlines():
-        for status in ("PASS", "FAIL", "NOT RUN"):
+        for status in ("PASS", "FAIL", "MISSING"):
             if f" {status} " in ln:
                 out[ln.split(f" {status} ")[0].strip()] = status
     return out

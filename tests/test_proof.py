@@ -133,7 +133,7 @@ def test_replay_gates_name_the_step_and_follow_the_plan(tmp_path):
     assert passed(evaluate(tmp_path / "info"))
     # no overlap: the kill came right after the save
     _write(tmp_path / "none", 0, _honest(killed=False))
-    assert _gates(tmp_path / "none")["data order identical"] is Status.NOT_RUN
+    assert _gates(tmp_path / "none")["data order identical"] is Status.MISSING
     assert "recorded no step after it" in _evidence(tmp_path / "none", "data order identical")
     _write(tmp_path / "short", 0, _honest(plan={**PLAN, "replay_steps": 2}))
     assert "the plan asks for 2" in _evidence(tmp_path / "short", "data order identical")
@@ -152,7 +152,7 @@ def test_a_restore_that_raised_is_a_failure_naming_the_error(tmp_path):
     _write(tmp_path, 0, records)
     gates = _gates(tmp_path)
     assert gates["restored step confirmed before training"] is Status.FAIL
-    assert gates["all PIDs changed"] is Status.NOT_RUN  # not a PASS for a restore that did not complete
+    assert gates["all PIDs changed"] is Status.MISSING  # not a PASS for a restore that did not complete
     assert "raised CheckpointCorruptError: reading step 6 failed" in _evidence(
         tmp_path, "restored step confirmed before training")
     assert verdict(evaluate(tmp_path)) == "resume NOT proven: restored step confirmed before training (FAIL)"
@@ -192,11 +192,11 @@ def test_tampered_digest_same_pid_and_late_confirmation_fail(tmp_path):
 def test_cold_start_and_unexecuted_gates_are_not_run(tmp_path):
     _write(tmp_path / "cold", 0, [{"event": "restore", "pid": 1, "step": 0, "fresh": True}])
     gates = evaluate(tmp_path / "cold")
-    assert all(g.status is Status.NOT_RUN for g in gates if g.required)
+    assert all(g.status is Status.MISSING for g in gates if g.required)
     assert not passed(gates)
     records = [r for r in _honest() if r["event"] != "logprobs"]
     _write(tmp_path / "nolog", 0, records)
-    assert _gates(tmp_path / "nolog")["first old-logprob aligned"] is Status.NOT_RUN
+    assert _gates(tmp_path / "nolog")["first old-logprob aligned"] is Status.MISSING
 
 
 @pytest.mark.parametrize("item", ["optim", "sched"])

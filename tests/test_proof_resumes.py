@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import ckptguard as cg
 from ckptguard.cli import main
 from ckptguard.demo import loops
-from ckptguard.ops.prove import Status, evaluate, passed, verdict
+from ckptguard.ops.prove import Outcome, Status, evaluate, outcome, passed, verdict
 from ckptguard.testing import run_ranks, values
 
 SAVE_EVERY, STOP_AFTER, END = 5, 8, 8  # the resumed segment replays 6-8 and saves nothing
@@ -137,24 +137,27 @@ def test_prove_judges_the_newest_resume_with_evidence_and_says_which(crash_loop)
     assert _by_name(first)["data order identical"].evidence.startswith("steps 6-8 replayed after the restore of step 5")
     assert passed(first)
     last = evaluate(crash_loop, resume=3)
-    assert verdict(last) == "resume NOT proven: one non-zero update (NOT RUN)"
+    assert verdict(last).startswith("resume EVIDENCE MISSING (no gate found a difference; not compared: ")
+    assert outcome(last) is Outcome.EVIDENCE_MISSING
     assert "recorded no step and no exit" in _by_name(last)["resumed run trained"].evidence
 
 
 def test_prove_all_shows_each_resume_and_a_wrong_number_is_refused(crash_loop):
     shown = CliRunner().invoke(main, ["prove", str(crash_loop), "--all"])
     lines = [x for x in shown.output.splitlines() if x.startswith("resume ")]
-    assert shown.exit_code == 1, shown.output
+    assert shown.exit_code == 3, shown.output  # the worst of the three: evidence missing, nothing FAILed
     assert [x.split(":")[0].rsplit(",", 1)[0] for x in lines] == ["resume 1 (step 5", "resume 2 (step 10",
                                                                    "resume 3 (step 10"]
     assert lines[0].endswith("resume PROVEN") and lines[1].endswith("resume PROVEN")
-    assert lines[2].endswith("resume NOT proven: one non-zero update (NOT RUN)")
+    assert "resume EVIDENCE MISSING" in lines[2] and "rank 0: the process that restored step 10" in lines[2]
     as_json = json.loads(CliRunner().invoke(main, ["prove", str(crash_loop), "--all", "--json"]).output)
     assert [r["proven"] for r in as_json["resumes"]] == [True, True, False] and as_json["proven"] is False
+    assert [r["outcome"] for r in as_json["resumes"]] == ["proven", "proven", "evidence missing"]
+    assert as_json["outcome"] == "evidence missing" and as_json["exit_code"] == 3
     one = CliRunner().invoke(main, ["prove", str(crash_loop), "--resume", "2"])
     assert one.exit_code == 0 and "resume 2 (step 10" in one.output and "as asked" in one.output
     bad = CliRunner().invoke(main, ["prove", str(crash_loop), "--resume", "4"])
-    assert bad.exit_code == 1 and "resumes 1-3" in bad.output and "Traceback" not in bad.output
+    assert bad.exit_code == 2 and "resumes 1-3" in bad.output and "Traceback" not in bad.output
     both = CliRunner().invoke(main, ["prove", str(crash_loop), "--all", "--resume", "1"])
     assert both.exit_code == 2
 
@@ -213,7 +216,7 @@ def _zero_step_job(root: Path, *, total: int | None, killed_to: int | None, rest
 @pytest.mark.parametrize(("total", "killed_to", "status", "said"), [
     (None, 14, Status.FAIL, "resumed at step 12 and trained 0 steps, then the process exited (the killed run had "
                             "reached step 14)"),
-    (None, None, Status.NOT_RUN, "whether steps were left is unknown: declare ProofPlan(total_steps=)"),
+    (None, None, Status.MISSING, "whether steps were left is unknown: declare ProofPlan(total_steps=)"),
     (12, None, Status.NA, "step 12 restored, the job's last (total_steps 12): nothing left to train"),
 ])
 def test_whether_steps_were_left_comes_from_the_plan_or_the_records(tmp_path, total, killed_to, status, said):

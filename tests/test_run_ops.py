@@ -180,8 +180,8 @@ def test_prove_on_a_run_root_without_records_is_not_run_for_every_role(tmp_path)
     out = json.loads(CliRunner().invoke(main, ["prove", str(root), "--json"]).output)
     assert not out["proven"]
     gates = {g["gate"]: g["status"] for g in out["gates"]}
-    assert gates["every role restored one run step"] == "NOT RUN"
-    assert gates["actor: all PIDs changed"] == "NOT RUN" and gates["driver: all PIDs changed"] == "NOT RUN"
+    assert gates["every role restored one run step"] == "MISSING"
+    assert gates["actor: all PIDs changed"] == "MISSING" and gates["driver: all PIDs changed"] == "MISSING"
     assert "PASS" not in gates.values()
 
 

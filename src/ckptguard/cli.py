@@ -713,11 +713,21 @@ def prove(root: Path | str, as_json: bool, resume: int | None, every: bool) -> N
     ROOT may be s3://bucket/prefix: the records are the copies every rank puts in its proof/ at each
     save and at close (a lost node's records included); a staging root holds the live ones.
 
-    Each gate is PASS, FAIL, NOT RUN, INFO or N/A (the job's ProofPlan, recorded with the save, says
-    it does not apply). Exit 0 only if every required gate passes: `resume PROVEN`; otherwise
-    `resume NOT proven: <first failing gate>`. A gate whose event was never recorded is NOT RUN.
-    The judged resume is the newest that recorded a step after its restore (the `resume judged`
-    line says which); --resume N judges another, --all each (exit 0 only if every one is proven).
+    Each gate is PASS, FAIL (a difference found), MISSING (nothing to compare: an event never
+    recorded, or a kill that landed before the reference was recorded), INFO or N/A (the job's
+    ProofPlan, recorded with the save, says it does not apply). The judged resume is the newest
+    that recorded a step after its restore (the `resume judged` line says which); --resume N
+    judges another, --all each (the exit code is the worst of theirs). docs/proof.md explains
+    each verdict.
+
+    \b
+    Exit codes:
+      0  resume PROVEN: every required gate passed
+      1  resume NOT proven: a gate FAILed (the resumed run differs from the killed run), or the
+         proof records could not be read
+      2  bad usage
+      3  resume EVIDENCE MISSING: no gate FAILed, but a required gate had nothing to compare
+         (the verdict line names each, with the rank, the step and what was not recorded)
     """
     if every and resume is not None:
         raise click.UsageError("--all judges every resume: give it or --resume N, not both")
@@ -731,11 +741,16 @@ def prove(root: Path | str, as_json: bool, resume: int | None, every: bool) -> N
 
 
 def _prove(root: Path, as_json: bool, resume: int | None, every: bool) -> NoReturn:
-    from .ops.prove import evaluate, passed, to_json, verdict
+    from .ops.prove import EXIT_CODES, evaluate, outcome, resume_count, to_json, verdict
 
     if every:
         _prove_all(root.absolute(), as_json)
     try:
+        found = resume_count(root.absolute()) if resume is not None else []
+        if resume is not None and resume > len(found):  # a number the records do not hold is bad usage
+            shown = ", ".join(f"{r.number}: step {r.step}" for r in found)
+            _fail(f"--resume {resume}: the records under {root}/proof hold resumes 1-{len(found)} ({shown})",
+                  as_json, code=2)
         gates = evaluate(root.absolute(), resume=resume)
     except CheckpointError as exc:
         _fail(str(exc), as_json)
@@ -745,12 +760,12 @@ def _prove(root: Path, as_json: bool, resume: int | None, every: bool) -> NoRetu
     else:
         _gate_table(gates)
         click.echo(f"\n{verdict(gates)}")
-    sys.exit(0 if passed(gates) else 1)
+    sys.exit(EXIT_CODES[outcome(gates)])
 
 
 def _prove_all(root: Path, as_json: bool) -> None:
     """`prove --all`: every resume judged, one line each (and the first failing gate's evidence)."""
-    from .ops.prove import evaluate, passed, resume_count, to_json, verdict
+    from .ops.prove import EXIT_CODES, evaluate, outcome, resume_count, to_json, verdict, worst
 
     try:
         found = resume_count(root)
@@ -761,18 +776,19 @@ def _prove_all(root: Path, as_json: bool) -> None:
         _fail(f"{root}: the proof records hold no restore of a non-zero step: nothing to judge", as_json)
     if as_json:
         rows = [{"resume": r.number, "step": r.step, "pid": r.pid, **to_json(g)} for r, g in judged]
-        proven = all(passed(g) for _r, g in judged)
+        result = worst([outcome(g) for _r, g in judged])
+        proven = all(r["proven"] for r in rows)
         failed = [r["resume"] for r in rows if not r["proven"]]
-        _json_out(proven, **({} if proven else {"error": f"resumes {failed} are not proven"}), proven=proven,
-                  resumes=rows)
+        _json_out(proven, **({} if proven else {"error": f"resumes {failed} are not proven ({result.value})"}),
+                  proven=proven, outcome=result.value, exit_code=EXIT_CODES[result], resumes=rows)
     else:
         for r, gates in judged:
             click.echo(f"resume {r.number} (step {r.step}, pid {r.pid}): {verdict(gates)}")
-            bad = next((g for g in gates if g.required and g.status.value == "FAIL"), None) or next(
+            bad = next((g for g in gates if g.status.value == "FAIL"), None) or next(
                 (g for g in gates if g.required and g.status.value != "PASS"), None)
-            if bad is not None:
+            if bad is not None and bad.status.value == "FAIL":
                 click.echo(f"    {bad.name}: {bad.evidence}")
-    sys.exit(0 if all(passed(g) for _r, g in judged) else 1)
+    sys.exit(EXIT_CODES[worst([outcome(g) for _r, g in judged])])
 
 
 @main.command()
@@ -1071,9 +1087,15 @@ def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) 
 
         ckptguard rehearse --root /ckpt/run1 -- torchrun --nproc_per_node 8 train.py ...
 
-    Exit 0 only if both resumes are proven.
+    \b
+    Exit codes (as `ckptguard prove`'s):
+      0  rehearsal PASSED: both resumes proven
+      1  rehearsal FAILED: a gate FAILed on a resume, or the rehearsal could not run (the command
+         exited early, a wait timed out, a process survived its kill)
+      2  bad usage
+      3  rehearsal INCONCLUSIVE: no gate FAILed, but a resume's evidence is missing (named)
     """
-    from .ops.prove import verdict
+    from .ops.prove import EXIT_CODES, verdict
     from .ops.rehearse import rehearse as _rehearse
 
     try:
@@ -1082,7 +1104,7 @@ def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) 
         _fail(str(exc), as_json)
     if as_json:
         _json_out(result.proven, **({} if result.proven else {"error": result.verdict()}), **result.to_json())
-        sys.exit(0 if result.proven else 1)
+        sys.exit(EXIT_CODES[result.outcome])
     _gate_table(result.gates)
     click.echo("")
     for r in result.resumes:
@@ -1091,7 +1113,7 @@ def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) 
         click.echo(f"\ncheckpoint of step {result.step}: {_cost_line(result.cost)}")
     click.echo(f"log: {result.log}")
     click.echo(f"\n{result.verdict()}")
-    sys.exit(0 if result.proven else 1)
+    sys.exit(EXIT_CODES[result.outcome])
 
 
 def _busy_more(g: Any) -> str:

@@ -2,9 +2,11 @@
 
 Contract: each rank appends JSON lines to ``ROOT/proof/rank_NNNNN.jsonl`` (one record
 per event: save, restore, step, export, logprobs, update), never rewriting earlier lines.
-``evaluate`` reads them and decides each gate as PASS, FAIL, NOT RUN, INFO or N/A, with
-evidence. A gate whose event never happened is NOT RUN, never PASS; a gate the job's
-``ProofPlan`` (recorded with the save) says does not apply is N/A. A run segment is one PID;
+``evaluate`` reads them and decides each gate as PASS, FAIL, MISSING, INFO or N/A, with
+evidence. FAIL means a difference was found; MISSING that the gate had nothing to compare
+(an event never recorded, or a kill that landed before the reference was recorded): never
+PASS, never FAIL. A gate the job's ``ProofPlan`` (recorded with the save) says does not
+apply is N/A. ``outcome`` turns the gates into PROVEN, DIVERGED or EVIDENCE_MISSING. A run segment is one PID;
 the gates look at the newest restore of a non-zero step on each rank of the newest run.
 
 The replay gates compare the steps the resumed run runs again (restored step + 1 up to the
@@ -42,7 +44,7 @@ DATA_FIELDS = ("sample_ids", "batch")
 class Status(str, enum.Enum):
     PASS = "PASS"
     FAIL = "FAIL"
-    NOT_RUN = "NOT RUN"
+    MISSING = "MISSING"
     INFO = "INFO"
     NA = "N/A"
 
@@ -91,11 +93,11 @@ def _segment(rank: int, records: list[ProofRecord], at: int | None = -1) -> _Seg
 def _combine(name: str, per_rank: list[tuple[Status, str]], required: bool = True) -> Gate:
     statuses = {s for s, _ in per_rank}
     if not per_rank:
-        return Gate(name, Status.NOT_RUN, "no proof records", required)
+        return Gate(name, Status.MISSING, "no proof records", required)
     if Status.FAIL in statuses:
         status = Status.FAIL
-    elif Status.NOT_RUN in statuses:
-        status = Status.NOT_RUN
+    elif Status.MISSING in statuses:
+        status = Status.MISSING
     elif statuses == {Status.NA}:
         return Gate(name, Status.NA, per_rank[0][1], False)
     else:
@@ -113,17 +115,17 @@ def _raised(seg: _Segment) -> bool:
 
 
 def _needs_restore(seg: _Segment) -> tuple[Status, str] | None:
-    """NOT RUN without a completed restore of a non-zero step (a restore that raised is not one)."""
+    """MISSING without a completed restore of a non-zero step (a restore that raised is not one)."""
     if not _restored(seg):
-        return Status.NOT_RUN, "no restore of a non-zero step"
+        return Status.MISSING, "no restore of a non-zero step"
     if _raised(seg):
-        return Status.NOT_RUN, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"  # type: ignore[index]
+        return Status.MISSING, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"  # type: ignore[index]
     return None
 
 
 def _gate_confirmed(seg: _Segment) -> tuple[Status, str]:
     if not _restored(seg):
-        return Status.NOT_RUN, "no restore of a non-zero step"
+        return Status.MISSING, "no restore of a non-zero step"
     assert seg.restore is not None
     if _raised(seg):
         error = seg.restore.get("error") or "an error (not recorded)"
@@ -145,7 +147,7 @@ def _gate_pids(seg: _Segment) -> tuple[Status, str]:
         return Status.PASS, "every rank restored in a new process"  # a rank the saving run did not have
     saver = next((r for r in reversed(seg.before) if r["event"] == "save" and r["step"] == step), None)
     if saver is None:
-        return Status.NOT_RUN, f"rank {seg.rank}: no record of the process that saved step {step}"
+        return Status.MISSING, f"rank {seg.rank}: no record of the process that saved step {step}"
     if saver["pid"] == seg.restore["pid"] and saver.get("host") == seg.restore.get("host"):
         return Status.FAIL, f"rank {seg.rank}: restored in the same process (pid {saver['pid']}) that saved"
     return Status.PASS, "every rank restored in a new process"
@@ -153,7 +155,7 @@ def _gate_pids(seg: _Segment) -> tuple[Status, str]:
 
 def _gate_digests(seg: _Segment) -> tuple[Status, str]:
     if not _restored(seg):
-        return Status.NOT_RUN, "no restore of a non-zero step"
+        return Status.MISSING, "no restore of a non-zero step"
     assert seg.restore is not None
     items = seg.restore.get("digests_match") or {}
     free = seg.restore.get("layout_free_match") or {}
@@ -162,11 +164,11 @@ def _gate_digests(seg: _Segment) -> tuple[Status, str]:
     if bad:
         return Status.FAIL, f"rank {seg.rank}: items {bad} differ from the save"
     if _raised(seg):
-        return Status.NOT_RUN, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"
+        return Status.MISSING, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"
     old, new = seg.restore.get("saved_world_size"), seg.restore.get("world_size")
     if old and new and old != new:
         if not free:
-            return Status.NOT_RUN, (f"rank {seg.rank}: resharded restore ({old} -> {new} ranks) and the save recorded "
+            return Status.MISSING, (f"rank {seg.rank}: resharded restore ({old} -> {new} ranks) and the save recorded "
                                     "no layout-free digests (written by an older ckptguard): tensor items not compared")
         by_rule = (seg.restore.get("reshard") or {}).get("mode") == "by_item"
         source = "what their reshard rules give" if by_rule else "the saving rank's"
@@ -174,7 +176,7 @@ def _gate_digests(seg: _Segment) -> tuple[Status, str]:
         return Status.PASS, (f"resharded {old} -> {new} ranks: {', '.join(sorted(free))} equal the save's "
                              f"layout-free digests{extras}")
     if not items:
-        return Status.NOT_RUN, f"rank {seg.rank}: digests were not compared (verify_restored off)"
+        return Status.MISSING, f"rank {seg.rank}: digests were not compared (verify_restored off)"
     also = f"; layout-free digests equal too ({', '.join(sorted(free))})" if free else ""
     return Status.PASS, f"{len(items)} items per rank equal the save's ({', '.join(sorted(items))}){also}"
 
@@ -182,7 +184,7 @@ def _gate_digests(seg: _Segment) -> tuple[Status, str]:
 def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
     """Every tensor chunk that several ranks hold had one value across its holders after the load."""
     if not _restored(seg):
-        return Status.NOT_RUN, "no restore of a non-zero step"
+        return Status.MISSING, "no restore of a non-zero step"
     assert seg.restore is not None
     rep = seg.restore.get("replicas")
     if rep and rep.get("differing"):
@@ -190,11 +192,11 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
         return Status.FAIL, (f"{rep['differing']} tensor chunk(s) held by several ranks differ between their "
                              f"replicas after the load of step {seg.restore['step']}: {shown}")
     if _raised(seg):
-        return Status.NOT_RUN, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"
+        return Status.MISSING, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"
     if not rep:
         why = ("the restore compared no layout-free digests (verify_restored off, or a save written before "
                "them)" if "replicas" in seg.restore else "not recorded (a restore by an older ckptguard)")
-        return Status.NOT_RUN, f"rank {seg.rank}: replicas not compared: {why}"
+        return Status.MISSING, f"rank {seg.rank}: replicas not compared: {why}"
     if not rep.get("checked"):
         return Status.NA, (f"no tensor chunk is held by more than one of the {rep.get('world')} rank(s) "
                            "(one rank, or every tensor sharded): no replicas to compare")
@@ -216,11 +218,11 @@ def _gate_export(seg: _Segment) -> tuple[Status, str]:
         return missing
     first = seg.first("export")
     if first is None:
-        return Status.NOT_RUN, f"rank {seg.rank}: no export recorded after the restore"
+        return Status.MISSING, f"rank {seg.rank}: no export recorded after the restore"
     step = first["step"]
     ref = next((r for r in reversed(seg.before) if r["event"] == "export" and r["step"] == step), None)
     if ref is None:
-        return Status.NOT_RUN, f"rank {seg.rank}: no export of step {step} recorded by the saving run"
+        return Status.MISSING, f"rank {seg.rank}: no export of step {step} recorded by the saving run"
     diffs = [k for k in ("bytes", "scales") if ref["fingerprint"].get(k) != first["fingerprint"].get(k)]
     if diffs:
         return Status.FAIL, (f"rank {seg.rank}: first export of step {step} differs in {diffs} from the saving run's"
@@ -233,7 +235,7 @@ def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
         return missing
     first = seg.first("logprobs")
     if first is None:
-        return Status.NOT_RUN, f"rank {seg.rank}: no old-logprob recorded after the restore"
+        return Status.MISSING, f"rank {seg.rank}: no old-logprob recorded after the restore"
     diff = first["probs_diff"]
     if diff == 0.0:
         return Status.PASS, f"first old-logprob aligned: probs_diff 0 over {first['tokens']} tokens"
@@ -270,7 +272,7 @@ def _gate_update(seg: _Segment) -> tuple[Status, str]:
     if first is None:
         step = next((r for r in seg.after if r["event"] == "step" and "grad_norm" in r), None)
         if step is None:
-            return Status.NOT_RUN, _no_update(seg)
+            return Status.MISSING, _no_update(seg)
         changed = (step.get("extra") or {}).get("params_changed", True)
         first = {"step": step["step"], "grad_norm": step["grad_norm"], "params_changed": changed}
     norm = first.get("grad_norm")
@@ -309,12 +311,12 @@ def _gate_trained(seg: _Segment, plan: ProofPlan) -> tuple[Status, str]:
     later = [int(r["step"]) for r in seg.before if r["event"] == "step" and r["step"] > k]
     of = f" of {total}" if total is not None else ""
     if ended is None:
-        return Status.NOT_RUN, (f"rank {seg.rank}: the process that restored step {k}{of} recorded no step and no exit "
+        return Status.MISSING, (f"rank {seg.rank}: the process that restored step {k}{of} recorded no step and no exit "
                                 "(killed before its first step, or still running: prove again when it ends)")
     if total is not None and k >= total:
         return Status.NA, f"step {k} restored, the job's last (total_steps {total}): nothing left to train"
     if total is None and not later:
-        return Status.NOT_RUN, (f"rank {seg.rank}: resumed at step {k} and trained 0 steps before the process "
+        return Status.MISSING, (f"rank {seg.rank}: resumed at step {k} and trained 0 steps before the process "
                                 "exited; no total_steps declared and no earlier run recorded a step past it, so "
                                 "whether steps were left is unknown: declare ProofPlan(total_steps=)")
     why = f"the plan's total_steps is {total}" if total is not None else f"the killed run had reached step {max(later)}"
@@ -330,7 +332,7 @@ def _gate_addresses(seg: _Segment) -> tuple[Status, str]:
     assert seg.restore is not None
     moved = seg.restore.get("addresses_changed")
     if moved is None:
-        return Status.NOT_RUN, f"rank {seg.rank}: addresses were not recorded"
+        return Status.MISSING, f"rank {seg.rank}: addresses were not recorded"
     if moved:
         return Status.FAIL, (f"rank {seg.rank}: restore replaced {len(moved)} tensor(s) instead of copying into "
                              f"them, e.g. {moved[:3]}; CUDA graphs and rollout engines hold the old addresses")
@@ -388,7 +390,7 @@ class _Replay:
     """One rank's comparison of its replayed steps with the killed run's."""
 
     rank: int
-    status: Status = Status.NOT_RUN
+    status: Status = Status.MISSING
     evidence: str = ""
     steps: list[int] = field(default_factory=list)  # compared
     first_bad: int | None = None
@@ -663,7 +665,7 @@ def _deterministic_numbers(name: str, data: Gate, replays: list[_Replay], diffs:
                     f"resume (the plan compares replayed numerics bitwise). {_numbers_hint(replay, s)}")
     if data.status is not Status.PASS or not count:
         why = "no values (loss, grad_norm, extras) recorded" if data.status is Status.PASS else "no replay compared"
-        return Gate(name, Status.NOT_RUN, why)
+        return Gate(name, Status.MISSING, why)
     return Gate(name, Status.PASS, f"{count} values (loss, grad_norm, extras) bitwise equal to the killed run's")
 
 
@@ -727,7 +729,7 @@ def _gate_topology(segments: list[_Segment], old: int, new: int) -> Gate:
 
 def _gate_rng_distinct(segments: list[_Segment]) -> Gate:
     """After a resharded restore every rank's RNG streams must differ from every other's: a copy of
-    another rank's (EXTRAS_FROM_RANK0, EXTRAS_MODULO when growing) gives identical dropout and sampling."""
+    another rank's (a rule that copies them) gives identical dropout and sampling."""
     name = "RNG streams distinct across ranks"
     digests: dict[int, str | None] = {}
     mode = None
@@ -736,7 +738,7 @@ def _gate_rng_distinct(segments: list[_Segment]) -> Gate:
             return Gate(name, missing[0], missing[1])
         info = seg.restore.get("reshard") if seg.restore else None
         if not isinstance(info, dict):
-            return Gate(name, Status.NOT_RUN, f"rank {seg.rank}: the resharded restore recorded no RNG streams "
+            return Gate(name, Status.MISSING, f"rank {seg.rank}: the resharded restore recorded no RNG streams "
                         "(written by an older ckptguard)")
         digests[seg.rank], mode = info.get("rng"), info.get("mode")
     if all(d is None for d in digests.values()):
@@ -807,7 +809,7 @@ def _union_data(segments: list[_Segment], records: dict[int, list[ProofRecord]],
     new_pids = {s.restore["pid"] for s in segments if s.restore is not None}
     killed, missing_savers = _killed_steps(records, k, old, new_pids)
     if missing_savers:
-        return Gate(name, Status.NOT_RUN, f"no record of the processes that saved step {k} on old ranks "
+        return Gate(name, Status.MISSING, f"no record of the processes that saved step {k} on old ranks "
                     f"{missing_savers}: no killed run to compare with")
     resumed: dict[int, dict[int, list[ProofRecord]]] = {}
     for seg in segments:
@@ -816,17 +818,17 @@ def _union_data(segments: list[_Segment], records: dict[int, list[ProofRecord]],
                 resumed.setdefault(int(x["step"]), {}).setdefault(seg.rank, []).append(x)
     a, b = _spans(killed, k, old), _spans(resumed, k, new)
     if a is None or b is None:
-        return Gate(name, Status.NOT_RUN, f"resharded {old} -> {new} ranks: steps after {k} were recorded without "
+        return Gate(name, Status.MISSING, f"resharded {old} -> {new} ranks: steps after {k} were recorded without "
                     "integer or string sample_ids (or by an older ckptguard): exactly-once consumption over the "
                     "union of ranks was not checked")
     if not a or not b:
         who = "the run that saved" if not a else "the resumed run"
-        return Gate(name, Status.NOT_RUN, f"resharded {old} -> {new} ranks: {who} step {k} recorded no step after it "
+        return Gate(name, Status.MISSING, f"resharded {old} -> {new} ranks: {who} step {k} recorded no step after it "
                     "on all of its ranks: nothing to compare")
     at_a = {count: (step, total) for step, count, total in a}
     common = [(count, step, total) for step, count, total in b if count in at_a and count > 0]
     if not common:
-        return Gate(name, Status.NOT_RUN, (
+        return Gate(name, Status.MISSING, (
             f"resharded {old} -> {new} ranks: after step {k} the killed run consumed {[c for _s, c, _t in a]} samples "
             f"by step, the resumed run {[c for _s, c, _t in b]}: no step where both had consumed as many; record "
             "more steps"))
@@ -841,7 +843,7 @@ def _union_data(segments: list[_Segment], records: dict[int, list[ProofRecord]],
                 "ckptguard.DataCursor"))
     count, step, _total = common[-1]
     if step - k < plan.replay_steps:
-        return Gate(name, Status.NOT_RUN, f"resharded {old} -> {new} ranks: {step - k} step(s) replayed, the plan "
+        return Gate(name, Status.MISSING, f"resharded {old} -> {new} ranks: {step - k} step(s) replayed, the plan "
                     f"asks for {plan.replay_steps} (ProofPlan.replay_steps)")
     return Gate(name, Status.PASS, (
         f"resharded {old} -> {new} ranks: the {count} samples the killed run consumed in steps "
@@ -917,7 +919,7 @@ def evaluate(root: Path, *, plan: ProofPlan | None = None, resume: int | None = 
 
     A RunCheckpoint root (``run_roles``): a required gate that every role restored one run step
     holding every role, then every role's gates, each named ``<role>: <gate>``; a role without
-    records has its gates NOT RUN."""
+    records has its gates MISSING."""
     root = Path(root)  # a str from a script (examples/train_gpt.py passes its --root) works as a Path
     roles = run_roles(root)
     if roles:
@@ -989,7 +991,7 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
                      ("digests equal, item by item", _gate_digests), ("addresses unchanged", _gate_addresses)):
         gates.append(_combine(name, [_judged(fn, s) for s in segments]))
     # Required once a restore compared replicas; a restore that could not (older ckptguard, a save without
-    # layout-free digests) shows NOT RUN without holding back a verdict the other gates earn.
+    # layout-free digests) shows MISSING without holding back a verdict the other gates earn.
     compared = any(s.restore is not None and s.restore.get("replicas") for s in segments)
     gates.insert(len(gates) - 1, _combine("replicas equal after load", [_judged(_gate_replicas, s) for s in segments],
                                           required=compared))
@@ -1025,23 +1027,66 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
     return gates
 
 
+class Outcome(str, enum.Enum):
+    """What a launcher script acts on: exact, a difference found, or not enough evidence to tell."""
+
+    PROVEN = "proven"
+    DIVERGED = "diverged"
+    EVIDENCE_MISSING = "evidence missing"
+
+
+EXIT_CODES = {Outcome.PROVEN: 0, Outcome.DIVERGED: 1, Outcome.EVIDENCE_MISSING: 3}
+"""``ckptguard prove`` and ``rehearse``'s exit code of each outcome (2 is bad usage, as in every command)."""
+
+
+def outcome(gates: list[Gate]) -> Outcome:
+    """DIVERGED when any gate found a difference (FAIL); PROVEN when every required gate passed; else
+    EVIDENCE_MISSING: nothing differed, but a required gate had nothing to compare (MISSING)."""
+    if any(g.status is Status.FAIL for g in gates):
+        return Outcome.DIVERGED
+    if all(g.status is Status.PASS for g in gates if g.required):
+        return Outcome.PROVEN
+    return Outcome.EVIDENCE_MISSING
+
+
+def worst(outcomes: list[Outcome]) -> Outcome:
+    """The outcome of several resumes together: any DIVERGED, else any EVIDENCE_MISSING, else PROVEN."""
+    order = [Outcome.DIVERGED, Outcome.EVIDENCE_MISSING]
+    return next((o for o in order if o in outcomes), Outcome.PROVEN)
+
+
 def passed(gates: list[Gate]) -> bool:
-    return all(g.status is Status.PASS for g in gates if g.required)
+    return outcome(gates) is Outcome.PROVEN
+
+
+def missing(gates: list[Gate]) -> list[Gate]:
+    """The required gates that had nothing to compare."""
+    return [g for g in gates if g.required and g.status is not Status.PASS and g.status is not Status.FAIL]
 
 
 def verdict(gates: list[Gate]) -> str:
-    """One line: ``resume PROVEN`` (with what was not compared, in parentheses) or ``resume NOT proven:
-    <first failing gate> (<status>)``."""
-    if passed(gates):
+    """One line: ``resume PROVEN`` (with what was not compared, in parentheses); ``resume NOT proven:
+    <first failing gate> (FAIL)``; or ``resume EVIDENCE MISSING (...)`` naming each gate that had
+    nothing to compare and why."""
+    result = outcome(gates)
+    if result is Outcome.PROVEN:
         notes = list(dict.fromkeys(g.qualifies for g in gates if g.qualifies))
         return "resume PROVEN" + (f" ({'; '.join(notes)})" if notes else "")
-    failing = [g for g in gates if g.required and g.status is not Status.PASS]
-    first = next((g for g in failing if g.status is Status.FAIL), failing[0])
-    return f"resume NOT proven: {first.name} ({first.status.value})"
+    if result is Outcome.DIVERGED:
+        fails = [g for g in gates if g.status is Status.FAIL]
+        first = next((g for g in fails if g.required), fails[0])
+        return f"resume NOT proven: {first.name} ({first.status.value})"
+    shown = "; ".join(f"{g.name}: {g.evidence}" for g in missing(gates))
+    return f"resume EVIDENCE MISSING (no gate found a difference; not compared: {shown})"
 
 
 def to_json(gates: list[Gate]) -> dict[str, Any]:
-    return {"verdict": verdict(gates), "proven": passed(gates), "gates": [g.to_json() for g in gates]}
+    """The verdict, the outcome and its exit code, the FAILed and the MISSING gates, and every gate."""
+    result = outcome(gates)
+    return {"verdict": verdict(gates), "proven": result is Outcome.PROVEN, "outcome": result.value,
+            "exit_code": EXIT_CODES[result],
+            "failed": [g.to_json() for g in gates if g.status is Status.FAIL],
+            "missing": [g.to_json() for g in missing(gates)], "gates": [g.to_json() for g in gates]}
 
 
 # ---------------------------------------------------------------- run roots (RunCheckpoint)
@@ -1067,7 +1112,7 @@ def _gate_run_step(root: Path, roles: list[str]) -> Gate:
         if got:
             restored[role] = got
     if not restored:
-        return Gate(name, Status.NOT_RUN, f"no role of {roles} recorded a restore of a non-zero step")
+        return Gate(name, Status.MISSING, f"no role of {roles} recorded a restore of a non-zero step")
     steps = sorted({step for got in restored.values() for step, _ in got})
     if len(steps) > 1:
         shown = "; ".join(f"role {r!r}: step(s) {sorted(s for s, _ in got)}" for r, got in sorted(restored.items()))
@@ -1083,7 +1128,7 @@ def _gate_run_step(root: Path, roles: list[str]) -> Gate:
     declared = sorted(set(roles) | set(run.roles))
     unrecorded = [r for r in declared if r not in restored]
     if unrecorded:
-        return Gate(name, Status.NOT_RUN, f"run step {step} was restored by roles {sorted(restored)}; role(s) "
+        return Gate(name, Status.MISSING, f"run step {step} was restored by roles {sorted(restored)}; role(s) "
                     f"{unrecorded} recorded no restore of it (record_proof off there, or records removed)")
     return Gate(name, Status.PASS, f"roles {', '.join(declared)} restored run step {step} ({step_dir.name}), which "
                 "holds every role")

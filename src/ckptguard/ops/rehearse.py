@@ -42,7 +42,7 @@ from .._records.proofrecords import ProofRecord, read_records
 from ..config import ProofPlan
 from ..errors import CheckpointError, RehearsalError
 from . import _proctree
-from .prove import Gate, evaluate, passed, verdict
+from .prove import Gate, Outcome, evaluate, outcome, passed, verdict, worst
 
 
 @dataclass
@@ -78,22 +78,35 @@ class Rehearsal:
     resumes: list[Resume] = field(default_factory=list)
 
     @property
+    def outcome(self) -> Outcome:
+        """DIVERGED if a resume's gate FAILed, EVIDENCE_MISSING if one had nothing to compare, else PROVEN."""
+        if not self.resumes:
+            return Outcome.EVIDENCE_MISSING
+        return worst([outcome(r.gates) for r in self.resumes])
+
+    @property
     def proven(self) -> bool:
-        return bool(self.resumes) and all(r.proven for r in self.resumes)
+        return self.outcome is Outcome.PROVEN
 
     def verdict(self) -> str:
-        if self.proven:
+        result = self.outcome
+        if result is Outcome.PROVEN:
             return "rehearsal PASSED"
-        bad = next(r for r in self.resumes if not r.proven)
-        return f"rehearsal FAILED: {verdict(bad.gates)} (the resume after {bad.after})"
+        bad = next((r for r in self.resumes if outcome(r.gates) is result), None)
+        if bad is None:
+            return "rehearsal INCONCLUSIVE: no resume was judged"
+        word = "FAILED" if result is Outcome.DIVERGED else "INCONCLUSIVE"
+        return f"rehearsal {word}: {verdict(bad.gates)} (the resume after {bad.after})"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "passed": self.proven,
+            "outcome": self.outcome.value,
             "verdict": self.verdict(),
             "step": self.step,
             "kills": [asdict(k) for k in self.kills],
             "resumes": [{"after": r.after, "step": r.step, "verdict": verdict(r.gates),
+                         "outcome": outcome(r.gates).value,
                          "gates": [g.to_json() for g in r.gates]} for r in self.resumes],
             "cost": self.cost.to_json() if self.cost else None,
             "log": str(self.log),
