@@ -111,7 +111,8 @@ def plan_targets(
     if unexpected := sorted(set(manifest.items) - set(state)):
         problems.append(f"items in the checkpoint not given to restore: {unexpected} (pass them, or they are lost)")
     try:
-        targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items}, ctx.keyfn())
+        stepped = frozenset(n for n in manifest.items if _state.tensor_keys(extras["items"][n]))
+        targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items}, ctx.keyfn(), stepped)
         ckpt_keys = set(ctx.storage.read_metadata(step_dir / _layout.STATE_DIR).state_dict_metadata)
     except Exception as exc:  # reported through the plan exchange below, like any mismatch
         problems.append(f"{type(exc).__name__}: {exc}")

@@ -20,7 +20,6 @@ import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -29,6 +28,7 @@ from .._disk.digest import DIGEST_BYTES, DIGEST_STRUCTURE, digest, structure_dig
 from .._disk.layoutfree import digest_with_layout_free, layout_free_partials
 from .._types import StateDict
 from ..errors import ConfigError, StateMismatchError
+from . import optimstate
 
 TENSOR_REF = "__ckptguard_dcp_key__"
 
@@ -201,8 +201,8 @@ def current_state(name: str, value: Any, kind: ItemKind, state: Mapping[str, Any
     """The item's state dict as it is now (tensors are live references where possible)."""
     if kind is ItemKind.MODULE:
         return get_model_state_dict(value)
-    if kind is ItemKind.OPTIMIZER:
-        return get_optimizer_state_dict(_model_for(value, state, name), value)
+    if kind is ItemKind.OPTIMIZER:  # never stepped to be read (optimstate)
+        return optimstate.read(_model_for(value, state, name), value, name)
     if kind is ItemKind.STATEFUL:
         return value.state_dict()
     if kind is ItemKind.PER_RANK:
@@ -262,12 +262,16 @@ Target = tuple[ItemKind, Any, dict[str, torch.Tensor]]
 Targets = dict[str, Target]
 
 
-def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same) -> Targets:
-    """For each item: its kind, its current state dict, and the flat tensors DCP fills."""
+def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same, stepped: frozenset[str] = frozenset()) -> Targets:
+    """For each item: its kind, its current state dict, and the flat tensors DCP fills. ``stepped``: the
+    optimizer items whose saved state holds tensors (DCP's load target initialises them; the load replaces it)."""
     targets = {}
     for name, value in state.items():
         kind = classify(value)
-        sd = current_state(name, value, kind, state)
+        if kind is ItemKind.OPTIMIZER and name in stepped:
+            sd = optimstate.load_target(_model_for(value, state, name), value)
+        else:
+            sd = current_state(name, value, kind, state)
         flat: dict[str, torch.Tensor] = {}
         if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS):
             flatten(sd, name, flat, keyfn)
