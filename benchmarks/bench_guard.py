@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, root: str, size_gib: float, reps: int) -> dic
 
 
 def main() -> None:
-    from dist_helper import run_ranks, values
+    from ckptguard.testing import run_ranks, values
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=float, default=1.0, help="GiB of state per rank")

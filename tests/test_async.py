@@ -16,7 +16,7 @@ from ckptguard import AsyncOptions, _faults
 from ckptguard._disk import layout as _layout
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.storage.dcp import DCPStorage
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 
 def test_snapshot_is_independent_and_tracker_moves_only_on_commit(tmp_path):

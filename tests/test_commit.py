@@ -18,7 +18,7 @@ from ckptguard._disk import layout as _layout
 from ckptguard._resume.resolve import resolve_local
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.storage.dcp import DCPStorage, _CheckedWriter
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")
 TIMEOUT_S = 5  # of a save a rank dies in: long above a live peer's skew, and waited once per commit point
@@ -260,18 +260,6 @@ def test_overwrite_of_committed_step_needs_opt_in(tmp_path):
     assert fingerprint(fresh) == fingerprint(job)
     with pytest.raises(cg.ConfigError, match="already committed"):  # a one-shot action: the next save asks again
         over.save(1, job.state())
-
-
-def test_overwrite_in_the_config_still_works_for_one_release_and_warns(tmp_path):
-    job = build_job()
-    cg.CheckpointManager(tmp_path / "ck").save(1, job.state())
-    with pytest.warns(DeprecationWarning, match=r"save\(step, state, overwrite=True\)"):
-        config = cg.CheckpointConfig(overwrite=True)
-    train_step(job)
-    cg.CheckpointManager(tmp_path / "ck", config=config).save(1, job.state())
-    fresh = build_job(seed=4)
-    cg.CheckpointManager(tmp_path / "ck").restore(fresh.state())
-    assert fingerprint(fresh) == fingerprint(job)
 
 
 def test_verl_style_template(tmp_path):

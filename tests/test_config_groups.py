@@ -1,58 +1,30 @@
-"""CheckpointConfig is composed of option groups; the flat keywords of earlier releases still work for
-one release, each with a DeprecationWarning naming its new spelling, and build the same config."""
+"""CheckpointConfig is composed of option groups, one spelling per setting: the flat keywords and
+names of the unreleased 0.1.0 drafts, the one-shot actions as config fields and a bare ReshardRule
+in place of its group are refused, not translated."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from pathlib import Path
 
 import pytest
 
 import ckptguard as cg
-from ckptguard.config import _LEGACY, with_dir_template
+from ckptguard.config import with_dir_template
 
-# One non-default value per flat keyword, and where the group keeps it.
-FLAT_VALUES = {
-    "dir_template": "global_step_{step}",
-    "stage_dir": Path("/tmp/stage"),
-    "keep_failed": True,
-    "publish_checksums": True,
-    "allow_newer_torch": True,
-    "stale_temp_age_s": 60.0,
-    "lease_ttl_s": 120.0,
-    "capture_rng": False,
-    "restore_rng": False,
-    "verify_restored": False,
-    "async_gpu_bytes": 1 << 20,
-    "async_host_bytes": 2 << 20,
-    "async_pool_idle_s": None,
-    "on_busy": cg.OnBusy.WAIT,
-    "layout": cg.ParallelLayout(dp=2, tp=2),
-    "rng_seed": 7,
-    "replicated": ("sched",),
-    "record_proof": False,
-}
+# The flat keywords of the drafts (each now a field of one group) and the one-shot actions, now
+# arguments of the call that does them (save(..., overwrite=True), save/restore(..., break_lease=True)).
+REMOVED = ("dir_template", "stage_dir", "keep_failed", "publish_checksums", "allow_newer_torch", "stale_temp_age_s",
+           "lease_ttl_s", "capture_rng", "restore_rng", "verify_restored", "async_gpu_bytes", "async_host_bytes",
+           "async_pool_idle_s", "on_busy", "layout", "rng_seed", "replicated", "record_proof", "overwrite",
+           "break_lease")
 
 
-def test_every_flat_keyword_has_a_value_here():
-    assert set(FLAT_VALUES) == set(_LEGACY)
-
-
-@pytest.mark.parametrize("old", sorted(FLAT_VALUES))
-def test_a_flat_keyword_warns_with_the_new_spelling_and_lands_in_its_group(old):
-    group, name = _LEGACY[old]
-    value = FLAT_VALUES[old]
-    with pytest.warns(DeprecationWarning, match=rf"CheckpointConfig\({old}=\.\.\.\) is deprecated: write "
-                                                rf"CheckpointConfig\({group}=\w+\({name}=\.\.\.\)\)"):
-        flat = cg.CheckpointConfig(**{old: value})
-    grouped_cls = type(getattr(cg.CheckpointConfig(), group))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        grouped = cg.CheckpointConfig(**{group: grouped_cls(**{name: value})})
-    assert flat == grouped
-    assert getattr(getattr(flat, group), name) == value
-    assert getattr(flat, old) == value  # the flat name still reads
+@pytest.mark.parametrize("old", REMOVED)
+def test_a_removed_flat_keyword_is_refused_and_its_name_does_not_read(old):
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{old}'"):
+        cg.CheckpointConfig(**{old: None})
+    assert not hasattr(cg.CheckpointConfig(), old)
 
 
 def test_the_group_spelling_raises_no_warning_and_defaults_are_unchanged():
@@ -64,30 +36,29 @@ def test_the_group_spelling_raises_no_warning_and_defaults_are_unchanged():
             reshard=cg.ReshardOptions(rule=cg.ReshardRule.BY_ITEM, rng_seed=3),
             proof=cg.ProofPlan(record=False, rl=True), retention=None,
         )
-    assert (config.dir_template, config.capture_rng, config.async_host_bytes, config.rng_seed) == (
-        "iter_{step:07d}", False, 0, 3)
-    assert config.reshard.rule is cg.ReshardRule.BY_ITEM and config.record_proof is False
+    got = (config.storage.dir_template, config.state.capture_rng, config.async_save.host_bytes,
+           config.reshard.rng_seed)
+    assert got == ("iter_{step:07d}", False, 0, 3)
+    assert config.reshard.rule is cg.ReshardRule.BY_ITEM and config.proof.record is False
     assert config.retention is None  # None keeps every step; the default is the default policy
     default = cg.CheckpointConfig()
     assert default.retention == cg.KeepLast(3) | cg.KeepEvery(20)
-    assert (default.timeout_s, default.dir_template, default.on_busy) == (600.0, "step_{step:08d}", cg.OnBusy.SKIP)
+    assert (default.timeout_s, default.storage.dir_template, default.async_save.on_busy) == (
+        600.0, "step_{step:08d}", cg.OnBusy.SKIP)
 
 
-def test_a_reshard_rule_in_place_of_the_group_still_works_with_a_warning():
-    with pytest.warns(DeprecationWarning, match=r"reshard=ReshardOptions\(rule=ReshardRule.BY_ITEM\)"):
-        config = cg.CheckpointConfig(reshard=cg.ReshardRule.BY_ITEM)
-    assert config.reshard == cg.ReshardOptions(rule=cg.ReshardRule.BY_ITEM)
+def test_a_reshard_rule_in_place_of_its_group_is_refused_naming_the_group():
+    with pytest.raises(cg.ConfigError, match=r"CheckpointConfig.reshard must be a ReshardOptions"):
+        cg.CheckpointConfig(reshard=cg.ReshardRule.BY_ITEM)
 
 
-def test_a_flat_keyword_applies_over_the_group_given_beside_it():
-    with pytest.warns(DeprecationWarning):
-        config = cg.CheckpointConfig(storage=cg.StorageOptions(keep_failed=True), dir_template="x_{step}")
-    assert config.storage == cg.StorageOptions(keep_failed=True, dir_template="x_{step}")
+def test_the_reshard_rules_are_refuse_and_by_item():
+    assert [r.name for r in cg.ReshardRule] == ["REFUSE", "BY_ITEM"]
 
 
-def test_an_unknown_keyword_is_a_type_error_listing_the_options():
-    with pytest.raises(TypeError, match=r"unexpected keyword argument 'timeout'.*timeout_s"):
-        cg.CheckpointConfig(timeout=5)
+def test_a_removed_tiered_keyword_is_refused(tmp_path):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'fast'"):
+        cg.TieredCheckpoint(tmp_path / "a", fast=tmp_path / "b")
 
 
 @pytest.mark.parametrize(("build", "match"), [
@@ -103,6 +74,8 @@ def test_an_unknown_keyword_is_a_type_error_listing_the_options():
     (lambda: cg.ProofPlan(record=1), r"ProofPlan.record must be a bool"),
     (lambda: cg.CheckpointConfig(timeout_s=0), r"CheckpointConfig.timeout_s must be > 0"),
     (lambda: cg.CheckpointConfig(storage=cg.StateOptions()), r"CheckpointConfig.storage must be a StorageOptions"),
+    (lambda: cg.CheckpointConfig(health=None), r"CheckpointConfig.health must be a HealthPolicy"),
+    (lambda: cg.CheckpointConfig(blocking=0.5), r"CheckpointConfig.blocking must be a BlockingBudget"),
 ])
 def test_each_group_refuses_a_bad_value_naming_group_and_field(build, match):
     with pytest.raises(cg.ConfigError, match=match):
@@ -120,9 +93,3 @@ def test_an_integration_keeps_its_directory_names_and_the_callers_storage():
     config = with_dir_template("checkpoint-{step}", {"storage": cg.StorageOptions(keep_failed=True), "timeout_s": 9})
     assert config.storage == cg.StorageOptions(dir_template="checkpoint-{step}", keep_failed=True)
     assert config.timeout_s == 9
-
-
-def test_one_shot_actions_are_not_config():
-    with pytest.warns(DeprecationWarning, match=r"Pass break_lease=True to the call that needs it"):
-        cg.CheckpointConfig(break_lease=True)
-    assert "break_lease" not in repr(cg.CheckpointConfig())

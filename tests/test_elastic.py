@@ -6,9 +6,8 @@ first tries a state with an item that has no reshard rule (refused on every rank
 then restores under ``ReshardRule.BY_ITEM`` and trains to the end of the epoch. Then: the gathered
 parameters and Adam moments equal the saving run's bitwise; the sample ids of the whole run are one
 uninterrupted epoch order (none repeated, none skipped); each rank's RNG streams are the rule's
-derivation and differ across ranks; ``ckptguard prove`` passes and shows the reshard. The legacy
-``EXTRAS_FROM_RANK0`` (rank 0's streams on every rank) fails the proof, and a checkpoint written
-before reshard rules existed (the v1 fixture) is resharded under the rules declared now.
+derivation and differ across ranks; ``ckptguard prove`` passes and shows the reshard. A checkpoint
+written before reshard rules existed (the v1 fixture) is resharded under the rules declared now.
 """
 
 from __future__ import annotations
@@ -217,8 +216,7 @@ def _replay_step_one(path: Path, ids: list[int]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
-def _legacy(rank: int, world: int, root: str, v1_root: str) -> dict:
-    out = {}
+def _format1(rank: int, world: int, v1_root: str) -> dict:
     # A checkpoint written before reshard rules (format 1 fixture, one rank) reshards under the rules declared now.
     torch.manual_seed(1)
     model = torch.nn.Linear(4, 2)
@@ -226,36 +224,18 @@ def _legacy(rank: int, world: int, root: str, v1_root: str) -> dict:
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
     v1 = {"model": model, "optim": optim, "sched": sched, "tokens_seen": 0}
     cfg = _config(replicated=("sched", "tokens_seen"))
-    out["v1_step"] = cg.CheckpointManager(v1_root, config=cfg).restore(v1)
-    out["v1"] = (model.weight.tolist(), model.bias.tolist(), sched.get_last_lr(), v1["tokens_seen"])
-    # The old mode: every rank takes rank 0's extras, RNG streams included.
-    job, cursor, _, state = _job(rank, world, seed=99)
-    state["tokens"] = cg.PerRank(-1)  # no rule needed: everything is copied from rank 0
-    mgr = cg.CheckpointManager(root, config=_config(rule=cg.ReshardRule.EXTRAS_FROM_RANK0))
-    assert mgr.restore(state) == K
-    out["streams"] = _streams()
-    step = K
-    while not cursor.exhausted(B):
-        step += 1
-        _step(mgr, job, cursor, state["tokens"], step, state["gen"])
-    return out
+    step = cg.CheckpointManager(v1_root, config=cfg).restore(v1)
+    return {"v1_step": step, "v1": (model.weight.tolist(), model.bias.tolist(), sched.get_last_lr(), v1["tokens_seen"])}
 
 
-def test_old_extras_from_rank0_fails_the_proof_and_old_checkpoints_still_reshard(saved, tmp_path):
-    root, v1_root = tmp_path / "root", tmp_path / "v1"
-    shutil.copytree(saved[1][0], root)
+def test_a_checkpoint_written_before_reshard_rules_reshards_under_the_rules_declared_now(tmp_path):
+    v1_root = tmp_path / "v1"
     shutil.copytree(FIXTURE / "root", v1_root)
-    out = values(run_ranks(_legacy, 2, str(root), str(v1_root)))
+    out = values(run_ranks(_format1, 2, str(v1_root)))
     expected = json.loads((FIXTURE / "expected.json").read_text())
     for r in out:
         assert r["v1_step"] == expected["step"]
         assert r["v1"] == (expected["weight"], expected["bias"], expected["lr"], 1536)
-    assert out[0]["streams"] == out[1]["streams"]  # the bug the old mode has: identical dropout on every rank
-    gates = evaluate(root)
-    assert not passed(gates)
-    rng = next(g for g in gates if g.name == "RNG streams distinct across ranks")
-    assert rng.status is Status.FAIL and "ranks [0, 1] hold the same RNG streams" in rng.evidence
-    assert "extras_from_rank0" in rng.evidence and "ReshardRule.BY_ITEM" in rng.evidence
 
 
 def test_data_cursor_partitions_the_rest_of_an_epoch_exactly_once():

@@ -7,7 +7,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard._disk.digest import digest
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 EXPERTS = 2
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import ckptguard as cg
 from ckptguard.integrations.external import ExternalFiles
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 
 def _writer(rank: int):

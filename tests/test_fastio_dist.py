@@ -13,7 +13,7 @@ from ckptguard._disk.digest import digest, file_digest
 from ckptguard.demo.toyjob import build_job, train_step
 from ckptguard.storage.base import StorageContext
 from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 # Small buffers so every parameter shard is cut into several pieces and blocks.
 CFG = StreamingConfig(pool_bytes=4 * 4096, buffer_bytes=4096)

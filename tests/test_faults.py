@@ -28,7 +28,7 @@ from ckptguard.cli import main
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.ops.verify import verify_root
 from ckptguard.storage.dcp import DCPStorage, _CheckedWriter
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")
 

@@ -341,7 +341,7 @@ def test_resume_mode_and_retention_mapping(tmp_path):
         save_total_limit = 2
 
     cfg = chf.checkpoint_config(Args(), timeout_s=5)
-    assert cfg.retention == cg.KeepLast(2) and cfg.dir_template == "checkpoint-{step}" and cfg.timeout_s == 5
+    assert cfg.retention == cg.KeepLast(2) and cfg.storage.dir_template == "checkpoint-{step}" and cfg.timeout_s == 5
     Args.save_total_limit = None
     assert chf.checkpoint_config(Args()).retention is None  # HF: None keeps every checkpoint
     Args.save_total_limit = 0

@@ -19,7 +19,7 @@ from ckptguard._records import retention as _retention
 from ckptguard._records.prooflog import read_records
 from ckptguard.cli import main
 from ckptguard.storage import _staging
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 
 def _state(value: float = 0.0) -> dict:

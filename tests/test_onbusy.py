@@ -186,8 +186,8 @@ def test_a_request_one_rank_cannot_hold_whole_is_skipped_on_every_rank(tmp_path:
 
 def _redirecting(rank: int, world: int, base: str) -> dict[str, Any]:
     tiers = cg.TieredCheckpoint(Path(base) / "fast", persistent=Path(base) / "pers", fast_every=1,
-                                persistent_every=2, config=cg.CheckpointConfig(
-                                    timeout_s=60, on_busy=cg.OnBusy.FAST_TIER, async_host_bytes=1 << 20))
+                                persistent_every=2, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
+                                    on_busy=cg.OnBusy.FAST_TIER, host_bytes=1 << 20)))
     fast_gate, pers_gate = threading.Event(), threading.Event()
     if rank == 0:  # rank 0's commits end late: its fast one when fast_gate is set, its persistent one on pers_gate
         for mgr, gate in ((tiers.fast, fast_gate), (tiers.persistent, pers_gate)):

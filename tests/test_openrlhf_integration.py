@@ -14,7 +14,7 @@ import torch.distributed as dist
 import ckptguard as cg
 from ckptguard._records import retention
 from ckptguard.integrations import openrlhf as co
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 
 class FakeEngine:

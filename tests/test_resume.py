@@ -16,7 +16,7 @@ import ckptguard as cg
 from ckptguard import ReshardOptions, StateOptions, StorageOptions
 from ckptguard._disk import layout as _layout
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 K, N = 4, 9
 
@@ -172,7 +172,8 @@ def test_ranks_that_disagree_all_raise_together(tmp_path):
         cg.CheckpointManager(a).restore(job.state())
     assert fingerprint(job) == before  # refused before anything was read
     # ...unless resharding is declared: DCP reshards the FSDP2 shards into full tensors.
-    cfg = cg.CheckpointConfig(reshard=ReshardOptions(rule=cg.ReshardRule.EXTRAS_FROM_RANK0))
+    rules = ReshardOptions(rule=cg.ReshardRule.BY_ITEM, rng_seed=0, replicated=("sched", "loader"))
+    cfg = cg.CheckpointConfig(reshard=rules)
     assert cg.CheckpointManager(a, config=cfg).restore(job.state()) == 2
     assert {n: p.tolist() for n, p in job.model.named_parameters()} == full
     assert job.loader.cursor == 2

@@ -7,7 +7,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 
 def _roundtrip_worker(rank: int, world: int, root: str) -> dict:

@@ -245,7 +245,7 @@ def test_budget_from_the_memory_contract():
 
 
 def test_config_accepts_none_and_refuses_bad_budgets():
-    assert cg.CheckpointConfig().async_host_bytes is None
+    assert cg.CheckpointConfig().async_save.host_bytes is None
     with pytest.raises(cg.ConfigError, match="host_bytes"):
         cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=-1))
     with pytest.raises(cg.ConfigError, match="pool_idle_s"):
@@ -308,7 +308,7 @@ def _async_divergence_worker(rank: int, world: int, root: str) -> dict:
 
 
 def test_the_divergence_guard_of_an_async_save_runs_on_the_staged_copies(tmp_path):
-    from dist_helper import run_ranks, values
+    from ckptguard.testing import run_ranks, values
 
     for r in values(run_ranks(_async_divergence_worker, 2, str(tmp_path / "ck"))):
         assert "w (ranks grouped by content: [[0], [1]])" in r["refused"] and r["committed"] == []

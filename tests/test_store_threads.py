@@ -18,7 +18,7 @@ import torch
 import ckptguard as cg
 from ckptguard import AsyncOptions, _faults
 from ckptguard._disk import layout as _layout
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 # Low enough that the shared-client deadlock fails the old code within seconds; the slow
 # rank's extra write time stays well below it, so a correct run never comes near it.

@@ -159,11 +159,8 @@ def test_the_three_front_doors_take_the_root_first_and_the_config_by_keyword(tmp
     assert tiers.fast.root == (tmp_path / "fast").absolute()
 
 
-def test_fast_keyword_still_works_for_one_release_with_a_warning_naming_the_new_spelling(tmp_path):
-    with pytest.warns(DeprecationWarning, match=r"write TieredCheckpoint\(root, persistent=\.\.\.\)"):
-        tiers = cg.TieredCheckpoint(fast=tmp_path / "fast")
-    assert tiers.fast.root == (tmp_path / "fast").absolute()
-    with pytest.raises(cg.ConfigError, match="two fast roots"):
+def test_the_fast_root_is_the_first_argument_and_none_is_refused(tmp_path):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'fast'"):
         cg.TieredCheckpoint(tmp_path / "a", fast=tmp_path / "b")
     with pytest.raises(cg.ConfigError, match="give the fast tier's root"):
-        cg.TieredCheckpoint(persistent=tmp_path / "p")
+        cg.TieredCheckpoint(None, persistent=tmp_path / "p")

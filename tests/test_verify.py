@@ -21,7 +21,7 @@ from ckptguard.demo.toyjob import build_job, train_step
 from ckptguard.ops.gc import gc
 from ckptguard.ops.preflight import preflight
 from ckptguard.ops.verify import verify_root
-from dist_helper import run_ranks, values
+from ckptguard.testing import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")
 

@@ -29,10 +29,6 @@ class Actions:
     break_lease: bool = False
     """Take the root's write lease even from a live owner (reported in the log)."""
 
-    def with_config(self, config: CheckpointConfig) -> Actions:
-        """These actions, or the deprecated config fields of the same name (kept for one release)."""
-        return Actions(self.overwrite or config.overwrite, self.break_lease or config.break_lease)
-
 
 NO_ACTIONS = Actions()
 
@@ -72,15 +68,17 @@ class Context:
 
     def topology(self) -> dict[str, int]:
         """This run's world: its size and the layout's sizes (what ``Topology.shape`` gives of a saved one)."""
-        layout = self.config.layout.as_dict() if self.config.layout else {"dp": self.world, "tp": 1, "pp": 1, "ep": 1}
+        declared = self.config.reshard.layout
+        layout = declared.as_dict() if declared else {"dp": self.world, "tp": 1, "pp": 1, "ep": 1}
         if self.expert is not None:
             layout["ep"] = self.expert.size
         return {"world_size": self.world, **layout}
 
     def declared_rules(self, state: Any) -> dict[str, JsonObject]:
         """The reshard rule of every item of ``state`` under this root's config (``_state.rules``)."""
-        cfg = self.config
-        return _rules.declared(state, replicated=cfg.replicated, rng_seed=cfg.rng_seed, capture_rng=cfg.capture_rng)
+        reshard = self.config.reshard
+        return _rules.declared(state, replicated=reshard.replicated, rng_seed=reshard.rng_seed,
+                               capture_rng=self.config.state.capture_rng)
 
     def keyfn(self) -> Any:
         return self.expert.key if self.expert is not None else (lambda key: key)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar, overload
+from typing import Any
 
 from ._disk.layout import StepNaming
 from ._records.contract import RunContract
@@ -97,12 +96,6 @@ class ReshardRule(enum.Enum):
     """DCP reshards tensors; every other item by its declared rule (a ``DataCursor`` is re-partitioned,
     ``replicated`` items are checked equal and copied, ``PerRank(value, reshard=f)`` runs ``f``, the RNG
     streams are re-derived from ``rng_seed``, step and new rank); an item without a rule refuses the restore."""
-    EXTRAS_FROM_RANK0 = "extras_from_rank0"
-    """Legacy, kept for old jobs: every rank takes rank 0's per-rank values and RNG streams (identical
-    dropout and sampling on every rank); ``ckptguard prove`` fails such a resume. Use BY_ITEM."""
-    EXTRAS_MODULO = "extras_modulo"
-    """Legacy, kept for old jobs: rank r takes the extras of old rank r % old_world_size (growing duplicates
-    streams; shrinking drops ranks' data positions). Use BY_ITEM."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,38 +166,6 @@ class ProofPlan:
         if self.total_steps is not None:  # older readers take ProofPlan(**plan): only a declared total is written
             out["total_steps"] = self.total_steps
         return out
-
-
-class _Default:
-    """The default of ``CheckpointConfig(retention=...)``, told apart from None (keep every step)."""
-
-    def __repr__(self) -> str:
-        return "default_policy()"
-
-
-DEFAULT = _Default()
-
-
-T = TypeVar("T")
-
-
-class _Flat(Generic[T]):
-    """A read-only flat name of the first releases on ``CheckpointConfig``: reads ``config.<group>.<name>``."""
-
-    def __init__(self, group: str, name: str) -> None:
-        self.group, self.name = group, name
-
-    @overload
-    def __get__(self, obj: None, owner: type) -> _Flat[T]: ...
-
-    @overload
-    def __get__(self, obj: object, owner: type) -> T: ...
-
-    def __get__(self, obj: object | None, owner: type) -> _Flat[T] | T:
-        if obj is None:
-            return self
-        value: T = getattr(getattr(obj, self.group), self.name)
-        return value
 
 
 def _seconds(owner: str, name: str, value: object, *, none_ok: bool = False) -> None:
@@ -335,26 +296,14 @@ class ReshardOptions:
         object.__setattr__(self, "replicated", tuple(self.replicated))
 
 
-_GROUPS: dict[str, type[Any]] = {"storage": StorageOptions, "state": StateOptions, "async_save": AsyncOptions,
-                                 "reshard": ReshardOptions, "proof": ProofPlan}
-_ONE_SHOT = ("overwrite", "break_lease")
-
-
-def _legacy_warning(old: str, new: str) -> None:
-    warnings.warn(f"CheckpointConfig({old}=...) is deprecated: write CheckpointConfig({new}); "
-                  "the flat keyword goes in the next release", DeprecationWarning, stacklevel=3)
-
-
-@dataclass(frozen=True, kw_only=True, init=False)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Settings of a CheckpointManager, a RunCheckpoint or a TieredCheckpoint, in groups of options.
     Runtime objects (process group, storage) are passed to the front door directly, never here;
     one-shot actions (``overwrite``, ``break_lease``) are arguments of the call that needs them.
 
     ``CheckpointConfig(timeout_s=60, storage=StorageOptions(stage_dir=...), reshard=ReshardOptions(
-    rule=ReshardRule.BY_ITEM, rng_seed=0), retention=KeepLast(2))``. The flat keywords of earlier
-    releases (``dir_template=``, ``async_host_bytes=``, ...) still work for one release, with a
-    DeprecationWarning naming the new spelling, and every flat name still reads (``config.dir_template``).
+    rule=ReshardRule.BY_ITEM, rng_seed=0), retention=KeepLast(2))``.
     """
 
     timeout_s: float = 600.0
@@ -379,110 +328,29 @@ class CheckpointConfig:
     """Which committed steps survive rotation (default: last 3 + every 20th); None keeps all."""
     contract: RunContract | None = None
     """The run contract compared on save and restore; None means an empty contract."""
-    overwrite: bool = field(default=False, repr=False)
-    """Deprecated (a one-shot action that stayed set on every restart of the job passing this config):
-    pass ``save(..., overwrite=True)`` to the one save that replaces a committed step."""
-    break_lease: bool = field(default=False, repr=False)
-    """Deprecated, as ``overwrite``: pass ``save(..., break_lease=True)`` (and ``restore(...,
-    break_lease=True)``) to the calls that take the root's write lease from a live owner."""
 
-    def __init__(
-        self,
-        *,
-        timeout_s: float = 600.0,
-        storage: StorageOptions | None = None,
-        state: StateOptions | None = None,
-        async_save: AsyncOptions | None = None,
-        blocking: BlockingBudget | None = None,
-        reshard: ReshardOptions | ReshardRule | None = None,
-        proof: ProofPlan | None = None,
-        health: HealthPolicy | None = None,
-        retention: RetentionPolicy | _Default | None = DEFAULT,
-        contract: RunContract | None = None,
-        overwrite: bool = False,
-        break_lease: bool = False,
-        **flat: Any,
-    ) -> None:
-        given: dict[str, Any] = {"storage": storage, "state": state, "async_save": async_save,
-                                 "reshard": reshard, "proof": proof}
-        changes: dict[str, dict[str, Any]] = {}
-        if isinstance(reshard, ReshardRule):
-            _legacy_warning("reshard=ReshardRule...", f"reshard=ReshardOptions(rule=ReshardRule.{reshard.name})")
-            given["reshard"], changes["reshard"] = None, {"rule": reshard}
-        for old, value in flat.items():
-            if old not in _LEGACY:
-                known = sorted([*_LEGACY, *self.__dataclass_fields__])
-                raise TypeError(f"CheckpointConfig() got an unexpected keyword argument {old!r}; "
-                                f"the options are {', '.join(known)}")
-            group, name = _LEGACY[old]
-            _legacy_warning(old, f"{group}={_GROUPS[group].__name__}({name}=...)")
-            changes.setdefault(group, {})[name] = value
-        set_ = object.__setattr__
-        set_(self, "timeout_s", timeout_s)
-        for group, cls in _GROUPS.items():
-            value = cls() if given[group] is None else given[group]
-            if not isinstance(value, cls):
-                raise ConfigError(f"CheckpointConfig.{group} must be a {cls.__name__}, got {value!r}")
-            set_(self, group, dataclasses.replace(value, **changes[group]) if group in changes else value)
-        set_(self, "blocking", BlockingBudget() if blocking is None else blocking)
-        set_(self, "health", HealthPolicy() if health is None else health)
-        set_(self, "retention", default_policy() if isinstance(retention, _Default) else retention)
-        set_(self, "contract", contract)
-        set_(self, "overwrite", overwrite)
-        set_(self, "break_lease", break_lease)
-        self._check()
-
-    def _check(self) -> None:
-        for action in _ONE_SHOT:
-            if getattr(self, action):
-                warnings.warn(
-                    f"CheckpointConfig({action}=True) is deprecated: it acts on every save of every restart of the "
-                    f"job that passes this config. Pass {action}=True to the call that needs it instead, e.g. "
-                    f"mgr.save(step, state, {action}=True); the field goes in the next release",
-                    DeprecationWarning, stacklevel=3,
-                )
+    def __post_init__(self) -> None:
         _seconds("CheckpointConfig", "timeout_s", self.timeout_s)
-        if not isinstance(self.blocking, BlockingBudget):
-            raise ConfigError(f"CheckpointConfig.blocking must be a BlockingBudget, got {self.blocking!r}")
+        for name, cls in _GROUPS.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise ConfigError(f"CheckpointConfig.{name} must be a {cls.__name__}, got {value!r}")
         if self.contract is not None and not isinstance(self.contract, RunContract):
             raise ConfigError("CheckpointConfig.contract must be a RunContract or None")
         if self.retention is not None and not callable(getattr(self.retention, "keep", None)):
             raise ConfigError("CheckpointConfig.retention must be a policy (KeepLast, KeepEvery, a | b) or None")
-        if not isinstance(self.health, HealthPolicy):
-            raise ConfigError(f"CheckpointConfig.health must be a HealthPolicy, got {self.health!r}")
-
-    # Read-only shorthands: every flat name of the first releases reads its group's field; as keywords
-    # they are accepted for one release (``_LEGACY``, derived from these).
-    dir_template = _Flat[str]("storage", "dir_template")
-    stage_dir = _Flat[Path | None]("storage", "stage_dir")
-    keep_failed = _Flat[bool]("storage", "keep_failed")
-    publish_checksums = _Flat[bool | None]("storage", "publish_checksums")
-    allow_newer_torch = _Flat[bool]("storage", "allow_newer_torch")
-    stale_temp_age_s = _Flat[float]("storage", "stale_temp_age_s")
-    lease_ttl_s = _Flat[float]("storage", "lease_ttl_s")
-    capture_rng = _Flat[bool]("state", "capture_rng")
-    restore_rng = _Flat[bool]("state", "restore_rng")
-    verify_restored = _Flat[bool]("state", "verify_restored")
-    async_gpu_bytes = _Flat[int]("async_save", "gpu_bytes")
-    async_host_bytes = _Flat[int | None]("async_save", "host_bytes")
-    async_pool_idle_s = _Flat[float | None]("async_save", "pool_idle_s")
-    on_busy = _Flat[OnBusy]("async_save", "on_busy")
-    layout = _Flat[ParallelLayout | None]("reshard", "layout")
-    rng_seed = _Flat[int | None]("reshard", "rng_seed")
-    replicated = _Flat[tuple[str, ...]]("reshard", "replicated")
-    record_proof = _Flat[bool]("proof", "record")
 
 
-# The flat keywords of the first releases: each names the group field it now is.
-_LEGACY: dict[str, tuple[str, str]] = {
-    name: (flat.group, flat.name) for name, flat in vars(CheckpointConfig).items() if isinstance(flat, _Flat)
-}
+# Every option group and its type: a group given as anything else (a flat value, a bare ReshardRule) is
+# refused naming the group, not read as an option group later.
+_GROUPS: dict[str, type[Any]] = {"storage": StorageOptions, "state": StateOptions, "async_save": AsyncOptions,
+                                 "blocking": BlockingBudget, "reshard": ReshardOptions, "proof": ProofPlan,
+                                 "health": HealthPolicy}
 
 
 def with_dir_template(template: str, options: Mapping[str, Any]) -> CheckpointConfig:
-    """A config of ``options`` (``CheckpointConfig`` keywords, the old flat ones included) whose steps are
-    named by ``template``: an integration's directory names, kept whatever ``StorageOptions`` the caller
-    passed (a flat ``dir_template=`` in ``options`` still wins, with its DeprecationWarning)."""
+    """A config of ``options`` (``CheckpointConfig`` keywords) whose steps are named by ``template``: an
+    integration's directory names, kept whatever ``StorageOptions`` the caller passed."""
     options = dict(options)
     storage = options.pop("storage", None) or StorageOptions()
     if not isinstance(storage, StorageOptions):

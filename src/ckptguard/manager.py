@@ -79,7 +79,7 @@ class CheckpointManager:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
             raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
-        check_policy(self.config.on_busy, "CheckpointManager", (OnBusy.SKIP, OnBusy.WAIT, OnBusy.COALESCE))
+        check_policy(self.config.async_save.on_busy, "CheckpointManager", (OnBusy.SKIP, OnBusy.WAIT, OnBusy.COALESCE))
         self.root = Path(root).absolute()
         # Managers are created collectively, in the same order on every rank, so a
         # counter names this one's store keys alike everywhere; the root path would not
@@ -104,7 +104,7 @@ class CheckpointManager:
         # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
         self.busy = BusyRound(make_agreement(process_group, timeout_s=self.config.timeout_s,
                                              namespace=f"manager-{CheckpointManager._created}-busy"),
-                              policy=self.config.on_busy)
+                              policy=self.config.async_save.on_busy)
         """The ``on_busy`` decisions of ``save_async``: ``busy.skipped_total``, ``busy.last_commit_s``."""
         self.process_group = process_group
         """The group this manager agrees over (None: the default group); a PreemptionGuard agrees over it too."""
@@ -114,7 +114,7 @@ class CheckpointManager:
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         _faults.arm_pause_from_env(info.rank)  # only under `ckptguard rehearse`
-        self._ctx = Context.of(self.root, self.config, _layout.StepNaming(self.config.dir_template), agreement,
+        self._ctx = Context.of(self.root, self.config, _layout.StepNaming(self.config.storage.dir_template), agreement,
                                storage or StreamingStorage(), group, expert_parallel)
         self.core = Root(self.root, self.config, self._ctx.naming, agreement)
         """The bookkeeping of this root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
@@ -195,7 +195,7 @@ class CheckpointManager:
         go on to its next save or roll back; ``if mgr.save(...) is None`` tells it.
         ``overwrite=True`` replaces a committed step or saves one older than the tracker (a deliberate
         rollback); ``break_lease=True`` takes the root's write lease from a live owner. Both act on this
-        call only (one-shot actions; ``CheckpointConfig(overwrite=, break_lease=)`` is deprecated).
+        call only (one-shot actions, never config that would act again on every restart of the job).
         With several ranks, a save estimated to hold the slowest one longer than ``CheckpointConfig.blocking``
         (half the collective timeout) is warned about (``OverBudget.WARN``), committed in the background (None;
         ``wait()`` joins it) or refused on every rank (``SaveBudgetError``), before anything is captured.
@@ -225,12 +225,13 @@ class CheckpointManager:
     ) -> PendingSave | None:
         """Snapshot ``state`` now and commit step ``step`` in the background.
 
-        Requested while the previous commit still runs (on any rank), it follows ``CheckpointConfig.on_busy``:
-        ``SKIP`` (the default) returns None at once, logged with the interval that fits the measured commit
-        time, counted (``busy.skipped_total``) and recorded in the next step's cost block (so a final save is
-        ``wait()`` first); ``WAIT`` waits; ``COALESCE`` queues it (``poll()``, ``wait()`` start it).
-        The caller blocks only until the snapshot's copies are queued: into spare GPU memory within
-        ``async_gpu_bytes``, else into the reusable pinned host pool within ``async_host_bytes`` (None: the
+        Requested while the previous commit still runs (on any rank), it follows
+        ``CheckpointConfig.async_save.on_busy``: ``SKIP`` (the default) returns None at once, logged with the
+        interval that fits the measured commit time, counted (``busy.skipped_total``) and recorded in the next
+        step's cost block (so a final save is ``wait()`` first); ``WAIT`` waits; ``COALESCE`` queues it
+        (``poll()``, ``wait()`` start it). The caller blocks only until the snapshot's copies are queued: into
+        spare GPU memory within ``AsyncOptions.gpu_bytes``, else into the reusable pinned host pool within
+        ``AsyncOptions.host_bytes`` (None: the
         budget the memory contract leaves), on a side stream. The next optimizer step (a step pre-hook), the
         next forward of a module with buffers, or ``staged()`` waits for the copies; what does not fit the pool
         is read live by the background writer and that wait lasts until it was read (reported, never a silent
@@ -243,7 +244,7 @@ class CheckpointManager:
         check_state(state, "save_async")
         previous, actions = self._pending, Actions(overwrite, break_lease)
         if not self.queue.admit(step, previous, self._ctx, state, actions, (healthy, loss, grad_norm), wait=self.wait):
-            return None  # skipped or queued (CheckpointConfig.on_busy), alike on every rank
+            return None  # skipped or queued (CheckpointConfig.async_save.on_busy), alike on every rank
         prepared = self.stage_commit(step, state, healthy, loss, grad_norm, actions)
         return None if prepared is None else self.start_commit(step, prepared, time.monotonic(), after=previous)
 

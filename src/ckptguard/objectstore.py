@@ -106,7 +106,7 @@ class ObjectStoreCheckpoint:
         base = config or CheckpointConfig()
         if not isinstance(base, CheckpointConfig):
             raise ConfigError(f"config must be a CheckpointConfig, got {type(base).__name__}")
-        self.store = ObjectStore(StoreURL.parse(url), options, dir_template=base.dir_template)
+        self.store = ObjectStore(StoreURL.parse(url), options, dir_template=base.storage.dir_template)
         self.retention: RetentionPolicy | None = base.retention
         self.config = base
         # No blocking budget in the staging manager: a save it moved to the background would return None
@@ -167,14 +167,14 @@ class ObjectStoreCheckpoint:
         """Rank 0's part (not collective): create the root record and tracker 0 if absent, then take or
         renew the store's write lease for this job (``LeaseHeldError`` while another live job holds it)."""
         self.store.ensure_root()
-        note = self.store.acquire_lease(self._holder, override=break_lease or self.config.break_lease)
+        note = self.store.acquire_lease(self._holder, override=break_lease)
         if note:
             log.warning("ckptguard: %s: %s", self.store.url, note)
 
     def check_lease(self, break_lease: bool = False) -> None:
         """Raise ``LeaseHeldError`` on every rank while another live job holds the store's lease (collective)."""
         def check(_: list[_Empty]) -> _Empty:
-            self.store.check_lease(self._holder, override=break_lease or self.config.break_lease)
+            self.store.check_lease(self._holder, override=break_lease)
             return _Empty()
 
         gather_decide(self._agreement, "store.check_lease", _Empty(), check, decision=_Empty)
@@ -248,7 +248,7 @@ class ObjectStoreCheckpoint:
         return chosen.step, chosen.reason
 
     def _choose(self, mode: ResumeMode) -> _Chosen:
-        self.store.check_lease(self._holder, override=self.config.break_lease)
+        self.store.check_lease(self._holder, override=False)
         if mode is ResumeMode.NEVER:
             return _Chosen(0, "ResumeMode.NEVER")
         found = self.store.resolve(must=mode is ResumeMode.MUST)

@@ -95,7 +95,7 @@ class RunCheckpoint:
         if not isinstance(self.config, CheckpointConfig):
             raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
         # COALESCE would queue every role's snapshot in a second pool per role; FAST_TIER needs two tiers.
-        check_policy(self.config.on_busy, "RunCheckpoint", (OnBusy.SKIP, OnBusy.WAIT))
+        check_policy(self.config.async_save.on_busy, "RunCheckpoint", (OnBusy.SKIP, OnBusy.WAIT))
         roles = list(roles)
         if not roles or not all(isinstance(r, Role) for r in roles):
             raise ConfigError("RunCheckpoint(roles=...): give a non-empty list of ckptguard.Role(name, ranks=...)")
@@ -103,7 +103,7 @@ class RunCheckpoint:
         if len(set(names)) != len(names):
             raise ConfigError(f"RunCheckpoint(roles=...): role names must be unique, got {names}")
         self.root = Path(root).absolute()
-        self._naming = _layout.StepNaming(self.config.dir_template)
+        self._naming = _layout.StepNaming(self.config.storage.dir_template)
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
         self._ranks = {r.name: list(r.ranks) if r.ranks is not None else list(range(world)) for r in roles}
@@ -137,14 +137,14 @@ class RunCheckpoint:
                 self._derived[role.name] = role.derived
             proofs[role.name] = ProofLog(self.root, agreement.info.rank, role=role.name)
             proofs[role.name].code = self.config.contract.code if self.config.contract is not None else None
-        self._proofs = RoleProofs(proofs, enabled=self.config.record_proof, health=self.config.health, rank=me)
+        self._proofs = RoleProofs(proofs, enabled=self.config.proof.record, health=self.config.health, rank=me)
         self._shared_root = world == 1  # a run commits on one shared root only: probed at the first save
         self._pending: _async.PendingSave | None = None
         self._staging: dict[str, _async.AsyncStaging] = {}  # save_async: one host pool per role this rank holds
         self._budget: tuple[int, str] | None = None
         # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
         self.busy = BusyRound(make_agreement(None, timeout_s=self.config.timeout_s, namespace=f"{ns}-busy"),
-                              label="run step", policy=self.config.on_busy)
+                              label="run step", policy=self.config.async_save.on_busy)
         """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``), as ``CheckpointManager.busy``."""
         self.core = Root(self.root, self.config, self._naming, run_agreement, label="run step", lease_key="run.lease")
         """The bookkeeping of the run's root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
@@ -282,7 +282,7 @@ class RunCheckpoint:
                 log.warning(
                     "ckptguard: role %r, run step %d: %d of %d B do not fit the host staging budget (%d B): the "
                     "background writer reads them from the live tensors, and the next optimizer step waits until it "
-                    "has; raise CheckpointConfig.async_host_bytes to stage them", name, step, staged.live_bytes,
+                    "has; raise CheckpointConfig.async_save.host_bytes to stage them", name, step, staged.live_bytes,
                     staged.live_bytes + snap.staged_bytes, staged.host_budget,
                 )
             return snap
@@ -338,9 +338,9 @@ class RunCheckpoint:
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise ConfigError(f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
         self._check_states(states, where)
-        if where == "save_async" and not may_start(self.busy, step, self._pending, self.config.on_busy,
+        if where == "save_async" and not may_start(self.busy, step, self._pending, self.config.async_save.on_busy,
                                                    wait=self.wait, record=self._record_all):
-            return False  # CheckpointConfig.on_busy: skipped on every rank, logged and recorded
+            return False  # CheckpointConfig.async_save.on_busy: skipped on every rank, logged and recorded
         self.wait()
         self._check_shared_root(step)
         return self._healthy(step, healthy, loss, grad_norm)
@@ -355,7 +355,6 @@ class RunCheckpoint:
 
     def _commit_roles(self, step: int, snaps: dict[str, Snapshot], started: float, actions: Actions) -> Path:
         """Prepare the run step, write every role's part, publish: in the caller's or a background thread."""
-        actions = actions.with_config(self.config)
         prep = _commit.prepare(self._run, step, actions)
         if prep.nodes:  # the probe's verdict changed since (a remount): every rank raises alike
             raise ConfigError(node_local_message(self.root, step, [r for ranks in prep.nodes[1:] for r in ranks]))

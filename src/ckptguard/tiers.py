@@ -91,7 +91,7 @@ class TieredCheckpoint:
 
     def __init__(
         self,
-        root: str | os.PathLike[str] | None = None,
+        root: str | os.PathLike[str],
         *,
         persistent: str | os.PathLike[str] | None = None,
         fast_every: int = 1,
@@ -106,9 +106,8 @@ class TieredCheckpoint:
         expert_parallel: ExpertParallel | None = None,
         persistent_staging: str | os.PathLike[str] | None = None,
         persistent_options: Any | None = None,
-        fast: str | os.PathLike[str] | None = None,
     ) -> None:
-        fast = fast_root(root, fast)
+        fast = fast_root(root)
         for name, value in (("fast_every", fast_every), ("persistent_every", persistent_every)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"TieredCheckpoint({name}={value!r}): must be an int >= 1 (steps between saves)")
@@ -120,9 +119,9 @@ class TieredCheckpoint:
         if config is not None and not isinstance(config, CheckpointConfig):
             raise ConfigError(f"TieredCheckpoint(config=...) must be a CheckpointConfig, got {type(config).__name__}")
         base = dataclasses.replace(config or CheckpointConfig(), blocking=BlockingBudget(fraction=None))
-        check_policy(base.on_busy, "TieredCheckpoint", (OnBusy.SKIP, OnBusy.WAIT, OnBusy.FAST_TIER))
-        self.on_busy = base.on_busy
-        if base.on_busy is OnBusy.FAST_TIER:  # the tiers' policy; each tier's own manager skips (its save_async)
+        check_policy(base.async_save.on_busy, "TieredCheckpoint", (OnBusy.SKIP, OnBusy.WAIT, OnBusy.FAST_TIER))
+        self.on_busy = base.async_save.on_busy
+        if self.on_busy is OnBusy.FAST_TIER:  # the tiers' policy; each tier's own manager skips (its save_async)
             base = dataclasses.replace(base, async_save=dataclasses.replace(base.async_save, on_busy=OnBusy.SKIP))
         if persistent is not None and Path(persistent).absolute() == Path(fast).absolute():
             raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
@@ -242,7 +241,7 @@ class TieredCheckpoint:
         them), then one background thread commits the fast tier, pushes its peer replicas once that
         commit completed (a replica is never made of an uncommitted step), and commits the persistent
         tier, then the tiers' retention. Returns a ``TieredSave``; None for a step the health policy
-        skipped on every rank, or one requested while the tiers still commit (``CheckpointConfig.on_busy``,
+        skipped on every rank, or one requested while the tiers still commit (``CheckpointConfig.async_save.on_busy``,
         as in ``CheckpointManager.save_async``; ``OnBusy.FAST_TIER``: one requested while only the persistent
         tier still commits is written to the fast tier alone, at once, beside that commit). ``save``,
         ``restore``, ``wait`` or ``close`` wait for it first and raise its error: a restore chooses its step
@@ -354,8 +353,7 @@ class TieredCheckpoint:
             created = not mgr.root.exists()
             if created:
                 mgr.root.mkdir(parents=True)
-            override = Actions(break_lease=break_lease).with_config(mgr.config).break_lease
-            note = _lease.acquire(mgr.root, ttl_s=mgr.config.lease_ttl_s, override=override)
+            note = _lease.acquire(mgr.root, ttl_s=mgr.config.storage.lease_ttl_s, override=break_lease)
             if note:
                 log.warning("ckptguard: %s: %s", mgr.root, note)
             if created:

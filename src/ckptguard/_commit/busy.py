@@ -109,7 +109,7 @@ class BusyRound:
         self.agreement = agreement
         self.label = label
         self.policy = policy
-        """The front door's ``CheckpointConfig.on_busy`` (named in every cost block)."""
+        """The front door's ``CheckpointConfig.async_save.on_busy`` (named in every cost block)."""
         self.skipped_total = 0
         """Saves this process skipped because a commit was in flight."""
         self.coalesced_total = 0
@@ -230,7 +230,7 @@ def may_start(
     busy: BusyRound, step: int, pending: InFlight | None, policy: OnBusy, *, wait: Callable[[], Any],
     record: Callable[..., None],
 ) -> bool:
-    """``CheckpointConfig.on_busy`` for a ``save_async`` of ``step``: False when it is skipped, on every rank
+    """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: False when it is skipped, on every rank
     alike. Otherwise every rank's previous commit is published (its error is raised here, alike on every
     rank); its cleanup may still run, and the new commit starts after it. ``record``: the proof record."""
     busy.request(step)

@@ -123,10 +123,10 @@ class SaveQueue:
         self, step: int, pending: InFlight | None, ctx: Context, state: StateDict, actions: Actions,
         health: tuple[bool | None, Any, Any], *, wait: Callable[[], Any],
     ) -> bool:
-        """``CheckpointConfig.on_busy`` for a ``save_async`` of ``step``: True when it starts now; False when it was
-        skipped or queued, alike on every rank (``may_start``, or ``request`` under ``OnBusy.COALESCE``)."""
-        if ctx.config.on_busy is not OnBusy.COALESCE:
-            return may_start(self.busy, step, pending, ctx.config.on_busy, wait=wait, record=self._record)
+        """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: True when it starts now; False
+        when it was skipped or queued, alike on every rank (``may_start``, or ``request`` under ``OnBusy.COALESCE``)."""
+        if ctx.config.async_save.on_busy is not OnBusy.COALESCE:
+            return may_start(self.busy, step, pending, ctx.config.async_save.on_busy, wait=wait, record=self._record)
         return self.request(step, pending, ctx, state, actions, health, start=lambda: True) or False
 
     def request(
@@ -198,8 +198,8 @@ class SaveQueue:
         """The host bytes ``target`` may hold: the front door's host staging budget less what the other set
         holds (both are alive at once)."""
         total = self.sets[0].budget
-        if config.async_host_bytes is not None:
-            total = config.async_host_bytes
+        if config.async_save.host_bytes is not None:
+            total = config.async_save.host_bytes
         if total is None:
             return "the host staging budget is still being derived (the first save_async's background probe)"
         other = self.sets[1] if target is self.sets[0] else self.sets[0]
@@ -209,7 +209,7 @@ class SaveQueue:
         """``prepare_async``: the primary set's ``prepare``; under ``OnBusy.COALESCE`` then the spare set grown to
         ``items`` (all to the host) within what the budget leaves, in the background; a future of the bytes added."""
         first = self.sets[0].prepare(items, config)
-        if config.on_busy is not OnBusy.COALESCE:
+        if config.async_save.on_busy is not OnBusy.COALESCE:
             return first
         done: Future[int] = Future()
         spare = self.sets[1]

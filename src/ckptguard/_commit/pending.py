@@ -175,8 +175,8 @@ class AsyncStaging:
 
     def host_budget(self, config: CheckpointConfig) -> int:
         if self.budget is None:
-            if config.async_host_bytes is not None:
-                self.budget, self.budget_why = config.async_host_bytes, "CheckpointConfig.async_host_bytes"
+            if config.async_save.host_bytes is not None:
+                self.budget, self.budget_why = config.async_save.host_bytes, "CheckpointConfig.async_save.host_bytes"
             else:
                 per_node = _ranks_per_node()
                 found = host_budget(ranks_per_node=per_node)
@@ -192,7 +192,7 @@ class AsyncStaging:
         pool = self._pool_for(items, config)
         tensors = [t for c in items.values() for t in c.tensors.values()]
         on_gpu = sum(_nbytes(t) for t in tensors if _local(t).is_cuda)
-        gpu_fits = 0 < on_gpu <= (config.async_gpu_bytes if gpu_bytes is None else gpu_bytes)
+        gpu_fits = 0 < on_gpu <= (config.async_save.gpu_bytes if gpu_bytes is None else gpu_bytes)
         sizes = [_nbytes(t) for t in tensors if _nbytes(t) and not (gpu_fits and _local(t).is_cuda)]
         done: Future[int] = Future()
 
@@ -212,7 +212,7 @@ class AsyncStaging:
             self.pool.release()  # a CPU-only state's pool cannot serve non-blocking D2H copies
             self.pool = None
         if self.pool is None:
-            self.pool = StagingPool(pin=pin, idle_s=config.async_pool_idle_s)
+            self.pool = StagingPool(pin=pin, idle_s=config.async_save.pool_idle_s)
         return self.pool
 
     def stage(self, snap: Snapshot, state: StateDict, config: CheckpointConfig) -> Staged:
@@ -220,14 +220,14 @@ class AsyncStaging:
         if self.budget is None and self.preparing is None:
             self.prepare(snap.items, config)  # no prepare_async: this first save reads live, never pins here
         budget = self.budget if self.budget is not None else 0
-        staged = stage(snap, gpu_bytes=config.async_gpu_bytes, host_bytes=budget, pool=pool,
+        staged = stage(snap, gpu_bytes=config.async_save.gpu_bytes, host_bytes=budget, pool=pool,
                        timeout_s=config.timeout_s)
         snap.read_done = staged.fence.live_read
         snap.cost = {
             **staged.cost(pool),
             "host_budget_why": self.budget_why,
             "host_pool_release": "close()" + (
-                f" or {config.async_pool_idle_s:g} s without a save_async" if config.async_pool_idle_s else ""
+                f" or {config.async_save.pool_idle_s:g} s without a save_async" if config.async_save.pool_idle_s else ""
             ),
         }
         self.guard(staged.fence, state)
@@ -237,7 +237,7 @@ class AsyncStaging:
             log.log(logging.INFO if ready else logging.WARNING,
                 "ckptguard: step %d: %d of %d B are not staged (host staging budget %d B, pool %d B%s): the "
                 "background writer reads them from the live tensors, and the next optimizer step waits until it "
-                "has (see PendingSave.mutation_wait_seconds); raise CheckpointConfig.async_host_bytes to stage "
+                "has (see PendingSave.mutation_wait_seconds); raise CheckpointConfig.async_save.host_bytes to stage "
                 "them, or call prepare_async(state) ahead of the first save_async", snap.step, staged.live_bytes,
                 staged.live_bytes + snap.staged_bytes, staged.host_budget, pool.held_bytes,
                 ", growing in the background" if ready else "",
@@ -272,7 +272,7 @@ class AsyncStaging:
             pool.grow_async(pool.missing(sizes), budget)
             return f"its host staging set for {want} B was not allocated yet (now being allocated in the background)"
         return (f"it needs {want} B of host staging beside the commit's, and {budget} B of the host staging budget "
-                "are left (raise CheckpointConfig.async_host_bytes to twice the state's bytes)")
+                "are left (raise CheckpointConfig.async_save.host_bytes to twice the state's bytes)")
 
     def fill(self, placed: Placement, state: StateDict, timeout_s: float) -> Staged:
         """Copy ``placed``'s tensors into their slots; the next mutation waits for the copies (never for a

@@ -153,7 +153,7 @@ def _write_rank(ctx: Context, step: int, tmp: Path, items: dict[str, Captured], 
         "rng": rng,
     }
     tensors = {k: t for c in items.values() for k, t in c.tensors.items()}
-    stage = ctx.config.stage_dir
+    stage = ctx.config.storage.stage_dir
     if stage is None:
         files = ctx.storage.write(tmp / _layout.STATE_DIR, tensors, ctx.storage_ctx)
         files.append(_write_extras(tmp / _layout.extras_name(ctx.rank), extras))

@@ -100,7 +100,7 @@ def write_marker_or_fail(
     # every rank sees this temp directory, and a read-back of every rank's bytes on rank 0 would cost
     # one more read of the whole state per save).
     failures = [r.failure for r in reports if r.failure] or _unseen_files(
-        tmp, reports, checksums=ctx.config.publish_checksums is True
+        tmp, reports, checksums=ctx.config.storage.publish_checksums is True
     )
     if failures:
         discard(ctx, tmp)

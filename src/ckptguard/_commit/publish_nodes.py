@@ -359,7 +359,7 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
     entries = [FileEntry.from_json(f) for f in plan.manifest["files"]]
     files = [f for f in entries if f.rank in ranks or f.path in copies]
     try:
-        bad = file_problems(tmp, files, checksums=ctx.config.publish_checksums is not False)
+        bad = file_problems(tmp, files, checksums=ctx.config.storage.publish_checksums is not False)
         if bad:
             rel, why = bad[0]
             raise OSError(

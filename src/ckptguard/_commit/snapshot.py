@@ -58,13 +58,13 @@ def snapshot(
     started = time.monotonic()
 
     def take() -> tuple[dict[str, Captured], Any]:
-        return capture(state, ctx.keyfn()), (_rng.capture() if ctx.config.capture_rng else None)
+        return capture(state, ctx.keyfn()), (_rng.capture() if ctx.config.state.capture_rng else None)
 
     items, rng = on_every_rank(ctx.agreement, "save.capture", take)
     if guard:
         check_replicated(ctx, items, step)
     return Snapshot(step, items, rng, started, reshard=ctx.declared_rules(state), guarded=guard,
-                    actions=actions.with_config(ctx.config))
+                    actions=actions)
 
 
 def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> None:

@@ -43,7 +43,7 @@ def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actio
     root = ctx.root
     root.mkdir(parents=True, exist_ok=True)
     # The lease first: a second writer is refused before it changes anything in the root.
-    note = _lease.acquire(root, ttl_s=ctx.config.lease_ttl_s, override=actions.break_lease)
+    note = _lease.acquire(root, ttl_s=ctx.config.storage.lease_ttl_s, override=actions.break_lease)
     if note:
         log.warning("ckptguard: %s: %s", root, note)
     if _layout.read_tracker(root) is None:
@@ -61,11 +61,11 @@ def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actio
             f"rank 0's at chain {like.chain_id} phase {like.phase}: the node-local roots belong to different runs. "
             "Give every node of this run the root of this run (or empty ones for a new run)."
         )
-    _layout.sweep_temp_dirs(root, max_age_s=ctx.config.stale_temp_age_s)
+    _layout.sweep_temp_dirs(root, max_age_s=ctx.config.storage.stale_temp_age_s)
     # The temp files of killed writers (tracker, lease, trust record, holds); never a live writer's.
     own = (_layout.TRACKER_NAME, _lease.LEASE_NAME, _trust.TRUST_NAME)
-    _tempfiles.sweep(root, max_age_s=ctx.config.stale_temp_age_s, names=own)
-    _tempfiles.sweep(root / _retention.HOLDS_DIR, max_age_s=ctx.config.stale_temp_age_s)
+    _tempfiles.sweep(root, max_age_s=ctx.config.storage.stale_temp_age_s, names=own)
+    _tempfiles.sweep(root / _retention.HOLDS_DIR, max_age_s=ctx.config.storage.stale_temp_age_s)
     name = ctx.naming.name(step)
     existing = root / name
     tracker = _layout.read_tracker(root) or 0
@@ -192,7 +192,7 @@ def file_problems(base: Path, files: Sequence[FileEntry], *, checksums: bool = T
 def discard(ctx: Context, tmp: Path) -> None:
     """Delete a failed save's temp directory (frees what an ENOSPC needs), or keep it as
     the scene of the failure when ``keep_failed`` is set."""
-    if ctx.config.keep_failed:
+    if ctx.config.storage.keep_failed:
         try:
             os.rename(tmp, tmp.with_name(tmp.name.replace(_layout.TMP_PREFIX, FAILED_PREFIX, 1)))
             return

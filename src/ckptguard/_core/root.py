@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from .._agree import Agreement, gather_decide, on_every_rank
-from .._context import Actions
 from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import retention
@@ -103,7 +102,7 @@ class Root:
         self.save_times: dict[int, float] = {}  # this process's saves: step -> seconds (a PreemptionGuard's plan)
         self.last_health: _trust.HealthVerdict | None = None
         self._unobserved: list[tuple[_trust.HealthVerdict, Callable[[int], bool]]] = []
-        self.proof = ProofSink(ProofLog(path, agreement.info.rank), path, enabled=config.record_proof)
+        self.proof = ProofSink(ProofLog(path, agreement.info.rank), path, enabled=config.proof.record)
         self.proof.log.code = config.contract.code if config.contract is not None else None
 
     @property
@@ -117,10 +116,11 @@ class Root:
         (a front door that only reads stays usable), at ``restore`` a refusal on every rank, so a
         duplicate launch stops before its first training step instead of at its first save. Rank 0
         looks and never writes. ``break_lease`` leaves it to the save."""
-        if Actions(break_lease=break_lease).with_config(self.config).break_lease:
+        if break_lease:
             return
         _lease.check_on_every_rank(
-            self.agreement, self.path, ttl_s=self.config.lease_ttl_s, where=where, key=f"{self.lease_key}.{where}"
+            self.agreement, self.path, ttl_s=self.config.storage.lease_ttl_s, where=where,
+            key=f"{self.lease_key}.{where}",
         )
 
     # ------------------------------------------------------------ trajectory

@@ -4,24 +4,15 @@ persistent tier is an object store."""
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 
 
-def fast_root(root: str | os.PathLike[str] | None, fast: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
+def fast_root(root: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
     """The fast tier's root: the first argument, as ``CheckpointManager(root)`` and ``RunCheckpoint(root, roles)``
-    take theirs; ``fast=`` (earlier releases) works for one release, with a DeprecationWarning."""
-    if root is not None and fast is not None:
-        raise ConfigError(f"TieredCheckpoint({str(root)!r}, fast={str(fast)!r}): two fast roots; give the root once, "
-                          "as the first argument")
-    if fast is not None:
-        warnings.warn("TieredCheckpoint(fast=...) is deprecated: write TieredCheckpoint(root, persistent=...) (the "
-                      "fast tier's root first, as CheckpointManager(root)); the keyword goes in the next release",
-                      DeprecationWarning, stacklevel=3)
-        return fast
+    take theirs."""
     if root is None:
         raise ConfigError("TieredCheckpoint(root, persistent=...): give the fast tier's root (node-local storage, the "
                           "same path on every node) as the first argument")

@@ -143,7 +143,7 @@ def _extras_items(
         matches[name] = digest(_state.current_state(name, state[name], kind, state)) == saved[name]
         if not matches[name]:
             problems.append(f"state item {name!r} ({kind.value}) differs from what rank {source} saved")
-    if extras.get("rng") is not None and RNG_ITEM in saved and ctx.config.restore_rng:
+    if extras.get("rng") is not None and RNG_ITEM in saved and ctx.config.state.restore_rng:
         matches["rng"] = digest(_rng.capture()) == saved[RNG_ITEM]
         if not matches["rng"]:
             problems.append(f"the RNG streams differ from the ones rank {source} saved")
@@ -194,7 +194,7 @@ def verify(
     tensor_items = sorted(n for n, (kind, _sd, _f) in targets.items() if kind in _TENSOR_KINDS)
     partials = layout_free_partials(_live_tensors(ctx, state, targets)) if saved is not None else {}
     replicated = {n: digest(_state.current_state(n, state[n], kind, state)) for n, (kind, _sd, _f) in targets.items()
-                  if n in ctx.config.replicated and kind not in _TENSOR_KINDS}
+                  if n in ctx.config.reshard.replicated and kind not in _TENSOR_KINDS}
 
     def decide(views: list[_Pieces]) -> _Verdict:
         # Format 3: an empty table is compared too (its tensor items' bytes are covered by nothing else).

@@ -131,17 +131,18 @@ def _rules(ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any])
         else:
             # A generator is re-derived from the seed recorded at save, like the four streams.
             rules[name] = dict(rule, seed=was["seed"]) if rule["rule"] == RNG and was and "seed" in was else rule
-    if RNG_ITEM in manifest.digests.get("0", {}) and ctx.config.restore_rng:
-        seed = saved.get(RNG_ITEM, {}).get("seed", ctx.config.rng_seed)
+    if RNG_ITEM in manifest.digests.get("0", {}) and ctx.config.state.restore_rng:
+        seed = saved.get(RNG_ITEM, {}).get("seed", ctx.config.reshard.rng_seed)
         if seed is None:
             problems.append("the RNG streams (CPU, CUDA, Python, NumPy) have no rule: set "
                             "CheckpointConfig(reshard=ReshardOptions(rng_seed=<the job's seed>)) so each new "
                             "rank's streams are re-derived "
                             "from (seed, step, rank), or restore_rng=False")
         else:
-            if ctx.config.rng_seed not in (None, seed):
+            if ctx.config.reshard.rng_seed not in (None, seed):
                 log.warning("ckptguard: the RNG streams are re-derived from the seed recorded at save (%d), not "
-                            "from CheckpointConfig(reshard=ReshardOptions(rng_seed=%d))", seed, ctx.config.rng_seed)
+                            "from CheckpointConfig(reshard=ReshardOptions(rng_seed=%d))", seed,
+                            ctx.config.reshard.rng_seed)
             rules[RNG_ITEM] = {"rule": RNG, "seed": int(seed)}
     if problems:
         raise TopologyMismatchError(
@@ -193,7 +194,7 @@ def prepare(
     if RNG_ITEM in rules:
         extras["rng"] = derived_streams(rules[RNG_ITEM]["seed"], manifest.step, ctx.rank)
         plan.expected[RNG_ITEM] = digest(extras["rng"])
-    elif not ctx.config.restore_rng:
+    elif not ctx.config.state.restore_rng:
         extras["rng"] = None
     for name in generators(rules):
         extras["items"][name] = _derived_generator(state[name], rules[name]["seed"], manifest.step, ctx.rank, name)

@@ -201,11 +201,7 @@ def source_rank(ctx: Context, manifest: _manifest.Manifest) -> int:
     old = manifest.world_size
     if old == ctx.world or ctx.config.reshard.rule is ReshardRule.REFUSE:
         return ctx.rank
-    if ctx.config.reshard.rule is ReshardRule.BY_ITEM:
-        return _reshard.skeleton_rank(manifest, ctx.expert.rank if ctx.expert is not None else None)
-    if ctx.config.reshard.rule is ReshardRule.EXTRAS_FROM_RANK0:
-        return 0
-    return ctx.rank % old
+    return _reshard.skeleton_rank(manifest, ctx.expert.rank if ctx.expert is not None else None)  # BY_ITEM
 
 
 def by_item(ctx: Context, manifest: _manifest.Manifest) -> bool:

@@ -74,12 +74,7 @@ def _check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
             "DCP reshard tensor state and every per-rank item follow its declared rule (a DataCursor, "
             "replicated=..., PerRank(value, reshard=f), rng_seed=...)."
         )
-    if ctx.config.reshard.rule is not ReshardRule.BY_ITEM:
-        log.warning("ckptguard: resharding %s -> %s under the legacy %s: per-rank state is copied from other "
-                    "ranks, and `ckptguard prove` will not prove this resume; use ReshardRule.BY_ITEM",
-                    saved, now, ctx.config.reshard.rule.value)
-    else:
-        log.warning("ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules", saved, now)
+    log.warning("ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules", saved, now)
 
 
 def _some(keys: list[str], n: int = 8) -> str:
@@ -171,7 +166,7 @@ def precheck(
     by every item's rule, or refused naming the items without one)."""
     assert res.path is not None
     manifest = _manifest.read(res.path)
-    check_torch_version(manifest, allow_newer=ctx.config.allow_newer_torch)
+    check_torch_version(manifest, allow_newer=ctx.config.storage.allow_newer_torch)
     _check_topology(ctx, manifest)
     where = f"restore of step {manifest.step} from {res.path}"
     _contract.check_chain(ctx.root, manifest.chain_id, where=where)
@@ -289,7 +284,7 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
     def apply() -> None:
         for name, (kind, _sd, live) in targets.items():
             _state.apply(state, name, kind, extras["items"][name], live)
-        if ctx.config.restore_rng and extras.get("rng") is not None:
+        if ctx.config.state.restore_rng and extras.get("rng") is not None:
             _rng.restore(extras["rng"], where=f"restore of step {manifest.step}, rank {ctx.rank}")
 
     on_every_rank(ctx.agreement, "restore.applied", apply)
@@ -298,7 +293,7 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
     layout_free: dict[str, bool] = {}
     replicas: dict[str, Any] = {}
     source = source_rank(ctx, manifest)
-    if ctx.config.verify_restored:
+    if ctx.config.state.verify_restored:
         if manifest.world_size == ctx.world:
             matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
         # Any layout: tensor items through the layout-free digest; resharded: extras against their source
@@ -320,15 +315,9 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
 def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard.Plan | None) -> JsonObject | None:
     """The proof record's ``reshard`` field: old -> new world, the rules, and this rank's RNG streams.
     Under BY_ITEM the streams are checked distinct across ranks first (collective)."""
-    if manifest.world_size == ctx.world:
+    if manifest.world_size == ctx.world or plan is None:  # a plan exists whenever the world changed (BY_ITEM)
         return None
-    if plan is not None:
-        return plan.record(_reshard.confirm(ctx, plan))
-
-    rng = digest(_rng.capture()) if ctx.config.restore_rng and RNG_ITEM in manifest.digests.get("0", {}) else None
-    src = "rank 0" if ctx.config.reshard.rule is ReshardRule.EXTRAS_FROM_RANK0 else f"rank r % {manifest.world_size}"
-    return {"mode": ctx.config.reshard.rule.value, "from": manifest.world_size, "to": ctx.world,
-            "rules": {"(every per-rank item)": f"copied from old {src}"}, "rng": rng}
+    return plan.record(_reshard.confirm(ctx, plan))
 
 
 def _verify_digests(
@@ -377,7 +366,7 @@ def _verify_digests(
     if extras.get("rng") is not None and RNG_ITEM in saved:
         matches["rng"] = digest(_rng.capture()) == saved[RNG_ITEM]
         # With restore_rng off the streams differ by choice: recorded for the proof, not raised.
-        if not matches["rng"] and ctx.config.restore_rng:
+        if not matches["rng"] and ctx.config.state.restore_rng:
             problems.append("the RNG streams differ from the saved ones after restore")
     if on_verified is not None:
         on_verified(matches)  # the proof record is written even when the restore then raises
