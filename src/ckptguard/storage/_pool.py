@@ -3,7 +3,14 @@
 Contract: a ``BufferPool`` owns ``count`` buffers of exactly ``size`` bytes, each its own
 anonymous mapping (page-aligned, no allocator rounding, no cache that outlives us), page
 locked with ``cudaHostRegister`` when CUDA is available and pinning is asked for.
-``close()`` unregisters and unmaps every buffer: after it, the pool holds no host memory.
+``close()`` unregisters and unmaps every buffer: after it, the pool holds no host memory. A buffer
+has one release, run once on whichever path comes first: ``release()``, its garbage collection
+(a pool dropped without ``close()``) or the interpreter's exit (``weakref.finalize``), always
+``cudaHostUnregister`` before ``munmap``: a range unmapped while still registered stays registered
+in the driver, and every later buffer the kernel maps there fails ``cudaHostRegister`` with
+error 712. A refused registration raises ``PinError`` (an ``OSError`` naming the CUDA error);
+a pool given ``pin=True`` then falls back to pageable buffers, logged: pinning only speeds the
+copies up, and a read or write must never fail, let alone look like a damaged checkpoint, for it.
 ``get`` waits at most a timeout for a free buffer and raises ``StorageStallError`` (a ``TimeoutError``) naming what
 it waited for.
 
@@ -18,10 +25,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno as _errno
+import logging
 import mmap
 import os
 import queue
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +42,25 @@ from ..errors import StorageStallError
 _write = os.write
 _preadv = os.preadv
 _HUGE = 64 << 20  # buffers from this size on ask for transparent huge pages
+log = logging.getLogger("ckptguard")
+
+
+def _cudart() -> Any:
+    """The CUDA runtime (a seam: tests count registrations with a fake)."""
+    return torch.cuda.cudart()
+
+
+_CUDA_ERRORS = {
+    1: "cudaErrorInvalidValue",
+    2: "cudaErrorMemoryAllocation: the system refused to page-lock more memory (ulimit -l, or memory is short)",
+    712: "cudaErrorHostMemoryAlreadyRegistered: part of this range is still registered, left by a pinned buffer "
+    "that was unmapped without cudaHostUnregister (by code outside ckptguard, or an older ckptguard)",
+    801: "cudaErrorNotSupported",
+}
+
+
+class PinError(OSError):
+    """``cudaHostRegister`` refused a host buffer: a CUDA/system condition, never a checkpoint's fault."""
 
 
 @dataclass
@@ -189,27 +217,54 @@ class Buffer:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=size)
-        self.pinned = False
+        self._registered = [False]  # shared with the finalizer, which may run after this object is gone
+        self._unpin = weakref.finalize(self, _unpin, self.tensor.data_ptr(), self._registered)
         if pin:
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
-            if int(rc) != 0:
+            rc = int(_cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0))
+            if rc != 0:
                 self.release()
-                raise OSError(_errno.ENOMEM, f"cudaHostRegister of a {size} B host buffer failed (cudaError {rc})")
-            self.pinned = True
+                what = _CUDA_ERRORS.get(rc, f"cudaError {rc}")
+                raise PinError(_errno.ENOMEM, f"cudaHostRegister of a {size} B host buffer failed: {what}")
+            self._registered[0] = True
+
+    @property
+    def pinned(self) -> bool:
+        return self._registered[0]
 
     def release(self) -> None:
+        """Unregister now and unmap (once; later calls, the collection and the exit do nothing more)."""
         if self._map is None:
             return
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
+        mapping, self._map = self._map, None
+        shared = _views_beyond(self.tensor)
         del self.tensor
         self.view.release()
-        # munmap: the pages go back to the system now, not at some later GC. If a view of
-        # the buffer is still alive (BufferError), the mapping goes with the last one.
-        with contextlib.suppress(BufferError):
-            self._map.close()
-        self._map = None
+        self._unpin()
+        # munmap: the pages go back to the system now, not at some later GC. torch.frombuffer holds no
+        # buffer export, so close() would unmap under a slot still in use (measured: a segfault on its
+        # next write); such a slot keeps the mapping, which goes with it (frombuffer's reference). A
+        # memoryview slice still alive (a failed read's traceback) refuses (BufferError): the same.
+        if not shared:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+
+
+def _views_beyond(tensor: torch.Tensor) -> bool:
+    """Another tensor shares ``tensor``'s storage (a slot, a staged copy's view)."""
+    try:
+        # The storage object made here counts once, ``tensor`` once.
+        return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)) > 2
+    except (AttributeError, RuntimeError):
+        return True  # unknown: leave the unmapping to the last reference
+
+
+def _unpin(address: int, registered: list[bool]) -> None:
+    """A buffer's one unregistration, before its pages can go: by ``release()``, its collection (the mapping
+    is unmapped after this, when the buffer's references are cleared) or the interpreter's exit."""
+    if registered[0]:
+        registered[0] = False
+        with contextlib.suppress(Exception):  # at the interpreter's exit CUDA may already be torn down
+            _cudart().cudaHostUnregister(address)
 
 
 class BufferPool:
@@ -223,12 +278,21 @@ class BufferPool:
         self._free: queue.Queue[Buffer] = queue.Queue()
         try:
             for _ in range(count):
-                buf = Buffer(size, pin)
+                buf = self._buffer(size, pin)
+                pin = buf.pinned
                 self._all.append(buf)
                 self._free.put(buf)
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _buffer(size: int, pin: bool) -> Buffer:
+        try:
+            return Buffer(size, pin)
+        except PinError as exc:
+            log.warning("ckptguard: %s; the I/O buffers stay pageable (correct, copies slower)", exc)
+            return Buffer(size, False)
 
     @property
     def allocated_bytes(self) -> int:

@@ -1,0 +1,133 @@
+"""Pinned host buffers have one owner and one release: unregistered before they are unmapped on every path
+(close, a pool dropped without close, an exception midway, the interpreter's exit), and a refused
+registration is reported as what it is (CUDA's error), the I/O going on with pageable buffers.
+
+CUDA is faked here with a runtime that behaves like the driver: a range stays registered until
+unregistered, and registering an overlapping range fails with 712. The real driver: test_staging_gpu.py
+and the GPU figures in benchmarks/results."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ckptguard.storage import _pool
+from ckptguard.storage._pool import Buffer, BufferPool, PinError
+from ckptguard.storage._staging import StagingPool
+
+
+class FakeCudart:
+    """Registered ranges as the driver keeps them."""
+
+    def __init__(self, refuse_after: int | None = None, raise_after: int | None = None) -> None:
+        self.ranges: dict[int, int] = {}
+        self.calls = 0
+        self.refuse_after, self.raise_after = refuse_after, raise_after
+
+    def cudaHostRegister(self, addr: int, size: int, flags: int) -> int:
+        self.calls += 1
+        if self.raise_after is not None and self.calls > self.raise_after:
+            raise RuntimeError("interrupted midway")
+        if self.refuse_after is not None and self.calls > self.refuse_after:
+            return 2
+        if any(a < addr + size and addr < a + n for a, n in self.ranges.items()):
+            return 712
+        self.ranges[addr] = size
+        return 0
+
+    def cudaHostUnregister(self, addr: int) -> int:
+        return 0 if self.ranges.pop(addr, None) is not None else 713
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(_pool, "_cudart", lambda: fake)
+    return fake
+
+
+def test_close_unregisters_every_buffer(cudart):
+    pool = BufferPool(count=3, size=1 << 20, pin=True, timeout_s=5)
+    assert len(cudart.ranges) == 3 and all(b.pinned for b in pool._all)
+    maps = [b._map for b in pool._all]
+    pool.close()
+    assert cudart.ranges == {}
+    assert all(m is not None and m.closed for m in maps), "close() unmaps at once: the pool holds no host memory"
+
+
+def test_a_pool_dropped_without_close_is_unregistered_when_collected(cudart):
+    pool = StagingPool(pin=True)
+    slots = pool.place([4096, 8192], budget=1 << 20)
+    assert all(s is not None for s in slots) and len(cudart.ranges) == 1
+    del pool, slots
+    gc.collect()
+    assert cudart.ranges == {}, "a dropped pool left its range registered: the next buffer there fails with 712"
+    again = Buffer(1 << 20, True)  # the range the kernel hands out next registers
+    assert again.pinned
+    again.release()
+
+
+def test_a_buffer_kept_alive_by_a_slot_is_unregistered_at_release_and_unmapped_with_the_slot(cudart):
+    buf = Buffer(1 << 16, True)
+    slot = buf.tensor[:64]
+    buf.release()
+    assert cudart.ranges == {}
+    slot.fill_(1)  # still mapped: the last view holds the pages
+    assert int(slot.sum()) == 64
+
+
+def test_an_exception_midway_releases_what_was_registered(monkeypatch):
+    fake = FakeCudart(raise_after=2)
+    monkeypatch.setattr(_pool, "_cudart", lambda: fake)
+    with pytest.raises(RuntimeError, match="midway"):
+        BufferPool(count=4, size=1 << 16, pin=True, timeout_s=5)
+    gc.collect()
+    assert fake.ranges == {}
+
+
+def test_a_refused_registration_names_cuda_s_error_and_the_pool_goes_on_pageable(monkeypatch, caplog):
+    fake = FakeCudart()
+    fake.ranges[0] = 1 << 62  # what the driver holds for ranges unmapped without cudaHostUnregister
+    monkeypatch.setattr(_pool, "_cudart", lambda: fake)
+    with pytest.raises(PinError, match="HostMemoryAlreadyRegistered"):
+        Buffer(1 << 20, True)
+    refusing = FakeCudart(refuse_after=1)
+    monkeypatch.setattr(_pool, "_cudart", lambda: refusing)
+    with caplog.at_level(logging.WARNING, logger="ckptguard"):
+        pool = BufferPool(count=3, size=1 << 16, pin=True, timeout_s=5)
+    assert [b.pinned for b in pool._all] == [True, False, False]
+    assert "cudaErrorMemoryAllocation" in caplog.text and "pageable" in caplog.text
+    buf = pool.get("a test")
+    buf.view[:3] = b"abc"  # the pageable buffer works
+    pool.put(buf)
+    pool.close()
+    assert refusing.ranges == {}
+
+
+def test_the_interpreter_exit_unregisters_a_pool_never_closed(tmp_path):
+    log = tmp_path / "unregistered.txt"
+    code = textwrap.dedent(f"""
+        from ckptguard.storage import _pool
+        from ckptguard.storage._staging import StagingPool
+
+        class Fake:
+            def cudaHostRegister(self, addr, size, flags):
+                return 0
+            def cudaHostUnregister(self, addr):
+                with open({str(log)!r}, "a") as f:
+                    f.write(f"{{addr}}\\n")
+                return 0
+
+        fake = Fake()
+        _pool._cudart = lambda: fake
+        pool = StagingPool(pin=True)
+        pool.place([1 << 16], budget=1 << 20)
+        KEEP = pool  # alive until the interpreter exits
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert len(log.read_text().split()) == 1
