@@ -214,3 +214,112 @@ def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, bar
         except CommitConflictError as exc:
             result = f"lost: {exc}"
     return step, attempt, result
+
+
+# ---------------------------------------------------------------- a training job killed inside the upload window
+
+def _train_state(rank: int) -> dict[str, Any]:
+    """w and its SGD momentum: 12 MiB of DCP data (three 5 MiB parts, on rank 0), a counter per rank."""
+    model = Blob()
+    with torch.no_grad():
+        model.w.copy_(values_at(0))
+    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return {"model": model, "optim": optim, "counter": {"step": 0, "rank": rank}}
+
+
+def _train_step(state: dict[str, Any], step: int) -> None:
+    """One deterministic optimizer step (the same on every rank: the tensors are replicated)."""
+    target = torch.randn(ELEMENTS, generator=torch.Generator().manual_seed(7000 + step))
+    state["optim"].zero_grad()
+    loss = ((state["model"].w - target) ** 2).mean()
+    loss.backward()
+    state["optim"].step()
+    state["counter"]["step"] = step
+
+
+def _fingerprint(state: dict[str, Any]) -> dict[str, Any]:
+    import hashlib
+
+    w = state["model"].w.detach()
+    buf = state["optim"].state[state["model"].w]["momentum_buffer"]
+    return {"w": hashlib.sha256(w.numpy().tobytes()).hexdigest(),
+            "momentum": hashlib.sha256(buf.numpy().tobytes()).hexdigest(), "counter": dict(state["counter"])}
+
+
+def _kill_everyone(pids: str) -> None:
+    """SIGKILL every rank of the job (the peers first, then this one): a node dying takes the job down."""
+    import signal
+
+    me = os.getpid()
+    for path in Path(pids).iterdir():
+        pid = int(path.read_text())
+        if pid != me:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    os.kill(me, signal.SIGKILL)
+
+
+def _arm(rank: int, pids: str, kill: tuple[int, int, int, float]) -> None:
+    """Kill the job inside the upload window of the step being saved: when rank ``killer`` has uploaded its
+    ``k``-th part or file, ``delay_s`` later (other parts still in flight); rank 0's fallback is the moment
+    every rank's upload is in and the marker is not written yet."""
+    from ckptguard.testing import set_fault_hook
+
+    _, killer, k, delay_s = kill
+    count = [0]
+
+    def on_part() -> None:
+        count[0] += 1
+        if count[0] == k:
+            time.sleep(delay_s)
+            _kill_everyone(pids)
+
+    if rank == killer:
+        set_fault_hook("store.part_uploaded", on_part)
+    if rank == 0:
+        set_fault_hook("store.before_marker", lambda: (time.sleep(delay_s), _kill_everyone(pids)))
+
+
+def train_job(rank: int, world: int, endpoint: str, url: str, staging: str, pids: str, last: int,
+              kill: tuple[int, int, int, float] | None) -> dict[str, Any]:
+    """One launch of a 2-rank training job: restore from the store, train and save every step up to
+    ``last``; ``kill = (step, killer rank, k, delay_s)`` kills the whole job inside that step's upload."""
+    from ckptguard.objectstore import ObjectStoreCheckpoint
+
+    os.environ.update(CREDENTIALS)
+    Path(pids, f"rank{rank}").write_text(str(os.getpid()))
+    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=options(endpoint), config=config())
+    state = _train_state(rank)
+    start = ckpt.restore(state)
+    for step in range(start + 1, last + 1):
+        _train_step(state, step)
+        if kill is not None and step == kill[0]:
+            _arm(rank, pids, kill)
+        ckpt.save(step, state)
+    ckpt.close()
+    return {"restored": start, **_fingerprint(state)}
+
+
+def restore_job(rank: int, world: int, endpoint: str, url: str, staging: str) -> dict[str, Any]:
+    """Restore the store's tracker step into a fresh state; its fingerprint."""
+    from ckptguard.objectstore import ObjectStoreCheckpoint
+
+    os.environ.update(CREDENTIALS)
+    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=options(endpoint), config=config())
+    state = _train_state(rank)
+    step = ckpt.restore(state)
+    ckpt.close()
+    return {"restored": step, **_fingerprint(state)}
+
+
+def trained_to(step: int, rank: int) -> dict[str, Any]:
+    """The fingerprint of an uninterrupted run after ``step`` steps, computed here on one thread, as the ranks do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        state = _train_state(rank)
+        for s in range(1, step + 1):
+            _train_step(state, s)
+        return _fingerprint(state)
+    finally:
+        torch.set_num_threads(threads)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ._agree import Wire, gather_decide, on_every_rank
+from ._disk import layout as _layout
 from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_bytes, atomic_write_json, read_json
 from ._dist import make_agreement
 from ._records import contract as _contract
@@ -67,6 +68,16 @@ class _Uploaded(Wire):
 @dataclass(frozen=True)
 class _Committed(Wire):
     url: str
+
+
+@dataclass(frozen=True)
+class _Staged(Wire):
+    tracker: int  # this rank's staging root's tracker (0: none)
+
+
+@dataclass(frozen=True)
+class _Replace(Wire):
+    replace: bool
 
 
 @dataclass(frozen=True)
@@ -133,10 +144,35 @@ class ObjectStoreCheckpoint:
     def save(self, step: int, state: StateDict, **health: Any) -> str | None:
         """Commit ``step`` locally, then on the store; returns the marker's URL (None: the health
         policy skipped the step on every rank, nothing was written)."""
-        local = self.local.save(step, state, **health)
+        overwrite = bool(health.pop("overwrite", False)) or self.replaces(step)
+        local = self.local.save(step, state, overwrite=overwrite, **health)
         if local is None:
             return None
         return self.publish(step, local)
+
+    def replaces(self, step: int) -> bool:
+        """Whether the staging save of ``step`` must replace staging steps the store never committed
+        (collective): a job killed after its staging commit of step N and before the store's marker
+        leaves the staging root at N and the store at an older step; the relaunch restores the
+        store's step, and its staging save of any step up to N (N itself included) replaces the
+        staging root's copy instead of refusing it as committed. The staging root is this job's
+        scratch space: the store alone says what is committed."""
+        try:
+            mine = _Staged(_layout.read_tracker(self.local.root) or 0)
+        except (OSError, CheckpointError):  # never raised on one rank alone; the staging save reports it on all
+            mine = _Staged(0)
+        return gather_decide(self._agreement, "store.replaces", mine, lambda views: self._replaces(step, views),
+                             decision=_Replace).replace
+
+    def _replaces(self, step: int, views: list[_Staged]) -> _Replace:
+        if max(v.tracker for v in views) < step:
+            return _Replace(False)  # the usual case: nothing in the way, no read of the store
+        stored = self.store.tracker()[0] or 0
+        if stored < step:
+            log.warning("ckptguard: %s holds a staging commit at or past step %d that %s never committed (the store's "
+                        "tracker says %d: a save killed before its upload finished); step %d replaces it",
+                        self.local.root, step, self.store.url, stored, step)
+        return _Replace(stored < step)
 
     def publish(self, step: int, step_dir: Path) -> str:
         """Publish the committed local step directory ``step_dir`` as ``step`` on the store (collective)."""
