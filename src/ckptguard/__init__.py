@@ -46,6 +46,7 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; 
         StorageOptions,
     )
     from .cursor import CursorSampler, DataCursor
+    from .environments import Environment, EnvKind
     from .errors import (
         ChainMismatchError,
         CheckpointCorruptError,
@@ -90,6 +91,7 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; 
         read_dcp_metadata,
     )
     from .tiers import TieredCheckpoint, TieredSave
+    from .turns import TurnLedger
 
 # Each public name is imported on first use (PEP 562), so ``import ckptguard`` (and every
 # ``ckptguard`` command) costs no torch import until a name that needs torch is used: an
@@ -109,6 +111,8 @@ _WHERE = {
     "CursorSampler": ".cursor",
     "DCPStorage": ".storage",
     "DataCursor": ".cursor",
+    "EnvKind": ".environments",
+    "Environment": ".environments",
     "DerivedState": "._state.derived",
     "ExpertParallel": "._state.expert",
     "GeneratorState": "._state.rng",
@@ -161,6 +165,7 @@ _WHERE = {
     "TieredCheckpoint": ".tiers",
     "TieredSave": ".tiers",
     "TopologyMismatchError": ".errors",
+    "TurnLedger": ".turns",
     "UnsafeCheckpointError": ".errors",
     "VersionMismatchError": ".errors",
     "WriteFailure": ".errors",
@@ -204,6 +209,8 @@ __all__ = [
     "DCPStorage",
     "DataCursor",
     "DerivedState",
+    "EnvKind",
+    "Environment",
     "ExpertParallel",
     "GeneratorState",
     "HealthPolicy",
@@ -253,6 +260,7 @@ __all__ = [
     "TieredCheckpoint",
     "TieredSave",
     "TopologyMismatchError",
+    "TurnLedger",
     "UnsafeCheckpointError",
     "VersionMismatchError",
     "WriteFailure",
