@@ -41,6 +41,8 @@ def _honest(**over) -> list[dict]:
         {"event": "export", "pid": OLD, "step": 6, "fingerprint": fp},
         {"event": "save", "pid": OLD, "step": 6, "plan": over.get("plan", PLAN)},
         *([killed] if over.get("killed", True) else []),
+        *([{"event": "logprobs", "pid": OLD, "step": 7, "probs_diff": 0.0, "tokens": 10, "max_abs_logprob_diff": 0.0}]
+          if over.get("killed_lp") else []),
         {
             "event": "restore",
             "pid": NEW,
@@ -86,7 +88,7 @@ def test_honest_records_pass_every_gate(tmp_path):
     [
         ({"fp": {"bytes": "other", "scales": "s6"}}, "first export byte-identical"),
         ({"fp": {"bytes": "b6", "scales": "stale"}}, "first export byte-identical"),
-        ({"diff": 0.06}, "first old-logprob aligned"),
+        ({"diff": 0.06, "killed_lp": True}, "first old-logprob aligned"),
         ({"norm": 0.0}, "one non-zero update"),
         ({"moved": ["model.weight"]}, "addresses unchanged"),
         ({"step": {"batch": "b8"}}, "data order identical"),
@@ -118,8 +120,10 @@ def test_a_real_engines_nonzero_probs_diff_is_aligned_only_when_bitwise_the_savi
     assert _gates(tmp_path / "stale")["first old-logprob aligned"] is Status.FAIL
     assert "the saving run's of the same step 3.5e-07" in _evidence(tmp_path / "stale", "first old-logprob aligned")
     _write(tmp_path / "other", 0, records(3.5e-7, 3.5e-7, saver_pid=333))  # not the saving process's record
-    assert _gates(tmp_path / "other")["first old-logprob aligned"] is Status.FAIL
-    assert "recorded no old-logprob of that step" in _evidence(tmp_path / "other", "first old-logprob aligned")
+    # nothing to compare with is missing evidence (the saving run was killed before it), not a difference
+    assert _gates(tmp_path / "other")["first old-logprob aligned"] is Status.MISSING
+    assert "no run before this resume recorded an old-logprob of that step" in _evidence(
+        tmp_path / "other", "first old-logprob aligned")
 
 
 def test_replay_gates_name_the_step_and_follow_the_plan(tmp_path):
@@ -134,7 +138,8 @@ def test_replay_gates_name_the_step_and_follow_the_plan(tmp_path):
     # no overlap: the kill came right after the save
     _write(tmp_path / "none", 0, _honest(killed=False))
     assert _gates(tmp_path / "none")["data order identical"] is Status.MISSING
-    assert "recorded no step after it" in _evidence(tmp_path / "none", "data order identical")
+    assert "the run that saved step 6 (pid 111) recorded no step past it" in _evidence(tmp_path / "none",
+                                                                                         "data order identical")
     _write(tmp_path / "short", 0, _honest(plan={**PLAN, "replay_steps": 2}))
     assert "the plan asks for 2" in _evidence(tmp_path / "short", "data order identical")
     # a plain training job: the RL gates are N/A, not faked, and it is proven without them

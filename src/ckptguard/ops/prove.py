@@ -31,6 +31,7 @@ from .._resume.layoutfree import differing_chunks
 from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError
+from . import reference as _reference_mod
 from . import resumes as _resumes
 from .inspect import tracker_run_step
 from .lora import lora_gate
@@ -216,23 +217,27 @@ def _export_tensors(ref: ProofRecord, first: ProofRecord) -> str:
 def _gate_export(seg: _Segment) -> tuple[Status, str]:
     if (missing := _needs_restore(seg)) is not None:
         return missing
+    assert seg.restore is not None
     first = seg.first("export")
     if first is None:
         return Status.MISSING, f"rank {seg.rank}: no export recorded after the restore"
-    step = first["step"]
-    ref = next((r for r in reversed(seg.before) if r["event"] == "export" and r["step"] == step), None)
-    if ref is None:
-        return Status.MISSING, f"rank {seg.rank}: no export of step {step} recorded by the saving run"
+    step, k, pid = first["step"], int(seg.restore["step"]), seg.restore["pid"]
+    chosen, ref = _reference_mod.at_step(seg.before, k, pid, ("export",), step)
+    if ref is None or chosen is None:
+        return Status.MISSING, (f"rank {seg.rank}: no run before this resume recorded an export of step {step} "
+                                f"({_reference_mod.nothing_past(seg.before, k, pid, 'export of that step')})")
+    who = "the saving run's" if chosen.saved else f"that of {chosen.describe()}"
     diffs = [k for k in ("bytes", "scales") if ref["fingerprint"].get(k) != first["fingerprint"].get(k)]
     if diffs:
-        return Status.FAIL, (f"rank {seg.rank}: first export of step {step} differs in {diffs} from the saving run's"
+        return Status.FAIL, (f"rank {seg.rank}: first export of step {step} differs in {diffs} from {who}"
                              f"{_export_tensors(ref, first)}")
-    return Status.PASS, f"first export of step {step} byte-identical to the saving run's, scales included"
+    return Status.PASS, f"first export of step {step} byte-identical to {who}, scales included"
 
 
 def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
     if (missing := _needs_restore(seg)) is not None:
         return missing
+    assert seg.restore is not None
     first = seg.first("logprobs")
     if first is None:
         return Status.MISSING, f"rank {seg.rank}: no old-logprob recorded after the restore"
@@ -243,45 +248,68 @@ def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
     # batch-invariant kernels on both sides. It is aligned when it is bitwise the one the saving
     # run measured at the same step (what the engine and trainer would have given without the
     # kill); a stale engine or scale after the restore changes it.
-    step, saver = first["step"], _saver_pid(seg)
-    ref = next((r for r in reversed(seg.before) if r["event"] == "logprobs" and r["step"] == step
-                and r["pid"] == saver), None)
-    if ref is None:
-        return Status.FAIL, (f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, and the "
-                             "saving run recorded no old-logprob of that step to compare with")
+    step, k, pid = first["step"], int(seg.restore["step"]), seg.restore["pid"]
+    chosen, ref = _reference_mod.at_step(seg.before, k, pid, ("logprobs",), step)
+    if ref is None or chosen is None:  # where the kill landed, not a difference
+        return Status.MISSING, (f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, and no "
+                                f"run before this resume recorded an old-logprob of that step to compare with "
+                                f"({_reference_mod.nothing_past(seg.before, k, pid, 'old-logprob of that step')})")
+    who = "the saving run's" if chosen.saved else f"that of {chosen.describe()}"
     same = all(same_bits(ref.get(k), first.get(k)) for k in ("probs_diff", "max_abs_logprob_diff", "tokens"))
     if not same:
-        return Status.FAIL, (f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, the saving "
-                             f"run's of the same step {ref['probs_diff']:.3g}: the rollout engine or the trainer holds "
+        return Status.FAIL, (f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, {who} of "
+                             f"the same step {ref['probs_diff']:.3g}: the rollout engine or the trainer holds "
                              "other weights (or scales) than before the kill")
     return Status.PASS, (f"first old-logprob of step {step}: probs_diff {diff:.3g} over {first['tokens']} tokens, "
-                         "bitwise the saving run's of the same step (engine and trainer kernels differ)")
+                         f"bitwise {who} of the same step (engine and trainer kernels differ)")
 
 
-def _saver_pid(seg: _Segment) -> Any:
-    """The pid of the process that saved the restored step (None when no record of it)."""
-    assert seg.restore is not None
-    k = seg.restore["step"]
-    return next((r["pid"] for r in reversed(seg.before) if r["event"] == "save" and r["step"] == k), None)
+def _updates(records: list[ProofRecord]) -> list[dict[str, Any]]:
+    """The updates a run recorded, in order: its update records, else its step records with a grad_norm."""
+    found = [{"step": r["step"], "grad_norm": r.get("grad_norm"), "params_changed": r.get("params_changed")}
+             for r in records if r["event"] == "update"]
+    if found:
+        return found
+    return [{"step": r["step"], "grad_norm": r["grad_norm"],
+             "params_changed": (r.get("extra") or {}).get("params_changed", True)}
+            for r in records if r["event"] == "step" and "grad_norm" in r]
+
+
+def _zero(update: Mapping[str, Any]) -> bool:
+    norm = update.get("grad_norm")
+    return not isinstance(norm, (int, float)) or not norm or norm != norm or not update.get("params_changed")
 
 
 def _gate_update(seg: _Segment) -> tuple[Status, str]:
+    """The first non-zero update after the restore; a zero one is judged against what the reference run
+    (``ops.reference``) did at that step: zero there too is the trajectory (a GRPO group whose rewards
+    were all equal), non-zero there is a failure, not recorded there is missing evidence."""
     if (missing := _needs_restore(seg)) is not None:
         return missing
-    first: Mapping[str, Any] | None = seg.first("update")  # else the step record's fields, in an update's names
-    if first is None:
-        step = next((r for r in seg.after if r["event"] == "step" and "grad_norm" in r), None)
-        if step is None:
-            return Status.MISSING, _no_update(seg)
-        changed = (step.get("extra") or {}).get("params_changed", True)
-        first = {"step": step["step"], "grad_norm": step["grad_norm"], "params_changed": changed}
-    norm = first.get("grad_norm")
-    if not isinstance(norm, (int, float)) or not norm or norm != norm or not first.get("params_changed"):
-        return Status.FAIL, (
-            f"rank {seg.rank}: first update (step {first['step']}) had grad_norm "
-            f"{norm} and params_changed={first.get('params_changed')}"
-        )
-    return Status.PASS, f"first update non-zero: grad_norm {norm:.3g}, parameters changed"
+    assert seg.restore is not None
+    k, pid = int(seg.restore["step"]), seg.restore["pid"]
+    updates = _updates(seg.after)
+    if not updates:
+        return Status.MISSING, _no_update(seg)
+    zeros: list[int] = []
+    for u in updates:
+        if not _zero(u):
+            also = f" (steps {zeros} had a zero update, as the reference run had there)" if zeros else ""
+            return Status.PASS, f"first non-zero update: grad_norm {u['grad_norm']:.3g} at step {u['step']}{also}"
+        chosen, ref = _reference_mod.at_step(seg.before, k, pid, ("update", "step"), u["step"])
+        shown = f"rank {seg.rank}: update of step {u['step']} had grad_norm {u['grad_norm']} and " \
+                f"params_changed={u['params_changed']}"
+        ref_update = _updates([ref])[0] if ref is not None and _updates([ref]) else None
+        if chosen is None or ref_update is None:
+            return Status.MISSING, (f"{shown}, and no run before this resume recorded step {u['step']}'s update to "
+                                    f"tell a zero the trajectory has from one the restore caused "
+                                    f"({_reference_mod.nothing_past(seg.before, k, pid, 'update of that step')})")
+        if not _zero(ref_update):
+            return Status.FAIL, (f"{shown}, where {chosen.describe()} had grad_norm {ref_update['grad_norm']:.3g} at "
+                                 "the same step: the optimizer or the gradients were lost in the restore")
+        zeros.append(int(u["step"]))
+    return Status.PASS, (f"every update after the restore (steps {zeros[0]}-{zeros[-1]}) was zero, as the reference "
+                         "run's at the same steps (the trajectory has zero updates there)")
 
 
 def _no_update(seg: _Segment) -> str:
@@ -399,6 +427,11 @@ class _Replay:
     fields: set[str] = field(default_factory=set)  # data fields compared (sample_ids, batch)
     threads: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # step -> (killed, resumed) CPU threads
     epoch: tuple[bool | None, str] = (None, "")  # whether the compared steps crossed into the data's next pass
+    reference: _reference_mod.Candidate | None = None  # the run compared with
+    restored: int | None = None  # the restored step
+    ref_steps: list[int] = field(default_factory=list)  # the steps the reference recorded past it
+    resumed_steps: list[int] = field(default_factory=list)  # the steps the resumed run recorded past it
+    no_reference: bool = False  # no run before the resume recorded a step past the restored one on this rank
 
 
 def _data(r: ProofRecord) -> dict[str, Any]:
@@ -470,25 +503,26 @@ def _hint(
 
 def _reference(
     seg: _Segment, before: list[ProofRecord]
-) -> tuple[int | None, dict[int, list[Any]], dict[tuple[Any, ...], int]]:
-    """The pid of the process that saved the restored step, its step records after that step (the
-    segment that ran on from the save and was killed), and every earlier step's data (for hints).
-
-    Only the saving process ran on from the saved state without a resume in between; an earlier
-    resume of the same step may share the resumed run's bug, so it is never the reference."""
+) -> tuple[_reference_mod.Candidate | None, dict[int, list[Any]], dict[tuple[Any, ...], int]]:
+    """The run the replay compares with (``ops.reference``: the saving run, else the earliest resume of
+    the same step that recorded past it), its step records after the restored step, and every
+    earlier step's data (for hints)."""
     assert seg.restore is not None
     k, pid = int(seg.restore["step"]), seg.restore["pid"]
-    saver = next((r["pid"] for r in reversed(before) if r["event"] == "save" and r["step"] == k), None)
-    ref: dict[int, list[ProofRecord]] = {}
+    chosen, ref = _reference_mod.earliest(before, k, pid)
     history: dict[tuple[Any, ...], int] = {}
     for r in before:
-        if r["event"] != "step" or r["pid"] == pid:
-            continue
-        if _data(r):
+        if r["event"] == "step" and r["pid"] != pid and _data(r):
             history.setdefault(tuple(sorted(_data(r).items())), int(r["step"]))
-        if r["pid"] == saver and r["step"] > k:
-            ref.setdefault(int(r["step"]), []).append(r)
-    return saver, ref, history
+    return chosen, ref, history
+
+
+def _against(chosen: _reference_mod.Candidate | None) -> str:
+    """Which run a comparison used, when not the saving run (a crash loop's earlier resume)."""
+    if chosen is None or chosen.saved:
+        return ""
+    return (f" (compared with {chosen.describe()}, the earliest run that recorded past it: the run that saved it "
+            "recorded nothing past it)")
 
 
 def _first_steps(before: list[ProofRecord], pid: Any) -> dict[tuple[Any, ...], int]:
@@ -510,17 +544,21 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
         return out
     assert seg.restore is not None
     k = int(seg.restore["step"])
-    saver, ref, history = _reference(seg, before)
+    chosen, ref, history = _reference(seg, before)
+    out.reference = chosen
     resumed: dict[int, list[ProofRecord]] = {}
     for r in seg.after:
         if r["event"] == "step" and r["step"] > k:
             resumed.setdefault(int(r["step"]), []).append(r)
-    if saver is None:
+    out.restored, out.ref_steps, out.resumed_steps = k, sorted(ref), sorted(resumed)
+    if not _reference_mod.candidates(before, k, seg.restore["pid"]):
         out.evidence = f"rank {seg.rank}: no record of the process that saved step {k}: no killed run to compare with"
         return out
     if not ref:
-        out.evidence = (f"rank {seg.rank}: the run that saved step {k} (pid {saver}) recorded no step after it "
-                        "(killed right after the save, or record_step not called): nothing was replayed")
+        out.no_reference = True
+        out.evidence = (f"rank {seg.rank}: no run before this resume recorded a step past step {k} "
+                        f"({_reference_mod.nothing_past(before, k, seg.restore['pid'], 'step')}; killed right after "
+                        "the save, or record_step not called): nothing to compare the replay with")
         return out
     if not resumed:
         out.evidence = f"rank {seg.rank}: the resumed run recorded no step after the restore of step {k}"
@@ -570,7 +608,7 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
     else:
         out.status = Status.PASS
         span = f"step {out.steps[0]}" if len(out.steps) == 1 else f"steps {out.steps[0]}-{out.steps[-1]}"
-        out.evidence = f"{span} replayed after the restore of step {k}"
+        out.evidence = f"{span} replayed after the restore of step {k}{_against(chosen)}"
     return out
 
 
@@ -629,8 +667,33 @@ def _coverage(replays: list[_Replay]) -> Gate | None:
         required=False)
 
 
+def _symmetric(replays: list[_Replay]) -> str | None:
+    """Where a job-wide kill left ranks one record apart, what the ranks that recorded show for the
+    others, in words (None: not that case). It is that case when every rank either replayed and
+    matched, or had no reference at all; the ranks with one recorded only the step after the
+    restored one (DDP ranks meet at every step's all-reduce, so they are at most one record apart);
+    and the ranks without one replayed that step too. Ranks of one world size that restored one
+    step run the same step on their own samples: the matching replay stands for theirs."""
+    lacking = [r for r in replays if r.no_reference]
+    judged = [r for r in replays if r.status is Status.PASS]
+    if not lacking or not judged or len(lacking) + len(judged) != len(replays):
+        return None
+    k = judged[0].restored
+    if k is None or any(r.restored != k or r.ref_steps != [k + 1] for r in judged):
+        return None
+    if any(r.restored != k or k + 1 not in r.resumed_steps for r in lacking):
+        return None
+    ranks, others = [r.rank for r in lacking], [r.rank for r in judged]
+    return (f"; rank(s) {ranks}: the killed run had recorded nothing past step {k} there when the job-wide kill "
+            f"landed, one record behind rank(s) {others}, which had recorded step {k + 1}: judged by rank(s) "
+            f"{others}, whose replay of step {k + 1} matched (ranks taken as symmetric: one world size, one "
+            "restored step, each rank running the same step on its own samples)")
+
+
 def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
-    data = _combine("data order identical", [(r.status, r.evidence) for r in replays])
+    sym = _symmetric(replays)
+    data = _combine("data order identical", [(r.status, r.evidence) for r in replays
+                                             if sym is None or not r.no_reference])
     failed = sorted((r.first_bad, r.rank, r) for r in replays if r.status is Status.FAIL and r.first_bad is not None)
     if failed:  # the earliest differing step, and which other ranks differ too
         others = [rank for _s, rank, _r in failed[1:]]
@@ -640,8 +703,9 @@ def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
         steps = sorted({s for r in replays for s in r.steps})
         names = {"sample_ids": "sample ids", "batch": "batch"}
         what = " and ".join(names[f] for f in DATA_FIELDS if any(f in r.fields for r in replays))
-        data = Gate(data.name, Status.PASS, f"{data.evidence} on {len(replays)} rank(s): {what} digests equal the "
-                    f"killed run's ({len(steps)} step(s))")
+        ranks = len(replays) if sym is None else len([r for r in replays if not r.no_reference])
+        data = Gate(data.name, Status.PASS, f"{data.evidence} on {ranks} rank(s): {what} digests equal the "
+                    f"killed run's ({len(steps)} step(s)){sym or ''}")
     diffs = [(s, r.rank, name, a, b) for r in replays for s, name, a, b in r.diffs]
     diffs.sort(key=lambda d: (d[0], d[1]))  # stable: within a step, loss and grad_norm before the extras
     compared = [r for r in replays if r.steps and r.status is not Status.FAIL]
@@ -980,8 +1044,13 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
 
     events = {r["event"] for recs in records.values() for r in recs}
     total = f", total_steps={plan.total_steps}" if plan.total_steps is not None else ""
+    rl_events = sorted(events & {"export", "logprobs"})
+    # A job that records exports or old-logprobs under a plan without rl=True gets those gates judged:
+    # the table says so rather than showing rl=False above gates it then evaluates.
+    judged_rl = (f"; the records hold {' and '.join(rl_events)} records, so their gates are judged as under "
+                 "rl=True (declare ProofPlan(rl=True) for an RL job)") if rl_events and not plan.rl else ""
     gates = [Gate("proof plan", Status.INFO, f"rl={plan.rl}, deterministic={plan.deterministic}, "
-                  f"replay_steps={plan.replay_steps}{total} ({where})", required=False)]
+                  f"replay_steps={plan.replay_steps}{total} ({where}){judged_rl}", required=False)]
     if judged is not None:
         gates.append(judged)
     resharded = _resharded(segments)

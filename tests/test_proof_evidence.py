@@ -1,0 +1,147 @@
+"""Missing evidence is not a difference: where a kill lands decides what can be compared, never the verdict's kind.
+
+Real loops (``ckptguard.demo.loops``) in segments, each a new process: a crash loop whose saving run
+recorded nothing past its save, and two gloo ranks that a job-wide kill left one record apart. Hand-written
+records for the gates whose reference a kill can cut off (an export, an update of a GRPO step whose
+rewards were all equal).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckptguard.cli import main
+from ckptguard.demo import loops
+from ckptguard.ops.prove import Outcome, Status, evaluate, outcome, verdict
+from ckptguard.testing import run_ranks, values
+
+SAVE_EVERY = 5
+
+
+def _segment(rank: int, world: int, root: str, steps: int, stop_after: int | None) -> int:
+    return int(loops.run(root, rank=rank, world=world, steps=steps, save_every=SAVE_EVERY,
+                         stop_after=stop_after)["start"])
+
+
+def _by_name(gates) -> dict:
+    return {g.name: g for g in gates}
+
+
+@pytest.fixture(scope="module")
+def loop_root(tmp_path_factory) -> Path:
+    """Saved step 5 and ended right after (nothing recorded past it); resumed from 5 and killed after
+    step 7; resumed from 5 again and killed after step 8."""
+    root = tmp_path_factory.mktemp("loop") / "ck"
+    runs = [(5, None), (20, 7), (20, 8)]
+    starts = [values(run_ranks(_segment, 1, str(root), steps, stop, distributed=False))[0] for steps, stop in runs]
+    assert starts == [0, 5, 5]
+    return root
+
+
+def test_a_crash_loop_is_judged_against_the_earliest_run_that_recorded_past_the_step(loop_root):
+    gates = evaluate(loop_root, resume=2)
+    data = _by_name(gates)["data order identical"]
+    assert data.status is Status.PASS, data.evidence
+    assert "steps 6-7 replayed after the restore of step 5 (compared with an earlier resume of step 5" in data.evidence
+    assert "the run that saved it recorded nothing past it" in data.evidence
+    assert outcome(gates) is Outcome.PROVEN, verdict(gates)
+
+
+def test_a_resume_whose_saving_run_recorded_nothing_past_the_save_is_missing_evidence(loop_root):
+    gates = evaluate(loop_root, resume=1)
+    assert outcome(gates) is Outcome.EVIDENCE_MISSING and not [g for g in gates if g.status is Status.FAIL]
+    line = verdict(gates)
+    assert line.startswith("resume EVIDENCE MISSING (no gate found a difference; not compared: data order identical:")
+    assert "rank 0: no run before this resume recorded a step past step 5" in line
+    assert "the run that saved step 5 (pid " in line and "recorded no step past it" in line
+    shown = CliRunner().invoke(main, ["prove", str(loop_root), "--resume", "1", "--json"])
+    out = json.loads(shown.output)
+    assert shown.exit_code == 3 and out["outcome"] == "evidence missing" and out["exit_code"] == 3
+    assert out["failed"] == [] and "data order identical" in [g["gate"] for g in out["missing"]]
+    table = CliRunner().invoke(main, ["prove", str(loop_root), "--resume", "1"])
+    assert table.exit_code == 3 and "data order identical" in table.output and " MISSING " in table.output
+
+
+def _cut_last_step(path: Path, count: int = 1) -> None:
+    """What a job-wide SIGKILL between two ranks' appends leaves: this rank's last step record(s) never written."""
+    lines = path.read_text().splitlines(keepends=True)
+    steps = [i for i, line in enumerate(lines) if json.loads(line)["event"] == "step"]
+    for i in sorted(steps[-count:], reverse=True):
+        del lines[i]
+    path.write_text("".join(lines))
+
+
+@pytest.mark.parametrize(("cut", "expected"), [(1, Status.PASS), (2, Status.MISSING)])
+def test_ranks_one_record_apart_are_judged_by_the_ranks_that_recorded(tmp_path, cut, expected):
+    root = tmp_path / "ck"
+    # rank 0 recorded one step past the save of step 5 (or two: then rank 1, with none, is two records behind,
+    # which no kill between two appends leaves)
+    stop = 6 if cut == 1 else 7
+    assert values(run_ranks(_segment, 2, str(root), 20, stop)) == [0, 0]
+    _cut_last_step(root / "proof" / "rank_00001.jsonl", count=cut)
+    assert values(run_ranks(_segment, 2, str(root), 20, 8)) == [5, 5]
+    gates = evaluate(root)
+    data = _by_name(gates)["data order identical"]
+    assert data.status is expected, data.evidence
+    if expected is Status.PASS:
+        assert "rank(s) [1]: the killed run had recorded nothing past step 5 there" in data.evidence
+        assert "judged by rank(s) [0], whose replay of step 6 matched" in data.evidence
+        assert outcome(gates) is Outcome.PROVEN, verdict(gates)
+    else:
+        assert "rank 1: no run before this resume recorded a step past step 5" in verdict(gates)
+        assert outcome(gates) is Outcome.EVIDENCE_MISSING
+
+
+# ---------------------------------------------------------------- hand-written records
+
+OLD, MID, NEW = 111, 222, 333
+
+
+def _write(root: Path, records: list[dict]) -> None:
+    path = root / "proof" / "rank_00000.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for i, r in enumerate(records):  # in time order: each launch is told apart by its restore's time
+            f.write(json.dumps({"rank": 0, "host": "h", "time": float(i), "mono": float(i), **r}) + "\n")
+
+
+def _restore(pid: int) -> dict:
+    return {"event": "restore", "pid": pid, "step": 6, "digests_match": {"model": True}, "ok": True,
+            "addresses_changed": []}
+
+
+def _step(pid: int, step: int, norm: float) -> dict:
+    return {"event": "step", "pid": pid, "step": step, "sample_ids": f"ids{step}", "loss": 0.5, "grad_norm": norm}
+
+
+PLAN = {"rl": True, "deterministic": True, "replay_steps": 1}
+
+
+@pytest.mark.parametrize(("killed_norm", "expected", "words"), [
+    (0.0, Status.PASS, "as the reference run had there"),  # zero in the uninterrupted trajectory too
+    (0.25, Status.FAIL, "where the run that saved step 6 (pid 111) had grad_norm 0.25 at the same step"),
+    (None, Status.MISSING, "no run before this resume recorded step 7's update"),
+])
+def test_a_zero_update_is_judged_against_what_the_reference_did_at_that_step(tmp_path, killed_norm, expected, words):
+    killed = [_step(OLD, 7, killed_norm)] if killed_norm is not None else []
+    _write(tmp_path, [{"event": "save", "pid": OLD, "step": 6, "plan": PLAN}, *killed, _restore(NEW),
+                      _step(NEW, 7, 0.0), _step(NEW, 8, 0.125)])
+    gate = _by_name(evaluate(tmp_path))["one non-zero update"]
+    assert gate.status is expected and words in gate.evidence, gate.evidence
+
+
+def test_an_export_the_kill_cut_off_is_missing_evidence_and_an_earlier_resume_supplies_it(tmp_path):
+    fp = {"bytes": "b6", "scales": "none"}
+    saved = [{"event": "save", "pid": OLD, "step": 6, "plan": PLAN}]  # killed right after the save: no export
+    _write(tmp_path / "cut", [*saved, _restore(NEW), {"event": "export", "pid": NEW, "step": 6, "fingerprint": fp}])
+    gate = _by_name(evaluate(tmp_path / "cut"))["first export byte-identical"]
+    assert gate.status is Status.MISSING and "no run before this resume recorded an export of step 6" in gate.evidence
+    loop = [*saved, _restore(MID), {"event": "export", "pid": MID, "step": 6, "fingerprint": fp}, _restore(NEW),
+            {"event": "export", "pid": NEW, "step": 6, "fingerprint": {**fp, "bytes": "b6-merged-twice"}}]
+    _write(tmp_path / "loop", loop)
+    gate = _by_name(evaluate(tmp_path / "loop"))["first export byte-identical"]
+    assert gate.status is Status.FAIL and "an earlier resume of step 6 (pid 222)" in gate.evidence
