@@ -40,7 +40,7 @@ from ._resume import resolve as _resolve
 from ._resume import restore as _restore
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
-from ._state.state import addresses, capture, moved
+from ._state.state import addresses, capture, check_items, moved
 from ._state.trajectory import fingerprint, step_metrics
 from ._types import JsonObject, StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
@@ -358,6 +358,7 @@ class CheckpointManager:
         ``prefer`` as in ``resolve``.
         """
         check_state(state, "restore")
+        check_items(state, "restore")  # an item no save could write: refused before the run trains on it
         began = time.monotonic()
         self.wait()
         self.core.check_lease("restore", break_lease=break_lease)

@@ -130,9 +130,48 @@ def check_weights_only(obj: Any, where: str) -> None:
         return
     raise ConfigError(
         f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a safe load "
-        "(torch.load(weights_only=True)) cannot read back; convert it to tensors and plain "
-        "Python types (int, float, str, list, dict) in its state_dict()"
+        f"(torch.load(weights_only=True)) cannot read back; {_fix_for(obj)}"
     )
+
+
+def _fix_for(obj: Any) -> str:
+    """What to put in the state instead of ``obj``: the fix for the objects users put there most."""
+    data = torch.utils.data
+    if isinstance(obj, data.DataLoader):
+        return (
+            "a DataLoader keeps no position to save. Put the position in the state instead: a "
+            "ckptguard.DataCursor (cursor = ckptguard.DataCursor(len(dataset), seed=...); DataLoader(dataset, "
+            "batch_size=b, sampler=cursor.sampler(b)); state['data'] = cursor), or torchdata's "
+            "StatefulDataLoader (it has state_dict()/load_state_dict())"
+        )
+    if isinstance(obj, torch.Generator):
+        return "put ckptguard.GeneratorState(generator) in the state (its state as a tensor)"
+    if type(obj).__name__.endswith("DataLoaderIter") or hasattr(obj, "__next__"):
+        return (
+            "an iterator's position cannot be saved; save what produces it (a ckptguard.DataCursor, a sampler "
+            "with state_dict(), torchdata's StatefulDataLoader) and rebuild the iterator after restore()"
+        )
+    return "convert it to tensors and plain Python types (int, float, str, list, dict) in its state_dict()"
+
+
+def check_items(state: Mapping[str, Any], where: str) -> None:
+    """Refuse, before anything is loaded or trained, an item that a save could not write (``capture``'s
+    checks): a run must not train until its first save to learn that its state cannot be checkpointed."""
+    for name, value in state.items():
+        check_name(name)
+        kind = classify(value)
+        if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER):
+            continue  # torch's state dicts of these hold tensors and plain values only
+        check_weights_only(current_state(name, value, kind, state),
+                           f"{where}: state item {name!r} ({kind.value})")
+
+
+def check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name or "." in name or name.startswith("_"):
+        raise ConfigError(
+            f"state item name {name!r} must be a non-empty str without '.' and not "
+            "starting with '_' (dots separate DCP key parts; '_' names are ckptguard's)"
+        )
 
 
 KeyFn = Callable[[str], str]
@@ -214,11 +253,7 @@ def capture(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, Capture
     """Snapshot every item: its skeleton, its DCP tensors and its digest."""
     out = {}
     for name, value in state.items():
-        if not isinstance(name, str) or not name or "." in name or name.startswith("_"):
-            raise ConfigError(
-                f"state item name {name!r} must be a non-empty str without '.' and not "
-                "starting with '_' (dots separate DCP key parts; '_' names are ckptguard's)"
-            )
+        check_name(name)
         kind = classify(value)
         sd = current_state(name, value, kind, state)
         if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS):
