@@ -249,8 +249,11 @@ def test_the_exit_hook_records_and_logs_only_after_a_restore(tmp_path, caplog):
 
 def test_restore_and_save_records_name_their_code_and_prove_says_when_it_changed(replayed, tmp_path):
     code = _by_name(evaluate(replayed / "exact"))["code identity"]
-    assert code.status is Status.INFO and code.evidence.startswith("step 5 saved and resumed by the same code (no "
-                                                                   "code hash, ckptguard ")
+    # equal versions without a code hash say nothing of the training code: prove says it was not compared
+    assert code.status is Status.INFO and code.evidence.startswith("the code was NOT compared: no code hash was "
+                                                                   "declared; step 5 was saved and resumed under the "
+                                                                   "same versions (no code hash, ckptguard ")
+    assert "same code" not in code.evidence
     assert "torch 2.13" in code.evidence and "RunContract(code=hash_git_tree('.'))" in code.evidence
     records = (replayed / "exact" / "proof" / "rank_00000.jsonl").read_text().splitlines()
     changed = []
@@ -264,6 +267,13 @@ def test_restore_and_save_records_name_their_code_and_prove_says_when_it_changed
     code = _by_name(evaluate(tmp_path))["code identity"]
     assert "the saving and the resumed runs ran different code (ckptguard, hash differ)" in code.evidence
     assert "resumed by code new, ckptguard 9.9" in code.evidence
+    hashed = [ln.replace('"ckptguard": "9.9"', '"ckptguard": "0.1.0"').replace('"hash": "new"', '"hash": "h1"')
+              for ln in changed]
+    hashed = [ln if '"event": "save"' not in ln else ln.replace('"code": {', '"code": {"hash": "h1", ')
+              for ln in hashed]
+    (tmp_path / "proof" / "rank_00000.jsonl").write_text("\n".join(hashed) + "\n")
+    code = _by_name(evaluate(tmp_path))["code identity"]
+    assert code.evidence.startswith("step 5 saved and resumed by the same code (code h1, "), code.evidence
 
 
 def test_a_changed_thread_count_is_named_as_the_cause(tmp_path):

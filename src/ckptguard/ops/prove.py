@@ -386,9 +386,12 @@ def _code(segments: list[_Segment]) -> Gate | None:
     if not isinstance(saved, dict):
         return Gate("code identity", Status.INFO, f"resumed by {_code_text(resumed)}; the save of step {step} "
                     f"recorded no code identity (an older ckptguard){hint}", required=False)
+    if saved == resumed and not resumed.get("hash"):  # equal versions say nothing of the training code itself
+        return Gate("code identity", Status.INFO, f"the code was NOT compared: no code hash was declared; step {step} "
+                    f"was saved and resumed under the same versions ({_code_text(resumed)}){hint}", required=False)
     if saved == resumed:
         return Gate("code identity", Status.INFO, f"step {step} saved and resumed by the same code "
-                    f"({_code_text(resumed)}){hint}", required=False)
+                    f"({_code_text(resumed)})", required=False)
     changed = sorted(k for k in {*saved, *resumed} if saved.get(k) != resumed.get(k))
     return Gate("code identity", Status.INFO, (
         f"the saving and the resumed runs ran different code ({', '.join(changed)} differ): saved by "
