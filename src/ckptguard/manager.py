@@ -369,6 +369,7 @@ class CheckpointManager:
             log.warning("ckptguard: %s", res.describe())
             self._record("restore", step=0, fresh=True, reason=res.reason, world_size=self.world_size,
                          seconds=round(time.monotonic() - began, 4), **timing)
+            self.queue.known(state, self._ctx.keyfn(), self.config)  # the first save_async's staging, ahead
             return 0
         log.info("ckptguard: %s", res.describe())
         seen: dict[str, dict[str, Any]] = {"digests": {}, "layout_free": {}, "replicas": {}}
@@ -404,6 +405,7 @@ class CheckpointManager:
         self.core.restarted_at(done.step)
         if self.derived is not None:
             self.derived.mark_restored(done.step)
+        self.queue.known(state, self._ctx.keyfn(), self.config)
         return done.step
 
     # ------------------------------------------------------------ proof records

@@ -34,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .._context import Actions, Context
 from .._priority import lower_this_thread
 from .._records.entries import Figure
-from .._state.state import Captured
+from .._state.state import Captured, KeyFn, capture
 from .._types import StateDict
 from ..config import CheckpointConfig
 from ..errors import SaveStillRunningError
@@ -44,6 +44,10 @@ from ..storage._writer import exact
 from .snapshot import Snapshot, snapshot
 
 log = logging.getLogger("ckptguard")
+
+SMALL_GROW = 64 << 20
+"""Bytes a ``save_async`` may map and pin on the caller's thread (a few ms): what a prepared pool lacks, e.g. an
+optimizer's step counters created after the pool was sized."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -90,14 +94,14 @@ class Staged:
 
 
 def stage(
-    snap: Snapshot, *, gpu_bytes: int, host_bytes: int, pool: StagingPool | None, timeout_s: float
+    snap: Snapshot, *, gpu_bytes: int, host_bytes: int, pool: StagingPool | None, timeout_s: float, grow: int = 0
 ) -> Staged:
     """Make the snapshot independent of the live tensors, within the byte budgets.
 
     GPU tensors go to spare GPU memory when all of them fit ``gpu_bytes`` (a clone on the
     caller's stream: later kernels are ordered after it); the rest into ``pool`` slots, at most
-    ``host_bytes`` in all; what fits neither stays live and is read by the writer, the fence
-    then holding the next mutation until it was."""
+    ``host_bytes`` in all (``grow``: bytes the pool may map and pin here, on the caller's thread); what fits
+    neither stays live and is read by the writer, the fence then holding the next mutation until it was."""
     tensors = [(c, k, t) for c in snap.items.values() for k, t in c.tensors.items()]
     on_gpu = sum(_nbytes(t) for _, _, t in tensors if _local(t).is_cuda)
     gpu_fits = on_gpu > 0 and on_gpu <= gpu_bytes and torch.cuda.mem_get_info()[0] > on_gpu
@@ -125,9 +129,9 @@ def stage(
         sizes = [_nbytes(t) for _, _, t, _ in to_host]
         # Never map or pin on the caller's thread: what the pool cannot hold yet is read live this
         # time (the fence holds the next mutation until it was), and the pool grows in the background.
-        slots = pool.place(sizes, host_bytes, grow=False)
+        slots = pool.place(sizes, host_bytes, grow=grow)
         if host_bytes and any(s is None for s in slots) and not pool.growing:
-            pool.grow_async(pool.missing(sizes), host_bytes)  # the state grew: more room, off this thread
+            pool.grow_async(sizes, host_bytes)  # the state grew: more room, off this thread
     copier = copier_for([local for *_, local in to_host])
     for i, (item, key, t, local) in enumerate(to_host):
         slot = slots[i] if i < len(slots) else None
@@ -172,6 +176,7 @@ class AsyncStaging:
         self.budget_why = ""
         self.preparing: Future[int] | None = None
         self._handles: list[Any] = []
+        self._waiting: list[Any] = []  # post-step hooks of optimizers the pool is sized after (``known``)
 
     def host_budget(self, config: CheckpointConfig) -> int:
         if self.budget is None:
@@ -198,13 +203,50 @@ class AsyncStaging:
 
         def run() -> None:
             try:
-                done.set_result(pool.grow_async(pool.missing(sizes), self.host_budget(config)).result())
+                done.set_result(pool.grow_async(sizes, self.host_budget(config)).result())
             except BaseException as exc:  # the future carries it; a later save_async reads live meanwhile
                 done.set_exception(exc)
 
         self.preparing = done
         threading.Thread(target=run, name="ckptguard-prepare", daemon=True).start()
         return done
+
+    def known(self, state: StateDict, keyfn: KeyFn, config: CheckpointConfig) -> None:
+        """The state is known (``restore``): prepare the pool for it in the background now, so that the first
+        ``save_async`` costs what later ones cost. It never touches an optimizer: one with no state yet (a fresh
+        start) is sized after its first step (a post-step hook that only reads). Without a ``save_async`` the
+        pool goes after ``AsyncOptions.pool_idle_s``."""
+        if self.preparing is not None or self._waiting or (self.pool is not None and self.pool.held_bytes):
+            return
+        empty = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
+        if not empty:
+            self._prepare_known(state, keyfn, config)
+            return
+        fired = [False]
+
+        def after_step(*_: Any) -> None:
+            if fired[0] or any(not o.state for o in empty):
+                return
+            fired[0] = True  # disarmed, not removed: torch iterates its hook dicts while calling them
+            self._prepare_known(state, keyfn, config)
+
+        self._waiting = [o.register_step_post_hook(after_step) for o in empty]
+
+    def _prepare_known(self, state: StateDict, keyfn: KeyFn, config: CheckpointConfig) -> None:
+        try:
+            items = capture(state, keyfn)
+        except Exception as exc:  # never in the user's step: the save itself reports what it cannot capture
+            log.debug("ckptguard: no staging prepared ahead: %s: %s", type(exc).__name__, exc)
+            return
+        done = self.prepare(items, config)
+        pool = self.pool
+        if pool is not None:
+            done.add_done_callback(lambda _: pool.idle_from_now())
+
+    def _stop_waiting(self) -> None:
+        for handle in self._waiting:
+            handle.remove()
+        self._waiting = []
 
     def _pool_for(self, items: dict[str, Captured], config: CheckpointConfig) -> StagingPool:
         pin = torch.cuda.is_available() and any(_local(t).is_cuda for c in items.values() for t in c.tensors.values())
@@ -216,12 +258,15 @@ class AsyncStaging:
         return self.pool
 
     def stage(self, snap: Snapshot, state: StateDict, config: CheckpointConfig) -> Staged:
+        self._stop_waiting()
         pool = self._pool_for(snap.items, config)
         if self.budget is None and self.preparing is None:
             self.prepare(snap.items, config)  # no prepare_async: this first save reads live, never pins here
         budget = self.budget if self.budget is not None else 0
+        # A pool being prepared in the background is waited for by nothing: what it lacks is read live this once.
+        preparing = pool.growing or (self.preparing is not None and not self.preparing.done())
         staged = stage(snap, gpu_bytes=config.async_save.gpu_bytes, host_bytes=budget, pool=pool,
-                       timeout_s=config.timeout_s)
+                       timeout_s=config.timeout_s, grow=0 if preparing else SMALL_GROW)
         snap.read_done = staged.fence.live_read
         snap.cost = {
             **staged.cost(pool),
@@ -263,13 +308,13 @@ class AsyncStaging:
         want = sum(sizes)
         if pool.growing:
             return f"its host staging set for {want} B is still being allocated in the background"
-        slots = pool.place(sizes, budget, grow=False)
+        slots = pool.place(sizes, budget, grow=0)
         if all(slot is not None for slot in slots):
             placed = [(*e, slot) for e, slot in zip(entries, slots, strict=True) if slot is not None]
             return Placement(snap, pool, placed, budget)
         pool.done()
         if budget >= pool.held_bytes + pool.missing(sizes):
-            pool.grow_async(pool.missing(sizes), budget)
+            pool.grow_async(sizes, budget)
             return f"its host staging set for {want} B was not allocated yet (now being allocated in the background)"
         return (f"it needs {want} B of host staging beside the commit's, and {budget} B of the host staging budget "
                 "are left (raise CheckpointConfig.async_save.host_bytes to twice the state's bytes)")
@@ -319,6 +364,7 @@ class AsyncStaging:
 
     def close(self) -> None:
         self.unguard()
+        self._stop_waiting()
         if self.preparing is not None:  # a region pinned after the release would outlive close()
             wait_futures([self.preparing], timeout=600)
             self.preparing = None

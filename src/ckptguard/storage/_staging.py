@@ -6,13 +6,17 @@ Contract:
 - ``StagingPool`` holds host regions, each one anonymous mapping of exactly the bytes asked
   for, page-locked with ``cudaHostRegister`` when it stages GPU tensors (the caching host
   allocator would round a 6 GiB request up to 8 GiB and keep it cached). ``place(sizes,
-  budget)`` gives every tensor a 64-byte aligned slot: first fit in the regions held, then ONE
-  new region of exactly the bytes still missing, as far as ``budget`` (the pool's total) allows;
-  a tensor that does not fit gets None and stays live. Regions are reused by every later save
-  and released by ``release()``, or by ``idle_s`` seconds without use. ``held_bytes`` is what
-  the pool holds now. ``grow_async(nbytes, budget)`` maps and pins a region in a thread of its
-  own (pinning 6 GiB takes over a second); ``place(..., grow=False)`` never allocates on the
-  caller's thread, and while a region is being pinned nothing is placed in it.
+  budget)`` gives every tensor a 64-byte aligned slot: first fit, largest tensor first, in the
+  regions held, then ONE new region of exactly the bytes still missing, as far as ``budget`` (the
+  pool's total) and ``grow`` (the bytes the caller's thread may allocate) allow; a tensor that
+  does not fit gets None and stays live. Regions are reused by every later save and released by
+  ``release()``, or by ``idle_s`` seconds without use. ``held_bytes`` is what the pool holds now.
+  ``grow_async(sizes, budget)`` maps and pins, in a thread of its own (pinning 6 GiB takes over
+  a second), the regions that hold what the pool cannot: packed largest first into regions of
+  at most ``CHUNK`` bytes (one region per larger tensor), each exactly the bytes its slots take,
+  so that the next ``place`` of the same sizes fills them exactly (the same first-fit order over
+  regions no larger than the packing's) and no single registration holds the driver for long.
+  While a region is being pinned nothing is placed in it.
 - ``Copier`` fills slots: ``CudaCopier`` issues every GPU copy ``non_blocking`` on one side
   stream that first waits for the caller's current stream (the kernels that produced the
   tensors), and keeps the sources alive for that stream (``record_stream``); CPU sources are
@@ -42,6 +46,8 @@ from ._pool import Buffer
 log = logging.getLogger("ckptguard")
 
 ALIGN = 64  # every slot starts on a multiple of this: any dtype's view is aligned
+CHUNK = 512 << 20
+"""The largest region ``grow_async`` packs several tensors into (a larger tensor gets its own)."""
 
 
 def _aligned(n: int) -> int:
@@ -75,59 +81,82 @@ class StagingPool:
         """A region is being allocated in the background (``grow_async``)."""
         return self._growing is not None and not self._growing.done()
 
-    def grow_async(self, nbytes: int, budget: int) -> Future[int]:
-        """Map (and pin) one region of ``nbytes`` (within ``budget`` less what is held) in a background
-        thread; the future gives the bytes added (0: no room, or a grow already running)."""
+    def grow_async(self, sizes: Sequence[int], budget: int) -> Future[int]:
+        """Map (and pin) in a background thread the regions that hold what ``sizes`` cannot find room for in the
+        regions held (within ``budget`` less what is held); the future gives the bytes added (0: no room, or a
+        grow already running)."""
         with self._lock:
             if self.growing:
                 assert self._growing is not None
                 return self._growing
-            need = min(_aligned(nbytes), max(0, budget - self.held_bytes))
+            room = max(0, self.budget_room(budget))
+            bins = self._new_bins(sizes)
+            plan = []
+            for b in bins:  # in packing order, which place() fills in the same order
+                if b <= room:
+                    plan.append(b)
+                    room -= b
             done: Future[int] = Future()
             self._growing = done
-        if need <= 0:
+        if not plan:
             done.set_result(0)
             return done
-
-        def grow() -> None:
-            try:
-                region = Buffer(need, self.pin)
-            except OSError as exc:
-                log.warning("ckptguard: could not allocate a %d B staging region in the background (%s); the "
-                            "tensors it would hold are read from the live state", need, exc)
-                done.set_result(0)
-                return
-            except BaseException as exc:
-                done.set_exception(exc)
-                return
-            with self._lock:
-                self._regions.append(region)
-                self._used.append(0)
-                self.grown_on.append(threading.current_thread().name)
-            done.set_result(need)
-
-        threading.Thread(target=grow, name="ckptguard-pin-pool", daemon=True).start()
+        threading.Thread(target=self._grow, args=(plan, done), name="ckptguard-pin-pool", daemon=True).start()
         return done
 
-    def missing(self, sizes: Sequence[int]) -> int:
-        """Bytes a region would need for ``sizes`` beyond what the pool holds (aligned)."""
-        return max(0, sum(_aligned(n) for n in sizes) - self.held_bytes)
+    def budget_room(self, budget: int) -> int:
+        """What ``budget`` leaves beside the regions held."""
+        return budget - self.held_bytes
 
-    def place(self, sizes: Sequence[int], budget: int, *, grow: bool = True) -> list[torch.Tensor | None]:
+    def _grow(self, plan: list[int], done: Future[int]) -> None:
+        added = 0
+        try:
+            for need in plan:
+                region = Buffer(need, self.pin)
+                with self._lock:
+                    self._regions.append(region)
+                    self._used.append(0)
+                    self.grown_on.append(threading.current_thread().name)
+                added += need
+        except OSError as exc:
+            log.warning("ckptguard: could not allocate a %d B staging region in the background (%s); the "
+                        "tensors it would hold are read from the live state", need, exc)
+        except BaseException as exc:
+            done.set_exception(exc)
+            return
+        done.set_result(added)
+
+    def _new_bins(self, sizes: Sequence[int]) -> list[int]:
+        """The exact sizes of the regions ``sizes`` need beyond the regions held (largest first)."""
+        used = [0] * len(self._regions)
+        bins: list[int] = []
+        for n in sorted((n for n in sizes if n), reverse=True):
+            if _fit(used, [r.size for r in self._regions], n) is None and _fit(bins, None, n) is None:
+                bins.append(n)
+        return bins
+
+    def missing(self, sizes: Sequence[int]) -> int:
+        """Bytes the regions for ``sizes`` would need beyond what the pool holds (``grow_async``'s packing)."""
+        with self._lock:
+            return sum(self._new_bins(sizes))
+
+    def place(self, sizes: Sequence[int], budget: int, *, grow: int | None = None) -> list[torch.Tensor | None]:
         """A uint8 slot of each size (None where the pool and the budget have no room); marks the pool busy.
-        ``grow=False``: only the regions held now (the caller's thread never maps or pins)."""
+        ``grow``: at most these bytes are mapped (and pinned) on the caller's thread (None: any)."""
         with self._lock:
             self._cancel_timer()
             self._busy += 1
             self._used = [0] * len(self._regions)
             out: list[torch.Tensor | None] = [None] * len(sizes)
             missing = []
-            for i, n in enumerate(sizes):
-                slot = self._first_fit(n)
+            for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+                slot = self._first_fit(sizes[i])
                 if slot is None:
                     missing.append(i)
                 out[i] = slot
-            room = max(0, budget - self.held_bytes) if grow else 0
+            room = max(0, budget - self.held_bytes)
+            if grow is not None:
+                room = min(room, grow)
             fit, need = [], 0
             for i in missing:
                 end = _aligned(need) + sizes[i]  # the last slot ends the region: no padding after it
@@ -161,11 +190,21 @@ class StagingPool:
         """The save that placed slots finished with them; the idle timer starts."""
         with self._lock:
             self._busy = max(0, self._busy - 1)
-            self._last_use = time.monotonic()
-            if self._busy == 0 and self.idle_s is not None and self._regions:
-                self._timer = threading.Timer(self.idle_s, self._idle)
-                self._timer.daemon = True
-                self._timer.start()
+            self._arm_idle()
+
+    def idle_from_now(self) -> None:
+        """Start the idle timer of a pool no save has used yet (prepared ahead): an unused pool goes too."""
+        with self._lock:
+            if self._timer is None:
+                self._arm_idle()
+
+    def _arm_idle(self) -> None:
+        self._last_use = time.monotonic()
+        if self._busy == 0 and self.idle_s is not None and self._regions:
+            self._cancel_timer()
+            self._timer = threading.Timer(self.idle_s, self._idle)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _idle(self) -> None:
         with self._lock:
@@ -189,6 +228,17 @@ class StagingPool:
             region.release()
         self._regions.clear()
         self._used.clear()
+
+
+def _fit(used: list[int], caps: list[int] | None, n: int) -> int | None:
+    """First fit of ``n`` bytes in bins of ``caps`` (None: ``CHUNK`` each) holding ``used`` bytes: the bin's
+    index, its ``used`` updated; None: no bin has room."""
+    for b, u in enumerate(used):
+        start = _aligned(u)
+        if start + n <= (caps[b] if caps is not None else max(CHUNK, u)):
+            used[b] = start + n
+            return b
+    return None
 
 
 class Fence:
