@@ -98,9 +98,14 @@ def model(seed: int, n: int = 3) -> list[int]:
     return [rng.randrange(50) for _ in range(n)]
 
 
-def choose(tokens: list[int], names: list[str]) -> list[str]:
-    """The environments a turn calls, chosen from its tokens (as a tool call parsed from the output)."""
-    return [names[t % len(names)] for t in tokens[:2] if t % 4 != 3]
+USES = [("idempotent", "restorable"), ("idempotent", "restart-only"), ("idempotent", "restorable", "restart-only")]
+"""The environments each prompt's rollouts may call: prompt 0's always continue, prompt 1's restart."""
+
+
+def choose(tokens: list[int], prompt: int) -> list[tuple[str, int]]:
+    """The calls a turn makes (environment, argument), chosen from its tokens (a tool call parsed from them)."""
+    names = USES[prompt]
+    return [(names[t % len(names)], t) for t in tokens[:2] if t % 4 != 3]
 
 
 def turns_of(rollout: str) -> int:
@@ -124,7 +129,6 @@ def job(root: Path, work: Path, die_at_seq: int | None, control: str) -> dict[st
         state["turns"] = ledger
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=60))
     step = mgr.restore(state, mode=cg.ResumeMode.AUTO)
-    names = list(ledger.envs)
     while bool((progress < 2).any()):
         step += 1
         active = [i for i in range(len(ROLLOUTS)) if progress[i] == 1]
@@ -139,7 +143,7 @@ def job(root: Path, work: Path, die_at_seq: int | None, control: str) -> dict[st
             turn = ledger.next_turn(rid, step=step)
             tokens = model(turn.seed)
             ledger.model_call(turn, tokens)
-            answers = [ledger.env_call(turn, env, {"x": t}) for env, t in zip(choose(tokens, names), tokens)]
+            answers = [ledger.env_call(turn, env, {"x": t}) for env, t in choose(tokens, prompt)]
             if die_at_seq is not None and ledger.state_dict()["seq"] + 1 >= die_at_seq:
                 os.kill(os.getpid(), signal.SIGKILL)  # after the effects, before the turn is committed
             ledger.end_turn(turn, [a % 50 for a in answers])

@@ -42,7 +42,7 @@ SHOWN = 4  # findings named per gate; the count says how many there are
 
 
 class Row(NamedTuple):
-    """One gate: name, status (PASS, FAIL, NOT RUN, INFO), evidence, whether the verdict needs it to pass."""
+    """One gate: name, status (PASS, FAIL, MISSING, INFO), evidence, whether the verdict needs it to pass."""
 
     name: str
     status: str
@@ -209,7 +209,7 @@ def _restores(root: Path) -> dict[int, dict[int, int]]:
 
 def _combine(name: str, results: list[tuple[str, str, bool]]) -> Row:
     statuses = [s for s, _, _ in results]
-    status = next((s for s in ("FAIL", "NOT RUN", "PASS") if s in statuses), "INFO")
+    status = next((s for s in ("FAIL", "MISSING", "PASS") if s in statuses), "INFO")
     shown = [e for s, e, _ in results if s == status]
     return Row(name, status, "; ".join(dict.fromkeys(shown)), any(req for _, _, req in results))
 
@@ -239,7 +239,7 @@ def _gate_once(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
     if not effects:
         if not calls:
             return "INFO", f"rank {rank}: no environment call recorded", False
-        return "NOT RUN", (f"rank {rank}: {len(calls)} environment call(s), and no environment reported its own "
+        return "MISSING", (f"rank {rank}: {len(calls)} environment call(s), and no environment reported its own "
                            "record of effects (TurnLedger.record_effects)"), True
     findings = []
     for env, (_, got) in sorted(effects.items()):
@@ -296,7 +296,7 @@ def _gate_kind(rank: int, runs: list[_Run], restores: dict[int, int]) -> tuple[s
     if findings:
         return "FAIL", _named(findings), True
     if not judged:
-        return "NOT RUN", f"rank {rank}: no resume of a turn ledger recorded", True
+        return "MISSING", f"rank {rank}: no resume of a turn ledger recorded", True
     return "PASS", (f"rank {rank}: {judged} resume(s): every in-flight rollout continued at its last turn or "
                     "restarted where a restart-only environment said so; no committed turn run again"), True
 
