@@ -231,7 +231,8 @@ def _newest_effects(runs: list[_Run]) -> dict[str, tuple[float, list[Effect]]]:
 def _gate_once(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
     last = max((i for i, run in enumerate(runs) if run.turns() or run.resume is not None), default=None)
     history = [] if last is None else _history(runs, last)
-    calls = [(r, c) for r in history if r["event"] == "turn" for c in r["calls"]]
+    # a restarted rollout's newer attempt re-issues its earlier calls' ids: the newest issue of each id counts
+    calls = list({c["call_id"]: (r, c) for r in history if r["event"] == "turn" for c in r["calls"]}.values())
     try:
         effects = _newest_effects(runs)
     except ValueError as exc:
