@@ -181,3 +181,16 @@ def test_run_seed_must_match_the_saving_run(tmp_path):
     state = saved(cg.TurnLedger(envs(tmp_path), run_seed=1))
     with pytest.raises(cg.StateMismatchError, match="run_seed 1, this ledger has 0"):
         reborn(tmp_path, state)
+
+
+def test_turn_records_survive_a_line_torn_by_a_kill(tmp_path):
+    from ckptguard.ops.prove_turns import read_turn_records
+
+    root = tmp_path / "root"
+    (root / "proof").mkdir(parents=True)
+    (root / "proof" / "turns_rank_00000.jsonl").write_text('{"event": "turn", "pid": 1, "roll')  # killed mid-append
+    ledger = cg.TurnLedger(envs(tmp_path, kinds=(IDEM,)), root=root)
+    ledger.start("r", 0, [1])
+    turn(ledger, "r", [("idempotent", 1)])
+    [rec] = read_turn_records(root)[0]
+    assert (rec["event"], rec["rollout"], rec["turn"], rec["calls"][0]["call_id"]) == ("turn", "r", 1, "r/t1/c0")

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,15 @@ class TurnLog:
     def __init__(self, root: Path | None, rank: int) -> None:
         self.root = None if root is None else Path(root)
         self.rank = rank
-        self.held: list[str] = []
+        self.held: deque[str] = deque(maxlen=HELD_MAX)
+        self._tail_checked = False
 
     def write(self, event: str, durable: bool = False, **fields: Any) -> None:
         if self.root is None:
             return
         line = json.dumps({"event": event, "rank": self.rank, "pid": os.getpid(), "time": time.time(), **fields},
                           sort_keys=True, allow_nan=False) + "\n"
-        self.held = [*self.held[-(HELD_MAX - 1):], line]
+        self.held.append(line)
         if not self.root.is_dir():  # a mistyped root must stay visible: the first save creates it
             return
         try:
@@ -47,9 +49,17 @@ class TurnLog:
         directory.mkdir(exist_ok=True)
         path = directory / RECORDS.format(rank=self.rank)
         refuse_link(path, "turn records")
-        with open(path, "a") as f:
-            f.write("".join(self.held))
+        with open(path, "a+b") as f:
+            if not self._tail_checked:
+                # A process killed mid-append leaves a torn last line: end it, so our records start on their own.
+                self._tail_checked = True
+                size = f.seek(0, os.SEEK_END)
+                if size:
+                    f.seek(size - 1)
+                    if f.read(1) != b"\n":
+                        self.held.appendleft("\n")
+            f.write("".join(self.held).encode())
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        self.held = []
+        self.held.clear()

@@ -107,8 +107,8 @@ def _parsed(path: Path, n: int, line: str, last: bool) -> Record | None:
     try:
         rec = json.loads(line)
     except ValueError:
-        if last:
-            return None  # torn by a kill mid-append
+        if last or line.startswith("{"):
+            return None  # torn by a kill mid-append (the next process's first append ended the line)
         raise CheckpointCorruptError(f"{path}:{n}: not a JSON line; turn records are written by TurnLedger only: "
                                      "cut that line to judge the rest") from None
     event = str(rec.get("event")) if isinstance(rec, dict) else ""
