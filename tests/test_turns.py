@@ -194,3 +194,11 @@ def test_turn_records_survive_a_line_torn_by_a_kill(tmp_path):
     turn(ledger, "r", [("idempotent", 1)])
     [rec] = read_turn_records(root)[0]
     assert (rec["event"], rec["rollout"], rec["turn"], rec["calls"][0]["call_id"]) == ("turn", "r", 1, "r/t1/c0")
+
+
+def test_arguments_that_are_not_json_are_refused_naming_rollout_and_turn(tmp_path):
+    ledger = cg.TurnLedger(envs(tmp_path, kinds=(IDEM,)))
+    ledger.start("r", 0, [1])
+    t = ledger.next_turn("r", step=1)
+    with pytest.raises(cg.ConfigError, match=r"env_call\(rollout 'r', turn 1\): the arguments must be JSON values"):
+        ledger.env_call(t, "idempotent", {"x": object()})

@@ -68,6 +68,16 @@ def turn_seed(run_seed: int, rollout: str, turn: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def _json(fn: Any, value: Any, what: str) -> str:
+    """``fn(value)`` for a JSON value; a value that is not one is a ConfigError naming ``what`` (it is saved)."""
+    try:
+        out: str = fn(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} must be JSON values (str, int, float, bool, None, lists, dicts): they are saved "
+                          f"in the checkpoint ({exc})") from None
+    return out
+
+
 def tokens_digest(tokens: Sequence[int]) -> str:
     return hashlib.blake2b(json.dumps(list(tokens)).encode(), digest_size=12).hexdigest()
 
@@ -207,7 +217,8 @@ class TurnLedger:
                                   f"(known: {sorted(self.envs)})")
             r = self._flight[turn.rollout]
             index = len(o.calls)
-            call = Call(f"{turn.rollout}/t{turn.turn}/c{index}", env, turn.turn, index, args_digest(args))
+            where = f"env_call(rollout {turn.rollout!r}, turn {turn.turn}): the arguments"
+            call = Call(f"{turn.rollout}/t{turn.turn}/c{index}", env, turn.turn, index, _json(args_digest, args, where))
             self._check_reissue(r, call)
             request = EnvCall(call.call_id, r.rollout, r.attempt, turn.turn, index, args, call.args_digest,
                               r.epochs.get(env, 0))
@@ -222,7 +233,8 @@ class TurnLedger:
                     f"now {call.args_digest}): the turn did not replay as the killed run ran it; seed sampling per "
                     "rollout and turn (TurnLedger.next_turn's seed), or start a new rollout id"
                 )
-            call.result = json.dumps(result.result, sort_keys=True, allow_nan=False)
+            call.result = _json(lambda v: json.dumps(v, sort_keys=True, allow_nan=False), result.result,
+                                f"rollout {turn.rollout!r}, turn {turn.turn}: environment {env!r}'s result")
             call.revision = int(result.revision)
             return result.result
 
