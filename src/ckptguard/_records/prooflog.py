@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 from .._disk.digest import digest
 from .._disk.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
 from .._log import NAME
+from .._state.trajectory import rng_digests
 from .._version import __version__
 from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
 from .proofrecords import PROOF_BYTES, ProofRecord, header_problem, records_dir
@@ -59,15 +60,20 @@ class ProofLog:
         self._lock = threading.Lock()
         self.watch = ResumeWatch(rank, str(self.path), lambda event, **fields: self.keep(self.build(event, **fields)))
         self.code: str | None = None  # the run contract's code hash, recorded with saves and restores (prove shows it)
+        self._rng_due = False  # the next step record carries the RNG streams' digests (after a save or restore)
 
     def build(self, event: str, **fields: Any) -> ProofRecord:
         """The record of ``event`` with the header every record carries; ConfigError for a field that
         would make it unreadable (a ``time`` that is not a number)."""
         if event == "step":  # the thread count splits CPU reductions: prove names a change of it
             fields.setdefault("threads", torch.get_num_threads())
+            if self._rng_due:  # the streams after the first step past a save or restore: prove compares them
+                self._rng_due = False
+                fields.setdefault("rng", rng_digests())
         elif event in ("save", "restore"):  # which code saved, which resumed: prove says when they differ
             code = {"ckptguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
             fields.setdefault("code", {**code, **({"hash": self.code} if self.code else {})})
+            self._rng_due = True
         raw = {"event": event, "rank": self.rank, "pid": os.getpid(), "host": _HOST, "time": time.time(),
                "mono": time.monotonic(), **fields}
         problem = header_problem(raw)
@@ -267,9 +273,23 @@ def prunable(recs: Records, oldest: int) -> list[tuple[int, int]]:
     return out
 
 
-def export_fingerprint(payload: Any, scales: Any = None) -> dict[str, str]:
-    """Digests of exported bytes and of the quantization scales that go with them."""
-    return {"bytes": digest(payload), "scales": digest(scales) if scales is not None else "none"}
+def export_fingerprint(payload: Any, scales: Any = None) -> dict[str, Any]:
+    """Digests of exported bytes and of the quantization scales that go with them. A payload that is a
+    mapping of tensors also keeps each tensor's digest (``tensors``), so ``prove`` names the tensors a
+    first export after a restore differs in; its ``bytes`` is then the digest of those digests (each
+    tensor read once)."""
+    tensors = _tensor_digests(payload)
+    whole = digest(sorted(tensors.items())) if tensors is not None else digest(payload)
+    out: dict[str, Any] = {"bytes": whole, "scales": digest(scales) if scales is not None else "none"}
+    return {**out, "tensors": tensors} if tensors is not None else out
+
+
+def _tensor_digests(payload: Any) -> dict[str, str] | None:
+    if not isinstance(payload, Mapping) or not payload:
+        return None
+    if not all(isinstance(v, torch.Tensor) for v in payload.values()):
+        return None
+    return {str(name): digest(t) for name, t in payload.items()}
 
 
 def logprob_diff(trainer: torch.Tensor, rollout: torch.Tensor) -> dict[str, float]:

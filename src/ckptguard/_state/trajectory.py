@@ -20,6 +20,7 @@ import xxhash
 
 from .._disk.digest import digest
 from .._types import JsonObject
+from .rng import capture as _capture_rng
 from .scalars import Metrics, scalar
 
 _HEAD = 4  # ids shown in evidence when a step's data differs
@@ -116,3 +117,12 @@ def difference(a: Any, b: Any) -> float | None:
         return None
     d = abs(float(a) - float(b))
     return d if math.isfinite(d) else None
+
+
+def rng_digests() -> dict[str, str]:
+    """A digest of each of this process's global RNG streams (torch's CPU generator, CUDA's where
+    initialized, Python's, NumPy's), read without drawing from them. Recorded with the first step
+    after a save and after a restore, so ``prove`` can tell one rank's stream that the restore did
+    not put back, or a draw made at another point than in the killed run (``iter(DataLoader)``
+    after ``restore()``), from a generator outside the global streams."""
+    return {name: digest(value) for name, value in _capture_rng().items() if name != "cuda" or value}

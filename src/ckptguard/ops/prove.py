@@ -207,7 +207,8 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
 
 def _export_tensors(ref: ProofRecord, first: ProofRecord) -> str:
     """The tensors two export records differ in, where both recorded per-tensor digests (a rollout engine's)."""
-    a, b = ref.get("tensors"), first.get("tensors")
+    a = ref.get("tensors") or (ref.get("fingerprint") or {}).get("tensors")
+    b = first.get("tensors") or (first.get("fingerprint") or {}).get("tensors")
     if not (isinstance(a, dict) and isinstance(b, dict)):
         return ""
     names = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
@@ -435,6 +436,7 @@ class _Replay:
     ref_steps: list[int] = field(default_factory=list)  # the steps the reference recorded past it
     resumed_steps: list[int] = field(default_factory=list)  # the steps the resumed run recorded past it
     no_reference: bool = False  # no run before the resume recorded a step past the restored one on this rank
+    rng: tuple[int, dict[str, Any], dict[str, Any]] | None = None  # (step, killed, resumed) global RNG digests
 
 
 def _data(r: ProofRecord) -> dict[str, Any]:
@@ -577,6 +579,8 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
                             f"{len(b_recs)} by the resumed run")
             return out
         for a, b in zip(a_recs, b_recs, strict=False):
+            if out.rng is None and isinstance(a.get("rng"), dict) and isinstance(b.get("rng"), dict):
+                out.rng = (s, a["rng"], b["rng"])  # the first step past the save and the restore
             da, db = _data(a), _data(b)
             data_seen = data_seen or bool(da or db)
             out.fields |= set(da) & set(db)
@@ -701,7 +705,8 @@ def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
     if failed:  # the earliest differing step, and which other ranks differ too
         others = [rank for _s, rank, _r in failed[1:]]
         also = f" (ranks {others} differ too)" if others else ""
-        data = Gate(data.name, Status.FAIL, failed[0][2].evidence + also)
+        rng = _rng_hint(replays, failed[0][2])
+        data = Gate(data.name, Status.FAIL, failed[0][2].evidence + also + (f" {rng}" if rng else ""))
     elif data.status is Status.PASS:
         steps = sorted({s for r in replays for s in r.steps})
         names = {"sample_ids": "sample ids", "batch": "batch"}
@@ -726,10 +731,13 @@ NOT_COMPARED = "replayed numerics not compared: the plan declares non-determinis
 def _deterministic_numbers(name: str, data: Gate, replays: list[_Replay], diffs: list[Any], count: int) -> Gate:
     """Bitwise: the first differing value FAILs, with the likely causes in order."""
     if diffs:
-        s, rank, what, a, b = diffs[0]
-        replay = next(r for r in replays if r.rank == rank)
+        # A rank whose own RNG streams differ is the cause even where an all-reduce spread it to the others' numbers
+        by_rank = {r.rank: r for r in replays}
+        s, rank, what, a, b = next((d for d in diffs if _rng_streams(by_rank[d[1]])), diffs[0])
+        replay = by_rank[rank]
+        hint = _rng_hint(replays, replay) or _numbers_hint(replay, s)
         return Gate(name, Status.FAIL, f"rank {rank}, step {s}: {what} {a!r} in the killed run, {b!r} after the "
-                    f"resume (the plan compares replayed numerics bitwise). {_numbers_hint(replay, s)}")
+                    f"resume (the plan compares replayed numerics bitwise). {hint}")
     if data.status is not Status.PASS or not count:
         why = "no values (loss, grad_norm, extras) recorded" if data.status is Status.PASS else "no replay compared"
         return Gate(name, Status.MISSING, why)
@@ -746,11 +754,47 @@ def _numbers_hint(replay: _Replay, step: int) -> str:
     batch = ("a changed batch composition (padding, packing, collate order: only sample ids were recorded, "
              "record_step(..., batch=...) compares the tensors too)" if "batch" not in replay.fields else
              "a changed batch composition inside the step (the batch tensors recorded are equal, so after them)")
+    streams = _rng_streams(replay)
+    which = ("not torch's global RNG: its streams after step "
+             f"{replay.rng[0]} equal the killed run's" if streams == [] and replay.rng is not None else
+             "or torch's global RNG drawn at another point than in the killed run")
     return ("Likely causes, in order: (1) a generator used inside the step and not in the state (dropout, noise, "
-            "sampling: add state['gen'] = ckptguard.GeneratorState(gen), or draw from torch's global RNG, which "
-            "is saved); (2) a different thread count or kernel (OMP_NUM_THREADS, torch.set_num_threads, "
+            f"sampling; {which}: add state['gen'] = ckptguard.GeneratorState(gen)); (2) a different thread count "
+            "or kernel (OMP_NUM_THREADS, torch.set_num_threads, "
             f"torch.use_deterministic_algorithms, another device or library version); (3) {batch}. Steps that "
             "are legitimately not bitwise (rollouts sampled across processes) declare ProofPlan(deterministic=False).")
+
+
+def _rng_streams(replay: _Replay) -> list[str] | None:
+    """The global RNG streams that differ from the reference's after the first step past the restore
+    (None: not recorded by both runs)."""
+    if replay.rng is None:
+        return None
+    _step, a, b = replay.rng
+    return sorted(n for n in {*a, *b} if a.get(n) != b.get(n))
+
+
+def _rng_hint(replays: list[_Replay], replay: _Replay) -> str | None:
+    """The cause a difference of the global RNG streams names: one rank's streams not put back, or on
+    every rank a draw made at another point than in the killed run (a DataLoader iterator)."""
+    mine = _rng_streams(replay)
+    if not mine or replay.rng is None:
+        return None
+    step = replay.rng[0]
+    compared = [r for r in replays if _rng_streams(r) is not None]
+    same = [r.rank for r in compared if not _rng_streams(r)]
+    if same:
+        return (f"Cause: rank {replay.rank}'s RNG stream: its global RNG streams ({', '.join(mine)}) after step {step} "
+                f"differ from the killed run's, while rank(s) {same} match: the restore did not put back rank "
+                f"{replay.rank}'s own streams (each rank's RNG is its own: restore every rank's, not rank 0's on all, "
+                "and do not reseed after restore()).")
+    return (f"Cause: the global RNG streams ({', '.join(mine)}) after step {step} differ from the killed run's on "
+            f"every rank ({[r.rank for r in compared]}) although restore() put them back: something drew from them "
+            "at another point than in the killed run, typically a DataLoader iterator created after restore() "
+            "(iter(DataLoader) draws its base seed, and a shuffling sampler without a generator its order, from "
+            "torch's global RNG: before step 1 in a fresh run, after the restore in a resumed one). Fix: give the "
+            "loader its own generator, DataLoader(..., generator=g) with state['loader_gen'] = "
+            "ckptguard.GeneratorState(g), or feed it from a ckptguard.DataCursor.")
 
 
 def _declared_numbers(name: str, diffs: list[Any], count: int) -> Gate:
