@@ -202,3 +202,25 @@ def test_arguments_that_are_not_json_are_refused_naming_rollout_and_turn(tmp_pat
     t = ledger.next_turn("r", step=1)
     with pytest.raises(cg.ConfigError, match=r"env_call\(rollout 'r', turn 1\): the arguments must be JSON values"):
         ledger.env_call(t, "idempotent", {"x": object()})
+
+
+def _two_ranks(rank: int, world: int, root: str, work: str) -> list[Any]:
+    mine = Path(work) / f"rank{rank}"
+    mine.mkdir(parents=True, exist_ok=True)
+    ledger = cg.TurnLedger(envs(mine, kinds=(IDEM,)), rank=rank, root=root)
+    ledger.start(f"r{rank}", rank, [1, rank])
+    turn(ledger, f"r{rank}", [("idempotent", rank)])
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60))
+    mgr.save(1, {"turns": ledger})
+    again = cg.TurnLedger(envs(mine, kinds=(IDEM,)), rank=rank, root=root)
+    assert cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60)).restore({"turns": again}) == 1
+    return [again.resume().continued, again.conversation(f"r{rank}").tokens]
+
+
+@pytest.mark.slow  # a gloo group of two spawned ranks
+def test_each_rank_saves_and_gets_back_its_own_in_flight_rollouts(tmp_path):
+    from ckptguard.testing import run_ranks, values
+
+    got = values(run_ranks(_two_ranks, 2, str(tmp_path / "root"), str(tmp_path / "work")))
+    assert [g[0] for g in got] == [[("r0", 1)], [("r1", 1)]]
+    assert [g[1][:2] for g in got] == [[1, 0], [1, 1]]  # the prompt of each rank's own rollout
