@@ -29,6 +29,7 @@ from .._disk.layoutfree import digest_with_layout_free, layout_free_partials
 from .._types import StateDict
 from ..errors import ConfigError, StateMismatchError
 from . import optimstate
+from . import rng as _rng
 
 TENSOR_REF = "__ckptguard_dcp_key__"
 
@@ -160,8 +161,11 @@ def check_items(state: Mapping[str, Any], where: str) -> None:
     for name, value in state.items():
         check_name(name)
         kind = classify(value)
-        if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER):
-            continue  # torch's state dicts of these hold tensors and plain values only
+        if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.STATEFUL):
+            # torch's state dicts of modules and optimizers hold tensors and plain values only; a stateful
+            # object's state_dict() is not called before its load (a StatefulDataLoader would start its
+            # workers and draw its seeds there), so its content is checked at the save
+            continue
         check_weights_only(current_state(name, value, kind, state),
                            f"{where}: state item {name!r} ({kind.value})")
 
@@ -243,10 +247,21 @@ def current_state(name: str, value: Any, kind: ItemKind, state: Mapping[str, Any
     if kind is ItemKind.OPTIMIZER:  # never stepped to be read (optimstate)
         return optimstate.read(_model_for(value, state, name), value, name)
     if kind is ItemKind.STATEFUL:
-        return value.state_dict()
+        return _rng_untouched(value.state_dict)
     if kind is ItemKind.PER_RANK:
         return value.value
     return value
+
+
+def _rng_untouched(read: Callable[[], Any]) -> Any:
+    """``read()`` with the four global RNG streams put back after it. torchdata's StatefulDataLoader builds
+    an iterator in ``state_dict()`` when it has none, and that draws from torch's global RNG: right after a
+    restore (the digest check) the draw would shift every dropout mask of the resumed run."""
+    streams = _rng.capture()
+    try:
+        return read()
+    finally:
+        _rng.restore(streams, where="a state item's state_dict()")
 
 
 def capture(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, Captured]:
