@@ -4,13 +4,17 @@ A GPT-style transformer (fp32 parameters, bf16 autocast, fused AdamW; the defaul
 ~553M parameters, 6.2 GiB of model + optimizer) trains on random tokens and saves every K steps
 with each method in turn:
 
-    none, cg_sync, cg_async_host, cg_async_skip, cg_async_gpu, dcp_sync, dcp_async (DefaultStager:
-    pinned, async staging, non-blocking copies), torch_save
+    none, cg_sync, cg_async, cg_async_prepared, cg_async_wait, cg_async_gpu, cg_tiers, dcp_sync,
+    dcp_async (DefaultStager: pinned, async staging, non-blocking copies), torch_save
 
-cg_async_host waits for the previous commit before each save (OnBusy.WAIT, what every save_async
-did before); cg_async_skip is the default OnBusy.SKIP with ``prepare_async`` called at start (as a
-job does after its restore): a save requested while a commit runs is skipped (counted in
-``skipped_steps``), and the first save's pool is pinned in the background.
+Every method runs the loop a user writes: a new job (model and an optimizer with no state yet), the
+manager's ``restore`` on a fresh root, then training from step 1 with a save every K steps, the first
+save inside the timed loop like every later one. cg_async is ``save_async`` with the default options
+(``OnBusy.SKIP``: a save requested while a commit runs is skipped, counted in ``skipped_steps``);
+cg_async_prepared the same after ``prepare_async`` (the optional hint); cg_async_wait waits for the
+previous commit (``OnBusy.WAIT``); cg_async_gpu snapshots into spare GPU memory; cg_tiers is a
+``TieredCheckpoint`` with the fast tier in ``--fast-dir`` (``/dev/shm``) every ``--fast-every`` steps
+and the persistent tier every ``--persistent-every``, through ``save_async``.
 
 Per method: the time each save blocked the loop (for the async methods also the wait of the
 next optimizer step), p50/p95 step time while a background write runs against the steps
@@ -51,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ckptguard as cg
 
-METHODS = ("none", "cg_sync", "cg_async_host", "cg_async_skip", "cg_async_gpu", "dcp_sync", "dcp_async", "torch_save")
+METHODS = ("none", "cg_sync", "cg_async", "cg_async_prepared", "cg_async_wait", "cg_async_gpu", "cg_tiers", "dcp_sync",
+           "dcp_async", "torch_save")
 GiB = 1 << 30
 
 
@@ -259,34 +264,42 @@ class Method:
 
 
 class CgMethod(Method):
-    def __init__(self, root: Path, job: Job, *, mode: str) -> None:
+    """ckptguard as a user's loop calls it: ``restore`` first (a fresh root), then ``save``/``save_async``."""
+
+    def __init__(self, root: Path, job: Job, *, mode: str, a: argparse.Namespace) -> None:
         super().__init__(root, job)
         self.mode = mode
         gpu = (1 << 40) if mode == "gpu" else 0
-        on_busy = cg.OnBusy.SKIP if mode == "skip" else cg.OnBusy.WAIT
+        on_busy = cg.OnBusy.WAIT if mode == "wait" else cg.OnBusy.SKIP
         config = cg.CheckpointConfig(async_save=AsyncOptions(gpu_bytes=gpu, on_busy=on_busy), retention=None)
-        self.mgr = cg.CheckpointManager(root, config=config)
+        self.mgr: Any
+        if mode == "tiers":
+            fast = a.fast_dir / root.name
+            shutil.rmtree(fast, ignore_errors=True)
+            self.mgr = cg.TieredCheckpoint(fast, persistent=root, fast_every=a.fast_every,
+                                           persistent_every=a.persistent_every, config=config)
+        else:
+            self.mgr = cg.CheckpointManager(root, config=config)
         self.skipped: list[int] = []
-        self.prepared = self.mgr.prepare_async(job.state()) if mode == "skip" else None
+        self.mgr.restore(job.state())  # the documented start: a fresh root, the optimizer without state
+        self.prepared = self.mgr.prepare_async(job.state()) if mode == "prepared" else None
         self.pending: Any = None
         self.fence_waits: list[float] = []
         self.staged: list[float] = []
+        self.costs: list[dict[str, Any]] = []
 
     def save(self, step: int) -> float:
-        if self.mode == "skip":
-            return self._save_or_skip(step)
-        self.finish()
-        t = time.perf_counter()
-        self._began = t
         if self.mode == "sync":
+            t = time.perf_counter()
             self.last_dir = self.mgr.save(step, self.job.state())
             self.write_seconds.append(time.perf_counter() - t)
             return time.perf_counter() - t
-        self.pending = self.mgr.save_async(step, self.job.state())
-        return time.perf_counter() - t
+        if self.mode == "wait":
+            self.finish()
+        return self._save_or_skip(step)
 
     def _save_or_skip(self, step: int) -> float:
-        """Never wait for the previous commit: a request while one runs is skipped (on every rank alike)."""
+        """The save as the loop calls it; a request while a commit runs is skipped (OnBusy.SKIP, on every rank)."""
         if self.pending is not None and self.pending.done():
             self.finish()
         t = time.perf_counter()
@@ -307,17 +320,35 @@ class CgMethod(Method):
     def finish(self) -> None:
         if self.pending is not None:
             p, self.pending = self.pending, None
-            self.last_dir = p.wait()
+            done = p.wait()
+            self.last_dir = _newest(done) if isinstance(done, dict) else done
             self.write_seconds.append(time.perf_counter() - self._began)
-            self.fence_waits.append(p.mutation_wait_seconds)
-            if p.staged_seconds is not None:
+            self.fence_waits.append(p.mutation_wait_seconds if hasattr(p, "mutation_wait_seconds") else 0.0)
+            if getattr(p, "staged_seconds", None) is not None:
                 self.staged.append(p.staged_seconds)
+            if rank() == 0 and self.last_dir is not None:
+                cost = json.loads((self.last_dir / "manifest.json").read_text()).get("cost") or {}
+                self.costs.append({k: cost.get(k) for k in ("live_bytes", "staged_host_bytes", "staged_gpu_bytes",
+                                                            "host_pool_bytes")})
+
+    def skipped_total(self) -> int:
+        return int(self.mgr.busy.skipped_total)
+
+    def pool_bytes(self) -> int:
+        managers = [self.mgr.fast, self.mgr.persistent] if self.mode == "tiers" else [self.mgr]
+        return sum(m._staging.pool.held_bytes for m in managers if m is not None and m._staging.pool is not None)
 
     def restore(self, job: Job) -> None:
         self.mgr.restore(job.state())
 
     def close(self) -> None:
         self.mgr.close()
+
+
+def _newest(paths: dict[Any, Path]) -> Path | None:
+    """A tiered save's persistent directory where it wrote one (what a restore after losing the node reads)."""
+    by_name = {getattr(k, "name", str(k)).lower(): v for k, v in paths.items()}
+    return by_name.get("persistent") or by_name.get("fast")
 
 
 class DcpMethod(Method):
@@ -432,12 +463,15 @@ class TorchSave(Method):
         job.opt.load_state_dict(sd["optim"])
 
 
-def make(name: str, root: Path, job: Job) -> Method | None:
+CG_MODES = {"cg_sync": "sync", "cg_async": "skip", "cg_async_prepared": "prepared", "cg_async_wait": "wait",
+            "cg_async_gpu": "gpu", "cg_tiers": "tiers"}
+
+
+def make(name: str, root: Path, job: Job, a: argparse.Namespace) -> Method | None:
     if name == "none":
         return None
     if name.startswith("cg_"):
-        modes = {"cg_sync": "sync", "cg_async_host": "host", "cg_async_skip": "skip", "cg_async_gpu": "gpu"}
-        return CgMethod(root, job, mode=modes[name])
+        return CgMethod(root, job, mode=CG_MODES[name], a=a)
     if name.startswith("dcp_"):
         return DcpMethod(root, job, use_async=name == "dcp_async")
     return TorchSave(root, job)
@@ -446,34 +480,21 @@ def make(name: str, root: Path, job: Job) -> Method | None:
 # ---------------------------------------------------------------- the loop
 
 
-def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device, disk: dict[str, float]) -> dict:
+def run_method(name: str, a: argparse.Namespace, device: torch.device, disk: dict[str, float]) -> dict:
+    """The user's loop for one method: a new job, the method's start (a restore on a fresh root), then
+    ``every * (saves + 1)`` steps saving every ``every`` steps from the first interval on, all timed."""
     root = a.dir / name
     if rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
     barrier()
-    method = make(name, root, job)
-    for _ in range(a.warmup):
-        job.step()
+    job = Job(a, device, seed=0)
+    every = a.fast_every if name == "cg_tiers" else a.every
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     gc.collect()
     base_rss = rss()
     sampler = Sampler()
-    first: dict[str, Any] = {}
-    if isinstance(method, CgMethod) and method.mode == "skip":
-        for _ in range(max(0, a.every - a.warmup)):
-            job.step()  # its first save comes one interval after the start, as in a job (prepare_async ran then)
-    if method is not None:
-        # The first save pays one-time costs (a pinned pool, a stager's buffers): timed on its own,
-        # outside the loop, so the loop shows what every later save costs.
-        first["blocked_s"] = round(method.save(1), 4)
-        method.finish()
-        first["write_s"] = round(method.write_seconds.pop(), 3) if method.write_seconds else None
-        if isinstance(method, CgMethod):
-            first["next_step_wait_s"] = round(method.fence_waits[0], 4) if method.fence_waits else None
-            if rank() == 0 and method.last_dir is not None:
-                cost = json.loads((method.last_dir / "manifest.json").read_text()).get("cost") or {}
-                first["live_bytes"], first["staged_host_bytes"] = cost.get("live_bytes"), cost.get("staged_host_bytes")
-            method.fence_waits.clear()
-            method.staged.clear()
+    method = make(name, root, job, a)
     steps, saves = a.every * (a.saves + 1), []
     step_times: list[tuple[float, bool]] = []
     reference: dict[str, torch.Tensor] | None = None
@@ -486,13 +507,11 @@ def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device,
         now = time.perf_counter()
         step_times.append((now - last, busy))
         last = now
-        if method is not None and i % a.every == 0 and i < steps:
-            skipping = isinstance(method, CgMethod) and method.mode == "skip"
+        if method is not None and i % every == 0 and i < steps:
             kept = reference
-            if i == a.every * a.saves or skipping:  # the state of the last save, for the bitwise check
-                reference = {k: v.detach().clone() for k, v in job.tensors().items()}
+            reference = {k: v.detach().clone() for k, v in job.tensors().items()}  # for the bitwise check
             blocked = method.save(i)
-            if skipping and method.skipped and method.skipped[-1] == i:
+            if isinstance(method, CgMethod) and method.skipped and method.skipped[-1] == i:
                 reference = kept  # skipped: the restore loads the last save that was taken
             saves.append({"step": i, "blocked_s": round(blocked, 4), "next_step_wait_s": 0.0})
             last = time.perf_counter()
@@ -500,12 +519,10 @@ def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device,
         if held and saves:
             saves[-1]["next_step_wait_s"] = round(saves[-1]["next_step_wait_s"] + held, 4)
     loop_s = time.perf_counter() - t_loop
+    t = time.perf_counter()
     if method is not None:
-        t = time.perf_counter()
         method.finish()
-        tail_s = time.perf_counter() - t
-    else:
-        tail_s = 0.0
+    tail_s = time.perf_counter() - t
     gc.collect()
     peak = sampler.stop()
     left = rss()
@@ -513,33 +530,31 @@ def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device,
         "loop_s": round(loop_s, 3),
         "tail_wait_s": round(tail_s, 3),
         "steps": steps,
+        "save_every": every,
         "host_extra_peak_bytes": peak - base_rss,
         "host_extra_left_bytes": left - base_rss,
-        "first_save": first,
         "saves": saves,
     }
-    busy_t = [t for t, b in step_times[1:] if b]
-    idle_t = [t for t, b in step_times[1:] if not b and t < 10 * statistics.median([x for x, _ in step_times])]
-    every = [t for t, _ in step_times[1:]]
-    out["step_p50_s"], out["step_p95_s"] = pct(every, 0.5), pct(every, 0.95)
-    out["steps_during_write"] = len(busy_t)
-    out["during_write_p50_s"], out["during_write_p95_s"] = pct(busy_t, 0.5), pct(busy_t, 0.95)
-    out["without_write_p50_s"], out["without_write_p95_s"] = pct(idle_t, 0.5), pct(idle_t, 0.95)
+    _step_figures(out, step_times)
     if method is None:
+        del job
+        _free(device)
         return out
     if isinstance(method, CgMethod):
+        for save, wait in zip((s for s in saves if s["step"] not in method.skipped), method.fence_waits, strict=False):
+            save["next_step_wait_s"] = round(max(save["next_step_wait_s"], wait), 4)
         out["skipped_steps"] = method.skipped
-        out["skipped_by_manager"] = method.mgr.busy.skipped_total
+        out["skipped_by_manager"] = method.skipped_total()
         if method.prepared is not None:
             out["prepare_async_bytes"] = method.prepared.result(timeout=600)
         out["next_step_fence_wait_s"] = [round(x, 4) for x in method.fence_waits]
         out["staged_s"] = [round(x, 4) for x in method.staged]
-        pool = method.mgr._staging.pool
-        out["pool_held_bytes_after"] = pool.held_bytes if pool is not None else 0
+        out["save_costs"] = method.costs
+        out["pool_held_bytes_before_close"] = method.pool_bytes()
         manifest = json.loads((method.last_dir / "manifest.json").read_text())
         out["manifest_cost"] = manifest.get("cost")
     barrier()
-    nbytes = dir_bytes(method.last_dir) if rank() == 0 else 0
+    nbytes = dir_bytes(method.last_dir) if rank() == 0 and method.last_dir is not None else 0
     out["checkpoint_bytes"] = nbytes
     out["write_s"] = [round(x, 3) for x in method.write_seconds]
     if nbytes and method.write_seconds:
@@ -547,10 +562,33 @@ def run_method(name: str, a: argparse.Namespace, job: Job, device: torch.device,
         out["save_gib_s"] = round(nbytes / GiB / best, 3)
         out["save_vs_disk_write"] = round(nbytes / GiB / best / disk["write_fsync_gib_s"], 3)
     method.close()
+    if isinstance(method, CgMethod):
+        out["pool_held_bytes_after_close"] = method.pool_bytes()
+        out["host_extra_after_close_bytes"] = rss() - base_rss
+    del job
+    _free(device)
     out.update(restore(method, a, device, reference, nbytes, disk))
     if rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
+        if name == "cg_tiers":
+            shutil.rmtree(a.fast_dir / name, ignore_errors=True)
     return out
+
+
+def _step_figures(out: dict[str, Any], step_times: list[tuple[float, bool]]) -> None:
+    busy_t = [t for t, b in step_times[1:] if b]
+    idle_t = [t for t, b in step_times[1:] if not b and t < 10 * statistics.median([x for x, _ in step_times])]
+    every = [t for t, _ in step_times[1:]]
+    out["step_p50_s"], out["step_p95_s"] = pct(every, 0.5), pct(every, 0.95)
+    out["steps_during_write"] = len(busy_t)
+    out["during_write_p50_s"], out["during_write_p95_s"] = pct(busy_t, 0.5), pct(busy_t, 0.95)
+    out["without_write_p50_s"], out["without_write_p95_s"] = pct(idle_t, 0.5), pct(idle_t, 0.95)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def restore(method: Method, a: argparse.Namespace, device: torch.device, reference: dict | None, nbytes: int,
@@ -565,7 +603,7 @@ def restore(method: Method, a: argparse.Namespace, device: torch.device, referen
     extra: dict[str, Any] = {}
     t = time.perf_counter()
     if isinstance(method, CgMethod):
-        extra["read"] = cg_restore(method.root, fresh, a.read_threads)
+        extra["read"] = cg_restore(method.last_dir.parent if method.last_dir else method.root, fresh, a.read_threads)
     else:
         method.restore(fresh)
     if device.type == "cuda":
@@ -634,8 +672,8 @@ def summary(res: dict) -> dict[str, Any]:
             continue
         blocked = [s["blocked_s"] + s["next_step_wait_s"] for s in m["saves"]]
         row = {
-            "blocked_first_s": m["first_save"].get("blocked_s"),
-            "blocked_later_max_s": max(blocked) if blocked else None,
+            "blocked_first_s": round(blocked[0], 4) if blocked else None,
+            "blocked_later_max_s": round(max(blocked[1:]), 4) if blocked[1:] else None,
             "loop_overhead": round(m["loop_s"] / base["loop_s"] - 1, 4) if base else None,
             "during_write_p50_slowdown": None,
             "during_write_p95_slowdown": None,
@@ -644,8 +682,9 @@ def summary(res: dict) -> dict[str, Any]:
             "save_vs_disk_write": m.get("save_vs_disk_write"),
             "restore_vs_cold_read": m.get("restore_vs_cold_read"),
             "restore_bitwise_exact": m.get("restore_bitwise_exact"),
-            "first_next_step_wait_s": m["first_save"].get("next_step_wait_s"),
+            "first_next_step_wait_s": m["saves"][0]["next_step_wait_s"] if m["saves"] else None,
             "skipped_saves": len(m["skipped_steps"]) if "skipped_steps" in m else None,
+            "host_peak_x_state": round(m["host_extra_peak_bytes"] / res["state_bytes"], 3),
         }
         if m.get("during_write_p50_s") and base.get("step_p50_s"):
             row["during_write_p50_slowdown"] = round(m["during_write_p50_s"] / base["step_p50_s"] - 1, 4)
@@ -657,10 +696,13 @@ def summary(res: dict) -> dict[str, Any]:
 def markdown(res: dict) -> str:
     cols = ["blocked_first_s", "blocked_later_max_s", "loop_overhead", "during_write_p50_slowdown",
             "during_write_p95_slowdown", "host_extra_peak_gib", "host_extra_left_gib", "save_vs_disk_write",
-            "restore_vs_cold_read", "restore_bitwise_exact", "first_next_step_wait_s", "skipped_saves"]
+            "restore_vs_cold_read", "restore_bitwise_exact", "first_next_step_wait_s", "skipped_saves",
+            "host_peak_x_state"]
     lines = [f"# bench_train_loop: {res['device']}, {res['params'] / 1e6:.0f}M params, "
              f"{res['state_bytes'] / GiB:.2f} GiB state per rank, {res['world_size']} rank(s), "
-             f"save every {res['config']['every']} steps",
+             f"save every {res['config']['every']} steps (cg_tiers: fast every {res['config']['fast_every']}, "
+             f"persistent every {res['config']['persistent_every']}), the first save inside the loop, "
+             f"{res['config']['saves']} saves",
              "",
              f"disk: write+fsync {res['disk']['write_fsync_gib_s']:.2f} GiB/s, cold read "
              f"{res['disk']['cold_read_gib_s']:.2f} GiB/s; step p50 without saves "
@@ -683,7 +725,10 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--every", type=int, default=45, help="steps between saves")
     ap.add_argument("--saves", type=int, default=3, help="saves per method")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--fast-every", type=int, default=10, help="cg_tiers: steps between fast-tier saves")
+    ap.add_argument("--persistent-every", type=int, default=30, help="cg_tiers: steps between persistent saves")
+    ap.add_argument("--fast-dir", type=Path, default=Path("/dev/shm/ckptguard-train-loop"),
+                    help="cg_tiers: the fast tier's parent folder")
     ap.add_argument("--read-threads", type=int, default=0,
                     help="StreamingConfig.read_threads of ckptguard's restores (0: the library's default)")
     ap.add_argument("--alt-read", default="1:32:256",
@@ -693,7 +738,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.tiny:
         vars(a).update(TINY_MODEL)
-        a.every, a.saves, a.warmup = 3, 2, 1
+        a.every, a.saves, a.fast_every, a.persistent_every = 3, 2, 2, 4
+        a.fast_dir = a.dir / "fast"
     os.environ.setdefault("CKPTGUARD_QUIET", "1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available() and not a.tiny
@@ -708,15 +754,18 @@ def main() -> None:
     if not cuda:
         methods = [m for m in methods if m != "cg_async_gpu"]  # no spare GPU memory on a CPU
     job = Job(a, device, seed=0)
-    job.step()  # the optimizer's state exists from the first step on
+    job.step()  # the optimizer's state exists from the first step on: its size
     state_bytes = job.nbytes()
+    params = sum(p.numel() for p in job.model.parameters()) * (world if world > 1 else 1)
+    del job
+    _free(device)
     disk = disk_figures(a.dir, state_bytes if not a.tiny else 8 << 20)
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "world_size": world,
-        "params": sum(p.numel() for p in job.model.parameters()) * (world if world > 1 else 1),
+        "params": params,
         "state_bytes": state_bytes,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "disk": disk,
@@ -727,7 +776,7 @@ def main() -> None:
     failed = []
     for name in methods:
         try:
-            res["methods"][name] = run_method(name, a, job, device, disk)
+            res["methods"][name] = run_method(name, a, device, disk)
         except Exception as exc:  # one method's failure is reported; the others still run
             if a.tiny:
                 raise

@@ -20,16 +20,26 @@ def test_tiny_train_loop_benchmark_runs_every_method_exactly(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    expected = {"cg_sync", "cg_async_host", "cg_async_skip", "dcp_sync", "dcp_async", "torch_save"}
+    expected = {"cg_sync", "cg_async", "cg_async_prepared", "cg_async_wait", "cg_tiers", "dcp_sync", "dcp_async",
+                "torch_save"}
     assert set(res["summary"]) == expected
     for name, row in res["summary"].items():
         assert row["restore_bitwise_exact"] is True, name
-        assert len(res["methods"][name]["saves"]) == 2 and row["save_vs_disk_write"] > 0, name
-    cost = res["methods"]["cg_async_host"]["manifest_cost"]
-    assert cost["live_bytes"] == 0 and cost["staged_host_bytes"] > 0 and cost["host_pool_bytes"] > 0
-    skip = res["methods"]["cg_async_skip"]
-    assert skip["prepare_async_bytes"] > 0 and skip["skipped_by_manager"] == len(skip["skipped_steps"])
-    assert (tmp_path / "loop.md").read_text().count("| cg_") == 3
+        assert row["save_vs_disk_write"] > 0, name
+        saves = res["methods"][name]["saves"]
+        # The user's loop: the first save inside the timed loop, at the first interval, like every later one.
+        assert saves[0]["step"] == res["methods"][name]["save_every"] and row["blocked_first_s"] is not None, name
+    for name in ("cg_async", "cg_async_wait"):
+        first = res["methods"][name]["save_costs"][0]
+        # restore() prepared the pool after the first step: the first save staged everything, read nothing live
+        assert first["live_bytes"] == 0 and first["staged_host_bytes"] > 0, name
+    assert "prepare_async_bytes" not in res["methods"]["cg_async"]  # the default runs without the hint
+    prepared = res["methods"]["cg_async_prepared"]
+    assert prepared["prepare_async_bytes"] >= 0 and prepared["pool_held_bytes_after_close"] == 0
+    skip = res["methods"]["cg_async"]
+    assert skip["skipped_by_manager"] == len(skip["skipped_steps"]) == res["summary"]["cg_async"]["skipped_saves"]
+    assert res["methods"]["cg_tiers"]["save_every"] == 2
+    assert (tmp_path / "loop.md").read_text().count("| cg_") == 5
     assert not any((tmp_path / "ck").glob("cg_*"))  # each method's checkpoints are removed after it
 
 

@@ -286,9 +286,7 @@ class CheckpointManager:
         return path
 
     def prepare_async(self, state: StateDict) -> Future[int]:
-        """Map and pin the host staging pool(s) for ``state`` in a background thread now (after ``restore``): the first
-        ``save_async`` is then as cheap as later ones (before it is ready, it reads live what the pool cannot hold).
-        Local (no collective); a future of the bytes added."""
+        """Optional (``restore`` does it): pin the staging pool(s) for ``state`` in the background; no collective."""
         check_state(state, "prepare_async")
         return self.queue.prepare(capture(state, self._ctx.keyfn()), self.config)
 
@@ -359,6 +357,7 @@ class CheckpointManager:
         """
         check_state(state, "restore")
         check_items(state, "restore")  # an item no save could write: refused before the run trains on it
+        self.queue.known(state, self._ctx)  # the first save_async's staging, ready ahead (the optimizer: once stepped)
         began = time.monotonic()
         self.wait()
         self.core.check_lease("restore", break_lease=break_lease)
@@ -369,7 +368,6 @@ class CheckpointManager:
             log.warning("ckptguard: %s", res.describe())
             self._record("restore", step=0, fresh=True, reason=res.reason, world_size=self.world_size,
                          seconds=round(time.monotonic() - began, 4), **timing)
-            self.queue.known(state, self._ctx.keyfn(), self.config)  # the first save_async's staging, ahead
             return 0
         log.info("ckptguard: %s", res.describe())
         seen: dict[str, dict[str, Any]] = {"digests": {}, "layout_free": {}, "replicas": {}}
@@ -405,7 +403,6 @@ class CheckpointManager:
         self.core.restarted_at(done.step)
         if self.derived is not None:
             self.derived.mark_restored(done.step)
-        self.queue.known(state, self._ctx.keyfn(), self.config)
         return done.step
 
     # ------------------------------------------------------------ proof records

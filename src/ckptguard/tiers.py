@@ -400,6 +400,9 @@ class TieredCheckpoint:
             )
         home = self.persistent or self.fast
         self.wait()  # a pending save_async ends first: the choice below sees its step, or its error is raised
+        for known in (self.fast, self.persistent):  # each tier's first save_async staged ahead (the one restored too)
+            if known is not None:
+                known.queue.known(state, known.context)
         if mode is ResumeMode.NEVER:
             return home.restore(state, mode=mode, break_lease=break_lease)
         for mgr in (self.fast, self.persistent):  # a duplicate launch stops here, whichever tier it would load

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from .._agree import Wire, gather_decide
 from .._context import Actions, Context
 from .._records.entries import Figure
-from .._state.state import Captured, KeyFn
+from .._state.state import Captured
 from .._types import StateDict
 from ..config import CheckpointConfig, OnBusy
 from ..storage._staging import Fence
@@ -205,10 +205,10 @@ class SaveQueue:
         other = self.sets[1] if target is self.sets[0] else self.sets[0]
         return max(0, total - (other.pool.held_bytes if other.pool is not None else 0))
 
-    def known(self, state: StateDict, keyfn: KeyFn, config: CheckpointConfig) -> None:
+    def known(self, state: StateDict, ctx: Context) -> None:
         """The state is known (``restore``): the primary set prepares for it in the background
         (``AsyncStaging.known``); ``prepare_async`` also grows the spare set."""
-        self.sets[0].known(state, keyfn, config)
+        self.sets[0].known(state, ctx.keyfn(), ctx.config)
 
     def prepare(self, items: dict[str, Captured], config: CheckpointConfig) -> Future[int]:
         """``prepare_async``: the primary set's ``prepare``; under ``OnBusy.COALESCE`` then the spare set grown to

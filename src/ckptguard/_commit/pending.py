@@ -34,20 +34,18 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .._context import Actions, Context
 from .._priority import lower_this_thread
 from .._records.entries import Figure
-from .._state.state import Captured, KeyFn, capture
+from .._state.state import Captured, KeyFn
 from .._types import StateDict
 from ..config import CheckpointConfig
 from ..errors import SaveStillRunningError
 from ..memory.budget import host_budget
 from ..storage._staging import Fence, HostCopier, StagingPool, copier_for, slot_view
 from ..storage._writer import exact
+from .ahead import Ahead
 from .snapshot import Snapshot, snapshot
 
 log = logging.getLogger("ckptguard")
-
-SMALL_GROW = 64 << 20
-"""Bytes a ``save_async`` may map and pin on the caller's thread (a few ms): what a prepared pool lacks, e.g. an
-optimizer's step counters created after the pool was sized."""
+SMALL_GROW = 64 << 20  # what a save may pin on its thread (ms): a prepared pool's few missing bytes
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -176,7 +174,7 @@ class AsyncStaging:
         self.budget_why = ""
         self.preparing: Future[int] | None = None
         self._handles: list[Any] = []
-        self._waiting: list[Any] = []  # post-step hooks of optimizers the pool is sized after (``known``)
+        self.ahead = Ahead()
 
     def host_budget(self, config: CheckpointConfig) -> int:
         if self.budget is None:
@@ -212,41 +210,16 @@ class AsyncStaging:
         return done
 
     def known(self, state: StateDict, keyfn: KeyFn, config: CheckpointConfig) -> None:
-        """The state is known (``restore``): prepare the pool for it in the background now, so that the first
-        ``save_async`` costs what later ones cost. It never touches an optimizer: one with no state yet (a fresh
-        start) is sized after its first step (a post-step hook that only reads). Without a ``save_async`` the
+        """The state is known (``restore``): prepare the pool for it in the background (``ahead.Ahead``: a fresh
+        optimizer after its first step), so the first ``save_async`` costs what later ones cost. Unused, the
         pool goes after ``AsyncOptions.pool_idle_s``."""
-        if self.preparing is not None or self._waiting or (self.pool is not None and self.pool.held_bytes):
-            return
-        empty = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
-        if not empty:
-            self._prepare_known(state, keyfn, config)
-            return
-        fired = [False]
+        if self.preparing is None and not (self.pool is not None and self.pool.held_bytes):
+            self.ahead.arm(state, keyfn, lambda items: self._prepared_ahead(items, config))
 
-        def after_step(*_: Any) -> None:
-            if fired[0] or any(not o.state for o in empty):
-                return
-            fired[0] = True  # disarmed, not removed: torch iterates its hook dicts while calling them
-            self._prepare_known(state, keyfn, config)
-
-        self._waiting = [o.register_step_post_hook(after_step) for o in empty]
-
-    def _prepare_known(self, state: StateDict, keyfn: KeyFn, config: CheckpointConfig) -> None:
-        try:
-            items = capture(state, keyfn)
-        except Exception as exc:  # never in the user's step: the save itself reports what it cannot capture
-            log.debug("ckptguard: no staging prepared ahead: %s: %s", type(exc).__name__, exc)
-            return
-        done = self.prepare(items, config)
-        pool = self.pool
+    def _prepared_ahead(self, items: dict[str, Captured], config: CheckpointConfig) -> None:
+        done, pool = self.prepare(items, config), self.pool
         if pool is not None:
             done.add_done_callback(lambda _: pool.idle_from_now())
-
-    def _stop_waiting(self) -> None:
-        for handle in self._waiting:
-            handle.remove()
-        self._waiting = []
 
     def _pool_for(self, items: dict[str, Captured], config: CheckpointConfig) -> StagingPool:
         pin = torch.cuda.is_available() and any(_local(t).is_cuda for c in items.values() for t in c.tensors.values())
@@ -258,7 +231,7 @@ class AsyncStaging:
         return self.pool
 
     def stage(self, snap: Snapshot, state: StateDict, config: CheckpointConfig) -> Staged:
-        self._stop_waiting()
+        self.ahead.stop()
         pool = self._pool_for(snap.items, config)
         if self.budget is None and self.preparing is None:
             self.prepare(snap.items, config)  # no prepare_async: this first save reads live, never pins here
@@ -364,7 +337,7 @@ class AsyncStaging:
 
     def close(self) -> None:
         self.unguard()
-        self._stop_waiting()
+        self.ahead.stop()
         if self.preparing is not None:  # a region pinned after the release would outlive close()
             wait_futures([self.preparing], timeout=600)
             self.preparing = None

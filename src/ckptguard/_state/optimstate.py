@@ -14,16 +14,16 @@ loaded state replaces everything it set.
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import _get_fqns, get_optimizer_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel
 
+from .._types import StateDict
 from ..errors import ConfigError
 
 
-def read(model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> dict[str, Any]:
+def read(model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> StateDict:
     """``optim``'s state dict by FQN, as DCP gives it; an optimizer without state is not stepped to read it."""
     if optim.state:  # DCP initialises only an optimizer whose state is empty
         return get_optimizer_state_dict(model, optim)
@@ -38,12 +38,12 @@ def read(model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> dic
     return _unstepped(model, optim)
 
 
-def load_target(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+def load_target(model: torch.nn.Module, optim: torch.optim.Optimizer) -> StateDict:
     """The state dict a restore loads a stepped optimizer's saved state into (DCP's: it initialises an empty one)."""
     return get_optimizer_state_dict(model, optim)
 
 
-def _unstepped(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+def _unstepped(model: torch.nn.Module, optim: torch.optim.Optimizer) -> StateDict:
     """An optimizer with no state: its param groups with parameter indices mapped to FQNs, as DCP maps them."""
     osd = optim.state_dict()
     params = list(chain.from_iterable(g["params"] for g in optim.param_groups))

@@ -1,0 +1,62 @@
+"""The first save_async's staging, prepared ahead: from the moment the state is known, off the caller's path.
+
+Contract: ``Ahead.arm(state, keyfn, prepare)`` calls ``prepare(items)`` with the state's captured items
+(their tensor sizes size the pinned pool) as soon as every optimizer in the state has state: at once, or
+after the first step of the optimizers that have none yet, from a post-step hook that only reads. It never
+touches an optimizer (reading one without state would step it, ``_state.optimstate``), never raises into
+the user's step (a state the save cannot capture is reported by the save), and arms once. ``stop()``
+removes the hooks (never inside one: torch iterates its hook dicts while calling them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._state.state import Captured, KeyFn, capture
+from .._types import StateDict
+
+log = logging.getLogger("ckptguard")
+
+
+class Ahead:
+    """The post-step hooks that wait for a fresh optimizer's state (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self._hooks: list[Any] = []
+
+    def arm(self, state: StateDict, keyfn: KeyFn, prepare: Callable[[dict[str, Captured]], None]) -> None:
+        if self.armed:
+            return
+        self.armed = True
+        empty = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
+        if not empty:
+            _prepare(state, keyfn, prepare)
+            return
+        fired = [False]
+
+        def after_step(*_: Any) -> None:
+            if fired[0] or any(not o.state for o in empty):
+                return
+            fired[0] = True  # disarmed, not removed: torch iterates its hook dicts while calling them
+            _prepare(state, keyfn, prepare)
+
+        self._hooks = [o.register_step_post_hook(after_step) for o in empty]
+
+    def stop(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _prepare(state: StateDict, keyfn: KeyFn, prepare: Callable[[dict[str, Captured]], None]) -> None:
+    try:
+        items = capture(state, keyfn)
+    except Exception as exc:  # never in the user's step: the save itself reports what it cannot capture
+        log.debug("ckptguard: no staging prepared ahead: %s: %s", type(exc).__name__, exc)
+        return
+    prepare(items)
