@@ -151,7 +151,8 @@ class DataCursor:
         return full * n + (n if self.pad else min(max(rest - self.rank * n, 0), n))
 
     def sampler(self, batch_size: int) -> CursorSampler:
-        """A ``torch.utils.data.Sampler`` of this rank's ids, for ``DataLoader(sampler=...)``."""
+        """A ``torch.utils.data.Sampler`` of this rank's ids, for ``DataLoader(sampler=...,
+        generator=torch.Generator())`` (see ``CursorSampler`` for why the loader needs its own generator)."""
         return CursorSampler(self, batch_size)
 
     # ------------------------------------------------------------ state
@@ -196,6 +197,10 @@ class CursorSampler(torch.utils.data.Sampler[int]):
     ``prefetch_factor * num_workers`` batches ahead, and a save would then skip those: with
     workers, call ``cursor.take(n)`` in the loop instead and index the dataset with the ids.
     Each ``iter()`` starts the next epoch when the current one is exhausted.
+
+    Give the loader a generator of its own (``generator=torch.Generator()``): ``iter(DataLoader)`` draws
+    its base seed from it, and without one from torch's global RNG, before step 1 in a fresh run but right
+    after ``restore()`` put the saved RNG back in a resumed one, so every later draw (dropout) shifts.
     """
 
     def __init__(self, cursor: DataCursor, batch_size: int) -> None:
