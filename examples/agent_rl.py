@@ -472,15 +472,20 @@ def _order(rid: str) -> tuple[int, int]:
 
 
 def ledger_figures(turns: Any) -> dict[str, float]:
-    """The turn ledger's saved size and the cost of saving it, per in-flight rollout."""
+    """The turn ledger's saved size and the cost of saving it (state_dict and torch.save), per rollout it
+    holds (in flight, or finished and not trained yet), with the tokens it holds."""
     import torch
 
     t0 = time.perf_counter()
     buf = io.BytesIO()
-    torch.save(turns.state_dict(), buf)
+    state = turns.state_dict()
+    torch.save(state, buf)
     cost = time.perf_counter() - t0
-    n = max(1, len(turns.in_flight))
-    return {"in_flight": len(turns.in_flight), "bytes": buf.tell(), "bytes_per_rollout": buf.tell() / n,
+    held = state["in_flight"] + state["finished"]
+    n = max(1, len(held))
+    return {"in_flight": len(state["in_flight"]), "held": len(held), "bytes": buf.tell(),
+            "tokens": sum(len(r["tokens"]) * 3 // 16 for r in held),  # base64 text of int32 ids
+            "bytes_per_rollout": buf.tell() / n,
             "save_ms_per_rollout": 1e3 * cost / n}
 
 
@@ -556,6 +561,8 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
         print(f"step {step:>2}: in flight {len(turns.in_flight):>2}  trained {trained}  loss {loss:+.4f}  "
               f"probs_diff {diff['probs_diff']:.3g}", flush=True)
         if step % a.save_every == 0:
+            if not trained:  # no push this step: what the engine holds is recorded as the export of the save
+                cgv.record_engine_export(mgr, step, cgv.read_back(llm))
             figures.append(ledger_figures(turns))
             if kills.armed("save"):
                 kills.note()

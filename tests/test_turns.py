@@ -15,6 +15,7 @@ import torch
 
 import ckptguard as cg
 from agent_job import FileEnv, envs
+from ckptguard._state.turnstate import tokens_from_text
 from ckptguard.environments import EnvKind
 from ckptguard.turns import turn_seed
 
@@ -57,9 +58,9 @@ def test_state_loads_with_weights_only_and_holds_the_last_completed_turn(tmp_pat
     ledger.model_call(t, [9, 9])
     state = saved(ledger)
     [r] = state["in_flight"]
-    assert r["turn"] == 1 and r["tokens"] == [1, 2, turn_seed(0, "r", 1) % 50, 7]
+    assert r["turn"] == 1 and tokens_from_text(r["tokens"]) == [1, 2, turn_seed(0, "r", 1) % 50, 7]
     assert [c[0] for c in r["calls"]] == ["r/t1/c0"] and r["calls"][0][5] == "3"  # committed result, as JSON
-    assert reborn(tmp_path, state).conversation("r").tokens == r["tokens"]
+    assert reborn(tmp_path, state).conversation("r").tokens == tokens_from_text(r["tokens"])
 
 
 def test_a_continued_rollout_reissues_a_lost_call_with_its_id_and_runs_no_committed_turn(tmp_path):
