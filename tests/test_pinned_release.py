@@ -131,3 +131,36 @@ def test_the_interpreter_exit_unregisters_a_pool_never_closed(tmp_path):
     """)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert len(log.read_text().split()) == 1
+
+
+def test_a_dropped_manager_s_prepared_pool_is_unregistered(tmp_path, cudart, monkeypatch):
+    """Neither the idle timer's thread nor an optimizer's prepare-ahead hook keeps a dropped manager's pool."""
+    import torch
+
+    import ckptguard as cg
+    from ckptguard._commit import pending
+
+    monkeypatch.setattr(pending.StagingPool, "__init__", _pinned_init(pending.StagingPool.__init__))
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    mgr = cg.CheckpointManager(tmp_path / "ck")
+    mgr.restore(state)  # arms a post-step hook on the fresh optimizer
+    model(torch.randn(2, 64)).sum().backward()
+    optim.step()  # the hook prepares the pool
+    mgr._staging.preparing.result(timeout=60)
+    mgr.save_async(1, state).wait()  # the idle timer starts
+    assert cudart.ranges
+    other = cg.CheckpointManager(tmp_path / "other")
+    other.restore(state)  # a hook that stays armed: this optimizer has state, so it prepares at once
+    other._staging.preparing.result(timeout=60)
+    del mgr, other
+    gc.collect()
+    assert cudart.ranges == {}
+
+
+def _pinned_init(init):
+    def pinned(self, *, pin, idle_s=None):
+        init(self, pin=True, idle_s=idle_s)  # as on a GPU: the CPU state's pool is pinned through the fake
+
+    return pinned

@@ -1,16 +1,18 @@
 """The first save_async's staging, prepared ahead: from the moment the state is known, off the caller's path.
 
-Contract: ``Ahead.arm(state, keyfn, prepare)`` calls ``prepare(items)`` with the state's captured items
+Contract: ``Ahead.arm(state, keyfn, prepare, *args)`` calls ``prepare(items, *args)`` with the state's captured items
 (their tensor sizes size the pinned pool) as soon as every optimizer in the state has state: at once, or
 after the first step of the optimizers that have none yet, from a post-step hook that only reads. It never
 touches an optimizer (reading one without state would step it, ``_state.optimstate``), never raises into
-the user's step (a state the save cannot capture is reported by the save), and arms once. ``stop()``
+the user's step (a state the save cannot capture is reported by the save), and arms once. It holds the
+bound method ``prepare`` weakly: the optimizer's hook never keeps a dropped manager's pool alive. ``stop()``
 removes the hooks (never inside one: torch iterates its hook dicts while calling them).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +31,14 @@ class Ahead:
         self.armed = False
         self._hooks: list[Any] = []
 
-    def arm(self, state: StateDict, keyfn: KeyFn, prepare: Callable[[dict[str, Captured]], None]) -> None:
+    def arm(self, state: StateDict, keyfn: KeyFn, prepare: Callable[..., None], *args: Any) -> None:
         if self.armed:
             return
         self.armed = True
         empty = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
+        weak = weakref.WeakMethod(prepare)
         if not empty:
-            _prepare(state, keyfn, prepare)
+            _prepare(state, keyfn, weak, args)
             return
         fired = [False]
 
@@ -43,7 +46,7 @@ class Ahead:
             if fired[0] or any(not o.state for o in empty):
                 return
             fired[0] = True  # disarmed, not removed: torch iterates its hook dicts while calling them
-            _prepare(state, keyfn, prepare)
+            _prepare(state, keyfn, weak, args)
 
         self._hooks = [o.register_step_post_hook(after_step) for o in empty]
 
@@ -53,10 +56,13 @@ class Ahead:
         self._hooks = []
 
 
-def _prepare(state: StateDict, keyfn: KeyFn, prepare: Callable[[dict[str, Captured]], None]) -> None:
+def _prepare(state: StateDict, keyfn: KeyFn, weak: weakref.WeakMethod[Any], args: tuple[Any, ...]) -> None:
+    prepare = weak()
+    if prepare is None:
+        return  # the manager is gone
     try:
-        items = capture(state, keyfn)
+        items: dict[str, Captured] = capture(state, keyfn)
     except Exception as exc:  # never in the user's step: the save itself reports what it cannot capture
         log.debug("ckptguard: no staging prepared ahead: %s: %s", type(exc).__name__, exc)
         return
-    prepare(items)
+    prepare(items, *args)

@@ -214,7 +214,7 @@ class AsyncStaging:
         optimizer after its first step), so the first ``save_async`` costs what later ones cost. Unused, the
         pool goes after ``AsyncOptions.pool_idle_s``."""
         if self.preparing is None and not (self.pool is not None and self.pool.held_bytes):
-            self.ahead.arm(state, keyfn, lambda items: self._prepared_ahead(items, config))
+            self.ahead.arm(state, keyfn, self._prepared_ahead, config)
 
     def _prepared_ahead(self, items: dict[str, Captured], config: CheckpointConfig) -> None:
         done, pool = self.prepare(items, config), self.pool

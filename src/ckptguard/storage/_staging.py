@@ -34,6 +34,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -202,7 +203,8 @@ class StagingPool:
         self._last_use = time.monotonic()
         if self._busy == 0 and self.idle_s is not None and self._regions:
             self._cancel_timer()
-            self._timer = threading.Timer(self.idle_s, self._idle)
+            # A weak reference: a pool dropped without close() must not live on in its timer's thread.
+            self._timer = threading.Timer(self.idle_s, _idle_release, args=(weakref.ref(self),))
             self._timer.daemon = True
             self._timer.start()
 
@@ -239,6 +241,12 @@ def _fit(used: list[int], caps: list[int] | None, n: int) -> int | None:
             used[b] = start + n
             return b
     return None
+
+
+def _idle_release(ref: weakref.ref[StagingPool]) -> None:
+    pool = ref()
+    if pool is not None:
+        pool._idle()
 
 
 class Fence:
