@@ -8,10 +8,15 @@ not that the check saw nothing.
 from __future__ import annotations
 
 import ast
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 import ckptguard
+from ckptguard._core.door import MEMBERS
 
 PKG = Path(ckptguard.__file__).parent
 
@@ -224,6 +229,31 @@ def test_the_reach_in_rule_catches_a_private_name_of_another_module():
     assert len(reach_ins(sources)) == 3
 
 
+def reach_throughs(sources: dict[str, str]) -> list[str]:
+    """``x.core`` / ``x.context`` (and every chain through them) where ``x`` is not ``self``: another front
+    door's bookkeeping read or written from outside it. A door composes another through constructor
+    arguments (``_core.parts.Parts``), never by reaching into it (``mgr.core.proof.tags = ...``)."""
+    bad = []
+    for module, text in sorted(sources.items()):
+        for n in ast.walk(ast.parse(text)):
+            if isinstance(n, ast.Attribute) and n.attr in ("core", "context"):
+                if isinstance(n.value, ast.Name) and n.value.id == "self":
+                    continue
+                bad.append(f"{module}:{n.lineno}: {ast.unparse(n)}")
+    return bad
+
+
+def test_no_front_door_reaches_through_another():
+    assert reach_throughs(_sources()) == []
+
+
+def test_the_reach_through_rule_catches_an_injected_chain():
+    sources = _sources()
+    lines = sources["tiers"].count("\n")
+    sources["tiers"] += "\n\ndef _poke(mgr, other):\n    mgr.core.x = 1\n    return other.context.agreement\n"
+    assert reach_throughs(sources) == [f"tiers:{lines + 4}: mgr.core", f"tiers:{lines + 5}: other.context"]
+
+
 # Imports by name at run time (``importlib.import_module``) in the core, besides a package
 # ``__init__``'s PEP 562 ``__getattr__`` (commented ``# lazy``): the restricted unpickler imports
 # the module of a global its allow-list names (as pickle's own find_class would) to snapshot it
@@ -327,6 +357,7 @@ EXPORTED = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
+    "Checkpointer",
     "CollectiveTimeoutError",
     "ConfigError",
     "ContractMismatchError",
@@ -347,6 +378,7 @@ EXPORTED = [
     "OnBusy",
     "OverBudget",
     "ParallelLayout",
+    "PendingCommit",
     "PendingSave",
     "PerRank",
     "PinnedMemoryUnavailableError",
@@ -436,3 +468,95 @@ def test_the_public_names_rule_catches_a_private_import(tmp_path):
     script = tmp_path / "x.py"
     script.write_text("from ckptguard._disk import layout\nfrom ckptguard.ops import verify\n")
     assert private_imports(script, "") == ["_disk"]
+
+
+# ---------------------------------------------------------------- one front-door shape
+
+def shape_problems(door: type) -> list[str]:
+    """How ``door`` differs from ``ckptguard.Checkpointer``: a missing call, a keyword it does not take,
+    a return type other than the protocol's (``save_async``'s: a ``PendingCommit``, checked on a real one)."""
+    problems = []
+    for name in MEMBERS:
+        want, got = inspect.signature(getattr(ckptguard.Checkpointer, name)), getattr(door, name, None)
+        if not callable(got):
+            problems.append(f"{door.__name__}.{name}: missing")
+            continue
+        have = inspect.signature(got).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in have.values())
+        for p in want.parameters.values():
+            if p.kind is p.KEYWORD_ONLY and p.name not in have and not takes_any:
+                problems.append(f"{door.__name__}.{name}: no keyword {p.name}=")
+        if len(_positional(have)) < len(_positional(want.parameters)):
+            problems.append(f"{door.__name__}.{name}: takes fewer positional arguments")
+        returns = inspect.signature(got).return_annotation
+        if name != "save_async" and str(returns) != str(want.return_annotation):
+            problems.append(f"{door.__name__}.{name}: returns {returns}, not {want.return_annotation}")
+    return problems
+
+
+def _positional(params: Any) -> list[str]:
+    return [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _doors(root: Path) -> dict[str, tuple[object, object]]:
+    """Each front door on its own root, and how it takes one state (a run: a dict of each role's)."""
+    return {
+        "CheckpointManager": (lambda: ckptguard.CheckpointManager(root / "mgr"), lambda s: s),
+        "RunCheckpoint": (lambda: ckptguard.RunCheckpoint(root / "run", [ckptguard.Role("actor")]),
+                          lambda s: {"actor": s}),
+        "TieredCheckpoint": (lambda: ckptguard.TieredCheckpoint(root / "fast", persistent=root / "pers",
+                                                                fast_every=1, persistent_every=1), lambda s: s),
+    }
+
+
+@pytest.mark.parametrize("name", ["CheckpointManager", "RunCheckpoint", "TieredCheckpoint"])
+def test_every_front_door_has_the_one_shape_and_answers_with_its_types(name, tmp_path):
+    import torch
+
+    from ckptguard._core.guard import GuardTarget
+    from ckptguard._resume.resolution import Resolution
+
+    make, wrap = _doors(tmp_path)[name]
+    door = make()
+    assert shape_problems(type(door)) == []
+    assert isinstance(door, ckptguard.Checkpointer)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    saved = door.save(1, wrap({"model": model, "n": 1}), loss=0.5)
+    assert isinstance(saved, Path) and saved.is_dir() and saved.name == "step_00000001", saved
+    pending = door.save_async(2, wrap({"model": model, "n": 2}))
+    assert isinstance(pending, ckptguard.PendingCommit) and pending.step == 2
+    path = pending.wait()
+    assert isinstance(path, Path) and path.name == "step_00000002" and pending.done()
+    assert door.wait() in (path, None)
+    res = door.resolve()
+    assert isinstance(res, Resolution) and res.step == 2 and isinstance(res.path, Path)
+    fresh = torch.nn.Linear(3, 2)
+    state = {"model": fresh, "n": 0}
+    assert door.restore(wrap(state)) == 2
+    assert torch.equal(fresh.weight, model.weight) and state["n"] == 2
+    assert isinstance(door.record_step(3, sample_ids=[1], loss=0.25), dict)
+    assert door.record_update(3, grad_norm=1.0, params_changed=True) is None
+    assert set(door.record_export(3, torch.ones(2))) == {"bytes", "scales"}
+    assert door.record_logprobs(3, torch.zeros(4), torch.zeros(4))["probs_diff"] == 0.0
+    assert isinstance(door.preemption_target(), GuardTarget)
+    door.close()
+
+
+def test_the_shape_check_catches_a_door_that_drifted():
+    class Drifted(ckptguard.CheckpointManager):
+        def save(self, step: int, state: Any) -> dict[str, Path]:  # type: ignore[override]
+            return {}
+
+    Drifted.resolve = None  # type: ignore[assignment,method-assign]
+    problems = shape_problems(Drifted)
+    assert "Drifted.resolve: missing" in problems
+    assert "Drifted.save: no keyword healthy=" in problems
+    assert any(p.startswith("Drifted.save: returns dict[str, Path]") for p in problems), problems
+
+
+@pytest.mark.xfail(strict=True, reason="ObjectStoreCheckpoint (helper 'store', issue 40 item 2) has no save_async, "
+                   "wait, record_* or preemption_target; save returns str | None, resolve a tuple")
+def test_the_object_store_door_has_the_one_shape():
+    objectstore = pytest.importorskip("ckptguard.objectstore")
+    assert shape_problems(objectstore.ObjectStoreCheckpoint) == []

@@ -56,9 +56,9 @@ def _values(rank: int, states: dict) -> dict:
 
 def _record(run: cg.RunCheckpoint, rank: int, step: int, loss: float) -> None:
     for role in run.my_roles:  # rank 1: the actor's record first, then the critic's (finite) one
-        run.record_step(role, step, sample_ids=[step * 10 + rank], loss=loss if role == "actor" else 1.0,
-                        grad_norm=1.0)
-        run.record_update(role, step, grad_norm=1.0, params_changed=True)
+        run.record_step(step, sample_ids=[step * 10 + rank], loss=loss if role == "actor" else 1.0,
+                        grad_norm=1.0, role=role)
+        run.record_update(step, grad_norm=1.0, params_changed=True, role=role)
 
 
 def _train_worker(rank: int, world: int, root: str) -> dict:

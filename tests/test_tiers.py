@@ -77,7 +77,9 @@ def save_run(rank: int, world: int, base: str, steps: int, local_disk: bool, kw:
     saved = []
     for step in range(1, steps + 1):
         train_to(state, rank, step)
-        saved.append(sorted(t.value for t in mgr.save(step, state)))
+        path = mgr.save(step, state)
+        assert path == (mgr.persistent.root if cg.Tier.PERSISTENT in mgr.last_saved else mgr.fast.root) / path.name
+        saved.append(sorted(t.value for t in mgr.last_saved))
     return saved
 
 

@@ -57,7 +57,7 @@ def async_run(rank: int, world: int, base: str) -> dict:
     step = tiers.restore(state)
     out = {"kinds": kinds, "step": step, "exact": _exact(state, rank, step), "mine": state["mine"].value}
     # Unhealthy on one rank: skipped on every rank and every tier, nothing staged or pending.
-    out["skipped"] = tiers.save_async(6, state, healthy=rank != 1) is None and tiers.wait() == {}
+    out["skipped"] = tiers.save_async(6, state, healthy=rank != 1) is None and tiers.wait() is None
     out.update(fast=tiers.fast.committed_steps(), persistent=tiers.persistent.committed_steps())
     tiers.close()
     return out
@@ -160,7 +160,8 @@ def second_job(rank: int, world: int, base: str) -> dict:
     tiers = _tiers(base, fast="fast_b", fast_every=1, persistent_every=10)
     state = make_state(rank)
     out = {}
-    calls = (("restore", lambda: tiers.restore(state)), ("save", lambda: [t.value for t in tiers.save(1, state)]))
+    calls = (("restore", lambda: tiers.restore(state)),
+             ("save", lambda: tiers.save(1, state) and [t.value for t in tiers.last_saved]))
     for what, call in calls:
         try:
             out[what] = call()
@@ -190,12 +191,13 @@ def test_a_second_live_job_on_the_persistent_root_is_refused(tmp_path):
 def test_a_step_on_neither_interval_touches_nothing(tmp_path):
     tiers = _tiers(str(tmp_path), fast_every=2, persistent_every=4)
     state = make_state(0)
-    assert tiers.save(1, state) == {}
+    assert tiers.save(1, state) is None and tiers.last_saved == {}
     pending = tiers.save_async(3, state)
-    assert pending is not None and pending.tiers == [] and pending.done() and pending.wait() == {}
+    assert pending is not None and pending.tiers == [] and pending.done() and pending.wait() is None
     assert not (tmp_path / "pers").exists() and not (tmp_path / "fast").exists()  # no root, no lease
     assert [t.value for t in tiers.save_async(4, state).tiers] == ["fast", "persistent"]
-    assert sorted(t.value for t in tiers.wait()) == ["fast", "persistent"] and _lease.is_mine(tmp_path / "pers")
+    assert tiers.wait() == tmp_path / "pers" / "step_00000004" and _lease.is_mine(tmp_path / "pers")
+    assert sorted(t.value for t in tiers.last_saved) == ["fast", "persistent"]
     tiers.close()
 
 
@@ -209,8 +211,8 @@ def test_prepare_async_pins_both_tiers_pools_in_the_background(tmp_path):
     nbytes = sum(p.numel() * p.element_size() for p in state["model"].parameters())
     assert tiers.prepare_async(state).result(timeout=60) == 2 * nbytes  # one pool per tier
     tiers.save_async(2, state)
-    done = tiers.wait()
-    assert sorted(t.value for t in done) == ["fast", "persistent"]
+    assert tiers.wait() == tmp_path / "pers" / "step_00000002"
+    assert sorted(t.value for t in tiers.last_saved) == ["fast", "persistent"]
     for tier in ("fast", "pers"):
         cost = json.loads((tmp_path / tier / "step_00000002" / "manifest.json").read_text())["cost"]
         assert cost["live_bytes"] == 0 and cost["staged_host_bytes"] == nbytes, cost  # no live read

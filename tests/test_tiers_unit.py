@@ -138,11 +138,12 @@ def test_a_nan_recorded_at_a_step_keeps_it_out_of_both_tiers_and_prefer_verified
     tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
                                 persistent_every=2)
     state = {"m": torch.nn.Linear(2, 2)}
-    assert set(tiers.save(1, state)) == {cg.Tier.FAST}
+    assert tiers.save(1, state) == tmp_path / "fast" / "step_00000001" and set(tiers.last_saved) == {cg.Tier.FAST}
     tiers.record_step(2, loss=math.nan)  # the proof log is the persistent tier's; the fast tier's check sees it too
-    assert tiers.save(2, state) == {}
+    assert tiers.save(2, state) is None and tiers.last_saved == {}
     assert tiers.fast.committed_steps() == [1] and tiers.persistent.committed_steps() == []
-    assert set(tiers.save(4, state, loss=1.0)) == {cg.Tier.FAST, cg.Tier.PERSISTENT}
+    assert tiers.save(4, state, loss=1.0) == tmp_path / "pers" / "step_00000004"
+    assert set(tiers.last_saved) == {cg.Tier.FAST, cg.Tier.PERSISTENT}
     verified = cg.CheckpointConfig(health=cg.HealthPolicy(prefer="verified"))
     with pytest.raises(cg.ConfigError, match="prefer='verified'"):
         cg.TieredCheckpoint(tmp_path / "f2", config=verified).restore(dict(state))

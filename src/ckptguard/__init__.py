@@ -20,6 +20,7 @@ from ._version import __version__
 
 if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; bound on first use below
     from ._commit.pending import PendingSave
+    from ._core.door import Checkpointer, PendingCommit
     from ._core.roles import Role
     from ._core.tierrestore import Tier
     from ._records.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
@@ -105,6 +106,7 @@ _WHERE = {
     "CheckpointManager": ".manager",
     "CheckpointNotFoundError": ".errors",
     "CheckpointWriteError": ".errors",
+    "Checkpointer": "._core.door",
     "CollectiveTimeoutError": ".errors",
     "ConfigError": ".errors",
     "ContractMismatchError": ".errors",
@@ -123,6 +125,7 @@ _WHERE = {
     "KeepLast": "._records.retention",
     "LeaseHeldError": ".errors",
     "OnBusy": ".config",
+    "PendingCommit": "._core.door",
     "OverBudget": ".config",
     "AsyncOptions": ".config",
     "BlockingBudget": ".config",
@@ -202,6 +205,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
+    "Checkpointer",
     "CollectiveTimeoutError",
     "ConfigError",
     "ContractMismatchError",
@@ -222,6 +226,7 @@ __all__ = [
     "OnBusy",
     "OverBudget",
     "ParallelLayout",
+    "PendingCommit",
     "PendingSave",
     "PerRank",
     "PinnedMemoryUnavailableError",
@@ -273,3 +278,7 @@ __all__ = [
     "open_step",
     "read_dcp_metadata",
 ]
+
+
+if _typing.TYPE_CHECKING:  # mypy holds every front door to the one shape (ckptguard.Checkpointer)
+    _DOORS: tuple[type[Checkpointer], ...] = (CheckpointManager, RunCheckpoint, TieredCheckpoint)

@@ -28,6 +28,7 @@ from ._commit.pending import PendingSave
 from ._commit.snapshot import snapshot
 from ._context import NO_ACTIONS, Actions, Context
 from ._core.guard import GuardTarget, recorded_save_seconds
+from ._core.parts import Parts
 from ._core.root import Root, check_state, check_step
 from ._disk import layout as _layout
 from ._dist import make_agreement
@@ -38,6 +39,7 @@ from ._records import trust as _trust
 from ._records.prooflog import export_fingerprint, logprob_diff, process_start
 from ._resume import resolve as _resolve
 from ._resume import restore as _restore
+from ._resume.resolution import Resolution
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from ._state.state import addresses, capture, check_items, moved
@@ -75,6 +77,7 @@ class CheckpointManager:
         storage: Storage | None = None,
         derived: DerivedState | None = None,
         expert_parallel: ExpertParallel | None = None,
+        parts: Parts | None = None,
     ) -> None:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
@@ -116,8 +119,11 @@ class CheckpointManager:
         _faults.arm_pause_from_env(info.rank)  # only under `ckptguard rehearse`
         self._ctx = Context.of(self.root, self.config, _layout.StepNaming(self.config.storage.dir_template), agreement,
                                storage or StreamingStorage(), group, expert_parallel)
-        self.core = Root(self.root, self.config, self._ctx.naming, agreement)
+        self.core = Root(self.root, self.config, self._ctx.naming, agreement, proof=parts.proof if parts else None,
+                         health=parts.health if parts else None)
         """The bookkeeping of this root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
+        if parts is not None:  # the door that made this manager (the tiers, Megatron's async save) drives these
+            parts.bind(self._ctx, self._stage_commit, self._start_commit, self._cleanup_after, self.core.restarted_at)
         self.core.check_lease("create")
         self.blocking = BudgetRound(agreement, info.world_size, process_group, self.config.blocking, self.root, storage)
         """How long a synchronous ``save`` may hold the caller (``CheckpointConfig.blocking``)."""
@@ -162,7 +168,7 @@ class CheckpointManager:
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
         prefer: _trust.Prefer | str | None = None,
-    ) -> _resolve.Resolution:
+    ) -> Resolution:
         """Which step a restore would load and why, agreed by all ranks; loads nothing.
 
         ``prefer="verified"`` (or ``HealthPolicy.prefer``) makes AUTO and MUST pick the newest
@@ -183,19 +189,15 @@ class CheckpointManager:
     ) -> Path | None:
         """Commit ``state`` as step ``step`` on every rank, or raise on every rank.
 
-        Returns the committed step directory. On any failure the tracker does not
-        move and the previous committed step stays the resume target.
-
-        Healthy steps only (``CheckpointConfig.health``): when, on any rank, ``loss`` or
-        ``grad_norm`` (these arguments, else that rank's ``record_step`` of ``step``) is not
-        finite, ``healthy=False`` was passed or the policy's check fails, no rank commits: the
-        reasons are logged as an error, nothing is written, the tracker stays, and every rank
-        returns None (``last_health`` holds the verdict). It returns rather than raises: a
-        skipped step is the policy working, not a failed save, and the loop decides whether to
-        go on to its next save or roll back; ``if mgr.save(...) is None`` tells it.
-        ``overwrite=True`` replaces a committed step or saves one older than the tracker (a deliberate
-        rollback); ``break_lease=True`` takes the root's write lease from a live owner. Both act on this
-        call only (one-shot actions, never config that would act again on every restart of the job).
+        Returns the committed step directory. On any failure the tracker does not move and the previous
+        committed step stays the resume target. Healthy steps only (``CheckpointConfig.health``): when, on any
+        rank, ``loss`` or ``grad_norm`` (these arguments, else that rank's ``record_step`` of ``step``) is not
+        finite, ``healthy=False`` was passed or the policy's check fails, no rank commits: the reasons are
+        logged as an error, nothing is written, the tracker stays, and every rank returns None (``last_health``
+        holds the verdict): a skipped step is the policy working, not a failed save (``if mgr.save(...) is
+        None`` tells the loop). ``overwrite=True`` replaces a committed step or saves one older than the
+        tracker (a deliberate rollback); ``break_lease=True`` takes the root's write lease from a live owner.
+        Both act on this call only (one-shot actions, never config that would act again on every restart).
         With several ranks, a save estimated to hold the slowest one longer than ``CheckpointConfig.blocking``
         (half the collective timeout) is warned about (``OverBudget.WARN``), committed in the background (None;
         ``wait()`` joins it) or refused on every rank (``SaveBudgetError``), before anything is captured.
@@ -205,9 +207,9 @@ class CheckpointManager:
         self.wait()
         actions = Actions(overwrite, break_lease)
         if self.blocking.over(step, state):  # over CheckpointConfig.blocking, on every rank: as save_async
-            prepared = self.stage_commit(step, state, healthy, loss, grad_norm, actions, measure=True)
+            prepared = self._stage_commit(step, state, healthy, loss, grad_norm, actions, measure=True)
             if prepared is not None:
-                self.start_commit(step, prepared, time.monotonic())
+                self._start_commit(step, prepared, time.monotonic())
             return None
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
@@ -216,7 +218,7 @@ class CheckpointManager:
         snap.cost.update(self.busy.pending_cost())
         path = self._published(_commit.commit(self._ctx, snap), step, blocked_s=time.monotonic() - start, began=start)
         self.blocking.observe(snap, time.monotonic() - start)
-        self.cleanup_after(step)
+        self._cleanup_after(step)
         return path
 
     def save_async(
@@ -231,22 +233,21 @@ class CheckpointManager:
         step's cost block (so a final save is ``wait()`` first); ``WAIT`` waits; ``COALESCE`` queues it
         (``poll()``, ``wait()`` start it). The caller blocks only until the snapshot's copies are queued: into
         spare GPU memory within ``AsyncOptions.gpu_bytes``, else into the reusable pinned host pool within
-        ``AsyncOptions.host_bytes`` (None: the
-        budget the memory contract leaves), on a side stream. The next optimizer step (a step pre-hook), the
-        next forward of a module with buffers, or ``staged()`` waits for the copies; what does not fit the pool
-        is read live by the background writer and that wait lasts until it was read (reported, never a silent
-        synchronous save). The tracker moves when the commit completes; its error is raised by ``wait()`` or
-        the next save, save_async, restore or wait. The health agreement runs first, as in ``save`` (for a
-        queued save: when it starts). ``overwrite``, ``break_lease`` as in ``save``; ``prepare_async`` pins ahead.
-        Retention runs after a commit, in its thread, and never holds the next ``save_async``.
+        ``AsyncOptions.host_bytes`` (None: the budget the memory contract leaves), on a side stream. The next
+        optimizer step (a step pre-hook), the next forward of a module with buffers, or ``staged()`` waits for the
+        copies; what does not fit the pool is read live by the background writer and that wait lasts until it
+        was read (reported, never a silent synchronous save). The tracker moves when the commit completes; its error
+        is raised by ``wait()`` or the next save, save_async, restore or wait. The health agreement runs first, as in
+        ``save`` (for a queued save: when it starts). ``overwrite``, ``break_lease`` as in ``save``; ``prepare_async``
+        pins ahead. Retention runs after a commit, in its thread, and never holds the next ``save_async``.
         """
         check_step(step, "save_async")
         check_state(state, "save_async")
         previous, actions = self._pending, Actions(overwrite, break_lease)
         if not self.queue.admit(step, previous, self._ctx, state, actions, (healthy, loss, grad_norm), wait=self.wait):
             return None  # skipped or queued (CheckpointConfig.async_save.on_busy), alike on every rank
-        prepared = self.stage_commit(step, state, healthy, loss, grad_norm, actions)
-        return None if prepared is None else self.start_commit(step, prepared, time.monotonic(), after=previous)
+        prepared = self._stage_commit(step, state, healthy, loss, grad_norm, actions)
+        return None if prepared is None else self._start_commit(step, prepared, time.monotonic(), after=previous)
 
     def poll(self) -> PendingSave | None:
         """``OnBusy.COALESCE``: start the queued save once every rank's commit ended (collective: every step, say)."""
@@ -256,19 +257,19 @@ class CheckpointManager:
         """The commit of a queued save whose health agreement passed, in the background."""
         if queued is None:
             return None
-        return self.start_commit(queued.step, queued.prepared(self.busy.pending_cost(), self._commit_snap),
+        return self._start_commit(queued.step, queued.prepared(self.busy.pending_cost(), self._commit_snap),
                                  queued.resumed, after=after)
 
-    def start_commit(self, step: int, prepared: tuple[Callable[[], Path], Fence, float], resumed: float, *,
+    def _start_commit(self, step: int, prepared: tuple[Callable[[], Path], Fence, float], resumed: float, *,
                      after: PendingSave | None = None) -> PendingSave:
-        """Start in the background the commit ``stage_commit`` prepared (``resumed``: when the caller got control
+        """Start in the background the commit ``_stage_commit`` prepared (``resumed``: when the caller got control
         back); an integration whose own writer finishes later (Megatron's async save) starts it then."""
         run, fence, start = prepared
         self._pending = PendingSave(step, run, resumed - start, fence=fence, started=start,
-                                    cleanup=lambda: self.cleanup_after(step), after=after)
+                                    cleanup=lambda: self._cleanup_after(step), after=after)
         return self._pending
 
-    def stage_commit(
+    def _stage_commit(
         self, step: int, state: StateDict, healthy: bool | None, loss: Any, grad_norm: Any,
         actions: Actions = NO_ACTIONS, *, busy: BusyRound | None = None, measure: bool = False,
     ) -> tuple[Callable[[], Path], Fence, float] | None:
@@ -321,7 +322,7 @@ class CheckpointManager:
             self.core.trust_committed(step)
         return path
 
-    def cleanup_after(self, step: int) -> None:
+    def _cleanup_after(self, step: int) -> None:
         """Retention and proof pruning after the commit of ``step`` (``Root.cleanup``; off the caller's path)."""
         self.core.cleanup(step, rotate=self.rank == 0 or self._ctx.node_publisher)
 
@@ -384,22 +385,11 @@ class CheckpointManager:
             raise
         if done.reshard is not None:  # old -> new world, the rules, this rank's RNG streams (prove shows them)
             where["reshard"] = done.reshard
-        self._record(
-            "restore",
-            step=done.step,
-            path=str(res.path),
-            digests_match=done.digests_match,
-            layout_free_match=done.layout_free_match,
-            replicas=done.replicas,
-            source_rank=done.source_rank,
-            saved_world_size=done.saved_world_size,
-            format_version=done.format_version,
-            addresses_changed=moved(before, addresses(state)),
-            ok=True,
-            seconds=round(time.monotonic() - began, 4),
-            **timing,
-            **where,
-        )
+        self._record("restore", step=done.step, path=str(res.path), digests_match=done.digests_match,
+                     layout_free_match=done.layout_free_match, replicas=done.replicas, source_rank=done.source_rank,
+                     saved_world_size=done.saved_world_size, format_version=done.format_version,
+                     addresses_changed=moved(before, addresses(state)), ok=True,
+                     seconds=round(time.monotonic() - began, 4), **timing, **where)
         self.core.restarted_at(done.step)
         if self.derived is not None:
             self.derived.mark_restored(done.step)
@@ -407,15 +397,16 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ proof records
 
-    def record_export(self, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
+    def record_export(self, step: int, payload: Any, *, scales: Any = None, **details: Any) -> dict[str, str]:
         """Record the weights exported for rollout at ``step`` (after ``step`` updates).
 
         ``payload`` is what the rollout receives (tensors or bytes); ``scales`` the
         quantization scales sent with it. The first export after a restore must equal
-        the export the saving run recorded for the same step.
+        the export the saving run recorded for the same step. ``details``: JSON fields kept
+        with the record (an integration's per-tensor digests, its read-back gates).
         """
         fp = export_fingerprint(payload, scales)
-        self._record("export", step=step, fingerprint=fp)
+        self._record("export", step=step, fingerprint=fp, **details)
         return fp
 
     def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:

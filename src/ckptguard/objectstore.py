@@ -37,6 +37,7 @@ from ._dist import make_agreement
 from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records.entries import FileEntry
+from ._records.proofrecords import records_dir
 from ._records.retention import KeepLast, RetentionPolicy
 from ._types import JsonObject, StateDict
 from .config import BlockingBudget, CheckpointConfig, ResumeMode
@@ -215,10 +216,14 @@ class ObjectStoreCheckpoint:
 
         gather_decide(self._agreement, "store.check_lease", _Empty(), check, decision=_Empty)
 
+    def _proof_path(self) -> Path:
+        """This rank's proof log in the staging root (the staging manager's, ``ROOT/proof/rank_NNNNN.jsonl``)."""
+        return records_dir(self.local.root) / f"rank_{self.rank:05d}.jsonl"
+
     def seed_proof(self) -> None:
         """This rank's proof log comes back from the store's copy when the staging root lost it (a lost
         node), so its next copy continues the killed run's records instead of replacing them (no collective)."""
-        path = self.local.core.proof.log.path
+        path = self._proof_path()
         if path.exists():
             return
         try:
@@ -236,7 +241,7 @@ class ObjectStoreCheckpoint:
     def copy_proof(self) -> None:
         """This rank's proof log (in the staging root) copied whole to ``proof/`` on the store, where
         ``ckptguard prove s3://...`` reads every rank's; a failed copy is a warning (the step is committed)."""
-        path = self.local.core.proof.log.path
+        path = self._proof_path()
         if not self._rooted:  # a proof copy never creates anything under a prefix this job did not write
             return
         try:

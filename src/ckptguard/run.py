@@ -56,7 +56,7 @@ from ._core.roles import (
     role_budget,
     role_failure,
 )
-from ._core.root import Root
+from ._core.root import Root, check_step
 from ._disk import layout as _layout
 from ._dist import make_agreement
 from ._records import checks as _checks
@@ -335,8 +335,7 @@ class RunCheckpoint:
     def _begin(self, step: Any, states: Any, where: str, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
         """The checks of a save, a pending background save waited for, the shared-root probe and the
         health agreement; False: the step is unhealthy and not saved."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ConfigError(f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
+        check_step(step, where)
         self._check_states(states, where)
         if where == "save_async" and not may_start(self.busy, step, self._pending, self.config.async_save.on_busy,
                                                    wait=self.wait, record=self._record_all):
@@ -429,24 +428,26 @@ class RunCheckpoint:
             self._record(role, event, durable=durable, **fields)
 
     def record_step(
-        self, role: str, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None,
-        grad_norm: Any = None, **extra: Any,
+        self, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None, grad_norm: Any = None,
+        role: str | None = None, **extra: Any,
     ) -> JsonObject:
         """Record what training step ``step`` of ``role`` consumed and produced on this rank, as
         ``CheckpointManager.record_step`` (``ckptguard prove`` compares a resumed run's replayed steps
-        with the killed run's, role by role); its loss and grad_norm are health evidence for the save."""
+        with the killed run's, role by role); its loss and grad_norm are health evidence for the save. ``role``:
+        which role's step (None: the one role this rank holds)."""
         return self._proofs.step(role, step, self.core.health, sample_ids=sample_ids, batch=batch, loss=loss,
                                  grad_norm=grad_norm, **extra)
 
-    def record_update(self, role: str, step: int, *, grad_norm: float, params_changed: bool) -> None:
+    def record_update(self, step: int, *, grad_norm: float, params_changed: bool, role: str | None = None) -> None:
         """Record an optimizer update of ``role``: its gradient norm and whether the parameters moved."""
         self._proofs.update(role, step, grad_norm=grad_norm, params_changed=params_changed)
 
-    def record_export(self, role: str, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
+    def record_export(self, step: int, payload: Any, *, scales: Any = None, role: str | None = None) -> dict[str, str]:
         """Record the weights ``role`` exported for rollout at ``step`` (see CheckpointManager.record_export)."""
         return self._proofs.export(role, step, payload, scales=scales)
 
-    def record_logprobs(self, role: str, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
+    def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, *,
+                        role: str | None = None) -> dict[str, float]:
         """Record ``role``'s old-logprob against the rollout's for the same tokens."""
         return self._proofs.logprobs(role, step, trainer_logprobs, rollout_logprobs)
 

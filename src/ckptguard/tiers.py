@@ -47,23 +47,23 @@ from ._agree import gather_decide, on_every_rank
 from ._commit import replica as _replica
 from ._commit.busy import BusyRound, check_policy, may_start, route_tiered
 from ._context import Actions
-from ._core.guard import GuardTarget, recorded_save_seconds
-from ._core.root import check_state, check_step
+from ._core.guard import GuardTarget
+from ._core.parts import Parts
+from ._core.root import ProofSink, check_state, check_step
 from ._core.tierargs import fast_root, remote_tier
-from ._core.tierrestore import Choice, Tier, TierRestore, after_transfers
-from ._core.tiersave import TieredSave
+from ._core.tierrestore import Choice, Tier, TierRestore
+from ._core.tiersave import TieredSave, durable, push_replicas
 from ._disk import layout as _layout
 from ._disk import lease as _lease
 from ._dist import make_agreement
-from ._records import manifest as _manifest
 from ._records import trust as _trust
 from ._records.retention import KeepLast, RetentionPolicy, default_policy
+from ._resume.resolution import Resolution
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from ._types import JsonObject, StateDict
 from .config import BlockingBudget, CheckpointConfig, OnBusy, ResumeMode
 from .errors import (
-    CheckpointError,
     CheckpointIncompleteError,
     ConfigError,
 )
@@ -127,13 +127,25 @@ class TieredCheckpoint:
             raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
         self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
         remote = remote_tier(persistent, persistent_staging, persistent_options, fast)
+        TieredCheckpoint._created += 1
+        # The tiers' own agreement (the hosts, the persistent lease, the restore's choice, the replicas), created
+        # collectively like the managers' own; never shared with a manager's background commit.
+        self._agreement = make_agreement(process_group, timeout_s=base.timeout_s,
+                                         namespace=f"tiers-{TieredCheckpoint._created}")
+        self._naming = _layout.StepNaming(base.storage.dir_template)
+        # One proof log for both tiers, in the root every rank can read (prove sees the whole run), and one
+        # health log (a record_step of either tier is evidence for both): passed to each tier's manager.
+        home = persistent_staging if remote else (persistent if persistent is not None else fast)
+        proof = ProofSink.open(Path(str(home)).absolute(), self._agreement.info.rank, base)
+        health = _trust.HealthLog()
+        self._parts = {tier: Parts(proof=proof.tagged({"tier": tier.value}), health=health) for tier in Tier}
 
-        def manager(root: str | os.PathLike[str], retention: RetentionPolicy) -> CheckpointManager:
+        def manager(root: str | os.PathLike[str], retention: RetentionPolicy, tier: Tier) -> CheckpointManager:
             return CheckpointManager(root, config=dataclasses.replace(base, retention=retention),
                                      process_group=process_group, storage=storage, derived=derived,
-                                     expert_parallel=expert_parallel)
+                                     expert_parallel=expert_parallel, parts=self._parts[tier])
 
-        self.fast = manager(fast, fast_retention or KeepLast(2))
+        self.fast = manager(fast, fast_retention or KeepLast(2), Tier.FAST)
         self.object_store: Any = None
         """The persistent tier on an object store (``persistent="s3://..."``): an ``ObjectStoreCheckpoint``
         whose staging manager is ``persistent``; None for a filesystem persistent tier."""
@@ -142,26 +154,24 @@ class TieredCheckpoint:
             self.object_store = ObjectStoreCheckpoint(
                 str(persistent), staging=persistent_staging or "", options=persistent_options,
                 config=dataclasses.replace(base, retention=persistent_retention or default_policy()),
-                process_group=process_group, storage=storage, derived=derived, expert_parallel=expert_parallel)
+                process_group=process_group, storage=storage, derived=derived, expert_parallel=expert_parallel,
+                parts=self._parts[Tier.PERSISTENT])
             self.persistent: CheckpointManager | None = self.object_store.local
         else:
-            self.persistent = None if persistent is None else manager(persistent,
-                                                                      persistent_retention or default_policy())
-        # One proof log for both tiers, in the root every rank can read: prove sees the whole run.
-        home = self.persistent or self.fast
-        for mgr, tier in ((self.fast, Tier.FAST), (self.persistent, Tier.PERSISTENT)):
-            if mgr is not None:
-                mgr.core.proof.share(home.core.proof, {"tier": tier.value})
+            self.persistent = None if persistent is None else manager(
+                persistent, persistent_retention or default_policy(), Tier.PERSISTENT)
         self._pending: TieredSave | None = None
-        TieredCheckpoint._created += 1
+        self.last_saved: dict[Tier, Path] = {}
+        """Each tier's directory of the last ``save`` (or of the ``save_async`` the last ``wait`` joined)."""
         # Created collectively like the managers: the busy round agrees while a commit agrees in its own thread.
         self.busy = BusyRound(make_agreement(process_group, timeout_s=base.timeout_s,
                                              namespace=f"tiers-{TieredCheckpoint._created}-busy"), policy=self.on_busy)
         """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``, ``busy.redirected_total``)."""
-        agreement = self.fast.context.agreement
+        agreement = self._agreement
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
         self._peers = _replica.peers(self._hosts)
-        self._restorer = TierRestore(self.fast.context, self.persistent.context if self.persistent else None,
+        self._restorer = TierRestore(self._parts[Tier.FAST].bound(),
+                                     self._parts[Tier.PERSISTENT].bound() if self.persistent else None,
                                      replicas=replicas, hosts=self._hosts, remote=self.object_store)
         if replicas and self._peers[0] is None:
             raise ConfigError(
@@ -173,12 +183,7 @@ class TieredCheckpoint:
         """What a ``PreemptionGuard`` guards: a save of the step now, to the persistent tier when there is
         one (the node may not come back), else to the fast tier (with its peer replicas), whatever the
         tiers' intervals."""
-        home = self._home()
-        return GuardTarget(
-            root=home.root, timeout_s=home.config.timeout_s, process_group=home.process_group,
-            save=self._save_now, wait=self.wait, committed_here=lambda: list(home.core.committed_here),
-            save_seconds=lambda step: recorded_save_seconds(home.root / home.context.naming.name(step)),
-        )
+        return dataclasses.replace(self._home().preemption_target(), save=self._save_now, wait=self.wait)
 
     def _save_now(self, step: int, state: StateDict, **save_kwargs: Any) -> Path | None:
         check_step(step, "save")
@@ -201,9 +206,11 @@ class TieredCheckpoint:
     def save(
         self, step: int, state: StateDict, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
         overwrite: bool = False, break_lease: bool = False,
-    ) -> dict[Tier, Path]:
-        """Commit ``step`` to the tiers whose interval it is on; returns the committed directories
-        (none for a step the health policy skipped on every rank).
+    ) -> Path | None:
+        """Commit ``step`` to the tiers whose interval it is on; returns its directory in the most durable tier
+        it reached (the persistent tier's when it was saved there, else the fast tier's), as every front door's
+        ``save`` returns one directory; None for a step on no tier's interval or one the health policy skipped
+        on every rank. ``last_saved`` holds each tier's directory of the last save (or ``wait``).
 
         The fast tier first (and its peer replicas), then the persistent tier; a failure of
         either raises on every rank, like ``CheckpointManager.save`` (``overwrite`` and ``break_lease``
@@ -211,14 +218,15 @@ class TieredCheckpoint:
         check_step(step, "save")
         self.wait()
         out: dict[Tier, Path] = {}
+        self.last_saved = out
         if not self._due(step):
-            return out  # no collective, no lease write: a loop may call save at every step
+            return None  # no collective, no lease write: a loop may call save at every step
         self._hold_persistent(break_lease)
         if step % self.fast_every == 0:
             fast = self.fast.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm, overwrite=overwrite,
                                   break_lease=break_lease)
             if fast is None:  # an unhealthy step (CheckpointConfig.health): skipped on every rank, every tier
-                return out
+                return None
             out[Tier.FAST] = fast
             if self.replicas:
                 self._push(step)
@@ -229,7 +237,7 @@ class TieredCheckpoint:
                 if self.object_store is not None:  # the staging root's commit, then the store's
                     self.object_store.publish(step, persistent)
                 out[Tier.PERSISTENT] = persistent
-        return out
+        return durable(out)
 
     def save_async(
         self, step: int, state: StateDict, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
@@ -251,7 +259,7 @@ class TieredCheckpoint:
         start = time.monotonic()
         due = self._due(step)
         previous, overlaps = self._pending, None
-        record = self._home().core.proof.record
+        record = self._home_sink().record
         if due and self.on_busy is OnBusy.FAST_TIER:
             route = route_tiered(self.busy, step, self._pending, record=record)
             if route == "skip":
@@ -266,9 +274,10 @@ class TieredCheckpoint:
         push = (lambda: self._push(step)) if self.replicas else None
         cleanups: list[Callable[[], None]] = []
         try:
-            for tier, mgr in due:
-                prepared = mgr.stage_commit(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease),
-                                            busy=self.busy)
+            for tier, _ in due:
+                hooks = self._parts[tier].commits
+                prepared = hooks.stage(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease),
+                                       busy=self.busy)
                 if prepared is None:  # an unhealthy step: skipped on every rank (the fast verdict: every tier)
                     if tier is Tier.FAST or not parts:
                         return None
@@ -277,7 +286,7 @@ class TieredCheckpoint:
                 if tier is Tier.PERSISTENT and self.object_store is not None:
                     run = functools.partial(_then_publish, run, self.object_store.publish, step)
                 parts.append((tier, run, fence))
-                cleanups.append(functools.partial(mgr.cleanup_after, step))
+                cleanups.append(functools.partial(hooks.cleanup, step))
         finally:
             # Also when the persistent snapshot raised (on every rank alike): the fast part already
             # staged commits, so its pool slots and its fence are released, never left hanging.
@@ -292,11 +301,15 @@ class TieredCheckpoint:
             due.append((Tier.PERSISTENT, self.persistent))
         return due
 
-    def wait(self) -> dict[Tier, Path]:
-        """Wait for a pending ``save_async`` (both tiers, the replica push); returns its directories,
-        raises its error."""
+    def wait(self) -> Path | None:
+        """Wait for a pending ``save_async`` (both tiers, the replica push); returns its directory in the most
+        durable tier it reached (``last_saved``: each tier's), raises its error."""
         pending, self._pending = self._pending, None
-        return pending.wait() if pending is not None and not pending.reported else {}
+        if pending is None or pending.reported:
+            return None
+        pending.wait()
+        self.last_saved = pending.outcome()
+        return durable(self.last_saved)
 
     def prepare_async(self, state: StateDict) -> Future[int]:
         """``CheckpointManager.prepare_async`` for both tiers at once (after ``restore``): each tier's host staging
@@ -335,11 +348,9 @@ class TieredCheckpoint:
 
     def _hold_persistent(self, break_lease: bool = False) -> None:
         """Rank 0 takes (or renews) the persistent root's write lease at every save, creating the root
-        (tracker 0: a declared fresh start) at the first one, so the proof records of the fast saves
-        before the first persistent save are durable there, and a second live job on the same root is
-        refused at once, on every rank, as a plain manager's save refuses it. Without it a job whose
-        persistent saves are rare wrote into a root it held no lease of, and a duplicate launch went
-        on training until its own first persistent save."""
+        (tracker 0: a declared fresh start) at the first one, so the fast saves' proof records are durable
+        there and a second live job on that root is refused at once, on every rank (without it a duplicate
+        launch trained on until its own first, rare, persistent save)."""
         mgr = self.persistent
         if mgr is None:
             return
@@ -359,31 +370,11 @@ class TieredCheckpoint:
             if created:
                 _layout.write_tracker(mgr.root, 0)
 
-        # The fast manager's agreement: no background commit uses it now (every caller waited first).
-        on_every_rank(self.fast.context.agreement, "tiers.persistent_lease", take)
+        on_every_rank(self._agreement, "tiers.persistent_lease", take)
 
     def _push(self, step: int) -> None:
-        """Send this rank's files of ``step`` to its peer; a failed replica is a loud warning on every rank
-        (the step is committed; only its protection against a lost node is missing)."""
-        ctx = self.fast.context
-        name = ctx.naming.name(step)
-        problems: list[str] = []
-        try:
-            files = _manifest.read(self.fast.root / name).files
-        except CheckpointError as exc:
-            files, problems = (), [f"{type(exc).__name__}: {exc}"]
-        try:
-            problems += _replica.push(root=self.fast.root, step=step, step_name=name, manifest_files=files,
-                                      peer_of=self._peers, rank=self.rank, group=ctx.storage_ctx.process_group)
-        except RuntimeError as exc:  # a peer died mid-transfer (gloo names no rank): the agreement below does
-            problems.append(f"the replica transfer broke off: {exc}")
-        sources = [r for r, p in enumerate(self._peers) if p == self.rank]
-        _replica.prune(self.fast.root, ctx.naming, set(self.fast.committed_steps()) | {step}, sources)
-
-        bad = after_transfers(ctx.agreement, "tiers.replicas", problems)
-        if bad:
-            log.warning("ckptguard: step %d is committed in the fast tier but its peer replicas are incomplete "
-                        "(%s); losing a node now loses this step's files there", step, " | ".join(bad))
+        """Send this rank's files of ``step`` to its peer (``_core.tiersave.push_replicas``)."""
+        push_replicas(self._restorer.fast, self._agreement, step, self._peers, set(self.fast.committed_steps()))
 
     # ------------------------------------------------------------ restore
 
@@ -400,21 +391,21 @@ class TieredCheckpoint:
             )
         home = self.persistent or self.fast
         self.wait()  # a pending save_async ends first: the choice below sees its step, or its error is raised
-        for known in (self.fast, self.persistent):  # each tier's first save_async staged ahead (the one restored too)
+        for tier, known in ((Tier.FAST, self.fast), (Tier.PERSISTENT, self.persistent)):  # first save_async ahead
             if known is not None:
                 known.queue.known(state, known.context)
         if mode is ResumeMode.NEVER:
             return home.restore(state, mode=mode, break_lease=break_lease)
-        for mgr in (self.fast, self.persistent):  # a duplicate launch stops here, whichever tier it would load
-            if mgr is not None:
-                mgr.core.check_lease("restore", break_lease=break_lease)
+        for tier, mgr in ((Tier.FAST, self.fast), (Tier.PERSISTENT, self.persistent)):
+            if mgr is not None and not break_lease:  # a duplicate launch stops here, whichever tier it would load
+                _lease.check_on_every_rank(self._agreement, mgr.root, ttl_s=mgr.config.storage.lease_ttl_s,
+                                           where="restore", key=f"tiers.lease.{tier.value}")
         if self.object_store is not None:
             self.object_store.check_lease(break_lease)
             self.object_store.seed_proof()  # the proof log's home: a lost node's comes back from the store
         broken: dict[int, str] = {}  # fast steps whose fetch failed (the same on every rank: an agreed error)
         while True:
-            choice = gather_decide(self.fast.context.agreement, "tiers.choose", self._restorer.view(),
-                                   lambda views: self._restorer.choose(views, broken), decision=Choice)
+            choice = self._choose(broken)
             if not choice.tier:
                 # Nothing committed anywhere: the manager's own fresh start.
                 return home.restore(state, mode=mode, break_lease=break_lease)
@@ -430,39 +421,58 @@ class TieredCheckpoint:
             except CheckpointIncompleteError as exc:  # a damaged replica: the next choice, never a guess
                 broken[choice.step] = str(exc)
                 log.warning("ckptguard: %s; choosing again without fast step %d", exc, choice.step)
-        mgr = self.fast if choice.tier == Tier.FAST.value else self.persistent
+        tier = Tier(choice.tier)
+        mgr = self.fast if tier is Tier.FAST else self.persistent
         assert mgr is not None
-        tags = mgr.core.proof.tags
-        mgr.core.proof.tags = {**tags, "tier_detail": choice.detail,
-                               "replica_ranks": sorted(int(r) for r in choice.senders)}
-        path = mgr.root / mgr.context.naming.name(choice.step)
+        path = mgr.root / self._naming.name(choice.step)
         if mgr is self.persistent and self.object_store is not None:
             path = self.object_store.bring(choice.step)  # downloaded into the staging root (each host a share)
-        try:
+        where: dict[str, str | list[int]] = {"tier_detail": choice.detail,
+                                             "replica_ranks": sorted(int(r) for r in choice.senders)}
+        sink = self._parts[tier].proof
+        assert sink is not None
+        with sink.adding(where):  # this door's own sink: the restore record says which tier and replicas it read
             step = mgr.restore(state, path=path, break_lease=break_lease)
-        finally:
-            mgr.core.proof.tags = tags
-        self._restorer.align_fast(step, Tier(choice.tier))
-        for other in (self.fast, self.persistent):  # both tiers continue the restored trajectory (trust)
-            if other is not None and other is not mgr:
-                other.core.restored_step = step
+        self._restorer.align_fast(step, tier)
+        for other in Tier:  # both tiers continue the restored trajectory (trust, retention)
+            if other is not tier and (self.persistent is not None or other is Tier.FAST):
+                self._parts[other].commits.resumed(step)
         return step
+
+    def _choose(self, broken: dict[int, str]) -> Choice:
+        """The newest step every rank can load from some tier, agreed (``TierRestore.choose``)."""
+        return gather_decide(self._agreement, "tiers.choose", self._restorer.view(),
+                             lambda views: self._restorer.choose(views, broken), decision=Choice)
+
+    def resolve(self, *, mode: ResumeMode = ResumeMode.AUTO) -> Resolution:
+        """Which step ``restore`` would load and from which tier, agreed by every rank; loads nothing (no
+        peer replica is fetched, no object-store step downloaded): the newest step every rank can load from
+        some tier, as ``restore`` chooses it. With nothing committed in any tier, or ``ResumeMode.NEVER``,
+        the home tier's own answer (a declared fresh start, or MUST's refusal)."""
+        if not isinstance(mode, ResumeMode):
+            raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        self.wait()
+        if mode is ResumeMode.NEVER:
+            return self._home().resolve(mode=mode)
+        choice = self._choose({})
+        return self._restorer.resolution(choice, mode) if choice.tier else self._home().resolve(mode=mode)
 
     # ------------------------------------------------------------ proof records and queries
 
     def _home(self) -> CheckpointManager:
         return self.persistent or self.fast
 
-    def record_step(self, step: int, **fields: Any) -> JsonObject:
+    def _home_sink(self) -> ProofSink:
+        return self._parts[Tier.PERSISTENT if self.persistent is not None else Tier.FAST].proof  # type: ignore
+
+    def record_step(
+        self, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None, grad_norm: Any = None,
+        **extra: Any,
+    ) -> JsonObject:
         """``CheckpointManager.record_step`` into the one proof log of both tiers; both tiers' health
-        checks see it (a NaN recorded at a step keeps that step out of either tier)."""
-        home = self._home()
-        recorded = home.record_step(step, **fields)
-        if self.persistent is not None:
-            metrics: dict[str, Any] = dict(recorded.get("extra", {}))
-            metrics.update({k: recorded[k] for k in ("loss", "grad_norm") if k in recorded})
-            self.fast.core.health.note(self.fast.config.health, step, metrics)
-        return recorded
+        checks see it (one health log: a NaN recorded at a step keeps that step out of either tier)."""
+        return self._home().record_step(step, sample_ids=sample_ids, batch=batch, loss=loss, grad_norm=grad_norm,
+                                        **extra)
 
     def record_export(self, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
         return self._home().record_export(step, payload, scales=scales)

@@ -30,6 +30,7 @@ from .._types import JsonObject, StateDict
 from ..config import CheckpointConfig, ParallelLayout
 from ..errors import CheckpointError, CheckpointWriteError, ConfigError, WriteFailure
 from ..storage.base import Storage
+from .root import check_step
 
 
 @dataclass(frozen=True)
@@ -170,40 +171,46 @@ class RoleProofs:
         self.health = health
         self.rank = rank
 
-    def held(self, role: Any, where: str) -> ProofLog:
+    def held(self, role: Any, where: str) -> str:
+        """The role a record is for: ``role``, else (None) the one role this rank holds."""
+        if role is None and len(self.logs) == 1:
+            return next(iter(self.logs))
+        if role is None:
+            raise ConfigError(f"{where}(step, ..., role=...) on rank {self.rank}: this rank holds roles "
+                              f"{list(self.logs)}; name the role whose event this is")
         if role not in self.logs:
             raise ConfigError(f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles {list(self.logs)}; "
                               "record a role's events on the ranks that hold it")
-        return self.logs[role]
+        return str(role)
 
     def record(self, role: str, event: str, *, durable: bool = True, **fields: Any) -> None:
         if self.enabled:
             proof = self.logs[role]
             proof.keep(proof.build(event, role=role, **fields), durable=durable)
 
-    def step(self, role: str, step: int, health: HealthLog, *, sample_ids: Any, batch: Any, loss: Any,
+    def step(self, role: str | None, step: int, health: HealthLog, *, sample_ids: Any, batch: Any, loss: Any,
              grad_norm: Any, **extra: Any) -> JsonObject:
         """A step record of ``role``; its loss and grad_norm are health evidence for the next save."""
-        self.held(role, "record_step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ConfigError(f"record_step(step={step!r}): step must be an int >= 1")
+        role = self.held(role, "record_step")
+        check_step(step, "record_step")
         fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
         health.note(self.health, step, step_metrics(fields), role=role)
         self.record(role, "step", durable=False, step=step, **fields)
         return fields
 
-    def update(self, role: str, step: int, *, grad_norm: float, params_changed: bool) -> None:
-        self.held(role, "record_update")
+    def update(self, role: str | None, step: int, *, grad_norm: float, params_changed: bool) -> None:
+        role = self.held(role, "record_update")
         self.record(role, "update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed))
 
-    def export(self, role: str, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
-        self.held(role, "record_export")
+    def export(self, role: str | None, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
+        role = self.held(role, "record_export")
         fp = export_fingerprint(payload, scales)
         self.record(role, "export", step=step, fingerprint=fp)
         return fp
 
-    def logprobs(self, role: str, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
-        self.held(role, "record_logprobs")
+    def logprobs(self, role: str | None, step: int, trainer_logprobs: Any, rollout_logprobs: Any
+                 ) -> dict[str, float]:
+        role = self.held(role, "record_logprobs")
         diff = logprob_diff(trainer_logprobs, rollout_logprobs)
         self.record(role, "logprobs", step=step, **dict[str, Any](diff))
         return diff

@@ -14,9 +14,10 @@ is logged, never raised: the commit is what matters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +48,35 @@ def check_state(state: Any, where: str) -> None:
 class ProofSink:
     """Where a front door's proof records go: a ``ProofLog`` under ``home`` (``ROOT/proof``), tagged.
 
-    A ``TieredCheckpoint`` points both tiers' sinks at one log (the root every rank can read) and
-    tags their save and restore records with the tier (``share``)."""
+    A ``TieredCheckpoint`` gives both tiers a sink into one log (the root every rank can read), each
+    tagging its save and restore records with its tier (``tagged``), through ``_core.parts.Parts``."""
 
-    def __init__(self, log: ProofLog, home: Path, *, enabled: bool) -> None:
+    def __init__(self, log: ProofLog, home: Path, *, enabled: bool, tags: Mapping[str, str] | None = None) -> None:
         self.log = log
         self.home = home
         self.enabled = enabled
-        self.tags: dict[str, str | list[int]] = {}  # a tier, the replicas a restore read
+        self.tags: dict[str, str | list[int]] = dict(tags or {})  # a tier, the replicas a restore read
 
-    def share(self, other: ProofSink, tags: Mapping[str, str | list[int]]) -> None:
-        """Send this sink's records to ``other``'s log, with ``tags`` on save and restore records."""
-        self.log, self.home, self.tags = other.log, other.home, dict(tags)
+    @classmethod
+    def open(cls, home: Path, rank: int, config: CheckpointConfig) -> ProofSink:
+        """The sink of ``rank``'s records under ``home``/proof, as ``config`` asks (on or off, the code hash)."""
+        log = ProofLog(home, rank)
+        log.code = config.contract.code if config.contract is not None else None
+        return cls(log, home, enabled=config.proof.record)
+
+    def tagged(self, tags: Mapping[str, str]) -> ProofSink:
+        """A sink into the same log whose save and restore records carry ``tags`` (a tier's)."""
+        return ProofSink(self.log, self.home, enabled=self.enabled, tags=tags)
+
+    @contextlib.contextmanager
+    def adding(self, tags: Mapping[str, str | list[int]]) -> Iterator[None]:
+        """``tags`` on the save and restore records made inside the block (where a restore read from)."""
+        before = self.tags
+        self.tags = {**before, **tags}
+        try:
+            yield
+        finally:
+            self.tags = before
 
     def record(self, event: str, *, durable: bool = True, **fields: Any) -> None:
         if not self.enabled:
@@ -87,7 +105,8 @@ class Root:
 
     def __init__(
         self, path: Path, config: CheckpointConfig, naming: _layout.StepNaming, agreement: Agreement,
-        *, label: str = "step", lease_key: str = "lease",
+        *, label: str = "step", lease_key: str = "lease", proof: ProofSink | None = None,
+        health: _trust.HealthLog | None = None,
     ) -> None:
         self.path = path
         self.config = config
@@ -95,15 +114,14 @@ class Root:
         self.agreement = agreement
         self.label = label
         self.lease_key = lease_key
-        self.health = _trust.HealthLog()
+        self.health = health if health is not None else _trust.HealthLog()
         self.restored_step: int | None = None
         self.committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
         self.skipped: dict[int, str] = {}  # steps a save skipped as unhealthy (on any rank), with the reasons
         self.save_times: dict[int, float] = {}  # this process's saves: step -> seconds (a PreemptionGuard's plan)
         self.last_health: _trust.HealthVerdict | None = None
         self._unobserved: list[tuple[_trust.HealthVerdict, Callable[[int], bool]]] = []
-        self.proof = ProofSink(ProofLog(path, agreement.info.rank), path, enabled=config.proof.record)
-        self.proof.log.code = config.contract.code if config.contract is not None else None
+        self.proof = proof if proof is not None else ProofSink.open(path, agreement.info.rank, config)
 
     @property
     def rank(self) -> int:

@@ -25,6 +25,7 @@ from .._context import Context
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records.checks import files_needed
+from .._resume.resolution import Resolution
 from .._resume.resolve import resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, CheckpointIncompleteError, error_payload, rebuild
@@ -303,6 +304,12 @@ class TierRestore:
         node = manifest.nodes[index]
         return _manifest.node_manifest(step=manifest.step, index=index, name=node.name,
                                        ranks=node.ranks, files=manifest.node_files(index))
+
+    def resolution(self, choice: Choice, mode: ResumeMode) -> Resolution:
+        """The step ``choice`` names as a ``Resolution``: its directory in the chosen tier (nothing fetched)."""
+        ctx = self.fast if choice.tier == Tier.FAST.value else self.persistent
+        assert ctx is not None
+        return Resolution(choice.step, ctx.root / ctx.naming.name(choice.step), choice.detail, mode)
 
     def align_fast(self, step: int, tier: Tier) -> None:
         """After a restore of ``step``, one rank per node points its fast tracker at the step where the

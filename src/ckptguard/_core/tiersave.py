@@ -17,18 +17,28 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .._agree import Agreement
+from .._commit import replica as _replica
+from .._context import Context
 from .._priority import lower_this_thread
-from ..errors import SaveStillRunningError
+from .._records import manifest as _manifest
+from ..errors import CheckpointError, SaveStillRunningError
 from ..storage._staging import Fence
-from .tierrestore import Tier
+from .tierrestore import Tier, after_transfers
 
 log = logging.getLogger("ckptguard")
+
+
+def durable(paths: dict[Tier, Path]) -> Path | None:
+    """A step's directory in the most durable tier it reached: the persistent tier's, else the fast tier's."""
+    return paths.get(Tier.PERSISTENT, paths.get(Tier.FAST))
 
 
 class TieredSave:
     """A ``TieredCheckpoint.save_async`` in flight: the tiers' background commits, one after the other
     in one thread (the fast tier, its replica push with ``replicas=1``, then the persistent tier).
-    ``wait()`` returns the committed directories as ``save`` does and raises the first failure."""
+    ``wait()`` returns the step's directory as ``save`` does (``outcome()``: each tier's) and raises the first
+    failure."""
 
     def __init__(
         self, step: int, parts: list[tuple[Tier, Callable[[], Path], Fence]], blocked_s: float,
@@ -147,8 +157,9 @@ class TieredSave:
         if self.overlaps is not None:
             self.overlaps.join()
 
-    def wait(self, timeout: float | None = None) -> dict[Tier, Path]:
-        """Block until every tier's commit (and the replica push) and their cleanup ended; raise the first error."""
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Block until every tier's commit (and the replica push) and their cleanup ended; raise the first error.
+        Returns the step's directory in the most durable tier it reached (``outcome()``: each tier's)."""
         if self.overlaps is not None and not self.overlaps.reported:
             self.overlaps.wait(timeout)  # its error first: it was requested first
         if self.tiers:
@@ -158,7 +169,7 @@ class TieredSave:
                 f"the background save of step {self.step} ({', '.join(t.value for t in self.tiers)} tier) is still "
                 "running; call wait() again (without a timeout to block until it ends)", step=self.step,
             )
-        return self.outcome()
+        return durable(self.outcome())
 
     def outcome(self) -> dict[Tier, Path]:
         """The tiers' committed directories once the commits ended, or the first error raised (the overlapped
@@ -170,3 +181,25 @@ class TieredSave:
             self.reported = True
             raise self._error
         return dict(self._result)
+
+
+def push_replicas(ctx: Context, agreement: Agreement, step: int, peers: list[int | None], committed: set[int]) -> None:
+    """Send this rank's files of the fast tier's ``step`` to its peer; a failed replica is a loud warning on
+    every rank (the step is committed; only its protection against a lost node is missing)."""
+    name = ctx.naming.name(step)
+    problems: list[str] = []
+    try:
+        files = _manifest.read(ctx.root / name).files
+    except CheckpointError as exc:
+        files, problems = (), [f"{type(exc).__name__}: {exc}"]
+    try:
+        problems += _replica.push(root=ctx.root, step=step, step_name=name, manifest_files=files,
+                                  peer_of=peers, rank=ctx.rank, group=ctx.storage_ctx.process_group)
+    except RuntimeError as exc:  # a peer died mid-transfer (gloo names no rank): the agreement below does
+        problems.append(f"the replica transfer broke off: {exc}")
+    sources = [r for r, p in enumerate(peers) if p == ctx.rank]
+    _replica.prune(ctx.root, ctx.naming, committed | {step}, sources)
+    bad = after_transfers(agreement, "tiers.replicas", problems)
+    if bad:
+        log.warning("ckptguard: step %d is committed in the fast tier but its peer replicas are incomplete "
+                    "(%s); losing a node now loses this step's files there", step, " | ".join(bad))

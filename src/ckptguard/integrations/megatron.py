@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from .._commit.pending import PendingSave
+from .._core.parts import Parts
 from .._disk.digest import digest
 from .._disk.layout import read_small
 from ..config import CheckpointConfig, ResumeMode, StorageOptions
@@ -509,7 +510,7 @@ _ASYNC_PREFIX = ".megatron-async-"
 @dataclass
 class _AsyncWrite:
     step: int
-    prepared: Any  # CheckpointManager.stage_commit's (run, fence, start)
+    prepared: Any  # Parts.commits.stage's (run, fence, start)
     resumed: float
     staging: Path
 
@@ -567,7 +568,9 @@ class MegatronCheckpoint:
         # ExternalFiles is foreground-only: a blocking budget never sends Megatron's collective writer to a
         # background commit (BACKGROUND acts as WARN; MegatronCheckpoint.save_async is the background path).
         config = config or CheckpointConfig(storage=StorageOptions(dir_template=DIR_TEMPLATE))
-        self.manager = CheckpointManager(root, config=config, process_group=process_group, storage=storage)
+        self._parts = Parts()  # Megatron's async writer ends before ckptguard's commit starts: the staged-commit calls
+        self.manager = CheckpointManager(root, config=config, process_group=process_group, storage=storage,
+                                         parts=self._parts)
 
     def _items(self, state: Mapping[str, Any] | None) -> dict[str, Any]:
         items = dict(state or {})
@@ -631,7 +634,7 @@ class MegatronCheckpoint:
         dcp = _megatron()
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # lazy: megatron
 
-        prepared = self.manager.stage_commit(step, self._items(state), health.get("healthy"), health.get("loss"),
+        prepared = self._parts.commits.stage(step, self._items(state), health.get("healthy"), health.get("loss"),
                                              health.get("grad_norm"))
         if prepared is None:
             return False
@@ -711,7 +714,7 @@ class MegatronCheckpoint:
             raise
         self._inflight, self._keep = None, None  # the writer is done on every rank: its host copies may go
         self._staged_dir = inflight.staging  # what the commit's writer moves in; reset by wait()
-        return self.manager.start_commit(inflight.step, inflight.prepared, inflight.resumed)
+        return self._parts.commits.start(inflight.step, inflight.prepared, inflight.resumed)
 
     def wait(self) -> Path | None:
         """Finalize a Megatron async write in flight and wait for its commit; the committed step directory."""

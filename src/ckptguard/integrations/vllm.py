@@ -69,7 +69,6 @@ import xxhash
 
 from .._disk.digest import digest
 from .._disk.layoutfree import combine_layout_free, layout_free_partials
-from .._records.prooflog import export_fingerprint
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager
 from . import peft as _peft
@@ -462,15 +461,13 @@ def record_engine_export(mgr: CheckpointManager, step: int, engine: Mapping[str,
     """Record what the engine holds as the export of ``step``: ``record_export``'s fingerprint of the
     digests, plus the digest of each tensor (so ``prove`` names the tensors a first export differs in)
     and, after a LoRA push, the gates' results."""
-    fingerprint = export_fingerprint(dict(engine))
-    fields: dict[str, Any] = {"fingerprint": fingerprint, "tensors": dict(engine)}
+    fields: dict[str, Any] = {"tensors": dict(engine)}
     if push is not None:
         fields["gates"] = push.gates
         if push.lora:
             fields["lora"] = {n: (None if c is None or c != c or abs(c) == float("inf") else round(c, 6))
                               for n, c in push.lora.items()}
-    mgr.core.proof.record("export", step=step, **fields)
-    return fingerprint
+    return mgr.record_export(step, dict(engine), **fields)
 
 
 # ---------------------------------------------------------------- rollouts
