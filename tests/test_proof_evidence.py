@@ -145,3 +145,16 @@ def test_an_export_the_kill_cut_off_is_missing_evidence_and_an_earlier_resume_su
     _write(tmp_path / "loop", loop)
     gate = _by_name(evaluate(tmp_path / "loop"))["first export byte-identical"]
     assert gate.status is Status.FAIL and "an earlier resume of step 6 (pid 222)" in gate.evidence
+
+
+def test_a_resumed_run_killed_with_its_ranks_one_record_apart_is_judged_by_the_rank_that_recorded(tmp_path):
+    root = tmp_path / "ck"
+    assert values(run_ranks(_segment, 2, str(root), 20, 7)) == [0, 0]  # saved 5, recorded 6 and 7
+    assert values(run_ranks(_segment, 2, str(root), 20, 6)) == [5, 5]  # resumed, replayed step 6 ...
+    _cut_last_step(root / "proof" / "rank_00001.jsonl")  # ... which the kill kept rank 1 from recording
+    gates = evaluate(root)
+    rows = _by_name(gates)
+    for name in ("data order identical", "one non-zero update", "resumed run trained"):
+        assert rows[name].status is Status.PASS, (name, rows[name].evidence)
+        assert "rank(s) [1] recorded nothing after the restore when the job-wide kill landed" in rows[name].evidence
+    assert outcome(gates) is Outcome.PROVEN, verdict(gates)

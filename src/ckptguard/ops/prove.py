@@ -436,6 +436,7 @@ class _Replay:
     ref_steps: list[int] = field(default_factory=list)  # the steps the reference recorded past it
     resumed_steps: list[int] = field(default_factory=list)  # the steps the resumed run recorded past it
     no_reference: bool = False  # no run before the resume recorded a step past the restored one on this rank
+    resumed_none: bool = False  # the resumed run recorded no step past the restored one on this rank
     rng: tuple[int, dict[str, Any], dict[str, Any]] | None = None  # (step, killed, resumed) global RNG digests
 
 
@@ -566,6 +567,7 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
                         "the save, or record_step not called): nothing to compare the replay with")
         return out
     if not resumed:
+        out.resumed_none = True
         out.evidence = f"rank {seg.rank}: the resumed run recorded no step after the restore of step {k}"
         return out
     last = max(ref)
@@ -681,8 +683,13 @@ def _symmetric(replays: list[_Replay]) -> str | None:
     restored one (DDP ranks meet at every step's all-reduce, so they are at most one record apart);
     and the ranks without one replayed that step too. Ranks of one world size that restored one
     step run the same step on their own samples: the matching replay stands for theirs."""
-    lacking = [r for r in replays if r.no_reference]
     judged = [r for r in replays if r.status is Status.PASS]
+    behind = [r for r in replays if r.resumed_none and not r.no_reference]
+    if behind and judged and len(behind) + len(judged) == len(replays):  # the resumed run's ranks one apart
+        k = judged[0].restored
+        if k is not None and all(r.restored == k and r.resumed_steps == [k + 1] for r in judged):
+            return _behind_note(([r.rank for r in behind], [r.rank for r in judged], k))
+    lacking = [r for r in replays if r.no_reference]
     if not lacking or not judged or len(lacking) + len(judged) != len(replays):
         return None
     k = judged[0].restored
@@ -700,7 +707,7 @@ def _symmetric(replays: list[_Replay]) -> str | None:
 def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
     sym = _symmetric(replays)
     data = _combine("data order identical", [(r.status, r.evidence) for r in replays
-                                             if sym is None or not r.no_reference])
+                                             if sym is None or r.status is Status.PASS])
     failed = sorted((r.first_bad, r.rank, r) for r in replays if r.status is Status.FAIL and r.first_bad is not None)
     if failed:  # the earliest differing step, and which other ranks differ too
         others = [rank for _s, rank, _r in failed[1:]]
@@ -711,7 +718,7 @@ def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
         steps = sorted({s for r in replays for s in r.steps})
         names = {"sample_ids": "sample ids", "batch": "batch"}
         what = " and ".join(names[f] for f in DATA_FIELDS if any(f in r.fields for r in replays))
-        ranks = len(replays) if sym is None else len([r for r in replays if not r.no_reference])
+        ranks = len(replays) if sym is None else len([r for r in replays if r.status is Status.PASS])
         data = Gate(data.name, Status.PASS, f"{data.evidence} on {ranks} rank(s): {what} digests equal the "
                     f"killed run's ({len(steps)} step(s)){sym or ''}")
     diffs = [(s, r.rank, name, a, b) for r in replays for s, name, a, b in r.diffs]
@@ -1006,6 +1013,48 @@ def _plan(records: dict[int, list[ProofRecord]], segments: list[_Segment]) -> tu
     return LEGACY_PLAN, "not recorded (records written before ProofPlan): every gate applies"
 
 
+def _behind(segments: list[_Segment]) -> tuple[list[int], list[int], int] | None:
+    """(behind, ahead, k) where a job-wide kill caught the resumed run's ranks one record apart: the ranks
+    ``behind`` recorded nothing after their restore of step k (and no exit), while every other rank
+    recorded step k+1 and nothing past it. None otherwise."""
+    if len(segments) < 2 or not all(_restored(s) and not _raised(s) for s in segments):
+        return None
+    steps = {int(s.restore["step"]) for s in segments if s.restore is not None}
+    if len(steps) != 1:
+        return None
+    k = steps.pop()
+    last = {s.rank: max((int(r["step"]) for r in s.after if r["event"] in ("step", "update") and r.step is not None
+                         and r.step > k), default=None) for s in segments}
+    behind = [rank for rank, v in last.items() if v is None]
+    ahead = [rank for rank, v in last.items() if v is not None]
+    if not behind or not ahead or {last[r] for r in ahead} != {k + 1}:
+        return None
+    if any(s.first("exit") is not None for s in segments if s.rank in behind):
+        return None  # a process that exited was not caught by a kill
+    return behind, ahead, k
+
+
+def _behind_note(behind: tuple[list[int], list[int], int]) -> str:
+    ranks, ahead, k = behind
+    return (f"; rank(s) {ranks} recorded nothing after the restore when the job-wide kill landed, one record behind "
+            f"rank(s) {ahead}, which recorded step {k + 1}: judged by those (ranks taken as symmetric: one world "
+            "size, one restored step, each rank running the same step)")
+
+
+def _by_ranks_ahead(name: str, segments: list[_Segment], gate: Any,
+                    behind: tuple[list[int], list[int], int] | None) -> Gate:
+    """A gate over every rank, where a rank a kill caught one record behind (``_behind``) and that has
+    nothing to show is judged by the ranks that recorded the step."""
+    judged = [(s.rank, _judged(gate, s)) for s in segments]
+    if behind is None or not any(rank in behind[0] and res[0] is Status.MISSING for rank, res in judged):
+        return _combine(name, [res for _rank, res in judged])
+    kept = [res for rank, res in judged if not (rank in behind[0] and res[0] is Status.MISSING)]
+    combined = _combine(name, kept)
+    if combined.status is not Status.PASS:
+        return combined
+    return Gate(name, Status.PASS, combined.evidence + _behind_note(behind), combined.required)
+
+
 def _not_rl(name: str, per_rank: list[tuple[Status, str]], plan: ProofPlan, where: str, recorded: bool) -> Gate:
     if not plan.rl and not recorded:
         return Gate(name, Status.NA, f"(not an RL job): ProofPlan(rl=False), {where}", required=False)
@@ -1119,8 +1168,9 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
                          "export" in events))
     gates.append(_not_rl("first old-logprob aligned", [_judged(_gate_logprobs, s) for s in segments], plan, where,
                          "logprobs" in events))
-    gates.append(_combine("one non-zero update", [_judged(_gate_update, s) for s in segments]))
-    gates.append(_combine("resumed run trained", [_judged(lambda s: _gate_trained(s, plan), s) for s in segments]))
+    behind = _behind(segments)
+    gates.append(_by_ranks_ahead("one non-zero update", segments, _gate_update, behind))
+    gates.append(_by_ranks_ahead("resumed run trained", segments, lambda s: _gate_trained(s, plan), behind))
     if resharded is not None:  # ranks changed: exactly-once over the union of ranks, not rank by rank
         gates += _resharded_gates(segments, records, plan, *resharded)
     else:
