@@ -393,7 +393,7 @@ class TieredCheckpoint:
         self.wait()  # a pending save_async ends first: the choice below sees its step, or its error is raised
         for tier, known in ((Tier.FAST, self.fast), (Tier.PERSISTENT, self.persistent)):  # first save_async ahead
             if known is not None:
-                known.queue.known(state, known.context)
+                known.queue.known(state, self._parts[tier].bound())
         if mode is ResumeMode.NEVER:
             return home.restore(state, mode=mode, break_lease=break_lease)
         for tier, mgr in ((Tier.FAST, self.fast), (Tier.PERSISTENT, self.persistent)):
