@@ -153,3 +153,28 @@ def test_the_rng_streams_are_recorded_with_the_first_step_after_a_save_or_restor
     torch.rand(1)  # a draw moves the CPU stream: the next digest after a restore differs
     proof.build("restore", step=3)
     assert proof.build("step", step=4)["rng"]["cpu"] != first["rng"]["cpu"]
+
+
+def _records(tmp_path: Path, resumed_ids: list[str]) -> Path:
+    plan = {"rl": False, "deterministic": True, "replay_steps": 1}
+    killed = [{"event": "step", "pid": 1, "step": s, "sample_ids": f"a{s}", "ids_head": [s]} for s in (7, 8, 9)]
+    resumed = [{"event": "step", "pid": 2, "step": s, "sample_ids": f"a{i}", "ids_head": [i]}
+               for s, i in zip((7, 8, 9), resumed_ids, strict=False)]
+    records = [{"event": "save", "pid": 1, "step": 6, "plan": plan}, *killed,
+               {"event": "restore", "pid": 2, "step": 6, "ok": True, "digests_match": {"model": True}}, *resumed]
+    path = tmp_path / "proof" / "rank_00000.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps({"rank": 0, "host": "h", "time": float(i), "mono": float(i), **r}) + "\n"
+                            for i, r in enumerate(records)))
+    return tmp_path
+
+
+def test_a_cursor_saved_ahead_of_training_is_named_apart_from_a_lost_prefetch(tmp_path):
+    # the prefetched batch was kept (step 7 matches), the cursor behind it was saved one batch ahead
+    ahead = _gate(evaluate(_records(tmp_path / "ahead", ["7", "9"])), "data order identical")
+    assert ahead.status is Status.FAIL and ahead.evidence.startswith("rank 0, step 8 "), ahead.evidence
+    assert "Cursor saved ahead of training: steps 7-7 matched the killed run's" in ahead.evidence
+    assert "was 1 batch(es) ahead of the steps trained" in ahead.evidence and "prefetch) was lost" not in ahead.evidence
+    # the first replayed step is already ahead: a lost prefetch, or a cursor ahead with no prefetch at all
+    lost = _gate(evaluate(_records(tmp_path / "lost", ["8", "9"])), "data order identical")
+    assert lost.status is Status.FAIL and "a batch drawn before the save point (a prefetch) was lost" in lost.evidence

@@ -484,18 +484,28 @@ def _drawn_before_restore(step: int, k: int, key: tuple[Any, ...], firsts: dict[
 
 def _hint(
     rank: int, step: int, resumed: ProofRecord, ref: dict[int, list[Any]], history: dict[tuple[Any, ...], int],
-    before_restore: str | None = None,
+    before_restore: str | None = None, restored: int | None = None,
 ) -> str:
     """What kind of state is usually missing, from where the resumed run's data came from."""
     if before_restore is not None:
         return before_restore
     key = tuple(sorted(_data(resumed).items()))
     ahead = [s for s, recs in ref.items() if s > step and any(tuple(sorted(_data(r).items())) == key for r in recs)]
+    if ahead and restored is not None and step > restored + 1:
+        # The first replayed step(s) matched: the batch drawn before the save point was kept; the data
+        # position that feeds the later steps was saved ahead of the training
+        later = min(ahead)
+        return (f"Cursor saved ahead of training: steps {restored + 1}-{step - 1} matched the killed run's, then the "
+                f"resumed run consumed at step {step} what the killed run consumed at step {later}: the data "
+                f"position saved with step {restored} was {later - step} batch(es) ahead of the steps trained (a "
+                "cursor advanced before the save point, or saved after a batch was drawn for a later step); save "
+                "the position of the last batch trained (ckptguard.DataCursor counts consumed samples)")
     if ahead:
         later = min(ahead)
         return (f"The resumed run consumed at step {step} what the killed run consumed at step {later}: a batch "
-                "drawn before the save point (a prefetch) was lost; keep it in the state, e.g. "
-                "state['prefetched'] = ckptguard.PerRank(batch)")
+                "drawn before the save point (a prefetch) was lost, or the data cursor was saved ahead of the "
+                "training; keep a prefetched batch in the state, e.g. state['prefetched'] = "
+                "ckptguard.PerRank(batch), and save the position of the last batch trained")
     if key in history and history[key] < step:
         return (f"The resumed run consumed at step {step} the data of step {history[key]} again: an epoch or a "
                 "stream replayed, typically a sampler whose torch.Generator is not in the state; add "
@@ -594,7 +604,7 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
             if da != db:
                 out.status, out.first_bad = Status.FAIL, s
                 early = _drawn_before_restore(s, k, _key(b), _first_steps(before, seg.restore["pid"]), ref, resumed)
-                hint = _hint(seg.rank, s, b, ref, history, early)
+                hint = _hint(seg.rank, s, b, ref, history, early, k)
                 out.evidence = (f"rank {seg.rank}, step {s} (first replayed step {min(out.steps)}): the resumed run "
                                 f"consumed {_show(b)}, the killed run {_show(a)}. {hint}")
                 return out
