@@ -279,11 +279,13 @@ class Kills:
         return kind == where and self.step >= int(step)
 
     def note(self) -> None:
+        """Remember that this launch's kill fired (or is set to fire: mid-save), and disarm it here."""
         if self.fired_file is not None:
             with open(self.fired_file, "a") as f:
                 f.write(f"{self.next}\n")
                 f.flush()
                 os.fsync(f.fileno())
+        self.next = None
 
 
 def kill_now(kills: Kills) -> None:
