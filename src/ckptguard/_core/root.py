@@ -28,7 +28,7 @@ from .._records import retention
 from .._records import trust as _trust
 from .._records.prooflog import ProofLog
 from ..config import CheckpointConfig
-from ..errors import CheckpointError, ConfigError, UnsafeCheckpointError
+from ..errors import CheckpointError, ConfigError
 
 log = logging.getLogger("ckptguard")
 
@@ -46,14 +46,14 @@ def check_state(state: Any, where: str) -> None:
 
 
 class ProofSink:
-    """Where a front door's proof records go: a ``ProofLog`` under ``home`` (``ROOT/proof``), tagged.
+    """Where a front door's proof records go: a ``ProofLog`` (``ROOT/proof``), tagged; written as every
+    record is (``ProofLog.keep``: held until the root exists, a failure logged, never raised).
 
     A ``TieredCheckpoint`` gives both tiers a sink into one log (the root every rank can read), each
     tagging its save and restore records with its tier (``tagged``), through ``_core.parts.Parts``."""
 
-    def __init__(self, log: ProofLog, home: Path, *, enabled: bool, tags: Mapping[str, str] | None = None) -> None:
+    def __init__(self, log: ProofLog, *, enabled: bool, tags: Mapping[str, str] | None = None) -> None:
         self.log = log
-        self.home = home
         self.enabled = enabled
         self.tags: dict[str, str | list[int]] = dict(tags or {})  # a tier, the replicas a restore read
 
@@ -62,11 +62,11 @@ class ProofSink:
         """The sink of ``rank``'s records under ``home``/proof, as ``config`` asks (on or off, the code hash)."""
         log = ProofLog(home, rank)
         log.code = config.contract.code if config.contract is not None else None
-        return cls(log, home, enabled=config.proof.record)
+        return cls(log, enabled=config.proof.record)
 
     def tagged(self, tags: Mapping[str, str]) -> ProofSink:
         """A sink into the same log whose save and restore records carry ``tags`` (a tier's)."""
-        return ProofSink(self.log, self.home, enabled=self.enabled, tags=tags)
+        return ProofSink(self.log, enabled=self.enabled, tags=tags)
 
     @contextlib.contextmanager
     def adding(self, tags: Mapping[str, str | list[int]]) -> Iterator[None]:
@@ -82,20 +82,7 @@ class ProofSink:
         if not self.enabled:
             return
         tagged = self.tags if event in ("save", "restore") else {}
-        record = self.log.build(event, **{**tagged, **fields})
-        # Never create the root for a record: a mistyped path must stay visible. Until the first
-        # save creates it, records are held and then written ahead of the save's.
-        if not self.home.is_dir():
-            self.log.hold(record)
-            return
-        try:
-            self.log.write(record, durable=durable)
-        except (OSError, UnsafeCheckpointError) as exc:  # read-only/full root or symlinked proof/: never fatal
-            log.warning("ckptguard: could not append the %s proof record under %s (%s)", event, self.home, exc)
-        if self.log.dropped:
-            log.warning("ckptguard: %d proof records made before %s existed were dropped (more than %d held)",
-                        self.log.dropped, self.home, self.log.HELD_MAX)
-            self.log.dropped = 0
+        self.log.keep(self.log.build(event, **{**tagged, **fields}), durable=durable)
 
 
 class Root:
