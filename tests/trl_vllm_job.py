@@ -72,6 +72,13 @@ def _parts(work: Path, out: Path, use_vllm: bool = True):
                 processing_class=tokenizer)
 
 
+def _vocab_layers(worker) -> dict[str, list[int]]:
+    """The engine's vocabulary layers: [rows held, rows of the model] (vLLM pads 47 to 64; runs in the worker)."""
+    model = worker.model_runner.get_model()
+    return {n: [int(m.weight.shape[0]), int(m.org_vocab_size)] for n, m in model.named_modules()
+            if hasattr(m, "shard_indices")}
+
+
 def probe(work: Path) -> dict:
     from trl import GRPOTrainer
 
@@ -80,7 +87,8 @@ def probe(work: Path) -> dict:
 
     trainer = GRPOTrainer(**_parts(work, work / "probe"))
     gen = trainer.vllm_generation
-    out: dict = {"cpu_engine": vllm.cpu_engine(gen.llm), "engine_dtype": str(gen.llm.llm_engine.model_config.dtype)}
+    out: dict = {"cpu_engine": vllm.cpu_engine(gen.llm), "engine_dtype": str(gen.llm.llm_engine.model_config.dtype),
+                 "vocab": gen.llm.collective_rpc(_vocab_layers)[0]}
     trl_sync = gen.sync_weights
 
     def update() -> None:
