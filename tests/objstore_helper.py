@@ -73,9 +73,11 @@ class Ministack:
 
 class Proxy:
     """An HTTP proxy in front of a store: ``strip`` drops If-None-Match/If-Match (a store without
-    conditional writes), ``stall_s`` holds every answer that long (a slow store)."""
+    conditional writes; ``strip_only``: only on request paths containing that text, a store that honours
+    ckptguard's probe but not the markers), ``stall_s`` holds every answer that long (a slow store)."""
 
-    def __init__(self, upstream_port: int, *, strip: bool = False, stall_s: float = 0.0) -> None:
+    def __init__(self, upstream_port: int, *, strip: bool = False, strip_only: str | None = None,
+                 stall_s: float = 0.0) -> None:
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -87,8 +89,9 @@ class Proxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                strip = proxy.strip and (proxy.strip_only is None or proxy.strip_only in self.path)
                 headers = {k: v for k, v in self.headers.items()
-                           if not (proxy.strip and k.lower() in ("if-none-match", "if-match"))}
+                           if not (strip and k.lower() in ("if-none-match", "if-match"))}
                 if proxy.stall_s:
                     time.sleep(proxy.stall_s)
                 conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
@@ -106,7 +109,7 @@ class Proxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
-        self.strip, self.stall_s = strip, stall_s
+        self.strip, self.strip_only, self.stall_s = strip or strip_only is not None, strip_only, stall_s
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"

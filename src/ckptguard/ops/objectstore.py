@@ -103,10 +103,22 @@ def _check_objects(store: ObjectStore, marker: Marker) -> list[Finding]:
     return found
 
 
+def _no_tracker(store: ObjectStore) -> Finding:
+    """A root without a tracker: nothing there (a mistyped URL), or a root whose tracker was deleted."""
+    if store.empty():
+        return _err("no-root", str(store.url), f"no checkpoint root at {store.url}: nothing under the prefix",
+                    "check the URL and AWS_ENDPOINT_URL (a root is created by its first save)")
+    return _err("no-tracker", store.where(TRACKER_NAME), "absent, but the prefix holds objects: no step is "
+                "committed without it", "restore the tracker, or set it by hand to the newest committed step "
+                "(`ckptguard list` shows the markers)")
+
+
 def verify_remote(url: str, template: str, *, deep: bool = False) -> tuple[list[str], list[Finding]]:
     """Check every committed step of the root; returns the steps' marker URLs and the findings."""
     store = _store(url, template)
     tracker, _ = store.tracker()
+    if tracker is None:
+        return [], [_no_tracker(store)]
     steps = store.committed_steps()
     findings: list[Finding] = []
     if tracker and tracker not in steps:

@@ -8,9 +8,10 @@ step directories (``ObjectStore.begin`` / ``upload`` / ``commit``) and gives the
 ``CheckpointManager``. Needs the ``s3`` extra (boto3): ``pip install 'ckptguard[s3]'``.
 """
 
+from ._gc import GcReport
 from ._objrecords import Marker, StoredObject, Writer
 from ._options import Consistency, ObjectStoreOptions, StoreURL
-from ._store import GcReport, ObjectStore, Resolved
+from ._store import ObjectStore, Resolved
 
 __all__ = [
     "Consistency",

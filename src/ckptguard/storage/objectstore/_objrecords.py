@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..._disk.layout import PROOF_DIR, parse_json
 from ..._types import JsonObject
 from ...errors import CheckpointCorruptError
 
@@ -33,13 +34,14 @@ ROOT_KIND = "ckptguard-objectstore-root"
 MARKER_KIND = "ckptguard-objectstore-step"
 ATTEMPT_PREFIX = "a-"
 FORMAT = 1
+MAX_OBJECT_BYTES = 5 << 40
+"""The largest object S3 stores (5 TiB): a marker declaring more is not ckptguard's."""
+_XXH3 = re.compile(r"[0-9a-f]{1,64}\Z")
 
 
 def _load(data: bytes, where: str) -> JsonObject:
-    try:
-        value = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorruptError(f"{where} is not JSON ({exc}); it was not written by ckptguard") from exc
+    # parse_json bounds the nesting: a crafted record ends in CheckpointCorruptError, never RecursionError.
+    value = parse_json(data, where=where)
     if not isinstance(value, dict):
         raise CheckpointCorruptError(f"{where} holds {type(value).__name__}, not a JSON object")
     return value
@@ -52,8 +54,19 @@ def _dump(value: JsonObject) -> bytes:
 def _need(data: JsonObject, name: str, kind: type | tuple[type, ...], where: str) -> Any:
     value = data.get(name)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise CheckpointCorruptError(f"{where}: field {name!r} is {value!r}; the record is damaged or foreign")
+        raise CheckpointCorruptError(
+            f"{where}: field {name!r} is {repr(value)[:200]}; the record is damaged or foreign")
     return value
+
+
+def _seconds(data: JsonObject, name: str, where: str) -> float:
+    """A time field (unix seconds): a number a float holds (a crafted 10**400 is named, not an OverflowError)."""
+    value = _need(data, name, (int, float), where)
+    try:
+        return float(value)
+    except OverflowError:
+        raise CheckpointCorruptError(f"{where}: field {name!r} is not a time in seconds; the record is damaged "
+                                     "or foreign") from None
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,17 @@ class Writer:
     @classmethod
     def here(cls, lease: str | None = None) -> Writer:
         return cls(socket.gethostname(), os.getpid(), lease)
+
+    @classmethod
+    def read(cls, raw: JsonObject, where: str) -> Writer:
+        """The ``writer`` field of a record, each part checked (a crafted one is named, never a bare ValueError)."""
+        writer = _need(raw, "writer", dict, where)
+        host, pid, lease = writer.get("host"), writer.get("pid"), writer.get("lease")
+        if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool) or \
+                not (lease is None or isinstance(lease, str)):
+            raise CheckpointCorruptError(
+                f"{where}: field 'writer' is {str(writer)[:200]}; the record is damaged or foreign")
+        return cls(host, pid, lease)
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}" + (f", lease {self.lease}" if self.lease else "")
@@ -110,21 +134,30 @@ class Marker:
                 f"{where}: kind {raw.get('kind')!r} format {raw.get('format')!r}, expected {MARKER_KIND!r} format "
                 f"{FORMAT}: not a ckptguard marker, or written by a newer ckptguard (upgrade it)")
         objects = _need(raw, "objects", dict, where)
-        writer = _need(raw, "writer", dict, where)
+        who = Writer.read(raw, where)
         attempt = _need(raw, "attempt", str, where)
         if not attempt.startswith(ATTEMPT_PREFIX) or "/" in attempt:
             raise CheckpointCorruptError(f"{where}: attempt {attempt!r} is not an attempt name of ckptguard")
-        try:
-            parsed = {
-                _relative(name, where): StoredObject(int(o["size"]), str(o["xxh3"]), str(o["etag"]))
-                for name, o in objects.items()
-            }
-            who = Writer(str(writer["host"]), int(writer["pid"]), writer.get("lease"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"{where}: an object or writer entry is damaged ({exc!r})") from exc
+        parsed = {_relative(name, where): _stored(name, o, where) for name, o in objects.items()}
         return cls(step=_need(raw, "step", int, where), attempt=attempt, writer=who, objects=parsed,
                    manifest=_need(raw, "manifest", dict, where), phases=_phases(raw.get("phases") or {}, where),
-                   created_unix=float(_need(raw, "created_unix", (int, float), where)))
+                   created_unix=_seconds(raw, "created_unix", where))
+
+
+def _stored(name: str, entry: Any, where: str) -> StoredObject:
+    """One object entry of a marker, every field checked before anything is sized or requested from it."""
+    if not isinstance(entry, dict):
+        raise CheckpointCorruptError(f"{where}: the entry of object {name!r} is {type(entry).__name__}, not a map")
+    size, xxh3, etag = entry.get("size"), entry.get("xxh3"), entry.get("etag")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_OBJECT_BYTES:
+        raise CheckpointCorruptError(
+            f"{where}: object {name!r} declares size {size!r}; a size is an int from 0 to {MAX_OBJECT_BYTES} (5 TiB, "
+            "the largest object S3 stores): the marker is damaged or crafted, restore another step")
+    if not isinstance(xxh3, str) or not _XXH3.match(xxh3) or not isinstance(etag, str) or not etag:
+        raise CheckpointCorruptError(
+            f"{where}: object {name!r} has xxh3 {xxh3!r} and ETag {etag!r} (hex digits and a non-empty ETag "
+            "expected): the marker is damaged or crafted, restore another step")
+    return StoredObject(size, xxh3, etag)
 
 
 def _phases(value: Any, where: str) -> dict[str, JsonObject]:
@@ -159,9 +192,8 @@ class RootRecord:
         raw = _load(data, where)
         if raw.get("kind") != ROOT_KIND:
             raise CheckpointCorruptError(f"{where}: kind {raw.get('kind')!r}, not {ROOT_KIND!r}; not a ckptguard root")
-        writer = _need(raw, "writer", dict, where)
-        return cls(float(_need(raw, "created_unix", (int, float), where)),
-                   Writer(str(writer.get("host")), int(writer.get("pid") or 0)),
+        return cls(_seconds(raw, "created_unix", where),
+                   Writer.read(raw, where),
                    str(raw.get("consistency")), int(_need(raw, "format", int, where)))
 
 
@@ -180,10 +212,9 @@ class Owner:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Owner:
         raw = _load(data, where)
-        writer = _need(raw, "writer", dict, where)
         return cls(_need(raw, "step", int, where), _need(raw, "attempt", str, where),
-                   Writer(str(writer.get("host")), int(writer.get("pid") or 0)),
-                   float(_need(raw, "created_unix", (int, float), where)))
+                   Writer.read(raw, where),
+                   _seconds(raw, "created_unix", where))
 
 
 @dataclass(frozen=True)
@@ -201,15 +232,20 @@ class Lease:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Lease:
         raw = _load(data, where)
-        writer = _need(raw, "writer", dict, where)
-        return cls(_need(raw, "holder", str, where), Writer(str(writer.get("host")), int(writer.get("pid") or 0)),
-                   float(_need(raw, "expires_unix", (int, float), where)),
-                   float(_need(raw, "renewed_unix", (int, float), where)))
+        return cls(_need(raw, "holder", str, where), Writer.read(raw, where),
+                   _seconds(raw, "expires_unix", where),
+                   _seconds(raw, "renewed_unix", where))
 
 
 def parse_tracker(data: bytes, where: str) -> int:
     text = data.decode(errors="replace").strip()
-    if not text.isdigit():
+    if not re.fullmatch(r"[0-9]{1,18}", text):  # str.isdigit() takes "\u00b2", which int() refuses
         raise CheckpointCorruptError(f"{where} holds {text[:40]!r}, not a step number; it was not written by "
                                      "ckptguard: inspect it, then fix it by hand")
     return int(text)
+
+
+def is_proof(rel: str) -> bool:
+    """``proof/rank_NNNNN.jsonl``: one rank's copy of its proof log (gc and rotation leave it alone)."""
+    parts = rel.split("/")
+    return len(parts) == 2 and parts[0] == PROOF_DIR and parts[1].startswith("rank_") and parts[1].endswith(".jsonl")

@@ -10,9 +10,13 @@ Contract (``Consistency.CONDITIONAL``, the default):
   forward: a writer that finds it at or past its step leaves it. It never names an uncommitted step.
 - ``resolve`` reads the tracker and that step's marker; nothing is decided from a listing.
 - Rotation deletes a step's marker first, then its objects: a half-deleted step is invisible.
-- gc removes only attempts that carry ckptguard's owner record, that no marker names, and that
-  are older than ``min_age_s``, aborts multipart uploads of such attempts, and never runs on a
-  prefix without the root record.
+- gc (``_gc``) removes only attempts that carry ckptguard's owner record, that no marker names, and
+  that are older than ``min_age_s``, aborts multipart uploads of such attempts, and never runs on a
+  prefix without the root record or while the tracker's step has no readable marker.
+- Every size a marker declares is checked (``_objrecords``: an int up to 5 TiB; ``fetch``: equal to
+  its manifest's; ``_transfer``: equal to the object's HEAD) before anything is allocated or requested.
+- A created marker is created again with the same bytes, which the store must refuse: a store that
+  honours the probe's key but not the markers' never lets two writers both commit a step.
 - The write lease ``lease.json`` is created by conditional create and renewed by ``If-Match``.
 
 A marker newer than the tracker is an orphan (its writer died between marker and tracker): ignored
@@ -27,7 +31,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ... import _faults
@@ -43,9 +47,10 @@ from ...errors import (
     ObjectStoreError,
     ResumeError,
 )
+from . import _gc, _transfer
 from . import _objrecords as rec
-from . import _transfer
 from ._bucket import Bucket
+from ._gc import GcReport
 from ._options import Consistency, ObjectStoreOptions, StoreURL
 
 log = logging.getLogger("ckptguard")
@@ -63,15 +68,6 @@ class Resolved:
     step: int
     marker: rec.Marker | None
     reason: str
-
-
-@dataclass
-class GcReport:
-    removed_attempts: list[str] = field(default_factory=list)
-    removed_objects: int = 0
-    aborted_uploads: list[str] = field(default_factory=list)
-    foreign: list[str] = field(default_factory=list)  # keys under the prefix that ckptguard did not create
-    kept_young: list[str] = field(default_factory=list)  # unmarked attempts younger than min_age_s (maybe live)
 
 
 class ObjectStore:
@@ -180,6 +176,12 @@ class ObjectStore:
                 "by hand (`ckptguard list` shows them)")
         return Resolved(step, marker, f"tracker {self.where(TRACKER_NAME)} says {step}")
 
+    def empty(self) -> bool:
+        """Nothing under the prefix (no root record, no object at all): a mistyped URL, or a root not created yet."""
+        if self.bucket.get(self.url.key(rec.ROOT_RECORD), what="root record") is not None:
+            return False
+        return next(iter(self.bucket.listing()), None) is None
+
     def committed_steps(self) -> list[int]:
         """Steps whose marker is valid and no newer than the tracker (a listing finds the candidates;
         each step's marker decides)."""
@@ -241,14 +243,32 @@ class ObjectStore:
         key = self.url.key(name, MANIFEST_NAME)
         marker = rec.Marker(step, attempt, rec.Writer.here(lease), objects, manifest, phases or {})
         _faults.reached(BEFORE_MARKER)
-        created = self.bucket.create(key, marker.to_bytes(), step=step, what="commit marker",
-                                     conditional=self.conditional)
+        data = marker.to_bytes()
+        created = self.bucket.create(key, data, step=step, what="commit marker", conditional=self.conditional)
         if created is None or not self.conditional:  # refused (maybe our own retry that landed), or unconditional
             self._check_won(step, attempt)
+        else:
+            self._check_refused(key, data, step)
         _faults.reached(BEFORE_TRACKER)
         self._advance(step)
         self._check_won(step, attempt)  # an orphan replacement racing this commit is reported, never silent
         return self.where(name, MANIFEST_NAME)
+
+    def _check_refused(self, key: str, data: bytes, step: int) -> None:
+        """The store honoured If-None-Match on this very marker: the same bytes created again must be refused.
+        A store that honours the probe's key but not the markers' (a proxy, a bucket policy, a gateway per
+        path) would otherwise let a second writer overwrite this marker and both believe they committed the
+        step. The bytes are this marker's own, so a store that accepts them changes nothing; the tracker has
+        not moved, so the step stays an orphan nobody resumes."""
+        if self.bucket.create(key, data, step=step, what="commit marker (check of If-None-Match)") is None:
+            return
+        raise ConditionalWriteUnsupportedError(
+            f"the store at {self.bucket.endpoint} accepted a second create of s3://{self.url.bucket}/{key} with "
+            "If-None-Match: * (it refused the probe's): it ignores conditional writes on the markers' keys, so two "
+            f"writers could both commit step {step}. Step {step} is not committed (the tracker did not move). Fix "
+            "the store or the proxy in front of it, or with exactly one writer guaranteed by you use "
+            "ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) (docs/objectstore.md)",
+            bucket=self.url.bucket, key=key, step=step)
 
     def _check_won(self, step: int, attempt: str) -> None:
         # A refused create may be our own retried request that had landed: the marker's attempt decides.
@@ -291,7 +311,23 @@ class ObjectStore:
         base = (self.naming.name(marker.step), marker.attempt)
         items = [_transfer.Incoming(self.url.key(*base, rel), step_dir / rel, o.size, o.etag, o.xxh3)
                  for rel, o in sorted(marker.objects.items()) if only is None or rel in only]
+        self._same_as_manifest(marker, [rel for rel in sorted(marker.objects) if only is None or rel in only])
         _transfer.download(self.bucket, items, step=marker.step, progress=progress)
+
+    def _same_as_manifest(self, marker: rec.Marker, names: list[str]) -> None:
+        """The marker's objects are the files its manifest lists, with the same sizes and xxh3: the local
+        restore checks the files against the manifest, the download against the marker."""
+        files = marker.manifest.get("files")
+        listed = {f.get("path"): f for f in files if isinstance(f, dict)} if isinstance(files, list) else {}
+        for rel in names:
+            obj, entry = marker.objects[rel], listed.get(rel)
+            if entry is None or entry.get("size") != obj.size or entry.get("xxh3") != obj.xxh3:
+                where = self.where(self.naming.name(marker.step), marker.attempt, rel)
+                said = "lists no such file" if entry is None else \
+                    f"says {str(entry.get('size'))[:40]} bytes, xxh3 {str(entry.get('xxh3'))[:70]}"
+                raise CheckpointCorruptError(
+                    f"{where} (step {marker.step}): the marker declares {obj.size} bytes, xxh3 {obj.xxh3}; its "
+                    f"manifest {said}: the marker is damaged or crafted, nothing was downloaded: restore another step")
 
     @staticmethod
     def write_manifest(marker: rec.Marker, step_dir: Path) -> None:
@@ -322,83 +358,15 @@ class ObjectStore:
 
     def gc(self, *, min_age_s: float = 3600.0, dry_run: bool = False) -> GcReport:
         """Remove attempts no marker names (with ckptguard's owner record, older than ``min_age_s``)
-        and abort their multipart uploads."""
-        found = self.bucket.get(self.url.key(rec.ROOT_RECORD), what="root record")
-        if found is None:
-            raise ConfigError(
-                f"{self.url} holds no {rec.ROOT_RECORD}: it is not a ckptguard root (or not yet); gc removes only "
-                "what ckptguard created under its own roots. Check the URL")
-        rec.RootRecord.from_bytes(found.data, self.where(rec.ROOT_RECORD))
-        report, now = GcReport(), time.time()
-        attempts: dict[tuple[str, str], list[str]] = {}
-        newest: dict[tuple[str, str], float] = {}
-        for obj in self.bucket.listing():
-            rel = self.url.relative(obj.key) or ""
-            parts = rel.split("/")
-            if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE) or _is_proof(rel):
-                continue
-            if rel.startswith(".ckptguard-probe-") and "/" not in rel:  # a probe whose process died before its delete
-                if now - obj.modified_unix >= min_age_s:
-                    report.removed_objects += 1
-                    if not dry_run:
-                        self.bucket.delete(obj.key, what="conditional-write probe")
-                continue
-            if len(parts) >= 2 and self.naming.parse(parts[0]) is not None:
-                if parts[1:] == [MANIFEST_NAME]:
-                    continue
-                if parts[1].startswith(rec.ATTEMPT_PREFIX) and len(parts) >= 3:
-                    attempts.setdefault((parts[0], parts[1]), []).append(obj.key)
-                    newest[(parts[0], parts[1])] = max(newest.get((parts[0], parts[1]), 0.0), obj.modified_unix)
-                    continue
-            report.foreign.append(obj.key)
-        self._gc_uploads(now, min_age_s, dry_run, report)  # first: an attempt's owner record still says it is ours
-        for (name, attempt), keys in sorted(attempts.items()):
-            self._gc_attempt(name, attempt, keys, newest[(name, attempt)], now, min_age_s, dry_run, report)
-        return report
-
-    def _marked(self, name: str) -> str | None:
-        step = self.naming.parse(name)
-        marker = self.marker(step) if step is not None else None
-        return marker.attempt if marker is not None else None
-
-    def _gc_attempt(self, name: str, attempt: str, keys: list[str], newest: float, now: float, min_age_s: float,
-                    dry_run: bool, report: GcReport) -> None:
-        owner_key = self.url.key(name, attempt, rec.OWNER)
-        if owner_key not in keys:
-            report.foreign += keys  # no owner record: not ckptguard's to delete
-            return
-        if self._marked(name) == attempt:
-            return
-        if now - newest < min_age_s:
-            report.kept_young.append(f"{name}/{attempt}")
-            return
-        report.removed_attempts.append(f"{name}/{attempt}")
-        report.removed_objects += len(keys)
-        if not dry_run:  # the owner record last: an interrupted gc still knows the rest is ours
-            self.bucket.delete_many([k for k in keys if k != owner_key], step=self.naming.parse(name))
-            self.bucket.delete(owner_key, what="attempt owner record")
-
-    def _gc_uploads(self, now: float, min_age_s: float, dry_run: bool, report: GcReport) -> None:
-        for upload in self.bucket.uploads():
-            parts = (self.url.relative(upload.key) or "").split("/")
-            if len(parts) < 3 or self.naming.parse(parts[0]) is None or not parts[1].startswith(rec.ATTEMPT_PREFIX):
-                report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
-                continue
-            if now - upload.initiated_unix < min_age_s:
-                continue
-            if self.bucket.get(self.url.key(parts[0], parts[1], rec.OWNER), what="attempt owner record") is None:
-                report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
-                continue
-            report.aborted_uploads.append(f"{upload.key} ({upload.upload_id})")
-            if not dry_run:
-                self.bucket.abort(upload, step=self.naming.parse(parts[0]))
+        and abort their multipart uploads (``_gc.collect``)."""
+        return _gc.collect(self, min_age_s=min_age_s, dry_run=dry_run)
 
     # ------------------------------------------------------------ proof records (copies of the staging root's)
 
     def put_proof(self, name: str, data: bytes) -> None:
         """One rank's proof log ``name`` (``rank_00000.jsonl``), copied whole to ``proof/<name>``: a plain PUT,
         each rank writes only its own file (the lease holder's job)."""
-        if not _is_proof(f"{PROOF_DIR}/{name}"):
+        if not rec.is_proof(f"{PROOF_DIR}/{name}"):
             raise ConfigError(f"{name!r} is not a proof log name (rank_NNNNN.jsonl)")
         self.bucket.create(self.url.key(PROOF_DIR, name), data, what="proof records", conditional=False)
 
@@ -413,7 +381,7 @@ class ObjectStore:
         (dest / PROOF_DIR).mkdir(parents=True, exist_ok=True)
         for obj in self.bucket.listing(PROOF_DIR + "/"):
             rel = self.url.relative(obj.key) or ""
-            if not _is_proof(rel):
+            if not rec.is_proof(rel):
                 continue
             found = self.bucket.get(obj.key, what="proof records")
             if found is not None:
@@ -468,11 +436,6 @@ class ObjectStore:
         gone = rec.Lease(holder, rec.Writer.here(), 0.0, time.time()).to_bytes()  # expired: anyone may take it
         self.bucket.replace(self.url.key(rec.LEASE), gone, found.etag, what="write lease",
                             conditional=self.conditional)
-
-
-def _is_proof(rel: str) -> bool:
-    parts = rel.split("/")
-    return len(parts) == 2 and parts[0] == PROOF_DIR and parts[1].startswith("rank_") and parts[1].endswith(".jsonl")
 
 
 def _alive(pid: int) -> bool:

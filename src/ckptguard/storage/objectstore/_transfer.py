@@ -18,6 +18,7 @@ import concurrent.futures as _cf
 import contextlib
 import os
 import secrets
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -131,17 +132,16 @@ def upload(bucket: Bucket, items: list[Outgoing], *, step: int | None = None) ->
     opts = bucket.options
     multis: dict[str, _Multipart] = {}
     done: dict[str, str] = {}
-    with _cf.ThreadPoolExecutor(opts.workers, thread_name_prefix="ckptguard-s3-up") as pool:
+    with _Pool(opts.workers, "ckptguard-s3-up") as pool:
         try:
-            jobs: list[tuple[str, _cf.Future[str | None]]] = []
             for item in items:
                 if item.size <= opts.part_bytes:
-                    jobs.append((item.key, pool.submit(_put_whole, bucket, item, step)))
+                    pool.submit(item.key, _put_whole, bucket, item, step)
                     continue
                 multi = multis[item.key] = _Multipart(bucket, item, step)
                 for number, offset, length in _spans(item.size, opts.part_bytes):
-                    jobs.append((item.key, pool.submit(_part, multi, number, offset, length)))
-            _settle(jobs, done)
+                    pool.submit(item.key, _part, multi, number, offset, length)
+            pool.settle(done)
             for key, multi in list(multis.items()):
                 done[key] = multi.complete()
                 del multis[key]
@@ -156,18 +156,54 @@ def _part(multi: _Multipart, number: int, offset: int, length: int) -> None:
     _faults.reached(PART_POINT)
 
 
-def _settle(jobs: list[tuple[str, _cf.Future[str | None]]], done: dict[str, str]) -> None:
-    first: BaseException | None = None
-    for key, job in jobs:
+class _Pool:
+    """Requests in parallel that stop at the first failure: a job that fails marks the pool stopped in its
+    own thread, so no worker starts another request after it (a stalled or lying object must not keep
+    thousands of requests going), and ``settle`` raises that first failure."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self.pool = _cf.ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self.stopped = threading.Event()
+        self.jobs: list[tuple[str, _cf.Future[str | None]]] = []
+
+    def submit(self, key: str, fn: Callable[..., str | None], *args: Any) -> None:
+        self.jobs.append((key, self.pool.submit(self._run, fn, *args)))
+
+    def _run(self, fn: Callable[..., str | None], *args: Any) -> str | None:
+        if self.stopped.is_set():
+            return None
         try:
-            etag = job.result()
-        except BaseException as exc:  # every job ends before the error is raised: none writes later
-            first = first or exc
-            continue
+            return fn(*args)
+        except BaseException:
+            self.stopped.set()
+            raise
+
+    def settle(self, done: dict[str, str]) -> None:
+        _settle(self.jobs, done)
+
+    def __enter__(self) -> _Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()  # an error raised between submits: the queued jobs end without a request
+        self.pool.shutdown(wait=True)
+
+
+def _settle(jobs: list[tuple[str, _cf.Future[str | None]]], done: dict[str, str]) -> None:
+    """Wait for the jobs; the first failure cancels every job not started yet, waits for the running
+    ones (none writes later) and is raised."""
+    futures = [job for _, job in jobs]
+    _cf.wait(futures, return_when=_cf.FIRST_EXCEPTION)
+    failed = [job for job in futures if job.done() and not job.cancelled() and job.exception() is not None]
+    if failed:
+        for job in futures:
+            job.cancel()
+        _cf.wait(futures)
+        raise failed[0].exception()  # type: ignore[misc]
+    for key, job in jobs:
+        etag = job.result()
         if etag is not None:
             done[key] = etag
-    if first is not None:
-        raise first
 
 
 # ---------------------------------------------------------------- download
@@ -190,17 +226,29 @@ def _get_span(bucket: Bucket, item: Incoming, fd: int, offset: int, length: int,
             f"s3://{bucket.url.bucket}/{item.key} (step {step}): got {len(data)} of {length} bytes at offset "
             f"{offset}; the object is shorter than its marker says ({item.size} B): restore another step",
             bucket=bucket.url.bucket, key=item.key, step=step)
-    os.pwrite(fd, data, offset)
+    try:
+        os.pwrite(fd, data, offset)
+    except OSError as exc:
+        raise ObjectStoreError(
+            f"writing s3://{bucket.url.bucket}/{item.key} (step {step}) into {item.path} at offset {offset} failed: "
+            f"{exc.strerror or exc}; free space or fix the staging disk, then restore again",
+            bucket=bucket.url.bucket, key=item.key, step=step) from exc
 
 
 def download(bucket: Bucket, items: list[Incoming], *, step: int | None = None,
              progress: Callable[[int], None] | None = None) -> None:
-    """Download every object to its path (atomically, checked against size and xxh3)."""
+    """Download every object to its path (atomically, checked against size and xxh3). Every size the
+    marker declares is checked against the object itself (HEAD) and against the free space before
+    a file is created or a byte requested."""
     opts = bucket.options
+    with _Pool(opts.workers, "ckptguard-s3-head") as heads:
+        for item in items:
+            heads.submit(item.key, _head, bucket, item, step)
+        heads.settle({})
+    _room(items, step, bucket)
     opened: list[tuple[Incoming, int, Path]] = []
     try:
-        jobs: list[tuple[str, _cf.Future[str | None]]] = []
-        with _cf.ThreadPoolExecutor(opts.workers, thread_name_prefix="ckptguard-s3-down") as pool:
+        with _Pool(opts.workers, "ckptguard-s3-down") as pool:
             for item in items:
                 item.path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = item.path.with_name(f"{item.path.name}.tmp-{secrets.token_hex(4)}")
@@ -208,8 +256,8 @@ def download(bucket: Bucket, items: list[Incoming], *, step: int | None = None,
                 opened.append((item, fd, tmp))
                 os.ftruncate(fd, item.size)
                 for _, offset, length in _spans(item.size, opts.part_bytes):
-                    jobs.append((item.key, pool.submit(_get_span, bucket, item, fd, offset, length, step)))
-            _settle(jobs, {})
+                    pool.submit(item.key, _get_span, bucket, item, fd, offset, length, step)
+            pool.settle({})
         for item, fd, tmp in opened:
             os.fsync(fd)
             _check(item, tmp, step)
@@ -221,6 +269,46 @@ def download(bucket: Bucket, items: list[Incoming], *, step: int | None = None,
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+
+
+def _head(bucket: Bucket, item: Incoming, step: int | None) -> None:
+    """The object as the marker recorded it (size and ETag), or the error naming it: a marker that
+    declares 1 TiB for a 17 KiB object is refused here, before 16,384 range requests are planned."""
+    where = f"s3://{bucket.url.bucket}/{item.key} (step {step})"
+    found = bucket.head(item.key, step=step, what="checkpoint object")
+    if found is None:
+        raise CheckpointCorruptError(f"{where} does not exist, but its step's marker names it: something outside "
+                                     "ckptguard deleted it; restore another step")
+    size, etag = found
+    if size != item.size:
+        raise CheckpointCorruptError(
+            f"{where}: the marker declares {item.size} bytes, the object has {size}: the marker does not describe "
+            "this object (damaged or crafted); nothing was downloaded: restore another step")
+    if etag != item.etag:
+        raise ObjectStoreError(
+            f"{where} was replaced after its step was committed (ETag {etag}, the marker recorded {item.etag}): "
+            "something outside ckptguard wrote it; restore another step",
+            bucket=bucket.url.bucket, key=item.key, step=step)
+
+
+def _room(items: list[Incoming], step: int | None, bucket: Bucket) -> None:
+    """The download fits the local disk: a full disk is said before the first byte, not as an OSError mid-way."""
+    need: dict[int, tuple[int, Path]] = {}
+    for item in items:
+        base = item.path.parent
+        while not base.exists() and base != base.parent:
+            base = base.parent
+        dev = os.stat(base).st_dev
+        total, _ = need.get(dev, (0, base))
+        need[dev] = (total + item.size, base)
+    for total, base in need.values():
+        vfs = os.statvfs(base)
+        free = vfs.f_bavail * vfs.f_frsize
+        if total > free:
+            raise ObjectStoreError(
+                f"downloading step {step} from s3://{bucket.url.bucket}/{bucket.url.prefix} needs {total} bytes under "
+                f"{base}, which has {free} free: free space there or point the staging root at a larger disk",
+                bucket=bucket.url.bucket, key=items[0].key, step=step)
 
 
 def _check(item: Incoming, tmp: Path, step: int | None) -> None:

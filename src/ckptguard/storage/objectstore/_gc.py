@@ -1,0 +1,139 @@
+"""gc on an object-store root: what ckptguard created and no marker names, older than a minimum age.
+
+``collect`` removes attempts that carry ckptguard's owner record, that no marker names and whose
+newest object is older than ``min_age_s``, aborts the multipart uploads of such attempts, and
+reports everything else under the prefix as foreign without touching it. It refuses a prefix
+without the root record, and one whose tracker's step has no readable marker: resolve then asks
+the operator to restore that step's objects, which would look like a dead attempt's here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..._disk.layout import MANIFEST_NAME, TRACKER_NAME, StepNaming
+from ...errors import CheckpointCorruptError, CheckpointError, ConfigError
+from . import _objrecords as rec
+from ._bucket import Bucket
+from ._options import StoreURL
+
+
+@dataclass
+class GcReport:
+    removed_attempts: list[str] = field(default_factory=list)
+    removed_objects: int = 0
+    aborted_uploads: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)  # keys under the prefix that ckptguard did not create
+    kept_young: list[str] = field(default_factory=list)  # unmarked attempts younger than min_age_s (maybe live)
+
+
+class Root(Protocol):
+    """What gc reads of an ``ObjectStore``."""
+
+    bucket: Bucket
+    url: StoreURL
+    naming: StepNaming
+
+    def where(self, *parts: str) -> str: ...
+
+    def tracker(self) -> tuple[int | None, str | None]: ...
+
+    def marker(self, step: int) -> rec.Marker | None: ...
+
+
+def collect(root: Root, *, min_age_s: float, dry_run: bool) -> GcReport:
+    found = root.bucket.get(root.url.key(rec.ROOT_RECORD), what="root record")
+    if found is None:
+        raise ConfigError(
+            f"{root.url} holds no {rec.ROOT_RECORD}: it is not a ckptguard root (or not yet); gc removes only "
+            "what ckptguard created under its own roots. Check the URL")
+    rec.RootRecord.from_bytes(found.data, root.where(rec.ROOT_RECORD))
+    tracker_step_whole(root, "gc")
+    report, now = GcReport(), time.time()
+    attempts: dict[tuple[str, str], list[str]] = {}
+    newest: dict[tuple[str, str], float] = {}
+    for obj in root.bucket.listing():
+        rel = root.url.relative(obj.key) or ""
+        parts = rel.split("/")
+        if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE) or rec.is_proof(rel):
+            continue
+        if rel.startswith(".ckptguard-probe-") and "/" not in rel:  # a probe whose process died before its delete
+            if now - obj.modified_unix >= min_age_s:
+                report.removed_objects += 1
+                if not dry_run:
+                    root.bucket.delete(obj.key, what="conditional-write probe")
+            continue
+        if len(parts) >= 2 and root.naming.parse(parts[0]) is not None:
+            if parts[1:] == [MANIFEST_NAME]:
+                continue
+            if parts[1].startswith(rec.ATTEMPT_PREFIX) and len(parts) >= 3:
+                attempts.setdefault((parts[0], parts[1]), []).append(obj.key)
+                newest[(parts[0], parts[1])] = max(newest.get((parts[0], parts[1]), 0.0), obj.modified_unix)
+                continue
+        report.foreign.append(obj.key)
+    _uploads(root, now, min_age_s, dry_run, report)  # first: an attempt's owner record still says it is ours
+    for (name, attempt), keys in sorted(attempts.items()):
+        _attempt(root, name, attempt, keys, newest[(name, attempt)], now, min_age_s, dry_run, report)
+    return report
+
+
+def tracker_step_whole(root: Root, doing: str) -> None:
+    """Refuse ``doing`` while the tracker's step has no readable marker: resolve then tells the operator to
+    restore that step's objects, and gc would delete them as attempts no marker names."""
+    step, _ = root.tracker()
+    if not step:
+        return
+    marker_at = root.where(root.naming.name(step), MANIFEST_NAME)
+    try:
+        if root.marker(step) is not None:
+            return
+        why = "does not exist"
+    except CheckpointError as exc:
+        why = f"is unreadable ({str(exc)[:300]})"
+    raise CheckpointCorruptError(
+        f"{doing} refused on {root.url}: the tracker says {step}, but its marker {marker_at} {why}; restoring "
+        f"needs that step's objects, which {doing} would delete as attempts no marker names. Restore the marker "
+        "(or set the tracker to an older committed step by hand: `ckptguard list` shows them), then run "
+        f"{doing} again")
+
+
+def _marked(root: Root, name: str) -> str | None:
+    step = root.naming.parse(name)
+    marker = root.marker(step) if step is not None else None
+    return marker.attempt if marker is not None else None
+
+
+def _attempt(root: Root, name: str, attempt: str, keys: list[str], newest: float, now: float, min_age_s: float,
+             dry_run: bool, report: GcReport) -> None:
+    owner_key = root.url.key(name, attempt, rec.OWNER)
+    if owner_key not in keys:
+        report.foreign += keys  # no owner record: not ckptguard's to delete
+        return
+    if _marked(root, name) == attempt:
+        return
+    if now - newest < min_age_s:
+        report.kept_young.append(f"{name}/{attempt}")
+        return
+    report.removed_attempts.append(f"{name}/{attempt}")
+    report.removed_objects += len(keys)
+    if not dry_run:  # the owner record last: an interrupted gc still knows the rest is ours
+        root.bucket.delete_many([k for k in keys if k != owner_key], step=root.naming.parse(name))
+        root.bucket.delete(owner_key, what="attempt owner record")
+
+
+def _uploads(root: Root, now: float, min_age_s: float, dry_run: bool, report: GcReport) -> None:
+    for upload in root.bucket.uploads():
+        parts = (root.url.relative(upload.key) or "").split("/")
+        if len(parts) < 3 or root.naming.parse(parts[0]) is None or not parts[1].startswith(rec.ATTEMPT_PREFIX):
+            report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
+            continue
+        if now - upload.initiated_unix < min_age_s:
+            continue
+        if root.bucket.get(root.url.key(parts[0], parts[1], rec.OWNER), what="attempt owner record") is None:
+            report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
+            continue
+        report.aborted_uploads.append(f"{upload.key} ({upload.upload_id})")
+        if not dry_run:
+            root.bucket.abort(upload, step=root.naming.parse(parts[0]))
