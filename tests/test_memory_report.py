@@ -351,7 +351,10 @@ NO_CHROMIUM = "chromium is not installed (Debian package 'chromium'; make test i
 
 
 def _open(cdp: _Cdp, sid: str, page: Path, shot: Path) -> dict:
-    """Load ``page``, read the DOM facts, and save a full-page screenshot to ``shot``."""
+    """Load ``page`` 1000 px wide, read the DOM facts, and save a full-page screenshot to ``shot``."""
+    # The charts scale to the page's width: the facts are read at the width the screenshot is taken at.
+    cdp.call("Emulation.setDeviceMetricsOverride", {"width": 1000, "height": 900, "deviceScaleFactor": 1,
+                                                     "mobile": False}, session=sid)
     cdp.call("Page.navigate", {"url": page.as_uri()}, session=sid)
     cdp.wait(lambda m: m.get("method") == "Page.loadEventFired" and m.get("sessionId") == sid)
     res = cdp.call("Runtime.evaluate", {"expression": DOM_FACTS, "returnByValue": True}, session=sid)

@@ -119,3 +119,61 @@ def test_a_report_with_no_limit_near_the_data(tmp_path):
         pass
     page = render_html(read_records([path]))
     assert 'data-chart="host-memory"' in page or "No host chart" in page
+
+
+WIDTH_FACTS = """JSON.stringify((() => {
+  const box = (e) => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const host = document.querySelector('svg[data-chart="host-memory"]');
+  const plot = box(host.querySelector('[data-plot-area]'));
+  const edges = [[plot[0], plot[1], plot[2], plot[1]], [plot[0], plot[3], plot[2], plot[3]]];
+  return {
+    width: window.innerWidth, scroll: document.documentElement.scrollWidth, plot: plot,
+    svgs: [...document.querySelectorAll('svg[data-chart]')].map(box),
+    lines: [...host.querySelectorAll('[data-limit] line, [data-peak] line, [data-mark] line')].map(box).concat(edges),
+    labels: [...host.querySelectorAll('[data-limit] text, text[data-limit], [data-mark] text')].map(
+      e => [e.textContent, box(e)]),
+  };
+})())"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+def test_the_report_is_whole_and_no_label_is_struck_at_800_and_1600_px(tmp_path):
+    """At 800 px the chart was cut off on the right; with the limits far above the data the "(above the
+    scale)" labels sat on the plot's top border and the save peak's line ran through them."""
+    import base64
+
+    from test_memory_report import _Cdp
+
+    spike = _record_run(tmp_path / "spike")
+    pages = {}
+    for name, limit in (("default", None), ("crowded", 7 * GiB), ("far above the data", 100 * GiB)):
+        src = spike if limit is None else _with_limit(spike, tmp_path / f"{len(pages)}.jsonl", limit)
+        pages[name] = tmp_path / f"{len(pages)}.html"
+        assert CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
+    cdp = _Cdp(tmp_path / "profile")
+    found = {}
+    try:
+        sid = cdp.blank_page()
+        cdp.call("Page.enable", session=sid)
+        for width in (800, 1600):
+            cdp.call("Emulation.setDeviceMetricsOverride",
+                     {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False}, session=sid)
+            for name, page in pages.items():
+                cdp.call("Page.navigate", {"url": page.as_uri()}, session=sid)
+                cdp.wait(lambda m: m.get("method") == "Page.loadEventFired" and m.get("sessionId") == sid)
+                res = cdp.call("Runtime.evaluate", {"expression": WIDTH_FACTS, "returnByValue": True}, session=sid)
+                found[(width, name)] = json.loads(res["result"]["result"]["value"])
+                png = cdp.call("Page.captureScreenshot", {"format": "png"}, session=sid)["result"]["data"]
+                (tmp_path / f"{name}-{width}.png").write_bytes(base64.b64decode(png))  # for a person to look at
+    finally:
+        cdp.close()
+    for (width, name), geo in found.items():
+        assert geo["scroll"] <= width, f"{name} at {width} px: the page is {geo['scroll']} px wide (cut off)"
+        assert all(svg[2] <= width for svg in geo["svgs"]), (width, name, geo["svgs"])
+        assert len(geo["labels"]) >= 3, (width, name, geo["labels"])
+        for text, box in geo["labels"]:
+            struck = [line for line in geo["lines"] if _struck(box, line)]
+            assert not struck, f"{name} at {width} px: {text!r} at {box} is struck through by {struck}"
+            plot = geo["plot"]
+            assert plot[0] - 0.5 <= box[0] and box[2] <= plot[2] + 0.5 and plot[1] < box[1], (width, name, text)

@@ -394,11 +394,15 @@ def _verify_export(path: Path, deep: bool, as_json: bool) -> NoReturn:
     from .ops import export as _export
     from .ops import verify as _verify
 
-    findings = _export.verify_export(path, deep=deep)
-    _emit(findings, as_json, {"checked": [str(path)], "export": True})
-    if not as_json:
-        how = " with checksums and tensor digests" if deep else ""
-        click.echo(f"{'FAIL' if _verify.worst(findings) else 'OK'}: export checked{how}, {len(findings)} finding(s)")
+    check = _export.check_export(path, deep=deep)
+    findings = check.findings
+    _emit(findings, as_json, {"checked": [str(path)], "export": True, "compared": check.compared,
+                              "not_compared": check.not_compared})
+    if not as_json:  # exactly what was compared: never "tensor digests" when a finding skipped them
+        how = ", ".join(check.compared) or "nothing (the export manifest is unreadable)"
+        if check.not_compared:
+            how += f"; tensor digests NOT compared: {check.not_compared}"
+        click.echo(f"{'FAIL' if _verify.worst(findings) else 'OK'}: export checked ({how}), {len(findings)} finding(s)")
     sys.exit(_verify.worst(findings))
 
 
@@ -635,13 +639,14 @@ def adopt(root: Path, step: int, template: str, as_json: bool) -> None:
     For a save that died between publishing and moving the tracker, or a root whose tracker was
     lost. STEP is verified with checksums and must belong to ROOT's run chain; the tracker only
     moves forward, under the root's lease. (To continue from another run's checkpoint, see
-    CheckpointManager.adopt.) Exit 0 done, 1 refused.
+    CheckpointManager.adopt.) Exit 0 done, 1 refused, 2 bad usage (a bad --template).
     """
     from .ops import gc as _gc
 
+    naming = _inspect.naming(template)  # a bad template is bad usage (exit 2), checked before the root is read
     try:
         was = _inspect.tracker(root)
-        message = _gc.adopt_step(root.absolute(), _inspect.naming(template), step)
+        message = _gc.adopt_step(root.absolute(), naming, step)
     except CheckpointError as exc:
         _fail(str(exc), as_json)
     except OSError as exc:
@@ -1037,16 +1042,21 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
 
     PATH is a phase-records file (PhaseRecorder) or a directory holding them. Tells a stalled
     rank (no CPU, no I/O, overdue) from a slow one: slow is not a hang. On a RunCheckpoint root
-    each rank's line names the roles it holds. On a checkpoint root it also says which saves a
+    each rank's line names the roles it holds. On a checkpoint root it first says the root's state
+    (newest committed step, what a resume would do now, steps a resume skips) and which saves a
     commit in flight held back (skipped, coalesced, redirected) since the last save. Exit 0 if no
-    rank is stalled, 1 if one is stalled or died inside a phase (for a watchdog), or if there are
-    no phase records (nothing checked).
+    rank is stalled, 1 if one is stalled or died inside a phase (for a watchdog); without phase
+    records: 0 on a checkpoint root a resume would accept, 1 otherwise (nothing checked).
     """
     from dataclasses import asdict
 
-    from .ops.status import busy_saves, record_files, run_rank_roles
+    from .ops.status import busy_saves, record_files, root_state, run_rank_roles
     from .ops.status import status as _status
 
+    state = root_state(path) if path.is_dir() else None
+    if state is not None and not as_json:
+        for line in state.lines:
+            click.echo(printable(line))
     roles = run_rank_roles(path)
     files = record_files(path)
     said: str | None = None
@@ -1057,9 +1067,17 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
         said = f"saves held back by a commit in flight: not checked ({exc})"
     if said is not None and not as_json:
         click.echo(printable(said))
+    if not files and state is not None:  # a checkpoint root: its state is the answer, no rank was checked
+        if as_json:
+            _json_out(state.resumable, root=state.lines, ranks=[])
+        else:
+            click.echo("no phase records here: no rank's phase was checked (ckptguard.memory.PhaseRecorder "
+                       "writes them)")
+        sys.exit(0 if state.resumable else 1)
     if not files:
         what = f" (a RunCheckpoint root of roles {sorted({r for rs in roles.values() for r in rs})})" if roles else ""
-        _fail(f"no phase records under {path}{what}: no rank's status was checked; write them with "
+        where = f"in {path}, which is no phase-records file" if path.is_file() else f"under {path}{what}"
+        _fail(f"no phase records {where}: no rank's status was checked; write them with "
               "ckptguard.memory.PhaseRecorder", as_json)
     ranks = _status(files, sample_s=sample_s, roles=roles)
     if as_json:  # a list of ranks, as before; the held-back saves are in ``ckptguard goodput --json``

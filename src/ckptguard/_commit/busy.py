@@ -155,7 +155,10 @@ class BusyRound:
         commit_s = max(self.last_commit_s or 0.0, decision.running_s)
         if step_s is None or step_s <= 0 or commit_s <= 0:
             return None
-        return max(1, math.ceil(commit_s / step_s)), commit_s
+        # Strictly more steps than one commit lasts, and more than the interval that was just too short: a
+        # job saving every 4 steps was told "4 fits" (ceil of 3.9) after a skip at that very interval.
+        (s0, _t0), (s1, _t1) = self._requests
+        return max(math.floor(commit_s / step_s) + 1, s1 - s0 + 1), commit_s
 
     def running_reason(self, decision: BusyDecision) -> str:
         where = f"ranks {decision.ranks}" if len(decision.ranks) > 1 else f"rank {decision.ranks[0]}"

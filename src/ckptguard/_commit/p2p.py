@@ -9,14 +9,20 @@ receiver writes a temp name next to the destination, hashes the bytes as they ar
 compares the xxh3 with the spec, and only then renames it in place. Each exchange is a fixed
 sequence of messages that both sides walk in step (``max(1, ceil(size / CHUNK))`` blocks):
 
-1. for each block: sender -> receiver: a 16-byte header (ok with the block's length, or failed with
-   the length of the description), then the block's bytes (or the description) as a message of
-   that length; receiver -> sender (every block but the last): written, or why not (its temp file
-   could not be created, a write failed). The receiver posts every message at the length the
-   header announced (gloo aborts the process on a message longer than the buffer it lands in), so
-   a block of another length than its own plan expects is received into scratch and refused: the
-   two sides' specs disagree, said on both sides, never a crash;
+1. for each block: sender -> receiver: one message, a 24-byte header (ok with the block's length, or
+   failed with the length of the description; and the sender's size of the file) followed by the
+   block's bytes (or the description); receiver -> sender (every block but the last): written, or why
+   not (its temp file could not be created, a write failed), as one message of the same form;
 2. receiver -> sender: the file is in place, or why not (fsync, checksum, rename).
+
+Every message is checked on both sides. The sender sends exactly the header and the length it
+announces; the receiver posts every receive at the largest message the protocol has (``HEADER`` +
+``CHUNK``: gloo aborts the process, uncatchably, on a message longer than the buffer it lands in,
+and accepts a shorter one), then checks the header against its own plan: a block of another length
+or a file of another size than its spec, a length beyond ``CHUNK`` or a status that is neither ok nor
+failed is refused on both sides, its ``.part`` file removed, naming the peer's rank. A peer that
+sends more than ``HEADER`` + ``CHUNK`` bytes in one message still ends the receiving process inside
+gloo: no receive can be posted larger than the largest message a peer may send.
 
 So a failure on either side reaches the peer within one block (``CHUNK`` bytes), never after
 a timeout, and both sides return the same problem: what failed (the file, the step, the
@@ -30,6 +36,7 @@ plan completes without deadlock, and after a failed pair both ranks go on with t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -40,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 import xxhash
@@ -48,6 +56,7 @@ CHUNK = 64 << 20
 """Bytes per block message; a failure reaches the peer after at most one block."""
 HEADER = 24  # bytes before each block: status, length and the sender's size of the file (int64 each)
 _TEXT_MAX = 16 << 10
+_CANARY = 8  # random bytes just past the longest body a message may have: a longer message overwrites them
 
 _OK, _FAIL = 0, 1
 
@@ -99,6 +108,10 @@ class _PeerProblem(Exception):
 # ---------------------------------------------------------------- messages
 
 
+class _OutOfStep(RuntimeError):
+    """The peer sent a message the protocol does not allow at this point (a lying or broken peer)."""
+
+
 def _wait(link: Link, work: Any) -> None:
     if work is None:  # this rank is not in the group (never here: both ranks of a pair are)
         return
@@ -112,73 +125,96 @@ def _send(link: Link, tensor: torch.Tensor, dst: int) -> None:
     _wait(link, dist.isend(tensor, group=link.group, group_dst=dst))
 
 
-def _recv(link: Link, tensor: torch.Tensor, src: int) -> None:
-    _wait(link, dist.irecv(tensor, group=link.group, group_src=src))
+def _inbox() -> torch.Tensor:
+    """A receive buffer as large as the largest message plus a canary (its pages are touched only by
+    what arrives)."""
+    return torch.empty(HEADER + CHUNK + _CANARY, dtype=torch.uint8)
 
 
-def _send_word(link: Link, dst: int, code: int, n: int = 0) -> None:
-    _send(link, torch.tensor([code, n], dtype=torch.int64), dst)
+def _recv_msg(link: Link, src: int, inbox: torch.Tensor, ok_max: int = CHUNK) -> tuple[int, int, int]:
+    """(status, body length, total) of the next message from ``src``, its body at ``inbox[HEADER:]``.
+    Checked before the body is used: the header's status and length, and the real length of the message
+    (gloo does not report it): random canaries just past the body this side expects (``ok_max`` bytes
+    for an ok message, ``_TEXT_MAX`` for a failure) must survive a message that announces no more."""
+    view = inbox.numpy()
+    spots = sorted({min(ok_max, CHUNK), _TEXT_MAX})
+    if spots[-1] - spots[0] < _CANARY:  # overlapping windows would overwrite each other: keep the later one
+        spots = spots[-1:]
+    canary = numpy.frombuffer(os.urandom(_CANARY), dtype=numpy.uint8)
+    for at in spots:
+        view[HEADER + at: HEADER + at + _CANARY] = canary
+    _wait(link, dist.irecv(inbox, group=link.group, group_src=src))
+    code, count, total = struct.unpack_from("<qqq", view.data, 0)
+    if code not in (_OK, _FAIL) or not 0 <= count <= (CHUNK if code == _OK else _TEXT_MAX):
+        raise _OutOfStep(f"a message with status {code} and a body of {count} bytes (at most {CHUNK} bytes of "
+                         f"data or {_TEXT_MAX} of a failure's description are allowed)")
+    # The smallest canary at or past the announced length: overwritten, the message was longer than it says.
+    # (A length past every canary is another size than this side expects: the caller refuses it as such.)
+    past = next((a for a in spots if a >= count), None)
+    if past is not None and not numpy.array_equal(view[HEADER + past: HEADER + past + _CANARY], canary):
+        raise _OutOfStep(f"a message longer than its header announces (more than {past} bytes of body where "
+                         f"{count} were announced)")
+    return code, count, total
 
 
-def _recv_word(link: Link, src: int) -> tuple[int, int]:
-    word = torch.empty(2, dtype=torch.int64)
-    _recv(link, word, src)
-    return int(word[0]), int(word[1])
-
-
-def _send_blob(link: Link, dst: int, data: bytes) -> None:
-    _send_word(link, dst, _OK, len(data))
-    if data:
-        _send(link, torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
-
-
-def _recv_blob(link: Link, src: int, limit: int) -> bytes:
-    code, n = _recv_word(link, src)
-    if code != _OK or not 0 <= n <= limit:
-        raise RuntimeError(f"transfer protocol out of step with rank {src} (word {code}, {n})")
-    if not n:
-        return b""
-    buf = torch.empty(n, dtype=torch.uint8)
-    _recv(link, buf, src)
-    return bytes(buf.numpy())
+def _send_msg(link: Link, dst: int, code: int, body: bytes = b"", total: int = 0) -> None:
+    buf = torch.empty(HEADER + len(body), dtype=torch.uint8)
+    view = buf.numpy().data
+    struct.pack_into("<qqq", view, 0, code, len(body), total)
+    view[HEADER:] = body
+    _send(link, buf, dst)
 
 
 def _send_ok(link: Link, dst: int) -> None:
-    _send_word(link, dst, _OK)
+    _send_msg(link, dst, _OK)
 
 
 def _send_fail(link: Link, dst: int, problem: Problem) -> None:
-    data = json.dumps(problem.__dict__).encode()[:_TEXT_MAX]
-    _send_word(link, dst, _FAIL, len(data))
-    _send(link, torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+    _send_msg(link, dst, _FAIL, json.dumps(problem.__dict__).encode()[:_TEXT_MAX])
 
 
-def _recv_answer(link: Link, src: int) -> int:
-    """The peer's next word: raises its problem where it failed, else returns the word's count."""
-    code, n = _recv_word(link, src)
+def _recv_answer(link: Link, src: int, inbox: torch.Tensor) -> int:
+    """The peer's next answer: raises its problem where it failed, else returns the answer's count."""
+    code, n, _ = _recv_msg(link, src, inbox, ok_max=0)
     if code == _OK:
+        if n:
+            raise _OutOfStep(f"an answer with a body of {n} bytes (none is due)")
         return n
-    if code != _FAIL or not 0 < n <= _TEXT_MAX:
-        raise RuntimeError(f"transfer protocol out of step with rank {src} (word {code}, {n})")
-    raise _PeerProblem(_parse_problem(link, src, n))
+    raise _PeerProblem(_parse_problem(src, inbox, n))
 
 
-def _parse_problem(link: Link, src: int, n: int) -> Problem:
-    """The description of a failure that follows the peer's "failed" header."""
-    buf = torch.empty(n, dtype=torch.uint8)
-    _recv(link, buf, src)
+def _parse_problem(src: int, inbox: torch.Tensor, n: int) -> Problem:
+    """The description of a failure, in the body of the peer's "failed" message."""
     try:
-        return Problem(**json.loads(bytes(buf.numpy())))
+        found = Problem(**json.loads(bytes(inbox[HEADER:HEADER + n].numpy())))
     except (ValueError, TypeError) as exc:  # a torn description: still a failure of the peer
         return Problem(f"rank {src} failed the transfer; its description does not parse ({exc})", rank=src)
+    if not isinstance(found.message, str):
+        return Problem(f"rank {src} failed the transfer; its description is not text", rank=src)
+    return found
 
 
 def send_json(link: Link, obj: Any, dst: int) -> None:
-    _send_blob(link, dst, json.dumps(obj).encode())
+    data = json.dumps(obj).encode()
+    for at in range(0, max(len(data), 1), CHUNK):  # pieces of at most one block: every message fits the inbox
+        _send_msg(link, dst, _OK, data[at:at + CHUNK], len(data))
 
 
-def recv_json(link: Link, src: int) -> Any:
-    return json.loads(_recv_blob(link, src, 1 << 30))
+def recv_json(link: Link, src: int, limit: int = 1 << 30) -> Any:
+    inbox, got = _inbox(), bytearray()
+    while True:
+        code, n, total = _recv_msg(link, src, inbox)
+        if code != _OK or not 0 <= total <= limit or len(got) + n > total:
+            raise _OutOfStep(f"a JSON piece of {n} bytes of {total} (status {code}, {len(got)} received, at most "
+                             f"{limit})")
+        got += bytes(inbox[HEADER:HEADER + n].numpy())
+        if len(got) == total:
+            try:
+                return json.loads(bytes(got))
+            except ValueError as exc:
+                raise _OutOfStep(f"JSON that does not parse ({exc})") from None
+        if n == 0:
+            raise _OutOfStep(f"an empty JSON piece after {len(got)} of {total} bytes")
 
 
 # ---------------------------------------------------------------- problems
@@ -211,6 +247,22 @@ def _lost(link: Link, spec: FileSpec, src: int, dst: int, peer: int, exc: BaseEx
     )
 
 
+def _broke(link: Link, spec: FileSpec, src: int, dst: int, peer: int, exc: _OutOfStep) -> Problem:
+    """The peer broke the protocol: refused here (the caller's ``finally`` removes the ``.part`` file),
+    naming the peer; the pair cannot go on in step, so the transfers with that peer stop."""
+    return _problem(
+        link, spec, src, dst, f"rank {peer} broke the transfer protocol: it sent {exc}",
+        f"rank {peer} runs other code or is compromised; check that every rank runs the same ckptguard",
+        at=src if peer == dst else dst, exc_type="CheckpointCorruptError",
+    )
+
+
+def _tell(link: Link, peer: int, problem: Problem) -> None:
+    """Best effort: an honest peer that is out of step hears why; a lying one may not be listening."""
+    with contextlib.suppress(RuntimeError):
+        _send_fail(link, peer, problem)
+
+
 def _read_block(f: Any, buf: torch.Tensor, at: int, size: int) -> str | None:
     """Fill ``buf`` from ``f`` (at byte ``at`` of a ``size``-byte file); why not, if it could not."""
     view = buf.numpy().data
@@ -234,16 +286,13 @@ def _blocks(size: int) -> int:
 
 
 def _send_block(link: Link, dst: int, buf: torch.Tensor, n: int, total: int, problem: Problem | None = None) -> None:
-    """``buf[HEADER:HEADER + n]`` holds the block; with ``problem`` the header says it failed and the
-    description follows instead of the bytes. The header goes first, alone, at its fixed length."""
-    text = b"" if problem is None else json.dumps(problem.__dict__).encode()[:_TEXT_MAX]
-    struct.pack_into("<qqq", buf.numpy().data, 0, _OK if problem is None else _FAIL,
-                     n if problem is None else len(text), total)
-    _send(link, buf[:HEADER], dst)
-    if text:
-        _send(link, torch.frombuffer(bytearray(text), dtype=torch.uint8), dst)
-    elif n:
-        _send(link, buf[HEADER : HEADER + n], dst)
+    """``buf[HEADER:HEADER + n]`` holds the block: sent with its header as one message of exactly the length
+    the header announces. With ``problem`` the message says it failed and carries the description instead."""
+    if problem is not None:
+        _send_msg(link, dst, _FAIL, json.dumps(problem.__dict__).encode()[:_TEXT_MAX], total)
+        return
+    struct.pack_into("<qqq", buf.numpy().data, 0, _OK, n, total)
+    _send(link, buf[:HEADER + n], dst)
 
 
 def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | None:
@@ -260,6 +309,7 @@ def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | Non
             problem = _problem(link, spec, me, dst, f"rank {me} cannot open it: {exc}",
                                f"the file on rank {me}'s disk is gone or unreadable; check {path}", at=me, exc=exc)
         buf = torch.empty(HEADER + min(CHUNK, spec.size), dtype=torch.uint8)
+        inbox = _inbox()
         sent = 0
         n = min(CHUNK, spec.size)
         error = _read_block(f, buf[HEADER: HEADER + n], sent, spec.size) if f is not None else None
@@ -277,11 +327,15 @@ def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | Non
             if i < blocks - 1:
                 n = min(CHUNK, spec.size - sent)
                 error = _read_block(f, buf[HEADER: HEADER + n], sent, spec.size)  # while the receiver writes
-                _recv_answer(link, dst)  # written (always taken before the next block: the pair stays in step)
-        _recv_answer(link, dst)  # fsynced, checked and in place
+                _recv_answer(link, dst, inbox)  # written (always taken before the next block: the pair stays in step)
+        _recv_answer(link, dst, inbox)  # fsynced, checked and in place
         return None
     except _PeerProblem as exc:
         return exc.problem
+    except _OutOfStep as exc:
+        problem = _broke(link, spec, me, dst, dst, exc)
+        _tell(link, dst, problem)
+        return problem
     except RuntimeError as exc:  # gloo: the peer died, or a message waited past timeout_s
         return _lost(link, spec, me, dst, dst, exc, started)
     finally:
@@ -325,30 +379,23 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple
             except OSError as exc:
                 problem = refused("creating", exc)
         h = xxhash.xxh3_64()
-        buf = torch.empty(HEADER + min(CHUNK, spec.size), dtype=torch.uint8)
+        buf = _inbox()
+        view = buf.numpy().data
         got = 0
         blocks = _blocks(spec.size)
         for i in range(blocks):
             n = min(CHUNK, spec.size - got)
-            _recv(link, buf[:HEADER], src)
-            view = buf.numpy().data
-            code, count, total = struct.unpack_from("<qqq", view, 0)
-            if code == _FAIL and 0 < count <= _TEXT_MAX:
-                raise _PeerProblem(_parse_problem(link, src, count))
-            if code != _OK or not 0 <= count <= CHUNK:
-                raise RuntimeError(f"transfer protocol out of step with rank {src} (header {code}, {count}; {n})")
-            if count != n or total != spec.size:  # the sender's record of the file is another size: drained, then
-                if count:                         # refused on both sides (at the first block: the sizes travel)
-                    _recv(link, torch.empty(count, dtype=torch.uint8), src)
-                problem = problem or _problem(
+            code, count, total = _recv_msg(link, src, buf, ok_max=n)
+            if code == _FAIL:
+                raise _PeerProblem(_parse_problem(src, buf, count))
+            if count != n or total != spec.size:  # the sender's record of the file is another size: refused on
+                problem = problem or _problem(  # both sides (the whole message arrived: the pair stays in step)
                     link, spec, src, me, f"rank {src} sends {total} bytes of it, rank {me} expects {spec.size} "
                     f"(a block of {count} bytes where {n} were due, block {i + 1} of {blocks})",
                     "the two ranks' records of this file disagree (a damaged or crafted manifest or plan): check "
                     f"rank {src}'s checkpoint root", at=me, exc_type="CheckpointCorruptError")
                 _send_fail(link, src, problem)
                 return problem
-            if n:
-                _recv(link, buf[HEADER : HEADER + n], src)
             if problem is None and out is not None:
                 payload = view[HEADER: HEADER + n]
                 h.update(payload)
@@ -388,6 +435,10 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple
         return None
     except _PeerProblem as exc:
         return exc.problem
+    except _OutOfStep as exc:
+        problem = _broke(link, spec, src, me, src, exc)
+        _tell(link, src, problem)
+        return problem
     except RuntimeError as exc:  # gloo: the peer died, or a message waited past timeout_s
         return _lost(link, spec, src, me, src, exc, started)
     finally:

@@ -40,6 +40,7 @@ TMP_PREFIX = ".tmp-"
 OWNER_NAME = "owner.json"
 
 _FIELD = re.compile(r"\{step(?::0?(\d+)d)?\}")
+_MAX_WIDTH = 20
 
 
 def extras_name(rank: int) -> str:
@@ -59,6 +60,9 @@ class StepNaming:
             )
         self.template = template
         width = fields[0]
+        if width and int(width) > _MAX_WIDTH:  # {step:0999999999d} would format gigabyte names
+            raise ConfigError(f"dir_template {template!r} pads the step to {int(width)} digits; at most "
+                              f"{_MAX_WIDTH} make sense (a step is an int64): e.g. 'step_{{step:08d}}'")
         digits = rf"(\d{{{width},}})" if width else r"(\d+)"
         head, tail = _FIELD.split(template, maxsplit=1)[0], _FIELD.split(template)[-1]
         self._pattern = re.compile(re.escape(head) + digits + re.escape(tail) + r"\Z")
@@ -232,8 +236,9 @@ def read_tracker(root: Path) -> int | None:
     except FileNotFoundError:
         return None
     try:
-        text = raw.decode("ascii").strip()
-        if not _DIGITS.fullmatch(text):  # int() also takes "+3", "0_3", "٣": none is a step ckptguard wrote
+        text = raw.decode("ascii")
+        text = text[:-1] if text.endswith("\n") else text  # ckptguard writes "N\n"; Megatron and verl "N"
+        if not _DIGITS.fullmatch(text):  # int() also takes " 3", "+3", "0_3", "٣": none is a step anyone wrote
             raise ValueError(text)
         step = int(text)
     except ValueError:  # UnicodeDecodeError is one too

@@ -22,7 +22,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..storage.base import DCP_METADATA
-from ..storage.dcpindex import read_dcp_index
+from ..storage.dcpindex import ShortDataFile, read_dcp_index
 from . import manifest as _manifest
 from . import runmanifest
 from .entries import Cost, FileEntry
@@ -143,8 +143,12 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
                 "do not restore this checkpoint: inspect it by hand, restore an earlier step",
             ),
         ]
+    except ShortDataFile as exc:  # a data file shorter than its spans: said once, as the file's own finding
+        said = _short_said(step_dir, manifest, exc.data_file)
+        return findings if said else [*findings, finding("bad-metadata", state / DCP_METADATA, str(exc), RESTORE_HINT)]
     except (CheckpointError, OSError) as exc:
         return [*findings, finding("bad-metadata", state / DCP_METADATA, str(exc).split(";")[0], RESTORE_HINT)]
+    findings += _missing_keys(state, manifest, md)
     referenced = {info.relative_path for info in (md.storage_data or {}).values()}
     for rel in sorted(referenced):
         if f"{_layout.STATE_DIR}/{rel}" not in listed:
@@ -173,6 +177,61 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
                 )
             )
     return findings
+
+
+def _missing_keys(state: Path, manifest: _manifest.Manifest, md: Any) -> list[Finding]:
+    """A tensor the save recorded (its layout-free digest) that the DCP metadata does not hold: a key
+    renamed or dropped in ``.metadata`` (its checksum fixed to match) would otherwise pass every check
+    here and be refused only by the restore, which expects it."""
+    table = md.state_dict_metadata
+    recorded = manifest.layout_free or {}
+    lost = sorted(key for keys in recorded.values() for key in keys
+                  if type(table.get(key)).__name__ != "TensorStorageMetadata")
+    # The other way round: a tensor of a recorded item (or of an item whose tensors only the table covers,
+    # digest kind "structure") that the table lacks: restore compares both sets.
+    covered = set(recorded) | {n for n, k in (manifest.digest_kind or {}).items() if k != _manifest.DIGEST_BYTES}
+    items = sorted(covered, key=len, reverse=True)
+    unrecorded = sorted(key for key, meta in table.items() if type(meta).__name__ == "TensorStorageMetadata"
+                        and _item_of(key, items) is not None and key not in recorded.get(str(_item_of(key, items)),
+                                                                                          {}))
+    findings = []
+    if lost:
+        findings.append(finding("missing-key", state / DCP_METADATA,
+                                f"does not hold the tensor(s) {_some(lost)} the save recorded in the manifest "
+                                "(the metadata lost or renamed its entries)", RESTORE_HINT))
+    if unrecorded:
+        findings.append(finding("unrecorded-key", state / DCP_METADATA,
+                                f"holds the tensor(s) {_some(unrecorded)}, which the manifest's layout-free table "
+                                "does not record (the manifest or the metadata was edited)", RESTORE_HINT))
+    return findings
+
+
+def _short_said(step_dir: Path, manifest: _manifest.Manifest, data_file: str) -> bool:
+    """Whether the file checks already report ``state/<data_file>`` (its size on disk is not the manifest's)."""
+    entry = next((f for f in manifest.files if f.path == f"{_layout.STATE_DIR}/{data_file}"), None)
+    try:
+        return entry is not None and (step_dir / entry.path).stat().st_size != entry.size
+    except OSError:
+        return True
+
+
+def _item_of(key: str, items: list[str]) -> str | None:
+    """The item a DCP key belongs to (``<item>.<name>``), the longest item name first."""
+    return next((item for item in items if key.startswith(item + ".")), None)
+
+
+def _some(keys: list[str]) -> str:
+    return f"{keys[:3]}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+def step_problem(step_dir: Path, step: int, found: Any) -> str | None:
+    """Why restore would refuse the step directory of ``step`` whose manifest (or run manifest) ``found``
+    was read: the first ERROR of the check ``verify`` runs without ``--deep``, or a manifest that names
+    another step; None when there is none (what ``list`` checks before it calls a step committed)."""
+    if found.step != step:
+        return f"its manifest says step {found.step}, the directory's name step {step}"
+    errors = [f for f in verify_step(step_dir) if f.severity is Severity.ERROR]
+    return f"{errors[0].code}: {errors[0].message}" if errors else None
 
 
 def _extras_rank(rel: str) -> int | None:

@@ -144,6 +144,14 @@ def build(
     )
 
 
+_LAYOUT = ("dp", "tp", "pp", "ep")
+
+
+def _digest_table(table: object) -> bool:
+    """The ``layout_free`` shape: item -> key -> digest (restore and verify --deep iterate it as such)."""
+    return isinstance(table, dict) and all(
+        isinstance(keys, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())
+        for keys in table.values())
 _REQUIRED = ("format_version", "step", "topology", "versions", "items", "files", "digests")
 
 MANIFEST_BYTES = 256 << 20
@@ -238,6 +246,15 @@ def read(step_dir: Path) -> Manifest:
         if problem is not None:
             raise ValueError(problem)
         topology = Topology.from_json(data["topology"], max_world=MAX_WORLD_SIZE)
+        # Every format writes the four sizes; one missing would make every restore refuse the step as
+        # saved by another layout, after verify had passed it.
+        lacking = [k for k in _LAYOUT if not (is_int(topology.layout.get(k))
+                                              and 1 <= topology.layout[k] <= topology.world_size)]
+        if lacking:
+            raise ValueError(f"'topology' lacks a size in 1..world_size for {lacking}")
+        table = data.get("layout_free")
+        if table is not None and not _digest_table(table):
+            raise ValueError("'layout_free' must map each item to an object of key -> digest string")
         files = files_from_json(data["files"])
         nodes = nodes_from_json(data["nodes"], topology.world_size) if "nodes" in data else None
     except ValueError as exc:

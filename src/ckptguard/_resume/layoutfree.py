@@ -228,9 +228,13 @@ def verify(
             [f"the layout-free digests differ from the save's ({', '.join(bad)})"] if bad else []) + others
         if bad and explain is not None:
             parts += explain()
+        # Blame only what ran: a same-layout restore did no resharding.
+        culprit = ("the resharding read is at fault" if resharded else
+                   "the read on this same layout is at fault (no resharding ran), or the manifest's digests were "
+                   "edited")
         raise StateMismatchError(
             f"restore of step {manifest.step} {how}: {' | '.join(parts)}. The bytes now in the model and "
             "optimizer are not the bytes that were saved: do not train on. Run `ckptguard verify --deep` on "
-            f"{manifest.path.parent}; if the files are intact, the resharding read is at fault."
+            f"{manifest.path.parent}; if the files are intact, {culprit}."
         )
     return checked

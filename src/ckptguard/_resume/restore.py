@@ -36,6 +36,7 @@ from .._types import JsonObject, StateDict
 from ..config import ReshardRule
 from ..errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointIncompleteError,
     StateMismatchError,
     TopologyMismatchError,
@@ -93,6 +94,9 @@ def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys:
     return problems
 
 
+_DAMAGED = "damaged: "  # a problem of the step's files (its DCP metadata), never blamed on the objects passed
+
+
 def plan_targets(
     ctx: Context, state: StateDict, manifest: _manifest.Manifest, extras: StateDict
 ) -> tuple[_state.Targets, dict[str, torch.Tensor]]:
@@ -109,6 +113,9 @@ def plan_targets(
         stepped = frozenset(n for n in manifest.items if _state.tensor_keys(extras["items"][n]))
         targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items}, ctx.keyfn(), stepped)
         ckpt_keys = set(ctx.storage.read_metadata(step_dir / _layout.STATE_DIR).state_dict_metadata)
+    except CheckpointError as exc:  # the step's files, not the caller's objects: said as such below
+        problems.append(f"{_DAMAGED}{exc}")
+        targets, ckpt_keys = {}, set()
     except Exception as exc:  # reported through the plan exchange below, like any mismatch
         problems.append(f"{type(exc).__name__}: {exc}")
         targets, ckpt_keys = {}, set()
@@ -131,6 +138,12 @@ def plan_targets(
         flat.update(live)
     def decide(views: list[Problems]) -> Agreed:
         bad = {r: v.problems for r, v in enumerate(views) if v.problems}
+        damaged = {r: p for r, found in bad.items() for p in found if p.startswith(_DAMAGED)}
+        if damaged:
+            r0 = min(damaged)
+            raise CheckpointCorruptError(
+                f"restore of step {manifest.step} from {step_dir}: rank {r0}: "
+                f"{damaged[r0].removeprefix(_DAMAGED)}; restore an earlier step")
         if bad:
             r0 = min(bad)
             raise StateMismatchError(

@@ -15,6 +15,7 @@ package never need it.
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -245,8 +246,9 @@ def _build(records: list[dict[str, Any]], ray_log: str | None, title: str) -> tu
     return fig, "\n".join([*story.summary_lines(), *notes])
 
 
-def render_png(records: list[dict[str, Any]], out: Path, *, ray_log: str | None = None,
+def render_png(records: list[dict[str, Any]], out: str | os.PathLike[str], *, ray_log: str | None = None,
                title: str = "ckptguard memory report") -> None:
+    out = Path(out)
     plt = _pyplot()
     fig, description = _build(records, ray_log, title)
     try:

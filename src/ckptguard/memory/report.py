@@ -175,11 +175,16 @@ def _limit_lines(n: NodeStory, ax: _Axes, arrow_x: float | None,
         out.append(f'<g data-limit="{_e(lim.name)}" data-bytes="{lim.bytes}">'
                    f'<line x1="{L}" y1="{y:.1f}" x2="{W - R}" y2="{y:.1f}" class="limit"/>'
                    f'<text x="{x0:.1f}" y="{ly:.1f}" class="limit-label">{_e(lim.label)}</text></g>')
-    for i, lim in enumerate(above):
-        text, ly = f"{lim.label} (above the scale)", T + 12 + 13 * i
-        labels.append((W - R - 6 - len(text) * CHAR_PX, ly - LABEL_UP, W - R - 6, ly + LABEL_DOWN))
-        out.append(f'<text data-limit="{_e(lim.name)}" data-bytes="{lim.bytes}" x="{W - R - 6}" '
-                   f'y="{ly}" class="limit-label" text-anchor="end">{_e(text)}</text>')
+    for lim in above:  # no line to sit on: the first free row from the top, clear of the bars and the arrow
+        text = f"{lim.label} (above the scale)"
+        width = len(text) * CHAR_PX
+        rows = [T + CLEAR + LABEL_UP + 1 + ROW * k for k in range(8)]
+        spots = [(x, ly) for ly in rows for x in (W - R - 6 - width, L + 6)]
+        x0, ly = next((sp for sp in spots if _fits(_label_box(sp[0], sp[1], width), [*lines, *obstacles, *labels])),
+                      spots[0])
+        labels.append(_label_box(x0, ly, width))
+        out.append(f'<text data-limit="{_e(lim.name)}" data-bytes="{lim.bytes}" x="{x0:.1f}" '
+                   f'y="{ly:.1f}" class="limit-label">{_e(text)}</text>')
     return out, labels + lines
 
 
@@ -188,7 +193,8 @@ def _label_box(x0: float, baseline: float, width: float) -> Box:
 
 
 def _fits(box: Box, taken: list[Box]) -> bool:
-    return box[1] >= T and box[3] <= H - B and not _overlaps(box, taken)
+    # CLEAR inside the plot's frame too: its border is a line like any other (it ran through a label at the top)
+    return box[1] >= T + CLEAR and box[3] <= H - B - CLEAR and not _overlaps(box, taken)
 
 
 def _overlaps(a: Box, boxes: list[Box]) -> bool:
@@ -238,8 +244,7 @@ def _place(lines: list[str], xa: float, yp: float, yl: float,
         for anchor, x in sides:
             x0 = x - width if anchor == "end" else x
             box = (x0, y - LABEL_UP, x0 + width, y + LABEL_DOWN + extra)
-            if box[0] >= L + 2 and box[2] <= W - R - 2 and box[1] >= T and box[3] <= H - B and \
-                    not _overlaps(box, taken):
+            if box[0] >= L + 2 and box[2] <= W - R - 2 and _fits(box, taken):
                 return anchor, x, y, len(lines)
     return None
 
@@ -271,6 +276,9 @@ def _host_chart(n: NodeStory, t0: float, t1: float) -> str:
     out += _peak_bars(n.spans, ax, n.budget.bytes)
     arrow_x = (ax.x(n.save.span.t0) + ax.x(n.save.span.t1)) / 2 if n.save is not None else None
     bars = [_hline(ax.y(s.peak), *_bar_x(s, ax)) for s in n.spans if s.peak is not None]
+    if n.save is not None and arrow_x is not None:  # the save mark's arrow, dot and head: no label on them
+        ends = (ax.y(n.save.span.peak or 0), ax.y(min(n.save.limit, ax.ymax)))
+        bars.append((arrow_x - 5 - CLEAR, min(ends) - 6 - CLEAR, arrow_x + 5 + CLEAR, max(ends) + 5 + CLEAR))
     lines, taken = _limit_lines(n, ax, arrow_x, bars)
     taken += bars
     out += lines
@@ -282,7 +290,7 @@ def _host_chart(n: NodeStory, t0: float, t1: float) -> str:
     missing = "".join(f'<p class="note" data-limit="{_e(lim.name)}" data-bytes="">{_e(lim.name)}: not obtained '
                       f'({_e(lim.why)})</p>' for lim in n.limits if lim.bytes is None)
     return (f'<svg data-chart="host-memory" data-node="{_e(n.node)}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
-            f'role="img">{"".join(out)}</svg><p class="legend">{legend}</p>{missing}')
+            f'class="chart" role="img">{"".join(out)}</svg><p class="legend">{legend}</p>{missing}')
 
 
 def _phase_table(n: NodeStory) -> str:
@@ -362,7 +370,7 @@ def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
 
 
 def _svg(name: str, parts: list[str]) -> str:
-    return f'<svg data-chart="{name}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img">' + "".join(parts) + \
+    return f'<svg data-chart="{name}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" class="chart" role="img">' + "".join(parts) + \
         "</svg>"
 
 
@@ -392,7 +400,7 @@ def _gpu_chart(story: Story, records: list[dict[str, Any]]) -> str:
 
 CSS = """body{font:14px sans-serif;margin:24px;color:#222}h1{font-size:20px}h2{font-size:16px;margin-top:28px}
 .axis{stroke:#444}.plot-area{fill:none;stroke:none}.grid{stroke:#000;stroke-opacity:.07}.tick{font-size:11px;fill:#444}
-.title{font-size:13px;font-weight:bold}
+.title{font-size:13px;font-weight:bold}.chart{max-width:100%;height:auto}
 .band{fill:#999;fill-opacity:.12;stroke:#888;stroke-opacity:.6;stroke-dasharray:2 2}
 .band.fail{fill:#e15759;fill-opacity:.22}
 .phase-label{font-size:10px;fill:#333}.phase-label.fail{fill:#c00;font-weight:bold}

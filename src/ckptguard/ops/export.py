@@ -64,8 +64,10 @@ __all__ = [
     "DEFAULT_BUDGET",
     "EXPORT_MANIFEST",
     "Budget",
+    "ExportCheck",
     "ExportResult",
     "Planned",
+    "check_export",
     "export_hf",
     "is_export",
     "plan_export",
@@ -233,8 +235,11 @@ def _renumbered(item: str, keys: dict[str, dict[int, tuple[str, tuple[int, ...]]
     return out
 
 
-def plan_export(step_dir: Path, *, item: str | None = None, dtype: torch.dtype | None = None) -> list[Planned]:
+def plan_export(
+    step_dir: str | os.PathLike[str], *, item: str | None = None, dtype: torch.dtype | None = None
+) -> list[Planned]:
     """Every output tensor of ``item`` (default: the step's one model item), from the DCP metadata alone."""
+    step_dir = Path(step_dir)
     manifest = _manifest.read(step_dir)
     item = _module_item(manifest, item)
     expected = _expected(manifest, item)
@@ -485,8 +490,9 @@ def _target(out: Path) -> Path:
     return out
 
 
-def step_dir_of(root: Path, step: int | None, template: str = "step_{step:08d}") -> Path:
+def step_dir_of(root: str | os.PathLike[str], step: int | None, template: str = "step_{step:08d}") -> Path:
     """The committed step to export: ``root`` itself when it is a step directory, else ``step`` or the tracker's."""
+    root = Path(root)
     root = root.absolute()
     if (root / _layout.MANIFEST_NAME).exists():
         if step is not None and _manifest.read(root).step != step:
@@ -507,8 +513,8 @@ def step_dir_of(root: Path, step: int | None, template: str = "step_{step:08d}")
 
 
 def export_hf(
-    step_dir: Path,
-    out: Path,
+    step_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
     *,
     item: str | None = None,
     dtype: torch.dtype | None = None,
@@ -516,6 +522,8 @@ def export_hf(
     progress: Progress | None = None,
 ) -> ExportResult:
     """Export ``item`` of the committed step ``step_dir`` to ``out`` (see the module docstring)."""
+    step_dir = Path(step_dir)
+    out = Path(out)
     out = _target(out)
     manifest = _manifest.read(step_dir)
     item = _module_item(manifest, item)
@@ -618,8 +626,9 @@ def _tensor_entry(p: Planned, weight_map: dict[str, str], written: dict[str, str
 # ---------------------------------------------------------------- verify an export
 
 
-def is_export(path: Path) -> bool:
+def is_export(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a directory an export published (its manifest is there)."""
+    path = Path(path)
     return (path / EXPORT_MANIFEST).is_file()
 
 
@@ -632,24 +641,62 @@ def read_export_manifest(path: Path) -> dict[str, Any]:
     if not ok:
         raise CheckpointCorruptError(f"{path / EXPORT_MANIFEST}: not an export manifest ckptguard wrote (format "
                                      f"{EXPORT_FORMAT}); export the step again")
+    listed = {f["path"] for f in data["files"]}
+    bad = next((name for name, t in data["tensors"].items() if not _tensor_entry_ok(t, listed)), None)
+    if bad is not None:  # the same refusal with and without --deep: plain verify never passes what --deep refuses
+        raise CheckpointCorruptError(f"{path / EXPORT_MANIFEST}: tensor {str(bad)[:200]!r} is malformed (its file must "
+                                     "be one the manifest lists; dtype, shape and digest as the export writes them); "
+                                     "export the step again")
     checked: dict[str, Any] = data
     return checked
 
 
-def verify_export(path: Path, *, deep: bool = False) -> list[Finding]:
+def _tensor_entry_ok(entry: object, listed: set[str]) -> bool:
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    return (isinstance(entry, dict) and entry.get("file") in listed and isinstance(entry.get("dtype"), str)
+            and isinstance(entry.get("digest"), str) and isinstance(shape, list)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape))
+
+
+@dataclass
+class ExportCheck:
+    """What ``check_export`` found, and exactly what it compared (the verdict line says no more)."""
+
+    findings: list[Finding]
+    compared: list[str]
+    """"files and sizes", then "checksums" and "tensor digests" when they were compared."""
+    not_compared: str | None = None
+    """Why the tensor digests were not compared although asked for (``deep``)."""
+
+
+def verify_export(path: str | os.PathLike[str], *, deep: bool = False) -> list[Finding]:
     """Findings for an export directory: every listed file present with its size; ``deep``: its xxh3
     and every tensor's layout-free digest, read back from the files."""
+    return check_export(path, deep=deep).findings
+
+
+def check_export(path: str | os.PathLike[str], *, deep: bool = False) -> ExportCheck:
+    """``verify_export``'s findings and what was compared. Every file read is one the export manifest
+    lists, inside ``path`` (no absolute name, no '..', no symlink, no FIFO): nothing outside is read."""
+    path = Path(path)
     try:
         data = read_export_manifest(path)
     except (CheckpointCorruptError, OSError) as exc:
-        return [finding("bad-export", path / EXPORT_MANIFEST, str(exc), "export the step again")]
+        return ExportCheck([finding("bad-export", path / EXPORT_MANIFEST, str(exc), "export the step again")], [],
+                           "the export manifest is unreadable" if deep else None)
     findings: list[Finding] = []
     fix = "the export was changed after it was published: export the step again"
     listed = {f["path"] for f in data["files"]}
     for f in data["files"]:
-        file = safe_member(path, f["path"])
-        if file is None or not file.is_file():
-            findings.append(finding("missing", path / f["path"], "is listed in the export manifest but absent", fix))
+        rel = f["path"]
+        lexical = bool(rel) and not os.path.isabs(rel) and ".." not in Path(rel).parts
+        file = safe_member(path, rel)
+        if lexical and (path / rel).is_symlink():
+            findings.append(finding("symlink", path / rel, "is a symlink; an export holds plain files and none is "
+                                    "read through a link", fix))
+        elif file is None or not file.is_file():
+            findings.append(finding("missing", path / f["path"], "is listed in the export manifest but absent, "
+                                    "not a plain file, or outside the export", fix))
         elif file.stat().st_size != f["size"]:
             size = file.stat().st_size
             findings.append(finding("size", file, f"is {size} bytes, the manifest says {f['size']}", fix))
@@ -659,9 +706,13 @@ def verify_export(path: Path, *, deep: bool = False) -> list[Finding]:
         if extra not in listed and extra != EXPORT_MANIFEST:
             findings.append(Finding(Severity.WARNING, "unlisted", str(path / extra),
                                     "is not part of the export (added afterwards)", "remove it, or ignore it"))
-    if deep and not findings:
-        findings += _tensor_findings(path, data)
-    return findings
+    compared = ["files and sizes", *(["checksums"] if deep else [])]
+    if not deep:
+        return ExportCheck(findings, compared)
+    if any(f.severity is Severity.ERROR for f in findings):
+        return ExportCheck(findings, compared, "the files above failed their checks")
+    findings += _tensor_findings(path, data)
+    return ExportCheck(findings, [*compared, "tensor digests"])
 
 
 def _tensor_findings(path: Path, data: dict[str, Any]) -> list[Finding]:
@@ -670,11 +721,15 @@ def _tensor_findings(path: Path, data: dict[str, Any]) -> list[Finding]:
         by_file.setdefault(t["file"], []).append(name)
     findings = []
     for file, names in sorted(by_file.items()):
+        member = safe_member(path, file)  # listed and checked above; confined again before it is opened
+        if member is None:
+            findings.append(finding("bad-file", path / file, "leaves the export", "export the step again"))
+            continue
         try:
-            for name, t in read_tensors(path / file, sorted(names)):
+            for name, t in read_tensors(member, sorted(names)):
                 if digests({name: t})[name] != data["tensors"][name]["digest"]:
-                    findings.append(finding("tensor-digest", path / file, f"tensor {name!r} differs from the export",
+                    findings.append(finding("tensor-digest", member, f"tensor {name!r} differs from the export",
                                          "export the step again"))
         except CheckpointCorruptError as exc:
-            findings.append(finding("bad-file", path / file, str(exc), "export the step again"))
+            findings.append(finding("bad-file", member, str(exc), "export the step again"))
     return findings

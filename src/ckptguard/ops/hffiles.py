@@ -11,6 +11,7 @@ OS so a budget measured as RSS holds.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from .._disk import layout as _layout
 from .._disk.layoutfree import combine_layout_free, layout_free_partials
 from ..errors import CheckpointCorruptError
 
-__all__ = ["ST_DTYPES", "digests", "read_header", "read_tensors", "trim", "write_shard"]
+__all__ = ["ST_DTYPES", "digests", "read_header", "read_tensors", "tensor_span", "trim", "write_shard"]
 
 _MiB = 1 << 20
 # safetensors' dtype names (its format spec), for the independent read-back of what was written.
@@ -62,40 +63,84 @@ def _libc() -> Any:
     return _LIBC[0]
 
 
-def read_header(path: Path) -> tuple[int, dict[str, Any]]:
+def _plain_file(path: str, flags: int) -> int:
+    """``open``'s opener: never through a symlink, never blocking on a FIFO (checked regular after)."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _check_regular(path: Path, fd: int) -> int:
+    """The size of the file open on ``fd``; a FIFO, device or directory named as a safetensors file is refused."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError(f"{path} is not a regular file (a FIFO, device or directory): not read")
+    return st.st_size
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
     """(data start, header) of a safetensors file: 8 bytes of little-endian header length, then the JSON."""
-    with open(path, "rb") as f:
+    path = Path(path)
+    try:
+        f = open(path, "rb", opener=_plain_file)  # noqa: SIM115 (closed by the with below: the open's error is ours)
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path} cannot be opened as a plain file ({exc.strerror or exc}): a "
+                                     "symlink or a missing file is never read") from None
+    with f:
+        size = _check_regular(path, f.fileno())
         head = f.read(8)
         if len(head) != 8:
             raise CheckpointCorruptError(f"{path}: {len(head)} bytes, shorter than a safetensors header")
         n = int.from_bytes(head, "little")
-        if n > 100 * _MiB:
-            raise CheckpointCorruptError(f"{path}: a header of {n} bytes; not a safetensors file")
+        if n > min(100 * _MiB, size - 8):  # bounded by the real bytes before the read
+            raise CheckpointCorruptError(f"{path}: a header of {n} bytes in a file of {size}; not a safetensors file")
         header = _layout.parse_json(f.read(n), where=str(path))
     if not isinstance(header, dict):
         raise CheckpointCorruptError(f"{path}: the safetensors header is not a JSON object")
     return 8 + n, header
 
 
+def tensor_span(path: Path, name: str, info: object, data_bytes: int) -> tuple[int, int, list[int], torch.dtype]:
+    """(start, end, shape, dtype) of one header entry, every declared size checked against the others and
+    against the ``data_bytes`` the file really holds after its header, before anything is allocated."""
+    ok = isinstance(info, dict) and info.get("dtype") in ST_DTYPES
+    shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
+    ok = ok and isinstance(shape, list) and all(_count(s) for s in shape)
+    ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
+    if not ok:
+        raise CheckpointCorruptError(f"{path}: tensor {name!r} is absent or malformed in the header (dtype, shape "
+                                     "and data_offsets as safetensors writes them)")
+    assert isinstance(info, dict) and isinstance(shape, list) and isinstance(offsets, list)
+    dtype = ST_DTYPES[info["dtype"]]
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    a, b = offsets
+    if b - a != nbytes or b > data_bytes:
+        raise CheckpointCorruptError(f"{path}: tensor {name!r} spans bytes {a}..{b} as {info['dtype']} {shape} "
+                                     f"({nbytes} bytes), which does not fit the {data_bytes} bytes of data the "
+                                     "file holds; nothing was allocated from it")
+    return a, b, shape, dtype
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_tensors(
-    path: Path, names: list[str] | None = None, into: dict[str, torch.Tensor] | None = None
+    path: str | os.PathLike[str], names: list[str] | None = None, into: dict[str, torch.Tensor] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of a safetensors file, one at a time, read with plain file reads (no mmap); into the
-    tensor ``into[name]`` when given (its dtype and shape must be the file's)."""
+    tensor ``into[name]`` when given (its dtype and shape must be the file's). Never through a symlink or
+    from a FIFO; every span checked against the file's size before its tensor is allocated."""
+    path = Path(path)
     start, header = read_header(path)
-    size = path.stat().st_size
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0, opener=_plain_file) as f:
+        size = _check_regular(path, f.fileno())
         for name in names if names is not None else sorted(k for k in header if k != "__metadata__"):
-            info = header.get(name)
-            if not isinstance(info, dict) or info.get("dtype") not in ST_DTYPES:
-                raise CheckpointCorruptError(f"{path}: tensor {name!r} is absent or has an unknown dtype")
-            a, b = (int(x) for x in info["data_offsets"])
-            shape, dtype = [int(s) for s in info["shape"]], ST_DTYPES[info["dtype"]]
+            a, _end, shape, dtype = tensor_span(path, name, header.get(name), size - start)
             t = into[name] if into is not None and name in into else torch.empty(shape, dtype=dtype)
-            if list(t.shape) != shape or t.dtype != dtype or b - a != t.numel() * t.element_size() or start + b > size:
-                raise CheckpointCorruptError(f"{path}: tensor {name!r} spans bytes {a}..{b} as {info['dtype']} "
-                                             f"{shape}, which do not match {t.dtype} {list(t.shape)} or the file's "
-                                             f"size {size}")
+            if list(t.shape) != shape or t.dtype != dtype:
+                raise CheckpointCorruptError(f"{path}: tensor {name!r} is {dtype} {shape} in the file, "
+                                             f"{t.dtype} {list(t.shape)} where it is read into")
             f.seek(start + a)
             view = memoryview(t.view(-1).view(torch.uint8).numpy().data) if t.numel() else memoryview(bytearray())
             got = 0
@@ -107,8 +152,9 @@ def read_tensors(
             yield name, t
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+def write_shard(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Write one safetensors file with Hugging Face's serializer, fsync it; the digests meant to be in it."""
+    path = Path(path)
     from safetensors.torch import save_file
 
     meant = digests(tensors)

@@ -9,7 +9,9 @@ restore check reads), ``world_size`` (of a committed step), ``hold`` and ``relea
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +37,14 @@ def naming(template: str) -> _layout.StepNaming:
 
 
 def resolve(
-    root: Path, template: str, mode: ResumeMode, path: Path | None = None, prefer: str = "latest"
+    root: str | os.PathLike[str], template: str, mode: ResumeMode, path: str | os.PathLike[str] | None = None,
+    prefer: str = "latest",
 ) -> Resolution:
     """Which step a restore under ``root`` would load, and why, decided as ``restore`` decides: the
     step's files are checked as restore checks them before it reads (present, sizes, shard set,
     paths), so a step restore would refuse is refused here too (ResumeError), never announced."""
+    root = Path(root)
+    path = Path(path) if path is not None else None
     root = root.absolute()
     steps = naming(template)
     if path is None and mode is not ResumeMode.NEVER and _layout.read_tracker(root) is None:
@@ -80,8 +85,9 @@ class Listing:
     entries: list[StepEntry]
 
 
-def list_steps(root: Path, template: str) -> Listing:
+def list_steps(root: str | os.PathLike[str], template: str) -> Listing:
     """Every step directory under ``root`` (committed, orphan, not committed) and the temp directories."""
+    root = Path(root)
     steps = naming(template)
     tracker = _layout.read_tracker(root)
     try:
@@ -103,6 +109,9 @@ def list_steps(root: Path, template: str) -> Listing:
             try:
                 found = _checks.read_any(path)
                 state = "committed" if tracker is not None and step <= tracker else "orphan (newer than tracker)"
+                damaged = _checks.step_problem(path, step, found)
+                if damaged:  # restore would refuse it: never listed as committed
+                    state = f"NOT usable: {damaged}"
                 trusted = _trust.describe(trust.get(step)) if trust is not None else unreadable
                 if isinstance(found, _runmanifest.RunManifest):
                     state += f" (run step: {', '.join(sorted(found.roles))})"
@@ -113,30 +122,33 @@ def list_steps(root: Path, template: str) -> Listing:
     return Listing(tracker, entries)
 
 
-def verify_targets(path: Path, template: str) -> tuple[bool, list[Path]]:
+def verify_targets(path: str | os.PathLike[str], template: str) -> tuple[bool, list[Path]]:
     """(is a root, the step directories ``verify PATH`` checks)."""
+    path = Path(path)
     steps = naming(template)
     is_root = not (path / _layout.MANIFEST_NAME).exists() and steps.parse(path.name) is None
     return is_root, (list(_layout.step_dirs(path, steps).values()) if is_root else [path])
 
 
-def state_bytes(step_dirs: list[Path]) -> int:
+def state_bytes(step_dirs: Sequence[str | os.PathLike[str]]) -> int:
     """Bytes of tensor state a restore check of these steps reads (for its progress bar)."""
     total = 0
-    for p in step_dirs:
+    for p in map(Path, step_dirs):
         with contextlib.suppress(CheckpointError):
             total += sum(f.size for f in _manifest.read(p).files if f.path.startswith("state/"))
     return total
 
 
-def world_size(step_dir: Path) -> int:
+def world_size(step_dir: str | os.PathLike[str]) -> int:
     """The saved world size of a committed step (a run step: of the whole run)."""
+    step_dir = Path(step_dir)
     return int(_checks.read_any(step_dir).world_size)
 
 
-def hold(root: Path, template: str, step: int, reason: str, ttl_s: float | None = None) -> Path:
+def hold(root: str | os.PathLike[str], template: str, step: int, reason: str, ttl_s: float | None = None) -> Path:
     """Pin a committed step against rotation; refuses a step that is not committed. With ``ttl_s``, a
     reader lease that expires after it (the same reason renews it) instead of a hold kept until released."""
+    root = Path(root)
     _checks.read_any(root / naming(template).name(step))
     if step > (_layout.read_tracker(root) or 0):
         raise ConfigError(f"step {step} is newer than the tracker: not committed")
@@ -145,22 +157,25 @@ def hold(root: Path, template: str, step: int, reason: str, ttl_s: float | None 
     return _retention.hold(root, step, reason)
 
 
-def release(root: Path, step: int) -> bool:
+def release(root: str | os.PathLike[str], step: int) -> bool:
     """Remove the hold on ``step`` and its leases taken with ``hold --ttl``; True if there was one."""
+    root = Path(root)
     leases = _readers.release_ttl(root, step)
     return _retention.release(root, step) or leases > 0
 
 
-def tracker(root: Path) -> int | None:
+def tracker(root: str | os.PathLike[str]) -> int | None:
     """The tracker's step (None: no tracker); raises for an unreadable one."""
+    root = Path(root)
     return _layout.read_tracker(root)
 
 
 _TRAILING = re.compile(r".*?(\d+)\Z")
 
 
-def tracker_run_step(root: Path) -> Path | None:
+def tracker_run_step(root: str | os.PathLike[str]) -> Path | None:
     """The tracker's step directory when it is a run step (any naming template), else None."""
+    root = Path(root)
     try:
         tracker = _layout.read_tracker(root)
     except (CheckpointError, OSError):

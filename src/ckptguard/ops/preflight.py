@@ -40,8 +40,9 @@ def _text(path: Path) -> str:
         raise ConfigError(f"{path}: not a readable host list ({exc})") from None
 
 
-def parse_hosts(path: Path, world: int) -> dict[int, str]:
+def parse_hosts(path: str | os.PathLike[str], world: int) -> dict[int, str]:
     """A host list (one per line; ranks in equal contiguous blocks) as rank -> host."""
+    path = Path(path)
     hosts = [h.strip() for h in _text(path).splitlines() if h.strip() and not h.startswith("#")]
     if not hosts or world % len(hosts):
         raise ConfigError(
@@ -52,8 +53,9 @@ def parse_hosts(path: Path, world: int) -> dict[int, str]:
     return {r: hosts[r // per] for r in range(world)}
 
 
-def parse_rank_hosts(path: Path) -> dict[int, str]:
+def parse_rank_hosts(path: str | os.PathLike[str]) -> dict[int, str]:
     """A rank-to-host map: JSON {"0": "h1", ...} or lines 'RANK HOST'."""
+    path = Path(path)
     text = _text(path)
     try:
         data = _layout.parse_json(text, where=str(path))
@@ -89,7 +91,7 @@ class PreflightReport:
 
 
 def preflight(
-    root: Path,
+    root: str | os.PathLike[str],
     naming: _layout.StepNaming,
     *,
     rank_hosts: dict[int, str] | None = None,
@@ -97,6 +99,7 @@ def preflight(
     node: str | None = None,
 ) -> PreflightReport:
     """``node``: the node this runs on, as the ranks name it (default: ``CKPTGUARD_NODE`` or the host name)."""
+    root = Path(root)
     report = PreflightReport()
     if not root.is_dir():
         report.findings.append(

@@ -21,6 +21,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,8 +143,9 @@ class BusySaves:
                 f"proof records: {said(self.totals)}{hint}")
 
 
-def busy_saves(root: Path) -> BusySaves | None:
+def busy_saves(root: str | os.PathLike[str]) -> BusySaves | None:
     """What a commit in flight kept from the disk (``BusySaves``), or None where ``root`` has no proof records."""
+    root = Path(root)
     if not _proofrecords.records_dir(root).is_dir():
         return None
     roles = _proofrecords.record_roles(root)
@@ -166,8 +168,9 @@ def busy_saves(root: Path) -> BusySaves | None:
     return BusySaves(saved, pending, totals)
 
 
-def run_rank_roles(path: Path) -> dict[int, list[str]] | None:
+def run_rank_roles(path: str | os.PathLike[str]) -> dict[int, list[str]] | None:
     """A RunCheckpoint root: each run rank and the roles it holds (the tracker's run step), else None."""
+    path = Path(path)
     from .._records import runmanifest
     from .inspect import tracker_run_step
 
@@ -181,8 +184,10 @@ def run_rank_roles(path: Path) -> dict[int, list[str]] | None:
     return {rank: sorted(roles) for rank, roles in sorted(out.items())}
 
 
-def status(paths: list[Path], *, sample_s: float = 0.5, roles: dict[int, list[str]] | None = None) -> list[RankStatus]:
-    records = read_records(paths)
+def status(
+    paths: Sequence[str | os.PathLike[str]], *, sample_s: float = 0.5, roles: dict[int, list[str]] | None = None
+) -> list[RankStatus]:
+    records = read_records([Path(p) for p in paths])
     _check(records)
     open_ = _open_phases(records)
     typical = _typical(records)
@@ -235,20 +240,58 @@ def _judge(rank: int, rec: dict[str, Any], in_phase: bool, typical: dict[str, fl
     return st
 
 
-def record_files(path: Path) -> list[Path]:
-    """A records file, or every regular *.jsonl with phase records under a directory.
+def record_files(path: str | os.PathLike[str]) -> list[Path]:
+    """A records file, or every regular *.jsonl with phase records under a directory; a file that holds
+    no phase records (its head shows none) is not one, named on the command line or found below.
 
     Only regular files are opened (a FIFO would block forever), and only their first
     2000 bytes are read to tell records from other JSONL."""
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
+    path = Path(path)
+    if path.is_file() and not path.is_symlink():
+        candidates = [path]
+    elif path.is_dir():
+        candidates = [p for p in sorted(path.rglob("*.jsonl")) if p.is_file() and not p.is_symlink()]
+    else:
         raise CheckpointCorruptError(f"{path} is neither a records file nor a directory (a FIFO or device?)")
     out = []
-    for p in sorted(path.rglob("*.jsonl")):
-        if not p.is_file() or p.is_symlink():
-            continue
+    for p in candidates:
         with open(p, "rb") as f:
             if b'"kind"' in f.read(2000):
                 out.append(p)
     return out
+
+
+@dataclass(frozen=True)
+class RootState:
+    """A checkpoint root in words, for ``status ROOT`` after a crash: its newest committed step, what a
+    resume would do now, and the steps a resume skips (orphans, damaged)."""
+
+    lines: list[str]
+    resumable: bool
+    """A restore would resume (or start fresh, as declared); False: it would refuse."""
+
+
+def root_state(root: str | os.PathLike[str], template: str = "step_{step:08d}") -> RootState | None:
+    """``RootState`` of a checkpoint root, or None where ``root`` holds no tracker and no step directory."""
+    from .._disk import layout as _layout
+    from ..config import ResumeMode
+    from ..errors import CheckpointError
+    from .inspect import list_steps, resolve
+
+    root = Path(root)
+    if not (root / _layout.TRACKER_NAME).exists() and not _layout.step_dirs(root, _layout.StepNaming(template)):
+        return None
+    listing = list_steps(root, template)
+    committed = [e.step for e in listing.entries if e.step is not None and e.state.startswith("committed")]
+    tracker = listing.tracker if listing.tracker is not None else "absent"
+    lines = [f"checkpoint root {root}: tracker {tracker}, newest committed step "
+             f"{max(committed) if committed else 'none'} ({len(committed)} committed)"]
+    lines += [f"  step {e.step}: {e.state}" for e in listing.entries if e.step is not None and not
+              e.state.startswith("committed")][:8]
+    try:
+        lines.append(f"a resume now: {resolve(root, template, ResumeMode.AUTO).describe()}")
+        resumable = True
+    except CheckpointError as exc:
+        lines.append(f"a resume now would REFUSE: {exc}")
+        resumable = False
+    return RootState(lines, resumable)

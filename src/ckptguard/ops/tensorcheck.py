@@ -12,6 +12,7 @@ a run step, or a step whose files already failed, is reported as not checked, ne
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,9 +44,10 @@ class TensorCheck:
         return {"checked": self.checked, "not_checked": self.not_checked}
 
 
-def tensor_findings(step_dir: Path) -> TensorCheck:
+def tensor_findings(step_dir: str | os.PathLike[str]) -> TensorCheck:
     """ERROR ``tensor-digest`` findings for each tensor whose bytes read back differ from the save's layout-free
     digest, and how many were compared; ``not_checked`` says why none could be (never a pass)."""
+    step_dir = Path(step_dir)
     try:
         manifest = _manifest.read(step_dir)
     except (CheckpointError, OSError) as exc:
@@ -58,8 +60,9 @@ def tensor_findings(step_dir: Path) -> TensorCheck:
     state_dir = step_dir / _layout.STATE_DIR
     try:
         md = read_dcp_metadata(state_dir)
-    except (CheckpointError, OSError) as exc:
-        return TensorCheck(not_checked=f"its DCP metadata is unreadable ({exc})")
+    except (CheckpointError, OSError) as exc:  # what restore reads: a refusal here is restore's refusal
+        return TensorCheck([Finding(Severity.ERROR, "bad-metadata", str(state_dir), str(exc),
+                                    "restore an earlier step")])
     storage = StreamingStorage(StreamingConfig(pool_bytes=_POOL, buffer_bytes=_POOL // 2, read_threads=1))
     ctx = StorageContext(rank=0, world_size=1, process_group=None)
     findings: list[Finding] = []

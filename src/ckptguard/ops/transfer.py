@@ -37,10 +37,10 @@ TRANSFERS_DIR = "transfers"
 
 
 def transfer(
-    step_dir: Path,
-    dest_root: Path,
+    step_dir: str | os.PathLike[str],
+    dest_root: str | os.PathLike[str],
     *,
-    record: Path | None = None,
+    record: str | os.PathLike[str] | None = None,
     ttl_s: float = 6 * 3600.0,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
@@ -49,6 +49,9 @@ def transfer(
     A transfer killed after its rename and before the tracker left a complete copy: run
     again, it checks that copy against the source's manifest and finishes (``resumed``).
     ``progress(bytes copied, bytes in all)`` follows each file copied."""
+    step_dir = Path(step_dir)
+    dest_root = Path(dest_root)
+    record = Path(record) if record is not None else None
     step_dir, dest_root = Path(step_dir).absolute(), Path(dest_root).absolute()
     findings = [f for f in verify_step(step_dir) if f.severity.value == "ERROR"]
     if findings:

@@ -19,7 +19,7 @@ from typing import Any
 
 from .._disk import layout as _layout
 from .._disk.lease import LEASE_NAME
-from .._records.checks import cost, deep_bytes, safe_member, verify_step
+from .._records.checks import cost, deep_bytes, read_any, safe_member, verify_step
 from .._records.entries import Cost
 from .._records.findings import RESTORE_HINT, Finding, Severity, finding, printable
 from .._records.leftovers import leftover_findings
@@ -53,7 +53,7 @@ __all__ = [
 
 
 def verify_root(
-    root: Path,
+    root: str | os.PathLike[str],
     naming: _layout.StepNaming,
     *,
     deep: bool = False,
@@ -65,6 +65,7 @@ def verify_root(
 
     A root that holds no checkpoint at all is an ERROR finding (``no-checkpoint``) that
     names the root the caller probably meant, never an "OK" over zero steps."""
+    root = Path(root)
     findings = [
         finding(
             "symlink",
@@ -121,7 +122,7 @@ def verify_root(
             )
             continue
         checked.append(path)
-        findings += verify_step(path, deep=deep, progress=progress)
+        findings += verify_step(path, deep=deep, progress=progress) + _named_step(path, step)
     if tracker > 0 and tracker not in dirs:
         hint = _template_hint(root, naming)
         findings.append(
@@ -136,6 +137,19 @@ def verify_root(
         findings.append(_no_checkpoint(root, naming, f"the tracker says {tracker}: no step is committed yet"))
     findings += leftover_findings(root)
     return checked, findings
+
+
+def _named_step(path: Path, step: int) -> list[Finding]:
+    """A manifest that names another step than its directory: restore would load it as that step."""
+    try:
+        said = read_any(path).step
+    except (CheckpointError, OSError):
+        return []  # verify_step reported the manifest itself
+    if said == step:
+        return []
+    return [finding("wrong-step", path / _layout.MANIFEST_NAME,
+                    f"says step {said}, but its directory is step {step}'s: a restore would resume at step {said}",
+                    "the manifest was edited or copied from another step: restore an earlier step")]
 
 
 # ---------------------------------------------------------------- "did you mean"
@@ -204,9 +218,10 @@ def _template_hint(root: Path, naming: _layout.StepNaming) -> str | None:
     return None
 
 
-def tensor_findings(step_dir: Path) -> Any:
+def tensor_findings(step_dir: str | os.PathLike[str]) -> Any:
     """``ops.tensorcheck.tensor_findings`` (``verify --deep``'s tensor pass), imported when it runs: it needs
     torch, which the operator commands do not import."""
+    step_dir = Path(step_dir)
     from .tensorcheck import tensor_findings as run  # lazy: torch
 
     return run(step_dir)
@@ -222,7 +237,7 @@ OFFLINE = ["-m", "ckptguard.ops._offline"]
 
 
 def restore_check(
-    step_dirs: Iterable[Path],
+    step_dirs: Iterable[str | os.PathLike[str]],
     *,
     budget_bytes: int | None = None,
     progress: Callable[[Path, dict[str, Any]], None] | None = None,

@@ -5,17 +5,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import os
 import pickle
 import pickletools
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointCorruptError
 from .base import DCP_METADATA
-from .dcpindex import ALLOWED_NAMES, confine, read_bounded, unreadable
+from .dcpindex import ALLOWED_NAMES, check_structure, confine, read_bounded, scan_pickle, unreadable
 from .dcpindex import METADATA_BYTES as METADATA_BYTES
 from .dcpindex import plain_name as plain_name
 
@@ -100,7 +101,9 @@ def _saved(obj: Any) -> dict[str, object]:
     return got
 
 
-def read_dcp_metadata(state_dir: Path, *, extra: frozenset[tuple[str, str]] = frozenset()) -> Metadata:
+def read_dcp_metadata(
+    state_dir: str | os.PathLike[str], *, extra: frozenset[tuple[str, str]] = frozenset()
+) -> Metadata:
     """DCP's ``.metadata`` of ``state_dir``, unpickled only through the allow-list.
 
     ``extra``: more exact ``(module, name)`` pairs a writer built on DCP puts there (Megatron-core adds
@@ -111,8 +114,10 @@ def read_dcp_metadata(state_dir: Path, *, extra: frozenset[tuple[str, str]] = fr
     that name to the directory, so an absolute name or one with ``..`` would read tensor
     data from outside the checkpoint."""
 
+    state_dir = Path(state_dir)
     path = state_dir / DCP_METADATA
     data = read_bounded(path)
+    scan_pickle(path, data)  # the same pass the operator commands' reader runs: no declared size trusted
     try:
         with _NoBuildOnGlobals(extra):
             md = SafeMetadataUnpickler(io.BytesIO(data), extra=extra).load()
@@ -121,52 +126,8 @@ def read_dcp_metadata(state_dir: Path, *, extra: frozenset[tuple[str, str]] = fr
     if not isinstance(md, Metadata):
         raise CheckpointCorruptError(f"{path} holds a {type(md).__name__}, not DCP Metadata")
     confine(path, md)
-    bound_declared_sizes(path, md)
+    check_structure(path, md)  # the operator commands' reader runs the same check: they agree
     return md
-
-
-def _raw_bytes(sizes: Any, dtype: Any) -> int:
-    count = 1
-    for n in sizes:
-        count *= int(n)
-    return count * int(getattr(dtype, "itemsize", 1))
-
-
-def bound_declared_sizes(path: Path, md: Metadata) -> None:
-    """Every tensor's declared size fits the bytes stored for it, before anything is allocated from it.
-
-    A reader that builds buffers from ``.metadata`` (the offline verify, the export) would otherwise
-    allocate whatever a crafted file declares. DCP stores a chunk raw or through torch.save, never in
-    fewer bytes, so a chunk declared larger than its stored length, or a tensor larger than its chunks,
-    is refused; a chunk stored through a transform (compression) is not bounded by its length."""
-    stored: dict[str, int] = {}
-    for index, info in (md.storage_data or {}).items():
-        meta = md.state_dict_metadata.get(index.fqn)
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
-        chunk = next((c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset)), None)
-        length = getattr(info, "length", None)
-        if chunk is None or not isinstance(length, int) or getattr(info, "transform_descriptors", None):
-            stored[index.fqn] = -1  # unknown: not bounded here (the readers refuse a missing chunk themselves)
-            continue
-        declared = _raw_bytes(chunk.sizes, meta.properties.dtype)
-        if declared > length:
-            raise CheckpointCorruptError(
-                f"{path}: key {index.fqn!r} at offset {list(index.offset)} declares {declared} bytes "
-                f"({list(chunk.sizes)} x {meta.properties.dtype}) stored in {length}: the metadata was crafted "
-                "or damaged; nothing was allocated from it. Restore an earlier step."
-            )
-        if stored.get(index.fqn, 0) >= 0:
-            stored[index.fqn] = stored.get(index.fqn, 0) + declared
-    for fqn, meta in md.state_dict_metadata.items():
-        if isinstance(meta, TensorStorageMetadata) and stored.get(fqn, -1) >= 0:
-            total = _raw_bytes(meta.size, meta.properties.dtype)
-            if total > stored[fqn]:
-                raise CheckpointCorruptError(
-                    f"{path}: key {fqn!r} declares {total} bytes ({list(meta.size)} x {meta.properties.dtype}) "
-                    f"but its stored chunks hold {stored[fqn]}: the metadata was crafted or damaged; nothing was "
-                    "allocated from it. Restore an earlier step."
-                )
 
 
 def pickle_globals(data: bytes) -> set[str]:
