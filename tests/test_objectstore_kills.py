@@ -32,6 +32,7 @@ import objstore_helper as h  # noqa: E402
 from ckptguard._disk.layout import read_tracker  # noqa: E402
 from ckptguard.ops.objectstore import verify_remote  # noqa: E402
 from ckptguard.storage.objectstore import ObjectStore  # noqa: E402
+from ckptguard.errors import ConfigError  # noqa: E402
 from ckptguard.testing import run_ranks, values  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -141,3 +142,37 @@ def test_a_save_whose_upload_failed_is_saved_again_by_the_same_job(moto, tmp_pat
     import torch
 
     assert torch.equal(state["model"].w.detach(), h.values_at(2))
+
+
+@pytest.mark.xfail(strict=True, raises=ConfigError, reason="tiers.py (helper 'core') passes overwrite=object_store.replaces(step) to its "
+                   "persistent tier's saves; until then a persistent step whose upload failed is refused again")
+def test_tiers_save_a_persistent_step_again_after_its_upload_failed_and_the_fast_tier_was_lost(moto, tmp_path):
+    import ckptguard as cg
+    from ckptguard.testing import set_fault_hook
+
+    url = f"s3://{_bucket(moto, f'tiers-{os.getpid()}')}/run"
+
+    def tiers(fast: str) -> cg.TieredCheckpoint:
+        return cg.TieredCheckpoint(tmp_path / fast, persistent=url, persistent_staging=tmp_path / "staging",
+                                   persistent_options=h.options(moto), fast_every=1, persistent_every=1,
+                                   config=h.config())
+
+    first = tiers("fast")
+    first.save(1, h.state_at(1))
+
+    def lost() -> None:
+        raise ConnectionError("the store went away before the marker")
+
+    set_fault_hook("store.before_marker", lost)
+    try:
+        with pytest.raises(ConnectionError):
+            first.save(2, h.state_at(2))
+    finally:
+        set_fault_hook("store.before_marker", None)
+    first.close()
+    again = tiers("fast-of-a-new-node")  # the node is lost: its fast tier with it; the staging root is shared
+    state = h.blank()
+    assert again.restore(state) == 1
+    again.save(2, h.state_at(2))  # the staging copy the store never committed is replaced
+    again.close()
+    assert again.object_store.committed_steps() == [1, 2]
