@@ -521,7 +521,11 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
     mgr = cg.CheckpointManager(a.root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), proof=plan,
                                                                   timeout_s=120))
     start = mgr.restore(state, mode=cg.ResumeMode.AUTO)
-    resumed = turns.resume() if start and not a.turns_out else None
+    resumed = None
+    if start and a.turns_out:
+        prompts.resume()  # the negative control: no turn ledger, the prompts in flight are issued anew
+    elif start:
+        resumed = turns.resume()  # continue or restart every in-flight rollout (and mark their prompts issued)
     engine = cgv.Colocated(llm, mgr, rebuild_stale=True)
     engine.push(start, module.state_dict())  # the engine loaded the initial weights: after a restore, push
     agent = Agent(a, llm, tokenizer, prompts, turns, kills)
