@@ -27,11 +27,19 @@ TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast lint venv verl-venv hf-venv vllm-venv ministack-venv clean
 
+# Said step by step, with pip's own lines and progress bars for the two long installs: the first `make demo`
+# on a fresh machine printed four make lines and then nothing for minutes.
 $(STAMP): pyproject.toml Makefile
+	@echo "ckptguard: [1/4] the virtual environment $(VENV) (once; later runs reuse it)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "ckptguard: [2/4] upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,integration,export]'
+	@echo "ckptguard: [3/4] torch 2.13.0, the CPU build (a download of about 200 MB; a few minutes on a slow link)"
+	$(BIN)/python -m pip install --progress-bar on torch==2.13.0
+	@echo "ckptguard: [4/4] ckptguard and its dev, integration and export extras (about 100 packages: ray, moto, \
+	megatron-core, matplotlib, ...)"
+	$(BIN)/python -m pip install --progress-bar on -e '.[dev,integration,export]'
+	@echo "ckptguard: $(VENV) is ready"
 	touch $(STAMP)
 
 $(VERL_STAMP): Makefile

@@ -333,3 +333,16 @@ def test_a_skipped_save_is_never_told_that_its_own_interval_fits(monkeypatch):
     round_.commit_took(3.9)  # the commit lasts 3.9 steps (ceil: "4 fits", yet 4 was just skipped)
     every, _ = round_.fitting_interval(busy.BusyDecision(busy=True, running=4, ranks=[0], running_s=3.9))
     assert every == 5
+
+
+def test_a_same_layout_restore_that_differs_does_not_blame_a_resharding_read(saved, tmp_path):
+    root = _copy(saved[0], tmp_path)
+    step = root / "step_00000001"
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["layout_free"]["model"]["model.0.bias"] = "0" * 16  # what a restore on the same layout compares
+    (step / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    with pytest.raises(cg.StateMismatchError) as caught:
+        cg.CheckpointManager(root).restore({"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
+    assert "on the same layout" in str(caught.value) and "resharding read" not in str(caught.value)
+    assert "no resharding ran" in str(caught.value)

@@ -351,7 +351,9 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
                 click.echo(printable(f"cost    {Path(key).name}: {_cost_line(c)}"))
     if not as_json:
         verdict = "FAIL" if _verify.worst(findings) else "OK"
-        how = " with checksums" if deep else ""
+        # Exactly what was compared: without --deep, the files' presence and sizes and the DCP metadata only.
+        how = " with checksums" if deep else (" (files, sizes and DCP metadata against the manifest; checksums and "
+                                              "tensor digests not compared: add --deep)")
         if all_tensors:
             how += " and tensor digests"
         unchecked = {Path(k).name: t["not_checked"] for k, t in tensors.items() if t["not_checked"]}
