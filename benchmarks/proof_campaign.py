@@ -66,9 +66,11 @@ def ddp_job(root: str, steps: int, save_every: int, sleep_s: float) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.9)
     torch.manual_seed(100 + rank)  # each rank's own dropout stream
-    sampler = DistributedSampler(range(24), num_replicas=world, rank=rank, shuffle=True, seed=7)
+    data: Any = range(24)  # sample i is its index
+    sampler: DistributedSampler[int] = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=7)
     # Its own generator: iter(loader) draws its base seed from it, not from the restored global RNG
-    loader = DataLoader(range(24), batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(3))
+    loader: DataLoader[int] = DataLoader(data, batch_size=4, sampler=sampler,
+                                         generator=torch.Generator().manual_seed(3))
     pos = _Position()
     state = {"model": model, "optim": optim, "sched": sched, "position": pos}
     plan = cg.ProofPlan(deterministic=True, total_steps=steps)
@@ -207,7 +209,8 @@ class Launch:
         return False
 
     def rank_pid(self, rank: int) -> int | None:
-        return self.procs[rank].pid
+        pid: int | None = self.procs[rank].pid
+        return pid
 
     def kill(self) -> list[int]:
         for p in self.procs:  # one instant for every rank: stopped first, then killed
@@ -284,11 +287,13 @@ def _past(root: Path, k: int, before: float, pid_of: dict[int, int]) -> bool:
     """Whether any rank recorded a step past k before the resume at ``before`` (a run that saved or restored k)."""
     for rank in range(WORLD):
         recs = [r for r in _records(root, rank) if r.get("time", 0) < before]
-        saves = [i for i, r in enumerate(recs) if r.get("event") == "save" and r.get("step") == k]
-        if not saves:
+        # from the save of k (or, its record lost with the kill, the step k it followed) on
+        marks = [i for i, r in enumerate(recs) if r.get("event") == "save" and r.get("step") == k] or [
+            i for i, r in enumerate(recs) if r.get("event") == "step" and r.get("step") == k]
+        if not marks:
             continue
         if any(r.get("event") == "step" and r.get("step", 0) > k and r.get("pid") != pid_of.get(rank)
-               for r in recs[saves[-1]:]):
+               for r in recs[marks[-1]:]):
             return True
     return False
 
@@ -318,11 +323,14 @@ def judge(job: str, root: Path) -> list[dict[str, Any]]:
         rows.append({"job": job, "resume": r.number, "step": r.step, "outcome": outcome(gates).value,
                      "verdict": verdict(gates), "missing": [g.name for g in missing(gates)],
                      "recorded_past_before": past, "resumed_recorded": resumed,
+                     "one_record_apart": any("one record behind" in g.evidence for g in gates),
+                     "against_earlier_resume": any("compared with an earlier resume" in g.evidence for g in gates),
                      "failed": [f"{g.name}: {g.evidence}" for g in gates if g.status.value == "FAIL"]})
     return rows
 
 
-def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int) -> dict[str, Any]:
+def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int,
+            deadline: float | None = None) -> dict[str, Any]:
     root = work / job / "ck"
     root.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -331,6 +339,9 @@ def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int) ->
     began = time.time()
     log = work / f"{job}.log"
     for n, kind in enumerate(_plan(kills, rng), 1):
+        if deadline is not None and time.time() > deadline and kind != "crash_loop":
+            print(f"{job}: the deadline passed after {n - 1} kills", flush=True)
+            break
         done.append(_one_kill(job, kind, root, steps, env, log, rng, n, work / "pause"))
         print(f"{job} kill {n}/{kills} {kind}: restored {done[-1].restored}, tracker {done[-1].tracker}, "
               f"{done[-1].seconds} s", flush=True)
@@ -356,6 +367,8 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "missing_cases": [{k: r[k] for k in ("job", "resume", "step", "missing", "recorded_past_before",
                                              "resumed_recorded")} for r in missing],
         "steps_resumed_3_or_more_times": sorted(f"{j} step {s}" for (j, s), n in crash_steps.items() if n >= 3),
+        "judged_by_ranks_one_record_apart": sum(r.get("one_record_apart", False) for r in rows),
+        "judged_against_an_earlier_resume": sum(r.get("against_earlier_resume", False) for r in rows),
     }
 
 
@@ -377,11 +390,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100000, help="the jobs' total steps (never reached)")
     p.add_argument("--work", default=None, help="working directory (default: a new temporary one)")
     p.add_argument("--out", default=None)
+    p.add_argument("--minutes", type=float, default=None, help="start no kill (but a crash loop's) after this")
+    p.add_argument("--rejudge", default=None, metavar="JSON",
+                   help="judge the roots of an earlier campaign's JSON again (its kills kept), with this prove")
     a = p.parse_args()
     rng = random.Random(a.seed)
     work = Path(a.work or tempfile.mkdtemp(prefix="proof-campaign-"))
-    results = [run_job(job, a.kills, rng, work, a.steps) for job in a.jobs.split(",")]
-    out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "seed": a.seed, "work": str(work),
+    if a.rejudge:
+        earlier = json.loads(Path(a.rejudge).read_text())
+        work = Path(earlier["work"])
+        results = [{**res, "resumes": judge(res["job"], work / res["job"] / "ck")} for res in earlier["jobs"]]
+        a.seed = earlier["seed"]
+    else:
+        deadline = time.time() + 60 * a.minutes if a.minutes else None
+        results = [run_job(job, a.kills, rng, work, a.steps, deadline) for job in a.jobs.split(",")]
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    if a.rejudge:
+        command = f"{earlier['command']}; judged again by: {command}"
+    out = {"command": command, "seed": a.seed, "work": str(work),
            "summary": summary(results), "jobs": results}
     text = json.dumps(out, indent=1)
     if a.out:

@@ -158,3 +158,24 @@ def test_a_resumed_run_killed_with_its_ranks_one_record_apart_is_judged_by_the_r
         assert rows[name].status is Status.PASS, (name, rows[name].evidence)
         assert "rank(s) [1] recorded nothing after the restore when the job-wide kill landed" in rows[name].evidence
     assert outcome(gates) is Outcome.PROVEN, verdict(gates)
+
+
+def test_zero_updates_matched_as_far_as_the_reference_recorded_pass(tmp_path):
+    _write(tmp_path, [{"event": "save", "pid": OLD, "step": 6, "plan": PLAN}, _step(OLD, 7, 0.0), _restore(NEW),
+                      _step(NEW, 7, 0.0), _step(NEW, 8, 0.0)])  # a converged GRPO policy: every advantage zero
+    gate = _by_name(evaluate(tmp_path))["one non-zero update"]
+    assert gate.status is Status.PASS, gate.evidence
+    assert "steps 7-7 were zero, as the reference run's" in gate.evidence and "step 8 and later" in gate.evidence
+
+
+def test_a_save_record_lost_with_a_kill_right_after_the_commit_still_leaves_a_reference(tmp_path):
+    # the kill landed between the commit of step 6 and the append of its save record
+    _write(tmp_path, [{"event": "restore", "pid": OLD, "step": 0, "ok": True, "plan": PLAN}, _step(OLD, 6, 0.5),
+                      _restore(MID), _step(MID, 7, 0.25), _restore(NEW), _step(NEW, 7, 0.25)])
+    rows = _by_name(evaluate(tmp_path))
+    assert rows["all PIDs changed"].status is Status.PASS, rows["all PIDs changed"].evidence
+    data = rows["data order identical"]
+    assert data.status is Status.PASS and "compared with an earlier resume of step 6 (pid 222)" in data.evidence
+    first = _by_name(evaluate(tmp_path, resume=1))["data order identical"]
+    assert first.status is Status.MISSING and "its save record lost with a kill right after the commit" in \
+        first.evidence, first.evidence

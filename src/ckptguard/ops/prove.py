@@ -147,6 +147,8 @@ def _gate_pids(seg: _Segment) -> tuple[Status, str]:
     ):
         return Status.PASS, "every rank restored in a new process"  # a rank the saving run did not have
     saver = next((r for r in reversed(seg.before) if r["event"] == "save" and r["step"] == step), None)
+    if saver is None:  # a kill right after the commit, before the save record: the process that trained step k
+        saver = next((r for r in reversed(seg.before) if r["event"] in ("step", "update") and r["step"] == step), None)
     if saver is None:
         return Status.MISSING, f"rank {seg.rank}: no record of the process that saved step {step}"
     if saver["pid"] == seg.restore["pid"] and saver.get("host") == seg.restore.get("host"):
@@ -301,6 +303,10 @@ def _gate_update(seg: _Segment) -> tuple[Status, str]:
         shown = f"rank {seg.rank}: update of step {u['step']} had grad_norm {u['grad_norm']} and " \
                 f"params_changed={u['params_changed']}"
         ref_update = _updates([ref])[0] if ref is not None and _updates([ref]) else None
+        if (chosen is None or ref_update is None) and zeros:  # compared as far as any earlier run recorded
+            return Status.PASS, (f"the updates of steps {zeros[0]}-{zeros[-1]} were zero, as the reference run's at "
+                                 f"the same steps (the trajectory has zero updates there); step {u['step']} and "
+                                 "later were recorded by no earlier run")
         if chosen is None or ref_update is None:
             return Status.MISSING, (f"{shown}, and no run before this resume recorded step {u['step']}'s update to "
                                     f"tell a zero the trajectory has from one the restore caused "
@@ -568,7 +574,9 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
             resumed.setdefault(int(r["step"]), []).append(r)
     out.restored, out.ref_steps, out.resumed_steps = k, sorted(ref), sorted(resumed)
     if not _reference_mod.candidates(before, k, seg.restore["pid"]):
-        out.evidence = f"rank {seg.rank}: no record of the process that saved step {k}: no killed run to compare with"
+        out.no_reference = True
+        out.evidence = (f"rank {seg.rank}: no record of the process that saved step {k} (its save record lost with a "
+                        "kill right after the commit) and no earlier resume of it: no killed run to compare with")
         return out
     if not ref:
         out.no_reference = True

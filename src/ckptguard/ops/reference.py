@@ -42,13 +42,18 @@ def _next_launch(before: Sequence[ProofRecord], i: int) -> int:
 
 
 def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidate]:
-    """The runs that ran on from step k before the resumed run (``pid``), oldest first."""
+    """The runs that ran on from step k before the resumed run (``pid``), oldest first. A kill between the
+    commit of step k and the append of its save record leaves no save record: the saving run then
+    recorded nothing past k either, and the resumes of k after its record of step k are the candidates."""
     save = next((i for i in range(len(before) - 1, -1, -1) if before[i].event == "save" and before[i].step == k),
                 None)
-    if save is None:
-        return []
-    launch = next((i for i in range(save - 1, -1, -1) if before[i].event == "restore"), -1)
-    out = [Candidate(before[save].pid, True, save, _next_launch(before, save), k, launch)]
+    out: list[Candidate] = []
+    if save is not None:
+        launch = next((i for i in range(save - 1, -1, -1) if before[i].event == "restore"), -1)
+        out.append(Candidate(before[save].pid, True, save, _next_launch(before, save), k, launch))
+    else:
+        save = next((i for i in range(len(before) - 1, -1, -1)
+                     if before[i].event in ("step", "update") and before[i].step == k), -1)
     for i in range(save + 1, len(before)):
         r = before[i]
         if r.event == "restore" and r.step == k and r.pid != pid and r.get("ok") is not False:
@@ -89,7 +94,7 @@ def nothing_past(before: Sequence[ProofRecord], k: int, pid: int, what: str) -> 
     """Why no run before the resumed one recorded ``what`` past step k: what each candidate did record."""
     found = candidates(before, k, pid)
     if not found:
-        return f"no record of the run that saved step {k}"
+        return f"no record of the run that saved step {k} (its save record lost with a kill right after the commit)"
     parts = []
     for c in found:
         steps = sorted({int(r.step) for r in _of(before, c, ("step", "update")) if r.step is not None and r.step > k})
