@@ -77,7 +77,7 @@ SLOW_MODULES = {
 # 22 min from a fresh clone, against 16 with the tests handed out one by one. Two vLLM engines on the CPU at once
 # only share the cores; each TRL job takes a free MASTER_PORT.)
 GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_integration": "vllm",
-          "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm"}
+          "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm", "test_turns_vllm": "vllm"}
 TOGETHER = {"ray", *filter(None, os.environ.get("CKPTGUARD_TEST_TOGETHER", "").split(","))}
 """The groups whose tests run on one worker (the environment variable adds some: tests/test_suite_groups.py)."""
 
