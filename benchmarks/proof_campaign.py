@@ -127,6 +127,7 @@ class Kill:
     tracker: int  # the committed step when killed
     seconds: float
     survivors: list[int] = field(default_factory=list)
+    exited_before_kill: list[int | None] = field(default_factory=list)  # a rank that ended by itself (port in use)
 
 
 def _rank_main(job: str, rank: int, port: int, root: str, steps: int, env: dict[str, str], log: str) -> None:
@@ -203,7 +204,7 @@ class Launch:
         while time.monotonic() < deadline:
             if ready():
                 return True
-            if all(not p.is_alive() for p in self.procs):
+            if any(not p.is_alive() for p in self.procs):  # a rank that died alone leaves its peer hanging
                 return False
             time.sleep(0.01)
         return False
@@ -256,9 +257,10 @@ def _one_kill(job: str, kind: str, root: Path, steps: int, env: dict[str, str], 
     else:  # random
         launch.wait(first_step)
         time.sleep(rng.uniform(0.0, 2.0))
+    exited = [p.exitcode for p in launch.procs if not p.is_alive()]
     survivors = launch.kill()
     return Kill(job, kind, number, _restored(root, launch.since), _tracker(root), round(time.time() - launch.since, 2),
-                survivors)
+                survivors, exited)
 
 
 def _finish(job: str, root: Path, steps: int, env: dict[str, str], log: Path) -> None:
