@@ -32,14 +32,13 @@ from typing import Any
 
 import torch
 
-from ckptguard import ProofPlan
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 # The same model as issue 19's benchmark (this script's folder is on sys.path).
 from bench_train_loop import TINY_MODEL, Job, add_model_args
 
 import ckptguard as cg
+from ckptguard import ProofPlan
 
 GiB = 1 << 30
 

@@ -49,11 +49,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ckptguard import AsyncOptions
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ckptguard as cg
+from ckptguard import AsyncOptions
 
 METHODS = ("none", "cg_sync", "cg_async", "cg_async_prepared", "cg_async_wait", "cg_async_gpu", "cg_tiers", "dcp_sync",
            "dcp_async", "torch_save")
@@ -648,7 +647,9 @@ def cg_restore(root: Path, job: Job, threads: int, buffer_mib: int = 0, pool_mib
     sizes = {"buffer_bytes": buffer_mib << 20, "pool_bytes": pool_mib << 20} if buffer_mib and pool_mib else {}
     threads_kw = {"read_threads": threads} if threads else {}
     storage = StreamingStorage(StreamingConfig(**threads_kw, **sizes))
-    cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None), storage=storage).restore(job.state())
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None), storage=storage)
+    mgr.restore(job.state())
+    mgr.close()  # the staging it prepared for a save_async that never comes
     stats = storage.last_stats
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(stats).items()} if stats else {}
 

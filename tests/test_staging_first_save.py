@@ -60,7 +60,7 @@ def test_a_fresh_run_is_staged_whole_at_its_first_save(tmp_path):
     assert mgr._staging.pool is None
 
 
-def test_a_resumed_run_is_prepared_at_restore(tmp_path):
+def test_a_resumed_run_is_prepared_after_its_first_step(tmp_path):
     model, optim = _job()
     state = {"model": model, "optim": optim}
     _step(model, optim)
@@ -71,8 +71,10 @@ def test_a_resumed_run_is_prepared_at_restore(tmp_path):
     again = {"model": model2, "optim": optim2}
     mgr = cg.CheckpointManager(tmp_path / "ck")
     assert mgr.restore(again) == 1
-    assert mgr._staging.preparing is not None and mgr._staging.preparing.result(timeout=60) > 0
+    # The load's own initialising step (DCP's, lr 0) is not training: the pool is sized at the first real step.
+    assert mgr._staging.preparing is None
     _step(model2, optim2)
+    assert mgr._staging.preparing is not None and mgr._staging.preparing.result(timeout=60) > 0
     mgr.save_async(2, again).wait()
     assert _cost(tmp_path / "ck", 2)["live_bytes"] == 0
     mgr.close()
@@ -111,5 +113,28 @@ def test_packed_regions_are_filled_exactly_by_the_next_place(monkeypatch, seed):
     assert all(s is not None for s in slots)
     assert pool.held_bytes <= sum(sizes) + 64 * len(sizes)
     assert len({s.data_ptr() for s in slots if s is not None}) == len(sizes)
+    pool.done()
+    pool.release()
+
+
+def test_a_grow_asked_for_while_one_runs_follows_it(monkeypatch):
+    """prepare_async for a fresh model, then the optimizer's state after its first step: the second grow is
+    not dropped while the first still pins."""
+    gate = threading.Event()
+    real = _staging.Buffer
+
+    def slow(size, pin):
+        gate.wait(30)
+        return real(size, pin)
+
+    monkeypatch.setattr(_staging, "Buffer", slow)
+    pool = StagingPool(pin=False)
+    model = [4096, 4096]
+    first = pool.grow_async(model, budget=1 << 30)
+    both = pool.grow_async([*model, 8192, 8192], budget=1 << 30)
+    gate.set()
+    assert first.result(timeout=30) > 0 and both.result(timeout=30) >= first.result()
+    slots = pool.place([*model, 8192, 8192], budget=pool.held_bytes, grow=0)
+    assert all(s is not None for s in slots)
     pool.done()
     pool.release()

@@ -43,7 +43,8 @@ class Ahead:
         fired = [False]
 
         def after_step(*_: Any) -> None:
-            if fired[0] or any(not o.state for o in empty):
+            # lr 0 in every group: DCP's own initialising step inside a restore's load, not training yet.
+            if fired[0] or any(not o.state for o in empty) or all(_zero_lr(o) for o in empty):
                 return
             fired[0] = True  # disarmed, not removed: torch iterates its hook dicts while calling them
             _prepare(state, keyfn, weak, args)
@@ -54,6 +55,10 @@ class Ahead:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _zero_lr(optim: torch.optim.Optimizer) -> bool:
+    return all(float(g.get("lr", 1.0)) == 0.0 for g in optim.param_groups)
 
 
 def _prepare(state: StateDict, keyfn: KeyFn, weak: weakref.WeakMethod[Any], args: tuple[Any, ...]) -> None:

@@ -47,8 +47,11 @@ from ._pool import Buffer
 log = logging.getLogger("ckptguard")
 
 ALIGN = 64  # every slot starts on a multiple of this: any dtype's view is aligned
-CHUNK = 512 << 20
-"""The largest region ``grow_async`` packs several tensors into (a larger tensor gets its own)."""
+CHUNK = 64 << 20
+"""The largest region ``grow_async`` packs several tensors into (a larger tensor gets its own): each
+registration holds the CUDA driver, and the training thread's calls wait for it, so it stays short."""
+YIELD_S = 0.001
+"""The pause between two background registrations: the training thread's CUDA calls go first."""
 
 
 def _aligned(n: int) -> int:
@@ -87,9 +90,10 @@ class StagingPool:
         regions held (within ``budget`` less what is held); the future gives the bytes added (0: no room, or a
         grow already running)."""
         with self._lock:
-            if self.growing:
-                assert self._growing is not None
-                return self._growing
+            running = self._growing if self.growing else None
+        if running is not None:
+            return self._after(running, sizes, budget)
+        with self._lock:
             room = max(0, self.budget_room(budget))
             bins = self._new_bins(sizes)
             plan = []
@@ -105,6 +109,26 @@ class StagingPool:
         threading.Thread(target=self._grow, args=(plan, done), name="ckptguard-pin-pool", daemon=True).start()
         return done
 
+    def _after(self, running: Future[int], sizes: Sequence[int], budget: int) -> Future[int]:
+        """A grow asked for while one runs: run once it ended, for what is still missing then (prepare_async's
+        pool for a fresh model, then the optimizer's state after its first step); the bytes both added."""
+        chained: Future[int] = Future()
+
+        def again(first: Future[int]) -> None:
+            added = first.result() if first.exception() is None else 0
+
+            def settle(f: Future[int]) -> None:
+                error = f.exception()
+                if error is not None:
+                    chained.set_exception(error)
+                else:
+                    chained.set_result(added + f.result())
+
+            self.grow_async(sizes, budget).add_done_callback(settle)
+
+        running.add_done_callback(again)
+        return chained
+
     def budget_room(self, budget: int) -> int:
         """What ``budget`` leaves beside the regions held."""
         return budget - self.held_bytes
@@ -119,6 +143,7 @@ class StagingPool:
                     self._used.append(0)
                     self.grown_on.append(threading.current_thread().name)
                 added += need
+                time.sleep(YIELD_S)
         except OSError as exc:
             log.warning("ckptguard: could not allocate a %d B staging region in the background (%s); the "
                         "tensors it would hold are read from the live state", need, exc)
