@@ -75,3 +75,27 @@ def test_a_stateful_dataloader_left_out_of_the_state_fails_the_data_order_gate(t
     rc, proof = _prove(tmp_path / "killed")
     gates = {g["gate"]: g for g in proof["gates"]}
     assert rc == 1 and gates["data order identical"]["status"] == "FAIL", proof
+
+
+@pytest.mark.parametrize("own_generator", [True, False], ids=["own-generator", "global-rng"])
+def test_a_fresh_run_with_a_stateful_dataloader_draws_what_it_draws_without_ckptguard(tmp_path, own_generator):
+    """ckptguard never changes the training: a restore (fresh start) and a save read the loader's state_dict()
+    before its first iteration, which builds the iterator the loop's iter() then reuses, drawing the same."""
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import ckptguard as cg
+
+    def run(root: Path | None) -> tuple[list, float]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 2)
+        loader = StatefulDataLoader(list(range(20)), batch_size=2, shuffle=True, num_workers=2,
+                                    generator=torch.Generator() if own_generator else None)
+        if root is not None:
+            root.mkdir()
+            mgr = cg.CheckpointManager(root)
+            mgr.restore({"model": model, "loader": loader})
+            mgr.save(1, {"model": model, "loader": loader})
+        return [b.tolist() for b in loader], torch.rand(1).item()
+
+    assert run(tmp_path / "ck") == run(None)

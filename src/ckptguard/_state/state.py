@@ -240,14 +240,15 @@ def _model_for(optim: torch.optim.Optimizer, state: Mapping[str, Any], name: str
     )
 
 
-def current_state(name: str, value: Any, kind: ItemKind, state: Mapping[str, Any]) -> Any:
-    """The item's state dict as it is now (tensors are live references where possible)."""
+def current_state(name: str, value: Any, kind: ItemKind, state: Mapping[str, Any], *, loaded: bool = False) -> Any:
+    """The item's state dict as it is now (tensors are live references where possible). ``loaded``: read
+    right after a load, to check it; the global RNG streams are then left as the load put them."""
     if kind is ItemKind.MODULE:
         return get_model_state_dict(value)
     if kind is ItemKind.OPTIMIZER:  # never stepped to be read (optimstate)
         return optimstate.read(_model_for(value, state, name), value, name)
     if kind is ItemKind.STATEFUL:
-        return _rng_untouched(value.state_dict)
+        return _rng_untouched(value.state_dict) if loaded else value.state_dict()
     if kind is ItemKind.PER_RANK:
         return value.value
     return value
@@ -256,7 +257,9 @@ def current_state(name: str, value: Any, kind: ItemKind, state: Mapping[str, Any
 def _rng_untouched(read: Callable[[], Any]) -> Any:
     """``read()`` with the four global RNG streams put back after it. torchdata's StatefulDataLoader builds
     an iterator in ``state_dict()`` when it has none, and that draws from torch's global RNG: right after a
-    restore (the digest check) the draw would shift every dropout mask of the resumed run."""
+    restore (the digest check) the draw would shift every dropout mask of the resumed run. Only there: before
+    the first iteration of a fresh run the loop's ``iter()`` reuses that iterator, so a save's (or a staging
+    plan's) ``state_dict()`` must draw what the loop's ``iter()`` would have drawn."""
     streams = _rng.capture()
     try:
         return read()
@@ -396,7 +399,7 @@ def check_restored(
 
     ``structure``: the saved digest is a structure digest (format 3 tensor items; their bytes are the
     layout-free pass's to compare)."""
-    sd = current_state(name, value, kind, state)
+    sd = current_state(name, value, kind, state, loaded=True)
     now = structure_digest(sd) if structure else digest(sd)
     if now != saved:
         hint = ""
