@@ -265,3 +265,26 @@ def test_a_store_that_honours_conditions_for_the_probe_only_never_lets_two_write
     assert all("run/step_00000003/manifest.json" in o and "If-None-Match" in o for o in outcomes if o != "won")
     store = ObjectStore(url, h.options(moto))
     assert store.tracker()[0] == 0 and store.resolve().step == 0  # nothing committed: the tracker did not move
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_store_that_ignores_conditions_on_the_lease_never_lets_a_job_believe_it_holds_it(moto, tmp_path, first):
+    from ckptguard.errors import ConditionalWriteUnsupportedError
+
+    name = _bucket(moto)
+    url = f"s3://{name}/run"
+    if not first:  # a lease there already (an earlier job's, released): this job's renewal is an If-Match replace
+        earlier = ObjectStore(url, h.options(moto))
+        earlier.ensure_root()
+        earlier.acquire_lease("earlier-job")
+        earlier.release_lease("earlier-job")
+    proxy = h.Proxy(int(moto.rsplit(":", 1)[1]), strip_only="lease.json")
+    try:
+        store = ObjectStore(url, h.options(proxy.endpoint))
+        store.ensure_root()  # the probe passes: its key keeps its conditions
+        with pytest.raises(ConditionalWriteUnsupportedError, match="two jobs could both hold the write lease") as err:
+            store.acquire_lease("this-job")
+        assert err.value.key == "run/lease.json" and ("If-None-Match" if first else "stale If-Match") in str(err.value)
+    finally:
+        proxy.stop()
+    ObjectStore(url, h.options(moto)).acquire_lease("honest-store")  # through an honest path it is taken once

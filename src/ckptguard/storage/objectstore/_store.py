@@ -83,6 +83,7 @@ class ObjectStore:
         self.bucket = Bucket(self.url, self.options)
         self.conditional = self.options.consistency is Consistency.CONDITIONAL
         self._rooted = False  # ensure_root done by this object (the root record and tracker exist)
+        self._lease_verified = False  # the store refused a repeated conditional write of lease.json once
 
     def __str__(self) -> str:
         return str(self.url)
@@ -248,25 +249,30 @@ class ObjectStore:
         if created is None or not self.conditional:  # refused (maybe our own retry that landed), or unconditional
             self._check_won(step, attempt)
         else:
-            self._check_refused(key, data, step)
+            self._check_refused(key, data, step, what="commit marker", risk=f"two writers could both commit step "
+                                f"{step}. Step {step} is not committed (the tracker did not move)")
         _faults.reached(BEFORE_TRACKER)
         self._advance(step)
         self._check_won(step, attempt)  # an orphan replacement racing this commit is reported, never silent
         return self.where(name, MANIFEST_NAME)
 
-    def _check_refused(self, key: str, data: bytes, step: int) -> None:
-        """The store honoured If-None-Match on this very marker: the same bytes created again must be refused.
-        A store that honours the probe's key but not the markers' (a proxy, a bucket policy, a gateway per
-        path) would otherwise let a second writer overwrite this marker and both believe they committed the
-        step. The bytes are this marker's own, so a store that accepts them changes nothing; the tracker has
-        not moved, so the step stays an orphan nobody resumes."""
-        if self.bucket.create(key, data, step=step, what="commit marker (check of If-None-Match)") is None:
+    def _check_refused(self, key: str, data: bytes, step: int | None, *, what: str, risk: str,
+                       stale: str | None = None) -> None:
+        """The store honoured the condition on this very key: the same bytes written again under the same
+        condition (created again, or replacing the ETag just replaced: ``stale``) must be refused. A store
+        that honours the probe's key but not this one (a proxy, a bucket policy, a gateway rule per path)
+        would otherwise let a second writer overwrite what this one wrote while both believe they won. The
+        bytes are this writer's own, so a store that accepts them changes nothing of its own write."""
+        doing = "create" if stale is None else "replace"
+        again = self.bucket.create(key, data, step=step, what=f"{what} (check of If-None-Match)") if stale is None \
+            else self.bucket.replace(key, data, stale, step=step, what=f"{what} (check of If-Match)")
+        if again is None:
             return
+        header = "If-None-Match: *" if stale is None else "a stale If-Match"
         raise ConditionalWriteUnsupportedError(
-            f"the store at {self.bucket.endpoint} accepted a second create of s3://{self.url.bucket}/{key} with "
-            "If-None-Match: * (it refused the probe's): it ignores conditional writes on the markers' keys, so two "
-            f"writers could both commit step {step}. Step {step} is not committed (the tracker did not move). Fix "
-            "the store or the proxy in front of it, or with exactly one writer guaranteed by you use "
+            f"the store at {self.bucket.endpoint} accepted a second {doing} of s3://{self.url.bucket}/{key} with "
+            f"{header} (it refused the probe's): it ignores conditional writes on this key, so {risk}. Fix the "
+            "store or the proxy in front of it, or with exactly one writer guaranteed by you use "
             "ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) (docs/objectstore.md)",
             bucket=self.url.bucket, key=key, step=step)
 
@@ -402,14 +408,27 @@ class ObjectStore:
             found = self.bucket.get(key, what="write lease")
             if found is None:
                 if self.bucket.create(key, mine, what="write lease", conditional=self.conditional) is not None:
+                    self._lease_checked(key, mine, None, holder)
                     return None
                 continue  # another writer created it in between: read it again
             lease = rec.Lease.from_bytes(found.data, self.where(rec.LEASE))
             note = self._takeover(lease, holder, now, override)
             if self.bucket.replace(key, mine, found.etag, what="write lease", conditional=self.conditional):
+                self._lease_checked(key, mine, found.etag, holder)
                 return note
         raise LeaseHeldError(f"{self.where(rec.LEASE)}: 8 conditional writes in a row lost to other writers; two "
                              "jobs start on this root at once: stop one")
+
+    def _lease_checked(self, key: str, data: bytes, stale: str | None, holder: str) -> None:
+        if not self.conditional or self._lease_verified:  # once per object: the lease is renewed at every save
+            return
+        try:
+            self._check_refused(key, data, None, what="write lease", stale=stale,
+                                risk="two jobs could both hold the write lease")
+        except ConditionalWriteUnsupportedError:
+            self.release_lease(holder)  # a lease on such a store protects nothing: it must not block a relaunch
+            raise
+        self._lease_verified = True
 
     def _takeover(self, lease: rec.Lease, holder: str, now: float, override: bool) -> str | None:
         if lease.holder == holder:
