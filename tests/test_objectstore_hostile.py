@@ -288,3 +288,18 @@ def test_a_store_that_ignores_conditions_on_the_lease_never_lets_a_job_believe_i
     finally:
         proxy.stop()
     ObjectStore(url, h.options(moto)).acquire_lease("honest-store")  # through an honest path it is taken once
+
+
+def test_verify_names_a_committed_step_whose_marker_is_unreadable(moto, tmp_path):
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+
+    name = _bucket(moto)
+    url = f"s3://{name}/run"
+    h.write(moto, url, str(tmp_path / "w"), 2, None)
+    _put_marker(moto, name, "run/step_00000001/manifest.json", b'{"kind": "ckptguard-objectstore-step", "format": 1}')
+    result = CliRunner().invoke(main, ["verify", url, "--json"])
+    assert result.exit_code == 1, result.output
+    findings = json.loads(result.output)["findings"]
+    assert [(f["code"], f["path"]) for f in findings] == [("marker-unreadable", f"{url}/step_00000001/manifest.json")]

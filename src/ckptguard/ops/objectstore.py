@@ -113,6 +113,23 @@ def _no_tracker(store: ObjectStore) -> Finding:
                 "(`ckptguard list` shows the markers)")
 
 
+def _unreadable_markers(store: ObjectStore, tracker: int) -> list[Finding]:
+    """Steps at or below the tracker whose marker exists but does not parse: ``committed_steps`` leaves
+    them out (with a warning), so verify says them instead of passing over them."""
+    found = []
+    for name in sorted(store.bucket.children()):
+        step = store.naming.parse(name)
+        if step is None or step > tracker:
+            continue
+        try:
+            store.marker(step)
+        except CheckpointError as exc:
+            found.append(_err("marker-unreadable", store.where(name, "manifest.json"), str(exc)[:300],
+                              "the step cannot be restored: restore its marker from a copy, or resume an "
+                              "earlier committed step"))
+    return found
+
+
 def verify_remote(url: str, template: str, *, deep: bool = False) -> tuple[list[str], list[Finding]]:
     """Check every committed step of the root; returns the steps' marker URLs and the findings."""
     store = _store(url, template)
@@ -124,6 +141,7 @@ def verify_remote(url: str, template: str, *, deep: bool = False) -> tuple[list[
     if tracker and tracker not in steps:
         findings.append(_err("tracker-target", store.where("latest_checkpointed_iteration.txt"),
                              f"says {tracker}, which is not committed", "set the tracker to a committed step"))
+    findings += _unreadable_markers(store, tracker)
     checked = []
     for step in steps:
         marker = store.marker(step)
