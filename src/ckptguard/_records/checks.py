@@ -144,7 +144,7 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
             ),
         ]
     except ShortDataFile as exc:  # a data file shorter than its spans: said once, as the file's own finding
-        said = _short_said(step_dir, manifest, exc.data_file)
+        said = exc.data_file is not None and _short_said(step_dir, manifest, exc.data_file)
         return findings if said else [*findings, finding("bad-metadata", state / DCP_METADATA, str(exc), RESTORE_HINT)]
     except (CheckpointError, OSError) as exc:
         return [*findings, finding("bad-metadata", state / DCP_METADATA, str(exc).split(";")[0], RESTORE_HINT)]

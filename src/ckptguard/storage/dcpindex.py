@@ -26,7 +26,7 @@ import pickletools
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 from .._disk.layout import read_small
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, UnsafeCheckpointError
@@ -407,7 +407,9 @@ class ShortDataFile(CheckpointCorruptError):
     """The metadata stores bytes past the end of ``data_file`` as it is on disk (a truncated or swapped
     data file, or a crafted span): nothing is read or allocated from it."""
 
-    def __init__(self, message: str, data_file: str) -> None:
+    fields: ClassVar[tuple[str, ...]] = ("data_file",)  # crosses ranks with the error
+
+    def __init__(self, message: str, data_file: str | None = None) -> None:
         super().__init__(message)
         self.data_file = data_file
 
