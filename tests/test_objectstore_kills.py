@@ -32,7 +32,6 @@ import objstore_helper as h  # noqa: E402
 from ckptguard._disk.layout import read_tracker  # noqa: E402
 from ckptguard.ops.objectstore import verify_remote  # noqa: E402
 from ckptguard.storage.objectstore import ObjectStore  # noqa: E402
-from ckptguard.errors import ConfigError  # noqa: E402
 from ckptguard.testing import run_ranks, values  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -144,8 +143,6 @@ def test_a_save_whose_upload_failed_is_saved_again_by_the_same_job(moto, tmp_pat
     assert torch.equal(state["model"].w.detach(), h.values_at(2))
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError, reason="tiers.py (helper 'core') passes overwrite=object_store.replaces(step) to its "
-                   "persistent tier's saves; until then a persistent step whose upload failed is refused again")
 def test_tiers_save_a_persistent_step_again_after_its_upload_failed_and_the_fast_tier_was_lost(moto, tmp_path):
     import ckptguard as cg
     from ckptguard.testing import set_fault_hook

@@ -190,6 +190,8 @@ class TieredCheckpoint:
         self.wait()
         self._hold_persistent(bool(save_kwargs.get("break_lease", False)))
         home = self._home()
+        if home is self.persistent:
+            save_kwargs["overwrite"] = self._replaces(step, bool(save_kwargs.get("overwrite", False)))
         path = home.save(step, state, **save_kwargs)
         if path is not None and home is self.fast and self.replicas:
             self._push(step)
@@ -232,7 +234,7 @@ class TieredCheckpoint:
                 self._push(step)
         if self.persistent is not None and step % self.persistent_every == 0:
             persistent = self.persistent.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm,
-                                              overwrite=overwrite, break_lease=break_lease)
+                                              overwrite=self._replaces(step, overwrite), break_lease=break_lease)
             if persistent is not None:
                 if self.object_store is not None:  # the staging root's commit, then the store's
                     self.object_store.publish(step, persistent)
@@ -276,7 +278,8 @@ class TieredCheckpoint:
         try:
             for tier, _ in due:
                 hooks = self._parts[tier].commits
-                prepared = hooks.stage(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease),
+                again = self._replaces(step, overwrite) if tier is Tier.PERSISTENT else overwrite
+                prepared = hooks.stage(step, state, healthy, loss, grad_norm, Actions(again, break_lease),
                                        busy=self.busy)
                 if prepared is None:  # an unhealthy step: skipped on every rank (the fast verdict: every tier)
                     if tier is Tier.FAST or not parts:
@@ -294,6 +297,11 @@ class TieredCheckpoint:
                 self._pending = TieredSave(step, parts, time.monotonic() - start, push,
                                            cleanups=cleanups, after=previous, overlaps=overlaps)
         return self._pending if parts else TieredSave(step, [], time.monotonic() - start, None)
+
+    def _replaces(self, step: int, overwrite: bool) -> bool:
+        """Whether the persistent save of ``step`` replaces the staging root's copy: asked, or a staging
+        commit the store never committed (a kill mid-upload; a collective, so every rank asks alike)."""
+        return overwrite or (self.object_store is not None and self.object_store.replaces(step))
 
     def _due(self, step: int) -> list[tuple[Tier, CheckpointManager]]:
         due = [(Tier.FAST, self.fast)] if step % self.fast_every == 0 else []
