@@ -91,3 +91,13 @@ def test_what_a_save_can_write_is_accepted_at_restore(root):
              "gen": cg.GeneratorState(torch.Generator().manual_seed(0)), "tokens": 0, "ahead": cg.PerRank(None)}
     assert cg.CheckpointManager(root).restore(state) == 0
     cg.CheckpointManager(root).save(1, state)
+
+
+def test_a_plain_dataloader_in_a_role_is_refused_at_the_run_checkpoints_restore(root):
+    run = cg.RunCheckpoint(root, [cg.Role("actor")])
+    with pytest.raises(cg.ConfigError) as info:
+        run.restore({"actor": {"model": torch.nn.Linear(2, 2), "loader": _loader()}})
+    msg = str(info.value)
+    assert msg.startswith("restore of role 'actor': state item 'loader'"), msg
+    assert "ckptguard.DataCursor" in msg
+    assert list(root.iterdir()) == []  # refused before anything was written

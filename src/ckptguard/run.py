@@ -65,6 +65,7 @@ from ._records.prooflog import ProofLog
 from ._resume import resolve as _resolve
 from ._resume.resolve import Resolution, ResolveView
 from ._state.derived import DerivedState
+from ._state.state import check_items
 from ._types import JsonObject, StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
 from .errors import ConfigError, error_payload
@@ -469,6 +470,8 @@ class RunCheckpoint:
         damaged shard, a digest that differs) raises on every rank of the run, so no rank trains
         on a partly restored run. ``prefer`` as in ``resolve``."""
         self._check_states(states, "restore")
+        for name in self._roles:  # an item no save could write: refused before the run trains on it
+            check_items(states[name], f"restore of role {name!r}")
         self.wait()
         self.core.check_lease("restore", break_lease=break_lease)
         res = self.resolve(mode=mode, path=path, prefer=prefer)
