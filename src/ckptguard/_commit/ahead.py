@@ -3,7 +3,8 @@
 Contract: ``Ahead.arm(state, keyfn, prepare, *args)`` calls ``prepare(items, *args)`` with the state's captured items
 (their tensor sizes size the pinned pool) as soon as every optimizer in the state has state: at once, or
 after the first step of the optimizers that have none yet, from a post-step hook that only reads. It never
-touches an optimizer (reading one without state would step it, ``_state.optimstate``), never raises into
+touches an optimizer (reading one without state would step it, ``_state.optimstate``), never calls a
+stateful item's ``state_dict()`` (it may draw from the global RNG), never raises into
 the user's step (a state the save cannot capture is reported by the save), and arms once. It holds the
 bound method ``prepare`` weakly: the optimizer's hook never keeps a dropped manager's pool alive. ``stop()``
 removes the hooks (never inside one: torch iterates its hook dicts while calling them).
@@ -18,10 +19,13 @@ from typing import Any
 
 import torch
 
-from .._state.state import Captured, KeyFn, capture
+from .._state.state import Captured, ItemKind, KeyFn, capture, classify
 from .._types import StateDict
 
 log = logging.getLogger("ckptguard")
+
+_SIZED = (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS)
+"""The kinds whose tensors a save stages (the pool's sizes); the others are read at the save."""
 
 
 class Ahead:
@@ -66,8 +70,10 @@ def _prepare(state: StateDict, keyfn: KeyFn, weak: weakref.WeakMethod[Any], args
     if prepare is None:
         return  # the manager is gone
     try:
-        items: dict[str, Captured] = capture(state, keyfn)
+        # Only the items whose tensors size the pool: a stateful item's state_dict() may draw from the global
+        # RNG (torchdata's StatefulDataLoader builds an iterator there), shifting a run that never saves.
+        sized = {name: v for name, v in state.items() if classify(v) in _SIZED}
+        items: dict[str, Captured] = capture(sized, keyfn)
+        prepare(items, *args)
     except Exception as exc:  # never in the user's step: the save itself reports what it cannot capture
         log.debug("ckptguard: no staging prepared ahead: %s: %s", type(exc).__name__, exc)
-        return
-    prepare(items, *args)
