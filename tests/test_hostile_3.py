@@ -180,9 +180,12 @@ def test_a_span_beyond_its_data_file_is_refused_before_a_read(saved, tmp_path):
         md.storage_data[index] = dataclasses.replace(md.storage_data[index], offset=_HUGE)
 
     _rewrite_metadata(state, beyond)
-    for read in (read_dcp_metadata, read_dcp_index):
-        with pytest.raises(cg.CheckpointCorruptError, match="which holds"):
-            read(state)
+    with pytest.raises(cg.CheckpointCorruptError, match="which holds"):
+        read_dcp_index(state)  # the checks: refused from the metadata and the file's size
+    assert _cli("verify", str(root)).exit_code == 1
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    with pytest.raises(cg.CheckpointError):  # restore's reader refuses the span when it reaches it
+        cg.CheckpointManager(root).restore({"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
 
 
 def test_a_pickle_declaring_a_huge_bytearray_or_memo_index_is_refused_before_unpickling(saved, tmp_path):

@@ -496,16 +496,18 @@ def _stored(md: Any) -> list[tuple[str, tuple[int, ...] | None, str, int, int, b
     return out
 
 
-def check_structure(path: Path, md: Any) -> None:
+def check_structure(path: Path, md: Any, *, data_files: bool = True) -> None:
     """What restore relies on in a ``.metadata`` (``path``), checked before anything is read or allocated
     from it, the same for DCP's classes and for the stand-ins: every key a tensor or bytes entry, every
     tensor chunk inside its tensor and stored exactly once, every stored span a pair of non-negative
-    ints inside its data file as it is on disk, and no chunk declared larger than its stored bytes.
+    ints, and no chunk declared larger than its stored bytes. ``data_files``: every span also inside its
+    data file as it is on disk (the checks; restore's readers refuse a span past the end of its file
+    when they reach it, with that file's own error, before reading or allocating from it).
 
     Both readers (``read_dcp_index`` for the operator commands, ``read_dcp_metadata`` for restore) call
     it, so no command calls a step good whose metadata restore refuses."""
     try:
-        _check(path, md)
+        _check(path, md, data_files)
     except _Bad as exc:
         message = (f"{path}: {exc}: the metadata was crafted or damaged; nothing was allocated or read from it. "
                    "Restore an earlier step.")
@@ -513,7 +515,7 @@ def check_structure(path: Path, md: Any) -> None:
                ) from None
 
 
-def _check(path: Path, md: Any) -> None:
+def _check(path: Path, md: Any, data_files: bool) -> None:
     table = _entries(md)
     chunks = {fqn: _chunks(fqn, meta) for fqn, meta in table.items() if _kind(meta) == "TensorStorageMetadata"}
     stored: dict[str, int] = {}
@@ -526,7 +528,7 @@ def _check(path: Path, md: Any) -> None:
                        + ("stored twice" if fqn in table else "no key of the metadata"))
         seen.add((fqn, offsets))
         if rel not in sizes:
-            sizes[rel] = _file_size(path.parent / rel)
+            sizes[rel] = _file_size(path.parent / rel) if data_files else None
         if sizes[rel] is not None and start + length > int(sizes[rel] or 0):
             raise _Bad(f"key {fqn!r} is stored at bytes {start}..{start + length} of {rel}, which holds "
                        f"{sizes[rel]} bytes", data_file=rel)
