@@ -179,3 +179,15 @@ def test_a_save_record_lost_with_a_kill_right_after_the_commit_still_leaves_a_re
     first = _by_name(evaluate(tmp_path, resume=1))["data order identical"]
     assert first.status is Status.MISSING and "its save record lost with a kill right after the commit" in \
         first.evidence, first.evidence
+
+
+def test_the_plan_line_says_when_rl_gates_are_judged_under_a_plan_without_rl(tmp_path):
+    plain = {"rl": False, "deterministic": True, "replay_steps": 1}
+    fp = {"bytes": "b6", "scales": "none"}
+    _write(tmp_path, [{"event": "save", "pid": OLD, "step": 6, "plan": plain},
+                      {"event": "export", "pid": OLD, "step": 6, "fingerprint": fp}, _restore(NEW),
+                      {"event": "export", "pid": NEW, "step": 6, "fingerprint": fp}])
+    rows = _by_name(evaluate(tmp_path))
+    assert rows["proof plan"].evidence.startswith("rl=False, ")
+    assert "the records hold export records, so their gates are judged as under rl=True" in rows["proof plan"].evidence
+    assert rows["first export byte-identical"].status is Status.PASS
