@@ -560,3 +560,23 @@ def test_bad_options_are_refused_naming_the_field():
         with pytest.raises(ConfigError, match=field):
             ObjectStoreOptions(**kw)
     assert ObjectStoreOptions(part_bytes=8 << 20, max_inflight_bytes=20 << 20, threads=8).workers == 2
+
+
+def test_a_job_refused_by_the_stores_lease_changes_nothing_and_break_lease_reaches_the_store(moto, tmp_path):
+    from ckptguard.errors import LeaseHeldError
+
+    name = bucket(moto)
+    url = f"s3://{name}/leased"
+    first = ObjectStoreCheckpoint(url, staging=tmp_path / "a", options=h.options(moto), config=h.config())
+    first.save(1, h.state_at(1))  # the first job holds the store's lease from now on
+    second = ObjectStoreCheckpoint(url, staging=tmp_path / "b", options=h.options(moto), config=h.config())
+    with pytest.raises(LeaseHeldError):
+        second.save(2, h.state_at(2))
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())  # refused before staging
+    with pytest.raises(LeaseHeldError):
+        second.restore(h.blank())
+    assert second.restore(h.blank(), break_lease=True) == 1
+    assert second.save(2, h.state_at(2), break_lease=True) == f"{url}/step_00000002/manifest.json"
+    second.close()
+    first.close()
+    assert restored_step(moto, url, tmp_path / "c") == 2

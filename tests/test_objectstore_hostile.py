@@ -303,3 +303,28 @@ def test_verify_names_a_committed_step_whose_marker_is_unreadable(moto, tmp_path
     assert result.exit_code == 1, result.output
     findings = json.loads(result.output)["findings"]
     assert [(f["code"], f["path"]) for f in findings] == [("marker-unreadable", f"{url}/step_00000001/manifest.json")]
+
+
+class _Headed:
+    """A bucket whose HEAD answers with a given ETag spelling (stores quote it in one reply and not another)."""
+
+    def __init__(self, etag: str) -> None:
+        self.etag = etag
+        self.url = type("U", (), {"bucket": "b"})()
+
+    def head(self, key, *, step=None, what="object"):
+        return 17, self.etag
+
+
+@pytest.mark.parametrize("spelling", ['"0123abcd"', "0123abcd", 'W/"0123abcd"'])
+def test_an_etag_quoted_differently_by_head_is_the_same_etag(spelling, tmp_path):
+    from ckptguard.storage.objectstore._transfer import Incoming, _head
+
+    _head(_Headed(spelling), Incoming("k", tmp_path / "k", 17, '"0123abcd"', "x"), 3)  # no error
+
+
+def test_another_etag_is_still_refused_as_replaced(tmp_path):
+    from ckptguard.storage.objectstore._transfer import Incoming, _head
+
+    with pytest.raises(ObjectStoreError, match="was replaced after its step was committed"):
+        _head(_Headed('"ffff"'), Incoming("k", tmp_path / "k", 17, '"0123abcd"', "x"), 3)

@@ -142,14 +142,18 @@ class ObjectStoreCheckpoint:
 
     # ------------------------------------------------------------ save
 
-    def save(self, step: int, state: StateDict, **health: Any) -> str | None:
+    def save(self, step: int, state: StateDict, *, overwrite: bool = False, break_lease: bool = False,
+             **health: Any) -> str | None:
         """Commit ``step`` locally, then on the store; returns the marker's URL (None: the health
-        policy skipped the step on every rank, nothing was written)."""
-        overwrite = bool(health.pop("overwrite", False)) or self.replaces(step)
-        local = self.local.save(step, state, overwrite=overwrite, **health)
+        policy skipped the step on every rank, nothing was written). ``break_lease``: take the store's
+        write lease from another live job (as ``CheckpointManager.save``'s)."""
+        # The store's lease first: a job refused by it changes nothing, not even its staging root.
+        self.check_lease(break_lease)
+        overwrite = overwrite or self.replaces(step)
+        local = self.local.save(step, state, overwrite=overwrite, break_lease=break_lease, **health)
         if local is None:
             return None
-        return self.publish(step, local)
+        return self.publish(step, local, break_lease=break_lease)
 
     def replaces(self, step: int) -> bool:
         """Whether the staging save of ``step`` must replace staging steps the store never committed
@@ -175,9 +179,9 @@ class ObjectStoreCheckpoint:
                         self.local.root, step, self.store.url, stored, step)
         return _Replace(stored < step)
 
-    def publish(self, step: int, step_dir: Path) -> str:
+    def publish(self, step: int, step_dir: Path, *, break_lease: bool = False) -> str:
         """Publish the committed local step directory ``step_dir`` as ``step`` on the store (collective)."""
-        begun = gather_decide(self._agreement, "store.begin", _Empty(), lambda _: self._begin(step),
+        begun = gather_decide(self._agreement, "store.begin", _Empty(), lambda _: self._begin(step, break_lease),
                               decision=_Begun)
         typed = _manifest.read(step_dir)  # checked as a restore checks it: the store gets a committed step only
         manifest, files = typed.to_json(), typed.files
@@ -196,8 +200,8 @@ class ObjectStoreCheckpoint:
         self.copy_proof()
         return done.url
 
-    def _begin(self, step: int) -> _Begun:
-        self.take_lease()
+    def _begin(self, step: int, break_lease: bool = False) -> _Begun:
+        self.take_lease(break_lease)
         return _Begun(self.store.begin(step, replace_orphan=True))
 
     def take_lease(self, break_lease: bool = False) -> None:
@@ -282,31 +286,33 @@ class ObjectStoreCheckpoint:
 
     # ------------------------------------------------------------ restore
 
-    def resolve(self, mode: ResumeMode = ResumeMode.AUTO) -> tuple[int, str]:
-        """The step a restore would load from the store and why (agreed by all ranks); loads nothing."""
-        chosen = gather_decide(self._agreement, "store.resolve", _Empty(), lambda _: self._choose(mode),
-                               decision=_Chosen)
+    def resolve(self, mode: ResumeMode = ResumeMode.AUTO, *, break_lease: bool = False) -> tuple[int, str]:
+        """The step a restore would load from the store and why (agreed by all ranks); loads nothing.
+        ``break_lease``: go on while another live job holds the store's lease."""
+        chosen = gather_decide(self._agreement, "store.resolve", _Empty(),
+                               lambda _: self._choose(mode, break_lease), decision=_Chosen)
         return chosen.step, chosen.reason
 
-    def _choose(self, mode: ResumeMode) -> _Chosen:
-        self.store.check_lease(self._holder, override=False)
+    def _choose(self, mode: ResumeMode, break_lease: bool = False) -> _Chosen:
+        self.store.check_lease(self._holder, override=break_lease)
         if mode is ResumeMode.NEVER:
             return _Chosen(0, "ResumeMode.NEVER")
         found = self.store.resolve(must=mode is ResumeMode.MUST)
         return _Chosen(found.step, found.reason)
 
-    def restore(self, state: StateDict, *, mode: ResumeMode = ResumeMode.AUTO) -> int:
-        """Restore the store's tracker step into ``state``; returns it (0: a fresh start)."""
+    def restore(self, state: StateDict, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> int:
+        """Restore the store's tracker step into ``state``; returns it (0: a fresh start). ``break_lease``:
+        restore while another live job holds the store's lease (as ``CheckpointManager.restore``'s)."""
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
         self.seed_proof()
-        step, reason = self.resolve(mode)
+        step, reason = self.resolve(mode, break_lease=break_lease)
         if step == 0:
             log.warning("ckptguard: FRESH START: %s", reason)
-            return self.local.restore(state, mode=ResumeMode.NEVER)
+            return self.local.restore(state, mode=ResumeMode.NEVER, break_lease=break_lease)
         log.info("ckptguard: resuming from step %d on %s (%s)", step, self.store.url, reason)
         step_dir = self.bring(step)
-        return self.local.restore(state, path=step_dir)
+        return self.local.restore(state, path=step_dir, break_lease=break_lease)
 
     def tracker_step(self) -> int:
         """The store's committed step a restore would load (the tracker, its marker checked; 0: none).

@@ -284,11 +284,18 @@ def _head(bucket: Bucket, item: Incoming, step: int | None) -> None:
         raise CheckpointCorruptError(
             f"{where}: the marker declares {item.size} bytes, the object has {size}: the marker does not describe "
             "this object (damaged or crafted); nothing was downloaded: restore another step")
-    if etag != item.etag:
+    if _unquoted(etag) != _unquoted(item.etag):  # stores quote an ETag in one reply and not in another
         raise ObjectStoreError(
             f"{where} was replaced after its step was committed (ETag {etag}, the marker recorded {item.etag}): "
             "something outside ckptguard wrote it; restore another step",
             bucket=bucket.url.bucket, key=item.key, step=step)
+
+
+def _unquoted(etag: str) -> str:
+    """An ETag without its quotes and weak prefix (RFC 9110 quotes it; some stores' HEAD and PUT replies differ)."""
+    text = etag.strip()
+    text = text[2:] if text.startswith("W/") else text
+    return text.strip('"')
 
 
 def _room(items: list[Incoming], step: int | None, bucket: Bucket) -> None:
