@@ -119,5 +119,6 @@ def test_mem_watch_and_report_json(tmp_path):
 def test_the_reading_commands_share_the_style(root):
     assert _json("list", root, "--json")["tracker"] == 2
     assert _json("resolve", root, "--json")["step"] == 2
-    proof = _json("prove", root, "--json", code=1)  # no restore was recorded: NOT proven, and said so
-    assert proof["proven"] is False and proof["error"] == proof["verdict"]
+    proof = _json("prove", root, "--json", code=3)  # no restore was recorded: evidence missing, never "diverged"
+    assert proof["proven"] is False and proof["error"] == proof["verdict"] and proof["exit_code"] == 3
+    assert proof["verdict"].startswith("resume EVIDENCE MISSING") and proof["failed"] == []
