@@ -55,6 +55,9 @@ def _job(rank: int, world: int, root: str, steps: int, stop_after: int | None, d
     start = mgr.restore(state)
     if defect == "one_rank_rng" and start and rank == 1:
         torch.manual_seed(1234)  # rank 1's streams are not the ones saved (only rank 0's put back)
+    if defect == "drift" and start and rank == 1:
+        with torch.no_grad():  # a hook after restore() returned: rank 1's replica moves
+            model[0].weight.add_(1e-3)
     it = iter(loader)  # created after restore(): without its own generator it draws from the restored RNG
     for _ in range(position.batches):
         next(it)
@@ -74,7 +77,10 @@ def _job(rank: int, world: int, root: str, steps: int, stop_after: int | None, d
         if step == stop_after:
             break
         if step % 3 == 0:
-            mgr.save(step, state)
+            try:
+                mgr.save(step, state)
+            except cg.ReplicatedDivergenceError:
+                return start
     return start
 
 
@@ -178,3 +184,12 @@ def test_a_cursor_saved_ahead_of_training_is_named_apart_from_a_lost_prefetch(tm
     # the first replayed step is already ahead: a lost prefetch, or a cursor ahead with no prefetch at all
     lost = _gate(evaluate(_records(tmp_path / "lost", ["8", "9"])), "data order identical")
     assert lost.status is Status.FAIL and "a batch drawn before the save point (a prefetch) was lost" in lost.evidence
+
+
+def test_replicas_that_drift_after_the_restore_are_named_by_the_next_save(tmp_path):
+    gates = _resumed(tmp_path, "drift")
+    replicas = _gate(gates, "replicas equal after load")
+    assert replicas.status is Status.FAIL and outcome(gates) is Outcome.DIVERGED, replicas.evidence
+    assert "the save of step 6 after the restore of step 3 found replicas that differ across ranks" in \
+        replicas.evidence
+    assert "model.0.weight" in replicas.evidence, replicas.evidence

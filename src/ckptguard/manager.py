@@ -46,7 +46,7 @@ from ._state.state import addresses, capture, check_items, moved
 from ._state.trajectory import fingerprint, step_metrics
 from ._types import JsonObject, StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
-from .errors import ConfigError
+from .errors import ConfigError, ReplicatedDivergenceError
 from .storage._staging import Fence
 from .storage.base import Storage
 from .storage.streaming import StreamingStorage
@@ -214,7 +214,11 @@ class CheckpointManager:
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
-        snap = snapshot(self._ctx, step, state, actions=actions)
+        try:
+            snap = snapshot(self._ctx, step, state, actions=actions)
+        except ReplicatedDivergenceError as exc:  # in the proof records: prove names the tensor under its replica gate
+            self._record("replicas", step=step, ok=False, error=str(exc))
+            raise
         snap.cost.update(self.busy.pending_cost())
         path = self._published(_commit.commit(self._ctx, snap), step, blocked_s=time.monotonic() - start, began=start)
         self.blocking.observe(snap, time.monotonic() - start)

@@ -190,6 +190,10 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
         return Status.MISSING, "no restore of a non-zero step"
     assert seg.restore is not None
     rep = seg.restore.get("replicas")
+    later = next((r for r in seg.after if r["event"] == "replicas" and r.get("ok") is False), None)
+    if later is not None:  # drift after restore() returned (a hook, a late broadcast): the next save refused it
+        return Status.FAIL, (f"rank {seg.rank}: the save of step {later['step']} after the restore of step "
+                             f"{seg.restore['step']} found replicas that differ across ranks: {later.get('error')}")
     if rep and rep.get("differing"):
         shown = differing_chunks(rep, short=True)
         return Status.FAIL, (f"{rep['differing']} tensor chunk(s) held by several ranks differ between their "
