@@ -22,7 +22,8 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..storage.base import DCP_METADATA
-from ..storage.dcpindex import ShortDataFile, read_dcp_index
+from ..storage.dcpindex import read_dcp_index
+from ..storage.dcpstructure import ShortDataFile
 from . import manifest as _manifest
 from . import runmanifest
 from .entries import Cost, FileEntry

@@ -16,9 +16,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointCorruptError
 from .base import DCP_METADATA
-from .dcpindex import ALLOWED_NAMES, check_structure, confine, read_bounded, scan_pickle, unreadable
+from .dcpindex import ALLOWED_NAMES, confine, read_bounded, scan_pickle, unreadable
 from .dcpindex import METADATA_BYTES as METADATA_BYTES
 from .dcpindex import plain_name as plain_name
+from .dcpstructure import check_structure
 
 # ---------------------------------------------------------------- restricted unpickling
 
