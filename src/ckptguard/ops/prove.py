@@ -287,7 +287,7 @@ def _zero(update: Mapping[str, Any]) -> bool:
     return not isinstance(norm, (int, float)) or not norm or norm != norm or not update.get("params_changed")
 
 
-def _gate_update(seg: _Segment) -> tuple[Status, str]:
+def _gate_update(seg: _Segment, plan: ProofPlan) -> tuple[Status, str]:
     """The first non-zero update after the restore; a zero one is judged against what the reference run
     (``ops.reference``) did at that step: zero there too is the trajectory (a GRPO group whose rewards
     were all equal), non-zero there is a failure, not recorded there is missing evidence."""
@@ -299,7 +299,7 @@ def _gate_update(seg: _Segment) -> tuple[Status, str]:
     if not updates:
         return Status.MISSING, _no_update(seg)
     zeros: list[int] = []
-    for u in updates:
+    for i, u in enumerate(updates):
         if not _zero(u):
             also = f" (steps {zeros} had a zero update, as the reference run had there)" if zeros else ""
             return Status.PASS, f"first non-zero update: grad_norm {u['grad_norm']:.3g} at step {u['step']}{also}"
@@ -308,9 +308,7 @@ def _gate_update(seg: _Segment) -> tuple[Status, str]:
                 f"params_changed={u['params_changed']}"
         ref_update = _updates([ref])[0] if ref is not None and _updates([ref]) else None
         if (chosen is None or ref_update is None) and zeros:  # compared as far as any earlier run recorded
-            return Status.PASS, (f"the updates of steps {zeros[0]}-{zeros[-1]} were zero, as the reference run's at "
-                                 f"the same steps (the trajectory has zero updates there); step {u['step']} and "
-                                 "later were recorded by no earlier run")
+            return _past_reference(seg, zeros, updates[i:], plan)
         if chosen is None or ref_update is None:
             return Status.MISSING, (f"{shown}, and no run before this resume recorded step {u['step']}'s update to "
                                     f"tell a zero the trajectory has from one the restore caused "
@@ -321,6 +319,38 @@ def _gate_update(seg: _Segment) -> tuple[Status, str]:
         zeros.append(int(u["step"]))
     return Status.PASS, (f"every update after the restore (steps {zeros[0]}-{zeros[-1]}) was zero, as the reference "
                          "run's at the same steps (the trajectory has zero updates there)")
+
+
+def _exact_zero(update: Mapping[str, Any]) -> bool:
+    norm = update.get("grad_norm")
+    return isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm == 0
+
+
+def _past_reference(seg: _Segment, zeros: list[int], rest: list[dict[str, Any]],
+                    plan: ProofPlan) -> tuple[Status, str]:
+    """The updates past the last one an earlier run recorded, after zero updates that matched it. A zero
+    gradient there continues the trajectory's (a converged GRPO policy); an optimizer that changed no
+    parameter with a non-zero gradient is what a lost optimizer looks like, which nothing recorded
+    can tell from a learning rate of zero (a warmup), so it is never a PASS."""
+    matched = f"the updates of steps {zeros[0]}-{zeros[-1]} were zero, as the reference run's at the same steps"
+    unrecorded: list[int] = []
+    for u in rest:
+        if not _zero(u):
+            return Status.PASS, (f"first non-zero update: grad_norm {u['grad_norm']:.3g} at step {u['step']} ({matched}"
+                                 f"; steps {unrecorded} past what any earlier run recorded had a zero gradient)")
+        if not _exact_zero(u):
+            return Status.MISSING, (
+                f"rank {seg.rank}: {matched}, then step {u['step']}, which no earlier run recorded, had grad_norm "
+                f"{u['grad_norm']} and params_changed={u['params_changed']}: the optimizer changed no parameter with "
+                "a non-zero gradient, a lost optimizer state or a learning rate of zero (nothing recorded tells "
+                "which); kill a run later, so that an earlier run records that step")
+        unrecorded.append(int(u["step"]))
+    if len(zeros) < plan.replay_steps:
+        return Status.MISSING, (f"rank {seg.rank}: {matched}, {len(zeros)} step(s) compared where the plan asks for "
+                                f"{plan.replay_steps} (ProofPlan.replay_steps); steps {unrecorded} were recorded by no "
+                                "earlier run")
+    return Status.PASS, (f"{matched} (the trajectory has zero updates there); step {unrecorded[0]} and later were "
+                         "recorded by no earlier run and had a zero gradient")
 
 
 def _no_update(seg: _Segment) -> str:
@@ -448,6 +478,9 @@ class _Replay:
     no_reference: bool = False  # no run before the resume recorded a step past the restored one on this rank
     resumed_none: bool = False  # the resumed run recorded no step past the restored one on this rank
     rng: tuple[int, dict[str, Any], dict[str, Any]] | None = None  # (step, killed, resumed) global RNG digests
+    once: str = ""  # what the exactly-once check against the steps up to the restored one found
+    once_missing: bool = False  # that check found a repeat it cannot tell from a new pass over the data
+    saver_recorded: bool = False  # this rank holds the save record of the restored step, at one world size
 
 
 def _data(r: ProofRecord) -> dict[str, Any]:
@@ -563,6 +596,59 @@ def _first_steps(before: list[ProofRecord], pid: Any) -> dict[tuple[Any, ...], i
     return out
 
 
+def _history(before: list[ProofRecord], pid: Any, k: int) -> dict[int, ProofRecord]:
+    """Each step up to k with its data, as the runs before the resume recorded it last (the lineage
+    that reached step k)."""
+    out: dict[int, ProofRecord] = {}
+    for r in before:
+        if r["event"] == "step" and r["pid"] != pid and r.step is not None and r.step <= k and _data(r):
+            out[int(r.step)] = r
+    return out
+
+
+def _consumed_again(rank: int, k: int, steps: list[int], resumed: dict[int, list[ProofRecord]],
+                    before: list[ProofRecord], pid: Any) -> tuple[Status | None, str, int | None]:
+    """Exactly once: whether a replayed step consumed data already consumed at or before step k. An earlier
+    resume shares a restore bug that replays the same way every time (a data position put back to the
+    pass's start), so where no run that trained step k recorded past it, this is the check left. A repeat
+    in the same recorded epoch is a FAIL; without ``epoch=`` a repeat is also what a new pass beginning
+    right after step k consumes, so it is missing evidence, never a PASS. Returns (status, why, the step):
+    status None when nothing was found (why says what was checked)."""
+    history = _history(before, pid, k)
+    if not history:
+        return None, f"rank {rank}: no step up to {k} recorded with its data: data consumed twice not checked", None
+    keys = {step: _key(r) for step, r in history.items()}
+    repeats = len(set(keys.values())) < len(keys)
+    for s in steps:
+        b = resumed[s][0]
+        if not _data(b):
+            continue
+        earlier = [history[j] for j in sorted(history) if keys[j] == _key(b)]
+        if not earlier:
+            continue
+        epoch = _epoch_of(b)
+        same = [h for h in earlier if epoch is not None and _epoch_of(h) == epoch]
+        if same:
+            return Status.FAIL, (
+                f"rank {rank}, step {s}: the resumed run consumed {_show(b)}, already consumed at step "
+                f"{same[-1]['step']} in the same epoch {epoch!r}, before the save of step {k}: data consumed twice in "
+                "one pass, a data position put back in the restore (a sampler's position or epoch, or a cursor, not "
+                "in the state or restored to an older value); a restore bug that every resume repeats, so comparing "
+                "resumes could not show it"), s
+        if epoch is not None and all(_epoch_of(h) is not None for h in earlier):
+            continue  # consumed in an earlier epoch: a new pass over the data
+        if repeats:
+            return None, (f"rank {rank}: data consumed twice not checked: steps up to {k} consumed the same data more "
+                          "than once (passes over the data) and no epoch was recorded (record_step(..., epoch=))"), None
+        return Status.MISSING, (
+            f"rank {rank}, step {s}: the resumed run consumed {_show(b)}, which step {earlier[-1]['step']} consumed "
+            f"before the save of step {k}: either a new pass over the data began after step {k} or the restore put "
+            "the data position back (a restore bug that every resume repeats, so comparing resumes cannot tell); "
+            f"no run that trained step {k} recorded past it, and no epoch was recorded: record_step(..., epoch=) "
+            "tells"), s
+    return None, f"no replayed step consumed data already consumed up to step {k}", None
+
+
 def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Replay:
     out = _Replay(seg.rank)
     if (missing := _needs_restore(seg)) is not None:
@@ -577,17 +663,23 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
         if r["event"] == "step" and r["step"] > k:
             resumed.setdefault(int(r["step"]), []).append(r)
     out.restored, out.ref_steps, out.resumed_steps = k, sorted(ref), sorted(resumed)
-    if not _reference_mod.candidates(before, k, seg.restore["pid"]):
+    found = _reference_mod.candidates(before, k, seg.restore["pid"])
+    out.saver_recorded = any(c.saved and c.save_recorded for c in found) and seg.restore.get(
+        "saved_world_size", seg.restore.get("world_size")) == seg.restore.get("world_size")
+    if not found:
         out.no_reference = True
-        out.evidence = (f"rank {seg.rank}: no record of the process that saved step {k} (its save record lost with a "
-                        "kill right after the commit) and no earlier resume of it: no killed run to compare with")
-        return out
+        lost = ("no record of any run before this resume on this rank (its records lost, e.g. with its node)"
+                if not any(r.pid != seg.restore["pid"] for r in before) else
+                f"no record of the process that saved step {k} (its save record lost with a kill right after the "
+                "commit) and no earlier resume of it")
+        out.evidence = f"rank {seg.rank}: {lost}: no killed run to compare with"
+        return _unreferenced(out, k, resumed, before, seg.restore["pid"])
     if not ref:
         out.no_reference = True
         out.evidence = (f"rank {seg.rank}: no run before this resume recorded a step past step {k} "
                         f"({_reference_mod.nothing_past(before, k, seg.restore['pid'], 'step')}; killed right after "
                         "the save, or record_step not called): nothing to compare the replay with")
-        return out
+        return _unreferenced(out, k, resumed, before, seg.restore["pid"])
     if not resumed:
         out.resumed_none = True
         out.evidence = f"rank {seg.rank}: the resumed run recorded no step after the restore of step {k}"
@@ -640,6 +732,26 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
         out.status = Status.PASS
         span = f"step {out.steps[0]}" if len(out.steps) == 1 else f"steps {out.steps[0]}-{out.steps[-1]}"
         out.evidence = f"{span} replayed after the restore of step {k}{_against(chosen)}"
+        if chosen is not None and not chosen.saved:  # an earlier resume may share the restore bug
+            once, out.once, step = _consumed_again(seg.rank, k, out.steps, resumed, before, seg.restore["pid"])
+            if once is not None:
+                out.status, out.evidence = once, out.once
+                out.first_bad = step if once is Status.FAIL else None
+    return out
+
+
+def _unreferenced(out: _Replay, k: int, resumed: dict[int, list[ProofRecord]], before: list[ProofRecord],
+                  pid: Any) -> _Replay:
+    """A rank with no run to compare its replay with is still checked for data consumed twice in one epoch
+    (any step), and its first replayed step for a repeat that may also be a new pass (what another rank
+    judges it by, ``_symmetric``; a later step may begin the next pass, as a wrapping cursor's does)."""
+    once, out.once, step = _consumed_again(out.rank, k, sorted(resumed), resumed, before, pid)
+    if once is not Status.FAIL:
+        first = [s for s in resumed if s == k + 1]
+        once, out.once, step = _consumed_again(out.rank, k, first, resumed, before, pid)
+        out.once_missing = once is Status.MISSING
+    else:
+        out.status, out.evidence, out.no_reference, out.first_bad = Status.FAIL, out.once, False, step
     return out
 
 
@@ -698,13 +810,17 @@ def _coverage(replays: list[_Replay]) -> Gate | None:
         required=False)
 
 
-def _symmetric(replays: list[_Replay]) -> str | None:
+def _symmetric(replays: list[_Replay], plan: ProofPlan) -> str | None:
     """Where a job-wide kill left ranks one record apart, what the ranks that recorded show for the
     others, in words (None: not that case). It is that case when every rank either replayed and
     matched, or had no reference at all; the ranks with one recorded only the step after the
     restored one (DDP ranks meet at every step's all-reduce, so they are at most one record apart);
     and the ranks without one replayed that step too. Ranks of one world size that restored one
-    step run the same step on their own samples: the matching replay stands for theirs."""
+    step run the same step on their own samples: the matching replay stands for theirs. It stands
+    only where the plan is deterministic (the judged ranks' bitwise numbers then carry every rank's
+    contribution through the all-reduce), every rank without a reference holds the save record of
+    that step at the same world size (else nothing says that rank ran the job at all: a node whose
+    records were lost), and none of them consumed data it had consumed before the save."""
     judged = [r for r in replays if r.status is Status.PASS]
     behind = [r for r in replays if r.resumed_none and not r.no_reference]
     if behind and judged and len(behind) + len(judged) == len(replays):  # the resumed run's ranks one apart
@@ -719,6 +835,8 @@ def _symmetric(replays: list[_Replay]) -> str | None:
         return None
     if any(r.restored != k or k + 1 not in r.resumed_steps for r in lacking):
         return None
+    if not plan.deterministic or any(not r.saver_recorded or r.once_missing for r in lacking):
+        return None  # the lacking ranks stay MISSING: nothing stands for their data
     ranks, others = [r.rank for r in lacking], [r.rank for r in judged]
     return (f"; rank(s) {ranks}: the killed run had recorded nothing past step {k} there when the job-wide kill "
             f"landed, one record behind rank(s) {others}, which had recorded step {k + 1}: judged by rank(s) "
@@ -726,8 +844,25 @@ def _symmetric(replays: list[_Replay]) -> str | None:
             "restored step, each rank running the same step on its own samples)")
 
 
+def _qualifies(replays: list[_Replay], sym: str | None) -> str:
+    """What a data order PASS rests on besides each rank's own comparison with the run that saved the step."""
+    notes = []
+    loop = [r for r in replays if r.status is Status.PASS and r.reference is not None and not r.reference.saved]
+    if loop:
+        k = loop[0].restored
+        notes.append(f"data order of rank(s) {[r.rank for r in loop]} compared with an earlier resume of step {k}, "
+                     "not with the run that saved it (which recorded nothing past it): a restore bug every resume "
+                     "repeats would match; checked instead that no replayed step consumed data consumed up to "
+                     f"step {k}")
+    if sym is not None:
+        lacking = [r.rank for r in replays if r.no_reference]
+        notes.append(f"data order of rank(s) {lacking} judged by the other ranks' bitwise replay (ranks taken as "
+                     "symmetric)")
+    return "; ".join(notes)
+
+
 def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
-    sym = _symmetric(replays)
+    sym = _symmetric(replays, plan)
     data = _combine("data order identical", [(r.status, r.evidence) for r in replays
                                              if sym is None or r.status is Status.PASS])
     failed = sorted((r.first_bad, r.rank, r) for r in replays if r.status is Status.FAIL and r.first_bad is not None)
@@ -742,7 +877,7 @@ def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
         what = " and ".join(names[f] for f in DATA_FIELDS if any(f in r.fields for r in replays))
         ranks = len(replays) if sym is None else len([r for r in replays if r.status is Status.PASS])
         data = Gate(data.name, Status.PASS, f"{data.evidence} on {ranks} rank(s): {what} digests equal the "
-                    f"killed run's ({len(steps)} step(s)){sym or ''}")
+                    f"killed run's ({len(steps)} step(s)){sym or ''}", qualifies=_qualifies(replays, sym))
     diffs = [(s, r.rank, name, a, b) for r in replays for s, name, a, b in r.diffs]
     diffs.sort(key=lambda d: (d[0], d[1]))  # stable: within a step, loss and grad_norm before the extras
     compared = [r for r in replays if r.steps and r.status is not Status.FAIL]
@@ -1191,7 +1326,7 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
     gates.append(_not_rl("first old-logprob aligned", [_judged(_gate_logprobs, s) for s in segments], plan, where,
                          "logprobs" in events))
     behind = _behind(segments)
-    gates.append(_by_ranks_ahead("one non-zero update", segments, _gate_update, behind))
+    gates.append(_by_ranks_ahead("one non-zero update", segments, lambda s: _gate_update(s, plan), behind))
     gates.append(_by_ranks_ahead("resumed run trained", segments, lambda s: _gate_trained(s, plan), behind))
     if resharded is not None:  # ranks changed: exactly-once over the union of ranks, not rank by rank
         gates += _resharded_gates(segments, records, plan, *resharded)

@@ -31,10 +31,12 @@ class Candidate:
     end: int  # the next launch's restore record
     step: int
     launch: int  # its own launch's restore record (-1: none recorded): an export of step k precedes the save
+    save_recorded: bool = True  # its save record is there (False: found by its record of step k)
 
     def describe(self) -> str:
         what = "the run that saved" if self.saved else "an earlier resume of"
-        return f"{what} step {self.step} (pid {self.pid})"
+        lost = "" if self.save_recorded else ", its save record lost with a kill right after the commit"
+        return f"{what} step {self.step} (pid {self.pid}{lost})"
 
 
 def _next_launch(before: Sequence[ProofRecord], i: int) -> int:
@@ -43,8 +45,9 @@ def _next_launch(before: Sequence[ProofRecord], i: int) -> int:
 
 def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidate]:
     """The runs that ran on from step k before the resumed run (``pid``), oldest first. A kill between the
-    commit of step k and the append of its save record leaves no save record: the saving run then
-    recorded nothing past k either, and the resumes of k after its record of step k are the candidates."""
+    commit of step k and the append of its save record leaves no save record: the process that recorded
+    step k last is then taken as the saving run (a ``save_async`` commit lands while steps past k train,
+    so that process may have recorded them: the killed run's own evidence), then the resumes of k after it."""
     save = next((i for i in range(len(before) - 1, -1, -1) if before[i].event == "save" and before[i].step == k),
                 None)
     out: list[Candidate] = []
@@ -54,6 +57,11 @@ def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidat
     else:
         save = next((i for i in range(len(before) - 1, -1, -1)
                      if before[i].event in ("step", "update") and before[i].step == k), -1)
+        if save >= 0 and before[save].pid != pid:
+            owner = before[save].pid
+            launch = next((i for i in range(save - 1, -1, -1)
+                           if before[i].event == "restore" and before[i].pid == owner), -1)
+            out.append(Candidate(owner, True, save, _next_launch(before, save), k, launch, save_recorded=False))
     for i in range(save + 1, len(before)):
         r = before[i]
         if r.event == "restore" and r.step == k and r.pid != pid and r.get("ok") is not False:
@@ -82,9 +90,12 @@ def earliest(before: Sequence[ProofRecord], k: int, pid: int,
 
 def at_step(before: Sequence[ProofRecord], k: int, pid: int, events: tuple[str, ...],
             step: int) -> tuple[Candidate | None, ProofRecord | None]:
-    """The earliest candidate's first record of ``events`` at ``step`` (None, None: no run recorded it)."""
+    """The earliest candidate's record of ``events`` at ``step``, of the first kind in ``events`` it
+    recorded there, whatever the order of its appends (None, None: no run recorded it)."""
     for c in candidates(before, k, pid):
-        found = next((r for r in _of(before, c, events) if r.step == step), None)
+        recorded = [r for r in _of(before, c, events) if r.step == step]
+        # record_step before record_update of one step: the update record, not the step's, is the update
+        found = next((r for ev in events for r in recorded if r.event == ev), None)
         if found is not None:
             return c, found
     return None, None
