@@ -35,8 +35,8 @@ from .._agree import gather_decide
 from .._context import Actions, Context
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
-from .._records.checks import rank_reads
 from .._records.entries import Figure, FileEntry, NodeEntry
+from .._records.stepfiles import rank_reads
 from .._types import JsonObject
 from ..errors import (
     CheckpointError,

@@ -34,8 +34,8 @@ from typing import Any
 from .._disk import layout as _layout
 from .._disk.digest import file_digest
 from .._records import manifest as _manifest
-from .._records.checks import rank_reads
 from .._records.entries import FileEntry
+from .._records.stepfiles import rank_reads
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage.base import DCP_METADATA
