@@ -54,7 +54,7 @@ from .._disk.digest import digest
 from .._records.retention import KeepLast
 from .._state import rng as _rng
 from .._state.state import PerRank
-from ..config import CheckpointConfig, ResumeMode, with_dir_template
+from ..config import CheckpointConfig, ProofPlan, ResumeMode, with_dir_template
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager
 from ..storage.streaming import StreamingStorage
@@ -321,12 +321,18 @@ class CkptguardHFMixin:
             raise ConfigError(f"ckptguard_vllm_sync={sync!r} needs GRPOConfig(use_vllm=True, vllm_mode='colocate')")
         _vllm.install_trl_sync(self, lambda: self._ckptguard_mgr, mode=sync)
         _vllm.install_trl_old_logprobs(self, lambda: self._ckptguard_mgr)
+        self._ckptguard_rl = True  # an RL job recording its exports and old logprobs: ProofPlan(rl=True)
 
     def _ckptguard_manager(self) -> CheckpointManager:
         """One manager per trainer, created collectively (``train()`` runs on every rank)."""
         if self._ckptguard_mgr is None:
             root = Path(self.args.output_dir).absolute()
-            cfg = checkpoint_config(self.args, **self.ckptguard_config_overrides)
+            overrides = dict(self.ckptguard_config_overrides)
+            if getattr(self, "_ckptguard_rl", False) and "proof" not in overrides:
+                # GRPO with the colocated engine synced through ckptguard: its proof plan is the RL one (the first
+                # export and old-logprob after a restore are gates), bitwise as the mixin's numbers are
+                overrides["proof"] = ProofPlan(rl=True, deterministic=True)
+            cfg = checkpoint_config(self.args, **overrides)
             storage = ExternalFiles(StreamingStorage(), {HF_SUBDIR: self._ckptguard_write})
             self._ckptguard_mgr = CheckpointManager(root, config=cfg, storage=storage)
         return self._ckptguard_mgr
