@@ -36,7 +36,7 @@ from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records import retention
 from ._records import trust as _trust
-from ._records.prooflog import export_fingerprint, logprob_diff, process_start
+from ._records.prooflog import ExportFingerprint, export_fingerprint, logprob_diff, process_start
 from ._resume import resolve as _resolve
 from ._resume import restore as _restore
 from ._resume.resolution import Resolution
@@ -401,7 +401,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ proof records
 
-    def record_export(self, step: int, payload: Any, *, scales: Any = None, **details: Any) -> dict[str, str]:
+    def record_export(self, step: int, payload: Any, *, scales: Any = None, **details: Any) -> ExportFingerprint:
         """Record the weights exported for rollout at ``step`` (after ``step`` updates).
 
         ``payload`` is what the rollout receives (tensors or bytes); ``scales`` the

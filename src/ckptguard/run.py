@@ -61,7 +61,7 @@ from ._disk import layout as _layout
 from ._dist import make_agreement
 from ._records import checks as _checks
 from ._records import trust as _trust
-from ._records.prooflog import ProofLog
+from ._records.prooflog import ExportFingerprint, ProofLog
 from ._resume import resolve as _resolve
 from ._resume.resolve import Resolution, ResolveView
 from ._state.derived import DerivedState
@@ -443,7 +443,8 @@ class RunCheckpoint:
         """Record an optimizer update of ``role``: its gradient norm and whether the parameters moved."""
         self._proofs.update(role, step, grad_norm=grad_norm, params_changed=params_changed)
 
-    def record_export(self, step: int, payload: Any, *, scales: Any = None, role: str | None = None) -> dict[str, str]:
+    def record_export(self, step: int, payload: Any, *, scales: Any = None,
+                      role: str | None = None) -> ExportFingerprint:
         """Record the weights ``role`` exported for rollout at ``step`` (see CheckpointManager.record_export)."""
         return self._proofs.export(role, step, payload, scales=scales)
 

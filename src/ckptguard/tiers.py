@@ -57,6 +57,7 @@ from ._disk import layout as _layout
 from ._disk import lease as _lease
 from ._dist import make_agreement
 from ._records import trust as _trust
+from ._records.prooflog import ExportFingerprint
 from ._records.retention import KeepLast, RetentionPolicy, default_policy
 from ._resume.resolution import Resolution
 from ._state.derived import DerivedState
@@ -482,7 +483,7 @@ class TieredCheckpoint:
         return self._home().record_step(step, sample_ids=sample_ids, batch=batch, loss=loss, grad_norm=grad_norm,
                                         **extra)
 
-    def record_export(self, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
+    def record_export(self, step: int, payload: Any, *, scales: Any = None) -> ExportFingerprint:
         return self._home().record_export(step, payload, scales=scales)
 
     def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from .._records.prooflog import ExportFingerprint
 from .._resume.resolution import Resolution
 from .._types import JsonObject
 from ..config import ResumeMode
@@ -69,7 +70,7 @@ class Checkpointer(Protocol):
 
     def record_update(self, step: int, /, *, grad_norm: float, params_changed: bool) -> None: ...
 
-    def record_export(self, step: int, payload: Any, /, *, scales: Any = None) -> dict[str, str]: ...
+    def record_export(self, step: int, payload: Any, /, *, scales: Any = None) -> ExportFingerprint: ...
 
     def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, /) -> dict[str, float]: ...
 

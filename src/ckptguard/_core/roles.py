@@ -17,7 +17,7 @@ from .._commit import pending as _async
 from .._commit.messages import failure_from
 from .._context import Context
 from .._records import runmanifest
-from .._records.prooflog import ProofLog, export_fingerprint, logprob_diff
+from .._records.prooflog import ExportFingerprint, ProofLog, export_fingerprint, logprob_diff
 from .._records.trust import HealthLog, HealthPolicy
 from .._resume import resolve as _resolve
 from .._resume import restore as _restore
@@ -202,7 +202,7 @@ class RoleProofs:
         role = self.held(role, "record_update")
         self.record(role, "update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed))
 
-    def export(self, role: str | None, step: int, payload: Any, *, scales: Any = None) -> dict[str, str]:
+    def export(self, role: str | None, step: int, payload: Any, *, scales: Any = None) -> ExportFingerprint:
         role = self.held(role, "record_export")
         fp = export_fingerprint(payload, scales)
         self.record(role, "export", step=step, fingerprint=fp)

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -273,15 +273,28 @@ def prunable(recs: Records, oldest: int) -> list[tuple[int, int]]:
     return out
 
 
-def export_fingerprint(payload: Any, scales: Any = None) -> dict[str, Any]:
+class _Fingerprint(TypedDict):
+    bytes: str  # digest of the exported payload (of its tensors' digests, for a mapping of tensors)
+    scales: str  # digest of the quantization scales sent with it, "none" without
+
+
+class ExportFingerprint(_Fingerprint, total=False):
+    """What ``record_export`` records and returns: ``tensors`` only for a payload that maps names to tensors."""
+
+    tensors: dict[str, str]  # each tensor's digest, by name
+
+
+def export_fingerprint(payload: Any, scales: Any = None) -> ExportFingerprint:
     """Digests of exported bytes and of the quantization scales that go with them. A payload that is a
     mapping of tensors also keeps each tensor's digest (``tensors``), so ``prove`` names the tensors a
     first export after a restore differs in; its ``bytes`` is then the digest of those digests (each
     tensor read once)."""
     tensors = _tensor_digests(payload)
     whole = digest(sorted(tensors.items())) if tensors is not None else digest(payload)
-    out: dict[str, Any] = {"bytes": whole, "scales": digest(scales) if scales is not None else "none"}
-    return {**out, "tensors": tensors} if tensors is not None else out
+    out = ExportFingerprint(bytes=whole, scales=digest(scales) if scales is not None else "none")
+    if tensors is not None:
+        out["tensors"] = tensors
+    return out
 
 
 def _tensor_digests(payload: Any) -> dict[str, str] | None:

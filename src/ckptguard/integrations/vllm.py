@@ -69,6 +69,7 @@ import xxhash
 
 from .._disk.digest import digest
 from .._disk.layoutfree import combine_layout_free, layout_free_partials
+from .._records.prooflog import ExportFingerprint
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager
 from . import peft as _peft
@@ -457,7 +458,7 @@ def _lora_counts(llm: Any, model: Any, adapter: str, name_map: NameMap, step: in
 
 
 def record_engine_export(mgr: CheckpointManager, step: int, engine: Mapping[str, str], *,
-                         push: Push | None = None) -> dict[str, str]:
+                         push: Push | None = None) -> ExportFingerprint:
     """Record what the engine holds as the export of ``step``: ``record_export``'s fingerprint of the
     digests, plus the digest of each tensor (so ``prove`` names the tensors a first export differs in)
     and, after a LoRA push, the gates' results."""
