@@ -130,11 +130,12 @@ def test_health_trust_prefer_and_the_operator_commands_on_a_run_root(tmp_path):
     wrong = cli.invoke(main, ["preflight", str(root), "--rank-hosts", str(hosts)])
     assert wrong.exit_code == 1 and "world-size" in wrong.output and "2 ranks" in wrong.output, wrong.output
 
-    # status on the run root: no phase records is "not checked" (exit 1), naming the roles; with records,
-    # each rank's line names the roles it holds.
+    # status on the run root without phase records: the root's state (a resume would take step 2: exit 0),
+    # naming the roles each rank holds; with records, each rank's line names the roles it holds.
     none = cli.invoke(main, ["status", str(root), "--json"])
-    assert none.exit_code == 1 and "no rank's status was checked" in none.output, none.output
-    assert "RunCheckpoint root" in none.output and "critic" in none.output, none.output
+    assert none.exit_code == 0 and "newest committed step 2" in none.output, none.output
+    assert "RunCheckpoint root of roles ['actor', 'critic', 'driver']" in none.output, none.output
+    assert "1: actor, critic" in none.output, none.output
     from ckptguard.memory import PhaseKind, PhaseRecorder, RecorderConfig
 
     for rank in (0, 1):

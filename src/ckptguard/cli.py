@@ -1056,10 +1056,13 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
     from .ops.status import status as _status
 
     state = root_state(path) if path.is_dir() else None
+    roles = run_rank_roles(path)
+    if state is not None and roles:
+        held = sorted({r for rs in roles.values() for r in rs})
+        state.lines.insert(1, f"a RunCheckpoint root of roles {held} (ranks: {_roles_by_rank(roles)})")
     if state is not None and not as_json:
         for line in state.lines:
             click.echo(printable(line))
-    roles = run_rank_roles(path)
     files = record_files(path)
     said: str | None = None
     try:
@@ -1089,6 +1092,10 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
             held = f" ({', '.join(r.roles) or 'no role'})" if r.roles is not None else ""
             click.echo(printable(f"rank {r.rank:<3}{held} pid {r.pid:<8} {r.node:<12} step {r.step}: {r.verdict}"))
     sys.exit(1 if any(r.needs_attention for r in ranks) else 0)
+
+
+def _roles_by_rank(roles: dict[int, list[str]]) -> str:
+    return "; ".join(f"{rank}: {', '.join(names) or 'no role'}" for rank, names in sorted(roles.items()))
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
