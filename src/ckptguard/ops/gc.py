@@ -15,6 +15,7 @@ verified orphan instead.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,8 +41,9 @@ class GcReport:
     kept: list[tuple[Path, str]] = field(default_factory=list)  # (path, why it stays and what to do)
 
 
-def identify(root: Path) -> None:
+def identify(root: str | os.PathLike[str]) -> None:
     """Raise ConfigError unless ``root`` is a checkpoint root ckptguard wrote."""
+    root = Path(os.fspath(root))
     tracker = root / _layout.TRACKER_NAME
     if tracker.exists() or tracker.is_symlink() or _contract.phase_files(root):
         return
@@ -96,7 +98,7 @@ def _per_node_hint(path: Path, step: int, tracker: int | None, why: str | None, 
 
 
 def gc(
-    root: Path,
+    root: str | os.PathLike[str],
     naming: _layout.StepNaming,
     *,
     dry_run: bool = False,
@@ -111,7 +113,7 @@ def gc(
 
     ``progress(phase, done, total)``: after each step directory checked (``"check"``) and each
     entry removed (``"remove"``)."""
-    root = Path(root).absolute()
+    root = Path(os.fspath(root)).absolute()
     identify(root)
     tracker = _layout.read_tracker(root)
     if orphans and tracker is None:
@@ -194,11 +196,12 @@ def gc(
     return report
 
 
-def adopt_step(root: Path, naming: _layout.StepNaming, step: int, *, ttl_s: float = LEASE_TTL_S) -> str:
+def adopt_step(root: str | os.PathLike[str], naming: _layout.StepNaming, step: int, *,
+               ttl_s: float = LEASE_TTL_S) -> str:
     """Point the tracker of ``root`` at ``step`` after verifying it with checksums: for a
     complete orphan (a save that died before its tracker, or a root whose tracker was lost).
     The tracker only moves forward; the root's lease is taken while it moves."""
-    root = Path(root).absolute()
+    root = Path(os.fspath(root)).absolute()
     identify(root)
     path = root / naming.name(step)
     if path.is_symlink() or not path.is_dir():

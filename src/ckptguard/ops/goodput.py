@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -167,9 +168,10 @@ def launches(records: list[ProofRecord]) -> list[Launch]:
     return out
 
 
-def goodput(root: str | Path, *, mtbf_s: float | None = None) -> Goodput:
+def goodput(root: str | os.PathLike[str], *, mtbf_s: float | None = None) -> Goodput:
     """The figures of the module docstring for ``root`` (``mtbf_s``: a declared mean time between failures)."""
-    records = read_records(Path(root)).get(0, [])
+    root = Path(os.fspath(root))
+    records = read_records(root).get(0, [])
     runs = launches(records)
     if not runs:
         return Goodput(str(root), [], 0.0, 0, 0.0, 0, 0.0, 0.0, 0, 0.0, None, None, None, None, mtbf_s,

@@ -15,6 +15,7 @@ Files, read-back checks and the atomic publish are ``ops.export``'s.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -117,14 +118,15 @@ def _check_merge(name: str, merged: torch.Tensor, base: torch.Tensor, a: torch.T
 
 
 def export_merged(
-    step_dir: Path,
-    out: Path,
+    step_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
     *,
     dtype: torch.dtype | None = None,
     max_host_bytes: int = _export.DEFAULT_BUDGET,
     progress: _export.Progress | None = None,
 ) -> _export.ExportResult:
     """Export the LoRA step ``step_dir`` as its base model with the adapter merged once (module docstring)."""
+    step_dir, out = Path(os.fspath(step_dir)), Path(os.fspath(out))
     manifest = _manifest.read(step_dir)
     binding = _peft.read_binding(step_dir)
     if binding is None:

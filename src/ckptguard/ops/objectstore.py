@@ -17,6 +17,7 @@ credentials come from boto3's configuration (``AWS_ENDPOINT_URL``, ``AWS_PROFILE
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,10 +217,10 @@ def gc_remote(url: str, template: str, *, min_age_s: float, dry_run: bool, force
     return store.gc(min_age_s=min_age_s, dry_run=dry_run)
 
 
-def fetch_proof(url: str, template: str, dest: Path) -> list[str]:
+def fetch_proof(url: str, template: str, dest: str | os.PathLike[str]) -> list[str]:
     """Every rank's proof log from ``<url>/proof/`` into ``dest/proof``; raises when there is none."""
     store = _store(url, template)
-    names = store.fetch_proof(Path(dest))
+    names = store.fetch_proof(Path(os.fspath(dest)))
     if not names:
         raise CheckpointError(
             f"{store.where(PROOF_DIR)}/ holds no proof records: each rank copies its log there at every save and at "

@@ -227,13 +227,14 @@ def _newest_restore(root: Path, since: float) -> int | None:
     return int(recs[-1]["step"]) if recs else None
 
 
-def rehearse(cmd: Sequence[str], root: Path, *, timeout_s: float = 600.0, workdir: Path | None = None,
+def rehearse(cmd: Sequence[str], root: str | os.PathLike[str], *, timeout_s: float = 600.0,
+             workdir: str | os.PathLike[str] | None = None,
              echo: Callable[[str], None] = lambda s: None, epoch_reach: int = 64) -> Rehearsal:
     """``epoch_reach``: how many steps past its first committed save the first run may go on to
     record a step of the next epoch before its kill (0: kill at ``replay_steps`` past the save)."""
-    root = Path(root).absolute()
+    root = Path(os.fspath(root)).absolute()
     start = _tracker(root) if root.exists() else 0
-    log = Path(workdir or root.parent) / f"rehearse-{int(time.time())}.log"
+    log = (Path(os.fspath(workdir)) if workdir is not None else root.parent) / f"rehearse-{int(time.time())}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     _proctree.become_subreaper()  # orphans of a killed tree come to us and are reaped
     pause_dir = Path(tempfile.mkdtemp(prefix="ckptguard-rehearse-"))

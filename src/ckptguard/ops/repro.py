@@ -52,9 +52,9 @@ class ReproConfig:
             raise ConfigError(f"ReproConfig.ranks must be in [1, 64], got {self.ranks}")
 
 
-def filesystem(path: Path) -> dict[str, Any]:
+def filesystem(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Type of the filesystem holding ``path``, its free bytes and free inodes."""
-    probe = path
+    probe = Path(os.fspath(path))
     while not probe.exists():
         probe = probe.parent
     real = str(probe.resolve())
@@ -135,10 +135,11 @@ def _rank(rank: int, world: int, port: int, target: str, cfg: ReproConfig, out: 
     os._exit(0)
 
 
-def run_repro(target: Path, cfg: ReproConfig, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+def run_repro(target: str | os.PathLike[str], cfg: ReproConfig,
+              progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Repeat the save under ``target``; returns the report (also when a round failed).
     ``progress(rounds committed)`` is called as rank 0 commits them."""
-    target = Path(target).absolute()
+    target = Path(os.fspath(target)).absolute()
     target.mkdir(parents=True, exist_ok=True)
     before = {"fs": filesystem(target), "oom_kill": _oom_kills()}
     ctx = mp.get_context("spawn")

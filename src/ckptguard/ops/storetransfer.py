@@ -50,10 +50,10 @@ def _chain(phases: dict[str, dict[str, Any]]) -> str | None:
     return str(first.get("chain_id")) if isinstance(first, dict) and first.get("chain_id") else None
 
 
-def to_store(step_dir: Path, url: str, *, template: str = "step_{step:08d}",
+def to_store(step_dir: str | os.PathLike[str], url: str, *, template: str = "step_{step:08d}",
              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Commit the committed local ``step_dir`` as its step on the store at ``url``."""
-    step_dir = Path(step_dir).absolute()
+    step_dir = Path(os.fspath(step_dir)).absolute()
     errors = [f for f in verify_step(step_dir) if f.severity.value == "ERROR"]
     if errors:
         raise CheckpointCorruptError(f"transfer: {step_dir} is not a complete checkpoint: {errors[0].line()}")
@@ -100,14 +100,15 @@ def _same_chain_on_store(store: ObjectStore, phases: dict[str, dict[str, Any]], 
             "transfer into an empty prefix")
 
 
-def from_store(url: str, dest_root: Path, *, step: int | None = None, template: str = "step_{step:08d}",
-               record: Path | None = None, ttl_s: float = 6 * 3600.0,
+def from_store(url: str, dest_root: str | os.PathLike[str], *, step: int | None = None,
+               template: str = "step_{step:08d}",
+               record: str | os.PathLike[str] | None = None, ttl_s: float = 6 * 3600.0,
                progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Copy the store's committed ``step`` (None: the tracker's) into the local root ``dest_root``; the
     transfer record goes to ``record`` (default ``dest_root/transfers/``), as a local transfer's does."""
     store = ObjectStore(url, ObjectStoreOptions(), dir_template=template)
     marker = _committed(store, step)
-    dest_root = Path(dest_root).absolute()
+    dest_root = Path(os.fspath(dest_root)).absolute()
     final = dest_root / store.naming.name(marker.step)
     dest_root.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -126,7 +127,8 @@ def from_store(url: str, dest_root: Path, *, step: int | None = None, template: 
             "attempt": marker.attempt, "tracker_set_to": max(marker.step, current), "resumed": resumed,
             "who": f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}",
             "started_unix": started, "finished_unix": time.time(), **({"lease": note} if note else {})}
-    rec_path = record or dest_root / TRANSFERS_DIR / f"{int(started)}-step{marker.step}.json"
+    default = dest_root / TRANSFERS_DIR / f"{int(started)}-step{marker.step}.json"
+    rec_path = Path(os.fspath(record)) if record is not None else default
     rec_path.parent.mkdir(parents=True, exist_ok=True)
     _layout.atomic_write_json(rec_path, info)
     return {**info, "record": str(rec_path)}
