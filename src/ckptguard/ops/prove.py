@@ -855,8 +855,8 @@ def _qualifies(replays: list[_Replay], sym: str | None) -> str:
                      "repeats would match; checked instead that no replayed step consumed data consumed up to "
                      f"step {k}")
     if sym is not None:
-        lacking = [r.rank for r in replays if r.no_reference]
-        notes.append(f"data order of rank(s) {lacking} judged by the other ranks' bitwise replay (ranks taken as "
+        lacking = [r.rank for r in replays if r.status is not Status.PASS]
+        notes.append(f"data order of rank(s) {lacking} judged by the other ranks' replay (ranks taken as "
                      "symmetric)")
     return "; ".join(notes)
 
