@@ -177,3 +177,14 @@ def test_a_lost_async_save_record_keeps_the_saving_runs_own_steps(tmp_path, resu
             "ids7" in data.evidence, data.evidence
     else:
         assert data.status is Status.PASS and data.qualifies == "", (data.evidence, data.qualifies)
+
+
+def test_an_export_compared_with_an_earlier_resume_says_so_in_the_verdict(tmp_path):
+    fp = {"bytes": "b6", "scales": "none"}
+    rl = {**PLAN, "rl": True}
+    _write(tmp_path, 0, [_restore(100, 0), _save(100, 6, rl), _restore(200, 6),
+                         {"event": "export", "pid": 200, "step": 6, "fingerprint": fp}, _restore(300, 6),
+                         {"event": "export", "pid": 300, "step": 6, "fingerprint": fp}])
+    gate = _gate(evaluate(tmp_path), "first export byte-identical")
+    assert gate.status is Status.PASS and "that of an earlier resume of step 6 (pid 200)" in gate.evidence
+    assert gate.qualifies.startswith("first export byte-identical compared with an earlier resume"), gate.qualifies

@@ -18,6 +18,7 @@ numbers exactly where the plan is deterministic, else as information.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -1212,6 +1213,15 @@ def _by_ranks_ahead(name: str, segments: list[_Segment], gate: Any,
     return Gate(name, Status.PASS, combined.evidence + _behind_note(behind), combined.required)
 
 
+def _resumes_agree(gate: Gate) -> Gate:
+    """A PASS against an earlier resume (the saving run recorded nothing past the save) shows two resumes
+    agree, which a restore bug every resume repeats (an adapter merged twice) also gives: the verdict says so."""
+    if gate.status is not Status.PASS or "that of an earlier resume of step" not in gate.evidence:
+        return gate
+    return dataclasses.replace(gate, qualifies=f"{gate.name} compared with an earlier resume, not with the run that "
+                               "saved the step: a restore bug every resume repeats would match")
+
+
 def _not_rl(name: str, per_rank: list[tuple[Status, str]], plan: ProofPlan, where: str, recorded: bool) -> Gate:
     if not plan.rl and not recorded:
         return Gate(name, Status.NA, f"(not an RL job): ProofPlan(rl=False), {where}", required=False)
@@ -1321,10 +1331,10 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
         gates.insert(next(i for i, g in enumerate(gates) if g.name == "all PIDs changed"), tier)
     if resharded is not None:
         gates.append(_gate_rng_distinct(segments))
-    gates.append(_not_rl("first export byte-identical", [_judged(_gate_export, s) for s in segments], plan, where,
-                         "export" in events))
-    gates.append(_not_rl("first old-logprob aligned", [_judged(_gate_logprobs, s) for s in segments], plan, where,
-                         "logprobs" in events))
+    gates.append(_resumes_agree(_not_rl("first export byte-identical", [_judged(_gate_export, s) for s in segments],
+                                        plan, where, "export" in events)))
+    gates.append(_resumes_agree(_not_rl("first old-logprob aligned", [_judged(_gate_logprobs, s) for s in segments],
+                                        plan, where, "logprobs" in events)))
     behind = _behind(segments)
     gates.append(_by_ranks_ahead("one non-zero update", segments, lambda s: _gate_update(s, plan), behind))
     gates.append(_by_ranks_ahead("resumed run trained", segments, lambda s: _gate_trained(s, plan), behind))
