@@ -13,6 +13,11 @@ failing call (the line of the phase body that raised) and where it was raised, t
 bytes parsed from a CUDA OOM message, allocated/reserved/device-free, the host figures, the last
 completed phase and the load-phase peak. The exception is always re-raised, unchanged.
 
+While a recorder is open it is the process's active one: when the host staging pool of
+``save_async`` is released (``close()``, or ``AsyncOptions.pool_idle_s`` without a save), the
+release is measured and written as a ``host_cache_release`` record (``host_cache_released``),
+naming the step of the last save phase this recorder ended.
+
 Each line is written with one ``write`` to a file opened with O_APPEND and is on disk (page
 cache) before the phase body runs, so a SIGKILL during the phase leaves its start record. Phases
 may nest (generate contains wake). A boundary costs well under 2 ms (see
@@ -27,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -41,7 +47,11 @@ from .ray import RayConfig, ray_figure
 from .records import FORMAT_VERSION, RecordKind
 from .sampler import Sampler, SamplerConfig, WindowPeak, self_rss
 
-__all__ = ["PhaseKind", "PhaseRecorder", "RecorderConfig"]
+__all__ = ["PhaseKind", "PhaseRecorder", "RecorderConfig", "host_cache_released"]
+
+_ACTIVE: list[weakref.ref[PhaseRecorder]] = []
+"""The open recorders of this process, newest last; the newest one records host cache releases. Weak: a
+recorder dropped without ``close()`` is not kept alive by this list."""
 
 
 class PhaseKind(Enum):
@@ -128,6 +138,9 @@ class PhaseRecorder:
         self._last_pss_ns: int | None = None
         self.last_completed: dict[str, Any] | None = None
         self.load_peak: dict[str, Any] | None = None
+        self.last_save: dict[str, Any] | None = None
+        """The save phase this recorder ended last (step, mono_ns): what a host cache release follows."""
+        _ACTIVE.append(weakref.ref(self))
 
     def phase(self, kind: PhaseKind | str, *, step: int | None = None, policy_version: Any = None) -> _Phase:
         if not isinstance(kind, PhaseKind):
@@ -139,6 +152,7 @@ class PhaseRecorder:
         return _Phase(self, kind, step, policy_version)
 
     def close(self) -> None:
+        _ACTIVE[:] = [r for r in _ACTIVE if r() not in (None, self)]
         self._sampler.stop()
         if self._fd >= 0:
             os.close(self._fd)
@@ -195,6 +209,44 @@ class PhaseRecorder:
             os.write(self._fd, line)
 
 
+def host_cache_released(released_bytes: int, how: str, *, pinned: bool, rss_before: int | None,
+                        rss_after: int | None) -> bool:
+    """Write a measured host staging release into the active recorder (module docstring); False when no
+    recorder is open. ``rss_before``/``rss_after``: this process's RSS around the unmapping."""
+    live = [r for r in (ref() for ref in _ACTIVE) if r is not None]
+    if not live:
+        return False
+    rec = live[-1]
+    save = rec.last_save
+    record: dict[str, Any] = {
+        "v": FORMAT_VERSION,
+        "kind": RecordKind.HOST_CACHE_RELEASE.value,
+        "mono_ns": time.monotonic_ns(),
+        "wall_time": time.time(),
+        "node": rec._node,
+        "rank": rec.config.rank,
+        "pid": rec._pid,
+        "step": save["step"] if save else None,
+        "after_save_s": (time.monotonic_ns() - save["mono_ns"]) / 1e9 if save else None,
+        "released_bytes": int(released_bytes),
+        "how": how,
+        "pinned": pinned,
+        "rss_before": rss_before,
+        "rss_after": rss_after,
+        "rss_drop": rss_before - rss_after if rss_before is not None and rss_after is not None else None,
+        "host": rec._host.read().to_json(),
+    }
+    missing = {}
+    if save is None:
+        missing["step"] = "this recorder ended no save phase before the release"
+    if record["rss_drop"] is None:
+        missing["rss_drop"] = "/proc/self/statm could not be read"
+    if missing:
+        record["not_obtained"] = missing
+    rec._write(record)
+    return True
+
+
 def _peak_json(peak: WindowPeak) -> dict[str, Any]:
     return {**peak.peaks, "samples": peak.samples}
 
@@ -234,6 +286,8 @@ class _Phase:
             rec.last_completed = {"phase": self._kind.value, "step": self._step, "mono_ns": record["mono_ns"]}
             if self._kind is PhaseKind.LOAD:
                 rec.load_peak = {**record["peak"], "step": self._step}
+            if self._kind is PhaseKind.SAVE:
+                rec.last_save = {"step": self._step, "mono_ns": record["mono_ns"]}
             return
         record.update(_failure_fields(exc, tb, record.get("gpu")))
         record["last_completed"] = rec.last_completed

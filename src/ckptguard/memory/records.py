@@ -13,6 +13,9 @@ Kinds:
                               bytes of a CUDA OOM, last completed phase, load-phase peak
     sample                    one ``mem watch`` tick: host, ray and every process in the tree
     watch_start / watch_end   the watched command, and its exit status (-9: SIGKILL)
+    host_cache_release        the host staging pool of async saves was unmapped: ``released_bytes``,
+                              ``how`` (``release()`` or the idle timer), ``step`` of the save phase it
+                              followed, the process RSS before and after (``rss_drop``), host figures
 
 ``read_records`` tolerates a truncated last line (the writer was killed mid-line), and refuses
 any other malformed line, naming file and line.
@@ -40,6 +43,7 @@ class RecordKind(Enum):
     SAMPLE = "sample"
     WATCH_START = "watch_start"
     WATCH_END = "watch_end"
+    HOST_CACHE_RELEASE = "host_cache_release"
 
 
 

@@ -10,7 +10,9 @@ Contract:
   regions held, then ONE new region of exactly the bytes still missing, as far as ``budget`` (the
   pool's total) and ``grow`` (the bytes the caller's thread may allocate) allow; a tensor that
   does not fit gets None and stays live. Regions are reused by every later save and released by
-  ``release()``, or by ``idle_s`` seconds without use. ``held_bytes`` is what the pool holds now.
+  ``release()``, or by ``idle_s`` seconds without use; either release is measured (bytes, RSS before and
+  after) into the open phase recorder (``memory.phases.host_cache_released``). ``held_bytes`` is what the
+  pool holds now.
   ``grow_async(sizes, budget)`` maps and pins, in a thread of its own (pinning 6 GiB takes over
   a second), the regions that hold what the pool cannot: packed largest first into regions of
   at most ``CHUNK`` bytes (one region per larger tensor), each exactly the bytes its slots take,
@@ -42,6 +44,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..memory import phases as _phases
+from ..memory.sampler import self_rss
 from ._pool import Buffer
 
 log = logging.getLogger("ckptguard")
@@ -236,7 +240,7 @@ class StagingPool:
     def _idle(self) -> None:
         with self._lock:
             if self._busy == 0 and self.idle_s is not None and time.monotonic() - self._last_use >= self.idle_s * 0.99:
-                self._release_locked()
+                self._release_locked(f"idle: {self.idle_s:g} s without a save_async")
                 self.released_idle += 1
 
     def _cancel_timer(self) -> None:
@@ -248,13 +252,27 @@ class StagingPool:
         """Unregister and unmap every region now; the next save allocates again."""
         with self._lock:
             self._cancel_timer()
-            self._release_locked()
+            self._release_locked("release()")
 
-    def _release_locked(self) -> None:
+    def _release_locked(self, how: str) -> None:
+        held = self.held_bytes
+        before = self_rss() if held else None
         for region in self._regions:
             region.release()
         self._regions.clear()
         self._used.clear()
+        if held:
+            _record_release(held, how, self.pin, before)
+
+
+def _record_release(held: int, how: str, pinned: bool, before: int | None) -> None:
+    """The measured release in the active phase recorder (guide: verify the host cache is released after a
+    save); a recorder that cannot write never fails the release, it is logged."""
+    try:
+        _phases.host_cache_released(held, how, pinned=pinned, rss_before=before, rss_after=self_rss())
+    except (OSError, CheckpointError) as exc:
+        log.warning("ckptguard: the release of %d B of host staging (%s) was not recorded in the phase records: %s",
+                    held, how, exc)
 
 
 def _fit(used: list[int], caps: list[int] | None, n: int) -> int | None:
