@@ -1058,8 +1058,8 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
     state = root_state(path) if path.is_dir() else None
     roles = run_rank_roles(path)
     if state is not None and roles:
-        held = sorted({r for rs in roles.values() for r in rs})
-        state.lines.insert(1, f"a RunCheckpoint root of roles {held} (ranks: {_roles_by_rank(roles)})")
+        names = sorted({r for rs in roles.values() for r in rs})
+        state.lines.insert(1, f"a RunCheckpoint root of roles {names} (ranks: {_roles_by_rank(roles)})")
     if state is not None and not as_json:
         for line in state.lines:
             click.echo(printable(line))
