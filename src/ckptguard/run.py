@@ -65,7 +65,6 @@ from ._records.prooflog import ExportFingerprint, ProofLog
 from ._resume import resolve as _resolve
 from ._resume.resolve import Resolution, ResolveView
 from ._state.derived import DerivedState
-from ._state.state import check_items
 from ._types import JsonObject, StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
 from .errors import ConfigError, error_payload
@@ -381,7 +380,7 @@ class RunCheckpoint:
         path = self.root / self._naming.name(step)
         log.info("ckptguard: committed run step %d (roles %s) at %s", step, ", ".join(self._ranks), path)
         for name, ctx in self._roles.items():
-            self._record(name, "save", step=step, path=str(path / name), plan=self.config.proof.as_dict(),
+            self._proofs.record(name, "save", step=step, path=str(path / name), plan=self.config.proof.as_dict(),
                          world_size=ctx.world, **({"async": True} if snaps[name].resumed is not None else {}))
         self.core.committed(step, seconds=time.monotonic() - started)
         if self.rank == 0:
@@ -416,17 +415,14 @@ class RunCheckpoint:
                   "written; the tracker stays under %s", step, len(verdict.reasons), self._run.world,
                   verdict.describe(), self.root)
         for name in self._roles:
-            self._record(name, "skip", step=step, reasons=verdict.reasons)
+            self._proofs.record(name, "skip", step=step, reasons=verdict.reasons)
         return False
 
     # ------------------------------------------------------------ proof records
 
-    def _record(self, role: str, event: str, *, durable: bool = True, **fields: Any) -> None:
-        self._proofs.record(role, event, durable=durable, **fields)
-
     def _record_all(self, event: str, *, durable: bool = True, **fields: Any) -> None:
         for role in self._roles:
-            self._record(role, event, durable=durable, **fields)
+            self._proofs.record(role, event, durable=durable, **fields)
 
     def record_step(
         self, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None, grad_norm: Any = None,
@@ -470,16 +466,14 @@ class RunCheckpoint:
         keys are checked on every rank before any role reads a tensor; a failure after that (a
         damaged shard, a digest that differs) raises on every rank of the run, so no rank trains
         on a partly restored run. ``prefer`` as in ``resolve``."""
-        self._check_states(states, "restore")
-        for name in self._roles:  # an item no save could write: refused before the run trains on it
-            check_items(states[name], f"restore of role {name!r}")
+        self._check_states(states, "restore")  # an item no save could write too, before anything is read
         self.wait()
         self.core.check_lease("restore", break_lease=break_lease)
         res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
             for name, ctx in self._roles.items():
-                self._record(name, "restore", step=0, fresh=True, reason=res.reason, world_size=ctx.world)
+                self._proofs.record(name, "restore", step=0, fresh=True, reason=res.reason, world_size=ctx.world)
             return 0
         log.info("ckptguard: %s (roles %s)", res.describe(), ", ".join(self._ranks))
         assert res.path is not None
@@ -494,7 +488,7 @@ class RunCheckpoint:
         on_every_rank(self._run.agreement, "run.restored", lambda: each_role(
             self._roles, lambda name, ctx: load_role_part(
                 ctx, parts[name], states[name], step=res.step, plan=plan, derived=self._derived.get(name),
-                record=lambda event, **fields: self._record(name, event, **fields))))
+                record=lambda event, **fields: self._proofs.record(name, event, **fields))))
         self.core.restarted_at(res.step)
         return res.step
 

@@ -24,7 +24,7 @@ from .._resume import restore as _restore
 from .._resume.resolve import Resolution
 from .._state.derived import DerivedState
 from .._state.expert import ExpertParallel
-from .._state.state import addresses, moved
+from .._state.state import addresses, check_items, moved
 from .._state.trajectory import fingerprint, step_metrics
 from .._types import JsonObject, StateDict
 from ..config import CheckpointConfig, ParallelLayout
@@ -160,6 +160,8 @@ def check_states(states: Any, *, mine: set[str], ranks: dict[str, list[int]], ra
     for name, state in states.items():
         if not isinstance(state, dict) or not state:
             raise ConfigError(f"{where}(states[{name!r}]): a non-empty dict of named items, got {state!r:.60}")
+        if where == "restore":  # an item no save could write: refused before the run trains on it
+            check_items(state, f"restore of role {name!r}")
 
 
 class RoleProofs:

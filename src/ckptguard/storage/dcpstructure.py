@@ -106,7 +106,7 @@ def _chunks(fqn: str, meta: Any) -> dict[tuple[int, ...], int]:
     return out
 
 
-def _entries(md: Any) -> dict[str, Any]:
+def _entries(md: Any) -> dict[str, object]:
     """The key table, every value a tensor or bytes entry."""
     table = md.state_dict_metadata
     for fqn, meta in table.items():
