@@ -68,3 +68,27 @@ def test_no_record_without_an_open_recorder(tmp_path):
     assert host_cache_released(1, "release()", pinned=False, rss_before=2, rss_after=1) is False
     (r,) = of_kind(read_records([tmp_path / "r.jsonl"]), RecordKind.HOST_CACHE_RELEASE)
     assert r["step"] is None and set(r["not_obtained"]) == {"step", "rss_drop"}
+
+
+def test_status_shows_the_release_and_keeps_the_rank_s_newest_phase(tmp_path):
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+    from ckptguard.memory.phases import host_cache_released
+    from ckptguard.ops.status import status
+
+    path = tmp_path / "rank0.jsonl"
+    with PhaseRecorder(RecorderConfig(path=path)) as rec:
+        with rec.phase(PhaseKind.SAVE, step=7):
+            pass
+        with rec.phase(PhaseKind.GENERATE, step=9):
+            pass
+        # the idle timer's release comes after later phases: it names the save it followed (7)
+        host_cache_released(16 * MIB, "idle: 600 s without a save_async", pinned=True, rss_before=100 * MIB,
+                            rss_after=84 * MIB)
+    (rank,) = status([str(path)], sample_s=0.01)
+    assert rank.step == 9 and rank.host_cache is not None
+    assert "16.0 MiB released" in rank.host_cache and "save of step 7" in rank.host_cache
+    got = CliRunner().invoke(main, ["status", str(path)])
+    assert got.exit_code == 0, got.output
+    assert "step 9: between phases" in got.output and "(idle: 600 s without a save_async; RSS -16.0 MiB)" in got.output

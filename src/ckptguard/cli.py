@@ -1091,6 +1091,8 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
         for r in ranks:
             held = f" ({', '.join(r.roles) or 'no role'})" if r.roles is not None else ""
             click.echo(printable(f"rank {r.rank:<3}{held} pid {r.pid:<8} {r.node:<12} step {r.step}: {r.verdict}"))
+            if r.host_cache is not None:
+                click.echo(printable(f"         {r.host_cache}"))
     sys.exit(1 if any(r.needs_attention for r in ranks) else 0)
 
 

@@ -48,6 +48,7 @@ class RankStatus:
     io_bytes_per_s: float | None
     verdict: str
     roles: list[str] | None = None  # a run root: the roles this rank holds
+    host_cache: str | None = None  # the newest measured release of the save_async staging pool
 
     @property
     def needs_attention(self) -> bool:
@@ -191,9 +192,13 @@ def status(
     _check(records)
     open_ = _open_phases(records)
     typical = _typical(records)
-    last = {}
+    last, released = {}, {}
     for rec in records:
-        if rec.get("rank") is not None:
+        if rec.get("rank") is None:
+            continue
+        if rec.get("kind") == "host_cache_release":  # after a save, not a phase: the phase lines stay the rank's
+            released[rec["rank"]] = _released(rec)
+        else:
             last[rec["rank"]] = rec
     here = socket.gethostname()
     local = [r["pid"] for r in last.values() if r.get("node") == here]
@@ -207,8 +212,22 @@ def status(
                     sample_s, rec.get("node") == here)
         if roles is not None:
             st.roles = roles.get(rank, [])
+        st.host_cache = released.get(rank)
         out.append(st)
     return out
+
+
+def _mib(n: Any) -> str | None:
+    return f"{n / (1 << 20):.1f} MiB" if isinstance(n, (int, float)) and not isinstance(n, bool) else None
+
+
+def _released(rec: dict[str, Any]) -> str:
+    """One line for a host_cache_release record (memory.records): what was released, after which save."""
+    after, drop = rec.get("after_save_s"), _mib(rec.get("rss_drop"))
+    save = (f"{after:.1f} s after the save of step {rec.get('step')}" if isinstance(after, (int, float))
+            else "after no recorded save phase")
+    rss = f"RSS -{drop}" if drop is not None else "RSS drop not measured"
+    return f"host staging {_mib(rec.get('released_bytes')) or '?'} released {save} ({rec.get('how')}; {rss})"
 
 
 def _judge(rank: int, rec: dict[str, Any], in_phase: bool, typical: dict[str, float], a: Any, b: Any,
