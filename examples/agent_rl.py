@@ -598,11 +598,9 @@ def prefix_logprobs(actor: Any, prefix: list[int], tokens: list[int]) -> Any:
 
 
 def report(root: str, result: dict[str, Any]) -> None:
-    from ckptguard.ops import prove, prove_turns
+    from ckptguard.ops import prove
 
-    gates = prove.evaluate(root)
-    names = {g.name for g in gates}
-    gates += [prove.Gate(n, prove.Status(s), e, q) for n, s, e, q in prove_turns.rows(Path(root)) if n not in names]
+    gates = prove.evaluate(root)  # the turn gates included (ops.prove_turns)
     for g in gates:
         print(f"  {g.name:<48} {g.status.value:<8} {g.evidence}")
     print(prove.verdict(gates))

@@ -126,3 +126,13 @@ def test_the_store_transfers_and_proof_fetch_take_str_paths(moto: str, roots: di
     # The store holds no proof records (to_store copies none): refused by name, after the destination was taken.
     with pytest.raises(CheckpointError, match="holds no proof records"):
         _objectstore.fetch_proof(url, "step_{step:08d}", str(tmp_path / "proof"))
+
+
+def test_the_proofs_public_functions_take_a_str_root(roots):
+    from ckptguard.ops import prove
+
+    root = str(roots["one"])
+    gates = prove.evaluate(root)
+    assert gates and prove.verdict(gates).startswith("resume EVIDENCE MISSING")  # no restore recorded there
+    assert prove.resume_count(root) == [] and prove.run_roles(root) == []
+    assert prove.recorded_plan(root)[0].record is True

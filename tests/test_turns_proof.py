@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,22 +80,15 @@ def test_a_restorable_environment_restored_to_the_wrong_revision_fails_the_exact
         in row.evidence, row
 
 
-def test_prove_shows_the_turn_gates_through_its_hook(tmp_path):
-    """A scratch copy of ckptguard whose prove.evaluate adds ``prove_turns.rows`` as Gate rows (the hook)."""
+def test_ckptguard_prove_shows_the_turn_gates(tmp_path):
+    """``ckptguard prove`` judges the turn gates with the others (prove.evaluate adds ``prove_turns.rows``)."""
+    from click.testing import CliRunner
+
+    from ckptguard.cli import main
+
     campaign(tmp_path, [9], control="new-ids")
-    pkg = tmp_path / "pkg"
-    shutil.copytree(REPO / "src" / "ckptguard", pkg / "ckptguard")
-    prove = pkg / "ckptguard" / "ops" / "prove.py"
-    prove.write_text(prove.read_text() + (
-        "\n\nfrom . import prove_turns as _turns  # noqa: E402\n_plain = evaluate\n\n\n"
-        "def evaluate(root, *, plan=None, resume=None):  # type: ignore[no-redef]\n"
-        "    return _plain(root, plan=plan, resume=resume) + [Gate(n, Status(s), e, q) for n, s, e, q in "
-        "_turns.rows(Path(root))]\n"))
-    code = ("import json, sys; from ckptguard.ops import prove; g = prove.evaluate(sys.argv[1]); "
-            "print(json.dumps(prove.to_json(g)))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "root")], env={**ENV, "PYTHONPATH": str(pkg)},
-                         capture_output=True, text=True, timeout=120, check=True)
-    shown = json.loads(out.stdout)
+    result = CliRunner().invoke(main, ["prove", str(tmp_path / "root"), "--json"])
+    shown = json.loads(result.stdout)
     by_name = {g["gate"]: g for g in shown["gates"]}
     assert by_name[prove_turns.GATE_ONCE]["status"] == "FAIL" and by_name[prove_turns.GATE_KIND]["status"] == "PASS"
-    assert shown["verdict"].startswith("resume NOT proven") and not shown["proven"]
+    assert shown["verdict"].startswith("resume NOT proven") and not shown["proven"] and result.exit_code == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from . import reference as _reference_mod
 from . import resumes as _resumes
 from .inspect import tracker_run_step
 from .lora import lora_gate
+from .prove_turns import rows as turn_rows
 
 LEGACY_PLAN = ProofPlan(rl=True)
 """The plan of records written before plans were recorded: every gate applied."""
@@ -1150,9 +1152,9 @@ def _newest_run(segments: list[_Segment]) -> list[_Segment]:
     return [s for s in segments if s.rank < world] if isinstance(world, int) else segments
 
 
-def recorded_plan(root: Path) -> tuple[ProofPlan, str]:
+def recorded_plan(root: str | os.PathLike[str]) -> tuple[ProofPlan, str]:
     """The plan recorded with the save of the newest restored step, and where it came from."""
-    records = read_records(root)
+    records = read_records(Path(os.fspath(root)))
     return _plan(records, _newest_run([_segment(r, recs) for r, recs in sorted(records.items())]))
 
 
@@ -1240,24 +1242,27 @@ def _judged(gate: Any, seg: _Segment) -> tuple[Status, str]:
         )
 
 
-def evaluate(root: Path, *, plan: ProofPlan | None = None, resume: int | None = None) -> list[Gate]:
+def evaluate(root: str | os.PathLike[str], *, plan: ProofPlan | None = None, resume: int | None = None
+             ) -> list[Gate]:
     """Every gate, in order. ``plan`` overrides the recorded plan (to read the same records under another).
     ``resume`` judges that resume (1 the oldest, ``ops.resumes``); None the newest with evidence.
 
     A RunCheckpoint root (``run_roles``): a required gate that every role restored one run step
     holding every role, then every role's gates, each named ``<role>: <gate>``; a role without
     records has its gates MISSING."""
-    root = Path(root)  # a str from a script (examples/train_gpt.py passes its --root) works as a Path
+    root = Path(os.fspath(root))
     roles = run_roles(root)
-    if roles:
-        return _evaluate_run(root, roles, plan, resume)
-    return _evaluate(root, plan, None, resume)
+    gates = _evaluate_run(root, roles, plan, resume) if roles else _evaluate(root, plan, None, resume)
+    # A TurnLedger's gates (ops.prove_turns): every environment call once, every in-flight rollout continued or
+    # restarted as its environment's kind says, continued turns' tokens equal; none where no ledger recorded.
+    return gates + [Gate(n, Status(s), e, q) for n, s, e, q in turn_rows(root)]
 
 
-def resume_count(root: Path) -> list[_resumes.Resume]:
+def resume_count(root: str | os.PathLike[str]) -> list[_resumes.Resume]:
     """The resumes recorded under ``root`` (of its first role, on a run root), oldest first."""
-    roles = run_roles(Path(root))
-    return _resumes.resumes(read_records(Path(root), roles[0] if roles else None))
+    root = Path(os.fspath(root))
+    roles = run_roles(root)
+    return _resumes.resumes(read_records(root, roles[0] if roles else None))
 
 
 def _chosen_segments(
@@ -1424,9 +1429,10 @@ def to_json(gates: list[Gate]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- run roots (RunCheckpoint)
 
-def run_roles(root: Path) -> list[str]:
+def run_roles(root: str | os.PathLike[str]) -> list[str]:
     """The roles of a RunCheckpoint root: those with records under ``proof/<role>/`` and those of the
     tracker's run step; empty for a root of a single CheckpointManager."""
+    root = Path(os.fspath(root))
     roles = set(record_roles(root))
     step_dir = tracker_run_step(root)
     if step_dir is not None:

@@ -187,7 +187,8 @@ def rows(root: Path) -> list[Row]:
     try:
         records = read_turn_records(Path(root))
     except (CheckpointCorruptError, OSError) as exc:
-        return [Row(g, "FAIL", f"turn records unreadable: {exc}") for g in (GATE_ONCE, GATE_KIND, GATE_TOKENS)]
+        # evidence that cannot be read is missing evidence, never a difference found (prove's MISSING)
+        return [Row(g, "MISSING", f"turn records unreadable: {exc}") for g in (GATE_ONCE, GATE_KIND, GATE_TOKENS)]
     if not any(records.values()):
         return []
     restores = _restores(Path(root))
