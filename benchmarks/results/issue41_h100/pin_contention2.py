@@ -1,5 +1,10 @@
 """Which way of pinning 6.5 GiB in a background thread holds the training thread least?"""
-import ctypes, mmap, threading, time, json, os
+import json
+import mmap
+import os
+import threading
+import time
+
 import torch
 
 TOTAL = 13 * (512 << 20)
@@ -19,7 +24,7 @@ def pin(chunk, populate, pause, out):
         if pause:
             time.sleep(pause)
     out["pin_s"] = time.perf_counter() - t
-    for m, tens in maps:
+    for _m, tens in maps:
         torch.cuda.cudart().cudaHostUnregister(tens.data_ptr())
 
 def loop(steps, a):
@@ -42,11 +47,14 @@ for name, v in variants.items():
     out = {}
     th = threading.Thread(target=pin, args=(*v, out)) if v else None
     t0 = time.perf_counter()
-    if th: th.start()
+    if th:
+        th.start()
     times = loop(80, a)
     total = time.perf_counter() - t0
-    if th: th.join()
+    if th:
+        th.join()
     res[name] = {"loop_s": round(total, 3), "max_step_s": round(max(times), 3), "p50": round(sorted(times)[40], 4),
                  **{k: round(x, 3) for k, x in out.items()}}
     print(name, res[name], flush=True)
-json.dump(res, open(os.environ["OUT"] + "/pin_contention2.json", "w"), indent=1)
+with open(os.environ["OUT"] + "/pin_contention2.json", "w") as f:
+    json.dump(res, f, indent=1)

@@ -370,8 +370,8 @@ def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
 
 
 def _svg(name: str, parts: list[str]) -> str:
-    return f'<svg data-chart="{name}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" class="chart" role="img">' + "".join(parts) + \
-        "</svg>"
+    head = f'<svg data-chart="{name}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" class="chart" role="img">'
+    return head + "".join(parts) + "</svg>"
 
 
 def _gpu_chart(story: Story, records: list[dict[str, Any]]) -> str:
