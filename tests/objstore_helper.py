@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import http.client
 import http.server
+import logging
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,33 @@ CREDENTIALS = {
 ELEMENTS = 3 * (1 << 19)  # 6 MiB of float32: two parts of a 5 MiB part size, the last one short
 LEASE_TRIALS = 20
 MINISTACK = Path(__file__).resolve().parent.parent / ".venv-ministack" / "bin" / "ministack"
+
+
+@contextlib.contextmanager
+def moto_endpoint(*, set_endpoint: bool = True) -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 in this process (its objects outlive a writer's restart), with the fake
+    credentials set while it runs and, with ``set_endpoint``, boto3's ``AWS_ENDPOINT_URL`` (the CLI and a bare
+    ``ObjectStoreOptions()`` read it); the environment is put back after."""
+    from moto import server as moto_server
+
+    saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
+    os.environ.update(CREDENTIALS)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    if set_endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def ministack_ready() -> bool:

@@ -6,7 +6,6 @@ bare OSError, OverflowError or RecursionError)."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -27,20 +26,8 @@ TIB = 1 << 40
 
 @pytest.fixture(scope="module")
 def moto():
-    saved = {k: os.environ.get(k) for k in (*h.CREDENTIALS, "AWS_ENDPOINT_URL")}
-    os.environ.update(h.CREDENTIALS)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=h.free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"  # the CLI: boto3's configuration
-    yield f"http://{host}:{port}"
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with h.moto_endpoint() as endpoint:
+        yield endpoint
 
 
 _n = iter(range(10**6))

@@ -16,7 +16,6 @@ every killed step and its final state is bitwise the state of an uninterrupted r
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import signal
@@ -42,20 +41,8 @@ KILLS = 5
 
 @pytest.fixture(scope="module")
 def moto():
-    saved = {k: os.environ.get(k) for k in (*h.CREDENTIALS, "AWS_ENDPOINT_URL")}
-    os.environ.update(h.CREDENTIALS)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=h.free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"  # verify_remote: boto3's configuration
-    yield f"http://{host}:{port}"
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with h.moto_endpoint() as endpoint:
+        yield endpoint
 
 
 def _bucket(endpoint: str, name: str) -> str:

@@ -10,7 +10,6 @@ and before the local rename leave nothing visible, and the same transfer run aga
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -37,21 +36,8 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def moto():
-    saved = {k: os.environ.get(k) for k in (*h.CREDENTIALS, "AWS_ENDPOINT_URL")}
-    os.environ.update(h.CREDENTIALS)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=h.free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    os.environ["AWS_ENDPOINT_URL"] = endpoint  # the CLI takes the endpoint from boto3's configuration
-    yield endpoint
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with h.moto_endpoint() as endpoint:
+        yield endpoint
 
 
 _n = iter(range(10**6))

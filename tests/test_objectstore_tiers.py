@@ -12,7 +12,6 @@ store's ``proof/`` and ``prove`` judges the run from there.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -39,19 +38,8 @@ pytestmark = [pytestmark, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def moto():
-    saved = {k: os.environ.get(k) for k in h.CREDENTIALS}
-    os.environ.update(h.CREDENTIALS)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=h.free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with h.moto_endpoint(set_endpoint=False) as endpoint:
+        yield endpoint
 
 
 def _bucket(endpoint: str, name: str) -> str:

@@ -11,8 +11,6 @@ spawns saving ranks) are not called here; both convert with ``Path(os.fspath(...
 from __future__ import annotations
 
 import json
-import logging
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -88,23 +86,11 @@ def test_a_local_public_function_takes_str_paths(name: str, roots: dict[str, Pat
 @pytest.fixture(scope="module")
 def moto() -> Any:
     pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
-    moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra) is not installed")
+    pytest.importorskip("moto.server", reason="moto[server] (dev extra) is not installed")
     import objstore_helper as h
 
-    saved = {k: os.environ.get(k) for k in (*h.CREDENTIALS, "AWS_ENDPOINT_URL")}
-    os.environ.update(h.CREDENTIALS)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=h.free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"  # ObjectStoreOptions() takes boto3's endpoint
-    yield os.environ["AWS_ENDPOINT_URL"]
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with h.moto_endpoint() as endpoint:  # ObjectStoreOptions() takes boto3's endpoint
+        yield endpoint
 
 
 @pytest.mark.timeout(600)
