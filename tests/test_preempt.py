@@ -24,7 +24,17 @@ STEPS, SAVE_EVERY, SIGNAL_AT = 7, 2, 3
 
 
 def _launch(root: Path, out: Path, **cfg) -> list[tuple[int, str]]:
-    """Both ranks of the job; (exit code, stderr) per rank."""
+    """Both ranks of the job; (exit code, stderr) per rank. A launch whose ranks never met (the free port was
+    taken by another process between ``free_port`` and rank 0's bind: seen once in a loaded suite, both ranks
+    timing out on the connect) is launched again on another port; nothing of the job ran then."""
+    for _ in range(3):
+        results = _launch_once(root, out, **cfg)
+        if not all("DistNetworkError" in err and "trying to connect" in err for _, err in results):
+            return results
+    return results
+
+
+def _launch_once(root: Path, out: Path, **cfg) -> list[tuple[int, str]]:
     out.mkdir(parents=True, exist_ok=True)
     config = json.dumps({"root": str(root), "out": str(out), "steps": STEPS, "save_every": SAVE_EVERY,
                          "grace_s": 60.0, **cfg})
