@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from venvs import needs_venv
+from venvs import needs_venv, vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -25,25 +25,17 @@ pytestmark = [pytest.mark.timeout(1200),
               needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`")]
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
-                                                                     "VLLM_"))}
-    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    return env
-
-
 def _usable() -> str | None:
     if not VLLM_PYTHON.exists():
         return f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"
     probe = subprocess.run([str(VLLM_PYTHON), "-c", "import peft, vllm"], capture_output=True, text=True,
-                           env=_env(), timeout=300)
+                           env=vllm_env(), timeout=300)
     return None if probe.returncode == 0 else f"{VLLM_PYTHON} cannot import peft and vllm: {probe.stderr[-300:]}"
 
 
 def _job(phase: str, work: Path) -> dict:
-    proc = subprocess.run([str(VLLM_PYTHON), str(JOB), phase, str(work)], capture_output=True, text=True, env=_env(),
-                          cwd=work, timeout=900)
+    proc = subprocess.run([str(VLLM_PYTHON), str(JOB), phase, str(work)], capture_output=True, text=True,
+                          env=vllm_env(), cwd=work, timeout=900)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(line[len("RESULT "):])
@@ -60,7 +52,7 @@ def runs(tmp_path_factory) -> dict:
 
 def _prove(root: Path) -> tuple[int, dict]:
     proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(root)], capture_output=True,
-                          text=True, env=_env(), timeout=120)
+                          text=True, env=vllm_env(), timeout=120)
     return proc.returncode, json.loads(proc.stdout)
 
 

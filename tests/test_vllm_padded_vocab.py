@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from venvs import needs_venv
+from venvs import needs_venv, vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -24,17 +24,9 @@ pytestmark = [pytest.mark.timeout(1200),
               needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`")]
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
-                                                                     "VLLM_"))}
-    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    return env
-
-
 def _job(vocab: int, work: Path) -> dict:
     proc = subprocess.run([str(VLLM_PYTHON), str(JOB), str(vocab), str(work)], capture_output=True, text=True,
-                          env=_env(), cwd=work, timeout=900)
+                          env=vllm_env(), cwd=work, timeout=900)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(line[len("RESULT "):])

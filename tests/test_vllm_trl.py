@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckptguard.testing import free_port
-from venvs import needs_venv
+from venvs import needs_venv, vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -29,26 +29,18 @@ pytestmark = [pytest.mark.timeout(1800),
               needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`")]
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
-                                                                     "VLLM_"))}
-    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    return env
-
-
 def _usable() -> str | None:
     if not VLLM_PYTHON.exists():
         return f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"
     probe = subprocess.run([str(VLLM_PYTHON), "-c", "import trl, vllm"], capture_output=True, text=True,
-                           env=_env(), timeout=300)
+                           env=vllm_env(), timeout=300)
     return None if probe.returncode == 0 else f"{VLLM_PYTHON} cannot import trl and vllm: {probe.stderr[-300:]}"
 
 
 def _job(work: Path, *args: str, sync: str = "check") -> subprocess.CompletedProcess:
     """One launch in a session of its own (the whole session goes once it exits, as a scheduler would)."""
     proc = subprocess.Popen([str(VLLM_PYTHON), str(JOB), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**_env(), "CKPTGUARD_TRL_SYNC": sync, "MASTER_ADDR": "127.0.0.1",
+                            text=True, env={**vllm_env(), "CKPTGUARD_TRL_SYNC": sync, "MASTER_ADDR": "127.0.0.1",
                                             "MASTER_PORT": str(free_port())},  # TRL's default 29500: one job only
                             cwd=work, start_new_session=True)
     try:
@@ -112,7 +104,7 @@ def test_grpo_trainer_with_vllm_killed_after_a_step_resumes_bitwise_and_the_expo
     assert out["params"] == ref["params"] and out["optim"] == ref["optim"]
     assert out["last_push"]["gates"] == {"rollout-weight parity": "PASS"} and out["last_push"]["step"] == 15
     proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(work / "killed")],
-                          capture_output=True, text=True, env=_env(), timeout=120)
+                          capture_output=True, text=True, env=vllm_env(), timeout=120)
     gates = {g["gate"]: g for g in json.loads(proc.stdout)["gates"]}
     gate = gates["first export byte-identical"]
     assert gate["status"] == "PASS", gate

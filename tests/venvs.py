@@ -7,6 +7,7 @@ if the venv was built (its ``.installed`` stamp, written last), else skips with 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -50,3 +51,13 @@ def ready(path: Path) -> bool:
 
 def needs_venv(path: Path, reason: str) -> pytest.MarkDecorator:
     return pytest.mark.needs_venv(Path(path), reason=reason)
+
+
+def vllm_env() -> dict[str, str]:
+    """The environment of a job run in the vLLM venv: this repository's source first, one thread, offline, a
+    small KV cache, and none of the launcher's rank variables or a caller's VLLM_* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
+                                                                     "VLLM_"))}
+    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    return env
