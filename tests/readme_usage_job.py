@@ -8,7 +8,6 @@ and runs the block; the ``KILL_AT``-th call of ``train_step`` in this launch SIG
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -16,6 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from ckptguard._disk.digest import digest  # bytes of every tensor, nested dicts, plain values
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 GENERATOR = ",\n                    generator=torch.Generator())"
@@ -29,18 +30,6 @@ def usage_block(root: str, with_generator: bool) -> str:
     block = block.replace('"/ckpt/run1"', repr(root))
     return block if with_generator else block.replace(GENERATOR, ")")
 
-
-def digest(obj) -> str:
-    h = hashlib.sha256()
-    for key, value in sorted(obj.items()):
-        h.update(str(key).encode())
-        if isinstance(value, torch.Tensor):
-            h.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, dict):
-            h.update(digest(value).encode())
-        else:
-            h.update(repr(value).encode())
-    return h.hexdigest()
 
 
 def main(root: str, kill_at: int, with_generator: bool) -> dict:

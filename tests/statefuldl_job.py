@@ -9,7 +9,6 @@ iterator it builds draws from torch's global RNG); ``--loader-not-in-state`` lea
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ import warnings
 import torch
 
 import ckptguard as cg
+from ckptguard._disk.digest import digest  # bytes of every tensor, nested dicts, plain values
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 TOTAL, SAVE_EVERY, BATCH, WORKERS = 25, 3, 4, 2  # 40 samples: 10 steps an epoch, 2.5 epochs
@@ -37,18 +37,6 @@ class Samples(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         return i, self.x[i], self.y[i]
 
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for key, value in sorted(tensors.items()):
-        h.update(str(key).encode())
-        if isinstance(value, torch.Tensor):
-            h.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, dict):
-            h.update(digest(value).encode())
-        else:
-            h.update(repr(value).encode())
-    return h.hexdigest()
 
 
 def main(root: str, kill_at: int, loader_in_state: bool, own_generator: bool) -> dict:
