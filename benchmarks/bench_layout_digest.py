@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ckptguard._disk import digest as digest_mod
-from ckptguard._disk.layoutfree import combine_layout_free, layout_free_partials
+from ckptguard._disk.boxsum import combine_layout_free, layout_free_partials
 from ckptguard._state.state import capture, digests_and_layout_free
 
 

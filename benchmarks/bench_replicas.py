@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 import ckptguard as cg
-from ckptguard._disk.layoutfree import layout_free_partials
-from ckptguard._resume.layoutfree import replica_report
+from ckptguard._disk.boxsum import layout_free_partials
+from ckptguard._resume.layoutcheck import replica_report
 from ckptguard._state import state as _state
 from ckptguard.testing import run_ranks, values
 

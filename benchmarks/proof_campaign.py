@@ -306,7 +306,7 @@ def _resumed_recorded(root: Path, time0: float, pid_of: dict[int, int], k: int) 
 
 
 def judge(job: str, root: Path) -> list[dict[str, Any]]:
-    from ckptguard._records.proofrecords import read_records
+    from ckptguard._records.proofreader import read_records
     from ckptguard.ops import resumes as _resumes
     from ckptguard.ops.prove import evaluate, missing, outcome, resume_count, verdict
 

@@ -218,7 +218,7 @@ def race_worker(races: list[tuple[str, str, str]], role: int, trials: int, barri
 def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, barrier: Any,
                data_path: str) -> tuple[int, str | None, str]:
     from ckptguard.errors import CommitConflictError, LeaseHeldError
-    from ckptguard.storage.objectstore import ObjectStore, StoredObject
+    from ckptguard.storage.s3 import ObjectStore, StoredObject
 
     size = os.path.getsize(data_path)
     store = ObjectStore(f"s3://{bucket}/{kind}-{trial:03d}", options(endpoint))

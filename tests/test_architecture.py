@@ -514,7 +514,7 @@ def test_every_front_door_has_the_one_shape_and_answers_with_its_types(name, tmp
     import torch
 
     from ckptguard._core.guard import GuardTarget
-    from ckptguard._resume.resolution import Resolution
+    from ckptguard._resume.resolve_local import Resolution
 
     make, wrap = _doors(tmp_path)[name]
     door = make()

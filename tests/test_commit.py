@@ -15,7 +15,7 @@ import torch
 import ckptguard as cg
 from ckptguard import StorageOptions, _faults
 from ckptguard._disk import layout as _layout
-from ckptguard._resume.resolve import resolve_local
+from ckptguard._resume.resolve_local import resolve_local
 from ckptguard.demo.toyjob import build_job, fingerprint, train_step
 from ckptguard.storage.dcp import DCPStorage, _CheckedWriter
 from ckptguard.testing import run_ranks, values

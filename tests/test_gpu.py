@@ -52,7 +52,7 @@ def test_manager_roundtrip_of_gpu_state(tmp_path):
 
 
 def test_gpu_layout_free_digest_equals_cpu_and_record_step_hashes_on_the_gpu(tmp_path):
-    from ckptguard._disk import layoutfree as d
+    from ckptguard._disk import boxsum as d
 
     torch.manual_seed(2)
     # tiny, odd byte counts (partial words), an unaligned view, a box at an unaligned offset, and more

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
+from ckptguard._disk import boxsum as d
 from ckptguard._disk import digest as dg
-from ckptguard._disk import layoutfree as d
 from ckptguard._state.state import capture, digests_and_layout_free
 
 

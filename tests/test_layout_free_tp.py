@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ckptguard._disk import layoutfree as d
+from ckptguard._disk import boxsum as d
 from ckptguard.testing import run_ranks, values
 
 

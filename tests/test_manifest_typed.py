@@ -112,7 +112,7 @@ def test_trust_entries_are_typed_written_back_the_same_and_a_bad_one_names_its_s
 
 @pytest.mark.parametrize("version", ["v2", "v3"])
 def test_proof_records_of_every_format_read_typed_and_write_back_line_for_line(version):
-    from ckptguard._records.proofrecords import ProofRecord, read_records
+    from ckptguard._records.proofreader import ProofRecord, read_records
 
     root = Path(__file__).parent / "fixtures" / version / "root"
     lines = (root / "proof" / "rank_00000.jsonl").read_text().splitlines()
@@ -130,7 +130,7 @@ def test_proof_records_of_every_format_read_typed_and_write_back_line_for_line(v
     ("pid", None, "no int 'pid'"),
 ])
 def test_a_proof_record_with_a_bad_header_is_refused_naming_file_line_and_field(tmp_path, field, value, said):
-    from ckptguard._records.proofrecords import read_records
+    from ckptguard._records.proofreader import read_records
 
     good = {"event": "save", "pid": 1, "rank": 0, "host": "h", "time": 1.0, "mono": 1.0, "step": 2}
     path = tmp_path / "proof" / "rank_00000.jsonl"
@@ -142,7 +142,7 @@ def test_a_proof_record_with_a_bad_header_is_refused_naming_file_line_and_field(
 
 
 def test_a_record_the_writer_could_not_read_back_is_refused_when_made(tmp_path):
-    from ckptguard._records.prooflog import ProofLog
+    from ckptguard._records.proofwriter import ProofLog
 
     log = ProofLog(tmp_path, 0)
     with pytest.raises(cg.ConfigError, match=r"the step proof record of rank 0 .*'time' is 'noon', not a number"):
@@ -151,7 +151,7 @@ def test_a_record_the_writer_could_not_read_back_is_refused_when_made(tmp_path):
 
 
 def test_a_step_earlier_releases_wrote_as_a_float_reads_as_no_step_and_is_kept(tmp_path):
-    from ckptguard._records.proofrecords import read_records
+    from ckptguard._records.proofreader import read_records
 
     path = tmp_path / "proof" / "rank_00000.jsonl"
     path.parent.mkdir()

@@ -16,7 +16,7 @@ import ckptguard as cg
 from ckptguard import _faults
 from ckptguard._disk import layout as _layout
 from ckptguard._records import retention as _retention
-from ckptguard._records.prooflog import read_records
+from ckptguard._records.proofreader import read_records
 from ckptguard.cli import main
 from ckptguard.storage import _staging
 from ckptguard.testing import run_ranks, values

@@ -50,7 +50,7 @@ from ckptguard.errors import (  # noqa: E402
     ObjectStoreError,
 )
 from ckptguard.objectstore import Consistency, ObjectStoreCheckpoint  # noqa: E402
-from ckptguard.storage.objectstore import ObjectStore  # noqa: E402
+from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 from ckptguard.testing import run_ranks, set_fault_hook, values  # noqa: E402
 
 HELPER = str(Path(__file__).with_name("objstore_helper.py"))
@@ -166,7 +166,7 @@ def test_a_store_ignoring_conditions_is_refused_unless_the_weaker_mode_is_named(
 
 
 def test_a_corrupted_part_is_refused_by_the_store(ministack, tmp_path, monkeypatch):
-    from ckptguard.storage.objectstore import _transfer
+    from ckptguard.storage.s3 import _transfer
 
     name = bucket(ministack)
     url = f"s3://{name}/run"
@@ -545,7 +545,7 @@ def test_store_errors_cross_ranks_with_their_fields():
 @pytest.mark.parametrize("url", ["/local/path", "s3://", "s3://Bad_Bucket/x", "s3://bucket", "s3://bucket/",
                                  "s3://bucket/a/../b", "s3://bucket/a//b"])
 def test_a_bad_url_is_refused_naming_the_fix(url):
-    from ckptguard.storage.objectstore import StoreURL
+    from ckptguard.storage.s3 import StoreURL
 
     with pytest.raises(ConfigError, match="s3://"):
         StoreURL.parse(url)

@@ -18,7 +18,7 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra
 import objstore_helper as h  # noqa: E402
 from ckptguard.errors import CheckpointCorruptError, CheckpointError, ObjectStoreError  # noqa: E402
 from ckptguard.objectstore import ObjectStoreCheckpoint  # noqa: E402
-from ckptguard.storage.objectstore import ObjectStore, _transfer  # noqa: E402
+from ckptguard.storage.s3 import ObjectStore, _transfer  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 TIB = 1 << 40
@@ -226,7 +226,7 @@ def test_verify_of_a_root_with_nothing_there_is_an_error_naming_the_path(moto, t
 
 def test_a_store_that_honours_conditions_for_the_probe_only_never_lets_two_writers_commit_one_step(moto, tmp_path):
     from ckptguard.errors import CommitConflictError, ConditionalWriteUnsupportedError
-    from ckptguard.storage.objectstore import StoredObject
+    from ckptguard.storage.s3 import StoredObject
 
     name = _bucket(moto)
     url = f"s3://{name}/run"
@@ -305,13 +305,13 @@ class _Headed:
 
 @pytest.mark.parametrize("spelling", ['"0123abcd"', "0123abcd", 'W/"0123abcd"'])
 def test_an_etag_quoted_differently_by_head_is_the_same_etag(spelling, tmp_path):
-    from ckptguard.storage.objectstore._transfer import Incoming, _head
+    from ckptguard.storage.s3._transfer import Incoming, _head
 
     _head(_Headed(spelling), Incoming("k", tmp_path / "k", 17, '"0123abcd"', "x"), 3)  # no error
 
 
 def test_another_etag_is_still_refused_as_replaced(tmp_path):
-    from ckptguard.storage.objectstore._transfer import Incoming, _head
+    from ckptguard.storage.s3._transfer import Incoming, _head
 
     with pytest.raises(ObjectStoreError, match="was replaced after its step was committed"):
         _head(_Headed('"ffff"'), Incoming("k", tmp_path / "k", 17, '"0123abcd"', "x"), 3)

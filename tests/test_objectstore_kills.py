@@ -29,8 +29,8 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra
 
 import objstore_helper as h  # noqa: E402
 from ckptguard._disk.layout import read_tracker  # noqa: E402
-from ckptguard.ops.objectstore import verify_remote  # noqa: E402
-from ckptguard.storage.objectstore import ObjectStore  # noqa: E402
+from ckptguard.ops.remote import verify_remote  # noqa: E402
+from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 from ckptguard.testing import run_ranks, values  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]

@@ -28,7 +28,7 @@ import ckptguard as cg  # noqa: E402
 import objstore_helper as h  # noqa: E402
 from ckptguard.cli import main  # noqa: E402
 from ckptguard.objectstore import ObjectStoreCheckpoint  # noqa: E402
-from ckptguard.storage.objectstore import ObjectStore  # noqa: E402
+from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 
 HELPER = str(Path(__file__).with_name("objstore_helper.py"))
 pytestmark = pytest.mark.timeout(600)

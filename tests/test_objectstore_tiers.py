@@ -29,7 +29,7 @@ import objstore_helper as h  # noqa: E402
 from ckptguard.errors import ConfigError  # noqa: E402
 from ckptguard.objectstore import ObjectStoreCheckpoint  # noqa: E402
 from ckptguard.ops.prove import evaluate  # noqa: E402
-from ckptguard.storage.objectstore import ObjectStore  # noqa: E402
+from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 from ckptguard.testing import run_ranks, values  # noqa: E402
 from test_tiers import WORLD, become_node, expected, make_state, pytestmark, train_to  # noqa: E402
 

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptguard as cg
-from ckptguard._records.prooflog import read_records
+from ckptguard._records.proofreader import read_records
 from ckptguard.cli import main
 from ckptguard.testing import run_ranks, set_fault_hook, values
 

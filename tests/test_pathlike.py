@@ -98,7 +98,7 @@ def test_the_store_transfers_and_proof_fetch_take_str_paths(moto: str, roots: di
                                                             tmp_path: Path) -> None:
     import boto3
 
-    from ckptguard.ops import objectstore as _objectstore
+    from ckptguard.ops import remote as _objectstore
     from ckptguard.ops import storetransfer as _storetransfer
 
     boto3.client("s3", endpoint_url=moto).create_bucket(Bucket="pathlike")

@@ -164,7 +164,8 @@ def test_a_restore_that_raised_is_a_failure_naming_the_error(tmp_path):
 
 
 def test_a_record_torn_by_a_kill_mid_append_leaves_the_log_readable(tmp_path):
-    from ckptguard._records.prooflog import ProofLog, read_records
+    from ckptguard._records.proofreader import read_records
+    from ckptguard._records.proofwriter import ProofLog
 
     ProofLog(tmp_path, 0).append("save", step=6)
     with open(tmp_path / "proof/rank_00000.jsonl", "a") as f:

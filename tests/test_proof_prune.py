@@ -14,16 +14,16 @@ import json
 from pathlib import Path
 
 import ckptguard as cg
-from ckptguard._records import prooflog
-from ckptguard._records.proofrecords import ProofRecord
+from ckptguard._records import proofwriter
+from ckptguard._records.proofreader import ProofRecord
 from ckptguard.demo import loops
 from ckptguard.ops.prove import evaluate, passed, verdict
 from ckptguard.testing import run_ranks, values
 
 
 def _segment(rank: int, world: int, root: str, steps: int, stop_after: int | None) -> int:
-    prooflog.ProofLog.PRUNE_BYTES = 0  # every save prunes (the default waits for 8 MiB of records, then doubling)
-    prooflog.ProofLog.PRUNE_GROWTH = 0
+    proofwriter.ProofLog.PRUNE_BYTES = 0  # every save prunes (the default waits for 8 MiB of records, then doubling)
+    proofwriter.ProofLog.PRUNE_GROWTH = 0
     # Retention also keeps the newest verified step (trust), and pruning then keeps its records too;
     # this spawned worker pins KeepLast(2) alone, so the expected windows below are KeepLast's.
     from ckptguard.config import CheckpointConfig
@@ -75,10 +75,10 @@ def test_nothing_is_pruned_without_the_save_a_proof_needs():
         return ProofRecord.from_json({"event": event, "step": step, "pid": pid}, where="test")
 
     recs = [rec("step", 1), rec("save", 1), rec("step", 2), rec("save", 2), rec("step", 3)]
-    assert prooflog.prunable(recs, 2) == [(0, 2)]  # everything before the interval that led to save 2
-    assert prooflog.prunable(recs, 7) == []  # no save of the oldest step on disk in this file
+    assert proofwriter.prunable(recs, 2) == [(0, 2)]  # everything before the interval that led to save 2
+    assert proofwriter.prunable(recs, 7) == []  # no save of the oldest step on disk in this file
     restored = [rec("step", 1), rec("save", 1), rec("step", 2), rec("restore", 9, pid=2), rec("save", 10, pid=2)]
-    assert prooflog.prunable(restored, 10) == []  # the restore's step 9 was never saved here
+    assert proofwriter.prunable(restored, 10) == []  # the restore's step 9 was never saved here
 
 
 def test_a_restore_older_than_every_checkpoint_keeps_its_window():
@@ -93,4 +93,4 @@ def test_a_restore_older_than_every_checkpoint_keeps_its_window():
             rec("step", 7, 2)]
     # kept: step 2 .. the restore (the interval before save 2, the killed 3-4), after it up to its first
     # save, step 4 (killed up to 4) and the first export; then from the interval before save 6 on
-    assert prooflog.prunable(recs, 6) == [(0, 2), (11, 13)]
+    assert proofwriter.prunable(recs, 6) == [(0, 2), (11, 13)]

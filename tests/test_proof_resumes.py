@@ -225,7 +225,7 @@ def test_whether_steps_were_left_comes_from_the_plan_or_the_records(tmp_path, to
 
 
 def test_the_exit_hook_records_and_logs_only_after_a_restore(tmp_path, caplog):
-    from ckptguard._records.prooflog import ProofLog
+    from ckptguard._records.proofwriter import ProofLog
 
     (tmp_path / "proof").mkdir()
     log = ProofLog(tmp_path, 0)

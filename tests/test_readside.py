@@ -184,7 +184,7 @@ def test_symlinked_proof_and_holds_directories_are_refused(tmp_path):
     out = _invoke("prove", root)
     assert out.exit_code == 1 and "symlink" in out.output, out.output
     _no_traceback(out)
-    from ckptguard._records.prooflog import ProofLog
+    from ckptguard._records.proofwriter import ProofLog
 
     before = (outside / "rank_00000.jsonl").read_text()
     with pytest.raises(UnsafeCheckpointError):

@@ -15,7 +15,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard import ReshardOptions
-from ckptguard._resume.layoutfree import describe_replicas, replica_report
+from ckptguard._resume.layoutcheck import describe_replicas, replica_report
 from ckptguard.ops.prove import Status, evaluate
 from ckptguard.testing import run_ranks, values
 

@@ -113,7 +113,7 @@ def test_resharded_resumes_are_proven_and_a_flipped_byte_is_caught(tmp_path):
 def test_layout_free_digest_ignores_the_sharding_and_sees_every_byte():
     import itertools
 
-    from ckptguard._disk import layoutfree as d
+    from ckptguard._disk import boxsum as d
     from ckptguard._state.state import capture, digests_and_layout_free
 
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import torch
 import ckptguard as cg
 from ckptguard._disk.digest import digest, structure_digest
 from ckptguard._records import manifest as _manifest
-from ckptguard._records.prooflog import read_records
+from ckptguard._records.proofreader import read_records
 from ckptguard._state import state as _state
 
 

@@ -106,7 +106,7 @@ def test_a_fifo_as_a_role_manifest_is_refused_at_once_by_restore_verify_list_and
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("objectstore.py", "copy_proof", "read_bytes"): "this rank's own proof log (is_file() checked first), copied whole",
     ("_disk/tempfiles.py", "proc_start", "read_text"): "/proc/<pid>/stat: a kernel file, not in a root",
-    ("_records/prooflog.py", "process_start", "read_text"): "/proc/self/stat",
+    ("_records/proofwriter.py", "process_start", "read_text"): "/proc/self/stat",
     ("_disk/filedigest.py", "file_digest", "open"): "large data files: opened O_NONBLOCK, fstat must be regular",
     ("_disk/filedigest.py", "reader", "open"): "a dup of the descriptor file_digest checked",
     ("_commit/p2p.py", "send_file", "open"): "a large step file this rank sends to a peer (not size-bounded)",
@@ -114,10 +114,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("_disk/lease.py", "_create", "fdopen"): "writes a lease file it created with O_EXCL",
     ("_records/contract.py", "hash_data_files", "open"): "the user's data files named in the run contract",
     ("_records/contract.py", "hash_imported_files", "read_bytes"): "the user's imported source files",
-    ("_records/prooflog.py", "_write", "open"): "the last byte of a proof log (not yet through read_small)",
+    ("_records/proofwriter.py", "_write", "open"): "the last byte of a proof log (not yet through read_small)",
     ("testing.py", "run_ranks", "open"): "the result pickle of a test rank (testing only)",
-    ("storage/objectstore/_transfer.py", "_read", "open"): "a data file of the staging root (upload)",
-    ("storage/objectstore/_transfer.py", "_check", "open"): "a downloaded data file it just wrote",
+    ("storage/s3/_transfer.py", "_read", "open"): "a data file of the staging root (upload)",
+    ("storage/s3/_transfer.py", "_check", "open"): "a downloaded data file it just wrote",
     # Operator tools and the memory wing: files the user names on the command line, /proc and /sys.
     ("memory/_files.py", "read_text", "read_text"): "/proc and /sys/fs/cgroup files",
     ("memory/cli.py", "recipe", "read_text"): "a recipe file named on the command line",

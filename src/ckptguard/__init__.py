@@ -27,7 +27,7 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; 
     from ._records.readers import open_step
     from ._records.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
     from ._records.trust import HealthPolicy, Prefer
-    from ._resume.resolution import Resolution
+    from ._resume.resolve_local import Resolution
     from ._state.derived import DerivedState
     from ._state.expert import ExpertParallel
     from ._state.rng import GeneratorState
@@ -146,7 +146,7 @@ _WHERE = {
     "RehearsalError": ".errors",
     "ReplicatedDivergenceError": ".errors",
     "ReshardRule": ".config",
-    "Resolution": "._resume.resolution",
+    "Resolution": "._resume.resolve_local",
     "ResumeError": ".errors",
     "ResumeMode": ".config",
     "RetentionPolicy": "._records.retention",

@@ -61,7 +61,7 @@ NODE_POINTS = (
 )
 """The points of per-node publish (node-local roots), reached by each node's publishing rank."""
 STORE_POINTS = ("store.part_uploaded", "store.before_marker", "store.before_tracker")
-"""The points of an object-store commit (``ckptguard.storage.objectstore``)."""
+"""The points of an object-store commit (``ckptguard.storage.s3``)."""
 POINTS = (
     *COMMIT_POINTS, "commit.rank_written", *NODE_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker",
     *STORE_POINTS, "transfer.before_rename",

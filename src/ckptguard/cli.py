@@ -219,7 +219,7 @@ class _RootOrURL(click.ParamType):  # type: ignore[type-arg]
 
 
 def _list_remote(url: str, template: str, as_json: bool) -> None:
-    from .ops import objectstore as _remote
+    from .ops import remote as _remote
 
     listing = _remote.list_remote(url, template)
     if as_json:
@@ -371,7 +371,7 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
 
 
 def _verify_remote(url: str, deep: bool, do_restore: bool, template: str, as_json: bool) -> None:
-    from .ops import objectstore as _remote
+    from .ops import remote as _remote
     from .ops import verify as _verify
 
     if do_restore:
@@ -525,7 +525,7 @@ def preflight(
 
 
 def _preflight_remote(url: str, expect_step: int | None, template: str, as_json: bool) -> NoReturn:
-    from .ops import objectstore as _remote
+    from .ops import remote as _remote
 
     report = _remote.preflight_remote(url, template, expect_step=expect_step)
     if not as_json:
@@ -539,7 +539,7 @@ def _preflight_remote(url: str, expect_step: int | None, template: str, as_json:
 
 def _gc_remote(url: str, dry_run: bool, orphans: bool, force: bool, min_age_s: float, template: str,
                as_json: bool) -> None:
-    from .ops import objectstore as _remote
+    from .ops import remote as _remote
 
     if orphans:
         raise click.UsageError("--orphans works on local roots; on s3:// an orphan marker (newer than the tracker) "
@@ -739,7 +739,7 @@ def prove(root: Path | str, as_json: bool, resume: int | None, every: bool) -> N
     if every and resume is not None:
         raise click.UsageError("--all judges every resume: give it or --resume N, not both")
     if isinstance(root, str):
-        from .ops import objectstore as _remote
+        from .ops import remote as _remote
 
         with tempfile.TemporaryDirectory(prefix="ckptguard-prove-") as tmp:
             _remote.fetch_proof(root, "step_{step:08d}", Path(tmp))

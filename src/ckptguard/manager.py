@@ -36,10 +36,10 @@ from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records import retention
 from ._records import trust as _trust
-from ._records.prooflog import ExportFingerprint, export_fingerprint, logprob_diff, process_start
-from ._resume import resolve as _resolve
+from ._records.proofwriter import ExportFingerprint, export_fingerprint, logprob_diff, process_start
+from ._resume import resolve_agreed as _resolve
 from ._resume import restore as _restore
-from ._resume.resolution import Resolution
+from ._resume.resolve_local import Resolution
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from ._state.state import addresses, capture, check_items, moved

@@ -2,7 +2,7 @@
 
 Contract. ``save(step, state)`` first commits ``step`` to a local staging root with the ordinary
 protocol (every rank's files, digests, manifest, tracker: ``CheckpointManager``), then publishes
-that committed directory to ``s3://bucket/prefix`` (``ckptguard.storage.objectstore``): rank 0
+that committed directory to ``s3://bucket/prefix`` (``ckptguard.storage.s3``): rank 0
 takes the store's write lease and opens an attempt, every rank uploads its own files of the step
 (multipart, checksummed parts), and once every rank reported success rank 0 creates the marker
 (``If-None-Match: *``) and moves the tracker (``If-Match``, never backwards). Any failure raises on
@@ -37,14 +37,14 @@ from ._dist import make_agreement
 from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records.entries import FileEntry
-from ._records.proofrecords import records_dir
+from ._records.proofreader import records_dir
 from ._records.retention import KeepLast, RetentionPolicy
 from ._types import JsonObject, StateDict
 from .config import BlockingBudget, CheckpointConfig, ResumeMode
 from .errors import CheckpointCorruptError, CheckpointError, ConfigError, ContractMismatchError
 from .manager import CheckpointManager
 from .storage.base import Storage
-from .storage.objectstore import Consistency, Marker, ObjectStore, ObjectStoreOptions, StoredObject, StoreURL
+from .storage.s3 import Consistency, Marker, ObjectStore, ObjectStoreOptions, StoredObject, StoreURL
 
 __all__ = ["Consistency", "ObjectStoreCheckpoint", "ObjectStoreOptions", "StoreURL"]
 

@@ -61,9 +61,10 @@ from ._disk import layout as _layout
 from ._dist import make_agreement
 from ._records import checks as _checks
 from ._records import trust as _trust
-from ._records.prooflog import ExportFingerprint, ProofLog
-from ._resume import resolve as _resolve
-from ._resume.resolve import Resolution, ResolveView
+from ._records.proofwriter import ExportFingerprint, ProofLog
+from ._resume import resolve_agreed as _resolve
+from ._resume.resolve_agreed import ResolveView
+from ._resume.resolve_local import Resolution, resolve_local
 from ._state.derived import DerivedState
 from ._types import JsonObject, StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
@@ -204,7 +205,7 @@ class RunCheckpoint:
         res: Resolution | None = None
         names = list(self._ranks)
         try:
-            res = _resolve.resolve_local(
+            res = resolve_local(
                 self.root,
                 self._naming,
                 mode,

@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .._records.prooflog import ExportFingerprint
-from .._resume.resolution import Resolution
+from .._records.proofwriter import ExportFingerprint
+from .._resume.resolve_local import Resolution
 from .._types import JsonObject
 from ..config import ResumeMode
 from .guard import GuardTarget

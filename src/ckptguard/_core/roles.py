@@ -17,11 +17,11 @@ from .._commit import pending as _async
 from .._commit.messages import failure_from
 from .._context import Context
 from .._records import runmanifest
-from .._records.prooflog import ExportFingerprint, ProofLog, export_fingerprint, logprob_diff
+from .._records.proofwriter import ExportFingerprint, ProofLog, export_fingerprint, logprob_diff
 from .._records.trust import HealthLog, HealthPolicy
-from .._resume import resolve as _resolve
+from .._resume import resolve_agreed as _resolve
 from .._resume import restore as _restore
-from .._resume.resolve import Resolution
+from .._resume.resolve_local import Resolution
 from .._state.derived import DerivedState
 from .._state.expert import ExpertParallel
 from .._state.state import addresses, check_items, moved

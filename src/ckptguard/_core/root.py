@@ -26,7 +26,7 @@ from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import retention
 from .._records import trust as _trust
-from .._records.prooflog import ProofLog
+from .._records.proofwriter import ProofLog
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError
 

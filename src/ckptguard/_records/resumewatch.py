@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 
 from .._log import NAME
-from .proofrecords import ProofRecord
+from .proofreader import ProofRecord
 
 log = logging.getLogger(NAME)
 

@@ -43,9 +43,10 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..storage._staging import release_host_cache
-from . import layoutfree as _layoutfree
+from . import layoutcheck as _layoutcheck
 from . import reshard as _reshard
-from .resolve import Agreed, Problems, Resolution, by_item, source_rank
+from .resolve_agreed import Agreed, Problems, by_item, source_rank
+from .resolve_local import Resolution
 
 log = logging.getLogger("ckptguard")
 
@@ -168,7 +169,7 @@ class Restored:
     source_rank: int = 0  # whose extras (and RNG) this rank took
     saved_world_size: int = 0
     reshard: dict[str, Any] | None = None  # resharded: old -> new world, rules, this rank's RNG digest
-    replicas: dict[str, Any] = field(default_factory=dict)  # layoutfree.replica_report of the restored state
+    replicas: dict[str, Any] = field(default_factory=dict)  # layoutcheck.replica_report of the restored state
 
 
 def precheck(
@@ -313,7 +314,7 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
         # rank, or (BY_ITEM) against what their rule gives.
         expected = plan.expected if plan is not None else None
         same = manifest.world_size == ctx.world
-        checked = _layoutfree.verify(
+        checked = _layoutcheck.verify(
             ctx, state, manifest, targets, extras, source, on_verified, expected=expected,
             explain=(lambda: _changed_files(manifest, ctx.rank)) if same else None,
         )

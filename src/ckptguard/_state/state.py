@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .._disk.boxsum import digest_with_layout_free, layout_free_partials
 from .._disk.digest import DIGEST_BYTES, DIGEST_STRUCTURE, digest, structure_digest
-from .._disk.layoutfree import digest_with_layout_free, layout_free_partials
 from .._types import StateDict
 from ..errors import ConfigError, StateMismatchError
 from . import optimstate

@@ -67,9 +67,9 @@ from typing import Any
 import torch
 import xxhash
 
+from .._disk.boxsum import combine_layout_free, layout_free_partials
 from .._disk.digest import digest
-from .._disk.layoutfree import combine_layout_free, layout_free_partials
-from .._records.prooflog import ExportFingerprint
+from .._records.proofwriter import ExportFingerprint
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager
 from . import peft as _peft

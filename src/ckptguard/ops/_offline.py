@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .._disk import layout as _layout
+from .._disk.boxsum import box_sum, combine_layout_free
 from .._disk.digest import STRUCTURE_SEED, digest, update_digest, update_tensor_header, update_with_tensor
-from .._disk.layoutfree import box_sum, combine_layout_free
 from .._records import manifest as _manifest
 from .._state.state import TENSOR_REF, ItemKind
 from ..errors import CheckpointCorruptError

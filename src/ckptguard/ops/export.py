@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import _faults
 from .._disk import layout as _layout
+from .._disk.boxsum import REPLICAS_DIFFER
 from .._disk.digest import file_digest
-from .._disk.layoutfree import REPLICAS_DIFFER
 from .._records import manifest as _manifest
 from .._records.checks import safe_member
 from .._records.findings import Finding, Severity, finding

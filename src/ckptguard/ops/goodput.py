@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._records.proofrecords import ProofRecord, read_records
+from .._records.proofreader import ProofRecord, read_records
 
 __all__ = ["Goodput", "Launch", "goodput", "young_daly"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._disk import layout as _layout
-from .._disk.layoutfree import combine_layout_free, layout_free_partials
+from .._disk.boxsum import combine_layout_free, layout_free_partials
 from ..errors import CheckpointCorruptError
 
 __all__ = ["ST_DTYPES", "digests", "read_header", "read_tensors", "tensor_span", "trim", "write_shard"]

@@ -23,7 +23,7 @@ from .._records import retention as _retention
 from .._records import runmanifest as _runmanifest
 from .._records import trust as _trust
 from .._records.findings import Severity
-from .._resume.resolution import Resolution, resolve_local
+from .._resume.resolve_local import Resolution, resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError, ResumeError
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import xxhash
 
 from .._records import manifest as _manifest
-from .._records.proofrecords import ProofRecord
+from .._records.proofreader import ProofRecord
 from ..errors import CheckpointError
 from ..integrations.peft import ADAPTER_ITEM, read_binding
 

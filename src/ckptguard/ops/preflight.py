@@ -29,7 +29,7 @@ from .._records import runmanifest as _runmanifest
 from .._records.checks import safe_member, verify_step
 from .._records.findings import Finding, Severity
 from .._records.stepfiles import files_needed
-from .._resume.resolution import resolve_local
+from .._resume.resolve_local import resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
 

@@ -28,8 +28,8 @@ from typing import Any
 
 from .._records import checks as _checks
 from .._records import runmanifest as _runmanifest
-from .._records.proofrecords import ProofRecord, read_records, record_roles
-from .._resume.layoutfree import differing_chunks
+from .._records.proofreader import ProofRecord, read_records, record_roles
+from .._resume.layoutcheck import differing_chunks
 from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError

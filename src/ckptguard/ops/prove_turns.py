@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .._disk.layout import PROOF_DIR, read_small, refuse_link
-from .._records.proofrecords import PROOF_BYTES, read_records
+from .._records.proofreader import PROOF_BYTES, read_records
 from ..environments import Effect
 from ..errors import CheckpointCorruptError
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._records.proofrecords import ProofRecord
+from .._records.proofreader import ProofRecord
 
 __all__ = ["Candidate", "at_step", "candidates", "earliest", "nothing_past"]
 

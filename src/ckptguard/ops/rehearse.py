@@ -38,7 +38,7 @@ from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records.checks import cost
 from .._records.entries import Cost
-from .._records.proofrecords import ProofRecord, read_records
+from .._records.proofreader import ProofRecord, read_records
 from ..config import ProofPlan
 from ..errors import CheckpointError, RehearsalError
 from . import _proctree

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._records.proofrecords import ProofRecord
+from .._records.proofreader import ProofRecord
 
 Records = dict[int, list[ProofRecord]]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._records import proofrecords as _proofrecords
+from .._records import proofreader as _proofreader
 from ..errors import CheckpointCorruptError
 from ..memory.records import read_records
 
@@ -147,10 +147,10 @@ class BusySaves:
 def busy_saves(root: str | os.PathLike[str]) -> BusySaves | None:
     """What a commit in flight kept from the disk (``BusySaves``), or None where ``root`` has no proof records."""
     root = Path(root)
-    if not _proofrecords.records_dir(root).is_dir():
+    if not _proofreader.records_dir(root).is_dir():
         return None
-    roles = _proofrecords.record_roles(root)
-    records = _proofrecords.read_records(root, roles[0] if roles else None, rank=0).get(0, [])
+    roles = _proofreader.record_roles(root)
+    records = _proofreader.read_records(root, roles[0] if roles else None, rank=0).get(0, [])
     if not records:
         return None
     # This launch's records (from its restore on): a skip made while step k committed is carried by the

@@ -37,7 +37,7 @@ from .._records import contract as _contract
 from .._records import manifest as _manifest
 from .._records.checks import verify_step
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, ResumeError
-from ..storage.objectstore import Marker, ObjectStore, ObjectStoreOptions, StoredObject
+from ..storage.s3 import Marker, ObjectStore, ObjectStoreOptions, StoredObject
 from .transfer import TRANSFERS_DIR, publishing
 
 __all__ = ["from_store", "to_store"]

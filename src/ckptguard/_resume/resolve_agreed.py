@@ -28,8 +28,7 @@ from ..errors import (
     rebuild,
 )
 from . import reshard as _reshard
-from .resolution import Resolution as Resolution  # re-exported: decided without torch in resolution
-from .resolution import resolve_local as resolve_local
+from .resolve_local import Resolution, resolve_local
 
 
 @dataclass(frozen=True)

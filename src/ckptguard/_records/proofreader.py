@@ -1,6 +1,6 @@
 """Reading the proof records of a root (``ROOT/proof/rank_*.jsonl``, per role on a run root), without torch.
 
-``ProofLog`` (``prooflog``) writes them and imports torch for the facts it records; the readers
+``ProofLog`` (``proofwriter``) writes them and imports torch for the facts it records; the readers
 (``ckptguard prove``, ``goodput``, ``rehearse``) only parse JSON lines, so they live here and
 ``ckptguard goodput`` starts without torch's 1-2 s import.
 """

@@ -2,7 +2,7 @@
 
 Each element's bytes are weighted by its global position, so the sum of the partial digests of
 any partition of a tensor (FSDP shards, TP slices, expert groups) equals the digest of the
-whole; a resharded restore is then proven item by item (``_resume/layoutfree``).
+whole; a resharded restore is then proven item by item (``_resume/layoutcheck``).
 
 How: A tensor's bytes in global row-major order are read as 64-bit little-endian words W_j
 (the last one zero-padded). Its layout-free sum is sum_j W_j * P[j mod B] * S(j div B)

@@ -28,9 +28,7 @@ from .._log import NAME
 from .._state.trajectory import rng_digests
 from .._version import __version__
 from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
-from .proofrecords import PROOF_BYTES, ProofRecord, header_problem, records_dir
-from .proofrecords import read_records as read_records  # re-exported: its callers predate proofrecords
-from .proofrecords import record_roles as record_roles
+from .proofreader import PROOF_BYTES, ProofRecord, header_problem, records_dir
 from .resumewatch import ResumeWatch
 
 _HOST = socket.gethostname()

@@ -26,7 +26,7 @@ from .._disk.layout import PROOF_DIR, TRACKER_NAME
 from .._records.checks import verify_step
 from .._records.findings import Finding, Severity
 from ..errors import CheckpointError, LeaseHeldError
-from ..storage.objectstore import GcReport, Marker, ObjectStore, ObjectStoreOptions
+from ..storage.s3 import GcReport, Marker, ObjectStore, ObjectStoreOptions
 
 __all__ = ["RemoteEntry", "RemoteListing", "RemotePreflight", "fetch_proof", "gc_remote", "is_remote", "list_remote",
            "preflight_remote", "verify_remote"]
