@@ -10,16 +10,22 @@ cannot be read still holds its step. Without a tracker
 nothing is deleted. Corrupt and orphan directories are never counted among the kept ones
 and are never deleted here; one that cannot even be checked is one finding, never a
 failure of the whole rotation. Deletion renames the directory into the trash first, so
-a half-deleted directory never looks committed. A failed delete is reported and retried
-at the next run; it never raises into training.
+a half-deleted directory never looks committed; the trash itself is deleted by a background
+thread (``Deleter``), so a commit never waits for the old step's files to go (issue 41: 1.25-
+1.75 s of a 6 GiB commit). A kill mid-delete leaves only a trash directory (never a step name,
+no manifest), swept by the next rotation or ``gc``. A failed delete is reported and retried at
+the next run; it never raises into training.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import re
+import shutil
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -217,8 +223,7 @@ def apply(
         tracker = _layout.read_tracker(root)
     except CheckpointError as exc:
         return RetentionReport([], [], {}, {_layout.TRACKER_NAME: f"{exc}; nothing is deleted until it is fixed"})
-    for path in _layout.empty_trash(root):
-        log.warning("ckptguard: %s could not be deleted yet; retried at the next save", path)
+    DELETER.submit(_trash_dirs(root))  # what a kill or a failed delete left, off the caller's path
     committed: list[int] = []
     not_counted: dict[str, str] = {}
     dirs = _layout.step_dirs(root, naming)
@@ -245,15 +250,90 @@ def apply(
     report = RetentionReport(
         kept=sorted(s for s in committed if s in keep), deleted=[], failed={}, not_counted=not_counted
     )
+    trash: list[Path] = []
     for step in committed:
         if step in keep:
             continue
         try:
-            _layout.remove_step_dir(dirs[step])
+            trash.append(_layout.uncommit_to_trash(dirs[step]))  # cheap and atomic: a rename, then the manifest
             report.deleted.append(step)
         except OSError as exc:
             report.failed[step] = f"{type(exc).__name__}: {exc}"
             log.warning(
                 "ckptguard: could not delete step %d at %s (%s); retried at the next save", step, dirs[step], exc
             )
+    DELETER.submit(trash)
     return report
+
+
+# ---------------------------------------------------------------- background delete
+
+
+def _trash_dirs(root: Path) -> list[Path]:
+    try:
+        return [p for p in root.glob(f"{_layout.TRASH_PREFIX}*") if _layout.is_trash_dir(p)]
+    except OSError:
+        return []
+
+
+def _delete(path: Path) -> None:
+    if not _layout.is_trash_dir(path):  # only a directory the trash's own name marks; never through a link
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        log.warning("ckptguard: %s could not be deleted yet; retried at the next save", path)
+
+
+class Deleter:
+    """Deletes trash directories on one daemon thread, started when there is work and gone when
+    there is none. ``wait`` blocks until what was submitted is gone (tests, process exit)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: list[Path] = []
+        self._pending: set[Path] = set()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, paths: Iterable[Path]) -> None:
+        with self._cv:
+            for path in paths:
+                if path not in self._pending:  # a sweep finding a trash already queued must not delete it twice
+                    self._pending.add(path)
+                    self._queue.append(path)
+            if self._queue and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ckptguard-trash", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    self._thread = None
+                    self._cv.notify_all()
+                    return
+                path = self._queue.pop(0)
+            try:
+                _delete(path)
+            except Exception as exc:  # a delete must never kill the thread that deletes the rest
+                log.warning("ckptguard: deleting %s failed (%s: %s); retried at the next save",
+                            path, type(exc).__name__, exc)
+            with self._cv:
+                self._pending.discard(path)
+                self._cv.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every submitted directory is deleted (or given up on), False on ``timeout``."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending, timeout)
+
+    def _after_fork(self) -> None:
+        # a forked child has no deleter thread: the parent's queue is the parent's to finish
+        self._cv = threading.Condition()
+        self._queue, self._pending, self._thread = [], set(), None
+
+
+DELETER = Deleter()
+os.register_at_fork(after_in_child=DELETER._after_fork)
+# a process that exits right after a save still deletes what it dropped (as a synchronous delete
+# did), within a bound; what is left after it is trash, swept by the next rotation or ``gc``
+atexit.register(DELETER.wait, 60.0)
