@@ -254,3 +254,30 @@ def test_each_front_door_refuses_a_policy_it_cannot_follow(tmp_path: Path) -> No
                             config=cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)))
     with pytest.raises(cg.ConfigError, match="SKIP, WAIT, COALESCE, FAST_TIER"):
         cg.AsyncOptions(on_busy="coalesce")  # type: ignore[arg-type]
+
+
+def test_coalesce_stays_within_its_host_factor_or_skips_with_the_figure(tmp_path: Path) -> None:
+    """Under the derived host budget, COALESCE never holds a second staging set beside a full first one
+    (2.0x the state, issue 41): the request is skipped, its reason naming the figure, and nothing is staged."""
+    root = tmp_path / "ck"
+    gate = threading.Event()
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
+        on_busy=cg.OnBusy.COALESCE)))
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    mgr.save_async(1, state).wait()  # the first set now holds the state
+    set_fault_hook("commit.before_tracker", gate.wait)  # step 2's commit held
+    try:
+        second = mgr.save_async(2, state)
+        assert second is not None
+        assert mgr.save_async(3, state) is None and mgr.queue.queued_step is None
+        spare = mgr.queue.spare()
+        assert spare.pool is None or spare.pool.held_bytes == 0
+    finally:
+        gate.set()
+        set_fault_hook("commit.before_tracker", None)
+    second.wait()
+    assert mgr.busy.skipped_total == 1 and mgr.busy.coalesced_total == 0
+    (reason,) = [r["reason"] for r in read_records(root)[0] if r["event"] == "busy_skip"]
+    assert "2.00x the state in host memory, over OnBusy.COALESCE's 1.05x" in reason, reason
+    assert "host_bytes to 524288 B" in reason, reason
+    mgr.close()

@@ -13,6 +13,11 @@ ended (``poll``; a ``save_async`` there replaces it by its newer step instead), 
 every rank calls, after its own commit ended. No commit thread starts it on its own, so no rank can
 have started a queued save that another rank replaced; the busy round also checks that every rank
 holds the same queued step.
+
+Host memory. Under the derived host budget (``AsyncOptions.host_bytes`` None), both sets together stay
+within ``HOST_FACTOR`` (1.05x) the state's bytes: a request whose snapshot would take them beyond it is
+skipped, its reason naming the figure (a second set beside a full first one is 2.0x, issue 41). An explicit
+``host_bytes`` is the caller's allowance for both sets together (twice the state lets every request queue).
 """
 
 from __future__ import annotations
@@ -33,11 +38,20 @@ from .._state.state import Captured
 from .._types import StateDict
 from ..config import CheckpointConfig, OnBusy
 from ..storage._staging import Fence
+from ..storage._writer import exact
 from .busy import BusyDecision, BusyRound, InFlight, may_start, settle
 from .pending import AsyncStaging, PendingSave, Staged, committer
 from .snapshot import Snapshot, snapshot
 
 T = TypeVar("T")
+
+HOST_FACTOR = 1.05
+"""Host staging of both sets together, as a multiple of the state, under the derived budget (issue 41)."""
+
+
+def state_bytes(items: Mapping[str, Captured]) -> int:
+    """The bytes a whole snapshot of ``items`` stages (the local shards)."""
+    return sum(exact(t).numel() * t.element_size() for item in items.values() for t in item.tensors.values())
 
 
 @dataclass(frozen=True)
@@ -151,7 +165,7 @@ class SaveQueue:
         # The commit thread agrees on the front door's agreement: this snapshot's round runs on the busy one.
         snap = snapshot(dataclasses.replace(ctx, agreement=self.busy.agreement), step, state, guard=False,
                         actions=actions)
-        budget = self.budget(target, config)
+        budget = self.budget(target, config, state_bytes(snap.items))
         placed = target.place_whole(snap, config, budget) if isinstance(budget, int) else budget
         mine = HoldView(whole=True) if not isinstance(placed, str) else HoldView(whole=False, why=placed)
         verdict = gather_decide(self.busy.agreement, "save.queue", mine, decide_hold, decision=HoldVerdict)
@@ -194,16 +208,24 @@ class SaveQueue:
     def spare(self) -> AsyncStaging:
         return self.sets[1] if self.reading is self.sets[0] else self.sets[0]
 
-    def budget(self, target: AsyncStaging, config: CheckpointConfig) -> int | str:
-        """The host bytes ``target`` may hold: the front door's host staging budget less what the other set
-        holds (both are alive at once)."""
-        total = self.sets[0].budget
+    def budget(self, target: AsyncStaging, config: CheckpointConfig, want: int) -> int | str:
+        """The host bytes ``target`` may hold for a snapshot of ``want`` bytes: the front door's host staging
+        budget less what the other set holds (both are alive at once); under the derived budget also within
+        ``HOST_FACTOR`` the state, or why not (with the figure)."""
+        other = self.sets[1] if target is self.sets[0] else self.sets[0]
+        held = other.pool.held_bytes if other.pool is not None else 0
         if config.async_save.host_bytes is not None:
-            total = config.async_save.host_bytes
+            return max(0, config.async_save.host_bytes - held)
+        cap = int(HOST_FACTOR * want)
+        if held + want > cap:
+            return (f"its snapshot ({want} B) beside the {held} B the commit's staging set holds would keep "
+                    f"{(held + want) / max(want, 1):.2f}x the state in host memory, over OnBusy.COALESCE's "
+                    f"{HOST_FACTOR}x ({cap} B); set CheckpointConfig.async_save.host_bytes to {held + want} B or more "
+                    "to allow it, or use OnBusy.SKIP")
+        total = self.sets[0].budget
         if total is None:
             return "the host staging budget is still being derived (the first save_async's background probe)"
-        other = self.sets[1] if target is self.sets[0] else self.sets[0]
-        return max(0, total - (other.pool.held_bytes if other.pool is not None else 0))
+        return max(0, min(total, cap) - held)
 
     def known(self, state: StateDict, ctx: Context) -> None:
         """The state is known (``restore``): the primary set prepares for it in the background
@@ -222,7 +244,7 @@ class SaveQueue:
         def run() -> None:
             try:
                 added = first.result()
-                budget = self.budget(spare, config)
+                budget = self.budget(spare, config, state_bytes(items))
                 spare.budget = budget if isinstance(budget, int) else 0
                 done.set_result(added + spare.prepare(items, config, gpu_bytes=0).result())
             except BaseException as exc:  # the future carries it; a coalesced request skips meanwhile
