@@ -23,6 +23,10 @@ refused on a model whose adapter is merged already (merging it again would add t
 a ``LoraBinding``, whose in-memory base differs from the base files (a merge whose flag was lost).
 ``merge_count(...)`` measures, independently of peft's computation, how many times the adapter's delta
 is in a weight: ``(W_e - W) x`` against ``scaling * B (A x)`` in float64 for a random probe ``x``.
+``adapter_probe(payload, adapter)`` samples a few fixed entries of each targeted weight's base, delta and
+exported value into an export record (``mgr.record_export(step, payload, adapter=adapter_probe(payload,
+model))``), so ``prove`` can name a first
+export after a restore that holds ``base + k x delta`` (k = 2: merged twice) against the saving run's base.
 
 Pinned and checked: peft 0.21.2 (plain LoRA on Linear layers; DoRA, rank/alpha patterns and LoRA
 biases are refused by the merge). The in-memory base check covers plain (non-DTensor) base weights.
@@ -33,11 +37,12 @@ from __future__ import annotations
 import enum
 import json
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from .._disk import layout as _layout
 from .._disk.digest import file_digest
@@ -45,8 +50,8 @@ from ..errors import ConfigError, StateMismatchError
 from ..ops.hffiles import digests, read_tensors
 
 __all__ = ["ADAPTER_ITEM", "BINDING_ITEM", "AdapterModule", "LoraBinding", "LoraCheckpoint", "LoraFactors",
-           "base_identity", "base_name", "is_peft_model", "lora_factors", "merge_count", "merged_state",
-           "read_binding"]
+           "adapter_probe", "base_identity", "base_name", "is_peft_model", "lora_factors", "merge_count",
+           "merged_state", "read_binding"]
 
 ADAPTER_ITEM = "adapter"
 BINDING_ITEM = "lora"
@@ -409,4 +414,84 @@ def merge_count(factors: Mapping[str, LoraFactors], products: Mapping[str, torch
         times = float((got * d).sum() / (d * d).sum())
         tol = eps * ((w.abs() @ x.abs()) + 2 * d_size) + 4 * f.a.shape[0] * eps * d_size
         out[name] = 1.0 if bool(((got - d).abs() <= tol + 1e-30).all()) else times
+    return out
+
+
+# ---------------------------------------------------------------- the export's adapter probe (prove's evidence)
+
+
+PROBE_POINTS = 8
+"""Entries of each LoRA-targeted weight sampled into an export record: enough for a least-squares multiple of
+the delta, small enough that a record never holds a tensor (3 x 8 numbers per weight)."""
+
+Probe = dict[str, dict[str, Any]]
+
+
+def _points(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The flat positions sampled of weight ``name``: a function of its name and shape only, so every run
+    (the saving one and each resume) samples the same entries whatever its process or device."""
+    seed = xxhash.xxh3_64(f"ckptguard.adapter_probe|{name}|{list(shape)}".encode()).intdigest() & 0x7FFF_FFFF
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    return torch.randint(numel, (min(PROBE_POINTS, numel),), generator=torch.Generator().manual_seed(seed))
+
+
+def _values(t: torch.Tensor, at: torch.Tensor) -> list[float | None]:
+    picked = t.detach().reshape(-1)[at.to(t.device)].double().cpu().tolist()
+    return [v if v == v and abs(v) != float("inf") else None for v in picked]  # JSON has no NaN
+
+
+def _peft_pairs(model: Any, adapter: str) -> dict[str, tuple[torch.Tensor, Any]]:
+    """``{base weight name: (base weight, factors)}``: the delta is sampled from the factors, never built whole."""
+    return {n: (f.base, f) for n, f in lora_factors(model, adapter).items()}
+
+
+def _delta_at(delta: Any, shape: tuple[int, ...], at: torch.Tensor) -> list[float | None]:
+    if isinstance(delta, torch.Tensor):
+        return _values(delta, at)
+    f: LoraFactors = delta  # entry (i, j) of scaling * B @ A (transposed for fan_in_fan_out), in float64
+    cols = int(shape[1])
+    i, j = (at // cols).tolist(), (at % cols).tolist()
+    a, b = f.a.detach().double().cpu(), f.b.detach().double().cpu()
+    if f.fan_in_fan_out:
+        i, j = j, i
+    return [float(b[r] @ a[:, c]) * f.scaling for r, c in zip(i, j, strict=True)]
+
+
+def adapter_probe(payload: Any, adapter: Any, *, adapter_name: str = "default",
+                  names: Callable[[str], str] | None = None) -> Probe:
+    """What ``prove`` needs to say how many times a LoRA delta is in an exported weight: for each targeted weight,
+    ``PROBE_POINTS`` sampled entries of its base (``base``), of the delta (``delta``) and, where ``payload`` maps
+    the weight's name to a tensor, of what was exported (``sent``), with the base's dtype epsilon (``eps``).
+
+    ``adapter``: a peft model (its LoRA layers: base weight and factors, names as the base model's) or, for an
+    adapter declared by hand, ``{name: (base, delta)}`` with tensors of one shape. ``names``: the export's name
+    of a base model's weight (an engine's name map). ConfigError for a hand-declared pair that does not fit."""
+    pairs: dict[str, tuple[torch.Tensor, Any]]
+    if is_peft_model(adapter):
+        pairs = _peft_pairs(adapter, adapter_name)
+    elif isinstance(adapter, Mapping):
+        pairs = {}
+        for name, pair in adapter.items():
+            ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)
+            if not ok or tuple(pair[0].shape) != tuple(pair[1].shape):
+                raise ConfigError(f"adapter_probe: {name!r} must map to (base, delta), two tensors of "
+                                  "one shape (the delta is what the adapter adds to the base weight)")
+            pairs[str(name)] = (pair[0], pair[1])
+    else:
+        raise ConfigError(f"adapter_probe: the adapter is a peft model or {{name: (base, delta)}}; got "
+                          f"{type(adapter).__name__}")
+    sent = payload if isinstance(payload, Mapping) else {}
+    out: Probe = {}
+    for name, (base, delta) in pairs.items():
+        key = names(name) if names is not None else name
+        shape = tuple(base.shape)
+        at = _points(key, shape)
+        entry: dict[str, Any] = {"base": _values(base, at), "delta": _delta_at(delta, shape, at),
+                                 "eps": torch.finfo(base.dtype).eps if base.dtype.is_floating_point else 0.0}
+        held = sent.get(key)
+        if isinstance(held, torch.Tensor) and tuple(held.shape) == shape:
+            entry["sent"] = _values(held, at)
+        out[key] = entry
     return out

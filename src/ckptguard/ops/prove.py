@@ -36,7 +36,7 @@ from ..errors import CheckpointError
 from . import reference as _reference_mod
 from . import resumes as _resumes
 from .inspect import tracker_run_step
-from .lora import lora_gate
+from .lora import lora_gate, merged_multiple
 from .prove_turns import rows as turn_rows
 
 LEGACY_PLAN = ProofPlan(rl=True)
@@ -240,7 +240,7 @@ def _gate_export(seg: _Segment) -> tuple[Status, str]:
     diffs = [k for k in ("bytes", "scales") if ref["fingerprint"].get(k) != first["fingerprint"].get(k)]
     if diffs:
         return Status.FAIL, (f"rank {seg.rank}: first export of step {step} differs in {diffs} from {who}"
-                             f"{_export_tensors(ref, first)}")
+                             f"{_export_tensors(ref, first)}{merged_multiple(ref.raw, first.raw)}")
     return Status.PASS, f"first export of step {step} byte-identical to {who}, scales included"
 
 
