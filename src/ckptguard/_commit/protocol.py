@@ -33,6 +33,7 @@ from .._disk import layout as _layout
 from .._disk.digest import digest, file_digest
 from .._records import manifest as _manifest
 from .._records.entries import FileEntry
+from .._records.proofwriter import write_held
 from .._state.rng import RNG_ITEM
 from .._state.state import Captured, digests_and_layout_free
 from .._types import StateDict
@@ -88,6 +89,7 @@ def prepare(ctx: Context, step: int, actions: Actions = NO_ACTIONS) -> Prepared:
     request = PrepareRequest(step, str(ctx.root.absolute()), ctx.agreement.info.host)
     prep = gather_decide(ctx.agreement, "save.prepare", request, decide, decision=Prepared)
     raise_if_failed(ctx, [prep.failure] if prep.failure else [], step=step, phase="prepare")
+    write_held()  # a fresh run's proof records, held until now: a kill right after this commit keeps them
     if ctx.world == 1:
         return prep
     prep = place(ctx, step, prep, nodes)

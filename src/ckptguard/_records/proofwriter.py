@@ -15,6 +15,7 @@ import platform
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,23 +39,30 @@ log = logging.getLogger(NAME)
 class ProofLog:
     """One rank's append-only proof records.
 
-    Records made before the root exists (an export before the first save, the steps before
-    it) are held in memory and written, in order, by the first append that finds the root:
-    a mistyped root must stay visible, so a record never creates it.
+    Records made before the root exists (a fresh run's restore record, its steps and exports
+    before the first save) are held in memory and written, in order, as soon as the root exists:
+    by the first save's prepare, right after it created the root (``write_held``), or by the
+    first append that finds it. A mistyped root must stay visible, so a record never creates it.
+    The bound: the first ``HELD_HEAD`` records (the launch's restore record, its first step:
+    what prove compares a later launch's first step with) and the newest ``HELD_MAX``; the
+    records between are dropped and counted (logged once written). A step record holds about
+    1.3 KB in memory (measured), so at most about 26 MB per rank.
     """
 
-    HELD_MAX = 100_000  # records held before the root exists; older ones are dropped beyond this
+    HELD_HEAD = 64  # the first records held, always kept
+    HELD_MAX = 20_000  # the newest records held after those; older ones are dropped beyond this
 
     def __init__(self, root: Path, rank: int, *, role: str | None = None) -> None:
         self.root = Path(root)
         self.path = records_dir(root, role) / f"rank_{rank:05d}.jsonl"
         self.rank = rank
+        self._head: list[ProofRecord] = []
         self._held: deque[ProofRecord] = deque(maxlen=self.HELD_MAX)
         self.dropped = 0
         self._tail_checked = False
         self._pruned_to = 0  # the file's size after the last prune: the next waits until it doubled
-        # A save_async commits (and prunes) in a background thread while training appends step
-        # records: a record appended between the prune's read and its rename would be lost.
+        # A save_async commits (and prunes, and writes the held records) in a background thread while
+        # training appends step records: a record appended between a read and its rewrite would be lost.
         self._lock = threading.Lock()
         self.watch = ResumeWatch(rank, str(self.path), lambda event, **fields: self.keep(self.build(event, **fields)))
         self.code: str | None = None  # the run contract's code hash, recorded with saves and restores (prove shows it)
@@ -83,13 +91,21 @@ class ProofLog:
         return record
 
     def hold(self, record: ProofRecord) -> None:
-        if len(self._held) == self._held.maxlen:
-            self.dropped += 1
-        self._held.append(record)
+        with self._lock:
+            self._hold(record)
+
+    def _hold(self, record: ProofRecord) -> None:
+        if len(self._head) < self.HELD_HEAD:
+            self._head.append(record)
+        else:
+            if len(self._held) == self._held.maxlen:
+                self.dropped += 1
+            self._held.append(record)
+        _HOLDING.add(self)
 
     @property
     def held(self) -> int:
-        return len(self._held)
+        return len(self._head) + len(self._held)
 
     def write(self, record: ProofRecord, *, durable: bool = True) -> None:
         """Append the held records and ``record``. ``durable`` fsyncs (saves, restores); a step
@@ -97,11 +113,12 @@ class ProofLog:
         with self._lock:
             self._write(record, durable)
 
-    def _write(self, record: ProofRecord, durable: bool) -> None:
+    def _write(self, record: ProofRecord | None, durable: bool) -> None:
         refuse_link(self.root / PROOF_DIR, "proof directory")  # appending through a link writes outside the root
         refuse_link(self.path.parent, "proof directory")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps(r.raw, sort_keys=True) + "\n" for r in (*self._held, record)]
+        held = [*self._head, *self._held]
+        lines = [json.dumps(r.raw, sort_keys=True) + "\n" for r in (*held, *([record] if record else []))]
         if not self._tail_checked:
             # A process killed mid-append leaves a torn last line: end it, so our records start on their own.
             self._tail_checked = True
@@ -113,9 +130,26 @@ class ProofLog:
         with open(self.path, "a") as f:
             f.write("".join(lines))
             f.flush()
-            if durable or self._held:
+            if durable or held:
                 os.fsync(f.fileno())
+        self._head.clear()
         self._held.clear()
+        _HOLDING.discard(self)
+        if self.dropped:
+            log.warning("ckptguard: %d proof records made before %s existed were dropped (the first %d and the "
+                        "newest %d were held)", self.dropped, self.root, self.HELD_HEAD, self.HELD_MAX)
+            self.dropped = 0
+
+    def write_held(self) -> None:
+        """Write the held records now if the root exists; a failure is logged, never raised."""
+        with self._lock:
+            if not (self._head or self._held) or not self.root.is_dir():
+                return
+            try:
+                self._write(None, durable=True)
+            except (OSError, UnsafeCheckpointError) as exc:
+                log.warning("ckptguard: could not write %d held proof records to %s (%s)", self.held, self.path,
+                            exc)
 
     def append(self, event: str, **fields: Any) -> None:
         self.write(self.build(event, **fields))
@@ -123,18 +157,15 @@ class ProofLog:
     def keep(self, record: ProofRecord, *, durable: bool = True) -> None:
         """Write ``record`` (after the held ones), or hold it while the root does not exist; never raises:
         a read-only or full root, or a symlinked proof/, is logged and training goes on."""
-        if not self.root.is_dir():  # a record never creates the root: a mistyped path must stay visible
-            self.hold(record)
-            return
+        with self._lock:
+            if not self.root.is_dir():  # a record never creates the root: a mistyped path must stay visible
+                self._hold(record)
+                return
         try:
             self.write(record, durable=durable)
         except (OSError, UnsafeCheckpointError) as exc:
             log.warning("ckptguard: could not append the %s proof record to %s (%s)", record.event, self.path,
                         exc)
-        if self.dropped:
-            log.warning("ckptguard: %d proof records made before %s existed were dropped (more than %d held)",
-                        self.dropped, self.root, self.HELD_MAX)
-            self.dropped = 0
 
     PRUNE_BYTES = 8 << 20
     """A records file smaller than this is never rewritten (the rewrite reads the whole file)."""
@@ -174,6 +205,18 @@ class ProofLog:
             return 0
         log.info("ckptguard: pruned %d proof records of %s older than step %d's save", gone, self.path, min(steps))
         return gone
+
+
+_HOLDING: weakref.WeakSet[ProofLog] = weakref.WeakSet()  # this process's logs holding records
+
+
+def write_held() -> None:
+    """Write the held records of every log of this process whose root exists now, in order. A save
+    calls it right after its prepare created the root (``_commit.protocol.prepare``): a kill right
+    after the first commit, before the save record, then leaves the fresh run's records on disk
+    (prove's "all PIDs changed" finds the process that trained the saved step)."""
+    for plog in list(_HOLDING):
+        plog.write_held()
 
 
 def process_start() -> float | None:
