@@ -196,7 +196,8 @@ def test_save_restore_exactly_and_plain_dcp_reads_the_state_from_the_store(moto,
     assert ckpt.restore(h.blank()) == 0  # nothing there: a declared fresh start, nothing created
     assert keys(moto, name) == []
     for step in (1, 2):
-        assert ckpt.save(step, h.state_at(step)) == f"{url}/step_{step:08d}/manifest.json"
+        assert ckpt.save(step, h.state_at(step)) == (tmp_path / "stage" / f"step_{step:08d}").absolute()
+        assert ckpt.last_url == f"{url}/step_{step:08d}/manifest.json"
     assert ckpt.committed_steps() == [1, 2]
     ckpt.close()
     assert restored_step(moto, url, tmp_path / "fresh") == 2
@@ -576,7 +577,47 @@ def test_a_job_refused_by_the_stores_lease_changes_nothing_and_break_lease_reach
     with pytest.raises(LeaseHeldError):
         second.restore(h.blank())
     assert second.restore(h.blank(), break_lease=True) == 1
-    assert second.save(2, h.state_at(2), break_lease=True) == f"{url}/step_00000002/manifest.json"
+    assert second.save(2, h.state_at(2), break_lease=True) is not None
+    assert second.last_url == f"{url}/step_00000002/manifest.json"
     second.close()
     first.close()
     assert restored_step(moto, url, tmp_path / "c") == 2
+
+
+def test_save_async_commits_the_staging_root_then_the_store_in_the_background_and_a_failed_publish_raises(
+        moto, tmp_path):
+    """The store door's one shape: ``save_async`` returns a pending commit whose ``wait()`` is the staging
+    directory once the store committed the step too; ``resolve`` a ``Resolution`` naming the marker; a publish
+    that fails in the background is raised by ``wait()`` (once), the store's tracker stays, and the next save of
+    that step replaces the staging copy the store never committed."""
+    name = bucket(moto)
+    url = f"s3://{name}/async"
+    staging = (tmp_path / "stage").absolute()
+    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=h.options(moto), config=h.config())
+    pending = ckpt.save_async(1, h.state_at(1))
+    assert isinstance(pending, cg.PendingCommit) and pending.step == 1
+    assert pending.wait() == staging / "step_00000001" and ckpt.last_url == f"{url}/step_00000001/manifest.json"
+    assert ckpt.wait() == staging / "step_00000001"  # as CheckpointManager.wait: the last pending save's
+    res = ckpt.resolve()
+    assert isinstance(res, cg.Resolution) and res.step == 1 and res.path == staging / "step_00000001"
+    assert res.url == f"{url}/step_00000001/manifest.json" and url in res.describe()
+
+    def refuse() -> None:
+        raise ObjectStoreError("injected: the store refused the marker", bucket=name, key="k", step=2)
+
+    set_fault_hook("store.before_marker", refuse)
+    try:
+        failing = ckpt.save_async(2, h.state_at(2))
+        assert failing is not None
+        with pytest.raises(ObjectStoreError, match="injected"):
+            ckpt.wait()
+    finally:
+        set_fault_hook("store.before_marker", None)
+    assert failing.done() and ckpt.wait() is None  # raised once
+    store = ObjectStore(url, h.options(moto))
+    assert store.tracker()[0] == 1 and store.committed_steps() == [1]  # the staging root holds 2; the store never did
+    assert ckpt.save(2, h.state_at(2)) == staging / "step_00000002"  # replaces the uncommitted staging copy
+    assert ckpt.resolve().step == 2 and store.committed_steps() == [1, 2]
+    fresh = h.blank()
+    assert ckpt.restore(fresh) == 2 and torch.equal(fresh["model"].w, h.values_at(2))
+    ckpt.close()

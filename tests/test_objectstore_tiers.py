@@ -161,7 +161,8 @@ def _budgeted(rank: int, world: int, base: str, endpoint: str, url: str) -> dict
     tiers.close()
     alone = ObjectStoreCheckpoint(f"{url}/alone", staging=os.path.join(base, "alone"), options=h.options(endpoint),
                                   config=config)
-    marker = alone.save(1, h.state_at(1))
+    alone.save(1, h.state_at(1))
+    marker = alone.last_url
     alone.close()
     return {"kinds": kinds, "stored": stored, "marker": marker}
 

@@ -281,4 +281,7 @@ __all__ = [
 
 
 if _typing.TYPE_CHECKING:  # mypy holds every front door to the one shape (ckptguard.Checkpointer)
-    _DOORS: tuple[type[Checkpointer], ...] = (CheckpointManager, RunCheckpoint, TieredCheckpoint)
+    from .objectstore import ObjectStoreCheckpoint as _ObjectStoreCheckpoint  # the s3 extra's door
+
+    _DOORS: tuple[type[Checkpointer], ...] = (CheckpointManager, RunCheckpoint, TieredCheckpoint,
+                                              _ObjectStoreCheckpoint)

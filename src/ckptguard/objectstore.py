@@ -13,6 +13,17 @@ each host's ranks download the step's objects into the staging root (a share eac
 the staging root already holds that exact step), and restores from there with the local manager,
 so every check of a local restore (files, digests, contract, topology) applies unchanged.
 
+``save_async`` snapshots as ``CheckpointManager.save_async`` does and runs the staging commit and
+the store's publish in one background thread; ``save``, ``save_async`` (``OnBusy.WAIT``),
+``restore``, ``resolve``, ``wait`` and ``close`` wait for it first and raise its error.
+
+The one door shape (``ckptguard.Checkpointer``) holds here with two readings a store imposes:
+``save``/``wait``/``PendingCommit.wait`` return the step's directory in the staging root (committed
+there and on the store; ``last_url`` is the store's marker URL), and ``resolve`` returns a
+``Resolution`` whose ``url`` is the marker and whose ``path`` is where ``restore`` loads the step
+(the staging root's directory, downloaded there by ``restore`` when absent). The ``record_*`` calls
+go to the staging root's proof log, copied to the store's ``proof/`` at every publish and at close.
+
 ``publish(step, step_dir)`` is the seam a ``Publisher`` calls: it takes a committed local step
 directory and does the store part alone.
 """
@@ -23,28 +34,37 @@ import dataclasses
 import logging
 import os
 import secrets
-import shutil
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ._agree import Wire, gather_decide, on_every_rank
+from ._commit.busy import BusyRound, check_policy, may_start
+from ._commit.pending import PendingSave
+from ._context import Actions
+from ._core.guard import GuardTarget
+from ._core.parts import Parts
+from ._core.root import ProofSink, check_state, check_step
 from ._disk import layout as _layout
-from ._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_bytes, atomic_write_json, read_json
+from ._disk.layout import MANIFEST_NAME, atomic_write_bytes, read_json
 from ._dist import make_agreement
 from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records.entries import FileEntry
 from ._records.proofreader import records_dir
+from ._records.proofwriter import ExportFingerprint
 from ._records.retention import KeepLast, RetentionPolicy
+from ._resume.resolve_local import Resolution
+from ._resume.storefetch import fetch_step
 from ._types import JsonObject, StateDict
-from .config import BlockingBudget, CheckpointConfig, ResumeMode
-from .errors import CheckpointCorruptError, CheckpointError, ConfigError, ContractMismatchError
+from .config import BlockingBudget, CheckpointConfig, OnBusy, ResumeMode
+from .errors import CheckpointCorruptError, CheckpointError, ConfigError
 from .manager import CheckpointManager
 from .storage.base import Storage
-from .storage.s3 import Consistency, Marker, ObjectStore, ObjectStoreOptions, StoredObject, StoreURL
+from .storage.s3 import Consistency, ObjectStore, ObjectStoreOptions, StoredObject, StoreURL
 
 __all__ = ["Consistency", "ObjectStoreCheckpoint", "ObjectStoreOptions", "StoreURL"]
 
@@ -87,19 +107,15 @@ class _Chosen(Wire):
     reason: str
 
 
-@dataclass(frozen=True)
-class _Have(Wire):
-    host: str
-    same: bool  # the staging root holds exactly this step already (its manifest equals the marker's)
-
-
 class ObjectStoreCheckpoint:
     """Checkpoints on an S3-compatible object store, written through a local staging root.
 
     ``url`` is ``s3://bucket/prefix``; ``staging`` a local directory (node-local or shared; the
     same path on every node) that holds the newest step written or restored here. ``config``
     is the ``CheckpointConfig`` of the staging manager, whose ``retention`` is applied on the
-    store (the staging root keeps its newest step). Every method is collective.
+    store (the staging root keeps its newest step; ``async_save.on_busy``: ``SKIP`` or ``WAIT``).
+    ``parts``: what a composing door shares with the staging manager (``TieredCheckpoint``'s
+    persistent tier). Every method is collective.
     """
 
     _created = 0
@@ -113,23 +129,34 @@ class ObjectStoreCheckpoint:
         config: CheckpointConfig | None = None,
         process_group: Any | None = None,
         storage: Storage | None = None,
+        parts: Parts | None = None,
         **manager_kw: Any,
     ) -> None:
         base = config or CheckpointConfig()
         if not isinstance(base, CheckpointConfig):
             raise ConfigError(f"config must be a CheckpointConfig, got {type(base).__name__}")
+        check_policy(base.async_save.on_busy, "ObjectStoreCheckpoint", (OnBusy.SKIP, OnBusy.WAIT))
         self.store = ObjectStore(StoreURL.parse(url), options, dir_template=base.storage.dir_template)
         self.retention: RetentionPolicy | None = base.retention
         self.config = base
         # No blocking budget in the staging manager: a save it moved to the background would return None
         # and never be published; ObjectStoreCheckpoint.save is synchronous, upload included.
         staged = dataclasses.replace(base, retention=KeepLast(1), blocking=BlockingBudget(fraction=None))
-        self.local = CheckpointManager(staging, config=staged,
-                                       process_group=process_group, storage=storage, **manager_kw)
         ObjectStoreCheckpoint._created += 1
-        self._agreement = make_agreement(process_group, timeout_s=base.timeout_s,
-                                         namespace=f"objectstore-{ObjectStoreCheckpoint._created}")
+        name = f"objectstore-{ObjectStoreCheckpoint._created}"
+        self._agreement = make_agreement(process_group, timeout_s=base.timeout_s, namespace=name)
+        # The publish agrees over its own keys: it runs in save_async's thread while the caller's agree here.
+        self._publishing = make_agreement(process_group, timeout_s=base.timeout_s, namespace=f"{name}-publish")
+        self.busy = BusyRound(make_agreement(process_group, timeout_s=base.timeout_s, namespace=f"{name}-busy"),
+                              policy=base.async_save.on_busy)
+        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``)."""
         info = self._agreement.info
+        self._parts = parts or Parts(proof=ProofSink.open(Path(staging).absolute(), info.rank, base))
+        self.local = CheckpointManager(staging, config=staged, process_group=process_group, storage=storage,
+                                       parts=self._parts, **manager_kw)
+        self._pending: PendingSave | None = None
+        self.last_url: str | None = None
+        """The store's marker URL of the last step this job committed there."""
         self.rank = info.rank
         self._host = info.host  # ranks of one host share its staging root (CKPTGUARD_NODE where tests fake nodes)
         self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # rank 0's lease id
@@ -142,18 +169,71 @@ class ObjectStoreCheckpoint:
 
     # ------------------------------------------------------------ save
 
-    def save(self, step: int, state: StateDict, *, overwrite: bool = False, break_lease: bool = False,
-             **health: Any) -> str | None:
-        """Commit ``step`` locally, then on the store; returns the marker's URL (None: the health
-        policy skipped the step on every rank, nothing was written). ``break_lease``: take the store's
-        write lease from another live job (as ``CheckpointManager.save``'s)."""
+    def save(
+        self, step: int, state: StateDict, /, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
+    ) -> Path | None:
+        """Commit ``step`` locally, then on the store; returns its directory in the staging root, committed
+        there and on the store (``last_url``: the store's marker); None: the health policy skipped the step on
+        every rank, nothing was written. ``healthy``, ``loss``, ``grad_norm``, ``overwrite`` as in
+        ``CheckpointManager.save``; ``break_lease``: take the store's write lease from another live job."""
+        check_step(step, "save")
+        self.wait()
         # The store's lease first: a job refused by it changes nothing, not even its staging root.
         self.check_lease(break_lease)
-        overwrite = overwrite or self.replaces(step)
-        local = self.local.save(step, state, overwrite=overwrite, break_lease=break_lease, **health)
-        if local is None:
+        again = overwrite or self.replaces(step)
+        local = self.local.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm, overwrite=again,
+                                break_lease=break_lease)
+        if local is not None:
+            self.publish(step, local, break_lease=break_lease)
+        return local
+
+    def save_async(
+        self, step: int, state: StateDict, /, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
+        overwrite: bool = False, break_lease: bool = False,
+    ) -> PendingSave | None:
+        """``save`` in the background: the snapshot is taken now (``CheckpointManager.save_async``'s staging),
+        then one thread commits the staging root and publishes the step to the store; the pending save's
+        ``wait()`` returns the staging directory once both ended, or raises. Requested while the previous one
+        still runs, ``CheckpointConfig.async_save.on_busy`` decides: ``SKIP`` returns None, ``WAIT`` waits."""
+        check_step(step, "save_async")
+        check_state(state, "save_async")
+        previous = self._pending
+        if not may_start(self.busy, step, previous, self.busy.policy, wait=self.wait, record=self._record):
             return None
-        return self.publish(step, local, break_lease=break_lease)
+        self.check_lease(break_lease)
+        again = overwrite or self.replaces(step)
+        staged = self._parts.commits.stage(step, state, healthy, loss, grad_norm, Actions(again, break_lease),
+                                           busy=self.busy)
+        if staged is None:  # unhealthy on some rank: skipped on every rank, nothing written
+            return None
+        run, fence, began = staged
+        self._pending = self._parts.commits.start(
+            step, (self._then_publish(step, run, previous, break_lease), fence, began), time.monotonic())
+        return self._pending
+
+    def _then_publish(self, step: int, run: Callable[[], Path], previous: PendingSave | None,
+                      break_lease: bool) -> Callable[[], Path]:
+        """The background part of ``save_async``: the previous save's cleanup ended (it may rotate the staging
+        root), then the staging commit, then the store's publish."""
+        def commit() -> Path:
+            if previous is not None:
+                previous.join()
+            path = run()
+            self.publish(step, path, break_lease=break_lease)
+            return path
+
+        return commit
+
+    def wait(self) -> Path | None:
+        """Wait for a pending ``save_async`` (staging commit and publish); its staging directory, or its error
+        raised (once); None when nothing was pending."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None and not pending.reported else None
+
+    def _record(self, event: str, *, durable: bool = True, **fields: Any) -> None:
+        if self._parts.proof is not None:
+            self._parts.proof.record(event, durable=durable, **fields)
 
     def replaces(self, step: int) -> bool:
         """Whether the staging save of ``step`` must replace staging steps the store never committed
@@ -181,7 +261,7 @@ class ObjectStoreCheckpoint:
 
     def publish(self, step: int, step_dir: Path, *, break_lease: bool = False) -> str:
         """Publish the committed local step directory ``step_dir`` as ``step`` on the store (collective)."""
-        begun = gather_decide(self._agreement, "store.begin", _Empty(), lambda _: self._begin(step, break_lease),
+        begun = gather_decide(self._publishing, "store.begin", _Empty(), lambda _: self._begin(step, break_lease),
                               decision=_Begun)
         typed = _manifest.read(step_dir)  # checked as a restore checks it: the store gets a committed step only
         manifest, files = typed.to_json(), typed.files
@@ -191,12 +271,12 @@ class ObjectStoreCheckpoint:
             etags = self.store.upload(step, begun.attempt, [(f.path, step_dir / f.path, f.size) for f in mine])
             return _Uploaded({f.path: {"size": f.size, "xxh3": f.xxh3, "etag": etags[f.path]} for f in mine})
 
-        uploaded = on_every_rank(self._agreement, "store.upload", upload)
-        done = gather_decide(self._agreement, "store.commit", uploaded,
+        uploaded = on_every_rank(self._publishing, "store.upload", upload)
+        done = gather_decide(self._publishing, "store.commit", uploaded,
                              lambda views: self._commit(step, begun.attempt, views, files, manifest),
                              decision=_Committed)
         log.info("ckptguard: committed step %d on the object store at %s", step, done.url)
-        self._rooted = True
+        self._rooted, self.last_url = True, done.url
         self.copy_proof()
         return done.url
 
@@ -286,12 +366,21 @@ class ObjectStoreCheckpoint:
 
     # ------------------------------------------------------------ restore
 
-    def resolve(self, mode: ResumeMode = ResumeMode.AUTO, *, break_lease: bool = False) -> tuple[int, str]:
+    def resolve(self, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> Resolution:
         """The step a restore would load from the store and why (agreed by all ranks); loads nothing.
+        Its ``url`` is the step's marker on the store, its ``path`` where ``restore`` loads the step: the
+        staging root's directory (downloaded there first when absent; None: a fresh start).
         ``break_lease``: go on while another live job holds the store's lease."""
+        if not isinstance(mode, ResumeMode):
+            raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        self.wait()
         chosen = gather_decide(self._agreement, "store.resolve", _Empty(),
                                lambda _: self._choose(mode, break_lease), decision=_Chosen)
-        return chosen.step, chosen.reason
+        if chosen.step == 0:
+            return Resolution(0, None, chosen.reason, mode)
+        name = self.store.naming.name(chosen.step)
+        return Resolution(chosen.step, self.local.root / name, chosen.reason, mode,
+                          url=self.store.where(name, MANIFEST_NAME))
 
     def _choose(self, mode: ResumeMode, break_lease: bool = False) -> _Chosen:
         self.store.check_lease(self._holder, override=break_lease)
@@ -300,18 +389,19 @@ class ObjectStoreCheckpoint:
         found = self.store.resolve(must=mode is ResumeMode.MUST)
         return _Chosen(found.step, found.reason)
 
-    def restore(self, state: StateDict, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> int:
+    def restore(self, state: StateDict, /, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> int:
         """Restore the store's tracker step into ``state``; returns it (0: a fresh start). ``break_lease``:
         restore while another live job holds the store's lease (as ``CheckpointManager.restore``'s)."""
         if not isinstance(mode, ResumeMode):
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        self.wait()
         self.seed_proof()
-        step, reason = self.resolve(mode, break_lease=break_lease)
-        if step == 0:
-            log.warning("ckptguard: FRESH START: %s", reason)
+        chosen = self.resolve(mode=mode, break_lease=break_lease)
+        if chosen.step == 0:
+            log.warning("ckptguard: FRESH START: %s", chosen.reason)
             return self.local.restore(state, mode=ResumeMode.NEVER, break_lease=break_lease)
-        log.info("ckptguard: resuming from step %d on %s (%s)", step, self.store.url, reason)
-        step_dir = self.bring(step)
+        log.info("ckptguard: resuming from step %d on %s (%s)", chosen.step, self.store.url, chosen.reason)
+        step_dir = self.bring(chosen.step)
         return self.local.restore(state, path=step_dir, break_lease=break_lease)
 
     def tracker_step(self) -> int:
@@ -321,49 +411,10 @@ class ObjectStoreCheckpoint:
 
     def bring(self, step: int) -> Path:
         """The committed ``step`` in the staging root: downloaded, each host's ranks a share, unless there
-        already (collective); returns its directory. Rotation on the store keeps it from now on."""
+        already (collective, ``_resume.storefetch``); returns its directory. Rotation on the store keeps it
+        from now on."""
         self._restored, self._rooted = step, True
-        marker = self.store.marker(step)
-        if marker is None:
-            raise CheckpointCorruptError(f"{self.store.url}: the marker of step {step} vanished after resolve")
-        step_dir = self.local.root / self.store.naming.name(step)
-        have = _Have(self._host, self._same(step_dir, marker.manifest))
-        views = [_Have.from_json(v) for v in self._agreement.exchange("store.have", have.to_json())]
-        peers = [r for r, v in enumerate(views) if v.host == self._host]
-        if all(v.same for v in views):
-            return step_dir
-        # The rounds below are every rank's (the same views everywhere); a host that holds the step already
-        # takes part without downloading anything.
-        here = not all(views[r].same for r in peers)
-        leader = here and self.rank == peers[0]
-        on_every_rank(self._agreement, "store.clear", lambda: _clear(step_dir) if leader else None)
-        names = sorted(marker.objects) if here else []
-        share = {n for i, n in enumerate(names) if i % len(peers) == peers.index(self.rank)}
-        on_every_rank(self._agreement, "store.fetch", lambda: self.store.fetch(marker, step_dir, only=share))
-        on_every_rank(self._agreement, "store.fetched",
-                      lambda: self._finish(marker, step_dir) if leader else None)
-        return step_dir
-
-    def _finish(self, marker: Marker, step_dir: Path) -> None:
-        """The chain's contract phases (the staging root continues the store's chain), then the manifest."""
-        own = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.local.root)}
-        for name, record in sorted(marker.phases.items()):
-            if name in own and own[name] != record:
-                raise ContractMismatchError(
-                    f"{self.local.root}/{CONTRACT_DIR}/{name} differs from the phase step {marker.step} on "
-                    f"{self.store.url} carries: the staging root belongs to another run; give this run its own "
-                    "staging directory")
-            if name not in own:
-                (self.local.root / CONTRACT_DIR).mkdir(parents=True, exist_ok=True)
-                atomic_write_json(self.local.root / CONTRACT_DIR / name, record)
-        self.store.write_manifest(marker, step_dir)
-
-    @staticmethod
-    def _same(step_dir: Path, manifest: JsonObject) -> bool:
-        try:
-            return bool(read_json(step_dir / MANIFEST_NAME, what="manifest") == manifest)
-        except (OSError, CheckpointError):
-            return False
+        return fetch_step(self._agreement, self.store, self.local.root, step, host=self._host)
 
     # ------------------------------------------------------------ queries
 
@@ -371,20 +422,38 @@ class ObjectStoreCheckpoint:
         """The store's committed steps, ascending (this process's reads; no collective)."""
         return self.store.committed_steps()
 
+    def preemption_target(self) -> GuardTarget:
+        """What a ``PreemptionGuard`` guards: this door's save (staging commit and publish) and wait; the root
+        it names is the staging root (its tracker is never behind the store's)."""
+        return dataclasses.replace(self.local.preemption_target(), save=self.save, wait=self.wait)
+
+    def record_step(
+        self, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None, grad_norm: Any = None,
+        **extra: Any,
+    ) -> JsonObject:
+        """``CheckpointManager.record_step`` into the staging root's proof log (copied to the store's)."""
+        return self.local.record_step(step, sample_ids=sample_ids, batch=batch, loss=loss, grad_norm=grad_norm,
+                                      **extra)
+
+    def record_update(self, step: int, /, *, grad_norm: float, params_changed: bool) -> None:
+        self.local.record_update(step, grad_norm=grad_norm, params_changed=params_changed)
+
+    def record_export(self, step: int, payload: Any, /, *, scales: Any = None) -> ExportFingerprint:
+        return self.local.record_export(step, payload, scales=scales)
+
+    def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, /) -> dict[str, float]:
+        return self.local.record_logprobs(step, trainer_logprobs, rollout_logprobs)
+
     def close(self) -> None:
-        """Release the store's write lease (rank 0) and the staging manager's pools."""
+        """Wait for a pending ``save_async`` (raising its error), release the store's write lease (rank 0) and
+        the staging manager's pools."""
         try:
-            self.copy_proof()  # the records since the last save (a restore's) reach the store's copy
-            if self.rank == 0:
-                self.store.release_lease(self._holder)
+            self.wait()
         finally:
-            self.local.close()
+            try:
+                self.copy_proof()  # the records since the last save (a restore's) reach the store's copy
+                if self.rank == 0:
+                    self.store.release_lease(self._holder)
+            finally:
+                self.local.close()
 
-
-def _clear(step_dir: Path) -> None:
-    """A stale copy of the step in the staging root goes, marker first (it never looks committed half-deleted)."""
-    manifest = step_dir / MANIFEST_NAME
-    if manifest.exists():
-        manifest.unlink()
-    if step_dir.exists():
-        shutil.rmtree(step_dir)

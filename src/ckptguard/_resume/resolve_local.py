@@ -39,6 +39,9 @@ class Resolution:
     reason: str
     """One sentence: why this step."""
     mode: ResumeMode
+    url: str | None = None
+    """Where the step is committed when that is not ``path`` (an object store's marker, ``s3://...``);
+    ``path`` is then the staging directory a restore loads it into (downloaded there first)."""
 
     @property
     def fresh(self) -> bool:
@@ -47,7 +50,8 @@ class Resolution:
     def describe(self) -> str:
         if self.fresh:
             return f"FRESH START at step 0: {self.reason}"
-        return f"resume from step {self.step} at {self.path}: {self.reason}"
+        where = f"{self.url} (into {self.path})" if self.url else str(self.path)
+        return f"resume from step {self.step} at {where}: {self.reason}"
 
 
 def resolve_local(

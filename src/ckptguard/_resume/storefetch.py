@@ -1,0 +1,86 @@
+"""A committed step of an object-store root brought into the local staging root (``fetch_step``).
+
+Contract: every rank calls ``fetch_step`` with the same step; each host whose staging root does not
+already hold exactly that step (its manifest equal to the marker's) clears its stale copy (manifest
+first: it never looks committed half-deleted), its ranks download a share of the marker's objects
+each (``ObjectStore.fetch``: every size checked before anything is requested), and the host's first
+rank writes the contract phases the marker carries, then the manifest, last. A host that holds the
+step already takes part in the rounds without downloading. The local restore then checks the step as
+it checks any committed directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._agree import Agreement, Wire, on_every_rank
+from .._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_json, read_json
+from .._records import contract as _contract
+from .._types import JsonObject
+from ..errors import CheckpointCorruptError, CheckpointError, ContractMismatchError
+from ..storage.s3 import Marker, ObjectStore
+
+__all__ = ["fetch_step"]
+
+
+@dataclass(frozen=True)
+class _Have(Wire):
+    host: str
+    same: bool  # the staging root holds exactly this step already (its manifest equals the marker's)
+
+
+def fetch_step(agreement: Agreement, store: ObjectStore, root: Path, step: int, *, host: str) -> Path:
+    """The committed ``step`` of ``store`` in the staging ``root``: downloaded, each host's ranks a share,
+    unless there already (collective); returns its directory."""
+    rank = agreement.info.rank
+    marker = store.marker(step)
+    if marker is None:
+        raise CheckpointCorruptError(f"{store.url}: the marker of step {step} vanished after resolve")
+    step_dir = root / store.naming.name(step)
+    have = _Have(host, _same(step_dir, marker.manifest))
+    views = [_Have.from_json(v) for v in agreement.exchange("store.have", have.to_json())]
+    peers = [r for r, v in enumerate(views) if v.host == host]
+    if all(v.same for v in views):
+        return step_dir
+    # The rounds below are every rank's (the same views everywhere); a host that holds the step already
+    # takes part without downloading anything.
+    here = not all(views[r].same for r in peers)
+    leader = here and rank == peers[0]
+    on_every_rank(agreement, "store.clear", lambda: _clear(step_dir) if leader else None)
+    names = sorted(marker.objects) if here else []
+    share = {n for i, n in enumerate(names) if i % len(peers) == peers.index(rank)}
+    on_every_rank(agreement, "store.fetch", lambda: store.fetch(marker, step_dir, only=share))
+    on_every_rank(agreement, "store.fetched", lambda: _finish(store, root, marker, step_dir) if leader else None)
+    return step_dir
+
+
+def _finish(store: ObjectStore, root: Path, marker: Marker, step_dir: Path) -> None:
+    """The chain's contract phases (the staging root continues the store's chain), then the manifest."""
+    own = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(root)}
+    for name, record in sorted(marker.phases.items()):
+        if name in own and own[name] != record:
+            raise ContractMismatchError(
+                f"{root}/{CONTRACT_DIR}/{name} differs from the phase step {marker.step} on {store.url} carries: "
+                "the staging root belongs to another run; give this run its own staging directory")
+        if name not in own:
+            (root / CONTRACT_DIR).mkdir(parents=True, exist_ok=True)
+            atomic_write_json(root / CONTRACT_DIR / name, record)
+    store.write_manifest(marker, step_dir)
+
+
+def _same(step_dir: Path, manifest: JsonObject) -> bool:
+    try:
+        return bool(read_json(step_dir / MANIFEST_NAME, what="manifest") == manifest)
+    except (OSError, CheckpointError):
+        return False
+
+
+def _clear(step_dir: Path) -> None:
+    """A stale copy of the step in the staging root goes, marker first (it never looks committed half-deleted)."""
+    manifest = step_dir / MANIFEST_NAME
+    if manifest.exists():
+        manifest.unlink()
+    if step_dir.exists():
+        shutil.rmtree(step_dir)
