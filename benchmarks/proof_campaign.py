@@ -34,6 +34,7 @@ import random
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +44,11 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("after_commit", "mid_save", "random", "rank_ahead", "crash_loop")
+VLLM_KINDS = ("after_commit", "mid_save", "mid_generation", "random", "crash_loop")  # one rank: no rank ahead
 WORLD = 2
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 # ---------------------------------------------------------------- the DDP job (one rank, under torchrun)
@@ -141,8 +146,30 @@ def _rank_main(job: str, rank: int, port: int, root: str, steps: int, env: dict[
         from ckptguard.demo.job import worker
 
         worker(root=root, steps=steps, save_every=3, kill_at=None, derived_fix=True)
+    elif job == "nanogpt":
+        import torch
+
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo")
+        nano = _example("nanogpt")
+        # the tokens beside the root: the killed and the reference run each make the same files
+        nano.train(str(Path(root).parent), nano.Config(max_iters=steps), data_dir=str(Path(root).parent / "data"),
+                   root=root)
+        torch.distributed.destroy_process_group()
     else:
         ddp_job(root, steps, 4, 0.05)
+
+
+def _example(name: str) -> Any:
+    """A module of examples/ (not a package), imported by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
 
 
 _CONTEXT: Any = None
@@ -182,7 +209,11 @@ def _records(root: Path, rank: int) -> list[dict[str, Any]]:
 
 
 def _since(root: Path, since: float, event: str) -> list[dict[str, Any]]:
-    return [r for r in _records(root, 0) if r.get("event") == event and r.get("time", 0) >= since]
+    return _since_rank(root, since, event, 0)
+
+
+def _since_rank(root: Path, since: float, event: str, rank: int) -> list[dict[str, Any]]:
+    return [r for r in _records(root, rank) if r.get("event") == event and r.get("time", 0) >= since]
 
 
 class Launch:
@@ -272,22 +303,242 @@ def _finish(job: str, root: Path, steps: int, env: dict[str, str], log: Path) ->
     launch.kill()
 
 
-def _plan(kills: int, rng: random.Random) -> list[str]:
+def _plan(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> list[str]:
     """Kill kinds in a random order: each kind about equally often; a crash loop is 3 kills in a row.
     The first kill comes right after a commit: the later ones then have a step to resume."""
     out: list[str] = ["after_commit"]
     while len(out) < kills:
-        kind = rng.choice(KINDS)
+        kind = rng.choice(kinds)
         out += [kind] * (3 if kind == "crash_loop" else 1)
     return out[:kills]
+
+
+# ---------------------------------------------------------------- examples/grpo_vllm.py (vLLM venv, one process)
+
+GRPO_EPOCHS = 3  # 4 steps an epoch (4 prompts x 4 completions), a save every 2 steps: 12 steps a run
+
+
+def _vllm_env() -> dict[str, str]:
+    """tests/venvs.vllm_env: this repository's source first, one thread, offline, a 1 GiB KV cache, and none
+    of a launcher's rank variables or VLLM_* settings (the example sets VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
+                                                                     "VLLM_", "CKPTGUARD_REHEARSE"))}
+    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+class VllmLaunch:
+    """One launch of examples/grpo_vllm.py, in a session of its own: a kill takes the session (the trainer and
+    its in-process engine), as a scheduler ends a job."""
+
+    def __init__(self, root: Path, model_dir: Path, out: Path, extra_env: dict[str, str], args: list[str]) -> None:
+        self.since = time.time()
+        self.out = out
+        cmd = [str(VLLM_PYTHON), str(EXAMPLES / "grpo_vllm.py"), "--root", str(root), "--model-dir", str(model_dir),
+               f"--epochs={GRPO_EPOCHS}", *args]
+        with open(out, "w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**_vllm_env(), **extra_env},
+                                         cwd=root.parent, start_new_session=True)
+
+    def wait(self, ready: Any, timeout_s: float = 900.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if ready():
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.02)
+        return False
+
+    def kill(self) -> int | None:
+        """SIGKILL the session; the exit code if the process had ended by itself before."""
+        code = self.proc.poll()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        return code
+
+    def result(self) -> dict[str, Any] | None:
+        line = next((ln for ln in self.out.read_text().splitlines() if ln.startswith("RESULT ")), None)
+        return json.loads(line[len("RESULT "):]) if line else None
+
+
+def _grpo_kill(kind: str, root: Path, model_dir: Path, out: Path, rng: random.Random, number: int,
+               pause: Path) -> tuple[Kill, VllmLaunch]:
+    extra: dict[str, str] = {}
+    args: list[str] = []
+    start_tracker = _tracker(root)
+    if kind == "mid_save":
+        shutil.rmtree(pause, ignore_errors=True)
+        pause.mkdir(parents=True)
+        extra = {"CKPTGUARD_REHEARSE_PAUSE_DIR": str(pause)}
+    if kind == "mid_generation":  # the example's own timer, 50 ms into the engine's generate of that step
+        args = [f"--kill=generate@{start_tracker + rng.randint(1, 2)}", f"--kills-file={out.with_suffix('.fired')}"]
+    launch = VllmLaunch(root, model_dir, out, extra, args)
+    first_step = lambda: bool(_since_rank(root, launch.since, "step", 0))  # noqa: E731
+    if kind == "after_commit":
+        launch.wait(lambda: _tracker(root) > start_tracker)
+    elif kind == "mid_save":
+        launch.wait(lambda: any(pause.glob("paused_rank_*")))
+    elif kind == "mid_generation":
+        launch.wait(lambda: False)  # until it kills itself
+    elif kind == "crash_loop":
+        launch.wait(first_step)
+        time.sleep(rng.uniform(0.0, 0.3))
+    else:  # random
+        launch.wait(first_step)
+        time.sleep(rng.uniform(0.0, 4.0))
+    exited = launch.kill()
+    restored = _since_rank(root, launch.since, "restore", 0)
+    return Kill("grpo_vllm", kind, number, int(restored[-1]["step"]) if restored else None, _tracker(root),
+                round(time.time() - launch.since, 2), [], [exited] if exited is not None else []), launch
+
+
+def run_grpo(kills: int, rng: random.Random, work: Path, deadline: float | None) -> dict[str, Any]:
+    """Runs of 12 steps, each launch killed at a drawn moment; a launch that ends by itself ends its run (a
+    new root then); the last run is completed by a launch left alone. Each completed run's RESULT (params,
+    AdamW state, completions) is compared with an uninterrupted run's."""
+    base = work / "grpo_vllm"
+    base.mkdir(parents=True, exist_ok=True)
+    model_dir = base / "model"
+    (base / "ref").mkdir(exist_ok=True)
+    ref_launch = VllmLaunch(base / "ref" / "ckpt", model_dir, base / "ref.out", {}, [])
+    ref_launch.wait(lambda: False, timeout_s=3600)
+    ref_launch.kill()
+    reference = ref_launch.result()
+    if reference is None:
+        raise SystemExit(f"grpo_vllm: the uninterrupted run printed no RESULT: {base / 'ref.out'}")
+    began, done, runs = time.time(), [], []
+    run, launches = 0, 0
+    plan = [k for k in _plan(kills, rng, VLLM_KINDS)]
+    for n, kind in enumerate(plan, 1):
+        if deadline is not None and time.time() > deadline and kind != "crash_loop":
+            print(f"grpo_vllm: the deadline passed after {n - 1} kills", flush=True)
+            break
+        root = base / f"run{run}" / "ckpt"
+        root.parent.mkdir(parents=True, exist_ok=True)
+        kill, launch = _grpo_kill(kind, root, model_dir, base / f"run{run}" / f"launch-{launches}.out", rng, n,
+                                  work / "pause-grpo")
+        launches += 1
+        done.append(kill)
+        print(f"grpo_vllm kill {n}/{len(plan)} {kind}: run {run}, restored {kill.restored}, tracker "
+              f"{kill.tracker}, {kill.seconds} s", flush=True)
+        if launch.proc.returncode not in (0, -signal.SIGKILL):
+            print(f"grpo_vllm: launch exited {launch.proc.returncode}: {launch.out}", flush=True)
+        if launch.proc.returncode == 0:  # the run reached its last step before the kill: a new run, a new root
+            runs.append(_grpo_run(run, root, launch.result(), reference))
+            run, launches = run + 1, 0
+    root = base / f"run{run}" / "ckpt"
+    if root.exists():  # the last run to its end, untouched
+        last = VllmLaunch(root, model_dir, base / f"run{run}" / f"launch-{launches}.out", {}, [])
+        last.wait(lambda: False, timeout_s=3600)
+        last.kill()
+        runs.append(_grpo_run(run, root, last.result(), reference))
+    rows = []
+    for r in runs:
+        rows += [{**row, "run": r["run"]} for row in judge("grpo_vllm", Path(r["root"]), world=1)]
+    return {"job": "grpo_vllm", "kills": [asdict(k) for k in done], "resumes": rows, "runs": runs,
+            "seconds": round(time.time() - began)}
+
+
+def _grpo_run(run: int, root: Path, result: dict[str, Any] | None, reference: dict[str, Any]) -> dict[str, Any]:
+    """A completed run against the uninterrupted one: final parameters, AdamW state, and the completions of
+    every step its last launch generated; and every step record against the reference's."""
+    out: dict[str, Any] = {"run": run, "root": str(root), "completed": result is not None}
+    if result is not None:
+        out["final_params_equal"] = result["params"] == reference["params"]
+        out["final_optim_equal"] = result["optim"] == reference["optim"]
+        out["completions_equal"] = all(reference["completions"].get(k) == v for k, v in result["completions"].items())
+    out["records"] = compare_records(root, root.parents[1] / "ref" / "ckpt", world=1)
+    return out
+
+
+# ---------------------------------------------------------------- against an uninterrupted run
+
+COMPARED = ("sample_ids", "ids_sum", "samples", "batch", "loss", "grad_norm", "extra")
+
+
+def compare_records(root: Path, ref: Path, world: int = WORLD) -> dict[str, Any]:
+    """Every step record of every launch in ``root`` against the uninterrupted run's record of the same rank and
+    step: the data read and every value produced, bitwise (the JSON floats are exact), and the CPU RNG digest
+    where both recorded one (the first step after a restore). Python's and numpy's global RNGs are left out:
+    these jobs never use them, and each process starts them from OS entropy."""
+    compared, differ, missing = 0, [], 0
+    for rank in range(world):
+        want = {r["step"]: r for r in _records(ref, rank) if r.get("event") == "step"}
+        for r in _records(root, rank):
+            if r.get("event") != "step":
+                continue
+            w = want.get(r["step"])
+            if w is None:
+                missing += 1
+                continue
+            compared += 1
+            keys = [k for k in COMPARED if r.get(k) != w.get(k)]
+            if r.get("rng") and w.get("rng") and r["rng"].get("cpu") != w["rng"].get("cpu"):
+                keys.append("rng.cpu")
+            if keys:
+                differ.append({"rank": rank, "step": r["step"], "pid": r.get("pid"), "fields": keys})
+    return {"compared": compared, "differ": differ, "not_in_reference": missing}
+
+
+def compare_final(root: Path, ref: Path) -> dict[str, Any]:
+    """The newest committed step of ``root`` against the uninterrupted run's checkpoint of that step: every
+    item's per-rank digest and every tensor's layout-free digest from the two manifests, and the CPU RNG
+    state in each rank's extras file (loaded with weights_only=True)."""
+    import torch
+
+    step = _tracker(root)
+    mine, theirs = root / f"step_{step:08d}", ref / f"step_{step:08d}"
+    if not (theirs / "manifest.json").is_file():
+        return {"step": step, "compared": False, "why": f"the reference's step {step} is not kept"}
+    a, b = (json.loads((d / "manifest.json").read_text()) for d in (mine, theirs))
+    differ = [f"rank {r} {item}" for r in a["digests"] for item, v in a["digests"][r].items()
+              if item != "_rng" and b["digests"].get(r, {}).get(item) != v]
+    differ += [f"{item} {key}" for item, keys in a.get("layout_free", {}).items() for key, v in keys.items()
+               if b.get("layout_free", {}).get(item, {}).get(key) != v]
+    for extras in sorted(mine.glob("rank_*.pt")):
+        rng = [torch.load(d / extras.name, weights_only=True).get("rng", {}).get("cpu") for d in (mine, theirs)]
+        if rng[0] is None or rng[1] is None or not torch.equal(rng[0], rng[1]):
+            differ.append(f"{extras.stem} rng.cpu")
+    return {"step": step, "compared": True, "items": sum(len(v) for v in a["digests"].values()),
+            "tensors": sum(len(v) for v in a.get("layout_free", {}).values()), "differ": differ}
+
+
+def reference_run(job: str, root: Path, ref: Path, steps: int, env: dict[str, str], log: Path) -> None:
+    """The same job never killed, in ``ref``, until every rank recorded the killed run's last step and the
+    tracker reached its newest commit; then stopped."""
+    last = {rank: max([r["step"] for r in _records(root, rank) if r.get("event") == "step"], default=0)
+            for rank in range(WORLD)}
+    target = _tracker(root)
+    launch = Launch(job, ref, steps, env, log)
+    launch.wait(lambda: _tracker(ref) >= target and all(
+        any(r.get("event") == "step" and r.get("step", 0) >= last[rank] for r in _records(ref, rank))
+        for rank in range(WORLD)), timeout_s=3600)
+    launch.kill()
+
+
+def cli_prove(root: Path) -> dict[int, dict[str, Any]]:
+    """``ckptguard prove --all --json ROOT``, as a user runs it: each resume's outcome and exit code."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--all", "--json", str(root)],
+                          capture_output=True, text=True, timeout=1800, env=env)
+    try:
+        out = json.loads(proc.stdout)
+    except ValueError:
+        return {0: {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}}
+    return {int(r["resume"]): {"outcome": r["outcome"], "exit_code": r["exit_code"], "verdict": r["verdict"]}
+            for r in out.get("resumes", [])}
 
 
 # ---------------------------------------------------------------- judging
 
 
-def _past(root: Path, k: int, before: float, pid_of: dict[int, int]) -> bool:
+def _past(root: Path, k: int, before: float, pid_of: dict[int, int], world: int = WORLD) -> bool:
     """Whether any rank recorded a step past k before the resume at ``before`` (a run that saved or restored k)."""
-    for rank in range(WORLD):
+    for rank in range(world):
         recs = [r for r in _records(root, rank) if r.get("time", 0) < before]
         # from the save of k (or, its record lost with the kill, the step k it followed) on
         marks = [i for i, r in enumerate(recs) if r.get("event") == "save" and r.get("step") == k] or [
@@ -300,18 +551,19 @@ def _past(root: Path, k: int, before: float, pid_of: dict[int, int]) -> bool:
     return False
 
 
-def _resumed_recorded(root: Path, time0: float, pid_of: dict[int, int], k: int) -> bool:
+def _resumed_recorded(root: Path, time0: float, pid_of: dict[int, int], k: int, world: int = WORLD) -> bool:
     return any(r.get("event") == "step" and r.get("pid") == pid_of.get(rank) and r.get("step", 0) > k
-               and r.get("time", 0) >= time0 for rank in range(WORLD) for r in _records(root, rank))
+               and r.get("time", 0) >= time0 for rank in range(world) for r in _records(root, rank))
 
 
-def judge(job: str, root: Path) -> list[dict[str, Any]]:
+def judge(job: str, root: Path, world: int = WORLD) -> list[dict[str, Any]]:
     from ckptguard._records.proofreader import read_records
     from ckptguard.ops import resumes as _resumes
     from ckptguard.ops.prove import evaluate, missing, outcome, resume_count, verdict
 
     rows = []
     records = read_records(root)
+    by_cli = cli_prove(root)
     times = _resumes.launch_times(records)
     for r in resume_count(root):
         gates = evaluate(root, resume=r.number)
@@ -320,19 +572,23 @@ def judge(job: str, root: Path) -> list[dict[str, Any]]:
             idx = _resumes.record_of(recs, r.time, times)
             if idx is not None:
                 pid_of[rank] = recs[idx]["pid"]
-        past = _past(root, r.step, r.time, pid_of)
-        resumed = _resumed_recorded(root, r.time, pid_of, r.step)
+        past = _past(root, r.step, r.time, pid_of, world)
+        resumed = _resumed_recorded(root, r.time, pid_of, r.step, world)
+        cli = by_cli.get(r.number, by_cli.get(0, {"error": "not in prove --all --json"}))
         rows.append({"job": job, "resume": r.number, "step": r.step, "outcome": outcome(gates).value,
                      "verdict": verdict(gates), "missing": [g.name for g in missing(gates)],
                      "recorded_past_before": past, "resumed_recorded": resumed,
                      "one_record_apart": any("one record behind" in g.evidence for g in gates),
                      "against_earlier_resume": any("compared with an earlier resume" in g.evidence for g in gates),
-                     "failed": [f"{g.name}: {g.evidence}" for g in gates if g.status.value == "FAIL"]})
+                     "failed": [f"{g.name}: {g.evidence}" for g in gates if g.status.value == "FAIL"],
+                     "cli": cli})
     return rows
 
 
 def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int,
             deadline: float | None = None) -> dict[str, Any]:
+    if job == "grpo_vllm":
+        return run_grpo(kills, rng, work, deadline)
     root = work / job / "ck"
     root.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -348,8 +604,12 @@ def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int,
         print(f"{job} kill {n}/{kills} {kind}: restored {done[-1].restored}, tracker {done[-1].tracker}, "
               f"{done[-1].seconds} s", flush=True)
     _finish(job, root, steps, env, log)
+    ref = work / job / "ref" / "ck"
+    reference_run(job, root, ref, steps, env, work / f"{job}-ref.log")
     rows = judge(job, root)
-    return {"job": job, "kills": [asdict(k) for k in done], "resumes": rows, "seconds": round(time.time() - began)}
+    against = {"records": compare_records(root, ref), "final": compare_final(root, ref)}
+    return {"job": job, "kills": [asdict(k) for k in done], "resumes": rows, "reference": against,
+            "seconds": round(time.time() - began)}
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -359,19 +619,51 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     # Missing evidence is allowed only where nothing past the restored step was recorded by a run before
     # the resume, or the resumed run itself recorded nothing past it
     unexplained = [r for r in missing if r["recorded_past_before"] and r["resumed_recorded"]]
-    crash_steps = Counter((r["job"], r["step"]) for r in rows)
+    crash_steps = Counter((r["job"], r.get("run"), r["step"]) for r in rows)
+    cli = [r.get("cli", {}) for r in rows]
     return {
+        "by_job": {res["job"]: {"kills": len(res["kills"]), "resumes": len(res["resumes"]),
+                                "outcomes": dict(Counter(r["outcome"] for r in res["resumes"]))} for res in results},
+        # what `ckptguard prove --all --json` said of each resume, and where it disagrees with evaluate()
+        "cli_outcomes": dict(Counter(c.get("outcome", "error") for c in cli)),
+        "cli_disagrees": [{k: r.get(k) for k in ("job", "run", "resume", "outcome", "cli")} for r in rows
+                          if r.get("cli", {}).get("outcome") != r["outcome"]],
+        "against_uninterrupted": _against(results),
         "kills": len(kills), "kills_by_kind": dict(Counter(k["kind"] for k in kills)),
         "survivors": sum(len(k["survivors"]) for k in kills),
+        # a launch whose process ended before the kill (a crash of its own, or grpo_vllm's own generate kill)
+        "ended_before_kill": [{k: x[k] for k in ("job", "launch", "kind", "exited_before_kill")} for x in kills
+                              if x["exited_before_kill"]],
         "resumes": len(rows), "outcomes": dict(Counter(r["outcome"] for r in rows)),
         "not_proven": [r for r in rows if r["outcome"] == "diverged"],
         "missing_explained": len(missing) - len(unexplained), "missing_unexplained": unexplained,
         "missing_cases": [{k: r[k] for k in ("job", "resume", "step", "missing", "recorded_past_before",
                                              "resumed_recorded")} for r in missing],
-        "steps_resumed_3_or_more_times": sorted(f"{j} step {s}" for (j, s), n in crash_steps.items() if n >= 3),
+        "steps_resumed_3_or_more_times": sorted(f"{j}{'' if u is None else f' run {u}'} step {s}"
+                                                for (j, u, s), n in crash_steps.items() if n >= 3),
         "judged_by_ranks_one_record_apart": sum(r.get("one_record_apart", False) for r in rows),
         "judged_against_an_earlier_resume": sum(r.get("against_earlier_resume", False) for r in rows),
     }
+
+
+def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per job: the step records compared with the uninterrupted run's and those that differ; the final
+    checkpoint's items and tensors (or, for grpo_vllm, each completed run's RESULT) and what differs."""
+    out: dict[str, Any] = {}
+    for res in results:
+        if res["job"] == "grpo_vllm":
+            runs = res.get("runs", [])
+            out["grpo_vllm"] = {
+                "runs_completed": sum(r["completed"] for r in runs),
+                "final_equal": sum(bool(r.get("final_params_equal") and r.get("final_optim_equal")
+                                        and r.get("completions_equal")) for r in runs),
+                "records_compared": sum(r["records"]["compared"] for r in runs),
+                "records_differ": [d for r in runs for d in r["records"]["differ"]]}
+        elif "reference" in res:
+            ref = res["reference"]
+            out[res["job"]] = {"records_compared": ref["records"]["compared"],
+                               "records_differ": ref["records"]["differ"], "final": ref["final"]}
+    return out
 
 
 def main() -> None:
@@ -387,7 +679,7 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=60, help="kills per job")
-    p.add_argument("--jobs", default="demo,ddp")
+    p.add_argument("--jobs", default="demo,ddp,nanogpt,grpo_vllm")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=100000, help="the jobs' total steps (never reached)")
     p.add_argument("--work", default=None, help="working directory (default: a new temporary one)")

@@ -205,8 +205,9 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
 # ---------------------------------------------------------------- the loop
 
 
-def train(out_dir: str, c: Config, *, data_dir: str | None = None) -> str:
-    """One process of the job (a process group, if any, already initialised); returns the final digest."""
+def train(out_dir: str, c: Config, *, data_dir: str | None = None, root: str | None = None) -> str:
+    """One process of the job (a process group, if any, already initialised); returns the final digest.
+    The checkpoint root is ``root``, by default OUT_DIR/ckpt; the tokens DATA_DIR, by default OUT_DIR/data."""
     ddp = torch.distributed.is_initialized()
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if ddp else (0, 1)
     if c.gradient_accumulation_steps % world:
@@ -224,7 +225,7 @@ def train(out_dir: str, c: Config, *, data_dir: str | None = None) -> str:
     optimizer = raw.configure_optimizers(c)
     prefetched = cg.PerRank(None)  # the batch drawn for the next iteration (upstream's X, Y)
     state: dict[str, Any] = {"model": raw, "optimizer": optimizer, "prefetched": prefetched, "best_val_loss": 1e9}
-    mgr = cg.CheckpointManager(Path(out_dir) / "ckpt", config=cg.CheckpointConfig(
+    mgr = cg.CheckpointManager(Path(root) if root else Path(out_dir) / "ckpt", config=cg.CheckpointConfig(
         retention=cg.KeepLast(2), proof=cg.ProofPlan(deterministic=True, total_steps=c.max_iters)))
     iter_num = mgr.restore(state)
     best_val_loss = state["best_val_loss"]
