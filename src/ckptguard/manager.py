@@ -46,7 +46,7 @@ from ._state.state import addresses, capture, check_items, moved
 from ._state.trajectory import fingerprint, step_metrics
 from ._types import JsonObject, StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
-from .errors import ConfigError, ReplicatedDivergenceError
+from .errors import ConfigError
 from .storage._staging import Fence
 from .storage.base import Storage
 from .storage.streaming import StreamingStorage
@@ -214,11 +214,8 @@ class CheckpointManager:
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
-        try:
+        with self.core.proof.divergence(step):  # in the proof records: prove names the tensor under its replica gate
             snap = snapshot(self._ctx, step, state, actions=actions)
-        except ReplicatedDivergenceError as exc:  # in the proof records: prove names the tensor under its replica gate
-            self._record("replicas", step=step, ok=False, error=str(exc))
-            raise
         snap.cost.update(self.busy.pending_cost())
         path = self._published(_commit.commit(self._ctx, snap), step, blocked_s=time.monotonic() - start, began=start)
         self.blocking.observe(snap, time.monotonic() - start)
@@ -285,7 +282,8 @@ class CheckpointManager:
                                     self._commit_snap, measure)
 
     def _commit_snap(self, snap: Any, start: float, blocked_s: float, measure: bool = False) -> Path:
-        path = self._published(_commit.commit(self._ctx, snap), snap.step, blocked_s=blocked_s, began=start)
+        with self.core.proof.divergence(snap.step):  # save_async's divergence guard runs in its commit
+            path = self._published(_commit.commit(self._ctx, snap), snap.step, blocked_s=blocked_s, began=start)
         if measure:  # what a synchronous save would have held the caller: the next estimate's speed
             self.blocking.observe(snap, time.monotonic() - start, by="background")
         return path
@@ -395,6 +393,7 @@ class CheckpointManager:
                      addresses_changed=moved(before, addresses(state)), ok=True,
                      seconds=round(time.monotonic() - began, 4), **timing, **where)
         self.core.restarted_at(done.step)
+        self.core.proof.after_restore(state, self._ctx.keyfn(), done.replicas)  # replicas again at the first step
         if self.derived is not None:
             self.derived.mark_restored(done.step)
         return done.step

@@ -26,9 +26,10 @@ from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import retention
 from .._records import trust as _trust
-from .._records.proofwriter import ProofLog
+from .._records.proofwriter import ProofLog, replica_fields
+from .._state.state import KeyFn
 from ..config import CheckpointConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, ReplicatedDivergenceError
 
 log = logging.getLogger("ckptguard")
 
@@ -83,6 +84,24 @@ class ProofSink:
             return
         tagged = self.tags if event in ("save", "restore") else {}
         self.log.keep(self.log.build(event, **{**tagged, **fields}), durable=durable)
+
+    @contextlib.contextmanager
+    def divergence(self, step: int) -> Iterator[None]:
+        """A ``ReplicatedDivergenceError`` raised in the block (a save's guard: in the caller's thread for
+        ``save``, in the background commit for ``save_async`` and the tiers) is recorded, then raised: a
+        ``replicas`` record (``ok`` False, ``error`` naming the tensors), which prove's replica gate reads."""
+        try:
+            yield
+        except ReplicatedDivergenceError as exc:
+            self.record("replicas", step=step, ok=False, error=str(exc)[:4000])
+            raise
+
+    def after_restore(self, state: Mapping[str, Any], keyfn: KeyFn, replicas: Mapping[str, Any]) -> None:
+        """The first step record after this restore carries this rank's replica digests (``replica_fields``)
+        when the restore compared replicas (``replicas``: its ``replica_report``, some chunk held by 2+ ranks);
+        else none is computed (one rank, every tensor sharded, no layout-free digests)."""
+        due = self.enabled and bool(replicas.get("checked"))
+        self.log.after_restore((lambda: replica_fields(state, keyfn)) if due else None)
 
 
 class Root:

@@ -17,15 +17,17 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
 import torch
 
+from .._disk.boxsum import layout_free_partials
 from .._disk.digest import digest
 from .._disk.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
 from .._log import NAME
+from .._state.state import ItemKind, KeyFn, classify, current_state, flatten
 from .._state.trajectory import rng_digests
 from .._version import __version__
 from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
@@ -67,6 +69,7 @@ class ProofLog:
         self.watch = ResumeWatch(rank, str(self.path), lambda event, **fields: self.keep(self.build(event, **fields)))
         self.code: str | None = None  # the run contract's code hash, recorded with saves and restores (prove shows it)
         self._rng_due = False  # the next step record carries the RNG streams' digests (after a save or restore)
+        self._first_step: Callable[[], dict[str, Any]] | None = None  # fields of the next step record (a restore's)
 
     def build(self, event: str, **fields: Any) -> ProofRecord:
         """The record of ``event`` with the header every record carries; ConfigError for a field that
@@ -76,6 +79,9 @@ class ProofLog:
             if self._rng_due:  # the streams after the first step past a save or restore: prove compares them
                 self._rng_due = False
                 fields.setdefault("rng", rng_digests())
+            if self._first_step is not None:  # the replicas again, once training ran past the restore
+                due, self._first_step = self._first_step, None
+                fields.update(_computed(due, self.rank))
         elif event in ("save", "restore"):  # which code saved, which resumed: prove says when they differ
             code = {"ckptguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
             fields.setdefault("code", {**code, **({"hash": self.code} if self.code else {})})
@@ -89,6 +95,12 @@ class ProofLog:
         record = ProofRecord.of(raw)
         self.watch.observe(record)
         return record
+
+    def after_restore(self, fields: Callable[[], dict[str, Any]] | None) -> None:
+        """The next step record carries ``fields()`` (``replica_fields`` of the restored state): replicas
+        that drift after ``restore()`` returned (a hook, a late broadcast) are in the first step's records,
+        named by tensor, before any save. None: nothing more in it."""
+        self._first_step = fields
 
     def hold(self, record: ProofRecord) -> None:
         with self._lock:
@@ -205,6 +217,39 @@ class ProofLog:
             return 0
         log.info("ckptguard: pruned %d proof records of %s older than step %d's save", gone, self.path, min(steps))
         return gone
+
+
+def _computed(due: Callable[[], dict[str, Any]], rank: int) -> dict[str, Any]:
+    try:
+        return due()
+    except Exception as exc:  # a record never stops training: it says why its digests are absent
+        log.warning("ckptguard: rank %d: the replica digests of the first step after the restore were not "
+                    "recorded (%s: %s)", rank, type(exc).__name__, exc)
+        return {"replicas_error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def replica_fields(state: Mapping[str, Any], keyfn: KeyFn) -> dict[str, Any]:
+    """This rank's digests of what several ranks may hold alike, for the first step record after a
+    restore: ``{"replica_partials": {chunk id: [item, key, header, partial]}}``, the restore's own
+    ``layout_free_partials`` of every tensor of the model, optimizer and tensor items that is not
+    a sharded DTensor piece (a plain tensor, or a DTensor replicated on some mesh dimension).
+    ``prove`` compares the ranks' with ``_resume.layoutcheck.replica_report``, as the restore did.
+    Reads the live tensors only: no ``state_dict()`` of a stateful item (a loader's may draw from
+    the global RNG), no copy."""
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in state.items():
+        kind = classify(value)
+        if kind not in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS):
+            continue
+        flat: dict[str, torch.Tensor] = {}
+        flatten(current_state(name, value, kind, state), name, flat, keyfn)
+        tensors[name] = {k: t for k, t in flat.items() if _maybe_replicated(t)}
+    return {"replica_partials": layout_free_partials(tensors)}
+
+
+def _maybe_replicated(t: torch.Tensor) -> bool:
+    placements = getattr(t, "placements", None)
+    return placements is None or any(p.is_replicate() for p in placements)
 
 
 _HOLDING: weakref.WeakSet[ProofLog] = weakref.WeakSet()  # this process's logs holding records
