@@ -233,6 +233,34 @@ def test_states_must_match_the_roles_of_this_rank(tmp_path):
         cg.RunCheckpoint(tmp_path / "x", [cg.Role("actor", ranks=(0, 1))])
 
 
+def test_retention_keeps_what_the_policy_says_after_save_and_save_async(tmp_path):
+    """The core's retention (``Root.cleanup``) deletes whole run steps, for ``save`` and after a
+    ``save_async`` commit (in its thread); every role's proof log records what it deleted."""
+    root = tmp_path / "ckpt"
+    config = cg.CheckpointConfig(timeout_s=30.0, retention=cg.KeepLast(2))
+    run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("critic")], config=config)
+    model, critic = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    for step in (1, 2, 3):
+        run.save(step, {"actor": {"model": model}, "critic": {"model": critic}})
+    assert run.committed_steps() == [2, 3]
+    with torch.no_grad():
+        model.weight.fill_(4.0)
+    pending = run.save_async(4, {"actor": {"model": model}, "critic": {"model": critic}})
+    assert pending is not None and run.wait() == root / NAMING.name(4)
+    assert pending.cleanup_seconds is not None  # retention ran after the commit, in the commit's thread
+    assert run.committed_steps() == [3, 4]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000003", "step_00000004"]
+    for role in ("actor", "critic"):
+        records = [json.loads(line) for line in (root / "proof" / role / "rank_00000.jsonl").read_text().splitlines()]
+        assert [r["deleted"] for r in records if r["event"] == "cleanup"] == [[1], [2]], role
+    assert not (root / "proof" / "rank_00000.jsonl").exists()  # the roles' logs, no log of the run's own
+    fresh = torch.nn.Linear(2, 2)
+    run.close()
+    assert cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("critic")], config=config).restore(
+        {"actor": {"model": fresh}, "critic": {"model": torch.nn.Linear(2, 1)}}) == 4
+    assert torch.equal(fresh.weight, torch.full((2, 2), 4.0))
+
+
 def test_a_failed_role_write_commits_nothing_and_names_the_role(tmp_path):
     root = tmp_path / "ckpt"
     run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("critic")], config=_config())

@@ -278,8 +278,10 @@ class CheckpointManager:
         fence, its start; None: unhealthy. ``busy``: whose skips the cost block reports; ``measure``: see budget.py."""
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
-        return _async.staged_commit(self._ctx, self._staging, step, state, actions, (busy or self.busy).pending_cost,
-                                    self._commit_snap, measure)
+        start = time.monotonic()
+        snap, fence = _async.staged_snapshot(self._ctx, self._staging, step, state, actions,
+                                             (busy or self.busy).pending_cost)
+        return _async.committer(self._commit_snap, snap, start, self._staging.pool, measure), fence, start
 
     def _commit_snap(self, snap: Any, start: float, blocked_s: float, measure: bool = False) -> Path:
         with self.core.proof.divergence(snap.step):  # save_async's divergence guard runs in its commit
@@ -406,16 +408,19 @@ class CheckpointManager:
         ``payload`` is what the rollout receives (tensors or bytes); ``scales`` the
         quantization scales sent with it. The first export after a restore must equal
         the export the saving run recorded for the same step. ``details``: JSON fields kept
-        with the record (an integration's per-tensor digests, its read-back gates).
+        with the record (an integration's per-tensor digests, its read-back gates, the LoRA
+        probe ``integrations.peft.adapter_probe``).
         """
         fp = export_fingerprint(payload, scales)
         self._record("export", step=step, fingerprint=fp, **details)
         return fp
 
-    def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
-        """Record the trainer's old-logprob against the rollout's for the same tokens."""
+    def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, **details: Any
+                        ) -> dict[str, float]:
+        """Record the trainer's old-logprob against the rollout's for the same tokens. ``details``: JSON
+        fields kept with the record (an integration's digests of the sampled token ids and seeds)."""
         diff = logprob_diff(trainer_logprobs, rollout_logprobs)
-        self._record("logprobs", step=step, **dict[str, Any](diff))
+        self._record("logprobs", step=step, **details, **dict[str, Any](diff))
         return diff
 
     def record_update(self, step: int, *, grad_norm: float, params_changed: bool) -> None:

@@ -61,7 +61,7 @@ from ._disk import layout as _layout
 from ._dist import make_agreement
 from ._records import checks as _checks
 from ._records import trust as _trust
-from ._records.proofwriter import ExportFingerprint, ProofLog
+from ._records.proofwriter import ExportFingerprint
 from ._resume import resolve_agreed as _resolve
 from ._resume.resolve_agreed import ResolveView
 from ._resume.resolve_local import Resolution, resolve_local
@@ -119,7 +119,7 @@ class RunCheckpoint:
         self._run = Context.of(self.root, self.config, self._naming, run_agreement, StreamingStorage(), None, None)
         self._roles: dict[str, Context] = {}
         self._derived: dict[str, DerivedState] = {}
-        proofs: dict[str, ProofLog] = {}  # the roles this rank holds: ROOT/proof/<role>/, by role rank
+        role_ranks: dict[str, int] = {}  # the roles this rank holds, its rank in each: ROOT/proof/<role>/
         for role in roles:
             group = None
             if distributed:
@@ -136,9 +136,8 @@ class RunCheckpoint:
                                                 role.storage or StreamingStorage(), group, role.expert_parallel)
             if role.derived is not None:
                 self._derived[role.name] = role.derived
-            proofs[role.name] = ProofLog(self.root, agreement.info.rank, role=role.name)
-            proofs[role.name].code = self.config.contract.code if self.config.contract is not None else None
-        self._proofs = RoleProofs(proofs, enabled=self.config.proof.record, health=self.config.health, rank=me)
+            role_ranks[role.name] = agreement.info.rank
+        self._proofs = RoleProofs.open(self.root, role_ranks, self.config, rank=me)
         self._shared_root = world == 1  # a run commits on one shared root only: probed at the first save
         self._pending: _async.PendingSave | None = None
         self._staging: dict[str, _async.AsyncStaging] = {}  # save_async: one host pool per role this rank holds
@@ -243,8 +242,11 @@ class RunCheckpoint:
         if not self._begin(step, states, "save", healthy, loss, grad_norm):
             return None
         started = time.monotonic()
-        snaps = self._snapshots(lambda name, ctx: snapshot(ctx, step, states[name]))
-        return self._commit_roles(step, snaps, started, Actions(overwrite, break_lease))
+        actions = Actions(overwrite, break_lease)
+        snaps = self._snapshots(lambda name, ctx: snapshot(ctx, step, states[name], actions=actions))
+        path = self._commit_roles(step, snaps, started, actions)
+        self._cleanup_after(step)
+        return path
 
     def save_async(
         self,
@@ -262,30 +264,20 @@ class RunCheckpoint:
         next save, restore or wait, on every rank. The health agreement runs first, as in ``save``."""
         if not self._begin(step, states, "save_async", healthy, loss, grad_norm):
             return None
-        started = time.monotonic()
-        fences: list[Any] = []
+        started, actions = time.monotonic(), Actions(overwrite, break_lease)
         budget = self._budget = self._budget or role_budget(self.config, len(self._roles))
+        skipped = self.busy.pending_cost()
+        fences: list[Fence] = []
         pools: list[Any] = []
 
-        skipped = self.busy.pending_cost()
-
         def stage(name: str, ctx: Context) -> Snapshot:
-            # The divergence guard hashes every tensor: on the staged copies, in the background commit.
-            snap = snapshot(ctx, step, states[name], guard=False)
+            # The core's staging (CheckpointManager's): one host pool per role, this rank's budget split between them.
             staging = self._staging.setdefault(name, _async.AsyncStaging())
             staging.budget, staging.budget_why = budget
-            staged = staging.stage(snap, states[name], self.config)
-            snap.cost.update(skipped)
-            fences.append(staged.fence)
+            snap, fence = _async.staged_snapshot(ctx, staging, step, states[name], actions, lambda: skipped)
+            fences.append(fence)
             if staging.pool is not None:
                 pools.append(staging.pool)  # placed slots: done() once the commit no longer reads them
-            if staged.live_bytes:
-                log.warning(
-                    "ckptguard: role %r, run step %d: %d of %d B do not fit the host staging budget (%d B): the "
-                    "background writer reads them from the live tensors, and the next optimizer step waits until it "
-                    "has; raise CheckpointConfig.async_save.host_bytes to stage them", name, step, staged.live_bytes,
-                    staged.live_bytes + snap.staged_bytes, staged.host_budget,
-                )
             return snap
 
         try:
@@ -302,14 +294,14 @@ class RunCheckpoint:
 
         def run() -> Path:
             try:
-                return self._commit_roles(step, snaps, started, Actions(overwrite, break_lease))
+                return self._commit_roles(step, snaps, started, actions)
             finally:
                 for pool in pools:
                     pool.done()
 
         # The fence PendingSave and staged() use: host_wait, live_read, before_mutation, waited_s (duck-typed).
-        fence = cast(Fence, Fences(fences))
-        self._pending = _async.PendingSave(step, run, resumed - started, fence=fence, started=started)
+        self._pending = _async.PendingSave(step, run, resumed - started, fence=cast(Fence, Fences(fences)),
+                                           started=started, cleanup=lambda: self._cleanup_after(step))
         return self._pending
 
     def staged(self) -> float:
@@ -386,11 +378,12 @@ class RunCheckpoint:
         self.core.committed(step, seconds=time.monotonic() - started)
         if self.rank == 0:
             self.core.trust_committed(step)
-            # Whole run steps: a run step missing a role is incomplete for retention (``verify_step``).
-            self.core.rotate(step)
-        for proof in self._proofs.logs.values():
-            proof.prune(self._naming)  # proof records no retained checkpoint's proof reads again
         return path
+
+    def _cleanup_after(self, step: int) -> None:
+        """The core's retention (whole run steps: one missing a role is incomplete, ``verify_step``) and every role's
+        proof records pruned, after the commit of ``step``: for ``save_async`` in its thread, off the caller's path."""
+        self.core.cleanup(step, rotate=self.rank == 0, sinks=list(self._proofs.sinks.values()))
 
     # ------------------------------------------------------------ shared root, health, trust
 

@@ -380,19 +380,18 @@ def committer(commit: Callable[[Snapshot, float, float, bool], Path], snap: Snap
     return run
 
 
-def staged_commit(
+def staged_snapshot(
     ctx: Context, staging: AsyncStaging, step: int, state: StateDict, actions: Actions,
-    cost: Callable[[], Mapping[str, Figure]], commit: Callable[[Snapshot, float, float, bool], Path], measure: bool,
-) -> tuple[Callable[[], Path], Fence, float]:
-    """A front door's ``save_async`` after its health agreement: the snapshot, its staged copies queued, and the
-    background commit (``committer``), its mutation fence and its start time."""
-    start = time.monotonic()
+    cost: Callable[[], Mapping[str, Figure]],
+) -> tuple[Snapshot, Fence]:
+    """The snapshot of ``state`` with its copies queued into ``staging`` (a run stages each role's), and the fence
+    the next mutation waits on."""
     # The divergence guard hashes every tensor: on the staged copies, in the background.
     snap = snapshot(ctx, step, state, guard=False, actions=actions)
     staged = staging.stage(snap, state, ctx.config)
     snap.cost.update(cost())
     snap.resumed = time.monotonic()
-    return committer(commit, snap, start, staging.pool, measure), staged.fence, start
+    return snap, staged.fence
 
 
 class PendingSave:

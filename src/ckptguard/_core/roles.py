@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .._agree import on_every_rank
@@ -30,7 +31,7 @@ from .._types import JsonObject, StateDict
 from ..config import CheckpointConfig, ParallelLayout
 from ..errors import CheckpointError, CheckpointWriteError, ConfigError, WriteFailure
 from ..storage.base import Storage
-from .root import check_step
+from .root import ProofSink, check_step
 
 
 @dataclass(frozen=True)
@@ -165,30 +166,38 @@ def check_states(states: Any, *, mine: set[str], ranks: dict[str, list[int]], ra
 
 
 class RoleProofs:
-    """The proof records of the roles this rank holds: ``ROOT/proof/<role>/``, one log per role."""
+    """The proof records of the roles this rank holds: ``ROOT/proof/<role>/``, one core ``ProofSink`` per role
+    (written as a CheckpointManager's are; ``Root.cleanup`` prunes them)."""
 
-    def __init__(self, logs: dict[str, ProofLog], *, enabled: bool, health: HealthPolicy, rank: int) -> None:
-        self.logs = logs
-        self.enabled = enabled
+    def __init__(self, sinks: dict[str, ProofSink], *, health: HealthPolicy, rank: int) -> None:
+        self.sinks = sinks
         self.health = health
         self.rank = rank
 
+    @classmethod
+    def open(cls, root: Path, ranks: dict[str, int], config: CheckpointConfig, *, rank: int) -> RoleProofs:
+        """The sinks of the roles this rank holds (``ranks``: role -> this rank's rank in the role)."""
+        sinks = {}
+        for name, role_rank in ranks.items():
+            log = ProofLog(root, role_rank, role=name)
+            log.code = config.contract.code if config.contract is not None else None
+            sinks[name] = ProofSink(log, enabled=config.proof.record)
+        return cls(sinks, health=config.health, rank=rank)
+
     def held(self, role: Any, where: str) -> str:
         """The role a record is for: ``role``, else (None) the one role this rank holds."""
-        if role is None and len(self.logs) == 1:
-            return next(iter(self.logs))
+        if role is None and len(self.sinks) == 1:
+            return next(iter(self.sinks))
         if role is None:
             raise ConfigError(f"{where}(step, ..., role=...) on rank {self.rank}: this rank holds roles "
-                              f"{list(self.logs)}; name the role whose event this is")
-        if role not in self.logs:
-            raise ConfigError(f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles {list(self.logs)}; "
+                              f"{list(self.sinks)}; name the role whose event this is")
+        if role not in self.sinks:
+            raise ConfigError(f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles {list(self.sinks)}; "
                               "record a role's events on the ranks that hold it")
         return str(role)
 
     def record(self, role: str, event: str, *, durable: bool = True, **fields: Any) -> None:
-        if self.enabled:
-            proof = self.logs[role]
-            proof.keep(proof.build(event, role=role, **fields), durable=durable)
+        self.sinks[role].record(event, durable=durable, role=role, **fields)
 
     def step(self, role: str | None, step: int, health: HealthLog, *, sample_ids: Any, batch: Any, loss: Any,
              grad_norm: Any, **extra: Any) -> JsonObject:

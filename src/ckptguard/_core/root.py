@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,15 +239,17 @@ class Root:
 
     # ------------------------------------------------------------ retention
 
-    def cleanup(self, step: int, *, rotate: bool) -> None:
+    def cleanup(self, step: int, *, rotate: bool, sinks: Sequence[ProofSink] = ()) -> None:
         """After the commit of ``step``: retention (``rotate``: this rank applies it) and the proof records no
-        retained checkpoint's proof reads again; what retention deleted is recorded with its seconds."""
+        retained checkpoint's proof reads again; what retention deleted is recorded with its seconds. ``sinks``:
+        the proof sinks pruned and told (a run's roles); none given, this root's own."""
         began = time.monotonic()
         deleted = self.rotate(step) if rotate else []
-        self.proof.log.prune(self.naming)
-        if deleted:
-            self.proof.record("cleanup", durable=False, step=step, deleted=deleted,
-                              seconds=round(time.monotonic() - began, 3))
+        for sink in sinks or (self.proof,):
+            sink.log.prune(self.naming)
+            if deleted:
+                sink.record("cleanup", durable=False, step=step, deleted=deleted,
+                            seconds=round(time.monotonic() - began, 3))
 
     def rotate(self, step: int) -> list[int]:
         """Apply retention after the commit of ``step`` (the caller decides which rank does); a failure
