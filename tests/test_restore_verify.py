@@ -31,9 +31,9 @@ def _hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     real = _state.check_restored
 
-    def spy(name, kind, value, state, saved, **kw):  # type: ignore[no-untyped-def]
-        seen.append(name)
-        return real(name, kind, value, state, saved, **kw)
+    def spy(item, saved, **kw):  # type: ignore[no-untyped-def]
+        seen.append(item.name)
+        return real(item, saved, **kw)
 
     monkeypatch.setattr(_state, "check_restored", spy)
     return seen
@@ -201,3 +201,28 @@ def test_an_edited_digest_kind_is_refused_alike_by_verify_and_restore(tmp_path, 
     fresh, _ = _job(seed=1)
     with pytest.raises(cg.CheckpointError, match="disagrees with the item kind"):
         cg.CheckpointManager(tmp_path).restore({"model": fresh, "n": 0})
+
+
+def test_the_restored_state_is_read_once_after_the_load(tmp_path, monkeypatch):
+    """The checks after the load (item digests, the layout-free pass, replicas) compare one read of the live
+    objects (``read_back``), not one read each (it was two per tensor item: the skeleton and the layout-free pass)."""
+    model, optim = _job()
+    cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim, "cursor": {"at": 3}})
+    after: dict[str, int] = {}
+    loaded = [False]
+    real_read, real_apply = _state.current_state, _state.apply
+
+    def applying(*args, **kw):  # type: ignore[no-untyped-def]
+        loaded[0] = True
+        return real_apply(*args, **kw)
+
+    def counted(name, *args, **kw):  # type: ignore[no-untyped-def]
+        if loaded[0]:
+            after[name] = after.get(name, 0) + 1
+        return real_read(name, *args, **kw)
+
+    monkeypatch.setattr(_state, "apply", applying)
+    monkeypatch.setattr(_state, "current_state", counted)
+    fresh, fresh_optim = _job(seed=1)
+    assert cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim, "cursor": {"at": 0}}) == 1
+    assert after == {"model": 1, "optim": 1, "cursor": 1}, after

@@ -127,9 +127,8 @@ def describe_replicas(report: JsonObject) -> str:
 
 def _extras_items(
     ctx: Context,
-    state: StateDict,
+    now: dict[str, _state.Captured],
     manifest: _manifest.Manifest,
-    targets: _state.Targets,
     extras: StateDict,
     source: int,
     expected: dict[str, str] | None = None,
@@ -137,28 +136,17 @@ def _extras_items(
     saved = manifest.digests.get(str(source), {}) if expected is None else expected
     matches: dict[str, bool] = {}
     problems: list[str] = []
-    for name, (kind, _sd, _live_tensors) in targets.items():
-        if kind in _TENSOR_KINDS or name not in saved:
+    for name, item in now.items():
+        if item.kind in _TENSOR_KINDS or name not in saved:
             continue
-        matches[name] = digest(_state.current_state(name, state[name], kind, state)) == saved[name]
+        matches[name] = item.digest() == saved[name]
         if not matches[name]:
-            problems.append(f"state item {name!r} ({kind.value}) differs from what rank {source} saved")
+            problems.append(f"state item {name!r} ({item.kind.value}) differs from what rank {source} saved")
     if extras.get("rng") is not None and RNG_ITEM in saved and ctx.config.state.restore_rng:
         matches["rng"] = digest(_rng.capture()) == saved[RNG_ITEM]
         if not matches["rng"]:
             problems.append(f"the RNG streams differ from the ones rank {source} saved")
     return matches, problems
-
-
-def _live_tensors(ctx: Context, state: StateDict, targets: _state.Targets) -> dict[str, StateDict]:
-    """Every tensor item as it is now in the live objects, by DCP key (as the save captured it)."""
-    out = {}
-    for name, (kind, _sd, _flat) in targets.items():
-        if kind in _TENSOR_KINDS:
-            flat: dict[str, Any] = {}
-            _state.flatten(_state.current_state(name, state[name], kind, state), name, flat, ctx.keyfn())
-            out[name] = flat
-    return out
 
 
 def _compare(
@@ -174,9 +162,8 @@ def _compare(
 
 def verify(
     ctx: Context,
-    state: StateDict,
+    now: dict[str, _state.Captured],
     manifest: _manifest.Manifest,
-    targets: _state.Targets,
     extras: StateDict,
     source: int,
     on_verified: Callable[..., None] | None = None,
@@ -184,17 +171,19 @@ def verify(
     expected: dict[str, str] | None = None,
     explain: Callable[[], list[str]] | None = None,
 ) -> Checked:
-    """Collective: compare, record through ``on_verified``, and raise on every rank if anything differs.
+    """Collective: compare the live objects (``now``: read back once after the load, by DCP key as the save
+    captured them), record through ``on_verified``, and raise on every rank if anything differs.
 
     ``explain`` (same layout): what the files say when a tensor item differs, e.g. which data file
     changed on disk since the save; called only then, as it hashes the files."""
     resharded = manifest.world_size != ctx.world
-    items, problems = _extras_items(ctx, state, manifest, targets, extras, source, expected) if resharded else ({}, [])
+    items, problems = _extras_items(ctx, now, manifest, extras, source, expected) if resharded else ({}, [])
     saved = manifest.layout_free  # None: a manifest written before layout-free digests
-    tensor_items = sorted(n for n, (kind, _sd, _f) in targets.items() if kind in _TENSOR_KINDS)
-    partials = layout_free_partials(_live_tensors(ctx, state, targets)) if saved is not None else {}
-    replicated = {n: digest(_state.current_state(n, state[n], kind, state)) for n, (kind, _sd, _f) in targets.items()
-                  if n in ctx.config.reshard.replicated and kind not in _TENSOR_KINDS}
+    tensor_items = sorted(n for n, item in now.items() if item.kind in _TENSOR_KINDS)
+    live = {n: item.tensors for n, item in now.items() if item.kind in _TENSOR_KINDS}
+    partials = layout_free_partials(live) if saved is not None else {}
+    replicated = {n: item.digest() for n, item in now.items()
+                  if n in ctx.config.reshard.replicated and item.kind not in _TENSOR_KINDS}
 
     def decide(views: list[_Pieces]) -> _Verdict:
         # Format 3: an empty table is compared too (its tensor items' bytes are covered by nothing else).

@@ -308,14 +308,15 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
     replicas: dict[str, Any] = {}
     source = source_rank(ctx, manifest)
     if ctx.config.state.verify_restored:
+        now = _state.read_back(state, targets, ctx.keyfn())  # the live objects read once: every check compares it
         if manifest.world_size == ctx.world:
-            matches = _verify_digests(ctx, state, manifest, targets, extras, on_verified)
+            matches = _verify_digests(ctx, now, manifest, extras, on_verified)
         # Any layout: tensor items through the layout-free digest; resharded: extras against their source
         # rank, or (BY_ITEM) against what their rule gives.
         expected = plan.expected if plan is not None else None
         same = manifest.world_size == ctx.world
         checked = _layoutcheck.verify(
-            ctx, state, manifest, targets, extras, source, on_verified, expected=expected,
+            ctx, now, manifest, extras, source, on_verified, expected=expected,
             explain=(lambda: _changed_files(manifest, ctx.rank)) if same else None,
         )
         matches.update(checked.items)
@@ -335,31 +336,26 @@ def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard
 
 
 def _verify_digests(
-    ctx: Context,
-    state: StateDict,
-    manifest: _manifest.Manifest,
-    targets: _state.Targets,
-    extras: StateDict,
-    on_verified: Any,
+    ctx: Context, now: dict[str, _state.Captured], manifest: _manifest.Manifest, extras: StateDict, on_verified: Any,
 ) -> dict[str, bool]:
-    """Recompute every item's digest from the live objects; all ranks raise if any differs."""
+    """Every item's digest from the live objects (``now``: read back once); all ranks raise if any differs."""
     saved = manifest.digests.get(str(ctx.rank), {})
     problems = []
     matches: dict[str, bool] = {}
-    by_layout_free = _layout_free_items(ctx, manifest, targets, extras)
-    for name, (kind, _sd, _live) in targets.items():
+    by_layout_free = _layout_free_items(ctx, manifest, now, extras)
+    for name, item in now.items():
+        kind = item.kind
         if name in by_layout_free:
             # Its tensors are compared by the layout-free pass that follows (on the GPU for GPU tensors);
             # here everything else: the structure, the keys and every non-tensor leaf, against the
             # extras file whose xxh3 matched the manifest.
-            now = _skeleton(ctx, name, kind, state)
-            matches[name] = digest(now) == digest(extras["items"][name])
+            matches[name] = digest(item.skeleton) == digest(extras["items"][name])
             if not matches[name]:
+                changed = _tensor_keys_changed(extras["items"][name], item.skeleton)
                 problems.append(
                     f"state item {name!r} ({kind.value}) differs after restore from what was saved (its structure "
-                    f"or a non-tensor value such as a hyperparameter{_tensor_keys_changed(extras['items'][name], now)}"
-                    "). Do not train on: fix the object's load_state_dict, or restore into an object built with the "
-                    "saved configuration."
+                    f"or a non-tensor value such as a hyperparameter{changed}). Do not train on: fix the object's "
+                    "load_state_dict, or restore into an object built with the saved configuration."
                 )
             continue
         structure = not manifest.digest_covers_bytes(name)
@@ -372,7 +368,7 @@ def _verify_digests(
             )
         try:
             # structure: the tensor bytes are compared by the layout-free pass that follows
-            _state.check_restored(name, kind, state[name], state, saved.get(name, ""), structure=structure)
+            _state.check_restored(item, saved.get(name, ""), structure=structure)
             matches[name] = True
         except StateMismatchError as exc:
             problems.append(str(exc))
@@ -403,7 +399,7 @@ _TENSOR_KINDS = (_state.ItemKind.MODULE, _state.ItemKind.OPTIMIZER, _state.ItemK
 
 
 def _layout_free_items(
-    ctx: Context, manifest: _manifest.Manifest, targets: _state.Targets, extras: StateDict
+    ctx: Context, manifest: _manifest.Manifest, now: dict[str, _state.Captured], extras: StateDict
 ) -> set[str]:
     """Tensor items whose per-rank xxh3 pass the restore may skip (same layout only).
 
@@ -427,14 +423,9 @@ def _layout_free_items(
     if file_digest(str(path)) != (entry.size, entry.xxh3):
         return set()  # the full digests below then say which items differ
     return {
-        name for name, (kind, _sd, _flat) in targets.items()
-        if kind in _TENSOR_KINDS and name in lf and name in extras.get("items", {})
+        name for name, item in now.items()
+        if item.kind in _TENSOR_KINDS and name in lf and name in extras.get("items", {})
     }
-
-
-def _skeleton(ctx: Context, name: str, kind: _state.ItemKind, state: StateDict) -> Any:
-    """The item as it is now with each tensor replaced by its DCP key, as the save's skeleton holds it."""
-    return _state.flatten(_state.current_state(name, state[name], kind, state), name, {}, ctx.keyfn())
 
 
 def _tensor_keys_changed(saved: Any, now: Any) -> str:

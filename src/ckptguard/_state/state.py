@@ -332,6 +332,18 @@ def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same, stepped: fro
     return targets
 
 
+def read_back(state: Mapping[str, Any], targets: Targets, keyfn: KeyFn = _same) -> dict[str, Captured]:
+    """Every restored item read once from the live objects after the load, as ``capture`` takes it: the checks
+    after a restore (digests, layout-free sums, replicas) all compare this one read. A stateful item's read leaves
+    the RNG streams as the load put them (``current_state(loaded=True)``)."""
+    out = {}
+    for name, (kind, _sd, _flat) in targets.items():
+        sd = current_state(name, state[name], kind, state, loaded=True)
+        tensors: dict[str, torch.Tensor] = {}
+        out[name] = Captured(name, kind, flatten(sd, name, tensors, keyfn) if kind in _TENSOR_ITEMS else sd, tensors)
+    return out
+
+
 def apply(
     state: MutableMapping[str, Any],
     name: str,
@@ -392,15 +404,13 @@ def _merge_into(target: Any, rebuilt: Any, where: str) -> None:
                     target[i] = v
 
 
-def check_restored(
-    name: str, kind: ItemKind, value: Any, state: Mapping[str, Any], saved: str, *, structure: bool = False
-) -> None:
-    """Raise if the item, read back from the live object, differs from what was saved.
+def check_restored(item: Captured, saved: str, *, structure: bool = False) -> None:
+    """Raise if the item, read back from the live object (``read_back``), differs from what was saved.
 
     ``structure``: the saved digest is a structure digest (format 3 tensor items; their bytes are the
     layout-free pass's to compare)."""
-    sd = current_state(name, value, kind, state, loaded=True)
-    now = structure_digest(sd) if structure else digest(sd)
+    name, kind = item.name, item.kind
+    now = item.structure_digest() if structure else item.digest()
     if now != saved:
         hint = ""
         if kind is ItemKind.STATEFUL:
