@@ -95,6 +95,7 @@ def prepare(ctx: Context, step: int, actions: Actions = NO_ACTIONS) -> Prepared:
     prep = place(ctx, step, prep, nodes)
     if prep.nodes:
         prepare_nodes(ctx, step, prep, actions)
+        write_held()  # node-local roots: this node's root exists from here on
     return prep
 
 
