@@ -113,6 +113,8 @@ def test_a_resume_that_merges_twice_fails_first_export_byte_identical_naming_the
     assert "first export of step 2 differs in ['bytes'] from the saving run's: tensors [" in gate["evidence"]
     assert repr(Q) in gate["evidence"]
     assert "embed_tokens" not in gate["evidence"]  # untargeted weights are named only when they differ
+    # the multiple: the engine's delta count at the push, against the saving run's sampled base and delta
+    assert "the engine holds base + 2.00 x delta for [" in gate["evidence"] and "already held" not in gate["evidence"]
 
 
 # ---------------------------------------------------------------- without an engine (the suite's venv)

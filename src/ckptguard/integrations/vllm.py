@@ -378,7 +378,10 @@ def _read_back_gates(
     push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, sync_s,
                 time.perf_counter() - start, differ, missing, unsent, rebuilt, counts)
     if mgr is not None and step is not None:
-        record_engine_export(mgr, step, engine, push=push)
+        # the adapter's sampled base and delta: prove tells "base + k x delta" against the saving run's base
+        probe = (_peft.adapter_probe(None, lora, adapter_name=adapter, names=lambda n: _mapped(name_map, n))
+                 if lora is not None else None)
+        record_engine_export(mgr, step, engine, push=push, adapter=probe)
     return push
 
 
@@ -458,11 +461,14 @@ def _lora_counts(llm: Any, model: Any, adapter: str, name_map: NameMap, step: in
 
 
 def record_engine_export(mgr: CheckpointManager, step: int, engine: Mapping[str, str], *,
-                         push: Push | None = None) -> ExportFingerprint:
+                         push: Push | None = None, adapter: _peft.Probe | None = None) -> ExportFingerprint:
     """Record what the engine holds as the export of ``step``: ``record_export``'s fingerprint of the
     digests, plus the digest of each tensor (so ``prove`` names the tensors a first export differs in)
-    and, after a LoRA push, the gates' results."""
+    and, after a LoRA push, the gates' results, each weight's delta count and the adapter's probe
+    (``integrations.peft.adapter_probe``)."""
     fields: dict[str, Any] = {"tensors": dict(engine)}
+    if adapter:
+        fields["adapter"] = adapter
     if push is not None:
         fields["gates"] = push.gates
         if push.lora:
@@ -532,6 +538,12 @@ def completions_digest(samples: Sequence[Sample]) -> str:
     return digest([[str(s.prompt_id), s.sample, list(s.prompt_token_ids), list(s.token_ids)] for s in samples])
 
 
+def _seeds(samples: Sequence[Sample]) -> str:
+    """A digest of the requests' seeds; "unseeded" where none had one (the engine's own generator drew them)."""
+    seeds = [s.seed for s in samples]
+    return digest(seeds) if any(s is not None for s in seeds) else "unseeded"
+
+
 def engine_logprobs(samples: Sequence[Sample]) -> torch.Tensor:
     """The engine's logprob of every sampled token, in sample order, as one float64 vector."""
     return torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float64)
@@ -576,8 +588,11 @@ class Colocated:
     def record_old_logprobs(
         self, step: int, actor_logprobs: torch.Tensor, samples: Sequence[Sample]
     ) -> dict[str, float]:
-        """The actor's recomputed old-logprob of the sampled tokens against the engine's (``record_logprobs``)."""
-        return self.mgr.record_logprobs(step, actor_logprobs.reshape(-1), engine_logprobs(samples))
+        """The actor's recomputed old-logprob of the sampled tokens against the engine's (``record_logprobs``),
+        with digests of the sampled token ids and of the request seeds: ``prove`` tells an engine that sampled
+        other tokens (its sampling state) from one that gave the same tokens other logprobs (its weights)."""
+        return self.mgr.record_logprobs(step, actor_logprobs.reshape(-1), engine_logprobs(samples),
+                                        sampled=completions_digest(samples), seeds=_seeds(samples))
 
 
 # ---------------------------------------------------------------- TRL (GRPOTrainer with use_vllm=True, colocate)
@@ -666,7 +681,8 @@ def install_trl_old_logprobs(trainer: Any, manager: Callable[[], CheckpointManag
     old-logprob aligned" gate): after TRL 1.16's ``_generate_and_score_completions``, its
     ``old_per_token_logps`` (the trainer's recompute) and ``sampling_per_token_logps`` (vLLM's logprob of each
     sampled token) under ``completion_mask`` go to ``record_logprobs`` as the step they train
-    (``global_step + 1``). Needs ``vllm_importance_sampling_correction=True`` (TRL's default: only then does TRL
+    (``global_step + 1``), with a digest of the sampled ``completion_ids``. Needs
+    ``vllm_importance_sampling_correction=True`` (TRL's default: only then does TRL
     compute both); without it nothing is recorded, said once, and the gate stays MISSING. Returns whether
     it was installed."""
     produce = getattr(trainer, "_generate_and_score_completions", None)
@@ -679,12 +695,15 @@ def install_trl_old_logprobs(trainer: Any, manager: Callable[[], CheckpointManag
     def recorded(*args: Any, **kwargs: Any) -> Any:
         out = produce(*args, **kwargs)
         mgr = manager()
-        old, engine, mask = (out.get(k) for k in ("old_per_token_logps", "sampling_per_token_logps",
-                                                  "completion_mask"))
+        old, engine, mask, ids = (out.get(k) for k in ("old_per_token_logps", "sampling_per_token_logps",
+                                                       "completion_mask", "completion_ids"))
         if mgr is not None and all(isinstance(t, torch.Tensor) for t in (old, engine, mask)):
             keep = mask.bool()
+            # the sampled token ids beside the logprobs: prove tells the engine's sampling state from its weights
+            fits = isinstance(ids, torch.Tensor) and ids.shape == keep.shape
+            sampled = {"sampled": digest(ids[keep])} if fits else {}
             mgr.record_logprobs(int(trainer.state.global_step) + 1, old[keep].detach().double(),
-                                engine[keep].detach().double())
+                                engine[keep].detach().double(), **sampled)
         return out
 
     trainer._generate_and_score_completions = recorded

@@ -29,7 +29,7 @@ from typing import Any
 from .._records import checks as _checks
 from .._records import runmanifest as _runmanifest
 from .._records.proofreader import ProofRecord, read_records, record_roles
-from .._resume.layoutcheck import differing_chunks
+from .._resume.layoutcheck import differing_chunks, replica_report
 from .._state.trajectory import difference, numerics, same_bits
 from ..config import ProofPlan
 from ..errors import CheckpointError
@@ -214,6 +214,44 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
                          "have one value across their replicas, equal to the save's")
 
 
+def _partials(seg: _Segment) -> tuple[int, dict[str, list[str]]] | None:
+    """A rank's replica partials from its first step record after the restore (``replica_partials``: what
+    ``layout_free_partials`` gave of its live replicated tensors), checked before use; None: not recorded."""
+    if not _restored(seg) or _raised(seg):
+        return None
+    first = seg.first("step")
+    parts = first.get("replica_partials") if first is not None else None
+    if first is None or not isinstance(parts, dict):
+        return None
+    ok = all(isinstance(v, list) and len(v) == 4 and all(isinstance(x, str) for x in v) for v in parts.values())
+    return (int(first["step"]), {str(k): list(v) for k, v in parts.items()}) if ok else None
+
+
+def _first_step_replicas(segments: list[_Segment]) -> list[tuple[Status, str]]:
+    """Replicas compared again at the first step after the restore, across the ranks that recorded their
+    partials at the same step: drift that appeared after restore() returned (a hook, a late broadcast)."""
+    found = {s.rank: p for s in segments if (p := _partials(s)) is not None}
+    errors = [(Status.MISSING, f"rank {s.rank}: replicas not compared at the first step after the restore "
+               f"({first['replicas_error']})") for s in segments
+              if (first := s.first("step")) is not None and isinstance(first.get("replicas_error"), str)]
+    steps = [step for step, _ in found.values()]
+    if len(found) < 2:
+        return errors
+    step = max(set(steps), key=steps.count)  # a rank one record behind has not recorded that step yet
+    views = [found[r][1] if r in found and found[r][0] == step else {} for r in range(max(found) + 1)]
+    report = replica_report(views)
+    if report["differing"]:
+        return [*errors, (Status.FAIL, (
+            f"at the first step after the restore (step {step}) {report['differing']} tensor chunk(s) held by "
+            f"several ranks differ between their replicas: {differing_chunks(report, short=True)}; they were equal "
+            "after the load, so they drifted after restore() returned (a hook, a late broadcast, a rank-local "
+            "change)"))]
+    if not report["checked"]:
+        return errors
+    return [*errors, (Status.PASS, f"compared again at the first step after the restore (step {step}): "
+                                   f"{report['checked']} chunk(s) equal across their replicas")]
+
+
 def _export_tensors(ref: ProofRecord, first: ProofRecord) -> str:
     """The tensors two export records differ in, where both recorded per-tensor digests (a rollout engine's)."""
     a = ref.get("tensors") or (ref.get("fingerprint") or {}).get("tensors")
@@ -244,6 +282,55 @@ def _gate_export(seg: _Segment) -> tuple[Status, str]:
     return Status.PASS, f"first export of step {step} byte-identical to {who}, scales included"
 
 
+UNSEEDED = "unseeded"  # a logprobs record's seeds where no request had a seed (integrations.vllm)
+
+
+def _differ(a: Mapping[str, Any], b: Mapping[str, Any], key: str) -> bool | None:
+    """Whether two records' digests ``key`` differ (None: one of them recorded none, e.g. an older record)."""
+    x, y = a.get(key), b.get(key)
+    return x != y if isinstance(x, str) and isinstance(y, str) else None
+
+
+def _engine_weights(seg: _Segment, step: int) -> tuple[bool | None, str]:
+    """Whether the engine that generated ``step``'s rollouts held the reference run's weights: its export of
+    step - 1 (the weights after step - 1 updates) against the earliest earlier run's export of that step."""
+    assert seg.restore is not None
+    k, pid = int(seg.restore["step"]), seg.restore["pid"]
+    mine = next((r for r in seg.after if r["event"] == "export" and r["step"] == step - 1), None)
+    _chosen, ref = _reference_mod.at_step(seg.before, k, pid, ("export",), step - 1)
+    if mine is None or ref is None:
+        return None, f"no export of step {step - 1} {'after the restore' if mine is None else 'before it'} to compare"
+    same = (ref.get("fingerprint") or {}).get("bytes") == (mine.get("fingerprint") or {}).get("bytes")
+    return same, f"its export of step {step - 1} {'equals' if same else 'differs from'} the reference's"
+
+
+def _logprob_cause(seg: _Segment, ref: ProofRecord, first: ProofRecord) -> str:
+    """The cause class of an old-logprob that differs: the engine's weights, or its sampling state."""
+    step = int(first["step"])
+    weights, said = _engine_weights(seg, step)
+    tokens, seeds = _differ(ref, first, "sampled"), _differ(ref, first, "seeds")
+    if weights is False:
+        return (f"Cause: the rollout engine's weights: {said} (see 'first export byte-identical'): a push skipped "
+                "or stale after the restore")
+    if tokens is False:
+        return (f"Cause: weights (or scales): the same sampled token ids got other logprobs; {said}: "
+                + ("the trainer's recompute holds other weights" if weights else "the engine or the trainer holds "
+                   "other weights than before the kill"))
+    if tokens:
+        seeded = {True: "the request seeds differ too", False: "with the same request seeds",
+                  None: "request seeds not recorded"}[seeds]
+        if first.get("seeds") == UNSEEDED:
+            seeded = "requests unseeded: the engine's own generator drew them"
+        if weights:
+            return (f"Cause: the rollout engine's sampling state: same weights ({said}) but other sampled token ids, "
+                    f"{seeded}: seed each request from (run seed, step, prompt, sample) (integrations.vllm."
+                    "request_seed), never from the engine's own generator, which a restart does not put back")
+        return (f"Cause: other sampled token ids ({seeded}) and {said}: the engine's sampling state or its weights; "
+                "record the export of each push to tell them apart")
+    return ("The rollout engine or the trainer holds other weights (or scales) than before the kill (no sampled "
+            "token ids recorded to tell the engine's sampling state apart)")
+
+
 def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
     if (missing := _needs_restore(seg)) is not None:
         return missing
@@ -252,26 +339,26 @@ def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
     if first is None:
         return Status.MISSING, f"rank {seg.rank}: no old-logprob recorded after the restore"
     diff = first["probs_diff"]
-    if diff == 0.0:
+    step, k, pid = first["step"], int(seg.restore["step"]), seg.restore["pid"]
+    chosen, ref = _reference_mod.at_step(seg.before, k, pid, ("logprobs",), step)
+    if diff == 0.0 and not (ref is not None and _differ(ref, first, "sampled")):
         return Status.PASS, f"first old-logprob aligned: probs_diff 0 over {first['tokens']} tokens"
     # A real rollout engine (vLLM) runs other kernels than the trainer: probs_diff is not 0 without
     # batch-invariant kernels on both sides. It is aligned when it is bitwise the one the saving
     # run measured at the same step (what the engine and trainer would have given without the
-    # kill); a stale engine or scale after the restore changes it.
-    step, k, pid = first["step"], int(seg.restore["step"]), seg.restore["pid"]
-    chosen, ref = _reference_mod.at_step(seg.before, k, pid, ("logprobs",), step)
+    # kill); a stale engine or scale after the restore changes it, a lost sampling state the tokens.
     if ref is None or chosen is None:  # where the kill landed, not a difference
         return Status.MISSING, (f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, and no "
                                 f"run before this resume recorded an old-logprob of that step to compare with "
                                 f"({_reference_mod.nothing_past(seg.before, k, pid, 'old-logprob of that step')})")
     who = "the saving run's" if chosen.saved else f"that of {chosen.describe()}"
     same = all(same_bits(ref.get(k), first.get(k)) for k in ("probs_diff", "max_abs_logprob_diff", "tokens"))
-    if not same:
+    if not same or _differ(ref, first, "sampled"):
         return Status.FAIL, (f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, {who} of "
-                             f"the same step {ref['probs_diff']:.3g}: the rollout engine or the trainer holds "
-                             "other weights (or scales) than before the kill")
+                             f"the same step {ref['probs_diff']:.3g}. {_logprob_cause(seg, ref, first)}")
     return Status.PASS, (f"first old-logprob of step {step}: probs_diff {diff:.3g} over {first['tokens']} tokens, "
-                         f"bitwise {who} of the same step (engine and trainer kernels differ)")
+                         f"bitwise {who} of the same step (engine and trainer kernels differ)"
+                         + (", the same sampled token ids" if _differ(ref, first, "sampled") is False else ""))
 
 
 def _updates(records: list[ProofRecord]) -> list[dict[str, Any]]:
@@ -1330,8 +1417,8 @@ def _evaluate(root: Path, plan: ProofPlan | None, role: str | None, resume: int 
     # Required once a restore compared replicas; a restore that could not (older ckptguard, a save without
     # layout-free digests) shows MISSING without holding back a verdict the other gates earn.
     compared = any(s.restore is not None and s.restore.get("replicas") for s in segments)
-    gates.insert(len(gates) - 1, _combine("replicas equal after load", [_judged(_gate_replicas, s) for s in segments],
-                                          required=compared))
+    replicas = [_judged(_gate_replicas, s) for s in segments] + _first_step_replicas(segments)
+    gates.insert(len(gates) - 1, _combine("replicas equal after load", replicas, required=compared))
     if (tier := _tier(segments)) is not None:
         gates.insert(next(i for i, g in enumerate(gates) if g.name == "all PIDs changed"), tier)
     if resharded is not None:
