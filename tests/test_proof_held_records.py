@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -56,6 +57,26 @@ def test_the_real_bound_holds_however_long_the_root_stays_absent(tmp_path):
         plog.hold(record)
     assert plog.held == plog.HELD_HEAD + plog.HELD_MAX and plog.dropped == 1000
     assert plog.HELD_HEAD + plog.HELD_MAX <= 25_000  # about 1.3 KB a step record: some 30 MB at most
+
+
+def test_records_kept_while_a_background_save_creates_the_root_are_all_written_in_order(tmp_path):
+    root = tmp_path / "root"
+    plog = ProofLog(root, 0)
+    stop = threading.Event()
+
+    def background_save() -> None:  # a save_async's prepare: the root appears, the held records go
+        root.mkdir()
+        while not stop.is_set():
+            proofwriter.write_held()
+
+    saver = threading.Thread(target=background_save)
+    for i in range(1, 2001):
+        plog.keep(plog.build("step", step=i), durable=False)
+        if i == 500:
+            saver.start()
+    stop.set()
+    saver.join()
+    assert [r["step"] for r in _lines(plog.path)] == list(range(1, 2001))
 
 
 def _job(rank: int, world: int, root: str, resumed: bool) -> int:

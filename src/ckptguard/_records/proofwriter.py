@@ -113,7 +113,8 @@ class ProofLog:
             if len(self._held) == self._held.maxlen:
                 self.dropped += 1
             self._held.append(record)
-        _HOLDING.add(self)
+        with _HOLDING_LOCK:
+            _HOLDING.add(self)
 
     @property
     def held(self) -> int:
@@ -146,7 +147,8 @@ class ProofLog:
                 os.fsync(f.fileno())
         self._head.clear()
         self._held.clear()
-        _HOLDING.discard(self)
+        with _HOLDING_LOCK:
+            _HOLDING.discard(self)
         if self.dropped:
             log.warning("ckptguard: %d proof records made before %s existed were dropped (the first %d and the "
                         "newest %d were held)", self.dropped, self.root, self.HELD_HEAD, self.HELD_MAX)
@@ -253,6 +255,9 @@ def _maybe_replicated(t: torch.Tensor) -> bool:
 
 
 _HOLDING: weakref.WeakSet[ProofLog] = weakref.WeakSet()  # this process's logs holding records
+# A save_async's prepare lists them in its thread while training holds a record in another: a set that
+# changes size while it is listed raises (RuntimeError), which would fail the save.
+_HOLDING_LOCK = threading.Lock()
 
 
 def write_held() -> None:
@@ -260,7 +265,9 @@ def write_held() -> None:
     calls it right after its prepare created the root (``_commit.protocol.prepare``): a kill right
     after the first commit, before the save record, then leaves the fresh run's records on disk
     (prove's "all PIDs changed" finds the process that trained the saved step)."""
-    for plog in list(_HOLDING):
+    with _HOLDING_LOCK:
+        logs = list(_HOLDING)
+    for plog in logs:  # each takes its own lock: never under _HOLDING_LOCK (a hold takes them the other way)
         plog.write_held()
 
 
