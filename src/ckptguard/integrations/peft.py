@@ -467,7 +467,8 @@ def adapter_probe(payload: Any, adapter: Any, *, adapter_name: str = "default",
 
     ``adapter``: a peft model (its LoRA layers: base weight and factors, names as the base model's) or, for an
     adapter declared by hand, ``{name: (base, delta)}`` with tensors of one shape. ``names``: the export's name
-    of a base model's weight (an engine's name map). ConfigError for a hand-declared pair that does not fit."""
+    of a base model's weight (an engine's name map). ConfigError for a hand-declared pair that does not fit.
+    A sharded (DTensor) weight is left out: prove then names its tensor, not the multiple."""
     pairs: dict[str, tuple[torch.Tensor, Any]]
     if is_peft_model(adapter):
         pairs = _peft_pairs(adapter, adapter_name)
@@ -486,6 +487,8 @@ def adapter_probe(payload: Any, adapter: Any, *, adapter_name: str = "default",
     out: Probe = {}
     for name, (base, delta) in pairs.items():
         key = names(name) if names is not None else name
+        if any(hasattr(t, "placements") for t in (base, delta, sent.get(key))):
+            continue  # a DTensor's entries live on other ranks: reading them is a collective not every rank makes
         shape = tuple(base.shape)
         at = _points(key, shape)
         entry: dict[str, Any] = {"base": _values(base, at), "delta": _delta_at(delta, shape, at),
