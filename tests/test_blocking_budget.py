@@ -150,3 +150,45 @@ def _collective_held_rank(rank: int, world: int) -> dict[str, Any]:
 def test_control_a_rank_held_past_the_timeout_fails_a_collective_of_the_group() -> None:
     results = cgt.values(cgt.run_ranks(_collective_held_rank, 2, pg_timeout_s=3.0))
     assert results[0]["error"] is not None and results[0]["seconds"] < 6.0, results
+
+
+def _background_hold_rank(rank: int, world: int, root: str, then_save: bool) -> dict[str, Any]:
+    """A 1.0 s budget (half of a declared 2 s timeout) and a commit that takes 2.5 s on every rank: the first save
+    measures the speed (synchronous: it fits at the floor's speed), the second is over the budget and goes to
+    the background. Its hold is the call plus what the next mutation waits for its copies (``staged()``)."""
+    set_fault_hook("commit.rank_written", lambda: time.sleep(2.5))
+    tight = cg.BlockingBudget(timeout_s=2.0, fraction=0.5, over=cg.OverBudget.BACKGROUND)
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60.0, blocking=tight))
+    state = {"w": cg.PerRank(torch.randn(2048, 1024))}  # 8 MiB per rank
+    out: dict[str, Any] = {"budget_s": mgr.blocking.budget_s, "first": str(mgr.save(1, state))}
+    started = time.monotonic()
+    out["second"] = mgr.save(2, state)
+    out["second_held_s"] = time.monotonic() - started
+    out["second_staged_s"] = mgr.staged()  # what the next optimizer step would wait for the copies
+    state["w"].value.add_(1.0)  # training goes on while the commit runs
+    if then_save:  # the loop's next save, while the background commit still runs
+        started = time.monotonic()
+        mgr.save(3, state)
+        out["third_held_s"] = time.monotonic() - started
+    mgr.wait()
+    out["committed"] = mgr.committed_steps()
+    mgr.close()
+    return out
+
+
+def test_background_releases_the_loop_within_its_budget(tmp_path: Path) -> None:
+    results = cgt.values(cgt.run_ranks(_background_hold_rank, 2, str(tmp_path / "ck"), False))
+    for r in results:
+        assert r["budget_s"] == pytest.approx(1.0) and r["first"].endswith("step_00000001")
+        assert r["second"] is None, r  # over the budget: committed in the background
+        hold = r["second_held_s"] + r["second_staged_s"]
+        assert hold < r["budget_s"], f"held the loop {hold:.2f} s against a budget of {r['budget_s']} s: {r}"
+        assert r["committed"] == [1, 2], r
+
+
+@pytest.mark.xfail(strict=True, reason="manager.save waits for the commit in flight (self.wait()) before the budget "
+                   "round, so the loop's next save is held for the rest of the background commit (issue 41: 7.7 s)")
+def test_the_next_save_while_a_background_commit_runs_is_held_within_the_budget(tmp_path: Path) -> None:
+    results = cgt.values(cgt.run_ranks(_background_hold_rank, 2, str(tmp_path / "ck"), True))
+    for r in results:
+        assert r["third_held_s"] < r["budget_s"], r

@@ -137,6 +137,8 @@ class BudgetRound:
         self._bytes_per_s: float | None = None
         self.measured_by = ""
         """Which save the estimate's speed was measured on (``synchronous``, ``background``); empty: none yet."""
+        self._asked_bytes = 0
+        """The tensor bytes of the save the last round estimated (what ``observe`` measures it against)."""
         self.redirected = 0
         """Synchronous saves this manager committed in the background instead (``OverBudget.BACKGROUND``)."""
 
@@ -151,7 +153,9 @@ class BudgetRound:
         a save ``OverBudget.BACKGROUND`` sent to the background, from its request until it was published):
         the speed the next estimate uses."""
         local = [t.to_local() if hasattr(t, "to_local") else t for c in snap.items.values() for t in c.tensors.values()]
-        nbytes = sum(t.numel() * t.element_size() for t in local)
+        # A committed snapshot may have let its tensors go (a synchronous save's items are empty after the
+        # write): then the bytes this round estimated for the same save, or the speed would never be learnt.
+        nbytes = sum(t.numel() * t.element_size() for t in local) or self._asked_bytes
         if nbytes > 0 and seconds > 0:
             self._bytes_per_s = nbytes / seconds
             self.measured_by = by
@@ -165,7 +169,7 @@ class BudgetRound:
             return _Estimate(None, 0, f"no estimate ({type(exc).__name__}: {exc})")
 
     def _estimated(self, state: Mapping[str, Any], budget_s: float) -> _Estimate:
-        nbytes = tensor_bytes(dict(state))
+        nbytes = self._asked_bytes = tensor_bytes(dict(state))
         if self._bytes_per_s is not None:
             return _Estimate(nbytes / self._bytes_per_s, nbytes, f"this manager's last {self.measured_by} save")
         if nbytes / FLOOR_BYTES_PER_S <= budget_s:  # fits even at a slow disk's speed: no probe write
