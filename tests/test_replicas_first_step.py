@@ -103,3 +103,14 @@ def test_drift_after_restore_is_named_at_the_first_step_and_at_the_next_save(tmp
         assert "model.weight" in later[0]["error"], later[0]
     gate = {g.name: g for g in evaluate(drift)}["replicas equal after load"]
     assert gate.status is Status.FAIL and "model.weight" in gate.evidence, gate
+
+
+def test_an_fsdp1_model_is_not_read_at_a_step_its_optimizer_state_dict_is_collective():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from ckptguard._records.proofwriter import read_alone
+
+    fsdp1 = torch.nn.Module.__new__(FullyShardedDataParallel)  # the type is what counts; no process group needed
+    torch.nn.Module.__init__(fsdp1)
+    assert read_alone({"model": torch.nn.Linear(2, 2), "step": 3})
+    assert not read_alone({"model": torch.nn.Sequential(fsdp1), "step": 3})

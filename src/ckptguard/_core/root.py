@@ -26,7 +26,7 @@ from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import retention
 from .._records import trust as _trust
-from .._records.proofwriter import ProofLog, replica_fields
+from .._records.proofwriter import ProofLog, read_alone, replica_fields
 from .._state.state import KeyFn
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError, ReplicatedDivergenceError
@@ -99,8 +99,8 @@ class ProofSink:
     def after_restore(self, state: Mapping[str, Any], keyfn: KeyFn, replicas: Mapping[str, Any]) -> None:
         """The first step record after this restore carries this rank's replica digests (``replica_fields``)
         when the restore compared replicas (``replicas``: its ``replica_report``, some chunk held by 2+ ranks);
-        else none is computed (one rank, every tensor sharded, no layout-free digests)."""
-        due = self.enabled and bool(replicas.get("checked"))
+        else none is computed (one rank, every tensor sharded, no layout-free digests, FSDP1: ``read_alone``)."""
+        due = self.enabled and bool(replicas.get("checked")) and read_alone(state)
         self.log.after_restore((lambda: replica_fields(state, keyfn)) if due else None)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .._disk.boxsum import layout_free_partials
 from .._disk.digest import digest
@@ -247,6 +248,14 @@ def replica_fields(state: Mapping[str, Any], keyfn: KeyFn) -> dict[str, Any]:
         flatten(current_state(name, value, kind, state), name, flat, keyfn)
         tensors[name] = {k: t for k, t in flat.items() if _maybe_replicated(t)}
     return {"replica_partials": layout_free_partials(tensors)}
+
+
+def read_alone(state: Mapping[str, Any]) -> bool:
+    """Whether this rank reads ``state``'s tensors without a collective (``replica_fields`` runs in a
+    ``record_step``, which need not be called on every rank): not under FSDP1, whose optimizer
+    ``state_dict`` gathers keys across ranks (torch's ``_map_param_key_to_optim_keys``)."""
+    modules = [v for v in state.values() if isinstance(v, torch.nn.Module)]
+    return not any(isinstance(m, FullyShardedDataParallel) for v in modules for m in v.modules())
 
 
 def _maybe_replicated(t: torch.Tensor) -> bool:
