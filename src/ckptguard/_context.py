@@ -1,22 +1,35 @@
 """The context of one checkpoint root: everything a save or a restore needs, resolved once.
 
 The commit side (``_commit``) and the resume side (``_resume``) both run on it; it sits below
-both, so neither imports the other (docs/architecture.md, the rank table).
+both, so neither imports the other (docs/architecture.md, the rank table). Here too: the reshard
+rule a save records for every state item (``manifest.json`` field ``reshard``, decided from the live
+objects and this root's config); ``_resume.reshard`` applies the rules and documents each.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ._agree import Agreement
 from ._disk import layout as _layout
-from ._state import rules as _rules
 from ._state.expert import ExpertParallel
+from ._state.rng import RNG_ITEM, GeneratorState
+from ._state.state import ItemKind, PerRank, classify
 from ._types import JsonObject
 from .config import CheckpointConfig
+from .cursor import DataCursor
 from .storage.base import Storage, StorageContext
+
+DCP, REPLICATED, DATA_CURSOR, USER, RNG = "dcp", "replicated", "data_cursor", "user", "rng_rederive"
+"""The reshard rules a save records (``_resume.reshard`` applies each)."""
+_TENSOR_KINDS = (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS)
+
+
+def fn_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 @dataclass(frozen=True)
@@ -75,10 +88,24 @@ class Context:
         return {"world_size": self.world, **layout}
 
     def declared_rules(self, state: Any) -> dict[str, JsonObject]:
-        """The reshard rule of every item of ``state`` under this root's config (``_state.rules``)."""
-        reshard = self.config.reshard
-        return _rules.declared(state, replicated=reshard.replicated, rng_seed=reshard.rng_seed,
-                               capture_rng=self.config.state.capture_rng)
+        """The reshard rule of every item of ``state`` that has one under this root's config (JSON, as the
+        manifest records it)."""
+        seed = self.config.reshard.rng_seed
+        rules: dict[str, JsonObject] = {}
+        for name, value in state.items():
+            if classify(value) in _TENSOR_KINDS:
+                rules[name] = {"rule": DCP}
+            elif isinstance(value, DataCursor):
+                rules[name] = {"rule": DATA_CURSOR}
+            elif isinstance(value, PerRank) and value.reshard is not None:
+                rules[name] = {"rule": USER, "fn": fn_name(value.reshard)}
+            elif name in self.config.reshard.replicated:
+                rules[name] = {"rule": REPLICATED}
+            elif isinstance(value, GeneratorState) and seed is not None:
+                rules[name] = {"rule": RNG, "seed": seed}
+        if self.config.state.capture_rng and seed is not None:
+            rules[RNG_ITEM] = {"rule": RNG, "seed": seed}
+        return rules
 
     def keyfn(self) -> Any:
         return self.expert.key if self.expert is not None else (lambda key: key)

@@ -3,7 +3,7 @@
 Contract: ``Ahead.arm(state, keyfn, prepare, *args)`` calls ``prepare(items, *args)`` with the state's captured items
 (their tensor sizes size the pinned pool) as soon as every optimizer in the state has state: at once, or
 after the first step of the optimizers that have none yet, from a post-step hook that only reads. It never
-touches an optimizer (reading one without state would step it, ``_state.optimstate``), never calls a
+touches an optimizer (reading one without state would step it, ``_state.state.read_optimizer``), never calls a
 stateful item's ``state_dict()`` (it may draw from the global RNG), never raises into
 the user's step (a state the save cannot capture is reported by the save), and arms once. It holds the
 bound method ``prepare`` weakly: the optimizer's hook never keeps a dropped manager's pool alive. ``stop()``

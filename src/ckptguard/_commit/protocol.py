@@ -30,7 +30,7 @@ from .. import _faults
 from .._agree import gather_decide
 from .._context import NO_ACTIONS, Actions, Context
 from .._disk import layout as _layout
-from .._disk.digest import digest, file_digest
+from .._disk.digest import digest, file_digest, release_host_cache
 from .._records import manifest as _manifest
 from .._records.entries import FileEntry
 from .._records.proofwriter import write_held
@@ -42,7 +42,6 @@ from ..errors import (
     ConfigError,
 )
 from ..storage._pool import io_error, write_all
-from ..storage._staging import release_host_cache
 from ..storage.base import WrittenFile
 from .messages import Prepared, PrepareRequest, RankReport, failure_from, raise_if_failed
 from .publish import Publisher

@@ -61,6 +61,16 @@ def update_with_tensor(h: xxhash.xxh3_64, t: torch.Tensor, feed: Feed | None = N
             h.update(flat[start : start + _CHUNK_BYTES].cpu().numpy().data)
 
 
+def release_host_cache() -> None:
+    """Hand torch's caching host allocator's free pinned blocks back after a save's or a restore's digests (the
+    digests of GPU tensors go through pinned chunks, ``_update_from_cuda``; freed, they stay cached otherwise:
+    docs/practices.md, memory budget)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty is not None:
+            empty()
+
+
 def _update_from_cuda(h: xxhash.xxh3_64, flat: torch.Tensor) -> None:
     """Hash GPU bytes through two pinned chunks: the next chunk's D2H copy runs on a side
     stream while this thread hashes the current one (pageable .cpu() chunks ran at a

@@ -28,25 +28,11 @@ from . import manifest as _manifest
 from . import runmanifest
 from .entries import Cost, FileEntry
 from .findings import RESTORE_HINT, Finding, Severity, finding
+from .manifest import safe_member
 from .runmanifest import RunManifest
 from .stepfiles import node_part
 
 _ALLOWED_EXTRA = {_layout.MANIFEST_NAME}
-
-
-def safe_member(step_dir: Path, rel: str) -> Path | None:
-    """``step_dir/rel`` if it stays inside ``step_dir`` without following a symlink out."""
-    if not rel or os.path.isabs(rel) or ".." in Path(rel).parts:
-        return None
-    path = step_dir / rel
-    base = step_dir.resolve()
-    try:
-        real = path.resolve()
-    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
-        return None
-    if real != base and base not in real.parents:
-        return None
-    return path
 
 
 def _check_files(

@@ -19,6 +19,7 @@ modules, optimizers, tensor dicts). The save then reads each tensor byte once.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,22 @@ RUN_KIND = "ckptguard-run"
 
 def ckptguard_version() -> str:
     return __version__
+
+
+def safe_member(step_dir: Path, rel: str) -> Path | None:
+    """``step_dir/rel`` if it stays inside ``step_dir`` without following a symlink out: every path a manifest
+    lists (``FileEntry.path``) is opened through this, so an edited manifest cannot point outside the step."""
+    if not rel or os.path.isabs(rel) or ".." in Path(rel).parts:
+        return None
+    path = step_dir / rel
+    base = step_dir.resolve()
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        return None
+    if real != base and base not in real.parents:
+        return None
+    return path
 
 
 @dataclass(frozen=True)

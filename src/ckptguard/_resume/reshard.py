@@ -36,13 +36,12 @@ import torch
 import xxhash
 
 from .._agree import Wire, gather_decide
-from .._context import Context
+from .._context import DATA_CURSOR, REPLICATED, RNG, USER, Context, fn_name
 from .._disk.digest import digest
 from .._records import manifest as _manifest
 from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
-from .._state.rules import DATA_CURSOR, REPLICATED, RNG, USER, fn_name
 from .._types import JsonObject, StateDict
 from ..errors import StateMismatchError, TopologyMismatchError
 

@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .._agree import gather_decide, on_every_rank
 from .._context import Context
 from .._disk import layout as _layout
-from .._disk.digest import digest, file_digest
+from .._disk.digest import digest, file_digest, release_host_cache
 from .._records import contract as _contract
 from .._records import manifest as _manifest
-from .._records.checks import safe_member
+from .._records.manifest import safe_member
 from .._records.versions import check_torch_version
 from .._state import rng as _rng
 from .._state import state as _state
@@ -42,7 +42,6 @@ from ..errors import (
     TopologyMismatchError,
     UnsafeCheckpointError,
 )
-from ..storage._staging import release_host_cache
 from . import layoutcheck as _layoutcheck
 from . import reshard as _reshard
 from .resolve_agreed import Agreed, Problems, by_item, source_rank

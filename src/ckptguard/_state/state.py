@@ -19,16 +19,18 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _get_fqns,
     get_model_state_dict,
+    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .._disk.boxsum import digest_with_layout_free, layout_free_partials
 from .._disk.digest import DIGEST_BYTES, DIGEST_STRUCTURE, digest, structure_digest
 from .._types import StateDict
 from ..errors import ConfigError, StateMismatchError
-from . import optimstate
 from . import rng as _rng
 
 TENSOR_REF = "__ckptguard_dcp_key__"
@@ -245,13 +247,38 @@ def current_state(name: str, value: Any, kind: ItemKind, state: Mapping[str, Any
     right after a load, to check it; the global RNG streams are then left as the load put them."""
     if kind is ItemKind.MODULE:
         return get_model_state_dict(value)
-    if kind is ItemKind.OPTIMIZER:  # never stepped to be read (optimstate)
-        return optimstate.read(_model_for(value, state, name), value, name)
+    if kind is ItemKind.OPTIMIZER:  # never stepped to be read (read_optimizer)
+        return read_optimizer(_model_for(value, state, name), value, name)
     if kind is ItemKind.STATEFUL:
         return _rng_untouched(value.state_dict) if loaded else value.state_dict()
     if kind is ItemKind.PER_RANK:
         return value.value
     return value
+
+
+def read_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> StateDict:
+    """``optim``'s state dict by FQN, as DCP's ``get_optimizer_state_dict`` gives it, without changing ``optim``.
+
+    DCP initialises an optimizer that has no state yet by running ``step()`` with zero gradients and lr 0
+    (``_init_optim_state``): Adam's ``step`` would become 1 before the first real step, so every later update
+    would use a bias correction off by one and the run would diverge bitwise from the same run without
+    ckptguard. An optimizer that never stepped has no moments to save: its param groups and an empty state.
+    (A restore loads into DCP's own read, ``restore_targets``: the loaded state replaces what it set.)"""
+    if optim.state:  # DCP initialises only an optimizer whose state is empty
+        return get_optimizer_state_dict(model, optim)
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        # FSDP1 renames flat parameters inside its own optim_state_dict; only DCP's path knows how, and that
+        # path steps the optimizer first.
+        raise ConfigError(
+            f"optimizer {name!r} has never stepped and its model is wrapped in FSDP1 (FullyShardedDataParallel): "
+            "its state can only be read by stepping it, which would change the training. Save after the first "
+            "optimizer step, or shard the model with FSDP2 (fully_shard)"
+        )
+    osd = optim.state_dict()  # param indices mapped to FQNs, as DCP maps them
+    index = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
+    fqn_of = {index[id(p)]: next(iter(_get_fqns(model, key))) for key, p in model.named_parameters() if id(p) in index}
+    groups = [{**g, "params": [fqn_of[i] for i in g["params"]]} for g in osd["param_groups"]]
+    return {"state": {}, "param_groups": groups}
 
 
 def _rng_untouched(read: Callable[[], Any]) -> Any:
@@ -322,7 +349,7 @@ def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same, stepped: fro
     for name, value in state.items():
         kind = classify(value)
         if kind is ItemKind.OPTIMIZER and name in stepped:
-            sd = optimstate.load_target(_model_for(value, state, name), value)
+            sd = get_optimizer_state_dict(_model_for(value, state, name), value)  # DCP's init: what it fills
         else:
             sd = current_state(name, value, kind, state)
         flat: dict[str, torch.Tensor] = {}

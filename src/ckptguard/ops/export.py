@@ -52,8 +52,8 @@ from .._disk import layout as _layout
 from .._disk.boxsum import REPLICAS_DIFFER
 from .._disk.digest import file_digest
 from .._records import manifest as _manifest
-from .._records.checks import safe_member
 from .._records.findings import Finding, Severity, finding
+from .._records.manifest import safe_member
 from .._records.versions import current_versions
 from .._state.expert import EP_SUFFIX
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError

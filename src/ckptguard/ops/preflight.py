@@ -26,8 +26,9 @@ from .._disk import layout as _layout
 from .._records import checks as _checks
 from .._records import manifest as _manifest
 from .._records import runmanifest as _runmanifest
-from .._records.checks import safe_member, verify_step
+from .._records.checks import verify_step
 from .._records.findings import Finding, Severity
+from .._records.manifest import safe_member
 from .._records.stepfiles import files_needed
 from .._resume.resolve_local import resolve_local
 from ..config import ResumeMode

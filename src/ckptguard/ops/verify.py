@@ -19,10 +19,11 @@ from typing import Any
 
 from .._disk import layout as _layout
 from .._disk.lease import LEASE_NAME
-from .._records.checks import cost, deep_bytes, read_any, safe_member, verify_step
+from .._records.checks import cost, deep_bytes, read_any, verify_step
 from .._records.entries import Cost
 from .._records.findings import RESTORE_HINT, Finding, Severity, finding, printable
 from .._records.leftovers import leftover_findings
+from .._records.manifest import safe_member
 from .._records.retention import HOLDS_DIR
 from ..errors import CheckpointError
 

@@ -402,12 +402,3 @@ def copier_for(sources: Sequence[torch.Tensor]) -> Any:
         if t.device.type == "cuda":
             return CudaCopier(t.device)
     return HostCopier()
-
-
-def release_host_cache() -> None:
-    """Hand the caching host allocator's free pinned blocks back after a save (docs/practices.md, memory budget:
-    D2H staging stays in the pinned pool unless emptied)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-        if empty is not None:
-            empty()
