@@ -611,7 +611,8 @@ def restore(method: Method, a: argparse.Namespace, device: torch.device, referen
     if isinstance(method, CgMethod):
         # What the restore spends outside the read (precheck, plan, apply, verification).
         extra["restore_outside_read_s"] = round(restore_s - float(extra["read"].get("seconds", 0.0)), 3)
-    for setting in (a.alt_read.split(",") if isinstance(method, CgMethod) and method.mode == "sync" else []):
+    settings = [x for x in a.alt_read.split(",") if x.strip()]  # --alt-read '': none
+    for setting in (settings if isinstance(method, CgMethod) and method.mode == "sync" else []):
         # The same restore with other read settings (threads:buffer MiB:pool MiB): what they are worth on this disk.
         alt = [int(x) for x in setting.split(":")]
         if rank() == 0:
@@ -625,6 +626,14 @@ def restore(method: Method, a: argparse.Namespace, device: torch.device, referen
         if nbytes:
             got_alt["restore_vs_cold_read"] = round(nbytes / GiB / got_alt["restore_s"] / disk["cold_read_gib_s"], 3)
         extra.setdefault("read_alt", []).append(got_alt)
+    if isinstance(method, CgMethod) and method.last_dir is not None and nbytes:
+        # The acceptance's yardstick: a cold sequential read of the same files, right after the restore; and the
+        # restore until the state is loaded (the close that releases the staging restore prepared, apart).
+        same = same_files_read(method.last_dir)
+        ready_s = restore_s - float(extra["read"].get("close_s", 0.0))
+        extra.update(same_files=same, restore_ready_s=round(ready_s, 3),
+                     restore_vs_same_files_read=round(same["seconds"] / restore_s, 3),
+                     restore_ready_vs_same_files_read=round(same["seconds"] / ready_s, 3))
     got = fresh.tensors()
     exact = reference is not None and set(got) == set(reference) and all(
         torch.equal(got[k], reference[k]) for k in reference
@@ -649,9 +658,30 @@ def cg_restore(root: Path, job: Job, threads: int, buffer_mib: int = 0, pool_mib
     storage = StreamingStorage(StreamingConfig(**threads_kw, **sizes))
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None), storage=storage)
     mgr.restore(job.state())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
     mgr.close()  # the staging it prepared for a save_async that never comes
+    close_s = time.perf_counter() - t
     stats = storage.last_stats
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(stats).items()} if stats else {}
+    out = {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(stats).items()} if stats else {}
+    return {**out, "close_s": round(close_s, 3)}
+
+
+def same_files_read(step_dir: Path) -> dict[str, Any]:
+    """A cold sequential read (64 MiB reads, one stream, file after file) of every file of the step."""
+    if rank() == 0:
+        drop_cache(step_dir)
+    barrier()
+    buf, n = bytearray(64 << 20), 0
+    t = time.perf_counter()
+    for p in sorted(step_dir.rglob("*")):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while got := f.readinto(buf):
+                    n += got
+    seconds = time.perf_counter() - t
+    return {"bytes": n, "seconds": round(seconds, 3), "gib_s": round(n / GiB / seconds, 3)}
 
 
 def write(path: Path, res: dict) -> None:
@@ -682,6 +712,8 @@ def summary(res: dict) -> dict[str, Any]:
             "host_extra_left_gib": round(m["host_extra_left_bytes"] / GiB, 3),
             "save_vs_disk_write": m.get("save_vs_disk_write"),
             "restore_vs_cold_read": m.get("restore_vs_cold_read"),
+            "restore_vs_same_files_read": m.get("restore_vs_same_files_read"),
+            "restore_ready_vs_same_files_read": m.get("restore_ready_vs_same_files_read"),
             "restore_bitwise_exact": m.get("restore_bitwise_exact"),
             "first_next_step_wait_s": m["saves"][0]["next_step_wait_s"] if m["saves"] else None,
             "skipped_saves": len(m["skipped_steps"]) if "skipped_steps" in m else None,
@@ -697,8 +729,8 @@ def summary(res: dict) -> dict[str, Any]:
 def markdown(res: dict) -> str:
     cols = ["blocked_first_s", "blocked_later_max_s", "loop_overhead", "during_write_p50_slowdown",
             "during_write_p95_slowdown", "host_extra_peak_gib", "host_extra_left_gib", "save_vs_disk_write",
-            "restore_vs_cold_read", "restore_bitwise_exact", "first_next_step_wait_s", "skipped_saves",
-            "host_peak_x_state"]
+            "restore_vs_cold_read", "restore_vs_same_files_read", "restore_ready_vs_same_files_read",
+            "restore_bitwise_exact", "first_next_step_wait_s", "skipped_saves", "host_peak_x_state"]
     lines = [f"# bench_train_loop: {res['device']}, {res['params'] / 1e6:.0f}M params, "
              f"{res['state_bytes'] / GiB:.2f} GiB state per rank, {res['world_size']} rank(s), "
              f"save every {res['config']['every']} steps (cg_tiers: fast every {res['config']['fast_every']}, "
