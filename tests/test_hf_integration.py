@@ -216,14 +216,16 @@ def _prove(root: str) -> tuple[int, dict]:
 
 @needs_hf
 def test_prove_checks_data_order_and_replayed_steps_of_an_hf_run(tmp_path):
-    # killed at the end of step 14: the killed segment recorded step 13, the resume from 12 replays it
+    # killed in a callback's on_step_end of step 14: the mixin's own on_step_end ran first and recorded the
+    # step, so the resume from 12 replays steps 13-14 against the killed segment's records of both
     cfg = _config(tmp_path, "proof", trainer="grpo", mode="ckptguard", plan=["step@14"], deterministic=True)
     runs = _until_done(cfg)
     assert [r.returncode for r in runs] == [-9, 0]
     rc, out = _prove(json.loads(cfg.read_text())["out"])
     gates = {g["gate"]: g for g in out["gates"]}
     assert rc == 0 and out["verdict"] == "resume PROVEN", out
-    assert gates["data order identical"]["status"] == "PASS" and "step 13" in gates["data order identical"]["evidence"]
+    data = gates["data order identical"]
+    assert data["status"] == "PASS" and "steps 13-14" in data["evidence"], data
     assert gates["replayed steps identical"]["status"] == "PASS"  # ProofPlan(deterministic=True): bitwise
     # a sampler that hides TRL's generator under its own name is not saved: epoch 2's order is
     # replayed wrong, and prove says so at the first replayed step

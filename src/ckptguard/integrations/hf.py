@@ -213,6 +213,14 @@ class CkptguardHFMixin:
         self._ckptguard_record_step(grad_norm)
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        # transformers 5.19+: the norm of the step about to be taken, kept so that the step is recorded in
+        # on_step_end ahead of every other callback: a kill inside a user's on_step_end (logging, an upload)
+        # then finds the step recorded, and the resume has its data order to compare instead of nothing.
+        norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._ckptguard_norm = (int(self.state.global_step) + 1, norm)
+        return norm
+
     def _get_output_dir(self, trial: Any) -> str:
         # While ckptguard commits a step, HF's run directory is the staging folder inside it.
         if self._ckptguard_run_dir is not None:
@@ -261,6 +269,7 @@ class CkptguardHFMixin:
         self._ckptguard_batch: list[torch.Tensor] = []
         self._ckptguard_losses: list[torch.Tensor] = []
         self._ckptguard_recorded = 0
+        self._ckptguard_norm: tuple[int, Any] | None = None  # (the step it is of, the gradient norm)
         self._ckptguard_skipped: int | None = None
         trainer = self
         handler = self.callback_handler
@@ -286,6 +295,16 @@ class CkptguardHFMixin:
                 trainer._ckptguard_epoch_begin(train_dataloader)
 
         self.add_callback(CkptguardEpochCallback())
+
+        class CkptguardStepCallback(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+                # the step's record, before any other callback runs (first in the list); without the norm
+                # of this step (a transformers without _get_grad_norm) _maybe_log_save_evaluate records it
+                norm, trainer._ckptguard_norm = trainer._ckptguard_norm, None
+                if norm is not None and norm[0] == state.global_step:
+                    trainer._ckptguard_record_step(norm[1])
+
+        handler.callbacks.insert(0, CkptguardStepCallback())
 
     def _ckptguard_check_supported(self, trial: Any) -> None:
         a = self.args
