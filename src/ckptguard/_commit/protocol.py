@@ -44,10 +44,8 @@ from ..errors import (
 from ..storage._pool import io_error, write_all
 from ..storage.base import WrittenFile
 from .messages import Prepared, PrepareRequest, RankReport, failure_from, raise_if_failed
-from .publish import Publisher
+from .publish import Publisher, RolePartPublisher, SharedRootPublisher
 from .publish_nodes import NodePublisher, place, prepare_nodes
-from .publish_role import RolePartPublisher
-from .publish_shared import SharedRootPublisher
 from .snapshot import Snapshot, check_replicated, resumed, snapshot
 from .stepdir import copy_verified, prepare_root
 

@@ -1,5 +1,9 @@
 """The publish seam: how a written step becomes committed (docs/architecture.md).
 
+Two publishers are here: ``SharedRootPublisher`` (one root every rank sees: rank 0 checks every
+rank's reported files, writes the manifest, renames the temp directory to the step name, fsyncs the
+root and moves the tracker) and ``RolePartPublisher`` (one role's part of a run step, ``ckptguard.run``:
+the part's manifest, then nothing; the run publishes). Node-local roots: ``publish_nodes``.
 """
 
 from __future__ import annotations
@@ -18,14 +22,14 @@ from .._disk import layout as _layout
 from .._disk.boxsum import combine_layout_free
 from .._records import manifest as _manifest
 from .._records.entries import Cost, Figure, FileEntry, NodeEntry, Topology
-from .._records.versions import current_versions
 from .._state.state import digest_kind
 from ..errors import (
     WriteFailure,
 )
+from ..storage.dcp import current_versions
 from .messages import Outcome, Prepared, RankReport, failure_from, raise_if_failed
 from .snapshot import Snapshot
-from .stepdir import discard, file_problems
+from .stepdir import discard, file_problems, publish_dir
 
 
 def save_cost(
@@ -82,8 +86,8 @@ class Publisher(Protocol):
     ``run`` is called on every rank with the prepared temp directory; it calls ``write`` (this
     rank's part, a ``RankReport`` that never raises), confirms every rank's part across ranks,
     publishes, and returns the step's directory, or raises the same error on every rank. The
-    implementations: ``publish_shared`` (one root every rank sees), ``publish_nodes`` (node-local
-    roots, each node publishing its ranks' part), ``publish_role`` (one role's part of a run step).
+    implementations: ``SharedRootPublisher`` (one root every rank sees), ``publish_nodes`` (node-local
+    roots, each node publishing its ranks' part), ``RolePartPublisher`` (one role's part of a run step).
     """
 
     def run(
@@ -174,3 +178,31 @@ def _unseen_files(
                 )
             )
     return out
+
+
+class SharedRootPublisher:
+    """``Publisher`` of a root every rank sees."""
+
+    def run(
+        self, ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write: Callable[[], RankReport]
+    ) -> Path:
+        ctx.node_publisher = False
+
+        def rename_and_move_tracker() -> None:
+            _faults.reached("commit.before_rename")
+            publish_dir(ctx, snap.step, tmp, snap.actions)
+
+        confirm_and_publish(ctx, snap, prep, tmp, write, rename_and_move_tracker)
+        return ctx.root / ctx.naming.name(snap.step)
+
+
+class RolePartPublisher:
+    """``Publisher`` of one role's part of a run step: the role's ranks write into ``<run temp>/<role>/``, rank 0 of
+    the role writes the part's manifest as a single-role step would; nothing is renamed and no tracker moves."""
+
+    def run(
+        self, ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write: Callable[[], RankReport]
+    ) -> Path:
+        ctx.node_publisher = False
+        confirm_and_publish(ctx, snap, prep, tmp, write, lambda: None)
+        return tmp

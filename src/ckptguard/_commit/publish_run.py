@@ -1,6 +1,6 @@
 """The run publisher: a run step of several roles, published once every role on every rank confirmed.
 
-Each role's part was written and marked by the role-part publisher (``publish_role``); rank 0 then
+Each role's part was written and marked by the role-part publisher (``publish.RolePartPublisher``); rank 0 then
 checks that every role was written by exactly its declared ranks, writes the run manifest (the
 commit marker, listing every role), renames the run's temp directory to the step name and moves
 the one tracker. A run commits on one shared root only: ``check_shared_root`` refuses node-local
@@ -20,8 +20,8 @@ from .._agree import Wire, gather_decide
 from .._context import Actions, Context
 from .._disk import layout as _layout
 from .._records import runmanifest
-from .._records.versions import current_versions
 from ..errors import ConfigError, WriteFailure
+from ..storage.dcp import current_versions
 from . import stepdir as _stepdir
 from .messages import Outcome, Prepared, failure_from, read_failure
 

@@ -2,7 +2,8 @@
 
 ``prepare_root`` makes the temp directory (the lease, tracker 0 and phase 0 first on a new root);
 ``rename_in`` publishes a temp directory whose marker is in place; ``publish_dir`` then moves the
-tracker. Every publisher (``publish_shared``, ``publish_nodes``, ``publish_role``) runs on these.
+tracker. Every publisher (``publish.SharedRootPublisher``, ``publish_nodes``, ``publish.RolePartPublisher``)
+runs on these.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def build(
     digest_kind: dict[str, str] | None = None,
 ) -> Manifest:
     """The manifest of a step being committed at ``path`` (written by the caller with ``to_json``);
-    ``versions``: ``_records.versions.current_versions()`` of the writing process."""
+    ``versions``: ``storage.dcp.current_versions()`` of the writing process."""
     return Manifest(
         path=path,
         format_version=FORMAT_VERSION,

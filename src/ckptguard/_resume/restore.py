@@ -28,7 +28,6 @@ from .._disk.digest import digest, file_digest, release_host_cache
 from .._records import contract as _contract
 from .._records import manifest as _manifest
 from .._records.manifest import safe_member
-from .._records.versions import check_torch_version
 from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
@@ -42,6 +41,7 @@ from ..errors import (
     TopologyMismatchError,
     UnsafeCheckpointError,
 )
+from ..storage.dcp import check_torch_version
 from . import layoutcheck as _layoutcheck
 from . import reshard as _reshard
 from .resolve_agreed import Agreed, Problems, by_item, source_rank
@@ -179,7 +179,8 @@ def precheck(
     by every item's rule, or refused naming the items without one)."""
     assert res.path is not None
     manifest = _manifest.read(res.path)
-    check_torch_version(manifest, allow_newer=ctx.config.storage.allow_newer_torch)
+    check_torch_version(manifest.versions.get("torch", "0"), manifest.path.parent,
+                        allow_newer=ctx.config.storage.allow_newer_torch)
     _check_topology(ctx, manifest)
     where = f"restore of step {manifest.step} from {res.path}"
     _contract.check_chain(ctx.root, manifest.chain_id, where=where)

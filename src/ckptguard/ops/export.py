@@ -54,10 +54,10 @@ from .._disk.digest import file_digest
 from .._records import manifest as _manifest
 from .._records.findings import Finding, Severity, finding
 from .._records.manifest import safe_member
-from .._records.versions import current_versions
 from .._state.expert import EP_SUFFIX
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError
 from ..storage import StorageContext, StreamingConfig, StreamingStorage, read_dcp_metadata
+from ..storage.dcp import current_versions
 from .hffiles import digests, read_tensors, trim, write_shard
 
 __all__ = [

@@ -5,6 +5,9 @@ files it wrote with their sizes and checksums, or raises the first error it hit.
 ``read`` fills the given tensors in place and raises if any key is missing. The files
 stay standard PyTorch DCP, so plain ``torch.distributed.checkpoint.load`` reads them.
 DCP pickles ``.metadata``; we only ever unpickle it with ``SafeMetadataUnpickler``.
+The versions a step records (``current_versions``) and the check of torch's before a read
+(``check_torch_version``) live here too: they read torch's own version, which the operator
+commands that read manifests (``ckptguard list``, ``gc``, ``resolve``) never import.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import platform
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -24,12 +28,32 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.futures import Future
+from torch.torch_version import TorchVersion
 
 from .. import _faults
 from .._disk.digest import file_digest
-from ..errors import UnsafeCheckpointError
+from .._version import __version__
+from ..errors import UnsafeCheckpointError, VersionMismatchError
 from .base import DCP_METADATA, StorageContext, WrittenFile
 from .unpickler import read_dcp_metadata
+
+
+def current_versions() -> dict[str, str]:
+    """The versions a step records: torch (the DCP files' writer), ckptguard, Python."""
+    return {"torch": torch.__version__, "ckptguard": __version__, "python": platform.python_version()}
+
+
+def check_torch_version(written: str, where: Path, *, allow_newer: bool) -> None:
+    """Refuse, before any read, a checkpoint (``where``) written by a newer torch (``written``) than ours."""
+    if allow_newer or TorchVersion(written.split("+")[0]) <= torch.__version__.split("+")[0]:
+        return
+    raise VersionMismatchError(
+        f"{where} was written by torch {written}; this process runs torch "
+        f"{torch.__version__}. Newer torch can write formats an older one misreads (e.g. "
+        "DTensor layouts). Restore with the image that wrote it, or pass "
+        "CheckpointConfig(storage=StorageOptions(allow_newer_torch=True)) after checking it reads correctly."
+    )
+
 
 # ---------------------------------------------------------------- loading tensors only
 
