@@ -255,6 +255,30 @@ def test_the_reach_through_rule_catches_an_injected_chain():
     assert reach_throughs(sources) == [f"tiers:{lines + 4}: mgr.core", f"tiers:{lines + 5}: other.context"]
 
 
+def store_branches(source: str) -> list[str]:
+    """Where ``TieredCheckpoint`` asks which kind its persistent tier is, outside the constructor that builds it:
+    a name of the object store (``store``, ``object_store``, ``ObjectStoreCheckpoint``) in any other method.
+    The tiers drive either kind through ``_core.persistenttier.PersistentTier`` (issue 40: 7 such branches)."""
+    tree = ast.parse(source)
+    names = {"store", "object_store", "ObjectStoreCheckpoint"}
+    bad = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TieredCheckpoint"):
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"):
+            for node in ast.walk(fn):
+                name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+                if name in names:
+                    bad.append(f"tiers:{node.lineno}: {fn.name} names {name}")
+    return bad
+
+
+def test_the_tiers_never_branch_on_the_kind_of_persistent_tier():
+    source = _sources()["tiers"]
+    assert store_branches(source) == []
+    injected = source.replace("    def _due(self", "    def _asks(self):\n        return self.store is not None\n\n"
+                              "    def _due(self", 1)
+    assert [b.split(": ", 1)[1] for b in store_branches(injected)] == ["_asks names store"]
+
+
 # Imports by name at run time (``importlib.import_module``) in the core, besides a package
 # ``__init__``'s PEP 562 ``__getattr__`` (commented ``# lazy``): the restricted unpickler imports
 # the module of a global its allow-list names (as pickle's own find_class would) to snapshot it

@@ -95,12 +95,14 @@ def _restore(rank: int, world: int, base: str, endpoint: str, url: str, more: in
     become_node(base, rank, local_disk=True)
     tiers = _tiers(base, endpoint, url)
     state = make_state(rank)
+    chosen = tiers.resolve()  # what restore loads, nothing fetched: the store's step names its marker
     step = tiers.restore(state)
-    out = {"step": step, "exact": _exact(state, rank, step), "mine": state["mine"].value}
+    out = {"step": step, "exact": _exact(state, rank, step), "mine": state["mine"].value,
+           "resolved": [chosen.step, chosen.url]}
     for s in range(step + 1, step + more + 1):  # training goes on after the fallback
         train_to(state, rank, s)
         tiers.save(s, state)
-    out["store"] = tiers.object_store.committed_steps()
+    out["store"] = tiers.store.committed_steps()
     tiers.close()
     return out
 
@@ -115,6 +117,7 @@ def test_a_lost_node_falls_back_to_the_object_store_exactly(moto, tmp_path):
     _lose(tmp_path, 1)  # fast step 3 is now on node 0 only (no replicas): not loadable by every rank
     out = values(run_ranks(_restore, WORLD, str(tmp_path), moto, url, 2, timeout=300))
     assert [o["step"] for o in out] == [2] * WORLD, out
+    assert [o["resolved"] for o in out] == [[2, f"{url}/step_00000002/manifest.json"]] * WORLD, out
     assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [r * 1000 + 2 for r in range(WORLD)]
     assert out[0]["store"] == [2, 4]  # steps 3 and 4 trained again; 4 committed on the store
     assert store.tracker()[0] == 4
@@ -157,7 +160,7 @@ def _budgeted(rank: int, world: int, base: str, endpoint: str, url: str) -> dict
         train_to(state, rank, step)
         tiers.save(step, state)
         kinds.append(sorted(t.value for t in tiers.last_saved))
-    stored = tiers.object_store.committed_steps()
+    stored = tiers.store.committed_steps()
     tiers.close()
     alone = ObjectStoreCheckpoint(f"{url}/alone", staging=os.path.join(base, "alone"), options=h.options(endpoint),
                                   config=config)

@@ -209,21 +209,26 @@ class ObjectStoreCheckpoint:
             return None
         run, fence, began = staged
         self._pending = self._parts.commits.start(
-            step, (self._then_publish(step, run, previous, break_lease), fence, began), time.monotonic())
+            step, (self.then_publish(step, run, after=previous, break_lease=break_lease), fence, began),
+            time.monotonic())
         return self._pending
 
-    def _then_publish(self, step: int, run: Callable[[], Path], previous: PendingSave | None,
-                      break_lease: bool) -> Callable[[], Path]:
-        """The background part of ``save_async``: the previous save's cleanup ended (it may rotate the staging
-        root), then the staging commit, then the store's publish."""
+    def then_publish(self, step: int, run: Callable[[], Path], *, after: PendingSave | None = None,
+                     break_lease: bool = False) -> Callable[[], Path]:
+        """A background commit of the staging root followed by the store's publish (``save_async``'s, the
+        tiers'): ``after``'s cleanup ended first (it may rotate the staging root)."""
         def commit() -> Path:
-            if previous is not None:
-                previous.join()
+            if after is not None:
+                after.join()
             path = run()
             self.publish(step, path, break_lease=break_lease)
             return path
 
         return commit
+
+    def published(self, step: int, path: Path) -> None:
+        """The staging root's commit of ``step`` at ``path`` published to the store (collective; the tiers')."""
+        self.publish(step, path)
 
     def wait(self) -> Path | None:
         """Wait for a pending ``save_async`` (staging commit and publish); its staging directory, or its error
@@ -281,10 +286,10 @@ class ObjectStoreCheckpoint:
         return done.url
 
     def _begin(self, step: int, break_lease: bool = False) -> _Begun:
-        self.take_lease(break_lease)
+        self.hold(break_lease)
         return _Begun(self.store.begin(step, replace_orphan=True))
 
-    def take_lease(self, break_lease: bool = False) -> None:
+    def hold(self, break_lease: bool = False) -> None:
         """Rank 0's part (not collective): create the root record and tracker 0 if absent, then take or
         renew the store's write lease for this job (``LeaseHeldError`` while another live job holds it)."""
         self.store.ensure_root()
@@ -303,6 +308,12 @@ class ObjectStoreCheckpoint:
     def _proof_path(self) -> Path:
         """This rank's proof log in the staging root (the staging manager's, ``ROOT/proof/rank_NNNNN.jsonl``)."""
         return records_dir(self.local.root) / f"rank_{self.rank:05d}.jsonl"
+
+    def before_restore(self, break_lease: bool = False) -> None:
+        """The store's lease checked on every rank (``LeaseHeldError`` while another live job holds it), and
+        this rank's proof log seeded from the store's copy (collective; ``restore``'s and the tiers')."""
+        self.check_lease(break_lease)
+        self.seed_proof()
 
     def seed_proof(self) -> None:
         """This rank's proof log comes back from the store's copy when the staging root lost it (a lost

@@ -20,10 +20,11 @@ which rank. Nothing loadable but something committed somewhere is refused, namin
 missing files; a fresh start stays what it is for one manager (an absent root, tracker 0).
 
 ``persistent="s3://bucket/prefix"`` (with ``persistent_staging``): the persistent tier is an
-``ObjectStoreCheckpoint`` (``object_store``) whose staging manager is ``persistent``; each
+``ObjectStoreCheckpoint`` (``store``) whose staging manager is ``persistent``; each
 persistent commit in the staging root is then published to the store (in ``save_async``'s thread
 too), the store's lease is the one held, and the persistent step a restore can load is the store's
-(downloaded into the staging root when chosen). docs/objectstore.md.
+(downloaded into the staging root when chosen). docs/objectstore.md. The tiers drive either kind
+of persistent tier through one protocol (``_core.persistenttier.PersistentTier``), never by asking which.
 
 The restore record (``ROOT/proof``) carries the tier it used (``tier``, ``tier_detail``) and
 ``ckptguard prove`` shows it. Proof records of both tiers go to one log: the persistent
@@ -49,6 +50,7 @@ from ._commit.busy import BusyRound, check_policy, may_start, route_tiered
 from ._context import Actions
 from ._core.guard import GuardTarget
 from ._core.parts import Parts
+from ._core.persistenttier import FilesystemTier, PersistentTier
 from ._core.root import ProofSink, check_state, check_step
 from ._core.tierargs import fast_root, remote_tier
 from ._core.tierrestore import Choice, Tier, TierRestore
@@ -147,20 +149,23 @@ class TieredCheckpoint:
                                      expert_parallel=expert_parallel, parts=self._parts[tier])
 
         self.fast = manager(fast, fast_retention or KeepLast(2), Tier.FAST)
-        self.object_store: Any = None
+        self.store: Any = None
         """The persistent tier on an object store (``persistent="s3://..."``): an ``ObjectStoreCheckpoint``
         whose staging manager is ``persistent``; None for a filesystem persistent tier."""
+        self._tier: PersistentTier | None = None
         if remote:
             from .objectstore import ObjectStoreCheckpoint  # optional: boto3, the s3 extra
-            self.object_store = ObjectStoreCheckpoint(
+            self.store = self._tier = ObjectStoreCheckpoint(
                 str(persistent), staging=persistent_staging or "", options=persistent_options,
                 config=dataclasses.replace(base, retention=persistent_retention or default_policy()),
                 process_group=process_group, storage=storage, derived=derived, expert_parallel=expert_parallel,
                 parts=self._parts[Tier.PERSISTENT])
-            self.persistent: CheckpointManager | None = self.object_store.local
+            self.persistent: CheckpointManager | None = self.store.local
+        elif persistent is not None:
+            self.persistent = manager(persistent, persistent_retention or default_policy(), Tier.PERSISTENT)
+            self._tier = FilesystemTier(self.persistent, self._naming)
         else:
-            self.persistent = None if persistent is None else manager(
-                persistent, persistent_retention or default_policy(), Tier.PERSISTENT)
+            self.persistent = None
         self._pending: TieredSave | None = None
         self.last_saved: dict[Tier, Path] = {}
         """Each tier's directory of the last ``save`` (or of the ``save_async`` the last ``wait`` joined)."""
@@ -173,7 +178,7 @@ class TieredCheckpoint:
         self._peers = _replica.peers(self._hosts)
         self._restorer = TierRestore(self._parts[Tier.FAST].bound(),
                                      self._parts[Tier.PERSISTENT].bound() if self.persistent else None,
-                                     replicas=replicas, hosts=self._hosts, remote=self.object_store)
+                                     replicas=replicas, hosts=self._hosts, remote=self.store)
         if replicas and self._peers[0] is None:
             raise ConfigError(
                 f"TieredCheckpoint(replicas=1): all {len(self._hosts)} ranks run on host {self._hosts[0]}; a peer "
@@ -190,14 +195,15 @@ class TieredCheckpoint:
         check_step(step, "save")
         self.wait()
         self._hold_persistent(bool(save_kwargs.get("break_lease", False)))
-        home = self._home()
-        if home is self.persistent:
-            save_kwargs["overwrite"] = self._replaces(step, bool(save_kwargs.get("overwrite", False)))
-        path = home.save(step, state, **save_kwargs)
-        if path is not None and home is self.fast and self.replicas:
-            self._push(step)
-        if path is not None and home is self.persistent and self.object_store is not None:
-            self.object_store.publish(step, path)
+        if self._tier is None:
+            path = self.fast.save(step, state, **save_kwargs)
+            if path is not None and self.replicas:
+                self._push(step)
+            return path
+        save_kwargs["overwrite"] = self._replaces(step, bool(save_kwargs.get("overwrite", False)))
+        path = self._home().save(step, state, **save_kwargs)
+        if path is not None:
+            self._tier.published(step, path)
         return path
 
     @property
@@ -233,12 +239,11 @@ class TieredCheckpoint:
             out[Tier.FAST] = fast
             if self.replicas:
                 self._push(step)
-        if self.persistent is not None and step % self.persistent_every == 0:
+        if self.persistent is not None and self._tier is not None and step % self.persistent_every == 0:
             persistent = self.persistent.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm,
                                               overwrite=self._replaces(step, overwrite), break_lease=break_lease)
             if persistent is not None:
-                if self.object_store is not None:  # the staging root's commit, then the store's
-                    self.object_store.publish(step, persistent)
+                self._tier.published(step, persistent)  # an object store's: the staging commit, then the store's
                 out[Tier.PERSISTENT] = persistent
         return durable(out)
 
@@ -287,8 +292,8 @@ class TieredCheckpoint:
                         return None
                     continue
                 run, fence, _ = prepared
-                if tier is Tier.PERSISTENT and self.object_store is not None:
-                    run = functools.partial(_then_publish, run, self.object_store.publish, step)
+                if tier is Tier.PERSISTENT and self._tier is not None:
+                    run = self._tier.then_publish(step, run)
                 parts.append((tier, run, fence))
                 cleanups.append(functools.partial(hooks.cleanup, step))
         finally:
@@ -300,9 +305,9 @@ class TieredCheckpoint:
         return self._pending if parts else TieredSave(step, [], time.monotonic() - start, None)
 
     def _replaces(self, step: int, overwrite: bool) -> bool:
-        """Whether the persistent save of ``step`` replaces the staging root's copy: asked, or a staging
-        commit the store never committed (a kill mid-upload; a collective, so every rank asks alike)."""
-        return overwrite or (self.object_store is not None and self.object_store.replaces(step))
+        """Whether the persistent save of ``step`` replaces the step its manager holds: asked, or the tier
+        says so (an object store's staging commit the store never committed; a collective, every rank alike)."""
+        return overwrite or (self._tier is not None and self._tier.replaces(step))
 
     def _due(self, step: int) -> list[tuple[Tier, CheckpointManager]]:
         due = [(Tier.FAST, self.fast)] if step % self.fast_every == 0 else []
@@ -351,35 +356,20 @@ class TieredCheckpoint:
         try:
             self.wait()
         finally:
-            for mgr in (self.fast, self.object_store or self.persistent):  # the store's closes its staging
-                if mgr is not None:
-                    mgr.close()
+            for closing in (self.fast, self._tier):  # an object store's tier closes its staging manager
+                if closing is not None:
+                    closing.close()
 
     def _hold_persistent(self, break_lease: bool = False) -> None:
         """Rank 0 takes (or renews) the persistent root's write lease at every save, creating the root
         (tracker 0: a declared fresh start) at the first one, so the fast saves' proof records are durable
         there and a second live job on that root is refused at once, on every rank (without it a duplicate
         launch trained on until its own first, rare, persistent save)."""
-        mgr = self.persistent
-        if mgr is None:
+        tier = self._tier
+        if tier is None:
             return
-
-        def take() -> None:
-            if self.rank != 0:
-                return
-            if self.object_store is not None:  # the store's root record, tracker 0 and lease
-                self.object_store.take_lease(break_lease)
-                return
-            created = not mgr.root.exists()
-            if created:
-                mgr.root.mkdir(parents=True)
-            note = _lease.acquire(mgr.root, ttl_s=mgr.config.storage.lease_ttl_s, override=break_lease)
-            if note:
-                log.warning("ckptguard: %s: %s", mgr.root, note)
-            if created:
-                _layout.write_tracker(mgr.root, 0)
-
-        on_every_rank(self._agreement, "tiers.persistent_lease", take)
+        on_every_rank(self._agreement, "tiers.persistent_lease", lambda: tier.hold(break_lease) if self.rank == 0
+                      else None)
 
     def _push(self, step: int) -> None:
         """Send this rank's files of ``step`` to its peer (``_core.tiersave.push_replicas``)."""
@@ -409,9 +399,8 @@ class TieredCheckpoint:
             if mgr is not None and not break_lease:  # a duplicate launch stops here, whichever tier it would load
                 _lease.check_on_every_rank(self._agreement, mgr.root, ttl_s=mgr.config.storage.lease_ttl_s,
                                            where="restore", key=f"tiers.lease.{tier.value}")
-        if self.object_store is not None:
-            self.object_store.check_lease(break_lease)
-            self.object_store.seed_proof()  # the proof log's home: a lost node's comes back from the store
+        if self._tier is not None:  # an object store's lease; its proof log (a lost node's) back from the store
+            self._tier.before_restore(break_lease)
         broken: dict[int, str] = {}  # fast steps whose fetch failed (the same on every rank: an agreed error)
         while True:
             choice = self._choose(broken)
@@ -434,8 +423,8 @@ class TieredCheckpoint:
         mgr = self.fast if tier is Tier.FAST else self.persistent
         assert mgr is not None
         path = mgr.root / self._naming.name(choice.step)
-        if mgr is self.persistent and self.object_store is not None:
-            path = self.object_store.bring(choice.step)  # downloaded into the staging root (each host a share)
+        if tier is Tier.PERSISTENT and self._tier is not None:
+            path = self._tier.bring(choice.step)  # an object store's: downloaded into the staging root
         where: dict[str, str | list[int]] = {"tier_detail": choice.detail,
                                              "replica_ranks": sorted(int(r) for r in choice.senders)}
         sink = self._parts[tier].proof
@@ -492,9 +481,3 @@ class TieredCheckpoint:
     def record_update(self, step: int, *, grad_norm: float, params_changed: bool) -> None:
         self._home().record_update(step, grad_norm=grad_norm, params_changed=params_changed)
 
-
-def _then_publish(run: Callable[[], Path], publish: Callable[[int, Path], str], step: int) -> Path:
-    """A staged commit of the persistent tier's staging root, then its publish to the object store."""
-    path = run()
-    publish(step, path)
-    return path

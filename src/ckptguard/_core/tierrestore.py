@@ -305,10 +305,14 @@ class TierRestore:
                                        ranks=node.ranks, files=manifest.node_files(index))
 
     def resolution(self, choice: Choice, mode: ResumeMode) -> Resolution:
-        """The step ``choice`` names as a ``Resolution``: its directory in the chosen tier (nothing fetched)."""
+        """The step ``choice`` names as a ``Resolution``: its directory in the chosen tier (nothing fetched); a
+        persistent step on an object store carries its marker's URL (``url``) beside the staging directory."""
         ctx = self.fast if choice.tier == Tier.FAST.value else self.persistent
         assert ctx is not None
-        return Resolution(choice.step, ctx.root / ctx.naming.name(choice.step), choice.detail, mode)
+        name = ctx.naming.name(choice.step)
+        stored = self.remote is not None and choice.tier == Tier.PERSISTENT.value
+        url = f"{self.remote.url}/{name}/{_layout.MANIFEST_NAME}" if stored and self.remote is not None else None
+        return Resolution(choice.step, ctx.root / name, choice.detail, mode, url=url)
 
     def align_fast(self, step: int, tier: Tier) -> None:
         """After a restore of ``step``, one rank per node points its fast tracker at the step where the
