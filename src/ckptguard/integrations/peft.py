@@ -428,13 +428,15 @@ Probe = dict[str, dict[str, Any]]
 
 
 def _points(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The flat positions sampled of weight ``name``: a function of its name and shape only, so every run
-    (the saving one and each resume) samples the same entries whatever its process or device."""
-    seed = xxhash.xxh3_64(f"ckptguard.adapter_probe|{name}|{list(shape)}".encode()).intdigest() & 0x7FFF_FFFF
+    """The flat positions sampled of weight ``name``: a hash of its name, shape and the point's index only (no
+    RNG whose algorithm a torch upgrade may change), so every run, the saving one and each resume, samples the
+    same entries whatever its process, device or library version."""
     numel = 1
     for n in shape:
         numel *= int(n)
-    return torch.randint(numel, (min(PROBE_POINTS, numel),), generator=torch.Generator().manual_seed(seed))
+    key = f"ckptguard.adapter_probe|{name}|{list(shape)}"
+    return torch.tensor([xxhash.xxh3_64_intdigest(f"{key}|{i}".encode()) % max(numel, 1)
+                         for i in range(min(PROBE_POINTS, numel))], dtype=torch.int64)
 
 
 def _values(t: torch.Tensor, at: torch.Tensor) -> list[float | None]:
