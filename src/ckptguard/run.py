@@ -243,7 +243,7 @@ class RunCheckpoint:
             return None
         started = time.monotonic()
         actions = Actions(overwrite, break_lease)
-        snaps = self._snapshots(lambda name, ctx: snapshot(ctx, step, states[name], actions=actions))
+        snaps = self._snapshots(lambda n, ctx: snapshot(ctx, step, states[n], actions=actions), step)
         path = self._commit_roles(step, snaps, started, actions)
         self._cleanup_after(step)
         return path
@@ -281,7 +281,7 @@ class RunCheckpoint:
             return snap
 
         try:
-            snaps = self._snapshots(stage)
+            snaps = self._snapshots(stage, step)
         except BaseException:
             for fence in fences:  # nothing will read the staged or live tensors: training may change them
                 fence.live_read()
@@ -337,12 +337,16 @@ class RunCheckpoint:
         self._check_shared_root(step)
         return self._healthy(step, healthy, loss, grad_norm)
 
-    def _snapshots(self, take_one: Any) -> dict[str, Snapshot]:
+    def _snapshots(self, take_one: Any, step: int) -> dict[str, Snapshot]:
         """Every role's snapshot, in declared order on every rank (no cross-role wait cycle); the later
         roles still run after a failure, so their other ranks are not stranded; every rank raises alike."""
         snaps: dict[str, Snapshot] = {}
-        on_every_rank(self._run.agreement, "run.snapshot", lambda: each_role(
-            self._roles, lambda name, ctx: snaps.__setitem__(name, take_one(name, ctx))))
+
+        def take(name: str, ctx: Context) -> None:
+            with self._proofs.sinks[name].divergence(step):  # in the role's records: prove names it
+                snaps[name] = take_one(name, ctx)
+
+        on_every_rank(self._run.agreement, "run.snapshot", lambda: each_role(self._roles, take))
         return snaps
 
     def _commit_roles(self, step: int, snaps: dict[str, Snapshot], started: float, actions: Actions) -> Path:
@@ -358,7 +362,8 @@ class RunCheckpoint:
         for name, ctx in self._roles.items():
             try:
                 (tmp / name / _layout.STATE_DIR).mkdir(parents=True, exist_ok=True)
-                _commit.commit(ctx, snaps[name], part=dataclasses.replace(prep, tmp=str(tmp / name)))
+                with self._proofs.sinks[name].divergence(step):  # save_async's guard runs in the commit
+                    _commit.commit(ctx, snaps[name], part=dataclasses.replace(prep, tmp=str(tmp / name)))
                 _faults.reached("run.role_written")
             except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
                 failure = failure or role_failure(exc, rank=self.rank, role=name)
@@ -482,7 +487,8 @@ class RunCheckpoint:
         on_every_rank(self._run.agreement, "run.restored", lambda: each_role(
             self._roles, lambda name, ctx: load_role_part(
                 ctx, parts[name], states[name], step=res.step, plan=plan, derived=self._derived.get(name),
-                record=lambda event, **fields: self._proofs.record(name, event, **fields))))
+                record=lambda event, **fields: self._proofs.record(name, event, **fields),
+                sink=self._proofs.sinks[name])))
         self.core.restarted_at(res.step)
         return res.step
 

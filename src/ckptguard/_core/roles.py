@@ -123,9 +123,10 @@ def check_role_part(ctx: Context, part: Resolution, state: StateDict) -> None:
 
 def load_role_part(
     ctx: Context, part: Resolution, state: StateDict, *, step: int, plan: JsonObject,
-    record: Callable[..., None], derived: DerivedState | None,
+    record: Callable[..., None], derived: DerivedState | None, sink: ProofSink | None = None,
 ) -> None:
-    """Restore one role's part into ``state`` and record it (a failure is recorded, then raised)."""
+    """Restore one role's part into ``state`` and record it (a failure is recorded, then raised).
+    ``sink``: the role's; its first step record after this carries the replicas again."""
     before = addresses(state)
     where: dict[str, Any] = {"step": step, "path": str(part.path), "world_size": ctx.world, "plan": plan}
     seen: dict[str, dict[str, Any]] = {"digests": {}, "layout_free": {}, "replicas": {}}
@@ -140,6 +141,8 @@ def load_role_part(
     record("restore", digests_match=done.digests_match, layout_free_match=done.layout_free_match,
            replicas=done.replicas, source_rank=done.source_rank, saved_world_size=done.saved_world_size,
            format_version=done.format_version, addresses_changed=moved(before, addresses(state)), ok=True, **where)
+    if sink is not None:
+        sink.after_restore(state, ctx.keyfn(), done.replicas)
     if derived is not None:
         derived.mark_restored(step)
 
