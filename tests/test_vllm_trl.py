@@ -57,6 +57,16 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def _completions(log: Path) -> dict[int, set[str]]:
+    """The digests of the completions each step trained on, over every launch (tests/trl_vllm_job.py's log)."""
+    out: dict[int, set[str]] = {}
+    for line in log.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "completions":
+            out.setdefault(event["step"], set()).add(event["digest"])
+    return out
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     why = _usable()
@@ -102,6 +112,10 @@ def test_grpo_trainer_with_vllm_killed_after_a_step_resumes_bitwise_and_the_expo
     assert "resume from step 4" in last.stderr, last.stderr[-3000:]
     assert out["step"] == ref["step"] == 16
     assert out["params"] == ref["params"] and out["optim"] == ref["optim"]
+    # every generation of both launches (steps 1-6, then 5-16 again) is the uninterrupted run's of that step
+    theirs, mine = _completions(work / "ref.log.jsonl"), _completions(work / "killed.log.jsonl")
+    assert sorted(theirs) == list(range(1, 17)) and all(len(d) == 1 for d in theirs.values()), theirs
+    assert mine == theirs, (mine, theirs)
     assert out["last_push"]["gates"] == {"rollout-weight parity": "PASS"} and out["last_push"]["step"] == 15
     proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(work / "killed")],
                           capture_output=True, text=True, env=vllm_env(), timeout=120)

@@ -8,8 +8,14 @@ naming the tensors, and ckptguard's own sync (``mode="reload"``).
 ``ckptguard_vllm_sync`` from env ``CKPTGUARD_TRL_SYNC`` (default ``check``), 2 epochs, a save every 2
 steps; ``KILLS`` (``step@6,save@8,sync@9,gen@11``; a bare ``6`` is ``step@6``) SIGKILL the process at
 those points, one per launch in order (the fired ones noted in ``OUT.fired``); relaunched with the
-same command it resumes (``benchmarks/trl_vllm_kills.py`` runs the campaign).
-Each prints ``RESULT {json}``."""
+same command it resumes (``benchmarks/trl_vllm_kills.py`` and ``benchmarks/trl_vllm_campaign.py`` run campaigns).
+Env ``CKPTGUARD_TRL_VOCAB`` (default 47, the example's model): another vocabulary (GPT-2's 50257) on a tied
+one-layer Llama of hidden size 64 (``tests/vllm_padded_job.py``'s). Every generation's completions (token ids
+under TRL's completion mask) and every optimizer step go to ``OUT.log.jsonl`` (one line each, with the pid).
+Env ``CKPTGUARD_TRL_CONTROL``, a negative control in the first generation of a launch that resumed:
+``skip-push`` (TRL's weight sync does nothing: the engine keeps the weights it was built with) or
+``sampling-lost`` (the engine samples from a generator seeded afresh, as an engine in its own process would
+after a relaunch, instead of the restored one). Each prints ``RESULT {json}``."""
 
 from __future__ import annotations
 
@@ -49,13 +55,31 @@ def _digest(tensors: dict) -> str:
     return h.hexdigest()
 
 
+VOCAB = int(os.environ.get("CKPTGUARD_TRL_VOCAB", "47"))
+CONTROLS = ("skip-push", "sampling-lost")
+
+
+def _model(work: Path) -> Path:
+    """The model's directory under ``work``, built once (atomically: a kill while writing leaves none)."""
+    if len(grpo_vllm.WORDS) == VOCAB:
+        grpo_vllm.build_model(work / "model")
+        return work / "model"
+    import vllm_padded_job
+
+    model_dir = work / f"model-{VOCAB}"
+    if not (model_dir / "config.json").is_file():
+        tmp = model_dir.with_name(f".{model_dir.name}.tmp-{os.getpid()}")
+        vllm_padded_job.build_model(tmp, VOCAB)
+        tmp.rename(model_dir)
+    return model_dir
+
+
 def _parts(work: Path, out: Path, use_vllm: bool = True):
     from datasets import Dataset
     from transformers import AutoTokenizer, LlamaForCausalLM
     from trl import GRPOConfig
 
-    model_dir = work / "model"
-    grpo_vllm.build_model(model_dir)
+    model_dir = _model(work)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     prompts = grpo_vllm.PROMPTS[:8]
@@ -196,18 +220,31 @@ def train(work: Path, out_dir: Path, plan: list[str]) -> dict:
     class Trainer(CkptguardHFMixin, GRPOTrainer):
         pass
 
+    control = os.environ.get("CKPTGUARD_TRL_CONTROL", "")
+    if control not in ("", *CONTROLS):
+        raise SystemExit(f"CKPTGUARD_TRL_CONTROL={control!r}: one of {CONTROLS}")
+    first: dict[str, int] = {}  # the global step of this launch's first sync / generation (> 0: it resumed)
+    box: dict = {}
+    if control == "skip-push":
+        _skip_first_resumed_sync(first, box)
     kills = Kills(plan, out_dir.parent / f"{out_dir.name}.fired")
     trainer = Trainer(**_parts(work, out_dir), ckptguard_vllm_sync=os.environ.get("CKPTGUARD_TRL_SYNC", "check"),
                       ckptguard_config_overrides={"timeout_s": 60, "proof": cg.ProofPlan(rl=True, deterministic=True)})
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
+            _append(log, {"event": "step", "pid": os.getpid(), "step": state.global_step})
             if kills.armed("step", state.global_step):
                 kills.fire()
             if kills.armed("save", state.global_step):
                 kills.note()
                 cg_testing.kill_at("storage.data_written")  # the save that follows this step, mid-write
 
+    box["trainer"] = trainer
+    if control == "skip-push":
+        _skip_reload(trainer.vllm_generation.llm, first, box)
+    log = out_dir.parent / f"{out_dir.name}.log.jsonl"
+    _log_completions(trainer, log)
     gen = trainer.vllm_generation
     sync, generate = gen.sync_weights, gen.generate
 
@@ -219,6 +256,14 @@ def train(work: Path, out_dir: Path, plan: list[str]) -> dict:
     def killed_generate(*a, **kw):
         if kills.armed("gen", trainer.state.global_step):
             kills.fire(delay_s=0.02)
+        step = first.setdefault("generate", trainer.state.global_step)
+        if control == "sampling-lost" and step > 0 and first.setdefault("lost", 0) == 0:
+            first["lost"] = 1
+            # vLLM's CPU sampler draws requests without a seed from torch's global generator, which HF restored;
+            # an engine in a process of its own would start from its seed instead: sample from that, once
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                return generate(*a, **kw)
         return generate(*a, **kw)
 
     gen.sync_weights, gen.generate = killed_sync, killed_generate
@@ -228,6 +273,60 @@ def train(work: Path, out_dir: Path, plan: list[str]) -> dict:
     return {"step": trainer.state.global_step, "params": _digest(trainer.model.state_dict()),
             "optim": _digest({"s": trainer.optimizer.state_dict()["state"]}),
             "last_push": None if push is None else {"step": push.step, "gates": push.gates}}
+
+
+def _append(path: Path, line: dict) -> None:
+    with open(path, "a") as f:  # written before the next kill can land: a SIGKILL keeps what the OS holds
+        f.write(json.dumps(line) + "\n")
+
+
+def _log_completions(trainer, log: Path) -> None:
+    """Each generation's completions (token ids under the completion mask) as the step they train."""
+    produce = trainer._generate_and_score_completions
+
+    def logged(*a, **kw):
+        out = produce(*a, **kw)
+        ids, mask = out["completion_ids"].tolist(), out["completion_mask"].tolist()
+        rows = [[t for t, m in zip(r, mk, strict=True) if m] for r, mk in zip(ids, mask, strict=True)]
+        _append(log, {"event": "completions", "pid": os.getpid(), "step": trainer.state.global_step + 1,
+                      "completions": rows, "digest": hashlib.sha256(json.dumps(rows).encode()).hexdigest()})
+        return out
+
+    trainer._generate_and_score_completions = logged
+
+
+def _skip(first: dict, box: dict) -> bool:
+    """Whether this is the first weight transfer of a launch that resumed (the one the control skips)."""
+    step = first.setdefault("sync", box["trainer"].state.global_step)
+    if step > 0 and "skipped" not in first:
+        first["skipped"] = step
+        return True
+    return False
+
+
+def _skip_first_resumed_sync(first: dict, box: dict) -> None:
+    """The first weight transfer of a resumed launch does nothing: the engine keeps the weights it was built
+    with. ``check``: TRL's own sync (patched on the class before the trainer exists, so ckptguard's read-back
+    still follows it); ``reload``: the worker's ``reload_weights`` call of ckptguard's push (``_skip_reload``)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    trl_sync = VLLMGeneration.sync_weights
+
+    def sync_weights(self):
+        return None if _skip(first, box) else trl_sync(self)
+
+    VLLMGeneration.sync_weights = sync_weights
+
+
+def _skip_reload(llm, first: dict, box: dict) -> None:
+    rpc = llm.collective_rpc
+
+    def collective_rpc(method, *a, **kw):
+        if getattr(method, "__name__", None) == "_reload" and _skip(first, box):
+            return [None]  # what the worker returns for a reload that loaded nothing
+        return rpc(method, *a, **kw)
+
+    llm.collective_rpc = collective_rpc
 
 
 if __name__ == "__main__":
