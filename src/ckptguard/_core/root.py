@@ -99,7 +99,8 @@ class ProofSink:
     def after_restore(self, state: Mapping[str, Any], keyfn: KeyFn, replicas: Mapping[str, Any]) -> None:
         """The first step record after this restore carries this rank's replica digests (``replica_fields``)
         when the restore compared replicas (``replicas``: its ``replica_report``, some chunk held by 2+ ranks);
-        else none is computed (one rank, every tensor sharded, no layout-free digests, FSDP1: ``read_alone``)."""
+        else none is computed (one rank, every tensor sharded, no layout-free digests, FSDP1:
+        ``read_alone``)."""
         due = self.enabled and bool(replicas.get("checked")) and read_alone(state)
         self.log.after_restore((lambda: replica_fields(state, keyfn)) if due else None)
 

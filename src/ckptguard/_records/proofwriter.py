@@ -276,7 +276,7 @@ def write_held() -> None:
     (prove's "all PIDs changed" finds the process that trained the saved step)."""
     with _HOLDING_LOCK:
         logs = list(_HOLDING)
-    for plog in logs:  # each takes its own lock: never under _HOLDING_LOCK (a hold takes them the other way)
+    for plog in logs:  # each its own lock, never under _HOLDING_LOCK (a hold takes them the other way)
         plog.write_held()
 
 
