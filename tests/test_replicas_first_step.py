@@ -114,3 +114,15 @@ def test_an_fsdp1_model_is_not_read_at_a_step_its_optimizer_state_dict_is_collec
     torch.nn.Module.__init__(fsdp1)
     assert read_alone({"model": torch.nn.Linear(2, 2), "step": 3})
     assert not read_alone({"model": torch.nn.Sequential(fsdp1), "step": 3})
+
+
+def test_one_rank_records_no_replica_digests_it_has_no_replicas_to_compare(tmp_path):
+    root = tmp_path / "ck"
+    net = torch.nn.Linear(4, 3)
+    cg.CheckpointManager(root).save(1, {"model": net})
+    mgr = cg.CheckpointManager(root)
+    assert mgr.restore({"model": net}) == 1
+    mgr.record_step(2, sample_ids=[2], loss=0.5)
+    recs = _records(root, 0)
+    assert recs[-2]["event"] == "restore" and recs[-2]["replicas"]["checked"] == 0
+    assert recs[-1]["event"] == "step" and "replica_partials" not in recs[-1]  # nothing hashed at the step
