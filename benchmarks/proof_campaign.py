@@ -537,16 +537,15 @@ def cli_prove(root: Path) -> dict[int, dict[str, Any]]:
 
 
 def _past(root: Path, k: int, before: float, pid_of: dict[int, int], world: int = WORLD) -> bool:
-    """Whether any rank recorded a step past k before the resume at ``before`` (a run that saved or restored k)."""
+    """Whether any rank recorded a step past k before the resume at ``before``, in a process that saved or
+    restored k (or, no save record of k left by a kill, one that recorded step k itself). The step records
+    are compared whatever their order with the save record: an async save's record comes after the steps
+    that ran while it was written."""
     for rank in range(world):
-        recs = [r for r in _records(root, rank) if r.get("time", 0) < before]
-        # from the save of k (or, its record lost with the kill, the step k it followed) on
-        marks = [i for i, r in enumerate(recs) if r.get("event") == "save" and r.get("step") == k] or [
-            i for i, r in enumerate(recs) if r.get("event") == "step" and r.get("step") == k]
-        if not marks:
-            continue
-        if any(r.get("event") == "step" and r.get("step", 0) > k and r.get("pid") != pid_of.get(rank)
-               for r in recs[marks[-1]:]):
+        recs = [r for r in _records(root, rank) if r.get("time", 0) < before and r.get("pid") != pid_of.get(rank)]
+        pids = {r.get("pid") for r in recs if r.get("event") in ("save", "restore") and r.get("step") == k} or {
+            r.get("pid") for r in recs if r.get("event") == "step" and r.get("step") == k}
+        if any(r.get("event") == "step" and r.get("step", 0) > k and r.get("pid") in pids for r in recs):
             return True
     return False
 
@@ -612,6 +611,16 @@ def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int,
             "seconds": round(time.time() - began)}
 
 
+def rejudge(res: dict[str, Any], work: Path) -> dict[str, Any]:
+    """A job of an earlier campaign judged again by this prove (its kills and reference comparisons kept)."""
+    if res["job"] != "grpo_vllm":
+        return {**res, "resumes": judge(res["job"], work / res["job"] / "ck")}
+    rows = []
+    for run in res["runs"]:
+        rows += [{**row, "run": run["run"]} for row in judge("grpo_vllm", Path(run["root"]), world=1)]
+    return {**res, "resumes": rows}
+
+
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     rows = [r for res in results for r in res["resumes"]]
     kills = [k for res in results for k in res["kills"]]
@@ -631,9 +640,11 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "against_uninterrupted": _against(results),
         "kills": len(kills), "kills_by_kind": dict(Counter(k["kind"] for k in kills)),
         "survivors": sum(len(k["survivors"]) for k in kills),
-        # a launch whose process ended before the kill (a crash of its own, or grpo_vllm's own generate kill)
+        # a launch whose process ended before the campaign's kill: a crash of its own (grpo_vllm's mid_generation
+        # kills are the example's own SIGKILL, 50 ms into the engine's generate, and counted apart)
         "ended_before_kill": [{k: x[k] for k in ("job", "launch", "kind", "exited_before_kill")} for x in kills
-                              if x["exited_before_kill"]],
+                              if x["exited_before_kill"] and not _self_killed(x)],
+        "killed_mid_generation_by_the_example": sum(_self_killed(x) for x in kills),
         "resumes": len(rows), "outcomes": dict(Counter(r["outcome"] for r in rows)),
         "not_proven": [r for r in rows if r["outcome"] == "diverged"],
         "missing_explained": len(missing) - len(unexplained), "missing_unexplained": unexplained,
@@ -644,6 +655,10 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "judged_by_ranks_one_record_apart": sum(r.get("one_record_apart", False) for r in rows),
         "judged_against_an_earlier_resume": sum(r.get("against_earlier_resume", False) for r in rows),
     }
+
+
+def _self_killed(kill: dict[str, Any]) -> bool:
+    return bool(kill["kind"] == "mid_generation" and kill["exited_before_kill"] == [-signal.SIGKILL])
 
 
 def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -666,6 +681,87 @@ def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------- several campaigns summed, in markdown
+
+JOB_TITLES = {"demo": "demo (RL: FSDP2, FP8 export, old-logprobs)", "ddp": "ddp (DDP, Dropout, sampler, epochs)",
+              "nanogpt": "nanogpt (nanoGPT's loop, 2 ranks)", "grpo_vllm": "grpo_vllm (GRPO, vLLM engine, 1 rank)"}
+
+
+def combine(paths: list[str]) -> dict[str, Any]:
+    """Campaigns run side by side (one JSON each), summed: every job's kills and resumes, one summary."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    jobs = [{**res, "seed": part["seed"]} for part in parts for res in part["jobs"]]
+    return {"commands": [part["command"] for part in parts], "summary": summary(jobs), "jobs": jobs}
+
+
+def _cell(values: dict[str, Any], job: str | None) -> str:
+    return str(values.get(job, 0) if job else sum(values.values()))
+
+
+def markdown(out: dict[str, Any], head: str) -> str:
+    """The results page: ``head`` (what ran, on what), then tables made from the JSON only."""
+    jobs = [res["job"] for res in out["jobs"]]
+    cols = [*jobs, None]
+    by = {res["job"]: res for res in out["jobs"]}
+
+    def row(title: str, values: dict[str, Any]) -> str:
+        return f"| {title} | " + " | ".join(_cell(values, j) for j in cols) + " |"
+
+    def count(pred: Any, what: str = "resumes") -> dict[str, int]:
+        return {j: sum(1 for x in by[j][what] if pred(x)) for j in jobs}
+
+    lines = [head.rstrip(), "", "## Totals", "", "| | " + " | ".join(JOB_TITLES.get(j, j) for j in jobs) + " | all |",
+             "|---|" + "---|" * len(cols), row("SIGKILLs", {j: len(by[j]["kills"]) for j in jobs})]
+    for kind in dict.fromkeys(k["kind"] for res in out["jobs"] for k in res["kills"]):
+        lines.append(row(f"- {kind}", count(lambda k, kind=kind: k["kind"] == kind, "kills")))
+    lines += [row("processes surviving a kill", {j: sum(len(k["survivors"]) for k in by[j]["kills"]) for j in jobs}),
+              row("launches that ended before the kill", count(
+                  lambda k: bool(k["exited_before_kill"]) and not _self_killed(k), "kills")),
+              row("resumes judged", {j: len(by[j]["resumes"]) for j in jobs})]
+    for outcome, title in (("proven", "**resume PROVEN**"), ("diverged", "**resume NOT proven (a FAIL)**"),
+                           ("evidence missing", "**resume EVIDENCE MISSING**")):
+        lines.append(row(title, count(lambda r, o=outcome: r["outcome"] == o)))
+    lines += [row("- of which an earlier run had recorded past the restored step and the resumed run too",
+                  count(lambda r: r["outcome"] == "evidence missing" and r["recorded_past_before"]
+                        and r["resumed_recorded"])),
+              row("`prove --all --json` agrees with the verdict",
+                  count(lambda r: r["cli"].get("outcome") == r["outcome"])),
+              row("judged against an earlier resume (crash loop)", count(lambda r: r["against_earlier_resume"])),
+              row("judged by the ranks one record apart", count(lambda r: r["one_record_apart"]))]
+    lines += ["", "## Against an uninterrupted run of the same job", "",
+              "| job | step records compared (every launch, every rank) | differing | final state |",
+              "|---|---|---|---|"]
+    for job, v in out["summary"]["against_uninterrupted"].items():
+        if job == "grpo_vllm":
+            final = (f"{v['final_equal']} of {v['runs_completed']} completed runs: parameters, AdamW state and the "
+                     "last launch's completions equal")
+        elif v["final"]["compared"]:
+            f = v["final"]
+            final = (f"step {f['step']}: {f['items']} per-rank item digests, {f['tensors']} layout-free tensor "
+                     f"digests, the CPU RNG of each rank: {'all equal' if not f['differ'] else f['differ']}")
+        else:
+            final = f"not compared: {v['final']['why']}"
+        lines.append(f"| {job} | {v['records_compared']} | {len(v['records_differ'])} | {final} |")
+    missing = [r for res in out["jobs"] for r in res["resumes"] if r["outcome"] == "evidence missing"]
+    lines += ["", "## Every EVIDENCE MISSING case", "",
+              "| job | run | resume | restored step | gates with nothing to compare | an earlier run recorded past the "
+              "step | the resumed run recorded past it |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['job']} | {r.get('run', '')} | {r['resume']} | {r['step']} | {', '.join(r['missing'])} | "
+              f"{'yes' if r['recorded_past_before'] else 'no'} | {'yes' if r['resumed_recorded'] else 'no'} |"
+              for r in missing]
+    failed = [r for res in out["jobs"] for r in res["resumes"] if r["outcome"] == "diverged"]
+    lines += ["", "## Every NOT proven case", ""]
+    lines += [f"- {r['job']} run {r.get('run', '-')} resume {r['resume']} (step {r['step']}): {r['failed']}"
+              for r in failed] or ["None."]
+    ended = out["summary"]["ended_before_kill"]
+    lines += ["", "## Launches that ended before the kill", ""]
+    lines += [f"- {e['job']} launch {e['launch']} ({e['kind']}): exit {e['exited_before_kill']}" for e in ended] or [
+        "None."]
+    crash = out["summary"]["steps_resumed_3_or_more_times"]
+    lines += ["", f"Steps resumed 3 or more times (crash loops): {', '.join(crash) if crash else 'none'}.", ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "ddp-job":
         p = argparse.ArgumentParser()
@@ -685,15 +781,27 @@ def main() -> None:
     p.add_argument("--work", default=None, help="working directory (default: a new temporary one)")
     p.add_argument("--out", default=None)
     p.add_argument("--minutes", type=float, default=None, help="start no kill (but a crash loop's) after this")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="sum campaigns run side by side into --out (JSON) and --markdown, with --head's text first")
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--head", default=None, help="a file: the results page's text before its tables")
     p.add_argument("--rejudge", default=None, metavar="JSON",
                    help="judge the roots of an earlier campaign's JSON again (its kills kept), with this prove")
     a = p.parse_args()
+    if a.combine:
+        out = combine(a.combine)
+        if a.out:
+            Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+        if a.markdown:
+            Path(a.markdown).write_text(markdown(out, Path(a.head).read_text() if a.head else "# Proof campaign\n"))
+        print(json.dumps({k: v for k, v in out["summary"].items() if k != "missing_cases"}, indent=1))
+        return
     rng = random.Random(a.seed)
     work = Path(a.work or tempfile.mkdtemp(prefix="proof-campaign-"))
     if a.rejudge:
         earlier = json.loads(Path(a.rejudge).read_text())
         work = Path(earlier["work"])
-        results = [{**res, "resumes": judge(res["job"], work / res["job"] / "ck")} for res in earlier["jobs"]]
+        results = [rejudge(res, work) for res in earlier["jobs"]]
         a.seed = earlier["seed"]
     else:
         deadline = time.time() + 60 * a.minutes if a.minutes else None
