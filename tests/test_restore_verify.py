@@ -14,6 +14,7 @@ import ckptguard as cg
 from ckptguard._disk.digest import digest, structure_digest
 from ckptguard._records import manifest as _manifest
 from ckptguard._records.proofreader import read_records
+from ckptguard._resume import restore as _restore
 from ckptguard._state import state as _state
 
 
@@ -205,16 +206,23 @@ def test_an_edited_digest_kind_is_refused_alike_by_verify_and_restore(tmp_path, 
 
 def test_the_restored_state_is_read_once_after_the_load(tmp_path, monkeypatch):
     """The checks after the load (item digests, the layout-free pass, replicas) compare one read of the live
-    objects (``read_back``), not one read each (it was two per tensor item: the skeleton and the layout-free pass)."""
+    objects (``read_back``), not one read each (it was two per tensor item: the skeleton and the layout-free pass).
+    Counted inside the restore of the step, from the load on (what the manager does after it is not counted)."""
     model, optim = _job()
     cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim, "cursor": {"at": 3}})
     after: dict[str, int] = {}
     loaded = [False]
-    real_read, real_apply = _state.current_state, _state.apply
+    real_read, real_apply, real_restore = _state.current_state, _state.apply, _restore.restore
 
     def applying(*args, **kw):  # type: ignore[no-untyped-def]
         loaded[0] = True
         return real_apply(*args, **kw)
+
+    def restoring(*args, **kw):  # type: ignore[no-untyped-def]
+        try:
+            return real_restore(*args, **kw)
+        finally:
+            loaded[0] = False
 
     def counted(name, *args, **kw):  # type: ignore[no-untyped-def]
         if loaded[0]:
@@ -223,6 +231,7 @@ def test_the_restored_state_is_read_once_after_the_load(tmp_path, monkeypatch):
 
     monkeypatch.setattr(_state, "apply", applying)
     monkeypatch.setattr(_state, "current_state", counted)
+    monkeypatch.setattr(_restore, "restore", restoring)
     fresh, fresh_optim = _job(seed=1)
     assert cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim, "cursor": {"at": 0}}) == 1
     assert after == {"model": 1, "optim": 1, "cursor": 1}, after

@@ -10,15 +10,18 @@ before reading any tensor, and the restored items' digests after.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._agree import gather_decide, on_every_rank
@@ -27,6 +30,7 @@ from .._disk import layout as _layout
 from .._disk.digest import digest, file_digest, release_host_cache
 from .._records import contract as _contract
 from .._records import manifest as _manifest
+from .._records.entries import FileEntry
 from .._records.manifest import safe_member
 from .._state import rng as _rng
 from .._state import state as _state
@@ -192,12 +196,33 @@ def precheck(
     return manifest, _load_extras(ctx, res.path, manifest, source_rank(ctx, manifest)), None
 
 
-def _load_extras(ctx: Context, step_dir: Path | None, manifest: _manifest.Manifest, rank: int) -> StateDict:
+class Extras(dict[str, Any]):
+    """A rank's extras file as loaded; ``intact``: the bytes loaded had the size and xxh3 the manifest lists
+    for the file (then the skeleton check may compare against it: ``_layout_free_items``)."""
+
+    intact = False
+
+
+def _listed_bytes(path: Path, entry: FileEntry | None) -> bytes | None:
+    """The file's bytes when the manifest lists it and the sizes agree (read once: loaded and hashed from
+    memory), else None (torch.load reads the file itself)."""
+    if entry is None or safe_member(path.parent, path.name) is None:
+        return None
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+        return None
+    with open(path, "rb") as f:
+        return f.read(entry.size + 1)  # the size the file and the manifest agree on; one more shows a growth
+
+
+def _load_extras(ctx: Context, step_dir: Path | None, manifest: _manifest.Manifest, rank: int) -> Extras:
     """Rank ``rank``'s extras file of the step, loaded with weights_only and checked against the manifest."""
     assert step_dir is not None
     extras_path = step_dir / _layout.extras_name(rank)
+    entry = next((f for f in manifest.files if f.path == _layout.extras_name(rank)), None)
     try:
-        extras = torch.load(extras_path, weights_only=True, map_location="cpu")
+        data = _listed_bytes(extras_path, entry)
+        extras = torch.load(extras_path if data is None else io.BytesIO(data), weights_only=True, map_location="cpu")
         items = extras.get("items") if isinstance(extras, dict) else None
         items = items if isinstance(items, dict) else {}
         if not set(manifest.items) <= set(items):
@@ -207,7 +232,9 @@ def _load_extras(ctx: Context, step_dir: Path | None, manifest: _manifest.Manife
                 f"'items' table lacks {sorted(set(manifest.items) - set(items))[:4]}); "
                 "restore an earlier step"
             )
-        loaded: dict[str, Any] = extras
+        loaded = Extras(extras)
+        loaded.intact = data is not None and entry is not None and (len(data), xxhash.xxh3_64_hexdigest(data)) == (
+            entry.size, entry.xxh3)
         return loaded
     except FileNotFoundError:
         raise CheckpointIncompleteError(
@@ -412,16 +439,8 @@ def _layout_free_items(
     hyperparameter in the file would otherwise be applied and compared with itself). Otherwise
     the full xxh3 digest is compared, as before."""
     lf = manifest.layout_free
-    if not lf:
-        return set()
-
-    rel = _layout.extras_name(source_rank(ctx, manifest))
-    entry = next((f for f in manifest.files if f.path == rel), None)
-    path = safe_member(manifest.path.parent, rel)
-    if entry is None or path is None or not path.is_file():
-        return set()
-    if file_digest(str(path)) != (entry.size, entry.xxh3):
-        return set()  # the full digests below then say which items differ
+    if not lf or not getattr(extras, "intact", False):
+        return set()  # the full digests below then say which items differ (the file was hashed as it was loaded)
     return {
         name for name, item in now.items()
         if item.kind in _TENSOR_KINDS and name in lf and name in extras.get("items", {})
