@@ -245,6 +245,31 @@ def test_crash_leftovers_are_reported_by_verify_and_removed_by_gc(tmp_path):
     assert committed_on_disk(root) == ["step_00000001", "step_00000002"]
 
 
+def test_gc_removing_trash_that_a_background_delete_empties_meanwhile_succeeds(tmp_path, monkeypatch):
+    """A job's background trash delete (retention.DELETER) and ``gc`` may empty the same trash directory at once:
+    a file the other removed first is what gc wanted, never an error (seen: FileNotFoundError out of gc)."""
+    from ckptguard.ops import gc as _gc
+
+    root = tiny_root(tmp_path / "ck", (1, 2))
+    trash = root / ".trash-step_00000000-0badf00d"
+    (trash / "state").mkdir(parents=True)
+    for i in range(20):
+        (trash / "state" / f"part_{i:02d}").write_bytes(b"x")
+    for path in (trash / "state", trash):
+        _old(path)
+    real_unlink = os.unlink
+
+    def raced(path, *args, **kwargs):  # the other deleter got there first
+        real_unlink(path, *args, **kwargs)
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", raced)
+    report = _gc.gc(root, _layout.StepNaming("step_{step:08d}"))
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert not trash.exists() and any(p == trash for p, _ in report.removed), report
+    assert committed_on_disk(root) == ["step_00000001", "step_00000002"]
+
+
 # ---------------------------------------------------------------- the retention warning
 
 

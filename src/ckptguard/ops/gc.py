@@ -187,13 +187,20 @@ def gc(
         if path in steps:
             _layout.remove_step_dir(path)
         elif path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            shutil.rmtree(path, onerror=_gone_is_fine)
         else:
             path.unlink(missing_ok=True)
         report.removed.append((path, what))
     if victims:
         _layout.fsync_dir(root)
     return report
+
+
+def _gone_is_fine(func: object, path: str, exc_info: tuple[type[BaseException], BaseException, object]) -> None:
+    """rmtree's error handler: an entry someone else removed meanwhile is what was wanted (a job's background
+    trash delete, retention.DELETER, empties the same trash directory gc found); any other failure raises."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
 
 
 def adopt_step(root: str | os.PathLike[str], naming: _layout.StepNaming, step: int, *,
