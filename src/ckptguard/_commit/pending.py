@@ -339,6 +339,8 @@ class AsyncStaging:
         self.unguard()
         self.ahead.stop()
         if self.preparing is not None:  # a region pinned after the release would outlive close()
+            if self.pool is not None:
+                self.pool.stop_growing()
             wait_futures([self.preparing], timeout=600)
             self.preparing = None
         if self.pool is not None:
@@ -349,11 +351,8 @@ class AsyncStaging:
 def _has_saved_buffers(module: torch.nn.Module) -> bool:
     """A persistent buffer anywhere in the module (running statistics); read without state_dict(),
     whose hooks (FSDP's) must not run on every save."""
-    return any(
-        b is not None and name not in m._non_persistent_buffers_set
-        for m in module.modules()
-        for name, b in m._buffers.items()
-    )
+    return any(b is not None and name not in m._non_persistent_buffers_set
+               for m in module.modules() for name, b in m._buffers.items())
 
 
 def _ranks_per_node() -> int:

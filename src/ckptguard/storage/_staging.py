@@ -77,6 +77,8 @@ class StagingPool:
         self.released_idle = 0
         """How many times the idle timer released the pool."""
         self._growing: Future[int] | None = None
+        self._stopped = threading.Event()
+        """Set by ``stop_growing``: a background grow maps no further region (a closing manager's pool)."""
         self.grown_on: list[str] = []
         """The names of the threads that allocated (and pinned) each region."""
 
@@ -97,6 +99,10 @@ class StagingPool:
             running = self._growing if self.growing else None
         if running is not None:
             return self._after(running, sizes, budget)
+        if self._stopped.is_set():
+            done0: Future[int] = Future()
+            done0.set_result(0)
+            return done0
         with self._lock:
             room = max(0, self.budget_room(budget))
             bins = self._new_bins(sizes)
@@ -133,6 +139,11 @@ class StagingPool:
         running.add_done_callback(again)
         return chained
 
+    def stop_growing(self) -> None:
+        """Map no further region in the background (``close``: it then waits for at most the region in flight,
+        not for a whole 6 GiB pool to be pinned only to be unpinned)."""
+        self._stopped.set()
+
     def budget_room(self, budget: int) -> int:
         """What ``budget`` leaves beside the regions held."""
         return budget - self.held_bytes
@@ -141,6 +152,8 @@ class StagingPool:
         added = 0
         try:
             for need in plan:
+                if self._stopped.is_set():
+                    break  # closing: the regions mapped so far are released by the caller, the rest never mapped
                 region = Buffer(need, self.pin)
                 with self._lock:
                     self._regions.append(region)

@@ -1,0 +1,34 @@
+"""A manager closed while its staging pool is still being prepared in the background (a restore, then
+close) stops the preparation between regions: close waits for the region in flight, not for the whole
+pool to be mapped and pinned only to be released (issue 41: 2.2 s of a 6.2 GiB pool on the H100)."""
+
+from __future__ import annotations
+
+import time
+
+from ckptguard.storage import _staging
+
+MiB = 1 << 20
+
+
+def test_stop_growing_maps_no_further_region(monkeypatch):
+    monkeypatch.setattr(_staging, "YIELD_S", 0.2)  # the pause between regions, long enough to see the stop
+    pool = _staging.StagingPool(pin=False)
+    sizes = [40 * MiB] * 10  # one region each: two never share a 64 MiB region
+    began = time.monotonic()
+    grown = pool.grow_async(sizes, budget=1 << 40)
+    time.sleep(0.05)
+    pool.stop_growing()
+    added = grown.result(timeout=30)
+    took = time.monotonic() - began
+    assert 0 < added <= 2 * 40 * MiB and took < 1.0, (added, took)  # the whole plan: 400 MiB, 2 s
+    assert pool.grow_async(sizes, budget=1 << 40).result(timeout=5) == 0  # stopped for good
+    pool.release()
+    assert pool.held_bytes == 0
+
+
+def test_a_pool_not_stopped_grows_whole(monkeypatch):
+    monkeypatch.setattr(_staging, "YIELD_S", 0.0)
+    pool = _staging.StagingPool(pin=False)
+    assert pool.grow_async([40 * MiB] * 3, budget=1 << 40).result(timeout=30) == 3 * 40 * MiB
+    pool.release()
