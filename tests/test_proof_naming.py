@@ -193,3 +193,26 @@ def test_replicas_that_drift_after_the_restore_are_named_by_the_next_save(tmp_pa
     assert "the save of step 6 after the restore of step 3 found replicas that differ across ranks" in \
         replicas.evidence
     assert "model.0.weight" in replicas.evidence, replicas.evidence
+
+
+def test_a_micro_batch_prefetch_lost_within_a_step_is_named_with_the_shift(tmp_path):
+    # gradient accumulation, 2 micro-batches of 4 per step, the next drawn after each forward: the killed
+    # run's step 7 read [P, A] (P drawn before the save of 6), the resumed run's [A, B]: ahead by 4 samples
+    mb = {s: list(range(100 + 4 * s, 104 + 4 * s)) for s in range(12, 20)}
+    plan = {"rl": False, "deterministic": True, "replay_steps": 1}
+    killed = [{"event": "step", "pid": 1, "step": s, "sample_ids": f"k{s}", "samples": 8,
+               "ids_head": mb[2 * s - 2] + mb[2 * s - 1]} for s in (7, 8, 9)]
+    resumed = [{"event": "step", "pid": 2, "step": s, "sample_ids": f"r{s}", "samples": 8,
+                "ids_head": mb[2 * s - 1] + mb[2 * s]} for s in (7, 8)]
+    records = [{"event": "save", "pid": 1, "step": 6, "plan": plan}, *killed,
+               {"event": "restore", "pid": 2, "step": 6, "ok": True, "digests_match": {"model": True}}, *resumed]
+    path = tmp_path / "proof" / "rank_00000.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps({"rank": 0, "host": "h", "time": float(i), "mono": float(i), **r}) + "\n"
+                            for i, r in enumerate(records)))
+    data = _gate(evaluate(tmp_path), "data order identical")
+    assert data.status is Status.FAIL and data.evidence.startswith("rank 0, step 7 "), data.evidence
+    assert "Prefetch lost within the step: the resumed run's ids of step 7 start with the killed run's from " \
+        "position 4 on, so 4 sample(s) drawn before the save point" in data.evidence, data.evidence
+    assert "consumed ids [152, 153, 154, 155] ... (digest r7)" in data.evidence  # 4 of the 8 ids kept are shown
+    assert "DataLoader" not in data.evidence

@@ -23,7 +23,7 @@ from .._types import JsonObject
 from .rng import capture as _capture_rng
 from .scalars import Metrics, scalar
 
-_HEAD = 4  # ids shown in evidence when a step's data differs
+_HEAD = 16  # ids kept per step (prove shows 4): a shift within a step (a lost micro-batch) is seen in them
 
 
 def _ids_array(ids: Any) -> np.ndarray | None:

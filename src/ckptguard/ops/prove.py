@@ -43,6 +43,7 @@ LEGACY_PLAN = ProofPlan(rl=True)
 """The plan of records written before plans were recorded: every gate applied."""
 
 DATA_FIELDS = ("sample_ids", "batch")
+IDS_SHOWN = 4  # ids of a step shown in evidence (a record keeps more: a shift within a step is seen in them)
 
 
 class Status(str, enum.Enum):
@@ -573,6 +574,7 @@ class _Replay:
     once: str = ""  # what the exactly-once check against the steps up to the restored one found
     once_missing: bool = False  # that check found a repeat it cannot tell from a new pass over the data
     saver_recorded: bool = False  # this rank holds the save record of the restored step, at one world size
+    data_cause: bool = False  # the data order's FAIL names its cause from the ids (no RNG guess appended)
 
 
 def _data(r: ProofRecord) -> dict[str, Any]:
@@ -580,9 +582,10 @@ def _data(r: ProofRecord) -> dict[str, Any]:
 
 
 def _show(r: ProofRecord) -> str:
-    if "ids_head" in r:
-        more = " ..." if r.get("samples", 0) > len(r["ids_head"]) else ""
-        return f"ids {r['ids_head']}{more} (digest {r['sample_ids']})"
+    if isinstance(r.get("ids_head"), list):
+        shown = r["ids_head"][:IDS_SHOWN]
+        more = " ..." if r.get("samples", 0) > len(shown) else ""
+        return f"ids {shown}{more} (digest {r['sample_ids']})"
     return ", ".join(f"{k} {v}" for k, v in _data(r).items())
 
 
@@ -617,6 +620,19 @@ def _drawn_before_restore(step: int, k: int, key: tuple[Any, ...], firsts: dict[
             "ProofPlan(replay_steps=2), tell which")
 
 
+_GENERIC_HINT = "The state usually lacks one of:"  # no cause read from the ids: the RNG streams may tell
+
+
+def _shift_within(killed: ProofRecord, resumed: ProofRecord) -> int | None:
+    """How many samples the resumed step's ids are ahead of the killed step's within the step: the resumed ids
+    start with the killed ids from position m on (a micro-batch drawn before the save point, lost), seen in
+    the ids each record keeps (``ids_head``); None: no such shift (at least 2 ids overlapping)."""
+    a, b = killed.get("ids_head"), resumed.get("ids_head")
+    if not (isinstance(a, list) and isinstance(b, list)) or len(a) != len(b):
+        return None
+    return next((m for m in range(1, len(a) - 1) if a[m:] == b[: len(a) - m]), None)
+
+
 def _hint(
     rank: int, step: int, resumed: ProofRecord, ref: dict[int, list[Any]], history: dict[tuple[Any, ...], int],
     before_restore: str | None = None, restored: int | None = None,
@@ -624,6 +640,12 @@ def _hint(
     """What kind of state is usually missing, from where the resumed run's data came from."""
     if before_restore is not None:
         return before_restore
+    shift = _shift_within(ref[step][0], resumed) if ref.get(step) else None
+    if shift is not None:
+        return (f"Prefetch lost within the step: the resumed run's ids of step {step} start with the killed run's "
+                f"from position {shift} on, so {shift} sample(s) drawn before the save point (a prefetched "
+                "micro-batch, e.g. gradient accumulation's next batch drawn after each forward) were not in the "
+                "state; keep the prefetched batch in the state, e.g. state['prefetched'] = ckptguard.PerRank(batch)")
     key = tuple(sorted(_data(resumed).items()))
     ahead = [s for s, recs in ref.items() if s > step and any(tuple(sorted(_data(r).items())) == key for r in recs)]
     if ahead and restored is not None and step > restored + 1:
@@ -646,7 +668,7 @@ def _hint(
                 "stream replayed, typically a sampler whose torch.Generator is not in the state; add "
                 "state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)")
     more = " (with more replayed steps, ProofPlan(replay_steps=2), the gate tells which)" if len(ref) < 2 else ""
-    return ("The state usually lacks one of: a batch drawn before the save point (a prefetch: "
+    return (f"{_GENERIC_HINT} a batch drawn before the save point (a prefetch: "
             "state['prefetched'] = ckptguard.PerRank(batch)), a sampler's torch.Generator "
             "(state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)), a data iterator's position "
             f"(a loader without state_dict/load_state_dict){more}")
@@ -801,6 +823,7 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
                 out.status, out.first_bad = Status.FAIL, s
                 early = _drawn_before_restore(s, k, _key(b), _first_steps(before, seg.restore["pid"]), ref, resumed)
                 hint = _hint(seg.rank, s, b, ref, history, early, k)
+                out.data_cause = not hint.startswith(_GENERIC_HINT)
                 out.evidence = (f"rank {seg.rank}, step {s} (first replayed step {min(out.steps)}): the resumed run "
                                 f"consumed {_show(b)}, the killed run {_show(a)}. {hint}")
                 return out
@@ -961,7 +984,7 @@ def _replay_gates(replays: list[_Replay], plan: ProofPlan) -> list[Gate]:
     if failed:  # the earliest differing step, and which other ranks differ too
         others = [rank for _s, rank, _r in failed[1:]]
         also = f" (ranks {others} differ too)" if others else ""
-        rng = _rng_hint(replays, failed[0][2])
+        rng = None if failed[0][2].data_cause else _rng_hint(replays, failed[0][2], data=True)
         data = Gate(data.name, Status.FAIL, failed[0][2].evidence + also + (f" {rng}" if rng else ""))
     elif data.status is Status.PASS:
         steps = sorted({s for r in replays for s in r.steps})
@@ -1030,9 +1053,10 @@ def _rng_streams(replay: _Replay) -> list[str] | None:
     return sorted(n for n in {*a, *b} if a.get(n) != b.get(n))
 
 
-def _rng_hint(replays: list[_Replay], replay: _Replay) -> str | None:
+def _rng_hint(replays: list[_Replay], replay: _Replay, data: bool = False) -> str | None:
     """The cause a difference of the global RNG streams names: one rank's streams not put back, or on
-    every rank a draw made at another point than in the killed run (a DataLoader iterator)."""
+    every rank a draw made at another point than in the killed run (a DataLoader iterator; for a data
+    order that differs, first a batch drawn from the global RNG before the save point and not kept)."""
     mine = _rng_streams(replay)
     if not mine or replay.rng is None:
         return None
@@ -1044,9 +1068,13 @@ def _rng_hint(replays: list[_Replay], replay: _Replay) -> str | None:
                 f"differ from the killed run's, while rank(s) {same} match: the restore did not put back rank "
                 f"{replay.rank}'s own streams (each rank's RNG is its own: restore every rank's, not rank 0's on all, "
                 "and do not reseed after restore()).")
+    prefetch = ("a batch drawn from the global RNG before the save point (a prefetch, e.g. get_batch() after "
+                "the forward) and not kept in the state, so the resumed run draws it again at another point (keep "
+                "it: state['prefetched'] = ckptguard.PerRank(batch)), or " if data else "")
     return (f"Cause: the global RNG streams ({', '.join(mine)}) after step {step} differ from the killed run's on "
             f"every rank ({[r.rank for r in compared]}) although restore() put them back: something drew from them "
-            "at another point than in the killed run, typically a DataLoader iterator created after restore() "
+            f"at another point than in the killed run: {prefetch or 'typically '}a DataLoader iterator created "
+            "after restore() "
             "(iter(DataLoader) draws its base seed, and a shuffling sampler without a generator its order, from "
             "torch's global RNG: before step 1 in a fresh run, after the restore in a resumed one). Fix: give the "
             "loader its own generator, DataLoader(..., generator=g) with state['loader_gen'] = "
