@@ -244,8 +244,8 @@ def markdown(report: dict) -> str:
     c = report.get("campaign")
     lines = [f"# TRL GRPO + vLLM colocated, vocabulary {report['vocab']}: kills and negative controls (issue 39)", "",
              f"Command: `{report['command']}`", "",
-             f"Machine: {report['machine']}; wall time {report['seconds']} s (uninterrupted run "
-             f"{report['reference_seconds']} s).", ""]
+             f"Machine: {report['machine']}; ckptguard_vllm_sync={report['sync']!r}; wall time {report['seconds']} s "
+             f"(uninterrupted run {report['reference_seconds']} s).", ""]
     if c:
         lines += [f"Kill plan (seed {report['seed']}): {' '.join(c['plan'])}; {c['generations']} generations "
                   "compared with the uninterrupted run's.", "", "| launch | rc | resumed from | s | resume | verdict |",
