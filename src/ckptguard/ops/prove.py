@@ -628,9 +628,11 @@ def _shift_within(killed: ProofRecord, resumed: ProofRecord) -> int | None:
     start with the killed ids from position m on (a micro-batch drawn before the save point, lost), seen in
     the ids each record keeps (``ids_head``); None: no such shift (at least 2 ids overlapping)."""
     a, b = killed.get("ids_head"), resumed.get("ids_head")
-    if not (isinstance(a, list) and isinstance(b, list)) or len(a) != len(b):
+    if not (isinstance(a, list) and isinstance(b, list)) or len(a) != len(b) or a == b:
         return None
-    return next((m for m in range(1, len(a) - 1) if a[m:] == b[: len(a) - m]), None)
+    # ids repeated within the step (padding ids, a periodic list) would match at a shift by chance
+    return next((m for m in range(1, len(a) - 1) if a[m:] == b[: len(a) - m] and len(set(map(repr, a[m:]))) > 1
+                 and len(set(map(repr, a))) == len(a)), None)
 
 
 def _hint(
