@@ -12,6 +12,17 @@ Jobs (each 2 ranks on the CPU under torchrun, gloo):
 - ``ddp``: a DDP job in this file (``ddp-job``): Dropout, AdamW, a scheduler, ``DistributedSampler``
   with ``set_epoch`` over many short epochs, a ``DataLoader`` with its own generator, fast-forwarded
   after a restore; ``ProofPlan(deterministic=True)`` and ``record_step(..., epoch=)``.
+- ``nanogpt``: ``examples/nanogpt.py`` (nanoGPT's train.py loop: memmap'd tokens, ``get_batch`` from torch's
+  global RNG with a prefetch, grad accumulation, cosine lr, eval on rank 0).
+- ``grpo_vllm``: ``examples/grpo_vllm.py`` with a real vLLM engine, in the vLLM venv (.venv-vllm), one rank,
+  runs of 12 steps; its kill moments are ``VLLM_KINDS`` (``mid_generation``: the example's own SIGKILL inside
+  the engine's generate; no ``rank_ahead``). A launch that ends its run starts a new root.
+
+After the kills, the same job runs once never killed, as far as the killed one got: every step record of
+every launch, and the final checkpoint's digests, are compared with it (``compare_records``,
+``compare_final``; grpo_vllm: each completed run's RESULT). Every resume is judged by ``evaluate`` and by
+``ckptguard prove --all --json``. ``--combine`` sums campaigns run side by side into one JSON and markdown
+(benchmarks/results/proof_campaign.md says how the committed figures were made).
 
 Kill moments, drawn at random per launch: ``after_commit`` (as soon as the tracker moves), ``mid_save``
 (a save paused mid-write, ``_faults.PAUSE_ENV``), ``random`` (a uniform delay after the launch's first
@@ -20,8 +31,7 @@ killed), and ``crash_loop`` (3 launches in a row killed before their next commit
 three times). Every kill takes the whole process tree (``ops._proctree``, as ``ckptguard rehearse``).
 A last launch runs until it recorded steps past a new commit, so the last resume has evidence.
 
-    python benchmarks/proof_campaign.py --kills 60 --jobs demo,ddp --seed 1 \\
-        --out benchmarks/results/proof_campaign.json
+    python benchmarks/proof_campaign.py --kills 30 --jobs nanogpt --seed 50 --out /tmp/nanogpt.json
 """
 
 from __future__ import annotations
