@@ -44,7 +44,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ckptguard.testing import free_port
 
@@ -53,6 +55,7 @@ JOB = REPO / "tests" / "trl_vllm_job.py"
 ORDER = {"step": 0, "save": 1, "sync": 2, "gen": 3}  # tests/trl_vllm_job.py's KILL_ORDER
 STEPS, SAVE_EVERY = 16, 2
 CONTROL_KILL = "step@6"
+Record = dict[str, Any]  # a JSON object
 
 
 def plan(kills: int, seed: int) -> list[str]:
@@ -81,7 +84,7 @@ def env(sync: str, vocab: int, control: str = "") -> dict[str, str]:
     return out
 
 
-def prove(root: Path, *args: str) -> dict:
+def prove(root: Path, *args: str) -> Record:
     """``ckptguard prove --json ARGS ROOT``: its JSON with the exit code."""
     proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--json", *args, str(root)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
@@ -93,7 +96,7 @@ def prove(root: Path, *args: str) -> dict:
     return {**out, "rc": proc.returncode}
 
 
-def launch(python: Path, work: Path, out: Path, kills: list[str], envs: dict[str, str], n: int) -> dict:
+def launch(python: Path, work: Path, out: Path, kills: list[str], envs: dict[str, str], n: int) -> Record:
     """One launch in a session of its own; the whole session goes once it exits (as a scheduler would)."""
     cmd = [str(python), str(JOB), "train", str(work), str(out), *([",".join(kills)] if kills else [])]
     log_out, log_err = work / f"{out.name}-{n}.out", work / f"{out.name}-{n}.err"
@@ -116,14 +119,14 @@ def launch(python: Path, work: Path, out: Path, kills: list[str], envs: dict[str
             "state_mismatch": mismatch.group(0)[:2000] if mismatch else None, "stderr_tail": err[-3000:]}
 
 
-def events(out: Path) -> list[dict]:
+def events(out: Path) -> list[Record]:
     path = out.parent / f"{out.name}.log.jsonl"
     if not path.is_file():
         return []
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip().endswith("}")]
 
 
-def missing_allowed(k: int, pid: int, earlier: set[int], log: list[dict]) -> str | None:
+def missing_allowed(k: int, pid: int, earlier: set[int], log: list[Record]) -> str | None:
     """Why an EVIDENCE MISSING verdict of the resume of step ``k`` by launch ``pid`` is what the kill left (None:
     it is not): that launch recorded no step past ``k``, or no earlier launch recorded anything past ``k``."""
     if not any(e["pid"] == pid and e["event"] == "step" and e["step"] > k for e in log):
@@ -133,8 +136,9 @@ def missing_allowed(k: int, pid: int, earlier: set[int], log: list[dict]) -> str
     return None
 
 
-def until_done(python: Path, work: Path, out: Path, kills: list[str], envs, judge: bool) -> list[dict]:
-    runs: list[dict] = []
+def until_done(python: Path, work: Path, out: Path, kills: list[str], envs: Callable[[], dict[str, str]],
+               judge: bool) -> list[Record]:
+    runs: list[Record] = []
     resumes = 0
     for n in range(len(kills) + 2):
         run = launch(python, work, out, kills, envs(), n)
@@ -151,7 +155,7 @@ def until_done(python: Path, work: Path, out: Path, kills: list[str], envs, judg
     return runs
 
 
-def judge_resumes(runs: list[dict], log: list[dict]) -> list[dict]:
+def judge_resumes(runs: list[Record], log: list[Record]) -> list[Record]:
     rows = []
     for i, run in enumerate(runs):
         if "prove" not in run:
@@ -168,7 +172,7 @@ def judge_resumes(runs: list[dict], log: list[dict]) -> list[dict]:
     return rows
 
 
-def completions(log: list[dict]) -> dict[int, set[str]]:
+def completions(log: list[Record]) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for e in log:
         if e["event"] == "completions":
@@ -176,7 +180,7 @@ def completions(log: list[dict]) -> dict[int, set[str]]:
     return out
 
 
-def campaign(a, python: Path, work: Path, ref: dict, ref_log: list[dict]) -> dict:
+def campaign(a: argparse.Namespace, python: Path, work: Path, ref: Record, ref_log: list[Record]) -> Record:
     kills = plan(a.kills, a.seed)
     print(f"plan ({len(kills)} kills): {' '.join(kills)}", flush=True)
     out = work / "killed"
@@ -206,11 +210,11 @@ def campaign(a, python: Path, work: Path, ref: dict, ref_log: list[dict]) -> dic
             "launches": [{k2: v for k2, v in x.items() if k2 not in ("stderr_tail", "prove")} for x in runs]}
 
 
-def gate(proof: dict, name: str) -> dict:
+def gate(proof: Record, name: str) -> Record:
     return next((g for g in proof.get("gates", []) if g["gate"] == name), {"status": "absent", "evidence": ""})
 
 
-def control(a, python: Path, work: Path, name: str, ref_log: list[dict]) -> dict:
+def control(a: argparse.Namespace, python: Path, work: Path, name: str, ref_log: list[Record]) -> Record:
     """A run killed at step@6, relaunched with the control: the named gate must FAIL."""
     out = work / f"control-{name}"
     first = launch(python, work, out, [CONTROL_KILL], env(a.sync, a.vocab), 0)
@@ -240,7 +244,7 @@ def control(a, python: Path, work: Path, name: str, ref_log: list[dict]) -> dict
     return row
 
 
-def markdown(report: dict) -> str:
+def markdown(report: Record) -> str:
     c = report.get("campaign")
     lines = [f"# TRL GRPO + vLLM colocated, vocabulary {report['vocab']}: kills and negative controls (issue 39)", "",
              f"Command: `{report['command']}`", "",
@@ -292,7 +296,7 @@ def main() -> int:
     if ref_run["rc"] != 0 or ref is None:
         print(ref_run["stderr_tail"], file=sys.stderr)
         return 1
-    report: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "vocab": a.vocab, "sync": a.sync,
+    report: Record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "vocab": a.vocab, "sync": a.sync,
                     "seed": a.seed, "machine": f"{os.cpu_count()} CPU cores, shared",
                     "reference_seconds": ref_run["seconds"], "reference": ref}
     ok = True
