@@ -44,7 +44,7 @@ def _cases(spec_type: type, manifest_spec: object, first_file: object) -> dict[s
 def _job(rank: int, world: int, base: str) -> dict:
     from ckptguard._commit import p2p, replica
     from ckptguard._records import manifest as _manifest
-    from ckptguard._records.stepfiles import files_needed
+    from ckptguard._records.manifest import files_needed
 
     base_p = Path(base)
     src_root = base_p / "src"

@@ -129,7 +129,7 @@ def node_files(step_dir: Path, node: int) -> list[Path]:
     """The files only ``node`` holds of a step on node-local disks: those its ranks wrote, less the ones
     the other node's ranks read too (DCP stores a replicated tensor once; each node keeps a copy)."""
     from ckptguard._records import manifest as _manifest
-    from ckptguard._records.stepfiles import files_needed
+    from ckptguard._records.manifest import files_needed
 
     manifest = _manifest.read(step_dir)
     ranks = range(node * PER_NODE, (node + 1) * PER_NODE)

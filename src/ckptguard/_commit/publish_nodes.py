@@ -36,7 +36,7 @@ from .._context import Actions, Context
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records.entries import Figure, FileEntry, NodeEntry
-from .._records.stepfiles import rank_reads
+from .._records.manifest import rank_reads
 from .._types import JsonObject
 from ..errors import (
     CheckpointError,

@@ -35,7 +35,7 @@ from .._disk import layout as _layout
 from .._disk.digest import file_digest
 from .._records import manifest as _manifest
 from .._records.entries import FileEntry
-from .._records.stepfiles import rank_reads
+from .._records.manifest import rank_reads
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage.base import DCP_METADATA

@@ -24,7 +24,7 @@ from .._commit import replica as _replica
 from .._context import Context
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
-from .._records.stepfiles import files_needed
+from .._records.manifest import files_needed
 from .._resume.resolve_local import Resolution, resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, CheckpointIncompleteError, error_payload, rebuild

@@ -17,8 +17,7 @@ from .._context import Context
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
 from .._records import trust as _trust
-from .._records.manifest import safe_member
-from .._records.stepfiles import files_needed
+from .._records.manifest import files_needed, safe_member
 from .._types import JsonObject
 from ..config import ReshardRule, ResumeMode
 from ..errors import (

@@ -28,8 +28,7 @@ from .._records import manifest as _manifest
 from .._records import runmanifest as _runmanifest
 from .._records.checks import verify_step
 from .._records.findings import Finding, Severity
-from .._records.manifest import safe_member
-from .._records.stepfiles import files_needed
+from .._records.manifest import files_needed, safe_member
 from .._resume.resolve_local import resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError
