@@ -326,6 +326,7 @@ def _plan(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> lis
 # ---------------------------------------------------------------- examples/grpo_vllm.py (vLLM venv, one process)
 
 GRPO_EPOCHS = 3  # 4 steps an epoch (4 prompts x 4 completions), a save every 2 steps: 12 steps a run
+GRPO_RANKS = {"grpo_vllm": 1, "grpo_vllm2": 2}  # grpo_vllm2: 2 gloo ranks (DDP), an engine each, 8 steps a run
 
 
 def _vllm_env() -> dict[str, str]:
@@ -343,11 +344,14 @@ class VllmLaunch:
     """One launch of examples/grpo_vllm.py, in a session of its own: a kill takes the session (the trainer and
     its in-process engine), as a scheduler ends a job."""
 
-    def __init__(self, root: Path, model_dir: Path, out: Path, extra_env: dict[str, str], args: list[str]) -> None:
+    def __init__(self, root: Path, model_dir: Path, out: Path, extra_env: dict[str, str], args: list[str],
+                 nproc: int = 1) -> None:
         self.since = time.time()
         self.out = out
+        # --nproc 2: the example starts its ranks in this session; its own kills take the whole process group
+        ranks = [f"--nproc={nproc}", "--epochs=2"] if nproc > 1 else [f"--epochs={GRPO_EPOCHS}"]
         cmd = [str(VLLM_PYTHON), str(EXAMPLES / "grpo_vllm.py"), "--root", str(root), "--model-dir", str(model_dir),
-               f"--epochs={GRPO_EPOCHS}", *args]
+               *ranks, *args]
         with open(out, "w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**_vllm_env(), **extra_env},
                                          cwd=root.parent, start_new_session=True)
@@ -375,8 +379,9 @@ class VllmLaunch:
         return json.loads(line[len("RESULT "):]) if line else None
 
 
-def _grpo_kill(kind: str, root: Path, model_dir: Path, out: Path, rng: random.Random, number: int,
+def _grpo_kill(job: str, kind: str, root: Path, model_dir: Path, out: Path, rng: random.Random, number: int,
                pause: Path) -> tuple[Kill, VllmLaunch]:
+    nproc = GRPO_RANKS[job]
     extra: dict[str, str] = {}
     args: list[str] = []
     start_tracker = _tracker(root)
@@ -386,12 +391,23 @@ def _grpo_kill(kind: str, root: Path, model_dir: Path, out: Path, rng: random.Ra
         extra = {"CKPTGUARD_REHEARSE_PAUSE_DIR": str(pause)}
     if kind == "mid_generation":  # the example's own timer, 50 ms into the engine's generate of that step
         args = [f"--kill=generate@{start_tracker + rng.randint(1, 2)}", f"--kills-file={out.with_suffix('.fired')}"]
-    launch = VllmLaunch(root, model_dir, out, extra, args)
-    first_step = lambda: bool(_since_rank(root, launch.since, "step", 0))  # noqa: E731
+    launch = VllmLaunch(root, model_dir, out, extra, args, nproc)
+
+    def first_step() -> bool:
+        return bool(_since_rank(root, launch.since, "step", 0))
+
     if kind == "after_commit":
         launch.wait(lambda: _tracker(root) > start_tracker)
     elif kind == "mid_save":
-        launch.wait(lambda: any(pause.glob("paused_rank_*")))
+        launch.wait(lambda: len(list(pause.glob("paused_rank_*"))) >= nproc)
+    elif kind == "rank_ahead":  # rank 1 (its pid from its own records) stopped; rank 0 runs on until it blocks
+        launch.wait(lambda: first_step() and bool(_since_rank(root, launch.since, "step", 1)))
+        time.sleep(rng.uniform(0.0, 3.0))
+        pids = [r["pid"] for r in _since_rank(root, launch.since, "step", 1)]
+        if pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[-1], signal.SIGSTOP)
+            time.sleep(1.0)
     elif kind == "mid_generation":
         launch.wait(lambda: False)  # until it kills itself
     elif kind == "crash_loop":
@@ -402,58 +418,60 @@ def _grpo_kill(kind: str, root: Path, model_dir: Path, out: Path, rng: random.Ra
         time.sleep(rng.uniform(0.0, 4.0))
     exited = launch.kill()
     restored = _since_rank(root, launch.since, "restore", 0)
-    return Kill("grpo_vllm", kind, number, int(restored[-1]["step"]) if restored else None, _tracker(root),
+    return Kill(job, kind, number, int(restored[-1]["step"]) if restored else None, _tracker(root),
                 round(time.time() - launch.since, 2), [], [exited] if exited is not None else []), launch
 
 
-def run_grpo(kills: int, rng: random.Random, work: Path, deadline: float | None) -> dict[str, Any]:
+def run_grpo(job: str, kills: int, rng: random.Random, work: Path, deadline: float | None) -> dict[str, Any]:
     """Runs of 12 steps, each launch killed at a drawn moment; a launch that ends by itself ends its run (a
     new root then); the last run is completed by a launch left alone. Each completed run's RESULT (params,
     AdamW state, completions) is compared with an uninterrupted run's."""
-    base = work / "grpo_vllm"
+    nproc = GRPO_RANKS[job]
+    base = work / job
     base.mkdir(parents=True, exist_ok=True)
     model_dir = base / "model"
     (base / "ref").mkdir(exist_ok=True)
-    ref_launch = VllmLaunch(base / "ref" / "ckpt", model_dir, base / "ref.out", {}, [])
+    ref_launch = VllmLaunch(base / "ref" / "ckpt", model_dir, base / "ref.out", {}, [], nproc)
     ref_launch.wait(lambda: False, timeout_s=3600)
     ref_launch.kill()
     reference = ref_launch.result()
     if reference is None:
-        raise SystemExit(f"grpo_vllm: the uninterrupted run printed no RESULT: {base / 'ref.out'}")
+        raise SystemExit(f"{job}: the uninterrupted run printed no RESULT: {base / 'ref.out'}")
     began, done, runs = time.time(), [], []
     run, launches = 0, 0
-    plan = [k for k in _plan(kills, rng, VLLM_KINDS)]
+    plan = _plan(kills, rng, VLLM_KINDS + (("rank_ahead",) if nproc > 1 else ()))
     for n, kind in enumerate(plan, 1):
         if deadline is not None and time.time() > deadline and kind != "crash_loop":
-            print(f"grpo_vllm: the deadline passed after {n - 1} kills", flush=True)
+            print(f"{job}: the deadline passed after {n - 1} kills", flush=True)
             break
         root = base / f"run{run}" / "ckpt"
         root.parent.mkdir(parents=True, exist_ok=True)
-        kill, launch = _grpo_kill(kind, root, model_dir, base / f"run{run}" / f"launch-{launches}.out", rng, n,
+        kill, launch = _grpo_kill(job, kind, root, model_dir, base / f"run{run}" / f"launch-{launches}.out", rng, n,
                                   work / "pause-grpo")
         launches += 1
         done.append(kill)
-        print(f"grpo_vllm kill {n}/{len(plan)} {kind}: run {run}, restored {kill.restored}, tracker "
+        print(f"{job} kill {n}/{len(plan)} {kind}: run {run}, restored {kill.restored}, tracker "
               f"{kill.tracker}, {kill.seconds} s", flush=True)
         if launch.proc.returncode not in (0, -signal.SIGKILL):
-            print(f"grpo_vllm: launch exited {launch.proc.returncode}: {launch.out}", flush=True)
+            print(f"{job}: launch exited {launch.proc.returncode}: {launch.out}", flush=True)
         if launch.proc.returncode == 0:  # the run reached its last step before the kill: a new run, a new root
-            runs.append(_grpo_run(run, root, launch.result(), reference))
+            runs.append(_grpo_run(run, root, launch.result(), reference, nproc))
             run, launches = run + 1, 0
     root = base / f"run{run}" / "ckpt"
     if root.exists():  # the last run to its end, untouched
-        last = VllmLaunch(root, model_dir, base / f"run{run}" / f"launch-{launches}.out", {}, [])
+        last = VllmLaunch(root, model_dir, base / f"run{run}" / f"launch-{launches}.out", {}, [], nproc)
         last.wait(lambda: False, timeout_s=3600)
         last.kill()
-        runs.append(_grpo_run(run, root, last.result(), reference))
+        runs.append(_grpo_run(run, root, last.result(), reference, nproc))
     rows = []
     for r in runs:
-        rows += [{**row, "run": r["run"]} for row in judge("grpo_vllm", Path(r["root"]), world=1)]
-    return {"job": "grpo_vllm", "kills": [asdict(k) for k in done], "resumes": rows, "runs": runs,
+        rows += [{**row, "run": r["run"]} for row in judge(job, Path(r["root"]), world=nproc)]
+    return {"job": job, "kills": [asdict(k) for k in done], "resumes": rows, "runs": runs,
             "seconds": round(time.time() - began)}
 
 
-def _grpo_run(run: int, root: Path, result: dict[str, Any] | None, reference: dict[str, Any]) -> dict[str, Any]:
+def _grpo_run(run: int, root: Path, result: dict[str, Any] | None, reference: dict[str, Any],
+              nproc: int = 1) -> dict[str, Any]:
     """A completed run against the uninterrupted one: final parameters, AdamW state, and the completions of
     every step its last launch generated; and every step record against the reference's."""
     out: dict[str, Any] = {"run": run, "root": str(root), "completed": result is not None}
@@ -461,7 +479,7 @@ def _grpo_run(run: int, root: Path, result: dict[str, Any] | None, reference: di
         out["final_params_equal"] = result["params"] == reference["params"]
         out["final_optim_equal"] = result["optim"] == reference["optim"]
         out["completions_equal"] = all(reference["completions"].get(k) == v for k, v in result["completions"].items())
-    out["records"] = compare_records(root, root.parents[1] / "ref" / "ckpt", world=1)
+    out["records"] = compare_records(root, root.parents[1] / "ref" / "ckpt", world=nproc)
     return out
 
 
@@ -596,8 +614,8 @@ def judge(job: str, root: Path, world: int = WORLD) -> list[dict[str, Any]]:
 
 def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int,
             deadline: float | None = None) -> dict[str, Any]:
-    if job == "grpo_vllm":
-        return run_grpo(kills, rng, work, deadline)
+    if job in GRPO_RANKS:
+        return run_grpo(job, kills, rng, work, deadline)
     root = work / job / "ck"
     root.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -623,11 +641,12 @@ def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int,
 
 def rejudge(res: dict[str, Any], work: Path) -> dict[str, Any]:
     """A job of an earlier campaign judged again by this prove (its kills and reference comparisons kept)."""
-    if res["job"] != "grpo_vllm":
+    if res["job"] not in GRPO_RANKS:
         return {**res, "resumes": judge(res["job"], work / res["job"] / "ck")}
     rows = []
     for run in res["runs"]:
-        rows += [{**row, "run": run["run"]} for row in judge("grpo_vllm", Path(run["root"]), world=1)]
+        rows += [{**row, "run": run["run"]} for row in judge(res["job"], Path(run["root"]),
+                                                            world=GRPO_RANKS[res["job"]])]
     return {**res, "resumes": rows}
 
 
@@ -676,9 +695,9 @@ def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
     checkpoint's items and tensors (or, for grpo_vllm, each completed run's RESULT) and what differs."""
     out: dict[str, Any] = {}
     for res in results:
-        if res["job"] == "grpo_vllm":
+        if res["job"] in GRPO_RANKS:
             runs = res.get("runs", [])
-            out["grpo_vllm"] = {
+            out[res["job"]] = {
                 "runs_completed": sum(r["completed"] for r in runs),
                 "final_equal": sum(bool(r.get("final_params_equal") and r.get("final_optim_equal")
                                         and r.get("completions_equal")) for r in runs),
@@ -694,7 +713,8 @@ def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------- several campaigns summed, in markdown
 
 JOB_TITLES = {"demo": "demo (RL: FSDP2, FP8 export, old-logprobs)", "ddp": "ddp (DDP, Dropout, sampler, epochs)",
-              "nanogpt": "nanogpt (nanoGPT's loop, 2 ranks)", "grpo_vllm": "grpo_vllm (GRPO, vLLM engine, 1 rank)"}
+              "nanogpt": "nanogpt (nanoGPT's loop, 2 ranks)", "grpo_vllm": "grpo_vllm (GRPO, vLLM engine, 1 rank)",
+              "grpo_vllm2": "grpo_vllm2 (GRPO, vLLM engines, 2 ranks)"}
 
 
 def combine(paths: list[str]) -> dict[str, Any]:
@@ -742,7 +762,7 @@ def markdown(out: dict[str, Any], head: str) -> str:
               "| job | step records compared (every launch, every rank) | differing | final state |",
               "|---|---|---|---|"]
     for job, v in out["summary"]["against_uninterrupted"].items():
-        if job == "grpo_vllm":
+        if job in GRPO_RANKS:
             final = (f"{v['final_equal']} of {v['runs_completed']} completed runs: parameters, AdamW state and the "
                      "last launch's completions equal")
         elif v["final"]["compared"]:
