@@ -64,6 +64,14 @@ def test_the_probe_is_small_and_the_engines_count_is_read_without_a_reference_pr
     twice = {"adapter": adapter_probe({"w": w + 3 * d}, {"w": (w, d)})}
     assert "base + 3.00 x delta for ['w']" in merged_multiple({"adapter": probe}, twice)
     assert merged_multiple({"adapter": probe}, {"adapter": probe}) == ""
+    # another delta (the adapter not restored) is named as such, never as a multiple of the reference's
+    other = {"adapter": adapter_probe({"w": w + d.flip(0)}, {"w": (w, d.flip(0))})}
+    assert merged_multiple({"adapter": probe}, other) == (
+        "; the adapter's delta differs from the reference run's at sampled entries of ['w'] (the adapter, or its "
+        "scaling, not restored as saved)")
+    # values that are not base + k x delta (another base, the same delta) are no multiple either
+    noise = {"adapter": adapter_probe({"w": w + d + torch.randn(64, 64)}, {"w": (w, d)})}
+    assert "x delta" not in merged_multiple({"adapter": probe}, noise)
     # an engine's record (no exported values): base + count x delta; an older reference without a probe
     assert "base + 2.00 x delta for ['w']" in merged_multiple({}, {"lora": {"w": 2.0, "u": 1.0}})
     # a damaged record never raises: lists too long or not numbers are not read

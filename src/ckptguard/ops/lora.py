@@ -89,8 +89,22 @@ def _fit(values: list[float], base: list[float], delta: list[float], eps: float)
     return k, bound
 
 
-def _multiples(ref: Mapping[str, Any], first: Mapping[str, Any]) -> list[tuple[str, float, float | None]]:
-    """``[(weight, k, base shift)]`` of the weights whose held multiple of the delta is not 1."""
+def _close(a: list[float], b: list[float], eps: float) -> bool:
+    """Equal within a few roundings of ``eps`` (the same adapter gives the same sampled entries)."""
+    return len(a) == len(b) and all(abs(x - y) <= 4 * eps * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def _is_multiple(values: list[float], base: list[float], delta: list[float], eps: float, k: float) -> bool:
+    """Whether ``values`` are ``base + k x delta`` at every entry, within the roundings of both sides: values of
+    another form (another adapter, another base) are no multiple of the delta, whatever k the fit gives."""
+    return all(abs(v - b - k * d) <= 4 * eps * (abs(v) + abs(b)) + 1e-3 * abs(k * d)
+               for v, b, d in zip(values, base, delta, strict=True))
+
+
+def _multiples(ref: Mapping[str, Any], first: Mapping[str, Any],
+               other_delta: list[str] | None = None) -> list[tuple[str, float, float | None]]:
+    """``[(weight, k, base shift)]`` of the weights whose held multiple of the delta is not 1; the weights whose
+    own delta differs from the reference's go to ``other_delta`` (no multiple of the reference's delta)."""
     ref_probe, probe, counts = ref.get("adapter"), first.get("adapter"), first.get("lora")
     names = sorted(set(probe) if isinstance(probe, Mapping) else set())
     found: list[tuple[str, float, float | None]] = []
@@ -100,8 +114,12 @@ def _multiples(ref: Mapping[str, Any], first: Mapping[str, Any]) -> list[tuple[s
         own = _entry(probe, name)
         if held is None or against is None:
             continue
+        if own is not None and not _close(own[1], against[1], against[2]):
+            if other_delta is not None:
+                other_delta.append(name)
+            continue
         fit = _fit(held, *against)
-        if fit is None or abs(fit[0] - 1.0) <= max(fit[1], 5e-3):
+        if fit is None or abs(fit[0] - 1.0) <= max(fit[1], 5e-3) or not _is_multiple(held, *against, fit[0]):
             continue
         shift = _fit(own[0], against[0], against[1], against[2]) if own is not None else None
         found.append((name, fit[0], shift[0] if shift and abs(shift[0]) > max(shift[1], 5e-3) else None))
@@ -114,9 +132,13 @@ def _multiples(ref: Mapping[str, Any], first: Mapping[str, Any]) -> list[tuple[s
 
 def merged_multiple(ref: Mapping[str, Any], first: Mapping[str, Any]) -> str:
     """The cause text of a first export whose LoRA delta is held other than once (see the module doc), or ""."""
-    found = _multiples(ref, first)
+    other: list[str] = []
+    found = _multiples(ref, first, other)
+    more = " ..." if len(other) > 6 else ""
+    delta = (f"; the adapter's delta differs from the reference run's at sampled entries of {other[:6]}{more} (the "
+             "adapter, or its scaling, not restored as saved)" if other else "")
     if not found:
-        return ""
+        return delta
     groups: dict[str, list[str]] = {}
     for name, k, _shift in found:
         groups.setdefault(f"{k:.2f}", []).append(name)
@@ -126,4 +148,4 @@ def merged_multiple(ref: Mapping[str, Any], first: Mapping[str, Any]) -> str:
     why = (f" (its base already held {' / '.join(shifted)} x delta before the merge for the push: an adapter "
            "merged into the base weights, e.g. a model rebuilt from a merged export)" if shifted else "")
     return (f"; LoRA delta merged other than once: the engine holds {held}, against the reference run's base "
-            f"and delta at sampled entries{why}")
+            f"and delta at sampled entries{why}{delta}")
