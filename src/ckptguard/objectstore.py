@@ -25,7 +25,9 @@ there and on the store; ``last_url`` is the store's marker URL), and ``resolve``
 go to the staging root's proof log, copied to the store's ``proof/`` at every publish and at close.
 
 ``publish(step, step_dir)`` is the seam a ``Publisher`` calls: it takes a committed local step
-directory and does the store part alone.
+directory and does the store part alone. The door composes; the rounds over the ranks are the commit
+side's (``_commit.storepublish``: the lease, the attempt, the uploads, marker and tracker, rotation, a
+staging commit the store never made) and the restore side's (``_resume.storefetch``: the download).
 """
 
 from __future__ import annotations
@@ -36,24 +38,21 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._agree import Wire, gather_decide, on_every_rank
+from ._agree import Wire, gather_decide
+from ._commit import storepublish as _publish
 from ._commit.busy import BusyRound, check_policy, may_start
 from ._commit.pending import PendingSave
 from ._context import Actions
 from ._core.guard import GuardTarget
 from ._core.parts import Parts
 from ._core.root import ProofSink, check_state, check_step
-from ._disk import layout as _layout
-from ._disk.layout import MANIFEST_NAME, atomic_write_bytes, read_json
+from ._disk.layout import MANIFEST_NAME, atomic_write_bytes
 from ._dist import make_agreement
-from ._records import contract as _contract
-from ._records import manifest as _manifest
-from ._records.entries import FileEntry
 from ._records.proofreader import records_dir
 from ._records.proofwriter import ExportFingerprint
 from ._records.retention import KeepLast, RetentionPolicy
@@ -61,10 +60,10 @@ from ._resume.resolve_local import Resolution
 from ._resume.storefetch import fetch_step
 from ._types import JsonObject, StateDict
 from .config import BlockingBudget, CheckpointConfig, OnBusy, ResumeMode
-from .errors import CheckpointCorruptError, CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError
 from .manager import CheckpointManager
 from .storage.base import Storage
-from .storage.s3 import Consistency, ObjectStore, ObjectStoreOptions, StoredObject, StoreURL
+from .storage.s3 import Consistency, ObjectStore, ObjectStoreOptions, StoreURL
 
 __all__ = ["Consistency", "ObjectStoreCheckpoint", "ObjectStoreOptions", "StoreURL"]
 
@@ -74,31 +73,6 @@ log = logging.getLogger("ckptguard")
 @dataclass(frozen=True)
 class _Empty(Wire):
     pass
-
-
-@dataclass(frozen=True)
-class _Begun(Wire):
-    attempt: str
-
-
-@dataclass(frozen=True)
-class _Uploaded(Wire):
-    objects: dict[str, dict[str, Any]] = field(default_factory=dict)  # relative path -> {size, xxh3, etag}
-
-
-@dataclass(frozen=True)
-class _Committed(Wire):
-    url: str
-
-
-@dataclass(frozen=True)
-class _Staged(Wire):
-    tracker: int  # this rank's staging root's tracker (0: none)
-
-
-@dataclass(frozen=True)
-class _Replace(Wire):
-    replace: bool
 
 
 @dataclass(frozen=True)
@@ -161,6 +135,8 @@ class ObjectStoreCheckpoint:
         self._host = info.host  # ranks of one host share its staging root (CKPTGUARD_NODE where tests fake nodes)
         self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # rank 0's lease id
         self._restored: int | None = None
+        self._publisher = _publish.Publisher(self._publishing, self.store, self.local.root, self._holder,
+                                             self.retention)
         self._rooted = False  # this job published or restored a step: the root exists, proof copies may go there
 
     @property
@@ -241,61 +217,24 @@ class ObjectStoreCheckpoint:
             self._parts.proof.record(event, durable=durable, **fields)
 
     def replaces(self, step: int) -> bool:
-        """Whether the staging save of ``step`` must replace staging steps the store never committed
-        (collective): a job killed after its staging commit of step N and before the store's marker
-        leaves the staging root at N and the store at an older step; the relaunch restores the
-        store's step, and its staging save of any step up to N (N itself included) replaces the
-        staging root's copy instead of refusing it as committed. The staging root is this job's
-        scratch space: the store alone says what is committed."""
-        try:
-            mine = _Staged(_layout.read_tracker(self.local.root) or 0)
-        except (OSError, CheckpointError):  # never raised on one rank alone; the staging save reports it on all
-            mine = _Staged(0)
-        return gather_decide(self._agreement, "store.replaces", mine, lambda views: self._replaces(step, views),
-                             decision=_Replace).replace
-
-    def _replaces(self, step: int, views: list[_Staged]) -> _Replace:
-        if max(v.tracker for v in views) < step:
-            return _Replace(False)  # the usual case: nothing in the way, no read of the store
-        stored = self.store.tracker()[0] or 0
-        if stored < step:
-            log.warning("ckptguard: %s holds a staging commit at or past step %d that %s never committed (the store's "
-                        "tracker says %d: a save killed before its upload finished); step %d replaces it",
-                        self.local.root, step, self.store.url, stored, step)
-        return _Replace(stored < step)
+        """Whether the staging save of ``step`` must replace a staging commit the store never made (a job killed
+        inside the upload window; collective, ``_commit.storepublish.replaces``). The staging root is this
+        job's scratch space: the store alone says what is committed."""
+        return _publish.replaces(self._agreement, self.store, self.local.root, step)
 
     def publish(self, step: int, step_dir: Path, *, break_lease: bool = False) -> str:
-        """Publish the committed local step directory ``step_dir`` as ``step`` on the store (collective)."""
-        begun = gather_decide(self._publishing, "store.begin", _Empty(), lambda _: self._begin(step, break_lease),
-                              decision=_Begun)
-        typed = _manifest.read(step_dir)  # checked as a restore checks it: the store gets a committed step only
-        manifest, files = typed.to_json(), typed.files
-        mine = [f for f in files if (f.rank or 0) == self.rank]
-
-        def upload() -> _Uploaded:
-            etags = self.store.upload(step, begun.attempt, [(f.path, step_dir / f.path, f.size) for f in mine])
-            return _Uploaded({f.path: {"size": f.size, "xxh3": f.xxh3, "etag": etags[f.path]} for f in mine})
-
-        uploaded = on_every_rank(self._publishing, "store.upload", upload)
-        done = gather_decide(self._publishing, "store.commit", uploaded,
-                             lambda views: self._commit(step, begun.attempt, views, files, manifest),
-                             decision=_Committed)
-        log.info("ckptguard: committed step %d on the object store at %s", step, done.url)
-        self._rooted, self.last_url = True, done.url
+        """Publish the committed local step directory ``step_dir`` as ``step`` on the store (collective,
+        ``_commit.storepublish``); returns the marker's URL. The store's rotation keeps the restored step."""
+        protect = {self._restored} if self._restored else set()
+        url = self._publisher.publish(step, step_dir, protect=protect, break_lease=break_lease)
+        self._rooted, self.last_url = True, url
         self.copy_proof()
-        return done.url
-
-    def _begin(self, step: int, break_lease: bool = False) -> _Begun:
-        self.hold(break_lease)
-        return _Begun(self.store.begin(step, replace_orphan=True))
+        return url
 
     def hold(self, break_lease: bool = False) -> None:
         """Rank 0's part (not collective): create the root record and tracker 0 if absent, then take or
         renew the store's write lease for this job (``LeaseHeldError`` while another live job holds it)."""
-        self.store.ensure_root()
-        note = self.store.acquire_lease(self._holder, override=break_lease)
-        if note:
-            log.warning("ckptguard: %s: %s", self.store.url, note)
+        _publish.hold(self.store, self._holder, break_lease)
 
     def check_lease(self, break_lease: bool = False) -> None:
         """Raise ``LeaseHeldError`` on every rank while another live job holds the store's lease (collective)."""
@@ -346,34 +285,6 @@ class ObjectStoreCheckpoint:
             log.warning("ckptguard: copying the proof records %s to %s/proof failed (%s: %s); the copy is retried "
                         "at the next save; `ckptguard prove %s` reads them meanwhile", path, self.store.url,
                         type(exc).__name__, exc, self.local.root)
-
-    def _commit(self, step: int, attempt: str, views: list[_Uploaded], files: Sequence[FileEntry],
-                manifest: JsonObject) -> _Committed:
-        objects = {path: StoredObject(int(o["size"]), str(o["xxh3"]), str(o["etag"]))
-                   for view in views for path, o in view.objects.items()}
-        missing = sorted({f.path for f in files} - set(objects))
-        if missing:
-            raise CheckpointCorruptError(
-                f"step {step}: no rank uploaded {missing[:5]} ({len(missing)} files of the manifest); the manifest "
-                "names a rank that is not in this group: publish from the job that wrote the step")
-        self.store.check_lease(self._holder)  # still ours (renewed at begin): a lost lease never commits
-        phases = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.local.root)}
-        url = self.store.commit(step, attempt, objects, manifest, phases=phases, lease=self._holder)
-        self._rotate(step)
-        return _Committed(url)
-
-    def _rotate(self, step: int) -> None:
-        if self.retention is None:
-            return
-        protect = {step} | ({self._restored} if self._restored else set())
-        try:
-            gone = self.store.rotate(self.retention.keep, protect)
-        except (CheckpointError, OSError) as exc:  # rotation never stops training; retried at the next save
-            log.warning("ckptguard: rotation on %s after step %d failed (%s: %s); retried at the next save",
-                        self.store.url, step, type(exc).__name__, exc)
-            return
-        if gone:
-            log.info("ckptguard: retention deleted steps %s on %s", gone, self.store.url)
 
     # ------------------------------------------------------------ restore
 
