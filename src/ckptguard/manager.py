@@ -318,7 +318,7 @@ class CheckpointManager:
         """What follows a commit before the caller may go on: the log line, the save record (with the
         seconds the caller was held, ``ckptguard goodput``), trust."""
         log.info("ckptguard: committed step %d at %s", step, path)
-        self._record("save", step=step, path=str(path), plan=self.config.proof.as_dict(), world_size=self.world_size,
+        self._record("save", step=step, path=str(path), world_size=self.world_size,
                      blocked_s=round(blocked_s, 4), commit_s=round(time.monotonic() - began, 4))
         self.core.committed(step)
         self.core.observe_held(publisher=self._ctx.node_publisher)
@@ -377,7 +377,7 @@ class CheckpointManager:
         log.info("ckptguard: %s", res.describe())
         seen: dict[str, dict[str, Any]] = {"digests": {}, "layout_free": {}, "replicas": {}}
         before = addresses(state)
-        where: dict[str, Any] = {"world_size": self.world_size, "plan": self.config.proof.as_dict()}
+        where: dict[str, Any] = {"world_size": self.world_size}
         try:
             done = _restore.restore(
                 self._ctx, state, res, on_verified=lambda m, kind="digests": seen[kind].update(m)

@@ -378,8 +378,8 @@ class RunCheckpoint:
         path = self.root / self._naming.name(step)
         log.info("ckptguard: committed run step %d (roles %s) at %s", step, ", ".join(self._ranks), path)
         for name, ctx in self._roles.items():
-            self._proofs.record(name, "save", step=step, path=str(path / name), plan=self.config.proof.as_dict(),
-                         world_size=ctx.world, **({"async": True} if snaps[name].resumed is not None else {}))
+            self._proofs.record(name, "save", step=step, path=str(path / name), world_size=ctx.world,
+                                **({"async": True} if snaps[name].resumed is not None else {}))
         self.core.committed(step, seconds=time.monotonic() - started)
         if self.rank == 0:
             self.core.trust_committed(step)
@@ -483,10 +483,9 @@ class RunCheckpoint:
         # What restore checks before it reads a tensor, for every role before any role reads one.
         on_every_rank(self._run.agreement, "run.checked", lambda: each_role(
             self._roles, lambda name, ctx: check_role_part(ctx, parts[name], states[name])))
-        plan = self.config.proof.as_dict()
         on_every_rank(self._run.agreement, "run.restored", lambda: each_role(
             self._roles, lambda name, ctx: load_role_part(
-                ctx, parts[name], states[name], step=res.step, plan=plan, derived=self._derived.get(name),
+                ctx, parts[name], states[name], step=res.step, derived=self._derived.get(name),
                 record=lambda event, **fields: self._proofs.record(name, event, **fields),
                 sink=self._proofs.sinks[name])))
         self.core.restarted_at(res.step)

@@ -1,7 +1,7 @@
 """The roles of a run (``ckptguard.RunCheckpoint``): what a role is, what a rank reports of its roles.
 
 A ``Role`` names the ranks that hold one model or the driver of a run; every role's part of a step
-is written by the single-role protocol into the run's temp directory (``_commit.publish_role``), and
+is written by the single-role protocol into the run's temp directory (``_commit.publish.RolePartPublisher``), and
 the run step is published once every role on every rank confirmed (``_commit.publish_run``).
 """
 
@@ -122,13 +122,13 @@ def check_role_part(ctx: Context, part: Resolution, state: StateDict) -> None:
 
 
 def load_role_part(
-    ctx: Context, part: Resolution, state: StateDict, *, step: int, plan: JsonObject,
+    ctx: Context, part: Resolution, state: StateDict, *, step: int,
     record: Callable[..., None], derived: DerivedState | None, sink: ProofSink | None = None,
 ) -> None:
     """Restore one role's part into ``state`` and record it (a failure is recorded, then raised).
     ``sink``: the role's; its first step record after this carries the replicas again."""
     before = addresses(state)
-    where: dict[str, Any] = {"step": step, "path": str(part.path), "world_size": ctx.world, "plan": plan}
+    where: dict[str, Any] = {"step": step, "path": str(part.path), "world_size": ctx.world}
     seen: dict[str, dict[str, Any]] = {"digests": {}, "layout_free": {}, "replicas": {}}
     try:
         done = _restore.restore(ctx, state, part, on_verified=lambda m, kind="digests": seen[kind].update(m))
@@ -184,7 +184,7 @@ class RoleProofs:
         for name, role_rank in ranks.items():
             log = ProofLog(root, role_rank, role=name)
             log.code = config.contract.code if config.contract is not None else None
-            sinks[name] = ProofSink(log, enabled=config.proof.record)
+            sinks[name] = ProofSink(log, enabled=config.proof.record, plan=config.proof.as_dict())
         return cls(sinks, health=config.health, rank=rank)
 
     def held(self, role: Any, where: str) -> str:

@@ -28,6 +28,7 @@ from .._records import retention
 from .._records import trust as _trust
 from .._records.proofwriter import ProofLog, read_alone, replica_fields
 from .._state.state import KeyFn
+from .._types import JsonObject
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError, ReplicatedDivergenceError
 
@@ -53,21 +54,25 @@ class ProofSink:
     A ``TieredCheckpoint`` gives both tiers a sink into one log (the root every rank can read), each
     tagging its save and restore records with its tier (``tagged``), through ``_core.parts.Parts``."""
 
-    def __init__(self, log: ProofLog, *, enabled: bool, tags: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, log: ProofLog, *, enabled: bool, tags: Mapping[str, str] | None = None, plan: JsonObject | None = None,
+    ) -> None:
         self.log = log
         self.enabled = enabled
         self.tags: dict[str, str | list[int]] = dict(tags or {})  # a tier, the replicas a restore read
+        self.plan = plan
+        """``ProofPlan.as_dict()``: on every save record and every restore record of a step (prove reads it)."""
 
     @classmethod
     def open(cls, home: Path, rank: int, config: CheckpointConfig) -> ProofSink:
         """The sink of ``rank``'s records under ``home``/proof, as ``config`` asks (on or off, the code hash)."""
         log = ProofLog(home, rank)
         log.code = config.contract.code if config.contract is not None else None
-        return cls(log, enabled=config.proof.record)
+        return cls(log, enabled=config.proof.record, plan=config.proof.as_dict())
 
     def tagged(self, tags: Mapping[str, str]) -> ProofSink:
         """A sink into the same log whose save and restore records carry ``tags`` (a tier's)."""
-        return ProofSink(self.log, enabled=self.enabled, tags=tags)
+        return ProofSink(self.log, enabled=self.enabled, tags=tags, plan=self.plan)
 
     @contextlib.contextmanager
     def adding(self, tags: Mapping[str, str | list[int]]) -> Iterator[None]:
@@ -82,7 +87,9 @@ class ProofSink:
     def record(self, event: str, *, durable: bool = True, **fields: Any) -> None:
         if not self.enabled:
             return
-        tagged = self.tags if event in ("save", "restore") else {}
+        tagged: dict[str, Any] = dict(self.tags) if event in ("save", "restore") else {}
+        if self.plan is not None and (event == "save" or (event == "restore" and not fields.get("fresh"))):
+            tagged["plan"] = self.plan
         self.log.keep(self.log.build(event, **{**tagged, **fields}), durable=durable)
 
     @contextlib.contextmanager
