@@ -35,10 +35,10 @@ def test_a_sync_save_returns_before_the_dropped_step_is_deleted(tmp_path, monkey
     release, entered = threading.Event(), threading.Event()
     real_delete = retention._delete
 
-    def slow_delete(path: Path) -> None:
+    def slow_delete(path: Path, what: str = "") -> None:
         entered.set()
         release.wait(30)  # the delete of step 1 is held until the test has seen save(2) return
-        real_delete(path)
+        real_delete(path, what)
 
     monkeypatch.setattr(retention, "_delete", slow_delete)
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=cg.KeepLast(1)))
@@ -68,7 +68,7 @@ from pathlib import Path
 from ckptguard._records import retention
 from ckptguard.ops.verify import verify_root
 
-def partial_delete(path):
+def partial_delete(path, what=""):
     files = sorted(p for p in path.rglob("*") if p.is_file())
     files[0].unlink()  # a real delete under way: one file gone, the rest still there
     Path(sys.argv[2]).write_text("mid-delete")

@@ -266,9 +266,11 @@ def test_failed_delete_is_reported_and_retried(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(_layout.shutil, "rmtree", flaky)
     caplog.set_level(logging.WARNING, logger="ckptguard")
     mgr.save(2, _state(2))  # training goes on
+    assert retention.DELETER.wait(30)  # the delete runs off the commit's path
     assert "could not delete step 1" in caplog.text
     assert not (root / "step_00000001" / "manifest.json").exists()  # uncommitted first
     assert mgr.committed_steps() == [2]
     assert [p.name.split("-")[1] for p in root.glob(".trash-*")] == ["step_00000001"]
     mgr.save(3, _state(3))  # the next rotation retries the delete
+    assert retention.DELETER.wait(30)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith((".trash", "step_"))) == ["step_00000003"]

@@ -27,7 +27,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -250,19 +250,19 @@ def apply(
     report = RetentionReport(
         kept=sorted(s for s in committed if s in keep), deleted=[], failed={}, not_counted=not_counted
     )
-    trash: list[Path] = []
+    trash: dict[Path, str] = {}
     for step in committed:
         if step in keep:
             continue
         try:
-            trash.append(_layout.uncommit_to_trash(dirs[step]))  # cheap and atomic: a rename, then the manifest
+            trash[_layout.uncommit_to_trash(dirs[step])] = f"step {step}"  # cheap: a rename, then the manifest
             report.deleted.append(step)
         except OSError as exc:
             report.failed[step] = f"{type(exc).__name__}: {exc}"
             log.warning(
                 "ckptguard: could not delete step %d at %s (%s); retried at the next save", step, dirs[step], exc
             )
-    DELETER.submit(trash)
+    DELETER.submit(trash, trash)
     return report
 
 
@@ -276,12 +276,15 @@ def _trash_dirs(root: Path) -> list[Path]:
         return []
 
 
-def _delete(path: Path) -> None:
+def _delete(path: Path, what: str = "") -> None:
     if not _layout.is_trash_dir(path):  # only a directory the trash's own name marks; never through a link
         return
-    shutil.rmtree(path, ignore_errors=True)
-    if path.exists():
-        log.warning("ckptguard: %s could not be deleted yet; retried at the next save", path)
+    try:
+        shutil.rmtree(path)
+    except OSError as exc:
+        log.warning("ckptguard: could not delete %s%s (%s: %s); it is uncommitted (never resumed from), and the "
+                    "next save retries the delete", what or path, f" at {path}" if what else "", type(exc).__name__,
+                    exc)
 
 
 class Deleter:
@@ -290,16 +293,17 @@ class Deleter:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._queue: list[Path] = []
+        self._queue: list[tuple[Path, str]] = []
         self._pending: set[Path] = set()
         self._thread: threading.Thread | None = None
 
-    def submit(self, paths: Iterable[Path]) -> None:
+    def submit(self, paths: Iterable[Path], what: Mapping[Path, str] | None = None) -> None:
+        """Delete ``paths`` (trash directories) in the background; ``what`` names them in a warning (``step 3``)."""
         with self._cv:
             for path in paths:
                 if path not in self._pending:  # a sweep finding a trash already queued must not delete it twice
                     self._pending.add(path)
-                    self._queue.append(path)
+                    self._queue.append((path, (what or {}).get(path, "")))
             if self._queue and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckptguard-trash", daemon=True)
                 self._thread.start()
@@ -311,9 +315,9 @@ class Deleter:
                     self._thread = None
                     self._cv.notify_all()
                     return
-                path = self._queue.pop(0)
+                path, what = self._queue.pop(0)
             try:
-                _delete(path)
+                _delete(path, what)
             except Exception as exc:  # a delete must never kill the thread that deletes the rest
                 log.warning("ckptguard: deleting %s failed (%s: %s); retried at the next save",
                             path, type(exc).__name__, exc)
