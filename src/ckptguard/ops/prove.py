@@ -228,6 +228,27 @@ def _partials(seg: _Segment) -> tuple[int, dict[str, list[str]]] | None:
     return (int(first["step"]), {str(k): list(v) for k, v in parts.items()}) if ok else None
 
 
+def _first_step_drift(segments: list[_Segment], step: int, report: dict[str, Any]) -> tuple[Status, str]:
+    """Replicas that differ at the first step after the restore, judged by what the resumed run's later saves
+    found: some jobs keep replicas equal only at save points (local SGD / DiLoCo averaging there, BatchNorm
+    stats synced before each save), so a difference between saves is a FAIL only where a save refused it."""
+    seen = (f"at the first step after the restore (step {step}) {report['differing']} tensor chunk(s) held by "
+            f"several ranks differ between their replicas: {differing_chunks(report, short=True)}")
+    k = max(int(s.restore["step"]) for s in segments if s.restore is not None)
+    refused = [r for s in segments for r in s.after if r["event"] == "replicas" and r.get("ok") is False]
+    if refused:
+        return Status.FAIL, (f"{seen}; the save of step {refused[0]['step']} refused them too: they drifted after "
+                             "restore() returned (a hook, a late broadcast, a rank-local change)")
+    saves = sorted({int(r["step"]) for s in segments for r in s.after if r["event"] == "save" and r["step"] > k})
+    if saves:
+        return Status.PASS, (f"{seen}, and the save of step {saves[0]} found them equal again: this job keeps its "
+                             "replicas equal at save points only (parameters averaged there, as local SGD does, or "
+                             "statistics synced before each save), as its uninterrupted run did")
+    return Status.MISSING, (f"{seen}; no save of the resumed run compared them afterwards, so a drift after restore() "
+                            "returned (a hook, a late broadcast) cannot be told from replicas that this job keeps "
+                            "equal at save points only (local SGD, statistics synced before a save): not judged")
+
+
 def _first_step_replicas(segments: list[_Segment]) -> list[tuple[Status, str]]:
     """Replicas compared again at the first step after the restore, across the ranks that recorded their
     partials at the same step: drift that appeared after restore() returned (a hook, a late broadcast)."""
@@ -243,11 +264,7 @@ def _first_step_replicas(segments: list[_Segment]) -> list[tuple[Status, str]]:
     views = [found[r][1] if r in found and found[r][0] == step else {} for r in range(max(found) + 1)]
     report = replica_report(views)
     if report["differing"]:
-        return [*errors, (Status.FAIL, (
-            f"at the first step after the restore (step {step}) {report['differing']} tensor chunk(s) held by "
-            f"several ranks differ between their replicas: {differing_chunks(report, short=True)}; they were equal "
-            "after the load, so they drifted after restore() returned (a hook, a late broadcast, a rank-local "
-            "change)"))]
+        return [*errors, _first_step_drift(segments, step, report)]
     if not report["checked"]:
         return errors
     return [*errors, (Status.PASS, f"compared again at the first step after the restore (step {step}): "
