@@ -25,15 +25,17 @@ class _Engine:
 
     def __init__(self, weights: torch.Tensor) -> None:
         self.weights = weights.clone()
+        self.scale = torch.tensor(2.0)  # the start-up scale; a push sets the one sent with the weights
         self.own = torch.Generator().manual_seed(99)  # a restarted engine starts it over
+        self.hidden = 0  # "hidden": sampling depends on more than the request seed (here: a restart count)
 
     def generate(self, step: int, seeded: bool) -> list[cgv.Sample]:
-        probs = torch.softmax(self.weights.double(), 0)
+        probs = torch.softmax(self.weights.double() * self.scale.double(), 0)
         out = []
         for pid in range(PROMPTS):
             for i in range(GROUP):
                 seed = cgv.request_seed(step, pid, i) if seeded else None
-                gen = torch.Generator().manual_seed(seed) if seed is not None else self.own
+                gen = torch.Generator().manual_seed(seed + self.hidden) if seed is not None else self.own
                 tokens = torch.multinomial(probs, 4, replacement=True, generator=gen).tolist()
                 lps = [float(torch.log(probs[t])) for t in tokens]
                 out.append(cgv.Sample(pid, i, seed, [pid], tokens, lps))
@@ -50,7 +52,12 @@ def _job(rank: int, world: int, root: str, defect: str | None) -> int:
     colocated = cgv.Colocated(None, mgr)
     if not (start and defect == "skip_push"):
         engine.weights = weights.clone()
-    mgr.record_export(start, {"w": engine.weights})  # what the engine holds (a skipped push: its start-up weights)
+    if not (start and defect == "stale_scale"):
+        engine.scale = torch.tensor(1.0)  # the scale pushed with the weights (stale: the start-up one kept)
+    if start and defect == "hidden":
+        engine.hidden = 1
+    # what the engine holds (a skipped push: its start-up weights; a stale scale cache: its start-up scale)
+    mgr.record_export(start, {"w": engine.weights}, scales=engine.scale)
     for step in range(start + 1, 4):
         samples = engine.generate(step, seeded=defect != "sampling")
         tokens = torch.tensor([t for s in samples for t in s.token_ids])
@@ -63,8 +70,8 @@ def _job(rank: int, world: int, root: str, defect: str | None) -> int:
         mgr.record_step(step, sample_ids=[s.prompt_id for s in samples], loss=weights.sum())
         if step == 2:
             mgr.save(step, state)
-        engine.weights = weights.clone()  # the push after the update
-        mgr.record_export(step, {"w": engine.weights})
+        engine.weights, engine.scale = weights.clone(), torch.tensor(1.0)  # the push after the update
+        mgr.record_export(step, {"w": engine.weights}, scales=engine.scale)
         if start == 0 and step == 3:
             break
     return start
@@ -89,7 +96,7 @@ def test_a_push_skipped_after_the_restore_is_named_as_the_engines_weights(tmp_pa
     gate = _gate(tmp_path, "skip_push")
     assert gate.status is Status.FAIL, gate.evidence
     assert "first old-logprob of step 3" in gate.evidence, gate.evidence
-    assert "Cause: the rollout engine's weights: its export of step 2 differs from the reference's" in \
+    assert "Cause: the rollout engine's weights: its export of step 2 differs in ['bytes'] from the reference's" in \
         gate.evidence, gate.evidence
     assert "sampling state" not in gate.evidence
 
@@ -107,3 +114,17 @@ def test_the_same_tokens_with_other_logprobs_are_named_as_weights(tmp_path):
     assert gate.status is Status.FAIL, gate.evidence
     assert "Cause: weights (or scales): the same sampled token ids got other logprobs; its export of step 2 " \
         "equals the reference's: the trainer's recompute holds other weights" in gate.evidence, gate.evidence
+
+
+def test_a_stale_scale_after_the_restore_is_named_as_the_engines_weights(tmp_path):
+    gate = _gate(tmp_path, "stale_scale")
+    assert gate.status is Status.FAIL, gate.evidence
+    assert "Cause: the rollout engine's weights: its export of step 2 differs in ['scales'] from the reference's" \
+        in gate.evidence, gate.evidence
+
+
+def test_other_tokens_with_the_same_seeds_and_weights_are_not_called_the_sampling_seeds(tmp_path):
+    gate = _gate(tmp_path, "hidden")
+    assert gate.status is Status.FAIL, gate.evidence
+    assert "Cause: the rollout engine, beyond what its export records: same weights and scales" in gate.evidence
+    assert "request_seed" not in gate.evidence, gate.evidence

@@ -320,8 +320,10 @@ def _engine_weights(seg: _Segment, step: int) -> tuple[bool | None, str]:
     if mine is None or ref is None:
         where = "after the restore" if mine is None else "in a run before this resume"
         return None, f"no export of step {step - 1} {where} to compare the engine's weights with"
-    same = (ref.get("fingerprint") or {}).get("bytes") == (mine.get("fingerprint") or {}).get("bytes")
-    return same, f"its export of step {step - 1} {'equals' if same else 'differs from'} the reference's"
+    a, b = ref.get("fingerprint") or {}, mine.get("fingerprint") or {}
+    differ = [key for key in ("bytes", "scales") if a.get(key) != b.get(key)]  # a stale scale is the weights too
+    said = f"differs in {differ} from" if differ else "equals"
+    return not differ, f"its export of step {step - 1} {said} the reference's"
 
 
 def _logprob_cause(seg: _Segment, ref: ProofRecord, first: ProofRecord) -> str:
@@ -341,6 +343,12 @@ def _logprob_cause(seg: _Segment, ref: ProofRecord, first: ProofRecord) -> str:
                   None: "request seeds not recorded"}[seeds]
         if first.get("seeds") == UNSEEDED:
             seeded = "requests unseeded: the engine's own generator drew them"
+        if weights and seeds is False and first.get("seeds") != UNSEEDED:
+            # same weights, scales and request seeds: not the seeds; what the export does not hold differs
+            return (f"Cause: the rollout engine, beyond what its export records: same weights and scales ({said}) "
+                    "and the same request seeds, yet other sampled token ids: engine state the export does not "
+                    "hold differs (a cached quantized copy or scale, a kernel whose result depends on the batch), "
+                    "or the sampled tokens depend on more than the request seed")
         if weights:
             return (f"Cause: the rollout engine's sampling state: same weights ({said}) but other sampled token ids, "
                     f"{seeded}: seed each request from (run seed, step, prompt, sample) (integrations.vllm."
