@@ -204,15 +204,15 @@ class Extras(dict[str, Any]):
 
 
 def _listed_bytes(path: Path, entry: FileEntry | None) -> bytes | None:
-    """The file's bytes when the manifest lists it and the sizes agree (read once: loaded and hashed from
-    memory), else None (torch.load reads the file itself)."""
-    if entry is None or safe_member(path.parent, path.name) is None:
+    """The file's bytes when the manifest lists it and the sizes agree (read once, bounded by that size: loaded
+    and hashed from memory), else None: a link, another size or an unlisted file is read by torch.load itself,
+    and the full digests judge what it holds."""
+    if entry is None:
         return None
-    st = os.stat(path)
+    st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
         return None
-    with open(path, "rb") as f:
-        return f.read(entry.size + 1)  # the size the file and the manifest agree on; one more shows a growth
+    return _layout.read_small(path, limit=entry.size, what="extras file")
 
 
 def _load_extras(ctx: Context, step_dir: Path | None, manifest: _manifest.Manifest, rank: int) -> Extras:
