@@ -131,6 +131,22 @@ def test_ranks_one_record_apart_under_a_deterministic_plan_pass_with_what_it_res
     assert _gate(evaluate(tmp_path / "nd"), "data order identical").status is Status.MISSING
 
 
+def test_a_rank_that_consumed_another_ranks_samples_is_not_judged_by_it(tmp_path):
+    # the lead's review 2: rank 1 consumed rank 0's samples at steps 6-7 (its data shard lost), one record behind
+    # rank 0 at the kill; data parallel at the restored step (a5 vs b5), so rank 0's replay cannot stand for it
+    _two_ranks(tmp_path, PLAN, ["a6", "a7"])
+    gates = evaluate(tmp_path)
+    data = _gate(gates, "data order identical")
+    assert outcome(gates) is not Outcome.PROVEN and data.status is Status.MISSING, data.evidence
+    assert "rank 1: no run before this resume recorded a step past step 5" in data.evidence
+    # ranks that share their data (tensor parallel: the same samples at the restored step too) stay symmetric
+    _write(tmp_path / "tp", 0, [_restore(10, 0, 2), _step(10, 5, "a5"), _save(10, 5, PLAN), _step(10, 6, "a6"),
+                                _restore(30, 5, 2), _step(30, 6, "a6"), _step(30, 7, "a7")])
+    _write(tmp_path / "tp", 1, [_restore(11, 0, 2), _step(11, 5, "a5"), _save(11, 5, PLAN), _restore(31, 5, 2),
+                                _step(31, 6, "a6"), _step(31, 7, "a7")])
+    assert _gate(evaluate(tmp_path / "tp"), "data order identical").status is Status.PASS
+
+
 def test_an_optimizer_that_never_steps_past_the_reference_is_not_a_pass(tmp_path):
     # CE3: the reference had a zero update at step 7; the resumed run's optimizer changes no parameter from then on
     resumed = [r for s in range(7, 30) for r in (_update(2, s, 0.0 if s == 7 else 0.9, False),

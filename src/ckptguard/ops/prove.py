@@ -600,6 +600,8 @@ class _Replay:
     once_missing: bool = False  # that check found a repeat it cannot tell from a new pass over the data
     saver_recorded: bool = False  # this rank holds the save record of the restored step, at one world size
     data_cause: bool = False  # the data order's FAIL names its cause from the ids (no RNG guess appended)
+    key_next: tuple[Any, ...] = ()  # the data the resumed run consumed at the step after the restored one
+    key_at_k: tuple[Any, ...] = ()  # the data the killed run consumed at the restored step
 
 
 def _data(r: ProofRecord) -> dict[str, Any]:
@@ -804,6 +806,8 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
         if r["event"] == "step" and r["step"] > k:
             resumed.setdefault(int(r["step"]), []).append(r)
     out.restored, out.ref_steps, out.resumed_steps = k, sorted(ref), sorted(resumed)
+    out.key_next = _key(resumed[k + 1][0]) if resumed.get(k + 1) else ()
+    out.key_at_k = next((_key(r) for r in reversed(before) if r["event"] == "step" and r["step"] == k), ())
     found = _reference_mod.candidates(before, k, seg.restore["pid"])
     out.saver_recorded = any(c.saved and c.save_recorded for c in found) and seg.restore.get(
         "saved_world_size", seg.restore.get("world_size")) == seg.restore.get("world_size")
@@ -952,6 +956,15 @@ def _coverage(replays: list[_Replay]) -> Gate | None:
         required=False)
 
 
+def _same_data_as(lacking: _Replay, judged: list[_Replay]) -> bool:
+    """Whether ``lacking`` consumed after the restore the data a judged rank consumed at that step although, at
+    the restored step, the two ranks consumed different data (data parallel): its shard of the data was lost.
+    Ranks that share their data (tensor parallel: equal at the restored step too) stay symmetric."""
+    return bool(lacking.key_next) and any(
+        lacking.key_next == j.key_next and lacking.key_at_k and j.key_at_k and lacking.key_at_k != j.key_at_k
+        for j in judged)
+
+
 def _symmetric(replays: list[_Replay], plan: ProofPlan) -> str | None:
     """Where a job-wide kill left ranks one record apart, what the ranks that recorded show for the
     others, in words (None: not that case). It is that case when every rank either replayed and
@@ -979,6 +992,8 @@ def _symmetric(replays: list[_Replay], plan: ProofPlan) -> str | None:
         return None
     if not plan.deterministic or any(not r.saver_recorded or r.once_missing for r in lacking):
         return None  # the lacking ranks stay MISSING: nothing stands for their data
+    if any(_same_data_as(r, judged) for r in lacking):
+        return None  # a rank that consumed another rank's samples does not run "the same step on its own samples"
     ranks, others = [r.rank for r in lacking], [r.rank for r in judged]
     return (f"; rank(s) {ranks}: the killed run had recorded nothing past step {k} there when the job-wide kill "
             f"landed, one record behind rank(s) {others}, which had recorded step {k + 1}: judged by rank(s) "
