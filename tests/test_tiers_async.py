@@ -201,7 +201,7 @@ def test_a_step_on_neither_interval_touches_nothing(tmp_path):
     tiers.close()
 
 
-def test_prepare_async_pins_both_tiers_pools_in_the_background(tmp_path):
+def test_prepare_async_pins_the_tiers_one_pool_in_the_background(tmp_path):
     # One process: TieredCheckpoint.prepare_async is local (no collective); its future is the bytes both
     # tiers' pools added, and the first save_async of each tier then stages into a pool that is ready.
     tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
@@ -209,7 +209,8 @@ def test_prepare_async_pins_both_tiers_pools_in_the_background(tmp_path):
                                 config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 22)))
     state = {"model": torch.nn.Linear(64, 64)}
     nbytes = sum(p.numel() * p.element_size() for p in state["model"].parameters())
-    assert tiers.prepare_async(state).result(timeout=60) == 2 * nbytes  # one pool per tier
+    assert tiers.prepare_async(state).result(timeout=60) == nbytes  # one pool for both tiers (issue 41)
+    assert tiers.fast._staging is tiers.persistent._staging and tiers.fast._staging.pool.held_bytes == nbytes
     tiers.save_async(2, state)
     assert tiers.wait() == tmp_path / "pers" / "step_00000002"
     assert sorted(t.value for t in tiers.last_saved) == ["fast", "persistent"]

@@ -111,7 +111,7 @@ class CheckpointManager:
         """The ``on_busy`` decisions of ``save_async``: ``busy.skipped_total``, ``busy.last_commit_s``."""
         self.process_group = process_group
         """The group this manager agrees over (None: the default group); a PreemptionGuard agrees over it too."""
-        self._staging = _async.AsyncStaging()
+        self._staging = parts.staging if parts is not None and parts.staging is not None else _async.AsyncStaging()
         self.queue = SaveQueue(self.busy, self._staging, self._record)
         """``OnBusy.COALESCE``'s queued save (``queue.queued_step``) and its second staging set."""
         self.derived = derived

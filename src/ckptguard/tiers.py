@@ -47,6 +47,7 @@ from typing import Any
 from ._agree import gather_decide, on_every_rank
 from ._commit import replica as _replica
 from ._commit.busy import BusyRound, check_policy, may_start, route_tiered
+from ._commit.pending import AsyncStaging
 from ._context import Actions
 from ._core.guard import GuardTarget
 from ._core.parts import Parts
@@ -141,7 +142,11 @@ class TieredCheckpoint:
         home = persistent_staging if remote else (persistent if persistent is not None else fast)
         proof = ProofSink.open(Path(str(home)).absolute(), self._agreement.info.rank, base)
         health = _trust.HealthLog()
-        self._parts = {tier: Parts(proof=proof.tagged({"tier": tier.value}), health=health) for tier in Tier}
+        # One staging pool for both tiers (a step due on both stages the same bytes into the same slots; host 1x the
+        # state, not 2x), except under FAST_TIER, whose fast save runs beside a persistent commit reading its pool.
+        shared = AsyncStaging() if self.on_busy is not OnBusy.FAST_TIER else None
+        self._parts = {tier: Parts(proof=proof.tagged({"tier": tier.value}), health=health, staging=shared)
+                       for tier in Tier}
 
         def manager(root: str | os.PathLike[str], retention: RetentionPolicy, tier: Tier) -> CheckpointManager:
             return CheckpointManager(root, config=dataclasses.replace(base, retention=retention),
@@ -326,10 +331,13 @@ class TieredCheckpoint:
         return durable(self.last_saved)
 
     def prepare_async(self, state: StateDict) -> Future[int]:
-        """``CheckpointManager.prepare_async`` for both tiers at once (after ``restore``): each tier's host staging
-        pool mapped and pinned in the background, so the first ``save_async`` of each tier is as cheap as later
-        ones. Local (no collective); a future of the bytes both added (an error of either is its exception)."""
-        futures = [m.prepare_async(state) for m in (self.fast, self.persistent) if m is not None]
+        """``CheckpointManager.prepare_async`` for both tiers at once (after ``restore``): the tiers' host staging
+        pool (one for both; a pool per tier under ``OnBusy.FAST_TIER``) mapped and pinned in the background, so
+        the first ``save_async`` of each tier is as cheap as later ones. Local (no collective); a future of the
+        bytes added (an error of either is its exception)."""
+        shared = self._parts[Tier.FAST].staging is not None  # one pool for both tiers: prepared once
+        futures = [m.prepare_async(state) for m in (self.fast, self.persistent) if m is not None
+                   and not (shared and m is self.persistent)]
         done: Future[int] = Future()
         lock = threading.Lock()  # the tiers' futures complete in their own threads
 

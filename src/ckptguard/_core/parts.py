@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._commit.busy import BusyRound
-from .._commit.pending import PendingSave
+from .._commit.pending import AsyncStaging, PendingSave
 from .._context import NO_ACTIONS, Actions, Context
 from .._records.trust import HealthLog
 from .._types import StateDict
@@ -81,6 +81,9 @@ class Parts:
     """Where the manager's proof records go (the tiers: one log, tagged by tier); None: its own, ROOT/proof."""
     health: HealthLog | None = None
     """The step metrics its health checks read (the tiers: one, fed by either tier's record_step); None: its own."""
+    staging: AsyncStaging | None = None
+    """The host staging set the manager's ``save_async`` copies into (the tiers: one pool for both tiers, not a
+    pool per tier); None: its own."""
     commits: CommitHooks = field(default_factory=CommitHooks)
     """Bound by the manager: its staged-commit calls, for the door that made it."""
     context: Context | None = None
