@@ -56,6 +56,7 @@ from typing import Any
 KINDS = ("after_commit", "mid_save", "random", "rank_ahead", "crash_loop")
 VLLM_KINDS = ("after_commit", "mid_save", "mid_generation", "random", "crash_loop")  # one rank: no rank ahead
 WORLD = 2
+ONLY: tuple[str, ...] = ()  # --kinds: draw only these (the first kill stays after_commit)
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -317,6 +318,7 @@ def _plan(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> lis
     """Kill kinds in a random order: each kind about equally often; a crash loop is 3 kills in a row.
     The first kill comes right after a commit: the later ones then have a step to resume."""
     out: list[str] = ["after_commit"]
+    kinds = tuple(k for k in kinds if k in ONLY) if ONLY else kinds
     while len(out) < kills:
         kind = rng.choice(kinds)
         out += [kind] * (3 if kind == "crash_loop" else 1)
@@ -814,10 +816,13 @@ def main() -> None:
     p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
                    help="sum campaigns run side by side into --out (JSON) and --markdown, with --head's text first")
     p.add_argument("--markdown", default=None)
+    p.add_argument("--kinds", default=None, help="comma-separated: draw only these kill kinds (after the first)")
     p.add_argument("--head", default=None, help="a file: the results page's text before its tables")
     p.add_argument("--rejudge", default=None, metavar="JSON",
                    help="judge the roots of an earlier campaign's JSON again (its kills kept), with this prove")
     a = p.parse_args()
+    global ONLY
+    ONLY = tuple(a.kinds.split(",")) if a.kinds else ()
     if a.combine:
         out = combine(a.combine)
         if a.out:
