@@ -662,7 +662,7 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     crash_steps = Counter((r["job"], r.get("run"), r["step"]) for r in rows)
     cli = [r.get("cli", {}) for r in rows]
     return {
-        "by_job": {res["job"]: {"kills": len(res["kills"]), "resumes": len(res["resumes"]),
+        "by_job": {res.get("label", res["job"]): {"kills": len(res["kills"]), "resumes": len(res["resumes"]),
                                 "outcomes": dict(Counter(r["outcome"] for r in res["resumes"]))} for res in results},
         # what `ckptguard prove --all --json` said of each resume, and where it disagrees with evaluate()
         "cli_outcomes": dict(Counter(c.get("outcome", "error") for c in cli)),
@@ -699,7 +699,7 @@ def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
     for res in results:
         if res["job"] in GRPO_RANKS:
             runs = res.get("runs", [])
-            out[res["job"]] = {
+            out[res.get("label", res["job"])] = {
                 "runs_completed": sum(r["completed"] for r in runs),
                 "final_equal": sum(bool(r.get("final_params_equal") and r.get("final_optim_equal")
                                         and r.get("completions_equal")) for r in runs),
@@ -707,7 +707,7 @@ def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "records_differ": [d for r in runs for d in r["records"]["differ"]]}
         elif "reference" in res:
             ref = res["reference"]
-            out[res["job"]] = {"records_compared": ref["records"]["compared"],
+            out[res.get("label", res["job"])] = {"records_compared": ref["records"]["compared"],
                                "records_differ": ref["records"]["differ"], "final": ref["final"]}
     return out
 
@@ -723,6 +723,11 @@ def combine(paths: list[str]) -> dict[str, Any]:
     """Campaigns run side by side (one JSON each), summed: every job's kills and resumes, one summary."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     jobs = [{**res, "seed": part["seed"]} for part in parts for res in part["jobs"]]
+    names = Counter(res["job"] for res in jobs)
+    for res in jobs:  # a job in two campaigns: each its own column, named with its seed
+        if names[res["job"]] > 1:
+            res["label"] = f"{res['job']} (seed {res['seed']})"
+            res["resumes"] = [{**r, "job": res["label"]} for r in res["resumes"]]
     return {"commands": [part["command"] for part in parts], "summary": summary(jobs), "jobs": jobs}
 
 
@@ -732,9 +737,11 @@ def _cell(values: dict[str, Any], job: str | None) -> str:
 
 def markdown(out: dict[str, Any], head: str) -> str:
     """The results page: ``head`` (what ran, on what), then tables made from the JSON only."""
-    jobs = [res["job"] for res in out["jobs"]]
+    jobs = [res.get("label", res["job"]) for res in out["jobs"]]
     cols = [*jobs, None]
-    by = {res["job"]: res for res in out["jobs"]}
+    by = {res.get("label", res["job"]): res for res in out["jobs"]}
+    titles = {res.get("label", res["job"]): JOB_TITLES.get(res["job"], res["job"]) + (
+        f" (seed {res['seed']})" if "label" in res else "") for res in out["jobs"]}
 
     def row(title: str, values: dict[str, Any]) -> str:
         return f"| {title} | " + " | ".join(_cell(values, j) for j in cols) + " |"
@@ -742,7 +749,7 @@ def markdown(out: dict[str, Any], head: str) -> str:
     def count(pred: Any, what: str = "resumes") -> dict[str, int]:
         return {j: sum(1 for x in by[j][what] if pred(x)) for j in jobs}
 
-    lines = [head.rstrip(), "", "## Totals", "", "| | " + " | ".join(JOB_TITLES.get(j, j) for j in jobs) + " | all |",
+    lines = [head.rstrip(), "", "## Totals", "", "| | " + " | ".join(titles[j] for j in jobs) + " | all |",
              "|---|" + "---|" * len(cols), row("SIGKILLs", {j: len(by[j]["kills"]) for j in jobs})]
     for kind in dict.fromkeys(k["kind"] for res in out["jobs"] for k in res["kills"]):
         lines.append(row(f"- {kind}", count(lambda k, kind=kind: k["kind"] == kind, "kills")))
@@ -764,7 +771,7 @@ def markdown(out: dict[str, Any], head: str) -> str:
               "| job | step records compared (every launch, every rank) | differing | final state |",
               "|---|---|---|---|"]
     for job, v in out["summary"]["against_uninterrupted"].items():
-        if job in GRPO_RANKS:
+        if "runs_completed" in v:
             final = (f"{v['final_equal']} of {v['runs_completed']} completed runs: parameters, AdamW state and the "
                      "last launch's completions equal")
         elif v["final"]["compared"]:
