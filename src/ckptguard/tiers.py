@@ -399,7 +399,7 @@ class TieredCheckpoint:
         home = self.persistent or self.fast
         self.wait()  # a pending save_async ends first: the choice below sees its step, or its error is raised
         for tier, known in ((Tier.FAST, self.fast), (Tier.PERSISTENT, self.persistent)):  # first save_async ahead
-            if known is not None:
+            if known is not None and self._parts[tier].staging is None:  # one pool: armed after the load's read
                 known.queue.known(state, self._parts[tier].bound())
         if mode is ResumeMode.NEVER:
             return home.restore(state, mode=mode, break_lease=break_lease)
