@@ -147,6 +147,14 @@ def test_a_rank_that_consumed_another_ranks_samples_is_not_judged_by_it(tmp_path
     assert _gate(evaluate(tmp_path / "tp"), "data order identical").status is Status.PASS
 
 
+def test_a_replayed_update_whose_grad_norm_differs_fails_the_numbers(tmp_path):
+    # the step records' loss is this rank's, before the all-reduce; the update's grad_norm carries every rank's data
+    _write(tmp_path, 0, [_restore(10, 0), _step(10, 5, "a5"), _save(10, 5), _step(10, 6, "a6"),
+                         _update(10, 6, 0.7, True), _restore(30, 5), _step(30, 6, "a6"), _update(30, 6, 0.9, True)])
+    numbers = _gate(evaluate(tmp_path), "replayed steps identical")
+    assert numbers.status is Status.FAIL and "grad_norm (record_update)" in numbers.evidence, numbers.evidence
+
+
 def test_an_optimizer_that_never_steps_past_the_reference_is_not_a_pass(tmp_path):
     # CE3: the reference had a zero update at step 7; the resumed run's optimizer changes no parameter from then on
     resumed = [r for s in range(7, 30) for r in (_update(2, s, 0.0 if s == 7 else 0.9, False),

@@ -792,6 +792,20 @@ def _consumed_again(rank: int, k: int, steps: list[int], resumed: dict[int, list
     return None, f"no replayed step consumed data already consumed up to step {k}", None
 
 
+def _compare_update(out: _Replay, seg: _Segment, before: list[ProofRecord], k: int, step: int) -> None:
+    """The replayed update's grad_norm (``record_update``: after the all-reduce, so it carries every rank's data)
+    against the reference run's of the same step, where both recorded one."""
+    assert seg.restore is not None
+    _chosen, ref = _reference_mod.at_step(before, k, seg.restore["pid"], ("update",), step)
+    mine = next((r for r in seg.after if r["event"] == "update" and r["step"] == step), None)
+    a = ref.get("grad_norm") if ref is not None else None
+    b = mine.get("grad_norm") if mine is not None else None
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        out.numbers += 1
+        if not same_bits(a, b):
+            out.diffs.append((step, "grad_norm (record_update)", a, b))
+
+
 def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Replay:
     out = _Replay(seg.rank)
     if (missing := _needs_restore(seg)) is not None:
@@ -864,6 +878,7 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
                 out.numbers += 1
                 if name not in na or name not in nb or not same_bits(na[name], nb[name]):
                     out.diffs.append((s, name, na.get(name, "absent"), nb.get(name, "absent")))
+        _compare_update(out, seg, before, k, s)
     out.epoch = _epoch_crossing(k, [ref[s][0] for s in out.steps], before)
     if not out.steps:
         out.evidence = (f"rank {seg.rank}: the killed run recorded steps {min(ref)}-{last} after step {k}, the "
