@@ -69,15 +69,9 @@ class CheckpointManager:
     _created = 0
 
     def __init__(
-        self,
-        root: str | os.PathLike[str],
-        *,
-        config: CheckpointConfig | None = None,
-        process_group: Any | None = None,
-        storage: Storage | None = None,
-        derived: DerivedState | None = None,
-        expert_parallel: ExpertParallel | None = None,
-        parts: Parts | None = None,
+        self, root: str | os.PathLike[str], *, config: CheckpointConfig | None = None, process_group: Any | None = None,
+        storage: Storage | None = None, derived: DerivedState | None = None,
+        expert_parallel: ExpertParallel | None = None, parts: Parts | None = None,
     ) -> None:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
@@ -125,7 +119,9 @@ class CheckpointManager:
         if parts is not None:  # the door that made this manager (the tiers, Megatron's async save) drives these
             parts.bind(self._ctx, self._stage_commit, self._start_commit, self._cleanup_after, self.core.restarted_at)
         self.core.check_lease("create")
-        self.blocking = BudgetRound(agreement, info.world_size, process_group, self.config.blocking, self.root, storage)
+        # On the busy agreement: a save over the budget runs its round beside the commit in flight (issue 41).
+        self.blocking = BudgetRound(self.busy.agreement, info.world_size, process_group, self.config.blocking,
+                                    self.root, storage)
         """How long a synchronous ``save`` may hold the caller (``CheckpointConfig.blocking``)."""
 
     @property
@@ -204,13 +200,14 @@ class CheckpointManager:
         """
         check_step(step, "save")
         check_state(state, "save")
-        self.wait()
-        actions = Actions(overwrite, break_lease)
-        if self.blocking.over(step, state):  # over CheckpointConfig.blocking, on every rank: as save_async
-            prepared = self._stage_commit(step, state, healthy, loss, grad_norm, actions, measure=True)
-            if prepared is not None:
-                self._start_commit(step, prepared, time.monotonic())
+        actions, previous = Actions(overwrite, break_lease), self._pending
+        if self.blocking.over(step, state):  # over CheckpointConfig.blocking: as save_async (on_busy: never held)
+            if self.queue.admit(step, previous, self._ctx, state, actions, (healthy, loss, grad_norm), wait=self.wait):
+                prepared = self._stage_commit(step, state, healthy, loss, grad_norm, actions, measure=True)
+                if prepared is not None:
+                    self._start_commit(step, prepared, time.monotonic(), after=previous)
             return None
+        self.wait()
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
