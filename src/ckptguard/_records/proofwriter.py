@@ -30,6 +30,7 @@ from .._disk.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json
 from .._log import NAME
 from .._state.state import ItemKind, KeyFn, classify, current_state, flatten
 from .._state.trajectory import rng_digests
+from .._types import JsonObject
 from .._version import __version__
 from ..errors import CheckpointCorruptError, ConfigError, UnsafeCheckpointError
 from .proofreader import PROOF_BYTES, ProofRecord, header_problem, records_dir
@@ -70,7 +71,7 @@ class ProofLog:
         self.watch = ResumeWatch(rank, str(self.path), lambda event, **fields: self.keep(self.build(event, **fields)))
         self.code: str | None = None  # the run contract's code hash, recorded with saves and restores (prove shows it)
         self._rng_due = False  # the next step record carries the RNG streams' digests (after a save or restore)
-        self._first_step: Callable[[], dict[str, Any]] | None = None  # fields of the next step record (a restore's)
+        self._first_step: Callable[[], JsonObject] | None = None  # fields of the next step record (a restore's)
 
     def build(self, event: str, **fields: Any) -> ProofRecord:
         """The record of ``event`` with the header every record carries; ConfigError for a field that
@@ -97,7 +98,7 @@ class ProofLog:
         self.watch.observe(record)
         return record
 
-    def after_restore(self, fields: Callable[[], dict[str, Any]] | None) -> None:
+    def after_restore(self, fields: Callable[[], JsonObject] | None) -> None:
         """The next step record carries ``fields()`` (``replica_fields`` of the restored state): replicas
         that drift after ``restore()`` returned (a hook, a late broadcast) are in the first step's records,
         named by tensor, before any save. None: nothing more in it."""
@@ -222,7 +223,7 @@ class ProofLog:
         return gone
 
 
-def _computed(due: Callable[[], dict[str, Any]], rank: int) -> dict[str, Any]:
+def _computed(due: Callable[[], JsonObject], rank: int) -> JsonObject:
     try:
         return due()
     except Exception as exc:  # a record never stops training: it says why its digests are absent
@@ -231,7 +232,7 @@ def _computed(due: Callable[[], dict[str, Any]], rank: int) -> dict[str, Any]:
         return {"replicas_error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def replica_fields(state: Mapping[str, Any], keyfn: KeyFn) -> dict[str, Any]:
+def replica_fields(state: Mapping[str, Any], keyfn: KeyFn) -> JsonObject:
     """This rank's digests of what several ranks may hold alike, for the first step record after a
     restore: ``{"replica_partials": {chunk id: [item, key, header, partial]}}``, the restore's own
     ``layout_free_partials`` of every tensor of the model, optimizer and tensor items that is not
