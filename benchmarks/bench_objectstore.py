@@ -39,6 +39,7 @@ import torch
 
 import ckptguard as cg
 from ckptguard import StateOptions
+from ckptguard._commit import storepublish
 from ckptguard.objectstore import ObjectStoreCheckpoint, ObjectStoreOptions
 
 MIB = 1 << 20
@@ -131,7 +132,7 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
         ckpt.publish(rep, step_dir)
         times["publish"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        ckpt.store.rotate(keep.keep, {rep})
+        storepublish.rotate(ckpt.store, keep.keep, {rep})
         times["rotate"].append(time.perf_counter() - t)
         got = a.dir / f"raw-get-{rep}"
         t = time.perf_counter()

@@ -217,6 +217,7 @@ def race_worker(races: list[tuple[str, str, str]], role: int, trials: int, barri
 
 def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, barrier: Any,
                data_path: str) -> tuple[int, str | None, str]:
+    from ckptguard._commit import storepublish
     from ckptguard.errors import CommitConflictError, LeaseHeldError
     from ckptguard.storage.s3 import ObjectStore, StoredObject
 
@@ -231,7 +232,7 @@ def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, bar
         if kind == "lease":
             store.acquire_lease(f"writer-{role}")
             return step, None, "won"
-        attempt = store.begin(step)
+        attempt = storepublish.begin(store, step)
         etags = store.upload(step, attempt, [("state/data.bin", Path(data_path), size)])
     except (CommitConflictError, LeaseHeldError) as exc:
         result = f"lost: {exc}"
@@ -240,8 +241,8 @@ def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, bar
     barrier.wait(60)
     if attempt is not None:
         try:
-            store.commit(step, attempt, {"state/data.bin": StoredObject(size, "0", etags["state/data.bin"])},
-                         {"role": role})
+            storepublish.commit(store, step, attempt,
+                                {"state/data.bin": StoredObject(size, "0", etags["state/data.bin"])}, {"role": role})
             result = "won"
         except CommitConflictError as exc:
             result = f"lost: {exc}"

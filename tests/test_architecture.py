@@ -279,6 +279,33 @@ def test_the_tiers_never_branch_on_the_kind_of_persistent_tier():
     assert [b.split(": ", 1)[1] for b in store_branches(injected)] == ["_asks names store"]
 
 
+COMMIT_ORDER = {"begin", "commit", "rotate", "_advance", "_check_won"}
+
+
+def commit_order_in_the_store(sources: dict[str, str]) -> list[str]:
+    """Where the object-store package runs the commit's order itself (issue 40 item 2): a function named for a
+    step of it (``COMMIT_ORDER``) or the commit's fault points. The order is ``_commit.storepublish``'s, over
+    the store's primitives (temporary area, create-if-absent marker, tracker compare-and-set, deletes)."""
+    bad = []
+    for name, source in sorted(sources.items()):
+        if name != "storage.s3" and not name.startswith("storage.s3."):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in COMMIT_ORDER:
+                bad.append(f"{name}:{node.lineno}: def {node.name}")
+            elif isinstance(node, ast.Constant) and node.value in ("store.before_marker", "store.before_tracker"):
+                bad.append(f"{name}:{node.lineno}: the fault point {node.value}")
+    return bad
+
+
+def test_the_object_store_package_holds_the_stores_primitives_not_the_commit_order():
+    sources = _sources()
+    assert commit_order_in_the_store(sources) == []
+    sources["storage.s3._store"] += "\n\ndef commit(store):\n    return 'store.before_marker'\n"
+    assert [b.split(": ", 1)[1] for b in commit_order_in_the_store(sources)] == [
+        "def commit", "the fault point store.before_marker"]
+
+
 # Imports by name at run time (``importlib.import_module``) in the core, besides a package
 # ``__init__``'s PEP 562 ``__getattr__`` (commented ``# lazy``): the restricted unpickler imports
 # the module of a global its allow-list names (as pickle's own find_class would) to snapshot it

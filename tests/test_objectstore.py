@@ -43,6 +43,7 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra
 
 import ckptguard as cg  # noqa: E402
 import objstore_helper as h  # noqa: E402
+from ckptguard._commit import storepublish  # noqa: E402
 from ckptguard.errors import (  # noqa: E402
     CommitConflictError,
     ConditionalWriteUnsupportedError,
@@ -218,15 +219,15 @@ def test_no_step_without_its_marker_and_the_tracker_never_moves_back(moto, tmp_p
     store.ensure_root()
     data = tmp_path / "data.bin"
     data.write_bytes(b"x" * 1000)
-    attempt = store.begin(3)
+    attempt = storepublish.begin(store, 3)
     store.upload(3, attempt, [("state/data.bin", data, 1000)])
     assert store.resolve().step == 0 and store.committed_steps() == []  # uploaded, no marker: invisible
-    store.commit(3, attempt, {}, {"any": "manifest"})
+    storepublish.commit(store, 3, attempt, {}, {"any": "manifest"})
     assert store.resolve().step == 3 and store.committed_steps() == [3]
     with pytest.raises(CommitConflictError, match="not newer than the tracker"):
-        store.begin(2)
+        storepublish.begin(store, 2)
     with pytest.raises(CommitConflictError, match="already committed"):
-        store.begin(3)
+        storepublish.begin(store, 3)
     assert store.tracker()[0] == 3
     with pytest.raises(ConfigError, match="not a ckptguard root"):
         ObjectStore(f"s3://{name}/other", h.options(moto)).gc(min_age_s=0)
@@ -458,7 +459,7 @@ def test_gc_removes_only_unmarked_attempts_it_owns(moto, tmp_path):
     client.put_object(Bucket=name, Key="run/step_00000002/a-feedbeef/state/x", Body=b"no owner record")
     client.put_object(Bucket=name, Key="elsewhere/step_00000002/a-1/owner.json", Body=b"{}")
     store = ObjectStore(url, h.options(moto))
-    attempt = store.begin(2)
+    attempt = storepublish.begin(store, 2)
     data = tmp_path / "d.bin"
     data.write_bytes(b"y" * 100)
     store.upload(2, attempt, [("state/d.bin", data, 100)])
@@ -509,7 +510,7 @@ def test_cli_list_and_verify_an_s3_root(moto, tmp_path, monkeypatch):
     store = ObjectStore(url, h.options(moto))
     data = tmp_path / "d.bin"
     data.write_bytes(b"z" * 10)
-    store.upload(3, store.begin(3), [("state/d.bin", data, 10)])  # an interrupted save: no marker
+    store.upload(3, storepublish.begin(store, 3), [("state/d.bin", data, 10)])  # an interrupted save: no marker
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto)  # the CLI takes the endpoint from boto3's configuration
     runner = CliRunner()
     listed = runner.invoke(main, ["list", url, "--json"])

@@ -16,6 +16,7 @@ boto3 = pytest.importorskip("boto3", reason="the s3 extra (boto3) is not install
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra) is not installed")
 
 import objstore_helper as h  # noqa: E402
+from ckptguard._commit import storepublish  # noqa: E402
 from ckptguard.errors import CheckpointCorruptError, CheckpointError, ObjectStoreError  # noqa: E402
 from ckptguard.objectstore import ObjectStoreCheckpoint  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore, _transfer  # noqa: E402
@@ -86,6 +87,7 @@ def test_a_marker_declaring_1_TiB_is_refused_in_seconds_naming_the_object(moto, 
     with pytest.raises(CheckpointCorruptError) as err:
         _restore(moto, url, tmp_path / "s")
     took = time.monotonic() - started
+    print(f"a marker declaring 1 TiB refused in {took:.2f} s: {str(err.value)[:160]}")
     assert took < 5, f"refused after {took:.1f} s"
     assert f"s3://{name}/run/step_00000001/{marker['attempt']}/{rel}" in str(err.value)
     assert f"declares {TIB} bytes, the object has" in str(err.value)
@@ -139,7 +141,7 @@ def test_the_first_failure_stops_the_download(moto, saved, tmp_path, monkeypatch
     store = ObjectStore(url, h.options(moto))
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(40 << 20))  # eight 5 MiB spans
-    attempt = store.begin(2)
+    attempt = storepublish.begin(store, 2)
     etag = store.upload(2, attempt, [("state/big.bin", big, big.stat().st_size)])["state/big.bin"]
     item = _transfer.Incoming(store.url.key("step_00000002", attempt, "state/big.bin"), tmp_path / "d" / "big.bin",
                               big.stat().st_size, etag, "0")
@@ -236,13 +238,13 @@ def test_a_store_that_honours_conditions_for_the_probe_only_never_lets_two_write
         data = tmp_path / "data.bin"
         data.write_bytes(os.urandom(4096))
         writers[0].ensure_root()
-        attempts = [w.begin(3) for w in writers]
+        attempts = [storepublish.begin(w, 3) for w in writers]
         etags = [w.upload(3, a, [("state/data.bin", data, 4096)])["state/data.bin"]
                  for w, a in zip(writers, attempts, strict=True)]
         outcomes = []
         for role, (w, a, e) in enumerate(zip(writers, attempts, etags, strict=True)):
             try:
-                w.commit(3, a, {"state/data.bin": StoredObject(4096, "0", e)}, {"role": role})
+                storepublish.commit(w, 3, a, {"state/data.bin": StoredObject(4096, "0", e)}, {"role": role})
                 outcomes.append("won")
             except (ConditionalWriteUnsupportedError, CommitConflictError) as exc:
                 outcomes.append(f"{type(exc).__name__}: {exc}")

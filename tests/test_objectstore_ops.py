@@ -26,6 +26,7 @@ from click.testing import CliRunner  # noqa: E402
 
 import ckptguard as cg  # noqa: E402
 import objstore_helper as h  # noqa: E402
+from ckptguard._commit import storepublish  # noqa: E402
 from ckptguard.cli import main  # noqa: E402
 from ckptguard.objectstore import ObjectStoreCheckpoint  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore  # noqa: E402
@@ -141,7 +142,7 @@ def test_gc_an_s3_root(moto, tmp_path):
     store = ObjectStore(url, h.options(moto))
     data = tmp_path / "d.bin"
     data.write_bytes(b"q" * 10)
-    attempt = store.begin(2)
+    attempt = storepublish.begin(store, 2)
     store.upload(2, attempt, [("state/d.bin", data, 10)])  # an interrupted save: no marker
     code, got = cli_json("gc", url)  # the default --min-age keeps a young attempt (maybe a live save)
     assert code == 0 and got["kept_young"] == [f"step_00000002/{attempt}"] and got["removed_attempts"] == []

@@ -18,25 +18,30 @@ the staging save of that step replaces it (the store alone says what is committe
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import _faults
 from .._agree import Agreement, Wire, gather_decide, on_every_rank
 from .._disk import layout as _layout
-from .._disk.layout import read_json
+from .._disk.layout import MANIFEST_NAME, TRACKER_NAME, read_json
 from .._records import contract as _contract
 from .._records import manifest as _manifest
 from .._records.entries import FileEntry
 from .._records.retention import RetentionPolicy
 from .._types import JsonObject
-from ..errors import CheckpointCorruptError, CheckpointError
-from ..storage.s3 import ObjectStore, StoredObject
+from ..errors import CheckpointCorruptError, CheckpointError, CommitConflictError, ObjectStoreError
+from ..storage.s3 import Marker, ObjectStore, StoredObject, Writer
 
-__all__ = ["Publisher", "hold", "replaces"]
+__all__ = ["BEFORE_MARKER", "BEFORE_TRACKER", "Publisher", "begin", "commit", "hold", "replaces", "rotate"]
 
 log = logging.getLogger("ckptguard")
+
+BEFORE_MARKER = "store.before_marker"
+BEFORE_TRACKER = "store.before_tracker"
+_TRACKER_TRIES = 32
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,89 @@ def replaces(agreement: Agreement, store: ObjectStore, staging: Path, step: int)
     return gather_decide(agreement, "store.replaces", mine, decide, decision=_Replace).replace
 
 
+def begin(store: ObjectStore, step: int, *, replace_orphan: bool = False) -> str:
+    """Open an attempt at ``step`` in the store's temporary area; returns its name. A step at or behind the
+    tracker is refused (never overwritten, never resumable); a marker newer than the tracker (an orphan: its
+    writer died between marker and tracker) is uncommitted first, marker first, by the lease holder only."""
+    tracker, _ = store.tracker()
+    existing = store.marker(step)
+    if existing is not None:
+        if tracker is not None and step <= tracker:
+            raise CommitConflictError(
+                f"step {step} is already committed at {store.where(store.naming.name(step))} (attempt "
+                f"{existing.attempt}, {existing.writer.describe()}); a committed step on an object store is "
+                "never overwritten: save a newer step", step=step)
+        if not replace_orphan:
+            raise CommitConflictError(
+                f"step {step} at {store.url} has a marker newer than the tracker ({tracker}): another writer "
+                f"({existing.writer.describe()}) is committing it now or died before moving the tracker; "
+                "only the lease holder replaces such a marker", step=step)
+        log.warning("ckptguard: %s: step %d holds an orphan marker (attempt %s, %s; the tracker says %s): "
+                    "its writer died between marker and tracker; uncommitting it (marker first) to save the "
+                    "step again", store.url, step, existing.attempt, existing.writer.describe(), tracker)
+        store.drop_marker(step)
+    elif tracker is not None and step <= tracker:
+        raise CommitConflictError(
+            f"step {step} is not newer than the tracker ({tracker}) at {store.url}: the tracker never moves "
+            "backwards, so this step could never be resumed; save a step > the tracker", step=step)
+    return store.open_attempt(step)
+
+
+def commit(store: ObjectStore, step: int, attempt: str, objects: dict[str, StoredObject], manifest: JsonObject, *,
+           phases: dict[str, JsonObject] | None = None, lease: str | None = None) -> str:
+    """Create the marker (the commit point), then move the tracker forward; returns the marker's URL."""
+    marker = Marker(step, attempt, Writer.here(lease), objects, manifest, phases or {})
+    _faults.reached(BEFORE_MARKER)
+    if not store.create_marker(marker):  # refused (maybe our own retry that landed), or unconditional
+        _check_won(store, step, attempt)
+    _faults.reached(BEFORE_TRACKER)
+    _advance(store, step)
+    _check_won(store, step, attempt)  # an orphan replacement racing this commit is reported, never silent
+    return store.where(store.naming.name(step), MANIFEST_NAME)
+
+
+def _check_won(store: ObjectStore, step: int, attempt: str) -> None:
+    # A refused create may be our own retried request that had landed: the marker's attempt decides.
+    found = store.marker(step)
+    if found is not None and found.attempt == attempt:
+        return
+    who = found.writer.describe() if found is not None else "a writer that then deleted it"
+    raise CommitConflictError(
+        f"step {step} at {store.url} was committed by another writer ({who}, attempt "
+        f"{found.attempt if found else '?'}), not by this one (attempt {attempt}): exactly one writer commits a "
+        "step. Two jobs write this root: stop one (the lease should have refused it; see its log)", step=step)
+
+
+def _advance(store: ObjectStore, step: int) -> None:
+    """The tracker moved to ``step`` by compare-and-set, only forward."""
+    for _ in range(_TRACKER_TRIES):
+        current, etag = store.tracker()
+        if current is not None and current >= step:
+            if current > step:
+                log.warning("ckptguard: %s: the tracker is at %d already; step %d is committed but the tracker "
+                            "stays (it never moves backwards)", store.url, current, step)
+            return
+        if store.swap_tracker(step, None if current is None else etag):
+            return
+    where = store.where(TRACKER_NAME)
+    raise ObjectStoreError(
+        f"moving the tracker {where} to step {step}: {_TRACKER_TRIES} conditional writes in a row lost to other "
+        f"writers. Step {step}'s marker is written (the step is an orphan until the tracker covers it); two jobs "
+        "write this root: stop one", bucket=store.url.bucket, key=store.url.key(TRACKER_NAME), step=step)
+
+
+def rotate(store: ObjectStore, keep: Callable[[Sequence[int]], set[int]], protect: set[int]) -> list[int]:
+    """Delete committed steps the policy does not keep (never the tracker's or a protected one), each marker
+    first (a half-deleted step is invisible)."""
+    tracker, _ = store.tracker()
+    steps = store.committed_steps()
+    kept = keep(steps) | protect | ({tracker} if tracker else set())
+    gone = [s for s in steps if s not in kept]
+    for step in gone:
+        store.delete_step(step)
+    return gone
+
+
 class Publisher:
     """The publish of staging steps to one store, for one job (``holder``: rank 0's lease id)."""
 
@@ -135,7 +223,7 @@ class Publisher:
 
     def _begin(self, step: int, break_lease: bool) -> _Begun:
         hold(self.store, self.holder, break_lease)
-        return _Begun(self.store.begin(step, replace_orphan=True))
+        return _Begun(begin(self.store, step, replace_orphan=True))
 
     def _commit(self, step: int, attempt: str, views: list[_Uploaded], files: Sequence[FileEntry],
                 manifest: JsonObject, protect: set[int]) -> _Committed:
@@ -148,7 +236,7 @@ class Publisher:
                 "names a rank that is not in this group: publish from the job that wrote the step")
         self.store.check_lease(self.holder)  # still ours (renewed at begin): a lost lease never commits
         phases = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.staging)}
-        url = self.store.commit(step, attempt, objects, manifest, phases=phases, lease=self.holder)
+        url = commit(self.store, step, attempt, objects, manifest, phases=phases, lease=self.holder)
         self._rotate(step, protect)
         return _Committed(url)
 
@@ -156,7 +244,7 @@ class Publisher:
         if self.retention is None:
             return
         try:
-            gone = self.store.rotate(self.retention.keep, {step} | protect)
+            gone = rotate(self.store, self.retention.keep, {step} | protect)
         except (CheckpointError, OSError) as exc:  # rotation never stops training; retried at the next save
             log.warning("ckptguard: rotation on %s after step %d failed (%s: %s); retried at the next save",
                         self.store.url, step, type(exc).__name__, exc)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
+from .._commit import storepublish
 from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import contract as _contract
@@ -72,7 +73,7 @@ def to_store(step_dir: str | os.PathLike[str], url: str, *, template: str = "ste
     note = store.acquire_lease(holder)
     try:
         _same_chain_on_store(store, phases, step_dir)
-        attempt = store.begin(manifest.step, replace_orphan=True)
+        attempt = storepublish.begin(store, manifest.step, replace_orphan=True)
         files = [(f.path, step_dir / f.path, f.size) for f in manifest.files]
         total = sum(size for _, _, size in files)
         if progress is not None:
@@ -82,7 +83,7 @@ def to_store(step_dir: str | os.PathLike[str], url: str, *, template: str = "ste
             progress(total, total)
         objects = {f.path: StoredObject(f.size, f.xxh3, etags[f.path])
                    for f in manifest.files}
-        marker = store.commit(manifest.step, attempt, objects, raw, phases=phases, lease=holder)
+        marker = storepublish.commit(store, manifest.step, attempt, objects, raw, phases=phases, lease=holder)
     finally:
         store.release_lease(holder)
     return {"source": str(step_dir), "destination": marker, "step": manifest.step, "files": len(files),

@@ -1,11 +1,11 @@
 """Checkpoint roots on S3-compatible object stores (``s3://bucket/prefix``): the store's side of the commit.
 
-``ObjectStore`` is one root: conditional create of each step's marker, the tracker moved by a
-conditional write on its ETag and never backwards, resolve from the tracker and markers only,
-rotation marker-first, gc of what ckptguard created, and a write lease. It takes committed local
-step directories (``ObjectStore.begin`` / ``upload`` / ``commit``) and gives them back
-(``resolve`` / ``fetch``); ``ckptguard.objectstore.ObjectStoreCheckpoint`` composes it with a
-``CheckpointManager``. Needs the ``s3`` extra (boto3): ``pip install 'ckptguard[s3]'``.
+``ObjectStore`` is one root and the primitives its commit runs on: a temporary area per attempt,
+conditional create of each step's marker, the tracker's compare-and-set on its ETag, resolve from
+the tracker and markers only, step deletion marker-first, gc of what ckptguard created, and a write
+lease. The commit's order over them is ``ckptguard._commit.storepublish`` (``begin`` / ``commit`` /
+``rotate``); ``ckptguard.objectstore.ObjectStoreCheckpoint`` composes it with a ``CheckpointManager``.
+Needs the ``s3`` extra (boto3): ``pip install 'ckptguard[s3]'``.
 """
 
 from ._gc import GcReport

@@ -1,4 +1,10 @@
-"""ObjectStore: the commit protocol of one checkpoint root on an S3-compatible store (one process's part).
+"""ObjectStore: one checkpoint root on an S3-compatible store, the primitives its commit runs on.
+
+The commit's order (an attempt opened, its files uploaded, the marker created, the tracker moved
+forward, rotation) is ``_commit.storepublish``'s; this class gives it the store's primitives, each
+one process's part: the temporary area (``open_attempt``, ``upload``), create-if-absent of a marker
+(``create_marker``), compare-and-set of the tracker (``swap_tracker``), the reads, the deletes, the
+lease, and the reads a restore needs (``resolve``, ``fetch``).
 
 Contract (``Consistency.CONDITIONAL``, the default):
 
@@ -34,17 +40,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ... import _faults
 from ..._disk.layout import MANIFEST_NAME, PROOF_DIR, TRACKER_NAME, StepNaming, atomic_write_bytes, atomic_write_json
-from ..._types import JsonObject
 from ...errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CommitConflictError,
     ConditionalWriteUnsupportedError,
     ConfigError,
     LeaseHeldError,
-    ObjectStoreError,
     ResumeError,
 )
 from . import _gc, _transfer
@@ -55,9 +57,6 @@ from ._options import Consistency, ObjectStoreOptions, StoreURL
 
 log = logging.getLogger("ckptguard")
 
-BEFORE_MARKER = "store.before_marker"
-BEFORE_TRACKER = "store.before_tracker"
-_TRACKER_TRIES = 32
 _probed: dict[tuple[str, str], bool] = {}  # (endpoint, bucket) -> conditional writes checked in this process
 
 
@@ -199,36 +198,19 @@ class ObjectStore:
                 log.warning("ckptguard: %s: %s (not counted as committed)", self.where(name), exc)
         return sorted(out)
 
-    # ------------------------------------------------------------ commit
+    # ------------------------------------------------------------ the commit's primitives (_commit.storepublish)
 
-    def begin(self, step: int, *, replace_orphan: bool = False) -> str:
-        """Open an attempt at ``step`` (its owner record written first); returns its name."""
-        tracker, _ = self.tracker()
-        existing = self.marker(step)
-        if existing is not None:
-            if tracker is not None and step <= tracker:
-                raise CommitConflictError(
-                    f"step {step} is already committed at {self.where(self.naming.name(step))} (attempt "
-                    f"{existing.attempt}, {existing.writer.describe()}); a committed step on an object store is "
-                    "never overwritten: save a newer step", step=step)
-            if not replace_orphan:
-                raise CommitConflictError(
-                    f"step {step} at {self.url} has a marker newer than the tracker ({tracker}): another writer "
-                    f"({existing.writer.describe()}) is committing it now or died before moving the tracker; "
-                    "only the lease holder replaces such a marker", step=step)
-            log.warning("ckptguard: %s: step %d holds an orphan marker (attempt %s, %s; the tracker says %s): "
-                        "its writer died between marker and tracker; uncommitting it (marker first) to save the "
-                        "step again", self.url, step, existing.attempt, existing.writer.describe(), tracker)
-            self.bucket.delete(self.url.key(self.naming.name(step), MANIFEST_NAME), step=step, what="orphan marker")
-        elif tracker is not None and step <= tracker:
-            raise CommitConflictError(
-                f"step {step} is not newer than the tracker ({tracker}) at {self.url}: the tracker never moves "
-                "backwards, so this step could never be resumed; save a step > the tracker", step=step)
+    def open_attempt(self, step: int) -> str:
+        """A new temporary area for ``step``: an attempt whose owner record is written first; returns its name."""
         attempt = f"{rec.ATTEMPT_PREFIX}{secrets.token_hex(8)}"
         owner = rec.Owner(step, attempt, rec.Writer.here(), time.time())
         self.bucket.create(self.url.key(self.naming.name(step), attempt, rec.OWNER), owner.to_bytes(), step=step,
                            what="attempt owner record", conditional=False)
         return attempt
+
+    def drop_marker(self, step: int, *, what: str = "orphan marker") -> None:
+        """Delete the marker of ``step`` (its objects stay)."""
+        self.bucket.delete(self.url.key(self.naming.name(step), MANIFEST_NAME), step=step, what=what)
 
     def upload(self, step: int, attempt: str, files: Sequence[tuple[str, Path, int]]) -> dict[str, str]:
         """Upload ``(relative name, local path, size)`` files into the attempt; returns name -> ETag."""
@@ -237,24 +219,29 @@ class ObjectStore:
         etags = _transfer.upload(self.bucket, items, step=step)
         return {rel: etags[self.url.key(*base, rel)] for rel, _, _ in files}
 
-    def commit(self, step: int, attempt: str, objects: dict[str, rec.StoredObject], manifest: JsonObject, *,
-               phases: dict[str, JsonObject] | None = None, lease: str | None = None) -> str:
-        """Write the marker (conditional create), then move the tracker forward; returns the marker's URL."""
-        name = self.naming.name(step)
-        key = self.url.key(name, MANIFEST_NAME)
-        marker = rec.Marker(step, attempt, rec.Writer.here(lease), objects, manifest, phases or {})
-        _faults.reached(BEFORE_MARKER)
+    def create_marker(self, marker: rec.Marker) -> bool:
+        """Create the step's marker if absent (``If-None-Match: *``); True only where the store created it
+        under that condition (and refused the same create again: ``_check_refused``). False: refused (another
+        writer's, or this writer's own retried request that had landed) or written unconditionally; the
+        caller reads the marker back to know whose it is."""
+        key = self.url.key(self.naming.name(marker.step), MANIFEST_NAME)
         data = marker.to_bytes()
-        created = self.bucket.create(key, data, step=step, what="commit marker", conditional=self.conditional)
-        if created is None or not self.conditional:  # refused (maybe our own retry that landed), or unconditional
-            self._check_won(step, attempt)
+        created = self.bucket.create(key, data, step=marker.step, what="commit marker", conditional=self.conditional)
+        if created is None or not self.conditional:
+            return False
+        self._check_refused(key, data, marker.step, what="commit marker", risk=f"two writers could both commit "
+                            f"step {marker.step}. Step {marker.step} is not committed (the tracker did not move)")
+        return True
+
+    def swap_tracker(self, step: int, etag: str | None) -> bool:
+        """Write the tracker as ``step`` if it is still the version ``etag`` (None: only if absent); False: it
+        changed in between (compare-and-set; a plain PUT under ``SINGLE_WRITER_UNSAFE``)."""
+        key, data = self.url.key(TRACKER_NAME), f"{step}\n".encode()
+        if etag is None:
+            done = self.bucket.create(key, data, step=step, what="tracker", conditional=self.conditional)
         else:
-            self._check_refused(key, data, step, what="commit marker", risk=f"two writers could both commit step "
-                                f"{step}. Step {step} is not committed (the tracker did not move)")
-        _faults.reached(BEFORE_TRACKER)
-        self._advance(step)
-        self._check_won(step, attempt)  # an orphan replacement racing this commit is reported, never silent
-        return self.where(name, MANIFEST_NAME)
+            done = self.bucket.replace(key, data, etag, step=step, what="tracker", conditional=self.conditional)
+        return done is not None
 
     def _check_refused(self, key: str, data: bytes, step: int | None, *, what: str, risk: str,
                        stale: str | None = None) -> None:
@@ -275,38 +262,6 @@ class ObjectStore:
             "store or the proxy in front of it, or with exactly one writer guaranteed by you use "
             "ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) (docs/objectstore.md)",
             bucket=self.url.bucket, key=key, step=step)
-
-    def _check_won(self, step: int, attempt: str) -> None:
-        # A refused create may be our own retried request that had landed: the marker's attempt decides.
-        found = self.marker(step)
-        if found is not None and found.attempt == attempt:
-            return
-        who = found.writer.describe() if found is not None else "a writer that then deleted it"
-        raise CommitConflictError(
-            f"step {step} at {self.url} was committed by another writer ({who}, attempt "
-            f"{found.attempt if found else '?'}), not by this one (attempt {attempt}): exactly one writer commits a "
-            "step. Two jobs write this root: stop one (the lease should have refused it; see its log)", step=step)
-
-    def _advance(self, step: int) -> None:
-        key = self.url.key(TRACKER_NAME)
-        for _ in range(_TRACKER_TRIES):
-            current, etag = self.tracker()
-            if current is not None and current >= step:
-                if current > step:
-                    log.warning("ckptguard: %s: the tracker is at %d already; step %d is committed but the tracker "
-                                "stays (it never moves backwards)", self.url, current, step)
-                return
-            data = f"{step}\n".encode()
-            if current is None or etag is None:
-                done = self.bucket.create(key, data, step=step, what="tracker", conditional=self.conditional)
-            else:
-                done = self.bucket.replace(key, data, etag, step=step, what="tracker", conditional=self.conditional)
-            if done is not None:
-                return
-        raise ObjectStoreError(
-            f"moving the tracker s3://{self.url.bucket}/{key} to step {step}: {_TRACKER_TRIES} conditional writes in a "
-            "row lost to other writers. Step " f"{step}'s marker is written (the step is an orphan until the tracker "
-            "covers it); two jobs write this root: stop one", bucket=self.url.bucket, key=key, step=step)
 
     # ------------------------------------------------------------ restore
 
@@ -351,16 +306,6 @@ class ObjectStore:
         self.bucket.delete(self.url.key(name, MANIFEST_NAME), step=step, what="commit marker")
         keys = [o.key for o in self.bucket.listing(name + "/")]
         self.bucket.delete_many(keys, step=step)
-
-    def rotate(self, keep: Callable[[Sequence[int]], set[int]], protect: set[int]) -> list[int]:
-        """Delete committed steps the policy does not keep (never the tracker's or a protected one)."""
-        tracker, _ = self.tracker()
-        steps = self.committed_steps()
-        kept = keep(steps) | protect | ({tracker} if tracker else set())
-        gone = [s for s in steps if s not in kept]
-        for step in gone:
-            self.delete_step(step)
-        return gone
 
     def gc(self, *, min_age_s: float = 3600.0, dry_run: bool = False) -> GcReport:
         """Remove attempts no marker names (with ckptguard's owner record, older than ``min_age_s``)
