@@ -155,6 +155,18 @@ def test_a_replayed_update_whose_grad_norm_differs_fails_the_numbers(tmp_path):
     assert numbers.status is Status.FAIL and "grad_norm (record_update)" in numbers.evidence, numbers.evidence
 
 
+def test_a_container_restart_that_reuses_the_pid_is_a_new_process(tmp_path):
+    # the lead's review 3: pid 1 as the entrypoint, one hostname; the restore records' process_start differ
+    first, second = {**_restore(1, 0), "process_start": 100.0}, {**_restore(1, 5), "process_start": 200.0}
+    _write(tmp_path, 0, [first, _step(1, 5, "a5"), _save(1, 5), _step(1, 6, "a6"), second, _step(1, 6, "a6")])
+    gates = evaluate(tmp_path)
+    assert outcome(gates) is Outcome.PROVEN, verdict(gates)
+    assert "pid 1, its reuse 1" in _gate(gates, "resume judged").evidence
+    # without process_start (an older record) one pid is one process, as before: restored in the same process
+    _write(tmp_path / "old", 0, [_restore(1, 0), _step(1, 5, "a5"), _save(1, 5), _restore(1, 5), _step(1, 6, "a6")])
+    assert _gate(evaluate(tmp_path / "old"), "all PIDs changed").status is Status.FAIL
+
+
 def test_an_optimizer_that_never_steps_past_the_reference_is_not_a_pass(tmp_path):
     # CE3: the reference had a zero update at step 7; the resumed run's optimizer changes no parameter from then on
     resumed = [r for s in range(7, 30) for r in (_update(2, s, 0.0 if s == 7 else 0.9, False),

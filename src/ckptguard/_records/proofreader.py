@@ -141,7 +141,39 @@ def read_records(root: Path, role: str | None = None, *, rank: int | None = None
                     continue  # a record torn by a kill mid-append (the next process starts a new line)
                 raise CheckpointCorruptError(f"{exc}; proof records are append-only") from None
             records.append(ProofRecord.from_json(rec, where=f"{path}:{n}"))
-        out[number] = records
+        out[number] = distinct_processes(records)
+    return out
+
+
+REUSED_PID = 1 << 32
+"""Added to an OS pid that a later process reused (more than any OS pid): the records of that process
+read with ``pid + n * REUSED_PID`` (``os_pid`` keeps the one written)."""
+
+
+def shown_pid(pid: Any) -> str:
+    """A pid as evidence shows it: the OS pid, with which later process reused it."""
+    if is_int(pid) and pid >= REUSED_PID:
+        return f"{pid % REUSED_PID}, its reuse {pid // REUSED_PID}"
+    return str(pid)
+
+
+def distinct_processes(records: list[ProofRecord]) -> list[ProofRecord]:
+    """One rank's records with one pid per process: a container restarted with the same entrypoint reuses the
+    pid (pid 1, one hostname), and every gate that tells the saving process from the resumed one keys by pid.
+    A restore record (every launch's first) whose host or ``process_start`` differs from the previous process's
+    of that pid starts a new process; records without ``process_start`` (older releases) keep their pid."""
+    current: dict[int, tuple[Any, Any]] = {}  # os pid -> (host, process_start) of the process now using it
+    reused: dict[int, int] = {}  # os pid -> how many earlier processes used it
+    out = []
+    for r in records:
+        start = r.get("process_start")
+        if r.event == "restore" and is_number(start):
+            ident = (r.host, start)
+            if r.pid in current and current[r.pid] != ident:
+                reused[r.pid] = reused.get(r.pid, 0) + 1
+            current[r.pid] = ident
+        n = reused.get(r.pid, 0)
+        out.append(r if not n else ProofRecord.of({**r.raw, "pid": r.pid + n * REUSED_PID, "os_pid": r.pid}))
     return out
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._records.proofreader import ProofRecord
+from .._records.proofreader import ProofRecord, shown_pid
 
 __all__ = ["Candidate", "at_step", "candidates", "earliest", "nothing_past"]
 
@@ -36,7 +36,7 @@ class Candidate:
     def describe(self) -> str:
         what = "the run that saved" if self.saved else "an earlier resume of"
         lost = "" if self.save_recorded else ", its save record lost with a kill right after the commit"
-        return f"{what} step {self.step} (pid {self.pid}{lost})"
+        return f"{what} step {self.step} (pid {shown_pid(self.pid)}{lost})"
 
 
 def _next_launch(before: Sequence[ProofRecord], i: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._records.proofreader import ProofRecord
+from .._records.proofreader import ProofRecord, shown_pid
 
 Records = dict[int, list[ProofRecord]]
 
@@ -27,7 +27,7 @@ class Resume:
     world_size: int | None
 
     def describe(self) -> str:
-        return f"resume {self.number} (step {self.step}, pid {self.pid})"
+        return f"resume {self.number} (step {self.step}, pid {shown_pid(self.pid)})"
 
 
 def _restores(recs: list[ProofRecord]) -> list[int]:
