@@ -1,8 +1,10 @@
 """The one shape every front door has: ``Checkpointer``, a small protocol (docs/architecture.md).
 
-``CheckpointManager`` (one state), ``RunCheckpoint`` (every role of a run) and ``TieredCheckpoint``
-(a fast and a persistent tier) differ in what they commit, not in how a training loop talks to them:
-the same calls, the same return types. A loop, a ``PreemptionGuard`` or an integration written
+``CheckpointManager`` (one state), ``RunCheckpoint`` (every role of a run), ``TieredCheckpoint``
+(a fast and a persistent tier) and ``ObjectStoreCheckpoint`` (a staging root published to an object
+store; its ``save`` returns the staging directory, its ``Resolution.url`` names the store's marker)
+differ in what they commit, not in how a training loop talks to them: the same calls, the same return
+types. A loop, a ``PreemptionGuard`` or an integration written
 against ``Checkpointer`` takes any of them. ``tests/test_architecture.py`` runs one conformance test
 against each door, so a door that drifts (a ``save`` returning a dict, a missing ``resolve``) fails.
 
