@@ -53,6 +53,8 @@ def test_a_sync_save_returns_before_the_dropped_step_is_deleted(tmp_path, monkey
         assert not step_dir(root, 1).exists()
         held = _trash(root)
         assert len(held) == 1 and not (held[0] / "manifest.json").exists(), held  # still there: not yet deleted
+        (found,) = [x for x in _layout.leftovers(root, max_age_s=3600) if x.kind == "trash"]
+        assert "by a live process" in found.detail and "interrupted" not in found.detail, found
     finally:
         release.set()
     assert retention.DELETER.wait(30)
@@ -98,6 +100,8 @@ def test_a_kill_mid_delete_leaves_every_committed_step_whole(tmp_path):
         child.wait()
     (leftover,) = _trash(root)  # half deleted, no step name, no manifest: never taken for a checkpoint
     assert not (leftover / "manifest.json").exists()
+    (found,) = [x for x in _layout.leftovers(root, max_age_s=3600) if x.kind == "trash"]
+    assert found.removable and "interrupted" in found.detail, found  # its deleter is dead: gc may remove it
     assert committed_on_disk(root) == [step_dir(root, 2).name]
     (root / "lease.json").unlink(missing_ok=True)  # the killed writer's lease (its pid is dead anyway)
     checked, findings = verify_root(root, _layout.StepNaming("step_{step:08d}"), deep=True)

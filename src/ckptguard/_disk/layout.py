@@ -464,7 +464,9 @@ def leftovers(root: Path, *, max_age_s: float, tmp_files: tuple[str, ...] = (TRA
             else:
                 out.append(Leftover(path, "foreign", False, "not created by ckptguard (no owner record)"))
         elif entry.name.startswith(TRASH_PREFIX) and is_trash_dir(path):
-            out.append(Leftover(path, "trash", True, f"a step being deleted ({_count_files(path)}), interrupted"))
+            live = owner_state(path, max_age_s=max_age_s) == "alive"  # retention deletes it in the background
+            out.append(Leftover(path, "trash", True, f"a step being deleted ({_count_files(path)}), "
+                                + (f"by a live process ({describe_owner(path)})" if live else "interrupted")))
         elif any(is_temp_file(path, of=name) for name in tmp_files) or _tempfiles.is_temp_file(path):
             dead = _tempfiles.owner_state(path, max_age_s=max_age_s) != "alive"
             who = _tempfiles.describe_owner(path)
