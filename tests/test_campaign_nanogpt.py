@@ -20,7 +20,7 @@ import pytest
 CAMPAIGN = Path(__file__).resolve().parents[1] / "benchmarks" / "proof_campaign.py"
 STEPS = 100000  # never reached: every launch ends by a kill, as in the campaign
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # 4 launches of 2 gloo ranks and a reference run
 
 
 def _campaign(monkeypatch: pytest.MonkeyPatch) -> Any:
