@@ -167,6 +167,19 @@ def test_a_container_restart_that_reuses_the_pid_is_a_new_process(tmp_path):
     assert _gate(evaluate(tmp_path / "old"), "all PIDs changed").status is Status.FAIL
 
 
+def test_a_resume_after_a_rollback_whose_step_was_saved_twice_is_missing_evidence(tmp_path):
+    # the lead's review 4: run A saves 5 and 10 and trains to 12; run B rolls back to 5 and records step 10 (its
+    # save record lost with a kill); run C restores step 10: A's or B's, nothing says which
+    a = [_restore(1, 0), *(_step(1, s, f"a{s}") for s in range(4, 6)), _save(1, 5),
+         *(_step(1, s, f"a{s}") for s in range(6, 11)), _save(1, 10), _step(1, 11, "a11"), _step(1, 12, "a12")]
+    b = [_restore(2, 5), *(_step(2, s, f"b{s}") for s in range(6, 11))]
+    c = [_restore(3, 10), _step(3, 11, "b11"), _step(3, 12, "b12")]
+    _write(tmp_path, 0, [*a, *b, *c])
+    gates = evaluate(tmp_path)
+    data = _gate(gates, "data order identical")
+    assert data.status is Status.MISSING and outcome(gates) is not Outcome.DIVERGED, data.evidence
+
+
 def test_an_optimizer_that_never_steps_past_the_reference_is_not_a_pass(tmp_path):
     # CE3: the reference had a zero update at step 7; the resumed run's optimizer changes no parameter from then on
     resumed = [r for s in range(7, 30) for r in (_update(2, s, 0.0 if s == 7 else 0.9, False),

@@ -43,6 +43,21 @@ def _next_launch(before: Sequence[ProofRecord], i: int) -> int:
     return next((j for j in range(i + 1, len(before)) if before[j].event == "restore"), len(before))
 
 
+def _rolled_back(before: Sequence[ProofRecord], k: int, pid: int, save: int | None) -> int | None:
+    """The index of the last record of step k, where a process launched after the last save record of k with a
+    restore of an earlier step (a rollback) recorded it; None: no such process."""
+    if save is None:
+        return None
+    last = next((i for i in range(len(before) - 1, save, -1)
+                 if before[i].event in ("step", "update") and before[i].step == k and before[i].pid != pid), None)
+    if last is None:
+        return None
+    owner = before[last].pid
+    launch = next((i for i in range(last - 1, save, -1) if before[i].event == "restore" and before[i].pid == owner),
+                  None)
+    return last if launch is not None and (before[launch].step or 0) < k else None
+
+
 def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidate]:
     """The runs that ran on from step k before the resumed run (``pid``), oldest first. A kill between the
     commit of step k and the append of its save record leaves no save record: the process that recorded
@@ -51,7 +66,13 @@ def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidat
     save = next((i for i in range(len(before) - 1, -1, -1) if before[i].event == "save" and before[i].step == k),
                 None)
     out: list[Candidate] = []
-    if save is not None:
+    rolled = _rolled_back(before, k, pid, save)
+    if rolled is not None:
+        # A later process rolled back past k and recorded step k again, and no save record of its step k is
+        # there: which of the two step-k checkpoints the resumed run restored is unknown, so neither run is
+        # the reference (missing evidence); resumes of k after it still are.
+        save = rolled
+    elif save is not None:
         launch = next((i for i in range(save - 1, -1, -1) if before[i].event == "restore"), -1)
         out.append(Candidate(before[save].pid, True, save, _next_launch(before, save), k, launch))
     else:
