@@ -60,7 +60,7 @@ def test_a_fresh_run_is_staged_whole_at_its_first_save(tmp_path):
     assert mgr._staging.pool is None
 
 
-def test_a_resumed_run_is_prepared_after_its_first_step(tmp_path):
+def test_a_resumed_run_is_prepared_after_the_restore_s_read(tmp_path):
     model, optim = _job()
     state = {"model": model, "optim": optim}
     _step(model, optim)
@@ -71,10 +71,10 @@ def test_a_resumed_run_is_prepared_after_its_first_step(tmp_path):
     again = {"model": model2, "optim": optim2}
     mgr = cg.CheckpointManager(tmp_path / "ck")
     assert mgr.restore(again) == 1
-    # The load's own initialising step (DCP's, lr 0) is not training: the pool is sized at the first real step.
-    assert mgr._staging.preparing is None
-    _step(model2, optim2)
+    # Prepared after the restore's read (834227a), from the loaded state: the optimizer's moments are there, so
+    # the pool is sized as the first save needs it, and the read itself never competed with the pinning.
     assert mgr._staging.preparing is not None and mgr._staging.preparing.result(timeout=60) > 0
+    _step(model2, optim2)
     mgr.save_async(2, again).wait()
     assert _cost(tmp_path / "ck", 2)["live_bytes"] == 0
     mgr.close()
