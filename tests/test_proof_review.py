@@ -139,6 +139,7 @@ def test_a_rank_that_consumed_another_ranks_samples_is_not_judged_by_it(tmp_path
     data = _gate(gates, "data order identical")
     assert outcome(gates) is not Outcome.PROVEN and data.status is Status.MISSING, data.evidence
     assert "rank 1: no run before this resume recorded a step past step 5" in data.evidence
+    assert "not judged by rank(s) [0]: at step 6 it consumed the data a judged rank consumed there" in data.evidence
     # ranks that share their data (tensor parallel: the same samples at the restored step too) stay symmetric
     _write(tmp_path / "tp", 0, [_restore(10, 0, 2), _step(10, 5, "a5"), _save(10, 5, PLAN), _step(10, 6, "a6"),
                                 _restore(30, 5, 2), _step(30, 6, "a6"), _step(30, 7, "a7")])

@@ -1007,8 +1007,13 @@ def _symmetric(replays: list[_Replay], plan: ProofPlan) -> str | None:
         return None
     if not plan.deterministic or any(not r.saver_recorded or r.once_missing for r in lacking):
         return None  # the lacking ranks stay MISSING: nothing stands for their data
-    if any(_same_data_as(r, judged) for r in lacking):
-        return None  # a rank that consumed another rank's samples does not run "the same step on its own samples"
+    shared = [r for r in lacking if _same_data_as(r, judged)]
+    for r in shared:  # a rank that consumed another rank's samples does not run "the same step on its own samples"
+        r.evidence += (f"; not judged by rank(s) {[j.rank for j in judged]}: at step {k + 1} it consumed the data "
+                       f"a judged rank consumed there, although at step {k} the ranks consumed different data (its "
+                       "own shard of the data lost, e.g. a sampler's rank or world size not restored)")
+    if shared:
+        return None
     ranks, others = [r.rank for r in lacking], [r.rank for r in judged]
     return (f"; rank(s) {ranks}: the killed run had recorded nothing past step {k} there when the job-wide kill "
             f"landed, one record behind rank(s) {others}, which had recorded step {k + 1}: judged by rank(s) "
