@@ -181,6 +181,17 @@ def test_a_resume_after_a_rollback_whose_step_was_saved_twice_is_missing_evidenc
     assert data.status is Status.MISSING and outcome(gates) is not Outcome.DIVERGED, data.evidence
 
 
+def test_a_resumed_process_that_died_on_an_exception_is_not_called_an_exhausted_loader(tmp_path):
+    # H3's finding F2: an exit record that names the exception ("raised") is said as such
+    exited = {"event": "exit", "pid": 2, "step": 5, "trained": 0, "total_steps": 9,
+              "raised": "ConfigError: step 5 is already committed"}
+    _write(tmp_path, 0, [_restore(1, 0), _step(1, 5, "a5"), _save(1, 5), _step(1, 6, "a6"), _restore(2, 5), exited])
+    trained = _gate(evaluate(tmp_path), "resumed run trained")
+    assert trained.status is Status.FAIL and "died on an uncaught exception before its first step: ConfigError: " \
+        "step 5 is already committed" in trained.evidence, trained.evidence
+    assert "exhausted loader" not in trained.evidence
+
+
 def test_an_optimizer_that_never_steps_past_the_reference_is_not_a_pass(tmp_path):
     # CE3: the reference had a zero update at step 7; the resumed run's optimizer changes no parameter from then on
     resumed = [r for s in range(7, 30) for r in (_update(2, s, 0.0 if s == 7 else 0.9, False),

@@ -507,6 +507,10 @@ def _gate_trained(seg: _Segment, plan: ProofPlan) -> tuple[Status, str]:
                                 "exited; no total_steps declared and no earlier run recorded a step past it, so "
                                 "whether steps were left is unknown: declare ProofPlan(total_steps=)")
     why = f"the plan's total_steps is {total}" if total is not None else f"the killed run had reached step {max(later)}"
+    raised = ended.get("raised")
+    if isinstance(raised, str) and raised:  # an exit record that names the uncaught exception the process died on
+        return Status.FAIL, (f"rank {seg.rank}: resumed at step {k}{of} and trained 0 steps ({why}): the process "
+                             f"died on an uncaught exception before its first step: {raised[:500]}")
     return Status.FAIL, (f"rank {seg.rank}: resumed at step {k}{of} and trained 0 steps, then the process exited "
                          f"({why}): the data loader or the step range ended right after the restore, typically "
                          "an exhausted loader at an epoch boundary (a loader iterator built once, a sampler whose "
