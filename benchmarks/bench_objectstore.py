@@ -40,6 +40,7 @@ import torch
 import ckptguard as cg
 from ckptguard import StateOptions
 from ckptguard._commit import storepublish
+from ckptguard._resume.storefetch import resolve
 from ckptguard.objectstore import ObjectStoreCheckpoint, ObjectStoreOptions
 
 MIB = 1 << 20
@@ -140,7 +141,7 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
             (got / rel).parent.mkdir(parents=True, exist_ok=True)
             client.download_file("bench", f"raw/{rep}/{rel}", str(got / rel), Config=transfer)
         times["raw_get"].append(time.perf_counter() - t)
-        marker = ckpt.store.resolve().marker
+        marker = resolve(ckpt.store).marker
         assert marker is not None and marker.step == rep
         t = time.perf_counter()
         ckpt.store.fetch(marker, a.dir / f"fetch-{rep}")

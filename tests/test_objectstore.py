@@ -44,6 +44,7 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra
 import ckptguard as cg  # noqa: E402
 import objstore_helper as h  # noqa: E402
 from ckptguard._commit import storepublish  # noqa: E402
+from ckptguard._resume.storefetch import resolve  # noqa: E402
 from ckptguard.errors import (  # noqa: E402
     CommitConflictError,
     ConditionalWriteUnsupportedError,
@@ -204,7 +205,7 @@ def test_save_restore_exactly_and_plain_dcp_reads_the_state_from_the_store(moto,
     assert restored_step(moto, url, tmp_path / "fresh") == 2
 
     store = ObjectStore(url, h.options(moto))
-    marker = store.resolve().marker
+    marker = resolve(store).marker
     assert marker is not None and marker.step == 2
     plain = {"model.w": torch.zeros(h.ELEMENTS)}
     s3fs.S3FileSystem.clear_instance_cache()
@@ -221,9 +222,9 @@ def test_no_step_without_its_marker_and_the_tracker_never_moves_back(moto, tmp_p
     data.write_bytes(b"x" * 1000)
     attempt = storepublish.begin(store, 3)
     store.upload(3, attempt, [("state/data.bin", data, 1000)])
-    assert store.resolve().step == 0 and store.committed_steps() == []  # uploaded, no marker: invisible
+    assert resolve(store).step == 0 and store.committed_steps() == []  # uploaded, no marker: invisible
     storepublish.commit(store, 3, attempt, {}, {"any": "manifest"})
-    assert store.resolve().step == 3 and store.committed_steps() == [3]
+    assert resolve(store).step == 3 and store.committed_steps() == [3]
     with pytest.raises(CommitConflictError, match="not newer than the tracker"):
         storepublish.begin(store, 2)
     with pytest.raises(CommitConflictError, match="already committed"):

@@ -57,7 +57,7 @@ from ._records.proofreader import records_dir
 from ._records.proofwriter import ExportFingerprint
 from ._records.retention import KeepLast, RetentionPolicy
 from ._resume.resolve_local import Resolution
-from ._resume.storefetch import fetch_step
+from ._resume.storefetch import fetch_step, resolve
 from ._types import JsonObject, StateDict
 from .config import BlockingBudget, CheckpointConfig, OnBusy, ResumeMode
 from .errors import CheckpointError, ConfigError
@@ -308,7 +308,7 @@ class ObjectStoreCheckpoint:
         self.store.check_lease(self._holder, override=break_lease)
         if mode is ResumeMode.NEVER:
             return _Chosen(0, "ResumeMode.NEVER")
-        found = self.store.resolve(must=mode is ResumeMode.MUST)
+        found = resolve(self.store, must=mode is ResumeMode.MUST)
         return _Chosen(found.step, found.reason)
 
     def restore(self, state: StateDict, /, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> int:
@@ -329,7 +329,7 @@ class ObjectStoreCheckpoint:
     def tracker_step(self) -> int:
         """The store's committed step a restore would load (the tracker, its marker checked; 0: none).
         This process's reads; no collective."""
-        return self.store.resolve().step
+        return resolve(self.store).step
 
     def bring(self, step: int) -> Path:
         """The committed ``step`` in the staging root: downloaded, each host's ranks a share, unless there

@@ -1,4 +1,10 @@
-"""A committed step of an object-store root brought into the local staging root (``fetch_step``).
+"""The restore side of an object-store root: which step (``resolve``), and that step brought into the
+local staging root (``fetch_step``).
+
+``resolve`` decides from the tracker and that step's marker only, never from a listing: tracker 0 or
+none is a fresh start (refused under ``ResumeMode.MUST``); a tracker whose marker is missing or
+unreadable raises ``ResumeError`` (ckptguard writes the marker before the tracker and rotation never
+deletes the tracker's step), never a guess.
 
 Contract: every rank calls ``fetch_step`` with the same step; each host whose staging root does not
 already hold exactly that step (its manifest equal to the marker's) clears its stale copy (manifest
@@ -16,13 +22,48 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._agree import Agreement, Wire, on_every_rank
-from .._disk.layout import CONTRACT_DIR, MANIFEST_NAME, atomic_write_json, read_json
+from .._disk.layout import CONTRACT_DIR, MANIFEST_NAME, TRACKER_NAME, atomic_write_json, read_json
 from .._records import contract as _contract
 from .._types import JsonObject
-from ..errors import CheckpointCorruptError, CheckpointError, ContractMismatchError
+from ..errors import CheckpointCorruptError, CheckpointError, ContractMismatchError, ResumeError
 from ..storage.s3 import Marker, ObjectStore
 
-__all__ = ["fetch_step"]
+__all__ = ["Resolved", "fetch_step", "resolve"]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What ``resolve`` found: the step (0: fresh start) and its marker."""
+
+    step: int
+    marker: Marker | None
+    reason: str
+
+
+def resolve(store: ObjectStore, *, must: bool = False) -> Resolved:
+    """The step to restore, from the tracker and that step's marker only (this process's reads); ``must``:
+    nothing there raises (``ResumeMode.MUST``) instead of a declared fresh start."""
+    step, _ = store.tracker()
+    if not step:
+        if step is None and not store.has_root():
+            reason = f"no checkpoint root at {store.url} (no root record, no tracker; the first save creates it)"
+        else:
+            reason = f"the tracker at {store.where(TRACKER_NAME)} says 0: fresh start declared by the first save"
+        if must:
+            raise ResumeError(f"ResumeMode.MUST: {reason}")
+        return Resolved(0, None, reason)
+    try:
+        marker = store.marker(step)
+    except CheckpointError as exc:
+        raise ResumeError(f"the tracker at {store.url} says {step}, but its marker is unreadable: {exc}") from exc
+    if marker is None:
+        marker_at = store.where(store.naming.name(step), MANIFEST_NAME)
+        raise ResumeError(
+            f"the tracker at {store.where(TRACKER_NAME)} says {step}, but {marker_at} does not exist. ckptguard "
+            "writes the marker before the tracker and rotation never deletes the tracker's step, so something "
+            "outside ckptguard deleted it: restore the objects, or set the tracker to an older committed step "
+            "by hand (`ckptguard list` shows them)")
+    return Resolved(step, marker, f"tracker {store.where(TRACKER_NAME)} says {step}")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 from .._disk.layout import PROOF_DIR, TRACKER_NAME
 from .._records.checks import verify_step
 from .._records.findings import Finding, Severity
+from .._resume.storefetch import resolve
 from ..errors import CheckpointError, LeaseHeldError
 from ..storage.s3 import GcReport, Marker, ObjectStore, ObjectStoreOptions
 
@@ -188,7 +189,7 @@ def preflight_remote(url: str, template: str, *, expect_step: int | None = None)
             "no-root", store.where(TRACKER_NAME), f"no checkpoint root at {store.url} (no tracker)",
             "check the URL and AWS_ENDPOINT_URL; a first launch needs no preflight (its first save creates the root)")])
     try:
-        found = store.resolve()
+        found = resolve(store)
     except CheckpointError as exc:
         return RemotePreflight(tracker, None, "unresolved", [_err(
             "resolve", store.where(TRACKER_NAME), str(exc), "`ckptguard list` shows the committed steps")])

@@ -37,6 +37,7 @@ from .._disk import lease as _lease
 from .._records import contract as _contract
 from .._records import manifest as _manifest
 from .._records.checks import verify_step
+from .._resume.storefetch import resolve
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, ResumeError
 from ..storage.s3 import Marker, ObjectStore, ObjectStoreOptions, StoredObject
 from .transfer import TRANSFERS_DIR, publishing
@@ -141,7 +142,7 @@ def _committed(store: ObjectStore, step: int | None) -> Marker:
         raise ConfigError(f"transfer: no checkpoint root at {store.url} (no tracker); check the URL and "
                           "AWS_ENDPOINT_URL")
     if step is None:
-        found = store.resolve(must=True)
+        found = resolve(store, must=True)
         assert found.marker is not None
         return found.marker
     marker = store.marker(step)

@@ -14,7 +14,7 @@ Contract (``Consistency.CONDITIONAL``, the default):
   refuses the second create with 412 and that writer raises ``CommitConflictError``.
 - The tracker moves after the marker, by ``If-Match`` on the ETag it was read with, and only
   forward: a writer that finds it at or past its step leaves it. It never names an uncommitted step.
-- ``resolve`` reads the tracker and that step's marker; nothing is decided from a listing.
+- ``_resume.storefetch.resolve`` reads the tracker and that step's marker; nothing is decided from a listing.
 - Rotation deletes a step's marker first, then its objects: a half-deleted step is invisible.
 - gc (``_gc``) removes only attempts that carry ckptguard's owner record, that no marker names, and
   that are older than ``min_age_s``, aborts multipart uploads of such attempts, and never runs on a
@@ -37,17 +37,14 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..._disk.layout import MANIFEST_NAME, PROOF_DIR, TRACKER_NAME, StepNaming, atomic_write_bytes, atomic_write_json
 from ...errors import (
     CheckpointCorruptError,
-    CheckpointError,
     ConditionalWriteUnsupportedError,
     ConfigError,
     LeaseHeldError,
-    ResumeError,
 )
 from . import _gc, _transfer
 from . import _objrecords as rec
@@ -58,15 +55,6 @@ from ._options import Consistency, ObjectStoreOptions, StoreURL
 log = logging.getLogger("ckptguard")
 
 _probed: dict[tuple[str, str], bool] = {}  # (endpoint, bucket) -> conditional writes checked in this process
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """What ``ObjectStore.resolve`` found: the step (0: fresh start) and its marker."""
-
-    step: int
-    marker: rec.Marker | None
-    reason: str
 
 
 class ObjectStore:
@@ -151,34 +139,13 @@ class ObjectStore:
             raise CheckpointCorruptError(f"{self.where(name, MANIFEST_NAME)} says step {marker.step}, its key {step}")
         return marker
 
-    def resolve(self, *, must: bool = False) -> Resolved:
-        """The step to restore, from the tracker and that step's marker only; ``must``: nothing there raises
-        (``ResumeMode.MUST``) instead of a declared fresh start."""
-        step, _ = self.tracker()
-        if not step:
-            if step is None and self.bucket.get(self.url.key(rec.ROOT_RECORD), what="root record") is None:
-                reason = f"no checkpoint root at {self.url} (no root record, no tracker; the first save creates it)"
-            else:
-                reason = f"the tracker at {self.where(TRACKER_NAME)} says 0: fresh start declared by the first save"
-            if must:
-                raise ResumeError(f"ResumeMode.MUST: {reason}")
-            return Resolved(0, None, reason)
-        try:
-            marker = self.marker(step)
-        except CheckpointError as exc:
-            raise ResumeError(f"the tracker at {self.url} says {step}, but its marker is unreadable: {exc}") from exc
-        if marker is None:
-            marker_at = self.where(self.naming.name(step), MANIFEST_NAME)
-            raise ResumeError(
-                f"the tracker at {self.where(TRACKER_NAME)} says {step}, but {marker_at} does not exist. ckptguard "
-                "writes the marker before the tracker and rotation never deletes the tracker's step, so something "
-                "outside ckptguard deleted it: restore the objects, or set the tracker to an older committed step "
-                "by hand (`ckptguard list` shows them)")
-        return Resolved(step, marker, f"tracker {self.where(TRACKER_NAME)} says {step}")
+    def has_root(self) -> bool:
+        """Whether the root record exists (a ckptguard root was created under this prefix)."""
+        return self.bucket.get(self.url.key(rec.ROOT_RECORD), what="root record") is not None
 
     def empty(self) -> bool:
         """Nothing under the prefix (no root record, no object at all): a mistyped URL, or a root not created yet."""
-        if self.bucket.get(self.url.key(rec.ROOT_RECORD), what="root record") is not None:
+        if self.has_root():
             return False
         return next(iter(self.bucket.listing()), None) is None
 
