@@ -4,16 +4,19 @@ a loop whose range ended) exits 0 and looks like success.
 Contract: a ``ResumeWatch`` sees every proof record its rank's ``ProofLog`` builds. A restore of a
 non-zero step arms it (a later restore in the same process re-arms it); a ``step`` or ``update``
 record past that step counts as trained. At interpreter exit, an armed watch appends an ``exit``
-record (the restored step, the steps trained, the plan's ``total_steps``) and, when nothing was
-trained, logs one loud line: ``resumed at step 120 of 200 and trained 0 steps``. ``ckptguard prove``
-reads the ``exit`` record (gate ``resumed run trained``). It only logs and records; it never raises.
+record (the restored step, the steps trained, the plan's ``total_steps``, and ``raised``: the uncaught
+exception the process died on, where one did) and, when nothing was trained, logs one loud line:
+``resumed at step 120 of 200 and trained 0 steps``. ``ckptguard prove`` reads the ``exit`` record (gate
+``resumed run trained``). It only logs and records; it never raises.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import sys
 from collections.abc import Callable
+from types import TracebackType
 
 from .._log import NAME
 from .proofreader import ProofRecord
@@ -21,6 +24,24 @@ from .proofreader import ProofRecord
 log = logging.getLogger(NAME)
 
 _WATCHES: set[ResumeWatch] = set()  # armed ones; held strongly: a manager dropped when main() returns still reports
+_UNCAUGHT: list[str] = []  # the uncaught exception the main thread died on, seen by the chained sys.excepthook
+_HOOKED: list[bool] = []
+
+
+def _watch_uncaught() -> None:
+    """Chain ``sys.excepthook`` once an armed watch exists: a resumed process that dies on an exception before
+    its first step (a save of the restored step refused, a bad config) is then recorded as that, not taken for
+    an exhausted loader. The previous hook still runs; nothing else is changed."""
+    if _HOOKED:
+        return
+    _HOOKED.append(True)
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        _UNCAUGHT[:] = [f"{kind.__name__}: {value}"[:500]]
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 class ResumeWatch:
@@ -44,6 +65,7 @@ class ResumeWatch:
             self.restored, self.trained, self.done = step, set(), False
             self.total = total if isinstance(total, int) and not isinstance(total, bool) else None
             _WATCHES.add(self)
+            _watch_uncaught()
         elif event in ("step", "update") and self.restored is not None and step > self.restored:
             self.trained.add(step)
 
@@ -58,7 +80,8 @@ class ResumeWatch:
             return
         self.done = True
         try:
-            self.keep("exit", step=self.restored, trained=len(self.trained), total_steps=self.total)
+            raised = {"raised": _UNCAUGHT[0]} if _UNCAUGHT else {}
+            self.keep("exit", step=self.restored, trained=len(self.trained), total_steps=self.total, **raised)
         except Exception as exc:  # an exit hook never raises: the process is ending
             log.warning("ckptguard: could not record the exit of rank %d under %s (%s)", self.rank, self.where, exc)
         if self.trained:
