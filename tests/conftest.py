@@ -4,9 +4,12 @@ from pathlib import Path
 
 import pytest
 
-# Test helpers and fixture generators are imported by name, also in spawned ranks.
-for sub in ("", "fixtures"):
-    path = str(Path(__file__).parent / sub)
+# Test helpers and fixture generators are imported by name, also in spawned ranks; so are test modules by other
+# test modules (``from test_tiers import ...``) wherever under tests/ each lives (its folders mirror src/ckptguard/).
+_TESTS = Path(__file__).parent
+for path in [str(_TESTS), str(_TESTS / "fixtures"),
+             *sorted(str(d) for d in _TESTS.rglob("*") if d.is_dir() and "__pycache__" not in d.parts
+                     and "fixtures" not in d.relative_to(_TESTS).parts)]:
     if path not in sys.path:
         sys.path.insert(0, path)
 

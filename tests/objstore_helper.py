@@ -1,4 +1,5 @@
-"""Helpers of tests/test_objectstore.py: S3 servers on 127.0.0.1, a deterministic state, and writer processes.
+"""Helpers of tests/storage/s3/test_objectstore.py: S3 servers on 127.0.0.1, a deterministic state, and writer
+processes.
 
 ``python tests/objstore_helper.py write ENDPOINT URL STAGING LAST [POINT]`` saves steps 1..LAST to an
 object-store root through ``ObjectStoreCheckpoint`` and, when POINT is given, is SIGKILLed at that

@@ -16,16 +16,18 @@ TESTS = Path(__file__).parent
 
 
 def test_a_ray_test_is_handed_out_with_its_group_and_others_alone():
-    assert unit_of("tests/test_examples.py::test_z") == unit_of("tests/test_ray_actors.py::test_y") == "ray"
-    assert group_of("tests/test_vllm_trl.py::test_x[a]") == "vllm"
-    assert unit_of("tests/test_vllm_trl.py::test_x[a]") == "tests/test_vllm_trl.py::test_x[a]"
-    assert unit_of("tests/test_manifest_typed.py::test_w[v1]") == "tests/test_manifest_typed.py::test_w[v1]"
+    ray = unit_of("tests/integrations/test_ray_actors.py::test_y")
+    assert unit_of("tests/test_examples.py::test_z") == ray == "ray"
+    assert group_of("tests/integrations/test_vllm_trl.py::test_x[a]") == "vllm"
+    assert unit_of("tests/integrations/test_vllm_trl.py::test_x[a]") == "tests/integrations/test_vllm_trl.py::test_x[a]"
+    typed = "tests/_records/test_manifest_typed.py::test_w[v1]"
+    assert unit_of(typed) == typed
 
 
 def _workers(together: str) -> set[str]:
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
-         "-k", "every_format or bad_header", str(TESTS / "test_manifest_typed.py")],
+         "-k", "every_format or bad_header", str(TESTS / "_records" / "test_manifest_typed.py")],
         capture_output=True, text=True, timeout=300, cwd=TESTS.parent,
         env={**os.environ, "CKPTGUARD_TEST_TOGETHER": together},
     )

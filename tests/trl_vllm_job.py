@@ -8,7 +8,7 @@ naming the tensors, and ckptguard's own sync (``mode="reload"``).
 ``ckptguard_vllm_sync`` from env ``CKPTGUARD_TRL_SYNC`` (default ``check``), 2 epochs, a save every 2
 steps; ``KILLS`` (``step@6,save@8,sync@9,gen@11``; a bare ``6`` is ``step@6``) SIGKILL the process at
 those points, one per launch in order (the fired ones noted in ``OUT.fired``); relaunched with the
-same command it resumes (``benchmarks/trl_vllm_kills.py`` and ``benchmarks/trl_vllm_campaign.py`` run campaigns).
+same command it resumes (``benchmarks/trl_vllm_campaign.py`` runs the campaign).
 Env ``CKPTGUARD_TRL_VOCAB`` (default 47, the example's model): another vocabulary (GPT-2's 50257) on a tied
 one-layer Llama of hidden size 64 (``tests/vllm_padded_job.py``'s). Every generation's completions (token ids
 under TRL's completion mask) and every optimizer step go to ``OUT.log.jsonl`` (one line each, with the pid).

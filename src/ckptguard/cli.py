@@ -138,7 +138,7 @@ class _Group(click.Group):
 # The commands' modules are imported when a command runs, or are torch-free: ``ckptguard --help``,
 # ``list``, ``resolve``, ``status``, ``preflight``, ``hold``, ``release``, ``gc``, ``adopt`` and
 # ``goodput`` start without torch (1-2 s of CPU alone, 20-60 s on the loaded node an operator is on
-# during an incident). tests/test_cli_start.py holds that line; benchmarks/bench_cli_start.py measures it.
+# during an incident). tests/cli/test_cli_start.py holds that line; benchmarks/bench_cli_start.py measures it.
 
 class _Local(click.Path):
     """A local path; an object-store URL is refused by name (never taken as a local path named ``s3:``)."""
