@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._agree import Agreement, Wire, on_every_rank
-from .._disk.layout import CONTRACT_DIR, MANIFEST_NAME, TRACKER_NAME, atomic_write_json, read_json
+from .._disk.layout import CONTRACT_DIR, MANIFEST_NAME, TRACKER_NAME, atomic_write_json, read_json, refuse_link
 from .._records import contract as _contract
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError, ContractMismatchError, ResumeError
@@ -80,6 +80,7 @@ def fetch_step(agreement: Agreement, store: ObjectStore, root: Path, step: int, 
     if marker is None:
         raise CheckpointCorruptError(f"{store.url}: the marker of step {step} vanished after resolve")
     step_dir = root / store.naming.name(step)
+    refuse_link(step_dir, f"the staging copy of step {step}")  # _clear below must never delete through a link
     have = _Have(host, _same(step_dir, marker.manifest))
     views = [_Have.from_json(v) for v in agreement.exchange("store.have", have.to_json())]
     peers = [r for r, v in enumerate(views) if v.host == host]

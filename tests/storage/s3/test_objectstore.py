@@ -623,3 +623,26 @@ def test_save_async_commits_the_staging_root_then_the_store_in_the_background_an
     fresh = h.blank()
     assert ckpt.restore(fresh) == 2 and torch.equal(fresh["model"].w, h.values_at(2))
     ckpt.close()
+
+
+def test_a_staging_step_that_is_a_symlink_is_refused_and_what_it_points_to_is_untouched(moto, tmp_path):
+    """A restore that finds the staging copy of its step differing from the store's clears it first: through a
+    symlink that would uncommit another root's step (its manifest deleted), outside the staging root."""
+    from ckptguard.errors import UnsafeCheckpointError
+
+    name = bucket(moto)
+    url = f"s3://{name}/runs/linked"
+    ckpt = ObjectStoreCheckpoint(url, staging=tmp_path / "stage", options=h.options(moto), config=h.config())
+    ckpt.save(1, h.state_at(1))
+    ckpt.close()
+    other = cg.CheckpointManager(tmp_path / "other")
+    other.save(1, h.state_at(2))  # another root's committed step of the same name, other bytes
+    other.close()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "step_00000001").symlink_to(tmp_path / "other" / "step_00000001")
+    ckpt = ObjectStoreCheckpoint(url, staging=fresh, options=h.options(moto), config=h.config())
+    with pytest.raises(UnsafeCheckpointError, match="symlink"):
+        ckpt.restore(h.blank())
+    ckpt.close()
+    assert (tmp_path / "other" / "step_00000001" / "manifest.json").is_file()
