@@ -71,8 +71,8 @@ from ckptguard._records import retention
 from ckptguard.ops.verify import verify_root
 
 def partial_delete(path, what=""):
-    files = sorted(p for p in path.rglob("*") if p.is_file())
-    files[0].unlink()  # a real delete under way: one file gone, the rest still there
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != "owner.json")
+    files[0].unlink()  # a real delete under way: one file gone, the rest (the owner record last) still there
     Path(sys.argv[2]).write_text("mid-delete")
     time.sleep(120)  # killed here by the test
 

@@ -135,8 +135,15 @@ def rename_in(ctx: Context, step: int, tmp: Path, actions: Actions = NO_ACTIONS)
         # files must never pair with the new ones, so it is uncommitted and moved aside
         # first; deleting it waits until after the tracker (a slow delete must not hold
         # the other ranks at the publish agreement).
-        trash = _layout.uncommit_to_trash(final)
-    os.rename(tmp, final)
+        trash = _layout.uncommit_to_trash(final, keep_manifest=True)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if trash is not None:  # the step the tracker may name goes back, committed as before
+            _layout.restore_from_trash(trash, final)
+        raise
+    if trash is not None:
+        _layout.drop_manifest(trash)
     (final / _layout.OWNER_NAME).unlink()  # kept until now so a crash leaves a sweepable temp dir
     _layout.fsync_dir(ctx.root)
     return trash

@@ -385,10 +385,10 @@ def remove_step_dir(path: Path) -> None:
     shutil.rmtree(uncommit_to_trash(path))
 
 
-def uncommit_to_trash(path: Path) -> Path:
-    """Move a step directory into the trash (it stops counting as a step at once: discovery
-    matches exact step names), then remove its manifest; returns the trash path, to delete
-    when convenient."""
+def uncommit_to_trash(path: Path, *, keep_manifest: bool = False) -> Path:
+    """Move a step directory into the trash (it stops counting as a step at once: discovery matches exact
+    step names), then remove its manifest; returns the trash path, to delete when convenient. ``keep_manifest``:
+    the caller may still put it back (``restore_from_trash``; never swept until ``drop_manifest``)."""
     if path.is_symlink():
         raise OSError(f"{path} is a symlink; ckptguard never deletes through links")
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
@@ -396,16 +396,36 @@ def uncommit_to_trash(path: Path) -> Path:
     fsync_dir(path.parent)
     with contextlib.suppress(OSError):
         write_owner(trash)  # who is deleting it; the name alone already marks it as ckptguard's
+    if not keep_manifest:
+        drop_manifest(trash)
+    return trash
+
+
+def drop_manifest(trash: Path) -> None:
+    """The trash's step can no longer be put back: it becomes plain trash, swept when convenient."""
     with contextlib.suppress(FileNotFoundError):
         (trash / MANIFEST_NAME).unlink()
-    return trash
+
+
+def restore_from_trash(trash: Path, path: Path) -> None:
+    """Put a step moved aside with its manifest back where it was (committed again, as before)."""
+    with contextlib.suppress(FileNotFoundError):
+        (trash / OWNER_NAME).unlink()
+    os.rename(trash, path)
+    fsync_dir(path.parent)
+
+
+def moved_aside(path: Path) -> bool:
+    """A trash directory still holding its manifest: a step moved aside by an overwrite or a rotation cut short
+    (a kill between two renames); never swept, it may be the only copy of the tracker's step."""
+    return is_trash_dir(path) and (path / MANIFEST_NAME).is_file()
 
 
 def empty_trash(root: Path) -> list[Path]:
     """Retry deletes that failed earlier; returns what is still there."""
     left = []
     for path in root.glob(f"{TRASH_PREFIX}*"):
-        if is_trash_dir(path):
+        if is_trash_dir(path) and not moved_aside(path):
             shutil.rmtree(path, ignore_errors=True)
             if path.exists():
                 left.append(path)
@@ -463,6 +483,11 @@ def leftovers(root: Path, *, max_age_s: float, tmp_files: tuple[str, ...] = (TRA
                 )
             else:
                 out.append(Leftover(path, "foreign", False, "not created by ckptguard (no owner record)"))
+        elif entry.name.startswith(TRASH_PREFIX) and moved_aside(path):
+            name = entry.name[len(TRASH_PREFIX):].rsplit("-", 1)[0]
+            out.append(Leftover(path, "moved-aside", False, "a committed step moved aside by an overwrite or a "
+                                f"rotation that did not finish (its manifest is still there): if no {name} exists "
+                                f"and the tracker names its step, rename it back to {name}; else delete it by hand"))
         elif entry.name.startswith(TRASH_PREFIX) and is_trash_dir(path):
             live = owner_state(path, max_age_s=max_age_s) == "alive"  # retention deletes it in the background
             out.append(Leftover(path, "trash", True, f"a step being deleted ({_count_files(path)}), "

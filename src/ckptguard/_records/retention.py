@@ -116,6 +116,7 @@ def hold(root: Path, step: int, reason: str) -> Path:
 
 
 def release(root: Path, step: int) -> bool:
+    _layout.refuse_link(root / HOLDS_DIR, "holds directory")  # never delete through a link
     path = root / HOLDS_DIR / f"{step}.json"
     if not path.exists() and not path.is_symlink():
         return False
@@ -250,37 +251,70 @@ def apply(
     report = RetentionReport(
         kept=sorted(s for s in committed if s in keep), deleted=[], failed={}, not_counted=not_counted
     )
-    trash: dict[Path, str] = {}
+    moved: dict[int, Path] = {}
     for step in committed:
         if step in keep:
             continue
-        try:
-            trash[_layout.uncommit_to_trash(dirs[step])] = f"step {step}"  # cheap: a rename, then the manifest
-            report.deleted.append(step)
+        try:  # cheap: a rename; the manifest stays until no reader turned up meanwhile (_confirm_moved)
+            moved[step] = _layout.uncommit_to_trash(dirs[step], keep_manifest=True)
         except OSError as exc:
             report.failed[step] = f"{type(exc).__name__}: {exc}"
             log.warning(
                 "ckptguard: could not delete step %d at %s (%s); retried at the next save", step, dirs[step], exc
             )
+    report.deleted.extend(_confirm_moved(root, moved, dirs, report))
+    trash = {moved[step]: f"step {step}" for step in report.deleted}
     DELETER.submit(trash, trash)
     return report
+
+
+def _confirm_moved(root: Path, moved: dict[int, Path], dirs: dict[int, Path], report: RetentionReport) -> list[int]:
+    """The holds and reader leases again, after the renames: a reader whose lease landed between the first look
+    and its step's rename (``open_step`` writes its lease, then checks the manifest) gets the step back,
+    committed as before; the others lose their manifest and become plain trash. Returns the steps deleted."""
+    late = holds(root) if moved else {}
+    deleted = []
+    for step, trash in sorted(moved.items()):
+        if step in late:
+            try:
+                _layout.restore_from_trash(trash, dirs[step])
+                report.kept.append(step)
+            except OSError as exc:
+                log.warning("ckptguard: step %d gained a reader (%s) while rotation moved it aside, and could not "
+                            "be put back (%s); it is kept at %s, its manifest intact: rename it back to %s",
+                            step, late[step], exc, trash, dirs[step].name)
+            continue
+        _layout.drop_manifest(trash)
+        deleted.append(step)
+    report.kept.sort()
+    return deleted
 
 
 # ---------------------------------------------------------------- background delete
 
 
 def _trash_dirs(root: Path) -> list[Path]:
+    """The trash an earlier kill or failed delete left: ckptguard's own (its owner record inside, which
+    ``_delete`` removes last), never a directory that only looks like it, never a step moved aside whose
+    manifest is still there (``moved_aside``)."""
     try:
-        return [p for p in root.glob(f"{_layout.TRASH_PREFIX}*") if _layout.is_trash_dir(p)]
+        return [p for p in root.glob(f"{_layout.TRASH_PREFIX}*") if _layout.is_trash_dir(p)
+                and (p / _layout.OWNER_NAME).is_file() and not _layout.moved_aside(p)]
     except OSError:
         return []
 
 
 def _delete(path: Path, what: str = "") -> None:
-    if not _layout.is_trash_dir(path):  # only a directory the trash's own name marks; never through a link
+    if not _layout.is_trash_dir(path) or _layout.moved_aside(path):  # never through a link, never a whole step
         return
     try:
-        shutil.rmtree(path)
+        # the owner record last: a delete cut short stays recognisably ckptguard's trash (``_trash_dirs``)
+        for child in sorted(path.iterdir(), key=lambda c: c.name == _layout.OWNER_NAME):
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink(missing_ok=True)
+        path.rmdir()
     except OSError as exc:
         log.warning("ckptguard: could not delete %s%s (%s: %s); it is uncommitted (never resumed from), and the "
                     "next save retries the delete", what or path, f" at {path}" if what else "", type(exc).__name__,
