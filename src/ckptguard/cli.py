@@ -998,7 +998,7 @@ def transfer(step_dir: Path | str, dest_root: Path | str, record: Path | None, s
         _json_out(True, **{k: v for k, v in info.items() if k != "files"}, files=len(info["files"]),
                   bytes=sum(int(f["size"]) for f in info["files"]))
     else:
-        click.echo(printable(describe(info)))
+        click.echo("\n".join(printable(line) for line in describe(info).splitlines()))
 
 
 def _transfer_remote(source: Path | str, dest: Path | str, record: Path | None, step: int | None, template: str,

@@ -46,3 +46,29 @@ def test_the_exit_record_names_the_uncaught_exception_and_prove_says_so(tmp_path
     trained = next(g for g in evaluate(root) if g.name == "resumed run trained")
     assert trained.status is Status.FAIL and "died on an uncaught exception" in trained.evidence, trained.evidence
     assert "exhausted loader" not in trained.evidence
+
+
+SAVES_ONLY = """
+import sys, torch, ckptguard as cg
+model = torch.nn.Linear(4, 2)
+state = {"model": model}
+mgr = cg.CheckpointManager(sys.argv[1])
+start = mgr.restore(state)
+for step in range(start + 1, start + 3):
+    mgr.save(step, state)
+mgr.close()
+"""
+
+
+def test_a_resumed_job_that_saves_without_record_step_is_not_called_idle(tmp_path):
+    """The README's Usage loop saves and never calls record_step: a resume that saved two more steps trained."""
+    root = tmp_path / "ck"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", SAVES_ONLY, str(root)], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert "trained 0 steps" not in done.stderr, done.stderr
+    exits = [json.loads(line) for line in (root / "proof" / "rank_00000.jsonl").read_text().splitlines()
+             if '"exit"' in line]
+    assert [e["trained"] for e in exits] == [2], exits

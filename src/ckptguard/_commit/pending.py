@@ -184,7 +184,7 @@ class AsyncStaging:
                 per_node = _ranks_per_node()
                 found = host_budget(ranks_per_node=per_node)
                 self.budget, self.budget_why = found.bytes, found.why
-            log.info("ckptguard: save_async host staging budget %d B per rank (%s)", self.budget, self.budget_why)
+            log.debug("ckptguard: save_async host staging budget %d B per rank (%s)", self.budget, self.budget_why)
         return self.budget
 
     def prepare(self, items: dict[str, Captured], config: CheckpointConfig, *, gpu_bytes: int | None = None

@@ -66,7 +66,8 @@ class ResumeWatch:
             self.total = total if isinstance(total, int) and not isinstance(total, bool) else None
             _WATCHES.add(self)
             _watch_uncaught()
-        elif event in ("step", "update") and self.restored is not None and step > self.restored:
+        elif event in ("step", "update", "save") and self.restored is not None and step > self.restored:
+            # a save past the restored step trained too (a job that saves without record_step)
             self.trained.add(step)
 
     def line(self) -> str:

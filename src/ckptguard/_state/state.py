@@ -144,7 +144,8 @@ def _fix_for(obj: Any) -> str:
         return (
             "a DataLoader keeps no position to save. Put the position in the state instead: a "
             "ckptguard.DataCursor (cursor = ckptguard.DataCursor(len(dataset), seed=...); DataLoader(dataset, "
-            "batch_size=b, sampler=cursor.sampler(b)); state['data'] = cursor), or torchdata's "
+            "batch_size=b, sampler=cursor.sampler(b), generator=torch.Generator()); state['data'] = cursor: the "
+            "loader's own generator keeps its base-seed draw off the global RNG), or torchdata's "
             "StatefulDataLoader (it has state_dict()/load_state_dict())"
         )
     if isinstance(obj, torch.Generator):
