@@ -18,6 +18,7 @@ import torch
 import ckptguard as cg
 from ckptguard import AsyncOptions, _faults
 from ckptguard._disk import layout as _layout
+from ckptguard._records import retention
 from ckptguard.testing import run_ranks, values
 
 # Low enough that the shared-client deadlock fails the old code within seconds; the slow
@@ -102,9 +103,11 @@ def _many_saves(rank, world, base, n):
         mgr.save_async(step, state)
         guard.step_boundary(step, state)  # agrees on its own connection while the commit runs
     mgr.wait()
-    # On rank 0 the store's server closes its side of a dropped connection asynchronously.
+    # On rank 0 the store's server closes its side of a dropped connection asynchronously; retention's
+    # background delete (one thread while there is trash, gone when there is none) ends on its own too.
+    assert retention.DELETER.wait(30)
     deadline = time.monotonic() + 5
-    while _fds() > before and time.monotonic() < deadline:
+    while (_fds() > before or threading.active_count() > threads) and time.monotonic() < deadline:
         time.sleep(0.1)
     return {"before": before, "after": _fds(), "threads": threads, "threads_after": threading.active_count()}
 
