@@ -38,9 +38,8 @@ from .._state.state import Captured
 from .._types import StateDict
 from ..config import CheckpointConfig, OnBusy
 from ..storage._staging import Fence
-from ..storage._writer import exact
 from .busy import BusyDecision, BusyRound, InFlight, may_start, settle
-from .pending import AsyncStaging, PendingSave, Staged, committer
+from .pending import AsyncStaging, PendingSave, Staged, committer, nbytes
 from .snapshot import Snapshot, snapshot
 
 T = TypeVar("T")
@@ -51,7 +50,7 @@ HOST_FACTOR = 1.05
 
 def state_bytes(items: Mapping[str, Captured]) -> int:
     """The bytes a whole snapshot of ``items`` stages (the local shards)."""
-    return sum(exact(t).numel() * t.element_size() for item in items.values() for t in item.tensors.values())
+    return sum(nbytes(t) for item in items.values() for t in item.tensors.values())
 
 
 @dataclass(frozen=True)

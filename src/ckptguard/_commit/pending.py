@@ -52,7 +52,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """The bytes of ``t`` this rank stages: its local shard."""
     local = _local(t)
     return local.numel() * local.element_size()
 
@@ -101,7 +102,7 @@ def stage(
     ``host_bytes`` in all (``grow``: bytes the pool may map and pin here, on the caller's thread); what fits
     neither stays live and is read by the writer, the fence then holding the next mutation until it was."""
     tensors = [(c, k, t) for c in snap.items.values() for k, t in c.tensors.items()]
-    on_gpu = sum(_nbytes(t) for _, _, t in tensors if _local(t).is_cuda)
+    on_gpu = sum(nbytes(t) for _, _, t in tensors if _local(t).is_cuda)
     gpu_fits = on_gpu > 0 and on_gpu <= gpu_bytes and torch.cuda.mem_get_info()[0] > on_gpu
     for item in snap.items.values():
         # Plain values, PerRank values and stateful state are live objects too: a counter the
@@ -114,7 +115,7 @@ def stage(
         local = exact(t)
         if local.is_cuda and gpu_fits:
             item.tensors[key] = _rewrap(local.clone(), t)
-            out.gpu_bytes += _nbytes(t)
+            out.gpu_bytes += nbytes(t)
         elif local.numel() == 0:
             item.tensors[key] = _rewrap(torch.empty(local.shape, dtype=local.dtype), t)
         else:
@@ -124,7 +125,7 @@ def stage(
         gpu_event.record()
     slots: list[torch.Tensor | None] = []
     if to_host and pool is not None:
-        sizes = [_nbytes(t) for _, _, t, _ in to_host]
+        sizes = [nbytes(t) for _, _, t, _ in to_host]
         # Never map or pin on the caller's thread: what the pool cannot hold yet is read live this
         # time (the fence holds the next mutation until it was), and the pool grows in the background.
         slots = pool.place(sizes, host_bytes, grow=grow)
@@ -134,13 +135,13 @@ def stage(
     for i, (item, key, t, local) in enumerate(to_host):
         slot = slots[i] if i < len(slots) else None
         if slot is None:
-            out.live_bytes += _nbytes(t)
+            out.live_bytes += nbytes(t)
             out.live_keys.append(key)
             continue
         dst = slot_view(slot, local)
         copier.copy(dst, local)
         item.tensors[key] = _rewrap(dst, t)
-        out.host_bytes += _nbytes(t)
+        out.host_bytes += nbytes(t)
     out.fence = copier.fence(live=out.live_bytes > 0, timeout_s=timeout_s)
     if gpu_event is not None:
         out.fence.also_wait(gpu_event)
@@ -194,9 +195,9 @@ class AsyncStaging:
         what may go to spare GPU memory instead (None: ``async_gpu_bytes``; 0: everything to the host)."""
         pool = self._pool_for(items, config)
         tensors = [t for c in items.values() for t in c.tensors.values()]
-        on_gpu = sum(_nbytes(t) for t in tensors if _local(t).is_cuda)
+        on_gpu = sum(nbytes(t) for t in tensors if _local(t).is_cuda)
         gpu_fits = 0 < on_gpu <= (config.async_save.gpu_bytes if gpu_bytes is None else gpu_bytes)
-        sizes = [_nbytes(t) for t in tensors if _nbytes(t) and not (gpu_fits and _local(t).is_cuda)]
+        sizes = [nbytes(t) for t in tensors if nbytes(t) and not (gpu_fits and _local(t).is_cuda)]
         done: Future[int] = Future()
 
         def run() -> None:
@@ -277,7 +278,7 @@ class AsyncStaging:
                     item.tensors[key] = _rewrap(torch.empty(local.shape, dtype=local.dtype), t)
                 else:
                     entries.append((item, key, t, local))
-        sizes = [_nbytes(t) for _, _, t, _ in entries]
+        sizes = [nbytes(t) for _, _, t, _ in entries]
         want = sum(sizes)
         if pool.growing:
             return f"its host staging set for {want} B is still being allocated in the background"
@@ -301,7 +302,7 @@ class AsyncStaging:
             dst = slot_view(slot, local)
             copier.copy(dst, local)
             item.tensors[key] = _rewrap(dst, t)
-            out.host_bytes += _nbytes(t)
+            out.host_bytes += nbytes(t)
         out.fence = copier.fence(live=False, timeout_s=timeout_s)
         placed.snap.staged_bytes = out.host_bytes
         placed.snap.cost = out.cost(placed.pool)
