@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 
+from ckptguard.errors import StorageStallError
 from ckptguard.storage import _pool
 from ckptguard.storage._pool import Buffer, BufferPool, PinError
 from ckptguard.storage._staging import StagingPool
@@ -51,8 +52,29 @@ def cudart(monkeypatch):
     return fake
 
 
+def _made(pool: BufferPool, n: int) -> None:
+    """``n`` buffers made (the pool makes them as ``get`` needs them), all back in the pool."""
+    bufs = [pool.get("a test") for _ in range(n)]
+    for buf in bufs:
+        pool.put(buf)
+
+
+def test_the_pool_makes_its_buffers_on_demand_up_to_its_count(cudart):
+    pool = BufferPool(count=3, size=1 << 16, pin=True, timeout_s=0.2)
+    assert len(cudart.ranges) == 1, "one buffer at construction: the first byte must not wait for the others' pinning"
+    bufs = [pool.get("a test") for _ in range(3)]
+    assert len(cudart.ranges) == 3 and pool.allocated_bytes == 3 << 16
+    with pytest.raises(StorageStallError, match=r"no host buffer came free within 0\.2 s while a test"):
+        pool.get("a test")
+    pool.put(bufs.pop())
+    assert pool.get("a test") is not None and len(cudart.ranges) == 3  # a free one reused, none made past count
+    pool.close()
+    assert cudart.ranges == {} and pool.allocated_bytes == 0
+
+
 def test_close_unregisters_every_buffer(cudart):
     pool = BufferPool(count=3, size=1 << 20, pin=True, timeout_s=5)
+    _made(pool, 3)
     assert len(cudart.ranges) == 3 and all(b.pinned for b in pool._all)
     maps = [b._map for b in pool._all]
     pool.close()
@@ -82,11 +104,20 @@ def test_a_buffer_kept_alive_by_a_slot_is_unregistered_at_release_and_unmapped_w
 
 
 def test_an_exception_midway_releases_what_was_registered(monkeypatch):
-    fake = FakeCudart(raise_after=2)
+    fake = FakeCudart(raise_after=0)
     monkeypatch.setattr(_pool, "_cudart", lambda: fake)
     with pytest.raises(RuntimeError, match="midway"):
-        BufferPool(count=4, size=1 << 16, pin=True, timeout_s=5)
+        BufferPool(count=4, size=1 << 16, pin=True, timeout_s=5)  # the first buffer, at construction
     gc.collect()
+    assert fake.ranges == {}
+    fake = FakeCudart(raise_after=2)
+    monkeypatch.setattr(_pool, "_cudart", lambda: fake)
+    pool = BufferPool(count=4, size=1 << 16, pin=True, timeout_s=5)
+    held = [pool.get("a test")]
+    held.append(pool.get("a test"))
+    with pytest.raises(RuntimeError, match="midway"):
+        pool.get("a test")  # a later buffer, made by a get
+    pool.close()
     assert fake.ranges == {}
 
 
@@ -100,6 +131,7 @@ def test_a_refused_registration_names_cuda_s_error_and_the_pool_goes_on_pageable
     monkeypatch.setattr(_pool, "_cudart", lambda: refusing)
     with caplog.at_level(logging.WARNING, logger="ckptguard"):
         pool = BufferPool(count=3, size=1 << 16, pin=True, timeout_s=5)
+        _made(pool, 3)
     assert [b.pinned for b in pool._all] == [True, False, False]
     assert "cudaErrorMemoryAllocation" in caplog.text and "pageable" in caplog.text
     buf = pool.get("a test")

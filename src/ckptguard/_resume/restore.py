@@ -16,7 +16,9 @@ import os
 import pickle
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +38,14 @@ from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
 from .._types import JsonObject, StateDict
-from ..config import ReshardRule
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointIncompleteError,
     StateMismatchError,
-    TopologyMismatchError,
     UnsafeCheckpointError,
 )
+from ..storage._pool import ReadAhead, default_limit
 from ..storage.dcp import check_torch_version
 from . import layoutcheck as _layoutcheck
 from . import reshard as _reshard
@@ -55,31 +56,6 @@ log = logging.getLogger("ckptguard")
 
 
 # ---------------------------------------------------------------- restore
-
-
-def _check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
-    saved = manifest.topology.shape()
-    now = ctx.topology()
-    if saved == now:
-        return
-    if saved.get("ep", 1) != now.get("ep", 1):
-        raise TopologyMismatchError(
-            f"{manifest.path.parent} was saved with {saved}; this run has {now}. The expert-parallel size changed "
-            f"({saved.get('ep', 1)} -> {now.get('ep', 1)}), which is never resharded: experts are stored per EP "
-            "rank (<key>#ep<r>), and a new EP size would need a rule that regroups the experts of every old EP "
-            "rank onto the new ones, with their optimizer state, and re-derives the expert-parallel RNG. "
-            f"Restore with ep={saved.get('ep', 1)} (the data-parallel size may change under "
-            "ReshardRule.BY_ITEM), or convert the checkpoint offline."
-        )
-    if ctx.config.reshard.rule is ReshardRule.REFUSE:
-        raise TopologyMismatchError(
-            f"{manifest.path.parent} was saved with {saved}; this run has {now}. Restore with the "
-            "same world size and layout, or set "
-            "CheckpointConfig(reshard=ReshardOptions(rule=ReshardRule.BY_ITEM)) to let "
-            "DCP reshard tensor state and every per-rank item follow its declared rule (a DataCursor, "
-            "replicated=..., PerRank(value, reshard=f), rng_seed=...)."
-        )
-    log.warning("ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules", saved, now)
 
 
 def _some(keys: list[str], n: int = 8) -> str:
@@ -176,16 +152,19 @@ class Restored:
 
 
 def precheck(
-    ctx: Context, res: Resolution, state: StateDict
+    ctx: Context, res: Resolution, state: StateDict, on_manifest: Callable[[_manifest.Manifest], None] | None = None
 ) -> tuple[_manifest.Manifest, StateDict, _reshard.Plan | None]:
     """Everything decided before a byte of tensor state is read: versions, topology, chain,
     contract, and this rank's extras (loaded with weights_only; resharded under BY_ITEM: built
-    by every item's rule, or refused naming the items without one)."""
+    by every item's rule, or refused naming the items without one). ``on_manifest``: called
+    with the manifest as soon as it is read (the read-ahead starts there)."""
     assert res.path is not None
     manifest = _manifest.read(res.path)
+    if on_manifest is not None:
+        on_manifest(manifest)
     check_torch_version(manifest.versions.get("torch", "0"), manifest.path.parent,
                         allow_newer=ctx.config.storage.allow_newer_torch)
-    _check_topology(ctx, manifest)
+    _reshard.check_topology(ctx, manifest)
     where = f"restore of step {manifest.step} from {res.path}"
     _contract.check_chain(ctx.root, manifest.chain_id, where=where)
     _contract.check(ctx.root, ctx.config.contract, where=where)
@@ -308,20 +287,38 @@ def _refuse_unlisted(step_dir: Path, manifest: _manifest.Manifest, folders: set[
                     )
 
 
+def _read_ahead(ctx: Context, manifest: _manifest.Manifest, into: list[ReadAhead]) -> None:
+    """This rank's data file read ahead while the checks and the plan run (``ReadAhead``); on the saving world
+    size only, where the file a rank wrote is the file it reads first."""
+    mine = [f for f in manifest.files if f.rank == ctx.rank and f.path.startswith(_layout.STATE_DIR + "/")]
+    big = max(mine, key=lambda f: f.size, default=None)
+    path = safe_member(manifest.path.parent, big.path) if big and manifest.world_size == ctx.world else None
+    if big is not None and path is not None:
+        into.append(ReadAhead(path, limit=min(default_limit(), big.size)).start())
+
+
 def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = None) -> Restored:
-    manifest, extras, plan = on_every_rank(ctx.agreement, "restore.precheck", lambda: precheck(ctx, res, state))
-    assert res.path is not None
-    targets, flat = plan_targets(ctx, state, manifest, extras)
-    if flat:
-        try:
-            ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)
-        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; all ranks get it
-            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise CheckpointCorruptError(
-                f"reading the tensor state of step {manifest.step} from {res.path} failed on rank {ctx.rank}: "
-                f"{detail}. If shapes differ, restore into objects built like the saving run's; otherwise "
-                "run `ckptguard verify --deep` on the step."
-            ) from exc
+    ahead: list[ReadAhead] = []
+    try:
+        manifest, extras, plan = on_every_rank(ctx.agreement, "restore.precheck",
+                                               lambda: precheck(ctx, res, state, partial(_read_ahead, ctx, into=ahead)))
+        assert res.path is not None
+        targets, flat = plan_targets(ctx, state, manifest, extras)
+        for a in ahead:
+            a.halt()  # the read's own threads from here on
+        if flat:
+            try:
+                ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)
+            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; all ranks get it
+                detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                raise CheckpointCorruptError(
+                    f"reading the tensor state of step {manifest.step} from {res.path} failed on rank {ctx.rank}: "
+                    f"{detail}. If shapes differ, restore into objects built like the saving run's; otherwise "
+                    "run `ckptguard verify --deep` on the step."
+                ) from exc
+    finally:
+        for a in ahead:
+            a.close()
     def apply() -> None:
         for name, (kind, _sd, live) in targets.items():
             _state.apply(state, name, kind, extras["items"][name], live)

@@ -1,7 +1,7 @@
 """A bounded pool of exact-size host buffers, and the system calls that move their bytes.
 
-Contract: a ``BufferPool`` owns ``count`` buffers of exactly ``size`` bytes, each its own
-anonymous mapping (page-aligned, no allocator rounding, no cache that outlives us), page
+Contract: a ``BufferPool`` owns up to ``count`` buffers of exactly ``size`` bytes (made as ``get``
+needs them), each its own anonymous mapping (page-aligned, no allocator rounding, no cache that outlives us), page
 locked with ``cudaHostRegister`` when CUDA is available and pinning is asked for.
 ``close()`` unregisters and unmaps every buffer: after it, the pool holds no host memory. A buffer
 has one release, run once on whichever path comes first: ``release()``, its garbage collection
@@ -29,9 +29,12 @@ import logging
 import mmap
 import os
 import queue
+import stat
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -203,6 +206,95 @@ def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
+# ---------------------------------------------------------------- a restore's read-ahead
+# The disk kept busy while a restore checks and plans. A restore spends 0.3-0.6 s before its first byte of tensor
+# state is read (the manifest and extras, the state's own ``state_dict``, DCP's plan; an H100 machine, 6.2 GiB of
+# state: ``benchmarks/results/issue41_h100``); on a cold page cache the disk idled all that time and the restore
+# ended that much behind a plain read of its files. ``ReadAhead`` reads the start of the data file the rank wrote
+# in a thread meanwhile (16 MiB reads into one scratch buffer), so the restore's own read finds it cached.
+# ``posix_fadvise(WILLNEED)`` would not copy the bytes, but the kernel caps one call at its readahead window
+# (8 MiB of a 32 MiB request on this machine's disk) and says nothing of when they arrived.
+# Contract: one regular file (a link, a FIFO or an absent file: nothing is read), at most ``limit`` bytes, never
+# written; ``halt`` (before the restore's read, whose threads drop the pages they read: a read-ahead trailing them
+# would read those again) stops it between two reads; ``close`` drops what it read from the page cache (the
+# restore leaves none behind, as its reads do). A failed read is logged and the restore reads the bytes itself.
+
+_CHUNK = 16 << 20
+_MAX = 2 << 30  # about 1 s of a fast disk: more than a restore spends before its read
+_HUNG_S = 5.0  # a read of a hung filesystem is left to its daemon thread after this
+
+
+def default_limit() -> int:
+    """2 GiB, or an eighth of the memory the system has free now if that is less (page cache, dropped at close)."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    return max(0, min(_MAX, free // 8))
+
+
+class ReadAhead:
+    """One rank's read-ahead of one data file (``path``: checked to lie in the step directory by the caller)."""
+
+    def __init__(self, path: Path, *, limit: int | None = None) -> None:
+        self.path = path
+        self.limit = default_limit() if limit is None else max(0, limit)
+        self.done = 0  # bytes read so far
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ReadAhead:
+        if self.limit > 0:
+            self._thread = threading.Thread(target=self._run, name="ckptguard-readahead", daemon=True)
+            self._thread.start()
+        return self
+
+    def _open(self) -> int | None:
+        try:  # O_NONBLOCK: a FIFO planted in the step's place must not hold the thread in open()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None  # absent or a link: nothing to read ahead
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+        return fd
+
+    def _run(self) -> None:
+        fd = self._open()
+        if fd is None:
+            return
+        try:
+            end = min(self.limit, os.fstat(fd).st_size)
+            scratch = bytearray(min(_CHUNK, end))
+            while self.done < end and not self._halt.is_set():
+                got = os.preadv(fd, [memoryview(scratch)[: min(_CHUNK, end - self.done)]], self.done)
+                if got <= 0:
+                    break
+                self.done += got
+        except OSError as exc:
+            log.info("ckptguard: read-ahead of %s stopped after %d B (%s); the restore reads it itself",
+                     self.path, self.done, exc)
+        finally:
+            os.close(fd)
+
+    def halt(self) -> None:
+        """No read after the one in flight (waited for, at most a few seconds)."""
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=_HUNG_S)
+
+    def close(self) -> None:
+        """Halted, and the file's pages dropped from the page cache (after the restore's read, which drops its own)."""
+        self.halt()
+        if self._thread is None or self._thread.is_alive() or not self.done:
+            return
+        fd = self._open()
+        if fd is not None:
+            with contextlib.suppress(OSError):  # only the cache's size is at stake
+                drop_cached(fd)  # the whole file: the kernel's own readahead went past what was read
+            os.close(fd)
+
+
 class Buffer:
     """One exact-size host buffer: a uint8 tensor and a memoryview over the same bytes."""
 
@@ -268,23 +360,34 @@ def _unpin(address: int, registered: list[bool]) -> None:
 
 
 class BufferPool:
-    """``count`` buffers of ``size`` bytes; ``get`` blocks until one is free."""
+    """At most ``count`` buffers of ``size`` bytes; ``get`` blocks until one is free.
+
+    The first buffer is made at construction (a pool that cannot allocate fails there); the others when a ``get``
+    finds none free: pinning a buffer holds the driver 20-45 ms (an H100 machine, 32 MiB), so made up front, a
+    restore's or save's first byte waited for all of them (0.18-0.36 s for eight); made on demand, the first read or
+    write runs while the next buffer is pinned."""
 
     def __init__(self, *, count: int, size: int, pin: bool, timeout_s: float) -> None:
         self.size = size
         self.count = count
         self.timeout_s = timeout_s
+        self._pin = pin
+        self._lock = threading.Lock()
+        self._closed = False
         self._all: list[Buffer] = []
         self._free: queue.Queue[Buffer] = queue.Queue()
         try:
-            for _ in range(count):
-                buf = self._buffer(size, pin)
-                pin = buf.pinned
-                self._all.append(buf)
-                self._free.put(buf)
+            self._free.put(self._add())
         except BaseException:
             self.close()
             raise
+
+    def _add(self) -> Buffer:
+        """One more buffer (the caller holds the lock, or none can run yet); pageable from the first refusal on."""
+        buf = self._buffer(self.size, self._pin)
+        self._pin = buf.pinned
+        self._all.append(buf)
+        return buf
 
     @staticmethod
     def _buffer(size: int, pin: bool) -> Buffer:
@@ -300,6 +403,13 @@ class BufferPool:
 
     def get(self, what: str) -> Buffer:
         try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if not self._closed and len(self._all) < self.count:
+                return self._add()
+        try:
             return self._free.get(timeout=self.timeout_s)
         except queue.Empty:
             raise StorageStallError(
@@ -312,9 +422,11 @@ class BufferPool:
         self._free.put(buf)
 
     def close(self) -> None:
-        for buf in self._all:
+        with self._lock:
+            self._closed = True
+            bufs, self._all = self._all, []
+        for buf in bufs:
             buf.release()
-        self._all.clear()
 
     def __enter__(self) -> BufferPool:
         return self

@@ -186,7 +186,6 @@ class StreamingStorage:
         name = f"{plan.storage_data.prefix}0.distcp"
         results = []
         with self.pool(pin=pin) as pool:
-            stats.pool_bytes = pool.allocated_bytes
             with FileStreamer(
                 str(state_dir / name),
                 pool,
@@ -197,6 +196,7 @@ class StreamingStorage:
                 for item in plan.items:
                     results.append(_write_item(out, name, item, planner))
                 size, xxh3 = out.finish()
+            stats.pool_bytes = pool.allocated_bytes  # the buffers the write made (the pool makes them on demand)
         stats.bytes += size
         stats.files += 1
         _fsync_dir(state_dir)
@@ -273,10 +273,12 @@ class StreamingReader(FileSystemReader):
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
         with self._storage.pool(pin=self._pin) as pool:
-            self._stats.pool_bytes = pool.allocated_bytes
             cfg = self._storage.config
             reader = ItemReader(pool, self._stats, drop_cache=cfg.drop_page_cache, threads=cfg.read_threads)
-            reader.read(Path(self.path), plan.items, self.storage_data, planner, self._metadata)
+            try:
+                reader.read(Path(self.path), plan.items, self.storage_data, planner, self._metadata)
+            finally:
+                self._stats.pool_bytes = pool.allocated_bytes  # the buffers the read made (on demand)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
