@@ -1,3 +1,5 @@
+import ast
+import functools
 import os
 import sys
 from pathlib import Path
@@ -74,11 +76,12 @@ SLOW_MODULES = {
 
 
 # ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``. The modules that start a
-# local Ray cluster run on one worker, one after the other (two local clusters on one host collide); every other
-# test is handed out alone to whichever worker is free, so a module's fixtures are built on each worker that runs
-# one of its tests. (Whole modules as units made the vLLM tests one serial chain on one worker: the suite took
-# 22 min from a fresh clone, against 16 with the tests handed out one by one. Two vLLM engines on the CPU at once
-# only share the cores; each TRL job takes a free MASTER_PORT.)
+# local Ray cluster run on one worker, one after the other (two local clusters on one host collide); the tests
+# sharing an expensive module fixture (SHARED_FIXTURES below) go as one unit; every other test is handed out alone
+# to whichever worker is free, so a module's other fixtures are built on each worker that runs one of its tests.
+# (Whole modules as units made the vLLM tests one serial chain on one worker: the suite took 22 min from a fresh
+# clone, against 16 with the tests handed out one by one. Two vLLM engines on the CPU at once only share the cores;
+# each TRL job takes a free MASTER_PORT.)
 GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_integration": "vllm",
           "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm", "test_turns_vllm": "vllm"}
 TOGETHER = {"ray", *filter(None, os.environ.get("CKPTGUARD_TEST_TOGETHER", "").split(","))}
@@ -90,10 +93,80 @@ def group_of(nodeid: str) -> str:
     return GROUPS.get(module, module)
 
 
+# Module-scoped fixtures that start real jobs (an engine, a multi-rank run, S3 servers): the tests taking one (or a
+# fixture of their module that takes one) are handed out as one unit, so the fixture runs once in the suite. Handed
+# out alone, its tests landed on both workers and each built it (fresh 3 of session 8: test_export's transformers
+# job, 32 s, and the object store's races, 37 s, set up on both).
+SHARED_FIXTURES = {
+    "test_vllm_integration": ("reference",),
+    "test_vllm_trl": ("probe",),
+    "test_vllm_lora": ("runs",),
+    "test_preempt": ("straight",),
+    "test_export": ("hf_jobs", "lora_job"),
+    "test_hf_integration": ("grpo_reference",),
+    "test_objectstore": ("races",),
+}
+
+
 def unit_of(nodeid: str) -> str:
-    """What xdist hands out whole: a group that runs together, else the one test."""
+    """What xdist hands out whole: a group that runs together, else the tests sharing a fixture of
+    SHARED_FIXTURES, else the one test."""
     group = group_of(nodeid)
-    return group if group in TOGETHER else nodeid
+    if group in TOGETHER:
+        return group
+    path, _, rest = nodeid.partition("::")
+    return shared_units(path).get(rest.rsplit("::", 1)[-1].split("[", 1)[0], nodeid)
+
+
+@functools.cache
+def shared_units(path: str) -> dict[str, str]:
+    """Test function name -> its unit, for the tests of the module at ``path`` (relative to the repository) that take
+    one of its SHARED_FIXTURES. Read from the source: xdist's controller, which hands the units out, sees node ids
+    only, never a collected test's fixtures."""
+    module = Path(path).stem
+    if module not in SHARED_FIXTURES or not (_TESTS.parent / path).is_file():
+        return {}
+    return units_in((_TESTS.parent / path).read_text(), module, SHARED_FIXTURES[module])
+
+
+def units_in(source: str, module: str, shared: tuple[str, ...]) -> dict[str, str]:
+    """``shared_units`` of a module's source."""
+    tree = ast.parse(source)
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    fixtures = {f.name: _arguments(f) for f in functions
+                if any("fixture" in ast.unparse(d) for d in f.decorator_list)}
+
+    def reached(names: list[str]) -> set[str]:  # a fixture taking a shared fixture takes what it builds
+        seen: set[str] = set()
+        while names:
+            name = names.pop()
+            if name not in seen:
+                seen.add(name)
+                names.extend(fixtures.get(name, []))
+        return seen & set(shared)
+
+    uses = {f.name: reached(_arguments(f)) for f in functions if f.name.startswith("test") and f.name not in fixtures}
+    # fixtures taken together by one test are one unit: union them, then name each unit by its fixtures
+    owner = {name: name for name in shared}
+    for taken in uses.values():
+        for name in taken:
+            owner[_root(owner, name)] = _root(owner, min(taken))
+    members: dict[str, list[str]] = {}
+    for name in owner:
+        members.setdefault(_root(owner, name), []).append(name)
+    return {test: f"{module}::{'+'.join(sorted(members[_root(owner, min(taken))]))}"
+            for test, taken in uses.items() if taken}
+
+
+def _arguments(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    a = function.args
+    return [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+
+
+def _root(owner: dict[str, str], name: str) -> str:
+    while owner[name] != name:
+        name = owner[name]
+    return name
 
 
 # xdist hands the units out in collection order. ``make test`` builds the framework venvs in the background
