@@ -19,27 +19,39 @@ import torch
 import ckptguard as cg
 from ckptguard.storage import _pool
 from ckptguard.storage._pool import ReadAhead
+from ckptguard.storage._reader import ItemReader
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _resident(path) -> int:
-    """Bytes of ``path`` in the page cache now (``mincore`` over a read-only mapping: nothing is read)."""
-    size = os.path.getsize(path)
+def _pages(path, offset: int = 0, length: int | None = None) -> list[bool]:
+    """Which pages of ``path`` in [offset, offset + length) are in the page cache now (``mincore`` over a
+    read-only mapping: nothing is read)."""
+    length = os.path.getsize(path) - offset if length is None else length
     fd = os.open(path, os.O_RDONLY)
     try:
-        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        mapped = mmap.mmap(fd, length, prot=mmap.PROT_READ, offset=offset)
     finally:
         os.close(fd)
     try:
-        pages = (ctypes.c_ubyte * ((size + _PAGE - 1) // _PAGE))()
+        pages = (ctypes.c_ubyte * ((length + _PAGE - 1) // _PAGE))()
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
-        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), pages) == 0, ctypes.get_errno()
-        return sum(p & 1 for p in pages) * _PAGE
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), pages) == 0, ctypes.get_errno()
+        return [bool(p & 1) for p in pages]
     finally:
         mapped.close()
+
+
+def _resident(path) -> int:
+    """Bytes of ``path`` in the page cache now."""
+    return sum(_pages(path)) * _PAGE
+
+
+def _resident_at(path, offset: int, length: int) -> bool:
+    """Every page of ``path`` in [offset, offset + length) is in the page cache."""
+    return all(_pages(path, offset, length))
 
 
 def _cold_file(path, size: int) -> None:
@@ -52,16 +64,17 @@ def _cold_file(path, size: int) -> None:
         pytest.skip(f"{path.parent} keeps every page resident (tmpfs?): residency says nothing here")
 
 
-def test_it_reads_the_start_of_the_file_into_the_cache_and_close_drops_it(tmp_path):
+def test_it_reads_the_start_of_each_part_into_the_cache_and_close_drops_it(tmp_path):
     path = tmp_path / "__0_0.distcp"
     _cold_file(path, 24 << 20)
-    ahead = ReadAhead(path, limit=8 << 20).start()
+    ahead = ReadAhead(path, limit=8 << 20, streams=4).start()  # 4 parts of 6 MiB: the first 2 MiB of each
     deadline = time.monotonic() + 30
     while ahead.done < (8 << 20) and time.monotonic() < deadline:
         time.sleep(0.01)
     ahead.halt()
     assert ahead.done == 8 << 20, "the limit, no more and no less"
-    assert _resident(path) >= 8 << 20, "the start of the file is in the page cache for the restore's read"
+    assert _resident(path) >= 8 << 20, "the parts' starts are in the page cache for the restore's read threads"
+    assert all(_resident_at(path, i * (6 << 20), 2 << 20) for i in range(4)), "each part's first 2 MiB"
     ahead.close()
     assert _resident(path) == 0, "close drops what the read-ahead read: a restore leaves no page cache behind"
 
@@ -72,7 +85,7 @@ def test_halt_stops_it_between_two_reads(tmp_path):
         f.truncate(8 << 30)  # sparse: 8 GiB of zeros, read at memory speed
     ahead = ReadAhead(path, limit=8 << 30).start()
     ahead.halt()
-    assert not ahead._thread.is_alive() and ahead.done < 8 << 30
+    assert not any(t.is_alive() for t in ahead._threads) and ahead.done < 8 << 30
     ahead.close()
 
 
@@ -122,19 +135,18 @@ def test_a_restore_reads_its_own_data_file_ahead_and_leaves_no_page_cache(tmp_pa
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     fresh(torch.randn(4, 512)).sum().backward()
     fresh_opt.step()
-    mgr = cg.CheckpointManager(root)
-    storage = mgr.context.storage
-    real = storage.read
+    real_run = ItemReader._run
 
-    def read(*args, **kwargs):
+    def run(self, spans):
         halted_before_read.append(all(a._halt.is_set() for a in started))
-        return real(*args, **kwargs)
+        return real_run(self, spans)
 
-    monkeypatch.setattr(storage, "read", read)
+    monkeypatch.setattr(ItemReader, "_run", run)
+    mgr = cg.CheckpointManager(root)
     assert mgr.restore({"model": fresh, "optim": fresh_opt}) == 1
     mgr.close()
     assert [a.path for a in started] == [data], "the rank's own data file, once"
-    assert halted_before_read == [True], "halted before the restore's own read: it would trail the read's threads"
+    assert halted_before_read == [True], "halted before the read's threads start: it would trail them"
     assert _resident(data) == 0, "neither the read-ahead nor the read left the file's pages cached"
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)

@@ -304,8 +304,6 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
                                                lambda: precheck(ctx, res, state, partial(_read_ahead, ctx, into=ahead)))
         assert res.path is not None
         targets, flat = plan_targets(ctx, state, manifest, extras)
-        for a in ahead:
-            a.halt()  # the read's own threads from here on
         if flat:
             try:
                 ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)

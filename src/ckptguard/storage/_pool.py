@@ -32,6 +32,7 @@ import queue
 import stat
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,18 +211,22 @@ def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
 # The disk kept busy while a restore checks and plans. A restore spends 0.3-0.6 s before its first byte of tensor
 # state is read (the manifest and extras, the state's own ``state_dict``, DCP's plan; an H100 machine, 6.2 GiB of
 # state: ``benchmarks/results/issue41_h100``); on a cold page cache the disk idled all that time and the restore
-# ended that much behind a plain read of its files. ``ReadAhead`` reads the start of the data file the rank wrote
-# in a thread meanwhile (16 MiB reads into one scratch buffer), so the restore's own read finds it cached.
-# ``posix_fadvise(WILLNEED)`` would not copy the bytes, but the kernel caps one call at its readahead window
-# (8 MiB of a 32 MiB request on this machine's disk) and says nothing of when they arrived.
-# Contract: one regular file (a link, a FIFO or an absent file: nothing is read), at most ``limit`` bytes, never
-# written; ``halt`` (before the restore's read, whose threads drop the pages they read: a read-ahead trailing them
-# would read those again) stops it between two reads; ``close`` drops what it read from the page cache (the
-# restore leaves none behind, as its reads do). A failed read is logged and the restore reads the bytes itself.
+# ended that much behind a plain read of its files. ``ReadAhead`` reads the data file the rank wrote meanwhile,
+# ``streams`` threads each from the start of one equal part (16 MiB reads into a scratch buffer): where the
+# restore's read threads will each start their stretch (``_spans.stretches``: parts of about equal bytes), so
+# every one of them finds its first bytes cached. (``posix_fadvise(WILLNEED)`` would not copy the bytes, but the
+# kernel caps one call at its readahead window, 8 MiB of a 32 MiB request on this machine, and tells nothing of
+# when they arrived.) Contract: one regular file (a link, a FIFO or an absent file: nothing is read), at most
+# ``limit`` bytes, never written; ``halt_reads_ahead`` (the reader, right before its threads start: they drop the
+# pages they read, and a read-ahead trailing them would read those again) stops it between two reads; ``close``
+# drops the file's pages (the restore leaves no page cache behind, as its reads do). A failed read is logged and
+# the restore reads the bytes itself.
 
 _CHUNK = 16 << 20
 _MAX = 2 << 30  # about 1 s of a fast disk: more than a restore spends before its read
 _HUNG_S = 5.0  # a read of a hung filesystem is left to its daemon thread after this
+_RUNNING: dict[str, ReadAhead] = {}  # real path -> the read-ahead of that file now
+_RUNNING_LOCK = threading.Lock()
 
 
 def default_limit() -> int:
@@ -233,20 +238,44 @@ def default_limit() -> int:
     return max(0, min(_MAX, free // 8))
 
 
+def halt_reads_ahead(directory: str | os.PathLike[str]) -> None:
+    """Halt every read-ahead of a file in ``directory`` (the read of that directory starts now)."""
+    inside = os.path.realpath(directory) + os.sep
+    with _RUNNING_LOCK:
+        found = [r for path, r in _RUNNING.items() if path.startswith(inside)]
+    for ahead in found:
+        ahead.halt()
+
+
 class ReadAhead:
     """One rank's read-ahead of one data file (``path``: checked to lie in the step directory by the caller)."""
 
-    def __init__(self, path: Path, *, limit: int | None = None) -> None:
+    def __init__(self, path: Path, *, limit: int | None = None, streams: int = 4) -> None:
         self.path = path
         self.limit = default_limit() if limit is None else max(0, limit)
-        self.done = 0  # bytes read so far
+        self.streams = max(1, streams)
+        self.done = 0  # bytes read so far, all streams
         self._halt = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._key = os.path.realpath(path)
 
     def start(self) -> ReadAhead:
-        if self.limit > 0:
-            self._thread = threading.Thread(target=self._run, name="ckptguard-readahead", daemon=True)
-            self._thread.start()
+        fd = self._open() if self.limit > 0 else None
+        if fd is None:
+            return self
+        with _RUNNING_LOCK:
+            _RUNNING[self._key] = self
+        size = os.fstat(fd).st_size
+        os.close(fd)
+        part = -(-size // self.streams)
+        for i in range(self.streams):
+            begin = i * part
+            end = min(size, begin + part, begin + self.limit // self.streams)
+            if end > begin:
+                thread = threading.Thread(target=self._run, args=(begin, end), name=f"ckptguard-readahead-{i}",
+                                          daemon=True)
+                self._threads.append(thread)
+                thread.start()
         return self
 
     def _open(self) -> int | None:
@@ -259,34 +288,40 @@ class ReadAhead:
             return None
         return fd
 
-    def _run(self) -> None:
+    def _run(self, begin: int, end: int) -> None:
         fd = self._open()
         if fd is None:
             return
         try:
-            end = min(self.limit, os.fstat(fd).st_size)
-            scratch = bytearray(min(_CHUNK, end))
-            while self.done < end and not self._halt.is_set():
-                got = os.preadv(fd, [memoryview(scratch)[: min(_CHUNK, end - self.done)]], self.done)
+            scratch = memoryview(bytearray(min(_CHUNK, end - begin)))
+            pos = begin
+            while pos < end and not self._halt.is_set():
+                got = os.preadv(fd, [scratch[: min(_CHUNK, end - pos)]], pos)
                 if got <= 0:
                     break
-                self.done += got
+                pos += got
+                with _RUNNING_LOCK:
+                    self.done += got
         except OSError as exc:
-            log.info("ckptguard: read-ahead of %s stopped after %d B (%s); the restore reads it itself",
-                     self.path, self.done, exc)
+            log.info("ckptguard: read-ahead of %s stopped at offset %d (%s); the restore reads it itself",
+                     self.path, pos, exc)
         finally:
             os.close(fd)
 
     def halt(self) -> None:
-        """No read after the one in flight (waited for, at most a few seconds)."""
+        """No read after the ones in flight (waited for, at most a few seconds)."""
         self._halt.set()
-        if self._thread is not None:
-            self._thread.join(timeout=_HUNG_S)
+        deadline = time.monotonic() + _HUNG_S
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Halted, and the file's pages dropped from the page cache (after the restore's read, which drops its own)."""
         self.halt()
-        if self._thread is None or self._thread.is_alive() or not self.done:
+        with _RUNNING_LOCK:
+            if _RUNNING.get(self._key) is self:
+                del _RUNNING[self._key]
+        if not self.done or any(t.is_alive() for t in self._threads):
             return
         fd = self._open()
         if fd is not None:

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ..errors import CheckpointCorruptError, StateMismatchError, StorageStallError, UnsafeCheckpointError
 from ._format import FileSlice, Frame, Record, item_frame, read_record
-from ._pool import BufferPool, IOStats, drop_cached, read_scattered
+from ._pool import BufferPool, IOStats, drop_cached, halt_reads_ahead, read_scattered
 from ._spans import (
     ALIGN,
     MAX_PIECES,
@@ -94,6 +94,7 @@ class ItemReader:
             )
             dests: dict[int, torch.Tensor] = {}  # each item's target, resolved once (a planner may stage it)
             pieces = self._plan(state_dir, ordered, storage_data, planner, fds, metadata, dests)
+            halt_reads_ahead(state_dir)  # from here the threads below read; they drop what they read
             self._run(self._spans(pieces))
             if self._failed_checks:
                 # Items whose head is not ckptguard's frame (a strided view by plain dcp.save, another
