@@ -5,12 +5,14 @@ Starts an S3 server on 127.0.0.1 in its own process (moto's ``moto_server``, or 
 
 - raw PUT: boto3's own ``upload_file`` of the step's files (the same part size and concurrency,
   its default CRC32 checksums), into a scratch prefix;
-- publish: ``ObjectStoreCheckpoint.publish`` of a newly committed local step (parts with CRC32,
+- publish: the store stage's publish (``_core.storestage.StoreStage.published``, what
+  ``CheckpointManager("s3://...").save`` runs after its staging commit) of a newly committed local
+  step (parts with CRC32,
   owner record, marker by conditional create, tracker by If-Match), then rotation (KeepLast(1)) timed
   on its own;
 - raw GET: boto3's ``download_file`` of the same objects;
 - fetch: ``ObjectStore.fetch`` of the committed step (ranged GETs with If-Match, xxh3 check, fsync);
-- restore: ``ObjectStoreCheckpoint.restore`` end to end into an empty staging root (resolve, fetch,
+- restore: ``CheckpointManager("s3://...").restore`` end to end into an empty staging root (resolve, fetch,
   then the local restore with its digest checks).
 
 Reports medians, MiB/s and the ratios publish/PUT and fetch/GET (target >= 0.9).
@@ -38,10 +40,10 @@ import boto3.s3.transfer
 import torch
 
 import ckptguard as cg
-from ckptguard import StateOptions
+from ckptguard import ObjectStoreOptions, StateOptions, StorageOptions
 from ckptguard._commit import storepublish
+from ckptguard._core.storestage import StoreStage
 from ckptguard._resume.storefetch import resolve
-from ckptguard.objectstore import ObjectStoreCheckpoint, ObjectStoreOptions
 
 MIB = 1 << 20
 MINISTACK = Path(__file__).resolve().parent.parent / ".venv-ministack" / "bin" / "ministack"
@@ -112,15 +114,18 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
     n = a.size * MIB // 4 // 4
     state = {f"t{i}": torch.randn(n) for i in range(4)}
     # rotation is timed on its own (after publish): a listing, marker reads and deletes, no data transfer
-    config = cg.CheckpointConfig(state=StateOptions(capture_rng=False), retention=None)
+    config = cg.CheckpointConfig(state=StateOptions(capture_rng=False), retention=None,
+                                 storage=StorageOptions(object_store=options, object_staging=a.dir / "stage"))
     keep = cg.KeepLast(1)
-    ckpt = ObjectStoreCheckpoint("s3://bench/run", staging=a.dir / "stage", options=options, config=config)
+    # The two halves of CheckpointManager("s3://bench/run").save, timed apart: the staging commit, the publish.
+    stage = StoreStage("s3://bench/run", a.dir / "stage", config, process_group=None, namespace="bench")
+    local = cg.CheckpointManager(a.dir / "stage", config=stage.local_config)
     times: dict[str, list[float]] = {k: [] for k in ("local_commit", "raw_put", "publish", "rotate", "raw_get",
                                                       "fetch", "restore")}
     nbytes = 0
     for rep in range(1, a.reps + 1):
         t = time.perf_counter()
-        step_dir = ckpt.local.save(rep, state)
+        step_dir = local.save(rep, state)
         times["local_commit"].append(time.perf_counter() - t)
         assert step_dir is not None
         files = files_of(step_dir)
@@ -130,10 +135,10 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
             client.upload_file(str(path), "bench", f"raw/{rep}/{rel}", Config=transfer)
         times["raw_put"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        ckpt.publish(rep, step_dir)
+        stage.published(rep, step_dir)
         times["publish"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        storepublish.rotate(ckpt.store, keep.keep, {rep})
+        storepublish.rotate(stage.store, keep.keep, {rep})
         times["rotate"].append(time.perf_counter() - t)
         got = a.dir / f"raw-get-{rep}"
         t = time.perf_counter()
@@ -141,24 +146,25 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
             (got / rel).parent.mkdir(parents=True, exist_ok=True)
             client.download_file("bench", f"raw/{rep}/{rel}", str(got / rel), Config=transfer)
         times["raw_get"].append(time.perf_counter() - t)
-        marker = resolve(ckpt.store).marker
+        marker = resolve(stage.store).marker
         assert marker is not None and marker.step == rep
         t = time.perf_counter()
-        ckpt.store.fetch(marker, a.dir / f"fetch-{rep}")
+        stage.store.fetch(marker, a.dir / f"fetch-{rep}")
         times["fetch"].append(time.perf_counter() - t)
         # the writer above still holds the write lease (as a live job would): the reader says it may read anyway
-        fresh = ObjectStoreCheckpoint("s3://bench/run", staging=a.dir / f"restore-{rep}", options=options,
-                                      config=dataclasses.replace(config, break_lease=True))
+        fresh = cg.CheckpointManager("s3://bench/run", config=dataclasses.replace(config, storage=dataclasses.replace(
+            config.storage, object_staging=a.dir / f"restore-{rep}")))
         into = {k: torch.empty_like(v) for k, v in state.items()}
         t = time.perf_counter()
-        assert fresh.restore(into) == rep
+        assert fresh.restore(into, break_lease=True) == rep
         times["restore"].append(time.perf_counter() - t)
         assert all(torch.equal(into[k], state[k]) for k in state)
-        fresh.local.close()  # not close(): the lease is the writer's
+        fresh.close()  # releases no lease: the lease is the writer's
         for d in (got, a.dir / f"fetch-{rep}", a.dir / f"restore-{rep}"):
             shutil.rmtree(d, ignore_errors=True)
         print(f"rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
-    ckpt.close()
+    local.close()
+    stage.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "server": a.server, "endpoint": "127.0.0.1 (own process)", "bytes": nbytes, "reps": a.reps,

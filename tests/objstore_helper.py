@@ -2,7 +2,7 @@
 processes.
 
 ``python tests/objstore_helper.py write ENDPOINT URL STAGING LAST [POINT]`` saves steps 1..LAST to an
-object-store root through ``ObjectStoreCheckpoint`` and, when POINT is given, is SIGKILLed at that
+object-store root through ``CheckpointManager(URL)`` and, when POINT is given, is SIGKILLed at that
 fault point of the last step's publish (``ckptguard.testing.kill_at``).
 """
 
@@ -174,23 +174,44 @@ def blank() -> dict[str, Any]:
 
 
 def options(endpoint: str, **kw: Any) -> Any:
-    from ckptguard.objectstore import ObjectStoreOptions
+    from ckptguard import ObjectStoreOptions
 
     return ObjectStoreOptions(endpoint_url=endpoint, path_style=True, part_bytes=5 << 20, threads=4,
                               **{"attempts": 2, "connect_timeout_s": 2.0, "read_timeout_s": 10.0, **kw})
 
 
-def config() -> Any:
+def config(endpoint: str | None = None, staging: str | os.PathLike[str] | None = None, *, base: Any = None,
+           **kw: Any) -> Any:
+    """The tests' config (``base``: another one to start from): ``endpoint``'s store options (``kw`` over
+    ``options``'s; None: boto3's defaults) and ``staging`` as the s3:// root's staging root."""
+    import dataclasses
+
     import ckptguard as cg
 
-    return cg.CheckpointConfig(timeout_s=60.0, retention=None)
+    base = base or cg.CheckpointConfig(timeout_s=60.0, retention=None)
+    store = options(endpoint, **kw) if endpoint is not None else None
+    return dataclasses.replace(base, storage=dataclasses.replace(
+        base.storage, object_store=store, object_staging=Path(staging) if staging is not None else None))
+
+
+def root(url: str, staging: str | os.PathLike[str], endpoint: str | None = None, **kw: Any) -> Any:
+    """A ``CheckpointManager`` on the object-store root ``url`` (its staging root ``staging``)."""
+    import ckptguard as cg
+
+    return cg.CheckpointManager(url, config=config(endpoint, staging, **kw))
+
+
+def store(url: str, endpoint: str) -> Any:
+    """A reader of the store at ``url`` of its own (the tracker, markers, steps), beside a manager's."""
+    from ckptguard.storage.s3 import ObjectStore
+
+    return ObjectStore(url, options(endpoint))
 
 
 def write(endpoint: str, url: str, staging: str, last: int, point: str | None) -> None:
-    from ckptguard.objectstore import ObjectStoreCheckpoint
     from ckptguard.testing import kill_at
 
-    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=options(endpoint), config=config())
+    ckpt = root(url, staging, endpoint)
     start = ckpt.restore(blank()) + 1
     for step in range(start, last + 1):
         if step == last and point:
@@ -318,11 +339,9 @@ def train_job(rank: int, world: int, endpoint: str, url: str, staging: str, pids
               kill: tuple[int, int, int, float] | None) -> dict[str, Any]:
     """One launch of a 2-rank training job: restore from the store, train and save every step up to
     ``last``; ``kill = (step, killer rank, k, delay_s)`` kills the whole job inside that step's upload."""
-    from ckptguard.objectstore import ObjectStoreCheckpoint
-
     os.environ.update(CREDENTIALS)
     Path(pids, f"rank{rank}").write_text(str(os.getpid()))
-    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=options(endpoint), config=config())
+    ckpt = root(url, staging, endpoint)
     state = _train_state(rank)
     start = ckpt.restore(state)
     for step in range(start + 1, last + 1):
@@ -336,10 +355,8 @@ def train_job(rank: int, world: int, endpoint: str, url: str, staging: str, pids
 
 def restore_job(rank: int, world: int, endpoint: str, url: str, staging: str) -> dict[str, Any]:
     """Restore the store's tracker step into a fresh state; its fingerprint."""
-    from ckptguard.objectstore import ObjectStoreCheckpoint
-
     os.environ.update(CREDENTIALS)
-    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=options(endpoint), config=config())
+    ckpt = root(url, staging, endpoint)
     state = _train_state(rank)
     step = ckpt.restore(state)
     ckpt.close()

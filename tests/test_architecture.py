@@ -255,19 +255,19 @@ def test_the_reach_through_rule_catches_an_injected_chain():
     assert reach_throughs(sources) == [f"tiers:{lines + 4}: mgr.core", f"tiers:{lines + 5}: other.context"]
 
 
-def store_branches(source: str) -> list[str]:
+def store_branches(source: str, door: str = "TieredCheckpoint", label: str = "tiers") -> list[str]:
     """Where ``TieredCheckpoint`` asks which kind its persistent tier is, outside the constructor that builds it:
     a name of the object store (``store``, ``object_store``, ``ObjectStoreCheckpoint``) in any other method.
-    The tiers drive either kind through ``_core.persistenttier.PersistentTier`` (issue 40: 7 such branches)."""
+    The tiers drive either kind through its manager's ``_core.rootstage.RootStage`` (issue 40: 7 such branches)."""
     tree = ast.parse(source)
-    names = {"store", "object_store", "ObjectStoreCheckpoint"}
+    names = {"store", "object_store", "ObjectStoreCheckpoint", "StoreStage", "ObjectStore", "is_store"}
     bad = []
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TieredCheckpoint"):
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == door):
         for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"):
             for node in ast.walk(fn):
                 name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
                 if name in names:
-                    bad.append(f"tiers:{node.lineno}: {fn.name} names {name}")
+                    bad.append(f"{label}:{node.lineno}: {fn.name} names {name}")
     return bad
 
 
@@ -277,6 +277,17 @@ def test_the_tiers_never_branch_on_the_kind_of_persistent_tier():
     injected = source.replace("    def _due(self", "    def _asks(self):\n        return self.store is not None\n\n"
                               "    def _due(self", 1)
     assert [b.split(": ", 1)[1] for b in store_branches(injected)] == ["_asks names store"]
+
+
+def test_the_manager_never_branches_on_the_kind_of_root():
+    """Issue 40: an s3:// root is a root. The manager calls its root's stage (``_core.rootstage``) at the same
+    points whatever the root; no method asks whether it is an object store."""
+    source = _sources()["manager"]
+    assert store_branches(source, "CheckpointManager", "manager") == []
+    injected = source.replace("    def poll(self", "    def _asks(self):\n        return is_store(self.root)\n\n"
+                              "    def poll(self", 1)
+    assert [b.split(": ", 1)[1] for b in store_branches(injected, "CheckpointManager", "manager")] == [
+        "_asks names is_store"]
 
 
 COMMIT_ORDER = {"begin", "commit", "rotate", "_advance", "_check_won", "resolve"}
@@ -414,6 +425,7 @@ EXPORTED = [
     "Checkpointer",
     "CollectiveTimeoutError",
     "ConfigError",
+    "Consistency",
     "ContractMismatchError",
     "CursorSampler",
     "DCPStorage",
@@ -429,6 +441,7 @@ EXPORTED = [
     "KeepEvery",
     "KeepLast",
     "LeaseHeldError",
+    "ObjectStoreOptions",
     "OnBusy",
     "OverBudget",
     "ParallelLayout",
@@ -563,16 +576,17 @@ def _doors(root: Path) -> dict[str, tuple[object, object]]:
     }
 
 
-@pytest.mark.parametrize("name", ["CheckpointManager", "RunCheckpoint", "TieredCheckpoint", "ObjectStoreCheckpoint"])
+@pytest.mark.parametrize("name", ["CheckpointManager", "RunCheckpoint", "TieredCheckpoint", "CheckpointManager(s3://)"])
 def test_every_front_door_has_the_one_shape_and_answers_with_its_types(name, tmp_path):
+    """Each front door, and a manager whose root is an object store: the same calls, the same answers."""
     with contextlib.ExitStack() as stack:
-        if name == "ObjectStoreCheckpoint":  # on a real S3 server (moto), its root s3://BUCKET/run
+        if name == "CheckpointManager(s3://)":  # on a real S3 server (moto), its root s3://door/run
             door = stack.enter_context(_store_door(tmp_path))
             wrap: Any = lambda s: s  # noqa: E731
         else:
             make, wrap = _doors(tmp_path)[name]
             door = make()
-        _conforms(door, wrap)
+        _conforms(door, wrap, url="s3://door/run" if name == "CheckpointManager(s3://)" else None)
 
 
 @contextlib.contextmanager
@@ -582,15 +596,14 @@ def _store_door(root: Path) -> Iterator[Any]:
     import boto3
 
     import objstore_helper
-    from ckptguard.objectstore import ObjectStoreCheckpoint
 
     with objstore_helper.moto_endpoint() as endpoint:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="door")
-        yield ObjectStoreCheckpoint("s3://door/run", staging=root / "staging",
-                                    options=objstore_helper.options(endpoint), config=objstore_helper.config())
+        yield objstore_helper.root("s3://door/run", root / "staging", endpoint)
 
 
-def _conforms(door: Any, wrap: Any) -> None:
+def _conforms(door: Any, wrap: Any, url: str | None = None) -> None:
+    """``url``: the door's root is that object store (its resolution names the step's marker there)."""
     import torch
 
     from ckptguard._core.guard import GuardTarget
@@ -609,6 +622,7 @@ def _conforms(door: Any, wrap: Any) -> None:
     assert door.wait() in (path, None)
     res = door.resolve()
     assert isinstance(res, Resolution) and res.step == 2 and isinstance(res.path, Path)
+    assert res.url == (f"{url}/step_00000002/manifest.json" if url else None), res
     fresh = torch.nn.Linear(3, 2)
     state = {"model": fresh, "n": 0}
     assert door.restore(wrap(state)) == 2

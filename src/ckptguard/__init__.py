@@ -2,7 +2,7 @@
 
 Public surface::
 
-    CheckpointManager(root, *, config=None, process_group=None, storage=None)
+    CheckpointManager(root, *, config=None, process_group=None, storage=None)   # root: a directory or s3://bucket/prefix
         .save(step, state, *, healthy=None, loss=None, grad_norm=None) -> Path | None (None: unhealthy, skipped)
         .restore(state, *, mode=ResumeMode.AUTO, path=None, prefer=None) -> int
         .record_step(step, *, sample_ids=None, batch=None, loss=None, grad_norm=None, **extra)
@@ -91,6 +91,7 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; 
         WrittenFile,
         read_dcp_metadata,
     )
+    from .storage.s3 import Consistency, ObjectStoreOptions
     from .tiers import TieredCheckpoint, TieredSave
     from .turns import TurnLedger
 
@@ -109,6 +110,7 @@ _WHERE = {
     "Checkpointer": "._core.door",
     "CollectiveTimeoutError": ".errors",
     "ConfigError": ".errors",
+    "Consistency": ".storage.s3",
     "ContractMismatchError": ".errors",
     "CursorSampler": ".cursor",
     "DCPStorage": ".storage",
@@ -124,6 +126,7 @@ _WHERE = {
     "KeepEvery": "._records.retention",
     "KeepLast": "._records.retention",
     "LeaseHeldError": ".errors",
+    "ObjectStoreOptions": ".storage.s3",
     "OnBusy": ".config",
     "PendingCommit": "._core.door",
     "OverBudget": ".config",
@@ -208,6 +211,7 @@ __all__ = [
     "Checkpointer",
     "CollectiveTimeoutError",
     "ConfigError",
+    "Consistency",
     "ContractMismatchError",
     "CursorSampler",
     "DCPStorage",
@@ -223,6 +227,7 @@ __all__ = [
     "KeepEvery",
     "KeepLast",
     "LeaseHeldError",
+    "ObjectStoreOptions",
     "OnBusy",
     "OverBudget",
     "ParallelLayout",
@@ -281,7 +286,4 @@ __all__ = [
 
 
 if _typing.TYPE_CHECKING:  # mypy holds every front door to the one shape (ckptguard.Checkpointer)
-    from .objectstore import ObjectStoreCheckpoint as _ObjectStoreCheckpoint  # the s3 extra's door
-
-    _DOORS: tuple[type[Checkpointer], ...] = (CheckpointManager, RunCheckpoint, TieredCheckpoint,
-                                              _ObjectStoreCheckpoint)
+    _DOORS: tuple[type[Checkpointer], ...] = (CheckpointManager, RunCheckpoint, TieredCheckpoint)

@@ -376,7 +376,7 @@ def _verify_remote(url: str, deep: bool, do_restore: bool, template: str, as_jso
 
     if do_restore:
         raise ConfigError("verify --restore reads a local root; for s3:// use --deep (every object downloaded and "
-                          "checked), or restore it with ObjectStoreCheckpoint")
+                          "checked), or restore it with CheckpointManager(\"s3://...\").restore")
     checked, findings = _remote.verify_remote(url, template, deep=deep)
     _emit(findings, as_json, {"checked": checked, "restored": False})
     if not as_json:

@@ -14,6 +14,7 @@ from ._records.contract import RunContract
 from ._records.retention import RetentionPolicy, default_policy
 from ._records.trust import HealthPolicy
 from .errors import ConfigError
+from .storage.s3 import ObjectStoreOptions
 
 
 class ResumeMode(enum.Enum):
@@ -206,11 +207,22 @@ class StorageOptions:
     """Age after which another host's leftover temp directory is swept."""
     lease_ttl_s: float = 6 * 3600.0
     """A lease from another host not renewed (by a save) for this long counts as abandoned."""
+    object_store: ObjectStoreOptions | None = None
+    """How an ``s3://bucket/prefix`` root's store is talked to (endpoint, parts, lease, consistency); None:
+    ``ObjectStoreOptions()`` (boto3's configuration). Unused for a filesystem root."""
+    object_staging: Path | None = None
+    """An ``s3://`` root's local root: each step is committed there before its upload and downloaded there
+    before a restore (node-local or shared, the same path on every node, room for one step). None:
+    ``$TMPDIR/ckptguard-staging/<bucket>/<prefix>`` (node-local). Unused for a filesystem root."""
 
     def __post_init__(self) -> None:
         StepNaming(self.dir_template)  # raises ConfigError naming the field
-        if self.stage_dir is not None and not isinstance(self.stage_dir, Path):
-            object.__setattr__(self, "stage_dir", Path(self.stage_dir))
+        for name in ("stage_dir", "object_staging"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Path):
+                object.__setattr__(self, name, Path(getattr(self, name)))
+        if self.object_store is not None and not isinstance(self.object_store, ObjectStoreOptions):
+            raise ConfigError(f"StorageOptions.object_store must be an ObjectStoreOptions or None, got "
+                              f"{self.object_store!r}")
         if self.publish_checksums is not None and not isinstance(self.publish_checksums, bool):
             raise ConfigError(
                 f"StorageOptions.publish_checksums must be True, False or None (auto), got {self.publish_checksums!r}"

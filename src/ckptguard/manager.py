@@ -7,6 +7,7 @@ itself lives in ``_commit`` (save) and ``_restore`` (resolve, restore).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import time
@@ -30,6 +31,7 @@ from ._context import NO_ACTIONS, Actions, Context
 from ._core.guard import GuardTarget, recorded_save_seconds
 from ._core.parts import Parts
 from ._core.root import Root, check_state, check_step
+from ._core.rootstage import open_stage
 from ._disk import layout as _layout
 from ._dist import make_agreement
 from ._records import contract as _contract
@@ -58,7 +60,10 @@ class CheckpointManager:
     """Saves and restores a dict of named state items under one checkpoint root.
 
     ``root`` is never created by the constructor or by ``restore``: a mistyped path must
-    not turn into a silent fresh start. The first ``save`` creates it.
+    not turn into a silent fresh start. The first ``save`` creates it. ``root`` may be an object
+    store, ``"s3://bucket/prefix"``: each step is committed to a local staging root
+    (``StorageOptions.object_staging``), then published to the store; a restore loads the store's
+    step (docs/objectstore.md). ``StorageOptions.object_store`` says how the store is talked to.
 
     The constructor is collective too: every rank creates its managers in the same order
     (their agreement keys are numbered by creation), e.g. the actor's and the critic's.
@@ -73,18 +78,17 @@ class CheckpointManager:
         storage: Storage | None = None, derived: DerivedState | None = None,
         expert_parallel: ExpertParallel | None = None, parts: Parts | None = None,
     ) -> None:
-        self.config = config or CheckpointConfig()
-        if not isinstance(self.config, CheckpointConfig):
-            raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
-        check_policy(self.config.async_save.on_busy, "CheckpointManager", (OnBusy.SKIP, OnBusy.WAIT, OnBusy.COALESCE))
-        self.root = Path(root).absolute()
-        # Managers are created collectively, in the same order on every rank, so a
-        # counter names this one's store keys alike everywhere; the root path would not
-        # (node-local roots may differ per node).
+        base = config or CheckpointConfig()
+        if not isinstance(base, CheckpointConfig):
+            raise ConfigError(f"config must be a CheckpointConfig, got {type(base).__name__}")
+        check_policy(base.async_save.on_busy, "CheckpointManager", (OnBusy.SKIP, OnBusy.WAIT, OnBusy.COALESCE))
+        # Managers are created collectively, in the same order on every rank, so a counter names this one's
+        # store keys alike everywhere; the root path would not (node-local roots may differ per node).
         CheckpointManager._created += 1
-        agreement = make_agreement(
-            process_group, timeout_s=self.config.timeout_s, namespace=f"manager-{CheckpointManager._created}"
-        )
+        name = f"manager-{CheckpointManager._created}"
+        # Its local root and stage: an s3:// root commits into a staging root, then publishes (_core.rootstage).
+        self.root, self.config, self._stage = open_stage(root, base, process_group=process_group, namespace=name)
+        agreement = make_agreement(process_group, timeout_s=self.config.timeout_s, namespace=name)
         info = agreement.info
         group = None
         if dist.is_available() and dist.is_initialized():
@@ -99,8 +103,7 @@ class CheckpointManager:
             )
         self._pending: PendingSave | None = None
         # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
-        self.busy = BusyRound(make_agreement(process_group, timeout_s=self.config.timeout_s,
-                                             namespace=f"manager-{CheckpointManager._created}-busy"),
+        self.busy = BusyRound(make_agreement(process_group, timeout_s=self.config.timeout_s, namespace=f"{name}-busy"),
                               policy=self.config.async_save.on_busy)
         """The ``on_busy`` decisions of ``save_async``: ``busy.skipped_total``, ``busy.last_commit_s``."""
         self.process_group = process_group
@@ -117,7 +120,8 @@ class CheckpointManager:
                          health=parts.health if parts else None)
         """The bookkeeping of this root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
         if parts is not None:  # the door that made this manager (the tiers, Megatron's async save) drives these
-            parts.bind(self._ctx, self._stage_commit, self._start_commit, self._cleanup_after, self.core.restarted_at)
+            parts.bind(self._ctx, self._stage, self._stage_commit, self._start_commit, self._cleanup_after,
+                       self.core.restarted_at)
         self.core.check_lease("create")
         # On the busy agreement: a save over the budget runs its round beside the commit in flight (issue 41).
         self.blocking = BudgetRound(self.busy.agreement, info.world_size, process_group, self.config.blocking,
@@ -155,14 +159,13 @@ class CheckpointManager:
     def committed_steps(self) -> list[int]:
         """Steps with a valid manifest and no newer than the tracker, ascending: this rank's reading of
         the disk now, not agreed. While a rotation deletes (after a commit, in the background) two ranks
-        can list different steps; ``resolve()`` is the agreed answer of which step a restore loads."""
-        return _layout.committed_steps(self.root, self._ctx.naming, _manifest.read)
+        can list different steps; ``resolve()`` is the agreed answer of which step a restore loads. An ``s3://``
+        root's are the store's."""
+        stored = self._stage.committed_steps()
+        return stored if stored is not None else _layout.committed_steps(self.root, self._ctx.naming, _manifest.read)
 
     def resolve(
-        self,
-        *,
-        mode: ResumeMode = ResumeMode.AUTO,
-        path: str | os.PathLike[str] | None = None,
+        self, *, mode: ResumeMode = ResumeMode.AUTO, path: str | os.PathLike[str] | None = None,
         prefer: _trust.Prefer | str | None = None,
     ) -> Resolution:
         """Which step a restore would load and why, agreed by all ranks; loads nothing.
@@ -175,7 +178,8 @@ class CheckpointManager:
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
         chosen = self.config.health.prefer if prefer is None else _trust.as_prefer(prefer, "prefer")
         self.wait()  # the agreement is not shared with a background commit
-        return _resolve.resolve(self._ctx, mode, Path(path) if path is not None else None, prefer=chosen)
+        stored = self._stage.resolve(mode, chosen) if path is None else None  # an s3:// root's: on the store
+        return stored or _resolve.resolve(self._ctx, mode, Path(path) if path is not None else None, prefer=chosen)
 
     # ------------------------------------------------------------ save / restore
 
@@ -208,6 +212,7 @@ class CheckpointManager:
                     self._start_commit(step, prepared, time.monotonic(), after=previous)
             return None
         self.wait()
+        actions = self._stage.before_save(step, actions)  # an s3:// root: the store's lease, what it never committed
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
@@ -273,6 +278,7 @@ class CheckpointManager:
     ) -> tuple[Callable[[], Path], Fence, float] | None:
         """The caller's part of ``save_async`` (health agreement, snapshot, copies queued): the background commit, its
         fence, its start; None: unhealthy. ``busy``: whose skips the cost block reports; ``measure``: see budget.py."""
+        actions = self._stage.before_save(step, actions)
         if not self._healthy(step, healthy, loss, grad_norm):
             return None
         start = time.monotonic()
@@ -300,8 +306,12 @@ class CheckpointManager:
         return self.queue.staged(self._pending)
 
     def close(self) -> None:
-        """Wait for a pending save (raising its error) and release the host staging pools now."""
-        self.queue.close(self.wait)  # both staging sets, also when wait raised
+        """Wait for a pending save (raising its error) and release the host staging pools now (an ``s3://`` root:
+        the proof records copied to the store, its lease released)."""
+        try:
+            self.queue.close(self.wait)  # both staging sets, also when wait raised
+        finally:
+            self._stage.close()
 
     def wait(self) -> Path | None:
         """Wait for a pending ``save_async`` and its cleanup, then commit a queued one (``OnBusy.COALESCE``) and
@@ -313,7 +323,7 @@ class CheckpointManager:
 
     def _published(self, path: Path, step: int, *, blocked_s: float, began: float) -> Path:
         """What follows a commit before the caller may go on: the log line, the save record (with the
-        seconds the caller was held, ``ckptguard goodput``), trust."""
+        seconds the caller was held, ``ckptguard goodput``), trust, and an ``s3://`` root's publish to the store."""
         log.info("ckptguard: committed step %d at %s", step, path)
         self._record("save", step=step, path=str(path), world_size=self.world_size,
                      blocked_s=round(blocked_s, 4), commit_s=round(time.monotonic() - began, 4))
@@ -321,6 +331,7 @@ class CheckpointManager:
         self.core.observe_held(publisher=self._ctx.node_publisher)
         if self.rank == 0 or self._ctx.node_publisher:  # node-local roots: every node keeps its own record
             self.core.trust_committed(step)
+        self._stage.published(step, path)
         return path
 
     def _cleanup_after(self, step: int) -> None:
@@ -340,13 +351,8 @@ class CheckpointManager:
         return False
 
     def restore(
-        self,
-        state: StateDict,
-        *,
-        mode: ResumeMode = ResumeMode.AUTO,
-        path: str | os.PathLike[str] | None = None,
-        prefer: _trust.Prefer | str | None = None,
-        break_lease: bool = False,
+        self, state: StateDict, *, mode: ResumeMode = ResumeMode.AUTO, path: str | os.PathLike[str] | None = None,
+        prefer: _trust.Prefer | str | None = None, break_lease: bool = False,
     ) -> int:
         """Load the resolved checkpoint into ``state`` in place; return its step (0: fresh).
 
@@ -362,7 +368,10 @@ class CheckpointManager:
         began = time.monotonic()
         self.wait()
         self.core.check_lease("restore", break_lease=break_lease)
+        self._stage.before_restore(break_lease)  # an s3:// root: the store's lease, a lost node's proof records
         res = self.resolve(mode=mode, path=path, prefer=prefer)
+        if res.url is not None:  # a step on a store: downloaded into the local root, restored from there
+            res = dataclasses.replace(self.resolve(mode=mode, path=self._stage.bring(res.step)), url=res.url)
         # What ``ckptguard goodput`` splits the time to recover by: start-up, this restore, the first step.
         timing: dict[str, Any] = {"process_start": process_start(), "began_mono": began}
         if res.fresh:
@@ -426,13 +435,7 @@ class CheckpointManager:
         self._record("update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed))
 
     def record_step(
-        self,
-        step: int,
-        *,
-        sample_ids: Any = None,
-        batch: Any = None,
-        loss: Any = None,
-        grad_norm: Any = None,
+        self, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None, grad_norm: Any = None,
         **extra: Any,
     ) -> JsonObject:
         """Record what training step ``step`` consumed and produced, on this rank.

@@ -57,6 +57,7 @@ from ._core.roles import (
     role_failure,
 )
 from ._core.root import Root, check_step
+from ._core.rootstage import is_store
 from ._disk import layout as _layout
 from ._dist import make_agreement
 from ._records import checks as _checks
@@ -103,6 +104,8 @@ class RunCheckpoint:
         names = [r.name for r in roles]
         if len(set(names)) != len(names):
             raise ConfigError(f"RunCheckpoint(roles=...): role names must be unique, got {names}")
+        if is_store(root):  # Path() would read it as a local directory named "s3:"
+            raise ConfigError(f"RunCheckpoint({root!r}): give a directory; an s3:// root takes a CheckpointManager")
         self.root = Path(root).absolute()
         self._naming = _layout.StepNaming(self.config.storage.dir_template)
         distributed = dist.is_available() and dist.is_initialized()

@@ -19,12 +19,12 @@ never chosen; when the choice falls back past it, the log says which files were 
 which rank. Nothing loadable but something committed somewhere is refused, naming the
 missing files; a fresh start stays what it is for one manager (an absent root, tracker 0).
 
-``persistent="s3://bucket/prefix"`` (with ``persistent_staging``): the persistent tier is an
-``ObjectStoreCheckpoint`` (``store``) whose staging manager is ``persistent``; each
-persistent commit in the staging root is then published to the store (in ``save_async``'s thread
-too), the store's lease is the one held, and the persistent step a restore can load is the store's
-(downloaded into the staging root when chosen). docs/objectstore.md. The tiers drive either kind
-of persistent tier through one protocol (``_core.persistenttier.PersistentTier``), never by asking which.
+``persistent="s3://bucket/prefix"``: the persistent tier is a ``CheckpointManager`` on that root, which
+commits into its staging root (``StorageOptions.object_staging``) and publishes each commit to the store
+(in ``save_async``'s thread too); the store's lease is the one held, and the persistent step a restore
+can load is the store's (downloaded into the staging root when chosen). docs/objectstore.md. The tiers
+drive either kind of persistent root through its manager's stage (``_core.rootstage.RootStage``: the
+lease, the restore's checks, the fetch), never by asking which.
 
 The restore record (``ROOT/proof``) carries the tier it used (``tier``, ``tier_detail``) and
 ``ckptguard prove`` shows it. Proof records of both tiers go to one log: the persistent
@@ -51,9 +51,9 @@ from ._commit.pending import AsyncStaging
 from ._context import Actions
 from ._core.guard import GuardTarget
 from ._core.parts import Parts
-from ._core.persistenttier import FilesystemTier, PersistentTier
 from ._core.root import ProofSink, check_state, check_step
-from ._core.tierargs import fast_root, remote_tier
+from ._core.rootstage import RootStage, local_root
+from ._core.tierargs import fast_root, separate_roots
 from ._core.tierrestore import Choice, Tier, TierRestore
 from ._core.tiersave import TieredSave, durable, push_replicas
 from ._disk import layout as _layout
@@ -84,8 +84,9 @@ class TieredCheckpoint:
     """A fast node-local tier and a persistent shared tier under one object.
 
     ``root`` (the fast tier) is a root on node-local storage (the same path on every node, e.g. ``/dev/shm/run1``
-    or NVMe) or, for a single node, any directory; ``persistent`` a root on the shared
-    filesystem, or None for a fast tier alone (then ``replicas=1`` is what survives a lost node).
+    or NVMe) or, for a single node, any directory; ``persistent`` a root on the shared filesystem or an
+    object store (``"s3://bucket/prefix"``, as ``CheckpointManager`` takes it: its staging root and store
+    options are ``config.storage``'s), or None for a fast tier alone (then ``replicas=1`` is what survives a lost node).
     ``fast_retention`` and ``persistent_retention`` rotate each tier on its own. ``config`` is
     the base ``CheckpointConfig`` of both tiers (its ``retention`` is replaced per tier).
     Every method is collective, like ``CheckpointManager``'s.
@@ -108,8 +109,6 @@ class TieredCheckpoint:
         storage: Storage | None = None,
         derived: DerivedState | None = None,
         expert_parallel: ExpertParallel | None = None,
-        persistent_staging: str | os.PathLike[str] | None = None,
-        persistent_options: Any | None = None,
     ) -> None:
         fast = fast_root(root)
         for name, value in (("fast_every", fast_every), ("persistent_every", persistent_every)):
@@ -127,10 +126,8 @@ class TieredCheckpoint:
         self.on_busy = base.async_save.on_busy
         if self.on_busy is OnBusy.FAST_TIER:  # the tiers' policy; each tier's own manager skips (its save_async)
             base = dataclasses.replace(base, async_save=dataclasses.replace(base.async_save, on_busy=OnBusy.SKIP))
-        if persistent is not None and Path(persistent).absolute() == Path(fast).absolute():
-            raise ConfigError(f"TieredCheckpoint: fast and persistent are the same root {fast}; give two roots")
+        home = separate_roots(fast, persistent, local_root(persistent, base) if persistent is not None else None)
         self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
-        remote = remote_tier(persistent, persistent_staging, persistent_options, fast)
         TieredCheckpoint._created += 1
         # The tiers' own agreement (the hosts, the persistent lease, the restore's choice, the replicas), created
         # collectively like the managers' own; never shared with a manager's background commit.
@@ -139,8 +136,7 @@ class TieredCheckpoint:
         self._naming = _layout.StepNaming(base.storage.dir_template)
         # One proof log for both tiers, in the root every rank can read (prove sees the whole run), and one
         # health log (a record_step of either tier is evidence for both): passed to each tier's manager.
-        home = persistent_staging if remote else (persistent if persistent is not None else fast)
-        proof = ProofSink.open(Path(str(home)).absolute(), self._agreement.info.rank, base)
+        proof = ProofSink.open(home, self._agreement.info.rank, base)
         health = _trust.HealthLog()
         # One staging pool for both tiers (a step due on both stages the same bytes into the same slots; host 1x the
         # state, not 2x), except under FAST_TIER, whose fast save runs beside a persistent commit reading its pool.
@@ -154,23 +150,11 @@ class TieredCheckpoint:
                                      expert_parallel=expert_parallel, parts=self._parts[tier])
 
         self.fast = manager(fast, fast_retention or KeepLast(2), Tier.FAST)
-        self.store: Any = None
-        """The persistent tier on an object store (``persistent="s3://..."``): an ``ObjectStoreCheckpoint``
-        whose staging manager is ``persistent``; None for a filesystem persistent tier."""
-        self._tier: PersistentTier | None = None
-        if remote:
-            from .objectstore import ObjectStoreCheckpoint  # optional: boto3, the s3 extra
-            self.store = self._tier = ObjectStoreCheckpoint(
-                str(persistent), staging=persistent_staging or "", options=persistent_options,
-                config=dataclasses.replace(base, retention=persistent_retention or default_policy()),
-                process_group=process_group, storage=storage, derived=derived, expert_parallel=expert_parallel,
-                parts=self._parts[Tier.PERSISTENT])
-            self.persistent: CheckpointManager | None = self.store.local
-        elif persistent is not None:
+        self.persistent: CheckpointManager | None = None
+        self._tier: RootStage | None = None  # the persistent root's stage: its lease, restore checks, fetch
+        if persistent is not None:
             self.persistent = manager(persistent, persistent_retention or default_policy(), Tier.PERSISTENT)
-            self._tier = FilesystemTier(self.persistent, self._naming)
-        else:
-            self.persistent = None
+            self._tier = self._parts[Tier.PERSISTENT].bound_stage()
         self._pending: TieredSave | None = None
         self.last_saved: dict[Tier, Path] = {}
         """Each tier's directory of the last ``save`` (or of the ``save_async`` the last ``wait`` joined)."""
@@ -183,7 +167,7 @@ class TieredCheckpoint:
         self._peers = _replica.peers(self._hosts)
         self._restorer = TierRestore(self._parts[Tier.FAST].bound(),
                                      self._parts[Tier.PERSISTENT].bound() if self.persistent else None,
-                                     replicas=replicas, hosts=self._hosts, remote=self.store)
+                                     replicas=replicas, hosts=self._hosts, stage=self._tier)
         if replicas and self._peers[0] is None:
             raise ConfigError(
                 f"TieredCheckpoint(replicas=1): all {len(self._hosts)} ranks run on host {self._hosts[0]}; a peer "
@@ -200,15 +184,9 @@ class TieredCheckpoint:
         check_step(step, "save")
         self.wait()
         self._hold_persistent(bool(save_kwargs.get("break_lease", False)))
-        if self._tier is None:
-            path = self.fast.save(step, state, **save_kwargs)
-            if path is not None and self.replicas:
-                self._push(step)
-            return path
-        save_kwargs["overwrite"] = self._replaces(step, bool(save_kwargs.get("overwrite", False)))
         path = self._home().save(step, state, **save_kwargs)
-        if path is not None:
-            self._tier.published(step, path)
+        if path is not None and self.persistent is None and self.replicas:
+            self._push(step)
         return path
 
     @property
@@ -244,11 +222,10 @@ class TieredCheckpoint:
             out[Tier.FAST] = fast
             if self.replicas:
                 self._push(step)
-        if self.persistent is not None and self._tier is not None and step % self.persistent_every == 0:
+        if self.persistent is not None and step % self.persistent_every == 0:
             persistent = self.persistent.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm,
-                                              overwrite=self._replaces(step, overwrite), break_lease=break_lease)
-            if persistent is not None:
-                self._tier.published(step, persistent)  # an object store's: the staging commit, then the store's
+                                              overwrite=overwrite, break_lease=break_lease)
+            if persistent is not None:  # an object store's: committed in the staging root, then on the store
                 out[Tier.PERSISTENT] = persistent
         return durable(out)
 
@@ -289,16 +266,13 @@ class TieredCheckpoint:
         try:
             for tier, _ in due:
                 hooks = self._parts[tier].commits
-                again = self._replaces(step, overwrite) if tier is Tier.PERSISTENT else overwrite
-                prepared = hooks.stage(step, state, healthy, loss, grad_norm, Actions(again, break_lease),
+                prepared = hooks.stage(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease),
                                        busy=self.busy)
                 if prepared is None:  # an unhealthy step: skipped on every rank (the fast verdict: every tier)
                     if tier is Tier.FAST or not parts:
                         return None
                     continue
-                run, fence, _ = prepared
-                if tier is Tier.PERSISTENT and self._tier is not None:
-                    run = self._tier.then_publish(step, run)
+                run, fence, _ = prepared  # an object store's run publishes after its staging commit
                 parts.append((tier, run, fence))
                 cleanups.append(functools.partial(hooks.cleanup, step))
         finally:
@@ -308,11 +282,6 @@ class TieredCheckpoint:
                 self._pending = TieredSave(step, parts, time.monotonic() - start, push,
                                            cleanups=cleanups, after=previous, overlaps=overlaps)
         return self._pending if parts else TieredSave(step, [], time.monotonic() - start, None)
-
-    def _replaces(self, step: int, overwrite: bool) -> bool:
-        """Whether the persistent save of ``step`` replaces the step its manager holds: asked, or the tier
-        says so (an object store's staging commit the store never committed; a collective, every rank alike)."""
-        return overwrite or (self._tier is not None and self._tier.replaces(step))
 
     def _due(self, step: int) -> list[tuple[Tier, CheckpointManager]]:
         due = [(Tier.FAST, self.fast)] if step % self.fast_every == 0 else []
@@ -364,7 +333,7 @@ class TieredCheckpoint:
         try:
             self.wait()
         finally:
-            for closing in (self.fast, self._tier):  # an object store's tier closes its staging manager
+            for closing in (self.fast, self.persistent):
                 if closing is not None:
                     closing.close()
 
@@ -432,7 +401,7 @@ class TieredCheckpoint:
         assert mgr is not None
         path = mgr.root / self._naming.name(choice.step)
         if tier is Tier.PERSISTENT and self._tier is not None:
-            path = self._tier.bring(choice.step)  # an object store's: downloaded into the staging root
+            path = self._tier.bring(choice.step)  # an object store's: downloaded into the staging root first
         where: dict[str, str | list[int]] = {"tier_detail": choice.detail,
                                              "replica_ranks": sorted(int(r) for r in choice.senders)}
         sink = self._parts[tier].proof

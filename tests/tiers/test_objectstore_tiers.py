@@ -29,7 +29,6 @@ from test_tiers import WORLD, become_node, expected, make_state, pytestmark, tra
 import ckptguard as cg  # noqa: E402
 import objstore_helper as h  # noqa: E402
 from ckptguard.errors import ConfigError  # noqa: E402
-from ckptguard.objectstore import ObjectStoreCheckpoint  # noqa: E402
 from ckptguard.ops.prove import evaluate  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 from ckptguard.testing import run_ranks, values  # noqa: E402
@@ -62,11 +61,10 @@ def _lose(base: Path, node: int) -> None:
 
 
 def _tiers(base: str, endpoint: str, url: str, **kw) -> cg.TieredCheckpoint:
+    config = cg.CheckpointConfig(timeout_s=60, async_save=AsyncOptions(on_busy=cg.OnBusy.WAIT))
     return cg.TieredCheckpoint(
-        os.path.join(base, "disk", "fast"), persistent=url,
-        persistent_staging=os.path.join(base, "disk", "staging"),
-        persistent_options=h.options(endpoint), fast_every=1, persistent_every=2,
-        config=cg.CheckpointConfig(timeout_s=60, async_save=AsyncOptions(on_busy=cg.OnBusy.WAIT)), **kw)
+        os.path.join(base, "disk", "fast"), persistent=url, fast_every=1, persistent_every=2,
+        config=h.config(endpoint, os.path.join(base, "disk", "staging"), base=config), **kw)
 
 
 def _exact(state: dict, rank: int, step: int) -> bool:
@@ -103,7 +101,7 @@ def _restore(rank: int, world: int, base: str, endpoint: str, url: str, more: in
     for s in range(step + 1, step + more + 1):  # training goes on after the fallback
         train_to(state, rank, s)
         tiers.save(s, state)
-    out["store"] = tiers.store.committed_steps()
+    out["store"] = tiers.persistent.committed_steps()  # an s3:// root's: the store's
     tiers.close()
     return out
 
@@ -151,22 +149,21 @@ def _budgeted(rank: int, world: int, base: str, endpoint: str, url: str) -> dict
     """A blocking budget every save exceeds (1 ms): the tiers' and the staging manager's saves stay whole."""
     os.environ.update(h.CREDENTIALS)
     config = cg.CheckpointConfig(timeout_s=60, blocking=cg.BlockingBudget(fraction=1.0, timeout_s=0.001))
-    tiers = cg.TieredCheckpoint(os.path.join(base, "fast"), persistent=f"{url}/tiers",
-                                persistent_staging=os.path.join(base, "staging"),
-                                persistent_options=h.options(endpoint),
-                                fast_every=1, persistent_every=2, config=config)
+    staged = h.config(endpoint, os.path.join(base, "staging"), base=config)
+    tiers = cg.TieredCheckpoint(os.path.join(base, "fast"), persistent=f"{url}/tiers", fast_every=1,
+                                persistent_every=2, config=staged)
     state = make_state(rank)
     kinds = []
     for step in (1, 2):
         train_to(state, rank, step)
         tiers.save(step, state)
         kinds.append(sorted(t.value for t in tiers.last_saved))
-    stored = tiers.store.committed_steps()
+    stored = tiers.persistent.committed_steps()
     tiers.close()
-    alone = ObjectStoreCheckpoint(f"{url}/alone", staging=os.path.join(base, "alone"), options=h.options(endpoint),
-                                  config=config)
-    alone.save(1, h.state_at(1))
-    marker = alone.last_url
+    alone = cg.CheckpointManager(f"{url}/alone", config=h.config(endpoint, os.path.join(base, "alone"), base=config))
+    alone.save(1, h.state_at(1))  # over the budget: committed in the background, published there too
+    alone.wait()
+    marker = alone.resolve().url
     alone.close()
     return {"kinds": kinds, "stored": stored, "marker": marker}
 
@@ -178,10 +175,14 @@ def test_a_blocking_budget_never_drops_a_persistent_or_store_save(moto, tmp_path
     assert out[0]["stored"] == [2] and out[0]["marker"] == f"{url}/alone/step_00000001/manifest.json"
 
 
-def test_an_object_store_tier_needs_its_staging_directory(tmp_path):
-    with pytest.raises(ConfigError, match="persistent_staging"):
-        cg.TieredCheckpoint(tmp_path / "fast", persistent="s3://bucket/run")
-    with pytest.raises(ConfigError, match="go with an object-store"):
-        cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "p", persistent_staging=tmp_path / "s")
-    with pytest.raises(ConfigError, match="is the fast root"):
-        cg.TieredCheckpoint(tmp_path / "fast", persistent="s3://bucket/run", persistent_staging=tmp_path / "fast")
+def test_an_object_store_tiers_staging_root_is_not_the_fast_root(tmp_path):
+    staged = cg.CheckpointConfig(storage=cg.StorageOptions(object_staging=tmp_path / "fast"))
+    with pytest.raises(ConfigError, match=r"staging root .*same root"):
+        cg.TieredCheckpoint(tmp_path / "fast", persistent="s3://bucket/run", config=staged)
+    with pytest.raises(ConfigError, match="same root"):
+        cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "fast")
+    with pytest.raises(ConfigError, match="an s3:// root is a persistent tier"):
+        cg.TieredCheckpoint("s3://bucket/run", persistent=tmp_path / "p")
+    with pytest.raises(ConfigError, match="an s3:// root takes a CheckpointManager"):  # never a local "s3:" directory
+        cg.RunCheckpoint("s3://bucket/run", [cg.Role("actor")])
+    assert not (Path.cwd() / "s3:").exists()

@@ -1,8 +1,8 @@
 """The one shape every front door has: ``Checkpointer``, a small protocol (docs/architecture.md).
 
-``CheckpointManager`` (one state), ``RunCheckpoint`` (every role of a run), ``TieredCheckpoint``
-(a fast and a persistent tier) and ``ObjectStoreCheckpoint`` (a staging root published to an object
-store; its ``save`` returns the staging directory, its ``Resolution.url`` names the store's marker)
+``CheckpointManager`` (one state, on a directory or an ``s3://`` root: there its ``save`` returns the
+step's directory in the staging root and its ``Resolution.url`` names the store's marker),
+``RunCheckpoint`` (every role of a run) and ``TieredCheckpoint`` (a fast and a persistent tier)
 differ in what they commit, not in how a training loop talks to them: the same calls, the same return
 types. A loop, a ``PreemptionGuard`` or an integration written
 against ``Checkpointer`` takes any of them. ``tests/test_architecture.py`` runs one conformance test

@@ -23,6 +23,7 @@ from .._types import StateDict
 from ..errors import ConfigError
 from ..storage._staging import Fence
 from .root import ProofSink
+from .rootstage import RootStage
 
 Staged = tuple[Callable[[], Path], Fence, float]
 """A staged commit: the background commit to run, the fence of its copies, when the save began."""
@@ -88,12 +89,21 @@ class Parts:
     """Bound by the manager: its staged-commit calls, for the door that made it."""
     context: Context | None = None
     """Bound by the manager: the context of its root (the tiers' restore and replica push run on it)."""
+    root_stage: RootStage | None = None
+    """Bound by the manager: what its root holds beyond the local directory (the tiers' persistent lease,
+    restore checks and fetch: ``_core.rootstage``)."""
 
-    def bind(self, context: Context, stage: Callable[..., Staged | None], start: Callable[..., PendingSave],
-             cleanup: Callable[[int], None], resumed: Callable[[int], None]) -> None:
-        """The manager made with these parts hands over its context and its staged-commit calls."""
+    def bind(self, context: Context, root_stage: RootStage, stage: Callable[..., Staged | None],
+             start: Callable[..., PendingSave], cleanup: Callable[[int], None], resumed: Callable[[int], None]) -> None:
+        """The manager made with these parts hands over its context, its root's stage and its staged-commit calls."""
         self.commits.bind(stage, start, cleanup, resumed)
-        self.context = context
+        self.context, self.root_stage = context, root_stage
+
+    def bound_stage(self) -> RootStage:
+        """The root stage of the manager these parts were given to."""
+        if self.root_stage is None:
+            raise ConfigError("these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))")
+        return self.root_stage
 
     def bound(self) -> Context:
         """The context of the manager these parts were given to."""

@@ -15,7 +15,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import xxhash
 
@@ -28,6 +28,7 @@ from .._records.manifest import files_needed
 from .._resume.resolve_local import Resolution, resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, CheckpointIncompleteError, error_payload, rebuild
+from .rootstage import RootStage
 
 log = logging.getLogger("ckptguard")
 
@@ -64,26 +65,17 @@ class Choice(Wire):
     fell_back: bool = False  # a newer step exists on part of the job: said as a warning
 
 
-class RemoteTier(Protocol):
-    """A persistent tier on an object store (``ckptguard.objectstore.ObjectStoreCheckpoint``)."""
-
-    @property
-    def url(self) -> str: ...
-
-    def tracker_step(self) -> int: ...
-
-
 class TierRestore:
-    """The restore side of the tiers, over the fast tier's context and the persistent tier's (``remote``:
-    the persistent tier's committed step is the object store's, not its staging root's)."""
+    """The restore side of the tiers, over the fast tier's context and the persistent tier's (``stage``: its
+    root's stage; an object store's committed step is the store's, not its staging root's)."""
 
     def __init__(self, fast: Context, persistent: Context | None, *, replicas: int, hosts: list[str],
-                 remote: RemoteTier | None = None) -> None:
+                 stage: RootStage | None = None) -> None:
         self.fast = fast
         self.persistent = persistent
         self.replicas = replicas
         self.hosts = hosts
-        self.remote = remote
+        self.stage = stage
 
     @property
     def rank(self) -> int:
@@ -99,10 +91,9 @@ class TierRestore:
         persistent, perror = 0, None
         if self.persistent is not None:
             try:
-                if self.remote is not None:
-                    persistent = self.remote.tracker_step()
-                else:
-                    persistent = resolve_local(self.persistent.root, self.persistent.naming, ResumeMode.AUTO, None).step
+                stored = self.stage.tracker_step() if self.stage is not None else None
+                persistent = stored if stored is not None else resolve_local(
+                    self.persistent.root, self.persistent.naming, ResumeMode.AUTO, None).step
             except Exception as exc:
                 perror = error_payload(exc)
         return View(host, complete, published, missing, replicas, persistent, perror)
@@ -183,7 +174,7 @@ class TierRestore:
             elif self.persistent is None:
                 where += "; there is no persistent tier"
             else:
-                home = self.remote.url if self.remote is not None else self.persistent.root
+                home = self.stage.url if self.stage is not None else self.persistent.root
                 where += f"; the persistent tier {home} holds no committed step"
             raise CheckpointIncompleteError(
                 f"restore refused: no step can be loaded by every rank from any tier ({where}). "
@@ -310,8 +301,8 @@ class TierRestore:
         ctx = self.fast if choice.tier == Tier.FAST.value else self.persistent
         assert ctx is not None
         name = ctx.naming.name(choice.step)
-        stored = self.remote is not None and choice.tier == Tier.PERSISTENT.value
-        url = f"{self.remote.url}/{name}/{_layout.MANIFEST_NAME}" if stored and self.remote is not None else None
+        stored = self.stage is not None and choice.tier == Tier.PERSISTENT.value
+        url = self.stage.marker_url(choice.step) if stored and self.stage is not None else None
         return Resolution(choice.step, ctx.root / name, choice.detail, mode, url=url)
 
     def align_fast(self, step: int, tier: Tier) -> None:

@@ -43,6 +43,7 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra
 
 import ckptguard as cg  # noqa: E402
 import objstore_helper as h  # noqa: E402
+from ckptguard import Consistency  # noqa: E402
 from ckptguard._commit import storepublish  # noqa: E402
 from ckptguard._resume.storefetch import resolve  # noqa: E402
 from ckptguard.errors import (  # noqa: E402
@@ -51,7 +52,6 @@ from ckptguard.errors import (  # noqa: E402
     ConfigError,
     ObjectStoreError,
 )
-from ckptguard.objectstore import Consistency, ObjectStoreCheckpoint  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 from ckptguard.testing import run_ranks, set_fault_hook, values  # noqa: E402
 
@@ -113,7 +113,7 @@ def uploads(endpoint: str, name: str) -> list[str]:
 
 def restored_step(endpoint: str, url: str, staging: Path) -> int:
     """Restore into a blank state in this process and check it is exactly the state saved at that step."""
-    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=h.options(endpoint), config=h.config())
+    ckpt = h.root(url, staging, endpoint)
     state = h.blank()
     step = ckpt.restore(state)
     ckpt.close()
@@ -149,14 +149,12 @@ def test_a_store_ignoring_conditions_is_refused_unless_the_weaker_mode_is_named(
     name = bucket(moto)
     proxy = h.Proxy(int(moto.rsplit(":", 1)[1]), strip=True)
     try:
-        ckpt = ObjectStoreCheckpoint(f"s3://{name}/run", staging=tmp_path / "a", options=h.options(proxy.endpoint),
-                                     config=h.config())
+        ckpt = h.root(f"s3://{name}/run", tmp_path / "a", proxy.endpoint)
         with pytest.raises(ConditionalWriteUnsupportedError, match="If-None-Match") as err:
             ckpt.save(1, h.state_at(1))
         assert err.value.bucket == name and "SINGLE_WRITER_UNSAFE" in str(err.value)
         assert [k for k in keys(moto, name) if not k.startswith("run/.ckptguard-probe")] == []  # nothing written
-        weak = ObjectStoreCheckpoint(f"s3://{name}/run", staging=tmp_path / "b", config=h.config(),
-                                     options=h.options(proxy.endpoint, consistency=Consistency.SINGLE_WRITER_UNSAFE))
+        weak = h.root(f"s3://{name}/run", tmp_path / "b", proxy.endpoint, consistency=Consistency.SINGLE_WRITER_UNSAFE)
         weak.save(1, h.state_at(1))
         weak.close()
         again = ObjectStore(f"s3://{name}/run", h.options(proxy.endpoint, consistency=Consistency.SINGLE_WRITER_UNSAFE))
@@ -172,7 +170,7 @@ def test_a_corrupted_part_is_refused_by_the_store(ministack, tmp_path, monkeypat
 
     name = bucket(ministack)
     url = f"s3://{name}/run"
-    ckpt = ObjectStoreCheckpoint(url, staging=tmp_path / "a", options=h.options(ministack), config=h.config())
+    ckpt = h.root(url, tmp_path / "a", ministack)
     ckpt.save(1, h.state_at(1))
     real = _transfer._crc
     monkeypatch.setattr(_transfer, "_crc", lambda data: real(bytes(data[:-1]) + b"\0"))  # bytes != their checksum
@@ -194,12 +192,12 @@ def test_save_restore_exactly_and_plain_dcp_reads_the_state_from_the_store(moto,
 
     name = bucket(moto)
     url = f"s3://{name}/runs/one"
-    ckpt = ObjectStoreCheckpoint(url, staging=tmp_path / "stage", options=h.options(moto), config=h.config())
+    ckpt = h.root(url, tmp_path / "stage", moto)
     assert ckpt.restore(h.blank()) == 0  # nothing there: a declared fresh start, nothing created
     assert keys(moto, name) == []
     for step in (1, 2):
         assert ckpt.save(step, h.state_at(step)) == (tmp_path / "stage" / f"step_{step:08d}").absolute()
-        assert ckpt.last_url == f"{url}/step_{step:08d}/manifest.json"
+        assert ckpt.resolve().url == f"{url}/step_{step:08d}/manifest.json"
     assert ckpt.committed_steps() == [1, 2]
     ckpt.close()
     assert restored_step(moto, url, tmp_path / "fresh") == 2
@@ -268,8 +266,7 @@ def test_the_server_stopped_mid_upload_is_a_clear_error_and_nothing_is_visible(t
     endpoint = f"http://127.0.0.1:{port}"
     name = bucket(endpoint)
     url = f"s3://{name}/run"
-    ckpt = ObjectStoreCheckpoint(url, staging=tmp_path / "a", options=h.options(endpoint, connect_timeout_s=0.5),
-                                 config=h.config())
+    ckpt = h.root(url, tmp_path / "a", endpoint, connect_timeout_s=0.5)
     ckpt.save(1, h.state_at(1))
     stopped = threading.Event()
 
@@ -303,13 +300,12 @@ def test_the_server_stopped_mid_upload_is_a_clear_error_and_nothing_is_visible(t
 def test_a_stalling_server_fails_after_the_bounded_retries(moto, tmp_path):
     name = bucket(moto)
     url = f"s3://{name}/run"
-    ckpt = ObjectStoreCheckpoint(url, staging=tmp_path / "a", options=h.options(moto), config=h.config())
+    ckpt = h.root(url, tmp_path / "a", moto)
     ckpt.save(1, h.state_at(1))
     ckpt.close()
     proxy = h.Proxy(int(moto.rsplit(":", 1)[1]), stall_s=3.0)
     try:
-        slow = ObjectStoreCheckpoint(url, staging=tmp_path / "a", config=h.config(),
-                                     options=h.options(proxy.endpoint, read_timeout_s=1.0, attempts=2))
+        slow = h.root(url, tmp_path / "a", proxy.endpoint, read_timeout_s=1.0, attempts=2)
         started = time.monotonic()
         with pytest.raises(ObjectStoreError, match="did not answer") as err:
             slow.save(2, h.state_at(2))
@@ -429,19 +425,21 @@ def test_two_writers_racing_for_the_lease_exactly_one_holds_it(races, moto):
 # ---------------------------------------------------------------- rotation, gc, ranks
 
 
-def test_rotation_deletes_marker_first_and_every_object_of_the_step(moto, tmp_path):
+def test_rotation_deletes_marker_first_and_every_object_of_the_step(moto, tmp_path, monkeypatch):
+    from ckptguard.storage.s3._bucket import Bucket
+
     name = bucket(moto)
     url = f"s3://{name}/run"
     config = cg.CheckpointConfig(timeout_s=60.0, retention=cg.KeepLast(2))
-    ckpt = ObjectStoreCheckpoint(url, staging=tmp_path / "a", options=h.options(moto), config=config)
+    ckpt = cg.CheckpointManager(url, config=h.config(moto, tmp_path / "a", base=config))
     deleted: list[str] = []
-    real = ckpt.store.bucket.delete
+    real = Bucket.delete
 
-    def spy(key: str, **kw) -> None:
+    def spy(self: Bucket, key: str, **kw) -> None:
         deleted.append(key)
-        real(key, **kw)
+        real(self, key, **kw)
 
-    ckpt.store.bucket.delete = spy
+    monkeypatch.setattr(Bucket, "delete", spy)
     for step in range(1, 5):
         ckpt.save(step, h.state_at(step))
     ckpt.close()
@@ -479,11 +477,11 @@ def test_gc_removes_only_unmarked_attempts_it_owns(moto, tmp_path):
 
 def _ranks_save(rank: int, world: int, endpoint: str, url: str, staging: str, fresh: str) -> dict:
     os.environ.update(h.CREDENTIALS)
-    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=h.options(endpoint), config=h.config())
+    ckpt = h.root(url, staging, endpoint)
     for step in (1, 2):  # the tensor replicated (DCP stores it once), the counter per rank (extras)
         ckpt.save(step, {"model": h.state_at(step)["model"], "counter": {"step": step, "rank": rank}})
     ckpt.close()
-    again = ObjectStoreCheckpoint(url, staging=fresh, options=h.options(endpoint), config=h.config())
+    again = h.root(url, fresh, endpoint)
     state = {"model": h.Blob(), "counter": {}}
     step = again.restore(state)
     again.close()
@@ -554,8 +552,43 @@ def test_a_bad_url_is_refused_naming_the_fix(url):
         StoreURL.parse(url)
 
 
+def test_a_manager_on_a_bad_s3_root_or_with_a_policy_a_store_cannot_follow_is_refused(tmp_path):
+    """``CheckpointManager(url)`` checks its object-store root and options as it is made, before any request."""
+    with pytest.raises(ConfigError, match="give a prefix such as s3://bucket/runs/run1"):
+        cg.CheckpointManager("s3://bucket")
+    with pytest.raises(ConfigError, match="StorageOptions.object_store must be an ObjectStoreOptions"):
+        cg.StorageOptions(object_store={"endpoint_url": "http://x"})
+    coalesce = h.config(None, tmp_path / "s", base=cg.CheckpointConfig(
+        async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)))
+    with pytest.raises(ConfigError, match=r"CheckpointManager\('s3://bucket/run'\).*OnBusy.SKIP, OnBusy.WAIT"):
+        cg.CheckpointManager("s3://bucket/run", config=coalesce)
+    assert not (tmp_path / "s").exists()
+
+
+def test_the_staging_root_defaults_to_a_node_local_directory_named_by_the_store(tmp_path, monkeypatch):
+    import tempfile
+
+    from ckptguard._core.rootstage import local_root
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert local_root("s3://bucket/runs/one", cg.CheckpointConfig()) == tmp_path / "ckptguard-staging/bucket/runs/one"
+    given = cg.CheckpointConfig(storage=cg.StorageOptions(object_staging="rel/stage"))
+    assert local_root("s3://bucket/runs/one", given) == Path("rel/stage").absolute()
+    assert local_root(tmp_path / "disk", given) == tmp_path / "disk"  # a directory root is its own local root
+
+
+def test_prefer_verified_is_refused_on_a_store_root(moto, tmp_path):
+    url = f"s3://{bucket(moto)}/run"
+    verified = cg.CheckpointConfig(timeout_s=60.0, health=cg.HealthPolicy(prefer="verified"))
+    ckpt = cg.CheckpointManager(url, config=h.config(moto, tmp_path / "a", base=verified))
+    ckpt.save(1, h.state_at(1))
+    with pytest.raises(ConfigError, match="prefer='verified' is not supported on an object-store root"):
+        ckpt.restore(h.blank())
+    ckpt.close()
+
+
 def test_bad_options_are_refused_naming_the_field():
-    from ckptguard.objectstore import ObjectStoreOptions
+    from ckptguard import ObjectStoreOptions
 
     for kw, field in (({"part_bytes": 1 << 20}, "part_bytes"), ({"max_inflight_bytes": 1}, "max_inflight_bytes"),
                       ({"threads": 0}, "threads"), ({"consistency": "none"}, "consistency"),
@@ -570,9 +603,9 @@ def test_a_job_refused_by_the_stores_lease_changes_nothing_and_break_lease_reach
 
     name = bucket(moto)
     url = f"s3://{name}/leased"
-    first = ObjectStoreCheckpoint(url, staging=tmp_path / "a", options=h.options(moto), config=h.config())
+    first = h.root(url, tmp_path / "a", moto)
     first.save(1, h.state_at(1))  # the first job holds the store's lease from now on
-    second = ObjectStoreCheckpoint(url, staging=tmp_path / "b", options=h.options(moto), config=h.config())
+    second = h.root(url, tmp_path / "b", moto)
     with pytest.raises(LeaseHeldError):
         second.save(2, h.state_at(2))
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())  # refused before staging
@@ -580,7 +613,7 @@ def test_a_job_refused_by_the_stores_lease_changes_nothing_and_break_lease_reach
         second.restore(h.blank())
     assert second.restore(h.blank(), break_lease=True) == 1
     assert second.save(2, h.state_at(2), break_lease=True) is not None
-    assert second.last_url == f"{url}/step_00000002/manifest.json"
+    assert second.resolve().url == f"{url}/step_00000002/manifest.json"
     second.close()
     first.close()
     assert restored_step(moto, url, tmp_path / "c") == 2
@@ -595,10 +628,10 @@ def test_save_async_commits_the_staging_root_then_the_store_in_the_background_an
     name = bucket(moto)
     url = f"s3://{name}/async"
     staging = (tmp_path / "stage").absolute()
-    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=h.options(moto), config=h.config())
+    ckpt = h.root(url, staging, moto)
     pending = ckpt.save_async(1, h.state_at(1))
     assert isinstance(pending, cg.PendingCommit) and pending.step == 1
-    assert pending.wait() == staging / "step_00000001" and ckpt.last_url == f"{url}/step_00000001/manifest.json"
+    assert pending.wait() == staging / "step_00000001"
     assert ckpt.wait() == staging / "step_00000001"  # as CheckpointManager.wait: the last pending save's
     res = ckpt.resolve()
     assert isinstance(res, cg.Resolution) and res.step == 1 and res.path == staging / "step_00000001"
@@ -632,7 +665,7 @@ def test_a_staging_step_that_is_a_symlink_is_refused_and_what_it_points_to_is_un
 
     name = bucket(moto)
     url = f"s3://{name}/runs/linked"
-    ckpt = ObjectStoreCheckpoint(url, staging=tmp_path / "stage", options=h.options(moto), config=h.config())
+    ckpt = h.root(url, tmp_path / "stage", moto)
     ckpt.save(1, h.state_at(1))
     ckpt.close()
     other = cg.CheckpointManager(tmp_path / "other")
@@ -641,7 +674,7 @@ def test_a_staging_step_that_is_a_symlink_is_refused_and_what_it_points_to_is_un
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     (fresh / "step_00000001").symlink_to(tmp_path / "other" / "step_00000001")
-    ckpt = ObjectStoreCheckpoint(url, staging=fresh, options=h.options(moto), config=h.config())
+    ckpt = h.root(url, fresh, moto)
     with pytest.raises(UnsafeCheckpointError, match="symlink"):
         ckpt.restore(h.blank())
     ckpt.close()

@@ -19,7 +19,6 @@ import objstore_helper as h  # noqa: E402
 from ckptguard._commit import storepublish  # noqa: E402
 from ckptguard._resume.storefetch import resolve  # noqa: E402
 from ckptguard.errors import CheckpointCorruptError, CheckpointError, ObjectStoreError  # noqa: E402
-from ckptguard.objectstore import ObjectStoreCheckpoint  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore, _transfer  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -41,7 +40,7 @@ def saved(moto, tmp_path_factory):
     name = f"hostile-{os.getpid()}"
     boto3.client("s3", endpoint_url=moto).create_bucket(Bucket=name)
     url = f"s3://{name}/run"
-    ckpt = ObjectStoreCheckpoint(url, staging=tmp_path_factory.mktemp("w"), options=h.options(moto), config=h.config())
+    ckpt = h.root(url, tmp_path_factory.mktemp("w"), moto)
     ckpt.save(1, h.state_at(1))
     ckpt.close()
     key = "run/step_00000001/manifest.json"
@@ -57,7 +56,7 @@ def _biggest(marker: dict) -> str:
 
 
 def _restore(moto: str, url: str, staging: Path) -> int:
-    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=h.options(moto), config=h.config())
+    ckpt = h.root(url, staging, moto)
     try:
         return ckpt.restore(h.blank())
     finally:

@@ -5,7 +5,7 @@ going up to the store, the store's marker is not written. A relaunch restores th
 and must then save the killed step again, replacing the staging root's copy the store never committed
 (before the fix every relaunch raised "step N is already committed at STAGING/...", a crash loop).
 
-Both gloo ranks run through the public API (``ObjectStoreCheckpoint``) against a moto server on
+Both gloo ranks run through the public API (``CheckpointManager("s3://...")``) against a moto server on
 127.0.0.1; the kill takes the whole job down (every rank SIGKILLed) at a random moment: after a
 random part of a random rank's upload plus a random delay, other parts still in flight, or at the
 latest when every upload is in and the marker is not written. After each kill: the staging root holds
@@ -105,11 +105,10 @@ def test_a_job_killed_inside_the_upload_window_saves_on_and_ends_bitwise_as_an_u
 
 
 def test_a_save_whose_upload_failed_is_saved_again_by_the_same_job(moto, tmp_path):
-    from ckptguard.objectstore import ObjectStoreCheckpoint
     from ckptguard.testing import set_fault_hook
 
     url = f"s3://{_bucket(moto, f'again-{os.getpid()}')}/run"
-    ckpt = ObjectStoreCheckpoint(url, staging=tmp_path / "s", options=h.options(moto), config=h.config())
+    ckpt = h.root(url, tmp_path / "s", moto)
     ckpt.save(1, h.state_at(1))
 
     def lost() -> None:
@@ -121,12 +120,13 @@ def test_a_save_whose_upload_failed_is_saved_again_by_the_same_job(moto, tmp_pat
             ckpt.save(2, h.state_at(2))
     finally:
         set_fault_hook("store.before_marker", None)
-    assert read_tracker(tmp_path / "s") == 2 and ckpt.store.tracker()[0] == 1
+    store = h.store(url, moto)
+    assert read_tracker(tmp_path / "s") == 2 and store.tracker()[0] == 1
     ckpt.save(2, h.state_at(2))  # the staging copy the store never committed is replaced
     ckpt.close()
-    assert ckpt.store.tracker()[0] == 2 and ckpt.committed_steps() == [1, 2]
+    assert store.tracker()[0] == 2 and ckpt.committed_steps() == [1, 2]
     state = h.blank()
-    again = ObjectStoreCheckpoint(url, staging=tmp_path / "r", options=h.options(moto), config=h.config())
+    again = h.root(url, tmp_path / "r", moto)
     assert again.restore(state) == 2
     again.close()
     import torch
@@ -141,9 +141,8 @@ def test_tiers_save_a_persistent_step_again_after_its_upload_failed_and_the_fast
     url = f"s3://{_bucket(moto, f'tiers-{os.getpid()}')}/run"
 
     def tiers(fast: str) -> cg.TieredCheckpoint:
-        return cg.TieredCheckpoint(tmp_path / fast, persistent=url, persistent_staging=tmp_path / "staging",
-                                   persistent_options=h.options(moto), fast_every=1, persistent_every=1,
-                                   config=h.config())
+        return cg.TieredCheckpoint(tmp_path / fast, persistent=url, fast_every=1, persistent_every=1,
+                                   config=h.config(moto, tmp_path / "staging"))
 
     first = tiers("fast")
     first.save(1, h.state_at(1))
@@ -163,4 +162,4 @@ def test_tiers_save_a_persistent_step_again_after_its_upload_failed_and_the_fast
     assert again.restore(state) == 1
     again.save(2, h.state_at(2))  # the staging copy the store never committed is replaced
     again.close()
-    assert again.store.committed_steps() == [1, 2]
+    assert again.persistent is not None and again.persistent.committed_steps() == [1, 2]

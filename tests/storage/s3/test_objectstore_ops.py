@@ -29,7 +29,6 @@ import objstore_helper as h  # noqa: E402
 from ckptguard._commit import storepublish  # noqa: E402
 from ckptguard._resume.storefetch import resolve  # noqa: E402
 from ckptguard.cli import main  # noqa: E402
-from ckptguard.objectstore import ObjectStoreCheckpoint  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 
 HELPER = str(Path(__file__).parents[2] / "objstore_helper.py")
@@ -85,7 +84,7 @@ def restores_exactly(root: Path) -> int:
 
 
 def store_restores_exactly(endpoint: str, url: str, staging: Path) -> int:
-    ckpt = ObjectStoreCheckpoint(url, staging=staging, options=h.options(endpoint), config=h.config())
+    ckpt = h.root(url, staging, endpoint)
     state = h.blank()
     step = ckpt.restore(state)
     ckpt.close()
@@ -116,7 +115,7 @@ def test_preflight_an_s3_root(moto, tmp_path):
     assert code == 0 and got["ok"] and got["step"] == 2 and got["path"] == f"{url}/step_00000002/manifest.json"
     code, output = cli("preflight", url, "--expect-step", "1")
     assert code == 1 and "expect-step" in output and "NOT READY" in output
-    live = ObjectStoreCheckpoint(url, staging=tmp_path / "live", options=h.options(moto), config=h.config())
+    live = h.root(url, tmp_path / "live", moto)
     live.restore(h.blank())
     live.save(3, h.state_at(3))  # holds the lease: a launch now would be refused; said, not an error
     code, got = cli_json("preflight", url)

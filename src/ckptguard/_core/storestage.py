@@ -1,0 +1,210 @@
+"""The stage of an ``s3://bucket/prefix`` root: a ``CheckpointManager`` whose commits are published to a store.
+
+Contract. The manager commits ``step`` to its local staging root with the ordinary protocol (every
+rank's files, digests, manifest, tracker), then ``published`` publishes that committed directory to
+the store (``_commit.storepublish``): rank 0 takes the store's write lease and opens an attempt, every
+rank uploads its own files of the step (multipart, checksummed parts), and once every rank reported
+success rank 0 creates the marker (``If-None-Match: *``) and moves the tracker (``If-Match``, never
+backwards). Any failure raises on every rank; nothing of the step is visible on the store unless its
+marker was created. Before a save (``before_save``) the store's lease is checked on every rank, and a
+staging commit the store never made (a job killed inside the upload window) is replaced by the save
+of that step: the staging root is scratch space, the store alone says what is committed.
+
+A restore resolves on the store (the tracker and that step's marker, nothing else: ``resolve``), has
+each host's ranks download the step's objects into the staging root (a share each; skipped when the
+staging root already holds that exact step: ``bring``), and the manager restores from there, so
+every check of a local restore (files, digests, contract, topology) applies unchanged. The proof log
+lives in the staging root and is copied to the store's ``proof/`` at every publish and at close, and
+seeded back from it before a restore when the staging root lost it (a lost node).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._agree import Wire, gather_decide
+from .._commit import storepublish as _publish
+from .._commit.busy import check_policy
+from .._context import Actions
+from .._disk.layout import MANIFEST_NAME, atomic_write_bytes
+from .._dist import make_agreement
+from .._records.proofreader import records_dir
+from .._records.retention import KeepLast
+from .._records.trust import Prefer
+from .._resume.resolve_local import Resolution
+from .._resume.storefetch import fetch_step, resolve
+from ..config import CheckpointConfig, OnBusy, ResumeMode
+from ..errors import CheckpointError, ConfigError
+from ..storage.s3 import ObjectStore, StoreURL
+
+log = logging.getLogger("ckptguard")
+
+
+@dataclass(frozen=True)
+class _Empty(Wire):
+    pass
+
+
+@dataclass(frozen=True)
+class _Chosen(Wire):
+    step: int
+    reason: str
+
+
+class StoreStage:
+    """An object-store root (``url``) written through the local staging root ``local``. ``config`` is the
+    manager's: its ``retention`` is applied on the store (``local_config``, the staging root's, keeps its
+    newest step); ``async_save.on_busy``: ``SKIP`` or ``WAIT``. ``namespace``: the manager's agreement name."""
+
+    def __init__(self, url: str, local: Path, config: CheckpointConfig, *, process_group: Any | None,
+                 namespace: str) -> None:
+        check_policy(config.async_save.on_busy, f"CheckpointManager({url!r})", (OnBusy.SKIP, OnBusy.WAIT))
+        self.store = ObjectStore(StoreURL.parse(url), config.storage.object_store,
+                                 dir_template=config.storage.dir_template)
+        self.url = str(self.store.url)
+        self.local = local
+        self.local_config = dataclasses.replace(config, retention=KeepLast(1))
+        """The staging root's config: it keeps its newest step (the store rotates by ``config.retention``)."""
+        self._agreement = make_agreement(process_group, timeout_s=config.timeout_s, namespace=f"{namespace}-store")
+        # The publish agrees over its own keys: it runs in save_async's thread while the caller's agree above.
+        publishing = make_agreement(process_group, timeout_s=config.timeout_s, namespace=f"{namespace}-publish")
+        info = self._agreement.info
+        self.rank = info.rank
+        self._host = info.host  # ranks of one host share its staging root (CKPTGUARD_NODE where tests fake nodes)
+        self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # rank 0's lease id
+        self._restored: int | None = None
+        self._breaking: dict[int, bool] = {}  # step -> its save's break_lease, for the publish after its commit
+        self._publisher = _publish.Publisher(publishing, self.store, local, self._holder, config.retention)
+        self._rooted = False  # this job published or restored a step: the root exists, proof copies may go there
+        self.last_url: str | None = None
+        """The store's marker URL of the last step this job committed there."""
+
+    # ------------------------------------------------------------ save
+
+    def before_save(self, step: int, actions: Actions) -> Actions:
+        """The store's lease checked on every rank first (a job refused by it changes nothing, not even its
+        staging root), then whether the staging save of ``step`` replaces a staging commit the store never
+        made (``_commit.storepublish.replaces``; collective)."""
+        self.check_lease(actions.break_lease)
+        self._breaking[step] = actions.break_lease
+        if actions.overwrite or not _publish.replaces(self._agreement, self.store, self.local, step):
+            return actions
+        return Actions(overwrite=True, break_lease=actions.break_lease)
+
+    def published(self, step: int, path: Path) -> None:
+        """Publish the staging root's commit of ``step`` at ``path`` to the store (collective); the store's
+        rotation keeps the restored step; this rank's proof log copied after it."""
+        protect = {self._restored} if self._restored else set()
+        url = self._publisher.publish(step, path, protect=protect, break_lease=self._breaking.pop(step, False))
+        self._rooted, self.last_url = True, url
+        self.copy_proof()
+
+    def hold(self, break_lease: bool = False) -> None:
+        """Rank 0's part (not collective): create the root record and tracker 0 if absent, then take or
+        renew the store's write lease for this job (``LeaseHeldError`` while another live job holds it)."""
+        _publish.hold(self.store, self._holder, break_lease)
+
+    def check_lease(self, break_lease: bool = False) -> None:
+        """Raise ``LeaseHeldError`` on every rank while another live job holds the store's lease (collective)."""
+        def check(_: list[_Empty]) -> _Empty:
+            self.store.check_lease(self._holder, override=break_lease)
+            return _Empty()
+
+        gather_decide(self._agreement, "store.check_lease", _Empty(), check, decision=_Empty)
+
+    # ------------------------------------------------------------ restore
+
+    def before_restore(self, break_lease: bool = False) -> None:
+        """The store's lease checked on every rank (``LeaseHeldError`` while another live job holds it), and
+        this rank's proof log seeded from the store's copy (collective)."""
+        self.check_lease(break_lease)
+        self.seed_proof()
+
+    def resolve(self, mode: ResumeMode, prefer: Prefer) -> Resolution:
+        """The step a restore loads from the store and why (agreed by all ranks); loads nothing. Its ``url`` is
+        the step's marker, its ``path`` the staging root's directory ``bring`` downloads it into."""
+        if prefer is not Prefer.LATEST:
+            raise ConfigError(f"{self.url}: prefer='verified' is not supported on an object-store root (its "
+                              "resume target is the store's tracker step); use prefer='latest'")
+        chosen = gather_decide(self._agreement, "store.resolve", _Empty(), lambda _: self._choose(mode),
+                               decision=_Chosen)
+        if chosen.step == 0:
+            return Resolution(0, None, chosen.reason, mode)
+        return Resolution(chosen.step, self.local / self.store.naming.name(chosen.step), chosen.reason, mode,
+                          url=self.marker_url(chosen.step))
+
+    def _choose(self, mode: ResumeMode) -> _Chosen:
+        if mode is ResumeMode.NEVER:
+            return _Chosen(0, "ResumeMode.NEVER")
+        found = resolve(self.store, must=mode is ResumeMode.MUST)
+        return _Chosen(found.step, found.reason)
+
+    def bring(self, step: int) -> Path:
+        """The committed ``step`` in the staging root: downloaded, each host's ranks a share, unless there
+        already (collective, ``_resume.storefetch``). Rotation on the store keeps it from now on."""
+        self._restored, self._rooted = step, True
+        return fetch_step(self._agreement, self.store, self.local, step, host=self._host)
+
+    # ------------------------------------------------------------ queries
+
+    def committed_steps(self) -> list[int]:
+        """The store's committed steps, ascending (this process's reads; no collective)."""
+        return self.store.committed_steps()
+
+    def tracker_step(self) -> int:
+        """The store's committed step a restore would load (the tracker, its marker checked; 0: none)."""
+        return resolve(self.store).step
+
+    def marker_url(self, step: int) -> str:
+        return self.store.where(self.store.naming.name(step), MANIFEST_NAME)
+
+    # ------------------------------------------------------------ proof records
+
+    def _proof_path(self) -> Path:
+        """This rank's proof log in the staging root (the manager's, ``ROOT/proof/rank_NNNNN.jsonl``)."""
+        return records_dir(self.local) / f"rank_{self.rank:05d}.jsonl"
+
+    def seed_proof(self) -> None:
+        """This rank's proof log comes back from the store's copy when the staging root lost it (a lost
+        node), so its next copy continues the killed run's records instead of replacing them (no collective)."""
+        path = self._proof_path()
+        if path.exists():
+            return
+        try:
+            data = self.store.get_proof(path.name)
+            if data is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(path, data)
+                self._rooted = True
+                log.info("ckptguard: %s: the proof records of rank %d restored from %s/proof", path, self.rank,
+                         self.store.url)
+        except (OSError, CheckpointError) as exc:
+            log.warning("ckptguard: reading the store's copy of %s failed (%s: %s); the records start anew here",
+                        path, type(exc).__name__, exc)
+
+    def copy_proof(self) -> None:
+        """This rank's proof log (in the staging root) copied whole to ``proof/`` on the store, where
+        ``ckptguard prove s3://...`` reads every rank's; a failed copy is a warning (the step is committed)."""
+        path = self._proof_path()
+        if not self._rooted:  # a proof copy never creates anything under a prefix this job did not write
+            return
+        try:
+            if path.is_file():
+                self.store.put_proof(path.name, path.read_bytes())
+        except (OSError, CheckpointError) as exc:
+            log.warning("ckptguard: copying the proof records %s to %s/proof failed (%s: %s); the copy is retried "
+                        "at the next save; `ckptguard prove %s` reads them meanwhile", path, self.store.url,
+                        type(exc).__name__, exc, self.local)
+
+    def close(self) -> None:
+        """The records since the last save (a restore's) copied to the store; rank 0 releases the store's lease."""
+        self.copy_proof()
+        if self.rank == 0:
+            self.store.release_lease(self._holder)
