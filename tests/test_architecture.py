@@ -290,15 +290,15 @@ def test_the_manager_never_branches_on_the_kind_of_root():
         "_asks names is_store"]
 
 
-COMMIT_ORDER = {"begin", "commit", "rotate", "_advance", "_check_won", "resolve"}
+COMMIT_ORDER = {"begin", "commit", "rotate", "_advance", "_check_won", "resolve", "collect", "gc"}
 
 
 def commit_order_in_the_store(sources: dict[str, str]) -> list[str]:
     """Where the object-store package runs the commit's order itself (issue 40 item 2): a function named for a
     step of it or for the resume decision (``COMMIT_ORDER``), or the commit's fault points. The order is
     ``_commit.storepublish``'s and the decision ``_resume.storefetch``'s, over the store's primitives
-    (temporary area, create-if-absent marker, tracker compare-and-set, reads, deletes). The lease's
-    take-over rule and gc still live in the package."""
+    (temporary area, create-if-absent marker, tracker compare-and-set, reads, deletes); gc's decision is
+    ``ops.storegc``'s (``collect``). The lease's take-over rule still lives in the package."""
     bad = []
     for name, source in sorted(sources.items()):
         if name != "storage.s3" and not name.startswith("storage.s3."):

@@ -27,7 +27,8 @@ from .._records.checks import verify_step
 from .._records.findings import Finding, Severity
 from .._resume.storefetch import resolve
 from ..errors import CheckpointError, LeaseHeldError
-from ..storage.s3 import GcReport, Marker, ObjectStore, ObjectStoreOptions
+from ..storage.s3 import Marker, ObjectStore, ObjectStoreOptions
+from .storegc import GcReport, collect
 
 __all__ = ["RemoteEntry", "RemoteListing", "RemotePreflight", "fetch_proof", "gc_remote", "is_remote", "list_remote",
            "preflight_remote", "verify_remote"]
@@ -207,7 +208,7 @@ def preflight_remote(url: str, template: str, *, expect_step: int | None = None)
 
 
 def gc_remote(url: str, template: str, *, min_age_s: float, dry_run: bool, force: bool) -> GcReport:
-    """``ObjectStore.gc`` under the root; refused while a live job holds its lease unless ``force``."""
+    """``storegc.collect`` under the root; refused while a live job holds its lease unless ``force``."""
     store = _store(url, template)
     if not force:
         try:
@@ -215,7 +216,7 @@ def gc_remote(url: str, template: str, *, min_age_s: float, dry_run: bool, force
         except LeaseHeldError as exc:
             raise LeaseHeldError(f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, or "
                                  "pass --force (attempts younger than --min-age are kept anyway)") from None
-    return store.gc(min_age_s=min_age_s, dry_run=dry_run)
+    return collect(store, min_age_s=min_age_s, dry_run=dry_run)
 
 
 def fetch_proof(url: str, template: str, dest: str | os.PathLike[str]) -> list[str]:

@@ -52,6 +52,7 @@ from ckptguard.errors import (  # noqa: E402
     ConfigError,
     ObjectStoreError,
 )
+from ckptguard.ops.storegc import collect  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 from ckptguard.testing import run_ranks, set_fault_hook, values  # noqa: E402
 
@@ -229,7 +230,7 @@ def test_no_step_without_its_marker_and_the_tracker_never_moves_back(moto, tmp_p
         storepublish.begin(store, 3)
     assert store.tracker()[0] == 3
     with pytest.raises(ConfigError, match="not a ckptguard root"):
-        ObjectStore(f"s3://{name}/other", h.options(moto)).gc(min_age_s=0)
+        collect(ObjectStore(f"s3://{name}/other", h.options(moto)), min_age_s=0)
 
 
 # ---------------------------------------------------------------- kills
@@ -248,7 +249,7 @@ def test_a_writer_killed_mid_commit_leaves_the_last_committed_step(moto, tmp_pat
     assert restored_step(moto, url, tmp_path / "r1") == 2
     if point == "store.part_uploaded":
         assert any("step_00000003" in k for k in uploads(moto, name))  # the killed multipart upload is left
-    report = store.gc(min_age_s=0)
+    report = collect(store, min_age_s=0)
     assert report.foreign == []
     if point != "store.before_tracker":
         assert [a.split("/")[0] for a in report.removed_attempts] == ["step_00000003"]
@@ -462,11 +463,11 @@ def test_gc_removes_only_unmarked_attempts_it_owns(moto, tmp_path):
     data = tmp_path / "d.bin"
     data.write_bytes(b"y" * 100)
     store.upload(2, attempt, [("state/d.bin", data, 100)])
-    assert store.gc(min_age_s=3600).kept_young == [f"step_00000002/{attempt}"]  # young: maybe a live writer
-    dry = store.gc(min_age_s=0, dry_run=True)
+    assert collect(store, min_age_s=3600).kept_young == [f"step_00000002/{attempt}"]  # young: maybe a live writer
+    dry = collect(store, min_age_s=0, dry_run=True)
     assert dry.removed_attempts == [f"step_00000002/{attempt}"] and f"run/step_00000002/{attempt}/owner.json" in \
         keys(moto, name)
-    report = store.gc(min_age_s=0)
+    report = collect(store, min_age_s=0)
     assert report.removed_attempts == [f"step_00000002/{attempt}"] and report.removed_objects == 2
     assert sorted(report.foreign) == ["run/notes.txt", "run/step_00000002/a-feedbeef/state/x"]
     left = keys(moto, name)
@@ -556,7 +557,7 @@ def test_a_manager_on_a_bad_s3_root_or_with_a_policy_a_store_cannot_follow_is_re
     """``CheckpointManager(url)`` checks its object-store root and options as it is made, before any request."""
     with pytest.raises(ConfigError, match="give a prefix such as s3://bucket/runs/run1"):
         cg.CheckpointManager("s3://bucket")
-    with pytest.raises(ConfigError, match="StorageOptions.object_store must be an ObjectStoreOptions"):
+    with pytest.raises(ConfigError, match=r"StorageOptions\.object_store must be an ObjectStoreOptions"):
         cg.StorageOptions(object_store={"endpoint_url": "http://x"})
     coalesce = h.config(None, tmp_path / "s", base=cg.CheckpointConfig(
         async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)))

@@ -19,6 +19,7 @@ import objstore_helper as h  # noqa: E402
 from ckptguard._commit import storepublish  # noqa: E402
 from ckptguard._resume.storefetch import resolve  # noqa: E402
 from ckptguard.errors import CheckpointCorruptError, CheckpointError, ObjectStoreError  # noqa: E402
+from ckptguard.ops.storegc import collect  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore, _transfer  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -202,7 +203,7 @@ def test_gc_keeps_the_tracker_steps_data_when_its_marker_is_gone(moto, tmp_path)
     assert "Traceback" not in result.output
     assert [k for k in _keys(moto, name) if "step_00000002/" in k] == before  # every object of step 2 is there
     with pytest.raises(CheckpointCorruptError, match="gc refused"):
-        store.gc(min_age_s=0, dry_run=True)
+        collect(store, min_age_s=0, dry_run=True)
 
 
 @pytest.mark.parametrize("what", ["typo", "tracker deleted"])

@@ -2,7 +2,8 @@
 
 ``ObjectStore`` is one root and the primitives its commit runs on: a temporary area per attempt,
 conditional create of each step's marker, the tracker's compare-and-set on its ETag, the reads, step
-deletion marker-first, gc of what ckptguard created, and a write lease. The commit's order over them
+deletion marker-first, the listings and deletes gc (``ckptguard.ops.storegc``) decides over, and a
+write lease. The commit's order over them
 is ``ckptguard._commit.storepublish`` (``begin`` / ``commit`` / ``rotate``), the restore's
 ``ckptguard._resume.storefetch`` (``resolve`` / ``fetch_step``); ``ckptguard._core.storestage``
 composes them into the stage a ``CheckpointManager("s3://bucket/prefix")`` publishes each commit through.
@@ -19,13 +20,11 @@ import typing as _typing
 from ._options import Consistency, ObjectStoreOptions, StoreURL
 
 if _typing.TYPE_CHECKING:
-    from ._gc import GcReport
     from ._objrecords import Marker, StoredObject, Writer
     from ._store import ObjectStore
 
 __all__ = [
     "Consistency",
-    "GcReport",
     "Marker",
     "ObjectStore",
     "ObjectStoreOptions",
@@ -35,7 +34,7 @@ __all__ = [
 ]
 
 # The names that need boto3 (the s3 extra), and the module of each.
-_WHERE = {"GcReport": "._gc", "Marker": "._objrecords", "StoredObject": "._objrecords", "Writer": "._objrecords",
+_WHERE = {"Marker": "._objrecords", "StoredObject": "._objrecords", "Writer": "._objrecords",
           "ObjectStore": "._store"}
 
 

@@ -16,7 +16,8 @@ Contract (``Consistency.CONDITIONAL``, the default):
   forward: a writer that finds it at or past its step leaves it. It never names an uncommitted step.
 - ``_resume.storefetch.resolve`` reads the tracker and that step's marker; nothing is decided from a listing.
 - Rotation deletes a step's marker first, then its objects: a half-deleted step is invisible.
-- gc (``_gc``) removes only attempts that carry ckptguard's owner record, that no marker names, and
+- gc (``ckptguard.ops.storegc``, over these primitives) removes only attempts that carry ckptguard's
+  owner record, that no marker names, and
   that are older than ``min_age_s``, aborts multipart uploads of such attempts, and never runs on a
   prefix without the root record or while the tracker's step has no readable marker.
 - Every size a marker declares is checked (``_objrecords``: an int up to 5 TiB; ``fetch``: equal to
@@ -46,10 +47,9 @@ from ...errors import (
     ConfigError,
     LeaseHeldError,
 )
-from . import _gc, _transfer
 from . import _objrecords as rec
+from . import _transfer
 from ._bucket import Bucket
-from ._gc import GcReport
 from ._options import Consistency, ObjectStoreOptions, StoreURL
 
 log = logging.getLogger("ckptguard")
@@ -273,13 +273,6 @@ class ObjectStore:
         self.bucket.delete(self.url.key(name, MANIFEST_NAME), step=step, what="commit marker")
         keys = [o.key for o in self.bucket.listing(name + "/")]
         self.bucket.delete_many(keys, step=step)
-
-    def gc(self, *, min_age_s: float = 3600.0, dry_run: bool = False) -> GcReport:
-        """Remove attempts no marker names (with ckptguard's owner record, older than ``min_age_s``)
-        and abort their multipart uploads (``_gc.collect``)."""
-        return _gc.collect(self, min_age_s=min_age_s, dry_run=dry_run)
-
-    # ------------------------------------------------------------ proof records (copies of the staging root's)
 
     def put_proof(self, name: str, data: bytes) -> None:
         """One rank's proof log ``name`` (``rank_00000.jsonl``), copied whole to ``proof/<name>``: a plain PUT,

@@ -1,5 +1,9 @@
 """gc on an object-store root: what ckptguard created and no marker names, older than a minimum age.
 
+The decision is the operator side's (``ckptguard gc s3://...``, ``ops.remote.gc_remote``); the store
+(``ckptguard.storage.s3.ObjectStore``) gives it its primitives only: the listing, the reads of the
+tracker and the markers, the deletes, the multipart uploads and their abort.
+
 ``collect`` removes attempts that carry ckptguard's owner record, that no marker names and whose
 newest object is older than ``min_age_s``, aborts the multipart uploads of such attempts, and
 reports everything else under the prefix as foreign without touching it. It refuses a prefix
@@ -13,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..._disk.layout import MANIFEST_NAME, TRACKER_NAME, StepNaming
-from ...errors import CheckpointCorruptError, CheckpointError, ConfigError
-from . import _objrecords as rec
-from ._bucket import Bucket
-from ._options import StoreURL
+from .._disk.layout import MANIFEST_NAME, TRACKER_NAME, StepNaming
+from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ..storage.s3 import StoreURL
+from ..storage.s3 import _objrecords as rec
+from ..storage.s3._bucket import Bucket
 
 
 @dataclass
@@ -30,7 +34,7 @@ class GcReport:
 
 
 class Root(Protocol):
-    """What gc reads of an ``ObjectStore``."""
+    """What gc uses of an ``ObjectStore``: its bucket prefix's primitives and the reads of its records."""
 
     bucket: Bucket
     url: StoreURL
@@ -43,7 +47,8 @@ class Root(Protocol):
     def marker(self, step: int) -> rec.Marker | None: ...
 
 
-def collect(root: Root, *, min_age_s: float, dry_run: bool) -> GcReport:
+def collect(root: Root, *, min_age_s: float = 3600.0, dry_run: bool = False) -> GcReport:
+    """gc of ``root`` (the module docstring says what it removes, aborts and reports); ``dry_run``: only report."""
     found = root.bucket.get(root.url.key(rec.ROOT_RECORD), what="root record")
     if found is None:
         raise ConfigError(
