@@ -239,7 +239,7 @@ def race_worker(races: list[tuple[str, str, str]], role: int, trials: int, barri
 
 def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, barrier: Any,
                data_path: str) -> tuple[int, str | None, str]:
-    from ckptguard._commit import storepublish
+    from ckptguard._commit import storelease, storepublish
     from ckptguard.errors import CommitConflictError, LeaseHeldError
     from ckptguard.storage.s3 import ObjectStore, StoredObject
 
@@ -252,7 +252,7 @@ def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, bar
         store.ensure_root()  # both create the root record and tracker 0 at once, too
         barrier.wait(60)
         if kind == "lease":
-            store.acquire_lease(f"writer-{role}")
+            storelease.acquire(store, f"writer-{role}")
             return step, None, "won"
         attempt = storepublish.begin(store, step)
         etags = store.upload(step, attempt, [("state/data.bin", Path(data_path), size)])

@@ -34,6 +34,7 @@ from .._records.retention import RetentionPolicy
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError, CommitConflictError, ObjectStoreError
 from ..storage.s3 import Marker, ObjectStore, StoredObject, Writer
+from . import storelease
 
 __all__ = ["BEFORE_MARKER", "BEFORE_TRACKER", "Publisher", "begin", "commit", "hold", "replaces", "rotate"]
 
@@ -78,7 +79,7 @@ def hold(store: ObjectStore, holder: str, break_lease: bool = False) -> None:
     """Rank 0's part (not collective): the root record and tracker 0 created if absent, then the store's write
     lease taken or renewed for ``holder`` (``LeaseHeldError`` while another live job holds it)."""
     store.ensure_root()
-    note = store.acquire_lease(holder, override=break_lease)
+    note = storelease.acquire(store, holder, override=break_lease)
     if note:
         log.warning("ckptguard: %s: %s", store.url, note)
 
@@ -234,7 +235,7 @@ class Publisher:
             raise CheckpointCorruptError(
                 f"step {step}: no rank uploaded {missing[:5]} ({len(missing)} files of the manifest); the manifest "
                 "names a rank that is not in this group: publish from the job that wrote the step")
-        self.store.check_lease(self.holder)  # still ours (renewed at begin): a lost lease never commits
+        storelease.check(self.store, self.holder)  # still ours (renewed at begin): a lost lease never commits
         phases = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.staging)}
         url = commit(self.store, step, attempt, objects, manifest, phases=phases, lease=self.holder)
         self._rotate(step, protect)

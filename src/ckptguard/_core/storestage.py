@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .._agree import Wire, gather_decide
+from .._commit import storelease
 from .._commit import storepublish as _publish
 from .._commit.busy import check_policy
 from .._context import Actions
@@ -114,7 +115,7 @@ class StoreStage:
     def check_lease(self, break_lease: bool = False) -> None:
         """Raise ``LeaseHeldError`` on every rank while another live job holds the store's lease (collective)."""
         def check(_: list[_Empty]) -> _Empty:
-            self.store.check_lease(self._holder, override=break_lease)
+            storelease.check(self.store, self._holder, override=break_lease)
             return _Empty()
 
         gather_decide(self._agreement, "store.check_lease", _Empty(), check, decision=_Empty)
@@ -207,4 +208,4 @@ class StoreStage:
         """The records since the last save (a restore's) copied to the store; rank 0 releases the store's lease."""
         self.copy_proof()
         if self.rank == 0:
-            self.store.release_lease(self._holder)
+            storelease.release(self.store, self._holder)

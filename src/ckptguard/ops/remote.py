@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._commit import storelease
 from .._disk.layout import PROOF_DIR, TRACKER_NAME
 from .._records.checks import verify_step
 from .._records.findings import Finding, Severity
@@ -199,7 +200,7 @@ def preflight_remote(url: str, template: str, *, expect_step: int | None = None)
         findings.append(_err("expect-step", store.where(TRACKER_NAME), f"resumes step {found.step}, expected "
                              f"{expect_step}", "check which job wrote the newer step before launching"))
     try:
-        store.check_lease("ckptguard-preflight")
+        storelease.check(store, "ckptguard-preflight")
     except LeaseHeldError as exc:
         findings.append(Finding(Severity.WARNING, "lease-held", store.where("lease.json"), str(exc).split(": ", 1)[-1],
                                 "a launch now is refused at its first save or restore while that job lives"))
@@ -212,7 +213,7 @@ def gc_remote(url: str, template: str, *, min_age_s: float, dry_run: bool, force
     store = _store(url, template)
     if not force:
         try:
-            store.check_lease("ckptguard-gc")
+            storelease.check(store, "ckptguard-gc")
         except LeaseHeldError as exc:
             raise LeaseHeldError(f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, or "
                                  "pass --force (attempts younger than --min-age are kept anyway)") from None

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
-from .._commit import storepublish
+from .._commit import storelease, storepublish
 from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import contract as _contract
@@ -71,7 +71,7 @@ def to_store(step_dir: str | os.PathLike[str], url: str, *, template: str = "ste
     started = time.time()
     holder = f"transfer:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
     store.ensure_root()
-    note = store.acquire_lease(holder)
+    note = storelease.acquire(store, holder)
     try:
         _same_chain_on_store(store, phases, step_dir)
         attempt = storepublish.begin(store, manifest.step, replace_orphan=True)
@@ -86,7 +86,7 @@ def to_store(step_dir: str | os.PathLike[str], url: str, *, template: str = "ste
                    for f in manifest.files}
         marker = storepublish.commit(store, manifest.step, attempt, objects, raw, phases=phases, lease=holder)
     finally:
-        store.release_lease(holder)
+        storelease.release(store, holder)
     return {"source": str(step_dir), "destination": marker, "step": manifest.step, "files": len(files),
             "bytes": total, "attempt": attempt, "tracker_set_to": store.tracker()[0], "started_unix": started,
             "finished_unix": time.time(), "who": holder, **({"lease": note} if note else {})}

@@ -16,7 +16,7 @@ boto3 = pytest.importorskip("boto3", reason="the s3 extra (boto3) is not install
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra) is not installed")
 
 import objstore_helper as h  # noqa: E402
-from ckptguard._commit import storepublish  # noqa: E402
+from ckptguard._commit import storelease, storepublish  # noqa: E402
 from ckptguard._resume.storefetch import resolve  # noqa: E402
 from ckptguard.errors import CheckpointCorruptError, CheckpointError, ObjectStoreError  # noqa: E402
 from ckptguard.ops.storegc import collect  # noqa: E402
@@ -266,18 +266,18 @@ def test_a_store_that_ignores_conditions_on_the_lease_never_lets_a_job_believe_i
     if not first:  # a lease there already (an earlier job's, released): this job's renewal is an If-Match replace
         earlier = ObjectStore(url, h.options(moto))
         earlier.ensure_root()
-        earlier.acquire_lease("earlier-job")
-        earlier.release_lease("earlier-job")
+        storelease.acquire(earlier, "earlier-job")
+        storelease.release(earlier, "earlier-job")
     proxy = h.Proxy(int(moto.rsplit(":", 1)[1]), strip_only="lease.json")
     try:
         store = ObjectStore(url, h.options(proxy.endpoint))
         store.ensure_root()  # the probe passes: its key keeps its conditions
         with pytest.raises(ConditionalWriteUnsupportedError, match="two jobs could both hold the write lease") as err:
-            store.acquire_lease("this-job")
+            storelease.acquire(store, "this-job")
         assert err.value.key == "run/lease.json" and ("If-None-Match" if first else "stale If-Match") in str(err.value)
     finally:
         proxy.stop()
-    ObjectStore(url, h.options(moto)).acquire_lease("honest-store")  # through an honest path it is taken once
+    storelease.acquire(ObjectStore(url, h.options(moto)), "honest-store")  # through an honest path it is taken once
 
 
 def test_verify_names_a_committed_step_whose_marker_is_unreadable(moto, tmp_path):

@@ -26,7 +26,7 @@ from click.testing import CliRunner  # noqa: E402
 
 import ckptguard as cg  # noqa: E402
 import objstore_helper as h  # noqa: E402
-from ckptguard._commit import storepublish  # noqa: E402
+from ckptguard._commit import storelease, storepublish  # noqa: E402
 from ckptguard._resume.storefetch import resolve  # noqa: E402
 from ckptguard.cli import main  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore  # noqa: E402
@@ -149,13 +149,13 @@ def test_gc_an_s3_root(moto, tmp_path):
     code, got = cli_json("gc", url, "--min-age", "0", "--dry-run")
     assert code == 0 and got["removed_attempts"] == [f"step_00000002/{attempt}"]
     assert any(attempt in k for k in keys(moto, name))
-    store.acquire_lease("a-live-job")  # a live job (this process) holds the lease: refused
+    storelease.acquire(store, "a-live-job")  # a live job (this process) holds the lease: refused
     code, got = cli_json("gc", url, "--min-age", "0")
     assert code == 1 and "gc refused" in got["error"] and "--force" in got["error"]
     code, got = cli_json("gc", url, "--min-age", "0", "--force")
     assert code == 0 and got["removed_attempts"] == [f"step_00000002/{attempt}"] and got["removed_objects"] == 2
     assert not any(attempt in k for k in keys(moto, name))
-    store.release_lease("a-live-job")
+    storelease.release(store, "a-live-job")
     assert store_restores_exactly(moto, url, tmp_path / "r") == 1
     code, output = cli("gc", url, "--orphans")
     assert code == 2 and "--orphans works on local roots" in output
@@ -174,10 +174,10 @@ def test_transfer_a_local_step_to_the_store_and_back_exactly(moto, tmp_path):
     src = local_root(tmp_path / "src", 2)
     held = ObjectStore(url, h.options(moto))
     held.ensure_root()
-    held.acquire_lease("a-live-job")  # a live job writes the store: the transfer is refused, nothing committed
+    storelease.acquire(held, "a-live-job")  # a live job writes the store: the transfer is refused, nothing committed
     code, got = cli_json("transfer", str(src / "step_00000002"), url)
     assert code == 1 and "held by a-live-job" in got["error"] and held.tracker()[0] == 0
-    held.release_lease("a-live-job")
+    storelease.release(held, "a-live-job")
     code, got = cli_json("transfer", str(src / "step_00000002"), url)
     assert code == 0 and got["step"] == 2 and got["destination"] == f"{url}/step_00000002/manifest.json", got
     assert got["tracker_set_to"] == 2

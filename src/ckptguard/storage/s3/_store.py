@@ -33,9 +33,7 @@ by resolve, and replaced (marker deleted first) only by a writer that holds the 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,7 +43,6 @@ from ...errors import (
     CheckpointCorruptError,
     ConditionalWriteUnsupportedError,
     ConfigError,
-    LeaseHeldError,
 )
 from . import _objrecords as rec
 from . import _transfer
@@ -301,72 +298,28 @@ class ObjectStore:
                 names.append(name)
         return sorted(names)
 
-    # ------------------------------------------------------------ the write lease
+    # ------------------------------------------------------------ the write lease's primitives
 
-    def acquire_lease(self, holder: str, *, override: bool = False) -> str | None:
-        """Take or renew ``lease.json`` for ``holder``; returns a note when a lease was taken over.
-        Raises LeaseHeldError while another live holder has it."""
-        key = self.url.key(rec.LEASE)
-        for _ in range(8):
-            now = time.time()
-            mine = rec.Lease(holder, rec.Writer.here(), now + self.options.lease_ttl_s, now).to_bytes()
-            found = self.bucket.get(key, what="write lease")
-            if found is None:
-                if self.bucket.create(key, mine, what="write lease", conditional=self.conditional) is not None:
-                    self._lease_checked(key, mine, None, holder)
-                    return None
-                continue  # another writer created it in between: read it again
-            lease = rec.Lease.from_bytes(found.data, self.where(rec.LEASE))
-            note = self._takeover(lease, holder, now, override)
-            if self.bucket.replace(key, mine, found.etag, what="write lease", conditional=self.conditional):
-                self._lease_checked(key, mine, found.etag, holder)
-                return note
-        raise LeaseHeldError(f"{self.where(rec.LEASE)}: 8 conditional writes in a row lost to other writers; two "
-                             "jobs start on this root at once: stop one")
+    def lease(self) -> tuple[rec.Lease | None, str | None]:
+        """``lease.json`` as it is now and its ETag; (None, None) when there is none. Who may take it over is
+        the commit side's rule (``ckptguard._commit.storelease``)."""
+        found = self.bucket.get(self.url.key(rec.LEASE), what="write lease")
+        if found is None:
+            return None, None
+        return rec.Lease.from_bytes(found.data, self.where(rec.LEASE)), found.etag
 
-    def _lease_checked(self, key: str, data: bytes, stale: str | None, holder: str) -> None:
-        if not self.conditional or self._lease_verified:  # once per object: the lease is renewed at every save
-            return
-        try:
-            self._check_refused(key, data, None, what="write lease", stale=stale,
+    def put_lease(self, lease: rec.Lease, etag: str | None, *, verify: bool = True) -> bool:
+        """Write ``lease`` if ``lease.json`` is still the version ``etag`` (None: only if absent); False: it
+        changed in between (compare-and-set; a plain PUT under ``SINGLE_WRITER_UNSAFE``). With ``verify`` the
+        first write of this object is checked once: the store must refuse the same write again
+        (``ConditionalWriteUnsupportedError`` where it does not: two jobs could both hold the lease)."""
+        key, data = self.url.key(rec.LEASE), lease.to_bytes()
+        if etag is None:
+            done = self.bucket.create(key, data, what="write lease", conditional=self.conditional) is not None
+        else:
+            done = self.bucket.replace(key, data, etag, what="write lease", conditional=self.conditional) is not None
+        if done and verify and self.conditional and not self._lease_verified:  # renewed at every save: once
+            self._check_refused(key, data, None, what="write lease", stale=etag,
                                 risk="two jobs could both hold the write lease")
-        except ConditionalWriteUnsupportedError:
-            self.release_lease(holder)  # a lease on such a store protects nothing: it must not block a relaunch
-            raise
-        self._lease_verified = True
-
-    def _takeover(self, lease: rec.Lease, holder: str, now: float, override: bool) -> str | None:
-        if lease.holder == holder:
-            return None
-        dead = lease.writer.host == socket.gethostname() and not _alive(lease.writer.pid)
-        if lease.expires_unix < now or dead or override:
-            why = "expired" if lease.expires_unix < now else ("its process is dead" if dead else "break_lease")
-            return f"took over the write lease of {lease.holder} ({lease.writer.describe()}; {why})"
-        raise LeaseHeldError(
-            f"{self.where(rec.LEASE)} is held by {lease.holder} ({lease.writer.describe()}) until "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lease.expires_unix))}: another live job writes "
-            f"this root. Stop it, wait for the lease to expire, or pass break_lease=True if it is dead")
-
-    def check_lease(self, holder: str, *, override: bool = False) -> None:
-        """Raise LeaseHeldError while another live holder has the lease (reads only)."""
-        found = self.bucket.get(self.url.key(rec.LEASE), what="write lease")
-        if found is not None:
-            self._takeover(rec.Lease.from_bytes(found.data, self.where(rec.LEASE)), holder, time.time(), override)
-
-    def release_lease(self, holder: str) -> None:
-        found = self.bucket.get(self.url.key(rec.LEASE), what="write lease")
-        if found is None or rec.Lease.from_bytes(found.data, self.where(rec.LEASE)).holder != holder:
-            return
-        gone = rec.Lease(holder, rec.Writer.here(), 0.0, time.time()).to_bytes()  # expired: anyone may take it
-        self.bucket.replace(self.url.key(rec.LEASE), gone, found.etag, what="write lease",
-                            conditional=self.conditional)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+            self._lease_verified = True
+        return done

@@ -1,0 +1,83 @@
+"""The write lease of an object-store root: taken, renewed, checked and released (``acquire``, ``check``, ``release``).
+
+The store (``ckptguard.storage.s3.ObjectStore``) gives the primitives: ``lease()`` reads
+``lease.json`` and its ETag, ``put_lease`` writes it by compare-and-set (create if absent, else
+``If-Match`` on the ETag read) and checks once that the store refuses the same write again. The rule
+of who may write is here, beside the commit that relies on it: the holder renews its own lease; a
+lease whose ``expires_unix`` passed, or whose process on this host is dead, or ``override``
+(``break_lease=True``), is taken over with a note; any other holder raises ``LeaseHeldError`` naming
+it, when it expires and what to do. Each write is conditional, so two jobs that both judged a lease
+free cannot both take it: one write loses and that job reads the lease again.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from ..errors import ConditionalWriteUnsupportedError, LeaseHeldError
+from ..storage.s3 import ObjectStore
+from ..storage.s3._objrecords import LEASE, Lease, Writer
+
+__all__ = ["acquire", "check", "release"]
+
+_TRIES = 8
+
+
+def acquire(store: ObjectStore, holder: str, *, override: bool = False) -> str | None:
+    """Take or renew the store's lease for ``holder``; returns a note when another holder's lease was taken over.
+    Raises ``LeaseHeldError`` while another live holder has it."""
+    for _ in range(_TRIES):
+        now = time.time()
+        mine = Lease(holder, Writer.here(), now + store.options.lease_ttl_s, now)
+        found, etag = store.lease()
+        note = _takeover(store, found, holder, now, override) if found is not None else None
+        try:
+            if store.put_lease(mine, etag):
+                return note
+        except ConditionalWriteUnsupportedError:
+            release(store, holder)  # a lease on such a store protects nothing: it must not block a relaunch
+            raise
+        # another writer wrote it between our read and our write: read it again
+    raise LeaseHeldError(f"{store.where(LEASE)}: {_TRIES} conditional writes in a row lost to other writers; two "
+                         "jobs start on this root at once: stop one")
+
+
+def check(store: ObjectStore, holder: str, *, override: bool = False) -> None:
+    """Raise ``LeaseHeldError`` while another live holder has the lease (reads only)."""
+    found, _ = store.lease()
+    if found is not None:
+        _takeover(store, found, holder, time.time(), override)
+
+
+def release(store: ObjectStore, holder: str) -> None:
+    """Mark ``holder``'s lease expired (anyone may take it at once); another holder's is left alone."""
+    found, etag = store.lease()
+    if found is None or found.holder != holder:
+        return
+    store.put_lease(Lease(holder, Writer.here(), 0.0, time.time()), etag, verify=False)
+
+
+def _takeover(store: ObjectStore, lease: Lease, holder: str, now: float, override: bool) -> str | None:
+    """None: ``holder``'s own lease; a note: another's lease ``holder`` may take over; else ``LeaseHeldError``."""
+    if lease.holder == holder:
+        return None
+    dead = lease.writer.host == socket.gethostname() and not _alive(lease.writer.pid)
+    if lease.expires_unix < now or dead or override:
+        why = "expired" if lease.expires_unix < now else ("its process is dead" if dead else "break_lease")
+        return f"took over the write lease of {lease.holder} ({lease.writer.describe()}; {why})"
+    raise LeaseHeldError(
+        f"{store.where(LEASE)} is held by {lease.holder} ({lease.writer.describe()}) until "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lease.expires_unix))}: another live job writes "
+        f"this root. Stop it, wait for the lease to expire, or pass break_lease=True if it is dead")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
