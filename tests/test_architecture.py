@@ -290,7 +290,8 @@ def test_the_manager_never_branches_on_the_kind_of_root():
         "_asks names is_store"]
 
 
-COMMIT_ORDER = {"begin", "commit", "rotate", "_advance", "_check_won", "resolve", "collect", "gc"}
+COMMIT_ORDER = {"begin", "commit", "rotate", "_advance", "_check_won", "resolve", "collect", "gc", "acquire_lease",
+                "check_lease", "release_lease", "_takeover"}
 
 
 def commit_order_in_the_store(sources: dict[str, str]) -> list[str]:
@@ -298,7 +299,8 @@ def commit_order_in_the_store(sources: dict[str, str]) -> list[str]:
     step of it or for the resume decision (``COMMIT_ORDER``), or the commit's fault points. The order is
     ``_commit.storepublish``'s and the decision ``_resume.storefetch``'s, over the store's primitives
     (temporary area, create-if-absent marker, tracker compare-and-set, reads, deletes); gc's decision is
-    ``ops.storegc``'s (``collect``). The lease's take-over rule still lives in the package."""
+    ``ops.storegc``'s (``collect``) and the lease's take-over rule ``_commit.storelease``'s (the store reads and
+    writes ``lease.json`` by compare-and-set only)."""
     bad = []
     for name, source in sorted(sources.items()):
         if name != "storage.s3" and not name.startswith("storage.s3."):
