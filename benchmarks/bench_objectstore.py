@@ -138,7 +138,7 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
         stage.published(rep, step_dir)
         times["publish"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        storepublish.rotate(stage.store, keep.keep, {rep})
+        storepublish.rotate(stage.store, keep, {rep})
         times["rotate"].append(time.perf_counter() - t)
         got = a.dir / f"raw-get-{rep}"
         t = time.perf_counter()

@@ -18,7 +18,7 @@ the staging save of that step replaces it (the store alone says what is committe
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from .._disk.layout import MANIFEST_NAME, TRACKER_NAME, read_json
 from .._records import contract as _contract
 from .._records import manifest as _manifest
 from .._records.entries import FileEntry
-from .._records.retention import RetentionPolicy
+from .._records.retention import RetentionPolicy, kept
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError, CommitConflictError, ObjectStoreError
 from ..storage.s3 import Marker, ObjectStore, StoredObject, Writer
@@ -178,13 +178,13 @@ def _advance(store: ObjectStore, step: int) -> None:
         "write this root: stop one", bucket=store.url.bucket, key=store.url.key(TRACKER_NAME), step=step)
 
 
-def rotate(store: ObjectStore, keep: Callable[[Sequence[int]], set[int]], protect: set[int]) -> list[int]:
-    """Delete committed steps the policy does not keep (never the tracker's or a protected one), each marker
-    first (a half-deleted step is invisible)."""
+def rotate(store: ObjectStore, policy: RetentionPolicy, protect: set[int]) -> list[int]:
+    """Delete committed steps the policy does not keep (never the tracker's or a protected one: the decision is
+    ``_records.retention.kept``'s, as on a directory root), each marker first (a half-deleted step is invisible)."""
     tracker, _ = store.tracker()
     steps = store.committed_steps()
-    kept = keep(steps) | protect | ({tracker} if tracker else set())
-    gone = [s for s in steps if s not in kept]
+    keep = kept(steps, policy, tracker=tracker or None, protect=protect)
+    gone = [s for s in steps if s not in keep]
     for step in gone:
         store.delete_step(step)
     return gone
@@ -245,7 +245,7 @@ class Publisher:
         if self.retention is None:
             return
         try:
-            gone = rotate(self.store, self.retention.keep, {step} | protect)
+            gone = rotate(self.store, self.retention, {step} | protect)
         except (CheckpointError, OSError) as exc:  # rotation never stops training; retried at the next save
             log.warning("ckptguard: rotation on %s after step %d failed (%s: %s); retried at the next save",
                         self.store.url, step, type(exc).__name__, exc)

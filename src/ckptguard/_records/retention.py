@@ -214,6 +214,13 @@ INCOMPLETE_HINT = (
 )
 
 
+def kept(committed: Sequence[int], policy: RetentionPolicy, *, tracker: int | None, protect: Iterable[int] = ()
+         ) -> set[int]:
+    """The committed steps a rotation keeps, on a directory root (``apply``) and on an object store
+    (``_commit.storepublish.rotate``) alike: the policy's, the protected ones, and the tracker's step."""
+    return policy.keep(committed) | set(protect) | ({tracker} if tracker is not None else set())
+
+
 def apply(
     root: Path, naming: _layout.StepNaming, policy: RetentionPolicy, *, protect: Iterable[int] = ()
 ) -> RetentionReport:
@@ -245,9 +252,8 @@ def apply(
     except CheckpointError as exc:
         not_counted[_trust.TRUST_NAME] = f"{exc}; nothing is deleted until it is fixed"
         return RetentionReport(committed, [], {}, not_counted)
-    keep = policy.keep(committed) | set(protect) | set(holds(root, sweep=True))
-    keep |= {tracker} if tracker is not None else set()
-    keep |= {verified} if verified is not None else set()
+    pinned = {*protect, *holds(root, sweep=True), *([verified] if verified is not None else [])}
+    keep = kept(committed, policy, tracker=tracker, protect=pinned)
     report = RetentionReport(
         kept=sorted(s for s in committed if s in keep), deleted=[], failed={}, not_counted=not_counted
     )

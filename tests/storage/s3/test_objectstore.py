@@ -450,6 +450,27 @@ def test_rotation_deletes_marker_first_and_every_object_of_the_step(moto, tmp_pa
     assert not [k for k in keys(moto, name) if "step_00000001" in k or "step_00000002" in k]
 
 
+def test_rotation_keeps_the_same_steps_on_a_store_as_on_a_directory_root(moto, tmp_path):
+    """One rotation decision for both kinds of root (``_records.retention.kept``): the policy's steps, the
+    tracker's, and on the store the step this job restored (protected while it trains from it)."""
+    config = cg.CheckpointConfig(timeout_s=60.0, retention=cg.KeepLast(1) | cg.KeepEvery(3))
+    url = f"s3://{bucket(moto)}/run"
+    roots = [cg.CheckpointManager(url, config=h.config(moto, tmp_path / "s", base=config)),
+             cg.CheckpointManager(tmp_path / "d", config=config)]
+    for step in range(1, 5):
+        for root in roots:
+            root.save(step, h.state_at(step))
+    assert roots[0].committed_steps() == roots[1].committed_steps() == [3, 4]
+    for root in roots:
+        root.close()
+    again = cg.CheckpointManager(url, config=h.config(moto, tmp_path / "r", base=config))
+    assert again.restore(h.blank()) == 4
+    for step in range(5, 8):
+        again.save(step, h.state_at(step))
+    assert again.committed_steps() == [3, 4, 6, 7]  # 4: restored here, kept while this job trains from it
+    again.close()
+
+
 def test_gc_removes_only_unmarked_attempts_it_owns(moto, tmp_path):
     name = bucket(moto)
     url = f"s3://{name}/run"
