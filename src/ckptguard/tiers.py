@@ -250,13 +250,16 @@ class TieredCheckpoint:
         due = self._due(step)
         previous, overlaps = self._pending, None
         record = self._home_sink().record
+        staging = self._parts[Tier.FAST].staging  # the tiers' one pool: still being prepared, a save is skipped
+        unready = staging.unready_bytes() if staging is not None else 0
         if due and self.on_busy is OnBusy.FAST_TIER:
-            route = route_tiered(self.busy, step, self._pending, record=record)
+            route = route_tiered(self.busy, step, self._pending, record=record, unready=unready)
             if route == "skip":
                 return None
             if route == "fast":  # beside the persistent commit in flight, whose lease is held already
                 due, previous, overlaps = [(Tier.FAST, self.fast)], None, self._pending
-        elif due and not may_start(self.busy, step, self._pending, self.on_busy, wait=self.wait, record=record):
+        elif due and not may_start(self.busy, step, self._pending, self.on_busy, wait=self.wait, record=record,
+                                   unready=unready):
             return None
         if due and overlaps is None:
             self._hold_persistent(break_lease)

@@ -40,6 +40,8 @@ class BusyView(Wire):
     """The step of a coalesced save queued here, not started (``OnBusy.COALESCE``)."""
     fast_busy: bool = False
     """A tiered save's fast part (commit, replica push) still runs here, not only its persistent part."""
+    unready_bytes: int = 0
+    """Host staging bytes still being prepared here in the background (0: ready, or none being prepared)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,14 @@ class BusyDecision(Wire):
     fast_busy: bool = False
     queued: int | None = None
     queue_differs: list[int] = field(default_factory=list)
+    unready_ranks: list[int] = field(default_factory=list)
+    unready_bytes: int = 0  # the most any of them still lacks
+
+
+# A save may read this much of its state live while the staging is still being prepared (tens of ms of the next
+# optimizer step's wait); past it, under OnBusy.SKIP, it is skipped instead: on an H100 the first fast-tier save,
+# 1.2 s after the first step, held the loop 2.19 s reading 6.2 GiB live (benchmarks/results/issue41_h100).
+UNREADY_LIVE_BYTES = 64 << 20
 
 
 class InFlight(Protocol):
@@ -81,11 +91,15 @@ def decide(views: list[BusyView]) -> BusyDecision:
     queued = views[0].queued
     differs = [r for r, v in enumerate(views) if v.queued != queued]
     ranks = [r for r, v in enumerate(views) if v.running is not None]
+    unready = [r for r, v in enumerate(views) if v.unready_bytes > UNREADY_LIVE_BYTES]
+    lacking = max((views[r].unready_bytes for r in unready), default=0)
     if not ranks:
-        return BusyDecision(busy=False, queued=queued, queue_differs=differs)
+        return BusyDecision(busy=False, queued=queued, queue_differs=differs, unready_ranks=unready,
+                            unready_bytes=lacking)
     return BusyDecision(busy=True, running=views[ranks[0]].running, ranks=ranks,
                         running_s=round(max(views[r].running_s for r in ranks), 3),
-                        fast_busy=any(v.fast_busy for v in views), queued=queued, queue_differs=differs)
+                        fast_busy=any(v.fast_busy for v in views), queued=queued, queue_differs=differs,
+                        unready_ranks=unready, unready_bytes=lacking)
 
 
 @dataclass
@@ -127,10 +141,11 @@ class BusyRound:
         self._requests = [*self._requests, (step, time.monotonic())][-2:]
 
     def round(self, step: int, running: int | None, running_s: float, *, queued: int | None = None,
-              fast_busy: bool = False) -> BusyDecision:
+              fast_busy: bool = False, unready: int = 0) -> BusyDecision:
         """Collective: every rank's view, rank 0's verdict. Ranks holding different queued saves (never
-        expected: they are queued and replaced only on this round's verdicts) raise alike on every rank."""
-        view = BusyView(running, round(running_s, 3), queued=queued, fast_busy=fast_busy)
+        expected: they are queued and replaced only on this round's verdicts) raise alike on every rank.
+        ``unready``: this rank's staging bytes still being prepared (``AsyncStaging.unready_bytes``)."""
+        view = BusyView(running, round(running_s, 3), queued=queued, fast_busy=fast_busy, unready_bytes=unready)
         decision = gather_decide(self.agreement, "save.busy", view, decide, decision=BusyDecision)
         if decision.queue_differs:
             raise CheckpointError(
@@ -161,6 +176,8 @@ class BusyRound:
         return max(math.floor(commit_s / step_s) + 1, s1 - s0 + 1), commit_s
 
     def running_reason(self, decision: BusyDecision) -> str:
+        if not decision.busy:  # skipped for its staging alone (``may_start``)
+            return unready_reason(decision)
         where = f"ranks {decision.ranks}" if len(decision.ranks) > 1 else f"rank {decision.ranks[0]}"
         return (f"{self.label} {decision.running}'s commit was still running on {where} "
                 f"({decision.running_s:.2f} s in)")
@@ -220,6 +237,14 @@ class BusyRound:
         return out
 
 
+def unready_reason(decision: BusyDecision) -> str:
+    ranks = decision.unready_ranks
+    where = f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]}"
+    return (f"the host staging is still being prepared in the background on {where} ({decision.unready_bytes} B "
+            "to go, since the state was first known): this save would read that much live and hold the next "
+            "optimizer step until it had; prepare_async(state) early in the job starts it sooner")
+
+
 def check_policy(policy: OnBusy, front_door: str, able: tuple[OnBusy, ...]) -> None:
     """Refuse an ``on_busy`` policy ``front_door`` cannot follow, naming the ones it can."""
     if policy not in able:
@@ -231,18 +256,21 @@ def check_policy(policy: OnBusy, front_door: str, able: tuple[OnBusy, ...]) -> N
 
 def may_start(
     busy: BusyRound, step: int, pending: InFlight | None, policy: OnBusy, *, wait: Callable[[], Any],
-    record: Callable[..., None],
+    record: Callable[..., None], unready: int = 0,
 ) -> bool:
     """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: False when it is skipped, on every rank
     alike. Otherwise every rank's previous commit is published (its error is raised here, alike on every
-    rank); its cleanup may still run, and the new commit starts after it. ``record``: the proof record."""
+    rank); its cleanup may still run, and the new commit starts after it. ``record``: the proof record.
+    ``unready``: this rank's staging bytes still being prepared; past ``UNREADY_LIVE_BYTES`` on any rank, a save
+    under ``OnBusy.SKIP`` is skipped as one is while a commit runs (``WAIT`` reads them live, as before)."""
     busy.request(step)
     if policy is OnBusy.WAIT:
         wait()
         return True
     running = pending if pending is not None and pending.busy() else None
-    decision = busy.round(step, running.step if running else None, running.running_seconds() if running else 0.0)
-    if decision.busy:
+    decision = busy.round(step, running.step if running else None, running.running_seconds() if running else 0.0,
+                          unready=unready)
+    if decision.busy or (decision.unready_ranks and policy is OnBusy.SKIP):
         skipped = busy.skip(step, decision)
         record("busy_skip", durable=False, step=step, running=decision.running, reason=skipped.reason,
                policy=policy.value)
@@ -260,14 +288,20 @@ def settle(busy: BusyRound, pending: InFlight | None) -> None:
             pending.outcome()
 
 
-def route_tiered(busy: BusyRound, step: int, pending: TieredInFlight | None, *, record: Callable[..., None]) -> str:
+def route_tiered(busy: BusyRound, step: int, pending: TieredInFlight | None, *, record: Callable[..., None],
+                 unready: int = 0) -> str:
     """``OnBusy.FAST_TIER`` for a tiered ``save_async`` of ``step``, alike on every rank: ``"start"`` (no commit in
     flight on any rank; its error raised here, as ``may_start``), ``"fast"`` (only persistent commits run: write
     it to the fast tier alone, recorded as redirected) or ``"skip"`` (the fast tier still commits on some rank)."""
     busy.request(step)
     running = pending if pending is not None and pending.busy() else None
     decision = busy.round(step, running.step if running else None, running.running_seconds() if running else 0.0,
-                          fast_busy=running is not None and running.fast_busy())
+                          fast_busy=running is not None and running.fast_busy(), unready=unready)
+    if not decision.busy and decision.unready_ranks:
+        skipped = busy.skip(step, decision)
+        record("busy_skip", durable=False, step=step, running=None, reason=skipped.reason,
+               policy=OnBusy.FAST_TIER.value)
+        return "skip"
     if not decision.busy:
         settle(busy, pending)
         return "start"

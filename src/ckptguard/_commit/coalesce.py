@@ -139,7 +139,8 @@ class SaveQueue:
         """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: True when it starts now; False
         when it was skipped or queued, alike on every rank (``may_start``, or ``request`` under ``OnBusy.COALESCE``)."""
         if ctx.config.async_save.on_busy is not OnBusy.COALESCE:
-            return may_start(self.busy, step, pending, ctx.config.async_save.on_busy, wait=wait, record=self._record)
+            return may_start(self.busy, step, pending, ctx.config.async_save.on_busy, wait=wait, record=self._record,
+                             unready=self.sets[0].unready_bytes())
         return self.request(step, pending, ctx, state, actions, health, start=lambda: True) or False
 
     def request(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -38,7 +37,7 @@ from .._state.state import Captured, KeyFn
 from .._types import StateDict
 from ..config import CheckpointConfig
 from ..errors import SaveStillRunningError
-from ..memory.budget import host_budget
+from ..memory.budget import host_budget, local_ranks
 from ..storage._staging import Fence, HostCopier, StagingPool, copier_for, slot_view
 from ..storage._writer import exact
 from .ahead import Ahead
@@ -174,16 +173,23 @@ class AsyncStaging:
         self.budget: int | None = None
         self.budget_why = ""
         self.preparing: Future[int] | None = None
+        self._preparing_bytes = 0  # what the preparation in flight grows the pool to (before the budget)
         self._handles: list[Any] = []
         self.ahead = Ahead()
+
+    def unready_bytes(self) -> int:
+        """Bytes the staging being prepared in the background still lacks (0: none being prepared)."""
+        pool = self.pool
+        if pool is None or not (pool.growing or (self.preparing is not None and not self.preparing.done())):
+            return 0
+        return max(0, self._preparing_bytes - pool.held_bytes)
 
     def host_budget(self, config: CheckpointConfig) -> int:
         if self.budget is None:
             if config.async_save.host_bytes is not None:
                 self.budget, self.budget_why = config.async_save.host_bytes, "CheckpointConfig.async_save.host_bytes"
             else:
-                per_node = _ranks_per_node()
-                found = host_budget(ranks_per_node=per_node)
+                found = host_budget(ranks_per_node=local_ranks())
                 self.budget, self.budget_why = found.bytes, found.why
             log.debug("ckptguard: save_async host staging budget %d B per rank (%s)", self.budget, self.budget_why)
         return self.budget
@@ -199,6 +205,7 @@ class AsyncStaging:
         gpu_fits = 0 < on_gpu <= (config.async_save.gpu_bytes if gpu_bytes is None else gpu_bytes)
         sizes = [nbytes(t) for t in tensors if nbytes(t) and not (gpu_fits and _local(t).is_cuda)]
         done: Future[int] = Future()
+        self._preparing_bytes = sum(sizes)
 
         def run() -> None:
             try:
@@ -354,14 +361,6 @@ def _has_saved_buffers(module: torch.nn.Module) -> bool:
     whose hooks (FSDP's) must not run on every save."""
     return any(b is not None and name not in m._non_persistent_buffers_set
                for m in module.modules() for name, b in m._buffers.items())
-
-
-def _ranks_per_node() -> int:
-    """Ranks sharing this node's memory: torchrun's LOCAL_WORLD_SIZE, else 1."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def committer(commit: Callable[[Snapshot, float, float, bool], Path], snap: Snapshot, start: float,

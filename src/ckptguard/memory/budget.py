@@ -17,6 +17,7 @@ the budget is ``fallback_bytes`` and ``why`` says so; it is never a guess presen
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,14 @@ class HostBudget:
             "ranks_per_node": self.ranks_per_node,
             "why": self.why,
         }
+
+
+def local_ranks() -> int:
+    """Ranks sharing this node's memory: torchrun's LOCAL_WORLD_SIZE, else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def host_budget(
