@@ -23,6 +23,7 @@ from .._disk import lease as _lease
 from .._records.trust import Prefer
 from .._resume.resolve_local import Resolution
 from ..config import CheckpointConfig, ResumeMode
+from ..errors import ConfigError
 from ..storage.s3 import StoreURL
 
 log = logging.getLogger("ckptguard")
@@ -99,8 +100,11 @@ def open_stage(root: str | os.PathLike[str], config: CheckpointConfig, *, proces
     if not is_store(root):
         return local, config, LocalStage(local, _layout.StepNaming(config.storage.dir_template),
                                          config.storage.lease_ttl_s)
-    from .storestage import StoreStage  # optional: boto3, the s3 extra
-
+    try:
+        from .storestage import StoreStage  # optional: boto3, the s3 extra
+    except ImportError as exc:  # without it the first save would fail deep in an upload, after training
+        raise ConfigError(f"{root}: an object-store root needs the s3 extra ({exc}); pip install 'ckptguard[s3]'"
+                          ) from exc
     stage = StoreStage(str(root), local, config, process_group=process_group, namespace=namespace)
     return local, stage.local_config, stage
 

@@ -587,6 +587,31 @@ def test_a_manager_on_a_bad_s3_root_or_with_a_policy_a_store_cannot_follow_is_re
     assert not (tmp_path / "s").exists()
 
 
+def test_without_boto3_a_directory_root_works_and_an_s3_root_names_the_extra(tmp_path):
+    """``import ckptguard`` and a directory root never need boto3; an s3:// root without it is refused when the
+    manager is made, naming the extra (not a ModuleNotFoundError at the first upload)."""
+    script = f"""
+import sys
+class NoBoto:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("boto3", "botocore"):
+            raise ModuleNotFoundError(f"No module named {{name!r}}")
+sys.meta_path.insert(0, NoBoto())
+import ckptguard as cg
+cfg = cg.CheckpointConfig(storage=cg.StorageOptions(object_store=cg.ObjectStoreOptions(threads=2)))
+assert cg.CheckpointManager({str(tmp_path / "d")!r}, config=cfg).save(1, {{"n": 1}}) is not None
+try:
+    cg.CheckpointManager("s3://bucket/run")
+except cg.ConfigError as exc:
+    print("refused:", exc)
+assert "boto3" not in sys.modules
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused: s3://bucket/run: an object-store root needs the s3 extra" in out.stdout, out.stdout
+    assert "pip install 'ckptguard[s3]'" in out.stdout
+
+
 def test_the_staging_root_defaults_to_a_node_local_directory_named_by_the_store(tmp_path, monkeypatch):
     import tempfile
 
