@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import ckptguard as cg
+import jobexit
 from ckptguard.integrations.external import ExternalFiles
 from ckptguard.storage import StreamingStorage
 from ckptguard.testing import run_ranks, values
@@ -197,6 +198,7 @@ def tied(work: Path) -> dict:
 
 
 if __name__ == "__main__":
+    jobexit.freeze_at_exit()
     mode, work = sys.argv[1], Path(sys.argv[2])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -30,6 +30,8 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
+import jobexit  # noqa: E402
+
 torch.set_num_threads(1)
 
 CFG = json.loads(Path(sys.argv[1]).read_text())
@@ -228,4 +230,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    jobexit.freeze_at_exit()
     main()

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import ckptguard as cg
+import jobexit
 from ckptguard.integrations import peft as cpeft
 from ckptguard.ops import merge
 
@@ -139,5 +140,6 @@ def main(work: Path) -> dict:
 
 
 if __name__ == "__main__":
+    jobexit.freeze_at_exit()
     torch.set_num_threads(1)
     print(json.dumps(main(Path(sys.argv[1]))))

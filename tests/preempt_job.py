@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ckptguard as cg
+import jobexit
 from ckptguard.demo.toyjob import build_job, fingerprint
 
 
@@ -58,4 +59,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    jobexit.freeze_at_exit()
     main()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 import ckptguard as cg
+import jobexit
 from ckptguard.integrations.peft import adapter_probe
 
 
@@ -94,5 +95,6 @@ def job(root: str, flavour: str, defect: bool) -> int:
 
 
 if __name__ == "__main__":
+    jobexit.freeze_at_exit()
     torch.set_num_threads(1)
     print(f"RESULT {job(sys.argv[1], sys.argv[2], sys.argv[3] == '1')}")

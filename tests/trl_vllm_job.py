@@ -39,6 +39,8 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import grpo_vllm  # noqa: E402  (the example's tiny Llama and word-level tokenizer)
 
+import jobexit  # noqa: E402
+
 
 def _digest(tensors: dict) -> str:
     h = hashlib.sha256()
@@ -330,6 +332,7 @@ def _skip_reload(llm, first: dict, box: dict) -> None:
 
 
 if __name__ == "__main__":
+    jobexit.freeze_at_exit()
     phase, work = sys.argv[1], Path(sys.argv[2])
     if phase == "probe":
         result = probe(work)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO / "examples"))
 import grpo_vllm  # noqa: E402  (the example's tiny Llama and tokenizer)
 
 import ckptguard as cg  # noqa: E402
+import jobexit  # noqa: E402
 from ckptguard.integrations import peft as cpeft  # noqa: E402
 from ckptguard.integrations import vllm as cgv  # noqa: E402
 
@@ -167,6 +168,7 @@ def resume_phase(work: Path) -> dict:
 
 
 if __name__ == "__main__":
+    jobexit.freeze_at_exit()
     phase, work = sys.argv[1], Path(sys.argv[2])
     result = save_phase(work) if phase == "save" else resume_phase(work)
     print("RESULT " + json.dumps(result), flush=True)

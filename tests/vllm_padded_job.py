@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch
 
 import ckptguard as cg
+import jobexit
 from ckptguard.integrations import vllm as cgv
 
 EMBED = "model.embed_tokens.weight"
@@ -108,5 +109,6 @@ def main(vocab: int, work: Path) -> dict:
 
 
 if __name__ == "__main__":
+    jobexit.freeze_at_exit()
     result = main(int(sys.argv[1]), Path(sys.argv[2]))
     print("RESULT " + json.dumps(result), flush=True)
