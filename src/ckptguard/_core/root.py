@@ -22,14 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from .._agree import Agreement, gather_decide, on_every_rank
+from .._context import Actions
 from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import retention
 from .._records import trust as _trust
 from .._records.proofwriter import ProofLog, read_alone, replica_fields
+from .._resume.resolve_local import Resolution
 from .._state.state import KeyFn
 from .._types import JsonObject
-from ..config import CheckpointConfig
+from ..config import CheckpointConfig, ResumeMode
 from ..errors import CheckpointError, ConfigError, ReplicatedDivergenceError
 
 log = logging.getLogger("ckptguard")
@@ -277,3 +279,51 @@ class Root:
         for name, why in report.not_counted.items():
             log.warning("ckptguard: %s is not counted as a kept checkpoint: %s", name, why)
         return [int(s) for s in report.deleted]
+
+
+class LocalStage:
+    """The stage of a filesystem root (``_core.rootstage.RootStage``): the local root's commit is the whole
+    story; ``hold`` is the tiers' lease of a persistent directory root."""
+
+    def __init__(self, root: Path, naming: _layout.StepNaming, lease_ttl_s: float) -> None:
+        self.root = root
+        self.url = str(root)
+        self.naming = naming
+        self.lease_ttl_s = lease_ttl_s
+
+    def before_save(self, step: int, actions: Actions) -> Actions:
+        return actions  # the local commit checks its own lease and what it replaces
+
+    def published(self, step: int, path: Path) -> None:
+        return None
+
+    def hold(self, break_lease: bool = False) -> None:
+        created = not self.root.exists()
+        if created:
+            self.root.mkdir(parents=True)
+        note = _lease.acquire(self.root, ttl_s=self.lease_ttl_s, override=break_lease)
+        if note:
+            log.warning("ckptguard: %s: %s", self.root, note)
+        if created:
+            _layout.write_tracker(self.root, 0)
+
+    def before_restore(self, break_lease: bool = False) -> None:
+        return None  # the manager checks its root's lease itself
+
+    def resolve(self, mode: ResumeMode, prefer: _trust.Prefer) -> Resolution | None:
+        return None
+
+    def bring(self, step: int) -> Path:
+        return self.root / self.naming.name(step)
+
+    def committed_steps(self) -> list[int] | None:
+        return None
+
+    def tracker_step(self) -> int | None:
+        return None
+
+    def marker_url(self, step: int) -> str | None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -1,12 +1,13 @@
 """What a ``CheckpointManager``'s root holds beyond its local directory: its ``RootStage`` (docs/objectstore.md).
 
 A manager always commits into a local root with the one protocol (``_commit``). A filesystem root is
-that directory and nothing more (``LocalStage``). An ``s3://bucket/prefix`` root is an object store
-whose local root is a staging directory (``StorageOptions.object_staging``): every step committed
-there is then published to the store, a restore resolves on the store and downloads the step into
-the staging root first (``_core.storestage.StoreStage``). The manager calls its stage at the same
-points whichever it is (before a save, after each commit, before a restore, to resolve and to fetch,
-at close), and so do the tiers on their persistent tier: no caller asks which kind of root it has.
+that directory and nothing more (``_core.root.LocalStage``, beside the root's own bookkeeping). An
+``s3://bucket/prefix`` root is an object store whose local root is a staging directory
+(``StorageOptions.object_staging``): every step committed there is then published to the store, a
+restore resolves on the store and downloads the step into the staging root first
+(``_core.storestage.StoreStage``). The manager calls its stage at the same points whichever it is
+(before a save, after each commit, before a restore, to resolve and to fetch, at close), and so do the
+tiers on their persistent tier: no caller asks which kind of root it has.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import Any, Protocol
 
 from .._context import Actions
 from .._disk import layout as _layout
-from .._disk import lease as _lease
 from .._records.trust import Prefer
 from .._resume.resolve_local import Resolution
 from ..config import CheckpointConfig, ResumeMode
 from ..errors import ConfigError
 from ..storage.s3 import StoreURL
+from .root import LocalStage
 
 log = logging.getLogger("ckptguard")
 
@@ -107,50 +108,3 @@ def open_stage(root: str | os.PathLike[str], config: CheckpointConfig, *, proces
                           ) from exc
     stage = StoreStage(str(root), local, config, process_group=process_group, namespace=namespace)
     return local, stage.local_config, stage
-
-
-class LocalStage:
-    """A filesystem root: the local root's commit is the whole story."""
-
-    def __init__(self, root: Path, naming: _layout.StepNaming, lease_ttl_s: float) -> None:
-        self.root = root
-        self.url = str(root)
-        self.naming = naming
-        self.lease_ttl_s = lease_ttl_s
-
-    def before_save(self, step: int, actions: Actions) -> Actions:
-        return actions  # the local commit checks its own lease and what it replaces
-
-    def published(self, step: int, path: Path) -> None:
-        return None
-
-    def hold(self, break_lease: bool = False) -> None:
-        created = not self.root.exists()
-        if created:
-            self.root.mkdir(parents=True)
-        note = _lease.acquire(self.root, ttl_s=self.lease_ttl_s, override=break_lease)
-        if note:
-            log.warning("ckptguard: %s: %s", self.root, note)
-        if created:
-            _layout.write_tracker(self.root, 0)
-
-    def before_restore(self, break_lease: bool = False) -> None:
-        return None  # the manager checks its root's lease itself
-
-    def resolve(self, mode: ResumeMode, prefer: Prefer) -> Resolution | None:
-        return None
-
-    def bring(self, step: int) -> Path:
-        return self.root / self.naming.name(step)
-
-    def committed_steps(self) -> list[int] | None:
-        return None
-
-    def tracker_step(self) -> int | None:
-        return None
-
-    def marker_url(self, step: int) -> str | None:
-        return None
-
-    def close(self) -> None:
-        return None
