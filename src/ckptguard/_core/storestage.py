@@ -37,7 +37,7 @@ from .._context import Actions
 from .._disk.layout import MANIFEST_NAME, atomic_write_bytes
 from .._dist import make_agreement
 from .._records.proofreader import records_dir
-from .._records.retention import KeepLast
+from .._records.retention import KeepLast, holds
 from .._records.trust import Prefer
 from .._resume.resolve_local import Resolution
 from .._resume.storefetch import fetch_step, resolve
@@ -101,8 +101,9 @@ class StoreStage:
 
     def published(self, step: int, path: Path) -> None:
         """Publish the staging root's commit of ``step`` at ``path`` to the store (collective); the store's
-        rotation keeps the restored step; this rank's proof log copied after it."""
-        protect = {self._restored} if self._restored else set()
+        rotation keeps the restored step and the steps held in the staging root (``CheckpointManager.hold``,
+        readers of ``open_step``); this rank's proof log copied after it."""
+        protect = ({self._restored} if self._restored else set()) | set(holds(self.local))
         url = self._publisher.publish(step, path, protect=protect, break_lease=self._breaking.pop(step, False))
         self._rooted, self.last_url = True, url
         self.copy_proof()

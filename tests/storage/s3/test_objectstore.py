@@ -471,6 +471,22 @@ def test_rotation_keeps_the_same_steps_on_a_store_as_on_a_directory_root(moto, t
     again.close()
 
 
+def test_a_held_step_survives_the_stores_rotation_until_released(moto, tmp_path):
+    """``hold`` on an s3:// root pins a step of the store: kept in the staging root, honoured by the rotation on
+    the store after each publish; ``release`` lets the next rotation delete it."""
+    config = cg.CheckpointConfig(timeout_s=60.0, retention=cg.KeepLast(1))
+    ckpt = cg.CheckpointManager(f"s3://{bucket(moto)}/run", config=h.config(moto, tmp_path / "s", base=config))
+    ckpt.save(1, h.state_at(1))
+    ckpt.hold(1, "evaluation of step 1")
+    for step in (2, 3):
+        ckpt.save(step, h.state_at(step))
+    assert ckpt.committed_steps() == [1, 3]
+    assert ckpt.release(1)
+    ckpt.save(4, h.state_at(4))
+    assert ckpt.committed_steps() == [4]
+    ckpt.close()
+
+
 def test_gc_removes_only_unmarked_attempts_it_owns(moto, tmp_path):
     name = bucket(moto)
     url = f"s3://{name}/run"
