@@ -578,12 +578,13 @@ def _doors(root: Path) -> dict[str, tuple[object, object]]:
     }
 
 
-@pytest.mark.parametrize("name", ["CheckpointManager", "RunCheckpoint", "TieredCheckpoint", "CheckpointManager(s3://)"])
+@pytest.mark.parametrize("name", ["CheckpointManager", "RunCheckpoint", "TieredCheckpoint", "CheckpointManager(s3://)",
+                                  "TieredCheckpoint(persistent=s3://)"])
 def test_every_front_door_has_the_one_shape_and_answers_with_its_types(name, tmp_path):
     """Each front door, and a manager whose root is an object store: the same calls, the same answers."""
     with contextlib.ExitStack() as stack:
-        if name == "CheckpointManager(s3://)":  # on a real S3 server (moto), its root s3://door/run
-            door = stack.enter_context(_store_door(tmp_path))
+        if "s3://" in name:  # on a real S3 server (moto), its root s3://door/run
+            door = stack.enter_context(_store_door(tmp_path, tiers=name.startswith("Tiered")))
             wrap: Any = lambda s: s  # noqa: E731
         else:
             make, wrap = _doors(tmp_path)[name]
@@ -592,7 +593,7 @@ def test_every_front_door_has_the_one_shape_and_answers_with_its_types(name, tmp
 
 
 @contextlib.contextmanager
-def _store_door(root: Path) -> Iterator[Any]:
+def _store_door(root: Path, *, tiers: bool = False) -> Iterator[Any]:
     pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
     pytest.importorskip("moto.server", reason="moto[server] (dev extra) is not installed")
     import boto3
@@ -600,8 +601,14 @@ def _store_door(root: Path) -> Iterator[Any]:
     import objstore_helper
 
     with objstore_helper.moto_endpoint() as endpoint:
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="door")
-        yield objstore_helper.root("s3://door/run", root / "staging", endpoint)
+        bucket = "door-tiers" if tiers else "door"  # moto keeps its buckets for the whole process: one each
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        if tiers:  # the persistent tier on the store, its staging root and options from config.storage
+            staged = objstore_helper.config(endpoint, root / "staging")
+            yield ckptguard.TieredCheckpoint(root / "fast", persistent="s3://door-tiers/run", fast_every=1,
+                                             persistent_every=1, config=staged)
+        else:
+            yield objstore_helper.root("s3://door/run", root / "staging", endpoint)
 
 
 def _conforms(door: Any, wrap: Any, url: str | None = None) -> None:
