@@ -747,8 +747,33 @@ def prove(root: Path | str, as_json: bool, resume: int | None, every: bool) -> N
     _prove(Path(root), as_json, resume, every)
 
 
+def _refuse_step_for_root(path: Path, command: str, as_json: bool) -> None:
+    """``path`` is a step directory (its manifest, no tracker of its own) where ``command`` takes the root."""
+    from ._disk.layout import MANIFEST_NAME, TRACKER_NAME
+
+    if (path / MANIFEST_NAME).is_file() and not (path / TRACKER_NAME).exists():
+        _fail(f"{path} is a step directory (it holds {MANIFEST_NAME}); {command} takes the checkpoint root that "
+              f"holds it and its proof/ records: `ckptguard {command} {path.absolute().parent}`", as_json, code=2)
+
+
+def _refuse_root_for_step(path: Path, command: str, as_json: bool) -> None:
+    """``path`` is a checkpoint root (its tracker, no manifest) where ``command`` takes a committed step."""
+    from ._disk.layout import MANIFEST_NAME, TRACKER_NAME, read_tracker
+
+    if (path / TRACKER_NAME).is_file() and not (path / MANIFEST_NAME).exists():
+        try:
+            newest = read_tracker(path)
+        except (CheckpointError, OSError):
+            newest = None
+        name = _inspect.naming("step_{step:08d}").name(newest) if newest else "step_<N>"
+        _fail(f"{path} is a checkpoint root (it holds the tracker {TRACKER_NAME}, the tracker says {newest}); "
+              f"{command} takes one committed step directory under it, e.g. {path / name}", as_json, code=2)
+
+
 def _prove(root: Path, as_json: bool, resume: int | None, every: bool) -> NoReturn:
     from .ops.prove import EXIT_CODES, evaluate, outcome, resume_count, to_json, verdict
+
+    _refuse_step_for_root(root, "prove", as_json)
 
     if every:
         _prove_all(root.absolute(), as_json)
@@ -977,6 +1002,7 @@ def transfer(step_dir: Path | str, dest_root: Path | str, record: Path | None, s
         return _transfer_remote(step_dir, dest_root, record, step, template, as_json)
     if step is not None:
         raise click.UsageError("--step picks a step of an s3:// source; a local source is its STEP_DIR")
+    _refuse_root_for_step(step_dir, "transfer", as_json)
     from .ops.transfer import describe
     from .ops.transfer import transfer as _transfer
 

@@ -149,7 +149,15 @@ def hold(root: str | os.PathLike[str], template: str, step: int, reason: str, tt
     """Pin a committed step against rotation; refuses a step that is not committed. With ``ttl_s``, a
     reader lease that expires after it (the same reason renews it) instead of a hold kept until released."""
     root = Path(root)
-    _checks.read_any(root / naming(template).name(step))
+    steps = naming(template)
+    where = root / steps.name(step)
+    if not os.path.lexists(where):  # not a step that died before its commit: there is none
+        found = sorted(_layout.step_dirs(root, steps))
+        raise ConfigError(
+            f"step {step} has no directory under {root} ({where.name} is absent; the step directories there: "
+            f"{found[-10:] or 'none'}, the tracker says {_layout.read_tracker(root)}): name a committed step "
+            "(`ckptguard list ROOT` shows them)")
+    _checks.read_any(where)
     if step > (_layout.read_tracker(root) or 0):
         raise ConfigError(f"step {step} is newer than the tracker: not committed")
     if ttl_s is not None:
