@@ -926,6 +926,10 @@ def repro_save(
 
     cfg = ReproConfig(rounds=rounds, size_gib=size_gib, ranks=ranks)
     paths = {"target": target, **({"control": control} if control else {})}
+    for label, path in paths.items():  # before any round: a typo must not cost the other path's rounds first
+        if not path.absolute().parent.is_dir():
+            _fail(f"--{label} {path}: its parent {path.absolute().parent} is not a directory; name a directory on "
+                  "the filesystem under test (it is made if only its last part is missing)", as_json, code=2)
     reports = {}
     for label, path in paths.items():
         if not as_json:

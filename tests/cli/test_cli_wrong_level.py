@@ -39,3 +39,10 @@ def test_hold_of_a_step_that_does_not_exist_lists_the_steps_there(root: Path) ->
     refused(got, "hold ROOT 999")
     assert "step 999 has no directory under" in got.output and "[1, 2]" in got.output, got.output
     assert "never committed" not in got.output and not (root / "holds" / "999.json").exists()
+
+
+def test_repro_save_makes_no_tree_of_directories_for_a_typo(tmp_path: Path) -> None:
+    typo = tmp_path / "scratc" / "ckptguard" / "repro"
+    got = cli("repro-save", "--target", typo, "--rounds", "1", "--size", "0.0001")
+    refused(got, "repro-save --target TYPO")
+    assert got.exit_code == 2 and "is not a directory" in got.output and not (tmp_path / "scratc").exists()

@@ -140,7 +140,10 @@ def run_repro(target: str | os.PathLike[str], cfg: ReproConfig,
     """Repeat the save under ``target``; returns the report (also when a round failed).
     ``progress(rounds committed)`` is called as rank 0 commits them."""
     target = Path(os.fspath(target)).absolute()
-    target.mkdir(parents=True, exist_ok=True)
+    if not target.parent.is_dir():  # a typo must not become a tree of new directories on the suspect filesystem
+        raise ConfigError(f"repro-save target {target}: its parent {target.parent} is not a directory; name a "
+                          "directory on the filesystem under suspicion (it is made if only its last part is missing)")
+    target.mkdir(exist_ok=True)
     before = {"fs": filesystem(target), "oom_kill": _oom_kills()}
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
