@@ -260,23 +260,31 @@ class ReadAhead:
         self._key = os.path.realpath(path)
 
     def start(self) -> ReadAhead:
-        fd = self._open() if self.limit > 0 else None
+        """Registered, and the streams started by one thread of its own: the caller (the restore) waits for one
+        thread's start, not for each stream's."""
+        if self.limit > 0:
+            with _RUNNING_LOCK:
+                _RUNNING[self._key] = self
+            self._threads.append(threading.Thread(target=self._launch, name="ckptguard-readahead", daemon=True))
+            self._threads[0].start()
+        return self
+
+    def _launch(self) -> None:
+        fd = self._open()
         if fd is None:
-            return self
-        with _RUNNING_LOCK:
-            _RUNNING[self._key] = self
+            return
         size = os.fstat(fd).st_size
         os.close(fd)
         part = -(-size // self.streams)
         for i in range(self.streams):
             begin = i * part
             end = min(size, begin + part, begin + self.limit // self.streams)
-            if end > begin:
+            if end > begin and not self._halt.is_set():
                 thread = threading.Thread(target=self._run, args=(begin, end), name=f"ckptguard-readahead-{i}",
                                           daemon=True)
-                self._threads.append(thread)
+                with _RUNNING_LOCK:  # halt() joins every thread listed: the launcher first, then these
+                    self._threads.append(thread)
                 thread.start()
-        return self
 
     def _open(self) -> int | None:
         try:  # O_NONBLOCK: a FIFO planted in the step's place must not hold the thread in open()
@@ -312,7 +320,11 @@ class ReadAhead:
         """No read after the ones in flight (waited for, at most a few seconds)."""
         self._halt.set()
         deadline = time.monotonic() + _HUNG_S
-        for thread in self._threads:
+        for thread in self._threads[:1]:  # the launcher: no stream starts after it ended
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with _RUNNING_LOCK:
+            streams = self._threads[1:]
+        for thread in streams:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
