@@ -748,26 +748,22 @@ def prove(root: Path | str, as_json: bool, resume: int | None, every: bool) -> N
 
 
 def _refuse_step_for_root(path: Path, command: str, as_json: bool) -> None:
-    """``path`` is a step directory (its manifest, no tracker of its own) where ``command`` takes the root."""
-    from ._disk.layout import MANIFEST_NAME, TRACKER_NAME
-
-    if (path / MANIFEST_NAME).is_file() and not (path / TRACKER_NAME).exists():
-        _fail(f"{path} is a step directory (it holds {MANIFEST_NAME}); {command} takes the checkpoint root that "
+    """``path`` is a step directory where ``command`` takes the root."""
+    if _inspect.level(path) == "step":
+        _fail(f"{path} is a step directory (it holds manifest.json); {command} takes the checkpoint root that "
               f"holds it and its proof/ records: `ckptguard {command} {path.absolute().parent}`", as_json, code=2)
 
 
 def _refuse_root_for_step(path: Path, command: str, as_json: bool) -> None:
-    """``path`` is a checkpoint root (its tracker, no manifest) where ``command`` takes a committed step."""
-    from ._disk.layout import MANIFEST_NAME, TRACKER_NAME, read_tracker
-
-    if (path / TRACKER_NAME).is_file() and not (path / MANIFEST_NAME).exists():
+    """``path`` is a checkpoint root where ``command`` takes a committed step."""
+    if _inspect.level(path) == "root":
         try:
-            newest = read_tracker(path)
+            newest = _inspect.tracker(path)
         except (CheckpointError, OSError):
             newest = None
         name = _inspect.naming("step_{step:08d}").name(newest) if newest else "step_<N>"
-        _fail(f"{path} is a checkpoint root (it holds the tracker {TRACKER_NAME}, the tracker says {newest}); "
-              f"{command} takes one committed step directory under it, e.g. {path / name}", as_json, code=2)
+        _fail(f"{path} is a checkpoint root (it holds the tracker, which says {newest}); {command} takes one "
+              f"committed step directory under it, e.g. {path / name}", as_json, code=2)
 
 
 def _prove(root: Path, as_json: bool, resume: int | None, every: bool) -> NoReturn:

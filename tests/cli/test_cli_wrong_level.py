@@ -29,7 +29,7 @@ def test_prove_given_a_step_directory_points_at_the_root(root: Path) -> None:
 def test_transfer_given_the_root_points_at_its_newest_step(root: Path, tmp_path: Path) -> None:
     got = cli("transfer", root, tmp_path / "dest")
     refused(got, "transfer ROOT DEST")
-    assert got.exit_code == 2 and "is a checkpoint root" in got.output and "the tracker says 2" in got.output
+    assert got.exit_code == 2 and "is a checkpoint root" in got.output and "which says 2" in got.output
     assert str(root / "step_00000002") in got.output and "never committed" not in got.output, got.output
     assert not (tmp_path / "dest").exists(), "nothing is made at the destination for a refused transfer"
 

@@ -43,7 +43,6 @@ from .._state import rng as _rng
 from .._state import state as _state
 from .._state.rng import RNG_ITEM
 from .._types import JsonObject, StateDict
-from ..config import ReshardRule
 from ..errors import StateMismatchError, TopologyMismatchError
 
 log = logging.getLogger("ckptguard")
@@ -274,28 +273,3 @@ def confirm(ctx: Context, plan: Plan) -> str | None:
     gather_decide(ctx.agreement, "restore.reshard", _After(mine, plan.user_digests, gens), decide, decision=_Fine)
     return mine or None
 
-
-def check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
-    """The saved topology against this run's: equal, or a change the reshard rule allows (logged); else raised."""
-    saved = manifest.topology.shape()
-    now = ctx.topology()
-    if saved == now:
-        return
-    if saved.get("ep", 1) != now.get("ep", 1):
-        raise TopologyMismatchError(
-            f"{manifest.path.parent} was saved with {saved}; this run has {now}. The expert-parallel size changed "
-            f"({saved.get('ep', 1)} -> {now.get('ep', 1)}), which is never resharded: experts are stored per EP "
-            "rank (<key>#ep<r>), and a new EP size would need a rule that regroups the experts of every old EP "
-            "rank onto the new ones, with their optimizer state, and re-derives the expert-parallel RNG. "
-            f"Restore with ep={saved.get('ep', 1)} (the data-parallel size may change under "
-            "ReshardRule.BY_ITEM), or convert the checkpoint offline."
-        )
-    if ctx.config.reshard.rule is ReshardRule.REFUSE:
-        raise TopologyMismatchError(
-            f"{manifest.path.parent} was saved with {saved}; this run has {now}. Restore with the "
-            "same world size and layout, or set "
-            "CheckpointConfig(reshard=ReshardOptions(rule=ReshardRule.BY_ITEM)) to let "
-            "DCP reshard tensor state and every per-rank item follow its declared rule (a DataCursor, "
-            "replicated=..., PerRank(value, reshard=f), rng_seed=...)."
-        )
-    log.warning("ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules", saved, now)

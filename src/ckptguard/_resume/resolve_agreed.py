@@ -8,6 +8,7 @@ rank raises (``agree_files``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,14 @@ from ..config import ReshardRule, ResumeMode
 from ..errors import (
     CheckpointError,
     RankDisagreementError,
+    TopologyMismatchError,
     error_payload,
     rebuild,
 )
 from . import reshard as _reshard
 from .resolve_local import Resolution, resolve_local
+
+log = logging.getLogger("ckptguard")
 
 
 @dataclass(frozen=True)
@@ -205,3 +209,29 @@ def source_rank(ctx: Context, manifest: _manifest.Manifest) -> int:
 
 def by_item(ctx: Context, manifest: _manifest.Manifest) -> bool:
     return manifest.world_size != ctx.world and ctx.config.reshard.rule is ReshardRule.BY_ITEM
+
+
+def check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
+    """The saved topology against this run's: equal, or a change the reshard rule allows (logged); else raised."""
+    saved = manifest.topology.shape()
+    now = ctx.topology()
+    if saved == now:
+        return
+    if saved.get("ep", 1) != now.get("ep", 1):
+        raise TopologyMismatchError(
+            f"{manifest.path.parent} was saved with {saved}; this run has {now}. The expert-parallel size changed "
+            f"({saved.get('ep', 1)} -> {now.get('ep', 1)}), which is never resharded: experts are stored per EP "
+            "rank (<key>#ep<r>), and a new EP size would need a rule that regroups the experts of every old EP "
+            "rank onto the new ones, with their optimizer state, and re-derives the expert-parallel RNG. "
+            f"Restore with ep={saved.get('ep', 1)} (the data-parallel size may change under "
+            "ReshardRule.BY_ITEM), or convert the checkpoint offline."
+        )
+    if ctx.config.reshard.rule is ReshardRule.REFUSE:
+        raise TopologyMismatchError(
+            f"{manifest.path.parent} was saved with {saved}; this run has {now}. Restore with the "
+            "same world size and layout, or set "
+            "CheckpointConfig(reshard=ReshardOptions(rule=ReshardRule.BY_ITEM)) to let "
+            "DCP reshard tensor state and every per-rank item follow its declared rule (a DataCursor, "
+            "replicated=..., PerRank(value, reshard=f), rng_seed=...)."
+        )
+    log.warning("ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules", saved, now)

@@ -49,7 +49,7 @@ from ..storage._pool import ReadAhead, default_limit
 from ..storage.dcp import check_torch_version
 from . import layoutcheck as _layoutcheck
 from . import reshard as _reshard
-from .resolve_agreed import Agreed, Problems, by_item, source_rank
+from .resolve_agreed import Agreed, Problems, by_item, check_topology, source_rank
 from .resolve_local import Resolution
 
 log = logging.getLogger("ckptguard")
@@ -164,7 +164,7 @@ def precheck(
         on_manifest(manifest)
     check_torch_version(manifest.versions.get("torch", "0"), manifest.path.parent,
                         allow_newer=ctx.config.storage.allow_newer_torch)
-    _reshard.check_topology(ctx, manifest)
+    check_topology(ctx, manifest)
     where = f"restore of step {manifest.step} from {res.path}"
     _contract.check_chain(ctx.root, manifest.chain_id, where=where)
     _contract.check(ctx.root, ctx.config.contract, where=where)

@@ -172,6 +172,14 @@ def release(root: str | os.PathLike[str], step: int) -> bool:
     return _retention.release(root, step) or leases > 0
 
 
+def level(path: str | os.PathLike[str]) -> str | None:
+    """``"step"`` for a step directory (its manifest, no tracker), ``"root"`` for a checkpoint root (its tracker,
+    no manifest), else None: what a command told the wrong one of the two says instead of a verdict."""
+    path = Path(path)
+    manifest, tracked = (path / _layout.MANIFEST_NAME).is_file(), (path / _layout.TRACKER_NAME).is_file()
+    return "step" if manifest and not tracked else "root" if tracked and not manifest else None
+
+
 def tracker(root: str | os.PathLike[str]) -> int | None:
     """The tracker's step (None: no tracker); raises for an unreadable one."""
     root = Path(root)
