@@ -105,6 +105,15 @@ SHARED_FIXTURES = {
     "test_export": ("hf_jobs", "lora_job"),
     "test_hf_integration": ("grpo_reference",),
     "test_objectstore": ("races",),
+    "test_trajectory": ("one_rank", "two_ranks"),
+    "test_proof_resumes": ("replayed", "crash_loop"),
+    "test_proof_evidence": ("loop_root",),
+    "test_single_writer": ("live_writer", "two_ranks"),
+    "test_goodput": ("killed_run",),
+    "test_megatron": ("cpu",),
+    "test_pathlike": ("roots",),
+    "test_verify": ("two_rank_ckpt",),
+    "test_healthy": ("nan_root",),
 }
 
 
