@@ -34,7 +34,9 @@ class MemoryEnv:
         self.text = "x" * result_bytes
 
     def call(self, call: EnvCall) -> EnvResult:
-        return self.first.setdefault(call.call_id, EnvResult(self.text, len(self.first) + 1, call.args_digest))
+        return self.first.setdefault(
+            call.call_id, EnvResult(self.text, len(self.first) + 1, call.args_digest)
+        )
 
     def revision(self, rollout: str) -> int:
         return len(self.first)
@@ -89,10 +91,18 @@ def main() -> None:
         again.load_state_dict(torch.load(buf, weights_only=True)["turns"])
         loads.append(time.perf_counter() - t0)
     tokens = a.rollouts * (a.prompt + a.turns * (a.tokens + a.calls))
-    print(json.dumps({**vars(a), "bytes": size, "bytes_per_rollout": size / a.rollouts,
-                      "bytes_per_token": size / tokens,
-                      "save_ms_per_rollout": 1e3 * min(saves) / a.rollouts,
-                      "load_ms_per_rollout": 1e3 * min(loads) / a.rollouts}))
+    print(
+        json.dumps(
+            {
+                **vars(a),
+                "bytes": size,
+                "bytes_per_rollout": size / a.rollouts,
+                "bytes_per_token": size / tokens,
+                "save_ms_per_rollout": 1e3 * min(saves) / a.rollouts,
+                "load_ms_per_rollout": 1e3 * min(loads) / a.rollouts,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

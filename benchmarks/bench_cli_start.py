@@ -55,7 +55,9 @@ def build(base: Path) -> dict[str, Path]:
         mgr.save(step, {"model": torch.nn.Linear(64, 64), "n": step})
     (one / "latest_checkpointed_iteration.txt").write_text("2\n")
     run = base / "run"
-    rc = cg.RunCheckpoint(run, [cg.Role("actor"), cg.Role("driver")], config=cg.CheckpointConfig(retention=None))
+    rc = cg.RunCheckpoint(
+        run, [cg.Role("actor"), cg.Role("driver")], config=cg.CheckpointConfig(retention=None)
+    )
     rc.save(1, {"actor": {"model": torch.nn.Linear(8, 8)}, "driver": {"n": 1}})
     phases = base / "phases"
     phases.mkdir()
@@ -68,7 +70,9 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
     """(wall s, child CPU s, exit code) of one run."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=600)
+    proc = subprocess.run(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, timeout=600
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -76,21 +80,30 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
 
 
 def medians(runs: list[tuple[float, float, int]]) -> dict[str, float]:
-    return {"wall_s": statistics.median(r[0] for r in runs), "cpu_s": statistics.median(r[1] for r in runs)}
+    return {
+        "wall_s": statistics.median(r[0] for r in runs),
+        "cpu_s": statistics.median(r[1] for r in runs),
+    }
 
 
 def imports_torch(args: list[str], env: dict[str, str]) -> bool:
-    probe = ("import runpy, sys\nsys.argv = ['ckptguard', *sys.argv[1:]]\ntry:\n"
-             "    runpy.run_module('ckptguard.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "sys.stderr.write('\\nTORCH=%s\\n' % ('torch' in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env, timeout=600)
+    probe = (
+        "import runpy, sys\nsys.argv = ['ckptguard', *sys.argv[1:]]\ntry:\n"
+        "    runpy.run_module('ckptguard.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "sys.stderr.write('\\nTORCH=%s\\n' % ('torch' in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env, timeout=600
+    )
     return "TORCH=True" in out.stderr
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--pythonpath", default=None, help="run the commands against this src directory instead")
+    p.add_argument(
+        "--pythonpath", default=None, help="run the commands against this src directory instead"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -114,8 +127,11 @@ def main() -> None:
             if name == "adopt":
                 subprocess.run(["rm", "-rf", str(roots["copy"])], check=True)
                 subprocess.run(["cp", "-a", str(roots["one"]), str(roots["copy"])], check=True)
-            rows[name] = {**medians(runs), "exit": sorted({r[2] for r in runs}),
-                          "imports_torch": imports_torch(cmd, env)}
+            rows[name] = {
+                **medians(runs),
+                "exit": sorted({r[2] for r in runs}),
+                "imports_torch": imports_torch(cmd, env),
+            }
     result = {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "src": args.pythonpath or "this checkout",
@@ -132,7 +148,10 @@ def main() -> None:
         args.out.write_text(text + "\n")
     print(f"\n{'command':<28} {'wall s':>8} {'cpu s':>8}  torch", file=sys.stderr)
     for name, r in rows.items():
-        print(f"{name:<28} {r['wall_s']:8.3f} {r['cpu_s']:8.3f}  {r.get('imports_torch', '')}", file=sys.stderr)
+        print(
+            f"{name:<28} {r['wall_s']:8.3f} {r['cpu_s']:8.3f}  {r.get('imports_torch', '')}",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

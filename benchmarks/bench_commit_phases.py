@@ -98,7 +98,9 @@ def run(root: Path, state: dict, saves: int, mode: str) -> dict[str, Any]:
         return report
 
     retention.apply = apply_then_wait if mode == "sync" else real_apply  # type: ignore[assignment]
-    phases.wrap(retention, "apply", "retention (decision, rename" + (", delete)" if mode == "sync" else ")"))
+    phases.wrap(
+        retention, "apply", "retention (decision, rename" + (", delete)" if mode == "sync" else ")")
+    )
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=cg.KeepLast(1)))
     rows = []
     try:
@@ -109,9 +111,14 @@ def run(root: Path, state: dict, saves: int, mode: str) -> dict[str, Any]:
             mgr.save(step, state)
             total = time.perf_counter() - began
             retention.DELETER.wait()  # the background side of this save, for the table
-            rows.append({"step": step, "save_s": round(total, 3),
-                         "on_caller_s": {k: round(v, 3) for k, v in phases.on_caller.items()},
-                         "background_s": {k: round(v, 3) for k, v in phases.background.items()}})
+            rows.append(
+                {
+                    "step": step,
+                    "save_s": round(total, 3),
+                    "on_caller_s": {k: round(v, 3) for k, v in phases.on_caller.items()},
+                    "background_s": {k: round(v, 3) for k, v in phases.background.items()},
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     finally:
         mgr.close()
@@ -119,7 +126,11 @@ def run(root: Path, state: dict, saves: int, mode: str) -> dict[str, Any]:
         retention.apply = real_apply  # type: ignore[assignment]
         shutil.rmtree(root, ignore_errors=True)
     later = [r["save_s"] for r in rows[1:]]  # the first drops nothing
-    return {"mode": mode, "saves": rows, "median_save_with_a_drop_s": statistics.median(later) if later else None}
+    return {
+        "mode": mode,
+        "saves": rows,
+        "median_save_with_a_drop_s": statistics.median(later) if later else None,
+    }
 
 
 def main() -> None:
@@ -133,8 +144,12 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     state = make_state(a.gib, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    res: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "state_bytes": nbytes,
-                           "torch": torch.__version__, "runs": []}
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "state_bytes": nbytes,
+        "torch": torch.__version__,
+        "runs": [],
+    }
     for mode in a.modes.split(","):
         res["runs"].append(run(a.dir, state, a.saves, mode))
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ckptguard.ops.goodput import goodput
 
-JOB = r'''
+JOB = r"""
 import sys, time
 import torch
 import ckptguard as cg
@@ -51,14 +51,25 @@ for step in range(start + 1, last + 1):
     if step % every == 0:
         mgr.save_async(step, state)
 mgr.close()
-'''
+"""
 
 
 def launch(job: Path, root: Path, a: argparse.Namespace, hang_at: int) -> dict:
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, str(job), str(root), str(a.steps), str(hang_at), str(a.every),
-                             str(a.step_s)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "CKPTGUARD_QUIET": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(job),
+            str(root),
+            str(a.steps),
+            str(hang_at),
+            str(a.every),
+            str(a.step_s),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CKPTGUARD_QUIET": "1"},
+    )
     seen: dict = {"launched": t0, "steps": []}
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -75,17 +86,31 @@ def launch(job: Path, root: Path, a: argparse.Namespace, hang_at: int) -> dict:
 
 
 def outside_ettr(seen: list[dict]) -> dict:
-    per = [(b[1] - a[1]) / (b[0] - a[0]) for s in seen for a, b in itertools.pairwise(s["steps"]) if b[0] > a[0]]
+    per = [
+        (b[1] - a[1]) / (b[0] - a[0])
+        for s in seen
+        for a, b in itertools.pairwise(s["steps"])
+        if b[0] > a[0]
+    ]
     step_s = statistics.median(per)
-    lost = [before["steps"][-1][0] - after["restored"] for before, after in itertools.pairwise(seen)]
+    lost = [
+        before["steps"][-1][0] - after["restored"] for before, after in itertools.pairwise(seen)
+    ]
     training = sum(s["steps"][-1][1] - s["steps"][0][1] for s in seen)
     wall = seen[-1]["steps"][-1][1] - seen[0]["launched"]
-    return {"ettr": (training - sum(lost) * step_s) / wall, "lost_steps": lost, "step_s": step_s, "wall_s": wall,
-            "recover_s": [s["steps"][0][1] - s["launched"] for s in seen]}
+    return {
+        "ettr": (training - sum(lost) * step_s) / wall,
+        "lost_steps": lost,
+        "step_s": step_s,
+        "wall_s": wall,
+        "recover_s": [s["steps"][0][1] - s["launched"] for s in seen],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=5)
@@ -102,12 +127,24 @@ def main() -> None:
         g = goodput(root)
     out = outside_ettr(seen)
     res = {
-        "command": " ".join(["python", *sys.argv]), "kills_at": kills, "outside": out,
-        "goodput": {"ettr": g.ettr, "lost_steps": [x.lost_steps for x in g.launches[1:]], "step_s": g.step_s,
-                    "wall_s": g.wall_s, "recover_s": [x.recover_s for x in g.launches], "blocked_s": g.blocked_s,
-                    "skipped_saves": g.skipped_saves, "interval_s": g.interval_s, "interval_steps": g.interval_steps},
+        "command": " ".join(["python", *sys.argv]),
+        "kills_at": kills,
+        "outside": out,
+        "goodput": {
+            "ettr": g.ettr,
+            "lost_steps": [x.lost_steps for x in g.launches[1:]],
+            "step_s": g.step_s,
+            "wall_s": g.wall_s,
+            "recover_s": [x.recover_s for x in g.launches],
+            "blocked_s": g.blocked_s,
+            "skipped_saves": g.skipped_saves,
+            "interval_s": g.interval_s,
+            "interval_steps": g.interval_steps,
+        },
     }
-    res["ettr_difference"] = abs(res["goodput"]["ettr"] - out["ettr"]) if g.ettr is not None else None
+    res["ettr_difference"] = (
+        abs(res["goodput"]["ettr"] - out["ettr"]) if g.ettr is not None else None
+    )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))

@@ -64,7 +64,9 @@ def _worker(rank: int, world: int, root: str, size_gib: float, reps: int) -> dic
 def main() -> None:
     from ckptguard.testing import run_ranks, values
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size", type=float, default=1.0, help="GiB of state per rank")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))

@@ -48,8 +48,14 @@ def build(dim: int, layers: int, device: str) -> dict:
     torch.manual_seed(0)
     blocks = []
     for _ in range(layers):
-        blocks += [torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim),
-                   torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)]
+        blocks += [
+            torch.nn.LayerNorm(dim),
+            torch.nn.Linear(dim, 3 * dim),
+            torch.nn.Linear(dim, dim),
+            torch.nn.LayerNorm(dim),
+            torch.nn.Linear(dim, 4 * dim),
+            torch.nn.Linear(4 * dim, dim),
+        ]
     model = torch.nn.Sequential(torch.nn.Embedding(8192, dim), *blocks).to(device)
     optim = torch.optim.Adam(model.parameters())
     for p in model.parameters():
@@ -85,13 +91,19 @@ def cpu_times() -> tuple[float, float] | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None, help="layout-free pool threads (default: up to 4)")
-    ap.add_argument("--fused-chunk-mib", type=int, default=None, help="bytes per pool task in the save's pass")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="layout-free pool threads (default: up to 4)"
+    )
+    ap.add_argument(
+        "--fused-chunk-mib", type=int, default=None, help="bytes per pool task in the save's pass"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     a = ap.parse_args()
@@ -139,12 +151,18 @@ def main() -> None:
         "save_pass_before_s": old,
         "ratio_layout_free_to_today_best": min(free) / min(today),
         # CPU seconds of all threads: the work, which a busy machine changes less than the wall time
-        "cpu_s_median": {"today": statistics.median(cpu_today), "layout_free": statistics.median(cpu_free),
-                         "save_pass": statistics.median(cpu_both), "save_pass_before": statistics.median(cpu_old)},
+        "cpu_s_median": {
+            "today": statistics.median(cpu_today),
+            "layout_free": statistics.median(cpu_free),
+            "save_pass": statistics.median(cpu_both),
+            "save_pass_before": statistics.median(cpu_old),
+        },
         "ratio_save_pass_to_today_best": min(both) / min(today),
         # the share of all cores other processes took during the run: on a shared machine that was
         # busy elsewhere the ratios say little about the passes (the 2-thread passes lose most)
-        "others_busy_pct": 100 * (after[0] - before[0]) / max(1e-9, after[1] - before[1]) if before and after else None,
+        "others_busy_pct": 100 * (after[0] - before[0]) / max(1e-9, after[1] - before[1])
+        if before and after
+        else None,
         "cores": os.cpu_count(),
         "today_gb_per_s": nbytes / statistics.median(today) / 1e9,
         "layout_free_gb_per_s": nbytes / statistics.median(free) / 1e9,

@@ -35,7 +35,9 @@ def raw_write(state: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/ckptguard-mgr"))
@@ -65,10 +67,15 @@ def main() -> None:
             times[method].append(time.perf_counter() - t)
             print(method, rep, round(times[method][-1], 2), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gib": n / 4,
-              "digest_of_state_s": round(digest_s, 3), "seconds": times,
-              "x_raw": {k: round(med["raw"] / v, 3) for k, v in med.items()},
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "gib": n / 4,
+        "digest_of_state_s": round(digest_s, 3),
+        "seconds": times,
+        "x_raw": {k: round(med["raw"] / v, 3) for k, v in med.items()},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "manager_save_gpu.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -58,7 +58,13 @@ def free_port() -> int:
 def start_server(kind: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     if kind == "moto":
-        cmd = [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)]
+        cmd = [
+            str(Path(sys.executable).with_name("moto_server")),
+            "-H",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ]
         env = dict(os.environ)
     else:
         cmd = [str(MINISTACK)]
@@ -81,7 +87,9 @@ def files_of(step_dir: Path) -> list[tuple[str, Path]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--server", choices=("moto", "ministack"), default="moto")
     ap.add_argument("--size", type=int, default=256, help="MiB of tensor state")
     ap.add_argument("--reps", type=int, default=3)
@@ -90,8 +98,12 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/bench-objectstore"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     a = ap.parse_args()
-    for k, v in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
         os.environ.setdefault(k, v)
     shutil.rmtree(a.dir, ignore_errors=True)
     proc, endpoint = start_server(a.server)
@@ -107,21 +119,37 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket="bench")
     part = a.part_mib * MIB
-    options = ObjectStoreOptions(endpoint_url=endpoint, path_style=True, part_bytes=part, threads=a.threads,
-                                 max_inflight_bytes=a.threads * part)
-    transfer = boto3.s3.transfer.TransferConfig(multipart_threshold=part, multipart_chunksize=part,
-                                                max_concurrency=a.threads, use_threads=True)
+    options = ObjectStoreOptions(
+        endpoint_url=endpoint,
+        path_style=True,
+        part_bytes=part,
+        threads=a.threads,
+        max_inflight_bytes=a.threads * part,
+    )
+    transfer = boto3.s3.transfer.TransferConfig(
+        multipart_threshold=part,
+        multipart_chunksize=part,
+        max_concurrency=a.threads,
+        use_threads=True,
+    )
     n = a.size * MIB // 4 // 4
     state = {f"t{i}": torch.randn(n) for i in range(4)}
     # rotation is timed on its own (after publish): a listing, marker reads and deletes, no data transfer
-    config = cg.CheckpointConfig(state=StateOptions(capture_rng=False), retention=None,
-                                 storage=StorageOptions(object_store=options, object_staging=a.dir / "stage"))
+    config = cg.CheckpointConfig(
+        state=StateOptions(capture_rng=False),
+        retention=None,
+        storage=StorageOptions(object_store=options, object_staging=a.dir / "stage"),
+    )
     keep = cg.KeepLast(1)
     # The two halves of CheckpointManager("s3://bench/run").save, timed apart: the staging commit, the publish.
-    stage = StoreStage("s3://bench/run", a.dir / "stage", config, process_group=None, namespace="bench")
+    stage = StoreStage(
+        "s3://bench/run", a.dir / "stage", config, process_group=None, namespace="bench"
+    )
     local = cg.CheckpointManager(a.dir / "stage", config=stage.local_config)
-    times: dict[str, list[float]] = {k: [] for k in ("local_commit", "raw_put", "publish", "rotate", "raw_get",
-                                                      "fetch", "restore")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in ("local_commit", "raw_put", "publish", "rotate", "raw_get", "fetch", "restore")
+    }
     nbytes = 0
     for rep in range(1, a.reps + 1):
         t = time.perf_counter()
@@ -152,8 +180,15 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
         stage.store.fetch(marker, a.dir / f"fetch-{rep}")
         times["fetch"].append(time.perf_counter() - t)
         # the writer above still holds the write lease (as a live job would): the reader says it may read anyway
-        fresh = cg.CheckpointManager("s3://bench/run", config=dataclasses.replace(config, storage=dataclasses.replace(
-            config.storage, object_staging=a.dir / f"restore-{rep}")))
+        fresh = cg.CheckpointManager(
+            "s3://bench/run",
+            config=dataclasses.replace(
+                config,
+                storage=dataclasses.replace(
+                    config.storage, object_staging=a.dir / f"restore-{rep}"
+                ),
+            ),
+        )
         into = {k: torch.empty_like(v) for k, v in state.items()}
         t = time.perf_counter()
         assert fresh.restore(into, break_lease=True) == rep
@@ -162,19 +197,29 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
         fresh.close()  # releases no lease: the lease is the writer's
         for d in (got, a.dir / f"fetch-{rep}", a.dir / f"restore-{rep}"):
             shutil.rmtree(d, ignore_errors=True)
-        print(f"rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+        print(
+            f"rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True
+        )
     local.close()
     stage.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "server": a.server, "endpoint": "127.0.0.1 (own process)", "bytes": nbytes, "reps": a.reps,
-        "part_bytes": part, "threads": a.threads, "times_s": times, "median_s": med,
+        "server": a.server,
+        "endpoint": "127.0.0.1 (own process)",
+        "bytes": nbytes,
+        "reps": a.reps,
+        "part_bytes": part,
+        "threads": a.threads,
+        "times_s": times,
+        "median_s": med,
         "mib_s": {k: nbytes / MIB / v for k, v in med.items()},
-        "publish_vs_put": med["raw_put"] / med["publish"], "fetch_vs_get": med["raw_get"] / med["fetch"],
+        "publish_vs_put": med["raw_put"] / med["publish"],
+        "fetch_vs_get": med["raw_get"] / med["fetch"],
         "restore_vs_get": med["raw_get"] / med["restore"],
         "machine": f"{platform.node()} {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the end: "
-                   f"a shared machine), torch {torch.__version__}, boto3 {boto3.__version__}",
-        "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+        f"a shared machine), torch {torch.__version__}, boto3 {boto3.__version__}",
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
     }
 
 
@@ -191,7 +236,8 @@ def write(a: argparse.Namespace, r: dict[str, object]) -> None:
         "| phase | median s | MiB/s |\n|---|---|---|\n" + rows + "\n\n"
         f"publish / raw PUT throughput: **{r['publish_vs_put']:.3f}**; fetch / raw GET: **{r['fetch_vs_get']:.3f}** "
         f"(target >= 0.9); restore end to end / raw GET: {r['restore_vs_get']:.3f}\n\n"
-        f"{r['machine']}, {r['date']}\n\n`{r['command']}`\n")
+        f"{r['machine']}, {r['date']}\n\n`{r['command']}`\n"
+    )
     print((a.out / f"{stem}.md").read_text())
 
 

@@ -34,14 +34,18 @@ def _rank(rank: int, world: int, root: str, calls: int, warmup: int) -> list[flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-preempt-") as tmp:
-        per_rank = values(run_ranks(_rank, a.world, str(Path(tmp) / "ck"), a.calls, a.warmup, timeout=600))
+        per_rank = values(
+            run_ranks(_rank, a.world, str(Path(tmp) / "ck"), a.calls, a.warmup, timeout=600)
+        )
     times = sorted(per_rank[0])
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     result = {
@@ -57,7 +61,9 @@ def main() -> None:
         "torch": torch.__version__,
     }
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / f"preempt_boundary_cpu_w{a.world}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (a.out / f"preempt_boundary_cpu_w{a.world}.json").write_text(
+        json.dumps(result, indent=1) + "\n"
+    )
     print(json.dumps(result, indent=1))
 
 

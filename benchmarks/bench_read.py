@@ -63,12 +63,21 @@ def spans(files: list[Path], chunk: int) -> list[tuple[Path, int, int]]:
     return out
 
 
-def threaded(files: list[Path], threads: int, chunk: int, *, direct: bool, gpu: torch.Tensor | None,
-             regions: bool = False) -> int:
+def threaded(
+    files: list[Path],
+    threads: int,
+    chunk: int,
+    *,
+    direct: bool,
+    gpu: torch.Tensor | None,
+    regions: bool = False,
+) -> int:
     work = spans(files, chunk)
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fds = {p: os.open(p, flags) for p in files}
-    if regions:  # thread i: the i-th contiguous stretch of spans, through its own descriptor (own readahead)
+    if (
+        regions
+    ):  # thread i: the i-th contiguous stretch of spans, through its own descriptor (own readahead)
         per = -(-len(work) // threads)
         parts = [work[i * per : (i + 1) * per] for i in range(threads)]
     else:
@@ -127,13 +136,22 @@ def threaded(files: list[Path], threads: int, chunk: int, *, direct: bool, gpu: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/cgread"))
-    ap.add_argument("--raw", default="probe,buffered:1:32,buffered:4:32,direct:4:32,direct_h2d:4:32,direct_h2d:4:64",
-                    help="raw read variants, comma-separated")
-    ap.add_argument("--restores", default="1,2,4", help="ckptguard restores, by StreamingConfig.read_threads")
-    ap.add_argument("--rounds", type=int, default=3, help="repetitions of every variant, order rotated")
+    ap.add_argument(
+        "--raw",
+        default="probe,buffered:1:32,buffered:4:32,direct:4:32,direct_h2d:4:32,direct_h2d:4:64",
+        help="raw read variants, comma-separated",
+    )
+    ap.add_argument(
+        "--restores", default="1,2,4", help="ckptguard restores, by StreamingConfig.read_threads"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="repetitions of every variant, order rotated"
+    )
     tl.add_model_args(ap)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes: correctness only")
     a = ap.parse_args()
@@ -165,7 +183,9 @@ def main() -> None:
     del job
     fresh = tl.Job(a, device, seed=7)
     fresh.step()  # restored over and over: every restore must overwrite all of it
-    variants = [v for v in a.raw.split(",") if v] + [f"restore:{t}" for t in a.restores.split(",") if t]
+    variants = [v for v in a.raw.split(",") if v] + [
+        f"restore:{t}" for t in a.restores.split(",") if t
+    ]
     for r in range(a.rounds):
         # Rotated each round: the disk's speed drifts (a virtual disk), so every variant sees each phase.
         k = r % len(variants)
@@ -192,8 +212,14 @@ def main() -> None:
                     got = nbytes
                 else:
                     threads, chunk = int(rest[0]), int(rest[1]) * MiB
-                    got = threaded(files, threads, chunk, direct=kind.startswith("direct"),
-                                   gpu=gpu if kind == "direct_h2d" else None, regions=kind == "regions")
+                    got = threaded(
+                        files,
+                        threads,
+                        chunk,
+                        direct=kind.startswith("direct"),
+                        gpu=gpu if kind == "direct_h2d" else None,
+                        regions=kind == "regions",
+                    )
             except OSError as exc:  # O_DIRECT refused by this filesystem (tmpfs): say so, go on
                 res["raw"].append({**row, "error": str(exc)})
                 continue
@@ -202,7 +228,8 @@ def main() -> None:
             if kind == "restore":
                 now = fresh.tensors()
                 row["bitwise_exact"] = set(now) == set(reference) and all(
-                    torch.equal(now[n], reference[n]) for n in reference)
+                    torch.equal(now[n], reference[n]) for n in reference
+                )
             res["raw"].append(row)
             print(json.dumps({k2: v2 for k2, v2 in row.items() if k2 != "read"}), flush=True)
     by: dict[str, list[float]] = {}

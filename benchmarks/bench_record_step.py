@@ -24,11 +24,18 @@ import ckptguard as cg
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dir", type=Path, default=None, help="where the checkpoint root goes (default: a temp dir)")
+    ap.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where the checkpoint root goes (default: a temp dir)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     a = ap.parse_args()
     base = Path(tempfile.mkdtemp(dir=a.dir, prefix="bench-record-step-"))
@@ -42,7 +49,14 @@ def main() -> None:
     for step in range(1, a.warmup + a.calls + 1):
         batch = batches[step % 8]
         t = time.perf_counter()
-        mgr.record_step(step, sample_ids=ids[step % 8], batch=batch, loss=2.5 + 1e-3 * step, grad_norm=0.75, lr=3e-4)
+        mgr.record_step(
+            step,
+            sample_ids=ids[step % 8],
+            batch=batch,
+            loss=2.5 + 1e-3 * step,
+            grad_norm=0.75,
+            lr=3e-4,
+        )
         times.append(time.perf_counter() - t)
     times = sorted(times[a.warmup :])
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731

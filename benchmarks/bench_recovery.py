@@ -149,7 +149,9 @@ def plain_restores(job: Job, ref: dict[str, torch.Tensor], directory: Path) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--fast-dir", type=Path, default=Path("/dev/shm/cg-recovery-fast"))
     ap.add_argument("--persistent-dir", type=Path, default=Path("/tmp/cg-recovery-persistent"))
@@ -158,17 +160,27 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=3, help="fast saves in the measured loop")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes: correctness only")
-    ap.add_argument("--async", dest="use_async", action="store_true",
-                    help="the loop saves with TieredCheckpoint.save_async (both tiers' pools prepared first with "
-                         "TieredCheckpoint.prepare_async) instead of the synchronous save")
-    ap.add_argument("--references", action="store_true",
-                    help="also restore the same tensors with plain DCP (dcp.save/dcp.load) and torch.save/torch.load "
-                         "on the same disk, cold cache, in this run")
+    ap.add_argument(
+        "--async",
+        dest="use_async",
+        action="store_true",
+        help="the loop saves with TieredCheckpoint.save_async (both tiers' pools prepared first with "
+        "TieredCheckpoint.prepare_async) instead of the synchronous save",
+    )
+    ap.add_argument(
+        "--references",
+        action="store_true",
+        help="also restore the same tensors with plain DCP (dcp.save/dcp.load) and torch.save/torch.load "
+        "on the same disk, cold cache, in this run",
+    )
     a = ap.parse_args()
     if a.tiny:
         vars(a).update(TINY_MODEL)
         a.fast_every, a.saves = 3, 2
-        a.fast_dir, a.persistent_dir = Path(str(a.fast_dir) + "-tiny"), Path(str(a.persistent_dir) + "-tiny")
+        a.fast_dir, a.persistent_dir = (
+            Path(str(a.fast_dir) + "-tiny"),
+            Path(str(a.persistent_dir) + "-tiny"),
+        )
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     for d in (a.fast_dir, a.persistent_dir):
         shutil.rmtree(d, ignore_errors=True)
@@ -178,8 +190,10 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in job.tensors().values())
     shm_free = shutil.disk_usage(a.fast_dir.parent).free
     if shm_free < 2.5 * nbytes:
-        raise SystemExit(f"{a.fast_dir.parent} has {shm_free / GiB:.1f} GiB free; the fast tier needs "
-                         f"{2.5 * nbytes / GiB:.1f} GiB (two kept steps and a save in flight)")
+        raise SystemExit(
+            f"{a.fast_dir.parent} has {shm_free / GiB:.1f} GiB free; the fast tier needs "
+            f"{2.5 * nbytes / GiB:.1f} GiB (two kept steps and a save in flight)"
+        )
     steps = a.fast_every * a.saves
     base_steps = []
     for _ in range(steps):
@@ -187,8 +201,13 @@ def main() -> None:
         job.step()
         base_steps.append(time.perf_counter() - t)
     cfg = cg.CheckpointConfig(timeout_s=600, proof=ProofPlan(record=True))
-    tiers = cg.TieredCheckpoint(a.fast_dir, persistent=a.persistent_dir, fast_every=a.fast_every,
-                                persistent_every=steps, config=cfg)
+    tiers = cg.TieredCheckpoint(
+        a.fast_dir,
+        persistent=a.persistent_dir,
+        fast_every=a.fast_every,
+        persistent_every=steps,
+        config=cfg,
+    )
     prepared_s = None
     if a.use_async:  # each tier's staging pool mapped and pinned off the loop, before it starts
         t = time.perf_counter()
@@ -209,7 +228,9 @@ def main() -> None:
                 tiers.save(step, job.state())
             fast_saves.append(time.perf_counter() - t)
     loop_s = time.perf_counter() - loop_start
-    ref = {k: v.detach().cpu().clone() for k, v in job.tensors().items()}  # the state of the last step
+    ref = {
+        k: v.detach().cpu().clone() for k, v in job.tensors().items()
+    }  # the state of the last step
     wait_s = None
     if a.use_async:
         t = time.perf_counter()
@@ -233,29 +254,51 @@ def main() -> None:
             shutil.rmtree(a.fast_dir)  # the node's memory is gone: only the persistent tier is left
             files = drop_cache(a.persistent_dir)
         scramble(job)
-        mgr = cg.TieredCheckpoint(a.fast_dir, persistent=a.persistent_dir, fast_every=a.fast_every,
-                                  persistent_every=steps, config=cfg)
+        mgr = cg.TieredCheckpoint(
+            a.fast_dir,
+            persistent=a.persistent_dir,
+            fast_every=a.fast_every,
+            persistent_every=steps,
+            config=cfg,
+        )
         seconds, step = timed_restore(mgr, job)
-        results[tier] = {"seconds": round(seconds, 3), "gib_s": round(nbytes / GiB / seconds, 3), "step": step,
-                         "tier_recorded": tier_of_last_restore(a.persistent_dir), "bitwise_exact": exact(job, ref)}
+        results[tier] = {
+            "seconds": round(seconds, 3),
+            "gib_s": round(nbytes / GiB / seconds, 3),
+            "step": step,
+            "tier_recorded": tier_of_last_restore(a.persistent_dir),
+            "bitwise_exact": exact(job, ref),
+        }
         if tier == "persistent":
-            results[tier]["cold_cache"] = f"fsync + posix_fadvise(POSIX_FADV_DONTNEED) on {files} files"
+            results[tier]["cold_cache"] = (
+                f"fsync + posix_fadvise(POSIX_FADV_DONTNEED) on {files} files"
+            )
     references = plain_restores(job, ref, a.persistent_dir / "plain") if a.references else None
     disk_cold = raw_read(a.persistent_dir, nbytes, cold=True)
-    disk_warm = raw_read(a.persistent_dir, nbytes, cold=False)  # if close to the cold figure, the drop failed
+    disk_warm = raw_read(
+        a.persistent_dir, nbytes, cold=False
+    )  # if close to the cold figure, the drop failed
     shm_read = raw_read(a.fast_dir.parent, nbytes, cold=False)
     out = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "params": sum(p.numel() for p in job.model.parameters()),
         "state_gib": round(nbytes / GiB, 3),
-        "fast_dir": str(a.fast_dir), "persistent_dir": str(a.persistent_dir),
+        "fast_dir": str(a.fast_dir),
+        "persistent_dir": str(a.persistent_dir),
         "restore": results,
-        "restore_speedup_fast_over_persistent": round(results["persistent"]["seconds"] / results["fast"]["seconds"], 2),
-        "reference_gib_s": {"disk_cold_read": round(disk_cold, 3), "disk_warm_read": round(disk_warm, 3),
-                            "tmpfs_read": round(shm_read, 3)},
-        "restore_vs_reference": {"fast_vs_tmpfs_read": round(results["fast"]["gib_s"] / shm_read, 3),
-                                 "persistent_vs_disk_cold_read": round(results["persistent"]["gib_s"] / disk_cold, 3)},
+        "restore_speedup_fast_over_persistent": round(
+            results["persistent"]["seconds"] / results["fast"]["seconds"], 2
+        ),
+        "reference_gib_s": {
+            "disk_cold_read": round(disk_cold, 3),
+            "disk_warm_read": round(disk_warm, 3),
+            "tmpfs_read": round(shm_read, 3),
+        },
+        "restore_vs_reference": {
+            "fast_vs_tmpfs_read": round(results["fast"]["gib_s"] / shm_read, 3),
+            "persistent_vs_disk_cold_read": round(results["persistent"]["gib_s"] / disk_cold, 3),
+        },
         "train": {
             "step_p50_s": round(p50, 4),
             "fast_every": a.fast_every,

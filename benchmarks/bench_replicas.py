@@ -66,7 +66,9 @@ def _restore(rank: int, world: int, root: str, tensors: int, mib: float) -> dict
 
 def _restore_seconds(root: Path, rank: int) -> list[float]:
     lines = (root / "proof" / f"rank_{rank:05d}.jsonl").read_text().splitlines()
-    return [r["seconds"] for r in map(json.loads, lines) if r.get("event") == "restore" and r.get("ok")]
+    return [
+        r["seconds"] for r in map(json.loads, lines) if r.get("event") == "restore" and r.get("ok")
+    ]
 
 
 def _timed(views: list, reps: int = 20) -> float:
@@ -79,7 +81,9 @@ def _timed(views: list, reps: int = 20) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--tensors", type=int, default=200)
     ap.add_argument("--mib", type=float, default=64.0)
@@ -97,17 +101,31 @@ def main() -> None:
             report_s.append(_timed(views))
         restore_s = _restore_seconds(root, 0)
     report = replica_report(views)
-    big = [{f"k{i}@(0,)": ["m", f"k{i}", "torch.float32|(4096, 4096)", f"{i:016x}"] for i in range(a.big_chunks)}
-           for _ in range(a.big_ranks)]
+    big = [
+        {
+            f"k{i}@(0,)": ["m", f"k{i}", "torch.float32|(4096, 4096)", f"{i:016x}"]
+            for i in range(a.big_chunks)
+        }
+        for _ in range(a.big_ranks)
+    ]
     big_s = _timed(big, reps=5)
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
         "load_1min": os.getloadavg()[0],
-        "job": {"world": a.world, "tensors": a.tensors, "mib": a.mib, "chunks_checked": report["checked"]},
+        "job": {
+            "world": a.world,
+            "tensors": a.tensors,
+            "mib": a.mib,
+            "chunks_checked": report["checked"],
+        },
         "restore_s": restore_s,
         "replica_report_s": report_s,
         "share_of_restore": statistics.median(report_s) / statistics.median(restore_s),
-        "synthetic": {"ranks": a.big_ranks, "chunks_per_rank": a.big_chunks, "replica_report_s": big_s},
+        "synthetic": {
+            "ranks": a.big_ranks,
+            "chunks_per_rank": a.big_chunks,
+            "replica_report_s": big_s,
+        },
     }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "replicas_cpu.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -128,7 +128,10 @@ def make_state(gib: float, device: str, tensor_mib: int, prefix: str) -> dict[st
     n_big = max(1, big_bytes // (tensor_mib << 20))
     sizes = [big_bytes // n_big] * n_big + small
     gen = torch.Generator(device=device).manual_seed(0)
-    return {f"{prefix}t{i:04d}": torch.rand(nb // 4, generator=gen, device=device) for i, nb in enumerate(sizes)}
+    return {
+        f"{prefix}t{i:04d}": torch.rand(nb // 4, generator=gen, device=device)
+        for i, nb in enumerate(sizes)
+    }
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -201,7 +204,9 @@ class Bench:
         self.device = "cuda" if args.device == "cuda" else "cpu"
         self.dir = Path(args.dir) / f"rank{rank}"
         self.shared = Path(args.dir) / "shared"
-        self.state = make_state(args.gib / world, self.device, args.tensor_mib, f"r{rank}." if world > 1 else "")
+        self.state = make_state(
+            args.gib / world, self.device, args.tensor_mib, f"r{rank}." if world > 1 else ""
+        )
         self.nbytes = state_bytes(self.state)
         self.host = torch.empty(max(t.numel() * 4 for t in self.state.values()), dtype=torch.uint8)
         self.host.fill_(1)  # resident before any baseline is taken
@@ -244,7 +249,9 @@ class Bench:
             seconds = time.perf_counter() - t0
         out = self._figures(seconds, mem)
         if name == "dcp" and self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # dcp.load reads our (plain DCP) files: save the disk space
+            shutil.rmtree(
+                path, ignore_errors=True
+            )  # dcp.load reads our (plain DCP) files: save the disk space
         if name == "ours":
             st = self.storage.last_stats
             out["hash_share"] = st.hash_seconds / seconds
@@ -308,9 +315,13 @@ class Bench:
             shutil.rmtree(self.shared / "warmup", ignore_errors=True)
         self.barrier()
         self.storage.write(self.shared / "warmup", tiny, self.ctx)
-        self.storage.read(self.shared / "warmup", {k: torch.zeros_like(v) for k, v in tiny.items()}, self.ctx)
+        self.storage.read(
+            self.shared / "warmup", {k: torch.zeros_like(v) for k, v in tiny.items()}, self.ctx
+        )
         dcp_save(tiny, self.shared / "warmup_dcp", self.pg)
-        dcp_load(self.shared / "warmup_dcp", {k: torch.zeros_like(v) for k, v in tiny.items()}, self.pg)
+        dcp_load(
+            self.shared / "warmup_dcp", {k: torch.zeros_like(v) for k, v in tiny.items()}, self.pg
+        )
         torch_save(tiny, path / "tiny.pt")
         torch_load_mmap(path / "tiny.pt", {k: torch.zeros_like(v) for k, v in tiny.items()})
         self.barrier()
@@ -359,9 +370,15 @@ def summarize(ranks: list[dict[str, Any]], phase: str) -> dict[str, dict[str, An
         runs = r0[method]
         if not runs:
             continue
-        row = {k: median_of(runs, k) for k in runs[0] if isinstance(runs[0][k], (int, float)) and k != "cold"}
+        row = {
+            k: median_of(runs, k)
+            for k in runs[0]
+            if isinstance(runs[0][k], (int, float)) and k != "cold"
+        }
         row["reps"] = len(runs)
-        row["extra_host_peak_bytes_max_rank"] = max(median_of(r[phase][method], "extra_host_peak_bytes") for r in ranks)
+        row["extra_host_peak_bytes_max_rank"] = max(
+            median_of(r[phase][method], "extra_host_peak_bytes") for r in ranks
+        )
         if "bitwise" in runs[0]:
             row["bitwise"] = all(x["bitwise"] for r in ranks for x in r[phase][method])
         if "cold" in runs[0]:
@@ -422,8 +439,14 @@ def environment(args: argparse.Namespace, world: int) -> dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    dev = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    fs = subprocess.run(["df", "-hT", args.dir], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
+    dev = (
+        torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    )
+    fs = (
+        subprocess.run(["df", "-hT", args.dir], capture_output=True, text=True)
+        .stdout.strip()
+        .splitlines()[-1:]
+    )
     return {
         "device": dev,
         "world": world,
@@ -444,9 +467,13 @@ def environment(args: argparse.Namespace, world: int) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace, port: int, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     torch.cuda.set_device(rank)
-    torch.distributed.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    torch.distributed.init_process_group(
+        "nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+    )
     gloo = torch.distributed.new_group(backend="gloo")
     try:
         results[rank] = Bench(args, rank, world, gloo).run()
@@ -456,27 +483,44 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, port: int, resul
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--gib", type=float, default=None, help="state size in GiB, all ranks together (cpu 2, cuda 8)")
-    p.add_argument("--world", type=int, default=1, help="ranks (cuda only: one GPU each, NCCL + gloo)")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    p.add_argument(
+        "--gib",
+        type=float,
+        default=None,
+        help="state size in GiB, all ranks together (cpu 2, cuda 8)",
+    )
+    p.add_argument(
+        "--world", type=int, default=1, help="ranks (cuda only: one GPU each, NCCL + gloo)"
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--tensor-mib", type=int, default=256)
     p.add_argument("--pool-mib", type=int, default=256)
     p.add_argument("--buffer-mib", type=int, default=32)
-    p.add_argument("--dir", default="/tmp/ckptguard-bench", help="where the checkpoints are written (the disk)")
-    p.add_argument("--out", required=True, help="directory for bench_storage.json and bench_storage.md")
+    p.add_argument(
+        "--dir", default="/tmp/ckptguard-bench", help="where the checkpoints are written (the disk)"
+    )
+    p.add_argument(
+        "--out", required=True, help="directory for bench_storage.json and bench_storage.md"
+    )
     p.add_argument("--save-methods", default="raw,ours,dcp,torch_save")
     p.add_argument("--load-methods", default="raw,ours,dcp,torch_load_mmap")
     p.add_argument("--cold", action="store_true", help="also drop caches before each save")
     p.add_argument("--settle-s", type=float, default=1.0, help="pause before each timed run")
-    p.add_argument("--max-seconds", type=float, default=300.0, help="stop starting new repetitions after this")
+    p.add_argument(
+        "--max-seconds", type=float, default=300.0, help="stop starting new repetitions after this"
+    )
     args = p.parse_args()
     if args.gib is None:
         args.gib = 8.0 if args.device == "cuda" else 2.0
     if args.world > 1 and args.device != "cuda":
         p.error("--world > 1 needs --device cuda (one GPU per rank)")
     if "torch_load_mmap" in args.load_methods and "torch_save" not in args.save_methods:
-        args.load_methods = ",".join(m for m in args.load_methods.split(",") if m != "torch_load_mmap")
+        args.load_methods = ",".join(
+            m for m in args.load_methods.split(",") if m != "torch_load_mmap"
+        )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.world == 1:
         ranks = [Bench(args, 0, 1, None).run()]

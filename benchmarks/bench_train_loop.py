@@ -54,8 +54,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import ckptguard as cg
 from ckptguard import AsyncOptions
 
-METHODS = ("none", "cg_sync", "cg_async", "cg_async_prepared", "cg_async_wait", "cg_async_gpu", "cg_tiers", "dcp_sync",
-           "dcp_async", "torch_save")
+METHODS = (
+    "none",
+    "cg_sync",
+    "cg_async",
+    "cg_async_prepared",
+    "cg_async_wait",
+    "cg_async_gpu",
+    "cg_tiers",
+    "dcp_sync",
+    "dcp_async",
+    "torch_save",
+)
 GiB = 1 << 30
 
 
@@ -73,7 +83,9 @@ class Block(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
@@ -111,10 +123,16 @@ class Job:
 
     def step(self) -> float:
         self.opt.zero_grad(set_to_none=True)
-        ctx = torch.autocast("cuda", torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
+        ctx = (
+            torch.autocast("cuda", torch.bfloat16)
+            if self.device.type == "cuda"
+            else contextlib.nullcontext()
+        )
         with ctx:
             logits = self.model(self.tok[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), self.tok[:, 1:].reshape(-1))
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), self.tok[:, 1:].reshape(-1)
+        )
         loss.backward()
         self.opt.step()
         return float(loss.item())  # a real loop logs its loss: the step ends on the host
@@ -219,7 +237,11 @@ def disk_figures(where: Path, nbytes: int) -> dict[str, float]:
             pass
     read_s = time.perf_counter() - t
     path.unlink()
-    return {"bytes": nbytes, "write_fsync_gib_s": nbytes / GiB / write_s, "cold_read_gib_s": nbytes / GiB / read_s}
+    return {
+        "bytes": nbytes,
+        "write_fsync_gib_s": nbytes / GiB / write_s,
+        "cold_read_gib_s": nbytes / GiB / read_s,
+    }
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -270,17 +292,26 @@ class CgMethod(Method):
         self.mode = mode
         gpu = (1 << 40) if mode == "gpu" else 0
         on_busy = cg.OnBusy.WAIT if mode == "wait" else cg.OnBusy.SKIP
-        config = cg.CheckpointConfig(async_save=AsyncOptions(gpu_bytes=gpu, on_busy=on_busy), retention=None)
+        config = cg.CheckpointConfig(
+            async_save=AsyncOptions(gpu_bytes=gpu, on_busy=on_busy), retention=None
+        )
         self.mgr: Any
         if mode == "tiers":
             fast = a.fast_dir / root.name
             shutil.rmtree(fast, ignore_errors=True)
-            self.mgr = cg.TieredCheckpoint(fast, persistent=root, fast_every=a.fast_every,
-                                           persistent_every=a.persistent_every, config=config)
+            self.mgr = cg.TieredCheckpoint(
+                fast,
+                persistent=root,
+                fast_every=a.fast_every,
+                persistent_every=a.persistent_every,
+                config=config,
+            )
         else:
             self.mgr = cg.CheckpointManager(root, config=config)
         self.skipped: list[int] = []
-        self.mgr.restore(job.state())  # the documented start: a fresh root, the optimizer without state
+        self.mgr.restore(
+            job.state()
+        )  # the documented start: a fresh root, the optimizer without state
         self.prepared = self.mgr.prepare_async(job.state()) if mode == "prepared" else None
         self.pending: Any = None
         self.fence_waits: list[float] = []
@@ -322,20 +353,35 @@ class CgMethod(Method):
             done = p.wait()
             self.last_dir = _newest(done) if isinstance(done, dict) else done
             self.write_seconds.append(time.perf_counter() - self._began)
-            self.fence_waits.append(p.mutation_wait_seconds if hasattr(p, "mutation_wait_seconds") else 0.0)
+            self.fence_waits.append(
+                p.mutation_wait_seconds if hasattr(p, "mutation_wait_seconds") else 0.0
+            )
             if getattr(p, "staged_seconds", None) is not None:
                 self.staged.append(p.staged_seconds)
             if rank() == 0 and self.last_dir is not None:
                 cost = json.loads((self.last_dir / "manifest.json").read_text()).get("cost") or {}
-                self.costs.append({k: cost.get(k) for k in ("live_bytes", "staged_host_bytes", "staged_gpu_bytes",
-                                                            "host_pool_bytes")})
+                self.costs.append(
+                    {
+                        k: cost.get(k)
+                        for k in (
+                            "live_bytes",
+                            "staged_host_bytes",
+                            "staged_gpu_bytes",
+                            "host_pool_bytes",
+                        )
+                    }
+                )
 
     def skipped_total(self) -> int:
         return int(self.mgr.busy.skipped_total)
 
     def pool_bytes(self) -> int:
         managers = [self.mgr.fast, self.mgr.persistent] if self.mode == "tiers" else [self.mgr]
-        return sum(m._staging.pool.held_bytes for m in managers if m is not None and m._staging.pool is not None)
+        return sum(
+            m._staging.pool.held_bytes
+            for m in managers
+            if m is not None and m._staging.pool is not None
+        )
 
     def restore(self, job: Job) -> None:
         self.mgr.restore(job.state())
@@ -380,7 +426,9 @@ class DcpMethod(Method):
         self._began = t
         single = not dist.is_initialized()
         if not self.use_async:
-            dcp.save(self._sd(self.job), checkpoint_id=str(path), process_group=self.pg, no_dist=single)
+            dcp.save(
+                self._sd(self.job), checkpoint_id=str(path), process_group=self.pg, no_dist=single
+            )
             self.last_dir = path
             self.write_seconds.append(time.perf_counter() - t)
             return time.perf_counter() - t
@@ -393,10 +441,21 @@ class DcpMethod(Method):
             if self.stager is not None:
                 self.stager.close()
             cuda = torch.cuda.is_available()
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=cuda))
-        self.response = dcp.async_save(self._sd(self.job), checkpoint_id=str(path), process_group=self.pg,
-                                       async_stager=self.stager, no_dist=single)
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        self.response = dcp.async_save(
+            self._sd(self.job),
+            checkpoint_id=str(path),
+            process_group=self.pg,
+            async_stager=self.stager,
+            no_dist=single,
+        )
         self.last_dir = path
         return time.perf_counter() - t
 
@@ -432,10 +491,19 @@ class DcpMethod(Method):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         sd = self._sd(job)
-        dcp.load(sd, checkpoint_id=str(self.last_dir), process_group=self.pg, no_dist=not dist.is_initialized())
+        dcp.load(
+            sd,
+            checkpoint_id=str(self.last_dir),
+            process_group=self.pg,
+            no_dist=not dist.is_initialized(),
+        )
         groups = get_state_dict(job.model, job.opt)[1]["param_groups"]
-        set_state_dict(job.model, job.opt, model_state_dict=sd["model"],
-                       optim_state_dict={"state": sd["optim"]["state"], "param_groups": groups})
+        set_state_dict(
+            job.model,
+            job.opt,
+            model_state_dict=sd["model"],
+            optim_state_dict={"state": sd["optim"]["state"], "param_groups": groups},
+        )
 
     def close(self) -> None:
         if self.stager is not None:
@@ -448,7 +516,9 @@ class TorchSave(Method):
         path.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         with open(path / f"rank_{rank()}.pt", "wb") as f:
-            torch.save({"model": self.job.model.state_dict(), "optim": self.job.opt.state_dict()}, f)
+            torch.save(
+                {"model": self.job.model.state_dict(), "optim": self.job.opt.state_dict()}, f
+            )
             f.flush()
             os.fsync(f.fileno())
         self.last_dir = path
@@ -457,13 +527,21 @@ class TorchSave(Method):
 
     def restore(self, job: Job) -> None:
         # weights_only: a checkpoint is never unpickled unrestricted (DTensor shards load too).
-        sd = torch.load(self.last_dir / f"rank_{rank()}.pt", map_location=job.device, weights_only=True)
+        sd = torch.load(
+            self.last_dir / f"rank_{rank()}.pt", map_location=job.device, weights_only=True
+        )
         job.model.load_state_dict(sd["model"])
         job.opt.load_state_dict(sd["optim"])
 
 
-CG_MODES = {"cg_sync": "sync", "cg_async": "skip", "cg_async_prepared": "prepared", "cg_async_wait": "wait",
-            "cg_async_gpu": "gpu", "cg_tiers": "tiers"}
+CG_MODES = {
+    "cg_sync": "sync",
+    "cg_async": "skip",
+    "cg_async_prepared": "prepared",
+    "cg_async_wait": "wait",
+    "cg_async_gpu": "gpu",
+    "cg_tiers": "tiers",
+}
 
 
 def make(name: str, root: Path, job: Job, a: argparse.Namespace) -> Method | None:
@@ -479,7 +557,9 @@ def make(name: str, root: Path, job: Job, a: argparse.Namespace) -> Method | Non
 # ---------------------------------------------------------------- the loop
 
 
-def run_method(name: str, a: argparse.Namespace, device: torch.device, disk: dict[str, float]) -> dict:
+def run_method(
+    name: str, a: argparse.Namespace, device: torch.device, disk: dict[str, float]
+) -> dict:
     """The user's loop for one method: a new job, the method's start (a restore on a fresh root), then
     ``every * (saves + 1)`` steps saving every ``every`` steps from the first interval on, all timed."""
     root = a.dir / name
@@ -508,7 +588,9 @@ def run_method(name: str, a: argparse.Namespace, device: torch.device, disk: dic
         last = now
         if method is not None and i % every == 0 and i < steps:
             kept = reference
-            reference = {k: v.detach().clone() for k, v in job.tensors().items()}  # for the bitwise check
+            reference = {
+                k: v.detach().clone() for k, v in job.tensors().items()
+            }  # for the bitwise check
             blocked = method.save(i)
             if isinstance(method, CgMethod) and method.skipped and method.skipped[-1] == i:
                 reference = kept  # skipped: the restore loads the last save that was taken
@@ -540,7 +622,9 @@ def run_method(name: str, a: argparse.Namespace, device: torch.device, disk: dic
         _free(device)
         return out
     if isinstance(method, CgMethod):
-        for save, wait in zip((s for s in saves if s["step"] not in method.skipped), method.fence_waits, strict=False):
+        for save, wait in zip(
+            (s for s in saves if s["step"] not in method.skipped), method.fence_waits, strict=False
+        ):
             save["next_step_wait_s"] = round(max(save["next_step_wait_s"], wait), 4)
         out["skipped_steps"] = method.skipped
         out["skipped_by_manager"] = method.skipped_total()
@@ -576,7 +660,11 @@ def run_method(name: str, a: argparse.Namespace, device: torch.device, disk: dic
 
 def _step_figures(out: dict[str, Any], step_times: list[tuple[float, bool]]) -> None:
     busy_t = [t for t, b in step_times[1:] if b]
-    idle_t = [t for t, b in step_times[1:] if not b and t < 10 * statistics.median([x for x, _ in step_times])]
+    idle_t = [
+        t
+        for t, b in step_times[1:]
+        if not b and t < 10 * statistics.median([x for x, _ in step_times])
+    ]
     every = [t for t, _ in step_times[1:]]
     out["step_p50_s"], out["step_p95_s"] = pct(every, 0.5), pct(every, 0.95)
     out["steps_during_write"] = len(busy_t)
@@ -590,8 +678,14 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def restore(method: Method, a: argparse.Namespace, device: torch.device, reference: dict | None, nbytes: int,
-            disk: dict[str, float]) -> dict[str, Any]:
+def restore(
+    method: Method,
+    a: argparse.Namespace,
+    device: torch.device,
+    reference: dict | None,
+    nbytes: int,
+    disk: dict[str, float],
+) -> dict[str, Any]:
     fresh = Job(a, device, seed=7)
     fresh.step()  # the optimizer has state to load into
     if rank() == 0:
@@ -602,7 +696,9 @@ def restore(method: Method, a: argparse.Namespace, device: torch.device, referen
     extra: dict[str, Any] = {}
     t = time.perf_counter()
     if isinstance(method, CgMethod):
-        extra["read"] = cg_restore(method.last_dir.parent if method.last_dir else method.root, fresh, a.read_threads)
+        extra["read"] = cg_restore(
+            method.last_dir.parent if method.last_dir else method.root, fresh, a.read_threads
+        )
     else:
         method.restore(fresh)
     if device.type == "cuda":
@@ -610,9 +706,11 @@ def restore(method: Method, a: argparse.Namespace, device: torch.device, referen
     restore_s = time.perf_counter() - t
     if isinstance(method, CgMethod):
         # What the restore spends outside the read (precheck, plan, apply, verification).
-        extra["restore_outside_read_s"] = round(restore_s - float(extra["read"].get("seconds", 0.0)), 3)
+        extra["restore_outside_read_s"] = round(
+            restore_s - float(extra["read"].get("seconds", 0.0)), 3
+        )
     settings = [x for x in a.alt_read.split(",") if x.strip()]  # --alt-read '': none
-    for setting in (settings if isinstance(method, CgMethod) and method.mode == "sync" else []):
+    for setting in settings if isinstance(method, CgMethod) and method.mode == "sync" else []:
         # The same restore with other read settings (threads:buffer MiB:pool MiB): what they are worth on this disk.
         alt = [int(x) for x in setting.split(":")]
         if rank() == 0:
@@ -624,19 +722,26 @@ def restore(method: Method, a: argparse.Namespace, device: torch.device, referen
             torch.cuda.synchronize()
         got_alt["restore_s"] = round(time.perf_counter() - t, 3)
         if nbytes:
-            got_alt["restore_vs_cold_read"] = round(nbytes / GiB / got_alt["restore_s"] / disk["cold_read_gib_s"], 3)
+            got_alt["restore_vs_cold_read"] = round(
+                nbytes / GiB / got_alt["restore_s"] / disk["cold_read_gib_s"], 3
+            )
         extra.setdefault("read_alt", []).append(got_alt)
     if isinstance(method, CgMethod) and method.last_dir is not None and nbytes:
         # The acceptance's yardstick: a cold sequential read of the same files, right after the restore; and the
         # restore until the state is loaded (the close that releases the staging restore prepared, apart).
         same = same_files_read(method.last_dir)
         ready_s = restore_s - float(extra["read"].get("close_s", 0.0))
-        extra.update(same_files=same, restore_ready_s=round(ready_s, 3),
-                     restore_vs_same_files_read=round(same["seconds"] / restore_s, 3),
-                     restore_ready_vs_same_files_read=round(same["seconds"] / ready_s, 3))
+        extra.update(
+            same_files=same,
+            restore_ready_s=round(ready_s, 3),
+            restore_vs_same_files_read=round(same["seconds"] / restore_s, 3),
+            restore_ready_vs_same_files_read=round(same["seconds"] / ready_s, 3),
+        )
     got = fresh.tensors()
-    exact = reference is not None and set(got) == set(reference) and all(
-        torch.equal(got[k], reference[k]) for k in reference
+    exact = (
+        reference is not None
+        and set(got) == set(reference)
+        and all(torch.equal(got[k], reference[k]) for k in reference)
     )
     out = {"restore_s": round(restore_s, 3), "restore_bitwise_exact": bool(exact), **extra}
     if nbytes:
@@ -649,11 +754,17 @@ def restore(method: Method, a: argparse.Namespace, device: torch.device, referen
     return out
 
 
-def cg_restore(root: Path, job: Job, threads: int, buffer_mib: int = 0, pool_mib: int = 0) -> dict[str, Any]:
+def cg_restore(
+    root: Path, job: Job, threads: int, buffer_mib: int = 0, pool_mib: int = 0
+) -> dict[str, Any]:
     """Restore through a new manager (as a new process would: no cache of the saving one); the read's figures."""
     from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
 
-    sizes = {"buffer_bytes": buffer_mib << 20, "pool_bytes": pool_mib << 20} if buffer_mib and pool_mib else {}
+    sizes = (
+        {"buffer_bytes": buffer_mib << 20, "pool_bytes": pool_mib << 20}
+        if buffer_mib and pool_mib
+        else {}
+    )
     threads_kw = {"read_threads": threads} if threads else {}
     storage = StreamingStorage(StreamingConfig(**threads_kw, **sizes))
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None), storage=storage)
@@ -664,7 +775,11 @@ def cg_restore(root: Path, job: Job, threads: int, buffer_mib: int = 0, pool_mib
     mgr.close()  # the staging it prepared for a save_async that never comes
     close_s = time.perf_counter() - t
     stats = storage.last_stats
-    out = {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(stats).items()} if stats else {}
+    out = (
+        {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(stats).items()}
+        if stats
+        else {}
+    )
     return {**out, "close_s": round(close_s, 3)}
 
 
@@ -720,53 +835,91 @@ def summary(res: dict) -> dict[str, Any]:
             "host_peak_x_state": round(m["host_extra_peak_bytes"] / res["state_bytes"], 3),
         }
         if m.get("during_write_p50_s") and base.get("step_p50_s"):
-            row["during_write_p50_slowdown"] = round(m["during_write_p50_s"] / base["step_p50_s"] - 1, 4)
-            row["during_write_p95_slowdown"] = round(m["during_write_p95_s"] / base["step_p95_s"] - 1, 4)
+            row["during_write_p50_slowdown"] = round(
+                m["during_write_p50_s"] / base["step_p50_s"] - 1, 4
+            )
+            row["during_write_p95_slowdown"] = round(
+                m["during_write_p95_s"] / base["step_p95_s"] - 1, 4
+            )
         out[name] = row
     return out
 
 
 def markdown(res: dict) -> str:
-    cols = ["blocked_first_s", "blocked_later_max_s", "loop_overhead", "during_write_p50_slowdown",
-            "during_write_p95_slowdown", "host_extra_peak_gib", "host_extra_left_gib", "save_vs_disk_write",
-            "restore_vs_cold_read", "restore_vs_same_files_read", "restore_ready_vs_same_files_read",
-            "restore_bitwise_exact", "first_next_step_wait_s", "skipped_saves", "host_peak_x_state"]
-    lines = [f"# bench_train_loop: {res['device']}, {res['params'] / 1e6:.0f}M params, "
-             f"{res['state_bytes'] / GiB:.2f} GiB state per rank, {res['world_size']} rank(s), "
-             f"save every {res['config']['every']} steps (cg_tiers: fast every {res['config']['fast_every']}, "
-             f"persistent every {res['config']['persistent_every']}), the first save inside the loop, "
-             f"{res['config']['saves']} saves",
-             "",
-             f"disk: write+fsync {res['disk']['write_fsync_gib_s']:.2f} GiB/s, cold read "
-             f"{res['disk']['cold_read_gib_s']:.2f} GiB/s; step p50 without saves "
-             f"{res['methods']['none']['step_p50_s']:.3f} s",
-             "",
-             "| method | " + " | ".join(cols) + " |",
-             "|---" * (len(cols) + 1) + "|"]
+    cols = [
+        "blocked_first_s",
+        "blocked_later_max_s",
+        "loop_overhead",
+        "during_write_p50_slowdown",
+        "during_write_p95_slowdown",
+        "host_extra_peak_gib",
+        "host_extra_left_gib",
+        "save_vs_disk_write",
+        "restore_vs_cold_read",
+        "restore_vs_same_files_read",
+        "restore_ready_vs_same_files_read",
+        "restore_bitwise_exact",
+        "first_next_step_wait_s",
+        "skipped_saves",
+        "host_peak_x_state",
+    ]
+    lines = [
+        f"# bench_train_loop: {res['device']}, {res['params'] / 1e6:.0f}M params, "
+        f"{res['state_bytes'] / GiB:.2f} GiB state per rank, {res['world_size']} rank(s), "
+        f"save every {res['config']['every']} steps (cg_tiers: fast every {res['config']['fast_every']}, "
+        f"persistent every {res['config']['persistent_every']}), the first save inside the loop, "
+        f"{res['config']['saves']} saves",
+        "",
+        f"disk: write+fsync {res['disk']['write_fsync_gib_s']:.2f} GiB/s, cold read "
+        f"{res['disk']['cold_read_gib_s']:.2f} GiB/s; step p50 without saves "
+        f"{res['methods']['none']['step_p50_s']:.3f} s",
+        "",
+        "| method | " + " | ".join(cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
     for name, row in res["summary"].items():
-        lines.append(f"| {name} | " + " | ".join("-" if row[c] is None else str(row[c]) for c in cols) + " |")
+        lines.append(
+            f"| {name} | " + " | ".join("-" if row[c] is None else str(row[c]) for c in cols) + " |"
+        )
     for name, err in res.get("errors", {}).items():
         lines.append(f"\n{name} failed: {err[:300]}")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/ckptguard-train-loop"))
     ap.add_argument("--methods", default=",".join(METHODS))
     add_model_args(ap)
     ap.add_argument("--every", type=int, default=45, help="steps between saves")
     ap.add_argument("--saves", type=int, default=3, help="saves per method")
-    ap.add_argument("--fast-every", type=int, default=10, help="cg_tiers: steps between fast-tier saves")
-    ap.add_argument("--persistent-every", type=int, default=30, help="cg_tiers: steps between persistent saves")
-    ap.add_argument("--fast-dir", type=Path, default=Path("/dev/shm/ckptguard-train-loop"),
-                    help="cg_tiers: the fast tier's parent folder")
-    ap.add_argument("--read-threads", type=int, default=0,
-                    help="StreamingConfig.read_threads of ckptguard's restores (0: the library's default)")
-    ap.add_argument("--alt-read", default="1:32:256",
-                    help="cg_sync also restores with each of these read settings, comma-separated "
-                    "threads:buffer MiB:pool MiB ('': none)")
+    ap.add_argument(
+        "--fast-every", type=int, default=10, help="cg_tiers: steps between fast-tier saves"
+    )
+    ap.add_argument(
+        "--persistent-every", type=int, default=30, help="cg_tiers: steps between persistent saves"
+    )
+    ap.add_argument(
+        "--fast-dir",
+        type=Path,
+        default=Path("/dev/shm/ckptguard-train-loop"),
+        help="cg_tiers: the fast tier's parent folder",
+    )
+    ap.add_argument(
+        "--read-threads",
+        type=int,
+        default=0,
+        help="StreamingConfig.read_threads of ckptguard's restores (0: the library's default)",
+    )
+    ap.add_argument(
+        "--alt-read",
+        default="1:32:256",
+        help="cg_sync also restores with each of these read settings, comma-separated "
+        "threads:buffer MiB:pool MiB ('': none)",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny sizes: correctness only")
     a = ap.parse_args()
     if a.tiny:
@@ -819,7 +972,10 @@ def main() -> None:
             traceback.print_exc()
             shutil.rmtree(a.dir / name, ignore_errors=True)
         if rank() == 0:
-            print(f"{name}: {json.dumps(res['methods'].get(name, res.get('errors', {}).get(name)))[:600]}", flush=True)
+            print(
+                f"{name}: {json.dumps(res['methods'].get(name, res.get('errors', {}).get(name)))[:600]}",
+                flush=True,
+            )
             write(a.out, res)  # after every method: a later crash keeps what was measured
     res["summary"] = summary(res)
     if rank() == 0:

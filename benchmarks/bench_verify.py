@@ -42,7 +42,9 @@ def plain_read(step_dir: Path) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dir", type=Path, default=Path("/tmp/bench-verify"))
     ap.add_argument("--size", type=float, default=4.0, help="GiB of tensor state")
     ap.add_argument("--reps", type=int, default=5)
@@ -51,7 +53,9 @@ def main() -> None:
     shutil.rmtree(a.dir, ignore_errors=True)
     n = int(a.size * (1 << 30) // 4 // 8)
     state = {f"t{i}": torch.randn(n) for i in range(8)}
-    mgr = cg.CheckpointManager(a.dir, config=cg.CheckpointConfig(state=StateOptions(capture_rng=False)))
+    mgr = cg.CheckpointManager(
+        a.dir, config=cg.CheckpointConfig(state=StateOptions(capture_rng=False))
+    )
     step_dir = mgr.save(1, state)
     del state
     nbytes = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())

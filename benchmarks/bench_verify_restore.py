@@ -29,7 +29,9 @@ def build(root: Path, steps: int) -> int:
     import ckptguard as cg
 
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None))
-    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))  # ~130 KiB of weights
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, 128), torch.nn.Linear(128, 128)
+    )  # ~130 KiB of weights
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(1, steps + 1):
         with torch.no_grad():
@@ -52,7 +54,15 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-verify-restore-") as tmp:
         per_step = build(Path(tmp) / "ck", args.steps)
-        cmd = [sys.executable, "-m", "ckptguard.cli", "verify", str(Path(tmp) / "ck"), "--deep", "--restore"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ckptguard.cli",
+            "verify",
+            str(Path(tmp) / "ck"),
+            "--deep",
+            "--restore",
+        ]
         for _ in range(args.reps):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()

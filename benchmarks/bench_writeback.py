@@ -38,7 +38,11 @@ def main() -> None:
     nbytes = n * (256 << 20)
     ctx = StorageContext(rank=0, world_size=1, process_group=None)
     kick = _writer.start_writeback
-    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "bytes": nbytes, "runs": []}
+    res: dict = {
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+        "bytes": nbytes,
+        "runs": [],
+    }
     res["disk"] = disk_figures(a.dir, nbytes)
     for _ in range(a.rounds):
         for mode in ("off", "on"):
@@ -48,8 +52,13 @@ def main() -> None:
             t = time.perf_counter()
             StreamingStorage().write(a.dir / "s", state, ctx)
             gib_s = nbytes / (1 << 30) / (time.perf_counter() - t)
-            res["runs"].append({"writeback": mode, "gib_s": round(gib_s, 3),
-                                "vs_disk": round(gib_s / res["disk"]["write_fsync_gib_s"], 3)})
+            res["runs"].append(
+                {
+                    "writeback": mode,
+                    "gib_s": round(gib_s, 3),
+                    "vs_disk": round(gib_s / res["disk"]["write_fsync_gib_s"], 3),
+                }
+            )
             print(res["runs"][-1], flush=True)
     shutil.rmtree(a.dir, ignore_errors=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -75,16 +75,21 @@ def main() -> None:
     out: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     model, optim = _job(a.width, a.layers)
     state = {"model": model, "optim": optim}
-    tiers = cg.TieredCheckpoint(a.fast_dir, persistent=a.dir / "persistent", fast_every=1, persistent_every=2)
+    tiers = cg.TieredCheckpoint(
+        a.fast_dir, persistent=a.dir / "persistent", fast_every=1, persistent_every=2
+    )
     tiers.restore(state)
     for step in range(1, 5):
         _step(model, optim, a.width)
         tiers.save_async(step, state)
     tiers.wait()
-    pools = [m._staging.pool for m in (tiers.fast, tiers.persistent) if m is not None and m._staging.pool]
+    pools = [
+        m._staging.pool for m in (tiers.fast, tiers.persistent) if m is not None and m._staging.pool
+    ]
     out["dropped_pool_bytes"] = sum(p.held_bytes for p in pools)
-    out["state_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
-        v.numel() * v.element_size() for s in optim.state.values() for v in s.values())
+    out["state_bytes"] = sum(
+        t.numel() * t.element_size() for t in model.state_dict().values()
+    ) + sum(v.numel() * v.element_size() for s in optim.state.values() for v in s.values())
     out["registered_before_drop"] = calls[0] - calls[1]
     del tiers, pools  # no close(): the pools go with the garbage
     gc.collect()
@@ -97,13 +102,19 @@ def main() -> None:
     fresh_model, fresh_optim = _job(a.width, a.layers)
     _step(fresh_model, fresh_optim, a.width)
     t = time.perf_counter()
-    step = cg.CheckpointManager(a.dir / "after").restore({"model": fresh_model, "optim": fresh_optim})
+    step = cg.CheckpointManager(a.dir / "after").restore(
+        {"model": fresh_model, "optim": fresh_optim}
+    )
     out["restore_after_drop_s"] = round(time.perf_counter() - t, 3)
     out["restored_step"] = step
-    out["restore_bitwise_exact"] = all(torch.equal(fresh_model.state_dict()[k], v) for k, v in saved.items())
+    out["restore_bitwise_exact"] = all(
+        torch.equal(fresh_model.state_dict()[k], v) for k, v in saved.items()
+    )
     mgr.close()
     out["registered_at_end"] = calls[0] - calls[1]
-    out["ok"] = step == 10 and bool(out["restore_bitwise_exact"]) and out["registered_after_drop"] == 0
+    out["ok"] = (
+        step == 10 and bool(out["restore_bitwise_exact"]) and out["registered_after_drop"] == 0
+    )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out), flush=True)

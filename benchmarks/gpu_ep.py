@@ -83,8 +83,14 @@ def main() -> None:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    result: dict = {"rank": rank, "world": world, "edp": a.edp, "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(), "backend": "nccl"}
+    result: dict = {
+        "rank": rank,
+        "world": world,
+        "edp": a.edp,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "backend": "nccl",
+    }
     if a.mode == "save":
         model, optim, ep_group, ep, ep_rank = build(world, a.edp, seed=0)
         result.update(ep=ep, ep_rank=ep_rank)
@@ -93,7 +99,9 @@ def main() -> None:
             result["plain_save"] = "committed (NOT refused)"
         except cg.ReplicatedDivergenceError as exc:
             result["plain_save"] = "refused: " + str(exc)[:300]
-        mgr = cg.CheckpointManager(f"{a.root}/ep", expert_parallel=cg.ExpertParallel(group=ep_group))
+        mgr = cg.CheckpointManager(
+            f"{a.root}/ep", expert_parallel=cg.ExpertParallel(group=ep_group)
+        )
         mgr.save(1, {"model": model, "optim": optim})
         result["saved"] = fingerprint(model, optim)
         result["pid"] = os.getpid()
@@ -102,14 +110,17 @@ def main() -> None:
         model, optim, ep_group, ep, ep_rank = build(world, a.edp, seed=7)
         result.update(ep=ep, ep_rank=ep_rank, pid=os.getpid(), saving_pid=saved["pid"])
         result["differs_before_restore"] = fingerprint(model, optim) != saved["saved"]
-        mgr = cg.CheckpointManager(f"{a.root}/ep", expert_parallel=cg.ExpertParallel(group=ep_group))
+        mgr = cg.CheckpointManager(
+            f"{a.root}/ep", expert_parallel=cg.ExpertParallel(group=ep_group)
+        )
         result["restored_step"] = mgr.restore({"model": model, "optim": optim})
         now = fingerprint(model, optim)
         result["expert_tensors"] = len(now)
         result["bitwise_equal"] = now == saved["saved"]
         try:
-            cg.CheckpointManager(f"{a.root}/ep", expert_parallel=cg.ExpertParallel(group=None)).restore(
-                {"model": model, "optim": optim})
+            cg.CheckpointManager(
+                f"{a.root}/ep", expert_parallel=cg.ExpertParallel(group=None)
+            ).restore({"model": model, "optim": optim})
             result["ep_size_mismatch"] = "restored (NOT refused)"
         except cg.TopologyMismatchError as exc:
             result["ep_size_mismatch"] = "raised TopologyMismatchError: " + str(exc)[:300]

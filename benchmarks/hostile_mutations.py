@@ -85,7 +85,23 @@ def _flip(data: bytes, rng: random.Random) -> bytes:
     return bytes(b)
 
 
-_LEAVES: list[Any] = [None, -1, 0, 1, 2**63, 2**70, 1.5, "", "x", "../../etc/passwd", [], {}, True, [1, 2], {"a": 1}]
+_LEAVES: list[Any] = [
+    None,
+    -1,
+    0,
+    1,
+    2**63,
+    2**70,
+    1.5,
+    "",
+    "x",
+    "../../etc/passwd",
+    [],
+    {},
+    True,
+    [1, 2],
+    {"a": 1},
+]
 
 
 def _paths(obj: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -109,22 +125,45 @@ def _mutate_json(text: bytes, rng: random.Random) -> bytes:
         parent = parent[k]
     if rng.random() < 0.2 and isinstance(parent, dict):
         del parent[at[-1]]
-    elif isinstance(parent[at[-1]], int) and not isinstance(parent[at[-1]], bool) and rng.random() < 0.5:
+    elif (
+        isinstance(parent[at[-1]], int)
+        and not isinstance(parent[at[-1]], bool)
+        and rng.random() < 0.5
+    ):
         parent[at[-1]] += rng.choice([-1, 1, 1 << 40])
     else:
         parent[at[-1]] = rng.choice(_LEAVES)
     return json.dumps(data, indent=1).encode()
 
 
-_TRACKERS = [b" 1", b"1 ", b"01", b"+1", b"-1", b"1e0", b"1.0", b"99999999999999999999999", b"\x001", b"", b"2",
-             b"0", b"1\n\n", b"\t1\n", b"\xff\xfe1"]
+_TRACKERS = [
+    b" 1",
+    b"1 ",
+    b"01",
+    b"+1",
+    b"-1",
+    b"1e0",
+    b"1.0",
+    b"99999999999999999999999",
+    b"\x001",
+    b"",
+    b"2",
+    b"0",
+    b"1\n\n",
+    b"\t1\n",
+    b"\xff\xfe1",
+]
 
 
 def mutate(root: Path, rng: random.Random) -> str:
     target = rng.choice(["metadata", "metadata", "manifest", "tracker"])
     step = root / STEP
     if target == "tracker":
-        new = rng.choice(_TRACKERS) if rng.random() < 0.7 else _flip((root / TRACKER).read_bytes(), rng)
+        new = (
+            rng.choice(_TRACKERS)
+            if rng.random() < 0.7
+            else _flip((root / TRACKER).read_bytes(), rng)
+        )
         (root / TRACKER).write_bytes(new)
         return f"tracker {new!r}"
     if target == "manifest":
@@ -136,7 +175,9 @@ def mutate(root: Path, rng: random.Random) -> str:
     path.write_bytes(new)
     manifest = json.loads((step / "manifest.json").read_text())
     for entry in manifest["files"]:
-        if entry["path"] == "state/.metadata":  # the checksum fixed to match: the checks must look deeper
+        if (
+            entry["path"] == "state/.metadata"
+        ):  # the checksum fixed to match: the checks must look deeper
             entry["size"], entry["xxh3"] = len(new), xxhash.xxh3_64(new).hexdigest()
     (step / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return "metadata"
@@ -174,7 +215,9 @@ def operator_verdicts(root: Path) -> tuple[dict[str, bool], list[str]]:
             data = {}
         if name == "list":
             good[name] = code == 0 and any(
-                e.get("step") == 1 and e.get("state") == "committed" for e in data.get("entries", []))
+                e.get("step") == 1 and e.get("state") == "committed"
+                for e in data.get("entries", [])
+            )
         elif name == "resolve":
             good[name] = code == 0 and data.get("step") == 1
         else:
@@ -212,7 +255,9 @@ def one(base: Path, clean: Path, i: int, rng: random.Random, timeout_s: int) -> 
     try:
         found = _judge(root, what, i)
         grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) << 10
-        if grew > _GREW_MAX:  # the whole step is 33 kB: anything near this was allocated from a declared size
+        if (
+            grew > _GREW_MAX
+        ):  # the whole step is 33 kB: anything near this was allocated from a declared size
             found["problems"].append(f"the peak RSS grew by {grew >> 20} MiB")
         return found
     except Hang:
@@ -235,18 +280,39 @@ def _judge(root: Path, what: str, i: int) -> dict[str, Any]:
             problems.append(f"restore allocated beyond the real bytes: {how}")
     # list and verify speak of step 1 itself; resolve and preflight of what a job's restore would load.
     lying = [k for k in ("list", "verify", "verify --deep") if good[k] and step_restored != 1]
-    lying += [k for k in ("resolve", "preflight") if good[k] and (auto_restored is None or auto_restored != said)]
+    lying += [
+        k
+        for k in ("resolve", "preflight")
+        if good[k] and (auto_restored is None or auto_restored != said)
+    ]
     caught_by = None
     if lying and not good["verify --deep"]:
         caught_by = "verify --deep"
-    elif lying:  # only a real restore compares what is left (a plain value's digest): does verify --restore?
-        code, _, _ = _cli(["verify", str(root), "--deep", "--restore", "--json"]) if root.exists() else (0, "", None)
+    elif (
+        lying
+    ):  # only a real restore compares what is left (a plain value's digest): does verify --restore?
+        code, _, _ = (
+            _cli(["verify", str(root), "--deep", "--restore", "--json"])
+            if root.exists()
+            else (0, "", None)
+        )
         caught_by = "verify --restore" if code != 0 else None
     if lying and caught_by is None:
-        problems.append(f"{', '.join(lying)} call the step good; restore of step 1: {how_step}; "
-                        f"restore of the root: {how_auto} (resolve said {said})")
-    return {"i": i, "what": what, "good": good, "said": said, "restore_step": how_step, "restore_root": how_auto,
-            "problems": problems, "bytes_only": bool(lying and caught_by), "caught_by": caught_by}
+        problems.append(
+            f"{', '.join(lying)} call the step good; restore of step 1: {how_step}; "
+            f"restore of the root: {how_auto} (resolve said {said})"
+        )
+    return {
+        "i": i,
+        "what": what,
+        "good": good,
+        "said": said,
+        "restore_step": how_step,
+        "restore_root": how_auto,
+        "problems": problems,
+        "bytes_only": bool(lying and caught_by),
+        "caught_by": caught_by,
+    }
 
 
 def _cap_address_space(headroom: int) -> None:
@@ -274,13 +340,22 @@ def run(n: int, seed: int, timeout_s: int, headroom_gib: float) -> dict[str, Any
         results = [one(base, clean, i, rng, timeout_s) for i in range(n)]
     bad = [r for r in results if r["problems"]]
     return {
-        "n": n, "seed": seed, "seconds": round(time.monotonic() - t0, 1),
+        "n": n,
+        "seed": seed,
+        "seconds": round(time.monotonic() - t0, 1),
         "targets": dict(Counter(r["what"].split()[0] for r in results)),
-        "restored": sum(1 for r in results if r.get("restore_step", "").startswith("restored step 1")),
-        "failed": len(bad), "failures": bad,
-        "bytes_only": [{k: r[k] for k in ("i", "what", "good", "caught_by", "restore_step")}
-                       for r in results if r.get("bytes_only")],
-        "python": sys.version.split()[0], "torch": torch.__version__,
+        "restored": sum(
+            1 for r in results if r.get("restore_step", "").startswith("restored step 1")
+        ),
+        "failed": len(bad),
+        "failures": bad,
+        "bytes_only": [
+            {k: r[k] for k in ("i", "what", "good", "caught_by", "restore_step")}
+            for r in results
+            if r.get("bytes_only")
+        ],
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
     }
 
 

@@ -60,19 +60,38 @@ def build(size: dict[str, int], seed: int = 1234) -> tuple[Any, Any, Any]:
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     cfg = TransformerConfig(
-        num_layers=size["layers"], hidden_size=size["hidden"], num_attention_heads=size["heads"],
-        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        hidden_dropout=0.1, attention_dropout=0.1,
+        num_layers=size["layers"],
+        hidden_size=size["hidden"],
+        num_attention_heads=size["heads"],
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
     )
-    gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=size["vocab"],
-                   max_sequence_length=SEQ).cuda()
+    gpt = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=size["vocab"],
+        max_sequence_length=SEQ,
+    ).cuda()
     gpt = Float16Module(cfg, gpt)  # as Megatron-LM: casts the embeddings' output to bf16
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                        use_distributed_optimizer=True)
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+    )
     model = DistributedDataParallel(config=cfg, ddp_config=ddp, module=gpt)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, bf16=True, use_distributed_optimizer=True,
-                        clip_grad=1.0, weight_decay=0.01), [model])
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            min_lr=1e-4,
+            bf16=True,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+            weight_decay=0.01,
+        ),
+        [model],
+    )
     return model, opt, make_scheduler(opt)
 
 
@@ -81,9 +100,19 @@ def make_scheduler(opt: Any) -> Any:
     its own (``step(increment=num_steps)``), so a restore into one that already stepped would double it."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=4,
-                                    lr_decay_steps=200, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
-                                    wd_incr_steps=200, wd_incr_style="constant")
+    return OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=4,
+        lr_decay_steps=200,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=200,
+        wd_incr_style="constant",
+    )
 
 
 class Batches:
@@ -155,7 +184,9 @@ def _arm(kind: str) -> None:
     elif kind == "megatron_config":
         from megatron.core.dist_checkpointing import serialization as ser
 
-        def kill(*a: Any, **k: Any) -> None:  # data and .metadata written; metadata.json (its marker) not
+        def kill(
+            *a: Any, **k: Any
+        ) -> None:  # data and .metadata written; metadata.json (its marker) not
             os.kill(me, signal.SIGKILL)
 
         ser.save_config = kill
@@ -174,27 +205,50 @@ def child(args: argparse.Namespace) -> int:
     model, opt, sched = build(size)
     data = Batches(size["vocab"], size["batch"])
     log = Path(args.log)
-    cfg = cg.CheckpointConfig(storage=StorageOptions(dir_template="iter_{step:07d}"), retention=cg.KeepLast(3),
-                              proof=cg.ProofPlan(deterministic=True))
+    cfg = cg.CheckpointConfig(
+        storage=StorageOptions(dir_template="iter_{step:07d}"),
+        retention=cg.KeepLast(3),
+        proof=cg.ProofPlan(deterministic=True),
+    )
     ckpt = MegatronCheckpoint(args.root, model, opt, config=cfg)
     state = {"scheduler": sched, "data": data}
     t0 = time.perf_counter()
     start = ckpt.restore(state)
-    _log(log, run=args.tag, event="restore", step=start, seconds=time.perf_counter() - t0,
-         state=state_digest(ckpt) if start else None, position=data.position)
-    kill_step, kill_kind = (int(args.kill.split("@")[1]), args.kill.split("@")[0]) if args.kill else (None, None)
+    _log(
+        log,
+        run=args.tag,
+        event="restore",
+        step=start,
+        seconds=time.perf_counter() - t0,
+        state=state_digest(ckpt) if start else None,
+        position=data.position,
+    )
+    kill_step, kill_kind = (
+        (int(args.kill.split("@")[1]), args.kill.split("@")[0]) if args.kill else (None, None)
+    )
     for step in range(start + 1, args.steps + 1):
         tokens = data.next()
         loss, norm = train_step(model, opt, sched, tokens)
-        ckpt.manager.record_step(step, sample_ids=[data.position - 1], batch=tokens, loss=loss, grad_norm=norm)
+        ckpt.manager.record_step(
+            step, sample_ids=[data.position - 1], batch=tokens, loss=loss, grad_norm=norm
+        )
         ckpt.manager.record_update(step, grad_norm=norm, params_changed=norm > 0)
         shards = ckpt.megatron.shard_digests()
-        _log(log, run=args.tag, event="step", step=step, loss=loss.hex(), state=state_digest(ckpt),
-             emb={k: v for k, v in shards.items() if k.startswith("embedding.")})
+        _log(
+            log,
+            run=args.tag,
+            event="step",
+            step=step,
+            loss=loss.hex(),
+            state=state_digest(ckpt),
+            emb={k: v for k, v in shards.items() if k.startswith("embedding.")},
+        )
         if kill_kind == "between" and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.async_save:
-            pending = ckpt.finalize()  # a finished Megatron write: its commit starts in the background
+            pending = (
+                ckpt.finalize()
+            )  # a finished Megatron write: its commit starts in the background
             if pending is not None:
                 _log(log, run=args.tag, event="finalized", step=step, saved=pending.step)
         if step % args.save_every == 0:
@@ -212,9 +266,26 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_child(args: argparse.Namespace, root: Path, log: Path, tag: str, kill: str | None, steps: int) -> int:
-    cmd = [sys.executable, __file__, "child", "--root", str(root), "--log", str(log), "--tag", tag,
-           "--steps", str(steps), "--save-every", str(args.save_every), "--size", args.size]
+def _run_child(
+    args: argparse.Namespace, root: Path, log: Path, tag: str, kill: str | None, steps: int
+) -> int:
+    cmd = [
+        sys.executable,
+        __file__,
+        "child",
+        "--root",
+        str(root),
+        "--log",
+        str(log),
+        "--tag",
+        tag,
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(args.save_every),
+        "--size",
+        args.size,
+    ]
     if kill:
         cmd += ["--kill", kill]
     if args.async_save:
@@ -261,7 +332,10 @@ def campaign(args: argparse.Namespace) -> int:
             return 1
         steps = [r for r in mine if r["event"] == "step"]
         exact = restore["step"] == 0 or restore["state"] == ref[restore["step"]]["state"]
-        replay = all(r["loss"] == ref[r["step"]]["loss"] and r["state"] == ref[r["step"]]["state"] for r in steps)
+        replay = all(
+            r["loss"] == ref[r["step"]]["loss"] and r["state"] == ref[r["step"]]["state"]
+            for r in steps
+        )
         for tmp in sorted(root.glob(".tmp-*")):  # what the kill left: never a resume target
             try:
                 check_files(tmp / "megatron")
@@ -269,25 +343,52 @@ def campaign(args: argparse.Namespace) -> int:
             except Exception as exc:
                 verdict = f"{type(exc).__name__}: {str(exc)[:160]}"
             torn.append({"after": tag, "dir": tmp.name, "check_files": verdict})
-        results.append({"run": tag, "kill": kill, "rc": rc, "restored": restore["step"],
-                        "restore_s": round(restore["seconds"], 3), "restored_exact": exact,
-                        "replayed_steps": len(steps), "replay_bitwise": replay,
-                        "tracker": (root / "latest_checkpointed_iteration.txt").read_text().strip()
-                        if (root / "latest_checkpointed_iteration.txt").exists() else None})
+        results.append(
+            {
+                "run": tag,
+                "kill": kill,
+                "rc": rc,
+                "restored": restore["step"],
+                "restore_s": round(restore["seconds"], 3),
+                "restored_exact": exact,
+                "replayed_steps": len(steps),
+                "replay_bitwise": replay,
+                "tracker": (root / "latest_checkpointed_iteration.txt").read_text().strip()
+                if (root / "latest_checkpointed_iteration.txt").exists()
+                else None,
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     final_ref = ref[args.steps]["state"]
     final = [r for r in recs if r["run"] == f"run{len(kills)}" and r["event"] == "step"]
-    prove = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", str(root)], capture_output=True,
-                           text=True, check=False)
-    summary = {"kills": len(kills), "runs": results, "torn_dirs": torn,
-               "final_equal_reference": bool(final) and final[-1]["state"] == final_ref,
-               "prove_rc": prove.returncode, "prove": prove.stdout[-4000:] + prove.stderr[-2000:]}
+    prove = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "prove", str(root)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    summary = {
+        "kills": len(kills),
+        "runs": results,
+        "torn_dirs": torn,
+        "final_equal_reference": bool(final) and final[-1]["state"] == final_ref,
+        "prove_rc": prove.returncode,
+        "prove": prove.stdout[-4000:] + prove.stderr[-2000:],
+    }
     print(prove.stdout, prove.stderr, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "megatron_campaign.json").write_text(json.dumps(summary, indent=1))
-    ok = all(r["restored_exact"] and r["replay_bitwise"] for r in results) and summary["final_equal_reference"]
-    ok = ok and prove.returncode == 0 and all(r["rc"] == -9 for r in results[:-1]) and results[-1]["rc"] == 0
+    ok = (
+        all(r["restored_exact"] and r["replay_bitwise"] for r in results)
+        and summary["final_equal_reference"]
+    )
+    ok = (
+        ok
+        and prove.returncode == 0
+        and all(r["rc"] == -9 for r in results[:-1])
+        and results[-1]["rc"] == 0
+    )
     print("CAMPAIGN", "PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1
 
@@ -328,10 +429,17 @@ def save_peaks(path: Path) -> list[dict[str, Any]]:
         start = starts[(r["policy_version"], r["step"])]
         base = start["host"]["current"]
         peak = r["peak"]
-        rows.append({"writer": r["policy_version"], "step": r["step"], "seconds": round(r["duration_s"], 3),
-                     "host_before_gib": round(base / 2**30, 3),
-                     "host_peak_over_before_gib": round((peak["host_current"] - base) / 2**30, 3),
-                     "process_rss_peak_gib": round(peak["process_rss"] / 2**30, 3), "samples": peak["samples"]})
+        rows.append(
+            {
+                "writer": r["policy_version"],
+                "step": r["step"],
+                "seconds": round(r["duration_s"], 3),
+                "host_before_gib": round(base / 2**30, 3),
+                "host_peak_over_before_gib": round((peak["host_current"] - base) / 2**30, 3),
+                "process_rss_peak_gib": round(peak["process_rss"] / 2**30, 3),
+                "samples": peak["samples"],
+            }
+        )
     return rows
 
 
@@ -358,7 +466,9 @@ def bench(args: argparse.Namespace) -> int:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    cfg = cg.CheckpointConfig(storage=StorageOptions(dir_template="iter_{step:07d}"), retention=cg.KeepLast(2))
+    cfg = cg.CheckpointConfig(
+        storage=StorageOptions(dir_template="iter_{step:07d}"), retention=cg.KeepLast(2)
+    )
     ckpt = mg.MegatronCheckpoint(work / "megatron", model, opt, config=cfg)
     from megatron.core.dist_checkpointing.mapping import ShardedBase, apply_factories
 
@@ -392,30 +502,72 @@ def bench(args: argparse.Namespace) -> int:
     for rep in range(args.reps):
         step = rep + 1
         t0 = time.perf_counter()
-        with recorder.phase(PhaseKind.SAVE, step=step, policy_version="megatron"), TreePss() as tree:
+        with (
+            recorder.phase(PhaseKind.SAVE, step=step, policy_version="megatron"),
+            TreePss() as tree,
+        ):
             ckpt.save(step, {"scheduler": sched})
-        trees.append({"writer": "megatron", "step": step, "tree_pss_peak_gib": round(tree.peak / 2**30, 3),
-                      "processes": tree.procs})
+        trees.append(
+            {
+                "writer": "megatron",
+                "step": step,
+                "tree_pss_peak_gib": round(tree.peak / 2**30, 3),
+                "processes": tree.procs,
+            }
+        )
         total = time.perf_counter() - t0
-        rows.append({"path": "megatron (MegatronCheckpoint.save)", "rep": rep, "blocked_s": total,
-                     "megatron_write_s": ckpt.last_write_seconds,
-                     "ckptguard_commit_s": total - ckpt.last_write_seconds})
+        rows.append(
+            {
+                "path": "megatron (MegatronCheckpoint.save)",
+                "rep": rep,
+                "blocked_s": total,
+                "megatron_write_s": ckpt.last_write_seconds,
+                "ckptguard_commit_s": total - ckpt.last_write_seconds,
+            }
+        )
         t0 = time.perf_counter()
-        with recorder.phase(PhaseKind.SAVE, step=step, policy_version="ckptguard_sync"), TreePss() as tree:
+        with (
+            recorder.phase(PhaseKind.SAVE, step=step, policy_version="ckptguard_sync"),
+            TreePss() as tree,
+        ):
             own.save(step, {"shards": flat, "scheduler": sched})
-        trees.append({"writer": "ckptguard_sync", "step": step, "tree_pss_peak_gib": round(tree.peak / 2**30, 3),
-                      "processes": tree.procs})
+        trees.append(
+            {
+                "writer": "ckptguard_sync",
+                "step": step,
+                "tree_pss_peak_gib": round(tree.peak / 2**30, 3),
+                "processes": tree.procs,
+            }
+        )
         total = time.perf_counter() - t0
-        rows.append({"path": "ckptguard own (CheckpointManager.save)", "rep": rep, "blocked_s": total})
+        rows.append(
+            {"path": "ckptguard own (CheckpointManager.save)", "rep": rep, "blocked_s": total}
+        )
         t0 = time.perf_counter()
-        with recorder.phase(PhaseKind.SAVE, step=step, policy_version="ckptguard_async"), TreePss() as tree:
+        with (
+            recorder.phase(PhaseKind.SAVE, step=step, policy_version="ckptguard_async"),
+            TreePss() as tree,
+        ):
             pending = own_async.save_async(step, {"shards": flat, "scheduler": sched})
             blocked = time.perf_counter() - t0
             own_async.wait()
-        trees.append({"writer": "ckptguard_async", "step": step, "tree_pss_peak_gib": round(tree.peak / 2**30, 3),
-                      "processes": tree.procs})
-        rows.append({"path": "ckptguard own (save_async)", "rep": rep, "blocked_s": blocked,
-                     "commit_s": time.perf_counter() - t0, "pending": pending is not None})
+        trees.append(
+            {
+                "writer": "ckptguard_async",
+                "step": step,
+                "tree_pss_peak_gib": round(tree.peak / 2**30, 3),
+                "processes": tree.procs,
+            }
+        )
+        rows.append(
+            {
+                "path": "ckptguard own (save_async)",
+                "rep": rep,
+                "blocked_s": blocked,
+                "commit_s": time.perf_counter() - t0,
+                "pending": pending is not None,
+            }
+        )
     if args.async_save:
         for rep in range(args.reps):
             step = 100 + rep
@@ -428,23 +580,49 @@ def bench(args: argparse.Namespace) -> int:
                 pending = ckpt.finalize()
             finalized = time.perf_counter() - t0
             ckpt.wait()
-            rows.append({"path": "megatron (MegatronCheckpoint.save_async)", "rep": rep, "blocked_s": blocked,
-                         "megatron_write_done_s": finalized, "commit_s": time.perf_counter() - t0})
+            rows.append(
+                {
+                    "path": "megatron (MegatronCheckpoint.save_async)",
+                    "rep": rep,
+                    "blocked_s": blocked,
+                    "megatron_write_done_s": finalized,
+                    "commit_s": time.perf_counter() - t0,
+                }
+            )
     recorder.close()
     memory = [{**m, **t} for m, t in zip(save_peaks(mem_path), trees, strict=True)]
     for rep in range(args.reps):
         cold = _drop_cache()
         t0 = time.perf_counter()
         ckpt.restore({"scheduler": make_scheduler(opt)})
-        rows.append({"path": "megatron (MegatronCheckpoint.restore)", "rep": rep,
-                     "restore_s": time.perf_counter() - t0, "cold_cache": cold})
+        rows.append(
+            {
+                "path": "megatron (MegatronCheckpoint.restore)",
+                "rep": rep,
+                "restore_s": time.perf_counter() - t0,
+                "cold_cache": cold,
+            }
+        )
         cold = _drop_cache()
         t0 = time.perf_counter()
         own.restore({"shards": flat, "scheduler": make_scheduler(opt)})
-        rows.append({"path": "ckptguard own (CheckpointManager.restore)", "rep": rep,
-                     "restore_s": time.perf_counter() - t0, "cold_cache": cold})
-    res = {"size": size, "state_bytes": nbytes, "tensors": len(flat), "rows": rows, "memory": memory,
-           "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
+        rows.append(
+            {
+                "path": "ckptguard own (CheckpointManager.restore)",
+                "rep": rep,
+                "restore_s": time.perf_counter() - t0,
+                "cold_cache": cold,
+            }
+        )
+    res = {
+        "size": size,
+        "state_bytes": nbytes,
+        "tensors": len(flat),
+        "rows": rows,
+        "memory": memory,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+    }
     (out / "megatron_bench.json").write_text(json.dumps(res, indent=1))
     for r in [*rows, *memory]:
         print(json.dumps(r), flush=True)
@@ -500,10 +678,16 @@ def fixture(args: argparse.Namespace) -> int:
     shards = ckpt.megatron.shard_digests()
     mdir = root / "iter_0000004" / "megatron"
     names = {f: _globals_named(mdir / f) for f in (".metadata", "common.pt")}
-    plain = MegatronCheckpoint(work / "megatron_model_only", model, None, config=cfg)  # what a CPU test can rebuild
+    plain = MegatronCheckpoint(
+        work / "megatron_model_only", model, None, config=cfg
+    )  # what a CPU test can rebuild
     plain.save(4, {"data": data})
-    info = {"files": sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
-            "globals": names, "shards": len(shards), "megatron": __import__("megatron.core").core.__version__}
+    info = {
+        "files": sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
+        "globals": names,
+        "shards": len(shards),
+        "megatron": __import__("megatron.core").core.__version__,
+    }
     (root.parent / "fixture_info.json").write_text(json.dumps(info, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -526,13 +710,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--async", dest="async_save", action="store_true",
-                   help="campaign/child: MegatronCheckpoint.save_async (Megatron's async writer) and finalize() "
-                        "at every step; bench: adds its rows")
-    p.add_argument("--size", default=json.dumps({"layers": 2, "hidden": 128, "heads": 4, "vocab": 512, "batch": 4}),
-                   help="JSON: layers, hidden, heads, vocab, batch")
+    p.add_argument(
+        "--async",
+        dest="async_save",
+        action="store_true",
+        help="campaign/child: MegatronCheckpoint.save_async (Megatron's async writer) and finalize() "
+        "at every step; bench: adds its rows",
+    )
+    p.add_argument(
+        "--size",
+        default=json.dumps({"layers": 2, "hidden": 128, "heads": 4, "vocab": 512, "batch": 4}),
+        help="JSON: layers, hidden, heads, vocab, batch",
+    )
     args = p.parse_args(argv)
-    return {"campaign": campaign, "bench": bench, "fixture": fixture, "child": child}[args.mode](args)
+    return {"campaign": campaign, "bench": bench, "fixture": fixture, "child": child}[args.mode](
+        args
+    )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ def touched(call: Callable[[], Any]) -> tuple[list[str], list[str]]:
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             name = frame.f_globals.get("__name__", "")
-            if (name == "ckptguard" or name.startswith("ckptguard.")) and not name.startswith("ckptguard.demo"):
+            if (name == "ckptguard" or name.startswith("ckptguard.")) and not name.startswith(
+                "ckptguard.demo"
+            ):
                 seen.setdefault(name, set()).add(threading.get_ident())
 
     threading.setprofile(profile)
@@ -66,7 +68,12 @@ def measure(root: Path) -> dict[str, list[str]]:
     fresh = build_job(seed=1).state()
     again = cg.CheckpointManager(root)
     restore, restore_bg = touched(lambda: again.restore(fresh))
-    return {"save": save, "save_background": save_bg, "restore": restore, "restore_background": restore_bg}
+    return {
+        "save": save,
+        "save_background": save_bg,
+        "restore": restore,
+        "restore_background": restore_bg,
+    }
 
 
 def main() -> None:
@@ -80,7 +87,9 @@ def main() -> None:
         return
     for what in ("save", "restore"):
         modules, background = found[what], set(found[f"{what}_background"])
-        print(f"{what}: {len(modules)} modules ({len(background)} only in background work it left running, marked *)")
+        print(
+            f"{what}: {len(modules)} modules ({len(background)} only in background work it left running, marked *)"
+        )
         for m in modules:
             print(f"  {m}{' *' if m in background else ''}")
 

@@ -54,7 +54,13 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("after_commit", "mid_save", "random", "rank_ahead", "crash_loop")
-VLLM_KINDS = ("after_commit", "mid_save", "mid_generation", "random", "crash_loop")  # one rank: no rank ahead
+VLLM_KINDS = (
+    "after_commit",
+    "mid_save",
+    "mid_generation",
+    "random",
+    "crash_loop",
+)  # one rank: no rank ahead
 WORLD = 2
 ONLY: tuple[str, ...] = ()  # --kinds: draw only these (the first kill stays after_commit)
 REPO = Path(__file__).resolve().parents[1]
@@ -77,20 +83,27 @@ def ddp_job(root: str, steps: int, save_every: int, sleep_s: float) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
+    )
     model = DistributedDataParallel(net)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.9)
     torch.manual_seed(100 + rank)  # each rank's own dropout stream
     data: Any = range(24)  # sample i is its index
-    sampler: DistributedSampler[int] = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=7)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        data, num_replicas=world, rank=rank, shuffle=True, seed=7
+    )
     # Its own generator: iter(loader) draws its base seed from it, not from the restored global RNG
-    loader: DataLoader[int] = DataLoader(data, batch_size=4, sampler=sampler,
-                                         generator=torch.Generator().manual_seed(3))
+    loader: DataLoader[int] = DataLoader(
+        data, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(3)
+    )
     pos = _Position()
     state = {"model": model, "optim": optim, "sched": sched, "position": pos}
     plan = cg.ProofPlan(deterministic=True, total_steps=steps)
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(proof=plan, retention=cg.KeepLast(2)))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(proof=plan, retention=cg.KeepLast(2))
+    )
     step = mgr.restore(state)
     while step < steps:
         sampler.set_epoch(pos.epoch)
@@ -100,7 +113,9 @@ def ddp_job(root: str, steps: int, save_every: int, sleep_s: float) -> None:
         for ids in it:
             step += 1
             pos.batch += 1
-            x = torch.stack([torch.randn(8, generator=torch.Generator().manual_seed(int(i))) for i in ids])
+            x = torch.stack(
+                [torch.randn(8, generator=torch.Generator().manual_seed(int(i))) for i in ids]
+            )
             loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
             optim.zero_grad()
             loss.backward()
@@ -143,13 +158,26 @@ class Kill:
     tracker: int  # the committed step when killed
     seconds: float
     survivors: list[int] = field(default_factory=list)
-    exited_before_kill: list[int | None] = field(default_factory=list)  # a rank that ended by itself (port in use)
+    exited_before_kill: list[int | None] = field(
+        default_factory=list
+    )  # a rank that ended by itself (port in use)
 
 
-def _rank_main(job: str, rank: int, port: int, root: str, steps: int, env: dict[str, str], log: str) -> None:
+def _rank_main(
+    job: str, rank: int, port: int, root: str, steps: int, env: dict[str, str], log: str
+) -> None:
     """One rank of a launch, forked from a server that imported torch once: what torchrun's worker runs."""
-    os.environ.update({**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(WORLD)})
+    os.environ.update(
+        {
+            **env,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "LOCAL_WORLD_SIZE": str(WORLD),
+        }
+    )
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -164,8 +192,12 @@ def _rank_main(job: str, rank: int, port: int, root: str, steps: int, env: dict[
         torch.distributed.init_process_group("gloo")
         nano = _example("nanogpt")
         # the tokens beside the root: the killed and the reference run each make the same files
-        nano.train(str(Path(root).parent), nano.Config(max_iters=steps), data_dir=str(Path(root).parent / "data"),
-                   root=root)
+        nano.train(
+            str(Path(root).parent),
+            nano.Config(max_iters=steps),
+            data_dir=str(Path(root).parent / "data"),
+            root=root,
+        )
         torch.distributed.destroy_process_group()
     else:
         ddp_job(root, steps, 4, 0.05)
@@ -192,8 +224,17 @@ def _context() -> Any:
         import multiprocessing as mp
 
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy", "ckptguard", "ckptguard.demo.job",
-                                         "torch.nn.parallel", "torch.utils.data"])
+        _CONTEXT.set_forkserver_preload(
+            [
+                "torch",
+                "torch.distributed",
+                "numpy",
+                "ckptguard",
+                "ckptguard.demo.job",
+                "torch.nn.parallel",
+                "torch.utils.data",
+            ]
+        )
     return _CONTEXT
 
 
@@ -224,7 +265,9 @@ def _since(root: Path, since: float, event: str) -> list[dict[str, Any]]:
 
 
 def _since_rank(root: Path, since: float, event: str, rank: int) -> list[dict[str, Any]]:
-    return [r for r in _records(root, rank) if r.get("event") == event and r.get("time", 0) >= since]
+    return [
+        r for r in _records(root, rank) if r.get("event") == event and r.get("time", 0) >= since
+    ]
 
 
 class Launch:
@@ -236,8 +279,10 @@ class Launch:
             port = s.getsockname()[1]
         self.since = time.time()
         ctx = _context()
-        self.procs = [ctx.Process(target=_rank_main, args=(job, rank, port, str(root), steps, env, str(log)))
-                      for rank in range(WORLD)]
+        self.procs = [
+            ctx.Process(target=_rank_main, args=(job, rank, port, str(root), steps, env, str(log)))
+            for rank in range(WORLD)
+        ]
         for proc in self.procs:
             proc.start()
 
@@ -246,7 +291,9 @@ class Launch:
         while time.monotonic() < deadline:
             if ready():
                 return True
-            if any(not p.is_alive() for p in self.procs):  # a rank that died alone leaves its peer hanging
+            if any(
+                not p.is_alive() for p in self.procs
+            ):  # a rank that died alone leaves its peer hanging
                 return False
             time.sleep(0.01)
         return False
@@ -272,8 +319,17 @@ def _restored(root: Path, since: float) -> int | None:
     return int(found[-1]["step"]) if found else None
 
 
-def _one_kill(job: str, kind: str, root: Path, steps: int, env: dict[str, str], log: Path, rng: random.Random,
-              number: int, pause: Path) -> Kill:
+def _one_kill(
+    job: str,
+    kind: str,
+    root: Path,
+    steps: int,
+    env: dict[str, str],
+    log: Path,
+    rng: random.Random,
+    number: int,
+    pause: Path,
+) -> Kill:
     extra = {}
     if kind == "mid_save":
         shutil.rmtree(pause, ignore_errors=True)
@@ -301,16 +357,28 @@ def _one_kill(job: str, kind: str, root: Path, steps: int, env: dict[str, str], 
         time.sleep(rng.uniform(0.0, 2.0))
     exited = [p.exitcode for p in launch.procs if not p.is_alive()]
     survivors = launch.kill()
-    return Kill(job, kind, number, _restored(root, launch.since), _tracker(root), round(time.time() - launch.since, 2),
-                survivors, exited)
+    return Kill(
+        job,
+        kind,
+        number,
+        _restored(root, launch.since),
+        _tracker(root),
+        round(time.time() - launch.since, 2),
+        survivors,
+        exited,
+    )
 
 
 def _finish(job: str, root: Path, steps: int, env: dict[str, str], log: Path) -> None:
     """A last launch that records steps past a new commit: the last resume has evidence too."""
     launch = Launch(job, root, steps, env, log)
     start = _tracker(root)
-    launch.wait(lambda: _tracker(root) > start and any(
-        r.get("step", 0) > _tracker(root) for r in _since(root, launch.since, "step")))
+    launch.wait(
+        lambda: (
+            _tracker(root) > start
+            and any(r.get("step", 0) > _tracker(root) for r in _since(root, launch.since, "step"))
+        )
+    )
     launch.kill()
 
 
@@ -327,18 +395,36 @@ def _plan(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> lis
 
 # ---------------------------------------------------------------- examples/grpo_vllm.py (vLLM venv, one process)
 
-GRPO_EPOCHS = 3  # 4 steps an epoch (4 prompts x 4 completions), a save every 2 steps: 12 steps a run
-GRPO_RANKS = {"grpo_vllm": 1, "grpo_vllm2": 2}  # grpo_vllm2: 2 gloo ranks (DDP), an engine each, 8 steps a run
+GRPO_EPOCHS = (
+    3  # 4 steps an epoch (4 prompts x 4 completions), a save every 2 steps: 12 steps a run
+)
+GRPO_RANKS = {
+    "grpo_vllm": 1,
+    "grpo_vllm2": 2,
+}  # grpo_vllm2: 2 gloo ranks (DDP), an engine each, 8 steps a run
 
 
 def _vllm_env() -> dict[str, str]:
     """tests/venvs.vllm_env: this repository's source first, one thread, offline, a 1 GiB KV cache, and none
     of a launcher's rank variables or VLLM_* settings (the example sets VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
-                                                                     "VLLM_", "CKPTGUARD_REHEARSE"))}
-    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "PYTHONUNBUFFERED": "1"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "VLLM_", "CKPTGUARD_REHEARSE")
+        )
+    }
+    env.update(
+        {
+            "PYTHONPATH": str(REPO / "src"),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     return env
 
 
@@ -346,17 +432,38 @@ class VllmLaunch:
     """One launch of examples/grpo_vllm.py, in a session of its own: a kill takes the session (the trainer and
     its in-process engine), as a scheduler ends a job."""
 
-    def __init__(self, root: Path, model_dir: Path, out: Path, extra_env: dict[str, str], args: list[str],
-                 nproc: int = 1) -> None:
+    def __init__(
+        self,
+        root: Path,
+        model_dir: Path,
+        out: Path,
+        extra_env: dict[str, str],
+        args: list[str],
+        nproc: int = 1,
+    ) -> None:
         self.since = time.time()
         self.out = out
         # --nproc 2: the example starts its ranks in this session; its own kills take the whole process group
         ranks = [f"--nproc={nproc}", "--epochs=2"] if nproc > 1 else [f"--epochs={GRPO_EPOCHS}"]
-        cmd = [str(VLLM_PYTHON), str(EXAMPLES / "grpo_vllm.py"), "--root", str(root), "--model-dir", str(model_dir),
-               *ranks, *args]
+        cmd = [
+            str(VLLM_PYTHON),
+            str(EXAMPLES / "grpo_vllm.py"),
+            "--root",
+            str(root),
+            "--model-dir",
+            str(model_dir),
+            *ranks,
+            *args,
+        ]
         with open(out, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**_vllm_env(), **extra_env},
-                                         cwd=root.parent, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**_vllm_env(), **extra_env},
+                cwd=root.parent,
+                start_new_session=True,
+            )
 
     def wait(self, ready: Any, timeout_s: float = 900.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -377,12 +484,22 @@ class VllmLaunch:
         return code
 
     def result(self) -> dict[str, Any] | None:
-        line = next((ln for ln in self.out.read_text().splitlines() if ln.startswith("RESULT ")), None)
-        return json.loads(line[len("RESULT "):]) if line else None
+        line = next(
+            (ln for ln in self.out.read_text().splitlines() if ln.startswith("RESULT ")), None
+        )
+        return json.loads(line[len("RESULT ") :]) if line else None
 
 
-def _grpo_kill(job: str, kind: str, root: Path, model_dir: Path, out: Path, rng: random.Random, number: int,
-               pause: Path) -> tuple[Kill, VllmLaunch]:
+def _grpo_kill(
+    job: str,
+    kind: str,
+    root: Path,
+    model_dir: Path,
+    out: Path,
+    rng: random.Random,
+    number: int,
+    pause: Path,
+) -> tuple[Kill, VllmLaunch]:
     nproc = GRPO_RANKS[job]
     extra: dict[str, str] = {}
     args: list[str] = []
@@ -391,8 +508,13 @@ def _grpo_kill(job: str, kind: str, root: Path, model_dir: Path, out: Path, rng:
         shutil.rmtree(pause, ignore_errors=True)
         pause.mkdir(parents=True)
         extra = {"CKPTGUARD_REHEARSE_PAUSE_DIR": str(pause)}
-    if kind == "mid_generation":  # the example's own timer, 50 ms into the engine's generate of that step
-        args = [f"--kill=generate@{start_tracker + rng.randint(1, 2)}", f"--kills-file={out.with_suffix('.fired')}"]
+    if (
+        kind == "mid_generation"
+    ):  # the example's own timer, 50 ms into the engine's generate of that step
+        args = [
+            f"--kill=generate@{start_tracker + rng.randint(1, 2)}",
+            f"--kills-file={out.with_suffix('.fired')}",
+        ]
     launch = VllmLaunch(root, model_dir, out, extra, args, nproc)
 
     def first_step() -> bool:
@@ -402,7 +524,9 @@ def _grpo_kill(job: str, kind: str, root: Path, model_dir: Path, out: Path, rng:
         launch.wait(lambda: _tracker(root) > start_tracker)
     elif kind == "mid_save":
         launch.wait(lambda: len(list(pause.glob("paused_rank_*"))) >= nproc)
-    elif kind == "rank_ahead":  # rank 1 (its pid from its own records) stopped; rank 0 runs on until it blocks
+    elif (
+        kind == "rank_ahead"
+    ):  # rank 1 (its pid from its own records) stopped; rank 0 runs on until it blocks
         launch.wait(lambda: first_step() and bool(_since_rank(root, launch.since, "step", 1)))
         time.sleep(rng.uniform(0.0, 3.0))
         pids = [r["pid"] for r in _since_rank(root, launch.since, "step", 1)]
@@ -420,11 +544,21 @@ def _grpo_kill(job: str, kind: str, root: Path, model_dir: Path, out: Path, rng:
         time.sleep(rng.uniform(0.0, 4.0))
     exited = launch.kill()
     restored = _since_rank(root, launch.since, "restore", 0)
-    return Kill(job, kind, number, int(restored[-1]["step"]) if restored else None, _tracker(root),
-                round(time.time() - launch.since, 2), [], [exited] if exited is not None else []), launch
+    return Kill(
+        job,
+        kind,
+        number,
+        int(restored[-1]["step"]) if restored else None,
+        _tracker(root),
+        round(time.time() - launch.since, 2),
+        [],
+        [exited] if exited is not None else [],
+    ), launch
 
 
-def run_grpo(job: str, kills: int, rng: random.Random, work: Path, deadline: float | None) -> dict[str, Any]:
+def run_grpo(
+    job: str, kills: int, rng: random.Random, work: Path, deadline: float | None
+) -> dict[str, Any]:
     """Runs of 12 steps, each launch killed at a drawn moment; a launch that ends by itself ends its run (a
     new root then); the last run is completed by a launch left alone. Each completed run's RESULT (params,
     AdamW state, completions) is compared with an uninterrupted run's."""
@@ -448,39 +582,62 @@ def run_grpo(job: str, kills: int, rng: random.Random, work: Path, deadline: flo
             break
         root = base / f"run{run}" / "ckpt"
         root.parent.mkdir(parents=True, exist_ok=True)
-        kill, launch = _grpo_kill(job, kind, root, model_dir, base / f"run{run}" / f"launch-{launches}.out", rng, n,
-                                  work / "pause-grpo")
+        kill, launch = _grpo_kill(
+            job,
+            kind,
+            root,
+            model_dir,
+            base / f"run{run}" / f"launch-{launches}.out",
+            rng,
+            n,
+            work / "pause-grpo",
+        )
         launches += 1
         done.append(kill)
-        print(f"{job} kill {n}/{len(plan)} {kind}: run {run}, restored {kill.restored}, tracker "
-              f"{kill.tracker}, {kill.seconds} s", flush=True)
+        print(
+            f"{job} kill {n}/{len(plan)} {kind}: run {run}, restored {kill.restored}, tracker "
+            f"{kill.tracker}, {kill.seconds} s",
+            flush=True,
+        )
         if launch.proc.returncode not in (0, -signal.SIGKILL):
             print(f"{job}: launch exited {launch.proc.returncode}: {launch.out}", flush=True)
-        if launch.proc.returncode == 0:  # the run reached its last step before the kill: a new run, a new root
+        if (
+            launch.proc.returncode == 0
+        ):  # the run reached its last step before the kill: a new run, a new root
             runs.append(_grpo_run(run, root, launch.result(), reference, nproc))
             run, launches = run + 1, 0
     root = base / f"run{run}" / "ckpt"
     if root.exists():  # the last run to its end, untouched
-        last = VllmLaunch(root, model_dir, base / f"run{run}" / f"launch-{launches}.out", {}, [], nproc)
+        last = VllmLaunch(
+            root, model_dir, base / f"run{run}" / f"launch-{launches}.out", {}, [], nproc
+        )
         last.wait(lambda: False, timeout_s=3600)
         last.kill()
         runs.append(_grpo_run(run, root, last.result(), reference, nproc))
     rows = []
     for r in runs:
         rows += [{**row, "run": r["run"]} for row in judge(job, Path(r["root"]), world=nproc)]
-    return {"job": job, "kills": [asdict(k) for k in done], "resumes": rows, "runs": runs,
-            "seconds": round(time.time() - began)}
+    return {
+        "job": job,
+        "kills": [asdict(k) for k in done],
+        "resumes": rows,
+        "runs": runs,
+        "seconds": round(time.time() - began),
+    }
 
 
-def _grpo_run(run: int, root: Path, result: dict[str, Any] | None, reference: dict[str, Any],
-              nproc: int = 1) -> dict[str, Any]:
+def _grpo_run(
+    run: int, root: Path, result: dict[str, Any] | None, reference: dict[str, Any], nproc: int = 1
+) -> dict[str, Any]:
     """A completed run against the uninterrupted one: final parameters, AdamW state, and the completions of
     every step its last launch generated; and every step record against the reference's."""
     out: dict[str, Any] = {"run": run, "root": str(root), "completed": result is not None}
     if result is not None:
         out["final_params_equal"] = result["params"] == reference["params"]
         out["final_optim_equal"] = result["optim"] == reference["optim"]
-        out["completions_equal"] = all(reference["completions"].get(k) == v for k, v in result["completions"].items())
+        out["completions_equal"] = all(
+            reference["completions"].get(k) == v for k, v in result["completions"].items()
+        )
     out["records"] = compare_records(root, root.parents[1] / "ref" / "ckpt", world=nproc)
     return out
 
@@ -510,7 +667,9 @@ def compare_records(root: Path, ref: Path, world: int = WORLD) -> dict[str, Any]
             if r.get("rng") and w.get("rng") and r["rng"].get("cpu") != w["rng"].get("cpu"):
                 keys.append("rng.cpu")
             if keys:
-                differ.append({"rank": rank, "step": r["step"], "pid": r.get("pid"), "fields": keys})
+                differ.append(
+                    {"rank": rank, "step": r["step"], "pid": r.get("pid"), "fields": keys}
+                )
     return {"compared": compared, "differ": differ, "not_in_reference": missing}
 
 
@@ -525,42 +684,83 @@ def compare_final(root: Path, ref: Path) -> dict[str, Any]:
     if not (theirs / "manifest.json").is_file():
         return {"step": step, "compared": False, "why": f"the reference's step {step} is not kept"}
     a, b = (json.loads((d / "manifest.json").read_text()) for d in (mine, theirs))
-    differ = [f"rank {r} {item}" for r in a["digests"] for item, v in a["digests"][r].items()
-              if item != "_rng" and b["digests"].get(r, {}).get(item) != v]
-    differ += [f"{item} {key}" for item, keys in a.get("layout_free", {}).items() for key, v in keys.items()
-               if b.get("layout_free", {}).get(item, {}).get(key) != v]
+    differ = [
+        f"rank {r} {item}"
+        for r in a["digests"]
+        for item, v in a["digests"][r].items()
+        if item != "_rng" and b["digests"].get(r, {}).get(item) != v
+    ]
+    differ += [
+        f"{item} {key}"
+        for item, keys in a.get("layout_free", {}).items()
+        for key, v in keys.items()
+        if b.get("layout_free", {}).get(item, {}).get(key) != v
+    ]
     for extras in sorted(mine.glob("rank_*.pt")):
-        rng = [torch.load(d / extras.name, weights_only=True).get("rng", {}).get("cpu") for d in (mine, theirs)]
+        rng = [
+            torch.load(d / extras.name, weights_only=True).get("rng", {}).get("cpu")
+            for d in (mine, theirs)
+        ]
         if rng[0] is None or rng[1] is None or not torch.equal(rng[0], rng[1]):
             differ.append(f"{extras.stem} rng.cpu")
-    return {"step": step, "compared": True, "items": sum(len(v) for v in a["digests"].values()),
-            "tensors": sum(len(v) for v in a.get("layout_free", {}).values()), "differ": differ}
+    return {
+        "step": step,
+        "compared": True,
+        "items": sum(len(v) for v in a["digests"].values()),
+        "tensors": sum(len(v) for v in a.get("layout_free", {}).values()),
+        "differ": differ,
+    }
 
 
-def reference_run(job: str, root: Path, ref: Path, steps: int, env: dict[str, str], log: Path) -> None:
+def reference_run(
+    job: str, root: Path, ref: Path, steps: int, env: dict[str, str], log: Path
+) -> None:
     """The same job never killed, in ``ref``, until every rank recorded the killed run's last step and the
     tracker reached its newest commit; then stopped."""
-    last = {rank: max([r["step"] for r in _records(root, rank) if r.get("event") == "step"], default=0)
-            for rank in range(WORLD)}
+    last = {
+        rank: max([r["step"] for r in _records(root, rank) if r.get("event") == "step"], default=0)
+        for rank in range(WORLD)
+    }
     target = _tracker(root)
     launch = Launch(job, ref, steps, env, log)
-    launch.wait(lambda: _tracker(ref) >= target and all(
-        any(r.get("event") == "step" and r.get("step", 0) >= last[rank] for r in _records(ref, rank))
-        for rank in range(WORLD)), timeout_s=3600)
+    launch.wait(
+        lambda: (
+            _tracker(ref) >= target
+            and all(
+                any(
+                    r.get("event") == "step" and r.get("step", 0) >= last[rank]
+                    for r in _records(ref, rank)
+                )
+                for rank in range(WORLD)
+            )
+        ),
+        timeout_s=3600,
+    )
     launch.kill()
 
 
 def cli_prove(root: Path) -> dict[int, dict[str, Any]]:
     """``ckptguard prove --all --json ROOT``, as a user runs it: each resume's outcome and exit code."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--all", "--json", str(root)],
-                          capture_output=True, text=True, timeout=1800, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "prove", "--all", "--json", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
     try:
         out = json.loads(proc.stdout)
     except ValueError:
         return {0: {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}}
-    return {int(r["resume"]): {"outcome": r["outcome"], "exit_code": r["exit_code"], "verdict": r["verdict"]}
-            for r in out.get("resumes", [])}
+    return {
+        int(r["resume"]): {
+            "outcome": r["outcome"],
+            "exit_code": r["exit_code"],
+            "verdict": r["verdict"],
+        }
+        for r in out.get("resumes", [])
+    }
 
 
 # ---------------------------------------------------------------- judging
@@ -572,17 +772,34 @@ def _past(root: Path, k: int, before: float, pid_of: dict[int, int], world: int 
     are compared whatever their order with the save record: an async save's record comes after the steps
     that ran while it was written."""
     for rank in range(world):
-        recs = [r for r in _records(root, rank) if r.get("time", 0) < before and r.get("pid") != pid_of.get(rank)]
-        pids = {r.get("pid") for r in recs if r.get("event") in ("save", "restore") and r.get("step") == k} or {
-            r.get("pid") for r in recs if r.get("event") == "step" and r.get("step") == k}
-        if any(r.get("event") == "step" and r.get("step", 0) > k and r.get("pid") in pids for r in recs):
+        recs = [
+            r
+            for r in _records(root, rank)
+            if r.get("time", 0) < before and r.get("pid") != pid_of.get(rank)
+        ]
+        pids = {
+            r.get("pid")
+            for r in recs
+            if r.get("event") in ("save", "restore") and r.get("step") == k
+        } or {r.get("pid") for r in recs if r.get("event") == "step" and r.get("step") == k}
+        if any(
+            r.get("event") == "step" and r.get("step", 0) > k and r.get("pid") in pids for r in recs
+        ):
             return True
     return False
 
 
-def _resumed_recorded(root: Path, time0: float, pid_of: dict[int, int], k: int, world: int = WORLD) -> bool:
-    return any(r.get("event") == "step" and r.get("pid") == pid_of.get(rank) and r.get("step", 0) > k
-               and r.get("time", 0) >= time0 for rank in range(world) for r in _records(root, rank))
+def _resumed_recorded(
+    root: Path, time0: float, pid_of: dict[int, int], k: int, world: int = WORLD
+) -> bool:
+    return any(
+        r.get("event") == "step"
+        and r.get("pid") == pid_of.get(rank)
+        and r.get("step", 0) > k
+        and r.get("time", 0) >= time0
+        for rank in range(world)
+        for r in _records(root, rank)
+    )
 
 
 def judge(job: str, root: Path, world: int = WORLD) -> list[dict[str, Any]]:
@@ -604,18 +821,30 @@ def judge(job: str, root: Path, world: int = WORLD) -> list[dict[str, Any]]:
         past = _past(root, r.step, r.time, pid_of, world)
         resumed = _resumed_recorded(root, r.time, pid_of, r.step, world)
         cli = by_cli.get(r.number, by_cli.get(0, {"error": "not in prove --all --json"}))
-        rows.append({"job": job, "resume": r.number, "step": r.step, "outcome": outcome(gates).value,
-                     "verdict": verdict(gates), "missing": [g.name for g in missing(gates)],
-                     "recorded_past_before": past, "resumed_recorded": resumed,
-                     "one_record_apart": any("one record behind" in g.evidence for g in gates),
-                     "against_earlier_resume": any("compared with an earlier resume" in g.evidence for g in gates),
-                     "failed": [f"{g.name}: {g.evidence}" for g in gates if g.status.value == "FAIL"],
-                     "cli": cli})
+        rows.append(
+            {
+                "job": job,
+                "resume": r.number,
+                "step": r.step,
+                "outcome": outcome(gates).value,
+                "verdict": verdict(gates),
+                "missing": [g.name for g in missing(gates)],
+                "recorded_past_before": past,
+                "resumed_recorded": resumed,
+                "one_record_apart": any("one record behind" in g.evidence for g in gates),
+                "against_earlier_resume": any(
+                    "compared with an earlier resume" in g.evidence for g in gates
+                ),
+                "failed": [f"{g.name}: {g.evidence}" for g in gates if g.status.value == "FAIL"],
+                "cli": cli,
+            }
+        )
     return rows
 
 
-def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int,
-            deadline: float | None = None) -> dict[str, Any]:
+def run_job(
+    job: str, kills: int, rng: random.Random, work: Path, steps: int, deadline: float | None = None
+) -> dict[str, Any]:
     if job in GRPO_RANKS:
         return run_grpo(job, kills, rng, work, deadline)
     root = work / job / "ck"
@@ -630,15 +859,23 @@ def run_job(job: str, kills: int, rng: random.Random, work: Path, steps: int,
             print(f"{job}: the deadline passed after {n - 1} kills", flush=True)
             break
         done.append(_one_kill(job, kind, root, steps, env, log, rng, n, work / "pause"))
-        print(f"{job} kill {n}/{kills} {kind}: restored {done[-1].restored}, tracker {done[-1].tracker}, "
-              f"{done[-1].seconds} s", flush=True)
+        print(
+            f"{job} kill {n}/{kills} {kind}: restored {done[-1].restored}, tracker {done[-1].tracker}, "
+            f"{done[-1].seconds} s",
+            flush=True,
+        )
     _finish(job, root, steps, env, log)
     ref = work / job / "ref" / "ck"
     reference_run(job, root, ref, steps, env, work / f"{job}-ref.log")
     rows = judge(job, root)
     against = {"records": compare_records(root, ref), "final": compare_final(root, ref)}
-    return {"job": job, "kills": [asdict(k) for k in done], "resumes": rows, "reference": against,
-            "seconds": round(time.time() - began)}
+    return {
+        "job": job,
+        "kills": [asdict(k) for k in done],
+        "resumes": rows,
+        "reference": against,
+        "seconds": round(time.time() - began),
+    }
 
 
 def rejudge(res: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -647,8 +884,10 @@ def rejudge(res: dict[str, Any], work: Path) -> dict[str, Any]:
         return {**res, "resumes": judge(res["job"], work / res["job"] / "ck")}
     rows = []
     for run in res["runs"]:
-        rows += [{**row, "run": run["run"]} for row in judge(res["job"], Path(run["root"]),
-                                                            world=GRPO_RANKS[res["job"]])]
+        rows += [
+            {**row, "run": run["run"]}
+            for row in judge(res["job"], Path(run["root"]), world=GRPO_RANKS[res["job"]])
+        ]
     return {**res, "resumes": rows}
 
 
@@ -662,34 +901,68 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     crash_steps = Counter((r["job"], r.get("run"), r["step"]) for r in rows)
     cli = [r.get("cli", {}) for r in rows]
     return {
-        "by_job": {res.get("label", res["job"]): {"kills": len(res["kills"]), "resumes": len(res["resumes"]),
-                                "outcomes": dict(Counter(r["outcome"] for r in res["resumes"]))} for res in results},
+        "by_job": {
+            res.get("label", res["job"]): {
+                "kills": len(res["kills"]),
+                "resumes": len(res["resumes"]),
+                "outcomes": dict(Counter(r["outcome"] for r in res["resumes"])),
+            }
+            for res in results
+        },
         # what `ckptguard prove --all --json` said of each resume, and where it disagrees with evaluate()
         "cli_outcomes": dict(Counter(c.get("outcome", "error") for c in cli)),
-        "cli_disagrees": [{k: r.get(k) for k in ("job", "run", "resume", "outcome", "cli")} for r in rows
-                          if r.get("cli", {}).get("outcome") != r["outcome"]],
+        "cli_disagrees": [
+            {k: r.get(k) for k in ("job", "run", "resume", "outcome", "cli")}
+            for r in rows
+            if r.get("cli", {}).get("outcome") != r["outcome"]
+        ],
         "against_uninterrupted": _against(results),
-        "kills": len(kills), "kills_by_kind": dict(Counter(k["kind"] for k in kills)),
+        "kills": len(kills),
+        "kills_by_kind": dict(Counter(k["kind"] for k in kills)),
         "survivors": sum(len(k["survivors"]) for k in kills),
         # a launch whose process ended before the campaign's kill: a crash of its own (grpo_vllm's mid_generation
         # kills are the example's own SIGKILL, 50 ms into the engine's generate, and counted apart)
-        "ended_before_kill": [{k: x[k] for k in ("job", "launch", "kind", "exited_before_kill")} for x in kills
-                              if x["exited_before_kill"] and not _self_killed(x)],
+        "ended_before_kill": [
+            {k: x[k] for k in ("job", "launch", "kind", "exited_before_kill")}
+            for x in kills
+            if x["exited_before_kill"] and not _self_killed(x)
+        ],
         "killed_mid_generation_by_the_example": sum(_self_killed(x) for x in kills),
-        "resumes": len(rows), "outcomes": dict(Counter(r["outcome"] for r in rows)),
+        "resumes": len(rows),
+        "outcomes": dict(Counter(r["outcome"] for r in rows)),
         "not_proven": [r for r in rows if r["outcome"] == "diverged"],
-        "missing_explained": len(missing) - len(unexplained), "missing_unexplained": unexplained,
-        "missing_cases": [{k: r[k] for k in ("job", "resume", "step", "missing", "recorded_past_before",
-                                             "resumed_recorded")} for r in missing],
-        "steps_resumed_3_or_more_times": sorted(f"{j}{'' if u is None else f' run {u}'} step {s}"
-                                                for (j, u, s), n in crash_steps.items() if n >= 3),
+        "missing_explained": len(missing) - len(unexplained),
+        "missing_unexplained": unexplained,
+        "missing_cases": [
+            {
+                k: r[k]
+                for k in (
+                    "job",
+                    "resume",
+                    "step",
+                    "missing",
+                    "recorded_past_before",
+                    "resumed_recorded",
+                )
+            }
+            for r in missing
+        ],
+        "steps_resumed_3_or_more_times": sorted(
+            f"{j}{'' if u is None else f' run {u}'} step {s}"
+            for (j, u, s), n in crash_steps.items()
+            if n >= 3
+        ),
         "judged_by_ranks_one_record_apart": sum(r.get("one_record_apart", False) for r in rows),
-        "judged_against_an_earlier_resume": sum(r.get("against_earlier_resume", False) for r in rows),
+        "judged_against_an_earlier_resume": sum(
+            r.get("against_earlier_resume", False) for r in rows
+        ),
     }
 
 
 def _self_killed(kill: dict[str, Any]) -> bool:
-    return bool(kill["kind"] == "mid_generation" and kill["exited_before_kill"] == [-signal.SIGKILL])
+    return bool(
+        kill["kind"] == "mid_generation" and kill["exited_before_kill"] == [-signal.SIGKILL]
+    )
 
 
 def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -701,22 +974,36 @@ def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
             runs = res.get("runs", [])
             out[res.get("label", res["job"])] = {
                 "runs_completed": sum(r["completed"] for r in runs),
-                "final_equal": sum(bool(r.get("final_params_equal") and r.get("final_optim_equal")
-                                        and r.get("completions_equal")) for r in runs),
+                "final_equal": sum(
+                    bool(
+                        r.get("final_params_equal")
+                        and r.get("final_optim_equal")
+                        and r.get("completions_equal")
+                    )
+                    for r in runs
+                ),
                 "records_compared": sum(r["records"]["compared"] for r in runs),
-                "records_differ": [d for r in runs for d in r["records"]["differ"]]}
+                "records_differ": [d for r in runs for d in r["records"]["differ"]],
+            }
         elif "reference" in res:
             ref = res["reference"]
-            out[res.get("label", res["job"])] = {"records_compared": ref["records"]["compared"],
-                               "records_differ": ref["records"]["differ"], "final": ref["final"]}
+            out[res.get("label", res["job"])] = {
+                "records_compared": ref["records"]["compared"],
+                "records_differ": ref["records"]["differ"],
+                "final": ref["final"],
+            }
     return out
 
 
 # ---------------------------------------------------------------- several campaigns summed, in markdown
 
-JOB_TITLES = {"demo": "demo (RL: FSDP2, FP8 export, old-logprobs)", "ddp": "ddp (DDP, Dropout, sampler, epochs)",
-              "nanogpt": "nanogpt (nanoGPT's loop, 2 ranks)", "grpo_vllm": "grpo_vllm (GRPO, vLLM engine, 1 rank)",
-              "grpo_vllm2": "grpo_vllm2 (GRPO, vLLM engines, 2 ranks)"}
+JOB_TITLES = {
+    "demo": "demo (RL: FSDP2, FP8 export, old-logprobs)",
+    "ddp": "ddp (DDP, Dropout, sampler, epochs)",
+    "nanogpt": "nanogpt (nanoGPT's loop, 2 ranks)",
+    "grpo_vllm": "grpo_vllm (GRPO, vLLM engine, 1 rank)",
+    "grpo_vllm2": "grpo_vllm2 (GRPO, vLLM engines, 2 ranks)",
+}
 
 
 def combine(paths: list[str]) -> dict[str, Any]:
@@ -740,8 +1027,11 @@ def markdown(out: dict[str, Any], head: str) -> str:
     jobs = [res.get("label", res["job"]) for res in out["jobs"]]
     cols = [*jobs, None]
     by = {res.get("label", res["job"]): res for res in out["jobs"]}
-    titles = {res.get("label", res["job"]): JOB_TITLES.get(res["job"], res["job"]) + (
-        f" (seed {res['seed']})" if "label" in res else "") for res in out["jobs"]}
+    titles = {
+        res.get("label", res["job"]): JOB_TITLES.get(res["job"], res["job"])
+        + (f" (seed {res['seed']})" if "label" in res else "")
+        for res in out["jobs"]
+    }
 
     def row(title: str, values: dict[str, Any]) -> str:
         return f"| {title} | " + " | ".join(_cell(values, j) for j in cols) + " |"
@@ -749,55 +1039,111 @@ def markdown(out: dict[str, Any], head: str) -> str:
     def count(pred: Any, what: str = "resumes") -> dict[str, int]:
         return {j: sum(1 for x in by[j][what] if pred(x)) for j in jobs}
 
-    lines = [head.rstrip(), "", "## Totals", "", "| | " + " | ".join(titles[j] for j in jobs) + " | all |",
-             "|---|" + "---|" * len(cols), row("SIGKILLs", {j: len(by[j]["kills"]) for j in jobs})]
+    lines = [
+        head.rstrip(),
+        "",
+        "## Totals",
+        "",
+        "| | " + " | ".join(titles[j] for j in jobs) + " | all |",
+        "|---|" + "---|" * len(cols),
+        row("SIGKILLs", {j: len(by[j]["kills"]) for j in jobs}),
+    ]
     for kind in dict.fromkeys(k["kind"] for res in out["jobs"] for k in res["kills"]):
         lines.append(row(f"- {kind}", count(lambda k, kind=kind: k["kind"] == kind, "kills")))
-    lines += [row("processes surviving a kill", {j: sum(len(k["survivors"]) for k in by[j]["kills"]) for j in jobs}),
-              row("launches that ended before the kill", count(
-                  lambda k: bool(k["exited_before_kill"]) and not _self_killed(k), "kills")),
-              row("resumes judged", {j: len(by[j]["resumes"]) for j in jobs})]
-    for outcome, title in (("proven", "**resume PROVEN**"), ("diverged", "**resume NOT proven (a FAIL)**"),
-                           ("evidence missing", "**resume EVIDENCE MISSING**")):
+    lines += [
+        row(
+            "processes surviving a kill",
+            {j: sum(len(k["survivors"]) for k in by[j]["kills"]) for j in jobs},
+        ),
+        row(
+            "launches that ended before the kill",
+            count(lambda k: bool(k["exited_before_kill"]) and not _self_killed(k), "kills"),
+        ),
+        row("resumes judged", {j: len(by[j]["resumes"]) for j in jobs}),
+    ]
+    for outcome, title in (
+        ("proven", "**resume PROVEN**"),
+        ("diverged", "**resume NOT proven (a FAIL)**"),
+        ("evidence missing", "**resume EVIDENCE MISSING**"),
+    ):
         lines.append(row(title, count(lambda r, o=outcome: r["outcome"] == o)))
-    lines += [row("- of which an earlier run had recorded past the restored step and the resumed run too",
-                  count(lambda r: r["outcome"] == "evidence missing" and r["recorded_past_before"]
-                        and r["resumed_recorded"])),
-              row("`prove --all --json` agrees with the verdict",
-                  count(lambda r: r["cli"].get("outcome") == r["outcome"])),
-              row("judged against an earlier resume (crash loop)", count(lambda r: r["against_earlier_resume"])),
-              row("judged by the ranks one record apart", count(lambda r: r["one_record_apart"]))]
-    lines += ["", "## Against an uninterrupted run of the same job", "",
-              "| job | step records compared (every launch, every rank) | differing | final state |",
-              "|---|---|---|---|"]
+    lines += [
+        row(
+            "- of which an earlier run had recorded past the restored step and the resumed run too",
+            count(
+                lambda r: (
+                    r["outcome"] == "evidence missing"
+                    and r["recorded_past_before"]
+                    and r["resumed_recorded"]
+                )
+            ),
+        ),
+        row(
+            "`prove --all --json` agrees with the verdict",
+            count(lambda r: r["cli"].get("outcome") == r["outcome"]),
+        ),
+        row(
+            "judged against an earlier resume (crash loop)",
+            count(lambda r: r["against_earlier_resume"]),
+        ),
+        row("judged by the ranks one record apart", count(lambda r: r["one_record_apart"])),
+    ]
+    lines += [
+        "",
+        "## Against an uninterrupted run of the same job",
+        "",
+        "| job | step records compared (every launch, every rank) | differing | final state |",
+        "|---|---|---|---|",
+    ]
     for job, v in out["summary"]["against_uninterrupted"].items():
         if "runs_completed" in v:
-            final = (f"{v['final_equal']} of {v['runs_completed']} completed runs: parameters, AdamW state and the "
-                     "last launch's completions equal")
+            final = (
+                f"{v['final_equal']} of {v['runs_completed']} completed runs: parameters, AdamW state and the "
+                "last launch's completions equal"
+            )
         elif v["final"]["compared"]:
             f = v["final"]
-            final = (f"step {f['step']}: {f['items']} per-rank item digests, {f['tensors']} layout-free tensor "
-                     f"digests, the CPU RNG of each rank: {'all equal' if not f['differ'] else f['differ']}")
+            final = (
+                f"step {f['step']}: {f['items']} per-rank item digests, {f['tensors']} layout-free tensor "
+                f"digests, the CPU RNG of each rank: {'all equal' if not f['differ'] else f['differ']}"
+            )
         else:
             final = f"not compared: {v['final']['why']}"
         lines.append(f"| {job} | {v['records_compared']} | {len(v['records_differ'])} | {final} |")
-    missing = [r for res in out["jobs"] for r in res["resumes"] if r["outcome"] == "evidence missing"]
-    lines += ["", "## Every EVIDENCE MISSING case", "",
-              "| job | run | resume | restored step | gates with nothing to compare | an earlier run recorded past the "
-              "step | the resumed run recorded past it |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['job']} | {r.get('run', '')} | {r['resume']} | {r['step']} | {', '.join(r['missing'])} | "
-              f"{'yes' if r['recorded_past_before'] else 'no'} | {'yes' if r['resumed_recorded'] else 'no'} |"
-              for r in missing]
+    missing = [
+        r for res in out["jobs"] for r in res["resumes"] if r["outcome"] == "evidence missing"
+    ]
+    lines += [
+        "",
+        "## Every EVIDENCE MISSING case",
+        "",
+        "| job | run | resume | restored step | gates with nothing to compare | an earlier run recorded past the "
+        "step | the resumed run recorded past it |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['job']} | {r.get('run', '')} | {r['resume']} | {r['step']} | {', '.join(r['missing'])} | "
+        f"{'yes' if r['recorded_past_before'] else 'no'} | {'yes' if r['resumed_recorded'] else 'no'} |"
+        for r in missing
+    ]
     failed = [r for res in out["jobs"] for r in res["resumes"] if r["outcome"] == "diverged"]
     lines += ["", "## Every NOT proven case", ""]
-    lines += [f"- {r['job']} run {r.get('run', '-')} resume {r['resume']} (step {r['step']}): {r['failed']}"
-              for r in failed] or ["None."]
+    lines += [
+        f"- {r['job']} run {r.get('run', '-')} resume {r['resume']} (step {r['step']}): {r['failed']}"
+        for r in failed
+    ] or ["None."]
     ended = out["summary"]["ended_before_kill"]
     lines += ["", "## Launches that ended before the kill", ""]
-    lines += [f"- {e['job']} launch {e['launch']} ({e['kind']}): exit {e['exited_before_kill']}" for e in ended] or [
-        "None."]
+    lines += [
+        f"- {e['job']} launch {e['launch']} ({e['kind']}): exit {e['exited_before_kill']}"
+        for e in ended
+    ] or ["None."]
     crash = out["summary"]["steps_resumed_3_or_more_times"]
-    lines += ["", f"Steps resumed 3 or more times (crash loops): {', '.join(crash) if crash else 'none'}.", ""]
+    lines += [
+        "",
+        f"Steps resumed 3 or more times (crash loops): {', '.join(crash) if crash else 'none'}.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -816,17 +1162,34 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=60, help="kills per job")
     p.add_argument("--jobs", default="demo,ddp,nanogpt,grpo_vllm")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--steps", type=int, default=100000, help="the jobs' total steps (never reached)")
+    p.add_argument(
+        "--steps", type=int, default=100000, help="the jobs' total steps (never reached)"
+    )
     p.add_argument("--work", default=None, help="working directory (default: a new temporary one)")
     p.add_argument("--out", default=None)
-    p.add_argument("--minutes", type=float, default=None, help="start no kill (but a crash loop's) after this")
-    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
-                   help="sum campaigns run side by side into --out (JSON) and --markdown, with --head's text first")
+    p.add_argument(
+        "--minutes", type=float, default=None, help="start no kill (but a crash loop's) after this"
+    )
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="sum campaigns run side by side into --out (JSON) and --markdown, with --head's text first",
+    )
     p.add_argument("--markdown", default=None)
-    p.add_argument("--kinds", default=None, help="comma-separated: draw only these kill kinds (after the first)")
+    p.add_argument(
+        "--kinds",
+        default=None,
+        help="comma-separated: draw only these kill kinds (after the first)",
+    )
     p.add_argument("--head", default=None, help="a file: the results page's text before its tables")
-    p.add_argument("--rejudge", default=None, metavar="JSON",
-                   help="judge the roots of an earlier campaign's JSON again (its kills kept), with this prove")
+    p.add_argument(
+        "--rejudge",
+        default=None,
+        metavar="JSON",
+        help="judge the roots of an earlier campaign's JSON again (its kills kept), with this prove",
+    )
     a = p.parse_args()
     global ONLY
     ONLY = tuple(a.kinds.split(",")) if a.kinds else ()
@@ -835,8 +1198,12 @@ def main() -> None:
         if a.out:
             Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
         if a.markdown:
-            Path(a.markdown).write_text(markdown(out, Path(a.head).read_text() if a.head else "# Proof campaign\n"))
-        print(json.dumps({k: v for k, v in out["summary"].items() if k != "missing_cases"}, indent=1))
+            Path(a.markdown).write_text(
+                markdown(out, Path(a.head).read_text() if a.head else "# Proof campaign\n")
+            )
+        print(
+            json.dumps({k: v for k, v in out["summary"].items() if k != "missing_cases"}, indent=1)
+        )
         return
     rng = random.Random(a.seed)
     work = Path(a.work or tempfile.mkdtemp(prefix="proof-campaign-"))
@@ -851,8 +1218,13 @@ def main() -> None:
     command = " ".join([Path(sys.executable).name, *sys.argv])
     if a.rejudge:
         command = f"{earlier['command']}; judged again by: {command}"
-    out = {"command": command, "seed": a.seed, "work": str(work),
-           "summary": summary(results), "jobs": results}
+    out = {
+        "command": command,
+        "seed": a.seed,
+        "work": str(work),
+        "summary": summary(results),
+        "jobs": results,
+    }
     text = json.dumps(out, indent=1)
     if a.out:
         Path(a.out).write_text(text + "\n")

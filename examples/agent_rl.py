@@ -53,7 +53,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: the engine runs in this process
+os.environ.setdefault(
+    "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+)  # colocated: the engine runs in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the engine's KV cache
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(60)]
@@ -76,23 +78,40 @@ class SqliteEnv:
         self.kind = cg.EnvKind.IDEMPOTENT
         self.db = sqlite3.connect(path, isolation_level=None, timeout=60)
         self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("CREATE TABLE IF NOT EXISTS calls (call_id TEXT PRIMARY KEY, revision INT, args TEXT, "
-                        "result TEXT)")
-        self.db.execute("CREATE TABLE IF NOT EXISTS notes (call_id TEXT, rollout TEXT, attempt INT, turn INT, "
-                        "idx INT, revision INT, value INT)")
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS calls (call_id TEXT PRIMARY KEY, revision INT, args TEXT, "
+            "result TEXT)"
+        )
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS notes (call_id TEXT, rollout TEXT, attempt INT, turn INT, "
+            "idx INT, revision INT, value INT)"
+        )
 
     def call(self, call: Any) -> Any:
         from ckptguard.environments import EnvResult
 
         self.db.execute("BEGIN IMMEDIATE")  # the answer and the effect commit together, or neither
         try:
-            row = self.db.execute("SELECT revision, args, result FROM calls WHERE call_id = ?",
-                                  (call.call_id,)).fetchone()
+            row = self.db.execute(
+                "SELECT revision, args, result FROM calls WHERE call_id = ?", (call.call_id,)
+            ).fetchone()
             if row is None:
                 rev = 1 + self.revision(call.rollout)
-                self.db.execute("INSERT INTO notes VALUES (?, ?, ?, ?, ?, ?, ?)", (
-                    call.call_id, call.rollout, call.attempt, call.turn, call.index, rev, int(call.args["v"])))
-                total = self.db.execute("SELECT SUM(value) FROM notes WHERE rollout = ?", (call.rollout,)).fetchone()
+                self.db.execute(
+                    "INSERT INTO notes VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        call.call_id,
+                        call.rollout,
+                        call.attempt,
+                        call.turn,
+                        call.index,
+                        rev,
+                        int(call.args["v"]),
+                    ),
+                )
+                total = self.db.execute(
+                    "SELECT SUM(value) FROM notes WHERE rollout = ?", (call.rollout,)
+                ).fetchone()
                 row = (rev, call.args_digest, json.dumps(int(total[0])))
                 self.db.execute("INSERT INTO calls VALUES (?, ?, ?, ?)", (call.call_id, *row))
             self.db.execute("COMMIT")
@@ -102,7 +121,11 @@ class SqliteEnv:
         return EnvResult(json.loads(row[2]), int(row[0]), str(row[1]))
 
     def revision(self, rollout: str) -> int:
-        return int(self.db.execute("SELECT COUNT(*) FROM notes WHERE rollout = ?", (rollout,)).fetchone()[0])
+        return int(
+            self.db.execute("SELECT COUNT(*) FROM notes WHERE rollout = ?", (rollout,)).fetchone()[
+                0
+            ]
+        )
 
     def restore(self, rollout: str, revision: int) -> int:
         raise NotImplementedError("the database is idempotent by call id, not restorable")
@@ -113,7 +136,9 @@ class SqliteEnv:
     def effects(self) -> list[Any]:
         from ckptguard.environments import Effect
 
-        rows = self.db.execute("SELECT call_id, rollout, attempt, turn, idx, revision FROM notes ORDER BY rowid")
+        rows = self.db.execute(
+            "SELECT call_id, rollout, attempt, turn, idx, revision FROM notes ORDER BY rowid"
+        )
         return [Effect(*row) for row in rows]
 
 
@@ -123,12 +148,16 @@ def serve_counter(work: Path) -> None:
     parent = os.getppid()
     log_path = work / "counter.log"
     with open(work / "counter.lock", "w") as lock, open(log_path, "a+b") as raw:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # an orphan of a killed launch may still be answering: one at a time
+        fcntl.flock(
+            lock, fcntl.LOCK_EX
+        )  # an orphan of a killed launch may still be answering: one at a time
         raw.seek(0)
         text = raw.read().decode()
         if text and not text.endswith("\n"):
             raw.write(b"\n")  # a line torn by a kill: not an effect (its add was never answered)
-        effects = [json.loads(x) for x in text.splitlines() if x.startswith("{") and x.endswith("}")]
+        effects = [
+            json.loads(x) for x in text.splitlines() if x.startswith("{") and x.endswith("}")
+        ]
         value: dict[str, int] = {}
         rev: dict[str, int] = {}
         epoch: dict[str, int] = {}
@@ -145,13 +174,17 @@ def serve_counter(work: Path) -> None:
             except TimeoutError:
                 continue
             conn.settimeout(None)
-            threading.Thread(target=_session, args=(conn, raw, effects, value, rev, epoch), daemon=True).start()
+            threading.Thread(
+                target=_session, args=(conn, raw, effects, value, rev, epoch), daemon=True
+            ).start()
 
 
 _LOCK = threading.Lock()
 
 
-def _apply(e: dict[str, Any], value: dict[str, int], rev: dict[str, int], epoch: dict[str, int]) -> None:
+def _apply(
+    e: dict[str, Any], value: dict[str, int], rev: dict[str, int], epoch: dict[str, int]
+) -> None:
     r = e["rollout"]
     rev[r] = e["revision"]
     if e["op"] == "fence":
@@ -160,9 +193,19 @@ def _apply(e: dict[str, Any], value: dict[str, int], rev: dict[str, int], epoch:
         value[r] = value.get(r, 0) + e["k"]
 
 
-def _session(conn: socket.socket, log: Any, effects: list[dict[str, Any]], value: dict[str, int],
-             rev: dict[str, int], epoch: dict[str, int]) -> None:
-    with conn, conn.makefile("rw") as f, contextlib.suppress(ConnectionError):  # a killed client: it is gone
+def _session(
+    conn: socket.socket,
+    log: Any,
+    effects: list[dict[str, Any]],
+    value: dict[str, int],
+    rev: dict[str, int],
+    epoch: dict[str, int],
+) -> None:
+    with (
+        conn,
+        conn.makefile("rw") as f,
+        contextlib.suppress(ConnectionError),
+    ):  # a killed client: it is gone
         for line in f:
             req = json.loads(line)
             with _LOCK:
@@ -171,16 +214,30 @@ def _session(conn: socket.socket, log: Any, effects: list[dict[str, Any]], value
             f.flush()
 
 
-def _answer(req: dict[str, Any], log: Any, effects: list[dict[str, Any]], value: dict[str, int],
-            rev: dict[str, int], epoch: dict[str, int]) -> dict[str, Any]:
+def _answer(
+    req: dict[str, Any],
+    log: Any,
+    effects: list[dict[str, Any]],
+    value: dict[str, int],
+    rev: dict[str, int],
+    epoch: dict[str, int],
+) -> dict[str, Any]:
     r = req["rollout"]
     if req["op"] == "revision":
         return {"revision": rev.get(r, 0)}
     if req["op"] == "effects":
-        return {"effects": [{**e, "live": e["epoch"] == epoch.get(e["rollout"])} for e in effects if e["op"] == "add"]}
+        return {
+            "effects": [
+                {**e, "live": e["epoch"] == epoch.get(e["rollout"])}
+                for e in effects
+                if e["op"] == "add"
+            ]
+        }
     if req["op"] == "add" and req["epoch"] != epoch.get(r):
-        return {"error": f"stale attempt: rollout {r} runs under revision {epoch.get(r)}, the call {req['call_id']} "
-                         f"under {req['epoch']}"}
+        return {
+            "error": f"stale attempt: rollout {r} runs under revision {epoch.get(r)}, the call {req['call_id']} "
+            f"under {req['epoch']}"
+        }
     e = {"op": req["op"], "rollout": r, "revision": rev.get(r, 0) + 1}
     if req["op"] == "add":
         e.update({k: req[k] for k in ("call_id", "attempt", "turn", "index", "k", "epoch")})
@@ -202,12 +259,16 @@ class CounterEnv:
 
         self.kind = cg.EnvKind.RESTART_ONLY
         self.kills = kills
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve-counter", str(work)])
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve-counter", str(work)]
+        )
         port_file = work / f"counter.port.{os.getpid()}"
         deadline = time.monotonic() + 120
         while not port_file.exists():
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise SystemExit(f"the counter service did not start (exit {self.proc.poll()}); see its stderr")
+                raise SystemExit(
+                    f"the counter service did not start (exit {self.proc.poll()}); see its stderr"
+                )
             time.sleep(0.05)
         self.sock = socket.create_connection(("127.0.0.1", int(port_file.read_text())), timeout=60)
         self.f = self.sock.makefile("rw")
@@ -216,7 +277,9 @@ class CounterEnv:
         self.f.write(json.dumps(req) + "\n")
         self.f.flush()
         if req["op"] == "add" and self.kills.armed("tool"):
-            kill_now(self.kills)  # the add is sent: the service applies it, nobody records its answer
+            kill_now(
+                self.kills
+            )  # the add is sent: the service applies it, nobody records its answer
         reply: dict[str, Any] = json.loads(self.f.readline())
         if "error" in reply:
             raise RuntimeError(f"counter service: {reply['error']}")
@@ -225,8 +288,16 @@ class CounterEnv:
     def call(self, call: Any) -> Any:
         from ckptguard.environments import EnvResult
 
-        reply = self._ask(op="add", rollout=call.rollout, call_id=call.call_id, attempt=call.attempt, turn=call.turn,
-                          index=call.index, k=int(call.args["k"]), epoch=call.epoch)
+        reply = self._ask(
+            op="add",
+            rollout=call.rollout,
+            call_id=call.call_id,
+            attempt=call.attempt,
+            turn=call.turn,
+            index=call.index,
+            k=int(call.args["k"]),
+            epoch=call.epoch,
+        )
         return EnvResult(reply["value"], reply["revision"], call.args_digest)
 
     def revision(self, rollout: str) -> int:
@@ -241,23 +312,39 @@ class CounterEnv:
     def effects(self) -> list[Any]:
         from ckptguard.environments import Effect
 
-        return [Effect(e["call_id"], e["rollout"], e["attempt"], e["turn"], e["index"], e["revision"], e["live"])
-                for e in self._ask(op="effects", rollout="")["effects"]]
+        return [
+            Effect(
+                e["call_id"],
+                e["rollout"],
+                e["attempt"],
+                e["turn"],
+                e["index"],
+                e["revision"],
+                e["live"],
+            )
+            for e in self._ask(op="effects", rollout="")["effects"]
+        ]
 
 
 def counted(work: Path) -> dict[str, Any]:
     """Exactly-once as the environments' own files show it, without ckptguard: effects per call id."""
     db = sqlite3.connect(work / "env.sqlite")
     per_id = dict(db.execute("SELECT call_id, COUNT(*) FROM notes GROUP BY call_id").fetchall())
-    log = [json.loads(x) for x in (work / "counter.log").read_text().splitlines() if x.endswith("}")]
+    log = [
+        json.loads(x) for x in (work / "counter.log").read_text().splitlines() if x.endswith("}")
+    ]
     newest = {e["rollout"]: e["revision"] for e in log if e["op"] == "fence"}
     live: dict[str, int] = {}
     for e in log:
         if e["op"] == "add" and e["epoch"] == newest.get(e["rollout"]):
             live[e["call_id"]] = live.get(e["call_id"], 0) + 1
-    return {"db_calls": len(per_id), "db_not_once": {k: n for k, n in per_id.items() if n != 1},
-            "counter_calls": len(live), "counter_not_once": {k: n for k, n in live.items() if n != 1},
-            "counter_fenced": sum(1 for e in log if e["op"] == "add") - sum(live.values())}
+    return {
+        "db_calls": len(per_id),
+        "db_not_once": {k: n for k, n in per_id.items() if n != 1},
+        "counter_calls": len(live),
+        "counter_not_once": {k: n for k, n in live.items() if n != 1},
+        "counter_fenced": sum(1 for e in log if e["op"] == "add") - sum(live.values()),
+    }
 
 
 # ---------------------------------------------------------------- kills
@@ -267,7 +354,11 @@ class Kills:
     """``--kill WHERE@STEP``: one per launch, in order across launches (``--kills-file`` remembers)."""
 
     def __init__(self, plan: list[str], fired_file: Path | None) -> None:
-        fired = fired_file.read_text().split() if fired_file is not None and fired_file.is_file() else []
+        fired = (
+            fired_file.read_text().split()
+            if fired_file is not None and fired_file.is_file()
+            else []
+        )
         self.next = plan[len(fired)] if len(plan) > len(fired) else None
         self.fired_file = fired_file
         self.step = 0
@@ -306,12 +397,27 @@ def build_model(model_dir: Path) -> None:
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     tmp = model_dir.with_name(f".{model_dir.name}.tmp-{os.getpid()}")
     LlamaForCausalLM(config).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -347,7 +453,9 @@ def model_logprobs(actor: Any, conv: Any) -> Any:
     return lps[mask]
 
 
-def grpo_step(actor: Any, optim: Any, convs: list[Any], group: int, clip: float = 0.2) -> tuple[float, float, float]:
+def grpo_step(
+    actor: Any, optim: Any, convs: list[Any], group: int, clip: float = 0.2
+) -> tuple[float, float, float]:
     import torch
 
     reward = torch.tensor([_reward(c) for c in convs], dtype=torch.float64)
@@ -403,7 +511,15 @@ def state_digest(obj: Any) -> str:
 class Agent:
     """The rollout side: start a batch of prompts' rollouts, advance in-flight rollouts by a turn."""
 
-    def __init__(self, a: argparse.Namespace, llm: Any, tokenizer: Any, prompts: Any, turns: Any, kills: Kills) -> None:
+    def __init__(
+        self,
+        a: argparse.Namespace,
+        llm: Any,
+        tokenizer: Any,
+        prompts: Any,
+        turns: Any,
+        kills: Kills,
+    ) -> None:
         self.a, self.llm, self.tokenizer = a, llm, tokenizer
         self.prompts, self.turns, self.kills = prompts, turns, kills
         self.turn_s: list[float] = []  # wall time of a turn, per rollout advanced
@@ -425,26 +541,38 @@ class Agent:
 
         t0 = time.perf_counter()
         handles = [self.turns.next_turn(rid, step=step) for rid in rids]
-        params = [SamplingParams(temperature=1.0, max_tokens=MODEL_TOKENS, ignore_eos=True, seed=h.seed, logprobs=0)
-                  for h in handles]
+        params = [
+            SamplingParams(
+                temperature=1.0, max_tokens=MODEL_TOKENS, ignore_eos=True, seed=h.seed, logprobs=0
+            )
+            for h in handles
+        ]
         if self.kills.armed("turn"):
             self.kills.note()
             threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(h.tokens)) for h in handles], params,
-                                 use_tqdm=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(h.tokens)) for h in handles], params, use_tqdm=False
+        )
         sampled = []
         for h, out in zip(handles, outs, strict=True):
             comp = out.outputs[0]
             tokens = list(comp.token_ids)
-            sampled.append((list(h.tokens), tokens,
-                            [float(lp[t].logprob) for t, lp in zip(tokens, comp.logprobs, strict=True)]))
+            sampled.append(
+                (
+                    list(h.tokens),
+                    tokens,
+                    [float(lp[t].logprob) for t, lp in zip(tokens, comp.logprobs, strict=True)],
+                )
+            )
             self.turns.model_call(h, tokens)
             call = tool_call(tokens)
             answer = []
             if call is not None:
                 result = self.turns.env_call(h, *call)
                 if call[0] == "db" and self.kills.armed("effect"):
-                    kill_now(self.kills)  # the database committed the effect; the turn is not recorded
+                    kill_now(
+                        self.kills
+                    )  # the database committed the effect; the turn is not recorded
                 answer = [answer_token(result)]
             self.turns.end_turn(h, answer)
             if h.turn >= last_turn(h.rollout):
@@ -485,10 +613,14 @@ def ledger_figures(turns: Any) -> dict[str, float]:
     cost = time.perf_counter() - t0
     held = state["in_flight"] + state["finished"]
     n = max(1, len(held))
-    return {"in_flight": len(state["in_flight"]), "held": len(held), "bytes": buf.tell(),
-            "tokens": sum(len(r["tokens"]) * 3 // 16 for r in held),  # base64 text of int32 ids
-            "bytes_per_rollout": buf.tell() / n,
-            "save_ms_per_rollout": 1e3 * cost / n}
+    return {
+        "in_flight": len(state["in_flight"]),
+        "held": len(held),
+        "bytes": buf.tell(),
+        "tokens": sum(len(r["tokens"]) * 3 // 16 for r in held),  # base64 text of int32 ids
+        "bytes_per_rollout": buf.tell() / n,
+        "save_ms_per_rollout": 1e3 * cost / n,
+    }
 
 
 def train(a: argparse.Namespace) -> dict[str, Any]:
@@ -506,8 +638,15 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
     model_dir = work / "model"
     build_model(model_dir)
     kills = Kills(a.kill, Path(a.kills_file) if a.kills_file else None)
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=0, max_num_seqs=64,
-              enable_prefix_caching=False)  # every request prefilled whole: the same numbers after a restart
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        seed=0,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+    )  # every request prefilled whole: the same numbers after a restart
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     module = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     optim = torch.optim.AdamW(module.parameters(), lr=a.lr)
@@ -518,25 +657,39 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
     if not a.turns_out:
         state["turns"] = turns
     plan = cg.ProofPlan(rl=True, deterministic=True)
-    mgr = cg.CheckpointManager(a.root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), proof=plan,
-                                                                  timeout_s=120))
+    mgr = cg.CheckpointManager(
+        a.root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), proof=plan, timeout_s=120)
+    )
     start = mgr.restore(state, mode=cg.ResumeMode.AUTO)
     resumed = None
     if start and a.turns_out:
         prompts.resume()  # the negative control: no turn ledger, the prompts in flight are issued anew
     elif start:
-        resumed = turns.resume()  # continue or restart every in-flight rollout (and mark their prompts issued)
+        resumed = (
+            turns.resume()
+        )  # continue or restart every in-flight rollout (and mark their prompts issued)
     engine = cgv.Colocated(llm, mgr, rebuild_stale=True)
-    engine.push(start, module.state_dict())  # the engine loaded the initial weights: after a restore, push
+    engine.push(
+        start, module.state_dict()
+    )  # the engine loaded the initial weights: after a restore, push
     agent = Agent(a, llm, tokenizer, prompts, turns, kills)
     if resumed is not None:
         t0 = time.perf_counter()
         agent.catch_up(start, resumed.restarted)
-        print("TURNS " + json.dumps({"step": start, "continued": len(resumed.continued),
-                                     "turns_kept": sum(t for _, t in resumed.continued),
-                                     "restarted": len(resumed.restarted),
-                                     "turns_redone": sum(t for _, t, _ in resumed.restarted),
-                                     "catch_up_s": time.perf_counter() - t0}), flush=True)
+        print(
+            "TURNS "
+            + json.dumps(
+                {
+                    "step": start,
+                    "continued": len(resumed.continued),
+                    "turns_kept": sum(t for _, t in resumed.continued),
+                    "restarted": len(resumed.restarted),
+                    "turns_redone": sum(t for _, t, _ in resumed.restarted),
+                    "catch_up_s": time.perf_counter() - t0,
+                }
+            ),
+            flush=True,
+        )
     figures: list[dict[str, float]] = []
     step = start
     while True:
@@ -549,12 +702,16 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
         sampled = agent.advance(step, sorted(turns.in_flight, key=_order))
         module.eval()
         with torch.no_grad():
-            actor_lps = torch.cat([prefix_logprobs(module, prefix, tokens) for prefix, tokens, _ in sampled])
+            actor_lps = torch.cat(
+                [prefix_logprobs(module, prefix, tokens) for prefix, tokens, _ in sampled]
+            )
         engine_lps = torch.tensor([lp for _, _, lps in sampled for lp in lps], dtype=torch.float64)
         diff = mgr.record_logprobs(step, actor_lps.double(), engine_lps)
         trained: list[int] = []
         loss = norm = reward = 0.0
-        if not turns.in_flight:  # the batch is done: train on it, then the engine gets the new weights
+        if (
+            not turns.in_flight
+        ):  # the batch is done: train on it, then the engine gets the new weights
             convs = agent.batch_done()
             trained = [int(r.prompt_id) for r in prompts.take(len(convs) // a.group)]
             loss, norm, reward = grpo_step(module, optim, convs, a.group)
@@ -562,30 +719,53 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
             prompts.trained(trained, step)
             turns.acknowledge([c.rollout for c in convs])
             engine.push(step, module.state_dict())
-        mgr.record_step(step, sample_ids=trained, loss=loss, grad_norm=norm, reward=reward,
-                        probs_diff=diff["probs_diff"])
-        print(f"step {step:>2}: in flight {len(turns.in_flight):>2}  trained {trained}  loss {loss:+.4f}  "
-              f"probs_diff {diff['probs_diff']:.3g}", flush=True)
+        mgr.record_step(
+            step,
+            sample_ids=trained,
+            loss=loss,
+            grad_norm=norm,
+            reward=reward,
+            probs_diff=diff["probs_diff"],
+        )
+        print(
+            f"step {step:>2}: in flight {len(turns.in_flight):>2}  trained {trained}  loss {loss:+.4f}  "
+            f"probs_diff {diff['probs_diff']:.3g}",
+            flush=True,
+        )
         if step % a.save_every == 0:
-            if not trained:  # no push this step: what the engine holds is recorded as the export of the save
+            if (
+                not trained
+            ):  # no push this step: what the engine holds is recorded as the export of the save
                 cgv.record_engine_export(mgr, step, cgv.read_back(llm))
             figures.append(ledger_figures(turns))
             if kills.armed("save"):
                 kills.note()
-                cg_testing.set_fault_hook("storage.data_written", lambda: os.kill(os.getpid(), signal.SIGKILL))
+                cg_testing.set_fault_hook(
+                    "storage.data_written", lambda: os.kill(os.getpid(), signal.SIGKILL)
+                )
             mgr.save_async(step, state)
     last = step - 1
     mgr.wait()
     if last % a.save_every:
         mgr.save(last, state)
     turns.record_effects()
-    return {"step": last, "params": state_digest(module.state_dict()), "optim": state_digest(optim.state_dict()),
-            "trained": sorted(int(i) for i in prompts.trained_ids), "counted": counted(work),
-            "resumed": None if resumed is None else {"continued": len(resumed.continued),
-                                                     "restarted": len(resumed.restarted),
-                                                     "turns_kept": sum(t for _, t in resumed.continued),
-                                                     "turns_redone": sum(t for _, t, _ in resumed.restarted)},
-            "turn_s": sum(agent.turn_s) / max(1, len(agent.turn_s)), "ledger": figures}
+    return {
+        "step": last,
+        "params": state_digest(module.state_dict()),
+        "optim": state_digest(optim.state_dict()),
+        "trained": sorted(int(i) for i in prompts.trained_ids),
+        "counted": counted(work),
+        "resumed": None
+        if resumed is None
+        else {
+            "continued": len(resumed.continued),
+            "restarted": len(resumed.restarted),
+            "turns_kept": sum(t for _, t in resumed.continued),
+            "turns_redone": sum(t for _, t, _ in resumed.restarted),
+        },
+        "turn_s": sum(agent.turn_s) / max(1, len(agent.turn_s)),
+        "ledger": figures,
+    }
 
 
 def prefix_logprobs(actor: Any, prefix: list[int], tokens: list[int]) -> Any:
@@ -604,8 +784,17 @@ def report(root: str, result: dict[str, Any]) -> None:
     for g in gates:
         print(f"  {g.name:<48} {g.status.value:<8} {g.evidence}")
     print(prove.verdict(gates))
-    print("RESULT " + json.dumps({**result, "verdict": prove.verdict(gates),
-                                  "gates": {g.name: g.status.value for g in gates}}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                **result,
+                "verdict": prove.verdict(gates),
+                "gates": {g.name: g.status.value for g in gates},
+            }
+        ),
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -616,9 +805,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-flight", type=int, default=2, help="prompts whose rollouts run at once")
     p.add_argument("--save-every", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--kill", action="append", default=[], help="WHERE@STEP: turn, tool, effect or save")
-    p.add_argument("--kills-file", help="remembers the kills that fired, so a relaunch arms the next")
-    p.add_argument("--turns-out", action="store_true", help="negative control: the turn ledger is not saved")
+    p.add_argument(
+        "--kill", action="append", default=[], help="WHERE@STEP: turn, tool, effect or save"
+    )
+    p.add_argument(
+        "--kills-file", help="remembers the kills that fired, so a relaunch arms the next"
+    )
+    p.add_argument(
+        "--turns-out", action="store_true", help="negative control: the turn ledger is not saved"
+    )
     p.add_argument("--serve-counter", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve_counter:

@@ -56,9 +56,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: the engine runs in this process
+os.environ.setdefault(
+    "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+)  # colocated: the engine runs in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the engine's KV cache
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with our functions (own process)
+os.environ.setdefault(
+    "VLLM_ALLOW_INSECURE_SERIALIZATION", "1"
+)  # collective_rpc with our functions (own process)
 
 import torch
 
@@ -84,13 +88,28 @@ def build_model(model_dir: Path) -> None:
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
     torch.manual_seed(0)
     # head_dim 32: vLLM's CPU attention has no kernel for head_dim 8 or 16
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     tmp = model_dir.with_name(f".{model_dir.name}.tmp-{os.getpid()}")
     LlamaForCausalLM(config).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -101,7 +120,11 @@ class Kills:
     """``--kill WHERE@STEP`` points, taken in order across relaunches (one per launch)."""
 
     def __init__(self, plan: list[str], fired_file: Path | None) -> None:
-        fired = fired_file.read_text().split() if fired_file is not None and fired_file.is_file() else []
+        fired = (
+            fired_file.read_text().split()
+            if fired_file is not None and fired_file.is_file()
+            else []
+        )
         self.next = plan[len(fired)] if len(plan) > len(fired) else None
         self.fired_file = fired_file
 
@@ -138,21 +161,32 @@ def token_logprobs(actor: torch.nn.Module, samples: list[cgv.Sample]) -> list[to
     for s in samples:
         ids = torch.tensor([s.prompt_token_ids + s.token_ids])
         logits = actor(input_ids=ids).logits[0, len(s.prompt_token_ids) - 1 : -1].float()
-        out.append(torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1))
+        out.append(
+            torch.log_softmax(logits, dim=-1)
+            .gather(-1, torch.tensor(s.token_ids)[:, None])
+            .squeeze(-1)
+        )
     return out
 
 
 def rewards(samples: list[cgv.Sample], group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A toy reward (the share of tokens that are multiples of 3) and GRPO's group-normalised advantage."""
-    r = torch.tensor([sum(t % 3 == 0 for t in s.token_ids) / len(s.token_ids) for s in samples], dtype=torch.float64)
+    r = torch.tensor(
+        [sum(t % 3 == 0 for t in s.token_ids) / len(s.token_ids) for s in samples],
+        dtype=torch.float64,
+    )
     g = r.view(-1, group)
     adv = (g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True) + 1e-4)
     return r, adv.view(-1)
 
 
 def grpo_step(
-    actor: torch.nn.Module, optim: torch.optim.Optimizer, samples: list[cgv.Sample], old: list[torch.Tensor],
-    adv: torch.Tensor, clip: float = 0.2,
+    actor: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    samples: list[cgv.Sample],
+    old: list[torch.Tensor],
+    adv: torch.Tensor,
+    clip: float = 0.2,
 ) -> tuple[float, float]:
     actor.train()
     losses = []
@@ -200,12 +234,22 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
         build_model(model_dir)
     if world > 1:
         torch.distributed.barrier()  # the model files exist before any rank reads them
-    kills = Kills(a.kill, Path(a.kills_file) if a.kills_file else None) if rank == 0 else Kills([], None)
-    recorder = cgm.PhaseRecorder(cgm.RecorderConfig(path=Path(a.mem))) if a.mem and rank == 0 else None
+    kills = (
+        Kills(a.kill, Path(a.kills_file) if a.kills_file else None)
+        if rank == 0
+        else Kills([], None)
+    )
+    recorder = (
+        cgm.PhaseRecorder(cgm.RecorderConfig(path=Path(a.mem))) if a.mem and rank == 0 else None
+    )
 
     def phase(kind: cgm.PhaseKind, step: int) -> contextlib.AbstractContextManager[Any]:
         """A phase record (``--mem``): start and end lines with the in-phase peak, or nothing."""
-        return recorder.phase(kind, step=step, policy_version=step - 1) if recorder else contextlib.nullcontext()
+        return (
+            recorder.phase(kind, step=step, policy_version=step - 1)
+            if recorder
+            else contextlib.nullcontext()
+        )
 
     if a.prompts % world:
         raise SystemExit(f"--prompts {a.prompts}: a multiple of the number of ranks ({world})")
@@ -214,10 +258,18 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
     with phase(cgm.PhaseKind.LOAD, 0):
         # One engine per rank, built by every rank at this same point: an in-process engine built after
         # init_process_group joins the trainer's world and makes its groups in it, collectively.
-        llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
-                  max_num_seqs=64)
+        llm = LLM(
+            model=str(model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=64,
+            seed=0,
+            max_num_seqs=64,
+        )
         module = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-        actor: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+        actor: torch.nn.Module = (
+            torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
+        )
         optim = torch.optim.AdamW(module.parameters(), lr=a.lr)
         steps_per_epoch = len(PROMPTS) // a.prompts
         total = a.epochs * steps_per_epoch
@@ -225,13 +277,16 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
         ledger = cg.RolloutLedger(range(rank, a.epochs * len(PROMPTS), world))
         state = {"actor": module, "optim": optim, "ledger": ledger}
         plan = cg.ProofPlan(rl=True, deterministic=True)
-        mgr = cg.CheckpointManager(a.root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), proof=plan,
-                                                                      timeout_s=120))
+        mgr = cg.CheckpointManager(
+            a.root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), proof=plan, timeout_s=120)
+        )
         start = mgr.restore(state, mode=cg.ResumeMode.AUTO)
         # vllm-cpu 0.32 leaves the tied LM head computing with its start-up weights after a reload: rebuilt
         engine = cgv.Colocated(llm, mgr, seeded=not a.unseeded, rebuild_stale=True)
         if start == 0 or not a.no_push_after_restore:
-            engine.push(start, module.state_dict())  # the engine loaded the initial weights: after a restore, push
+            engine.push(
+                start, module.state_dict()
+            )  # the engine loaded the initial weights: after a restore, push
     guard = cg.PreemptionGuard(mgr, grace_s=60)
     params = SamplingParams(temperature=1.0, max_tokens=COMPLETION_TOKENS, ignore_eos=True)
     completions: dict[int, str] = {}
@@ -252,7 +307,9 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
                 old = token_logprobs(module, samples)
             diff = engine.record_old_logprobs(step, torch.cat(old), samples)
         with phase(cgm.PhaseKind.UPDATE, step):
-            loss, norm = grpo_step(actor, optim, samples, old, adv)  # DDP: gradients averaged over the ranks
+            loss, norm = grpo_step(
+                actor, optim, samples, old, adv
+            )  # DDP: gradients averaged over the ranks
         mgr.record_update(step, grad_norm=norm, params_changed=norm > 0)
         ledger.trained(taken, step)
         if kills.armed("update", step):
@@ -260,18 +317,32 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
         if kills.armed("push", step):
             kills.fire(delay_s=0.02)
         with phase(cgm.PhaseKind.WEIGHT_SYNC, step):
-            engine.push(step, module.state_dict())  # each rank into its own engine, read back from it
+            engine.push(
+                step, module.state_dict()
+            )  # each rank into its own engine, read back from it
         completions[step] = cgv.completions_digest(samples)
-        mgr.record_step(step, sample_ids=taken, loss=loss, grad_norm=norm, reward=float(reward.mean()),
-                        completions=completions[step], probs_diff=diff["probs_diff"])
-        print(f"rank {rank} step {step:>2}: reward {float(reward.mean()):.3f}  loss {loss:+.4f}  grad_norm "
-              f"{norm:.4f}  probs_diff {diff['probs_diff']:.3g}  prompts {taken}", flush=True)
+        mgr.record_step(
+            step,
+            sample_ids=taken,
+            loss=loss,
+            grad_norm=norm,
+            reward=float(reward.mean()),
+            completions=completions[step],
+            probs_diff=diff["probs_diff"],
+        )
+        print(
+            f"rank {rank} step {step:>2}: reward {float(reward.mean()):.3f}  loss {loss:+.4f}  grad_norm "
+            f"{norm:.4f}  probs_diff {diff['probs_diff']:.3g}  prompts {taken}",
+            flush=True,
+        )
         if step % a.save_every == 0 or step == total:
             if step == total:
                 mgr.wait()  # the last save must happen: OnBusy.SKIP (the default) skips one asked for mid-commit
             if kills.armed("save", step):
                 kills.note()
-                cg_testing.set_fault_hook("storage.data_written", kill_job)  # in the background writer, mid-write
+                cg_testing.set_fault_hook(
+                    "storage.data_written", kill_job
+                )  # in the background writer, mid-write
             with phase(cgm.PhaseKind.SAVE, step):
                 mgr.save_async(step, state)
                 if recorder is not None:
@@ -281,39 +352,73 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
     guard.close()
     if recorder is not None:
         recorder.close()
-    mine = {"params": state_digest(module.state_dict()), "optim": state_digest(optim.state_dict()),
-            "trained": sorted(int(i) for i in ledger.trained_ids), "counters": ledger.counters(),
-            "completions": completions}
+    mine = {
+        "params": state_digest(module.state_dict()),
+        "optim": state_digest(optim.state_dict()),
+        "trained": sorted(int(i) for i in ledger.trained_ids),
+        "counters": ledger.counters(),
+        "completions": completions,
+    }
     ranks = [mine]
     if world > 1:
         ranks = [{} for _ in range(world)]
         torch.distributed.all_gather_object(ranks, mine)
-    return {"step": total, "ranks": world, "params": mine["params"], "optim": mine["optim"],
-            "same_on_every_rank": all(r["params"] == mine["params"] and r["optim"] == mine["optim"] for r in ranks),
-            "trained": sorted(i for r in ranks for i in r["trained"]),
-            "counters": {k: sum(r["counters"][k] for r in ranks) for k in ("issued", "completed", "trained")},
-            "completions": {f"{step}/{n}": c for n, r in enumerate(ranks) for step, c in r["completions"].items()}}
+    return {
+        "step": total,
+        "ranks": world,
+        "params": mine["params"],
+        "optim": mine["optim"],
+        "same_on_every_rank": all(
+            r["params"] == mine["params"] and r["optim"] == mine["optim"] for r in ranks
+        ),
+        "trained": sorted(i for r in ranks for i in r["trained"]),
+        "counters": {
+            k: sum(r["counters"][k] for r in ranks) for k in ("issued", "completed", "trained")
+        },
+        "completions": {
+            f"{step}/{n}": c for n, r in enumerate(ranks) for step, c in r["completions"].items()
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True, help="checkpoint root (created by the first save)")
-    p.add_argument("--model-dir", required=True, help="where the tiny model and tokenizer are made (once)")
+    p.add_argument(
+        "--model-dir", required=True, help="where the tiny model and tokenizer are made (once)"
+    )
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group", type=int, default=4, help="completions per prompt (GRPO group)")
     p.add_argument("--save-every", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--kill", action="append", default=[], help="WHERE@STEP: generate, push, save or update")
-    p.add_argument("--kills-file", help="remembers the kills that fired, so a relaunch arms the next")
+    p.add_argument(
+        "--kill", action="append", default=[], help="WHERE@STEP: generate, push, save or update"
+    )
+    p.add_argument(
+        "--kills-file", help="remembers the kills that fired, so a relaunch arms the next"
+    )
     p.add_argument("--unseeded", action="store_true", help="negative control: no per-request seeds")
-    p.add_argument("--no-push-after-restore", action="store_true", help="negative control: stale engine")
-    p.add_argument("--mem", help="phase records (JSONL) of load, generate, logprob, update, weight_sync and save; "
-                   "with it each save phase waits for its commit (`ckptguard mem report FILE`)")
-    p.add_argument("--engine-process", choices=["colocated", "own"], default=None,
-                   help="own: the engine in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1)")
-    p.add_argument("--nproc", type=int, default=1,
-                   help="trainer ranks on this host (gloo), each with its own engine; or run under torchrun")
+    p.add_argument(
+        "--no-push-after-restore", action="store_true", help="negative control: stale engine"
+    )
+    p.add_argument(
+        "--mem",
+        help="phase records (JSONL) of load, generate, logprob, update, weight_sync and save; "
+        "with it each save phase waits for its commit (`ckptguard mem report FILE`)",
+    )
+    p.add_argument(
+        "--engine-process",
+        choices=["colocated", "own"],
+        default=None,
+        help="own: the engine in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="trainer ranks on this host (gloo), each with its own engine; or run under torchrun",
+    )
     a = p.parse_args(argv)
     if a.engine_process is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if a.engine_process == "own" else "0"
@@ -338,8 +443,17 @@ def report(root: str, result: dict[str, Any]) -> None:
     for g in gates:
         print(f"  {g.name:<42} {g.status.value:<8} {g.evidence}")
     print(proof.verdict(gates))
-    print("RESULT " + json.dumps({**result, "verdict": proof.verdict(gates),
-                                  "gates": {g.name: g.status.value for g in gates}}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                **result,
+                "verdict": proof.verdict(gates),
+                "gates": {g.name: g.status.value for g in gates},
+            }
+        ),
+        flush=True,
+    )
 
 
 def launch(nproc: int, argv: list[str]) -> int:
@@ -354,8 +468,15 @@ def launch(nproc: int, argv: list[str]) -> int:
         port = s.getsockname()[1]
     procs = []
     for rank in range(nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
     while True:
         codes = [proc.poll() for proc in procs]

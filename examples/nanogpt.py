@@ -83,25 +83,42 @@ class CausalSelfAttention(torch.nn.Module):
         super().__init__()
         self.c_attn = torch.nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias)
         self.c_proj = torch.nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
-        self.attn_dropout, self.resid_dropout = torch.nn.Dropout(c.dropout), torch.nn.Dropout(c.dropout)
+        self.attn_dropout, self.resid_dropout = (
+            torch.nn.Dropout(c.dropout),
+            torch.nn.Dropout(c.dropout),
+        )
         self.n_head, self.dropout = c.n_head, c.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, e = x.size()
-        q, k, v = (z.view(b, t, self.n_head, e // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(e, 2))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        out: torch.Tensor = self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, e)))
+        q, k, v = (
+            z.view(b, t, self.n_head, e // self.n_head).transpose(1, 2)
+            for z in self.c_attn(x).split(e, 2)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        out: torch.Tensor = self.resid_dropout(
+            self.c_proj(y.transpose(1, 2).contiguous().view(b, t, e))
+        )
         return out
 
 
 class Block(torch.nn.Module):
     def __init__(self, c: Config) -> None:
         super().__init__()
-        self.ln_1, self.ln_2 = torch.nn.LayerNorm(c.n_embd, bias=c.bias), torch.nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.ln_1, self.ln_2 = (
+            torch.nn.LayerNorm(c.n_embd, bias=c.bias),
+            torch.nn.LayerNorm(c.n_embd, bias=c.bias),
+        )
         self.attn = CausalSelfAttention(c)
         hidden = 4 * c.n_embd
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(c.n_embd, hidden, bias=c.bias), torch.nn.GELU(),
-                                       torch.nn.Linear(hidden, c.n_embd, bias=c.bias), torch.nn.Dropout(c.dropout))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(c.n_embd, hidden, bias=c.bias),
+            torch.nn.GELU(),
+            torch.nn.Linear(hidden, c.n_embd, bias=c.bias),
+            torch.nn.Dropout(c.dropout),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -112,7 +129,10 @@ class Block(torch.nn.Module):
 class GPT(torch.nn.Module):
     def __init__(self, c: Config) -> None:
         super().__init__()
-        self.wte, self.wpe = torch.nn.Embedding(c.vocab_size, c.n_embd), torch.nn.Embedding(c.block_size, c.n_embd)
+        self.wte, self.wpe = (
+            torch.nn.Embedding(c.vocab_size, c.n_embd),
+            torch.nn.Embedding(c.block_size, c.n_embd),
+        )
         self.drop = torch.nn.Dropout(c.dropout)
         self.h = torch.nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.ln_f = torch.nn.LayerNorm(c.n_embd, bias=c.bias)
@@ -127,7 +147,9 @@ class GPT(torch.nn.Module):
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.n_layer))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(idx.size(1), dtype=torch.long)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
@@ -137,8 +159,10 @@ class GPT(torch.nn.Module):
 
     def configure_optimizers(self, c: Config) -> torch.optim.AdamW:
         params = [p for p in self.parameters() if p.requires_grad]  # tied weights appear once
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": c.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": c.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=c.learning_rate, betas=(c.beta1, c.beta2))
 
 
@@ -154,18 +178,26 @@ def prepare(data_dir: Path, c: Config) -> None:
         if path.is_file():
             continue
         words = rng.integers(0, c.vocab_size, size=(n // 4, 4), dtype=np.uint16)  # 4-token "words"
-        tokens = np.concatenate([words, np.full((n // 4, 1), c.vocab_size - 1, dtype=np.uint16)], axis=1)
+        tokens = np.concatenate(
+            [words, np.full((n // 4, 1), c.vocab_size - 1, dtype=np.uint16)], axis=1
+        )
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tokens.reshape(-1)[:n].tofile(tmp)
         tmp.rename(path)  # a kill while writing leaves no half file for the next launch to read
 
 
-def get_batch(data_dir: Path, split: str, c: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def get_batch(
+    data_dir: Path, split: str, c: Config
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # a new memmap per batch, as upstream (avoids its memory leak)
     data = np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
     ix = torch.randint(len(data) - c.block_size, (c.batch_size,))  # torch's global RNG
-    x = torch.stack([torch.from_numpy(data[i : i + c.block_size].astype(np.int64)) for i in ix.tolist()])
-    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + c.block_size].astype(np.int64)) for i in ix.tolist()])
+    x = torch.stack(
+        [torch.from_numpy(data[i : i + c.block_size].astype(np.int64)) for i in ix.tolist()]
+    )
+    y = torch.stack(
+        [torch.from_numpy(data[i + 1 : i + 1 + c.block_size].astype(np.int64)) for i in ix.tolist()]
+    )
     return x, y, ix
 
 
@@ -196,7 +228,12 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """sha256 of every parameter's and every AdamW tensor's bytes, in a fixed order."""
     h = hashlib.sha256()
     tensors: list[torch.Tensor] = [p for _, p in model.named_parameters()]
-    tensors += [v for p in tensors for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    tensors += [
+        v
+        for p in tensors
+        for v in optimizer.state.get(p, {}).values()
+        if isinstance(v, torch.Tensor)
+    ]
     for t in tensors:
         h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -209,10 +246,14 @@ def train(out_dir: str, c: Config, *, data_dir: str | None = None, root: str | N
     """One process of the job (a process group, if any, already initialised); returns the final digest.
     The checkpoint root is ``root``, by default OUT_DIR/ckpt; the tokens DATA_DIR, by default OUT_DIR/data."""
     ddp = torch.distributed.is_initialized()
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if ddp else (0, 1)
+    rank, world = (
+        (torch.distributed.get_rank(), torch.distributed.get_world_size()) if ddp else (0, 1)
+    )
     if c.gradient_accumulation_steps % world:
-        raise SystemExit(f"gradient_accumulation_steps {c.gradient_accumulation_steps}: a multiple of the world "
-                         f"size ({world})")
+        raise SystemExit(
+            f"gradient_accumulation_steps {c.gradient_accumulation_steps}: a multiple of the world "
+            f"size ({world})"
+        )
     accum = c.gradient_accumulation_steps // world
     data = Path(data_dir) if data_dir else Path(out_dir) / "data"
     if rank == 0:
@@ -224,12 +265,24 @@ def train(out_dir: str, c: Config, *, data_dir: str | None = None, root: str | N
     model: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(raw) if ddp else raw
     optimizer = raw.configure_optimizers(c)
     prefetched = cg.PerRank(None)  # the batch drawn for the next iteration (upstream's X, Y)
-    state: dict[str, Any] = {"model": raw, "optimizer": optimizer, "prefetched": prefetched, "best_val_loss": 1e9}
-    mgr = cg.CheckpointManager(Path(root) if root else Path(out_dir) / "ckpt", config=cg.CheckpointConfig(
-        retention=cg.KeepLast(2), proof=cg.ProofPlan(deterministic=True, total_steps=c.max_iters)))
+    state: dict[str, Any] = {
+        "model": raw,
+        "optimizer": optimizer,
+        "prefetched": prefetched,
+        "best_val_loss": 1e9,
+    }
+    mgr = cg.CheckpointManager(
+        Path(root) if root else Path(out_dir) / "ckpt",
+        config=cg.CheckpointConfig(
+            retention=cg.KeepLast(2),
+            proof=cg.ProofPlan(deterministic=True, total_steps=c.max_iters),
+        ),
+    )
     iter_num = mgr.restore(state)
     best_val_loss = state["best_val_loss"]
-    x, y, ix = prefetched.value if prefetched.value is not None else get_batch(data, "train", c)  # the first batch
+    x, y, ix = (
+        prefetched.value if prefetched.value is not None else get_batch(data, "train", c)
+    )  # the first batch
     while iter_num < c.max_iters:
         lr = get_lr(iter_num, c)
         for group in optimizer.param_groups:
@@ -241,7 +294,9 @@ def train(out_dir: str, c: Config, *, data_dir: str | None = None, root: str | N
             read.append((x, ix))
             _, loss = model(x, y)
             loss = loss / accum
-            x, y, ix = get_batch(data, "train", c)  # prefetch, while the model works (upstream's comment)
+            x, y, ix = get_batch(
+                data, "train", c
+            )  # prefetch, while the model works (upstream's comment)
             loss.backward()
             total += loss.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
@@ -254,11 +309,23 @@ def train(out_dir: str, c: Config, *, data_dir: str | None = None, root: str | N
             losses = estimate_loss(model, data, c)
             best_val_loss = min(best_val_loss, losses["val"])
             extra = {"val_loss": losses["val"]}
-            print(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
-        mgr.record_step(iter_num, sample_ids=torch.cat([i for _, i in read]).tolist(),
-                        batch=[t for t, _ in read], loss=total, grad_norm=norm, lr=lr, **extra)
+            print(
+                f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}",
+                flush=True,
+            )
+        mgr.record_step(
+            iter_num,
+            sample_ids=torch.cat([i for _, i in read]).tolist(),
+            batch=[t for t, _ in read],
+            loss=total,
+            grad_norm=norm,
+            lr=lr,
+            **extra,
+        )
         if iter_num % c.ckpt_interval == 0:
-            state["best_val_loss"] = best_val_loss  # a plain value: a snapshot, refreshed before each save
+            state["best_val_loss"] = (
+                best_val_loss  # a plain value: a snapshot, refreshed before each save
+            )
             mgr.save(iter_num, state)
     mgr.close()
     return digest(raw, optimizer)
@@ -266,15 +333,23 @@ def train(out_dir: str, c: Config, *, data_dir: str | None = None, root: str | N
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out-dir", required=True, help="the checkpoint root is OUT_DIR/ckpt, the tokens OUT_DIR/data")
-    p.add_argument("--data-dir", default=None, help="where train.bin and val.bin are (made there if absent)")
+    p.add_argument(
+        "--out-dir",
+        required=True,
+        help="the checkpoint root is OUT_DIR/ckpt, the tokens OUT_DIR/data",
+    )
+    p.add_argument(
+        "--data-dir", default=None, help="where train.bin and val.bin are (made there if absent)"
+    )
     p.add_argument("--max-iters", type=int, default=Config.max_iters)
     p.add_argument("--ckpt-interval", type=int, default=Config.ckpt_interval)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         torch.distributed.init_process_group("gloo")
-    final = train(a.out_dir, Config(max_iters=a.max_iters, ckpt_interval=a.ckpt_interval), data_dir=a.data_dir)
+    final = train(
+        a.out_dir, Config(max_iters=a.max_iters, ckpt_interval=a.ckpt_interval), data_dir=a.data_dir
+    )
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         print(f"final {a.max_iters} {final}", flush=True)

@@ -51,13 +51,19 @@ class Block(torch.nn.Module):
         super().__init__()
         self.ln1, self.ln2 = torch.nn.LayerNorm(DIM), torch.nn.LayerNorm(DIM)
         self.qkv, self.proj = torch.nn.Linear(DIM, 3 * DIM), torch.nn.Linear(DIM, DIM)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 4 * DIM), torch.nn.GELU(), torch.nn.Linear(4 * DIM, DIM))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(DIM, 4 * DIM), torch.nn.GELU(), torch.nn.Linear(4 * DIM, DIM)
+        )
         self.drop = torch.nn.Dropout(0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
+        y = (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            .transpose(1, 2)
+            .reshape(b, t, DIM)
+        )
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.mlp(self.ln2(x)))
 
@@ -84,7 +90,9 @@ class Batches:
         self.cursor = 0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(len(self.data) - BLOCK - 1, (BATCH,))  # the CPU RNG ckptguard restores
+        starts = torch.randint(
+            len(self.data) - BLOCK - 1, (BATCH,)
+        )  # the CPU RNG ckptguard restores
         self.cursor += 1
         x = torch.stack([self.data[s : s + BLOCK] for s in starts.tolist()])
         y = torch.stack([self.data[s + 1 : s + BLOCK + 1] for s in starts.tolist()])
@@ -99,8 +107,10 @@ class Batches:
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded weights (collective under FSDP2): what a trainer sends to its sampler."""
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def token_logprobs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -117,7 +127,9 @@ def build(world: int) -> tuple[GPT, torch.optim.Optimizer, torch.optim.lr_schedu
             fully_shard(block)
         fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(s / 200)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(s / 200))
+    )
     return model, optim, sched
 
 
@@ -127,15 +139,25 @@ def grad_norm(model: torch.nn.Module) -> float:
 
 
 def train(
-    root: str, steps: int, save_every: int, kill_at: int | None, rank: int, world: int, timeout_s: float = 600.0
+    root: str,
+    steps: int,
+    save_every: int,
+    kill_at: int | None,
+    rank: int,
+    world: int,
+    timeout_s: float = 600.0,
 ) -> str:
     """Restore, train to ``steps`` with proof records, save every ``save_every``; return the final digest."""
     model, optim, sched = build(world)
-    sampler = GPT().eval()  # built before the restore: building after it would draw from the restored RNG
+    sampler = (
+        GPT().eval()
+    )  # built before the restore: building after it would draw from the restored RNG
     batches = Batches()
     torch.manual_seed(1000 + rank)  # per-rank data and dropout streams; saved and restored
     state = {"model": model, "optim": optim, "sched": sched, "data": batches}
-    plan = cg.ProofPlan(rl=True, deterministic=True)  # exports are gates; a resume replays steps bitwise
+    plan = cg.ProofPlan(
+        rl=True, deterministic=True
+    )  # exports are gates; a resume replays steps bitwise
     cfg = cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=timeout_s, proof=plan)
     mgr = cg.CheckpointManager(root, config=cfg)
     start = mgr.restore(state, mode=cg.ResumeMode.AUTO)
@@ -174,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", required=True, help="checkpoint root (created by the first save)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--kill-at", type=int, default=None, help="SIGKILL this process mid-save of this step")
+    p.add_argument(
+        "--kill-at", type=int, default=None, help="SIGKILL this process mid-save of this step"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))

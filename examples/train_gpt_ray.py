@@ -47,9 +47,13 @@ class GPTRank:
     def join(self, address: str, timeout_s: float) -> None:
         from ckptguard.integrations.ray import join_process_group
 
-        join_process_group(rank=self.rank, world_size=self.world, address=address, timeout_s=timeout_s)
+        join_process_group(
+            rank=self.rank, world_size=self.world, address=address, timeout_s=timeout_s
+        )
 
-    def train(self, root: str, steps: int, save_every: int, kill_at: int | None, timeout_s: float) -> str:
+    def train(
+        self, root: str, steps: int, save_every: int, kill_at: int | None, timeout_s: float
+    ) -> str:
         import train_gpt
 
         return train_gpt.train(root, steps, save_every, kill_at, self.rank, self.world, timeout_s)
@@ -88,8 +92,11 @@ def run(args: argparse.Namespace) -> str:
             return _first_failure_or_all(refs)[0]
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             first = str(exc).strip().splitlines()[-1][:300]
-            print(f"attempt {attempt}: the group failed after {time.monotonic() - t0:.1f} s ({first}); "
-                  "restarting every rank", flush=True)
+            print(
+                f"attempt {attempt}: the group failed after {time.monotonic() - t0:.1f} s ({first}); "
+                "restarting every rank",
+                flush=True,
+            )
         finally:
             for a in actors:
                 ray.kill(a)
@@ -102,18 +109,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself mid-save of this step")
-    p.add_argument("--timeout", type=float, default=30.0, help="CheckpointConfig.timeout_s: longest wait for a peer")
+    p.add_argument(
+        "--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself mid-save of this step"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="CheckpointConfig.timeout_s: longest wait for a peer",
+    )
     p.add_argument("--max-restarts", type=int, default=2)
-    p.add_argument("--address", default=None, help="a running Ray cluster (default: start a local one)")
+    p.add_argument(
+        "--address", default=None, help="a running Ray cluster (default: start a local one)"
+    )
     args = p.parse_args(argv)
-    path = os.pathsep.join(filter(None, [str(HERE), str(HERE.parent / "src"), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(
+        filter(None, [str(HERE), str(HERE.parent / "src"), os.environ.get("PYTHONPATH")])
+    )
     runtime_env = {"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}}
     if args.address:
         ray.init(address=args.address, runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 * 1024,
-                 runtime_env=runtime_env)
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=200 * 1024 * 1024,
+            runtime_env=runtime_env,
+        )
     try:
         final = run(args)
     finally:

@@ -94,9 +94,12 @@ def measure_pinned(torch: Any, mem: types.ModuleType) -> list[dict[str, Any]]:
         t = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         t.fill_(1)  # touched like the pinned_empty buffer below, so both footprints are resident
         s1 = status_bytes()
-        row["caching_allocator"] = {"delta": delta(s0, s1), "ratio": footprint_ratio(delta(s0, s1), n),
-                                    "is_pinned": bool(t.is_pinned()),
-                                    "host_memory_stats": _host_stats(torch, mem)}
+        row["caching_allocator"] = {
+            "delta": delta(s0, s1),
+            "ratio": footprint_ratio(delta(s0, s1), n),
+            "is_pinned": bool(t.is_pinned()),
+            "host_memory_stats": _host_stats(torch, mem),
+        }
         del t
         row["caching_allocator"]["freed_with"] = _empty_host_cache(torch)
         gc.collect()
@@ -110,9 +113,13 @@ def measure_pinned(torch: Any, mem: types.ModuleType) -> list[dict[str, Any]]:
         back = torch.empty(64 * MiB, dtype=torch.uint8)
         back.copy_(dev)
         torch.cuda.synchronize()
-        row["pinned_empty"] = {"delta": delta(s0, s1), "ratio": footprint_ratio(delta(s0, s1), n),
-                               "is_pinned": bool(buf.tensor.is_pinned()), "alloc_s": alloc_s,
-                               "host_memory_stats": _host_stats(torch, mem)}
+        row["pinned_empty"] = {
+            "delta": delta(s0, s1),
+            "ratio": footprint_ratio(delta(s0, s1), n),
+            "is_pinned": bool(buf.tensor.is_pinned()),
+            "alloc_s": alloc_s,
+            "host_memory_stats": _host_stats(torch, mem),
+        }
         del dev
         buf.close()
         s2 = status_bytes()
@@ -141,7 +148,9 @@ def oom_records(torch: Any, mem: types.ModuleType, out: Path) -> dict[str, Any]:
     error = None
     try:
         with rec.phase(mem.PhaseKind.WAKE, step=2):
-            keep.append(torch.empty(total, dtype=torch.uint8, device="cuda"))  # more than the device has
+            keep.append(
+                torch.empty(total, dtype=torch.uint8, device="cuda")
+            )  # more than the device has
     except torch.cuda.OutOfMemoryError as exc:
         error = str(exc).splitlines()[0][:300]
     rec.close()
@@ -149,17 +158,32 @@ def oom_records(torch: Any, mem: types.ModuleType, out: Path) -> dict[str, Any]:
     verdict = mem.classify_failure(records)
     (out / "report_gpu.html").write_text(mem.render_html(records), encoding="utf-8")
     failure = next((r for r in records if r["kind"] == "phase_failure"), None)
-    keys = ("requested_bytes", "allocated", "reserved", "device_free", "error", "last_completed", "load_peak",
-            "cuda_oom", "not_obtained")
+    keys = (
+        "requested_bytes",
+        "allocated",
+        "reserved",
+        "device_free",
+        "error",
+        "last_completed",
+        "load_peak",
+        "cuda_oom",
+        "not_obtained",
+    )
     del keep
     torch.cuda.empty_cache()
-    return {"error": error, "failure_record": {k: failure.get(k) for k in keys} if failure else None,
-            "verdict": verdict.to_json(), "gpu_at_load_end": records[1].get("gpu")}
+    return {
+        "error": error,
+        "failure_record": {k: failure.get(k) for k in keys} if failure else None,
+        "verdict": verdict.to_json(),
+        "gpu_at_load_end": records[1].get("gpu"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    ap.add_argument(
+        "--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    )
     args = ap.parse_args(argv)
     if args.out is None:
         ap.error("give --out DIR or set $OUT")
@@ -170,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         torch = None
     if torch is None or not torch.cuda.is_available():
-        result["skipped"] = "torch is not installed" if torch is None else "CUDA is not available on this machine"
+        result["skipped"] = (
+            "torch is not installed" if torch is None else "CUDA is not available on this machine"
+        )
         (args.out / "gpu_memory.json").write_text(json.dumps(result, indent=2) + "\n")
         print(result["skipped"])
         return 0
@@ -186,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     result["oom"] = oom_records(torch, mem, args.out)
     result["acceptance"] = {
         "pinned_empty_max_ratio": max(r["pinned_empty"]["ratio"] for r in result["pinned"]),
-        "caching_allocator_ratio_1_1GiB": next(r["caching_allocator"]["ratio"] for r in result["pinned"]
-                                               if r["request_bytes"] == int(1.1 * GiB)),
+        "caching_allocator_ratio_1_1GiB": next(
+            r["caching_allocator"]["ratio"]
+            for r in result["pinned"]
+            if r["request_bytes"] == int(1.1 * GiB)
+        ),
         "oom_classified_as": result["oom"]["verdict"]["killer"],
     }
     (args.out / "gpu_memory.json").write_text(json.dumps(result, indent=2, default=str) + "\n")

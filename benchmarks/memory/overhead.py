@@ -44,14 +44,21 @@ def boundary_ms(n: int, **config: object) -> dict[str, float]:
             per.append((time.perf_counter() - t0) * 1e3 / 2)
         rec.close()
     per.sort()
-    return {"median_ms": statistics.median(per), "p99_ms": per[int(0.99 * (n - 1))], "max_ms": per[-1], "n": n}
+    return {
+        "median_ms": statistics.median(per),
+        "p99_ms": per[int(0.99 * (n - 1))],
+        "max_ms": per[-1],
+        "n": n,
+    }
 
 
 def cpu_fraction(seconds: float, hz: float | None) -> float:
     probe = HostProbe()
     sampler = None
     if hz is not None:
-        sampler = Sampler({"host_current": probe.read_current, "process_rss": self_rss}, SamplerConfig(hz=hz))
+        sampler = Sampler(
+            {"host_current": probe.read_current, "process_rss": self_rss}, SamplerConfig(hz=hz)
+        )
         sampler.start()
         sampler.open_window()
     t = os.times()
@@ -82,8 +89,12 @@ def main() -> None:
     probe = HostProbe()
     idle = cpu_fraction(args.seconds, None)
     result = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "host_source": probe.version.value},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "host_source": probe.version.value,
+        },
         "boundary_default": boundary_ms(args.phases),
         "boundary_pss_every_boundary": boundary_ms(args.phases // 4, pss_every_s=0.0),
         "boundary_without_process_probe": boundary_ms(args.phases, probe_process=False),

@@ -18,12 +18,20 @@ import typing as _typing
 
 from ._version import __version__
 
-if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; bound on first use below
+if (
+    _typing.TYPE_CHECKING
+):  # the names, for type checkers and the import graph; bound on first use below
     from ._commit.pending import PendingSave
     from ._core.door import Checkpointer, PendingCommit
     from ._core.roles import Role
     from ._core.tierrestore import Tier
-    from ._records.contract import RunContract, hash_data_files, hash_git_tree, hash_imported_files, hash_recipe
+    from ._records.contract import (
+        RunContract,
+        hash_data_files,
+        hash_git_tree,
+        hash_imported_files,
+        hash_recipe,
+    )
     from ._records.readers import open_step
     from ._records.retention import KeepAny, KeepEvery, KeepLast, RetentionPolicy
     from ._records.trust import HealthPolicy, Prefer

@@ -102,7 +102,9 @@ D = TypeVar("D", bound=Wire)
 T = TypeVar("T")
 
 
-def on_every_rank(agreement: Agreement, phase: str, fn: Callable[[], T], *, patience: float = 1.0) -> T:
+def on_every_rank(
+    agreement: Agreement, phase: str, fn: Callable[[], T], *, patience: float = 1.0
+) -> T:
     """``fn()`` on every rank; if it raised on any rank, every rank raises the lowest failing rank's error.
 
     A local error is shipped instead of raised at once, so no rank waits at a later agreement

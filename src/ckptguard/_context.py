@@ -58,18 +58,34 @@ class Context:
     storage_ctx: StorageContext
     expert: ExpertParallel | None = None
     last_save: tuple[int, float] | None = None  # (step, monotonic end) of this process's last save
-    node_publisher: bool = False  # the last save was on node-local roots and this rank published its node's part
+    node_publisher: bool = (
+        False  # the last save was on node-local roots and this rank published its node's part
+    )
 
     @classmethod
     def of(
-        cls, root: Path, config: CheckpointConfig, naming: _layout.StepNaming, agreement: Agreement, storage: Storage,
-        group: Any, expert: ExpertParallel | None,
+        cls,
+        root: Path,
+        config: CheckpointConfig,
+        naming: _layout.StepNaming,
+        agreement: Agreement,
+        storage: Storage,
+        group: Any,
+        expert: ExpertParallel | None,
     ) -> Context:
         """The context of ``root`` for the ranks of ``agreement``, DCP's collectives over ``group``."""
         info = agreement.info
-        return cls(root=root, config=config, naming=naming, agreement=agreement, storage=storage,
-                   storage_ctx=StorageContext(rank=info.rank, world_size=info.world_size, process_group=group),
-                   expert=expert)
+        return cls(
+            root=root,
+            config=config,
+            naming=naming,
+            agreement=agreement,
+            storage=storage,
+            storage_ctx=StorageContext(
+                rank=info.rank, world_size=info.world_size, process_group=group
+            ),
+            expert=expert,
+        )
 
     @property
     def rank(self) -> int:

@@ -71,7 +71,9 @@ class StoreAgreement:
 
     def __init__(self, group: Any | None, *, timeout_s: float, namespace: str) -> None:
         store = own_connection(dist.distributed_c10d._get_default_store())
-        self.ranks = dist.get_process_group_ranks(group) if group else list(range(dist.get_world_size()))
+        self.ranks = (
+            dist.get_process_group_ranks(group) if group else list(range(dist.get_world_size()))
+        )
         rank = dist.get_rank(group) if group else dist.get_rank()
         self.info = RankInfo(rank=rank, world_size=len(self.ranks), host=node_name())
         # Distinct groups and managers must not read each other's keys.
@@ -80,13 +82,17 @@ class StoreAgreement:
         self._timeout = _dt.timedelta(seconds=timeout_s)
         self._seq = 0
         self._previous: str | None = None
-        self._deadline: float | None = None  # a gather's phase deadline, shared by the bcast that follows
+        self._deadline: float | None = (
+            None  # a gather's phase deadline, shared by the bcast that follows
+        )
 
     def exchange(self, phase: str, payload: Any, *, patience: float = 1.0) -> list[Any]:
         """``patience`` scales the timeout: a phase that follows a collective with the same
         timeout waits longer, so that its peers' own timeout fires first and every rank
         reports the same first error instead of some reporting a timeout."""
-        deadline = time.monotonic() + (self._timeout * patience).total_seconds()  # one deadline for the phase
+        deadline = (
+            time.monotonic() + (self._timeout * patience).total_seconds()
+        )  # one deadline for the phase
         base, keys = self._keys(phase)
         me = keys[self.info.rank]
         self._post(phase, me, payload)
@@ -95,7 +101,9 @@ class StoreAgreement:
         # Every rank has read (and acknowledged) the previous phase once all ranks have
         # posted this one, so this rank's keys of that phase can go: the store stays small.
         if self._previous is not None:
-            self._delete(self._previous, self._previous.rsplit("/", 1)[0] + f"/ack/{self.info.rank}")
+            self._delete(
+                self._previous, self._previous.rsplit("/", 1)[0] + f"/ack/{self.info.rank}"
+            )
         self._previous = me
         self._linger(base, _left(deadline))
         return values
@@ -132,7 +140,9 @@ class StoreAgreement:
         base, keys = self._keys(phase)
         if self.info.rank == 0:
             self._post(phase, keys[0], payload)
-            others = [r for r in (live if live is not None else range(self.info.world_size)) if r != 0]
+            others = [
+                r for r in (live if live is not None else range(self.info.world_size)) if r != 0
+            ]
             acks = [f"{base}ack/{r}" for r in others]
             with contextlib.suppress(Exception):
                 self._store.wait(acks, wait)

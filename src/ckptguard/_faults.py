@@ -63,9 +63,16 @@ NODE_POINTS = (
 STORE_POINTS = ("store.part_uploaded", "store.before_marker", "store.before_tracker")
 """The points of an object-store commit (``ckptguard.storage.s3``)."""
 POINTS = (
-    *COMMIT_POINTS, "commit.rank_written", *NODE_POINTS, *RUN_POINTS, "transfer.file_copied", "transfer.before_tracker",
-    *STORE_POINTS, "transfer.before_rename",
-    "export.shard_written", "export.before_manifest",
+    *COMMIT_POINTS,
+    "commit.rank_written",
+    *NODE_POINTS,
+    *RUN_POINTS,
+    "transfer.file_copied",
+    "transfer.before_tracker",
+    *STORE_POINTS,
+    "transfer.before_rename",
+    "export.shard_written",
+    "export.before_manifest",
 )
 
 _hooks: dict[str, Callable[[], None]] = {}
@@ -96,7 +103,8 @@ def arm_pause_from_env(rank: int) -> None:
     if not where or PAUSE_POINT in _hooks:
         return
     logging.getLogger("ckptguard").warning(
-        "ckptguard: %s is set: the first save of this process stops mid-write for `ckptguard rehearse`", PAUSE_ENV
+        "ckptguard: %s is set: the first save of this process stops mid-write for `ckptguard rehearse`",
+        PAUSE_ENV,
     )
 
     def pause() -> None:

@@ -81,11 +81,17 @@ class BlockingBudget:
 
     def __post_init__(self) -> None:
         if self.fraction is not None and not 0 < self.fraction <= 1:
-            raise ConfigError(f"BlockingBudget.fraction must be in (0, 1] or None, got {self.fraction!r}")
+            raise ConfigError(
+                f"BlockingBudget.fraction must be in (0, 1] or None, got {self.fraction!r}"
+            )
         if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ConfigError(f"BlockingBudget.timeout_s must be > 0 seconds or None, got {self.timeout_s!r}")
+            raise ConfigError(
+                f"BlockingBudget.timeout_s must be > 0 seconds or None, got {self.timeout_s!r}"
+            )
         if not isinstance(self.over, OverBudget):
-            raise ConfigError(f"BlockingBudget.over must be an OverBudget (WARN, BACKGROUND, REFUSE): {self.over!r}")
+            raise ConfigError(
+                f"BlockingBudget.over must be an OverBudget (WARN, BACKGROUND, REFUSE): {self.over!r}"
+            )
 
 
 class ReshardRule(enum.Enum):
@@ -152,19 +158,35 @@ class ProofPlan:
 
     def __post_init__(self) -> None:
         if self.deterministic is None:
-            object.__setattr__(self, "deterministic", not self.rl if isinstance(self.rl, bool) else None)
+            object.__setattr__(
+                self, "deterministic", not self.rl if isinstance(self.rl, bool) else None
+            )
         for name in ("record", "rl", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ProofPlan.{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.replay_steps, int) or isinstance(self.replay_steps, bool) or self.replay_steps < 1:
-            raise ConfigError(f"ProofPlan.replay_steps must be an int >= 1, got {self.replay_steps!r}")
+        if (
+            not isinstance(self.replay_steps, int)
+            or isinstance(self.replay_steps, bool)
+            or self.replay_steps < 1
+        ):
+            raise ConfigError(
+                f"ProofPlan.replay_steps must be an int >= 1, got {self.replay_steps!r}"
+            )
         total = self.total_steps
-        if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total < 1):
+        if total is not None and (
+            not isinstance(total, int) or isinstance(total, bool) or total < 1
+        ):
             raise ConfigError(f"ProofPlan.total_steps must be an int >= 1 or None, got {total!r}")
 
     def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"rl": self.rl, "deterministic": self.deterministic, "replay_steps": self.replay_steps}
-        if self.total_steps is not None:  # older readers take ProofPlan(**plan): only a declared total is written
+        out: dict[str, object] = {
+            "rl": self.rl,
+            "deterministic": self.deterministic,
+            "replay_steps": self.replay_steps,
+        }
+        if (
+            self.total_steps is not None
+        ):  # older readers take ProofPlan(**plan): only a declared total is written
             out["total_steps"] = self.total_steps
         return out
 
@@ -173,14 +195,18 @@ def _seconds(owner: str, name: str, value: object, *, none_ok: bool = False) -> 
     if value is None and none_ok:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{owner}.{name} must be > 0 seconds{' or None' if none_ok else ''}, got {value!r}")
+        raise ConfigError(
+            f"{owner}.{name} must be > 0 seconds{' or None' if none_ok else ''}, got {value!r}"
+        )
 
 
 def _byte_count(owner: str, name: str, value: object, *, none_ok: bool = False) -> None:
     if value is None and none_ok:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{owner}.{name} must be an int >= 0 (bytes){' or None' if none_ok else ''}, got {value!r}")
+        raise ConfigError(
+            f"{owner}.{name} must be an int >= 0 (bytes){' or None' if none_ok else ''}, got {value!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,15 +247,19 @@ class StorageOptions:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), Path):
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if self.object_store is not None and not isinstance(self.object_store, ObjectStoreOptions):
-            raise ConfigError(f"StorageOptions.object_store must be an ObjectStoreOptions or None, got "
-                              f"{self.object_store!r}")
+            raise ConfigError(
+                f"StorageOptions.object_store must be an ObjectStoreOptions or None, got "
+                f"{self.object_store!r}"
+            )
         if self.publish_checksums is not None and not isinstance(self.publish_checksums, bool):
             raise ConfigError(
                 f"StorageOptions.publish_checksums must be True, False or None (auto), got {self.publish_checksums!r}"
             )
         for name in ("keep_failed", "allow_newer_torch"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"StorageOptions.{name} must be a bool, got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"StorageOptions.{name} must be a bool, got {getattr(self, name)!r}"
+                )
         _seconds("StorageOptions", "stale_temp_age_s", self.stale_temp_age_s)
         _seconds("StorageOptions", "lease_ttl_s", self.lease_ttl_s)
 
@@ -250,7 +280,9 @@ class StateOptions:
     def __post_init__(self) -> None:
         for name in ("capture_rng", "restore_rng", "verify_restored"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"StateOptions.{name} must be a bool, got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"StateOptions.{name} must be a bool, got {getattr(self, name)!r}"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,8 +308,10 @@ class AsyncOptions:
         _byte_count("AsyncOptions", "host_bytes", self.host_bytes, none_ok=True)
         _seconds("AsyncOptions", "pool_idle_s", self.pool_idle_s, none_ok=True)
         if not isinstance(self.on_busy, OnBusy):
-            raise ConfigError(f"AsyncOptions.on_busy must be an OnBusy ({', '.join(m.name for m in OnBusy)}), "
-                              f"got {self.on_busy!r}")
+            raise ConfigError(
+                f"AsyncOptions.on_busy must be an OnBusy ({', '.join(m.name for m in OnBusy)}), "
+                f"got {self.on_busy!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -299,12 +333,16 @@ class ReshardOptions:
         if not isinstance(self.rule, ReshardRule):
             raise ConfigError(f"ReshardOptions.rule must be a ReshardRule, got {self.rule!r}")
         if self.layout is not None and not isinstance(self.layout, ParallelLayout):
-            raise ConfigError(f"ReshardOptions.layout must be a ParallelLayout or None, got {self.layout!r}")
+            raise ConfigError(
+                f"ReshardOptions.layout must be a ParallelLayout or None, got {self.layout!r}"
+            )
         seed = self.rng_seed
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise ConfigError(f"ReshardOptions.rng_seed must be an int >= 0 or None, got {seed!r}")
         if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
-            raise ConfigError(f"ReshardOptions.replicated must be a tuple of state item names, got {self.replicated!r}")
+            raise ConfigError(
+                f"ReshardOptions.replicated must be a tuple of state item names, got {self.replicated!r}"
+            )
         object.__setattr__(self, "replicated", tuple(self.replicated))
 
 
@@ -346,18 +384,28 @@ class CheckpointConfig:
         for name, cls in _GROUPS.items():
             value = getattr(self, name)
             if not isinstance(value, cls):
-                raise ConfigError(f"CheckpointConfig.{name} must be a {cls.__name__}, got {value!r}")
+                raise ConfigError(
+                    f"CheckpointConfig.{name} must be a {cls.__name__}, got {value!r}"
+                )
         if self.contract is not None and not isinstance(self.contract, RunContract):
             raise ConfigError("CheckpointConfig.contract must be a RunContract or None")
         if self.retention is not None and not callable(getattr(self.retention, "keep", None)):
-            raise ConfigError("CheckpointConfig.retention must be a policy (KeepLast, KeepEvery, a | b) or None")
+            raise ConfigError(
+                "CheckpointConfig.retention must be a policy (KeepLast, KeepEvery, a | b) or None"
+            )
 
 
 # Every option group and its type: a group given as anything else (a flat value, a bare ReshardRule) is
 # refused naming the group, not read as an option group later.
-_GROUPS: dict[str, type[Any]] = {"storage": StorageOptions, "state": StateOptions, "async_save": AsyncOptions,
-                                 "blocking": BlockingBudget, "reshard": ReshardOptions, "proof": ProofPlan,
-                                 "health": HealthPolicy}
+_GROUPS: dict[str, type[Any]] = {
+    "storage": StorageOptions,
+    "state": StateOptions,
+    "async_save": AsyncOptions,
+    "blocking": BlockingBudget,
+    "reshard": ReshardOptions,
+    "proof": ProofPlan,
+    "health": HealthPolicy,
+}
 
 
 def with_dir_template(template: str, options: Mapping[str, Any]) -> CheckpointConfig:

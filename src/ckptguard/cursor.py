@@ -66,15 +66,23 @@ class DataCursor:
         self.num_samples = _count("num_samples", num_samples, 1)
         self.seed = _count("seed", seed, 0)
         if drop_last and pad:
-            raise ConfigError("DataCursor: drop_last and pad exclude each other; pick one way to end an epoch")
+            raise ConfigError(
+                "DataCursor: drop_last and pad exclude each other; pick one way to end an epoch"
+            )
         self.shuffle, self.drop_last, self.pad = bool(shuffle), bool(drop_last), bool(pad)
         initialized = dist.is_available() and dist.is_initialized()
-        self.rank = _count("rank", rank if rank is not None else (dist.get_rank() if initialized else 0), 0)
+        self.rank = _count(
+            "rank", rank if rank is not None else (dist.get_rank() if initialized else 0), 0
+        )
         self.world_size = _count(
-            "world_size", world_size if world_size is not None else (dist.get_world_size() if initialized else 1), 1
+            "world_size",
+            world_size if world_size is not None else (dist.get_world_size() if initialized else 1),
+            1,
         )
         if self.rank >= self.world_size:
-            raise ConfigError(f"DataCursor: rank {self.rank} is not below world_size {self.world_size}")
+            raise ConfigError(
+                f"DataCursor: rank {self.rank} is not below world_size {self.world_size}"
+            )
         self.epoch = 0
         self.consumed = 0
         self._order: tuple[int, list[int]] | None = None
@@ -108,7 +116,9 @@ class DataCursor:
         epoch = self.epoch if epoch is None else epoch
         if self._order is None or self._order[0] != epoch:
             if self.shuffle:
-                seed = xxhash.xxh3_64_intdigest(f"ckptguard-data:{self.seed}:{epoch}".encode()) & ((1 << 63) - 1)
+                seed = xxhash.xxh3_64_intdigest(f"ckptguard-data:{self.seed}:{epoch}".encode()) & (
+                    (1 << 63) - 1
+                )
                 gen = torch.Generator().manual_seed(seed)
                 ids = torch.randperm(self.num_samples, generator=gen).tolist()
             else:
@@ -169,7 +179,9 @@ class DataCursor:
 
     def load_state_dict(self, sd: StateDict) -> None:
         if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
-            raise ConfigError(f"DataCursor: not a DataCursor state of version {STATE_VERSION}: {sd!r:.200}")
+            raise ConfigError(
+                f"DataCursor: not a DataCursor state of version {STATE_VERSION}: {sd!r:.200}"
+            )
         # A position in another order (other dataset size, seed or shuffling) would read other samples.
         for name in ("num_samples", "seed", "shuffle"):
             if sd.get(name) != getattr(self, name):
@@ -179,13 +191,21 @@ class DataCursor:
                     "seed and shuffle), or declare a new contract phase for a new dataset"
                 )
         epoch, consumed = sd.get("epoch"), sd.get("consumed")
-        if not isinstance(epoch, int) or not isinstance(consumed, int) or not 0 <= consumed <= self.num_samples:
-            raise ConfigError(f"DataCursor: saved epoch {epoch!r} / consumed {consumed!r} are not a valid position")
+        if (
+            not isinstance(epoch, int)
+            or not isinstance(consumed, int)
+            or not 0 <= consumed <= self.num_samples
+        ):
+            raise ConfigError(
+                f"DataCursor: saved epoch {epoch!r} / consumed {consumed!r} are not a valid position"
+            )
         self.epoch, self.consumed = epoch, consumed
 
     def __repr__(self) -> str:
-        return (f"DataCursor(num_samples={self.num_samples}, epoch={self.epoch}, consumed={self.consumed}, "
-                f"rank={self.rank}/{self.world_size})")
+        return (
+            f"DataCursor(num_samples={self.num_samples}, epoch={self.epoch}, consumed={self.consumed}, "
+            f"rank={self.rank}/{self.world_size})"
+        )
 
 
 class CursorSampler(torch.utils.data.Sampler[int]):
@@ -206,8 +226,10 @@ class CursorSampler(torch.utils.data.Sampler[int]):
     def __init__(self, cursor: DataCursor, batch_size: int) -> None:
         self.cursor = cursor
         self.batch_size = _count("batch_size", batch_size, 1)
-        if cursor.world_size > 1 and not (cursor.drop_last or cursor.pad) and cursor.num_samples % (
-            batch_size * cursor.world_size
+        if (
+            cursor.world_size > 1
+            and not (cursor.drop_last or cursor.pad)
+            and cursor.num_samples % (batch_size * cursor.world_size)
         ):
             # The default end of an epoch gives some ranks fewer ids, possibly none: a loader with no last
             # batch on one rank while the others enter one more all-reduce hangs a data-parallel loop.
@@ -215,7 +237,9 @@ class CursorSampler(torch.utils.data.Sampler[int]):
                 "ckptguard: DataCursor(num_samples=%d).sampler(%d) on %d ranks: the last batch of an epoch leaves "
                 "some ranks with fewer ids or none, so their loaders yield a different number of batches; in a "
                 "data-parallel loop (equal collectives per step) use DataCursor(..., pad=True) or drop_last=True",
-                cursor.num_samples, batch_size, cursor.world_size,
+                cursor.num_samples,
+                batch_size,
+                cursor.world_size,
             )
 
     def __iter__(self) -> Iterator[int]:
@@ -234,7 +258,14 @@ class CursorSampler(torch.utils.data.Sampler[int]):
 
 
 def _fresh_epoch(c: DataCursor) -> DataCursor:
-    probe = DataCursor(c.num_samples, seed=c.seed, shuffle=c.shuffle, drop_last=c.drop_last, pad=c.pad,
-                       rank=c.rank, world_size=c.world_size)
+    probe = DataCursor(
+        c.num_samples,
+        seed=c.seed,
+        shuffle=c.shuffle,
+        drop_last=c.drop_last,
+        pad=c.pad,
+        rank=c.rank,
+        world_size=c.world_size,
+    )
     probe.epoch = c.epoch + 1
     return probe

@@ -88,21 +88,44 @@ class Effect:
     live: bool = True
 
     def to_json(self) -> JsonObject:
-        return {"call_id": self.call_id, "rollout": self.rollout, "attempt": self.attempt, "turn": self.turn,
-                "index": self.index, "revision": self.revision, "live": self.live}
+        return {
+            "call_id": self.call_id,
+            "rollout": self.rollout,
+            "attempt": self.attempt,
+            "turn": self.turn,
+            "index": self.index,
+            "revision": self.revision,
+            "live": self.live,
+        }
 
     @classmethod
     def from_json(cls, raw: Any) -> Effect:
         """An effect from a record line; ValueError naming the field that is missing or of a wrong type."""
         if not isinstance(raw, dict):
             raise ValueError(f"an effect is a JSON object, got {type(raw).__name__}")
-        for key, kind in (("call_id", str), ("rollout", str), ("attempt", int), ("turn", int), ("index", int),
-                          ("revision", int), ("live", bool)):
+        for key, kind in (
+            ("call_id", str),
+            ("rollout", str),
+            ("attempt", int),
+            ("turn", int),
+            ("index", int),
+            ("revision", int),
+            ("live", bool),
+        ):
             value = raw.get(key)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise ValueError(f"effect field {key!r}: expected {kind.__name__}, got {value!r:.40}")
-        return cls(raw["call_id"], raw["rollout"], raw["attempt"], raw["turn"], raw["index"], raw["revision"],
-                   raw["live"])
+                raise ValueError(
+                    f"effect field {key!r}: expected {kind.__name__}, got {value!r:.40}"
+                )
+        return cls(
+            raw["call_id"],
+            raw["rollout"],
+            raw["attempt"],
+            raw["turn"],
+            raw["index"],
+            raw["revision"],
+            raw["live"],
+        )
 
 
 @runtime_checkable

@@ -221,7 +221,9 @@ class CheckpointWriteError(CheckpointError, OSError):
 
     fields = ("step", "failures")
 
-    def __init__(self, message: str, *, step: int, failures: Sequence[WriteFailure | JsonObject]) -> None:
+    def __init__(
+        self, message: str, *, step: int, failures: Sequence[WriteFailure | JsonObject]
+    ) -> None:
         parsed = [f if isinstance(f, WriteFailure) else WriteFailure.from_json(f) for f in failures]
         first = min(parsed, key=WriteFailure.cause_order) if parsed else None
         super().__init__(first.errno if first and first.errno else 0, message)
@@ -271,8 +273,14 @@ class SaveBudgetError(CheckpointError, RuntimeError):
 
     fields = ("step", "seconds", "budget_s")
 
-    def __init__(self, message: str, *, step: int | None = None, seconds: float | None = None,
-                 budget_s: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        seconds: float | None = None,
+        budget_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.step = step
         self.seconds = seconds
@@ -303,7 +311,13 @@ class ObjectStoreError(CheckpointError, OSError):
     fields = ("bucket", "key", "step", "status")
 
     def __init__(
-        self, message: str, *, bucket: str = "", key: str = "", step: int | None = None, status: int | None = None
+        self,
+        message: str,
+        *,
+        bucket: str = "",
+        key: str = "",
+        step: int | None = None,
+        status: int | None = None,
     ) -> None:
         super().__init__(_errno.EIO, message)
         self.bucket, self.key, self.step, self.status = bucket, key, step, status

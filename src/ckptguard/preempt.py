@@ -88,7 +88,9 @@ class Preempted(SystemExit):
 class _Flag(Wire):
     signal: str | None = None
     ago_s: float | None = None
-    state_bytes: int = 0  # the plan round: this rank's tensor bytes (the estimate without a measured save)
+    state_bytes: int = (
+        0  # the plan round: this rank's tensor bytes (the estimate without a measured save)
+    )
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,14 @@ class PreemptionGuard:
                 "PreemptionGuard(manager=...): a CheckpointManager, RunCheckpoint or TieredCheckpoint, got "
                 f"{type(manager).__name__}"
             )
-        for name, value in (("grace_s", grace_s), ("safety", safety), ("save_estimate_s", save_estimate_s)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        for name, value in (
+            ("grace_s", grace_s),
+            ("safety", safety),
+            ("save_estimate_s", save_estimate_s),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
                 raise ConfigError(f"PreemptionGuard({name}={value!r}): a number of seconds > 0")
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError(
@@ -143,7 +151,8 @@ class PreemptionGuard:
         self._got: tuple[int, float] | None = None  # (signal, monotonic time) of the first signal
         PreemptionGuard._created += 1
         self._agreement = make_agreement(
-            self._target.process_group, timeout_s=self._target.timeout_s,
+            self._target.process_group,
+            timeout_s=self._target.timeout_s,
             namespace=f"preempt-{PreemptionGuard._created}",
         )
         self._previous: dict[int, Any] = {}
@@ -189,9 +198,14 @@ class PreemptionGuard:
         self.outcome = self._boundary(step, state, save_kwargs)
         return self.outcome is not None
 
-    def _boundary(self, step: int, state: StateDict, save_kwargs: Mapping[str, Any]) -> Preempted | None:
-        mine = _Flag() if self._got is None else _Flag(signal.Signals(self._got[0]).name,
-                                                       time.monotonic() - self._got[1])
+    def _boundary(
+        self, step: int, state: StateDict, save_kwargs: Mapping[str, Any]
+    ) -> Preempted | None:
+        mine = (
+            _Flag()
+            if self._got is None
+            else _Flag(signal.Signals(self._got[0]).name, time.monotonic() - self._got[1])
+        )
         flags = [_Flag(**v) for v in self._agreement.exchange("preempt.flag", mine.to_json())]
         signaled = [(r, f) for r, f in enumerate(flags) if f.signal is not None]
         if not signaled:
@@ -199,17 +213,27 @@ class PreemptionGuard:
         checked = time.monotonic()
         try:
             self._target.wait()  # a background save in flight finishes first (its time counts against the budget)
-        except CheckpointError as exc:  # raised on every rank alike: that save is lost, this step may still fit
-            log.error("ckptguard: preempted: the pending save_async failed (%s: %s); planning a save of step %d",
-                      type(exc).__name__, exc, step)
+        except (
+            CheckpointError
+        ) as exc:  # raised on every rank alike: that save is lost, this step may still fit
+            log.error(
+                "ckptguard: preempted: the pending save_async failed (%s: %s); planning a save of step %d",
+                type(exc).__name__,
+                exc,
+                step,
+            )
         rank, first = max(signaled, key=lambda item: item[1].ago_s or 0.0)
         ago = float(first.ago_s or 0.0)
         what = f"{first.signal} on rank {rank} {ago:.2f} s before the boundary of step {step}"
         if len(signaled) > 1:
             what += f" (signaled ranks: {[r for r, _ in signaled]})"
         plan = gather_decide(
-            self._agreement, "preempt.plan", _Flag(state_bytes=state_bytes(state)),
-            lambda views: self._plan(step, what, ago, checked, sum(v.state_bytes for v in views), len(views)),
+            self._agreement,
+            "preempt.plan",
+            _Flag(state_bytes=state_bytes(state)),
+            lambda views: self._plan(
+                step, what, ago, checked, sum(v.state_bytes for v in views), len(views)
+            ),
             decision=_Plan,
         )
         if not plan.save:
@@ -218,7 +242,11 @@ class PreemptionGuard:
         log.warning("ckptguard: preempted: %s", plan.reason)
         # A save its blocking budget sent to the background returns None too: wait for it before judging.
         # (a TieredCheckpoint's wait() gives {} when nothing was pending: falsy, as a manager's None)
-        if not plan.skip_save and self._target.save(step, state, **save_kwargs) is None and not self._target.wait():
+        if (
+            not plan.skip_save
+            and self._target.save(step, state, **save_kwargs) is None
+            and not self._target.wait()
+        ):
             reason = f"{what}: step {step} is unhealthy and was not saved (see the error above); the tracker stays"
             log.error("ckptguard: preempted: %s; exiting with code %d", reason, EXIT_NOT_SAVED)
             return Preempted(EXIT_NOT_SAVED, step=step, saved=False, reason=reason)
@@ -226,42 +254,67 @@ class PreemptionGuard:
         log.warning("ckptguard: preempted: %s", reason)
         return Preempted(EXIT_SAVED, step=step, saved=True, reason=reason)
 
-    def _plan(self, step: int, what: str, ago: float, checked: float, nbytes: int, ranks: int) -> _Plan:
+    def _plan(
+        self, step: int, what: str, ago: float, checked: float, nbytes: int, ranks: int
+    ) -> _Plan:
         """Rank 0: does a save of ``step`` fit the grace budget left?"""
         tracker = self._tracker()
         committed = self._target.committed_here()
         if committed and committed[-1] == step:
-            return _Plan(True, f"{what}: step {step} is committed already; saving nothing more", skip_save=True)
+            return _Plan(
+                True,
+                f"{what}: step {step} is committed already; saving nothing more",
+                skip_save=True,
+            )
         estimate, source = self._estimate(tracker)
         probe = "no write probe"
-        if estimate is None:  # nothing measured: the state's bytes at the disk's speed, probed now (on the budget)
+        if (
+            estimate is None
+        ):  # nothing measured: the state's bytes at the disk's speed, probed now (on the budget)
             try:
                 speed = write_speed(Path(self._target.root))
             except OSError as exc:
                 speed, probe = None, f"the write probe of {self._target.root} failed ({exc})"
             if speed:
                 estimate = nbytes / speed
-                source = (f"estimated: {nbytes / 2**20:.1f} MiB of state on {ranks} rank(s) at {speed / 2**20:.0f} "
-                          f"MiB/s, a write probe of {self._target.root}; no save measured on this root yet")
+                source = (
+                    f"estimated: {nbytes / 2**20:.1f} MiB of state on {ranks} rank(s) at {speed / 2**20:.0f} "
+                    f"MiB/s, a write probe of {self._target.root}; no save measured on this root yet"
+                )
         left = self.grace_s - ago - (time.monotonic() - checked)
         if estimate is None and left <= 0:
-            return _Plan(False, (
-                f"{what}: NOT saving step {step}: the grace budget grace_s={self.grace_s:g} is spent ({-left:.3f} s "
-                f"over) before the save could start ({probe}); nothing was written, the tracker stays at step "
-                f"{tracker}. Raise grace_s (the scheduler's grace period) or call step_boundary more often"))
+            return _Plan(
+                False,
+                (
+                    f"{what}: NOT saving step {step}: the grace budget grace_s={self.grace_s:g} is "
+                    f"spent ({-left:.3f} s over) before the save could start ({probe}); nothing was "
+                    f"written, the tracker stays at step {tracker}. Raise grace_s (the scheduler's "
+                    "grace period) or call step_boundary more often"
+                ),
+            )
         if estimate is None:
-            return _Plan(True, f"{what}: no save time measured on this root and {probe}; saving step {step} in the "
-                               f"{left:.2f} s left of grace_s={self.grace_s:g} (a kill mid-save commits nothing)")
+            return _Plan(
+                True,
+                f"{what}: no save time measured on this root and {probe}; saving step {step} in the "
+                f"{left:.2f} s left of grace_s={self.grace_s:g} (a kill mid-save commits nothing)",
+            )
         needed = estimate * self.safety
         kind = "estimated" if source.startswith("estimated") else "measured"
         if needed > left:
-            return _Plan(False, (
-                f"{what}: NOT saving step {step}: the {kind} save time {estimate:.3f} s ({source}) x safety "
-                f"{self.safety:g} = {needed:.3f} s does not fit the {left:.3f} s left of the grace budget "
-                f"grace_s={self.grace_s:g}; nothing was written, the tracker stays at step {tracker}, the resume "
-                "starts there. Raise grace_s (the scheduler's grace period) or save more often"))
-        return _Plan(True, f"{what}: saving step {step}: the {kind} save time {estimate:.3f} s ({source}) x "
-                           f"safety {self.safety:g} fits the {left:.3f} s left of grace_s={self.grace_s:g}")
+            return _Plan(
+                False,
+                (
+                    f"{what}: NOT saving step {step}: the {kind} save time {estimate:.3f} s ({source}) x safety "
+                    f"{self.safety:g} = {needed:.3f} s does not fit the {left:.3f} s left of the grace budget "
+                    f"grace_s={self.grace_s:g}; nothing was written, the tracker stays at step {tracker}, the resume "
+                    "starts there. Raise grace_s (the scheduler's grace period) or save more often"
+                ),
+            )
+        return _Plan(
+            True,
+            f"{what}: saving step {step}: the {kind} save time {estimate:.3f} s ({source}) x "
+            f"safety {self.safety:g} fits the {left:.3f} s left of grace_s={self.grace_s:g}",
+        )
 
     def _tracker(self) -> int | None:
         try:
@@ -273,7 +326,9 @@ class PreemptionGuard:
         """The save time to plan with, and where it comes from."""
         if self.save_estimate_s is not None:
             return float(self.save_estimate_s), "save_estimate_s"
-        candidates = [(s, f"this run's save of step {s}") for s in reversed(self._target.committed_here())]
+        candidates = [
+            (s, f"this run's save of step {s}") for s in reversed(self._target.committed_here())
+        ]
         if tracker:
             candidates.append((tracker, f"an earlier run's save of step {tracker}, the tracker's"))
         for step, source in candidates:
@@ -288,12 +343,18 @@ def state_bytes(state: Mapping[str, Any]) -> int:
     states (role -> state) are summed over the roles."""
     total = 0
     for name, value in state.items():
-        if isinstance(value, Mapping) and value and not any(isinstance(v, torch.Tensor) for v in value.values()):
+        if (
+            isinstance(value, Mapping)
+            and value
+            and not any(isinstance(v, torch.Tensor) for v in value.values())
+        ):
             total += state_bytes(value)  # a role's state, or a dict of items
             continue
         try:
             obj = _state.current_state(name, value, _state.classify(value), state)
-        except Exception:  # not an item ckptguard saves (the save would say why): no bytes to plan for
+        except (
+            Exception
+        ):  # not an item ckptguard saves (the save would say why): no bytes to plan for
             continue
         flat: dict[str, torch.Tensor] = {}
         _state.flatten(obj, name, flat)

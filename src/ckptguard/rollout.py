@@ -84,7 +84,9 @@ class ResumePlan:
 
 def _check_id(prompt_id: Any, where: str) -> PromptId:
     if isinstance(prompt_id, bool) or not isinstance(prompt_id, (int, str)):
-        raise ConfigError(f"{where}: a prompt id is an int or a str, got {type(prompt_id).__name__} {prompt_id!r:.40}")
+        raise ConfigError(
+            f"{where}: a prompt id is an int or a str, got {type(prompt_id).__name__} {prompt_id!r:.40}"
+        )
     return prompt_id
 
 
@@ -102,7 +104,9 @@ class RolloutLedger:
         keep_buffered: bool = True,
     ) -> None:
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
-            raise ConfigError(f"RolloutLedger(max_staleness={max_staleness!r}): an int >= 0, or None for no limit")
+            raise ConfigError(
+                f"RolloutLedger(max_staleness={max_staleness!r}): an int >= 0, or None for no limit"
+            )
         self.max_staleness = max_staleness
         self.keep_buffered = bool(keep_buffered)
         self._source = source
@@ -110,7 +114,9 @@ class RolloutLedger:
             getattr(source, "load_state_dict", None)
         )
         self._iter: Iterator[PromptId] | None = None
-        self._source_open = False  # a stateful source's iteration was started (saved: a restore continues it)
+        self._source_open = (
+            False  # a stateful source's iteration was started (saved: a restore continues it)
+        )
         self._lock = threading.RLock()
         self._pending_resume = False
         self.policy_version = 0
@@ -121,7 +127,13 @@ class RolloutLedger:
         self._reissue: list[PromptId] = []
         self._trained: set[PromptId] = set()
         self._last_step = 0
-        self._counts = {"issued": 0, "completed": 0, "trained": 0, "reissued": 0, "dropped_stale": 0}
+        self._counts = {
+            "issued": 0,
+            "completed": 0,
+            "trained": 0,
+            "reissued": 0,
+            "dropped_stale": 0,
+        }
         self._trained_staleness: dict[int, int] = {}
 
     # ------------------------------------------------------------ feeding
@@ -131,8 +143,14 @@ class RolloutLedger:
         _check_id(prompt_id, "issued")
         with self._lock:
             self._resume_if_pending()  # the first use after a restore applies the rule first
-            if prompt_id in self._in_flight or prompt_id in self._buffered or prompt_id in self._taken:
-                raise ConfigError(f"issued({prompt_id!r}): the prompt is already in flight or buffered")
+            if (
+                prompt_id in self._in_flight
+                or prompt_id in self._buffered
+                or prompt_id in self._taken
+            ):
+                raise ConfigError(
+                    f"issued({prompt_id!r}): the prompt is already in flight or buffered"
+                )
             if prompt_id in self._trained:
                 raise ConfigError(
                     f"issued({prompt_id!r}): the prompt was already trained on; prompt ids are unique within a run "
@@ -178,7 +196,9 @@ class RolloutLedger:
                 out.append(Rollout(pid, version, ref))
             return out
 
-    def trained(self, prompt_ids: Iterable[PromptId], step: int, *, policy_version: int | None = None) -> None:
+    def trained(
+        self, prompt_ids: Iterable[PromptId], step: int, *, policy_version: int | None = None
+    ) -> None:
         """Training step ``step`` consumed the rollouts of ``prompt_ids``; the policy is then at
         version ``policy_version`` (default: ``step``)."""
         ids = list(prompt_ids)
@@ -191,7 +211,9 @@ class RolloutLedger:
                     "a prompt is trained once, after completed()"
                 )
             for pid in ids:
-                version, _ref = self._taken.pop(pid) if pid in self._taken else self._buffered.pop(pid)
+                version, _ref = (
+                    self._taken.pop(pid) if pid in self._taken else self._buffered.pop(pid)
+                )
                 lag = self.policy_version - version
                 self._trained_staleness[lag] = self._trained_staleness.get(lag, 0) + 1
                 self._trained.add(pid)
@@ -208,7 +230,9 @@ class RolloutLedger:
                 pid = self._reissue[0]
             else:
                 if self._source is None:
-                    raise ConfigError("next_prompt(): this ledger has no source; pass RolloutLedger(source=...)")
+                    raise ConfigError(
+                        "next_prompt(): this ledger has no source; pass RolloutLedger(source=...)"
+                    )
                 if self._iter is None:
                     self._iter = self._open_source()
                 drawn = next(self._iter, None)
@@ -249,7 +273,10 @@ class RolloutLedger:
             for pid in dropped:
                 del self._buffered[pid]
             self._counts["dropped_stale"] += len(stale)
-            self._reissue = [*self._reissue, *[p for p in reissue + dropped if p not in self._reissue]]
+            self._reissue = [
+                *self._reissue,
+                *[p for p in reissue + dropped if p not in self._reissue],
+            ]
             plan = ResumePlan(
                 reissue=list(self._reissue),
                 kept=[Rollout(p, v, r) for p, (v, r) in self._buffered.items()],
@@ -260,8 +287,14 @@ class RolloutLedger:
         log.info(
             "ckptguard: rollout ledger resumed at policy version %d: %d prompt(s) trained, %d buffered rollout(s) "
             "kept, %d prompt(s) re-issued (%d in flight at the save, %d stale beyond %s version(s)%s)",
-            plan.policy_version, plan.trained, len(plan.kept), len(plan.reissue), len(reissue), len(stale),
-            self.max_staleness, "" if self.keep_buffered else ", and every buffered one: keep_buffered=False",
+            plan.policy_version,
+            plan.trained,
+            len(plan.kept),
+            len(plan.reissue),
+            len(reissue),
+            len(stale),
+            self.max_staleness,
+            "" if self.keep_buffered else ", and every buffered one: keep_buffered=False",
         )
         return plan
 
@@ -304,11 +337,17 @@ class RolloutLedger:
         policy version, and staleness: of the buffered rollouts now (the largest) and of the trained
         ones (versions behind -> count)."""
         with self._lock:
-            lags = [self.policy_version - v for v, _r in [*self._taken.values(), *self._buffered.values()]]
+            lags = [
+                self.policy_version - v
+                for v, _r in [*self._taken.values(), *self._buffered.values()]
+            ]
             c = self._counts
             return {
-                "issued": c["issued"], "completed": c["completed"], "trained": c["trained"],
-                "reissued": c["reissued"], "dropped_stale": c["dropped_stale"],
+                "issued": c["issued"],
+                "completed": c["completed"],
+                "trained": c["trained"],
+                "reissued": c["reissued"],
+                "dropped_stale": c["dropped_stale"],
                 "policy_version": self.policy_version,
                 "last_step": self._last_step,
                 "drawn": self._drawn,
@@ -351,8 +390,11 @@ class RolloutLedger:
         if self._stateful != ("source" in state):
             raise StateMismatchError(
                 "RolloutLedger.load_state_dict: the saved ledger "
-                + ("held its source's state, this one has a plain source" if "source" in state else
-                   "had a plain source, this one has a stateful one")
+                + (
+                    "held its source's state, this one has a plain source"
+                    if "source" in state
+                    else "had a plain source, this one has a stateful one"
+                )
                 + "; build the ledger with the same kind of source as the saving run"
             )
         with self._lock:
@@ -368,6 +410,8 @@ class RolloutLedger:
             self._trained_staleness = {int(k): int(n) for k, n in state["trained_staleness"]}
             if self._stateful:
                 self._source.load_state_dict(state["source"])  # type: ignore[union-attr]
-            self._source_open = bool(state.get("source_open", False))  # absent in states of older ckptguard
+            self._source_open = bool(
+                state.get("source_open", False)
+            )  # absent in states of older ckptguard
             self._iter = None
             self._pending_resume = True

@@ -75,8 +75,17 @@ def free_port() -> int:
 
 
 # What the fork server imports once; every rank forked from it starts with these loaded.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-            "torch.distributed.tensor", "numpy", "ckptguard", "ckptguard.ops.prove", "pytest"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "numpy",
+    "ckptguard",
+    "ckptguard.ops.prove",
+    "pytest",
+]
 
 
 class _StdStreams:
@@ -177,7 +186,17 @@ def run_ranks(
             out = str(Path(tmp) / f"rank{rank}.pkl")
             p = ctx.Process(
                 target=_child,
-                args=(fn, rank, world if distributed else 0, port, out, pg_timeout_s, args, env, _StdStreams()),
+                args=(
+                    fn,
+                    rank,
+                    world if distributed else 0,
+                    port,
+                    out,
+                    pg_timeout_s,
+                    args,
+                    env,
+                    _StdStreams(),
+                ),
                 daemon=False,
             )
             p.start()
@@ -191,7 +210,10 @@ def run_ranks(
                 p.join()
                 results.append(
                     RankResult(
-                        rank, None, error_type="HelperTimeout", error=f"rank {rank} still running after {timeout} s"
+                        rank,
+                        None,
+                        error_type="HelperTimeout",
+                        error=f"rank {rank} still running after {timeout} s",
                     )
                 )
                 continue
@@ -210,7 +232,9 @@ def values(results: list[RankResult]) -> list[Any]:
     """Every rank's return value, failing with each rank's error if any rank failed."""
     bad = [r for r in results if not r.ok]
     if bad:
-        raise AssertionError("\n".join(f"rank {r.rank} exit {r.exitcode}: {r.error_type}: {r.error}" for r in bad))
+        raise AssertionError(
+            "\n".join(f"rank {r.rank} exit {r.exitcode}: {r.error_type}: {r.error}" for r in bad)
+        )
     return [r.value for r in results]
 
 
@@ -254,7 +278,9 @@ def fake_node(
     def check(ok: bool, what: str) -> None:
         if not ok:
             errno = ctypes.get_errno()
-            raise PermissionError(errno, f"fake_node({name!r}): {what} failed: {os.strerror(errno)} (needs root)")
+            raise PermissionError(
+                errno, f"fake_node({name!r}): {what} failed: {os.strerror(errno)} (needs root)"
+            )
 
     flags = (_CLONE_NEWUTS if hostname else 0) | (_CLONE_NEWNS if binds else 0)
     if flags:
@@ -264,8 +290,14 @@ def fake_node(
         check(libc.sethostname(raw, len(raw)) == 0, f"sethostname {name}")
     if binds:
         # Private first: a bind in a shared mount tree would show in every other rank's view too.
-        check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0, "mount --make-rprivate /")
+        check(
+            libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0,
+            "mount --make-rprivate /",
+        )
     for shared, own in binds.items():
-        check(libc.mount(own.encode(), shared.encode(), None, _MS_BIND, None) == 0, f"mount --bind {own} {shared}")
+        check(
+            libc.mount(own.encode(), shared.encode(), None, _MS_BIND, None) == 0,
+            f"mount --bind {own} {shared}",
+        )
     if name is not None:
         os.environ[NODE_ENV] = name

@@ -11,7 +11,16 @@ import os
 import shutil
 from pathlib import Path
 
-from test_tiers import PER_NODE, WORLD, become_node, make_state, pytestmark, restore_records, tiers, train_to
+from test_tiers import (
+    PER_NODE,
+    WORLD,
+    become_node,
+    make_state,
+    pytestmark,
+    restore_records,
+    tiers,
+    train_to,
+)
 
 import ckptguard as cg
 from ckptguard.ops.prove import evaluate, verdict

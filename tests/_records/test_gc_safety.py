@@ -20,7 +20,17 @@ import torch
 import ckptguard as cg
 from ckptguard._disk import layout as _layout
 from ckptguard._records import retention
-from damage_helper import DEEP, MANIFEST, TRACKER, cli, committed_on_disk, no_traceback, run_py, step_dir, tiny_root
+from damage_helper import (
+    DEEP,
+    MANIFEST,
+    TRACKER,
+    cli,
+    committed_on_disk,
+    no_traceback,
+    run_py,
+    step_dir,
+    tiny_root,
+)
 
 
 def _mgr(root: Path, keep: int) -> cg.CheckpointManager:

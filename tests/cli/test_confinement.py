@@ -25,7 +25,16 @@ import torch
 
 import ckptguard as cg
 from ckptguard.demo.toyjob import build_job, train_step
-from damage_helper import MANIFEST, TRACKER, cli, no_traceback, refresh_entry, refused, rewrite_manifest, tiny_root
+from damage_helper import (
+    MANIFEST,
+    TRACKER,
+    cli,
+    no_traceback,
+    refresh_entry,
+    refused,
+    rewrite_manifest,
+    tiny_root,
+)
 
 # ---------------------------------------------------------------- absolute paths in DCP metadata
 

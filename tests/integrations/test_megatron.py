@@ -23,7 +23,11 @@ import torch
 import ckptguard as cg
 from ckptguard import StateOptions, StorageOptions
 from ckptguard import testing as cgt
-from ckptguard.errors import CheckpointCorruptError, CheckpointIncompleteError, UnsafeCheckpointError
+from ckptguard.errors import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    UnsafeCheckpointError,
+)
 from ckptguard.integrations import megatron as mg  # imports no megatron: check_files needs none
 from ckptguard.storage.unpickler import read_dcp_metadata
 

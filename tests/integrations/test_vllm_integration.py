@@ -268,7 +268,14 @@ def test_packed_modules_split_back_into_checkpoint_names():
 def test_tied_aliases_found_by_storage_and_differences_named():
     import torch
 
-    from ckptguard.integrations.vllm import Push, _compare, _packed, _tied_aliases, _unpacked, layout_free_digests
+    from ckptguard.integrations.vllm import (
+        Push,
+        _compare,
+        _packed,
+        _tied_aliases,
+        _unpacked,
+        layout_free_digests,
+    )
 
     emb = torch.randn(5, 3)
     named = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "norm.weight": torch.ones(3)}

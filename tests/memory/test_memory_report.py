@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckptguard.memory import HostProbe, HostProbeConfig, PhaseKind, PhaseRecorder, RecorderConfig, read_records
+from ckptguard.memory import (
+    HostProbe,
+    HostProbeConfig,
+    PhaseKind,
+    PhaseRecorder,
+    RecorderConfig,
+    read_records,
+)
 from ckptguard.memory.cli import mem
 from ckptguard.memory.report import render_html
 

@@ -1,4 +1,5 @@
 """Does pinning 6 GiB in a background thread hold the training thread? torch's cudart binding vs ctypes."""
+
 import ctypes
 import json
 import mmap
@@ -20,8 +21,10 @@ def cudart_ctypes():
                 return path, lib
     return None, None
 
+
 CHUNK = 512 << 20
 N = 13
+
 
 def pin(how, lib, out):
     maps = []
@@ -37,7 +40,10 @@ def pin(how, lib, out):
     out["pin_s"] = time.perf_counter() - t
     out["rc"] = int(rc)
     for _m, _tens, ptr in maps:
-        torch.cuda.cudart().cudaHostUnregister(ptr) if how == "torch" else lib.cudaHostUnregister(ptr)
+        torch.cuda.cudart().cudaHostUnregister(ptr) if how == "torch" else lib.cudaHostUnregister(
+            ptr
+        )
+
 
 def loop(steps, a):
     times = []
@@ -48,6 +54,7 @@ def loop(steps, a):
         float(b[0, 0].item())
         times.append(time.perf_counter() - t)
     return times
+
 
 a = torch.randn(4096, 4096, device="cuda")
 loop(20, a)
@@ -66,8 +73,14 @@ for how in ("none", "torch", "ctypes", "torch", "ctypes"):
     if th:
         th.join()
     figures = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
-    res.setdefault(how, []).append({"loop_s": round(total, 3), "max_step_s": round(max(times), 3),
-                                    "p50": round(sorted(times)[30], 4), **figures})
+    res.setdefault(how, []).append(
+        {
+            "loop_s": round(total, 3),
+            "max_step_s": round(max(times), 3),
+            "p50": round(sorted(times)[30], 4),
+            **figures,
+        }
+    )
 print(json.dumps(res))
 with open(os.environ["OUT"] + "/pin_contention.json", "w") as f:
     json.dump(res, f, indent=1)

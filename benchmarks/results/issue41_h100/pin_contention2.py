@@ -1,4 +1,5 @@
 """Which way of pinning 6.5 GiB in a background thread holds the training thread least?"""
+
 import json
 import mmap
 import os
@@ -9,10 +10,15 @@ import torch
 
 TOTAL = 13 * (512 << 20)
 
+
 def pin(chunk, populate, pause, out):
     maps = []
     t = time.perf_counter()
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0x8000) if populate else 0)
+    flags = (
+        mmap.MAP_PRIVATE
+        | mmap.MAP_ANONYMOUS
+        | (getattr(mmap, "MAP_POPULATE", 0x8000) if populate else 0)
+    )
     for _ in range(TOTAL // chunk):
         m = mmap.mmap(-1, chunk, flags=flags)
         m.madvise(mmap.MADV_HUGEPAGE)
@@ -27,6 +33,7 @@ def pin(chunk, populate, pause, out):
     for _m, tens in maps:
         torch.cuda.cudart().cudaHostUnregister(tens.data_ptr())
 
+
 def loop(steps, a):
     times = []
     for _ in range(steps):
@@ -37,12 +44,18 @@ def loop(steps, a):
         times.append(time.perf_counter() - t)
     return times
 
+
 a = torch.randn(4096, 4096, device="cuda")
 loop(20, a)
 res = {}
-variants = {"none": None, "512M": (512 << 20, False, 0), "512M_populate": (512 << 20, True, 0),
-            "64M_pause2ms": (64 << 20, False, 0.002), "64M_populate_pause2ms": (64 << 20, True, 0.002),
-            "16M_populate_pause1ms": (16 << 20, True, 0.001)}
+variants = {
+    "none": None,
+    "512M": (512 << 20, False, 0),
+    "512M_populate": (512 << 20, True, 0),
+    "64M_pause2ms": (64 << 20, False, 0.002),
+    "64M_populate_pause2ms": (64 << 20, True, 0.002),
+    "16M_populate_pause1ms": (16 << 20, True, 0.001),
+}
 for name, v in variants.items():
     out = {}
     th = threading.Thread(target=pin, args=(*v, out)) if v else None
@@ -53,8 +66,12 @@ for name, v in variants.items():
     total = time.perf_counter() - t0
     if th:
         th.join()
-    res[name] = {"loop_s": round(total, 3), "max_step_s": round(max(times), 3), "p50": round(sorted(times)[40], 4),
-                 **{k: round(x, 3) for k, x in out.items()}}
+    res[name] = {
+        "loop_s": round(total, 3),
+        "max_step_s": round(max(times), 3),
+        "p50": round(sorted(times)[40], 4),
+        **{k: round(x, 3) for k, x in out.items()},
+    }
     print(name, res[name], flush=True)
 with open(os.environ["OUT"] + "/pin_contention2.json", "w") as f:
     json.dump(res, f, indent=1)

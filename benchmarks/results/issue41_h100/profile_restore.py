@@ -31,7 +31,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/cg-profile-restore"))
-    ap.add_argument("--ab", type=int, default=0, help="pairs of restores: staging prepared at once / after the load")
+    ap.add_argument(
+        "--ab",
+        type=int,
+        default=0,
+        help="pairs of restores: staging prepared at once / after the load",
+    )
     b.add_model_args(ap)
     a = ap.parse_args()
     device = torch.device("cuda")
@@ -56,7 +61,9 @@ def main() -> None:
             prof.enable()
         m = cg.CheckpointManager(a.dir, config=cg.CheckpointConfig(retention=None), storage=storage)
         known = m.queue.known
-        if variant == "staging after the load":  # what restore would do with the staging prepared after its read
+        if (
+            variant == "staging after the load"
+        ):  # what restore would do with the staging prepared after its read
             m.queue.known = lambda *args, **kw: None  # type: ignore[method-assign]
         t1 = time.perf_counter()
         m.restore(fresh.state())
@@ -68,9 +75,11 @@ def main() -> None:
         t3 = time.perf_counter()
         prof.disable()
         read = storage.last_stats.seconds if storage.last_stats else float("nan")
-        lines.append(f"run {run} ({variant}): construct {t1 - t0:.3f} s, restore {t2 - t1:.3f} s (read {read:.3f} s), "
-                     f"close {t3 - t2:.3f} s; a cold read of the same files just before: {same['seconds']:.3f} s "
-                     f"(restore {same['seconds'] / (t2 - t1):.3f}x)")
+        lines.append(
+            f"run {run} ({variant}): construct {t1 - t0:.3f} s, restore {t2 - t1:.3f} s (read {read:.3f} s), "
+            f"close {t3 - t2:.3f} s; a cold read of the same files just before: {same['seconds']:.3f} s "
+            f"(restore {same['seconds'] / (t2 - t1):.3f}x)"
+        )
         print(lines[-1], flush=True)
         if variant == "profiled":
             s = io.StringIO()

@@ -53,7 +53,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/cg-restore-ab"))
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}"
+    )
     b.add_model_args(ap)
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
@@ -73,7 +75,9 @@ def main() -> None:
     runs = []
     for r in range(a.rounds):
         for variant in variants:
-            _restore._read_ahead = real_ahead if variant == "committed" else (lambda *args, **kw: None)
+            _restore._read_ahead = (
+                real_ahead if variant == "committed" else (lambda *args, **kw: None)
+            )
             _pool.BufferPool.__init__ = _eager_pool(real_init) if variant == "before" else real_init
             fresh = b.Job(a, device, seed=7)
             fresh.step()
@@ -81,7 +85,9 @@ def main() -> None:
             b.drop_cache(a.dir)
             torch.cuda.synchronize()
             storage = StreamingStorage()
-            m = cg.CheckpointManager(a.dir, config=cg.CheckpointConfig(retention=None), storage=storage)
+            m = cg.CheckpointManager(
+                a.dir, config=cg.CheckpointConfig(retention=None), storage=storage
+            )
             t = time.perf_counter()
             m.restore(fresh.state())
             torch.cuda.synchronize()
@@ -89,19 +95,37 @@ def main() -> None:
             m.close()
             got = fresh.tensors()
             exact = all(torch.equal(got[k], reference[k]) for k in reference)
-            run = {"round": r, "variant": variant, "restore_s": round(restore_s, 3),
-                   "read_s": round(storage.last_stats.seconds, 3) if storage.last_stats else None,
-                   "same_files_read_s": same["seconds"], "x_cold_read": round(same["seconds"] / restore_s, 3),
-                   "bitwise_exact": exact}
+            run = {
+                "round": r,
+                "variant": variant,
+                "restore_s": round(restore_s, 3),
+                "read_s": round(storage.last_stats.seconds, 3) if storage.last_stats else None,
+                "same_files_read_s": same["seconds"],
+                "x_cold_read": round(same["seconds"] / restore_s, 3),
+                "bitwise_exact": exact,
+            }
             runs.append(run)
             print(json.dumps(run), flush=True)
             del fresh, got
     _restore._read_ahead, _pool.BufferPool.__init__ = real_ahead, real_init
-    summary = {v: {"x_cold_read_median": statistics.median(x["x_cold_read"] for x in runs if x["variant"] == v),
-                   "x_cold_read_min": min(x["x_cold_read"] for x in runs if x["variant"] == v),
-                   "restore_s_median": statistics.median(x["restore_s"] for x in runs if x["variant"] == v)}
-               for v in variants}
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": runs, "summary": summary}
+    summary = {
+        v: {
+            "x_cold_read_median": statistics.median(
+                x["x_cold_read"] for x in runs if x["variant"] == v
+            ),
+            "x_cold_read_min": min(x["x_cold_read"] for x in runs if x["variant"] == v),
+            "restore_s_median": statistics.median(
+                x["restore_s"] for x in runs if x["variant"] == v
+            ),
+        }
+        for v in variants
+    }
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "runs": runs,
+        "summary": summary,
+    }
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
 

@@ -50,7 +50,9 @@ class Ahead:
             # lr 0 in every group: DCP's own initialising step inside a restore's load, not training yet.
             if fired[0] or any(not o.state for o in empty) or all(_zero_lr(o) for o in empty):
                 return
-            fired[0] = True  # disarmed, not removed: torch iterates its hook dicts while calling them
+            fired[0] = (
+                True  # disarmed, not removed: torch iterates its hook dicts while calling them
+            )
             _prepare(state, keyfn, weak, args)
 
         self._hooks = [o.register_step_post_hook(after_step) for o in empty]
@@ -65,7 +67,9 @@ def _zero_lr(optim: torch.optim.Optimizer) -> bool:
     return all(float(g.get("lr", 1.0)) == 0.0 for g in optim.param_groups)
 
 
-def _prepare(state: StateDict, keyfn: KeyFn, weak: weakref.WeakMethod[Any], args: tuple[Any, ...]) -> None:
+def _prepare(
+    state: StateDict, keyfn: KeyFn, weak: weakref.WeakMethod[Any], args: tuple[Any, ...]
+) -> None:
     prepare = weak()
     if prepare is None:
         return  # the manager is gone
@@ -75,5 +79,7 @@ def _prepare(state: StateDict, keyfn: KeyFn, weak: weakref.WeakMethod[Any], args
         sized = {name: v for name, v in state.items() if classify(v) in _SIZED}
         items: dict[str, Captured] = capture(sized, keyfn)
         prepare(items, *args)
-    except Exception as exc:  # never in the user's step: the save itself reports what it cannot capture
+    except (
+        Exception
+    ) as exc:  # never in the user's step: the save itself reports what it cannot capture
         log.debug("ckptguard: no staging prepared ahead: %s: %s", type(exc).__name__, exc)

@@ -50,7 +50,9 @@ def write_speed(root: Path, nbytes: int = PROBE_BYTES) -> float:
     it plans for would create it), through a temp file named for this process and removed after."""
     root.mkdir(parents=True, exist_ok=True)
     path = _tempfiles.temp_name(root / ".ckptguard-disk-probe")
-    block = os.urandom(1 << 20)  # incompressible: a compressing filesystem must not flatter the figure
+    block = os.urandom(
+        1 << 20
+    )  # incompressible: a compressing filesystem must not flatter the figure
     began = time.perf_counter()
     try:
         with open(path, "wb") as f:
@@ -126,14 +128,25 @@ class BudgetVerdict(Wire):
 class BudgetRound:
     """The blocking budget of one manager: its measured save speed and the round that applies it."""
 
-    def __init__(self, agreement: Agreement, world: int, group: Any | None, budget: BlockingBudget, root: Path,
-                 storage: Any = None) -> None:
+    def __init__(
+        self,
+        agreement: Agreement,
+        world: int,
+        group: Any | None,
+        budget: BlockingBudget,
+        root: Path,
+        storage: Any = None,
+    ) -> None:
         self.agreement, self.world, self.budget, self.root = agreement, world, budget, root
         # A storage whose writers run a framework's own collective save (ExternalFiles: HF, DeepSpeed, Megatron)
         # never writes in a background commit: BACKGROUND is WARN there.
         self.background_ok = not getattr(storage, "foreground_only", False)
-        self.timeout_s = budget.timeout_s if budget.timeout_s is not None else group_timeout_s(group)
-        self.timeout_source = "declared" if budget.timeout_s is not None else "read from the process group"
+        self.timeout_s = (
+            budget.timeout_s if budget.timeout_s is not None else group_timeout_s(group)
+        )
+        self.timeout_source = (
+            "declared" if budget.timeout_s is not None else "read from the process group"
+        )
         self._bytes_per_s: float | None = None
         self.measured_by = ""
         """Which save the estimate's speed was measured on (``synchronous``, ``background``); empty: none yet."""
@@ -152,7 +165,11 @@ class BudgetRound:
         """A save of ``snap`` took ``seconds`` (a synchronous one held the caller that long; ``by="background"``:
         a save ``OverBudget.BACKGROUND`` sent to the background, from its request until it was published):
         the speed the next estimate uses."""
-        local = [t.to_local() if hasattr(t, "to_local") else t for c in snap.items.values() for t in c.tensors.values()]
+        local = [
+            t.to_local() if hasattr(t, "to_local") else t
+            for c in snap.items.values()
+            for t in c.tensors.values()
+        ]
         # A committed snapshot may have let its tensors go (a synchronous save's items are empty after the
         # write): then the bytes this round estimated for the same save, or the speed would never be learnt.
         nbytes = sum(t.numel() * t.element_size() for t in local) or self._asked_bytes
@@ -171,11 +188,19 @@ class BudgetRound:
     def _estimated(self, state: Mapping[str, Any], budget_s: float) -> _Estimate:
         nbytes = self._asked_bytes = tensor_bytes(dict(state))
         if self._bytes_per_s is not None:
-            return _Estimate(nbytes / self._bytes_per_s, nbytes, f"this manager's last {self.measured_by} save")
-        if nbytes / FLOOR_BYTES_PER_S <= budget_s:  # fits even at a slow disk's speed: no probe write
-            return _Estimate(nbytes / FLOOR_BYTES_PER_S, nbytes, f"a floor of {FLOOR_BYTES_PER_S >> 20} MiB/s")
+            return _Estimate(
+                nbytes / self._bytes_per_s, nbytes, f"this manager's last {self.measured_by} save"
+            )
+        if (
+            nbytes / FLOOR_BYTES_PER_S <= budget_s
+        ):  # fits even at a slow disk's speed: no probe write
+            return _Estimate(
+                nbytes / FLOOR_BYTES_PER_S, nbytes, f"a floor of {FLOOR_BYTES_PER_S >> 20} MiB/s"
+            )
         speed = write_speed(self.root)
-        return _Estimate(nbytes / speed, nbytes, f"a {PROBE_BYTES >> 20} MiB write probe of {self.root}")
+        return _Estimate(
+            nbytes / speed, nbytes, f"a {PROBE_BYTES >> 20} MiB write probe of {self.root}"
+        )
 
     def over(self, step: int, state: Mapping[str, Any]) -> bool:
         """Collective (when a budget applies): True on every rank when the save of ``step`` would hold the
@@ -192,32 +217,54 @@ class BudgetRound:
             if not known:
                 return BudgetVerdict(over=False)
             seconds, rank, source = max(known)
-            return BudgetVerdict(over=seconds > budget_s, seconds=round(seconds, 3), rank=rank, source=source,
-                                 budget_s=round(budget_s, 3), timeout_s=timeout_s)
+            return BudgetVerdict(
+                over=seconds > budget_s,
+                seconds=round(seconds, 3),
+                rank=rank,
+                source=source,
+                budget_s=round(budget_s, 3),
+                timeout_s=timeout_s,
+            )
 
-        verdict = gather_decide(self.agreement, "save.budget", self._estimate(state, budget_s), decide,
-                                decision=BudgetVerdict)
+        verdict = gather_decide(
+            self.agreement,
+            "save.budget",
+            self._estimate(state, budget_s),
+            decide,
+            decision=BudgetVerdict,
+        )
         if not verdict.over:
             return False
-        what = (f"the save of step {step} would hold rank {verdict.rank} about {verdict.seconds:.1f} s (from "
-                f"{verdict.source}), above the blocking budget of {verdict.budget_s:.1f} s "
-                f"({self.budget.fraction:.0%} of the {verdict.timeout_s:.0f} s collective timeout, "
-                f"{self.timeout_source})")
+        what = (
+            f"the save of step {step} would hold rank {verdict.rank} about {verdict.seconds:.1f} s (from "
+            f"{verdict.source}), above the blocking budget of {verdict.budget_s:.1f} s "
+            f"({self.budget.fraction:.0%} of the {verdict.timeout_s:.0f} s collective timeout, "
+            f"{self.timeout_source})"
+        )
         if self.budget.over is OverBudget.REFUSE:
             raise SaveBudgetError(
                 f"{self.root}: {what}; nothing was written and the tracker did not move. Use save_async (it holds "
                 "the caller only for the copies), raise the process group's timeout, or "
                 "CheckpointConfig(blocking=BlockingBudget(over=OverBudget.BACKGROUND))",
-                step=step, seconds=verdict.seconds, budget_s=verdict.budget_s,
+                step=step,
+                seconds=verdict.seconds,
+                budget_s=verdict.budget_s,
             )
         if self.budget.over is OverBudget.WARN or not self.background_ok:
-            why = ("BlockingBudget(over=OverBudget.WARN); OverBudget.BACKGROUND commits it in the background instead, "
-                   "OverBudget.REFUSE refuses it" if self.background_ok else "its storage's writers are a framework's "
-                   "own collective save, which never runs in a background commit; OverBudget.REFUSE refuses it")
+            why = (
+                "BlockingBudget(over=OverBudget.WARN); OverBudget.BACKGROUND commits it in the background instead, "
+                "OverBudget.REFUSE refuses it"
+                if self.background_ok
+                else "its storage's writers are a framework's "
+                "own collective save, which never runs in a background commit; OverBudget.REFUSE refuses it"
+            )
             log.warning("ckptguard: %s: saving synchronously (%s)", what, why)
             return False
         self.redirected += 1
-        log.warning("ckptguard: %s: committed in the background instead, as save_async does (mgr.wait() joins it; "
-                    "%d so far). CheckpointConfig(blocking=BlockingBudget(over=OverBudget.REFUSE)) refuses instead",
-                    what, self.redirected)
+        log.warning(
+            "ckptguard: %s: committed in the background instead, as save_async does (mgr.wait() joins it; "
+            "%d so far). CheckpointConfig(blocking=BlockingBudget(over=OverBudget.REFUSE)) refuses instead",
+            what,
+            self.redirected,
+        )
         return True

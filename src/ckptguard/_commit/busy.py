@@ -94,12 +94,24 @@ def decide(views: list[BusyView]) -> BusyDecision:
     unready = [r for r, v in enumerate(views) if v.unready_bytes > UNREADY_LIVE_BYTES]
     lacking = max((views[r].unready_bytes for r in unready), default=0)
     if not ranks:
-        return BusyDecision(busy=False, queued=queued, queue_differs=differs, unready_ranks=unready,
-                            unready_bytes=lacking)
-    return BusyDecision(busy=True, running=views[ranks[0]].running, ranks=ranks,
-                        running_s=round(max(views[r].running_s for r in ranks), 3),
-                        fast_busy=any(v.fast_busy for v in views), queued=queued, queue_differs=differs,
-                        unready_ranks=unready, unready_bytes=lacking)
+        return BusyDecision(
+            busy=False,
+            queued=queued,
+            queue_differs=differs,
+            unready_ranks=unready,
+            unready_bytes=lacking,
+        )
+    return BusyDecision(
+        busy=True,
+        running=views[ranks[0]].running,
+        ranks=ranks,
+        running_s=round(max(views[r].running_s for r in ranks), 3),
+        fast_busy=any(v.fast_busy for v in views),
+        queued=queued,
+        queue_differs=differs,
+        unready_ranks=unready,
+        unready_bytes=lacking,
+    )
 
 
 @dataclass
@@ -112,6 +124,7 @@ class Skipped:
     reason: str
     kind: str = "skipped"
 
+
 KINDS = ("skipped", "coalesced", "redirected")
 
 
@@ -119,7 +132,9 @@ class BusyRound:
     """The busy decision of one front door, its skip counter and the step-time/commit-time figures
     that say which interval would fit."""
 
-    def __init__(self, agreement: Agreement, *, label: str = "step", policy: OnBusy = OnBusy.SKIP) -> None:
+    def __init__(
+        self, agreement: Agreement, *, label: str = "step", policy: OnBusy = OnBusy.SKIP
+    ) -> None:
         self.agreement = agreement
         self.label = label
         self.policy = policy
@@ -140,19 +155,30 @@ class BusyRound:
     def request(self, step: int) -> None:
         self._requests = [*self._requests, (step, time.monotonic())][-2:]
 
-    def round(self, step: int, running: int | None, running_s: float, *, queued: int | None = None,
-              fast_busy: bool = False, unready: int = 0) -> BusyDecision:
+    def round(
+        self,
+        step: int,
+        running: int | None,
+        running_s: float,
+        *,
+        queued: int | None = None,
+        fast_busy: bool = False,
+        unready: int = 0,
+    ) -> BusyDecision:
         """Collective: every rank's view, rank 0's verdict. Ranks holding different queued saves (never
         expected: they are queued and replaced only on this round's verdicts) raise alike on every rank.
         ``unready``: this rank's staging bytes still being prepared (``AsyncStaging.unready_bytes``)."""
-        view = BusyView(running, round(running_s, 3), queued=queued, fast_busy=fast_busy, unready_bytes=unready)
+        view = BusyView(
+            running, round(running_s, 3), queued=queued, fast_busy=fast_busy, unready_bytes=unready
+        )
         decision = gather_decide(self.agreement, "save.busy", view, decide, decision=BusyDecision)
         if decision.queue_differs:
             raise CheckpointError(
                 f"save_async of {self.label} {step}: rank 0 holds queued {self.label} {decision.queued} and ranks "
                 f"{decision.queue_differs} another (this rank: {queued}); a queued save would start on some ranks "
                 "only. This is a ckptguard bug: report it; CheckpointConfig(async_save=AsyncOptions("
-                "on_busy=OnBusy.SKIP)) avoids the queue")
+                "on_busy=OnBusy.SKIP)) avoids the queue"
+            )
         return decision
 
     def commit_took(self, seconds: float) -> None:
@@ -178,9 +204,13 @@ class BusyRound:
     def running_reason(self, decision: BusyDecision) -> str:
         if not decision.busy:  # skipped for its staging alone (``may_start``)
             return unready_reason(decision)
-        where = f"ranks {decision.ranks}" if len(decision.ranks) > 1 else f"rank {decision.ranks[0]}"
-        return (f"{self.label} {decision.running}'s commit was still running on {where} "
-                f"({decision.running_s:.2f} s in)")
+        where = (
+            f"ranks {decision.ranks}" if len(decision.ranks) > 1 else f"rank {decision.ranks[0]}"
+        )
+        return (
+            f"{self.label} {decision.running}'s commit was still running on {where} "
+            f"({decision.running_s:.2f} s in)"
+        )
 
     def skip(self, step: int, decision: BusyDecision, why: str = "") -> Skipped:
         """Count, log and keep a skipped request (``OnBusy.SKIP``; ``why``: what kept another policy from it)."""
@@ -192,10 +222,14 @@ class BusyRound:
         advice = ""
         if fit is not None:
             every, commit_s = fit
-            advice = (f"; one commit takes {commit_s:.2f} s, saves come every {self.step_seconds() or 0:.2f} s per "
-                      f"{self.label}: an interval of {every} {self.label}s or more fits it")
-        message = (f"ckptguard: save_async of {self.label} {step} SKIPPED ({self.skipped_total} so far): {reason}"
-                   f"{advice}. CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.WAIT)) waits instead")
+            advice = (
+                f"; one commit takes {commit_s:.2f} s, saves come every {self.step_seconds() or 0:.2f} s per "
+                f"{self.label}: an interval of {every} {self.label}s or more fits it"
+            )
+        message = (
+            f"ckptguard: save_async of {self.label} {step} SKIPPED ({self.skipped_total} so far): {reason}"
+            f"{advice}. CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.WAIT)) waits instead"
+        )
         interval = fit[0] if fit is not None else None
         if self.skipped_total == 1 or interval != self._warned_interval:
             log.warning(message)
@@ -207,32 +241,56 @@ class BusyRound:
     def coalesce(self, step: int, by: int, reason: str) -> Skipped:
         """Count, log and keep a queued save that ``by`` replaced before it started (``OnBusy.COALESCE``)."""
         self.coalesced_total += 1
-        gone = Skipped(step, None, f"replaced in the queue by {self.label} {by}: {reason}", kind="coalesced")
+        gone = Skipped(
+            step, None, f"replaced in the queue by {self.label} {by}: {reason}", kind="coalesced"
+        )
         self.since_commit.append(gone)
-        log.info("ckptguard: queued save_async of %s %d COALESCED (%d so far): %s", self.label, step,
-                 self.coalesced_total, gone.reason)
+        log.info(
+            "ckptguard: queued save_async of %s %d COALESCED (%d so far): %s",
+            self.label,
+            step,
+            self.coalesced_total,
+            gone.reason,
+        )
         return gone
 
     def redirect(self, step: int, decision: BusyDecision) -> Skipped:
         """Count, log and keep a save written to the fast tier only (``OnBusy.FAST_TIER``)."""
         self.redirected_total += 1
-        moved = Skipped(step, decision.running, self.running_reason(decision).replace("commit", "persistent commit"),
-                        kind="redirected")
+        moved = Skipped(
+            step,
+            decision.running,
+            self.running_reason(decision).replace("commit", "persistent commit"),
+            kind="redirected",
+        )
         self.since_commit.append(moved)
-        log.info("ckptguard: save_async of %s %d REDIRECTED to the fast tier only (%d so far): %s", self.label, step,
-                 self.redirected_total, moved.reason)
+        log.info(
+            "ckptguard: save_async of %s %d REDIRECTED to the fast tier only (%d so far): %s",
+            self.label,
+            step,
+            self.redirected_total,
+            moved.reason,
+        )
         return moved
 
     def pending_cost(self) -> dict[str, Figure]:
         """The skipped, coalesced and redirected saves since the last committed step, for the next one's cost
         block (then forgotten)."""
-        totals = {"skipped": self.skipped_total, "coalesced": self.coalesced_total,
-                  "redirected": self.redirected_total}
+        totals = {
+            "skipped": self.skipped_total,
+            "coalesced": self.coalesced_total,
+            "redirected": self.redirected_total,
+        }
         out: dict[str, Figure] = {"on_busy": self.policy.value}
         for kind in KINDS:
             mine = [s for s in self.since_commit if s.kind == kind]
-            out.update({f"{kind}_saves": len(mine), f"{kind}_steps": [s.step for s in mine],
-                        f"{kind}_saves_total": totals[kind]})
+            out.update(
+                {
+                    f"{kind}_saves": len(mine),
+                    f"{kind}_steps": [s.step for s in mine],
+                    f"{kind}_saves_total": totals[kind],
+                }
+            )
         self.since_commit = []
         return out
 
@@ -240,9 +298,11 @@ class BusyRound:
 def unready_reason(decision: BusyDecision) -> str:
     ranks = decision.unready_ranks
     where = f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]}"
-    return (f"the host staging is still being prepared in the background on {where} ({decision.unready_bytes} B "
-            "to go, since the state was first known): this save would read that much live and hold the next "
-            "optimizer step until it had; prepare_async(state) early in the job starts it sooner")
+    return (
+        f"the host staging is still being prepared in the background on {where} ({decision.unready_bytes} B "
+        "to go, since the state was first known): this save would read that much live and hold the next "
+        "optimizer step until it had; prepare_async(state) early in the job starts it sooner"
+    )
 
 
 def check_policy(policy: OnBusy, front_door: str, able: tuple[OnBusy, ...]) -> None:
@@ -251,12 +311,19 @@ def check_policy(policy: OnBusy, front_door: str, able: tuple[OnBusy, ...]) -> N
         raise ConfigError(
             f"{front_door}: CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.{policy.name})) is not a policy "
             "it can follow "
-            f"({policy.name}: see the OnBusy docstring); use one of {', '.join('OnBusy.' + p.name for p in able)}")
+            f"({policy.name}: see the OnBusy docstring); use one of {', '.join('OnBusy.' + p.name for p in able)}"
+        )
 
 
 def may_start(
-    busy: BusyRound, step: int, pending: InFlight | None, policy: OnBusy, *, wait: Callable[[], Any],
-    record: Callable[..., None], unready: int = 0,
+    busy: BusyRound,
+    step: int,
+    pending: InFlight | None,
+    policy: OnBusy,
+    *,
+    wait: Callable[[], Any],
+    record: Callable[..., None],
+    unready: int = 0,
 ) -> bool:
     """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: False when it is skipped, on every rank
     alike. Otherwise every rank's previous commit is published (its error is raised here, alike on every
@@ -268,12 +335,22 @@ def may_start(
         wait()
         return True
     running = pending if pending is not None and pending.busy() else None
-    decision = busy.round(step, running.step if running else None, running.running_seconds() if running else 0.0,
-                          unready=unready)
+    decision = busy.round(
+        step,
+        running.step if running else None,
+        running.running_seconds() if running else 0.0,
+        unready=unready,
+    )
     if decision.busy or (decision.unready_ranks and policy is OnBusy.SKIP):
         skipped = busy.skip(step, decision)
-        record("busy_skip", durable=False, step=step, running=decision.running, reason=skipped.reason,
-               policy=policy.value)
+        record(
+            "busy_skip",
+            durable=False,
+            step=step,
+            running=decision.running,
+            reason=skipped.reason,
+            policy=policy.value,
+        )
         return False
     settle(busy, pending)
     return True
@@ -288,27 +365,52 @@ def settle(busy: BusyRound, pending: InFlight | None) -> None:
             pending.outcome()
 
 
-def route_tiered(busy: BusyRound, step: int, pending: TieredInFlight | None, *, record: Callable[..., None],
-                 unready: int = 0) -> str:
+def route_tiered(
+    busy: BusyRound,
+    step: int,
+    pending: TieredInFlight | None,
+    *,
+    record: Callable[..., None],
+    unready: int = 0,
+) -> str:
     """``OnBusy.FAST_TIER`` for a tiered ``save_async`` of ``step``, alike on every rank: ``"start"`` (no commit in
     flight on any rank; its error raised here, as ``may_start``), ``"fast"`` (only persistent commits run: write
     it to the fast tier alone, recorded as redirected) or ``"skip"`` (the fast tier still commits on some rank)."""
     busy.request(step)
     running = pending if pending is not None and pending.busy() else None
-    decision = busy.round(step, running.step if running else None, running.running_seconds() if running else 0.0,
-                          fast_busy=running is not None and running.fast_busy(), unready=unready)
+    decision = busy.round(
+        step,
+        running.step if running else None,
+        running.running_seconds() if running else 0.0,
+        fast_busy=running is not None and running.fast_busy(),
+        unready=unready,
+    )
     if not decision.busy and decision.unready_ranks:
         skipped = busy.skip(step, decision)
-        record("busy_skip", durable=False, step=step, running=None, reason=skipped.reason,
-               policy=OnBusy.FAST_TIER.value)
+        record(
+            "busy_skip",
+            durable=False,
+            step=step,
+            running=None,
+            reason=skipped.reason,
+            policy=OnBusy.FAST_TIER.value,
+        )
         return "skip"
     if not decision.busy:
         settle(busy, pending)
         return "start"
     if decision.fast_busy:
-        skipped = busy.skip(step, decision, why="the fast tier still commits too, so it is not redirected there")
-        record("busy_skip", durable=False, step=step, running=decision.running, reason=skipped.reason,
-               policy=OnBusy.FAST_TIER.value)
+        skipped = busy.skip(
+            step, decision, why="the fast tier still commits too, so it is not redirected there"
+        )
+        record(
+            "busy_skip",
+            durable=False,
+            step=step,
+            running=decision.running,
+            reason=skipped.reason,
+            policy=OnBusy.FAST_TIER.value,
+        )
         return "skip"
     moved = busy.redirect(step, decision)
     record("busy_redirect", durable=False, step=step, running=decision.running, reason=moved.reason)

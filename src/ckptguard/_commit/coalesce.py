@@ -75,7 +75,9 @@ def decide_hold(views: list[HoldView]) -> HoldVerdict:
         return HoldVerdict(whole=True)
     rank, why = short[0]
     more = f" (ranks {[r for r, _ in short[1:]]} neither)" if len(short) > 1 else ""
-    return HoldVerdict(whole=False, why=f"rank {rank} cannot hold the snapshot whole in host memory{more}: {why}")
+    return HoldVerdict(
+        whole=False, why=f"rank {rank} cannot hold the snapshot whole in host memory{more}: {why}"
+    )
 
 
 @dataclass
@@ -98,12 +100,17 @@ class Queued:
         """When its request gave the caller control back."""
         return self.requested + self.blocked_s
 
-    def prepared(self, cost: Mapping[str, Figure], commit: Callable[[Snapshot, float, float, bool], Path]
-                 ) -> tuple[Callable[[], Path], Fence, float]:
+    def prepared(
+        self, cost: Mapping[str, Figure], commit: Callable[[Snapshot, float, float, bool], Path]
+    ) -> tuple[Callable[[], Path], Fence, float]:
         """What ``CheckpointManager.start_commit`` starts: its commit (its cost block gets ``cost`` and the seconds
         it waited in the queue), its fence, its request time."""
         self.snap.cost.update({**cost, "queued_s": round(time.monotonic() - self.resumed, 4)})
-        return committer(commit, self.snap, self.requested, self.staging.pool), self.staged.fence, self.requested
+        return (
+            committer(commit, self.snap, self.requested, self.staging.pool),
+            self.staged.fence,
+            self.requested,
+        )
 
     def drop(self, *, unguard: bool = True) -> None:
         """Release its slots (and the mutation hooks of its set, unless a newer save of that set holds them)."""
@@ -133,19 +140,40 @@ class SaveQueue:
         return self.queued.step if self.queued is not None else None
 
     def admit(
-        self, step: int, pending: InFlight | None, ctx: Context, state: StateDict, actions: Actions,
-        health: tuple[bool | None, Any, Any], *, wait: Callable[[], Any],
+        self,
+        step: int,
+        pending: InFlight | None,
+        ctx: Context,
+        state: StateDict,
+        actions: Actions,
+        health: tuple[bool | None, Any, Any],
+        *,
+        wait: Callable[[], Any],
     ) -> bool:
         """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: True when it starts now; False
         when it was skipped or queued, alike on every rank (``may_start``, or ``request`` under ``OnBusy.COALESCE``)."""
         if ctx.config.async_save.on_busy is not OnBusy.COALESCE:
-            return may_start(self.busy, step, pending, ctx.config.async_save.on_busy, wait=wait, record=self._record,
-                             unready=self.sets[0].unready_bytes())
+            return may_start(
+                self.busy,
+                step,
+                pending,
+                ctx.config.async_save.on_busy,
+                wait=wait,
+                record=self._record,
+                unready=self.sets[0].unready_bytes(),
+            )
         return self.request(step, pending, ctx, state, actions, health, start=lambda: True) or False
 
     def request(
-        self, step: int, pending: InFlight | None, ctx: Context, state: StateDict, actions: Actions,
-        health: tuple[bool | None, Any, Any], *, start: Callable[[], T],
+        self,
+        step: int,
+        pending: InFlight | None,
+        ctx: Context,
+        state: StateDict,
+        actions: Actions,
+        health: tuple[bool | None, Any, Any],
+        *,
+        start: Callable[[], T],
     ) -> T | None:
         """A ``save_async`` of ``step`` under ``OnBusy.COALESCE``: ``start()`` at once when every rank's commit
         ended (a queued save is replaced by it), else snapshotted and queued, or skipped, alike on every rank;
@@ -156,19 +184,33 @@ class SaveQueue:
         if not decision.busy:
             settle(self.busy, pending)
             if self.queued is not None:
-                self._supersede(step, "every rank's commit had ended when it was requested: the newest wins",
-                              unguard=True)
+                self._supersede(
+                    step,
+                    "every rank's commit had ended when it was requested: the newest wins",
+                    unguard=True,
+                )
             self.reading = self.sets[0]
             return start()
         began = time.monotonic()
         target = self.spare()
         # The commit thread agrees on the front door's agreement: this snapshot's round runs on the busy one.
-        snap = snapshot(dataclasses.replace(ctx, agreement=self.busy.agreement), step, state, guard=False,
-                        actions=actions)
+        snap = snapshot(
+            dataclasses.replace(ctx, agreement=self.busy.agreement),
+            step,
+            state,
+            guard=False,
+            actions=actions,
+        )
         budget = self.budget(target, config, state_bytes(snap.items))
         placed = target.place_whole(snap, config, budget) if isinstance(budget, int) else budget
-        mine = HoldView(whole=True) if not isinstance(placed, str) else HoldView(whole=False, why=placed)
-        verdict = gather_decide(self.busy.agreement, "save.queue", mine, decide_hold, decision=HoldVerdict)
+        mine = (
+            HoldView(whole=True)
+            if not isinstance(placed, str)
+            else HoldView(whole=False, why=placed)
+        )
+        verdict = gather_decide(
+            self.busy.agreement, "save.queue", mine, decide_hold, decision=HoldVerdict
+        )
         if not verdict.whole or isinstance(placed, str):
             if not isinstance(placed, str):
                 placed.release()  # what was queued before stays queued, its bytes untouched
@@ -178,7 +220,9 @@ class SaveQueue:
         snap.resumed = time.monotonic()
         if self.queued is not None:
             # Filled into the same set: its mutation hooks are the new save's now.
-            self._supersede(step, f"requested while {self.busy.running_reason(decision)}", unguard=False)
+            self._supersede(
+                step, f"requested while {self.busy.running_reason(decision)}", unguard=False
+            )
         self.queued = Queued(step, snap, staged, target, began, snap.resumed - began, health)
         self._record("busy_queue", durable=False, step=step, running=decision.running)
         return None
@@ -186,7 +230,9 @@ class SaveQueue:
     def poll(self, pending: InFlight | None, healthy: Callable[..., bool]) -> Queued | None:
         """Collective when a save is queued (on every rank alike, then): when every rank's commit ended, the queued
         save taken out to be started (``take``); None otherwise."""
-        if self.queued is None:  # the same on every rank: queued and replaced only on agreed verdicts
+        if (
+            self.queued is None
+        ):  # the same on every rank: queued and replaced only on agreed verdicts
             return None
         if not self._round(self.queued.step, pending).busy:
             settle(self.busy, pending)
@@ -218,10 +264,12 @@ class SaveQueue:
             return max(0, config.async_save.host_bytes - held)
         cap = int(HOST_FACTOR * want)
         if held + want > cap:
-            return (f"its snapshot ({want} B) beside the {held} B the commit's staging set holds would keep "
-                    f"{(held + want) / max(want, 1):.2f}x the state in host memory, over OnBusy.COALESCE's "
-                    f"{HOST_FACTOR}x ({cap} B); set CheckpointConfig.async_save.host_bytes to {held + want} B or more "
-                    "to allow it, or use OnBusy.SKIP")
+            return (
+                f"its snapshot ({want} B) beside the {held} B the commit's staging set holds would keep "
+                f"{(held + want) / max(want, 1):.2f}x the state in host memory, over OnBusy.COALESCE's "
+                f"{HOST_FACTOR}x ({cap} B); set CheckpointConfig.async_save.host_bytes to {held + want} B or more "
+                "to allow it, or use OnBusy.SKIP"
+            )
         total = self.sets[0].budget
         if total is None:
             return "the host staging budget is still being derived (the first save_async's background probe)"
@@ -247,7 +295,9 @@ class SaveQueue:
                 budget = self.budget(spare, config, state_bytes(items))
                 spare.budget = budget if isinstance(budget, int) else 0
                 done.set_result(added + spare.prepare(items, config, gpu_bytes=0).result())
-            except BaseException as exc:  # the future carries it; a coalesced request skips meanwhile
+            except (
+                BaseException
+            ) as exc:  # the future carries it; a coalesced request skips meanwhile
                 done.set_exception(exc)
 
         threading.Thread(target=run, name="ckptguard-prepare-queue", daemon=True).start()
@@ -256,7 +306,9 @@ class SaveQueue:
     def staged(self, pending: PendingSave | None) -> float:
         """``staged()`` for the save in flight and the queued one's copies; the seconds it blocked."""
         waited = self.queued.staged.fence.before_mutation() if self.queued is not None else 0.0
-        return waited + (pending.fence.before_mutation() if pending is not None and pending.fence else 0.0)
+        return waited + (
+            pending.fence.before_mutation() if pending is not None and pending.fence else 0.0
+        )
 
     def close(self, wait: Callable[[], Any]) -> None:
         """``wait()`` (it commits a queued save), then drop what is still queued (its error stopped it) and release
@@ -272,8 +324,12 @@ class SaveQueue:
 
     def _round(self, step: int, pending: InFlight | None) -> BusyDecision:
         running = pending if pending is not None and pending.busy() else None
-        return self.busy.round(step, running.step if running else None,
-                               running.running_seconds() if running else 0.0, queued=self.queued_step)
+        return self.busy.round(
+            step,
+            running.step if running else None,
+            running.running_seconds() if running else 0.0,
+            queued=self.queued_step,
+        )
 
     def _supersede(self, by: int, reason: str, *, unguard: bool) -> None:
         old, self.queued = self.queued, None
@@ -284,5 +340,11 @@ class SaveQueue:
 
     def _skip(self, step: int, decision: BusyDecision, why: str) -> None:
         skipped = self.busy.skip(step, decision, why=why)
-        self._record("busy_skip", durable=False, step=step, running=decision.running, reason=skipped.reason,
-                     policy="coalesce")
+        self._record(
+            "busy_skip",
+            durable=False,
+            step=step,
+            running=decision.running,
+            reason=skipped.reason,
+            policy="coalesce",
+        )

@@ -67,7 +67,9 @@ class Prepared(Wire):
     phase: int = 0
     contract_hash: str = ""
     failure: WriteFailure | None = None
-    nodes: list[list[int]] = field(default_factory=list)  # node-local roots: each node's ranks; empty: shared
+    nodes: list[list[int]] = field(
+        default_factory=list
+    )  # node-local roots: each node's ranks; empty: shared
     READERS = {"failure": read_failure}
 
 
@@ -76,12 +78,18 @@ class RankReport(Wire):
     """What one rank wrote (files with sizes and checksums, per-item digests), or its first error."""
 
     host: str
-    files: list[FileEntry] = field(default_factory=list)  # rank None: the publisher fills in the sender
+    files: list[FileEntry] = field(
+        default_factory=list
+    )  # rank None: the publisher fills in the sender
     digests: dict[str, str] = field(default_factory=dict)
     ep_rank: int | None = None
     failure: WriteFailure | None = None
-    layout_free: dict[str, list[str]] = field(default_factory=dict)  # item -> partials (see digest.layout_free)
-    reshard: dict[str, dict[str, Any]] = field(default_factory=dict)  # item -> declared reshard rule
+    layout_free: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # item -> partials (see digest.layout_free)
+    reshard: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # item -> declared reshard rule
     READERS = {"failure": read_failure, "files": read_files}
 
 
@@ -107,7 +115,9 @@ class NodeReport(Wire):
     """One node's publishing rank's outcome of a per-node phase (others send an empty one)."""
 
     failure: WriteFailure | None = None
-    tracker: int | None = None  # the publishing rank's tracker on its node's root (at prepare; after the tracker round)
+    tracker: int | None = (
+        None  # the publishing rank's tracker on its node's root (at prepare; after the tracker round)
+    )
     tracker_error: str = ""  # after the tracker round: why the tracker could not be read back
     READERS = {"failure": read_failure}
 
@@ -165,11 +175,18 @@ NOT_MOVED = (
 
 
 def raise_if_failed(
-    ctx: Context, failures: list[WriteFailure], *, step: int, phase: str, consequence: str = NOT_MOVED
+    ctx: Context,
+    failures: list[WriteFailure],
+    *,
+    step: int,
+    phase: str,
+    consequence: str = NOT_MOVED,
 ) -> None:
     if not failures:
         return
-    first = min(failures, key=WriteFailure.cause_order)  # an OS error before a serializer's symptom of it
+    first = min(
+        failures, key=WriteFailure.cause_order
+    )  # an OS error before a serializer's symptom of it
     raise CheckpointWriteError(
         f"save of step {step} under {ctx.root} failed at {phase}; first error: {first.describe()}. "
         f"All {ctx.world} ranks raise this together; {consequence}",

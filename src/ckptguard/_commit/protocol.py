@@ -80,7 +80,9 @@ def prepare(ctx: Context, step: int, actions: Actions = NO_ACTIONS) -> Prepared:
             return prepare_root(ctx, step, actions=actions)
         except CheckpointError:
             raise
-        except Exception as exc:  # an OSError of the root: reported like a write failure, with errno and path
+        except (
+            Exception
+        ) as exc:  # an OSError of the root: reported like a write failure, with errno and path
             return Prepared(failure=failure_from(exc, rank=0, phase="prepare"))
 
     request = PrepareRequest(step, str(ctx.root.absolute()), ctx.agreement.info.host)
@@ -135,15 +137,23 @@ def _write_extras(path: Path, extras: StateDict) -> WrittenFile:
         try:
             os.fsync(fd)
         except OSError as exc:
-            raise io_error(exc.errno or errno.EIO, "fsync of", str(path), offset=out.offset, requested=0,
-                           returned=-1) from exc
+            raise io_error(
+                exc.errno or errno.EIO,
+                "fsync of",
+                str(path),
+                offset=out.offset,
+                requested=0,
+                returned=-1,
+            ) from exc
     finally:
         os.close(fd)
     size, xxh = file_digest(str(path))
     return WrittenFile(path=path.name, size=size, xxh3=xxh)
 
 
-def _write_rank(ctx: Context, step: int, tmp: Path, items: dict[str, Captured], rng: Any) -> list[WrittenFile]:
+def _write_rank(
+    ctx: Context, step: int, tmp: Path, items: dict[str, Captured], rng: Any
+) -> list[WrittenFile]:
     extras = {
         "format_version": _manifest.FORMAT_VERSION,
         "step": step,
@@ -208,7 +218,9 @@ def write_part(ctx: Context, step: int, tmp: Path, snap: Snapshot) -> RankReport
     """Write this rank's part and describe it; a failure is described instead."""
     try:
         try:
-            written, (digests, layout_free) = _write_and_digest(ctx, step, tmp, snap.items, snap.rng)
+            written, (digests, layout_free) = _write_and_digest(
+                ctx, step, tmp, snap.items, snap.rng
+            )
         finally:
             if snap.read_done is not None:
                 snap.read_done()  # live tensors (a state larger than the staging pool) may change now
@@ -224,7 +236,9 @@ def write_part(ctx: Context, step: int, tmp: Path, snap: Snapshot) -> RankReport
         )
         _faults.reached("commit.rank_written")
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; report all
-        report = RankReport(ctx.agreement.info.host, failure=failure_from(exc, rank=ctx.rank, phase="write"))
+        report = RankReport(
+            ctx.agreement.info.host, failure=failure_from(exc, rank=ctx.rank, phase="write")
+        )
     release_host_cache()
     return report
 
@@ -236,7 +250,9 @@ def commit(ctx: Context, snap: Snapshot, *, part: Prepared | None = None) -> Pat
     the run's commit, ``ckptguard.run``) and stop after its manifest: the run commit renames the
     step directory and moves the tracker once every role on every rank confirmed. Returns ``part.tmp``."""
     if not snap.guarded:
-        check_replicated(ctx, snap.items, snap.step)  # collective: every rank raises alike, before prepare
+        check_replicated(
+            ctx, snap.items, snap.step
+        )  # collective: every rank raises alike, before prepare
     publisher: Publisher
     if part is not None:
         prep, tmp, publisher = part, Path(part.tmp), RolePartPublisher()

@@ -33,7 +33,11 @@ from .stepdir import discard, file_problems, publish_dir
 
 
 def save_cost(
-    ctx: Context, step: int, started: float, files: Sequence[FileEntry], extra: Mapping[str, Figure] | None = None
+    ctx: Context,
+    step: int,
+    started: float,
+    files: Sequence[FileEntry],
+    extra: Mapping[str, Figure] | None = None,
 ) -> Cost:
     """Size and save time, and the save as a fraction of step time (docs/practices.md, 7); ``extra``: the
     async path's and the busy policy's figures."""
@@ -51,8 +55,15 @@ def save_cost(
 
 
 def build_manifest(
-    ctx: Context, step: int, path: Path, prep: Prepared, started: float, reports: list[RankReport],
-    kinds: dict[str, str], nodes: Sequence[NodeEntry] | None = None, extra_cost: Mapping[str, Figure] | None = None,
+    ctx: Context,
+    step: int,
+    path: Path,
+    prep: Prepared,
+    started: float,
+    reports: list[RankReport],
+    kinds: dict[str, str],
+    nodes: Sequence[NodeEntry] | None = None,
+    extra_cost: Mapping[str, Figure] | None = None,
 ) -> _manifest.Manifest:
     files = [dataclasses.replace(f, rank=r) for r, rep in enumerate(reports) for f in rep.files]
     layout = ctx.topology()
@@ -62,7 +73,9 @@ def build_manifest(
         chain_id=prep.chain_id,
         dir_template=ctx.naming.template,
         topology=Topology(
-            layout.pop("world_size"), layout, tuple(rep.host for rep in reports),
+            layout.pop("world_size"),
+            layout,
+            tuple(rep.host for rep in reports),
             tuple(int(rep.ep_rank or 0) for rep in reports) if ctx.expert is not None else None,
         ),
         items=kinds,
@@ -70,10 +83,13 @@ def build_manifest(
         digests={str(r): rep.digests for r, rep in enumerate(reports)},
         versions=current_versions(),
         contract={"phase": prep.phase, "hash": prep.contract_hash},
-        cost=save_cost(ctx, step, started, files, extra_cost),  # optional in format 1: older manifests lack it
+        cost=save_cost(
+            ctx, step, started, files, extra_cost
+        ),  # optional in format 1: older manifests lack it
         # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).
         layout_free=combine_layout_free([rep.layout_free for rep in reports]),
-        reshard=reports[0].reshard or None,  # optional in format 1: how each item crosses a world-size change
+        reshard=reports[0].reshard
+        or None,  # optional in format 1: how each item crosses a world-size change
         nodes=nodes,
         # Format 3: tensor items' per-rank digests cover their structure; their bytes, layout_free above.
         digest_kind={name: digest_kind(kind) for name, kind in kinds.items()},
@@ -91,12 +107,22 @@ class Publisher(Protocol):
     """
 
     def run(
-        self, ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write: Callable[[], RankReport]
+        self,
+        ctx: Context,
+        snap: Snapshot,
+        prep: Prepared,
+        tmp: Path,
+        write: Callable[[], RankReport],
     ) -> Path: ...
 
 
 def write_marker_or_fail(
-    ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, reports: list[RankReport], then: Callable[[], None]
+    ctx: Context,
+    snap: Snapshot,
+    prep: Prepared,
+    tmp: Path,
+    reports: list[RankReport],
+    then: Callable[[], None],
 ) -> Outcome:
     """Rank 0: write the commit marker if every rank wrote its part, then ``then()`` (the publisher's
     rename and tracker, or nothing for a role's part); else discard. The outcome every rank raises on."""
@@ -113,10 +139,19 @@ def write_marker_or_fail(
         _faults.reached("commit.before_manifest")
         kinds = {n: c.kind.value for n, c in snap.items.items()}
         manifest = build_manifest(
-            ctx, snap.step, tmp / _layout.MANIFEST_NAME, prep, snap.started, reports, kinds, extra_cost=snap.cost
+            ctx,
+            snap.step,
+            tmp / _layout.MANIFEST_NAME,
+            prep,
+            snap.started,
+            reports,
+            kinds,
+            extra_cost=snap.cost,
         )
         _layout.atomic_write_json(
-            manifest.path, manifest.to_json(), before_rename=lambda: _faults.reached("commit.manifest_tmp_written")
+            manifest.path,
+            manifest.to_json(),
+            before_rename=lambda: _faults.reached("commit.manifest_tmp_written"),
         )
         then()
     except Exception as exc:
@@ -127,11 +162,18 @@ def write_marker_or_fail(
 
 
 def confirm_and_publish(
-    ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write: Callable[[], RankReport], then: Callable[[], None]
+    ctx: Context,
+    snap: Snapshot,
+    prep: Prepared,
+    tmp: Path,
+    write: Callable[[], RankReport],
+    then: Callable[[], None],
 ) -> None:
     """Every rank writes its part and reports; rank 0 writes the marker and runs ``then``; all raise alike."""
     outcome = gather_decide(  # file lists and digests are for rank 0's manifest only
-        ctx.agreement, "save.written", write(),
+        ctx.agreement,
+        "save.written",
+        write(),
         lambda reports: write_marker_or_fail(ctx, snap, prep, tmp, reports, then),
         decision=Outcome,
     )
@@ -184,7 +226,12 @@ class SharedRootPublisher:
     """``Publisher`` of a root every rank sees."""
 
     def run(
-        self, ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write: Callable[[], RankReport]
+        self,
+        ctx: Context,
+        snap: Snapshot,
+        prep: Prepared,
+        tmp: Path,
+        write: Callable[[], RankReport],
     ) -> Path:
         ctx.node_publisher = False
 
@@ -201,7 +248,12 @@ class RolePartPublisher:
     the role writes the part's manifest as a single-role step would; nothing is renamed and no tracker moves."""
 
     def run(
-        self, ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write: Callable[[], RankReport]
+        self,
+        ctx: Context,
+        snap: Snapshot,
+        prep: Prepared,
+        tmp: Path,
+        write: Callable[[], RankReport],
     ) -> Path:
         ctx.node_publisher = False
         confirm_and_publish(ctx, snap, prep, tmp, write, lambda: None)

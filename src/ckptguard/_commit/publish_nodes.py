@@ -69,7 +69,9 @@ def place(ctx: Context, step: int, prep: Prepared, nodes: dict[str, list[int]]) 
     def decide(views: list[PlaceView]) -> Prepared:
         if all(v.sees for v in views):
             return prep
-        order = sorted(nodes.values(), key=min)  # rank 0's node first; ranks ascending, the first publishes
+        order = sorted(
+            nodes.values(), key=min
+        )  # rank 0's node first; ranks ascending, the first publishes
         problems = []
         for ranks in order:
             seeing = [r for r in ranks if views[r].sees]
@@ -90,8 +92,12 @@ def place(ctx: Context, step: int, prep: Prepared, nodes: dict[str, list[int]]) 
         if problems:
             discard(ctx, Path(prep.tmp))
             failure = WriteFailure(
-                rank=0, phase="placement", exc_type="ConfigError", message="; ".join(problems),
-                path=prep.tmp, time_ns=time.time_ns(),
+                rank=0,
+                phase="placement",
+                exc_type="ConfigError",
+                message="; ".join(problems),
+                path=prep.tmp,
+                time_ns=time.time_ns(),
             )
             return Prepared(failure=failure)
         return Prepared(prep.tmp, prep.chain_id, prep.phase, prep.contract_hash, nodes=order)
@@ -125,8 +131,10 @@ def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> 
         except Exception as exc:
             report = NodeReport(failure_from(exc, rank=ctx.rank, phase="prepare"))
     outcome = gather_decide(
-        ctx.agreement, "save.prepare_nodes", report, lambda rs: Outcome([r.failure for r in rs if r.failure],
-                                                                        "prepare"),
+        ctx.agreement,
+        "save.prepare_nodes",
+        report,
+        lambda rs: Outcome([r.failure for r in rs if r.failure], "prepare"),
         decision=Outcome,
     )
     tmp = ctx.root.absolute() / Path(prep.tmp).name
@@ -137,19 +145,28 @@ def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> 
         seen = NodeReport()
         if owner.get("node") != ctx.agreement.info.host:
             found = f"node {owner['node']}'s" if owner.get("node") else "no"
-            seen = NodeReport(WriteFailure(
-                rank=ctx.rank, phase="placement", exc_type="ConfigError", path=str(tmp), time_ns=time.time_ns(),
-                message=f"rank {ctx.rank} of node {ctx.agreement.info.host} finds {found} temp directory at {tmp}, "
-                f"not the one rank {mine[0]} of its node created: node-local storage (a separate disk per process "
-                "at one path) under one node identity. Give each node its own identity (its host name) and its "
-                "ranks one disk",
-            ))
+            seen = NodeReport(
+                WriteFailure(
+                    rank=ctx.rank,
+                    phase="placement",
+                    exc_type="ConfigError",
+                    path=str(tmp),
+                    time_ns=time.time_ns(),
+                    message=f"rank {ctx.rank} of node {ctx.agreement.info.host} finds {found} temp directory at {tmp}, "
+                    f"not the one rank {mine[0]} of its node created: node-local storage (a separate disk per process "
+                    "at one path) under one node identity. Give each node its own identity (its host name) and its "
+                    "ranks one disk",
+                )
+            )
         if mine[0] == ctx.rank:
             seen = NodeReport(seen.failure, _layout.read_tracker(ctx.root) or 0)
         verdict = gather_decide(
-            ctx.agreement, "save.node_seen", seen,
+            ctx.agreement,
+            "save.node_seen",
+            seen,
             lambda rs: NodesSeen(
-                [r.failure for r in rs if r.failure], max(r.tracker for r in rs if r.tracker is not None)
+                [r.failure for r in rs if r.failure],
+                max(r.tracker for r in rs if r.tracker is not None),
             ),
             decision=NodesSeen,
         )
@@ -176,13 +193,20 @@ def _sweep_unagreed(ctx: Context, newest: int, step: int) -> None:
             continue
         log.warning(
             "ckptguard: removed %s: published on this node by a save that no node's tracker reached (killed "
-            "between the nodes' publish and their trackers)", path,
+            "between the nodes' publish and their trackers)",
+            path,
         )
 
 
 def _plan_nodes(
-    ctx: Context, step: int, tmp: Path, prep: Prepared, started: float, reports: list[RankReport],
-    kinds: dict[str, str], extra_cost: Mapping[str, Figure] | None = None,
+    ctx: Context,
+    step: int,
+    tmp: Path,
+    prep: Prepared,
+    started: float,
+    reports: list[RankReport],
+    kinds: dict[str, str],
+    extra_cost: Mapping[str, Figure] | None = None,
 ) -> NodePlan:
     failures = [r.failure for r in reports if r.failure]
     if failures:
@@ -192,7 +216,9 @@ def _plan_nodes(
         md = read_dcp_metadata(tmp / _layout.STATE_DIR)
     except (CheckpointError, OSError) as exc:
         return NodePlan([failure_from(exc, rank=0, phase="copy plan")])
-    written = {f.path: dataclasses.replace(f, rank=r) for r, rep in enumerate(reports) for f in rep.files}
+    written = {
+        f.path: dataclasses.replace(f, rank=r) for r, rep in enumerate(reports) for f in rep.files
+    }
     nodes: list[NodeEntry] = []
     needs: dict[str, list[int]] = {}
     for ranks in prep.nodes:
@@ -203,10 +229,24 @@ def _plan_nodes(
         for path in wants:
             needs.setdefault(path, []).append(ranks[0])
     manifest = build_manifest(
-        ctx, step, tmp / _layout.MANIFEST_NAME, prep, started, reports, kinds, nodes, extra_cost=extra_cost
+        ctx,
+        step,
+        tmp / _layout.MANIFEST_NAME,
+        prep,
+        started,
+        reports,
+        kinds,
+        nodes,
+        extra_cost=extra_cost,
     )
     copies = [
-        {"path": p, "size": written[p].size, "xxh3": written[p].xxh3, "src": written[p].rank, "dsts": d}
+        {
+            "path": p,
+            "size": written[p].size,
+            "xxh3": written[p].xxh3,
+            "src": written[p].rank,
+            "dsts": d,
+        }
         for p, d in sorted(needs.items())
     ]
     return NodePlan(manifest=manifest.to_json(), copies=copies)
@@ -216,12 +256,19 @@ class NodePublisher:
     """``Publisher`` of node-local roots (``prep.nodes``): the rounds above."""
 
     def run(
-        self, ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write: Callable[[], RankReport]
+        self,
+        ctx: Context,
+        snap: Snapshot,
+        prep: Prepared,
+        tmp: Path,
+        write: Callable[[], RankReport],
     ) -> Path:
         return _commit_nodes(ctx, snap, prep, tmp, write)
 
 
-def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write: Callable[[], RankReport]) -> Path:
+def _commit_nodes(
+    ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write: Callable[[], RankReport]
+) -> Path:
     step = snap.step
     mine = my_node(ctx, prep)
     leader = mine[0] == ctx.rank
@@ -232,8 +279,12 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
         report = write()
         kinds = {n: c.kind.value for n, c in snap.items.items()}
         plan = gather_decide(
-            ctx.agreement, "save.written", report,
-            lambda reports: _plan_nodes(ctx, step, tmp, prep, snap.started, reports, kinds, snap.cost),
+            ctx.agreement,
+            "save.written",
+            report,
+            lambda reports: _plan_nodes(
+                ctx, step, tmp, prep, snap.started, reports, kinds, snap.cost
+            ),
             decision=NodePlan,
         )
         raise_if_failed(ctx, plan.failures, step=step, phase="write")
@@ -241,7 +292,9 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
         if leader and failure is None:
             failure = _confirm_node(ctx, step, tmp, prep, plan)
         # The copies and the leaders' checksums of their node's files come first: a longer wait.
-        _node_round(ctx, "save.node_confirm", failure, step=step, phase="node confirm", patience=2.0)
+        _node_round(
+            ctx, "save.node_confirm", failure, step=step, phase="node confirm", patience=2.0
+        )
         failure = None
         if leader:
             try:
@@ -260,7 +313,9 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
                 _layout.write_tracker(ctx.root, step)
                 _faults.reached("node.after_tracker")
                 if trash is not None:
-                    shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
+                    shutil.rmtree(
+                        trash, ignore_errors=True
+                    )  # what is left is retried by empty_trash
             except Exception as exc:
                 failure = failure_from(exc, rank=ctx.rank, phase="node tracker")
             moved = _tracker_now(ctx, failure)
@@ -273,13 +328,22 @@ def _commit_nodes(ctx: Context, snap: Snapshot, prep: Prepared, tmp: Path, write
 
 
 def _node_round(
-    ctx: Context, key: str, failure: WriteFailure | None, *, step: int, phase: str, patience: float = 1.0
+    ctx: Context,
+    key: str,
+    failure: WriteFailure | None,
+    *,
+    step: int,
+    phase: str,
+    patience: float = 1.0,
 ) -> None:
     """Every rank learns whether every node did its part of ``phase``; all raise together if not."""
     outcome = gather_decide(
-        ctx.agreement, key, NodeReport(failure),
+        ctx.agreement,
+        key,
+        NodeReport(failure),
         lambda reports: Outcome([r.failure for r in reports if r.failure], phase),
-        decision=Outcome, patience=patience,
+        decision=Outcome,
+        patience=patience,
     )
     raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase)
 
@@ -292,7 +356,9 @@ def _tracker_now(ctx: Context, failure: WriteFailure | None) -> NodeReport:
         return NodeReport(failure, None, f"{type(exc).__name__}: {exc}"[:500])
 
 
-def _tracker_round(ctx: Context, step: int, prep: Prepared, plan: NodePlan, mine: NodeReport) -> None:
+def _tracker_round(
+    ctx: Context, step: int, prep: Prepared, plan: NodePlan, mine: NodeReport
+) -> None:
     """Every rank learns whether every node moved its tracker; if some did not, all raise together
     with where each node's tracker stands and which step a restore then takes."""
 
@@ -300,11 +366,16 @@ def _tracker_round(ctx: Context, step: int, prep: Prepared, plan: NodePlan, mine
         failures = [r.failure for r in reports if r.failure]
         if not failures:
             return Outcome()
-        nodes = [(plan.manifest["nodes"][i]["name"], ranks, reports[ranks[0]]) for i, ranks in enumerate(prep.nodes)]
+        nodes = [
+            (plan.manifest["nodes"][i]["name"], ranks, reports[ranks[0]])
+            for i, ranks in enumerate(prep.nodes)
+        ]
         return Outcome(failures, "node tracker", _trackers_after(step, nodes))
 
     outcome = gather_decide(ctx.agreement, "save.node_tracker", mine, decide, decision=Outcome)
-    raise_if_failed(ctx, outcome.failures, step=step, phase=outcome.phase, consequence=outcome.consequence)
+    raise_if_failed(
+        ctx, outcome.failures, step=step, phase=outcome.phase, consequence=outcome.consequence
+    )
 
 
 def _trackers_after(step: int, nodes: list[tuple[str, list[int], NodeReport]]) -> str:
@@ -350,7 +421,9 @@ def _trackers_after(step: int, nodes: list[tuple[str, list[int], NodeReport]]) -
     )
 
 
-def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: NodePlan) -> WriteFailure | None:
+def _confirm_node(
+    ctx: Context, step: int, tmp: Path, prep: Prepared, plan: NodePlan
+) -> WriteFailure | None:
     """This node's publishing rank: every file of its part is here with its size and xxh3; then the
     node manifest, written last on this node before the agreement."""
     index = next(i for i, ranks in enumerate(prep.nodes) if ctx.rank in ranks)
@@ -363,12 +436,15 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
         if bad:
             rel, why = bad[0]
             raise OSError(
-                _errno.EIO, f"node {node['name']} (ranks {sorted(ranks)}): {len(bad)} of its {len(files)} file(s) "
-                f"are not under {tmp} with their recorded size and xxh3, e.g. {rel}: {why}", str(tmp / rel),
+                _errno.EIO,
+                f"node {node['name']} (ranks {sorted(ranks)}): {len(bad)} of its {len(files)} file(s) "
+                f"are not under {tmp} with their recorded size and xxh3, e.g. {rel}: {why}",
+                str(tmp / rel),
             )
         _faults.reached("node.files_verified")
-        record = _manifest.node_manifest(step=step, index=index, name=node["name"], ranks=ranks,
-                                         files=files)
+        record = _manifest.node_manifest(
+            step=step, index=index, name=node["name"], ranks=ranks, files=files
+        )
         _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record.to_json())
         _faults.reached("node.confirmed")
     except Exception as exc:
@@ -376,7 +452,9 @@ def _confirm_node(ctx: Context, step: int, tmp: Path, prep: Prepared, plan: Node
     return None
 
 
-def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[JsonObject]) -> WriteFailure | None:
+def _copy_files(
+    ctx: Context, step: int, tmp: Path, copies: list[JsonObject]
+) -> WriteFailure | None:
     """Send each replicated file from the rank that wrote it to every node that reads it (``p2p``).
 
     Every rank walks the same list in the same order and takes part only where it sends or
@@ -384,8 +462,11 @@ def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[JsonObject]) ->
     its ranks within one block, and both go on with the next entry (no peer waits a timeout).
     Returns this rank's first failure."""
     link = _p2p.Link(
-        ctx.storage_ctx.process_group, step=step, what="copy of a replicated DCP file to a node that reads it",
-        retry="save again", timeout_s=ctx.config.timeout_s,
+        ctx.storage_ctx.process_group,
+        step=step,
+        what="copy of a replicated DCP file to a node that reads it",
+        retry="save again",
+        timeout_s=ctx.config.timeout_s,
     )
     first: WriteFailure | None = None
     for entry in copies:
@@ -398,9 +479,15 @@ def _copy_files(ctx: Context, step: int, tmp: Path, copies: list[JsonObject]) ->
             problems = [_p2p.recv_file(link, tmp / spec.path, spec, src)]
         for problem in problems:
             if problem is not None and first is None:
-                first = WriteFailure(  # the rank that hit it: the same report on both ranks of the pair
-                    rank=problem.rank if problem.rank >= 0 else ctx.rank, phase=f"copy of {spec.path}",
-                    exc_type=problem.exc_type, message=problem.message, errno=problem.errno, path=problem.path,
-                    time_ns=problem.time_ns,
+                first = (
+                    WriteFailure(  # the rank that hit it: the same report on both ranks of the pair
+                        rank=problem.rank if problem.rank >= 0 else ctx.rank,
+                        phase=f"copy of {spec.path}",
+                        exc_type=problem.exc_type,
+                        message=problem.message,
+                        errno=problem.errno,
+                        path=problem.path,
+                        time_ns=problem.time_ns,
+                    )
                 )
     return first

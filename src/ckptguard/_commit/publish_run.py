@@ -84,13 +84,20 @@ def check_shared_root(ctx: Context, step: int) -> None:
                 ctx.root.rmdir()
         return Placed(blind)
 
-    placed = gather_decide(ctx.agreement, "run.placed", Probe(probe.name, sees), judge, decision=Placed)
+    placed = gather_decide(
+        ctx.agreement, "run.placed", Probe(probe.name, sees), judge, decision=Placed
+    )
     if placed.blind:
         raise ConfigError(node_local_message(ctx.root, step, placed.blind))
 
 
 def publish_run_step(
-    ctx: Context, step: int, tmp: Path, prep: Prepared, reports: list[RunReport], declared: dict[str, list[int]],
+    ctx: Context,
+    step: int,
+    tmp: Path,
+    prep: Prepared,
+    reports: list[RunReport],
+    declared: dict[str, list[int]],
     actions: Actions,
 ) -> Outcome:
     """Rank 0: the run manifest, the rename and the tracker if every role on every rank confirmed."""
@@ -99,7 +106,9 @@ def publish_run_step(
         _stepdir.discard(ctx, tmp)
         return Outcome(failures, "write")
     try:
-        held = {name: [r for r, rep in enumerate(reports) if name in rep.roles] for name in declared}
+        held = {
+            name: [r for r, rep in enumerate(reports) if name in rep.roles] for name in declared
+        }
         for name, ranks in held.items():
             if ranks != sorted(declared[name]):
                 raise ConfigError(

@@ -58,13 +58,16 @@ def snapshot(
     started = time.monotonic()
 
     def take() -> tuple[dict[str, Captured], Any]:
-        return capture(state, ctx.keyfn()), (_rng.capture() if ctx.config.state.capture_rng else None)
+        return capture(state, ctx.keyfn()), (
+            _rng.capture() if ctx.config.state.capture_rng else None
+        )
 
     items, rng = on_every_rank(ctx.agreement, "save.capture", take)
     if guard:
         check_replicated(ctx, items, step)
-    return Snapshot(step, items, rng, started, reshard=ctx.declared_rules(state), guarded=guard,
-                    actions=actions)
+    return Snapshot(
+        step, items, rng, started, reshard=ctx.declared_rules(state), guarded=guard, actions=actions
+    )
 
 
 def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> None:
@@ -80,13 +83,18 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
         {_chunk_id(k, t): digest(t) for c in items.values() for k, t in c.tensors.items()},
         {name: c.kind.value for name, c in items.items()},
     )
-    verdict = gather_decide(ctx.agreement, "save.chunks", mine, _divergent_chunks, decision=ChunkVerdict)
+    verdict = gather_decide(
+        ctx.agreement, "save.chunks", mine, _divergent_chunks, decision=ChunkVerdict
+    )
     if verdict.kinds:
         # Committed, such a step could not be restored by any fresh process: one rank's
         # extras hold a value where the DCP files hold a tensor.
         listing = "; ".join(
             f"{item!r}: "
-            + ", ".join(f"{kind} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for kind, r in by.items())
+            + ", ".join(
+                f"{kind} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                for kind, r in by.items()
+            )
             for item, by in verdict.kinds
         )
         raise StateMismatchError(
@@ -99,9 +107,14 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
     plain = [
         f"{c.rsplit('@', 1)[0]} (ranks grouped by content: {g})"
         for c, g in bad
-        if c.endswith("@()") or set(c.rsplit("@", 1)[1].strip("(),").replace(" ", "").split(",")) <= {"0", ""}
+        if c.endswith("@()")
+        or set(c.rsplit("@", 1)[1].strip("(),").replace(" ", "").split(",")) <= {"0", ""}
     ]
-    shown = plain if len(plain) == len(bad) else [f"{c} (ranks grouped by content: {g})" for c, g in bad]
+    shown = (
+        plain
+        if len(plain) == len(bad)
+        else [f"{c} (ranks grouped by content: {g})" for c, g in bad]
+    )
     raise ReplicatedDivergenceError(
         f"save of step {step}: {len(bad)} tensor chunk(s) are held by several ranks with different bytes, and DCP "
         f"stores one copy per key and offset, so restore would hand them one rank's copy: {'; '.join(shown[:10])}"
@@ -114,7 +127,6 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
 def _chunk_id(key: str, t: torch.Tensor) -> str:
     """Where DCP files this rank's piece of ``key``: the key and the chunk's global offset."""
     if hasattr(t, "device_mesh") and hasattr(t, "placements"):
-
         offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1]
         return f"{key}@{tuple(int(o) for o in offsets)}"
     return f"{key}@{(0,) * t.dim()}"

@@ -38,7 +38,9 @@ from .pending import log
 FAILED_PREFIX = ".failed-"
 
 
-def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actions: Actions = NO_ACTIONS) -> Prepared:
+def prepare_root(
+    ctx: Context, step: int, *, like: Prepared | None = None, actions: Actions = NO_ACTIONS
+) -> Prepared:
     """Rank 0 (or, on node-local roots, each node's publishing rank, ``like`` rank 0's outcome):
     root, tracker 0, phase 0, sweep, existing-step check, temp directory."""
     root = ctx.root
@@ -76,7 +78,9 @@ def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actio
             "move it back and orphan the newer ones. If this is a deliberate rollback, set "
             "save(..., overwrite=True); otherwise check the step counter after restore."
         )
-    committed = existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists()
+    committed = (
+        existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists()
+    )
     if committed and not actions.overwrite:
         raise ConfigError(
             f"step {step} is already committed at {existing}; saving it again would replace "
@@ -84,12 +88,18 @@ def prepare_root(ctx: Context, step: int, *, like: Prepared | None = None, actio
             "(it is uncommitted first, then rewritten)."
         )
     # Node-local roots: every node's temp directory has rank 0's name (and, once published, the step's).
-    tmp = root / (Path(like.tmp).name if like is not None else _layout.temp_dir_name(name, secrets.token_hex(6)))
+    tmp = root / (
+        Path(like.tmp).name
+        if like is not None
+        else _layout.temp_dir_name(name, secrets.token_hex(6))
+    )
     tmp.mkdir()
     (tmp / _layout.STATE_DIR).mkdir()
     _layout.write_owner(tmp, node=ctx.agreement.info.host)
     contract_hash = phase.contract_hash or _contract.contract_hash(phase.contract)
-    return Prepared(tmp=str(tmp), chain_id=phase.chain_id, phase=phase.phase, contract_hash=contract_hash)
+    return Prepared(
+        tmp=str(tmp), chain_id=phase.chain_id, phase=phase.phase, contract_hash=contract_hash
+    )
 
 
 def copy_verified(src: Path, dst: Path, *, expect: str | None = None) -> str:
@@ -110,7 +120,11 @@ def copy_verified(src: Path, dst: Path, *, expect: str | None = None) -> str:
         os.fsync(fout.fileno())
     copied = file_digest(str(part))[1]
     if copied != h.hexdigest() or (expect is not None and copied != expect):
-        raise OSError(_errno.EIO, f"copy differs from its source or record after fsync: {src} -> {part}", str(part))
+        raise OSError(
+            _errno.EIO,
+            f"copy differs from its source or record after fsync: {src} -> {part}",
+            str(part),
+        )
     os.replace(part, dst)
     return copied
 
@@ -164,7 +178,9 @@ def _check_publish(ctx: Context, step: int, actions: Actions) -> None:
         )
 
 
-def file_problems(base: Path, files: Sequence[FileEntry], *, checksums: bool = True) -> list[tuple[str, str]]:
+def file_problems(
+    base: Path, files: Sequence[FileEntry], *, checksums: bool = True
+) -> list[tuple[str, str]]:
     """(path, why) for each reported file that is not under ``base`` with its size and xxh3.
 
     The sizes first (one stat each), then (``checksums``) the xxh3 read back, hashed in

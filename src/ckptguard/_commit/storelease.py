@@ -37,11 +37,15 @@ def acquire(store: ObjectStore, holder: str, *, override: bool = False) -> str |
             if store.put_lease(mine, etag):
                 return note
         except ConditionalWriteUnsupportedError:
-            release(store, holder)  # a lease on such a store protects nothing: it must not block a relaunch
+            release(
+                store, holder
+            )  # a lease on such a store protects nothing: it must not block a relaunch
             raise
         # another writer wrote it between our read and our write: read it again
-    raise LeaseHeldError(f"{store.where(LEASE)}: {_TRIES} conditional writes in a row lost to other writers; two "
-                         "jobs start on this root at once: stop one")
+    raise LeaseHeldError(
+        f"{store.where(LEASE)}: {_TRIES} conditional writes in a row lost to other writers; two "
+        "jobs start on this root at once: stop one"
+    )
 
 
 def check(store: ObjectStore, holder: str, *, override: bool = False) -> None:
@@ -59,18 +63,25 @@ def release(store: ObjectStore, holder: str) -> None:
     store.put_lease(Lease(holder, Writer.here(), 0.0, time.time()), etag, verify=False)
 
 
-def _takeover(store: ObjectStore, lease: Lease, holder: str, now: float, override: bool) -> str | None:
+def _takeover(
+    store: ObjectStore, lease: Lease, holder: str, now: float, override: bool
+) -> str | None:
     """None: ``holder``'s own lease; a note: another's lease ``holder`` may take over; else ``LeaseHeldError``."""
     if lease.holder == holder:
         return None
     dead = lease.writer.host == socket.gethostname() and not _alive(lease.writer.pid)
     if lease.expires_unix < now or dead or override:
-        why = "expired" if lease.expires_unix < now else ("its process is dead" if dead else "break_lease")
+        why = (
+            "expired"
+            if lease.expires_unix < now
+            else ("its process is dead" if dead else "break_lease")
+        )
         return f"took over the write lease of {lease.holder} ({lease.writer.describe()}; {why})"
     raise LeaseHeldError(
         f"{store.where(LEASE)} is held by {lease.holder} ({lease.writer.describe()}) until "
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lease.expires_unix))}: another live job writes "
-        f"this root. Stop it, wait for the lease to expire, or pass break_lease=True if it is dead")
+        f"this root. Stop it, wait for the lease to expire, or pass break_lease=True if it is dead"
+    )
 
 
 def _alive(pid: int) -> bool:

@@ -36,7 +36,16 @@ from ..errors import CheckpointCorruptError, CheckpointError, CommitConflictErro
 from ..storage.s3 import Marker, ObjectStore, StoredObject, Writer
 from . import storelease
 
-__all__ = ["BEFORE_MARKER", "BEFORE_TRACKER", "Publisher", "begin", "commit", "hold", "replaces", "rotate"]
+__all__ = [
+    "BEFORE_MARKER",
+    "BEFORE_TRACKER",
+    "Publisher",
+    "begin",
+    "commit",
+    "hold",
+    "replaces",
+    "rotate",
+]
 
 log = logging.getLogger("ckptguard")
 
@@ -57,7 +66,9 @@ class _Begun(Wire):
 
 @dataclass(frozen=True)
 class _Uploaded(Wire):
-    objects: dict[str, dict[str, Any]] = field(default_factory=dict)  # relative path -> {size, xxh3, etag}
+    objects: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # relative path -> {size, xxh3, etag}
 
 
 @dataclass(frozen=True)
@@ -91,7 +102,10 @@ def replaces(agreement: Agreement, store: ObjectStore, staging: Path, step: int)
     step up to N (N itself included) replaces the staging root's copy instead of refusing it as committed."""
     try:
         mine = _Staged(_layout.read_tracker(staging) or 0)
-    except (OSError, CheckpointError):  # never raised on one rank alone; the staging save reports it on all
+    except (
+        OSError,
+        CheckpointError,
+    ):  # never raised on one rank alone; the staging save reports it on all
         mine = _Staged(0)
 
     def decide(views: list[_Staged]) -> _Replace:
@@ -99,9 +113,15 @@ def replaces(agreement: Agreement, store: ObjectStore, staging: Path, step: int)
             return _Replace(False)  # the usual case: nothing in the way, no read of the store
         stored = store.tracker()[0] or 0
         if stored < step:
-            log.warning("ckptguard: %s holds a staging commit at or past step %d that %s never committed (the "
-                        "store's tracker says %d: a save killed before its upload finished); step %d replaces it",
-                        staging, step, store.url, stored, step)
+            log.warning(
+                "ckptguard: %s holds a staging commit at or past step %d that %s never committed (the "
+                "store's tracker says %d: a save killed before its upload finished); step %d replaces it",
+                staging,
+                step,
+                store.url,
+                stored,
+                step,
+            )
         return _Replace(stored < step)
 
     return gather_decide(agreement, "store.replaces", mine, decide, decision=_Replace).replace
@@ -118,33 +138,58 @@ def begin(store: ObjectStore, step: int, *, replace_orphan: bool = False) -> str
             raise CommitConflictError(
                 f"step {step} is already committed at {store.where(store.naming.name(step))} (attempt "
                 f"{existing.attempt}, {existing.writer.describe()}); a committed step on an object store is "
-                "never overwritten: save a newer step", step=step)
+                "never overwritten: save a newer step",
+                step=step,
+            )
         if not replace_orphan:
             raise CommitConflictError(
                 f"step {step} at {store.url} has a marker newer than the tracker ({tracker}): another writer "
                 f"({existing.writer.describe()}) is committing it now or died before moving the tracker; "
-                "only the lease holder replaces such a marker", step=step)
-        log.warning("ckptguard: %s: step %d holds an orphan marker (attempt %s, %s; the tracker says %s): "
-                    "its writer died between marker and tracker; uncommitting it (marker first) to save the "
-                    "step again", store.url, step, existing.attempt, existing.writer.describe(), tracker)
+                "only the lease holder replaces such a marker",
+                step=step,
+            )
+        log.warning(
+            "ckptguard: %s: step %d holds an orphan marker (attempt %s, %s; the tracker says %s): "
+            "its writer died between marker and tracker; uncommitting it (marker first) to save the "
+            "step again",
+            store.url,
+            step,
+            existing.attempt,
+            existing.writer.describe(),
+            tracker,
+        )
         store.drop_marker(step)
     elif tracker is not None and step <= tracker:
         raise CommitConflictError(
             f"step {step} is not newer than the tracker ({tracker}) at {store.url}: the tracker never moves "
-            "backwards, so this step could never be resumed; save a step > the tracker", step=step)
+            "backwards, so this step could never be resumed; save a step > the tracker",
+            step=step,
+        )
     return store.open_attempt(step)
 
 
-def commit(store: ObjectStore, step: int, attempt: str, objects: dict[str, StoredObject], manifest: JsonObject, *,
-           phases: dict[str, JsonObject] | None = None, lease: str | None = None) -> str:
+def commit(
+    store: ObjectStore,
+    step: int,
+    attempt: str,
+    objects: dict[str, StoredObject],
+    manifest: JsonObject,
+    *,
+    phases: dict[str, JsonObject] | None = None,
+    lease: str | None = None,
+) -> str:
     """Create the marker (the commit point), then move the tracker forward; returns the marker's URL."""
     marker = Marker(step, attempt, Writer.here(lease), objects, manifest, phases or {})
     _faults.reached(BEFORE_MARKER)
-    if not store.create_marker(marker):  # refused (maybe our own retry that landed), or unconditional
+    if not store.create_marker(
+        marker
+    ):  # refused (maybe our own retry that landed), or unconditional
         _check_won(store, step, attempt)
     _faults.reached(BEFORE_TRACKER)
     _advance(store, step)
-    _check_won(store, step, attempt)  # an orphan replacement racing this commit is reported, never silent
+    _check_won(
+        store, step, attempt
+    )  # an orphan replacement racing this commit is reported, never silent
     return store.where(store.naming.name(step), MANIFEST_NAME)
 
 
@@ -157,7 +202,9 @@ def _check_won(store: ObjectStore, step: int, attempt: str) -> None:
     raise CommitConflictError(
         f"step {step} at {store.url} was committed by another writer ({who}, attempt "
         f"{found.attempt if found else '?'}), not by this one (attempt {attempt}): exactly one writer commits a "
-        "step. Two jobs write this root: stop one (the lease should have refused it; see its log)", step=step)
+        "step. Two jobs write this root: stop one (the lease should have refused it; see its log)",
+        step=step,
+    )
 
 
 def _advance(store: ObjectStore, step: int) -> None:
@@ -166,8 +213,13 @@ def _advance(store: ObjectStore, step: int) -> None:
         current, etag = store.tracker()
         if current is not None and current >= step:
             if current > step:
-                log.warning("ckptguard: %s: the tracker is at %d already; step %d is committed but the tracker "
-                            "stays (it never moves backwards)", store.url, current, step)
+                log.warning(
+                    "ckptguard: %s: the tracker is at %d already; step %d is committed but the tracker "
+                    "stays (it never moves backwards)",
+                    store.url,
+                    current,
+                    step,
+                )
             return
         if store.swap_tracker(step, None if current is None else etag):
             return
@@ -175,7 +227,11 @@ def _advance(store: ObjectStore, step: int) -> None:
     raise ObjectStoreError(
         f"moving the tracker {where} to step {step}: {_TRACKER_TRIES} conditional writes in a row lost to other "
         f"writers. Step {step}'s marker is written (the step is an orphan until the tracker covers it); two jobs "
-        "write this root: stop one", bucket=store.url.bucket, key=store.url.key(TRACKER_NAME), step=step)
+        "write this root: stop one",
+        bucket=store.url.bucket,
+        key=store.url.key(TRACKER_NAME),
+        step=step,
+    )
 
 
 def rotate(store: ObjectStore, policy: RetentionPolicy, protect: set[int]) -> list[int]:
@@ -193,32 +249,55 @@ def rotate(store: ObjectStore, policy: RetentionPolicy, protect: set[int]) -> li
 class Publisher:
     """The publish of staging steps to one store, for one job (``holder``: rank 0's lease id)."""
 
-    def __init__(self, agreement: Agreement, store: ObjectStore, staging: Path, holder: str,
-                 retention: RetentionPolicy | None) -> None:
+    def __init__(
+        self,
+        agreement: Agreement,
+        store: ObjectStore,
+        staging: Path,
+        holder: str,
+        retention: RetentionPolicy | None,
+    ) -> None:
         self.agreement = agreement
         self.store = store
         self.staging = staging
         self.holder = holder
         self.retention = retention
 
-    def publish(self, step: int, step_dir: Path, *, protect: set[int], break_lease: bool = False) -> str:
+    def publish(
+        self, step: int, step_dir: Path, *, protect: set[int], break_lease: bool = False
+    ) -> str:
         """Publish the committed staging directory ``step_dir`` as ``step`` (collective); returns the marker's
         URL. ``protect``: steps the store's rotation keeps besides the policy's (the restored one)."""
         rank = self.agreement.info.rank
-        begun = gather_decide(self.agreement, "store.begin", _Empty(), lambda _: self._begin(step, break_lease),
-                              decision=_Begun)
-        typed = _manifest.read(step_dir)  # checked as a restore checks it: the store gets a committed step only
+        begun = gather_decide(
+            self.agreement,
+            "store.begin",
+            _Empty(),
+            lambda _: self._begin(step, break_lease),
+            decision=_Begun,
+        )
+        typed = _manifest.read(
+            step_dir
+        )  # checked as a restore checks it: the store gets a committed step only
         manifest, files = typed.to_json(), typed.files
         mine = [f for f in files if (f.rank or 0) == rank]
 
         def upload() -> _Uploaded:
-            etags = self.store.upload(step, begun.attempt, [(f.path, step_dir / f.path, f.size) for f in mine])
-            return _Uploaded({f.path: {"size": f.size, "xxh3": f.xxh3, "etag": etags[f.path]} for f in mine})
+            etags = self.store.upload(
+                step, begun.attempt, [(f.path, step_dir / f.path, f.size) for f in mine]
+            )
+            return _Uploaded(
+                {f.path: {"size": f.size, "xxh3": f.xxh3, "etag": etags[f.path]} for f in mine}
+            )
 
         uploaded = on_every_rank(self.agreement, "store.upload", upload)
-        done = gather_decide(self.agreement, "store.commit", uploaded,
-                             lambda views: self._commit(step, begun.attempt, views, files, manifest, protect),
-                             decision=_Committed)
+        done = gather_decide(
+            self.agreement,
+            "store.commit",
+            uploaded,
+            lambda views: self._commit(step, begun.attempt, views, files, manifest, protect),
+            decision=_Committed,
+        )
         log.info("ckptguard: committed step %d on the object store at %s", step, done.url)
         return done.url
 
@@ -226,17 +305,32 @@ class Publisher:
         hold(self.store, self.holder, break_lease)
         return _Begun(begin(self.store, step, replace_orphan=True))
 
-    def _commit(self, step: int, attempt: str, views: list[_Uploaded], files: Sequence[FileEntry],
-                manifest: JsonObject, protect: set[int]) -> _Committed:
-        objects = {path: StoredObject(int(o["size"]), str(o["xxh3"]), str(o["etag"]))
-                   for view in views for path, o in view.objects.items()}
+    def _commit(
+        self,
+        step: int,
+        attempt: str,
+        views: list[_Uploaded],
+        files: Sequence[FileEntry],
+        manifest: JsonObject,
+        protect: set[int],
+    ) -> _Committed:
+        objects = {
+            path: StoredObject(int(o["size"]), str(o["xxh3"]), str(o["etag"]))
+            for view in views
+            for path, o in view.objects.items()
+        }
         missing = sorted({f.path for f in files} - set(objects))
         if missing:
             raise CheckpointCorruptError(
                 f"step {step}: no rank uploaded {missing[:5]} ({len(missing)} files of the manifest); the manifest "
-                "names a rank that is not in this group: publish from the job that wrote the step")
-        storelease.check(self.store, self.holder)  # still ours (renewed at begin): a lost lease never commits
-        phases = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.staging)}
+                "names a rank that is not in this group: publish from the job that wrote the step"
+            )
+        storelease.check(
+            self.store, self.holder
+        )  # still ours (renewed at begin): a lost lease never commits
+        phases = {
+            p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.staging)
+        }
         url = commit(self.store, step, attempt, objects, manifest, phases=phases, lease=self.holder)
         self._rotate(step, protect)
         return _Committed(url)
@@ -246,9 +340,17 @@ class Publisher:
             return
         try:
             gone = rotate(self.store, self.retention, {step} | protect)
-        except (CheckpointError, OSError) as exc:  # rotation never stops training; retried at the next save
-            log.warning("ckptguard: rotation on %s after step %d failed (%s: %s); retried at the next save",
-                        self.store.url, step, type(exc).__name__, exc)
+        except (
+            CheckpointError,
+            OSError,
+        ) as exc:  # rotation never stops training; retried at the next save
+            log.warning(
+                "ckptguard: rotation on %s after step %d failed (%s: %s); retried at the next save",
+                self.store.url,
+                step,
+                type(exc).__name__,
+                exc,
+            )
             return
         if gone:
             log.info("ckptguard: retention deleted steps %s on %s", gone, self.store.url)

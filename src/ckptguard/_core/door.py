@@ -48,13 +48,29 @@ class Checkpointer(Protocol):
     policy skipped it, or it is on no tier's interval); ``restore`` returns the restored step (0: fresh)."""
 
     def save(
-        self, step: int, state: Any, /, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
-        overwrite: bool = False, break_lease: bool = False,
+        self,
+        step: int,
+        state: Any,
+        /,
+        *,
+        healthy: bool | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+        overwrite: bool = False,
+        break_lease: bool = False,
     ) -> Path | None: ...
 
     def save_async(
-        self, step: int, state: Any, /, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
-        overwrite: bool = False, break_lease: bool = False,
+        self,
+        step: int,
+        state: Any,
+        /,
+        *,
+        healthy: bool | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+        overwrite: bool = False,
+        break_lease: bool = False,
     ) -> PendingCommit | None: ...
 
     def wait(self) -> Path | None: ...
@@ -63,22 +79,45 @@ class Checkpointer(Protocol):
 
     def resolve(self, *, mode: ResumeMode = ResumeMode.AUTO) -> Resolution: ...
 
-    def restore(self, state: Any, /, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> int: ...
+    def restore(
+        self, state: Any, /, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False
+    ) -> int: ...
 
     def record_step(
-        self, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None, grad_norm: Any = None,
+        self,
+        step: int,
+        *,
+        sample_ids: Any = None,
+        batch: Any = None,
+        loss: Any = None,
+        grad_norm: Any = None,
         **extra: Any,
     ) -> JsonObject: ...
 
     def record_update(self, step: int, /, *, grad_norm: float, params_changed: bool) -> None: ...
 
-    def record_export(self, step: int, payload: Any, /, *, scales: Any = None) -> ExportFingerprint: ...
+    def record_export(
+        self, step: int, payload: Any, /, *, scales: Any = None
+    ) -> ExportFingerprint: ...
 
-    def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, /) -> dict[str, float]: ...
+    def record_logprobs(
+        self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, /
+    ) -> dict[str, float]: ...
 
     def preemption_target(self) -> GuardTarget: ...
 
 
-MEMBERS = ("save", "save_async", "wait", "close", "resolve", "restore", "record_step", "record_update",
-           "record_export", "record_logprobs", "preemption_target")
+MEMBERS = (
+    "save",
+    "save_async",
+    "wait",
+    "close",
+    "resolve",
+    "restore",
+    "record_step",
+    "record_update",
+    "record_export",
+    "record_logprobs",
+    "preemption_target",
+)
 """The protocol's calls, in the order the conformance test checks them."""

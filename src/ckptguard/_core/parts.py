@@ -38,18 +38,38 @@ class CommitHooks:
         self._cleanup: Callable[[int], None] | None = None
         self._resumed: Callable[[int], None] | None = None
 
-    def bind(self, stage: Callable[..., Staged | None], start: Callable[..., PendingSave],
-             cleanup: Callable[[int], None], resumed: Callable[[int], None]) -> None:
-        if self._stage is not None:  # two managers behind one hook: the door would drive the wrong root
-            raise ConfigError("Parts(...) serve one CheckpointManager: give each manager its own Parts")
+    def bind(
+        self,
+        stage: Callable[..., Staged | None],
+        start: Callable[..., PendingSave],
+        cleanup: Callable[[int], None],
+        resumed: Callable[[int], None],
+    ) -> None:
+        if (
+            self._stage is not None
+        ):  # two managers behind one hook: the door would drive the wrong root
+            raise ConfigError(
+                "Parts(...) serve one CheckpointManager: give each manager its own Parts"
+            )
         self._stage, self._start, self._cleanup, self._resumed = stage, start, cleanup, resumed
 
-    def stage(self, step: int, state: StateDict, healthy: bool | None, loss: Any, grad_norm: Any,
-              actions: Actions = NO_ACTIONS, *, busy: BusyRound | None = None, measure: bool = False) -> Staged | None:
+    def stage(
+        self,
+        step: int,
+        state: StateDict,
+        healthy: bool | None,
+        loss: Any,
+        grad_norm: Any,
+        actions: Actions = NO_ACTIONS,
+        *,
+        busy: BusyRound | None = None,
+        measure: bool = False,
+    ) -> Staged | None:
         """``save_async``'s part in the caller's thread (health agreement, snapshot, copies queued): the
         background commit, its fence, its start; None: the step is unhealthy (on every rank)."""
-        staged: Staged | None = self._bound(self._stage)(step, state, healthy, loss, grad_norm, actions, busy=busy,
-                                                         measure=measure)
+        staged: Staged | None = self._bound(self._stage)(
+            step, state, healthy, loss, grad_norm, actions, busy=busy, measure=measure
+        )
         return staged
 
     def start(self, step: int, staged: Staged, resumed: float) -> PendingSave:
@@ -70,7 +90,9 @@ class CommitHooks:
     @staticmethod
     def _bound(call: Any) -> Any:
         if call is None:
-            raise ConfigError("these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))")
+            raise ConfigError(
+                "these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))"
+            )
         return call
 
 
@@ -93,8 +115,15 @@ class Parts:
     """Bound by the manager: what its root holds beyond the local directory (the tiers' persistent lease,
     restore checks and fetch: ``_core.rootstage``)."""
 
-    def bind(self, context: Context, root_stage: RootStage, stage: Callable[..., Staged | None],
-             start: Callable[..., PendingSave], cleanup: Callable[[int], None], resumed: Callable[[int], None]) -> None:
+    def bind(
+        self,
+        context: Context,
+        root_stage: RootStage,
+        stage: Callable[..., Staged | None],
+        start: Callable[..., PendingSave],
+        cleanup: Callable[[int], None],
+        resumed: Callable[[int], None],
+    ) -> None:
         """The manager made with these parts hands over its context, its root's stage and its staged-commit calls."""
         self.commits.bind(stage, start, cleanup, resumed)
         self.context, self.root_stage = context, root_stage
@@ -102,11 +131,15 @@ class Parts:
     def bound_stage(self) -> RootStage:
         """The root stage of the manager these parts were given to."""
         if self.root_stage is None:
-            raise ConfigError("these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))")
+            raise ConfigError(
+                "these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))"
+            )
         return self.root_stage
 
     def bound(self) -> Context:
         """The context of the manager these parts were given to."""
         if self.context is None:
-            raise ConfigError("these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))")
+            raise ConfigError(
+                "these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))"
+            )
         return self.context

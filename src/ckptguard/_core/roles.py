@@ -55,10 +55,16 @@ class Role:
         runmanifest.check_role_name(self.name)
         if self.ranks is not None:
             ranks = tuple(self.ranks)
-            if not ranks or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks):
-                raise ConfigError(f"Role({self.name!r}, ranks={self.ranks!r}): ranks must be non-empty ints >= 0")
+            if not ranks or any(
+                not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks
+            ):
+                raise ConfigError(
+                    f"Role({self.name!r}, ranks={self.ranks!r}): ranks must be non-empty ints >= 0"
+                )
             if len(set(ranks)) != len(ranks):
-                raise ConfigError(f"Role({self.name!r}, ranks={self.ranks!r}): a rank is listed twice")
+                raise ConfigError(
+                    f"Role({self.name!r}, ranks={self.ranks!r}): a rank is listed twice"
+                )
             object.__setattr__(self, "ranks", tuple(sorted(ranks)))
 
 
@@ -117,13 +123,21 @@ def check_role_part(ctx: Context, part: Resolution, state: StateDict) -> None:
     """Everything a restore checks of one role's part before it reads a tensor (files, versions,
     topology, contract, items and keys, both ways), collectively over the role's ranks."""
     _resolve.agree_files(ctx, part)
-    manifest, extras, _plan = on_every_rank(ctx.agreement, "run.precheck", lambda: _restore.precheck(ctx, part, state))
+    manifest, extras, _plan = on_every_rank(
+        ctx.agreement, "run.precheck", lambda: _restore.precheck(ctx, part, state)
+    )
     _restore.plan_targets(ctx, state, manifest, extras)
 
 
 def load_role_part(
-    ctx: Context, part: Resolution, state: StateDict, *, step: int,
-    record: Callable[..., None], derived: DerivedState | None, sink: ProofSink | None = None,
+    ctx: Context,
+    part: Resolution,
+    state: StateDict,
+    *,
+    step: int,
+    record: Callable[..., None],
+    derived: DerivedState | None,
+    sink: ProofSink | None = None,
 ) -> None:
     """Restore one role's part into ``state`` and record it (a failure is recorded, then raised).
     ``sink``: the role's; its first step record after this carries the replicas again."""
@@ -131,26 +145,50 @@ def load_role_part(
     where: dict[str, Any] = {"step": step, "path": str(part.path), "world_size": ctx.world}
     seen: dict[str, dict[str, Any]] = {"digests": {}, "layout_free": {}, "replicas": {}}
     try:
-        done = _restore.restore(ctx, state, part, on_verified=lambda m, kind="digests": seen[kind].update(m))
+        done = _restore.restore(
+            ctx, state, part, on_verified=lambda m, kind="digests": seen[kind].update(m)
+        )
     except Exception as exc:  # recorded as a failed restore (prove shows it as FAIL), then raised
-        record("restore", ok=False, error=f"{type(exc).__name__}: {exc}"[:2000], digests_match=seen["digests"],
-               layout_free_match=seen["layout_free"], replicas=seen["replicas"], **where)
+        record(
+            "restore",
+            ok=False,
+            error=f"{type(exc).__name__}: {exc}"[:2000],
+            digests_match=seen["digests"],
+            layout_free_match=seen["layout_free"],
+            replicas=seen["replicas"],
+            **where,
+        )
         raise
-    if done.reshard is not None:  # old -> new world, the rules, this rank's RNG streams (prove shows them)
+    if (
+        done.reshard is not None
+    ):  # old -> new world, the rules, this rank's RNG streams (prove shows them)
         where["reshard"] = done.reshard
-    record("restore", digests_match=done.digests_match, layout_free_match=done.layout_free_match,
-           replicas=done.replicas, source_rank=done.source_rank, saved_world_size=done.saved_world_size,
-           format_version=done.format_version, addresses_changed=moved(before, addresses(state)), ok=True, **where)
+    record(
+        "restore",
+        digests_match=done.digests_match,
+        layout_free_match=done.layout_free_match,
+        replicas=done.replicas,
+        source_rank=done.source_rank,
+        saved_world_size=done.saved_world_size,
+        format_version=done.format_version,
+        addresses_changed=moved(before, addresses(state)),
+        ok=True,
+        **where,
+    )
     if sink is not None:
         sink.after_restore(state, ctx.keyfn(), done.replicas)
     if derived is not None:
         derived.mark_restored(step)
 
 
-def check_states(states: Any, *, mine: set[str], ranks: dict[str, list[int]], rank: int, where: str) -> None:
+def check_states(
+    states: Any, *, mine: set[str], ranks: dict[str, list[int]], rank: int, where: str
+) -> None:
     """A run's ``states`` argument: a non-empty state dict for each role this rank holds, no other."""
     if not isinstance(states, dict):
-        raise ConfigError(f"{where}(states): a dict of role name -> state dict, got {type(states).__name__}")
+        raise ConfigError(
+            f"{where}(states): a dict of role name -> state dict, got {type(states).__name__}"
+        )
     if missing := sorted(mine - set(states)):
         raise ConfigError(
             f"{where}(states) on rank {rank}: this rank holds roles {sorted(mine)} and got no state for "
@@ -163,7 +201,9 @@ def check_states(states: Any, *, mine: set[str], ranks: dict[str, list[int]], ra
         )
     for name, state in states.items():
         if not isinstance(state, dict) or not state:
-            raise ConfigError(f"{where}(states[{name!r}]): a non-empty dict of named items, got {state!r:.60}")
+            raise ConfigError(
+                f"{where}(states[{name!r}]): a non-empty dict of named items, got {state!r:.60}"
+            )
         if where == "restore":  # an item no save could write: refused before the run trains on it
             check_items(state, f"restore of role {name!r}")
 
@@ -178,7 +218,9 @@ class RoleProofs:
         self.rank = rank
 
     @classmethod
-    def open(cls, root: Path, ranks: dict[str, int], config: CheckpointConfig, *, rank: int) -> RoleProofs:
+    def open(
+        cls, root: Path, ranks: dict[str, int], config: CheckpointConfig, *, rank: int
+    ) -> RoleProofs:
         """The sinks of the roles this rank holds (``ranks``: role -> this rank's rank in the role)."""
         sinks = {}
         for name, role_rank in ranks.items():
@@ -192,18 +234,32 @@ class RoleProofs:
         if role is None and len(self.sinks) == 1:
             return next(iter(self.sinks))
         if role is None:
-            raise ConfigError(f"{where}(step, ..., role=...) on rank {self.rank}: this rank holds roles "
-                              f"{list(self.sinks)}; name the role whose event this is")
+            raise ConfigError(
+                f"{where}(step, ..., role=...) on rank {self.rank}: this rank holds roles "
+                f"{list(self.sinks)}; name the role whose event this is"
+            )
         if role not in self.sinks:
-            raise ConfigError(f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles {list(self.sinks)}; "
-                              "record a role's events on the ranks that hold it")
+            raise ConfigError(
+                f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles {list(self.sinks)}; "
+                "record a role's events on the ranks that hold it"
+            )
         return str(role)
 
     def record(self, role: str, event: str, *, durable: bool = True, **fields: Any) -> None:
         self.sinks[role].record(event, durable=durable, role=role, **fields)
 
-    def step(self, role: str | None, step: int, health: HealthLog, *, sample_ids: Any, batch: Any, loss: Any,
-             grad_norm: Any, **extra: Any) -> JsonObject:
+    def step(
+        self,
+        role: str | None,
+        step: int,
+        health: HealthLog,
+        *,
+        sample_ids: Any,
+        batch: Any,
+        loss: Any,
+        grad_norm: Any,
+        **extra: Any,
+    ) -> JsonObject:
         """A step record of ``role``; its loss and grad_norm are health evidence for the next save."""
         role = self.held(role, "record_step")
         check_step(step, "record_step")
@@ -212,18 +268,29 @@ class RoleProofs:
         self.record(role, "step", durable=False, step=step, **fields)
         return fields
 
-    def update(self, role: str | None, step: int, *, grad_norm: float, params_changed: bool) -> None:
+    def update(
+        self, role: str | None, step: int, *, grad_norm: float, params_changed: bool
+    ) -> None:
         role = self.held(role, "record_update")
-        self.record(role, "update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed))
+        self.record(
+            role,
+            "update",
+            step=step,
+            grad_norm=float(grad_norm),
+            params_changed=bool(params_changed),
+        )
 
-    def export(self, role: str | None, step: int, payload: Any, *, scales: Any = None) -> ExportFingerprint:
+    def export(
+        self, role: str | None, step: int, payload: Any, *, scales: Any = None
+    ) -> ExportFingerprint:
         role = self.held(role, "record_export")
         fp = export_fingerprint(payload, scales)
         self.record(role, "export", step=step, fingerprint=fp)
         return fp
 
-    def logprobs(self, role: str | None, step: int, trainer_logprobs: Any, rollout_logprobs: Any
-                 ) -> dict[str, float]:
+    def logprobs(
+        self, role: str | None, step: int, trainer_logprobs: Any, rollout_logprobs: Any
+    ) -> dict[str, float]:
         role = self.held(role, "record_logprobs")
         diff = logprob_diff(trainer_logprobs, rollout_logprobs)
         self.record(role, "logprobs", step=step, **dict[str, Any](diff))

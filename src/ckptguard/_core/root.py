@@ -39,7 +39,9 @@ log = logging.getLogger("ckptguard")
 
 def check_step(step: Any, where: str) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ConfigError(f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')")
+        raise ConfigError(
+            f"{where}(step={step!r}): step must be an int >= 1 (0 is reserved for 'fresh start')"
+        )
 
 
 def check_state(state: Any, where: str) -> None:
@@ -57,11 +59,18 @@ class ProofSink:
     tagging its save and restore records with its tier (``tagged``), through ``_core.parts.Parts``."""
 
     def __init__(
-        self, log: ProofLog, *, enabled: bool, tags: Mapping[str, str] | None = None, plan: JsonObject | None = None,
+        self,
+        log: ProofLog,
+        *,
+        enabled: bool,
+        tags: Mapping[str, str] | None = None,
+        plan: JsonObject | None = None,
     ) -> None:
         self.log = log
         self.enabled = enabled
-        self.tags: dict[str, str | list[int]] = dict(tags or {})  # a tier, the replicas a restore read
+        self.tags: dict[str, str | list[int]] = dict(
+            tags or {}
+        )  # a tier, the replicas a restore read
         self.plan = plan
         """``ProofPlan.as_dict()``: on every save record and every restore record of a step (prove reads it)."""
 
@@ -90,7 +99,9 @@ class ProofSink:
         if not self.enabled:
             return
         tagged: dict[str, Any] = dict(self.tags) if event in ("save", "restore") else {}
-        if self.plan is not None and (event == "save" or (event == "restore" and not fields.get("fresh"))):
+        if self.plan is not None and (
+            event == "save" or (event == "restore" and not fields.get("fresh"))
+        ):
             tagged["plan"] = self.plan
         self.log.keep(self.log.build(event, **{**tagged, **fields}), durable=durable)
 
@@ -105,7 +116,9 @@ class ProofSink:
             self.record("replicas", step=step, ok=False, error=str(exc)[:4000])
             raise
 
-    def after_restore(self, state: Mapping[str, Any], keyfn: KeyFn, replicas: Mapping[str, Any]) -> None:
+    def after_restore(
+        self, state: Mapping[str, Any], keyfn: KeyFn, replicas: Mapping[str, Any]
+    ) -> None:
         """The first step record after this restore carries this rank's replica digests (``replica_fields``)
         when the restore compared replicas (``replicas``: its ``replica_report``, some chunk held by 2+ ranks);
         else none is computed (one rank, every tensor sharded, no layout-free digests, FSDP1:
@@ -120,8 +133,15 @@ class Root:
     ``label`` names a step in log lines ("step", or "run step" for a run of several roles)."""
 
     def __init__(
-        self, path: Path, config: CheckpointConfig, naming: _layout.StepNaming, agreement: Agreement,
-        *, label: str = "step", lease_key: str = "lease", proof: ProofSink | None = None,
+        self,
+        path: Path,
+        config: CheckpointConfig,
+        naming: _layout.StepNaming,
+        agreement: Agreement,
+        *,
+        label: str = "step",
+        lease_key: str = "lease",
+        proof: ProofSink | None = None,
         health: _trust.HealthLog | None = None,
     ) -> None:
         self.path = path
@@ -132,12 +152,20 @@ class Root:
         self.lease_key = lease_key
         self.health = health if health is not None else _trust.HealthLog()
         self.restored_step: int | None = None
-        self.committed_here: list[int] = []  # this process's commits: its trajectory, with the restored step
-        self.skipped: dict[int, str] = {}  # steps a save skipped as unhealthy (on any rank), with the reasons
-        self.save_times: dict[int, float] = {}  # this process's saves: step -> seconds (a PreemptionGuard's plan)
+        self.committed_here: list[
+            int
+        ] = []  # this process's commits: its trajectory, with the restored step
+        self.skipped: dict[
+            int, str
+        ] = {}  # steps a save skipped as unhealthy (on any rank), with the reasons
+        self.save_times: dict[
+            int, float
+        ] = {}  # this process's saves: step -> seconds (a PreemptionGuard's plan)
         self.last_health: _trust.HealthVerdict | None = None
         self._unobserved: list[tuple[_trust.HealthVerdict, Callable[[int], bool]]] = []
-        self.proof = proof if proof is not None else ProofSink.open(path, agreement.info.rank, config)
+        self.proof = (
+            proof if proof is not None else ProofSink.open(path, agreement.info.rank, config)
+        )
 
     @property
     def rank(self) -> int:
@@ -153,7 +181,10 @@ class Root:
         if break_lease:
             return
         _lease.check_on_every_rank(
-            self.agreement, self.path, ttl_s=self.config.storage.lease_ttl_s, where=where,
+            self.agreement,
+            self.path,
+            ttl_s=self.config.storage.lease_ttl_s,
+            where=where,
             key=f"{self.lease_key}.{where}",
         )
 
@@ -180,7 +211,13 @@ class Root:
     # ------------------------------------------------------------ health and trust
 
     def health_round(
-        self, step: int, healthy: bool | None, loss: Any, grad_norm: Any, *, key: str,
+        self,
+        step: int,
+        healthy: bool | None,
+        loss: Any,
+        grad_norm: Any,
+        *,
+        key: str,
         node_publisher: Callable[[], bool] | None = None,
     ) -> _trust.HealthVerdict:
         """The health agreement of a save: every rank's view, one verdict; rank 0 updates the trust
@@ -188,8 +225,12 @@ class Root:
         and then keeps its node's trust record as rank 0 keeps its own."""
         policy = self.config.health
 
-        def local() -> _trust.HealthView:  # a bad argument or a raising check fails the save on every rank
-            return self.health.save_view(policy, step, healthy, loss, grad_norm, self.skipped.get(step))
+        def local() -> (
+            _trust.HealthView
+        ):  # a bad argument or a raising check fails the save on every rank
+            return self.health.save_view(
+                policy, step, healthy, loss, grad_norm, self.skipped.get(step)
+            )
 
         view = on_every_rank(self.agreement, f"{key}.local", local)
 
@@ -197,10 +238,15 @@ class Root:
             verdict = _trust.agree(views, step)
             eligible = self.eligible()
             promoted = self.trust_write(
-                "observe", lambda: _trust.observe(self.path, verdict.healthy, verdict.unhealthy, eligible))
+                "observe",
+                lambda: _trust.observe(self.path, verdict.healthy, verdict.unhealthy, eligible),
+            )
             if promoted:
-                log.debug("ckptguard: steps %s are verified (%d healthy steps after each)", promoted,
-                          policy.verify_after)
+                log.debug(
+                    "ckptguard: steps %s are verified (%d healthy steps after each)",
+                    promoted,
+                    policy.verify_after,
+                )
             return verdict
 
         verdict = gather_decide(self.agreement, key, view, decide, decision=_trust.HealthVerdict)
@@ -225,19 +271,36 @@ class Root:
             self._observe(verdict, eligible)
 
     def _observe(self, verdict: _trust.HealthVerdict, eligible: Callable[[int], bool]) -> None:
-        self.trust_write("observe", lambda: _trust.observe(self.path, verdict.healthy, verdict.unhealthy, eligible))
+        self.trust_write(
+            "observe",
+            lambda: _trust.observe(self.path, verdict.healthy, verdict.unhealthy, eligible),
+        )
 
     def trust_committed(self, step: int) -> None:
-        self.trust_write("commit", lambda: _trust.committed(
-            self.path, step, self.config.health.verify_after, on_disk=_layout.step_dirs(self.path, self.naming)))
+        self.trust_write(
+            "commit",
+            lambda: _trust.committed(
+                self.path,
+                step,
+                self.config.health.verify_after,
+                on_disk=_layout.step_dirs(self.path, self.naming),
+            ),
+        )
 
     def trust_write(self, what: str, write: Callable[[], Any]) -> Any:
         """The trust record's updates; a failure is logged, never raised (the commit is what matters)."""
         try:
             return write()
         except (OSError, CheckpointError) as exc:
-            log.warning("ckptguard: could not update the trust record %s/%s at %s (%s: %s); the steps it "
-                        "concerns stay candidates", self.path, _trust.TRUST_NAME, what, type(exc).__name__, exc)
+            log.warning(
+                "ckptguard: could not update the trust record %s/%s at %s (%s: %s); the steps it "
+                "concerns stay candidates",
+                self.path,
+                _trust.TRUST_NAME,
+                what,
+                type(exc).__name__,
+                exc,
+            )
             return None
 
     def safe_tracker(self) -> str:
@@ -258,8 +321,13 @@ class Root:
         for sink in sinks or (self.proof,):
             sink.log.prune(self.naming)
             if deleted:
-                sink.record("cleanup", durable=False, step=step, deleted=deleted,
-                            seconds=round(time.monotonic() - began, 3))
+                sink.record(
+                    "cleanup",
+                    durable=False,
+                    step=step,
+                    deleted=deleted,
+                    seconds=round(time.monotonic() - began, 3),
+                )
 
     def rotate(self, step: int) -> list[int]:
         """Apply retention after the commit of ``step`` (the caller decides which rank does); a failure
@@ -271,11 +339,21 @@ class Root:
         try:
             report = retention.apply(self.path, self.naming, policy, protect=protect)
         except Exception as exc:  # rotation must never stop training
-            log.warning("ckptguard: retention after %s %d failed (%s: %s); retried at the next save",
-                        self.label, step, type(exc).__name__, exc)
+            log.warning(
+                "ckptguard: retention after %s %d failed (%s: %s); retried at the next save",
+                self.label,
+                step,
+                type(exc).__name__,
+                exc,
+            )
             return []
         if report.deleted:
-            log.info("ckptguard: retention deleted %ss %s, kept %s", self.label, report.deleted, report.kept)
+            log.info(
+                "ckptguard: retention deleted %ss %s, kept %s",
+                self.label,
+                report.deleted,
+                report.kept,
+            )
         for name, why in report.not_counted.items():
             log.warning("ckptguard: %s is not counted as a kept checkpoint: %s", name, why)
         return [int(s) for s in report.deleted]

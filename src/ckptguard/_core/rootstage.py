@@ -89,22 +89,37 @@ def local_root(root: str | os.PathLike[str], config: CheckpointConfig) -> Path:
         return Path(root).absolute()
     url = StoreURL.parse(str(root))
     staging = config.storage.object_staging
-    return (staging or Path(tempfile.gettempdir()) / "ckptguard-staging" / url.bucket / url.prefix).absolute()
+    return (
+        staging or Path(tempfile.gettempdir()) / "ckptguard-staging" / url.bucket / url.prefix
+    ).absolute()
 
 
-def open_stage(root: str | os.PathLike[str], config: CheckpointConfig, *, process_group: Any | None,
-               namespace: str) -> tuple[Path, CheckpointConfig, RootStage]:
+def open_stage(
+    root: str | os.PathLike[str],
+    config: CheckpointConfig,
+    *,
+    process_group: Any | None,
+    namespace: str,
+) -> tuple[Path, CheckpointConfig, RootStage]:
     """The local root a manager of ``root`` commits into, the config its local protocol runs with (an
     ``s3://`` root's staging keeps its newest step; the store rotates by ``config.retention``), and its stage.
     ``namespace``: the manager's agreement name (the store's rounds agree under names of their own)."""
     local = local_root(root, config)
     if not is_store(root):
-        return local, config, LocalStage(local, _layout.StepNaming(config.storage.dir_template),
-                                         config.storage.lease_ttl_s)
+        return (
+            local,
+            config,
+            LocalStage(
+                local, _layout.StepNaming(config.storage.dir_template), config.storage.lease_ttl_s
+            ),
+        )
     try:
         from .storestage import StoreStage  # optional: boto3, the s3 extra
-    except ImportError as exc:  # without it the first save would fail deep in an upload, after training
-        raise ConfigError(f"{root}: an object-store root needs the s3 extra ({exc}); pip install 'ckptguard[s3]'"
-                          ) from exc
+    except (
+        ImportError
+    ) as exc:  # without it the first save would fail deep in an upload, after training
+        raise ConfigError(
+            f"{root}: an object-store root needs the s3 extra ({exc}); pip install 'ckptguard[s3]'"
+        ) from exc
     stage = StoreStage(str(root), local, config, process_group=process_group, namespace=namespace)
     return local, stage.local_config, stage

@@ -64,25 +64,49 @@ class StoreStage:
     manager's: its ``retention`` is applied on the store (``local_config``, the staging root's, keeps its
     newest step); ``async_save.on_busy``: ``SKIP`` or ``WAIT``. ``namespace``: the manager's agreement name."""
 
-    def __init__(self, url: str, local: Path, config: CheckpointConfig, *, process_group: Any | None,
-                 namespace: str) -> None:
-        check_policy(config.async_save.on_busy, f"CheckpointManager({url!r})", (OnBusy.SKIP, OnBusy.WAIT))
-        self.store = ObjectStore(StoreURL.parse(url), config.storage.object_store,
-                                 dir_template=config.storage.dir_template)
+    def __init__(
+        self,
+        url: str,
+        local: Path,
+        config: CheckpointConfig,
+        *,
+        process_group: Any | None,
+        namespace: str,
+    ) -> None:
+        check_policy(
+            config.async_save.on_busy, f"CheckpointManager({url!r})", (OnBusy.SKIP, OnBusy.WAIT)
+        )
+        self.store = ObjectStore(
+            StoreURL.parse(url),
+            config.storage.object_store,
+            dir_template=config.storage.dir_template,
+        )
         self.url = str(self.store.url)
         self.local = local
         self.local_config = dataclasses.replace(config, retention=KeepLast(1))
         """The staging root's config: it keeps its newest step (the store rotates by ``config.retention``)."""
-        self._agreement = make_agreement(process_group, timeout_s=config.timeout_s, namespace=f"{namespace}-store")
+        self._agreement = make_agreement(
+            process_group, timeout_s=config.timeout_s, namespace=f"{namespace}-store"
+        )
         # The publish agrees over its own keys: it runs in save_async's thread while the caller's agree above.
-        publishing = make_agreement(process_group, timeout_s=config.timeout_s, namespace=f"{namespace}-publish")
+        publishing = make_agreement(
+            process_group, timeout_s=config.timeout_s, namespace=f"{namespace}-publish"
+        )
         info = self._agreement.info
         self.rank = info.rank
-        self._host = info.host  # ranks of one host share its staging root (CKPTGUARD_NODE where tests fake nodes)
-        self._holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # rank 0's lease id
+        self._host = (
+            info.host
+        )  # ranks of one host share its staging root (CKPTGUARD_NODE where tests fake nodes)
+        self._holder = (
+            f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # rank 0's lease id
+        )
         self._restored: int | None = None
-        self._breaking: dict[int, bool] = {}  # step -> its save's break_lease, for the publish after its commit
-        self._publisher = _publish.Publisher(publishing, self.store, local, self._holder, config.retention)
+        self._breaking: dict[
+            int, bool
+        ] = {}  # step -> its save's break_lease, for the publish after its commit
+        self._publisher = _publish.Publisher(
+            publishing, self.store, local, self._holder, config.retention
+        )
         self._rooted = False  # this job published or restored a step: the root exists, proof copies may go there
         self.last_url: str | None = None
         """The store's marker URL of the last step this job committed there."""
@@ -95,7 +119,9 @@ class StoreStage:
         made (``_commit.storepublish.replaces``; collective)."""
         self.check_lease(actions.break_lease)
         self._breaking[step] = actions.break_lease
-        if actions.overwrite or not _publish.replaces(self._agreement, self.store, self.local, step):
+        if actions.overwrite or not _publish.replaces(
+            self._agreement, self.store, self.local, step
+        ):
             return actions
         return Actions(overwrite=True, break_lease=actions.break_lease)
 
@@ -104,7 +130,9 @@ class StoreStage:
         rotation keeps the restored step and the steps held in the staging root (``CheckpointManager.hold``,
         readers of ``open_step``); this rank's proof log copied after it."""
         protect = ({self._restored} if self._restored else set()) | set(holds(self.local))
-        url = self._publisher.publish(step, path, protect=protect, break_lease=self._breaking.pop(step, False))
+        url = self._publisher.publish(
+            step, path, protect=protect, break_lease=self._breaking.pop(step, False)
+        )
         self._rooted, self.last_url = True, url
         self.copy_proof()
 
@@ -115,6 +143,7 @@ class StoreStage:
 
     def check_lease(self, break_lease: bool = False) -> None:
         """Raise ``LeaseHeldError`` on every rank while another live job holds the store's lease (collective)."""
+
         def check(_: list[_Empty]) -> _Empty:
             storelease.check(self.store, self._holder, override=break_lease)
             return _Empty()
@@ -133,14 +162,26 @@ class StoreStage:
         """The step a restore loads from the store and why (agreed by all ranks); loads nothing. Its ``url`` is
         the step's marker, its ``path`` the staging root's directory ``bring`` downloads it into."""
         if prefer is not Prefer.LATEST:
-            raise ConfigError(f"{self.url}: prefer='verified' is not supported on an object-store root (its "
-                              "resume target is the store's tracker step); use prefer='latest'")
-        chosen = gather_decide(self._agreement, "store.resolve", _Empty(), lambda _: self._choose(mode),
-                               decision=_Chosen)
+            raise ConfigError(
+                f"{self.url}: prefer='verified' is not supported on an object-store root (its "
+                "resume target is the store's tracker step); use prefer='latest'"
+            )
+        chosen = gather_decide(
+            self._agreement,
+            "store.resolve",
+            _Empty(),
+            lambda _: self._choose(mode),
+            decision=_Chosen,
+        )
         if chosen.step == 0:
             return Resolution(0, None, chosen.reason, mode)
-        return Resolution(chosen.step, self.local / self.store.naming.name(chosen.step), chosen.reason, mode,
-                          url=self.marker_url(chosen.step))
+        return Resolution(
+            chosen.step,
+            self.local / self.store.naming.name(chosen.step),
+            chosen.reason,
+            mode,
+            url=self.marker_url(chosen.step),
+        )
 
     def _choose(self, mode: ResumeMode) -> _Chosen:
         if mode is ResumeMode.NEVER:
@@ -185,25 +226,41 @@ class StoreStage:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(path, data)
                 self._rooted = True
-                log.info("ckptguard: %s: the proof records of rank %d restored from %s/proof", path, self.rank,
-                         self.store.url)
+                log.info(
+                    "ckptguard: %s: the proof records of rank %d restored from %s/proof",
+                    path,
+                    self.rank,
+                    self.store.url,
+                )
         except (OSError, CheckpointError) as exc:
-            log.warning("ckptguard: reading the store's copy of %s failed (%s: %s); the records start anew here",
-                        path, type(exc).__name__, exc)
+            log.warning(
+                "ckptguard: reading the store's copy of %s failed (%s: %s); the records start anew here",
+                path,
+                type(exc).__name__,
+                exc,
+            )
 
     def copy_proof(self) -> None:
         """This rank's proof log (in the staging root) copied whole to ``proof/`` on the store, where
         ``ckptguard prove s3://...`` reads every rank's; a failed copy is a warning (the step is committed)."""
         path = self._proof_path()
-        if not self._rooted:  # a proof copy never creates anything under a prefix this job did not write
+        if (
+            not self._rooted
+        ):  # a proof copy never creates anything under a prefix this job did not write
             return
         try:
             if path.is_file():
                 self.store.put_proof(path.name, path.read_bytes())
         except (OSError, CheckpointError) as exc:
-            log.warning("ckptguard: copying the proof records %s to %s/proof failed (%s: %s); the copy is retried "
-                        "at the next save; `ckptguard prove %s` reads them meanwhile", path, self.store.url,
-                        type(exc).__name__, exc, self.local)
+            log.warning(
+                "ckptguard: copying the proof records %s to %s/proof failed (%s: %s); the copy is retried "
+                "at the next save; `ckptguard prove %s` reads them meanwhile",
+                path,
+                self.store.url,
+                type(exc).__name__,
+                exc,
+                self.local,
+            )
 
     def close(self) -> None:
         """The records since the last save (a restore's) copied to the store; rank 0 releases the store's lease."""

@@ -48,9 +48,15 @@ class View(Wire):
 
     host: str
     complete: list[int] = field(default_factory=list)
-    published: list[int] = field(default_factory=list)  # complete here, newer than this node's tracker
-    missing: dict[str, list[str]] = field(default_factory=dict)  # str(step) -> files this rank lacks
-    replicas: dict[str, list[int]] = field(default_factory=dict)  # str(step) -> source ranks held here
+    published: list[int] = field(
+        default_factory=list
+    )  # complete here, newer than this node's tracker
+    missing: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # str(step) -> files this rank lacks
+    replicas: dict[str, list[int]] = field(
+        default_factory=dict
+    )  # str(step) -> source ranks held here
     persistent: int = 0  # the persistent tier's committed step (0: none)
     persistent_error: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
@@ -69,8 +75,15 @@ class TierRestore:
     """The restore side of the tiers, over the fast tier's context and the persistent tier's (``stage``: its
     root's stage; an object store's committed step is the store's, not its staging root's)."""
 
-    def __init__(self, fast: Context, persistent: Context | None, *, replicas: int, hosts: list[str],
-                 stage: RootStage | None = None) -> None:
+    def __init__(
+        self,
+        fast: Context,
+        persistent: Context | None,
+        *,
+        replicas: int,
+        hosts: list[str],
+        stage: RootStage | None = None,
+    ) -> None:
         self.fast = fast
         self.persistent = persistent
         self.replicas = replicas
@@ -85,15 +98,22 @@ class TierRestore:
         host = self.fast.agreement.info.host
         try:
             complete, published, missing = self._fast_steps()
-            replicas = {str(s): r for s, r in _replica.held(self.fast.root, self.fast.naming).items()}
+            replicas = {
+                str(s): r for s, r in _replica.held(self.fast.root, self.fast.naming).items()
+            }
         except Exception as exc:  # shipped: no rank waits for a peer that raised
             return View(host, error=error_payload(exc))
         persistent, perror = 0, None
         if self.persistent is not None:
             try:
                 stored = self.stage.tracker_step() if self.stage is not None else None
-                persistent = stored if stored is not None else resolve_local(
-                    self.persistent.root, self.persistent.naming, ResumeMode.AUTO, None).step
+                persistent = (
+                    stored
+                    if stored is not None
+                    else resolve_local(
+                        self.persistent.root, self.persistent.naming, ResumeMode.AUTO, None
+                    ).step
+                )
             except Exception as exc:
                 perror = error_payload(exc)
         return View(host, complete, published, missing, replicas, persistent, perror)
@@ -137,7 +157,9 @@ class TierRestore:
         if errors:
             r = min(errors)
             raise rebuild(errors[r], note=f"(rank {r}, reading the fast tier) ")
-        fast_steps = {s for v in views for s in v.complete}  # committed: some node's tracker names it
+        fast_steps = {
+            s for v in views for s in v.complete
+        }  # committed: some node's tracker names it
         best: tuple[int, dict[str, int]] | None = None
         for step in sorted(fast_steps, reverse=True):
             senders = self._senders(views, step)
@@ -154,18 +176,43 @@ class TierRestore:
         persistent = min(v.persistent for v in views) if not perrors else 0
         if best is not None and best[0] >= persistent:
             step, senders = best
-            fetched = f", ranks {sorted(int(r) for r in senders)} from peer replicas on ranks " \
-                      f"{sorted(set(senders.values()))}" if senders else " on every rank's own disk"
-            older = f"; the newer fast step {newest} is not loadable on every rank ({gap})" if gap else ""
-            if perrors:  # said, not hidden: the fallback a later loss of this tier would need is broken
+            fetched = (
+                f", ranks {sorted(int(r) for r in senders)} from peer replicas on ranks "
+                f"{sorted(set(senders.values()))}"
+                if senders
+                else " on every rank's own disk"
+            )
+            older = (
+                f"; the newer fast step {newest} is not loadable on every rank ({gap})"
+                if gap
+                else ""
+            )
+            if (
+                perrors
+            ):  # said, not hidden: the fallback a later loss of this tier would need is broken
                 older += f"; the persistent tier cannot be read: {perrors[min(perrors)]['message']}"
-            return Choice(Tier.FAST.value, step, senders, f"tier fast: step {step}{fetched}{older}",
-                           bool(gap or perrors))
+            return Choice(
+                Tier.FAST.value,
+                step,
+                senders,
+                f"tier fast: step {step}{fetched}{older}",
+                bool(gap or perrors),
+            )
         if persistent:
-            why = f" (the fast tier's newest step {newest} cannot be loaded on every rank: {gap})" if gap else ""
+            why = (
+                f" (the fast tier's newest step {newest} cannot be loaded on every rank: {gap})"
+                if gap
+                else ""
+            )
             if best is not None:
                 why = f" (newer than the fast tier's newest loadable step {best[0]})"
-            return Choice(Tier.PERSISTENT.value, persistent, {}, f"tier persistent: step {persistent}{why}", bool(gap))
+            return Choice(
+                Tier.PERSISTENT.value,
+                persistent,
+                {},
+                f"tier persistent: step {persistent}{why}",
+                bool(gap),
+            )
         if newest or perrors:
             where = f"the fast tier's newest step {newest} is incomplete: {gap}" if newest else ""
             if perrors:
@@ -178,8 +225,11 @@ class TierRestore:
                 where += f"; the persistent tier {home} holds no committed step"
             raise CheckpointIncompleteError(
                 f"restore refused: no step can be loaded by every rank from any tier ({where}). "
-                + ("No peer replica holds the missing files. " if self.replicas else
-                   "Without replicas=1 the files of a lost node exist nowhere else. ")
+                + (
+                    "No peer replica holds the missing files. "
+                    if self.replicas
+                    else "Without replicas=1 the files of a lost node exist nowhere else. "
+                )
                 + "Copy the missing files back (ckptguard transfer), or restore(path=...) a step you trust"
             )
         return Choice()
@@ -191,8 +241,16 @@ class TierRestore:
         for r, v in enumerate(views):
             if step in v.complete or step in v.published:
                 continue
-            holder = next((h for h, w in enumerate(views) if w.host != v.host and step in w.complete + w.published
-                           and r in w.replicas.get(str(step), [])), None)
+            holder = next(
+                (
+                    h
+                    for h, w in enumerate(views)
+                    if w.host != v.host
+                    and step in w.complete + w.published
+                    and r in w.replicas.get(str(step), [])
+                ),
+                None,
+            )
             if holder is None:
                 return None
             senders[str(r)] = holder
@@ -206,7 +264,9 @@ class TierRestore:
             if step in v.complete or step in v.published:
                 continue
             files = v.missing.get(str(step)) or self._expected(step, r)
-            what = f"missing {', '.join(files)}" if files else f"no committed step {step} on its disk"
+            what = (
+                f"missing {', '.join(files)}" if files else f"no committed step {step} on its disk"
+            )
             lacking.append(f"rank {r} (host {v.host}): {what}")
         return "; ".join(lacking[:8]) + (" ..." if len(lacking) > 8 else "")
 
@@ -227,11 +287,15 @@ class TierRestore:
         group = ctx.storage_ctx.process_group
         receivers = sorted(int(r) for r in choice.senders)
         nonce = xxhash.xxh3_64_hexdigest(json.dumps([choice.step, receivers]).encode())[:12]
-        tmp = self.fast.root / _layout.temp_dir_name(name, nonce)  # the same on every receiver of a node
+        tmp = self.fast.root / _layout.temp_dir_name(
+            name, nonce
+        )  # the same on every receiver of a node
         problems: list[str] = []
         if self.rank in receivers:
             try:
-                (tmp / _layout.STATE_DIR).mkdir(parents=True, exist_ok=True)  # an empty node's root is rebuilt too
+                (tmp / _layout.STATE_DIR).mkdir(
+                    parents=True, exist_ok=True
+                )  # an empty node's root is rebuilt too
                 _layout.write_owner(tmp, node=ctx.agreement.info.host)  # swept if this process dies
             except OSError as exc:
                 problems.append(f"creating {tmp}: {exc}")
@@ -243,16 +307,28 @@ class TierRestore:
                         step_dir = self.fast.root / name
                         manifest = _manifest.read(step_dir)
                         needed = files_needed(step_dir, manifest, receiver)
-                        specs, paths = _replica.fetch_plan(self.fast.root, name, needed, manifest.files, receiver)
-                    except (OSError, CheckpointError, KeyError) as exc:  # told to the receiver, which then stops
+                        specs, paths = _replica.fetch_plan(
+                            self.fast.root, name, needed, manifest.files, receiver
+                        )
+                    except (
+                        OSError,
+                        CheckpointError,
+                        KeyError,
+                    ) as exc:  # told to the receiver, which then stops
                         why = f"rank {self.rank} cannot send step {choice.step}: {type(exc).__name__}: {exc}"
                         _replica.send_json({"error": why}, receiver, group)
                         problems.append(why)
                         continue
                     problems += _replica.send_part(specs, paths, receiver, group)
                 elif self.rank == receiver:
-                    problems += _replica.recv_part(self.fast.root, tmp, receiver, sender, group, step=choice.step)
-            except (OSError, CheckpointError, RuntimeError) as exc:  # RuntimeError: a peer died mid-transfer
+                    problems += _replica.recv_part(
+                        self.fast.root, tmp, receiver, sender, group, step=choice.step
+                    )
+            except (
+                OSError,
+                CheckpointError,
+                RuntimeError,
+            ) as exc:  # RuntimeError: a peer died mid-transfer
                 problems.append(f"{type(exc).__name__}: {exc}")
                 break  # the agreement below names the ranks that never arrived
 
@@ -268,9 +344,14 @@ class TierRestore:
                 raise failed(bad)  # on every rank alike: the same list everywhere
         except CheckpointError:
             if self.rank in receivers:
-                shutil.rmtree(tmp, ignore_errors=True)  # nothing of a failed fetch lingers on the node
+                shutil.rmtree(
+                    tmp, ignore_errors=True
+                )  # nothing of a failed fetch lingers on the node
             raise
-        sealer = next((r for r in receivers if self.hosts[r] == self.hosts[self.rank]), None) == self.rank
+        sealer = (
+            next((r for r in receivers if self.hosts[r] == self.hosts[self.rank]), None)
+            == self.rank
+        )
         failure: list[str] = []
         if sealer:
             try:
@@ -282,8 +363,11 @@ class TierRestore:
                 failure = [f"sealing {tmp}: {type(exc).__name__}: {exc}"]
         if bad := after_transfers(ctx.agreement, "tiers.fetch_sealed", failure):
             raise failed(bad)
-        log.info("ckptguard: rebuilt step %d on ranks %s from peer replicas (xxh3 checked against the manifest)",
-                 choice.step, receivers)
+        log.info(
+            "ckptguard: rebuilt step %d on ranks %s from peer replicas (xxh3 checked against the manifest)",
+            choice.step,
+            receivers,
+        )
 
     def _node_record(self, manifest: _manifest.Manifest) -> _manifest.NodeManifest | None:
         """The node manifest of the node this rank's part belongs to (node-local roots); None on a
@@ -292,8 +376,13 @@ class TierRestore:
         if index is None or manifest.nodes is None:
             return None
         node = manifest.nodes[index]
-        return _manifest.node_manifest(step=manifest.step, index=index, name=node.name,
-                                       ranks=node.ranks, files=manifest.node_files(index))
+        return _manifest.node_manifest(
+            step=manifest.step,
+            index=index,
+            name=node.name,
+            ranks=node.ranks,
+            files=manifest.node_files(index),
+        )
 
     def resolution(self, choice: Choice, mode: ResumeMode) -> Resolution:
         """The step ``choice`` names as a ``Resolution``: its directory in the chosen tier (nothing fetched); a
@@ -317,8 +406,11 @@ class TierRestore:
         tracker = _layout.read_tracker(root)
         if tracker is None or tracker == step:
             return
-        held = [s for s, path in _layout.step_dirs(root, self.fast.naming).items()
-                if s <= step and (path / _layout.MANIFEST_NAME).is_file()]
+        held = [
+            s
+            for s, path in _layout.step_dirs(root, self.fast.naming).items()
+            if s <= step and (path / _layout.MANIFEST_NAME).is_file()
+        ]
         if tier is Tier.FAST and step in held:
             target = step
         elif tracker > step:
@@ -326,10 +418,18 @@ class TierRestore:
         else:
             return
         _layout.write_tracker(root, target)
-        log.warning("ckptguard: fast tier %s: tracker moved from step %d to %d after the restore of step %d from "
-                    "the %s tier%s", root, tracker, target, step, tier.value,
-                    "; the newer steps there are orphans now (kept; `ckptguard gc --orphans` removes them)"
-                    if tracker > target else "")
+        log.warning(
+            "ckptguard: fast tier %s: tracker moved from step %d to %d after the restore of step %d from "
+            "the %s tier%s",
+            root,
+            tracker,
+            target,
+            step,
+            tier.value,
+            "; the newer steps there are orphans now (kept; `ckptguard gc --orphans` removes them)"
+            if tracker > target
+            else "",
+        )
 
 
 def after_transfers(agreement: Any, phase: str, problems: list[str]) -> list[str]:

@@ -41,9 +41,15 @@ class TieredSave:
     failure."""
 
     def __init__(
-        self, step: int, parts: list[tuple[Tier, Callable[[], Path], Fence]], blocked_s: float,
-        push: Callable[[], None] | None, *, cleanups: list[Callable[[], None]] | None = None,
-        after: TieredSave | None = None, overlaps: TieredSave | None = None,
+        self,
+        step: int,
+        parts: list[tuple[Tier, Callable[[], Path], Fence]],
+        blocked_s: float,
+        push: Callable[[], None] | None,
+        *,
+        cleanups: list[Callable[[], None]] | None = None,
+        after: TieredSave | None = None,
+        overlaps: TieredSave | None = None,
     ) -> None:
         self.step = step
         self.tiers = [tier for tier, _, _ in parts]
@@ -72,8 +78,11 @@ class TieredSave:
             self.fast_committed.set()
             self.fast_settled.set()
         # Not a daemon: an interpreter exit waits for the commits instead of cutting them off.
-        self._thread = threading.Thread(target=self._run, args=(parts, push, cleanups or [], after, overlaps),
-                                        name=f"ckptguard-tiers-save-{step}")
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(parts, push, cleanups or [], after, overlaps),
+            name=f"ckptguard-tiers-save-{step}",
+        )
         if parts:  # a step on neither interval starts no thread
             self._thread.start()
         else:
@@ -88,8 +97,14 @@ class TieredSave:
         """This save's fences and those of the saves it overlaps."""
         return self.fences + (self.overlaps.all_fences() if self.overlaps is not None else [])
 
-    def _run(self, parts: list[tuple[Tier, Callable[[], Path], Fence]], push: Callable[[], None] | None,
-             cleanups: list[Callable[[], None]], after: TieredSave | None, overlaps: TieredSave | None) -> None:
+    def _run(
+        self,
+        parts: list[tuple[Tier, Callable[[], Path], Fence]],
+        push: Callable[[], None] | None,
+        cleanups: list[Callable[[], None]],
+        after: TieredSave | None,
+        overlaps: TieredSave | None,
+    ) -> None:
         self.priority = lower_this_thread()
         if after is not None:
             after.join()  # the previous save's cleanup ends before these commits touch the roots
@@ -122,9 +137,16 @@ class TieredSave:
         try:
             cleanup()
         except Exception as exc:  # retention never stops training
-            log.warning("ckptguard: the cleanup after step %d failed: %s: %s", self.step, type(exc).__name__, exc)
+            log.warning(
+                "ckptguard: the cleanup after step %d failed: %s: %s",
+                self.step,
+                type(exc).__name__,
+                exc,
+            )
 
-    def _commit(self, tier: Tier, run: Callable[[], Path], fence: Fence, push: Callable[[], None] | None) -> None:
+    def _commit(
+        self, tier: Tier, run: Callable[[], Path], fence: Fence, push: Callable[[], None] | None
+    ) -> None:
         try:
             fence.host_wait()  # the staged copies have landed before anything reads them
             self._result[tier] = run()
@@ -132,8 +154,14 @@ class TieredSave:
                 push()  # after the commit: a replica is never made of an uncommitted step
         except BaseException as exc:  # kept for wait(); the next tier still saves (its own commit)
             self._error = self._error or exc
-            log.error("ckptguard: the background save of step %d to the %s tier failed: %s: %s (raised by the "
-                      "next save, restore or wait)", self.step, tier.value, type(exc).__name__, exc)
+            log.error(
+                "ckptguard: the background save of step %d to the %s tier failed: %s: %s (raised by the "
+                "next save, restore or wait)",
+                self.step,
+                tier.value,
+                type(exc).__name__,
+                exc,
+            )
         finally:
             fence.live_read()  # a failed save reads nothing more: training may go on
 
@@ -146,7 +174,9 @@ class TieredSave:
 
     def fast_busy(self) -> bool:
         """True until the fast part (commit, replica push) ended, this save's and the one it overlaps."""
-        return not self.fast_committed.is_set() or (self.overlaps is not None and self.overlaps.fast_busy())
+        return not self.fast_committed.is_set() or (
+            self.overlaps is not None and self.overlaps.fast_busy()
+        )
 
     def running_seconds(self) -> float:
         return time.monotonic() - self._started
@@ -167,7 +197,8 @@ class TieredSave:
         if self._thread.is_alive():
             raise SaveStillRunningError(
                 f"the background save of step {self.step} ({', '.join(t.value for t in self.tiers)} tier) is still "
-                "running; call wait() again (without a timeout to block until it ends)", step=self.step,
+                "running; call wait() again (without a timeout to block until it ends)",
+                step=self.step,
             )
         return durable(self.outcome())
 
@@ -183,7 +214,9 @@ class TieredSave:
         return dict(self._result)
 
 
-def push_replicas(ctx: Context, agreement: Agreement, step: int, peers: list[int | None], committed: set[int]) -> None:
+def push_replicas(
+    ctx: Context, agreement: Agreement, step: int, peers: list[int | None], committed: set[int]
+) -> None:
     """Send this rank's files of the fast tier's ``step`` to its peer; a failed replica is a loud warning on
     every rank (the step is committed; only its protection against a lost node is missing)."""
     name = ctx.naming.name(step)
@@ -193,13 +226,26 @@ def push_replicas(ctx: Context, agreement: Agreement, step: int, peers: list[int
     except CheckpointError as exc:
         files, problems = (), [f"{type(exc).__name__}: {exc}"]
     try:
-        problems += _replica.push(root=ctx.root, step=step, step_name=name, manifest_files=files,
-                                  peer_of=peers, rank=ctx.rank, group=ctx.storage_ctx.process_group)
-    except RuntimeError as exc:  # a peer died mid-transfer (gloo names no rank): the agreement below does
+        problems += _replica.push(
+            root=ctx.root,
+            step=step,
+            step_name=name,
+            manifest_files=files,
+            peer_of=peers,
+            rank=ctx.rank,
+            group=ctx.storage_ctx.process_group,
+        )
+    except (
+        RuntimeError
+    ) as exc:  # a peer died mid-transfer (gloo names no rank): the agreement below does
         problems.append(f"the replica transfer broke off: {exc}")
     sources = [r for r, p in enumerate(peers) if p == ctx.rank]
     _replica.prune(ctx.root, ctx.naming, committed | {step}, sources)
     bad = after_transfers(agreement, "tiers.replicas", problems)
     if bad:
-        log.warning("ckptguard: step %d is committed in the fast tier but its peer replicas are incomplete "
-                    "(%s); losing a node now loses this step's files there", step, " | ".join(bad))
+        log.warning(
+            "ckptguard: step %d is committed in the fast tier but its peer replicas are incomplete "
+            "(%s); losing a node now loses this step's files there",
+            step,
+            " | ".join(bad),
+        )

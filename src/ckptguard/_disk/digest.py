@@ -34,7 +34,9 @@ def tensor_bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 Feed = Callable[[torch.Tensor, int], None]
-_FUSED_CHUNK = 8 << 20  # bytes xxh3 reads in this thread while the pool sums the previous ones layout-free
+_FUSED_CHUNK = (
+    8 << 20
+)  # bytes xxh3 reads in this thread while the pool sums the previous ones layout-free
 
 
 def update_with_tensor(h: xxhash.xxh3_64, t: torch.Tensor, feed: Feed | None = None) -> None:
@@ -99,12 +101,17 @@ def _update_from_cuda(h: xxhash.xxh3_64, flat: torch.Tensor) -> None:
             pending = issue((k + 1) % 2, starts[k + 1])
         event.synchronize()
         h.update(bufs[k % 2][:count].numpy().data)
-    flat.record_stream(stream)  # the caller's allocator must not reuse flat before the copies finish
+    flat.record_stream(
+        stream
+    )  # the caller's allocator must not reuse flat before the copies finish
 
 
 def update_digest(
-    h: xxhash.xxh3_64, obj: Any, on_tensor: Callable[[torch.Tensor], Feed | None] | None = None,
-    *, structure: bool = False,
+    h: xxhash.xxh3_64,
+    obj: Any,
+    on_tensor: Callable[[torch.Tensor], Feed | None] | None = None,
+    *,
+    structure: bool = False,
 ) -> None:
     if isinstance(obj, torch.Tensor):
         if structure:
@@ -135,7 +142,9 @@ def update_tensor_header(h: xxhash.xxh3_64, t: torch.Tensor) -> None:
 
 DIGEST_BYTES = "bytes"
 DIGEST_STRUCTURE = "structure"
-STRUCTURE_SEED = b"ckptguard-structure|"  # a structure digest never equals a bytes digest of the same object
+STRUCTURE_SEED = (
+    b"ckptguard-structure|"  # a structure digest never equals a bytes digest of the same object
+)
 
 
 def structure_digest(obj: Any) -> str:

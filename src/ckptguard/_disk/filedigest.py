@@ -32,7 +32,13 @@ def file_digest(path: str, *, chunk: int = 8 << 20) -> tuple[int, str]:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device"
+            kind = (
+                "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a directory"
+                if stat.S_ISDIR(mode)
+                else "a device"
+            )
             raise UnsafeCheckpointError(
                 f"{path} is not a regular file ({kind}); ckptguard hashes only regular files: replace it with "
                 "the real file or remove it"
@@ -42,7 +48,9 @@ def file_digest(path: str, *, chunk: int = 8 << 20) -> tuple[int, str]:
                 data = f.read()
             h.update(data)
             return len(data), h.hexdigest()
-        reading = os.dup(fd)  # the reader thread reads the file checked above, not whatever the path names now
+        reading = os.dup(
+            fd
+        )  # the reader thread reads the file checked above, not whatever the path names now
     finally:
         os.close(fd)
     free: queue.Queue[bytearray] = queue.Queue()

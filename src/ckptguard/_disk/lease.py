@@ -100,9 +100,14 @@ def _look(path: Path) -> _Seen:
         raw = read_small(path, limit=_LEASE_BYTES)
     except FileNotFoundError:
         return _Seen(None, None)
-    except (OSError, ValueError) as exc:  # a link, FIFO or device is never ckptguard's; a huge file is damaged
+    except (
+        OSError,
+        ValueError,
+    ) as exc:  # a link, FIFO or device is never ckptguard's; a huge file is damaged
         key = f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}:{st.st_mode}".encode()
-        return _Seen(hashlib.sha256(key).hexdigest(), None, str(exc), foreign=not stat.S_ISREG(st.st_mode))
+        return _Seen(
+            hashlib.sha256(key).hexdigest(), None, str(exc), foreign=not stat.S_ISREG(st.st_mode)
+        )
     fingerprint = hashlib.sha256(raw).hexdigest()
     if not raw:
         young = time.time() - st.st_mtime < _YOUNG_S
@@ -183,7 +188,9 @@ def _take_over(path: Path, seen: _Seen, me: Owner) -> bool:
             marker = path.with_name(TAKEOVER_PREFIX + key)
             if _create(marker, me):
                 mine = marker
-                if _look(path).fingerprint != chain[0] or any(_look(m).fingerprint != f for m, f in stale):
+                if _look(path).fingerprint != chain[0] or any(
+                    _look(m).fingerprint != f for m, f in stale
+                ):
                     return False  # someone took it over first: the caller looks again
                 _write(path, me)
                 won = True
@@ -193,7 +200,9 @@ def _take_over(path: Path, seen: _Seen, me: Owner) -> bool:
                 return False  # its taker finished meanwhile: the caller looks again
             if _live(other, ttl_s=_MARKER_TTL_S):
                 deadline = time.monotonic() + 5.0
-                while time.monotonic() < deadline and _look(marker).fingerprint == other.fingerprint:
+                while (
+                    time.monotonic() < deadline and _look(marker).fingerprint == other.fingerprint
+                ):
                     time.sleep(0.01)
                 if _look(marker).fingerprint == other.fingerprint:
                     raise LeaseHeldError(
@@ -226,7 +235,9 @@ def acquire(root: Path, *, ttl_s: float, override: bool = False) -> str | None:
                 return None
             continue
         if seen.owner is not None and seen.owner.same_process(me):
-            _write(path, Owner(me.host, me.pid, me.start, seen.owner.acquired_unix, me.renewed_unix))
+            _write(
+                path, Owner(me.host, me.pid, me.start, seen.owner.acquired_unix, me.renewed_unix)
+            )
             return None
         if override:
             _write(path, me)
@@ -244,7 +255,9 @@ def acquire(root: Path, *, ttl_s: float, override: bool = False) -> str | None:
             if seen.owner.host == me.host:
                 return f"took over the lease of dead {seen.describe()}"
             return f"took over the expired lease of {seen.describe()} (ttl {ttl_s:.0f} s)"
-    raise LeaseHeldError(f"{path} kept changing while this run tried to take it; stop the other runs on {root}")
+    raise LeaseHeldError(
+        f"{path} kept changing while this run tried to take it; stop the other runs on {root}"
+    )
 
 
 def _held(root: Path, owner: Owner) -> LeaseHeldError:
@@ -355,7 +368,9 @@ class _Nothing(Wire):
     """A rank's part of an agreement where only rank 0 acts."""
 
 
-def check_on_every_rank(agreement: Agreement, root: Path, *, ttl_s: float, where: str, key: str) -> None:
+def check_on_every_rank(
+    agreement: Agreement, root: Path, *, ttl_s: float, where: str, key: str
+) -> None:
     """Rank 0 looks for another live run holding ``root``'s write lease, and never writes: at
     creation (``where="create"``) a loud warning (a manager that only reads stays usable),
     elsewhere a LeaseHeldError on every rank, so a duplicate launch stops before its first

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import xxhash
 
-_TEMP = re.compile(r"\.tmp-(?:(?P<pid>\d+)\.(?P<start>\d+|x)\.(?P<host>[0-9a-f]{8})-)?[0-9a-f]{8}\Z")
+_TEMP = re.compile(
+    r"\.tmp-(?:(?P<pid>\d+)\.(?P<start>\d+|x)\.(?P<host>[0-9a-f]{8})-)?[0-9a-f]{8}\Z"
+)
 
 
 def proc_start(pid: int) -> str | None:
@@ -53,13 +55,13 @@ def is_temp_file(path: Path, *, of: str | None = None) -> bool:
         return False
     name = path.name
     if of is not None:
-        return name.startswith(of) and bool(_TEMP.match(name[len(of):]))
+        return name.startswith(of) and bool(_TEMP.match(name[len(of) :]))
     match = _TEMP.search(name)
     return match is not None and match.start() > 0 and match.group("pid") is not None
 
 
 def owner_state(path: Path, *, max_age_s: float) -> str:
-    """"dead", "alive" or "unknown" (an older name that records no owner): whether the process that
+    """ "dead", "alive" or "unknown" (an older name that records no owner): whether the process that
     wrote this temp file may still rename it. Another host's owner counts as dead past ``max_age_s``."""
     match = _TEMP.search(path.name)
     if match is None or match.group("pid") is None:
@@ -98,7 +100,8 @@ def sweep(directory: Path, *, max_age_s: float, names: tuple[str, ...] = ()) -> 
     for entry in entries:
         path = Path(entry.path)
         ours = entry.is_file(follow_symlinks=False) and (
-            is_temp_file(path) or any(is_temp_file(path, of=n) for n in names))
+            is_temp_file(path) or any(is_temp_file(path, of=n) for n in names)
+        )
         state = owner_state(path, max_age_s=max_age_s) if ours else "alive"
         if state == "dead" or (state == "unknown" and _age(path) > max_age_s):
             with contextlib.suppress(FileNotFoundError):

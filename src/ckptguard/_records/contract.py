@@ -33,7 +33,9 @@ def _canonical(obj: Any) -> str:
     try:
         return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"recipe must be JSON-serializable (str keys, finite numbers): {exc}") from None
+        raise ConfigError(
+            f"recipe must be JSON-serializable (str keys, finite numbers): {exc}"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,14 +52,23 @@ class RunContract:
     """Planned length of training; extending it is a new phase."""
 
     def __post_init__(self) -> None:
-        if self.total_steps is not None and (not isinstance(self.total_steps, int) or self.total_steps <= 0):
-            raise ConfigError(f"RunContract.total_steps must be a positive int, got {self.total_steps!r}")
+        if self.total_steps is not None and (
+            not isinstance(self.total_steps, int) or self.total_steps <= 0
+        ):
+            raise ConfigError(
+                f"RunContract.total_steps must be a positive int, got {self.total_steps!r}"
+            )
         if self.recipe is not None:
             _canonical(self.recipe)
 
     def items(self) -> JsonObject:
         recipe = json.loads(_canonical(self.recipe)) if self.recipe is not None else None
-        return {"code": self.code, "data": self.data, "recipe": recipe, "total_steps": self.total_steps}
+        return {
+            "code": self.code,
+            "data": self.data,
+            "recipe": recipe,
+            "total_steps": self.total_steps,
+        }
 
     def hash(self) -> str:
         return xxhash.xxh3_64_hexdigest(_canonical(self.items()).encode())
@@ -77,7 +88,12 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, str]
         if item == "recipe" and isinstance(a, dict) and isinstance(b, dict):
             for key in sorted(set(a) | set(b)):
                 if a.get(key, "<absent>") != b.get(key, "<absent>"):
-                    out.append((item, f"recipe.{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"))
+                    out.append(
+                        (
+                            item,
+                            f"recipe.{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}",
+                        )
+                    )
         else:
             out.append((item, f"{item}: {a!r} -> {b!r}"))
     return out
@@ -90,13 +106,19 @@ def hash_git_tree(repo: str | os.PathLike[str] = ".") -> str:
     """``git:<commit>`` plus ``+dirty:<hash>`` of the uncommitted diff (untracked files included)."""
 
     def git(*args: str) -> bytes:
-        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True).stdout
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], check=True, capture_output=True
+        ).stdout
 
     try:
         commit = git("rev-parse", "HEAD").decode().strip()
-        dirty = git("diff", "HEAD", "--binary") + git("ls-files", "--others", "--exclude-standard", "-z")
+        dirty = git("diff", "HEAD", "--binary") + git(
+            "ls-files", "--others", "--exclude-standard", "-z"
+        )
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise ConfigError(f"hash_git_tree: {repo} is not a git work tree with a commit ({exc})") from None
+        raise ConfigError(
+            f"hash_git_tree: {repo} is not a git work tree with a commit ({exc})"
+        ) from None
     return f"git:{commit}" + (f"+dirty:{xxhash.xxh3_64_hexdigest(dirty)}" if dirty else "")
 
 
@@ -140,7 +162,9 @@ def _package_sources(roots: list[Path]) -> list[tuple[str, Path]]:
     for root in roots:
         base = root.resolve()
         for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+            dirnames[:] = sorted(
+                d for d in dirnames if d != "__pycache__" and not d.startswith(".")
+            )
             for fname in filenames:
                 path = Path(dirpath, fname)
                 if fname.endswith(".py") and path.is_file() and base in path.resolve().parents:
@@ -189,7 +213,11 @@ class Phase:
     _OPTIONAL = ("created_unix", "reason", "changes", "contract_hash", "adopted_chains")
 
     def to_json(self) -> JsonObject:
-        out: JsonObject = {"phase": self.phase, "chain_id": self.chain_id, "contract": dict(self.contract)}
+        out: JsonObject = {
+            "phase": self.phase,
+            "chain_id": self.chain_id,
+            "contract": dict(self.contract),
+        }
         for key in self._OPTIONAL:
             value = getattr(self, key)
             if value is not None:
@@ -199,12 +227,20 @@ class Phase:
     @classmethod
     def from_json(cls, value: object) -> Phase:
         """The phase in ``value``; ValueError saying what is wrong."""
-        if not (isinstance(value, dict) and is_int(value.get("phase")) and isinstance(value.get("chain_id"), str)
-                and isinstance(value.get("contract"), dict)):
-            raise ValueError("is not a contract phase (an object with int 'phase', str 'chain_id' and a "
-                             "'contract' object)")
+        if not (
+            isinstance(value, dict)
+            and is_int(value.get("phase"))
+            and isinstance(value.get("chain_id"), str)
+            and isinstance(value.get("contract"), dict)
+        ):
+            raise ValueError(
+                "is not a contract phase (an object with int 'phase', str 'chain_id' and a "
+                "'contract' object)"
+            )
         for key in ("changes", "adopted_chains"):
-            if key in value and not (isinstance(value[key], list) and all(isinstance(c, str) for c in value[key])):
+            if key in value and not (
+                isinstance(value[key], list) and all(isinstance(c, str) for c in value[key])
+            ):
                 raise ValueError(f"has a field '{key}' that is not a list of strings")
         if value.get("created_unix") is not None and not is_number(value["created_unix"]):
             raise ValueError("has a field 'created_unix' that is not a number")
@@ -213,19 +249,35 @@ class Phase:
                 raise ValueError(f"has a field '{key}' that is not a string")
         known = {"phase", "chain_id", "contract", *cls._OPTIONAL}
         changes, adopted = value.get("changes"), value.get("adopted_chains")
-        return cls(value["phase"], value["chain_id"], value["contract"], value.get("created_unix"),
-                   value.get("reason"), None if changes is None else tuple(changes), value.get("contract_hash"),
-                   None if adopted is None else tuple(adopted), {k: v for k, v in value.items() if k not in known})
+        return cls(
+            value["phase"],
+            value["chain_id"],
+            value["contract"],
+            value.get("created_unix"),
+            value.get("reason"),
+            None if changes is None else tuple(changes),
+            value.get("contract_hash"),
+            None if adopted is None else tuple(adopted),
+            {k: v for k, v in value.items() if k not in known},
+        )
 
     @property
     def adopted(self) -> tuple[str, ...]:
         return self.adopted_chains or ()
 
 
-def _phase(number: int, chain_id: str, contract: RunContract | None, reason: str, changes: list[str],
-           adopted: tuple[str, ...] | None = None) -> Phase:
+def _phase(
+    number: int,
+    chain_id: str,
+    contract: RunContract | None,
+    reason: str,
+    changes: list[str],
+    adopted: tuple[str, ...] | None = None,
+) -> Phase:
     items = (contract or RunContract()).items()
-    return Phase(number, chain_id, items, time.time(), reason, tuple(changes), contract_hash(items), adopted)
+    return Phase(
+        number, chain_id, items, time.time(), reason, tuple(changes), contract_hash(items), adopted
+    )
 
 
 def read_phases(root: Path) -> list[Phase]:
@@ -236,7 +288,9 @@ def read_phases(root: Path) -> list[Phase]:
         try:
             phases.append(Phase.from_json(read_json(path, what="contract phase")))
         except CheckpointCorruptError as exc:
-            raise CheckpointCorruptError(f"{exc}; phase files are append-only and must not be edited") from None
+            raise CheckpointCorruptError(
+                f"{exc}; phase files are append-only and must not be edited"
+            ) from None
         except ValueError as exc:
             raise CheckpointCorruptError(
                 f"{path} {exc}; phase files are append-only and must not be edited: restore it from a backup"
@@ -288,25 +342,33 @@ def check(root: Path, contract: RunContract | None, *, where: str) -> Phase:
 def declare(root: Path, contract: RunContract | None, reason: str, changes: Iterable[str]) -> Path:
     phases = read_phases(root)
     if not phases:
-        raise ConfigError(f"declare_phase: {root} has no contract yet; the first save writes phase 0")
+        raise ConfigError(
+            f"declare_phase: {root} has no contract yet; the first save writes phase 0"
+        )
     if not reason.strip():
         raise ConfigError("declare_phase: give a reason (it is the audit trail of this run)")
     declared = set(changes)
     unknown = declared - set(ITEMS)
     if unknown:
-        raise ConfigError(f"declare_phase: unknown items {sorted(unknown)}; items are {list(ITEMS)}")
+        raise ConfigError(
+            f"declare_phase: unknown items {sorted(unknown)}; items are {list(ITEMS)}"
+        )
     current = phases[-1]
     items = (contract or RunContract()).items()
     actual = diff(current.contract, items)
     changed = {i for i, _ in actual}
     if not changed:
-        raise ConfigError(f"declare_phase: the contract equals phase {current.phase}; nothing to declare")
+        raise ConfigError(
+            f"declare_phase: the contract equals phase {current.phase}; nothing to declare"
+        )
     if changed != declared:
         raise ContractMismatchError(
             f"declare_phase: declared {sorted(declared)} but the contract changed in "
             f"{sorted(changed)} ({'; '.join(d for _, d in actual)}); declare exactly what changed"
         )
-    return write_phase(root, _phase(current.phase + 1, current.chain_id, contract, reason, [d for _, d in actual]))
+    return write_phase(
+        root, _phase(current.phase + 1, current.chain_id, contract, reason, [d for _, d in actual])
+    )
 
 
 # ---------------------------------------------------------------- chain identity
@@ -342,4 +404,6 @@ def adopt(root: Path, contract: RunContract | None, chain_id: str, reason: str) 
         raise ConfigError("adopt: give a reason (why this run continues from another chain)")
     phases = read_phases(root)
     number, chain = (phases[-1].phase + 1, phases[0].chain_id) if phases else (0, uuid.uuid4().hex)
-    return write_phase(root, _phase(number, chain, contract, reason, [f"adopted chain {chain_id}"], (chain_id,)))
+    return write_phase(
+        root, _phase(number, chain, contract, reason, [f"adopted chain {chain_id}"], (chain_id,))
+    )

@@ -53,12 +53,17 @@ class FileEntry:
             and isinstance(value.get("xxh3"), str)
             and (value.get("rank") is None or is_int(value.get("rank")))
         ):
-            raise ValueError("'files' must be a list of {path: str, size: int, xxh3: str, rank: int} entries")
+            raise ValueError(
+                "'files' must be a list of {path: str, size: int, xxh3: str, rank: int} entries"
+            )
         return cls(value["path"], value["size"], value["xxh3"], value.get("rank"))
+
 
 def files_from_json(value: object) -> tuple[FileEntry, ...]:
     if not isinstance(value, list):
-        raise ValueError("'files' must be a list of {path: str, size: int, xxh3: str, rank: int} entries")
+        raise ValueError(
+            "'files' must be a list of {path: str, size: int, xxh3: str, rank: int} entries"
+        )
     return tuple(FileEntry.from_json(f) for f in value)
 
 
@@ -125,16 +130,26 @@ class Topology:
         world = value["world_size"]
         if not 1 <= world <= max_world:
             raise ValueError(f"'topology.world_size' is {world}, outside 1..{max_world}")
-        layout = {k: v for k, v in value.items() if k not in ("world_size", "rank_hosts", "ep_ranks")}
+        layout = {
+            k: v for k, v in value.items() if k not in ("world_size", "rank_hosts", "ep_ranks")
+        }
         if not all(is_int(v) for v in layout.values()):
             raise ValueError("the layout sizes of 'topology' must be ints")
         hosts, ep_ranks = value.get("rank_hosts"), value.get("ep_ranks")
-        if hosts is not None and not (isinstance(hosts, list) and all(isinstance(h, str) for h in hosts)):
+        if hosts is not None and not (
+            isinstance(hosts, list) and all(isinstance(h, str) for h in hosts)
+        ):
             raise ValueError("'topology.rank_hosts' must be a list of host names")
-        if ep_ranks is not None and not (isinstance(ep_ranks, list) and all(is_int(r) for r in ep_ranks)):
+        if ep_ranks is not None and not (
+            isinstance(ep_ranks, list) and all(is_int(r) for r in ep_ranks)
+        ):
             raise ValueError("'topology.ep_ranks' must be a list of ints")
-        return cls(world, layout, None if hosts is None else tuple(hosts),
-                   None if ep_ranks is None else tuple(ep_ranks))
+        return cls(
+            world,
+            layout,
+            None if hosts is None else tuple(hosts),
+            None if ep_ranks is None else tuple(ep_ranks),
+        )
 
 
 _COST_FIELDS = ("bytes", "save_seconds", "step_seconds", "save_fraction_of_step")
@@ -157,8 +172,13 @@ class Cost:
         return getattr(self, name) if name in _COST_FIELDS else self.extra.get(name)
 
     def to_json(self) -> JsonObject:
-        return {"bytes": self.bytes, "save_seconds": self.save_seconds, "step_seconds": self.step_seconds,
-                "save_fraction_of_step": self.save_fraction_of_step, **self.extra}
+        return {
+            "bytes": self.bytes,
+            "save_seconds": self.save_seconds,
+            "step_seconds": self.step_seconds,
+            "save_fraction_of_step": self.save_fraction_of_step,
+            **self.extra,
+        }
 
     @classmethod
     def from_json(cls, value: object) -> Cost | None:
@@ -168,8 +188,13 @@ class Cost:
             return None
         if not all(value.get(k) is None or is_number(value.get(k)) for k in _COST_FIELDS[1:]):
             return None
-        return cls(value["bytes"], value.get("save_seconds"), value.get("step_seconds"),
-                   value.get("save_fraction_of_step"), {k: v for k, v in value.items() if k not in _COST_FIELDS})
+        return cls(
+            value["bytes"],
+            value.get("save_seconds"),
+            value.get("step_seconds"),
+            value.get("save_fraction_of_step"),
+            {k: v for k, v in value.items() if k not in _COST_FIELDS},
+        )
 
 
 def nodes_from_json(value: object, world: int) -> tuple[NodeEntry, ...]:

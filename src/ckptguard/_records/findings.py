@@ -63,7 +63,9 @@ class Finding:
         out["severity"] = self.severity.value
         # JSON escapes control characters itself; undecodable bytes of a name become \\xNN,
         # since a lone surrogate cannot be encoded as UTF-8 by the reader of the output.
-        out["path"] = out["path"].encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        out["path"] = (
+            out["path"].encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        )
         return out
 
 

@@ -45,7 +45,16 @@ from ..errors import (
 )
 from ..storage.base import DCP_METADATA
 from ..storage.dcpindex import read_dcp_index
-from .entries import Cost, FileEntry, NodeEntry, Topology, files_from_json, files_to_json, is_int, nodes_from_json
+from .entries import (
+    Cost,
+    FileEntry,
+    NodeEntry,
+    Topology,
+    files_from_json,
+    files_to_json,
+    is_int,
+    nodes_from_json,
+)
 from .findings import RESTORE_HINT, Finding, finding
 
 FORMAT_VERSION = 3

@@ -63,8 +63,16 @@ class ProofRecord(Mapping[str, Any]):
     def of(cls, raw: JsonObject) -> ProofRecord:
         """The record of ``raw``, an object ``header_problem`` passed; the record keeps it (not a copy)."""
         step = raw.get("step")
-        return cls(event=raw["event"], pid=raw["pid"], rank=raw.get("rank"), host=raw.get("host"),
-                   time=raw.get("time"), mono=raw.get("mono"), step=step if is_int(step) else None, raw=raw)
+        return cls(
+            event=raw["event"],
+            pid=raw["pid"],
+            rank=raw.get("rank"),
+            host=raw.get("host"),
+            time=raw.get("time"),
+            mono=raw.get("mono"),
+            step=step if is_int(step) else None,
+            raw=raw,
+        )
 
     def to_json(self) -> JsonObject:
         return dict(self.raw)
@@ -87,8 +95,12 @@ def header_problem(obj: object) -> str | None:
         return "no string 'event'"
     if not is_int(obj.get("pid")):
         return "no int 'pid'"
-    for key, kind, ok in (("rank", "an int", is_int), ("host", "a string", _str), ("time", "a number", is_number),
-                          ("mono", "a number", is_number)):
+    for key, kind, ok in (
+        ("rank", "an int", is_int),
+        ("host", "a string", _str),
+        ("time", "a number", is_number),
+        ("mono", "a number", is_number),
+    ):
         if key in obj and not ok(obj[key]):
             return f"'{key}' is {obj[key]!r}, not {kind}"
     return None
@@ -104,13 +116,19 @@ def record_roles(root: Path) -> list[str]:
     directory = Path(root) / PROOF_DIR
     if not directory.is_dir() or directory.is_symlink():
         return []
-    return sorted(d.name for d in directory.iterdir() if d.is_dir() and not d.is_symlink() and _ROLE.match(d.name))
+    return sorted(
+        d.name
+        for d in directory.iterdir()
+        if d.is_dir() and not d.is_symlink() and _ROLE.match(d.name)
+    )
 
 
 _ROLE = re.compile(r"[a-z][a-z0-9_-]{0,63}\Z")  # runmanifest's role names
 
 
-def read_records(root: Path, role: str | None = None, *, rank: int | None = None) -> dict[int, list[ProofRecord]]:
+def read_records(
+    root: Path, role: str | None = None, *, rank: int | None = None
+) -> dict[int, list[ProofRecord]]:
     """Every rank's proof records (of ``role``, numbered by its ranks), checked for the shape ``evaluate``
     relies on; ``rank``: that rank's file only.
 
@@ -120,7 +138,9 @@ def read_records(root: Path, role: str | None = None, *, rank: int | None = None
     directory = records_dir(root, role)
     refuse_link(Path(root) / PROOF_DIR, "proof directory")
     refuse_link(directory, "proof directory")
-    for path in sorted(directory.glob("rank_*.jsonl" if rank is None else f"rank_{rank:05d}.jsonl")):
+    for path in sorted(
+        directory.glob("rank_*.jsonl" if rank is None else f"rank_{rank:05d}.jsonl")
+    ):
         try:
             number = int(path.stem.split("_")[1])
         except (IndexError, ValueError):
@@ -162,7 +182,9 @@ def distinct_processes(records: list[ProofRecord]) -> list[ProofRecord]:
     pid (pid 1, one hostname), and every gate that tells the saving process from the resumed one keys by pid.
     A restore record (every launch's first) whose host or ``process_start`` differs from the previous process's
     of that pid starts a new process; records without ``process_start`` (older releases) keep their pid."""
-    current: dict[int, tuple[Any, Any]] = {}  # os pid -> (host, process_start) of the process now using it
+    current: dict[
+        int, tuple[Any, Any]
+    ] = {}  # os pid -> (host, process_start) of the process now using it
     reused: dict[int, int] = {}  # os pid -> how many earlier processes used it
     out = []
     for r in records:
@@ -173,7 +195,11 @@ def distinct_processes(records: list[ProofRecord]) -> list[ProofRecord]:
                 reused[r.pid] = reused.get(r.pid, 0) + 1
             current[r.pid] = ident
         n = reused.get(r.pid, 0)
-        out.append(r if not n else ProofRecord.of({**r.raw, "pid": r.pid + n * REUSED_PID, "os_pid": r.pid}))
+        out.append(
+            r
+            if not n
+            else ProofRecord.of({**r.raw, "pid": r.pid + n * REUSED_PID, "os_pid": r.pid})
+        )
     return out
 
 

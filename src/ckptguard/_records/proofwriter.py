@@ -26,7 +26,15 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .._disk.boxsum import layout_free_partials
 from .._disk.digest import digest
-from .._disk.layout import PROOF_DIR, StepNaming, atomic_write_bytes, parse_json, read_small, refuse_link, step_dirs
+from .._disk.layout import (
+    PROOF_DIR,
+    StepNaming,
+    atomic_write_bytes,
+    parse_json,
+    read_small,
+    refuse_link,
+    step_dirs,
+)
 from .._log import NAME
 from .._state.state import ItemKind, KeyFn, classify, current_state, flatten
 from .._state.trajectory import rng_digests

@@ -42,19 +42,30 @@ def _path(root: Path, step: int, owner: str) -> Path:
     return root / READERS_DIR / f"{step}-{owner}.json"
 
 
-def acquire(root: Path, step: int, *, ttl_s: float | None, who: str, bind_process: bool = True,
-            key: str | None = None) -> Path:
+def acquire(
+    root: Path,
+    step: int,
+    *,
+    ttl_s: float | None,
+    who: str,
+    bind_process: bool = True,
+    key: str | None = None,
+) -> Path:
     """Write a lease on ``step``. ``bind_process``: live while this process runs (on its host), else
     by its expiry alone (a script's ``hold --ttl``; ``key`` then names it, so the same call renews it)."""
     if ttl_s is not None and not ttl_s > 0:
         raise ConfigError(f"a reader lease needs ttl_s > 0 seconds, got {ttl_s!r}")
     if not bind_process and ttl_s is None:
-        raise ConfigError("a reader lease not bound to a process needs a ttl (it could never expire)")
+        raise ConfigError(
+            "a reader lease not bound to a process needs a ttl (it could never expire)"
+        )
     directory = root / READERS_DIR
     _layout.refuse_link(directory, "readers directory")  # never written through a link
     directory.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
-    ttl_owner = "ttl." + xxhash.xxh3_64_hexdigest((key or who).encode())[:12]  # the same key renews its lease
+    ttl_owner = (
+        "ttl." + xxhash.xxh3_64_hexdigest((key or who).encode())[:12]
+    )  # the same key renews its lease
     owner = _tempfiles.owner_tag() if bind_process else ttl_owner
     path = _path(root, step, owner)
     _layout.atomic_write_json(path, _record(step, ttl_s, who, pid if bind_process else None))
@@ -63,8 +74,15 @@ def acquire(root: Path, step: int, *, ttl_s: float | None, who: str, bind_proces
 
 def _record(step: int, ttl_s: float | None, who: str, pid: int | None) -> dict[str, object]:
     now = time.time()
-    return {"step": step, "who": who, "pid": pid, "start": _tempfiles.proc_start(pid) if pid else None,
-            "host": _host(), "created_unix": now, "expires_unix": now + ttl_s if ttl_s is not None else None}
+    return {
+        "step": step,
+        "who": who,
+        "pid": pid,
+        "start": _tempfiles.proc_start(pid) if pid else None,
+        "host": _host(),
+        "created_unix": now,
+        "expires_unix": now + ttl_s if ttl_s is not None else None,
+    }
 
 
 def renew(path: Path, ttl_s: float) -> None:
@@ -87,7 +105,9 @@ def release_ttl(root: Path, step: int) -> int:
 def _alive(data: dict[str, object]) -> bool:
     pid, start = data.get("pid"), data.get("start")
     if isinstance(pid, int) and data.get("host") == _host():
-        return _tempfiles.proc_start(pid) == start  # this host: the writing process still runs, whatever its expiry
+        return (
+            _tempfiles.proc_start(pid) == start
+        )  # this host: the writing process still runs, whatever its expiry
     expires = data.get("expires_unix")
     return isinstance(expires, (int, float)) and expires > time.time()
 
@@ -117,8 +137,14 @@ def live(root: Path, *, sweep: bool = True) -> dict[int, str]:
             continue
         if _alive(data):
             until = data.get("expires_unix")
-            when = f" until {time.strftime('%H:%M:%S', time.localtime(until))}" if isinstance(until, float) else ""
-            out[step] = f"read by {data.get('who')} (pid {data.get('pid')} on {data.get('host')}){when}"
+            when = (
+                f" until {time.strftime('%H:%M:%S', time.localtime(until))}"
+                if isinstance(until, float)
+                else ""
+            )
+            out[step] = (
+                f"read by {data.get('who')} (pid {data.get('pid')} on {data.get('host')}){when}"
+            )
         elif sweep:
             with contextlib.suppress(OSError):
                 path.unlink()  # a dead reader's lease: its step is free again
@@ -126,8 +152,14 @@ def live(root: Path, *, sweep: bool = True) -> dict[int, str]:
 
 
 @contextlib.contextmanager
-def open_step(root: str | os.PathLike[str], step: int | None = None, *, ttl_s: float = 600.0,
-              template: str = "step_{step:08d}", who: str | None = None) -> Iterator[Path]:
+def open_step(
+    root: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    ttl_s: float = 600.0,
+    template: str = "step_{step:08d}",
+    who: str | None = None,
+) -> Iterator[Path]:
     """Read a committed step without rotation or gc deleting it meanwhile: ``with
     ckptguard.open_step(root) as step_dir: ...`` (the tracker's step by default).
 
@@ -152,8 +184,10 @@ def open_step(root: str | os.PathLike[str], step: int | None = None, *, ttl_s: f
     try:
         step_dir = root / _layout.StepNaming(template).name(step)
         if not (step_dir / _layout.MANIFEST_NAME).is_file():
-            raise CheckpointError(f"open_step: step {step} is not committed under {root} (no {step_dir.name}/"
-                                  f"{_layout.MANIFEST_NAME}): `ckptguard list {root}` shows the steps")
+            raise CheckpointError(
+                f"open_step: step {step} is not committed under {root} (no {step_dir.name}/"
+                f"{_layout.MANIFEST_NAME}): `ckptguard list {root}` shows the steps"
+            )
         yield step_dir
     finally:
         stop.set()

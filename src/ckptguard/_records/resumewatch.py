@@ -23,8 +23,12 @@ from .proofreader import ProofRecord
 
 log = logging.getLogger(NAME)
 
-_WATCHES: set[ResumeWatch] = set()  # armed ones; held strongly: a manager dropped when main() returns still reports
-_UNCAUGHT: list[str] = []  # the uncaught exception the main thread died on, seen by the chained sys.excepthook
+_WATCHES: set[ResumeWatch] = (
+    set()
+)  # armed ones; held strongly: a manager dropped when main() returns still reports
+_UNCAUGHT: list[
+    str
+] = []  # the uncaught exception the main thread died on, seen by the chained sys.excepthook
 _HOOKED: list[bool] = []
 
 
@@ -66,7 +70,11 @@ class ResumeWatch:
             self.total = total if isinstance(total, int) and not isinstance(total, bool) else None
             _WATCHES.add(self)
             _watch_uncaught()
-        elif event in ("step", "update", "save") and self.restored is not None and step > self.restored:
+        elif (
+            event in ("step", "update", "save")
+            and self.restored is not None
+            and step > self.restored
+        ):
             # a save past the restored step trained too (a job that saves without record_step)
             self.trained.add(step)
 
@@ -82,21 +90,46 @@ class ResumeWatch:
         self.done = True
         try:
             raised = {"raised": _UNCAUGHT[0]} if _UNCAUGHT else {}
-            self.keep("exit", step=self.restored, trained=len(self.trained), total_steps=self.total, **raised)
+            self.keep(
+                "exit",
+                step=self.restored,
+                trained=len(self.trained),
+                total_steps=self.total,
+                **raised,
+            )
         except Exception as exc:  # an exit hook never raises: the process is ending
-            log.warning("ckptguard: could not record the exit of rank %d under %s (%s)", self.rank, self.where, exc)
+            log.warning(
+                "ckptguard: could not record the exit of rank %d under %s (%s)",
+                self.rank,
+                self.where,
+                exc,
+            )
         if self.trained:
             return
         if self.total is not None and self.restored >= self.total:
-            log.info("ckptguard: rank %d %s: the job had ended (total_steps %d)", self.rank, self.line(), self.total)
+            log.info(
+                "ckptguard: rank %d %s: the job had ended (total_steps %d)",
+                self.rank,
+                self.line(),
+                self.total,
+            )
             return
         if self.total is None:  # whether steps were left is for prove to tell from the records
-            log.warning("ckptguard: rank %d %s before the process exited (%s); declare ProofPlan(total_steps=) to "
-                        "have a zero-step resume called out here", self.rank, self.line(), self.where)
+            log.warning(
+                "ckptguard: rank %d %s before the process exited (%s); declare ProofPlan(total_steps=) to "
+                "have a zero-step resume called out here",
+                self.rank,
+                self.line(),
+                self.where,
+            )
             return
-        log.error("ckptguard: rank %d %s before the process exited: the data loader or the step range ended right "
-                  "after the restore (an exhausted loader at an epoch boundary?); the run made no progress (%s)",
-                  self.rank, self.line(), self.where)
+        log.error(
+            "ckptguard: rank %d %s before the process exited: the data loader or the step range ended right "
+            "after the restore (an exhausted loader at an epoch boundary?); the run made no progress (%s)",
+            self.rank,
+            self.line(),
+            self.where,
+        )
 
 
 @atexit.register

@@ -62,7 +62,9 @@ class KeepLast(_Combinable):
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
-            raise ConfigError(f"KeepLast(n={self.n!r}): n must be an int >= 1 (the newest step is always kept)")
+            raise ConfigError(
+                f"KeepLast(n={self.n!r}): n must be an int >= 1 (the newest step is always kept)"
+            )
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return set(sorted(steps)[-self.n :])
@@ -161,7 +163,9 @@ def _own_holds(root: Path) -> dict[int, str]:
                     out.setdefault(int(data["step"]), out[step])
         except (OSError, ValueError, KeyError) as exc:
             why = str(exc).split(";")[0][:200]
-            out[step] = f"UNREADABLE hold file {path} ({why}): treated as held; fix or `ckptguard release` it"
+            out[step] = (
+                f"UNREADABLE hold file {path} ({why}): treated as held; fix or `ckptguard release` it"
+            )
             log.warning(
                 "ckptguard: hold file %s is unreadable (%s); step %d stays held until it is fixed or released",
                 path,
@@ -184,7 +188,9 @@ class RetentionReport:
 
 def _is_committed(path: Path) -> str | None:
     """None if the quick check passes, else why not."""
-    errors = [f for f in verify_step(path) if f.severity.value == "ERROR" and f.code != "unexpected-file"]
+    errors = [
+        f for f in verify_step(path) if f.severity.value == "ERROR" and f.code != "unexpected-file"
+    ]
     return errors[0].line() if errors else None
 
 
@@ -214,8 +220,13 @@ INCOMPLETE_HINT = (
 )
 
 
-def kept(committed: Sequence[int], policy: RetentionPolicy, *, tracker: int | None, protect: Iterable[int] = ()
-         ) -> set[int]:
+def kept(
+    committed: Sequence[int],
+    policy: RetentionPolicy,
+    *,
+    tracker: int | None,
+    protect: Iterable[int] = (),
+) -> set[int]:
     """The committed steps a rotation keeps, on a directory root (``apply``) and on an object store
     (``_commit.storepublish.rotate``) alike: the policy's, the protected ones, and the tracker's step."""
     return policy.keep(committed) | set(protect) | ({tracker} if tracker is not None else set())
@@ -230,7 +241,9 @@ def apply(
     try:
         tracker = _layout.read_tracker(root)
     except CheckpointError as exc:
-        return RetentionReport([], [], {}, {_layout.TRACKER_NAME: f"{exc}; nothing is deleted until it is fixed"})
+        return RetentionReport(
+            [], [], {}, {_layout.TRACKER_NAME: f"{exc}; nothing is deleted until it is fixed"}
+        )
     DELETER.submit(_trash_dirs(root))  # what a kill or a failed delete left, off the caller's path
     committed: list[int] = []
     not_counted: dict[str, str] = {}
@@ -255,7 +268,10 @@ def apply(
     pinned = {*protect, *holds(root, sweep=True), *([verified] if verified is not None else [])}
     keep = kept(committed, policy, tracker=tracker, protect=pinned)
     report = RetentionReport(
-        kept=sorted(s for s in committed if s in keep), deleted=[], failed={}, not_counted=not_counted
+        kept=sorted(s for s in committed if s in keep),
+        deleted=[],
+        failed={},
+        not_counted=not_counted,
     )
     moved: dict[int, Path] = {}
     for step in committed:
@@ -266,7 +282,10 @@ def apply(
         except OSError as exc:
             report.failed[step] = f"{type(exc).__name__}: {exc}"
             log.warning(
-                "ckptguard: could not delete step %d at %s (%s); retried at the next save", step, dirs[step], exc
+                "ckptguard: could not delete step %d at %s (%s); retried at the next save",
+                step,
+                dirs[step],
+                exc,
             )
     report.deleted.extend(_confirm_moved(root, moved, dirs, report))
     trash = {moved[step]: f"step {step}" for step in report.deleted}
@@ -274,7 +293,9 @@ def apply(
     return report
 
 
-def _confirm_moved(root: Path, moved: dict[int, Path], dirs: dict[int, Path], report: RetentionReport) -> list[int]:
+def _confirm_moved(
+    root: Path, moved: dict[int, Path], dirs: dict[int, Path], report: RetentionReport
+) -> list[int]:
     """The holds and reader leases again, after the renames: a reader whose lease landed between the first look
     and its step's rename (``open_step`` writes its lease, then checks the manifest) gets the step back,
     committed as before; the others lose their manifest and become plain trash. Returns the steps deleted."""
@@ -286,9 +307,15 @@ def _confirm_moved(root: Path, moved: dict[int, Path], dirs: dict[int, Path], re
                 _layout.restore_from_trash(trash, dirs[step])
                 report.kept.append(step)
             except OSError as exc:
-                log.warning("ckptguard: step %d gained a reader (%s) while rotation moved it aside, and could not "
-                            "be put back (%s); it is kept at %s, its manifest intact: rename it back to %s",
-                            step, late[step], exc, trash, dirs[step].name)
+                log.warning(
+                    "ckptguard: step %d gained a reader (%s) while rotation moved it aside, and could not "
+                    "be put back (%s); it is kept at %s, its manifest intact: rename it back to %s",
+                    step,
+                    late[step],
+                    exc,
+                    trash,
+                    dirs[step].name,
+                )
             continue
         _layout.drop_manifest(trash)
         deleted.append(step)
@@ -304,14 +331,21 @@ def _trash_dirs(root: Path) -> list[Path]:
     ``_delete`` removes last), never a directory that only looks like it, never a step moved aside whose
     manifest is still there (``moved_aside``)."""
     try:
-        return [p for p in root.glob(f"{_layout.TRASH_PREFIX}*") if _layout.is_trash_dir(p)
-                and (p / _layout.OWNER_NAME).is_file() and not _layout.moved_aside(p)]
+        return [
+            p
+            for p in root.glob(f"{_layout.TRASH_PREFIX}*")
+            if _layout.is_trash_dir(p)
+            and (p / _layout.OWNER_NAME).is_file()
+            and not _layout.moved_aside(p)
+        ]
     except OSError:
         return []
 
 
 def _delete(path: Path, what: str = "") -> None:
-    if not _layout.is_trash_dir(path) or _layout.moved_aside(path):  # never through a link, never a whole step
+    if not _layout.is_trash_dir(path) or _layout.moved_aside(
+        path
+    ):  # never through a link, never a whole step
         return
     try:
         # the owner record last: a delete cut short stays recognisably ckptguard's trash (``_trash_dirs``)
@@ -322,9 +356,14 @@ def _delete(path: Path, what: str = "") -> None:
                 child.unlink(missing_ok=True)
         path.rmdir()
     except OSError as exc:
-        log.warning("ckptguard: could not delete %s%s (%s: %s); it is uncommitted (never resumed from), and the "
-                    "next save retries the delete", what or path, f" at {path}" if what else "", type(exc).__name__,
-                    exc)
+        log.warning(
+            "ckptguard: could not delete %s%s (%s: %s); it is uncommitted (never resumed from), and the "
+            "next save retries the delete",
+            what or path,
+            f" at {path}" if what else "",
+            type(exc).__name__,
+            exc,
+        )
 
 
 class Deleter:
@@ -341,11 +380,15 @@ class Deleter:
         """Delete ``paths`` (trash directories) in the background; ``what`` names them in a warning (``step 3``)."""
         with self._cv:
             for path in paths:
-                if path not in self._pending:  # a sweep finding a trash already queued must not delete it twice
+                if (
+                    path not in self._pending
+                ):  # a sweep finding a trash already queued must not delete it twice
                     self._pending.add(path)
                     self._queue.append((path, (what or {}).get(path, "")))
             if self._queue and self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ckptguard-trash", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="ckptguard-trash", daemon=True
+                )
                 self._thread.start()
 
     def _run(self) -> None:
@@ -359,8 +402,12 @@ class Deleter:
             try:
                 _delete(path, what)
             except Exception as exc:  # a delete must never kill the thread that deletes the rest
-                log.warning("ckptguard: deleting %s failed (%s: %s); retried at the next save",
-                            path, type(exc).__name__, exc)
+                log.warning(
+                    "ckptguard: deleting %s failed (%s: %s); retried at the next save",
+                    path,
+                    type(exc).__name__,
+                    exc,
+                )
             with self._cv:
                 self._pending.discard(path)
                 self._cv.notify_all()

@@ -31,7 +31,12 @@ import xxhash
 
 from .._disk import layout as _layout
 from .._types import JsonObject
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError, ConfigError, VersionMismatchError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    ConfigError,
+    VersionMismatchError,
+)
 from . import manifest as _manifest
 
 RUN_FORMAT_VERSION = 1
@@ -61,12 +66,18 @@ class RoleEntry:
     manifest_xxh3: str
 
     def to_json(self) -> JsonObject:
-        return {"ranks": list(self.ranks), "manifest_bytes": self.manifest_bytes, "manifest_xxh3": self.manifest_xxh3}
+        return {
+            "ranks": list(self.ranks),
+            "manifest_bytes": self.manifest_bytes,
+            "manifest_xxh3": self.manifest_xxh3,
+        }
 
     @classmethod
     def from_json(cls, value: object) -> RoleEntry:
         if not isinstance(value, dict) or not _role_entry(value):
-            raise ValueError("'roles' must map role names to {ranks, manifest_bytes, manifest_xxh3}")
+            raise ValueError(
+                "'roles' must map role names to {ranks, manifest_bytes, manifest_xxh3}"
+            )
         return cls(list(value["ranks"]), value["manifest_bytes"], value["manifest_xxh3"])
 
 
@@ -131,7 +142,9 @@ def build(
 def role_manifest_digest(part: Path) -> tuple[int, str]:
     """(size, xxh3) of a role's manifest, read through the bounded reader: a FIFO or a link planted
     there is refused at once (UnsafeCheckpointError), never opened and waited on."""
-    raw = _layout.read_small(part / _layout.MANIFEST_NAME, limit=_manifest.MANIFEST_BYTES, what="role manifest")
+    raw = _layout.read_small(
+        part / _layout.MANIFEST_NAME, limit=_manifest.MANIFEST_BYTES, what="role manifest"
+    )
     return len(raw), xxhash.xxh3_64_hexdigest(raw)
 
 
@@ -155,7 +168,9 @@ def read(step_dir: Path) -> RunManifest:
     try:
         raw = _layout.read_small(path, limit=_manifest.MANIFEST_BYTES, what="run manifest")
     except FileNotFoundError:
-        present = sorted(p.name for p in step_dir.iterdir() if p.is_dir()) if step_dir.is_dir() else []
+        present = (
+            sorted(p.name for p in step_dir.iterdir() if p.is_dir()) if step_dir.is_dir() else []
+        )
         raise CheckpointIncompleteError(
             f"{step_dir} has no {_layout.MANIFEST_NAME}: the run step was never committed (a save died before "
             f"every role confirmed; role parts present: {present or 'none'}) and must not be restored; resume "
@@ -169,7 +184,9 @@ def read(step_dir: Path) -> RunManifest:
         )
     version = data.get("run_format_version")
     if not _int(version):
-        raise CheckpointCorruptError(f"{path}: 'run_format_version' must be an int, not {version!r:.40}")
+        raise CheckpointCorruptError(
+            f"{path}: 'run_format_version' must be an int, not {version!r:.40}"
+        )
     if version not in READABLE_RUN_VERSIONS:
         raise VersionMismatchError(
             f"{path} has run format version {version}; this ckptguard {_manifest.ckptguard_version()} reads "
@@ -179,14 +196,18 @@ def read(step_dir: Path) -> RunManifest:
     problem = None
     if not _int(data.get("step")) or data["step"] < 0:
         problem = "'step' must be a non-negative int"
-    elif not isinstance(roles, dict) or not roles or not all(_role_entry(v) for v in roles.values()):
+    elif (
+        not isinstance(roles, dict) or not roles or not all(_role_entry(v) for v in roles.values())
+    ):
         problem = "'roles' must map role names to {ranks, manifest_bytes, manifest_xxh3}"
     elif not all(isinstance(k, str) and _ROLE_NAME.match(k) and k not in _RESERVED for k in roles):
         problem = f"role names {sorted(map(str, roles))[:8]} are not names ckptguard writes"
     elif not _int(data.get("world_size")) or data["world_size"] < 1:
         problem = "'world_size' must be an int >= 1"
     if problem is not None or not isinstance(roles, dict):
-        raise CheckpointCorruptError(f"{path}: {problem}; damaged or edited after the commit: restore an earlier step")
+        raise CheckpointCorruptError(
+            f"{path}: {problem}; damaged or edited after the commit: restore an earlier step"
+        )
     return RunManifest(
         path=path,
         run_format_version=version,

@@ -86,12 +86,18 @@ class HealthPolicy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.require_finite, bool):
-            raise ConfigError(f"HealthPolicy.require_finite must be a bool, got {self.require_finite!r}")
+            raise ConfigError(
+                f"HealthPolicy.require_finite must be a bool, got {self.require_finite!r}"
+            )
         if self.check is not None and not callable(self.check):
-            raise ConfigError(f"HealthPolicy.check must be a callable (step, metrics) -> bool, got {self.check!r}")
+            raise ConfigError(
+                f"HealthPolicy.check must be a callable (step, metrics) -> bool, got {self.check!r}"
+            )
         n = self.verify_after
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ConfigError(f"HealthPolicy.verify_after must be an int >= 1 (later healthy steps), got {n!r}")
+            raise ConfigError(
+                f"HealthPolicy.verify_after must be an int >= 1 (later healthy steps), got {n!r}"
+            )
         object.__setattr__(self, "prefer", as_prefer(self.prefer, "HealthPolicy.prefer"))
 
 
@@ -99,7 +105,9 @@ def as_prefer(value: Any, where: str) -> Prefer:
     try:
         return Prefer(value)
     except ValueError:
-        raise ConfigError(f"{where} must be 'latest' or 'verified' (ckptguard.Prefer), got {value!r}") from None
+        raise ConfigError(
+            f"{where} must be 'latest' or 'verified' (ckptguard.Prefer), got {value!r}"
+        ) from None
 
 
 # ---------------------------------------------------------------- health of one step, on one rank
@@ -109,7 +117,11 @@ def _finite_reasons(metrics: Mapping[str, Any], source: str) -> list[str]:
     out = []
     for name in ("loss", "grad_norm"):
         value = metrics.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and not math.isfinite(value)
+        ):
             out.append(f"{name} is {value} ({source})")
     return out
 
@@ -170,13 +182,21 @@ class HealthLog:
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[dict[str, Any], list[str]]] = {}
-        self._roles: dict[int, dict[str, list[str]]] = {}  # a run's ranks: step -> role -> its latest reasons
+        self._roles: dict[
+            int, dict[str, list[str]]
+        ] = {}  # a run's ranks: step -> role -> its latest reasons
 
-    def note(self, policy: HealthPolicy, step: int, metrics: Metrics, *, role: str | None = None) -> None:
+    def note(
+        self, policy: HealthPolicy, step: int, metrics: Metrics, *, role: str | None = None
+    ) -> None:
         """A ``record_step``: judged now, shipped at the next save (the latest record of a step wins).
         ``role`` (a RunCheckpoint rank holding several roles): each role's latest record wins, and the
         step is unhealthy if any role's is (a critic's finite loss must not hide the actor's NaN)."""
-        source = f"record_step of step {step}" if role is None else f"record_step of role {role!r}, step {step}"
+        source = (
+            f"record_step of step {step}"
+            if role is None
+            else f"record_step of role {role!r}, step {step}"
+        )
         why = reasons(policy, step, metrics, source)
         if role is not None:
             self._roles.setdefault(step, {})[role] = why
@@ -190,17 +210,33 @@ class HealthLog:
                 self._roles.pop(old, None)
 
     def save_view(
-        self, policy: HealthPolicy, step: int, healthy: bool | None, loss: Any, grad_norm: Any, earlier: str | None
+        self,
+        policy: HealthPolicy,
+        step: int,
+        healthy: bool | None,
+        loss: Any,
+        grad_norm: Any,
+        earlier: str | None,
     ) -> HealthView:
         """This rank's view of ``save(step, healthy=, loss=, grad_norm=)``: the arguments as scalars (a bad one
         raises, failing the save on every rank) and ``earlier``, why an earlier save of the step was skipped."""
 
-        metrics = {n: scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None}
-        known_bad = [f"an earlier save of step {step} was skipped as unhealthy ({earlier})"] if earlier else None
+        metrics = {
+            n: scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None
+        }
+        known_bad = (
+            [f"an earlier save of step {step} was skipped as unhealthy ({earlier})"]
+            if earlier
+            else None
+        )
         return self.view(policy, step, healthy, metrics, known_bad)
 
     def view(
-        self, policy: HealthPolicy, step: int, healthy: bool | None, metrics: Metrics,
+        self,
+        policy: HealthPolicy,
+        step: int,
+        healthy: bool | None,
+        metrics: Metrics,
         known_bad: list[str] | None = None,
     ) -> HealthView:
         """This rank's view of saving ``step``; the recorded steps are handed over (and forgotten).
@@ -208,7 +244,9 @@ class HealthLog:
         ``save`` of the step, a preemption save among them, has no metrics left to judge it by)."""
         why: list[str] = list(known_bad or [])
         if healthy is not None and not isinstance(healthy, bool):
-            raise ConfigError(f"save(step={step}, healthy={healthy!r}): healthy must be True, False or None")
+            raise ConfigError(
+                f"save(step={step}, healthy={healthy!r}): healthy must be True, False or None"
+            )
         if healthy is False:
             why.append("save(..., healthy=False)")
         if metrics:
@@ -216,7 +254,11 @@ class HealthLog:
         elif step in self._seen:
             why += self._seen[step][1]
         else:
-            why += reasons(policy, step, {}, f"save of step {step}") if policy.check is not None else []
+            why += (
+                reasons(policy, step, {}, f"save of step {step}")
+                if policy.check is not None
+                else []
+            )
         seen, self._seen, self._roles = self._seen, {}, {}
         seen.pop(step, None)
         return HealthView(
@@ -246,9 +288,13 @@ class TrustEntry:
     verified_unix: float | None = None
 
     def to_json(self) -> JsonObject:
-        out: dict[str, Any] = {"state": self.state.value, "committed_unix": self.committed_unix,
-                               "verify_after": self.verify_after, "healthy_after": list(self.healthy_after),
-                               "unhealthy_after": self.unhealthy_after}
+        out: dict[str, Any] = {
+            "state": self.state.value,
+            "committed_unix": self.committed_unix,
+            "verify_after": self.verify_after,
+            "healthy_after": list(self.healthy_after),
+            "unhealthy_after": self.unhealthy_after,
+        }
         if self.verified_unix is not None:
             out["verified_unix"] = self.verified_unix
         return out
@@ -258,7 +304,11 @@ class TrustEntry:
         """An entry as written; ValueError naming the field when it is not of the shape ckptguard writes."""
         if not isinstance(value, dict):
             raise ValueError("an entry is not an object")
-        healthy, bad, need = value.get("healthy_after", []), value.get("unhealthy_after"), value.get("verify_after", 1)
+        healthy, bad, need = (
+            value.get("healthy_after", []),
+            value.get("unhealthy_after"),
+            value.get("verify_after", 1),
+        )
         committed_at, verified_at = value.get("committed_unix", 0.0), value.get("verified_unix")
         if not (isinstance(healthy, list) and all(is_int(s) for s in healthy)):
             raise ValueError("'healthy_after' is not a list of steps")
@@ -267,8 +317,14 @@ class TrustEntry:
         if not is_number(committed_at) or not (verified_at is None or is_number(verified_at)):
             raise ValueError("'committed_unix' or 'verified_unix' is not a time")
         state = Trust.VERIFIED if value.get("state") == Trust.VERIFIED.value else Trust.CANDIDATE
-        return cls(state, float(committed_at), need, tuple(healthy), bad,
-                   None if verified_at is None else float(verified_at))
+        return cls(
+            state,
+            float(committed_at),
+            need,
+            tuple(healthy),
+            bad,
+            None if verified_at is None else float(verified_at),
+        )
 
 
 def read(root: Path) -> dict[int, TrustEntry]:
@@ -285,13 +341,17 @@ def read(root: Path) -> dict[int, TrustEntry]:
         ) from None
     steps = data.get("steps") if isinstance(data, dict) else None
     if not isinstance(steps, dict) or not all(isinstance(v, dict) for v in steps.values()):
-        raise CheckpointCorruptError(f"{path} is not a trust record (no 'steps' object); move it away")
+        raise CheckpointCorruptError(
+            f"{path} is not a trust record (no 'steps' object); move it away"
+        )
     out = {}
     for key, value in steps.items():
         try:
             step = int(key)
         except ValueError:
-            raise CheckpointCorruptError(f"{path} names a step that is not a number; move it away") from None
+            raise CheckpointCorruptError(
+                f"{path} names a step that is not a number; move it away"
+            ) from None
         try:
             out[step] = TrustEntry.from_json(value)
         except ValueError as exc:
@@ -301,7 +361,10 @@ def read(root: Path) -> dict[int, TrustEntry]:
 
 def _write(root: Path, steps: Mapping[int, TrustEntry]) -> None:
     _layout.refuse_link(_path(root), "trust record")  # never written through a link
-    body = {"format": TRUST_FORMAT, "steps": {str(k): v.to_json() for k, v in sorted(steps.items())}}
+    body = {
+        "format": TRUST_FORMAT,
+        "steps": {str(k): v.to_json() for k, v in sorted(steps.items())},
+    }
     _layout.atomic_write_json(_path(root), body)
 
 
@@ -329,7 +392,9 @@ def committed(root: Path, step: int, verify_after: int, *, on_disk: Iterable[int
     _write(root, steps)
 
 
-def observe(root: Path, healthy: Iterable[int], unhealthy: Iterable[int], eligible: Callable[[int], bool]) -> list[int]:
+def observe(
+    root: Path, healthy: Iterable[int], unhealthy: Iterable[int], eligible: Callable[[int], bool]
+) -> list[int]:
     """Rank 0, at a save agreement: apply the steps seen healthy and unhealthy to every eligible
     candidate older than them. Returns the steps that became verified."""
     good, bad = sorted(set(healthy)), sorted(set(unhealthy))
@@ -346,7 +411,12 @@ def observe(root: Path, healthy: Iterable[int], unhealthy: Iterable[int], eligib
         if first_bad is not None:
             seen = [s for s in seen if s < first_bad]
         if len(seen) >= need:
-            steps[k] = replace(entry, state=Trust.VERIFIED, verified_unix=time.time(), healthy_after=tuple(seen[:need]))
+            steps[k] = replace(
+                entry,
+                state=Trust.VERIFIED,
+                verified_unix=time.time(),
+                healthy_after=tuple(seen[:need]),
+            )
             promoted.append(k)
         elif first_bad is not None:
             steps[k] = replace(entry, unhealthy_after=first_bad, healthy_after=tuple(seen))

@@ -33,19 +33,38 @@ class TurnLog:
     def write(self, event: str, durable: bool = False, **fields: Any) -> None:
         if self.root is None:
             return
-        line = json.dumps({"event": event, "rank": self.rank, "pid": os.getpid(), "time": time.time(), **fields},
-                          sort_keys=True, allow_nan=False) + "\n"
+        line = (
+            json.dumps(
+                {
+                    "event": event,
+                    "rank": self.rank,
+                    "pid": os.getpid(),
+                    "time": time.time(),
+                    **fields,
+                },
+                sort_keys=True,
+                allow_nan=False,
+            )
+            + "\n"
+        )
         self.held.append(line)
         if not self.root.is_dir():  # a mistyped root must stay visible: the first save creates it
             return
         try:
             self._append(durable)
         except (OSError, UnsafeCheckpointError) as exc:
-            log.warning("ckptguard: could not append the %s turn record under %s (%s)", event, self.root, exc)
+            log.warning(
+                "ckptguard: could not append the %s turn record under %s (%s)",
+                event,
+                self.root,
+                exc,
+            )
 
     def _append(self, durable: bool) -> None:
         directory = self.root / PROOF_DIR  # type: ignore[operator]
-        refuse_link(directory, "proof directory")  # appending through a link writes outside the root
+        refuse_link(
+            directory, "proof directory"
+        )  # appending through a link writes outside the root
         directory.mkdir(exist_ok=True)
         path = directory / RECORDS.format(rank=self.rank)
         refuse_link(path, "turn records")

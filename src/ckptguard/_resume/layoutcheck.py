@@ -41,7 +41,9 @@ class _Pieces(Wire):
 
     partials: dict[str, Any]
     problems: list[str]
-    replicated: dict[str, str] = field(default_factory=dict)  # ReshardOptions.replicated items: their digests
+    replicated: dict[str, str] = field(
+        default_factory=dict
+    )  # ReshardOptions.replicated items: their digests
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,14 @@ class Checked:
     """``replica_report`` of the restored state (the proof's "replicas equal after load")."""
 
 
-REPLICAS_SHOWN = 16  # differing chunks named in the report and the error; the count says how many in all
+REPLICAS_SHOWN = (
+    16  # differing chunks named in the report and the error; the count says how many in all
+)
 
 
-def replica_report(views: list[dict[str, list[str]]], replicated: list[dict[str, str]] | None = None) -> JsonObject:
+def replica_report(
+    views: list[dict[str, list[str]]], replicated: list[dict[str, str]] | None = None
+) -> JsonObject:
     """Which chunks several ranks hold, and which of those their holders hold differently.
 
     ``views`` are the ranks' ``layout_free_partials`` in rank order; ``replicated`` each rank's
@@ -86,16 +92,26 @@ def replica_report(views: list[dict[str, list[str]]], replicated: list[dict[str,
         for item, value in items.items():
             holders.setdefault(f"{item}@-", {}).setdefault(value, []).append(rank)
             names[f"{item}@-"] = (item, "(item)")
-    shared = {cid: values for cid, values in holders.items() if sum(len(r) for r in values.values()) > 1}
-    differ = sorted((cid for cid, values in shared.items() if len(values) > 1), key=lambda c: (names[c], c))
+    shared = {
+        cid: values for cid, values in holders.items() if sum(len(r) for r in values.values()) > 1
+    }
+    differ = sorted(
+        (cid for cid, values in shared.items() if len(values) > 1), key=lambda c: (names[c], c)
+    )
     return {
         "world": len(views),
         "checked": len(shared),
-        "most": max((sum(len(r) for r in v.values()) for v in shared.values()), default=1 if views else 0),
+        "most": max(
+            (sum(len(r) for r in v.values()) for v in shared.values()), default=1 if views else 0
+        ),
         "differing": len(differ),
         "differ": [
-            {"item": names[cid][0], "key": names[cid][1], "offset": cid.rpartition("@")[2],
-             "ranks": sorted(shared[cid].values())}
+            {
+                "item": names[cid][0],
+                "key": names[cid][1],
+                "offset": cid.rpartition("@")[2],
+                "ranks": sorted(shared[cid].values()),
+            }
             for cid in differ[:REPLICAS_SHOWN]
         ],
     }
@@ -111,8 +127,10 @@ def differing_chunks(report: JsonObject, *, short: bool = False) -> str:
         where = "" if short else f", offset {d.get('offset')}"
         return f"{d.get('key')!r} (item {d.get('item')!r}{where})"
 
-    return "; ".join(f"{name(d)}: " + " vs ".join(f"ranks {r}" for r in d.get("ranks") or [])
-                     for d in report.get("differ") or [])
+    return "; ".join(
+        f"{name(d)}: " + " vs ".join(f"ranks {r}" for r in d.get("ranks") or [])
+        for d in report.get("differ") or []
+    )
 
 
 def describe_replicas(report: JsonObject) -> str:
@@ -121,8 +139,10 @@ def describe_replicas(report: JsonObject) -> str:
         return ""
     shown = differing_chunks(report)
     more = report["differing"] - len(report.get("differ", []))
-    return (f"{report['differing']} tensor chunk(s) held by several ranks differ between their replicas after "
-            f"the load: {shown}{f' (and {more} more)' if more > 0 else ''}")
+    return (
+        f"{report['differing']} tensor chunk(s) held by several ranks differ between their replicas after "
+        f"the load: {shown}{f' (and {more} more)' if more > 0 else ''}"
+    )
 
 
 def _extras_items(
@@ -141,7 +161,9 @@ def _extras_items(
             continue
         matches[name] = item.digest() == saved[name]
         if not matches[name]:
-            problems.append(f"state item {name!r} ({item.kind.value}) differs from what rank {source} saved")
+            problems.append(
+                f"state item {name!r} ({item.kind.value}) differs from what rank {source} saved"
+            )
     if extras.get("rng") is not None and RNG_ITEM in saved and ctx.config.state.restore_rng:
         matches["rng"] = digest(_rng.capture()) == saved[RNG_ITEM]
         if not matches["rng"]:
@@ -177,21 +199,32 @@ def verify(
     ``explain`` (same layout): what the files say when a tensor item differs, e.g. which data file
     changed on disk since the save; called only then, as it hashes the files."""
     resharded = manifest.world_size != ctx.world
-    items, problems = _extras_items(ctx, now, manifest, extras, source, expected) if resharded else ({}, [])
+    items, problems = (
+        _extras_items(ctx, now, manifest, extras, source, expected) if resharded else ({}, [])
+    )
     saved = manifest.layout_free  # None: a manifest written before layout-free digests
     tensor_items = sorted(n for n, item in now.items() if item.kind in _TENSOR_KINDS)
     live = {n: item.tensors for n, item in now.items() if item.kind in _TENSOR_KINDS}
     partials = layout_free_partials(live) if saved is not None else {}
-    replicated = {n: item.digest() for n, item in now.items()
-                  if n in ctx.config.reshard.replicated and item.kind not in _TENSOR_KINDS}
+    replicated = {
+        n: item.digest()
+        for n, item in now.items()
+        if n in ctx.config.reshard.replicated and item.kind not in _TENSOR_KINDS
+    }
 
     def decide(views: list[_Pieces]) -> _Verdict:
         # Format 3: an empty table is compared too (its tensor items' bytes are covered by nothing else).
         compare = saved is not None and (bool(saved) or manifest.format_version >= 3)
         now = combine_layout_free([v.partials for v in views]) if compare else {}
         differ = _compare(saved or {}, now, tensor_items) if compare else {}
-        replicas = replica_report([v.partials for v in views], [v.replicated for v in views]) if compare else {}
-        return _Verdict(differ, {str(r): v.problems for r, v in enumerate(views) if v.problems}, replicas)
+        replicas = (
+            replica_report([v.partials for v in views], [v.replicated for v in views])
+            if compare
+            else {}
+        )
+        return _Verdict(
+            differ, {str(r): v.problems for r, v in enumerate(views) if v.problems}, replicas
+        )
 
     # Rank 0 decides without raising: every rank records the outcome for the proof, then all raise alike.
     mine = _Pieces(partials, problems, replicated)
@@ -204,23 +237,51 @@ def verify(
         on_verified(checked.layout_free, kind="layout_free")
         if checked.replicas:
             on_verified(checked.replicas, kind="replicas")
-    bad = [f"item {item!r}: keys {keys[:8]}{' ...' if len(keys) > 8 else ''}" for item, keys in differ.items() if keys]
+    bad = [
+        f"item {item!r}: keys {keys[:8]}{' ...' if len(keys) > 8 else ''}"
+        for item, keys in differ.items()
+        if keys
+    ]
     others = [f"rank {r}: {'; '.join(p)}" for r, p in sorted(head.problems.items())]
     if bad or others or head.replicas.get("differing"):
-        how = f"onto {ctx.world} ranks from {manifest.world_size}" if resharded else "on the same layout"
+        how = (
+            f"onto {ctx.world} ranks from {manifest.world_size}"
+            if resharded
+            else "on the same layout"
+        )
         split = describe_replicas(head.replicas)
-        unsaved = sorted(k for item, keys in differ.items() for k in keys
-                         if (saved or {}).get(item, {}).get(k) == REPLICAS_DIFFER)
-        parts = ([split] if split else []) + ([
-            f"the save's own replicas of {unsaved[:8]} already differed (no restore can give them one value: "
-            "restore an earlier step)"] if unsaved else []) + (
-            [f"the layout-free digests differ from the save's ({', '.join(bad)})"] if bad else []) + others
+        unsaved = sorted(
+            k
+            for item, keys in differ.items()
+            for k in keys
+            if (saved or {}).get(item, {}).get(k) == REPLICAS_DIFFER
+        )
+        parts = (
+            ([split] if split else [])
+            + (
+                [
+                    f"the save's own replicas of {unsaved[:8]} already differed (no restore can give them one value: "
+                    "restore an earlier step)"
+                ]
+                if unsaved
+                else []
+            )
+            + (
+                [f"the layout-free digests differ from the save's ({', '.join(bad)})"]
+                if bad
+                else []
+            )
+            + others
+        )
         if bad and explain is not None:
             parts += explain()
         # Blame only what ran: a same-layout restore did no resharding.
-        culprit = ("the resharding read is at fault" if resharded else
-                   "the read on this same layout is at fault (no resharding ran), or the manifest's digests were "
-                   "edited")
+        culprit = (
+            "the resharding read is at fault"
+            if resharded
+            else "the read on this same layout is at fault (no resharding ran), or the manifest's digests were "
+            "edited"
+        )
         raise StateMismatchError(
             f"restore of step {manifest.step} {how}: {' | '.join(parts)}. The bytes now in the model and "
             "optimizer are not the bytes that were saved: do not train on. Run `ckptguard verify --deep` on "

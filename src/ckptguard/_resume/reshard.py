@@ -47,6 +47,7 @@ from ..errors import StateMismatchError, TopologyMismatchError
 
 log = logging.getLogger("ckptguard")
 
+
 def derived_seed(seed: int, step: int, rank: int, item: str | None = None) -> int:
     """The seed of new rank ``rank``'s RNG streams (or of its generator ``item``) after a resharded
     restore of ``step``."""
@@ -74,14 +75,20 @@ def derived_streams(seed: int, step: int, rank: int) -> StateDict:
 def _would_apply(value: Any) -> str:
     kind = _state.classify(value)
     if kind is _state.ItemKind.PER_RANK:
-        return "PerRank(value, reshard=f) with f(old_values_by_rank, new_world) -> new_values_by_rank"
+        return (
+            "PerRank(value, reshard=f) with f(old_values_by_rank, new_world) -> new_values_by_rank"
+        )
     if isinstance(value, _rng.GeneratorState):
-        return ("CheckpointConfig(reshard=ReshardOptions(rng_seed=<the job's seed>)): each new rank's "
-                "generator is re-derived from it")
+        return (
+            "CheckpointConfig(reshard=ReshardOptions(rng_seed=<the job's seed>)): each new rank's "
+            "generator is re-derived from it"
+        )
     what = "object's state_dict()" if kind is _state.ItemKind.STATEFUL else "value"
-    return ("CheckpointConfig(reshard=ReshardOptions(replicated=(...))) if it is equal on every rank, a "
-            "ckptguard.DataCursor for a data "
-            f"position, or, if it differs per rank, pass its {what} as PerRank(value, reshard=f)")
+    return (
+        "CheckpointConfig(reshard=ReshardOptions(replicated=(...))) if it is equal on every rank, a "
+        "ckptguard.DataCursor for a data "
+        f"position, or, if it differs per rank, pass its {what} as PerRank(value, reshard=f)"
+    )
 
 
 def skeleton_rank(manifest: _manifest.Manifest, ep_rank: int | None) -> int:
@@ -110,11 +117,22 @@ class Plan:
 
     def record(self, rng_digest: str | None) -> JsonObject:
         """The ``reshard`` field of the restore's proof record."""
-        rules = {n: r["rule"] + (f"(seed {r['seed']})" if "seed" in r else "") for n, r in sorted(self.rules.items())}
-        return {"mode": "by_item", "from": self.old_world, "to": self.new_world, "rules": rules, "rng": rng_digest}
+        rules = {
+            n: r["rule"] + (f"(seed {r['seed']})" if "seed" in r else "")
+            for n, r in sorted(self.rules.items())
+        }
+        return {
+            "mode": "by_item",
+            "from": self.old_world,
+            "to": self.new_world,
+            "rules": rules,
+            "rng": rng_digest,
+        }
 
 
-def _rules(ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any]) -> dict[str, JsonObject]:
+def _rules(
+    ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any]
+) -> dict[str, JsonObject]:
     """Every restored item's rule, or TopologyMismatchError naming each item without one."""
     saved = manifest.reshard or {}
     live = ctx.declared_rules(state)
@@ -123,25 +141,38 @@ def _rules(ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any])
     for name in sorted(n for n in state if n in manifest.items):
         rule, was = live.get(name), saved.get(name)
         if rule is None:
-            problems.append(f"item {name!r} ({manifest.items[name]}) has no rule: declare {_would_apply(state[name])}")
+            problems.append(
+                f"item {name!r} ({manifest.items[name]}) has no rule: declare {_would_apply(state[name])}"
+            )
         elif was is not None and was.get("rule") != rule["rule"]:
-            problems.append(f"item {name!r} was saved under the rule {was.get('rule')!r} and declares "
-                            f"{rule['rule']!r} now: declare the rule it was saved under")
+            problems.append(
+                f"item {name!r} was saved under the rule {was.get('rule')!r} and declares "
+                f"{rule['rule']!r} now: declare the rule it was saved under"
+            )
         else:
             # A generator is re-derived from the seed recorded at save, like the four streams.
-            rules[name] = dict(rule, seed=was["seed"]) if rule["rule"] == RNG and was and "seed" in was else rule
+            rules[name] = (
+                dict(rule, seed=was["seed"])
+                if rule["rule"] == RNG and was and "seed" in was
+                else rule
+            )
     if RNG_ITEM in manifest.digests.get("0", {}) and ctx.config.state.restore_rng:
         seed = saved.get(RNG_ITEM, {}).get("seed", ctx.config.reshard.rng_seed)
         if seed is None:
-            problems.append("the RNG streams (CPU, CUDA, Python, NumPy) have no rule: set "
-                            "CheckpointConfig(reshard=ReshardOptions(rng_seed=<the job's seed>)) so each new "
-                            "rank's streams are re-derived "
-                            "from (seed, step, rank), or restore_rng=False")
+            problems.append(
+                "the RNG streams (CPU, CUDA, Python, NumPy) have no rule: set "
+                "CheckpointConfig(reshard=ReshardOptions(rng_seed=<the job's seed>)) so each new "
+                "rank's streams are re-derived "
+                "from (seed, step, rank), or restore_rng=False"
+            )
         else:
             if ctx.config.reshard.rng_seed not in (None, seed):
-                log.warning("ckptguard: the RNG streams are re-derived from the seed recorded at save (%d), not "
-                            "from CheckpointConfig(reshard=ReshardOptions(rng_seed=%d))", seed,
-                            ctx.config.reshard.rng_seed)
+                log.warning(
+                    "ckptguard: the RNG streams are re-derived from the seed recorded at save (%d), not "
+                    "from CheckpointConfig(reshard=ReshardOptions(rng_seed=%d))",
+                    seed,
+                    ctx.config.reshard.rng_seed,
+                )
             rules[RNG_ITEM] = {"rule": RNG, "seed": int(seed)}
     if problems:
         raise TopologyMismatchError(
@@ -162,9 +193,14 @@ def _check_equal(manifest: _manifest.Manifest, name: str, rule: str) -> str:
         by_digest.setdefault(manifest.digests.get(str(r), {}).get(name, ""), []).append(r)
     if len(by_digest) != 1 or "" in by_digest:
         groups = "; ".join(f"ranks {ranks}" for ranks in by_digest.values())
-        what = "a DataCursor counts the global position, so every rank must call take(n) alike" if rule == DATA_CURSOR \
-            else ("it was declared replicated (CheckpointConfig(reshard=ReshardOptions(replicated=...))) but "
-                  "differs per rank")
+        what = (
+            "a DataCursor counts the global position, so every rank must call take(n) alike"
+            if rule == DATA_CURSOR
+            else (
+                "it was declared replicated (CheckpointConfig(reshard=ReshardOptions(replicated=...))) but "
+                "differs per rank"
+            )
+        )
         raise StateMismatchError(
             f"restore of step {manifest.step} from {manifest.path.parent}: item {name!r} (rule {rule}) was saved "
             f"with different values on the saving ranks (alike: {groups}): {what}. Give it a rule that merges "
@@ -174,7 +210,10 @@ def _check_equal(manifest: _manifest.Manifest, name: str, rule: str) -> str:
 
 
 def prepare(
-    ctx: Context, manifest: _manifest.Manifest, state: Mapping[str, Any], load: Callable[[int], StateDict]
+    ctx: Context,
+    manifest: _manifest.Manifest,
+    state: Mapping[str, Any],
+    load: Callable[[int], StateDict],
 ) -> Plan:
     """Decide every item's rule and build this rank's extras; raises before anything is loaded."""
     rules = _rules(ctx, manifest, state)
@@ -189,14 +228,18 @@ def prepare(
         # Every old rank's extras, on every new rank: small files, and only for items with a user rule.
         old = [load(r) for r in range(manifest.world_size)]
         for name in users:
-            extras["items"][name] = _run_user_rule(manifest, ctx, name, state[name].reshard, old, plan)
+            extras["items"][name] = _run_user_rule(
+                manifest, ctx, name, state[name].reshard, old, plan
+            )
     if RNG_ITEM in rules:
         extras["rng"] = derived_streams(rules[RNG_ITEM]["seed"], manifest.step, ctx.rank)
         plan.expected[RNG_ITEM] = digest(extras["rng"])
     elif not ctx.config.state.restore_rng:
         extras["rng"] = None
     for name in generators(rules):
-        extras["items"][name] = _derived_generator(state[name], rules[name]["seed"], manifest.step, ctx.rank, name)
+        extras["items"][name] = _derived_generator(
+            state[name], rules[name]["seed"], manifest.step, ctx.rank, name
+        )
         plan.expected[name] = digest(extras["items"][name])
     plan.extras = extras
     return plan
@@ -209,20 +252,33 @@ def generators(rules: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 def _derived_generator(item: Any, seed: int, step: int, rank: int, name: str) -> StateDict:
     """The state a ``GeneratorState`` item gets: a fresh generator of its device seeded by the rule."""
-    gen = torch.Generator(device=item.generator.device).manual_seed(derived_seed(seed, step, rank, name))
+    gen = torch.Generator(device=item.generator.device).manual_seed(
+        derived_seed(seed, step, rank, name)
+    )
     return {"device": str(item.generator.device), "state": gen.get_state()}
 
 
 def _run_user_rule(
-    manifest: _manifest.Manifest, ctx: Context, name: str, fn: Callable[..., Any], old: list[StateDict], plan: Plan
+    manifest: _manifest.Manifest,
+    ctx: Context,
+    name: str,
+    fn: Callable[..., Any],
+    old: list[StateDict],
+    plan: Plan,
 ) -> Any:
     where = f"restore of step {manifest.step}: the reshard rule {fn_name(fn)} of item {name!r}"
     try:
         new = fn([e["items"][name] for e in old], ctx.world)
     except Exception as exc:
-        raise StateMismatchError(f"{where} raised {type(exc).__name__}: {exc}; fix the rule") from exc
+        raise StateMismatchError(
+            f"{where} raised {type(exc).__name__}: {exc}; fix the rule"
+        ) from exc
     if not isinstance(new, (list, tuple)) or len(new) != ctx.world:
-        got = f"a {type(new).__name__} of {len(new)}" if isinstance(new, (list, tuple)) else type(new).__name__
+        got = (
+            f"a {type(new).__name__} of {len(new)}"
+            if isinstance(new, (list, tuple))
+            else type(new).__name__
+        )
         raise StateMismatchError(
             f"{where} returned {got}; it must return a list of {ctx.world} values, one per new rank "
             f"(it is called as f(old_values_by_rank, new_world) with the {manifest.world_size} saved values)"
@@ -252,24 +308,36 @@ def confirm(ctx: Context, plan: Plan) -> str | None:
 
     def decide(views: list[_After]) -> _Fine:
         problems = []
-        for what, of in [("RNG streams", lambda v: v.rng)] + [(f"generator {n!r}", lambda v, n=n: v.generators[n])
-                                                                for n in gens]:
+        for what, of in [("RNG streams", lambda v: v.rng)] + [
+            (f"generator {n!r}", lambda v, n=n: v.generators[n]) for n in gens
+        ]:
             seen: dict[str, list[int]] = {}
             for r, v in enumerate(views):
                 if of(v):
                     seen.setdefault(of(v), []).append(r)
             if same := [ranks for ranks in seen.values() if len(ranks) > 1]:
-                problems.append(f"ranks {same[0]} hold the same {what} after re-deriving them (their dropout "
-                                "masks and sampling would be identical)")
+                problems.append(
+                    f"ranks {same[0]} hold the same {what} after re-deriving them (their dropout "
+                    "masks and sampling would be identical)"
+                )
         for name in plan.user_digests:
             if len({v.users.get(name) for v in views}) > 1:
-                problems.append(f"the reshard rule of item {name!r} returned different lists on different ranks: "
-                                "it must be a deterministic function of (old_values_by_rank, new_world)")
+                problems.append(
+                    f"the reshard rule of item {name!r} returned different lists on different ranks: "
+                    "it must be a deterministic function of (old_values_by_rank, new_world)"
+                )
         if problems:
-            raise StateMismatchError(f"resharded restore of step {plan.step} ({plan.old_world} -> {plan.new_world} "
-                                     f"ranks): {'; '.join(problems)}. Do not train on.")
+            raise StateMismatchError(
+                f"resharded restore of step {plan.step} ({plan.old_world} -> {plan.new_world} "
+                f"ranks): {'; '.join(problems)}. Do not train on."
+            )
         return _Fine()
 
-    gather_decide(ctx.agreement, "restore.reshard", _After(mine, plan.user_digests, gens), decide, decision=_Fine)
+    gather_decide(
+        ctx.agreement,
+        "restore.reshard",
+        _After(mine, plan.user_digests, gens),
+        decide,
+        decision=_Fine,
+    )
     return mine or None
-

@@ -41,7 +41,9 @@ class ResolveView(Wire):
     step: int = 0
     path: str | None = None
     error: dict[str, Any] | None = None
-    published: list[int] = field(default_factory=list)  # node-local: newer steps this node holds published
+    published: list[int] = field(
+        default_factory=list
+    )  # node-local: newer steps this node holds published
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,11 @@ class Agreed(Wire):
 
 
 def resolve(
-    ctx: Context, mode: ResumeMode, path: Path | None, *, prefer: _trust.Prefer = _trust.Prefer.LATEST
+    ctx: Context,
+    mode: ResumeMode,
+    path: Path | None,
+    *,
+    prefer: _trust.Prefer = _trust.Prefer.LATEST,
 ) -> Resolution:
     """resolve_local on every rank, then agreement on the step and on every rank's files."""
     res: Resolution | None = None
@@ -83,9 +89,13 @@ def resolve(
         latest = path is None and mode is not ResumeMode.NEVER and prefer is _trust.Prefer.LATEST
         newer = _published_newer(ctx, res) if latest else []
         view = ResolveView(res.step, str(res.path) if res.path else None, published=newer)
-    except Exception as exc:  # any local failure is shipped, so no rank waits for a peer that raised
+    except (
+        Exception
+    ) as exc:  # any local failure is shipped, so no rank waits for a peer that raised
         view = ResolveView(error=error_payload(exc))
-    agreed = gather_decide(ctx.agreement, "resolve.step", view, same_checkpoint, decision=AgreedStep)
+    agreed = gather_decide(
+        ctx.agreement, "resolve.step", view, same_checkpoint, decision=AgreedStep
+    )
     assert res is not None
     if agreed.step != res.step:
         res = Resolution(
@@ -138,7 +148,9 @@ def same_checkpoint(views: list[ResolveView]) -> AgreedStep:
             + ". Every rank must see the same root (shared storage, or the same files on each node)."
         )
     newest = max(v.step for v in views)
-    if all(v.step == newest or newest in v.published for v in views) and any(v.step != newest for v in views):
+    if all(v.step == newest or newest in v.published for v in views) and any(
+        v.step != newest for v in views
+    ):
         return AgreedStep(newest)  # node-local roots: a save stopped between the nodes' trackers
     # Compare step and directory name: node-local roots may sit at different paths.
     if len({(v.step, v.path and Path(v.path).name) for v in views}) > 1:
@@ -166,8 +178,9 @@ def agree_files(ctx: Context, res: Resolution) -> None:
     wanted.add(_layout.extras_name(src))
     if by_item(ctx, manifest):  # a user rule reads every old rank's extras
         wanted |= {_layout.extras_name(r) for r in range(manifest.world_size)}
-    if manifest.world_size == ctx.world:  # same layout: only this rank's shards (node-local storage)
-
+    if (
+        manifest.world_size == ctx.world
+    ):  # same layout: only this rank's shards (node-local storage)
         try:
             wanted = files_needed(res.path, manifest, src)
         except CheckpointError as exc:  # e.g. unsafe metadata: every rank raises this same error
@@ -176,7 +189,9 @@ def agree_files(ctx: Context, res: Resolution) -> None:
     for f in [f for f in manifest.files if f.path in wanted]:
         p = safe_member(res.path, f.path)
         if p is None:
-            problems.append(f"the manifest lists {f.path!r}, which leaves {res.path}; run `ckptguard verify`")
+            problems.append(
+                f"the manifest lists {f.path!r}, which leaves {res.path}; run `ckptguard verify`"
+            )
         elif not p.exists():
             problems.append(f"missing {p}")
         elif p.stat().st_size != f.size:
@@ -191,7 +206,9 @@ def agree_files(ctx: Context, res: Resolution) -> None:
         if bad:
             raise RankDisagreementError(
                 f"step {res.step} at {res.path} is incomplete on some ranks: "
-                + "; ".join(f"rank {r} (host {v.host}): {', '.join(v.problems)}" for r, v in bad.items())
+                + "; ".join(
+                    f"rank {r} (host {v.host}): {', '.join(v.problems)}" for r, v in bad.items()
+                )
                 + ". With node-local checkpoints every rank's node needs its files: copy them there before launch."
             )
         return Agreed()
@@ -204,7 +221,9 @@ def source_rank(ctx: Context, manifest: _manifest.Manifest) -> int:
     old = manifest.world_size
     if old == ctx.world or ctx.config.reshard.rule is ReshardRule.REFUSE:
         return ctx.rank
-    return _reshard.skeleton_rank(manifest, ctx.expert.rank if ctx.expert is not None else None)  # BY_ITEM
+    return _reshard.skeleton_rank(
+        manifest, ctx.expert.rank if ctx.expert is not None else None
+    )  # BY_ITEM
 
 
 def by_item(ctx: Context, manifest: _manifest.Manifest) -> bool:
@@ -234,4 +253,8 @@ def check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
             "DCP reshard tensor state and every per-rank item follow its declared rule (a DataCursor, "
             "replicated=..., PerRank(value, reshard=f), rng_seed=...)."
         )
-    log.warning("ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules", saved, now)
+    log.warning(
+        "ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules",
+        saved,
+        now,
+    )

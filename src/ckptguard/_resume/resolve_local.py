@@ -78,7 +78,9 @@ def resolve_local(
         return Resolution(manifest.step, step_dir, "explicit path", mode)
     if mode is ResumeMode.NEVER:
         count = len(_layout.step_dirs(root, naming))
-        return Resolution(0, None, f"ResumeMode.NEVER; {count} step directories under {root} ignored", mode)
+        return Resolution(
+            0, None, f"ResumeMode.NEVER; {count} step directories under {root} ignored", mode
+        )
     if not root.exists():
         if mode is ResumeMode.MUST:
             raise ResumeError(
@@ -86,7 +88,10 @@ def resolve_local(
                 "check the path (it is never created by restore)"
             )
         return Resolution(
-            0, None, f"checkpoint root {root} does not exist (it was not created; the first save creates it)", mode
+            0,
+            None,
+            f"checkpoint root {root} does not exist (it was not created; the first save creates it)",
+            mode,
         )
     tracker = _layout.read_tracker(root)
     dirs = _layout.step_dirs(root, naming)
@@ -103,9 +108,16 @@ def resolve_local(
         return Resolution(0, None, f"{root} exists but holds no checkpoint and no tracker", mode)
     if tracker == 0:
         if mode is ResumeMode.MUST:
-            raise ResumeError(f"ResumeMode.MUST: the tracker in {root} says 0 (no step committed yet)")
+            raise ResumeError(
+                f"ResumeMode.MUST: the tracker in {root} says 0 (no step committed yet)"
+            )
         orphans = f"; uncommitted step directories {sorted(dirs)} are ignored" if dirs else ""
-        return Resolution(0, None, f"tracker in {root} says 0: fresh start declared by the first save{orphans}", mode)
+        return Resolution(
+            0,
+            None,
+            f"tracker in {root} says 0: fresh start declared by the first save{orphans}",
+            mode,
+        )
     step_dir = root / naming.name(tracker)
     _layout.refuse_link(step_dir, f"step directory of the tracker's step {tracker}")
     try:
@@ -120,13 +132,22 @@ def resolve_local(
             "Restore the files, or restore(path=...) an older committed step explicitly."
         ) from exc
     if manifest.step != tracker:
-        raise ResumeError(f"{step_dir}/manifest.json says step {manifest.step} but the tracker says {tracker}")
+        raise ResumeError(
+            f"{step_dir}/manifest.json says step {manifest.step} but the tracker says {tracker}"
+        )
     res = Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
-    return _prefer_verified(root, naming, res, read_manifest) if prefer is _trust.Prefer.VERIFIED else res
+    return (
+        _prefer_verified(root, naming, res, read_manifest)
+        if prefer is _trust.Prefer.VERIFIED
+        else res
+    )
 
 
 def _prefer_verified(
-    root: Path, naming: _layout.StepNaming, res: Resolution, read_manifest: Callable[[Path], Any] = _manifest.read
+    root: Path,
+    naming: _layout.StepNaming,
+    res: Resolution,
+    read_manifest: Callable[[Path], Any] = _manifest.read,
 ) -> Resolution:
     """prefer='verified': the newest verified committed step no newer than the tracker (module doc of trust)."""
     try:
@@ -142,11 +163,20 @@ def _prefer_verified(
                 continue
         except CheckpointError:
             continue  # deleted or damaged since it was verified: the next older one
-        newer = "" if step == res.step else (
-            f"; the tracker's step {res.step} and the steps between are not verified: resuming here is a "
-            "rollback (saving those steps again needs save(..., overwrite=True))")
-        return Resolution(step, step_dir, f"prefer='verified': step {step} is the newest verified step{newer}",
-                          res.mode)
+        newer = (
+            ""
+            if step == res.step
+            else (
+                f"; the tracker's step {res.step} and the steps between are not verified: resuming here is a "
+                "rollback (saving those steps again needs save(..., overwrite=True))"
+            )
+        )
+        return Resolution(
+            step,
+            step_dir,
+            f"prefer='verified': step {step} is the newest verified step{newer}",
+            res.mode,
+        )
     entry = trust.get(res.step)
     if entry is not None and entry.unhealthy_after is not None:
         raise ResumeError(
@@ -154,5 +184,10 @@ def _prefer_verified(
             f"followed by the unhealthy step {entry.unhealthy_after}. Restore an older step with "
             "restore(path=...), or resume it anyway with prefer='latest'"
         )
-    return Resolution(res.step, res.path, f"{res.reason}; prefer='verified': no step is verified yet, and no "
-                      f"unhealthy step followed step {res.step} ({_trust.describe(entry)})", res.mode)
+    return Resolution(
+        res.step,
+        res.path,
+        f"{res.reason}; prefer='verified': no step is verified yet, and no "
+        f"unhealthy step followed step {res.step} ({_trust.describe(entry)})",
+        res.mode,
+    )

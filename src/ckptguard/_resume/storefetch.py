@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._agree import Agreement, Wire, on_every_rank
-from .._disk.layout import CONTRACT_DIR, MANIFEST_NAME, TRACKER_NAME, atomic_write_json, read_json, refuse_link
+from .._disk.layout import (
+    CONTRACT_DIR,
+    MANIFEST_NAME,
+    TRACKER_NAME,
+    atomic_write_json,
+    read_json,
+    refuse_link,
+)
 from .._records import contract as _contract
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError, ContractMismatchError, ResumeError
@@ -55,32 +62,43 @@ def resolve(store: ObjectStore, *, must: bool = False) -> Resolved:
     try:
         marker = store.marker(step)
     except CheckpointError as exc:
-        raise ResumeError(f"the tracker at {store.url} says {step}, but its marker is unreadable: {exc}") from exc
+        raise ResumeError(
+            f"the tracker at {store.url} says {step}, but its marker is unreadable: {exc}"
+        ) from exc
     if marker is None:
         marker_at = store.where(store.naming.name(step), MANIFEST_NAME)
         raise ResumeError(
             f"the tracker at {store.where(TRACKER_NAME)} says {step}, but {marker_at} does not exist. ckptguard "
             "writes the marker before the tracker and rotation never deletes the tracker's step, so something "
             "outside ckptguard deleted it: restore the objects, or set the tracker to an older committed step "
-            "by hand (`ckptguard list` shows them)")
+            "by hand (`ckptguard list` shows them)"
+        )
     return Resolved(step, marker, f"tracker {store.where(TRACKER_NAME)} says {step}")
 
 
 @dataclass(frozen=True)
 class _Have(Wire):
     host: str
-    same: bool  # the staging root holds exactly this step already (its manifest equals the marker's)
+    same: (
+        bool  # the staging root holds exactly this step already (its manifest equals the marker's)
+    )
 
 
-def fetch_step(agreement: Agreement, store: ObjectStore, root: Path, step: int, *, host: str) -> Path:
+def fetch_step(
+    agreement: Agreement, store: ObjectStore, root: Path, step: int, *, host: str
+) -> Path:
     """The committed ``step`` of ``store`` in the staging ``root``: downloaded, each host's ranks a share,
     unless there already (collective); returns its directory."""
     rank = agreement.info.rank
     marker = store.marker(step)
     if marker is None:
-        raise CheckpointCorruptError(f"{store.url}: the marker of step {step} vanished after resolve")
+        raise CheckpointCorruptError(
+            f"{store.url}: the marker of step {step} vanished after resolve"
+        )
     step_dir = root / store.naming.name(step)
-    refuse_link(step_dir, f"the staging copy of step {step}")  # _clear below must never delete through a link
+    refuse_link(
+        step_dir, f"the staging copy of step {step}"
+    )  # _clear below must never delete through a link
     have = _Have(host, _same(step_dir, marker.manifest))
     views = [_Have.from_json(v) for v in agreement.exchange("store.have", have.to_json())]
     peers = [r for r, v in enumerate(views) if v.host == host]
@@ -94,7 +112,11 @@ def fetch_step(agreement: Agreement, store: ObjectStore, root: Path, step: int, 
     names = sorted(marker.objects) if here else []
     share = {n for i, n in enumerate(names) if i % len(peers) == peers.index(rank)}
     on_every_rank(agreement, "store.fetch", lambda: store.fetch(marker, step_dir, only=share))
-    on_every_rank(agreement, "store.fetched", lambda: _finish(store, root, marker, step_dir) if leader else None)
+    on_every_rank(
+        agreement,
+        "store.fetched",
+        lambda: _finish(store, root, marker, step_dir) if leader else None,
+    )
     return step_dir
 
 
@@ -105,7 +127,8 @@ def _finish(store: ObjectStore, root: Path, marker: Marker, step_dir: Path) -> N
         if name in own and own[name] != record:
             raise ContractMismatchError(
                 f"{root}/{CONTRACT_DIR}/{name} differs from the phase step {marker.step} on {store.url} carries: "
-                "the staging root belongs to another run; give this run its own staging directory")
+                "the staging root belongs to another run; give this run its own staging directory"
+            )
         if name not in own:
             (root / CONTRACT_DIR).mkdir(parents=True, exist_ok=True)
             atomic_write_json(root / CONTRACT_DIR / name, record)

@@ -20,7 +20,6 @@ from ..errors import ConfigError, StaleDerivedStateError
 log = logging.getLogger("ckptguard")
 
 
-
 @dataclass
 class _Entry:
     invalidate: Callable[[], None]
@@ -39,7 +38,9 @@ class DerivedState:
     def register(self, name: str, invalidate: Callable[[], None]) -> None:
         """Register a cache once, with the callback that drops or rebuilds it."""
         if name in self._entries:
-            raise ConfigError(f"derived state {name!r} is already registered; register each cache once")
+            raise ConfigError(
+                f"derived state {name!r} is already registered; register each cache once"
+            )
         if not callable(invalidate):
             raise ConfigError(f"derived state {name!r}: invalidate must be callable")
         self._entries[name] = _Entry(invalidate)
@@ -76,5 +77,10 @@ class DerivedState:
         for name, entry in self._entries.items():
             entry.invalidate()
             entry.invalidations += 1
-            log.debug("ckptguard: invalidated derived state %s (%s, version %d)", name, reason, self.version)
+            log.debug(
+                "ckptguard: invalidated derived state %s (%s, version %d)",
+                name,
+                reason,
+                self.version,
+            )
         return self.version

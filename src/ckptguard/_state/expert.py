@@ -38,7 +38,9 @@ class ExpertParallel:
 
     def __post_init__(self) -> None:
         if not self.patterns:
-            raise ConfigError("ExpertParallel.patterns must name at least one key pattern, e.g. r'\\.experts\\.'")
+            raise ConfigError(
+                "ExpertParallel.patterns must name at least one key pattern, e.g. r'\\.experts\\.'"
+            )
         try:
             compiled = tuple(re.compile(p) for p in self.patterns)
         except re.error as exc:

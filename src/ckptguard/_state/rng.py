@@ -61,7 +61,13 @@ def restore(saved: StateDict, *, where: str) -> None:
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     npd = saved["numpy"]
     np.random.set_state(
-        (npd["kind"], npd["keys"].numpy().astype(np.uint32), npd["pos"], npd["has_gauss"], npd["gauss"])
+        (
+            npd["kind"],
+            npd["keys"].numpy().astype(np.uint32),
+            npd["pos"],
+            npd["has_gauss"],
+            npd["gauss"],
+        )
     )
 
 
@@ -75,7 +81,9 @@ class GeneratorState:
 
     def __init__(self, generator: torch.Generator) -> None:
         if not isinstance(generator, torch.Generator):
-            raise ConfigError(f"GeneratorState needs a torch.Generator, got {type(generator).__name__}")
+            raise ConfigError(
+                f"GeneratorState needs a torch.Generator, got {type(generator).__name__}"
+            )
         self.generator = generator
 
     def state_dict(self) -> StateDict:
@@ -84,7 +92,10 @@ class GeneratorState:
     def load_state_dict(self, sd: StateDict) -> None:
         saved = sd["state"]
         now = self.generator.get_state()
-        if str(sd.get("device", now.device)) != str(self.generator.device) or saved.numel() != now.numel():
+        if (
+            str(sd.get("device", now.device)) != str(self.generator.device)
+            or saved.numel() != now.numel()
+        ):
             raise ConfigError(
                 f"GeneratorState: the saved state is of a {sd.get('device')} generator with {saved.numel()} bytes; "
                 f"this one is a {self.generator.device} generator with {now.numel()} bytes. Restore into a "

@@ -80,7 +80,9 @@ class Captured:
 
     def digest_and_layout_free(self) -> tuple[str, dict[str, list[str]]]:
         """``digest()`` and the layout-free partials of the item's tensors, reading their bytes once."""
-        return digest_with_layout_free(_unflatten(self.skeleton, self.tensors), self.tensors, self.name)
+        return digest_with_layout_free(
+            _unflatten(self.skeleton, self.tensors), self.tensors, self.name
+        )
 
     @property
     def replicated_keys(self) -> list[str]:
@@ -108,7 +110,9 @@ def classify(value: Any) -> ItemKind:
         return ItemKind.MODULE
     if isinstance(value, torch.optim.Optimizer):
         return ItemKind.OPTIMIZER
-    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+    if callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    ):
         return ItemKind.STATEFUL
     if _has_tensor(value):
         return ItemKind.TENSORS
@@ -169,8 +173,9 @@ def check_items(state: Mapping[str, Any], where: str) -> None:
             # object's state_dict() is not called before its load (a StatefulDataLoader would start its
             # workers and draw its seeds there), so its content is checked at the save
             continue
-        check_weights_only(current_state(name, value, kind, state),
-                           f"{where}: state item {name!r} ({kind.value})")
+        check_weights_only(
+            current_state(name, value, kind, state), f"{where}: state item {name!r} ({kind.value})"
+        )
 
 
 def check_name(name: Any) -> None:
@@ -243,7 +248,9 @@ def _model_for(optim: torch.optim.Optimizer, state: Mapping[str, Any], name: str
     )
 
 
-def current_state(name: str, value: Any, kind: ItemKind, state: Mapping[str, Any], *, loaded: bool = False) -> Any:
+def current_state(
+    name: str, value: Any, kind: ItemKind, state: Mapping[str, Any], *, loaded: bool = False
+) -> Any:
     """The item's state dict as it is now (tensors are live references where possible). ``loaded``: read
     right after a load, to check it; the global RNG streams are then left as the load put them."""
     if kind is ItemKind.MODULE:
@@ -277,7 +284,11 @@ def read_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, name: s
         )
     osd = optim.state_dict()  # param indices mapped to FQNs, as DCP maps them
     index = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
-    fqn_of = {index[id(p)]: next(iter(_get_fqns(model, key))) for key, p in model.named_parameters() if id(p) in index}
+    fqn_of = {
+        index[id(p)]: next(iter(_get_fqns(model, key)))
+        for key, p in model.named_parameters()
+        if id(p) in index
+    }
     groups = [{**g, "params": [fqn_of[i] for i in g["params"]]} for g in osd["param_groups"]]
     return {"state": {}, "param_groups": groups}
 
@@ -312,7 +323,9 @@ def capture(state: Mapping[str, Any], keyfn: KeyFn = _same) -> dict[str, Capture
     return out
 
 
-def digests_and_layout_free(items: Mapping[str, Captured]) -> tuple[dict[str, str], dict[str, list[str]]]:
+def digests_and_layout_free(
+    items: Mapping[str, Captured],
+) -> tuple[dict[str, str], dict[str, list[str]]]:
     """Every item's per-rank digest and the layout-free partials of all tensor items.
 
     A tensor item's per-rank digest is its structure digest (``digest_kind``): its tensor bytes are
@@ -343,14 +356,18 @@ Target = tuple[ItemKind, Any, dict[str, torch.Tensor]]
 Targets = dict[str, Target]
 
 
-def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same, stepped: frozenset[str] = frozenset()) -> Targets:
+def restore_targets(
+    state: Mapping[str, Any], keyfn: KeyFn = _same, stepped: frozenset[str] = frozenset()
+) -> Targets:
     """For each item: its kind, its current state dict, and the flat tensors DCP fills. ``stepped``: the
     optimizer items whose saved state holds tensors (DCP's load target initialises them; the load replaces it)."""
     targets = {}
     for name, value in state.items():
         kind = classify(value)
         if kind is ItemKind.OPTIMIZER and name in stepped:
-            sd = get_optimizer_state_dict(_model_for(value, state, name), value)  # DCP's init: what it fills
+            sd = get_optimizer_state_dict(
+                _model_for(value, state, name), value
+            )  # DCP's init: what it fills
         else:
             sd = current_state(name, value, kind, state)
         flat: dict[str, torch.Tensor] = {}
@@ -360,7 +377,9 @@ def restore_targets(state: Mapping[str, Any], keyfn: KeyFn = _same, stepped: fro
     return targets
 
 
-def read_back(state: Mapping[str, Any], targets: Targets, keyfn: KeyFn = _same) -> dict[str, Captured]:
+def read_back(
+    state: Mapping[str, Any], targets: Targets, keyfn: KeyFn = _same
+) -> dict[str, Captured]:
     """Every restored item read once from the live objects after the load, as ``capture`` takes it: the checks
     after a restore (digests, layout-free sums, replicas) all compare this one read. A stateful item's read leaves
     the RNG streams as the load put them (``current_state(loaded=True)``)."""
@@ -368,7 +387,9 @@ def read_back(state: Mapping[str, Any], targets: Targets, keyfn: KeyFn = _same) 
     for name, (kind, _sd, _flat) in targets.items():
         sd = current_state(name, state[name], kind, state, loaded=True)
         tensors: dict[str, torch.Tensor] = {}
-        out[name] = Captured(name, kind, flatten(sd, name, tensors, keyfn) if kind in _TENSOR_ITEMS else sd, tensors)
+        out[name] = Captured(
+            name, kind, flatten(sd, name, tensors, keyfn) if kind in _TENSOR_ITEMS else sd, tensors
+        )
     return out
 
 
@@ -382,7 +403,9 @@ def apply(
     """Put one loaded item back into the live objects."""
     value = state[name]
     if kind is ItemKind.MODULE:
-        set_model_state_dict(value, _unflatten(skeleton, loaded), options=StateDictOptions(strict=True))
+        set_model_state_dict(
+            value, _unflatten(skeleton, loaded), options=StateDictOptions(strict=True)
+        )
     elif kind is ItemKind.OPTIMIZER:
         model = _model_for(value, state, name)
         set_optimizer_state_dict(model, value, _unflatten(skeleton, loaded))

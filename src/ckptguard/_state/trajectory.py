@@ -36,7 +36,9 @@ def _ids_array(ids: Any) -> np.ndarray | None:
         return ids.reshape(-1).astype(np.int64) if np.issubdtype(ids.dtype, np.integer) else None
     if isinstance(ids, range):
         return np.arange(ids.start, ids.stop, ids.step, dtype=np.int64)
-    if isinstance(ids, (list, tuple)) and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+    if isinstance(ids, (list, tuple)) and all(
+        isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids
+    ):
         return np.asarray(ids, dtype=np.int64).reshape(-1)
     return None
 
@@ -59,15 +61,23 @@ def ids_fields(ids: Any) -> JsonObject:
     if arr is not None:
         h = xxhash.xxh3_64(b"ids:int64:")
         h.update(np.ascontiguousarray(arr).data)
-        return {"sample_ids": h.hexdigest(), "samples": int(arr.size), "ids_head": [int(i) for i in arr[:_HEAD]],
-                "ids_sum": ids_multiset(arr.view(np.uint64))}
+        return {
+            "sample_ids": h.hexdigest(),
+            "samples": int(arr.size),
+            "ids_head": [int(i) for i in arr[:_HEAD]],
+            "ids_sum": ids_multiset(arr.view(np.uint64)),
+        }
     if isinstance(ids, (list, tuple)) and all(isinstance(i, str) for i in ids):
         h = xxhash.xxh3_64(b"ids:str:")
         for i in ids:
             h.update(i.encode() + b"\0")
         hashed = np.array([xxhash.xxh3_64_intdigest(i.encode()) for i in ids], dtype=np.uint64)
-        return {"sample_ids": h.hexdigest(), "samples": len(ids), "ids_head": list(ids[:_HEAD]),
-                "ids_sum": ids_multiset(hashed)}
+        return {
+            "sample_ids": h.hexdigest(),
+            "samples": len(ids),
+            "ids_head": list(ids[:_HEAD]),
+            "ids_sum": ids_multiset(hashed),
+        }
     return {"sample_ids": digest(ids)}
 
 
@@ -113,7 +123,12 @@ def same_bits(a: Any, b: Any) -> bool:
 
 def difference(a: Any, b: Any) -> float | None:
     """|a - b| for two numbers, None when they are not both finite numbers."""
-    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+    if (
+        isinstance(a, bool)
+        or isinstance(b, bool)
+        or not isinstance(a, (int, float))
+        or not isinstance(b, (int, float))
+    ):
         return None
     d = abs(float(a) - float(b))
     return d if math.isfinite(d) else None
@@ -125,4 +140,6 @@ def rng_digests() -> dict[str, str]:
     after a save and after a restore, so ``prove`` can tell one rank's stream that the restore did
     not put back, or a draw made at another point than in the killed run (``iter(DataLoader)``
     after ``restore()``), from a generator outside the global streams."""
-    return {name: digest(value) for name, value in _capture_rng().items() if name != "cuda" or value}
+    return {
+        name: digest(value) for name, value in _capture_rng().items() if name != "cuda" or value
+    }

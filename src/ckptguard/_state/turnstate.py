@@ -33,8 +33,10 @@ def tokens_to_text(tokens: Sequence[int]) -> str:
 def tokens_from_text(text: str) -> list[int]:
     data = base64.b64decode(text, validate=True) if isinstance(text, str) else b"?"
     if len(data) % TOKEN_BYTES:
-        raise ValueError(f"token ids are base64 text of {TOKEN_BYTES}-byte little-endian ints, got "
-                         f"{type(text).__name__} {str(text)[:40]!r}")
+        raise ValueError(
+            f"token ids are base64 text of {TOKEN_BYTES}-byte little-endian ints, got "
+            f"{type(text).__name__} {str(text)[:40]!r}"
+        )
     a = array("i")
     a.frombytes(data)
     if sys.byteorder == "big":
@@ -55,13 +57,28 @@ class Call:
     revision: int = 0
 
     def to_state(self) -> list[Any]:
-        return [self.call_id, self.env, self.turn, self.index, self.args_digest, self.result, self.revision]
+        return [
+            self.call_id,
+            self.env,
+            self.turn,
+            self.index,
+            self.args_digest,
+            self.result,
+            self.revision,
+        ]
 
     @classmethod
     def from_state(cls, raw: list[Any]) -> Call:
         call_id, env, turn, index, digest, result, revision = raw
-        return cls(str(call_id), str(env), int(turn), int(index), str(digest),
-                   None if result is None else str(result), int(revision))
+        return cls(
+            str(call_id),
+            str(env),
+            int(turn),
+            int(index),
+            str(digest),
+            None if result is None else str(result),
+            int(revision),
+        )
 
 
 @dataclass
@@ -77,22 +94,43 @@ class InFlight:
     spans: list[list[int]] = field(default_factory=list)  # per turn: [model tokens, env tokens]
     model_calls: list[str] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
-    pending: list[Call] = field(default_factory=list)  # issued in the turn in progress, no committed result
-    epochs: dict[str, int] = field(default_factory=dict)  # restart-only env -> fence revision of this attempt
+    pending: list[Call] = field(
+        default_factory=list
+    )  # issued in the turn in progress, no committed result
+    epochs: dict[str, int] = field(
+        default_factory=dict
+    )  # restart-only env -> fence revision of this attempt
 
     def to_state(self) -> StateDict:
-        return {"rollout": self.rollout, "prompt": self.prompt, "prompt_len": self.prompt_len,
-                "tokens": tokens_to_text(self.tokens), "attempt": self.attempt, "turn": self.turn,
-                "spans": [list(s) for s in self.spans], "model_calls": list(self.model_calls),
-                "calls": [c.to_state() for c in self.calls], "pending": [c.to_state() for c in self.pending],
-                "epochs": dict(self.epochs)}
+        return {
+            "rollout": self.rollout,
+            "prompt": self.prompt,
+            "prompt_len": self.prompt_len,
+            "tokens": tokens_to_text(self.tokens),
+            "attempt": self.attempt,
+            "turn": self.turn,
+            "spans": [list(s) for s in self.spans],
+            "model_calls": list(self.model_calls),
+            "calls": [c.to_state() for c in self.calls],
+            "pending": [c.to_state() for c in self.pending],
+            "epochs": dict(self.epochs),
+        }
 
     @classmethod
     def from_state(cls, raw: Mapping[str, Any]) -> InFlight:
-        return cls(str(raw["rollout"]), raw["prompt"], int(raw["prompt_len"]), tokens_from_text(raw["tokens"]),
-                   int(raw["attempt"]), int(raw["turn"]), [[int(a), int(b)] for a, b in raw["spans"]],
-                   [str(m) for m in raw["model_calls"]], [Call.from_state(c) for c in raw["calls"]],
-                   [Call.from_state(c) for c in raw["pending"]], {str(k): int(v) for k, v in raw["epochs"].items()})
+        return cls(
+            str(raw["rollout"]),
+            raw["prompt"],
+            int(raw["prompt_len"]),
+            tokens_from_text(raw["tokens"]),
+            int(raw["attempt"]),
+            int(raw["turn"]),
+            [[int(a), int(b)] for a, b in raw["spans"]],
+            [str(m) for m in raw["model_calls"]],
+            [Call.from_state(c) for c in raw["calls"]],
+            [Call.from_state(c) for c in raw["pending"]],
+            {str(k): int(v) for k, v in raw["epochs"].items()},
+        )
 
     def revisions(self) -> dict[str, tuple[int, int]]:
         """Env -> (revision after its last committed call, that call's turn)."""

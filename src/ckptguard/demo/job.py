@@ -44,7 +44,9 @@ class Policy(torch.nn.Module):
         self.ln1 = torch.nn.LayerNorm(DIM)
         self.attn = torch.nn.MultiheadAttention(DIM, HEADS, batch_first=True)
         self.ln2 = torch.nn.LayerNorm(DIM)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.GELU(), torch.nn.Linear(2 * DIM, DIM))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(DIM, 2 * DIM), torch.nn.GELU(), torch.nn.Linear(2 * DIM, DIM)
+        )
         self.head = torch.nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -71,11 +73,15 @@ def fresh_scales(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: (w.abs().amax().clamp(min=1e-12) / FP8_MAX).reshape(1) for n, w in weights.items()}
 
 
-def quantize(weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def quantize(
+    weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     return {n: (w / scales[n]).clamp(-FP8_MAX, FP8_MAX).to(FP8) for n, w in weights.items()}
 
 
-def dequantize(q: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dequantize(
+    q: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     return {n: t.to(torch.float32) * scales[n] for n, t in q.items()}
 
 
@@ -169,7 +175,9 @@ class Trainer:
 
     def _grad_norm(self) -> float:
         local = sum(
-            float((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).double().pow(2).sum())
+            float(
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).double().pow(2).sum()
+            )
             for p in self.model.parameters()
             if p.grad is not None
         )
@@ -202,7 +210,13 @@ def build_trainer(*, rank: int, world: int) -> Trainer:
 
 
 def worker(
-    *, root: str, steps: int, save_every: int, kill_at: int | None, derived_fix: bool, restore_rng: bool = True
+    *,
+    root: str,
+    steps: int,
+    save_every: int,
+    kill_at: int | None,
+    derived_fix: bool,
+    restore_rng: bool = True,
 ) -> None:
     """One rank of the RL job: resume (AUTO), then rollout, old-logprob, update, save."""
     import logging
@@ -217,14 +231,18 @@ def worker(
     if world > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
-    logging.basicConfig(level=logging.WARNING if rank else logging.INFO, format=f"  [rank {rank}] %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if rank else logging.INFO, format=f"  [rank {rank}] %(message)s"
+    )
     # ckptguard sets its own logger to INFO (the resume lines must be seen); rank 1 stays quiet.
     logging.getLogger("ckptguard").setLevel(logging.WARNING if rank else logging.INFO)
     say = logging.getLogger("ckptguard.demo").info
     trainer = build_trainer(rank=rank, world=world)
     # An RL job whose resume is bitwise on the CPU: the RL gates apply and replayed steps must match exactly.
     plan = ProofPlan(rl=True, deterministic=True)
-    cfg = CheckpointConfig(retention=retention.KeepLast(2), state=StateOptions(restore_rng=restore_rng), proof=plan)
+    cfg = CheckpointConfig(
+        retention=retention.KeepLast(2), state=StateOptions(restore_rng=restore_rng), proof=plan
+    )
     mgr = CheckpointManager(root, config=cfg, derived=trainer.registry if derived_fix else None)
     start = mgr.restore(trainer.state(), mode=ResumeMode.AUTO)
     for step in range(start + 1, steps + 1):
@@ -238,10 +256,14 @@ def worker(
         mgr.record_update(step, grad_norm=norm, params_changed=changed)
         reward = float((tokens[:, 1:] == TARGET_TOKEN).float().mean())
         mgr.record_step(step, batch=prompts, loss=loss, grad_norm=norm, reward=reward)
-        say(f"step {step:>2}: reward {reward:.3f}  grad_norm {norm:.4f}  probs_diff {diff['probs_diff']:.3g}")
+        say(
+            f"step {step:>2}: reward {reward:.3f}  grad_norm {norm:.4f}  probs_diff {diff['probs_diff']:.3g}"
+        )
         if step % save_every == 0:
             if step == kill_at:
-                _faults.set_hook("storage.data_written", lambda: os.kill(os.getpid(), signal.SIGKILL))
+                _faults.set_hook(
+                    "storage.data_written", lambda: os.kill(os.getpid(), signal.SIGKILL)
+                )
                 say(f"step {step:>2}: saving... (this save will be SIGKILLed mid-write)")
             mgr.save(step, trainer.state())
 
@@ -263,13 +285,29 @@ def describe_exit(code: int, output: list[str]) -> str:
 
 
 def _launch(
-    *, world: int, root: Path, steps: int, save_every: int, kill_at: int | None, derived_fix: bool, echo: Any
+    *,
+    world: int,
+    root: Path,
+    steps: int,
+    save_every: int,
+    kill_at: int | None,
+    derived_fix: bool,
+    echo: Any,
 ) -> tuple[int, list[str]]:
     import socket
     import subprocess
     import sys
 
-    args = ["-m", "ckptguard.demo", "--root", str(root), "--steps", str(steps), "--save-every", str(save_every)]
+    args = [
+        "-m",
+        "ckptguard.demo",
+        "--root",
+        str(root),
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+    ]
     args += ["--kill-at", str(kill_at)] if kill_at else []
     args += [] if derived_fix else ["--no-derived-fix"]
     if world == 1:
@@ -291,7 +329,9 @@ def _launch(
             *args,
         ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     assert proc.stdout is not None
     other: list[str] = []
     for line in proc.stdout:
@@ -316,7 +356,9 @@ def prepare_workdir(workdir: str | Path) -> Path:
 
     base = Path(workdir).absolute()
     if base.is_symlink() or (base.exists() and not base.is_dir()):
-        raise ConfigError(f"demo --workdir {base}: not a directory (or a symlink); give a new or empty directory")
+        raise ConfigError(
+            f"demo --workdir {base}: not a directory (or a symlink); give a new or empty directory"
+        )
     if base.exists() and any(base.iterdir()):
         if not (base / WORKDIR_MARKER).is_file():
             raise ConfigError(
@@ -325,7 +367,9 @@ def prepare_workdir(workdir: str | Path) -> Path:
             )
         shutil.rmtree(base)
     base.mkdir(parents=True, exist_ok=True)
-    (base / WORKDIR_MARKER).write_text("made by `ckptguard demo`; the next demo with this --workdir wipes it\n")
+    (base / WORKDIR_MARKER).write_text(
+        "made by `ckptguard demo`; the next demo with this --workdir wipes it\n"
+    )
     return base
 
 
@@ -360,8 +404,14 @@ def run_demo(
         f"the save of step {kill_at} is SIGKILLed mid-write"
     )
     code, output = _launch(kill_at=kill_at, **common)
-    echo(f"      the job died ({describe_exit(code, output)}); the tracker still points at the last committed step")
-    fix = "restore invalidates the FP8 scale cache" if derived_fix else "NO derived-state fix: scales stay stale"
+    echo(
+        f"      the job died ({describe_exit(code, output)}); the tracker still points at the last committed step"
+    )
+    fix = (
+        "restore invalidates the FP8 scale cache"
+        if derived_fix
+        else "NO derived-state fix: scales stay stale"
+    )
     echo(f"[2/3] relaunching the same command with ResumeMode.AUTO ({fix})")
     code, _ = _launch(kill_at=None, **common)
     echo(f"[3/3] ckptguard prove {root}")
@@ -373,16 +423,26 @@ def run_demo(
 def main() -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m ckptguard.demo", description="one rank of the demo RL job")
+    p = argparse.ArgumentParser(
+        prog="python -m ckptguard.demo", description="one rank of the demo RL job"
+    )
     p.add_argument("--root", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-every", type=int, required=True)
     p.add_argument("--kill-at", type=int)
     p.add_argument("--no-derived-fix", action="store_true")
-    p.add_argument("--no-rng-restore", action="store_true", help="negative control for `ckptguard rehearse`")
+    p.add_argument(
+        "--no-rng-restore", action="store_true", help="negative control for `ckptguard rehearse`"
+    )
     a = p.parse_args()
-    worker(root=a.root, steps=a.steps, save_every=a.save_every, kill_at=a.kill_at, derived_fix=not a.no_derived_fix,
-           restore_rng=not a.no_rng_restore)
+    worker(
+        root=a.root,
+        steps=a.steps,
+        save_every=a.save_every,
+        kill_at=a.kill_at,
+        derived_fix=not a.no_derived_fix,
+        restore_rng=not a.no_rng_restore,
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,10 @@ SHUFFLED = 12  # the shuffling sampler's dataset: 3 steps per epoch on one rank
 
 def tokens_of(ids: torch.Tensor) -> torch.Tensor:
     """The dataset: sample ``i`` is a fixed token sequence."""
-    rows = [torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(7919 * int(i) + 1)) for i in ids]
+    rows = [
+        torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(7919 * int(i) + 1))
+        for i in ids
+    ]
     return torch.stack(rows)
 
 
@@ -121,7 +124,9 @@ def _sync_grads(model: torch.nn.Module, world: int) -> float:
     return float(torch.sqrt(torch.stack([(g**2).sum() for g in grads]).sum()))
 
 
-def _rollout_loss(model: Model, prompts: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
+def _rollout_loss(
+    model: Model, prompts: torch.Tensor, gen: torch.Generator
+) -> tuple[torch.Tensor, float]:
     tokens = prompts
     with torch.no_grad():
         for _ in range(SEQ - prompts.shape[1]):
@@ -129,7 +134,12 @@ def _rollout_loss(model: Model, prompts: torch.Tensor, gen: torch.Generator) -> 
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=gen)], dim=1)
     # A reward that varies across samples: a zero advantage would make the update zero (docs/practices.md, 6.4).
     reward = tokens[:, prompts.shape[1] :].float().mean(dim=1) / VOCAB
-    logp = torch.log_softmax(model(tokens[:, :-1]), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1).sum(1)
+    logp = (
+        torch.log_softmax(model(tokens[:, :-1]), dim=-1)
+        .gather(-1, tokens[:, 1:, None])
+        .squeeze(-1)
+        .sum(1)
+    )
     return -((reward - reward.mean()) * logp).mean(), float(reward.mean())
 
 
@@ -157,7 +167,11 @@ def run(
     import ckptguard as cg
 
     if prefetch not in ("none", "lost", "saved", "before_restore") or sampler not in (
-            "cursor", "shuffle", "shuffle+generator", "random"):
+        "cursor",
+        "shuffle",
+        "shuffle+generator",
+        "random",
+    ):
         raise ValueError(f"prefetch={prefetch!r}, sampler={sampler!r}")
     torch.manual_seed(0)
     model = Model()
@@ -170,10 +184,14 @@ def run(
     if prefetch == "saved":
         state["prefetched"] = ahead
     if prefetch == "before_restore":
-        ahead.value = source.next()  # nanoGPT's `X, Y = get_batch('train')` above the loop: an RNG not yet restored
+        ahead.value = (
+            source.next()
+        )  # nanoGPT's `X, Y = get_batch('train')` above the loop: an RNG not yet restored
     rollout_gen = torch.Generator().manual_seed(os.getpid())  # on purpose not in the state
     plan = cg.ProofPlan(deterministic=deterministic, total_steps=total_steps)
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(proof=plan, retention=cg.KeepLast(2)))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(proof=plan, retention=cg.KeepLast(2))
+    )
     start = mgr.restore(state)
     if prefetch != "none" and ahead.value is None:
         ahead.value = source.next()
@@ -181,30 +199,41 @@ def run(
     if stop_after is not None and stop_after <= start:
         return {"start": start, "losses": losses}
     last = steps
-    if epoch_loader and start:  # the loader of the restored step's epoch: exhausted when restored at its end
+    if (
+        epoch_loader and start
+    ):  # the loader of the restored step's epoch: exhausted when restored at its end
         per_epoch = SAMPLES // (BATCH * world)
         last = min(steps, start if start % per_epoch == 0 else (start // per_epoch + 1) * per_epoch)
     for step in range(start + 1, last + 1):
         if prefetch == "none":
             ids = source.next()
         else:
-            ids, ahead.value = ahead.value, source.next()  # prefetch the next batch before the save point
+            ids, ahead.value = (
+                ahead.value,
+                source.next(),
+            )  # prefetch the next batch before the save point
         batch = tokens_of(ids)
         if rollout:
             loss, reward = _rollout_loss(model, batch[:, :2], rollout_gen)
             extra = {"reward": reward}
         else:
             logits = model(batch[:, :-1])
-            if noise:  # drawn from a generator that is not in the state: the resumed run's noise differs
+            if (
+                noise
+            ):  # drawn from a generator that is not in the state: the resumed run's noise differs
                 logits = logits + 0.1 * torch.randn(logits.shape, generator=rollout_gen)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1)
+            )
             extra = {}
         optim.zero_grad(set_to_none=True)
         loss.backward()
         norm = _sync_grads(model, world)
         optim.step()
         losses[step] = float(loss.detach())
-        if record_epoch and isinstance(source, ShuffleSampler):  # the pass over the data this batch belongs to
+        if record_epoch and isinstance(
+            source, ShuffleSampler
+        ):  # the pass over the data this batch belongs to
             extra["epoch"] = source.epoch
         mgr.record_step(step, sample_ids=ids, batch=batch, loss=loss, grad_norm=norm, **extra)
         if step == stop_after:
@@ -227,29 +256,58 @@ def _main() -> None:
 
     import torch.distributed as dist
 
-    p = argparse.ArgumentParser(prog="python -m ckptguard.demo.loops", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m ckptguard.demo.loops", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--root", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-every", type=int, required=True)
-    p.add_argument("--prefetch", choices=("none", "lost", "saved", "before_restore"), default="none")
-    p.add_argument("--sampler", choices=("cursor", "shuffle", "shuffle+generator", "random"), default="cursor")
+    p.add_argument(
+        "--prefetch", choices=("none", "lost", "saved", "before_restore"), default="none"
+    )
+    p.add_argument(
+        "--sampler", choices=("cursor", "shuffle", "shuffle+generator", "random"), default="cursor"
+    )
     p.add_argument("--rollout", action="store_true")
     p.add_argument("--not-deterministic", action="store_true")
-    p.add_argument("--noise", action="store_true", help="noise from a generator that is not in the state")
+    p.add_argument(
+        "--noise", action="store_true", help="noise from a generator that is not in the state"
+    )
     p.add_argument("--total-steps", type=int, default=None, help="ProofPlan(total_steps=)")
-    p.add_argument("--epoch-loader", action="store_true", help="a loader of the restored step's epoch only")
-    p.add_argument("--record-epoch", action="store_true", help="record_step(..., epoch=) of the shuffling sampler")
-    p.add_argument("--stop-after", type=int, default=None, help="end right after recording this step")
+    p.add_argument(
+        "--epoch-loader", action="store_true", help="a loader of the restored step's epoch only"
+    )
+    p.add_argument(
+        "--record-epoch",
+        action="store_true",
+        help="record_step(..., epoch=) of the shuffling sampler",
+    )
+    p.add_argument(
+        "--stop-after", type=int, default=None, help="end right after recording this step"
+    )
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     a = p.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
-    run(a.root, rank=dist.get_rank() if world > 1 else 0, world=world, steps=a.steps, save_every=a.save_every,
-        prefetch=a.prefetch, sampler=a.sampler, rollout=a.rollout, noise=a.noise,
-        deterministic=False if a.not_deterministic else None, total_steps=a.total_steps, epoch_loader=a.epoch_loader,
-        record_epoch=a.record_epoch, stop_after=a.stop_after, sleep_s=a.sleep)
+    run(
+        a.root,
+        rank=dist.get_rank() if world > 1 else 0,
+        world=world,
+        steps=a.steps,
+        save_every=a.save_every,
+        prefetch=a.prefetch,
+        sampler=a.sampler,
+        rollout=a.rollout,
+        noise=a.noise,
+        deterministic=False if a.not_deterministic else None,
+        total_steps=a.total_steps,
+        epoch_loader=a.epoch_loader,
+        record_epoch=a.record_epoch,
+        stop_after=a.stop_after,
+        sleep_s=a.sleep,
+    )
 
 
 if __name__ == "__main__":

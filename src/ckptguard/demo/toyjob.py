@@ -54,7 +54,12 @@ class Job:
     rank: int
 
     def state(self) -> dict[str, Any]:
-        return {"model": self.model, "optim": self.optim, "sched": self.sched, "loader": self.loader}
+        return {
+            "model": self.model,
+            "optim": self.optim,
+            "sched": self.sched,
+            "loader": self.loader,
+        }
 
 
 def seed_everything(seed: int) -> None:

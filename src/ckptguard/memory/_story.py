@@ -26,7 +26,11 @@ from .records import RecordKind
 
 GiB, MiB = 1 << 30, 1 << 20
 
-_CURRENT_NAME = {"v2": "memory.current", "v1": "memory.usage_in_bytes", "none": "MemTotal - MemFree"}
+_CURRENT_NAME = {
+    "v2": "memory.current",
+    "v1": "memory.usage_in_bytes",
+    "none": "MemTotal - MemFree",
+}
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -137,10 +141,15 @@ def save_sentence(n: NodeStory) -> str:
     assert n.save is not None
     s, lim = n.save.span, n.save.limit
     room = n.save.headroom
-    room_text = (f"headroom {fmt_bytes(room)} ({n.save.headroom_fraction:.0%} of the limit)" if room >= 0
-                 else f"OVER the limit by {fmt_bytes(-room)}")
-    return (f"Save step {s.step} on {n.node}: peak {fmt_bytes(s.peak)} of {n.current_name} ({s.peak_source}); "
-            f"limit {fmt_bytes(lim)} = {n.budget.derivation}; {room_text}.")
+    room_text = (
+        f"headroom {fmt_bytes(room)} ({n.save.headroom_fraction:.0%} of the limit)"
+        if room >= 0
+        else f"OVER the limit by {fmt_bytes(-room)}"
+    )
+    return (
+        f"Save step {s.step} on {n.node}: peak {fmt_bytes(s.peak)} of {n.current_name} ({s.peak_source}); "
+        f"limit {fmt_bytes(lim)} = {n.budget.derivation}; {room_text}."
+    )
 
 
 def _t(r: dict[str, Any]) -> float:
@@ -171,10 +180,15 @@ def _spans(records: list[dict[str, Any]], t_end: float) -> list[Span]:
         key = (str(r.get("node")), r.get("pid"), r.get("phase"))
         if r["kind"] == RecordKind.PHASE_START.value:
             open_.setdefault(key, []).append(r)
-        elif r["kind"] in (RecordKind.PHASE_END.value, RecordKind.PHASE_FAILURE.value) and open_.get(key):
+        elif r["kind"] in (
+            RecordKind.PHASE_END.value,
+            RecordKind.PHASE_FAILURE.value,
+        ) and open_.get(key):
             spans.append(_span(open_[key].pop(), r, readings, t_end))
     for stack in open_.values():
-        spans.extend(_span(start, None, readings, _death_bound(start, records, t_end)) for start in stack)
+        spans.extend(
+            _span(start, None, readings, _death_bound(start, records, t_end)) for start in stack
+        )
     spans.sort(key=lambda s: (s.t0, s.t1))
     return spans
 
@@ -186,14 +200,19 @@ def _death_bound(start: dict[str, Any], records: list[dict[str, Any]], t_end: fl
     for r in records:
         if _t(r) <= t0 or str(r.get("node")) != node:
             continue
-        relaunch = r["kind"] == RecordKind.PHASE_START.value and r.get("rank") == start.get("rank") and \
-            r.get("pid") != start.get("pid")
+        relaunch = (
+            r["kind"] == RecordKind.PHASE_START.value
+            and r.get("rank") == start.get("rank")
+            and r.get("pid") != start.get("pid")
+        )
         if relaunch or r["kind"] == RecordKind.WATCH_END.value:
             return _t(r)
     return t_end
 
 
-def _span(start: dict[str, Any], end: dict[str, Any] | None, readings: _Readings, t_end: float) -> Span:
+def _span(
+    start: dict[str, Any], end: dict[str, Any] | None, readings: _Readings, t_end: float
+) -> Span:
     node, host0 = str(start.get("node")), start.get("host") or {}
     t0, t1 = _t(start), (_t(end) if end is not None else t_end)
     peak_rec = (end or {}).get("peak") or {}
@@ -202,7 +221,7 @@ def _span(start: dict[str, Any], end: dict[str, Any] | None, readings: _Readings
     # Other readings of the same cgroup inside the span (mem watch ticks, nested boundaries):
     # they are samples of this phase too, and the only ones left when the process died in it.
     ts, vs = readings.get((node, host0.get("cgroup_dir")), ([], []))
-    inside = vs[bisect.bisect_left(ts, t0):bisect.bisect_right(ts, t1)]
+    inside = vs[bisect.bisect_left(ts, t0) : bisect.bisect_right(ts, t1)]
     if inside and (peak is None or max(inside) > peak):
         if peak is None:
             source = f"highest of {len(inside)} readings inside the phase (its start and mem watch samples)"
@@ -212,11 +231,21 @@ def _span(start: dict[str, Any], end: dict[str, Any] | None, readings: _Readings
     if peak is None:
         source = "not recorded: the process died in the phase and no sample fell inside it"
     return Span(
-        node=node, pid=start.get("pid"), rank=start.get("rank"), phase=str(start.get("phase")),
-        step=start.get("step"), t0=t0, t1=t1, start_current=host0.get("current"),
-        end_current=((end or {}).get("host") or {}).get("current"), peak=peak, peak_source=source,
-        samples=samples, failed=bool(end is not None and end["kind"] == RecordKind.PHASE_FAILURE.value),
-        never_ended=end is None, gpu_peak_allocated=peak_rec.get("gpu_allocated"),
+        node=node,
+        pid=start.get("pid"),
+        rank=start.get("rank"),
+        phase=str(start.get("phase")),
+        step=start.get("step"),
+        t0=t0,
+        t1=t1,
+        start_current=host0.get("current"),
+        end_current=((end or {}).get("host") or {}).get("current"),
+        peak=peak,
+        peak_source=source,
+        samples=samples,
+        failed=bool(end is not None and end["kind"] == RecordKind.PHASE_FAILURE.value),
+        never_ended=end is None,
+        gpu_peak_allocated=peak_rec.get("gpu_allocated"),
         gpu_peak_reserved=peak_rec.get("gpu_reserved"),
     )
 
@@ -226,17 +255,31 @@ def _limits(records: list[dict[str, Any]]) -> tuple[list[LimitLine], Budget]:
     last_ray: dict[str, Any] = next((r["ray"] for r in reversed(records) if r.get("ray")), {}) or {}
     cgroup = last_h.get("source") not in (None, "none")
     mm = last_h.get("limit") if cgroup else None
-    lines = [LimitLine("memory.max", mm, f"memory.max {fmt_bytes(mm)}",
-                       "" if mm is not None else (last_h.get("not_obtained") or {}).get("limit", "no cgroup limit"))]
+    lines = [
+        LimitLine(
+            "memory.max",
+            mm,
+            f"memory.max {fmt_bytes(mm)}",
+            ""
+            if mm is not None
+            else (last_h.get("not_obtained") or {}).get("limit", "no cgroup limit"),
+        )
+    ]
     thr, total = last_ray.get("threshold_bytes"), last_ray.get("total")
     base_name = "memory.max" if last_ray.get("uses_cgroup") else "MemTotal"
     frac = f"{thr / total:.3g}" if thr and total else None
     derivation = f"{base_name} {fmt_bytes(total)} x Ray threshold {frac}" if frac else ""
     label = f"Ray threshold {fmt_bytes(thr)} = {base_name} x {frac}" if thr else ""
-    lines.append(LimitLine("ray-threshold", thr, label, "" if thr else "no Ray figure in the records"))
+    lines.append(
+        LimitLine("ray-threshold", thr, label, "" if thr else "no Ray figure in the records")
+    )
     if mm is None:
         mt = last_h.get("mem_total")
-        lines.append(LimitLine("MemTotal", mt, f"MemTotal {fmt_bytes(mt)}", "" if mt else "meminfo unreadable"))
+        lines.append(
+            LimitLine(
+                "MemTotal", mt, f"MemTotal {fmt_bytes(mt)}", "" if mt else "meminfo unreadable"
+            )
+        )
     # The budget (docs/practices.md, memory budget): limit = cgroup memory.max x RAY_memory_usage_threshold; Ray kills
     # first, so its threshold is the line the save peak must stay under.
     if thr:
@@ -257,7 +300,16 @@ def _node_story(node: str, records: list[dict[str, Any]], spans: list[Span]) -> 
         if h.get("anon") is not None:
             shmem = h.get("shmem") or 0
             # memory.stat counts shmem inside file: stacking file whole would count pinned memory twice.
-            stack.append((_t(r), {"anon": h["anon"], "shmem": shmem, "file": max(0, (h.get("file") or 0) - shmem)}))
+            stack.append(
+                (
+                    _t(r),
+                    {
+                        "anon": h["anon"],
+                        "shmem": shmem,
+                        "file": max(0, (h.get("file") or 0) - shmem),
+                    },
+                )
+            )
         if h.get("current") is not None:
             current.append((_t(r), int(h["current"])))
     last_h: dict[str, Any] = next((r["host"] for r in reversed(records) if r.get("host")), {}) or {}
@@ -275,9 +327,18 @@ def _node_story(node: str, records: list[dict[str, Any]], spans: list[Span]) -> 
         note = f"Save step {saves[-1].step} on {node}: {saves[-1].peak_source}"
     else:
         note = f"No save phase recorded on {node}: the save-step peak is not known"
-    return NodeStory(node=node, current_name=_CURRENT_NAME.get(str(last_h.get("source")), "current"), stack=stack,
-                     current=current, spans=spans, limits=limits, budget=budget, save=mark, save_note=note,
-                     memory_peak=last_h.get("peak"))
+    return NodeStory(
+        node=node,
+        current_name=_CURRENT_NAME.get(str(last_h.get("source")), "current"),
+        stack=stack,
+        current=current,
+        spans=spans,
+        limits=limits,
+        budget=budget,
+        save=mark,
+        save_note=note,
+        memory_peak=last_h.get("peak"),
+    )
 
 
 def build_story(records: list[dict[str, Any]], *, ray_log: str | None = None) -> Story:
@@ -292,7 +353,9 @@ def build_story(records: list[dict[str, Any]], *, ray_log: str | None = None) ->
     return Story(t0=t0, t1=t1, nodes=nodes, failure=classify_failure(records, ray_log=ray_log))
 
 
-def gpu_series(records: list[dict[str, Any]]) -> tuple[dict[str, list[tuple[float, int]]], set[str]]:
+def gpu_series(
+    records: list[dict[str, Any]],
+) -> tuple[dict[str, list[tuple[float, int]]], set[str]]:
     """Allocated and reserved over time (boundary figures and in-phase peaks), and why any are missing."""
     series: dict[str, list[tuple[float, int]]] = {"allocated": [], "reserved": []}
     reasons = set()
@@ -336,8 +399,9 @@ def time_unit(span_s: float) -> tuple[str, float]:
     return "s", 1.0
 
 
-def phase_labels(spans: list[Span], x: Any, char_px: float, x_max: float,
-                 gap_px: float = 6.0) -> list[tuple[float, str, Span]]:
+def phase_labels(
+    spans: list[Span], x: Any, char_px: float, x_max: float, gap_px: float = 6.0
+) -> list[tuple[float, str, Span]]:
     """Phase names that fit side by side: (x, text, first span). A run of same-named phases too
     close to label one by one gets one label with a count ("update x6"). Where labels would
     overlap, a phase the process died in wins, then a save, then the earlier one; a label left

@@ -77,7 +77,9 @@ def host_budget(
 ) -> HostBudget:
     """The staging budget of one rank (see the module docstring)."""
     if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ConfigError(f"host_budget: ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
+        raise ConfigError(
+            f"host_budget: ranks_per_node must be an int >= 1, got {ranks_per_node!r}"
+        )
     snap = snapshot if snapshot is not None else HostProbe().read()
     fig = ray_figure(snap, ray or RayConfig.from_env())
     total = fig.total
@@ -87,16 +89,39 @@ def host_budget(
         unreclaimable = snap.current - snap.reclaimable
     heads: list[tuple[int, str]] = []
     if fig.threshold_bytes is not None and fig.used is not None:
-        heads.append((fig.threshold_bytes - fig.used, f"Ray threshold {fig.threshold_bytes} B - used {fig.used} B"))
+        heads.append(
+            (
+                fig.threshold_bytes - fig.used,
+                f"Ray threshold {fig.threshold_bytes} B - used {fig.used} B",
+            )
+        )
     if snap.limit is not None and unreclaimable is not None:
-        heads.append((snap.limit - unreclaimable, f"memory.max {snap.limit} B - unreclaimable {unreclaimable} B"))
+        heads.append(
+            (
+                snap.limit - unreclaimable,
+                f"memory.max {snap.limit} B - unreclaimable {unreclaimable} B",
+            )
+        )
     if not heads:
-        reasons = "; ".join(f"{k}: {v}" for k, v in {**snap.not_obtained, **fig.not_obtained}.items()) or "no figures"
-        return HostBudget(fallback_bytes, total, fig.threshold_bytes, fig.used, unreclaimable, margin,
-                          ranks_per_node, f"memory figures not obtained ({reasons}); fallback {fallback_bytes} B")
+        reasons = (
+            "; ".join(f"{k}: {v}" for k, v in {**snap.not_obtained, **fig.not_obtained}.items())
+            or "no figures"
+        )
+        return HostBudget(
+            fallback_bytes,
+            total,
+            fig.threshold_bytes,
+            fig.used,
+            unreclaimable,
+            margin,
+            ranks_per_node,
+            f"memory figures not obtained ({reasons}); fallback {fallback_bytes} B",
+        )
     head, what = min(heads)
     per_rank = max(0, head - margin) // ranks_per_node
     why = f"min of [{'; '.join(w for _, w in heads)}] = {what}, minus margin {margin} B"
     if ranks_per_node > 1:
         why += f", divided by {ranks_per_node} ranks on this node"
-    return HostBudget(per_rank, total, fig.threshold_bytes, fig.used, unreclaimable, margin, ranks_per_node, why)
+    return HostBudget(
+        per_rank, total, fig.threshold_bytes, fig.used, unreclaimable, margin, ranks_per_node, why
+    )

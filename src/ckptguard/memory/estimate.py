@@ -66,10 +66,14 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, st
     with open(path, "rb") as fh:
         head = fh.read(8)
         if len(head) < 8:
-            raise CheckpointCorruptError(f"{path}: {len(head)} bytes, too short for a safetensors header")
+            raise CheckpointCorruptError(
+                f"{path}: {len(head)} bytes, too short for a safetensors header"
+            )
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > size:
-            raise CheckpointCorruptError(f"{path}: header length {n} is past the file ({size} bytes) or over 100 MB")
+            raise CheckpointCorruptError(
+                f"{path}: header length {n} is past the file ({size} bytes) or over 100 MB"
+            )
         raw = fh.read(n)
     try:
         header = json.loads(raw)
@@ -82,9 +86,15 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, st
     end_max = 0
     for name, info in header.items():
         try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            dtype, shape, (begin, end) = (
+                info["dtype"],
+                tuple(int(d) for d in info["shape"]),
+                info["data_offsets"],
+            )
         except (KeyError, TypeError, ValueError):
-            raise CheckpointCorruptError(f"{path}: tensor {name!r} lacks dtype/shape/data_offsets") from None
+            raise CheckpointCorruptError(
+                f"{path}: tensor {name!r} lacks dtype/shape/data_offsets"
+            ) from None
         if dtype not in DTYPE_BITS:
             raise CheckpointCorruptError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if not (0 <= begin <= end):
@@ -97,7 +107,9 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, st
         end_max = max(end_max, end)
         entries.append(TensorEntry(name, dtype, shape, end - begin))
     if 8 + n + end_max != size:
-        raise CheckpointCorruptError(f"{path}: data ends at {8 + n + end_max} but the file has {size} bytes")
+        raise CheckpointCorruptError(
+            f"{path}: data ends at {8 + n + end_max} but the file has {size} bytes"
+        )
     return entries, {str(k): str(v) for k, v in meta.items()}
 
 
@@ -120,7 +132,9 @@ class Estimate:
 def estimate_dir(model_dir: Path, *, as_dtype: str | None = None) -> Estimate:
     """Sum the headers of every ``*.safetensors`` file below ``model_dir``."""
     if as_dtype is not None and as_dtype not in DTYPE_BITS:
-        raise ConfigError(f"as_dtype {as_dtype!r} is not a safetensors dtype; use one of {sorted(DTYPE_BITS)}")
+        raise ConfigError(
+            f"as_dtype {as_dtype!r} is not a safetensors dtype; use one of {sorted(DTYPE_BITS)}"
+        )
     if not model_dir.is_dir():
         raise ConfigError(f"{model_dir} is not a directory")
     files = sorted(model_dir.rglob("*.safetensors"))

@@ -81,7 +81,9 @@ def read_gpu(device: int | None = None) -> GpuSnapshot:
     if not cuda.is_available():
         return _unobtained("CUDA is not available")
     if not cuda.is_initialized():
-        return _unobtained("CUDA is not initialized in this process (the probe does not create a context)")
+        return _unobtained(
+            "CUDA is not initialized in this process (the probe does not create a context)"
+        )
     dev = cuda.current_device() if device is None else device
     missing: dict[str, str] = {}
     values: dict[str, Any] = {}
@@ -101,7 +103,9 @@ def read_gpu(device: int | None = None) -> GpuSnapshot:
     ):
         values[name] = stats.get(key)
         if values[name] is None:
-            missing[name] = f"memory_stats has no {key!r} (cudaMallocAsync backend, or not yet allocated)"
+            missing[name] = (
+                f"memory_stats has no {key!r} (cudaMallocAsync backend, or not yet allocated)"
+            )
     try:
         free, total = cuda.mem_get_info(dev)
         values["device_free"], values["device_total"] = int(free), int(total)
@@ -110,7 +114,9 @@ def read_gpu(device: int | None = None) -> GpuSnapshot:
     host_stats = getattr(cuda, "host_memory_stats", None)
     if host_stats is None:
         for name in ("pinned_allocated", "pinned_active", "pinned_cached"):
-            missing[name] = "torch.cuda.host_memory_stats does not exist in this torch (added in 2.8)"
+            missing[name] = (
+                "torch.cuda.host_memory_stats does not exist in this torch (added in 2.8)"
+            )
     else:
         pin = pinned_figures(host_stats())
         values.update({k: v for k, v in pin.items() if k != "not_obtained"})
@@ -182,7 +188,9 @@ def parse_cuda_oom(message: str) -> CudaOomInfo | None:
     """Parse ``torch.OutOfMemoryError``'s text; None if it is not a CUDA OOM message."""
     if "out of memory" not in message.lower():
         return None
-    dev = re.search(r"GPU (\d+) has a total capacity of " + _SIZE + r" of which " + _SIZE + " is free", message)
+    dev = re.search(
+        r"GPU (\d+) has a total capacity of " + _SIZE + r" of which " + _SIZE + " is free", message
+    )
     in_use = re.search(r"(?:this process|Process \d+) has " + _SIZE + " memory in use", message)
     return CudaOomInfo(
         requested=_size(re.search(r"Tried to allocate " + _SIZE, message)),
@@ -191,5 +199,7 @@ def parse_cuda_oom(message: str) -> CudaOomInfo | None:
         device_free=_size(dev, 4) if dev else None,
         process_in_use=_size(in_use),
         allocated=_size(re.search(_SIZE + " is allocated by PyTorch", message)),
-        reserved_unallocated=_size(re.search(_SIZE + " is reserved by PyTorch but unallocated", message)),
+        reserved_unallocated=_size(
+            re.search(_SIZE + " is reserved by PyTorch but unallocated", message)
+        ),
     )

@@ -38,7 +38,15 @@ import numpy as np
 from ..errors import ConfigError
 from .records import RecordKind
 
-__all__ = ["GrowthConfig", "GrowthReport", "NodeGrowth", "ProcessGrowth", "Slope", "analyze_growth", "theil_sen"]
+__all__ = [
+    "GrowthConfig",
+    "GrowthReport",
+    "NodeGrowth",
+    "ProcessGrowth",
+    "Slope",
+    "analyze_growth",
+    "theil_sen",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,7 +158,9 @@ class NodeGrowth:
     limit_name: str | None = None
     hint_seconds_to_limit: float | None = None
     hint_steps_to_limit: float | None = None
-    hint_label: str = "HINT ONLY: a slope from a short timeline does not predict an OOM step (guide, 4)"
+    hint_label: str = (
+        "HINT ONLY: a slope from a short timeline does not predict an OOM step (guide, 4)"
+    )
     not_obtained: dict[str, str] = field(default_factory=dict)
 
 
@@ -176,7 +186,9 @@ def _step_starts(records: list[dict[str, Any]]) -> list[tuple[int, int]]:
     return sorted(((t, s) for s, t in starts.items()))
 
 
-def _series(records: list[dict[str, Any]]) -> tuple[dict[tuple[Any, int], list[tuple[int, int]]], dict[Any, Any]]:
+def _series(
+    records: list[dict[str, Any]],
+) -> tuple[dict[tuple[Any, int], list[tuple[int, int]]], dict[Any, Any]]:
     series: dict[tuple[Any, int], list[tuple[int, int]]] = {}
     names: dict[tuple[Any, int], tuple[str, str]] = {}
     for r in records:
@@ -190,7 +202,9 @@ def _series(records: list[dict[str, Any]]) -> tuple[dict[tuple[Any, int], list[t
     return series, names
 
 
-def _floors_per_step(points: list[tuple[int, int]], starts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _floors_per_step(
+    points: list[tuple[int, int]], starts: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
     if not starts:
         return []
     times = [t for t, _ in starts]
@@ -225,12 +239,18 @@ def _window_ns(records: list[dict[str, Any]], config: GrowthConfig) -> int:
     return max(1, span // 20)
 
 
-def _fit(points: list[tuple[float, int]] | list[tuple[int, int]], confidence: float) -> Slope | None:
-    xs, ys = zip(*points, strict=True)  # x values, y values: callers pass at least min_points (>= 3) points
+def _fit(
+    points: list[tuple[float, int]] | list[tuple[int, int]], confidence: float
+) -> Slope | None:
+    xs, ys = zip(
+        *points, strict=True
+    )  # x values, y values: callers pass at least min_points (>= 3) points
     return theil_sen(xs, ys, confidence=confidence)
 
 
-def analyze_growth(records: list[dict[str, Any]], config: GrowthConfig | None = None) -> GrowthReport:
+def analyze_growth(
+    records: list[dict[str, Any]], config: GrowthConfig | None = None
+) -> GrowthReport:
     """Growth verdicts for every process in ``records`` (sorted by time, as read_records returns)."""
     cfg = config or GrowthConfig()
     starts = _step_starts(records)
@@ -259,7 +279,12 @@ def analyze_growth(records: list[dict[str, Any]], config: GrowthConfig | None = 
 
 def _verdict(g: ProcessGrowth, cfg: GrowthConfig) -> None:
     if g.per_step is not None:
-        g.basis, slope, floor, unit = "per_step", g.per_step, cfg.noise_floor_bytes_per_step, "B/step"
+        g.basis, slope, floor, unit = (
+            "per_step",
+            g.per_step,
+            cfg.noise_floor_bytes_per_step,
+            "B/step",
+        )
     elif g.per_second is not None:
         g.basis, slope, floor, unit = "per_second", g.per_second, cfg.noise_floor_bytes_per_s, "B/s"
     else:
@@ -274,8 +299,14 @@ def _node_growth(
     records: list[dict[str, Any]], starts: list[tuple[int, int]], window: int, cfg: GrowthConfig
 ) -> NodeGrowth:
     node = NodeGrowth()
-    pts = [(r["mono_ns"], r["ray"]["used"]) for r in records if (r.get("ray") or {}).get("used") is not None]
-    limits = [r["ray"]["threshold_bytes"] for r in records if (r.get("ray") or {}).get("threshold_bytes")]
+    pts = [
+        (r["mono_ns"], r["ray"]["used"])
+        for r in records
+        if (r.get("ray") or {}).get("used") is not None
+    ]
+    limits = [
+        r["ray"]["threshold_bytes"] for r in records if (r.get("ray") or {}).get("threshold_bytes")
+    ]
     if not pts:
         node.not_obtained["node"] = "no record carries Ray's usage figure"
         return node
@@ -289,7 +320,10 @@ def _node_growth(
     if not limits:
         node.not_obtained["limit"] = "no record carries a limit (neither memory.max nor MemTotal)"
         return node
-    node.limit_bytes, node.limit_name = int(limits[-1]), "Ray threshold (memory.max or MemTotal x threshold)"
+    node.limit_bytes, node.limit_name = (
+        int(limits[-1]),
+        "Ray threshold (memory.max or MemTotal x threshold)",
+    )
     room = node.limit_bytes - node.last_floor
     if node.per_second and node.per_second.low > cfg.noise_floor_bytes_per_s:
         node.hint_seconds_to_limit = max(0.0, room / node.per_second.value)

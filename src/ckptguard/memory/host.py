@@ -68,7 +68,9 @@ class HostProbeConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.pid, int) and self.pid <= 0:
-            raise ConfigError(f"HostProbeConfig.pid must be a positive PID or 'self', got {self.pid}")
+            raise ConfigError(
+                f"HostProbeConfig.pid must be a positive PID or 'self', got {self.pid}"
+            )
         if isinstance(self.pid, str) and self.pid != "self":
             raise ConfigError(f"HostProbeConfig.pid must be an int or 'self', got {self.pid!r}")
 
@@ -254,7 +256,9 @@ def _read_v1(cg: Path, values: dict[str, int | None], missing: dict[str, str]) -
         limit = hier
     values["limit"] = limit
     if limit is None:
-        missing["limit"] = why or "memory.limit_in_bytes and hierarchical_memory_limit are unlimited"
+        missing["limit"] = (
+            why or "memory.limit_in_bytes and hierarchical_memory_limit are unlimited"
+        )
     # total_* are hierarchical (this cgroup and its children), matching usage_in_bytes.
     for name, key in (
         ("anon", "rss"),
@@ -286,7 +290,9 @@ def _read_meminfo(
     values["shmem"] = meminfo.get("Shmem")
     values["active_file"] = meminfo.get("Active(file)")
     values["inactive_file"] = meminfo.get("Inactive(file)")
-    missing["peak"] = "no cgroup: the kernel keeps no node-wide high-water mark (the sampler's peak is recorded)"
+    missing["peak"] = (
+        "no cgroup: the kernel keeps no node-wide high-water mark (the sampler's peak is recorded)"
+    )
     missing["oom"] = "no cgroup: no oom event counter"
     vmstat, why = read_keyed(proc_root / "vmstat")
     values["oom_kill"] = vmstat.get("oom_kill") if vmstat else None

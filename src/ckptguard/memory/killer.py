@@ -67,9 +67,13 @@ def _gib(n: int | None) -> str:
     return "not obtained" if n is None else f"{n / 2**30:.2f} GiB"
 
 
-def _in_flight(records: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def _in_flight(
+    records: list[dict[str, Any]],
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(the failure record, or the last phase_start that never ended) per writer."""
-    failure = next((r for r in reversed(records) if r["kind"] == RecordKind.PHASE_FAILURE.value), None)
+    failure = next(
+        (r for r in reversed(records) if r["kind"] == RecordKind.PHASE_FAILURE.value), None
+    )
     open_: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
     for r in records:
         key = (r.get("node"), r.get("pid"), r.get("phase"))
@@ -110,11 +114,19 @@ def _oom_kill_rise(records: list[dict[str, Any]]) -> str | None:
 def classify_failure(records: list[dict[str, Any]], *, ray_log: str | None = None) -> KillVerdict:
     """Classify the failure visible in ``records`` (sorted by time, as read_records returns)."""
     failure, dangling = _in_flight(records)
-    watch_end = next((r for r in reversed(records) if r["kind"] == RecordKind.WATCH_END.value), None)
-    died = failure is not None or dangling is not None or bool(watch_end and watch_end.get("exit_code"))
+    watch_end = next(
+        (r for r in reversed(records) if r["kind"] == RecordKind.WATCH_END.value), None
+    )
+    died = (
+        failure is not None
+        or dangling is not None
+        or bool(watch_end and watch_end.get("exit_code"))
+    )
     found: list[tuple[Killer, str]] = []
     notes: list[str] = []
-    if failure is not None and (failure.get("cuda_oom") or "OutOfMemoryError" in failure["error"]["type"]):
+    if failure is not None and (
+        failure.get("cuda_oom") or "OutOfMemoryError" in failure["error"]["type"]
+    ):
         found.append(
             (
                 Killer.CUDA_OOM,
@@ -150,7 +162,9 @@ def classify_failure(records: list[dict[str, Any]], *, ray_log: str | None = Non
             f"num_alloc_retries reached {max(retries)}: allocator pressure (cache flush and retry), not a terminal OOM"
         )
     if watch_end and watch_end.get("signal") == 9 and not found:
-        notes.append("the watched command ended by SIGKILL, but no oom_kill rise or Ray line was recorded")
+        notes.append(
+            "the watched command ended by SIGKILL, but no oom_kill rise or Ray line was recorded"
+        )
     in_flight = failure or dangling
     verdict = KillVerdict(
         killer=found[0][0] if found else (Killer.UNKNOWN if died else Killer.NONE),

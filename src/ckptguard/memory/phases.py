@@ -92,12 +92,16 @@ class RecorderConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, Path):
-            raise ConfigError(f"RecorderConfig.path must be a pathlib.Path, got {type(self.path).__name__}")
+            raise ConfigError(
+                f"RecorderConfig.path must be a pathlib.Path, got {type(self.path).__name__}"
+            )
         if self.rank < 0:
             raise ConfigError(f"RecorderConfig.rank must be >= 0, got {self.rank}")
         SamplerConfig(hz=self.sample_hz)  # same bounds, same message
         if self.pss_every_s < 0:
-            raise ConfigError(f"RecorderConfig.pss_every_s must be >= 0 seconds, got {self.pss_every_s}")
+            raise ConfigError(
+                f"RecorderConfig.pss_every_s must be >= 0 seconds, got {self.pss_every_s}"
+            )
 
 
 def _gpu_reader(name: str):  # type: ignore[no-untyped-def]
@@ -142,7 +146,9 @@ class PhaseRecorder:
         """The save phase this recorder ended last (step, mono_ns): what a host cache release follows."""
         _ACTIVE.append(weakref.ref(self))
 
-    def phase(self, kind: PhaseKind | str, *, step: int | None = None, policy_version: Any = None) -> _Phase:
+    def phase(
+        self, kind: PhaseKind | str, *, step: int | None = None, policy_version: Any = None
+    ) -> _Phase:
         if not isinstance(kind, PhaseKind):
             try:
                 kind = PhaseKind(kind)
@@ -166,7 +172,9 @@ class PhaseRecorder:
 
     # -- record building -------------------------------------------------------------------
 
-    def _base(self, kind: RecordKind, phase: PhaseKind, step: int | None, policy_version: Any) -> dict[str, Any]:
+    def _base(
+        self, kind: RecordKind, phase: PhaseKind, step: int | None, policy_version: Any
+    ) -> dict[str, Any]:
         return {
             "v": FORMAT_VERSION,
             "kind": kind.value,
@@ -187,7 +195,10 @@ class PhaseRecorder:
         proc = None
         if self.config.probe_process:
             now = rec["mono_ns"]
-            due = self._last_pss_ns is None or now - self._last_pss_ns >= self.config.pss_every_s * 1e9
+            due = (
+                self._last_pss_ns is None
+                or now - self._last_pss_ns >= self.config.pss_every_s * 1e9
+            )
             proc = read_process("self", with_fds=True, with_pss=due)
             if due:
                 self._last_pss_ns = now
@@ -209,8 +220,9 @@ class PhaseRecorder:
             os.write(self._fd, line)
 
 
-def host_cache_released(released_bytes: int, how: str, *, pinned: bool, rss_before: int | None,
-                        rss_after: int | None) -> bool:
+def host_cache_released(
+    released_bytes: int, how: str, *, pinned: bool, rss_before: int | None, rss_after: int | None
+) -> bool:
     """Write a measured host staging release into the active recorder (module docstring); False when no
     recorder is open. ``rss_before``/``rss_after``: this process's RSS around the unmapping."""
     live = [r for r in (ref() for ref in _ACTIVE) if r is not None]
@@ -233,7 +245,9 @@ def host_cache_released(released_bytes: int, how: str, *, pinned: bool, rss_befo
         "pinned": pinned,
         "rss_before": rss_before,
         "rss_after": rss_after,
-        "rss_drop": rss_before - rss_after if rss_before is not None and rss_after is not None else None,
+        "rss_drop": rss_before - rss_after
+        if rss_before is not None and rss_after is not None
+        else None,
         "host": rec._host.read().to_json(),
     }
     missing = {}
@@ -256,7 +270,9 @@ def _frame_text(fs: traceback.FrameSummary) -> str:
 
 
 class _Phase:
-    def __init__(self, rec: PhaseRecorder, kind: PhaseKind, step: int | None, policy_version: Any) -> None:
+    def __init__(
+        self, rec: PhaseRecorder, kind: PhaseKind, step: int | None, policy_version: Any
+    ) -> None:
         self._rec, self._kind, self._step, self._pv = rec, kind, step, policy_version
 
     def __enter__(self) -> _Phase:
@@ -270,7 +286,10 @@ class _Phase:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         rec = self._rec
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
@@ -283,7 +302,11 @@ class _Phase:
         record["peak"] = _peak_json(peak)
         if exc is None:
             rec._write(record)
-            rec.last_completed = {"phase": self._kind.value, "step": self._step, "mono_ns": record["mono_ns"]}
+            rec.last_completed = {
+                "phase": self._kind.value,
+                "step": self._step,
+                "mono_ns": record["mono_ns"],
+            }
             if self._kind is PhaseKind.LOAD:
                 rec.load_peak = {**record["peak"], "step": self._step}
             if self._kind is PhaseKind.SAVE:
@@ -293,16 +316,26 @@ class _Phase:
         record["last_completed"] = rec.last_completed
         record["load_peak"] = rec.load_peak
         if rec.last_completed is None:
-            record.setdefault("not_obtained", {})["last_completed"] = "no phase completed before this one"
+            record.setdefault("not_obtained", {})["last_completed"] = (
+                "no phase completed before this one"
+            )
         if rec.load_peak is None:
-            record.setdefault("not_obtained", {})["load_peak"] = "no load phase was recorded by this recorder"
+            record.setdefault("not_obtained", {})["load_peak"] = (
+                "no load phase was recorded by this recorder"
+            )
         rec._write(record)
 
 
-def _failure_fields(exc: BaseException, tb: TracebackType | None, gpu: dict[str, Any] | None) -> dict[str, Any]:
+def _failure_fields(
+    exc: BaseException, tb: TracebackType | None, gpu: dict[str, Any] | None
+) -> dict[str, Any]:
     frames = traceback.extract_tb(tb) if tb is not None else []
     message = str(exc)
-    oom = parse_cuda_oom(message) if "CUDA" in message or type(exc).__name__ == "OutOfMemoryError" else None
+    oom = (
+        parse_cuda_oom(message)
+        if "CUDA" in message or type(exc).__name__ == "OutOfMemoryError"
+        else None
+    )
     gpu = gpu or {}
     missing: dict[str, str] = {}
 
@@ -311,7 +344,9 @@ def _failure_fields(exc: BaseException, tb: TracebackType | None, gpu: dict[str,
         if value is None:
             value = from_oom
         if value is None:
-            missing[name] = (gpu.get("not_obtained") or {}).get(name, "not in the GPU probe nor the error message")
+            missing[name] = (gpu.get("not_obtained") or {}).get(
+                name, "not in the GPU probe nor the error message"
+            )
         return value
 
     out = {
@@ -328,6 +363,8 @@ def _failure_fields(exc: BaseException, tb: TracebackType | None, gpu: dict[str,
         "device_free": pick("device_free", oom.device_free if oom else None),
     }
     if out["requested_bytes"] is None:
-        missing["requested_bytes"] = "the error is not a CUDA OOM message" if oom is None else "not in the message"
+        missing["requested_bytes"] = (
+            "the error is not a CUDA OOM message" if oom is None else "not in the message"
+        )
     out["not_obtained"] = missing
     return out

@@ -25,8 +25,13 @@ from ..errors import ConfigError, PinnedMemoryUnavailableError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HostRegistrar", "PinnedBuffer", "PinnedMemoryUnavailableError", "pinned_empty", "pow2_ceil"]
-
+__all__ = [
+    "HostRegistrar",
+    "PinnedBuffer",
+    "PinnedMemoryUnavailableError",
+    "pinned_empty",
+    "pow2_ceil",
+]
 
 
 def pow2_ceil(nbytes: int) -> int:
@@ -70,7 +75,9 @@ class _CudartRegistrar:
     def unregister(self, ptr: int) -> None:
         err = self._rt.cudaHostUnregister(ptr)
         if int(err) != 0:
-            raise PinnedMemoryUnavailableError(f"cudaHostUnregister failed with CUDA error {int(err)}")
+            raise PinnedMemoryUnavailableError(
+                f"cudaHostUnregister failed with CUDA error {int(err)}"
+            )
 
 
 class PinnedBuffer:
@@ -93,7 +100,9 @@ class PinnedBuffer:
     @property
     def tensor(self) -> torch.Tensor:
         if self._tensor is None:
-            raise PinnedMemoryUnavailableError("this PinnedBuffer was closed; its memory is released")
+            raise PinnedMemoryUnavailableError(
+                "this PinnedBuffer was closed; its memory is released"
+            )
         return self._tensor
 
     @property

@@ -45,11 +45,29 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["Plan", "PlanInputs", "PlanTerm", "Verdict", "compute_plan", "load_plan_toml", "parse_bytes",
-           "plan_from_records"]
+__all__ = [
+    "Plan",
+    "PlanInputs",
+    "PlanTerm",
+    "Verdict",
+    "compute_plan",
+    "load_plan_toml",
+    "parse_bytes",
+    "plan_from_records",
+]
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(value: Any, where: str) -> int:
@@ -114,9 +132,13 @@ class PlanInputs:
 
     def __post_init__(self) -> None:
         if not (0.0 < self.ray_threshold <= 1.0):
-            raise ConfigError(f"PlanInputs.ray_threshold must be in (0, 1], got {self.ray_threshold}")
+            raise ConfigError(
+                f"PlanInputs.ray_threshold must be in (0, 1], got {self.ray_threshold}"
+            )
         if not (0.0 <= self.tight_fraction < 1.0):
-            raise ConfigError(f"PlanInputs.tight_fraction must be in [0, 1), got {self.tight_fraction}")
+            raise ConfigError(
+                f"PlanInputs.tight_fraction must be in [0, 1), got {self.tight_fraction}"
+            )
 
 
 @dataclass
@@ -147,7 +169,9 @@ def compute_plan(inputs: PlanInputs) -> Plan:
     peak = sum(t.bytes for t in inputs.terms if t.covered_by is None)
     notes: list[str] = list(inputs.notes)
     if inputs.sampled_peak is not None and inputs.sampled_peak > peak:
-        notes.append(f"the sampled save-phase peak ({inputs.sampled_peak} B) exceeds the sum of terms; it is used")
+        notes.append(
+            f"the sampled save-phase peak ({inputs.sampled_peak} B) exceeds the sum of terms; it is used"
+        )
         peak = inputs.sampled_peak
     if inputs.memory_max is not None:
         base, name = inputs.memory_max, "memory.max"
@@ -166,9 +190,21 @@ def compute_plan(inputs: PlanInputs) -> Plan:
             verdict = Verdict.TIGHT
         else:
             verdict = Verdict.FITS
-    return Plan(list(inputs.terms), peak, base, name, limit, headroom, verdict, inputs.ray_threshold,
-                inputs.limit_measured, inputs.sampled_peak, notes, limit_source=inputs.limit_source,
-                threshold_source=inputs.threshold_source)
+    return Plan(
+        list(inputs.terms),
+        peak,
+        base,
+        name,
+        limit,
+        headroom,
+        verdict,
+        inputs.ray_threshold,
+        inputs.limit_measured,
+        inputs.sampled_peak,
+        notes,
+        limit_source=inputs.limit_source,
+        threshold_source=inputs.threshold_source,
+    )
 
 
 def _section_term(doc: dict[str, Any], key: str, label: str) -> PlanTerm | None:
@@ -185,16 +221,24 @@ def _section_term(doc: dict[str, Any], key: str, label: str) -> PlanTerm | None:
     # exact-size pinning (cudaHostRegister on a pageable buffer) stay anon.
     lands_in = PAGE_CACHE if key == "page_cache" else (SHMEM if pinned else ANON)
     if "block_bytes" in sec:
-        blocks = [parse_bytes(b, f"{where} block_bytes[{i}]") for i, b in enumerate(sec["block_bytes"])]
+        blocks = [
+            parse_bytes(b, f"{where} block_bytes[{i}]") for i, b in enumerate(sec["block_bytes"])
+        ]
     elif "bytes_per_rank" in sec:
         blocks = [parse_bytes(sec["bytes_per_rank"], f"{where} bytes_per_rank")]
     elif "bytes" in sec:
-        return PlanTerm(label, parse_bytes(sec["bytes"], f"{where} bytes"), measured, "as given", lands_in)
+        return PlanTerm(
+            label, parse_bytes(sec["bytes"], f"{where} bytes"), measured, "as given", lands_in
+        )
     else:
         raise ConfigError(f"{where} needs block_bytes, bytes_per_rank or bytes")
     per_rank = sum(pow2_ceil(b) if pinned else b for b in blocks)
     nominal = sum(blocks)
-    how = "power-of-two rounded per pinned block" if pinned else "exact size (pageable or pinned_empty)"
+    how = (
+        "power-of-two rounded per pinned block"
+        if pinned
+        else "exact size (pageable or pinned_empty)"
+    )
     detail = f"{ranks} rank(s) x {per_rank} B ({how}; nominal {nominal} B per rank)"
     return PlanTerm(label, ranks * per_rank, measured, detail, lands_in)
 
@@ -207,23 +251,36 @@ def load_plan_toml(path: Path) -> PlanInputs:
         raise ConfigError(f"plan file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
-    terms = [t for t in (
-        _section_term(doc, "pinned_optimizer", "pinned optimizer offload"),
-        _section_term(doc, "staging", "D2H staging"),
-        _section_term(doc, "page_cache", "page cache of new checkpoint files"),
-        _section_term(doc, "serving_backup", "serving backup (sleep level 1)"),
-    ) if t is not None]
+    terms = [
+        t
+        for t in (
+            _section_term(doc, "pinned_optimizer", "pinned optimizer offload"),
+            _section_term(doc, "staging", "D2H staging"),
+            _section_term(doc, "page_cache", "page cache of new checkpoint files"),
+            _section_term(doc, "serving_backup", "serving backup (sleep level 1)"),
+        )
+        if t is not None
+    ]
     for i, proc in enumerate(doc.get("other_processes", [])):
         name = proc.get("name", f"process {i}")
-        terms.append(PlanTerm(f"floor: {name}", parse_bytes(proc.get("floor"), f"[[other_processes]] {name} floor"),
-                              bool(proc.get("measured", False)), "other process floor", ANON))
+        terms.append(
+            PlanTerm(
+                f"floor: {name}",
+                parse_bytes(proc.get("floor"), f"[[other_processes]] {name} floor"),
+                bool(proc.get("measured", False)),
+                "other process floor",
+                ANON,
+            )
+        )
     lim = doc.get("limit", {})
     mm = lim.get("memory_max")
     marked = bool(lim.get("measured", False))
     return PlanInputs(
         terms=tuple(terms),
         memory_max=parse_bytes(mm, "[limit] memory_max") if mm is not None else None,
-        mem_total=parse_bytes(lim["mem_total"], "[limit] mem_total") if "mem_total" in lim else None,
+        mem_total=parse_bytes(lim["mem_total"], "[limit] mem_total")
+        if "mem_total" in lim
+        else None,
         ray_threshold=float(lim.get("ray_threshold", 0.95)),
         limit_measured=marked,
         tight_fraction=float(lim.get("tight_fraction", 0.10)),
@@ -237,29 +294,51 @@ def plan_from_records(records: list[dict[str, Any]], base: PlanInputs | None = N
     with ``base`` (a PLAN.toml), its estimates and limit joined as the module docstring says."""
     hosts = [r["host"] for r in records if r.get("host")]
     if not hosts:
-        raise ConfigError("the records carry no host figures; record phases with PhaseRecorder or run mem watch")
+        raise ConfigError(
+            "the records carry no host figures; record phases with PhaseRecorder or run mem watch"
+        )
     last = hosts[-1]
-    thr = next((r["ray"]["threshold_bytes"] / r["ray"]["total"] for r in reversed(records)
-                if (r.get("ray") or {}).get("threshold_bytes") and r["ray"].get("total")), None)
+    thr = next(
+        (
+            r["ray"]["threshold_bytes"] / r["ray"]["total"]
+            for r in reversed(records)
+            if (r.get("ray") or {}).get("threshold_bytes") and r["ray"].get("total")
+        ),
+        None,
+    )
     recorded = {
         "memory_max": last.get("limit") if last.get("source") != "none" else None,
         "mem_total": last.get("mem_total"),
     }
-    ends = [r for r in records if r["kind"] == RecordKind.PHASE_END.value and r.get("phase") == "save"]
+    ends = [
+        r for r in records if r["kind"] == RecordKind.PHASE_END.value and r.get("phase") == "save"
+    ]
     if base is None and not ends:
-        raise ConfigError("the records hold no completed save phase; record one with rec.phase('save', ...)")
+        raise ConfigError(
+            "the records hold no completed save phase; record one with rec.phase('save', ...)"
+        )
     terms, missing = _measured_terms(records, ends[-1]) if ends else ([], {})
     notes: list[str] = []
     sampled = (ends[-1].get("peak") or {}).get("host_current") if ends else None
     if base is None:
         if missing:
             name, why = next(iter(missing.items()))
-            raise ConfigError(f"plan from records: {name} was not obtained ({why}); use a PLAN.toml for it")
-        return PlanInputs(terms=tuple(terms), sampled_peak=sampled, **recorded, limit_measured=True,
-                          ray_threshold=round(thr or 0.95, 4), limit_source="measured in the records",
-                          threshold_source="from the records" if thr else "default")
+            raise ConfigError(
+                f"plan from records: {name} was not obtained ({why}); use a PLAN.toml for it"
+            )
+        return PlanInputs(
+            terms=tuple(terms),
+            sampled_peak=sampled,
+            **recorded,
+            limit_measured=True,
+            ray_threshold=round(thr or 0.95, 4),
+            limit_source="measured in the records",
+            threshold_source="from the records" if thr else "default",
+        )
     if not ends:
-        notes.append("the records hold no completed save phase: no measured term, PLAN.toml's estimates are summed")
+        notes.append(
+            "the records hold no completed save phase: no measured term, PLAN.toml's estimates are summed"
+        )
     by_class = {t.lands_in: t for t in terms}
     joined = list(terms)
     for t in base.terms:
@@ -268,15 +347,20 @@ def plan_from_records(records: list[dict[str, Any]], base: PlanInputs | None = N
     for cls, m in by_class.items():
         est = sum(t.bytes for t in base.terms if t.lands_in == cls)
         if est > m.bytes:
-            notes.append(f"PLAN.toml estimates {_gib(est)} in {cls}, the records measured {_gib(m.bytes)} at the "
-                         f"end of save step {ends[-1].get('step')}: was all it lists alive in the recorded save?")
+            notes.append(
+                f"PLAN.toml estimates {_gib(est)} in {cls}, the records measured {_gib(m.bytes)} at the "
+                f"end of save step {ends[-1].get('step')}: was all it lists alive in the recorded save?"
+            )
     for name, why in missing.items():
         notes.append(f"{name} was not measured ({why}): PLAN.toml's estimate is summed instead")
     configured = base.memory_max is not None or base.mem_total is not None
     limit = {"memory_max": base.memory_max, "mem_total": base.mem_total} if configured else recorded
     toml_thr = base.threshold_source != "default"
     return PlanInputs(
-        terms=tuple(joined), **limit, tight_fraction=base.tight_fraction, sampled_peak=sampled,
+        terms=tuple(joined),
+        **limit,
+        tight_fraction=base.tight_fraction,
+        sampled_peak=sampled,
         limit_measured=base.limit_measured if configured else True,
         limit_source=base.limit_source if configured else "measured in the records",
         ray_threshold=base.ray_threshold if toml_thr or thr is None else round(thr, 4),
@@ -289,10 +373,21 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
-def _measured_terms(records: list[dict[str, Any]], end: dict[str, Any]) -> tuple[list[PlanTerm], dict[str, str]]:
+def _measured_terms(
+    records: list[dict[str, Any]], end: dict[str, Any]
+) -> tuple[list[PlanTerm], dict[str, str]]:
     """The measured terms at the end of save phase ``end``, and the ones that could not be read."""
-    start = next((r for r in reversed(records) if r["kind"] == RecordKind.PHASE_START.value and
-                  r.get("phase") == "save" and r.get("pid") == end.get("pid") and r["mono_ns"] <= end["mono_ns"]), None)
+    start = next(
+        (
+            r
+            for r in reversed(records)
+            if r["kind"] == RecordKind.PHASE_START.value
+            and r.get("phase") == "save"
+            and r.get("pid") == end.get("pid")
+            and r["mono_ns"] <= end["mono_ns"]
+        ),
+        None,
+    )
     h_end = end.get("host") or {}
     terms: list[PlanTerm] = []
     missing: dict[str, str] = {}
@@ -303,13 +398,26 @@ def _measured_terms(records: list[dict[str, Any]], end: dict[str, Any]) -> tuple
         else:
             terms.append(PlanTerm(name, int(value), True, detail, lands_in))
 
-    add("pinned and shared memory (shmem)", h_end.get("shmem"),
+    add(
+        "pinned and shared memory (shmem)",
+        h_end.get("shmem"),
         "memory.stat shmem at the end of save: pinned optimizer, staging kept in the pinned cache, serving backup",
-        SHMEM)
+        SHMEM,
+    )
     rec_end, rec_start = h_end.get("reclaimable"), (start or {}).get("host", {}).get("reclaimable")
-    new_cache = max(0, rec_end - rec_start) if rec_end is not None and rec_start is not None else None
-    add("page cache of new checkpoint files", new_cache, "active_file + inactive_file, save end minus save start",
-        PAGE_CACHE)
-    add("anonymous memory (other processes' floors, pageable staging)", h_end.get("anon"),
-        "memory.stat anon at the end of save", ANON)
+    new_cache = (
+        max(0, rec_end - rec_start) if rec_end is not None and rec_start is not None else None
+    )
+    add(
+        "page cache of new checkpoint files",
+        new_cache,
+        "active_file + inactive_file, save end minus save start",
+        PAGE_CACHE,
+    )
+    add(
+        "anonymous memory (other processes' floors, pageable staging)",
+        h_end.get("anon"),
+        "memory.stat anon at the end of save",
+        ANON,
+    )
     return terms, missing

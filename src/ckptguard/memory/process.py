@@ -62,7 +62,11 @@ class ProcessSnapshot:
 
 
 def read_process(
-    pid: int | str = "self", *, proc_root: Path = Path("/proc"), with_fds: bool = True, with_pss: bool = True
+    pid: int | str = "self",
+    *,
+    proc_root: Path = Path("/proc"),
+    with_fds: bool = True,
+    with_pss: bool = True,
 ) -> ProcessSnapshot | None:
     """Snapshot one process; None if it does not exist (exited between listing and reading).
 
@@ -77,15 +81,22 @@ def read_process(
     missing: dict[str, str] = {}
     values: dict[str, int | None] = {}
     status, _ = read_keyed(base / "status", unit_kib=True)
-    for name, key in (("rss_anon", "RssAnon"), ("rss_file", "RssFile"), ("rss_shmem", "RssShmem"),
-                      ("vm_hwm", "VmHWM")):
+    for name, key in (
+        ("rss_anon", "RssAnon"),
+        ("rss_file", "RssFile"),
+        ("rss_shmem", "RssShmem"),
+        ("vm_hwm", "VmHWM"),
+    ):
         values[name] = (status or {}).get(key)
         if values[name] is None:
             missing[name] = f"{base / 'status'} has no {key} line"
     if with_pss:
         rollup, why = read_keyed(base / "smaps_rollup", unit_kib=True)
     else:
-        rollup, why = None, "not read at this boundary (smaps_rollup is read at most every pss_every_s)"
+        rollup, why = (
+            None,
+            "not read at this boundary (smaps_rollup is read at most every pss_every_s)",
+        )
     if rollup is None:
         for name in (*_SMAPS_FIELDS, "uss"):
             missing[name] = why or "unreadable"

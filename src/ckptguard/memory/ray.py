@@ -28,7 +28,14 @@ from typing import Any
 from ..errors import ConfigError
 from .host import HostSnapshot
 
-__all__ = ["RayAccounting", "RayConfig", "RayFigure", "RayKillLine", "parse_ray_kill_lines", "ray_figure"]
+__all__ = [
+    "RayAccounting",
+    "RayConfig",
+    "RayFigure",
+    "RayKillLine",
+    "parse_ray_kill_lines",
+    "ray_figure",
+]
 
 
 class RayAccounting(Enum):
@@ -55,7 +62,9 @@ class RayConfig:
         if not (0.0 < self.threshold <= 1.0):
             raise ConfigError(f"RayConfig.threshold must be in (0, 1], got {self.threshold}")
         if self.min_memory_free_bytes is not None and self.min_memory_free_bytes < 0:
-            raise ConfigError("RayConfig.min_memory_free_bytes must be >= 0 or None (Ray's -1 means None)")
+            raise ConfigError(
+                "RayConfig.min_memory_free_bytes must be >= 0 or None (Ray's -1 means None)"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> RayConfig:
@@ -132,9 +141,15 @@ def ray_figure(snap: HostSnapshot, config: RayConfig | None = None) -> RayFigure
     )
     if uses_cgroup:
         total = snap.limit
-        excl = snap.current - snap.reclaimable if snap.current is not None and snap.reclaimable is not None else None
+        excl = (
+            snap.current - snap.reclaimable
+            if snap.current is not None and snap.reclaimable is not None
+            else None
+        )
         if excl is None:
-            missing["excluding_page_cache"] = "cgroup current or active_file/inactive_file not obtained"
+            missing["excluding_page_cache"] = (
+                "cgroup current or active_file/inactive_file not obtained"
+            )
         incl = snap.current
     else:
         total = snap.mem_total
@@ -143,7 +158,11 @@ def ray_figure(snap: HostSnapshot, config: RayConfig | None = None) -> RayFigure
         else:
             excl = None
             missing["excluding_page_cache"] = "MemTotal or MemAvailable not obtained"
-        incl = snap.mem_total - snap.mem_free if snap.mem_total is not None and snap.mem_free is not None else None
+        incl = (
+            snap.mem_total - snap.mem_free
+            if snap.mem_total is not None and snap.mem_free is not None
+            else None
+        )
         if incl is None:
             missing["including_page_cache"] = "MemTotal or MemFree not obtained"
     if total is None:
@@ -153,7 +172,11 @@ def ray_figure(snap: HostSnapshot, config: RayConfig | None = None) -> RayFigure
         threshold = math.floor(total * cfg.threshold)
         if cfg.min_memory_free_bytes is not None:
             threshold = max(threshold, total - cfg.min_memory_free_bytes)
-    where = "cgroup (limit below MemTotal)" if uses_cgroup else "/proc/meminfo (no cgroup limit below MemTotal)"
+    where = (
+        "cgroup (limit below MemTotal)"
+        if uses_cgroup
+        else "/proc/meminfo (no cgroup limit below MemTotal)"
+    )
     if cfg.accounting is RayAccounting.EXCLUDES_PAGE_CACHE:
         why = f"reported as current Ray computes it from {where}: page cache (file LRU) excluded, shmem counted"
     else:

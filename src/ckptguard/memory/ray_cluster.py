@@ -25,7 +25,13 @@ from typing import Any
 from ..errors import ConfigError
 from .ray import RayConfig
 
-__all__ = ["ClusterRayConfig", "ObjectStoreShare", "cluster_ray_config", "object_store_pss", "with_cluster_threshold"]
+__all__ = [
+    "ClusterRayConfig",
+    "ObjectStoreShare",
+    "cluster_ray_config",
+    "object_store_pss",
+    "with_cluster_threshold",
+]
 
 _KEYS = {"memory_usage_threshold": "threshold", "min_memory_free_bytes": "min_memory_free_bytes"}
 
@@ -45,7 +51,10 @@ def _cluster_system_config() -> tuple[dict[str, Any] | None, str]:
     except ImportError:
         return None, "ray is not installed"
     if not ray.is_initialized():
-        return None, "no connected Ray cluster in this process (call ray.init or run inside an actor)"
+        return (
+            None,
+            "no connected Ray cluster in this process (call ray.init or run inside an actor)",
+        )
     try:
         from ray._private.state import state  # optional: ray's private state API, when ray is there
 
@@ -61,7 +70,9 @@ def _coerce(key: str, raw: Any) -> Any:
             return float(raw)
         value = int(raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"Ray system config {key}={raw!r} is not a number; fix the cluster's system config") from None
+        raise ConfigError(
+            f"Ray system config {key}={raw!r} is not a number; fix the cluster's system config"
+        ) from None
     return value if value >= 0 else None
 
 
@@ -82,7 +93,9 @@ def cluster_ray_config(environ: Mapping[str, str] | None = None) -> ClusterRayCo
     return ClusterRayConfig(config=RayConfig(**kwargs), sources=sources, why=why)
 
 
-def with_cluster_threshold(inputs: Any, environ: Mapping[str, str] | None = None) -> tuple[Any, ClusterRayConfig]:
+def with_cluster_threshold(
+    inputs: Any, environ: Mapping[str, str] | None = None
+) -> tuple[Any, ClusterRayConfig]:
     """``PlanInputs`` with ``ray_threshold`` replaced by the cluster's, when the cluster set one."""
     found = cluster_ray_config(environ)
     if found.sources["threshold"] == "default":
@@ -123,4 +136,6 @@ def object_store_pss(pid: int, *, proc_root: Path = Path("/proc")) -> ObjectStor
             total += kib
             if _is_plasma(current):
                 plasma += kib
-    return ObjectStoreShare(pid=pid, pss=total, object_store_pss=plasma, why="summed from /proc/PID/smaps")
+    return ObjectStoreShare(
+        pid=pid, pss=total, object_store_pss=plasma, why="summed from /proc/PID/smaps"
+    )

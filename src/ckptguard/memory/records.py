@@ -46,7 +46,6 @@ class RecordKind(Enum):
     HOST_CACHE_RELEASE = "host_cache_release"
 
 
-
 def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """All records of the given files, sorted by ``mono_ns`` (stable for equal times)."""
     out: list[dict[str, Any]] = []
@@ -73,7 +72,9 @@ def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
             try:
                 RecordKind(rec["kind"])
             except ValueError:
-                raise RecordFormatError(f"{path}:{i + 1}: unknown record kind {rec['kind']!r}") from None
+                raise RecordFormatError(
+                    f"{path}:{i + 1}: unknown record kind {rec['kind']!r}"
+                ) from None
             if rec.get("v", FORMAT_VERSION) > FORMAT_VERSION:
                 raise RecordFormatError(
                     f"{path}:{i + 1}: record format v{rec['v']} is newer than this ckptguard reads (v{FORMAT_VERSION})"

@@ -36,7 +36,9 @@ class SamplerConfig:
 
     def __post_init__(self) -> None:
         if not (4.0 <= self.hz <= 1000.0):
-            raise ConfigError(f"SamplerConfig.hz must be in [4, 1000] (Ray polls at 4 Hz), got {self.hz}")
+            raise ConfigError(
+                f"SamplerConfig.hz must be in [4, 1000] (Ray polls at 4 Hz), got {self.hz}"
+            )
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,9 @@ class Sampler:
     def start(self) -> Sampler:
         if self._thread is None:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="ckptguard-mem-sampler", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="ckptguard-mem-sampler", daemon=True
+            )
             self._thread.start()
         return self
 

@@ -45,7 +45,9 @@ class WatchConfig:
 
     def __post_init__(self) -> None:
         if not (0.01 <= self.interval_s <= 3600):
-            raise ConfigError(f"WatchConfig.interval_s must be in [0.01, 3600] seconds, got {self.interval_s}")
+            raise ConfigError(
+                f"WatchConfig.interval_s must be in [0.01, 3600] seconds, got {self.interval_s}"
+            )
 
 
 def _record(kind: RecordKind, **fields: Any) -> dict[str, Any]:
@@ -91,10 +93,15 @@ def watch(cmd: Sequence[str], config: WatchConfig, *, probe: HostProbe | None = 
         try:
             child = subprocess.Popen(list(cmd))
         except OSError as exc:
-            raise ConfigError(f"mem watch could not start {cmd[0]!r}: {exc.strerror or exc}") from None
+            raise ConfigError(
+                f"mem watch could not start {cmd[0]!r}: {exc.strerror or exc}"
+            ) from None
         emit(
             _record(
-                RecordKind.WATCH_START, root_pid=child.pid, argv0=os.path.basename(cmd[0]), interval_s=config.interval_s
+                RecordKind.WATCH_START,
+                root_pid=child.pid,
+                argv0=os.path.basename(cmd[0]),
+                interval_s=config.interval_s,
             )
         )
         next_t = time.monotonic()
@@ -110,5 +117,12 @@ def watch(cmd: Sequence[str], config: WatchConfig, *, probe: HostProbe | None = 
         except KeyboardInterrupt:
             child.terminate()
             rc = child.wait()
-        emit(_record(RecordKind.WATCH_END, root_pid=child.pid, exit_code=rc, signal=-rc if rc < 0 else None))
+        emit(
+            _record(
+                RecordKind.WATCH_END,
+                root_pid=child.pid,
+                exit_code=rc,
+                signal=-rc if rc < 0 else None,
+            )
+        )
     return rc

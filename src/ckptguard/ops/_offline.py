@@ -27,13 +27,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .._disk import layout as _layout
 from .._disk.boxsum import box_sum, combine_layout_free
-from .._disk.digest import STRUCTURE_SEED, digest, update_digest, update_tensor_header, update_with_tensor
+from .._disk.digest import (
+    STRUCTURE_SEED,
+    digest,
+    update_digest,
+    update_tensor_header,
+    update_with_tensor,
+)
 from .._records import manifest as _manifest
 from .._state.state import TENSOR_REF, ItemKind
 from ..errors import CheckpointCorruptError
@@ -70,7 +80,10 @@ class _Layout:
                     f"{'no chunk' if chunk is None else 'the data file ' + repr(info.relative_path)}; DCP writes "
                     "a chunk per stored offset in files named __RANK_N.distcp: restore an earlier step"
                 )
-            self.boxes.setdefault(index.fqn, {})[int(match.group(1))] = (tuple(chunk.offsets), tuple(chunk.sizes))
+            self.boxes.setdefault(index.fqn, {})[int(match.group(1))] = (
+                tuple(chunk.offsets),
+                tuple(chunk.sizes),
+            )
 
     def box(self, key: str, rank: int) -> Box | None:
         """What ``rank`` held of ``key``: the chunk it wrote, or the one full chunk of a replicated key."""
@@ -106,9 +119,13 @@ class _BoxPlanner(DefaultLoadPlanner):
         assert self.metadata is not None
         requests = []
         for fqn, target in self.state_dict.items():
-            chunk = ChunkStorageMetadata(offsets=torch.Size(self._offsets[fqn]), sizes=target.size())
+            chunk = ChunkStorageMetadata(
+                offsets=torch.Size(self._offsets[fqn]), sizes=target.size()
+            )
             md = self.metadata.state_dict_metadata[fqn]
-            assert isinstance(md, TensorStorageMetadata)  # tensors only: _layout_of lists no bytes entries
+            assert isinstance(
+                md, TensorStorageMetadata
+            )  # tensors only: _layout_of lists no bytes entries
             requests += create_read_items_for_chunk_list(fqn, md, [chunk])
         return LoadPlan(requests)
 
@@ -130,7 +147,9 @@ class _CachedReader(StreamingReader):
 class _Loader:
     """Loads a rank's tensors in budget-sized batches, in the order the digest walk asks for them."""
 
-    def __init__(self, layout: _Layout, rank: int, keys: list[str], budget: int, storage: StreamingStorage) -> None:
+    def __init__(
+        self, layout: _Layout, rank: int, keys: list[str], budget: int, storage: StreamingStorage
+    ) -> None:
         self._layout, self._rank, self._storage = layout, rank, storage
         self._batch_of: dict[str, int] = {}
         self._batches: list[list[str]] = []
@@ -213,7 +232,9 @@ def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor], structure: bool
         update_digest(h, node)
 
 
-def skeleton_digest(skeleton: Any, get: Callable[[str], torch.Tensor], *, structure: bool = False) -> str:
+def skeleton_digest(
+    skeleton: Any, get: Callable[[str], torch.Tensor], *, structure: bool = False
+) -> str:
     """``digest(_unflatten(skeleton, tensors))`` (``structure``: ``structure_digest(...)``) without holding
     every tensor at once."""
     h = xxhash.xxh3_64()
@@ -227,25 +248,47 @@ def _load_extras(step_dir: Path, rank: int) -> tuple[dict[str, Any] | None, str 
     path = step_dir / _layout.extras_name(rank)
     try:
         extras = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as exc:  # a damaged or foreign file: this rank fails, the others are still checked
-        return None, f"rank {rank}: {path.name} does not load with torch.load(weights_only=True) ({exc})"
+    except (
+        Exception
+    ) as exc:  # a damaged or foreign file: this rank fails, the others are still checked
+        return (
+            None,
+            f"rank {rank}: {path.name} does not load with torch.load(weights_only=True) ({exc})",
+        )
     if not isinstance(extras, dict) or not isinstance(extras.get("items"), dict):
-        return None, f"rank {rank}: {path.name} holds no 'items' table; it was not written by ckptguard"
+        return (
+            None,
+            f"rank {rank}: {path.name} holds no 'items' table; it was not written by ckptguard",
+        )
     return extras, None
 
 
 def recompute(
-    step_dir: Path, *, budget_bytes: int = DEFAULT_BUDGET, progress: Callable[[dict[str, Any]], None] | None = None
+    step_dir: Path,
+    *,
+    budget_bytes: int = DEFAULT_BUDGET,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     manifest = _manifest.read(step_dir)
     layout = _Layout(step_dir / _layout.STATE_DIR)
     storage = StreamingStorage(StreamingConfig(pool_bytes=POOL_BYTES, buffer_bytes=POOL_BYTES // 2))
-    result: dict[str, Any] = {"step": manifest.step, "ranks": {}, "unverifiable": [], "failed": [],
-                              "budget_bytes": budget_bytes, "peak_tensor_bytes": 0, "bytes_read": 0}
+    result: dict[str, Any] = {
+        "step": manifest.step,
+        "ranks": {},
+        "unverifiable": [],
+        "failed": [],
+        "budget_bytes": budget_bytes,
+        "peak_tensor_bytes": 0,
+        "bytes_read": 0,
+    }
     world = manifest.world_size
-    partials: dict[str, list[str]] = {}  # format 3: every rank's layout-free partials, combined at the end
+    partials: dict[
+        str, list[str]
+    ] = {}  # format 3: every rank's layout-free partials, combined at the end
     ranks = list(range(world))
-    if manifest.nodes:  # node-local roots: this disk holds its node's ranks' part (its node manifest says which)
+    if (
+        manifest.nodes
+    ):  # node-local roots: this disk holds its node's ranks' part (its node manifest says which)
         node = _manifest.read_node(step_dir)
         ranks = sorted(manifest.nodes[node.node].ranks) if node is not None else []
         result["elsewhere"] = [r for r in range(world) if r not in ranks]
@@ -257,7 +300,9 @@ def recompute(
         digests = {}
         for name, kind in manifest.items.items():
             if name not in extras["items"]:
-                result["failed"].append(f"rank {rank} item {name}: absent from {_layout.extras_name(rank)}")
+                result["failed"].append(
+                    f"rank {rank} item {name}: absent from {_layout.extras_name(rank)}"
+                )
                 continue
             skeleton = extras["items"][name]
             if kind not in _TENSOR_KINDS:
@@ -266,19 +311,24 @@ def recompute(
             keys = list(_refs(skeleton))
             absent = [k for k in keys if k not in layout.md.state_dict_metadata]
             if absent:
-                result["failed"].append(f"rank {rank} item {name}: keys not in the DCP metadata: {absent[:4]}")
+                result["failed"].append(
+                    f"rank {rank} item {name}: keys not in the DCP metadata: {absent[:4]}"
+                )
                 continue
             unheld = [k for k in keys if layout.box(k, rank) is None]
             if unheld:
-                result["unverifiable"].append(f"rank {rank} item {name}: no stored chunk for {unheld[0]!r}")
+                result["unverifiable"].append(
+                    f"rank {rank} item {name}: no stored chunk for {unheld[0]!r}"
+                )
                 continue
             loader = _Loader(layout, rank, keys, budget_bytes, storage)
             if manifest.digest_covers_bytes(name):
                 digests[name] = skeleton_digest(skeleton, loader.get)
             else:
                 # Format 3: the per-rank digest covers the structure; the bytes go into the layout-free sums.
-                digests[name] = skeleton_digest(skeleton, _summing(layout, rank, name, loader.get, partials),
-                                                structure=True)
+                digests[name] = skeleton_digest(
+                    skeleton, _summing(layout, rank, name, loader.get, partials), structure=True
+                )
             result["peak_tensor_bytes"] = max(result["peak_tensor_bytes"], loader.peak_bytes)
             result["bytes_read"] += loader.bytes_read
             if progress is not None:
@@ -294,7 +344,11 @@ def recompute(
 
 
 def _summing(
-    layout: _Layout, rank: int, item: str, get: Callable[[str], torch.Tensor], partials: dict[str, list[str]]
+    layout: _Layout,
+    rank: int,
+    item: str,
+    get: Callable[[str], torch.Tensor],
+    partials: dict[str, list[str]],
 ) -> Callable[[str], torch.Tensor]:
     """``get``, also adding each loaded chunk's layout-free sum to ``partials`` (as the save's pass did)."""
 
@@ -303,7 +357,12 @@ def _summing(
         box = layout.box(key, rank)
         assert box is not None
         gshape = tuple(int(x) for x in layout.tensor_meta(key).size)
-        partials[f"{key}@{box[0]}"] = [item, key, f"{t.dtype}|{gshape}", f"{box_sum(t, box[0], gshape):016x}"]
+        partials[f"{key}@{box[0]}"] = [
+            item,
+            key,
+            f"{t.dtype}|{gshape}",
+            f"{box_sum(t, box[0], gshape):016x}",
+        ]
         return t
 
     return fetch
@@ -317,7 +376,9 @@ def compare(step_dir: Path, recomputed: dict[str, Any]) -> list[str]:
         now = recomputed["ranks"].get(rank, {})
         for item, value in sorted(saved.items()):
             if item in now and now[item] != value:
-                problems.append(f"rank {rank} item {item}: restored digest {now[item]} != saved {value}")
+                problems.append(
+                    f"rank {rank} item {item}: restored digest {now[item]} != saved {value}"
+                )
     structure = sorted(n for n in manifest.items if not manifest.digest_covers_bytes(n))
     if structure and recomputed.get("layout_free") is not None:
         # Format 3: those items' per-rank digests cover no tensor byte; their layout-free digests do.
@@ -326,9 +387,13 @@ def compare(step_dir: Path, recomputed: dict[str, Any]) -> list[str]:
             a, b = saved_lf.get(item, {}), now_lf.get(item, {})
             keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             if keys:
-                problems.append(f"item {item}: restored layout-free digests differ from the save's for keys {keys[:8]}")
+                problems.append(
+                    f"item {item}: restored layout-free digests differ from the save's for keys {keys[:8]}"
+                )
     elif structure and not recomputed.get("elsewhere"):
-        problems.append(f"items {structure}: their tensor bytes were not compared (no layout-free digests recomputed)")
+        problems.append(
+            f"items {structure}: their tensor bytes were not compared (no layout-free digests recomputed)"
+        )
     return problems
 
 
@@ -347,7 +412,12 @@ def _main(argv: list[str]) -> int:
         try:
             result = recompute(step_dir, budget_bytes=max(1, args.budget_bytes), progress=report)
         except Exception as exc:  # this step fails, the next ones are still checked
-            print(json.dumps({"step_dir": str(step_dir), "error": f"{type(exc).__name__}: {exc}"[:600]}), flush=True)
+            print(
+                json.dumps(
+                    {"step_dir": str(step_dir), "error": f"{type(exc).__name__}: {exc}"[:600]}
+                ),
+                flush=True,
+            )
             continue
         print(json.dumps({"step_dir": str(step_dir), "result": result}), flush=True)
     return 0

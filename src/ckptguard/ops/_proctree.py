@@ -110,7 +110,9 @@ class Tree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
-    def kill(self, *, frozen: list[int] | None = None, timeout_s: float = 20.0) -> tuple[list[int], list[int]]:
+    def kill(
+        self, *, frozen: list[int] | None = None, timeout_s: float = 20.0
+    ) -> tuple[list[int], list[int]]:
         """SIGKILL the whole tree; returns (killed pids, survivors). Survivors are an error for the caller."""
         pids = sorted(set(frozen or []) | set(self.freeze()))
         for pid in pids:

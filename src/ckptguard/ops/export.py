@@ -85,12 +85,30 @@ _MiB = 1 << 20
 _TMP_MARK = ".tmp-export-"
 # The files of a model's folder that are not weights: copied when the step holds them.
 CONFIG_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
-    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
 )
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 _EP_KEY = re.compile(re.escape(EP_SUFFIX) + r"(\d+)\Z")
 
 
@@ -162,7 +180,9 @@ def _module_item(manifest: _manifest.Manifest, item: str | None) -> str:
             f"{sorted(manifest.items)}); a step of the HF integration keeps the weights in HF's own files under "
             f"{HF_DIR}/, which are usable as they are (checked by `ckptguard verify`)"
         )
-    raise ConfigError(f"step {manifest.step} holds several model items {modules}: pass the one to export with --item")
+    raise ConfigError(
+        f"step {manifest.step} holds several model items {modules}: pass the one to export with --item"
+    )
 
 
 def _expected(manifest: _manifest.Manifest, item: str) -> dict[str, str]:
@@ -177,7 +197,11 @@ def _expected(manifest: _manifest.Manifest, item: str) -> dict[str, str]:
 
 
 def _ep_sources(
-    item: str, base: str, per_rank: dict[int, tuple[str, tuple[int, ...]]], expected: dict[str, str], ep: int
+    item: str,
+    base: str,
+    per_rank: dict[int, tuple[str, tuple[int, ...]]],
+    expected: dict[str, str],
+    ep: int,
 ) -> tuple[str, tuple[int, ...], list[Source]]:
     """A fused expert tensor: the EP ranks' tensors concatenated along dimension 0."""
     ranks = sorted(per_rank)
@@ -188,7 +212,9 @@ def _ep_sources(
         )
     shapes = [per_rank[r][1] for r in ranks]
     if any(len(s) == 0 or s[1:] != shapes[0][1:] for s in shapes):
-        raise CheckpointCorruptError(f"expert key {base!r}: EP ranks' shapes {shapes} do not stack along dimension 0")
+        raise CheckpointCorruptError(
+            f"expert key {base!r}: EP ranks' shapes {shapes} do not stack along dimension 0"
+        )
     sources, row = [], 0
     for r in ranks:
         key, shape = per_rank[r]
@@ -205,7 +231,9 @@ def _expert_index(parts: list[str]) -> int | None:
     return None
 
 
-def _renumbered(item: str, keys: dict[str, dict[int, tuple[str, tuple[int, ...]]]]) -> dict[str, tuple[str, int]]:
+def _renumbered(
+    item: str, keys: dict[str, dict[int, tuple[str, tuple[int, ...]]]]
+) -> dict[str, tuple[str, int]]:
     """Per-expert keys: DCP key -> (HF name, EP rank), the local index i of EP rank r made r * n + i."""
     local: dict[tuple[str, int], set[int]] = {}
     for base, per_rank in keys.items():
@@ -217,11 +245,15 @@ def _renumbered(item: str, keys: dict[str, dict[int, tuple[str, tuple[int, ...]]
     counts: dict[str, set[int]] = {}
     for (prefix, r), found in local.items():
         if found != set(range(len(found))):
-            raise CheckpointCorruptError(f"experts under {prefix!r} on EP rank {r}: local indices {sorted(found)} "
-                                         "are not 0..n-1; they cannot be numbered globally")
+            raise CheckpointCorruptError(
+                f"experts under {prefix!r} on EP rank {r}: local indices {sorted(found)} "
+                "are not 0..n-1; they cannot be numbered globally"
+            )
         counts.setdefault(prefix, set()).add(len(found))
     if any(len(c) > 1 for c in counts.values()):
-        raise CheckpointCorruptError(f"EP ranks hold different numbers of experts: {counts}; cannot number them")
+        raise CheckpointCorruptError(
+            f"EP ranks hold different numbers of experts: {counts}; cannot number them"
+        )
     out = {}
     for base, per_rank in keys.items():
         parts = base.split(".")
@@ -251,14 +283,18 @@ def plan_export(
         if not key.startswith(item + ".") or not isinstance(meta, TensorStorageMetadata):
             continue
         if key not in expected:
-            raise CheckpointCorruptError(f"key {key!r} of step {manifest.step} has no layout-free digest in "
-                                         f"{manifest.path}: the step's metadata and manifest disagree")
+            raise CheckpointCorruptError(
+                f"key {key!r} of step {manifest.step} has no layout-free digest in "
+                f"{manifest.path}: the step's metadata and manifest disagree"
+            )
         shape, src = tuple(int(s) for s in meta.size), meta.properties.dtype
         dtypes[key] = src
         out = dtype if dtype is not None and src.is_floating_point else src
         match = _EP_KEY.search(key)
         if match is None:
-            plain.append(Planned(key[len(item) + 1 :], shape, src, out, (Source(key, expected[key], shape),)))
+            plain.append(
+                Planned(key[len(item) + 1 :], shape, src, out, (Source(key, expected[key], shape),))
+            )
         else:
             experts.setdefault(key[: match.start()], {})[int(match.group(1))] = (key, shape)
     ep = manifest.topology.ep
@@ -267,15 +303,19 @@ def plan_export(
         src = dtypes[per_rank[min(per_rank)][0]]
         out = dtype if dtype is not None and src.is_floating_point else src
         if all(key in named for key, _s in per_rank.values()):
-            plain += [Planned(named[key][0], shape, src, out, (Source(key, expected[key], shape),))
-                      for key, shape in per_rank.values()]
+            plain += [
+                Planned(named[key][0], shape, src, out, (Source(key, expected[key], shape),))
+                for key, shape in per_rank.values()
+            ]
         else:
             name, shape, sources = _ep_sources(item, base, per_rank, expected, ep)
             plain.append(Planned(name, shape, src, out, tuple(sources)))
     bad = [p.name for p in plain if any(s.digest == REPLICAS_DIFFER for s in p.sources)]
     if bad:
-        raise CheckpointCorruptError(f"step {manifest.step}: the save found replicas of {bad[:4]} that differ across "
-                                     "ranks; their true value is unknown: restore an earlier step")
+        raise CheckpointCorruptError(
+            f"step {manifest.step}: the save found replicas of {bad[:4]} that differ across "
+            "ranks; their true value is unknown: restore an earlier step"
+        )
     return sorted(plain, key=lambda p: p.name)
 
 
@@ -377,12 +417,16 @@ class _Reader:
     def __init__(self, step_dir: Path, pool: int) -> None:
         self._state = step_dir / _layout.STATE_DIR
         buffer = pool // 2 // 4096 * 4096
-        self._storage = StreamingStorage(StreamingConfig(pool_bytes=2 * buffer, buffer_bytes=buffer, read_threads=1))
+        self._storage = StreamingStorage(
+            StreamingConfig(pool_bytes=2 * buffer, buffer_bytes=buffer, read_threads=1)
+        )
         self._ctx = StorageContext(rank=0, world_size=1, process_group=None)
 
     def fill(self, p: Planned, target: torch.Tensor) -> None:
         """Read ``p``'s sources into ``target`` (a tensor of ``p``'s source dtype and shape)."""
-        views = {s.key: (target if s.rows is None else target[s.rows[0] : s.rows[1]]) for s in p.sources}
+        views = {
+            s.key: (target if s.rows is None else target[s.rows[0] : s.rows[1]]) for s in p.sources
+        }
         self._storage.read(self._state, views, self._ctx)
 
 
@@ -390,12 +434,19 @@ Fill = Callable[[Planned, torch.Tensor], None]
 """Reads ``p``'s bytes into a tensor of its source dtype and shape, and checks them (raises if they differ)."""
 
 
-def _load_shard(fill: Fill, shard: list[Planned], result: ExportResult, progress: Progress | None,
-                done: list[int]) -> dict[str, torch.Tensor]:
+def _load_shard(
+    fill: Fill,
+    shard: list[Planned],
+    result: ExportResult,
+    progress: Progress | None,
+    done: list[int],
+) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for p in shard:
         out = torch.empty(p.shape, dtype=p.out_dtype)
-        held = sum(t.numel() * t.element_size() for t in tensors.values()) + out.nbytes + p.extra_bytes
+        held = (
+            sum(t.numel() * t.element_size() for t in tensors.values()) + out.nbytes + p.extra_bytes
+        )
         if p.cast:
             src = torch.empty(p.shape, dtype=p.dtype)
             fill(p, src)  # checked before the cast
@@ -419,8 +470,10 @@ def check_file(path: Path, meant: dict[str, str], planned: dict[str, Planned]) -
     for name, t in read_tensors(path, sorted(meant)):
         p = planned[name]
         if t.dtype != p.out_dtype or tuple(t.shape) != p.shape:
-            raise CheckpointCorruptError(f"{path}: tensor {name!r} was written as {t.dtype} {tuple(t.shape)}, "
-                                         f"meant {p.out_dtype} {p.shape}; nothing was published")
+            raise CheckpointCorruptError(
+                f"{path}: tensor {name!r} was written as {t.dtype} {tuple(t.shape)}, "
+                f"meant {p.out_dtype} {p.shape}; nothing was published"
+            )
         now = digests({name: t})[name]
         del t
         trim()  # one tensor read back at a time, its pages given back before the next
@@ -432,18 +485,26 @@ def check_file(path: Path, meant: dict[str, str], planned: dict[str, Planned]) -
             )
 
 
-def copy_configs(step_dir: Path, manifest: _manifest.Manifest, tmp: Path, dtype: torch.dtype | None) -> list[str]:
+def copy_configs(
+    step_dir: Path, manifest: _manifest.Manifest, tmp: Path, dtype: torch.dtype | None
+) -> list[str]:
     """The step's config/tokenizer files (``hf/``), checked against the manifest's size and xxh3 as copied."""
     copied = []
     for entry in manifest.files:
         rel = entry.path
-        if not rel.startswith(HF_DIR + "/") or rel.count("/") != 1 or rel.split("/")[1] not in CONFIG_FILES:
+        if (
+            not rel.startswith(HF_DIR + "/")
+            or rel.count("/") != 1
+            or rel.split("/")[1] not in CONFIG_FILES
+        ):
             continue
         src = step_dir / rel
         data = _layout.read_small(src, limit=256 * _MiB, what="config file")
         if len(data) != entry.size or xxhash.xxh3_64(data).hexdigest() != entry.xxh3:
-            raise CheckpointCorruptError(f"{src}: size or xxh3 differs from step {manifest.step}'s manifest; the file "
-                                         "changed after the commit: nothing was exported")
+            raise CheckpointCorruptError(
+                f"{src}: size or xxh3 differs from step {manifest.step}'s manifest; the file "
+                "changed after the commit: nothing was exported"
+            )
         name = rel.split("/")[1]
         if name == "config.json" and dtype is not None:
             data = retyped_config(src, data, dtype)
@@ -471,7 +532,11 @@ def _temp_dir(out: Path) -> Path:
     """A new hidden directory beside ``out``; dead exports' temp directories of the same ``out`` swept first."""
     prefix = f".{out.name}{_TMP_MARK}"
     for old in sorted(out.parent.glob(prefix + "*")):
-        ours = re.fullmatch(re.escape(prefix) + r"[0-9a-f]{12}", old.name) and not old.is_symlink() and old.is_dir()
+        ours = (
+            re.fullmatch(re.escape(prefix) + r"[0-9a-f]{12}", old.name)
+            and not old.is_symlink()
+            and old.is_dir()
+        )
         if ours and _layout.owner_is_dead(old, max_age_s=float("inf")):
             shutil.rmtree(old)
     tmp = out.parent / f"{prefix}{secrets.token_hex(6)}"
@@ -483,30 +548,41 @@ def _temp_dir(out: Path) -> Path:
 def _target(out: Path) -> Path:
     out = out.absolute()
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
-        raise ConfigError(f"{out} exists and is not an empty directory: an export never overwrites; pick a new "
-                          "directory or remove that one")
+        raise ConfigError(
+            f"{out} exists and is not an empty directory: an export never overwrites; pick a new "
+            "directory or remove that one"
+        )
     if not out.parent.is_dir():
-        raise ConfigError(f"{out.parent} does not exist: create the parent directory of the export first")
+        raise ConfigError(
+            f"{out.parent} does not exist: create the parent directory of the export first"
+        )
     return out
 
 
-def step_dir_of(root: str | os.PathLike[str], step: int | None, template: str = "step_{step:08d}") -> Path:
+def step_dir_of(
+    root: str | os.PathLike[str], step: int | None, template: str = "step_{step:08d}"
+) -> Path:
     """The committed step to export: ``root`` itself when it is a step directory, else ``step`` or the tracker's."""
     root = Path(root)
     root = root.absolute()
     if (root / _layout.MANIFEST_NAME).exists():
         if step is not None and _manifest.read(root).step != step:
-            raise ConfigError(f"{root} is the step directory of step {_manifest.read(root).step}, not {step}")
+            raise ConfigError(
+                f"{root} is the step directory of step {_manifest.read(root).step}, not {step}"
+            )
         return root
     naming = _layout.StepNaming(template)
     tracker = _layout.read_tracker(root)
     if tracker is None or tracker == 0:
-        raise CheckpointIncompleteError(f"{root} has no committed step (tracker: {tracker}); pass the checkpoint "
-                                        "root of a run that saved, or a step directory")
+        raise CheckpointIncompleteError(
+            f"{root} has no committed step (tracker: {tracker}); pass the checkpoint "
+            "root of a run that saved, or a step directory"
+        )
     step = tracker if step is None else step
     if step > tracker:
-        raise CheckpointIncompleteError(f"step {step} under {root} is newer than the tracker ({tracker}): "
-                                        "not committed")
+        raise CheckpointIncompleteError(
+            f"step {step} under {root} is newer than the tracker ({tracker}): not committed"
+        )
     path = root / naming.name(step)
     _manifest.read(path)  # committed: raises naming the step otherwise
     return path
@@ -539,45 +615,86 @@ def export_hf(
     def configs(tmp: Path) -> list[str]:
         return copy_configs(step_dir, manifest, tmp, dtype)
 
-    return publish(out, planned, fill, source_of(step_dir, manifest, item), configs, dtype=dtype,
-                   max_host_bytes=max_host_bytes, progress=progress)
+    return publish(
+        out,
+        planned,
+        fill,
+        source_of(step_dir, manifest, item),
+        configs,
+        dtype=dtype,
+        max_host_bytes=max_host_bytes,
+        progress=progress,
+    )
 
 
 def source_of(step_dir: Path, manifest: _manifest.Manifest, item: str) -> dict[str, Any]:
     """What an export manifest says of the step it came from."""
-    return {"step": manifest.step, "step_dir": str(step_dir), "chain_id": manifest.chain_id, "item": item,
-            "manifest_xxh3": file_digest(str(manifest.path))[1]}
+    return {
+        "step": manifest.step,
+        "step_dir": str(step_dir),
+        "chain_id": manifest.chain_id,
+        "item": item,
+        "manifest_xxh3": file_digest(str(manifest.path))[1],
+    }
 
 
 def publish(
-    out: Path, planned: list[Planned], fill: Fill, source: dict[str, Any], configs: Callable[[Path], list[str]],
-    *, dtype: torch.dtype | None, max_host_bytes: int, progress: Progress | None, extra: dict[str, Any] | None = None,
+    out: Path,
+    planned: list[Planned],
+    fill: Fill,
+    source: dict[str, Any],
+    configs: Callable[[Path], list[str]],
+    *,
+    dtype: torch.dtype | None,
+    max_host_bytes: int,
+    progress: Progress | None,
+    extra: dict[str, Any] | None = None,
 ) -> ExportResult:
     """Write ``planned`` (bytes from ``fill``) into a temp directory beside ``out``, check, and publish it."""
     t0 = time.perf_counter()
     out = _target(out)
     budget = Budget.of(max_host_bytes, planned)
-    result = ExportResult(out, int(source["step"]), str(source["item"]),
-                          str(dtype).removeprefix("torch.") if dtype else None, budget=budget.__dict__)
+    result = ExportResult(
+        out,
+        int(source["step"]),
+        str(source["item"]),
+        str(dtype).removeprefix("torch.") if dtype else None,
+        budget=budget.__dict__,
+    )
     tmp = _temp_dir(out)
     try:
-        body = _export_into(tmp, planned, shards(planned, budget.shard), fill, configs, result, progress)
+        body = _export_into(
+            tmp, planned, shards(planned, budget.shard), fill, configs, result, progress
+        )
         _faults.reached("export.before_manifest")
-        _layout.atomic_write_json(tmp / EXPORT_MANIFEST, {**body, "source": source, **(extra or {})})
-        (tmp / _layout.OWNER_NAME).unlink()  # after the manifest: the published export holds only what it lists
-        os.rename(tmp, out)  # onto nothing or an empty directory: one step publishes the whole export
+        _layout.atomic_write_json(
+            tmp / EXPORT_MANIFEST, {**body, "source": source, **(extra or {})}
+        )
+        (
+            tmp / _layout.OWNER_NAME
+        ).unlink()  # after the manifest: the published export holds only what it lists
+        os.rename(
+            tmp, out
+        )  # onto nothing or an empty directory: one step publishes the whole export
         _layout.fsync_dir(out.parent)
     except BaseException:
         if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)  # ours (created above); a kill leaves it to the next sweep
+            shutil.rmtree(
+                tmp, ignore_errors=True
+            )  # ours (created above); a kill leaves it to the next sweep
         raise
     result.seconds = time.perf_counter() - t0
     return result
 
 
 def _export_into(
-    tmp: Path, planned: list[Planned], groups: list[list[Planned]], fill: Fill,
-    configs: Callable[[Path], list[str]], result: ExportResult, progress: Progress | None,
+    tmp: Path,
+    planned: list[Planned],
+    groups: list[list[Planned]],
+    fill: Fill,
+    configs: Callable[[Path], list[str]],
+    result: ExportResult,
+    progress: Progress | None,
 ) -> dict[str, Any]:
     """Every file of the export in ``tmp``, each checked; the export manifest's body."""
     by_name = {p.name: p for p in planned}
@@ -598,28 +715,40 @@ def _export_into(
         written.update(meant)
         weight_map.update({p.name: name for p in shard})
     total = sum(p.out_bytes for p in planned)
-    _layout.atomic_write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total},
-                                                 "weight_map": dict(sorted(weight_map.items()))})
+    _layout.atomic_write_json(
+        tmp / INDEX_NAME,
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
     result.copied = configs(tmp)
     for extra in [INDEX_NAME, *result.copied]:
         size, xxh3 = file_digest(str(tmp / extra))
         files.append({"path": extra, "size": size, "xxh3": xxh3})
     result.files = [f["path"] for f in files]
     result.tensors, result.bytes = len(planned), total
-    return {"kind": EXPORT_KIND, "format_version": EXPORT_FORMAT, "dtype": result.dtype, "files": files,
-            "tensors": {p.name: _tensor_entry(p, weight_map, written) for p in planned},
-            "versions": current_versions(), "created_unix": time.time()}
+    return {
+        "kind": EXPORT_KIND,
+        "format_version": EXPORT_FORMAT,
+        "dtype": result.dtype,
+        "files": files,
+        "tensors": {p.name: _tensor_entry(p, weight_map, written) for p in planned},
+        "versions": current_versions(),
+        "created_unix": time.time(),
+    }
 
 
-def _tensor_entry(p: Planned, weight_map: dict[str, str], written: dict[str, str]) -> dict[str, Any]:
+def _tensor_entry(
+    p: Planned, weight_map: dict[str, str], written: dict[str, str]
+) -> dict[str, Any]:
     return {
         "file": weight_map[p.name],
         "dtype": str(p.out_dtype).removeprefix("torch."),
         "shape": list(p.shape),
         "digest": written[p.name],
         **({"cast_from": str(p.dtype).removeprefix("torch.")} if p.cast else {}),
-        "sources": [{"key": s.key, "digest": s.digest, **({"rows": list(s.rows)} if s.rows else {})}
-                    for s in p.sources],
+        "sources": [
+            {"key": s.key, "digest": s.digest, **({"rows": list(s.rows)} if s.rows else {})}
+            for s in p.sources
+        ],
     }
 
 
@@ -634,28 +763,51 @@ def is_export(path: str | os.PathLike[str]) -> bool:
 
 def read_export_manifest(path: Path) -> dict[str, Any]:
     data = _layout.read_json(path / EXPORT_MANIFEST, limit=256 * _MiB, what="export manifest")
-    ok = (isinstance(data, dict) and data.get("kind") == EXPORT_KIND and data.get("format_version") == EXPORT_FORMAT
-          and isinstance(data.get("files"), list) and isinstance(data.get("tensors"), dict)
-          and all(isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
-                  and isinstance(f.get("xxh3"), str) for f in data["files"]))
+    ok = (
+        isinstance(data, dict)
+        and data.get("kind") == EXPORT_KIND
+        and data.get("format_version") == EXPORT_FORMAT
+        and isinstance(data.get("files"), list)
+        and isinstance(data.get("tensors"), dict)
+        and all(
+            isinstance(f, dict)
+            and isinstance(f.get("path"), str)
+            and isinstance(f.get("size"), int)
+            and isinstance(f.get("xxh3"), str)
+            for f in data["files"]
+        )
+    )
     if not ok:
-        raise CheckpointCorruptError(f"{path / EXPORT_MANIFEST}: not an export manifest ckptguard wrote (format "
-                                     f"{EXPORT_FORMAT}); export the step again")
+        raise CheckpointCorruptError(
+            f"{path / EXPORT_MANIFEST}: not an export manifest ckptguard wrote (format "
+            f"{EXPORT_FORMAT}); export the step again"
+        )
     listed = {f["path"] for f in data["files"]}
-    bad = next((name for name, t in data["tensors"].items() if not _tensor_entry_ok(t, listed)), None)
-    if bad is not None:  # the same refusal with and without --deep: plain verify never passes what --deep refuses
-        raise CheckpointCorruptError(f"{path / EXPORT_MANIFEST}: tensor {str(bad)[:200]!r} is malformed (its file must "
-                                     "be one the manifest lists; dtype, shape and digest as the export writes them); "
-                                     "export the step again")
+    bad = next(
+        (name for name, t in data["tensors"].items() if not _tensor_entry_ok(t, listed)), None
+    )
+    if (
+        bad is not None
+    ):  # the same refusal with and without --deep: plain verify never passes what --deep refuses
+        raise CheckpointCorruptError(
+            f"{path / EXPORT_MANIFEST}: tensor {str(bad)[:200]!r} is malformed (its file must "
+            "be one the manifest lists; dtype, shape and digest as the export writes them); "
+            "export the step again"
+        )
     checked: dict[str, Any] = data
     return checked
 
 
 def _tensor_entry_ok(entry: object, listed: set[str]) -> bool:
     shape = entry.get("shape") if isinstance(entry, dict) else None
-    return (isinstance(entry, dict) and entry.get("file") in listed and isinstance(entry.get("dtype"), str)
-            and isinstance(entry.get("digest"), str) and isinstance(shape, list)
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape))
+    return (
+        isinstance(entry, dict)
+        and entry.get("file") in listed
+        and isinstance(entry.get("dtype"), str)
+        and isinstance(entry.get("digest"), str)
+        and isinstance(shape, list)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+    )
 
 
 @dataclass
@@ -682,8 +834,11 @@ def check_export(path: str | os.PathLike[str], *, deep: bool = False) -> ExportC
     try:
         data = read_export_manifest(path)
     except (CheckpointCorruptError, OSError) as exc:
-        return ExportCheck([finding("bad-export", path / EXPORT_MANIFEST, str(exc), "export the step again")], [],
-                           "the export manifest is unreadable" if deep else None)
+        return ExportCheck(
+            [finding("bad-export", path / EXPORT_MANIFEST, str(exc), "export the step again")],
+            [],
+            "the export manifest is unreadable" if deep else None,
+        )
     findings: list[Finding] = []
     fix = "the export was changed after it was published: export the step again"
     listed = {f["path"] for f in data["files"]}
@@ -692,20 +847,42 @@ def check_export(path: str | os.PathLike[str], *, deep: bool = False) -> ExportC
         lexical = bool(rel) and not os.path.isabs(rel) and ".." not in Path(rel).parts
         file = safe_member(path, rel)
         if lexical and (path / rel).is_symlink():
-            findings.append(finding("symlink", path / rel, "is a symlink; an export holds plain files and none is "
-                                    "read through a link", fix))
+            findings.append(
+                finding(
+                    "symlink",
+                    path / rel,
+                    "is a symlink; an export holds plain files and none is read through a link",
+                    fix,
+                )
+            )
         elif file is None or not file.is_file():
-            findings.append(finding("missing", path / f["path"], "is listed in the export manifest but absent, "
-                                    "not a plain file, or outside the export", fix))
+            findings.append(
+                finding(
+                    "missing",
+                    path / f["path"],
+                    "is listed in the export manifest but absent, "
+                    "not a plain file, or outside the export",
+                    fix,
+                )
+            )
         elif file.stat().st_size != f["size"]:
             size = file.stat().st_size
-            findings.append(finding("size", file, f"is {size} bytes, the manifest says {f['size']}", fix))
+            findings.append(
+                finding("size", file, f"is {size} bytes, the manifest says {f['size']}", fix)
+            )
         elif deep and file_digest(str(file))[1] != f["xxh3"]:
             findings.append(finding("checksum", file, "xxh3 differs from the export manifest", fix))
     for extra in sorted(e.name for e in path.iterdir()):
         if extra not in listed and extra != EXPORT_MANIFEST:
-            findings.append(Finding(Severity.WARNING, "unlisted", str(path / extra),
-                                    "is not part of the export (added afterwards)", "remove it, or ignore it"))
+            findings.append(
+                Finding(
+                    Severity.WARNING,
+                    "unlisted",
+                    str(path / extra),
+                    "is not part of the export (added afterwards)",
+                    "remove it, or ignore it",
+                )
+            )
     compared = ["files and sizes", *(["checksums"] if deep else [])]
     if not deep:
         return ExportCheck(findings, compared)
@@ -721,15 +898,25 @@ def _tensor_findings(path: Path, data: dict[str, Any]) -> list[Finding]:
         by_file.setdefault(t["file"], []).append(name)
     findings = []
     for file, names in sorted(by_file.items()):
-        member = safe_member(path, file)  # listed and checked above; confined again before it is opened
+        member = safe_member(
+            path, file
+        )  # listed and checked above; confined again before it is opened
         if member is None:
-            findings.append(finding("bad-file", path / file, "leaves the export", "export the step again"))
+            findings.append(
+                finding("bad-file", path / file, "leaves the export", "export the step again")
+            )
             continue
         try:
             for name, t in read_tensors(member, sorted(names)):
                 if digests({name: t})[name] != data["tensors"][name]["digest"]:
-                    findings.append(finding("tensor-digest", member, f"tensor {name!r} differs from the export",
-                                         "export the step again"))
+                    findings.append(
+                        finding(
+                            "tensor-digest",
+                            member,
+                            f"tensor {name!r} differs from the export",
+                            "export the step again",
+                        )
+                    )
         except CheckpointCorruptError as exc:
             findings.append(finding("bad-file", member, str(exc), "export the step again"))
     return findings

@@ -38,7 +38,9 @@ STALE_TEMP_AGE_S = 24 * 3600.0
 @dataclass
 class GcReport:
     removed: list[tuple[Path, str]] = field(default_factory=list)  # (path, what it was)
-    kept: list[tuple[Path, str]] = field(default_factory=list)  # (path, why it stays and what to do)
+    kept: list[tuple[Path, str]] = field(
+        default_factory=list
+    )  # (path, why it stays and what to do)
 
 
 def identify(root: str | os.PathLike[str]) -> None:
@@ -82,9 +84,17 @@ def _per_node(path: Path) -> bool:
         return False
 
 
-def _per_node_hint(path: Path, step: int, tracker: int | None, why: str | None, naming: _layout.StepNaming) -> str:
-    state = "this node's part is complete" if why is None else f"this node's part is incomplete ({why})"
-    where = "this node's root has no tracker" if tracker is None else f"this node's tracker is at {tracker}"
+def _per_node_hint(
+    path: Path, step: int, tracker: int | None, why: str | None, naming: _layout.StepNaming
+) -> str:
+    state = (
+        "this node's part is complete" if why is None else f"this node's part is incomplete ({why})"
+    )
+    where = (
+        "this node's root has no tracker"
+        if tracker is None
+        else f"this node's tracker is at {tracker}"
+    )
     template = "" if naming.template == "step_{step:08d}" else f" --template '{naming.template}'"
     return (
         f"step {step} was published on this node by a per-node save (node-local roots; {state}), and {where}. "
@@ -127,13 +137,19 @@ def gc(
     victims: list[tuple[Path, str]] = []
     steps: set[Path] = set()  # victims that are step directories: uncommitted through the trash
     dirs = _layout.step_dirs(root, naming)
-    verified = _trust.newest_verified(root, dirs)  # an unreadable trust record stops gc, naming the file
-    readers = _readers.live(root, sweep=not dry_run)  # a step a live reader has open is never removed
+    verified = _trust.newest_verified(
+        root, dirs
+    )  # an unreadable trust record stops gc, naming the file
+    readers = _readers.live(
+        root, sweep=not dry_run
+    )  # a step a live reader has open is never removed
     for done, (step, path) in enumerate(sorted(dirs.items()), 1):
         if progress is not None:
             progress("check", done, len(dirs))
         if path.is_symlink():
-            report.kept.append((path, "a symlink: never deleted through; replace it with the real directory"))
+            report.kept.append(
+                (path, "a symlink: never deleted through; replace it with the real directory")
+            )
             continue
         if step in readers:
             report.kept.append((path, f"{readers[step]}: kept while that reader lease is live"))
@@ -154,16 +170,26 @@ def gc(
             # agreed step; removing it would take that node's part of the resume target away.
             report.kept.append((path, _per_node_hint(path, step, tracker, why, naming)))
         elif newer and orphans and step == verified:
-            report.kept.append((path, f"the newest verified step ({_trust.TRUST_NAME}): never removed by gc, "
-                                      "also not with --orphans; adopt it, or move it away by hand"))
+            report.kept.append(
+                (
+                    path,
+                    f"the newest verified step ({_trust.TRUST_NAME}): never removed by gc, "
+                    "also not with --orphans; adopt it, or move it away by hand",
+                )
+            )
         elif newer and orphans:
-            victims.append((path, f"orphan step {step}, newer than the tracker ({tracker}); --orphans"))
+            victims.append(
+                (path, f"orphan step {step}, newer than the tracker ({tracker}); --orphans")
+            )
             steps.add(path)
         elif newer and why is None:
             report.kept.append((path, _retention.orphan_hint(path, step, tracker, naming)))
         elif newer:
             report.kept.append(
-                (path, f"incomplete ({why}), newer than the tracker; {_retention.INCOMPLETE_HINT}, or --orphans")
+                (
+                    path,
+                    f"incomplete ({why}), newer than the tracker; {_retention.INCOMPLETE_HINT}, or --orphans",
+                )
             )
         elif why is not None:
             report.kept.append((path, f"incomplete ({why}); {_retention.INCOMPLETE_HINT}"))
@@ -174,7 +200,9 @@ def gc(
         elif item.kind == "foreign":
             report.kept.append((item.path, f"{item.detail}: left alone"))
         else:
-            report.kept.append((item.path, f"{item.detail}; gc removes it once that process has exited"))
+            report.kept.append(
+                (item.path, f"{item.detail}; gc removes it once that process has exited")
+            )
     for marker, dead in _lease.leftover_markers(root):
         if dead:
             victims.append((marker, "a lease take-over marker whose writer is dead"))
@@ -196,15 +224,22 @@ def gc(
     return report
 
 
-def _gone_is_fine(func: object, path: str, exc_info: tuple[type[BaseException], BaseException, object]) -> None:
+def _gone_is_fine(
+    func: object, path: str, exc_info: tuple[type[BaseException], BaseException, object]
+) -> None:
     """rmtree's error handler: an entry someone else removed meanwhile is what was wanted (a job's background
     trash delete, retention.DELETER, empties the same trash directory gc found); any other failure raises."""
     if not isinstance(exc_info[1], FileNotFoundError):
         raise exc_info[1]
 
 
-def adopt_step(root: str | os.PathLike[str], naming: _layout.StepNaming, step: int, *,
-               ttl_s: float = LEASE_TTL_S) -> str:
+def adopt_step(
+    root: str | os.PathLike[str],
+    naming: _layout.StepNaming,
+    step: int,
+    *,
+    ttl_s: float = LEASE_TTL_S,
+) -> str:
     """Point the tracker of ``root`` at ``step`` after verifying it with checksums: for a
     complete orphan (a save that died before its tracker, or a root whose tracker was lost).
     The tracker only moves forward; the root's lease is taken while it moves."""
@@ -213,7 +248,11 @@ def adopt_step(root: str | os.PathLike[str], naming: _layout.StepNaming, step: i
     path = root / naming.name(step)
     if path.is_symlink() or not path.is_dir():
         raise ConfigError(f"adopt: {path} is not a step directory (absent or a symlink)")
-    errors = [f for f in verify_step(path, deep=True) if f.severity.value == "ERROR" and f.code != "unexpected-file"]
+    errors = [
+        f
+        for f in verify_step(path, deep=True)
+        if f.severity.value == "ERROR" and f.code != "unexpected-file"
+    ]
     if errors:
         raise CheckpointCorruptError(
             f"adopt: {path} is not a complete checkpoint, the tracker stays where it is: {errors[0].line()}"

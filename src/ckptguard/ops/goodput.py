@@ -135,9 +135,16 @@ def _launch(pid: int, recs: list[ProofRecord]) -> Launch:
         out.training_s = float(steps[-1]["time"]) - float(steps[0]["time"])
     if steps:
         out.last_step_time = max(float(r["time"]) for r in steps)
-        out.first_step, out.last_step, out.steps = steps[0]["step"], max(r["step"] for r in steps), len(steps)
-        per = [(float(b["time"]) - float(a["time"])) / (b["step"] - a["step"])
-               for a, b in itertools.pairwise(steps) if b["step"] > a["step"]]
+        out.first_step, out.last_step, out.steps = (
+            steps[0]["step"],
+            max(r["step"] for r in steps),
+            len(steps),
+        )
+        per = [
+            (float(b["time"]) - float(a["time"])) / (b["step"] - a["step"])
+            for a, b in itertools.pairwise(steps)
+            if b["step"] > a["step"]
+        ]
         out.step_s = statistics.median(per) if per else None
     for r in recs:
         if r["event"] == "save":
@@ -174,8 +181,26 @@ def goodput(root: str | os.PathLike[str], *, mtbf_s: float | None = None) -> Goo
     records = read_records(root).get(0, [])
     runs = launches(records)
     if not runs:
-        return Goodput(str(root), [], 0.0, 0, 0.0, 0, 0.0, 0.0, 0, 0.0, None, None, None, None, mtbf_s,
-                       "declared" if mtbf_s else "no records", None, None)
+        return Goodput(
+            str(root),
+            [],
+            0.0,
+            0,
+            0.0,
+            0,
+            0.0,
+            0.0,
+            0,
+            0.0,
+            None,
+            None,
+            None,
+            None,
+            mtbf_s,
+            "declared" if mtbf_s else "no records",
+            None,
+            None,
+        )
     # To the end of training (the last step), not to the last record: a final wait for the last commit
     # after the loop is not training time lost to checkpointing's failures.
     ends = [x.last_step_time for x in runs if x.last_step_time is not None]
@@ -189,7 +214,11 @@ def goodput(root: str | os.PathLike[str], *, mtbf_s: float | None = None) -> Goo
     commits = [c for x in runs for c in x.commit_s]
     training = sum(x.training_s for x in runs)
     failures = len(runs) - 1
-    source = "declared" if mtbf_s else (f"observed: {failures} failure(s) in {wall:.1f} s" if failures else "none")
+    source = (
+        "declared"
+        if mtbf_s
+        else (f"observed: {failures} failure(s) in {wall:.1f} s" if failures else "none")
+    )
     mtbf = mtbf_s if mtbf_s else (wall / failures if failures else None)
     cost = blocked / saves if saves else None
     commit = statistics.mean(commits) if commits else None
@@ -197,11 +226,24 @@ def goodput(root: str | os.PathLike[str], *, mtbf_s: float | None = None) -> Goo
     if cost is not None and mtbf is not None:
         interval = max(young_daly(cost, mtbf), commit or 0.0)
     return Goodput(
-        root=str(root), launches=runs, wall_s=wall, failures=failures,
-        recover_s=sum(x.recover_s or 0.0 for x in runs[1:]), lost_steps=lost, lost_s=lost_s, blocked_s=blocked,
-        skipped_saves=sum(x.skipped_saves for x in runs), cleanup_s=sum(x.cleanup_s for x in runs),
-        ettr=max(0.0, training - blocked - lost_s) / wall if wall > 0 else None, step_s=step_s, save_cost_s=cost,
-        commit_s=commit, mtbf_s=mtbf, mtbf_source=source, interval_s=interval,
+        root=str(root),
+        launches=runs,
+        wall_s=wall,
+        failures=failures,
+        recover_s=sum(x.recover_s or 0.0 for x in runs[1:]),
+        lost_steps=lost,
+        lost_s=lost_s,
+        blocked_s=blocked,
+        skipped_saves=sum(x.skipped_saves for x in runs),
+        cleanup_s=sum(x.cleanup_s for x in runs),
+        ettr=max(0.0, training - blocked - lost_s) / wall if wall > 0 else None,
+        step_s=step_s,
+        save_cost_s=cost,
+        commit_s=commit,
+        mtbf_s=mtbf,
+        mtbf_source=source,
+        interval_s=interval,
         interval_steps=max(1, math.ceil(interval / step_s)) if interval and step_s else None,
-        coalesced_saves=sum(x.coalesced_saves for x in runs), redirected_saves=sum(x.redirected_saves for x in runs),
+        coalesced_saves=sum(x.coalesced_saves for x in runs),
+        redirected_saves=sum(x.redirected_saves for x in runs),
     )

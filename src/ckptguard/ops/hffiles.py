@@ -22,13 +22,33 @@ from .._disk import layout as _layout
 from .._disk.boxsum import combine_layout_free, layout_free_partials
 from ..errors import CheckpointCorruptError
 
-__all__ = ["ST_DTYPES", "digests", "read_header", "read_tensors", "tensor_span", "trim", "write_shard"]
+__all__ = [
+    "ST_DTYPES",
+    "digests",
+    "read_header",
+    "read_tensors",
+    "tensor_span",
+    "trim",
+    "write_shard",
+]
 
 _MiB = 1 << 20
 # safetensors' dtype names (its format spec), for the independent read-back of what was written.
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """The layout-free digest of each whole tensor (what a save records for a tensor held by one rank)."""
@@ -72,7 +92,9 @@ def _check_regular(path: Path, fd: int) -> int:
     """The size of the file open on ``fd``; a FIFO, device or directory named as a safetensors file is refused."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointCorruptError(f"{path} is not a regular file (a FIFO, device or directory): not read")
+        raise CheckpointCorruptError(
+            f"{path} is not a regular file (a FIFO, device or directory): not read"
+        )
     return st.st_size
 
 
@@ -82,32 +104,44 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
     try:
         f = open(path, "rb", opener=_plain_file)  # noqa: SIM115 (closed by the with below: the open's error is ours)
     except OSError as exc:
-        raise CheckpointCorruptError(f"{path} cannot be opened as a plain file ({exc.strerror or exc}): a "
-                                     "symlink or a missing file is never read") from None
+        raise CheckpointCorruptError(
+            f"{path} cannot be opened as a plain file ({exc.strerror or exc}): a "
+            "symlink or a missing file is never read"
+        ) from None
     with f:
         size = _check_regular(path, f.fileno())
         head = f.read(8)
         if len(head) != 8:
-            raise CheckpointCorruptError(f"{path}: {len(head)} bytes, shorter than a safetensors header")
+            raise CheckpointCorruptError(
+                f"{path}: {len(head)} bytes, shorter than a safetensors header"
+            )
         n = int.from_bytes(head, "little")
         if n > min(100 * _MiB, size - 8):  # bounded by the real bytes before the read
-            raise CheckpointCorruptError(f"{path}: a header of {n} bytes in a file of {size}; not a safetensors file")
+            raise CheckpointCorruptError(
+                f"{path}: a header of {n} bytes in a file of {size}; not a safetensors file"
+            )
         header = _layout.parse_json(f.read(n), where=str(path))
     if not isinstance(header, dict):
         raise CheckpointCorruptError(f"{path}: the safetensors header is not a JSON object")
     return 8 + n, header
 
 
-def tensor_span(path: Path, name: str, info: object, data_bytes: int) -> tuple[int, int, list[int], torch.dtype]:
+def tensor_span(
+    path: Path, name: str, info: object, data_bytes: int
+) -> tuple[int, int, list[int], torch.dtype]:
     """(start, end, shape, dtype) of one header entry, every declared size checked against the others and
     against the ``data_bytes`` the file really holds after its header, before anything is allocated."""
     ok = isinstance(info, dict) and info.get("dtype") in ST_DTYPES
-    shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
+    shape, offsets = (
+        (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
+    )
     ok = ok and isinstance(shape, list) and all(_count(s) for s in shape)
     ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
     if not ok:
-        raise CheckpointCorruptError(f"{path}: tensor {name!r} is absent or malformed in the header (dtype, shape "
-                                     "and data_offsets as safetensors writes them)")
+        raise CheckpointCorruptError(
+            f"{path}: tensor {name!r} is absent or malformed in the header (dtype, shape "
+            "and data_offsets as safetensors writes them)"
+        )
     assert isinstance(info, dict) and isinstance(shape, list) and isinstance(offsets, list)
     dtype = ST_DTYPES[info["dtype"]]
     nbytes = dtype.itemsize
@@ -115,9 +149,11 @@ def tensor_span(path: Path, name: str, info: object, data_bytes: int) -> tuple[i
         nbytes *= s
     a, b = offsets
     if b - a != nbytes or b > data_bytes:
-        raise CheckpointCorruptError(f"{path}: tensor {name!r} spans bytes {a}..{b} as {info['dtype']} {shape} "
-                                     f"({nbytes} bytes), which does not fit the {data_bytes} bytes of data the "
-                                     "file holds; nothing was allocated from it")
+        raise CheckpointCorruptError(
+            f"{path}: tensor {name!r} spans bytes {a}..{b} as {info['dtype']} {shape} "
+            f"({nbytes} bytes), which does not fit the {data_bytes} bytes of data the "
+            "file holds; nothing was allocated from it"
+        )
     return a, b, shape, dtype
 
 
@@ -126,7 +162,9 @@ def _count(value: object) -> bool:
 
 
 def read_tensors(
-    path: str | os.PathLike[str], names: list[str] | None = None, into: dict[str, torch.Tensor] | None = None
+    path: str | os.PathLike[str],
+    names: list[str] | None = None,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of a safetensors file, one at a time, read with plain file reads (no mmap); into the
     tensor ``into[name]`` when given (its dtype and shape must be the file's). Never through a symlink or
@@ -135,14 +173,22 @@ def read_tensors(
     start, header = read_header(path)
     with open(path, "rb", buffering=0, opener=_plain_file) as f:
         size = _check_regular(path, f.fileno())
-        for name in names if names is not None else sorted(k for k in header if k != "__metadata__"):
+        for name in (
+            names if names is not None else sorted(k for k in header if k != "__metadata__")
+        ):
             a, _end, shape, dtype = tensor_span(path, name, header.get(name), size - start)
             t = into[name] if into is not None and name in into else torch.empty(shape, dtype=dtype)
             if list(t.shape) != shape or t.dtype != dtype:
-                raise CheckpointCorruptError(f"{path}: tensor {name!r} is {dtype} {shape} in the file, "
-                                             f"{t.dtype} {list(t.shape)} where it is read into")
+                raise CheckpointCorruptError(
+                    f"{path}: tensor {name!r} is {dtype} {shape} in the file, "
+                    f"{t.dtype} {list(t.shape)} where it is read into"
+                )
             f.seek(start + a)
-            view = memoryview(t.view(-1).view(torch.uint8).numpy().data) if t.numel() else memoryview(bytearray())
+            view = (
+                memoryview(t.view(-1).view(torch.uint8).numpy().data)
+                if t.numel()
+                else memoryview(bytearray())
+            )
             got = 0
             while got < len(view):
                 n = f.readinto(view[got:])

@@ -27,8 +27,20 @@ from .._resume.resolve_local import Resolution, resolve_local
 from ..config import ResumeMode
 from ..errors import CheckpointError, ConfigError, ResumeError
 
-__all__ = ["Listing", "StepEntry", "hold", "list_steps", "naming", "release", "resolve", "state_bytes",
-           "tracker", "tracker_run_step", "verify_targets", "world_size"]
+__all__ = [
+    "Listing",
+    "StepEntry",
+    "hold",
+    "list_steps",
+    "naming",
+    "release",
+    "resolve",
+    "state_bytes",
+    "tracker",
+    "tracker_run_step",
+    "verify_targets",
+    "world_size",
+]
 
 
 def naming(template: str) -> _layout.StepNaming:
@@ -37,7 +49,10 @@ def naming(template: str) -> _layout.StepNaming:
 
 
 def resolve(
-    root: str | os.PathLike[str], template: str, mode: ResumeMode, path: str | os.PathLike[str] | None = None,
+    root: str | os.PathLike[str],
+    template: str,
+    mode: ResumeMode,
+    path: str | os.PathLike[str] | None = None,
     prefer: str = "latest",
 ) -> Resolution:
     """Which step a restore under ``root`` would load, and why, decided as ``restore`` decides: the
@@ -57,15 +72,28 @@ def resolve(
                 "outside ckptguard removed the tracker or wrote these steps: inspect the root, then "
                 "restore(path=...) the step you trust or `ckptguard adopt ROOT STEP` it"
             )
-    res = resolve_local(root, steps, mode, path, _trust.as_prefer(prefer, "--prefer"),
-                        read_manifest=_checks.read_any)
+    res = resolve_local(
+        root,
+        steps,
+        mode,
+        path,
+        _trust.as_prefer(prefer, "--prefer"),
+        read_manifest=_checks.read_any,
+    )
     if res.path is not None:
-        errors = [f for f in _checks.verify_step(res.path)
-                  if f.severity is Severity.ERROR and f.code != "unexpected-file"]
+        errors = [
+            f
+            for f in _checks.verify_step(res.path)
+            if f.severity is Severity.ERROR and f.code != "unexpected-file"
+        ]
         if errors:
             raise ResumeError(
                 f"a restore would refuse step {res.step} at {res.path} ({res.reason}): {errors[0].line()}"
-                + (f" (and {len(errors) - 1} more: `ckptguard verify {res.path}`)" if len(errors) > 1 else "")
+                + (
+                    f" (and {len(errors) - 1} more: `ckptguard verify {res.path}`)"
+                    if len(errors) > 1
+                    else ""
+                )
             )
     return res
 
@@ -98,7 +126,9 @@ def list_steps(root: str | os.PathLike[str], template: str) -> Listing:
     unheld: str | None = None
     try:
         held = _retention.holds(root)
-    except CheckpointError as exc:  # a linked holds/ directory: said on every step rather than hidden
+    except (
+        CheckpointError
+    ) as exc:  # a linked holds/ directory: said on every step rather than hidden
         held, unheld = {}, f"unknown ({str(exc).split(';')[0]})"
     entries = []
     for step, path in sorted(_layout.step_dirs(root, steps).items()):
@@ -108,7 +138,11 @@ def list_steps(root: str | os.PathLike[str], template: str) -> Listing:
         else:
             try:
                 found = _checks.read_any(path)
-                state = "committed" if tracker is not None and step <= tracker else "orphan (newer than tracker)"
+                state = (
+                    "committed"
+                    if tracker is not None and step <= tracker
+                    else "orphan (newer than tracker)"
+                )
                 damaged = _checks.step_problem(path, step, found)
                 if damaged:  # restore would refuse it: never listed as committed
                     state = f"NOT usable: {damaged}"
@@ -118,7 +152,9 @@ def list_steps(root: str | os.PathLike[str], template: str) -> Listing:
             except CheckpointError as exc:
                 state = f"NOT committed: {str(exc).split(';')[0]}"
         entries.append(StepEntry(step, state, path.name, trusted, held.get(step, unheld)))
-    entries += [StepEntry(None, "in flight or abandoned", tmp.name) for tmp in sorted(root.glob(".tmp-*"))]
+    entries += [
+        StepEntry(None, "in flight or abandoned", tmp.name) for tmp in sorted(root.glob(".tmp-*"))
+    ]
     return Listing(tracker, entries)
 
 
@@ -145,7 +181,9 @@ def world_size(step_dir: str | os.PathLike[str]) -> int:
     return int(_checks.read_any(step_dir).world_size)
 
 
-def hold(root: str | os.PathLike[str], template: str, step: int, reason: str, ttl_s: float | None = None) -> Path:
+def hold(
+    root: str | os.PathLike[str], template: str, step: int, reason: str, ttl_s: float | None = None
+) -> Path:
     """Pin a committed step against rotation; refuses a step that is not committed. With ``ttl_s``, a
     reader lease that expires after it (the same reason renews it) instead of a hold kept until released."""
     root = Path(root)
@@ -156,7 +194,8 @@ def hold(root: str | os.PathLike[str], template: str, step: int, reason: str, tt
         raise ConfigError(
             f"step {step} has no directory under {root} ({where.name} is absent; the step directories there: "
             f"{found[-10:] or 'none'}, the tracker says {_layout.read_tracker(root)}): name a committed step "
-            "(`ckptguard list ROOT` shows them)")
+            "(`ckptguard list ROOT` shows them)"
+        )
     _checks.read_any(where)
     if step > (_layout.read_tracker(root) or 0):
         raise ConfigError(f"step {step} is newer than the tracker: not committed")
@@ -176,7 +215,10 @@ def level(path: str | os.PathLike[str]) -> str | None:
     """``"step"`` for a step directory (its manifest, no tracker), ``"root"`` for a checkpoint root (its tracker,
     no manifest), else None: what a command told the wrong one of the two says instead of a verdict."""
     path = Path(path)
-    manifest, tracked = (path / _layout.MANIFEST_NAME).is_file(), (path / _layout.TRACKER_NAME).is_file()
+    manifest, tracked = (
+        (path / _layout.MANIFEST_NAME).is_file(),
+        (path / _layout.TRACKER_NAME).is_file(),
+    )
     return "step" if manifest and not tracked else "root" if tracked and not manifest else None
 
 
@@ -200,7 +242,12 @@ def tracker_run_step(root: str | os.PathLike[str]) -> Path | None:
         return None
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
         match = _TRAILING.match(entry.name)
-        if entry.name.startswith(".") or match is None or int(match.group(1)) != tracker or entry.is_symlink():
+        if (
+            entry.name.startswith(".")
+            or match is None
+            or int(match.group(1)) != tracker
+            or entry.is_symlink()
+        ):
             continue
         try:
             if entry.is_dir() and _runmanifest.read(entry).step == tracker:

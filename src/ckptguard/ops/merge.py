@@ -37,33 +37,49 @@ _CHECK_ROWS_ELEMENTS = 1 << 20  # elements of one float64 block of the independe
 def _lora_config(binding: dict[str, Any], step_dir: Path) -> tuple[float, bool]:
     """(scaling, fan_in_fan_out) of a plain LoRA adapter; anything else refused, naming the field."""
     config = binding["adapter_config"]
-    unsupported = {"use_dora": False, "lora_bias": False, "bias": "none", "rank_pattern": {}, "alpha_pattern": {}}
+    unsupported = {
+        "use_dora": False,
+        "lora_bias": False,
+        "bias": "none",
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
     bad = [f"{k}={config.get(k)!r}" for k, v in unsupported.items() if config.get(k, v) != v]
     if config.get("peft_type") != "LORA" or bad:
-        raise ConfigError(f"{step_dir}: export --merged merges plain LoRA adapters only; this one has "
-                          f"{', '.join(bad) or 'peft_type=' + repr(config.get('peft_type'))}")
+        raise ConfigError(
+            f"{step_dir}: export --merged merges plain LoRA adapters only; this one has "
+            f"{', '.join(bad) or 'peft_type=' + repr(config.get('peft_type'))}"
+        )
     r, alpha = int(config["r"]), float(config["lora_alpha"])
     scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     return scaling, bool(config.get("fan_in_fan_out"))
 
 
-def _adapter(step_dir: Path, manifest: _manifest.Manifest, adapter: str) -> dict[str, dict[str, torch.Tensor]]:
+def _adapter(
+    step_dir: Path, manifest: _manifest.Manifest, adapter: str
+) -> dict[str, dict[str, torch.Tensor]]:
     """``{base tensor name: {"A", "B"}}``: the step's adapter tensors, each checked against its layout-free digest."""
     expected = (manifest.layout_free or {}).get(_peft.ADAPTER_ITEM)
     if not expected:
-        raise CheckpointCorruptError(f"{step_dir}: no layout-free digests of item {_peft.ADAPTER_ITEM!r}: cannot "
-                                     "check the adapter")
+        raise CheckpointCorruptError(
+            f"{step_dir}: no layout-free digests of item {_peft.ADAPTER_ITEM!r}: cannot "
+            "check the adapter"
+        )
     md = read_dcp_metadata(step_dir / "state")
     tensors = {}
     for key in expected:
         meta = md.state_dict_metadata[key]
         tensors[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)  # type: ignore[union-attr]
-    StreamingStorage().read(step_dir / "state", tensors, StorageContext(rank=0, world_size=1, process_group=None))
+    StreamingStorage().read(
+        step_dir / "state", tensors, StorageContext(rank=0, world_size=1, process_group=None)
+    )
     now = _files.digests(tensors)
     bad = sorted(k for k in expected if now[k] != expected[k])
     if bad:
-        raise CheckpointCorruptError(f"{step_dir}/state: adapter keys {bad[:4]} read back with other layout-free "
-                                     "digests than the save recorded: run `ckptguard verify --deep` on the step")
+        raise CheckpointCorruptError(
+            f"{step_dir}/state: adapter keys {bad[:4]} read back with other layout-free "
+            "digests than the save recorded: run `ckptguard verify --deep` on the step"
+        )
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         name = _peft.original_name(key[len(_peft.ADAPTER_ITEM) + 1 :])
@@ -74,13 +90,20 @@ def _adapter(step_dir: Path, manifest: _manifest.Manifest, adapter: str) -> dict
                 out.setdefault(f"{module}.weight", {})[part] = t
     incomplete = sorted(n for n, ab in out.items() if set(ab) != {"A", "B"})
     if incomplete:
-        raise CheckpointCorruptError(f"{step_dir}: adapter of {incomplete[:4]} lacks lora_A or lora_B")
+        raise CheckpointCorruptError(
+            f"{step_dir}: adapter of {incomplete[:4]} lacks lora_A or lora_B"
+        )
     return out
 
 
-def merge_delta(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> None:
+def merge_delta(
+    w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool
+) -> None:
     """``w += (B @ A) * scaling`` in place, as peft's ``Linear.merge`` does (``get_delta_weight``)."""
-    cast = a.dtype in (torch.float16, torch.bfloat16)  # peft computes a half-precision delta in fp32 on the CPU
+    cast = a.dtype in (
+        torch.float16,
+        torch.bfloat16,
+    )  # peft computes a half-precision delta in fp32 on the CPU
     wa, wb = (a.float(), b.float()) if cast else (a, b)
     delta = wb @ wa
     if fan_in_fan_out:
@@ -89,8 +112,15 @@ def merge_delta(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: floa
     w += delta.to(a.dtype) if cast else delta
 
 
-def _check_merge(name: str, merged: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                 scaling: float, fan_in_fan_out: bool) -> None:
+def _check_merge(
+    name: str,
+    merged: torch.Tensor,
+    base: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: float,
+    fan_in_fan_out: bool,
+) -> None:
     """``merged - base`` equals the adapter's delta, computed again in float64, within one rounding."""
     eps_w = torch.finfo(merged.dtype).eps
     eps_a = torch.finfo(a.dtype).eps
@@ -106,7 +136,10 @@ def _check_merge(name: str, merged: torch.Tensor, base: torch.Tensor, a: torch.T
             delta = (b64[block] @ a64) * scaling
             size = (b64[block].abs() @ a64.abs()) * scaling
         got = merged[block].double() - base[block].double()
-        tol = eps_w * (merged[block].double().abs() + base[block].double().abs()) + 4 * a.shape[0] * eps_a * size
+        tol = (
+            eps_w * (merged[block].double().abs() + base[block].double().abs())
+            + 4 * a.shape[0] * eps_a * size
+        )
         if bool(((got - delta).abs() > tol + 1e-30).any()):
             times = float((got * delta).sum() / (delta * delta).sum().clamp_min(1e-300))
             raise CheckpointCorruptError(
@@ -130,8 +163,10 @@ def export_merged(
     manifest = _manifest.read(step_dir)
     binding = _peft.read_binding(step_dir)
     if binding is None:
-        raise ConfigError(f"{step_dir} holds no LoRA binding (item {_peft.BINDING_ITEM!r}): --merged exports steps "
-                          "saved by ckptguard.integrations.peft.LoraCheckpoint; export it without --merged")
+        raise ConfigError(
+            f"{step_dir} holds no LoRA binding (item {_peft.BINDING_ITEM!r}): --merged exports steps "
+            "saved by ckptguard.integrations.peft.LoraCheckpoint; export it without --merged"
+        )
     scaling, fan = _lora_config(binding, step_dir)
     base_dir = Path(binding["base"]["dir"])
     recorded = binding["base"]["tensors"]
@@ -139,7 +174,9 @@ def export_merged(
     planned, where = _plan(base_dir, recorded, adapter, dtype)
     missing = sorted(set(adapter) - set(where))
     if missing:
-        raise CheckpointCorruptError(f"the adapter targets {missing[:4]}, which the base at {base_dir} lacks")
+        raise CheckpointCorruptError(
+            f"the adapter targets {missing[:4]}, which the base at {base_dir} lacks"
+        )
 
     def fill(p: _export.Planned, target: torch.Tensor) -> None:
         for _name, _t in _files.read_tensors(where[p.name], [p.name], into={p.name: target}):
@@ -159,15 +196,31 @@ def export_merged(
     def configs(tmp: Path) -> list[str]:
         return _base_configs(step_dir, manifest, base_dir, binding, tmp, dtype)
 
-    extra = {"merged": {"base": {"dir": str(base_dir), "files": binding["base"]["files"]}, "scaling": scaling,
-                        "adapter_config": binding["adapter_config"], "merged_tensors": sorted(adapter)}}
+    extra = {
+        "merged": {
+            "base": {"dir": str(base_dir), "files": binding["base"]["files"]},
+            "scaling": scaling,
+            "adapter_config": binding["adapter_config"],
+            "merged_tensors": sorted(adapter),
+        }
+    }
     source = _export.source_of(step_dir, manifest, _peft.ADAPTER_ITEM)
-    return _export.publish(out, planned, fill, source, configs, dtype=dtype, max_host_bytes=max_host_bytes,
-                           progress=progress, extra=extra)
+    return _export.publish(
+        out,
+        planned,
+        fill,
+        source,
+        configs,
+        dtype=dtype,
+        max_host_bytes=max_host_bytes,
+        progress=progress,
+        extra=extra,
+    )
 
 
-def _plan(base_dir: Path, recorded: dict[str, str], adapter: dict[str, Any],
-          dtype: torch.dtype | None) -> tuple[list[_export.Planned], dict[str, Path]]:
+def _plan(
+    base_dir: Path, recorded: dict[str, str], adapter: dict[str, Any], dtype: torch.dtype | None
+) -> tuple[list[_export.Planned], dict[str, Path]]:
     planned, where = [], {}
     for path in sorted(base_dir.glob("*.safetensors")):
         _start, header = _files.read_header(path)
@@ -175,12 +228,19 @@ def _plan(base_dir: Path, recorded: dict[str, str], adapter: dict[str, Any],
             if name == "__metadata__":
                 continue
             if name not in recorded:
-                raise CheckpointCorruptError(f"{path}: tensor {name!r} is not in the base identity the step recorded")
+                raise CheckpointCorruptError(
+                    f"{path}: tensor {name!r} is not in the base identity the step recorded"
+                )
             src = _files.ST_DTYPES[info["dtype"]]
             shape = tuple(int(s) for s in info["shape"])
             out = dtype if dtype is not None and src.is_floating_point else src
-            p = _export.Planned(name, shape, src, out, (_export.Source(f"base:{path.name}:{name}", recorded[name],
-                                                                       shape),))
+            p = _export.Planned(
+                name,
+                shape,
+                src,
+                out,
+                (_export.Source(f"base:{path.name}:{name}", recorded[name], shape),),
+            )
             if name in adapter:
                 # the base weight's copy, and one float64 block of the independent check (six arrays)
                 extra = p.src_bytes + 48 * min(p.numel, _CHECK_ROWS_ELEMENTS)
@@ -190,15 +250,25 @@ def _plan(base_dir: Path, recorded: dict[str, str], adapter: dict[str, Any],
     return planned, where
 
 
-def _base_configs(step_dir: Path, manifest: _manifest.Manifest, base_dir: Path, binding: dict[str, Any], tmp: Path,
-                  dtype: torch.dtype | None) -> list[str]:
+def _base_configs(
+    step_dir: Path,
+    manifest: _manifest.Manifest,
+    base_dir: Path,
+    binding: dict[str, Any],
+    tmp: Path,
+    dtype: torch.dtype | None,
+) -> list[str]:
     """The step's own config/tokenizer files; else the base's config.json, checked against the binding."""
     copied = _export.copy_configs(step_dir, manifest, tmp, dtype)
     if "config.json" not in copied and (base_dir / "config.json").exists():
         data = (base_dir / "config.json").read_bytes()
         size, xxh3 = binding["base"]["files"].get("config.json", [None, None])
         if len(data) != size or xxhash.xxh3_64(data).hexdigest() != xxh3:
-            raise CheckpointCorruptError(f"{base_dir / 'config.json'} changed since the step was saved")
-        (tmp / "config.json").write_bytes(data if dtype is None else _export.retyped_config(base_dir, data, dtype))
+            raise CheckpointCorruptError(
+                f"{base_dir / 'config.json'} changed since the step was saved"
+            )
+        (tmp / "config.json").write_bytes(
+            data if dtype is None else _export.retyped_config(base_dir, data, dtype)
+        )
         copied.append("config.json")
     return copied

@@ -66,7 +66,9 @@ def parse_rank_hosts(path: str | os.PathLike[str]) -> dict[int, str]:
         try:
             return {int(k): str(v) for k, v in data.items()}
         except ValueError:
-            raise ConfigError(f"{path}: the JSON rank-to-host map must have rank numbers as keys") from None
+            raise ConfigError(
+                f"{path}: the JSON rank-to-host map must have rank numbers as keys"
+            ) from None
     out = {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
@@ -116,7 +118,9 @@ def preflight(
         )
         return report
     tracker_path = root / _layout.TRACKER_NAME
-    if not os.path.lexists(tracker_path):  # a dangling link is refused below, not reported as absent
+    if not os.path.lexists(
+        tracker_path
+    ):  # a dangling link is refused below, not reported as absent
         report.findings.append(
             Finding(
                 Severity.ERROR,
@@ -131,7 +135,13 @@ def preflight(
         res = resolve_local(root, naming, ResumeMode.AUTO, None, read_manifest=_checks.read_any)
     except CheckpointError as exc:
         report.findings.append(
-            Finding(Severity.ERROR, "unresolvable", str(root), str(exc).split(". ")[0], "fix the root before launching")
+            Finding(
+                Severity.ERROR,
+                "unresolvable",
+                str(root),
+                str(exc).split(". ")[0],
+                "fix the root before launching",
+            )
         )
         return report
     report.step, report.reason = res.step, res.reason
@@ -158,8 +168,13 @@ def preflight(
             report.findings += _placement(res.path, rank_hosts, node or node_name())
         except (CheckpointError, OSError) as exc:
             report.findings.append(
-                Finding(Severity.ERROR, "unplaceable", str(res.path), str(exc).split(";")[0],
-                        "run `ckptguard verify --deep` on the step and fix it before launching")
+                Finding(
+                    Severity.ERROR,
+                    "unplaceable",
+                    str(res.path),
+                    str(exc).split(";")[0],
+                    "run `ckptguard verify --deep` on the step and fix it before launching",
+                )
             )
     return report
 
@@ -194,9 +209,15 @@ def _lagging(root: Path, naming: _layout.StepNaming, step: int) -> list[Finding]
 def _world_mismatch(step_dir: Path, world: int, rank_hosts: dict[int, str]) -> list[Finding]:
     if len(rank_hosts) == world and set(rank_hosts) == set(range(world)):
         return []
-    return [Finding(Severity.ERROR, "world-size", str(step_dir),
-                    f"the checkpoint has {world} ranks, the allocation {len(rank_hosts)}",
-                    "launch with the saved world size")]
+    return [
+        Finding(
+            Severity.ERROR,
+            "world-size",
+            str(step_dir),
+            f"the checkpoint has {world} ranks, the allocation {len(rank_hosts)}",
+            "launch with the saved world size",
+        )
+    ]
 
 
 def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Finding]:
@@ -210,8 +231,15 @@ def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Fi
         for role, held in sorted(found.roles.items()):
             hosts = {i: rank_hosts[r] for i, r in enumerate(held.ranks)}
             for f in _placement(step_dir / role, hosts, node):
-                out.append(Finding(f.severity, f.code, f.path, f"role {role!r} (run ranks {held.ranks}): {f.message}",
-                                   f.fix))
+                out.append(
+                    Finding(
+                        f.severity,
+                        f.code,
+                        f.path,
+                        f"role {role!r} (run ranks {held.ranks}): {f.message}",
+                        f.fix,
+                    )
+                )
         return out
     manifest = found
     world = manifest.world_size
@@ -219,7 +247,11 @@ def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Fi
         return bad
     # One shared root: every rank reads this storage, wherever it runs. Node-local roots: this disk
     # serves the ranks placed on this node only; the other nodes' disks are out of sight here.
-    here = sorted(r for r, h in rank_hosts.items() if h == node) if manifest.nodes else sorted(rank_hosts)
+    here = (
+        sorted(r for r, h in rank_hosts.items() if h == node)
+        if manifest.nodes
+        else sorted(rank_hosts)
+    )
     findings = []
     for rank in here:
         files = {f.path: f for f in manifest.files}
@@ -227,7 +259,12 @@ def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Fi
         for rel in sorted(files_needed(step_dir, manifest, rank)):
             path = safe_member(step_dir, rel)
             entry = files.get(rel)
-            if path is None or entry is None or not path.is_file() or path.stat().st_size != entry.size:
+            if (
+                path is None
+                or entry is None
+                or not path.is_file()
+                or path.stat().st_size != entry.size
+            ):
                 lost.append(rel)
         if lost:
             findings.append(

@@ -78,9 +78,12 @@ class _Run:
 
 # ---------------------------------------------------------------- reading
 
-_FIELDS = {"turn": ("rollout", "attempt", "turn", "seed", "tokens", "calls", "seq"),
-           "finish": ("rollout", "attempt", "turns", "seq"), "resume": ("seq", "continued", "restarted"),
-           "effects": ("env", "kind", "effects")}
+_FIELDS = {
+    "turn": ("rollout", "attempt", "turn", "seed", "tokens", "calls", "seq"),
+    "finish": ("rollout", "attempt", "turns", "seq"),
+    "resume": ("seq", "continued", "restarted"),
+    "effects": ("env", "kind", "effects"),
+}
 
 
 def read_turn_records(root: Path) -> dict[int, list[Record]]:
@@ -96,8 +99,14 @@ def read_turn_records(root: Path) -> dict[int, list[Record]]:
             rank = int(path.stem.rsplit("_", 1)[1])
         except ValueError:
             continue  # not a name TurnLedger writes
-        lines = read_small(path, limit=PROOF_BYTES, what="turn records").decode("utf-8", "replace").splitlines()
-        out[rank] = [r for n, line in enumerate(lines, 1) if (r := _parsed(path, n, line, n == len(lines)))]
+        lines = (
+            read_small(path, limit=PROOF_BYTES, what="turn records")
+            .decode("utf-8", "replace")
+            .splitlines()
+        )
+        out[rank] = [
+            r for n, line in enumerate(lines, 1) if (r := _parsed(path, n, line, n == len(lines)))
+        ]
     return out
 
 
@@ -108,14 +117,23 @@ def _parsed(path: Path, n: int, line: str, last: bool) -> Record | None:
         rec = json.loads(line)
     except ValueError:
         if last or line.startswith("{"):
-            return None  # torn by a kill mid-append (the next process's first append ended the line)
-        raise CheckpointCorruptError(f"{path}:{n}: not a JSON line; turn records are written by TurnLedger only: "
-                                     "cut that line to judge the rest") from None
+            return (
+                None  # torn by a kill mid-append (the next process's first append ended the line)
+            )
+        raise CheckpointCorruptError(
+            f"{path}:{n}: not a JSON line; turn records are written by TurnLedger only: "
+            "cut that line to judge the rest"
+        ) from None
     event = str(rec.get("event")) if isinstance(rec, dict) else ""
-    missing = [k for k in ("event", "pid", *_FIELDS.get(event, ())) if not isinstance(rec, dict) or k not in rec]
+    missing = [
+        k
+        for k in ("event", "pid", *_FIELDS.get(event, ()))
+        if not isinstance(rec, dict) or k not in rec
+    ]
     if missing:
-        raise CheckpointCorruptError(f"{path}:{n}: a turn record without field(s) {missing}; cut that line to "
-                                     "judge the rest")
+        raise CheckpointCorruptError(
+            f"{path}:{n}: a turn record without field(s) {missing}; cut that line to judge the rest"
+        )
     return rec  # type: ignore[no-any-return]
 
 
@@ -188,14 +206,22 @@ def rows(root: Path) -> list[Row]:
         records = read_turn_records(Path(root))
     except (CheckpointCorruptError, OSError) as exc:
         # evidence that cannot be read is missing evidence, never a difference found (prove's MISSING)
-        return [Row(g, "MISSING", f"turn records unreadable: {exc}") for g in (GATE_ONCE, GATE_KIND, GATE_TOKENS)]
+        return [
+            Row(g, "MISSING", f"turn records unreadable: {exc}")
+            for g in (GATE_ONCE, GATE_KIND, GATE_TOKENS)
+        ]
     if not any(records.values()):
         return []
     restores = _restores(Path(root))
     per_rank = {rank: _runs(recs) for rank, recs in sorted(records.items())}
-    return [_combine(GATE_ONCE, [_gate_once(rank, runs) for rank, runs in per_rank.items()]),
-            _combine(GATE_KIND, [_gate_kind(rank, runs, restores.get(rank, {})) for rank, runs in per_rank.items()]),
-            _combine(GATE_TOKENS, [_gate_tokens(rank, runs) for rank, runs in per_rank.items()])]
+    return [
+        _combine(GATE_ONCE, [_gate_once(rank, runs) for rank, runs in per_rank.items()]),
+        _combine(
+            GATE_KIND,
+            [_gate_kind(rank, runs, restores.get(rank, {})) for rank, runs in per_rank.items()],
+        ),
+        _combine(GATE_TOKENS, [_gate_tokens(rank, runs) for rank, runs in per_rank.items()]),
+    ]
 
 
 def _restores(root: Path) -> dict[int, dict[int, int]]:
@@ -204,8 +230,10 @@ def _restores(root: Path) -> dict[int, dict[int, int]]:
         recs = read_records(root)
     except (CheckpointCorruptError, OSError):
         return {}
-    return {rank: {int(r["pid"]): int(r.get("step") or 0) for r in rs if r["event"] == "restore"}
-            for rank, rs in recs.items()}
+    return {
+        rank: {int(r["pid"]): int(r.get("step") or 0) for r in rs if r["event"] == "restore"}
+        for rank, rs in recs.items()
+    }
 
 
 def _combine(name: str, results: list[tuple[str, str, bool]]) -> Row:
@@ -225,15 +253,22 @@ def _newest_effects(runs: list[_Run]) -> dict[str, tuple[float, list[Effect]]]:
     for run in runs:
         for r in run.records:
             if r["event"] == "effects":
-                out[str(r["env"])] = (float(r.get("time", 0)), [Effect.from_json(e) for e in r["effects"]])
+                out[str(r["env"])] = (
+                    float(r.get("time", 0)),
+                    [Effect.from_json(e) for e in r["effects"]],
+                )
     return out
 
 
 def _gate_once(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
-    last = max((i for i, run in enumerate(runs) if run.turns() or run.resume is not None), default=None)
+    last = max(
+        (i for i, run in enumerate(runs) if run.turns() or run.resume is not None), default=None
+    )
     history = [] if last is None else _history(runs, last)
     # a restarted rollout's newer attempt re-issues its earlier calls' ids: the newest issue of each id counts
-    calls = list({c["call_id"]: (r, c) for r in history if r["event"] == "turn" for c in r["calls"]}.values())
+    calls = list(
+        {c["call_id"]: (r, c) for r in history if r["event"] == "turn" for c in r["calls"]}.values()
+    )
     try:
         effects = _newest_effects(runs)
     except ValueError as exc:
@@ -241,8 +276,14 @@ def _gate_once(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
     if not effects:
         if not calls:
             return "INFO", f"rank {rank}: no environment call recorded", False
-        return "MISSING", (f"rank {rank}: {len(calls)} environment call(s), and no environment reported its own "
-                           "record of effects (TurnLedger.record_effects)"), True
+        return (
+            "MISSING",
+            (
+                f"rank {rank}: {len(calls)} environment call(s), and no environment reported its own "
+                "record of effects (TurnLedger.record_effects)"
+            ),
+            True,
+        )
     findings = []
     for env, (_, got) in sorted(effects.items()):
         findings += _twice(rank, env, got)
@@ -250,9 +291,15 @@ def _gate_once(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
     if findings:
         return "FAIL", _named(findings), True
     counted = sum(len(got) for _, got in effects.values())
-    return "PASS", (f"rank {rank}: {len(calls)} committed call(s) each took effect once in the environments' own "
-                    f"records ({', '.join(sorted(effects))}: {counted} effect(s), "
-                    f"{sum(not e.live for _, got in effects.values() for e in got)} undone or fenced)"), True
+    return (
+        "PASS",
+        (
+            f"rank {rank}: {len(calls)} committed call(s) each took effect once in the environments' own "
+            f"records ({', '.join(sorted(effects))}: {counted} effect(s), "
+            f"{sum(not e.live for _, got in effects.values() for e in got)} undone or fenced)"
+        ),
+        True,
+    )
 
 
 def _twice(rank: int, env: str, effects: list[Effect]) -> list[str]:
@@ -262,15 +309,24 @@ def _twice(rank: int, env: str, effects: list[Effect]) -> list[str]:
     for e in live:
         by_id[e.call_id].append(e)
         by_call[(e.rollout, e.turn, e.index)].add(e.call_id)
-    out = [f"rank {rank}, rollout {es[0].rollout!r}, turn {es[0].turn}: call id {cid!r} took effect {len(es)} times "
-           f"in {env!r} (revisions {[e.revision for e in es]})" for cid, es in by_id.items() if len(es) > 1]
-    out += [f"rank {rank}, rollout {rid!r}, turn {turn}: call {index} took effect in {env!r} under {len(ids)} call "
-            f"ids {sorted(ids)} (re-issued with a new call id)" for (rid, turn, index), ids in by_call.items()
-            if len(ids) > 1]
+    out = [
+        f"rank {rank}, rollout {es[0].rollout!r}, turn {es[0].turn}: call id {cid!r} took effect {len(es)} times "
+        f"in {env!r} (revisions {[e.revision for e in es]})"
+        for cid, es in by_id.items()
+        if len(es) > 1
+    ]
+    out += [
+        f"rank {rank}, rollout {rid!r}, turn {turn}: call {index} took effect in {env!r} under {len(ids)} call "
+        f"ids {sorted(ids)} (re-issued with a new call id)"
+        for (rid, turn, index), ids in by_call.items()
+        if len(ids) > 1
+    ]
     return out
 
 
-def _missing(rank: int, calls: list[tuple[Record, Any]], effects: dict[str, tuple[float, list[Effect]]]) -> list[str]:
+def _missing(
+    rank: int, calls: list[tuple[Record, Any]], effects: dict[str, tuple[float, list[Effect]]]
+) -> list[str]:
     out = []
     for r, c in calls:
         env = str(c["env"])
@@ -279,9 +335,15 @@ def _missing(rank: int, calls: list[tuple[Record, Any]], effects: dict[str, tupl
         live = [e for e in effects[env][1] if e.call_id == c["call_id"] and e.live]
         if len(live) != 1:
             gone = [e.revision for e in effects[env][1] if e.call_id == c["call_id"]]
-            why = f"undone or fenced (effects at revisions {gone})" if gone else "absent from its record"
-            out.append(f"rank {rank}, rollout {r['rollout']!r}, turn {r['turn']}: committed call id {c['call_id']!r} "
-                       f"has {len(live)} standing effect(s) in {env!r}: {why}")
+            why = (
+                f"undone or fenced (effects at revisions {gone})"
+                if gone
+                else "absent from its record"
+            )
+            out.append(
+                f"rank {rank}, rollout {r['rollout']!r}, turn {r['turn']}: committed call id {c['call_id']!r} "
+                f"has {len(live)} standing effect(s) in {env!r}: {why}"
+            )
     return out
 
 
@@ -299,8 +361,14 @@ def _gate_kind(rank: int, runs: list[_Run], restores: dict[int, int]) -> tuple[s
         return "FAIL", _named(findings), True
     if not judged:
         return "MISSING", f"rank {rank}: no resume of a turn ledger recorded", True
-    return "PASS", (f"rank {rank}: {judged} resume(s): every in-flight rollout continued at its last turn or "
-                    "restarted where a restart-only environment said so; no committed turn run again"), True
+    return (
+        "PASS",
+        (
+            f"rank {rank}: {judged} resume(s): every in-flight rollout continued at its last turn or "
+            "restarted where a restart-only environment said so; no committed turn run again"
+        ),
+        True,
+    )
 
 
 def _judge_resume(rank: int, runs: list[_Run], i: int) -> list[str]:
@@ -310,50 +378,88 @@ def _judge_resume(rank: int, runs: list[_Run], i: int) -> list[str]:
     continued = {str(rid): (int(a), int(t)) for rid, a, t, *_ in resume["continued"]}
     restarted = {str(rid): (int(a), int(t)) for rid, a, t, *_ in resume["restarted"]}
     where = f"rank {rank}, pid {run.pid} (resume of seq {run.base})"
-    out = [f"{where}: rollout {rid!r} continued and restarted" for rid in continued.keys() & restarted.keys()]
+    out = [
+        f"{where}: rollout {rid!r} continued and restarted"
+        for rid in continued.keys() & restarted.keys()
+    ]
     for rid, f in flight.items():
         if rid not in continued and rid not in restarted:
-            out.append(f"{where}: rollout {rid!r} (turn {f.turn} committed) was neither continued nor restarted: lost")
+            out.append(
+                f"{where}: rollout {rid!r} (turn {f.turn} committed) was neither continued nor restarted: lost"
+            )
         elif rid in continued and f.forced is not None:
-            out.append(f"{where}: rollout {rid!r}, turn {f.turn}: continued although its committed turns called "
-                       f"restart-only {f.forced}")
+            out.append(
+                f"{where}: rollout {rid!r}, turn {f.turn}: continued although its committed turns called "
+                f"restart-only {f.forced}"
+            )
         elif rid in restarted and f.forced is None and f.turn > 0:
-            out.append(f"{where}: rollout {rid!r}: restarted from its prompt although its environments let it "
-                       f"continue at turn {f.turn} (calls {f.calls[:3]} re-executed)")
+            out.append(
+                f"{where}: rollout {rid!r}: restarted from its prompt although its environments let it "
+                f"continue at turn {f.turn} (calls {f.calls[:3]} re-executed)"
+            )
         elif rid in continued and continued[rid] != (f.attempt, f.turn):
-            out.append(f"{where}: rollout {rid!r} continued at attempt/turn {continued[rid]}, the save held "
-                       f"{(f.attempt, f.turn)}")
-    out += [f"{where}: rollout {rid!r} resumed but was not in flight at the save (finished or unknown)"
-            for rid in [*continued, *restarted] if rid not in flight and (continued.get(rid) or restarted[rid])[1] > 0]
+            out.append(
+                f"{where}: rollout {rid!r} continued at attempt/turn {continued[rid]}, the save held "
+                f"{(f.attempt, f.turn)}"
+            )
+    out += [
+        f"{where}: rollout {rid!r} resumed but was not in flight at the save (finished or unknown)"
+        for rid in [*continued, *restarted]
+        if rid not in flight and (continued.get(rid) or restarted[rid])[1] > 0
+    ]
     return out + _rerun(where, run, flight, continued)
 
 
-def _rerun(where: str, run: _Run, flight: dict[str, _Flight], continued: dict[str, tuple[int, int]]) -> list[str]:
+def _rerun(
+    where: str, run: _Run, flight: dict[str, _Flight], continued: dict[str, tuple[int, int]]
+) -> list[str]:
     """Committed turns of continued rollouts that the resumed run ran again."""
     out = []
     for r in run.turns():
         f = flight.get(str(r["rollout"]))
-        if r["event"] == "turn" and f is not None and f.rollout in continued and r["attempt"] == f.attempt \
-                and int(r["turn"]) <= f.turn:
+        if (
+            r["event"] == "turn"
+            and f is not None
+            and f.rollout in continued
+            and r["attempt"] == f.attempt
+            and int(r["turn"]) <= f.turn
+        ):
             ids = [c["call_id"] for c in r["calls"]]
-            out.append(f"{where}: rollout {f.rollout!r}, turn {r['turn']}: a committed turn was run again "
-                       f"(call ids {ids})")
+            out.append(
+                f"{where}: rollout {f.rollout!r}, turn {r['turn']}: a committed turn was run again "
+                f"(call ids {ids})"
+            )
     return out
 
 
 def _unrestored(rank: int, runs: list[_Run], i: int, step: int) -> list[str]:
     """A run that restored step ``step`` of the trainer but no turn ledger: the turns it runs again."""
-    before = [r for run in runs[:i] for r in run.turns() if isinstance(r.get("step"), int) and r["step"] <= step]
+    before = [
+        r
+        for run in runs[:i]
+        for r in run.turns()
+        if isinstance(r.get("step"), int) and r["step"] <= step
+    ]
     flight = _in_flight(before)
     done = {(r["rollout"], r["attempt"], r["turn"]) for r in before if r["event"] == "turn"}
-    again = [r for r in runs[i].turns() if r["event"] == "turn" and (r["rollout"], r["attempt"], r["turn"]) in done
-             and str(r["rollout"]) in flight]
+    again = [
+        r
+        for r in runs[i].turns()
+        if r["event"] == "turn"
+        and (r["rollout"], r["attempt"], r["turn"]) in done
+        and str(r["rollout"]) in flight
+    ]
     where = f"rank {rank}, pid {runs[i].pid} (restored step {step} without a turn ledger)"
-    out = [f"{where}: rollout {r['rollout']!r}, turn {r['turn']}: a committed turn was run again (call ids "
-           f"{[c['call_id'] for c in r['calls']]})" for r in again]
+    out = [
+        f"{where}: rollout {r['rollout']!r}, turn {r['turn']}: a committed turn was run again (call ids "
+        f"{[c['call_id'] for c in r['calls']]})"
+        for r in again
+    ]
     if flight and not again:
-        out.append(f"{where}: rollouts {sorted(flight)[:SHOWN]} were in flight at step {step} and no turn ledger "
-                   "put them back")
+        out.append(
+            f"{where}: rollouts {sorted(flight)[:SHOWN]} were in flight at step {step} and no turn ledger "
+            "put them back"
+        )
     return out
 
 
@@ -363,17 +469,31 @@ def _gate_tokens(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
         for r in run.turns():
             if r["event"] == "turn":
                 ids = [str(c["call_id"]) for c in r["calls"]]
-                seen[(str(r["rollout"]), int(r["turn"]), int(r["seed"]))].append((run.pid, str(r["tokens"]), ids))
+                seen[(str(r["rollout"]), int(r["turn"]), int(r["seed"]))].append(
+                    (run.pid, str(r["tokens"]), ids)
+                )
     again = {k: v for k, v in seen.items() if len({pid for pid, _, _ in v}) > 1}
     findings = []
     for (rid, turn, seed), got in again.items():
         if len({t for _, t, _ in got}) > 1:
             shown = ", ".join(f"pid {pid}: {t}" for pid, t, _ in got[:3])
-            findings.append(f"rank {rank}, rollout {rid!r}, turn {turn} (seed {seed}, call ids {got[-1][2]}): tokens "
-                            f"differ between runs ({shown})")
+            findings.append(
+                f"rank {rank}, rollout {rid!r}, turn {turn} (seed {seed}, call ids {got[-1][2]}): tokens "
+                f"differ between runs ({shown})"
+            )
     if findings:
         return "FAIL", _named(findings), True
     if not again:
-        return "INFO", f"rank {rank}: no turn was run by two processes with the same seed: nothing to compare", False
-    return "PASS", (f"rank {rank}: {len(again)} turn(s) run again with the same seed after a kill produced the "
-                    "same tokens"), True
+        return (
+            "INFO",
+            f"rank {rank}: no turn was run by two processes with the same seed: nothing to compare",
+            False,
+        )
+    return (
+        "PASS",
+        (
+            f"rank {rank}: {len(again)} turn(s) run again with the same seed after a kill produced the "
+            "same tokens"
+        ),
+        True,
+    )

@@ -35,7 +35,11 @@ class Candidate:
 
     def describe(self) -> str:
         what = "the run that saved" if self.saved else "an earlier resume of"
-        lost = "" if self.save_recorded else ", its save record lost with a kill right after the commit"
+        lost = (
+            ""
+            if self.save_recorded
+            else ", its save record lost with a kill right after the commit"
+        )
         return f"{what} step {self.step} (pid {shown_pid(self.pid)}{lost})"
 
 
@@ -48,13 +52,27 @@ def _rolled_back(before: Sequence[ProofRecord], k: int, pid: int, save: int | No
     restore of an earlier step (a rollback) recorded it; None: no such process."""
     if save is None:
         return None
-    last = next((i for i in range(len(before) - 1, save, -1)
-                 if before[i].event in ("step", "update") and before[i].step == k and before[i].pid != pid), None)
+    last = next(
+        (
+            i
+            for i in range(len(before) - 1, save, -1)
+            if before[i].event in ("step", "update")
+            and before[i].step == k
+            and before[i].pid != pid
+        ),
+        None,
+    )
     if last is None:
         return None
     owner = before[last].pid
-    launch = next((i for i in range(last - 1, save, -1) if before[i].event == "restore" and before[i].pid == owner),
-                  None)
+    launch = next(
+        (
+            i
+            for i in range(last - 1, save, -1)
+            if before[i].event == "restore" and before[i].pid == owner
+        ),
+        None,
+    )
     return last if launch is not None and (before[launch].step or 0) < k else None
 
 
@@ -63,8 +81,14 @@ def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidat
     commit of step k and the append of its save record leaves no save record: the process that recorded
     step k last is then taken as the saving run (a ``save_async`` commit lands while steps past k train,
     so that process may have recorded them: the killed run's own evidence), then the resumes of k after it."""
-    save = next((i for i in range(len(before) - 1, -1, -1) if before[i].event == "save" and before[i].step == k),
-                None)
+    save = next(
+        (
+            i
+            for i in range(len(before) - 1, -1, -1)
+            if before[i].event == "save" and before[i].step == k
+        ),
+        None,
+    )
     out: list[Candidate] = []
     rolled = _rolled_back(before, k, pid, save)
     if rolled is not None:
@@ -76,13 +100,29 @@ def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidat
         launch = next((i for i in range(save - 1, -1, -1) if before[i].event == "restore"), -1)
         out.append(Candidate(before[save].pid, True, save, _next_launch(before, save), k, launch))
     else:
-        save = next((i for i in range(len(before) - 1, -1, -1)
-                     if before[i].event in ("step", "update") and before[i].step == k), -1)
+        save = next(
+            (
+                i
+                for i in range(len(before) - 1, -1, -1)
+                if before[i].event in ("step", "update") and before[i].step == k
+            ),
+            -1,
+        )
         if save >= 0 and before[save].pid != pid:
             owner = before[save].pid
-            launch = next((i for i in range(save - 1, -1, -1)
-                           if before[i].event == "restore" and before[i].pid == owner), -1)
-            out.append(Candidate(owner, True, save, _next_launch(before, save), k, launch, save_recorded=False))
+            launch = next(
+                (
+                    i
+                    for i in range(save - 1, -1, -1)
+                    if before[i].event == "restore" and before[i].pid == owner
+                ),
+                -1,
+            )
+            out.append(
+                Candidate(
+                    owner, True, save, _next_launch(before, save), k, launch, save_recorded=False
+                )
+            )
     for i in range(save + 1, len(before)):
         r = before[i]
         if r.event == "restore" and r.step == k and r.pid != pid and r.get("ok") is not False:
@@ -92,12 +132,16 @@ def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidat
 
 def _of(before: Sequence[ProofRecord], c: Candidate, events: tuple[str, ...]) -> list[ProofRecord]:
     """The run's records of ``events`` with a step at or past k, from its launch on."""
-    return [r for r in before[c.launch + 1 : c.end] if r.pid == c.pid and r.event in events
-            and r.step is not None and r.step >= c.step]
+    return [
+        r
+        for r in before[c.launch + 1 : c.end]
+        if r.pid == c.pid and r.event in events and r.step is not None and r.step >= c.step
+    ]
 
 
-def earliest(before: Sequence[ProofRecord], k: int, pid: int,
-             events: tuple[str, ...] = ("step",)) -> tuple[Candidate | None, dict[int, list[ProofRecord]]]:
+def earliest(
+    before: Sequence[ProofRecord], k: int, pid: int, events: tuple[str, ...] = ("step",)
+) -> tuple[Candidate | None, dict[int, list[ProofRecord]]]:
     """The earliest candidate that recorded ``events`` past step k, and those records by step."""
     for c in candidates(before, k, pid):
         found = [r for r in _of(before, c, events) if r.step is not None and r.step > k]
@@ -109,8 +153,9 @@ def earliest(before: Sequence[ProofRecord], k: int, pid: int,
     return None, {}
 
 
-def at_step(before: Sequence[ProofRecord], k: int, pid: int, events: tuple[str, ...],
-            step: int) -> tuple[Candidate | None, ProofRecord | None]:
+def at_step(
+    before: Sequence[ProofRecord], k: int, pid: int, events: tuple[str, ...], step: int
+) -> tuple[Candidate | None, ProofRecord | None]:
     """The earliest candidate's record of ``events`` at ``step``, of the first kind in ``events`` it
     recorded there, whatever the order of its appends (None, None: no run recorded it)."""
     for c in candidates(before, k, pid):
@@ -129,7 +174,17 @@ def nothing_past(before: Sequence[ProofRecord], k: int, pid: int, what: str) -> 
         return f"no record of the run that saved step {k} (its save record lost with a kill right after the commit)"
     parts = []
     for c in found:
-        steps = sorted({int(r.step) for r in _of(before, c, ("step", "update")) if r.step is not None and r.step > k})
-        did = f"recorded steps {steps[0]}-{steps[-1]} but no {what}" if steps else "recorded no step past it"
+        steps = sorted(
+            {
+                int(r.step)
+                for r in _of(before, c, ("step", "update"))
+                if r.step is not None and r.step > k
+            }
+        )
+        did = (
+            f"recorded steps {steps[0]}-{steps[-1]} but no {what}"
+            if steps
+            else "recorded no step past it"
+        )
         parts.append(f"{c.describe()} {did}")
     return "; ".join(parts)

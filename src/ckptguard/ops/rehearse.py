@@ -105,9 +105,16 @@ class Rehearsal:
             "verdict": self.verdict(),
             "step": self.step,
             "kills": [asdict(k) for k in self.kills],
-            "resumes": [{"after": r.after, "step": r.step, "verdict": verdict(r.gates),
-                         "outcome": outcome(r.gates).value,
-                         "gates": [g.to_json() for g in r.gates]} for r in self.resumes],
+            "resumes": [
+                {
+                    "after": r.after,
+                    "step": r.step,
+                    "verdict": verdict(r.gates),
+                    "outcome": outcome(r.gates).value,
+                    "gates": [g.to_json() for g in r.gates],
+                }
+                for r in self.resumes
+            ],
             "cost": self.cost.to_json() if self.cost else None,
             "log": str(self.log),
         }
@@ -116,10 +123,14 @@ class Rehearsal:
 class _Run:
     """One launch of the command, followed as a process tree."""
 
-    def __init__(self, cmd: Sequence[str], log: Any, env: dict[str, str], label: str, logpath: Path) -> None:
+    def __init__(
+        self, cmd: Sequence[str], log: Any, env: dict[str, str], label: str, logpath: Path
+    ) -> None:
         self.label, self.logpath = label, logpath
         self.since = time.time()
-        self.proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
         self.tree = _proctree.Tree(self.proc)
 
     def wait(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
@@ -130,12 +141,16 @@ class _Run:
                 return
             if self.proc.poll() is not None:
                 self.kill(f"{self.label} exited")
-                raise RehearsalError(f"rehearse: the command exited ({self.proc.returncode}) before {what}; "
-                                     f"see {self.logpath}")
+                raise RehearsalError(
+                    f"rehearse: the command exited ({self.proc.returncode}) before {what}; "
+                    f"see {self.logpath}"
+                )
             if time.monotonic() > deadline:
                 self.kill(f"{self.label} timed out")
-                raise RehearsalError(f"rehearse: no {what} within {timeout_s:.0f} s; see {self.logpath} "
-                                     "(raise --timeout if the job is slow)")
+                raise RehearsalError(
+                    f"rehearse: no {what} within {timeout_s:.0f} s; see {self.logpath} "
+                    "(raise --timeout if the job is slow)"
+                )
             time.sleep(0.2)
 
     def kill_when(self, what: str, ready: Callable[[], bool], timeout_s: float) -> Kill:
@@ -162,16 +177,24 @@ def _tracker(root: Path) -> int:
 
 def _world(root: Path) -> int:
     saves = [r for recs in read_records(root).values() for r in recs if r["event"] == "save"]
-    return max((int(r.get("world_size", 1)) for r in saves), default=max(1, len(read_records(root))))
+    return max(
+        (int(r.get("world_size", 1)) for r in saves), default=max(1, len(read_records(root)))
+    )
 
 
 def _plan(root: Path) -> ProofPlan:
-    saves = [r for recs in read_records(root).values() for r in recs if r["event"] == "save" and "plan" in r]
+    saves = [
+        r
+        for recs in read_records(root).values()
+        for r in recs
+        if r["event"] == "save" and "plan" in r
+    ]
     return ProofPlan(**saves[-1]["plan"]) if saves else ProofPlan()
 
 
-def _steps_past_save(tracker: int, per_rank: dict[int, list[ProofRecord]], since: float, count: int,
-                     world: int) -> bool:
+def _steps_past_save(
+    tracker: int, per_rank: dict[int, list[ProofRecord]], since: float, count: int, world: int
+) -> bool:
     """Every rank recorded ``count`` steps after the committed step ``tracker``, in this launch."""
     if tracker < 1:
         return False
@@ -215,7 +238,10 @@ class _EpochWait:
 
 def _saved_again(root: Path, since: float, world: int) -> bool:
     per_rank = read_records(root)
-    return all(any(r["event"] == "save" and r["time"] >= since for r in per_rank.get(r_, [])) for r_ in range(world))
+    return all(
+        any(r["event"] == "save" and r["time"] >= since for r in per_rank.get(r_, []))
+        for r_ in range(world)
+    )
 
 
 def _paused(where: Path, world: int) -> bool:
@@ -223,18 +249,28 @@ def _paused(where: Path, world: int) -> bool:
 
 
 def _newest_restore(root: Path, since: float) -> int | None:
-    recs = [r for r in read_records(root).get(0, []) if r["event"] == "restore" and r["time"] >= since]
+    recs = [
+        r for r in read_records(root).get(0, []) if r["event"] == "restore" and r["time"] >= since
+    ]
     return int(recs[-1]["step"]) if recs else None
 
 
-def rehearse(cmd: Sequence[str], root: str | os.PathLike[str], *, timeout_s: float = 600.0,
-             workdir: str | os.PathLike[str] | None = None,
-             echo: Callable[[str], None] = lambda s: None, epoch_reach: int = 64) -> Rehearsal:
+def rehearse(
+    cmd: Sequence[str],
+    root: str | os.PathLike[str],
+    *,
+    timeout_s: float = 600.0,
+    workdir: str | os.PathLike[str] | None = None,
+    echo: Callable[[str], None] = lambda s: None,
+    epoch_reach: int = 64,
+) -> Rehearsal:
     """``epoch_reach``: how many steps past its first committed save the first run may go on to
     record a step of the next epoch before its kill (0: kill at ``replay_steps`` past the save)."""
     root = Path(os.fspath(root)).absolute()
     start = _tracker(root) if root.exists() else 0
-    log = (Path(os.fspath(workdir)) if workdir is not None else root.parent) / f"rehearse-{int(time.time())}.log"
+    log = (
+        Path(os.fspath(workdir)) if workdir is not None else root.parent
+    ) / f"rehearse-{int(time.time())}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     _proctree.become_subreaper()  # orphans of a killed tree come to us and are reaped
     pause_dir = Path(tempfile.mkdtemp(prefix="ckptguard-rehearse-"))
@@ -252,7 +288,9 @@ def rehearse(cmd: Sequence[str], root: str | os.PathLike[str], *, timeout_s: flo
         kill.tracker = _tracker(root)
         kills.append(kill)
         if kill.survivors:
-            raise RehearsalError(f"rehearse: processes {kill.survivors} of the command survived SIGKILL ({kill.when})")
+            raise RehearsalError(
+                f"rehearse: processes {kill.survivors} of the command survived SIGKILL ({kill.when})"
+            )
         return kill
 
     try:
@@ -266,39 +304,69 @@ def rehearse(cmd: Sequence[str], root: str | os.PathLike[str], *, timeout_s: flo
 
             def past_save() -> bool:  # one reading of the tracker and the records per poll
                 tracker, per_rank = _tracker(root), read_records(root)
-                return _steps_past_save(tracker, per_rank, first.since, n, world) and epochs.done(tracker, per_rank)
+                return _steps_past_save(tracker, per_rank, first.since, n, world) and epochs.done(
+                    tracker, per_rank
+                )
 
-            kill = check(first.kill_when(f"{n} step(s) recorded past a committed save on {world} rank(s)",
-                                         past_save, timeout_s))
+            kill = check(
+                first.kill_when(
+                    f"{n} step(s) recorded past a committed save on {world} rank(s)",
+                    past_save,
+                    timeout_s,
+                )
+            )
             saved = kill.tracker or 0
-            crossing = (f", past the epoch boundary at step {epochs.crossed_at}" if epochs.crossed_at is not None
-                        else f" (no epoch boundary within {epoch_reach} steps)" if epochs.gave_up else "")
+            crossing = (
+                f", past the epoch boundary at step {epochs.crossed_at}"
+                if epochs.crossed_at is not None
+                else f" (no epoch boundary within {epoch_reach} steps)"
+                if epochs.gave_up
+                else ""
+            )
             if epochs.crossed_at is not None:
                 kill.when += f", into the next epoch (step {epochs.crossed_at})"
-            echo(f"      SIGKILLed the whole process tree ({_count(kill.pids)}) {n}+ step(s) past the "
-                 f"committed step {saved}{crossing}; none survived")
+            echo(
+                f"      SIGKILLed the whole process tree ({_count(kill.pids)}) {n}+ step(s) past the "
+                f"committed step {saved}{crossing}; none survived"
+            )
 
             echo("[2/4] relaunching: it resumes and replays; its next save is SIGKILLed mid-write")
             second = launch("the second run", {_faults.PAUSE_ENV: str(pause_dir)})
-            second.wait("a save of the resumed run paused mid-write on every rank",
-                        lambda: _paused(pause_dir, world), timeout_s)
+            second.wait(
+                "a save of the resumed run paused mid-write on every rank",
+                lambda: _paused(pause_dir, world),
+                timeout_s,
+            )
             step_b = _newest_restore(root, second.since)
-            resumes.append(Resume(f"the kill past the save of step {saved}", step_b or 0, evaluate(root)))
+            resumes.append(
+                Resume(f"the kill past the save of step {saved}", step_b or 0, evaluate(root))
+            )
             kill = check(second.kill("mid-write of a save"))
             if kill.tracker != saved:
-                raise RehearsalError(f"rehearse: the tracker moved from {saved} to {kill.tracker} although the save "
-                                     "was killed mid-write; the commit protocol is broken on this storage")
-            echo(f"      resumed from step {step_b}; SIGKILLed the whole process tree ({_count(kill.pids)}) "
-                 f"in the middle of a save; the tracker still says {saved}")
+                raise RehearsalError(
+                    f"rehearse: the tracker moved from {saved} to {kill.tracker} although the save "
+                    "was killed mid-write; the commit protocol is broken on this storage"
+                )
+            echo(
+                f"      resumed from step {step_b}; SIGKILLed the whole process tree ({_count(kill.pids)}) "
+                f"in the middle of a save; the tracker still says {saved}"
+            )
 
-            echo("[3/4] relaunching: it resumes from the same step, replays, and must commit a save again")
+            echo(
+                "[3/4] relaunching: it resumes from the same step, replays, and must commit a save again"
+            )
             third = launch("the third run")
-            third.wait("a committed save of the resumed run", lambda: _saved_again(root, third.since, world),
-                       timeout_s)
+            third.wait(
+                "a committed save of the resumed run",
+                lambda: _saved_again(root, third.since, world),
+                timeout_s,
+            )
             step_c = _newest_restore(root, third.since)
             kill = check(third.kill("after the resumed run saved again"))
-            echo(f"      resumed from step {step_c}, committed step {kill.tracker} again; stopped the whole "
-                 f"process tree ({_count(kill.pids)})")
+            echo(
+                f"      resumed from step {step_c}, committed step {kill.tracker} again; stopped the whole "
+                f"process tree ({_count(kill.pids)})"
+            )
     finally:
         shutil.rmtree(pause_dir, ignore_errors=True)  # a paused process left behind ends itself
         for run in runs:  # on an error: nothing of the command outlives the rehearsal
@@ -306,7 +374,9 @@ def rehearse(cmd: Sequence[str], root: str | os.PathLike[str], *, timeout_s: flo
                 run.kill("rehearse stopped on an error")
     echo("[4/4] evaluating the proof gates")
     gates = evaluate(root)
-    resumes.append(Resume(f"the kill mid-write of a save (resumed from step {step_c})", step_c or 0, gates))
+    resumes.append(
+        Resume(f"the kill mid-write of a save (resumed from step {step_c})", step_c or 0, gates)
+    )
     step_dir = root / _layout.StepNaming(_template(root)).name(saved)
     return Rehearsal(gates, saved, cost(step_dir), log, kills, resumes)
 

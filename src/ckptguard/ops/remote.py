@@ -31,8 +31,17 @@ from ..errors import CheckpointError, LeaseHeldError
 from ..storage.s3 import Marker, ObjectStore, ObjectStoreOptions
 from .storegc import GcReport, collect
 
-__all__ = ["RemoteEntry", "RemoteListing", "RemotePreflight", "fetch_proof", "gc_remote", "is_remote", "list_remote",
-           "preflight_remote", "verify_remote"]
+__all__ = [
+    "RemoteEntry",
+    "RemoteListing",
+    "RemotePreflight",
+    "fetch_proof",
+    "gc_remote",
+    "is_remote",
+    "list_remote",
+    "preflight_remote",
+    "verify_remote",
+]
 
 
 def is_remote(root: str) -> bool:
@@ -67,7 +76,11 @@ def list_remote(url: str, template: str) -> RemoteListing:
         try:
             marker = store.marker(step)
         except CheckpointError as exc:
-            entries.append(RemoteEntry(step, f"NOT committed: marker unreadable ({str(exc).split(';')[0]})", name))
+            entries.append(
+                RemoteEntry(
+                    step, f"NOT committed: marker unreadable ({str(exc).split(';')[0]})", name
+                )
+            )
             continue
         if marker is None:
             state = "NOT committed: no marker (an interrupted save; `gc` removes it)"
@@ -88,33 +101,65 @@ def _check_objects(store: ObjectStore, marker: Marker) -> list[Finding]:
     found: list[Finding] = []
     files = {str(f.get("path")): f for f in marker.manifest.get("files", []) if isinstance(f, dict)}
     if set(files) != set(marker.objects):
-        found.append(_err("marker-files", store.where(base[0], "manifest.json"),
-                          f"the marker's objects {sorted(set(marker.objects) ^ set(files))[:5]} differ from its "
-                          "manifest's files", "the marker is not ckptguard's: restore an earlier step"))
+        found.append(
+            _err(
+                "marker-files",
+                store.where(base[0], "manifest.json"),
+                f"the marker's objects {sorted(set(marker.objects) ^ set(files))[:5]} differ from its "
+                "manifest's files",
+                "the marker is not ckptguard's: restore an earlier step",
+            )
+        )
     for rel, obj in sorted(marker.objects.items()):
         where = store.where(*base, rel)
         entry = files.get(rel, {})
         if (entry.get("size"), entry.get("xxh3")) != (obj.size, obj.xxh3):
-            found.append(_err("manifest-mismatch", where, "size/xxh3 differ between marker and manifest",
-                              "restore an earlier step"))
+            found.append(
+                _err(
+                    "manifest-mismatch",
+                    where,
+                    "size/xxh3 differ between marker and manifest",
+                    "restore an earlier step",
+                )
+            )
         head = store.bucket.head(store.url.key(*base, rel), step=marker.step)
         if head is None:
-            found.append(_err("missing-object", where, f"absent (step {marker.step} names it)",
-                              "restore an earlier committed step; something outside ckptguard deleted it"))
+            found.append(
+                _err(
+                    "missing-object",
+                    where,
+                    f"absent (step {marker.step} names it)",
+                    "restore an earlier committed step; something outside ckptguard deleted it",
+                )
+            )
         elif head != (obj.size, obj.etag):
-            found.append(_err("object-changed", where, f"size/ETag {head} but the marker recorded "
-                              f"({obj.size}, {obj.etag})", "restore an earlier step; the object was rewritten"))
+            found.append(
+                _err(
+                    "object-changed",
+                    where,
+                    f"size/ETag {head} but the marker recorded ({obj.size}, {obj.etag})",
+                    "restore an earlier step; the object was rewritten",
+                )
+            )
     return found
 
 
 def _no_tracker(store: ObjectStore) -> Finding:
     """A root without a tracker: nothing there (a mistyped URL), or a root whose tracker was deleted."""
     if store.empty():
-        return _err("no-root", str(store.url), f"no checkpoint root at {store.url}: nothing under the prefix",
-                    "check the URL and AWS_ENDPOINT_URL (a root is created by its first save)")
-    return _err("no-tracker", store.where(TRACKER_NAME), "absent, but the prefix holds objects: no step is "
-                "committed without it", "restore the tracker, or set it by hand to the newest committed step "
-                "(`ckptguard list` shows the markers)")
+        return _err(
+            "no-root",
+            str(store.url),
+            f"no checkpoint root at {store.url}: nothing under the prefix",
+            "check the URL and AWS_ENDPOINT_URL (a root is created by its first save)",
+        )
+    return _err(
+        "no-tracker",
+        store.where(TRACKER_NAME),
+        "absent, but the prefix holds objects: no step is committed without it",
+        "restore the tracker, or set it by hand to the newest committed step "
+        "(`ckptguard list` shows the markers)",
+    )
 
 
 def _unreadable_markers(store: ObjectStore, tracker: int) -> list[Finding]:
@@ -128,13 +173,21 @@ def _unreadable_markers(store: ObjectStore, tracker: int) -> list[Finding]:
         try:
             store.marker(step)
         except CheckpointError as exc:
-            found.append(_err("marker-unreadable", store.where(name, "manifest.json"), str(exc)[:300],
-                              "the step cannot be restored: restore its marker from a copy, or resume an "
-                              "earlier committed step"))
+            found.append(
+                _err(
+                    "marker-unreadable",
+                    store.where(name, "manifest.json"),
+                    str(exc)[:300],
+                    "the step cannot be restored: restore its marker from a copy, or resume an "
+                    "earlier committed step",
+                )
+            )
     return found
 
 
-def verify_remote(url: str, template: str, *, deep: bool = False) -> tuple[list[str], list[Finding]]:
+def verify_remote(
+    url: str, template: str, *, deep: bool = False
+) -> tuple[list[str], list[Finding]]:
     """Check every committed step of the root; returns the steps' marker URLs and the findings."""
     store = _store(url, template)
     tracker, _ = store.tracker()
@@ -143,8 +196,14 @@ def verify_remote(url: str, template: str, *, deep: bool = False) -> tuple[list[
     steps = store.committed_steps()
     findings: list[Finding] = []
     if tracker and tracker not in steps:
-        findings.append(_err("tracker-target", store.where("latest_checkpointed_iteration.txt"),
-                             f"says {tracker}, which is not committed", "set the tracker to a committed step"))
+        findings.append(
+            _err(
+                "tracker-target",
+                store.where("latest_checkpointed_iteration.txt"),
+                f"says {tracker}, which is not committed",
+                "set the tracker to a committed step",
+            )
+        )
     findings += _unreadable_markers(store, tracker)
     checked = []
     for step in steps:
@@ -160,13 +219,28 @@ def verify_remote(url: str, template: str, *, deep: bool = False) -> tuple[list[
                 try:
                     store.fetch(marker, step_dir)
                 except CheckpointError as exc:
-                    findings.append(_err("download", store.where(store.naming.name(step)), str(exc).split(";")[0],
-                                         "restore an earlier committed step"))
+                    findings.append(
+                        _err(
+                            "download",
+                            store.where(store.naming.name(step)),
+                            str(exc).split(";")[0],
+                            "restore an earlier committed step",
+                        )
+                    )
                     continue
                 store.write_manifest(marker, step_dir)
                 for f in verify_step(step_dir, deep=True):
-                    findings.append(Finding(f.severity, f.code, f.path.replace(str(step_dir), store.where(
-                        store.naming.name(step), marker.attempt)), f.message, f.fix))
+                    findings.append(
+                        Finding(
+                            f.severity,
+                            f.code,
+                            f.path.replace(
+                                str(step_dir), store.where(store.naming.name(step), marker.attempt)
+                            ),
+                            f.message,
+                            f.fix,
+                        )
+                    )
     return checked, findings
 
 
@@ -187,23 +261,58 @@ def preflight_remote(url: str, template: str, *, expect_step: int | None = None)
     store = _store(url, template)
     tracker, _ = store.tracker()
     if tracker is None:
-        return RemotePreflight(None, None, "no tracker", [_err(
-            "no-root", store.where(TRACKER_NAME), f"no checkpoint root at {store.url} (no tracker)",
-            "check the URL and AWS_ENDPOINT_URL; a first launch needs no preflight (its first save creates the root)")])
+        return RemotePreflight(
+            None,
+            None,
+            "no tracker",
+            [
+                _err(
+                    "no-root",
+                    store.where(TRACKER_NAME),
+                    f"no checkpoint root at {store.url} (no tracker)",
+                    "check the URL and AWS_ENDPOINT_URL; a first launch needs no preflight (its "
+                    "first save creates the root)",
+                )
+            ],
+        )
     try:
         found = resolve(store)
     except CheckpointError as exc:
-        return RemotePreflight(tracker, None, "unresolved", [_err(
-            "resolve", store.where(TRACKER_NAME), str(exc), "`ckptguard list` shows the committed steps")])
+        return RemotePreflight(
+            tracker,
+            None,
+            "unresolved",
+            [
+                _err(
+                    "resolve",
+                    store.where(TRACKER_NAME),
+                    str(exc),
+                    "`ckptguard list` shows the committed steps",
+                )
+            ],
+        )
     findings = [] if found.marker is None else _check_objects(store, found.marker)
     if expect_step is not None and found.step != expect_step:
-        findings.append(_err("expect-step", store.where(TRACKER_NAME), f"resumes step {found.step}, expected "
-                             f"{expect_step}", "check which job wrote the newer step before launching"))
+        findings.append(
+            _err(
+                "expect-step",
+                store.where(TRACKER_NAME),
+                f"resumes step {found.step}, expected {expect_step}",
+                "check which job wrote the newer step before launching",
+            )
+        )
     try:
         storelease.check(store, "ckptguard-preflight")
     except LeaseHeldError as exc:
-        findings.append(Finding(Severity.WARNING, "lease-held", store.where("lease.json"), str(exc).split(": ", 1)[-1],
-                                "a launch now is refused at its first save or restore while that job lives"))
+        findings.append(
+            Finding(
+                Severity.WARNING,
+                "lease-held",
+                store.where("lease.json"),
+                str(exc).split(": ", 1)[-1],
+                "a launch now is refused at its first save or restore while that job lives",
+            )
+        )
     where = store.where(store.naming.name(found.step), "manifest.json") if found.step else None
     return RemotePreflight(found.step, where, found.reason, findings)
 
@@ -215,8 +324,10 @@ def gc_remote(url: str, template: str, *, min_age_s: float, dry_run: bool, force
         try:
             storelease.check(store, "ckptguard-gc")
         except LeaseHeldError as exc:
-            raise LeaseHeldError(f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, or "
-                                 "pass --force (attempts younger than --min-age are kept anyway)") from None
+            raise LeaseHeldError(
+                f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, or "
+                "pass --force (attempts younger than --min-age are kept anyway)"
+            ) from None
     return collect(store, min_age_s=min_age_s, dry_run=dry_run)
 
 
@@ -227,5 +338,6 @@ def fetch_proof(url: str, template: str, dest: str | os.PathLike[str]) -> list[s
     if not names:
         raise CheckpointError(
             f"{store.where(PROOF_DIR)}/ holds no proof records: each rank copies its log there at every save and at "
-            "close (ckptguard >= this version); `ckptguard prove STAGING` reads a staging root's own records")
+            "close (ckptguard >= this version); `ckptguard prove STAGING` reads a staging root's own records"
+        )
     return names

@@ -62,7 +62,9 @@ def filesystem(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         for line in Path("/proc/mounts").read_text().splitlines():
             parts = line.split()
-            inside = len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/"))
+            inside = len(parts) >= 3 and (
+                real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")
+            )
             if inside and (len(parts[1]) >= len(mount) or mount == "/"):
                 mount, fstype = parts[1], parts[2]
     except OSError:
@@ -90,7 +92,11 @@ def _process_figures() -> dict[str, Any]:
     children = 0
     with contextlib.suppress(OSError):
         children = len(Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split())
-    return {"threads": snap.threads if snap else None, "fds": snap.fds if snap else None, "children": children}
+    return {
+        "threads": snap.threads if snap else None,
+        "fds": snap.fds if snap else None,
+        "children": children,
+    }
 
 
 def _rank(rank: int, world: int, port: int, target: str, cfg: ReproConfig, out: str) -> None:
@@ -113,8 +119,12 @@ def _rank(rank: int, world: int, port: int, target: str, cfg: ReproConfig, out: 
         )
     per_rank = int(cfg.size_gib * (1 << 30) / world / 4 / 4)
     state = {"shards": {f"rank{rank}_{i}": torch.randn(per_rank) for i in range(4)}}
-    config = CheckpointConfig(timeout_s=cfg.timeout_s, storage=StorageOptions(keep_failed=True), retention=KeepLast(1),
-                              state=StateOptions(capture_rng=False))
+    config = CheckpointConfig(
+        timeout_s=cfg.timeout_s,
+        storage=StorageOptions(keep_failed=True),
+        retention=KeepLast(1),
+        state=StateOptions(capture_rng=False),
+    )
     mgr = CheckpointManager(Path(target) / REPRO_ROOT, config=config)
     rounds: list[dict[str, Any]] = []
     failure: dict[str, Any] | None = None
@@ -135,14 +145,19 @@ def _rank(rank: int, world: int, port: int, target: str, cfg: ReproConfig, out: 
     os._exit(0)
 
 
-def run_repro(target: str | os.PathLike[str], cfg: ReproConfig,
-              progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+def run_repro(
+    target: str | os.PathLike[str], cfg: ReproConfig, progress: Callable[[int], None] | None = None
+) -> dict[str, Any]:
     """Repeat the save under ``target``; returns the report (also when a round failed).
     ``progress(rounds committed)`` is called as rank 0 commits them."""
     target = Path(os.fspath(target)).absolute()
-    if not target.parent.is_dir():  # a typo must not become a tree of new directories on the suspect filesystem
-        raise ConfigError(f"repro-save target {target}: its parent {target.parent} is not a directory; name a "
-                          "directory on the filesystem under suspicion (it is made if only its last part is missing)")
+    if (
+        not target.parent.is_dir()
+    ):  # a typo must not become a tree of new directories on the suspect filesystem
+        raise ConfigError(
+            f"repro-save target {target}: its parent {target.parent} is not a directory; name a "
+            "directory on the filesystem under suspicion (it is made if only its last part is missing)"
+        )
     target.mkdir(exist_ok=True)
     before = {"fs": filesystem(target), "oom_kill": _oom_kills()}
     ctx = mp.get_context("spawn")
@@ -152,13 +167,16 @@ def run_repro(target: str | os.PathLike[str], cfg: ReproConfig,
     with tempfile.TemporaryDirectory(prefix="ckptguard-repro-") as tmp:
         outs = [str(Path(tmp) / f"rank{r}.json") for r in range(cfg.ranks)]
         procs = [
-            ctx.Process(target=_rank, args=(r, cfg.ranks, port, str(target), cfg, outs[r])) for r in range(cfg.ranks)
+            ctx.Process(target=_rank, args=(r, cfg.ranks, port, str(target), cfg, outs[r]))
+            for r in range(cfg.ranks)
         ]
         for p in procs:
             p.start()
         seen = 0
         while alive := [p.sentinel for p in procs if p.is_alive()]:
-            mp.connection.wait(alive, timeout=0.25)  # a rank's exit, or the next look at the progress file
+            mp.connection.wait(
+                alive, timeout=0.25
+            )  # a rank's exit, or the next look at the progress file
             seen = _report_rounds(outs[0] + ".rounds", seen, progress)
         for p in procs:
             p.join()
@@ -186,7 +204,9 @@ def _report(
     dead = [r for r, code in enumerate(exitcodes) if code != 0]
     first = next((f for f in failures if "first" in f), failures[0] if failures else None)
     rounds = rank0["rounds"]
-    growth = {k: [rounds[0][k], rounds[-1][k]] for k in ("threads", "fds", "children")} if rounds else {}
+    growth = (
+        {k: [rounds[0][k], rounds[-1][k]] for k in ("threads", "fds", "children")} if rounds else {}
+    )
     kept = sorted(str(p) for p in (target / REPRO_ROOT).glob(".failed-*"))
     after_fs = filesystem(target)
     return {
@@ -199,7 +219,9 @@ def _report(
         "oom_kill_after": _oom_kills(),
         "completed_rounds": len(rounds),
         "seconds_per_round": [round(r["seconds"], 3) for r in rounds],
-        "gib_per_s_median": (cfg.size_gib / sorted(r["seconds"] for r in rounds)[len(rounds) // 2]) if rounds else None,
+        "gib_per_s_median": (cfg.size_gib / sorted(r["seconds"] for r in rounds)[len(rounds) // 2])
+        if rounds
+        else None,
         "growth_first_to_last_round": growth,
         "failed": bool(failures or dead),
         "first_failure": first,

@@ -31,7 +31,11 @@ class Resume:
 
 
 def _restores(recs: list[ProofRecord]) -> list[int]:
-    return [i for i, r in enumerate(recs) if r["event"] == "restore" and isinstance(r.get("time"), (int, float))]
+    return [
+        i
+        for i, r in enumerate(recs)
+        if r["event"] == "restore" and isinstance(r.get("time"), (int, float))
+    ]
 
 
 def _lead(records: Records) -> int | None:
@@ -40,7 +44,11 @@ def _lead(records: Records) -> int | None:
 
 def launch_times(records: Records) -> list[float]:
     lead = _lead(records)
-    return [] if lead is None else sorted(float(records[lead][i]["time"]) for i in _restores(records[lead]))
+    return (
+        []
+        if lead is None
+        else sorted(float(records[lead][i]["time"]) for i in _restores(records[lead]))
+    )
 
 
 def resumes(records: Records) -> list[Resume]:
@@ -48,14 +56,23 @@ def resumes(records: Records) -> list[Resume]:
     lead = _lead(records)
     if lead is None:
         return []
-    rows = sorted((records[lead][i] for i in _restores(records[lead])), key=lambda r: float(r["time"]))
+    rows = sorted(
+        (records[lead][i] for i in _restores(records[lead])), key=lambda r: float(r["time"])
+    )
     out: list[Resume] = []
     for r in rows:
         step = r.get("step")
         if isinstance(step, int) and step > 0:
             world = r.get("world_size")
-            out.append(Resume(len(out) + 1, step, float(r["time"]), int(r["pid"]),
-                              world if isinstance(world, int) else None))
+            out.append(
+                Resume(
+                    len(out) + 1,
+                    step,
+                    float(r["time"]),
+                    int(r["pid"]),
+                    world if isinstance(world, int) else None,
+                )
+            )
     return out
 
 
@@ -80,8 +97,10 @@ def evidence(records: Records, resume: Resume, times: list[float]) -> bool:
             continue
         pid = recs[idx]["pid"]
         for r in recs[idx + 1 :]:
-            if r["pid"] == pid and (r["event"] in ("step", "update") or (r["event"] == "exit" and not r.get("trained")
-                                                                          and _left(r))):
+            if r["pid"] == pid and (
+                r["event"] in ("step", "update")
+                or (r["event"] == "exit" and not r.get("trained") and _left(r))
+            ):
                 return True
     return False
 
@@ -98,8 +117,10 @@ def pick(records: Records, number: int | None) -> tuple[Resume | None, str]:
         return None, "no restore of a non-zero step recorded"
     if number is not None:
         if not 1 <= number <= len(found):
-            raise ValueError(f"--resume {number}: the records hold resumes 1-{len(found)} "
-                             f"({', '.join(f'{r.number}: step {r.step}' for r in found)})")
+            raise ValueError(
+                f"--resume {number}: the records hold resumes 1-{len(found)} "
+                f"({', '.join(f'{r.number}: step {r.step}' for r in found)})"
+            )
         chosen = found[number - 1]
         return chosen, f"{chosen.describe()} of {len(found)}, as asked"
     times = launch_times(records)
@@ -107,9 +128,15 @@ def pick(records: Records, number: int | None) -> tuple[Resume | None, str]:
     chosen = with_evidence[-1] if with_evidence else found[-1]
     newer = [r for r in found if r.number > chosen.number]
     if not newer:
-        why = "the newest" if with_evidence else "the newest; no resume recorded a step after its restore"
+        why = (
+            "the newest"
+            if with_evidence
+            else "the newest; no resume recorded a step after its restore"
+        )
         return chosen, f"{chosen.describe()} of {len(found)} ({why})"
     skipped = ", ".join(f"{r.number} (step {r.step})" for r in newer)
-    return chosen, (f"{chosen.describe()} of {len(found)}: the newest with evidence; newer resume(s) {skipped} "
-                    "recorded no step after the restore (killed before training, or a finished job relaunched): "
-                    "`ckptguard prove --resume N` judges one, `--all` each")
+    return chosen, (
+        f"{chosen.describe()} of {len(found)}: the newest with evidence; newer resume(s) {skipped} "
+        "recorded no step after the restore (killed before training, or a finished job relaunched): "
+        "`ckptguard prove --resume N` judges one, `--all` each"
+    )

@@ -75,7 +75,11 @@ def _open_phases(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             continue
         if kind == "phase_start":
             open_[rank] = rec
-        elif kind in ("phase_end", "phase_failure") and rank in open_ and open_[rank].get("phase") == rec.get("phase"):
+        elif (
+            kind in ("phase_end", "phase_failure")
+            and rank in open_
+            and open_[rank].get("phase") == rec.get("phase")
+        ):
             del open_[rank]
     return open_
 
@@ -101,8 +105,16 @@ def _check(records: list[dict[str, Any]]) -> None:
                 ("mono_ns", _int(rec.get("mono_ns"))),
                 ("wall_time", isinstance(rec.get("wall_time"), (int, float))),
                 ("node", isinstance(rec.get("node", ""), str)),
-                ("phase", isinstance(rec.get("phase"), str) or not str(rec.get("kind")).startswith("phase_")),
-                ("duration_s", rec.get("duration_s") is None or isinstance(rec.get("duration_s"), (int, float))),
+                (
+                    "phase",
+                    isinstance(rec.get("phase"), str)
+                    or not str(rec.get("kind")).startswith("phase_"),
+                ),
+                (
+                    "duration_s",
+                    rec.get("duration_s") is None
+                    or isinstance(rec.get("duration_s"), (int, float)),
+                ),
             )
             if not ok
         ]
@@ -134,14 +146,29 @@ class BusySaves:
         def said(kinds: dict[str, int]) -> str:
             return ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n) or "none"
 
-        since = f"after step {self.since_step}" if self.since_step is not None else "before this launch's first save"
-        steps = "; ".join(f"{kind} steps {v[:8]}{' ...' if len(v) > 8 else ''}" for kind, v in self.pending.items()
-                          if v)
+        since = (
+            f"after step {self.since_step}"
+            if self.since_step is not None
+            else "before this launch's first save"
+        )
+        steps = "; ".join(
+            f"{kind} steps {v[:8]}{' ...' if len(v) > 8 else ''}"
+            for kind, v in self.pending.items()
+            if v
+        )
         now = said({k: len(v) for k, v in self.pending.items()})
-        hint = (": a save was requested while the previous commit ran; space the saves wider than one commit "
-                "(ckptguard goodput ROOT prints the interval)") if any(self.pending.values()) else ""
-        return (f"saves held back by a commit in flight {since}: {now}{f' ({steps})' if steps else ''}; in all the "
-                f"proof records: {said(self.totals)}{hint}")
+        hint = (
+            (
+                ": a save was requested while the previous commit ran; space the saves wider than one commit "
+                "(ckptguard goodput ROOT prints the interval)"
+            )
+            if any(self.pending.values())
+            else ""
+        )
+        return (
+            f"saves held back by a commit in flight {since}: {now}{f' ({steps})' if steps else ''}; in all the "
+            f"proof records: {said(self.totals)}{hint}"
+        )
 
 
 def busy_saves(root: str | os.PathLike[str]) -> BusySaves | None:
@@ -156,7 +183,9 @@ def busy_saves(root: str | os.PathLike[str]) -> BusySaves | None:
     # This launch's records (from its restore on): a skip made while step k committed is carried by the
     # next committed step's cost block, so what is still held back is what came after the newest saved step.
     launch = max((i for i, r in enumerate(records) if r.event == "restore"), default=0)
-    saved = max((r.step for r in records[launch:] if r.event == "save" and r.step is not None), default=None)
+    saved = max(
+        (r.step for r in records[launch:] if r.event == "save" and r.step is not None), default=None
+    )
     pending: dict[str, list[int]] = {kind: [] for kind in BUSY_KINDS.values()}
     totals = dict.fromkeys(BUSY_KINDS.values(), 0)
     for i, r in enumerate(records):
@@ -186,7 +215,10 @@ def run_rank_roles(path: str | os.PathLike[str]) -> dict[int, list[str]] | None:
 
 
 def status(
-    paths: Sequence[str | os.PathLike[str]], *, sample_s: float = 0.5, roles: dict[int, list[str]] | None = None
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    sample_s: float = 0.5,
+    roles: dict[int, list[str]] | None = None,
 ) -> list[RankStatus]:
     records = read_records([Path(p) for p in paths])
     _check(records)
@@ -196,7 +228,9 @@ def status(
     for rec in records:
         if rec.get("rank") is None:
             continue
-        if rec.get("kind") == "host_cache_release":  # after a save, not a phase: the phase lines stay the rank's
+        if (
+            rec.get("kind") == "host_cache_release"
+        ):  # after a save, not a phase: the phase lines stay the rank's
             released[rec["rank"]] = _released(rec)
         else:
             last[rec["rank"]] = rec
@@ -208,8 +242,16 @@ def status(
     out = []
     for rank in sorted(last):
         rec = open_.get(rank, last[rank])
-        st = _judge(rank, rec, rank in open_, typical, first.get(rec["pid"]), second.get(rec["pid"]),
-                    sample_s, rec.get("node") == here)
+        st = _judge(
+            rank,
+            rec,
+            rank in open_,
+            typical,
+            first.get(rec["pid"]),
+            second.get(rec["pid"]),
+            sample_s,
+            rec.get("node") == here,
+        )
         if roles is not None:
             st.roles = roles.get(rank, [])
         st.host_cache = released.get(rank)
@@ -218,29 +260,58 @@ def status(
 
 
 def _mib(n: Any) -> str | None:
-    return f"{n / (1 << 20):.1f} MiB" if isinstance(n, (int, float)) and not isinstance(n, bool) else None
+    return (
+        f"{n / (1 << 20):.1f} MiB"
+        if isinstance(n, (int, float)) and not isinstance(n, bool)
+        else None
+    )
 
 
 def _released(rec: dict[str, Any]) -> str:
     """One line for a host_cache_release record (memory.records): what was released, after which save."""
     after, drop = rec.get("after_save_s"), _mib(rec.get("rss_drop"))
-    save = (f"{after:.1f} s after the save of step {rec.get('step')}" if isinstance(after, (int, float))
-            else "after no recorded save phase")
+    save = (
+        f"{after:.1f} s after the save of step {rec.get('step')}"
+        if isinstance(after, (int, float))
+        else "after no recorded save phase"
+    )
     rss = f"RSS -{drop}" if drop is not None else "RSS drop not measured"
     return f"host staging {_mib(rec.get('released_bytes')) or '?'} released {save} ({rec.get('how')}; {rss})"
 
 
-def _judge(rank: int, rec: dict[str, Any], in_phase: bool, typical: dict[str, float], a: Any, b: Any,
-           sample_s: float, local: bool) -> RankStatus:
+def _judge(
+    rank: int,
+    rec: dict[str, Any],
+    in_phase: bool,
+    typical: dict[str, float],
+    a: Any,
+    b: Any,
+    sample_s: float,
+    local: bool,
+) -> RankStatus:
     phase = rec.get("phase") if in_phase else None
-    elapsed = (time.monotonic_ns() - rec["mono_ns"]) / 1e9 if local else time.time() - rec["wall_time"]
-    st = RankStatus(rank, rec["pid"], rec.get("node", "?"), phase, rec.get("step"),
-                    elapsed if in_phase else None, typical.get(phase) if phase else None, None, None, "")
+    elapsed = (
+        (time.monotonic_ns() - rec["mono_ns"]) / 1e9 if local else time.time() - rec["wall_time"]
+    )
+    st = RankStatus(
+        rank,
+        rec["pid"],
+        rec.get("node", "?"),
+        phase,
+        rec.get("step"),
+        elapsed if in_phase else None,
+        typical.get(phase) if phase else None,
+        None,
+        None,
+        "",
+    )
     if not local:
         st.verdict = "on another node: not sampled"
         return st
     if a is None or b is None:
-        st.verdict = "EXITED" + (f" inside phase {phase!r} (no end record: it died there)" if in_phase else "")
+        st.verdict = "EXITED" + (
+            f" inside phase {phase!r} (no end record: it died there)" if in_phase else ""
+        )
         return st
     st.cpu_fraction = (b[0] - a[0]) / sample_s
     st.io_bytes_per_s = (b[1] - a[1]) / sample_s
@@ -250,8 +321,10 @@ def _judge(rank: int, rec: dict[str, Any], in_phase: bool, typical: dict[str, fl
     if not in_phase:
         st.verdict = f"between phases ({activity})"
     elif overdue and not busy:
-        st.verdict = (f"STALLED: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s) with no CPU and no "
-                      "I/O; look at what it waits for (a peer, a lock, the filesystem)")
+        st.verdict = (
+            f"STALLED: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s) with no CPU and no "
+            "I/O; look at what it waits for (a peer, a lock, the filesystem)"
+        )
     elif overdue:
         st.verdict = f"SLOW, not hung: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s), {activity}"
     else:
@@ -269,9 +342,13 @@ def record_files(path: str | os.PathLike[str]) -> list[Path]:
     if path.is_file() and not path.is_symlink():
         candidates = [path]
     elif path.is_dir():
-        candidates = [p for p in sorted(path.rglob("*.jsonl")) if p.is_file() and not p.is_symlink()]
+        candidates = [
+            p for p in sorted(path.rglob("*.jsonl")) if p.is_file() and not p.is_symlink()
+        ]
     else:
-        raise CheckpointCorruptError(f"{path} is neither a records file nor a directory (a FIFO or device?)")
+        raise CheckpointCorruptError(
+            f"{path} is neither a records file nor a directory (a FIFO or device?)"
+        )
     out = []
     for p in candidates:
         with open(p, "rb") as f:
@@ -298,15 +375,24 @@ def root_state(root: str | os.PathLike[str], template: str = "step_{step:08d}") 
     from .inspect import list_steps, resolve
 
     root = Path(root)
-    if not (root / _layout.TRACKER_NAME).exists() and not _layout.step_dirs(root, _layout.StepNaming(template)):
+    if not (root / _layout.TRACKER_NAME).exists() and not _layout.step_dirs(
+        root, _layout.StepNaming(template)
+    ):
         return None
     listing = list_steps(root, template)
-    committed = [e.step for e in listing.entries if e.step is not None and e.state.startswith("committed")]
+    committed = [
+        e.step for e in listing.entries if e.step is not None and e.state.startswith("committed")
+    ]
     tracker = listing.tracker if listing.tracker is not None else "absent"
-    lines = [f"checkpoint root {root}: tracker {tracker}, newest committed step "
-             f"{max(committed) if committed else 'none'} ({len(committed)} committed)"]
-    lines += [f"  step {e.step}: {e.state}" for e in listing.entries if e.step is not None and not
-              e.state.startswith("committed")][:8]
+    lines = [
+        f"checkpoint root {root}: tracker {tracker}, newest committed step "
+        f"{max(committed) if committed else 'none'} ({len(committed)} committed)"
+    ]
+    lines += [
+        f"  step {e.step}: {e.state}"
+        for e in listing.entries
+        if e.step is not None and not e.state.startswith("committed")
+    ][:8]
     try:
         lines.append(f"a resume now: {resolve(root, template, ResumeMode.AUTO).describe()}")
         resumable = True

@@ -29,8 +29,12 @@ class GcReport:
     removed_attempts: list[str] = field(default_factory=list)
     removed_objects: int = 0
     aborted_uploads: list[str] = field(default_factory=list)
-    foreign: list[str] = field(default_factory=list)  # keys under the prefix that ckptguard did not create
-    kept_young: list[str] = field(default_factory=list)  # unmarked attempts younger than min_age_s (maybe live)
+    foreign: list[str] = field(
+        default_factory=list
+    )  # keys under the prefix that ckptguard did not create
+    kept_young: list[str] = field(
+        default_factory=list
+    )  # unmarked attempts younger than min_age_s (maybe live)
 
 
 class Root(Protocol):
@@ -53,7 +57,8 @@ def collect(root: Root, *, min_age_s: float = 3600.0, dry_run: bool = False) -> 
     if found is None:
         raise ConfigError(
             f"{root.url} holds no {rec.ROOT_RECORD}: it is not a ckptguard root (or not yet); gc removes only "
-            "what ckptguard created under its own roots. Check the URL")
+            "what ckptguard created under its own roots. Check the URL"
+        )
     rec.RootRecord.from_bytes(found.data, root.where(rec.ROOT_RECORD))
     tracker_step_whole(root, "gc")
     report, now = GcReport(), time.time()
@@ -64,7 +69,9 @@ def collect(root: Root, *, min_age_s: float = 3600.0, dry_run: bool = False) -> 
         parts = rel.split("/")
         if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE) or rec.is_proof(rel):
             continue
-        if rel.startswith(".ckptguard-probe-") and "/" not in rel:  # a probe whose process died before its delete
+        if (
+            rel.startswith(".ckptguard-probe-") and "/" not in rel
+        ):  # a probe whose process died before its delete
             if now - obj.modified_unix >= min_age_s:
                 report.removed_objects += 1
                 if not dry_run:
@@ -75,12 +82,18 @@ def collect(root: Root, *, min_age_s: float = 3600.0, dry_run: bool = False) -> 
                 continue
             if parts[1].startswith(rec.ATTEMPT_PREFIX) and len(parts) >= 3:
                 attempts.setdefault((parts[0], parts[1]), []).append(obj.key)
-                newest[(parts[0], parts[1])] = max(newest.get((parts[0], parts[1]), 0.0), obj.modified_unix)
+                newest[(parts[0], parts[1])] = max(
+                    newest.get((parts[0], parts[1]), 0.0), obj.modified_unix
+                )
                 continue
         report.foreign.append(obj.key)
-    _uploads(root, now, min_age_s, dry_run, report)  # first: an attempt's owner record still says it is ours
+    _uploads(
+        root, now, min_age_s, dry_run, report
+    )  # first: an attempt's owner record still says it is ours
     for (name, attempt), keys in sorted(attempts.items()):
-        _attempt(root, name, attempt, keys, newest[(name, attempt)], now, min_age_s, dry_run, report)
+        _attempt(
+            root, name, attempt, keys, newest[(name, attempt)], now, min_age_s, dry_run, report
+        )
     return report
 
 
@@ -101,7 +114,8 @@ def tracker_step_whole(root: Root, doing: str) -> None:
         f"{doing} refused on {root.url}: the tracker says {step}, but its marker {marker_at} {why}; restoring "
         f"needs that step's objects, which {doing} would delete as attempts no marker names. Restore the marker "
         "(or set the tracker to an older committed step by hand: `ckptguard list` shows them), then run "
-        f"{doing} again")
+        f"{doing} again"
+    )
 
 
 def _marked(root: Root, name: str) -> str | None:
@@ -110,8 +124,17 @@ def _marked(root: Root, name: str) -> str | None:
     return marker.attempt if marker is not None else None
 
 
-def _attempt(root: Root, name: str, attempt: str, keys: list[str], newest: float, now: float, min_age_s: float,
-             dry_run: bool, report: GcReport) -> None:
+def _attempt(
+    root: Root,
+    name: str,
+    attempt: str,
+    keys: list[str],
+    newest: float,
+    now: float,
+    min_age_s: float,
+    dry_run: bool,
+    report: GcReport,
+) -> None:
     owner_key = root.url.key(name, attempt, rec.OWNER)
     if owner_key not in keys:
         report.foreign += keys  # no owner record: not ckptguard's to delete
@@ -131,12 +154,21 @@ def _attempt(root: Root, name: str, attempt: str, keys: list[str], newest: float
 def _uploads(root: Root, now: float, min_age_s: float, dry_run: bool, report: GcReport) -> None:
     for upload in root.bucket.uploads():
         parts = (root.url.relative(upload.key) or "").split("/")
-        if len(parts) < 3 or root.naming.parse(parts[0]) is None or not parts[1].startswith(rec.ATTEMPT_PREFIX):
+        if (
+            len(parts) < 3
+            or root.naming.parse(parts[0]) is None
+            or not parts[1].startswith(rec.ATTEMPT_PREFIX)
+        ):
             report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
             continue
         if now - upload.initiated_unix < min_age_s:
             continue
-        if root.bucket.get(root.url.key(parts[0], parts[1], rec.OWNER), what="attempt owner record") is None:
+        if (
+            root.bucket.get(
+                root.url.key(parts[0], parts[1], rec.OWNER), what="attempt owner record"
+            )
+            is None
+        ):
             report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
             continue
         report.aborted_uploads.append(f"{upload.key} ({upload.upload_id})")

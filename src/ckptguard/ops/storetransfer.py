@@ -52,22 +52,33 @@ def _chain(phases: dict[str, dict[str, Any]]) -> str | None:
     return str(first.get("chain_id")) if isinstance(first, dict) and first.get("chain_id") else None
 
 
-def to_store(step_dir: str | os.PathLike[str], url: str, *, template: str = "step_{step:08d}",
-             progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def to_store(
+    step_dir: str | os.PathLike[str],
+    url: str,
+    *,
+    template: str = "step_{step:08d}",
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Commit the committed local ``step_dir`` as its step on the store at ``url``."""
     step_dir = Path(os.fspath(step_dir)).absolute()
     errors = [f for f in verify_step(step_dir) if f.severity.value == "ERROR"]
     if errors:
-        raise CheckpointCorruptError(f"transfer: {step_dir} is not a complete checkpoint: {errors[0].line()}")
+        raise CheckpointCorruptError(
+            f"transfer: {step_dir} is not a complete checkpoint: {errors[0].line()}"
+        )
     manifest = _manifest.read(step_dir)
     if manifest.nodes:
         raise ConfigError(
             f"transfer: {step_dir} was saved on node-local roots and holds only this node's part of step "
             f"{manifest.step}; the store needs the whole step: restore it once (every node), or transfer each node's "
-            "part into one shared root first, then transfer that step")
+            "part into one shared root first, then transfer that step"
+        )
     raw = _layout.read_json(step_dir / _layout.MANIFEST_NAME, what="manifest")
     store = ObjectStore(url, ObjectStoreOptions(), dir_template=template)
-    phases = {p.name: _layout.read_json(p, what="contract phase") for p in _contract.phase_files(step_dir.parent)}
+    phases = {
+        p.name: _layout.read_json(p, what="contract phase")
+        for p in _contract.phase_files(step_dir.parent)
+    }
     started = time.time()
     holder = f"transfer:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
     store.ensure_root()
@@ -82,30 +93,50 @@ def to_store(step_dir: str | os.PathLike[str], url: str, *, template: str = "ste
         etags = store.upload(manifest.step, attempt, files)
         if progress is not None:
             progress(total, total)
-        objects = {f.path: StoredObject(f.size, f.xxh3, etags[f.path])
-                   for f in manifest.files}
-        marker = storepublish.commit(store, manifest.step, attempt, objects, raw, phases=phases, lease=holder)
+        objects = {f.path: StoredObject(f.size, f.xxh3, etags[f.path]) for f in manifest.files}
+        marker = storepublish.commit(
+            store, manifest.step, attempt, objects, raw, phases=phases, lease=holder
+        )
     finally:
         storelease.release(store, holder)
-    return {"source": str(step_dir), "destination": marker, "step": manifest.step, "files": len(files),
-            "bytes": total, "attempt": attempt, "tracker_set_to": store.tracker()[0], "started_unix": started,
-            "finished_unix": time.time(), "who": holder, **({"lease": note} if note else {})}
+    return {
+        "source": str(step_dir),
+        "destination": marker,
+        "step": manifest.step,
+        "files": len(files),
+        "bytes": total,
+        "attempt": attempt,
+        "tracker_set_to": store.tracker()[0],
+        "started_unix": started,
+        "finished_unix": time.time(),
+        "who": holder,
+        **({"lease": note} if note else {}),
+    }
 
 
-def _same_chain_on_store(store: ObjectStore, phases: dict[str, dict[str, Any]], step_dir: Path) -> None:
+def _same_chain_on_store(
+    store: ObjectStore, phases: dict[str, dict[str, Any]], step_dir: Path
+) -> None:
     tracker, _ = store.tracker()
     marker = store.marker(tracker) if tracker else None
     theirs, ours = _chain(marker.phases) if marker else None, _chain(phases)
     if theirs and ours and theirs != ours:
         raise ConfigError(
             f"transfer: {store.url} holds run chain {theirs} (step {tracker}), {step_dir} belongs to chain {ours}; "
-            "transfer into an empty prefix")
+            "transfer into an empty prefix"
+        )
 
 
-def from_store(url: str, dest_root: str | os.PathLike[str], *, step: int | None = None,
-               template: str = "step_{step:08d}",
-               record: str | os.PathLike[str] | None = None, ttl_s: float = 6 * 3600.0,
-               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def from_store(
+    url: str,
+    dest_root: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    template: str = "step_{step:08d}",
+    record: str | os.PathLike[str] | None = None,
+    ttl_s: float = 6 * 3600.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Copy the store's committed ``step`` (None: the tracker's) into the local root ``dest_root``; the
     transfer record goes to ``record`` (default ``dest_root/transfers/``), as a local transfer's does."""
     store = ObjectStore(url, ObjectStoreOptions(), dir_template=template)
@@ -124,11 +155,20 @@ def from_store(url: str, dest_root: str | os.PathLike[str], *, step: int | None 
     finally:
         if not ours:
             _lease.release(dest_root)
-    info = {"source": store.where(store.naming.name(marker.step), "manifest.json"), "destination": str(final),
-            "step": marker.step, "files": len(marker.objects), "bytes": sum(o.size for o in marker.objects.values()),
-            "attempt": marker.attempt, "tracker_set_to": max(marker.step, current), "resumed": resumed,
-            "who": f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}",
-            "started_unix": started, "finished_unix": time.time(), **({"lease": note} if note else {})}
+    info = {
+        "source": store.where(store.naming.name(marker.step), "manifest.json"),
+        "destination": str(final),
+        "step": marker.step,
+        "files": len(marker.objects),
+        "bytes": sum(o.size for o in marker.objects.values()),
+        "attempt": marker.attempt,
+        "tracker_set_to": max(marker.step, current),
+        "resumed": resumed,
+        "who": f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}",
+        "started_unix": started,
+        "finished_unix": time.time(),
+        **({"lease": note} if note else {}),
+    }
     default = dest_root / TRANSFERS_DIR / f"{int(started)}-step{marker.step}.json"
     rec_path = Path(os.fspath(record)) if record is not None else default
     rec_path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,30 +179,47 @@ def from_store(url: str, dest_root: str | os.PathLike[str], *, step: int | None 
 def _committed(store: ObjectStore, step: int | None) -> Marker:
     tracker, _ = store.tracker()
     if tracker is None:
-        raise ConfigError(f"transfer: no checkpoint root at {store.url} (no tracker); check the URL and "
-                          "AWS_ENDPOINT_URL")
+        raise ConfigError(
+            f"transfer: no checkpoint root at {store.url} (no tracker); check the URL and "
+            "AWS_ENDPOINT_URL"
+        )
     if step is None:
         found = resolve(store, must=True)
         assert found.marker is not None
         return found.marker
     marker = store.marker(step)
     if marker is None or step > tracker:
-        what = "has no marker" if marker is None else f"is newer than the tracker ({tracker}): not committed"
-        raise ResumeError(f"transfer: step {step} at {store.url} {what}; `ckptguard list {store.url}` shows the "
-                          "committed steps")
+        what = (
+            "has no marker"
+            if marker is None
+            else f"is newer than the tracker ({tracker}): not committed"
+        )
+        raise ResumeError(
+            f"transfer: step {step} at {store.url} {what}; `ckptguard list {store.url}` shows the "
+            "committed steps"
+        )
     return marker
 
 
-def _into(store: ObjectStore, marker: Marker, dest_root: Path, final: Path,
-          progress: Callable[[int, int], None] | None) -> bool:
+def _into(
+    store: ObjectStore,
+    marker: Marker,
+    dest_root: Path,
+    final: Path,
+    progress: Callable[[int, int], None] | None,
+) -> bool:
     if final.exists() or final.is_symlink():
         try:
-            same = _layout.read_json(final / _layout.MANIFEST_NAME, what="manifest") == marker.manifest
+            same = (
+                _layout.read_json(final / _layout.MANIFEST_NAME, what="manifest") == marker.manifest
+            )
         except (OSError, CheckpointError):
             same = False
         if not same or any(f.severity.value == "ERROR" for f in verify_step(final, deep=True)):
-            raise ConfigError(f"transfer: {final} already exists and is not a complete copy of step {marker.step} "
-                              f"of {store.url}; remove it or pick another destination root")
+            raise ConfigError(
+                f"transfer: {final} already exists and is not a complete copy of step {marker.step} "
+                f"of {store.url}; remove it or pick another destination root"
+            )
         _phases(store, marker, dest_root)
         return True  # killed between its rename and the tracker: only the tracker is left
     _phases(store, marker, dest_root)
@@ -175,12 +232,19 @@ def _into(store: ObjectStore, marker: Marker, dest_root: Path, final: Path,
 
     with publishing(dest_root, final) as tmp:
         store.fetch(marker, tmp, progress=fetched)
-        store.write_manifest(marker, tmp)  # the manifest last: the copy is complete before it says so
-        errors = [f for f in verify_step(tmp) if f.severity.value == "ERROR"
-                  and not f.path.endswith(_layout.OWNER_NAME)]  # the owner record goes right before the rename
+        store.write_manifest(
+            marker, tmp
+        )  # the manifest last: the copy is complete before it says so
+        errors = [
+            f
+            for f in verify_step(tmp)
+            if f.severity.value == "ERROR" and not f.path.endswith(_layout.OWNER_NAME)
+        ]  # the owner record goes right before the rename
         if errors:
-            raise CheckpointCorruptError(f"transfer: the copy of step {marker.step} from {store.url} fails its "
-                                         f"check: {errors[0].line()}")
+            raise CheckpointCorruptError(
+                f"transfer: the copy of step {marker.step} from {store.url} fails its "
+                f"check: {errors[0].line()}"
+            )
         _faults.reached(BEFORE_RENAME)
     return False
 
@@ -190,8 +254,10 @@ def _phases(store: ObjectStore, marker: Marker, dest_root: Path) -> None:
     own = _contract.read_phases(dest_root)
     theirs = _chain(marker.phases)
     if own and theirs and str(own[0].chain_id) != theirs:
-        raise ConfigError(f"transfer: {dest_root} belongs to run chain {own[0].chain_id}, step {marker.step} of "
-                          f"{store.url} to {theirs}; transfer into an empty root")
+        raise ConfigError(
+            f"transfer: {dest_root} belongs to run chain {own[0].chain_id}, step {marker.step} of "
+            f"{store.url} to {theirs}; transfer into an empty root"
+        )
     for name, record in sorted(marker.phases.items()):
         target = dest_root / _layout.CONTRACT_DIR / name
         if not target.exists():

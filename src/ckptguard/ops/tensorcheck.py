@@ -53,17 +53,35 @@ def tensor_findings(step_dir: str | os.PathLike[str]) -> TensorCheck:
     except (CheckpointError, OSError) as exc:
         return TensorCheck(not_checked=f"no plain step manifest ({exc})")
     if manifest.nodes:
-        return TensorCheck(not_checked="a node-local step: its shards live on several nodes, this one holds its part")
+        return TensorCheck(
+            not_checked="a node-local step: its shards live on several nodes, this one holds its part"
+        )
     table = manifest.layout_free or {}
     if not table:
-        return TensorCheck(not_checked="the step records no layout-free digests (written before they existed)")
+        return TensorCheck(
+            not_checked="the step records no layout-free digests (written before they existed)"
+        )
     state_dir = step_dir / _layout.STATE_DIR
     try:
         md = read_dcp_metadata(state_dir)
-    except (CheckpointError, OSError) as exc:  # what restore reads: a refusal here is restore's refusal
-        return TensorCheck([Finding(Severity.ERROR, "bad-metadata", str(state_dir), str(exc),
-                                    "restore an earlier step")])
-    storage = StreamingStorage(StreamingConfig(pool_bytes=_POOL, buffer_bytes=_POOL // 2, read_threads=1))
+    except (
+        CheckpointError,
+        OSError,
+    ) as exc:  # what restore reads: a refusal here is restore's refusal
+        return TensorCheck(
+            [
+                Finding(
+                    Severity.ERROR,
+                    "bad-metadata",
+                    str(state_dir),
+                    str(exc),
+                    "restore an earlier step",
+                )
+            ]
+        )
+    storage = StreamingStorage(
+        StreamingConfig(pool_bytes=_POOL, buffer_bytes=_POOL // 2, read_threads=1)
+    )
     ctx = StorageContext(rank=0, world_size=1, process_group=None)
     findings: list[Finding] = []
     checked = 0
@@ -73,27 +91,44 @@ def tensor_findings(step_dir: str | os.PathLike[str]) -> TensorCheck:
             if expected == REPLICAS_DIFFER:
                 continue  # the save found replicas that differ: no true value to compare with (verify says so)
             if not isinstance(meta, TensorStorageMetadata):
-                findings.append(Finding(
-                    Severity.ERROR, "tensor-digest", str(state_dir),
-                    f"item {item!r}: key {key!r} has a layout-free digest but no tensor in the DCP metadata",
-                    "the step's metadata and manifest disagree: restore an earlier step"))
+                findings.append(
+                    Finding(
+                        Severity.ERROR,
+                        "tensor-digest",
+                        str(state_dir),
+                        f"item {item!r}: key {key!r} has a layout-free digest but no tensor in the DCP metadata",
+                        "the step's metadata and manifest disagree: restore an earlier step",
+                    )
+                )
                 continue
             t = torch.empty(tuple(int(s) for s in meta.size), dtype=meta.properties.dtype)
             try:
                 storage.read(state_dir, {key: t}, ctx)
             except Exception as exc:  # a torn or unreadable shard: what restore would meet too
-                findings.append(Finding(Severity.ERROR, "tensor-digest", str(state_dir),
-                                        f"key {key!r} cannot be read: {type(exc).__name__}: {exc}",
-                                        "restore an earlier step"))
+                findings.append(
+                    Finding(
+                        Severity.ERROR,
+                        "tensor-digest",
+                        str(state_dir),
+                        f"key {key!r} cannot be read: {type(exc).__name__}: {exc}",
+                        "restore an earlier step",
+                    )
+                )
                 continue
             now = digests({key: t})[key]
             del t
             checked += 1
             if now != expected:
-                findings.append(Finding(
-                    Severity.ERROR, "tensor-digest", str(state_dir),
-                    f"key {key!r} reads back with layout-free digest {now}, the save recorded {expected}: its bytes "
-                    "changed after the commit (a data file rewritten together with its checksum in the manifest "
-                    "passes the file checks, not this one)",
-                    "restore refuses this step: restore an earlier one, and find what rewrote the files"))
+                findings.append(
+                    Finding(
+                        Severity.ERROR,
+                        "tensor-digest",
+                        str(state_dir),
+                        f"key {key!r} reads back with layout-free digest {now}, the save recorded "
+                        f"{expected}: its bytes changed after the commit (a data file rewritten "
+                        "together with its checksum in the manifest passes the file checks, not "
+                        "this one)",
+                        "restore refuses this step: restore an earlier one, and find what rewrote the files",
+                    )
+                )
     return TensorCheck(findings, checked)

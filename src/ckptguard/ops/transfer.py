@@ -56,7 +56,9 @@ def transfer(
     step_dir, dest_root = Path(step_dir).absolute(), Path(dest_root).absolute()
     findings = [f for f in verify_step(step_dir) if f.severity.value == "ERROR"]
     if findings:
-        raise CheckpointCorruptError(f"transfer: {step_dir} is not a complete checkpoint: {findings[0].line()}")
+        raise CheckpointCorruptError(
+            f"transfer: {step_dir} is not a complete checkpoint: {findings[0].line()}"
+        )
     manifest = _manifest.read(step_dir)
     final = dest_root / step_dir.name
     dest_root.mkdir(parents=True, exist_ok=True)
@@ -75,7 +77,9 @@ def _same_copy(step_dir: Path, final: Path) -> bool:
     if final.is_symlink() or not final.is_dir():
         return False
     try:
-        same = (final / _layout.MANIFEST_NAME).read_bytes() == (step_dir / _layout.MANIFEST_NAME).read_bytes()
+        same = (final / _layout.MANIFEST_NAME).read_bytes() == (
+            step_dir / _layout.MANIFEST_NAME
+        ).read_bytes()
     except OSError:
         return False
     errors = [f for f in verify_step(final, deep=True) if f.severity.value == "ERROR"]
@@ -99,7 +103,9 @@ def _transfer_locked(
                 f"transfer: {final} already exists and is not a complete copy of {step_dir}; remove it or pick "
                 "another destination root"
             )
-        resumed = True  # killed between its rename and the tracker: only the tracker and record are left
+        resumed = (
+            True  # killed between its rename and the tracker: only the tracker and record are left
+        )
     _copy_contract(step_dir.parent, dest_root)
     if not resumed:
         _copy_files(step_dir, dest_root, final, manifest, progress)
@@ -111,7 +117,10 @@ def _transfer_locked(
         "source": str(step_dir),
         "destination": str(final),
         "step": manifest.step,
-        "files": [{"path": f.path, "size": f.size, "xxh3": f.xxh3} for f in node_part(step_dir, manifest)[0] or []],
+        "files": [
+            {"path": f.path, "size": f.size, "xxh3": f.xxh3}
+            for f in node_part(step_dir, manifest)[0] or []
+        ],
         "who": f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}",
         "started_unix": started,
         "finished_unix": time.time(),
@@ -145,7 +154,11 @@ def publishing(dest_root: Path, final: Path) -> Iterator[Path]:
 
 
 def _copy_files(
-    step_dir: Path, dest_root: Path, final: Path, manifest: Any, progress: Callable[[int, int], None] | None
+    step_dir: Path,
+    dest_root: Path,
+    final: Path,
+    manifest: Any,
+    progress: Callable[[int, int], None] | None,
 ) -> None:
     entries, _findings = node_part(step_dir, manifest)  # verified complete by the caller
     total, done = sum(e.size for e in entries or []), 0
@@ -182,11 +195,18 @@ def _copy_contract(src_root: Path, dest_root: Path) -> None:
 def describe(info: dict[str, Any]) -> str:
     """What a transfer did, in a few lines (``--json`` prints ``info`` itself)."""
     size = sum(int(f["size"]) for f in info["files"])
-    how = "resumed an interrupted transfer: its copy was complete and verified" if info["resumed"] else (
-        f"copied {len(info['files'])} file(s), {size} bytes, each verified against the manifest")
-    return "\n".join([
-        f"step {info['step']}: {info['source']} -> {info['destination']}",
-        f"  {how}, in {info['finished_unix'] - info['started_unix']:.2f} s",
-        f"  tracker of the destination: step {info['tracker_set_to']}",
-        f"  record: {info['record']}",
-    ])
+    how = (
+        "resumed an interrupted transfer: its copy was complete and verified"
+        if info["resumed"]
+        else (
+            f"copied {len(info['files'])} file(s), {size} bytes, each verified against the manifest"
+        )
+    )
+    return "\n".join(
+        [
+            f"step {info['step']}: {info['source']} -> {info['destination']}",
+            f"  {how}, in {info['finished_unix'] - info['started_unix']:.2f} s",
+            f"  tracker of the destination: step {info['tracker_set_to']}",
+            f"  record: {info['record']}",
+        ]
+    )

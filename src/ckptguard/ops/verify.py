@@ -81,7 +81,10 @@ def verify_root(
         tracker = _layout.read_tracker(root)
     except (CheckpointError, OSError) as exc:
         tracker_path = root / _layout.TRACKER_NAME
-        return [], [*findings, finding("bad-tracker", tracker_path, str(exc), "fix or remove the tracker by hand")]
+        return [], [
+            *findings,
+            finding("bad-tracker", tracker_path, str(exc), "fix or remove the tracker by hand"),
+        ]
     dirs = _layout.step_dirs(root, naming)
     if tracker is None:
         if dirs:
@@ -94,7 +97,11 @@ def verify_root(
                 )
             )
         else:
-            findings.append(_no_checkpoint(root, naming, f"no tracker {_layout.TRACKER_NAME} and no step directory"))
+            findings.append(
+                _no_checkpoint(
+                    root, naming, f"no tracker {_layout.TRACKER_NAME} and no step directory"
+                )
+            )
         return [], findings + leftover_findings(root)
     checked = []
     for step, path in sorted(dirs.items()):
@@ -135,7 +142,9 @@ def verify_root(
             )
         )
     elif not checked and not any(f.severity is Severity.ERROR for f in findings):
-        findings.append(_no_checkpoint(root, naming, f"the tracker says {tracker}: no step is committed yet"))
+        findings.append(
+            _no_checkpoint(root, naming, f"the tracker says {tracker}: no step is committed yet")
+        )
     findings += leftover_findings(root)
     return checked, findings
 
@@ -148,9 +157,14 @@ def _named_step(path: Path, step: int) -> list[Finding]:
         return []  # verify_step reported the manifest itself
     if said == step:
         return []
-    return [finding("wrong-step", path / _layout.MANIFEST_NAME,
-                    f"says step {said}, but its directory is step {step}'s: a restore would resume at step {said}",
-                    "the manifest was edited or copied from another step: restore an earlier step")]
+    return [
+        finding(
+            "wrong-step",
+            path / _layout.MANIFEST_NAME,
+            f"says step {said}, but its directory is step {step}'s: a restore would resume at step {said}",
+            "the manifest was edited or copied from another step: restore an earlier step",
+        )
+    ]
 
 
 # ---------------------------------------------------------------- "did you mean"
@@ -214,7 +228,9 @@ def _template_hint(root: Path, naming: _layout.StepNaming) -> str | None:
         if not (root / name / _layout.MANIFEST_NAME).exists():
             continue
         head, digits = match.groups()
-        field = f"{{step:0{len(digits)}d}}" if digits.startswith("0") and len(digits) > 1 else "{step}"
+        field = (
+            f"{{step:0{len(digits)}d}}" if digits.startswith("0") and len(digits) > 1 else "{step}"
+        )
         return f"the step directories are named like {name!r}: pass --template '{head}{field}'"
     return None
 
@@ -257,15 +273,24 @@ def restore_check(
             findings += _restore_findings(step_dir, results[step_dir], compare)
         if len(results) < len(todo):  # the process died inside this step
             dead = todo[len(results)]
-            findings.append(finding("restore-failed", dead, f"a restore in a new process failed: {tail}", RESTORE_HINT))
-            todo = todo[len(results) + 1:]
+            findings.append(
+                finding(
+                    "restore-failed",
+                    dead,
+                    f"a restore in a new process failed: {tail}",
+                    RESTORE_HINT,
+                )
+            )
+            todo = todo[len(results) + 1 :]
         else:
             todo = []
     return findings
 
 
 def _restore_process(
-    step_dirs: list[Path], budget_bytes: int | None, progress: Callable[[Path, dict[str, Any]], None] | None
+    step_dirs: list[Path],
+    budget_bytes: int | None,
+    progress: Callable[[Path, dict[str, Any]], None] | None,
 ) -> tuple[dict[Path, dict[str, Any]], str]:
     """Run ``_offline`` once over ``step_dirs``: the results it printed, in order, and its last stderr line."""
     import json
@@ -275,8 +300,13 @@ def _restore_process(
 
     from ._offline import DEFAULT_BUDGET
 
-    cmd = [sys.executable, *OFFLINE, *map(str, step_dirs),
-           "--budget-bytes", str(budget_bytes or DEFAULT_BUDGET)]
+    cmd = [
+        sys.executable,
+        *OFFLINE,
+        *map(str, step_dirs),
+        "--budget-bytes",
+        str(budget_bytes or DEFAULT_BUDGET),
+    ]
     results: dict[Path, dict[str, Any]] = {}
     # stderr goes to a file: a pipe nobody reads while stdout is followed could fill and stall the child.
     with tempfile.TemporaryFile(mode="w+") as err:
@@ -292,22 +322,47 @@ def _restore_process(
                 where = Path(event["step_dir"])
                 if "progress" in event and progress is not None:
                     progress(where, event["progress"])
-                elif len(results) < len(step_dirs) and where == step_dirs[len(results)] and isinstance(
-                        event.get("result") or event.get("error"), (dict, str)):
-                    results[where] = event["result"] if "result" in event else {"error": str(event["error"])}
+                elif (
+                    len(results) < len(step_dirs)
+                    and where == step_dirs[len(results)]
+                    and isinstance(event.get("result") or event.get("error"), (dict, str))
+                ):
+                    results[where] = (
+                        event["result"] if "result" in event else {"error": str(event["error"])}
+                    )
         err.seek(0)
-        tail = (err.read().strip().splitlines() or [f"exit status {proc.returncode}, no output"])[-1]
-    if proc.returncode != 0 and len(results) == len(step_dirs):  # died after its last result: say so
+        tail = (err.read().strip().splitlines() or [f"exit status {proc.returncode}, no output"])[
+            -1
+        ]
+    if proc.returncode != 0 and len(results) == len(
+        step_dirs
+    ):  # died after its last result: say so
         results.pop(step_dirs[-1])
     return results, tail
 
 
-def _restore_findings(step_dir: Path, result: dict[str, Any], compare: Callable[..., list[str]]) -> list[Finding]:
-    if "error" in result:  # the restore of this step raised (the process went on with the next step)
-        return [finding("restore-failed", step_dir, f"a restore in a new process failed: {result['error']}",
-                     RESTORE_HINT)]
-    findings = [finding("restore-failed", step_dir, problem, RESTORE_HINT) for problem in result.get("failed", [])]
-    findings += [finding("digest-mismatch", step_dir, problem, RESTORE_HINT) for problem in compare(step_dir, result)]
+def _restore_findings(
+    step_dir: Path, result: dict[str, Any], compare: Callable[..., list[str]]
+) -> list[Finding]:
+    if (
+        "error" in result
+    ):  # the restore of this step raised (the process went on with the next step)
+        return [
+            finding(
+                "restore-failed",
+                step_dir,
+                f"a restore in a new process failed: {result['error']}",
+                RESTORE_HINT,
+            )
+        ]
+    findings = [
+        finding("restore-failed", step_dir, problem, RESTORE_HINT)
+        for problem in result.get("failed", [])
+    ]
+    findings += [
+        finding("digest-mismatch", step_dir, problem, RESTORE_HINT)
+        for problem in compare(step_dir, result)
+    ]
     elsewhere = result.get("elsewhere") or []
     if elsewhere:  # never a PASS for what was not restored: said, as not checked here
         findings.append(
@@ -316,9 +371,12 @@ def _restore_findings(step_dir: Path, result: dict[str, Any], compare: Callable[
                 "not-checked",
                 str(step_dir),
                 f"saved on node-local roots: ranks {elsewhere} are on other nodes' disks, not restored here"
-                + ("; the tensor bytes of format-3 tensor items (covered only by their layout-free digests, "
-                   "which need every rank's chunks) were not compared on any rank"
-                   if "layout_free" in result else ""),
+                + (
+                    "; the tensor bytes of format-3 tensor items (covered only by their layout-free digests, "
+                    "which need every rank's chunks) were not compared on any rank"
+                    if "layout_free" in result
+                    else ""
+                ),
                 "run `ckptguard verify --restore` on those nodes too",
             )
         )

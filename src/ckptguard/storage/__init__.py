@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib as _importlib
 import typing as _typing
 
-if _typing.TYPE_CHECKING:  # the names, for type checkers and the import graph; bound on first use below
+if (
+    _typing.TYPE_CHECKING
+):  # the names, for type checkers and the import graph; bound on first use below
     from .base import DCP_METADATA, Storage, StorageContext, WrittenFile
     from .dcp import DCPStorage
     from .streaming import IOStats, StreamingConfig, StreamingStorage

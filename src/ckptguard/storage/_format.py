@@ -113,7 +113,9 @@ def _build_frame(shape: tuple[int, ...], dtype: torch.dtype) -> Frame:
     if nbytes == 0 and not rec.gaps:
         rec.gaps.append((rec.pos, 0))  # torch's writer skips nothing for an empty storage
     if len(rec.gaps) != 1 or rec.gaps[0][1] != nbytes:
-        raise StorageFormatError(f"torch.save left gaps {rec.gaps} for a {dtype} tensor of shape {shape}; expected one")
+        raise StorageFormatError(
+            f"torch.save left gaps {rec.gaps} for a {dtype} tensor of shape {shape}; expected one"
+        )
     gap_at = rec.gaps[0][0]
     blob = bytearray(rec.pos - nbytes)
     for pos, data in rec.parts:
@@ -136,7 +138,9 @@ class Record:
     stride: tuple[int, ...]
     conj: bool = False  # torch.save keeps a lazy conjugate/negation as a flag over the raw bytes
     neg: bool = False
-    storage_numel: int | None = None  # elements of the saved storage (None: not recorded, a guessed frame)
+    storage_numel: int | None = (
+        None  # elements of the saved storage (None: not recorded, a guessed frame)
+    )
 
     def logical(self, raw: torch.Tensor) -> torch.Tensor:
         """The saved tensor's values from a view of its raw bytes."""
@@ -160,13 +164,26 @@ class _StorageType:
 
 
 def _rebuild_v2(
-    storage: _StorageRef, offset: int, size: Any, stride: Any, _rg: Any = None, _h: Any = None, meta: Any = None
+    storage: _StorageRef,
+    offset: int,
+    size: Any,
+    stride: Any,
+    _rg: Any = None,
+    _h: Any = None,
+    meta: Any = None,
 ) -> tuple[Any, ...]:
     return storage, storage.dtype, offset, tuple(size), tuple(stride), dict(meta or {})
 
 
 def _rebuild_v3(
-    storage: _StorageRef, offset: int, size: Any, stride: Any, _rg: Any, _h: Any, dtype: Any, meta: Any = None
+    storage: _StorageRef,
+    offset: int,
+    size: Any,
+    stride: Any,
+    _rg: Any,
+    _h: Any,
+    dtype: Any,
+    meta: Any = None,
 ) -> tuple[Any, ...]:
     return storage, dtype, offset, tuple(size), tuple(stride), dict(meta or {})
 
@@ -203,7 +220,9 @@ class _DescriptorUnpickler(pickle.Unpickler):
         if (module, name) == ("torch.storage", "UntypedStorage"):
             return _StorageType(None)
         if module == "torch":
-            obj = vars(torch).get(name)  # never getattr: torch's lazy __getattr__ would import a module first
+            obj = vars(torch).get(
+                name
+            )  # never getattr: torch's lazy __getattr__ would import a module first
             if isinstance(obj, torch.dtype):
                 return obj
             if name in _LEGACY_STORAGES:
@@ -216,25 +235,57 @@ class _DescriptorUnpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CheckpointCorruptError(f"unexpected persistent id {pid!r} in a tensor item")
         _, stype, key, _location, numel = pid
-        return _StorageRef(str(key), stype.dtype if isinstance(stype, _StorageType) else None, int(numel))
+        return _StorageRef(
+            str(key), stype.dtype if isinstance(stype, _StorageType) else None, int(numel)
+        )
 
 
 # The opcodes torch.save's data.pkl of one tensor is made of (protocols 2 to 5). Anything else is
 # refused before unpickling: BUILD, for one, would setattr on the allowed rebuild functions
 # (their __defaults__) and change how every later item of the process is read.
-_DATA_PKL_OPCODES = frozenset({
-    "PROTO", "FRAME", "STOP", "MARK", "GLOBAL", "STACK_GLOBAL", "BINPERSID", "REDUCE",
-    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_DICT", "SETITEM", "SETITEMS",
-    "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1",
-    "BINUNICODE", "SHORT_BINUNICODE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET", "MEMOIZE",
-})
+_DATA_PKL_OPCODES = frozenset(
+    {
+        "PROTO",
+        "FRAME",
+        "STOP",
+        "MARK",
+        "GLOBAL",
+        "STACK_GLOBAL",
+        "BINPERSID",
+        "REDUCE",
+        "EMPTY_TUPLE",
+        "TUPLE",
+        "TUPLE1",
+        "TUPLE2",
+        "TUPLE3",
+        "EMPTY_DICT",
+        "SETITEM",
+        "SETITEMS",
+        "NONE",
+        "NEWTRUE",
+        "NEWFALSE",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "LONG1",
+        "BINUNICODE",
+        "SHORT_BINUNICODE",
+        "BINPUT",
+        "LONG_BINPUT",
+        "BINGET",
+        "LONG_BINGET",
+        "MEMOIZE",
+    }
+)
 
 
 def _check_opcodes(data: bytes, where: str) -> None:
     try:
         ops = {op.name for op, _, _ in pickletools.genops(data)}
     except Exception as exc:
-        raise CheckpointCorruptError(f"{where}: data.pkl is not a pickle ({type(exc).__name__}: {exc})") from None
+        raise CheckpointCorruptError(
+            f"{where}: data.pkl is not a pickle ({type(exc).__name__}: {exc})"
+        ) from None
     extra = sorted(ops - _DATA_PKL_OPCODES)
     if extra:
         raise UnsafeCheckpointError(
@@ -248,7 +299,9 @@ def read_record(f: io.IOBase, where: str) -> Record:
     try:
         zf = torch._C.PyTorchFileReader(f)  # type: ignore[call-overload]  # any seekable reader works
         if zf.has_record("byteorder") and zf.get_record("byteorder").decode() != sys.byteorder:
-            raise CheckpointCorruptError(f"{where}: written on a {zf.get_record('byteorder')!r}-endian machine")
+            raise CheckpointCorruptError(
+                f"{where}: written on a {zf.get_record('byteorder')!r}-endian machine"
+            )
         pkl = zf.get_record("data.pkl")
         _check_opcodes(pkl, where)
         desc = _DescriptorUnpickler(io.BytesIO(pkl)).load()
@@ -260,12 +313,16 @@ def read_record(f: io.IOBase, where: str) -> Record:
         failed = getattr(f, "error", None)
         if isinstance(failed, OSError):
             raise failed from None  # the storage failed (errno, path, offset), not the item's format
-        raise CheckpointCorruptError(f"{where}: not a readable tensor item ({type(exc).__name__}: {exc})") from None
+        raise CheckpointCorruptError(
+            f"{where}: not a readable tensor item ({type(exc).__name__}: {exc})"
+        ) from None
     if not isinstance(dtype, torch.dtype):
         raise CheckpointCorruptError(f"{where}: tensor item without a dtype")
     unknown = set(meta) - {"conj", "neg"}
     if unknown:
-        raise CheckpointCorruptError(f"{where}: tensor metadata {sorted(unknown)} is not understood by this reader")
+        raise CheckpointCorruptError(
+            f"{where}: tensor metadata {sorted(unknown)} is not understood by this reader"
+        )
     return Record(
         data_offset=offset_in_item,
         dtype=dtype,
@@ -284,7 +341,9 @@ class FileSlice(io.RawIOBase):
     def __init__(self, fd: int, start: int, length: int, path: str = "") -> None:
         super().__init__()
         self._fd, self._start, self._length, self._pos, self._path = fd, start, length, 0, path
-        self.error: OSError | None = None  # the first failed read: torch's zip reader hides it behind its own
+        self.error: OSError | None = (
+            None  # the first failed read: torch's zip reader hides it behind its own
+        )
 
     def readable(self) -> bool:
         return True
@@ -306,7 +365,12 @@ class FileSlice(io.RawIOBase):
             data = os.pread(self._fd, n, self._start + self._pos)
         except OSError as exc:
             self.error = self.error or io_error(
-                exc.errno or errno.EIO, "read of", self._path, offset=self._start + self._pos, requested=n, returned=-1
+                exc.errno or errno.EIO,
+                "read of",
+                self._path,
+                offset=self._start + self._pos,
+                requested=n,
+                returned=-1,
             )
             raise self.error from exc
         buf[: len(data)] = data

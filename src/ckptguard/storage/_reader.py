@@ -42,7 +42,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from ..errors import CheckpointCorruptError, StateMismatchError, StorageStallError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointCorruptError,
+    StateMismatchError,
+    StorageStallError,
+    UnsafeCheckpointError,
+)
 from ._format import FileSlice, Frame, Record, item_frame, read_record
 from ._pool import BufferPool, IOStats, drop_cached, halt_reads_ahead, read_scattered
 from ._spans import (

@@ -17,7 +17,9 @@ from ._format import Record
 SMALL_ITEM = 64 << 10  # items up to this size are read whole and parsed from the span's bytes
 
 
-MERGE_GAP = 256 << 10  # bytes no item asks for that a span reads through rather than start another request
+MERGE_GAP = (
+    256 << 10
+)  # bytes no item asks for that a span reads through rather than start another request
 
 
 ALIGN = 64  # where each piece starts in a buffer: any dtype's view of it is aligned
@@ -50,7 +52,9 @@ class Span:
     path: str
     pos: int
     end: int = 0
-    pieces: list[tuple[Piece, int]] = field(default_factory=list)  # (piece, its place in the buffer)
+    pieces: list[tuple[Piece, int]] = field(
+        default_factory=list
+    )  # (piece, its place in the buffer)
     used: int = 0  # buffer bytes taken so far
 
 
@@ -82,7 +86,9 @@ def file_blocks(
         return
     sub_size, sub_stride = size[:d] + size[d + 1 :], stride[:d] + stride[d + 1 :]
     for a in range(size[d]):
-        yield from file_blocks(sub_size, sub_stride, offset + a * stride[d], dest.select(d, a), limit)
+        yield from file_blocks(
+            sub_size, sub_stride, offset + a * stride[d], dest.select(d, a), limit
+        )
 
 
 def contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -95,12 +101,20 @@ def contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
 
 def chunk_of(metadata: Any, index: Any) -> Any:
     """The saved chunk (offsets, sizes) and properties that a ReadItem's storage index names, or None."""
-    entry = getattr(metadata, "state_dict_metadata", {}).get(index.fqn) if metadata is not None else None
+    entry = (
+        getattr(metadata, "state_dict_metadata", {}).get(index.fqn)
+        if metadata is not None
+        else None
+    )
     chunks = getattr(entry, "chunks", None)
     if not chunks or index.offset is None:
         return None
     hint = index.index
-    if hint is not None and 0 <= hint < len(chunks) and tuple(chunks[hint].offsets) == tuple(index.offset):
+    if (
+        hint is not None
+        and 0 <= hint < len(chunks)
+        and tuple(chunks[hint].offsets) == tuple(index.offset)
+    ):
         return entry, chunks[hint]
     for chunk in chunks:
         if tuple(chunk.offsets) == tuple(index.offset):
@@ -148,14 +162,22 @@ def check_record(rec: Record, length: int, where: str) -> None:
     """A parsed layout must stay inside its storage, and the storage inside its item: else the
     view would be filled from the bytes of the next item (plain DCP refuses such a file too)."""
     dims = (*rec.size, *rec.stride, rec.storage_offset)
-    if len(rec.size) != len(rec.stride) or any(type(x) is not int for x in dims) or min(dims, default=0) < 0:
+    if (
+        len(rec.size) != len(rec.stride)
+        or any(type(x) is not int for x in dims)
+        or min(dims, default=0) < 0
+    ):
         raise CheckpointCorruptError(
             f"{where}: saved layout size {rec.size}, stride {rec.stride}, offset {rec.storage_offset} is not one "
             "a tensor has (negative or not integers): the item was damaged; restore an earlier step"
         )
     if rec.storage_numel is None or type(rec.storage_numel) is not int or rec.storage_numel < 0:
-        raise CheckpointCorruptError(f"{where}: the item records no storage size; restore an earlier step")
-    last = rec.storage_offset + sum((n - 1) * st for n, st in zip(rec.size, rec.stride, strict=True))
+        raise CheckpointCorruptError(
+            f"{where}: the item records no storage size; restore an earlier step"
+        )
+    last = rec.storage_offset + sum(
+        (n - 1) * st for n, st in zip(rec.size, rec.stride, strict=True)
+    )
     if 0 not in rec.size and last >= rec.storage_numel:
         raise CheckpointCorruptError(
             f"{where}: the saved view (size {rec.size}, stride {rec.stride}, offset {rec.storage_offset}) reaches "
@@ -181,4 +203,6 @@ def check_box(size: tuple[int, ...], stride: tuple[int, ...], req: Any, where: s
                 f"is outside the saved shape {list(size)}"
             )
         if n > 1 and st <= 0:
-            raise CheckpointCorruptError(f"{where}: saved tensor has stride {list(stride)}; expected positive strides")
+            raise CheckpointCorruptError(
+                f"{where}: saved tensor has stride {list(stride)}; expected positive strides"
+            )

@@ -116,7 +116,9 @@ class StagingPool:
         if not plan:
             done.set_result(0)
             return done
-        threading.Thread(target=self._grow, args=(plan, done), name="ckptguard-pin-pool", daemon=True).start()
+        threading.Thread(
+            target=self._grow, args=(plan, done), name="ckptguard-pin-pool", daemon=True
+        ).start()
         return done
 
     def _after(self, running: Future[int], sizes: Sequence[int], budget: int) -> Future[int]:
@@ -162,8 +164,12 @@ class StagingPool:
                 added += need
                 time.sleep(YIELD_S)
         except OSError as exc:
-            log.warning("ckptguard: could not allocate a %d B staging region in the background (%s); the "
-                        "tensors it would hold are read from the live state", need, exc)
+            log.warning(
+                "ckptguard: could not allocate a %d B staging region in the background (%s); the "
+                "tensors it would hold are read from the live state",
+                need,
+                exc,
+            )
         except BaseException as exc:
             done.set_exception(exc)
             return
@@ -174,7 +180,10 @@ class StagingPool:
         used = [0] * len(self._regions)
         bins: list[int] = []
         for n in sorted((n for n in sizes if n), reverse=True):
-            if _fit(used, [r.size for r in self._regions], n) is None and _fit(bins, None, n) is None:
+            if (
+                _fit(used, [r.size for r in self._regions], n) is None
+                and _fit(bins, None, n) is None
+            ):
                 bins.append(n)
         return bins
 
@@ -183,7 +192,9 @@ class StagingPool:
         with self._lock:
             return sum(self._new_bins(sizes))
 
-    def place(self, sizes: Sequence[int], budget: int, *, grow: int | None = None) -> list[torch.Tensor | None]:
+    def place(
+        self, sizes: Sequence[int], budget: int, *, grow: int | None = None
+    ) -> list[torch.Tensor | None]:
         """A uint8 slot of each size (None where the pool and the budget have no room); marks the pool busy.
         ``grow``: at most these bytes are mapped (and pinned) on the caller's thread (None: any)."""
         with self._lock:
@@ -202,7 +213,9 @@ class StagingPool:
                 room = min(room, grow)
             fit, need = [], 0
             for i in missing:
-                end = _aligned(need) + sizes[i]  # the last slot ends the region: no padding after it
+                end = (
+                    _aligned(need) + sizes[i]
+                )  # the last slot ends the region: no padding after it
                 if end <= room:
                     fit.append(i)
                     need = end
@@ -212,8 +225,12 @@ class StagingPool:
                 except OSError as exc:
                     # No pinnable memory now: those tensors stay live (reported by the caller as
                     # live bytes, read by the writer) instead of failing the save.
-                    log.warning("ckptguard: could not allocate a %d B staging region (%s); the tensors it "
-                                "would hold are read from the live state", need, exc)
+                    log.warning(
+                        "ckptguard: could not allocate a %d B staging region (%s); the tensors it "
+                        "would hold are read from the live state",
+                        need,
+                        exc,
+                    )
                     return out
                 self._regions.append(region)
                 self._used.append(0)
@@ -252,7 +269,11 @@ class StagingPool:
 
     def _idle(self) -> None:
         with self._lock:
-            if self._busy == 0 and self.idle_s is not None and time.monotonic() - self._last_use >= self.idle_s * 0.99:
+            if (
+                self._busy == 0
+                and self.idle_s is not None
+                and time.monotonic() - self._last_use >= self.idle_s * 0.99
+            ):
                 self._release_locked(f"idle: {self.idle_s:g} s without a save_async")
                 self.released_idle += 1
 
@@ -282,10 +303,16 @@ def _record_release(held: int, how: str, pinned: bool, before: int | None) -> No
     """The measured release in the active phase recorder (guide: verify the host cache is released after a
     save); a recorder that cannot write never fails the release, it is logged."""
     try:
-        _phases.host_cache_released(held, how, pinned=pinned, rss_before=before, rss_after=self_rss())
+        _phases.host_cache_released(
+            held, how, pinned=pinned, rss_before=before, rss_after=self_rss()
+        )
     except (OSError, CheckpointError) as exc:
-        log.warning("ckptguard: the release of %d B of host staging (%s) was not recorded in the phase records: %s",
-                    held, how, exc)
+        log.warning(
+            "ckptguard: the release of %d B of host staging (%s) was not recorded in the phase records: %s",
+            held,
+            how,
+            exc,
+        )
 
 
 def _fit(used: list[int], caps: list[int] | None, n: int) -> int | None:
@@ -309,7 +336,12 @@ class Fence:
     """What a mutation of the live tensors waits for (see the module docstring)."""
 
     def __init__(
-        self, *, host_wait: Callable[[], None], device_wait: Callable[[], None], live: bool, timeout_s: float
+        self,
+        *,
+        host_wait: Callable[[], None],
+        device_wait: Callable[[], None],
+        live: bool,
+        timeout_s: float,
     ) -> None:
         self._host_wait, self._device_wait = host_wait, device_wait
         self._live_read = threading.Event()
@@ -363,7 +395,9 @@ class HostCopier:
         dst.copy_(src)
 
     def fence(self, *, live: bool, timeout_s: float) -> Fence:
-        return Fence(host_wait=lambda: None, device_wait=lambda: None, live=live, timeout_s=timeout_s)
+        return Fence(
+            host_wait=lambda: None, device_wait=lambda: None, live=live, timeout_s=timeout_s
+        )
 
 
 class CudaCopier:
@@ -393,7 +427,9 @@ class CudaCopier:
         def device_wait() -> None:
             torch.cuda.current_stream(device).wait_event(event)
 
-        return Fence(host_wait=event.synchronize, device_wait=device_wait, live=live, timeout_s=timeout_s)
+        return Fence(
+            host_wait=event.synchronize, device_wait=device_wait, live=live, timeout_s=timeout_s
+        )
 
 
 def slot_view(slot: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

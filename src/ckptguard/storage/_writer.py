@@ -66,7 +66,9 @@ class _Chunk:
 
     __slots__ = ("buffer", "event", "keep", "pending", "view")
 
-    def __init__(self, view: memoryview, buffer: Buffer | None, event: Any, keep: Any = None) -> None:
+    def __init__(
+        self, view: memoryview, buffer: Buffer | None, event: Any, keep: Any = None
+    ) -> None:
         self.view, self.buffer, self.event, self.keep = view, buffer, event, keep
         self.pending = 2  # the writer and the hasher
 
@@ -79,7 +81,13 @@ class FileStreamer:
     """Streams bytes and tensors into ``path`` through ``pool``; use as a context manager."""
 
     def __init__(
-        self, path: str, pool: BufferPool, stats: IOStats, *, writeback_bytes: int | None, drop_cache: bool
+        self,
+        path: str,
+        pool: BufferPool,
+        stats: IOStats,
+        *,
+        writeback_bytes: int | None,
+        drop_cache: bool,
     ) -> None:
         self.path = path
         self.position = 0  # file offset of the next byte handed to us
@@ -140,13 +148,20 @@ class FileStreamer:
         self._stop()
         self._raise_if_failed()
         if self._written != self.position:
-            raise OSError(_errno.EIO, f"wrote {self._written} of {self.position} B to {self.path}", self.path)
+            raise OSError(
+                _errno.EIO, f"wrote {self._written} of {self.position} B to {self.path}", self.path
+            )
         t0 = time.perf_counter()
         try:
             os.fsync(self._fd)
         except OSError as exc:
             raise io_error(
-                exc.errno or _errno.EIO, "fsync of", self.path, offset=self.position, requested=0, returned=-1
+                exc.errno or _errno.EIO,
+                "fsync of",
+                self.path,
+                offset=self.position,
+                requested=0,
+                returned=-1,
             ) from exc
         if self._drop:
             drop_cached(self._fd)
@@ -185,7 +200,9 @@ class FileStreamer:
         while start < flat.numel():
             buf = self._buffer()
             n = min(flat.numel() - start, buf.size - self._fill)
-            buf.tensor[self._fill : self._fill + n].copy_(flat[start : start + n], non_blocking=on_cuda)
+            buf.tensor[self._fill : self._fill + n].copy_(
+                flat[start : start + n], non_blocking=on_cuda
+            )
             self._cur_event_needed |= on_cuda
             start += n
             self._advance(n)
@@ -233,7 +250,8 @@ class FileStreamer:
             th.join(timeout=self._pool.timeout_s)
             if th.is_alive():
                 raise StorageStallError(
-                    _errno.ETIMEDOUT, f"the {th.name} thread did not finish {self.path} within {self._pool.timeout_s} s"
+                    _errno.ETIMEDOUT,
+                    f"the {th.name} thread did not finish {self.path} within {self._pool.timeout_s} s",
                 )
 
     def _raise_if_failed(self) -> None:
@@ -268,7 +286,9 @@ class FileStreamer:
                 if self._error is None:  # after a failure, only return the buffers
                     chunk.ready()
                     t0 = time.perf_counter()
-                    self._stats.short_writes += write_all(self._fd, chunk.view, self.path, self._written)
+                    self._stats.short_writes += write_all(
+                        self._fd, chunk.view, self.path, self._written
+                    )
                     start_writeback(self._fd, self._written, len(chunk.view))
                     self._written += len(chunk.view)
                     if self._writeback and self._written - synced >= self._writeback:
@@ -287,7 +307,12 @@ class FileStreamer:
             os.fdatasync(self._fd)
         except OSError as exc:
             raise io_error(
-                exc.errno or _errno.EIO, "fdatasync of", self.path, offset=self._written, requested=0, returned=-1
+                exc.errno or _errno.EIO,
+                "fdatasync of",
+                self.path,
+                offset=self._written,
+                requested=0,
+                returned=-1,
             ) from exc
         if self._drop:
             drop_cached(self._fd, start, self._written - start)

@@ -35,7 +35,9 @@ class StorageContext:
 class Storage(Protocol):
     """How tensor state is written to and read from a step's ``state/`` directory."""
 
-    def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
+    def write(
+        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
+    ) -> list[WrittenFile]:
         """Write this rank's part of ``tensors``; collective over ``ctx.process_group``."""
         ...
 
@@ -46,5 +48,3 @@ class Storage(Protocol):
     def read(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> None:
         """Fill ``tensors`` in place from ``state_dir``; collective over ``ctx.process_group``."""
         ...
-
-

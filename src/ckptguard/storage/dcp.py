@@ -40,7 +40,11 @@ from .unpickler import read_dcp_metadata
 
 def current_versions() -> dict[str, str]:
     """The versions a step records: torch (the DCP files' writer), ckptguard, Python."""
-    return {"torch": torch.__version__, "ckptguard": __version__, "python": platform.python_version()}
+    return {
+        "torch": torch.__version__,
+        "ckptguard": __version__,
+        "python": platform.python_version(),
+    }
 
 
 def check_torch_version(written: str, where: Path, *, allow_newer: bool) -> None:
@@ -189,12 +193,16 @@ class _CheckedWriter(FileSystemWriter):
         extent: dict[str, int] = {}
         for r in results:
             info = r.storage_data
-            extent[info.relative_path] = max(extent.get(info.relative_path, 0), info.offset + info.length)
+            extent[info.relative_path] = max(
+                extent.get(info.relative_path, 0), info.offset + info.length
+            )
         for rel, need in extent.items():
             path = os.path.join(self.path, rel)
             have = os.path.getsize(path)
             if have < need:
-                exc = OSError(errno.EIO, f"short write: {have} of {need} bytes on disk after fsync", path)
+                exc = OSError(
+                    errno.EIO, f"short write: {have} of {need} bytes on disk after fsync", path
+                )
                 exc.offset, exc.requested_bytes, exc.returned_bytes = have, need, have  # type: ignore[attr-defined]
                 raise exc
 
@@ -210,7 +218,9 @@ class DCPStorage:
     def __init__(self, *, thread_count: int = 1) -> None:
         self.thread_count = thread_count
 
-    def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
+    def write(
+        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
+    ) -> list[WrittenFile]:
         writer = self._writer(state_dir)
         with quiet_single_process(ctx):
             dcp.save(
@@ -240,13 +250,16 @@ class DCPStorage:
 
     def read(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> None:
         with quiet_single_process(ctx):
-            unwrapped(ctx, lambda: dcp.load(
-                tensors,
-                storage_reader=_SafeReader(state_dir),
-                planner=TensorsOnlyPlanner(state_dir),
-                process_group=ctx.process_group,
-                no_dist=ctx.process_group is None,
-            ))
+            unwrapped(
+                ctx,
+                lambda: dcp.load(
+                    tensors,
+                    storage_reader=_SafeReader(state_dir),
+                    planner=TensorsOnlyPlanner(state_dir),
+                    process_group=ctx.process_group,
+                    no_dist=ctx.process_group is None,
+                ),
+            )
 
 
 def unwrapped(ctx: StorageContext, call: Any) -> Any:

@@ -71,19 +71,79 @@ ALLOWED_NAMES = {
 # 2.13 (a test compares this with torch's own list).
 TORCH_DTYPE_NAMES = frozenset(
     [
-        "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "cdouble", "cfloat", "chalf",
-        "channels_last", "channels_last_3d", "complex128", "complex32", "complex64", "contiguous_format", "double",
-        "float", "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn", "float8_e4m3fnuz",
-        "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "half", "int", "int1", "int16", "int2", "int3", "int32",
-        "int4", "int5", "int6", "int64", "int7", "int8", "legacy_contiguous_format", "long", "preserve_format",
-        "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "short", "uint1", "uint16", "uint2", "uint3", "uint32",
-        "uint4", "uint5", "uint6", "uint64", "uint7", "uint8"
+        "bfloat16",
+        "bit",
+        "bits16",
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+        "bits8",
+        "bool",
+        "cdouble",
+        "cfloat",
+        "chalf",
+        "channels_last",
+        "channels_last_3d",
+        "complex128",
+        "complex32",
+        "complex64",
+        "contiguous_format",
+        "double",
+        "float",
+        "float16",
+        "float32",
+        "float4_e2m1fn_x2",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "half",
+        "int",
+        "int1",
+        "int16",
+        "int2",
+        "int3",
+        "int32",
+        "int4",
+        "int5",
+        "int6",
+        "int64",
+        "int7",
+        "int8",
+        "legacy_contiguous_format",
+        "long",
+        "preserve_format",
+        "qint32",
+        "qint8",
+        "quint2x4",
+        "quint4x2",
+        "quint8",
+        "short",
+        "uint1",
+        "uint16",
+        "uint2",
+        "uint3",
+        "uint32",
+        "uint4",
+        "uint5",
+        "uint6",
+        "uint64",
+        "uint7",
+        "uint8",
     ]
 )
 TORCH_LAYOUTS = frozenset(
     [
-        "torch._mkldnn", "torch.jagged", "torch.sparse_bsc", "torch.sparse_bsr", "torch.sparse_coo",
-        "torch.sparse_csc", "torch.sparse_csr", "torch.strided"
+        "torch._mkldnn",
+        "torch.jagged",
+        "torch.sparse_bsc",
+        "torch.sparse_bsr",
+        "torch.sparse_coo",
+        "torch.sparse_csc",
+        "torch.sparse_csr",
+        "torch.strided",
     ]
 )
 
@@ -135,7 +195,9 @@ class MetadataIndex(_Record):
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, MetadataIndex) and (self.__dict__.get("fqn"), self.offset) == (
-            other.__dict__.get("fqn"), other.offset)
+            other.__dict__.get("fqn"),
+            other.offset,
+        )
 
 
 class TensorProperties(_Record):
@@ -144,8 +206,13 @@ class TensorProperties(_Record):
         dtype, layout, requires_grad, memory_format, pin_memory = state
         if memory_format not in (0, 1, 2):
             raise RuntimeError(f"Invalid torch.memory_format encoding: {memory_format}")
-        self.__dict__.update(dtype=dtype, layout=layout, requires_grad=requires_grad,
-                             memory_format=memory_format, pin_memory=pin_memory)
+        self.__dict__.update(
+            dtype=dtype,
+            layout=layout,
+            requires_grad=requires_grad,
+            memory_format=memory_format,
+            pin_memory=pin_memory,
+        )
 
 
 class _Call:
@@ -204,8 +271,15 @@ _STANDINS: dict[tuple[str, str], Any] = {
     (_MD, "MetadataIndex"): MetadataIndex,
     (_MD, "TensorProperties"): TensorProperties,
     (_MD, "_MEM_FORMAT_ENCODING"): _enum("_MEM_FORMAT_ENCODING", (0, 1, 2)),
-    **{(_MD, n): _plain(n) for n in ("ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                      "StorageMeta")},
+    **{
+        (_MD, n): _plain(n)
+        for n in (
+            "ChunkStorageMetadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "StorageMeta",
+        )
+    },
     (_FS, "_StorageInfo"): _plain("_StorageInfo"),
     (_FS, "_StoragePrefix"): _plain("_StoragePrefix"),
     (_PLANNER, "LoadItemType"): _enum("LoadItemType", (1, 2)),
@@ -248,15 +322,24 @@ def read_bounded(path: Path) -> bytes:
 # ---------------------------------------------------------------- the pickle's declared sizes, before unpickling
 
 _UNTIL_NEWLINE = pickletools.UP_TO_NEWLINE
-_COUNTED = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
-            pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
+_COUNTED = {
+    pickletools.TAKEN_FROM_ARGUMENT1: 1,
+    pickletools.TAKEN_FROM_ARGUMENT4: 4,
+    pickletools.TAKEN_FROM_ARGUMENT4U: 4,
+    pickletools.TAKEN_FROM_ARGUMENT8U: 8,
+}
 # Opcodes a DCP metadata pickle never holds and that would allocate or call out: out-of-band buffers and
 # bytearrays (the C unpickler allocates a bytearray8's declared length before reading it), persistent ids,
 # extension codes.
-_NEVER = frozenset({"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER", "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4"})
+_NEVER = frozenset(
+    {"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER", "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4"}
+)
 _MEMO = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_SIGNED = frozenset(ord(op.code) for op in pickletools.opcodes
-                    if op.arg is not None and op.arg.n == pickletools.TAKEN_FROM_ARGUMENT4)
+_SIGNED = frozenset(
+    ord(op.code)
+    for op in pickletools.opcodes
+    if op.arg is not None and op.arg.n == pickletools.TAKEN_FROM_ARGUMENT4
+)
 
 
 def _arg_tables() -> tuple[bytes, bytes, dict[int, str]]:
@@ -297,17 +380,25 @@ def scan_pickle(path: Path, data: bytes) -> None:
         if kind == 0:
             pos += width
         elif kind == 1:
-            size = int.from_bytes(data[pos:pos + width], "little", signed=code in _SIGNED)
+            size = int.from_bytes(data[pos : pos + width], "little", signed=code in _SIGNED)
             pos += width + size
             if size < 0 or pos > end:
-                _bad_pickle(path, f"{_NAMES[code]} at byte {pos - width - size - 1} declares {size} bytes, more "
-                            f"than the file's {end}")
+                _bad_pickle(
+                    path,
+                    f"{_NAMES[code]} at byte {pos - width - size - 1} declares {size} bytes, more "
+                    f"than the file's {end}",
+                )
         elif kind == 4:
-            index = data[pos:data.find(b"\n", pos)] if width == 0 else data[pos:pos + width]
-            value = int(index) if width == 0 and index.isdigit() else int.from_bytes(index, "little")
+            index = data[pos : data.find(b"\n", pos)] if width == 0 else data[pos : pos + width]
+            value = (
+                int(index) if width == 0 and index.isdigit() else int.from_bytes(index, "little")
+            )
             if (width == 0 and not index.isdigit()) or value > end:
-                _bad_pickle(path, f"{_NAMES[code]} at byte {pos - 1} names memo index {index[:20]!r}, beyond "
-                            f"its {end} bytes")
+                _bad_pickle(
+                    path,
+                    f"{_NAMES[code]} at byte {pos - 1} names memo index {index[:20]!r}, beyond "
+                    f"its {end} bytes",
+                )
             pos += width or len(index) + 1
         elif kind == 2:
             for _ in range(width):
@@ -318,7 +409,10 @@ def scan_pickle(path: Path, data: bytes) -> None:
         elif kind == 5:
             return
         else:
-            _bad_pickle(path, f"opcode {_NAMES.get(code, hex(code))} at byte {pos - 1}, which DCP never writes")
+            _bad_pickle(
+                path,
+                f"opcode {_NAMES.get(code, hex(code))} at byte {pos - 1}, which DCP never writes",
+            )
     _bad_pickle(path, "pickle data was truncated")
 
 
@@ -336,7 +430,9 @@ def unreadable(path: Path, exc: BaseException) -> Exception:
         )
     if isinstance(exc, pickle.UnpicklingError):
         return CheckpointCorruptError(f"{path} is not a readable DCP metadata file: {exc}")
-    return CheckpointCorruptError(f"{path} is not a readable DCP metadata file: {type(exc).__name__}: {exc}")
+    return CheckpointCorruptError(
+        f"{path} is not a readable DCP metadata file: {type(exc).__name__}: {exc}"
+    )
 
 
 def read_dcp_index(state_dir: str | os.PathLike[str]) -> MetadataView:
@@ -374,4 +470,10 @@ def confine(path: Path, md: Any) -> None:
 
 def plain_name(rel: str) -> bool:
     """True for a plain file name (what DCP writes in ``state/``): no directory part, no '..'."""
-    return bool(rel) and rel not in (".", "..") and "/" not in rel and "\\" not in rel and "\0" not in rel
+    return (
+        bool(rel)
+        and rel not in (".", "..")
+        and "/" not in rel
+        and "\\" not in rel
+        and "\0" not in rel
+    )

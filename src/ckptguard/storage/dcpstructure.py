@@ -21,14 +21,62 @@ __all__ = ["ITEMSIZE", "ShortDataFile", "check_structure"]
 # Bytes per element of each dtype ``TORCH_DTYPE_NAMES`` holds (torch 2.13's ``dtype.itemsize``; a test
 # compares the two): the sizes a ``.metadata`` declares are bounded without importing torch.
 ITEMSIZE = {
-    "bfloat16": 2, "bit": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bool": 1,
-    "cdouble": 16, "cfloat": 8, "chalf": 4, "complex128": 16, "complex32": 4, "complex64": 8, "double": 8,
-    "float": 4, "float16": 2, "float32": 4, "float4_e2m1fn_x2": 1, "float64": 8, "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "half": 2, "int": 4,
-    "int1": 1, "int16": 2, "int2": 1, "int3": 1, "int32": 4, "int4": 1, "int5": 1, "int6": 1, "int64": 8,
-    "int7": 1, "int8": 1, "long": 8, "qint32": 4, "qint8": 1, "quint2x4": 1, "quint4x2": 1, "quint8": 1,
-    "short": 2, "uint1": 1, "uint16": 2, "uint2": 1, "uint3": 1, "uint32": 4, "uint4": 1, "uint5": 1, "uint6": 1,
-    "uint64": 8, "uint7": 1, "uint8": 1,
+    "bfloat16": 2,
+    "bit": 1,
+    "bits16": 2,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+    "bits8": 1,
+    "bool": 1,
+    "cdouble": 16,
+    "cfloat": 8,
+    "chalf": 4,
+    "complex128": 16,
+    "complex32": 4,
+    "complex64": 8,
+    "double": 8,
+    "float": 4,
+    "float16": 2,
+    "float32": 4,
+    "float4_e2m1fn_x2": 1,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "half": 2,
+    "int": 4,
+    "int1": 1,
+    "int16": 2,
+    "int2": 1,
+    "int3": 1,
+    "int32": 4,
+    "int4": 1,
+    "int5": 1,
+    "int6": 1,
+    "int64": 8,
+    "int7": 1,
+    "int8": 1,
+    "long": 8,
+    "qint32": 4,
+    "qint8": 1,
+    "quint2x4": 1,
+    "quint4x2": 1,
+    "quint8": 1,
+    "short": 2,
+    "uint1": 1,
+    "uint16": 2,
+    "uint2": 1,
+    "uint3": 1,
+    "uint32": 4,
+    "uint4": 1,
+    "uint5": 1,
+    "uint6": 1,
+    "uint64": 8,
+    "uint7": 1,
+    "uint8": 1,
 }
 _ABSENT = object()
 
@@ -64,8 +112,9 @@ def _kind(obj: Any) -> str:
 
 
 def _ints(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                                for v in value):
+    if not isinstance(value, tuple) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
         raise _Bad(f"{where} is {value!r}, not a tuple of non-negative ints")
     return tuple(value)
 
@@ -94,9 +143,14 @@ def _chunks(fqn: str, meta: Any) -> dict[tuple[int, ...], int]:
             raise _Bad(f"{where} holds a {_kind(chunk)} among its chunks")
         offsets = _ints(_field(chunk, "offsets", where), f"{where}: its chunk offsets")
         sizes = _ints(_field(chunk, "sizes", where), f"{where}: its chunk sizes")
-        if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
-            raise _Bad(f"{where}: its chunk at {list(offsets)} of {list(sizes)} leaves its size {list(size)}")
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True))
+        ):
+            raise _Bad(
+                f"{where}: its chunk at {list(offsets)} of {list(sizes)} leaves its size {list(size)}"
+            )
         if offsets in out:
             raise _Bad(f"{where} lists the chunk at {list(offsets)} twice")
         count = item
@@ -110,7 +164,10 @@ def _entries(md: Any) -> dict[str, object]:
     """The key table, every value a tensor or bytes entry."""
     table = md.state_dict_metadata
     for fqn, meta in table.items():
-        if not isinstance(fqn, str) or _kind(meta) not in ("TensorStorageMetadata", "BytesStorageMetadata"):
+        if not isinstance(fqn, str) or _kind(meta) not in (
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+        ):
             raise _Bad(f"key {fqn!r} holds a {_kind(meta)}, not a tensor or bytes entry")
     return dict(table)
 
@@ -120,14 +177,22 @@ def _stored(md: Any) -> list[tuple[str, tuple[int, ...] | None, str, int, int, b
     out = []
     for index, info in (md.storage_data or {}).items():
         fqn = _field(index, "fqn", "a storage index")
-        if _kind(index) != "MetadataIndex" or not isinstance(fqn, str) or _kind(info) != "_StorageInfo":
-            raise _Bad(f"the storage table holds a {_kind(index)} (fqn {fqn!r}) -> {_kind(info)}, not a "
-                       "MetadataIndex with a str fqn -> _StorageInfo")
+        if (
+            _kind(index) != "MetadataIndex"
+            or not isinstance(fqn, str)
+            or _kind(info) != "_StorageInfo"
+        ):
+            raise _Bad(
+                f"the storage table holds a {_kind(index)} (fqn {fqn!r}) -> {_kind(info)}, not a "
+                "MetadataIndex with a str fqn -> _StorageInfo"
+            )
         where = f"the storage entry of key {fqn!r}"
         raw = _field(index, "offset", where)
         offsets = None if raw is None else _ints(raw, f"{where}: its chunk offsets")
         start, length = _field(info, "offset", where), _field(info, "length", where)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, length)):
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, length)
+        ):
             raise _Bad(f"{where} spans {start!r}+{length!r}, not two non-negative ints")
         transformed = bool(getattr(info, "transform_descriptors", None))
         out.append((fqn, offsets, str(info.relative_path), start, length, transformed))
@@ -147,46 +212,71 @@ def check_structure(path: Path, md: Any, *, data_files: bool = True) -> None:
     try:
         _check(path, md, data_files)
     except _Bad as exc:
-        message = (f"{path}: {exc}: the metadata was crafted or damaged; nothing was allocated or read from it. "
-                   "Restore an earlier step.")
-        raise (CheckpointCorruptError(message) if exc.data_file is None else ShortDataFile(message, exc.data_file)
-               ) from None
+        message = (
+            f"{path}: {exc}: the metadata was crafted or damaged; nothing was allocated or read from it. "
+            "Restore an earlier step."
+        )
+        raise (
+            CheckpointCorruptError(message)
+            if exc.data_file is None
+            else ShortDataFile(message, exc.data_file)
+        ) from None
 
 
 def _check(path: Path, md: Any, data_files: bool) -> None:
     table = _entries(md)
-    chunks = {fqn: _chunks(fqn, meta) for fqn, meta in table.items() if _kind(meta) == "TensorStorageMetadata"}
+    chunks = {
+        fqn: _chunks(fqn, meta)
+        for fqn, meta in table.items()
+        if _kind(meta) == "TensorStorageMetadata"
+    }
     stored: dict[str, int] = {}
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
     sizes: dict[str, int | None] = {}
     unbounded: set[str] = set()
     for fqn, offsets, rel, start, length, transformed in _stored(md):
         if fqn not in table or (fqn, offsets) in seen:
-            raise _Bad(f"the storage table names key {fqn!r} at {offsets}, which is "
-                       + ("stored twice" if fqn in table else "no key of the metadata"))
+            raise _Bad(
+                f"the storage table names key {fqn!r} at {offsets}, which is "
+                + ("stored twice" if fqn in table else "no key of the metadata")
+            )
         seen.add((fqn, offsets))
         if rel not in sizes:
             sizes[rel] = _file_size(path.parent / rel) if data_files else None
         if sizes[rel] is not None and start + length > int(sizes[rel] or 0):
-            raise _Bad(f"key {fqn!r} is stored at bytes {start}..{start + length} of {rel}, which holds "
-                       f"{sizes[rel]} bytes", data_file=rel)
+            raise _Bad(
+                f"key {fqn!r} is stored at bytes {start}..{start + length} of {rel}, which holds "
+                f"{sizes[rel]} bytes",
+                data_file=rel,
+            )
         if fqn not in chunks:
             continue
         if offsets not in chunks[fqn]:
-            raise _Bad(f"the storage table names a chunk of key {fqn!r} at {offsets}, which the key does not have")
+            raise _Bad(
+                f"the storage table names a chunk of key {fqn!r} at {offsets}, which the key does not have"
+            )
         declared = chunks[fqn][offsets]
         # DCP stores a chunk raw or through torch.save, never in fewer bytes; a transform (compression) may.
         if not transformed and declared > length:
-            raise _Bad(f"key {fqn!r} at offset {list(offsets or ())} declares {declared} bytes stored in {length}")
+            raise _Bad(
+                f"key {fqn!r} at offset {list(offsets or ())} declares {declared} bytes stored in {length}"
+            )
         stored[fqn] = stored.get(fqn, 0) + declared
         if transformed:
             unbounded.add(fqn)
     for fqn, meta in table.items():
-        _check_covered(fqn, meta, chunks.get(fqn), seen, None if fqn in unbounded else stored.get(fqn, 0))
+        _check_covered(
+            fqn, meta, chunks.get(fqn), seen, None if fqn in unbounded else stored.get(fqn, 0)
+        )
 
 
-def _check_covered(fqn: str, meta: Any, chunks: dict[tuple[int, ...], int] | None,
-                   seen: set[tuple[str, tuple[int, ...] | None]], stored: int | None) -> None:
+def _check_covered(
+    fqn: str,
+    meta: Any,
+    chunks: dict[tuple[int, ...], int] | None,
+    seen: set[tuple[str, tuple[int, ...] | None]],
+    stored: int | None,
+) -> None:
     if chunks is None:
         if not any(f == fqn for f, _ in seen):
             raise _Bad(f"bytes key {fqn!r} has no storage entry")

@@ -93,15 +93,21 @@ class StreamingConfig:
                 f"StreamingConfig.pool_bytes must be an int of at least 2 x buffer_bytes ({2 * self.buffer_bytes}) "
                 f"so copies and writes overlap, got {self.pool_bytes!r}; lower buffer_bytes or raise pool_bytes"
             )
-        if self.writeback_bytes is not None and (not _is_int(self.writeback_bytes) or self.writeback_bytes <= 0):
+        if self.writeback_bytes is not None and (
+            not _is_int(self.writeback_bytes) or self.writeback_bytes <= 0
+        ):
             raise ConfigError(
                 f"StreamingConfig.writeback_bytes must be a positive int or None, got {self.writeback_bytes!r}"
             )
         if not _is_int(self.read_threads) or self.read_threads < 1:
-            raise ConfigError(f"StreamingConfig.read_threads must be an int >= 1, got {self.read_threads!r}")
+            raise ConfigError(
+                f"StreamingConfig.read_threads must be an int >= 1, got {self.read_threads!r}"
+            )
         for name in ("pin_memory", "drop_page_cache"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"StreamingConfig.{name} must be a bool, got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"StreamingConfig.{name} must be a bool, got {getattr(self, name)!r}"
+                )
         if (
             not isinstance(self.stall_timeout_s, (int, float))
             or not math.isfinite(self.stall_timeout_s)
@@ -128,18 +134,24 @@ class StreamingStorage:
         if not isinstance(self.config, StreamingConfig):
             raise ConfigError(f"config must be a StreamingConfig, got {type(self.config).__name__}")
         if not hasattr(torch.serialization, "skip_data"):
-            raise ConfigError(f"StreamingStorage needs torch >= 2.5 (skip_data); this is torch {torch.__version__}")
+            raise ConfigError(
+                f"StreamingStorage needs torch >= 2.5 (skip_data); this is torch {torch.__version__}"
+            )
         self.last_stats: IOStats | None = None
 
     # ------------------------------------------------------------ Storage
 
-    def write(self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext) -> list[WrittenFile]:
+    def write(
+        self, state_dir: Path, tensors: dict[str, torch.Tensor], ctx: StorageContext
+    ) -> list[WrittenFile]:
         stats = IOStats()
         writer = _StreamingWriter(state_dir, self, stats, pin=self._pin(tensors))
         self._run(
             ctx,
             stats,
-            lambda group, single: dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=single),
+            lambda group, single: dcp.save(
+                tensors, storage_writer=writer, process_group=group, no_dist=single
+            ),
         )
         return sorted(writer.written, key=lambda f: f.path)
 
@@ -153,7 +165,10 @@ class StreamingStorage:
             ctx,
             stats,
             lambda group, single: dcp.load(
-                tensors, storage_reader=reader, planner=TensorsOnlyPlanner(state_dir), process_group=group,
+                tensors,
+                storage_reader=reader,
+                planner=TensorsOnlyPlanner(state_dir),
+                process_group=group,
                 no_dist=single,
             ),
         )
@@ -175,7 +190,9 @@ class StreamingStorage:
 
     def pool(self, *, pin: bool) -> BufferPool:
         cfg = self.config
-        return BufferPool(count=cfg.buffer_count, size=cfg.buffer_bytes, pin=pin, timeout_s=cfg.stall_timeout_s)
+        return BufferPool(
+            count=cfg.buffer_count, size=cfg.buffer_bytes, pin=pin, timeout_s=cfg.stall_timeout_s
+        )
 
     def write_items(
         self, state_dir: Path, plan: Any, planner: Any, stats: IOStats, *, pin: bool
@@ -196,7 +213,9 @@ class StreamingStorage:
                 for item in plan.items:
                     results.append(_write_item(out, name, item, planner))
                 size, xxh3 = out.finish()
-            stats.pool_bytes = pool.allocated_bytes  # the buffers the write made (the pool makes them on demand)
+            stats.pool_bytes = (
+                pool.allocated_bytes
+            )  # the buffers the write made (the pool makes them on demand)
         stats.bytes += size
         stats.files += 1
         _fsync_dir(state_dir)
@@ -220,7 +239,9 @@ def _write_item(out: FileStreamer, name: str, item: Any, planner: Any) -> WriteR
         out.add_tensor(t)
         out.add_bytes(frame.tail)
     length = out.position - offset
-    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+    return WriteResult(
+        index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
+    )
 
 
 def _fsync_dir(path: Path | str | os.PathLike[str]) -> None:
@@ -236,12 +257,16 @@ class _StreamingWriter(FileSystemWriter):
     """DCP's file writer with write_data replaced by the streaming pipeline."""
 
     def __init__(self, path: Path, storage: StreamingStorage, stats: IOStats, *, pin: bool) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+        super().__init__(
+            path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False
+        )
         self._storage, self._stats, self._pin = storage, stats, pin
         self.written: list[WrittenFile] = []
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
-        results, written = self._storage.write_items(Path(self.path), plan, planner, self._stats, pin=self._pin)
+        results, written = self._storage.write_items(
+            Path(self.path), plan, planner, self._stats, pin=self._pin
+        )
         if written is not None:
             self.written.append(written)
         _faults.reached("storage.data_written")  # the crash-injection point DCPStorage has too
@@ -264,9 +289,13 @@ class StreamingReader(FileSystemReader):
         self._storage, self._stats, self._pin = storage, stats, pin
         self._metadata: Metadata | None = None
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._metadata = metadata  # chunk shapes and dtypes: the reader knows each item's frame from them
+        self._metadata = (
+            metadata  # chunk shapes and dtypes: the reader knows each item's frame from them
+        )
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return read_dcp_metadata(Path(self.path))
@@ -274,11 +303,15 @@ class StreamingReader(FileSystemReader):
     def read_data(self, plan: Any, planner: Any) -> Future[None]:
         with self._storage.pool(pin=self._pin) as pool:
             cfg = self._storage.config
-            reader = ItemReader(pool, self._stats, drop_cache=cfg.drop_page_cache, threads=cfg.read_threads)
+            reader = ItemReader(
+                pool, self._stats, drop_cache=cfg.drop_page_cache, threads=cfg.read_threads
+            )
             try:
                 reader.read(Path(self.path), plan.items, self.storage_data, planner, self._metadata)
             finally:
-                self._stats.pool_bytes = pool.allocated_bytes  # the buffers the read made (on demand)
+                self._stats.pool_bytes = (
+                    pool.allocated_bytes
+                )  # the buffers the read made (on demand)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

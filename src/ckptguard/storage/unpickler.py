@@ -86,7 +86,9 @@ class _NoBuildOnGlobals:
                 with contextlib.suppress(AttributeError, TypeError):
                     setattr(obj, key, saved[key])
         if changed and exc[0] is None:
-            raise pickle.UnpicklingError(f"a BUILD on the global(s) {sorted(changed)} is not allowed in DCP metadata")
+            raise pickle.UnpicklingError(
+                f"a BUILD on the global(s) {sorted(changed)} is not allowed in DCP metadata"
+            )
 
 
 def _saved(obj: Any) -> dict[str, object]:
@@ -118,11 +120,15 @@ def read_dcp_metadata(
     state_dir = Path(state_dir)
     path = state_dir / DCP_METADATA
     data = read_bounded(path)
-    scan_pickle(path, data)  # the same pass the operator commands' reader runs: no declared size trusted
+    scan_pickle(
+        path, data
+    )  # the same pass the operator commands' reader runs: no declared size trusted
     try:
         with _NoBuildOnGlobals(extra):
             md = SafeMetadataUnpickler(io.BytesIO(data), extra=extra).load()
-    except Exception as exc:  # RecursionError, MemoryError-free garbage, a refused global: one error each
+    except (
+        Exception
+    ) as exc:  # RecursionError, MemoryError-free garbage, a refused global: one error each
         raise unreadable(path, exc) from None
     if not isinstance(md, Metadata):
         raise CheckpointCorruptError(f"{path} holds a {type(md).__name__}, not DCP Metadata")
@@ -139,5 +145,3 @@ def pickle_globals(data: bytes) -> set[str]:
         if op.name in ("GLOBAL", "INST") and isinstance(arg, str):
             names.add(arg.replace(" ", "."))
     return names
-
-

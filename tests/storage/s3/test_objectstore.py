@@ -189,7 +189,9 @@ def test_a_corrupted_part_is_refused_by_the_store(ministack, tmp_path, monkeypat
 def test_save_restore_exactly_and_plain_dcp_reads_the_state_from_the_store(moto, tmp_path):
     s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed: DCP's FsspecReader cannot reach s3://")
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # its home in torch 2.13
+    from torch.distributed.checkpoint._fsspec_filesystem import (
+        FsspecReader,  # its home in torch 2.13
+    )
 
     name = bucket(moto)
     url = f"s3://{name}/runs/one"

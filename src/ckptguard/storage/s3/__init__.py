@@ -34,8 +34,12 @@ __all__ = [
 ]
 
 # The names that need boto3 (the s3 extra), and the module of each.
-_WHERE = {"Marker": "._objrecords", "StoredObject": "._objrecords", "Writer": "._objrecords",
-          "ObjectStore": "._store"}
+_WHERE = {
+    "Marker": "._objrecords",
+    "StoredObject": "._objrecords",
+    "Writer": "._objrecords",
+    "ObjectStore": "._store",
+}
 
 
 def __getattr__(name: str) -> _typing.Any:

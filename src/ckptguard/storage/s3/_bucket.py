@@ -55,8 +55,10 @@ class Upload:
 
 
 def _no_bucket(exc: BaseException) -> bool:
-    return isinstance(exc, botocore.exceptions.ClientError) and \
-        exc.response.get("Error", {}).get("Code") == "NoSuchBucket"
+    return (
+        isinstance(exc, botocore.exceptions.ClientError)
+        and exc.response.get("Error", {}).get("Code") == "NoSuchBucket"
+    )
 
 
 def _hint(code: str, status: int | None, endpoint: str) -> str:
@@ -69,10 +71,14 @@ def _hint(code: str, status: int | None, endpoint: str) -> str:
     if code in ("EntityTooSmall", "InvalidPart", "InvalidPartOrder", "NoSuchUpload"):
         return "the multipart upload is incomplete or was aborted (by gc?); save again"
     if status is None:
-        return (f"the store at {endpoint} did not answer after the bounded retries; check that it is reachable "
-                "and healthy, then save again (nothing of this step is visible: its marker was not written)")
+        return (
+            f"the store at {endpoint} did not answer after the bounded retries; check that it is reachable "
+            "and healthy, then save again (nothing of this step is visible: its marker was not written)"
+        )
     if status >= 500 or code in ("SlowDown", "RequestTimeout"):
-        return "the store is failing or throttling; retry later, or lower ObjectStoreOptions.threads"
+        return (
+            "the store is failing or throttling; retry later, or lower ObjectStoreOptions.threads"
+        )
     return "see the store's message; nothing of this step is visible until its marker is written"
 
 
@@ -86,7 +92,8 @@ class Bucket:
             connect_timeout=options.connect_timeout_s,
             read_timeout=options.read_timeout_s,
             max_pool_connections=options.threads + 4,
-            s3={"addressing_style": "path" if options.path_style else "virtual"} if options.path_style is not None
+            s3={"addressing_style": "path" if options.path_style else "virtual"}
+            if options.path_style is not None
             else None,
             # checksums are sent where ckptguard computes them (every part and PUT of data), and
             # records carry none: some S3-compatible stores reject the newer default trailers.
@@ -98,7 +105,9 @@ class Bucket:
 
     # ------------------------------------------------------------ errors
 
-    def error(self, exc: BaseException, key: str, doing: str, step: int | None = None) -> ObjectStoreError:
+    def error(
+        self, exc: BaseException, key: str, doing: str, step: int | None = None
+    ) -> ObjectStoreError:
         status, code, text = None, type(exc).__name__, str(exc)
         if isinstance(exc, botocore.exceptions.ClientError):
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -108,7 +117,11 @@ class Bucket:
         return ObjectStoreError(
             f"{doing} {where} failed: {code}{f' (HTTP {status})' if status else ''}: {text}; "
             f"{_hint(code, status, self.endpoint)}",
-            bucket=self.url.bucket, key=key, step=step, status=status)
+            bucket=self.url.bucket,
+            key=key,
+            step=step,
+            status=status,
+        )
 
     @staticmethod
     def status(exc: BaseException) -> int | None:
@@ -129,16 +142,23 @@ class Bucket:
                 raise ObjectStoreError(
                     f"s3://{self.url.bucket}/{key} ({what}) has {size} bytes, more than the {SMALL_OBJECT_BYTES} a "
                     "ckptguard record holds: it was not written by ckptguard; inspect it",
-                    bucket=self.url.bucket, key=key, step=step)
+                    bucket=self.url.bucket,
+                    key=key,
+                    step=step,
+                )
             return Small(got["Body"].read(), str(got["ETag"]))
         except ObjectStoreError:
             raise
         except Exception as exc:
-            if self.status(exc) == 404 and not _no_bucket(exc):  # a missing bucket is an error, never "absent"
+            if self.status(exc) == 404 and not _no_bucket(
+                exc
+            ):  # a missing bucket is an error, never "absent"
                 return None
             raise self.error(exc, key, f"reading the {what}", step) from exc
 
-    def head(self, key: str, *, step: int | None = None, what: str = "object") -> tuple[int, str] | None:
+    def head(
+        self, key: str, *, step: int | None = None, what: str = "object"
+    ) -> tuple[int, str] | None:
         """(size, ETag) of ``key``, or None when there is none."""
         try:
             out = self.client.head_object(Bucket=self.url.bucket, Key=key)
@@ -148,17 +168,38 @@ class Bucket:
             raise self.error(exc, key, f"looking up the {what}", step) from exc
         return int(out["ContentLength"]), str(out["ETag"])
 
-    def create(self, key: str, data: bytes, *, step: int | None = None, what: str = "object",
-               conditional: bool = True) -> str | None:
+    def create(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        step: int | None = None,
+        what: str = "object",
+        conditional: bool = True,
+    ) -> str | None:
         """Create ``key`` only if absent (If-None-Match: *): its ETag, or None if it already exists."""
-        return self._put(key, data, {"IfNoneMatch": "*"} if conditional else {}, step, f"creating the {what}")
+        return self._put(
+            key, data, {"IfNoneMatch": "*"} if conditional else {}, step, f"creating the {what}"
+        )
 
-    def replace(self, key: str, data: bytes, etag: str, *, step: int | None = None, what: str = "object",
-                conditional: bool = True) -> str | None:
+    def replace(
+        self,
+        key: str,
+        data: bytes,
+        etag: str,
+        *,
+        step: int | None = None,
+        what: str = "object",
+        conditional: bool = True,
+    ) -> str | None:
         """Replace ``key`` only if its ETag is still ``etag`` (If-Match): the new ETag, or None if it changed."""
-        return self._put(key, data, {"IfMatch": etag} if conditional else {}, step, f"replacing the {what}")
+        return self._put(
+            key, data, {"IfMatch": etag} if conditional else {}, step, f"replacing the {what}"
+        )
 
-    def _put(self, key: str, data: bytes, cond: dict[str, str], step: int | None, doing: str) -> str | None:
+    def _put(
+        self, key: str, data: bytes, cond: dict[str, str], step: int | None, doing: str
+    ) -> str | None:
         try:
             out = self.client.put_object(Bucket=self.url.bucket, Key=key, Body=data, **cond)
             return str(out["ETag"])
@@ -178,25 +219,34 @@ class Bucket:
 
     def delete_many(self, keys: list[str], *, step: int | None = None) -> None:
         for start in range(0, len(keys), 1000):
-            chunk = keys[start:start + 1000]
+            chunk = keys[start : start + 1000]
             try:
                 out = self.client.delete_objects(
-                    Bucket=self.url.bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+                    Bucket=self.url.bucket,
+                    Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True},
+                )
             except Exception as exc:
-                raise self.error(exc, chunk[0], f"deleting {len(chunk)} objects from", step) from exc
+                raise self.error(
+                    exc, chunk[0], f"deleting {len(chunk)} objects from", step
+                ) from exc
             for err in out.get("Errors") or []:
                 if err.get("Code") != "NoSuchKey":
                     raise ObjectStoreError(
                         f"deleting s3://{self.url.bucket}/{err.get('Key')} (step {step}) failed: {err.get('Code')}: "
                         f"{err.get('Message')}; run `ckptguard gc` again later",
-                        bucket=self.url.bucket, key=str(err.get("Key")), step=step)
+                        bucket=self.url.bucket,
+                        key=str(err.get("Key")),
+                        step=step,
+                    )
 
     # ------------------------------------------------------------ listings (gc, rotation, list; never resolve)
 
     def listing(self, rel: str = "") -> Iterator[Listed]:
         prefix = self.url.key(rel) if rel else self.url.prefix + "/"
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=prefix):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.url.bucket, Prefix=prefix
+            ):
                 for obj in page.get("Contents") or []:
                     yield Listed(str(obj["Key"]), int(obj["Size"]), _unix(obj["LastModified"]))
         except Exception as exc:
@@ -208,9 +258,13 @@ class Bucket:
         names: list[str] = []
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.url.bucket, Prefix=prefix, Delimiter="/")
+                Bucket=self.url.bucket, Prefix=prefix, Delimiter="/"
+            )
             for page in pages:
-                names += [str(p["Prefix"])[len(prefix):].rstrip("/") for p in page.get("CommonPrefixes") or []]
+                names += [
+                    str(p["Prefix"])[len(prefix) :].rstrip("/")
+                    for p in page.get("CommonPrefixes") or []
+                ]
         except Exception as exc:
             raise self.error(exc, prefix, "listing") from exc
         return names
@@ -219,17 +273,24 @@ class Bucket:
         found: list[Upload] = []
         try:
             pages = self.client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.url.bucket, Prefix=self.url.prefix + "/")
+                Bucket=self.url.bucket, Prefix=self.url.prefix + "/"
+            )
             for page in pages:
-                found += [Upload(str(u["Key"]), str(u["UploadId"]), _unix(u["Initiated"]))
-                          for u in page.get("Uploads") or []]
+                found += [
+                    Upload(str(u["Key"]), str(u["UploadId"]), _unix(u["Initiated"]))
+                    for u in page.get("Uploads") or []
+                ]
         except Exception as exc:
-            raise self.error(exc, self.url.prefix + "/", "listing the multipart uploads under") from exc
+            raise self.error(
+                exc, self.url.prefix + "/", "listing the multipart uploads under"
+            ) from exc
         return found
 
     def abort(self, upload: Upload, *, step: int | None = None) -> None:
         try:
-            self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=upload.key, UploadId=upload.upload_id)
+            self.client.abort_multipart_upload(
+                Bucket=self.url.bucket, Key=upload.key, UploadId=upload.upload_id
+            )
         except Exception as exc:
             if self.status(exc) != 404:
                 raise self.error(exc, upload.key, "aborting the multipart upload of", step) from exc
@@ -242,13 +303,23 @@ _clients_lock = threading.Lock()
 def _client(options: ObjectStoreOptions, config: botocore.config.Config) -> Any:
     """One boto3 client per store and transfer settings in a process: creating one reads botocore's
     service model (tens of ms of CPU), and a client is safe to share between threads."""
-    key = (options.endpoint_url, options.region, options.path_style, options.attempts, options.connect_timeout_s,
-           options.read_timeout_s, options.threads, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_PROFILE"),
-           os.environ.get("AWS_ACCESS_KEY_ID"))
+    key = (
+        options.endpoint_url,
+        options.region,
+        options.path_style,
+        options.attempts,
+        options.connect_timeout_s,
+        options.read_timeout_s,
+        options.threads,
+        os.environ.get("AWS_ENDPOINT_URL"),
+        os.environ.get("AWS_PROFILE"),
+        os.environ.get("AWS_ACCESS_KEY_ID"),
+    )
     with _clients_lock:
         if key not in _clients:
             _clients[key] = boto3.session.Session().client(
-                "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
+                "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
+            )
         return _clients[key]
 
 

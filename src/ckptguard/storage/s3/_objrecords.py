@@ -55,7 +55,8 @@ def _need(data: JsonObject, name: str, kind: type | tuple[type, ...], where: str
     value = data.get(name)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         raise CheckpointCorruptError(
-            f"{where}: field {name!r} is {repr(value)[:200]}; the record is damaged or foreign")
+            f"{where}: field {name!r} is {repr(value)[:200]}; the record is damaged or foreign"
+        )
     return value
 
 
@@ -65,8 +66,9 @@ def _seconds(data: JsonObject, name: str, where: str) -> float:
     try:
         return float(value)
     except OverflowError:
-        raise CheckpointCorruptError(f"{where}: field {name!r} is not a time in seconds; the record is damaged "
-                                     "or foreign") from None
+        raise CheckpointCorruptError(
+            f"{where}: field {name!r} is not a time in seconds; the record is damaged or foreign"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,15 @@ class Writer:
         """The ``writer`` field of a record, each part checked (a crafted one is named, never a bare ValueError)."""
         writer = _need(raw, "writer", dict, where)
         host, pid, lease = writer.get("host"), writer.get("pid"), writer.get("lease")
-        if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool) or \
-                not (lease is None or isinstance(lease, str)):
+        if (
+            not isinstance(host, str)
+            or not isinstance(pid, int)
+            or isinstance(pid, bool)
+            or not (lease is None or isinstance(lease, str))
+        ):
             raise CheckpointCorruptError(
-                f"{where}: field 'writer' is {str(writer)[:200]}; the record is damaged or foreign")
+                f"{where}: field 'writer' is {str(writer)[:200]}; the record is damaged or foreign"
+            )
         return cls(host, pid, lease)
 
     def describe(self) -> str:
@@ -132,46 +139,65 @@ class Marker:
         if raw.get("kind") != MARKER_KIND or raw.get("format") != FORMAT:
             raise CheckpointCorruptError(
                 f"{where}: kind {raw.get('kind')!r} format {raw.get('format')!r}, expected {MARKER_KIND!r} format "
-                f"{FORMAT}: not a ckptguard marker, or written by a newer ckptguard (upgrade it)")
+                f"{FORMAT}: not a ckptguard marker, or written by a newer ckptguard (upgrade it)"
+            )
         objects = _need(raw, "objects", dict, where)
         who = Writer.read(raw, where)
         attempt = _need(raw, "attempt", str, where)
         if not attempt.startswith(ATTEMPT_PREFIX) or "/" in attempt:
-            raise CheckpointCorruptError(f"{where}: attempt {attempt!r} is not an attempt name of ckptguard")
+            raise CheckpointCorruptError(
+                f"{where}: attempt {attempt!r} is not an attempt name of ckptguard"
+            )
         parsed = {_relative(name, where): _stored(name, o, where) for name, o in objects.items()}
-        return cls(step=_need(raw, "step", int, where), attempt=attempt, writer=who, objects=parsed,
-                   manifest=_need(raw, "manifest", dict, where), phases=_phases(raw.get("phases") or {}, where),
-                   created_unix=_seconds(raw, "created_unix", where))
+        return cls(
+            step=_need(raw, "step", int, where),
+            attempt=attempt,
+            writer=who,
+            objects=parsed,
+            manifest=_need(raw, "manifest", dict, where),
+            phases=_phases(raw.get("phases") or {}, where),
+            created_unix=_seconds(raw, "created_unix", where),
+        )
 
 
 def _stored(name: str, entry: Any, where: str) -> StoredObject:
     """One object entry of a marker, every field checked before anything is sized or requested from it."""
     if not isinstance(entry, dict):
-        raise CheckpointCorruptError(f"{where}: the entry of object {name!r} is {type(entry).__name__}, not a map")
+        raise CheckpointCorruptError(
+            f"{where}: the entry of object {name!r} is {type(entry).__name__}, not a map"
+        )
     size, xxh3, etag = entry.get("size"), entry.get("xxh3"), entry.get("etag")
     if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_OBJECT_BYTES:
         raise CheckpointCorruptError(
             f"{where}: object {name!r} declares size {size!r}; a size is an int from 0 to {MAX_OBJECT_BYTES} (5 TiB, "
-            "the largest object S3 stores): the marker is damaged or crafted, restore another step")
+            "the largest object S3 stores): the marker is damaged or crafted, restore another step"
+        )
     if not isinstance(xxh3, str) or not _XXH3.match(xxh3) or not isinstance(etag, str) or not etag:
         raise CheckpointCorruptError(
             f"{where}: object {name!r} has xxh3 {xxh3!r} and ETag {etag!r} (hex digits and a non-empty ETag "
-            "expected): the marker is damaged or crafted, restore another step")
+            "expected): the marker is damaged or crafted, restore another step"
+        )
     return StoredObject(size, xxh3, etag)
 
 
 def _phases(value: Any, where: str) -> dict[str, JsonObject]:
     ok = isinstance(value, dict) and all(
-        isinstance(k, str) and re.fullmatch(r"phase_\d{4}\.json", k) and isinstance(v, dict) for k, v in value.items())
+        isinstance(k, str) and re.fullmatch(r"phase_\d{4}\.json", k) and isinstance(v, dict)
+        for k, v in value.items()
+    )
     if not ok:
-        raise CheckpointCorruptError(f"{where}: field 'phases' is not a map of contract phase files")
+        raise CheckpointCorruptError(
+            f"{where}: field 'phases' is not a map of contract phase files"
+        )
     return dict(value)
 
 
 def _relative(name: str, where: str) -> str:
     parts = name.split("/")
     if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise CheckpointCorruptError(f"{where}: object name {name!r} leaves its step; the marker is not ckptguard's")
+        raise CheckpointCorruptError(
+            f"{where}: object name {name!r} leaves its step; the marker is not ckptguard's"
+        )
     return name
 
 
@@ -191,10 +217,15 @@ class RootRecord:
     def from_bytes(cls, data: bytes, where: str) -> RootRecord:
         raw = _load(data, where)
         if raw.get("kind") != ROOT_KIND:
-            raise CheckpointCorruptError(f"{where}: kind {raw.get('kind')!r}, not {ROOT_KIND!r}; not a ckptguard root")
-        return cls(_seconds(raw, "created_unix", where),
-                   Writer.read(raw, where),
-                   str(raw.get("consistency")), int(_need(raw, "format", int, where)))
+            raise CheckpointCorruptError(
+                f"{where}: kind {raw.get('kind')!r}, not {ROOT_KIND!r}; not a ckptguard root"
+            )
+        return cls(
+            _seconds(raw, "created_unix", where),
+            Writer.read(raw, where),
+            str(raw.get("consistency")),
+            int(_need(raw, "format", int, where)),
+        )
 
 
 @dataclass(frozen=True)
@@ -212,9 +243,12 @@ class Owner:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Owner:
         raw = _load(data, where)
-        return cls(_need(raw, "step", int, where), _need(raw, "attempt", str, where),
-                   Writer.read(raw, where),
-                   _seconds(raw, "created_unix", where))
+        return cls(
+            _need(raw, "step", int, where),
+            _need(raw, "attempt", str, where),
+            Writer.read(raw, where),
+            _seconds(raw, "created_unix", where),
+        )
 
 
 @dataclass(frozen=True)
@@ -232,20 +266,30 @@ class Lease:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Lease:
         raw = _load(data, where)
-        return cls(_need(raw, "holder", str, where), Writer.read(raw, where),
-                   _seconds(raw, "expires_unix", where),
-                   _seconds(raw, "renewed_unix", where))
+        return cls(
+            _need(raw, "holder", str, where),
+            Writer.read(raw, where),
+            _seconds(raw, "expires_unix", where),
+            _seconds(raw, "renewed_unix", where),
+        )
 
 
 def parse_tracker(data: bytes, where: str) -> int:
     text = data.decode(errors="replace").strip()
     if not re.fullmatch(r"[0-9]{1,18}", text):  # str.isdigit() takes "\u00b2", which int() refuses
-        raise CheckpointCorruptError(f"{where} holds {text[:40]!r}, not a step number; it was not written by "
-                                     "ckptguard: inspect it, then fix it by hand")
+        raise CheckpointCorruptError(
+            f"{where} holds {text[:40]!r}, not a step number; it was not written by "
+            "ckptguard: inspect it, then fix it by hand"
+        )
     return int(text)
 
 
 def is_proof(rel: str) -> bool:
     """``proof/rank_NNNNN.jsonl``: one rank's copy of its proof log (gc and rotation leave it alone)."""
     parts = rel.split("/")
-    return len(parts) == 2 and parts[0] == PROOF_DIR and parts[1].startswith("rank_") and parts[1].endswith(".jsonl")
+    return (
+        len(parts) == 2
+        and parts[0] == PROOF_DIR
+        and parts[1].startswith("rank_")
+        and parts[1].endswith(".jsonl")
+    )

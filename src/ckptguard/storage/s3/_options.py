@@ -40,11 +40,13 @@ class StoreURL:
                 f"object-store root {url!r}: expected s3://bucket/prefix (GCS and other S3-compatible stores too, "
                 "with ObjectStoreOptions(endpoint_url=...))"
             )
-        bucket, _, prefix = url[len("s3://"):].partition("/")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
         prefix = prefix.strip("/")
         if not _BUCKET.match(bucket):
-            raise ConfigError(f"object-store root {url!r}: {bucket!r} is not a bucket name (lower-case letters, "
-                              "digits, '.', '-')")
+            raise ConfigError(
+                f"object-store root {url!r}: {bucket!r} is not a bucket name (lower-case letters, "
+                "digits, '.', '-')"
+            )
         if not prefix or any(part in ("", ".", "..") for part in prefix.split("/")):
             raise ConfigError(
                 f"object-store root {url!r}: give a prefix such as s3://{bucket}/runs/run1 (not the bucket's top, "
@@ -58,7 +60,7 @@ class StoreURL:
     def relative(self, key: str) -> str | None:
         """``key`` relative to the prefix, or None when it lies outside it."""
         head = self.prefix + "/"
-        return key[len(head):] if key.startswith(head) else None
+        return key[len(head) :] if key.startswith(head) else None
 
     def __str__(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"
@@ -94,9 +96,12 @@ class ObjectStoreOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.part_bytes, int) or not 5 * MIB <= self.part_bytes <= 5 * 1024 * MIB:
-            raise ConfigError(f"ObjectStoreOptions(part_bytes={self.part_bytes!r}): S3 parts are 5 MiB .. 5 GiB")
+            raise ConfigError(
+                f"ObjectStoreOptions(part_bytes={self.part_bytes!r}): S3 parts are 5 MiB .. 5 GiB"
+            )
         if self.max_inflight_bytes is not None and (
-            not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < self.part_bytes
+            not isinstance(self.max_inflight_bytes, int)
+            or self.max_inflight_bytes < self.part_bytes
         ):
             raise ConfigError(
                 f"ObjectStoreOptions(max_inflight_bytes={self.max_inflight_bytes!r}): must hold one part "
@@ -108,7 +113,9 @@ class ObjectStoreOptions:
                 raise ConfigError(f"ObjectStoreOptions({name}={value!r}): an int >= 1")
         for name in ("connect_timeout_s", "read_timeout_s", "lease_ttl_s"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
-                raise ConfigError(f"ObjectStoreOptions({name}={getattr(self, name)!r}): seconds > 0")
+                raise ConfigError(
+                    f"ObjectStoreOptions({name}={getattr(self, name)!r}): seconds > 0"
+                )
         if not isinstance(self.consistency, Consistency):
             raise ConfigError(
                 f"ObjectStoreOptions(consistency={self.consistency!r}): a Consistency (CONDITIONAL, or "

@@ -38,7 +38,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..._disk.layout import MANIFEST_NAME, PROOF_DIR, TRACKER_NAME, StepNaming, atomic_write_bytes, atomic_write_json
+from ..._disk.layout import (
+    MANIFEST_NAME,
+    PROOF_DIR,
+    TRACKER_NAME,
+    StepNaming,
+    atomic_write_bytes,
+    atomic_write_json,
+)
 from ...errors import (
     CheckpointCorruptError,
     ConditionalWriteUnsupportedError,
@@ -51,23 +58,34 @@ from ._options import Consistency, ObjectStoreOptions, StoreURL
 
 log = logging.getLogger("ckptguard")
 
-_probed: dict[tuple[str, str], bool] = {}  # (endpoint, bucket) -> conditional writes checked in this process
+_probed: dict[
+    tuple[str, str], bool
+] = {}  # (endpoint, bucket) -> conditional writes checked in this process
 
 
 class ObjectStore:
     """One checkpoint root ``s3://bucket/prefix``; every method is one process's part, without collectives."""
 
-    def __init__(self, url: str | StoreURL, options: ObjectStoreOptions | None = None, *,
-                 dir_template: str = "step_{step:08d}") -> None:
+    def __init__(
+        self,
+        url: str | StoreURL,
+        options: ObjectStoreOptions | None = None,
+        *,
+        dir_template: str = "step_{step:08d}",
+    ) -> None:
         self.url = url if isinstance(url, StoreURL) else StoreURL.parse(url)
         self.options = options or ObjectStoreOptions()
         if not isinstance(self.options, ObjectStoreOptions):
-            raise ConfigError(f"options must be an ObjectStoreOptions, got {type(self.options).__name__}")
+            raise ConfigError(
+                f"options must be an ObjectStoreOptions, got {type(self.options).__name__}"
+            )
         self.naming = StepNaming(dir_template)
         self.bucket = Bucket(self.url, self.options)
         self.conditional = self.options.consistency is Consistency.CONDITIONAL
         self._rooted = False  # ensure_root done by this object (the root record and tracker exist)
-        self._lease_verified = False  # the store refused a repeated conditional write of lease.json once
+        self._lease_verified = (
+            False  # the store refused a repeated conditional write of lease.json once
+        )
 
     def __str__(self) -> str:
         return str(self.url)
@@ -87,8 +105,12 @@ class ObjectStore:
         try:
             first = self.bucket.create(key, b"probe\n", what="conditional-write probe")
             again = self.bucket.create(key, b"again\n", what="conditional-write probe")
-            stale = self.bucket.replace(key, b"stale\n", '"00000000000000000000000000000000"',
-                                        what="conditional-write probe")
+            stale = self.bucket.replace(
+                key,
+                b"stale\n",
+                '"00000000000000000000000000000000"',
+                what="conditional-write probe",
+            )
         finally:
             self.bucket.delete(key, what="conditional-write probe")
         if first is None or again is not None or stale is not None:
@@ -98,7 +120,9 @@ class ObjectStore:
                 "should have refused (HTTP 412): two writers could both commit a step there. Use a store with "
                 "conditional writes (S3, GCS, MinIO, R2, recent Ceph), or, with exactly one writer guaranteed by "
                 "you, ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) (docs/objectstore.md)",
-                bucket=self.url.bucket, key=key)
+                bucket=self.url.bucket,
+                key=key,
+            )
         _probed[ident] = True
 
     def ensure_root(self) -> None:
@@ -110,11 +134,19 @@ class ObjectStore:
         found = self.bucket.get(key, what="root record")
         if found is None:
             record = rec.RootRecord(time.time(), rec.Writer.here(), self.options.consistency.value)
-            self.bucket.create(key, record.to_bytes(), what="root record", conditional=self.conditional)
+            self.bucket.create(
+                key, record.to_bytes(), what="root record", conditional=self.conditional
+            )
         else:
-            rec.RootRecord.from_bytes(found.data, self.where(rec.ROOT_RECORD))  # a foreign record raises
-        if self.conditional or self.tracker()[0] is None:  # a plain PUT must never reset a tracker that exists
-            self.bucket.create(self.url.key(TRACKER_NAME), b"0\n", what="tracker", conditional=self.conditional)
+            rec.RootRecord.from_bytes(
+                found.data, self.where(rec.ROOT_RECORD)
+            )  # a foreign record raises
+        if (
+            self.conditional or self.tracker()[0] is None
+        ):  # a plain PUT must never reset a tracker that exists
+            self.bucket.create(
+                self.url.key(TRACKER_NAME), b"0\n", what="tracker", conditional=self.conditional
+            )
         self._rooted = True
 
     # ------------------------------------------------------------ reads
@@ -133,7 +165,9 @@ class ObjectStore:
             return None
         marker = rec.Marker.from_bytes(found.data, self.where(name, MANIFEST_NAME))
         if marker.step != step:
-            raise CheckpointCorruptError(f"{self.where(name, MANIFEST_NAME)} says step {marker.step}, its key {step}")
+            raise CheckpointCorruptError(
+                f"{self.where(name, MANIFEST_NAME)} says step {marker.step}, its key {step}"
+            )
         return marker
 
     def has_root(self) -> bool:
@@ -168,18 +202,29 @@ class ObjectStore:
         """A new temporary area for ``step``: an attempt whose owner record is written first; returns its name."""
         attempt = f"{rec.ATTEMPT_PREFIX}{secrets.token_hex(8)}"
         owner = rec.Owner(step, attempt, rec.Writer.here(), time.time())
-        self.bucket.create(self.url.key(self.naming.name(step), attempt, rec.OWNER), owner.to_bytes(), step=step,
-                           what="attempt owner record", conditional=False)
+        self.bucket.create(
+            self.url.key(self.naming.name(step), attempt, rec.OWNER),
+            owner.to_bytes(),
+            step=step,
+            what="attempt owner record",
+            conditional=False,
+        )
         return attempt
 
     def drop_marker(self, step: int, *, what: str = "orphan marker") -> None:
         """Delete the marker of ``step`` (its objects stay)."""
-        self.bucket.delete(self.url.key(self.naming.name(step), MANIFEST_NAME), step=step, what=what)
+        self.bucket.delete(
+            self.url.key(self.naming.name(step), MANIFEST_NAME), step=step, what=what
+        )
 
-    def upload(self, step: int, attempt: str, files: Sequence[tuple[str, Path, int]]) -> dict[str, str]:
+    def upload(
+        self, step: int, attempt: str, files: Sequence[tuple[str, Path, int]]
+    ) -> dict[str, str]:
         """Upload ``(relative name, local path, size)`` files into the attempt; returns name -> ETag."""
         base = (self.naming.name(step), attempt)
-        items = [_transfer.Outgoing(path, self.url.key(*base, rel), size) for rel, path, size in files]
+        items = [
+            _transfer.Outgoing(path, self.url.key(*base, rel), size) for rel, path, size in files
+        ]
         etags = _transfer.upload(self.bucket, items, step=step)
         return {rel: etags[self.url.key(*base, rel)] for rel, _, _ in files}
 
@@ -190,11 +235,19 @@ class ObjectStore:
         caller reads the marker back to know whose it is."""
         key = self.url.key(self.naming.name(marker.step), MANIFEST_NAME)
         data = marker.to_bytes()
-        created = self.bucket.create(key, data, step=marker.step, what="commit marker", conditional=self.conditional)
+        created = self.bucket.create(
+            key, data, step=marker.step, what="commit marker", conditional=self.conditional
+        )
         if created is None or not self.conditional:
             return False
-        self._check_refused(key, data, marker.step, what="commit marker", risk=f"two writers could both commit "
-                            f"step {marker.step}. Step {marker.step} is not committed (the tracker did not move)")
+        self._check_refused(
+            key,
+            data,
+            marker.step,
+            what="commit marker",
+            risk=f"two writers could both commit "
+            f"step {marker.step}. Step {marker.step} is not committed (the tracker did not move)",
+        )
         return True
 
     def swap_tracker(self, step: int, etag: str | None) -> bool:
@@ -202,21 +255,38 @@ class ObjectStore:
         changed in between (compare-and-set; a plain PUT under ``SINGLE_WRITER_UNSAFE``)."""
         key, data = self.url.key(TRACKER_NAME), f"{step}\n".encode()
         if etag is None:
-            done = self.bucket.create(key, data, step=step, what="tracker", conditional=self.conditional)
+            done = self.bucket.create(
+                key, data, step=step, what="tracker", conditional=self.conditional
+            )
         else:
-            done = self.bucket.replace(key, data, etag, step=step, what="tracker", conditional=self.conditional)
+            done = self.bucket.replace(
+                key, data, etag, step=step, what="tracker", conditional=self.conditional
+            )
         return done is not None
 
-    def _check_refused(self, key: str, data: bytes, step: int | None, *, what: str, risk: str,
-                       stale: str | None = None) -> None:
+    def _check_refused(
+        self,
+        key: str,
+        data: bytes,
+        step: int | None,
+        *,
+        what: str,
+        risk: str,
+        stale: str | None = None,
+    ) -> None:
         """The store honoured the condition on this very key: the same bytes written again under the same
         condition (created again, or replacing the ETag just replaced: ``stale``) must be refused. A store
         that honours the probe's key but not this one (a proxy, a bucket policy, a gateway rule per path)
         would otherwise let a second writer overwrite what this one wrote while both believe they won. The
         bytes are this writer's own, so a store that accepts them changes nothing of its own write."""
         doing = "create" if stale is None else "replace"
-        again = self.bucket.create(key, data, step=step, what=f"{what} (check of If-None-Match)") if stale is None \
-            else self.bucket.replace(key, data, stale, step=step, what=f"{what} (check of If-Match)")
+        again = (
+            self.bucket.create(key, data, step=step, what=f"{what} (check of If-None-Match)")
+            if stale is None
+            else self.bucket.replace(
+                key, data, stale, step=step, what=f"{what} (check of If-Match)"
+            )
+        )
         if again is None:
             return
         header = "If-None-Match: *" if stale is None else "a stale If-Match"
@@ -225,34 +295,56 @@ class ObjectStore:
             f"{header} (it refused the probe's): it ignores conditional writes on this key, so {risk}. Fix the "
             "store or the proxy in front of it, or with exactly one writer guaranteed by you use "
             "ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) (docs/objectstore.md)",
-            bucket=self.url.bucket, key=key, step=step)
+            bucket=self.url.bucket,
+            key=key,
+            step=step,
+        )
 
     # ------------------------------------------------------------ restore
 
-    def fetch(self, marker: rec.Marker, step_dir: Path, *, only: set[str] | None = None,
-              progress: Callable[[int], None] | None = None) -> None:
+    def fetch(
+        self,
+        marker: rec.Marker,
+        step_dir: Path,
+        *,
+        only: set[str] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         """Download the marker's objects (or ``only`` those) into ``step_dir``; the caller writes the
         manifest (``write_manifest``) once every process finished."""
         base = (self.naming.name(marker.step), marker.attempt)
-        items = [_transfer.Incoming(self.url.key(*base, rel), step_dir / rel, o.size, o.etag, o.xxh3)
-                 for rel, o in sorted(marker.objects.items()) if only is None or rel in only]
-        self._same_as_manifest(marker, [rel for rel in sorted(marker.objects) if only is None or rel in only])
+        items = [
+            _transfer.Incoming(self.url.key(*base, rel), step_dir / rel, o.size, o.etag, o.xxh3)
+            for rel, o in sorted(marker.objects.items())
+            if only is None or rel in only
+        ]
+        self._same_as_manifest(
+            marker, [rel for rel in sorted(marker.objects) if only is None or rel in only]
+        )
         _transfer.download(self.bucket, items, step=marker.step, progress=progress)
 
     def _same_as_manifest(self, marker: rec.Marker, names: list[str]) -> None:
         """The marker's objects are the files its manifest lists, with the same sizes and xxh3: the local
         restore checks the files against the manifest, the download against the marker."""
         files = marker.manifest.get("files")
-        listed = {f.get("path"): f for f in files if isinstance(f, dict)} if isinstance(files, list) else {}
+        listed = (
+            {f.get("path"): f for f in files if isinstance(f, dict)}
+            if isinstance(files, list)
+            else {}
+        )
         for rel in names:
             obj, entry = marker.objects[rel], listed.get(rel)
             if entry is None or entry.get("size") != obj.size or entry.get("xxh3") != obj.xxh3:
                 where = self.where(self.naming.name(marker.step), marker.attempt, rel)
-                said = "lists no such file" if entry is None else \
-                    f"says {str(entry.get('size'))[:40]} bytes, xxh3 {str(entry.get('xxh3'))[:70]}"
+                said = (
+                    "lists no such file"
+                    if entry is None
+                    else f"says {str(entry.get('size'))[:40]} bytes, xxh3 {str(entry.get('xxh3'))[:70]}"
+                )
                 raise CheckpointCorruptError(
                     f"{where} (step {marker.step}): the marker declares {obj.size} bytes, xxh3 {obj.xxh3}; its "
-                    f"manifest {said}: the marker is damaged or crafted, nothing was downloaded: restore another step")
+                    f"manifest {said}: the marker is damaged or crafted, nothing was downloaded: restore another step"
+                )
 
     @staticmethod
     def write_manifest(marker: rec.Marker, step_dir: Path) -> None:
@@ -276,7 +368,9 @@ class ObjectStore:
         each rank writes only its own file (the lease holder's job)."""
         if not rec.is_proof(f"{PROOF_DIR}/{name}"):
             raise ConfigError(f"{name!r} is not a proof log name (rank_NNNNN.jsonl)")
-        self.bucket.create(self.url.key(PROOF_DIR, name), data, what="proof records", conditional=False)
+        self.bucket.create(
+            self.url.key(PROOF_DIR, name), data, what="proof records", conditional=False
+        )
 
     def get_proof(self, name: str) -> bytes | None:
         """The store's copy of one rank's proof log (None: there is none)."""
@@ -315,11 +409,27 @@ class ObjectStore:
         (``ConditionalWriteUnsupportedError`` where it does not: two jobs could both hold the lease)."""
         key, data = self.url.key(rec.LEASE), lease.to_bytes()
         if etag is None:
-            done = self.bucket.create(key, data, what="write lease", conditional=self.conditional) is not None
+            done = (
+                self.bucket.create(key, data, what="write lease", conditional=self.conditional)
+                is not None
+            )
         else:
-            done = self.bucket.replace(key, data, etag, what="write lease", conditional=self.conditional) is not None
-        if done and verify and self.conditional and not self._lease_verified:  # renewed at every save: once
-            self._check_refused(key, data, None, what="write lease", stale=etag,
-                                risk="two jobs could both hold the write lease")
+            done = (
+                self.bucket.replace(
+                    key, data, etag, what="write lease", conditional=self.conditional
+                )
+                is not None
+            )
+        if (
+            done and verify and self.conditional and not self._lease_verified
+        ):  # renewed at every save: once
+            self._check_refused(
+                key,
+                data,
+                None,
+                what="write lease",
+                stale=etag,
+                risk="two jobs could both hold the write lease",
+            )
             self._lease_verified = True
         return done

@@ -62,7 +62,9 @@ def _read(path: Path, offset: int, length: int) -> bytes:
     with open(path, "rb") as f:
         data = os.pread(f.fileno(), length, offset)
     if len(data) != length:
-        raise OSError(f"{path}: read {len(data)} of {length} bytes at offset {offset} (the file shrank)")
+        raise OSError(
+            f"{path}: read {len(data)} of {length} bytes at offset {offset} (the file shrank)"
+        )
     return data
 
 
@@ -73,7 +75,8 @@ class _Multipart:
         self.bucket, self.item, self.step = bucket, item, step
         try:
             out = bucket.client.create_multipart_upload(
-                Bucket=bucket.url.bucket, Key=item.key, ChecksumAlgorithm="CRC32")
+                Bucket=bucket.url.bucket, Key=item.key, ChecksumAlgorithm="CRC32"
+            )
         except Exception as exc:
             raise bucket.error(exc, item.key, "starting the multipart upload of", step) from exc
         self.upload_id = str(out["UploadId"])
@@ -84,32 +87,50 @@ class _Multipart:
         crc = _crc(data)
         try:
             out = self.bucket.client.upload_part(
-                Bucket=self.bucket.url.bucket, Key=self.item.key, UploadId=self.upload_id, PartNumber=number,
-                Body=data, ChecksumCRC32=crc)
+                Bucket=self.bucket.url.bucket,
+                Key=self.item.key,
+                UploadId=self.upload_id,
+                PartNumber=number,
+                Body=data,
+                ChecksumCRC32=crc,
+            )
         except Exception as exc:
-            raise self.bucket.error(exc, self.item.key, f"uploading part {number} of", self.step) from exc
-        echoed = out.get("ChecksumCRC32")  # a store that checks part checksums echoes the one it verified
+            raise self.bucket.error(
+                exc, self.item.key, f"uploading part {number} of", self.step
+            ) from exc
+        echoed = out.get(
+            "ChecksumCRC32"
+        )  # a store that checks part checksums echoes the one it verified
         if echoed is not None and echoed != crc:
             raise ObjectStoreError(
                 f"uploading part {number} of s3://{self.bucket.url.bucket}/{self.item.key} (step {self.step}): the "
                 f"store recorded CRC32 {echoed}, the part's bytes have {crc}; save again",
-                bucket=self.bucket.url.bucket, key=self.item.key, step=self.step)
+                bucket=self.bucket.url.bucket,
+                key=self.item.key,
+                step=self.step,
+            )
         self.parts[number] = {"PartNumber": number, "ETag": str(out["ETag"]), "ChecksumCRC32": crc}
 
     def complete(self) -> str:
         parts = [self.parts[n] for n in sorted(self.parts)]
         try:
             out = self.bucket.client.complete_multipart_upload(
-                Bucket=self.bucket.url.bucket, Key=self.item.key, UploadId=self.upload_id,
-                MultipartUpload={"Parts": parts})
+                Bucket=self.bucket.url.bucket,
+                Key=self.item.key,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": parts},
+            )
         except Exception as exc:
-            raise self.bucket.error(exc, self.item.key, "completing the multipart upload of", self.step) from exc
+            raise self.bucket.error(
+                exc, self.item.key, "completing the multipart upload of", self.step
+            ) from exc
         return str(out["ETag"])
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # best effort: gc aborts what is left
             self.bucket.client.abort_multipart_upload(
-                Bucket=self.bucket.url.bucket, Key=self.item.key, UploadId=self.upload_id)
+                Bucket=self.bucket.url.bucket, Key=self.item.key, UploadId=self.upload_id
+            )
 
 
 def _spans(size: int, part: int) -> Iterator[tuple[int, int, int]]:
@@ -120,7 +141,9 @@ def _spans(size: int, part: int) -> Iterator[tuple[int, int, int]]:
 def _put_whole(bucket: Bucket, item: Outgoing, step: int | None) -> str:
     data = _read(item.path, 0, item.size)
     try:
-        out = bucket.client.put_object(Bucket=bucket.url.bucket, Key=item.key, Body=data, ChecksumCRC32=_crc(data))
+        out = bucket.client.put_object(
+            Bucket=bucket.url.bucket, Key=item.key, Body=data, ChecksumCRC32=_crc(data)
+        )
     except Exception as exc:
         raise bucket.error(exc, item.key, "uploading", step) from exc
     return str(out["ETag"])
@@ -194,7 +217,9 @@ def _settle(jobs: list[tuple[str, _cf.Future[str | None]]], done: dict[str, str]
     ones (none writes later) and is raised."""
     futures = [job for _, job in jobs]
     _cf.wait(futures, return_when=_cf.FIRST_EXCEPTION)
-    failed = [job for job in futures if job.done() and not job.cancelled() and job.exception() is not None]
+    failed = [
+        job for job in futures if job.done() and not job.cancelled() and job.exception() is not None
+    ]
     if failed:
         for job in futures:
             job.cancel()
@@ -209,34 +234,55 @@ def _settle(jobs: list[tuple[str, _cf.Future[str | None]]], done: dict[str, str]
 # ---------------------------------------------------------------- download
 
 
-def _get_span(bucket: Bucket, item: Incoming, fd: int, offset: int, length: int, step: int | None) -> None:
+def _get_span(
+    bucket: Bucket, item: Incoming, fd: int, offset: int, length: int, step: int | None
+) -> None:
     try:
-        got = bucket.client.get_object(Bucket=bucket.url.bucket, Key=item.key, IfMatch=item.etag,
-                                       Range=f"bytes={offset}-{offset + length - 1}")
+        got = bucket.client.get_object(
+            Bucket=bucket.url.bucket,
+            Key=item.key,
+            IfMatch=item.etag,
+            Range=f"bytes={offset}-{offset + length - 1}",
+        )
         data = got["Body"].read()
     except Exception as exc:
         if bucket.status(exc) == 412:
             raise ObjectStoreError(
                 f"s3://{bucket.url.bucket}/{item.key} (step {step}) was replaced after its step was committed "
                 f"(ETag is no longer {item.etag}): something outside ckptguard wrote it; restore another step",
-                bucket=bucket.url.bucket, key=item.key, step=step, status=412) from exc
+                bucket=bucket.url.bucket,
+                key=item.key,
+                step=step,
+                status=412,
+            ) from exc
         raise bucket.error(exc, item.key, "downloading", step) from exc
     if len(data) != length:
         raise ObjectStoreError(
             f"s3://{bucket.url.bucket}/{item.key} (step {step}): got {len(data)} of {length} bytes at offset "
             f"{offset}; the object is shorter than its marker says ({item.size} B): restore another step",
-            bucket=bucket.url.bucket, key=item.key, step=step)
+            bucket=bucket.url.bucket,
+            key=item.key,
+            step=step,
+        )
     try:
         os.pwrite(fd, data, offset)
     except OSError as exc:
         raise ObjectStoreError(
             f"writing s3://{bucket.url.bucket}/{item.key} (step {step}) into {item.path} at offset {offset} failed: "
             f"{exc.strerror or exc}; free space or fix the staging disk, then restore again",
-            bucket=bucket.url.bucket, key=item.key, step=step) from exc
+            bucket=bucket.url.bucket,
+            key=item.key,
+            step=step,
+        ) from exc
 
 
-def download(bucket: Bucket, items: list[Incoming], *, step: int | None = None,
-             progress: Callable[[int], None] | None = None) -> None:
+def download(
+    bucket: Bucket,
+    items: list[Incoming],
+    *,
+    step: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
     """Download every object to its path (atomically, checked against size and xxh3). Every size the
     marker declares is checked against the object itself (HEAD) and against the free space before
     a file is created or a byte requested."""
@@ -277,18 +323,26 @@ def _head(bucket: Bucket, item: Incoming, step: int | None) -> None:
     where = f"s3://{bucket.url.bucket}/{item.key} (step {step})"
     found = bucket.head(item.key, step=step, what="checkpoint object")
     if found is None:
-        raise CheckpointCorruptError(f"{where} does not exist, but its step's marker names it: something outside "
-                                     "ckptguard deleted it; restore another step")
+        raise CheckpointCorruptError(
+            f"{where} does not exist, but its step's marker names it: something outside "
+            "ckptguard deleted it; restore another step"
+        )
     size, etag = found
     if size != item.size:
         raise CheckpointCorruptError(
             f"{where}: the marker declares {item.size} bytes, the object has {size}: the marker does not describe "
-            "this object (damaged or crafted); nothing was downloaded: restore another step")
-    if _unquoted(etag) != _unquoted(item.etag):  # stores quote an ETag in one reply and not in another
+            "this object (damaged or crafted); nothing was downloaded: restore another step"
+        )
+    if _unquoted(etag) != _unquoted(
+        item.etag
+    ):  # stores quote an ETag in one reply and not in another
         raise ObjectStoreError(
             f"{where} was replaced after its step was committed (ETag {etag}, the marker recorded {item.etag}): "
             "something outside ckptguard wrote it; restore another step",
-            bucket=bucket.url.bucket, key=item.key, step=step)
+            bucket=bucket.url.bucket,
+            key=item.key,
+            step=step,
+        )
 
 
 def _unquoted(etag: str) -> str:
@@ -315,7 +369,10 @@ def _room(items: list[Incoming], step: int | None, bucket: Bucket) -> None:
             raise ObjectStoreError(
                 f"downloading step {step} from s3://{bucket.url.bucket}/{bucket.url.prefix} needs {total} bytes under "
                 f"{base}, which has {free} free: free space there or point the staging root at a larger disk",
-                bucket=bucket.url.bucket, key=items[0].key, step=step)
+                bucket=bucket.url.bucket,
+                key=items[0].key,
+                step=step,
+            )
 
 
 def _check(item: Incoming, tmp: Path, step: int | None) -> None:
@@ -326,4 +383,5 @@ def _check(item: Incoming, tmp: Path, step: int | None) -> None:
     if digest.hexdigest() != item.xxh3:
         raise CheckpointCorruptError(
             f"{item.key} (step {step}): downloaded {item.size} B whose xxh3 is {digest.hexdigest()}, the marker says "
-            f"{item.xxh3}: the object holds other bytes than were committed; restore another step")
+            f"{item.xxh3}: the object holds other bytes than were committed; restore another step"
+        )
