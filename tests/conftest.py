@@ -114,6 +114,11 @@ SHARED_FIXTURES = {
     "test_pathlike": ("roots",),
     "test_verify": ("two_rank_ckpt",),
     "test_healthy": ("nan_root",),
+    "test_cli_json": ("root",),
+    "test_cli_progress": ("root",),
+    "test_cli_start": ("roots",),
+    "test_confinement": ("probe_results",),
+    "test_rollout_ledger": ("zygote",),
 }
 
 
