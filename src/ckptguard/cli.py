@@ -171,6 +171,13 @@ class _Local(click.Path):
     """A local path; an object-store URL is refused by name (never taken as a local path named ``s3:``)."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value[:3].lower() == "s3:" and not value.startswith("s3://"):
+            self.fail(
+                f"{value!r} reads like an object-store URL but is not one: write s3://bucket/prefix "
+                "(lower-case scheme, two slashes)",
+                param,
+                ctx,
+            )
         if isinstance(value, str) and "://" in value:
             command = ctx.info_name if ctx is not None else "this command"
             self.fail(

@@ -201,3 +201,29 @@ def _pinned_init(init):
         init(self, pin=True, idle_s=idle_s)  # as on a GPU: the CPU state's pool is pinned through the fake
 
     return pinned
+
+
+def test_no_memory_for_one_more_buffer_goes_on_with_those_made(monkeypatch, caplog):
+    pool = BufferPool(count=4, size=1 << 16, pin=False, timeout_s=0.5)
+    held = pool.get("a test")  # the one made at construction
+
+    def no_memory(size: int, pin: bool) -> Buffer:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(BufferPool, "_buffer", staticmethod(no_memory))
+    with caplog.at_level(logging.WARNING, logger="ckptguard"):
+        pool.put(held)
+        again = pool.get("reading a test")  # the free one, no new buffer needed
+        pool.put(again)
+        assert pool.get("reading a test") is again
+        with pytest.raises(StorageStallError):  # one buffer, held: a wait, then the stall (not ENOMEM)
+            pool.get("reading a test")
+    assert pool.count == 1 and "could not be made" in caplog.text and "going on with the 1 made" in caplog.text
+    pool.close()
+
+
+def test_a_closed_pool_hands_out_no_buffer():
+    pool = BufferPool(count=2, size=1 << 16, pin=False, timeout_s=5)
+    pool.close()
+    with pytest.raises(RuntimeError, match="pool is closed"):
+        pool.get("a test")

@@ -151,3 +151,14 @@ def test_a_restore_reads_its_own_data_file_ahead_and_leaves_no_page_cache(tmp_pa
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert _pool.default_limit() > 0
+
+
+def test_with_drop_page_cache_off_the_read_ahead_keeps_the_pages(tmp_path):
+    path = tmp_path / "__0_0.distcp"
+    _cold_file(path, 8 << 20)
+    with open(path, "rb") as f:
+        f.read()  # the user's warm cache, which StreamingConfig(drop_page_cache=False) asks to keep
+    warm = _resident(path)
+    ahead = ReadAhead(path, limit=8 << 20, drop=False).start()
+    ahead.close()
+    assert warm > 0 and _resident(path) == warm, "close dropped pages the user asked to keep"

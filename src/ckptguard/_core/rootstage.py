@@ -78,7 +78,11 @@ class RootStage(Protocol):
 
 
 def is_store(root: str | os.PathLike[str]) -> bool:
-    """Whether ``root`` names an object-store root (``s3://bucket/prefix``, a string)."""
+    """Whether ``root`` names an object-store root (``s3://bucket/prefix``, a string); a root that only reads
+    like one (``s3:/bkt/x``, ``S3://...``, a Path of the URL) is refused (``StoreURL.lookalike``)."""
+    why = StoreURL.lookalike(root)
+    if why is not None:
+        raise ConfigError(f"checkpoint root {why}")
     return isinstance(root, str) and root.startswith(STORE_SCHEME)
 
 

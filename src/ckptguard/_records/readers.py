@@ -166,6 +166,12 @@ def open_step(
     The lease is written before the step is checked, renewed every ``ttl_s / 3`` seconds while the
     block runs and removed after it; a killed reader frees the step at once on its host, and after
     ``ttl_s`` on another host."""
+    text = os.fspath(root)
+    if isinstance(text, str) and text[:3].lower() == "s3:":  # never a local directory named "s3:"
+        raise ConfigError(
+            f"open_step({text!r}): open_step holds a step of a local root; on an s3:// root hold it with "
+            "CheckpointManager(url).hold(step) (kept by the store's rotation until released)"
+        )
     root = Path(root)
     if step is None:
         step = _layout.read_tracker(root)

@@ -47,6 +47,7 @@ from ..errors import (
 )
 from ..storage._pool import ReadAhead, default_limit
 from ..storage.dcp import check_torch_version
+from ..storage.streaming import StreamingStorage
 from . import layoutcheck as _layoutcheck
 from . import reshard as _reshard
 from .resolve_agreed import Agreed, Problems, by_item, check_topology, source_rank
@@ -293,8 +294,11 @@ def _read_ahead(ctx: Context, manifest: _manifest.Manifest, into: list[ReadAhead
     mine = [f for f in manifest.files if f.rank == ctx.rank and f.path.startswith(_layout.STATE_DIR + "/")]
     big = max(mine, key=lambda f: f.size, default=None)
     path = safe_member(manifest.path.parent, big.path) if big and manifest.world_size == ctx.world else None
+    # The streaming storage's read threads and page-cache choice (plain DCP's reader keeps the cache).
+    cfg = ctx.storage.config if isinstance(ctx.storage, StreamingStorage) else None
     if big is not None and path is not None:
-        into.append(ReadAhead(path, limit=min(default_limit(), big.size)).start())
+        into.append(ReadAhead(path, limit=min(default_limit(), big.size), streams=cfg.read_threads if cfg else 4,
+                              drop=cfg.drop_page_cache if cfg else False).start())
 
 
 def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = None) -> Restored:

@@ -250,8 +250,9 @@ def halt_reads_ahead(directory: str | os.PathLike[str]) -> None:
 class ReadAhead:
     """One rank's read-ahead of one data file (``path``: checked to lie in the step directory by the caller)."""
 
-    def __init__(self, path: Path, *, limit: int | None = None, streams: int = 4) -> None:
+    def __init__(self, path: Path, *, limit: int | None = None, streams: int = 4, drop: bool = True) -> None:
         self.path = path
+        self.drop = drop  # StreamingConfig.drop_page_cache: False keeps the pages (the user asked for them)
         self.limit = default_limit() if limit is None else max(0, limit)
         self.streams = max(1, streams)
         self.done = 0  # bytes read so far, all streams
@@ -333,7 +334,7 @@ class ReadAhead:
         with _RUNNING_LOCK:
             if _RUNNING.get(self._key) is self:
                 del _RUNNING[self._key]
-        if not self.done or any(t.is_alive() for t in self._threads):
+        if not self.drop or not self.done or any(t.is_alive() for t in self._threads):
             return
         fd = self._open()
         if fd is not None:
@@ -449,13 +450,20 @@ class BufferPool:
         return sum(b.size for b in self._all)
 
     def get(self, what: str) -> Buffer:
+        if self._closed:  # a released buffer handed out would fail later as "released memoryview"
+            raise RuntimeError(f"the I/O buffer pool is closed (while {what}): a ckptguard bug, report it")
         try:
             return self._free.get_nowait()
         except queue.Empty:
             pass
         with self._lock:
             if not self._closed and len(self._all) < self.count:
-                return self._add()
+                try:
+                    return self._add()
+                except (MemoryError, OSError) as exc:  # no memory for one more: go on with those made
+                    self.count = len(self._all)
+                    log.warning("ckptguard: one more %d B I/O buffer could not be made (%s) while %s; going on "
+                                "with the %d made", self.size, exc, what, self.count)
         try:
             return self._free.get(timeout=self.timeout_s)
         except queue.Empty:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 import re
 from dataclasses import dataclass
 
@@ -53,6 +54,23 @@ class StoreURL:
                 "no empty, '.' or '..' parts): every object ckptguard creates or deletes lives under it"
             )
         return cls(bucket, prefix)
+
+    @staticmethod
+    def lookalike(root: object) -> str | None:
+        """Why ``root`` (a str or a path) reads like an object-store URL but is not one, or None: ``s3:/bkt/x``,
+        ``S3://bkt/x`` or ``Path("s3://bkt/x")`` (which drops a slash) would otherwise be taken as a local
+        directory named ``s3:`` and a job would checkpoint to its node's disk believing it wrote to the store."""
+        try:
+            text = os.fspath(root)  # type: ignore[call-overload]
+        except TypeError:
+            return None
+        if not isinstance(text, str) or text[:3].lower() != "s3:" or text.startswith("s3://"):
+            return None
+        return (
+            f"{text!r} reads like an object-store URL but is not one: write s3://bucket/prefix (lower-case "
+            "scheme, two slashes) as a str (a pathlib.Path of the URL drops a slash); a local directory "
+            "named like that is refused too: rename it"
+        )
 
     def key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts))
