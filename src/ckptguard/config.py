@@ -239,7 +239,9 @@ class StorageOptions:
     object_staging: Path | None = None
     """An ``s3://`` root's local root: each step is committed there before its upload and downloaded there
     before a restore (node-local or shared, the same path on every node, room for one step). None:
-    ``$TMPDIR/ckptguard-staging/<bucket>/<prefix>`` (node-local). Unused for a filesystem root."""
+    ``$TMPDIR/ckptguard-staging-<uid>/<endpoint hash>/<bucket>/<prefix>`` (node-local). A directory that holds
+    anything but this store's staging (an existing root, another store's staging) or is a link is refused
+    (``ckptguard-staging.json`` names the store). Unused for a filesystem root."""
 
     def __post_init__(self) -> None:
         StepNaming(self.dir_template)  # raises ConfigError naming the field

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._agree import Wire, gather_decide
+from .._agree import Wire, gather_decide, on_every_rank
 from .._commit import storelease
 from .._commit import storepublish as _publish
 from .._commit.busy import check_policy
@@ -44,6 +44,7 @@ from .._resume.storefetch import fetch_step, resolve
 from ..config import CheckpointConfig, OnBusy, ResumeMode
 from ..errors import CheckpointError, ConfigError
 from ..storage.s3 import ObjectStore, StoreURL
+from .rootstage import claim_staging
 
 log = logging.getLogger("ckptguard")
 
@@ -83,6 +84,8 @@ class StoreStage:
         )
         self.url = str(self.store.url)
         self.local = local
+        self._config = config
+        self._claimed = False  # the staging root claimed (``claim``): at the first save or restore, after the lease
         self.local_config = dataclasses.replace(config, retention=KeepLast(1))
         """The staging root's config: it keeps its newest step (the store rotates by ``config.retention``)."""
         self._agreement = make_agreement(
@@ -118,6 +121,7 @@ class StoreStage:
         staging root), then whether the staging save of ``step`` replaces a staging commit the store never
         made (``_commit.storepublish.replaces``; collective)."""
         self.check_lease(actions.break_lease)
+        self.claim()
         self._breaking[step] = actions.break_lease
         if actions.overwrite or not _publish.replaces(
             self._agreement, self.store, self.local, step
@@ -156,7 +160,20 @@ class StoreStage:
         """The store's lease checked on every rank (``LeaseHeldError`` while another live job holds it), and
         this rank's proof log seeded from the store's copy (collective)."""
         self.check_lease(break_lease)
+        self.claim()
         self.seed_proof()
+
+    def claim(self) -> None:
+        """The staging root claimed for this store on every rank before anything is written there
+        (``rootstage.claim_staging``: an existing root, another store's staging or a link is refused, alike on
+        every rank; collective)."""
+        if not self._claimed:
+            on_every_rank(
+                self._agreement,
+                "store.claim",
+                lambda: claim_staging(self.local, self.url, self._config),
+            )
+            self._claimed = True
 
     def resolve(self, mode: ResumeMode, prefer: Prefer) -> Resolution:
         """The step a restore loads from the store and why (agreed by all ranks); loads nothing. Its ``url`` is
@@ -193,6 +210,7 @@ class StoreStage:
         """The committed ``step`` in the staging root: downloaded, each host's ranks a share, unless there
         already (collective, ``_resume.storefetch``). Rotation on the store keeps it from now on."""
         self._restored, self._rooted = step, True
+        self.claim()
         return fetch_step(self._agreement, self.store, self.local, step, host=self._host)
 
     # ------------------------------------------------------------ queries

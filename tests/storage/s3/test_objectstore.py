@@ -636,7 +636,12 @@ def test_the_staging_root_defaults_to_a_node_local_directory_named_by_the_store(
     from ckptguard._core.rootstage import local_root
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert local_root("s3://bucket/runs/one", cg.CheckpointConfig()) == tmp_path / "ckptguard-staging/bucket/runs/one"
+    default = local_root("s3://bucket/runs/one", cg.CheckpointConfig())
+    assert default.relative_to(tmp_path).parts[0] == f"ckptguard-staging-{os.getuid()}", default
+    assert default.parts[-3:] == ("bucket", "runs", "one"), default
+    other = cg.CheckpointConfig(storage=cg.StorageOptions(object_store=cg.ObjectStoreOptions(
+        endpoint_url="http://other:9000")))
+    assert local_root("s3://bucket/runs/one", other) != default, "another endpoint: another staging root"
     given = cg.CheckpointConfig(storage=cg.StorageOptions(object_staging="rel/stage"))
     assert local_root("s3://bucket/runs/one", given) == Path("rel/stage").absolute()
     assert local_root(tmp_path / "disk", given) == tmp_path / "disk"  # a directory root is its own local root
@@ -738,9 +743,26 @@ def test_a_staging_step_that_is_a_symlink_is_refused_and_what_it_points_to_is_un
     other.close()
     fresh = tmp_path / "fresh"
     fresh.mkdir()
+    record = "ckptguard-staging.json"  # a staging root of this store (claimed), into which a link was planted
+    (fresh / record).write_bytes((tmp_path / "stage" / record).read_bytes())
     (fresh / "step_00000001").symlink_to(tmp_path / "other" / "step_00000001")
     ckpt = h.root(url, fresh, moto)
     with pytest.raises(UnsafeCheckpointError, match="symlink"):
         ckpt.restore(h.blank())
     ckpt.close()
     assert (tmp_path / "other" / "step_00000001" / "manifest.json").is_file()
+
+
+def test_an_existing_root_given_as_the_staging_root_is_refused_at_the_first_save_and_keeps_its_steps(moto, tmp_path):
+    """Review finding: KeepLast(1) of the staging root deleted the steps of a root given as object_staging."""
+    victim = tmp_path / "old-run"
+    old = cg.CheckpointManager(victim)
+    for step in (1, 2, 3):
+        old.save(step, h.state_at(step))
+    old.close()
+    before = sorted(os.listdir(victim))
+    ckpt = h.root(f"s3://{bucket(moto)}/run", victim, moto)
+    with pytest.raises(cg.ConfigError, match="is not a staging root"):
+        ckpt.save(10, h.state_at(10))
+    ckpt.close()
+    assert sorted(os.listdir(victim)) == before
