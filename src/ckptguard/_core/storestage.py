@@ -86,6 +86,9 @@ class StoreStage:
         self.local = local
         self._config = config
         self._claimed = False  # the staging root claimed (``claim``): at the first save or restore, after the lease
+        self._unseeded = (
+            False  # the store's copy of this rank's proof log could not be read (``seed_proof``)
+        )
         self.local_config = dataclasses.replace(config, retention=KeepLast(1))
         """The staging root's config: it keeps its newest step (the store rotates by ``config.retention``)."""
         self._agreement = make_agreement(
@@ -234,7 +237,9 @@ class StoreStage:
 
     def seed_proof(self) -> None:
         """This rank's proof log comes back from the store's copy when the staging root lost it (a lost
-        node), so its next copy continues the killed run's records instead of replacing them (no collective)."""
+        node), so its next copy continues the killed run's records instead of replacing them (no collective).
+        A failed read is remembered: ``copy_proof`` then never overwrites the store's copy with a log that lacks
+        it (it reads it again and puts the records kept here after it)."""
         path = self._proof_path()
         if path.exists():
             return
@@ -251,12 +256,33 @@ class StoreStage:
                     self.store.url,
                 )
         except (OSError, CheckpointError) as exc:
+            self._unseeded = True
             log.warning(
-                "ckptguard: reading the store's copy of %s failed (%s: %s); the records start anew here",
+                "ckptguard: reading the store's copy of %s failed (%s: %s); the records start anew here and the "
+                "store's copy is not replaced until it is read",
                 path,
                 type(exc).__name__,
                 exc,
             )
+
+    def _reseed(self, path: Path) -> bool:
+        """After a failed seed: the store's copy read again and this rank's new records put after it (True), or
+        False (still unreadable: the store's copy stays as it is)."""
+        try:
+            data = self.store.get_proof(path.name)
+        except (OSError, CheckpointError) as exc:
+            log.warning(
+                "ckptguard: the store's copy of %s still cannot be read (%s); it is not replaced by this "
+                "rank's newer records (kept in %s)",
+                path.name,
+                exc,
+                path,
+            )
+            return False
+        if data:
+            atomic_write_bytes(path, data + (path.read_bytes() if path.is_file() else b""))
+        self._unseeded = False
+        return True
 
     def copy_proof(self) -> None:
         """This rank's proof log (in the staging root) copied whole to ``proof/`` on the store, where
@@ -267,6 +293,8 @@ class StoreStage:
         ):  # a proof copy never creates anything under a prefix this job did not write
             return
         try:
+            if self._unseeded and not self._reseed(path):
+                return
             if path.is_file():
                 self.store.put_proof(path.name, path.read_bytes())
         except (OSError, CheckpointError) as exc:

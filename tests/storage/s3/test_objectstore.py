@@ -766,3 +766,40 @@ def test_an_existing_root_given_as_the_staging_root_is_refused_at_the_first_save
         ckpt.save(10, h.state_at(10))
     ckpt.close()
     assert sorted(os.listdir(victim)) == before
+
+
+@pytest.mark.parametrize("readable_later", [True, False], ids=["read-again", "still-unreadable"])
+def test_a_long_runs_proof_log_is_read_past_16_mib_and_never_replaced_by_one_that_lacks_it(
+    moto, tmp_path, monkeypatch, readable_later
+):
+    """Review finding: a store's proof log over 16 MiB could not be read back, and after a lost node the next save
+    replaced it with the new node's few records (the killed run's evidence gone)."""
+    url = f"s3://{bucket(moto)}/run"
+    ckpt = h.root(url, tmp_path / "node1", moto)
+    ckpt.save(1, h.state_at(1))
+    ckpt.close()
+    store = ObjectStore(url, h.options(moto))
+    name = "rank_00000.jsonl"
+    long_log = store.get_proof(name) + b'{"event": "step", "pad": "' + b"x" * (17 << 20) + b'"}\n'
+    store.put_proof(name, long_log)
+    assert store.get_proof(name) == long_log, "a 17 MiB proof log reads back whole"
+    real = ObjectStore.get_proof
+    fails = {"left": 1 if readable_later else 10**6}
+
+    def flaky(self, proof_name):
+        if fails["left"] > 0:
+            fails["left"] -= 1
+            raise ObjectStoreError("the store did not answer (test)", bucket="b", key="k")
+        return real(self, proof_name)
+
+    monkeypatch.setattr(ObjectStore, "get_proof", flaky)
+    lost = h.root(url, tmp_path / "node2", moto)  # a new node: its staging root has no proof log
+    assert lost.restore(h.blank()) == 1
+    lost.save(2, h.state_at(2))
+    lost.close()
+    monkeypatch.setattr(ObjectStore, "get_proof", real)
+    now = store.get_proof(name)
+    if readable_later:
+        assert now.startswith(long_log) and len(now) > len(long_log), "the killed run's records, then the new ones"
+    else:
+        assert now == long_log, "a store copy that could not be read is never replaced"

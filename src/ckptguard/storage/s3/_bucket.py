@@ -28,6 +28,8 @@ from ._options import ObjectStoreOptions, StoreURL
 
 SMALL_OBJECT_BYTES = 16 << 20
 """The most a record read (marker, tracker, lease, owner) accepts; ckptguard writes kilobytes."""
+PROOF_LOG_BYTES = 1 << 30
+"""The most a rank's proof log read accepts: about 390 B a recorded step, 2.7 million steps (16 MiB was 43,000)."""
 
 
 @dataclass(frozen=True)
@@ -132,15 +134,22 @@ class Bucket:
 
     # ------------------------------------------------------------ records
 
-    def get(self, key: str, *, step: int | None = None, what: str = "object") -> Small | None:
-        """The whole object (at most SMALL_OBJECT_BYTES), or None when there is none."""
+    def get(
+        self,
+        key: str,
+        *,
+        step: int | None = None,
+        what: str = "object",
+        limit: int = SMALL_OBJECT_BYTES,
+    ) -> Small | None:
+        """The whole object (at most ``limit`` bytes), or None when there is none."""
         try:
             got = self.client.get_object(Bucket=self.url.bucket, Key=key)
             size = int(got.get("ContentLength") or 0)
-            if size > SMALL_OBJECT_BYTES:
+            if size > limit:
                 got["Body"].close()
                 raise ObjectStoreError(
-                    f"s3://{self.url.bucket}/{key} ({what}) has {size} bytes, more than the {SMALL_OBJECT_BYTES} a "
+                    f"s3://{self.url.bucket}/{key} ({what}) has {size} bytes, more than the {limit} a "
                     "ckptguard record holds: it was not written by ckptguard; inspect it",
                     bucket=self.url.bucket,
                     key=key,

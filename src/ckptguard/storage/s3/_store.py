@@ -53,7 +53,7 @@ from ...errors import (
 )
 from . import _objrecords as rec
 from . import _transfer
-from ._bucket import Bucket
+from ._bucket import PROOF_LOG_BYTES, Bucket
 from ._options import Consistency, ObjectStoreOptions, StoreURL
 
 log = logging.getLogger("ckptguard")
@@ -374,7 +374,9 @@ class ObjectStore:
 
     def get_proof(self, name: str) -> bytes | None:
         """The store's copy of one rank's proof log (None: there is none)."""
-        found = self.bucket.get(self.url.key(PROOF_DIR, name), what="proof records")
+        found = self.bucket.get(
+            self.url.key(PROOF_DIR, name), what="proof records", limit=PROOF_LOG_BYTES
+        )
         return None if found is None else found.data
 
     def fetch_proof(self, dest: Path) -> list[str]:
@@ -385,7 +387,7 @@ class ObjectStore:
             rel = self.url.relative(obj.key) or ""
             if not rec.is_proof(rel):
                 continue
-            found = self.bucket.get(obj.key, what="proof records")
+            found = self.bucket.get(obj.key, what="proof records", limit=PROOF_LOG_BYTES)
             if found is not None:
                 name = rel.split("/", 1)[1]
                 atomic_write_bytes(dest / PROOF_DIR / name, found.data)
