@@ -117,3 +117,26 @@ def test_a_save_starts_while_the_staging_is_prepared_below_the_bound_or_under_wa
     again = cg.CheckpointManager(tmp_path / "ck")
     assert again.restore(restored) == 1 and all(torch.equal(restored[k], v) for k, v in _state().items())
     again.close()
+
+
+def test_a_preparation_past_its_patience_no_longer_skips_saves(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A hung preparation (a pin that never returns) must not skip every save_async for the rest of the run."""
+    from ckptguard._commit import pending as _pending
+
+    gate = threading.Event()
+    monkeypatch.setattr(_staging.StagingPool, "grow_async", _staging.StagingPool.grow_async)  # restored after
+    _hold_preparation(gate)
+    monkeypatch.setattr(_busy, "UNREADY_LIVE_BYTES", 0)
+    state = _state()
+    mgr = cg.CheckpointManager(tmp_path / "ck")
+    try:
+        mgr.prepare_async(state)
+        assert mgr.save_async(1, state) is None and mgr.busy.skipped_total == 1
+        monkeypatch.setattr(_pending, "PREPARE_PATIENCE_S", -1)  # as if it had run past its patience
+        with caplog.at_level(logging.WARNING, logger="ckptguard"):
+            assert mgr.save_async(2, state) is not None, "saved, reading the rest live"
+        assert "stops waiting for it and reads the rest live" in caplog.text
+        assert Path(mgr.wait()).name == "step_00000002"
+    finally:
+        gate.set()
+        mgr.close()

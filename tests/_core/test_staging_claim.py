@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._core.rootstage import STAGING_RECORD, claim_staging
+from ckptguard._core.storestage import STAGING_RECORD, claim_staging
 
 
 def _config(staging, endpoint="http://127.0.0.1:1"):

@@ -22,6 +22,7 @@ skipped, its reason naming the figure (a second set beside a full first one is 2
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -31,15 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from .._agree import Wire, gather_decide
 from .._context import Actions, Context
 from .._records.entries import Figure
 from .._state.state import Captured
 from .._types import StateDict
 from ..config import CheckpointConfig, OnBusy
-from ..storage._staging import Fence
+from ..storage._staging import Fence, HostCopier, StagingPool, copier_for, slot_view
+from ..storage._writer import exact
 from .busy import BusyDecision, BusyRound, InFlight, may_start, settle
-from .pending import AsyncStaging, PendingSave, Staged, committer, nbytes
+from .pending import AsyncStaging, PendingSave, Staged, committer, nbytes, rewrap
 from .snapshot import Snapshot, snapshot
 
 T = TypeVar("T")
@@ -122,6 +126,77 @@ class Queued:
         return None
 
 
+@dataclass
+class Placement:
+    """A snapshot's slots in a pool, not filled yet (``place_whole``)."""
+
+    snap: Snapshot
+    pool: StagingPool
+    entries: list[tuple[Captured, str, torch.Tensor, torch.Tensor, torch.Tensor]]
+    """(item, key, tensor, its exact local tensor, its slot)."""
+    budget: int = 0
+    """The host bytes this set could hold (for the cost block)."""
+
+    def release(self) -> None:
+        self.pool.done()
+
+
+def place_whole(
+    staging: AsyncStaging, snap: Snapshot, config: CheckpointConfig, budget: int
+) -> Placement | str:
+    """A host slot for every tensor of ``snap`` in this set's pool (within ``budget``), or why not (nothing
+    placed then; the pool grows toward it in the background). Copies nothing: ``fill`` does, once agreed.
+    Placing resets the pool's slots: what this set held before stays intact until ``fill`` runs."""
+    pool = staging.pool_for(snap.items, config)
+    for item in snap.items.values():
+        item.skeleton = copy.deepcopy(
+            item.skeleton
+        )  # the values the trainer bumps before it starts
+    entries = []
+    for item in snap.items.values():
+        for key, t in item.tensors.items():
+            local = exact(t)
+            if local.numel() == 0:
+                item.tensors[key] = rewrap(torch.empty(local.shape, dtype=local.dtype), t)
+            else:
+                entries.append((item, key, t, local))
+    sizes = [nbytes(t) for _, _, t, _ in entries]
+    want = sum(sizes)
+    if pool.growing:
+        return f"its host staging set for {want} B is still being allocated in the background"
+    slots = pool.place(sizes, budget, grow=0)
+    if all(slot is not None for slot in slots):
+        placed = [(*e, slot) for e, slot in zip(entries, slots, strict=True) if slot is not None]
+        return Placement(snap, pool, placed, budget)
+    pool.done()
+    if budget >= pool.held_bytes + pool.missing(sizes):
+        pool.grow_async(sizes, budget)
+        return f"its host staging set for {want} B was not allocated yet (now being allocated in the background)"
+    return (
+        f"it needs {want} B of host staging beside the commit's, and {budget} B of the host staging budget "
+        "are left (raise CheckpointConfig.async_save.host_bytes to twice the state's bytes)"
+    )
+
+
+def fill(staging: AsyncStaging, placed: Placement, state: StateDict, timeout_s: float) -> Staged:
+    """Copy ``placed``'s tensors into their slots; the next mutation waits for the copies (never for a
+    live read: there is none)."""
+    copier = copier_for([local for _, _, _, local, _ in placed.entries])
+    out = Staged(
+        fence=HostCopier().fence(live=False, timeout_s=timeout_s), host_budget=placed.budget
+    )
+    for item, key, t, local, slot in placed.entries:
+        dst = slot_view(slot, local)
+        copier.copy(dst, local)
+        item.tensors[key] = rewrap(dst, t)
+        out.host_bytes += nbytes(t)
+    out.fence = copier.fence(live=False, timeout_s=timeout_s)
+    placed.snap.staged_bytes = out.host_bytes
+    placed.snap.cost = out.cost(placed.pool)
+    staging.guard(out.fence, state)
+    return out
+
+
 class SaveQueue:
     """One front door's queue of ``OnBusy.COALESCE`` and its two staging sets: ``primary`` (the front door's
     own) and a spare one; a queued save stages into whichever set the running commit does not read."""
@@ -202,7 +277,7 @@ class SaveQueue:
             actions=actions,
         )
         budget = self.budget(target, config, state_bytes(snap.items))
-        placed = target.place_whole(snap, config, budget) if isinstance(budget, int) else budget
+        placed = place_whole(target, snap, config, budget) if isinstance(budget, int) else budget
         mine = (
             HoldView(whole=True)
             if not isinstance(placed, str)
@@ -216,7 +291,7 @@ class SaveQueue:
                 placed.release()  # what was queued before stays queued, its bytes untouched
             self._skip(step, decision, f"not queued: {verdict.why}")
             return None
-        staged = target.fill(placed, state, config.timeout_s)
+        staged = fill(target, placed, state, config.timeout_s)
         snap.resumed = time.monotonic()
         if self.queued is not None:
             # Filled into the same set: its mutation hooks are the new save's now.

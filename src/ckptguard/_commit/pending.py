@@ -5,7 +5,7 @@ memory when the GPU copies fit ``gpu_bytes``, otherwise into slots of the reusab
 staging pool (``storage._staging``) within ``host_bytes``: the caller waits only until the
 copies are queued. What fits neither stays live: the background writer reads it, and the
 fence holds the next mutation (optimizer step, ``staged()``) until it has; never a silent
-synchronous save. ``AsyncStaging.place_whole`` and ``fill`` stage a snapshot whole or not at all
+synchronous save. ``coalesce.place_whole`` and ``fill`` stage a snapshot whole or not at all
 (``OnBusy.COALESCE``'s queued save: it must never read live tensors), in two steps so that every
 rank can agree between them. ``PendingSave`` runs the commit protocol in a thread at lowered CPU and
 I/O priority, after the staged copies landed. The tracker moves only when that commit
@@ -44,6 +44,7 @@ from .ahead import Ahead
 from .snapshot import Snapshot, snapshot
 
 log = logging.getLogger("ckptguard")
+PREPARE_PATIENCE_S = 120  # a preparation this old (a hung pin) no longer holds save_async back (busy.may_start)
 SMALL_GROW = 64 << 20  # what a save may pin on its thread (ms): a prepared pool's few missing bytes
 
 
@@ -57,7 +58,7 @@ def nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _rewrap(staged: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def rewrap(staged: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``staged`` as ``t`` is: the same DTensor placement around the staged local shard."""
     if not hasattr(t, "to_local"):
         return staged
@@ -113,10 +114,10 @@ def stage(
     for item, key, t in tensors:
         local = exact(t)
         if local.is_cuda and gpu_fits:
-            item.tensors[key] = _rewrap(local.clone(), t)
+            item.tensors[key] = rewrap(local.clone(), t)
             out.gpu_bytes += nbytes(t)
         elif local.numel() == 0:
-            item.tensors[key] = _rewrap(torch.empty(local.shape, dtype=local.dtype), t)
+            item.tensors[key] = rewrap(torch.empty(local.shape, dtype=local.dtype), t)
         else:
             to_host.append((item, key, t, local))
     if gpu_fits:
@@ -139,28 +140,13 @@ def stage(
             continue
         dst = slot_view(slot, local)
         copier.copy(dst, local)
-        item.tensors[key] = _rewrap(dst, t)
+        item.tensors[key] = rewrap(dst, t)
         out.host_bytes += nbytes(t)
     out.fence = copier.fence(live=out.live_bytes > 0, timeout_s=timeout_s)
     if gpu_event is not None:
         out.fence.also_wait(gpu_event)
     snap.staged_bytes = out.gpu_bytes + out.host_bytes
     return out
-
-
-@dataclass
-class Placement:
-    """A snapshot's slots in a pool, not filled yet (``AsyncStaging.place_whole``)."""
-
-    snap: Snapshot
-    pool: StagingPool
-    entries: list[tuple[Captured, str, torch.Tensor, torch.Tensor, torch.Tensor]]
-    """(item, key, tensor, its exact local tensor, its slot)."""
-    budget: int = 0
-    """The host bytes this set could hold (for the cost block)."""
-
-    def release(self) -> None:
-        self.pool.done()
 
 
 class AsyncStaging:
@@ -174,13 +160,22 @@ class AsyncStaging:
         self.budget_why = ""
         self.preparing: Future[int] | None = None
         self._preparing_bytes = 0  # what the preparation in flight grows the pool to (before the budget)
+        self._preparing_since, self._patience_said = 0.0, False
         self._handles: list[Any] = []
         self.ahead = Ahead()
 
     def unready_bytes(self) -> int:
-        """Bytes the staging being prepared in the background still lacks (0: none being prepared)."""
+        """Bytes the staging being prepared in the background still lacks (0: none being prepared, or a
+        preparation past ``PREPARE_PATIENCE_S``: saves then read live rather than be skipped without end)."""
         pool = self.pool
         if pool is None or not (pool.growing or (self.preparing is not None and not self.preparing.done())):
+            return 0
+        if time.monotonic() - self._preparing_since > PREPARE_PATIENCE_S:
+            if not self._patience_said:
+                self._patience_said = True
+                log.warning("ckptguard: the host staging has been prepared for over %d s (%d of %d B): save_async "
+                            "stops waiting for it and reads the rest live", PREPARE_PATIENCE_S, pool.held_bytes,
+                            self._preparing_bytes)
             return 0
         return max(0, self._preparing_bytes - pool.held_bytes)
 
@@ -199,13 +194,13 @@ class AsyncStaging:
         """Derive the host budget (a memory probe: about 1 s) and grow the pool to what ``items`` stage into
         the host, in the background (``prepare_async``, or the first ``save_async`` without it). ``gpu_bytes``:
         what may go to spare GPU memory instead (None: ``async_gpu_bytes``; 0: everything to the host)."""
-        pool = self._pool_for(items, config)
+        pool = self.pool_for(items, config)
         tensors = [t for c in items.values() for t in c.tensors.values()]
         on_gpu = sum(nbytes(t) for t in tensors if _local(t).is_cuda)
         gpu_fits = 0 < on_gpu <= (config.async_save.gpu_bytes if gpu_bytes is None else gpu_bytes)
         sizes = [nbytes(t) for t in tensors if nbytes(t) and not (gpu_fits and _local(t).is_cuda)]
         done: Future[int] = Future()
-        self._preparing_bytes = sum(sizes)
+        self._preparing_bytes, self._preparing_since, self._patience_said = sum(sizes), time.monotonic(), False
 
         def run() -> None:
             try:
@@ -229,7 +224,7 @@ class AsyncStaging:
         if pool is not None:
             done.add_done_callback(lambda _: pool.idle_from_now())
 
-    def _pool_for(self, items: dict[str, Captured], config: CheckpointConfig) -> StagingPool:
+    def pool_for(self, items: dict[str, Captured], config: CheckpointConfig) -> StagingPool:
         pin = torch.cuda.is_available() and any(_local(t).is_cuda for c in items.values() for t in c.tensors.values())
         if self.pool is not None and pin and not self.pool.pin:
             self.pool.release()  # a CPU-only state's pool cannot serve non-blocking D2H copies
@@ -240,7 +235,7 @@ class AsyncStaging:
 
     def stage(self, snap: Snapshot, state: StateDict, config: CheckpointConfig) -> Staged:
         self.ahead.stop()
-        pool = self._pool_for(snap.items, config)
+        pool = self.pool_for(snap.items, config)
         if self.budget is None and self.preparing is None:
             self.prepare(snap.items, config)  # no prepare_async: this first save reads live, never pins here
         budget = self.budget if self.budget is not None else 0
@@ -269,52 +264,6 @@ class AsyncStaging:
                 ", growing in the background" if ready else "",
             )
         return staged
-
-    def place_whole(self, snap: Snapshot, config: CheckpointConfig, budget: int) -> Placement | str:
-        """A host slot for every tensor of ``snap`` in this set's pool (within ``budget``), or why not (nothing
-        placed then; the pool grows toward it in the background). Copies nothing: ``fill`` does, once agreed.
-        Placing resets the pool's slots: what this set held before stays intact until ``fill`` runs."""
-        pool = self._pool_for(snap.items, config)
-        for item in snap.items.values():
-            item.skeleton = copy.deepcopy(item.skeleton)  # the values the trainer bumps before it starts
-        entries = []
-        for item in snap.items.values():
-            for key, t in item.tensors.items():
-                local = exact(t)
-                if local.numel() == 0:
-                    item.tensors[key] = _rewrap(torch.empty(local.shape, dtype=local.dtype), t)
-                else:
-                    entries.append((item, key, t, local))
-        sizes = [nbytes(t) for _, _, t, _ in entries]
-        want = sum(sizes)
-        if pool.growing:
-            return f"its host staging set for {want} B is still being allocated in the background"
-        slots = pool.place(sizes, budget, grow=0)
-        if all(slot is not None for slot in slots):
-            placed = [(*e, slot) for e, slot in zip(entries, slots, strict=True) if slot is not None]
-            return Placement(snap, pool, placed, budget)
-        pool.done()
-        if budget >= pool.held_bytes + pool.missing(sizes):
-            pool.grow_async(sizes, budget)
-            return f"its host staging set for {want} B was not allocated yet (now being allocated in the background)"
-        return (f"it needs {want} B of host staging beside the commit's, and {budget} B of the host staging budget "
-                "are left (raise CheckpointConfig.async_save.host_bytes to twice the state's bytes)")
-
-    def fill(self, placed: Placement, state: StateDict, timeout_s: float) -> Staged:
-        """Copy ``placed``'s tensors into their slots; the next mutation waits for the copies (never for a
-        live read: there is none)."""
-        copier = copier_for([local for _, _, _, local, _ in placed.entries])
-        out = Staged(fence=HostCopier().fence(live=False, timeout_s=timeout_s), host_budget=placed.budget)
-        for item, key, t, local, slot in placed.entries:
-            dst = slot_view(slot, local)
-            copier.copy(dst, local)
-            item.tensors[key] = _rewrap(dst, t)
-            out.host_bytes += nbytes(t)
-        out.fence = copier.fence(live=False, timeout_s=timeout_s)
-        placed.snap.staged_bytes = out.host_bytes
-        placed.snap.cost = out.cost(placed.pool)
-        self.guard(out.fence, state)
-        return out
 
     def guard(self, fence: Fence, state: StateDict) -> None:
         """Hold the next optimizer step (any optimizer), and the next forward of a module whose saved

@@ -21,10 +21,13 @@ seeded back from it before a restore when the staging root lost it (a lost node)
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import secrets
 import socket
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from .._commit import storelease
 from .._commit import storepublish as _publish
 from .._commit.busy import check_policy
 from .._context import Actions
+from .._disk import layout as _layout
 from .._disk.layout import MANIFEST_NAME, atomic_write_bytes
 from .._dist import make_agreement
 from .._records.proofreader import records_dir
@@ -41,12 +45,76 @@ from .._records.retention import KeepLast, holds
 from .._records.trust import Prefer
 from .._resume.resolve_local import Resolution
 from .._resume.storefetch import fetch_step, resolve
+from .._types import JsonObject
 from ..config import CheckpointConfig, OnBusy, ResumeMode
 from ..errors import CheckpointError, ConfigError
 from ..storage.s3 import ObjectStore, StoreURL
-from .rootstage import claim_staging
 
 log = logging.getLogger("ckptguard")
+
+STAGING_RECORD = "ckptguard-staging.json"
+"""Which store a staging root stages (``{"store": url, "endpoint": endpoint_url}``), written when it is claimed."""
+
+
+def _store_id(root: str, config: CheckpointConfig) -> JsonObject:
+    endpoint = config.storage.object_store.endpoint_url if config.storage.object_store else None
+    return {"store": str(StoreURL.parse(root)), "endpoint": endpoint}
+
+
+def claim_staging(local: Path, root: str, config: CheckpointConfig) -> None:
+    """Make ``local`` the staging root of the store ``root``, or refuse it: the staging keeps only its newest
+    step (``KeepLast(1)``), so a directory holding anything else (an existing checkpoint root, another store's
+    staging, a link planted at the default path) would lose it. Its record (``STAGING_RECORD``) names the store
+    and endpoint; it is created with O_EXCL-like ``link`` (ranks of one node may claim at once)."""
+    mine = _store_id(root, config)
+    if (
+        config.storage.object_staging is None
+    ):  # the default path: this user's directory, never a planted link
+        top = Path(tempfile.gettempdir()) / f"ckptguard-staging-{os.getuid()}"
+        top.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(top)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise ConfigError(
+                f"staging root of {root}: {top} is not a directory of this user (uid {os.getuid()}):"
+                " set StorageOptions(object_staging=...) to a directory of yours"
+            )
+    if local.is_symlink():
+        raise ConfigError(
+            f"staging root of {root}: {local} is a symbolic link; ckptguard never writes through a "
+            "link (it could reach another root): set StorageOptions(object_staging=...) to a directory"
+        )
+    local.mkdir(parents=True, exist_ok=True)
+    record = local / STAGING_RECORD
+    for _ in range(50):
+        if record.exists():
+            break
+        others = [e for e in os.listdir(local) if e != STAGING_RECORD and ".tmp-" not in e]
+        if others:
+            raise ConfigError(
+                f"staging root of {root}: {local} already holds {sorted(others)[:5]} and is not a staging root "
+                f"(no {STAGING_RECORD}); a staging root keeps only its newest step, so an existing checkpoint "
+                "root there would lose its steps: set StorageOptions(object_staging=...) to an empty or new "
+                "directory"
+            )
+        tmp = local / f"{STAGING_RECORD}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.write_text(json.dumps(mine, sort_keys=True) + "\n")
+        try:
+            os.link(
+                tmp, record
+            )  # fails if another rank of this node claimed it first: its record is compared
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    found = json.loads(_layout.read_small(record, what="staging record"))
+    if found != mine:
+        raise ConfigError(
+            f"staging root of {root}: {local} stages {found.get('store')} (endpoint {found.get('endpoint')}), not "
+            f"{mine['store']} (endpoint {mine['endpoint']}): two stores must not share a staging root (its steps "
+            "and proof records would mix). Set StorageOptions(object_staging=...) to a directory of this root's; "
+            "if it is the same store under another endpoint, the staging root is scratch (the store holds every "
+            "committed step): delete it"
+        )
 
 
 @dataclass(frozen=True)
