@@ -803,3 +803,13 @@ def test_a_long_runs_proof_log_is_read_past_16_mib_and_never_replaced_by_one_tha
         assert now.startswith(long_log) and len(now) > len(long_log), "the killed run's records, then the new ones"
     else:
         assert now == long_log, "a store copy that could not be read is never replaced"
+
+
+def test_a_read_that_cannot_reach_the_store_says_run_it_again_and_a_save_says_save_again():
+    """Review finding: list, verify, gc and prove on an unreachable store told the operator to "save again"."""
+    from ckptguard.storage.s3._bucket import _READS, _hint
+
+    assert all(doing.startswith(_READS) for doing in ("reading the tracker", "listing", "downloading"))
+    read = _hint("EndpointConnectionError", None, "http://127.0.0.1:1", reading=True)
+    assert "run the same again" in read and "save again" not in read and "marker" not in read
+    assert "save again" in _hint("EndpointConnectionError", None, "http://127.0.0.1:1")

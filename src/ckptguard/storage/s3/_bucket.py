@@ -63,7 +63,8 @@ def _no_bucket(exc: BaseException) -> bool:
     )
 
 
-def _hint(code: str, status: int | None, endpoint: str) -> str:
+def _hint(code: str, status: int | None, endpoint: str, reading: bool = False) -> str:
+    """What to do; ``reading``: a read, listing or download (no step was being saved)."""
     if code in ("NoSuchBucket",):
         return "create the bucket, or fix the bucket name in the URL"
     if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status == 403:
@@ -72,6 +73,11 @@ def _hint(code: str, status: int | None, endpoint: str) -> str:
         return "the store saw other bytes than were sent (corrupted in transit or on the local disk); save again"
     if code in ("EntityTooSmall", "InvalidPart", "InvalidPartOrder", "NoSuchUpload"):
         return "the multipart upload is incomplete or was aborted (by gc?); save again"
+    if status is None and reading:
+        return (
+            f"the store at {endpoint} did not answer after the bounded retries; check that it is reachable "
+            "and healthy (ObjectStoreOptions.endpoint_url, AWS_ENDPOINT_URL), then run the same again"
+        )
     if status is None:
         return (
             f"the store at {endpoint} did not answer after the bounded retries; check that it is reachable "
@@ -81,7 +87,12 @@ def _hint(code: str, status: int | None, endpoint: str) -> str:
         return (
             "the store is failing or throttling; retry later, or lower ObjectStoreOptions.threads"
         )
+    if reading:
+        return "see the store's message; nothing was changed on the store by this read"
     return "see the store's message; nothing of this step is visible until its marker is written"
+
+
+_READS = ("reading", "looking up", "listing", "downloading")
 
 
 class Bucket:
@@ -118,7 +129,7 @@ class Bucket:
         where = f"s3://{self.url.bucket}/{key}" + (f" (step {step})" if step is not None else "")
         return ObjectStoreError(
             f"{doing} {where} failed: {code}{f' (HTTP {status})' if status else ''}: {text}; "
-            f"{_hint(code, status, self.endpoint)}",
+            f"{_hint(code, status, self.endpoint, doing.startswith(_READS))}",
             bucket=self.url.bucket,
             key=key,
             step=step,
