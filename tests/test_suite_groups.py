@@ -2,7 +2,7 @@
 expensive module fixture of SHARED_FIXTURES go together (the fixture is built once in the suite, not on each
 worker), every other test is handed out alone. xdist's own loadgroup silently stopped grouping under pytest 9.2
 (pytest-xdist#1386), so the grouping is checked on a real two-worker run, with a light module put in a group that
-runs together."""
+runs together. Also the test jobs' exit (tests/jobexit.py), which the suite's time depends on too."""
 
 from __future__ import annotations
 
@@ -102,3 +102,23 @@ def test_every_shared_fixture_is_a_module_fixture_its_tests_take(module):
     for name in SHARED_FIXTURES[module]:
         assert name in scoped, f"{path}: no module-scoped fixture {name!r}; update SHARED_FIXTURES in tests/conftest.py"
         assert any(name in unit.split("::")[1].split("+") for unit in units.values()), (path, name)
+
+
+def test_a_job_s_heap_is_frozen_at_exit_after_every_later_finalizer_and_its_exit_handlers_still_run(tmp_path):
+    """tests/jobexit.py: a finalizer made after ``freeze_at_exit`` (vLLM's engine shutdown, which unfreezes and
+    collects) runs before the freeze; an atexit handler registered before it still runs, after it."""
+    seen = tmp_path / "seen"
+    job = f"""
+import atexit, gc, weakref
+from pathlib import Path
+atexit.register(lambda: Path({str(seen)!r}).open("a").write(f"atexit {{gc.get_freeze_count() > 0}}\\n"))
+import jobexit
+jobexit.freeze_at_exit()
+class Engine: pass
+engine = Engine()
+weakref.finalize(engine, lambda: Path({str(seen)!r}).open("a").write(f"engine {{gc.get_freeze_count()}}\\n"))
+"""
+    proc = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=60, cwd=TESTS,
+                          env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert proc.returncode == 0, proc.stderr
+    assert seen.read_text().splitlines() == ["engine 0", "atexit True"]
