@@ -104,7 +104,6 @@ def test_a_fifo_as_a_role_manifest_is_refused_at_once_by_restore_verify_list_and
 # (module, function, call): why this read is not a small file of a checkpoint root, or how it
 # stays safe on a FIFO. Anything else that opens a file for reading must use read_small.
 ALLOWED: dict[tuple[str, str, str], str] = {
-    ("objectstore.py", "copy_proof", "read_bytes"): "this rank's own proof log (is_file() checked first), copied whole",
     ("_disk/tempfiles.py", "proc_start", "read_text"): "/proc/<pid>/stat: a kernel file, not in a root",
     ("_records/proofwriter.py", "process_start", "read_text"): "/proc/self/stat",
     ("_disk/filedigest.py", "file_digest", "open"): "large data files: opened O_NONBLOCK, fstat must be regular",

@@ -128,6 +128,11 @@ class _Chosen(Wire):
     reason: str
 
 
+def _read_log(path: Path) -> bytes:
+    """A rank's proof log read whole, never through a link or a FIFO, at most 1 GiB (the store's bound)."""
+    return _layout.read_small(path, limit=1 << 30, what="proof records")
+
+
 class StoreStage:
     """An object-store root (``url``) written through the local staging root ``local``. ``config`` is the
     manager's: its ``retention`` is applied on the store (``local_config``, the staging root's, keeps its
@@ -348,7 +353,7 @@ class StoreStage:
             )
             return False
         if data:
-            atomic_write_bytes(path, data + (path.read_bytes() if path.is_file() else b""))
+            atomic_write_bytes(path, data + (_read_log(path) if path.is_file() else b""))
         self._unseeded = False
         return True
 
@@ -364,7 +369,7 @@ class StoreStage:
             if self._unseeded and not self._reseed(path):
                 return
             if path.is_file():
-                self.store.put_proof(path.name, path.read_bytes())
+                self.store.put_proof(path.name, _read_log(path))
         except (OSError, CheckpointError) as exc:
             log.warning(
                 "ckptguard: copying the proof records %s to %s/proof failed (%s: %s); the copy is retried "
