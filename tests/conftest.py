@@ -119,6 +119,7 @@ SHARED_FIXTURES = {
     "test_cli_start": ("roots",),
     "test_confinement": ("probe_results",),
     "test_rollout_ledger": ("zygote",),
+    "test_turns_proof": ("new_ids",),
 }
 
 

@@ -66,9 +66,16 @@ def test_the_ledger_left_out_of_the_state_fails_the_kind_gate(tmp_path):
     assert result["witness"] == UNINTERRUPTED  # the trainer's state alone does not show it
 
 
-def test_a_call_reissued_under_a_new_call_id_fails_the_exactly_once_gate(tmp_path):
-    campaign(tmp_path, [9], control="new-ids")
-    row = gates(tmp_path / "root")[prove_turns.GATE_ONCE]
+@pytest.fixture(scope="module")
+def new_ids(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The root of a job killed once that re-issues a call under a new call id on its relaunch (read only)."""
+    tmp = tmp_path_factory.mktemp("new-ids")
+    campaign(tmp, [9], control="new-ids")
+    return tmp / "root"
+
+
+def test_a_call_reissued_under_a_new_call_id_fails_the_exactly_once_gate(new_ids):
+    row = gates(new_ids)[prove_turns.GATE_ONCE]
     assert row.status == "FAIL" and "rollout 'p0/s1', turn 3: call 0 took effect in 'idempotent' under 2 call ids" \
         in row.evidence, row
 
@@ -80,14 +87,13 @@ def test_a_restorable_environment_restored_to_the_wrong_revision_fails_the_exact
         in row.evidence, row
 
 
-def test_ckptguard_prove_shows_the_turn_gates(tmp_path):
+def test_ckptguard_prove_shows_the_turn_gates(new_ids):
     """``ckptguard prove`` judges the turn gates with the others (prove.evaluate adds ``prove_turns.rows``)."""
     from click.testing import CliRunner
 
     from ckptguard.cli import main
 
-    campaign(tmp_path, [9], control="new-ids")
-    result = CliRunner().invoke(main, ["prove", str(tmp_path / "root"), "--json"])
+    result = CliRunner().invoke(main, ["prove", str(new_ids), "--json"])
     shown = json.loads(result.stdout)
     by_name = {g["gate"]: g for g in shown["gates"]}
     assert by_name[prove_turns.GATE_ONCE]["status"] == "FAIL" and by_name[prove_turns.GATE_KIND]["status"] == "PASS"
