@@ -153,6 +153,15 @@ def _no_tracker(store: ObjectStore) -> Finding:
             f"no checkpoint root at {store.url}: nothing under the prefix",
             "check the URL and AWS_ENDPOINT_URL (a root is created by its first save)",
         )
+    parent, _, last = store.url.prefix.rpartition("/")
+    if parent and store.naming.parse(last) is not None:  # a step's prefix given for its root's
+        root = f"s3://{store.url.bucket}/{parent}"
+        return _err(
+            "step-not-root",
+            str(store.url),
+            f"names step {store.naming.parse(last)} of the root {root}, not a root",
+            f"give the root: `ckptguard verify {root}` (never create a tracker under a step's prefix)",
+        )
     return _err(
         "no-tracker",
         store.where(TRACKER_NAME),

@@ -276,3 +276,13 @@ def test_a_command_that_reads_local_paths_refuses_an_s3_url_by_name(command, tmp
     code, output = cli(*args)
     assert code == 2 and "works on local paths only" in output and "list, verify, preflight" in output, output
     assert list(tmp_path.iterdir()) == []  # nothing made at a local path named s3:
+
+
+def test_verify_given_a_step_s_prefix_names_the_root_and_never_advises_a_tracker_there(moto, tmp_path):
+    """Review finding: `verify s3://bkt/run/step_00000001` advised setting a tracker by hand under the step."""
+    name = bucket(moto)
+    url = f"s3://{name}/run"
+    h.write(moto, url, str(tmp_path / "w"), 1, None)
+    code, output = cli("verify", f"{url}/step_00000001")
+    assert code == 1 and "names step 1 of the root" in output and f"ckptguard verify {url}`" in output, output
+    assert "set it by hand" not in output
