@@ -118,7 +118,7 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests \
 		|| status=$$?; \
 	$(BIN)/ruff check src tests benchmarks examples || { test $$status -ne 0 || status=1; }; \
-	$(BIN)/ruff format --check src benchmarks examples || { test $$status -ne 0 || status=1; }; \
+	$(BIN)/ruff format --check src tests benchmarks examples || { test $$status -ne 0 || status=1; }; \
 	$(BIN)/python -m mypy || { test $$status -ne 0 || status=1; }; \
 	for v in $(VERL_VENV) $(HF_VENV) $(VLLM_VENV) $(MINISTACK_VENV); do \
 		test -f $$v/.installed || echo "$$v could not be built: its tests were skipped (.venv-builds.log says why)"; \
@@ -129,11 +129,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" --durations=10 tests
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/python -m mypy
 
 clean:

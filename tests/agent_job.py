@@ -31,11 +31,22 @@ from ckptguard.environments import Effect, EnvCall, EnvKind, EnvResult
 class FileEnv:
     """A per-rollout counter with a log of effects, of the declared kind, kept in ``path``."""
 
-    def __init__(self, name: str, kind: EnvKind, path: Path, *, restore_off_by: int = 0,
-                 rename_ids: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        kind: EnvKind,
+        path: Path,
+        *,
+        restore_off_by: int = 0,
+        rename_ids: bool = False,
+    ) -> None:
         self.name, self.kind, self.path = name, kind, Path(path)
-        self.restore_off_by = restore_off_by  # the wrong-revision control: restores that many revisions back
-        self.rename_ids = rename_ids  # the new-ids control: an adapter that mints a new id per process
+        self.restore_off_by = (
+            restore_off_by  # the wrong-revision control: restores that many revisions back
+        )
+        self.rename_ids = (
+            rename_ids  # the new-ids control: an adapter that mints a new id per process
+        )
         self.data: dict[str, Any] = {"rev": {}, "fence": {}, "first": {}, "log": []}
         if self.path.exists():
             self.data = json.loads(self.path.read_text())
@@ -50,13 +61,19 @@ class FileEnv:
         if self.kind is EnvKind.IDEMPOTENT and cid in self.data["first"]:
             value, rev, digest = self.data["first"][cid]
             return EnvResult(value, rev, digest)
-        if self.kind is EnvKind.RESTART_ONLY and call.epoch != self.data["fence"].get(call.rollout, 0):
-            raise RuntimeError(f"{self.name}: stale attempt of rollout {call.rollout} (epoch {call.epoch})")
+        if self.kind is EnvKind.RESTART_ONLY and call.epoch != self.data["fence"].get(
+            call.rollout, 0
+        ):
+            raise RuntimeError(
+                f"{self.name}: stale attempt of rollout {call.rollout} (epoch {call.epoch})"
+            )
         rev = self.data["rev"].get(call.rollout, 0) + 1
         live = sum(1 for e in self.data["log"] if e["rollout"] == call.rollout and e["live"])
         value = live * 10 + int(call.args["x"])
         self.data["rev"][call.rollout] = rev
-        self.data["log"].append(Effect(cid, call.rollout, call.attempt, call.turn, call.index, rev).to_json())
+        self.data["log"].append(
+            Effect(cid, call.rollout, call.attempt, call.turn, call.index, rev).to_json()
+        )
         if self.kind is EnvKind.IDEMPOTENT:
             self.data["first"][cid] = [value, rev, call.args_digest]
         self._save()
@@ -72,7 +89,9 @@ class FileEnv:
                 e["live"] = False
         self.data["rev"][rollout] = actual
         self._save()
-        return revision if self.restore_off_by else actual  # the buggy one reports what it was asked
+        return (
+            revision if self.restore_off_by else actual
+        )  # the buggy one reports what it was asked
 
     def fence(self, rollout: str) -> int:
         for e in self.data["log"]:
@@ -87,9 +106,19 @@ class FileEnv:
         return [Effect.from_json(e) for e in self.data["log"]]
 
 
-def envs(work: Path, control: str = "", kinds: tuple[EnvKind, ...] = tuple(EnvKind)) -> list[FileEnv]:
-    return [FileEnv(k.value, k, work / f"{k.value}.json", restore_off_by=int(control == "wrong-revision"),
-                    rename_ids=control == "new-ids" and k is EnvKind.IDEMPOTENT) for k in kinds]
+def envs(
+    work: Path, control: str = "", kinds: tuple[EnvKind, ...] = tuple(EnvKind)
+) -> list[FileEnv]:
+    return [
+        FileEnv(
+            k.value,
+            k,
+            work / f"{k.value}.json",
+            restore_off_by=int(control == "wrong-revision"),
+            rename_ids=control == "new-ids" and k is EnvKind.IDEMPOTENT,
+        )
+        for k in kinds
+    ]
 
 
 def model(seed: int, n: int = 3) -> list[int]:
@@ -98,7 +127,11 @@ def model(seed: int, n: int = 3) -> list[int]:
     return [rng.randrange(50) for _ in range(n)]
 
 
-USES = [("idempotent", "restorable"), ("idempotent", "restart-only"), ("idempotent", "restorable", "restart-only")]
+USES = [
+    ("idempotent", "restorable"),
+    ("idempotent", "restart-only"),
+    ("idempotent", "restorable", "restart-only"),
+]
 """The environments each prompt's rollouts may call: prompt 0's always continue, prompt 1's restart."""
 
 
@@ -122,12 +155,18 @@ def job(root: Path, work: Path, die_at_seq: int | None, control: str) -> dict[st
     import ckptguard as cg
 
     ledger = cg.TurnLedger(envs(work, control), root=root)
-    progress = torch.zeros(len(ROLLOUTS), dtype=torch.int64)  # 0 not started, 1 in flight, 2 finished
-    witness = torch.zeros(3, dtype=torch.int64)  # per prompt: what its finished rollouts' tokens sum to
+    progress = torch.zeros(
+        len(ROLLOUTS), dtype=torch.int64
+    )  # 0 not started, 1 in flight, 2 finished
+    witness = torch.zeros(
+        3, dtype=torch.int64
+    )  # per prompt: what its finished rollouts' tokens sum to
     state: dict[str, Any] = {"progress": progress, "witness": witness}
     if control != "no-turns":
         state["turns"] = ledger
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=60))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=60)
+    )
     step = mgr.restore(state, mode=cg.ResumeMode.AUTO)
     while bool((progress < 2).any()):
         step += 1
@@ -145,7 +184,9 @@ def job(root: Path, work: Path, die_at_seq: int | None, control: str) -> dict[st
             ledger.model_call(turn, tokens)
             answers = [ledger.env_call(turn, env, {"x": t}) for env, t in choose(tokens, prompt)]
             if die_at_seq is not None and ledger.state_dict()["seq"] + 1 >= die_at_seq:
-                os.kill(os.getpid(), signal.SIGKILL)  # after the effects, before the turn is committed
+                os.kill(
+                    os.getpid(), signal.SIGKILL
+                )  # after the effects, before the turn is committed
             ledger.end_turn(turn, [a % 50 for a in answers])
             if turn.turn == turns_of(rid):
                 conv = ledger.finish(rid)
@@ -164,10 +205,11 @@ def main() -> int:
     p.add_argument("--die-at-seq", type=int)
     p.add_argument("--control", default="", choices=["", "no-turns", "new-ids", "wrong-revision"])
     a = p.parse_args()
-    print("RESULT " + json.dumps(job(Path(a.root), Path(a.work), a.die_at_seq, a.control)), flush=True)
+    print(
+        "RESULT " + json.dumps(job(Path(a.root), Path(a.work), a.die_at_seq, a.control)), flush=True
+    )
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

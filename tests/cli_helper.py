@@ -31,7 +31,9 @@ def _main(rank: int, world: int, argv: list[str], out: str, err: str) -> int:
     try:
         runpy.run_module("ckptguard.cli", run_name="__main__", alter_sys=True)
         code = 0
-    except SystemExit as exc:  # as the interpreter exits on it: None 0, an int itself, anything else printed, 1
+    except (
+        SystemExit
+    ) as exc:  # as the interpreter exits on it: None 0, an int itself, anything else printed, 1
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
         else:
@@ -48,7 +50,9 @@ def _main(rank: int, world: int, argv: list[str], out: str, err: str) -> int:
 def run_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="ckptguard-cli-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        (res,) = run_ranks(_main, 1, [str(a) for a in args], str(out), str(err), timeout=timeout, distributed=False)
+        (res,) = run_ranks(
+            _main, 1, [str(a) for a in args], str(out), str(err), timeout=timeout, distributed=False
+        )
         stdout = out.read_text() if out.exists() else ""
         stderr = err.read_text() if err.exists() else ""
     if res.error_type == "HelperTimeout":

@@ -38,6 +38,8 @@ with PhaseRecorder(RecorderConfig(path=base / "phases" / "rank0.jsonl")).phase(P
 
 
 def build_roots(base: Path) -> dict[str, Path]:
-    proc = subprocess.run([sys.executable, "-c", _BUILD, str(base)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILD, str(base)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"one": base / "one", "run": base / "run", "phases": base / "phases"}

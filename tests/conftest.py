@@ -9,9 +9,17 @@ import pytest
 # Test helpers and fixture generators are imported by name, also in spawned ranks; so are test modules by other
 # test modules (``from test_tiers import ...``) wherever under tests/ each lives (its folders mirror src/ckptguard/).
 _TESTS = Path(__file__).parent
-for path in [str(_TESTS), str(_TESTS / "fixtures"),
-             *sorted(str(d) for d in _TESTS.rglob("*") if d.is_dir() and "__pycache__" not in d.parts
-                     and "fixtures" not in d.relative_to(_TESTS).parts)]:
+for path in [
+    str(_TESTS),
+    str(_TESTS / "fixtures"),
+    *sorted(
+        str(d)
+        for d in _TESTS.rglob("*")
+        if d.is_dir()
+        and "__pycache__" not in d.parts
+        and "fixtures" not in d.relative_to(_TESTS).parts
+    ),
+]:
     if path not in sys.path:
         sys.path.insert(0, path)
 
@@ -82,8 +90,15 @@ SLOW_MODULES = {
 # (Whole modules as units made the vLLM tests one serial chain on one worker: the suite took 22 min from a fresh
 # clone, against 16 with the tests handed out one by one. Two vLLM engines on the CPU at once only share the cores;
 # each TRL job takes a free MASTER_PORT.)
-GROUPS = {"test_examples": "ray", "test_ray_actors": "ray", "test_vllm_integration": "vllm",
-          "test_vllm_lora": "vllm", "test_vllm_trl": "vllm", "test_vllm_memory": "vllm", "test_turns_vllm": "vllm"}
+GROUPS = {
+    "test_examples": "ray",
+    "test_ray_actors": "ray",
+    "test_vllm_integration": "vllm",
+    "test_vllm_lora": "vllm",
+    "test_vllm_trl": "vllm",
+    "test_vllm_memory": "vllm",
+    "test_turns_vllm": "vllm",
+}
 TOGETHER = {"ray", *filter(None, os.environ.get("CKPTGUARD_TEST_TOGETHER", "").split(","))}
 """The groups whose tests run on one worker (the environment variable adds some: tests/test_suite_groups.py)."""
 
@@ -147,11 +162,18 @@ def shared_units(path: str) -> dict[str, str]:
 def units_in(source: str, module: str, shared: tuple[str, ...]) -> dict[str, str]:
     """``shared_units`` of a module's source."""
     tree = ast.parse(source)
-    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    fixtures = {f.name: _arguments(f) for f in functions
-                if any("fixture" in ast.unparse(d) for d in f.decorator_list)}
+    functions = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    fixtures = {
+        f.name: _arguments(f)
+        for f in functions
+        if any("fixture" in ast.unparse(d) for d in f.decorator_list)
+    }
 
-    def reached(names: list[str]) -> set[str]:  # a fixture taking a shared fixture takes what it builds
+    def reached(
+        names: list[str],
+    ) -> set[str]:  # a fixture taking a shared fixture takes what it builds
         seen: set[str] = set()
         while names:
             name = names.pop()
@@ -160,7 +182,11 @@ def units_in(source: str, module: str, shared: tuple[str, ...]) -> dict[str, str
                 names.extend(fixtures.get(name, []))
         return seen & set(shared)
 
-    uses = {f.name: reached(_arguments(f)) for f in functions if f.name.startswith("test") and f.name not in fixtures}
+    uses = {
+        f.name: reached(_arguments(f))
+        for f in functions
+        if f.name.startswith("test") and f.name not in fixtures
+    }
     # fixtures taken together by one test are one unit: union them, then name each unit by its fixtures
     owner = {name: name for name in shared}
     for taken in uses.values():
@@ -169,8 +195,11 @@ def units_in(source: str, module: str, shared: tuple[str, ...]) -> dict[str, str
     members: dict[str, list[str]] = {}
     for name in owner:
         members.setdefault(_root(owner, name), []).append(name)
-    return {test: f"{module}::{'+'.join(sorted(members[_root(owner, min(taken))]))}"
-            for test, taken in uses.items() if taken}
+    return {
+        test: f"{module}::{'+'.join(sorted(members[_root(owner, min(taken))]))}"
+        for test, taken in uses.items()
+        if taken
+    }
 
 
 def _arguments(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
@@ -188,9 +217,25 @@ def _root(owner: dict[str, str], name: str) -> str:
 # for the first minutes of the suite, so the heavy groups that need none go first, then the groups that need one
 # (the longest first: the suite ends no sooner than the vLLM tests do) and the Ray group (a local Ray cluster
 # started while the venvs build timed out starting its actors), then the rest in file order.
-FIRST_GROUPS = ("test_preempt", "test_rehearse", "test_replicas", "test_proof", "test_readside", "test_operations",
-                "test_node_local", "test_faults", "test_commit")
-VENV_GROUPS = ("vllm", "ray", "test_hf_integration", "test_objectstore", "test_export", "test_objectstore_tiers")
+FIRST_GROUPS = (
+    "test_preempt",
+    "test_rehearse",
+    "test_replicas",
+    "test_proof",
+    "test_readside",
+    "test_operations",
+    "test_node_local",
+    "test_faults",
+    "test_commit",
+)
+VENV_GROUPS = (
+    "vllm",
+    "ray",
+    "test_hf_integration",
+    "test_objectstore",
+    "test_export",
+    "test_objectstore_tiers",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -198,10 +243,14 @@ def pytest_collection_modifyitems(config, items):
         if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
     order = {g: n for n, g in enumerate((*FIRST_GROUPS, *VENV_GROUPS))}
-    items.sort(key=lambda it: order.get(group_of(it.nodeid), len(order)))  # stable: file order within and after
+    items.sort(
+        key=lambda it: order.get(group_of(it.nodeid), len(order))
+    )  # stable: file order within and after
 
 
-@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist (-p no:xdist) has no such hookspec
+@pytest.hookimpl(
+    optionalhook=True
+)  # xdist's hook: a run without xdist (-p no:xdist) has no such hookspec
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` by ``unit_of``, on the controller: xdist's own loadgroup reads ``xdist_group``
     marks by appending them to each node id, which pytest 9.2's structured node ids ignore
@@ -210,7 +259,9 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    config.option.loadscopereorder = False  # the order above, not xdist's default (3.7+) of the most tests first
+    config.option.loadscopereorder = (
+        False  # the order above, not xdist's default (3.7+) of the most tests first
+    )
 
     class Units(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

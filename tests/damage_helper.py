@@ -24,10 +24,14 @@ from ckptguard.cli import main
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
-DEEP = "[" * 100_000 + "]" * 100_000  # one JSON value nested 100k deep: RecursionError in json.loads
+DEEP = (
+    "[" * 100_000 + "]" * 100_000
+)  # one JSON value nested 100k deep: RecursionError in json.loads
 
 
-def tiny_root(root: Path, steps=(1, 2), *, template: str = "step_{step:08d}", mib: float = 0.0) -> Path:
+def tiny_root(
+    root: Path, steps=(1, 2), *, template: str = "step_{step:08d}", mib: float = 0.0
+) -> Path:
     """A root with ``steps`` committed (a 4-float tensor each, plus ``mib`` MiB if asked), no
     retention, and no lease: the test process must not look like a live writer of it. It is
     built under another name and renamed, so this process's exit handler, which releases
@@ -51,7 +55,11 @@ def step_dir(root: Path, step: int, template: str = "step_{step:08d}") -> Path:
 
 def committed_on_disk(root: Path) -> list[str]:
     """Names of the directories under root that hold a manifest (whatever the tracker says)."""
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink() and (p / MANIFEST).is_file())
+    return sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_dir() and not p.is_symlink() and (p / MANIFEST).is_file()
+    )
 
 
 def cli(*args: object) -> Result:
@@ -71,14 +79,22 @@ def no_traceback(result: Result, what: str) -> None:
 def refused(result: Result, what: str) -> None:
     """Exit 1 (failed check) or 2 (bad usage), with a message, never a traceback."""
     no_traceback(result, what)
-    assert result.exit_code in (1, 2), f"{what}: exit {result.exit_code}, expected 1 or 2\n{result.output}"
+    assert result.exit_code in (1, 2), (
+        f"{what}: exit {result.exit_code}, expected 1 or 2\n{result.output}"
+    )
 
 
-def run_py(code: str, *args: object, timeout: float = 60.0, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_py(
+    code: str, *args: object, timeout: float = 60.0, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """``python -c code args...`` with this test run's interpreter and sources; killed on timeout."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=full_env
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
     )
 
 

@@ -29,25 +29,48 @@ TOKENS = torch.tensor([[3, 17, 29, 5, 41, 8, 13, 60], [1, 2, 3, 4, 5, 6, 7, 8]])
 def llama_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def tied_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=True)
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
 
 
 def mixtral_config():
     from transformers import MixtralConfig
 
-    return MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                         max_position_embeddings=64, tie_word_embeddings=False)
+    return MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def _config_writer(config, rank: int):
@@ -87,9 +110,14 @@ def _fsdp2_worker(rank: int, world: int, root: str) -> dict:
     storage = ExternalFiles(StreamingStorage(), {"hf": _config_writer(config, rank)})
     cg.CheckpointManager(root, storage=storage).save(2, {"model": model, "optim": optim})
     logits = _logits(model)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {"logits": logits, "state": full if rank == 0 else None,
-            "sharded": [n for n, p in model.named_parameters() if hasattr(p, "placements")]}
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {
+        "logits": logits,
+        "state": full if rank == 0 else None,
+        "sharded": [n for n, p in model.named_parameters() if hasattr(p, "placements")],
+    }
 
 
 def _ep_worker(rank: int, world: int, root: str) -> dict:
@@ -109,7 +137,9 @@ def _ep_worker(rank: int, world: int, root: str) -> dict:
         for name, param in list(experts.named_parameters(recurse=False)):
             block = param.detach()[ep * per : (ep + 1) * per].clone()
             setattr(experts, name, torch.nn.Parameter(block))
-        fully_shard(experts, mesh=mesh["edp"])  # FSDP inside each EP group: chunk offsets repeat across groups
+        fully_shard(
+            experts, mesh=mesh["edp"]
+        )  # FSDP inside each EP group: chunk offsets repeat across groups
     spec = cg.ExpertParallel(group=mesh["ep"].get_group())
     storage = ExternalFiles(StreamingStorage(), {"hf": _config_writer(config, rank)})
     cg.CheckpointManager(root, storage=storage, expert_parallel=spec).save(1, {"model": model})
@@ -118,8 +148,12 @@ def _ep_worker(rank: int, world: int, root: str) -> dict:
 
 def _export(root: Path, out: Path, *extra: str) -> dict:
     cli = Path(sys.executable).parent / "ckptguard"
-    done = subprocess.run([str(cli), "export", str(root), "--hf", str(out), "--json", *extra],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [str(cli), "export", str(root), "--hf", str(out), "--json", *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if done.returncode != 0:
         raise SystemExit(f"export failed: {done.stdout} {done.stderr}")
     return json.loads(done.stdout)
@@ -167,8 +201,13 @@ def expert(work: Path) -> dict:
         "ep_ranks": sorted({r["ep"] for r in ranks}),
         "bitwise": bool(torch.equal(_logits(loaded), ranks[0]["reference"])),
         "expert_names": sorted(k for k in index["weight_map"] if "experts" in k),
-        "ep_keys": sorted(k for k in json.loads((work / "ck" / "step_00000001" / "manifest.json").read_text())
-                          ["layout_free"]["model"] if "#ep" in k),
+        "ep_keys": sorted(
+            k
+            for k in json.loads((work / "ck" / "step_00000001" / "manifest.json").read_text())[
+                "layout_free"
+            ]["model"]
+            if "#ep" in k
+        ),
         "tensors": result["tensors"],
     }
 
@@ -190,8 +229,10 @@ def tied(work: Path) -> dict:
     loaded = _pretrained(work / "out", dtype=torch.float32)
     index = json.loads((work / "out" / "model.safetensors.index.json").read_text())
     return {
-        "tied_in_trainer": model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(),
-        "tied_after_load": loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr(),
+        "tied_in_trainer": model.lm_head.weight.data_ptr()
+        == model.model.embed_tokens.weight.data_ptr(),
+        "tied_after_load": loaded.lm_head.weight.data_ptr()
+        == loaded.model.embed_tokens.weight.data_ptr(),
         "bitwise": bool(torch.equal(_logits(loaded), _logits(model))),
         "names": sorted(index["weight_map"]),
     }

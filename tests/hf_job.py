@@ -89,7 +89,9 @@ def _tokenizer():
     words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(29)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     out.padding_side = "left"
     return out
 
@@ -98,8 +100,16 @@ def _model(vocab: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=1,
-                     eos_token_id=1, pad_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=32,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -128,12 +138,24 @@ def _grpo():
 
     def reward(completions, **kw):
         # varies within a group, so most steps have a non-zero advantage and a real update
-        return [float(sum(int(w[1:]) % 7 for w in c.split() if w[1:].isdigit())) for c in completions]
+        return [
+            float(sum(int(w[1:]) % 7 for w in c.split() if w[1:].isdigit())) for c in completions
+        ]
 
-    args = GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                      num_iterations=CFG.get("num_iterations", 1), **_common_args())
-    kw = dict(model=_model(len(tokenizer)), reward_funcs=reward, args=args,
-              train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+    args = GRPOConfig(
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        num_iterations=CFG.get("num_iterations", 1),
+        **_common_args(),
+    )
+    kw = dict(
+        model=_model(len(tokenizer)),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
     if CFG["mode"] == "hf":
         return GRPOTrainer(**kw)
     import ckptguard as cg
@@ -144,8 +166,15 @@ def _grpo():
             sampler = super()._get_train_sampler(dataset)
             return _OwnSampler(sampler) if CFG.get("own_sampler") else sampler
 
-    overrides = {"timeout_s": 60, "proof": cg.ProofPlan(deterministic=bool(CFG.get("deterministic")))}
-    return Trainer(**kw, ckptguard_resume_mode=CFG.get("resume_mode", "auto"), ckptguard_config_overrides=overrides)
+    overrides = {
+        "timeout_s": 60,
+        "proof": cg.ProofPlan(deterministic=bool(CFG.get("deterministic"))),
+    }
+    return Trainer(
+        **kw,
+        ckptguard_resume_mode=CFG.get("resume_mode", "auto"),
+        ckptguard_config_overrides=overrides,
+    )
 
 
 class _OwnSampler(torch.utils.data.Sampler):
@@ -171,14 +200,21 @@ class _Tokens(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones(8, dtype=torch.long), "labels": self.ids[i]}
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": torch.ones(8, dtype=torch.long),
+            "labels": self.ids[i],
+        }
 
 
 def _causal():
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(per_device_train_batch_size=2, ddp_backend="gloo" if "RANK" in os.environ else None,
-                             **_common_args())
+    args = TrainingArguments(
+        per_device_train_batch_size=2,
+        ddp_backend="gloo" if "RANK" in os.environ else None,
+        **_common_args(),
+    )
     trainer = Trainer(model=_model(32), args=args, train_dataset=_Tokens(12))
     if CFG["mode"] == "hf":
         return trainer
@@ -225,8 +261,14 @@ def main() -> None:
     if RANK == 0:
         model = trainer.model
         params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        torch.save({"params": params, "optim": trainer.optimizer.state_dict(), "step": trainer.state.global_step},
-                   CFG["result"])
+        torch.save(
+            {
+                "params": params,
+                "optim": trainer.optimizer.state_dict(),
+                "step": trainer.state.global_step,
+            },
+            CFG["result"],
+        )
 
 
 if __name__ == "__main__":

@@ -91,8 +91,12 @@ class Ministack:
 
     def __init__(self) -> None:
         self.port = free_port()
-        env = dict(os.environ, BIND_HOST="127.0.0.1", GATEWAY_PORT=str(self.port), LOG_LEVEL="ERROR")
-        self.proc = subprocess.Popen([str(MINISTACK)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = dict(
+            os.environ, BIND_HOST="127.0.0.1", GATEWAY_PORT=str(self.port), LOG_LEVEL="ERROR"
+        )
+        self.proc = subprocess.Popen(
+            [str(MINISTACK)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         wait_port(self.port)
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
@@ -106,8 +110,14 @@ class Proxy:
     conditional writes; ``strip_only``: only on request paths containing that text, a store that honours
     ckptguard's probe but not the markers), ``stall_s`` holds every answer that long (a slow store)."""
 
-    def __init__(self, upstream_port: int, *, strip: bool = False, strip_only: str | None = None,
-                 stall_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        *,
+        strip: bool = False,
+        strip_only: str | None = None,
+        stall_s: float = 0.0,
+    ) -> None:
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -120,8 +130,11 @@ class Proxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 strip = proxy.strip and (proxy.strip_only is None or proxy.strip_only in self.path)
-                headers = {k: v for k, v in self.headers.items()
-                           if not (strip and k.lower() in ("if-none-match", "if-match"))}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if not (strip and k.lower() in ("if-none-match", "if-match"))
+                }
                 if proxy.stall_s:
                     time.sleep(proxy.stall_s)
                 conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
@@ -139,7 +152,11 @@ class Proxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
-        self.strip, self.strip_only, self.stall_s = strip or strip_only is not None, strip_only, stall_s
+        self.strip, self.strip_only, self.stall_s = (
+            strip or strip_only is not None,
+            strip_only,
+            stall_s,
+        )
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -176,12 +193,22 @@ def blank() -> dict[str, Any]:
 def options(endpoint: str, **kw: Any) -> Any:
     from ckptguard import ObjectStoreOptions
 
-    return ObjectStoreOptions(endpoint_url=endpoint, path_style=True, part_bytes=5 << 20, threads=4,
-                              **{"attempts": 2, "connect_timeout_s": 2.0, "read_timeout_s": 10.0, **kw})
+    return ObjectStoreOptions(
+        endpoint_url=endpoint,
+        path_style=True,
+        part_bytes=5 << 20,
+        threads=4,
+        **{"attempts": 2, "connect_timeout_s": 2.0, "read_timeout_s": 10.0, **kw},
+    )
 
 
-def config(endpoint: str | None = None, staging: str | os.PathLike[str] | None = None, *, base: Any = None,
-           **kw: Any) -> Any:
+def config(
+    endpoint: str | None = None,
+    staging: str | os.PathLike[str] | None = None,
+    *,
+    base: Any = None,
+    **kw: Any,
+) -> Any:
     """The tests' config (``base``: another one to start from): ``endpoint``'s store options (``kw`` over
     ``options``'s; None: boto3's defaults) and ``staging`` as the s3:// root's staging root."""
     import dataclasses
@@ -190,8 +217,14 @@ def config(endpoint: str | None = None, staging: str | os.PathLike[str] | None =
 
     base = base or cg.CheckpointConfig(timeout_s=60.0, retention=None)
     store = options(endpoint, **kw) if endpoint is not None else None
-    return dataclasses.replace(base, storage=dataclasses.replace(
-        base.storage, object_store=store, object_staging=Path(staging) if staging is not None else None))
+    return dataclasses.replace(
+        base,
+        storage=dataclasses.replace(
+            base.storage,
+            object_store=store,
+            object_staging=Path(staging) if staging is not None else None,
+        ),
+    )
 
 
 def root(url: str, staging: str | os.PathLike[str], endpoint: str | None = None, **kw: Any) -> Any:
@@ -223,22 +256,43 @@ def write(endpoint: str, url: str, staging: str, last: int, point: str | None) -
 if __name__ == "__main__":
     os.environ.update(CREDENTIALS)
     if sys.argv[1] == "write":
-        write(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6] if len(sys.argv) > 6 else None)
+        write(
+            sys.argv[2],
+            sys.argv[3],
+            sys.argv[4],
+            int(sys.argv[5]),
+            sys.argv[6] if len(sys.argv) > 6 else None,
+        )
 
 
-def race_worker(races: list[tuple[str, str, str]], role: int, trials: int, barrier: Any, out: Any,
-                data_path: str) -> None:
+def race_worker(
+    races: list[tuple[str, str, str]],
+    role: int,
+    trials: int,
+    barrier: Any,
+    out: Any,
+    data_path: str,
+) -> None:
     """One of two writer processes racing on ``trials`` fresh roots per race ``(endpoint, bucket, kind)``:
     kind "step" (both commit step 1), "tracker" (steps 5 and 7: both markers commit, the tracker must
     end at 7) or "lease" (both take the write lease)."""
     os.environ.update(CREDENTIALS)
     for endpoint, bucket, kind in races:
         for trial in range(trials if kind != "lease" else LEASE_TRIALS):
-            out.put((endpoint, kind, trial, role, *_race_once(endpoint, bucket, kind, role, trial, barrier, data_path)))
+            out.put(
+                (
+                    endpoint,
+                    kind,
+                    trial,
+                    role,
+                    *_race_once(endpoint, bucket, kind, role, trial, barrier, data_path),
+                )
+            )
 
 
-def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, barrier: Any,
-               data_path: str) -> tuple[int, str | None, str]:
+def _race_once(
+    endpoint: str, bucket: str, kind: str, role: int, trial: int, barrier: Any, data_path: str
+) -> tuple[int, str | None, str]:
     from ckptguard._commit import storelease, storepublish
     from ckptguard.errors import CommitConflictError, LeaseHeldError
     from ckptguard.storage.s3 import ObjectStore, StoredObject
@@ -263,8 +317,13 @@ def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, bar
     barrier.wait(60)
     if attempt is not None:
         try:
-            storepublish.commit(store, step, attempt,
-                                {"state/data.bin": StoredObject(size, "0", etags["state/data.bin"])}, {"role": role})
+            storepublish.commit(
+                store,
+                step,
+                attempt,
+                {"state/data.bin": StoredObject(size, "0", etags["state/data.bin"])},
+                {"role": role},
+            )
             result = "won"
         except CommitConflictError as exc:
             result = f"lost: {exc}"
@@ -272,6 +331,7 @@ def _race_once(endpoint: str, bucket: str, kind: str, role: int, trial: int, bar
 
 
 # ---------------------------------------------------------------- a training job killed inside the upload window
+
 
 def _train_state(rank: int) -> dict[str, Any]:
     """w and its SGD momentum: 12 MiB of DCP data (three 5 MiB parts, on rank 0), a counter per rank."""
@@ -297,8 +357,11 @@ def _fingerprint(state: dict[str, Any]) -> dict[str, Any]:
 
     w = state["model"].w.detach()
     buf = state["optim"].state[state["model"].w]["momentum_buffer"]
-    return {"w": hashlib.sha256(w.numpy().tobytes()).hexdigest(),
-            "momentum": hashlib.sha256(buf.numpy().tobytes()).hexdigest(), "counter": dict(state["counter"])}
+    return {
+        "w": hashlib.sha256(w.numpy().tobytes()).hexdigest(),
+        "momentum": hashlib.sha256(buf.numpy().tobytes()).hexdigest(),
+        "counter": dict(state["counter"]),
+    }
 
 
 def _kill_everyone(pids: str) -> None:
@@ -335,8 +398,16 @@ def _arm(rank: int, pids: str, kill: tuple[int, int, int, float]) -> None:
         set_fault_hook("store.before_marker", lambda: (time.sleep(delay_s), _kill_everyone(pids)))
 
 
-def train_job(rank: int, world: int, endpoint: str, url: str, staging: str, pids: str, last: int,
-              kill: tuple[int, int, int, float] | None) -> dict[str, Any]:
+def train_job(
+    rank: int,
+    world: int,
+    endpoint: str,
+    url: str,
+    staging: str,
+    pids: str,
+    last: int,
+    kill: tuple[int, int, int, float] | None,
+) -> dict[str, Any]:
     """One launch of a 2-rank training job: restore from the store, train and save every step up to
     ``last``; ``kill = (step, killer rank, k, delay_s)`` kills the whole job inside that step's upload."""
     os.environ.update(CREDENTIALS)

@@ -26,17 +26,34 @@ from ckptguard.demo.toyjob import build_job, fingerprint
 
 
 def main() -> None:
-    rank, world, port, cfg = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+    rank, world, port, cfg = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        json.loads(sys.argv[4]),
+    )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     job = build_job(rank=rank, world=world)
     config = cg.CheckpointConfig(timeout_s=60)
     mgr: cg.CheckpointManager | cg.TieredCheckpoint
-    if cfg.get("tiers"):  # fast tier every save_every steps, the persistent tier only at a preemption
+    if cfg.get(
+        "tiers"
+    ):  # fast tier every save_every steps, the persistent tier only at a preemption
         root = Path(cfg["root"])
-        mgr = cg.TieredCheckpoint(root / "fast", persistent=root / "persistent", fast_every=cfg["save_every"],
-                                  persistent_every=1000, config=config)
+        mgr = cg.TieredCheckpoint(
+            root / "fast",
+            persistent=root / "persistent",
+            fast_every=cfg["save_every"],
+            persistent_every=1000,
+            config=config,
+        )
     else:
         mgr = cg.CheckpointManager(cfg["root"], config=config)
     start = mgr.restore(job.state())

@@ -57,15 +57,22 @@ def _export(mgr: cg.CheckpointManager, step: int, model: Any, flavour: str) -> N
         payload = merged_state(model)
         mgr.record_export(step, payload, adapter=adapter_probe(payload, model))
     else:
-        payload = {"weight": model.weight.detach() + model.delta(), "head.weight": model.head.weight.detach()}
-        mgr.record_export(step, payload, adapter=adapter_probe(payload, {"weight": (model.weight, model.delta())}))
+        payload = {
+            "weight": model.weight.detach() + model.delta(),
+            "head.weight": model.head.weight.detach(),
+        }
+        mgr.record_export(
+            step, payload, adapter=adapter_probe(payload, {"weight": (model.weight, model.delta())})
+        )
 
 
 def _merge_into_base(model: Any, flavour: str) -> None:
     with torch.no_grad():
         if flavour == "peft":
             layer = model.get_base_model().q
-            layer.base_layer.weight += layer.get_delta_weight("default")  # merged in place, the flag never set
+            layer.base_layer.weight += layer.get_delta_weight(
+                "default"
+            )  # merged in place, the flag never set
         else:
             model.weight += model.delta()
 
@@ -91,7 +98,6 @@ def job(root: str, flavour: str, defect: bool) -> int:
             mgr.save(step, state)
         _export(mgr, step, model, flavour)
     return start
-
 
 
 if __name__ == "__main__":

@@ -24,22 +24,27 @@ GENERATOR = ",\n                    generator=torch.Generator())"
 
 def usage_block(root: str, with_generator: bool) -> str:
     text = README.read_text()
-    section = text[text.index("\n## Usage\n"):]
-    block = section[section.index("```python\n") + len("```python\n"): section.index("\n```\n")]
-    assert '"/ckpt/run1"' in block and GENERATOR in block, "the README's Usage block changed: update this job"
+    section = text[text.index("\n## Usage\n") :]
+    block = section[section.index("```python\n") + len("```python\n") : section.index("\n```\n")]
+    assert '"/ckpt/run1"' in block and GENERATOR in block, (
+        "the README's Usage block changed: update this job"
+    )
     block = block.replace('"/ckpt/run1"', repr(root))
     return block if with_generator else block.replace(GENERATOR, ")")
 
 
-
 def main(root: str, kill_at: int, with_generator: bool) -> dict:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=30, gamma=0.5)
     data = torch.Generator().manual_seed(1)
     # 56 samples in batches of 8: 7 steps an epoch, so the save at step 50 lands mid-epoch
-    dataset = torch.utils.data.TensorDataset(torch.randn(56, 4, generator=data), torch.randn(56, 1, generator=data))
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(56, 4, generator=data), torch.randn(56, 1, generator=data)
+    )
     calls = [0]
 
     def train_step(batch) -> int:
@@ -54,11 +59,24 @@ def main(root: str, kill_at: int, with_generator: bool) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)
         return int(x.shape[0])
 
-    ns = {"model": model, "optim": optim, "sched": sched, "dataset": dataset, "train_step": train_step,
-          "recipe": {"lr": 1e-2, "batch": 8}, "registry": None, "total": 120}
+    ns = {
+        "model": model,
+        "optim": optim,
+        "sched": sched,
+        "dataset": dataset,
+        "train_step": train_step,
+        "recipe": {"lr": 1e-2, "batch": 8},
+        "registry": None,
+        "total": 120,
+    }
     exec(compile(usage_block(root, with_generator), "README.md (Usage)", "exec"), ns)
-    return {"step": ns["step"], "tokens": ns["tokens"], "params": digest(model.state_dict()),
-            "optim": digest(optim.state_dict()), "start": ns["start"]}
+    return {
+        "step": ns["step"],
+        "tokens": ns["tokens"],
+        "params": digest(model.state_dict()),
+        "optim": digest(optim.state_dict()),
+        "start": ns["start"],
+    }
 
 
 if __name__ == "__main__":

@@ -39,11 +39,15 @@ def job(root: str, mode: str) -> None:
     mode, _, die = mode.partition("-")  # "<mode>-die": SIGKILL itself right after its first commit
     torch.manual_seed(0)
     policy = torch.nn.Module()
-    policy.counts = torch.nn.Parameter(torch.zeros(N_PROMPTS), requires_grad=False)  # trained-on counts
+    policy.counts = torch.nn.Parameter(
+        torch.zeros(N_PROMPTS), requires_grad=False
+    )  # trained-on counts
     run = cg.RunCheckpoint(
         root,
         [cg.Role("policy"), cg.Role("driver")],
-        config=cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=30.0, proof=ProofPlan(record=False)),
+        config=cg.CheckpointConfig(
+            retention=cg.KeepLast(2), timeout_s=30.0, proof=ProofPlan(record=False)
+        ),
     )
     if mode == "ledger":
         ledger = cg.RolloutLedger(range(N_PROMPTS), max_staleness=MAX_STALENESS)
@@ -66,7 +70,9 @@ def job(root: str, mode: str) -> None:
         while True:
             with cond:
                 cond.wait_for(lambda: count("in_flight") + count("buffered") < AHEAD)
-            batch = [p for p in (ledger.next_prompt() for _ in range(ISSUE_AT_ONCE)) if p is not None]
+            batch = [
+                p for p in (ledger.next_prompt() for _ in range(ISSUE_AT_ONCE)) if p is not None
+            ]
             if not batch:
                 exhausted.set()
                 with cond:
@@ -104,7 +110,9 @@ def job(root: str, mode: str) -> None:
             continue
         ids = [r.prompt_id for r in batch]
         with torch.no_grad():
-            policy.counts[torch.tensor(ids)] += 1.0  # the policy update: one count per trained prompt
+            policy.counts[torch.tensor(ids)] += (
+                1.0  # the policy update: one count per trained prompt
+            )
         step += 1
         ledger.trained(ids, step)
         if step % SAVE_EVERY == 0:
@@ -120,10 +128,14 @@ def zygote(warm_root: str) -> None:
     # the forked children. Its threads have ended (a fork copies only the calling thread).
     job(warm_root, "ledger")
     job(warm_root, "ledger")  # and the restore path
+
     # The digest pool of ckptguard is keyed by pid (a child makes its own); nothing else may live on.
     def others() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t is not threading.main_thread()
-                and not t.name.startswith("ckptguard-layout-free")]
+        return [
+            t
+            for t in threading.enumerate()
+            if t is not threading.main_thread() and not t.name.startswith("ckptguard-layout-free")
+        ]
 
     for _ in range(200):
         if not others():

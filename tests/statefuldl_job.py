@@ -38,17 +38,25 @@ class Samples(torch.utils.data.Dataset):
         return i, self.x[i], self.y[i]
 
 
-
 def main(root: str, kill_at: int, loader_in_state: bool, own_generator: bool) -> dict:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = StatefulDataLoader(Samples(), batch_size=BATCH, shuffle=True, num_workers=WORKERS,
-                                generator=torch.Generator() if own_generator else None)
+    loader = StatefulDataLoader(
+        Samples(),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=WORKERS,
+        generator=torch.Generator() if own_generator else None,
+    )
     state = {"model": model, "optim": optim, **({"loader": loader} if loader_in_state else {})}
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(proof=cg.ProofPlan(total_steps=TOTAL)))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(proof=cg.ProofPlan(total_steps=TOTAL))
+    )
     start = step = mgr.restore(state)
     seen: list[int] = []
     while step < TOTAL:
@@ -64,15 +72,27 @@ def main(root: str, kill_at: int, loader_in_state: bool, own_generator: bool) ->
             if step % SAVE_EVERY == 0:
                 mgr.save(step, state)
             if step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)  # mid-epoch, with the workers' batches in flight
+                os.kill(
+                    os.getpid(), signal.SIGKILL
+                )  # mid-epoch, with the workers' batches in flight
             if step == TOTAL:
                 break
     mgr.close()
-    return {"start": start, "step": step, "seen": seen, "params": digest(model.state_dict()),
-            "optim": digest(optim.state_dict())}
+    return {
+        "start": start,
+        "step": step,
+        "seen": seen,
+        "params": digest(model.state_dict()),
+        "optim": digest(optim.state_dict()),
+    }
 
 
 if __name__ == "__main__":
     flags = sys.argv[3:]
-    out = main(sys.argv[1], int(sys.argv[2]), "--loader-not-in-state" not in flags, "--own-generator" in flags)
+    out = main(
+        sys.argv[1],
+        int(sys.argv[2]),
+        "--loader-not-in-state" not in flags,
+        "--own-generator" in flags,
+    )
     print("RESULT " + json.dumps(out), flush=True)

@@ -25,7 +25,11 @@ PKG = Path(ckptguard.__file__).parent
 # ``_resume`` stand side by side at one rank and never import each other. The first matching
 # prefix names a module's layer (the package root ``""`` is the public surface).
 LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
-    ("base", 0, ("errors", "_log", "_faults", "_priority", "_version", "_types", "_agree", "_dist")),
+    (
+        "base",
+        0,
+        ("errors", "_log", "_faults", "_priority", "_version", "_types", "_agree", "_dist"),
+    ),
     ("memory", 1, ("memory",)),
     ("disk and format primitives", 2, ("_disk",)),
     ("state capture", 3, ("_state", "cursor")),
@@ -36,8 +40,21 @@ LAYERS: list[tuple[str, int, tuple[str, ...]]] = [
     ("commit", 8, ("_commit",)),
     ("resume", 8, ("_resume",)),
     ("core", 9, ("_core",)),
-    ("front doors", 10, ("manager", "run", "tiers", "preempt", "rollout", "turns", "environments", "objectstore",
-                     "")),
+    (
+        "front doors",
+        10,
+        (
+            "manager",
+            "run",
+            "tiers",
+            "preempt",
+            "rollout",
+            "turns",
+            "environments",
+            "objectstore",
+            "",
+        ),
+    ),
     ("ops", 11, ("ops", "integrations", "demo", "testing")),
     ("cli", 12, ("cli",)),
 ]
@@ -91,8 +108,13 @@ def import_graph(*, local_only: bool = False) -> dict[str, set[str]]:
         tree = ast.parse(path.read_text())
         nodes = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         if local_only:
-            nodes = [n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                     for n in ast.walk(f) if isinstance(n, ast.ImportFrom)]
+            nodes = [
+                n
+                for f in ast.walk(tree)
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for n in ast.walk(f)
+                if isinstance(n, ast.ImportFrom)
+            ]
         graph[module_name(path)] = {_target(t) for n in nodes for t in _resolved(path, n)}
     return graph
 
@@ -106,7 +128,9 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
             if src_layer == "memory" and t_layer not in ("memory", "base"):
                 bad.append(f"{src} -> {t} (memory/ imports only the base)")
             elif t_rank > src_rank or (src_layer, t_layer) in SIDE_BY_SIDE:
-                bad.append(f"{src} ({src_layer}) -> {t} ({t_layer}): imports must point down the rank table")
+                bad.append(
+                    f"{src} ({src_layer}) -> {t} ({t_layer}): imports must point down the rank table"
+                )
     return bad
 
 
@@ -177,14 +201,21 @@ def reach_ins(sources: dict[str, str]) -> list[str]:
                 v = n.value
                 if isinstance(v, ast.Name) and (v.id in ("self", "cls") or v.id in classes):
                     continue
-                if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                if (
+                    isinstance(v, ast.Call)
+                    and isinstance(v.func, ast.Name)
+                    and v.func.id == "super"
+                ):
                     continue
                 if module in defined[n.attr]:
                     continue  # a module's own private name
                 bad.append(f"{module}:{n.lineno}: {ast.unparse(n)}")
             elif isinstance(n, ast.ImportFrom):
-                bad += [f"{module}:{n.lineno}: import {a.name}" for a in n.names
-                        if a.name in defined and module not in defined[a.name]]
+                bad += [
+                    f"{module}:{n.lineno}: import {a.name}"
+                    for a in n.names
+                    if a.name in defined and module not in defined[a.name]
+                ]
     return bad
 
 
@@ -251,8 +282,13 @@ def test_no_front_door_reaches_through_another():
 def test_the_reach_through_rule_catches_an_injected_chain():
     sources = _sources()
     lines = sources["tiers"].count("\n")
-    sources["tiers"] += "\n\ndef _poke(mgr, other):\n    mgr.core.x = 1\n    return other.context.agreement\n"
-    assert reach_throughs(sources) == [f"tiers:{lines + 4}: mgr.core", f"tiers:{lines + 5}: other.context"]
+    sources["tiers"] += (
+        "\n\ndef _poke(mgr, other):\n    mgr.core.x = 1\n    return other.context.agreement\n"
+    )
+    assert reach_throughs(sources) == [
+        f"tiers:{lines + 4}: mgr.core",
+        f"tiers:{lines + 5}: other.context",
+    ]
 
 
 def store_branches(source: str, door: str = "TieredCheckpoint", label: str = "tiers") -> list[str]:
@@ -260,12 +296,25 @@ def store_branches(source: str, door: str = "TieredCheckpoint", label: str = "ti
     a name of the object store (``store``, ``object_store``, ``ObjectStoreCheckpoint``) in any other method.
     The tiers drive either kind through its manager's ``_core.rootstage.RootStage`` (issue 40: 7 such branches)."""
     tree = ast.parse(source)
-    names = {"store", "object_store", "ObjectStoreCheckpoint", "StoreStage", "ObjectStore", "is_store"}
+    names = {
+        "store",
+        "object_store",
+        "ObjectStoreCheckpoint",
+        "StoreStage",
+        "ObjectStore",
+        "is_store",
+    }
     bad = []
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == door):
         for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"):
             for node in ast.walk(fn):
-                name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+                name = (
+                    node.attr
+                    if isinstance(node, ast.Attribute)
+                    else node.id
+                    if isinstance(node, ast.Name)
+                    else ""
+                )
                 if name in names:
                     bad.append(f"{label}:{node.lineno}: {fn.name} names {name}")
     return bad
@@ -274,8 +323,11 @@ def store_branches(source: str, door: str = "TieredCheckpoint", label: str = "ti
 def test_the_tiers_never_branch_on_the_kind_of_persistent_tier():
     source = _sources()["tiers"]
     assert store_branches(source) == []
-    injected = source.replace("    def _due(self", "    def _asks(self):\n        return self.store is not None\n\n"
-                              "    def _due(self", 1)
+    injected = source.replace(
+        "    def _due(self",
+        "    def _asks(self):\n        return self.store is not None\n\n    def _due(self",
+        1,
+    )
     assert [b.split(": ", 1)[1] for b in store_branches(injected)] == ["_asks names store"]
 
 
@@ -284,14 +336,30 @@ def test_the_manager_never_branches_on_the_kind_of_root():
     points whatever the root; no method asks whether it is an object store."""
     source = _sources()["manager"]
     assert store_branches(source, "CheckpointManager", "manager") == []
-    injected = source.replace("    def poll(self", "    def _asks(self):\n        return is_store(self.root)\n\n"
-                              "    def poll(self", 1)
-    assert [b.split(": ", 1)[1] for b in store_branches(injected, "CheckpointManager", "manager")] == [
-        "_asks names is_store"]
+    injected = source.replace(
+        "    def poll(self",
+        "    def _asks(self):\n        return is_store(self.root)\n\n    def poll(self",
+        1,
+    )
+    assert [
+        b.split(": ", 1)[1] for b in store_branches(injected, "CheckpointManager", "manager")
+    ] == ["_asks names is_store"]
 
 
-COMMIT_ORDER = {"begin", "commit", "rotate", "_advance", "_check_won", "resolve", "collect", "gc", "acquire_lease",
-                "check_lease", "release_lease", "_takeover"}
+COMMIT_ORDER = {
+    "begin",
+    "commit",
+    "rotate",
+    "_advance",
+    "_check_won",
+    "resolve",
+    "collect",
+    "gc",
+    "acquire_lease",
+    "check_lease",
+    "release_lease",
+    "_takeover",
+}
 
 
 def commit_order_in_the_store(sources: dict[str, str]) -> list[str]:
@@ -306,9 +374,15 @@ def commit_order_in_the_store(sources: dict[str, str]) -> list[str]:
         if name != "storage.s3" and not name.startswith("storage.s3."):
             continue
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in COMMIT_ORDER:
+            if (
+                isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                and node.name in COMMIT_ORDER
+            ):
                 bad.append(f"{name}:{node.lineno}: def {node.name}")
-            elif isinstance(node, ast.Constant) and node.value in ("store.before_marker", "store.before_tracker"):
+            elif isinstance(node, ast.Constant) and node.value in (
+                "store.before_marker",
+                "store.before_tracker",
+            ):
                 bad.append(f"{name}:{node.lineno}: the fault point {node.value}")
     return bad
 
@@ -318,7 +392,9 @@ def test_the_object_store_package_holds_the_stores_primitives_not_the_commit_ord
     assert commit_order_in_the_store(sources) == []
     sources["storage.s3._store"] += "\n\ndef commit(store):\n    return 'store.before_marker'\n"
     assert [b.split(": ", 1)[1] for b in commit_order_in_the_store(sources)] == [
-        "def commit", "the fault point store.before_marker"]
+        "def commit",
+        "the fault point store.before_marker",
+    ]
 
 
 # Imports by name at run time (``importlib.import_module``) in the core, besides a package
@@ -347,7 +423,9 @@ def local_imports(sources: dict[str, str]) -> list[str]:
     return found
 
 
-def core_functions(sources: dict[str, str]) -> Iterator[tuple[str, str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+def core_functions(
+    sources: dict[str, str],
+) -> Iterator[tuple[str, str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """(module, its text, a function) for every function of the modules of ranks 0-10, modules sorted."""
     for module, text in sorted(sources.items()):
         if layer(module)[1] > CORE_MAX_RANK:
@@ -360,7 +438,8 @@ def core_functions(sources: dict[str, str]) -> Iterator[tuple[str, str, ast.Func
 def _dynamic_import(call: ast.Call) -> bool:
     fn = call.func
     return (isinstance(fn, ast.Attribute) and fn.attr == "import_module") or (
-        isinstance(fn, ast.Name) and fn.id in ("__import__", "import_module"))
+        isinstance(fn, ast.Name) and fn.id in ("__import__", "import_module")
+    )
 
 
 def test_no_function_local_import_in_the_core():
@@ -372,7 +451,9 @@ def test_no_function_local_import_in_the_core():
 def test_the_local_import_rule_catches_an_import_in_a_function():
     sources = _sources()
     sources["_records.trust"] += "\n\ndef _late():\n    import torch\n    return torch\n"
-    sources["_disk.layout"] += "\n\ndef _late2():\n    return importlib.import_module('torch')  # lazy\n"
+    sources["_disk.layout"] += (
+        "\n\ndef _late2():\n    return importlib.import_module('torch')  # lazy\n"
+    )
     sources["storage"] += "\n\ndef _late3(name):\n    return importlib.import_module(name)\n"
     assert len(local_imports(sources)) == 3
 
@@ -391,7 +472,9 @@ def untyped_signatures(sources: dict[str, str]) -> list[str]:
             continue
         args = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs, f.args.vararg, f.args.kwarg]
         annotations = [a.annotation for a in args if a is not None and a.annotation is not None]
-        text_of = " ".join(ast.unparse(a) for a in [*annotations, *([f.returns] if f.returns else [])])
+        text_of = " ".join(
+            ast.unparse(a) for a in [*annotations, *([f.returns] if f.returns else [])]
+        )
         if any(u in text_of for u in UNTYPED):
             found.append(f"{module}:{f.lineno} {f.name}")
     return found
@@ -410,7 +493,9 @@ def test_the_signature_rule_catches_a_bare_dict():
 
 def test_no_core_module_over_500_lines():
     sizes = {module_name(p): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
-    assert {m: n for m, n in sizes.items() if layer(m)[1] <= CORE_MAX_RANK and n > CORE_MAX_LINES} == {}
+    assert {
+        m: n for m, n in sizes.items() if layer(m)[1] <= CORE_MAX_RANK and n > CORE_MAX_LINES
+    } == {}
 
 
 EXPORTED = [
@@ -514,8 +599,12 @@ def test_exported_members():
 def private_imports(path: Path, module: str) -> list[str]:
     """The private ckptguard modules a file imports (a path component starting with ``_``)."""
     if module:
-        names = {t for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
-                 for t in _resolved(path, n)}
+        names = {
+            t
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.ImportFrom)
+            for t in _resolved(path, n)
+        }
     else:  # a script outside the package: absolute imports only
         names = {
             n.module.removeprefix("ckptguard").lstrip(".")
@@ -523,7 +612,11 @@ def private_imports(path: Path, module: str) -> list[str]:
             if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("ckptguard")
         }
     public_dunder = {"__version__"}  # ckptguard.__version__ is public
-    return sorted(n for n in names if any(p.startswith("_") and p not in public_dunder for p in n.split(".") if p))
+    return sorted(
+        n
+        for n in names
+        if any(p.startswith("_") and p not in public_dunder for p in n.split(".") if p)
+    )
 
 
 def test_the_cli_and_the_examples_use_only_public_names():
@@ -541,12 +634,16 @@ def test_the_public_names_rule_catches_a_private_import(tmp_path):
 
 # ---------------------------------------------------------------- one front-door shape
 
+
 def shape_problems(door: type) -> list[str]:
     """How ``door`` differs from ``ckptguard.Checkpointer``: a missing call, a keyword it does not take,
     a return type other than the protocol's (``save_async``'s: a ``PendingCommit``, checked on a real one)."""
     problems = []
     for name in MEMBERS:
-        want, got = inspect.signature(getattr(ckptguard.Checkpointer, name)), getattr(door, name, None)
+        want, got = (
+            inspect.signature(getattr(ckptguard.Checkpointer, name)),
+            getattr(door, name, None),
+        )
         if not callable(got):
             problems.append(f"{door.__name__}.{name}: missing")
             continue
@@ -559,7 +656,9 @@ def shape_problems(door: type) -> list[str]:
             problems.append(f"{door.__name__}.{name}: takes fewer positional arguments")
         returns = inspect.signature(got).return_annotation
         if name != "save_async" and str(returns) != str(want.return_annotation):
-            problems.append(f"{door.__name__}.{name}: returns {returns}, not {want.return_annotation}")
+            problems.append(
+                f"{door.__name__}.{name}: returns {returns}, not {want.return_annotation}"
+            )
     return problems
 
 
@@ -571,15 +670,29 @@ def _doors(root: Path) -> dict[str, tuple[object, object]]:
     """Each front door on its own root, and how it takes one state (a run: a dict of each role's)."""
     return {
         "CheckpointManager": (lambda: ckptguard.CheckpointManager(root / "mgr"), lambda s: s),
-        "RunCheckpoint": (lambda: ckptguard.RunCheckpoint(root / "run", [ckptguard.Role("actor")]),
-                          lambda s: {"actor": s}),
-        "TieredCheckpoint": (lambda: ckptguard.TieredCheckpoint(root / "fast", persistent=root / "pers",
-                                                                fast_every=1, persistent_every=1), lambda s: s),
+        "RunCheckpoint": (
+            lambda: ckptguard.RunCheckpoint(root / "run", [ckptguard.Role("actor")]),
+            lambda s: {"actor": s},
+        ),
+        "TieredCheckpoint": (
+            lambda: ckptguard.TieredCheckpoint(
+                root / "fast", persistent=root / "pers", fast_every=1, persistent_every=1
+            ),
+            lambda s: s,
+        ),
     }
 
 
-@pytest.mark.parametrize("name", ["CheckpointManager", "RunCheckpoint", "TieredCheckpoint", "CheckpointManager(s3://)",
-                                  "TieredCheckpoint(persistent=s3://)"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "CheckpointManager",
+        "RunCheckpoint",
+        "TieredCheckpoint",
+        "CheckpointManager(s3://)",
+        "TieredCheckpoint(persistent=s3://)",
+    ],
+)
 def test_every_front_door_has_the_one_shape_and_answers_with_its_types(name, tmp_path):
     """Each front door, and a manager whose root is an object store: the same calls, the same answers."""
     with contextlib.ExitStack() as stack:
@@ -601,12 +714,21 @@ def _store_door(root: Path, *, tiers: bool = False) -> Iterator[Any]:
     import objstore_helper
 
     with objstore_helper.moto_endpoint() as endpoint:
-        bucket = "door-tiers" if tiers else "door"  # moto keeps its buckets for the whole process: one each
+        bucket = (
+            "door-tiers" if tiers else "door"
+        )  # moto keeps its buckets for the whole process: one each
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        if tiers:  # the persistent tier on the store, its staging root and options from config.storage
+        if (
+            tiers
+        ):  # the persistent tier on the store, its staging root and options from config.storage
             staged = objstore_helper.config(endpoint, root / "staging")
-            yield ckptguard.TieredCheckpoint(root / "fast", persistent="s3://door-tiers/run", fast_every=1,
-                                             persistent_every=1, config=staged)
+            yield ckptguard.TieredCheckpoint(
+                root / "fast",
+                persistent="s3://door-tiers/run",
+                fast_every=1,
+                persistent_every=1,
+                config=staged,
+            )
         else:
             yield objstore_helper.root("s3://door/run", root / "staging", endpoint)
 
@@ -654,5 +776,3 @@ def test_the_shape_check_catches_a_door_that_drifted():
     assert "Drifted.resolve: missing" in problems
     assert "Drifted.save: no keyword healthy=" in problems
     assert any(p.startswith("Drifted.save: returns dict[str, Path]") for p in problems), problems
-
-

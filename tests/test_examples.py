@@ -31,7 +31,9 @@ def _run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
 
 def _final(proc: subprocess.CompletedProcess) -> str:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("final ")]
-    assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, (
+        f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return lines[-1]
 
 
@@ -58,7 +60,9 @@ def test_train_gpt_killed_mid_save_resumes_bit_identically(tmp_path):
     assert (tmp_path / "b" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed: pip install ray")
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed: pip install ray"
+)
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_train_gpt_ray_restarts_the_group_and_matches_torchrun(tmp_path):
@@ -66,15 +70,40 @@ def test_train_gpt_ray_restarts_the_group_and_matches_torchrun(tmp_path):
     # actors that import torch took over 10 s there); the test waits on what it checks: the
     # driver restarts the group as soon as rank 1's actor dies, not after rank 0's timeout.
     timeout = 300
-    ray_run = _run([sys.executable, str(EXAMPLES / "train_gpt_ray.py"), "--root", str(tmp_path / "r"), *ARGS,
-                    "--world", "2", "--kill-at", "4", "--timeout", str(timeout)], timeout=900)
+    ray_run = _run(
+        [
+            sys.executable,
+            str(EXAMPLES / "train_gpt_ray.py"),
+            "--root",
+            str(tmp_path / "r"),
+            *ARGS,
+            "--world",
+            "2",
+            "--kill-at",
+            "4",
+            "--timeout",
+            str(timeout),
+        ],
+        timeout=900,
+    )
     # Searched, not matched at a line's start: Ray's log thread prints the actors' lines to the same
     # stdout, and print() writes a line and its newline apart, so the driver's line can land mid-line.
     failed = re.search(r"attempt 0: the group failed after ([0-9.]+) s", ray_run.stdout)
     assert failed, ray_run.stdout[-3000:] + ray_run.stderr[-3000:]
     seconds = float(failed.group(1))
-    assert seconds < timeout, f"the driver waited for rank 0's timeout instead of the dead actor: {failed.group(0)}"
+    assert seconds < timeout, (
+        f"the driver waited for rank 0's timeout instead of the dead actor: {failed.group(0)}"
+    )
     assert "resume PROVEN" in ray_run.stdout
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    straight = _run([*torchrun, str(EXAMPLES / "train_gpt.py"), "--root", str(tmp_path / "t"), *ARGS])
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    straight = _run(
+        [*torchrun, str(EXAMPLES / "train_gpt.py"), "--root", str(tmp_path / "t"), *ARGS]
+    )
     assert _final(ray_run) == _final(straight)

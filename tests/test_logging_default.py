@@ -20,8 +20,13 @@ cg.CheckpointManager(sys.argv[1]).restore(state)
 
 
 def _run(root, how, **env):
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(root), how], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(root), how],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
 
 
 def test_resume_lines_reach_stderr_by_default(tmp_path):

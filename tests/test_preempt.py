@@ -36,11 +36,26 @@ def _launch(root: Path, out: Path, **cfg) -> list[tuple[int, str]]:
 
 def _launch_once(root: Path, out: Path, **cfg) -> list[tuple[int, str]]:
     out.mkdir(parents=True, exist_ok=True)
-    config = json.dumps({"root": str(root), "out": str(out), "steps": STEPS, "save_every": SAVE_EVERY,
-                         "grace_s": 60.0, **cfg})
+    config = json.dumps(
+        {
+            "root": str(root),
+            "out": str(out),
+            "steps": STEPS,
+            "save_every": SAVE_EVERY,
+            "grace_s": 60.0,
+            **cfg,
+        }
+    )
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, JOB, str(r), "2", str(port), config], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, JOB, str(r), "2", str(port), config],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     results = []
     for p in procs:
         try:
@@ -69,7 +84,9 @@ def straight(tmp_path_factory) -> list[dict]:
     return _fingerprints(base / "out")
 
 
-def test_sigterm_to_one_rank_saves_the_same_step_on_both_and_the_resume_is_exact(tmp_path, straight):
+def test_sigterm_to_one_rank_saves_the_same_step_on_both_and_the_resume_is_exact(
+    tmp_path, straight
+):
     root = tmp_path / "ckpt"
     first = _launch(root, tmp_path / "out1", signal_at=SIGNAL_AT, signal_rank=1)
     assert [code for code, _ in first] == [cg.PreemptionGuard.EXIT_SAVED] * 2, first
@@ -89,12 +106,17 @@ def test_sigterm_to_one_rank_saves_the_same_step_on_both_and_the_resume_is_exact
         assert resumed[rank]["fingerprint"] == straight[rank]["fingerprint"], rank
 
 
-def test_a_tiered_checkpoint_is_guarded_too_and_its_preemption_save_goes_to_the_persistent_tier(tmp_path, straight):
+def test_a_tiered_checkpoint_is_guarded_too_and_its_preemption_save_goes_to_the_persistent_tier(
+    tmp_path, straight
+):
     root = tmp_path / "ckpt"
     first = _launch(root, tmp_path / "out1", signal_at=SIGNAL_AT, signal_rank=1, tiers=True)
     assert [code for code, _ in first] == [cg.PreemptionGuard.EXIT_SAVED] * 2, first
     for _, err in first:
-        assert "SIGTERM on rank 1" in err and f"step {SIGNAL_AT} committed under {root / 'persistent'}" in err, err
+        assert (
+            "SIGTERM on rank 1" in err
+            and f"step {SIGNAL_AT} committed under {root / 'persistent'}" in err
+        ), err
     # step 3 is on neither tier's interval (fast every 2, persistent every 1000): the guard saved it where a
     # lost node cannot take it, the persistent tier
     assert _tracker(root / "persistent") == SIGNAL_AT and _tracker(root / "fast") == 2
@@ -112,7 +134,9 @@ def test_a_grace_budget_shorter_than_the_measured_save_time_commits_nothing_and_
     assert [code for code, _ in results] == [cg.PreemptionGuard.EXIT_NOT_SAVED] * 2, results
     for _, err in results:
         assert f"NOT saving step {SIGNAL_AT}: the measured save time" in err, err
-        assert "this run's save of step 2" in err and "does not fit" in err and "grace_s=0.001" in err, err
+        assert (
+            "this run's save of step 2" in err and "does not fit" in err and "grace_s=0.001" in err
+        ), err
         assert "Traceback" not in err, err
     assert _tracker(root) == 2  # the save of step 2 stays the resume target
     assert not (root / f"step_{SIGNAL_AT:08d}").exists()
@@ -133,7 +157,11 @@ def test_the_guard_restores_the_previous_handlers_and_returns_without_a_signal(t
         signal.raise_signal(signal.SIGUSR1)
         assert guard.requested
         assert guard.should_stop(2, state)
-        assert guard.outcome is not None and guard.outcome.saved and guard.outcome.code == cg.PreemptionGuard.EXIT_SAVED
+        assert (
+            guard.outcome is not None
+            and guard.outcome.saved
+            and guard.outcome.code == cg.PreemptionGuard.EXIT_SAVED
+        )
     assert signal.getsignal(signal.SIGTERM) == before
     assert mgr.committed_steps() == [2]
     with pytest.raises(cg.ConfigError, match="grace_s"):
@@ -143,16 +171,22 @@ def test_the_guard_restores_the_previous_handlers_and_returns_without_a_signal(t
 def test_without_a_measured_save_the_state_and_a_disk_probe_decide(tmp_path):
     # signaled at step 1 of a fresh root, before any save: nothing measured on this root yet
     root = tmp_path / "spent" / "ckpt"
-    results = _launch(root, tmp_path / "spent" / "out", signal_at=1, signal_rank=0, grace_s=0.001, save_every=100)
+    results = _launch(
+        root, tmp_path / "spent" / "out", signal_at=1, signal_rank=0, grace_s=0.001, save_every=100
+    )
     assert [code for code, _ in results] == [cg.PreemptionGuard.EXIT_NOT_SAVED] * 2, results
     for _, err in results:
         assert "NOT saving step 1: the estimated save time" in err and "write probe of" in err, err
         assert "on 2 rank(s)" in err and "does not fit" in err and "Traceback" not in err, err
     assert not (root / "latest_checkpointed_iteration.txt").exists()
-    assert not [p for p in root.iterdir() if p.name != "proof"], list(root.iterdir())  # the probe left nothing
+    assert not [p for p in root.iterdir() if p.name != "proof"], list(
+        root.iterdir()
+    )  # the probe left nothing
     # a budget the estimate fits: saved, exit 75, and the log says the time was estimated
     root = tmp_path / "fits" / "ckpt"
-    results = _launch(root, tmp_path / "fits" / "out", signal_at=1, signal_rank=0, grace_s=60.0, save_every=100)
+    results = _launch(
+        root, tmp_path / "fits" / "out", signal_at=1, signal_rank=0, grace_s=60.0, save_every=100
+    )
     assert [code for code, _ in results] == [cg.PreemptionGuard.EXIT_SAVED] * 2, results
     assert all("saving step 1: the estimated save time" in err for _, err in results), results
     assert _tracker(root) == 1
@@ -164,5 +198,9 @@ def test_state_bytes_counts_every_tensor_once_per_item_and_sums_run_roles():
     model = torch.nn.Linear(4, 2)  # 8 + 2 floats
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     assert state_bytes({"model": model, "w": torch.zeros(3, dtype=torch.float64)}) == 10 * 4 + 3 * 8
-    assert state_bytes({"actor": {"model": model}, "critic": {"w": torch.zeros(2)}}) == 10 * 4 + 2 * 4
-    assert state_bytes({"model": model, "optim": optim, "n": 3}) == 10 * 4  # SGD without momentum holds nothing
+    assert (
+        state_bytes({"actor": {"model": model}, "critic": {"w": torch.zeros(2)}}) == 10 * 4 + 2 * 4
+    )
+    assert (
+        state_bytes({"model": model, "optim": optim, "n": 3}) == 10 * 4
+    )  # SGD without momentum holds nothing

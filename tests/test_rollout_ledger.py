@@ -48,14 +48,25 @@ def test_flow_counters_and_staleness_rule_at_take():
     for pid in (0, 1, 2):
         ledger.completed(pid, f"rollouts/{pid}.pt")
     got = ledger.take(2)
-    assert [(r.prompt_id, r.policy_version, r.ref) for r in got] == [(0, 0, "rollouts/0.pt"), (1, 0, "rollouts/1.pt")]
+    assert [(r.prompt_id, r.policy_version, r.ref) for r in got] == [
+        (0, 0, "rollouts/0.pt"),
+        (1, 0, "rollouts/1.pt"),
+    ]
     ledger.trained([0, 1], step=1)
     assert ledger.policy_version == 1
-    ledger.trained([], step=2)  # the policy moved on twice: prompt 2 (version 0) is now 2 versions behind
+    ledger.trained(
+        [], step=2
+    )  # the policy moved on twice: prompt 2 (version 0) is now 2 versions behind
     assert [r.prompt_id for r in ledger.take(4)] == []
     assert ledger.pending_reissue == [2]
     c = ledger.counters()
-    assert (c["issued"], c["completed"], c["trained"], c["dropped_stale"], c["in_flight"]) == (4, 3, 2, 1, 1)
+    assert (c["issued"], c["completed"], c["trained"], c["dropped_stale"], c["in_flight"]) == (
+        4,
+        3,
+        2,
+        1,
+        1,
+    )
     assert c["trained_staleness"] == {0: 2}
     ledger.issued(2)  # re-issued at the current version
     assert ledger.counters()["reissued"] == 1 and ledger.in_flight == {3: 0, 2: 2}
@@ -97,7 +108,11 @@ def _mid_run(ledger: cg.RolloutLedger) -> None:
     [
         ({}, [2, 3], [4, 5]),  # in flight at the save: re-issued; buffered: kept with their version
         ({"max_staleness": 1}, [3], [4, 5, 2]),  # prompt 2 is 2 versions behind: dropped, re-issued
-        ({"keep_buffered": False}, [], [4, 5, 2, 3]),  # the buffer lived in memory: everything re-issued
+        (
+            {"keep_buffered": False},
+            [],
+            [4, 5, 2, 3],
+        ),  # the buffer lived in memory: everything re-issued
     ],
 )
 def test_resume_applies_the_declared_rule(kwargs, kept, reissue):
@@ -107,8 +122,12 @@ def test_resume_applies_the_declared_rule(kwargs, kept, reissue):
     torch.save(state, buf := __import__("io").BytesIO())
     buf.seek(0)
     loaded = cg.RolloutLedger(range(10), **kwargs)
-    loaded.load_state_dict(torch.load(buf, weights_only=True))  # plain values only: the safe load reads it
-    assert loaded.state_dict() == state  # exact until resume(): the restore's digest check sees the saved state
+    loaded.load_state_dict(
+        torch.load(buf, weights_only=True)
+    )  # plain values only: the safe load reads it
+    assert (
+        loaded.state_dict() == state
+    )  # exact until resume(): the restore's digest check sees the saved state
     plan = loaded.resume()
     assert [r.prompt_id for r in plan.kept] == kept and plan.reissue == reissue
     assert plan.trained == 2 and plan.policy_version == 2
@@ -192,7 +211,9 @@ def test_a_cursor_ledger_restored_in_the_last_steps_of_its_epoch_ends_as_the_uni
     saving = _cursor_ledger()
     first = _drive(saving, steps=at)
     state = saving.state_dict()
-    assert state["source"]["consumed"] == min(at + 2, EPOCH)  # from step 10 on: the whole epoch drawn
+    assert state["source"]["consumed"] == min(
+        at + 2, EPOCH
+    )  # from step 10 on: the whole epoch drawn
     resumed = _cursor_ledger()
     resumed.load_state_dict(state)
     rest = _drive(resumed)
@@ -240,7 +261,9 @@ def test_work_done_after_a_restore_before_the_first_take_is_kept():
 def test_the_ledger_is_a_state_item_restored_and_digest_checked(tmp_path):
     ledger = cg.RolloutLedger(range(10), max_staleness=3)
     _mid_run(ledger)
-    mgr = cg.CheckpointManager(tmp_path / "ckpt", config=cg.CheckpointConfig(proof=ProofPlan(record=False)))
+    mgr = cg.CheckpointManager(
+        tmp_path / "ckpt", config=cg.CheckpointConfig(proof=ProofPlan(record=False))
+    )
     mgr.save(2, {"ledger": ledger})
     fresh = cg.RolloutLedger(range(10), max_staleness=3)
     assert mgr.restore({"ledger": fresh}) == 2
@@ -259,7 +282,11 @@ def zygote(tmp_path_factory):
     with open(base / "stderr.log", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, str(JOB), "zygote", str(base / "warm")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
         )
     proc.log = base / "stderr.log"  # type: ignore[attr-defined]
     try:
@@ -276,7 +303,9 @@ def _line(proc: subprocess.Popen, timeout: float) -> str:
     return proc.stdout.readline().strip()
 
 
-def _relaunch_until_done(proc, root: Path, mode: str, kills: int, rng: random.Random, delays: tuple[float, float]):
+def _relaunch_until_done(
+    proc, root: Path, mode: str, kills: int, rng: random.Random, delays: tuple[float, float]
+):
     """Launch the job, SIGKILL it at a random moment, relaunch (it resumes from the last commit),
     until a launch finishes before its kill, or ``kills`` kills landed and the last launch ran to
     the end. Returns the kills that landed."""
@@ -300,7 +329,9 @@ def _relaunch_until_done(proc, root: Path, mode: str, kills: int, rng: random.Ra
         return landed
 
 
-def _runs_with_kills(proc, base: Path, mode: str, kills: int, seed: int, delays: tuple[float, float]) -> list[Path]:
+def _runs_with_kills(
+    proc, base: Path, mode: str, kills: int, seed: int, delays: tuple[float, float]
+) -> list[Path]:
     """Whole runs, each on a new root and killed until it finishes, until ``kills`` kills landed in all."""
     rng, roots, landed = random.Random(seed), [], 0
     while landed < kills:
@@ -314,7 +345,9 @@ def _trained_counts(root: Path) -> torch.Tensor:
     """The policy's per-prompt training counts in the tracker's step, read with plain DCP."""
     step = int((root / "latest_checkpointed_iteration.txt").read_text())
     counts = {"policy.counts": torch.full((job.N_PROMPTS,), -1.0)}
-    dcp.load(counts, checkpoint_id=str(root / f"step_{step:08d}" / "policy" / "state"), no_dist=True)
+    dcp.load(
+        counts, checkpoint_id=str(root / f"step_{step:08d}" / "policy" / "state"), no_dist=True
+    )
     return counts["policy.counts"]
 
 
@@ -336,12 +369,19 @@ KILLS_PER_CASE = 25
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_sigkill_at_random_moments_trains_every_prompt_exactly_once(zygote, uninterrupted, tmp_path, seed):
+def test_sigkill_at_random_moments_trains_every_prompt_exactly_once(
+    zygote, uninterrupted, tmp_path, seed
+):
     assert torch.equal(uninterrupted, torch.ones(job.N_PROMPTS))
-    roots = _runs_with_kills(zygote, tmp_path, "ledger", KILLS_PER_CASE, seed, (0.0, 0.9 * _RUN_SECONDS[0]))
+    roots = _runs_with_kills(
+        zygote, tmp_path, "ledger", KILLS_PER_CASE, seed, (0.0, 0.9 * _RUN_SECONDS[0])
+    )
     for root in roots:
         counts = _trained_counts(root)
-        lost, twice = (counts == 0).nonzero().flatten().tolist(), (counts > 1).nonzero().flatten().tolist()
+        lost, twice = (
+            (counts == 0).nonzero().flatten().tolist(),
+            (counts > 1).nonzero().flatten().tolist(),
+        )
         assert (lost, twice) == ([], []), f"{root}: prompts lost {lost}, trained twice {twice}"
         assert torch.equal(counts, uninterrupted)
     ledger = cg.RolloutLedger(range(job.N_PROMPTS))
@@ -349,7 +389,11 @@ def test_sigkill_at_random_moments_trains_every_prompt_exactly_once(zygote, unin
     policy = torch.nn.Module()
     policy.counts = torch.nn.Parameter(torch.zeros(job.N_PROMPTS), requires_grad=False)
     run.restore({"policy": {"policy": policy}, "driver": {"ledger": ledger}})
-    assert ledger.trained_ids == set(range(job.N_PROMPTS)) and not ledger.buffered and not ledger.in_flight
+    assert (
+        ledger.trained_ids == set(range(job.N_PROMPTS))
+        and not ledger.buffered
+        and not ledger.in_flight
+    )
     c = ledger.counters()
     assert c["trained"] == job.N_PROMPTS and c["policy_version"] == c["last_step"]
 

@@ -30,7 +30,11 @@ NAMING = StepNaming("step_{step:08d}")
 
 
 def _roles() -> list[cg.Role]:
-    return [cg.Role("actor", ranks=(0, 1)), cg.Role("critic", ranks=(0, 1)), cg.Role("driver", ranks=(0,))]
+    return [
+        cg.Role("actor", ranks=(0, 1)),
+        cg.Role("critic", ranks=(0, 1)),
+        cg.Role("driver", ranks=(0,)),
+    ]
 
 
 def _config() -> cg.CheckpointConfig:
@@ -52,7 +56,9 @@ class _Job:
         self.driver_step = 0
 
     def train(self, step: int) -> None:
-        torch.manual_seed(step)  # the same update on both ranks: the actor and critic are replicated
+        torch.manual_seed(
+            step
+        )  # the same update on both ranks: the actor and critic are replicated
         x = torch.randn(8, 4)
         loss = self.actor(x).pow(2).mean() + self.critic(x).mean()
         loss.backward()
@@ -68,7 +74,10 @@ class _Job:
             self.driver_step = step
 
     def states(self) -> dict:
-        out = {"actor": {"model": self.actor, "optim": self.optim, "seen": self.seen}, "critic": {"model": self.critic}}
+        out = {
+            "actor": {"model": self.actor, "optim": self.optim, "seen": self.seen},
+            "critic": {"model": self.critic},
+        }
         if self.rank == 0:
             out["driver"] = {"ledger": self.ledger, "step": self.driver_step}
         return out
@@ -131,7 +140,9 @@ def _resume_worker(rank: int, world: int, root: str, steps: int) -> dict:
         run.restore(bad)
     except cg.StateMismatchError as exc:
         refused = str(exc)
-    none_loaded = all(torch.equal(a, b) for a, b in zip(untouched, job.actor.parameters(), strict=True))
+    none_loaded = all(
+        torch.equal(a, b) for a, b in zip(untouched, job.actor.parameters(), strict=True)
+    )
     states = job.states()
     start = run.restore(states)
     restored = job.fingerprint(states)
@@ -145,8 +156,15 @@ def _resume_worker(rank: int, world: int, root: str, steps: int) -> dict:
     for step in range(1, steps + 1):
         straight.train(step)
         expected[step] = straight.fingerprint(straight.states())
-    return {"refused": refused, "none_loaded": none_loaded, "start": start, "restored": restored,
-            "committed": run.committed_steps(), "last": job.fingerprint(job.states()), "straight": expected}
+    return {
+        "refused": refused,
+        "none_loaded": none_loaded,
+        "start": start,
+        "restored": restored,
+        "committed": run.committed_steps(),
+        "last": job.fingerprint(job.states()),
+        "straight": expected,
+    }
 
 
 def _refusal_worker(rank: int, world: int, root: str, damaged: str, older: str) -> dict:
@@ -170,8 +188,12 @@ def test_kill_between_roles_keeps_previous_step_and_a_deleted_role_is_refused(tm
     assert [r.exitcode for r in res] == [-signal.SIGKILL, -signal.SIGKILL], [r.error for r in res]
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not (root / NAMING.name(3)).exists()
-    (tmp,) = root.glob(".tmp-step_00000003-*")  # the scene: the actor's part confirmed, the critic's never
-    assert (tmp / "actor" / "manifest.json").is_file() and not (tmp / "critic" / "manifest.json").exists()
+    (tmp,) = root.glob(
+        ".tmp-step_00000003-*"
+    )  # the scene: the actor's part confirmed, the critic's never
+    assert (tmp / "actor" / "manifest.json").is_file() and not (
+        tmp / "critic" / "manifest.json"
+    ).exists()
     assert not (tmp / "manifest.json").exists()
 
     # The relaunch resumes from step 2: first a refused restore (nothing loaded), then every role exactly.
@@ -179,18 +201,26 @@ def test_kill_between_roles_keeps_previous_step_and_a_deleted_role_is_refused(tm
     for rank, o in enumerate(out):
         straight = o["straight"]
         assert "role 'driver'" in o["refused"] and "step" in o["refused"], o["refused"]
-        assert o["none_loaded"], f"rank {rank}: the actor was loaded although the driver was refused"
+        assert o["none_loaded"], (
+            f"rank {rank}: the actor was loaded although the driver was refused"
+        )
         assert o["start"] == 2
         assert _same(o["restored"], straight[2]), f"rank {rank}: restored state differs"
         assert _same(o["last"], straight[4]), f"rank {rank}: the resumed run diverged"
         assert o["committed"] == [1, 2, 3, 4]
-    assert not list(root.glob(".tmp-*"))  # the dead save's temp directory was swept by the next save
+    assert not list(
+        root.glob(".tmp-*")
+    )  # the dead save's temp directory was swept by the next save
 
     # The on-disk form: one run manifest listing every role with its ranks; each role's part is plain DCP.
     step4 = root / NAMING.name(4)
     manifest = json.loads((step4 / "manifest.json").read_text())
     assert manifest["kind"] == "ckptguard-run" and manifest["step"] == 4
-    assert {k: v["ranks"] for k, v in manifest["roles"].items()} == {"actor": [0, 1], "critic": [0, 1], "driver": [0]}
+    assert {k: v["ranks"] for k, v in manifest["roles"].items()} == {
+        "actor": [0, 1],
+        "critic": [0, 1],
+        "driver": [0],
+    }
     assert sorted(p.name for p in step4.iterdir()) == ["actor", "critic", "driver", "manifest.json"]
     assert verify_step(step4, deep=True) == []
     weight = {"model.weight": torch.zeros(4, 4)}
@@ -204,13 +234,24 @@ def test_kill_between_roles_keeps_previous_step_and_a_deleted_role_is_refused(tm
     (finding,) = [f for f in verify_step(step4) if f.severity.value == "ERROR"]
     assert finding.code == "missing-role" and "'critic'" in finding.message
     report = retention.apply(root, NAMING, cg.KeepLast(1))
-    assert report.deleted == [1, 2] and report.kept == [3]  # step 4 is not counted: the newest complete one stays
+    assert report.deleted == [1, 2] and report.kept == [
+        3
+    ]  # step 4 is not counted: the newest complete one stays
     assert step4.is_dir() and "not a complete checkpoint" in report.not_counted[step4.name]
     gc_report = _gc.gc(root, NAMING, force=True)
-    assert step4 not in [p for p, _ in gc_report.removed] and step4 in [p for p, _ in gc_report.kept]
-    for o in values(run_ranks(_refusal_worker, 2, str(root), str(step4), str(root / NAMING.name(3)))):
-        assert o["auto"].startswith("ResumeError") and "missing role 'critic'" in o["auto"], o["auto"]
-        assert o["explicit"].startswith("CheckpointIncompleteError") and "missing role 'critic'" in o["explicit"]
+    assert step4 not in [p for p, _ in gc_report.removed] and step4 in [
+        p for p, _ in gc_report.kept
+    ]
+    for o in values(
+        run_ranks(_refusal_worker, 2, str(root), str(step4), str(root / NAMING.name(3)))
+    ):
+        assert o["auto"].startswith("ResumeError") and "missing role 'critic'" in o["auto"], o[
+            "auto"
+        ]
+        assert (
+            o["explicit"].startswith("CheckpointIncompleteError")
+            and "missing role 'critic'" in o["explicit"]
+        )
         assert o["older"] == 3
 
 
@@ -218,7 +259,9 @@ def test_kill_between_roles_keeps_previous_step_and_a_deleted_role_is_refused(tm
 
 
 def test_states_must_match_the_roles_of_this_rank(tmp_path):
-    run = cg.RunCheckpoint(tmp_path / "ckpt", [cg.Role("actor"), cg.Role("driver")], config=_config())
+    run = cg.RunCheckpoint(
+        tmp_path / "ckpt", [cg.Role("actor"), cg.Role("driver")], config=_config()
+    )
     model = torch.nn.Linear(2, 2)
     with pytest.raises(cg.ConfigError, match=r"no state for \['driver'\]"):
         run.save(1, {"actor": {"model": model}})
@@ -247,17 +290,31 @@ def test_retention_keeps_what_the_policy_says_after_save_and_save_async(tmp_path
         model.weight.fill_(4.0)
     pending = run.save_async(4, {"actor": {"model": model}, "critic": {"model": critic}})
     assert pending is not None and run.wait() == root / NAMING.name(4)
-    assert pending.cleanup_seconds is not None  # retention ran after the commit, in the commit's thread
+    assert (
+        pending.cleanup_seconds is not None
+    )  # retention ran after the commit, in the commit's thread
     assert run.committed_steps() == [3, 4]
-    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000003", "step_00000004"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [
+        "step_00000003",
+        "step_00000004",
+    ]
     for role in ("actor", "critic"):
-        records = [json.loads(line) for line in (root / "proof" / role / "rank_00000.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line)
+            for line in (root / "proof" / role / "rank_00000.jsonl").read_text().splitlines()
+        ]
         assert [r["deleted"] for r in records if r["event"] == "cleanup"] == [[1], [2]], role
-    assert not (root / "proof" / "rank_00000.jsonl").exists()  # the roles' logs, no log of the run's own
+    assert not (
+        root / "proof" / "rank_00000.jsonl"
+    ).exists()  # the roles' logs, no log of the run's own
     fresh = torch.nn.Linear(2, 2)
     run.close()
-    assert cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("critic")], config=config).restore(
-        {"actor": {"model": fresh}, "critic": {"model": torch.nn.Linear(2, 1)}}) == 4
+    assert (
+        cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("critic")], config=config).restore(
+            {"actor": {"model": fresh}, "critic": {"model": torch.nn.Linear(2, 1)}}
+        )
+        == 4
+    )
     assert torch.equal(fresh.weight, torch.full((2, 2), 4.0))
 
 
@@ -276,7 +333,9 @@ def test_a_failed_role_write_commits_nothing_and_names_the_role(tmp_path):
 
     with pytest.raises(cg.ConfigError, match="role 'critic'"):
         run.save(2, {"actor": {"model": model}, "critic": {"model": critic, "broken": Broken()}})
-    set_fault_hook("run.before_manifest", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    set_fault_hook(
+        "run.before_manifest", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    )
     try:
         with pytest.raises(cg.CheckpointWriteError, match="No space left"):
             run.save(2, {"actor": {"model": model}, "critic": {"model": critic}})
@@ -307,14 +366,18 @@ def test_operator_commands_read_a_run_root(tmp_path):
     assert ok.exit_code == 0 and "0 finding(s)" in ok.output, ok.output
     (root / NAMING.name(2) / "driver" / "rank_00000.pt").unlink()
     bad = cli.invoke(main, ["verify", str(root)])
-    assert bad.exit_code == 1 and "role 'driver'" in bad.output and "missing-file" in bad.output, bad.output
+    assert bad.exit_code == 1 and "role 'driver'" in bad.output and "missing-file" in bad.output, (
+        bad.output
+    )
     refused = cli.invoke(main, ["resolve", str(root)])
     assert refused.exit_code == 1 and "missing role 'driver'" in refused.output, refused.output
     assert "NOT committed" in cli.invoke(main, ["list", str(root)]).output
 
 
-@pytest.mark.parametrize("point", ["run.role_written", "run.before_manifest", "commit.before_rename",
-                                   "commit.before_tracker"])
+@pytest.mark.parametrize(
+    "point",
+    ["run.role_written", "run.before_manifest", "commit.before_rename", "commit.before_tracker"],
+)
 def test_sigkill_at_each_run_point_keeps_the_previous_step(tmp_path, point):
     """One process (forked, so no interpreter start): SIGKILLed at ``point`` of the save of step 2."""
     root = tmp_path / "ckpt"
@@ -341,12 +404,24 @@ def test_sigkill_at_each_run_point_keeps_the_previous_step(tmp_path, point):
     run = cg.RunCheckpoint(root, roles, config=_config())
     target = states(0.0)
     assert run.restore(target) == 1  # the previous step, every role
-    assert torch.equal(target["actor"]["model"].weight, torch.ones(3, 3)) and target["driver"]["n"] == 1.0
-    if point == "commit.before_tracker":  # renamed but not tracked: a complete orphan, ignored and replaced
+    assert (
+        torch.equal(target["actor"]["model"].weight, torch.ones(3, 3))
+        and target["driver"]["n"] == 1.0
+    )
+    if (
+        point == "commit.before_tracker"
+    ):  # renamed but not tracked: a complete orphan, ignored and replaced
         assert (root / NAMING.name(2) / "manifest.json").is_file()
-        assert "orphan" in dict((p.name, why) for p, why in _gc.gc(root, NAMING, force=True).kept)[NAMING.name(2)]
+        assert (
+            "orphan"
+            in dict((p.name, why) for p, why in _gc.gc(root, NAMING, force=True).kept)[
+                NAMING.name(2)
+            ]
+        )
     else:
         assert not (root / NAMING.name(2)).exists()
-    run.save(2, states(2.0))  # the relaunch commits step 2 again (the dead save's leftovers are swept or replaced)
+    run.save(
+        2, states(2.0)
+    )  # the relaunch commits step 2 again (the dead save's leftovers are swept or replaced)
     assert run.committed_steps() == [1, 2] and not list(root.glob(".tmp-*"))
     assert verify_step(root / NAMING.name(2), deep=True) == []

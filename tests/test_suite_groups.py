@@ -24,16 +24,35 @@ def test_a_ray_test_is_handed_out_with_its_group_and_others_alone():
     ray = unit_of("tests/integrations/test_ray_actors.py::test_y")
     assert unit_of("tests/test_examples.py::test_z") == ray == "ray"
     assert group_of("tests/integrations/test_vllm_trl.py::test_x[a]") == "vllm"
-    assert unit_of("tests/integrations/test_vllm_trl.py::test_x[a]") == "tests/integrations/test_vllm_trl.py::test_x[a]"
+    assert (
+        unit_of("tests/integrations/test_vllm_trl.py::test_x[a]")
+        == "tests/integrations/test_vllm_trl.py::test_x[a]"
+    )
     typed = "tests/_records/test_manifest_typed.py::test_w[v1]"
     assert unit_of(typed) == typed
 
 
 def _workers(together: str) -> set[str]:
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
-         "-k", "every_format or bad_header", str(TESTS / "_records" / "test_manifest_typed.py")],
-        capture_output=True, text=True, timeout=300, cwd=TESTS.parent,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "every_format or bad_header",
+            str(TESTS / "_records" / "test_manifest_typed.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=TESTS.parent,
         env={**os.environ, "CKPTGUARD_TEST_TOGETHER": together},
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -49,21 +68,35 @@ def test_a_group_that_runs_together_stays_on_one_worker_of_two():
 
 def test_the_tests_taking_a_shared_fixture_are_one_unit_and_the_others_alone():
     vllm = "tests/integrations/test_vllm_integration.py::"
-    kills = unit_of(vllm + "test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven")
-    assert kills == unit_of(vllm + "test_phase_records_of_every_phase_hold_the_engine_in_the_save_peak")
+    kills = unit_of(
+        vllm + "test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven"
+    )
+    assert kills == unit_of(
+        vllm + "test_phase_records_of_every_phase_hold_the_engine_in_the_save_peak"
+    )
     assert kills == "test_vllm_integration::reference"
     alone = vllm + "test_an_engine_in_its_own_process_replays_with_per_request_seeds_only[seeded]"
     assert unit_of(alone) == alone  # takes only the cheap `work` directory
     export = "tests/ops/test_export.py::"
-    assert unit_of(export + "test_fsdp2_step_exported_loads_in_transformers_with_the_trainers_logits") == \
-        unit_of(export + "test_tied_embeddings_export_loads_tied_with_the_trainers_logits") == "test_export::hf_jobs"
-    assert unit_of(export + "test_lora_exported_merged_once_equals_peft_merge") == "test_export::lora_job"
+    assert (
+        unit_of(export + "test_fsdp2_step_exported_loads_in_transformers_with_the_trainers_logits")
+        == unit_of(export + "test_tied_embeddings_export_loads_tied_with_the_trainers_logits")
+        == "test_export::hf_jobs"
+    )
+    assert (
+        unit_of(export + "test_lora_exported_merged_once_equals_peft_merge")
+        == "test_export::lora_job"
+    )
     parametrized = "tests/storage/s3/test_objectstore.py::test_two_writers_racing_for_one_step_exactly_one_commits"
-    assert unit_of(parametrized + "[moto]") == unit_of(parametrized + "[ministack]") == "test_objectstore::races"
+    assert (
+        unit_of(parametrized + "[moto]")
+        == unit_of(parametrized + "[ministack]")
+        == "test_objectstore::races"
+    )
 
 
 def test_a_fixture_taken_through_another_and_two_taken_together_make_one_unit():
-    source = '''
+    source = """
 import pytest
 
 @pytest.fixture(scope="module")
@@ -80,13 +113,24 @@ def test_through(built, tmp_path): ...
 def test_both(engine, servers): ...
 def test_servers(servers): ...
 def test_neither(tmp_path): ...
-'''
+"""
     units = units_in(source, "test_m", ("engine", "servers"))
-    assert units == {"test_direct": "test_m::engine+servers", "test_through": "test_m::engine+servers",
-                     "test_both": "test_m::engine+servers", "test_servers": "test_m::engine+servers"}
-    assert units_in(source.replace("def test_both(engine, servers)", "def test_both(engine)"), "test_m",
-                    ("engine", "servers")) == {"test_direct": "test_m::engine", "test_through": "test_m::engine",
-                                               "test_both": "test_m::engine", "test_servers": "test_m::servers"}
+    assert units == {
+        "test_direct": "test_m::engine+servers",
+        "test_through": "test_m::engine+servers",
+        "test_both": "test_m::engine+servers",
+        "test_servers": "test_m::engine+servers",
+    }
+    assert units_in(
+        source.replace("def test_both(engine, servers)", "def test_both(engine)"),
+        "test_m",
+        ("engine", "servers"),
+    ) == {
+        "test_direct": "test_m::engine",
+        "test_through": "test_m::engine",
+        "test_both": "test_m::engine",
+        "test_servers": "test_m::servers",
+    }
 
 
 @pytest.mark.parametrize("module", sorted(SHARED_FIXTURES))
@@ -95,16 +139,26 @@ def test_every_shared_fixture_is_a_module_fixture_its_tests_take(module):
     every worker, unnoticed."""
     [path] = [p for p in TESTS.rglob(f"{module}.py") if "fixtures" not in p.parts]
     tree = ast.parse(path.read_text())
-    scoped = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-              for d in f.decorator_list if isinstance(d, ast.Call) and "fixture" in ast.unparse(d.func)
-              for k in d.keywords if k.arg == "scope" and ast.literal_eval(k.value) == "module"}
+    scoped = {
+        f.name
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef)
+        for d in f.decorator_list
+        if isinstance(d, ast.Call) and "fixture" in ast.unparse(d.func)
+        for k in d.keywords
+        if k.arg == "scope" and ast.literal_eval(k.value) == "module"
+    }
     units = units_in(path.read_text(), module, SHARED_FIXTURES[module])
     for name in SHARED_FIXTURES[module]:
-        assert name in scoped, f"{path}: no module-scoped fixture {name!r}; update SHARED_FIXTURES in tests/conftest.py"
+        assert name in scoped, (
+            f"{path}: no module-scoped fixture {name!r}; update SHARED_FIXTURES in tests/conftest.py"
+        )
         assert any(name in unit.split("::")[1].split("+") for unit in units.values()), (path, name)
 
 
-def test_a_job_s_heap_is_frozen_at_exit_after_every_later_finalizer_and_its_exit_handlers_still_run(tmp_path):
+def test_a_job_s_heap_is_frozen_at_exit_after_every_later_finalizer_and_its_exit_handlers_still_run(
+    tmp_path,
+):
     """tests/jobexit.py: a finalizer made after ``freeze_at_exit`` (vLLM's engine shutdown, which unfreezes and
     collects) runs before the freeze; an atexit handler registered before it still runs, after it."""
     seen = tmp_path / "seen"
@@ -118,7 +172,13 @@ class Engine: pass
 engine = Engine()
 weakref.finalize(engine, lambda: Path({str(seen)!r}).open("a").write(f"engine {{gc.get_freeze_count()}}\\n"))
 """
-    proc = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=60, cwd=TESTS,
-                          env={**os.environ, "PYTHONPATH": str(TESTS)})
+    proc = subprocess.run(
+        [sys.executable, "-c", job],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=TESTS,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert seen.read_text().splitlines() == ["engine 0", "atexit True"]

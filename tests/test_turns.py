@@ -30,7 +30,9 @@ def saved(ledger: cg.TurnLedger) -> dict[str, Any]:
     return torch.load(buf, weights_only=True)["turns"]  # type: ignore[no-any-return]
 
 
-def reborn(work: Path, state: dict[str, Any], kinds: tuple[EnvKind, ...] = tuple(EnvKind), **kw: Any) -> cg.TurnLedger:
+def reborn(
+    work: Path, state: dict[str, Any], kinds: tuple[EnvKind, ...] = tuple(EnvKind), **kw: Any
+) -> cg.TurnLedger:
     """A new process: new adapters over the environments' files, a new ledger loaded from ``state``."""
     ledger = cg.TurnLedger(envs(work, kinds=kinds), **kw)
     ledger.load_state_dict(state)
@@ -46,8 +48,11 @@ def turn(ledger: cg.TurnLedger, rid: str, calls: list[tuple[str, int]], step: in
 
 
 def live(work: Path, kind: EnvKind, rollout: str) -> list[str]:
-    return [e.call_id for e in FileEnv(kind.value, kind, work / f"{kind.value}.json").effects()
-            if e.live and e.rollout == rollout]
+    return [
+        e.call_id
+        for e in FileEnv(kind.value, kind, work / f"{kind.value}.json").effects()
+        if e.live and e.rollout == rollout
+    ]
 
 
 def test_state_loads_with_weights_only_and_holds_the_last_completed_turn(tmp_path):
@@ -59,7 +64,9 @@ def test_state_loads_with_weights_only_and_holds_the_last_completed_turn(tmp_pat
     state = saved(ledger)
     [r] = state["in_flight"]
     assert r["turn"] == 1 and tokens_from_text(r["tokens"]) == [1, 2, turn_seed(0, "r", 1) % 50, 7]
-    assert [c[0] for c in r["calls"]] == ["r/t1/c0"] and r["calls"][0][5] == "3"  # committed result, as JSON
+    assert [c[0] for c in r["calls"]] == ["r/t1/c0"] and r["calls"][0][
+        5
+    ] == "3"  # committed result, as JSON
     assert reborn(tmp_path, state).conversation("r").tokens == tokens_from_text(r["tokens"])
 
 
@@ -69,17 +76,27 @@ def test_a_continued_rollout_reissues_a_lost_call_with_its_id_and_runs_no_commit
     ledger.start("r", 0, [1])
     first = turn(ledger, "r", [("idempotent", 1), ("restorable", 2)])
     state = saved(ledger)
-    lost = turn(ledger, "r", [("idempotent", 3), ("restorable", 4)], step=2)  # took effect, never saved
+    lost = turn(
+        ledger, "r", [("idempotent", 3), ("restorable", 4)], step=2
+    )  # took effect, never saved
     assert len(live(tmp_path, RESTORE, "r")) == 2
 
     again = reborn(tmp_path, state, kinds)
     plan = again.resume()
     assert plan.continued == [("r", 1)] and plan.restarted == []
-    assert live(tmp_path, RESTORE, "r") == ["r/t1/c1"]  # the lost turn's effect undone (revision 1 restored)
+    assert live(tmp_path, RESTORE, "r") == [
+        "r/t1/c1"
+    ]  # the lost turn's effect undone (revision 1 restored)
     t = again.next_turn("r", step=2)
     assert t.turn == 2 and t.seed == turn_seed(0, "r", 2)
-    assert [again.env_call(t, "idempotent", {"x": 3}), again.env_call(t, "restorable", {"x": 4})] == lost
-    assert live(tmp_path, IDEM, "r") == ["r/t1/c0", "r/t2/c0"]  # the repeated id took no second effect
+    assert [
+        again.env_call(t, "idempotent", {"x": 3}),
+        again.env_call(t, "restorable", {"x": 4}),
+    ] == lost
+    assert live(tmp_path, IDEM, "r") == [
+        "r/t1/c0",
+        "r/t2/c0",
+    ]  # the repeated id took no second effect
     assert live(tmp_path, RESTORE, "r") == ["r/t1/c1", "r/t2/c1"]
     assert again.result("r/t1/c0") == first[0]  # a committed turn's result comes from the ledger
 
@@ -95,19 +112,28 @@ def test_a_rollout_that_called_a_restart_only_environment_restarts_fenced(tmp_pa
     assert live(tmp_path, ONLY, "r") == []  # fenced: the earlier attempt's effect no longer stands
     t = again.next_turn("r", step=1)
     assert (t.turn, t.attempt, t.tokens) == (1, 1, (1,))
-    assert again.env_call(t, "restart-only", {"x": 5}) == 5  # the same answer as the first attempt got
+    assert (
+        again.env_call(t, "restart-only", {"x": 5}) == 5
+    )  # the same answer as the first attempt got
     old = FileEnv("restart-only", ONLY, tmp_path / "restart-only.json")
     with pytest.raises(RuntimeError, match="stale attempt"):  # the environment's own fence
         old.call(cg.environments.EnvCall("r/t1/c0", "r", 0, 1, 0, {"x": 5}, "d", epoch=1))
 
 
-def test_an_idempotent_environment_behind_the_checkpoint_fails_closed_naming_rollout_and_turn(tmp_path):
+def test_an_idempotent_environment_behind_the_checkpoint_fails_closed_naming_rollout_and_turn(
+    tmp_path,
+):
     ledger = cg.TurnLedger(envs(tmp_path, kinds=(IDEM,)))
     ledger.start("r", 0, [1])
     turn(ledger, "r", [("idempotent", 1)])
     state = saved(ledger)
-    (tmp_path / "idempotent.json").unlink()  # the database restored from an older backup: the effect is gone
-    with pytest.raises(cg.StateMismatchError, match=r"rollout 'r', turn 1: environment 'idempotent' holds revision 0"):
+    (
+        tmp_path / "idempotent.json"
+    ).unlink()  # the database restored from an older backup: the effect is gone
+    with pytest.raises(
+        cg.StateMismatchError,
+        match=r"rollout 'r', turn 1: environment 'idempotent' holds revision 0",
+    ):
         reborn(tmp_path, state, (IDEM,)).resume()
 
 
@@ -120,7 +146,9 @@ def test_a_restorable_environment_restored_elsewhere_fails_closed(tmp_path):
     env.restore = lambda rollout, revision: revision + 1  # type: ignore[method-assign]
     again = cg.TurnLedger([env])
     again.load_state_dict(state)
-    with pytest.raises(cg.StateMismatchError, match=r"rollout 'r', turn 1: .* revision 2 .* committed revision 1"):
+    with pytest.raises(
+        cg.StateMismatchError, match=r"rollout 'r', turn 1: .* revision 2 .* committed revision 1"
+    ):
         again.resume()
 
 
@@ -129,7 +157,9 @@ def test_a_handle_of_before_the_restore_is_a_stale_attempt(tmp_path):
     ledger.start("r", 0, [1])
     t = ledger.next_turn("r", step=1)
     ledger.load_state_dict(saved(ledger))
-    with pytest.raises(cg.StateMismatchError, match=r"stale attempt: rollout 'r', turn 1 \(attempt 0\)"):
+    with pytest.raises(
+        cg.StateMismatchError, match=r"stale attempt: rollout 'r', turn 1 \(attempt 0\)"
+    ):
         ledger.env_call(t, "idempotent", {"x": 1})
 
 
@@ -142,7 +172,9 @@ def test_a_reissued_call_with_other_arguments_fails_closed(tmp_path):
     assert state["in_flight"][0]["pending"][0][0] == "r/t1/c0"
     again = reborn(tmp_path, state, (IDEM,))
     t = again.next_turn("r", step=1)
-    with pytest.raises(cg.StateMismatchError, match=r"rollout 'r', turn 1: call id 'r/t1/c0' was issued before"):
+    with pytest.raises(
+        cg.StateMismatchError, match=r"rollout 'r', turn 1: call id 'r/t1/c0' was issued before"
+    ):
         again.env_call(t, "idempotent", {"x": 2})
 
 
@@ -189,19 +221,28 @@ def test_turn_records_survive_a_line_torn_by_a_kill(tmp_path):
 
     root = tmp_path / "root"
     (root / "proof").mkdir(parents=True)
-    (root / "proof" / "turns_rank_00000.jsonl").write_text('{"event": "turn", "pid": 1, "roll')  # killed mid-append
+    (root / "proof" / "turns_rank_00000.jsonl").write_text(
+        '{"event": "turn", "pid": 1, "roll'
+    )  # killed mid-append
     ledger = cg.TurnLedger(envs(tmp_path, kinds=(IDEM,)), root=root)
     ledger.start("r", 0, [1])
     turn(ledger, "r", [("idempotent", 1)])
     [rec] = read_turn_records(root)[0]
-    assert (rec["event"], rec["rollout"], rec["turn"], rec["calls"][0]["call_id"]) == ("turn", "r", 1, "r/t1/c0")
+    assert (rec["event"], rec["rollout"], rec["turn"], rec["calls"][0]["call_id"]) == (
+        "turn",
+        "r",
+        1,
+        "r/t1/c0",
+    )
 
 
 def test_arguments_that_are_not_json_are_refused_naming_rollout_and_turn(tmp_path):
     ledger = cg.TurnLedger(envs(tmp_path, kinds=(IDEM,)))
     ledger.start("r", 0, [1])
     t = ledger.next_turn("r", step=1)
-    with pytest.raises(cg.ConfigError, match=r"env_call\(rollout 'r', turn 1\): the arguments must be JSON values"):
+    with pytest.raises(
+        cg.ConfigError, match=r"env_call\(rollout 'r', turn 1\): the arguments must be JSON values"
+    ):
         ledger.env_call(t, "idempotent", {"x": object()})
 
 
@@ -214,7 +255,12 @@ def _two_ranks(rank: int, world: int, root: str, work: str) -> list[Any]:
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60))
     mgr.save(1, {"turns": ledger})
     again = cg.TurnLedger(envs(mine, kinds=(IDEM,)), rank=rank, root=root)
-    assert cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60)).restore({"turns": again}) == 1
+    assert (
+        cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60)).restore(
+            {"turns": again}
+        )
+        == 1
+    )
     return [again.resume().continued, again.conversation(f"r{rank}").tokens]
 
 

@@ -87,22 +87,48 @@ def _parts(work: Path, out: Path, use_vllm: bool = True):
     prompts = grpo_vllm.PROMPTS[:8]
 
     def reward(completions, **kw):
-        return [float(sum(int(w[1:]) % 3 == 0 for w in c.split() if w[1:].isdigit())) for c in completions]
+        return [
+            float(sum(int(w[1:]) % 3 == 0 for w in c.split() if w[1:].isdigit()))
+            for c in completions
+        ]
 
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                      num_train_epochs=2, save_steps=2, logging_steps=1, report_to=[], seed=42, use_cpu=True,
-                      learning_rate=1e-2, dataloader_num_workers=0, disable_tqdm=True, use_vllm=use_vllm,
-                      vllm_mode="colocate", vllm_max_model_length=64, vllm_gpu_memory_utilization=0.5)
+    args = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        num_train_epochs=2,
+        save_steps=2,
+        logging_steps=1,
+        report_to=[],
+        seed=42,
+        use_cpu=True,
+        learning_rate=1e-2,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        use_vllm=use_vllm,
+        vllm_mode="colocate",
+        vllm_max_model_length=64,
+        vllm_gpu_memory_utilization=0.5,
+    )
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return dict(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
-                processing_class=tokenizer)
+    return dict(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
 
 
 def _vocab_layers(worker) -> dict[str, list[int]]:
     """The engine's vocabulary layers: [rows held, rows of the model] (vLLM pads 47 to 64; runs in the worker)."""
     model = worker.model_runner.get_model()
-    return {n: [int(m.weight.shape[0]), int(m.org_vocab_size)] for n, m in model.named_modules()
-            if hasattr(m, "shard_indices")}
+    return {
+        n: [int(m.weight.shape[0]), int(m.org_vocab_size)]
+        for n, m in model.named_modules()
+        if hasattr(m, "shard_indices")
+    }
 
 
 def probe(work: Path) -> dict:
@@ -113,8 +139,11 @@ def probe(work: Path) -> dict:
 
     trainer = GRPOTrainer(**_parts(work, work / "probe"))
     gen = trainer.vllm_generation
-    out: dict = {"cpu_engine": vllm.cpu_engine(gen.llm), "engine_dtype": str(gen.llm.llm_engine.model_config.dtype),
-                 "vocab": gen.llm.collective_rpc(_vocab_layers)[0]}
+    out: dict = {
+        "cpu_engine": vllm.cpu_engine(gen.llm),
+        "engine_dtype": str(gen.llm.llm_engine.model_config.dtype),
+        "vocab": gen.llm.collective_rpc(_vocab_layers)[0],
+    }
     trl_sync = gen.sync_weights
 
     def update() -> None:
@@ -150,8 +179,9 @@ def probe(work: Path) -> dict:
     # the HF mixin's option: refused without a colocated engine or with an unknown value; unset, said once
     for value in ("check", "bogus"):
         parts = _parts(work, work / f"plain-{value}", use_vllm=False)
-        out[f"mixin_{value}_without_engine"] = caught(lambda p=parts, v=value: hf.attach(GRPOTrainer(**p), vllm_sync=v),
-                                                      cg)
+        out[f"mixin_{value}_without_engine"] = caught(
+            lambda p=parts, v=value: hf.attach(GRPOTrainer(**p), vllm_sync=v), cg
+        )
     import logging
 
     said: list[str] = []
@@ -171,7 +201,12 @@ def caught(call, cg) -> str:
     return "not refused"
 
 
-KILL_ORDER = ("step", "save", "sync", "gen")  # within one global step N, in the order a run meets them
+KILL_ORDER = (
+    "step",
+    "save",
+    "sync",
+    "gen",
+)  # within one global step N, in the order a run meets them
 
 
 class Kills:
@@ -225,13 +260,21 @@ def train(work: Path, out_dir: Path, plan: list[str]) -> dict:
     control = os.environ.get("CKPTGUARD_TRL_CONTROL", "")
     if control not in ("", *CONTROLS):
         raise SystemExit(f"CKPTGUARD_TRL_CONTROL={control!r}: one of {CONTROLS}")
-    first: dict[str, int] = {}  # the global step of this launch's first sync / generation (> 0: it resumed)
+    first: dict[
+        str, int
+    ] = {}  # the global step of this launch's first sync / generation (> 0: it resumed)
     box: dict = {}
     if control == "skip-push":
         _skip_first_resumed_sync(first, box)
     kills = Kills(plan, out_dir.parent / f"{out_dir.name}.fired")
-    trainer = Trainer(**_parts(work, out_dir), ckptguard_vllm_sync=os.environ.get("CKPTGUARD_TRL_SYNC", "check"),
-                      ckptguard_config_overrides={"timeout_s": 60, "proof": cg.ProofPlan(rl=True, deterministic=True)})
+    trainer = Trainer(
+        **_parts(work, out_dir),
+        ckptguard_vllm_sync=os.environ.get("CKPTGUARD_TRL_SYNC", "check"),
+        ckptguard_config_overrides={
+            "timeout_s": 60,
+            "proof": cg.ProofPlan(rl=True, deterministic=True),
+        },
+    )
 
     class Kill(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -240,7 +283,9 @@ def train(work: Path, out_dir: Path, plan: list[str]) -> dict:
                 kills.fire()
             if kills.armed("save", state.global_step):
                 kills.note()
-                cg_testing.kill_at("storage.data_written")  # the save that follows this step, mid-write
+                cg_testing.kill_at(
+                    "storage.data_written"
+                )  # the save that follows this step, mid-write
 
     box["trainer"] = trainer
     if control == "skip-push":
@@ -272,13 +317,18 @@ def train(work: Path, out_dir: Path, plan: list[str]) -> dict:
     trainer.add_callback(Kill())
     trainer.train()
     push = getattr(trainer, "ckptguard_last_push", None)
-    return {"step": trainer.state.global_step, "params": _digest(trainer.model.state_dict()),
-            "optim": _digest({"s": trainer.optimizer.state_dict()["state"]}),
-            "last_push": None if push is None else {"step": push.step, "gates": push.gates}}
+    return {
+        "step": trainer.state.global_step,
+        "params": _digest(trainer.model.state_dict()),
+        "optim": _digest({"s": trainer.optimizer.state_dict()["state"]}),
+        "last_push": None if push is None else {"step": push.step, "gates": push.gates},
+    }
 
 
 def _append(path: Path, line: dict) -> None:
-    with open(path, "a") as f:  # written before the next kill can land: a SIGKILL keeps what the OS holds
+    with open(
+        path, "a"
+    ) as f:  # written before the next kill can land: a SIGKILL keeps what the OS holds
         f.write(json.dumps(line) + "\n")
 
 
@@ -289,9 +339,19 @@ def _log_completions(trainer, log: Path) -> None:
     def logged(*a, **kw):
         out = produce(*a, **kw)
         ids, mask = out["completion_ids"].tolist(), out["completion_mask"].tolist()
-        rows = [[t for t, m in zip(r, mk, strict=True) if m] for r, mk in zip(ids, mask, strict=True)]
-        _append(log, {"event": "completions", "pid": os.getpid(), "step": trainer.state.global_step + 1,
-                      "completions": rows, "digest": hashlib.sha256(json.dumps(rows).encode()).hexdigest()})
+        rows = [
+            [t for t, m in zip(r, mk, strict=True) if m] for r, mk in zip(ids, mask, strict=True)
+        ]
+        _append(
+            log,
+            {
+                "event": "completions",
+                "pid": os.getpid(),
+                "step": trainer.state.global_step + 1,
+                "completions": rows,
+                "digest": hashlib.sha256(json.dumps(rows).encode()).hexdigest(),
+            },
+        )
         return out
 
     trainer._generate_and_score_completions = logged

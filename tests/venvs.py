@@ -56,8 +56,19 @@ def needs_venv(path: Path, reason: str) -> pytest.MarkDecorator:
 def vllm_env() -> dict[str, str]:
     """The environment of a job run in the vLLM venv: this repository's source first, one thread, offline, a
     small KV cache, and none of the launcher's rank variables or a caller's VLLM_* settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
-                                                                     "VLLM_"))}
-    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "VLLM_"))
+    }
+    env.update(
+        {
+            "PYTHONPATH": str(REPO / "src"),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        }
+    )
     return env

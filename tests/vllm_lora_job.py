@@ -32,7 +32,13 @@ import jobexit  # noqa: E402
 from ckptguard.integrations import peft as cpeft  # noqa: E402
 from ckptguard.integrations import vllm as cgv  # noqa: E402
 
-TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]  # q/v inside vLLM's packed qkv_proj
+TARGETS = [
+    "q_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "down_proj",
+]  # q/v inside vLLM's packed qkv_proj
 
 
 def actor(model_dir: Path):
@@ -41,8 +47,12 @@ def actor(model_dir: Path):
 
     base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(7)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2, foreach=False)
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+    )
+    optim = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=2e-2, foreach=False
+    )
     return model, optim
 
 
@@ -73,7 +83,14 @@ def caught(call) -> str:
 def engine(model_dir: Path):
     from vllm import LLM
 
-    return LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=0, max_num_seqs=16)
+    return LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        seed=0,
+        max_num_seqs=16,
+    )
 
 
 def logprob_diff(llm, model, mgr, step: int) -> dict[str, float]:
@@ -96,7 +113,9 @@ def save_phase(work: Path) -> dict:
     ck = cpeft.LoraCheckpoint(mgr, model, optim, base_dir=model_dir)
     colo = cgv.Colocated(llm, mgr, rebuild_stale=True, binding=ck.binding)
     out: dict = {"gates": {}}
-    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    base_before = {
+        n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad
+    }
     for step in (0, 1, 2, 3):
         if step:
             train(model, optim, step)
@@ -107,24 +126,34 @@ def save_phase(work: Path) -> dict:
             ck.save(2)
     mgr.wait()
     out["probs_diff"] = logprob_diff(llm, model, mgr, 4)["probs_diff"]
-    out["base_untouched"] = all(torch.equal(p, base_before[n]) for n, p in model.named_parameters()
-                                if not p.requires_grad)
+    out["base_untouched"] = all(
+        torch.equal(p, base_before[n]) for n, p in model.named_parameters() if not p.requires_grad
+    )
     out["unmerged"] = not any(getattr(m, "merged", False) for m in model.modules())
     # merged_state is bitwise peft's own merge (merge_and_unload on a copy)
     import copy
 
     merged = copy.deepcopy(model).merge_and_unload().state_dict()
     ours = cpeft.merged_state(model)
-    out["equals_peft_merge"] = sorted(merged) == sorted(ours) and all(torch.equal(merged[k], ours[k]) for k in ours)
+    out["equals_peft_merge"] = sorted(merged) == sorted(ours) and all(
+        torch.equal(merged[k], ours[k]) for k in ours
+    )
     out["targeted"] = sorted(cpeft.lora_factors(model))
 
     # negative controls (mgr=None: nothing recorded), then the good weights back
-    out["twice"] = caught(lambda: cgv.push_weights(llm, twice(model), lora=model, rebuild_stale=True, step=3))
+    out["twice"] = caught(
+        lambda: cgv.push_weights(llm, twice(model), lora=model, rebuild_stale=True, step=3)
+    )
     bad = cgv.push_weights(llm, twice(model), lora=model, rebuild_stale=True, step=3, strict=False)
     out["twice_gates"], out["twice_counts"] = bad.gates, bad.lora
-    base_only = {k.replace(".base_layer.", "."): v for k, v in model.get_base_model().state_dict().items()
-                 if ".lora_" not in k}
-    unmerged = cgv.push_weights(llm, base_only, lora=model, rebuild_stale=True, step=3, strict=False)
+    base_only = {
+        k.replace(".base_layer.", "."): v
+        for k, v in model.get_base_model().state_dict().items()
+        if ".lora_" not in k
+    }
+    unmerged = cgv.push_weights(
+        llm, base_only, lora=model, rebuild_stale=True, step=3, strict=False
+    )
     out["none_gates"], out["none_counts"] = unmerged.gates, unmerged.lora
     model.merge_adapter()
     out["merged_already"] = caught(lambda: cgv.push_weights(llm, model, rebuild_stale=True, step=3))
@@ -137,11 +166,18 @@ def save_phase(work: Path) -> dict:
                 p.copy_(base_before[n])
     layer = model.get_base_model().model.layers[1].self_attn.o_proj
     with torch.no_grad():
-        layer.base_layer.weight += layer.get_delta_weight("default")  # merged in place, the flag never set
-        out["flag_lost"] = caught(lambda: cgv.push_weights(llm, model, rebuild_stale=True, step=3,
-                                                           binding=ck.binding))
-        out["flag_lost_unbound"] = cgv.push_weights(llm, model, rebuild_stale=True, step=3, strict=False).gates
-        layer.base_layer.weight.copy_(base_before["base_model.model.model.layers.1.self_attn.o_proj.base_layer.weight"])
+        layer.base_layer.weight += layer.get_delta_weight(
+            "default"
+        )  # merged in place, the flag never set
+        out["flag_lost"] = caught(
+            lambda: cgv.push_weights(llm, model, rebuild_stale=True, step=3, binding=ck.binding)
+        )
+        out["flag_lost_unbound"] = cgv.push_weights(
+            llm, model, rebuild_stale=True, step=3, strict=False
+        ).gates
+        layer.base_layer.weight.copy_(
+            base_before["base_model.model.model.layers.1.self_attn.o_proj.base_layer.weight"]
+        )
     out["base_restored"] = ck.binding.live_problems() == []
     out["restored_gates"] = cgv.push_weights(llm, model, rebuild_stale=True, step=3).gates
     shutil.copytree(work / "a", work / "b")
@@ -160,8 +196,9 @@ def resume_phase(work: Path) -> dict:
         if name == "a":
             push = cgv.Colocated(llm, mgr, rebuild_stale=True, binding=ck.binding).push(step, model)
         else:  # the resumed run merges the adapter twice into what it pushes (ms-swift#8233)
-            push = cgv.push_weights(llm, twice(model), lora=model, mgr=mgr, step=step, rebuild_stale=True,
-                                    strict=False)
+            push = cgv.push_weights(
+                llm, twice(model), lora=model, mgr=mgr, step=step, rebuild_stale=True, strict=False
+            )
         out[f"{name}_gates"] = push.gates
         mgr.wait()
     return out

@@ -34,12 +34,27 @@ def build_model(model_dir: Path, vocab: int) -> None:
     words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(vocab - 4)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
 
@@ -47,8 +62,11 @@ def build_model(model_dir: Path, vocab: int) -> None:
 def vocab_layers(worker) -> dict[str, list[int]]:
     """The engine's vocabulary layers: [rows held, rows of the model] (runs in the worker)."""
     model = worker.model_runner.get_model()
-    return {n: [int(m.weight.shape[0]), int(m.org_vocab_size)] for n, m in model.named_modules()
-            if hasattr(m, "shard_indices")}
+    return {
+        n: [int(m.weight.shape[0]), int(m.org_vocab_size)]
+        for n, m in model.named_modules()
+        if hasattr(m, "shard_indices")
+    }
 
 
 def set_rows(worker, start: int, stop: int, value: float) -> None:
@@ -71,15 +89,21 @@ def logprob_diff(llm, actor, vocab: int) -> float:
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": [1, 5 + i, 9 + i]} for i in range(2)]
-    samples = cgv.generate(llm, prompts, [0, 1], step=1, n=2, params=SamplingParams(max_tokens=4, temperature=1.0))
+    samples = cgv.generate(
+        llm, prompts, [0, 1], step=1, n=2, params=SamplingParams(max_tokens=4, temperature=1.0)
+    )
     worst = 0.0
     for s in samples:
         assert all(0 <= t < vocab for t in s.token_ids), s.token_ids
         ids = torch.tensor([s.prompt_token_ids + s.token_ids])
         with torch.no_grad():
-            logits = actor(input_ids=ids).logits[0, len(s.prompt_token_ids) - 1: -1].double()
-        mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
-        worst = max(worst, float((mine - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max()))
+            logits = actor(input_ids=ids).logits[0, len(s.prompt_token_ids) - 1 : -1].double()
+        mine = (
+            torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
+        )
+        worst = max(
+            worst, float((mine - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max())
+        )
     return worst
 
 
@@ -89,19 +113,30 @@ def main(vocab: int, work: Path) -> dict:
 
     model_dir = work / f"model-{vocab}"
     build_model(model_dir, vocab)
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=64, seed=0, max_num_seqs=4)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        seed=0,
+        max_num_seqs=4,
+    )
     actor = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out: dict = {"layers": cgv._single_worker(llm.collective_rpc(vocab_layers), "job")}
     out["first"] = cgv.push_weights(llm, actor, rebuild_stale=True).gates
     with torch.no_grad():  # an update: every row of the tied embedding moves
-        actor.model.embed_tokens.weight.add_(0.01 * torch.randn_like(actor.model.embed_tokens.weight))
+        actor.model.embed_tokens.weight.add_(
+            0.01 * torch.randn_like(actor.model.embed_tokens.weight)
+        )
     second = cgv.push_weights(llm, actor, rebuild_stale=True)
     out["second"], out["tied"], out["rebuilt"] = second.gates, second.tied, second.rebuilt
     out["logprob_diff"] = logprob_diff(llm, actor, vocab)
     rows = out["layers"]["model.embed_tokens"][0]
     llm.collective_rpc(set_rows, args=(vocab, rows, 0.5))
     out["padding_nonzero"] = caught(lambda: cgv.check_engine(llm, actor))
-    out["padding_push"] = cgv.push_weights(llm, actor, rebuild_stale=True).gates  # the loader zeroes it again
+    out["padding_push"] = cgv.push_weights(
+        llm, actor, rebuild_stale=True
+    ).gates  # the loader zeroes it again
     llm.collective_rpc(set_rows, args=(3, 4, 0.25))
     out["row_changed"] = caught(lambda: cgv.check_engine(llm, actor))
     out["after"] = cgv.push_weights(llm, actor, rebuild_stale=True).gates

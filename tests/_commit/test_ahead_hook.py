@@ -12,15 +12,18 @@ import torch
 
 import ckptguard as cg
 
-stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata (dev extra) is not installed")
+stateful = pytest.importorskip(
+    "torchdata.stateful_dataloader", reason="torchdata (dev extra) is not installed"
+)
 
 
 def _train(root, with_ckptguard: bool, shuffle_eval: bool) -> torch.Tensor:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
-    train = stateful.StatefulDataLoader(torch.randn(64, 4), batch_size=8, shuffle=True,
-                                        generator=torch.Generator().manual_seed(1))
+    train = stateful.StatefulDataLoader(
+        torch.randn(64, 4), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)
+    )
     # An evaluation loader in the state, not iterated yet: its state_dict() builds an iterator and draws a seed.
     evaluation = stateful.StatefulDataLoader(torch.randn(16, 4), batch_size=8, shuffle=shuffle_eval)
     state = {"model": model, "optim": optim, "train": train, "eval": evaluation}
@@ -37,13 +40,17 @@ def _train(root, with_ckptguard: bool, shuffle_eval: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shuffle_eval", [False, True], ids=["eval-in-order", "eval-shuffled"])
-def test_a_restored_run_that_never_saves_trains_bitwise_as_without_ckptguard(tmp_path, shuffle_eval):
+def test_a_restored_run_that_never_saves_trains_bitwise_as_without_ckptguard(
+    tmp_path, shuffle_eval
+):
     (tmp_path / "ck").mkdir()
     without = _train(tmp_path / "ck", False, shuffle_eval)
     assert torch.equal(_train(tmp_path / "ck", True, shuffle_eval), without)
 
 
-def test_nothing_the_prepared_staging_does_raises_into_the_users_step(tmp_path, monkeypatch, caplog):
+def test_nothing_the_prepared_staging_does_raises_into_the_users_step(
+    tmp_path, monkeypatch, caplog
+):
     model = torch.nn.Linear(4, 1)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 

@@ -63,7 +63,9 @@ def test_over_budget_snapshot_is_written_in_the_background_and_reported(tmp_path
     cfg = cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=1024))
     mgr = cg.CheckpointManager(tmp_path / "ck", config=cfg)
     caplog.set_level(logging.WARNING, logger="ckptguard")
-    assert mgr.prepare_async({"w": torch.ones(1 << 16)}).result(timeout=30) == 0  # no region it could use
+    assert (
+        mgr.prepare_async({"w": torch.ones(1 << 16)}).result(timeout=30) == 0
+    )  # no region it could use
     pending = mgr.save_async(1, {"w": torch.ones(1 << 16)})
     assert pending.wait() == tmp_path / "ck" / "step_00000001"
     # Never a silent synchronous save: the writer read the live tensor, and the log says so.

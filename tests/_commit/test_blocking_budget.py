@@ -38,8 +38,9 @@ def _budget_rank(rank: int, world: int, root: str, over: str) -> dict[str, Any]:
     handler.emit = lambda record: caught.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("ckptguard").addHandler(handler)
     state = _state()
-    roomy = cg.CheckpointManager(Path(root) / "roomy", config=cg.CheckpointConfig(
-        blocking=cg.BlockingBudget(timeout_s=1e6)))
+    roomy = cg.CheckpointManager(
+        Path(root) / "roomy", config=cg.CheckpointConfig(blocking=cg.BlockingBudget(timeout_s=1e6))
+    )
     out["roomy"] = roomy.save(1, state) is not None  # far under the budget: a synchronous save
     # A declared timeout of 2 ms: any save of 2 MiB is over half of it (the first from the write probe,
     # the second from the measured first save, which goes through the background).
@@ -54,7 +55,9 @@ def _budget_rank(rank: int, world: int, root: str, over: str) -> dict[str, Any]:
         out["pending"] = mgr.wait()
         out["pending"] = str(out["pending"]) if out["pending"] is not None else None
         out["measured_by"] = mgr.blocking.measured_by
-        if over == "background":  # the next estimate uses the background commit's measured time, not the probe
+        if (
+            over == "background"
+        ):  # the next estimate uses the background commit's measured time, not the probe
             out["fourth"] = mgr.save(4, state)
             out["fourth_pending"] = str(mgr.wait())
     except cg.SaveBudgetError as exc:
@@ -67,7 +70,9 @@ def _budget_rank(rank: int, world: int, root: str, over: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("over", ["warn", "background", "refuse"])
-def test_a_save_over_the_budget_goes_to_the_background_or_is_refused_on_every_rank(tmp_path: Path, over: str) -> None:
+def test_a_save_over_the_budget_goes_to_the_background_or_is_refused_on_every_rank(
+    tmp_path: Path, over: str
+) -> None:
     results = cgt.values(cgt.run_ranks(_budget_rank, 2, str(tmp_path), over, pg_timeout_s=37.0))
     for r in results:
         assert r["group_timeout_s"] == 37.0  # read from the gloo group
@@ -89,14 +94,20 @@ def test_a_save_over_the_budget_goes_to_the_background_or_is_refused_on_every_ra
         assert "the save of step 4 would hold rank" in results[0]["warnings"][1]
         assert "(from this manager's last background save)" in results[0]["warnings"][1]
         warning = results[0]["warnings"][0]
-        assert "the save of step 3 would hold rank" in warning and "above the blocking budget of 0.0 s" in warning
+        assert (
+            "the save of step 3 would hold rank" in warning
+            and "above the blocking budget of 0.0 s" in warning
+        )
         assert "collective timeout, declared" in warning
         assert "committed in the background instead" in warning
     else:
         for r in results:
             message, step, seconds, budget_s = r["error"]
             assert step == 3 and budget_s == pytest.approx(0.001) and seconds > budget_s
-            assert "nothing was written and the tracker did not move" in message and "save_async" in message
+            assert (
+                "nothing was written and the tracker did not move" in message
+                and "save_async" in message
+            )
             assert r["committed"] == [] and r["temp_dirs"] == []
 
 
@@ -114,7 +125,9 @@ def _held_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"path": str(path), "seconds": seconds, "sum": t.tolist()}
 
 
-def test_a_rank_held_in_a_save_past_the_group_timeout_does_not_fail_the_next_collective(tmp_path: Path) -> None:
+def test_a_rank_held_in_a_save_past_the_group_timeout_does_not_fail_the_next_collective(
+    tmp_path: Path,
+) -> None:
     results = cgt.values(cgt.run_ranks(_held_rank, 2, str(tmp_path / "root"), pg_timeout_s=3.0))
     for r in results:
         assert r["path"].endswith("step_00000001")
@@ -144,7 +157,10 @@ def _collective_held_rank(rank: int, world: int) -> dict[str, Any]:
         dist.all_reduce(torch.ones(4))
         return {"error": None, "seconds": time.monotonic() - started}
     except Exception as exc:  # gloo's timeout (rank 0), or the peer's closed connection (rank 1)
-        return {"error": f"{type(exc).__name__}: {exc}"[:300], "seconds": time.monotonic() - started}
+        return {
+            "error": f"{type(exc).__name__}: {exc}"[:300],
+            "seconds": time.monotonic() - started,
+        }
 
 
 def test_control_a_rank_held_past_the_timeout_fails_a_collective_of_the_group() -> None:
@@ -183,14 +199,20 @@ def test_background_releases_the_loop_within_its_budget(tmp_path: Path) -> None:
         assert r["budget_s"] == pytest.approx(1.0) and r["first"].endswith("step_00000001")
         assert r["second"] is None, r  # over the budget: committed in the background
         hold = r["second_held_s"] + r["second_staged_s"]
-        assert hold < r["budget_s"], f"held the loop {hold:.2f} s against a budget of {r['budget_s']} s: {r}"
+        assert hold < r["budget_s"], (
+            f"held the loop {hold:.2f} s against a budget of {r['budget_s']} s: {r}"
+        )
         assert r["committed"] == [1, 2], r
 
 
-def test_the_next_save_while_a_background_commit_runs_is_skipped_within_the_budget(tmp_path: Path) -> None:
+def test_the_next_save_while_a_background_commit_runs_is_skipped_within_the_budget(
+    tmp_path: Path,
+) -> None:
     # Before issue 41's fix, save() waited for the commit in flight first: held for the rest of it (7.7 s there).
     results = cgt.values(cgt.run_ranks(_background_hold_rank, 2, str(tmp_path / "ck"), True))
     for r in results:
         assert r["third_held_s"] < r["budget_s"], r
-        assert r["third"] is None and r["skipped"] == 1, r  # OnBusy.SKIP, the default: logged and counted
+        assert r["third"] is None and r["skipped"] == 1, (
+            r
+        )  # OnBusy.SKIP, the default: logged and counted
         assert r["committed"] == [1, 2], r

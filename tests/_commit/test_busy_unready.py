@@ -78,23 +78,36 @@ def _one_rank_preparing(rank: int, world: int, root: str) -> dict[str, Any]:
     path = mgr.wait()
     skipped = mgr.busy.skipped_total
     mgr.close()
-    return {"first": first is None, "second": second is not None, "path": Path(path).name if path else None,
-            "skipped": skipped, "said": [m for m in messages.lines if "SKIPPED" in m]}
+    return {
+        "first": first is None,
+        "second": second is not None,
+        "path": Path(path).name if path else None,
+        "skipped": skipped,
+        "said": [m for m in messages.lines if "SKIPPED" in m],
+    }
 
 
-def test_a_save_while_one_rank_still_prepares_its_staging_is_skipped_on_every_rank(tmp_path: Path) -> None:
+def test_a_save_while_one_rank_still_prepares_its_staging_is_skipped_on_every_rank(
+    tmp_path: Path,
+) -> None:
     out = values(run_ranks(_one_rank_preparing, 2, str(tmp_path / "ck"), timeout=240))
     for o in out:
         assert o["first"] and o["second"] and o["path"] == "step_00000002" and o["skipped"] == 1, o
         (said,) = o["said"]
-        assert "save_async of step 1 SKIPPED" in said and "still being prepared in the background on rank 1" in said
+        assert (
+            "save_async of step 1 SKIPPED" in said
+            and "still being prepared in the background on rank 1" in said
+        )
 
 
 @pytest.mark.parametrize("case", ["small", "wait"])
-def test_a_save_starts_while_the_staging_is_prepared_below_the_bound_or_under_wait(tmp_path: Path, case: str,
-                                                                                  monkeypatch) -> None:
+def test_a_save_starts_while_the_staging_is_prepared_below_the_bound_or_under_wait(
+    tmp_path: Path, case: str, monkeypatch
+) -> None:
     gate = threading.Event()
-    monkeypatch.setattr(_staging.StagingPool, "grow_async", _staging.StagingPool.grow_async)  # restored after
+    monkeypatch.setattr(
+        _staging.StagingPool, "grow_async", _staging.StagingPool.grow_async
+    )  # restored after
     _hold_preparation(gate)
     config = cg.CheckpointConfig()
     if case == "wait":
@@ -104,7 +117,9 @@ def test_a_save_starts_while_the_staging_is_prepared_below_the_bound_or_under_wa
     mgr = cg.CheckpointManager(tmp_path / "ck", config=config)
     try:
         prepared = mgr.prepare_async(state)
-        assert mgr.queue.sets[0].unready_bytes() > 0, "the preparation is held back: bytes still to prepare"
+        assert mgr.queue.sets[0].unready_bytes() > 0, (
+            "the preparation is held back: bytes still to prepare"
+        )
         pending = mgr.save_async(1, state)
         assert pending is not None and mgr.busy.skipped_total == 0
         gate.set()
@@ -115,16 +130,22 @@ def test_a_save_starts_while_the_staging_is_prepared_below_the_bound_or_under_wa
         mgr.close()
     restored = {"w": torch.zeros(4096), "shared": torch.zeros(1000)}
     again = cg.CheckpointManager(tmp_path / "ck")
-    assert again.restore(restored) == 1 and all(torch.equal(restored[k], v) for k, v in _state().items())
+    assert again.restore(restored) == 1 and all(
+        torch.equal(restored[k], v) for k, v in _state().items()
+    )
     again.close()
 
 
-def test_a_preparation_past_its_patience_no_longer_skips_saves(tmp_path: Path, monkeypatch, caplog) -> None:
+def test_a_preparation_past_its_patience_no_longer_skips_saves(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
     """A hung preparation (a pin that never returns) must not skip every save_async for the rest of the run."""
     from ckptguard._commit import pending as _pending
 
     gate = threading.Event()
-    monkeypatch.setattr(_staging.StagingPool, "grow_async", _staging.StagingPool.grow_async)  # restored after
+    monkeypatch.setattr(
+        _staging.StagingPool, "grow_async", _staging.StagingPool.grow_async
+    )  # restored after
     _hold_preparation(gate)
     monkeypatch.setattr(_busy, "UNREADY_LIVE_BYTES", 0)
     state = _state()
@@ -132,7 +153,9 @@ def test_a_preparation_past_its_patience_no_longer_skips_saves(tmp_path: Path, m
     try:
         mgr.prepare_async(state)
         assert mgr.save_async(1, state) is None and mgr.busy.skipped_total == 1
-        monkeypatch.setattr(_pending, "PREPARE_PATIENCE_S", -1)  # as if it had run past its patience
+        monkeypatch.setattr(
+            _pending, "PREPARE_PATIENCE_S", -1
+        )  # as if it had run past its patience
         with caplog.at_level(logging.WARNING, logger="ckptguard"):
             assert mgr.save_async(2, state) is not None, "saved, reading the rest live"
         assert "stops waiting for it and reads the rest live" in caplog.text

@@ -21,7 +21,9 @@ from ckptguard.storage.dcp import DCPStorage, _CheckedWriter
 from ckptguard.testing import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")
-TIMEOUT_S = 5  # of a save a rank dies in: long above a live peer's skew, and waited once per commit point
+TIMEOUT_S = (
+    5  # of a save a rank dies in: long above a live peer's skew, and waited once per commit point
+)
 
 
 def _kill_self() -> None:
@@ -47,7 +49,11 @@ def _crash_worker(rank: int, world: int, root: str, point: str, crash_rank: int)
     try:
         mgr.save(4, job.state())
     except cg.CheckpointError as exc:
-        return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "elapsed": time.monotonic() - start,
+        }
     return {"error": None}
 
 
@@ -101,7 +107,10 @@ def test_sigkill_at_each_commit_point_keeps_previous_step(tmp_path, world):
         for r in res:
             if r.rank != crash_rank:
                 # The survivor raised a ckptguard error instead of hanging or committing.
-                assert r.ok and r.value["error"] in ("CollectiveTimeoutError", "CheckpointWriteError"), r
+                assert r.ok and r.value["error"] in (
+                    "CollectiveTimeoutError",
+                    "CheckpointWriteError",
+                ), r
                 assert r.value["elapsed"] < TIMEOUT_S + 15
         _assert_scene(root, point)
         roots.append(str(root))
@@ -129,7 +138,9 @@ class _FailOnRank(DCPStorage):
                 import torch.distributed as dist
 
                 if dist.get_rank() == fail and "step_00000002" in str(state_dir):
-                    raise OSError(errno.ENOSPC, "No space left on device", str(state_dir / "__1_0.distcp"))
+                    raise OSError(
+                        errno.ENOSPC, "No space left on device", str(state_dir / "__1_0.distcp")
+                    )
                 return super().write_data(plan, planner)
 
         writer.__class__ = Failing
@@ -173,7 +184,11 @@ def test_failed_write_on_one_rank_raises_on_all_and_keeps_tracker(tmp_path):
     out = values(run_ranks(_failed_write_worker, 2, root))
     for r in out:
         assert r["errno"] == errno.ENOSPC and r["rank"] == 1 and r["path"].endswith("__1_0.distcp")
-        assert "rank 1" in r["msg"] and "errno 28 (ENOSPC)" in r["msg"] and "tracker was not moved" in r["msg"]
+        assert (
+            "rank 1" in r["msg"]
+            and "errno 28 (ENOSPC)" in r["msg"]
+            and "tracker was not moved" in r["msg"]
+        )
         assert r["tracker"] == 1
         assert r["elapsed"] < 20
     assert not list(Path(root).glob(".tmp-*")) and not (Path(root) / "step_00000002").exists()
@@ -199,7 +214,9 @@ def _divergence_worker(rank: int, world: int, root: str) -> dict:
 def test_divergent_replicated_tensor_is_refused_and_per_rank_roundtrips(tmp_path):
     out = values(run_ranks(_divergence_worker, 2, str(tmp_path / "ck")))
     for rank, r in enumerate(out):
-        assert "'w'" not in r["refused"] and "w (ranks grouped by content: [[0], [1]])" in r["refused"]
+        assert (
+            "'w'" not in r["refused"] and "w (ranks grouped by content: [[0], [1]])" in r["refused"]
+        )
         assert "shared" not in r["refused"]
         assert r["w"] == [float(rank)] * 3
         assert r["shared"] == [1.0] * 3
@@ -258,7 +275,9 @@ def test_overwrite_of_committed_step_needs_opt_in(tmp_path):
     fresh = build_job(seed=4)
     over.restore(fresh.state())
     assert fingerprint(fresh) == fingerprint(job)
-    with pytest.raises(cg.ConfigError, match="already committed"):  # a one-shot action: the next save asks again
+    with pytest.raises(
+        cg.ConfigError, match="already committed"
+    ):  # a one-shot action: the next save asks again
         over.save(1, job.state())
 
 
@@ -276,7 +295,9 @@ def test_node_local_staging_publishes_verified_copies(tmp_path):
     job = build_job()
     stage = tmp_path / "nvme"
     stage.mkdir()
-    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(storage=StorageOptions(stage_dir=stage)))
+    mgr = cg.CheckpointManager(
+        tmp_path / "ck", config=cg.CheckpointConfig(storage=StorageOptions(stage_dir=stage))
+    )
     mgr.save(1, job.state())
     assert list(stage.iterdir()) == []
     fresh = build_job(seed=2)
@@ -301,7 +322,9 @@ def test_dotted_global_through_an_allowed_module_is_refused(tmp_path):
         b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00"
         + pickle.dumps("torch.distributed.checkpoint.filesystem", protocol=4)[11:-1]
         + pickle.dumps("os.system", protocol=4)[11:-1]
-        + b"\x93" + pickle.dumps(("touch /tmp/ckptguard-pwned",), protocol=4)[11:-1] + b"R."
+        + b"\x93"
+        + pickle.dumps(("touch /tmp/ckptguard-pwned",), protocol=4)[11:-1]
+        + b"R."
     )
     assert any(op.name == "STACK_GLOBAL" for op, _, _ in pickletools.genops(payload))  # well-formed
     (tmp_path / "state").mkdir()

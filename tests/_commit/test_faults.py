@@ -37,7 +37,9 @@ def _mount(args: list[str], target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True)
     if proc.returncode != 0:
-        pytest.skip(f"mounting refused here ({proc.stderr.strip()}); this fault needs root and mount(8)")
+        pytest.skip(
+            f"mounting refused here ({proc.stderr.strip()}); this fault needs root and mount(8)"
+        )
 
 
 def _umount(target: Path) -> None:
@@ -60,12 +62,19 @@ def _enospc_worker(rank: int, world: int, root: str) -> dict:
     try:
         mgr.save(2, {**job.state(), "blob": _blob(rank, 2)})
     except cg.CheckpointWriteError as exc:
-        out = {"errno": exc.errno, "first_rank": exc.first.rank, "path": exc.first.path, "msg": str(exc)}
+        out = {
+            "errno": exc.errno,
+            "first_rank": exc.first.rank,
+            "path": exc.first.path,
+            "msg": str(exc),
+        }
     # Training resumes from the previous step, in the same job.
     fresh = build_job(rank=rank, world=world, seed=3)
     blob = {f"rank{rank}": torch.zeros((1 << 20) // 4)}
     out["resumed"] = mgr.restore({**fresh.state(), "blob": blob})
-    out["same"] = fingerprint(fresh) == saved and torch.equal(blob[f"rank{rank}"], _blob(rank, 1)[f"rank{rank}"])
+    out["same"] = fingerprint(fresh) == saved and torch.equal(
+        blob[f"rank{rank}"], _blob(rank, 1)[f"rank{rank}"]
+    )
     return out
 
 
@@ -168,7 +177,9 @@ def test_eio_and_short_writes_at_the_writer_boundary(tmp_path):
     out = values(run_ranks(_stream_fault_worker, 2, str(tmp_path)))
     for r in out:
         eio, short = r["eio"], r["short"]
-        assert eio["rank"] == 1 and eio["errno"] == errno.EIO and eio["path"].endswith("__1_0.distcp")
+        assert (
+            eio["rank"] == 1 and eio["errno"] == errno.EIO and eio["path"].endswith("__1_0.distcp")
+        )
         assert eio["offset"] is not None and eio["requested"] > 0 and eio["returned"] == 0
         assert short["rank"] == 1 and short["errno"] == errno.EIO
         assert short["returned"] < short["requested"]  # the short write, with both byte counts
@@ -183,7 +194,10 @@ def _stall_worker(rank: int, world: int, root: str) -> dict:
     mgr.save(1, job.state())
     gave_up = Path(root).with_name(f"{Path(root).name}.rank0-gave-up")
     if rank == 1:
-        def stall() -> None:  # stalled until rank 0 has given up on it (25 s at most), not a fixed 25 s
+
+        def stall() -> (
+            None
+        ):  # stalled until rank 0 has given up on it (25 s at most), not a fixed 25 s
             deadline = time.monotonic() + 25
             while not gave_up.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -233,7 +247,9 @@ def _readonly_worker(rank: int, world: int, root: str, ro_root: str) -> dict:
 def test_read_only_target(tmp_path):
     root, ro = tmp_path / "ck", tmp_path / "ro"
     ro.mkdir()
-    probe = subprocess.run(["mount", "--bind", "-o", "ro", str(tmp_path), str(ro)], capture_output=True, text=True)
+    probe = subprocess.run(
+        ["mount", "--bind", "-o", "ro", str(tmp_path), str(ro)], capture_output=True, text=True
+    )
     if probe.returncode != 0:
         pytest.skip(f"read-only bind mounts refused here ({probe.stderr.strip()})")
     _umount(ro)
@@ -288,7 +304,9 @@ def _rss_anon() -> int:
 
 def test_host_memory_is_released_after_saves(tmp_path):
     state = {"w": torch.randn(64 << 20 >> 2)}  # 64 MiB
-    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(retention=cg.KeepLast(1)))
+    mgr = cg.CheckpointManager(
+        tmp_path / "ck", config=cg.CheckpointConfig(retention=cg.KeepLast(1))
+    )
     mgr.save(1, state)  # warm-up: imports and first-use allocations
     before = _rss_anon()
     for step in range(2, 5):

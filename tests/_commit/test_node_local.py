@@ -38,7 +38,9 @@ def _damage_after_write(root: Path, how: str) -> None:
 def test_publish_reads_every_reported_file_back_with_size_and_checksum(tmp_path, how):
     root = tmp_path / "ck"
     # A shared root checks sizes by default; checksums on request (node-local roots: by default).
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(storage=StorageOptions(publish_checksums=True)))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(storage=StorageOptions(publish_checksums=True))
+    )
     state = {"w": torch.nn.Linear(8, 8)}
     mgr.save(1, state)
     _damage_after_write(root, how)
@@ -50,7 +52,9 @@ def test_publish_reads_every_reported_file_back_with_size_and_checksum(tmp_path,
     msg = str(info.value)
     assert "publish check" in msg and "__0_0.distcp" in msg, msg
     assert ("xxh3" in msg) if how == "flip" else ("bytes, reported" in msg), msg
-    assert _layout.read_tracker(root) == 1, "a save whose files changed after their write was committed"
+    assert _layout.read_tracker(root) == 1, (
+        "a save whose files changed after their write was committed"
+    )
     assert not (root / "step_00000002").exists() and not list(root.glob(".tmp-*"))
     assert mgr.restore(state) == 1
     if how == "flip":  # a shared root by default compares only the sizes: the flip commits
@@ -74,11 +78,16 @@ def _own_disk(base: Path, node: int, *more: Path, disk: int | None = None) -> Pa
     same path); the same for each of ``more``. Returns ``base/shared``."""
     import os
 
-    fake_node(f"node{node}", disks={b / "shared": b / f"disk{node if disk is None else disk}" for b in (base, *more)})
+    fake_node(
+        f"node{node}",
+        disks={b / "shared": b / f"disk{node if disk is None else disk}" for b in (base, *more)},
+    )
     for b in (base, *more):
         shared = b / "shared"
         # The check that a node sees only its own disk is real: its marker, never the other node's.
-        assert (shared / "marker").read_text() == str(node), "this rank does not see its own node's disk"
+        assert (shared / "marker").read_text() == str(node), (
+            "this rank does not see its own node's disk"
+        )
         assert not os.path.samefile(shared / "marker", b / f"disk{1 - node}" / "marker")
     return base / "shared"
 
@@ -104,7 +113,9 @@ def _two_disks_on_node1(rank: int, world: int, base: str) -> str:
     node1 publishes (a node whose ranks see different disks, on the second node)."""
     shared = _own_disk(Path(base), rank // 2, disk=2 if rank == 3 else None)
     try:
-        cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(1, _state(rank))
+        cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(
+            1, _state(rank)
+        )
     except cg.CheckpointError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "committed"
@@ -121,14 +132,18 @@ def test_a_node_whose_ranks_see_different_disks_is_refused_on_every_rank(tmp_pat
         assert "rank 3 of node node1" in out and "node-local" in out, (rank, out)
     for disk in range(3):
         root = base / f"disk{disk}" / "ck"
-        assert not root.exists() or (_layout.read_tracker(root) in (None, 0) and not list(root.glob("*step_*"))), (
-            f"disk{disk} holds a step or a temp directory of the refused save"
-        )
+        assert not root.exists() or (
+            _layout.read_tracker(root) in (None, 0) and not list(root.glob("*step_*"))
+        ), f"disk{disk} holds a step or a temp directory of the refused save"
 
 
 def _state(rank: int) -> dict:
     torch.manual_seed(0)  # replicated: the same on every rank, so DCP stores each value once
-    return {"model": torch.nn.Linear(16, 16), "n": cg.PerRank(rank * 10), "table": torch.arange(64.0)}
+    return {
+        "model": torch.nn.Linear(16, 16),
+        "n": cg.PerRank(rank * 10),
+        "table": torch.arange(64.0),
+    }
 
 
 def _listing(root: Path) -> dict[str, list[str]]:
@@ -147,7 +162,9 @@ def _save_and_check(rank: int, world: int, base: str) -> dict:
     shared = _own_disk(Path(base), node)
     root = shared / "ck"
     # KeepLast(1): every node's retention runs on its own disk, so step 1 goes from both.
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=30, retention=cg.KeepLast(1)))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(timeout_s=30, retention=cg.KeepLast(1))
+    )
     state = _state(rank)
     for step in (1, 2):
         state["model"].weight.data += 1.0
@@ -162,8 +179,15 @@ def _save_and_check(rank: int, world: int, base: str) -> dict:
     placed = {r: f"node{r // 2}" for r in range(world)}
     moved = {**placed, 2 * (1 - node): f"node{node}"}  # one rank of the other node moves here
     checks = {
-        "same": [f"{f.severity.value} {f.code}" for f in preflight(root, naming, rank_hosts=placed).findings],
-        "moved": [f.line() for f in preflight(root, naming, rank_hosts=moved).findings if f.code != "not-checked"],
+        "same": [
+            f"{f.severity.value} {f.code}"
+            for f in preflight(root, naming, rank_hosts=placed).findings
+        ],
+        "moved": [
+            f.line()
+            for f in preflight(root, naming, rank_hosts=moved).findings
+            if f.code != "not-checked"
+        ],
     }
     if rank % 2 == 0:  # each node's first rank moves its node's part to another root on its disk
         transfer(root / "step_00000002", shared / "moved")
@@ -173,7 +197,8 @@ def _save_and_check(rank: int, world: int, base: str) -> dict:
     return {
         "checks": checks,
         "restored": restored,
-        "same": torch.equal(fresh["model"].weight, state["model"].weight) and fresh["n"].value == rank * 10,
+        "same": torch.equal(fresh["model"].weight, state["model"].weight)
+        and fresh["n"].value == rank * 10,
         "listing": _listing(root),
         "tracker": _layout.read_tracker(root),
         "preflight": [f.line() for f in report.findings if f.severity.value == "ERROR"],
@@ -199,7 +224,10 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
         # Preflight on this node checks this disk: its own ranks pass, the other node's are not checked.
         assert checks["same"] == ["WARNING not-checked"], (rank, checks["same"])
         # A rank of the other node placed here would not find its extras on this disk.
-        assert len(checks["moved"]) == 1 and f"rank {2 * other} will run on node{rank // 2}" in checks["moved"][0]
+        assert (
+            len(checks["moved"]) == 1
+            and f"rank {2 * other} will run on node{rank // 2}" in checks["moved"][0]
+        )
         assert f"rank_{2 * other:05d}.pt" in checks["moved"][0], checks["moved"]
         assert checks["absent"] == ["no-root"]
         # Every node keeps its own trust record (prefer="verified" must resolve alike on every node).
@@ -213,31 +241,52 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
     assert [n["ranks"] for n in manifest["nodes"]] == [[0, 1], [2, 3]]
     for node in range(NODES):
         root = base / f"disk{node}" / "ck"
-        assert sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-", ".trash-"))) == [
-            "step_00000002"
-        ], f"node {node}: a temp directory is left, a step is missing, or retention did not run on this node"
+        assert sorted(
+            p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-", ".trash-"))
+        ) == ["step_00000002"], (
+            f"node {node}: a temp directory is left, a step is missing, or retention did not run on this node"
+        )
         held = set(out[2 * node]["listing"]["step_00000002"])
         mine = {f["path"] for f in manifest["files"] if f["rank"] in (2 * node, 2 * node + 1)}
         copies = set(manifest["nodes"][node]["copies"])
         assert held == mine | copies | {"manifest.json", "node_manifest.json"}, (node, held)
         # Only its own ranks' extras; another node's data file only where it holds a replicated value.
-        assert {p for p in held if p.startswith("rank_")} == {f"rank_{r:05d}.pt" for r in (2 * node, 2 * node + 1)}
+        assert {p for p in held if p.startswith("rank_")} == {
+            f"rank_{r:05d}.pt" for r in (2 * node, 2 * node + 1)
+        }
         assert all(c.startswith("state/") for c in copies)
         node_manifest = json.loads((root / "step_00000002/node_manifest.json").read_text())
         assert {f["path"] for f in node_manifest["files"]} == mine | copies
-    assert "state/.metadata" in manifest["nodes"][1]["copies"], "node1 lacks DCP's metadata (rank 0 writes it)"
-    assert manifest["nodes"][0]["copies"] or manifest["nodes"][1]["copies"] != ["state/.metadata"], (
-        "DCP spread no replicated value across the nodes: the test shows nothing about the copies"
+    assert "state/.metadata" in manifest["nodes"][1]["copies"], (
+        "node1 lacks DCP's metadata (rank 0 writes it)"
     )
+    assert manifest["nodes"][0]["copies"] or manifest["nodes"][1]["copies"] != [
+        "state/.metadata"
+    ], "DCP spread no replicated value across the nodes: the test shows nothing about the copies"
 
 
 # ---------------------------------------------------------------- SIGKILL of one node at each per-node point
 
 # (point, node whose ranks are killed there, each node's tracker afterwards, the step both agree on)
 CRASHES = [
-    ("node.confirmed", 1, (1, 1), 1),  # node 1 confirmed, node 0 waits for the others: nothing published
-    ("node.before_rename", 1, (1, 1), 1),  # node 0 may publish its directory: an orphan, the trackers stay
-    ("node.before_tracker", 1, (2, 1), 2),  # node 0 moved its tracker; node 1 holds step 2 published
+    (
+        "node.confirmed",
+        1,
+        (1, 1),
+        1,
+    ),  # node 1 confirmed, node 0 waits for the others: nothing published
+    (
+        "node.before_rename",
+        1,
+        (1, 1),
+        1,
+    ),  # node 0 may publish its directory: an orphan, the trackers stay
+    (
+        "node.before_tracker",
+        1,
+        (2, 1),
+        2,
+    ),  # node 0 moved its tracker; node 1 holds step 2 published
     ("node.after_tracker", 0, (2, 2), 2),  # rank 0 (and the store) gone after its tracker moved
 ]
 
@@ -261,11 +310,15 @@ def _crash_worker(rank: int, world: int, base: str, point: str, victim: int) -> 
     state = _state(rank)
     state["model"].weight.data += 1.0
     cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(1, state)
-    mgr = cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=5))  # survivors give up soon
+    mgr = cg.CheckpointManager(
+        shared / "ck", config=cg.CheckpointConfig(timeout_s=5)
+    )  # survivors give up soon
     if node == victim:
         siblings = [pids[r] for r in range(world) if r // 2 == node and r != rank]
 
-        def kill_node() -> None:  # reached by the node's publishing rank: the whole node dies at once
+        def kill_node() -> (
+            None
+        ):  # reached by the node's publishing rank: the whole node dies at once
             for pid in siblings:
                 os.kill(pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -297,9 +350,18 @@ def _recover_worker(rank: int, world: int, bases: list[str]) -> list[dict]:
         for _ in range(step):
             expected += 1.0  # as the saving run did, one addition per step (x + 1 + 1 is not x + 2 in floats)
         exact = torch.equal(state["model"].weight, expected)
-        mgr.save(step + 2, state)  # skips a step: what the killed save published on one node must go
-        out.append({"step": step, "exact": exact, "committed": mgr.committed_steps(), "listing": _listing(root),
-                    "preflight": (before.step, lagging)})
+        mgr.save(
+            step + 2, state
+        )  # skips a step: what the killed save published on one node must go
+        out.append(
+            {
+                "step": step,
+                "exact": exact,
+                "committed": mgr.committed_steps(),
+                "listing": _listing(root),
+                "preflight": (before.step, lagging),
+            }
+        )
     return out
 
 
@@ -320,17 +382,31 @@ def test_sigkill_of_one_node_at_each_point_leaves_both_nodes_agreeing(tmp_path):
         assert seen == trackers, f"{point}: trackers {seen}, expected {trackers}"
     trackers_of = {point: trackers for point, _victim, trackers, _agreed in CRASHES}
     per_rank = values(run_ranks(_recover_worker, 4, [str(b) for b in bases], timeout=200))
-    for (point, _victim, _trackers, agreed), result in zip(CRASHES, zip(*per_rank, strict=True), strict=True):
+    for (point, _victim, _trackers, agreed), result in zip(
+        CRASHES, zip(*per_rank, strict=True), strict=True
+    ):
         for rank, r in enumerate(result):
-            assert r["step"] == agreed and r["exact"], f"{point}: rank {rank} resumed {r}, expected step {agreed}"
+            assert r["step"] == agreed and r["exact"], (
+                f"{point}: rank {rank} resumed {r}, expected step {agreed}"
+            )
             # Preflight on a node sees its own tracker, and is told when this node holds a newer step published.
             own = trackers_of[point][rank // 2]
             newer = ["published-newer"] if (point, rank // 2) in PUBLISHED_NEWER else []
             assert r["preflight"] == (own, newer), (point, rank, r["preflight"])
-            assert r["committed"][-2:] == [agreed, agreed + 2], f"{point}: rank {rank}: {r['committed']}"
+            assert r["committed"][-2:] == [agreed, agreed + 2], (
+                f"{point}: rank {rank}: {r['committed']}"
+            )
             names = list(r["listing"])
             # Nothing of the killed save lingers (its temp directory, a step directory only one node
             # published), and the agreed step is never deleted.
-            assert not [n for n in names if n.startswith(".tmp-")], f"{point}: rank {rank} keeps {names}"
-            assert f"step_{agreed + 1:08d}" not in names, f"{point}: rank {rank} keeps the unagreed step: {names}"
-            assert f"step_{agreed:08d}" in names and f"step_{agreed + 2:08d}" in names, (point, rank, names)
+            assert not [n for n in names if n.startswith(".tmp-")], (
+                f"{point}: rank {rank} keeps {names}"
+            )
+            assert f"step_{agreed + 1:08d}" not in names, (
+                f"{point}: rank {rank} keeps the unagreed step: {names}"
+            )
+            assert f"step_{agreed:08d}" in names and f"step_{agreed + 2:08d}" in names, (
+                point,
+                rank,
+                names,
+            )

@@ -52,9 +52,14 @@ def _disagreeing_ranks(rank, world, base):
     third = mgr.save_async(3, state)
     path = third.wait() if third is not None else None
     recs = read_records(base)[rank]
-    return {"busy_here": busy_here, "skipped": skipped is None, "count": mgr.busy.skipped_total,
-            "third": str(path), "steps": mgr.committed_steps(),
-            "records": [r["step"] for r in recs if r["event"] == "busy_skip"]}
+    return {
+        "busy_here": busy_here,
+        "skipped": skipped is None,
+        "count": mgr.busy.skipped_total,
+        "third": str(path),
+        "steps": mgr.committed_steps(),
+        "records": [r["step"] for r in recs if r["event"] == "busy_skip"],
+    }
 
 
 def test_a_save_requested_during_a_commit_on_one_rank_is_skipped_on_every_rank(tmp_path):
@@ -83,18 +88,29 @@ def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path,
         _faults.set_hook("commit.before_tracker", None)
     # status on the root says what is held back: step 4, which no committed step's cost block carries yet
     held = CliRunner().invoke(main, ["status", str(tmp_path / "ck")])
-    assert "held back by a commit in flight after step 2: 1 skipped (skipped steps [4])" in held.output, held.output
-    assert "in all the proof records: 1 skipped" in held.output and "space the saves wider" in held.output
+    assert (
+        "held back by a commit in flight after step 2: 1 skipped (skipped steps [4])" in held.output
+    ), held.output
+    assert (
+        "in all the proof records: 1 skipped" in held.output
+        and "space the saves wider" in held.output
+    )
     warning = next(r.getMessage() for r in caplog.records if "SKIPPED" in r.getMessage())
     assert "save_async of step 4 SKIPPED (1 so far)" in warning and "step 2's commit" in warning
     assert "steps or more fits it" in warning and "on_busy=OnBusy.WAIT" in warning
-    mgr.save_async(6, _state(2.0)).wait()  # the next committed step carries the skip; verify shows it
+    mgr.save_async(
+        6, _state(2.0)
+    ).wait()  # the next committed step carries the skip; verify shows it
     assert _cost(tmp_path / "ck", 6)["skipped_steps"] == [4]
     shown = CliRunner().invoke(main, ["verify", str(tmp_path / "ck" / "step_00000006")])
     assert shown.exit_code == 0 and "1 save(s) skipped before it" in shown.output, shown.output
-    held = CliRunner().invoke(main, ["status", str(tmp_path / "ck")])  # carried by step 6 now; no phase records
+    held = CliRunner().invoke(
+        main, ["status", str(tmp_path / "ck")]
+    )  # carried by step 6 now; no phase records
     assert "after step 6: none; in all the proof records: 1 skipped" in held.output, held.output
-    assert held.exit_code == 0 and "no phase records" in held.output  # the root's state instead (issue 42)
+    assert (
+        held.exit_code == 0 and "no phase records" in held.output
+    )  # the root's state instead (issue 42)
     assert "a resume now: resume from step 6" in held.output
     # WAIT: the request waits for the commit in flight and is saved.
     wait = cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.WAIT))
@@ -120,13 +136,19 @@ def test_the_first_save_async_never_pins_on_the_callers_thread(tmp_path, monkeyp
     monkeypatch.setattr(_staging, "Buffer", _SlowPin)
     _SlowPin.threads = []
     root = tmp_path / "ck"
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 20)))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 20))
+    )
     state = {"model": torch.nn.Linear(64, 64)}
     ready = mgr.prepare_async(state)
     first = mgr.save_async(1, state)
-    assert first.blocked_seconds < 0.5 and not ready.done()  # the pool is still being built, not waited for
+    assert (
+        first.blocked_seconds < 0.5 and not ready.done()
+    )  # the pool is still being built, not waited for
     first.wait()
-    assert _cost(root, 1)["live_bytes"] > 0  # read live this once (the documented wait), never a sync save
+    assert (
+        _cost(root, 1)["live_bytes"] > 0
+    )  # read live this once (the documented wait), never a sync save
     assert ready.result(timeout=10) > 0 and _SlowPin.threads == ["ckptguard-pin-pool"]
     second = mgr.save_async(2, state)
     second.wait()
@@ -134,8 +156,9 @@ def test_the_first_save_async_never_pins_on_the_callers_thread(tmp_path, monkeyp
     assert cost["live_bytes"] == 0 and cost["staged_host_bytes"] == 64 * 64 * 4 + 64 * 4
     # Without prepare_async, the first save_async starts the pool in the background too.
     _SlowPin.threads = []
-    other = cg.CheckpointManager(tmp_path / "o",
-                                 config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 20)))
+    other = cg.CheckpointManager(
+        tmp_path / "o", config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 20))
+    )
     t0 = time.monotonic()
     other.save_async(1, state).wait()
     assert time.monotonic() - t0 < 1.0 and _SlowPin.threads == ["ckptguard-pin-pool"]
@@ -166,7 +189,9 @@ def test_a_deletion_runs_after_the_commit_and_never_holds_the_next_save(tmp_path
     t0 = time.monotonic()
     third = mgr.save_async(3, _state(3.0))
     order.append("next snapshot taken")
-    assert third is not None and time.monotonic() - t0 < 1.0  # not skipped, not held by the deletion
+    assert (
+        third is not None and time.monotonic() - t0 < 1.0
+    )  # not skipped, not held by the deletion
     third.wait()
     assert order[:3] == ["deletion starts", "next snapshot taken", "deletion ends"]
     assert mgr.committed_steps() == [3] and second.cleanup_seconds >= 1.5
@@ -177,8 +202,13 @@ def test_a_deletion_runs_after_the_commit_and_never_holds_the_next_save(tmp_path
 
 def test_a_tiered_save_async_during_the_tiers_commit_is_skipped_and_retention_still_runs(tmp_path):
     gate = threading.Event()
-    tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
-                                persistent_every=2, fast_retention=cg.KeepLast(1))
+    tiers = cg.TieredCheckpoint(
+        tmp_path / "fast",
+        persistent=tmp_path / "pers",
+        fast_every=1,
+        persistent_every=2,
+        fast_retention=cg.KeepLast(1),
+    )
     _faults.set_hook("commit.before_tracker", gate.wait)
     try:
         first = tiers.save_async(1, _state(1.0))
@@ -189,10 +219,14 @@ def test_a_tiered_save_async_during_the_tiers_commit_is_skipped_and_retention_st
     finally:
         _faults.set_hook("commit.before_tracker", None)
     third = tiers.save_async(3, _state(3.0))
-    fourth = tiers.save_async(4, _state(4.0))  # requested at once: skipped unless step 3's commit ended first
+    fourth = tiers.save_async(
+        4, _state(4.0)
+    )  # requested at once: skipped unless step 3's commit ended first
     tiers.wait()
     expected = [3] if fourth is None else [4]
-    assert tiers.fast.committed_steps() == expected and third is not None  # KeepLast(1) ran after each commit
+    assert (
+        tiers.fast.committed_steps() == expected and third is not None
+    )  # KeepLast(1) ran after each commit
     skips = [r["step"] for r in read_records(tmp_path / "pers")[0] if r["event"] == "busy_skip"]
     assert skips == ([2, 4] if fourth is None else [2])
     tiers.close()
@@ -216,9 +250,14 @@ def _run_busy_ranks(rank, world, base):
     third = run.save_async(3, states)
     path = third.wait() if third is not None else None
     recs = read_records(base)
-    return {"skipped": skipped is None, "count": run.busy.skipped_total, "steps": run.committed_steps(),
-            "third": str(path), "roles": run.my_roles, "recs": {k: [r["step"] for r in v if r["event"] == "busy_skip"]
-                                                                for k, v in recs.items()}}
+    return {
+        "skipped": skipped is None,
+        "count": run.busy.skipped_total,
+        "steps": run.committed_steps(),
+        "third": str(path),
+        "roles": run.my_roles,
+        "recs": {k: [r["step"] for r in v if r["event"] == "busy_skip"] for k, v in recs.items()},
+    }
 
 
 def test_a_run_checkpoint_save_async_during_a_commit_is_skipped_on_every_rank(tmp_path):
@@ -226,5 +265,7 @@ def test_a_run_checkpoint_save_async_during_a_commit_is_skipped_on_every_rank(tm
     for o in out:
         assert o["skipped"] and o["count"] == 1 and o["steps"] == [1, 3], o
         assert o["third"].endswith("step_00000003")
-    cost = json.loads((tmp_path / "run" / "step_00000003" / "actor" / "manifest.json").read_text())["cost"]
+    cost = json.loads((tmp_path / "run" / "step_00000003" / "actor" / "manifest.json").read_text())[
+        "cost"
+    ]
     assert cost["skipped_steps"] == [2] and cost["on_busy"] == "skip"

@@ -51,8 +51,12 @@ def _restored(root: Path, rank: int) -> tuple[int, dict[str, torch.Tensor]]:
 def _coalescing(rank: int, world: int, root: str) -> dict[str, Any]:
     gate = threading.Event()
     set_fault_hook("commit.before_tracker", gate.wait)  # step 1's commit held on both ranks
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
-        on_busy=cg.OnBusy.COALESCE, host_bytes=1 << 20)))
+    mgr = cg.CheckpointManager(
+        root,
+        config=cg.CheckpointConfig(
+            timeout_s=60, async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE, host_bytes=1 << 20)
+        ),
+    )
     state = _state(rank)
     assert mgr.prepare_async(state).result(timeout=60) > 0  # both staging sets, off this thread
     _bump(state, rank, 1)
@@ -72,7 +76,9 @@ def _coalescing(rank: int, world: int, root: str) -> dict[str, Any]:
     out["waited"] = str(mgr.wait())
     out["steps"] = mgr.committed_steps()
     out["counts"] = (mgr.busy.coalesced_total, mgr.busy.skipped_total)
-    out["events"] = {e: _events(Path(root), rank, e) for e in ("busy_queue", "busy_coalesced", "busy_skip")}
+    out["events"] = {
+        e: _events(Path(root), rank, e) for e in ("busy_queue", "busy_coalesced", "busy_skip")
+    }
     mgr.close()
     step, got = _restored(Path(root), rank)
     out["restored"] = step
@@ -84,12 +90,18 @@ def test_coalesce_queues_the_newest_request_and_restores_it_bitwise(tmp_path: Pa
     root = tmp_path / "ck"
     out = values(run_ranks(_coalescing, 2, str(root), timeout=240))
     for o in out:
-        assert o["queued"] == [(None, 2), (None, 3)] and o["poll_busy"] is None and o["started"] == 3, o
-        assert o["waited"].endswith("step_00000003") and o["steps"] == [1, 3] and o["counts"] == (1, 0), o
+        assert (
+            o["queued"] == [(None, 2), (None, 3)] and o["poll_busy"] is None and o["started"] == 3
+        ), o
+        assert (
+            o["waited"].endswith("step_00000003") and o["steps"] == [1, 3] and o["counts"] == (1, 0)
+        ), o
         assert o["events"] == {"busy_queue": [2, 3], "busy_coalesced": [2], "busy_skip": []}, o
         assert o["restored"] == 3 and o["bitwise"], o
     cost = _cost(root, 3)
-    assert cost["on_busy"] == "coalesce" and cost["coalesced_steps"] == [2] and cost["live_bytes"] == 0
+    assert (
+        cost["on_busy"] == "coalesce" and cost["coalesced_steps"] == [2] and cost["live_bytes"] == 0
+    )
     assert cost["queued_s"] > 0 and cost["skipped_saves"] == 0
     shown = CliRunner().invoke(main, ["verify", str(root / "step_00000003")])
     assert shown.exit_code == 0 and "1 save(s) coalesced before it" in shown.output, shown.output
@@ -98,8 +110,12 @@ def test_coalesce_queues_the_newest_request_and_restores_it_bitwise(tmp_path: Pa
 def _uneven(rank: int, world: int, root: str) -> dict[str, Any]:
     """Rank 1's commit of step 1 ends long before rank 0's (held in its bookkeeping after every agreement):
     rank 1 is idle with step 2 queued while rank 0 replaces... nothing: both replace it together, later."""
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
-        on_busy=cg.OnBusy.COALESCE, host_bytes=1 << 20)))
+    mgr = cg.CheckpointManager(
+        root,
+        config=cg.CheckpointConfig(
+            timeout_s=60, async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE, host_bytes=1 << 20)
+        ),
+    )
     release = threading.Event()
     if rank == 0:
         trust = mgr.core.trust_committed
@@ -129,7 +145,9 @@ def _uneven(rank: int, world: int, root: str) -> dict[str, Any]:
     out["started"] = started.step if started is not None else None
     mgr.wait()
     out["steps"] = mgr.committed_steps()
-    out["dirs"] = sorted(p.name for p in Path(root).iterdir() if p.name.startswith((".tmp", "step_")))
+    out["dirs"] = sorted(
+        p.name for p in Path(root).iterdir() if p.name.startswith((".tmp", "step_"))
+    )
     out["coalesced"] = _events(Path(root), rank, "busy_coalesced")
     mgr.close()
     step, got = _restored(Path(root), rank)
@@ -153,8 +171,12 @@ def _cannot_hold(rank: int, world: int, root: str) -> dict[str, Any]:
     budget = 1 << 20 if rank == 0 else 200
     gate = threading.Event()
     set_fault_hook("commit.before_tracker", gate.wait)
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
-        on_busy=cg.OnBusy.COALESCE, host_bytes=budget)))
+    mgr = cg.CheckpointManager(
+        root,
+        config=cg.CheckpointConfig(
+            timeout_s=60, async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE, host_bytes=budget)
+        ),
+    )
     state = _state(rank)
     mgr.prepare_async(state).result(timeout=60)
     first = mgr.save_async(1, state)
@@ -164,7 +186,9 @@ def _cannot_hold(rank: int, world: int, root: str) -> dict[str, Any]:
     set_fault_hook("commit.before_tracker", None)
     first.wait()
     out["skipped"] = mgr.busy.skipped_total
-    out["reason"] = [r["reason"] for r in read_records(Path(root))[rank] if r["event"] == "busy_skip"]
+    out["reason"] = [
+        r["reason"] for r in read_records(Path(root))[rank] if r["event"] == "busy_skip"
+    ]
     _bump(state, rank, 3)
     mgr.save_async(3, state)
     mgr.wait()
@@ -177,7 +201,12 @@ def test_a_request_one_rank_cannot_hold_whole_is_skipped_on_every_rank(tmp_path:
     root = tmp_path / "ck"
     out = values(run_ranks(_cannot_hold, 2, str(root), timeout=240))
     for o in out:
-        assert o["second"] is None and o["queued"] is None and o["skipped"] == 1 and o["steps"] == [1, 3], o
+        assert (
+            o["second"] is None
+            and o["queued"] is None
+            and o["skipped"] == 1
+            and o["steps"] == [1, 3]
+        ), o
         (reason,) = o["reason"]
         assert "not queued: rank 1 cannot hold the snapshot whole in host memory" in reason, reason
         assert "it needs 128 B of host staging beside the commit's" in reason, reason
@@ -185,26 +214,44 @@ def test_a_request_one_rank_cannot_hold_whole_is_skipped_on_every_rank(tmp_path:
 
 
 def _redirecting(rank: int, world: int, base: str) -> dict[str, Any]:
-    tiers = cg.TieredCheckpoint(Path(base) / "fast", persistent=Path(base) / "pers", fast_every=1,
-                                persistent_every=2, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
-                                    on_busy=cg.OnBusy.FAST_TIER, host_bytes=1 << 20)))
+    tiers = cg.TieredCheckpoint(
+        Path(base) / "fast",
+        persistent=Path(base) / "pers",
+        fast_every=1,
+        persistent_every=2,
+        config=cg.CheckpointConfig(
+            timeout_s=60,
+            async_save=cg.AsyncOptions(on_busy=cg.OnBusy.FAST_TIER, host_bytes=1 << 20),
+        ),
+    )
     fast_gate, pers_gate = threading.Event(), threading.Event()
-    if rank == 0:  # rank 0's commits end late: its fast one when fast_gate is set, its persistent one on pers_gate
+    if (
+        rank == 0
+    ):  # rank 0's commits end late: its fast one when fast_gate is set, its persistent one on pers_gate
         for mgr, gate in ((tiers.fast, fast_gate), (tiers.persistent, pers_gate)):
-            def slow(step: int, trust: Any = mgr.core.trust_committed, gate: threading.Event = gate) -> None:
+
+            def slow(
+                step: int, trust: Any = mgr.core.trust_committed, gate: threading.Event = gate
+            ) -> None:
                 assert gate.wait(60)
                 trust(step)
 
             mgr.core.trust_committed = slow  # type: ignore[method-assign]
     state = _state(rank)
-    tiers.prepare_async(state).result(timeout=60)  # staged whole: changes below never reach a commit
+    tiers.prepare_async(state).result(
+        timeout=60
+    )  # staged whole: changes below never reach a commit
     _bump(state, rank, 2)
     first = tiers.save_async(2, state)
     tiers.staged()
     _bump(state, rank, 3)
-    out: dict[str, Any] = {"third": tiers.save_async(3, state)}  # rank 0's fast commit still runs: skipped
+    out: dict[str, Any] = {
+        "third": tiers.save_async(3, state)
+    }  # rank 0's fast commit still runs: skipped
     fast_gate.set()
-    assert first.fast_committed.wait(60)  # the fast part ended here; rank 0's persistent commit still runs
+    assert first.fast_committed.wait(
+        60
+    )  # the fast part ended here; rank 0's persistent commit still runs
     tiers.staged()
     wanted = _bump(state, rank, 4)
     fourth = tiers.save_async(4, state)
@@ -213,31 +260,48 @@ def _redirecting(rank: int, world: int, base: str) -> dict[str, Any]:
     out["persistent_busy"] = first.busy() if rank == 0 else None  # step 4 committed beside it
     pers_gate.set()
     tiers.wait()
-    out["fast"], out["persistent"] = tiers.fast.committed_steps(), tiers.persistent.committed_steps()
+    out["fast"], out["persistent"] = (
+        tiers.fast.committed_steps(),
+        tiers.persistent.committed_steps(),
+    )
     out["counts"] = (tiers.busy.skipped_total, tiers.busy.redirected_total)
     home = Path(base) / "pers"
     out["events"] = {e: _events(home, rank, e) for e in ("busy_skip", "busy_redirect")}
     tiers.close()
-    again = cg.TieredCheckpoint(Path(base) / "fast", persistent=home, fast_every=1, persistent_every=2)
+    again = cg.TieredCheckpoint(
+        Path(base) / "fast", persistent=home, fast_every=1, persistent_every=2
+    )
     fresh = _state(rank)
     out["restored"] = again.restore(fresh)
-    out["bitwise"] = torch.equal(fresh["w"].value, wanted["w"]) and torch.equal(fresh["shared"], wanted["shared"])
+    out["bitwise"] = torch.equal(fresh["w"].value, wanted["w"]) and torch.equal(
+        fresh["shared"], wanted["shared"]
+    )
     again.close()
     return out
 
 
-def test_fast_tier_writes_a_save_beside_the_persistent_commit_and_records_it(tmp_path: Path) -> None:
+def test_fast_tier_writes_a_save_beside_the_persistent_commit_and_records_it(
+    tmp_path: Path,
+) -> None:
     out = values(run_ranks(_redirecting, 2, str(tmp_path), timeout=240))
     for o in out:
         assert o["third"] is None and o["fourth"] == ["fast"] and o["counts"] == (1, 1), o
         assert o["fast"] == [2, 4] and o["persistent"] == [2], o
         assert o["events"] == {"busy_skip": [3], "busy_redirect": [4]}, o
-        assert o["restored"] == 4 and o["bitwise"], o  # the same nodes: resumed from the redirected step
+        assert o["restored"] == 4 and o["bitwise"], (
+            o
+        )  # the same nodes: resumed from the redirected step
     assert out[0]["persistent_busy"] is True
     cost = _cost(tmp_path / "fast", 4)
-    assert cost["on_busy"] == "fast_tier" and cost["redirected_steps"] == [4] and cost["skipped_steps"] == [3]
+    assert (
+        cost["on_busy"] == "fast_tier"
+        and cost["redirected_steps"] == [4]
+        and cost["skipped_steps"] == [3]
+    )
     shown = CliRunner().invoke(main, ["verify", str(tmp_path / "fast" / "step_00000004")])
-    assert shown.exit_code == 0 and "1 save(s) redirected to the fast tier" in shown.output, shown.output
+    assert shown.exit_code == 0 and "1 save(s) redirected to the fast tier" in shown.output, (
+        shown.output
+    )
     assert "1 save(s) skipped before it" in shown.output
 
 
@@ -246,12 +310,20 @@ def test_each_front_door_refuses_a_policy_it_cannot_follow(tmp_path: Path) -> No
     said = r"CheckpointManager: CheckpointConfig\(async_save=AsyncOptions\(on_busy=OnBusy.FAST_TIER\)\)"
     with pytest.raises(cg.ConfigError, match=said):
         cg.CheckpointManager(tmp_path / "m", config=fast_tier)
-    with pytest.raises(cg.ConfigError, match=r"RunCheckpoint: .*OnBusy.COALESCE.*OnBusy.SKIP, OnBusy.WAIT"):
-        cg.RunCheckpoint(tmp_path / "r", [cg.Role("actor", ranks=[0])],
-                         config=cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)))
+    with pytest.raises(
+        cg.ConfigError, match=r"RunCheckpoint: .*OnBusy.COALESCE.*OnBusy.SKIP, OnBusy.WAIT"
+    ):
+        cg.RunCheckpoint(
+            tmp_path / "r",
+            [cg.Role("actor", ranks=[0])],
+            config=cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)),
+        )
     with pytest.raises(cg.ConfigError, match=r"TieredCheckpoint: .*OnBusy.COALESCE"):
-        cg.TieredCheckpoint(tmp_path / "f", persistent=tmp_path / "p",
-                            config=cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)))
+        cg.TieredCheckpoint(
+            tmp_path / "f",
+            persistent=tmp_path / "p",
+            config=cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)),
+        )
     with pytest.raises(cg.ConfigError, match="SKIP, WAIT, COALESCE, FAST_TIER"):
         cg.AsyncOptions(on_busy="coalesce")  # type: ignore[arg-type]
 
@@ -261,8 +333,12 @@ def test_coalesce_stays_within_its_host_factor_or_skips_with_the_figure(tmp_path
     (2.0x the state, issue 41): the request is skipped, its reason naming the figure, and nothing is staged."""
     root = tmp_path / "ck"
     gate = threading.Event()
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
-        on_busy=cg.OnBusy.COALESCE)))
+    mgr = cg.CheckpointManager(
+        root,
+        config=cg.CheckpointConfig(
+            timeout_s=60, async_save=cg.AsyncOptions(on_busy=cg.OnBusy.COALESCE)
+        ),
+    )
     state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
     mgr.save_async(1, state).wait()  # the first set now holds the state
     set_fault_hook("commit.before_tracker", gate.wait)  # step 2's commit held

@@ -59,8 +59,12 @@ def save_local(rank: int, world: int, base: str, steps: int, kw: dict, ran_on: i
         if step <= steps:
             mgr.save(step, state)
     fast = Path(base, "disk", "fast")
-    return {"steps": sorted(p.name for p in fast.glob("step_*")),
-            "replicas": sorted(p.relative_to(fast).as_posix() for p in fast.glob("replicas/*/rank_*/replica.json"))}
+    return {
+        "steps": sorted(p.name for p in fast.glob("step_*")),
+        "replicas": sorted(
+            p.relative_to(fast).as_posix() for p in fast.glob("replicas/*/rank_*/replica.json")
+        ),
+    }
 
 
 def restore_local(rank: int, world: int, base: str, kw: dict, then_save: bool) -> dict:
@@ -80,11 +84,19 @@ def restore_local(rank: int, world: int, base: str, kw: dict, then_save: bool) -
         step = mgr.restore(state)
     except cg.CheckpointError as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "preflight": ready}
-    out = {"step": step, "mine": state["mine"].value,
-           "exact": all(torch_equal(v, expected(rank, step)[k]) for k, v in state["model"].state_dict().items())}
+    out = {
+        "step": step,
+        "mine": state["mine"].value,
+        "exact": all(
+            torch_equal(v, expected(rank, step)[k]) for k, v in state["model"].state_dict().items()
+        ),
+    }
     fast = Path(base, "disk", "fast")
-    out["verify"] = [f.line() for f in verify_step(fast / f"step_{step:08d}", deep=True)
-                     if f.severity is Severity.ERROR]
+    out["verify"] = [
+        f.line()
+        for f in verify_step(fast / f"step_{step:08d}", deep=True)
+        if f.severity is Severity.ERROR
+    ]
     if then_save:
         train_recorded(mgr, state, rank, step + 1)
         mgr.save(step + 1, state)
@@ -100,27 +112,40 @@ def torch_equal(a, b) -> bool:
 
 def test_replacement_node_restores_exactly_from_peer_replicas_and_trains_on(tmp_path):
     disks(tmp_path)
-    persistent = tmp_path / "persistent"  # shared: it holds the run's one proof log (no step saved there yet)
+    persistent = (
+        tmp_path / "persistent"
+    )  # shared: it holds the run's one proof log (no step saved there yet)
     kw = {"fast_every": 1, "replicas": 1, "persistent": str(persistent), "persistent_every": 100}
     saved = values(run_ranks(save_local, WORLD, str(tmp_path), 2, kw, 1, timeout=240))
     # Each node holds its own steps and the other node's ranks' replicas, never its own.
     assert saved[0]["steps"] == ["step_00000001", "step_00000002"] == saved[2]["steps"]
-    assert saved[0]["replicas"] == [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2)
-                                    for r in (2, 3)]
-    assert saved[2]["replicas"] == [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2)
-                                    for r in (0, 1)]
+    assert saved[0]["replicas"] == [
+        f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2) for r in (2, 3)
+    ]
+    assert saved[2]["replicas"] == [
+        f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2) for r in (0, 1)
+    ]
     replace_node(tmp_path, 1)
     out = values(run_ranks(restore_local, WORLD, str(tmp_path), kw, True, timeout=240))
     assert [o.get("step") for o in out] == [2] * WORLD, out
-    assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [r * 1000 + 2 for r in range(WORLD)]
-    assert [o["verify"] for o in out] == [[]] * WORLD, out  # the rebuilt node's part verifies, node manifest too
-    assert out[2]["next"] == ["step_00000002", "step_00000003"], out  # the job saves on, on both nodes
+    assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [
+        r * 1000 + 2 for r in range(WORLD)
+    ]
+    assert [o["verify"] for o in out] == [[]] * WORLD, (
+        out
+    )  # the rebuilt node's part verifies, node manifest too
+    assert out[2]["next"] == ["step_00000002", "step_00000003"], (
+        out
+    )  # the job saves on, on both nodes
     recs = restore_records(persistent)
     assert [r["tier"] for r in recs] == ["fast"] * WORLD and recs[0]["replica_ranks"] == [2, 3]
     gates = evaluate(persistent)
     tier = next(g for g in gates if g.name == "restored from tier")
-    assert tier.evidence == "step 2 from the fast tier on 4 rank(s); ranks [2, 3] fetched their files from peer " \
+    assert (
+        tier.evidence
+        == "step 2 from the fast tier on 4 rank(s); ranks [2, 3] fetched their files from peer "
         "replicas"
+    )
     # The resume is proven like any other: digests, PIDs, data order of the replayed step 3.
     assert verdict(gates) == "resume PROVEN", [(g.name, g.status.value, g.evidence) for g in gates]
 
@@ -135,12 +160,18 @@ def test_lost_node_without_replicas_falls_back_to_persistent_or_is_refused(tmp_p
     assert [o.get("step") for o in out] == [2] * WORLD, out
     assert all(o["exact"] for o in out)
     detail = restore_records(Path(persistent))[0]["tier_detail"]
-    assert detail.startswith("tier persistent: step 2 (the fast tier's newest step 3 cannot be loaded"), detail
+    assert detail.startswith(
+        "tier persistent: step 2 (the fast tier's newest step 3 cannot be loaded"
+    ), detail
     assert "rank 2 (host node1): missing" in detail and "rank_00002.pt" in detail, detail
     # Without a persistent tier the same loss is refused on every rank, naming the files.
     replace_node(tmp_path, 1)
-    out = values(run_ranks(restore_local, WORLD, str(tmp_path), {"fast_every": 1}, False, timeout=240))
-    assert [o["preflight"] for o in out] == [[], [], ["no-root"], ["no-root"]], out  # the empty node is NOT READY
+    out = values(
+        run_ranks(restore_local, WORLD, str(tmp_path), {"fast_every": 1}, False, timeout=240)
+    )
+    assert [o["preflight"] for o in out] == [[], [], ["no-root"], ["no-root"]], (
+        out
+    )  # the empty node is NOT READY
     for o in out:
         assert o.get("error", "").startswith("CheckpointIncompleteError"), o
         assert "rank 3 (host node1): missing" in o["error"] and "rank_00003.pt" in o["error"], o
@@ -152,7 +183,9 @@ def test_damaged_replica_is_caught_by_checksum_and_an_older_step_restored(tmp_pa
     kw = {"fast_every": 1, "replicas": 1}
     values(run_ranks(save_local, WORLD, str(tmp_path), 2, kw, timeout=240))
     replace_node(tmp_path, 1)
-    held = tmp_path / "node0" / "fast" / "replicas" / "step_00000002" / "rank_00002" / "rank_00002.pt"
+    held = (
+        tmp_path / "node0" / "fast" / "replicas" / "step_00000002" / "rank_00002" / "rank_00002.pt"
+    )
     raw = bytearray(held.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # same size: only the manifest's xxh3 sees it
     held.write_bytes(bytes(raw))
@@ -178,7 +211,10 @@ def save_killed_mid_push(rank: int, world: int, base: str, kw: dict) -> str:
     for step in (1, 2):
         train_to(state, rank, step)
         if step == 2 and rank == 2:
-            def die(*args, **kwargs):  # fault injection: the process dies inside the transfer, nothing cleans up
+
+            def die(
+                *args, **kwargs
+            ):  # fault injection: the process dies inside the transfer, nothing cleans up
                 os.kill(os.getpid(), signal.SIGKILL)
 
             replica.send_file = die
@@ -202,6 +238,14 @@ def test_a_node_killed_mid_replica_push_leaves_no_replica_that_counts(tmp_path):
     held = tmp_path / "node0" / "fast" / "replicas" / "step_00000002"
     assert not (held / "rank_00002").exists()  # rank 2's replica never sealed: it does not count
     # The step itself committed on both nodes before the push; the restarted job resumes from it exactly.
-    out = values(run_ranks(restore_local, WORLD, str(tmp_path), {"fast_every": 1, "replicas": 1}, False,
-                           timeout=240))
+    out = values(
+        run_ranks(
+            restore_local,
+            WORLD,
+            str(tmp_path),
+            {"fast_every": 1, "replicas": 1},
+            False,
+            timeout=240,
+        )
+    )
     assert [o.get("step") for o in out] == [2] * WORLD and all(o["exact"] for o in out), out

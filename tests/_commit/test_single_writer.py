@@ -87,7 +87,16 @@ def test_concurrent_relaunches_on_a_stale_lease_commit_once(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {
         who: subprocess.Popen(
-            [sys.executable, "-c", RELAUNCH, who, str(step), str(tmp_path), str(TRIALS), str(SPACING_S)],
+            [
+                sys.executable,
+                "-c",
+                RELAUNCH,
+                who,
+                str(step),
+                str(tmp_path),
+                str(TRIALS),
+                str(SPACING_S),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -203,7 +212,9 @@ def test_a_duplicate_launch_is_refused_before_training(live_writer):
     with pytest.raises(cg.LeaseHeldError, match=f"pid {live_writer['pid']}"):
         mgr = cg.CheckpointManager(live_writer["run"])
         mgr.restore({"w": torch.zeros(4)})
-        pytest.fail("a duplicate launch restored (and would train) while a live run holds the lease")
+        pytest.fail(
+            "a duplicate launch restored (and would train) while a live run holds the lease"
+        )
 
 
 def test_transfer_refuses_a_destination_a_live_run_writes(live_writer):
@@ -259,6 +270,7 @@ def test_a_transfer_killed_before_the_tracker_is_resumable(tmp_path):
 
 # ---------------------------------------------------------------- two ranks: node-local roots, mixed items, bad extras
 
+
 def _own_disk(disk: str, shared: str) -> str | None:
     """This rank sees ``disk`` at ``shared`` (``fake_node``, the node identity unchanged): a node with
     its own local disk, while the other rank keeps its own view. Returns why not, if it cannot."""
@@ -306,7 +318,10 @@ def _two_rank_scenes(rank: int, world: int, base: str) -> dict:
     dist.barrier()
     if rank == 0:
         step = extras_root / "step_00000001"
-        torch.save({"format_version": 1, "step": 1, "rank": 1, "kinds": {}, "rng": None}, step / "rank_00001.pt")
+        torch.save(
+            {"format_version": 1, "step": 1, "rank": 1, "kinds": {}, "rng": None},
+            step / "rank_00001.pt",
+        )
         refresh_entry(step, "rank_00001.pt")
     dist.barrier()
     out["extras"] = _attempt(
@@ -318,7 +333,9 @@ def _two_rank_scenes(rank: int, world: int, base: str) -> dict:
 
     # Node-local roots: two root directories standing in for two nodes' local disks.
     def per_rank_root():
-        mgr = cg.CheckpointManager(base_path / f"node{rank}" / "ck", config=cg.CheckpointConfig(timeout_s=20))
+        mgr = cg.CheckpointManager(
+            base_path / f"node{rank}" / "ck", config=cg.CheckpointConfig(timeout_s=20)
+        )
         j = build_job(rank=rank, world=world)
         train_step(j)
         mgr.save(1, j.state())
@@ -335,7 +352,9 @@ def _two_rank_scenes(rank: int, world: int, base: str) -> dict:
         return out
 
     def own_disks():
-        mgr = cg.CheckpointManager(base_path / "shared" / "ck", config=cg.CheckpointConfig(timeout_s=20))
+        mgr = cg.CheckpointManager(
+            base_path / "shared" / "ck", config=cg.CheckpointConfig(timeout_s=20)
+        )
         j = build_job(rank=rank, world=world)
         train_step(j)
         mgr.save(1, j.state())

@@ -70,7 +70,12 @@ def _two_managers(rank, world, base_a, base_b):
     pa = a.save_async(1, {"w": cg.PerRank(torch.full((1000,), float(rank)))})
     pb = b.save_async(7, {"v": cg.PerRank(torch.full((500,), float(rank) + 1))})
     both_pending = not pa.done() and not pb.done()
-    return {"both_pending": both_pending, "a": str(a.wait()), "b": str(b.wait()), "seconds": time.monotonic() - t0}
+    return {
+        "both_pending": both_pending,
+        "a": str(a.wait()),
+        "b": str(b.wait()),
+        "seconds": time.monotonic() - t0,
+    }
 
 
 def test_two_managers_commit_in_background_at_once(tmp_path):
@@ -109,7 +114,12 @@ def _many_saves(rank, world, base, n):
     deadline = time.monotonic() + 5
     while (_fds() > before or threading.active_count() > threads) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return {"before": before, "after": _fds(), "threads": threads, "threads_after": threading.active_count()}
+    return {
+        "before": before,
+        "after": _fds(),
+        "threads": threads,
+        "threads_after": threading.active_count(),
+    }
 
 
 def test_many_background_saves_leak_no_store_connection(tmp_path):

@@ -45,7 +45,9 @@ def _check(results: list[dict], phase: str) -> None:
     print(f"{phase}: rank 0 waited {r0['waited']:.2f} s with timeout_s={TIMEOUT_S}")
     assert r0["error"] is not None and phase in r0["error"] and "[1]" in r0["error"], r0
     assert r0["waited"] is not None and r0["waited"] < TIMEOUT_S * SLACK, (
-        f"rank 0 waited {r0['waited']:.1f} s at {phase} with timeout_s={TIMEOUT_S}", r0)
+        f"rank 0 waited {r0['waited']:.1f} s at {phase} with timeout_s={TIMEOUT_S}",
+        r0,
+    )
 
 
 def test_a_rank_waits_at_most_timeout_s_at_save_written(tmp_path):

@@ -30,7 +30,9 @@ def _train(hook: Hook | None) -> dict[str, Any]:
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4)
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     data = torch.randn(32, 8)
     state = {"model": model, "optim": optim}
@@ -92,7 +94,9 @@ def _manager_hooks(root: Path) -> dict[str, tuple[Hook, Callable[[], None]]]:
     pmgr = cg.CheckpointManager(root / "prepare_async")
 
     def prepare(step: int, st: dict[str, Any]) -> None:
-        if step == 0:  # the documented call after a restore, on a fresh root: the optimizer has no state yet
+        if (
+            step == 0
+        ):  # the documented call after a restore, on a fresh root: the optimizer has no state yet
             assert pmgr.restore(st) == 0
             pmgr.prepare_async(st).result(timeout=60)
         elif step == 3:
@@ -103,7 +107,9 @@ def _manager_hooks(root: Path) -> dict[str, tuple[Hook, Callable[[], None]]]:
     rmgr = cg.CheckpointManager(root / "restore")
     out["restore_fresh_root"] = (_at({0}, lambda s, st: rmgr.restore(st)), rmgr.close)
 
-    tiers = cg.TieredCheckpoint(root / "fast", persistent=root / "persistent", fast_every=1, persistent_every=2)
+    tiers = cg.TieredCheckpoint(
+        root / "fast", persistent=root / "persistent", fast_every=1, persistent_every=2
+    )
 
     def tiered(step: int, st: dict[str, Any]) -> None:
         if step == 0:
@@ -142,7 +148,9 @@ def test_a_saved_unstepped_optimizer_restores_unstepped(tmp_path):
 def test_a_stepped_optimizer_restores_exactly(tmp_path):
     mgr = cg.CheckpointManager(tmp_path / "ck")
     want = _train(_at({STEPS}, lambda s, st: mgr.save(s, st)))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4)
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     assert mgr.restore({"model": model, "optim": optim}) == STEPS
     for (i, k, a), (_, _, b) in zip(_optim_state(optim), want["optim"], strict=True):
@@ -152,7 +160,9 @@ def test_a_stepped_optimizer_restores_exactly(tmp_path):
 def _budget_rank(rank: int, world: int, root: str) -> bool:
     """Two ranks, a blocking budget so small that every save goes to the background (OverBudget.BACKGROUND)."""
     want = _train(None)
-    config = CheckpointConfig(blocking=BlockingBudget(fraction=0.001, timeout_s=1.0, over=OverBudget.BACKGROUND))
+    config = CheckpointConfig(
+        blocking=BlockingBudget(fraction=0.001, timeout_s=1.0, over=OverBudget.BACKGROUND)
+    )
     mgr = cg.CheckpointManager(root, config=config)
     background: list[bool] = []
     got = _train(_at({0, 3}, lambda s, st: background.append(mgr.save(s + 1, st) is None)))
@@ -163,4 +173,7 @@ def _budget_rank(rank: int, world: int, root: str) -> bool:
 
 def test_the_blocking_budget_leaves_the_run_unchanged(tmp_path):
     results = run_ranks(_budget_rank, 2, str(tmp_path / "ck"))
-    assert values(results) == [True, True]  # a save went to the background, and the runs are unchanged
+    assert values(results) == [
+        True,
+        True,
+    ]  # a save went to the background, and the runs are unchanged

@@ -31,6 +31,10 @@ def test_a_staged_commit_through_parts_commits_as_save_async_does(tmp_path):
     pending = parts.commits.start(1, staged, resumed=staged[2])
     assert pending.wait() == (tmp_path / "ck" / "step_00000001").absolute()
     assert mgr.committed_steps() == [1]
-    assert not hasattr(mgr, "stage_commit") and not hasattr(mgr, "start_commit")  # not on the public surface
-    assert parts.commits.stage(2, {"model": model}, False, None, None) is None  # unhealthy: nothing staged
+    assert not hasattr(mgr, "stage_commit") and not hasattr(
+        mgr, "start_commit"
+    )  # not on the public surface
+    assert (
+        parts.commits.stage(2, {"model": model}, False, None, None) is None
+    )  # unhealthy: nothing staged
     assert mgr.committed_steps() == [1]

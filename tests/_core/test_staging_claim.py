@@ -15,8 +15,11 @@ from ckptguard._core.storestage import STAGING_RECORD, claim_staging
 
 
 def _config(staging, endpoint="http://127.0.0.1:1"):
-    return cg.CheckpointConfig(storage=cg.StorageOptions(
-        object_staging=staging, object_store=cg.ObjectStoreOptions(endpoint_url=endpoint)))
+    return cg.CheckpointConfig(
+        storage=cg.StorageOptions(
+            object_staging=staging, object_store=cg.ObjectStoreOptions(endpoint_url=endpoint)
+        )
+    )
 
 
 def _root_with_steps(path):
@@ -47,9 +50,13 @@ def test_a_link_at_the_staging_path_is_refused(tmp_path):
 def test_two_stores_never_share_a_staging_root(tmp_path):
     stage = tmp_path / "stage"
     claim_staging(stage, "s3://bkt/actor", _config(stage))
-    assert json.loads((stage / STAGING_RECORD).read_text()) == {"store": "s3://bkt/actor",
-                                                               "endpoint": "http://127.0.0.1:1"}
-    claim_staging(stage, "s3://bkt/actor", _config(stage))  # the same store again: its own staging root
+    assert json.loads((stage / STAGING_RECORD).read_text()) == {
+        "store": "s3://bkt/actor",
+        "endpoint": "http://127.0.0.1:1",
+    }
+    claim_staging(
+        stage, "s3://bkt/actor", _config(stage)
+    )  # the same store again: its own staging root
     with pytest.raises(cg.ConfigError, match=r"stages s3://bkt/actor .*not s3://bkt/critic"):
         claim_staging(stage, "s3://bkt/critic", _config(stage))
     with pytest.raises(cg.ConfigError, match="two stores must not share a staging root"):

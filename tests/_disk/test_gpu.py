@@ -26,7 +26,12 @@ def _empty_pinned_cache():
 
 def test_gpu_digest_equals_cpu_digest():
     torch.manual_seed(0)
-    for n in (0, 7, (64 << 20) // 4 + 3, (200 << 20) // 4):  # empty, tiny, just over a chunk, several chunks
+    for n in (
+        0,
+        7,
+        (64 << 20) // 4 + 3,
+        (200 << 20) // 4,
+    ):  # empty, tiny, just over a chunk, several chunks
         t = torch.randn(n, device="cuda")
         assert digest(t) == digest(t.cpu())
     v = torch.randn(64, 64, device="cuda")[:, 3]  # a non-contiguous view
@@ -57,19 +62,29 @@ def test_gpu_layout_free_digest_equals_cpu_and_record_step_hashes_on_the_gpu(tmp
     torch.manual_seed(2)
     # tiny, odd byte counts (partial words), an unaligned view, a box at an unaligned offset, and more
     # than one pass of the GPU's bounded product (d._LF_GPU_WORDS words)
-    cases = [torch.randn(5, 3), torch.randint(0, 255, (4097,), dtype=torch.uint8), torch.randn(9, 7)[1:, 2:5],
-             torch.randn(d._LF_GPU_WORDS + 3 * d._LF_BLOCK + 5, dtype=torch.float64)]
+    cases = [
+        torch.randn(5, 3),
+        torch.randint(0, 255, (4097,), dtype=torch.uint8),
+        torch.randn(9, 7)[1:, 2:5],
+        torch.randn(d._LF_GPU_WORDS + 3 * d._LF_BLOCK + 5, dtype=torch.float64),
+    ]
     for t in cases:
         gshape = tuple(t.shape)
         assert d.box_sum(t.cuda(), (0,) * t.dim(), gshape) == d.box_sum(t, (0,) * t.dim(), gshape)
-    part = torch.randn(11, 3)[5:]  # rows 5.. of an (11, 3) float32 tensor: starts at byte 60, not a word boundary
+    part = torch.randn(11, 3)[
+        5:
+    ]  # rows 5.. of an (11, 3) float32 tensor: starts at byte 60, not a word boundary
     assert d.box_sum(part.cuda(), (5, 0), (11, 3)) == d.box_sum(part, (5, 0), (11, 3))
     mgr = cg.CheckpointManager(tmp_path / "ck")
     batch = torch.randint(0, 50000, (64, 2048), device="cuda")
-    assert mgr.record_step(1, batch=batch)["batch"] == mgr.record_step(1, batch=batch.cpu())["batch"]
+    assert (
+        mgr.record_step(1, batch=batch)["batch"] == mgr.record_step(1, batch=batch.cpu())["batch"]
+    )
 
 
-def test_restore_of_gpu_state_verifies_on_the_device_and_a_flipped_byte_names_the_file(tmp_path, monkeypatch):
+def test_restore_of_gpu_state_verifies_on_the_device_and_a_flipped_byte_names_the_file(
+    tmp_path, monkeypatch
+):
     """Same layout: GPU tensor items are checked by the layout-free pass on the device, with no
     D2H copy of every byte for an xxh3 pass, and a changed byte is still caught."""
     from ckptguard._disk import digest as d
@@ -83,7 +98,9 @@ def test_restore_of_gpu_state_verifies_on_the_device_and_a_flipped_byte_names_th
     cg.CheckpointManager(root).save(1, {"model": model, "optim": optim})
     staged: list[int] = []
     real = d._update_from_cuda
-    monkeypatch.setattr(d, "_update_from_cuda", lambda h, flat: (staged.append(flat.numel()), real(h, flat))[1])
+    monkeypatch.setattr(
+        d, "_update_from_cuda", lambda h, flat: (staged.append(flat.numel()), real(h, flat))[1]
+    )
 
     def fresh() -> dict:
         m = torch.nn.Linear(512, 512).cuda()
@@ -103,4 +120,6 @@ def test_restore_of_gpu_state_verifies_on_the_device_and_a_flipped_byte_names_th
     shard.write_bytes(bytes(data))
     with pytest.raises(cg.StateMismatchError) as caught:
         cg.CheckpointManager(root).restore(fresh())
-    assert shard.name in str(caught.value) and "layout-free digests differ" in str(caught.value), str(caught.value)
+    assert shard.name in str(caught.value) and "layout-free digests differ" in str(caught.value), (
+        str(caught.value)
+    )

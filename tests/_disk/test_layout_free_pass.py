@@ -26,7 +26,11 @@ def _serial(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
 
 def test_the_caller_and_the_pool_both_sum_and_agree_with_one_thread(monkeypatch):
     torch.manual_seed(0)
-    tensors = {"a": torch.randn(9 << 20), "b": torch.randn(3, 5), "c": torch.randn(5 << 20).to(torch.bfloat16)}
+    tensors = {
+        "a": torch.randn(9 << 20),
+        "b": torch.randn(3, 5),
+        "c": torch.randn(5 << 20).to(torch.bfloat16),
+    }
     expected, expected_a = _serial(tensors), _serial({"a": tensors["a"]})
     who: set[str] = set()
     real = d._words_sum_serial
@@ -39,11 +43,15 @@ def test_the_caller_and_the_pool_both_sum_and_agree_with_one_thread(monkeypatch)
     monkeypatch.setattr(d, "_words_sum_serial", slow)
     assert d.layout_free_partials({"m": {"a": tensors["a"]}}) == expected_a
     # one tensor's pieces, summed by this thread and the pool's (before, this thread only waited)
-    assert threading.current_thread().name in who and any(n.startswith("ckptguard-layout-free") for n in who), who
+    assert threading.current_thread().name in who and any(
+        n.startswith("ckptguard-layout-free") for n in who
+    ), who
     assert d.layout_free_partials({"m": tensors}) == expected
     who.clear()
     items = capture({"m": tensors})
-    digests, partials = digests_and_layout_free(items)  # the save's pass: structure digest, the sums shared
+    digests, partials = digests_and_layout_free(
+        items
+    )  # the save's pass: structure digest, the sums shared
     assert digests == {"m": items["m"].structure_digest()}
     assert partials == d.layout_free_partials({"m": items["m"].tensors})
     assert any(n.startswith("ckptguard-layout-free") for n in who), who
@@ -66,7 +74,11 @@ def test_an_error_in_a_piece_reaches_the_caller_and_the_next_pass_runs(monkeypat
         d.layout_free_partials({"m": tensors})
     monkeypatch.setattr(d, "_words_sum_serial", real)
     done = []
-    runner = threading.Thread(target=lambda: done.append(d.layout_free_partials({"m": tensors})), daemon=True)
+    runner = threading.Thread(
+        target=lambda: done.append(d.layout_free_partials({"m": tensors})), daemon=True
+    )
     runner.start()
-    runner.join(60)  # a worker still waiting on the failed pass's queue would hold the pool's thread
+    runner.join(
+        60
+    )  # a worker still waiting on the failed pass's queue would hold the pool's thread
     assert done and done[0] == _serial(tensors)

@@ -14,7 +14,9 @@ def _tensors() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return {
         "w": torch.randn(96, 64),  # fp32, 32 columns a rank: runs of 128 bytes, word-aligned
-        "bf": torch.randn(33, 4, 64).to(torch.bfloat16),  # dims after the split whole: runs of 256 bytes
+        "bf": torch.randn(33, 4, 64).to(
+            torch.bfloat16
+        ),  # dims after the split whole: runs of 256 bytes
         "odd": torch.randn(7, 5),  # 3 + 2 columns: runs of 12 and 8 bytes, not word-aligned
     }
 
@@ -46,9 +48,12 @@ def test_tp_shard1_layout_free_digest_equals_the_whole_tensors():
     ranks = values(run_ranks(_partials, 2, False))
     assert d.combine_layout_free([p for p, _ in ranks]) == whole
     for _, calls in ranks:
-        assert "w" not in calls and "bf" not in calls, calls  # 96 and 33 x 2 rows, none summed one by one
+        assert "w" not in calls and "bf" not in calls, (
+            calls
+        )  # 96 and 33 x 2 rows, none summed one by one
         assert calls["odd"] == 7  # the fallback: one run per row
     flipped = d.combine_layout_free([p for p, _ in values(run_ranks(_partials, 2, True))])
     assert flipped["model"]["w"] != whole["model"]["w"]
     assert {k: v for k, v in flipped["model"].items() if k != "w"} == {
-        k: v for k, v in whole["model"].items() if k != "w"}
+        k: v for k, v in whole["model"].items() if k != "w"
+    }

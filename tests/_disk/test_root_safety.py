@@ -49,7 +49,9 @@ def _root(root: Path, steps=(1, 2, 3), template: str = "step_{step:08d}") -> Pat
 
 
 def _on_disk(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / _layout.MANIFEST_NAME).is_file())
+    return sorted(
+        p.name for p in root.iterdir() if p.is_dir() and (p / _layout.MANIFEST_NAME).is_file()
+    )
 
 
 def _gc(root: Path, *args: str):
@@ -68,7 +70,9 @@ def _dead_owner() -> dict:
 
 def _dead_lease(root: Path) -> None:
     now = time.time()
-    (root / LEASE_NAME).write_text(json.dumps({**_dead_owner(), "acquired_unix": now - 60, "renewed_unix": now - 30}))
+    (root / LEASE_NAME).write_text(
+        json.dumps({**_dead_owner(), "acquired_unix": now - 60, "renewed_unix": now - 30})
+    )
 
 
 # ---------------------------------------------------------------- gc and retention keep committed steps
@@ -91,12 +95,20 @@ def test_gc_keeps_every_complete_step_without_a_tracker(tmp_path, template):
 def test_gc_keeps_committed_steps_under_tracker_zero_and_an_older_tracker(tmp_path):
     root = _root(tmp_path / "ck")
     (root / TRACKER).write_text("0\n")
-    assert _gc(root).exit_code == 0 and _on_disk(root) == ["step_00000001", "step_00000002", "step_00000003"]
+    assert _gc(root).exit_code == 0 and _on_disk(root) == [
+        "step_00000001",
+        "step_00000002",
+        "step_00000003",
+    ]
     (root / TRACKER).write_text("1\n")
     out = _gc(root)
     assert out.exit_code == 0 and len(_on_disk(root)) == 3
     orphan_lines = [line for line in out.output.splitlines() if "step_00000003" in line]
-    assert orphan_lines and "newer than the tracker" in orphan_lines[0] and "--orphans" in orphan_lines[0]
+    assert (
+        orphan_lines
+        and "newer than the tracker" in orphan_lines[0]
+        and "--orphans" in orphan_lines[0]
+    )
     # Only the explicit flag removes orphans, and only those newer than the tracker.
     out = _gc(root, "--orphans")
     assert out.exit_code == 0, out.output
@@ -107,7 +119,11 @@ def test_retention_deletes_nothing_beyond_or_without_the_tracker(tmp_path):
     root = _root(tmp_path / "ck", (1, 2, 3, 4))
     (root / TRACKER).write_text("2\n")
     report = retention.apply(root, NAMING, retention.KeepLast(1))
-    assert report.deleted == [1] and _on_disk(root) == ["step_00000002", "step_00000003", "step_00000004"]
+    assert report.deleted == [1] and _on_disk(root) == [
+        "step_00000002",
+        "step_00000003",
+        "step_00000004",
+    ]
     assert "ckptguard adopt" in report.not_counted["step_00000004"]
     (root / TRACKER).unlink()
     report = retention.apply(root, NAMING, retention.KeepLast(1))
@@ -168,7 +184,10 @@ def test_two_relaunches_on_a_stale_lease_never_both_commit(tmp_path):
     procs = {
         name: subprocess.Popen(
             [sys.executable, "-c", RELAUNCH, str(tmp_path), name, str(step), str(trials)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for name, step in (("a", 3), ("b", 2))  # b would move the tracker back if both committed
     }
@@ -190,12 +209,16 @@ def test_two_relaunches_on_a_stale_lease_never_both_commit(tmp_path):
         # The loser is refused by the lease, or (when the winner already exited and released it) by
         # the tracker that would move back: both leave one commit and the tracker where it was.
         refused = ("committed", "refused")
-        assert all(o in refused or "would move it back" in o for o in outcome.values()), f"trial {k}: {outcome}"
+        assert all(o in refused or "would move it back" in o for o in outcome.values()), (
+            f"trial {k}: {outcome}"
+        )
         root = tmp_path / f"t{k}"
         expect = 3 if winners == ["a"] else 2
         assert _layout.read_tracker(root) == expect, f"trial {k}: {outcome}"
         assert _on_disk(root) == ["step_00000001", f"step_0000000{expect}"], f"trial {k}: {outcome}"
-    assert not list(tmp_path.glob(f"t*/{LEASE_NAME}.takeover-*")), "a take-over marker was left behind"
+    assert not list(tmp_path.glob(f"t*/{LEASE_NAME}.takeover-*")), (
+        "a take-over marker was left behind"
+    )
 
 
 DIE_HOLDING_THE_MARKER = """
@@ -232,7 +255,9 @@ def test_publish_never_moves_the_tracker_backwards(tmp_path):
             mgr.save(5, _w(5))
         assert _layout.read_tracker(root) == 9 and not (root / "step_00000005").exists()
         deliberate = cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None))
-        deliberate.save(6, _w(6), overwrite=True)  # a rollback asked for with overwrite=True still publishes
+        deliberate.save(
+            6, _w(6), overwrite=True
+        )  # a rollback asked for with overwrite=True still publishes
         assert _layout.read_tracker(root) == 6
     finally:
         _faults.set_hook("commit.before_manifest", None)
@@ -247,7 +272,9 @@ time.sleep(120)
 
 
 def _holder(root: Path, step: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), str(step)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(root), str(step)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -258,7 +285,9 @@ def test_the_lease_is_checked_at_creation_and_at_restore(tmp_path, caplog):
     holder = _holder(root, 2)
     try:
         caplog.set_level(logging.WARNING, logger="ckptguard")
-        late = cg.CheckpointManager(root)  # warned at creation; a manager that only reads stays usable
+        late = cg.CheckpointManager(
+            root
+        )  # warned at creation; a manager that only reads stays usable
         assert f"pid {holder.pid}" in caplog.text and "restore and save will refuse" in caplog.text
         assert 1 in late.committed_steps()
         with pytest.raises(cg.LeaseHeldError, match=f"pid {holder.pid}"):
@@ -293,7 +322,9 @@ def test_gc_refuses_a_directory_that_is_not_a_root(tmp_path, template):
     _old(project / ".tmp-build-cache")
     out = _gc(project, "--template", template)
     assert out.exit_code == 2 and "not a checkpoint root" in out.output
-    assert (project / ".tmp-build-cache" / "obj.o").exists() and (project / "2024" / "notes.txt").exists()
+    assert (project / ".tmp-build-cache" / "obj.o").exists() and (
+        project / "2024" / "notes.txt"
+    ).exists()
 
 
 def test_gc_in_a_root_removes_only_entries_it_created(tmp_path):
@@ -352,14 +383,18 @@ def test_transfer_takes_the_lease_and_resumes_after_a_kill_before_the_tracker(tm
     _layout.write_tracker(dest, 1)
     holder = _holder(dest, 7)  # a live run writes the destination
     try:
-        refused = CliRunner().invoke(main, ["transfer", str(src / "step_00000002"), str(tmp_path / "dest")])
+        refused = CliRunner().invoke(
+            main, ["transfer", str(src / "step_00000002"), str(tmp_path / "dest")]
+        )
         assert refused.exit_code == 1 and f"pid {holder.pid}" in refused.output
     finally:
         holder.kill()
         holder.wait()
     assert _layout.read_tracker(dest) == 7 and not (dest / "step_00000002").exists()
     node2 = tmp_path / "node2"
-    killed = subprocess.run([sys.executable, "-c", KILL_BEFORE_TRACKER, str(src / "step_00000002"), str(node2)])
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_BEFORE_TRACKER, str(src / "step_00000002"), str(node2)]
+    )
     assert killed.returncode == -9 and (node2 / "step_00000002" / _layout.MANIFEST_NAME).exists()
     assert _layout.read_tracker(node2) is None
     again = CliRunner().invoke(main, ["transfer", str(src / "step_00000002"), str(node2)])
@@ -387,13 +422,18 @@ def test_a_deep_hold_or_lease_and_a_link_loop_never_disable_retention(tmp_path):
     os.symlink(loop.name, loop)  # a link to itself in a step that is not the tracker's
     mgr.save(3, _w(3))
     mgr.save(4, _w(4))
-    assert _on_disk(root) == ["step_00000002", "step_00000004"]  # 3 rotated, the damaged 2 kept and reported
+    assert _on_disk(root) == [
+        "step_00000002",
+        "step_00000004",
+    ]  # 3 rotated, the damaged 2 kept and reported
     report = retention.apply(root, NAMING, retention.KeepLast(1))
     assert "step_00000002" in report.not_counted
     # A deep lease is one unreadable lease, never a crash of the save.
     lease = root / LEASE_NAME
     lease.write_text(DEEP)
-    cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=retention.KeepLast(1))).save(5, _w(5))
+    cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=retention.KeepLast(1))).save(
+        5, _w(5)
+    )
     assert json.loads(lease.read_text())["pid"] == os.getpid()
 
 
@@ -432,7 +472,10 @@ def test_crash_leftovers_are_reported_and_the_dead_ones_removed(tmp_path):
     for leftover in (trash, tracker_tmp, live, dead):
         assert found[leftover.name]["severity"] == "WARNING", found
     assert "300 files" in found[trash.name]["message"]
-    assert f"pid {os.getpid()}" in found[live.name]["message"] and "alive" in found[live.name]["message"]
+    assert (
+        f"pid {os.getpid()}" in found[live.name]["message"]
+        and "alive" in found[live.name]["message"]
+    )
     out = _gc(root)
     assert out.exit_code == 0, out.output
     assert not trash.exists() and not tracker_tmp.exists() and not dead.exists()

@@ -42,15 +42,21 @@ def _temp_files(root: Path) -> list[str]:
 
 def _dead_writer(root: Path) -> list[str]:
     """A process that starts an atomic write of each name and dies before the rename (its temp names)."""
-    code = ("import sys; from pathlib import Path; from ckptguard._disk import tempfiles as t\n"
-            "for n in sys.argv[2:]:\n    p = t.temp_name(Path(sys.argv[1]) / n); p.write_bytes(b'torn'); print(p)\n")
-    out = subprocess.run([sys.executable, "-c", code, str(root), *NAMES], check=True, capture_output=True, text=True)
+    code = (
+        "import sys; from pathlib import Path; from ckptguard._disk import tempfiles as t\n"
+        "for n in sys.argv[2:]:\n    p = t.temp_name(Path(sys.argv[1]) / n); p.write_bytes(b'torn'); print(p)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root), *NAMES], check=True, capture_output=True, text=True
+    )
     return [Path(line).relative_to(root).as_posix() for line in out.stdout.split()]
 
 
 def test_temp_files_of_dead_writers_are_reported_and_swept_and_a_live_writers_kept(tmp_path):
     root = tmp_path / "ckpt"
-    mgr = cg.CheckpointManager(root, config=_cfg(storage=cg.StorageOptions(stale_temp_age_s=3600.0)))
+    mgr = cg.CheckpointManager(
+        root, config=_cfg(storage=cg.StorageOptions(stale_temp_age_s=3600.0))
+    )
     mgr.save(1, {"w": torch.zeros(3)})
     (root / "holds").mkdir(exist_ok=True)
     dead = _dead_writer(root)
@@ -66,13 +72,22 @@ def test_temp_files_of_dead_writers_are_reported_and_swept_and_a_live_writers_ke
     report = _cli("verify", str(root))
     for rel in [*dead, *old]:
         if not rel.startswith("holds/"):  # verify looks at the root's own entries
-            assert Path(rel).name in report.output, (rel, "verify does not report it", report.output)
+            assert Path(rel).name in report.output, (
+                rel,
+                "verify does not report it",
+                report.output,
+            )
     gc = _cli("gc", str(root), "--dry-run")
     assert f"would remove {live}" not in gc.output and f"kept    {live}" in gc.output, gc.output
-    assert all(f"would remove {root / rel}" in gc.output for rel in [*dead, *old] if "/" not in rel), gc.output
+    assert all(
+        f"would remove {root / rel}" in gc.output for rel in [*dead, *old] if "/" not in rel
+    ), gc.output
     mgr.save(2, {"w": torch.ones(3)})
     left = _temp_files(root)
-    assert left == [live.relative_to(root).as_posix()], ("the save swept a live write or left dead ones", left)
+    assert left == [live.relative_to(root).as_posix()], (
+        "the save swept a live write or left dead ones",
+        left,
+    )
     live.unlink()
     assert "temp-file" not in _cli("verify", str(root)).output
 

@@ -200,7 +200,12 @@ def test_a_deep_lease_or_phase_file_gives_a_clear_error(tmp_path, where):
     root = tiny_root(tmp_path / "ck", (1,))
     (root / where).write_text(DEEP)
     try:
-        for args in (("gc", root, "--dry-run"), ("gc", root), ("verify", root), ("preflight", root)):
+        for args in (
+            ("gc", root, "--dry-run"),
+            ("gc", root),
+            ("verify", root),
+            ("preflight", root),
+        ):
             no_traceback(cli(*args), f"{args[0]} with a deep {where}")
         for call in ("save", "restore"):
             mgr = cg.CheckpointManager(root)
@@ -255,7 +260,9 @@ def test_crash_leftovers_are_reported_by_verify_and_removed_by_gc(tmp_path):
     assert committed_on_disk(root) == ["step_00000001", "step_00000002"]
 
 
-def test_gc_removing_trash_that_a_background_delete_empties_meanwhile_succeeds(tmp_path, monkeypatch):
+def test_gc_removing_trash_that_a_background_delete_empties_meanwhile_succeeds(
+    tmp_path, monkeypatch
+):
     """A job's background trash delete (retention.DELETER) and ``gc`` may empty the same trash directory at once:
     a file the other removed first is what gc wanted, never an error (seen: FileNotFoundError out of gc)."""
     from ckptguard.ops import gc as _gc
@@ -302,7 +309,6 @@ def test_the_retention_warning_for_an_incomplete_step_is_actionable(tmp_path, ca
         )
 
 
-
 def test_list_marks_held_steps_with_their_reason(tmp_path):
     import json
 
@@ -320,4 +326,7 @@ def test_list_marks_held_steps_with_their_reason(tmp_path):
     lines = {ln.split()[0]: ln for ln in text.output.splitlines()[1:]}
     assert lines["1"].endswith("[held: evaluation job 7]") and "held" not in lines["2"], text.output
     shown = json.loads(CliRunner().invoke(main, ["list", str(root), "--json"]).output)
-    assert [(e["step"], e["held"]) for e in shown["entries"]] == [(1, "evaluation job 7"), (2, None)]
+    assert [(e["step"], e["held"]) for e in shown["entries"]] == [
+        (1, "evaluation job 7"),
+        (2, None),
+    ]

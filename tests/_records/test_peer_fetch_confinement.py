@@ -24,7 +24,12 @@ STEP = 3
 TIMEOUT_S = 30.0
 # Root files a hostile peer would like to plant: the resume pointer, the trust record, a hold that
 # stops retention, the marker of a step that was never saved.
-PLANTED = ["latest_checkpointed_iteration.txt", "trust.json", "holds/5.json", "step_00000050/manifest.json"]
+PLANTED = [
+    "latest_checkpointed_iteration.txt",
+    "trust.json",
+    "holds/5.json",
+    "step_00000050/manifest.json",
+]
 
 
 def _cases(spec_type: type, manifest_spec: object, first_file: object) -> dict[str, dict]:
@@ -36,7 +41,9 @@ def _cases(spec_type: type, manifest_spec: object, first_file: object) -> dict[s
     cases["step:rank_00000.pt"] = {"spec": mk("rank_00000.pt", size, xxh, "step")}
     cases["step:owner.json"] = {"spec": mk("owner.json", size, xxh, "step")}
     cases["where:elsewhere"] = {"spec": mk("state/x", size, xxh, "elsewhere")}
-    cases["header:unknown field"] = {"raw": {"path": "rank_00001.pt", "size": size, "xxh3": xxh, "mode": "0777"}}
+    cases["header:unknown field"] = {
+        "raw": {"path": "rank_00001.pt", "size": size, "xxh3": xxh, "mode": "0777"}
+    }
     cases["header:wrong step"] = {"step": STEP + 1}
     return cases
 
@@ -54,7 +61,9 @@ def _job(rank: int, world: int, base: str) -> dict:
     name = f"step_{STEP:08d}"
     step_dir = src_root / name
     manifest = _manifest.read(step_dir)
-    specs, paths = replica.fetch_plan(src_root, name, files_needed(step_dir, manifest, 1), manifest.files, 1)
+    specs, paths = replica.fetch_plan(
+        src_root, name, files_needed(step_dir, manifest, 1), manifest.files, 1
+    )
     manifest_spec = next(s for s in specs if s.path == "manifest.json")
     data_spec = next(s for s in specs if s.path == "rank_00001.pt")
     data_path = paths[specs.index(data_spec)]
@@ -89,13 +98,23 @@ def _job(rank: int, world: int, base: str) -> dict:
             try:
                 problems = replica.recv_part(root, tmp, 1, 0, None, step=STEP, timeout_s=5.0)
                 raised = None
-            except Exception as exc:  # the bug this guards: a bare TypeError out of a crafted header
+            except (
+                Exception
+            ) as exc:  # the bug this guards: a bare TypeError out of a crafted header
                 problems, raised = [], f"{type(exc).__name__}: {exc}"
             planted = [p for p in PLANTED if (root / p).exists()]
             in_tmp = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-            out[case] = {"problems": problems, "raised": raised, "planted": planted, "tmp": in_tmp,
-                         "root": sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
-                                        and tmp not in p.parents)}
+            out[case] = {
+                "problems": problems,
+                "raised": raised,
+                "planted": planted,
+                "tmp": in_tmp,
+                "root": sorted(
+                    p.relative_to(root).as_posix()
+                    for p in root.rglob("*")
+                    if p.is_file() and tmp not in p.parents
+                ),
+            }
         # Both ranks start the next case together (the sender may stop early).
         torch.distributed.barrier()
     # An honest part still arrives whole: the receiver's checks refuse only what the manifest does not list.
@@ -106,8 +125,10 @@ def _job(rank: int, world: int, base: str) -> dict:
         tmp = root / f".tmp-{name}-{0:012x}"
         tmp.mkdir(parents=True)
         problems = replica.recv_part(root, tmp, 1, 0, None, step=STEP, timeout_s=TIMEOUT_S)
-        out["honest"] = {"problems": problems,
-                         "files": sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())}
+        out["honest"] = {
+            "problems": problems,
+            "files": sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()),
+        }
     return out
 
 
@@ -117,19 +138,40 @@ def test_a_peer_cannot_plant_files_outside_the_ranks_part_of_the_step(tmp_path):
     for case, got in received.items():
         if case == "honest":
             continue
-        assert got["raised"] is None, (case, "a crafted header raised instead of a reported problem", got["raised"])
-        assert got["planted"] == [], (case, "the peer planted files in the receiving root", got["planted"])
-        assert got["problems"], (case, "the receiver accepted a file the manifest does not list for it", got)
+        assert got["raised"] is None, (
+            case,
+            "a crafted header raised instead of a reported problem",
+            got["raised"],
+        )
+        assert got["planted"] == [], (
+            case,
+            "the peer planted files in the receiving root",
+            got["planted"],
+        )
+        assert got["problems"], (
+            case,
+            "the receiver accepted a file the manifest does not list for it",
+            got,
+        )
         leaked = [p for p in got["root"] if not p.startswith("contract/")]
         assert leaked == [], (case, "files outside the step's temp directory", leaked)
         text = " ".join(got["problems"])
-        assert "step 3" in text and "rank 0" in text, (case, "the problem names the step and the peer", text)
+        assert "step 3" in text and "rank 0" in text, (
+            case,
+            "the problem names the step and the peer",
+            text,
+        )
     bad_spec = received["step:node_manifest.json"]
     assert "node_manifest.json" not in bad_spec["tmp"], bad_spec
-    assert "rank_00000.pt" not in received["step:rank_00000.pt"]["tmp"], received["step:rank_00000.pt"]
+    assert "rank_00000.pt" not in received["step:rank_00000.pt"]["tmp"], received[
+        "step:rank_00000.pt"
+    ]
     assert "owner.json" not in received["step:owner.json"]["tmp"]
-    assert "unknown field" in " ".join(received["header:unknown field"]["problems"]) or \
-        "mode" in " ".join(received["header:unknown field"]["problems"])
+    assert "unknown field" in " ".join(
+        received["header:unknown field"]["problems"]
+    ) or "mode" in " ".join(received["header:unknown field"]["problems"])
     honest = received["honest"]
     assert honest["problems"] == [], honest
-    assert "contract/phase_0000.json" in honest["files"] and any(f.endswith("rank_00001.pt") for f in honest["files"])
+    assert "contract/phase_0000.json" in honest["files"] and any(
+        f.endswith("rank_00001.pt") for f in honest["files"]
+    )

@@ -46,7 +46,9 @@ def test_held_records_keep_the_first_and_the_newest_and_are_written_in_order(tmp
     assert [r["step"] for r in _lines(plog.path)] == [1, 2, 16, 17, 18, 19, 20]
     assert plog.held == 0
     assert "13 proof records made before" in caplog.text and "were dropped" in caplog.text
-    plog.keep(plog.build("step", step=21), durable=False)  # written at once now, after the held ones
+    plog.keep(
+        plog.build("step", step=21), durable=False
+    )  # written at once now, after the held ones
     assert [r["step"] for r in _lines(plog.path)][-2:] == [20, 21]
 
 
@@ -56,7 +58,9 @@ def test_the_real_bound_holds_however_long_the_root_stays_absent(tmp_path):
     for _ in range(plog.HELD_HEAD + plog.HELD_MAX + 1000):
         plog.hold(record)
     assert plog.held == plog.HELD_HEAD + plog.HELD_MAX and plog.dropped == 1000
-    assert plog.HELD_HEAD + plog.HELD_MAX <= 25_000  # about 1.3 KB a step record: some 30 MB at most
+    assert (
+        plog.HELD_HEAD + plog.HELD_MAX <= 25_000
+    )  # about 1.3 KB a step record: some 30 MB at most
 
 
 def test_records_kept_while_a_background_save_creates_the_root_are_all_written_in_order(tmp_path):
@@ -95,7 +99,9 @@ def _job(rank: int, world: int, root: str, resumed: bool) -> int:
     if not resumed and rank == 0:
         write = layout.write_tracker
 
-        def write_then_die(where: Path, step: int) -> None:  # the campaign's after_commit kill, job-wide
+        def write_then_die(
+            where: Path, step: int
+        ) -> None:  # the campaign's after_commit kill, job-wide
             write(where, step)
             if step == SAVED:
                 os.kill(pids[1 - rank], signal.SIGKILL)
@@ -120,12 +126,21 @@ def test_a_fresh_run_killed_right_after_its_first_commit_keeps_the_steps_it_reco
     killed = run_ranks(_job, 2, str(root), False)
     assert [r.exitcode for r in killed] == [-signal.SIGKILL] * 2, killed
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED)
-    for rank in (0, 1):  # the records made before the root existed are on disk, no save record after them
+    for rank in (
+        0,
+        1,
+    ):  # the records made before the root existed are on disk, no save record after them
         recs = _lines(root / "proof" / f"rank_{rank:05d}.jsonl")
-        assert [(r["event"], r.get("step")) for r in recs] == [("restore", 0), ("step", 1), ("step", 2),
-                                                                ("step", 3)], recs
+        assert [(r["event"], r.get("step")) for r in recs] == [
+            ("restore", 0),
+            ("step", 1),
+            ("step", 2),
+            ("step", 3),
+        ], recs
     assert values(run_ranks(_job, 2, str(root), True)) == [SAVED, SAVED]
     gates = {g.name: g for g in evaluate(root)}
     pids = gates["all PIDs changed"]
-    assert pids.status is Status.PASS, pids  # without the held records: "no record of the process that saved"
+    assert pids.status is Status.PASS, (
+        pids
+    )  # without the held records: "no record of the process that saved"
     assert all(g.status is not Status.FAIL for g in gates.values()), [g for g in gates.values()]

@@ -76,7 +76,9 @@ def test_a_killed_reader_frees_its_step_on_its_host_and_after_its_ttl_elsewhere(
     root = tmp_path / "ck"
     mgr = _mgr(root)
     mgr.save(1, _w(1))
-    proc = subprocess.Popen([sys.executable, "-c", _READER, str(root), "600"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _READER, str(root), "600"], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "open"
     mgr.save(2, _w(2))
     assert "step_00000001" in _steps(root)  # a live reader on this host: kept
@@ -89,7 +91,9 @@ def test_a_killed_reader_frees_its_step_on_its_host_and_after_its_ttl_elsewhere(
     data = json.loads(lease.read_text())
     lease.write_text(json.dumps({**data, "host": "node7", "pid": 1}))
     assert 3 in readers.live(root)
-    lease.write_text(json.dumps({**data, "host": "node7", "pid": 1, "expires_unix": time.time() - 1}))
+    lease.write_text(
+        json.dumps({**data, "host": "node7", "pid": 1, "expires_unix": time.time() - 1})
+    )
     assert readers.live(root) == {} and not lease.exists()
 
 
@@ -98,10 +102,16 @@ def test_hold_ttl_for_scripts_renews_by_running_again_and_release_removes_it(tmp
     mgr = _mgr(root)
     mgr.save(1, _w(1))
     run = CliRunner()
-    first = json.loads(run.invoke(main, ["hold", str(root), "1", "--reason", "eval 7", "--ttl", "300",
-                                         "--json"]).output)
-    again = json.loads(run.invoke(main, ["hold", str(root), "1", "--reason", "eval 7", "--ttl", "300",
-                                         "--json"]).output)
+    first = json.loads(
+        run.invoke(
+            main, ["hold", str(root), "1", "--reason", "eval 7", "--ttl", "300", "--json"]
+        ).output
+    )
+    again = json.loads(
+        run.invoke(
+            main, ["hold", str(root), "1", "--reason", "eval 7", "--ttl", "300", "--json"]
+        ).output
+    )
     assert first["hold"] == again["hold"] and first["ttl_s"] == 300  # the same lease, renewed
     mgr.save(2, _w(2))
     assert "step_00000001" in _steps(root)

@@ -90,13 +90,17 @@ def test_drift_after_restore_is_named_at_the_first_step_and_at_the_next_save(tmp
 
     out = values(run_ranks(_resume, 2, str(drift), True))
     for text in out:  # the background guard refused the save on every rank
-        assert text.startswith("ReplicatedDivergenceError: save of step 3") and "model.weight" in text, text
+        assert (
+            text.startswith("ReplicatedDivergenceError: save of step 3") and "model.weight" in text
+        ), text
     first = [_first_step(drift, r) for r in (0, 1)]
     assert [f["step"] for f in first] == [3, 3]
     report = replica_report([f["replica_partials"] for f in first])
     named = describe_replicas(report)
     assert "'model.weight' (item 'model', offset (0, 0)): ranks [0] vs ranks [1]" in named, named
-    assert "model.bias" not in named  # only the tensor that drifted (its Adam moments follow it later)
+    assert (
+        "model.bias" not in named
+    )  # only the tensor that drifted (its Adam moments follow it later)
     for rank in (0, 1):
         later = [r for r in _records(drift, rank) if r["event"] == "replicas"]
         assert len(later) == 1 and later[0]["step"] == 3 and later[0]["ok"] is False, later
@@ -110,7 +114,9 @@ def test_an_fsdp1_model_is_not_read_at_a_step_its_optimizer_state_dict_is_collec
 
     from ckptguard._records.proofwriter import read_alone
 
-    fsdp1 = torch.nn.Module.__new__(FullyShardedDataParallel)  # the type is what counts; no process group needed
+    fsdp1 = torch.nn.Module.__new__(
+        FullyShardedDataParallel
+    )  # the type is what counts; no process group needed
     torch.nn.Module.__init__(fsdp1)
     assert read_alone({"model": torch.nn.Linear(2, 2), "step": 3})
     assert not read_alone({"model": torch.nn.Sequential(fsdp1), "step": 3})
@@ -125,4 +131,6 @@ def test_one_rank_records_no_replica_digests_it_has_no_replicas_to_compare(tmp_p
     mgr.record_step(2, sample_ids=[2], loss=0.5)
     recs = _records(root, 0)
     assert recs[-2]["event"] == "restore" and recs[-2]["replicas"]["checked"] == 0
-    assert recs[-1]["event"] == "step" and "replica_partials" not in recs[-1]  # nothing hashed at the step
+    assert (
+        recs[-1]["event"] == "step" and "replica_partials" not in recs[-1]
+    )  # nothing hashed at the step

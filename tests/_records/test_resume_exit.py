@@ -31,20 +31,30 @@ mgr.close()
 
 def _run(root: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", JOB, str(root)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", JOB, str(root)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_the_exit_record_names_the_uncaught_exception_and_prove_says_so(tmp_path):
     root = tmp_path / "ck"
     assert _run(root).returncode == 0
     died = _run(root)
-    assert died.returncode == 1 and "RuntimeError: a bad config after the restore" in died.stderr  # the hook chains
-    exits = [json.loads(line) for line in (root / "proof" / "rank_00000.jsonl").read_text().splitlines()
-             if '"exit"' in line]
-    assert [e.get("raised") for e in exits] == ["RuntimeError: a bad config after the restore"], exits
+    assert (
+        died.returncode == 1 and "RuntimeError: a bad config after the restore" in died.stderr
+    )  # the hook chains
+    exits = [
+        json.loads(line)
+        for line in (root / "proof" / "rank_00000.jsonl").read_text().splitlines()
+        if '"exit"' in line
+    ]
+    assert [e.get("raised") for e in exits] == ["RuntimeError: a bad config after the restore"], (
+        exits
+    )
     trained = next(g for g in evaluate(root) if g.name == "resumed run trained")
-    assert trained.status is Status.FAIL and "died on an uncaught exception" in trained.evidence, trained.evidence
+    assert trained.status is Status.FAIL and "died on an uncaught exception" in trained.evidence, (
+        trained.evidence
+    )
     assert "exhausted loader" not in trained.evidence
 
 
@@ -65,10 +75,18 @@ def test_a_resumed_job_that_saves_without_record_step_is_not_called_idle(tmp_pat
     root = tmp_path / "ck"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", SAVES_ONLY, str(root)], capture_output=True, text=True,
-                              env=env, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", SAVES_ONLY, str(root)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
     assert "trained 0 steps" not in done.stderr, done.stderr
-    exits = [json.loads(line) for line in (root / "proof" / "rank_00000.jsonl").read_text().splitlines()
-             if '"exit"' in line]
+    exits = [
+        json.loads(line)
+        for line in (root / "proof" / "rank_00000.jsonl").read_text().splitlines()
+        if '"exit"' in line
+    ]
     assert [e["trained"] for e in exits] == [2], exits

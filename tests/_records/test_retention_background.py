@@ -23,7 +23,10 @@ from damage_helper import committed_on_disk, step_dir
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((4,), float(step)), "big": torch.arange(1 << 16, dtype=torch.float32) * step}
+    return {
+        "w": torch.full((4,), float(step)),
+        "big": torch.arange(1 << 16, dtype=torch.float32) * step,
+    }
 
 
 def _trash(root: Path) -> list[Path]:
@@ -49,10 +52,14 @@ def test_a_sync_save_returns_before_the_dropped_step_is_deleted(tmp_path, monkey
     try:
         assert entered.wait(10), "the background delete never started"
         assert took < 10, f"save(2) took {took:.1f} s: it waited for the old step's delete"
-        assert committed_on_disk(root) == [step_dir(root, 2).name]  # step 1 uncommitted at the commit
+        assert committed_on_disk(root) == [
+            step_dir(root, 2).name
+        ]  # step 1 uncommitted at the commit
         assert not step_dir(root, 1).exists()
         held = _trash(root)
-        assert len(held) == 1 and not (held[0] / "manifest.json").exists(), held  # still there: not yet deleted
+        assert len(held) == 1 and not (held[0] / "manifest.json").exists(), (
+            held
+        )  # still there: not yet deleted
         (found,) = [x for x in _layout.leftovers(root, max_age_s=3600) if x.kind == "trash"]
         assert "by a live process" in found.detail and "interrupted" not in found.detail, found
     finally:
@@ -60,7 +67,9 @@ def test_a_sync_save_returns_before_the_dropped_step_is_deleted(tmp_path, monkey
     assert retention.DELETER.wait(30)
     assert _trash(root) == []
     state = _state(0)
-    assert cg.CheckpointManager(root).restore(state) == 2 and torch.equal(state["big"], _state(2)["big"])
+    assert cg.CheckpointManager(root).restore(state) == 2 and torch.equal(
+        state["big"], _state(2)["big"]
+    )
     mgr.close()
 
 
@@ -87,23 +96,35 @@ time.sleep(120)
 def test_a_kill_mid_delete_leaves_every_committed_step_whole(tmp_path):
     root, marker = tmp_path / "ck", tmp_path / "marker"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen([sys.executable, "-c", KILLED_MID_DELETE, str(root), str(marker)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_DELETE, str(root), str(marker)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 90
         while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert marker.exists(), child.communicate(timeout=5)[0] if child.poll() is not None else "no marker in 90 s"
+        assert marker.exists(), (
+            child.communicate(timeout=5)[0] if child.poll() is not None else "no marker in 90 s"
+        )
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.kill()
         child.wait()
-    (leftover,) = _trash(root)  # half deleted, no step name, no manifest: never taken for a checkpoint
+    (leftover,) = _trash(
+        root
+    )  # half deleted, no step name, no manifest: never taken for a checkpoint
     assert not (leftover / "manifest.json").exists()
     (found,) = [x for x in _layout.leftovers(root, max_age_s=3600) if x.kind == "trash"]
-    assert found.removable and "interrupted" in found.detail, found  # its deleter is dead: gc may remove it
+    assert found.removable and "interrupted" in found.detail, (
+        found
+    )  # its deleter is dead: gc may remove it
     assert committed_on_disk(root) == [step_dir(root, 2).name]
-    (root / "lease.json").unlink(missing_ok=True)  # the killed writer's lease (its pid is dead anyway)
+    (root / "lease.json").unlink(
+        missing_ok=True
+    )  # the killed writer's lease (its pid is dead anyway)
     checked, findings = verify_root(root, _layout.StepNaming("step_{step:08d}"), deep=True)
     assert [p.name for p in checked] == [step_dir(root, 2).name]
     assert [f for f in findings if f.severity.value == "ERROR"] == [], findings

@@ -21,7 +21,9 @@ NAMING = _layout.StepNaming("step_{step:08d}")
 
 
 def _mgr(root: Path, keep: int | None = None) -> cg.CheckpointManager:
-    return cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=cg.KeepLast(keep) if keep else None))
+    return cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(retention=cg.KeepLast(keep) if keep else None)
+    )
 
 
 def _state(step: int) -> dict:
@@ -34,7 +36,9 @@ def test_an_overwrite_whose_publish_fails_puts_the_tracker_s_step_back(tmp_path,
     mgr.save(1, _state(1))
     real = os.rename
 
-    def failing(src, dst, *args, **kwargs):  # the new step's rename into place fails (EIO, a full disk)
+    def failing(
+        src, dst, *args, **kwargs
+    ):  # the new step's rename into place fails (EIO, a full disk)
         if Path(src).name.startswith(".tmp-step_") and Path(dst).name == "step_00000001":
             raise OSError(5, "Input/output error")
         return real(src, dst, *args, **kwargs)
@@ -53,7 +57,9 @@ def test_a_step_moved_aside_by_a_kill_is_never_swept_and_gc_says_how_to_put_it_b
     root = tmp_path / "ck"
     mgr = _mgr(root, keep=1)
     mgr.save(1, _state(1))
-    aside = _layout.uncommit_to_trash(root / "step_00000001", keep_manifest=True)  # the kill's moment
+    aside = _layout.uncommit_to_trash(
+        root / "step_00000001", keep_manifest=True
+    )  # the kill's moment
     mgr.save(2, _state(2))  # a rotation sweeps trash: never this one
     assert retention.DELETER.wait(30)
     assert (aside / "manifest.json").is_file()

@@ -43,16 +43,27 @@ def _split_tokens(old: list[int], new_world: int) -> list[int]:
 def _config(**kw) -> cg.CheckpointConfig:
     """The elastic job's config; ``kw`` changes fields of its ``ReshardOptions``."""
     reshard = cg.ReshardOptions(rule=cg.ReshardRule.BY_ITEM, rng_seed=SEED, replicated=("sched",))
-    return cg.CheckpointConfig(reshard=dataclasses.replace(reshard, **kw),
-                               proof=cg.ProofPlan(deterministic=False, replay_steps=1))
+    return cg.CheckpointConfig(
+        reshard=dataclasses.replace(reshard, **kw),
+        proof=cg.ProofPlan(deterministic=False, replay_steps=1),
+    )
 
 
 def _job(rank: int, world: int, seed: int):
     job = build_job(rank=rank, world=world, seed=seed)
     cursor = cg.DataCursor(N, seed=SEED, rank=rank, world_size=world)
     tokens = cg.PerRank(0, reshard=_split_tokens)
-    gen = cg.GeneratorState(torch.Generator().manual_seed(seed + rank))  # a per-rank augmentation stream
-    state = {"model": job.model, "optim": job.optim, "sched": job.sched, "data": cursor, "tokens": tokens, "gen": gen}
+    gen = cg.GeneratorState(
+        torch.Generator().manual_seed(seed + rank)
+    )  # a per-rank augmentation stream
+    state = {
+        "model": job.model,
+        "optim": job.optim,
+        "sched": job.sched,
+        "data": cursor,
+        "tokens": tokens,
+        "gen": gen,
+    }
     return job, cursor, tokens, state
 
 
@@ -60,7 +71,9 @@ def _step(mgr, job, cursor, tokens, step: int, gen: cg.GeneratorState) -> list[i
     ids = cursor.take(B)
     x = torch.randn(N, FEATURES, generator=torch.Generator().manual_seed(5))[ids]
     x = x + 0.01 * torch.randn(x.shape, generator=gen.generator)
-    loss = torch.nn.functional.mse_loss(job.model(x), x[:, :2].sum(1, keepdim=True).sin())  # dropout draws RNG
+    loss = torch.nn.functional.mse_loss(
+        job.model(x), x[:, :2].sum(1, keepdim=True).sin()
+    )  # dropout draws RNG
     job.optim.zero_grad(set_to_none=True)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), 1e9)
@@ -74,6 +87,7 @@ def _step(mgr, job, cursor, tokens, step: int, gen: cg.GeneratorState) -> list[i
 
 def _full(job) -> dict[str, torch.Tensor]:
     """Every parameter and Adam moment, gathered whole (collective under FSDP2)."""
+
     def whole(t):
         return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
@@ -101,12 +115,17 @@ def _train_and_kill(rank: int, world: int, root: str, out: str) -> None:
 
 
 def _streams() -> list[bytes]:
-    return [torch.get_rng_state().numpy().tobytes(), np.random.get_state()[1].tobytes(),
-            repr(random.getstate()).encode()]
+    return [
+        torch.get_rng_state().numpy().tobytes(),
+        np.random.get_state()[1].tobytes(),
+        repr(random.getstate()).encode(),
+    ]
 
 
 def _resume(rank: int, world: int, root: str) -> dict:
-    job, cursor, tokens, state = _job(rank, world, seed=99)  # other weights: the restore must overwrite them
+    job, cursor, tokens, state = _job(
+        rank, world, seed=99
+    )  # other weights: the restore must overwrite them
     mgr = cg.CheckpointManager(root, config=_config())
     out: dict = {}
     before = _full(job)
@@ -115,7 +134,9 @@ def _resume(rank: int, world: int, root: str) -> dict:
     except cg.TopologyMismatchError as exc:
         out["refused"] = str(exc)
     after = _full(job)
-    out["untouched"] = all(torch.equal(before[k], after[k]) for k in before) and cursor.consumed == 0
+    out["untouched"] = (
+        all(torch.equal(before[k], after[k]) for k in before) and cursor.consumed == 0
+    )
     assert mgr.restore(state) == K
     out["streams"] = _streams()
     out["gen"] = state["gen"].generator.get_state()
@@ -144,7 +165,9 @@ def saved(tmp_path_factory) -> dict[int, tuple[Path, list]]:
     for world in (4, 2, 1):
         base = tmp_path_factory.mktemp(f"saved_on_{world}")
         results = run_ranks(_train_and_kill, world, str(base / "root"), str(base))
-        assert [r.exitcode for r in results] == [-signal.SIGKILL] * world, [(r.error_type, r.error) for r in results]
+        assert [r.exitcode for r in results] == [-signal.SIGKILL] * world, [
+            (r.error_type, r.error) for r in results
+        ]
         out[world] = (base / "root", [torch.load(base / f"rank{r}.pt") for r in range(world)])
     return out
 
@@ -156,12 +179,20 @@ def test_resume_on_another_world_size_is_exact_and_proven(saved, tmp_path, old, 
     shutil.copytree(src, root)
     rules = json.loads((root / "step_00000002" / "manifest.json").read_text())["reshard"]
     assert {n: r["rule"] for n, r in rules.items()} == {
-        "model": "dcp", "optim": "dcp", "sched": "replicated", "data": "data_cursor", "tokens": "user",
-        "gen": "rng_rederive", "_rng": "rng_rederive"}
+        "model": "dcp",
+        "optim": "dcp",
+        "sched": "replicated",
+        "data": "data_cursor",
+        "tokens": "user",
+        "gen": "rng_rederive",
+        "_rng": "rng_rederive",
+    }
     assert rules["_rng"]["seed"] == SEED and rules["tokens"]["fn"].endswith("_split_tokens")
     out = values(run_ranks(_resume, new, str(root)))
 
-    for r in out:  # refused on every rank, naming the item and the rule that would apply; nothing loaded
+    for r in (
+        out
+    ):  # refused on every rank, naming the item and the rule that would apply; nothing loaded
         assert "'tokens'" in r["refused"] and "reshard=f" in r["refused"]
         assert "before anything is loaded" in r["refused"]
         assert r["untouched"]
@@ -179,13 +210,17 @@ def test_resume_on_another_world_size_is_exact_and_proven(saved, tmp_path, old, 
     # Each rank's streams are the rule's derivation from (seed, step, rank), and no two ranks share them.
     assert [r["streams"] for r in out] == [_derived(rank) for rank in range(new)]
     assert len({tuple(r["streams"]) for r in out}) == new
-    for rank, r in enumerate(out):  # a GeneratorState item: the same rule, its name mixed into the seed
+    for rank, r in enumerate(
+        out
+    ):  # a GeneratorState item: the same rule, its name mixed into the seed
         text = f"ckptguard-rng:{SEED}:{K}:{rank}:gen".encode()
         seed = xxhash.xxh3_64_intdigest(text) & ((1 << 63) - 1)
         assert torch.equal(r["gen"], torch.Generator().manual_seed(seed).get_state())
 
     gates = evaluate(root)
-    assert passed(gates), [(g.name, g.status.value, g.evidence) for g in gates if g.status is not Status.PASS]
+    assert passed(gates), [
+        (g.name, g.status.value, g.evidence) for g in gates if g.status is not Status.PASS
+    ]
     shown = {g.name: g for g in gates}
     assert shown["resharded resume"].evidence.startswith(f"{old} -> {new} ranks under by_item: ")
     assert f"_rng=rng_rederive(seed {SEED})" in shown["resharded resume"].evidence
@@ -200,8 +235,14 @@ def test_resume_on_another_world_size_is_exact_and_proven(saved, tmp_path, old, 
 
         shown_cli = CliRunner().invoke(main, ["prove", str(root)])
         assert shown_cli.exit_code == 0 and "resume PROVEN" in shown_cli.output, shown_cli.output
-        assert "resharded resume" in shown_cli.output and "1 -> 2 ranks under by_item" in shown_cli.output
-    if (old, new) == (2, 1):  # the resumed run's first step read step 1's samples again: caught over the union
+        assert (
+            "resharded resume" in shown_cli.output
+            and "1 -> 2 ranks under by_item" in shown_cli.output
+        )
+    if (old, new) == (
+        2,
+        1,
+    ):  # the resumed run's first step read step 1's samples again: caught over the union
         _replay_step_one(root / "proof" / "rank_00000.jsonl", before[:B])
         data = next(g for g in evaluate(root) if g.name == "data order identical")
         assert data.status is Status.FAIL and "a sample was repeated or skipped" in data.evidence
@@ -225,7 +266,10 @@ def _format1(rank: int, world: int, v1_root: str) -> dict:
     v1 = {"model": model, "optim": optim, "sched": sched, "tokens_seen": 0}
     cfg = _config(replicated=("sched", "tokens_seen"))
     step = cg.CheckpointManager(v1_root, config=cfg).restore(v1)
-    return {"v1_step": step, "v1": (model.weight.tolist(), model.bias.tolist(), sched.get_last_lr(), v1["tokens_seen"])}
+    return {
+        "v1_step": step,
+        "v1": (model.weight.tolist(), model.bias.tolist(), sched.get_last_lr(), v1["tokens_seen"]),
+    }
 
 
 def test_a_checkpoint_written_before_reshard_rules_reshards_under_the_rules_declared_now(tmp_path):
@@ -242,9 +286,13 @@ def test_data_cursor_partitions_the_rest_of_an_epoch_exactly_once():
     order = cg.DataCursor(23, seed=3).order(0)
     assert sorted(order) == list(range(23)) and order != list(range(23))
     three = [cg.DataCursor(23, seed=3, rank=r, world_size=3) for r in range(3)]
-    assert [i for c in three for i in c.take(2)] == order[:6]  # one global batch, rank r the r-th block
+    assert [i for c in three for i in c.take(2)] == order[
+        :6
+    ]  # one global batch, rank r the r-th block
     state = three[0].state_dict()
-    assert all(c.state_dict() == state for c in three) and state["consumed"] == 6  # no rank in the state
+    assert (
+        all(c.state_dict() == state for c in three) and state["consumed"] == 6
+    )  # no rank in the state
 
     def on_two():
         two = [cg.DataCursor(23, seed=3, rank=r, world_size=2) for r in range(2)]
@@ -253,7 +301,10 @@ def test_data_cursor_partitions_the_rest_of_an_epoch_exactly_once():
         return two
 
     two = on_two()
-    assert [c.remaining(2) for c in two] == [9, 8]  # 17 left: 4 global batches, then 1 id for rank 0
+    assert [c.remaining(2) for c in two] == [
+        9,
+        8,
+    ]  # 17 left: 4 global batches, then 1 id for rank 0
     per_rank: list[list[int]] = [[], []]
     rest = []
     while not two[0].exhausted(2):
@@ -273,9 +324,14 @@ def test_data_cursor_partitions_the_rest_of_an_epoch_exactly_once():
     assert first.tolist() == order[8:10] and third.consumed == 10
     # Padding fills the last batch from the head of the order; drop_last skips the short tail.
     pad = [cg.DataCursor(5, shuffle=False, pad=True, rank=r, world_size=2) for r in range(2)]
-    assert [c.take(2) for c in pad] == [[0, 1], [2, 3]] and [c.take(2) for c in pad] == [[4, 0], [1, 2]]
+    assert [c.take(2) for c in pad] == [[0, 1], [2, 3]] and [c.take(2) for c in pad] == [
+        [4, 0],
+        [1, 2],
+    ]
     drop = cg.DataCursor(5, shuffle=False, drop_last=True, rank=1, world_size=2)
-    assert drop.take(2) == [2, 3] and drop.exhausted(2) and drop.take(2) == [2, 3] and drop.epoch == 1
+    assert (
+        drop.take(2) == [2, 3] and drop.exhausted(2) and drop.take(2) == [2, 3] and drop.epoch == 1
+    )
     with pytest.raises(cg.ConfigError, match="seed=3"):
         cg.DataCursor(23, seed=4).load_state_dict(state)
 
@@ -292,22 +348,42 @@ def test_rules_refuse_what_they_cannot_carry(saved, tmp_path):
     def refused(error, match, live=state, **cfg):
         with pytest.raises(error, match=match):
             cg.CheckpointManager(root, config=_config(**cfg)).restore(live)
-        assert all(torch.equal(before[k], v) for k, v in _full(job).items()) and cursor.consumed == 0
+        assert (
+            all(torch.equal(before[k], v) for k, v in _full(job).items()) and cursor.consumed == 0
+        )
 
-    refused(cg.TopologyMismatchError, r"'world_size': 2.*'world_size': 1.*ReshardRule.BY_ITEM",
-            rule=cg.ReshardRule.REFUSE)
-    refused(cg.TopologyMismatchError, r"item 'data' was saved under the rule 'data_cursor' and declares 'user'",
-            {**state, "data": cg.PerRank(0, reshard=_split_tokens)})
-    refused(cg.StateMismatchError, r"_rules_refuse.*<lambda> of item 'tokens' returned a list of 2.*list of 1",
-            {**state, "tokens": cg.PerRank(0, reshard=lambda old, new: old)})
-    refused(cg.TopologyMismatchError, r"item 'sched' \(stateful\) has no rule.*replicated=", replicated=())
+    refused(
+        cg.TopologyMismatchError,
+        r"'world_size': 2.*'world_size': 1.*ReshardRule.BY_ITEM",
+        rule=cg.ReshardRule.REFUSE,
+    )
+    refused(
+        cg.TopologyMismatchError,
+        r"item 'data' was saved under the rule 'data_cursor' and declares 'user'",
+        {**state, "data": cg.PerRank(0, reshard=_split_tokens)},
+    )
+    refused(
+        cg.StateMismatchError,
+        r"_rules_refuse.*<lambda> of item 'tokens' returned a list of 2.*list of 1",
+        {**state, "tokens": cg.PerRank(0, reshard=lambda old, new: old)},
+    )
+    refused(
+        cg.TopologyMismatchError,
+        r"item 'sched' \(stateful\) has no rule.*replicated=",
+        replicated=(),
+    )
     data = json.loads(manifest.read_text())
     del data["reshard"]["_rng"]  # as a save without rng_seed (or an older ckptguard) writes it
     data["digests"]["1"]["sched"] = "0" * 16
     manifest.write_text(json.dumps(data))
-    refused(cg.TopologyMismatchError,
-            r"the RNG streams .* have no rule: set CheckpointConfig\(reshard=ReshardOptions\(rng_seed=",
-            rng_seed=None)
-    refused(cg.StateMismatchError, r"item 'sched' \(rule replicated\) was saved with different values.*ranks \[0\]; "
-            r"ranks \[1\]")
+    refused(
+        cg.TopologyMismatchError,
+        r"the RNG streams .* have no rule: set CheckpointConfig\(reshard=ReshardOptions\(rng_seed=",
+        rng_seed=None,
+    )
+    refused(
+        cg.StateMismatchError,
+        r"item 'sched' \(rule replicated\) was saved with different values.*ranks \[0\]; "
+        r"ranks \[1\]",
+    )
     assert tokens.value == 0

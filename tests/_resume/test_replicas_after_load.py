@@ -73,7 +73,9 @@ def _train_and_save(rank: int, world: int, root: str) -> None:
     mgr.save(2, state)
 
 
-def _restore(rank: int, world: int, root: str, tamper_rank: int | None, drop_rank: int | None) -> str:
+def _restore(
+    rank: int, world: int, root: str, tamper_rank: int | None, drop_rank: int | None
+) -> str:
     *_built, mgr, state = _job(rank, root, tamper=rank == tamper_rank, drop=rank == drop_rank)
     try:
         mgr.restore(state)
@@ -104,30 +106,51 @@ def test_exact_restore_passes_and_a_replica_loaded_differently_fails_on_every_ra
     root = _saved(tmp_path, "tampered")
     out = values(run_ranks(_restore, 2, str(root), 1, None))
     for text in out:  # every rank refuses, with the same words
-        assert text.startswith("StateMismatchError: ") and "differ between their replicas" in text, text
-        assert "'model.fc.weight' (item 'model', offset (0, 0)): ranks [0] vs ranks [1]" in text, text
+        assert (
+            text.startswith("StateMismatchError: ") and "differ between their replicas" in text
+        ), text
+        assert "'model.fc.weight' (item 'model', offset (0, 0)): ranks [0] vs ranks [1]" in text, (
+            text
+        )
     gate = _gate(root)
-    assert gate.status is Status.FAIL and "'model.fc.weight' (item 'model'): ranks [0] vs ranks [1]" in gate.evidence
+    assert (
+        gate.status is Status.FAIL
+        and "'model.fc.weight' (item 'model'): ranks [0] vs ranks [1]" in gate.evidence
+    )
 
 
 def test_an_optimizer_moment_dropped_on_one_rank_is_named(tmp_path):
     root = _saved(tmp_path, "dropped")
     out = values(run_ranks(_restore, 2, str(root), None, 1))
     assert all(t.startswith("StateMismatchError: ") for t in out), out
-    assert "rank 1: " in out[0] and "state item 'optim' (optimizer) differs after restore" in out[0], out[0]
-    assert "tensors saved and missing after the load: ['optim.state.fc.weight.exp_avg']" in out[0], out[0]
+    assert (
+        "rank 1: " in out[0] and "state item 'optim' (optimizer) differs after restore" in out[0]
+    ), out[0]
+    assert (
+        "tensors saved and missing after the load: ['optim.state.fc.weight.exp_avg']" in out[0]
+    ), out[0]
     assert "rank 0:" not in out[0]  # rank 0 loaded its moments
 
 
 def test_replica_report_names_each_side_and_counts_what_it_compared():
-    a = {"m.w@(0,)": ["m", "m.w", "torch.float32|(4,)", "01"], "m.s@(0,)": ["m", "m.s", "torch.float32|(2,)", "0a"],
-         "m.own@(2,)": ["m", "m.own", "torch.float32|(4,)", "05"]}
-    b = {"m.w@(0,)": ["m", "m.w", "torch.float32|(4,)", "02"], "m.s@(0,)": ["m", "m.s", "torch.float32|(2,)", "0a"],
-         "m.own@(0,)": ["m", "m.own", "torch.float32|(4,)", "07"]}
+    a = {
+        "m.w@(0,)": ["m", "m.w", "torch.float32|(4,)", "01"],
+        "m.s@(0,)": ["m", "m.s", "torch.float32|(2,)", "0a"],
+        "m.own@(2,)": ["m", "m.own", "torch.float32|(4,)", "05"],
+    }
+    b = {
+        "m.w@(0,)": ["m", "m.w", "torch.float32|(4,)", "02"],
+        "m.s@(0,)": ["m", "m.s", "torch.float32|(2,)", "0a"],
+        "m.own@(0,)": ["m", "m.own", "torch.float32|(4,)", "07"],
+    }
     c = {"m.w@(0,)": ["m", "m.w", "torch.float32|(4,)", "01"]}
     report = replica_report([a, b, c])
-    assert report["checked"] == 2 and report["most"] == 3 and report["differing"] == 1  # m.own: one holder each
-    assert report["differ"] == [{"item": "m", "key": "m.w", "offset": "(0,)", "ranks": [[0, 2], [1]]}]
+    assert (
+        report["checked"] == 2 and report["most"] == 3 and report["differing"] == 1
+    )  # m.own: one holder each
+    assert report["differ"] == [
+        {"item": "m", "key": "m.w", "offset": "(0,)", "ranks": [[0, 2], [1]]}
+    ]
     assert "'m.w' (item 'm', offset (0,)): ranks [0, 2] vs ranks [1]" in describe_replicas(report)
     alone = replica_report([a])
     assert alone["checked"] == 0 and alone["world"] == 1 and describe_replicas(alone) == ""

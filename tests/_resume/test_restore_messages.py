@@ -73,7 +73,9 @@ def _node_local(rank: int, world: int, base: str) -> str:
     torch.manual_seed(0)
     disk = _private_disk(base, rank)
     other = os.path.join(base, f"node{1 - rank}", "marker")
-    assert os.path.exists(os.path.join(disk, "marker")) and not os.path.samefile(os.path.join(disk, "marker"), other)
+    assert os.path.exists(os.path.join(disk, "marker")) and not os.path.samefile(
+        os.path.join(disk, "marker"), other
+    )
     state = {"w": torch.nn.Linear(2, 2), "n": cg.PerRank(rank)}
     try:
         cg.CheckpointManager(os.path.join(disk, "ckpt")).save(1, state)
@@ -98,5 +100,7 @@ def test_node_local_roots_do_not_commit(tmp_path):
         assert "node-local" in r.value and "rank 1" in r.value, r.value
     from ckptguard._disk import layout
 
-    assert layout.read_tracker(tmp_path / "node0" / "ckpt") == 0  # fresh start declared, nothing committed
+    assert (
+        layout.read_tracker(tmp_path / "node0" / "ckpt") == 0
+    )  # fresh start declared, nothing committed
     assert not (tmp_path / "node0" / "ckpt" / "step_00000001").exists()

@@ -20,7 +20,9 @@ from ckptguard._state import state as _state
 
 def _job(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2)
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, 8)).sum().backward()
     optim.step()
@@ -45,19 +47,35 @@ def test_tensor_items_are_verified_without_a_second_xxh3_pass(tmp_path, monkeypa
     cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim, "cursor": {"at": 3}})
     hashed = _hashed(monkeypatch)
     fresh, fresh_optim = _job(seed=1)
-    assert cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim, "cursor": {"at": 0}}) == 1
+    assert (
+        cg.CheckpointManager(tmp_path).restore(
+            {"model": fresh, "optim": fresh_optim, "cursor": {"at": 0}}
+        )
+        == 1
+    )
     assert hashed == ["cursor"]  # model and optim: skeleton here, tensors by the layout-free pass
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+    )
     record = [r for r in read_records(tmp_path)[0] if r["event"] == "restore"][-1]
-    assert record["digests_match"] == {"model": True, "optim": True, "cursor": True, "rng": True}, record
+    assert record["digests_match"] == {"model": True, "optim": True, "cursor": True, "rng": True}, (
+        record
+    )
     assert record["layout_free_match"] == {"model": True, "optim": True}, record
 
 
-def test_a_flipped_tensor_byte_is_caught_by_the_layout_free_pass_and_names_the_file(tmp_path, monkeypatch):
+def test_a_flipped_tensor_byte_is_caught_by_the_layout_free_pass_and_names_the_file(
+    tmp_path, monkeypatch
+):
     model, optim = _job()
     cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim})
     state_dir = tmp_path / "step_00000001" / "state"
-    infos = [i for k, i in cg.read_dcp_metadata(state_dir).storage_data.items() if k.fqn.startswith("optim.")]
+    infos = [
+        i
+        for k, i in cg.read_dcp_metadata(state_dir).storage_data.items()
+        if k.fqn.startswith("optim.")
+    ]
     info = max(infos, key=lambda i: i.length)
     shard = state_dir / info.relative_path
     data = bytearray(shard.read_bytes())
@@ -70,7 +88,9 @@ def test_a_flipped_tensor_byte_is_caught_by_the_layout_free_pass_and_names_the_f
     message = str(caught.value)
     assert hashed == [], hashed  # caught without the xxh3 pass
     assert "layout-free digests differ" in message and "'optim'" in message, message
-    assert shard.name in message and "changed on disk" in message and "verify --deep" in message, message
+    assert shard.name in message and "changed on disk" in message and "verify --deep" in message, (
+        message
+    )
 
 
 class _ForgetfulAdamW(torch.optim.AdamW):
@@ -87,10 +107,14 @@ def test_a_hyperparameter_the_load_did_not_reproduce_is_caught(tmp_path, monkeyp
     model, optim = _job()
     cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim})
     torch.manual_seed(1)
-    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+    fresh = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2)
+    )
     fresh_optim = _ForgetfulAdamW(fresh.parameters(), lr=5e-2)
     hashed = _hashed(monkeypatch)
-    with pytest.raises(cg.StateMismatchError, match=r"'optim'.*differs after restore.*non-tensor value"):
+    with pytest.raises(
+        cg.StateMismatchError, match=r"'optim'.*differs after restore.*non-tensor value"
+    ):
         cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim})
     assert hashed == []
 
@@ -104,8 +128,13 @@ def test_a_changed_extras_file_falls_back_to_the_full_digests(tmp_path, monkeypa
     data = extras_path.read_bytes()
     lr = b"G" + struct.pack(">d", 1e-3)  # pickle's BINFLOAT of the learning rate
     assert data.count(lr) == 1
-    extras_path.write_bytes(data.replace(lr, b"G" + struct.pack(">d", 2e-3)))  # same size, still loads
-    assert torch.load(extras_path, weights_only=True)["items"]["optim"]["param_groups"][0]["lr"] == 2e-3
+    extras_path.write_bytes(
+        data.replace(lr, b"G" + struct.pack(">d", 2e-3))
+    )  # same size, still loads
+    assert (
+        torch.load(extras_path, weights_only=True)["items"]["optim"]["param_groups"][0]["lr"]
+        == 2e-3
+    )
     hashed = _hashed(monkeypatch)
     fresh, fresh_optim = _job(seed=1)
     with pytest.raises(cg.StateMismatchError, match=r"'optim'.*differs after restore"):
@@ -115,7 +144,11 @@ def test_a_changed_extras_file_falls_back_to_the_full_digests(tmp_path, monkeypa
 
 def _flip_optimizer_byte(step_dir) -> None:  # type: ignore[no-untyped-def]
     state_dir = step_dir / "state"
-    infos = [i for k, i in cg.read_dcp_metadata(state_dir).storage_data.items() if k.fqn.startswith("optim.")]
+    infos = [
+        i
+        for k, i in cg.read_dcp_metadata(state_dir).storage_data.items()
+        if k.fqn.startswith("optim.")
+    ]
     info = max(infos, key=lambda i: i.length)
     shard = state_dir / info.relative_path
     data = bytearray(shard.read_bytes())
@@ -143,7 +176,9 @@ def test_the_save_records_structure_digests_for_tensor_items(tmp_path):
     skeleton = _state.flatten(sd, "model", flat)
     assert data["digests"]["0"]["model"] == structure_digest(_state._unflatten(skeleton, flat))
     assert data["digests"]["0"]["model"] != digest(_state._unflatten(skeleton, flat))
-    sd["0.weight"][0, 0] += 1  # a tensor byte changes nothing of the structure digest, the layout-free one only
+    sd["0.weight"][0, 0] += (
+        1  # a tensor byte changes nothing of the structure digest, the layout-free one only
+    )
     assert structure_digest(_state._unflatten(skeleton, flat)) == data["digests"]["0"]["model"]
 
 
@@ -159,12 +194,16 @@ def test_the_fallback_catches_a_flipped_byte_through_the_layout_free_digests(tmp
         for f in data["files"]:
             if f["path"] == "rank_00000.pt":
                 f["xxh3"] = "0" * 16
+
     _edit_manifest(step, forget_extras_xxh3)
     hashed = _hashed(monkeypatch)
     fresh, fresh_optim = _job(seed=1)
     with pytest.raises(cg.StateMismatchError, match=r"layout-free digests differ.*'optim'"):
         cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim})
-    assert sorted(hashed) == ["model", "optim"]  # the fallback ran, and its structure digests passed
+    assert sorted(hashed) == [
+        "model",
+        "optim",
+    ]  # the fallback ran, and its structure digests passed
 
 
 def test_a_format3_manifest_without_layout_free_digests_never_passes(tmp_path):
@@ -174,7 +213,9 @@ def test_a_format3_manifest_without_layout_free_digests_never_passes(tmp_path):
     _edit_manifest(step, lambda d: d.pop("layout_free"))
     with pytest.raises(cg.CheckpointCorruptError, match="layout_free"):
         _manifest.read(step)
-    _edit_manifest(step, lambda d: d.update(layout_free={}))  # present but emptied: every key differs
+    _edit_manifest(
+        step, lambda d: d.update(layout_free={})
+    )  # present but emptied: every key differs
     fresh, fresh_optim = _job(seed=1)
     with pytest.raises(cg.StateMismatchError, match="layout-free digests differ"):
         cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim})
@@ -192,13 +233,22 @@ def test_an_edited_digest_kind_is_refused_alike_by_verify_and_restore(tmp_path, 
     from ckptguard.cli import main
 
     model, _ = _job()
-    cg.CheckpointManager(tmp_path, config=cg.CheckpointConfig(retention=None)).save(1, {"model": model, "n": 3})
+    cg.CheckpointManager(tmp_path, config=cg.CheckpointConfig(retention=None)).save(
+        1, {"model": model, "n": 3}
+    )
     step = tmp_path / "step_00000001"
     _edit_manifest(step, lambda d: d["digest_kind"].update({item: kind}))
-    with pytest.raises(cg.CheckpointCorruptError, match=rf"'digest_kind' of \['{item}'\] disagrees with the item kind"):
+    with pytest.raises(
+        cg.CheckpointCorruptError,
+        match=rf"'digest_kind' of \['{item}'\] disagrees with the item kind",
+    ):
         _manifest.read(step)
     result = CliRunner().invoke(main, ["verify", str(step), "--deep", "--restore"])
-    assert result.exit_code == 1 and "bad-manifest" in result.output and "disagrees with the item kind" in result.output
+    assert (
+        result.exit_code == 1
+        and "bad-manifest" in result.output
+        and "disagrees with the item kind" in result.output
+    )
     fresh, _ = _job(seed=1)
     with pytest.raises(cg.CheckpointError, match="disagrees with the item kind"):
         cg.CheckpointManager(tmp_path).restore({"model": fresh, "n": 0})
@@ -233,5 +283,10 @@ def test_the_restored_state_is_read_once_after_the_load(tmp_path, monkeypatch):
     monkeypatch.setattr(_state, "current_state", counted)
     monkeypatch.setattr(_restore, "restore", restoring)
     fresh, fresh_optim = _job(seed=1)
-    assert cg.CheckpointManager(tmp_path).restore({"model": fresh, "optim": fresh_optim, "cursor": {"at": 0}}) == 1
+    assert (
+        cg.CheckpointManager(tmp_path).restore(
+            {"model": fresh, "optim": fresh_optim, "cursor": {"at": 0}}
+        )
+        == 1
+    )
     assert after == {"model": 1, "optim": 1, "cursor": 1}, after

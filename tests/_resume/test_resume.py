@@ -193,14 +193,18 @@ def test_checkpoint_from_newer_torch_is_reported_before_reading(tmp_path):
     with pytest.raises(cg.VersionMismatchError, match=r"torch 99\.1\.0"):
         mgr.restore(job.state())
     assert fingerprint(job) == before
-    ok = cg.CheckpointManager(root, config=cg.CheckpointConfig(storage=StorageOptions(allow_newer_torch=True)))
+    ok = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(storage=StorageOptions(allow_newer_torch=True))
+    )
     assert ok.restore(job.state()) == 2
 
 
 def test_missing_and_unexpected_items_and_keys_raise(tmp_path):
     mgr, _root = _saved(tmp_path)
     job = build_job()
-    with pytest.raises(cg.StateMismatchError, match=r"absent from the checkpoint: \['extra_optim'\]"):
+    with pytest.raises(
+        cg.StateMismatchError, match=r"absent from the checkpoint: \['extra_optim'\]"
+    ):
         mgr.restore({**job.state(), "extra_optim": torch.optim.SGD(job.model.parameters(), lr=0.1)})
     state = job.state()
     del state["optim"]
@@ -252,7 +256,9 @@ def test_run_contract_change_raises_until_phase_declared(tmp_path):
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(contract=longer))
     with pytest.raises(cg.ContractMismatchError) as err:
         mgr.restore(build_job().state())
-    assert "recipe.lr: 0.001 -> 0.002" in str(err.value) and "total_steps: 100 -> 200" in str(err.value)
+    assert "recipe.lr: 0.001 -> 0.002" in str(err.value) and "total_steps: 100 -> 200" in str(
+        err.value
+    )
     with pytest.raises(cg.ContractMismatchError, match="save of step 2"):
         mgr.save(2, job.state())
     with pytest.raises(cg.ContractMismatchError, match="declared \\['total_steps'\\]"):
@@ -262,7 +268,9 @@ def test_run_contract_change_raises_until_phase_declared(tmp_path):
     assert (root / "contract/phase_0000.json").read_bytes() == phase0
     assert mgr.restore(build_job().state()) == 1
     with pytest.raises(cg.ContractMismatchError):
-        cg.CheckpointManager(root, config=cg.CheckpointConfig(contract=base)).restore(build_job().state())
+        cg.CheckpointManager(root, config=cg.CheckpointConfig(contract=base)).restore(
+            build_job().state()
+        )
 
 
 def test_contract_hash_helpers(tmp_path):

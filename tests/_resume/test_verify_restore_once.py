@@ -43,11 +43,16 @@ def test_one_process_restores_every_step(root, monkeypatch):
     steps = sorted(root.glob("step_*"))
     seen = []
     assert _verify.restore_check(steps, progress=lambda step, event: seen.append(step.name)) == []
-    assert len(started) == 1 and [a for a in started[0] if "step_" in a] == [str(s) for s in steps], started
+    assert len(started) == 1 and [a for a in started[0] if "step_" in a] == [
+        str(s) for s in steps
+    ], started
     assert sorted(set(seen)) == [s.name for s in steps]
     result = CliRunner().invoke(main, ["verify", str(root), "--deep", "--restore"])
     assert result.exit_code == 0, result.output
-    assert "OK: 3 step(s) checked with checksums and tensor digests and a real restore" in result.output
+    assert (
+        "OK: 3 step(s) checked with checksums and tensor digests and a real restore"
+        in result.output
+    )
     assert len(started) == 2, started  # the CLI's check: one more process, for all three steps
 
 
@@ -73,5 +78,8 @@ def test_a_child_that_dies_fails_its_step_and_the_rest_are_checked(root, monkeyp
     steps = sorted(root.glob("step_*"))
     found = _verify.restore_check(steps)
     assert len(started) == 2, started  # the second process starts after the step the first died in
-    assert [(f.code, f.path) for f in found] == [("restore-failed", str(steps[1])), ("restore-failed", str(steps[2]))]
+    assert [(f.code, f.path) for f in found] == [
+        ("restore-failed", str(steps[1])),
+        ("restore-failed", str(steps[2])),
+    ]
     assert "Segmentation fault" in found[0].message and "unreadable shard" in found[1].message

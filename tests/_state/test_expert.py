@@ -25,14 +25,18 @@ class MoE(torch.nn.Module):
         return sum(e(h) for e in self.experts)
 
 
-def build(rank: int, world: int, ep: int, seed_shift: int = 0) -> tuple[MoE, torch.optim.Optimizer, object]:
+def build(
+    rank: int, world: int, ep: int, seed_shift: int = 0
+) -> tuple[MoE, torch.optim.Optimizer, object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (ep, world // ep), mesh_dim_names=("ep", "edp"))
     ep_rank = mesh["ep"].get_local_rank()
     model = MoE(ep_rank + seed_shift)
-    if world // ep > 1:  # FSDP2 inside each EP group: expert chunks repeat their offsets across groups
+    if (
+        world // ep > 1
+    ):  # FSDP2 inside each EP group: expert chunks repeat their offsets across groups
         for expert in model.experts:
             fully_shard(expert, mesh=mesh["edp"])
     fully_shard(model.dense, mesh=init_device_mesh("cpu", (world,)))
@@ -89,7 +93,9 @@ def test_expert_state_roundtrips_per_ep_rank(tmp_path, world, ep):
         # With them, every expert parameter and its Adam state comes back bit for bit.
         assert r["bitwise"] and r["n_tensors"] == EXPERTS * 2 * 4
         assert "'ep': 2" in r["mismatch"] and "'ep': 1" in r["mismatch"]
-        assert "regroups the experts of every old EP rank" in r["mismatch"]  # what an EP reshard would need
+        assert (
+            "regroups the experts of every old EP rank" in r["mismatch"]
+        )  # what an EP reshard would need
 
 
 def _dcp_bug_worker(rank: int, world: int, root: str) -> list[float]:

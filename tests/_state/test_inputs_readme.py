@@ -24,8 +24,13 @@ def _code_tree(tmp: Path) -> Path:
     code = tmp / "code"
     code.mkdir()
     (code / "train.py").write_text("# the training script\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     for args in (["init", "-q"], ["add", "train.py"], ["commit", "-q", "-m", "code"]):
         subprocess.run(["git", "-C", str(code), *args], check=True, env=env, capture_output=True)
     return code
@@ -33,14 +38,20 @@ def _code_tree(tmp: Path) -> Path:
 
 def _launch(tmp: Path, root: Path, kill_at: int, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(JOB), str(root), str(kill_at), *flags], capture_output=True,
-                          text=True, env=env, cwd=tmp / "code", timeout=300)
+    return subprocess.run(
+        [sys.executable, str(JOB), str(root), str(kill_at), *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp / "code",
+        timeout=300,
+    )
 
 
 def _result(proc: subprocess.CompletedProcess) -> dict:
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def _killed_and_resumed(tmp: Path, name: str, *flags: str) -> tuple[dict, dict]:
@@ -62,7 +73,9 @@ def tmp(tmp_path_factory) -> Path:
 def test_the_readme_usage_block_killed_mid_epoch_resumes_bitwise(tmp):
     (tmp / "exact-ref").mkdir()
     ref, resumed = _killed_and_resumed(tmp, "exact")
-    assert ref["start"] == 0 and resumed["start"] == 50  # resumed from the save at step 50 (mid-epoch 8)
+    assert (
+        ref["start"] == 0 and resumed["start"] == 50
+    )  # resumed from the save at step 50 (mid-epoch 8)
     assert resumed["step"] == ref["step"] == 120 and resumed["tokens"] == ref["tokens"] == 120 * 8
     assert resumed["params"] == ref["params"] and resumed["optim"] == ref["optim"]
 
@@ -70,5 +83,7 @@ def test_the_readme_usage_block_killed_mid_epoch_resumes_bitwise(tmp):
 def test_without_the_loader_s_own_generator_the_dropout_masks_shift_after_the_resume(tmp):
     (tmp / "control-ref").mkdir()
     ref, resumed = _killed_and_resumed(tmp, "control", "--no-generator")
-    assert resumed["start"] == 50 and resumed["tokens"] == ref["tokens"]  # the same data, every sample once
+    assert (
+        resumed["start"] == 50 and resumed["tokens"] == ref["tokens"]
+    )  # the same data, every sample once
     assert resumed["params"] != ref["params"]  # but other dropout masks: not the same run

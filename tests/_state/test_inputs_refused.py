@@ -30,9 +30,17 @@ def root(tmp_path):
 
 def test_a_plain_dataloader_is_refused_at_a_fresh_restore_naming_the_fix(root):
     msg = _refused(root, {"model": torch.nn.Linear(2, 2), "loader": _loader()})
-    assert msg.startswith("restore: state item 'loader' (value) is a torch.utils.data.dataloader.DataLoader"), msg
-    assert "ckptguard.DataCursor" in msg and "sampler=cursor.sampler(b)" in msg and "StatefulDataLoader" in msg
-    assert list(root.iterdir()) == []  # refused before anything was written (no tracker, no proof record)
+    assert msg.startswith(
+        "restore: state item 'loader' (value) is a torch.utils.data.dataloader.DataLoader"
+    ), msg
+    assert (
+        "ckptguard.DataCursor" in msg
+        and "sampler=cursor.sampler(b)" in msg
+        and "StatefulDataLoader" in msg
+    )
+    assert (
+        list(root.iterdir()) == []
+    )  # refused before anything was written (no tracker, no proof record)
 
 
 def test_a_plain_dataloader_is_refused_before_a_checkpoint_is_loaded(root):
@@ -45,12 +53,16 @@ def test_a_plain_dataloader_is_refused_before_a_checkpoint_is_loaded(root):
     assert float(model.weight.detach().abs().sum()) == 0.0  # nothing was loaded
 
 
-@pytest.mark.parametrize(("value", "fix"), [
-    (torch.Generator().manual_seed(0), "ckptguard.GeneratorState(generator)"),
-    (iter(_loader()), "rebuild the iterator after restore()"),
-    ((i for i in range(3)), "rebuild the iterator after restore()"),
-    ({"pos": 3, "obj": object()}, "convert it to tensors and plain Python types"),
-], ids=["generator", "dataloader-iterator", "python-generator", "object-in-a-dict"])
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [
+        (torch.Generator().manual_seed(0), "ckptguard.GeneratorState(generator)"),
+        (iter(_loader()), "rebuild the iterator after restore()"),
+        ((i for i in range(3)), "rebuild the iterator after restore()"),
+        ({"pos": 3, "obj": object()}, "convert it to tensors and plain Python types"),
+    ],
+    ids=["generator", "dataloader-iterator", "python-generator", "object-in-a-dict"],
+)
 def test_other_items_no_save_could_write_are_refused_at_restore(root, value, fix):
     msg = _refused(root, {"model": torch.nn.Linear(2, 2), "x": value})
     assert "restore: state item 'x'" in msg and fix in msg, msg
@@ -87,8 +99,14 @@ def test_a_bad_item_name_is_refused_at_restore(root):
 def test_what_a_save_can_write_is_accepted_at_restore(root):
     model = torch.nn.Linear(2, 2)
     cursor = cg.DataCursor(8, seed=1, rank=0, world_size=1)
-    state = {"model": model, "optim": torch.optim.AdamW(model.parameters()), "data": cursor,
-             "gen": cg.GeneratorState(torch.Generator().manual_seed(0)), "tokens": 0, "ahead": cg.PerRank(None)}
+    state = {
+        "model": model,
+        "optim": torch.optim.AdamW(model.parameters()),
+        "data": cursor,
+        "gen": cg.GeneratorState(torch.Generator().manual_seed(0)),
+        "tokens": 0,
+        "ahead": cg.PerRank(None),
+    }
     assert cg.CheckpointManager(root).restore(state) == 0
     cg.CheckpointManager(root).save(1, state)
 

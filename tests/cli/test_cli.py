@@ -14,9 +14,35 @@ from ckptguard.demo.toyjob import build_job, train_step
 # Changing a command's options is a user-visible change: update this and the CHANGELOG.
 FROZEN = {
     "adopt": ["root", "step", "template", "as_json"],
-    "demo": ["workdir", "world_size", "steps", "save_every", "kill_at", "no_derived_fix", "as_json"],
-    "export": ["root", "step", "out", "dtype", "item", "merged", "max_host_bytes", "template", "as_json"],
-    "gc": ["root", "dry_run", "orphans", "force", "min_age_s", "template", "as_json"],  # --min-age: s3:// roots
+    "demo": [
+        "workdir",
+        "world_size",
+        "steps",
+        "save_every",
+        "kill_at",
+        "no_derived_fix",
+        "as_json",
+    ],
+    "export": [
+        "root",
+        "step",
+        "out",
+        "dtype",
+        "item",
+        "merged",
+        "max_host_bytes",
+        "template",
+        "as_json",
+    ],
+    "gc": [
+        "root",
+        "dry_run",
+        "orphans",
+        "force",
+        "min_age_s",
+        "template",
+        "as_json",
+    ],  # --min-age: s3:// roots
     "goodput": ["root", "mtbf_s", "as_json"],
     "hold": ["root", "step", "reason", "ttl_s", "template", "as_json"],
     "list": ["root", "template", "as_json"],
@@ -28,7 +54,14 @@ FROZEN = {
     "repro-save": ["target", "control", "rounds", "size_gib", "ranks", "report", "as_json"],
     "resolve": ["root", "mode", "path", "prefer", "template", "as_json"],
     "status": ["path", "sample_s", "as_json"],
-    "transfer": ["step_dir", "dest_root", "record", "step", "template", "as_json"],  # --step, --template: s3:// sources
+    "transfer": [
+        "step_dir",
+        "dest_root",
+        "record",
+        "step",
+        "template",
+        "as_json",
+    ],  # --step, --template: s3:// sources
     "verify": ["path", "deep", "do_restore", "template", "as_json"],
 }
 
@@ -39,7 +72,9 @@ def _commands() -> dict:
 
 
 def test_cli_option_set_is_frozen():
-    seen = {name: [p.name for p in cmd.params if p.name != "help"] for name, cmd in _commands().items()}
+    seen = {
+        name: [p.name for p in cmd.params if p.name != "help"] for name, cmd in _commands().items()
+    }
     assert seen == FROZEN
 
 

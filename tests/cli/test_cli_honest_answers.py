@@ -73,7 +73,15 @@ def _tracker_bytes(data: bytes):
 
 
 WRONG_TYPES = json.dumps(
-    {"format_version": 1, "step": "two", "topology": [], "versions": 5, "items": [], "files": {"a": 1}, "digests": 7}
+    {
+        "format_version": 1,
+        "step": "two",
+        "topology": [],
+        "versions": 5,
+        "items": [],
+        "files": {"a": 1},
+        "digests": 7,
+    }
 )
 CORRUPTIONS = {
     "manifest: fields of the wrong type": _manifest_text(WRONG_TYPES),
@@ -138,7 +146,14 @@ def test_malformed_proof_records_give_a_clear_error(root, proof):
 EXTRAS = {
     "a list": [1, 2, 3],
     "no items": {"format_version": 1, "step": 2, "rank": 0, "kinds": {}, "rng": None},
-    "items of the wrong type": {"format_version": 1, "step": 2, "rank": 0, "kinds": {}, "items": 5, "rng": None},
+    "items of the wrong type": {
+        "format_version": 1,
+        "step": 2,
+        "rank": 0,
+        "kinds": {},
+        "items": 5,
+        "rng": None,
+    },
 }
 
 
@@ -256,8 +271,22 @@ def test_demo_refuses_a_non_empty_directory_it_did_not_create(tmp_path):
     (mine / "src").mkdir(parents=True)
     (mine / "notes.txt").write_text("a week of notes")
     (mine / "src" / "train.py").write_text("print('hi')\n")
-    cmd = [sys.executable, "-m", "ckptguard.cli", "demo", "--workdir", str(mine), "--world-size", "1",
-           "--steps", "4", "--save-every", "1", "--kill-at", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckptguard.cli",
+        "demo",
+        "--workdir",
+        str(mine),
+        "--world-size",
+        "1",
+        "--steps",
+        "4",
+        "--save-every",
+        "1",
+        "--kill-at",
+        "2",
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         output = proc.stdout + proc.stderr
@@ -295,10 +324,15 @@ def test_mem_plan_with_toml_and_records_keeps_the_measured_terms(tmp_path):
     from ckptguard.memory.cli import mem
 
     records = tmp_path / "mem.jsonl"
-    with PhaseRecorder(RecorderConfig(path=records, probe_gpu=False)) as rec, rec.phase(PhaseKind.SAVE, step=7):
+    with (
+        PhaseRecorder(RecorderConfig(path=records, probe_gpu=False)) as rec,
+        rec.phase(PhaseKind.SAVE, step=7),
+    ):
         (tmp_path / "shard.bin").write_bytes(b"\0" * (4 << 20))
     toml = tmp_path / "plan.toml"
-    toml.write_text('[limit]\nmemory_max = "480 GiB"\n[staging]\nranks = 8\nbytes_per_rank = "5 GiB"\n')
+    toml.write_text(
+        '[limit]\nmemory_max = "480 GiB"\n[staging]\nranks = 8\nbytes_per_rank = "5 GiB"\n'
+    )
     result = CliRunner().invoke(mem, ["plan", str(toml), "--from-records", str(records), "--json"])
     no_traceback(result, "mem plan with a TOML and records")
     plan = json.loads(result.output)
@@ -313,7 +347,9 @@ def test_transfer_on_enospc_gives_a_clear_error(tmp_path):
     src = tiny_root(tmp_path / "src", (1,), mib=2)
     small = tmp_path / "small"
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"mounting a small tmpfs is refused here ({mounted.stderr.decode().strip()})")
     try:
@@ -332,11 +368,25 @@ def test_status_exits_1_with_a_stalled_rank(tmp_path):
         now_ns, now = time.monotonic_ns(), time.time()
 
         def rec(kind: str, ago: float, **extra) -> dict:
-            return {"v": 1, "kind": kind, "mono_ns": now_ns - int(ago * 1e9), "wall_time": now - ago,
-                    "node": socket.gethostname(), "rank": 0, "pid": stalled.pid, "phase": "save", "step": 40, **extra}
+            return {
+                "v": 1,
+                "kind": kind,
+                "mono_ns": now_ns - int(ago * 1e9),
+                "wall_time": now - ago,
+                "node": socket.gethostname(),
+                "rank": 0,
+                "pid": stalled.pid,
+                "phase": "save",
+                "step": 40,
+                **extra,
+            }
 
         path = tmp_path / "phases.jsonl"
-        lines = [rec("phase_start", 30), rec("phase_end", 29, duration_s=1.0), rec("phase_start", 12)]
+        lines = [
+            rec("phase_start", 30),
+            rec("phase_end", 29, duration_s=1.0),
+            rec("phase_start", 12),
+        ]
         path.write_text("".join(json.dumps(r) + "\n" for r in lines))
         result = cli("status", path, "--sample", "0.2")
         no_traceback(result, "status with a stalled rank")
@@ -401,7 +451,9 @@ def test_verify_restore_holds_one_item_at_a_time(tmp_path):
     for name, root in (("small", small), ("big", big)):
         proc = run_py(MEASURE, root, timeout=180)
         out = json.loads(proc.stdout)
-        assert out["rc"] == 0, f"verify --restore of the {name} checkpoint failed:\n{out['out']}\n{out['err']}"
+        assert out["rc"] == 0, (
+            f"verify --restore of the {name} checkpoint failed:\n{out['out']}\n{out['err']}"
+        )
         peaks[name] = out["peak_kib"] << 10
     ckpt = ITEMS * ITEM_MIB << 20
     extra = peaks["big"] - peaks["small"]

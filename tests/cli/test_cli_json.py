@@ -39,7 +39,9 @@ def _json(*args: object, code: int = 0) -> dict:
 
 def test_transfer_json_on_success_and_on_error(root, tmp_path):
     out = _json("transfer", root / "step_00000002", tmp_path / "dest", "--json")
-    assert out["step"] == 2 and out["tracker_set_to"] == 2 and out["files"] >= 3 and out["bytes"] > 0
+    assert (
+        out["step"] == 2 and out["tracker_set_to"] == 2 and out["files"] >= 3 and out["bytes"] > 0
+    )
     assert out["resumed"] is False and out["record"].endswith(".json")
     again = _json("transfer", root / "step_00000002", tmp_path / "dest", "--json")
     assert again["resumed"] is True
@@ -49,7 +51,9 @@ def test_transfer_json_on_success_and_on_error(root, tmp_path):
 
 
 def test_transfer_text_is_lines_for_a_person(root, tmp_path):
-    result = CliRunner().invoke(main, ["transfer", str(root / "step_00000001"), str(tmp_path / "d")])
+    result = CliRunner().invoke(
+        main, ["transfer", str(root / "step_00000001"), str(tmp_path / "d")]
+    )
     assert result.exit_code == 0 and result.stdout.startswith("step 1: "), result.output
     assert "tracker of the destination: step 1" in result.stdout and "{" not in result.stdout
 
@@ -60,7 +64,9 @@ def test_hold_and_release_json(root):
     assert _json("release", root, 1, "--json")["released"] is True
     gone = _json("release", root, 1, "--json", code=1)
     assert "has no hold" in gone["error"]
-    newer = _json("hold", root, 3, "--reason", "x", "--json", code=1)  # newer than the tracker: refused
+    newer = _json(
+        "hold", root, 3, "--reason", "x", "--json", code=1
+    )  # newer than the tracker: refused
     assert "not committed" in newer["error"]
 
 
@@ -68,8 +74,14 @@ def test_gc_json(root, tmp_path):
     leftover = root / ".tmp-00000009-deadbeef0000"
     leftover.mkdir()
     out = _json("gc", root, "--dry-run", "--json")
-    assert out["dry_run"] is True and isinstance(out["removed"], list) and isinstance(out["kept"], list)
-    assert any(k["path"].endswith("step_00000003") for k in out["kept"]), out  # the orphan is kept, with why
+    assert (
+        out["dry_run"] is True
+        and isinstance(out["removed"], list)
+        and isinstance(out["kept"], list)
+    )
+    assert any(k["path"].endswith("step_00000003") for k in out["kept"]), (
+        out
+    )  # the orphan is kept, with why
     leftover.rmdir()
     bare = tmp_path / "not-a-root"
     bare.mkdir()
@@ -83,7 +95,12 @@ def test_adopt_json(root, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(root, copy)
     out = _json("adopt", copy, 3, "--json")
-    assert out["step"] == 3 and out["tracker_was"] == 2 and out["tracker"] == 3 and "now points" in out["message"]
+    assert (
+        out["step"] == 3
+        and out["tracker_was"] == 2
+        and out["tracker"] == 3
+        and "now points" in out["message"]
+    )
     back = _json("adopt", copy, 3, "--json", code=1)
     assert "moving it back" in back["error"] or "is at step 3" in back["error"]
 
@@ -100,8 +117,20 @@ def test_demo_json_usage_errors(tmp_path):
 
 def test_mem_watch_and_report_json(tmp_path):
     samples = tmp_path / "w.jsonl"
-    out = _json("mem", "watch", "--interval", "0.05", "--out", samples, "--json", "--", sys.executable, "-c",
-                "import sys; sys.exit(3)", code=3)
+    out = _json(
+        "mem",
+        "watch",
+        "--interval",
+        "0.05",
+        "--out",
+        samples,
+        "--json",
+        "--",
+        sys.executable,
+        "-c",
+        "import sys; sys.exit(3)",
+        code=3,
+    )
     assert out["exit_status"] == 3 and out["returncode"] == 3 and out["samples"] == str(samples)
     assert out["command"][0] == sys.executable
     records = tmp_path / "rank0.jsonl"
@@ -111,7 +140,7 @@ def test_mem_watch_and_report_json(tmp_path):
     rep = _json("mem", "report", records, "--html", page, "--json")
     assert rep["html"] == str(page) and rep["png"] is None and page.exists() and rep["records"] >= 1
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("not json\n{\"kind\": \"sample\", \"mono_ns\": 1}\n")  # a torn line before a record
+    bad.write_text('not json\n{"kind": "sample", "mono_ns": 1}\n')  # a torn line before a record
     err = _json("mem", "report", bad, "--html", page, "--json", code=2)
     assert "bad.jsonl:1" in err["error"]
 
@@ -119,6 +148,10 @@ def test_mem_watch_and_report_json(tmp_path):
 def test_the_reading_commands_share_the_style(root):
     assert _json("list", root, "--json")["tracker"] == 2
     assert _json("resolve", root, "--json")["step"] == 2
-    proof = _json("prove", root, "--json", code=3)  # no restore was recorded: evidence missing, never "diverged"
-    assert proof["proven"] is False and proof["error"] == proof["verdict"] and proof["exit_code"] == 3
+    proof = _json(
+        "prove", root, "--json", code=3
+    )  # no restore was recorded: evidence missing, never "diverged"
+    assert (
+        proof["proven"] is False and proof["error"] == proof["verdict"] and proof["exit_code"] == 3
+    )
     assert proof["verdict"].startswith("resume EVIDENCE MISSING") and proof["failed"] == []

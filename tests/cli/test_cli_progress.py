@@ -50,11 +50,14 @@ def root(tmp_path_factory):
     return build_roots(tmp_path_factory.mktemp("progress"))["one"]
 
 
-@pytest.mark.parametrize("args, label", [
-    (["verify", "{root}"], "verify step_00000003"),
-    (["verify", "{root}", "--deep"], "checksums"),
-    (["gc", "{root}", "--dry-run"], "gc: checking steps 3/3"),
-])
+@pytest.mark.parametrize(
+    "args, label",
+    [
+        (["verify", "{root}"], "verify step_00000003"),
+        (["verify", "{root}", "--deep"], "checksums"),
+        (["gc", "{root}", "--dry-run"], "gc: checking steps 3/3"),
+    ],
+)
 def test_progress_on_a_terminal_and_none_in_a_pipe(root, args, label):
     argv = [a.format(root=root) for a in args]
     code, shown, _ = _on_terminal(*argv)
@@ -76,5 +79,7 @@ def test_transfer_shows_bytes_copied(root, tmp_path):
 
 @pytest.mark.slow
 def test_repro_save_shows_its_rounds(tmp_path):
-    code, shown, _ = _on_terminal("repro-save", "--target", str(tmp_path / "t"), "--rounds", "2", "--size", "0.0001")
+    code, shown, _ = _on_terminal(
+        "repro-save", "--target", str(tmp_path / "t"), "--rounds", "2", "--size", "0.0001"
+    )
     assert code == 0 and "target: rounds" in shown and "100%" in shown, shown

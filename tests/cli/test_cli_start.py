@@ -36,8 +36,9 @@ sys.stderr.write("\\nPROBE " + json.dumps({"code": code, "heavy": heavy}) + "\\n
 def _run(*args: str) -> tuple[dict, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("CKPTGUARD_DEBUG", None)
-    proc = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=120,
-                          env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=120, env=env
+    )
     line = [x for x in proc.stderr.splitlines() if x.startswith("PROBE ")]
     assert line, f"the CLI did not finish: {proc.stderr[-2000:]}"
     return json.loads(line[-1][6:]), proc.stdout

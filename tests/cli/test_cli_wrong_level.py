@@ -21,17 +21,28 @@ def test_prove_given_a_step_directory_points_at_the_root(root: Path) -> None:
     got = cli("prove", root / "step_00000002")
     refused(got, "prove STEP_DIR")
     assert got.exit_code == 2 and "is a step directory" in got.output, got.output
-    assert f"ckptguard prove {root.absolute()}" in got.output and "no proof records" not in got.output
+    assert (
+        f"ckptguard prove {root.absolute()}" in got.output and "no proof records" not in got.output
+    )
     shown = cli("prove", root / "step_00000002", "--json")
-    assert shown.exit_code == 2 and "prove takes the checkpoint root" in json.loads(shown.output)["error"]
+    assert (
+        shown.exit_code == 2
+        and "prove takes the checkpoint root" in json.loads(shown.output)["error"]
+    )
 
 
 def test_transfer_given_the_root_points_at_its_newest_step(root: Path, tmp_path: Path) -> None:
     got = cli("transfer", root, tmp_path / "dest")
     refused(got, "transfer ROOT DEST")
-    assert got.exit_code == 2 and "is a checkpoint root" in got.output and "which says 2" in got.output
-    assert str(root / "step_00000002") in got.output and "never committed" not in got.output, got.output
-    assert not (tmp_path / "dest").exists(), "nothing is made at the destination for a refused transfer"
+    assert (
+        got.exit_code == 2 and "is a checkpoint root" in got.output and "which says 2" in got.output
+    )
+    assert str(root / "step_00000002") in got.output and "never committed" not in got.output, (
+        got.output
+    )
+    assert not (tmp_path / "dest").exists(), (
+        "nothing is made at the destination for a refused transfer"
+    )
 
 
 def test_hold_of_a_step_that_does_not_exist_lists_the_steps_there(root: Path) -> None:
@@ -45,4 +56,8 @@ def test_repro_save_makes_no_tree_of_directories_for_a_typo(tmp_path: Path) -> N
     typo = tmp_path / "scratc" / "ckptguard" / "repro"
     got = cli("repro-save", "--target", typo, "--rounds", "1", "--size", "0.0001")
     refused(got, "repro-save --target TYPO")
-    assert got.exit_code == 2 and "is not a directory" in got.output and not (tmp_path / "scratc").exists()
+    assert (
+        got.exit_code == 2
+        and "is not a directory" in got.output
+        and not (tmp_path / "scratc").exists()
+    )

@@ -64,11 +64,17 @@ def outside_metadata(tmp_path_factory):
     shutil.copy(state / "__0_0.distcp", decoy)
     with open(state / ".metadata", "rb") as f:
         md = pickle.load(f)  # our own file, just written by DCP
-    md.storage_data = {k: dataclasses.replace(v, relative_path=target) for k, v in md.storage_data.items()}
+    md.storage_data = {
+        k: dataclasses.replace(v, relative_path=target) for k, v in md.storage_data.items()
+    }
     with open(state / ".metadata", "wb") as f:
         pickle.dump(md, f)
     refresh_entry(step, "state/.metadata")
-    entry = next(f for f in json.loads((step / MANIFEST).read_text())["files"] if f["path"] == "state/__0_0.distcp")
+    entry = next(
+        f
+        for f in json.loads((step / MANIFEST).read_text())["files"]
+        if f["path"] == "state/__0_0.distcp"
+    )
 
     def add(m: dict) -> None:
         for rel in ("state/" + target, "state/" + target.lstrip("/")):
@@ -82,7 +88,9 @@ def outside_metadata(tmp_path_factory):
 def test_verify_refuses_metadata_paths_outside_the_step(outside_metadata):
     root, outside = outside_metadata
     result = cli("verify", root, "--deep", "--restore")
-    refused(result, f"verify --deep --restore of a step whose .metadata reads tensors from {outside}")
+    refused(
+        result, f"verify --deep --restore of a step whose .metadata reads tensors from {outside}"
+    )
     assert ".metadata" in result.output, f"the finding does not name .metadata\n{result.output}"
 
 
@@ -164,7 +172,9 @@ def test_writes_never_go_through_a_symlinked_directory(tmp_path, link):
         with contextlib.suppress(cg.CheckpointError):  # refusing the root is fine too
             cg.CheckpointManager(root).restore({"w": torch.zeros(4)})  # appends a proof record
     else:
-        no_traceback(cli("hold", root, "1", "--reason", "evaluation"), "hold with a symlinked holds/")
+        no_traceback(
+            cli("hold", root, "1", "--reason", "evaluation"), "hold with a symlinked holds/"
+        )
     assert not list(outside.iterdir()), (
         f"ckptguard wrote {[p.name for p in outside.iterdir()]} through the symlink {link}/ "
         f"into {outside}"
@@ -309,7 +319,9 @@ def probe_results(tmp_path_factory):
     base = tmp_path_factory.mktemp("probes")
     probes = _scenes(base)
     spec = base / "spec.json"
-    spec.write_text(json.dumps({"probes": probes, "limit_s": PROBE_LIMIT_S, "warm": str(base / "warm")}))
+    spec.write_text(
+        json.dumps({"probes": probes, "limit_s": PROBE_LIMIT_S, "warm": str(base / "warm")})
+    )
     out = base / "out.json"
     import subprocess
 
@@ -333,7 +345,10 @@ def probe_results(tmp_path_factory):
 
 
 PROBE_NAMES = [
-    *(f"fifo tracker: {c}" for c in ("resolve", "list", "verify", "preflight", "gc", "hold", "save", "restore")),
+    *(
+        f"fifo tracker: {c}"
+        for c in ("resolve", "list", "verify", "preflight", "gc", "hold", "save", "restore")
+    ),
     "fifo manifest: verify STEP",
     "fifo manifest: resolve",
     "fifo manifest: restore",

@@ -53,7 +53,10 @@ def _tamper_worker(rank: int, world: int, root: str, how: str) -> dict:
 
 def test_untouched_external_files_restore(tmp_path):
     out = values(run_ranks(_tamper_worker, 2, str(tmp_path / "ck"), "none"))
-    assert out == [{"error": None, "step": 1, "meta": {"rank": 0}}, {"error": None, "step": 1, "meta": {"rank": 1}}]
+    assert out == [
+        {"error": None, "step": 1, "meta": {"rank": 0}},
+        {"error": None, "step": 1, "meta": {"rank": 1}},
+    ]
 
 
 @pytest.mark.parametrize(

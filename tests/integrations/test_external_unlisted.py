@@ -23,8 +23,11 @@ def _writer(directory: Path) -> None:
 
 
 def _manager(root: Path) -> cg.CheckpointManager:
-    return cg.CheckpointManager(root, config=cg.CheckpointConfig(proof=ProofPlan(record=False)),
-                                storage=ExternalFiles(StreamingStorage(), {"hf": _writer}))
+    return cg.CheckpointManager(
+        root,
+        config=cg.CheckpointConfig(proof=ProofPlan(record=False)),
+        storage=ExternalFiles(StreamingStorage(), {"hf": _writer}),
+    )
 
 
 @pytest.mark.parametrize("planted", ["hf/adapter_model.safetensors", "hf/sub/extra.bin"])

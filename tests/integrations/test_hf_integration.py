@@ -32,9 +32,21 @@ needs_hf = needs_venv(
 
 
 def _env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))
+    }
+    env.update(
+        {
+            "PYTHONPATH": str(REPO / "src"),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -42,7 +54,13 @@ def _env(extra: dict | None = None) -> dict:
 def _config(tmp: Path, name: str, **cfg) -> Path:
     run = tmp / name
     run.mkdir()
-    full = {"out": str(run / "out"), "result": str(run / "result.pt"), "fired": str(run / "fired"), "plan": [], **cfg}
+    full = {
+        "out": str(run / "out"),
+        "result": str(run / "result.pt"),
+        "fired": str(run / "fired"),
+        "plan": [],
+        **cfg,
+    }
     path = run / "cfg.json"
     path.write_text(json.dumps(full))
     return path
@@ -52,9 +70,20 @@ def _launch(cfg: Path, nproc: int = 1, timeout: float = 180) -> subprocess.Compl
     if nproc == 1:
         cmd = [str(HF_PYTHON), str(JOB), str(cfg)]
     else:
-        cmd = [str(HF_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(_free_port()), str(JOB), str(cfg)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=cfg.parent)
+        cmd = [
+            str(HF_PYTHON),
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(_free_port()),
+            str(JOB),
+            str(cfg),
+        ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=cfg.parent
+    )
 
 
 def _free_port() -> int:
@@ -65,14 +94,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _until_done(cfg: Path, nproc: int = 1, max_launches: int = 10) -> list[subprocess.CompletedProcess]:
+def _until_done(
+    cfg: Path, nproc: int = 1, max_launches: int = 10
+) -> list[subprocess.CompletedProcess]:
     """The same command, relaunched until it exits 0 (as a cluster's restart policy would)."""
     runs = []
     for _ in range(max_launches):
         runs.append(_launch(cfg, nproc))
         if runs[-1].returncode == 0:
             return runs
-    raise AssertionError(f"not done after {max_launches} launches; last stderr:\n{runs[-1].stderr[-4000:]}")
+    raise AssertionError(
+        f"not done after {max_launches} launches; last stderr:\n{runs[-1].stderr[-4000:]}"
+    )
 
 
 def _fired(cfg: Path) -> list[str]:
@@ -111,7 +144,9 @@ def _differences(a: dict, b: dict) -> list[str]:
     for k, va in fa.items():
         vb = fb[k]
         if isinstance(va, torch.Tensor):
-            same = va.dtype == vb.dtype and va.shape == vb.shape and torch.equal(_bits(va), _bits(vb))
+            same = (
+                va.dtype == vb.dtype and va.shape == vb.shape and torch.equal(_bits(va), _bits(vb))
+            )
         else:
             same = va == vb
         if not same:
@@ -120,8 +155,13 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 
 def _prove(root: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--json", root], capture_output=True,
-                          text=True, env=_env(), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "prove", "--json", root],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -136,7 +176,9 @@ def grpo_reference(tmp_path_factory):
 
 
 @needs_hf
-def test_grpo_killed_five_times_incl_mid_save_ends_bitwise_equal_and_proven(tmp_path, grpo_reference):
+def test_grpo_killed_five_times_incl_mid_save_ends_bitwise_equal_and_proven(
+    tmp_path, grpo_reference
+):
     plan = [
         "storage.data_written@4",  # mid-save: ckptguard's part written, HF's folder not yet
         "hf:optimizer.pt@6",  # mid-save: HF has written the weights into the step, not the optimizer
@@ -151,8 +193,17 @@ def test_grpo_killed_five_times_incl_mid_save_ends_bitwise_equal_and_proven(tmp_
     assert [r.returncode for r in runs] == [-9] * 5 + [0], [r.stderr[-1500:] for r in runs]
     assert [f.rsplit("@", 1)[0] for f in _fired(cfg)] == plan
     # each relaunch resumed from the step before its kill, and said so in one line
-    resumed = [next((ln for ln in r.stderr.splitlines() if "resume from step" in ln), None) for r in runs[1:]]
-    assert [ln and int(ln.split("resume from step ")[1].split()[0]) for ln in resumed] == [2, 4, 6, 8, 12]
+    resumed = [
+        next((ln for ln in r.stderr.splitlines() if "resume from step" in ln), None)
+        for r in runs[1:]
+    ]
+    assert [ln and int(ln.split("resume from step ")[1].split()[0]) for ln in resumed] == [
+        2,
+        4,
+        6,
+        8,
+        12,
+    ]
     assert _differences(_result(cfg), grpo_reference) == []
     assert "restored the train sampler's generator (epoch_start) at step 12" in runs[-1].stderr
     assert "restored the train sampler's generator (now) at step 8" in runs[4].stderr
@@ -167,10 +218,14 @@ def test_grpo_killed_five_times_incl_mid_save_ends_bitwise_equal_and_proven(tmp_
     assert rc == 0 and proof["verdict"] == "resume PROVEN", proof
     data = gates["data order identical"]
     assert data["status"] == "PASS" and "steps 13-14" in data["evidence"], data
-    assert gates["replayed steps identical"]["status"] == "PASS"  # ProofPlan(deterministic=True): bitwise
+    assert (
+        gates["replayed steps identical"]["status"] == "PASS"
+    )  # ProofPlan(deterministic=True): bitwise
 
 
-def _hf_control(tmp_path: Path, name: str, plan: list[str]) -> tuple[Path, list[subprocess.CompletedProcess]]:
+def _hf_control(
+    tmp_path: Path, name: str, plan: list[str]
+) -> tuple[Path, list[subprocess.CompletedProcess]]:
     cfg = _config(tmp_path, name, trainer="grpo", mode="hf", plan=plan)
     runs = [_launch(cfg)]
     while runs[-1].returncode == -9 and len(runs) < 4:
@@ -179,19 +234,26 @@ def _hf_control(tmp_path: Path, name: str, plan: list[str]) -> tuple[Path, list[
 
 
 @needs_hf
-def test_negative_control_hf_checkpoints_torn_folder_and_epoch2_divergence(tmp_path, grpo_reference):
+def test_negative_control_hf_checkpoints_torn_folder_and_epoch2_divergence(
+    tmp_path, grpo_reference
+):
     # 1. killed mid-save: HF leaves checkpoint-6 with weights and no trainer state, picks it, and crashes
     cfg, runs = _hf_control(tmp_path, "torn", ["hf:optimizer.pt@6"])
     assert runs[0].returncode == -9 and runs[1].returncode not in (0, -9)
     torn = Path(json.loads(cfg.read_text())["out"]) / "checkpoint-6"
     assert (torn / "model.safetensors").is_file() and not (torn / "trainer_state.json").exists()
     assert f"resume_from_checkpoint={torn}" in runs[1].stderr
-    assert "trainer_state.json" in runs[1].stderr or "valid checkpoint" in runs[1].stderr, runs[1].stderr[-2000:]
+    assert "trainer_state.json" in runs[1].stderr or "valid checkpoint" in runs[1].stderr, runs[
+        1
+    ].stderr[-2000:]
     # 2. killed between saves in epoch 2: the intact checkpoint-12 resumes, and the result diverges
     # (TRL's RepeatSampler generator is not in HF's checkpoint: epoch 2 replays epoch 1's order)
     cfg, runs = _hf_control(tmp_path, "epoch2", ["step@13"])
     assert [r.returncode for r in runs] == [-9, 0], runs[-1].stderr[-2000:]
-    assert f"resume_from_checkpoint={json.loads(cfg.read_text())['out']}/checkpoint-12" in runs[1].stderr
+    assert (
+        f"resume_from_checkpoint={json.loads(cfg.read_text())['out']}/checkpoint-12"
+        in runs[1].stderr
+    )
     diff = _differences(_result(cfg), grpo_reference)
     assert diff, "HF's own resume inside epoch 2 was expected to diverge"
     print(f"HF's own resume at step 12 diverged in {len(diff)} leaves, e.g. {diff[:3]}")
@@ -208,16 +270,29 @@ def test_flipped_byte_in_hf_optimizer_is_refused_naming_the_file(tmp_path):
     opt.write_bytes(bytes(data))
     run = _launch(cfg)
     assert run.returncode != 0
-    assert "CheckpointCorruptError" in run.stderr and "checkpoint-4/hf/optimizer.pt of step 4" in run.stderr
+    assert (
+        "CheckpointCorruptError" in run.stderr
+        and "checkpoint-4/hf/optimizer.pt of step 4" in run.stderr
+    )
 
 
 @needs_hf
 def test_grpo_resumed_inside_a_generation_block_is_exact(tmp_path):
     # num_iterations=2: each generation trains two steps; a save at step 3 falls between them
-    ref = _config(tmp_path, "ref", trainer="grpo", mode="ckptguard", epochs=1, save_steps=3, num_iterations=2)
+    ref = _config(
+        tmp_path, "ref", trainer="grpo", mode="ckptguard", epochs=1, save_steps=3, num_iterations=2
+    )
     _until_done(ref, max_launches=1)
-    cfg = _config(tmp_path, "killed", trainer="grpo", mode="ckptguard", epochs=1, save_steps=3, num_iterations=2,
-                  plan=["step@5"])
+    cfg = _config(
+        tmp_path,
+        "killed",
+        trainer="grpo",
+        mode="ckptguard",
+        epochs=1,
+        save_steps=3,
+        num_iterations=2,
+        plan=["step@5"],
+    )
     runs = _until_done(cfg)
     assert [r.returncode for r in runs] == [-9, 0] and "resume from step 3" in runs[1].stderr
     assert _differences(_result(cfg), _result(ref)) == []
@@ -228,8 +303,15 @@ def test_prove_fails_data_order_of_an_hf_run_whose_sampler_hides_trl_s_generator
     # The same kill as the last of the five above (whose root prove says PROVEN): a sampler that hides TRL's
     # generator under its own name is not saved, epoch 2's order is replayed wrong, and prove says so at the
     # first replayed step
-    cfg = _config(tmp_path, "own", trainer="grpo", mode="ckptguard", plan=["step@14"], deterministic=True,
-                  own_sampler=True)
+    cfg = _config(
+        tmp_path,
+        "own",
+        trainer="grpo",
+        mode="ckptguard",
+        plan=["step@14"],
+        deterministic=True,
+        own_sampler=True,
+    )
     assert [r.returncode for r in _until_done(cfg)] == [-9, 0]
     rc, out = _prove(json.loads(cfg.read_text())["out"])
     gates = {g["gate"]: g for g in out["gates"]}
@@ -239,11 +321,21 @@ def test_prove_fails_data_order_of_an_hf_run_whose_sampler_hides_trl_s_generator
 
 @needs_hf
 def test_hf_rng_file_taken_at_another_moment_is_refused(tmp_path):
-    cfg = _config(tmp_path, "rng", trainer="grpo", mode="ckptguard", epochs=1, plan=["step@5"], rng_consumer=True)
+    cfg = _config(
+        tmp_path,
+        "rng",
+        trainer="grpo",
+        mode="ckptguard",
+        epochs=1,
+        plan=["step@5"],
+        rng_consumer=True,
+    )
     runs = [_launch(cfg), _launch(cfg)]
     assert runs[0].returncode == -9, runs[0].stderr[-2000:]
     assert runs[1].returncode != 0
-    assert "StateMismatchError" in runs[1].stderr and "checkpoint-4/hf/rng_state.pth" in runs[1].stderr
+    assert (
+        "StateMismatchError" in runs[1].stderr and "checkpoint-4/hf/rng_state.pth" in runs[1].stderr
+    )
     assert "differs from ckptguard's copy of step 4" in runs[1].stderr
 
 
@@ -253,8 +345,16 @@ def test_ddp_two_processes_killed_mid_save_resume_exact(tmp_path):
     ref = _config(tmp_path, "ref", trainer="causal", mode="ckptguard", epochs=2, save_steps=3)
     _until_done(ref, nproc=2, max_launches=1)
     # rank 1 dies while HF writes its RNG file into step 4 (rank 0 has written weights and optimizer)
-    cfg = _config(tmp_path, "killed", trainer="causal", mode="ckptguard", epochs=2, save_steps=1,
-                  plan=["hf:rng_state_1.pth@4@1"], save_total_limit=2)
+    cfg = _config(
+        tmp_path,
+        "killed",
+        trainer="causal",
+        mode="ckptguard",
+        epochs=2,
+        save_steps=1,
+        plan=["hf:rng_state_1.pth@4@1"],
+        save_total_limit=2,
+    )
     runs = _until_done(cfg, nproc=2)
     assert len(runs) == 2 and runs[0].returncode != 0, [r.stderr[-1500:] for r in runs]
     assert _fired(cfg) == ["hf:rng_state_1.pth@4@1"]
@@ -262,10 +362,19 @@ def test_ddp_two_processes_killed_mid_save_resume_exact(tmp_path):
     assert _differences(_result(cfg), _result(ref)) == []
     out = Path(json.loads(cfg.read_text())["out"])
     # save_total_limit=2 -> KeepLast(2) after each commit, from the disk; step 3, restored from, is kept
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-5", "checkpoint-6"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [
+        "checkpoint-3",
+        "checkpoint-5",
+        "checkpoint-6",
+    ]
     manifest = json.loads((out / "checkpoint-6" / "manifest.json").read_text())
     listed = {f["path"] for f in manifest["files"]}
-    assert {"hf/optimizer.pt", "hf/rng_state_0.pth", "hf/rng_state_1.pth", "hf/trainer_state.json"} <= listed
+    assert {
+        "hf/optimizer.pt",
+        "hf/rng_state_0.pth",
+        "hf/rng_state_1.pth",
+        "hf/trainer_state.json",
+    } <= listed
     assert manifest["topology"]["world_size"] == 2
     # both ranks recorded step 4 before the kill; the resume from 3 replayed it
     rc, proof = _prove(str(out))
@@ -274,7 +383,10 @@ def test_ddp_two_processes_killed_mid_save_resume_exact(tmp_path):
     # grad norm are compared bitwise across the two DDP processes, and the verdict carries no qualifier
     assert rc == 0 and proof["verdict"] == "resume PROVEN", proof
     assert gates["replayed steps identical"]["status"] == "PASS", gates["replayed steps identical"]
-    assert "step 4 replayed after the restore of step 3 on 2 rank(s)" in gates["data order identical"]["evidence"]
+    assert (
+        "step 4 replayed after the restore of step 3 on 2 rank(s)"
+        in gates["data order identical"]["evidence"]
+    )
 
 
 _BOUNDARY = r"""
@@ -311,29 +423,41 @@ def test_boundary_with_pinned_transformers_and_trl(tmp_path):
     root = tmp_path / "out"
     (root / "checkpoint-4" / "hf").mkdir(parents=True)
     (root / ".tmp-checkpoint-6-abc").mkdir()
-    proc = subprocess.run([str(HF_PYTHON), "-c", _BOUNDARY, str(root)], capture_output=True, text=True,
-                          env=_env(), timeout=120)
+    proc = subprocess.run(
+        [str(HF_PYTHON), "-c", _BOUNDARY, str(root)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BOUNDARY")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(line[len("BOUNDARY"):])
+    out = json.loads(line[len("BOUNDARY") :])
     assert out["versions"] == [PINS["transformers"], PINS["trl"]]
     assert out["ours_first"]
     trial = "trial: 'optuna.Trial | dict[str, Any] | None'"
-    assert out["sigs"] == [f"(self, model: torch.nn.modules.module.Module, {trial}) -> None", f"(self, {trial}) -> str",
-                           "(self, checkpoint: str | None) -> None"]
+    assert out["sigs"] == [
+        f"(self, model: torch.nn.modules.module.Module, {trial}) -> None",
+        f"(self, {trial}) -> str",
+        "(self, checkpoint: str | None) -> None",
+    ]
     assert out["save_uses_output_dir"] and out["per_epoch_rule"] and out["epoch_begin_then_iter"]
     assert out["repeat_sampler_generator"]
     assert out["finds"] == str(root / "checkpoint-4")
 
 
-
 def test_resume_mode_and_retention_mapping(tmp_path):
     assert chf.resume_args("auto") == {"mode": cg.ResumeMode.AUTO, "path": None}
     assert chf.resume_args(None)["mode"] is cg.ResumeMode.AUTO
-    assert chf.resume_args(True)["mode"] is cg.ResumeMode.MUST  # HF: resume_from_checkpoint=True must find one
+    assert (
+        chf.resume_args(True)["mode"] is cg.ResumeMode.MUST
+    )  # HF: resume_from_checkpoint=True must find one
     assert chf.resume_args("must")["mode"] is cg.ResumeMode.MUST
     assert chf.resume_args("never")["mode"] is cg.ResumeMode.NEVER
-    assert chf.resume_args("out/checkpoint-8/hf", cwd=tmp_path)["path"] == tmp_path / "out" / "checkpoint-8"
+    assert (
+        chf.resume_args("out/checkpoint-8/hf", cwd=tmp_path)["path"]
+        == tmp_path / "out" / "checkpoint-8"
+    )
     assert chf.resume_args(tmp_path / "checkpoint-8")["path"] == tmp_path / "checkpoint-8"
     with pytest.raises(cg.ConfigError, match="'auto', 'must', 'never' or a step directory"):
         chf.resume_args(3)
@@ -342,7 +466,11 @@ def test_resume_mode_and_retention_mapping(tmp_path):
         save_total_limit = 2
 
     cfg = chf.checkpoint_config(Args(), timeout_s=5)
-    assert cfg.retention == cg.KeepLast(2) and cfg.storage.dir_template == "checkpoint-{step}" and cfg.timeout_s == 5
+    assert (
+        cfg.retention == cg.KeepLast(2)
+        and cfg.storage.dir_template == "checkpoint-{step}"
+        and cfg.timeout_s == 5
+    )
     Args.save_total_limit = None
     assert chf.checkpoint_config(Args()).retention is None  # HF: None keeps every checkpoint
     Args.save_total_limit = 0
@@ -387,14 +515,22 @@ print("MODES" + json.dumps(out))
 @needs_hf
 def test_attach_resume_modes_and_refusals_on_real_trainer(tmp_path):
     cfg = _config(tmp_path, "modes", trainer="causal", mode="ckptguard", epochs=1, save_steps=3)
-    proc = subprocess.run([str(HF_PYTHON), "-c", _MODES, str(cfg)], capture_output=True, text=True,
-                          env=_env({"TESTS": str(REPO / "tests")}), timeout=120, cwd=cfg.parent)
+    proc = subprocess.run(
+        [str(HF_PYTHON), "-c", _MODES, str(cfg)],
+        capture_output=True,
+        text=True,
+        env=_env({"TESTS": str(REPO / "tests")}),
+        timeout=120,
+        cwd=cfg.parent,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("MODES")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(line[len("MODES"):])
+    out = json.loads(line[len("MODES") :])
     assert out["must_empty"].startswith("ResumeError:") and "MUST" in out["must_empty"], out
     assert "no tracker and no checkpoint" in out["must_empty"]
     assert out["best"].startswith("ConfigError:") and "load_best_model_at_end" in out["best"]
     assert out["fresh"] == 6  # 12 samples, 2 per step, one epoch
-    assert out["again"] == 6 and "resume from step 6" in proc.stderr  # resumed at the end: nothing left to train
+    assert (
+        out["again"] == 6 and "resume from step 6" in proc.stderr
+    )  # resumed at the end: nothing left to train
     assert out["twice"].startswith("ConfigError:") and "attach it once" in out["twice"]

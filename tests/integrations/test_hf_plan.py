@@ -10,12 +10,16 @@ from ckptguard.integrations.hf import CkptguardHFMixin
 
 
 def _manager(tmp_path, *, rl: bool, overrides: dict | None = None) -> cg.CheckpointManager:
-    trainer = CkptguardHFMixin.__new__(CkptguardHFMixin)  # the mixin's own state, no transformers Trainer
+    trainer = CkptguardHFMixin.__new__(
+        CkptguardHFMixin
+    )  # the mixin's own state, no transformers Trainer
     trainer.args = SimpleNamespace(output_dir=str(tmp_path), save_total_limit=None)
     trainer.ckptguard_config_overrides = dict(overrides or {})
     trainer._ckptguard_mgr = None
     if rl:
-        trainer._ckptguard_rl = True  # what _ckptguard_vllm sets once it installed the engine's sync
+        trainer._ckptguard_rl = (
+            True  # what _ckptguard_vllm sets once it installed the engine's sync
+        )
     return trainer._ckptguard_manager()
 
 
@@ -29,6 +33,8 @@ def test_a_plain_trainer_keeps_the_default_plan_and_a_declared_plan_wins(tmp_pat
     plain = _manager(tmp_path / "a", rl=False)
     assert plain.config.proof.rl is False
     plain.close()
-    declared = _manager(tmp_path / "b", rl=True, overrides={"proof": cg.ProofPlan(rl=True, deterministic=False)})
+    declared = _manager(
+        tmp_path / "b", rl=True, overrides={"proof": cg.ProofPlan(rl=True, deterministic=False)}
+    )
     assert declared.config.proof.deterministic is False
     declared.close()

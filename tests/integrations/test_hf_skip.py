@@ -42,14 +42,22 @@ print("SKIP" + json.dumps({"saves": saves, "committed": mgr.committed_steps(), "
 @needs_hf
 def test_a_skipped_unhealthy_save_fires_no_on_save(tmp_path):
     cfg = _config(tmp_path, "skip", trainer="causal", mode="hf", epochs=1, save_steps=2)
-    proc = subprocess.run([str(HF_PYTHON), "-c", _SKIP, str(cfg)], capture_output=True, text=True,
-                          env=_env({"TESTS": str(REPO / "tests")}), timeout=180, cwd=cfg.parent)
+    proc = subprocess.run(
+        [str(HF_PYTHON), "-c", _SKIP, str(cfg)],
+        capture_output=True,
+        text=True,
+        env=_env({"TESTS": str(REPO / "tests")}),
+        timeout=180,
+        cwd=cfg.parent,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("SKIP")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(line[len("SKIP"):])
+    out = json.loads(line[len("SKIP") :])
     # 12 samples, 2 per step: saves at 2, 4, 6; step 4 is unhealthy and exists nowhere.
     assert out["committed"] == [2, 6] and out["skip"] is False, out
     assert out["saves"] == [[2, True], [6, True]], out
     assert not out["should_save"]
     assert not (cfg.parent / "out" / "checkpoint-4").exists()
-    assert "step 4 NOT committed" in proc.stderr and "on_save callbacks are not called" in proc.stderr
+    assert (
+        "step 4 NOT committed" in proc.stderr and "on_save callbacks are not called" in proc.stderr
+    )

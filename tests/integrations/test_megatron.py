@@ -38,10 +38,17 @@ needs_megatron = pytest.mark.skipif(
 )
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "megatron"
-OPT_ROOT = FIXTURE / "megatron_root"  # model + DistributedOptimizer, bf16, step 4 (written on an H200)
+OPT_ROOT = (
+    FIXTURE / "megatron_root"
+)  # model + DistributedOptimizer, bf16, step 4 (written on an H200)
 MODEL_ROOT = FIXTURE / "megatron_model_only"  # the same model alone, step 4
 MEGATRON_DIR = OPT_ROOT / "iter_0000004" / "megatron"
-SIZE = {"layers": 1, "hidden": 32, "heads": 4, "vocab": 64}  # benchmarks/megatron_h200.py fixture --size
+SIZE = {
+    "layers": 1,
+    "hidden": 32,
+    "heads": 4,
+    "vocab": 64,
+}  # benchmarks/megatron_h200.py fixture --size
 SEQ = 64
 
 
@@ -96,7 +103,9 @@ def test_metadata_with_save_plans_is_allowed_exactly(tmp_path: Path) -> None:
         ("code_in_common", UnsafeCheckpointError, "common.pt"),
     ],
 )
-def test_check_files_refuses_torn_and_tampered_files(tmp_path: Path, damage: str, error: type, names: str) -> None:
+def test_check_files_refuses_torn_and_tampered_files(
+    tmp_path: Path, damage: str, error: type, names: str
+) -> None:
     d = tmp_path / "m"
     shutil.copytree(MEGATRON_DIR, d)
     marker = tmp_path / "ran"
@@ -141,7 +150,9 @@ def test_torn_megatron_save_is_never_picked_as_latest(tmp_path: Path) -> None:
         mg.check_files(torn)
     orphan = root / "iter_0000008"
     shutil.copytree(step4, orphan)  # complete files, manifest of step 4: never committed as step 8
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(storage=StorageOptions(dir_template=mg.DIR_TEMPLATE)))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(storage=StorageOptions(dir_template=mg.DIR_TEMPLATE))
+    )
     res = mgr.resolve()
     assert (res.step, res.path) == (4, step4)
     assert mgr.committed_steps() == [4]
@@ -152,8 +163,17 @@ def test_ckptguard_verify_checks_megatron_files_by_checksum(tmp_path: Path) -> N
     import sys
 
     root = _copy(OPT_ROOT, tmp_path)
-    cmd = [sys.executable, "-m", "ckptguard.cli", "verify", "--deep", "--json", "--template", mg.DIR_TEMPLATE,
-           str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckptguard.cli",
+        "verify",
+        "--deep",
+        "--json",
+        "--template",
+        mg.DIR_TEMPLATE,
+        str(root),
+    ]
     ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     data = root / "iter_0000004" / "megatron" / "__0_1.distcp"
@@ -176,11 +196,21 @@ def _gpt(hidden: int = SIZE["hidden"]) -> Any:
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    cfg = TransformerConfig(num_layers=SIZE["layers"], hidden_size=hidden, num_attention_heads=SIZE["heads"],
-                            use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
-                            pipeline_dtype=torch.bfloat16)
-    gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=SIZE["vocab"],
-                   max_sequence_length=SEQ)
+    cfg = TransformerConfig(
+        num_layers=SIZE["layers"],
+        hidden_size=hidden,
+        num_attention_heads=SIZE["heads"],
+        use_cpu_initialization=True,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+    )
+    gpt = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=SIZE["vocab"],
+        max_sequence_length=SEQ,
+    )
     return Float16Module(cfg, gpt)  # as the H200 run built it: a wrapper the integration unwraps
 
 
@@ -215,7 +245,9 @@ def _cpu_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     out["n_sharded"] = sum(isinstance(v, ShardedBase) for v in sd["model"].values())
     saved = st.state_dict()
-    check_weights_only(saved, "megatron item")  # raises if torch.load(weights_only=True) could not read it
+    check_weights_only(
+        saved, "megatron item"
+    )  # raises if torch.load(weights_only=True) could not read it
     out["shards"] = len(saved["shards"])
 
     # A save on the CPU: Megatron's writer calls CUDA; the error names the call, nothing is committed.
@@ -246,8 +278,9 @@ def _cpu_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     # The H200's checkpoint restored on the CPU through Megatron's own load: every shard equal.
     # its CUDA RNG needs a GPU
-    cfg = cg.CheckpointConfig(storage=StorageOptions(dir_template=mg.DIR_TEMPLATE),
-                              state=StateOptions(restore_rng=False))
+    cfg = cg.CheckpointConfig(
+        storage=StorageOptions(dir_template=mg.DIR_TEMPLATE), state=StateOptions(restore_rng=False)
+    )
     fresh = _gpt()
     ck = mg.MegatronCheckpoint(Path(tmp) / "model_only", fresh, config=cfg)
     state = {"data": Position()}
@@ -268,7 +301,9 @@ def _cpu_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     dist_checkpointing.load = lossy
     try:
-        mg.MegatronCheckpoint(Path(tmp) / "model_only", _gpt(), config=cfg).restore({"data": Position()})
+        mg.MegatronCheckpoint(Path(tmp) / "model_only", _gpt(), config=cfg).restore(
+            {"data": Position()}
+        )
         out["lossy_error"] = None
     except Exception as exc:
         out["lossy_error"] = (type(exc).__name__, str(exc))
@@ -281,7 +316,9 @@ def _cpu_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     try:
-        mg.MegatronCheckpoint(Path(tmp) / "model_only", _gpt(), config=cfg).restore({"data": Position()})
+        mg.MegatronCheckpoint(Path(tmp) / "model_only", _gpt(), config=cfg).restore(
+            {"data": Position()}
+        )
         out["flipped_error"] = None
     except Exception as exc:
         out["flipped_error"] = (type(exc).__name__, str(exc))
@@ -313,7 +350,9 @@ def test_save_on_the_cpu_names_the_cuda_call_and_commits_nothing(cpu: dict[str, 
 
 
 @needs_megatron
-def test_megatrons_writer_never_runs_in_a_background_commit_and_async_names_cuda(cpu: dict[str, Any]) -> None:
+def test_megatrons_writer_never_runs_in_a_background_commit_and_async_names_cuda(
+    cpu: dict[str, Any],
+) -> None:
     kind, message = cpu["bg_error"]
     assert "use MegatronCheckpoint.save_async, not manager.save_async" in message, (kind, message)
     kind, message = cpu["async_error"]
@@ -346,10 +385,19 @@ def test_a_changed_megatron_file_is_refused_before_megatron_reads_it(cpu: dict[s
 
 def test_object_leaves_name_the_hyperparameter_a_load_changed() -> None:
     # What the restore's error names when a ShardedObject (the DistributedOptimizer's param_groups) differs.
-    saved = {"optimizer": {"param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "step": 5.0, "wd_mult": 1.0}]},
-             "grad_scaler": None, "big": torch.arange(4.0)}
-    loaded = {"optimizer": {"param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "step": 1, "wd_mult": 1.0}]},
-              "big": torch.arange(4.0)}
+    saved = {
+        "optimizer": {
+            "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "step": 5.0, "wd_mult": 1.0}]
+        },
+        "grad_scaler": None,
+        "big": torch.arange(4.0),
+    }
+    loaded = {
+        "optimizer": {
+            "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "step": 1, "wd_mult": 1.0}]
+        },
+        "big": torch.arange(4.0),
+    }
     a, b = mg.object_leaves(saved), mg.object_leaves(loaded)
     assert a["optimizer.param_groups.0.betas"] == "tuple:(0.9, 0.95)"
     assert a["big"].startswith("Tensor[torch.float32,(4,)]|")
@@ -360,7 +408,9 @@ def test_object_leaves_name_the_hyperparameter_a_load_changed() -> None:
     assert mg.leaf_differences(a, mg.object_leaves(saved)) == []
 
 
-def test_adam_steps_lost_in_megatrons_load_are_put_back_one_tensor_each(caplog: pytest.LogCaptureFixture) -> None:
+def test_adam_steps_lost_in_megatrons_load_are_put_back_one_tensor_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # megatron-core 0.16's torch fallback: its load leaves one shared step tensor holding the loading
     # template's step (seen on the H200: saved 5.0, loaded 1.0). The saved step comes back, a tensor each.
     params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
@@ -378,7 +428,9 @@ def test_adam_steps_lost_in_megatrons_load_are_put_back_one_tensor_each(caplog: 
     state = object.__new__(mg.MegatronState)
     state.optimizer = Distributed()
     with caplog.at_level("WARNING", logger="ckptguard"):
-        state._restore_adam_steps({"optimizer": {"param_groups": [{"step": 5.0}, {"step": 5.0}]}}, Path("/x"))
+        state._restore_adam_steps(
+            {"optimizer": {"param_groups": [{"step": 5.0}, {"step": 5.0}]}}, Path("/x")
+        )
     steps = [st["step"] for st in inner.state.values()]
     assert [float(s) for s in steps] == [5.0, 5.0, 5.0] and len({id(s) for s in steps}) == 3
     assert "left Adam's step at [1.0] in 3 of 3" in caplog.text and "shared" in caplog.text

@@ -26,15 +26,22 @@ class FakeEngine:
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         path = os.path.join(save_dir, tag)
         os.makedirs(path, exist_ok=True)
-        torch.save({"w": self.w}, os.path.join(path, f"zero_pp_rank_{self.rank}_mp_rank_00_optim_states.pt"))
+        torch.save(
+            {"w": self.w},
+            os.path.join(path, f"zero_pp_rank_{self.rank}_mp_rank_00_optim_states.pt"),
+        )
         if self.rank == 0:
-            torch.save({"client_state": client_state}, os.path.join(path, "mp_rank_00_model_states.pt"))
+            torch.save(
+                {"client_state": client_state}, os.path.join(path, "mp_rank_00_model_states.pt")
+            )
         if dist.is_initialized():
             dist.barrier()
 
     def load_checkpoint(self, load_dir, tag=None, **kw):
         path = os.path.join(load_dir, tag)
-        self.w = torch.load(os.path.join(path, f"zero_pp_rank_{self.rank}_mp_rank_00_optim_states.pt"))["w"]
+        self.w = torch.load(
+            os.path.join(path, f"zero_pp_rank_{self.rank}_mp_rank_00_optim_states.pt")
+        )["w"]
         return path, {}
 
 
@@ -54,22 +61,38 @@ def _save_run(rank: int, world: int, root: str) -> dict:
     for step in (2, 4, 6):
         engine.w += 1
         tag = "best_global_step4" if step == 4 else f"global_step{step}"
-        s.save_ckpt(engine, root, tag, 2, float("inf"), {"global_step": step, "consumed": 10 * step + rank},
-                    metric_value=0.9, metric_key="eval_reward")
+        s.save_ckpt(
+            engine,
+            root,
+            tag,
+            2,
+            float("inf"),
+            {"global_step": step, "consumed": 10 * step + rank},
+            metric_value=0.9,
+            metric_key="eval_reward",
+        )
     return {"next_rand": torch.rand(2).tolist()}
 
 
 def _load_run(rank: int, world: int, root: str, tag: str | None) -> dict:
     s, engine = Strategy(), FakeEngine(rank)
     path, states = s.load_ckpt(engine, root, tag)
-    return {"path": path, "states": states, "w": engine.w.tolist(), "next_rand": torch.rand(2).tolist()}
+    return {
+        "path": path,
+        "states": states,
+        "w": engine.w.tolist(),
+        "next_rand": torch.rand(2).tolist(),
+    }
 
 
 def test_save_rotate_hold_best_and_resume_on_two_ranks(tmp_path):
     root = str(tmp_path / "_actor")
     saved = values(run_ranks(_save_run, 2, root, timeout=120))
     names = sorted(p.name for p in Path(root).glob("global_step*"))
-    assert names == ["global_step4", "global_step6"]  # KeepLast(2) after the commit; 4 is also held as best
+    assert names == [
+        "global_step4",
+        "global_step6",
+    ]  # KeepLast(2) after the commit; 4 is also held as best
     assert (Path(root) / "latest").read_text() == "global_step6/deepspeed"
     assert (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     loaded = values(run_ranks(_load_run, 2, root, None, timeout=120))
@@ -77,7 +100,9 @@ def test_save_rotate_hold_best_and_resume_on_two_ranks(tmp_path):
         assert out["path"] == str(Path(root) / "global_step6" / "deepspeed")
         assert out["states"] == {"global_step": 6, "consumed": 60 + rank}  # per-rank client state
         assert out["w"] == [3.0, 3.0, 3.0]
-        assert out["next_rand"] == before["next_rand"]  # RNG streams restored (DeepSpeed saves none)
+        assert (
+            out["next_rand"] == before["next_rand"]
+        )  # RNG streams restored (DeepSpeed saves none)
     held = retention.holds(Path(root))
     assert list(held) == [4] and held[4].startswith("best eval_reward=0.9")
 
@@ -94,7 +119,10 @@ def test_fresh_start_then_resume_from_an_explicit_tag_and_bad_tag_is_refused(tmp
     assert best["states"]["global_step"] == 4 and best["w"] == [2.0, 2.0, 2.0]
     with pytest.raises(cg.ConfigError, match="global_step"):
         co.step_of("epoch3")
-    assert co.step_of("best_global_step12") == (12, True) and co.step_of("global_step7") == (7, False)
+    assert co.step_of("best_global_step12") == (12, True) and co.step_of("global_step7") == (
+        7,
+        False,
+    )
 
 
 # Copied from openrlhf 0.11.2, openrlhf/utils/deepspeed/deepspeed.py (DeepspeedStrategy).

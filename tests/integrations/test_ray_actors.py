@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="ray is not installed: pip install ray (make test installs it)")
+ray = pytest.importorskip(
+    "ray", reason="ray is not installed: pip install ray (make test installs it)"
+)
 
 import ckptguard as cg  # noqa: E402
 from ckptguard.memory.ray_cluster import cluster_ray_config, with_cluster_threshold  # noqa: E402
@@ -63,22 +65,31 @@ class RankActor:
     def join(self, address: str, timeout_s: float) -> None:
         from ckptguard.integrations.ray import join_process_group
 
-        join_process_group(rank=self.rank, world_size=self.world, address=address, timeout_s=timeout_s)
+        join_process_group(
+            rank=self.rank, world_size=self.world, address=address, timeout_s=timeout_s
+        )
 
-    def run(self, root: str, steps: int, save_every: int, kill_at: int | None, timeout_s: float) -> dict:
+    def run(
+        self, root: str, steps: int, save_every: int, kill_at: int | None, timeout_s: float
+    ) -> dict:
         import torch
 
         from ckptguard import _faults
         from ckptguard.demo import job as demo
 
         trainer = demo.build_trainer(rank=self.rank, world=self.world)
-        cfg = cg.CheckpointConfig(retention=cg.KeepLast(2), timeout_s=timeout_s,
-                                  proof=cg.ProofPlan(rl=True, deterministic=True))
+        cfg = cg.CheckpointConfig(
+            retention=cg.KeepLast(2),
+            timeout_s=timeout_s,
+            proof=cg.ProofPlan(rl=True, deterministic=True),
+        )
         mgr = cg.CheckpointManager(root, config=cfg, derived=trainer.registry)
         start = mgr.restore(trainer.state(), mode=cg.ResumeMode.AUTO)
         for step in range(start + 1, steps + 1):
             q, scales = trainer.export()
-            mgr.record_export(step - 1, {n: t.view(torch.uint8) for n, t in q.items()}, scales=scales)
+            mgr.record_export(
+                step - 1, {n: t.view(torch.uint8) for n, t in q.items()}, scales=scales
+            )
             trainer.engine.load(q, scales)
             prompts = torch.randint(0, demo.VOCAB, (demo.BATCH, 1))
             tokens, rollout_lp = trainer.engine.generate(prompts)
@@ -89,13 +100,19 @@ class RankActor:
             if step % save_every:
                 continue
             if step == kill_at and self.rank == 1:
-                _faults.set_hook("storage.data_written", lambda: os.kill(os.getpid(), signal.SIGKILL))
+                _faults.set_hook(
+                    "storage.data_written", lambda: os.kill(os.getpid(), signal.SIGKILL)
+                )
             t0 = time.monotonic()
             try:
                 mgr.save(step, trainer.state())
             except cg.CheckpointError as exc:
-                return {"start": start, "outcome": type(exc).__name__, "msg": str(exc),
-                        "elapsed": time.monotonic() - t0}
+                return {
+                    "start": start,
+                    "outcome": type(exc).__name__,
+                    "msg": str(exc),
+                    "elapsed": time.monotonic() - t0,
+                }
         return {"start": start, "outcome": "done", "committed": mgr.committed_steps()}
 
     def memory(self) -> dict:
@@ -109,8 +126,14 @@ class RankActor:
         held = ray.get(ray.put(np.ones(16 * 1024 * 1024, dtype=np.uint8)))  # zero-copy: maps plasma
         share = object_store_pss(os.getpid())
         fig = ray_figure(HostProbe().read(), found.config)
-        return {"threshold": found.config.threshold, "sources": found.sources, "figure": fig.to_json(),
-                "pss": share.pss, "object_store_pss": share.object_store_pss, "held": int(held.sum() > 0)}
+        return {
+            "threshold": found.config.threshold,
+            "sources": found.sources,
+            "figure": fig.to_json(),
+            "pss": share.pss,
+            "object_store_pss": share.object_store_pss,
+            "held": int(held.sum() > 0),
+        }
 
 
 def _start_group(world: int, timeout_s: float) -> list:
@@ -195,17 +218,30 @@ class RoleRankActor:
     def join(self, address: str, timeout_s: float) -> None:
         from ckptguard.integrations.ray import join_process_group
 
-        join_process_group(rank=self.rank, world_size=self.world, address=address, timeout_s=timeout_s)
+        join_process_group(
+            rank=self.rank, world_size=self.world, address=address, timeout_s=timeout_s
+        )
 
     def run_roles(self, root: str, steps: int) -> dict:
         import torch
 
-        run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver", ranks=(0,))],
-                               config=cg.CheckpointConfig(timeout_s=30.0, retention=None))
-        torch.manual_seed(steps)  # another init than the saving group's: only the restore can make them equal
+        run = cg.RunCheckpoint(
+            root,
+            [cg.Role("actor"), cg.Role("driver", ranks=(0,))],
+            config=cg.CheckpointConfig(timeout_s=30.0, retention=None),
+        )
+        torch.manual_seed(
+            steps
+        )  # another init than the saving group's: only the restore can make them equal
         model = torch.nn.Linear(3, 3)
         ledger = cg.RolloutLedger(range(10))
-        states = lambda: {"actor": {"model": model}, **({"driver": {"ledger": ledger}} if self.rank == 0 else {})}  # noqa: E731
+
+        def states():
+            return {
+                "actor": {"model": model},
+                **({"driver": {"ledger": ledger}} if self.rank == 0 else {}),
+            }
+
         start = run.restore(states())
         for step in range(start + 1, steps + 1):
             with torch.no_grad():
@@ -215,8 +251,12 @@ class RoleRankActor:
                 ledger.completed(pid, None)
                 ledger.trained([pid], step)
             run.save(step, states())
-        return {"start": start, "weight": model.weight.detach().tolist(), "committed": run.committed_steps(),
-                "trained": sorted(ledger.trained_ids) if self.rank == 0 else None}
+        return {
+            "start": start,
+            "weight": model.weight.detach().tolist(),
+            "committed": run.committed_steps(),
+            "trained": sorted(ledger.trained_ids) if self.rank == 0 else None,
+        }
 
 
 def test_run_checkpoint_of_two_roles_inside_ray_actors(cluster, tmp_path):
@@ -225,11 +265,15 @@ def test_run_checkpoint_of_two_roles_inside_ray_actors(cluster, tmp_path):
     address = ray.get(actors[0].open.remote(30.0), timeout=GET_TIMEOUT)
     ray.get([a.join.remote(address, 30.0) for a in actors], timeout=GET_TIMEOUT)
     # Saves of steps 1-2, then a second RunCheckpoint (its own role groups) restores into new objects.
-    first, second = (ray.get([a.run_roles.remote(root, n) for a in actors], timeout=GET_TIMEOUT) for n in (2, 3))
+    first, second = (
+        ray.get([a.run_roles.remote(root, n) for a in actors], timeout=GET_TIMEOUT) for n in (2, 3)
+    )
     for a in actors:
         ray.kill(a)
     assert [o["start"] for o in second] == [2, 2] and second[0]["committed"] == [1, 2, 3]
-    assert second[0]["weight"] == second[1]["weight"]  # the restored actor, then one more update, on both ranks
+    assert (
+        second[0]["weight"] == second[1]["weight"]
+    )  # the restored actor, then one more update, on both ranks
     assert first[0]["trained"] == [0, 1] and second[0]["trained"] == [0, 1, 2]
     import torch
 

@@ -36,13 +36,18 @@ class FakeWorkerGroup:
         self.saved.append((local_path, global_step, max_ckpt_to_keep))
         os.makedirs(local_path, exist_ok=True)
         for r in range(self.world):
-            torch.save({"w": self.weights + r}, os.path.join(local_path, f"model_world_size_{self.world}_rank_{r}.pt"))
+            torch.save(
+                {"w": self.weights + r},
+                os.path.join(local_path, f"model_world_size_{self.world}_rank_{r}.pt"),
+            )
         if global_step == self.fail_at:
             raise OSError(28, "No space left on device", local_path)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
         self.loaded.append((local_path, del_local_after_load))
-        self.weights = torch.load(os.path.join(local_path, f"model_world_size_{self.world}_rank_0.pt"))["w"]
+        self.weights = torch.load(
+            os.path.join(local_path, f"model_world_size_{self.world}_rank_0.pt")
+        )["w"]
 
 
 class FakeLoader:
@@ -63,9 +68,16 @@ class FakeRayPPOTrainer:
     """The attributes RayPPOTrainer's checkpoint hooks use, and nothing else."""
 
     def __init__(self, root: Path, **trainer) -> None:
-        defaults = {"default_local_dir": str(root), "default_hdfs_dir": None, "resume_mode": "auto",
-                    "resume_from_path": None, "save_freq": 2, "max_actor_ckpt_to_keep": None,
-                    "max_critic_ckpt_to_keep": None, "del_local_ckpt_after_load": False}
+        defaults = {
+            "default_local_dir": str(root),
+            "default_hdfs_dir": None,
+            "resume_mode": "auto",
+            "resume_from_path": None,
+            "save_freq": 2,
+            "max_actor_ckpt_to_keep": None,
+            "max_critic_ckpt_to_keep": None,
+            "del_local_ckpt_after_load": False,
+        }
         self.config = SimpleNamespace(trainer={**defaults, **trainer})
         self.global_steps = 0
         self.train_dataloader = FakeLoader()
@@ -167,7 +179,9 @@ def test_async_trainer_mode_is_refused_and_v1_callback_runs_after_commit(tmp_pat
     calls = []
     t.checkpoint_callback = SimpleNamespace(on_save=lambda **kw: calls.append(kw))
     _train(t, 2)
-    assert calls[0]["global_step"] == 2 and calls[0]["checkpoint_dir"] == str(tmp_path / "ckpts" / "global_step_2")
+    assert calls[0]["global_step"] == 2 and calls[0]["checkpoint_dir"] == str(
+        tmp_path / "ckpts" / "global_step_2"
+    )
     assert (tmp_path / "ckpts" / "global_step_2" / "manifest.json").is_file()
     t.trainer_mode = "colocate_async"
     with pytest.raises(cg.ConfigError, match="TransferQueue"):
@@ -227,28 +241,52 @@ print("BOUNDARY" + json.dumps(out))
 """
 
 
-@needs_venv(VERL_PYTHON, reason=f"verl venv not found at {VERL_PYTHON}: run the Makefile's "
-            f"verl-venv step (pip install verl=={VERL_PIN} --no-deps plus its import deps)")
+@needs_venv(
+    VERL_PYTHON,
+    reason=f"verl venv not found at {VERL_PYTHON}: run the Makefile's "
+    f"verl-venv step (pip install verl=={VERL_PIN} --no-deps plus its import deps)",
+)
 def test_boundary_with_pinned_verl(tmp_path):
     root = tmp_path / "ckpts"
     _train(Trainer(root), 4)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "RAY_DEDUP_LOGS": "0"}
-    proc = subprocess.run([str(VERL_PYTHON), "-c", _BOUNDARY, str(root)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [str(VERL_PYTHON), "-c", _BOUNDARY, str(root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BOUNDARY")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(line[len("BOUNDARY"):])
+    out = json.loads(line[len("BOUNDARY") :])
     assert out["version"] == VERL_PIN
     assert out["subclass"] and out["ours_first"]
     assert out["save_sig"] == "(self)" and out["load_sig"] == "(self)"
     assert out["critic_dir"] == "critic"
-    assert out["fit_calls"] == ["_load_checkpoint()", "_save_checkpoint()", "update_weights(self.global_steps)"]
-    assert out["their_save_reads"] == ["default_local_dir", "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep"]
-    assert out["their_load_reads"] == ["resume_mode", "resume_from_path", "del_local_ckpt_after_load"]
+    assert out["fit_calls"] == [
+        "_load_checkpoint()",
+        "_save_checkpoint()",
+        "update_weights(self.global_steps)",
+    ]
+    assert out["their_save_reads"] == [
+        "default_local_dir",
+        "max_actor_ckpt_to_keep",
+        "max_critic_ckpt_to_keep",
+    ]
+    assert out["their_load_reads"] == [
+        "resume_mode",
+        "resume_from_path",
+        "del_local_ckpt_after_load",
+    ]
     assert out["verl_finds"] == str(root / "global_step_4")
     assert out["v1_subclass"] and out["v1_sigs"] == ["(self)", "(self)"] and out["v1_sync_weights"]
-    assert out["v1_calls"] == ["self._load_checkpoint()", "self._save_checkpoint()", "trainer_mode",
-                               "checkpoint_callback.on_save("]
+    assert out["v1_calls"] == [
+        "self._load_checkpoint()",
+        "self._save_checkpoint()",
+        "trainer_mode",
+        "checkpoint_callback.on_save(",
+    ]
 
 
 def test_this_interpreter_is_not_the_verl_one():

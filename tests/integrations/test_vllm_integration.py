@@ -26,7 +26,9 @@ from venvs import needs_venv
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 EXAMPLE = REPO / "examples" / "grpo_vllm.py"
-KILLS = int(os.environ.get("CKPTGUARD_VLLM_KILLS", "4"))  # the acceptance run uses 10 (docs/integrations.md)
+KILLS = int(
+    os.environ.get("CKPTGUARD_VLLM_KILLS", "4")
+)  # the acceptance run uses 10 (docs/integrations.md)
 
 # A launch is an engine start plus 8 tiny steps (about 30 s on an idle 2-core machine, minutes on a loaded one).
 pytestmark = pytest.mark.timeout(2400)
@@ -39,10 +41,21 @@ needs_vllm = needs_venv(
 
 
 def _env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_",
-                                                                     "VLLM_"))}
-    env.update({"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "VLLM_"))
+    }
+    env.update(
+        {
+            "PYTHONPATH": str(REPO / "src"),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -51,12 +64,23 @@ def _launch(run: Path, *args: str, timeout: float = 900) -> subprocess.Completed
     """One launch in a session of its own. An engine in its own process outlives a SIGKILLed parent
     (vllm-cpu 0.32: the orphan keeps running), as on a node whose launcher kills only the main process;
     here, as a job scheduler would, the whole session goes once the main process has exited."""
-    cmd = [str(VLLM_PYTHON), str(EXAMPLE), "--root", str(run / "ckpt"), "--model-dir", str(run.parent / "model"),
-           "--kills-file", str(run / "fired"), *args]
+    cmd = [
+        str(VLLM_PYTHON),
+        str(EXAMPLE),
+        "--root",
+        str(run / "ckpt"),
+        "--model-dir",
+        str(run.parent / "model"),
+        "--kills-file",
+        str(run / "fired"),
+        *args,
+    ]
     n = len(list(run.glob("launch-*.out")))
     out, err = run / f"launch-{n}.out", run / f"launch-{n}.err"
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, env=_env(), cwd=run, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=fo, stderr=fe, text=True, env=_env(), cwd=run, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=timeout)
         finally:
@@ -75,18 +99,25 @@ def _until_done(run: Path, *args: str, max_launches: int = 12) -> list[subproces
         if runs[-1].returncode == 0:
             return runs
         assert runs[-1].returncode == -9, runs[-1].stderr[-4000:]
-    raise AssertionError(f"not done after {max_launches} launches; last stderr:\n{runs[-1].stderr[-4000:]}")
+    raise AssertionError(
+        f"not done after {max_launches} launches; last stderr:\n{runs[-1].stderr[-4000:]}"
+    )
 
 
 def _result(proc: subprocess.CompletedProcess) -> dict:
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def _prove(root: Path) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(root)], capture_output=True,
-                          text=True, env=_env(), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(root)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -119,9 +150,13 @@ def _killed_until_done_and_proven(root: Path, kills: list[str], reference: dict,
     out = _result(runs[-1])
     assert out["params"] == reference["params"] and out["optim"] == reference["optim"]
     # the final save was made (never the one a busy policy skipped): the tracker names the last step
-    assert int((root / "ckpt" / "latest_checkpointed_iteration.txt").read_text()) == reference["step"]
+    assert (
+        int((root / "ckpt" / "latest_checkpointed_iteration.txt").read_text()) == reference["step"]
+    )
     # every step the last launch ran generated exactly the reference's completions
-    assert out["completions"] and all(reference["completions"][k] == c for k, c in out["completions"].items())
+    assert out["completions"] and all(
+        reference["completions"][k] == c for k, c in out["completions"].items()
+    )
     rc, proof = _prove(root / "ckpt")
     gates = {g["gate"]: g for g in proof["gates"]}
     assert rc == 0 and proof["verdict"] == "resume PROVEN", proof
@@ -139,7 +174,9 @@ def work(tmp_path_factory) -> Path:
 def reference(work) -> dict:
     """The uninterrupted run: 2 epochs of 4 steps (4 prompts x 4 completions each), saves every 2 steps."""
     (work / "ref").mkdir(parents=True, exist_ok=True)
-    return _result(_until_done(work / "ref", f"--mem={work / 'ref' / 'mem.jsonl'}", max_launches=1)[-1])
+    return _result(
+        _until_done(work / "ref", f"--mem={work / 'ref' / 'mem.jsonl'}", max_launches=1)[-1]
+    )
 
 
 @needs_vllm
@@ -150,7 +187,10 @@ def test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven(w
     elapsed = time.monotonic() - started
     # every prompt trained exactly once
     assert out["trained"] == list(range(32)) and out["counters"]["trained"] == 32
-    assert "steps 7-8 replayed after the restore of step 6" in gates["data order identical"]["evidence"]
+    assert (
+        "steps 7-8 replayed after the restore of step 6"
+        in gates["data order identical"]["evidence"]
+    )
     # `mem vllm-log` reads the engine's real startup log: the KV space it got is VLLM_CPU_KVCACHE_SPACE
     from ckptguard.memory import parse_vllm_log
 
@@ -171,11 +211,21 @@ def test_two_gloo_ranks_with_an_engine_each_killed_whole_resume_bitwise_and_are_
     kill takes the whole process group (both ranks and the launcher) at once."""
     args = ("--nproc=2", "--epochs=1")
     reference = _result(_until_done(work / "ref2", *args, max_launches=1)[-1])
-    _runs, out, gates = _killed_until_done_and_proven(work / "killed2", TWO_RANK_KILLS, reference, *args)
+    _runs, out, gates = _killed_until_done_and_proven(
+        work / "killed2", TWO_RANK_KILLS, reference, *args
+    )
     assert out["ranks"] == 2 and out["same_on_every_rank"]
-    assert out["trained"] == list(range(16)) and out["counters"]["trained"] == 16  # each prompt once, over both ranks
-    assert {k.split("/")[1] for k in out["completions"]} == {"0", "1"}  # both ranks' engines replayed
-    assert "steps 3-4 replayed after the restore of step 2 on 2 rank(s)" in gates["data order identical"]["evidence"]
+    assert (
+        out["trained"] == list(range(16)) and out["counters"]["trained"] == 16
+    )  # each prompt once, over both ranks
+    assert {k.split("/")[1] for k in out["completions"]} == {
+        "0",
+        "1",
+    }  # both ranks' engines replayed
+    assert (
+        "steps 3-4 replayed after the restore of step 2 on 2 rank(s)"
+        in gates["data order identical"]["evidence"]
+    )
     assert gates["replayed steps identical"]["status"] == "PASS"
 
 
@@ -188,16 +238,36 @@ def test_phase_records_of_every_phase_hold_the_engine_in_the_save_peak(work, ref
     ends = [(r["phase"], r["step"]) for r in records if r["kind"] == "phase_end"]
     assert ends[0] == ("load", 0)
     for step in range(1, 9):
-        assert [p for p, s in ends if s == step] == ["generate", "logprob", "update", "weight_sync"] + (
-            ["save"] if step % 2 == 0 else []), step
+        assert [p for p, s in ends if s == step] == [
+            "generate",
+            "logprob",
+            "update",
+            "weight_sync",
+        ] + (["save"] if step % 2 == 0 else []), step
     saves = [r for r in records if r["kind"] == "phase_end" and r["phase"] == "save"]
     # the engine's KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB) is resident in this process through every save
     assert len(saves) == 4 and all(r["peak"]["process_rss"] > (1 << 30) for r in saves)
-    r = subprocess.run([sys.executable, "-m", "ckptguard.cli", "mem", "report", str(work / "ref" / "mem.jsonl"),
-                        "--html", str(work / "ref" / "mem.html"), "--json"], capture_output=True, text=True,
-                       env=_env(), timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptguard.cli",
+            "mem",
+            "report",
+            str(work / "ref" / "mem.jsonl"),
+            "--html",
+            str(work / "ref" / "mem.html"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert r.returncode == 0 and json.loads(r.stdout)["records"] == len(records), r.stderr
-    assert re.search(r"Save step [2468] on \S+: peak [\d.]+ GiB", (work / "ref" / "mem.html").read_text())
+    assert re.search(
+        r"Save step [2468] on \S+: peak [\d.]+ GiB", (work / "ref" / "mem.html").read_text()
+    )
 
 
 def _killed_then(run: Path, *args: str) -> subprocess.CompletedProcess:
@@ -216,8 +286,13 @@ def test_a_restore_that_does_not_push_into_the_engine_fails_the_engine_export_ga
     rc, proof = _prove(work / "nopush" / "ckpt")
     gates = {g["gate"]: g for g in proof["gates"]}
     assert rc == 1, proof
-    assert gates["first export byte-identical"]["status"] == "FAIL", gates["first export byte-identical"]
-    assert "first export of step 2 differs in ['bytes']" in gates["first export byte-identical"]["evidence"]
+    assert gates["first export byte-identical"]["status"] == "FAIL", gates[
+        "first export byte-identical"
+    ]
+    assert (
+        "first export of step 2 differs in ['bytes']"
+        in gates["first export byte-identical"]["evidence"]
+    )
     assert gates["first old-logprob aligned"]["status"] == "FAIL"  # the stale engine's logprobs
     assert "never pushed weights into" in last.stderr
 
@@ -245,7 +320,9 @@ def test_request_seeds_depend_on_step_prompt_and_sample_only():
     seeds = {request_seed(s, p, i) for s in range(1, 9) for p in range(32) for i in range(4)}
     assert len(seeds) == 8 * 32 * 4 and all(0 <= x < 2**63 for x in seeds)
     assert request_seed(3, 7, 1) == request_seed(3, 7, 1)
-    assert request_seed(3, 7, 1) != request_seed(3, "7", 1)  # a str id is another prompt than an int id
+    assert request_seed(3, 7, 1) != request_seed(
+        3, "7", 1
+    )  # a str id is another prompt than an int id
     assert request_seed(3, 7, 1, run_seed=1) != request_seed(3, 7, 1)
 
 
@@ -256,13 +333,17 @@ def test_packed_modules_split_back_into_checkpoint_names():
 
     q, k, v = torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3)
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    parts = _split("model.layers.0.self_attn.qkv_proj.weight", torch.cat([q, k, v]), [4, 2, 2], packed)
+    parts = _split(
+        "model.layers.0.self_attn.qkv_proj.weight", torch.cat([q, k, v]), [4, 2, 2], packed
+    )
     names = [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"]
     assert list(parts) == names
     sent = dict(zip(names, (q, k, v), strict=True))
     assert layout_free_digests(parts) == layout_free_digests(sent)
     # sizes that do not add up: kept whole under the engine's name (and then reported as not sent)
-    assert list(_split("a.qkv_proj.weight", torch.cat([q, k, v]), [4, 2, 1], packed)) == ["a.qkv_proj.weight"]
+    assert list(_split("a.qkv_proj.weight", torch.cat([q, k, v]), [4, 2, 1], packed)) == [
+        "a.qkv_proj.weight"
+    ]
 
 
 def test_tied_aliases_found_by_storage_and_differences_named():
@@ -284,11 +365,18 @@ def test_tied_aliases_found_by_storage_and_differences_named():
     sent = layout_free_digests(named)
     engine = {k: v for k, v in sent.items() if k != "lm_head.weight"}
     assert _compare(engine, sent, tied) == ([], [], [])  # the engine ties the head to the embedding
-    stale = {**engine, "norm.weight": layout_free_digests({"norm.weight": torch.zeros(3)})["norm.weight"],
-             "lm_head.weight@kernel": "x"}
+    stale = {
+        **engine,
+        "norm.weight": layout_free_digests({"norm.weight": torch.zeros(3)})["norm.weight"],
+        "lm_head.weight@kernel": "x",
+    }
     differ, missing, unsent = _compare(stale, sent, tied)
     assert (differ, missing, unsent) == (["norm.weight"], [], ["lm_head.weight@kernel"])
-    assert _compare(engine, sent, {}) == ([], ["lm_head.weight"], [])  # untied: the head was sent and not held
+    assert _compare(engine, sent, {}) == (
+        [],
+        ["lm_head.weight"],
+        [],
+    )  # untied: the head was sent and not held
     push = Push(1, stale, sent, tied, 0.0, 0.0, differ, missing, unsent)
     assert not push.ok and "differ from what was sent: ['norm.weight']" in push.problem()
     t = torch.randn(2, 3, dtype=torch.bfloat16)

@@ -21,11 +21,15 @@ VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" /
 JOB = REPO / "tests" / "vllm_lora_job.py"
 Q = "model.layers.0.self_attn.q_proj.weight"  # inside vLLM's packed qkv_proj: read back split
 
-pytestmark = [pytest.mark.timeout(1200),
-              needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`")]
+pytestmark = [
+    pytest.mark.timeout(1200),
+    needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"),
+]
 
-FIND_SPEC = "import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]; " \
+FIND_SPEC = (
+    "import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]; "
     "print(' and '.join(missing)); sys.exit(bool(missing))"
+)
 
 
 def _usable() -> str | None:
@@ -33,17 +37,30 @@ def _usable() -> str | None:
         return f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"
     # Installed, not imported (importing vllm costs a process 10 s of CPU): a package that is installed and fails to
     # import fails the job itself, with its traceback.
-    probe = subprocess.run([str(VLLM_PYTHON), "-c", FIND_SPEC, "peft", "vllm"], capture_output=True, text=True,
-                           env=vllm_env(), timeout=300)
-    return None if probe.returncode == 0 else f"{VLLM_PYTHON} has no {probe.stdout.strip()} installed"
+    probe = subprocess.run(
+        [str(VLLM_PYTHON), "-c", FIND_SPEC, "peft", "vllm"],
+        capture_output=True,
+        text=True,
+        env=vllm_env(),
+        timeout=300,
+    )
+    return (
+        None if probe.returncode == 0 else f"{VLLM_PYTHON} has no {probe.stdout.strip()} installed"
+    )
 
 
 def _job(phase: str, work: Path) -> dict:
-    proc = subprocess.run([str(VLLM_PYTHON), str(JOB), phase, str(work)], capture_output=True, text=True,
-                          env=vllm_env(), cwd=work, timeout=900)
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(JOB), phase, str(work)],
+        capture_output=True,
+        text=True,
+        env=vllm_env(),
+        cwd=work,
+        timeout=900,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +73,30 @@ def runs(tmp_path_factory) -> dict:
 
 
 def _prove(root: Path) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(root)], capture_output=True,
-                          text=True, env=vllm_env(), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(root)],
+        capture_output=True,
+        text=True,
+        env=vllm_env(),
+        timeout=120,
+    )
     return proc.returncode, json.loads(proc.stdout)
 
 
 def test_a_lora_push_holds_the_merged_weights_once_and_both_gates_pass(runs):
     save = runs["save"]
     targeted = save["targeted"]
-    assert Q in targeted and "model.layers.1.mlp.down_proj.weight" in targeted and len(targeted) == 10
+    assert (
+        Q in targeted and "model.layers.1.mlp.down_proj.weight" in targeted and len(targeted) == 10
+    )
     for step in ("0", "1", "2", "3"):
-        assert save["gates"][step] == {"rollout-weight parity": "PASS", "LoRA merged once": "PASS"}, step
-    assert all(c is None for c in save["lora"]["0"].values())  # B starts at zero: no count observable
+        assert save["gates"][step] == {
+            "rollout-weight parity": "PASS",
+            "LoRA merged once": "PASS",
+        }, step
+    assert all(
+        c is None for c in save["lora"]["0"].values()
+    )  # B starts at zero: no count observable
     assert all(c == 1.0 for s in ("1", "2", "3") for c in save["lora"][s].values())
     # what is pushed is peft's own merge, bitwise; the actor stays unmerged and its base untouched
     assert save["equals_peft_merge"] and save["unmerged"] and save["base_untouched"]
@@ -89,7 +118,9 @@ def test_a_push_holding_the_delta_twice_fails_the_lora_merged_once_gate_naming_t
 
 def test_an_adapter_merged_already_is_refused_before_the_push(runs):
     save = runs["save"]
-    assert save["merged_already"].startswith("StateMismatchError: the adapter 'default' is merged into the base")
+    assert save["merged_already"].startswith(
+        "StateMismatchError: the adapter 'default' is merged into the base"
+    )
     assert Q in save["merged_already"] and "unmerge_adapter()" in save["merged_already"]
     # merge + unmerge drifts the float32 base (TRL#6688): the binding names every targeted weight
     assert Q in save["unmerge_drift"] and save["base_restored"]
@@ -97,7 +128,10 @@ def test_an_adapter_merged_already_is_refused_before_the_push(runs):
     assert "differ from the base files" in save["flag_lost"]
     assert "['model.layers.1.self_attn.o_proj.weight']" in save["flag_lost"]
     # without the binding the in-memory base is the only base there is: the gate cannot see it (documented)
-    assert save["flag_lost_unbound"] == {"rollout-weight parity": "PASS", "LoRA merged once": "PASS"}
+    assert save["flag_lost_unbound"] == {
+        "rollout-weight parity": "PASS",
+        "LoRA merged once": "PASS",
+    }
 
 
 def test_after_a_resume_the_parity_gate_covers_the_merged_weights(runs):
@@ -111,15 +145,26 @@ def test_after_a_resume_the_parity_gate_covers_the_merged_weights(runs):
 
 def test_a_resume_that_merges_twice_fails_first_export_byte_identical_naming_the_tensors(runs):
     resume = runs["resume"]
-    assert resume["b_step"] == 2 and resume["b_gates"] == {"rollout-weight parity": "PASS", "LoRA merged once": "FAIL"}
+    assert resume["b_step"] == 2 and resume["b_gates"] == {
+        "rollout-weight parity": "PASS",
+        "LoRA merged once": "FAIL",
+    }
     rc, proof = _prove(runs["work"] / "b")
     gate = {g["gate"]: g for g in proof["gates"]}["first export byte-identical"]
     assert rc == 1 and gate["status"] == "FAIL", gate
-    assert "first export of step 2 differs in ['bytes'] from the saving run's: tensors [" in gate["evidence"]
+    assert (
+        "first export of step 2 differs in ['bytes'] from the saving run's: tensors ["
+        in gate["evidence"]
+    )
     assert repr(Q) in gate["evidence"]
-    assert "embed_tokens" not in gate["evidence"]  # untargeted weights are named only when they differ
+    assert (
+        "embed_tokens" not in gate["evidence"]
+    )  # untargeted weights are named only when they differ
     # the multiple: the engine's delta count at the push, against the saving run's sampled base and delta
-    assert "the engine holds base + 2.00 x delta for [" in gate["evidence"] and "already held" not in gate["evidence"]
+    assert (
+        "the engine holds base + 2.00 x delta for [" in gate["evidence"]
+        and "already held" not in gate["evidence"]
+    )
 
 
 # ---------------------------------------------------------------- without an engine (the suite's venv)
@@ -138,12 +183,16 @@ def test_merge_count_measures_how_many_deltas_a_weight_holds():
         held = w + times * (b @ a) * 4.0
         got = merge_count({"w": f}, {"w": held.double() @ x}, {"w": x}, eps)["w"]
         assert got is not None and abs(got - expect) < 1e-4, (times, got)
-        assert (got == 1.0) == (times == 1)  # only a single merge is exactly 1.0 (within one rounding)
+        assert (got == 1.0) == (
+            times == 1
+        )  # only a single merge is exactly 1.0 (within one rounding)
     zero = LoraFactors("w", w, a, torch.zeros(6, 2), 4.0, False)
     assert merge_count({"w": zero}, {"w": w.double() @ x}, {"w": x}, eps)["w"] is None
     # fan_in_fan_out (a Conv1D weight [in, out]): delta is (B @ A).T
     wt = torch.randn(5, 6, generator=g)
-    ft = LoraFactors("w", wt, torch.randn(2, 5, generator=g), torch.randn(6, 2, generator=g) * 0.01, 2.0, True)
+    ft = LoraFactors(
+        "w", wt, torch.randn(2, 5, generator=g), torch.randn(6, 2, generator=g) * 0.01, 2.0, True
+    )
     x6 = torch.randn(6, generator=g, dtype=torch.float64)
     held = wt + (ft.b @ ft.a).T * 2.0
     assert merge_count({"w": ft}, {"w": held.double() @ x6}, {"w": x6}, eps)["w"] == 1.0

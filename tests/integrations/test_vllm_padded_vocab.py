@@ -20,20 +20,32 @@ JOB = REPO / "tests" / "vllm_padded_job.py"
 EMBED = "model.embed_tokens.weight"
 PASS = {"rollout-weight parity": "PASS"}
 
-pytestmark = [pytest.mark.timeout(1200),
-              needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`")]
+pytestmark = [
+    pytest.mark.timeout(1200),
+    needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"),
+]
 
 
 def _job(vocab: int, work: Path) -> dict:
-    proc = subprocess.run([str(VLLM_PYTHON), str(JOB), str(vocab), str(work)], capture_output=True, text=True,
-                          env=vllm_env(), cwd=work, timeout=900)
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(JOB), str(vocab), str(work)],
+        capture_output=True,
+        text=True,
+        env=vllm_env(),
+        cwd=work,
+        timeout=900,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
-@pytest.mark.parametrize(("vocab", "padded"), [(47, 64), (50257, 50304)], ids=["vocab47", "gpt2-vocab"])
-def test_a_padded_vocabulary_is_read_back_by_the_model_s_rows_and_zero_padding(tmp_path, vocab, padded):
+@pytest.mark.parametrize(
+    ("vocab", "padded"), [(47, 64), (50257, 50304)], ids=["vocab47", "gpt2-vocab"]
+)
+def test_a_padded_vocabulary_is_read_back_by_the_model_s_rows_and_zero_padding(
+    tmp_path, vocab, padded
+):
     out = _job(vocab, tmp_path)
     # the engine really holds the padded tensors (the case the read-back must see through)
     assert out["layers"] == {"model.embed_tokens": [padded, vocab], "lm_head": [padded, vocab]}
@@ -43,9 +55,14 @@ def test_a_padded_vocabulary_is_read_back_by_the_model_s_rows_and_zero_padding(t
     # the engine computes with what was pushed and samples only ids of the model's vocabulary
     assert out["logprob_diff"] < 1e-4
     # padding rows that are not zeros: named as such
-    assert out["padding_nonzero"].startswith("StateMismatchError: after the weight sync"), out["padding_nonzero"]
+    assert out["padding_nonzero"].startswith("StateMismatchError: after the weight sync"), out[
+        "padding_nonzero"
+    ]
     assert f"'{EMBED}@padding'" in out["padding_nonzero"]
-    assert "rows past the model's vocabulary (vLLM pads it to a multiple of 64)" in out["padding_nonzero"]
+    assert (
+        "rows past the model's vocabulary (vLLM pads it to a multiple of 64)"
+        in out["padding_nonzero"]
+    )
     # one of the model's rows changed in the engine: the tensor named as differing, no padding blamed
     assert f"differ from what was sent: ['{EMBED}']" in out["row_changed"], out["row_changed"]
     assert "@padding" not in out["row_changed"]

@@ -23,13 +23,19 @@ from venvs import needs_venv, vllm_env
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 JOB = REPO / "tests" / "trl_vllm_job.py"
-KILL_STEP = 6  # at its on_step_end, before its save: the resume starts from step 4 and replays steps 5-6
+KILL_STEP = (
+    6  # at its on_step_end, before its save: the resume starts from step 4 and replays steps 5-6
+)
 
-pytestmark = [pytest.mark.timeout(1800),
-              needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`")]
+pytestmark = [
+    pytest.mark.timeout(1800),
+    needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"),
+]
 
-FIND_SPEC = "import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]; " \
+FIND_SPEC = (
+    "import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]; "
     "print(' and '.join(missing)); sys.exit(bool(missing))"
+)
 
 
 def _usable() -> str | None:
@@ -37,17 +43,34 @@ def _usable() -> str | None:
         return f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"
     # Installed, not imported (importing vllm costs a process 10 s of CPU): a package that is installed and fails to
     # import fails the job itself, with its traceback.
-    probe = subprocess.run([str(VLLM_PYTHON), "-c", FIND_SPEC, "trl", "vllm"], capture_output=True, text=True,
-                           env=vllm_env(), timeout=300)
-    return None if probe.returncode == 0 else f"{VLLM_PYTHON} has no {probe.stdout.strip()} installed"
+    probe = subprocess.run(
+        [str(VLLM_PYTHON), "-c", FIND_SPEC, "trl", "vllm"],
+        capture_output=True,
+        text=True,
+        env=vllm_env(),
+        timeout=300,
+    )
+    return (
+        None if probe.returncode == 0 else f"{VLLM_PYTHON} has no {probe.stdout.strip()} installed"
+    )
 
 
 def _job(work: Path, *args: str, sync: str = "check") -> subprocess.CompletedProcess:
     """One launch in a session of its own (the whole session goes once it exits, as a scheduler would)."""
-    proc = subprocess.Popen([str(VLLM_PYTHON), str(JOB), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**vllm_env(), "CKPTGUARD_TRL_SYNC": sync, "MASTER_ADDR": "127.0.0.1",
-                                            "MASTER_PORT": str(free_port())},  # TRL's default 29500: one job only
-                            cwd=work, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(VLLM_PYTHON), str(JOB), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **vllm_env(),
+            "CKPTGUARD_TRL_SYNC": sync,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        },  # TRL's default 29500: one job only
+        cwd=work,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=900)
     finally:
@@ -59,7 +82,7 @@ def _job(work: Path, *args: str, sync: str = "check") -> subprocess.CompletedPro
 def _result(proc: subprocess.CompletedProcess) -> dict:
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stdout[-2000:] + proc.stderr[-5000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def _completions(log: Path) -> dict[int, set[str]]:
@@ -87,7 +110,9 @@ def probe(work) -> dict:
 
 def test_the_parity_gate_on_trl_s_own_sync_and_on_ckptguard_s(probe):
     out = probe
-    assert out["cpu_engine"] and out["engine_dtype"] == "torch.bfloat16"  # TRL's dtype="auto" on the CPU backend
+    assert (
+        out["cpu_engine"] and out["engine_dtype"] == "torch.bfloat16"
+    )  # TRL's dtype="auto" on the CPU backend
     # the example's vocabulary of 47, padded by vLLM to 64 rows: every read-back below compares the model's rows
     assert out["vocab"] == {"model.embed_tokens": [64, 47], "lm_head": [64, 47]}, out["vocab"]
     if out["emptied"]:
@@ -97,18 +122,32 @@ def test_the_parity_gate_on_trl_s_own_sync_and_on_ckptguard_s(probe):
         assert "ckptguard_vllm_sync='reload'" in out["check_refused"]
     else:
         assert out["check_first"] == out["check_second"] == {"rollout-weight parity": "PASS"}
-    assert out["stale"].startswith("StateMismatchError: after the weight sync of step 0 the engine does not hold")
+    assert out["stale"].startswith(
+        "StateMismatchError: after the weight sync of step 0 the engine does not hold"
+    )
     assert "'model.layers.0.mlp.down_proj.weight'" in out["stale"]
     assert out["reload_gates"] == {"rollout-weight parity": "PASS"}
     assert out["reload_tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "one of ('check', 'reload')" in out["bad_mode"]
-    assert "needs GRPOConfig(use_vllm=True, vllm_mode='colocate')" in out["mixin_check_without_engine"]
-    assert "ckptguard_vllm_sync='bogus': one of ('check', 'reload')" in out["mixin_bogus_without_engine"]
-    assert len(out["mixin_unset_said"]) == 1 and "pass ckptguard_vllm_sync='check'" in out["mixin_unset_said"][0]
+    assert (
+        "needs GRPOConfig(use_vllm=True, vllm_mode='colocate')" in out["mixin_check_without_engine"]
+    )
+    assert (
+        "ckptguard_vllm_sync='bogus': one of ('check', 'reload')"
+        in out["mixin_bogus_without_engine"]
+    )
+    assert (
+        len(out["mixin_unset_said"]) == 1
+        and "pass ckptguard_vllm_sync='check'" in out["mixin_unset_said"][0]
+    )
 
 
-def test_grpo_trainer_with_vllm_killed_after_a_step_resumes_bitwise_and_the_export_gate_passes(work, probe):
-    sync = "reload" if probe["emptied"] else "check"  # TRL's own sync where this CPU's engine takes it
+def test_grpo_trainer_with_vllm_killed_after_a_step_resumes_bitwise_and_the_export_gate_passes(
+    work, probe
+):
+    sync = (
+        "reload" if probe["emptied"] else "check"
+    )  # TRL's own sync where this CPU's engine takes it
     ref = _result(_job(work, "train", str(work), str(work / "ref"), sync=sync))
     first = _job(work, "train", str(work), str(work / "killed"), str(KILL_STEP), sync=sync)
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
@@ -119,11 +158,21 @@ def test_grpo_trainer_with_vllm_killed_after_a_step_resumes_bitwise_and_the_expo
     assert out["params"] == ref["params"] and out["optim"] == ref["optim"]
     # every generation of both launches (steps 1-6, then 5-16 again) is the uninterrupted run's of that step
     theirs, mine = _completions(work / "ref.log.jsonl"), _completions(work / "killed.log.jsonl")
-    assert sorted(theirs) == list(range(1, 17)) and all(len(d) == 1 for d in theirs.values()), theirs
+    assert sorted(theirs) == list(range(1, 17)) and all(len(d) == 1 for d in theirs.values()), (
+        theirs
+    )
     assert mine == theirs, (mine, theirs)
-    assert out["last_push"]["gates"] == {"rollout-weight parity": "PASS"} and out["last_push"]["step"] == 15
-    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(work / "killed")],
-                          capture_output=True, text=True, env=vllm_env(), timeout=120)
+    assert (
+        out["last_push"]["gates"] == {"rollout-weight parity": "PASS"}
+        and out["last_push"]["step"] == 15
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "prove", "--json", str(work / "killed")],
+        capture_output=True,
+        text=True,
+        env=vllm_env(),
+        timeout=120,
+    )
     gates = {g["gate"]: g for g in json.loads(proc.stdout)["gates"]}
     gate = gates["first export byte-identical"]
     assert gate["status"] == "PASS", gate

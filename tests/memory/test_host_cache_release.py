@@ -30,13 +30,18 @@ def _save_async(root: Path, records: Path, idle_s: float | None) -> list[dict]:
     mgr = cg.CheckpointManager(root, config=cfg)
     state = {"w": torch.randn(4 * MIB)}  # 16 MiB of float32
     with PhaseRecorder(RecorderConfig(path=records)) as rec:
-        mgr.prepare_async(state).result(timeout=60)  # the pool is mapped: this save stages, not reads live
+        mgr.prepare_async(state).result(
+            timeout=60
+        )  # the pool is mapped: this save stages, not reads live
         with rec.phase(PhaseKind.SAVE, step=7):
             pending = mgr.save_async(7, state)
         pending.wait()
         if idle_s is not None:
             deadline = time.monotonic() + 30
-            while not of_kind(read_records([records]), RecordKind.HOST_CACHE_RELEASE) and time.monotonic() < deadline:
+            while (
+                not of_kind(read_records([records]), RecordKind.HOST_CACHE_RELEASE)
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.05)
         mgr.close()
     return of_kind(read_records([records]), RecordKind.HOST_CACHE_RELEASE)
@@ -64,7 +69,9 @@ def test_no_record_without_an_open_recorder(tmp_path):
 
     assert host_cache_released(1, "release()", pinned=False, rss_before=2, rss_after=1) is False
     with PhaseRecorder(RecorderConfig(path=tmp_path / "r.jsonl")):
-        assert host_cache_released(1, "release()", pinned=False, rss_before=None, rss_after=1) is True
+        assert (
+            host_cache_released(1, "release()", pinned=False, rss_before=None, rss_after=1) is True
+        )
     assert host_cache_released(1, "release()", pinned=False, rss_before=2, rss_after=1) is False
     (r,) = of_kind(read_records([tmp_path / "r.jsonl"]), RecordKind.HOST_CACHE_RELEASE)
     assert r["step"] is None and set(r["not_obtained"]) == {"step", "rss_drop"}
@@ -84,11 +91,19 @@ def test_status_shows_the_release_and_keeps_the_rank_s_newest_phase(tmp_path):
         with rec.phase(PhaseKind.GENERATE, step=9):
             pass
         # the idle timer's release comes after later phases: it names the save it followed (7)
-        host_cache_released(16 * MIB, "idle: 600 s without a save_async", pinned=True, rss_before=100 * MIB,
-                            rss_after=84 * MIB)
+        host_cache_released(
+            16 * MIB,
+            "idle: 600 s without a save_async",
+            pinned=True,
+            rss_before=100 * MIB,
+            rss_after=84 * MIB,
+        )
     (rank,) = status([str(path)], sample_s=0.01)
     assert rank.step == 9 and rank.host_cache is not None
     assert "16.0 MiB released" in rank.host_cache and "save of step 7" in rank.host_cache
     got = CliRunner().invoke(main, ["status", str(path)])
     assert got.exit_code == 0, got.output
-    assert "step 9: between phases" in got.output and "(idle: 600 s without a save_async; RSS -16.0 MiB)" in got.output
+    assert (
+        "step 9: between phases" in got.output
+        and "(idle: 600 s without a save_async; RSS -16.0 MiB)" in got.output
+    )

@@ -26,7 +26,9 @@ def _load():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
-    r = subprocess.run([sys.executable, str(GPU_SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(GPU_SCRIPT)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "gpu_memory.json").read_text())
     assert result["skipped"] == "CUDA is not available on this machine"
@@ -45,13 +47,17 @@ def test_gpu_script_footprint_helpers_measure_a_real_allocation():
 
 def test_gpu_script_needs_an_output_dir():
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    r = subprocess.run([sys.executable, str(GPU_SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(GPU_SCRIPT)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and "--out" in r.stderr
 
 
 def test_gpu_script_imports_the_memory_package_without_the_checkpoint_deps(tmp_path):
-    code = (f"import runpy, sys; sys.path.insert(0, {str(ROOT / 'src')!r}); "
-            f"m = runpy.run_path({str(GPU_SCRIPT)!r}); mem = m['_import_memory'](); "
-            "assert 'ckptguard.manager' not in sys.modules; print(mem.pow2_ceil(3))")
+    code = (
+        f"import runpy, sys; sys.path.insert(0, {str(ROOT / 'src')!r}); "
+        f"m = runpy.run_path({str(GPU_SCRIPT)!r}); mem = m['_import_memory'](); "
+        "assert 'ckptguard.manager' not in sys.modules; print(mem.pow2_ceil(3))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "4", r.stderr

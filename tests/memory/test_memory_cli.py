@@ -15,13 +15,25 @@ FROZEN = {
     "report": ["--html", "--json", "--png", "--ray-log"],
     "killer": ["--json", "--ray-log"],
     "vllm-log": ["--json"],
-    "recipe": ["--cpu", "--json", "--mode", "--modes-key", "--vllm-log"],  # --cpu, --mode, --vllm-log: issue 28 item 4
+    "recipe": [
+        "--cpu",
+        "--json",
+        "--mode",
+        "--modes-key",
+        "--vllm-log",
+    ],  # --cpu, --mode, --vllm-log: issue 28 item 4
 }
 
 
 def test_command_and_option_set_is_frozen():
     got = {
-        name: sorted(opt for p in cmd.params if isinstance(p, click.Option) for opt in p.opts if opt.startswith("--"))
+        name: sorted(
+            opt
+            for p in cmd.params
+            if isinstance(p, click.Option)
+            for opt in p.opts
+            if opt.startswith("--")
+        )
         for name, cmd in mem.commands.items()
     }
     assert got == FROZEN
@@ -43,6 +55,6 @@ def test_registers_under_a_parent_group_as_the_lead_will():
 
 def test_bad_records_file_is_exit_2_with_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("not json\n{\"kind\": \"sample\", \"mono_ns\": 1}\n")
+    bad.write_text('not json\n{"kind": "sample", "mono_ns": 1}\n')
     r = CliRunner().invoke(mem, ["growth", str(bad)])
     assert r.exit_code == 2 and "bad.jsonl:1" in r.output

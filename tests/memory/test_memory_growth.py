@@ -43,13 +43,33 @@ def _synthetic(pid_slopes, n=12, dt=1.0, with_steps=False):
     recs = []
     for i in range(n):
         t = int(i * dt * 1e9)
-        procs = [{"pid": pid, "comm": f"p{pid}", "argv0": "python", "pss": 10**8 + int(slope * i)}
-                 for pid, slope in pid_slopes.items()]
-        recs.append({"v": 1, "kind": "sample", "mono_ns": t + 1, "node": "n", "pid": 9, "procs": procs,
-                     "ray": {"used": 10**9 + i * 10**7, "threshold_bytes": 2 * 10**9}})
+        procs = [
+            {"pid": pid, "comm": f"p{pid}", "argv0": "python", "pss": 10**8 + int(slope * i)}
+            for pid, slope in pid_slopes.items()
+        ]
+        recs.append(
+            {
+                "v": 1,
+                "kind": "sample",
+                "mono_ns": t + 1,
+                "node": "n",
+                "pid": 9,
+                "procs": procs,
+                "ray": {"used": 10**9 + i * 10**7, "threshold_bytes": 2 * 10**9},
+            }
+        )
         if with_steps:
-            recs.append({"v": 1, "kind": "phase_start", "mono_ns": t, "node": "n", "pid": 9, "step": i,
-                         "phase": "update"})
+            recs.append(
+                {
+                    "v": 1,
+                    "kind": "phase_start",
+                    "mono_ns": t,
+                    "node": "n",
+                    "pid": 9,
+                    "step": i,
+                    "phase": "update",
+                }
+            )
     return sorted(recs, key=lambda r: r["mono_ns"])
 
 
@@ -76,32 +96,53 @@ def test_too_few_points_gives_no_verdict():
 
 def test_leak_found_within_10_percent_per_step_and_per_second_flat_not_flagged(tmp_path):
     watch_file, phase_file = tmp_path / "watch.jsonl", tmp_path / "phases.jsonl"
-    cmd = [sys.executable, str(FIX / "leak_workload.py"), str(phase_file), str(LEAK), str(STEPS), str(PERIOD)]
-    result = CliRunner().invoke(mem, ["watch", "--interval", "0.02", "--out", str(watch_file), "--", *cmd])
+    cmd = [
+        sys.executable,
+        str(FIX / "leak_workload.py"),
+        str(phase_file),
+        str(LEAK),
+        str(STEPS),
+        str(PERIOD),
+    ]
+    result = CliRunner().invoke(
+        mem, ["watch", "--interval", "0.02", "--out", str(watch_file), "--", *cmd]
+    )
     assert result.exit_code == 0, result.output
 
     recs = read_records([watch_file, phase_file])
     starts = sorted(r["mono_ns"] for r in recs if r["kind"] == "phase_start")
     assert len(starts) == STEPS
-    true_per_s = LEAK / ((starts[-1] - starts[0]) / 1e9 / (STEPS - 1))  # the rate the job actually ran at
+    true_per_s = LEAK / (
+        (starts[-1] - starts[0]) / 1e9 / (STEPS - 1)
+    )  # the rate the job actually ran at
 
     result = CliRunner().invoke(mem, ["growth", "--json", str(watch_file), str(phase_file)])
     assert result.exit_code == 1, result.output  # exit 1: something is rising
     procs = json.loads(result.output)["processes"]
-    assert len(procs) == 2 and all({"pid", "comm", "slope_bytes_per_s", "rising"} <= set(p) for p in procs)
+    assert len(procs) == 2 and all(
+        {"pid", "comm", "slope_bytes_per_s", "rising"} <= set(p) for p in procs
+    )
     leaker = next(p for p in procs if p["rising"])
     flat = next(p for p in procs if not p["rising"])
     assert leaker["pid"] == next(r["root_pid"] for r in recs if r["kind"] == "watch_start")
     assert leaker["slope_bytes_per_step"] == pytest.approx(LEAK, rel=0.10)
     assert leaker["slope_bytes_per_s"] == pytest.approx(true_per_s, rel=0.10)
     assert leaker["basis"] == "per_step" and len(leaker["floors_per_step"]) >= STEPS - 1
-    assert abs(flat["slope_bytes_per_step"]) < LEAK / 20 and abs(flat["slope_bytes_per_s"]) < true_per_s / 20
+    assert (
+        abs(flat["slope_bytes_per_step"]) < LEAK / 20
+        and abs(flat["slope_bytes_per_s"]) < true_per_s / 20
+    )
 
     text = CliRunner().invoke(mem, ["growth", str(watch_file), str(phase_file)])
-    assert "RISING" in text.output and "flat" in text.output and f"{STEPS} steps seen" in text.output
+    assert (
+        "RISING" in text.output and "flat" in text.output and f"{STEPS} steps seen" in text.output
+    )
 
     # The watch file alone (no steps): per-interval floors still find the same leak.
-    only = {p.pid: p for p in analyze_growth(read_records([watch_file]), GrowthConfig(skip_s=0.3)).processes}
+    only = {
+        p.pid: p
+        for p in analyze_growth(read_records([watch_file]), GrowthConfig(skip_s=0.3)).processes
+    }
     assert only[leaker["pid"]].basis == "per_second" and only[leaker["pid"]].rising
     assert not only[flat["pid"]].rising
     watch_end = recs[-1]
@@ -110,8 +151,20 @@ def test_leak_found_within_10_percent_per_step_and_per_second_flat_not_flagged(t
 
 def test_watch_reports_the_commands_exit_and_signal(tmp_path):
     out = tmp_path / "w.jsonl"
-    r = CliRunner().invoke(mem, ["watch", "--interval", "0.05", "--out", str(out), "--", sys.executable, "-c",
-                                 "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    r = CliRunner().invoke(
+        mem,
+        [
+            "watch",
+            "--interval",
+            "0.05",
+            "--out",
+            str(out),
+            "--",
+            sys.executable,
+            "-c",
+            "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+        ],
+    )
     assert r.exit_code == 128 + 9
     end = read_records([out])[-1]
     assert end["kind"] == "watch_end" and end["signal"] == 9

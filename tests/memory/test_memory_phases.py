@@ -60,17 +60,26 @@ def test_phase_records_have_every_field(tmp_path):
             del keep
     recs = read_records([path])
     assert [(r["kind"], r["phase"]) for r in recs] == [
-        ("phase_start", "load"), ("phase_end", "load"),
-        ("phase_start", "generate"), ("phase_start", "wake"), ("phase_end", "wake"), ("phase_end", "generate"),
+        ("phase_start", "load"),
+        ("phase_end", "load"),
+        ("phase_start", "generate"),
+        ("phase_start", "wake"),
+        ("phase_end", "wake"),
+        ("phase_end", "generate"),
     ]
     for r in recs:
         assert r["node"] == "n7" and r["rank"] == 3 and r["pid"] == os.getpid() and r["v"] == 1
-        assert r["host"]["mem_total"] > 0 and r["process"]["rss"] > 0 and r["process"]["rss_anon"] > 0
+        assert (
+            r["host"]["mem_total"] > 0 and r["process"]["rss"] > 0 and r["process"]["rss_anon"] > 0
+        )
         assert r["ray"]["threshold_bytes"] > 0
         assert r["gpu"]["allocated"] is None and "allocated" in r["gpu"]["not_obtained"]
     # PSS (a page-table walk) is read at the first boundary, then at most every pss_every_s.
     assert recs[0]["process"]["pss"] > 0
-    assert recs[1]["process"]["pss"] is None and "pss_every_s" in recs[1]["process"]["not_obtained"]["pss"]
+    assert (
+        recs[1]["process"]["pss"] is None
+        and "pss_every_s" in recs[1]["process"]["not_obtained"]["pss"]
+    )
     wake_end = recs[4]
     assert wake_end["policy_version"] == 5 and wake_end["duration_s"] >= 0
     assert wake_end["peak"]["process_rss"] >= recs[3]["process"]["rss"] + (16 << 20)
@@ -124,7 +133,10 @@ def test_failure_without_oom_has_no_requested_bytes(tmp_path):
         {}["missing"]
     rec.close()
     fail = read_records([tmp_path / "m.jsonl"])[-1]
-    assert fail["requested_bytes"] is None and "not a CUDA OOM" in fail["not_obtained"]["requested_bytes"]
+    assert (
+        fail["requested_bytes"] is None
+        and "not a CUDA OOM" in fail["not_obtained"]["requested_bytes"]
+    )
     assert fail["last_completed"] is None and "last_completed" in fail["not_obtained"]
     assert classify_failure(read_records([tmp_path / "m.jsonl"])).killer is Killer.UNKNOWN
 
@@ -162,15 +174,22 @@ _CHILD = textwrap.dedent(
 def test_cgroup_oom_kill_classified_from_the_records(tmp_path):
     shutil.copytree(FIX / "cgroup_v2", tmp_path / "tree")
     out = tmp_path / "mem.jsonl"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / "tree"), str(out), "save"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "tree"), str(out), "save"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     assert child.stdout.readline() == b"in\n"
     events = tmp_path / "tree/sys/fs/cgroup/job.slice/run1/memory.events"
     events.write_text(events.read_text().replace("oom_kill 1", "oom_kill 2"))
-    child.send_signal(signal.SIGKILL)  # what the kernel's OOM killer does: no Python stack, no end record
+    child.send_signal(
+        signal.SIGKILL
+    )  # what the kernel's OOM killer does: no Python stack, no end record
     child.wait()
     # The resumed job's first record (its load phase) sees the raised counter.
-    subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "tree"), str(out), "load"], check=True)
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "tree"), str(out), "load"], check=True
+    )
     recs = read_records([out])
     assert [r["kind"] for r in recs] == ["phase_start", "phase_start", "phase_end"]
     verdict = classify_failure(recs)
@@ -191,7 +210,12 @@ def _rec(kind, t, **kw):
 
 
 def test_ray_figure_over_threshold_is_a_ray_kill_and_a_clean_run_is_none():
-    over = {"used": 480 * GiB, "threshold_bytes": 478 * GiB, "over_threshold": True, "reported": "excludes_page_cache"}
+    over = {
+        "used": 480 * GiB,
+        "threshold_bytes": 478 * GiB,
+        "over_threshold": True,
+        "reported": "excludes_page_cache",
+    }
     recs = [_rec("phase_start", 1, phase="save", step=3, ray=over)]
     v = classify_failure(recs)
     assert v.killer is Killer.RAY and "480.00 GiB" in v.evidence[0] and v.phase == "save"

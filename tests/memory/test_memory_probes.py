@@ -35,7 +35,9 @@ GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
 def probe(tree: str, root: Path = FIX) -> HostProbe:
     base = root / tree
-    return HostProbe(HostProbeConfig(proc_root=base / "proc", cgroup_root=base / "sys" / "fs" / "cgroup"))
+    return HostProbe(
+        HostProbeConfig(proc_root=base / "proc", cgroup_root=base / "sys" / "fs" / "cgroup")
+    )
 
 
 def test_v2_tree_reads_every_field_and_the_parent_limit():
@@ -97,14 +99,18 @@ def test_unreadable_sources_are_not_obtained_never_zero(tmp_path):
 def test_this_machine_real_files():
     snap = HostProbe().read()
     meminfo = Path("/proc/meminfo").read_text()
-    total_kb = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemTotal:")))
+    total_kb = int(
+        next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemTotal:"))
+    )
     assert snap.mem_total == total_kb * KiB
     assert snap.current is not None and snap.current > 0
     if snap.source is CgroupVersion.V1:
         expect = int(Path(snap.cgroup_dir, "memory.usage_in_bytes").read_text())
         assert abs(snap.current - expect) < 512 * MiB
     elif snap.source is CgroupVersion.V2:
-        assert abs(snap.current - int(Path(snap.cgroup_dir, "memory.current").read_text())) < 512 * MiB
+        assert (
+            abs(snap.current - int(Path(snap.cgroup_dir, "memory.current").read_text())) < 512 * MiB
+        )
     # Everything missing has a reason; nothing missing reads as 0 by accident.
     for name, value in snap.to_json().items():
         if value is None:
@@ -119,7 +125,9 @@ def test_ray_figure_on_v2_uses_cgroup_and_computes_both_figures():
     assert fig.excluding_page_cache == 6 * GiB - (1 * GiB + 512 * MiB)
     assert fig.including_page_cache == 6 * GiB
     assert fig.threshold_bytes == int(8 * GiB * 0.95)
-    assert fig.reported is RayAccounting.EXCLUDES_PAGE_CACHE and fig.used == fig.excluding_page_cache
+    assert (
+        fig.reported is RayAccounting.EXCLUDES_PAGE_CACHE and fig.used == fig.excluding_page_cache
+    )
     assert "file LRU" in fig.why
     old = ray_figure(snap, RayConfig(accounting=RayAccounting.INCLUDES_PAGE_CACHE))
     assert old.used == 6 * GiB and "page cache counted" in old.why
@@ -135,7 +143,9 @@ def test_ray_figure_without_cgroup_limit_uses_meminfo():
 
 
 def test_ray_config_from_env_and_validation():
-    cfg = RayConfig.from_env({"RAY_memory_usage_threshold": "0.9", "RAY_min_memory_free_bytes": "-1"})
+    cfg = RayConfig.from_env(
+        {"RAY_memory_usage_threshold": "0.9", "RAY_min_memory_free_bytes": "-1"}
+    )
     assert cfg.threshold == 0.9 and cfg.min_memory_free_bytes is None
     assert RayConfig.from_env({}).threshold == 0.95
     with pytest.raises(ConfigError, match="RAY_memory_usage_threshold"):
@@ -155,7 +165,9 @@ def test_process_snapshot_of_self_and_a_tree():
     me = read_process("self")
     assert me.pid == os.getpid() and me.pss and me.pss > 0 and me.threads >= 1 and me.fds >= 3
     assert me.pss_anon is not None  # Linux >= 5.3 here
-    child = subprocess.Popen([sys.executable, "-c", "import time,sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time,sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     try:
         tree = list_tree(os.getpid())
         assert tree[0] == os.getpid() and child.pid in tree
@@ -182,8 +194,24 @@ def test_gpu_probe_never_touches_cuda_here():
 @pytest.mark.parametrize(
     ("stats", "schema", "cached"),
     [
-        ({"allocations.current": 3, "allocated_bytes.current": 4 * GiB, "active_bytes.current": 3 * GiB}, "new", GiB),
-        ({"segment.current": 2, "reserved_bytes.current": 4 * GiB, "allocated_bytes.current": 3 * GiB}, "old", GiB),
+        (
+            {
+                "allocations.current": 3,
+                "allocated_bytes.current": 4 * GiB,
+                "active_bytes.current": 3 * GiB,
+            },
+            "new",
+            GiB,
+        ),
+        (
+            {
+                "segment.current": 2,
+                "reserved_bytes.current": 4 * GiB,
+                "allocated_bytes.current": 3 * GiB,
+            },
+            "old",
+            GiB,
+        ),
     ],
 )
 def test_pinned_stats_both_schemas(stats, schema, cached):

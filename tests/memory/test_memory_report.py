@@ -70,9 +70,13 @@ def _record_run(tmp_path: Path, *, gpu: bool = False, killed_in_save: bool = Fal
     tree = tmp_path / "tree"
     shutil.copytree(FIX / "cgroup_v2", tree)
     cg = tree / "sys" / "fs" / "cgroup" / "job.slice" / "run1"
-    probe = HostProbe(HostProbeConfig(proc_root=tree / "proc", cgroup_root=tree / "sys" / "fs" / "cgroup"))
+    probe = HostProbe(
+        HostProbeConfig(proc_root=tree / "proc", cgroup_root=tree / "sys" / "fs" / "cgroup")
+    )
     phases, watch = tmp_path / "phases.jsonl", []
-    rec = PhaseRecorder(RecorderConfig(path=phases, node="n1", probe_gpu=False, sample_hz=200), host_probe=probe)
+    rec = PhaseRecorder(
+        RecorderConfig(path=phases, node="n1", probe_gpu=False, sample_hz=200), host_probe=probe
+    )
     with rec.phase(PhaseKind.LOAD, step=0):
         _wait_for_samples(rec, 2)
     for step in range(1, 7):
@@ -84,14 +88,25 @@ def _record_run(tmp_path: Path, *, gpu: bool = False, killed_in_save: bool = Fal
     _wait_for_samples(rec, 2)
     (cg / "memory.current").write_text(str(base + SPIKE))
     _wait_for_samples(rec, 3)
-    watch.append({"v": 1, "kind": "sample", "mono_ns": time.monotonic_ns(), "node": "n1", "pid": 1, "procs": [],
-                  "host": probe.read().to_json()})
+    watch.append(
+        {
+            "v": 1,
+            "kind": "sample",
+            "mono_ns": time.monotonic_ns(),
+            "node": "n1",
+            "pid": 1,
+            "procs": [],
+            "host": probe.read().to_json(),
+        }
+    )
     (cg / "memory.current").write_text(str(base))
     if killed_in_save:
         events = cg / "memory.events"
         events.write_text(events.read_text().replace("oom_kill 1", "oom_kill 2"))
         rec.close()
-        subprocess.run([sys.executable, "-c", _RESUMED, str(tree), str(phases)], check=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-c", _RESUMED, str(tree), str(phases)], check=True, timeout=60
+        )
     else:
         _wait_for_samples(rec, 2)
         save.__exit__(None, None, None)
@@ -102,16 +117,35 @@ def _record_run(tmp_path: Path, *, gpu: bool = False, killed_in_save: bool = Fal
     with open(out, "w") as fh:
         for i, r in enumerate(recs):
             if gpu:
-                r["gpu"] = {"allocated": (20 + i) * GiB, "reserved": (30 + i) * GiB, "device_total": 140 * GiB}
+                r["gpu"] = {
+                    "allocated": (20 + i) * GiB,
+                    "reserved": (30 + i) * GiB,
+                    "device_total": 140 * GiB,
+                }
             fh.write(json.dumps(r) + "\n")
         for r in watch:
             fh.write(json.dumps(r) + "\n")
         for i in range(12):
             t = t0 + (t1 - t0) * i // 11
-            procs = [{"pid": 100, "comm": "leaky", "argv0": "python", "pss": GiB + i * (64 << 20)},
-                     {"pid": 200, "comm": "steady", "argv0": "python", "pss": GiB // 2}]
-            fh.write(json.dumps({"v": 1, "kind": "sample", "mono_ns": t + 1, "node": "n1", "pid": 1,
-                                 "procs": procs, "host": recs[0]["host"], "ray": recs[0]["ray"]}) + "\n")
+            procs = [
+                {"pid": 100, "comm": "leaky", "argv0": "python", "pss": GiB + i * (64 << 20)},
+                {"pid": 200, "comm": "steady", "argv0": "python", "pss": GiB // 2},
+            ]
+            fh.write(
+                json.dumps(
+                    {
+                        "v": 1,
+                        "kind": "sample",
+                        "mono_ns": t + 1,
+                        "node": "n1",
+                        "pid": 1,
+                        "procs": procs,
+                        "host": recs[0]["host"],
+                        "ray": recs[0]["ray"],
+                    }
+                )
+                + "\n"
+            )
     return out
 
 
@@ -138,10 +172,19 @@ def _visible_text(page: str) -> str:
 def test_report_html_is_self_contained_and_complete(records_file, tmp_path):
     page = render_html(read_records([records_file]))
     assert "default-src 'none'" in page
-    for needle in ('data-chart="host-memory"', 'data-chart="process-floors"', 'data-chart="gpu-memory"',
-                   'data-series="anon"', 'data-series="shmem"', 'data-series="file"', 'data-series="current"',
-                   'data-phase="save"', f'data-limit="memory.max" data-bytes="{8 * GiB}"', 'data-verdict="rising"',
-                   'data-verdict="flat"'):
+    for needle in (
+        'data-chart="host-memory"',
+        'data-chart="process-floors"',
+        'data-chart="gpu-memory"',
+        'data-series="anon"',
+        'data-series="shmem"',
+        'data-series="file"',
+        'data-series="current"',
+        'data-phase="save"',
+        f'data-limit="memory.max" data-bytes="{8 * GiB}"',
+        'data-verdict="rising"',
+        'data-verdict="flat"',
+    ):
         assert needle in page, needle
     assert "http://" not in page and "https://" not in page and "<script" not in page
     out = tmp_path / "r.html"
@@ -157,17 +200,29 @@ def test_report_shows_the_in_phase_peaks_and_the_save_headroom(spike_file):
     boundaries = [r["host"]["current"] for r in recs if r["kind"].startswith("phase_")]
     assert peak == 6 * GiB + SPIKE and max(boundaries) == 6 * GiB  # only the sampler saw it
     page = render_html(recs)
-    limit = int(8 * GiB * 0.95)  # the report's limit: cgroup memory.max x RAY_memory_usage_threshold
+    limit = int(
+        8 * GiB * 0.95
+    )  # the report's limit: cgroup memory.max x RAY_memory_usage_threshold
     phases = [r for r in recs if r["kind"] == "phase_end"]
     bars = re.findall(r'<g data-peak="([a-z_]+)" data-step="(\d+)" data-bytes="(\d+)">', page)
-    assert sorted(bars) == sorted((r["phase"], str(r["step"]), str(r["peak"]["host_current"])) for r in phases)
-    mark = re.search(r'<g data-mark="save-peak" data-step="6" data-bytes="(\d+)" data-limit-bytes="(\d+)" '
-                     r'data-headroom="(-?\d+)">', page)
+    assert sorted(bars) == sorted(
+        (r["phase"], str(r["step"]), str(r["peak"]["host_current"])) for r in phases
+    )
+    mark = re.search(
+        r'<g data-mark="save-peak" data-step="6" data-bytes="(\d+)" data-limit-bytes="(\d+)" '
+        r'data-headroom="(-?\d+)">',
+        page,
+    )
     assert mark and [int(v) for v in mark.groups()] == [peak, limit, limit - peak]
     text = _visible_text(page)
     assert "save peak 6.59 GiB (step 6), headroom 1.01 GiB to the 7.60 GiB limit" in text
-    assert "limit 7.60 GiB = memory.max 8.00 GiB x Ray threshold 0.95; headroom 1.01 GiB (13% of the limit)" in text
-    assert re.search(r"save\s+6\s+0\s+\d+\s+[\d.]+ s\s+6.00 GiB\s+6.00 GiB\s+6.59 GiB", text)  # phase table row
+    assert (
+        "limit 7.60 GiB = memory.max 8.00 GiB x Ray threshold 0.95; headroom 1.01 GiB (13% of the limit)"
+        in text
+    )
+    assert re.search(
+        r"save\s+6\s+0\s+\d+\s+[\d.]+ s\s+6.00 GiB\s+6.00 GiB\s+6.59 GiB", text
+    )  # phase table row
     # No GPU figure in these records: no GPU chart, one line that says why.
     assert 'data-chart="gpu-memory"' not in page and 'data-not-obtained="gpu"' in page
     assert "Ray threshold 7.60 GiB = memory.max x 0.95" in text and "memory.max 8.00 GiB" in text
@@ -176,20 +231,29 @@ def test_report_shows_the_in_phase_peaks_and_the_save_headroom(spike_file):
 def test_report_of_a_job_killed_in_its_save(killed_file):
     recs = read_records([killed_file])
     assert [r["phase"] for r in recs if r["kind"] == "phase_start"][-2:] == ["save", "load"]
-    assert len({r["pid"] for r in recs if r["kind"] == "phase_start"}) == 2  # the resumed job is another process
+    assert (
+        len({r["pid"] for r in recs if r["kind"] == "phase_start"}) == 2
+    )  # the resumed job is another process
     page = render_html(recs)
     assert 'data-killer="cgroup_oom_kill"' in page
     text = _visible_text(page)
-    assert "Failure: cgroup_oom_kill in phase 'save' (step 6)" in text and "save (died here)" in text
+    assert (
+        "Failure: cgroup_oom_kill in phase 'save' (step 6)" in text and "save (died here)" in text
+    )
     assert '<g data-phase="save" data-step="6" data-state="never ended">' in page
     # The recorder's in-memory peak died with the process; mem watch's sample kept the spike.
     mark = re.search(r'data-mark="save-peak" data-step="6" data-bytes="(\d+)"', page)
     assert mark and int(mark[1]) == 6 * GiB + SPIKE
     assert "save peak 6.59 GiB (step 6, died in it)" in text
     # The dead save ends where the resumed job starts, not at the end of the records.
-    resumed = next(r for r in recs if r["kind"] == "phase_start" and r["phase"] == "load" and r["step"] == 6)
-    band = re.search(r'<g data-phase="save" data-step="6" data-state="never ended"><rect x="([\d.]+)" y="\d+" '
-                     r'width="([\d.]+)"', page)
+    resumed = next(
+        r for r in recs if r["kind"] == "phase_start" and r["phase"] == "load" and r["step"] == 6
+    )
+    band = re.search(
+        r'<g data-phase="save" data-step="6" data-state="never ended"><rect x="([\d.]+)" y="\d+" '
+        r'width="([\d.]+)"',
+        page,
+    )
     assert band is not None
     t0, t1 = recs[0]["mono_ns"], recs[-1]["mono_ns"]
     x_resumed = 64 + (resumed["mono_ns"] - t0) / (t1 - t0) * (940 - 64 - 16)
@@ -198,9 +262,16 @@ def test_report_of_a_job_killed_in_its_save(killed_file):
 
 def test_one_host_chart_per_node(spike_file):
     recs = read_records([spike_file])
-    two = sorted(recs + [{**r, "node": "n2"} for r in recs if r.get("node") == "n1"], key=lambda r: r["mono_ns"])
+    two = sorted(
+        recs + [{**r, "node": "n2"} for r in recs if r.get("node") == "n1"],
+        key=lambda r: r["mono_ns"],
+    )
     page = render_html(two)
-    assert page.count('data-chart="host-memory"') == 2 and 'data-node="n1"' in page and 'data-node="n2"' in page
+    assert (
+        page.count('data-chart="host-memory"') == 2
+        and 'data-node="n1"' in page
+        and 'data-node="n2"' in page
+    )
     assert page.count('data-mark="save-peak"') == 2
 
 
@@ -209,8 +280,11 @@ def _figure_texts(fig) -> list:
     it keeps labels of ticks outside the view, undrawn, among the figure's artists."""
     fig.canvas.draw()
     ticks = {id(t) for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()}
-    return [t for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_window_extent"))
-            if t.get_visible() and t.get_text().strip() and id(t) not in ticks]
+    return [
+        t
+        for t in fig.findobj(lambda a: hasattr(a, "get_text") and hasattr(a, "get_window_extent"))
+        if t.get_visible() and t.get_text().strip() and id(t) not in ticks
+    ]
 
 
 def test_report_png_carries_the_same_story(spike_file, killed_file, tmp_path):
@@ -220,8 +294,16 @@ def test_report_png_carries_the_same_story(spike_file, killed_file, tmp_path):
     from ckptguard.memory.figure import build_figure
 
     for path, headline, save_text in (
-        (spike_file, "Failure: none", "save peak 6.59 GiB (step 6), headroom 1.01 GiB to the 7.60 GiB limit"),
-        (killed_file, "Failure: cgroup_oom_kill in phase 'save' (step 6)", "save peak 6.59 GiB (step 6, died in it)"),
+        (
+            spike_file,
+            "Failure: none",
+            "save peak 6.59 GiB (step 6), headroom 1.01 GiB to the 7.60 GiB limit",
+        ),
+        (
+            killed_file,
+            "Failure: cgroup_oom_kill in phase 'save' (step 6)",
+            "save peak 6.59 GiB (step 6, died in it)",
+        ),
     ):
         recs = read_records([path])
         fig = build_figure(recs)
@@ -231,20 +313,37 @@ def test_report_png_carries_the_same_story(spike_file, killed_file, tmp_path):
             assert any(w.startswith(headline) for w in words), words
             assert any(w.startswith(save_text) for w in words), words
             # Every phase is named: one by one where they fit, a run as "update xN" where not.
-            updates = sum(int(w.split(" x")[1]) if " x" in w else 1 for w in words if w.startswith("update"))
-            assert "load" in words and ("save (died here)" in words if "cgroup" in headline else
-                                        "save" in words and updates == 6), words
+            updates = sum(
+                int(w.split(" x")[1]) if " x" in w else 1 for w in words if w.startswith("update")
+            )
+            assert "load" in words and (
+                "save (died here)" in words
+                if "cgroup" in headline
+                else "save" in words and updates == 6
+            ), words
             assert any(w.startswith("memory.max 8.00 GiB") for w in words)
             assert any(w.startswith("Ray threshold 7.60 GiB") for w in words)
             titles = [ax.get_title(loc="left") for ax in fig.axes]
-            assert "Host memory on n1" in titles and not any("GPU" in t for t in titles)  # no empty GPU chart
+            assert "Host memory on n1" in titles and not any(
+                "GPU" in t for t in titles
+            )  # no empty GPU chart
             renderer = fig.canvas.get_renderer()
             host = next(ax for ax in fig.axes if ax.get_title(loc="left") == "Host memory on n1")
-            for t in texts:  # every label fully inside the image, limit labels inside the host chart
+            for (
+                t
+            ) in texts:  # every label fully inside the image, limit labels inside the host chart
                 e = t.get_window_extent(renderer)
-                box = host.bbox if t.get_text().startswith(("memory.max", "Ray threshold")) else fig.bbox
-                assert box.x0 - 1 <= e.x0 and e.x1 <= box.x1 + 1 and box.y0 - 1 <= e.y0 and e.y1 <= box.y1 + 1, \
-                    t.get_text()
+                box = (
+                    host.bbox
+                    if t.get_text().startswith(("memory.max", "Ray threshold"))
+                    else fig.bbox
+                )
+                assert (
+                    box.x0 - 1 <= e.x0
+                    and e.x1 <= box.x1 + 1
+                    and box.y0 - 1 <= e.y0
+                    and e.y1 <= box.y1 + 1
+                ), t.get_text()
         finally:
             fig.clf()
         out = tmp_path / f"{path.parent.name}.png"
@@ -277,10 +376,25 @@ class _Cdp:
             os.dup2(b, 4)
 
         self.proc = subprocess.Popen(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--remote-debugging-pipe", "about:blank"],
-            preexec_fn=wire, close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--disable-dev-shm-usage",
+                f"--user-data-dir={profile}",
+                "--remote-debugging-pipe",
+                "about:blank",
+            ],
+            preexec_fn=wire,
+            close_fds=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         os.close(to_r)
         os.close(from_w)
@@ -289,9 +403,17 @@ class _Cdp:
     def blank_page(self) -> str:
         """A new blank target, attached (flat): its session id."""
         target = self.call("Target.createTarget", {"url": "about:blank"})["result"]["targetId"]
-        return self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["result"]["sessionId"]
+        return self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["result"][
+            "sessionId"
+        ]
 
-    def call(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 20.0):
+    def call(
+        self,
+        method: str,
+        params: dict | None = None,
+        session: str | None = None,
+        timeout: float = 20.0,
+    ):
         self._id += 1
         msg = {"id": self._id, "method": method, "params": params or {}}
         if session:
@@ -360,22 +482,34 @@ NO_CHROMIUM = "chromium is not installed (Debian package 'chromium'; make test i
 def _open(cdp: _Cdp, sid: str, page: Path, shot: Path) -> dict:
     """Load ``page`` 1000 px wide, read the DOM facts, and save a full-page screenshot to ``shot``."""
     # The charts scale to the page's width: the facts are read at the width the screenshot is taken at.
-    cdp.call("Emulation.setDeviceMetricsOverride", {"width": 1000, "height": 900, "deviceScaleFactor": 1,
-                                                     "mobile": False}, session=sid)
+    cdp.call(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 1000, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+        session=sid,
+    )
     cdp.call("Page.navigate", {"url": page.as_uri()}, session=sid)
     cdp.wait(lambda m: m.get("method") == "Page.loadEventFired" and m.get("sessionId") == sid)
-    res = cdp.call("Runtime.evaluate", {"expression": DOM_FACTS, "returnByValue": True}, session=sid)
+    res = cdp.call(
+        "Runtime.evaluate", {"expression": DOM_FACTS, "returnByValue": True}, session=sid
+    )
     facts = json.loads(res["result"]["result"]["value"])
-    cdp.call("Emulation.setDeviceMetricsOverride", {"width": 1000, "height": facts["height"], "deviceScaleFactor": 1,
-                                                     "mobile": False}, session=sid)
+    cdp.call(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 1000, "height": facts["height"], "deviceScaleFactor": 1, "mobile": False},
+        session=sid,
+    )
     png = cdp.call("Page.captureScreenshot", {"format": "png"}, session=sid)["result"]["data"]
     shot.write_bytes(base64.b64decode(png))
     return facts
 
 
 def _inside(inner: list[float], outer: list[float]) -> bool:
-    return outer[0] - 0.5 <= inner[0] and inner[2] <= outer[2] + 0.5 and outer[1] - 0.5 <= inner[1] and \
-        inner[3] <= outer[3] + 0.5
+    return (
+        outer[0] - 0.5 <= inner[0]
+        and inner[2] <= outer[2] + 0.5
+        and outer[1] - 0.5 <= inner[1]
+        and inner[3] <= outer[3] + 0.5
+    )
 
 
 def _apart(a: list[float], b: list[float]) -> bool:
@@ -388,15 +522,23 @@ def test_report_in_headless_chromium(records_file, spike_file, tmp_path):
     pages = {}
     for name, src in (("gpu", records_file), ("spike", spike_file)):
         pages[name] = tmp_path / f"{name}.html"
-        assert CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
+        assert (
+            CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
+        )
     cdp = _Cdp(tmp_path / "profile")
     try:
         sid = cdp.blank_page()
         cdp.call("Network.enable", session=sid)
         cdp.call("Page.enable", session=sid)
-        facts = {name: _open(cdp, sid, page, tmp_path / f"{name}-screenshot.png") for name, page in pages.items()}
-        requested = [e["params"]["request"]["url"] for e in cdp.events
-                     if e.get("method") == "Network.requestWillBeSent"]
+        facts = {
+            name: _open(cdp, sid, page, tmp_path / f"{name}-screenshot.png")
+            for name, page in pages.items()
+        }
+        requested = [
+            e["params"]["request"]["url"]
+            for e in cdp.events
+            if e.get("method") == "Network.requestWillBeSent"
+        ]
     finally:
         cdp.close()
 
@@ -408,7 +550,10 @@ def test_report_in_headless_chromium(records_file, spike_file, tmp_path):
     assert {"load", "update", "save"} <= set(f["phases"])
     limits = {name: (int(b), text) for name, b, text in f["limits"]}
     assert limits["memory.max"][0] == 8 * GiB and "8.00 GiB" in limits["memory.max"][1]
-    assert limits["ray-threshold"][0] == int(8 * GiB * 0.95) and "7.60 GiB" in limits["ray-threshold"][1]
+    assert (
+        limits["ray-threshold"][0] == int(8 * GiB * 0.95)
+        and "7.60 GiB" in limits["ray-threshold"][1]
+    )
     assert {"100 leaky", "200 steady"} <= set(f["floor_series"])
     assert ["100", "rising"] in f["verdicts"] and ["200", "flat"] in f["verdicts"]
     assert dict(f["gpu_series"])["allocated"] >= 16 and dict(f["gpu_series"])["reserved"] >= 16
@@ -425,18 +570,23 @@ def test_report_in_headless_chromium(records_file, spike_file, tmp_path):
     for text, b in labels:
         assert _inside(b, s["plot"]), (text, b, s["plot"])
     for i, (ta, a) in enumerate(labels):
-        for tb, b in labels[i + 1:]:
+        for tb, b in labels[i + 1 :]:
             assert _apart(a, b), (ta, tb)
-    for i, (ta, a) in enumerate(s["phase_labels"]):  # phase names: inside the chart, never on top of another
+    for i, (ta, a) in enumerate(
+        s["phase_labels"]
+    ):  # phase names: inside the chart, never on top of another
         assert _inside(a, s["svg"]), ta
-        for tb, b in s["phase_labels"][i + 1:]:
+        for tb, b in s["phase_labels"][i + 1 :]:
             assert _apart(a, b), (ta, tb)
     # Each phase's in-phase peak is drawn (visible width), the save's above the others.
     peaks = {name: (v, b) for name, v, b in s["peaks"] if name == "save"}
     assert len(s["peaks"]) == 8 and all(b[2] - b[0] >= 7 for _, _, b in s["peaks"])
     assert all(peaks["save"][1][1] < b[1] for name, _, b in s["peaks"] if name != "save")
     mark_text = " ".join(t for t, _ in s["mark"])
-    assert "save peak 6.59 GiB (step 6)" in mark_text and "headroom 1.01 GiB to the 7.60 GiB limit" in mark_text
+    assert (
+        "save peak 6.59 GiB (step 6)" in mark_text
+        and "headroom 1.01 GiB to the 7.60 GiB limit" in mark_text
+    )
     assert "peak" in s["text"] and "headroom 1.01 GiB (13% of the limit)" in s["text"]
     shot = (tmp_path / "spike-screenshot.png").read_bytes()
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000

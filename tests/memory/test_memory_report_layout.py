@@ -61,15 +61,21 @@ def test_no_label_is_struck_through_by_a_line(tmp_path):
     for name, limit in (("default", None), ("crowded", 7 * GiB)):
         src = spike if limit is None else _with_limit(spike, tmp_path / f"{name}.jsonl", limit)
         pages[name] = tmp_path / f"{name}.html"
-        assert CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
+        assert (
+            CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
+        )
     cdp = _Cdp(tmp_path / "profile")
     try:
         sid = cdp.blank_page()
         cdp.call("Page.enable", session=sid)
         found = {}
         for name, page in pages.items():
-            facts = _open(cdp, sid, page, tmp_path / f"{name}.png")  # the screenshot, for a person to look at
-            res = cdp.call("Runtime.evaluate", {"expression": LINES, "returnByValue": True}, session=sid)
+            facts = _open(
+                cdp, sid, page, tmp_path / f"{name}.png"
+            )  # the screenshot, for a person to look at
+            res = cdp.call(
+                "Runtime.evaluate", {"expression": LINES, "returnByValue": True}, session=sid
+            )
             found[name] = (facts, json.loads(res["result"]["result"]["value"]))
     finally:
         cdp.close()
@@ -77,8 +83,14 @@ def test_no_label_is_struck_through_by_a_line(tmp_path):
         assert len(geo["lines"]) >= 3 and len(geo["labels"]) >= 3, (name, geo)
         for text, box in geo["labels"]:
             struck = [line for line in geo["lines"] if _struck(box, line)]
-            assert not struck, f"{name}: the label {text!r} at {box} is struck through by the line(s) {struck}"
-            assert facts["plot"][0] - 0.5 <= box[0] and box[2] <= facts["plot"][2] + 0.5, (name, text, box)
+            assert not struck, (
+                f"{name}: the label {text!r} at {box} is struck through by the line(s) {struck}"
+            )
+            assert facts["plot"][0] - 0.5 <= box[0] and box[2] <= facts["plot"][2] + 0.5, (
+                name,
+                text,
+                box,
+            )
     assert "memory.max 7.00 GiB" in json.dumps(found["crowded"][1]["labels"])
 
 
@@ -103,7 +115,7 @@ def test_a_one_floor_chart_is_not_an_empty_frame(tmp_path):
     assert 'data-not-obtained="floors-chart"' in page and "one floor only" in page
     assert re.search(r'<tr data-pid="100" data-verdict="flat">', page)  # the table stays
     full = render_html(read_records([spike]))
-    assert 'data-chart="process-floors"' in full and "<polyline data-series=\"100 leaky\"" in full
+    assert 'data-chart="process-floors"' in full and '<polyline data-series="100 leaky"' in full
     # The recording process itself has one floor among the longer series: a dot, not an invisible line.
     single = re.findall(r'<circle data-series="([^"]+)"', full)
     lines = re.findall(r'<polyline data-series="([^"]+)"', full)
@@ -148,32 +160,57 @@ def test_the_report_is_whole_and_no_label_is_struck_at_800_and_1600_px(tmp_path)
     spike = _record_run(tmp_path / "spike")
     pages = {}
     for name, limit in (("default", None), ("crowded", 7 * GiB), ("far above the data", 100 * GiB)):
-        src = spike if limit is None else _with_limit(spike, tmp_path / f"{len(pages)}.jsonl", limit)
+        src = (
+            spike if limit is None else _with_limit(spike, tmp_path / f"{len(pages)}.jsonl", limit)
+        )
         pages[name] = tmp_path / f"{len(pages)}.html"
-        assert CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
+        assert (
+            CliRunner().invoke(mem, ["report", str(src), "--html", str(pages[name])]).exit_code == 0
+        )
     cdp = _Cdp(tmp_path / "profile")
     found = {}
     try:
         sid = cdp.blank_page()
         cdp.call("Page.enable", session=sid)
         for width in (800, 1600):
-            cdp.call("Emulation.setDeviceMetricsOverride",
-                     {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False}, session=sid)
+            cdp.call(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+                session=sid,
+            )
             for name, page in pages.items():
                 cdp.call("Page.navigate", {"url": page.as_uri()}, session=sid)
-                cdp.wait(lambda m: m.get("method") == "Page.loadEventFired" and m.get("sessionId") == sid)
-                res = cdp.call("Runtime.evaluate", {"expression": WIDTH_FACTS, "returnByValue": True}, session=sid)
+                cdp.wait(
+                    lambda m: m.get("method") == "Page.loadEventFired" and m.get("sessionId") == sid
+                )
+                res = cdp.call(
+                    "Runtime.evaluate",
+                    {"expression": WIDTH_FACTS, "returnByValue": True},
+                    session=sid,
+                )
                 found[(width, name)] = json.loads(res["result"]["result"]["value"])
-                png = cdp.call("Page.captureScreenshot", {"format": "png"}, session=sid)["result"]["data"]
-                (tmp_path / f"{name}-{width}.png").write_bytes(base64.b64decode(png))  # for a person to look at
+                png = cdp.call("Page.captureScreenshot", {"format": "png"}, session=sid)["result"][
+                    "data"
+                ]
+                (tmp_path / f"{name}-{width}.png").write_bytes(
+                    base64.b64decode(png)
+                )  # for a person to look at
     finally:
         cdp.close()
     for (width, name), geo in found.items():
-        assert geo["scroll"] <= width, f"{name} at {width} px: the page is {geo['scroll']} px wide (cut off)"
+        assert geo["scroll"] <= width, (
+            f"{name} at {width} px: the page is {geo['scroll']} px wide (cut off)"
+        )
         assert all(svg[2] <= width for svg in geo["svgs"]), (width, name, geo["svgs"])
         assert len(geo["labels"]) >= 3, (width, name, geo["labels"])
         for text, box in geo["labels"]:
             struck = [line for line in geo["lines"] if _struck(box, line)]
-            assert not struck, f"{name} at {width} px: {text!r} at {box} is struck through by {struck}"
+            assert not struck, (
+                f"{name} at {width} px: {text!r} at {box} is struck through by {struck}"
+            )
             plot = geo["plot"]
-            assert plot[0] - 0.5 <= box[0] and box[2] <= plot[2] + 0.5 and plot[1] < box[1], (width, name, text)
+            assert plot[0] - 0.5 <= box[0] and box[2] <= plot[2] + 0.5 and plot[1] < box[1], (
+                width,
+                name,
+                text,
+            )

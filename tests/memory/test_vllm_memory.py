@@ -21,8 +21,12 @@ CPU_LOG = FIX / "vllm_cpu_startup.log"
 
 def test_the_kv_space_a_mode_sets_is_compared_with_what_the_real_cpu_engine_got():
     got = parse_vllm_log(CPU_LOG.read_text())
-    assert got.checkpoint_bytes == 0 and got.weights_bytes is None  # "Checkpoint size: 0.00 GiB" (a tiny model)
-    recipe = {"modes": {"grpo": {"rollout": {"kv_cache_space_gib": 1}}, "dpo": {"kv_cache_space_gib": 4}}}
+    assert (
+        got.checkpoint_bytes == 0 and got.weights_bytes is None
+    )  # "Checkpoint size: 0.00 GiB" (a tiny model)
+    recipe = {
+        "modes": {"grpo": {"rollout": {"kv_cache_space_gib": 1}}, "dpo": {"kv_cache_space_gib": 4}}
+    }
     assert check_recipe(recipe, key="kv_cache_space_gib") == []
     assert check_against_log(recipe, got, mode="grpo") == []
     wrong = check_against_log(recipe, got, mode="dpo")
@@ -39,14 +43,18 @@ def test_the_kv_space_a_mode_sets_is_compared_with_what_the_real_cpu_engine_got(
 
 def test_the_resolved_gpu_memory_utilization_is_compared_from_the_gpu_log_lines():
     got = parse_vllm_log((FIX / "vllm_startup.log").read_text())  # 0.65 resolved
-    assert check_against_log({"modes": {"a": {"gpu_memory_utilization": 0.65}}}, got, mode="a") == []
+    assert (
+        check_against_log({"modes": {"a": {"gpu_memory_utilization": 0.65}}}, got, mode="a") == []
+    )
     off = check_against_log({"modes": {"a": {"gpu_memory_utilization": 0.55}}}, got, mode="a")
     assert len(off) == 1 and "the engine resolved 0.65" in off[0].message
 
 
 def test_the_cpu_rule_wants_the_kv_space_per_mode():
-    found = check_recipe({"kv_cache_space_gib": 2, "modes": {"a": {"kv_cache_space_gib": -1}, "b": {}}},
-                         key="kv_cache_space_gib")
+    found = check_recipe(
+        {"kv_cache_space_gib": 2, "modes": {"a": {"kv_cache_space_gib": -1}, "b": {}}},
+        key="kv_cache_space_gib",
+    )
     paths = {(f.path, f.severity.value) for f in found}
     assert ("kv_cache_space_gib", "error") in paths  # a global default
     assert ("modes.a.kv_cache_space_gib", "error") in paths and ("modes.b", "error") in paths
@@ -56,12 +64,20 @@ def test_the_cpu_rule_wants_the_kv_space_per_mode():
 def test_mem_recipe_with_the_engine_log(tmp_path):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text("[modes.grpo]\nkv_cache_space_gib = 1\n[modes.dpo]\nkv_cache_space_gib = 4\n")
-    ok = CliRunner().invoke(mem, ["recipe", str(recipe), "--cpu", "--vllm-log", str(CPU_LOG), "--mode", "grpo"])
+    ok = CliRunner().invoke(
+        mem, ["recipe", str(recipe), "--cpu", "--vllm-log", str(CPU_LOG), "--mode", "grpo"]
+    )
     assert ok.exit_code == 0, ok.output
-    assert "kv_cache_space_gib is set per training mode; mode 'grpo' matches what the engine got" in ok.output
-    bad = CliRunner().invoke(mem, ["recipe", str(recipe), "--cpu", "--vllm-log", str(CPU_LOG), "--mode", "dpo",
-                                   "--json"])
-    assert bad.exit_code == 1 and json.loads(bad.output)[0]["path"] == "modes.dpo.kv_cache_space_gib"
+    assert (
+        "kv_cache_space_gib is set per training mode; mode 'grpo' matches what the engine got"
+        in ok.output
+    )
+    bad = CliRunner().invoke(
+        mem, ["recipe", str(recipe), "--cpu", "--vllm-log", str(CPU_LOG), "--mode", "dpo", "--json"]
+    )
+    assert (
+        bad.exit_code == 1 and json.loads(bad.output)[0]["path"] == "modes.dpo.kv_cache_space_gib"
+    )
     # without --cpu the GPU rule applies: a CPU recipe sets no gpu_memory_utilization
     assert CliRunner().invoke(mem, ["recipe", str(recipe)]).exit_code == 1
     half = CliRunner().invoke(mem, ["recipe", str(recipe), "--cpu", "--mode", "grpo"])

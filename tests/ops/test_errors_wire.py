@@ -10,8 +10,18 @@ from ckptguard import errors as E
 from ckptguard.errors import error_payload, rebuild
 from ckptguard.testing import run_ranks, values
 
-FAILURE = E.WriteFailure(rank=1, phase="write", exc_type="OSError", message="No space left", errno=errno.ENOSPC,
-                         path="/ckpt/x", offset=4096, requested_bytes=100, returned_bytes=3, time_ns=7)
+FAILURE = E.WriteFailure(
+    rank=1,
+    phase="write",
+    exc_type="OSError",
+    message="No space left",
+    errno=errno.ENOSPC,
+    path="/ckpt/x",
+    offset=4096,
+    requested_bytes=100,
+    returned_bytes=3,
+    time_ns=7,
+)
 LEAVES = [
     E.CollectiveTimeoutError("rank 0 waited", phase="save.written", missing_ranks=[1, 3]),
     E.CheckpointWriteError("save of step 9 failed", step=9, failures=[FAILURE]),
@@ -43,7 +53,12 @@ def test_every_error_class_lives_in_the_tree():
     from ckptguard.memory.records import RecordFormatError
     from ckptguard.ops.rehearse import RehearsalError
 
-    for cls in (PinnedMemoryUnavailableError, RecordFormatError, RehearsalError, ckptguard.StaleDerivedStateError):
+    for cls in (
+        PinnedMemoryUnavailableError,
+        RecordFormatError,
+        RehearsalError,
+        ckptguard.StaleDerivedStateError,
+    ):
         assert cls.__module__ == "ckptguard.errors", cls
         assert cls.__name__ in E.__all__
 
@@ -69,7 +84,9 @@ def _rank0_decides_an_error(rank: int, world: int, kind: str) -> dict:
 
     def decide(_views: list) -> Ping:
         if kind == "timeout":
-            raise E.CollectiveTimeoutError("rank 0 gave up", phase="save.written", missing_ranks=[2])
+            raise E.CollectiveTimeoutError(
+                "rank 0 gave up", phase="save.written", missing_ranks=[2]
+            )
         raise E.CheckpointWriteError("save of step 5 failed", step=5, failures=[FAILURE])
 
     out: dict = {}
@@ -80,12 +97,19 @@ def _rank0_decides_an_error(rank: int, world: int, kind: str) -> dict:
             else:
                 on_every_rank(agreement, f"t.{how}", lambda: decide([]) if rank == 0 else None)
         except E.CheckpointError as exc:
-            out[how] = {"type": type(exc).__name__, **{n: _json(getattr(exc, n)) for n in type(exc).fields}}
+            out[how] = {
+                "type": type(exc).__name__,
+                **{n: _json(getattr(exc, n)) for n in type(exc).fields},
+            }
     return out
 
 
 def _json(value):
-    return [f.to_json() for f in value] if isinstance(value, list) and value and hasattr(value[0], "to_json") else value
+    return (
+        [f.to_json() for f in value]
+        if isinstance(value, list) and value and hasattr(value[0], "to_json")
+        else value
+    )
 
 
 @pytest.mark.parametrize("kind", ["timeout", "write"])
@@ -95,7 +119,11 @@ def test_rebuilt_on_other_ranks_with_every_field(kind):
         for how in ("gather_decide", "on_every_rank"):
             got = rank_out[how]
             if kind == "timeout":
-                assert got == {"type": "CollectiveTimeoutError", "phase": "save.written", "missing_ranks": [2]}
+                assert got == {
+                    "type": "CollectiveTimeoutError",
+                    "phase": "save.written",
+                    "missing_ranks": [2],
+                }
             else:
                 assert got["type"] == "CheckpointWriteError" and got["step"] == 5
                 assert got["failures"] == [FAILURE.to_json()]

@@ -27,15 +27,18 @@ JOB = REPO / "tests" / "export_job.py"
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 64),
-                               torch.nn.Linear(64, 32))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 64), torch.nn.Linear(64, 32)
+    )
 
 
 @pytest.fixture(scope="module")
 def step(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     root = tmp_path_factory.mktemp("export") / "ck"
     model = _model()
-    cg.CheckpointManager(root).save(4, {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
+    cg.CheckpointManager(root).save(
+        4, {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    )
     return root, model
 
 
@@ -91,13 +94,17 @@ def test_export_is_bitwise_and_sharded_within_the_budget(step, tmp_path):
     result = ex.export_hf(ex.step_dir_of(root, None), tmp_path / "out", max_host_bytes=budget)
     assert result.step == 4 and result.item == "model" and result.tensors == 6
     got = _load(tmp_path / "out")
-    assert {k: torch.equal(v, model.state_dict()[k]) for k, v in got.items()} == dict.fromkeys(model.state_dict(), True)
+    assert {k: torch.equal(v, model.state_dict()[k]) for k, v in got.items()} == dict.fromkeys(
+        model.state_dict(), True
+    )
     shards = [f for f in result.files if f.endswith(".safetensors")]
     assert len(shards) == 2 and result.peak_tensor_bytes <= result.budget["shard"]
     assert result.budget["pool"] + result.budget["shard"] + result.budget["cast"] <= budget
     manifest = json.loads((tmp_path / "out" / ex.EXPORT_MANIFEST).read_text())
     assert manifest["source"]["step"] == 4 and set(manifest["tensors"]) == set(model.state_dict())
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([*result.files, ex.EXPORT_MANIFEST])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [*result.files, ex.EXPORT_MANIFEST]
+    )
     assert ex.verify_export(tmp_path / "out", deep=True) == []
     # A budget no tensor fits in is refused before anything is read or created, naming what it needs.
     with pytest.raises(cg.ConfigError, match=r"'0.weight'.*pass --max-host-bytes \d+"):
@@ -123,7 +130,9 @@ def test_a_flipped_byte_in_a_step_shard_is_caught_before_publishing(step, tmp_pa
     _flip(shard, _offset_of(shard, model[2].weight) + 4 * 37)
     for dtype in (None, torch.bfloat16):
         out = tmp_path / f"out-{dtype}"
-        with pytest.raises(cg.CheckpointCorruptError, match=r"key 'model.2.weight' of step 4.*verify --deep"):
+        with pytest.raises(
+            cg.CheckpointCorruptError, match=r"key 'model.2.weight' of step 4.*verify --deep"
+        ):
             ex.export_hf(ck / "step_00000004", out, dtype=dtype)
         assert not out.exists()
     assert not list(tmp_path.glob(".out-*"))  # the failed export removed its own temp directory
@@ -161,8 +170,13 @@ def test_a_killed_export_leaves_no_manifest_and_is_swept_by_the_next(step, tmp_p
     out = tmp_path / "out"
     planned = ex.plan_export(root / "step_00000004")
     budget = _budget_for(planned, 40_000)
-    proc = subprocess.run([sys.executable, "-c", _KILLED, str(root / "step_00000004"), str(out), point, str(budget)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED, str(root / "step_00000004"), str(out), point, str(budget)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     (left,) = tmp_path.glob(".out.tmp-export-*")
     assert not out.exists() and not (left / ex.EXPORT_MANIFEST).exists()
@@ -180,7 +194,11 @@ def test_cli_export_and_verify_of_the_export(step, tmp_path):
     runner = CliRunner()
     out = tmp_path / "out"
     done = runner.invoke(main, ["export", str(root), "4", "--hf", str(out), "--dtype", "bf16"])
-    assert done.exit_code == 0 and "exported step 4 (model): 6 tensors" in done.output and "bfloat16" in done.output
+    assert (
+        done.exit_code == 0
+        and "exported step 4 (model): 6 tensors" in done.output
+        and "bfloat16" in done.output
+    )
     again = runner.invoke(main, ["export", str(root), "--hf", str(out), "--json"])
     assert again.exit_code == 2 and "never overwrites" in json.loads(again.output)["error"]
     missing = runner.invoke(main, ["export", str(root), "9", "--hf", str(tmp_path / "x")])
@@ -196,8 +214,14 @@ def test_cli_export_and_verify_of_the_export(step, tmp_path):
 
 def test_a_step_without_a_model_item_is_refused_naming_why(tmp_path):
     cg.CheckpointManager(tmp_path / "ck").save(1, {"counter": 3})
-    result = CliRunner().invoke(main, ["export", str(tmp_path / "ck"), "--hf", str(tmp_path / "out")])
-    assert result.exit_code == 2 and "holds no model item" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(
+        main, ["export", str(tmp_path / "ck"), "--hf", str(tmp_path / "out")]
+    )
+    assert (
+        result.exit_code == 2
+        and "holds no model item" in result.output
+        and "Traceback" not in result.output
+    )
 
 
 # ---------------------------------------------------------------- expert parallel, per-expert modules
@@ -223,7 +247,9 @@ def _moe_worker(rank: int, world: int, root: str) -> dict:
     for expert in model.experts:
         fully_shard(expert, mesh=mesh["edp"])
     fully_shard(model.dense, mesh=init_device_mesh("cpu", (world,)))
-    mgr = cg.CheckpointManager(root, expert_parallel=cg.ExpertParallel(group=mesh["ep"].get_group()))
+    mgr = cg.CheckpointManager(
+        root, expert_parallel=cg.ExpertParallel(group=mesh["ep"].get_group())
+    )
     mgr.save(1, {"model": model})
     return {"ep": ep, "local": local}
 
@@ -247,28 +273,46 @@ def test_expert_parallel_step_is_numbered_globally(tmp_path):
 def hf_jobs(tmp_path_factory) -> dict:
     """The transformers round trips in one .venv-hf process (its imports are the expensive part)."""
     work = tmp_path_factory.mktemp("hfexport")
-    proc = subprocess.run([str(HF_PYTHON), str(JOB), "all", str(work)], capture_output=True, text=True,
-                          env=_env(), timeout=900, cwd=work)
+    proc = subprocess.run(
+        [str(HF_PYTHON), str(JOB), "all", str(work)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=900,
+        cwd=work,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @needs_hf
-@pytest.mark.timeout(1200)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
+@pytest.mark.timeout(
+    1200
+)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
 def test_fsdp2_step_exported_loads_in_transformers_with_the_trainers_logits(hf_jobs):
     out = hf_jobs["fsdp2"]
     assert out["ranks_agree"] and out["sharded_params"] > 0 and out["trainer_logits_nonzero"]
-    assert out["fp32_bitwise"]  # from_pretrained(export) gives the FSDP2 trainer's logits bit for bit
-    assert out["bf16_equals_rounded"]  # the bf16 export is exactly the trainer's weights rounded to bf16
+    assert out[
+        "fp32_bitwise"
+    ]  # from_pretrained(export) gives the FSDP2 trainer's logits bit for bit
+    assert out[
+        "bf16_equals_rounded"
+    ]  # the bf16 export is exactly the trainer's weights rounded to bf16
     assert 0 < out["bf16_max_abs_diff"] < 0.1 and out["bf16_auto_dtype"] == "torch.bfloat16"
-    assert "config.json" in out["bf16_copied"] and "model.safetensors.index.json" in out["fp32_files"]
+    assert (
+        "config.json" in out["bf16_copied"] and "model.safetensors.index.json" in out["fp32_files"]
+    )
 
 
 @needs_hf
-@pytest.mark.timeout(1200)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
+@pytest.mark.timeout(
+    1200
+)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
 def test_expert_parallel_step_exported_loads_in_transformers(hf_jobs):
     out = hf_jobs["expert"]
-    assert out["ep_ranks"] == [0, 1] and out["bitwise"] and len(out["ep_keys"]) == 8  # stored per EP rank
+    assert (
+        out["ep_ranks"] == [0, 1] and out["bitwise"] and len(out["ep_keys"]) == 8
+    )  # stored per EP rank
     assert out["expert_names"] and all("#ep" not in n for n in out["expert_names"])
 
 
@@ -290,16 +334,26 @@ LORA_JOB = REPO / "tests" / "lora_job.py"
 @pytest.fixture(scope="module")
 def lora_job(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("lora")
-    proc = subprocess.run([str(HF_PYTHON), str(LORA_JOB), str(work)], capture_output=True, text=True, env=_env(),
-                          timeout=600, cwd=work)
+    proc = subprocess.run(
+        [str(HF_PYTHON), str(LORA_JOB), str(work)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+        cwd=work,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @needs_hf
-@pytest.mark.timeout(1200)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
+@pytest.mark.timeout(
+    1200
+)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
 def test_lora_step_holds_the_adapter_only_and_resumes_bitwise(lora_job):
-    assert lora_job["saved_keys"] and all("lora_" in k for k in lora_job["saved_keys"])  # no base weight saved
+    assert lora_job["saved_keys"] and all(
+        "lora_" in k for k in lora_job["saved_keys"]
+    )  # no base weight saved
     assert lora_job["resumed_step"] == 2 and lora_job["resume_bitwise"] and lora_job["cache"]
     # prove shows what the restore was bound to: the base's files and the adapter's digests
     assert "model.safetensors" in lora_job["prove_lora"] and "r=4 alpha=8" in lora_job["prove_lora"]
@@ -307,7 +361,9 @@ def test_lora_step_holds_the_adapter_only_and_resumes_bitwise(lora_job):
 
 
 @needs_hf
-@pytest.mark.timeout(1200)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
+@pytest.mark.timeout(
+    1200
+)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
 def test_lora_restore_refused_on_another_base_config_or_a_merged_base(lora_job):
     assert "base file 'model.safetensors'" in lora_job["other_base"]
     assert "adapter config field 'r': saved 4, now 8" in lora_job["other_config"]
@@ -315,13 +371,22 @@ def test_lora_restore_refused_on_another_base_config_or_a_merged_base(lora_job):
 
 
 @needs_hf
-@pytest.mark.timeout(1200)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
+@pytest.mark.timeout(
+    1200
+)  # the first test of a module fixture runs the .venv-hf job (slow on a loaded 2-core host)
 def test_lora_exported_merged_once_equals_peft_merge(lora_job):
     assert isinstance(lora_job["export"], dict), lora_job["export"]
-    assert lora_job["merged_bitwise"] and lora_job["merged_logits_bitwise"] and lora_job["merged_differs_from_base"]
+    assert (
+        lora_job["merged_bitwise"]
+        and lora_job["merged_logits_bitwise"]
+        and lora_job["merged_differs_from_base"]
+    )
     assert lora_job["verify_rc"] == 0
     # Negative controls: the delta added twice, and a base folder that already holds the merge.
-    assert "2.00 x the adapter's delta" in lora_job["double_merge"] and not lora_job["double_merge_published"]
+    assert (
+        "2.00 x the adapter's delta" in lora_job["double_merge"]
+        and not lora_job["double_merge_published"]
+    )
     assert "differs from the base step 2 was trained on" in lora_job["merged_base"]
 
 
@@ -342,8 +407,12 @@ def test_lora_base_identity_is_cached_by_file_stats_and_hashes(tmp_path, monkeyp
 
     monkeypatch.setattr(cpeft, "file_digest", no_hashing)
     monkeypatch.setattr(cpeft, "read_tensors", no_hashing)
-    assert cpeft.base_identity(base, cache_dir=root) == first  # from ROOT/lora_base_cache.json alone
+    assert (
+        cpeft.base_identity(base, cache_dir=root) == first
+    )  # from ROOT/lora_base_cache.json alone
     monkeypatch.undo()
-    save_file({"w": torch.arange(12.0).reshape(3, 4) + 1}, str(base / "model.safetensors"))  # a new file
+    save_file(
+        {"w": torch.arange(12.0).reshape(3, 4) + 1}, str(base / "model.safetensors")
+    )  # a new file
     second = cpeft.base_identity(base, cache_dir=root)
     assert second["files"] != first["files"] and second["tensors"]["w"] != first["tensors"]["w"]

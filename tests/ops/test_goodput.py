@@ -17,15 +17,19 @@ from click.testing import CliRunner
 from ckptguard.cli import main
 from ckptguard.ops.goodput import goodput, young_daly
 
-JOB = (Path(__file__).parents[1] / "goodput_job.py")
+JOB = Path(__file__).parents[1] / "goodput_job.py"
 
 
 def _launch(root: Path, last: int, hang_at: int) -> dict:
     """Run the job until it hangs at ``hang_at`` (then SIGKILL) or ends; what the test saw from outside."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, str(JOB), str(root), str(last), str(hang_at)], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB), str(root), str(last), str(hang_at)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     seen: dict = {"launched": t0, "steps": []}
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -56,11 +60,15 @@ def test_goodput_of_a_run_killed_three_times_matches_the_outside_view(killed_run
     assert len(g.launches) == 4 and g.failures == 3
     for before, after, launch in zip(seen, seen[1:], g.launches[1:], strict=False):
         assert launch.restored_step == after["restored"]
-        assert launch.lost_steps == before["steps"][-1][0] - after["restored"]  # killed at its last printed step
+        assert (
+            launch.lost_steps == before["steps"][-1][0] - after["restored"]
+        )  # killed at its last printed step
     for outside, launch in zip(seen, g.launches, strict=True):
         recover = outside["steps"][0][1] - outside["launched"]  # Popen to the first step's line
         assert launch.recover_s == pytest.approx(recover, abs=0.05), (launch, outside)
-        assert launch.startup_s + launch.restore_s + launch.to_first_step_s == pytest.approx(launch.recover_s)
+        assert launch.startup_s + launch.restore_s + launch.to_first_step_s == pytest.approx(
+            launch.recover_s
+        )
     assert g.lost_steps == sum(x.lost_steps for x in g.launches[1:]) and g.lost_steps > 0
     assert 0 < g.ettr < 1 and g.step_s == pytest.approx(0.05, abs=0.04)
     assert g.interval_s == pytest.approx(max(young_daly(g.save_cost_s, g.mtbf_s), g.commit_s))
@@ -75,10 +83,14 @@ def test_goodput_command(killed_run, tmp_path):
     data = json.loads(out.output)
     assert data["failures"] == 3 and len(data["launches"]) == 4 and data["ettr"] > 0
     text = runner.invoke(main, ["goodput", str(root), "--mtbf", "3600"])
-    assert text.exit_code == 0 and "ETTR" in text.output and "MTBF 3600.0 s, declared" in text.output
+    assert (
+        text.exit_code == 0 and "ETTR" in text.output and "MTBF 3600.0 s, declared" in text.output
+    )
     (tmp_path / "empty").mkdir()
     none = runner.invoke(main, ["goodput", str(tmp_path / "empty")])
-    assert none.exit_code == 1 and "no proof records" in none.output and "Traceback" not in none.output
+    assert (
+        none.exit_code == 1 and "no proof records" in none.output and "Traceback" not in none.output
+    )
 
 
 def test_saves_coalesced_or_sent_to_the_fast_tier_are_counted_and_said(tmp_path):
@@ -86,15 +98,20 @@ def test_saves_coalesced_or_sent_to_the_fast_tier_are_counted_and_said(tmp_path)
     proof = tmp_path / "proof"
     proof.mkdir()
     recs = [{"event": "step", "pid": 7, "time": 100.0 + s, "step": s} for s in range(1, 6)]
-    recs += [{"event": "save", "pid": 7, "time": 101.5, "step": 1, "blocked_s": 0.01, "commit_s": 0.5},
-             {"event": "busy_skip", "pid": 7, "time": 102.1, "step": 2},
-             {"event": "busy_coalesced", "pid": 7, "time": 103.1, "step": 3, "by": 4},
-             {"event": "busy_redirect", "pid": 7, "time": 104.1, "step": 4}]
+    recs += [
+        {"event": "save", "pid": 7, "time": 101.5, "step": 1, "blocked_s": 0.01, "commit_s": 0.5},
+        {"event": "busy_skip", "pid": 7, "time": 102.1, "step": 2},
+        {"event": "busy_coalesced", "pid": 7, "time": 103.1, "step": 3, "by": 4},
+        {"event": "busy_redirect", "pid": 7, "time": 104.1, "step": 4},
+    ]
     (proof / "rank_00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     g = goodput(tmp_path)
     assert (g.skipped_saves, g.coalesced_saves, g.redirected_saves) == (1, 1, 1)
     out = CliRunner().invoke(main, ["goodput", str(tmp_path)])
     assert out.exit_code == 0, out.output
-    assert "1 save(s) skipped (1 coalesced (replaced in the queue), 1 to the fast tier only)" in out.output
+    assert (
+        "1 save(s) skipped (1 coalesced (replaced in the queue), 1 to the fast tier only)"
+        in out.output
+    )
     data = json.loads(CliRunner().invoke(main, ["goodput", str(tmp_path), "--json"]).output)
     assert data["coalesced_saves"] == 1 and data["redirected_saves"] == 1

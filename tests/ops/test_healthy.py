@@ -26,7 +26,9 @@ NAN_AT = 6
 
 
 def _config(**health) -> cg.CheckpointConfig:
-    return cg.CheckpointConfig(timeout_s=60, retention=cg.KeepLast(2), health=cg.HealthPolicy(verify_after=2, **health))
+    return cg.CheckpointConfig(
+        timeout_s=60, retention=cg.KeepLast(2), health=cg.HealthPolicy(verify_after=2, **health)
+    )
 
 
 def _nan_run(rank: int, world: int, root: str) -> dict:
@@ -59,7 +61,9 @@ def nan_root(tmp_path_factory) -> Path:
     for rank in out:
         assert rank["saved"][NAN_AT] is None, rank  # not committed, on both ranks
         assert all(rank["saved"][s] for s in range(1, NAN_AT)), rank
-        assert rank["skip"] and list(rank["reasons"]) == ["1"], rank  # rank 1's reason, seen by rank 0 too
+        assert rank["skip"] and list(rank["reasons"]) == ["1"], (
+            rank
+        )  # rank 1's reason, seen by rank 0 too
         assert "loss is nan (record_step of step 6)" in rank["reasons"]["1"][0]
     return root
 
@@ -127,7 +131,9 @@ def test_healthy_false_a_failed_check_and_a_non_finite_argument_skip_the_save(tm
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert "step 2 NOT committed" in messages[0] and "healthy=False" in messages[0]
     assert "HealthPolicy.check returned False" in messages[1] and "loss=100.0" in messages[1]
-    assert "grad_norm is inf (save of step 4)" in messages[2] and "tracker stays at 1" in messages[2]
+    assert (
+        "grad_norm is inf (save of step 4)" in messages[2] and "tracker stays at 1" in messages[2]
+    )
     assert mgr.committed_steps() == [1] and mgr.last_health is not None and mgr.last_health.skip
     # a healthy step still commits; the recorded steps count towards verification
     mgr.record_step(6, loss=0.5)
@@ -176,7 +182,9 @@ def test_a_step_of_an_abandoned_trajectory_is_not_verified_by_the_new_one(tmp_pa
     trust = _trust.read(root)
     assert _trust.state(trust[2]) is _trust.Trust.CANDIDATE and trust[2].healthy_after == ()
     second.save(4, _state(), loss=0.5)
-    assert _trust.state(_trust.read(root)[3]) is _trust.Trust.VERIFIED  # its own commits are verified
+    assert (
+        _trust.state(_trust.read(root)[3]) is _trust.Trust.VERIFIED
+    )  # its own commits are verified
 
 
 def test_gc_orphans_never_removes_the_newest_verified_step(tmp_path):
@@ -184,7 +192,9 @@ def test_gc_orphans_never_removes_the_newest_verified_step(tmp_path):
     from ckptguard.ops.gc import gc
 
     root = tmp_path / "ck"
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(health=cg.HealthPolicy(verify_after=1)))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(health=cg.HealthPolicy(verify_after=1))
+    )
     mgr.save(1, _state())
     mgr.save(2, _state())  # 1 is verified
     write_tracker(root, 0)  # both steps are now newer than the tracker: orphans

@@ -37,7 +37,9 @@ def saved(tmp_path_factory) -> tuple[Path, Path]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     root = base / "ck"
-    cg.CheckpointManager(root).save(1, {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
+    cg.CheckpointManager(root).save(
+        1, {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    )
     ex.export_hf(root / "step_00000001", base / "export")
     return root, base / "export"
 
@@ -72,7 +74,9 @@ def test_verify_deep_of_an_export_never_reads_a_file_outside_it(saved, tmp_path)
     out = _copy(export, tmp_path)
     outside = _copy(export, tmp_path, "elsewhere")
     first = sorted(p.name for p in out.glob("*.safetensors"))[0]
-    _edit_export(out, lambda d: [t.update(file=f"../elsewhere/{first}") for t in d["tensors"].values()])
+    _edit_export(
+        out, lambda d: [t.update(file=f"../elsewhere/{first}") for t in d["tensors"].values()]
+    )
     result = _cli("verify", str(out), "--deep")
     assert result.exit_code == 1 and "OK" not in result.output.splitlines()[-1], result.output
     assert "malformed" in result.output and str(outside) not in result.output.replace(str(out), "")
@@ -85,8 +89,12 @@ def test_verify_deep_of_an_export_does_not_hang_on_a_fifo_it_names(saved, tmp_pa
     shard.unlink()
     os.mkfifo(shard)
     # a child with a deadline: a hang fails the test instead of the suite
-    proc = subprocess.run([sys.executable, "-m", "ckptguard.cli", "verify", str(out), "--deep"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptguard.cli", "verify", str(out), "--deep"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "not a plain file" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -109,11 +117,15 @@ def _st_file(path: Path, header: dict, data: bytes) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
 
 
-def test_a_safetensors_shape_larger_than_the_file_is_refused_before_any_allocation(tmp_path, monkeypatch):
+def test_a_safetensors_shape_larger_than_the_file_is_refused_before_any_allocation(
+    tmp_path, monkeypatch
+):
     from ckptguard.ops import hffiles
 
     path = tmp_path / "x.safetensors"
-    _st_file(path, {"w": {"dtype": "F32", "shape": [_HUGE], "data_offsets": [0, 4 * _HUGE]}}, b"\0" * 16)
+    _st_file(
+        path, {"w": {"dtype": "F32", "shape": [_HUGE], "data_offsets": [0, 4 * _HUGE]}}, b"\0" * 16
+    )
     asked: list[object] = []
     real_empty = torch.empty
     monkeypatch.setattr(hffiles.torch, "empty", lambda *a, **k: asked.append(a) or real_empty(0))
@@ -122,13 +134,16 @@ def test_a_safetensors_shape_larger_than_the_file_is_refused_before_any_allocati
     assert asked == []
 
 
-@pytest.mark.parametrize("entry", [
-    {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]},
-    {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]},
-    {"dtype": "F32", "shape": ["1"], "data_offsets": [0, 4]},
-    {"dtype": "F32", "shape": [1], "data_offsets": [0]},
-    {"dtype": "F32", "shape": 1, "data_offsets": [0, 4]},
-])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]},
+        {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]},
+        {"dtype": "F32", "shape": ["1"], "data_offsets": [0, 4]},
+        {"dtype": "F32", "shape": [1], "data_offsets": [0]},
+        {"dtype": "F32", "shape": 1, "data_offsets": [0, 4]},
+    ],
+)
 def test_a_malformed_safetensors_entry_is_a_clear_refusal(tmp_path, entry):
     from ckptguard.ops import hffiles
 
@@ -146,7 +161,9 @@ def _rewrite_metadata(state: Path, change) -> None:
     _fix_checksum(state.parent, "state/.metadata")
 
 
-def test_chunk_offsets_that_disagree_with_the_storage_index_are_refused_by_both_readers(saved, tmp_path):
+def test_chunk_offsets_that_disagree_with_the_storage_index_are_refused_by_both_readers(
+    saved, tmp_path
+):
     root, _ = saved
     root = _copy(root, tmp_path)
     state = root / "step_00000001" / "state"
@@ -158,11 +175,15 @@ def test_chunk_offsets_that_disagree_with_the_storage_index_are_refused_by_both_
         meta = md.state_dict_metadata[key]
         big = torch.Size([_HUGE, 8])
         chunk = dataclasses.replace(meta.chunks[0], offsets=torch.Size([1, 0]), sizes=big)
-        md.state_dict_metadata[key] = dataclasses.replace(meta, size=torch.Size([_HUGE + 1, 8]), chunks=[chunk])
+        md.state_dict_metadata[key] = dataclasses.replace(
+            meta, size=torch.Size([_HUGE + 1, 8]), chunks=[chunk]
+        )
 
     _rewrite_metadata(state, moved)
     for read in (read_dcp_metadata, read_dcp_index):
-        with pytest.raises(cg.CheckpointCorruptError, match=r"has no storage entry|which the key does not have"):
+        with pytest.raises(
+            cg.CheckpointCorruptError, match=r"has no storage entry|which the key does not have"
+        ):
             read(state)
     result = _cli("verify", str(root), "--deep")
     assert result.exit_code == 1 and "bug in ckptguard" not in result.output, result.output
@@ -185,17 +206,26 @@ def test_a_span_beyond_its_data_file_is_refused_before_a_read(saved, tmp_path):
     assert _cli("verify", str(root)).exit_code == 1
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     with pytest.raises(cg.CheckpointError):  # restore's reader refuses the span when it reaches it
-        cg.CheckpointManager(root).restore({"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
+        cg.CheckpointManager(root).restore(
+            {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+        )
 
 
-def test_a_pickle_declaring_a_huge_bytearray_or_memo_index_is_refused_before_unpickling(saved, tmp_path):
+def test_a_pickle_declaring_a_huge_bytearray_or_memo_index_is_refused_before_unpickling(
+    saved, tmp_path
+):
     root, _ = saved
     state = _copy(root, tmp_path) / "step_00000001" / "state"
     clean = (state / ".metadata").read_bytes()
-    for evil in (b"\x80\x04\x96" + struct.pack("<Q", 1 << 62) + b".",  # BYTEARRAY8 of 4 EiB
-                 b"\x80\x04N" + b"r" + struct.pack("<I", 1 << 31) + b"."):  # LONG_BINPUT at 2^31: 32 GiB memo
+    for evil in (
+        b"\x80\x04\x96" + struct.pack("<Q", 1 << 62) + b".",  # BYTEARRAY8 of 4 EiB
+        b"\x80\x04N" + b"r" + struct.pack("<I", 1 << 31) + b".",
+    ):  # LONG_BINPUT at 2^31: 32 GiB memo
         (state / ".metadata").write_bytes(evil)
-        for read in (read_dcp_metadata, read_dcp_index):  # refused by the scan, before the unpickler allocates
+        for read in (
+            read_dcp_metadata,
+            read_dcp_index,
+        ):  # refused by the scan, before the unpickler allocates
             with pytest.raises(cg.CheckpointCorruptError, match=r"DCP never writes|beyond its"):
                 read(state)
     (state / ".metadata").write_bytes(clean)
@@ -205,14 +235,16 @@ def test_a_pickle_declaring_a_huge_bytearray_or_memo_index_is_refused_before_unp
 # ---------------------------------------------------------------- 3. one reader: the commands agree with restore
 
 
-def test_a_metadata_entry_without_its_fields_is_refused_alike_by_the_commands_and_restore(saved, tmp_path):
+def test_a_metadata_entry_without_its_fields_is_refused_alike_by_the_commands_and_restore(
+    saved, tmp_path
+):
     root, _ = saved
     root = _copy(root, tmp_path)
     state = root / "step_00000001" / "state"
     # a 1-bit flip in a field name ("fqn" -> "fqo"), the checksum fixed: the key has no fqn any more
     data = (state / ".metadata").read_bytes()
     at = data.index(b"fqn")
-    (state / ".metadata").write_bytes(data[:at] + b"fqo" + data[at + 3:])
+    (state / ".metadata").write_bytes(data[:at] + b"fqo" + data[at + 3 :])
     _fix_checksum(root / "step_00000001", "state/.metadata")
     for read in (read_dcp_metadata, read_dcp_index):
         with pytest.raises(cg.CheckpointCorruptError):
@@ -223,7 +255,9 @@ def test_a_metadata_entry_without_its_fields_is_refused_alike_by_the_commands_an
     assert listing["entries"][0]["state"] != "committed"
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     with pytest.raises(cg.CheckpointError):
-        cg.CheckpointManager(root).restore({"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
+        cg.CheckpointManager(root).restore(
+            {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+        )
 
 
 def test_a_renamed_key_is_found_by_verify_not_only_by_restore(saved, tmp_path):
@@ -234,7 +268,11 @@ def test_a_renamed_key_is_found_by_verify_not_only_by_restore(saved, tmp_path):
     (state / ".metadata").write_bytes(data.replace(b"model.0.bias", b"model.0.bia5"))
     _fix_checksum(root / "step_00000001", "state/.metadata")
     result = _cli("verify", str(root))
-    assert result.exit_code == 1 and "missing-key" in result.output and "unrecorded-key" in result.output
+    assert (
+        result.exit_code == 1
+        and "missing-key" in result.output
+        and "unrecorded-key" in result.output
+    )
 
 
 def test_the_stand_in_classes_are_unhashable_like_dcps(saved):
@@ -249,13 +287,17 @@ def test_the_stand_in_classes_are_unhashable_like_dcps(saved):
 # ---------------------------------------------------------------- 5. verdicts say what was compared
 
 
-def test_verify_deep_of_an_export_with_a_warning_says_the_tensors_were_compared_only_if_they_were(saved, tmp_path):
+def test_verify_deep_of_an_export_with_a_warning_says_the_tensors_were_compared_only_if_they_were(
+    saved, tmp_path
+):
     _, export = saved
     out = _copy(export, tmp_path)
     (out / "notes.txt").write_text("added later\n")
     result = _cli("verify", str(out), "--deep")
     assert result.exit_code == 0 and "unlisted" in result.output
-    assert "tensor digests" in result.output.splitlines()[-1]  # a WARNING does not skip them: they ran
+    assert (
+        "tensor digests" in result.output.splitlines()[-1]
+    )  # a WARNING does not skip them: they ran
     shard = sorted(out.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-1])
     result = _cli("verify", str(out), "--deep")
@@ -263,7 +305,9 @@ def test_verify_deep_of_an_export_with_a_warning_says_the_tensors_were_compared_
     assert result.exit_code == 1 and "tensor digests NOT compared" in last, last
 
 
-def test_plain_verify_of_an_export_refuses_the_malformed_tensor_entries_deep_refuses(saved, tmp_path):
+def test_plain_verify_of_an_export_refuses_the_malformed_tensor_entries_deep_refuses(
+    saved, tmp_path
+):
     _, export = saved
     out = _copy(export, tmp_path)
     _edit_export(out, lambda d: next(iter(d["tensors"].values())).update(shape="x"))
@@ -305,7 +349,10 @@ def test_status_on_a_plain_checkpoint_root_says_the_roots_state(saved, tmp_path)
     root = _copy(saved[0], tmp_path)
     result = CliRunner().invoke(main, ["status", str(root)])
     assert result.exit_code == 0, result.output
-    assert "newest committed step 1" in result.output and "a resume now: resume from step 1" in result.output
+    assert (
+        "newest committed step 1" in result.output
+        and "a resume now: resume from step 1" in result.output
+    )
     assert "PhaseRecorder" in result.output  # said once, as what would add the ranks' phases
     (root / "latest_checkpointed_iteration.txt").write_text("7\n")
     result = CliRunner().invoke(main, ["status", str(root)])
@@ -334,7 +381,9 @@ def test_a_skipped_save_is_never_told_that_its_own_interval_fits(monkeypatch):
     round_.request(4)
     round_.request(8)  # saves every 4 steps, one step a second
     round_.commit_took(3.9)  # the commit lasts 3.9 steps (ceil: "4 fits", yet 4 was just skipped)
-    every, _ = round_.fitting_interval(busy.BusyDecision(busy=True, running=4, ranks=[0], running_s=3.9))
+    every, _ = round_.fitting_interval(
+        busy.BusyDecision(busy=True, running=4, ranks=[0], running_s=3.9)
+    )
     assert every == 5
 
 
@@ -342,10 +391,14 @@ def test_a_same_layout_restore_that_differs_does_not_blame_a_resharding_read(sav
     root = _copy(saved[0], tmp_path)
     step = root / "step_00000001"
     manifest = json.loads((step / "manifest.json").read_text())
-    manifest["layout_free"]["model"]["model.0.bias"] = "0" * 16  # what a restore on the same layout compares
+    manifest["layout_free"]["model"]["model.0.bias"] = (
+        "0" * 16
+    )  # what a restore on the same layout compares
     (step / "manifest.json").write_text(json.dumps(manifest, indent=1))
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     with pytest.raises(cg.StateMismatchError) as caught:
-        cg.CheckpointManager(root).restore({"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
+        cg.CheckpointManager(root).restore(
+            {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+        )
     assert "on the same layout" in str(caught.value) and "resharding read" not in str(caught.value)
     assert "no resharding ran" in str(caught.value)

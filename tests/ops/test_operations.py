@@ -30,7 +30,9 @@ def _state(v: float = 1.0) -> dict:
 
 def test_a_second_writer_is_refused_naming_the_owner(tmp_path, caplog):
     root = tmp_path / "ck"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
         with pytest.raises(cg.LeaseHeldError, match=f"pid {holder.pid} on host"):
@@ -68,7 +70,13 @@ def _host() -> str:
 def test_another_hosts_lease_is_refused_until_it_expires(tmp_path):
     root = tmp_path / "ck"
     cg.CheckpointManager(root).save(1, _state())
-    lease = {"host": "node-b", "pid": 4242, "start": "9", "acquired_unix": time.time(), "renewed_unix": time.time()}
+    lease = {
+        "host": "node-b",
+        "pid": 4242,
+        "start": "9",
+        "acquired_unix": time.time(),
+        "renewed_unix": time.time(),
+    }
     (root / LEASE_NAME).write_text(json.dumps(lease))
     with pytest.raises(cg.LeaseHeldError, match="pid 4242 on host node-b"):
         cg.CheckpointManager(root).save(2, _state())
@@ -91,7 +99,9 @@ def test_a_checkpoint_of_another_chain_needs_adoption(tmp_path):
     _layout.write_tracker(arm_b, 5)
     with pytest.raises(cg.ChainMismatchError):
         mgr.restore(target)
-    phase = mgr.adopt(arm_a / "step_00000005", "continue arm B from arm A's step 5 for the ablation")
+    phase = mgr.adopt(
+        arm_a / "step_00000005", "continue arm B from arm A's step 5 for the ablation"
+    )
     assert json.loads(phase.read_text())["adopted_chains"]
     assert mgr.restore(target) == 5 and target["w"].tolist() == [5.0, 5.0]
     # A brand-new root adopting a checkpoint for evaluation.
@@ -127,7 +137,13 @@ def test_transfer_publishes_like_a_save_and_resumes(tmp_path):
     mgr.save(2, job.state())
     # A transfer killed midway leaves no tracker at the destination.
     killed = subprocess.run(
-        [sys.executable, "-c", KILL_MID_TRANSFER, str(src / "step_00000002"), str(tmp_path / "node2_killed")]
+        [
+            sys.executable,
+            "-c",
+            KILL_MID_TRANSFER,
+            str(src / "step_00000002"),
+            str(tmp_path / "node2_killed"),
+        ]
     )
     assert killed.returncode == -9
     assert _layout.read_tracker(tmp_path / "node2_killed") is None
@@ -171,8 +187,18 @@ def test_manifest_records_size_and_save_time_per_step(tmp_path):
 def _phase(kind: str, rank: int, pid: int, ago_s: float, **extra) -> dict:
     import socket
 
-    return {"v": 1, "kind": kind, "mono_ns": time.monotonic_ns() - int(ago_s * 1e9), "wall_time": time.time() - ago_s,
-            "node": socket.gethostname(), "rank": rank, "pid": pid, "phase": "save", "step": 40, **extra}
+    return {
+        "v": 1,
+        "kind": kind,
+        "mono_ns": time.monotonic_ns() - int(ago_s * 1e9),
+        "wall_time": time.time() - ago_s,
+        "node": socket.gethostname(),
+        "rank": rank,
+        "pid": pid,
+        "phase": "save",
+        "step": 40,
+        **extra,
+    }
 
 
 def test_status_tells_a_stalled_rank_from_a_busy_one(tmp_path):
@@ -185,8 +211,11 @@ def test_status_tells_a_stalled_rank_from_a_busy_one(tmp_path):
     try:
         records = []
         for rank, pid in ((0, stalled.pid), (1, busy.pid)):
-            records += [_phase("phase_start", rank, pid, 30), _phase("phase_end", rank, pid, 29, duration_s=1.0),
-                        _phase("phase_start", rank, pid, 12)]
+            records += [
+                _phase("phase_start", rank, pid, 30),
+                _phase("phase_end", rank, pid, 29, duration_s=1.0),
+                _phase("phase_start", rank, pid, 12),
+            ]
         path = tmp_path / "phases.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         out = CliRunner().invoke(main, ["status", str(path), "--sample", "0.5"])
@@ -205,13 +234,38 @@ def test_status_tells_a_stalled_rank_from_a_busy_one(tmp_path):
 @pytest.mark.parametrize(("extra", "code"), [((), 0), (("--no-rng-restore",), 1)])
 def test_rehearse_passes_and_fails_on_the_right_gate(tmp_path, extra, code):
     root = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "ckptguard.cli", "rehearse", "--root", str(root), "--timeout", "150", "--",
-           sys.executable, "-m", "ckptguard.demo", "--root", str(root), "--steps", "100000", "--save-every", "2",
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckptguard.cli",
+        "rehearse",
+        "--root",
+        str(root),
+        "--timeout",
+        "150",
+        "--",
+        sys.executable,
+        "-m",
+        "ckptguard.demo",
+        "--root",
+        str(root),
+        "--steps",
+        "100000",
+        "--save-every",
+        "2",
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == code, proc.stdout + proc.stderr
-    assert "SIGKILLed the whole process tree" in proc.stdout and "in the middle of a save" in proc.stdout
-    assert "committed step" in proc.stdout and "again" in proc.stdout and "checkpoint of step" in proc.stdout
+    assert (
+        "SIGKILLed the whole process tree" in proc.stdout
+        and "in the middle of a save" in proc.stdout
+    )
+    assert (
+        "committed step" in proc.stdout
+        and "again" in proc.stdout
+        and "checkpoint of step" in proc.stdout
+    )
     fails = [line.split("  ")[0] for line in proc.stdout.splitlines() if "  FAIL  " in line]
     if code == 0:
         assert not fails and proc.stdout.rstrip().endswith("rehearsal PASSED")
@@ -219,7 +273,10 @@ def test_rehearse_passes_and_fails_on_the_right_gate(tmp_path, extra, code):
     else:
         # the RNG streams were not put back: the files are fine, the restored state and the trajectory are not
         assert fails[0] == "digests equal, item by item" and "['rng']" in proc.stdout
-        assert "data order identical" in fails and "rehearsal FAILED: resume NOT proven: digests equal" in proc.stdout
+        assert (
+            "data order identical" in fails
+            and "rehearsal FAILED: resume NOT proven: digests equal" in proc.stdout
+        )
 
 
 def test_gc_refuses_while_a_live_run_holds_the_lease(tmp_path):
@@ -228,10 +285,14 @@ def test_gc_refuses_while_a_live_run_holds_the_lease(tmp_path):
     from ckptguard.cli import main
 
     root = tmp_path / "ck"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
-        shutil.copytree(root / "step_00000001", root / "step_00000099")  # an orphan, or a commit in flight
+        shutil.copytree(
+            root / "step_00000001", root / "step_00000099"
+        )  # an orphan, or a commit in flight
         refused = CliRunner().invoke(main, ["gc", str(root), "--orphans"])
         assert refused.exit_code == 1 and f"pid {holder.pid}" in refused.output
         assert (root / "step_00000099").exists()

@@ -29,7 +29,9 @@ def _cli(*args: object) -> tuple[int, str]:
 
 def test_verify_fails_a_run_step_whose_role_part_is_another_step_s(tmp_path):
     root = tmp_path / "run"
-    run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")], config=cg.CheckpointConfig(retention=None))
+    run = cg.RunCheckpoint(
+        root, [cg.Role("actor"), cg.Role("driver")], config=cg.CheckpointConfig(retention=None)
+    )
     for step in (1, 2):
         run.save(step, {"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": step}})
     two = root / "step_00000002"
@@ -66,10 +68,14 @@ def test_resolve_refuses_the_step_restore_refuses(tmp_path):
 
 def test_resolve_names_a_killed_transfer(tmp_path):
     src = tmp_path / "src"
-    cg.CheckpointManager(src, config=cg.CheckpointConfig(retention=None)).save(1, {"model": torch.nn.Linear(2, 2)})
+    cg.CheckpointManager(src, config=cg.CheckpointConfig(retention=None)).save(
+        1, {"model": torch.nn.Linear(2, 2)}
+    )
     dest = tmp_path / "dest"
     dest.mkdir()
-    shutil.copytree(src / "step_00000001", dest / "step_00000001")  # what a transfer killed before its tracker leaves
+    shutil.copytree(
+        src / "step_00000001", dest / "step_00000001"
+    )  # what a transfer killed before its tracker leaves
     shutil.copytree(src / "contract", dest / "contract")
     code, out = _cli("resolve", dest)
     assert code == 1 and "ckptguard transfer" in out and "run the same transfer again" in out, out
@@ -79,8 +85,9 @@ def test_verify_deep_says_what_it_compared(tmp_path):
     """A rank file rewritten together with its manifest entry passes the checksums (they compare the
     files with the manifest); verify --deep says so instead of a bare OK, and --json lists it."""
     root = tmp_path / "ck"
-    cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None)).save(1, {"model": torch.nn.Linear(2, 2),
-                                                                                     "n": 1})
+    cg.CheckpointManager(root, config=cg.CheckpointConfig(retention=None)).save(
+        1, {"model": torch.nn.Linear(2, 2), "n": 1}
+    )
     step = root / "step_00000001"
     extras = torch.load(step / "rank_00000.pt", weights_only=True)
     extras["items"]["n"] = 999
@@ -93,7 +100,9 @@ def test_verify_deep_says_what_it_compared(tmp_path):
             f["size"], f["xxh3"] = file_digest(str(step / "rank_00000.pt"))
     (step / "manifest.json").write_text(json.dumps(manifest))
     code, out = _cli("verify", step, "--deep")
-    assert code == 0 and "--restore also compares the non-tensor items a restore compares" in out, out
+    assert code == 0 and "--restore also compares the non-tensor items a restore compares" in out, (
+        out
+    )
     code, out = _cli("verify", step, "--deep", "--json")
     # a non-tensor item rewritten with its checksum: the tensors compare equal, the item only a restore sees
     assert code == 0 and json.loads(out)["compared"] == ["files", "checksums", "tensor digests"]

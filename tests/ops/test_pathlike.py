@@ -79,7 +79,9 @@ CASES: dict[str, Callable[[dict[str, Path], Path], None]] = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_a_local_public_function_takes_str_paths(name: str, roots: dict[str, Path], tmp_path: Path) -> None:
+def test_a_local_public_function_takes_str_paths(
+    name: str, roots: dict[str, Path], tmp_path: Path
+) -> None:
     CASES[name](roots, tmp_path)
 
 
@@ -94,8 +96,9 @@ def moto() -> Any:
 
 
 @pytest.mark.timeout(600)
-def test_the_store_transfers_and_proof_fetch_take_str_paths(moto: str, roots: dict[str, Path],
-                                                            tmp_path: Path) -> None:
+def test_the_store_transfers_and_proof_fetch_take_str_paths(
+    moto: str, roots: dict[str, Path], tmp_path: Path
+) -> None:
     import boto3
 
     from ckptguard.ops import remote as _objectstore
@@ -107,8 +110,12 @@ def test_the_store_transfers_and_proof_fetch_take_str_paths(moto: str, roots: di
     assert sent["step"] == 2 and sent["tracker_set_to"] == 2
     record = tmp_path / "records" / "back.json"
     got = _storetransfer.from_store(url, str(tmp_path / "dest"), record=str(record))
-    assert got["destination"] == str(tmp_path / "dest" / "step_00000002") and got["record"] == str(record)
-    assert json.loads(record.read_text())["step"] == 2 and _layout.read_tracker(tmp_path / "dest") == 2
+    assert got["destination"] == str(tmp_path / "dest" / "step_00000002") and got["record"] == str(
+        record
+    )
+    assert (
+        json.loads(record.read_text())["step"] == 2 and _layout.read_tracker(tmp_path / "dest") == 2
+    )
     # The store holds no proof records (to_store copies none): refused by name, after the destination was taken.
     with pytest.raises(CheckpointError, match="holds no proof records"):
         _objectstore.fetch_proof(url, "step_{step:08d}", str(tmp_path / "proof"))
@@ -119,6 +126,8 @@ def test_the_proofs_public_functions_take_a_str_root(roots):
 
     root = str(roots["one"])
     gates = prove.evaluate(root)
-    assert gates and prove.verdict(gates).startswith("resume EVIDENCE MISSING")  # no restore recorded there
+    assert gates and prove.verdict(gates).startswith(
+        "resume EVIDENCE MISSING"
+    )  # no restore recorded there
     assert prove.resume_count(root) == [] and prove.run_roles(root) == []
     assert prove.recorded_plan(root)[0].record is True

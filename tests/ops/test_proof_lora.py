@@ -24,8 +24,13 @@ PYTHON = {"peft": HF_PYTHON, "hand": Path(sys.executable)}  # peft is installed 
 
 
 def _launch(python: Path, root: Path, flavour: str, defect: bool) -> int:
-    proc = subprocess.run([str(python), str(JOB), str(root), flavour, "1" if defect else "0"], capture_output=True,
-                          text=True, env=_env(), timeout=600)
+    proc = subprocess.run(
+        [str(python), str(JOB), str(root), flavour, "1" if defect else "0"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
     return int(line.split()[1])
@@ -59,7 +64,10 @@ def test_the_same_job_without_the_defect_passes_the_export_gate(tmp_path):
 def test_the_probe_is_small_and_the_engines_count_is_read_without_a_reference_probe():
     w, d = torch.randn(64, 64), torch.randn(64, 64) * 1e-2
     probe = adapter_probe({"w": w + d}, {"w": (w, d)})
-    assert set(probe["w"]) == {"base", "delta", "sent", "eps"} and len(probe["w"]["sent"]) == PROBE_POINTS
+    assert (
+        set(probe["w"]) == {"base", "delta", "sent", "eps"}
+        and len(probe["w"]["sent"]) == PROBE_POINTS
+    )
     assert adapter_probe({"w": w + d}, {"w": (w, d)}) == probe  # the same entries in every run
     twice = {"adapter": adapter_probe({"w": w + 3 * d}, {"w": (w, d)})}
     assert "base + 3.00 x delta for ['w']" in merged_multiple({"adapter": probe}, twice)
@@ -68,13 +76,17 @@ def test_the_probe_is_small_and_the_engines_count_is_read_without_a_reference_pr
     other = {"adapter": adapter_probe({"w": w + d.flip(0)}, {"w": (w, d.flip(0))})}
     assert merged_multiple({"adapter": probe}, other) == (
         "; the adapter's delta differs from the reference run's at sampled entries of ['w'] (the adapter, or its "
-        "scaling, not restored as saved)")
+        "scaling, not restored as saved)"
+    )
     # values that are not base + k x delta (another base, the same delta) are no multiple either
     noise = {"adapter": adapter_probe({"w": w + d + torch.randn(64, 64)}, {"w": (w, d)})}
     assert "x delta" not in merged_multiple({"adapter": probe}, noise)
     # an engine's record (no exported values): base + count x delta; an older reference without a probe
     assert "base + 2.00 x delta for ['w']" in merged_multiple({}, {"lora": {"w": 2.0, "u": 1.0}})
     # a damaged record never raises: lists too long or not numbers are not read
-    assert merged_multiple({"adapter": {"w": {"base": ["x"], "delta": [1.0], "eps": 0.0}}}, twice) == ""
+    assert (
+        merged_multiple({"adapter": {"w": {"base": ["x"], "delta": [1.0], "eps": 0.0}}}, twice)
+        == ""
+    )
     with pytest.raises(cg.ConfigError, match="must map to"):
         adapter_probe({}, {"w": (w, d[:3])})

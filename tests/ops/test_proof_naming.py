@@ -36,12 +36,16 @@ class _Position:
         self.batches = int(sd["batches"])
 
 
-def _job(rank: int, world: int, root: str, steps: int, stop_after: int | None, defect: str | None) -> int:
+def _job(
+    rank: int, world: int, root: str, steps: int, stop_after: int | None, defect: str | None
+) -> int:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+    )
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     ids = list(range(rank, SAMPLES, world))
     # The fix the proof names: a loader with its own generator draws nothing from torch's global RNG
@@ -51,20 +55,26 @@ def _job(rank: int, world: int, root: str, steps: int, stop_after: int | None, d
     state: dict[str, Any] = {"model": model, "optim": optim, "position": position}
     if gen is not None:
         state["loader_gen"] = cg.GeneratorState(gen)
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(proof=cg.ProofPlan(), retention=cg.KeepLast(2)))
+    mgr = cg.CheckpointManager(
+        root, config=cg.CheckpointConfig(proof=cg.ProofPlan(), retention=cg.KeepLast(2))
+    )
     start = mgr.restore(state)
     if defect == "one_rank_rng" and start and rank == 1:
         torch.manual_seed(1234)  # rank 1's streams are not the ones saved (only rank 0's put back)
     if defect == "drift" and start and rank == 1:
         with torch.no_grad():  # a hook after restore() returned: rank 1's replica moves
             model[0].weight.add_(1e-3)
-    it = iter(loader)  # created after restore(): without its own generator it draws from the restored RNG
+    it = iter(
+        loader
+    )  # created after restore(): without its own generator it draws from the restored RNG
     for _ in range(position.batches):
         next(it)
     for step in range(start + 1, steps + 1):
         batch = next(it)
         position.batches += 1
-        x = torch.stack([torch.randn(8, generator=torch.Generator().manual_seed(int(i))) for i in batch])
+        x = torch.stack(
+            [torch.randn(8, generator=torch.Generator().manual_seed(int(i))) for i in batch]
+        )
         loss = model(x).pow(2).mean()
         optim.zero_grad()
         loss.backward()
@@ -99,9 +109,14 @@ def _gate(gates: list, name: str):
 def test_the_job_without_a_defect_is_proven(tmp_path):
     gates = _resumed(tmp_path, None)
     assert outcome(gates) is Outcome.PROVEN, [(g.name, g.status.value, g.evidence) for g in gates]
-    for rank in (0, 1):  # the streams after step 4: equal in the killed and the resumed run (a save draws nothing)
+    for rank in (
+        0,
+        1,
+    ):  # the streams after step 4: equal in the killed and the resumed run (a save draws nothing)
         lines = (tmp_path / "ck" / "proof" / f"rank_{rank:05d}.jsonl").read_text().splitlines()
-        fours = [r["rng"] for r in map(json.loads, lines) if r["event"] == "step" and r["step"] == 4]
+        fours = [
+            r["rng"] for r in map(json.loads, lines) if r["event"] == "step" and r["step"] == 4
+        ]
         assert len(fours) == 2 and fours[0] == fours[1], fours
 
 
@@ -110,7 +125,10 @@ def test_one_ranks_rng_stream_not_restored_is_named_with_the_rank(tmp_path):
     numbers = _gate(gates, "replayed steps identical")
     assert numbers.status is Status.FAIL and outcome(gates) is Outcome.DIVERGED
     assert numbers.evidence.startswith("rank 1, step 4: "), numbers.evidence
-    assert "Cause: rank 1's RNG stream: its global RNG streams (cpu) after step 4 differ" in numbers.evidence
+    assert (
+        "Cause: rank 1's RNG stream: its global RNG streams (cpu) after step 4 differ"
+        in numbers.evidence
+    )
     assert "while rank(s) [0] match" in numbers.evidence
 
 
@@ -120,27 +138,44 @@ def test_a_dataloader_iterator_created_after_the_restore_is_named_with_the_fix(t
     assert numbers.status is Status.FAIL, numbers.evidence
     assert "differ from the killed run's on every rank ([0, 1])" in numbers.evidence
     assert "typically a DataLoader iterator created after restore()" in numbers.evidence
-    assert "DataLoader(..., generator=g)" in numbers.evidence and "ckptguard.DataCursor" in numbers.evidence
-    assert "which is saved" not in numbers.evidence  # the old hint pointed at the global RNG as the safe choice
+    assert (
+        "DataLoader(..., generator=g)" in numbers.evidence
+        and "ckptguard.DataCursor" in numbers.evidence
+    )
+    assert (
+        "which is saved" not in numbers.evidence
+    )  # the old hint pointed at the global RNG as the safe choice
 
 
 def test_an_export_of_a_dict_of_tensors_names_the_tensors_that_differ(tmp_path):
     w, b = torch.arange(12.0).reshape(3, 4), torch.ones(3)
     delta = torch.full((3, 4), 0.5)
-    saved = export_fingerprint({"layer.weight": w + delta, "layer.bias": b})  # the adapter merged once
-    resumed = export_fingerprint({"layer.weight": w + 2 * delta, "layer.bias": b})  # merged again after the restore
+    saved = export_fingerprint(
+        {"layer.weight": w + delta, "layer.bias": b}
+    )  # the adapter merged once
+    resumed = export_fingerprint(
+        {"layer.weight": w + 2 * delta, "layer.bias": b}
+    )  # merged again after the restore
     assert set(saved["tensors"]) == {"layer.weight", "layer.bias"}
     plan = {"rl": True, "deterministic": False, "replay_steps": 1}
-    records = [{"event": "save", "pid": 1, "step": 6, "plan": plan},
-               {"event": "export", "pid": 1, "step": 6, "fingerprint": saved},
-               {"event": "restore", "pid": 2, "step": 6, "ok": True, "digests_match": {"model": True}},
-               {"event": "export", "pid": 2, "step": 6, "fingerprint": resumed}]
+    records = [
+        {"event": "save", "pid": 1, "step": 6, "plan": plan},
+        {"event": "export", "pid": 1, "step": 6, "fingerprint": saved},
+        {"event": "restore", "pid": 2, "step": 6, "ok": True, "digests_match": {"model": True}},
+        {"event": "export", "pid": 2, "step": 6, "fingerprint": resumed},
+    ]
     path = tmp_path / "proof" / "rank_00000.jsonl"
     path.parent.mkdir(parents=True)
-    path.write_text("".join(json.dumps({"rank": 0, "host": "h", "time": float(i), "mono": float(i), **r}) + "\n"
-                            for i, r in enumerate(records)))
+    path.write_text(
+        "".join(
+            json.dumps({"rank": 0, "host": "h", "time": float(i), "mono": float(i), **r}) + "\n"
+            for i, r in enumerate(records)
+        )
+    )
     export = _gate(evaluate(tmp_path), "first export byte-identical")
-    assert export.status is Status.FAIL and "tensors ['layer.weight']" in export.evidence, export.evidence
+    assert export.status is Status.FAIL and "tensors ['layer.weight']" in export.evidence, (
+        export.evidence
+    )
     assert "layer.bias" not in export.evidence
 
 
@@ -163,35 +198,58 @@ def test_the_rng_streams_are_recorded_with_the_first_step_after_a_save_or_restor
 
 def _records(tmp_path: Path, resumed_ids: list[str]) -> Path:
     plan = {"rl": False, "deterministic": True, "replay_steps": 1}
-    killed = [{"event": "step", "pid": 1, "step": s, "sample_ids": f"a{s}", "ids_head": [s]} for s in (7, 8, 9)]
-    resumed = [{"event": "step", "pid": 2, "step": s, "sample_ids": f"a{i}", "ids_head": [i]}
-               for s, i in zip((7, 8, 9), resumed_ids, strict=False)]
-    records = [{"event": "save", "pid": 1, "step": 6, "plan": plan}, *killed,
-               {"event": "restore", "pid": 2, "step": 6, "ok": True, "digests_match": {"model": True}}, *resumed]
+    killed = [
+        {"event": "step", "pid": 1, "step": s, "sample_ids": f"a{s}", "ids_head": [s]}
+        for s in (7, 8, 9)
+    ]
+    resumed = [
+        {"event": "step", "pid": 2, "step": s, "sample_ids": f"a{i}", "ids_head": [i]}
+        for s, i in zip((7, 8, 9), resumed_ids, strict=False)
+    ]
+    records = [
+        {"event": "save", "pid": 1, "step": 6, "plan": plan},
+        *killed,
+        {"event": "restore", "pid": 2, "step": 6, "ok": True, "digests_match": {"model": True}},
+        *resumed,
+    ]
     path = tmp_path / "proof" / "rank_00000.jsonl"
     path.parent.mkdir(parents=True)
-    path.write_text("".join(json.dumps({"rank": 0, "host": "h", "time": float(i), "mono": float(i), **r}) + "\n"
-                            for i, r in enumerate(records)))
+    path.write_text(
+        "".join(
+            json.dumps({"rank": 0, "host": "h", "time": float(i), "mono": float(i), **r}) + "\n"
+            for i, r in enumerate(records)
+        )
+    )
     return tmp_path
 
 
 def test_a_cursor_saved_ahead_of_training_is_named_apart_from_a_lost_prefetch(tmp_path):
     # the prefetched batch was kept (step 7 matches), the cursor behind it was saved one batch ahead
     ahead = _gate(evaluate(_records(tmp_path / "ahead", ["7", "9"])), "data order identical")
-    assert ahead.status is Status.FAIL and ahead.evidence.startswith("rank 0, step 8 "), ahead.evidence
+    assert ahead.status is Status.FAIL and ahead.evidence.startswith("rank 0, step 8 "), (
+        ahead.evidence
+    )
     assert "Cursor saved ahead of training: steps 7-7 matched the killed run's" in ahead.evidence
-    assert "was 1 batch(es) ahead of the steps trained" in ahead.evidence and "prefetch) was lost" not in ahead.evidence
+    assert (
+        "was 1 batch(es) ahead of the steps trained" in ahead.evidence
+        and "prefetch) was lost" not in ahead.evidence
+    )
     # the first replayed step is already ahead: a lost prefetch, or a cursor ahead with no prefetch at all
     lost = _gate(evaluate(_records(tmp_path / "lost", ["8", "9"])), "data order identical")
-    assert lost.status is Status.FAIL and "a batch drawn before the save point (a prefetch) was lost" in lost.evidence
+    assert (
+        lost.status is Status.FAIL
+        and "a batch drawn before the save point (a prefetch) was lost" in lost.evidence
+    )
 
 
 def test_replicas_that_drift_after_the_restore_are_named_by_the_next_save(tmp_path):
     gates = _resumed(tmp_path, "drift")
     replicas = _gate(gates, "replicas equal after load")
     assert replicas.status is Status.FAIL and outcome(gates) is Outcome.DIVERGED, replicas.evidence
-    assert "the save of step 6 after the restore of step 3 found replicas that differ across ranks" in \
-        replicas.evidence
+    assert (
+        "the save of step 6 after the restore of step 3 found replicas that differ across ranks"
+        in replicas.evidence
+    )
     assert "model.0.weight" in replicas.evidence, replicas.evidence
 
 
@@ -200,19 +258,49 @@ def test_a_micro_batch_prefetch_lost_within_a_step_is_named_with_the_shift(tmp_p
     # run's step 7 read [P, A] (P drawn before the save of 6), the resumed run's [A, B]: ahead by 4 samples
     mb = {s: list(range(100 + 4 * s, 104 + 4 * s)) for s in range(12, 20)}
     plan = {"rl": False, "deterministic": True, "replay_steps": 1}
-    killed = [{"event": "step", "pid": 1, "step": s, "sample_ids": f"k{s}", "samples": 8,
-               "ids_head": mb[2 * s - 2] + mb[2 * s - 1]} for s in (7, 8, 9)]
-    resumed = [{"event": "step", "pid": 2, "step": s, "sample_ids": f"r{s}", "samples": 8,
-                "ids_head": mb[2 * s - 1] + mb[2 * s]} for s in (7, 8)]
-    records = [{"event": "save", "pid": 1, "step": 6, "plan": plan}, *killed,
-               {"event": "restore", "pid": 2, "step": 6, "ok": True, "digests_match": {"model": True}}, *resumed]
+    killed = [
+        {
+            "event": "step",
+            "pid": 1,
+            "step": s,
+            "sample_ids": f"k{s}",
+            "samples": 8,
+            "ids_head": mb[2 * s - 2] + mb[2 * s - 1],
+        }
+        for s in (7, 8, 9)
+    ]
+    resumed = [
+        {
+            "event": "step",
+            "pid": 2,
+            "step": s,
+            "sample_ids": f"r{s}",
+            "samples": 8,
+            "ids_head": mb[2 * s - 1] + mb[2 * s],
+        }
+        for s in (7, 8)
+    ]
+    records = [
+        {"event": "save", "pid": 1, "step": 6, "plan": plan},
+        *killed,
+        {"event": "restore", "pid": 2, "step": 6, "ok": True, "digests_match": {"model": True}},
+        *resumed,
+    ]
     path = tmp_path / "proof" / "rank_00000.jsonl"
     path.parent.mkdir(parents=True)
-    path.write_text("".join(json.dumps({"rank": 0, "host": "h", "time": float(i), "mono": float(i), **r}) + "\n"
-                            for i, r in enumerate(records)))
+    path.write_text(
+        "".join(
+            json.dumps({"rank": 0, "host": "h", "time": float(i), "mono": float(i), **r}) + "\n"
+            for i, r in enumerate(records)
+        )
+    )
     data = _gate(evaluate(tmp_path), "data order identical")
     assert data.status is Status.FAIL and data.evidence.startswith("rank 0, step 7 "), data.evidence
-    assert "Prefetch lost within the step: the resumed run's ids of step 7 start with the killed run's from " \
-        "position 4 on, so 4 sample(s) drawn before the save point" in data.evidence, data.evidence
-    assert "consumed ids [152, 153, 154, 155] ... (digest r7)" in data.evidence  # 4 of the 8 ids kept are shown
+    assert (
+        "Prefetch lost within the step: the resumed run's ids of step 7 start with the killed run's from "
+        "position 4 on, so 4 sample(s) drawn before the save point" in data.evidence
+    ), data.evidence
+    assert (
+        "consumed ids [152, 153, 154, 155] ... (digest r7)" in data.evidence
+    )  # 4 of the 8 ids kept are shown
     assert "DataLoader" not in data.evidence

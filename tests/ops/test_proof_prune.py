@@ -22,7 +22,9 @@ from ckptguard.testing import run_ranks, values
 
 
 def _segment(rank: int, world: int, root: str, steps: int, stop_after: int | None) -> int:
-    proofwriter.ProofLog.PRUNE_BYTES = 0  # every save prunes (the default waits for 8 MiB of records, then doubling)
+    proofwriter.ProofLog.PRUNE_BYTES = (
+        0  # every save prunes (the default waits for 8 MiB of records, then doubling)
+    )
     proofwriter.ProofLog.PRUNE_GROWTH = 0
     # Retention also keeps the newest verified step (trust), and pruning then keeps its records too;
     # this spawned worker pins KeepLast(2) alone, so the expected windows below are KeepLast's.
@@ -35,7 +37,9 @@ def _segment(rank: int, world: int, root: str, steps: int, stop_after: int | Non
 
 
 def _records(root: Path) -> list[dict]:
-    return [json.loads(line) for line in (root / "proof" / "rank_00000.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line) for line in (root / "proof" / "rank_00000.jsonl").read_text().splitlines()
+    ]
 
 
 def _steps(recs: list[dict], pid: int | None = None) -> list[int]:
@@ -47,7 +51,9 @@ def test_pruned_records_still_prove_every_resume_and_keep_the_killed_segment(tmp
     assert values(run_ranks(_segment, 1, str(root), 30, 28, distributed=False)) == [0]
     first = _records(root)
     # retained 20 and 25: the interval that led to save 20 on, and the killed segment 26-28
-    assert _steps(first) == [*range(1, 6), *range(16, 29)], _steps(first)  # 1-5: the fresh start's window
+    assert _steps(first) == [*range(1, 6), *range(16, 29)], _steps(
+        first
+    )  # 1-5: the fresh start's window
     assert [r["step"] for r in first if r["event"] == "save"] == [5, 20, 25]
 
     assert values(run_ranks(_segment, 1, str(root), 55, 53, distributed=False)) == [25]
@@ -56,7 +62,9 @@ def test_pruned_records_still_prove_every_resume_and_keep_the_killed_segment(tmp
     second = _records(root)
     pids = list(dict.fromkeys(r["pid"] for r in second))
     # step 25 stays on disk while the run restored from it lives (retention protects it): kept from step 21
-    assert _steps(second, pids[0]) == [*range(21, 29)] and _steps(second, pids[1]) == [*range(26, 54)]
+    assert _steps(second, pids[0]) == [*range(21, 29)] and _steps(second, pids[1]) == [
+        *range(26, 54)
+    ]
 
     assert values(run_ranks(_segment, 1, str(root), 60, None, distributed=False)) == [50]
     gates = evaluate(root)
@@ -75,22 +83,45 @@ def test_nothing_is_pruned_without_the_save_a_proof_needs():
         return ProofRecord.from_json({"event": event, "step": step, "pid": pid}, where="test")
 
     recs = [rec("step", 1), rec("save", 1), rec("step", 2), rec("save", 2), rec("step", 3)]
-    assert proofwriter.prunable(recs, 2) == [(0, 2)]  # everything before the interval that led to save 2
+    assert proofwriter.prunable(recs, 2) == [
+        (0, 2)
+    ]  # everything before the interval that led to save 2
     assert proofwriter.prunable(recs, 7) == []  # no save of the oldest step on disk in this file
-    restored = [rec("step", 1), rec("save", 1), rec("step", 2), rec("restore", 9, pid=2), rec("save", 10, pid=2)]
+    restored = [
+        rec("step", 1),
+        rec("save", 1),
+        rec("step", 2),
+        rec("restore", 9, pid=2),
+        rec("save", 10, pid=2),
+    ]
     assert proofwriter.prunable(restored, 10) == []  # the restore's step 9 was never saved here
 
 
 def test_a_restore_older_than_every_checkpoint_keeps_its_window():
     """The restored step was deleted by hand (``ckptguard gc``): the newest restore's proof still
     reads its saver's interval, its killed segment and its first records; the middle goes."""
+
     def rec(event: str, step: int, pid: int) -> ProofRecord:
         return ProofRecord.from_json({"event": event, "step": step, "pid": pid}, where="test")
 
-    recs = [rec("step", 1, 1), rec("save", 1, 1), rec("step", 2, 1), rec("save", 2, 1), rec("step", 3, 1),
-            rec("step", 4, 1), rec("restore", 2, 2), rec("step", 3, 2), rec("save", 3, 2), rec("step", 4, 2),
-            rec("export", 4, 2), rec("step", 5, 2), rec("save", 5, 2), rec("step", 6, 2), rec("save", 6, 2),
-            rec("step", 7, 2)]
+    recs = [
+        rec("step", 1, 1),
+        rec("save", 1, 1),
+        rec("step", 2, 1),
+        rec("save", 2, 1),
+        rec("step", 3, 1),
+        rec("step", 4, 1),
+        rec("restore", 2, 2),
+        rec("step", 3, 2),
+        rec("save", 3, 2),
+        rec("step", 4, 2),
+        rec("export", 4, 2),
+        rec("step", 5, 2),
+        rec("save", 5, 2),
+        rec("step", 6, 2),
+        rec("save", 6, 2),
+        rec("step", 7, 2),
+    ]
     # kept: step 2 .. the restore (the interval before save 2, the killed 3-4), after it up to its first
     # save, step 4 (killed up to 4) and the first export; then from the interval before save 6 on
     assert proofwriter.prunable(recs, 6) == [(0, 2), (11, 13)]

@@ -27,7 +27,9 @@ def _job(rank: int, world: int, root: str, mode: str | None) -> int:
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60))
     state = {"model": net, "optim": opt}
     start = mgr.restore(state)
-    if start and mode and rank == 1:  # after restore() returned: a late hook, or local SGD's own replica
+    if (
+        start and mode and rank == 1
+    ):  # after restore() returned: a late hook, or local SGD's own replica
         with torch.no_grad():
             net.weight.add_(1.0)
     last = 2 if not start else start + (2 if mode == "local" else 1)
@@ -44,7 +46,9 @@ def _job(rank: int, world: int, root: str, mode: str | None) -> int:
                     dist.all_reduce(p)
                     p /= world
             mgr.save(step, state)
-    return start  # "drift" and the exact run end after the first step: killed before their next save
+    return (
+        start  # "drift" and the exact run end after the first step: killed before their next save
+    )
 
 
 def _gate(tmp_path: Path, mode: str | None):
@@ -55,7 +59,9 @@ def _gate(tmp_path: Path, mode: str | None):
     return next(g for g in evaluate(Path(root)) if g.name == "replicas equal after load")
 
 
-def test_replicas_that_differ_at_the_first_step_without_a_later_save_are_missing_naming_the_tensor(tmp_path):
+def test_replicas_that_differ_at_the_first_step_without_a_later_save_are_missing_naming_the_tensor(
+    tmp_path,
+):
     gate = _gate(tmp_path, "drift")
     assert gate.status is Status.MISSING, gate.evidence
     assert "at the first step after the restore (step 3)" in gate.evidence, gate.evidence
@@ -67,11 +73,15 @@ def test_replicas_equal_again_at_a_later_save_pass_as_a_job_that_syncs_at_save_p
     gate = _gate(tmp_path, "local")
     assert gate.status is Status.PASS, gate.evidence
     assert "'model.weight' (item 'model'): ranks [0] vs ranks [1]" in gate.evidence, gate.evidence
-    assert "the save of step 4 found them equal again: this job keeps its replicas equal at save points only" in \
-        gate.evidence
+    assert (
+        "the save of step 4 found them equal again: this job keeps its replicas equal at save points only"
+        in gate.evidence
+    )
 
 
 def test_an_exact_resume_compares_the_replicas_again_at_the_first_step(tmp_path):
     gate = _gate(tmp_path, None)
     assert gate.status is Status.PASS, gate.evidence
-    assert "compared again at the first step after the restore (step 3)" in gate.evidence, gate.evidence
+    assert "compared again at the first step after the restore (step 3)" in gate.evidence, (
+        gate.evidence
+    )

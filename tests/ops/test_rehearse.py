@@ -15,11 +15,39 @@ from ckptguard.ops._proctree import alive
 
 def test_rehearse_kills_whole_torchrun_trees_and_fails_a_lost_prefetch(tmp_path):
     root = tmp_path / "ck"
-    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "ckptguard.demo.loops", "--root", str(root), "--steps", "100000", "--save-every", "2",
-           "--prefetch", "lost", "--sleep", "0.02"]
-    cmd = [sys.executable, "-m", "ckptguard.cli", "rehearse", "--root", str(root), "--timeout", "120", "--json", "--",
-           *job]
+    job = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ckptguard.demo.loops",
+        "--root",
+        str(root),
+        "--steps",
+        "100000",
+        "--save-every",
+        "2",
+        "--prefetch",
+        "lost",
+        "--sleep",
+        "0.02",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckptguard.cli",
+        "rehearse",
+        "--root",
+        str(root),
+        "--timeout",
+        "120",
+        "--json",
+        "--",
+        *job,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -43,10 +71,35 @@ def test_rehearse_kills_whole_torchrun_trees_and_fails_a_lost_prefetch(tmp_path)
 
 def _rehearse_shuffled(tmp_path, sampler: str) -> dict:
     root = tmp_path / sampler / "ck"
-    job = [sys.executable, "-m", "ckptguard.demo.loops", "--root", str(root), "--steps", "100000",
-           "--save-every", "2", "--sampler", sampler, "--record-epoch", "--sleep", "0.3"]
-    cmd = [sys.executable, "-m", "ckptguard.cli", "rehearse", "--root", str(root), "--timeout", "120", "--json", "--",
-           *job]
+    job = [
+        sys.executable,
+        "-m",
+        "ckptguard.demo.loops",
+        "--root",
+        str(root),
+        "--steps",
+        "100000",
+        "--save-every",
+        "2",
+        "--sampler",
+        sampler,
+        "--record-epoch",
+        "--sleep",
+        "0.3",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckptguard.cli",
+        "rehearse",
+        "--root",
+        str(root),
+        "--timeout",
+        "120",
+        "--json",
+        "--",
+        *job,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout)
@@ -64,6 +117,10 @@ def test_rehearse_goes_past_an_epoch_boundary_where_a_lost_sampler_generator_sho
     assert "GeneratorState(sampler.generator)" in data["evidence"], data["evidence"]
     # the same job with the generator in the state: the replay crosses the epoch and is proven
     kept = _rehearse_shuffled(tmp_path, "shuffle+generator")
-    assert "into the next epoch" in kept["kills"][0]["when"] and kept["passed"] is True, kept["verdict"]
+    assert "into the next epoch" in kept["kills"][0]["when"] and kept["passed"] is True, kept[
+        "verdict"
+    ]
     coverage = next(g for g in kept["resumes"][0]["gates"] if g["gate"] == "replay coverage")
-    assert "epoch boundary: crossed" in coverage["evidence"] or "->" in coverage["evidence"], coverage["evidence"]
+    assert "epoch boundary: crossed" in coverage["evidence"] or "->" in coverage["evidence"], (
+        coverage["evidence"]
+    )

@@ -18,8 +18,12 @@ from ckptguard.demo.toyjob import build_job
 from ckptguard.ops.prove import Status, evaluate
 from ckptguard.testing import run_ranks, values
 
-CFG = {"reshard": cg.ReshardOptions(rule=cg.ReshardRule.BY_ITEM, rng_seed=7, replicated=("sched", "loader")),
-       "proof": cg.ProofPlan(deterministic=False)}
+CFG = {
+    "reshard": cg.ReshardOptions(
+        rule=cg.ReshardRule.BY_ITEM, rng_seed=7, replicated=("sched", "loader")
+    ),
+    "proof": cg.ProofPlan(deterministic=False),
+}
 
 
 def _step(mgr: cg.CheckpointManager, job, step: int) -> None:
@@ -44,7 +48,9 @@ def _train(rank: int, world: int, root: str) -> bytes:
     mgr.save(2, job.state())
     weight = job.model[0].weight
     local = weight.to_local() if hasattr(weight, "to_local") else weight
-    saved = local.detach().numpy().tobytes()[:32]  # this rank's piece of one parameter, to find in its file
+    saved = (
+        local.detach().numpy().tobytes()[:32]
+    )  # this rank's piece of one parameter, to find in its file
     _step(mgr, job, 3)
     return saved
 
@@ -88,9 +94,15 @@ def test_resharded_resumes_are_proven_and_a_flipped_byte_is_caught(tmp_path):
     shutil.copytree(two, flipped)
     shard = _flip_in_shard(flipped / "step_00000002", pieces[1])
     assert shard.name.startswith("__1_")  # rank 1's shard
-    resumed, caught = values(run_ranks(_resume, 1, [str(two), str(flipped)], str(one), distributed=False))[0]
+    resumed, caught = values(
+        run_ranks(_resume, 1, [str(two), str(flipped)], str(one), distributed=False)
+    )[0]
     assert resumed == "resumed"
-    assert "onto 1 ranks from 2" in caught and "layout-free digests differ" in caught and "'model'" in caught
+    assert (
+        "onto 1 ranks from 2" in caught
+        and "layout-free digests differ" in caught
+        and "'model'" in caught
+    )
     on_two = values(run_ranks(_resume, 2, [str(one)]))
     assert on_two == [["resumed"], ["resumed"]]
 
@@ -100,12 +112,20 @@ def test_resharded_resumes_are_proven_and_a_flipped_byte_is_caught(tmp_path):
         data = _gate(root, "data order identical")
         assert data.status is Status.MISSING and "sample_ids" in data.evidence
         others = [g for g in gates if g.required and g.name != data.name]
-        assert all(g.status is Status.PASS for g in others), [(g.name, g.status.value, g.evidence) for g in gates]
+        assert all(g.status is Status.PASS for g in others), [
+            (g.name, g.status.value, g.evidence) for g in gates
+        ]
         digests = _gate(root, "digests equal, item by item")
-        assert digests.evidence.startswith(f"{how}: model, optim equal the save's layout-free digests")
+        assert digests.evidence.startswith(
+            f"{how}: model, optim equal the save's layout-free digests"
+        )
         assert "loader, rng, sched equal what their reshard rules give" in digests.evidence
     bad = _gate(flipped, "digests equal, item by item")
-    assert bad.status is Status.FAIL and "'model (layout-free)'" in bad.evidence and "optim" not in bad.evidence
+    assert (
+        bad.status is Status.FAIL
+        and "'model (layout-free)'" in bad.evidence
+        and "optim" not in bad.evidence
+    )
     confirmed = _gate(flipped, "restored step confirmed before training")
     assert confirmed.status is Status.FAIL and "raised StateMismatchError" in confirmed.evidence
 
@@ -117,16 +137,30 @@ def test_layout_free_digest_ignores_the_sharding_and_sees_every_byte():
     from ckptguard._state.state import capture, digests_and_layout_free
 
     torch.manual_seed(0)
-    for t in (torch.randn(7, 5), torch.randn(5, 3).to(torch.bfloat16), torch.arange(4097, dtype=torch.int64)):
+    for t in (
+        torch.randn(7, 5),
+        torch.randn(5, 3).to(torch.bfloat16),
+        torch.arange(4097, dtype=torch.int64),
+    ):
         shape, whole = tuple(t.shape), d.box_sum(t, (0,) * t.dim(), tuple(t.shape))
-        for dim, cut in itertools.product(range(t.dim()), (1, shape[-1] // 2)):  # two shards on any dimension
-            a, b = t.narrow(dim, 0, cut).contiguous(), t.narrow(dim, cut, shape[dim] - cut).contiguous()
+        for dim, cut in itertools.product(
+            range(t.dim()), (1, shape[-1] // 2)
+        ):  # two shards on any dimension
+            a, b = (
+                t.narrow(dim, 0, cut).contiguous(),
+                t.narrow(dim, cut, shape[dim] - cut).contiguous(),
+            )
             at = tuple(cut if i == dim else 0 for i in range(t.dim()))
-            assert (d.box_sum(a, (0,) * t.dim(), shape) + d.box_sum(b, at, shape)) & d._MASK == whole
+            assert (
+                d.box_sum(a, (0,) * t.dim(), shape) + d.box_sum(b, at, shape)
+            ) & d._MASK == whole
         flipped = t.clone()
         flipped.view(-1).view(torch.uint8)[7] ^= 1
         moved = t.flip(0)
-        assert whole not in (d.box_sum(flipped, (0,) * t.dim(), shape), d.box_sum(moved, (0,) * t.dim(), shape))
+        assert whole not in (
+            d.box_sum(flipped, (0,) * t.dim(), shape),
+            d.box_sum(moved, (0,) * t.dim(), shape),
+        )
     # the save's pass: tensor items get their structure digest (no byte read) and the layout-free partials
     big = {"w": torch.randn(3 << 20), "v": torch.randn(9, 7)[1:, 2:], "tied": [torch.ones(3)] * 2}
     items = capture({"model": torch.nn.Linear(8, 4), "t": big})

@@ -36,7 +36,9 @@ def _segment(rank: int, world: int, base: str, scenarios: dict, second: bool) ->
     out = {}
     for name, kwargs in scenarios.items():
         end = {"steps": END} if second else {"steps": END, "stop_after": STOP_AFTER}
-        out[name] = loops.run(f"{base}/{name}", rank=rank, world=world, save_every=SAVE_EVERY, **end, **kwargs)
+        out[name] = loops.run(
+            f"{base}/{name}", rank=rank, world=world, save_every=SAVE_EVERY, **end, **kwargs
+        )
     return out
 
 
@@ -74,11 +76,14 @@ def test_a_lost_prefetched_batch_fails_data_order_and_names_the_step(world, one_
     assert "what the killed run consumed at step 7" in data.evidence and "PerRank" in data.evidence
     assert verdict(gates["prefetch_lost"]) == "resume NOT proven: data order identical (FAIL)"
     # every other required gate passes: the files are fine, the trajectory is not
-    assert [g.name for g in gates["prefetch_lost"] if g.required and g.status is not Status.PASS] == [
-        "data order identical", "replayed steps identical"]
+    assert [
+        g.name for g in gates["prefetch_lost"] if g.required and g.status is not Status.PASS
+    ] == ["data order identical", "replayed steps identical"]
     saved = gates["prefetch_saved"]
     assert passed(saved), [(g.name, g.status, g.evidence) for g in saved]
-    assert _by_name(saved)["data order identical"].evidence.startswith("steps 6-8 replayed after the restore of step 5")
+    assert _by_name(saved)["data order identical"].evidence.startswith(
+        "steps 6-8 replayed after the restore of step 5"
+    )
     assert f"on {world} rank(s)" in _by_name(saved)["data order identical"].evidence
     assert _by_name(saved)["first export byte-identical"].status is Status.NA
     assert _by_name(saved)["first export byte-identical"].evidence.startswith("(not an RL job)")
@@ -86,7 +91,9 @@ def test_a_lost_prefetched_batch_fails_data_order_and_names_the_step(world, one_
     shown = CliRunner().invoke(main, ["prove", str(base / "prefetch_lost")])
     assert shown.exit_code == 1 and "resume NOT proven: data order identical (FAIL)" in shown.output
     assert "step 6" in shown.output
-    as_json = json.loads(CliRunner().invoke(main, ["prove", str(base / "prefetch_saved"), "--json"]).output)
+    as_json = json.loads(
+        CliRunner().invoke(main, ["prove", str(base / "prefetch_saved"), "--json"]).output
+    )
     assert as_json["proven"] is True and as_json["verdict"] == "resume PROVEN"
     assert {g["status"] for g in as_json["gates"]} == {"PASS", "INFO", "N/A"}
 
@@ -98,12 +105,18 @@ def test_an_unsaved_sampler_generator_replays_the_first_epoch(one_rank):
     # epoch 3 starts at step 7: with a fresh generator it draws epoch 1's permutation
     assert "step 7 (first replayed step 6)" in data.evidence
     assert "the data of step 1 again" in data.evidence and "GeneratorState" in data.evidence
-    assert passed(gates["shuffle_saved"]), [(g.name, g.status, g.evidence) for g in gates["shuffle_saved"]]
+    assert passed(gates["shuffle_saved"]), [
+        (g.name, g.status, g.evidence) for g in gates["shuffle_saved"]
+    ]
     # 3 steps per epoch: the replayed steps 6-8 cross into epoch 3 at step 7, and the coverage line says so
     cover = _by_name(gates["shuffle_saved"])["replay coverage"].evidence
-    assert cover.startswith("3 replayed step(s) compared on each of 1 rank(s); they crossed into the data's next "
-                            "pass: step 7 consumed sample "), cover
-    assert "epoch boundary: not seen" in _by_name(gates["prefetch_saved"])["replay coverage"].evidence
+    assert cover.startswith(
+        "3 replayed step(s) compared on each of 1 rank(s); they crossed into the data's next "
+        "pass: step 7 consumed sample "
+    ), cover
+    assert (
+        "epoch boundary: not seen" in _by_name(gates["prefetch_saved"])["replay coverage"].evidence
+    )
 
 
 def test_non_deterministic_rl_step_data_exact_numbers_informational(one_rank):
@@ -113,8 +126,9 @@ def test_non_deterministic_rl_step_data_exact_numbers_informational(one_rank):
     info = rows["replayed steps identical"]
     assert info.status is Status.INFO and not info.required
     assert "largest difference" in info.evidence and "deterministic=False" in info.evidence
-    assert verdict(gates["rl_sampling"]) == ("resume PROVEN (replayed numerics not compared: the plan declares "
-                                             "non-deterministic steps)")
+    assert verdict(gates["rl_sampling"]) == (
+        "resume PROVEN (replayed numerics not compared: the plan declares non-deterministic steps)"
+    )
     # the same records under a deterministic plan: not proven, the first differing step named with both values
     strict = evaluate(base / "rl_sampling", plan=cg.ProofPlan(deterministic=True))
     gate = _by_name(strict)["replayed steps identical"]
@@ -126,9 +140,17 @@ def test_non_deterministic_rl_step_data_exact_numbers_informational(one_rank):
 def test_record_step_fields_and_records_made_before_the_root_exists(tmp_path):
     root = tmp_path / "ck"
     mgr = cg.CheckpointManager(root)
-    a = mgr.record_step(1, sample_ids=[3, 1, 2], batch={"x": torch.arange(6)}, loss=torch.tensor(0.1), reward=2)
-    b = mgr.record_step(1, sample_ids=torch.tensor([3, 1, 2]), batch={"x": torch.arange(6)}, loss=0.1)
-    assert a["sample_ids"] == b["sample_ids"] and a["ids_head"] == [3, 1, 2]  # list and tensor of the same ids
+    a = mgr.record_step(
+        1, sample_ids=[3, 1, 2], batch={"x": torch.arange(6)}, loss=torch.tensor(0.1), reward=2
+    )
+    b = mgr.record_step(
+        1, sample_ids=torch.tensor([3, 1, 2]), batch={"x": torch.arange(6)}, loss=0.1
+    )
+    assert a["sample_ids"] == b["sample_ids"] and a["ids_head"] == [
+        3,
+        1,
+        2,
+    ]  # list and tensor of the same ids
     assert a["loss"] == float(torch.tensor(0.1)) and a["extra"] == {"reward": 2}
     with pytest.raises(cg.ConfigError, match=r"record_step\(tokens=...\).*not a scalar"):
         mgr.record_step(2, tokens=torch.ones(3))
@@ -137,5 +159,12 @@ def test_record_step_fields_and_records_made_before_the_root_exists(tmp_path):
     mgr.record_export(0, torch.zeros(2))
     assert not root.exists()  # a record never creates the root
     mgr.save(1, {"w": torch.zeros(2)})
-    events = [json.loads(x)["event"] for x in (root / "proof/rank_00000.jsonl").read_text().splitlines()]
-    assert events == ["step", "step", "export", "save"]  # made before the root existed, kept in order
+    events = [
+        json.loads(x)["event"] for x in (root / "proof/rank_00000.jsonl").read_text().splitlines()
+    ]
+    assert events == [
+        "step",
+        "step",
+        "export",
+        "save",
+    ]  # made before the root existed, kept in order

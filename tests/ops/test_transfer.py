@@ -28,10 +28,14 @@ TIMEOUT_S = 60  # per message: a transfer that waited on a failed peer would tak
 PROMPT_S = 8.0  # what "at once" allows on a loaded 2-core machine
 
 
-def _mount(source: bytes | None, target: Path, fstype: bytes | None, flags: int, data: bytes | None = None) -> None:
+def _mount(
+    source: bytes | None, target: Path, fstype: bytes | None, flags: int, data: bytes | None = None
+) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.mount(source, str(target).encode(), fstype, flags, data) != 0:
-        raise PermissionError(ctypes.get_errno(), f"mount {source!r} {target} ({fstype!r}, {flags:#x})")
+        raise PermissionError(
+            ctypes.get_errno(), f"mount {source!r} {target} ({fstype!r}, {flags:#x})"
+        )
 
 
 def _private_mounts() -> None:
@@ -57,7 +61,9 @@ def _pair_cases(rank: int, world: int, base: str) -> dict:
     from ckptguard._commit import p2p as t
     from ckptguard._commit import replica
 
-    t.CHUNK = 16 << 10  # several blocks per file: failures in the middle of a file, not only at its start
+    t.CHUNK = (
+        16 << 10
+    )  # several blocks per file: failures in the middle of a file, not only at its start
     base_p = Path(base)
     data = (base_p / "src.bin").read_bytes()
     good = t.FileSpec("state/__0_0.distcp", len(data), _xxh(data))
@@ -68,15 +74,34 @@ def _pair_cases(rank: int, world: int, base: str) -> dict:
         _private_mounts()
         _mount(b"tmpfs", small, b"tmpfs", 0, b"size=64k")
     cases = {
-        "short": (base_p / "short.bin", good, base_p / "r1" / "short" / good.path),  # the sender's file shrank
-        "absent": (base_p / "nope.bin", good, base_p / "r1" / "absent" / good.path),  # the sender's file is gone
-        "full": (base_p / "src.bin", good, small / "state" / "x.distcp"),  # the receiver's disk fills mid-file
-        "checksum": (base_p / "src.bin", t.FileSpec(good.path, good.size, "0" * 16), base_p / "r1" / "sum" / "x"),
+        "short": (
+            base_p / "short.bin",
+            good,
+            base_p / "r1" / "short" / good.path,
+        ),  # the sender's file shrank
+        "absent": (
+            base_p / "nope.bin",
+            good,
+            base_p / "r1" / "absent" / good.path,
+        ),  # the sender's file is gone
+        "full": (
+            base_p / "src.bin",
+            good,
+            small / "state" / "x.distcp",
+        ),  # the receiver's disk fills mid-file
+        "checksum": (
+            base_p / "src.bin",
+            t.FileSpec(good.path, good.size, "0" * 16),
+            base_p / "r1" / "sum" / "x",
+        ),
         # The receiver cannot create its file: its parent is a regular file.
         "blocked": (base_p / "src.bin", good, base_p / "blocker" / "x"),
         # A path from the peer that leaves the receiver's directory: refused before anything is written.
-        "escape": (base_p / "src.bin", t.FileSpec("../outside.bin", good.size, good.xxh3),
-                   base_p / "r1" / "esc" / "../outside.bin"),
+        "escape": (
+            base_p / "src.bin",
+            t.FileSpec("../outside.bin", good.size, good.xxh3),
+            base_p / "r1" / "esc" / "../outside.bin",
+        ),
     }
     out: dict = {}
     for case, (src, spec, dest) in cases.items():
@@ -85,22 +110,39 @@ def _pair_cases(rank: int, world: int, base: str) -> dict:
         elapsed = time.monotonic() - started
         # The pair is still in step: the next file of the same two ranks arrives intact.
         after = base_p / "r1" / f"after-{case}.bin"
-        nxt = t.send_file(link, base_p / "src.bin", good, 1) if rank == 0 else t.recv_file(link, after, good, 0)
+        nxt = (
+            t.send_file(link, base_p / "src.bin", good, 1)
+            if rank == 0
+            else t.recv_file(link, after, good, 0)
+        )
         out[case] = {
             "problem": None if problem is None else problem.__dict__,
             "elapsed": elapsed,
             "next": None if nxt is None else str(nxt),
-            "left": sorted(p.name for p in dest.parent.iterdir()) if rank == 1 and dest.parent.is_dir() else [],
+            "left": sorted(p.name for p in dest.parent.iterdir())
+            if rank == 1 and dest.parent.is_dir()
+            else [],
             "after": rank == 1 and after.read_bytes() == data,
         }
     # Peer replicas through the same transfer: rank 1's replica folder is blocked; rank 0's is fine.
     roots = [base_p / "rep0", base_p / "rep1"]
     files = [FileEntry("state/__0_0.distcp", len(data), _xxh(data), r) for r in (0, 1)]
     started = time.monotonic()
-    problems = replica.push(root=roots[rank], step=7, step_name="step_00000007", manifest_files=files,
-                            peer_of=[1, 0], rank=rank, group=None, timeout_s=TIMEOUT_S)
-    out["push"] = {"problems": problems, "elapsed": time.monotonic() - started,
-                   "held": replica.held(roots[rank], _layout.StepNaming("step_{step:08d}"))}
+    problems = replica.push(
+        root=roots[rank],
+        step=7,
+        step_name="step_00000007",
+        manifest_files=files,
+        peer_of=[1, 0],
+        rank=rank,
+        group=None,
+        timeout_s=TIMEOUT_S,
+    )
+    out["push"] = {
+        "problems": problems,
+        "elapsed": time.monotonic() - started,
+        "held": replica.held(roots[rank], _layout.StepNaming("step_{step:08d}")),
+    }
     return out
 
 
@@ -129,21 +171,38 @@ def test_a_failed_transfer_reaches_both_ranks_at_once_with_the_same_problem(tmp_
         msg = s["problem"]["message"]
         assert cause in msg and s["problem"]["rank"] == origin, (case, msg)
         # What, where (file, step, both ranks) and what to do.
-        assert "test copy, step 7: state/__0_0.distcp (262144 bytes) from rank 0 to rank 1" in msg, (case, msg)
+        assert (
+            "test copy, step 7: state/__0_0.distcp (262144 bytes) from rank 0 to rank 1" in msg
+        ), (case, msg)
         assert msg.endswith("then try again"), (case, msg)
         assert max(s["elapsed"], r["elapsed"]) < PROMPT_S, (case, s["elapsed"], r["elapsed"])
         assert r["left"] == [], (case, "a partial file is left where the receiver wrote", r["left"])
-        assert s["next"] is None and r["next"] is None and r["after"], (case, "the pair is out of step after it")
+        assert s["next"] is None and r["next"] is None and r["after"], (
+            case,
+            "the pair is out of step after it",
+        )
     s, r = sender["escape"], receiver["escape"]
-    assert s["problem"] == r["problem"] and "rank 1 refuses the path" in s["problem"]["message"], (s, r)
-    assert "test copy, step 7: ../outside.bin" in s["problem"]["message"] and s["next"] is None and r["after"]
-    assert not (tmp_path / "r1" / "outside.bin").exists() and max(s["elapsed"], r["elapsed"]) < PROMPT_S
+    assert s["problem"] == r["problem"] and "rank 1 refuses the path" in s["problem"]["message"], (
+        s,
+        r,
+    )
+    assert (
+        "test copy, step 7: ../outside.bin" in s["problem"]["message"]
+        and s["next"] is None
+        and r["after"]
+    )
+    assert (
+        not (tmp_path / "r1" / "outside.bin").exists()
+        and max(s["elapsed"], r["elapsed"]) < PROMPT_S
+    )
     assert "No space left on device" in sender["full"]["problem"]["message"]
     assert sender["checksum"]["problem"]["exc_type"] == "CheckpointCorruptError"
     push0, push1 = sender["push"], receiver["push"]
     assert len(push0["problems"]) == 1 and push0["problems"] == push1["problems"], (push0, push1)
     assert "peer replica, step 7: state/__0_0.distcp" in push0["problems"][0], push0
-    assert "from rank 0 to rank 1" in push0["problems"][0] and "save again" in push0["problems"][0], push0
+    assert (
+        "from rank 0 to rank 1" in push0["problems"][0] and "save again" in push0["problems"][0]
+    ), push0
     assert max(push0["elapsed"], push1["elapsed"]) < PROMPT_S, (push0, push1)
     # The failed replica does not count; the other direction of the pair was unaffected.
     assert push1["held"] == {} and push0["held"] == {7: [1]}, (push0["held"], push1["held"])
@@ -161,7 +220,9 @@ def _save_onto_read_only_node(rank: int, world: int, base: str) -> dict:
     state = {"model": torch.nn.Linear(32, 32), "n": cg.PerRank(rank), "table": torch.arange(2048.0)}
     mgr = cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=TIMEOUT_S))
     mgr.save(1, state)
-    if rank == 1:  # node1's disk turns read-only after its rank wrote its own files: the copies cannot land
+    if (
+        rank == 1
+    ):  # node1's disk turns read-only after its rank wrote its own files: the copies cannot land
         set_fault_hook("commit.rank_written", lambda: _read_only(shared))
     started = time.monotonic()
     try:
@@ -169,7 +230,11 @@ def _save_onto_read_only_node(rank: int, world: int, base: str) -> dict:
         out = "committed"
     except cg.CheckpointWriteError as exc:
         out = str(exc)
-    return {"error": out, "elapsed": time.monotonic() - started, "tracker": _layout.read_tracker(shared / "ck")}
+    return {
+        "error": out,
+        "elapsed": time.monotonic() - started,
+        "tracker": _layout.read_tracker(shared / "ck"),
+    }
 
 
 @ROOT_ONLY
@@ -181,10 +246,20 @@ def test_a_copy_that_cannot_land_on_its_node_fails_the_save_on_both_nodes_at_onc
     for rank, o in enumerate(out):
         msg = o["error"]
         # Before, rank 0 sent into a receiver that had given up and waited the whole timeout.
-        assert o["elapsed"] < PROMPT_S, (rank, o["elapsed"], f"waited about the {TIMEOUT_S} s timeout")
+        assert o["elapsed"] < PROMPT_S, (
+            rank,
+            o["elapsed"],
+            f"waited about the {TIMEOUT_S} s timeout",
+        )
         assert msg.startswith("save of step 2 under") and "node confirm" in msg, (rank, msg)
-        assert "copy of a replicated DCP file to a node that reads it, step 2: state/" in msg, (rank, msg)
-        assert "from rank 0 to rank 1: rank 1 failed creating" in msg and "Read-only file system" in msg, (rank, msg)
+        assert "copy of a replicated DCP file to a node that reads it, step 2: state/" in msg, (
+            rank,
+            msg,
+        )
+        assert (
+            "from rank 0 to rank 1: rank 1 failed creating" in msg
+            and "Read-only file system" in msg
+        ), (rank, msg)
         assert "then save again" in msg, (rank, msg)
         assert o["tracker"] == 1, (rank, o["tracker"])
 
@@ -212,11 +287,14 @@ def _trackers_apart(rank: int, world: int, base: str) -> dict:
         weights[step] = state["model"].weight.detach().clone()
         if rank in on:
             if fault == "node.after_tracker":
+
                 def hook() -> None:
                     raise OSError(5, "injected: the disk failed right after the tracker moved")
             else:  # the node's disk turns read-only before its tracker moves: its write fails for real
+
                 def hook() -> None:
                     _read_only(shared)
+
             set_fault_hook(fault, hook)
         try:
             cg.CheckpointManager(root, config=config).save(step, state)
@@ -232,8 +310,11 @@ def _trackers_apart(rank: int, world: int, base: str) -> dict:
     def restore() -> dict:
         fresh = _state(rank)
         step = cg.CheckpointManager(root, config=config).restore(fresh)
-        return {"step": step, "exact": torch.equal(fresh["model"].weight, weights[step]),
-                "tracker": _layout.read_tracker(root)}
+        return {
+            "step": step,
+            "exact": torch.equal(fresh["model"].weight, weights[step]),
+            "tracker": _layout.read_tracker(root),
+        }
 
     out: dict = {"first": save(1)}
     out["lagging"] = {"error": save(2, "node.before_tracker", on=(1,)), "restore": restore()}
@@ -255,22 +336,34 @@ def test_a_failed_tracker_round_says_which_nodes_moved_and_what_a_restore_takes(
         # node0's tracker moved to step 2, node1's did not: the step IS the resume target everywhere.
         msg = o["lagging"]["error"]
         assert "failed at node tracker" in msg and "Read-only file system" in msg, (rank, msg)
-        assert "the trackers of node0 (ranks 0) moved to step 2; those of node1 (ranks 1) at step 1 did not" in msg, (
-            rank, msg)
-        assert "A restore (prefer='latest', the default) agrees on step 2 on every node" in msg, (rank, msg)
+        assert (
+            "the trackers of node0 (ranks 0) moved to step 2; those of node1 (ranks 1) at step 1 did not"
+            in msg
+        ), (rank, msg)
+        assert "A restore (prefer='latest', the default) agrees on step 2 on every node" in msg, (
+            rank,
+            msg,
+        )
         assert "previous committed step stays the resume target" not in msg, (rank, msg)
-        assert o["lagging"]["restore"] == {"step": 2, "exact": True, "tracker": 2 - rank}, (rank, o["lagging"])
+        assert o["lagging"]["restore"] == {"step": 2, "exact": True, "tracker": 2 - rank}, (
+            rank,
+            o["lagging"],
+        )
         assert o["after_lagging"] == {"save": "committed", "tracker": 3}, (rank, o["after_lagging"])
         # No node's tracker moved: the previous step stays, and the next save removes the published step 4.
         msg = o["none"]["error"]
-        assert "no node's tracker moved (node0 (ranks 0) at step 3, node1 (ranks 1) at step 3)" in msg, (rank, msg)
+        assert (
+            "no node's tracker moved (node0 (ranks 0) at step 3, node1 (ranks 1) at step 3)" in msg
+        ), (rank, msg)
         assert "the next save removes them" in msg, (rank, msg)
         assert o["none"]["restore"] == {"step": 3, "exact": True, "tracker": 3}, (rank, o["none"])
         assert o["after_none"] == {"save": "committed", "step4": False}, (rank, o["after_none"])
         # Every tracker moved and a failure came after: the step is committed, and said so.
         msg = o["all"]["error"]
-        assert "every node's tracker moved to step 6 (node0 (ranks 0), node1 (ranks 1)), so step 6 is committed" in (
-            msg), (rank, msg)
+        assert (
+            "every node's tracker moved to step 6 (node0 (ranks 0), node1 (ranks 1)), so step 6 is committed"
+            in (msg)
+        ), (rank, msg)
         assert "injected" in msg, (rank, msg)
         assert o["all"]["restore"] == {"step": 6, "exact": True, "tracker": 6}, (rank, o["all"])
 
@@ -294,7 +387,9 @@ def _gc_on_the_lagging_node(rank: int, world: int, base: str) -> dict:
     cg.CheckpointManager(root, config=config).save(1, state)
     state["model"].weight.data += 1.0
     saved = state["model"].weight.detach().clone()
-    if rank == 1:  # node1's tracker cannot move: node0's does, the global commit of step 2 is done there
+    if (
+        rank == 1
+    ):  # node1's tracker cannot move: node0's does, the global commit of step 2 is done there
         set_fault_hook("node.before_tracker", lambda: _read_only(shared))
     try:
         cg.CheckpointManager(root, config=config).save(2, state)
@@ -310,7 +405,9 @@ def _gc_on_the_lagging_node(rank: int, world: int, base: str) -> dict:
         dead.wait()
         tmp = root / _layout.temp_dir_name(naming.name(3), "0123456789ab")
         (tmp / _layout.STATE_DIR).mkdir(parents=True)
-        (tmp / _layout.OWNER_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+        (tmp / _layout.OWNER_NAME).write_text(
+            json.dumps({"host": socket.gethostname(), "pid": dead.pid})
+        )
         report = gc(root, naming, orphans=True, force=True)
         out["removed"] = [p.name for p, _what in report.removed]
         out["kept"] = {p.name: why for p, why in report.kept}

@@ -29,8 +29,13 @@ UNINTERRUPTED = [883, 744, 530]
 
 def launch(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp / "work").mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, str(JOB), str(tmp / "root"), str(tmp / "work"), *args], env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(JOB), str(tmp / "root"), str(tmp / "work"), *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def campaign(tmp: Path, kills: list[int], control: str = "") -> dict:
@@ -51,18 +56,29 @@ def test_rollouts_killed_mid_turn_continue_or_restart_and_every_call_takes_effec
     result = campaign(tmp_path, [9, 20, 29])
     assert result["witness"] == UNINTERRUPTED  # the trained witness is the uninterrupted run's
     got = gates(tmp_path / "root")
-    assert {n: r.status for n, r in got.items()} == {prove_turns.GATE_ONCE: "PASS", prove_turns.GATE_KIND: "PASS",
-                                                      prove_turns.GATE_TOKENS: "PASS"}, got
-    resumes = [json.loads(line) for line in (tmp_path / "root" / "proof" / "turns_rank_00000.jsonl").open()
-               if '"resume"' in line]
-    assert any(r["continued"] for r in resumes) and any(r["restarted"] for r in resumes)  # both kinds were judged
+    assert {n: r.status for n, r in got.items()} == {
+        prove_turns.GATE_ONCE: "PASS",
+        prove_turns.GATE_KIND: "PASS",
+        prove_turns.GATE_TOKENS: "PASS",
+    }, got
+    resumes = [
+        json.loads(line)
+        for line in (tmp_path / "root" / "proof" / "turns_rank_00000.jsonl").open()
+        if '"resume"' in line
+    ]
+    assert any(r["continued"] for r in resumes) and any(
+        r["restarted"] for r in resumes
+    )  # both kinds were judged
 
 
 def test_the_ledger_left_out_of_the_state_fails_the_kind_gate(tmp_path):
     result = campaign(tmp_path, [9], control="no-turns")
     row = gates(tmp_path / "root")[prove_turns.GATE_KIND]
     assert row.status == "FAIL" and "restored step 2 without a turn ledger" in row.evidence, row
-    assert "rollout 'p0/s1', turn 1: a committed turn was run again (call ids ['p0/s1/t1/c0'" in row.evidence
+    assert (
+        "rollout 'p0/s1', turn 1: a committed turn was run again (call ids ['p0/s1/t1/c0'"
+        in row.evidence
+    )
     assert result["witness"] == UNINTERRUPTED  # the trainer's state alone does not show it
 
 
@@ -76,15 +92,23 @@ def new_ids(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_call_reissued_under_a_new_call_id_fails_the_exactly_once_gate(new_ids):
     row = gates(new_ids)[prove_turns.GATE_ONCE]
-    assert row.status == "FAIL" and "rollout 'p0/s1', turn 3: call 0 took effect in 'idempotent' under 2 call ids" \
-        in row.evidence, row
+    assert (
+        row.status == "FAIL"
+        and "rollout 'p0/s1', turn 3: call 0 took effect in 'idempotent' under 2 call ids"
+        in row.evidence
+    ), row
 
 
-def test_a_restorable_environment_restored_to_the_wrong_revision_fails_the_exactly_once_gate(tmp_path):
+def test_a_restorable_environment_restored_to_the_wrong_revision_fails_the_exactly_once_gate(
+    tmp_path,
+):
     campaign(tmp_path, [7], control="wrong-revision")
     row = gates(tmp_path / "root")[prove_turns.GATE_ONCE]
-    assert row.status == "FAIL" and "rollout 'p0/s0', turn 2: committed call id 'p0/s0/t2/c1' has 0 standing" \
-        in row.evidence, row
+    assert (
+        row.status == "FAIL"
+        and "rollout 'p0/s0', turn 2: committed call id 'p0/s0/t2/c1' has 0 standing"
+        in row.evidence
+    ), row
 
 
 def test_ckptguard_prove_shows_the_turn_gates(new_ids):
@@ -96,5 +120,12 @@ def test_ckptguard_prove_shows_the_turn_gates(new_ids):
     result = CliRunner().invoke(main, ["prove", str(new_ids), "--json"])
     shown = json.loads(result.stdout)
     by_name = {g["gate"]: g for g in shown["gates"]}
-    assert by_name[prove_turns.GATE_ONCE]["status"] == "FAIL" and by_name[prove_turns.GATE_KIND]["status"] == "PASS"
-    assert shown["verdict"].startswith("resume NOT proven") and not shown["proven"] and result.exit_code == 1
+    assert (
+        by_name[prove_turns.GATE_ONCE]["status"] == "FAIL"
+        and by_name[prove_turns.GATE_KIND]["status"] == "PASS"
+    )
+    assert (
+        shown["verdict"].startswith("resume NOT proven")
+        and not shown["proven"]
+        and result.exit_code == 1
+    )

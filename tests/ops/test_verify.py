@@ -55,7 +55,10 @@ def test_clean_checkpoint_passes_quick_deep_and_restore(ckpt):
     assert verify_step(ckpt / "step_00000001", deep=True) == []
     result = CliRunner().invoke(main, ["verify", str(ckpt), "--deep", "--restore"])
     assert result.exit_code == 0, result.output
-    assert "OK: 1 step(s) checked with checksums and tensor digests and a real restore, 0 finding(s)" in result.output
+    assert (
+        "OK: 1 step(s) checked with checksums and tensor digests and a real restore, 0 finding(s)"
+        in result.output
+    )
 
 
 def test_missing_rank_file(ckpt):
@@ -98,7 +101,11 @@ def test_restore_check_catches_what_checksums_cannot(ckpt):
     (step / "manifest.json").write_text(json.dumps(manifest))
     assert verify_step(step, deep=True) == []
     result = CliRunner().invoke(main, ["verify", str(step), "--restore"])
-    assert result.exit_code == 1 and "digest-mismatch" in result.output and "rank 0 item loader" in result.output
+    assert (
+        result.exit_code == 1
+        and "digest-mismatch" in result.output
+        and "rank 0 item loader" in result.output
+    )
 
 
 def test_restore_check_catches_a_tensor_byte_through_the_layout_free_digests(ckpt):
@@ -106,7 +113,11 @@ def test_restore_check_catches_a_tensor_byte_through_the_layout_free_digests(ckp
     manifest entry was updated is caught by the layout-free digests the offline restore recomputes."""
     step = ckpt / "step_00000001"
     state_dir = step / "state"
-    infos = [i for k, i in cg.read_dcp_metadata(state_dir).storage_data.items() if k.fqn.startswith("model.")]
+    infos = [
+        i
+        for k, i in cg.read_dcp_metadata(state_dir).storage_data.items()
+        if k.fqn.startswith("model.")
+    ]
     info = max(infos, key=lambda i: i.length)
     shard = state_dir / info.relative_path
     data = bytearray(shard.read_bytes())
@@ -160,7 +171,11 @@ def test_path_traversal_and_symlinks_are_never_followed(ckpt, tmp_path):
     _checked, found = verify_root(ckpt, NAMING)
     assert "symlink" in codes(found)
     report = retention.apply(ckpt, NAMING, retention.KeepLast(1))
-    assert "step_00000000" in report.not_counted and real.exists() and (real / "manifest.json").exists()
+    assert (
+        "step_00000000" in report.not_counted
+        and real.exists()
+        and (real / "manifest.json").exists()
+    )
     assert outside.read_bytes() == b"precious"
 
 
@@ -173,21 +188,27 @@ def test_preflight_checks_the_real_files_not_the_recorded_hosts(ckpt, tmp_path):
     # (the recorded hosts once made this a guessed "missing-on-host").
     for placement in ({0: "nodeA", 1: "nodeB"}, {0: "nodeA", 1: "nodeC"}):
         report = preflight(ckpt, NAMING, rank_hosts=placement, expect_step=1)
-        assert report.step == 1 and report.ok and not report.findings, [f.line() for f in report.findings]
+        assert report.step == 1 and report.ok and not report.findings, [
+            f.line() for f in report.findings
+        ]
     hosts = tmp_path / "map.txt"
     hosts.write_text("0 nodeA\n1 nodeC\n")
     result = CliRunner().invoke(main, ["preflight", str(ckpt), "--rank-hosts", str(hosts)])
     assert result.exit_code == 0 and "READY" in result.output, result.output
     (step / "rank_00001.pt").unlink()
     result = CliRunner().invoke(main, ["preflight", str(ckpt), "--rank-hosts", str(hosts)])
-    assert result.exit_code == 1 and "rank_00001.pt" in result.output and "NOT READY" in result.output
+    assert (
+        result.exit_code == 1 and "rank_00001.pt" in result.output and "NOT READY" in result.output
+    )
     wrong = CliRunner().invoke(main, ["preflight", str(ckpt), "--expect-step", "7"])
     assert wrong.exit_code == 1 and "unexpected-step" in wrong.output
     (ckpt / _layout.TRACKER_NAME).unlink()
     assert codes(preflight(ckpt, NAMING).findings) == ["no-tracker"]
     # A root that does not exist (a replacement node's empty disk) is NOT READY, not a usage error.
     missing = CliRunner().invoke(main, ["preflight", str(tmp_path / "nope")])
-    assert missing.exit_code == 1 and "no-root" in missing.output and "NOT READY" in missing.output, missing.output
+    assert (
+        missing.exit_code == 1 and "no-root" in missing.output and "NOT READY" in missing.output
+    ), missing.output
 
 
 def test_verify_usage_error(tmp_path):
@@ -233,9 +254,14 @@ def test_retention_across_restart_with_hold_orphan_and_corrupt(tmp_path):
     # deleted off the commit's path: waited for here, so gc finds none of it left.)
     assert retention.DELETER.wait(30)
     report = gc(root, NAMING)
-    assert report.removed == [] and {p.name for p, _ in report.kept} == {"step_00000003", "step_00000099"}
+    assert report.removed == [] and {p.name for p, _ in report.kept} == {
+        "step_00000003",
+        "step_00000099",
+    }
     report = gc(root, NAMING, orphans=True)
-    assert [p.name for p, _ in report.removed] == ["step_00000099"] and (root / "step_00000003").exists()
+    assert [p.name for p, _ in report.removed] == ["step_00000099"] and (
+        root / "step_00000003"
+    ).exists()
 
 
 def test_retention_keeps_the_restored_step_and_default_policy(tmp_path):
@@ -275,4 +301,6 @@ def test_failed_delete_is_reported_and_retried(tmp_path, monkeypatch, caplog):
     assert [p.name.split("-")[1] for p in root.glob(".trash-*")] == ["step_00000001"]
     mgr.save(3, _state(3))  # the next rotation retries the delete
     assert retention.DELETER.wait(30)
-    assert sorted(p.name for p in root.iterdir() if p.name.startswith((".trash", "step_"))) == ["step_00000003"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith((".trash", "step_"))) == [
+        "step_00000003"
+    ]

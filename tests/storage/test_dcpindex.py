@@ -26,16 +26,24 @@ def state_dir(tmp_path):
 
 
 def test_the_allow_lists_are_this_torch_s():
-    names = {n for n in dir(torch) if "." not in n and isinstance(getattr(torch, n, None),
-                                                                    (torch.dtype, torch.memory_format))}
+    names = {
+        n
+        for n in dir(torch)
+        if "." not in n and isinstance(getattr(torch, n, None), (torch.dtype, torch.memory_format))
+    }
     assert set(TORCH_DTYPE_NAMES) == names
-    assert set(TORCH_LAYOUTS) == {str(v) for v in vars(torch).values() if isinstance(v, torch.layout)}
+    assert set(TORCH_LAYOUTS) == {
+        str(v) for v in vars(torch).values() if isinstance(v, torch.layout)
+    }
 
 
 def test_the_same_files_for_the_same_keys(state_dir):
     real, view = read_dcp_metadata(state_dir), read_dcp_index(state_dir)
+
     def files(md):
-        return sorted((i.fqn, tuple(i.offset), info.relative_path) for i, info in md.storage_data.items())
+        return sorted(
+            (i.fqn, tuple(i.offset), info.relative_path) for i, info in md.storage_data.items()
+        )
 
     assert files(view) == files(real) and files(real)
     assert set(view.state_dict_metadata) == set(real.state_dict_metadata)
@@ -62,8 +70,9 @@ def test_a_foreign_global_is_refused_by_both(state_dir):
 
 def test_a_build_on_an_allowed_class_is_refused_by_both(state_dir):
     # GLOBAL Metadata, then BUILD with (None, {"x": 1}): setattr on the class itself.
-    payload = (b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\n"
-               b"N}\x8c\x01x\x94K\x01s\x86b.")
+    payload = (
+        b"\x80\x04ctorch.distributed.checkpoint.metadata\nMetadata\nN}\x8c\x01x\x94K\x01s\x86b."
+    )
     (state_dir / ".metadata").write_bytes(payload)
     with pytest.raises((UnsafeCheckpointError, CheckpointCorruptError)):
         read_dcp_metadata(state_dir)

@@ -39,7 +39,9 @@ def test_a_chunk_declared_larger_than_its_stored_bytes_is_refused(tmp_path):
         md.state_dict_metadata["t.x"] = dataclasses.replace(meta, size=big)
 
     _rewrite(state, huge)
-    with pytest.raises(cg.CheckpointCorruptError, match=r"'t.x' at offset \[0\] declares 4000000000000 bytes"):
+    with pytest.raises(
+        cg.CheckpointCorruptError, match=r"'t.x' at offset \[0\] declares 4000000000000 bytes"
+    ):
         read_dcp_metadata(state)
 
 
@@ -51,5 +53,7 @@ def test_a_tensor_declared_larger_than_its_chunks_is_refused(tmp_path):
         md.state_dict_metadata["t.x"] = dataclasses.replace(meta, size=torch.Size([10**9]))
 
     _rewrite(state, global_only)
-    with pytest.raises(cg.CheckpointCorruptError, match=r"'t.x' declares 4000000000 bytes .* chunks hold 24"):
+    with pytest.raises(
+        cg.CheckpointCorruptError, match=r"'t.x' declares 4000000000 bytes .* chunks hold 24"
+    ):
         read_dcp_metadata(state)

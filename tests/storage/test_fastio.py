@@ -39,7 +39,9 @@ def _state() -> dict[str, torch.Tensor]:
         "view": big[5:7, 3:9],  # 48 B of a 1.2 MB storage
         "transposed": big.t(),  # non-contiguous, larger than a buffer
         "rows": big[::3, ::2],  # strided both ways
-        "wide_t": torch.randn(70_000, 2, generator=g).t(),  # one non-contiguous row larger than a buffer
+        "wide_t": torch.randn(
+            70_000, 2, generator=g
+        ).t(),  # one non-contiguous row larger than a buffer
         "big": big,  # contiguous CPU, written in place
         "bf16": torch.randn(33, generator=g).bfloat16(),
         "flag": torch.tensor(True),
@@ -127,11 +129,20 @@ def test_reads_files_written_by_plain_dcp_in_bounded_blocks(tmp_path):
 
 
 def test_frame_plus_raw_bytes_is_what_torch_load_reads():
-    for shape, dtype in [((3, 4), torch.float32), ((7,), torch.bfloat16), ((), torch.int64), ((2, 0), torch.float16)]:
-        t = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float64)[: torch.Size(shape).numel()]
+    for shape, dtype in [
+        ((3, 4), torch.float32),
+        ((7,), torch.bfloat16),
+        ((), torch.int64),
+        ((2, 0), torch.float16),
+    ]:
+        t = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float64)[
+            : torch.Size(shape).numel()
+        ]
         t = t.reshape(shape).to(dtype)
         frame = item_frame(shape, dtype)
-        blob = frame.head + t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + frame.tail
+        blob = (
+            frame.head + t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + frame.tail
+        )
         back = torch.load(io.BytesIO(blob), weights_only=True)
         assert _bitwise(back, t)
         rec = read_record(io.BytesIO(blob), "test")
@@ -195,7 +206,9 @@ def test_a_write_returning_zero_raises_with_offset_and_counts(tmp_path, monkeypa
 def tiny_tmpfs(tmp_path):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True
+    )
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
     try:
@@ -242,7 +255,9 @@ def test_manager_save_and_restore_through_streaming_storage(tmp_path):
     assert torch.equal(state["buf"], torch.arange(2.0, 6.0))
     # A manager with the default storage reads what the streaming one wrote.
     again = build_job(seed=6)
-    assert cg.CheckpointManager(tmp_path / "ck").restore({**again.state(), "buf": torch.zeros(4)}) == 3
+    assert (
+        cg.CheckpointManager(tmp_path / "ck").restore({**again.state(), "buf": torch.zeros(4)}) == 3
+    )
     assert fingerprint(again) == fingerprint(job)
     assert (step_dir / "state" / ".metadata").exists()
 
@@ -271,7 +286,9 @@ def _counting_preadv(monkeypatch, *, most: int | None = None) -> dict[str, int]:
 
     def counted(fd, views, offset):
         calls["n"] += 1
-        if most is not None:  # a short read every time: at most this many bytes, across any of the views
+        if (
+            most is not None
+        ):  # a short read every time: at most this many bytes, across any of the views
             views, left = list(views), most
             out = []
             for v in views:
@@ -309,9 +326,9 @@ def test_several_read_threads_each_read_a_stretch_and_close_their_files(tmp_path
     before = len(os.listdir("/proc/self/fd"))
     for threads in (1, 2, 3):
         out = _zeros(state)
-        StreamingStorage(StreamingConfig(pool_bytes=4 * BUF, buffer_bytes=BUF, read_threads=threads)).read(
-            tmp_path, out, CTX
-        )
+        StreamingStorage(
+            StreamingConfig(pool_bytes=4 * BUF, buffer_bytes=BUF, read_threads=threads)
+        ).read(tmp_path, out, CTX)
         assert all(_bitwise(out[k], state[k]) for k in state), threads
     assert len(os.listdir("/proc/self/fd")) == before, "a reader thread left a file open"
 
@@ -334,15 +351,23 @@ def test_an_item_whose_frame_head_differs_is_parsed_and_read_again(tmp_path, mon
     # guess must not stand. The tail (CRCs, central directory) places nothing and costs no re-read.
     from ckptguard.storage import _reader
 
-    state = {"a": torch.randn(300, 1000), "b": torch.randn(70_000).bfloat16(), "small": torch.randn(5)}
+    state = {
+        "a": torch.randn(300, 1000),
+        "b": torch.randn(70_000).bfloat16(),
+        "small": torch.randn(5),
+    }
     StreamingStorage(SMALL).write(tmp_path, state, CTX)
     real = _reader.item_frame
 
     def other(shape, dtype):
         frame = real(shape, dtype)
         if part == "head":
-            return type(frame)(frame.head[:-1] + bytes([frame.head[-1] ^ 1]), frame.data_bytes, frame.tail)
-        return type(frame)(frame.head, frame.data_bytes, bytes([frame.tail[0] ^ 1]) + frame.tail[1:])
+            return type(frame)(
+                frame.head[:-1] + bytes([frame.head[-1] ^ 1]), frame.data_bytes, frame.tail
+            )
+        return type(frame)(
+            frame.head, frame.data_bytes, bytes([frame.tail[0] ^ 1]) + frame.tail[1:]
+        )
 
     parsed = {"n": 0}
     real_record = _reader.read_record

@@ -28,7 +28,11 @@ CFG = StreamingConfig(pool_bytes=3 * BUF, buffer_bytes=BUF)
 
 def _pool_mappings() -> int:
     with open("/proc/self/maps") as f:
-        return sum(1 for line in f if (lambda a, b: int(b, 16) - int(a, 16))(*line.split()[0].split("-")) == BUF)
+        return sum(
+            1
+            for line in f
+            if (lambda a, b: int(b, 16) - int(a, 16))(*line.split()[0].split("-")) == BUF
+        )
 
 
 def _state() -> dict[str, torch.Tensor]:

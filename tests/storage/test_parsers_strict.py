@@ -47,7 +47,9 @@ print(name, f"torch.{name}" in sys.modules, refused)
 
 
 def test_a_refused_torch_global_is_refused_before_it_is_imported():
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     name, imported, refused = out.stdout.split(" ", 2)
     assert imported == "False", f"refusing torch.{name} imported it first"

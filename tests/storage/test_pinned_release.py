@@ -61,13 +61,19 @@ def _made(pool: BufferPool, n: int) -> None:
 
 def test_the_pool_makes_its_buffers_on_demand_up_to_its_count(cudart):
     pool = BufferPool(count=3, size=1 << 16, pin=True, timeout_s=0.2)
-    assert len(cudart.ranges) == 1, "one buffer at construction: the first byte must not wait for the others' pinning"
+    assert len(cudart.ranges) == 1, (
+        "one buffer at construction: the first byte must not wait for the others' pinning"
+    )
     bufs = [pool.get("a test") for _ in range(3)]
     assert len(cudart.ranges) == 3 and pool.allocated_bytes == 3 << 16
-    with pytest.raises(StorageStallError, match=r"no host buffer came free within 0\.2 s while a test"):
+    with pytest.raises(
+        StorageStallError, match=r"no host buffer came free within 0\.2 s while a test"
+    ):
         pool.get("a test")
     pool.put(bufs.pop())
-    assert pool.get("a test") is not None and len(cudart.ranges) == 3  # a free one reused, none made past count
+    assert (
+        pool.get("a test") is not None and len(cudart.ranges) == 3
+    )  # a free one reused, none made past count
     pool.close()
     assert cudart.ranges == {} and pool.allocated_bytes == 0
 
@@ -79,7 +85,9 @@ def test_close_unregisters_every_buffer(cudart):
     maps = [b._map for b in pool._all]
     pool.close()
     assert cudart.ranges == {}
-    assert all(m is not None and m.closed for m in maps), "close() unmaps at once: the pool holds no host memory"
+    assert all(m is not None and m.closed for m in maps), (
+        "close() unmaps at once: the pool holds no host memory"
+    )
 
 
 def test_a_pool_dropped_without_close_is_unregistered_when_collected(cudart):
@@ -88,13 +96,17 @@ def test_a_pool_dropped_without_close_is_unregistered_when_collected(cudart):
     assert all(s is not None for s in slots) and len(cudart.ranges) == 1
     del pool, slots
     gc.collect()
-    assert cudart.ranges == {}, "a dropped pool left its range registered: the next buffer there fails with 712"
+    assert cudart.ranges == {}, (
+        "a dropped pool left its range registered: the next buffer there fails with 712"
+    )
     again = Buffer(1 << 20, True)  # the range the kernel hands out next registers
     assert again.pinned
     again.release()
 
 
-def test_a_buffer_kept_alive_by_a_slot_is_unregistered_at_release_and_unmapped_with_the_slot(cudart):
+def test_a_buffer_kept_alive_by_a_slot_is_unregistered_at_release_and_unmapped_with_the_slot(
+    cudart,
+):
     buf = Buffer(1 << 16, True)
     slot = buf.tensor[:64]
     buf.release()
@@ -107,7 +119,9 @@ def test_an_exception_midway_releases_what_was_registered(monkeypatch):
     fake = FakeCudart(raise_after=0)
     monkeypatch.setattr(_pool, "_cudart", lambda: fake)
     with pytest.raises(RuntimeError, match="midway"):
-        BufferPool(count=4, size=1 << 16, pin=True, timeout_s=5)  # the first buffer, at construction
+        BufferPool(
+            count=4, size=1 << 16, pin=True, timeout_s=5
+        )  # the first buffer, at construction
     gc.collect()
     assert fake.ranges == {}
     fake = FakeCudart(raise_after=2)
@@ -121,7 +135,9 @@ def test_an_exception_midway_releases_what_was_registered(monkeypatch):
     assert fake.ranges == {}
 
 
-def test_a_refused_registration_names_cuda_s_error_and_the_pool_goes_on_pageable(monkeypatch, caplog):
+def test_a_refused_registration_names_cuda_s_error_and_the_pool_goes_on_pageable(
+    monkeypatch, caplog
+):
     fake = FakeCudart()
     fake.ranges[0] = 1 << 62  # what the driver holds for ranges unmapped without cudaHostUnregister
     monkeypatch.setattr(_pool, "_cudart", lambda: fake)
@@ -184,7 +200,9 @@ def test_a_dropped_manager_s_prepared_pool_is_unregistered(tmp_path, cudart, mon
     mgr.save_async(1, state).wait()  # the idle timer starts
     assert cudart.ranges
     other = cg.CheckpointManager(tmp_path / "other")
-    other.restore(state)  # a hook that stays armed: this optimizer has state, so it prepares at once
+    other.restore(
+        state
+    )  # a hook that stays armed: this optimizer has state, so it prepares at once
     other._staging.preparing.result(timeout=60)
     del mgr, other
     import threading
@@ -198,7 +216,9 @@ def test_a_dropped_manager_s_prepared_pool_is_unregistered(tmp_path, cudart, mon
 
 def _pinned_init(init):
     def pinned(self, *, pin, idle_s=None):
-        init(self, pin=True, idle_s=idle_s)  # as on a GPU: the CPU state's pool is pinned through the fake
+        init(
+            self, pin=True, idle_s=idle_s
+        )  # as on a GPU: the CPU state's pool is pinned through the fake
 
     return pinned
 
@@ -216,9 +236,15 @@ def test_no_memory_for_one_more_buffer_goes_on_with_those_made(monkeypatch, capl
         again = pool.get("reading a test")  # the free one, no new buffer needed
         pool.put(again)
         assert pool.get("reading a test") is again
-        with pytest.raises(StorageStallError):  # one buffer, held: a wait, then the stall (not ENOMEM)
+        with pytest.raises(
+            StorageStallError
+        ):  # one buffer, held: a wait, then the stall (not ENOMEM)
             pool.get("reading a test")
-    assert pool.count == 1 and "could not be made" in caplog.text and "going on with the 1 made" in caplog.text
+    assert (
+        pool.count == 1
+        and "could not be made" in caplog.text
+        and "going on with the 1 made" in caplog.text
+    )
     pool.close()
 
 

@@ -38,7 +38,9 @@ def _pages(path, offset: int = 0, length: int | None = None) -> list[bool]:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
-        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), pages) == 0, ctypes.get_errno()
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), pages) == 0, (
+            ctypes.get_errno()
+        )
         return [bool(p & 1) for p in pages]
     finally:
         mapped.close()
@@ -61,22 +63,32 @@ def _cold_file(path, size: int) -> None:
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
     if _resident(path):
-        pytest.skip(f"{path.parent} keeps every page resident (tmpfs?): residency says nothing here")
+        pytest.skip(
+            f"{path.parent} keeps every page resident (tmpfs?): residency says nothing here"
+        )
 
 
 def test_it_reads_the_start_of_each_part_into_the_cache_and_close_drops_it(tmp_path):
     path = tmp_path / "__0_0.distcp"
     _cold_file(path, 24 << 20)
-    ahead = ReadAhead(path, limit=8 << 20, streams=4).start()  # 4 parts of 6 MiB: the first 2 MiB of each
+    ahead = ReadAhead(
+        path, limit=8 << 20, streams=4
+    ).start()  # 4 parts of 6 MiB: the first 2 MiB of each
     deadline = time.monotonic() + 30
     while ahead.done < (8 << 20) and time.monotonic() < deadline:
         time.sleep(0.01)
     ahead.halt()
     assert ahead.done == 8 << 20, "the limit, no more and no less"
-    assert _resident(path) >= 8 << 20, "the parts' starts are in the page cache for the restore's read threads"
-    assert all(_resident_at(path, i * (6 << 20), 2 << 20) for i in range(4)), "each part's first 2 MiB"
+    assert _resident(path) >= 8 << 20, (
+        "the parts' starts are in the page cache for the restore's read threads"
+    )
+    assert all(_resident_at(path, i * (6 << 20), 2 << 20) for i in range(4)), (
+        "each part's first 2 MiB"
+    )
     ahead.close()
-    assert _resident(path) == 0, "close drops what the read-ahead read: a restore leaves no page cache behind"
+    assert _resident(path) == 0, (
+        "close drops what the read-ahead read: a restore leaves no page cache behind"
+    )
 
 
 def test_halt_stops_it_between_two_reads(tmp_path):
@@ -146,7 +158,9 @@ def test_a_restore_reads_its_own_data_file_ahead_and_leaves_no_page_cache(tmp_pa
     assert mgr.restore({"model": fresh, "optim": fresh_opt}) == 1
     mgr.close()
     assert [a.path for a in started] == [data], "the rank's own data file, once"
-    assert halted_before_read == [True], "halted before the read's threads start: it would trail them"
+    assert halted_before_read == [True], (
+        "halted before the read's threads start: it would trail them"
+    )
     assert _resident(data) == 0, "neither the read-ahead nor the read left the file's pages cached"
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)

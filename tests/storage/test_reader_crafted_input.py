@@ -46,7 +46,9 @@ class _Marker:
         return (open, (self.path, "w"))
 
 
-@pytest.mark.parametrize("storage", [StreamingStorage(SMALL), DCPStorage()], ids=["streaming", "dcp"])
+@pytest.mark.parametrize(
+    "storage", [StreamingStorage(SMALL), DCPStorage()], ids=["streaming", "dcp"]
+)
 def test_a_key_stored_as_pickled_bytes_is_refused_not_unpickled(tmp_path, storage):
     marker = tmp_path / "code_ran"
     _plain_save({"w": _Marker(str(marker))}, tmp_path / "ck")
@@ -85,8 +87,10 @@ def test_a_metadata_that_builds_on_a_dcp_class_is_refused_and_the_class_restored
 
     _plain_save({"w": torch.ones(3)}, tmp_path)
     data = (tmp_path / ".metadata").read_bytes()
-    evil = (b"ctorch.distributed.checkpoint.filesystem\n_StorageInfo\n"
-            b"N}X\x0d\x00\x00\x00relative_pathX\x03\x00\x00\x00../s\x86b0")
+    evil = (
+        b"ctorch.distributed.checkpoint.filesystem\n_StorageInfo\n"
+        b"N}X\x0d\x00\x00\x00relative_pathX\x03\x00\x00\x00../s\x86b0"
+    )
     (tmp_path / ".metadata").write_bytes(data[:2] + evil + data[2:])
     with pytest.raises(UnsafeCheckpointError, match="_StorageInfo"):
         read_dcp_metadata(tmp_path)
@@ -102,12 +106,16 @@ def test_a_layout_that_overruns_its_storage_is_refused_not_read_from_the_next_it
     path = tmp_path / info.relative_path
     blob = bytearray(path.read_bytes())
     item = bytes(blob[info.offset : info.offset + info.length])
-    changed = _rewrite_data_pkl(item, lambda d: d.replace(b"M\x00\x01K\x01\x86", b"M\x00\x02K\x01\x86", 1))
+    changed = _rewrite_data_pkl(
+        item, lambda d: d.replace(b"M\x00\x01K\x01\x86", b"M\x00\x02K\x01\x86", 1)
+    )
     assert len(changed) == len(item) and changed != item
     blob[info.offset : info.offset + info.length] = changed
     path.write_bytes(bytes(blob))
     with pytest.raises(CheckpointCorruptError, match="reaches element"):
-        StreamingStorage(SMALL).read(tmp_path, {"a": torch.zeros_like(a), "b": torch.zeros_like(b)}, CTX)
+        StreamingStorage(SMALL).read(
+            tmp_path, {"a": torch.zeros_like(a), "b": torch.zeros_like(b)}, CTX
+        )
 
 
 class _StagingPlanner(DefaultLoadPlanner):
@@ -141,7 +149,9 @@ def test_an_item_read_again_lands_in_the_target_that_is_committed(tmp_path):
     assert torch.equal(out["t"], state["t"]) and torch.equal(out["c"], state["c"])
 
 
-def test_a_stall_names_the_reads_in_flight_and_does_not_wait_a_second_timeout(tmp_path, monkeypatch):
+def test_a_stall_names_the_reads_in_flight_and_does_not_wait_a_second_timeout(
+    tmp_path, monkeypatch
+):
     state = {f"w{i}": torch.randn(40_000) for i in range(6)}
     StreamingStorage(SMALL).write(tmp_path, state, CTX)
     real = _fastio_pool._preadv
@@ -155,12 +165,16 @@ def test_a_stall_names_the_reads_in_flight_and_does_not_wait_a_second_timeout(tm
     cfg = StreamingConfig(pool_bytes=4 * BUF, buffer_bytes=BUF, read_threads=2, stall_timeout_s=0.5)
     t0 = time.monotonic()
     with pytest.raises(StorageStallError, match=r"reads in flight: .*__0_0\.distcp at offset \d+"):
-        StreamingStorage(cfg).read(tmp_path, {k: torch.zeros_like(v) for k, v in state.items()}, CTX)
+        StreamingStorage(cfg).read(
+            tmp_path, {k: torch.zeros_like(v) for k, v in state.items()}, CTX
+        )
     assert time.monotonic() - t0 < 2.0  # the stall timeout plus a short grace, not two timeouts
     time.sleep(3.2)  # the blocked threads finish and close their own files before the next test
 
 
-def test_an_io_error_while_parsing_an_item_is_the_io_error_with_path_and_offset(tmp_path, monkeypatch):
+def test_an_io_error_while_parsing_an_item_is_the_io_error_with_path_and_offset(
+    tmp_path, monkeypatch
+):
     z = torch.randn(200, 200, dtype=torch.complex64)
     _plain_save({"z": z.conj()}, tmp_path)  # the conj bit: parsed, not guessed
 
@@ -197,6 +211,11 @@ def test_a_reader_reads_again_when_reused(tmp_path):
             out = {k: torch.zeros_like(v) for k, v in state.items()}
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                dcp.load(out, storage_reader=_Reuse(Path(tmp_path), StreamingStorage(SMALL), IOStats(), pin=False),
-                         no_dist=True)
+                dcp.load(
+                    out,
+                    storage_reader=_Reuse(
+                        Path(tmp_path), StreamingStorage(SMALL), IOStats(), pin=False
+                    ),
+                    no_dist=True,
+                )
             assert all(torch.equal(out[k], state[k]) for k in state)

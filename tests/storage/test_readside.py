@@ -41,7 +41,11 @@ TIMEOUT = 60  # seconds; a FIFO read blocks forever, so anything near this is a 
 
 
 def _state(value: float = 1.0) -> dict:
-    return {"w": torch.full((16,), value), "b": torch.arange(4.0) + value, "meta": {"tokens": int(value)}}
+    return {
+        "w": torch.full((16,), value),
+        "b": torch.arange(4.0) + value,
+        "meta": {"tokens": int(value)},
+    }
 
 
 def _save(root: Path, step: int = 1, value: float = 1.0) -> Path:
@@ -57,8 +61,12 @@ def _cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
 
 
 def _py(code: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _invoke(*args: str):
@@ -69,7 +77,9 @@ def _no_traceback(result) -> None:
     text = result.output if hasattr(result, "exit_code") else result.stdout + result.stderr
     assert "Traceback" not in text, text
     if hasattr(result, "exit_code"):
-        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+            result.exception
+        )
 
 
 def _fix_manifest_entry(step: Path, rel: str) -> None:
@@ -113,7 +123,9 @@ def test_metadata_storage_paths_leaving_the_step_are_refused(tmp_path, how):
         target = _state(0.0)
         with pytest.raises(CheckpointError, match="leaves"):
             cg.CheckpointManager(tmp_path / "ck", storage=storage).restore(target)
-        assert not torch.equal(target["w"], torch.full((16,), 7.0))  # nothing came from the other root
+        assert not torch.equal(
+            target["w"], torch.full((16,), 7.0)
+        )  # nothing came from the other root
 
 
 # ---------------------------------------------------------------- symlinks
@@ -180,7 +192,9 @@ def test_symlinked_proof_and_holds_directories_are_refused(tmp_path):
     outside.mkdir()
     shutil.rmtree(root / _layout.PROOF_DIR)
     (root / _layout.PROOF_DIR).symlink_to(outside, target_is_directory=True)
-    (outside / "rank_00000.jsonl").write_text(json.dumps({"event": "restore", "pid": 1, "rank": 0}) + "\n")
+    (outside / "rank_00000.jsonl").write_text(
+        json.dumps({"event": "restore", "pid": 1, "rank": 0}) + "\n"
+    )
     out = _invoke("prove", root)
     assert out.exit_code == 1 and "symlink" in out.output, out.output
     _no_traceback(out)
@@ -190,7 +204,9 @@ def test_symlinked_proof_and_holds_directories_are_refused(tmp_path):
     with pytest.raises(UnsafeCheckpointError):
         ProofLog(root, 0).append("save", step=1)
     target = _state(0.0)
-    assert cg.CheckpointManager(root).restore(target) == 1  # the proof record is refused and logged, not fatal
+    assert (
+        cg.CheckpointManager(root).restore(target) == 1
+    )  # the proof record is refused and logged, not fatal
     assert torch.equal(target["w"], _state(1.0)["w"])
     assert (outside / "rank_00000.jsonl").read_text() == before  # nothing written through the link
     (root / retention.HOLDS_DIR).symlink_to(outside, target_is_directory=True)
@@ -200,7 +216,9 @@ def test_symlinked_proof_and_holds_directories_are_refused(tmp_path):
     with pytest.raises(UnsafeCheckpointError):
         retention.holds(root)
     found = _invoke("verify", root)
-    assert found.exit_code == 1 and "holds" in found.output and "proof" in found.output, found.output
+    assert found.exit_code == 1 and "holds" in found.output and "proof" in found.output, (
+        found.output
+    )
 
 
 # ---------------------------------------------------------------- FIFOs and unbounded reads
@@ -212,7 +230,13 @@ def test_fifo_tracker_hangs_nothing(tmp_path):
     tracker = root / _layout.TRACKER_NAME
     tracker.unlink()
     os.mkfifo(tracker)
-    for args in (["resolve", root], ["verify", root], ["preflight", root], ["list", root], ["gc", root, "--dry-run"]):
+    for args in (
+        ["resolve", root],
+        ["verify", root],
+        ["preflight", root],
+        ["list", root],
+        ["gc", root, "--dry-run"],
+    ):
         proc = _cli(*map(str, args))
         assert proc.returncode == 1, (args, proc.stdout, proc.stderr)
         assert "not a regular file" in proc.stdout + proc.stderr, (args, proc.stdout, proc.stderr)
@@ -226,7 +250,11 @@ def test_fifo_tracker_hangs_nothing(tmp_path):
             except cg.CheckpointError as exc:
                 print("refused:", exc)
         """)
-        assert "refused:" in proc.stdout and "not a regular file" in proc.stdout, (call, proc.stdout, proc.stderr)
+        assert "refused:" in proc.stdout and "not a regular file" in proc.stdout, (
+            call,
+            proc.stdout,
+            proc.stderr,
+        )
 
 
 @pytest.mark.parametrize("name", ["manifest", "lease", "hold", "proof", "owner"])
@@ -279,7 +307,9 @@ def test_tracker_reads_are_bounded(tmp_path):
     proc = _cli("resolve", str(root), timeout=20)
     assert proc.returncode == 1 and "symlink" in proc.stderr, proc.stderr
     tracker.unlink()
-    with open(tracker, "wb") as f:  # a regular but huge tracker: refused by its size, never read whole
+    with open(
+        tracker, "wb"
+    ) as f:  # a regular but huge tracker: refused by its size, never read whole
         f.truncate(64 << 20)
     out = _invoke("resolve", root)
     assert out.exit_code == 1 and "bytes" in out.output, out.output
@@ -318,15 +348,21 @@ def test_deep_json_is_a_finding_never_a_crash(tmp_path, caplog):
     _save(root, 2)
     (root / retention.HOLDS_DIR).mkdir()
     (root / retention.HOLDS_DIR / "1.json").write_text(deep)
-    held = retention.holds(root)  # a warning, not a RecursionError; and still held (an unreadable hold protects)
+    held = retention.holds(
+        root
+    )  # a warning, not a RecursionError; and still held (an unreadable hold protects)
     assert list(held) == [1] and held[1].startswith("UNREADABLE")
     report = retention.apply(root, NAMING, retention.KeepLast(5))
     assert report.deleted == []
     (step / "manifest.json").write_text(deep)
     out = _invoke("verify", root)
-    assert out.exit_code == 1 and "bad-manifest" in out.output and "deeper" in out.output, out.output
+    assert out.exit_code == 1 and "bad-manifest" in out.output and "deeper" in out.output, (
+        out.output
+    )
     _no_traceback(out)
-    assert "step_00000002" not in "".join(line for line in out.output.splitlines() if line.startswith("ERROR"))
+    assert "step_00000002" not in "".join(
+        line for line in out.output.splitlines() if line.startswith("ERROR")
+    )
     assert _invoke("preflight", root).exit_code == 0  # the tracker's step is fine
     (root / "contract" / "phase_0000.json").write_text(deep)
     with pytest.raises(CheckpointError, match="deeper"):
@@ -339,7 +375,9 @@ def test_one_bad_step_is_one_finding(tmp_path):
     _save(root, 2)
     _edit_manifest(root / "step_00000001", lambda m: m.update(files=[1, 2, 3]))
     checked, found = verify_root(root, NAMING)
-    assert [f.code for f in found if f.severity.value == "ERROR"] == ["bad-manifest"], [f.line() for f in found]
+    assert [f.code for f in found if f.severity.value == "ERROR"] == ["bad-manifest"], [
+        f.line() for f in found
+    ]
     assert len(checked) == 2
     loop = root / "step_00000002" / "state" / "loop"
     loop.symlink_to(loop)
@@ -365,7 +403,9 @@ def _malformed_root(tmp_path: Path, what: str) -> Path:
     elif what == "tracker-utf8":
         (root / _layout.TRACKER_NAME).write_bytes(b"\xff\xfe1\n")
     elif what == "proof":
-        (root / _layout.PROOF_DIR / "rank_00000.jsonl").write_text('{"pid": 3}\n[1, 2]\n{"event": "x"}\n')
+        (root / _layout.PROOF_DIR / "rank_00000.jsonl").write_text(
+            '{"pid": 3}\n[1, 2]\n{"event": "x"}\n'
+        )
     elif what == "proof-utf8":
         (root / _layout.PROOF_DIR / "rank_00000.jsonl").write_bytes(b'{"event": "\xff"}\n{}\n')
     elif what == "extras":
@@ -386,39 +426,89 @@ def _records(tmp_path: Path, what: str) -> Path:
     if what == "records-utf8":
         path.write_bytes(b'{"v": 1, "kind": "phase_start", "mono_ns": 1, "note": "\xff"}\n')
     elif what == "no-pid":
-        path.write_text(json.dumps({"v": 1, "kind": "phase_start", "mono_ns": 1, "rank": 0, "phase": "save"}) + "\n")
+        path.write_text(
+            json.dumps({"v": 1, "kind": "phase_start", "mono_ns": 1, "rank": 0, "phase": "save"})
+            + "\n"
+        )
     else:
-        path.write_text(json.dumps({"v": 1, "kind": "phase_start", "mono_ns": 1, "rank": 0, "pid": "x",
-                                    "wall_time": "y", "node": "n", "phase": "save"}) + "\n")
+        path.write_text(
+            json.dumps(
+                {
+                    "v": 1,
+                    "kind": "phase_start",
+                    "mono_ns": 1,
+                    "rank": 0,
+                    "pid": "x",
+                    "wall_time": "y",
+                    "node": "n",
+                    "phase": "save",
+                }
+            )
+            + "\n"
+        )
     return path
 
 
 CLI_CASES = {
-    "resolve": [("manifest-files", ["resolve", "{root}"]), ("tracker-utf8", ["resolve", "{root}"]),
-                ("manifest-utf8", ["resolve", "{root}", "--json"]), ("manifest-topology", ["resolve", "{root}"])],
+    "resolve": [
+        ("manifest-files", ["resolve", "{root}"]),
+        ("tracker-utf8", ["resolve", "{root}"]),
+        ("manifest-utf8", ["resolve", "{root}", "--json"]),
+        ("manifest-topology", ["resolve", "{root}"]),
+    ],
     # `list` reports each step's state; a malformed manifest is a listed "NOT committed", exit 0.
-    "list": [("tracker-utf8", ["list", "{root}"]), ("manifest-items", ["list", "{root}"], "NOT committed")],
-    "verify": [("manifest-files", ["verify", "{root}"]), ("manifest-items", ["verify", "{root}", "--restore"]),
-               ("extras", ["verify", "{root}", "--restore"]), ("manifest-topology", ["verify", "{step}"]),
-               ("metadata-name", ["verify", "{root}", "--restore"]), ("tracker-utf8", ["verify", "{root}"])],
-    "preflight": [("manifest-files", ["preflight", "{root}"]), ("manifest-topology", ["preflight", "{root}"]),
-                  ("tracker-utf8", ["preflight", "{root}", "--json"])],
+    "list": [
+        ("tracker-utf8", ["list", "{root}"]),
+        ("manifest-items", ["list", "{root}"], "NOT committed"),
+    ],
+    "verify": [
+        ("manifest-files", ["verify", "{root}"]),
+        ("manifest-items", ["verify", "{root}", "--restore"]),
+        ("extras", ["verify", "{root}", "--restore"]),
+        ("manifest-topology", ["verify", "{step}"]),
+        ("metadata-name", ["verify", "{root}", "--restore"]),
+        ("tracker-utf8", ["verify", "{root}"]),
+    ],
+    "preflight": [
+        ("manifest-files", ["preflight", "{root}"]),
+        ("manifest-topology", ["preflight", "{root}"]),
+        ("tracker-utf8", ["preflight", "{root}", "--json"]),
+    ],
     "prove": [("proof", ["prove", "{root}"]), ("proof-utf8", ["prove", "{root}", "--json"])],
-    "status": [("no-pid", ["status", "{records}"]), ("bad-types", ["status", "{records}", "--json"])],
+    "status": [
+        ("no-pid", ["status", "{records}"]),
+        ("bad-types", ["status", "{records}", "--json"]),
+    ],
     "gc": [("tracker-utf8", ["gc", "{root}", "--dry-run"])],
-    "hold": [("manifest-items", ["hold", "{root}", "1", "--reason", "eval"]),
-             ("tracker-utf8", ["hold", "{root}", "1", "--reason", "eval"])],
+    "hold": [
+        ("manifest-items", ["hold", "{root}", "1", "--reason", "eval"]),
+        ("tracker-utf8", ["hold", "{root}", "1", "--reason", "eval"]),
+    ],
     "release": [("none", ["release", "{root}", "3"])],
-    "transfer": [("manifest-files", ["transfer", "{step}", "{dest}"]),
-                 ("manifest-topology", ["transfer", "{step}", "{dest}"])],
-    "adopt": [("manifest-items", ["adopt", "{root}", "1"]), ("tracker-utf8", ["adopt", "{root}", "1"])],
+    "transfer": [
+        ("manifest-files", ["transfer", "{step}", "{dest}"]),
+        ("manifest-topology", ["transfer", "{step}", "{dest}"]),
+    ],
+    "adopt": [
+        ("manifest-items", ["adopt", "{root}", "1"]),
+        ("tracker-utf8", ["adopt", "{root}", "1"]),
+    ],
     "demo": [("none", ["demo", "--workdir", "{file}"])],
-    "repro-save": [("none", ["repro-save", "--target", "{file}", "--rounds", "1", "--size", "0.0001"])],
-    "rehearse": [("none", ["rehearse", "--root", "{file}", "--timeout", "5", "--", sys.executable, "-c", "pass"])],
+    "repro-save": [
+        ("none", ["repro-save", "--target", "{file}", "--rounds", "1", "--size", "0.0001"])
+    ],
+    "rehearse": [
+        (
+            "none",
+            ["rehearse", "--root", "{file}", "--timeout", "5", "--", sys.executable, "-c", "pass"],
+        )
+    ],
     "mem": [("records-utf8", ["mem", "report", "{records}"])],
-    "export": [("manifest-files", ["export", "{root}", "--hf", "{dest}"]),
-               ("tracker-utf8", ["export", "{root}", "--hf", "{dest}", "--json"]),
-               ("metadata-name", ["export", "{step}", "--hf", "{dest}"])],
+    "export": [
+        ("manifest-files", ["export", "{root}", "--hf", "{dest}"]),
+        ("tracker-utf8", ["export", "{root}", "--hf", "{dest}", "--json"]),
+        ("metadata-name", ["export", "{step}", "--hf", "{dest}"]),
+    ],
     "goodput": [("proof", ["goodput", "{root}"]), ("proof-utf8", ["goodput", "{root}", "--json"])],
 }
 
@@ -426,7 +516,9 @@ CLI_CASES = {
 def test_every_command_has_a_malformed_input_case():
     import click
 
-    assert set(CLI_CASES) == set(main.list_commands(click.Context(main)))  # mem included: it is imported lazily
+    assert set(CLI_CASES) == set(
+        main.list_commands(click.Context(main))
+    )  # mem included: it is imported lazily
 
 
 @pytest.mark.parametrize(
@@ -440,8 +532,13 @@ def test_malformed_input_is_a_message_never_a_traceback(tmp_path, what, argv, li
     records = _records(tmp_path, what) if what in record_cases else tmp_path / "none.jsonl"
     plain = tmp_path / "a-file"
     plain.write_text("not a directory\n")
-    fill = {"root": root, "step": root / "step_00000001", "dest": tmp_path / "dest", "records": records,
-            "file": plain}
+    fill = {
+        "root": root,
+        "step": root / "step_00000001",
+        "dest": tmp_path / "dest",
+        "records": records,
+        "file": plain,
+    }
     args = [a.format(**fill) if a.startswith("{") else a for a in argv]
     proc = _cli(*args, timeout=120)
     _no_traceback(proc)
@@ -512,16 +609,29 @@ def test_verify_restore_never_claims_a_skipped_restore(tmp_path):
 def _phase(kind: str, rank: int, pid: int, ago_s: float, **extra) -> dict:
     import socket
 
-    return {"v": 1, "kind": kind, "mono_ns": time.monotonic_ns() - int(ago_s * 1e9), "wall_time": time.time() - ago_s,
-            "node": socket.gethostname(), "rank": rank, "pid": pid, "phase": "save", "step": 40, **extra}
+    return {
+        "v": 1,
+        "kind": kind,
+        "mono_ns": time.monotonic_ns() - int(ago_s * 1e9),
+        "wall_time": time.time() - ago_s,
+        "node": socket.gethostname(),
+        "rank": rank,
+        "pid": pid,
+        "phase": "save",
+        "step": 40,
+        **extra,
+    }
 
 
 def test_status_exits_1_with_a_stalled_rank(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         path = tmp_path / "phases.jsonl"
-        recs = [_phase("phase_start", 0, sleeper.pid, 30), _phase("phase_end", 0, sleeper.pid, 29, duration_s=1.0),
-                _phase("phase_start", 0, sleeper.pid, 12)]
+        recs = [
+            _phase("phase_start", 0, sleeper.pid, 30),
+            _phase("phase_end", 0, sleeper.pid, 29, duration_s=1.0),
+            _phase("phase_start", 0, sleeper.pid, 12),
+        ]
         path.write_text("".join(json.dumps(r) + "\n" for r in recs))
         out = _invoke("status", path, "--sample", "0.2")
         assert "STALLED" in out.output and out.exit_code == 1, out.output
@@ -542,8 +652,12 @@ def test_transfer_on_enospc_is_a_clear_error(tmp_path, monkeypatch):
     mnt.mkdir()
     # A real full filesystem where we may mount one (root in a container), else the same errno
     # raised by the copy itself.
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        == 0
+    )
     if not mounted:
         from ckptguard.ops import transfer as _t
 
@@ -606,8 +720,9 @@ finally:
 
 
 def _offline_rss(step: Path, *extra: str) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-c", _RSS, str(step), *extra], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RSS, str(step), *extra], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     rss = int(proc.stderr.rsplit("maxrss_kib", 1)[1].split()[0])
     return rss << 10, proc.stdout
@@ -620,7 +735,9 @@ def test_restore_check_stays_within_a_host_budget(tmp_path):
     del big
     base, _ = _offline_rss(tiny)
     used, out = _offline_rss(tmp_path / "big" / "step_00000001", "--budget-bytes", str(16 << 20))
-    result = json.loads(out.strip().splitlines()[-1])["result"]  # one line per step: {"step_dir", "result"}
+    result = json.loads(out.strip().splitlines()[-1])[
+        "result"
+    ]  # one line per step: {"step_dir", "result"}
     assert result["ranks"]["0"] and not result["unverifiable"]
     # The largest tensor is 48 MiB and the whole state 192 MiB: one tensor at a time, plus the reader's pool.
     assert used - base < 120 << 20, (used >> 20, base >> 20)
@@ -634,9 +751,19 @@ def test_the_streamed_digest_equals_the_digest_of_the_rebuilt_item():
     from ckptguard._state.state import TENSOR_REF, _unflatten
     from ckptguard.ops._offline import skeleton_digest
 
-    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.int8), "c": torch.tensor(3.5)}
-    skeleton = {"x": {TENSOR_REF: "a"}, 2: [{TENSOR_REF: "b"}, 1.5, ("t", {TENSOR_REF: "c"})], "n": None,
-                "s": {"lr": 0.1, "ids": [1, 2]}}
+    tensors = {
+        "a": torch.arange(6.0).reshape(2, 3),
+        "b": torch.ones(2, dtype=torch.int8),
+        "c": torch.tensor(3.5),
+    }
+    skeleton = {
+        "x": {TENSOR_REF: "a"},
+        2: [{TENSOR_REF: "b"}, 1.5, ("t", {TENSOR_REF: "c"})],
+        "n": None,
+        "s": {"lr": 0.1, "ids": [1, 2]},
+    }
     fetched = []
-    assert skeleton_digest(skeleton, lambda k: fetched.append(k) or tensors[k]) == digest(_unflatten(skeleton, tensors))
+    assert skeleton_digest(skeleton, lambda k: fetched.append(k) or tensors[k]) == digest(
+        _unflatten(skeleton, tensors)
+    )
     assert sorted(fetched) == ["a", "b", "c"]

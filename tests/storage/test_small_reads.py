@@ -31,8 +31,11 @@ PROMPT_S = 10.0  # "at once" on a loaded 2-core machine; a hang is cut at this p
 
 def _run_root(tmp_path: Path) -> Path:
     root = tmp_path / "ckpt"
-    run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")],
-                           config=cg.CheckpointConfig(timeout_s=30.0, proof=ProofPlan(record=False), retention=None))
+    run = cg.RunCheckpoint(
+        root,
+        [cg.Role("actor"), cg.Role("driver")],
+        config=cg.CheckpointConfig(timeout_s=30.0, proof=ProofPlan(record=False), retention=None),
+    )
     for step in (1, 2):
         run.save(step, {"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": step}})
     fifo = root / "step_00000002" / "actor" / "manifest.json"
@@ -76,11 +79,17 @@ def test_a_fifo_as_a_role_manifest_is_refused_at_once_by_restore_verify_list_and
     fifo = root / "step_00000002" / "actor" / "manifest.json"
 
     def restore():
-        run = cg.RunCheckpoint(root, [cg.Role("actor"), cg.Role("driver")],
-                               config=cg.CheckpointConfig(timeout_s=30.0, proof=ProofPlan(record=False),
-                                                          retention=None))
-        return run.restore({"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": 0}},
-                           path=root / "step_00000002")
+        run = cg.RunCheckpoint(
+            root,
+            [cg.Role("actor"), cg.Role("driver")],
+            config=cg.CheckpointConfig(
+                timeout_s=30.0, proof=ProofPlan(record=False), retention=None
+            ),
+        )
+        return run.restore(
+            {"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": 0}},
+            path=root / "step_00000002",
+        )
 
     calls = {
         "restore": restore,
@@ -104,16 +113,44 @@ def test_a_fifo_as_a_role_manifest_is_refused_at_once_by_restore_verify_list_and
 # (module, function, call): why this read is not a small file of a checkpoint root, or how it
 # stays safe on a FIFO. Anything else that opens a file for reading must use read_small.
 ALLOWED: dict[tuple[str, str, str], str] = {
-    ("_disk/tempfiles.py", "proc_start", "read_text"): "/proc/<pid>/stat: a kernel file, not in a root",
+    (
+        "_disk/tempfiles.py",
+        "proc_start",
+        "read_text",
+    ): "/proc/<pid>/stat: a kernel file, not in a root",
     ("_records/proofwriter.py", "process_start", "read_text"): "/proc/self/stat",
-    ("_disk/filedigest.py", "file_digest", "open"): "large data files: opened O_NONBLOCK, fstat must be regular",
+    (
+        "_disk/filedigest.py",
+        "file_digest",
+        "open",
+    ): "large data files: opened O_NONBLOCK, fstat must be regular",
     ("_disk/filedigest.py", "reader", "open"): "a dup of the descriptor file_digest checked",
-    ("_commit/p2p.py", "send_file", "open"): "a large step file this rank sends to a peer (not size-bounded)",
-    ("_commit/stepdir.py", "copy_verified", "open"): "a data file copied between roots (per-node publish)",
+    (
+        "_commit/p2p.py",
+        "send_file",
+        "open",
+    ): "a large step file this rank sends to a peer (not size-bounded)",
+    (
+        "_commit/stepdir.py",
+        "copy_verified",
+        "open",
+    ): "a data file copied between roots (per-node publish)",
     ("_disk/lease.py", "_create", "fdopen"): "writes a lease file it created with O_EXCL",
-    ("_records/contract.py", "hash_data_files", "open"): "the user's data files named in the run contract",
-    ("_records/contract.py", "hash_imported_files", "read_bytes"): "the user's imported source files",
-    ("_records/proofwriter.py", "_write", "open"): "the last byte of a proof log (not yet through read_small)",
+    (
+        "_records/contract.py",
+        "hash_data_files",
+        "open",
+    ): "the user's data files named in the run contract",
+    (
+        "_records/contract.py",
+        "hash_imported_files",
+        "read_bytes",
+    ): "the user's imported source files",
+    (
+        "_records/proofwriter.py",
+        "_write",
+        "open",
+    ): "the last byte of a proof log (not yet through read_small)",
     ("testing.py", "run_ranks", "open"): "the result pickle of a test rank (testing only)",
     ("storage/s3/_transfer.py", "_read", "open"): "a data file of the staging root (upload)",
     ("storage/s3/_transfer.py", "_check", "open"): "a downloaded data file it just wrote",
@@ -123,23 +160,51 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("memory/cli.py", "report", "read_text"): "a records file named on the command line",
     ("memory/cli.py", "vllm_log", "read_text"): "a log file named on the command line",
     ("memory/cli.py", "killer", "read_text"): "a log file named on the command line",
-    ("memory/estimate.py", "read_safetensors_header", "open"): "a model file named by the user (header only)",
+    (
+        "memory/estimate.py",
+        "read_safetensors_header",
+        "open",
+    ): "a model file named by the user (header only)",
     ("memory/plan.py", "load_plan_toml", "read_text"): "a plan file named on the command line",
     ("memory/ray_cluster.py", "object_store_pss", "read_text"): "/proc/<pid>/smaps_rollup",
     ("memory/records.py", "read_records", "read_text"): "a records file named on the command line",
     ("memory/sampler.py", "self_rss", "open"): "/proc/self/statm",
     ("ops/_proctree.py", "_stat", "read_text"): "/proc/<pid>/stat",
-    ("ops/hffiles.py", "read_header", "open"): "a safetensors file of an export (header bounded by its length)",
+    (
+        "ops/hffiles.py",
+        "read_header",
+        "open",
+    ): "a safetensors file of an export (header bounded by its length)",
     ("ops/hffiles.py", "read_tensors", "open"): "a safetensors file of an export",
-    ("ops/merge.py", "_base_configs", "read_bytes"): "the base model's config files named by the user",
+    (
+        "ops/merge.py",
+        "_base_configs",
+        "read_bytes",
+    ): "the base model's config files named by the user",
     ("ops/repro.py", "filesystem", "read_text"): "/proc/mounts",
     ("ops/repro.py", "_process_figures", "read_text"): "/proc/<pid> files",
     ("ops/repro.py", "run_repro", "read_text"): "the output of a repro child it started",
-    ("ops/repro.py", "_report_rounds", "read_text"): "the progress file a repro child it started writes",
-    ("ops/status.py", "record_files", "open"): "the head of a memory records file that is_file() checked",
+    (
+        "ops/repro.py",
+        "_report_rounds",
+        "read_text",
+    ): "the progress file a repro child it started writes",
+    (
+        "ops/status.py",
+        "record_files",
+        "open",
+    ): "the head of a memory records file that is_file() checked",
     ("ops/status.py", "_cpu_and_io", "read_text"): "/proc/<pid>/stat and io",
-    ("ops/transfer.py", "_same_copy", "read_bytes"): "manifests compared between two roots (ops/, not yet read_small)",
-    ("ops/transfer.py", "_copy_contract", "read_bytes"): "a contract file copied (ops/, not yet read_small)",
+    (
+        "ops/transfer.py",
+        "_same_copy",
+        "read_bytes",
+    ): "manifests compared between two roots (ops/, not yet read_small)",
+    (
+        "ops/transfer.py",
+        "_copy_contract",
+        "read_bytes",
+    ): "a contract file copied (ops/, not yet read_small)",
 }
 
 
@@ -162,13 +227,23 @@ def _reads(path: Path) -> list[tuple[str, str, int]]:
 def _read_call(node: ast.Call) -> str | None:
     f = node.func
     if isinstance(f, ast.Name) and f.id == "open":
-        mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+        mode = (
+            node.args[1]
+            if len(node.args) > 1
+            else next((k.value for k in node.keywords if k.arg == "mode"), None)
+        )
         text = mode.value if isinstance(mode, ast.Constant) else "r"
-        return None if any(c in str(text) for c in "wax") else "open"  # writes create their own files
+        return (
+            None if any(c in str(text) for c in "wax") else "open"
+        )  # writes create their own files
     if isinstance(f, ast.Attribute):
         if f.attr in ("read_text", "read_bytes", "fdopen"):
             return f.attr
-        if f.attr in ("load", "open") and isinstance(f.value, ast.Name) and f.value.id in ("json", "io", "gzip"):
+        if (
+            f.attr in ("load", "open")
+            and isinstance(f.value, ast.Name)
+            and f.value.id in ("json", "io", "gzip")
+        ):
             return f"{f.value.id}.{f.attr}"
     return None
 
@@ -198,10 +273,15 @@ def test_every_read_of_a_file_outside_the_bounded_reader_is_listed_with_its_reas
 def test_the_scan_sees_a_new_bare_read(tmp_path):
     """Negative control: the scan finds the three shapes of a bare read in a module."""
     probe = tmp_path / "probe.py"
-    probe.write_text("from pathlib import Path\nimport json\n\ndef role_manifest(p):\n"
-                     "    with open(p) as f:\n        a = json.load(f)\n    return Path(p).read_text(), a\n")
+    probe.write_text(
+        "from pathlib import Path\nimport json\n\ndef role_manifest(p):\n"
+        "    with open(p) as f:\n        a = json.load(f)\n    return Path(p).read_text(), a\n"
+    )
     assert {(fn, call) for fn, call, _ in _reads(probe)} == {
-        ("role_manifest", "open"), ("role_manifest", "json.load"), ("role_manifest", "read_text")}
+        ("role_manifest", "open"),
+        ("role_manifest", "json.load"),
+        ("role_manifest", "read_text"),
+    }
 
 
 def test_file_digest_refuses_a_fifo_without_blocking(tmp_path):
@@ -211,4 +291,6 @@ def test_file_digest_refuses_a_fifo_without_blocking(tmp_path):
     os.mkfifo(target)
     hung, value = _bounded(lambda: file_digest(str(target)), target)
     assert not hung, "file_digest blocked on a FIFO"
-    assert isinstance(value, cg.CheckpointError) and "FIFO" in str(value) and str(target) in str(value), value
+    assert (
+        isinstance(value, cg.CheckpointError) and "FIFO" in str(value) and str(target) in str(value)
+    ), value

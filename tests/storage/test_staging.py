@@ -91,7 +91,9 @@ def test_an_optimizer_step_right_after_save_async_waits_for_the_copies(tmp_path,
     pending.wait()
     assert any(not torch.equal(saved[k], v) for k, v in model.state_dict().items())
     got = _restored(mgr)
-    assert all(torch.equal(saved[k], got[k]) for k in saved)  # the value at save_async, not after the step
+    assert all(
+        torch.equal(saved[k], got[k]) for k in saved
+    )  # the value at save_async, not after the step
     assert pending.mutation_wait_seconds >= 0 and pending.fence is not None and pending.fence.passed
 
 
@@ -149,8 +151,11 @@ def test_a_state_larger_than_the_budget_is_read_live_and_the_next_step_waits(tmp
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     gate = threading.Event()
     # 1 KiB: the biases fit, the 4 KiB weight and its AdamW moments do not.
-    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=1024)),
-                               storage=_gated_storage(gate))
+    mgr = cg.CheckpointManager(
+        tmp_path / "ck",
+        config=cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=1024)),
+        storage=_gated_storage(gate),
+    )
     caplog.set_level("WARNING", logger="ckptguard")
     mgr.prepare_async({"model": model, "optim": opt}).result(timeout=30)  # 1 KiB pinned ahead
     pending = mgr.save_async(1, {"model": model, "optim": opt})
@@ -163,21 +168,31 @@ def test_a_state_larger_than_the_budget_is_read_live_and_the_next_step_waits(tmp
 
     runner = threading.Thread(target=step)
     runner.start()
-    assert not stepped.wait(0.5), "the optimizer step changed live tensors the writer had not read yet"
+    assert not stepped.wait(0.5), (
+        "the optimizer step changed live tensors the writer had not read yet"
+    )
     gate.set()
     runner.join(30)
     assert stepped.is_set()
     path = pending.wait()
-    assert pending.mutation_wait_seconds > 0.3  # the honest block time of a state larger than the pool
+    assert (
+        pending.mutation_wait_seconds > 0.3
+    )  # the honest block time of a state larger than the pool
     got = _restored(mgr)
     assert all(torch.equal(saved[k], got[k]) for k in saved)
     cost = json.loads((path / "manifest.json").read_text())["cost"]
-    assert cost["live_bytes"] > 0 and 0 < cost["staged_host_bytes"] <= 1024 and cost["host_budget_bytes"] == 1024
+    assert (
+        cost["live_bytes"] > 0
+        and 0 < cost["staged_host_bytes"] <= 1024
+        and cost["host_budget_bytes"] == 1024
+    )
 
 
 def test_the_pool_is_reused_reported_and_released(tmp_path):
     model, opt = _job()
-    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_save=AsyncOptions(pool_idle_s=None)))
+    mgr = cg.CheckpointManager(
+        tmp_path / "ck", config=cg.CheckpointConfig(async_save=AsyncOptions(pool_idle_s=None))
+    )
     state = {"model": model, "optim": opt}
     _train(model, opt)
     mgr.prepare_async(state).result(timeout=30)
@@ -186,29 +201,47 @@ def test_the_pool_is_reused_reported_and_released(tmp_path):
     assert pool is not None
     held, region = pool.held_bytes, pool._regions[0].tensor.data_ptr()
     nbytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
-    assert nbytes * 3 <= held <= nbytes * 3 + 64 * 64  # exact size: params + 2 moments, 64 B alignment
+    assert (
+        nbytes * 3 <= held <= nbytes * 3 + 64 * 64
+    )  # exact size: params + 2 moments, 64 B alignment
     _train(model, opt)
     second = mgr.save_async(2, state).wait()
-    assert mgr._staging.pool is pool and pool._regions[0].tensor.data_ptr() == region and pool.held_bytes == held
+    assert (
+        mgr._staging.pool is pool
+        and pool._regions[0].tensor.data_ptr() == region
+        and pool.held_bytes == held
+    )
     for path in (first, second):
         cost = json.loads((path / "manifest.json").read_text())["cost"]
-        assert cost["host_pool_bytes"] == held and cost["live_bytes"] == 0 and cost["staged_host_bytes"] > 0
-        assert "Ray threshold" in cost["host_budget_why"] or "not obtained" in cost["host_budget_why"]
+        assert (
+            cost["host_pool_bytes"] == held
+            and cost["live_bytes"] == 0
+            and cost["staged_host_bytes"] > 0
+        )
+        assert (
+            "Ray threshold" in cost["host_budget_why"] or "not obtained" in cost["host_budget_why"]
+        )
     mgr.close()
     assert pool.held_bytes == 0 and mgr._staging.pool is None
 
 
 def test_the_pool_is_released_after_the_idle_time(tmp_path):
     model, opt = _job()
-    mgr = cg.CheckpointManager(tmp_path / "ck", config=cg.CheckpointConfig(async_save=AsyncOptions(pool_idle_s=0.05)))
+    mgr = cg.CheckpointManager(
+        tmp_path / "ck", config=cg.CheckpointConfig(async_save=AsyncOptions(pool_idle_s=0.05))
+    )
     mgr.prepare_async({"model": model, "optim": opt}).result(timeout=30)
     mgr.save_async(1, {"model": model, "optim": opt}).wait()
     pool = mgr._staging.pool
     assert pool is not None and pool._timer is not None
     pool._timer.join(10)
     assert pool.held_bytes == 0 and pool.released_idle == 1
-    mgr.save_async(2, {"model": model, "optim": opt}).wait()  # a later save grows it again, in the background
-    assert pool._growing is not None and pool._growing.result(timeout=10) > 0 and pool.held_bytes > 0
+    mgr.save_async(
+        2, {"model": model, "optim": opt}
+    ).wait()  # a later save grows it again, in the background
+    assert (
+        pool._growing is not None and pool._growing.result(timeout=10) > 0 and pool.held_bytes > 0
+    )
     mgr.close()
 
 
@@ -218,7 +251,9 @@ def test_pool_places_exactly_and_within_the_budget():
     # largest first, 64-byte aligned starts, no padding after the last slot
     assert all(s is not None for s in slots) and pool.held_bytes == 1024 + 128 + 7
     pool.done()
-    again = pool.place([100, 7, 1000, 4000], budget=4000)  # the new tensor does not fit the budget left
+    again = pool.place(
+        [100, 7, 1000, 4000], budget=4000
+    )  # the new tensor does not fit the budget left
     assert again[3] is None and pool.held_bytes == 1159
     assert again[0] is not None and again[0].data_ptr() == slots[0].data_ptr()
     pool.release()
@@ -226,8 +261,16 @@ def test_pool_places_exactly_and_within_the_budget():
 
 
 def _snap(**kw):
-    base = dict(source=CgroupVersion.V2, current=4 * GiB, limit=10 * GiB, active_file=GiB // 2,
-                inactive_file=GiB // 2, mem_total=64 * GiB, mem_available=40 * GiB, mem_free=30 * GiB)
+    base = dict(
+        source=CgroupVersion.V2,
+        current=4 * GiB,
+        limit=10 * GiB,
+        active_file=GiB // 2,
+        inactive_file=GiB // 2,
+        mem_total=64 * GiB,
+        mem_available=40 * GiB,
+        mem_free=30 * GiB,
+    )
     base.update(kw)
     return HostSnapshot(**base)
 
@@ -238,9 +281,13 @@ def test_budget_from_the_memory_contract():
     assert b.bytes == int(9.5 * GiB) - 3 * GiB - 2 * GiB
     assert "Ray threshold" in b.why and b.total == 10 * GiB
     assert host_budget(_snap(), RayConfig(threshold=0.95), ranks_per_node=2).bytes == b.bytes // 2
-    full = host_budget(_snap(current=10 * GiB, active_file=0, inactive_file=0), RayConfig(threshold=0.95))
+    full = host_budget(
+        _snap(current=10 * GiB, active_file=0, inactive_file=0), RayConfig(threshold=0.95)
+    )
     assert full.bytes == 0  # a node already at its limit stages nothing (the writer reads live)
-    blind = host_budget(HostSnapshot(source=CgroupVersion.NONE, not_obtained={"meminfo": "unreadable"}))
+    blind = host_budget(
+        HostSnapshot(source=CgroupVersion.NONE, not_obtained={"meminfo": "unreadable"})
+    )
     assert blind.bytes == GiB and "not obtained" in blind.why
 
 
@@ -270,7 +317,9 @@ def test_the_digest_pass_overlaps_the_write(tmp_path, monkeypatch):
     w = torch.arange(1000, dtype=torch.float32)
     mgr.save(1, {"w": {"w": w}})
     target = {"w": {"w": torch.zeros(1000)}}
-    assert mgr.restore(target) == 1 and torch.equal(target["w"]["w"], w)  # and the digests still match
+    assert mgr.restore(target) == 1 and torch.equal(
+        target["w"]["w"], w
+    )  # and the digests still match
 
 
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs POSIX priorities")
@@ -286,7 +335,9 @@ def test_the_background_thread_runs_at_lower_priority(tmp_path):
     t.start()
     t.join(10)
     assert seen["after"] > seen["before"] or seen["before"] == 19
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == os.getpriority(
+        os.PRIO_PROCESS, 0
+    )
     mgr = cg.CheckpointManager(tmp_path / "ck")
     pending = mgr.save_async(1, {"w": torch.ones(4)})
     pending.wait()
@@ -296,7 +347,9 @@ def test_the_background_thread_runs_at_lower_priority(tmp_path):
 
 def _async_divergence_worker(rank: int, world: int, root: str) -> dict:
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=20))
-    pending = mgr.save_async(1, {"w": torch.full((3,), float(rank))})  # the guard runs in the background
+    pending = mgr.save_async(
+        1, {"w": torch.full((3,), float(rank))}
+    )  # the guard runs in the background
     out: dict = {}
     try:
         pending.wait()
@@ -360,7 +413,12 @@ def test_parallel_reads_fill_every_span_bitwise(tmp_path):
     ctx = StorageContext(rank=0, world_size=1, process_group=None)
     g = torch.Generator().manual_seed(0)
     big = torch.randn(300, 1000, generator=g)
-    state = {"big": big, "t": big.t(), "small": torch.arange(7), "mid": torch.randn(70_000, generator=g)}
+    state = {
+        "big": big,
+        "t": big.t(),
+        "small": torch.arange(7),
+        "mid": torch.randn(70_000, generator=g),
+    }
     StreamingStorage().write(tmp_path, state, ctx)
     cfg = StreamingConfig(pool_bytes=6 * 61 * 4096, buffer_bytes=61 * 4096, read_threads=3)
     storage = StreamingStorage(cfg)
@@ -372,4 +430,3 @@ def test_parallel_reads_fill_every_span_bitwise(tmp_path):
     assert storage.last_stats.bytes >= big.numel() * 8
     with pytest.raises(cg.ConfigError, match="read_threads"):
         StreamingConfig(read_threads=0)
-

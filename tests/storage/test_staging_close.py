@@ -12,7 +12,9 @@ MiB = 1 << 20
 
 
 def test_stop_growing_maps_no_further_region(monkeypatch):
-    monkeypatch.setattr(_staging, "YIELD_S", 0.2)  # the pause between regions, long enough to see the stop
+    monkeypatch.setattr(
+        _staging, "YIELD_S", 0.2
+    )  # the pause between regions, long enough to see the stop
     pool = _staging.StagingPool(pin=False)
     sizes = [40 * MiB] * 10  # one region each: two never share a 64 MiB region
     began = time.monotonic()

@@ -34,7 +34,9 @@ def _step(model, optim):
 
 def _state_bytes(model, optim):
     params = sum(p.numel() * 4 for p in model.parameters())
-    return params * 3 + sum(4 for _ in model.parameters())  # the weights, two moments, a step counter each
+    return params * 3 + sum(
+        4 for _ in model.parameters()
+    )  # the weights, two moments, a step counter each
 
 
 def test_a_fresh_run_is_staged_whole_at_its_first_save(tmp_path):

@@ -38,7 +38,9 @@ def _state(model, opt):
 
 def _snapshot(model, opt):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, {
-        (i, k): v.detach().clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()
+        (i, k): v.detach().clone()
+        for i, s in opt.state_dict()["state"].items()
+        for k, v in s.items()
     }
 
 

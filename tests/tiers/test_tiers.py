@@ -20,7 +20,9 @@ import ckptguard as cg
 from ckptguard.ops.prove import evaluate
 from ckptguard.testing import fake_node, run_ranks, values
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private UTS/mount namespaces (fake nodes)")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root for private UTS/mount namespaces (fake nodes)"
+)
 
 WORLD, PER_NODE = 4, 2
 
@@ -45,7 +47,11 @@ def become_node(base: str, rank: int, *, local_disk: bool) -> int:
 def make_state(rank: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.1), "mine": cg.PerRank(0)}
+    return {
+        "model": model,
+        "optim": torch.optim.AdamW(model.parameters(), lr=0.1),
+        "mine": cg.PerRank(0),
+    }
 
 
 def train_to(state: dict, rank: int, step: int) -> None:
@@ -66,8 +72,12 @@ def expected(rank: int, step: int) -> dict:
 def tiers(base: str, **kw) -> cg.TieredCheckpoint:
     kw = dict(kw)
     config = cg.CheckpointConfig(timeout_s=kw.pop("timeout_s", 60))
-    return cg.TieredCheckpoint(os.path.join(base, "disk", "fast"), persistent=kw.pop("persistent", None),
-                               config=config, **kw)
+    return cg.TieredCheckpoint(
+        os.path.join(base, "disk", "fast"),
+        persistent=kw.pop("persistent", None),
+        config=config,
+        **kw,
+    )
 
 
 def save_run(rank: int, world: int, base: str, steps: int, local_disk: bool, kw: dict) -> list:
@@ -78,7 +88,11 @@ def save_run(rank: int, world: int, base: str, steps: int, local_disk: bool, kw:
     for step in range(1, steps + 1):
         train_to(state, rank, step)
         path = mgr.save(step, state)
-        assert path == (mgr.persistent.root if cg.Tier.PERSISTENT in mgr.last_saved else mgr.fast.root) / path.name
+        assert (
+            path
+            == (mgr.persistent.root if cg.Tier.PERSISTENT in mgr.last_saved else mgr.fast.root)
+            / path.name
+        )
         saved.append(sorted(t.value for t in mgr.last_saved))
     return saved
 
@@ -91,7 +105,9 @@ def restore_run(rank: int, world: int, base: str, local_disk: bool, kw: dict) ->
         step = mgr.restore(state)
     except cg.CheckpointError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    exact = all(torch.equal(v, expected(rank, step)[k]) for k, v in state["model"].state_dict().items())
+    exact = all(
+        torch.equal(v, expected(rank, step)[k]) for k, v in state["model"].state_dict().items()
+    )
     return {"step": step, "exact": exact, "mine": state["mine"].value}
 
 
@@ -112,17 +128,24 @@ def test_both_fast_tiers_lost_restores_the_older_persistent_step(tmp_path):
     kw = {"persistent": persistent, "fast_every": 1, "persistent_every": 2}
     saved = values(run_ranks(save_run, WORLD, str(tmp_path), 3, True, kw, timeout=240))
     assert saved[0] == [["fast"], ["fast", "persistent"], ["fast"]]
-    assert sorted(p.name for p in (tmp_path / "node1" / "fast").glob("step_*")) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in (tmp_path / "node1" / "fast").glob("step_*")) == [
+        "step_00000002",
+        "step_00000003",
+    ]
     for node in (0, 1):
         shutil.rmtree(tmp_path / f"node{node}" / "fast")  # every node's fast tier is gone
     out = values(run_ranks(restore_run, WORLD, str(tmp_path), True, kw, timeout=240))
     assert [o.get("step") for o in out] == [2] * WORLD, out
-    assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [r * 1000 + 2 for r in range(WORLD)]
+    assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [
+        r * 1000 + 2 for r in range(WORLD)
+    ]
     records = restore_records(Path(persistent))
     assert [r["tier"] for r in records] == ["persistent"] * WORLD
     assert records[0]["tier_detail"] == "tier persistent: step 2"
     gate = next(g for g in evaluate(Path(persistent)) if g.name == "restored from tier")
-    assert gate.status.value == "INFO" and gate.evidence.startswith("step 2 from the persistent tier on 4 rank(s)")
+    assert gate.status.value == "INFO" and gate.evidence.startswith(
+        "step 2 from the persistent tier on 4 rank(s)"
+    )
 
 
 def node_files(step_dir: Path, node: int) -> list[Path]:
@@ -133,7 +156,9 @@ def node_files(step_dir: Path, node: int) -> list[Path]:
 
     manifest = _manifest.read(step_dir)
     ranks = range(node * PER_NODE, (node + 1) * PER_NODE)
-    others = set().union(*(files_needed(step_dir, manifest, r) for r in range(WORLD) if r not in ranks))
+    others = set().union(
+        *(files_needed(step_dir, manifest, r) for r in range(WORLD) if r not in ranks)
+    )
     return [step_dir / f.path for f in manifest.files if f.rank in ranks and f.path not in others]
 
 
@@ -144,19 +169,30 @@ def test_replicas_on_a_shared_fast_root_fill_in_lost_files_exactly(tmp_path):
     kw = {"fast_every": 1, "replicas": 1}
     values(run_ranks(save_run, WORLD, str(tmp_path), 2, False, kw, timeout=180))
     fast = tmp_path / "disk" / "fast"
-    held = sorted(p.relative_to(fast).as_posix() for p in (fast / "replicas").glob("*/rank_*/replica.json"))
-    assert held == [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2) for r in range(WORLD)]
+    held = sorted(
+        p.relative_to(fast).as_posix() for p in (fast / "replicas").glob("*/rank_*/replica.json")
+    )
+    assert held == [
+        f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in (1, 2) for r in range(WORLD)
+    ]
     lost = node_files(fast / "step_00000002", 1)
     assert lost and all(p.exists() for p in lost)
     for p in lost:
         p.unlink()
     out = values(run_ranks(restore_run, WORLD, str(tmp_path), False, kw, timeout=180))
     assert [o.get("step") for o in out] == [2] * WORLD, out
-    assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [r * 1000 + 2 for r in range(WORLD)]
+    assert all(o["exact"] for o in out) and [o["mine"] for o in out] == [
+        r * 1000 + 2 for r in range(WORLD)
+    ]
     assert all(p.exists() for p in lost)
     records = restore_records(fast)
     assert [r["tier"] for r in records] == ["fast"] * WORLD
-    assert records[0]["replica_ranks"] == [2, 3] and "from peer replicas" in records[0]["tier_detail"]
+    assert (
+        records[0]["replica_ranks"] == [2, 3] and "from peer replicas" in records[0]["tier_detail"]
+    )
     gate = next(g for g in evaluate(fast) if g.name == "restored from tier")
-    assert gate.evidence == "step 2 from the fast tier on 4 rank(s); ranks [2, 3] fetched their files from peer " \
+    assert (
+        gate.evidence
+        == "step 2 from the fast tier on 4 rank(s); ranks [2, 3] fetched their files from peer "
         "replicas"
+    )

@@ -21,15 +21,22 @@ import ckptguard as cg
 from ckptguard._disk import lease as _lease
 from ckptguard.testing import run_ranks, values
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for private UTS namespaces (fake nodes)")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root for private UTS namespaces (fake nodes)"
+)
 
 
 def _tiers(base: str, host_bytes: int = 1 << 20, **kw) -> cg.TieredCheckpoint:
     """``host_bytes=0``: nothing fits the staging pools, the writers read the live tensors and the next
     optimizer step waits until both tiers' writers have read them."""
-    return cg.TieredCheckpoint(os.path.join(base, kw.pop("fast", "fast")), persistent=os.path.join(base, "pers"),
-                               config=cg.CheckpointConfig(timeout_s=60, async_save=cg.AsyncOptions(
-                                   host_bytes=host_bytes, on_busy=cg.OnBusy.WAIT)), **kw)
+    return cg.TieredCheckpoint(
+        os.path.join(base, kw.pop("fast", "fast")),
+        persistent=os.path.join(base, "pers"),
+        config=cg.CheckpointConfig(
+            timeout_s=60, async_save=cg.AsyncOptions(host_bytes=host_bytes, on_busy=cg.OnBusy.WAIT)
+        ),
+        **kw,
+    )
 
 
 def _exact(state: dict, rank: int, step: int) -> bool:
@@ -38,7 +45,9 @@ def _exact(state: dict, rank: int, step: int) -> bool:
 
 
 def async_run(rank: int, world: int, base: str) -> dict:
-    tiers = _tiers(base, fast_every=1, persistent_every=2)  # the state fits the pools: staged copies
+    tiers = _tiers(
+        base, fast_every=1, persistent_every=2
+    )  # the state fits the pools: staged copies
     state = make_state(rank)
     blocked, kinds = [], []
     for step in range(1, 5):
@@ -55,7 +64,12 @@ def async_run(rank: int, world: int, base: str) -> dict:
     state["mine"].value = -1
     # A restore while step 4 is pending: it ends first, and the choice is step 4 on every rank.
     step = tiers.restore(state)
-    out = {"kinds": kinds, "step": step, "exact": _exact(state, rank, step), "mine": state["mine"].value}
+    out = {
+        "kinds": kinds,
+        "step": step,
+        "exact": _exact(state, rank, step),
+        "mine": state["mine"].value,
+    }
     # Unhealthy on one rank: skipped on every rank and every tier, nothing staged or pending.
     out["skipped"] = tiers.save_async(6, state, healthy=rank != 1) is None and tiers.wait() is None
     out.update(fast=tiers.fast.committed_steps(), persistent=tiers.persistent.committed_steps())
@@ -117,16 +131,25 @@ def replica_run(rank: int, world: int, base: str) -> dict:
     tiers.wait()
     for point in ("node.before_tracker", "commit.before_tracker"):
         _faults.set_hook(point, None)
-    held = sorted(p.relative_to(fast).as_posix() for p in fast.glob("replicas/*/rank_*/replica.json"))
+    held = sorted(
+        p.relative_to(fast).as_posix() for p in fast.glob("replicas/*/rank_*/replica.json")
+    )
     dist.barrier()
-    if rank == PER_NODE:  # node 1's fast disk is lost (the persistent tier holds step 2 too: fast wins)
+    if (
+        rank == PER_NODE
+    ):  # node 1's fast disk is lost (the persistent tier holds step 2 too: fast wins)
         shutil.rmtree(fast)
     dist.barrier()
     train_to(state, rank, 3)
     step = tiers.restore(state)
     dist.barrier()  # every rank's restore record is written before rank 0 reads them all
-    return {"early": early, "held": held, "step": step, "exact": _exact(state, rank, step),
-            "tier": restore_records(Path(base, "pers"))[rank]["tier"] if rank == 0 else None}
+    return {
+        "early": early,
+        "held": held,
+        "step": step,
+        "exact": _exact(state, rank, step),
+        "tier": restore_records(Path(base, "pers"))[rank]["tier"] if rank == 0 else None,
+    }
 
 
 @needs_root
@@ -160,8 +183,10 @@ def second_job(rank: int, world: int, base: str) -> dict:
     tiers = _tiers(base, fast="fast_b", fast_every=1, persistent_every=10)
     state = make_state(rank)
     out = {}
-    calls = (("restore", lambda: tiers.restore(state)),
-             ("save", lambda: tiers.save(1, state) and [t.value for t in tiers.last_saved]))
+    calls = (
+        ("restore", lambda: tiers.restore(state)),
+        ("save", lambda: tiers.save(1, state) and [t.value for t in tiers.last_saved]),
+    )
     for what, call in calls:
         try:
             out[what] = call()
@@ -173,7 +198,9 @@ def second_job(rank: int, world: int, base: str) -> dict:
 
 def test_a_second_live_job_on_the_persistent_root_is_refused(tmp_path):
     base = str(tmp_path)
-    first = _tiers(base, fast_every=1, persistent_every=10)  # this process: a live job, fast saves only so far
+    first = _tiers(
+        base, fast_every=1, persistent_every=10
+    )  # this process: a live job, fast saves only so far
     first.save(1, make_state(0))
     pers = tmp_path / "pers"
     assert _lease.is_mine(pers) and not list(pers.glob("step_*"))
@@ -185,7 +212,9 @@ def test_a_second_live_job_on_the_persistent_root_is_refused(tmp_path):
     first.close()
     assert _lease.release(pers)  # the first job is gone: the second one starts
     out = values(run_ranks(second_job, 2, base, timeout=120))
-    assert [(o["restore"], o["save"], o["fast"]) for o in out] == [(0, ["fast"], ["step_00000001"])] * 2, out
+    assert [(o["restore"], o["save"], o["fast"]) for o in out] == [
+        (0, ["fast"], ["step_00000001"])
+    ] * 2, out
 
 
 def test_a_step_on_neither_interval_touches_nothing(tmp_path):
@@ -194,7 +223,9 @@ def test_a_step_on_neither_interval_touches_nothing(tmp_path):
     assert tiers.save(1, state) is None and tiers.last_saved == {}
     pending = tiers.save_async(3, state)
     assert pending is not None and pending.tiers == [] and pending.done() and pending.wait() is None
-    assert not (tmp_path / "pers").exists() and not (tmp_path / "fast").exists()  # no root, no lease
+    assert (
+        not (tmp_path / "pers").exists() and not (tmp_path / "fast").exists()
+    )  # no root, no lease
     assert [t.value for t in tiers.save_async(4, state).tiers] == ["fast", "persistent"]
     assert tiers.wait() == tmp_path / "pers" / "step_00000004" and _lease.is_mine(tmp_path / "pers")
     assert sorted(t.value for t in tiers.last_saved) == ["fast", "persistent"]
@@ -204,13 +235,22 @@ def test_a_step_on_neither_interval_touches_nothing(tmp_path):
 def test_prepare_async_pins_the_tiers_one_pool_in_the_background(tmp_path):
     # One process: TieredCheckpoint.prepare_async is local (no collective); its future is the bytes both
     # tiers' pools added, and the first save_async of each tier then stages into a pool that is ready.
-    tiers = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "pers", fast_every=1,
-                                persistent_every=2,
-                                config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 22)))
+    tiers = cg.TieredCheckpoint(
+        tmp_path / "fast",
+        persistent=tmp_path / "pers",
+        fast_every=1,
+        persistent_every=2,
+        config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 22)),
+    )
     state = {"model": torch.nn.Linear(64, 64)}
     nbytes = sum(p.numel() * p.element_size() for p in state["model"].parameters())
-    assert tiers.prepare_async(state).result(timeout=60) == nbytes  # one pool for both tiers (issue 41)
-    assert tiers.fast._staging is tiers.persistent._staging and tiers.fast._staging.pool.held_bytes == nbytes
+    assert (
+        tiers.prepare_async(state).result(timeout=60) == nbytes
+    )  # one pool for both tiers (issue 41)
+    assert (
+        tiers.fast._staging is tiers.persistent._staging
+        and tiers.fast._staging.pool.held_bytes == nbytes
+    )
     tiers.save_async(2, state)
     assert tiers.wait() == tmp_path / "pers" / "step_00000002"
     assert sorted(t.value for t in tiers.last_saved) == ["fast", "persistent"]

@@ -45,7 +45,12 @@ def saved(moto, tmp_path_factory):
     ckpt.save(1, h.state_at(1))
     ckpt.close()
     key = "run/step_00000001/manifest.json"
-    return url, name, key, boto3.client("s3", endpoint_url=moto).get_object(Bucket=name, Key=key)["Body"].read()
+    return (
+        url,
+        name,
+        key,
+        boto3.client("s3", endpoint_url=moto).get_object(Bucket=name, Key=key)["Body"].read(),
+    )
 
 
 def _put_marker(moto: str, name: str, key: str, data: bytes) -> None:
@@ -76,7 +81,9 @@ def marker(moto, saved):
     _put_marker(moto, name, key, data)
 
 
-def test_a_marker_declaring_1_TiB_is_refused_in_seconds_naming_the_object(moto, saved, marker, tmp_path):
+def test_a_marker_declaring_1_TiB_is_refused_in_seconds_naming_the_object(
+    moto, saved, marker, tmp_path
+):
     url, name, key, _ = saved
     rel = _biggest(marker)
     marker["objects"][rel]["size"] = TIB  # and its manifest agrees: only the object itself can tell
@@ -92,7 +99,9 @@ def test_a_marker_declaring_1_TiB_is_refused_in_seconds_naming_the_object(moto, 
     assert took < 5, f"refused after {took:.1f} s"
     assert f"s3://{name}/run/step_00000001/{marker['attempt']}/{rel}" in str(err.value)
     assert f"declares {TIB} bytes, the object has" in str(err.value)
-    assert _largest_file(tmp_path / "s") < 1 << 20  # no 1 TiB sparse file, no part of the object fetched
+    assert (
+        _largest_file(tmp_path / "s") < 1 << 20
+    )  # no 1 TiB sparse file, no part of the object fetched
 
 
 @pytest.mark.parametrize("size", [-1, 6 << 40, 2**70, "17", True, 1.5, None])
@@ -107,7 +116,9 @@ def test_a_size_that_is_no_size_is_refused_naming_the_object(moto, saved, marker
     assert _largest_file(tmp_path / "s") < 1 << 20
 
 
-def test_a_marker_whose_object_and_manifest_disagree_is_refused_before_any_request(moto, saved, marker, tmp_path):
+def test_a_marker_whose_object_and_manifest_disagree_is_refused_before_any_request(
+    moto, saved, marker, tmp_path
+):
     url, name, key, _ = saved
     rel = _biggest(marker)
     marker["objects"][rel]["size"] -= 1
@@ -118,23 +129,34 @@ def test_a_marker_whose_object_and_manifest_disagree_is_refused_before_any_reque
 
 
 @pytest.mark.parametrize("where", ["whole", "manifest", "writer", "created_unix"])
-def test_crafted_marker_json_is_a_ckptguard_error_naming_the_marker(moto, saved, marker, tmp_path, where):
+def test_crafted_marker_json_is_a_ckptguard_error_naming_the_marker(
+    moto, saved, marker, tmp_path, where
+):
     url, name, key, _ = saved
     deep = 200_000
     if where == "whole":
         data = ('{"a":' * deep + "1" + "}" * deep).encode()
     else:
-        value = {"manifest": json.loads('{"x":' * 500 + "1" + "}" * 500), "writer": {"host": "h", "pid": "x"},
-                 "created_unix": 10**400}[where]
+        value = {
+            "manifest": json.loads('{"x":' * 500 + "1" + "}" * 500),
+            "writer": {"host": "h", "pid": "x"},
+            "created_unix": 10**400,
+        }[where]
         marker[where] = value
-        data = json.dumps(marker).encode() if where != "created_unix" else \
-            json.dumps({**marker, where: 0}).encode().replace(b'"created_unix": 0', b'"created_unix": 1' + b"0" * 400)
+        data = (
+            json.dumps(marker).encode()
+            if where != "created_unix"
+            else json.dumps({**marker, where: 0})
+            .encode()
+            .replace(b'"created_unix": 0', b'"created_unix": 1' + b"0" * 400)
+        )
     _put_marker(moto, name, key, data)
     with pytest.raises(CheckpointError) as err:
         _restore(moto, url, tmp_path / "s")
     assert key in str(err.value), str(err.value)
-    assert not isinstance(err.value.__cause__, (RecursionError, OverflowError, ValueError)) or \
-        isinstance(err.value.__cause__, CheckpointError)
+    assert not isinstance(
+        err.value.__cause__, (RecursionError, OverflowError, ValueError)
+    ) or isinstance(err.value.__cause__, CheckpointError)
 
 
 def test_the_first_failure_stops_the_download(moto, saved, tmp_path, monkeypatch):
@@ -144,8 +166,13 @@ def test_the_first_failure_stops_the_download(moto, saved, tmp_path, monkeypatch
     big.write_bytes(os.urandom(40 << 20))  # eight 5 MiB spans
     attempt = storepublish.begin(store, 2)
     etag = store.upload(2, attempt, [("state/big.bin", big, big.stat().st_size)])["state/big.bin"]
-    item = _transfer.Incoming(store.url.key("step_00000002", attempt, "state/big.bin"), tmp_path / "d" / "big.bin",
-                              big.stat().st_size, etag, "0")
+    item = _transfer.Incoming(
+        store.url.key("step_00000002", attempt, "state/big.bin"),
+        tmp_path / "d" / "big.bin",
+        big.stat().st_size,
+        etag,
+        "0",
+    )
     calls: list[int] = []
     real = _transfer._get_span
 
@@ -159,10 +186,14 @@ def test_the_first_failure_stops_the_download(moto, saved, tmp_path, monkeypatch
     monkeypatch.setattr(_transfer, "_get_span", failing)
     with pytest.raises(ObjectStoreError, match="the first span failed"):
         _transfer.download(store.bucket, [item], step=2)
-    assert len(calls) <= store.options.workers, calls  # the spans not started yet were never requested
+    assert len(calls) <= store.options.workers, (
+        calls
+    )  # the spans not started yet were never requested
     assert not list((tmp_path / "d").iterdir())  # the temp file went with the failure
 
-    stale = _transfer.Incoming(item.key, item.path, item.size, '"0123"', "0")  # replaced since its commit
+    stale = _transfer.Incoming(
+        item.key, item.path, item.size, '"0123"', "0"
+    )  # replaced since its commit
     calls.clear()
     with pytest.raises(ObjectStoreError, match="was replaced after its step was committed"):
         _transfer.download(store.bucket, [stale], step=2)
@@ -179,7 +210,9 @@ def _bucket(moto: str) -> str:
 
 
 def _keys(moto: str, name: str) -> list[str]:
-    pages = boto3.client("s3", endpoint_url=moto).get_paginator("list_objects_v2").paginate(Bucket=name)
+    pages = (
+        boto3.client("s3", endpoint_url=moto).get_paginator("list_objects_v2").paginate(Bucket=name)
+    )
     return sorted(o["Key"] for page in pages for o in page.get("Contents") or [])
 
 
@@ -191,7 +224,9 @@ def test_gc_keeps_the_tracker_steps_data_when_its_marker_is_gone(moto, tmp_path)
     name = _bucket(moto)
     url = f"s3://{name}/run"
     h.write(moto, url, str(tmp_path / "w"), 2, None)
-    boto3.client("s3", endpoint_url=moto).delete_object(Bucket=name, Key="run/step_00000002/manifest.json")
+    boto3.client("s3", endpoint_url=moto).delete_object(
+        Bucket=name, Key="run/step_00000002/manifest.json"
+    )
     store = ObjectStore(url, h.options(moto))
     with pytest.raises(CheckpointError, match="restore the objects"):
         resolve(store)  # what the operator is told
@@ -199,9 +234,14 @@ def test_gc_keeps_the_tracker_steps_data_when_its_marker_is_gone(moto, tmp_path)
     assert before
     result = CliRunner().invoke(main, ["gc", "--min-age", "0", url])
     assert result.exit_code == 1, result.output
-    assert "gc refused" in result.output and f"{url}/step_00000002/manifest.json does not exist" in result.output
+    assert (
+        "gc refused" in result.output
+        and f"{url}/step_00000002/manifest.json does not exist" in result.output
+    )
     assert "Traceback" not in result.output
-    assert [k for k in _keys(moto, name) if "step_00000002/" in k] == before  # every object of step 2 is there
+    assert [
+        k for k in _keys(moto, name) if "step_00000002/" in k
+    ] == before  # every object of step 2 is there
     with pytest.raises(CheckpointCorruptError, match="gc refused"):
         collect(store, min_age_s=0, dry_run=True)
 
@@ -216,49 +256,72 @@ def test_verify_of_a_root_with_nothing_there_is_an_error_naming_the_path(moto, t
     url = f"s3://{name}/run"
     h.write(moto, url, str(tmp_path / "w"), 1, None)
     if what == "tracker deleted":
-        boto3.client("s3", endpoint_url=moto).delete_object(Bucket=name, Key="run/latest_checkpointed_iteration.txt")
+        boto3.client("s3", endpoint_url=moto).delete_object(
+            Bucket=name, Key="run/latest_checkpointed_iteration.txt"
+        )
     target = f"s3://{name}/typo" if what == "typo" else url
     result = CliRunner().invoke(main, ["verify", target])
     assert result.exit_code == 1, result.output
     assert "OK" not in result.output and "Traceback" not in result.output
-    assert (f"no checkpoint root at {target}" if what == "typo" else f"{url}/latest_checkpointed_iteration.txt") \
-        in result.output
+    assert (
+        f"no checkpoint root at {target}"
+        if what == "typo"
+        else f"{url}/latest_checkpointed_iteration.txt"
+    ) in result.output
     ok = CliRunner().invoke(main, ["verify", url] if what == "typo" else ["verify", url, "--json"])
-    assert (ok.exit_code, "OK: 1 step(s) checked" in ok.output) == ((0, True) if what == "typo" else (1, False))
+    assert (ok.exit_code, "OK: 1 step(s) checked" in ok.output) == (
+        (0, True) if what == "typo" else (1, False)
+    )
 
 
-def test_a_store_that_honours_conditions_for_the_probe_only_never_lets_two_writers_commit_one_step(moto, tmp_path):
+def test_a_store_that_honours_conditions_for_the_probe_only_never_lets_two_writers_commit_one_step(
+    moto, tmp_path
+):
     from ckptguard.errors import CommitConflictError, ConditionalWriteUnsupportedError
     from ckptguard.storage.s3 import StoredObject
 
     name = _bucket(moto)
     url = f"s3://{name}/run"
-    proxy = h.Proxy(int(moto.rsplit(":", 1)[1]), strip_only="manifest.json")  # markers' keys only: the probe passes
+    proxy = h.Proxy(
+        int(moto.rsplit(":", 1)[1]), strip_only="manifest.json"
+    )  # markers' keys only: the probe passes
     try:
         writers = [ObjectStore(url, h.options(proxy.endpoint)) for _ in range(2)]
         data = tmp_path / "data.bin"
         data.write_bytes(os.urandom(4096))
         writers[0].ensure_root()
         attempts = [storepublish.begin(w, 3) for w in writers]
-        etags = [w.upload(3, a, [("state/data.bin", data, 4096)])["state/data.bin"]
-                 for w, a in zip(writers, attempts, strict=True)]
+        etags = [
+            w.upload(3, a, [("state/data.bin", data, 4096)])["state/data.bin"]
+            for w, a in zip(writers, attempts, strict=True)
+        ]
         outcomes = []
         for role, (w, a, e) in enumerate(zip(writers, attempts, etags, strict=True)):
             try:
-                storepublish.commit(w, 3, a, {"state/data.bin": StoredObject(4096, "0", e)}, {"role": role})
+                storepublish.commit(
+                    w, 3, a, {"state/data.bin": StoredObject(4096, "0", e)}, {"role": role}
+                )
                 outcomes.append("won")
             except (ConditionalWriteUnsupportedError, CommitConflictError) as exc:
                 outcomes.append(f"{type(exc).__name__}: {exc}")
     finally:
         proxy.stop()
     assert outcomes.count("won") <= 1, outcomes
-    assert all("run/step_00000003/manifest.json" in o and "If-None-Match" in o for o in outcomes if o != "won")
+    assert all(
+        "run/step_00000003/manifest.json" in o and "If-None-Match" in o
+        for o in outcomes
+        if o != "won"
+    )
     store = ObjectStore(url, h.options(moto))
-    assert store.tracker()[0] == 0 and resolve(store).step == 0  # nothing committed: the tracker did not move
+    assert (
+        store.tracker()[0] == 0 and resolve(store).step == 0
+    )  # nothing committed: the tracker did not move
 
 
 @pytest.mark.parametrize("first", [True, False])
-def test_a_store_that_ignores_conditions_on_the_lease_never_lets_a_job_believe_it_holds_it(moto, tmp_path, first):
+def test_a_store_that_ignores_conditions_on_the_lease_never_lets_a_job_believe_it_holds_it(
+    moto, tmp_path, first
+):
     from ckptguard.errors import ConditionalWriteUnsupportedError
 
     name = _bucket(moto)
@@ -272,12 +335,18 @@ def test_a_store_that_ignores_conditions_on_the_lease_never_lets_a_job_believe_i
     try:
         store = ObjectStore(url, h.options(proxy.endpoint))
         store.ensure_root()  # the probe passes: its key keeps its conditions
-        with pytest.raises(ConditionalWriteUnsupportedError, match="two jobs could both hold the write lease") as err:
+        with pytest.raises(
+            ConditionalWriteUnsupportedError, match="two jobs could both hold the write lease"
+        ) as err:
             storelease.acquire(store, "this-job")
-        assert err.value.key == "run/lease.json" and ("If-None-Match" if first else "stale If-Match") in str(err.value)
+        assert err.value.key == "run/lease.json" and (
+            "If-None-Match" if first else "stale If-Match"
+        ) in str(err.value)
     finally:
         proxy.stop()
-    storelease.acquire(ObjectStore(url, h.options(moto)), "honest-store")  # through an honest path it is taken once
+    storelease.acquire(
+        ObjectStore(url, h.options(moto)), "honest-store"
+    )  # through an honest path it is taken once
 
 
 def test_verify_names_a_committed_step_whose_marker_is_unreadable(moto, tmp_path):
@@ -288,11 +357,18 @@ def test_verify_names_a_committed_step_whose_marker_is_unreadable(moto, tmp_path
     name = _bucket(moto)
     url = f"s3://{name}/run"
     h.write(moto, url, str(tmp_path / "w"), 2, None)
-    _put_marker(moto, name, "run/step_00000001/manifest.json", b'{"kind": "ckptguard-objectstore-step", "format": 1}')
+    _put_marker(
+        moto,
+        name,
+        "run/step_00000001/manifest.json",
+        b'{"kind": "ckptguard-objectstore-step", "format": 1}',
+    )
     result = CliRunner().invoke(main, ["verify", url, "--json"])
     assert result.exit_code == 1, result.output
     findings = json.loads(result.output)["findings"]
-    assert [(f["code"], f["path"]) for f in findings] == [("marker-unreadable", f"{url}/step_00000001/manifest.json")]
+    assert [(f["code"], f["path"]) for f in findings] == [
+        ("marker-unreadable", f"{url}/step_00000001/manifest.json")
+    ]
 
 
 class _Headed:

@@ -55,13 +55,17 @@ def _state(fingerprint: dict) -> dict:
     return {k: v for k, v in fingerprint.items() if k != "restored"}
 
 
-def _launch(moto: str, url: str, staging: Path, pids: Path, kill: tuple[int, int, int, float] | None):
+def _launch(
+    moto: str, url: str, staging: Path, pids: Path, kill: tuple[int, int, int, float] | None
+):
     for old in pids.iterdir():
         old.unlink()
     return run_ranks(h.train_job, 2, moto, url, str(staging), str(pids), LAST, kill, timeout=300)
 
 
-def test_a_job_killed_inside_the_upload_window_saves_on_and_ends_bitwise_as_an_uninterrupted_one(moto, tmp_path):
+def test_a_job_killed_inside_the_upload_window_saves_on_and_ends_bitwise_as_an_uninterrupted_one(
+    moto, tmp_path
+):
     seed = int(time.time())
     rng = random.Random(seed)
     why = f"(random seed {seed})"
@@ -80,7 +84,11 @@ def test_a_job_killed_inside_the_upload_window_saves_on_and_ends_bitwise_as_an_u
         kill = (step, rng.randrange(2), rng.randint(1, 3), rng.uniform(0.0, 0.2))
         print(f"kill {why}: step {step}, rank {kill[1]} after its part {kill[2]} + {kill[3]:.3f} s")
         results = _launch(moto, url, staging, pids, kill)
-        assert [r.exitcode for r in results] == [-signal.SIGKILL] * 2, (kill, why, [r.error for r in results])
+        assert [r.exitcode for r in results] == [-signal.SIGKILL] * 2, (
+            kill,
+            why,
+            [r.error for r in results],
+        )
         killed_at.append(step)
         # Inside the upload window: committed in the staging root, never on the store.
         assert read_tracker(staging) == step, (kill, why)
@@ -88,20 +96,30 @@ def test_a_job_killed_inside_the_upload_window_saves_on_and_ends_bitwise_as_an_u
         # The store's latest step is whole, and it is exactly the state trained to it.
         checked, findings = verify_remote(url, "step_{step:08d}")
         assert findings == [] and len(checked) == step - 1, (kill, why, findings)
-        back = values(run_ranks(h.restore_job, 2, moto, url, str(tmp_path / f"check{step}"), timeout=300))
+        back = values(
+            run_ranks(h.restore_job, 2, moto, url, str(tmp_path / f"check{step}"), timeout=300)
+        )
         assert [_state(b) for b in back] == [h.trained_to(step - 1, r) for r in (0, 1)], (kill, why)
         assert [b["restored"] for b in back] == [step - 1] * 2
 
     final = values(_launch(moto, url, staging, pids, None))
-    assert [v["restored"] for v in final] == [killed_at[-1] - 1] * 2, why  # it saved on past every killed step
+    assert [v["restored"] for v in final] == [killed_at[-1] - 1] * 2, (
+        why
+    )  # it saved on past every killed step
     assert [_state(f) for f in final] == [_state(p) for p in plain], why
-    print(f"{len(killed_at)} kills at steps {killed_at} {why}, 2 ranks: every relaunch saved on, final state bitwise "
-          f"equal to the uninterrupted run's ({time.monotonic() - began:.0f} s for the kills and relaunches)")
+    print(
+        f"{len(killed_at)} kills at steps {killed_at} {why}, 2 ranks: every relaunch saved on, final state bitwise "
+        f"equal to the uninterrupted run's ({time.monotonic() - began:.0f} s for the kills and relaunches)"
+    )
     assert store.committed_steps() == list(range(1, LAST + 1)) and store.tracker()[0] == LAST
     again = values(run_ranks(h.restore_job, 2, moto, url, str(tmp_path / "last"), timeout=300))
     assert [_state(a) for a in again] == [_state(p) for p in plain], why
-    report = collect(store, min_age_s=0)  # each killed attempt is unmarked and removable; nothing foreign
-    assert sorted({a.split("/")[0] for a in report.removed_attempts}) == [f"step_{s:08d}" for s in killed_at]
+    report = collect(
+        store, min_age_s=0
+    )  # each killed attempt is unmarked and removable; nothing foreign
+    assert sorted({a.split("/")[0] for a in report.removed_attempts}) == [
+        f"step_{s:08d}" for s in killed_at
+    ]
     assert report.foreign == []
 
 
@@ -135,15 +153,22 @@ def test_a_save_whose_upload_failed_is_saved_again_by_the_same_job(moto, tmp_pat
     assert torch.equal(state["model"].w.detach(), h.values_at(2))
 
 
-def test_tiers_save_a_persistent_step_again_after_its_upload_failed_and_the_fast_tier_was_lost(moto, tmp_path):
+def test_tiers_save_a_persistent_step_again_after_its_upload_failed_and_the_fast_tier_was_lost(
+    moto, tmp_path
+):
     import ckptguard as cg
     from ckptguard.testing import set_fault_hook
 
     url = f"s3://{_bucket(moto, f'tiers-{os.getpid()}')}/run"
 
     def tiers(fast: str) -> cg.TieredCheckpoint:
-        return cg.TieredCheckpoint(tmp_path / fast, persistent=url, fast_every=1, persistent_every=1,
-                                   config=h.config(moto, tmp_path / "staging"))
+        return cg.TieredCheckpoint(
+            tmp_path / fast,
+            persistent=url,
+            fast_every=1,
+            persistent_every=1,
+            config=h.config(moto, tmp_path / "staging"),
+        )
 
     first = tiers("fast")
     first.save(1, h.state_at(1))
@@ -158,7 +183,9 @@ def test_tiers_save_a_persistent_step_again_after_its_upload_failed_and_the_fast
     finally:
         set_fault_hook("store.before_marker", None)
     first.close()
-    again = tiers("fast-of-a-new-node")  # the node is lost: its fast tier with it; the staging root is shared
+    again = tiers(
+        "fast-of-a-new-node"
+    )  # the node is lost: its fast tier with it; the staging root is shared
     state = h.blank()
     assert again.restore(state) == 1
     again.save(2, h.state_at(2))  # the staging copy the store never committed is replaced
