@@ -22,8 +22,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 MINISTACK_VENV := .venv-ministack
 MINISTACK_STAMP := $(MINISTACK_VENV)/.installed
 
-# pytest-xdist workers of `make test` (tests/conftest.py hands the tests out: the Ray group whole, the rest one by one).
-TEST_WORKERS ?= 2
+# pytest-xdist workers of `make test` (tests/conftest.py hands the tests out: the Ray group whole, the tests sharing a
+# costly module fixture as one unit, the rest one by one). Three on a 2-core machine: the tests spend much of their
+# time waiting on the processes they start (benchmarks/results/make_test.md, session 9: 18 min 54 s against 27 min).
+TEST_WORKERS ?= 3
 
 .PHONY: demo test test-fast lint venv verl-venv hf-venv vllm-venv ministack-venv clean
 
