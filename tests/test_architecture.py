@@ -397,6 +397,64 @@ def test_the_object_store_package_holds_the_stores_primitives_not_the_commit_ord
     ]
 
 
+# The commit rule of a root (issue 40 item 2) is ``_commit.rootcommit``'s, over a ``RootStore``: the store's
+# steps of it are called there only, and the primitives that make a step visible, uncommit one or move the
+# tracker of a save are called only inside the stores' own methods (``DirRoot``, ``BucketRoot``).
+ROOT_STORE_STEPS = {"make_visible", "uncommit", "put_back", "move_tracker", "sealed"}
+COMMIT_PRIMITIVES = {
+    "create_marker",
+    "swap_tracker",
+    "drop_marker",
+    "uncommit_to_trash",
+    "restore_from_trash",
+}
+ROOT_STORES = {"_commit.stepdir": "DirRoot", "_commit.storepublish": "BucketRoot"}
+# Besides the stores: rotation moves a dropped step aside (its own rule, ``_records.retention``), a directory is
+# uncommitted before it is deleted (``_disk.layout``), and the object store defines its primitives.
+PRIMITIVE_USERS = {"_records.retention", "_disk.layout", "storage.s3._store"}
+
+
+def commit_rule_outside_rootcommit(sources: dict[str, str]) -> list[str]:
+    """Calls of a ``RootStore`` step outside ``_commit.rootcommit``, and of a commit primitive outside the
+    stores' methods (``ROOT_STORES``) and the modules of ``PRIMITIVE_USERS``."""
+    bad = []
+    for name, source in sorted(sources.items()):
+        tree = ast.parse(source)
+        inside: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and ROOT_STORES.get(name) == node.name:
+                inside |= {id(n) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func
+            called = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+            ruled = isinstance(fn, ast.Attribute) and getattr(fn.value, "id", None) == "rootcommit"
+            if called in ROOT_STORE_STEPS and isinstance(fn, ast.Attribute) and not ruled:
+                if name != "_commit.rootcommit" and id(node) not in inside:
+                    bad.append(f"{name}:{node.lineno}: {called}")
+            elif (
+                called in COMMIT_PRIMITIVES
+                and name not in PRIMITIVE_USERS
+                and id(node) not in inside
+            ):
+                bad.append(f"{name}:{node.lineno}: {called}")
+    return bad
+
+
+def test_the_commit_rule_is_written_once_over_the_root_stores():
+    sources = _sources()
+    assert commit_rule_outside_rootcommit(sources) == []
+    sources["_commit.publish_nodes"] += (
+        "\n\ndef _loose(root, store):\n    root.move_tracker(3, back=False)\n"
+    )
+    sources["_commit.storepublish"] += (
+        "\n\ndef _again(store):\n    return store.create_marker(None)\n"
+    )
+    got = [b.split(": ", 1)[1] for b in commit_rule_outside_rootcommit(sources)]
+    assert got == ["move_tracker", "create_marker"]
+
+
 # Imports by name at run time (``importlib.import_module``) in the core, besides a package
 # ``__init__``'s PEP 562 ``__getattr__`` (commented ``# lazy``): the restricted unpickler imports
 # the module of a global its allow-list names (as pickle's own find_class would) to snapshot it

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno as _errno
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,6 +43,7 @@ from ..errors import (
 )
 from ..storage.unpickler import read_dcp_metadata
 from . import p2p as _p2p
+from . import rootcommit
 from .messages import (
     NodePlan,
     NodeReport,
@@ -58,7 +58,7 @@ from .messages import (
 from .pending import log
 from .publish import build_manifest
 from .snapshot import Snapshot
-from .stepdir import discard, file_problems, prepare_root, rename_in
+from .stepdir import DirRoot, discard, file_problems, prepare_root, rename_in
 
 
 def place(ctx: Context, step: int, prep: Prepared, nodes: dict[str, list[int]]) -> Prepared:
@@ -310,12 +310,8 @@ def _commit_nodes(
         if leader:
             try:
                 _faults.reached("node.before_tracker")
-                _layout.write_tracker(ctx.root, step)
+                rootcommit.complete(DirRoot.of(ctx), step, trash, overwrite=snap.actions.overwrite)
                 _faults.reached("node.after_tracker")
-                if trash is not None:
-                    shutil.rmtree(
-                        trash, ignore_errors=True
-                    )  # what is left is retried by empty_trash
             except Exception as exc:
                 failure = failure_from(exc, rank=ctx.rank, phase="node tracker")
             moved = _tracker_now(ctx, failure)

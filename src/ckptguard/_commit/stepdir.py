@@ -19,7 +19,6 @@ from pathlib import Path
 
 import xxhash
 
-from .. import _faults
 from .._context import NO_ACTIONS, Actions, Context
 from .._disk import layout as _layout
 from .._disk import lease as _lease
@@ -32,6 +31,7 @@ from .._records.entries import FileEntry
 from ..errors import (
     ConfigError,
 )
+from . import rootcommit
 from .messages import Prepared
 from .pending import log
 
@@ -70,23 +70,7 @@ def prepare_root(
     _tempfiles.sweep(root, max_age_s=ctx.config.storage.stale_temp_age_s, names=own)
     _tempfiles.sweep(root / _retention.HOLDS_DIR, max_age_s=ctx.config.storage.stale_temp_age_s)
     name = ctx.naming.name(step)
-    existing = root / name
-    tracker = _layout.read_tracker(root) or 0
-    if step < tracker and not actions.overwrite:
-        raise ConfigError(
-            f"save of step {step} under {root}: the tracker is at step {tracker}; saving an older step would "
-            "move it back and orphan the newer ones. If this is a deliberate rollback, set "
-            "save(..., overwrite=True); otherwise check the step counter after restore."
-        )
-    committed = (
-        existing.exists() and step <= tracker and (existing / _layout.MANIFEST_NAME).exists()
-    )
-    if committed and not actions.overwrite:
-        raise ConfigError(
-            f"step {step} is already committed at {existing}; saving it again would replace "
-            "it. Save a different step, or pass save(..., overwrite=True) to replace it "
-            "(it is uncommitted first, then rewritten)."
-        )
+    rootcommit.admit(DirRoot.of(ctx), step, overwrite=actions.overwrite)
     # Node-local roots: every node's temp directory has rank 0's name (and, once published, the step's).
     tmp = root / (
         Path(like.tmp).name
@@ -131,51 +115,92 @@ def copy_verified(src: Path, dst: Path, *, expect: str | None = None) -> str:
 
 def publish_dir(ctx: Context, step: int, tmp: Path, actions: Actions = NO_ACTIONS) -> None:
     """Rename a temp directory whose commit marker is in place to its step name, then move the tracker."""
-    trash = rename_in(ctx, step, tmp, actions)
-    _faults.reached("commit.before_tracker")
-    _layout.write_tracker(ctx.root, step)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)  # what is left is retried by empty_trash
+    rootcommit.publish(DirRoot.of(ctx), step, tmp, overwrite=actions.overwrite)
 
 
 def rename_in(ctx: Context, step: int, tmp: Path, actions: Actions = NO_ACTIONS) -> Path | None:
     """Publish ``tmp`` (its manifest in place) as the step directory; returns the trash to delete
-    after the tracker moved, if a directory of this step was there."""
-    _check_publish(ctx, step, actions)
-    final = ctx.root / ctx.naming.name(step)
-    trash = None
-    if final.exists():
-        # An orphan (crash between rename and tracker) or an explicit overwrite: its old
-        # files must never pair with the new ones, so it is uncommitted and moved aside
-        # first; deleting it waits until after the tracker (a slow delete must not hold
-        # the other ranks at the publish agreement).
-        trash = _layout.uncommit_to_trash(final, keep_manifest=True)
-    try:
-        os.rename(tmp, final)
-    except BaseException:
-        if trash is not None:  # the step the tracker may name goes back, committed as before
-            _layout.restore_from_trash(trash, final)
-        raise
-    if trash is not None:
-        _layout.drop_manifest(trash)
-    (final / _layout.OWNER_NAME).unlink()  # kept until now so a crash leaves a sweepable temp dir
-    _layout.fsync_dir(ctx.root)
+    after the tracker moved (``DirRoot.finish``), if a directory of this step was there."""
+    trash = rootcommit.make_visible(DirRoot.of(ctx), step, tmp, overwrite=actions.overwrite)
+    assert trash is None or isinstance(trash, Path)
     return trash
 
 
-def _check_publish(ctx: Context, step: int, actions: Actions) -> None:
-    """Right before the rename: this run still holds the lease, and no other writer moved the
-    tracker past this step since prepare, so a publish never moves the tracker backwards
-    (which would orphan a committed newer step) unless ``overwrite`` asked for a rollback."""
-    _lease.confirm(ctx.root, step=step)
-    tracker = _layout.read_tracker(ctx.root) or 0
-    taken = tracker == step and (ctx.root / ctx.naming.name(step)).exists()
-    if (tracker > step or taken) and not actions.overwrite:
-        raise ConfigError(
-            f"save of step {step} under {ctx.root} is not published: the tracker moved to step {tracker} while "
+class DirRoot:
+    """``rootcommit.RootStore`` of a directory root: a step is committed when its directory, holding its manifest,
+    has the step's name and the tracker covers it; the write lease is ``ROOT/lease.json``."""
+
+    # publish.py reaches "commit.before_rename" before the lease check
+    BEFORE_VISIBLE: str | None = None
+    BEFORE_TRACKER = "commit.before_tracker"
+
+    def __init__(self, root: Path, naming: _layout.StepNaming) -> None:
+        self.root, self.naming = root, naming
+
+    @classmethod
+    def of(cls, ctx: Context) -> DirRoot:
+        return cls(ctx.root, ctx.naming)
+
+    def _dir(self, step: int) -> Path:
+        return self.root / self.naming.name(step)
+
+    def tracker(self) -> int | None:
+        return _layout.read_tracker(self.root)
+
+    def visible(self, step: int) -> bool:
+        return (self._dir(step) / _layout.MANIFEST_NAME).exists()
+
+    def refuse(self, why: rootcommit.Refusal, step: int, tracker: int | None) -> Exception:
+        if why is rootcommit.Refusal.BEHIND:
+            return ConfigError(
+                f"save of step {step} under {self.root}: the tracker is at step {tracker}; saving an older step "
+                "would move it back and orphan the newer ones. If this is a deliberate rollback, set "
+                "save(..., overwrite=True); otherwise check the step counter after restore."
+            )
+        if why is rootcommit.Refusal.COMMITTED:
+            return ConfigError(
+                f"step {step} is already committed at {self._dir(step)}; saving it again would replace "
+                "it. Save a different step, or pass save(..., overwrite=True) to replace it "
+                "(it is uncommitted first, then rewritten)."
+            )
+        return ConfigError(
+            f"save of step {step} under {self.root} is not published: the tracker moved to step {tracker} while "
             "it was written (another writer on this root); publishing would move it back and orphan the newer "
             "step. Stop the other writer; for a deliberate rollback pass save(..., overwrite=True)."
         )
+
+    def confirm_lease(self, step: int) -> None:
+        _lease.confirm(self.root, step=step)
+
+    def uncommit(self, step: int) -> Path | None:
+        # An orphan (crash between rename and tracker) or an explicit overwrite: its old files must never pair
+        # with the new ones, so it is moved aside first; deleting it waits until after the tracker (a slow
+        # delete must not hold the other ranks at the publish agreement).
+        final = self._dir(step)
+        return _layout.uncommit_to_trash(final, keep_manifest=True) if final.exists() else None
+
+    def put_back(self, step: int, undo: object) -> None:
+        assert isinstance(undo, Path)
+        _layout.restore_from_trash(undo, self._dir(step))
+
+    def make_visible(self, step: int, staged: object) -> None:
+        assert isinstance(staged, Path)
+        os.rename(staged, self._dir(step))
+
+    def sealed(self, step: int, undo: object | None) -> None:
+        if isinstance(undo, Path):
+            _layout.drop_manifest(undo)  # it can no longer be put back: plain trash
+        # The owner record was kept until now, so a crash left a temp directory the sweep finds.
+        (self._dir(step) / _layout.OWNER_NAME).unlink()
+        _layout.fsync_dir(self.root)
+
+    def move_tracker(self, step: int, *, back: bool) -> None:
+        # Forward unless ``back``: the lease and ``make_visible``'s tracker check hold it there.
+        _layout.write_tracker(self.root, step)
+
+    def finish(self, step: int, undo: object | None) -> None:
+        if isinstance(undo, Path):
+            shutil.rmtree(undo, ignore_errors=True)  # what is left is retried by empty_trash
 
 
 def file_problems(

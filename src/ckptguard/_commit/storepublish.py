@@ -3,12 +3,13 @@
 Contract: every rank calls ``publish`` with the same step, whose directory is committed in the staging
 root (its manifest is read and checked as a restore checks it: the store gets a committed step only).
 Rank 0 creates the store's root record and tracker 0 if absent, takes or renews the write lease and
-opens an attempt (an orphan marker of that step, left by a writer killed between marker and tracker,
-is uncommitted first); every rank uploads its own files of the manifest; once every rank reported
-success rank 0 checks the lease is still this job's, creates the marker (with the contract phases of
-the staging root: the chain a restore continues) and moves the tracker forward, then applies the
-retention policy on the store (a failed rotation is a warning, retried at the next publish). Any failure
-raises on every rank; nothing of the step is visible on the store unless its marker was created.
+opens an attempt; every rank uploads its own files of the manifest; once every rank reported success
+rank 0 commits by the root's one rule (``rootcommit``, ``BucketRoot`` here: the lease still this job's, an
+orphan marker of that step, left by a writer killed between marker and tracker, uncommitted, the marker
+created with the contract phases of the staging root, the chain a restore continues, the tracker moved
+forward), then applies the retention policy on the store (a failed rotation is a warning, retried at the
+next publish). Any failure raises on every rank; nothing of the step is visible on the store unless its
+marker was created.
 
 ``replaces`` is the staging side of a kill inside the upload window: a staging root whose tracker is at
 or past the step being saved while the store's is behind it holds a commit the store never made, and
@@ -23,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import _faults
 from .._agree import Agreement, Wire, gather_decide, on_every_rank
 from .._disk import layout as _layout
 from .._disk.layout import MANIFEST_NAME, TRACKER_NAME, read_json
@@ -34,11 +34,12 @@ from .._records.retention import RetentionPolicy, kept
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError, CommitConflictError, ObjectStoreError
 from ..storage.s3 import Marker, ObjectStore, StoredObject, Writer
-from . import storelease
+from . import rootcommit, storelease
 
 __all__ = [
     "BEFORE_MARKER",
     "BEFORE_TRACKER",
+    "BucketRoot",
     "Publisher",
     "begin",
     "commit",
@@ -127,21 +128,81 @@ def replaces(agreement: Agreement, store: ObjectStore, staging: Path, step: int)
     return gather_decide(agreement, "store.replaces", mine, decide, decision=_Replace).replace
 
 
-def begin(store: ObjectStore, step: int, *, replace_orphan: bool = False) -> str:
-    """Open an attempt at ``step`` in the store's temporary area; returns its name. A step at or behind the
-    tracker is refused (never overwritten, never resumable); a marker newer than the tracker (an orphan: its
-    writer died between marker and tracker) is uncommitted first, marker first, by the lease holder only."""
-    tracker, _ = store.tracker()
-    existing = store.marker(step)
-    if existing is not None:
-        if tracker is not None and step <= tracker:
-            raise CommitConflictError(
-                f"step {step} is already committed at {store.where(store.naming.name(step))} (attempt "
-                f"{existing.attempt}, {existing.writer.describe()}); a committed step on an object store is "
-                "never overwritten: save a newer step",
+def begin(store: ObjectStore, step: int) -> str:
+    """Open an attempt at ``step`` in the store's temporary area; returns its name. A committed step, or one
+    behind the tracker, is refused (``rootcommit.admit``: never overwritten on a store, never resumable)."""
+    rootcommit.admit(BucketRoot(store), step)
+    return store.open_attempt(step)
+
+
+def commit(
+    store: ObjectStore,
+    step: int,
+    attempt: str,
+    objects: dict[str, StoredObject],
+    manifest: JsonObject,
+    *,
+    phases: dict[str, JsonObject] | None = None,
+    lease: str | None = None,
+) -> str:
+    """Create the marker (the commit point), then move the tracker forward (``rootcommit.publish``); returns the
+    marker's URL. ``lease``: the holder of the store's write lease, confirmed first; only a holder replaces an
+    orphan marker of ``step`` (a writer killed between marker and tracker)."""
+    marker = Marker(step, attempt, Writer.here(lease), objects, manifest, phases or {})
+    rootcommit.publish(BucketRoot(store, lease), step, marker)
+    return store.where(store.naming.name(step), MANIFEST_NAME)
+
+
+class BucketRoot:
+    """``rootcommit.RootStore`` of an object-store root: a step is committed when its marker object exists and the
+    tracker covers it; the tracker moves by compare-and-set, the marker is created only if absent."""
+
+    BEFORE_VISIBLE: str | None = BEFORE_MARKER
+    BEFORE_TRACKER = BEFORE_TRACKER
+
+    def __init__(self, store: ObjectStore, holder: str | None = None) -> None:
+        self.store, self.holder = store, holder
+        self._attempt: str | None = None
+
+    def tracker(self) -> int | None:
+        return self.store.tracker()[0]
+
+    def visible(self, step: int) -> bool:
+        return self.store.marker(step) is not None
+
+    def refuse(self, why: rootcommit.Refusal, step: int, tracker: int | None) -> Exception:
+        store = self.store
+        if why is rootcommit.Refusal.COMMITTED:
+            found = store.marker(step)
+            whose = f" (attempt {found.attempt}, {found.writer.describe()})" if found else ""
+            return CommitConflictError(
+                f"step {step} is already committed at {store.where(store.naming.name(step))}{whose}; a committed "
+                "step on an object store is never overwritten: save a newer step",
                 step=step,
             )
-        if not replace_orphan:
+        if why is rootcommit.Refusal.BEHIND:
+            return CommitConflictError(
+                f"step {step} is not newer than the tracker ({tracker}) at {store.url}: the tracker never moves "
+                "backwards, so this step could never be resumed; save a step > the tracker",
+                step=step,
+            )
+        return CommitConflictError(
+            f"step {step} at {store.url} is not committed: the tracker moved to step {tracker} while it was uploaded "
+            "(another writer on this root); stop the other writer, then save a newer step",
+            step=step,
+        )
+
+    def confirm_lease(self, step: int) -> None:
+        if self.holder is not None:  # still ours (renewed at begin): a lost lease never commits
+            storelease.check(self.store, self.holder)
+
+    def uncommit(self, step: int) -> None:
+        store = self.store
+        existing = store.marker(step)
+        if existing is None:
+            return None
+        tracker = self.tracker()
+        if self.holder is None:
             raise CommitConflictError(
                 f"step {step} at {store.url} has a marker newer than the tracker ({tracker}): another writer "
                 f"({existing.writer.describe()}) is committing it now or died before moving the tracker; "
@@ -158,80 +219,65 @@ def begin(store: ObjectStore, step: int, *, replace_orphan: bool = False) -> str
             existing.writer.describe(),
             tracker,
         )
+        # Never committed (the tracker never covered it): nothing to put back.
         store.drop_marker(step)
-    elif tracker is not None and step <= tracker:
-        raise CommitConflictError(
-            f"step {step} is not newer than the tracker ({tracker}) at {store.url}: the tracker never moves "
-            "backwards, so this step could never be resumed; save a step > the tracker",
+        return None
+
+    def put_back(self, step: int, undo: object) -> None:
+        raise AssertionError("an object store's uncommit leaves nothing to put back")
+
+    def make_visible(self, step: int, staged: object) -> None:
+        assert isinstance(staged, Marker)
+        self._attempt = staged.attempt
+        # Refused (maybe our own retried request that had landed), or written unconditionally: read it back.
+        if not self.store.create_marker(staged):
+            self._check_won(step)
+
+    def sealed(self, step: int, undo: object | None) -> None:
+        return None
+
+    def move_tracker(self, step: int, *, back: bool) -> None:
+        """The tracker moved to ``step`` by compare-and-set, only forward (``admit`` refused every rollback)."""
+        store = self.store
+        for _ in range(_TRACKER_TRIES):
+            current, etag = store.tracker()
+            if current is not None and current >= step:
+                if current > step:
+                    log.warning(
+                        "ckptguard: %s: the tracker is at %d already; step %d is committed but the tracker "
+                        "stays (it never moves backwards)",
+                        store.url,
+                        current,
+                        step,
+                    )
+                return
+            if store.swap_tracker(step, None if current is None else etag):
+                return
+        raise ObjectStoreError(
+            f"moving the tracker {store.where(TRACKER_NAME)} to step {step}: {_TRACKER_TRIES} conditional writes "
+            f"in a row lost to other writers. Step {step}'s marker is written (the step is an orphan until the "
+            "tracker covers it); two jobs write this root: stop one",
+            bucket=store.url.bucket,
+            key=store.url.key(TRACKER_NAME),
             step=step,
         )
-    return store.open_attempt(step)
 
+    def finish(self, step: int, undo: object | None) -> None:
+        self._check_won(step)  # an orphan replacement racing this commit is reported, never silent
 
-def commit(
-    store: ObjectStore,
-    step: int,
-    attempt: str,
-    objects: dict[str, StoredObject],
-    manifest: JsonObject,
-    *,
-    phases: dict[str, JsonObject] | None = None,
-    lease: str | None = None,
-) -> str:
-    """Create the marker (the commit point), then move the tracker forward; returns the marker's URL."""
-    marker = Marker(step, attempt, Writer.here(lease), objects, manifest, phases or {})
-    _faults.reached(BEFORE_MARKER)
-    if not store.create_marker(
-        marker
-    ):  # refused (maybe our own retry that landed), or unconditional
-        _check_won(store, step, attempt)
-    _faults.reached(BEFORE_TRACKER)
-    _advance(store, step)
-    _check_won(
-        store, step, attempt
-    )  # an orphan replacement racing this commit is reported, never silent
-    return store.where(store.naming.name(step), MANIFEST_NAME)
-
-
-def _check_won(store: ObjectStore, step: int, attempt: str) -> None:
-    # A refused create may be our own retried request that had landed: the marker's attempt decides.
-    found = store.marker(step)
-    if found is not None and found.attempt == attempt:
-        return
-    who = found.writer.describe() if found is not None else "a writer that then deleted it"
-    raise CommitConflictError(
-        f"step {step} at {store.url} was committed by another writer ({who}, attempt "
-        f"{found.attempt if found else '?'}), not by this one (attempt {attempt}): exactly one writer commits a "
-        "step. Two jobs write this root: stop one (the lease should have refused it; see its log)",
-        step=step,
-    )
-
-
-def _advance(store: ObjectStore, step: int) -> None:
-    """The tracker moved to ``step`` by compare-and-set, only forward."""
-    for _ in range(_TRACKER_TRIES):
-        current, etag = store.tracker()
-        if current is not None and current >= step:
-            if current > step:
-                log.warning(
-                    "ckptguard: %s: the tracker is at %d already; step %d is committed but the tracker "
-                    "stays (it never moves backwards)",
-                    store.url,
-                    current,
-                    step,
-                )
+    def _check_won(self, step: int) -> None:
+        # A refused create may be our own retried request that had landed: the marker's attempt decides.
+        store, attempt = self.store, self._attempt
+        found = store.marker(step)
+        if found is not None and found.attempt == attempt:
             return
-        if store.swap_tracker(step, None if current is None else etag):
-            return
-    where = store.where(TRACKER_NAME)
-    raise ObjectStoreError(
-        f"moving the tracker {where} to step {step}: {_TRACKER_TRIES} conditional writes in a row lost to other "
-        f"writers. Step {step}'s marker is written (the step is an orphan until the tracker covers it); two jobs "
-        "write this root: stop one",
-        bucket=store.url.bucket,
-        key=store.url.key(TRACKER_NAME),
-        step=step,
-    )
+        who = found.writer.describe() if found is not None else "a writer that then deleted it"
+        raise CommitConflictError(
+            f"step {step} at {store.url} was committed by another writer ({who}, attempt "
+            f"{found.attempt if found else '?'}), not by this one (attempt {attempt}): exactly one writer "
+            "commits a step. Two jobs write this root: stop one (the lease should have refused it; see its log)",
+            step=step,
+        )
 
 
 def rotate(store: ObjectStore, policy: RetentionPolicy, protect: set[int]) -> list[int]:
@@ -303,7 +349,7 @@ class Publisher:
 
     def _begin(self, step: int, break_lease: bool) -> _Begun:
         hold(self.store, self.holder, break_lease)
-        return _Begun(begin(self.store, step, replace_orphan=True))
+        return _Begun(begin(self.store, step))
 
     def _commit(
         self,
@@ -325,9 +371,6 @@ class Publisher:
                 f"step {step}: no rank uploaded {missing[:5]} ({len(missing)} files of the manifest); the manifest "
                 "names a rank that is not in this group: publish from the job that wrote the step"
             )
-        storelease.check(
-            self.store, self.holder
-        )  # still ours (renewed at begin): a lost lease never commits
         phases = {
             p.name: read_json(p, what="contract phase") for p in _contract.phase_files(self.staging)
         }

@@ -85,7 +85,7 @@ def to_store(
     note = storelease.acquire(store, holder)
     try:
         _same_chain_on_store(store, phases, step_dir)
-        attempt = storepublish.begin(store, manifest.step, replace_orphan=True)
+        attempt = storepublish.begin(store, manifest.step)
         files = [(f.path, step_dir / f.path, f.size) for f in manifest.files]
         total = sum(size for _, _, size in files)
         if progress is not None:
