@@ -4,7 +4,8 @@ The store (``ckptguard.storage.s3.ObjectStore``) gives the primitives: ``lease()
 ``lease.json`` and its ETag, ``put_lease`` writes it by compare-and-set (create if absent, else
 ``If-Match`` on the ETag read) and checks once that the store refuses the same write again. The rule
 of who may write is here, beside the commit that relies on it: the holder renews its own lease; a
-lease whose ``expires_unix`` passed, or whose process on this host is dead, or ``override``
+lease whose holder is gone (``_disk.lease.holder_gone``, the rule of every root's lease: on this host its
+process is dead or its PID runs another program, elsewhere its ``expires_unix`` passed), or ``override``
 (``break_lease=True``), is taken over with a note; any other holder raises ``LeaseHeldError`` naming
 it, when it expires and what to do. Each write is conditional, so two jobs that both judged a lease
 free cannot both take it: one write loses and that job reads the lease again.
@@ -12,10 +13,9 @@ free cannot both take it: one write loses and that job reads the lease again.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 
+from .._disk.lease import holder_gone
 from ..errors import ConditionalWriteUnsupportedError, LeaseHeldError
 from ..storage.s3 import ObjectStore
 from ..storage.s3._objrecords import LEASE, Lease, Writer
@@ -66,29 +66,19 @@ def release(store: ObjectStore, holder: str) -> None:
 def _takeover(
     store: ObjectStore, lease: Lease, holder: str, now: float, override: bool
 ) -> str | None:
-    """None: ``holder``'s own lease; a note: another's lease ``holder`` may take over; else ``LeaseHeldError``."""
+    """None: ``holder``'s own lease; a note: another's lease ``holder`` may take over; else ``LeaseHeldError``.
+    Whether the other holder is gone is the rule every root's lease follows (``_disk.lease.holder_gone``)."""
     if lease.holder == holder:
         return None
-    dead = lease.writer.host == socket.gethostname() and not _alive(lease.writer.pid)
-    if lease.expires_unix < now or dead or override:
-        why = (
-            "expired"
-            if lease.expires_unix < now
-            else ("its process is dead" if dead else "break_lease")
-        )
-        return f"took over the write lease of {lease.holder} ({lease.writer.describe()}; {why})"
+    w = lease.writer
+    why = "break_lease" if override else None
+    if why is None and lease.expires_unix <= 0:
+        why = "released"  # ``release`` marks it so: anyone may take it at once
+    why = why or holder_gone(w.host, w.pid, w.start, expired=lease.expires_unix < now)
+    if why is not None:
+        return f"took over the write lease of {lease.holder} ({w.describe()}; {why})"
     raise LeaseHeldError(
-        f"{store.where(LEASE)} is held by {lease.holder} ({lease.writer.describe()}) until "
+        f"{store.where(LEASE)} is held by {lease.holder} ({w.describe()}) until "
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lease.expires_unix))}: another live job writes "
         f"this root. Stop it, wait for the lease to expire, or pass break_lease=True if it is dead"
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

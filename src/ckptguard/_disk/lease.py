@@ -66,8 +66,22 @@ class Owner:
         return json.dumps(asdict(self)).encode()
 
 
-def _alive_here(owner: Owner) -> bool:
-    return Path(f"/proc/{owner.pid}").exists() and proc_start(owner.pid) == owner.start
+def holder_gone(host: str, pid: int, start: str | None, *, expired: bool) -> str | None:
+    """Why a write lease's holder can no longer write, or None while it may: the one rule of every root's lease
+    (this module's ``lease.json`` and an object store's, ``_commit.storelease``). On this host the process decides,
+    however old the lease: gone once its PID is absent or runs another program (its start time differs; a
+    container restarted gets its PID back); on another host, and for another holder in this very process, the
+    lease's age decides (``expired``)."""
+    if host == socket.gethostname() and pid == os.getpid() and start == proc_start(pid):
+        # This very process (another manager of it): its liveness says nothing of that manager's.
+        return "it expired" if expired else None
+    if host == socket.gethostname():
+        if not Path(f"/proc/{pid}").exists():
+            return "its process is dead"
+        if start is not None and proc_start(pid) != start:
+            return "its process is dead (its PID now runs another program)"
+        return None
+    return "it expired" if expired else None
 
 
 @dataclass(frozen=True)
@@ -164,9 +178,9 @@ def _live(seen: _Seen, *, ttl_s: float) -> bool:
     """Whether the owner of what was seen may still be writing."""
     if seen.owner is None:
         return seen.being_created
-    if seen.owner.host == socket.gethostname():
-        return _alive_here(seen.owner)
-    return time.time() - seen.owner.renewed_unix <= ttl_s
+    owner = seen.owner
+    expired = time.time() - owner.renewed_unix > ttl_s
+    return holder_gone(owner.host, owner.pid, owner.start, expired=expired) is None
 
 
 def _take_over(path: Path, seen: _Seen, me: Owner) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..._disk.layout import PROOF_DIR, parse_json
+from ..._disk.tempfiles import proc_start
 from ..._types import JsonObject
 from ...errors import CheckpointCorruptError
 
@@ -78,26 +79,30 @@ class Writer:
     host: str
     pid: int
     lease: str | None = None
+    # The process's start time: tells it from a later process given its PID (absent in older records).
+    start: str | None = None
 
     @classmethod
     def here(cls, lease: str | None = None) -> Writer:
-        return cls(socket.gethostname(), os.getpid(), lease)
+        return cls(socket.gethostname(), os.getpid(), lease, proc_start(os.getpid()))
 
     @classmethod
     def read(cls, raw: JsonObject, where: str) -> Writer:
         """The ``writer`` field of a record, each part checked (a crafted one is named, never a bare ValueError)."""
         writer = _need(raw, "writer", dict, where)
         host, pid, lease = writer.get("host"), writer.get("pid"), writer.get("lease")
+        start = writer.get("start")
         if (
             not isinstance(host, str)
             or not isinstance(pid, int)
             or isinstance(pid, bool)
             or not (lease is None or isinstance(lease, str))
+            or not (start is None or (isinstance(start, str) and len(start) <= 32))
         ):
             raise CheckpointCorruptError(
                 f"{where}: field 'writer' is {str(writer)[:200]}; the record is damaged or foreign"
             )
-        return cls(host, pid, lease)
+        return cls(host, pid, lease, start)
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}" + (f", lease {self.lease}" if self.lease else "")
