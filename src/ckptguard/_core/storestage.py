@@ -47,7 +47,7 @@ from .._resume.resolve_local import Resolution
 from .._resume.storefetch import fetch_step, resolve
 from .._types import JsonObject
 from ..config import CheckpointConfig, OnBusy, ResumeMode
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, LeaseHeldError
 from ..storage.s3 import ObjectStore, StoreURL
 
 log = logging.getLogger("ckptguard")
@@ -235,7 +235,15 @@ class StoreStage:
     def before_restore(self, break_lease: bool = False) -> None:
         """The store's lease checked on every rank (``LeaseHeldError`` while another live job holds it), and
         this rank's proof log seeded from the store's copy (collective)."""
-        self.check_lease(break_lease)
+        try:
+            self.check_lease(break_lease)
+        except LeaseHeldError as exc:
+            # A reader (an evaluation beside the training job) must never take the writer's lease.
+            raise LeaseHeldError(
+                f"{exc}. To only read one of its steps while it runs, copy the step out first: "
+                f"`ckptguard transfer {self.store.url} DEST_ROOT [--step N]` (or "
+                "ckptguard.ops.storetransfer.from_store), then restore from a CheckpointManager(DEST_ROOT)"
+            ) from exc
         self.claim()
         self.seed_proof()
 
