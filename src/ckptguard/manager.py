@@ -38,7 +38,8 @@ from ._records import contract as _contract
 from ._records import manifest as _manifest
 from ._records import retention
 from ._records import trust as _trust
-from ._records.proofwriter import ExportFingerprint, export_fingerprint, logprob_diff, process_start
+from ._records.exportdigest import ExportFingerprint, export_fingerprint, logprob_diff
+from ._records.proofwriter import process_start
 from ._resume import resolve_agreed as _resolve
 from ._resume import restore as _restore
 from ._resume.resolve_local import Resolution
@@ -412,11 +413,10 @@ class CheckpointManager:
     def record_export(self, step: int, payload: Any, *, scales: Any = None, **details: Any) -> ExportFingerprint:
         """Record the weights exported for rollout at ``step`` (after ``step`` updates).
 
-        ``payload`` is what the rollout receives (tensors or bytes); ``scales`` the
-        quantization scales sent with it. The first export after a restore must equal
-        the export the saving run recorded for the same step. ``details``: JSON fields kept
-        with the record (an integration's per-tensor digests, its read-back gates, the LoRA
-        probe ``integrations.peft.adapter_probe``).
+        ``payload`` is what the rollout receives (tensors or bytes); ``scales`` the quantization scales sent
+        with it. The first export after a restore must equal the export the saving run recorded for the same
+        step. ``details``: JSON fields kept with the record (an integration's per-tensor digests, its
+        read-back gates, the LoRA probe ``integrations.peft.adapter_probe``).
         """
         fp = export_fingerprint(payload, scales)
         self._record("export", step=step, fingerprint=fp, **details)

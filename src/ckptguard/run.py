@@ -62,7 +62,7 @@ from ._disk import layout as _layout
 from ._dist import make_agreement
 from ._records import checks as _checks
 from ._records import trust as _trust
-from ._records.proofwriter import ExportFingerprint
+from ._records.exportdigest import ExportFingerprint
 from ._resume import resolve_agreed as _resolve
 from ._resume.resolve_agreed import ResolveView
 from ._resume.resolve_local import Resolution, resolve_local

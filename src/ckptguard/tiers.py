@@ -60,7 +60,7 @@ from ._disk import layout as _layout
 from ._disk import lease as _lease
 from ._dist import make_agreement
 from ._records import trust as _trust
-from ._records.proofwriter import ExportFingerprint
+from ._records.exportdigest import ExportFingerprint
 from ._records.retention import KeepLast, RetentionPolicy, default_policy
 from ._resume.resolve_local import Resolution
 from ._state.derived import DerivedState

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard._records.proofwriter import ProofLog, export_fingerprint
+from ckptguard._records.exportdigest import export_fingerprint
+from ckptguard._records.proofwriter import ProofLog
 from ckptguard.ops.prove import Outcome, Status, evaluate, outcome
 from ckptguard.testing import run_ranks, values
 

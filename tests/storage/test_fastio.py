@@ -349,7 +349,7 @@ def test_an_item_whose_frame_head_differs_is_parsed_and_read_again(tmp_path, mon
     # The reader guesses an item's layout from ckptguard's own frame and checks the frame's head
     # (what places the bytes) as it arrives; where it differs (another writer, another torch), the
     # guess must not stand. The tail (CRCs, central directory) places nothing and costs no re-read.
-    from ckptguard.storage import _reader
+    from ckptguard.storage import _reader, _spans
 
     state = {
         "a": torch.randn(300, 1000),
@@ -357,7 +357,7 @@ def test_an_item_whose_frame_head_differs_is_parsed_and_read_again(tmp_path, mon
         "small": torch.randn(5),
     }
     StreamingStorage(SMALL).write(tmp_path, state, CTX)
-    real = _reader.item_frame
+    real = _spans.item_frame
 
     def other(shape, dtype):
         frame = real(shape, dtype)
@@ -376,7 +376,7 @@ def test_an_item_whose_frame_head_differs_is_parsed_and_read_again(tmp_path, mon
         parsed["n"] += 1
         return real_record(f, where)
 
-    monkeypatch.setattr(_reader, "item_frame", other)
+    monkeypatch.setattr(_spans, "item_frame", other)
     monkeypatch.setattr(_reader, "read_record", counted)
     out = {k: torch.full_like(v, 7) for k, v in state.items()}
     StreamingStorage(SMALL).read(tmp_path, out, CTX)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .._records.proofwriter import ExportFingerprint
+from .._records.exportdigest import ExportFingerprint
 from .._resume.resolve_local import Resolution
 from .._types import JsonObject
 from ..config import ResumeMode

@@ -18,7 +18,8 @@ from .._commit import pending as _async
 from .._commit.messages import failure_from
 from .._context import Context
 from .._records import runmanifest
-from .._records.proofwriter import ExportFingerprint, ProofLog, export_fingerprint, logprob_diff
+from .._records.exportdigest import ExportFingerprint, export_fingerprint, logprob_diff
+from .._records.proofwriter import ProofLog
 from .._records.trust import HealthLog, HealthPolicy
 from .._resume import resolve_agreed as _resolve
 from .._resume import restore as _restore

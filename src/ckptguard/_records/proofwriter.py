@@ -19,13 +19,12 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .._disk.boxsum import layout_free_partials
-from .._disk.digest import digest
 from .._disk.layout import (
     PROOF_DIR,
     StepNaming,
@@ -76,32 +75,60 @@ class ProofLog:
         # A save_async commits (and prunes, and writes the held records) in a background thread while
         # training appends step records: a record appended between a read and its rewrite would be lost.
         self._lock = threading.Lock()
-        self.watch = ResumeWatch(rank, str(self.path), lambda event, **fields: self.keep(self.build(event, **fields)))
-        self.code: str | None = None  # the run contract's code hash, recorded with saves and restores (prove shows it)
-        self._rng_due = False  # the next step record carries the RNG streams' digests (after a save or restore)
-        self._first_step: Callable[[], JsonObject] | None = None  # fields of the next step record (a restore's)
+        self.watch = ResumeWatch(
+            rank, str(self.path), lambda event, **fields: self.keep(self.build(event, **fields))
+        )
+        self.code: str | None = (
+            None  # the run contract's code hash, recorded with saves and restores (prove shows it)
+        )
+        self._rng_due = (
+            False  # the next step record carries the RNG streams' digests (after a save or restore)
+        )
+        self._first_step: Callable[[], JsonObject] | None = (
+            None  # fields of the next step record (a restore's)
+        )
 
     def build(self, event: str, **fields: Any) -> ProofRecord:
         """The record of ``event`` with the header every record carries; ConfigError for a field that
         would make it unreadable (a ``time`` that is not a number)."""
         if event == "step":  # the thread count splits CPU reductions: prove names a change of it
             fields.setdefault("threads", torch.get_num_threads())
-            if self._rng_due:  # the streams after the first step past a save or restore: prove compares them
+            if (
+                self._rng_due
+            ):  # the streams after the first step past a save or restore: prove compares them
                 self._rng_due = False
                 fields.setdefault("rng", rng_digests())
-            if self._first_step is not None:  # the replicas again, once training ran past the restore
+            if (
+                self._first_step is not None
+            ):  # the replicas again, once training ran past the restore
                 due, self._first_step = self._first_step, None
                 fields.update(_computed(due, self.rank))
-        elif event in ("save", "restore"):  # which code saved, which resumed: prove says when they differ
-            code = {"ckptguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
+        elif event in (
+            "save",
+            "restore",
+        ):  # which code saved, which resumed: prove says when they differ
+            code = {
+                "ckptguard": __version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            }
             fields.setdefault("code", {**code, **({"hash": self.code} if self.code else {})})
             self._rng_due = True
-        raw = {"event": event, "rank": self.rank, "pid": os.getpid(), "host": _HOST, "time": time.time(),
-               "mono": time.monotonic(), **fields}
+        raw = {
+            "event": event,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": _HOST,
+            "time": time.time(),
+            "mono": time.monotonic(),
+            **fields,
+        }
         problem = header_problem(raw)
         if problem:
-            raise ConfigError(f"the {event} proof record of rank {self.rank} for {self.path} would not read back "
-                              f"({problem}): pass what the record_* call names as documented")
+            raise ConfigError(
+                f"the {event} proof record of rank {self.rank} for {self.path} would not read back "
+                f"({problem}): pass what the record_* call names as documented"
+            )
         record = ProofRecord.of(raw)
         self.watch.observe(record)
         return record
@@ -137,11 +164,15 @@ class ProofLog:
             self._write(record, durable)
 
     def _write(self, record: ProofRecord | None, durable: bool) -> None:
-        refuse_link(self.root / PROOF_DIR, "proof directory")  # appending through a link writes outside the root
+        refuse_link(
+            self.root / PROOF_DIR, "proof directory"
+        )  # appending through a link writes outside the root
         refuse_link(self.path.parent, "proof directory")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         held = [*self._head, *self._held]
-        lines = [json.dumps(r.raw, sort_keys=True) + "\n" for r in (*held, *([record] if record else []))]
+        lines = [
+            json.dumps(r.raw, sort_keys=True) + "\n" for r in (*held, *([record] if record else []))
+        ]
         if not self._tail_checked:
             # A process killed mid-append leaves a torn last line: end it, so our records start on their own.
             self._tail_checked = True
@@ -160,8 +191,14 @@ class ProofLog:
         with _HOLDING_LOCK:
             _HOLDING.discard(self)
         if self.dropped:
-            log.warning("ckptguard: %d proof records made before %s existed were dropped (the first %d and the "
-                        "newest %d were held)", self.dropped, self.root, self.HELD_HEAD, self.HELD_MAX)
+            log.warning(
+                "ckptguard: %d proof records made before %s existed were dropped (the first %d and the "
+                "newest %d were held)",
+                self.dropped,
+                self.root,
+                self.HELD_HEAD,
+                self.HELD_MAX,
+            )
             self.dropped = 0
 
     def write_held(self) -> None:
@@ -172,8 +209,12 @@ class ProofLog:
             try:
                 self._write(None, durable=True)
             except (OSError, UnsafeCheckpointError) as exc:
-                log.warning("ckptguard: could not write %d held proof records to %s (%s)", self.held, self.path,
-                            exc)
+                log.warning(
+                    "ckptguard: could not write %d held proof records to %s (%s)",
+                    self.held,
+                    self.path,
+                    exc,
+                )
 
     def append(self, event: str, **fields: Any) -> None:
         self.write(self.build(event, **fields))
@@ -182,14 +223,20 @@ class ProofLog:
         """Write ``record`` (after the held ones), or hold it while the root does not exist; never raises:
         a read-only or full root, or a symlinked proof/, is logged and training goes on."""
         with self._lock:
-            if not self.root.is_dir():  # a record never creates the root: a mistyped path must stay visible
+            if (
+                not self.root.is_dir()
+            ):  # a record never creates the root: a mistyped path must stay visible
                 self._hold(record)
                 return
         try:
             self.write(record, durable=durable)
         except (OSError, UnsafeCheckpointError) as exc:
-            log.warning("ckptguard: could not append the %s proof record to %s (%s)", record.event, self.path,
-                        exc)
+            log.warning(
+                "ckptguard: could not append the %s proof record to %s (%s)",
+                record.event,
+                self.path,
+                exc,
+            )
 
     PRUNE_BYTES = 8 << 20
     """A records file smaller than this is never rewritten (the rewrite reads the whole file)."""
@@ -212,10 +259,14 @@ class ProofLog:
             if not steps:
                 return 0
             refuse_link(self.path.parent, "proof directory")
-            lines = read_small(self.path, limit=PROOF_BYTES, what="proof records").splitlines(keepends=True)
+            lines = read_small(self.path, limit=PROOF_BYTES, what="proof records").splitlines(
+                keepends=True
+            )
             drop = prunable([_parsed(line) for line in lines], min(steps))
             gone = sum(b - a for a, b in drop)
-            self._pruned_to = self.path.stat().st_size  # also when nothing goes: no re-read at every save
+            self._pruned_to = (
+                self.path.stat().st_size
+            )  # also when nothing goes: no re-read at every save
             if not gone:
                 return 0
             dropped = {i for a, b in drop for i in range(a, b)}
@@ -225,9 +276,18 @@ class ProofLog:
             atomic_write_bytes(self.path, kept)
             self._pruned_to = len(kept)
         except (OSError, ValueError, CheckpointCorruptError) as exc:
-            log.warning("ckptguard: could not prune the proof records %s (%s); they are kept whole", self.path, exc)
+            log.warning(
+                "ckptguard: could not prune the proof records %s (%s); they are kept whole",
+                self.path,
+                exc,
+            )
             return 0
-        log.info("ckptguard: pruned %d proof records of %s older than step %d's save", gone, self.path, min(steps))
+        log.info(
+            "ckptguard: pruned %d proof records of %s older than step %d's save",
+            gone,
+            self.path,
+            min(steps),
+        )
         return gone
 
 
@@ -235,8 +295,13 @@ def _computed(due: Callable[[], JsonObject], rank: int) -> JsonObject:
     try:
         return due()
     except Exception as exc:  # a record never stops training: it says why its digests are absent
-        log.warning("ckptguard: rank %d: the replica digests of the first step after the restore were not "
-                    "recorded (%s: %s)", rank, type(exc).__name__, exc)
+        log.warning(
+            "ckptguard: rank %d: the replica digests of the first step after the restore were not "
+            "recorded (%s: %s)",
+            rank,
+            type(exc).__name__,
+            exc,
+        )
         return {"replicas_error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
@@ -285,7 +350,9 @@ def write_held() -> None:
     (prove's "all PIDs changed" finds the process that trained the saved step)."""
     with _HOLDING_LOCK:
         logs = list(_HOLDING)
-    for plog in logs:  # each its own lock, never under _HOLDING_LOCK (a hold takes them the other way)
+    for (
+        plog
+    ) in logs:  # each its own lock, never under _HOLDING_LOCK (a hold takes them the other way)
         plog.write_held()
 
 
@@ -296,7 +363,9 @@ def process_start() -> float | None:
     None where it cannot be read."""
     try:
         stat = Path("/proc/self/stat").read_text()
-        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime (after the command name)
+        ticks = int(
+            stat[stat.rindex(")") + 2 :].split()[19]
+        )  # field 22, starttime (after the command name)
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
         return time.time() - age
     except (OSError, ValueError, IndexError, AttributeError):
@@ -310,7 +379,9 @@ def _parsed(line: bytes) -> ProofRecord | None:
         return None  # a torn line (or not a record): kept where it is, unless in a dropped range
 
 
-Records = Sequence[ProofRecord | None]  # one rank's file, line by line; None where a line is not a record
+Records = Sequence[
+    ProofRecord | None
+]  # one rank's file, line by line; None where a line is not a record
 
 
 def _step(rec: ProofRecord | None) -> int | None:
@@ -318,7 +389,10 @@ def _step(rec: ProofRecord | None) -> int | None:
 
 
 def _last_save(recs: Records, step: int, before: int) -> int | None:
-    return next((i for i in range(before - 1, -1, -1) if _is(recs[i], "save") and _step(recs[i]) == step), None)
+    return next(
+        (i for i in range(before - 1, -1, -1) if _is(recs[i], "save") and _step(recs[i]) == step),
+        None,
+    )
 
 
 def _is(rec: ProofRecord | None, event: str) -> bool:
@@ -346,7 +420,9 @@ def prunable(recs: Records, oldest: int) -> list[tuple[int, int]]:
     keep_from = _window(recs, save)
     restore = next((i for i in range(len(recs) - 1, -1, -1) if _is(recs[i], "restore")), None)
     if restore is None or restore >= keep_from:
-        if restore is not None and (k := _step(recs[restore])):  # its save may precede oldest's (a rerun)
+        if restore is not None and (
+            k := _step(recs[restore])
+        ):  # its save may precede oldest's (a rerun)
             own = _last_save(recs, k, restore)
             if own is None:
                 return []
@@ -362,8 +438,15 @@ def prunable(recs: Records, oldest: int) -> list[tuple[int, int]]:
             return []
         start = _window(recs, own)
         saver = recs[own].pid  # type: ignore[union-attr]  # _last_save found a save record there
-        killed = [s for r in recs[own + 1 : restore] if r is not None and r.event == "step" and r.pid == saver
-                  and (s := r.step) is not None and s > k]
+        killed = [
+            s
+            for r in recs[own + 1 : restore]
+            if r is not None
+            and r.event == "step"
+            and r.pid == saver
+            and (s := r.step) is not None
+            and s > k
+        ]
         last_killed = max(killed, default=k)
     else:
         start, last_killed = restore, 0  # a fresh start reads nothing before it
@@ -382,48 +465,3 @@ def prunable(recs: Records, oldest: int) -> list[tuple[int, int]]:
     if end + 1 < keep_from:
         out.append((end + 1, keep_from))
     return out
-
-
-class _Fingerprint(TypedDict):
-    bytes: str  # digest of the exported payload (of its tensors' digests, for a mapping of tensors)
-    scales: str  # digest of the quantization scales sent with it, "none" without
-
-
-class ExportFingerprint(_Fingerprint, total=False):
-    """What ``record_export`` records and returns: ``tensors`` only for a payload that maps names to tensors."""
-
-    tensors: dict[str, str]  # each tensor's digest, by name
-
-
-def export_fingerprint(payload: Any, scales: Any = None) -> ExportFingerprint:
-    """Digests of exported bytes and of the quantization scales that go with them. A payload that is a
-    mapping of tensors also keeps each tensor's digest (``tensors``), so ``prove`` names the tensors a
-    first export after a restore differs in; its ``bytes`` is then the digest of those digests (each
-    tensor read once)."""
-    tensors = _tensor_digests(payload)
-    whole = digest(sorted(tensors.items())) if tensors is not None else digest(payload)
-    out = ExportFingerprint(bytes=whole, scales=digest(scales) if scales is not None else "none")
-    if tensors is not None:
-        out["tensors"] = tensors
-    return out
-
-
-def _tensor_digests(payload: Any) -> dict[str, str] | None:
-    if not isinstance(payload, Mapping) or not payload:
-        return None
-    if not all(isinstance(v, torch.Tensor) for v in payload.values()):
-        return None
-    return {str(name): digest(t) for name, t in payload.items()}
-
-
-def logprob_diff(trainer: torch.Tensor, rollout: torch.Tensor) -> dict[str, float]:
-    """Max absolute difference of logprobs and of probabilities (probs_diff)."""
-    a, b = trainer.detach().double().cpu(), rollout.detach().double().cpu()
-    if a.shape != b.shape:
-        raise ConfigError(f"record_logprobs: shapes differ, trainer {tuple(a.shape)} vs rollout {tuple(b.shape)}")
-    return {
-        "max_abs_logprob_diff": float((a - b).abs().max()) if a.numel() else 0.0,
-        "probs_diff": float((a.exp() - b.exp()).abs().max()) if a.numel() else 0.0,
-        "tokens": int(a.numel()),
-    }
-

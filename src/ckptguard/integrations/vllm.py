@@ -69,7 +69,7 @@ import xxhash
 
 from .._disk.boxsum import combine_layout_free, layout_free_partials
 from .._disk.digest import digest
-from .._records.proofwriter import ExportFingerprint
+from .._records.exportdigest import ExportFingerprint
 from ..errors import ConfigError, StateMismatchError
 from ..manager import CheckpointManager
 from . import peft as _peft

@@ -48,20 +48,18 @@ from ..errors import (
     StorageStallError,
     UnsafeCheckpointError,
 )
-from ._format import FileSlice, Frame, Record, item_frame, read_record
+from ._format import FileSlice, read_record
 from ._pool import BufferPool, IOStats, drop_cached, halt_reads_ahead, read_scattered
 from ._spans import (
     ALIGN,
-    MAX_PIECES,
-    MERGE_GAP,
     SMALL_ITEM,
     Piece,
     Span,
     check_box,
     check_record,
-    chunk_of,
-    contiguous,
     file_blocks,
+    group_spans,
+    guess_frame,
     reopen,
     stretches,
     views,
@@ -73,7 +71,9 @@ log = logging.getLogger("ckptguard")
 class ItemReader:
     """Reads one rank's share of a DCP checkpoint into the planner's tensors."""
 
-    def __init__(self, pool: BufferPool, stats: IOStats, *, drop_cache: bool, threads: int = 1) -> None:
+    def __init__(
+        self, pool: BufferPool, stats: IOStats, *, drop_cache: bool, threads: int = 1
+    ) -> None:
         self._pool, self._stats, self._drop = pool, stats, drop_cache
         self._threads = max(1, threads)
         self._lock = threading.Lock()
@@ -83,10 +83,17 @@ class ItemReader:
         self._failed_checks: set[int] = set()
         self._threads_run: list[threading.Thread] = []
         self._stalled = False
-        self._reading: dict[str, tuple[str, int]] = {}  # thread name -> (file, offset) of the read it is in
+        self._reading: dict[
+            str, tuple[str, int]
+        ] = {}  # thread name -> (file, offset) of the read it is in
 
     def read(
-        self, state_dir: Path, items: list[Any], storage_data: dict[Any, Any], planner: Any, metadata: Any = None
+        self,
+        state_dir: Path,
+        items: list[Any],
+        storage_data: dict[Any, Any],
+        planner: Any,
+        metadata: Any = None,
     ) -> None:
         fds: dict[str, int] = {}
         self._error, self._threads_run, self._stalled = None, [], False
@@ -95,20 +102,29 @@ class ItemReader:
         try:
             ordered = sorted(
                 items,
-                key=lambda r: (storage_data[r.storage_index].relative_path, storage_data[r.storage_index].offset),
+                key=lambda r: (
+                    storage_data[r.storage_index].relative_path,
+                    storage_data[r.storage_index].offset,
+                ),
             )
-            dests: dict[int, torch.Tensor] = {}  # each item's target, resolved once (a planner may stage it)
+            dests: dict[
+                int, torch.Tensor
+            ] = {}  # each item's target, resolved once (a planner may stage it)
             pieces = self._plan(state_dir, ordered, storage_data, planner, fds, metadata, dests)
-            halt_reads_ahead(state_dir)  # from here the threads below read; they drop what they read
-            self._run(self._spans(pieces))
+            halt_reads_ahead(
+                state_dir
+            )  # from here the threads below read; they drop what they read
+            self._run(group_spans(pieces, self._pool.size))
             if self._failed_checks:
                 # Items whose head is not ckptguard's frame (a strided view by plain dcp.save, another
                 # torch's writer): parse their archives and read them again over what the guess wrote.
                 again = set(self._failed_checks)
                 self._failed_checks.clear()
                 self._cancel.clear()
-                redo = self._plan(state_dir, ordered, storage_data, planner, fds, None, dests, only=again)
-                self._run(self._spans(redo))
+                redo = self._plan(
+                    state_dir, ordered, storage_data, planner, fds, None, dests, only=again
+                )
+                self._run(group_spans(redo, self._pool.size))
             for n, req in enumerate(ordered):
                 planner.commit_tensor(req, dests[n])
         finally:
@@ -116,8 +132,13 @@ class ItemReader:
             if stuck:
                 # A thread still blocked in a read of a hung filesystem: closing its descriptor now would let
                 # the number be reused under it. The descriptors stay open (a few per load, named here).
-                log.warning("ckptguard: read threads %s still blocked in the storage; %d data file descriptor(s) "
-                            "left open for them: %s", stuck, len(fds), sorted(fds))
+                log.warning(
+                    "ckptguard: read threads %s still blocked in the storage; %d data file descriptor(s) "
+                    "left open for them: %s",
+                    stuck,
+                    len(fds),
+                    sorted(fds),
+                )
             else:
                 for fd in fds.values():
                     # Each span dropped its own pages; this catches the readahead past the last span and the
@@ -188,66 +209,53 @@ class ItemReader:
                 dests[n] = planner.resolve_tensor(req).detach()
             dest = dests[n]
             if tuple(dest.shape) != tuple(req.lengths):
-                raise StateMismatchError(f"{where}: target shape {tuple(dest.shape)} != requested {tuple(req.lengths)}")
-            if info.length <= min(SMALL_ITEM, limit_bytes):  # read whole, in one buffer with its neighbours
-                pieces.append((fd, path, Piece(info.offset, info.length, "small", n, dest=dest, req=req, where=where)))
+                raise StateMismatchError(
+                    f"{where}: target shape {tuple(dest.shape)} != requested {tuple(req.lengths)}"
+                )
+            if info.length <= min(
+                SMALL_ITEM, limit_bytes
+            ):  # read whole, in one buffer with its neighbours
+                pieces.append(
+                    (
+                        fd,
+                        path,
+                        Piece(
+                            info.offset, info.length, "small", n, dest=dest, req=req, where=where
+                        ),
+                    )
+                )
                 continue
-            guess = self._guess(metadata, req, info)
+            guess = guess_frame(metadata, req, info, limit_bytes)
             if guess is not None:
                 rec, frame = guess
-                pieces.append((fd, path, Piece(info.offset, len(frame.head), "check", n, expected=frame.head)))
+                pieces.append(
+                    (fd, path, Piece(info.offset, len(frame.head), "check", n, expected=frame.head))
+                )
             else:
                 rec = read_record(FileSlice(fd, info.offset, info.length, path), where)
                 check_record(rec, info.length, where)
                 check_box(rec.size, rec.stride, req, where)
-            offset = rec.storage_offset + sum(o * s for o, s in zip(req.storage_offsets, rec.stride, strict=True))
+            offset = rec.storage_offset + sum(
+                o * s for o, s in zip(req.storage_offsets, rec.stride, strict=True)
+            )
             item_pos = info.offset + rec.data_offset
             isz = rec.dtype.itemsize
             for first, extent, size, stride, view in file_blocks(
                 tuple(req.lengths), rec.stride, offset, dest, limit_bytes // isz
             ):
-                piece = Piece(item_pos + first * isz, extent * isz, "copy", n, dest=view, dtype=rec.dtype,
-                               size=size, stride=stride, rec=rec)
+                piece = Piece(
+                    item_pos + first * isz,
+                    extent * isz,
+                    "copy",
+                    n,
+                    dest=view,
+                    dtype=rec.dtype,
+                    size=size,
+                    stride=stride,
+                    rec=rec,
+                )
                 pieces.append((fd, path, piece))
         return pieces
-
-    def _guess(self, metadata: Any, req: Any, info: Any) -> tuple[Record, Frame] | None:
-        """The record ckptguard's writer gives this item, if its length is that frame's; else None."""
-        found = chunk_of(metadata, req.storage_index)
-        if found is None:
-            return None
-        entry, chunk = found
-        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
-        if not isinstance(dtype, torch.dtype):
-            return None
-        size = tuple(int(x) for x in chunk.sizes)
-        frame = item_frame(size, dtype)
-        if frame.size != info.length or len(frame.head) > self._pool.size - ALIGN:
-            return None
-        rec = Record(data_offset=len(frame.head), dtype=dtype, storage_offset=0, size=size, stride=contiguous(size))
-        try:
-            check_box(rec.size, rec.stride, req, "")
-        except CheckpointCorruptError:
-            return None  # the parsed record decides, and names the item
-        return rec, frame
-
-    def _spans(self, pieces: list[tuple[int, str, Piece]]) -> list[Span]:
-        """Neighbouring pieces of one file grouped into spans that fit one buffer each."""
-        spans: list[Span] = []
-        cur: Span | None = None
-        for fd, path, piece in pieces:
-            end = piece.pos + piece.nbytes
-            if cur is not None and cur.fd == fd and cur.end <= piece.pos <= cur.end + MERGE_GAP \
-                    and len(cur.pieces) < MAX_PIECES:
-                gap = piece.pos - cur.end
-                place = -(-(cur.used + gap) // ALIGN) * ALIGN
-                if place + piece.nbytes <= self._pool.size:
-                    cur.pieces.append((piece, place))
-                    cur.used, cur.end = place + piece.nbytes, end
-                    continue
-            cur = Span(fd, path, piece.pos, end, [(piece, 0)], piece.nbytes)
-            spans.append(cur)
-        return spans
 
     def _copy_small(self, data: bytearray, piece: Piece) -> None:
         rec = read_record(io.BytesIO(data), piece.where)
@@ -276,8 +284,12 @@ class ItemReader:
         # than one thread (benchmarks/results/read_h200.md).
         count = min(self._threads, len(spans), max(1, self._pool.count - 1))
         threads = [
-            threading.Thread(target=self._prefetch, args=(part, ready, count > 1), name=f"ckptguard-read-{i}",
-                             daemon=True)
+            threading.Thread(
+                target=self._prefetch,
+                args=(part, ready, count > 1),
+                name=f"ckptguard-read-{i}",
+                daemon=True,
+            )
             for i, part in enumerate(stretches(spans, count))
         ]
         count = len(threads)
@@ -297,11 +309,15 @@ class ItemReader:
                 try:
                     self._deliver(span, buf, events)
                 finally:
-                    if events:  # also when a later piece raised: the copies queued still read this buffer
+                    if (
+                        events
+                    ):  # also when a later piece raised: the copies queued still read this buffer
                         pending.append((events, buf))
                     else:
                         self._pool.put(buf)
-                while len(pending) > 1:  # one span's H2D in flight; the prefetch threads keep the rest
+                while (
+                    len(pending) > 1
+                ):  # one span's H2D in flight; the prefetch threads keep the rest
                     self._release(*pending.popleft())
             while pending:
                 self._release(*pending.popleft())
@@ -314,7 +330,9 @@ class ItemReader:
             deadline = time.monotonic() + grace
             for thread in threads:
                 while thread.is_alive() and time.monotonic() < deadline:
-                    self._drain(ready)  # a thread waiting for a buffer gets one back, then sees the cancel
+                    self._drain(
+                        ready
+                    )  # a thread waiting for a buffer gets one back, then sees the cancel
                     thread.join(timeout=0.05)
             self._drain(ready)
             for device, stream in self._streams.items():
@@ -396,7 +414,9 @@ class ItemReader:
             if got is not None:
                 self._pool.put(got[1])
 
-    def _prefetch(self, spans: list[Span], ready: queue.Queue[tuple[Span, Any] | None], own: bool) -> None:
+    def _prefetch(
+        self, spans: list[Span], ready: queue.Queue[tuple[Span, Any] | None], own: bool
+    ) -> None:
         mine: dict[int, int] = {}
         try:
             for span in spans:
@@ -420,7 +440,9 @@ class ItemReader:
                     with self._lock:
                         self._reading.pop(threading.current_thread().name, None)
                 if self._drop:
-                    drop_cached(fd, span.pos, span.end - span.pos)  # in our buffer now: no page cache kept
+                    drop_cached(
+                        fd, span.pos, span.end - span.pos
+                    )  # in our buffer now: no page cache kept
                 with self._lock:
                     self._stats.io_seconds += time.perf_counter() - t0
                     self._stats.bytes += span.end - span.pos
@@ -434,5 +456,3 @@ class ItemReader:
                 if fd != shared:
                     os.close(fd)
             ready.put(None)
-
-

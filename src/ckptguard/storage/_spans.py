@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError
-from ._format import Record
+from ._format import Frame, Record, item_frame
 
 SMALL_ITEM = 64 << 10  # items up to this size are read whole and parsed from the span's bytes
 
@@ -206,3 +206,50 @@ def check_box(size: tuple[int, ...], stride: tuple[int, ...], req: Any, where: s
             raise CheckpointCorruptError(
                 f"{where}: saved tensor has stride {list(stride)}; expected positive strides"
             )
+
+
+def guess_frame(metadata: Any, req: Any, info: Any, limit: int) -> tuple[Record, Frame] | None:
+    """The record ckptguard's writer gives this item, if its length is that frame's and its head fits ``limit``
+    bytes; else None (the item's own record is then read and checked)."""
+    found = chunk_of(metadata, req.storage_index)
+    if found is None:
+        return None
+    entry, chunk = found
+    dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    size = tuple(int(x) for x in chunk.sizes)
+    frame = item_frame(size, dtype)
+    if frame.size != info.length or len(frame.head) > limit:
+        return None
+    rec = Record(
+        data_offset=len(frame.head),
+        dtype=dtype,
+        storage_offset=0,
+        size=size,
+        stride=contiguous(size),
+    )
+    try:
+        check_box(rec.size, rec.stride, req, "")
+    except CheckpointCorruptError:
+        return None  # the parsed record decides, and names the item
+    return rec, frame
+
+
+def group_spans(pieces: list[tuple[int, str, Piece]], buffer_bytes: int) -> list[Span]:
+    """Neighbouring pieces of one file grouped into spans that fit one buffer (``buffer_bytes``) each."""
+    spans: list[Span] = []
+    cur: Span | None = None
+    for fd, path, piece in pieces:
+        end = piece.pos + piece.nbytes
+        near = cur is not None and cur.fd == fd and cur.end <= piece.pos <= cur.end + MERGE_GAP
+        if cur is not None and near and len(cur.pieces) < MAX_PIECES:
+            gap = piece.pos - cur.end
+            place = -(-(cur.used + gap) // ALIGN) * ALIGN
+            if place + piece.nbytes <= buffer_bytes:
+                cur.pieces.append((piece, place))
+                cur.used, cur.end = place + piece.nbytes, end
+                continue
+        cur = Span(fd, path, piece.pos, end, [(piece, 0)], piece.nbytes)
+        spans.append(cur)
+    return spans
