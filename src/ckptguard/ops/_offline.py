@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .._disk import layout as _layout
-from .._disk.boxsum import box_sum, combine_layout_free
+from .._disk.boxmerge import combine_layout_free
+from .._disk.boxsum import box_sum
 from .._disk.digest import (
     STRUCTURE_SEED,
     digest,
