@@ -28,7 +28,8 @@ from . import manifest as _manifest
 from . import runmanifest
 from .entries import Cost, FileEntry
 from .findings import RESTORE_HINT, Finding, Severity, finding
-from .manifest import node_part, safe_member
+from .manifest import safe_member
+from .nodemanifest import node_part
 from .runmanifest import RunManifest
 
 _ALLOWED_EXTRA = {_layout.MANIFEST_NAME}

@@ -46,6 +46,7 @@ from .._disk.digest import (
     update_with_tensor,
 )
 from .._records import manifest as _manifest
+from .._records import nodemanifest as _nodemanifest
 from .._state.state import TENSOR_REF, ItemKind
 from ..errors import CheckpointCorruptError
 from ..storage._pool import IOStats
@@ -290,7 +291,7 @@ def recompute(
     if (
         manifest.nodes
     ):  # node-local roots: this disk holds its node's ranks' part (its node manifest says which)
-        node = _manifest.read_node(step_dir)
+        node = _nodemanifest.read_node(step_dir)
         ranks = sorted(manifest.nodes[node.node].ranks) if node is not None else []
         result["elsewhere"] = [r for r in range(world) if r not in ranks]
     for rank in ranks:
