@@ -21,7 +21,7 @@ from ._version import __version__
 if (
     _typing.TYPE_CHECKING
 ):  # the names, for type checkers and the import graph; bound on first use below
-    from ._commit.pending import PendingSave
+    from ._commit.savehandle import PendingSave
     from ._core.door import Checkpointer, PendingCommit
     from ._core.roles import Role
     from ._core.tierrestore import Tier
@@ -145,7 +145,7 @@ _WHERE = {
     "StorageOptions": ".config",
     "SaveBudgetError": ".errors",
     "ParallelLayout": ".config",
-    "PendingSave": "._commit.pending",
+    "PendingSave": "._commit.savehandle",
     "PerRank": "._state.state",
     "PinnedMemoryUnavailableError": ".errors",
     "Preempted": ".preempt",

@@ -25,7 +25,7 @@ from ._commit import protocol as _commit
 from ._commit.budget import BudgetRound
 from ._commit.busy import BusyRound, check_policy
 from ._commit.coalesce import Queued, SaveQueue
-from ._commit.pending import PendingSave
+from ._commit.savehandle import PendingSave, committer
 from ._commit.snapshot import snapshot
 from ._context import NO_ACTIONS, Actions, Context
 from ._core.guard import GuardTarget, recorded_save_seconds
@@ -285,7 +285,7 @@ class CheckpointManager:
         start = time.monotonic()
         snap, fence = _async.staged_snapshot(self._ctx, self._staging, step, state, actions,
                                              (busy or self.busy).pending_cost)
-        return _async.committer(self._commit_snap, snap, start, self._staging.pool, measure), fence, start
+        return committer(self._commit_snap, snap, start, self._staging.pool, measure), fence, start
 
     def _commit_snap(self, snap: Any, start: float, blocked_s: float, measure: bool = False) -> Path:
         with self.core.proof.divergence(snap.step):  # save_async's divergence guard runs in its commit

@@ -1,12 +1,11 @@
 """RunCheckpoint: every role of one run (actor, critic, ref, driver, ...) committed as one step.
 
-An RL run is several models and a driver, each on its own ranks (colocated or disaggregated).
-Saved by separate managers, a half-written step (the actor's files, not the critic's) could be
-picked as the latest. Here every role's part is written by the single-role commit protocol
-into one run temp directory, the role's ranks confirming its part (its manifest); then every
-rank of the run reports, and rank 0 writes the run manifest listing every role (written last),
-renames the directory to the step name and moves the one tracker. A crash anywhere before that
-leaves the previous step as the resume target; a step missing a role is never restored.
+An RL run is several models and a driver, each on its own ranks (colocated or disaggregated). Saved by separate
+managers, a half-written step (the actor's files, not the critic's) could be picked as the latest. Here every
+role's part is written by the single-role commit protocol into one run temp directory, the role's ranks
+confirming its part (its manifest); then every rank of the run reports, and rank 0 writes the run manifest
+listing every role (written last), renames the directory to the step name and moves the one tracker. A crash
+anywhere before that leaves the previous step as the resume target; a step missing a role is never restored.
 On-disk form: ``_records.runmanifest`` (each role's part is a step directory that plain DCP reads).
 
 As a CheckpointManager: healthy steps only (one verdict over every rank of every role), one trust
@@ -42,6 +41,7 @@ from ._commit import protocol as _commit
 from ._commit.busy import BusyRound, check_policy, may_start
 from ._commit.messages import Outcome, raise_if_failed
 from ._commit.publish_run import RunReport, check_shared_root, node_local_message, publish_run_step
+from ._commit.savehandle import PendingSave
 from ._commit.snapshot import Snapshot, snapshot
 from ._context import Actions, Context
 from ._core.guard import GuardTarget, recorded_run_save_seconds
@@ -142,7 +142,7 @@ class RunCheckpoint:
             role_ranks[role.name] = agreement.info.rank
         self._proofs = RoleProofs.open(self.root, role_ranks, self.config, rank=me)
         self._shared_root = world == 1  # a run commits on one shared root only: probed at the first save
-        self._pending: _async.PendingSave | None = None
+        self._pending: PendingSave | None = None
         self._staging: dict[str, _async.AsyncStaging] = {}  # save_async: one host pool per role this rank holds
         self._budget: tuple[int, str] | None = None
         # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
@@ -258,7 +258,7 @@ class RunCheckpoint:
         *,
         healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
         overwrite: bool = False, break_lease: bool = False,
-    ) -> _async.PendingSave | None:
+    ) -> PendingSave | None:
         """Snapshot every role's state now and commit run step ``step`` in the background, as
         ``CheckpointManager.save_async`` does for one state: the copies go to spare GPU memory or to
         a pinned host pool per role (this rank's host budget split between the roles it holds), the
@@ -303,8 +303,8 @@ class RunCheckpoint:
                     pool.done()
 
         # The fence PendingSave and staged() use: host_wait, live_read, before_mutation, waited_s (duck-typed).
-        self._pending = _async.PendingSave(step, run, resumed - started, fence=cast(Fence, Fences(fences)),
-                                           started=started, cleanup=lambda: self._cleanup_after(step))
+        self._pending = PendingSave(step, run, resumed - started, fence=cast(Fence, Fences(fences)),
+                                    started=started, cleanup=lambda: self._cleanup_after(step))
         return self._pending
 
     def staged(self) -> float:

@@ -43,7 +43,8 @@ from ..config import CheckpointConfig, OnBusy
 from ..storage._staging import Fence, HostCopier, StagingPool, copier_for, slot_view
 from ..storage._writer import exact
 from .busy import BusyDecision, BusyRound, InFlight, may_start, settle
-from .pending import AsyncStaging, PendingSave, Staged, committer, nbytes, rewrap
+from .pending import AsyncStaging, Staged, nbytes, rewrap
+from .savehandle import PendingSave, committer
 from .snapshot import Snapshot, snapshot
 
 T = TypeVar("T")

@@ -23,20 +23,17 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._context import Actions, Context
-from .._priority import lower_this_thread
 from .._records.entries import Figure
 from .._state.state import Captured, KeyFn
 from .._types import StateDict
 from ..config import CheckpointConfig
-from ..errors import SaveStillRunningError
 from ..memory.budget import host_budget, local_ranks
 from ..storage._staging import Fence, HostCopier, StagingPool, copier_for, slot_view
 from ..storage._writer import exact
@@ -44,7 +41,9 @@ from .ahead import Ahead
 from .snapshot import Snapshot, snapshot
 
 log = logging.getLogger("ckptguard")
-PREPARE_PATIENCE_S = 120  # a preparation this old (a hung pin) no longer holds save_async back (busy.may_start)
+PREPARE_PATIENCE_S = (
+    120  # a preparation this old (a hung pin) no longer holds save_async back (busy.may_start)
+)
 SMALL_GROW = 64 << 20  # what a save may pin on its thread (ms): a prepared pool's few missing bytes
 
 
@@ -63,9 +62,11 @@ def rewrap(staged: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     if not hasattr(t, "to_local"):
         return staged
 
-    # t is a DTensor (it has to_local); the stub types it as a plain Tensor.
-    return DTensor.from_local(staged, t.device_mesh, t.placements, run_check=False,  # type: ignore[attr-defined]
-                              shape=t.shape, stride=t.stride())
+    dt = cast(DTensor, t)  # a DTensor (it has to_local); the stub types it as a plain Tensor
+    mesh, placements = dt.device_mesh, dt.placements
+    return DTensor.from_local(
+        staged, mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 @dataclass
@@ -93,7 +94,13 @@ class Staged:
 
 
 def stage(
-    snap: Snapshot, *, gpu_bytes: int, host_bytes: int, pool: StagingPool | None, timeout_s: float, grow: int = 0
+    snap: Snapshot,
+    *,
+    gpu_bytes: int,
+    host_bytes: int,
+    pool: StagingPool | None,
+    timeout_s: float,
+    grow: int = 0,
 ) -> Staged:
     """Make the snapshot independent of the live tensors, within the byte budgets.
 
@@ -159,7 +166,9 @@ class AsyncStaging:
         self.budget: int | None = None
         self.budget_why = ""
         self.preparing: Future[int] | None = None
-        self._preparing_bytes = 0  # what the preparation in flight grows the pool to (before the budget)
+        self._preparing_bytes = (
+            0  # what the preparation in flight grows the pool to (before the budget)
+        )
         self._preparing_since, self._patience_said = 0.0, False
         self._handles: list[Any] = []
         self.ahead = Ahead()
@@ -168,29 +177,43 @@ class AsyncStaging:
         """Bytes the staging being prepared in the background still lacks (0: none being prepared, or a
         preparation past ``PREPARE_PATIENCE_S``: saves then read live rather than be skipped without end)."""
         pool = self.pool
-        if pool is None or not (pool.growing or (self.preparing is not None and not self.preparing.done())):
+        if pool is None or not (
+            pool.growing or (self.preparing is not None and not self.preparing.done())
+        ):
             return 0
         if time.monotonic() - self._preparing_since > PREPARE_PATIENCE_S:
             if not self._patience_said:
                 self._patience_said = True
-                log.warning("ckptguard: the host staging has been prepared for over %d s (%d of %d B): save_async "
-                            "stops waiting for it and reads the rest live", PREPARE_PATIENCE_S, pool.held_bytes,
-                            self._preparing_bytes)
+                log.warning(
+                    "ckptguard: the host staging has been prepared for over %d s (%d of %d B): save_async "
+                    "stops waiting for it and reads the rest live",
+                    PREPARE_PATIENCE_S,
+                    pool.held_bytes,
+                    self._preparing_bytes,
+                )
             return 0
         return max(0, self._preparing_bytes - pool.held_bytes)
 
     def host_budget(self, config: CheckpointConfig) -> int:
         if self.budget is None:
             if config.async_save.host_bytes is not None:
-                self.budget, self.budget_why = config.async_save.host_bytes, "CheckpointConfig.async_save.host_bytes"
+                self.budget, self.budget_why = (
+                    config.async_save.host_bytes,
+                    "CheckpointConfig.async_save.host_bytes",
+                )
             else:
                 found = host_budget(ranks_per_node=local_ranks())
                 self.budget, self.budget_why = found.bytes, found.why
-            log.debug("ckptguard: save_async host staging budget %d B per rank (%s)", self.budget, self.budget_why)
+            log.debug(
+                "ckptguard: save_async host staging budget %d B per rank (%s)",
+                self.budget,
+                self.budget_why,
+            )
         return self.budget
 
-    def prepare(self, items: dict[str, Captured], config: CheckpointConfig, *, gpu_bytes: int | None = None
-                ) -> Future[int]:
+    def prepare(
+        self, items: dict[str, Captured], config: CheckpointConfig, *, gpu_bytes: int | None = None
+    ) -> Future[int]:
         """Derive the host budget (a memory probe: about 1 s) and grow the pool to what ``items`` stage into
         the host, in the background (``prepare_async``, or the first ``save_async`` without it). ``gpu_bytes``:
         what may go to spare GPU memory instead (None: ``async_gpu_bytes``; 0: everything to the host)."""
@@ -200,12 +223,18 @@ class AsyncStaging:
         gpu_fits = 0 < on_gpu <= (config.async_save.gpu_bytes if gpu_bytes is None else gpu_bytes)
         sizes = [nbytes(t) for t in tensors if nbytes(t) and not (gpu_fits and _local(t).is_cuda)]
         done: Future[int] = Future()
-        self._preparing_bytes, self._preparing_since, self._patience_said = sum(sizes), time.monotonic(), False
+        self._preparing_bytes, self._preparing_since, self._patience_said = (
+            sum(sizes),
+            time.monotonic(),
+            False,
+        )
 
         def run() -> None:
             try:
                 done.set_result(pool.grow_async(sizes, self.host_budget(config)).result())
-            except BaseException as exc:  # the future carries it; a later save_async reads live meanwhile
+            except (
+                BaseException
+            ) as exc:  # the future carries it; a later save_async reads live meanwhile
                 done.set_exception(exc)
 
         self.preparing = done
@@ -225,7 +254,9 @@ class AsyncStaging:
             done.add_done_callback(lambda _: pool.idle_from_now())
 
     def pool_for(self, items: dict[str, Captured], config: CheckpointConfig) -> StagingPool:
-        pin = torch.cuda.is_available() and any(_local(t).is_cuda for c in items.values() for t in c.tensors.values())
+        pin = torch.cuda.is_available() and any(
+            _local(t).is_cuda for c in items.values() for t in c.tensors.values()
+        )
         if self.pool is not None and pin and not self.pool.pin:
             self.pool.release()  # a CPU-only state's pool cannot serve non-blocking D2H copies
             self.pool = None
@@ -237,30 +268,46 @@ class AsyncStaging:
         self.ahead.stop()
         pool = self.pool_for(snap.items, config)
         if self.budget is None and self.preparing is None:
-            self.prepare(snap.items, config)  # no prepare_async: this first save reads live, never pins here
+            self.prepare(
+                snap.items, config
+            )  # no prepare_async: this first save reads live, never pins here
         budget = self.budget if self.budget is not None else 0
         # A pool being prepared in the background is waited for by nothing: what it lacks is read live this once.
         preparing = pool.growing or (self.preparing is not None and not self.preparing.done())
-        staged = stage(snap, gpu_bytes=config.async_save.gpu_bytes, host_bytes=budget, pool=pool,
-                       timeout_s=config.timeout_s, grow=0 if preparing else SMALL_GROW)
+        staged = stage(
+            snap,
+            gpu_bytes=config.async_save.gpu_bytes,
+            host_bytes=budget,
+            pool=pool,
+            timeout_s=config.timeout_s,
+            grow=0 if preparing else SMALL_GROW,
+        )
         snap.read_done = staged.fence.live_read
         snap.cost = {
             **staged.cost(pool),
             "host_budget_why": self.budget_why,
-            "host_pool_release": "close()" + (
-                f" or {config.async_save.pool_idle_s:g} s without a save_async" if config.async_save.pool_idle_s else ""
+            "host_pool_release": "close()"
+            + (
+                f" or {config.async_save.pool_idle_s:g} s without a save_async"
+                if config.async_save.pool_idle_s
+                else ""
             ),
         }
         self.guard(staged.fence, state)
         if staged.live_bytes:
             # Growing in the background (the first save_async): this once, the documented wait, said quietly.
             ready = pool.growing or (self.preparing is not None and not self.preparing.done())
-            log.log(logging.INFO if ready else logging.WARNING,
+            log.log(
+                logging.INFO if ready else logging.WARNING,
                 "ckptguard: step %d: %d of %d B are not staged (host staging budget %d B, pool %d B%s): the "
                 "background writer reads them from the live tensors, and the next optimizer step waits until it "
                 "has (see PendingSave.mutation_wait_seconds); raise CheckpointConfig.async_save.host_bytes to stage "
-                "them, or call prepare_async(state) ahead of the first save_async", snap.step, staged.live_bytes,
-                staged.live_bytes + snap.staged_bytes, staged.host_budget, pool.held_bytes,
+                "them, or call prepare_async(state) ahead of the first save_async",
+                snap.step,
+                staged.live_bytes,
+                staged.live_bytes + snap.staged_bytes,
+                staged.host_budget,
+                pool.held_bytes,
                 ", growing in the background" if ready else "",
             )
         return staged
@@ -308,28 +355,19 @@ class AsyncStaging:
 def _has_saved_buffers(module: torch.nn.Module) -> bool:
     """A persistent buffer anywhere in the module (running statistics); read without state_dict(),
     whose hooks (FSDP's) must not run on every save."""
-    return any(b is not None and name not in m._non_persistent_buffers_set
-               for m in module.modules() for name, b in m._buffers.items())
-
-
-def committer(commit: Callable[[Snapshot, float, float, bool], Path], snap: Snapshot, start: float,
-              pool: StagingPool | None, measure: bool = False) -> Callable[[], Path]:
-    """The background commit of a staged ``snap``: ``commit(snap, start, blocked_s, measure)``, then the pool's
-    slots are free for the next save (also when it failed)."""
-    blocked_s = (snap.resumed if snap.resumed is not None else time.monotonic()) - start
-
-    def run() -> Path:
-        try:
-            return commit(snap, start, blocked_s, measure)
-        finally:
-            if pool is not None:
-                pool.done()
-
-    return run
+    return any(
+        b is not None and name not in m._non_persistent_buffers_set
+        for m in module.modules()
+        for name, b in m._buffers.items()
+    )
 
 
 def staged_snapshot(
-    ctx: Context, staging: AsyncStaging, step: int, state: StateDict, actions: Actions,
+    ctx: Context,
+    staging: AsyncStaging,
+    step: int,
+    state: StateDict,
+    actions: Actions,
     cost: Callable[[], Mapping[str, Figure]],
 ) -> tuple[Snapshot, Fence]:
     """The snapshot of ``state`` with its copies queued into ``staging`` (a run stages each role's), and the fence
@@ -340,108 +378,3 @@ def staged_snapshot(
     snap.cost.update(cost())
     snap.resumed = time.monotonic()
     return snap, staged.fence
-
-
-class PendingSave:
-    """A save whose commit runs in the background; ``wait()`` returns its step directory.
-
-    ``cleanup`` (retention, proof pruning) runs in the same thread once the commit is published:
-    ``busy()`` is False from then on, so a deletion never holds the next ``save_async``, whose
-    snapshot goes on while it runs; its commit (``after``: this save) starts when the cleanup ended."""
-
-    def __init__(
-        self, step: int, run: Callable[[], Path], blocked_s: float, *, fence: Fence | None = None,
-        started: float | None = None, cleanup: Callable[[], None] | None = None, after: PendingSave | None = None,
-    ) -> None:
-        self.step = step
-        self.blocked_seconds = blocked_s
-        """How long ``save_async`` held the caller (the copies queued; into GPU memory, the clones)."""
-        self.fence = fence
-        self.staged_seconds: float | None = None
-        """From the ``save_async`` call until every staged copy had landed (set by the background thread)."""
-        self.commit_seconds: float | None = None
-        """From the ``save_async`` call until the commit was published (or failed)."""
-        self.cleanup_seconds: float | None = None
-        """How long the cleanup after the commit (retention, proof pruning) took, off the caller's path."""
-        self.priority: list[str] = []
-        """What the background thread lowered (nice, ioprio); empty where the system refused."""
-        self._started = started if started is not None else time.monotonic()
-        self._result: Path | None = None
-        self._error: BaseException | None = None
-        self._published = threading.Event()
-        self.reported = False
-        """True once ``wait()`` raised the error: the manager does not raise it a second time."""
-        # Not a daemon: an interpreter exit waits for the commit instead of cutting it off.
-        self._thread = threading.Thread(target=self._run, args=(run, cleanup, after), name=f"ckptguard-save-{step}")
-        self._thread.start()
-
-    @property
-    def mutation_wait_seconds(self) -> float:
-        """How long later mutations (optimizer step, ``staged()``) waited for this save's reads."""
-        return self.fence.waited_s if self.fence is not None else 0.0
-
-    @classmethod
-    def completed(cls, step: int, path: Path, blocked_s: float) -> PendingSave:
-        return cls(step, lambda: path, blocked_s)
-
-    def _run(self, run: Callable[[], Path], cleanup: Callable[[], None] | None, after: PendingSave | None) -> None:
-        # Writes, checksums and digests of this save yield the CPU and the disk to training.
-        self.priority = lower_this_thread()
-        try:
-            if after is not None:
-                after.join()  # the previous save's cleanup ends before this commit touches the root
-            if self.fence is not None:
-                self.fence.host_wait()  # the staged copies have landed before anything reads them
-                self.staged_seconds = time.monotonic() - self._started
-            self._result = run()
-        except BaseException as exc:  # kept for wait(), never lost in the thread
-            self._error = exc
-            log.error("ckptguard: the background save of step %d failed: %s: %s (raised by the next "
-                      "save, restore or wait)", self.step, type(exc).__name__, exc)
-        finally:
-            if self.fence is not None:
-                self.fence.live_read()  # a failed save reads nothing more: training may go on
-            self.commit_seconds = time.monotonic() - self._started
-            self._published.set()
-        if self._error is None and cleanup is not None:
-            began = time.monotonic()
-            try:
-                cleanup()
-            except Exception as exc:  # retention never stops training (Root.rotate logs its own)
-                log.warning("ckptguard: the cleanup after step %d failed: %s: %s", self.step, type(exc).__name__, exc)
-            self.cleanup_seconds = time.monotonic() - began
-
-    def busy(self) -> bool:
-        """True until the commit was published or failed (the cleanup after it does not count)."""
-        return not self._published.is_set()
-
-    def running_seconds(self) -> float:
-        return time.monotonic() - self._started
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def join(self) -> None:
-        """Until the thread ended (the cleanup included); raises nothing."""
-        self._thread.join()
-
-    def wait(self, timeout: float | None = None) -> Path:
-        """Block until the commit and its cleanup finished; raise its error if it failed."""
-        start = time.monotonic()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise SaveStillRunningError(
-                f"the background save of step {self.step} is still running after {time.monotonic() - start:.0f} s; "
-                "call wait() again (without a timeout to block until it ends)",
-                step=self.step,
-            )
-        return self.outcome()
-
-    def outcome(self) -> Path:
-        """The published commit's directory, or its error raised (once the commit ended; see ``busy``)."""
-        self._published.wait()
-        if self._error is not None:
-            self.reported = True
-            raise self._error
-        assert self._result is not None
-        return self._result

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .._commit.busy import BusyRound
-from .._commit.pending import AsyncStaging, PendingSave
+from .._commit.pending import AsyncStaging
+from .._commit.savehandle import PendingSave
 from .._context import NO_ACTIONS, Actions, Context
 from .._records.trust import HealthLog
 from .._types import StateDict

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .._commit.pending import PendingSave
+from .._commit.savehandle import PendingSave
 from .._core.parts import Parts
 from .._disk.digest import digest
 from .._disk.layout import read_small
