@@ -398,8 +398,9 @@ def test_the_object_store_package_holds_the_stores_primitives_not_the_commit_ord
 
 
 # The commit rule of a root (issue 40 item 2) is ``_commit.rootcommit``'s, over a ``RootStore``: the store's
-# steps of it are called there only, and the primitives that make a step visible, uncommit one or move the
-# tracker of a save are called only inside the stores' own methods (``DirRoot``, ``BucketRoot``).
+# steps of it are called there only, and the primitives that make a step visible, uncommit one or move a tracker
+# are called only inside the stores' own methods (``DirRoot``, ``BucketRoot``), by the modules that define them,
+# or by the functions of ``OTHER_TRACKER_WRITERS``, each for a reason that is not a save's commit.
 ROOT_STORE_STEPS = {"make_visible", "uncommit", "put_back", "move_tracker", "sealed"}
 COMMIT_PRIMITIVES = {
     "create_marker",
@@ -407,16 +408,26 @@ COMMIT_PRIMITIVES = {
     "drop_marker",
     "uncommit_to_trash",
     "restore_from_trash",
+    "write_tracker",
 }
 ROOT_STORES = {"_commit.stepdir": "DirRoot", "_commit.storepublish": "BucketRoot"}
-# Besides the stores: rotation moves a dropped step aside (its own rule, ``_records.retention``), a directory is
-# uncommitted before it is deleted (``_disk.layout``), and the object store defines its primitives.
+# Rotation moves a dropped step aside (its own rule, ``_records.retention``), a directory is uncommitted before
+# it is deleted (``_disk.layout``), and the object store defines its primitives.
 PRIMITIVE_USERS = {"_records.retention", "_disk.layout", "storage.s3._store"}
+OTHER_TRACKER_WRITERS = {
+    "_commit.stepdir:prepare_root": "tracker 0 on a new root, before its first save",
+    "_core.root:hold": "tracker 0 on a new root, before its first save",
+    "ops.gc:adopt_step": "the operator points the tracker at a complete step (ckptguard adopt)",
+    "ops.transfer:_transfer_locked": "a step copied into another root, committed there",
+    "ops.storetransfer:from_store": "a store's step copied into a local root, committed there",
+    "_core.tierrestore:fetch": "the fast tier's copy of the step every rank restores",
+    "_core.tierrestore:align_fast": "the fast tier's tracker moved to the step the tiers restored",
+}
 
 
 def commit_rule_outside_rootcommit(sources: dict[str, str]) -> list[str]:
     """Calls of a ``RootStore`` step outside ``_commit.rootcommit``, and of a commit primitive outside the
-    stores' methods (``ROOT_STORES``) and the modules of ``PRIMITIVE_USERS``."""
+    stores' methods (``ROOT_STORES``), the modules of ``PRIMITIVE_USERS`` and ``OTHER_TRACKER_WRITERS``."""
     bad = []
     for name, source in sorted(sources.items()):
         tree = ast.parse(source)
@@ -424,11 +435,18 @@ def commit_rule_outside_rootcommit(sources: dict[str, str]) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and ROOT_STORES.get(name) == node.name:
                 inside |= {id(n) for n in ast.walk(node)}
+            elif (
+                isinstance(node, ast.FunctionDef) and f"{name}:{node.name}" in OTHER_TRACKER_WRITERS
+            ):
+                inside |= {
+                    id(n)
+                    for n in ast.walk(node)
+                    if isinstance(n, ast.Call) and _called(n) == "write_tracker"
+                }
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
-            fn = node.func
-            called = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+            fn, called = node.func, _called(node)
             ruled = isinstance(fn, ast.Attribute) and getattr(fn.value, "id", None) == "rootcommit"
             if called in ROOT_STORE_STEPS and isinstance(fn, ast.Attribute) and not ruled:
                 if name != "_commit.rootcommit" and id(node) not in inside:
@@ -442,6 +460,11 @@ def commit_rule_outside_rootcommit(sources: dict[str, str]) -> list[str]:
     return bad
 
 
+def _called(call: ast.Call) -> str | None:
+    fn = call.func
+    return fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+
+
 def test_the_commit_rule_is_written_once_over_the_root_stores():
     sources = _sources()
     assert commit_rule_outside_rootcommit(sources) == []
@@ -451,8 +474,9 @@ def test_the_commit_rule_is_written_once_over_the_root_stores():
     sources["_commit.storepublish"] += (
         "\n\ndef _again(store):\n    return store.create_marker(None)\n"
     )
+    sources["ops.transfer"] += "\n\ndef _direct(root):\n    _layout.write_tracker(root, 3)\n"
     got = [b.split(": ", 1)[1] for b in commit_rule_outside_rootcommit(sources)]
-    assert got == ["move_tracker", "create_marker"]
+    assert got == ["move_tracker", "create_marker", "write_tracker"]
 
 
 # Imports by name at run time (``importlib.import_module``) in the core, besides a package

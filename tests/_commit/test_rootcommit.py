@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import objstore_helper as h
 from ckptguard._commit import rootcommit, storelease, storepublish
 from ckptguard._commit.stepdir import DirRoot
 from ckptguard._disk import layout
-from ckptguard.errors import CommitConflictError, ConfigError
+from ckptguard.errors import CommitConflictError, ConfigError, LeaseHeldError
 from ckptguard.storage.s3 import Marker, ObjectStore, Writer
 
 TEMPLATE = "step_{step:08d}"
@@ -67,6 +68,21 @@ class DirCase:
     def tracker(self) -> int | None:
         return layout.read_tracker(self.root)
 
+    def rule(self) -> DirRoot:
+        return self.store
+
+    def lose_lease(self) -> None:
+        """Another job's lease now (this one's was taken over as expired, say)."""
+        now = time.time()
+        other = {
+            "host": "another-host",
+            "pid": 7,
+            "start": "1",
+            "acquired_unix": now,
+            "renewed_unix": now,
+        }
+        (self.root / "lease.json").write_text(json.dumps(other))
+
 
 class BucketCase:
     """An object-store root: a step is its marker object; this job holds the write lease."""
@@ -100,6 +116,14 @@ class BucketCase:
     def tracker(self) -> int | None:
         return self.store.tracker()[0]
 
+    def rule(self) -> storepublish.BucketRoot:
+        return storepublish.BucketRoot(self.store, self.holder)
+
+    def lose_lease(self) -> None:
+        """Another job's lease now: this one's released (the reviewer's case), then taken."""
+        storelease.release(self.store, self.holder)
+        storelease.acquire(self.store, "job-B")
+
 
 @pytest.fixture(params=["directory", "bucket"])
 def case(request, tmp_path):
@@ -108,11 +132,20 @@ def case(request, tmp_path):
     return BucketCase(request.getfixturevalue("moto"))
 
 
-def test_a_new_root_takes_the_step_its_tracker_starts_at(case):
-    case.commit(
-        0, case.begin(0), "first"
-    )  # an object store refused step 0 before: "not newer than the tracker"
-    assert (case.who(0), case.tracker()) == ("first", 0)
+def test_step_0_is_the_fresh_start_on_both_and_never_saved(case):
+    with pytest.raises(case.refused, match="reserved for 'fresh start'"):
+        case.begin(0)
+    case.commit(1, case.begin(1), "first")
+    assert (case.who(0), case.who(1), case.tracker()) == (None, "first", 1)
+
+
+def test_a_rollback_is_a_directory_roots_alone(case):
+    case.commit(2, case.begin(2), "two")
+    if isinstance(case, DirCase):  # save(..., overwrite=True): admitted, and the tracker moves back
+        rootcommit.admit(case.rule(), 1, overwrite=True)
+    else:  # an object store never rolls back, whatever the caller passes
+        with pytest.raises(case.refused, match="never rolls back"):
+            rootcommit.admit(case.rule(), 1, overwrite=True)
 
 
 def test_a_step_behind_the_tracker_or_committed_is_refused_before_anything_is_written(case):
@@ -141,3 +174,13 @@ def test_an_orphan_is_replaced_by_the_next_save_of_its_step_and_never_counted_be
     staged = case.begin(2)  # admitted: a marker newer than the tracker is not a committed step
     case.commit(2, staged, "again")
     assert (case.who(2), case.tracker()) == ("again", 2)
+
+
+def test_a_commit_needs_the_lease_still_its_own(case):
+    # Before, an object store's commit only asked whether another *live* holder had the lease: a lease another
+    # job held after this one's was released (or judged expired or dead) let both commit.
+    staged = case.begin(1)
+    case.lose_lease()
+    with pytest.raises(LeaseHeldError):
+        case.commit(1, staged, "after losing the lease")
+    assert (case.who(1), case.tracker()) == (None, 0)

@@ -110,8 +110,21 @@ def test_a_lease_of_an_earlier_process_that_had_this_pid_is_taken_over(root):
 def test_a_live_process_on_this_host_keeps_its_lease_however_old(root, live):
     pid, start = live
     root.held_by(socket.gethostname(), pid, start, age_s=2 * TTL)  # expired by its age: never taken
-    with pytest.raises(LeaseHeldError, match=f"pid {pid}"):
+    with pytest.raises(LeaseHeldError, match=f"pid {pid}") as held:
         root.acquire()
+    assert "wait for the lease to expire" not in str(held.value)  # waiting never frees it here
+
+
+@pytest.mark.parametrize("age_s, taken", [(60, False), (2 * TTL, True)])
+def test_a_record_without_a_start_time_on_this_host_is_judged_by_its_age(root, live, age_s, taken):
+    # Written before records carried the start time: the PID alone cannot tell the holder from a later process.
+    root.held_by(socket.gethostname(), live[0], None, age_s=age_s)
+    if taken:
+        note = root.acquire()
+        assert note is not None and "expired" in note, note
+    else:
+        with pytest.raises(LeaseHeldError):
+            root.acquire()
 
 
 def test_a_dead_process_on_this_host_frees_its_lease_at_once(root, live):

@@ -7,7 +7,8 @@ its bytes go before the commit and how they get there (a temp directory, a stagi
 upload) is each store's; which step a save may take and the order that makes it committed is here:
 
 ``admit`` (before anything is written), with T the tracker (None: a new root) and s the step:
-  - s < T: refused unless ``overwrite`` (a deliberate rollback; a store may refuse it outright);
+  - s < 1: refused (step 0 is the tracker of a new root: "fresh start");
+  - s < T: refused unless ``overwrite`` (a deliberate rollback, on a store whose ``ROLLBACK`` allows it);
   - s visible and s <= T: committed: refused unless ``overwrite``;
   - s visible and s > T: an orphan, its writer killed between marker and tracker: replaced by this save.
 
@@ -19,8 +20,12 @@ upload) is each store's; which step a save may take and the order that makes it 
   4. s made visible (the commit point); what step 3 moved aside can no longer come back;
   5. the tracker moved to s: forward only, unless ``overwrite``;
   6. what step 3 moved aside deleted.
-A kill between any two of these leaves either the old step committed or s visible and newer than the
-tracker (an orphan the next save of s replaces, ``admit``'s third case); never a partial step as latest.
+Without ``overwrite``, a kill between any two of these leaves either the old step committed or s visible and
+newer than the tracker (an orphan the next save of s replaces, ``admit``'s third case); never a partial step as
+latest. With ``overwrite`` (directory roots only) a kill can leave less: a rollback killed before step 5 leaves s
+rewritten below the tracker; an overwrite of the tracker's own step killed between steps 3 and 4 leaves the
+tracker naming a step that is gone from its place (a restore refuses it, naming the step), its old directory
+kept whole, manifest included, in the root's trash until put back by hand.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = ["Refusal", "RootStore", "admit", "complete", "make_visible", "publish
 
 
 class Refusal(Enum):
+    RESERVED = "reserved"  # step 0, the tracker of a new root
     BEHIND = "behind"  # older than the tracker
     COMMITTED = "committed"  # already committed
     MOVED = "moved"  # the tracker moved past the step while it was written
@@ -44,6 +50,7 @@ class RootStore(Protocol):
 
     BEFORE_VISIBLE: str | None  # the fault point right before step 4 (tests kill there), if any
     BEFORE_TRACKER: str  # the fault point between steps 4 and 5
+    ROLLBACK: bool  # whether ``overwrite`` may replace a committed step and move the tracker back
 
     def tracker(self) -> int | None:
         """The tracker's step; None on a root that has none yet."""
@@ -88,6 +95,9 @@ class RootStore(Protocol):
 
 def admit(store: RootStore, step: int, *, overwrite: bool = False) -> None:
     """Raise the store's refusal if a save of ``step`` may not go ahead (the rule above)."""
+    if step < 1:
+        raise store.refuse(Refusal.RESERVED, step, store.tracker())
+    overwrite = overwrite and store.ROLLBACK
     tracker = store.tracker()
     if tracker is not None and step < tracker and not overwrite:
         raise store.refuse(Refusal.BEHIND, step, tracker)
@@ -99,6 +109,7 @@ def make_visible(
     store: RootStore, step: int, staged: object, *, overwrite: bool = False
 ) -> object | None:
     """Steps 1 to 4; returns what step 3 moved aside, for ``complete``."""
+    overwrite = overwrite and store.ROLLBACK
     store.confirm_lease(step)
     tracker = store.tracker()
     moved = tracker is not None and (tracker > step or (tracker == step and store.visible(step)))
@@ -119,7 +130,7 @@ def make_visible(
 
 def complete(store: RootStore, step: int, undo: object | None, *, overwrite: bool = False) -> None:
     """Steps 5 and 6."""
-    store.move_tracker(step, back=overwrite)
+    store.move_tracker(step, back=overwrite and store.ROLLBACK)
     store.finish(step, undo)
 
 

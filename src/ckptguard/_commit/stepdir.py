@@ -133,6 +133,7 @@ class DirRoot:
     # publish.py reaches "commit.before_rename" before the lease check
     BEFORE_VISIBLE: str | None = None
     BEFORE_TRACKER = "commit.before_tracker"
+    ROLLBACK = True  # save(..., overwrite=True): a deliberate rollback or rewrite
 
     def __init__(self, root: Path, naming: _layout.StepNaming) -> None:
         self.root, self.naming = root, naming
@@ -151,6 +152,11 @@ class DirRoot:
         return (self._dir(step) / _layout.MANIFEST_NAME).exists()
 
     def refuse(self, why: rootcommit.Refusal, step: int, tracker: int | None) -> Exception:
+        if why is rootcommit.Refusal.RESERVED:
+            return ConfigError(
+                f"save of step {step} under {self.root}: step 0 is reserved for 'fresh start' (the tracker of a "
+                "new root); save steps >= 1"
+            )
         if why is rootcommit.Refusal.BEHIND:
             return ConfigError(
                 f"save of step {step} under {self.root}: the tracker is at step {tracker}; saving an older step "

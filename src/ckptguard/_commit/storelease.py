@@ -13,6 +13,7 @@ free cannot both take it: one write loses and that job reads the lease again.
 
 from __future__ import annotations
 
+import socket
 import time
 
 from .._disk.lease import holder_gone
@@ -20,7 +21,7 @@ from ..errors import ConditionalWriteUnsupportedError, LeaseHeldError
 from ..storage.s3 import ObjectStore
 from ..storage.s3._objrecords import LEASE, Lease, Writer
 
-__all__ = ["acquire", "check", "release"]
+__all__ = ["acquire", "check", "confirm", "release"]
 
 _TRIES = 8
 
@@ -55,6 +56,20 @@ def check(store: ObjectStore, holder: str, *, override: bool = False) -> None:
         _takeover(store, found, holder, time.time(), override)
 
 
+def confirm(store: ObjectStore, holder: str, *, step: int) -> None:
+    """Right before a commit: the lease is ``holder``'s still (renewed at the attempt's begin), so a job whose lease
+    was taken over, released or broken never commits beside the new holder."""
+    found, _ = store.lease()
+    if found is not None and found.holder == holder:
+        return
+    who = f"{found.holder} ({found.writer.describe()})" if found is not None else "nobody"
+    raise LeaseHeldError(
+        f"step {step} is not committed on {store.url}: this job ({holder}) no longer holds the store's write lease, "
+        f"{who} does (taken over as expired or dead, or broken with break_lease). Two jobs must not write one "
+        "root: stop one of them, then restore and save again"
+    )
+
+
 def release(store: ObjectStore, holder: str) -> None:
     """Mark ``holder``'s lease expired (anyone may take it at once); another holder's is left alone."""
     found, etag = store.lease()
@@ -77,6 +92,11 @@ def _takeover(
     why = why or holder_gone(w.host, w.pid, w.start, expired=lease.expires_unix < now)
     if why is not None:
         return f"took over the write lease of {lease.holder} ({w.describe()}; {why})"
+    if w.host == socket.gethostname():  # alive here: its lease's age does not free it
+        raise LeaseHeldError(
+            f"{store.where(LEASE)} is held by {lease.holder} ({w.describe()}), a live process on this host: "
+            "another job writes this root. Stop it, or pass break_lease=True if you are sure it no longer writes"
+        )
     raise LeaseHeldError(
         f"{store.where(LEASE)} is held by {lease.holder} ({w.describe()}) until "
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lease.expires_unix))}: another live job writes "

@@ -159,6 +159,9 @@ class BucketRoot:
 
     BEFORE_VISIBLE: str | None = BEFORE_MARKER
     BEFORE_TRACKER = BEFORE_TRACKER
+    ROLLBACK = (
+        False  # a committed step on a store is never overwritten, the tracker never moves back
+    )
 
     def __init__(self, store: ObjectStore, holder: str | None = None) -> None:
         self.store, self.holder = store, holder
@@ -182,8 +185,15 @@ class BucketRoot:
             )
         if why is rootcommit.Refusal.BEHIND:
             return CommitConflictError(
-                f"step {step} is not newer than the tracker ({tracker}) at {store.url}: the tracker never moves "
-                "backwards, so this step could never be resumed; save a step > the tracker",
+                f"step {step} is older than the tracker ({tracker}) at {store.url}: the tracker never moves "
+                "backwards and an object store never rolls back (save(..., overwrite=True) rolls back a local "
+                "root only), so this step could never be resumed; save a step >= the tracker",
+                step=step,
+            )
+        if why is rootcommit.Refusal.RESERVED:
+            return CommitConflictError(
+                f"step {step} at {store.url}: step 0 is reserved for 'fresh start' (the tracker of a new root); "
+                "save steps >= 1",
                 step=step,
             )
         return CommitConflictError(
@@ -194,7 +204,7 @@ class BucketRoot:
 
     def confirm_lease(self, step: int) -> None:
         if self.holder is not None:  # still ours (renewed at begin): a lost lease never commits
-            storelease.check(self.store, self.holder)
+            storelease.confirm(self.store, self.holder, step=step)
 
     def uncommit(self, step: int) -> None:
         store = self.store
@@ -206,7 +216,8 @@ class BucketRoot:
             raise CommitConflictError(
                 f"step {step} at {store.url} has a marker newer than the tracker ({tracker}): another writer "
                 f"({existing.writer.describe()}) is committing it now or died before moving the tracker; "
-                "only the lease holder replaces such a marker",
+                "only the lease holder replaces such a marker: commit with the lease (storelease.acquire, then "
+                "commit(..., lease=holder)), or leave this step to the job that holds it",
                 step=step,
             )
         log.warning(

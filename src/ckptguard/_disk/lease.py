@@ -76,12 +76,28 @@ def holder_gone(host: str, pid: int, start: str | None, *, expired: bool) -> str
         # This very process (another manager of it): its liveness says nothing of that manager's.
         return "it expired" if expired else None
     if host == socket.gethostname():
-        if not Path(f"/proc/{pid}").exists():
+        if not _pid_exists(pid):
             return "its process is dead"
-        if start is not None and proc_start(pid) != start:
+        if (
+            start is None
+        ):  # a record without the start time: the PID alone cannot tell, its age decides
+            return "it expired" if expired else None
+        if proc_start(pid) != start:
             return "its process is dead (its PID now runs another program)"
         return None
     return "it expired" if expired else None
+
+
+def _pid_exists(pid: int) -> bool:
+    if Path("/proc/self").exists():
+        return Path(f"/proc/{pid}").exists()
+    try:  # no /proc (macOS): ask the kernel
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass(frozen=True)
@@ -266,7 +282,9 @@ def acquire(root: Path, *, ttl_s: float, override: bool = False) -> str | None:
             _release_at_exit(path, me)
             if seen.owner is None:
                 return f"took over {seen.describe()} at {path}: fix what damaged it"
-            if seen.owner.host == me.host:
+            o = seen.owner
+            expired = time.time() - o.renewed_unix > ttl_s
+            if holder_gone(o.host, o.pid, o.start, expired=expired) != "it expired":
                 return f"took over the lease of dead {seen.describe()}"
             return f"took over the expired lease of {seen.describe()} (ttl {ttl_s:.0f} s)"
     raise LeaseHeldError(

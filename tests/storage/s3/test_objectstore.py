@@ -272,7 +272,7 @@ def test_no_step_without_its_marker_and_the_tracker_never_moves_back(moto, tmp_p
     )  # uploaded, no marker: invisible
     storepublish.commit(store, 3, attempt, {}, {"any": "manifest"})
     assert resolve(store).step == 3 and store.committed_steps() == [3]
-    with pytest.raises(CommitConflictError, match="not newer than the tracker"):
+    with pytest.raises(CommitConflictError, match="older than the tracker"):
         storepublish.begin(store, 2)
     with pytest.raises(CommitConflictError, match="already committed"):
         storepublish.begin(store, 3)

@@ -234,7 +234,7 @@ def test_transfer_a_local_step_to_the_store_and_back_exactly(moto, tmp_path):
     )  # the store's commit rules apply
     assert code == 1 and "already committed" in got["error"] and "step_00000002" in got["error"]
     code, got = cli_json("transfer", str(src / "step_00000001"), url)
-    assert code == 1 and "not newer than the tracker (2)" in got["error"]
+    assert code == 1 and "older than the tracker (2)" in got["error"]
     code, got = cli_json("transfer", url, str(tmp_path / "dest"))
     assert code == 0 and got["step"] == 2, got
     assert got["step"] == 2 and got["destination"] == str(tmp_path / "dest" / "step_00000002")
