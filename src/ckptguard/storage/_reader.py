@@ -49,7 +49,8 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ._format import FileSlice, read_record
-from ._pool import BufferPool, IOStats, drop_cached, halt_reads_ahead, read_scattered
+from ._pool import BufferPool, IOStats, drop_cached, read_scattered
+from ._readahead import halt_reads_ahead
 from ._spans import (
     ALIGN,
     SMALL_ITEM,
