@@ -18,6 +18,7 @@ import torch
 import ckptguard as cg
 from ckptguard._disk import layout as _layout
 from ckptguard._records import retention
+from ckptguard._records.leftovers import leftovers
 from ckptguard.ops.verify import verify_root
 from damage_helper import committed_on_disk, step_dir
 
@@ -60,7 +61,7 @@ def test_a_sync_save_returns_before_the_dropped_step_is_deleted(tmp_path, monkey
         assert len(held) == 1 and not (held[0] / "manifest.json").exists(), (
             held
         )  # still there: not yet deleted
-        (found,) = [x for x in _layout.leftovers(root, max_age_s=3600) if x.kind == "trash"]
+        (found,) = [x for x in leftovers(root, max_age_s=3600) if x.kind == "trash"]
         assert "by a live process" in found.detail and "interrupted" not in found.detail, found
     finally:
         release.set()
@@ -117,7 +118,7 @@ def test_a_kill_mid_delete_leaves_every_committed_step_whole(tmp_path):
         root
     )  # half deleted, no step name, no manifest: never taken for a checkpoint
     assert not (leftover / "manifest.json").exists()
-    (found,) = [x for x in _layout.leftovers(root, max_age_s=3600) if x.kind == "trash"]
+    (found,) = [x for x in leftovers(root, max_age_s=3600) if x.kind == "trash"]
     assert found.removable and "interrupted" in found.detail, (
         found
     )  # its deleter is dead: gc may remove it

@@ -21,7 +21,6 @@ import socket
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,9 @@ from .tempfiles import proc_start
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MANIFEST_NAME = "manifest.json"
-NODE_MANIFEST_NAME = "node_manifest.json"  # node-local roots: this node's part, written before MANIFEST_NAME
+NODE_MANIFEST_NAME = (
+    "node_manifest.json"  # node-local roots: this node's part, written before MANIFEST_NAME
+)
 STATE_DIR = "state"
 CONTRACT_DIR = "contract"
 PROOF_DIR = "proof"
@@ -61,8 +62,10 @@ class StepNaming:
         self.template = template
         width = fields[0]
         if width and int(width) > _MAX_WIDTH:  # {step:0999999999d} would format gigabyte names
-            raise ConfigError(f"dir_template {template!r} pads the step to {int(width)} digits; at most "
-                              f"{_MAX_WIDTH} make sense (a step is an int64): e.g. 'step_{{step:08d}}'")
+            raise ConfigError(
+                f"dir_template {template!r} pads the step to {int(width)} digits; at most "
+                f"{_MAX_WIDTH} make sense (a step is an int64): e.g. 'step_{{step:08d}}'"
+            )
         digits = rf"(\d{{{width},}})" if width else r"(\d+)"
         head, tail = _FIELD.split(template, maxsplit=1)[0], _FIELD.split(template)[-1]
         self._pattern = re.compile(re.escape(head) + digits + re.escape(tail) + r"\Z")
@@ -88,9 +91,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, before_rename: Callable[[], None] | None = None) -> None:
+def atomic_write_bytes(
+    path: Path, data: bytes, *, before_rename: Callable[[], None] | None = None
+) -> None:
     """Write ``data`` to ``path`` so a reader sees the old file or the whole new one."""
-    tmp = _tempfiles.temp_name(path)  # names its owner: swept once this process is dead (``tempfiles``)
+    tmp = _tempfiles.temp_name(
+        path
+    )  # names its owner: swept once this process is dead (``tempfiles``)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -148,7 +155,9 @@ def read_small(path: Path, *, limit: int = SMALL_FILE_BYTES, what: str = "file")
             parts.append(chunk)
             total += len(chunk)
             if total > limit:  # it grew while we read: still bounded
-                raise CheckpointCorruptError(f"{path} ({what}) grew past {limit} bytes while being read")
+                raise CheckpointCorruptError(
+                    f"{path} ({what}) grew past {limit} bytes while being read"
+                )
         return b"".join(parts)
     finally:
         os.close(fd)
@@ -157,7 +166,11 @@ def read_small(path: Path, *, limit: int = SMALL_FILE_BYTES, what: str = "file")
 def _regular(path: Path, mode: int, what: str) -> None:
     if stat.S_ISREG(mode):
         return
-    kind = "a symlink" if stat.S_ISLNK(mode) else ("a directory" if stat.S_ISDIR(mode) else "not a regular file")
+    kind = (
+        "a symlink"
+        if stat.S_ISLNK(mode)
+        else ("a directory" if stat.S_ISDIR(mode) else "not a regular file")
+    )
     if stat.S_ISFIFO(mode):
         kind = "not a regular file (a FIFO)"
     elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
@@ -237,8 +250,12 @@ def read_tracker(root: Path) -> int | None:
         return None
     try:
         text = raw.decode("ascii")
-        text = text[:-1] if text.endswith("\n") else text  # ckptguard writes "N\n"; Megatron and verl "N"
-        if not _DIGITS.fullmatch(text):  # int() also takes " 3", "+3", "0_3", "٣": none is a step anyone wrote
+        text = (
+            text[:-1] if text.endswith("\n") else text
+        )  # ckptguard writes "N\n"; Megatron and verl "N"
+        if not _DIGITS.fullmatch(
+            text
+        ):  # int() also takes " 3", "+3", "0_3", "٣": none is a step anyone wrote
             raise ValueError(text)
         step = int(text)
     except ValueError:  # UnicodeDecodeError is one too
@@ -272,8 +289,9 @@ def step_dirs(root: Path, naming: StepNaming) -> dict[int, Path]:
 # ---------------------------------------------------------------- temp directories
 
 
-
-def committed_steps(root: Path, naming: StepNaming, read_manifest: Callable[[Path], Any]) -> list[int]:
+def committed_steps(
+    root: Path, naming: StepNaming, read_manifest: Callable[[Path], Any]
+) -> list[int]:
     """Steps no newer than the tracker whose ``read_manifest`` passes (it raises a CheckpointError
     otherwise), ascending; [] without a tracker."""
     tracker = read_tracker(root)
@@ -290,6 +308,7 @@ def committed_steps(root: Path, naming: StepNaming, read_manifest: Callable[[Pat
         out.append(step)
     return out
 
+
 def temp_dir_name(step_name: str, nonce: str) -> str:
     return f"{TMP_PREFIX}{step_name}-{nonce}"
 
@@ -301,7 +320,11 @@ _TEMP_DIR = re.compile(re.escape(TMP_PREFIX) + r".+-[0-9a-f]{12}\Z")
 def write_owner(tmp: Path, *, node: str | None = None) -> None:
     """``node``: the node identity of the creating rank (a save's temp directory), so a rank of
     another node that finds this directory at its own root's path knows it is not its node's disk."""
-    owner: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "start": proc_start(os.getpid())}
+    owner: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start": proc_start(os.getpid()),
+    }
     if node is not None:
         owner["node"] = node
     (tmp / OWNER_NAME).write_text(json.dumps(owner))
@@ -313,13 +336,17 @@ def read_owner(directory: Path) -> JsonObject | None:
         owner = read_json(directory / OWNER_NAME, limit=4096, what="temp-dir owner record")
     except (OSError, ValueError):
         return None
-    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int) or not isinstance(owner.get("host"), str):
+    if (
+        not isinstance(owner, dict)
+        or not isinstance(owner.get("pid"), int)
+        or not isinstance(owner.get("host"), str)
+    ):
         return None
     return owner
 
 
 def owner_state(directory: Path, *, max_age_s: float) -> str:
-    """"dead", "alive" or "foreign" (no owner record: not ckptguard's, never removed).
+    """ "dead", "alive" or "foreign" (no owner record: not ckptguard's, never removed).
 
     Same host: dead when the PID is not running (or runs a different process). Another
     host: we cannot look, so an owner counts as dead only once the directory is older
@@ -433,68 +460,3 @@ def empty_trash(root: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------- crash leftovers
-
-
-@dataclass(frozen=True)
-class Leftover:
-    """An entry a crash left in the root: what it is, and whether ``gc`` may remove it."""
-
-    path: Path
-    kind: str  # temp-dir, trash, temp-file, foreign
-    removable: bool
-    detail: str
-
-
-def _count_files(path: Path, *, limit: int = 100_000) -> str:
-    n = 0
-    for _dirpath, _dirs, files in os.walk(path, followlinks=False):
-        n += len(files)
-        if n >= limit:
-            return f"{limit}+ files"
-    return f"{n} files"
-
-
-def leftovers(root: Path, *, max_age_s: float, tmp_files: tuple[str, ...] = (TRACKER_NAME,)) -> list[Leftover]:
-    """Temp directories, trash and temp files under ``root``, each with what ``gc`` does with it."""
-    out: list[Leftover] = []
-    try:
-        entries = sorted(os.scandir(root), key=lambda e: e.name)
-    except OSError:
-        return out
-    for entry in entries:
-        path = Path(entry.path)
-        if entry.name.startswith(TMP_PREFIX):
-            if not is_own_temp_dir(path):
-                out.append(Leftover(path, "foreign", False, "not created by ckptguard (no such temp name)"))
-                continue
-            state = owner_state(path, max_age_s=max_age_s)
-            who = describe_owner(path)
-            if state == "dead":
-                out.append(Leftover(path, "temp-dir", True, f"a save's temp directory whose owner ({who}) is dead"))
-            elif state == "alive":
-                out.append(
-                    Leftover(
-                        path,
-                        "temp-dir",
-                        False,
-                        f"a save's temp directory whose owner ({who}) is alive: a save in flight, or one that "
-                        "timed out and left it",
-                    )
-                )
-            else:
-                out.append(Leftover(path, "foreign", False, "not created by ckptguard (no owner record)"))
-        elif entry.name.startswith(TRASH_PREFIX) and moved_aside(path):
-            name = entry.name[len(TRASH_PREFIX):].rsplit("-", 1)[0]
-            out.append(Leftover(path, "moved-aside", False, "a committed step moved aside by an overwrite or a "
-                                f"rotation that did not finish (its manifest is still there): if no {name} exists "
-                                f"and the tracker names its step, rename it back to {name}; else delete it by hand"))
-        elif entry.name.startswith(TRASH_PREFIX) and is_trash_dir(path):
-            live = owner_state(path, max_age_s=max_age_s) == "alive"  # retention deletes it in the background
-            out.append(Leftover(path, "trash", True, f"a step being deleted ({_count_files(path)}), "
-                                + (f"by a live process ({describe_owner(path)})" if live else "interrupted")))
-        elif any(is_temp_file(path, of=name) for name in tmp_files) or _tempfiles.is_temp_file(path):
-            dead = _tempfiles.owner_state(path, max_age_s=max_age_s) != "alive"
-            who = _tempfiles.describe_owner(path)
-            out.append(Leftover(path, "temp-file", dead, f"a temporary file of an atomic write ({who}) that "
-                                + ("crashed before its rename" if dead else "is in flight: its writer still runs")))
-    return out

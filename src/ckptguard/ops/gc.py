@@ -24,6 +24,7 @@ from pathlib import Path
 from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import contract as _contract
+from .._records import leftovers as _leftovers
 from .._records import manifest as _manifest
 from .._records import readers as _readers
 from .._records import retention as _retention
@@ -194,7 +195,7 @@ def gc(
         elif why is not None:
             report.kept.append((path, f"incomplete ({why}); {_retention.INCOMPLETE_HINT}"))
     own_files = (_layout.TRACKER_NAME, _lease.LEASE_NAME, _trust.TRUST_NAME)
-    for item in _layout.leftovers(root, max_age_s=max_age_s, tmp_files=own_files):
+    for item in _leftovers.leftovers(root, max_age_s=max_age_s, tmp_files=own_files):
         if item.removable:
             victims.append((item.path, item.detail))
         elif item.kind == "foreign":
