@@ -40,8 +40,7 @@ from pathlib import Path
 import torch
 
 from ckptguard._disk import digest as digest_mod
-from ckptguard._disk.boxmerge import combine_layout_free
-from ckptguard._disk.boxsum import layout_free_partials
+from ckptguard._disk.boxsum import combine_layout_free, layout_free_partials
 from ckptguard._state.state import capture, digests_and_layout_free
 
 

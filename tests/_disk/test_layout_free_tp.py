@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ckptguard._disk import boxsum as d
-from ckptguard._disk.boxmerge import combine_layout_free
 from ckptguard.testing import run_ranks, values
 
 
@@ -45,15 +44,15 @@ def _partials(rank: int, world: int, flip: bool) -> tuple[dict, dict[str, int]]:
 
 
 def test_tp_shard1_layout_free_digest_equals_the_whole_tensors():
-    whole = combine_layout_free([d.layout_free_partials({"model": _tensors()})])
+    whole = d.combine_layout_free([d.layout_free_partials({"model": _tensors()})])
     ranks = values(run_ranks(_partials, 2, False))
-    assert combine_layout_free([p for p, _ in ranks]) == whole
+    assert d.combine_layout_free([p for p, _ in ranks]) == whole
     for _, calls in ranks:
         assert "w" not in calls and "bf" not in calls, (
             calls
         )  # 96 and 33 x 2 rows, none summed one by one
         assert calls["odd"] == 7  # the fallback: one run per row
-    flipped = combine_layout_free([p for p, _ in values(run_ranks(_partials, 2, True))])
+    flipped = d.combine_layout_free([p for p, _ in values(run_ranks(_partials, 2, True))])
     assert flipped["model"]["w"] != whole["model"]["w"]
     assert {k: v for k, v in flipped["model"].items() if k != "w"} == {
         k: v for k, v in whole["model"].items() if k != "w"

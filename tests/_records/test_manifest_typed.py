@@ -9,7 +9,6 @@ import pytest
 
 import ckptguard as cg
 from ckptguard._records import manifest as _manifest
-from ckptguard._records import nodemanifest as _nodemanifest
 from ckptguard._records.entries import FileEntry, NodeEntry, Topology
 from ckptguard.demo.toyjob import build_job, train_step
 
@@ -99,15 +98,15 @@ def test_a_crafted_entry_is_refused_on_read_naming_what_is_wrong(tmp_path, field
 
 def test_a_node_manifest_reads_typed_and_a_damaged_one_is_refused(tmp_path):
     files = [FileEntry("rank_00000.pt", 10, "ab", 0)]
-    record = _nodemanifest.node_manifest(step=3, index=0, name="a", ranks=[1, 0], files=files)
+    record = _manifest.node_manifest(step=3, index=0, name="a", ranks=[1, 0], files=files)
     (tmp_path / "node_manifest.json").write_text(json.dumps(record.to_json()))
-    got = _nodemanifest.read_node(tmp_path)
+    got = _manifest.read_node(tmp_path)
     assert got is not None and got.ranks == (0, 1) and got.files == tuple(files) and got.step == 3
     (tmp_path / "node_manifest.json").write_text(
         json.dumps({**record.to_json(), "files": [{"path": "x"}]})
     )
     with pytest.raises(cg.CheckpointCorruptError, match="not a node manifest"):
-        _nodemanifest.read_node(tmp_path)
+        _manifest.read_node(tmp_path)
 
 
 def test_trust_entries_are_typed_written_back_the_same_and_a_bad_one_names_its_step(tmp_path):

@@ -1,6 +1,6 @@
 """A restore reads the start of its data file while it checks and plans, and leaves no page cache behind.
 
-``storage._readahead.ReadAhead``: one regular file, at most ``limit`` bytes, halted before the restore's own read,
+``storage._pool.ReadAhead``: one regular file, at most ``limit`` bytes, halted before the restore's own read,
 its pages dropped at close; a link or a FIFO planted in the file's place is never read (and never hangs it).
 Page-cache residency is read with ``mincore`` (not meaningful on tmpfs, where every page is resident: skipped).
 """
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ckptguard as cg
-from ckptguard.storage import _readahead
-from ckptguard.storage._readahead import ReadAhead
+from ckptguard.storage import _pool
+from ckptguard.storage._pool import ReadAhead
 from ckptguard.storage._reader import ItemReader
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -164,7 +164,7 @@ def test_a_restore_reads_its_own_data_file_ahead_and_leaves_no_page_cache(tmp_pa
     assert _resident(data) == 0, "neither the read-ahead nor the read left the file's pages cached"
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    assert _readahead.default_limit() > 0
+    assert _pool.default_limit() > 0
 
 
 def test_with_drop_page_cache_off_the_read_ahead_keeps_the_pages(tmp_path):

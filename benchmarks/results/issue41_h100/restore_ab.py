@@ -1,5 +1,5 @@
 """Restore against a cold read of the same files, with and without this session's two changes (issue 41 item 5):
-the read-ahead of the rank's data file while the restore checks and plans (``storage._readahead.ReadAhead``), and the
+the read-ahead of the rank's data file while the restore checks and plans (``storage._pool.ReadAhead``), and the
 I/O pool making its buffers on demand. The 556M model of bench_train_loop.py saved once; then, in rounds, each
 variant restores through a new manager (as a new process would), the page cache dropped before it, and a cold
 sequential read of the same step's files (64 MiB reads, one stream: bench_train_loop's yardstick) right before

@@ -19,7 +19,7 @@ from .. import _faults
 from .._agree import gather_decide
 from .._context import Context
 from .._disk import layout as _layout
-from .._disk.boxmerge import combine_layout_free
+from .._disk.boxsum import combine_layout_free
 from .._records import manifest as _manifest
 from .._records.entries import Cost, Figure, FileEntry, NodeEntry, Topology
 from .._state.state import digest_kind

@@ -33,7 +33,7 @@ from .. import _faults
 from .._agree import gather_decide
 from .._context import Actions, Context
 from .._disk import layout as _layout
-from .._records import nodemanifest as _nodemanifest
+from .._records import manifest as _manifest
 from .._records.entries import Figure, FileEntry, NodeEntry
 from .._records.manifest import rank_reads
 from .._types import JsonObject
@@ -438,7 +438,7 @@ def _confirm_node(
                 str(tmp / rel),
             )
         _faults.reached("node.files_verified")
-        record = _nodemanifest.node_manifest(
+        record = _manifest.node_manifest(
             step=step, index=index, name=node["name"], ranks=ranks, files=files
         )
         _layout.atomic_write_json(tmp / _layout.NODE_MANIFEST_NAME, record.to_json())

@@ -34,7 +34,6 @@ from typing import Any
 from .._disk import layout as _layout
 from .._disk.digest import file_digest
 from .._records import manifest as _manifest
-from .._records import nodemanifest as _nodemanifest
 from .._records.entries import FileEntry
 from .._records.manifest import rank_reads
 from .._types import JsonObject
@@ -422,7 +421,7 @@ def fetched_manifest(tmp: Path, rank: int) -> Path:
 
 
 def seal_fetch(
-    tmp: Path, final: Path, rank: int, node_record: Callable[[_manifest.Manifest], _nodemanifest.NodeManifest | None]
+    tmp: Path, final: Path, rank: int, node_record: Callable[[_manifest.Manifest], _manifest.NodeManifest | None]
 ) -> None:
     """The first receiving rank of a node, after every rank's fetch arrived intact: the manifest and
     the node manifest (``node_record(manifest)``) in the temp directory, then the step directory in

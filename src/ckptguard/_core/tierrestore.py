@@ -24,7 +24,6 @@ from .._commit import replica as _replica
 from .._context import Context
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
-from .._records import nodemanifest as _nodemanifest
 from .._records.manifest import files_needed
 from .._resume.resolve_local import Resolution, resolve_local
 from ..config import ResumeMode
@@ -370,14 +369,14 @@ class TierRestore:
             receivers,
         )
 
-    def _node_record(self, manifest: _manifest.Manifest) -> _nodemanifest.NodeManifest | None:
+    def _node_record(self, manifest: _manifest.Manifest) -> _manifest.NodeManifest | None:
         """The node manifest of the node this rank's part belongs to (node-local roots); None on a
         shared root (no ``nodes`` in the manifest)."""
         index = manifest.node_of(self.rank)
         if index is None or manifest.nodes is None:
             return None
         node = manifest.nodes[index]
-        return _nodemanifest.node_manifest(
+        return _manifest.node_manifest(
             step=manifest.step,
             index=index,
             name=node.name,

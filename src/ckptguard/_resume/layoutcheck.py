@@ -23,8 +23,7 @@ from typing import Any
 
 from .._agree import Wire, gather_decide
 from .._context import Context
-from .._disk.boxmerge import REPLICAS_DIFFER, combine_layout_free
-from .._disk.boxsum import layout_free_partials
+from .._disk.boxsum import REPLICAS_DIFFER, combine_layout_free, layout_free_partials
 from .._disk.digest import digest
 from .._records import manifest as _manifest
 from .._state import rng as _rng

@@ -45,7 +45,7 @@ from ..errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from ..storage._readahead import ReadAhead, default_limit
+from ..storage._pool import ReadAhead, default_limit
 from ..storage.dcp import check_torch_version
 from ..storage.streaming import StreamingStorage
 from . import layoutcheck as _layoutcheck

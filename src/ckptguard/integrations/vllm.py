@@ -67,8 +67,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .._disk.boxmerge import combine_layout_free
-from .._disk.boxsum import layout_free_partials
+from .._disk.boxsum import combine_layout_free, layout_free_partials
 from .._disk.digest import digest
 from .._records.exportdigest import ExportFingerprint
 from ..errors import ConfigError, StateMismatchError

@@ -36,8 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .._disk import layout as _layout
-from .._disk.boxmerge import combine_layout_free
-from .._disk.boxsum import box_sum
+from .._disk.boxsum import box_sum, combine_layout_free
 from .._disk.digest import (
     STRUCTURE_SEED,
     digest,
@@ -46,7 +45,6 @@ from .._disk.digest import (
     update_with_tensor,
 )
 from .._records import manifest as _manifest
-from .._records import nodemanifest as _nodemanifest
 from .._state.state import TENSOR_REF, ItemKind
 from ..errors import CheckpointCorruptError
 from ..storage._pool import IOStats
@@ -291,7 +289,7 @@ def recompute(
     if (
         manifest.nodes
     ):  # node-local roots: this disk holds its node's ranks' part (its node manifest says which)
-        node = _nodemanifest.read_node(step_dir)
+        node = _manifest.read_node(step_dir)
         ranks = sorted(manifest.nodes[node.node].ranks) if node is not None else []
         result["elsewhere"] = [r for r in range(world) if r not in ranks]
     for rank in ranks:

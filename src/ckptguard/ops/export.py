@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import _faults
 from .._disk import layout as _layout
-from .._disk.boxmerge import REPLICAS_DIFFER
+from .._disk.boxsum import REPLICAS_DIFFER
 from .._disk.digest import file_digest
 from .._records import manifest as _manifest
 from .._records.findings import Finding, Severity, finding

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from .._disk import layout as _layout
-from .._disk.boxmerge import combine_layout_free
-from .._disk.boxsum import layout_free_partials
+from .._disk.boxsum import combine_layout_free, layout_free_partials
 from ..errors import CheckpointCorruptError
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._disk import layout as _layout
-from .._disk.boxmerge import REPLICAS_DIFFER
+from .._disk.boxsum import REPLICAS_DIFFER
 from .._records import manifest as _manifest
 from .._records.findings import Finding, Severity
 from ..errors import CheckpointError

@@ -31,7 +31,7 @@ from .._disk import lease as _lease
 from .._records import contract as _contract
 from .._records import manifest as _manifest
 from .._records.checks import verify_step
-from .._records.nodemanifest import node_part
+from .._records.manifest import node_part
 from ..errors import CheckpointCorruptError, ConfigError
 
 TRANSFERS_DIR = "transfers"

@@ -49,8 +49,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ._format import FileSlice, read_record
-from ._pool import BufferPool, IOStats, drop_cached, read_scattered
-from ._readahead import halt_reads_ahead
+from ._pool import BufferPool, IOStats, drop_cached, halt_reads_ahead, read_scattered
 from ._spans import (
     ALIGN,
     SMALL_ITEM,
