@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import shutil
 from collections.abc import Callable, Sequence
@@ -35,12 +34,11 @@ from .._disk import layout as _layout
 from .._disk.digest import file_digest
 from .._records import manifest as _manifest
 from .._records.entries import FileEntry
-from .._records.manifest import rank_reads
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage.base import DCP_METADATA
-from ..storage.unpickler import read_dcp_metadata
 from . import p2p as _p2p
+from .peerplan import CRAFTED, FETCH_RETRY, Admission, header_specs
 
 REPLICA_DIR = "replicas"
 MARKER = "replica.json"
@@ -91,7 +89,11 @@ def _marker(directory: Path) -> JsonObject | None:
         data = _layout.read_json(directory / MARKER, what="replica marker")
     except Exception:  # absent, torn or crafted: this replica does not count
         return None
-    ok = isinstance(data, dict) and isinstance(data.get("step"), int) and isinstance(data.get("source_rank"), int)
+    ok = (
+        isinstance(data, dict)
+        and isinstance(data.get("step"), int)
+        and isinstance(data.get("source_rank"), int)
+    )
     return data if ok else None
 
 
@@ -109,7 +111,9 @@ def prune(root: Path, naming: _layout.StepNaming, keep: set[int], sources: list[
             continue
         for source in sources:
             final = replica_dir(root, entry.name, source)
-            for stale in final.parent.glob(f"{final.name}.tmp-*"):  # this rank's pushes are all sealed now
+            for stale in final.parent.glob(
+                f"{final.name}.tmp-*"
+            ):  # this rank's pushes are all sealed now
                 shutil.rmtree(stale, ignore_errors=True)
             if step not in keep and final.exists():
                 shutil.rmtree(final, ignore_errors=True)
@@ -122,7 +126,9 @@ def prune(root: Path, naming: _layout.StepNaming, keep: set[int], sources: list[
 # ---------------------------------------------------------------- files over torch.distributed (``p2p``)
 
 
-def _link(group: Any, step: int | None, what: str, retry: str, timeout_s: float | None) -> _p2p.Link:
+def _link(
+    group: Any, step: int | None, what: str, retry: str, timeout_s: float | None
+) -> _p2p.Link:
     return _p2p.Link(group, step=step, what=what, retry=retry, timeout_s=timeout_s)
 
 
@@ -132,8 +138,14 @@ def send_file(path: Path, spec: FileSpec, dst: int, link: _p2p.Link) -> str | No
     return None if problem is None else str(problem)
 
 
-def recv_file(dest: Path, spec: FileSpec, src: int, link: _p2p.Link, *, refuse: tuple[str, str] | None = None,
-              ) -> str | None:
+def recv_file(
+    dest: Path,
+    spec: FileSpec,
+    src: int,
+    link: _p2p.Link,
+    *,
+    refuse: tuple[str, str] | None = None,
+) -> str | None:
     problem = _p2p.recv_file(link, dest, spec, src, refuse=refuse)
     return None if problem is None else str(problem)
 
@@ -154,13 +166,25 @@ def own_files(manifest_files: Sequence[FileEntry], rank: int) -> list[FileSpec]:
 
 
 def push(
-    *, root: Path, step: int, step_name: str, manifest_files: Sequence[FileEntry], peer_of: list[int | None],
-    rank: int, group: Any, timeout_s: float | None = None,
+    *,
+    root: Path,
+    step: int,
+    step_name: str,
+    manifest_files: Sequence[FileEntry],
+    peer_of: list[int | None],
+    rank: int,
+    group: Any,
+    timeout_s: float | None = None,
 ) -> list[str]:
     """Every rank sends its own files of ``step`` to its peer; returns this rank's problems. After a
     failed file both ranks of the pair skip the rest of it (a replica missing one file does not count)."""
-    link = _link(group, step, "peer replica", "save again (the step is committed; only its replica is missing)",
-                 timeout_s)
+    link = _link(
+        group,
+        step,
+        "peer replica",
+        "save again (the step is committed; only its replica is missing)",
+        timeout_s,
+    )
     problems: list[str] = []
     step_dir = root / step_name
     for source, peer in enumerate(peer_of):  # the global order: source rank ascending
@@ -185,7 +209,9 @@ def push(
     return problems
 
 
-def _seal(tmp: Path, final: Path, step: int, source: int, files: list[FileSpec], *, failed: bool) -> list[str]:
+def _seal(
+    tmp: Path, final: Path, step: int, source: int, files: list[FileSpec], *, failed: bool
+) -> list[str]:
     """Marker last, then the rename; a failed replica is removed, never left to look complete."""
     if failed:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,8 +232,9 @@ def _seal(tmp: Path, final: Path, step: int, source: int, files: list[FileSpec],
 # ---------------------------------------------------------------- fetch at restore
 
 
-def fetch_plan(root: Path, step_name: str, needed: set[str], manifest_files: Sequence[FileEntry],
-               source: int) -> tuple[list[FileSpec], list[Path]]:
+def fetch_plan(
+    root: Path, step_name: str, needed: set[str], manifest_files: Sequence[FileEntry], source: int
+) -> tuple[list[FileSpec], list[Path]]:
     """What a sender sends to rebuild ``source``'s part of a step: the manifest first (the receiver
     admits every later file by it; it is published last, at ``seal_fetch``), the contract files, and
     every file the rank needs (from this node's step directory, else from the replica of
@@ -223,7 +250,9 @@ def fetch_plan(root: Path, step_name: str, needed: set[str], manifest_files: Seq
         specs.append(FileSpec(f"{_layout.CONTRACT_DIR}/{p.name}", size, xxh, "root"))
         paths.append(p)
     by_path = {f.path: f for f in manifest_files}
-    for rel in sorted(needed):  # state/.metadata sorts before the shards: the receiver admits them by it
+    for rel in sorted(
+        needed
+    ):  # state/.metadata sorts before the shards: the receiver admits them by it
         f = by_path[rel]
         local = step_dir / rel
         replica = replica_dir(root, step_name, source) / rel
@@ -240,11 +269,15 @@ def _has_size(path: Path, size: int) -> bool:
         return False
 
 
-FETCH_RETRY = "restore again"
-
-
-def send_part(specs: list[FileSpec], paths: list[Path], dst: int, group: Any, *, step: int | None = None,
-              timeout_s: float | None = None) -> list[str]:
+def send_part(
+    specs: list[FileSpec],
+    paths: list[Path],
+    dst: int,
+    group: Any,
+    *,
+    step: int | None = None,
+    timeout_s: float | None = None,
+) -> list[str]:
     """Send a rank's part of a step (``fetch_plan``) to ``dst``, which calls ``recv_part``: a header
     (the step and the specs), then the files; both stop at the first file that failed."""
     if step is None:
@@ -266,8 +299,16 @@ def _step_of(manifest: Path) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any, *, step: int,
-              timeout_s: float | None = None) -> list[str]:
+def recv_part(
+    root: Path,
+    tmp: Path,
+    rank: int,
+    src: int,
+    group: Any,
+    *,
+    step: int,
+    timeout_s: float | None = None,
+) -> list[str]:
     """Receive ``rank``'s part of ``step`` (the step every rank agreed) into ``tmp`` (a temp directory
     of this node's root): the manifest first, as ``fetched_manifest(tmp, rank)``, then only the files
     it lists for ``rank`` (its extras, the DCP metadata and the shards the metadata says it reads),
@@ -280,14 +321,20 @@ def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any, *, step: i
 
     link = _link(group, step, "fetch from a peer replica", FETCH_RETRY, timeout_s)
     header = _p2p.recv_json(link, src)
-    if isinstance(header, dict) and "error" in header:  # the sender could not read its part: nothing follows
+    if (
+        isinstance(header, dict) and "error" in header
+    ):  # the sender could not read its part: nothing follows
         return [str(header.get("error"))]
-    specs, refusal = _header_specs(header, step)
+    specs, refusal = header_specs(header, step)
     if not specs:  # not even the first file's size: no exchange can follow, the sender times out
-        return [f"fetch from a peer replica, step {step}: rank {rank} refuses rank {src}'s header: {refusal}; "
-                f"rank {src}'s ckptguard is another version, or the peer is not this job's; {FETCH_RETRY}"]
+        return [
+            f"fetch from a peer replica, step {step}: rank {rank} refuses rank {src}'s header: {refusal}; "
+            f"rank {src}'s ckptguard is another version, or the peer is not this job's; {FETCH_RETRY}"
+        ]
     staged = fetched_manifest(tmp, rank).parent
-    if (err := recv_file(fetched_manifest(tmp, rank), specs[0], src, link, refuse=refusal)) is not None:
+    if (
+        err := recv_file(fetched_manifest(tmp, rank), specs[0], src, link, refuse=refusal)
+    ) is not None:
         return [err]
     try:
         manifest = _manifest.read(staged)
@@ -295,9 +342,11 @@ def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any, *, step: i
             raise CheckpointCorruptError(f"the manifest sent is of step {manifest.step}")
     except CheckpointError as exc:
         shutil.rmtree(staged, ignore_errors=True)
-        return [_refuse_next(specs[1:], tmp, src, link, (f"the part: {exc}", _CRAFTED.format(src=src))) or
-                f"fetch from a peer replica, step {step}: rank {rank} refuses rank {src}'s manifest: {exc}"]
-    admit = _Admission(manifest, rank, tmp, staged, src)
+        return [
+            _refuse_next(specs[1:], tmp, src, link, (f"the part: {exc}", CRAFTED.format(src=src)))
+            or f"fetch from a peer replica, step {step}: rank {rank} refuses rank {src}'s manifest: {exc}"
+        ]
+    admit = Admission(manifest, rank, tmp, staged, src)
     for spec in specs[1:]:
         dest, why = admit.where(spec)
         if (err := recv_file(dest, spec, src, link, refuse=why)) is not None:
@@ -307,113 +356,13 @@ def recv_part(root: Path, tmp: Path, rank: int, src: int, group: Any, *, step: i
     return admit.finish(root)
 
 
-_CRAFTED = "the peer's plan is damaged or crafted; check rank {src}'s checkpoint root"
-
-
-def _header_specs(header: Any, step: int) -> tuple[list[FileSpec], tuple[str, str] | None]:
-    """The specs of a fetch header, and why it is refused (None: it is not): the specs read up to the
-    first that does not parse, so the first file's exchange can still carry the refusal."""
-    todo = "the sender runs another ckptguard version, or its plan is damaged or crafted"
-    raw = header.get("files") if isinstance(header, dict) else None
-    if not isinstance(raw, list):
-        return [], ("the header: it holds no 'files' list", todo)
-    specs: list[FileSpec] = []
-    for entry in raw:
-        if not isinstance(entry, dict) or set(entry) - _SPEC_FIELDS or not {"path", "size", "xxh3"} <= set(entry):
-            extra = sorted(set(entry) - _SPEC_FIELDS) if isinstance(entry, dict) else []
-            return specs, (f"the header: an entry {str(entry)[:120]} is not a file spec"
-                           + (f" (unknown field {extra})" if extra else ""), todo)
-        ok = (isinstance(entry["path"], str) and isinstance(entry["xxh3"], str) and type(entry["size"]) is int
-              and 0 <= entry["size"] <= _MAX_FILE_BYTES and isinstance(entry.get("where", "step"), str))
-        if not ok:
-            return specs, (f"the header: an entry {str(entry)[:120]} is not a file spec", todo)
-        specs.append(FileSpec(**entry))
-    if header.get("step") != step:
-        return specs, (f"the header: it is of step {str(header.get('step'))[:40]}, the ranks agreed on {step}", todo)
-    if not specs or (specs[0].path, specs[0].where) != (_layout.MANIFEST_NAME, "step"):
-        return specs, ("the header: its first file is not the step's manifest", todo)
-    return specs, None
-
-
-_SPEC_FIELDS = {"path", "size", "xxh3", "where"}
-_MAX_FILE_BYTES = 1 << 50
-_PHASE = re.compile(r"phase_(\d{4})\.json\Z")
-
-
-def _refuse_next(rest: list[FileSpec], tmp: Path, src: int, link: _p2p.Link, why: tuple[str, str]) -> str | None:
+def _refuse_next(
+    rest: list[FileSpec], tmp: Path, src: int, link: _p2p.Link, why: tuple[str, str]
+) -> str | None:
     """The sender sends its next file (if any): refuse it, so it stops there and hears why."""
     if not rest:
         return None
     return recv_file(tmp / "refused", rest[0], src, link, refuse=why)  # nothing is written
-
-
-class _Admission:
-    """Which files of a fetched part the receiver accepts, by the manifest that came first."""
-
-    def __init__(self, manifest: _manifest.Manifest, rank: int, tmp: Path, staged: Path, src: int) -> None:
-        self.manifest, self.rank, self.tmp, self.staged, self.src = manifest, rank, tmp, staged, src
-        self.entries = {f.path: f for f in manifest.files}
-        self.reads: set[str] | None = None  # the DCP files the rank reads, once the metadata arrived
-        self.received: list[FileSpec] = []
-        phase = manifest.contract.get("phase")
-        self.phases = phase if isinstance(phase, int) and not isinstance(phase, bool) else -1
-
-    def where(self, spec: FileSpec) -> tuple[Path, tuple[str, str] | None]:
-        why = self._why_not(spec)
-        dest = self.staged / spec.path if spec.where == "root" else self.tmp / spec.path
-        if why is None:
-            self.received.append(spec)
-            return dest, None
-        return dest, (f"the file: {why}", _CRAFTED.format(src=self.src) + "; nothing else of the part is written")
-
-    def _why_not(self, spec: FileSpec) -> str | None:
-        if spec.where == "root":
-            phase = _PHASE.match(spec.path[len(_layout.CONTRACT_DIR) + 1:]) \
-                if spec.path.startswith(f"{_layout.CONTRACT_DIR}/") else None
-            if phase is None or int(phase.group(1)) > self.phases:
-                return (f"of the root it is none of the contract phases 0..{self.phases} the step's manifest "
-                        "names")
-            return None
-        if spec.where != "step":
-            return f"its destination {spec.where!r:.40} is neither the step nor the contract"
-        entry = self.entries.get(spec.path)
-        if entry is None or (entry.size, entry.xxh3) != (spec.size, spec.xxh3):
-            return "the step's manifest does not list it with this size and xxh3"
-        mine = {_layout.extras_name(self.rank), f"{_layout.STATE_DIR}/{DCP_METADATA}"} | (self.reads or set())
-        if spec.path not in mine:
-            return (f"it is not part of rank {self.rank}'s files of the step (its extras, the DCP metadata "
-                    "and the shards the metadata says it reads; the metadata comes first)")
-        return None
-
-    def learn_reads(self, metadata: Path) -> None:
-        try:
-            self.reads = rank_reads(read_dcp_metadata(metadata.parent), self.rank)
-        except (CheckpointError, OSError):  # refused below: no shard is admitted without it
-            self.reads = set()
-
-    def finish(self, root: Path) -> list[str]:
-        """Every file the rank reads arrived; then the contract phases go into the root (never over one)."""
-        step = self.manifest.step
-        got = {s.path for s in self.received if s.where == "step"}
-        need = {_layout.extras_name(self.rank), f"{_layout.STATE_DIR}/{DCP_METADATA}"} | (self.reads or set())
-        if need - got:
-            return [f"fetch from a peer replica, step {step}: rank {self.src} sent rank {self.rank}'s part without "
-                    f"{sorted(need - got)[:5]}; {FETCH_RETRY} (the peer's replica is incomplete)"]
-        problems: list[str] = []
-        for spec in (s for s in self.received if s.where == "root"):
-            dest, staged = root / spec.path, self.staged / spec.path
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.link(staged, dest)  # a sibling receiver may link it at the same time: never replaced
-                _layout.fsync_dir(dest.parent)
-            except FileExistsError:  # a root of this run already holds its contract: the same bytes
-                if file_digest(str(dest))[1] != spec.xxh3:
-                    problems.append(f"{dest} differs from the run's contract file on rank {self.src}: this node's "
-                                    "root holds another run; give the replacement node an empty root (or this run's)")
-            except OSError as exc:
-                problems.append(f"fetch from a peer replica, step {step}: placing {dest}: {exc}")
-        shutil.rmtree(self.staged / _layout.CONTRACT_DIR, ignore_errors=True)
-        return problems
 
 
 def fetched_manifest(tmp: Path, rank: int) -> Path:
@@ -421,13 +370,18 @@ def fetched_manifest(tmp: Path, rank: int) -> Path:
 
 
 def seal_fetch(
-    tmp: Path, final: Path, rank: int, node_record: Callable[[_manifest.Manifest], _manifest.NodeManifest | None]
+    tmp: Path,
+    final: Path,
+    rank: int,
+    node_record: Callable[[_manifest.Manifest], _manifest.NodeManifest | None],
 ) -> None:
     """The first receiving rank of a node, after every rank's fetch arrived intact: the manifest and
     the node manifest (``node_record(manifest)``) in the temp directory, then the step directory in
     place (a rename, or where part of the step was still here, its files with the manifest last)."""
 
-    os.replace(fetched_manifest(tmp, rank), tmp / _layout.MANIFEST_NAME)  # a temp directory: not committed yet
+    os.replace(
+        fetched_manifest(tmp, rank), tmp / _layout.MANIFEST_NAME
+    )  # a temp directory: not committed yet
     for staged in tmp.glob(".fetched-*"):
         shutil.rmtree(staged)
     record = node_record(_manifest.read(tmp))
@@ -437,7 +391,10 @@ def seal_fetch(
     if not final.exists():
         os.rename(tmp, final)
     else:  # part of the step was still here (a rank lost only some files): fill it in, marker last
-        moved = sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: p.name == _layout.MANIFEST_NAME)
+        moved = sorted(
+            (p for p in tmp.rglob("*") if p.is_file()),
+            key=lambda p: p.name == _layout.MANIFEST_NAME,
+        )
         for p in moved:
             dest = final / p.relative_to(tmp)
             dest.parent.mkdir(parents=True, exist_ok=True)
