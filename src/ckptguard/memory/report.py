@@ -25,8 +25,6 @@ not obtained is said so, never drawn as 0. The same content is drawn in the PNG 
 
 from __future__ import annotations
 
-import html
-from dataclasses import dataclass
 from typing import Any
 
 from ._story import (
@@ -36,266 +34,113 @@ from ._story import (
     build_story,
     fmt_bytes,
     gpu_series,
-    nice_scale,
-    nice_ticks,
-    phase_labels,
     save_sentence,
-    time_unit,
 )
 from .growth import GrowthConfig, GrowthReport, analyze_growth
 from .killer import Killer
+from .svgchart import (
+    CLEAR,
+    COLORS,
+    PALETTE,
+    ROW,
+    B,
+    H,
+    L,
+    R,
+    T,
+    W,
+    bands,
+    bar_x,
+    esc,
+    frame,
+    hline,
+    limit_lines,
+    peak_bars,
+    save_mark,
+    scaled,
+)
 
 __all__ = ["render_html"]
 
-W, H, L, R, T, B = 940, 360, 64, 16, 44, 36
-CHAR_PX = 6.0  # width of one character of the 10-11px labels, to keep labels apart
-COLORS = {"anon": "#4e79a7", "shmem": "#e15759", "file": "#76b7b2", "allocated": "#59a14f", "reserved": "#f28e2b"}
-PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"]
 MAX_TABLE_ROWS = 40
 
 
-def _e(s: Any) -> str:
-    return html.escape(str(s), quote=True)
-
-
-@dataclass
-class _Axes:
-    t0: float
-    t1: float
-    ymax: float
-
-    def x(self, t: float) -> float:
-        span = (self.t1 - self.t0) or 1.0
-        return L + (t - self.t0) / span * (W - L - R)
-
-    def y(self, v: float) -> float:
-        return H - B - (v / (self.ymax or 1.0)) * (H - T - B)
-
-
-def _scaled(t0: float, t1: float, vmax: float) -> tuple[_Axes, str, int, list[float]]:
-    unit, div, ticks, top = nice_scale(vmax)
-    return _Axes(t0, t1, top), unit, div, ticks
-
-
-def _frame(ax: _Axes, title: str, unit: str, div: int, ticks: list[float]) -> list[str]:
-    out = [f'<text x="{L}" y="14" class="title">{_e(title)}</text>',
-           f'<rect data-plot-area="" x="{L}" y="{T}" width="{W - L - R}" height="{H - T - B}" class="plot-area"/>',
-           f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" class="axis"/>',
-           f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" class="axis"/>']
-    for v in ticks:
-        y = ax.y(v * div)
-        out.append(f'<line x1="{L}" y1="{y:.1f}" x2="{W - R}" y2="{y:.1f}" class="grid"/>'
-                   f'<text x="{L - 6}" y="{y + 4:.1f}" class="tick" text-anchor="end">{v:g}</text>')
-    tu, tdiv = time_unit(ax.t1 - ax.t0)
-    for v in nice_ticks((ax.t1 - ax.t0) / tdiv)[1]:
-        x = ax.x(ax.t0 + v * tdiv)
-        # The last tick may sit on the right edge: anchor it at its end so it is not cut off.
-        anchor = "end" if x > W - R - 20 else "middle"
-        out.append(f'<text x="{x:.1f}" y="{H - B + 16}" class="tick" text-anchor="{anchor}">{v:g} {tu}</text>')
-    out.append(f'<text x="{L - 6}" y="{T - 8}" class="tick" text-anchor="end">{unit}</text>')
-    return out
-
-
-def _bands(spans: list[Span], ax: _Axes) -> list[str]:
-    out = []
-    for s in spans:
-        x0, x1 = ax.x(s.t0), ax.x(s.t1)
-        cls = "band fail" if s.died else "band"
-        state = "never ended" if s.never_ended else ("failed" if s.failed else "ended")
-        out.append(f'<g data-phase="{_e(s.phase)}" data-step="{_e(s.step)}" data-state="{state}">'
-                   f'<rect x="{x0:.1f}" y="{T}" width="{max(1.0, x1 - x0):.1f}" height="{H - T - B}" class="{cls}"/>'
-                   f'<title>{_e(s.phase)} step {_e(s.step)} (pid {_e(s.pid)}): {state}</title></g>')
-    for x, text, s in phase_labels(spans, ax.x, CHAR_PX, W - R):
-        cls = "phase-label fail" if "died" in text else "phase-label"
-        out.append(f'<text data-phase-label="{_e(s.phase)}" x="{x:.1f}" y="{T - 6}" class="{cls}">{_e(text)}</text>')
-    return out
-
-
-def _bar_x(s: Span, ax: _Axes) -> tuple[float, float]:
-    x0, x1 = ax.x(s.t0), ax.x(s.t1)
-    if x1 - x0 < 8:  # a phase shorter than a few pixels still shows its peak
-        x0, x1 = (x0 + x1) / 2 - 4, (x0 + x1) / 2 + 4
-    return x0, x1
-
-
-def _peak_bars(spans: list[Span], ax: _Axes, limit: int | None) -> list[str]:
-    out = []
-    for s in spans:
-        if s.peak is None:
-            continue
-        (x0, x1), y = _bar_x(s, ax), ax.y(s.peak)
-        room = f"; headroom {fmt_bytes(limit - s.peak)}" if limit is not None else ""
-        out.append(f'<g data-peak="{_e(s.phase)}" data-step="{_e(s.step)}" data-bytes="{s.peak}">'
-                   f'<line x1="{x0:.1f}" y1="{y:.1f}" x2="{x1:.1f}" y2="{y:.1f}" class="peak"/>'
-                   f'<title>{_e(s.phase)} step {_e(s.step)}: in-phase peak {fmt_bytes(s.peak)} '
-                   f'({_e(s.peak_source)}){room}</title></g>')
-    return out
-
-
-Box = tuple[float, float, float, float]
-
-
-LABEL_UP, LABEL_DOWN = 10, 4  # a 11px label's extent above and below its baseline, as Chromium lays it out
-CLEAR = 3  # pixels kept free between a label and any line (a limit, a peak bar): a label is never struck through
-ROW = LABEL_UP + LABEL_DOWN + 1  # one label row
-
-
-def _hline(y: float, x0: float = L, x1: float = W - R) -> Box:
-    """A horizontal line as an obstacle, widened by CLEAR on both sides."""
-    return (x0, y - CLEAR, x1, y + CLEAR)
-
-
-def _limit_lines(n: NodeStory, ax: _Axes, arrow_x: float | None,
-                 obstacles: list[Box]) -> tuple[list[str], list[Box]]:
-    """The limit lines and their labels; the boxes returned are the labels' and the lines' (for the save mark).
-
-    Each label goes above its line, else below it, at the right end, else the left end, else beside
-    the save mark's arrow, the first of those where it crosses no line (limits, peak bars) and no
-    other label; where none is free it goes above its line at the right end, as before."""
-    shown = sorted((lim for lim in n.limits if lim.bytes is not None and lim.bytes <= ax.ymax),
-                   key=lambda lim: -(lim.bytes or 0))
-    above = [lim for lim in n.limits if lim.bytes is not None and lim.bytes > ax.ymax]
-    lines = [_hline(ax.y(lim.bytes or 0)) for lim in shown]
-    out: list[str] = []
-    labels: list[Box] = []
-    for lim in shown:
-        y = ax.y(lim.bytes or 0)
-        width = len(lim.label) * CHAR_PX
-        xs = [W - R - 6 - width, L + 6] + ([arrow_x - 8 - width, arrow_x + 8] if arrow_x is not None else [])
-        # A label the save mark's arrow runs through is not readable.
-        xs = [x for x in xs if x >= L + 2 and x + width <= W - R - 2
-              and (arrow_x is None or x > arrow_x + 6 or x + width < arrow_x - 6)] or xs[:1]
-        # Nearest its line first: just above, just below, then a row further out on either side.
-        rows = [y - CLEAR - LABEL_DOWN, y + CLEAR + LABEL_UP + 1]
-        rows += [r + d for d in (-ROW, ROW) for r in rows[(d > 0):][:1]]
-        spots = [(x, ly) for ly in rows for x in xs]
-        x0, ly = next((sp for sp in spots if _fits(_label_box(sp[0], sp[1], width), [*lines, *obstacles, *labels])),
-                      (xs[0], max(y - CLEAR - LABEL_DOWN, T + LABEL_UP + 1)))
-        labels.append(_label_box(x0, ly, width))
-        out.append(f'<g data-limit="{_e(lim.name)}" data-bytes="{lim.bytes}">'
-                   f'<line x1="{L}" y1="{y:.1f}" x2="{W - R}" y2="{y:.1f}" class="limit"/>'
-                   f'<text x="{x0:.1f}" y="{ly:.1f}" class="limit-label">{_e(lim.label)}</text></g>')
-    for lim in above:  # no line to sit on: the first free row from the top, clear of the bars and the arrow
-        text = f"{lim.label} (above the scale)"
-        width = len(text) * CHAR_PX
-        rows = [T + CLEAR + LABEL_UP + 1 + ROW * k for k in range(8)]
-        spots = [(x, ly) for ly in rows for x in (W - R - 6 - width, L + 6)]
-        x0, ly = next((sp for sp in spots if _fits(_label_box(sp[0], sp[1], width), [*lines, *obstacles, *labels])),
-                      spots[0])
-        labels.append(_label_box(x0, ly, width))
-        out.append(f'<text data-limit="{_e(lim.name)}" data-bytes="{lim.bytes}" x="{x0:.1f}" '
-                   f'y="{ly:.1f}" class="limit-label">{_e(text)}</text>')
-    return out, labels + lines
-
-
-def _label_box(x0: float, baseline: float, width: float) -> Box:
-    return (x0, baseline - LABEL_UP, x0 + width, baseline + LABEL_DOWN)
-
-
-def _fits(box: Box, taken: list[Box]) -> bool:
-    # CLEAR inside the plot's frame too: its border is a line like any other (it ran through a label at the top)
-    return box[1] >= T + CLEAR and box[3] <= H - B - CLEAR and not _overlaps(box, taken)
-
-
-def _overlaps(a: Box, boxes: list[Box]) -> bool:
-    return any(a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3] for b in boxes)
-
-
-def _save_mark(n: NodeStory, ax: _Axes, taken: list[Box]) -> list[str]:
-    if n.save is None:
-        return []
-    s, limit, room = n.save.span, n.save.limit, n.save.headroom
-    xa = (ax.x(s.t0) + ax.x(s.t1)) / 2
-    yp, yl = ax.y(s.peak or 0), ax.y(min(limit, ax.ymax))
-    # Arrowheads as polygons, not <marker> ids that would collide between two nodes' charts.
-    tip = 5 if yl < yp else -5
-    arrow = (f'<line x1="{xa:.1f}" y1="{yp:.1f}" x2="{xa:.1f}" y2="{yl:.1f}" class="headroom"/>'
-             f'<polygon points="{xa - 4:.1f},{yl + tip:.1f} {xa + 4:.1f},{yl + tip:.1f} {xa:.1f},{yl:.1f}" '
-             'class="headroom-head"/>')
-    died = ", died in it" if s.died else ""
-    room_text = f"headroom {fmt_bytes(room)} to the {fmt_bytes(limit)} limit" if room >= 0 else \
-        f"OVER the {fmt_bytes(limit)} limit by {fmt_bytes(-room)}"
-    head = f"save peak {fmt_bytes(s.peak)} (step {s.step}{died})"
-    # Beside the arrow, clear of the limit labels and inside the plot: one line if it fits
-    # somewhere, else two.
-    spot = _place([f"{head}, {room_text}"], xa, yp, yl, taken) or _place([head, room_text], xa, yp, yl, taken)
-    lines = [f"{head}, {room_text}"] if spot and spot[3] == 1 else [head, room_text]
-    wide = max(len(head), len(room_text)) * CHAR_PX
-    fallback = ("start", max(L + 2, min(xa + 8, W - R - 2 - wide)), min(max(yp, yl) + 15, H - B - 18), 2)
-    anchor, tx, ty, _ = spot or fallback
-    cls = "mark-label over" if room < 0 else "mark-label"
-    text = "".join(f'<text x="{tx:.1f}" y="{ty + 13 * i:.1f}" text-anchor="{anchor}" class="{cls}">{_e(t)}</text>'
-                   for i, t in enumerate(lines))
-    return [f'<g data-mark="save-peak" data-step="{_e(s.step)}" data-bytes="{s.peak}" data-limit-bytes="{limit}" '
-            f'data-headroom="{room}">{arrow}<circle cx="{xa:.1f}" cy="{yp:.1f}" r="4" class="save-dot"/>{text}</g>']
-
-
-def _place(lines: list[str], xa: float, yp: float, yl: float,
-           taken: list[Box]) -> tuple[str, float, float, int] | None:
-    """(anchor, x, first baseline, line count) for a label beside the arrow at ``xa``: between the
-    peak and the limit, else under the peak, else above the limit, on the side with more room."""
-    width, extra = max(len(t) for t in lines) * CHAR_PX, 13 * (len(lines) - 1)
-    top, bottom = min(yp, yl), max(yp, yl)
-    rows = ([(top + bottom - extra) / 2 + 4] if bottom - top >= 18 + extra else [])
-    # Under the peak, else above the limit, then a row further out each time (clear of the lines).
-    rows += [y for k in range(4) for y in (bottom + 15 + ROW * k, top - 6 - extra - ROW * k)]
-    sides = [("end", xa - 8), ("start", xa + 8)] if xa > (L + W - R) / 2 else [("start", xa + 8), ("end", xa - 8)]
-    for y in rows:
-        for anchor, x in sides:
-            x0 = x - width if anchor == "end" else x
-            box = (x0, y - LABEL_UP, x0 + width, y + LABEL_DOWN + extra)
-            if box[0] >= L + 2 and box[2] <= W - R - 2 and _fits(box, taken):
-                return anchor, x, y, len(lines)
-    return None
-
-
 def _host_chart(n: NodeStory, t0: float, t1: float) -> str:
-    top = max([sum(v.values()) for _, v in n.stack] + [v for _, v in n.current] +
-              [s.peak for s in n.spans if s.peak is not None] + [1])
+    top = max(
+        [sum(v.values()) for _, v in n.stack]
+        + [v for _, v in n.current]
+        + [s.peak for s in n.spans if s.peak is not None]
+        + [1]
+    )
     # Scale to the data, but keep a limit line in view when it is within 4x of the data.
     near = [lim.bytes for lim in n.limits if lim.bytes is not None and lim.bytes <= 4 * top]
     # Room above the top limit line for its label (a label pushed onto its line is struck through).
     room = 1 / (1 - (ROW + 2 * CLEAR) / (H - T - B))
-    ax, unit, div, ticks = _scaled(t0, t1, max([top * 1.04, *(b * room for b in near)]))
-    out = _frame(ax, f"Host memory on {n.node} (stacked: anon, shmem, file without shmem)", unit, div, ticks)
-    out += _bands(n.spans, ax)
+    ax, unit, div, ticks = scaled(t0, t1, max([top * 1.04, *(b * room for b in near)]))
+    out = frame(
+        ax, f"Host memory on {n.node} (stacked: anon, shmem, file without shmem)", unit, div, ticks
+    )
+    out += bands(n.spans, ax)
     base = [0] * len(n.stack)
     for name in ("anon", "shmem", "file"):
         tops = [b + v[name] for b, (_, v) in zip(base, n.stack, strict=True)]
         if n.stack:
-            fwd = " ".join(f"{ax.x(t):.1f},{ax.y(y):.1f}" for (t, _), y in zip(n.stack, tops, strict=True))
-            back = " ".join(f"{ax.x(t):.1f},{ax.y(y):.1f}" for (t, _), y in reversed(
-                list(zip(n.stack, base, strict=True))))
-            out.append(f'<polygon data-series="{name}" points="{fwd} {back}" fill="{COLORS[name]}" '
-                       f'fill-opacity="0.7"><title>{name}</title></polygon>')
+            fwd = " ".join(
+                f"{ax.x(t):.1f},{ax.y(y):.1f}" for (t, _), y in zip(n.stack, tops, strict=True)
+            )
+            back = " ".join(
+                f"{ax.x(t):.1f},{ax.y(y):.1f}"
+                for (t, _), y in reversed(list(zip(n.stack, base, strict=True)))
+            )
+            out.append(
+                f'<polygon data-series="{name}" points="{fwd} {back}" fill="{COLORS[name]}" '
+                f'fill-opacity="0.7"><title>{name}</title></polygon>'
+            )
         base = tops
     if n.current:
         pts = " ".join(f"{ax.x(t):.1f},{ax.y(v):.1f}" for t, v in n.current)
-        out.append(f'<polyline data-series="current" points="{pts}" class="current">'
-                   f'<title>{_e(n.current_name)} at each record</title></polyline>')
-    out += _peak_bars(n.spans, ax, n.budget.bytes)
+        out.append(
+            f'<polyline data-series="current" points="{pts}" class="current">'
+            f"<title>{esc(n.current_name)} at each record</title></polyline>"
+        )
+    out += peak_bars(n.spans, ax, n.budget.bytes)
     arrow_x = (ax.x(n.save.span.t0) + ax.x(n.save.span.t1)) / 2 if n.save is not None else None
-    bars = [_hline(ax.y(s.peak), *_bar_x(s, ax)) for s in n.spans if s.peak is not None]
-    if n.save is not None and arrow_x is not None:  # the save mark's arrow, dot and head: no label on them
+    bars = [hline(ax.y(s.peak), *bar_x(s, ax)) for s in n.spans if s.peak is not None]
+    if (
+        n.save is not None and arrow_x is not None
+    ):  # the save mark's arrow, dot and head: no label on them
         ends = (ax.y(n.save.span.peak or 0), ax.y(min(n.save.limit, ax.ymax)))
-        bars.append((arrow_x - 5 - CLEAR, min(ends) - 6 - CLEAR, arrow_x + 5 + CLEAR, max(ends) + 5 + CLEAR))
-    lines, taken = _limit_lines(n, ax, arrow_x, bars)
+        bars.append(
+            (arrow_x - 5 - CLEAR, min(ends) - 6 - CLEAR, arrow_x + 5 + CLEAR, max(ends) + 5 + CLEAR)
+        )
+    lines, taken = limit_lines(n, ax, arrow_x, bars)
     taken += bars
     out += lines
-    out += _save_mark(n, ax, taken)
-    legend = "".join(f'<span class="key" style="background:{COLORS[k]}"></span>{k} ' for k in ("anon", "shmem", "file"))
-    legend += (f'<span class="key line"></span>{_e(n.current_name)} at each record '
-               '<span class="key peak"></span>in-phase sampled peak (drawn across its phase) '
-               '<span class="key limit"></span>limit')
-    missing = "".join(f'<p class="note" data-limit="{_e(lim.name)}" data-bytes="">{_e(lim.name)}: not obtained '
-                      f'({_e(lim.why)})</p>' for lim in n.limits if lim.bytes is None)
-    return (f'<svg data-chart="host-memory" data-node="{_e(n.node)}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
-            f'class="chart" role="img">{"".join(out)}</svg><p class="legend">{legend}</p>{missing}')
+    out += save_mark(n, ax, taken)
+    legend = "".join(
+        f'<span class="key" style="background:{COLORS[k]}"></span>{k} '
+        for k in ("anon", "shmem", "file")
+    )
+    legend += (
+        f'<span class="key line"></span>{esc(n.current_name)} at each record '
+        '<span class="key peak"></span>in-phase sampled peak (drawn across its phase) '
+        '<span class="key limit"></span>limit'
+    )
+    missing = "".join(
+        f'<p class="note" data-limit="{esc(lim.name)}" data-bytes="">{esc(lim.name)}: not obtained '
+        f"({esc(lim.why)})</p>"
+        for lim in n.limits
+        if lim.bytes is None
+    )
+    return (
+        f'<svg data-chart="host-memory" data-node="{esc(n.node)}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
+        f'class="chart" role="img">{"".join(out)}</svg><p class="legend">{legend}</p>{missing}'
+    )
 
 
 def _phase_table(n: NodeStory) -> str:
     spans = n.spans
-    caption = f"{len(spans)} phase(s) on {_e(n.node)}"
+    caption = f"{len(spans)} phase(s) on {esc(n.node)}"
     if len(spans) > MAX_TABLE_ROWS:
         # A long run has thousands of phases: keep, per phase name, the one with the highest
         # peak, and every phase a process died in.
@@ -303,8 +148,10 @@ def _phase_table(n: NodeStory) -> str:
         for s in spans:
             if s.phase not in best or (s.peak or -1) > (best[s.phase].peak or -1):
                 best[s.phase] = s
-        spans = sorted({id(s): s for s in [*best.values(), *(s for s in spans if s.died)]}.values(),
-                       key=lambda s: s.t0)
+        spans = sorted(
+            {id(s): s for s in [*best.values(), *(s for s in spans if s.died)]}.values(),
+            key=lambda s: s.t0,
+        )
         caption += "; shown: the highest peak of each phase name and every phase that did not end"
     limit = n.budget.bytes
     rows = []
@@ -312,59 +159,86 @@ def _phase_table(n: NodeStory) -> str:
         room = "n/a" if limit is None or s.peak is None else fmt_bytes(limit - s.peak)
         state = "never ended" if s.never_ended else ("failed" if s.failed else "")
         end = "none (never ended)" if s.never_ended else fmt_bytes(s.end_current)
-        cls = ' class="save"' if n.save and s is n.save.span else (' class="died"' if s.died else "")
-        rows.append(f'<tr data-phase="{_e(s.phase)}" data-step="{_e(s.step)}" data-peak="{s.peak or ""}"{cls}>'
-                    f'<td>{_e(s.phase)} {_e(state)}</td><td>{_e(s.step)}</td><td>{_e(s.rank)}</td><td>{_e(s.pid)}</td>'
-                    f'<td>{s.t1 - s.t0:.2f} s</td><td>{fmt_bytes(s.start_current)}</td><td>{end}'
-                    f'</td><td><b>{fmt_bytes(s.peak)}</b></td><td>{_e(s.peak_source)}</td><td>{room}</td></tr>')
-    hp = ("" if n.memory_peak is None else
-          f'<p class="legend">cgroup memory.peak at the last record: {fmt_bytes(n.memory_peak)} (high-water mark '
-          'since the cgroup was created or reset, not per phase).</p>')
-    return (f'<table class="phases"><caption>{caption}; limit {fmt_bytes(limit)} = {_e(n.budget.derivation)}'
-            f'</caption><tr><th>phase</th><th>step</th><th>rank</th><th>pid</th><th>duration</th>'
-            f'<th>{_e(n.current_name)} at start</th><th>at end</th><th>in-phase peak</th><th>peak from</th>'
-            f'<th>headroom</th></tr>{"".join(rows)}</table>{hp}')
+        cls = (
+            ' class="save"' if n.save and s is n.save.span else (' class="died"' if s.died else "")
+        )
+        rows.append(
+            f'<tr data-phase="{esc(s.phase)}" data-step="{esc(s.step)}" data-peak="{s.peak or ""}"{cls}>'
+            f"<td>{esc(s.phase)} {esc(state)}</td><td>{esc(s.step)}</td><td>{esc(s.rank)}</td><td>{esc(s.pid)}</td>"
+            f"<td>{s.t1 - s.t0:.2f} s</td><td>{fmt_bytes(s.start_current)}</td><td>{end}"
+            f"</td><td><b>{fmt_bytes(s.peak)}</b></td><td>{esc(s.peak_source)}</td><td>{room}</td></tr>"
+        )
+    hp = (
+        ""
+        if n.memory_peak is None
+        else f'<p class="legend">cgroup memory.peak at the last record: {fmt_bytes(n.memory_peak)} (high-water mark '
+        "since the cgroup was created or reset, not per phase).</p>"
+    )
+    return (
+        f'<table class="phases"><caption>{caption}; limit {fmt_bytes(limit)} = {esc(n.budget.derivation)}'
+        f"</caption><tr><th>phase</th><th>step</th><th>rank</th><th>pid</th><th>duration</th>"
+        f"<th>{esc(n.current_name)} at start</th><th>at end</th><th>in-phase peak</th><th>peak from</th>"
+        f"<th>headroom</th></tr>{''.join(rows)}</table>{hp}"
+    )
 
 
 def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
     procs = [p for p in growth.processes if p.floors_per_interval]
     if not procs:
-        return '<p class="note" data-not-obtained="floors">No per-process PSS readings in the records ' \
-               '(run the job under mem watch, or record phases with probe_process).</p>'
-    ax, unit, div, ticks = _scaled(t0, t1, max(v for p in procs for _, v in p.floors_per_interval) * 1.08)
-    out = _frame(ax, "Per-process PSS floor", unit, div, ticks)
+        return (
+            '<p class="note" data-not-obtained="floors">No per-process PSS readings in the records '
+            "(run the job under mem watch, or record phases with probe_process).</p>"
+        )
+    ax, unit, div, ticks = scaled(
+        t0, t1, max(v for p in procs for _, v in p.floors_per_interval) * 1.08
+    )
+    out = frame(ax, "Per-process PSS floor", unit, div, ticks)
     rows = []
     for i, p in enumerate(growth.processes):
         color = PALETTE[i % len(PALETTE)]
         label = f"{p.pid} {p.comm}"
         pts = " ".join(f"{ax.x(t):.1f},{ax.y(v):.1f}" for t, v in p.floors_per_interval)
-        if len(p.floors_per_interval) == 1:  # one floor is a point, not a line (a polyline of one point is invisible)
-            (t, v), = p.floors_per_interval
-            out.append(f'<circle data-series="{_e(label)}" cx="{ax.x(t):.1f}" cy="{ax.y(v):.1f}" r="4" '
-                       f'fill="{color}"><title>{_e(label)}: one floor</title></circle>')
+        if (
+            len(p.floors_per_interval) == 1
+        ):  # one floor is a point, not a line (a polyline of one point is invisible)
+            ((t, v),) = p.floors_per_interval
+            out.append(
+                f'<circle data-series="{esc(label)}" cx="{ax.x(t):.1f}" cy="{ax.y(v):.1f}" r="4" '
+                f'fill="{color}"><title>{esc(label)}: one floor</title></circle>'
+            )
         elif pts:
-            out.append(f'<polyline data-series="{_e(label)}" points="{pts}" fill="none" stroke="{color}" '
-                       f'stroke-width="2"><title>{_e(label)}</title></polyline>')
+            out.append(
+                f'<polyline data-series="{esc(label)}" points="{pts}" fill="none" stroke="{color}" '
+                f'stroke-width="2"><title>{esc(label)}</title></polyline>'
+            )
         verdict = "rising" if p.rising else "flat"
         per_s = "n/a" if p.per_second is None else f"{p.per_second.value / 1024:.1f} KiB/s"
         per_step = "n/a" if p.per_step is None else f"{p.per_step.value / 2**20:.2f} MiB/step"
-        rows.append(f'<tr data-pid="{p.pid}" data-verdict="{verdict}"><td><span class="key" style="background:{color}">'
-                    f'</span>{p.pid}</td><td>{_e(p.comm)}</td><td>{_e(p.argv0)}</td><td>{fmt_bytes(p.last_floor)}</td>'
-                    f'<td>{per_s}</td><td>{per_step}</td><td class="{verdict}">{verdict}</td>'
-                    f'<td>{_e(p.reason)}</td></tr>')
-    table = ('<table class="verdicts"><tr><th>pid</th><th>comm</th><th>argv0</th><th>last floor</th><th>slope/s</th>'
-             '<th>slope/step</th><th>verdict</th><th>why</th></tr>' + "".join(rows) + "</table>")
+        rows.append(
+            f'<tr data-pid="{p.pid}" data-verdict="{verdict}"><td><span class="key" style="background:{color}">'
+            f"</span>{p.pid}</td><td>{esc(p.comm)}</td><td>{esc(p.argv0)}</td><td>{fmt_bytes(p.last_floor)}</td>"
+            f'<td>{per_s}</td><td>{per_step}</td><td class="{verdict}">{verdict}</td>'
+            f"<td>{esc(p.reason)}</td></tr>"
+        )
+    table = (
+        '<table class="verdicts"><tr><th>pid</th><th>comm</th><th>argv0</th><th>last floor</th><th>slope/s</th>'
+        "<th>slope/step</th><th>verdict</th><th>why</th></tr>" + "".join(rows) + "</table>"
+    )
     hint = ""
     n = growth.node
     if n.hint_seconds_to_limit is not None or n.hint_steps_to_limit is not None:
-        hint = (f'<p class="hint" data-hint="limit">{_e(n.hint_label)}: node floor would reach '
-                f'{fmt_bytes(n.limit_bytes)} in ~{n.hint_seconds_to_limit or float("nan"):.0f} s / '
-                f'~{n.hint_steps_to_limit or float("nan"):.0f} steps.</p>')
+        hint = (
+            f'<p class="hint" data-hint="limit">{esc(n.hint_label)}: node floor would reach '
+            f"{fmt_bytes(n.limit_bytes)} in ~{n.hint_seconds_to_limit or float('nan'):.0f} s / "
+            f"~{n.hint_steps_to_limit or float('nan'):.0f} steps.</p>"
+        )
     if all(len(p.floors_per_interval) < 2 for p in procs):
         # A chart of single points over the whole run says nothing the table does not: say why instead.
-        why = ('<p class="note" data-not-obtained="floors-chart">No PSS floor chart: the records give each process '
-               'one floor only (their PSS samples fall in one interval), so there is no line to draw; the table '
-               'below gives each floor. Sample longer or more often (mem watch --interval) for a chart.</p>')
+        why = (
+            '<p class="note" data-not-obtained="floors-chart">No PSS floor chart: the records give each process '
+            "one floor only (their PSS samples fall in one interval), so there is no line to draw; the table "
+            "below gives each floor. Sample longer or more often (mem watch --interval) for a chart.</p>"
+        )
         return why + table + hint
     return _svg("process-floors", out) + table + hint
 
@@ -377,24 +251,33 @@ def _svg(name: str, parts: list[str]) -> str:
 def _gpu_chart(story: Story, records: list[dict[str, Any]]) -> str:
     series, reasons = gpu_series(records)
     if not any(series.values()):
-        why = "; ".join(sorted(reasons)) or "no record carries GPU figures (no CUDA, or probe_gpu off)"
-        return f'<p class="note" data-not-obtained="gpu">No GPU chart: GPU figures not obtained ({_e(why)}).</p>'
+        why = (
+            "; ".join(sorted(reasons))
+            or "no record carries GPU figures (no CUDA, or probe_gpu off)"
+        )
+        return f'<p class="note" data-not-obtained="gpu">No GPU chart: GPU figures not obtained ({esc(why)}).</p>'
     totals = [g["device_total"] for r in records if (g := r.get("gpu")) and g.get("device_total")]
     top = max(v for s in series.values() for _, v in s)
     near = [totals[-1]] if totals and totals[-1] <= 1.5 * top else []
-    ax, unit, div, ticks = _scaled(story.t0, story.t1, max([top, *near]) * 1.04)
-    out = _frame(ax, "GPU memory (this process's caching allocator)", unit, div, ticks)
-    out += _bands([s for n in story.nodes for s in n.spans], ax)
+    ax, unit, div, ticks = scaled(story.t0, story.t1, max([top, *near]) * 1.04)
+    out = frame(ax, "GPU memory (this process's caching allocator)", unit, div, ticks)
+    out += bands([s for n in story.nodes for s in n.spans], ax)
     for name, pts in series.items():
         p = " ".join(f"{ax.x(t):.1f},{ax.y(v):.1f}" for t, v in pts)
-        out.append(f'<polyline data-series="{name}" data-points="{len(pts)}" points="{p}" fill="none" '
-                   f'stroke="{COLORS[name]}" stroke-width="2"><title>{name}</title></polyline>')
+        out.append(
+            f'<polyline data-series="{name}" data-points="{len(pts)}" points="{p}" fill="none" '
+            f'stroke="{COLORS[name]}" stroke-width="2"><title>{name}</title></polyline>'
+        )
     if near:
         y = ax.y(near[0])
-        out.append(f'<g data-limit="device total" data-bytes="{near[0]}"><line x1="{L}" y1="{y:.1f}" x2="{W - R}" '
-                   f'y2="{y:.1f}" class="limit"/><text x="{L + 6}" y="{y - 4:.1f}" class="limit-label">device total '
-                   f'{fmt_bytes(near[0])}</text></g>')
-    legend = "".join(f'<span class="key" style="background:{COLORS[n]}"></span>{n} ' for n in series)
+        out.append(
+            f'<g data-limit="device total" data-bytes="{near[0]}"><line x1="{L}" y1="{y:.1f}" x2="{W - R}" '
+            f'y2="{y:.1f}" class="limit"/><text x="{L + 6}" y="{y - 4:.1f}" class="limit-label">device total '
+            f"{fmt_bytes(near[0])}</text></g>"
+        )
+    legend = "".join(
+        f'<span class="key" style="background:{COLORS[n]}"></span>{n} ' for n in series
+    )
     return _svg("gpu-memory", out) + f'<p class="legend">{legend}</p>'
 
 
@@ -424,34 +307,49 @@ def _budget_box(story: Story) -> str:
     parts = []
     for n in story.nodes:
         if n.save is not None:
-            parts.append(f'<li data-save-peak="{n.save.span.peak}" data-headroom="{n.save.headroom}" '
-                         f'data-node="{_e(n.node)}">{_e(save_sentence(n))}</li>')
+            parts.append(
+                f'<li data-save-peak="{n.save.span.peak}" data-headroom="{n.save.headroom}" '
+                f'data-node="{esc(n.node)}">{esc(save_sentence(n))}</li>'
+            )
         else:
-            parts.append(f'<li data-save-peak="" data-node="{_e(n.node)}">{_e(n.save_note)}</li>')
+            parts.append(f'<li data-save-peak="" data-node="{esc(n.node)}">{esc(n.save_note)}</li>')
     if not parts:
-        parts.append('<li data-save-peak="">No host figures in the records: no save-step peak, no limit.</li>')
-    return (f'<div class="budget"><b>Save-step peak against the limit</b> (guide: limit = cgroup memory.max x '
-            f'RAY_memory_usage_threshold)<ul>{"".join(parts)}</ul></div>')
+        parts.append(
+            '<li data-save-peak="">No host figures in the records: no save-step peak, no limit.</li>'
+        )
+    return (
+        f'<div class="budget"><b>Save-step peak against the limit</b> (guide: limit = cgroup memory.max x '
+        f"RAY_memory_usage_threshold)<ul>{''.join(parts)}</ul></div>"
+    )
 
 
-def render_html(records: list[dict[str, Any]], *, growth: GrowthReport | None = None, ray_log: str | None = None,
-                title: str = "ckptguard memory report") -> str:
+def render_html(
+    records: list[dict[str, Any]],
+    *,
+    growth: GrowthReport | None = None,
+    ray_log: str | None = None,
+    title: str = "ckptguard memory report",
+) -> str:
     """The whole page as a string; ``records`` sorted by time, as read_records returns them."""
     growth = growth or analyze_growth(records, GrowthConfig())
     story = build_story(records, ray_log=ray_log)
     kill = story.failure
     cls = "verdict ok" if kill.killer is Killer.NONE else "verdict"
-    evidence = "".join(f"<li>{_e(e)}</li>" for e in kill.evidence + kill.notes)
-    head = (f'<div class="{cls}" data-killer="{kill.killer.value}"><b>{_e(story.headline())}</b>'
-            f'<ul>{evidence}</ul></div>')
+    evidence = "".join(f"<li>{esc(e)}</li>" for e in kill.evidence + kill.notes)
+    head = (
+        f'<div class="{cls}" data-killer="{kill.killer.value}"><b>{esc(story.headline())}</b>'
+        f"<ul>{evidence}</ul></div>"
+    )
     nodes = sorted({str(r.get("node")) for r in records})
-    host = "".join(f"{_host_chart(n, story.t0, story.t1)}{_phase_table(n)}" for n in story.nodes) or \
-        '<p class="note" data-not-obtained="host">No host figures in the records.</p>'
+    host = (
+        "".join(f"{_host_chart(n, story.t0, story.t1)}{_phase_table(n)}" for n in story.nodes)
+        or '<p class="note" data-not-obtained="host">No host figures in the records.</p>'
+    )
     return (
-        "<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html><html><head><meta charset="utf-8">'
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
-        f"<title>{_e(title)}</title><style>{CSS}</style></head><body>"
-        f"<h1>{_e(title)}</h1><p>{len(records)} records from node(s) {_e(', '.join(nodes))}; "
+        f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"
+        f"<h1>{esc(title)}</h1><p>{len(records)} records from node(s) {esc(', '.join(nodes))}; "
         f"{growth.steps_seen} steps.</p>{head}{_budget_box(story)}"
         f"<h2>Host memory</h2>{host}"
         f"<h2>Per-process floors and growth</h2>{_floors_chart(growth, story.t0, story.t1)}"
