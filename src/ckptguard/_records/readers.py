@@ -200,3 +200,31 @@ def open_step(
         thread.join()
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+@contextlib.contextmanager
+def reading(step_dir: Path, *, who: str, ttl_s: float = 600.0) -> Iterator[str | None]:
+    """``open_step`` for a step given by its directory (a transfer's source): rotation and gc of its root keep the
+    step while the block runs. Yields None, or why no lease could be taken (a root this process cannot write,
+    a directory that is not a committed step of its root's naming): the block then runs unprotected, and a
+    rotation meanwhile fails it loudly (files missing), never silently."""
+    stack = contextlib.ExitStack()
+    try:
+        manifest = _layout.read_json(step_dir / _layout.MANIFEST_NAME, what="manifest")
+        step = manifest.get("step") if isinstance(manifest, dict) else None
+        template = manifest.get("dir_template") if isinstance(manifest, dict) else None
+        if not isinstance(step, int) or not isinstance(template, str):
+            raise ConfigError(f"{step_dir}'s manifest names no step and step template")
+        if _layout.StepNaming(template).name(step) != step_dir.name:
+            raise ConfigError(
+                f"{step_dir.name} is not the name its manifest's template gives step {step}"
+            )
+        stack.enter_context(
+            open_step(step_dir.parent, step, ttl_s=ttl_s, template=template, who=who)
+        )
+    except (OSError, CheckpointError, ValueError) as exc:
+        stack.close()
+        yield f"{type(exc).__name__}: {exc}"
+        return
+    with stack:
+        yield None

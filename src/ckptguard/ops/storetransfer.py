@@ -22,6 +22,7 @@ The contract chain must match on both sides (a store's chain is in its markers' 
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import secrets
 import socket
@@ -36,11 +37,14 @@ from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import contract as _contract
 from .._records import manifest as _manifest
+from .._records import readers as _readers
 from .._records.checks import verify_step
 from .._resume.storefetch import resolve
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, ResumeError
 from ..storage.s3 import Marker, ObjectStore, ObjectStoreOptions, StoredObject
 from .transfer import TRANSFERS_DIR, publishing
+
+log = logging.getLogger("ckptguard")
 
 __all__ = ["from_store", "to_store"]
 
@@ -59,8 +63,20 @@ def to_store(
     template: str = "step_{step:08d}",
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Commit the committed local ``step_dir`` as its step on the store at ``url``."""
+    """Commit the committed local ``step_dir`` as its step on the store at ``url`` (the local root's rotation and
+    gc keep the step meanwhile: a reader lease)."""
     step_dir = Path(os.fspath(step_dir)).absolute()
+    with _readers.reading(step_dir, who=f"transfer to {url} in pid {os.getpid()}") as unheld:
+        if unheld is not None:
+            log.warning(
+                "ckptguard: transfer reads %s without a reader lease (%s)", step_dir, unheld
+            )
+        return _to_store_read(step_dir, url, template, progress)
+
+
+def _to_store_read(
+    step_dir: Path, url: str, template: str, progress: Callable[[int, int], None] | None
+) -> dict[str, Any]:
     errors = [f for f in verify_step(step_dir) if f.severity.value == "ERROR"]
     if errors:
         raise CheckpointCorruptError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import logging
 import os
 import secrets
 import shutil
@@ -30,9 +31,12 @@ from .._disk import layout as _layout
 from .._disk import lease as _lease
 from .._records import contract as _contract
 from .._records import manifest as _manifest
+from .._records import readers as _readers
 from .._records.checks import verify_step
 from .._records.manifest import node_part
 from ..errors import CheckpointCorruptError, ConfigError
+
+log = logging.getLogger("ckptguard")
 
 TRANSFERS_DIR = "transfers"
 
@@ -54,6 +58,22 @@ def transfer(
     dest_root = Path(dest_root)
     record = Path(record) if record is not None else None
     step_dir, dest_root = Path(step_dir).absolute(), Path(dest_root).absolute()
+    # The source root's rotation and gc keep the step while it is copied (a reader lease).
+    with _readers.reading(step_dir, who=f"transfer to {dest_root} in pid {os.getpid()}") as unheld:
+        if unheld is not None:
+            log.warning(
+                "ckptguard: transfer reads %s without a reader lease (%s)", step_dir, unheld
+            )
+        return _transfer_read(step_dir, dest_root, record, ttl_s, progress)
+
+
+def _transfer_read(
+    step_dir: Path,
+    dest_root: Path,
+    record: Path | None,
+    ttl_s: float,
+    progress: Callable[[int, int], None] | None,
+) -> dict[str, Any]:
     findings = [f for f in verify_step(step_dir) if f.severity.value == "ERROR"]
     if findings:
         raise CheckpointCorruptError(
