@@ -219,10 +219,10 @@ class BudgetRound:
             seconds, rank, source = max(known)
             return BudgetVerdict(
                 over=seconds > budget_s,
-                seconds=round(seconds, 3),
+                seconds=seconds,  # unrounded: the error's figures keep seconds > budget_s for a tiny budget
                 rank=rank,
                 source=source,
-                budget_s=round(budget_s, 3),
+                budget_s=budget_s,
                 timeout_s=timeout_s,
             )
 
