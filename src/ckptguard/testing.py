@@ -146,9 +146,18 @@ def _child(
     result: dict[str, Any] = {}
     try:
         if world > 0:
+            # The rendezvous waits as long as a loaded machine takes to start every rank, whatever the group's
+            # own timeout (a test's 3 s group timeout failed its rendezvous when a rank started late).
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                world,
+                is_master=rank == 0,
+                timeout=datetime.timedelta(seconds=max(60.0, pg_timeout_s)),
+            )
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
+                store=store,
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
