@@ -8,6 +8,7 @@ if the venv was built (its ``.installed`` stamp, written last), else skips with 
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -72,3 +73,23 @@ def vllm_env() -> dict[str, str]:
         }
     )
     return env
+
+
+_FIND_SPEC = (
+    "import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]; "
+    "print(' and '.join(missing)); sys.exit(bool(missing))"
+)
+
+
+def missing_packages(python: Path, *packages: str) -> str | None:
+    """Why ``python`` cannot run a job needing ``packages`` (None: it can). Installed, not imported (importing
+    vllm costs a process 10 s of CPU): a package that is installed and fails to import fails the job itself,
+    with its traceback."""
+    probe = subprocess.run(
+        [str(python), "-c", _FIND_SPEC, *packages],
+        capture_output=True,
+        text=True,
+        env=vllm_env(),
+        timeout=300,
+    )
+    return None if probe.returncode == 0 else f"{python} has no {probe.stdout.strip()} installed"

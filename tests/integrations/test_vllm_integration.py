@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from venvs import needs_venv
+from venvs import needs_venv, vllm_env
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -41,23 +41,7 @@ needs_vllm = needs_venv(
 
 
 def _env(extra: dict | None = None) -> dict:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "VLLM_"))
-    }
-    env.update(
-        {
-            "PYTHONPATH": str(REPO / "src"),
-            "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-        }
-    )
-    env.update(extra or {})
-    return env
+    return {**vllm_env(), **(extra or {})}
 
 
 def _launch(run: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckptguard.testing import free_port
-from venvs import needs_venv, vllm_env
+from venvs import missing_packages, needs_venv, vllm_env
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("CKPTGUARD_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -32,27 +32,11 @@ pytestmark = [
     needs_venv(VLLM_PYTHON, reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"),
 ]
 
-FIND_SPEC = (
-    "import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]; "
-    "print(' and '.join(missing)); sys.exit(bool(missing))"
-)
-
 
 def _usable() -> str | None:
     if not VLLM_PYTHON.exists():
         return f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv`"
-    # Installed, not imported (importing vllm costs a process 10 s of CPU): a package that is installed and fails to
-    # import fails the job itself, with its traceback.
-    probe = subprocess.run(
-        [str(VLLM_PYTHON), "-c", FIND_SPEC, "trl", "vllm"],
-        capture_output=True,
-        text=True,
-        env=vllm_env(),
-        timeout=300,
-    )
-    return (
-        None if probe.returncode == 0 else f"{VLLM_PYTHON} has no {probe.stdout.strip()} installed"
-    )
+    return missing_packages(VLLM_PYTHON, "trl", "vllm")
 
 
 def _job(work: Path, *args: str, sync: str = "check") -> subprocess.CompletedProcess:
