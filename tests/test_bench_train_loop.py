@@ -29,14 +29,21 @@ def test_tiny_train_loop_benchmark_runs_every_method_exactly(tmp_path):
         "cg_sync",
         "cg_async",
         "cg_async_prepared",
+        "cg_async_ready",
         "cg_async_wait",
         "cg_tiers",
         "dcp_sync",
         "dcp_async",
         "torch_save",
     }
-    assert set(res["summary"]) == expected
-    for name, row in res["summary"].items():
+    assert set(res["summary"]) == expected | {"none_again"}
+    again = res["methods"]["none_again"]
+    assert again["saves"] == [] and len(again["step_s"]) == again["steps"]
+    for name in expected:
+        row, method = res["summary"][name], res["methods"][name]
+        # Every step's time, and the steps that began while a staging pool was being prepared.
+        assert len(method["step_s"]) == method["steps"], name
+        assert set(method["steps_while_preparing"]) <= set(range(1, method["steps"] + 1)), name
         assert row["restore_bitwise_exact"] is True, name
         assert row["save_vs_disk_write"] > 0, name
         saves = res["methods"][name]["saves"]
@@ -68,7 +75,7 @@ def test_tiny_train_loop_benchmark_runs_every_method_exactly(tmp_path):
         == res["summary"]["cg_async"]["skipped_saves"]
     )
     assert res["methods"]["cg_tiers"]["save_every"] == 2
-    assert (tmp_path / "loop.md").read_text().count("| cg_") == 5
+    assert (tmp_path / "loop.md").read_text().count("| cg_") == 6
     assert not any((tmp_path / "ck").glob("cg_*"))  # each method's checkpoints are removed after it
 
 
