@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .._disk import layout as _layout
 from .._records import manifest as _manifest
@@ -25,7 +25,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["Resolution", "resolve_local"]
+__all__ = ["Resolution", "RootView", "resolve_local", "tracker_step"]
 
 
 @dataclass(frozen=True)
@@ -81,66 +81,116 @@ def resolve_local(
         return Resolution(
             0, None, f"ResumeMode.NEVER; {count} step directories under {root} ignored", mode
         )
-    if not root.exists():
-        if mode is ResumeMode.MUST:
-            raise ResumeError(
-                f"ResumeMode.MUST: checkpoint root {root} does not exist; "
-                "check the path (it is never created by restore)"
-            )
-        return Resolution(
-            0,
-            None,
-            f"checkpoint root {root} does not exist (it was not created; the first save creates it)",
-            mode,
-        )
-    tracker = _layout.read_tracker(root)
-    dirs = _layout.step_dirs(root, naming)
-    if tracker is None:
-        if dirs:
-            raise ResumeError(
-                f"{root} holds step directories {sorted(dirs)[-3:]} but no tracker "
-                f"{_layout.TRACKER_NAME}; ckptguard writes the tracker before any step, so "
-                "something outside it removed the tracker or wrote these steps. Inspect the "
-                "root, then restore(path=...) the step you trust or move the steps away."
-            )
-        if mode is ResumeMode.MUST:
-            raise ResumeError(f"ResumeMode.MUST: {root} has no tracker and no checkpoint")
-        return Resolution(0, None, f"{root} exists but holds no checkpoint and no tracker", mode)
-    if tracker == 0:
-        if mode is ResumeMode.MUST:
-            raise ResumeError(
-                f"ResumeMode.MUST: the tracker in {root} says 0 (no step committed yet)"
-            )
-        orphans = f"; uncommitted step directories {sorted(dirs)} are ignored" if dirs else ""
-        return Resolution(
-            0,
-            None,
-            f"tracker in {root} says 0: fresh start declared by the first save{orphans}",
-            mode,
-        )
-    step_dir = root / naming.name(tracker)
-    _layout.refuse_link(step_dir, f"step directory of the tracker's step {tracker}")
-    try:
-        manifest = read_manifest(step_dir)
-    except UnsafeCheckpointError:
-        raise  # a link or a FIFO in place of the manifest: refused as such, not as "not committed"
-    except (CheckpointNotFoundError, CheckpointError) as exc:
-        raise ResumeError(
-            f"the tracker in {root} points at step {tracker}, but {step_dir} is not a committed "
-            f"checkpoint ({exc}). ckptguard never moves the tracker before the commit, so the "
-            "directory was changed afterwards (deleted, copied partially, node-local disk). "
-            "Restore the files, or restore(path=...) an older committed step explicitly."
-        ) from exc
-    if manifest.step != tracker:
-        raise ResumeError(
-            f"{step_dir}/manifest.json says step {manifest.step} but the tracker says {tracker}"
-        )
-    res = Resolution(tracker, step_dir, f"tracker {_layout.TRACKER_NAME} says {tracker}", mode)
+    step, reason = tracker_step(_DirView(root, naming, read_manifest), mode)
+    if step == 0:
+        return Resolution(0, None, reason, mode)
+    res = Resolution(step, root / naming.name(step), reason, mode)
     return (
         _prefer_verified(root, naming, res, read_manifest)
         if prefer is _trust.Prefer.VERIFIED
         else res
     )
+
+
+class RootView(Protocol):
+    """What the resume rule reads of a root: a directory (``_DirView``) or an object store's prefix
+    (``_resume.storefetch``)."""
+
+    where: str
+    """The root as messages name it."""
+    repair: str
+    """What to do when the tracker's step is not committed (this kind of root's words)."""
+
+    def exists(self) -> bool: ...
+
+    def tracker(self) -> int | None: ...
+
+    def uncommitted(self) -> list[int]:
+        """The steps found without a tracker (a directory's step folders); [] where none can be."""
+        ...
+
+    def marker(self, step: int) -> int:
+        """The step ``step``'s commit marker says; raises ``CheckpointError`` where there is none or it is
+        unreadable, ``UnsafeCheckpointError`` where a link or a FIFO stands in its place."""
+        ...
+
+
+def tracker_step(view: RootView, mode: ResumeMode) -> tuple[int, str]:
+    """The step the tracker names, its marker read (0: a fresh start), and why; raises ResumeError rather
+    than guess, for every kind of root alike. ``mode`` is AUTO or MUST (MUST refuses a fresh start)."""
+    must = mode is ResumeMode.MUST
+    if not view.exists():
+        if must:
+            raise ResumeError(
+                f"ResumeMode.MUST: checkpoint root {view.where} does not exist; "
+                "check the path (it is never created by restore)"
+            )
+        return 0, (
+            f"checkpoint root {view.where} does not exist (it was not created; the first save creates it)"
+        )
+    tracker = view.tracker()
+    if tracker is None:
+        steps = view.uncommitted()
+        if steps:
+            raise ResumeError(
+                f"{view.where} holds steps {steps[-3:]} but no tracker "
+                f"{_layout.TRACKER_NAME}; ckptguard writes the tracker before any step, so "
+                "something outside it removed the tracker or wrote these steps. Inspect the "
+                "root, then restore(path=...) the step you trust or move the steps away."
+            )
+        if must:
+            raise ResumeError(f"ResumeMode.MUST: {view.where} has no tracker and no checkpoint")
+        return 0, f"{view.where} exists but holds no checkpoint and no tracker"
+    if tracker == 0:
+        if must:
+            raise ResumeError(
+                f"ResumeMode.MUST: the tracker in {view.where} says 0 (no step committed yet)"
+            )
+        steps = view.uncommitted()
+        orphans = f"; uncommitted steps {steps} are ignored" if steps else ""
+        return 0, f"tracker in {view.where} says 0: fresh start declared by the first save{orphans}"
+    try:
+        committed = view.marker(tracker)
+    except UnsafeCheckpointError:
+        raise  # a link or a FIFO in place of the marker: refused as such, not as "not committed"
+    except CheckpointError as exc:
+        raise ResumeError(
+            f"the tracker in {view.where} points at step {tracker}, but that step is not committed "
+            f"({exc}). ckptguard never moves the tracker before the commit, so the step was changed "
+            f"afterwards. {view.repair}"
+        ) from exc
+    if committed != tracker:
+        raise ResumeError(
+            f"the commit marker of step {tracker} under {view.where} says step {committed}, "
+            f"and the tracker says {tracker}. {view.repair}"
+        )
+    return tracker, f"tracker {_layout.TRACKER_NAME} says {tracker}"
+
+
+class _DirView:
+    """A checkpoint root directory as the resume rule reads it."""
+
+    repair = (
+        "Restore the files (deleted, copied partially, a node-local disk?), or restore(path=...) an "
+        "older committed step explicitly."
+    )
+
+    def __init__(self, root: Path, naming: _layout.StepNaming, read: Callable[[Path], Any]) -> None:
+        self.root, self.naming, self.read, self.where = root, naming, read, str(root)
+
+    def exists(self) -> bool:
+        return self.root.exists()
+
+    def tracker(self) -> int | None:
+        return _layout.read_tracker(self.root)
+
+    def uncommitted(self) -> list[int]:
+        return sorted(_layout.step_dirs(self.root, self.naming))
+
+    def marker(self, step: int) -> int:
+        step_dir = self.root / self.naming.name(step)
+        _layout.refuse_link(step_dir, f"step directory of the tracker's step {step}")
+        return int(self.read(step_dir).step)
 
 
 def _prefer_verified(

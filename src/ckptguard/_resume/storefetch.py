@@ -1,9 +1,10 @@
 """The restore side of an object-store root: which step (``resolve``), and that step brought into the
 local staging root (``fetch_step``).
 
-``resolve`` decides from the tracker and that step's marker only, never from a listing: tracker 0 or
-none is a fresh start (refused under ``ResumeMode.MUST``); a tracker whose marker is missing or
-unreadable raises ``ResumeError`` (ckptguard writes the marker before the tracker and rotation never
+``resolve`` follows the resume rule of every root (``resolve_local.tracker_step``): the tracker and
+that step's marker decide, never a listing: tracker 0 or none on a root with no marker is a fresh start
+(refused under ``ResumeMode.MUST``); a tracker whose marker is missing or unreadable, or markers without
+a tracker, raise ``ResumeError`` (ckptguard writes the marker before the tracker and rotation never
 deletes the tracker's step), never a guess.
 
 Contract: every rank calls ``fetch_step`` with the same step; each host whose staging root does not
@@ -25,15 +26,21 @@ from .._agree import Agreement, Wire, on_every_rank
 from .._disk.layout import (
     CONTRACT_DIR,
     MANIFEST_NAME,
-    TRACKER_NAME,
     atomic_write_json,
     read_json,
     refuse_link,
 )
 from .._records import contract as _contract
 from .._types import JsonObject
-from ..errors import CheckpointCorruptError, CheckpointError, ContractMismatchError, ResumeError
+from ..config import ResumeMode
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ContractMismatchError,
+)
 from ..storage.s3 import Marker, ObjectStore
+from .resolve_local import tracker_step
 
 __all__ = ["Resolved", "fetch_step", "resolve"]
 
@@ -48,32 +55,44 @@ class Resolved:
 
 
 def resolve(store: ObjectStore, *, must: bool = False) -> Resolved:
-    """The step to restore, from the tracker and that step's marker only (this process's reads); ``must``:
-    nothing there raises (``ResumeMode.MUST``) instead of a declared fresh start."""
-    step, _ = store.tracker()
-    if not step:
-        if step is None and not store.has_root():
-            reason = f"no checkpoint root at {store.url} (no root record, no tracker; the first save creates it)"
-        else:
-            reason = f"the tracker at {store.where(TRACKER_NAME)} says 0: fresh start declared by the first save"
-        if must:
-            raise ResumeError(f"ResumeMode.MUST: {reason}")
-        return Resolved(0, None, reason)
-    try:
-        marker = store.marker(step)
-    except CheckpointError as exc:
-        raise ResumeError(
-            f"the tracker at {store.url} says {step}, but its marker is unreadable: {exc}"
-        ) from exc
-    if marker is None:
-        marker_at = store.where(store.naming.name(step), MANIFEST_NAME)
-        raise ResumeError(
-            f"the tracker at {store.where(TRACKER_NAME)} says {step}, but {marker_at} does not exist. ckptguard "
-            "writes the marker before the tracker and rotation never deletes the tracker's step, so something "
-            "outside ckptguard deleted it: restore the objects, or set the tracker to an older committed step "
-            "by hand (`ckptguard list` shows them)"
-        )
-    return Resolved(step, marker, f"tracker {store.where(TRACKER_NAME)} says {step}")
+    """The step to restore, decided by the resume rule every root follows (``resolve_local.tracker_step``:
+    the tracker and that step's marker, this process's reads); ``must``: nothing there raises
+    (``ResumeMode.MUST``) instead of a declared fresh start."""
+    view = _StoreView(store)
+    step, reason = tracker_step(view, ResumeMode.MUST if must else ResumeMode.AUTO)
+    return Resolved(step, view.found if step else None, reason)
+
+
+class _StoreView:
+    """An object-store root as the resume rule reads it."""
+
+    repair = (
+        "To resume, restore the objects, or set the tracker to an older committed step by hand "
+        "(`ckptguard list` shows them)."
+    )
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store, self.where = store, str(store.url)
+        self.found: Marker | None = None
+
+    def exists(self) -> bool:
+        return self.store.tracker()[0] is not None or self.store.has_root()
+
+    def tracker(self) -> int | None:
+        return self.store.tracker()[0]
+
+    def uncommitted(self) -> list[int]:
+        """The steps whose markers stand without a tracker (a listing: only ever to refuse or to say so)."""
+        return self.store.marked_steps()
+
+    def marker(self, step: int) -> int:
+        marker = self.store.marker(step)
+        if marker is None:
+            raise CheckpointNotFoundError(
+                f"{self.store.where(self.store.naming.name(step), MANIFEST_NAME)} does not exist"
+            )
+        self.found = marker
+        return marker.step
 
 
 @dataclass(frozen=True)

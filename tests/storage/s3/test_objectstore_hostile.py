@@ -18,7 +18,12 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra
 import objstore_helper as h  # noqa: E402
 from ckptguard._commit import storelease, storepublish  # noqa: E402
 from ckptguard._resume.storefetch import resolve  # noqa: E402
-from ckptguard.errors import CheckpointCorruptError, CheckpointError, ObjectStoreError  # noqa: E402
+from ckptguard.errors import (  # noqa: E402
+    CheckpointCorruptError,
+    CheckpointError,
+    ObjectStoreError,
+    ResumeError,
+)
 from ckptguard.ops.storegc import collect  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore, _transfer  # noqa: E402
 
@@ -244,6 +249,21 @@ def test_gc_keeps_the_tracker_steps_data_when_its_marker_is_gone(moto, tmp_path)
     ] == before  # every object of step 2 is there
     with pytest.raises(CheckpointCorruptError, match="gc refused"):
         collect(store, min_age_s=0, dry_run=True)
+
+
+def test_markers_without_a_tracker_are_refused_as_on_a_directory_never_a_fresh_start(
+    moto, tmp_path
+):
+    """The resume rule is one for every root: steps committed under a root whose tracker is gone were
+    a fresh start on the store (the old rule read the tracker only) and are a ResumeError on a directory."""
+    name = _bucket(moto)
+    url = f"s3://{name}/run"
+    h.write(moto, url, str(tmp_path / "w"), 2, None)
+    boto3.client("s3", endpoint_url=moto).delete_object(
+        Bucket=name, Key="run/latest_checkpointed_iteration.txt"
+    )
+    with pytest.raises(ResumeError, match=r"holds steps \[(1, )?2\] but no tracker"):
+        resolve(ObjectStore(url, h.options(moto)))
 
 
 @pytest.mark.parametrize("what", ["typo", "tracker deleted"])

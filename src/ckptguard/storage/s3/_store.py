@@ -196,6 +196,18 @@ class ObjectStore:
                 log.warning("ckptguard: %s: %s (not counted as committed)", self.where(name), exc)
         return sorted(out)
 
+    def marked_steps(self) -> list[int]:
+        """Every step with a marker object under the prefix, whatever the tracker says, a damaged one
+        included (a listing: the resume rule refuses markers that stand without a tracker)."""
+        out = []
+        for name in self.bucket.children():
+            step = self.naming.parse(name)
+            if step is not None and self.bucket.get(
+                self.url.key(name, MANIFEST_NAME), step=step, what="commit marker"
+            ):
+                out.append(step)
+        return sorted(out)
+
     # ------------------------------------------------------------ the commit's primitives (_commit.storepublish)
 
     def open_attempt(self, step: int) -> str:
