@@ -22,9 +22,6 @@ default group with ``ckptguard.integrations.ray.join_process_group`` first, as f
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import datetime as _dt
 import os
 import time
 from collections.abc import Sequence
@@ -32,15 +29,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
-from . import _faults, _log
-from ._agree import gather_decide, on_every_rank
+from . import _log
 from ._commit import pending as _async
-from ._commit import protocol as _commit
 from ._commit.busy import BusyRound, check_policy, may_start
-from ._commit.messages import Outcome, raise_if_failed
-from ._commit.publish_run import RunReport, check_shared_root, node_local_message, publish_run_step
+from ._commit.publish_run import check_shared_root
 from ._commit.savehandle import PendingSave
 from ._commit.snapshot import Snapshot, snapshot
 from ._context import Actions, Context
@@ -49,27 +42,26 @@ from ._core.roles import (
     Fences,
     Role,
     RoleProofs,
-    check_role_part,
+    check_roles,
     check_states,
-    each_role,
-    load_role_part,
     role_budget,
-    role_failure,
+    role_contexts,
+    role_ranks,
 )
 from ._core.root import Root, check_step
 from ._core.rootstage import is_store
+from ._core.runrestore import resolve_run, restore_roles
+from ._core.runsave import commit_roles, snapshots, staged_snapshots
 from ._disk import layout as _layout
 from ._dist import make_agreement
 from ._records import checks as _checks
 from ._records import trust as _trust
 from ._records.exportdigest import ExportFingerprint
-from ._resume import resolve_agreed as _resolve
-from ._resume.resolve_agreed import ResolveView
-from ._resume.resolve_local import Resolution, resolve_local
+from ._resume.resolve_local import Resolution
 from ._state.derived import DerivedState
 from ._types import JsonObject, StateDict
 from .config import CheckpointConfig, OnBusy, ResumeMode
-from .errors import ConfigError, error_payload
+from .errors import ConfigError
 from .storage._staging import Fence
 from .storage.streaming import StreamingStorage
 
@@ -91,65 +83,66 @@ class RunCheckpoint:
     _created = 0
 
     def __init__(
-        self, root: str | os.PathLike[str], roles: Sequence[Role], *, config: CheckpointConfig | None = None
+        self,
+        root: str | os.PathLike[str],
+        roles: Sequence[Role],
+        *,
+        config: CheckpointConfig | None = None,
     ) -> None:
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
-            raise ConfigError(f"config must be a CheckpointConfig, got {type(self.config).__name__}")
+            raise ConfigError(
+                f"config must be a CheckpointConfig, got {type(self.config).__name__}"
+            )
         # COALESCE would queue every role's snapshot in a second pool per role; FAST_TIER needs two tiers.
         check_policy(self.config.async_save.on_busy, "RunCheckpoint", (OnBusy.SKIP, OnBusy.WAIT))
-        roles = list(roles)
-        if not roles or not all(isinstance(r, Role) for r in roles):
-            raise ConfigError("RunCheckpoint(roles=...): give a non-empty list of ckptguard.Role(name, ranks=...)")
-        names = [r.name for r in roles]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"RunCheckpoint(roles=...): role names must be unique, got {names}")
+        roles = check_roles(roles)
         if is_store(root):  # Path() would read it as a local directory named "s3:"
-            raise ConfigError(f"RunCheckpoint({root!r}): give a directory; an s3:// root takes a CheckpointManager")
+            raise ConfigError(
+                f"RunCheckpoint({root!r}): give a directory; an s3:// root takes a CheckpointManager"
+            )
         self.root = Path(root).absolute()
         self._naming = _layout.StepNaming(self.config.storage.dir_template)
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
-        self._ranks = {r.name: list(r.ranks) if r.ranks is not None else list(range(world)) for r in roles}
-        for name, ranks in self._ranks.items():
-            if max(ranks) >= world:
-                raise ConfigError(f"role {name!r} lists ranks {ranks}, but the default process group has {world} ranks")
+        self._ranks = role_ranks(roles, world)
         # Created collectively, in the same order on every rank: the counter names the store keys alike.
         RunCheckpoint._created += 1
         ns = f"run-{RunCheckpoint._created}"
         run_agreement = make_agreement(None, timeout_s=self.config.timeout_s, namespace=ns)
         me = run_agreement.info.rank
-        self._run = Context.of(self.root, self.config, self._naming, run_agreement, StreamingStorage(), None, None)
-        self._roles: dict[str, Context] = {}
-        self._derived: dict[str, DerivedState] = {}
-        role_ranks: dict[str, int] = {}  # the roles this rank holds, its rank in each: ROOT/proof/<role>/
-        for role in roles:
-            group = None
-            if distributed:
-                # Every rank creates every role's group (new_group's rule); a dedicated gloo group with our
-                # timeout, so DCP's own collectives of a stalled role fail within timeout_s too.
-                group = dist.new_group(
-                    self._ranks[role.name], backend="gloo", timeout=_dt.timedelta(seconds=self.config.timeout_s)
-                )
-            if me not in self._ranks[role.name]:
-                continue
-            agreement = make_agreement(group, timeout_s=self.config.timeout_s, namespace=f"{ns}/{role.name}")
-            cfg = dataclasses.replace(self.config, reshard=dataclasses.replace(self.config.reshard, layout=role.layout))
-            self._roles[role.name] = Context.of(self.root, cfg, self._naming, agreement,
-                                                role.storage or StreamingStorage(), group, role.expert_parallel)
-            if role.derived is not None:
-                self._derived[role.name] = role.derived
-            role_ranks[role.name] = agreement.info.rank
-        self._proofs = RoleProofs.open(self.root, role_ranks, self.config, rank=me)
-        self._shared_root = world == 1  # a run commits on one shared root only: probed at the first save
+        self._run = Context.of(
+            self.root, self.config, self._naming, run_agreement, StreamingStorage(), None, None
+        )
+        # The roles this rank holds, and its rank in each: ROOT/proof/<role>/.
+        self._roles, held = role_contexts(
+            roles, self._ranks, self._run, ns, distributed=distributed
+        )
+        self._derived: dict[str, DerivedState] = {
+            r.name: r.derived for r in roles if r.name in self._roles and r.derived is not None
+        }
+        self._proofs = RoleProofs.open(self.root, held, self.config, rank=me)
+        # A run commits on one shared root only: probed at the first save.
+        self._shared_root = world == 1
         self._pending: PendingSave | None = None
-        self._staging: dict[str, _async.AsyncStaging] = {}  # save_async: one host pool per role this rank holds
+        # save_async: one host pool per role this rank holds.
+        self._staging: dict[str, _async.AsyncStaging] = {}
         self._budget: tuple[int, str] | None = None
         # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
-        self.busy = BusyRound(make_agreement(None, timeout_s=self.config.timeout_s, namespace=f"{ns}-busy"),
-                              label="run step", policy=self.config.async_save.on_busy)
+        self.busy = BusyRound(
+            make_agreement(None, timeout_s=self.config.timeout_s, namespace=f"{ns}-busy"),
+            label="run step",
+            policy=self.config.async_save.on_busy,
+        )
         """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``), as ``CheckpointManager.busy``."""
-        self.core = Root(self.root, self.config, self._naming, run_agreement, label="run step", lease_key="run.lease")
+        self.core = Root(
+            self.root,
+            self.config,
+            self._naming,
+            run_agreement,
+            label="run step",
+            lease_key="run.lease",
+        )
         """The bookkeeping of the run's root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
         self.core.check_lease("create")
 
@@ -161,8 +154,13 @@ class RunCheckpoint:
     def preemption_target(self) -> GuardTarget:
         """What a ``PreemptionGuard`` guards: the run's save over every role, its commits and save times."""
         return GuardTarget(
-            root=self.root, timeout_s=self.config.timeout_s, process_group=None, save=self.save, wait=self.wait,
-            committed_here=lambda: list(self.core.committed_here), save_seconds=self._save_seconds,
+            root=self.root,
+            timeout_s=self.config.timeout_s,
+            process_group=None,
+            save=self.save,
+            wait=self.wait,
+            committed_here=lambda: list(self.core.committed_here),
+            save_seconds=self._save_seconds,
         )
 
     @property
@@ -185,7 +183,10 @@ class RunCheckpoint:
     def committed_steps(self) -> list[int]:
         """Run steps with every role's part in place and no newer than the tracker, ascending."""
         return _layout.committed_steps(
-            self.root, self._naming, lambda path: _checks.checked_run_step(path, roles=list(self._ranks)))
+            self.root,
+            self._naming,
+            lambda path: _checks.checked_run_step(path, roles=list(self._ranks)),
+        )
 
     def resolve(
         self,
@@ -204,23 +205,7 @@ class RunCheckpoint:
             raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
         chosen = self.config.health.prefer if prefer is None else _trust.as_prefer(prefer, "prefer")
         self.wait()  # the run's agreement is not shared with a background commit
-        res: Resolution | None = None
-        names = list(self._ranks)
-        try:
-            res = resolve_local(
-                self.root,
-                self._naming,
-                mode,
-                Path(path) if path is not None else None,
-                chosen,
-                read_manifest=lambda d: _checks.checked_run_step(d, roles=names),
-            )
-            view = ResolveView(res.step, str(res.path) if res.path else None)
-        except Exception as exc:  # shipped, so no rank waits for a peer that raised
-            view = ResolveView(error=error_payload(exc))
-        gather_decide(self._run.agreement, "run.resolve", view, _resolve.same_checkpoint, decision=_resolve.AgreedStep)
-        assert res is not None
-        return res
+        return resolve_run(self._run, list(self._ranks), mode, path, chosen)
 
     # ------------------------------------------------------------ save
 
@@ -229,8 +214,11 @@ class RunCheckpoint:
         step: int,
         states: dict[str, StateDict],
         *,
-        healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
-        overwrite: bool = False, break_lease: bool = False,
+        healthy: bool | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+        overwrite: bool = False,
+        break_lease: bool = False,
     ) -> Path | None:
         """Commit every role's state as run step ``step`` on every rank, or raise on every rank.
 
@@ -246,7 +234,13 @@ class RunCheckpoint:
             return None
         started = time.monotonic()
         actions = Actions(overwrite, break_lease)
-        snaps = self._snapshots(lambda n, ctx: snapshot(ctx, step, states[n], actions=actions), step)
+        snaps = snapshots(
+            self._run,
+            self._roles,
+            self._proofs,
+            lambda n, ctx: snapshot(ctx, step, states[n], actions=actions),
+            step,
+        )
         path = self._commit_roles(step, snaps, started, actions)
         self._cleanup_after(step)
         return path
@@ -256,8 +250,11 @@ class RunCheckpoint:
         step: int,
         states: dict[str, StateDict],
         *,
-        healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
-        overwrite: bool = False, break_lease: bool = False,
+        healthy: bool | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+        overwrite: bool = False,
+        break_lease: bool = False,
     ) -> PendingSave | None:
         """Snapshot every role's state now and commit run step ``step`` in the background, as
         ``CheckpointManager.save_async`` does for one state: the copies go to spare GPU memory or to
@@ -270,27 +267,17 @@ class RunCheckpoint:
         started, actions = time.monotonic(), Actions(overwrite, break_lease)
         budget = self._budget = self._budget or role_budget(self.config, len(self._roles))
         skipped = self.busy.pending_cost()
-        fences: list[Fence] = []
-        pools: list[Any] = []
-
-        def stage(name: str, ctx: Context) -> Snapshot:
-            # The core's staging (CheckpointManager's): one host pool per role, this rank's budget split between them.
-            staging = self._staging.setdefault(name, _async.AsyncStaging())
-            staging.budget, staging.budget_why = budget
-            snap, fence = _async.staged_snapshot(ctx, staging, step, states[name], actions, lambda: skipped)
-            fences.append(fence)
-            if staging.pool is not None:
-                pools.append(staging.pool)  # placed slots: done() once the commit no longer reads them
-            return snap
-
-        try:
-            snaps = self._snapshots(stage, step)
-        except BaseException:
-            for fence in fences:  # nothing will read the staged or live tensors: training may change them
-                fence.live_read()
-            for pool in pools:
-                pool.done()
-            raise
+        snaps, fences, pools = staged_snapshots(
+            self._run,
+            self._roles,
+            self._proofs,
+            self._staging,
+            step,
+            states,
+            actions,
+            budget=budget,
+            cost=lambda: skipped,
+        )
         resumed = time.monotonic()
         for snap in snaps.values():
             snap.resumed = resumed
@@ -303,8 +290,14 @@ class RunCheckpoint:
                     pool.done()
 
         # The fence PendingSave and staged() use: host_wait, live_read, before_mutation, waited_s (duck-typed).
-        self._pending = PendingSave(step, run, resumed - started, fence=cast(Fence, Fences(fences)),
-                                    started=started, cleanup=lambda: self._cleanup_after(step))
+        self._pending = PendingSave(
+            step,
+            run,
+            resumed - started,
+            fence=cast(Fence, Fences(fences)),
+            started=started,
+            cleanup=lambda: self._cleanup_after(step),
+        )
         return self._pending
 
     def staged(self) -> float:
@@ -328,61 +321,32 @@ class RunCheckpoint:
             for staging in self._staging.values():
                 staging.close()
 
-    def _begin(self, step: Any, states: Any, where: str, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
+    def _begin(
+        self, step: Any, states: Any, where: str, healthy: bool | None, loss: Any, grad_norm: Any
+    ) -> bool:
         """The checks of a save, a pending background save waited for, the shared-root probe and the
         health agreement; False: the step is unhealthy and not saved."""
         check_step(step, where)
         self._check_states(states, where)
-        if where == "save_async" and not may_start(self.busy, step, self._pending, self.config.async_save.on_busy,
-                                                   wait=self.wait, record=self._record_all):
+        if where == "save_async" and not may_start(
+            self.busy,
+            step,
+            self._pending,
+            self.config.async_save.on_busy,
+            wait=self.wait,
+            record=self._record_all,
+        ):
             return False  # CheckpointConfig.async_save.on_busy: skipped on every rank, logged and recorded
         self.wait()
         self._check_shared_root(step)
         return self._healthy(step, healthy, loss, grad_norm)
 
-    def _snapshots(self, take_one: Any, step: int) -> dict[str, Snapshot]:
-        """Every role's snapshot, in declared order on every rank (no cross-role wait cycle); the later
-        roles still run after a failure, so their other ranks are not stranded; every rank raises alike."""
-        snaps: dict[str, Snapshot] = {}
-
-        def take(name: str, ctx: Context) -> None:
-            with self._proofs.sinks[name].divergence(step):  # in the role's records: prove names it
-                snaps[name] = take_one(name, ctx)
-
-        on_every_rank(self._run.agreement, "run.snapshot", lambda: each_role(self._roles, take))
-        return snaps
-
-    def _commit_roles(self, step: int, snaps: dict[str, Snapshot], started: float, actions: Actions) -> Path:
-        """Prepare the run step, write every role's part, publish: in the caller's or a background thread."""
-        prep = _commit.prepare(self._run, step, actions)
-        if prep.nodes:  # the probe's verdict changed since (a remount): every rank raises alike
-            raise ConfigError(node_local_message(self.root, step, [r for ranks in prep.nodes[1:] for r in ranks]))
-        tmp = Path(prep.tmp)
-        if self.rank == 0:
-            with contextlib.suppress(OSError):  # the run directory holds roles, not a state/ of its own
-                (tmp / _layout.STATE_DIR).rmdir()
-        failure = None
-        for name, ctx in self._roles.items():
-            try:
-                (tmp / name / _layout.STATE_DIR).mkdir(parents=True, exist_ok=True)
-                with self._proofs.sinks[name].divergence(step):  # save_async's guard runs in the commit
-                    _commit.commit(ctx, snaps[name], part=dataclasses.replace(prep, tmp=str(tmp / name)))
-                _faults.reached("run.role_written")
-            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-                failure = failure or role_failure(exc, rank=self.rank, role=name)
-        outcome = gather_decide(
-            self._run.agreement,
-            "run.written",
-            RunReport(list(self._roles), failure),
-            lambda reports: publish_run_step(self._run, step, tmp, prep, reports, self._ranks, actions),
-            decision=Outcome,
-        )
-        raise_if_failed(self._run, outcome.failures, step=step, phase=outcome.phase)
-        path = self.root / self._naming.name(step)
-        log.info("ckptguard: committed run step %d (roles %s) at %s", step, ", ".join(self._ranks), path)
-        for name, ctx in self._roles.items():
-            self._proofs.record(name, "save", step=step, path=str(path / name), world_size=ctx.world,
-                                **({"async": True} if snaps[name].resumed is not None else {}))
+    def _commit_roles(
+        self, step: int, snaps: dict[str, Snapshot], started: float, actions: Actions
+    ) -> Path:
+        """Prepare the run step, write every role's part, publish (``_core.runsave``): in the caller's or a
+        background thread; then the commit and its trust record are the run root's."""
+        path = commit_roles(self._run, self._roles, self._ranks, self._proofs, step, snaps, actions)
         self.core.committed(step, seconds=time.monotonic() - started)
         if self.rank == 0:
             self.core.trust_committed(step)
@@ -413,9 +377,15 @@ class RunCheckpoint:
         verdict = self.core.health_round(step, healthy, loss, grad_norm, key="run.health")
         if not verdict.skip:
             return True
-        log.error("ckptguard: run step %d NOT committed (no role): unhealthy on %d of %d rank(s): %s. Nothing was "
-                  "written; the tracker stays under %s", step, len(verdict.reasons), self._run.world,
-                  verdict.describe(), self.root)
+        log.error(
+            "ckptguard: run step %d NOT committed (no role): unhealthy on %d of %d rank(s): %s. Nothing was "
+            "written; the tracker stays under %s",
+            step,
+            len(verdict.reasons),
+            self._run.world,
+            verdict.describe(),
+            self.root,
+        )
         for name in self._roles:
             self._proofs.record(name, "skip", step=step, reasons=verdict.reasons)
         return False
@@ -427,27 +397,46 @@ class RunCheckpoint:
             self._proofs.record(role, event, durable=durable, **fields)
 
     def record_step(
-        self, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None, grad_norm: Any = None,
-        role: str | None = None, **extra: Any,
+        self,
+        step: int,
+        *,
+        sample_ids: Any = None,
+        batch: Any = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+        role: str | None = None,
+        **extra: Any,
     ) -> JsonObject:
         """Record what training step ``step`` of ``role`` consumed and produced on this rank, as
         ``CheckpointManager.record_step`` (``ckptguard prove`` compares a resumed run's replayed steps
         with the killed run's, role by role); its loss and grad_norm are health evidence for the save. ``role``:
         which role's step (None: the one role this rank holds)."""
-        return self._proofs.step(role, step, self.core.health, sample_ids=sample_ids, batch=batch, loss=loss,
-                                 grad_norm=grad_norm, **extra)
+        return self._proofs.step(
+            role,
+            step,
+            self.core.health,
+            sample_ids=sample_ids,
+            batch=batch,
+            loss=loss,
+            grad_norm=grad_norm,
+            **extra,
+        )
 
-    def record_update(self, step: int, *, grad_norm: float, params_changed: bool, role: str | None = None) -> None:
+    def record_update(
+        self, step: int, *, grad_norm: float, params_changed: bool, role: str | None = None
+    ) -> None:
         """Record an optimizer update of ``role``: its gradient norm and whether the parameters moved."""
         self._proofs.update(role, step, grad_norm=grad_norm, params_changed=params_changed)
 
-    def record_export(self, step: int, payload: Any, *, scales: Any = None,
-                      role: str | None = None) -> ExportFingerprint:
+    def record_export(
+        self, step: int, payload: Any, *, scales: Any = None, role: str | None = None
+    ) -> ExportFingerprint:
         """Record the weights ``role`` exported for rollout at ``step`` (see CheckpointManager.record_export)."""
         return self._proofs.export(role, step, payload, scales=scales)
 
-    def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, *,
-                        role: str | None = None) -> dict[str, float]:
+    def record_logprobs(
+        self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, *, role: str | None = None
+    ) -> dict[str, float]:
         """Record ``role``'s old-logprob against the rollout's for the same tokens."""
         return self._proofs.logprobs(role, step, trainer_logprobs, rollout_logprobs)
 
@@ -468,29 +457,28 @@ class RunCheckpoint:
         keys are checked on every rank before any role reads a tensor; a failure after that (a
         damaged shard, a digest that differs) raises on every rank of the run, so no rank trains
         on a partly restored run. ``prefer`` as in ``resolve``."""
-        self._check_states(states, "restore")  # an item no save could write too, before anything is read
+        # An item no save could write too, before anything is read.
+        self._check_states(states, "restore")
         self.wait()
         self.core.check_lease("restore", break_lease=break_lease)
         res = self.resolve(mode=mode, path=path, prefer=prefer)
         if res.fresh:
             log.warning("ckptguard: %s", res.describe())
             for name, ctx in self._roles.items():
-                self._proofs.record(name, "restore", step=0, fresh=True, reason=res.reason, world_size=ctx.world)
+                self._proofs.record(
+                    name, "restore", step=0, fresh=True, reason=res.reason, world_size=ctx.world
+                )
             return 0
         log.info("ckptguard: %s (roles %s)", res.describe(), ", ".join(self._ranks))
-        assert res.path is not None
-        parts = {
-            n: Resolution(res.step, res.path / n, f"role {n!r} of run step {res.step}", res.mode) for n in self._ranks
-        }
-
-        # What restore checks before it reads a tensor, for every role before any role reads one.
-        on_every_rank(self._run.agreement, "run.checked", lambda: each_role(
-            self._roles, lambda name, ctx: check_role_part(ctx, parts[name], states[name])))
-        on_every_rank(self._run.agreement, "run.restored", lambda: each_role(
-            self._roles, lambda name, ctx: load_role_part(
-                ctx, parts[name], states[name], step=res.step, derived=self._derived.get(name),
-                record=lambda event, **fields: self._proofs.record(name, event, **fields),
-                sink=self._proofs.sinks[name])))
+        restore_roles(
+            self._run,
+            self._roles,
+            res,
+            states,
+            names=list(self._ranks),
+            derived=self._derived,
+            proofs=self._proofs,
+        )
         self.core.restarted_at(res.step)
         return res.step
 

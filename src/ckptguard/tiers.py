@@ -37,27 +37,25 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ._agree import gather_decide, on_every_rank
+from ._agree import gather_decide
 from ._commit import replica as _replica
-from ._commit.busy import BusyRound, check_policy, may_start, route_tiered
-from ._commit.pending import AsyncStaging
+from ._commit.busy import BusyRound
 from ._context import Actions
 from ._core.guard import GuardTarget
 from ._core.parts import Parts
 from ._core.root import ProofSink, check_state, check_step
 from ._core.rootstage import RootStage, local_root
-from ._core.tierargs import fast_root, separate_roots
+from ._core.tierargs import TierPlan, check_restore, fast_root, separate_roots
+from ._core.tierleases import check as check_leases
+from ._core.tierleases import hold
 from ._core.tierrestore import Choice, Tier, TierRestore
-from ._core.tiersave import TieredSave, durable, push_replicas
+from ._core.tiersave import TieredSave, durable, joined, push_replicas, start
 from ._disk import layout as _layout
-from ._disk import lease as _lease
 from ._dist import make_agreement
 from ._records import trust as _trust
 from ._records.exportdigest import ExportFingerprint
@@ -66,13 +64,11 @@ from ._resume.resolve_local import Resolution
 from ._state.derived import DerivedState
 from ._state.expert import ExpertParallel
 from ._types import JsonObject, StateDict
-from .config import BlockingBudget, CheckpointConfig, OnBusy, ResumeMode
+from .config import CheckpointConfig, ResumeMode
 from .errors import (
     CheckpointIncompleteError,
-    ConfigError,
 )
 from .manager import CheckpointManager
-from .storage._staging import Fence
 from .storage.base import Storage
 
 __all__ = ["TieredCheckpoint", "TieredSave"]
@@ -111,74 +107,84 @@ class TieredCheckpoint:
         expert_parallel: ExpertParallel | None = None,
     ) -> None:
         fast = fast_root(root)
-        for name, value in (("fast_every", fast_every), ("persistent_every", persistent_every)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"TieredCheckpoint({name}={value!r}): must be an int >= 1 (steps between saves)")
-        if replicas not in (0, 1):
-            raise ConfigError(f"TieredCheckpoint(replicas={replicas!r}): 0 or 1 (one peer copy of each node's part)")
-        # The tiers' saves are whole: a manager whose own blocking budget moved its save to the background
-        # would return None, read here as a skipped step (no persistent save). TieredCheckpoint.save stays
-        # synchronous; save_async is the non-blocking path (docs/tiers.md).
-        if config is not None and not isinstance(config, CheckpointConfig):
-            raise ConfigError(f"TieredCheckpoint(config=...) must be a CheckpointConfig, got {type(config).__name__}")
-        base = dataclasses.replace(config or CheckpointConfig(), blocking=BlockingBudget(fraction=None))
-        check_policy(base.async_save.on_busy, "TieredCheckpoint", (OnBusy.SKIP, OnBusy.WAIT, OnBusy.FAST_TIER))
-        self.on_busy = base.async_save.on_busy
-        if self.on_busy is OnBusy.FAST_TIER:  # the tiers' policy; each tier's own manager skips (its save_async)
-            base = dataclasses.replace(base, async_save=dataclasses.replace(base.async_save, on_busy=OnBusy.SKIP))
-        home = separate_roots(fast, persistent, local_root(persistent, base) if persistent is not None else None)
-        self.fast_every, self.persistent_every, self.replicas = fast_every, persistent_every, replicas
+        plan = TierPlan.of(fast_every, persistent_every, replicas, config)
+        base, self.on_busy = plan.base, plan.on_busy
+        home = separate_roots(
+            fast, persistent, local_root(persistent, base) if persistent is not None else None
+        )
+        self.fast_every, self.persistent_every = plan.fast_every, plan.persistent_every
+        self.replicas = plan.replicas
         TieredCheckpoint._created += 1
         # The tiers' own agreement (the hosts, the persistent lease, the restore's choice, the replicas), created
         # collectively like the managers' own; never shared with a manager's background commit.
-        self._agreement = make_agreement(process_group, timeout_s=base.timeout_s,
-                                         namespace=f"tiers-{TieredCheckpoint._created}")
+        self._agreement = make_agreement(
+            process_group, timeout_s=base.timeout_s, namespace=f"tiers-{TieredCheckpoint._created}"
+        )
         self._naming = _layout.StepNaming(base.storage.dir_template)
         # One proof log for both tiers, in the root every rank can read (prove sees the whole run), and one
         # health log (a record_step of either tier is evidence for both): passed to each tier's manager.
         proof = ProofSink.open(home, self._agreement.info.rank, base)
         health = _trust.HealthLog()
-        # One staging pool for both tiers (a step due on both stages the same bytes into the same slots; host 1x the
-        # state, not 2x), except under FAST_TIER, whose fast save runs beside a persistent commit reading its pool.
-        shared = AsyncStaging() if self.on_busy is not OnBusy.FAST_TIER else None
-        self._parts = {tier: Parts(proof=proof.tagged({"tier": tier.value}), health=health, staging=shared)
-                       for tier in Tier}
+        shared = plan.staging()  # one pool for both tiers, except under FAST_TIER
+        self._parts = {
+            tier: Parts(proof=proof.tagged({"tier": tier.value}), health=health, staging=shared)
+            for tier in Tier
+        }
 
-        def manager(root: str | os.PathLike[str], retention: RetentionPolicy, tier: Tier) -> CheckpointManager:
-            return CheckpointManager(root, config=dataclasses.replace(base, retention=retention),
-                                     process_group=process_group, storage=storage, derived=derived,
-                                     expert_parallel=expert_parallel, parts=self._parts[tier])
+        def manager(
+            root: str | os.PathLike[str], retention: RetentionPolicy, tier: Tier
+        ) -> CheckpointManager:
+            return CheckpointManager(
+                root,
+                config=dataclasses.replace(base, retention=retention),
+                process_group=process_group,
+                storage=storage,
+                derived=derived,
+                expert_parallel=expert_parallel,
+                parts=self._parts[tier],
+            )
 
         self.fast = manager(fast, fast_retention or KeepLast(2), Tier.FAST)
         self.persistent: CheckpointManager | None = None
-        self._tier: RootStage | None = None  # the persistent root's stage: its lease, restore checks, fetch
+        # The persistent root's stage: its lease, restore checks, fetch.
+        self._tier: RootStage | None = None
         if persistent is not None:
-            self.persistent = manager(persistent, persistent_retention or default_policy(), Tier.PERSISTENT)
+            self.persistent = manager(
+                persistent, persistent_retention or default_policy(), Tier.PERSISTENT
+            )
             self._tier = self._parts[Tier.PERSISTENT].bound_stage()
         self._pending: TieredSave | None = None
         self.last_saved: dict[Tier, Path] = {}
         """Each tier's directory of the last ``save`` (or of the ``save_async`` the last ``wait`` joined)."""
         # Created collectively like the managers: the busy round agrees while a commit agrees in its own thread.
-        self.busy = BusyRound(make_agreement(process_group, timeout_s=base.timeout_s,
-                                             namespace=f"tiers-{TieredCheckpoint._created}-busy"), policy=self.on_busy)
+        self.busy = BusyRound(
+            make_agreement(
+                process_group,
+                timeout_s=base.timeout_s,
+                namespace=f"tiers-{TieredCheckpoint._created}-busy",
+            ),
+            policy=self.on_busy,
+        )
         """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``, ``busy.redirected_total``)."""
         agreement = self._agreement
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
         self._peers = _replica.peers(self._hosts)
-        self._restorer = TierRestore(self._parts[Tier.FAST].bound(),
-                                     self._parts[Tier.PERSISTENT].bound() if self.persistent else None,
-                                     replicas=replicas, hosts=self._hosts, stage=self._tier)
-        if replicas and self._peers[0] is None:
-            raise ConfigError(
-                f"TieredCheckpoint(replicas=1): all {len(self._hosts)} ranks run on host {self._hosts[0]}; a peer "
-                "replica must live on another node. Run on two or more nodes, or use replicas=0"
-            )
+        self._restorer = TierRestore(
+            self._parts[Tier.FAST].bound(),
+            self._parts[Tier.PERSISTENT].bound() if self.persistent else None,
+            replicas=replicas,
+            hosts=self._hosts,
+            stage=self._tier,
+        )
+        plan.check_peers(self._hosts, self._peers)
 
     def preemption_target(self) -> GuardTarget:
         """What a ``PreemptionGuard`` guards: a save of the step now, to the persistent tier when there is
         one (the node may not come back), else to the fast tier (with its peer replicas), whatever the
         tiers' intervals."""
-        return dataclasses.replace(self._home().preemption_target(), save=self._save_now, wait=self.wait)
+        return dataclasses.replace(
+            self._home().preemption_target(), save=self._save_now, wait=self.wait
+        )
 
     def _save_now(self, step: int, state: StateDict, **save_kwargs: Any) -> Path | None:
         check_step(step, "save")
@@ -196,8 +202,15 @@ class TieredCheckpoint:
     # ------------------------------------------------------------ save
 
     def save(
-        self, step: int, state: StateDict, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
-        overwrite: bool = False, break_lease: bool = False,
+        self,
+        step: int,
+        state: StateDict,
+        *,
+        healthy: bool | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+        overwrite: bool = False,
+        break_lease: bool = False,
     ) -> Path | None:
         """Commit ``step`` to the tiers whose interval it is on; returns its directory in the most durable tier
         it reached (the persistent tier's when it was saved there, else the fast tier's), as every front door's
@@ -215,23 +228,46 @@ class TieredCheckpoint:
             return None  # no collective, no lease write: a loop may call save at every step
         self._hold_persistent(break_lease)
         if step % self.fast_every == 0:
-            fast = self.fast.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm, overwrite=overwrite,
-                                  break_lease=break_lease)
-            if fast is None:  # an unhealthy step (CheckpointConfig.health): skipped on every rank, every tier
+            fast = self.fast.save(
+                step,
+                state,
+                healthy=healthy,
+                loss=loss,
+                grad_norm=grad_norm,
+                overwrite=overwrite,
+                break_lease=break_lease,
+            )
+            # None: an unhealthy step (CheckpointConfig.health), skipped on every rank, every tier.
+            if fast is None:
                 return None
             out[Tier.FAST] = fast
             if self.replicas:
                 self._push(step)
         if self.persistent is not None and step % self.persistent_every == 0:
-            persistent = self.persistent.save(step, state, healthy=healthy, loss=loss, grad_norm=grad_norm,
-                                              overwrite=overwrite, break_lease=break_lease)
-            if persistent is not None:  # an object store's: committed in the staging root, then on the store
+            persistent = self.persistent.save(
+                step,
+                state,
+                healthy=healthy,
+                loss=loss,
+                grad_norm=grad_norm,
+                overwrite=overwrite,
+                break_lease=break_lease,
+            )
+            # An object store's: committed in the staging root, then on the store.
+            if persistent is not None:
                 out[Tier.PERSISTENT] = persistent
         return durable(out)
 
     def save_async(
-        self, step: int, state: StateDict, *, healthy: bool | None = None, loss: Any = None, grad_norm: Any = None,
-        overwrite: bool = False, break_lease: bool = False,
+        self,
+        step: int,
+        state: StateDict,
+        *,
+        healthy: bool | None = None,
+        loss: Any = None,
+        grad_norm: Any = None,
+        overwrite: bool = False,
+        break_lease: bool = False,
     ) -> TieredSave | None:
         """``save`` in the background. Each tier on its interval is snapshotted now as its manager's
         ``save_async`` does (the health agreement; copies queued into its pinned staging pool; the
@@ -246,45 +282,27 @@ class TieredCheckpoint:
         with every pending save ended, on every rank."""
         check_step(step, "save_async")
         check_state(state, "save_async")
-        start = time.monotonic()
-        due = self._due(step)
-        previous, overlaps = self._pending, None
-        record = self._home_sink().record
-        staging = self._parts[Tier.FAST].staging  # the tiers' one pool: still being prepared, a save is skipped
-        unready = staging.unready_bytes() if staging is not None else 0
-        if due and self.on_busy is OnBusy.FAST_TIER:
-            route = route_tiered(self.busy, step, self._pending, record=record, unready=unready)
-            if route == "skip":
-                return None
-            if route == "fast":  # beside the persistent commit in flight, whose lease is held already
-                due, previous, overlaps = [(Tier.FAST, self.fast)], None, self._pending
-        elif due and not may_start(self.busy, step, self._pending, self.on_busy, wait=self.wait, record=record,
-                                   unready=unready):
-            return None
-        if due and overlaps is None:
-            self._hold_persistent(break_lease)
-        parts: list[tuple[Tier, Callable[[], Path], Fence]] = []
-        push = (lambda: self._push(step)) if self.replicas else None
-        cleanups: list[Callable[[], None]] = []
-        try:
-            for tier, _ in due:
-                hooks = self._parts[tier].commits
-                prepared = hooks.stage(step, state, healthy, loss, grad_norm, Actions(overwrite, break_lease),
-                                       busy=self.busy)
-                if prepared is None:  # an unhealthy step: skipped on every rank (the fast verdict: every tier)
-                    if tier is Tier.FAST or not parts:
-                        return None
-                    continue
-                run, fence, _ = prepared  # an object store's run publishes after its staging commit
-                parts.append((tier, run, fence))
-                cleanups.append(functools.partial(hooks.cleanup, step))
-        finally:
-            # Also when the persistent snapshot raised (on every rank alike): the fast part already
-            # staged commits, so its pool slots and its fence are released, never left hanging.
-            if parts:
-                self._pending = TieredSave(step, parts, time.monotonic() - start, push,
-                                           cleanups=cleanups, after=previous, overlaps=overlaps)
-        return self._pending if parts else TieredSave(step, [], time.monotonic() - start, None)
+        began = time.monotonic()
+        return start(
+            step,
+            state,
+            [tier for tier, _ in self._due(step)],
+            self._parts,
+            health=(healthy, loss, grad_norm),
+            actions=Actions(overwrite, break_lease),
+            began=began,
+            busy=self.busy,
+            policy=self.on_busy,
+            pending=self._pending,
+            wait=self.wait,
+            record=self._home_sink().record,
+            hold=functools.partial(self._hold_persistent, break_lease),
+            push=(lambda: self._push(step)) if self.replicas else None,
+            adopt=self._adopt,
+        )
+
+    def _adopt(self, pending: TieredSave) -> None:
+        self._pending = pending
 
     def _due(self, step: int) -> list[tuple[Tier, CheckpointManager]]:
         due = [(Tier.FAST, self.fast)] if step % self.fast_every == 0 else []
@@ -307,29 +325,22 @@ class TieredCheckpoint:
         pool (one for both; a pool per tier under ``OnBusy.FAST_TIER``) mapped and pinned in the background, so
         the first ``save_async`` of each tier is as cheap as later ones. Local (no collective); a future of the
         bytes added (an error of either is its exception)."""
-        shared = self._parts[Tier.FAST].staging is not None  # one pool for both tiers: prepared once
-        futures = [m.prepare_async(state) for m in (self.fast, self.persistent) if m is not None
-                   and not (shared and m is self.persistent)]
-        done: Future[int] = Future()
-        lock = threading.Lock()  # the tiers' futures complete in their own threads
-
-        def settle(_: Future[int]) -> None:
-            with lock:
-                if done.done() or not all(f.done() for f in futures):
-                    return
-                errors = [RuntimeError("a tier's prepare_async was cancelled") if f.cancelled() else f.exception()
-                          for f in futures if f.cancelled() or f.exception() is not None]
-                done.set_exception(errors[0]) if errors else done.set_result(sum(f.result() for f in futures))
-
-        for f in futures:
-            f.add_done_callback(settle)
-        return done
+        # One pool for both tiers: prepared once.
+        shared = self._parts[Tier.FAST].staging is not None
+        futures = [
+            m.prepare_async(state)
+            for m in (self.fast, self.persistent)
+            if m is not None and not (shared and m is self.persistent)
+        ]
+        return joined(futures)
 
     def staged(self) -> float:
         """``CheckpointManager.staged`` for both tiers of the last ``save_async``: call it before changing
         saved tensors outside an optimizer step. Returns the seconds it blocked."""
         pending = self._pending
-        return sum(f.before_mutation() for f in pending.all_fences()) if pending is not None else 0.0
+        return (
+            sum(f.before_mutation() for f in pending.all_fences()) if pending is not None else 0.0
+        )
 
     def close(self) -> None:
         """Wait for a pending save (raising its error) and release both tiers' host staging pools."""
@@ -341,47 +352,41 @@ class TieredCheckpoint:
                     closing.close()
 
     def _hold_persistent(self, break_lease: bool = False) -> None:
-        """Rank 0 takes (or renews) the persistent root's write lease at every save, creating the root
-        (tracker 0: a declared fresh start) at the first one, so the fast saves' proof records are durable
-        there and a second live job on that root is refused at once, on every rank (without it a duplicate
-        launch trained on until its own first, rare, persistent save)."""
-        tier = self._tier
-        if tier is None:
-            return
-        on_every_rank(self._agreement, "tiers.persistent_lease", lambda: tier.hold(break_lease) if self.rank == 0
-                      else None)
+        """Rank 0 takes (or renews) the persistent root's write lease at every save (``_core.tierleases.hold``)."""
+        hold(self._agreement, self._tier, self.rank, break_lease)
 
     def _push(self, step: int) -> None:
         """Send this rank's files of ``step`` to its peer (``_core.tiersave.push_replicas``)."""
-        push_replicas(self._restorer.fast, self._agreement, step, self._peers, set(self.fast.committed_steps()))
+        push_replicas(
+            self._restorer.fast,
+            self._agreement,
+            step,
+            self._peers,
+            set(self.fast.committed_steps()),
+        )
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, state: StateDict, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False) -> int:
+    def restore(
+        self, state: StateDict, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False
+    ) -> int:
         """Load the newest step every rank can load from some tier; return it (0: fresh start).
         ``HealthPolicy(prefer="verified")`` is refused here: the tier choice takes the newest step."""
-        if not isinstance(mode, ResumeMode):
-            raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
-        if self.fast.config.health.prefer is not _trust.Prefer.LATEST:
-            raise ConfigError(
-                "TieredCheckpoint.restore: CheckpointConfig(health=HealthPolicy(prefer='verified')) is not "
-                "supported across tiers (the choice is the newest step every rank can load); use prefer='latest', "
-                "or restore the persistent tier with a CheckpointManager(..., prefer='verified')"
-            )
+        check_restore(mode, self.fast.config.health.prefer)
         home = self.persistent or self.fast
         self.wait()  # a pending save_async ends first: the choice below sees its step, or its error is raised
-        for tier, known in ((Tier.FAST, self.fast), (Tier.PERSISTENT, self.persistent)):  # first save_async ahead
-            if known is not None and self._parts[tier].staging is None:  # one pool: armed after the load's read
+        # The first save_async ahead, per tier (one pool for both: armed after the load's read).
+        for tier, known in ((Tier.FAST, self.fast), (Tier.PERSISTENT, self.persistent)):
+            if known is not None and self._parts[tier].staging is None:
                 known.queue.known(state, self._parts[tier].bound())
         if mode is ResumeMode.NEVER:
             return home.restore(state, mode=mode, break_lease=break_lease)
-        for tier, mgr in ((Tier.FAST, self.fast), (Tier.PERSISTENT, self.persistent)):
-            if mgr is not None and not break_lease:  # a duplicate launch stops here, whichever tier it would load
-                _lease.check_on_every_rank(self._agreement, mgr.root, ttl_s=mgr.config.storage.lease_ttl_s,
-                                           where="restore", key=f"tiers.lease.{tier.value}")
-        if self._tier is not None:  # an object store's lease; its proof log (a lost node's) back from the store
-            self._tier.before_restore(break_lease)
-        broken: dict[int, str] = {}  # fast steps whose fetch failed (the same on every rank: an agreed error)
+        roots = {
+            t: self._parts[t].bound() for t in Tier if t is Tier.FAST or self.persistent is not None
+        }
+        check_leases(self._agreement, roots, self._tier, break_lease)
+        # Fast steps whose fetch failed (the same on every rank: an agreed error).
+        broken: dict[int, str] = {}
         while True:
             choice = self._choose(broken)
             if not choice.tier:
@@ -396,7 +401,8 @@ class TieredCheckpoint:
             try:
                 self._restorer.fetch(choice)
                 break
-            except CheckpointIncompleteError as exc:  # a damaged replica: the next choice, never a guess
+            except CheckpointIncompleteError as exc:
+                # A damaged replica: the next choice, never a guess.
                 broken[choice.step] = str(exc)
                 log.warning("ckptguard: %s; choosing again without fast step %d", exc, choice.step)
         tier = Tier(choice.tier)
@@ -404,12 +410,16 @@ class TieredCheckpoint:
         assert mgr is not None
         path = mgr.root / self._naming.name(choice.step)
         if tier is Tier.PERSISTENT and self._tier is not None:
-            path = self._tier.bring(choice.step)  # an object store's: downloaded into the staging root first
-        where: dict[str, str | list[int]] = {"tier_detail": choice.detail,
-                                             "replica_ranks": sorted(int(r) for r in choice.senders)}
+            # An object store's: downloaded into the staging root first.
+            path = self._tier.bring(choice.step)
+        where: dict[str, str | list[int]] = {
+            "tier_detail": choice.detail,
+            "replica_ranks": sorted(int(r) for r in choice.senders),
+        }
         sink = self._parts[tier].proof
         assert sink is not None
-        with sink.adding(where):  # this door's own sink: the restore record says which tier and replicas it read
+        # This door's own sink: the restore record says which tier and replicas it read.
+        with sink.adding(where):
             step = mgr.restore(state, path=path, break_lease=break_lease)
         self._restorer.align_fast(step, tier)
         for other in Tier:  # both tiers continue the restored trajectory (trust, retention)
@@ -419,21 +429,29 @@ class TieredCheckpoint:
 
     def _choose(self, broken: dict[int, str]) -> Choice:
         """The newest step every rank can load from some tier, agreed (``TierRestore.choose``)."""
-        return gather_decide(self._agreement, "tiers.choose", self._restorer.view(),
-                             lambda views: self._restorer.choose(views, broken), decision=Choice)
+        return gather_decide(
+            self._agreement,
+            "tiers.choose",
+            self._restorer.view(),
+            lambda views: self._restorer.choose(views, broken),
+            decision=Choice,
+        )
 
     def resolve(self, *, mode: ResumeMode = ResumeMode.AUTO) -> Resolution:
         """Which step ``restore`` would load and from which tier, agreed by every rank; loads nothing (no
         peer replica is fetched, no object-store step downloaded): the newest step every rank can load from
         some tier, as ``restore`` chooses it. With nothing committed in any tier, or ``ResumeMode.NEVER``,
         the home tier's own answer (a declared fresh start, or MUST's refusal)."""
-        if not isinstance(mode, ResumeMode):
-            raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
+        check_restore(mode)
         self.wait()
         if mode is ResumeMode.NEVER:
             return self._home().resolve(mode=mode)
         choice = self._choose({})
-        return self._restorer.resolution(choice, mode) if choice.tier else self._home().resolve(mode=mode)
+        return (
+            self._restorer.resolution(choice, mode)
+            if choice.tier
+            else self._home().resolve(mode=mode)
+        )
 
     # ------------------------------------------------------------ proof records and queries
 
@@ -444,20 +462,28 @@ class TieredCheckpoint:
         return self._parts[Tier.PERSISTENT if self.persistent is not None else Tier.FAST].proof  # type: ignore
 
     def record_step(
-        self, step: int, *, sample_ids: Any = None, batch: Any = None, loss: Any = None, grad_norm: Any = None,
+        self,
+        step: int,
+        *,
+        sample_ids: Any = None,
+        batch: Any = None,
+        loss: Any = None,
+        grad_norm: Any = None,
         **extra: Any,
     ) -> JsonObject:
         """``CheckpointManager.record_step`` into the one proof log of both tiers; both tiers' health
         checks see it (one health log: a NaN recorded at a step keeps that step out of either tier)."""
-        return self._home().record_step(step, sample_ids=sample_ids, batch=batch, loss=loss, grad_norm=grad_norm,
-                                        **extra)
+        return self._home().record_step(
+            step, sample_ids=sample_ids, batch=batch, loss=loss, grad_norm=grad_norm, **extra
+        )
 
     def record_export(self, step: int, payload: Any, *, scales: Any = None) -> ExportFingerprint:
         return self._home().record_export(step, payload, scales=scales)
 
-    def record_logprobs(self, step: int, trainer_logprobs: Any, rollout_logprobs: Any) -> dict[str, float]:
+    def record_logprobs(
+        self, step: int, trainer_logprobs: Any, rollout_logprobs: Any
+    ) -> dict[str, float]:
         return self._home().record_logprobs(step, trainer_logprobs, rollout_logprobs)
 
     def record_update(self, step: int, *, grad_norm: float, params_changed: bool) -> None:
         self._home().record_update(step, grad_norm=grad_norm, params_changed=params_changed)
-

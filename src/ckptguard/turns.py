@@ -39,16 +39,32 @@ finish, a resume, the environments' own records of their effects): ``ckptguard p
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ._records.turnlog import TurnLog
+from ._state.conversation import (
+    Conversation,
+    OpenTurn,
+    Turn,
+    TurnResumePlan,
+    conversation_of,
+    merged_calls,
+    tokens_digest,
+    turn_seed,
+)
+from ._state.turnchecks import (
+    STATE_VERSION,
+    check_handle,
+    check_reissue,
+    check_revision,
+    checked_state,
+    json_text,
+)
 from ._state.turnstate import Call, InFlight
 from ._types import JsonObject, StateDict
 from .environments import Effect, EnvCall, Environment, EnvKind, args_digest
@@ -59,86 +75,6 @@ __all__ = ["Conversation", "Turn", "TurnLedger", "TurnResumePlan", "turn_seed"]
 
 log = logging.getLogger("ckptguard")
 
-STATE_VERSION = 1
-
-
-def turn_seed(run_seed: int, rollout: str, turn: int) -> int:
-    """The sampling seed of ``turn`` of ``rollout``: the same in the killed run, a continued one and a restart."""
-    key = f"ckptguard.turn|{int(run_seed)}|{rollout}|{int(turn)}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def _json(fn: Any, value: Any, what: str) -> str:
-    """``fn(value)`` for a JSON value; a value that is not one is a ConfigError naming ``what`` (it is saved)."""
-    try:
-        out: str = fn(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{what} must be JSON values (str, int, float, bool, None, lists, dicts): they are saved "
-                          f"in the checkpoint ({exc})") from None
-    return out
-
-
-def tokens_digest(tokens: Sequence[int]) -> str:
-    return hashlib.blake2b(json.dumps(list(tokens)).encode(), digest_size=12).hexdigest()
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """A rollout's conversation at its last completed turn: the prompt's and every turn's tokens (``spans``:
-    per turn, how many came from the model, then from the environments), its attempt (restarts), its
-    turns, and the committed result of every environment call by call id."""
-
-    rollout: str
-    prompt: int | str
-    prompt_len: int
-    tokens: list[int]
-    spans: list[list[int]]
-    attempt: int
-    turns: int
-    calls: dict[str, Any]
-
-    def model_mask(self) -> list[bool]:
-        """Per token: whether the model produced it (the tokens a policy update scores)."""
-        mask = [False] * self.prompt_len
-        for model, env in self.spans:
-            mask += [True] * model + [False] * env
-        return mask
-
-
-@dataclass(frozen=True)
-class Turn:
-    """The handle of one turn in progress: the rollout, its attempt, the turn number (1 = first), the
-    sampling seed of this turn's model call, and the conversation's token ids before it."""
-
-    rollout: str
-    prompt: int | str
-    attempt: int
-    turn: int
-    seed: int
-    tokens: tuple[int, ...]
-    generation: int
-
-
-@dataclass
-class _Open:
-    """What the turn in progress has done so far (committed by ``end_turn``)."""
-
-    turn: Turn
-    model_tokens: list[int] = field(default_factory=list)
-    model_calls: list[str] = field(default_factory=list)
-    calls: list[Call] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class TurnResumePlan:
-    """What ``resume`` did: rollouts continued at their last turn (id, turn), restarted from their prompt
-    (id, the turns that are redone, the restart-only environment that forced it), and finished ones kept."""
-
-    continued: list[tuple[str, int]]
-    restarted: list[tuple[str, int, str]]
-    finished: list[str]
-    prompts: list[int | str]
-
 
 class TurnLedger:
     """The in-flight multi-turn rollouts of one rank, each at its last completed turn (see the module doc).
@@ -147,13 +83,22 @@ class TurnLedger:
     ``resume`` marks the prompts of the rollouts it continues or restarts as issued again there (else
     that ledger re-issues them as new work). ``root`` and ``rank``: where the evidence goes."""
 
-    def __init__(self, envs: Iterable[Environment], *, run_seed: int = 0, prompts: RolloutLedger | None = None,
-                 root: str | Path | None = None, rank: int = 0) -> None:
+    def __init__(
+        self,
+        envs: Iterable[Environment],
+        *,
+        run_seed: int = 0,
+        prompts: RolloutLedger | None = None,
+        root: str | Path | None = None,
+        rank: int = 0,
+    ) -> None:
         self.envs: dict[str, Environment] = {}
         for env in envs:
             if not isinstance(env.kind, EnvKind) or env.name in self.envs:
-                raise ConfigError(f"TurnLedger: environment {env.name!r} is named twice or its kind {env.kind!r} "
-                                  "is not an EnvKind; give each adapter a unique name and an EnvKind")
+                raise ConfigError(
+                    f"TurnLedger: environment {env.name!r} is named twice or its kind {env.kind!r} "
+                    "is not an EnvKind; give each adapter a unique name and an EnvKind"
+                )
             self.envs[env.name] = env
         self.run_seed = int(run_seed)
         self.prompts = prompts
@@ -161,7 +106,7 @@ class TurnLedger:
         self._lock = threading.RLock()
         self._flight: dict[str, InFlight] = {}
         self._finished: dict[str, InFlight] = {}
-        self._open: dict[str, _Open] = {}
+        self._open: dict[str, OpenTurn] = {}
         self._seq = 0
         self._generation = 0
         self._step: int | None = None  # the training step of the turns now run (recorded with them)
@@ -175,8 +120,10 @@ class TurnLedger:
         with self._lock:
             self._resume_if_pending()
             if rollout in self._flight or rollout in self._finished:
-                raise ConfigError(f"TurnLedger.start({rollout!r}): the rollout is already in flight or finished; "
-                                  "rollout ids are unique within a run")
+                raise ConfigError(
+                    f"TurnLedger.start({rollout!r}): the rollout is already in flight or finished; "
+                    "rollout ids are unique within a run"
+                )
             r = InFlight(str(rollout), prompt, len(prompt_tokens), [int(t) for t in prompt_tokens])
             self._fresh_resources(r)
             self._flight[r.rollout] = r
@@ -189,12 +136,19 @@ class TurnLedger:
             self._resume_if_pending()
             r = self._in_flight(rollout, "next_turn")
             self._step = int(step)
-            turn = Turn(r.rollout, r.prompt, r.attempt, r.turn + 1, turn_seed(self.run_seed, r.rollout, r.turn + 1),
-                        tuple(r.tokens), self._generation)
+            turn = Turn(
+                r.rollout,
+                r.prompt,
+                r.attempt,
+                r.turn + 1,
+                turn_seed(self.run_seed, r.rollout, r.turn + 1),
+                tuple(r.tokens),
+                self._generation,
+            )
             old = self._open.pop(r.rollout, None)
             if old is not None:
-                r.pending = self._merged(r.pending, old.calls)
-            self._open[r.rollout] = _Open(turn)
+                r.pending = merged_calls(r.pending, old.calls)
+            self._open[r.rollout] = OpenTurn(turn)
             return turn
 
     def model_call(self, turn: Turn, tokens: Sequence[int], call_id: str | None = None) -> str:
@@ -213,15 +167,31 @@ class TurnLedger:
             o = self._current(turn, "env_call")
             adapter = self.envs.get(env)
             if adapter is None:
-                raise ConfigError(f"env_call(rollout {turn.rollout!r}, turn {turn.turn}): no environment {env!r} "
-                                  f"(known: {sorted(self.envs)})")
+                raise ConfigError(
+                    f"env_call(rollout {turn.rollout!r}, turn {turn.turn}): no environment {env!r} "
+                    f"(known: {sorted(self.envs)})"
+                )
             r = self._flight[turn.rollout]
             index = len(o.calls)
             where = f"env_call(rollout {turn.rollout!r}, turn {turn.turn}): the arguments"
-            call = Call(f"{turn.rollout}/t{turn.turn}/c{index}", env, turn.turn, index, _json(args_digest, args, where))
-            self._check_reissue(r, call)
-            request = EnvCall(call.call_id, r.rollout, r.attempt, turn.turn, index, args, call.args_digest,
-                              r.epochs.get(env, 0))
+            call = Call(
+                f"{turn.rollout}/t{turn.turn}/c{index}",
+                env,
+                turn.turn,
+                index,
+                json_text(args_digest, args, where),
+            )
+            check_reissue(r, call)
+            request = EnvCall(
+                call.call_id,
+                r.rollout,
+                r.attempt,
+                turn.turn,
+                index,
+                args,
+                call.args_digest,
+                r.epochs.get(env, 0),
+            )
             o.calls.append(call)
         result = adapter.call(request)  # outside the lock: a slow tool must not stall a save
         with self._lock:
@@ -233,8 +203,11 @@ class TurnLedger:
                     f"now {call.args_digest}): the turn did not replay as the killed run ran it; seed sampling per "
                     "rollout and turn (TurnLedger.next_turn's seed), or start a new rollout id"
                 )
-            call.result = _json(lambda v: json.dumps(v, sort_keys=True, allow_nan=False), result.result,
-                                f"rollout {turn.rollout!r}, turn {turn.turn}: environment {env!r}'s result")
+            call.result = json_text(
+                lambda v: json.dumps(v, sort_keys=True, allow_nan=False),
+                result.result,
+                f"rollout {turn.rollout!r}, turn {turn.turn}: environment {env!r}'s result",
+            )
             call.revision = int(result.revision)
             return result.result
 
@@ -246,8 +219,10 @@ class TurnLedger:
             r = self._flight[turn.rollout]
             unanswered = [c.call_id for c in o.calls if c.result is None]
             if unanswered:
-                raise ConfigError(f"end_turn(rollout {turn.rollout!r}, turn {turn.turn}): call(s) {unanswered} "
-                                  "returned no result; end the turn after its calls returned")
+                raise ConfigError(
+                    f"end_turn(rollout {turn.rollout!r}, turn {turn.turn}): call(s) {unanswered} "
+                    "returned no result; end the turn after its calls returned"
+                )
             env = [int(t) for t in env_tokens]
             r.tokens += o.model_tokens + env
             r.spans.append([len(o.model_tokens), len(env)])
@@ -266,14 +241,23 @@ class TurnLedger:
             self._resume_if_pending()
             r = self._in_flight(rollout, "finish")
             if r.rollout in self._open:
-                raise ConfigError(f"finish({rollout!r}): turn {self._open[r.rollout].turn.turn} is still open; end it "
-                                  "first (an unfinished turn is not part of the rollout)")
+                raise ConfigError(
+                    f"finish({rollout!r}): turn {self._open[r.rollout].turn.turn} is still open; end it "
+                    "first (an unfinished turn is not part of the rollout)"
+                )
             del self._flight[r.rollout]
             self._finished[r.rollout] = r
             self._seq += 1
-            self._records.write("finish", rollout=r.rollout, attempt=r.attempt, turns=r.turn, seq=self._seq,
-                                step=self._step, conv=tokens_digest(r.tokens))
-            return self._view(r)
+            self._records.write(
+                "finish",
+                rollout=r.rollout,
+                attempt=r.attempt,
+                turns=r.turn,
+                seq=self._seq,
+                step=self._step,
+                conv=tokens_digest(r.tokens),
+            )
+            return conversation_of(r)
 
     def acknowledge(self, rollouts: Iterable[str]) -> None:
         """Their consumer holds these finished rollouts now (e.g. ``RolloutLedger.completed(prompt, ref)``
@@ -282,7 +266,9 @@ class TurnLedger:
         with self._lock:
             unknown = [r for r in ids if r not in self._finished]
             if unknown:
-                raise ConfigError(f"acknowledge: rollout(s) {unknown[:8]} are not finished (finish() them first)")
+                raise ConfigError(
+                    f"acknowledge: rollout(s) {unknown[:8]} are not finished (finish() them first)"
+                )
             for rid in ids:
                 del self._finished[rid]
 
@@ -296,12 +282,12 @@ class TurnLedger:
     @property
     def finished(self) -> dict[str, Conversation]:
         with self._lock:
-            return {rid: self._view(r) for rid, r in self._finished.items()}
+            return {rid: conversation_of(r) for rid, r in self._finished.items()}
 
     def conversation(self, rollout: str) -> Conversation:
         """An in-flight rollout's conversation at its last completed turn."""
         with self._lock:
-            return self._view(self._in_flight(rollout, "conversation"))
+            return conversation_of(self._in_flight(rollout, "conversation"))
 
     def result(self, call_id: str) -> Any:
         """The committed result of ``call_id`` (a committed turn's call is never made again: read it here)."""
@@ -319,29 +305,24 @@ class TurnLedger:
         acknowledged, and the record sequence number."""
         with self._lock:
             flight = {rid: r.to_state() for rid, r in self._flight.items()}
-            for rid, o in self._open.items():  # calls of a turn in progress: issued, no committed result
-                flight[rid]["pending"] = [c.to_state() for c in self._merged(self._flight[rid].pending, o.calls)]
+            # Calls of a turn in progress: issued, no committed result.
+            for rid, o in self._open.items():
+                flight[rid]["pending"] = [
+                    c.to_state() for c in merged_calls(self._flight[rid].pending, o.calls)
+                ]
                 for c in flight[rid]["pending"]:
                     c[5] = None
-            return {"version": STATE_VERSION, "seq": self._seq, "run_seed": self.run_seed,
-                    "in_flight": list(flight.values()), "finished": [r.to_state() for r in self._finished.values()]}
+            return {
+                "version": STATE_VERSION,
+                "seq": self._seq,
+                "run_seed": self.run_seed,
+                "in_flight": list(flight.values()),
+                "finished": [r.to_state() for r in self._finished.values()],
+            }
 
     def load_state_dict(self, state: StateDict) -> None:
         """Exactly the saved state; the rules are applied by ``resume`` (run by the first use if not called)."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise StateMismatchError(f"TurnLedger.load_state_dict: not a turn ledger state of version {STATE_VERSION} "
-                                     f"(got {type(state).__name__})")
-        flight = [InFlight.from_state(r) for r in state["in_flight"]]
-        finished = [InFlight.from_state(r) for r in state["finished"]]
-        both = sorted({r.rollout for r in flight} & {r.rollout for r in finished})
-        if both:
-            raise StateMismatchError(f"TurnLedger.load_state_dict: rollout(s) {both[:8]} are both finished and in "
-                                     "flight in this state: a finished result would also be resumed as work; the "
-                                     "state was not written by TurnLedger.state_dict")
-        if int(state["run_seed"]) != self.run_seed:
-            raise StateMismatchError(f"TurnLedger.load_state_dict: the state was saved with run_seed "
-                                     f"{state['run_seed']}, this ledger has {self.run_seed}: continued turns would "
-                                     "sample other tokens; build the ledger with the saving run's run_seed")
+        flight, finished = checked_state(state, self.run_seed)
         with self._lock:
             self._flight = {r.rollout: r for r in flight}
             self._finished = {r.rollout: r for r in finished}
@@ -366,40 +347,59 @@ class TurnLedger:
                 else:
                     restarted.append((r.rollout, r.turn, forced))
                     self._restart(r)
-            prompts = list(dict.fromkeys(r.prompt for r in [*self._flight.values(), *self._finished.values()]))
+            prompts = list(
+                dict.fromkeys(r.prompt for r in [*self._flight.values(), *self._finished.values()])
+            )
             plan = TurnResumePlan(continued, restarted, list(self._finished), prompts)
-            self._records.write("resume", durable=True, seq=self._seq,
-                                continued=[[rid, self._flight[rid].attempt, t] for rid, t in continued],
-                                restarted=[[rid, self._flight[rid].attempt, t, env] for rid, t, env in restarted],
-                                finished=plan.finished)
+            self._records.write(
+                "resume",
+                durable=True,
+                seq=self._seq,
+                continued=[[rid, self._flight[rid].attempt, t] for rid, t in continued],
+                restarted=[[rid, self._flight[rid].attempt, t, env] for rid, t, env in restarted],
+                finished=plan.finished,
+            )
         if self.prompts is not None:
             self.prompts.take(0)  # takes nothing: applies the prompt ledger's own resume first
             for pid in prompts:  # their rollouts go on here: not new work for the prompt ledger
                 if pid in self.prompts.pending_reissue:
                     self.prompts.issued(pid)
-        log.info("ckptguard: turn ledger resumed: %d rollout(s) continued at their last turn, %d restarted from "
-                 "their prompt (restart-only environments), %d finished kept", len(continued), len(restarted),
-                 len(plan.finished))
+        log.info(
+            "ckptguard: turn ledger resumed: %d rollout(s) continued at their last turn, %d restarted from "
+            "their prompt (restart-only environments), %d finished kept",
+            len(continued),
+            len(restarted),
+            len(plan.finished),
+        )
         return plan
 
     def record_effects(self) -> None:
         """Append every environment's own record of its effects to the evidence (``prove`` reads the newest)."""
         for name, env in self.envs.items():
             effects: list[Effect] = env.effects()
-            self._records.write("effects", durable=True, env=name, kind=env.kind.value,
-                                effects=[e.to_json() for e in effects])
+            self._records.write(
+                "effects",
+                durable=True,
+                env=name,
+                kind=env.kind.value,
+                effects=[e.to_json() for e in effects],
+            )
 
     # ------------------------------------------------------------ inside
 
     def _restart_only_used(self, r: InFlight) -> str | None:
-        return next((c.env for c in r.calls if self._env(c.env, r).kind is EnvKind.RESTART_ONLY), None)
+        return next(
+            (c.env for c in r.calls if self._env(c.env, r).kind is EnvKind.RESTART_ONLY), None
+        )
 
     def _env(self, name: str, r: InFlight) -> Environment:
         env = self.envs.get(name)
         if env is None:
-            raise StateMismatchError(f"rollout {r.rollout!r}, turn {r.turn}: the saved ledger holds calls to "
-                                     f"environment {name!r}, which this ledger does not have (known: "
-                                     f"{sorted(self.envs)}); pass the same environments as the saving run")
+            raise StateMismatchError(
+                f"rollout {r.rollout!r}, turn {r.turn}: the saved ledger holds calls to "
+                f"environment {name!r}, which this ledger does not have (known: "
+                f"{sorted(self.envs)}); pass the same environments as the saving run"
+            )
         return env
 
     def _continue(self, r: InFlight) -> None:
@@ -409,20 +409,12 @@ class TurnLedger:
             want, turn = committed.get(name, (0, r.turn))
             if env.kind is EnvKind.RESTORABLE:
                 got = env.restore(r.rollout, want)
-                self._check_revision(r, name, turn, want, got, got == want)
+                check_revision(r, name, turn, want, got, got == want)
             elif env.kind is EnvKind.IDEMPOTENT and name in committed:
                 got = env.revision(r.rollout)
-                self._check_revision(r, name, turn, want, got, got >= want)
+                check_revision(r, name, turn, want, got, got >= want)
             elif env.kind is EnvKind.RESTART_ONLY:
                 r.epochs[name] = env.fence(r.rollout)
-
-    def _check_revision(self, r: InFlight, env: str, turn: int, want: int, got: int, ok: bool) -> None:
-        if not ok:
-            raise StateMismatchError(
-                f"rollout {r.rollout!r}, turn {turn}: environment {env!r} holds revision {got} of the rollout's "
-                f"resource, the checkpoint committed revision {want}: continuing would build on other state than "
-                "the committed turns saw; restore the environment's data of this checkpoint (or start over)"
-            )
 
     def _restart(self, r: InFlight) -> None:
         """From the prompt under a new attempt: committed calls forgotten, resources fresh (fenced or at 0)."""
@@ -436,24 +428,9 @@ class TurnLedger:
         for name, env in self.envs.items():
             if env.kind is EnvKind.RESTORABLE:
                 got = env.restore(r.rollout, 0)
-                self._check_revision(r, name, r.turn, 0, got, got == 0)
+                check_revision(r, name, r.turn, 0, got, got == 0)
             elif env.kind is EnvKind.RESTART_ONLY:
                 r.epochs[name] = env.fence(r.rollout)
-
-    def _check_reissue(self, r: InFlight, call: Call) -> None:
-        first = next((c for c in r.pending if c.call_id == call.call_id), None)
-        if first is not None and first.args_digest != call.args_digest:
-            raise StateMismatchError(
-                f"rollout {r.rollout!r}, turn {call.turn}: call id {call.call_id!r} was issued before the restore "
-                f"with other arguments (digest {first.args_digest}, now {call.args_digest}): the turn did not "
-                "replay; its sampling must be seeded per rollout and turn (Turn.seed)"
-            )
-
-    @staticmethod
-    def _merged(old: list[Call], new: list[Call]) -> list[Call]:
-        ids = {c.call_id for c in new}
-        return [*[c for c in old if c.call_id not in ids], *[Call(c.call_id, c.env, c.turn, c.index,
-                                                                   c.args_digest) for c in new]]
 
     def _in_flight(self, rollout: str, what: str) -> InFlight:
         r = self._flight.get(rollout)
@@ -462,32 +439,43 @@ class TurnLedger:
             raise ConfigError(f"{what}({rollout!r}): the rollout is not in flight: {where}")
         return r
 
-    def _current(self, turn: Turn, what: str) -> _Open:
+    def _current(self, turn: Turn, what: str) -> OpenTurn:
         """The open turn of this handle; a handle of an older attempt or of before a restore fails closed."""
-        r = self._flight.get(turn.rollout)
-        o = self._open.get(turn.rollout)
-        if r is None or o is None or o.turn != turn or turn.generation != self._generation:
-            now = "not in flight" if r is None else f"at attempt {r.attempt}, turn {r.turn} committed"
-            raise StateMismatchError(
-                f"{what}: stale attempt: rollout {turn.rollout!r}, turn {turn.turn} (attempt {turn.attempt}) is not "
-                f"the turn in progress (the rollout is {now}; a restore or a newer next_turn superseded it): drop "
-                "the work of this handle, ask next_turn for the turn to run"
-            )
-        return o
+        return check_handle(
+            turn,
+            self._flight.get(turn.rollout),
+            self._open.get(turn.rollout),
+            self._generation,
+            what,
+        )
 
     def _resume_if_pending(self) -> None:
         if self._pending_resume:
             self.resume()
 
-    @staticmethod
-    def _view(r: InFlight) -> Conversation:
-        return Conversation(r.rollout, r.prompt, r.prompt_len, list(r.tokens), [list(s) for s in r.spans], r.attempt,
-                            r.turn, {c.call_id: json.loads(c.result) for c in r.calls if c.result is not None})
-
-    def _record_turn(self, r: InFlight, turn: Turn, o: _Open) -> None:
-        calls: list[JsonObject] = [{"call_id": c.call_id, "env": c.env, "kind": self.envs[c.env].kind.value,
-                                    "index": c.index, "args": c.args_digest, "revision": c.revision}
-                                   for c in o.calls]
-        self._records.write("turn", rollout=r.rollout, prompt=r.prompt, attempt=r.attempt, turn=turn.turn,
-                            seed=turn.seed, tokens=tokens_digest(o.model_tokens), conv=tokens_digest(r.tokens),
-                            calls=calls, model_calls=o.model_calls, seq=self._seq, step=self._step)
+    def _record_turn(self, r: InFlight, turn: Turn, o: OpenTurn) -> None:
+        calls: list[JsonObject] = [
+            {
+                "call_id": c.call_id,
+                "env": c.env,
+                "kind": self.envs[c.env].kind.value,
+                "index": c.index,
+                "args": c.args_digest,
+                "revision": c.revision,
+            }
+            for c in o.calls
+        ]
+        self._records.write(
+            "turn",
+            rollout=r.rollout,
+            prompt=r.prompt,
+            attempt=r.attempt,
+            turn=turn.turn,
+            seed=turn.seed,
+            tokens=tokens_digest(o.model_tokens),
+            conv=tokens_digest(r.tokens),
+            calls=calls,
+            model_calls=o.model_calls,
+            seq=self._seq,
+            step=self._step,
+        )

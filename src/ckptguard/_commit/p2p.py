@@ -2,7 +2,8 @@
 
 The one implementation of a file transfer between nodes: per-node publish copies the replicated
 DCP files to the nodes that read them (``protocol``), and peer replicas push a step's files to a
-rank of another node and fetch them back (``replica``).
+rank of another node and fetch them back (``replica``). The terms both sides share (``FileSpec``,
+``Link``, ``Problem``) and the words of each failure are in ``p2ptypes``.
 
 Contract. Both sides know the file (``FileSpec``: path, size, xxh3) before it moves. The
 receiver writes a temp name next to the destination, hashes the bytes as they arrive, fsyncs,
@@ -43,7 +44,6 @@ import os
 import secrets
 import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,64 +52,41 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from .p2ptypes import (
+    FileSpec,
+    Link,
+    OutOfStep,
+    PeerProblem,
+    Problem,
+    describe,
+    peer_broke,
+    peer_lost,
+)
+
+__all__ = [
+    "CHUNK",
+    "HEADER",
+    "FileSpec",
+    "Link",
+    "Problem",
+    "recv_file",
+    "recv_json",
+    "send_file",
+    "send_json",
+]
+
 CHUNK = 64 << 20
 """Bytes per block message; a failure reaches the peer after at most one block."""
-HEADER = 24  # bytes before each block: status, length and the sender's size of the file (int64 each)
+# Bytes before each block: status, length and the sender's size of the file (int64 each).
+HEADER = 24
 _TEXT_MAX = 16 << 10
-_CANARY = 8  # random bytes just past the longest body a message may have: a longer message overwrites them
+# Random bytes just past the longest body a message may have: a longer message overwrites them.
+_CANARY = 8
 
 _OK, _FAIL = 0, 1
 
 
-@dataclass(frozen=True)
-class FileSpec:
-    """One file of a transfer: where the sender reads it, where the receiver puts it."""
-
-    path: str  # relative to the step directory (or to the root for ``root`` files)
-    size: int
-    xxh3: str
-    where: str = "step"  # "step" or "root" (contract files)
-
-
-@dataclass(frozen=True)
-class Link:
-    """Where transfers run and what their errors say."""
-
-    group: Any  # the process group (None: the default group); ranks below are ranks of this group
-    step: int | None  # the step the files belong to, named in every error
-    what: str  # the kind of transfer, e.g. "copy of a replicated DCP file"
-    retry: str  # what to do once the cause is fixed, e.g. "save again"
-    timeout_s: float | None = None  # per message; None: the process group's own timeout
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A failed transfer, the same on both sides."""
-
-    message: str
-    rank: int = -1  # the rank that hit it (the peer reports the same problem)
-    exc_type: str = "OSError"
-    errno: int | None = None
-    path: str | None = None
-    time_ns: int = 0
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class _PeerProblem(Exception):
-    """The peer answered that it failed: ``problem`` is its description."""
-
-    def __init__(self, problem: Problem) -> None:
-        super().__init__(problem.message)
-        self.problem = problem
-
-
 # ---------------------------------------------------------------- messages
-
-
-class _OutOfStep(RuntimeError):
-    """The peer sent a message the protocol does not allow at this point (a lying or broken peer)."""
 
 
 def _wait(link: Link, work: Any) -> None:
@@ -131,29 +108,38 @@ def _inbox() -> torch.Tensor:
     return torch.empty(HEADER + CHUNK + _CANARY, dtype=torch.uint8)
 
 
-def _recv_msg(link: Link, src: int, inbox: torch.Tensor, ok_max: int = CHUNK) -> tuple[int, int, int]:
+def _recv_msg(
+    link: Link, src: int, inbox: torch.Tensor, ok_max: int = CHUNK
+) -> tuple[int, int, int]:
     """(status, body length, total) of the next message from ``src``, its body at ``inbox[HEADER:]``.
     Checked before the body is used: the header's status and length, and the real length of the message
     (gloo does not report it): random canaries just past the body this side expects (``ok_max`` bytes
     for an ok message, ``_TEXT_MAX`` for a failure) must survive a message that announces no more."""
     view = inbox.numpy()
     spots = sorted({min(ok_max, CHUNK), _TEXT_MAX})
-    if spots[-1] - spots[0] < _CANARY:  # overlapping windows would overwrite each other: keep the later one
+    # Overlapping windows would overwrite each other: keep the later one.
+    if spots[-1] - spots[0] < _CANARY:
         spots = spots[-1:]
     canary = numpy.frombuffer(os.urandom(_CANARY), dtype=numpy.uint8)
     for at in spots:
-        view[HEADER + at: HEADER + at + _CANARY] = canary
+        view[HEADER + at : HEADER + at + _CANARY] = canary
     _wait(link, dist.irecv(inbox, group=link.group, group_src=src))
     code, count, total = struct.unpack_from("<qqq", view.data, 0)
     if code not in (_OK, _FAIL) or not 0 <= count <= (CHUNK if code == _OK else _TEXT_MAX):
-        raise _OutOfStep(f"a message with status {code} and a body of {count} bytes (at most {CHUNK} bytes of "
-                         f"data or {_TEXT_MAX} of a failure's description are allowed)")
+        raise OutOfStep(
+            f"a message with status {code} and a body of {count} bytes (at most {CHUNK} bytes of "
+            f"data or {_TEXT_MAX} of a failure's description are allowed)"
+        )
     # The smallest canary at or past the announced length: overwritten, the message was longer than it says.
     # (A length past every canary is another size than this side expects: the caller refuses it as such.)
     past = next((a for a in spots if a >= count), None)
-    if past is not None and not numpy.array_equal(view[HEADER + past: HEADER + past + _CANARY], canary):
-        raise _OutOfStep(f"a message longer than its header announces (more than {past} bytes of body where "
-                         f"{count} were announced)")
+    if past is not None and not numpy.array_equal(
+        view[HEADER + past : HEADER + past + _CANARY], canary
+    ):
+        raise OutOfStep(
+            f"a message longer than its header announces (more than {past} bytes of body where "
+            f"{count} were announced)"
+        )
     return code, count, total
 
 
@@ -178,17 +164,19 @@ def _recv_answer(link: Link, src: int, inbox: torch.Tensor) -> int:
     code, n, _ = _recv_msg(link, src, inbox, ok_max=0)
     if code == _OK:
         if n:
-            raise _OutOfStep(f"an answer with a body of {n} bytes (none is due)")
+            raise OutOfStep(f"an answer with a body of {n} bytes (none is due)")
         return n
-    raise _PeerProblem(_parse_problem(src, inbox, n))
+    raise PeerProblem(_parse_problem(src, inbox, n))
 
 
 def _parse_problem(src: int, inbox: torch.Tensor, n: int) -> Problem:
     """The description of a failure, in the body of the peer's "failed" message."""
     try:
-        found = Problem(**json.loads(bytes(inbox[HEADER:HEADER + n].numpy())))
+        found = Problem(**json.loads(bytes(inbox[HEADER : HEADER + n].numpy())))
     except (ValueError, TypeError) as exc:  # a torn description: still a failure of the peer
-        return Problem(f"rank {src} failed the transfer; its description does not parse ({exc})", rank=src)
+        return Problem(
+            f"rank {src} failed the transfer; its description does not parse ({exc})", rank=src
+        )
     if not isinstance(found.message, str):
         return Problem(f"rank {src} failed the transfer; its description is not text", rank=src)
     return found
@@ -196,8 +184,9 @@ def _parse_problem(src: int, inbox: torch.Tensor, n: int) -> Problem:
 
 def send_json(link: Link, obj: Any, dst: int) -> None:
     data = json.dumps(obj).encode()
-    for at in range(0, max(len(data), 1), CHUNK):  # pieces of at most one block: every message fits the inbox
-        _send_msg(link, dst, _OK, data[at:at + CHUNK], len(data))
+    # Pieces of at most one block: every message fits the inbox.
+    for at in range(0, max(len(data), 1), CHUNK):
+        _send_msg(link, dst, _OK, data[at : at + CHUNK], len(data))
 
 
 def recv_json(link: Link, src: int, limit: int = 1 << 30) -> Any:
@@ -205,62 +194,27 @@ def recv_json(link: Link, src: int, limit: int = 1 << 30) -> Any:
     while True:
         code, n, total = _recv_msg(link, src, inbox)
         if code != _OK or not 0 <= total <= limit or len(got) + n > total:
-            raise _OutOfStep(f"a JSON piece of {n} bytes of {total} (status {code}, {len(got)} received, at most "
-                             f"{limit})")
-        got += bytes(inbox[HEADER:HEADER + n].numpy())
+            raise OutOfStep(
+                f"a JSON piece of {n} bytes of {total} (status {code}, {len(got)} received, at most "
+                f"{limit})"
+            )
+        got += bytes(inbox[HEADER : HEADER + n].numpy())
         if len(got) == total:
             try:
                 return json.loads(bytes(got))
             except ValueError as exc:
-                raise _OutOfStep(f"JSON that does not parse ({exc})") from None
+                raise OutOfStep(f"JSON that does not parse ({exc})") from None
         if n == 0:
-            raise _OutOfStep(f"an empty JSON piece after {len(got)} of {total} bytes")
-
-
-# ---------------------------------------------------------------- problems
-
-
-def _problem(
-    link: Link, spec: FileSpec, src: int, dst: int, cause: str, todo: str, *, at: int,
-    exc: BaseException | None = None, exc_type: str = "OSError", path: Path | str | None = None,
-) -> Problem:
-    step = f"step {link.step}" if link.step is not None else "step unknown"
-    oserr = exc if isinstance(exc, OSError) else None
-    return Problem(
-        f"{link.what}, {step}: {spec.path} ({spec.size} bytes) from rank {src} to rank {dst}: {cause}; "
-        f"{todo}, then {link.retry}",
-        rank=at,
-        exc_type=type(exc).__name__ if exc is not None else exc_type,
-        errno=oserr.errno if oserr is not None else None,
-        path=str(path) if path is not None else (str(oserr.filename) if oserr and oserr.filename else None),
-        time_ns=time.time_ns(),
-    )
-
-
-def _lost(link: Link, spec: FileSpec, src: int, dst: int, peer: int, exc: BaseException, started: float) -> Problem:
-    return _problem(
-        link, spec, src, dst,
-        f"rank {peer} stopped answering after {time.monotonic() - started:.1f} s ({type(exc).__name__}: "
-        f"{str(exc)[:300]})",
-        f"rank {peer} died or hangs (its node's log says why); restart the job once every rank runs",
-        at=src if peer == dst else dst, exc=exc,
-    )
-
-
-def _broke(link: Link, spec: FileSpec, src: int, dst: int, peer: int, exc: _OutOfStep) -> Problem:
-    """The peer broke the protocol: refused here (the caller's ``finally`` removes the ``.part`` file),
-    naming the peer; the pair cannot go on in step, so the transfers with that peer stop."""
-    return _problem(
-        link, spec, src, dst, f"rank {peer} broke the transfer protocol: it sent {exc}",
-        f"rank {peer} runs other code or is compromised; check that every rank runs the same ckptguard",
-        at=src if peer == dst else dst, exc_type="CheckpointCorruptError",
-    )
+            raise OutOfStep(f"an empty JSON piece after {len(got)} of {total} bytes")
 
 
 def _tell(link: Link, peer: int, problem: Problem) -> None:
     """Best effort: an honest peer that is out of step hears why; a lying one may not be listening."""
     with contextlib.suppress(RuntimeError):
         _send_fail(link, peer, problem)
+
+
+# ---------------------------------------------------------------- one file
 
 
 def _read_block(f: Any, buf: torch.Tensor, at: int, size: int) -> str | None:
@@ -278,21 +232,21 @@ def _read_block(f: Any, buf: torch.Tensor, at: int, size: int) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- one file
-
-
 def _blocks(size: int) -> int:
-    return max(1, -(-size // CHUNK))  # a file of 0 bytes is one empty block: the exchange still runs
+    # A file of 0 bytes is one empty block: the exchange still runs.
+    return max(1, -(-size // CHUNK))
 
 
-def _send_block(link: Link, dst: int, buf: torch.Tensor, n: int, total: int, problem: Problem | None = None) -> None:
+def _send_block(
+    link: Link, dst: int, buf: torch.Tensor, n: int, total: int, problem: Problem | None = None
+) -> None:
     """``buf[HEADER:HEADER + n]`` holds the block: sent with its header as one message of exactly the length
     the header announces. With ``problem`` the message says it failed and carries the description instead."""
     if problem is not None:
         _send_msg(link, dst, _FAIL, json.dumps(problem.__dict__).encode()[:_TEXT_MAX], total)
         return
     struct.pack_into("<qqq", buf.numpy().data, 0, _OK, n, total)
-    _send(link, buf[:HEADER + n], dst)
+    _send(link, buf[: HEADER + n], dst)
 
 
 def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | None:
@@ -306,45 +260,70 @@ def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | Non
         try:
             f = open(path, "rb")  # noqa: SIM115 (kept open across the block loop, closed below)
         except OSError as exc:
-            problem = _problem(link, spec, me, dst, f"rank {me} cannot open it: {exc}",
-                               f"the file on rank {me}'s disk is gone or unreadable; check {path}", at=me, exc=exc)
+            problem = describe(
+                link,
+                spec,
+                me,
+                dst,
+                f"rank {me} cannot open it: {exc}",
+                f"the file on rank {me}'s disk is gone or unreadable; check {path}",
+                at=me,
+                exc=exc,
+            )
         buf = torch.empty(HEADER + min(CHUNK, spec.size), dtype=torch.uint8)
         inbox = _inbox()
         sent = 0
         n = min(CHUNK, spec.size)
-        error = _read_block(f, buf[HEADER: HEADER + n], sent, spec.size) if f is not None else None
+        error = _read_block(f, buf[HEADER : HEADER + n], sent, spec.size) if f is not None else None
         blocks = _blocks(spec.size)
         for i in range(blocks):
             if problem is None and error is not None:
-                problem = _problem(link, spec, me, dst, f"rank {me} cannot send it: {error}",
-                                   f"the file on rank {me}'s disk changed after its write, or the disk fails; "
-                                   f"check {path}", at=me, path=path)
+                problem = describe(
+                    link,
+                    spec,
+                    me,
+                    dst,
+                    f"rank {me} cannot send it: {error}",
+                    f"the file on rank {me}'s disk changed after its write, or the disk fails; "
+                    f"check {path}",
+                    at=me,
+                    path=path,
+                )
             if problem is not None:
                 _send_block(link, dst, buf, n, spec.size, problem)
                 return problem
-            _send_block(link, dst, buf, n, spec.size)  # once sent, the buffer is free for the next block
+            # Once sent, the buffer is free for the next block.
+            _send_block(link, dst, buf, n, spec.size)
             sent += n
             if i < blocks - 1:
                 n = min(CHUNK, spec.size - sent)
-                error = _read_block(f, buf[HEADER: HEADER + n], sent, spec.size)  # while the receiver writes
-                _recv_answer(link, dst, inbox)  # written (always taken before the next block: the pair stays in step)
+                # Read while the receiver writes; then its "written" (always taken before the next
+                # block: the pair stays in step).
+                error = _read_block(f, buf[HEADER : HEADER + n], sent, spec.size)
+                _recv_answer(link, dst, inbox)
         _recv_answer(link, dst, inbox)  # fsynced, checked and in place
         return None
-    except _PeerProblem as exc:
+    except PeerProblem as exc:
         return exc.problem
-    except _OutOfStep as exc:
-        problem = _broke(link, spec, me, dst, dst, exc)
+    except OutOfStep as exc:
+        problem = peer_broke(link, spec, me, dst, dst, exc)
         _tell(link, dst, problem)
         return problem
     except RuntimeError as exc:  # gloo: the peer died, or a message waited past timeout_s
-        return _lost(link, spec, me, dst, dst, exc, started)
+        return peer_lost(link, spec, me, dst, dst, exc, started)
     finally:
         if f is not None:
             f.close()
 
 
-def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple[str, str] | None = None,
-              ) -> Problem | None:
+def recv_file(
+    link: Link,
+    dest: Path,
+    spec: FileSpec,
+    src: int,
+    *,
+    refuse: tuple[str, str] | None = None,
+) -> Problem | None:
     """Receive ``spec`` from ``src`` (which calls ``send_file``) into ``dest``: a temp name, fsync,
     xxh3 against ``spec``, rename. Returns the problem, this side's or the sender's.
 
@@ -360,18 +339,37 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple
     problem: Problem | None = None
 
     def refused(doing: str, exc: OSError) -> Problem:
-        return _problem(link, spec, src, me, f"rank {me} failed {doing} {part}: {exc}",
-                        f"rank {me}'s disk refused the file: free space there, or make {dest.parent} writable", at=me,
-                        exc=exc)
+        return describe(
+            link,
+            spec,
+            src,
+            me,
+            f"rank {me} failed {doing} {part}: {exc}",
+            f"rank {me}'s disk refused the file: free space there, or make {dest.parent} writable",
+            at=me,
+            exc=exc,
+        )
 
     try:
-        if refuse is None and (not spec.path or os.path.isabs(spec.path) or ".." in Path(spec.path).parts):
+        if refuse is None and (
+            not spec.path or os.path.isabs(spec.path) or ".." in Path(spec.path).parts
+        ):
             # The path comes from the peer: one that leaves the receiver's directory is never written.
-            refuse = ("the path: it leaves the directory it is received into (absolute or '..')",
-                      f"the sender's manifest or plan is damaged or crafted; check rank {src}'s checkpoint root")
+            refuse = (
+                "the path: it leaves the directory it is received into (absolute or '..')",
+                f"the sender's manifest or plan is damaged or crafted; check rank {src}'s checkpoint root",
+            )
         if refuse is not None:
-            problem = _problem(link, spec, src, me, f"rank {me} refuses {refuse[0]}", refuse[1], at=me,
-                               exc_type="CheckpointCorruptError")
+            problem = describe(
+                link,
+                spec,
+                src,
+                me,
+                f"rank {me} refuses {refuse[0]}",
+                refuse[1],
+                at=me,
+                exc_type="CheckpointCorruptError",
+            )
         else:
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -387,17 +385,26 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple
             n = min(CHUNK, spec.size - got)
             code, count, total = _recv_msg(link, src, buf, ok_max=n)
             if code == _FAIL:
-                raise _PeerProblem(_parse_problem(src, buf, count))
-            if count != n or total != spec.size:  # the sender's record of the file is another size: refused on
-                problem = problem or _problem(  # both sides (the whole message arrived: the pair stays in step)
-                    link, spec, src, me, f"rank {src} sends {total} bytes of it, rank {me} expects {spec.size} "
+                raise PeerProblem(_parse_problem(src, buf, count))
+            # The sender's record of the file is another size: refused on both sides (the whole
+            # message arrived: the pair stays in step).
+            if count != n or total != spec.size:
+                problem = problem or describe(
+                    link,
+                    spec,
+                    src,
+                    me,
+                    f"rank {src} sends {total} bytes of it, rank {me} expects {spec.size} "
                     f"(a block of {count} bytes where {n} were due, block {i + 1} of {blocks})",
                     "the two ranks' records of this file disagree (a damaged or crafted manifest or plan): check "
-                    f"rank {src}'s checkpoint root", at=me, exc_type="CheckpointCorruptError")
+                    f"rank {src}'s checkpoint root",
+                    at=me,
+                    exc_type="CheckpointCorruptError",
+                )
                 _send_fail(link, src, problem)
                 return problem
             if problem is None and out is not None:
-                payload = view[HEADER: HEADER + n]
+                payload = view[HEADER : HEADER + n]
                 h.update(payload)
                 try:
                     out.write(payload)
@@ -417,10 +424,17 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple
             except OSError as exc:
                 problem = refused("writing", exc)
         if problem is None and h.hexdigest() != spec.xxh3:
-            problem = _problem(
-                link, spec, src, me, f"the bytes rank {me} received have xxh3 {h.hexdigest()}, the writer recorded "
-                f"{spec.xxh3}", f"the file changed on rank {src}'s disk after its write, or the transfer corrupted "
-                f"it; check that disk and the network between the nodes", at=me, exc_type="CheckpointCorruptError",
+            problem = describe(
+                link,
+                spec,
+                src,
+                me,
+                f"the bytes rank {me} received have xxh3 {h.hexdigest()}, the writer recorded "
+                f"{spec.xxh3}",
+                f"the file changed on rank {src}'s disk after its write, or the transfer corrupted "
+                f"it; check that disk and the network between the nodes",
+                at=me,
+                exc_type="CheckpointCorruptError",
                 path=part,
             )
         if problem is None:
@@ -433,14 +447,14 @@ def recv_file(link: Link, dest: Path, spec: FileSpec, src: int, *, refuse: tuple
             return problem
         _send_ok(link, src)  # in place
         return None
-    except _PeerProblem as exc:
+    except PeerProblem as exc:
         return exc.problem
-    except _OutOfStep as exc:
-        problem = _broke(link, spec, src, me, src, exc)
+    except OutOfStep as exc:
+        problem = peer_broke(link, spec, src, me, src, exc)
         _tell(link, src, problem)
         return problem
     except RuntimeError as exc:  # gloo: the peer died, or a message waited past timeout_s
-        return _lost(link, spec, src, me, src, exc, started)
+        return peer_lost(link, spec, src, me, src, exc, started)
     finally:
         if out is not None and not out.closed:
             out.close()

@@ -1,4 +1,5 @@
-"""The roles of a run (``ckptguard.RunCheckpoint``): what a role is, what a rank reports of its roles.
+"""The roles of a run (``ckptguard.RunCheckpoint``): what a role is, the run's roles checked and each
+one's context (its group and agreement) made, what a rank reports of its roles.
 
 A ``Role`` names the ranks that hold one model or the driver of a run; every role's part of a step
 is written by the single-role protocol into the run's temp directory (``_commit.publish.RolePartPublisher``), and
@@ -8,15 +9,19 @@ the run step is published once every role on every rank confirmed (``_commit.pub
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import datetime as _dt
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from .._agree import on_every_rank
 from .._commit import pending as _async
 from .._commit.messages import failure_from
 from .._context import Context
+from .._dist import make_agreement
 from .._records import runmanifest
 from .._records.exportdigest import ExportFingerprint, export_fingerprint, logprob_diff
 from .._records.proofwriter import ProofLog
@@ -32,6 +37,7 @@ from .._types import JsonObject, StateDict
 from ..config import CheckpointConfig, ParallelLayout
 from ..errors import CheckpointError, CheckpointWriteError, ConfigError, WriteFailure
 from ..storage.base import Storage
+from ..storage.streaming import StreamingStorage
 from .root import ProofSink, check_step
 
 
@@ -67,6 +73,69 @@ class Role:
                     f"Role({self.name!r}, ranks={self.ranks!r}): a rank is listed twice"
                 )
             object.__setattr__(self, "ranks", tuple(sorted(ranks)))
+
+
+def check_roles(roles: Sequence[Role]) -> list[Role]:
+    """A run's ``roles`` argument: a non-empty list of ``Role``s, their names unique."""
+    declared = list(roles)
+    if not declared or not all(isinstance(r, Role) for r in declared):
+        raise ConfigError(
+            "RunCheckpoint(roles=...): give a non-empty list of ckptguard.Role(name, ranks=...)"
+        )
+    names = [r.name for r in declared]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"RunCheckpoint(roles=...): role names must be unique, got {names}")
+    return declared
+
+
+def role_ranks(roles: Sequence[Role], world: int) -> dict[str, list[int]]:
+    """Every role's ranks (None: every rank), in declared order, each a rank of the default process group."""
+    held = {r.name: list(r.ranks) if r.ranks is not None else list(range(world)) for r in roles}
+    for name, ranks in held.items():
+        if max(ranks) >= world:
+            raise ConfigError(
+                f"role {name!r} lists ranks {ranks}, but the default process group has {world} ranks"
+            )
+    return held
+
+
+def role_contexts(
+    roles: Sequence[Role],
+    ranks: dict[str, list[int]],
+    run: Context,
+    namespace: str,
+    *,
+    distributed: bool,
+) -> tuple[dict[str, Context], dict[str, int]]:
+    """The context of each role this rank holds, in declared order, and this rank's rank in each (its
+    proof records: ``ROOT/proof/<role>/``). Created collectively: every rank creates every role's group."""
+    contexts: dict[str, Context] = {}
+    held: dict[str, int] = {}
+    timeout_s = run.config.timeout_s
+    for role in roles:
+        group = None
+        if distributed:
+            # Every rank creates every role's group (new_group's rule); a dedicated gloo group with our
+            # timeout, so DCP's own collectives of a stalled role fail within timeout_s too.
+            group = dist.new_group(
+                ranks[role.name], backend="gloo", timeout=_dt.timedelta(seconds=timeout_s)
+            )
+        if run.rank not in ranks[role.name]:
+            continue
+        agreement = make_agreement(group, timeout_s=timeout_s, namespace=f"{namespace}/{role.name}")
+        reshard = dataclasses.replace(run.config.reshard, layout=role.layout)
+        cfg = dataclasses.replace(run.config, reshard=reshard)
+        contexts[role.name] = Context.of(
+            run.root,
+            cfg,
+            run.naming,
+            agreement,
+            role.storage or StreamingStorage(),
+            group,
+            role.expert_parallel,
+        )
+        held[role.name] = agreement.info.rank
+    return contexts, held
 
 
 class Fences:

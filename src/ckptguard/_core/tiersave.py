@@ -1,8 +1,15 @@
-"""A ``TieredCheckpoint.save_async`` in flight: the tiers' background commits in one thread.
+"""A ``TieredCheckpoint.save_async``: how it starts in the caller's thread, and its commits in one
+background thread.
+
+``start``: the tiers' ``on_busy`` round decides alike on every rank whether the requested step starts
+(``_commit.busy.may_start``; ``OnBusy.FAST_TIER``: ``route_tiered``, which may write it to the fast tier
+alone, beside the persistent commit in flight), then each due tier's snapshot is staged through its
+manager's hooks (``Parts.commits``) and one ``TieredSave`` commits them in the background.
+``joined``: the tiers' ``prepare_async`` futures as one.
 
 ``TieredSave`` runs the due tiers' staged commits one after the other (the fast tier, its replica
 push and its cleanup, then the persistent tier and its cleanup); ``wait()`` returns the committed
-directories or raises the first failure. Made by ``ckptguard.tiers.TieredCheckpoint.save_async``.
+directories or raises the first failure.
 A save redirected to the fast tier (``OnBusy.FAST_TIER``) ``overlaps`` the save in flight: its commit
 starts once that save's fast part and cleanup ended on this rank (the caller's busy round has seen
 it ended on every rank), beside that save's persistent commit; waiting for it (``wait``, ``join``,
@@ -11,19 +18,26 @@ it ended on every rank), beside that save's persistent commit; waiting for it (`
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from .._agree import Agreement
 from .._commit import replica as _replica
-from .._context import Context
+from .._commit.busy import BusyRound, may_start, route_tiered
+from .._context import Actions, Context
 from .._priority import lower_this_thread
 from .._records import manifest as _manifest
+from .._types import StateDict
+from ..config import OnBusy
 from ..errors import CheckpointError, SaveStillRunningError
 from ..storage._staging import Fence
+from .parts import Parts
 from .tierrestore import Tier, after_transfers
 
 log = logging.getLogger("ckptguard")
@@ -249,3 +263,100 @@ def push_replicas(
             step,
             " | ".join(bad),
         )
+
+
+def start(
+    step: int,
+    state: StateDict,
+    due: list[Tier],
+    parts: dict[Tier, Parts],
+    *,
+    health: tuple[bool | None, Any, Any],
+    actions: Actions,
+    began: float,
+    busy: BusyRound,
+    policy: OnBusy,
+    pending: TieredSave | None,
+    wait: Callable[[], Any],
+    record: Callable[..., None],
+    hold: Callable[[], None],
+    push: Callable[[], None] | None,
+    adopt: Callable[[TieredSave], None],
+) -> TieredSave | None:
+    """A tiered ``save_async`` of ``step`` to the ``due`` tiers, started: its ``TieredSave`` (also handed to
+    ``adopt``, the tiers' save in flight from now on); None when skipped on every rank, or unhealthy.
+    ``pending``: the save in flight before it; ``hold``: the persistent lease taken (not beside a commit in
+    flight, whose lease is held already); ``push``: the replica push after the fast commit."""
+    previous: TieredSave | None = pending
+    overlaps: TieredSave | None = None
+    # The tiers' one pool: while it is still being prepared, a save is skipped.
+    staging = parts[Tier.FAST].staging
+    unready = staging.unready_bytes() if staging is not None else 0
+    if due and policy is OnBusy.FAST_TIER:
+        route = route_tiered(busy, step, pending, record=record, unready=unready)
+        if route == "skip":
+            return None
+        if route == "fast":  # beside the persistent commit in flight, whose lease is held already
+            due, previous, overlaps = [Tier.FAST], None, pending
+    elif due and not may_start(
+        busy, step, pending, policy, wait=wait, record=record, unready=unready
+    ):
+        return None
+    if due and overlaps is None:
+        hold()
+    staged: list[tuple[Tier, Callable[[], Path], Fence]] = []
+    cleanups: list[Callable[[], None]] = []
+    started: TieredSave | None = None
+    healthy, loss, grad_norm = health
+    try:
+        for tier in due:
+            hooks = parts[tier].commits
+            prepared = hooks.stage(step, state, healthy, loss, grad_norm, actions, busy=busy)
+            # None: an unhealthy step, skipped on every rank (the fast tier's verdict: every tier's).
+            if prepared is None:
+                if tier is Tier.FAST or not staged:
+                    return None
+                continue
+            run, fence, _ = prepared  # an object store's run publishes after its staging commit
+            staged.append((tier, run, fence))
+            cleanups.append(functools.partial(hooks.cleanup, step))
+    finally:
+        # Also when the persistent snapshot raised (on every rank alike): the fast part already
+        # staged commits, so its pool slots and its fence are released, never left hanging.
+        if staged:
+            started = TieredSave(
+                step,
+                staged,
+                time.monotonic() - began,
+                push,
+                cleanups=cleanups,
+                after=previous,
+                overlaps=overlaps,
+            )
+            adopt(started)
+    return started if started is not None else TieredSave(step, [], time.monotonic() - began, None)
+
+
+def joined(futures: list[Future[int]]) -> Future[int]:
+    """One future over the tiers' ``prepare_async`` futures: the bytes they added, or the first error."""
+    done: Future[int] = Future()
+    lock = threading.Lock()  # the tiers' futures complete in their own threads
+
+    def settle(_: Future[int]) -> None:
+        with lock:
+            if done.done() or not all(f.done() for f in futures):
+                return
+            errors = [
+                RuntimeError("a tier's prepare_async was cancelled")
+                if f.cancelled()
+                else f.exception()
+                for f in futures
+                if f.cancelled() or f.exception() is not None
+            ]
+            done.set_exception(errors[0]) if errors else done.set_result(
+                sum(f.result() for f in futures)
+            )
+
+    for f in futures:
+        f.add_done_callback(settle)
+    return done

@@ -14,6 +14,7 @@ one changed word change the sum; the position weights make moved data change it.
 one einsum over uint64 blocks runs at about 0.7x of xxh3's speed on one core (a scalar 64-bit
 multiply a word: no faster form of this sum exists in numpy or torch, plain sums of rows and
 columns measured slower), so the pass is spread over the cores; on a GPU it is two int64 reductions.
+A box split on an inner dimension (TP) is summed run by run, its runs placed by ``boxrows``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import xxhash
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .boxrows import box_runs, rows_sum
 from .digest import Feed, tensor_bytes_view, update_digest
 
 _MASK = (1 << 64) - 1
@@ -52,11 +54,15 @@ _POS_DEVICE: dict[str, torch.Tensor] = {}
 
 
 def _mix_blocks(first: int, count: int) -> np.ndarray:
-    mixed = _splitmix(np.arange(first, first + count, dtype=np.uint64) ^ np.uint64(0xD1B54A32D192ED03))
+    mixed = _splitmix(
+        np.arange(first, first + count, dtype=np.uint64) ^ np.uint64(0xD1B54A32D192ED03)
+    )
     return mixed | np.uint64(1)  # type: ignore[no-any-return]  # numpy types uint64 operators as Any
 
 
-_BLOCKS_CACHED = 1 << 14  # the weights of the first 16384 blocks (tensors up to 128 MiB), computed once
+_BLOCKS_CACHED = (
+    1 << 14
+)  # the weights of the first 16384 blocks (tensors up to 128 MiB), computed once
 _BW = _mix_blocks(0, _BLOCKS_CACHED)
 
 
@@ -74,15 +80,22 @@ def _word_weight(j: int) -> int:
 # from the oldest end of a queue while the caller takes the newest (still in its cache): on 2 cores
 # both cores sum, and in the save's pass the caller hashes with xxh3 and takes only what the pool
 # has not reached. numpy's einsum and xxh3 release the GIL. The sum is linear, so pieces add up.
-_PIECE_WORDS = 1 << 19  # 4 MiB per piece: smaller pieces streamed from DRAM ran up to a third slower
+_PIECE_WORDS = (
+    1 << 19
+)  # 4 MiB per piece: smaller pieces streamed from DRAM ran up to a third slower
 _THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():  # a forked child gets a pool of its own (no threads came along)
-        _POOL = (os.getpid(), ThreadPoolExecutor(_THREADS, thread_name_prefix="ckptguard-layout-free"))
+    if (
+        _POOL is None or _POOL[0] != os.getpid()
+    ):  # a forked child gets a pool of its own (no threads came along)
+        _POOL = (
+            os.getpid(),
+            ThreadPoolExecutor(_THREADS, thread_name_prefix="ckptguard-layout-free"),
+        )
     return _POOL[1]
 
 
@@ -117,13 +130,18 @@ class _Shared:
         if m <= _PIECE_WORDS:
             cuts = [0, m]
         else:
-            cuts, at = [0], _PIECE_WORDS - j0 % _LF_BLOCK  # pieces start on a block boundary of the global order
+            cuts, at = (
+                [0],
+                _PIECE_WORDS - j0 % _LF_BLOCK,
+            )  # pieces start on a block boundary of the global order
             while at < m:
                 cuts.append(at)
                 at += _PIECE_WORDS
             cuts.append(m)
         with self._cv:
-            self._items.extend((key, words[a:b], j0 + a, self.batch) for a, b in itertools.pairwise(cuts))
+            self._items.extend(
+                (key, words[a:b], j0 + a, self.batch) for a, b in itertools.pairwise(cuts)
+            )
             self._cv.notify(len(cuts) - 1)
 
     def _run(self, entry: tuple[str, np.ndarray, int, int]) -> None:
@@ -140,7 +158,9 @@ class _Shared:
                 entry = self._items.popleft()
             try:
                 self._run(entry)
-            except BaseException as exc:  # handed to the caller in result(), never lost in the thread
+            except (
+                BaseException
+            ) as exc:  # handed to the caller in result(), never lost in the thread
                 with self._cv:
                     self._error = exc
                     self._items.clear()
@@ -194,7 +214,9 @@ def _words_sum_serial(words: np.ndarray, j0: int) -> int:
     k0 = j0 % _LF_BLOCK
     if k0:  # the run starts inside a block
         c = min(m, _LF_BLOCK - k0)
-        total += int(np.einsum("i,i->", words[:c], _POS[k0 : k0 + c])) * int(_block_weights(j0 // _LF_BLOCK, 1)[0])
+        total += int(np.einsum("i,i->", words[:c], _POS[k0 : k0 + c])) * int(
+            _block_weights(j0 // _LF_BLOCK, 1)[0]
+        )
         i = c
     nb = (m - i) // _LF_BLOCK
     if nb:
@@ -203,7 +225,9 @@ def _words_sum_serial(words: np.ndarray, j0: int) -> int:
         i += nb * _LF_BLOCK
     if i < m:
         c = m - i
-        total += int(np.einsum("i,i->", words[i:], _POS[:c])) * int(_block_weights((j0 + i) // _LF_BLOCK, 1)[0])
+        total += int(np.einsum("i,i->", words[i:], _POS[:c])) * int(
+            _block_weights((j0 + i) // _LF_BLOCK, 1)[0]
+        )
     return total & _MASK
 
 
@@ -223,7 +247,9 @@ def _words_sum_cuda(words: torch.Tensor, j0: int) -> int:
     while (m - i) // _LF_BLOCK:
         nb = min((m - i) // _LF_BLOCK, _LF_GPU_WORDS // _LF_BLOCK)
         per_block = (words[i : i + nb * _LF_BLOCK].view(nb, _LF_BLOCK) * pos).sum(dim=1)
-        weights = torch.from_numpy(_block_weights((j0 + i) // _LF_BLOCK, nb).view(np.int64)).to(words.device)
+        weights = torch.from_numpy(_block_weights((j0 + i) // _LF_BLOCK, nb).view(np.int64)).to(
+            words.device
+        )
         total += int((per_block * weights).sum().item())
         i += nb * _LF_BLOCK
     if i < m:
@@ -233,7 +259,9 @@ def _words_sum_cuda(words: torch.Tensor, j0: int) -> int:
     return total & _MASK
 
 
-def _bytes_sum(flat: torch.Tensor, start: int, parallel: bool = True, into: _Into | None = None) -> int:
+def _bytes_sum(
+    flat: torch.Tensor, start: int, parallel: bool = True, into: _Into | None = None
+) -> int:
     """The layout-free sum of ``flat`` (uint8, contiguous) placed at global byte offset ``start``.
 
     With ``into`` (a CPU tensor), the whole words are queued there and only the partial words
@@ -280,29 +308,9 @@ def _weights_at(j: np.ndarray) -> np.ndarray:
     return _POS[j % np.uint64(_LF_BLOCK)] * bw  # type: ignore[no-any-return]  # wraps modulo 2**64, as the sum does
 
 
-_ROWS_WORDS = 1 << 18  # words per vectorised batch of rows (2 MiB), bounding the weight table
-
-
-def _rows_sum(words: torch.Tensor, starts: np.ndarray) -> int:
-    """sum over rows r and i of words[r, i] * weight(starts[r] + i): the runs of a box, word-aligned."""
-    rows, width = words.shape
-    step = max(1, _ROWS_WORDS // max(1, width))
-    cols = np.arange(width, dtype=np.uint64)
-    total = 0
-    for r in range(0, rows, step):
-        w = _weights_at(starts[r : r + step, None].astype(np.uint64) + cols)
-        part = words[r : r + step]
-        if part.device.type == "cpu":
-            total += int(np.einsum("ij,ij->", part.numpy().view(np.uint64), w))
-        else:
-            total += int((part * torch.from_numpy(w.view(np.int64)).to(part.device)).sum().item())
-    return total & _MASK
-
-
 def _global_offset(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """This rank's piece of ``t`` and where it starts in the global tensor."""
     if hasattr(t, "device_mesh") and hasattr(t, "placements"):
-
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local = t.to_local()  # type: ignore[attr-defined]  # a DTensor; torch types it as Tensor
         if tuple(local.shape) != tuple(shape):  # a padded local shard: only the real part counts
@@ -339,25 +347,15 @@ def box_sum(
     total = 0
     if not split or all(x == 1 for x in lshape[: split[-1]]):  # one run of the global order
         total = _bytes_sum(flat, _run_start(offset, gshape) * esize, into=into)
-    else:
-        last = split[-1]
-        gstride = [1] * len(gshape)
-        for d in range(len(gshape) - 2, -1, -1):
-            gstride[d] = gstride[d + 1] * gshape[d + 1]
-        run = lshape[last] * gstride[last]  # elements of one run: the dims after ``last`` are whole
-        starts = np.full((), offset[last] * gstride[last], dtype=np.int64)
-        for d in range(last):  # every run's first element in the global order, rows in C order
-            starts = np.add.outer(starts, (np.arange(lshape[d], dtype=np.int64) + offset[d]) * gstride[d])
-        byte_starts = starts.reshape(-1) * esize
-        if (run * esize) % 8 == 0 and not (byte_starts % 8).any():
+    else:  # a box split on an inner dimension: one run per row of the dims before the last split
+        run, starts = box_runs(lshape, offset, gshape, split[-1])
+        run_bytes, byte_starts = run * esize, starts * esize
+        if run_bytes % 8 == 0 and not (byte_starts % 8).any():
             # TP Shard(1) and the like: every run is whole words, summed for many rows at once
-            words = flat.view(-1, run * esize).view(torch.int64)
-            if words.data_ptr() % 8:
-                words = words.clone()
-            total = _rows_sum(words, byte_starts // 8)
+            total = rows_sum(flat, run_bytes, byte_starts // 8, _weights_at)
         else:
             for r, at in enumerate(byte_starts.tolist()):
-                total += _bytes_sum(flat[r * run * esize : (r + 1) * run * esize], at, into=into)
+                total += _bytes_sum(flat[r * run_bytes : (r + 1) * run_bytes], at, into=into)
     if into is not None:
         into[0].add(into[1], total & _MASK)
         return 0
@@ -379,7 +377,9 @@ def layout_free_partials(items: Mapping[str, Mapping[str, torch.Tensor]]) -> dic
                 cid = f"{key}@{offset}"
                 out[cid] = [item, key, f"{local.dtype}|{gshape}", ""]
                 shared.add(cid, box_sum(local, offset, gshape, (shared, cid)))
-                shared.help(_THREADS)  # this thread sums too, the newest pieces first (the hottest in cache)
+                shared.help(
+                    _THREADS
+                )  # this thread sums too, the newest pieces first (the hottest in cache)
         sums = shared.result()
     for cid, entry in out.items():
         entry[3] = f"{sums.get(cid, 0):016x}"
@@ -428,7 +428,9 @@ def _run_start(offset: tuple[int, ...], gshape: tuple[int, ...]) -> int:
     return start
 
 
-def digest_with_layout_free(obj: Any, keys: Mapping[str, torch.Tensor], item: str) -> tuple[str, dict[str, list[str]]]:
+def digest_with_layout_free(
+    obj: Any, keys: Mapping[str, torch.Tensor], item: str
+) -> tuple[str, dict[str, list[str]]]:
     """``digest(obj)`` and, in the same pass over memory, the layout-free partials of its tensors.
 
     ``keys`` are the DCP keys of the tensors inside ``obj`` (by identity). The bytes of a CPU
@@ -452,7 +454,9 @@ def digest_with_layout_free(obj: Any, keys: Mapping[str, torch.Tensor], item: st
             gshape = tuple(int(x) for x in t.shape)
             cid = f"{key}@{offset}"
             partials[cid] = [item, key, f"{local.dtype}|{gshape}", ""]
-            whole = local.device.type == "cpu" and (not hasattr(t, "to_local") or t.to_local().shape == local.shape)
+            whole = local.device.type == "cpu" and (
+                not hasattr(t, "to_local") or t.to_local().shape == local.shape
+            )
             if not (whole and _single_run(local, gshape)) or local.numel() == 0:
                 shared.add(cid, box_sum(local, offset, gshape, (shared, cid)))
                 return None

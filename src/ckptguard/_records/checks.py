@@ -1,7 +1,8 @@
 """Checks of one step directory, shared by restore, retention and the operator tools.
 
 Contract: ``verify_step`` returns findings, never raises on bad content; paths from the
-manifest that leave the step directory are findings and are never opened.
+manifest that leave the step directory are findings and are never opened. The findings of a
+damaged shard set, of unreadable DCP metadata and of changed bytes are worded in ``damage``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from ..errors import (
     CheckpointError,
     CheckpointIncompleteError,
     RunStepError,
-    UnsafeCheckpointError,
 )
 from ..storage.base import DCP_METADATA
 from ..storage.dcpindex import read_dcp_index
-from ..storage.dcpstructure import ShortDataFile
 from . import manifest as _manifest
 from . import runmanifest
+from .damage import changed_bytes, key_findings, missing_ranks, unreadable_metadata
 from .entries import Cost, FileEntry
 from .findings import RESTORE_HINT, Finding, Severity, finding
 from .manifest import node_part, safe_member
@@ -41,7 +41,11 @@ def _check_files(
     for entry in manifest.files if entries is None else entries:
         rel = entry.path
         lexical = bool(rel) and not os.path.isabs(rel) and ".." not in Path(rel).parts
-        path = safe_member(step_dir, rel) if not (lexical and (step_dir / rel).is_symlink()) else step_dir / rel
+        path = (
+            safe_member(step_dir, rel)
+            if not (lexical and (step_dir / rel).is_symlink())
+            else step_dir / rel
+        )
         if path is None:
             findings.append(
                 finding(
@@ -91,50 +95,22 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
     # manifest merely claims (10**8 would spin for minutes).
     present = {r for r in (_extras_rank(p) for p in listed) if r is not None and r < world}
     if len(present) < world:
-        missing = []
-        for rank in range(world):
-            if rank not in present:
-                missing.append(rank)
-                if len(missing) == 8:
-                    break
-        count = world - len(present)
-        names = ", ".join(str(r) for r in missing) + (" ..." if count > len(missing) else "")
-        path = step_dir / _layout.extras_name(missing[0]) if count == 1 else step_dir
-        findings.append(
-            finding(
-                "missing-rank",
-                path,
-                f"{count} of {world} ranks have no extras in the manifest (rank {names})"
-                if count > 1
-                else f"rank {missing[0]} of {world} has no extras in the manifest",
-                RESTORE_HINT
-                if count < world
-                else "the manifest's world_size does not match its files: do not restore it; restore an earlier step",
-            )
-        )
+        findings.append(missing_ranks(step_dir, world, present))
     state = step_dir / _layout.STATE_DIR
     if f"{_layout.STATE_DIR}/{DCP_METADATA}" not in listed:
         return [
             *findings,
-            finding("missing-file", state / DCP_METADATA, "DCP metadata is not in the manifest", RESTORE_HINT),
+            finding(
+                "missing-file",
+                state / DCP_METADATA,
+                "DCP metadata is not in the manifest",
+                RESTORE_HINT,
+            ),
         ]
     try:
         md = read_dcp_index(state)
-    except UnsafeCheckpointError as exc:
-        return [
-            *findings,
-            finding(
-                "unsafe-path",
-                state / DCP_METADATA,
-                str(exc).split(": DCP writes")[0].split("; ckptguard")[0],
-                "do not restore this checkpoint: inspect it by hand, restore an earlier step",
-            ),
-        ]
-    except ShortDataFile as exc:  # a data file shorter than its spans: said once, as the file's own finding
-        said = exc.data_file is not None and _short_said(step_dir, manifest, exc.data_file)
-        return findings if said else [*findings, finding("bad-metadata", state / DCP_METADATA, str(exc), RESTORE_HINT)]
-    except (CheckpointError, OSError) as exc:
-        return [*findings, finding("bad-metadata", state / DCP_METADATA, str(exc).split(";")[0], RESTORE_HINT)]
+    except (CheckpointError, OSError) as exc:  # unsafe, unreadable, a data file cut short
+        return [*findings, *unreadable_metadata(step_dir, manifest, exc)]
     findings += _missing_keys(state, manifest, md)
     referenced = {info.relative_path for info in (md.storage_data or {}).values()}
     for rel in sorted(referenced):
@@ -153,7 +129,7 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
     for f in manifest.files:
         rel = f.path
         data_file = rel.startswith(prefix) and rel.endswith(".distcp") and f.size > 0
-        if data_file and rel[len(prefix):] not in referenced:
+        if data_file and rel[len(prefix) :] not in referenced:
             findings.append(
                 finding(
                     "unreferenced-shard",
@@ -172,43 +148,31 @@ def _missing_keys(state: Path, manifest: _manifest.Manifest, md: Any) -> list[Fi
     here and be refused only by the restore, which expects it."""
     table = md.state_dict_metadata
     recorded = manifest.layout_free or {}
-    lost = sorted(key for keys in recorded.values() for key in keys
-                  if type(table.get(key)).__name__ != "TensorStorageMetadata")
+    lost = sorted(
+        key
+        for keys in recorded.values()
+        for key in keys
+        if type(table.get(key)).__name__ != "TensorStorageMetadata"
+    )
     # The other way round: a tensor of a recorded item (or of an item whose tensors only the table covers,
     # digest kind "structure") that the table lacks: restore compares both sets.
-    covered = set(recorded) | {n for n, k in (manifest.digest_kind or {}).items() if k != _manifest.DIGEST_BYTES}
+    covered = set(recorded) | {
+        n for n, k in (manifest.digest_kind or {}).items() if k != _manifest.DIGEST_BYTES
+    }
     items = sorted(covered, key=len, reverse=True)
-    unrecorded = sorted(key for key, meta in table.items() if type(meta).__name__ == "TensorStorageMetadata"
-                        and _item_of(key, items) is not None and key not in recorded.get(str(_item_of(key, items)),
-                                                                                          {}))
-    findings = []
-    if lost:
-        findings.append(finding("missing-key", state / DCP_METADATA,
-                                f"does not hold the tensor(s) {_some(lost)} the save recorded in the manifest "
-                                "(the metadata lost or renamed its entries)", RESTORE_HINT))
-    if unrecorded:
-        findings.append(finding("unrecorded-key", state / DCP_METADATA,
-                                f"holds the tensor(s) {_some(unrecorded)}, which the manifest's layout-free table "
-                                "does not record (the manifest or the metadata was edited)", RESTORE_HINT))
-    return findings
-
-
-def _short_said(step_dir: Path, manifest: _manifest.Manifest, data_file: str) -> bool:
-    """Whether the file checks already report ``state/<data_file>`` (its size on disk is not the manifest's)."""
-    entry = next((f for f in manifest.files if f.path == f"{_layout.STATE_DIR}/{data_file}"), None)
-    try:
-        return entry is not None and (step_dir / entry.path).stat().st_size != entry.size
-    except OSError:
-        return True
+    unrecorded = sorted(
+        key
+        for key, meta in table.items()
+        if type(meta).__name__ == "TensorStorageMetadata"
+        and _item_of(key, items) is not None
+        and key not in recorded.get(str(_item_of(key, items)), {})
+    )
+    return key_findings(state, lost, unrecorded) if lost or unrecorded else []
 
 
 def _item_of(key: str, items: list[str]) -> str | None:
     """The item a DCP key belongs to (``<item>.<name>``), the longest item name first."""
     return next((item for item in items if key.startswith(item + ".")), None)
-
-
-def _some(keys: list[str]) -> str:
-    return f"{keys[:3]}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def step_problem(step_dir: Path, step: int, found: Any) -> str | None:
@@ -222,8 +186,11 @@ def step_problem(step_dir: Path, step: int, found: Any) -> str | None:
 
 
 def _extras_rank(rel: str) -> int | None:
-    if rel.startswith("rank_") and rel.endswith(".pt") and rel[5:-3].isdigit() and rel == _layout.extras_name(
-        int(rel[5:-3])
+    if (
+        rel.startswith("rank_")
+        and rel.endswith(".pt")
+        and rel[5:-3].isdigit()
+        and rel == _layout.extras_name(int(rel[5:-3]))
     ):
         return int(rel[5:-3])
     return None
@@ -250,7 +217,9 @@ def _leftovers(step_dir: Path, manifest: _manifest.Manifest) -> list[Finding]:
     return findings
 
 
-def verify_step(step_dir: Path, *, deep: bool = False, progress: Callable[[int], None] | None = None) -> list[Finding]:
+def verify_step(
+    step_dir: Path, *, deep: bool = False, progress: Callable[[int], None] | None = None
+) -> list[Finding]:
     """Findings for one step directory (empty: complete); never raises on what it finds on disk."""
     step_dir = Path(step_dir)
     if step_dir.is_symlink():
@@ -275,10 +244,14 @@ def verify_step(step_dir: Path, *, deep: bool = False, progress: Callable[[int],
         ]
 
 
-def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None) -> list[Finding]:
+def _verify_step(
+    step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None
+) -> list[Finding]:
     try:
         manifest = _manifest.read(step_dir)
-    except RunStepError:  # several roles committed as one step: each role's part is checked as a step
+    except (
+        RunStepError
+    ):  # several roles committed as one step: each role's part is checked as a step
         return verify_run_step(step_dir, deep=deep, progress=progress)
     except CheckpointError as exc:
         code = "no-manifest" if isinstance(exc, FileNotFoundError) else "bad-manifest"
@@ -309,15 +282,7 @@ def _verify_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] 
             if progress is not None:
                 progress(entry.size)
             if xxh != entry.xxh3:
-                findings.append(
-                    finding(
-                        "checksum",
-                        path,
-                        f"xxh3 {xxh} differs from the manifest's {entry.xxh3} "
-                        "(the bytes changed after the save)",
-                        RESTORE_HINT,
-                    )
-                )
+                findings.append(changed_bytes(path, xxh, entry.xxh3))
     return findings
 
 
@@ -353,14 +318,19 @@ def role_problem(step_dir: Path, run: RunManifest, role: str) -> str | None:
         size, xxh3 = runmanifest.role_manifest_digest(part)
     except FileNotFoundError:
         return f"its part {part} has no {_layout.MANIFEST_NAME}"
-    except (OSError, CheckpointError) as exc:  # a FIFO, link or device planted there: refused, never waited on
+    except (
+        OSError,
+        CheckpointError,
+    ) as exc:  # a FIFO, link or device planted there: refused, never waited on
         return str(exc).split(";")[0]
     if (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
         return (
             f"{part / _layout.MANIFEST_NAME} has {size} bytes and xxh3 {xxh3}, the run manifest recorded "
             f"{entry.manifest_bytes} bytes and xxh3 {entry.manifest_xxh3} (replaced after the commit)"
         )
-    errors = [f for f in verify_step(part) if f.severity.value == "ERROR" and f.code != "unexpected-file"]
+    errors = [
+        f for f in verify_step(part) if f.severity.value == "ERROR" and f.code != "unexpected-file"
+    ]
     return errors[0].line() if errors else None
 
 
@@ -393,49 +363,92 @@ def checked_run_step(step_dir: Path, *, roles: list[str] | None = None) -> RunMa
     return run
 
 
-def verify_run_step(step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None) -> list[Any]:
+def verify_run_step(
+    step_dir: Path, *, deep: bool, progress: Callable[[int], None] | None
+) -> list[Any]:
     """Findings of a run step (``checks.verify_step`` for a run manifest): each role's part checked
     as a step, its findings naming the role, plus roles missing or replaced and stray entries."""
+
     def err(code: str, path: Path, message: str, fix: str) -> Finding:
         return Finding(Severity.ERROR, code, str(path), message, fix)
 
     try:
         run = runmanifest.read(step_dir)
     except Exception as exc:  # a finding, never a raise (verify_step's contract)
-        return [err("bad-manifest", step_dir / _layout.MANIFEST_NAME, str(exc).split(";")[0],
-                    "this run step is not committed: never restore it; resume from the tracker's step")]
+        return [
+            err(
+                "bad-manifest",
+                step_dir / _layout.MANIFEST_NAME,
+                str(exc).split(";")[0],
+                "this run step is not committed: never restore it; resume from the tracker's step",
+            )
+        ]
     fix = "a step missing a role is not committed: restore an earlier step, or copy the role's files back"
     findings = []
     for role in sorted(run.roles):
         part = step_dir / role
         if part.is_symlink() or not part.is_dir():
-            findings.append(err("missing-role", part, f"role {role!r} of run step {run.step} is missing", fix))
+            findings.append(
+                err("missing-role", part, f"role {role!r} of run step {run.step} is missing", fix)
+            )
             continue
         entry = run.roles[role]
         try:
             size, xxh3 = runmanifest.role_manifest_digest(part)
         except OSError:
             size, xxh3 = -1, ""
-        except CheckpointError as exc:  # a FIFO, link or device planted there: refused, never waited on
-            findings.append(err("role-manifest", part / _layout.MANIFEST_NAME, f"role {role!r}: {exc}".split(";")[0],
-                                fix))
+        except (
+            CheckpointError
+        ) as exc:  # a FIFO, link or device planted there: refused, never waited on
+            findings.append(
+                err(
+                    "role-manifest",
+                    part / _layout.MANIFEST_NAME,
+                    f"role {role!r}: {exc}".split(";")[0],
+                    fix,
+                )
+            )
             continue
         if size >= 0 and (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
-            findings.append(err("role-manifest", part / _layout.MANIFEST_NAME,
-                                f"role {role!r}: differs from what the run manifest recorded", fix))
-        with contextlib.suppress(CheckpointError):  # an unreadable part manifest is verify_step's finding
+            findings.append(
+                err(
+                    "role-manifest",
+                    part / _layout.MANIFEST_NAME,
+                    f"role {role!r}: differs from what the run manifest recorded",
+                    fix,
+                )
+            )
+        with contextlib.suppress(
+            CheckpointError
+        ):  # an unreadable part manifest is verify_step's finding
             own = _manifest.read(part)
-            if own.step != run.step or own.chain_id != run.chain_id:  # as ``checked_run_step`` (restore, list) refuses
-                findings.append(err("role-step", part / _layout.MANIFEST_NAME,
-                                    f"role {role!r} holds step {own.step} of chain {own.chain_id!r}, the run "
-                                    f"manifest step {run.step} of chain {run.chain_id!r}", fix))
+            if (
+                own.step != run.step or own.chain_id != run.chain_id
+            ):  # as ``checked_run_step`` (restore, list) refuses
+                findings.append(
+                    err(
+                        "role-step",
+                        part / _layout.MANIFEST_NAME,
+                        f"role {role!r} holds step {own.step} of chain {own.chain_id!r}, the run "
+                        f"manifest step {run.step} of chain {run.chain_id!r}",
+                        fix,
+                    )
+                )
         for f in verify_step(part, deep=deep, progress=progress):
-            findings.append(Finding(f.severity, f.code, f.path, f"role {role!r}: {f.message}", f.fix))
+            findings.append(
+                Finding(f.severity, f.code, f.path, f"role {role!r}: {f.message}", f.fix)
+            )
     for entry_path in sorted(step_dir.iterdir()):
         if entry_path.name != _layout.MANIFEST_NAME and entry_path.name not in run.roles:
-            findings.append(Finding(Severity.ERROR, "unexpected-file", str(entry_path),
-                                    "is not a role of the run manifest (a leftover or a foreign write)",
-                                    "find out who wrote it, then delete it; the checkpoint itself is intact"))
+            findings.append(
+                Finding(
+                    Severity.ERROR,
+                    "unexpected-file",
+                    str(entry_path),
+                    "is not a role of the run manifest (a leftover or a foreign write)",
+                    "find out who wrote it, then delete it; the checkpoint itself is intact",
+                )
+            )
     return findings
 
 

@@ -7,8 +7,9 @@ per-item digests of the state. Readers accept every format version up to ours.
 
 Format 2 adds ``nodes`` (written on node-local roots only): each node's ranks and the files
 copied to it (replicated DCP files another node's rank wrote), so a node's part of the step is
-its ranks' files plus those copies; and the node manifest, ``node_manifest.json``, that each
-node writes before the global manifest: its ranks' files and the copies it verified.
+its ranks' files plus those copies; and the node manifest, ``node_manifest.json``
+(``nodemanifest``), that each node writes before the global manifest: its ranks' files and the
+copies it verified.
 
 Format 3 adds ``digest_kind`` (required): for every item, what its per-rank digests cover.
 ``"bytes"``: the whole item, every tensor byte included (every item of formats 1 and 2).
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .._disk import layout as _layout
-from .._disk.layout import MANIFEST_NAME, NODE_MANIFEST_NAME, parse_json, read_json, read_small
+from .._disk.layout import MANIFEST_NAME, parse_json, read_small
 from .._types import JsonObject
 from .._version import __version__
 from ..errors import (
@@ -45,6 +46,7 @@ from ..errors import (
 )
 from ..storage.base import DCP_METADATA
 from ..storage.dcpindex import read_dcp_index
+from . import nodemanifest
 from .entries import (
     Cost,
     FileEntry,
@@ -56,6 +58,7 @@ from .entries import (
     nodes_from_json,
 )
 from .findings import RESTORE_HINT, Finding, finding
+from .nodemanifest import NodeManifest as NodeManifest  # re-exported for its callers
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -105,10 +108,16 @@ class Manifest:
     contract: dict[str, Any]  # {"phase", "hash"}
     created_unix: float
     cost: Cost | None = None  # size and save time (optional in format 1: older manifests lack it)
-    layout_free: dict[str, dict[str, str]] | None = None  # item -> key -> digest no sharding changes (optional)
-    reshard: dict[str, dict[str, Any]] | None = None  # item -> its declared reshard rule (optional, _resume/reshard)
+    layout_free: dict[str, dict[str, str]] | None = (
+        None  # item -> key -> digest no sharding changes (optional)
+    )
+    reshard: dict[str, dict[str, Any]] | None = (
+        None  # item -> its declared reshard rule (optional, _resume/reshard)
+    )
     nodes: tuple[NodeEntry, ...] | None = None  # format 2, node-local roots
-    digest_kind: dict[str, str] | None = None  # format 3: item -> "bytes" | "structure" (None: all "bytes")
+    digest_kind: dict[str, str] | None = (
+        None  # format 3: item -> "bytes" | "structure" (None: all "bytes")
+    )
 
     def digest_covers_bytes(self, item: str) -> bool:
         """Whether ``item``'s per-rank digests cover its tensor bytes (formats 1 and 2: every item)."""
@@ -134,14 +143,25 @@ class Manifest:
     def to_json(self) -> JsonObject:
         """The ``manifest.json`` object: every field but the path; the optional ones only when set."""
         out: dict[str, Any] = {
-            "format_version": self.format_version, "step": self.step, "chain_id": self.chain_id,
-            "dir_template": self.dir_template, "topology": self.topology.to_json(), "versions": self.versions,
-            "items": self.items, "files": files_to_json(self.files), "digests": self.digests,
-            "contract": self.contract, "created_unix": self.created_unix,
+            "format_version": self.format_version,
+            "step": self.step,
+            "chain_id": self.chain_id,
+            "dir_template": self.dir_template,
+            "topology": self.topology.to_json(),
+            "versions": self.versions,
+            "items": self.items,
+            "files": files_to_json(self.files),
+            "digests": self.digests,
+            "contract": self.contract,
+            "created_unix": self.created_unix,
         }
-        optional = {"cost": None if self.cost is None else self.cost.to_json(), "layout_free": self.layout_free,
-                    "reshard": self.reshard, "digest_kind": self.digest_kind,
-                    "nodes": None if self.nodes is None else [n.to_json() for n in self.nodes]}
+        optional = {
+            "cost": None if self.cost is None else self.cost.to_json(),
+            "layout_free": self.layout_free,
+            "reshard": self.reshard,
+            "digest_kind": self.digest_kind,
+            "nodes": None if self.nodes is None else [n.to_json() for n in self.nodes],
+        }
         return {**out, **{k: v for k, v in optional.items() if v is not None}}
 
 
@@ -192,8 +212,12 @@ _LAYOUT = ("dp", "tp", "pp", "ep")
 def _digest_table(table: object) -> bool:
     """The ``layout_free`` shape: item -> key -> digest (restore and verify --deep iterate it as such)."""
     return isinstance(table, dict) and all(
-        isinstance(keys, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())
-        for keys in table.values())
+        isinstance(keys, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())
+        for keys in table.values()
+    )
+
+
 _REQUIRED = ("format_version", "step", "topology", "versions", "items", "files", "digests")
 
 MANIFEST_BYTES = 256 << 20
@@ -203,7 +227,9 @@ MAX_WORLD_SIZE = 1 << 20
 
 
 def _str_map(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    )
 
 
 def _shape_problem(data: JsonObject) -> str | None:
@@ -219,22 +245,34 @@ def _shape_problem(data: JsonObject) -> str | None:
         return "'digests' must map ranks to {item: digest} objects"
     if not isinstance(data.get("contract", {}), dict):
         return "'contract' must be an object"
-    if not isinstance(data.get("chain_id", ""), str) or not isinstance(data.get("dir_template", ""), str):
+    if not isinstance(data.get("chain_id", ""), str) or not isinstance(
+        data.get("dir_template", ""), str
+    ):
         return "'chain_id' and 'dir_template' must be strings"
     if not isinstance(data.get("created_unix", 0.0), (int, float)):
         return "'created_unix' must be a number"
     if data["format_version"] >= 3:
         kinds: Any = data.get("digest_kind")
-        if not _str_map(kinds) or set(kinds) != set(data["items"]) or not set(kinds.values()) <= set(_DIGEST_KINDS):
+        if (
+            not _str_map(kinds)
+            or set(kinds) != set(data["items"])
+            or not set(kinds.values()) <= set(_DIGEST_KINDS)
+        ):
             # A reader that took a missing table as "bytes" would compare structure digests with bytes digests.
             return f"'digest_kind' must map every item to one of {list(_DIGEST_KINDS)} (format 3)"
-        wrong = sorted(n for n, k in data["items"].items()
-                       if isinstance(k, str) and kinds[n] != (DIGEST_STRUCTURE if k in _TENSOR_KINDS else DIGEST_BYTES))
+        wrong = sorted(
+            n
+            for n, k in data["items"].items()
+            if isinstance(k, str)
+            and kinds[n] != (DIGEST_STRUCTURE if k in _TENSOR_KINDS else DIGEST_BYTES)
+        )
         if wrong:
             # The save writes one kind per item kind; an edited kind would make restore and verify compare
             # differently (one a structure digest, the other the bytes): refused alike, on read.
-            return (f"'digest_kind' of {wrong} disagrees with the item kind (tensor items record \"structure\", "
-                    "every other item \"bytes\")")
+            return (
+                f"'digest_kind' of {wrong} disagrees with the item kind (tensor items record \"structure\", "
+                'every other item "bytes")'
+            )
         if DIGEST_STRUCTURE in kinds.values() and not isinstance(data.get("layout_free"), dict):
             # The tensor bytes of such items are covered by their layout-free digests alone.
             return "items with 'digest_kind' \"structure\" need the 'layout_free' table, which is absent"
@@ -263,7 +301,9 @@ def read(step_dir: Path) -> Manifest:
             "restore an earlier step"
         ) from None
     if not isinstance(data, dict):
-        raise CheckpointCorruptError(f"{path} holds a JSON {type(data).__name__}, not a manifest object")
+        raise CheckpointCorruptError(
+            f"{path} holds a JSON {type(data).__name__}, not a manifest object"
+        )
     if data.get("kind") == RUN_KIND:
         # A run step is committed as a whole; one role's part read as the step would miss the others.
         roles = sorted(data["roles"]) if isinstance(data.get("roles"), dict) else []
@@ -277,7 +317,9 @@ def read(step_dir: Path) -> Manifest:
         raise CheckpointCorruptError(f"{path} lacks the fields {missing}; it is not a manifest")
     version = data["format_version"]
     if not is_int(version):
-        raise CheckpointCorruptError(f"{path}: 'format_version' must be an int, not {version!r:.40}")
+        raise CheckpointCorruptError(
+            f"{path}: 'format_version' must be an int, not {version!r:.40}"
+        )
     if version not in READABLE_VERSIONS:
         raise VersionMismatchError(
             f"{path} has format version {version}; this ckptguard {ckptguard_version()} reads "
@@ -290,13 +332,20 @@ def read(step_dir: Path) -> Manifest:
         topology = Topology.from_json(data["topology"], max_world=MAX_WORLD_SIZE)
         # Every format writes the four sizes; one missing would make every restore refuse the step as
         # saved by another layout, after verify had passed it.
-        lacking = [k for k in _LAYOUT if not (is_int(topology.layout.get(k))
-                                              and 1 <= topology.layout[k] <= topology.world_size)]
+        lacking = [
+            k
+            for k in _LAYOUT
+            if not (
+                is_int(topology.layout.get(k)) and 1 <= topology.layout[k] <= topology.world_size
+            )
+        ]
         if lacking:
             raise ValueError(f"'topology' lacks a size in 1..world_size for {lacking}")
         table = data.get("layout_free")
         if table is not None and not _digest_table(table):
-            raise ValueError("'layout_free' must map each item to an object of key -> digest string")
+            raise ValueError(
+                "'layout_free' must map each item to an object of key -> digest string"
+            )
         files = files_from_json(data["files"])
         nodes = nodes_from_json(data["nodes"], topology.world_size) if "nodes" in data else None
     except ValueError as exc:
@@ -327,53 +376,25 @@ def read(step_dir: Path) -> Manifest:
 
 def _rules(value: Any) -> dict[str, JsonObject] | None:
     """The optional per-item reshard rules; a malformed table reads as none (the restore then asks for rules)."""
-    if isinstance(value, dict) and all(isinstance(v, dict) and isinstance(v.get("rule"), str) for v in value.values()):
+    if isinstance(value, dict) and all(
+        isinstance(v, dict) and isinstance(v.get("rule"), str) for v in value.values()
+    ):
         return value
     return None
-
-
-@dataclass(frozen=True)
-class NodeManifest:
-    """A parsed ``node_manifest.json``: what node ``node`` verified it holds of step ``step``."""
-
-    step: int
-    node: int
-    name: str
-    ranks: tuple[int, ...]
-    files: tuple[FileEntry, ...]
-    format_version: int = FORMAT_VERSION
-    created_unix: float = 0.0
-
-    def to_json(self) -> JsonObject:
-        return {"format_version": self.format_version, "step": self.step, "node": self.node, "name": self.name,
-                "ranks": list(self.ranks), "files": files_to_json(self.files), "created_unix": self.created_unix}
 
 
 def node_manifest(
     *, step: int, index: int, name: str, ranks: Iterable[int], files: Iterable[FileEntry]
 ) -> NodeManifest:
     """The node manifest of node ``index`` (written with ``to_json``): what that node verified it holds."""
-    return NodeManifest(step=step, node=index, name=name, ranks=tuple(sorted(ranks)),
-                        files=tuple(sorted(files, key=lambda f: f.path)), created_unix=time.time())
+    return nodemanifest.build(
+        step=step, index=index, name=name, ranks=ranks, files=files, format_version=FORMAT_VERSION
+    )
 
 
 def read_node(step_dir: Path) -> NodeManifest | None:
     """This disk's node manifest of ``step_dir`` (None when absent); CheckpointCorruptError if malformed."""
-    path = step_dir / NODE_MANIFEST_NAME
-    try:
-        data = read_json(path, limit=MANIFEST_BYTES, what="node manifest")
-    except FileNotFoundError:
-        return None
-    try:
-        if not (isinstance(data, dict) and is_int(data.get("node")) and is_int(data.get("step"))
-                and isinstance(data.get("ranks"), list) and all(is_int(r) for r in data["ranks"])):
-            raise ValueError
-        return NodeManifest(step=data["step"], node=data["node"], name=str(data.get("name", "")),
-                            ranks=tuple(data["ranks"]), files=files_from_json(data.get("files")),
-                            format_version=data.get("format_version", FORMAT_VERSION),
-                            created_unix=float(data.get("created_unix", 0.0)))
-    except (ValueError, TypeError):
-        raise CheckpointCorruptError(f"{path}: not a node manifest ckptguard wrote (damaged or edited)") from None
+    return nodemanifest.read(step_dir, limit=MANIFEST_BYTES, format_version=FORMAT_VERSION)
 
 
 # ---------------------------------------------------------------- the files each node holds, each rank reads
@@ -389,7 +410,9 @@ def node_part(step_dir: Path, manifest: Manifest) -> tuple[list[FileEntry] | Non
     try:
         node = read_node(step_dir)
     except CheckpointError as exc:
-        return None, [finding("bad-node-manifest", where, str(exc).split(": ", 1)[-1], RESTORE_HINT)]
+        return None, [
+            finding("bad-node-manifest", where, str(exc).split(": ", 1)[-1], RESTORE_HINT)
+        ]
     if node is None:
         return None, [
             finding(
@@ -402,7 +425,14 @@ def node_part(step_dir: Path, manifest: Manifest) -> tuple[list[FileEntry] | Non
         ]
     index = node.node
     if not 0 <= index < len(manifest.nodes):
-        return None, [finding("bad-node-manifest", where, f"names node {index} of {len(manifest.nodes)}", RESTORE_HINT)]
+        return None, [
+            finding(
+                "bad-node-manifest",
+                where,
+                f"names node {index} of {len(manifest.nodes)}",
+                RESTORE_HINT,
+            )
+        ]
     expected = manifest.node_files(index)
 
     def key(files: Iterable[FileEntry]) -> list[tuple[str, int, str]]:
@@ -424,7 +454,9 @@ def node_part(step_dir: Path, manifest: Manifest) -> tuple[list[FileEntry] | Non
 def files_needed(step_dir: Path, manifest: Manifest, rank: int) -> set[str]:
     """Files (relative to the step) that ``rank`` reads when restoring on the same layout:
     its extras, the DCP metadata, the shards it wrote, and the files of replicated keys."""
-    return {_layout.extras_name(rank)} | rank_reads(read_dcp_index(step_dir / _layout.STATE_DIR), rank)
+    return {_layout.extras_name(rank)} | rank_reads(
+        read_dcp_index(step_dir / _layout.STATE_DIR), rank
+    )
 
 
 def rank_reads(md: Any, rank: int) -> set[str]:

@@ -39,17 +39,31 @@ from .._state import state as _state
 from .._state.rng import RNG_ITEM
 from .._types import JsonObject, StateDict
 from ..errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointIncompleteError,
     StateMismatchError,
-    UnsafeCheckpointError,
 )
 from ..storage._pool import ReadAhead, default_limit
 from ..storage.dcp import check_torch_version
 from ..storage.streaming import StreamingStorage
 from . import layoutcheck as _layoutcheck
 from . import reshard as _reshard
+from .refusals import (
+    DAMAGED,
+    changed_files,
+    digests_differ,
+    external_changed,
+    external_missing,
+    extras_foreign,
+    extras_missing,
+    extras_unsafe,
+    kind_changed,
+    plan_refused,
+    read_failed,
+    skeleton_differs,
+    some,
+    structure_only,
+    unlisted_external,
+)
 from .resolve_agreed import Agreed, Problems, by_item, check_topology, source_rank
 from .resolve_local import Resolution
 
@@ -59,23 +73,22 @@ log = logging.getLogger("ckptguard")
 # ---------------------------------------------------------------- restore
 
 
-def _some(keys: list[str], n: int = 8) -> str:
-    return f"{keys[:n]}{' ...' if len(keys) > n else ''}"
-
-
-def _check_keys(name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys: set[str]) -> list[str]:
+def _check_keys(
+    name: str, saved_keys: set[str], live_keys: set[str], ckpt_keys: set[str]
+) -> list[str]:
     """Both ways: every live key must be stored (DCP has it, and this rank saved it), and
     every key this rank saved must be live. Keys of other ranks (per-rank or per-EP-rank
     names) are theirs, judged on their own rank."""
     problems = []
     if missing := sorted((live_keys - ckpt_keys) | (live_keys - saved_keys)):
-        problems.append(f"item {name!r}: keys the model expects but the checkpoint lacks: {_some(missing)}")
+        problems.append(
+            f"item {name!r}: keys the model expects but the checkpoint lacks: {some(missing)}"
+        )
     if unexpected := sorted(saved_keys - live_keys):
-        problems.append(f"item {name!r}: keys in the checkpoint the model does not have: {_some(unexpected)}")
+        problems.append(
+            f"item {name!r}: keys in the checkpoint the model does not have: {some(unexpected)}"
+        )
     return problems
-
-
-_DAMAGED = "damaged: "  # a problem of the step's files (its DCP metadata), never blamed on the objects passed
 
 
 def plan_targets(
@@ -89,13 +102,17 @@ def plan_targets(
             f"items requested but absent from the checkpoint: {missing} (there is never a silent fresh start for them)"
         )
     if unexpected := sorted(set(manifest.items) - set(state)):
-        problems.append(f"items in the checkpoint not given to restore: {unexpected} (pass them, or they are lost)")
+        problems.append(
+            f"items in the checkpoint not given to restore: {unexpected} (pass them, or they are lost)"
+        )
     try:
         stepped = frozenset(n for n in manifest.items if _state.tensor_keys(extras["items"][n]))
-        targets = _state.restore_targets({k: v for k, v in state.items() if k in manifest.items}, ctx.keyfn(), stepped)
+        targets = _state.restore_targets(
+            {k: v for k, v in state.items() if k in manifest.items}, ctx.keyfn(), stepped
+        )
         ckpt_keys = set(ctx.storage.read_metadata(step_dir / _layout.STATE_DIR).state_dict_metadata)
     except CheckpointError as exc:  # the step's files, not the caller's objects: said as such below
-        problems.append(f"{_DAMAGED}{exc}")
+        problems.append(f"{DAMAGED}{exc}")
         targets, ckpt_keys = {}, set()
     except Exception as exc:  # reported through the plan exchange below, like any mismatch
         problems.append(f"{type(exc).__name__}: {exc}")
@@ -103,35 +120,16 @@ def plan_targets(
     flat: dict[str, torch.Tensor] = {}
     for name, (kind, _sd, live) in targets.items():
         if kind.value != manifest.items[name]:
-            saved_kind = manifest.items[name]
-            if "value" in (kind.value, saved_kind):
-                # A plain value is a snapshot: the caller passes one of the type it saved and reads
-                # the restored one back from the state dict (a float does not become a tensor).
-                problems.append(
-                    f"item {name!r} was saved as a {saved_kind} and is passed as a {kind.value} now: pass the "
-                    "same type the run saved (e.g. a float for a float) and read it back from the state after restore"
-                )
-            else:
-                problems.append(f"item {name!r} is a {kind.value} now but was saved as a {saved_kind}")
+            problems.append(kind_changed(name, manifest.items[name], kind.value))
             continue
         saved_keys = _state.tensor_keys(extras["items"][name])
         problems += _check_keys(name, saved_keys, set(live), ckpt_keys)
         flat.update(live)
+
     def decide(views: list[Problems]) -> Agreed:
         bad = {r: v.problems for r, v in enumerate(views) if v.problems}
-        damaged = {r: p for r, found in bad.items() for p in found if p.startswith(_DAMAGED)}
-        if damaged:
-            r0 = min(damaged)
-            raise CheckpointCorruptError(
-                f"restore of step {manifest.step} from {step_dir}: rank {r0}: "
-                f"{damaged[r0].removeprefix(_DAMAGED)}; restore an earlier step")
         if bad:
-            r0 = min(bad)
-            raise StateMismatchError(
-                f"restore of step {manifest.step} from {step_dir}: the state does not match the "
-                f"checkpoint (rank {r0}: {'; '.join(bad[r0])}). Restore into objects like the saving run's "
-                "(modules and optimizers built the same way, plain values of the same type)."
-            )
+            raise plan_refused(manifest.step, step_dir, bad)
         return Agreed()
 
     gather_decide(ctx.agreement, "restore.plan", Problems(problems[:20]), decide, decision=Agreed)
@@ -148,12 +146,17 @@ class Restored:
     layout_free_match: dict[str, bool] = field(default_factory=dict)  # tensor items, any layout
     source_rank: int = 0  # whose extras (and RNG) this rank took
     saved_world_size: int = 0
-    reshard: dict[str, Any] | None = None  # resharded: old -> new world, rules, this rank's RNG digest
-    replicas: dict[str, Any] = field(default_factory=dict)  # layoutcheck.replica_report of the restored state
+    # resharded: old -> new world, rules, this rank's RNG digest
+    reshard: dict[str, Any] | None = None
+    # layoutcheck.replica_report of the restored state
+    replicas: dict[str, Any] = field(default_factory=dict)
 
 
 def precheck(
-    ctx: Context, res: Resolution, state: StateDict, on_manifest: Callable[[_manifest.Manifest], None] | None = None
+    ctx: Context,
+    res: Resolution,
+    state: StateDict,
+    on_manifest: Callable[[_manifest.Manifest], None] | None = None,
 ) -> tuple[_manifest.Manifest, StateDict, _reshard.Plan | None]:
     """Everything decided before a byte of tensor state is read: versions, topology, chain,
     contract, and this rank's extras (loaded with weights_only; resharded under BY_ITEM: built
@@ -163,15 +166,20 @@ def precheck(
     manifest = _manifest.read(res.path)
     if on_manifest is not None:
         on_manifest(manifest)
-    check_torch_version(manifest.versions.get("torch", "0"), manifest.path.parent,
-                        allow_newer=ctx.config.storage.allow_newer_torch)
+    check_torch_version(
+        manifest.versions.get("torch", "0"),
+        manifest.path.parent,
+        allow_newer=ctx.config.storage.allow_newer_torch,
+    )
     check_topology(ctx, manifest)
     where = f"restore of step {manifest.step} from {res.path}"
     _contract.check_chain(ctx.root, manifest.chain_id, where=where)
     _contract.check(ctx.root, ctx.config.contract, where=where)
     _check_external_files(ctx, manifest)
     if by_item(ctx, manifest):
-        plan = _reshard.prepare(ctx, manifest, state, lambda r: _load_extras(ctx, res.path, manifest, r))
+        plan = _reshard.prepare(
+            ctx, manifest, state, lambda r: _load_extras(ctx, res.path, manifest, r)
+        )
         return manifest, plan.extras, plan
     return manifest, _load_extras(ctx, res.path, manifest, source_rank(ctx, manifest)), None
 
@@ -195,36 +203,36 @@ def _listed_bytes(path: Path, entry: FileEntry | None) -> bytes | None:
     return _layout.read_small(path, limit=entry.size, what="extras file")
 
 
-def _load_extras(ctx: Context, step_dir: Path | None, manifest: _manifest.Manifest, rank: int) -> Extras:
+def _load_extras(
+    ctx: Context, step_dir: Path | None, manifest: _manifest.Manifest, rank: int
+) -> Extras:
     """Rank ``rank``'s extras file of the step, loaded with weights_only and checked against the manifest."""
     assert step_dir is not None
     extras_path = step_dir / _layout.extras_name(rank)
     entry = next((f for f in manifest.files if f.path == _layout.extras_name(rank)), None)
     try:
         data = _listed_bytes(extras_path, entry)
-        extras = torch.load(extras_path if data is None else io.BytesIO(data), weights_only=True, map_location="cpu")
+        extras = torch.load(
+            extras_path if data is None else io.BytesIO(data), weights_only=True, map_location="cpu"
+        )
         items = extras.get("items") if isinstance(extras, dict) else None
         items = items if isinstance(items, dict) else {}
         if not set(manifest.items) <= set(items):
             # Checked here, inside the precheck every rank agrees on: a KeyError later would strand the others.
-            raise CheckpointCorruptError(
-                f"{extras_path} (rank {ctx.rank}) is not the extras file ckptguard wrote for this step (its "
-                f"'items' table lacks {sorted(set(manifest.items) - set(items))[:4]}); "
-                "restore an earlier step"
+            raise extras_foreign(
+                extras_path, ctx.rank, sorted(set(manifest.items) - set(items))[:4]
             )
         loaded = Extras(extras)
-        loaded.intact = data is not None and entry is not None and (len(data), xxhash.xxh3_64_hexdigest(data)) == (
-            entry.size, entry.xxh3)
+        loaded.intact = (
+            data is not None
+            and entry is not None
+            and (len(data), xxhash.xxh3_64_hexdigest(data)) == (entry.size, entry.xxh3)
+        )
         return loaded
     except FileNotFoundError:
-        raise CheckpointIncompleteError(
-            f"{extras_path} is missing (rank {ctx.rank}); restore an earlier step"
-        ) from None
+        raise extras_missing(extras_path, ctx.rank) from None
     except (pickle.UnpicklingError, RuntimeError) as exc:
-        raise UnsafeCheckpointError(
-            f"{extras_path} (rank {ctx.rank}) does not load with torch.load(weights_only=True): {exc}. "
-            "It was not written by ckptguard or was changed; do not load it unsafely: restore an earlier step."
-        ) from None
+        raise extras_unsafe(extras_path, ctx.rank, exc) from None
 
 
 def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
@@ -236,7 +244,11 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
     step_dir = manifest.path.parent
     ours = {_layout.extras_name(r) for r in range(manifest.world_size)}
     files = sorted(
-        (f for f in manifest.files if not f.path.startswith(_layout.STATE_DIR + "/") and f.path not in ours),
+        (
+            f
+            for f in manifest.files
+            if not f.path.startswith(_layout.STATE_DIR + "/") and f.path not in ours
+        ),
         key=lambda f: (-f.size, f.path),
     )
     mine = files[ctx.rank :: ctx.world]
@@ -252,22 +264,21 @@ def _check_external_files(ctx: Context, manifest: _manifest.Manifest) -> None:
     started = time.monotonic()
     for f in mine:
         path = safe_member(step_dir, f.path)
-        where = f"external file {path or f.path} of step {manifest.step} (checked on rank {ctx.rank})"
+        where = (
+            f"external file {path or f.path} of step {manifest.step} (checked on rank {ctx.rank})"
+        )
         if path is None or not path.is_file():
-            raise CheckpointIncompleteError(
-                f"{where} is listed in the manifest but {'leaves the step directory' if path is None else 'absent'}; "
-                "restore an earlier step (restore(path=...)) or copy the file back, then run `ckptguard verify`"
-            )
+            raise external_missing(where, path)
         size, xxh3 = file_digest(str(path))
         if size != f.size or xxh3 != f.xxh3:
-            raise CheckpointCorruptError(
-                f"{where} has {size} bytes and xxh3 {xxh3}, the manifest says {f.size} bytes and xxh3 "
-                f"{f.xxh3}: it changed after the commit and is not handed to the framework. Restore an earlier "
-                "step (restore(path=...)) or copy the file back from where it was written"
-            )
+            raise external_changed(where, size, xxh3, f)
     log.info(
         "ckptguard: rank %d checked %d external files of step %d (%d bytes) in %.2f s",
-        ctx.rank, len(mine), manifest.step, sum(f.size for f in mine), time.monotonic() - started,
+        ctx.rank,
+        len(mine),
+        manifest.step,
+        sum(f.size for f in mine),
+        time.monotonic() - started,
     )
 
 
@@ -277,50 +288,61 @@ def _refuse_unlisted(step_dir: Path, manifest: _manifest.Manifest, folders: set[
     listed = {f.path for f in manifest.files}
     for folder in sorted(folders):
         for base, dirs, names in os.walk(step_dir / folder, followlinks=False):
-            for name in sorted(names) + sorted(d for d in dirs if os.path.islink(os.path.join(base, d))):
+            for name in sorted(names) + sorted(
+                d for d in dirs if os.path.islink(os.path.join(base, d))
+            ):
                 rel = os.path.relpath(os.path.join(base, name), step_dir)
                 if rel not in listed:
-                    raise CheckpointCorruptError(
-                        f"{step_dir / rel} is in the external folder {folder}/ of step {manifest.step} but not in "
-                        "its manifest (planted or left after the commit); the framework would load it unchecked, so "
-                        "nothing is restored. Find out who wrote it and delete it (`ckptguard verify` lists it), or "
-                        "restore an earlier step"
-                    )
+                    raise unlisted_external(step_dir, rel, folder, manifest.step)
 
 
 def _read_ahead(ctx: Context, manifest: _manifest.Manifest, into: list[ReadAhead]) -> None:
     """This rank's data file read ahead while the checks and the plan run (``ReadAhead``); on the saving world
     size only, where the file a rank wrote is the file it reads first."""
-    mine = [f for f in manifest.files if f.rank == ctx.rank and f.path.startswith(_layout.STATE_DIR + "/")]
+    mine = [
+        f
+        for f in manifest.files
+        if f.rank == ctx.rank and f.path.startswith(_layout.STATE_DIR + "/")
+    ]
     big = max(mine, key=lambda f: f.size, default=None)
-    path = safe_member(manifest.path.parent, big.path) if big and manifest.world_size == ctx.world else None
+    path = (
+        safe_member(manifest.path.parent, big.path)
+        if big and manifest.world_size == ctx.world
+        else None
+    )
     # The streaming storage's read threads and page-cache choice (plain DCP's reader keeps the cache).
     cfg = ctx.storage.config if isinstance(ctx.storage, StreamingStorage) else None
     if big is not None and path is not None:
-        into.append(ReadAhead(path, limit=min(default_limit(), big.size), streams=cfg.read_threads if cfg else 4,
-                              drop=cfg.drop_page_cache if cfg else False).start())
+        into.append(
+            ReadAhead(
+                path,
+                limit=min(default_limit(), big.size),
+                streams=cfg.read_threads if cfg else 4,
+                drop=cfg.drop_page_cache if cfg else False,
+            ).start()
+        )
 
 
 def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = None) -> Restored:
     ahead: list[ReadAhead] = []
     try:
-        manifest, extras, plan = on_every_rank(ctx.agreement, "restore.precheck",
-                                               lambda: precheck(ctx, res, state, partial(_read_ahead, ctx, into=ahead)))
+        manifest, extras, plan = on_every_rank(
+            ctx.agreement,
+            "restore.precheck",
+            lambda: precheck(ctx, res, state, partial(_read_ahead, ctx, into=ahead)),
+        )
         assert res.path is not None
         targets, flat = plan_targets(ctx, state, manifest, extras)
         if flat:
             try:
                 ctx.storage.read(res.path / _layout.STATE_DIR, flat, ctx.storage_ctx)
-            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException; all ranks get it
-                detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-                raise CheckpointCorruptError(
-                    f"reading the tensor state of step {manifest.step} from {res.path} failed on rank {ctx.rank}: "
-                    f"{detail}. If shapes differ, restore into objects built like the saving run's; otherwise "
-                    "run `ckptguard verify --deep` on the step."
-                ) from exc
+            except (Exception, CheckpointException) as exc:
+                # DCP's CheckpointException is a BaseException; all ranks get it.
+                raise read_failed(manifest.step, res.path, ctx.rank, exc) from exc
     finally:
         for a in ahead:
             a.close()
+
     def apply() -> None:
         for name, (kind, _sd, live) in targets.items():
             _state.apply(state, name, kind, extras["items"][name], live)
@@ -334,7 +356,8 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
     replicas: dict[str, Any] = {}
     source = source_rank(ctx, manifest)
     if ctx.config.state.verify_restored:
-        now = _state.read_back(state, targets, ctx.keyfn())  # the live objects read once: every check compares it
+        # The live objects read once: every check compares it.
+        now = _state.read_back(state, targets, ctx.keyfn())
         if manifest.world_size == ctx.world:
             matches = _verify_digests(ctx, now, manifest, extras, on_verified)
         # Any layout: tensor items through the layout-free digest; resharded: extras against their source
@@ -342,27 +365,47 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
         expected = plan.expected if plan is not None else None
         same = manifest.world_size == ctx.world
         checked = _layoutcheck.verify(
-            ctx, now, manifest, extras, source, on_verified, expected=expected,
-            explain=(lambda: _changed_files(manifest, ctx.rank)) if same else None,
+            ctx,
+            now,
+            manifest,
+            extras,
+            source,
+            on_verified,
+            expected=expected,
+            explain=(lambda: changed_files(manifest, ctx.rank)) if same else None,
         )
         matches.update(checked.items)
         layout_free, replicas = checked.layout_free, checked.replicas
         release_host_cache()  # digests of GPU tensors staged through pinned chunks
     return Restored(
-        manifest.step, manifest.format_version, matches, layout_free, source, manifest.world_size, resharded, replicas
+        manifest.step,
+        manifest.format_version,
+        matches,
+        layout_free,
+        source,
+        manifest.world_size,
+        resharded,
+        replicas,
     )
 
 
-def _resharded_record(ctx: Context, manifest: _manifest.Manifest, plan: _reshard.Plan | None) -> JsonObject | None:
+def _resharded_record(
+    ctx: Context, manifest: _manifest.Manifest, plan: _reshard.Plan | None
+) -> JsonObject | None:
     """The proof record's ``reshard`` field: old -> new world, the rules, and this rank's RNG streams.
     Under BY_ITEM the streams are checked distinct across ranks first (collective)."""
-    if manifest.world_size == ctx.world or plan is None:  # a plan exists whenever the world changed (BY_ITEM)
+    # A plan exists whenever the world changed (BY_ITEM).
+    if manifest.world_size == ctx.world or plan is None:
         return None
     return plan.record(_reshard.confirm(ctx, plan))
 
 
 def _verify_digests(
-    ctx: Context, now: dict[str, _state.Captured], manifest: _manifest.Manifest, extras: StateDict, on_verified: Any,
+    ctx: Context,
+    now: dict[str, _state.Captured],
+    manifest: _manifest.Manifest,
+    extras: StateDict,
+    on_verified: Any,
 ) -> dict[str, bool]:
     """Every item's digest from the live objects (``now``: read back once); all ranks raise if any differs."""
     saved = manifest.digests.get(str(ctx.rank), {})
@@ -377,21 +420,14 @@ def _verify_digests(
             # extras file whose xxh3 matched the manifest.
             matches[name] = digest(item.skeleton) == digest(extras["items"][name])
             if not matches[name]:
-                changed = _tensor_keys_changed(extras["items"][name], item.skeleton)
                 problems.append(
-                    f"state item {name!r} ({kind.value}) differs after restore from what was saved (its structure "
-                    f"or a non-tensor value such as a hyperparameter{changed}). Do not train on: fix the object's "
-                    "load_state_dict, or restore into an object built with the saved configuration."
+                    skeleton_differs(name, kind.value, extras["items"][name], item.skeleton)
                 )
             continue
         structure = not manifest.digest_covers_bytes(name)
         if structure and manifest.layout_free is None:
             # Its saved digest does not cover the tensor bytes and nothing else recorded does: never a pass.
-            raise CheckpointCorruptError(
-                f"restore of step {manifest.step} from {manifest.path.parent}: item {name!r} records only a "
-                "structure digest (format 3) and the manifest has no layout-free digests for its tensors, so "
-                "its bytes cannot be compared; the manifest was edited: restore an earlier step"
-            )
+            raise structure_only(manifest, name)
         try:
             # structure: the tensor bytes are compared by the layout-free pass that follows
             _state.check_restored(item, saved.get(name, ""), structure=structure)
@@ -407,14 +443,12 @@ def _verify_digests(
     if on_verified is not None:
         on_verified(matches)  # the proof record is written even when the restore then raises
     if problems:  # the files first: a damaged shard reads as "fix load_state_dict" otherwise
-        problems = _changed_files(manifest, ctx.rank) + problems
+        problems = changed_files(manifest, ctx.rank) + problems
 
     def decide(views: list[Problems]) -> Agreed:
         bad = {r: v.problems for r, v in enumerate(views) if v.problems}
         if bad:
-            raise StateMismatchError(
-                f"restore of step {manifest.step}: " + " | ".join(f"rank {r}: {'; '.join(p)}" for r, p in bad.items())
-            )
+            raise digests_differ(manifest.step, bad)
         return Agreed()
 
     gather_decide(ctx.agreement, "restore.verify", Problems(problems), decide, decision=Agreed)
@@ -441,40 +475,7 @@ def _layout_free_items(
     if not lf or not getattr(extras, "intact", False):
         return set()  # the full digests below then say which items differ (the file was hashed as it was loaded)
     return {
-        name for name, item in now.items()
+        name
+        for name, item in now.items()
         if item.kind in _TENSOR_KINDS and name in lf and name in extras.get("items", {})
     }
-
-
-def _tensor_keys_changed(saved: Any, now: Any) -> str:
-    """The tensors the item lost or gained in the load (an optimizer moment dropped, AReaL PR#1468), or ''."""
-    before, after = _state.tensor_keys(saved), _state.tensor_keys(now)
-    lost, gained = sorted(before - after), sorted(after - before)
-    parts = ([f"tensors saved and missing after the load: {_some(lost)}"] if lost else []) + (
-        [f"tensors the save did not hold: {_some(gained)}"] if gained else [])
-    return f"; {'; '.join(parts)}" if parts else ""
-
-
-def _changed_files(manifest: _manifest.Manifest, rank: int) -> list[str]:
-    """When an item's digest differs, say whether the bytes on disk changed since the save.
-
-    A flipped byte in a shard otherwise reads as "fix load_state_dict"; the files' xxh3 tell
-    the two apart. Only this rank's files and the shared ones are hashed (what it read)."""
-
-    step_dir = manifest.path.parent
-    changed = []
-    for entry in manifest.files:
-        if entry.rank not in (None, rank) and not entry.path.startswith("state/"):
-            continue
-        path = safe_member(step_dir, entry.path)
-        if path is None or not path.is_file():
-            continue
-        if file_digest(str(path))[1] != entry.xxh3:
-            changed.append(str(path))
-    if not changed:
-        return ["the files' checksums still match the manifest, so the difference comes from the restore path"]
-    return [
-        f"file(s) changed on disk since the save (xxh3 differs from the manifest): {', '.join(changed[:5])}; "
-        f"the checkpoint is damaged, not the code: run `ckptguard verify --deep {step_dir}` and "
-        "restore(path=<an older committed step>)"
-    ]

@@ -17,14 +17,14 @@ it waited for.
 ``write_all`` and ``read_into`` turn every failed or short system call into an
 ``OSError`` with ``errno``, ``filename`` and the attributes the commit protocol reports:
 ``offset`` (file position of the failing call), ``requested_bytes`` and
-``returned_bytes`` (what the call returned: a short count, 0, or -1 for an errno).
+``returned_bytes`` (what the call returned: a short count, 0, or -1 for an errno). Those errors,
+``PinError`` and the stall's ``StorageStallError`` are built in ``_failedcall``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno as _errno
 import logging
 import mmap
 import os
@@ -40,7 +40,23 @@ from typing import Any
 
 import torch
 
-from ..errors import StorageStallError
+from ._failedcall import PinError, call_failed, io_error, moved_nothing, pin_refused, stalled
+
+__all__ = [
+    "Buffer",
+    "BufferPool",
+    "IOStats",
+    "PinError",
+    "ReadAhead",
+    "default_limit",
+    "drop_cached",
+    "halt_reads_ahead",
+    "io_error",
+    "read_into",
+    "read_scattered",
+    "start_writeback",
+    "write_all",
+]
 
 # The system calls, looked up here at call time: a seam for tests that inject short writes.
 _write = os.write
@@ -51,19 +67,6 @@ log = logging.getLogger("ckptguard")
 def _cudart() -> Any:
     """The CUDA runtime (a seam: tests count registrations with a fake)."""
     return torch.cuda.cudart()
-
-
-_CUDA_ERRORS = {
-    1: "cudaErrorInvalidValue",
-    2: "cudaErrorMemoryAllocation: the system refused to page-lock more memory (ulimit -l, or memory is short)",
-    712: "cudaErrorHostMemoryAlreadyRegistered: part of this range is still registered, left by a pinned buffer "
-    "that was unmapped without cudaHostUnregister (by code outside ckptguard, or an older ckptguard)",
-    801: "cudaErrorNotSupported",
-}
-
-
-class PinError(OSError):
-    """``cudaHostRegister`` refused a host buffer: a CUDA/system condition, never a checkpoint's fault."""
 
 
 @dataclass
@@ -88,16 +91,6 @@ class IOStats:
     """Data files written or opened."""
 
 
-def io_error(err: int, what: str, path: str, *, offset: int, requested: int, returned: int, cause: str = "") -> OSError:
-    """An OSError carrying the figures ``failure_from`` reads with getattr."""
-    detail = f"{what} {path} failed at offset {offset}: requested {requested} B, returned {returned}"
-    exc = OSError(err, f"{detail} ({cause or os.strerror(err)})", path)
-    exc.offset = offset  # type: ignore[attr-defined]
-    exc.requested_bytes = requested  # type: ignore[attr-defined]
-    exc.returned_bytes = returned  # type: ignore[attr-defined]
-    return exc
-
-
 def write_all(fd: int, view: memoryview, path: str, offset: int) -> int:
     """Write all of ``view`` at the current position (``offset``); returns the short-write count."""
     done, short = 0, 0
@@ -105,18 +98,16 @@ def write_all(fd: int, view: memoryview, path: str, offset: int) -> int:
         try:
             n = _write(fd, view[done:])
         except OSError as exc:
-            raise io_error(
-                exc.errno or _errno.EIO, "write to", path, offset=offset + done, requested=len(view) - done, returned=-1
+            raise call_failed(
+                exc, "write to", path, offset=offset + done, requested=len(view) - done
             ) from exc
         if n == 0:
             # A zero-byte write would loop forever; the device accepts nothing more.
-            raise io_error(
-                _errno.EIO,
+            raise moved_nothing(
                 "write to",
                 path,
                 offset=offset + done,
                 requested=len(view) - done,
-                returned=0,
                 cause="the write returned 0 bytes",
             )
         if n < len(view) - done:
@@ -132,19 +123,11 @@ def read_into(fd: int, view: memoryview, path: str, offset: int) -> None:
         try:
             n = _preadv(fd, [view[done:]], offset + done)
         except OSError as exc:
-            raise io_error(
-                exc.errno or _errno.EIO, "read of", path, offset=offset + done, requested=len(view) - done, returned=-1
+            raise call_failed(
+                exc, "read of", path, offset=offset + done, requested=len(view) - done
             ) from exc
         if n == 0:
-            raise io_error(
-                _errno.EIO,
-                "read of",
-                path,
-                offset=offset + done,
-                requested=len(view) - done,
-                returned=0,
-                cause="the file ends before the bytes its DCP metadata points at; it was truncated",
-            )
+            raise moved_nothing("read of", path, offset=offset + done, requested=len(view) - done)
         done += n
 
 
@@ -157,20 +140,13 @@ def read_scattered(fd: int, views: list[memoryview], path: str, offset: int) -> 
             n = _preadv(fd, views[i:], pos)
         except OSError as exc:
             left = sum(len(v) for v in views[i:])
-            raise io_error(exc.errno or _errno.EIO, "read of", path, offset=pos, requested=left, returned=-1) from exc
+            raise call_failed(exc, "read of", path, offset=pos, requested=left) from exc
         if n == 0:
             left = sum(len(v) for v in views[i:])
-            raise io_error(
-                _errno.EIO,
-                "read of",
-                path,
-                offset=pos,
-                requested=left,
-                returned=0,
-                cause="the file ends before the bytes its DCP metadata points at; it was truncated",
-            )
+            raise moved_nothing("read of", path, offset=pos, requested=left)
         pos += n
-        while i < len(views) and n >= len(views[i]):  # a short read continues inside the view it stopped in
+        # A short read continues inside the view it stopped in.
+        while i < len(views) and n >= len(views[i]):
             n -= len(views[i])
             i += 1
         if n:
@@ -250,9 +226,12 @@ def halt_reads_ahead(directory: str | os.PathLike[str]) -> None:
 class ReadAhead:
     """One rank's read-ahead of one data file (``path``: checked to lie in the step directory by the caller)."""
 
-    def __init__(self, path: Path, *, limit: int | None = None, streams: int = 4, drop: bool = True) -> None:
+    def __init__(
+        self, path: Path, *, limit: int | None = None, streams: int = 4, drop: bool = True
+    ) -> None:
         self.path = path
-        self.drop = drop  # StreamingConfig.drop_page_cache: False keeps the pages (the user asked for them)
+        # StreamingConfig.drop_page_cache: False keeps the pages (the user asked for them).
+        self.drop = drop
         self.limit = default_limit() if limit is None else max(0, limit)
         self.streams = max(1, streams)
         self.done = 0  # bytes read so far, all streams
@@ -266,7 +245,9 @@ class ReadAhead:
         if self.limit > 0:
             with _RUNNING_LOCK:
                 _RUNNING[self._key] = self
-            self._threads.append(threading.Thread(target=self._launch, name="ckptguard-readahead", daemon=True))
+            self._threads.append(
+                threading.Thread(target=self._launch, name="ckptguard-readahead", daemon=True)
+            )
             self._threads[0].start()
         return self
 
@@ -281,9 +262,14 @@ class ReadAhead:
             begin = i * part
             end = min(size, begin + part, begin + self.limit // self.streams)
             if end > begin and not self._halt.is_set():
-                thread = threading.Thread(target=self._run, args=(begin, end), name=f"ckptguard-readahead-{i}",
-                                          daemon=True)
-                with _RUNNING_LOCK:  # halt() joins every thread listed: the launcher first, then these
+                thread = threading.Thread(
+                    target=self._run,
+                    args=(begin, end),
+                    name=f"ckptguard-readahead-{i}",
+                    daemon=True,
+                )
+                # halt() joins every thread listed: the launcher first, then these.
+                with _RUNNING_LOCK:
                     self._threads.append(thread)
                 thread.start()
 
@@ -312,8 +298,12 @@ class ReadAhead:
                 with _RUNNING_LOCK:
                     self.done += got
         except OSError as exc:
-            log.info("ckptguard: read-ahead of %s stopped at offset %d (%s); the restore reads it itself",
-                     self.path, pos, exc)
+            log.info(
+                "ckptguard: read-ahead of %s stopped at offset %d (%s); the restore reads it itself",
+                self.path,
+                pos,
+                exc,
+            )
         finally:
             os.close(fd)
 
@@ -338,8 +328,10 @@ class ReadAhead:
             return
         fd = self._open()
         if fd is not None:
-            with contextlib.suppress(OSError):  # only the cache's size is at stake
-                drop_cached(fd)  # the whole file: the kernel's own readahead went past what was read
+            # The whole file: the kernel's own readahead went past what was read. A refusal is
+            # ignored: only the cache's size is at stake.
+            with contextlib.suppress(OSError):
+                drop_cached(fd)
             os.close(fd)
 
 
@@ -354,17 +346,19 @@ class Buffer:
         # (2 MiB pages populated with MADV_POPULATE_WRITE instead: the loop beside it ran slower, 5.9% against
         # 2.2% at saves every 45 steps, benchmarks/results/issue41_h100.)
         populate = getattr(mmap, "MAP_POPULATE", 0) if pin else 0
-        self._map: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+        self._map: mmap.mmap | None = mmap.mmap(
+            -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
+        )
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=size)
-        self._registered = [False]  # shared with the finalizer, which may run after this object is gone
+        # Shared with the finalizer, which may run after this object is gone.
+        self._registered = [False]
         self._unpin = weakref.finalize(self, _unpin, self.tensor.data_ptr(), self._registered)
         if pin:
             rc = int(_cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0))
             if rc != 0:
                 self.release()
-                what = _CUDA_ERRORS.get(rc, f"cudaError {rc}")
-                raise PinError(_errno.ENOMEM, f"cudaHostRegister of a {size} B host buffer failed: {what}")
+                raise pin_refused(rc, size)
             self._registered[0] = True
 
     @property
@@ -403,7 +397,8 @@ def _unpin(address: int, registered: list[bool]) -> None:
     is unmapped after this, when the buffer's references are cleared) or the interpreter's exit."""
     if registered[0]:
         registered[0] = False
-        with contextlib.suppress(Exception):  # at the interpreter's exit CUDA may already be torn down
+        # At the interpreter's exit CUDA may already be torn down.
+        with contextlib.suppress(Exception):
             _cudart().cudaHostUnregister(address)
 
 
@@ -442,7 +437,9 @@ class BufferPool:
         try:
             return Buffer(size, pin)
         except PinError as exc:
-            log.warning("ckptguard: %s; the I/O buffers stay pageable (correct, copies slower)", exc)
+            log.warning(
+                "ckptguard: %s; the I/O buffers stay pageable (correct, copies slower)", exc
+            )
             return Buffer(size, False)
 
     @property
@@ -451,7 +448,9 @@ class BufferPool:
 
     def get(self, what: str) -> Buffer:
         if self._closed:  # a released buffer handed out would fail later as "released memoryview"
-            raise RuntimeError(f"the I/O buffer pool is closed (while {what}): a ckptguard bug, report it")
+            raise RuntimeError(
+                f"the I/O buffer pool is closed (while {what}): a ckptguard bug, report it"
+            )
         try:
             return self._free.get_nowait()
         except queue.Empty:
@@ -460,18 +459,21 @@ class BufferPool:
             if not self._closed and len(self._all) < self.count:
                 try:
                     return self._add()
-                except (MemoryError, OSError) as exc:  # no memory for one more: go on with those made
+                except (MemoryError, OSError) as exc:
+                    # No memory for one more: go on with those made.
                     self.count = len(self._all)
-                    log.warning("ckptguard: one more %d B I/O buffer could not be made (%s) while %s; going on "
-                                "with the %d made", self.size, exc, what, self.count)
+                    log.warning(
+                        "ckptguard: one more %d B I/O buffer could not be made (%s) while %s; going on "
+                        "with the %d made",
+                        self.size,
+                        exc,
+                        what,
+                        self.count,
+                    )
         try:
             return self._free.get(timeout=self.timeout_s)
         except queue.Empty:
-            raise StorageStallError(
-                _errno.ETIMEDOUT,
-                f"no host buffer came free within {self.timeout_s} s while {what}: the storage stalled "
-                "(a hung filesystem or device); raise StreamingConfig.stall_timeout_s only if it is just slow",
-            ) from None
+            raise stalled(self.timeout_s, what) from None
 
     def put(self, buf: Buffer) -> None:
         self._free.put(buf)
