@@ -241,6 +241,27 @@ def store(url: str, endpoint: str) -> Any:
     return ObjectStore(url, options(endpoint))
 
 
+def rewrite_owner(endpoint: str, url: str, step: int, attempt: str, *, host: str, pid: int) -> None:
+    """The owner record of ``attempt`` rewritten to name another writer (``host``, ``pid``): what a save
+    that died, or one on another host, leaves (the object store's gc judges the writer by it)."""
+    import boto3
+
+    from ckptguard.storage.s3 import _objrecords as rec
+
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    key = f"{prefix}/step_{step:08d}/{attempt}/{rec.OWNER}"
+    writer = rec.Writer(host, pid, None, "1")
+    body = rec.Owner(step, attempt, writer, time.time()).to_bytes()
+    boto3.client("s3", endpoint_url=endpoint).put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def dead_pid() -> int:
+    """The PID of a process of this host that has exited."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def write(endpoint: str, url: str, staging: str, last: int, point: str | None) -> None:
     from ckptguard.testing import kill_at
 

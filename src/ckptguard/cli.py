@@ -746,7 +746,7 @@ def _gc_remote(
             removed_attempts=report.removed_attempts,
             removed_objects=report.removed_objects,
             aborted_uploads=report.aborted_uploads,
-            kept_young=report.kept_young,
+            kept_live=report.kept_live,
             foreign=report.foreign,
         )
         return
@@ -761,10 +761,11 @@ def _gc_remote(
         click.echo(
             printable(f"{'would abort' if dry_run else 'aborted'} multipart upload {upload}")
         )
-    for attempt in report.kept_young:
+    for attempt in report.kept_live:
         click.echo(
             printable(
-                f"kept    {url}/{attempt}: younger than --min-age {min_age_s:g} s (maybe a live save)"
+                f"kept    {url}/{attempt}: its writer may still write (its process is alive on this "
+                f"host, or, elsewhere, the attempt is younger than --min-age {min_age_s:g} s)"
             )
         )
     for key in report.foreign:
@@ -772,7 +773,7 @@ def _gc_remote(
     click.echo(
         f"{len(report.removed_attempts)} attempt(s), {report.removed_objects} object(s) "
         f"{'to remove' if dry_run else 'removed'}, {len(report.aborted_uploads)} upload(s) "
-        f"{'to abort' if dry_run else 'aborted'}, {len(report.kept_young) + len(report.foreign)} left in place"
+        f"{'to abort' if dry_run else 'aborted'}, {len(report.kept_live) + len(report.foreign)} left in place"
     )
 
 
@@ -793,7 +794,8 @@ def _gc_remote(
     type=click.FloatRange(0),
     default=3600.0,
     show_default=True,
-    help="s3:// roots: remove only unmarked attempts whose newest object is older than this (seconds).",
+    help="s3:// roots: an unmarked attempt written on another host is removed once its newest object "
+    "is older than this (seconds); one written on this host, once its process is gone.",
 )
 @TEMPLATE
 @click.option(
@@ -814,8 +816,9 @@ def gc(
     """Remove what crashes left under ROOT: dead saves' temp directories, interrupted deletes, temp files.
 
     ROOT may be s3://bucket/prefix: attempts no marker names that carry ckptguard's owner record and
-    are older than --min-age are removed (owner record last) and their multipart uploads aborted;
-    anything else under the prefix is listed as foreign and left alone.
+    whose writer is gone (on this host its process; elsewhere older than --min-age) are removed (owner
+    record last) and their multipart uploads aborted; anything else under the prefix is listed as
+    foreign and left alone.
 
     Acts only on a checkpoint root (a tracker or contract/ present) and only on entries ckptguard
     created. A complete checkpoint is never removed, whatever the tracker says: a step newer than

@@ -10,6 +10,7 @@ does not fail the group's next collective.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -169,24 +170,39 @@ def test_control_a_rank_held_past_the_timeout_fails_a_collective_of_the_group() 
 
 
 def _background_hold_rank(rank: int, world: int, root: str, then_save: bool) -> dict[str, Any]:
-    """A 1.0 s budget (half of a declared 2 s timeout) and a commit that takes 2.5 s on every rank: the first save
-    measures the speed (synchronous: it fits at the floor's speed), the second is over the budget and goes to
-    the background. Its hold is the call plus what the next mutation waits for its copies (``staged()``)."""
-    set_fault_hook("commit.rank_written", lambda: time.sleep(2.5))
-    tight = cg.BlockingBudget(timeout_s=2.0, fraction=0.5, over=cg.OverBudget.BACKGROUND)
-    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60.0, blocking=tight))
+    """A 3.0 s budget (half of a declared 6 s timeout) and a first commit that takes 3.5 s on every rank: the
+    first save measures the speed (synchronous: it fits at the floor's speed), the second is over the budget
+    and goes to the background, where its commit is held until the loop's figures are taken (a save that
+    waited for it could not return before). Its hold is the call plus what the next mutation waits for its
+    copies (``staged()``); each is timed from a barrier, so a rank never counts its peer's late start."""
+    release, commits = threading.Event(), []
+
+    def slow_commit() -> None:
+        commits.append(1)
+        if len(commits) == 1:
+            time.sleep(3.5)
+        else:
+            release.wait(60)
+
+    set_fault_hook("commit.rank_written", slow_commit)
+    tight = cg.BlockingBudget(timeout_s=6.0, fraction=0.5, over=cg.OverBudget.BACKGROUND)
+    mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=120.0, blocking=tight))
     state = {"w": cg.PerRank(torch.randn(2048, 1024))}  # 8 MiB per rank
     out: dict[str, Any] = {"budget_s": mgr.blocking.budget_s, "first": str(mgr.save(1, state))}
+    dist.barrier()
     started = time.monotonic()
     out["second"] = mgr.save(2, state)
     out["second_held_s"] = time.monotonic() - started
     out["second_staged_s"] = mgr.staged()  # what the next optimizer step would wait for the copies
     state["w"].value.add_(1.0)  # training goes on while the commit runs
     if then_save:  # the loop's next save, while the background commit still runs
+        dist.barrier()
         started = time.monotonic()
         out["third"] = mgr.save(3, state)
         out["third_held_s"] = time.monotonic() - started
         out["skipped"] = mgr.busy.skipped_total
+    out["commit_held"] = not release.is_set()  # every figure above taken while step 2's commit ran
+    release.set()
     mgr.wait()
     out["committed"] = mgr.committed_steps()
     mgr.close()
@@ -196,8 +212,8 @@ def _background_hold_rank(rank: int, world: int, root: str, then_save: bool) -> 
 def test_background_releases_the_loop_within_its_budget(tmp_path: Path) -> None:
     results = cgt.values(cgt.run_ranks(_background_hold_rank, 2, str(tmp_path / "ck"), False))
     for r in results:
-        assert r["budget_s"] == pytest.approx(1.0) and r["first"].endswith("step_00000001")
-        assert r["second"] is None, r  # over the budget: committed in the background
+        assert r["budget_s"] == pytest.approx(3.0) and r["first"].endswith("step_00000001")
+        assert r["second"] is None and r["commit_held"], r  # over the budget: in the background
         hold = r["second_held_s"] + r["second_staged_s"]
         assert hold < r["budget_s"], (
             f"held the loop {hold:.2f} s against a budget of {r['budget_s']} s: {r}"
@@ -211,7 +227,7 @@ def test_the_next_save_while_a_background_commit_runs_is_skipped_within_the_budg
     # Before issue 41's fix, save() waited for the commit in flight first: held for the rest of it (7.7 s there).
     results = cgt.values(cgt.run_ranks(_background_hold_rank, 2, str(tmp_path / "ck"), True))
     for r in results:
-        assert r["third_held_s"] < r["budget_s"], r
+        assert r["third_held_s"] < r["budget_s"] and r["commit_held"], r
         assert r["third"] is None and r["skipped"] == 1, (
             r
         )  # OnBusy.SKIP, the default: logged and counted

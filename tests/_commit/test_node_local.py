@@ -311,8 +311,8 @@ def _crash_worker(rank: int, world: int, base: str, point: str, victim: int) -> 
     state["model"].weight.data += 1.0
     cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(1, state)
     mgr = cg.CheckpointManager(
-        shared / "ck", config=cg.CheckpointConfig(timeout_s=5)
-    )  # survivors give up soon
+        shared / "ck", config=cg.CheckpointConfig(timeout_s=10)
+    )  # survivors give up soon (a live rank's skew on 2 loaded cores stays far below it; 5 s did not)
     if node == victim:
         siblings = [pids[r] for r in range(world) if r // 2 == node and r != rank]
 
@@ -377,7 +377,7 @@ def test_sigkill_of_one_node_at_each_point_leaves_both_nodes_agreeing(tmp_path):
             if r.rank // 2 == victim:
                 assert r.exitcode == -signal.SIGKILL, (point, r)
             else:  # the survivors raised a ckptguard error within the timeout, never committed silently
-                assert r.ok and r.value["error"] is not None and r.value["elapsed"] < 40, (point, r)
+                assert r.ok and r.value["error"] is not None and r.value["elapsed"] < 60, (point, r)
         seen = tuple(_layout.read_tracker(base / f"disk{n}" / "ck") for n in range(NODES))
         assert seen == trackers, f"{point}: trackers {seen}, expected {trackers}"
     trackers_of = {point: trackers for point, _victim, trackers, _agreed in CRASHES}

@@ -78,11 +78,16 @@ def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path,
     try:
         first = mgr.save_async(2, _state())
         time.sleep(0.3)  # the loop's next steps while the commit is held
+        safety = threading.Timer(
+            60, gate.set
+        )  # a request that waited for the commit ends, and fails
+        safety.daemon = True
+        safety.start()
         with caplog.at_level(logging.INFO, logger="ckptguard"):
-            t0 = time.monotonic()
             assert mgr.save_async(4, _state(1.0)) is None
-            assert time.monotonic() - t0 < 1.0  # skipped at once, never waiting for the commit
+            assert not gate.is_set()  # skipped while the commit is held, never waiting for it
         gate.set()
+        safety.cancel()
         assert first.wait() == tmp_path / "ck" / "step_00000002"
     finally:
         _faults.set_hook("commit.before_tracker", None)
@@ -124,17 +129,37 @@ def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path,
 
 
 class _SlowPin(_staging.Buffer):
+    """A region whose pinning lasts until the test opens ``gate`` (6 GiB took 1.26-1.38 s on the H200): a
+    save that waited for it could only return once the gate opened, which ``_closed_gate`` does after 60 s."""
+
     threads: list[str] = []
+    gate = threading.Event()
 
     def __init__(self, size, pin):
         _SlowPin.threads.append(threading.current_thread().name)
-        time.sleep(1.0)  # what pinning 6 GiB costs (1.26-1.38 s on the H200)
+        _SlowPin.gate.wait(60)
         super().__init__(size, pin)
+
+
+def _closed_gate() -> threading.Timer:
+    _SlowPin.threads = []
+    _SlowPin.gate.clear()
+    safety = threading.Timer(60, _SlowPin.gate.set)  # a save that waits for the pin ends, and fails
+    safety.daemon = True
+    safety.start()
+    return safety
+
+
+def _pinned_on_the_pool_thread() -> bool:
+    deadline = time.monotonic() + 30
+    while not _SlowPin.threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _SlowPin.threads == ["ckptguard-pin-pool"]
 
 
 def test_the_first_save_async_never_pins_on_the_callers_thread(tmp_path, monkeypatch):
     monkeypatch.setattr(_staging, "Buffer", _SlowPin)
-    _SlowPin.threads = []
+    safety = _closed_gate()
     root = tmp_path / "ck"
     mgr = cg.CheckpointManager(
         root, config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 20))
@@ -142,38 +167,41 @@ def test_the_first_save_async_never_pins_on_the_callers_thread(tmp_path, monkeyp
     state = {"model": torch.nn.Linear(64, 64)}
     ready = mgr.prepare_async(state)
     first = mgr.save_async(1, state)
-    assert (
-        first.blocked_seconds < 0.5 and not ready.done()
-    )  # the pool is still being built, not waited for
     first.wait()
+    # Saved and committed while the pool is still being pinned: nothing waited for it.
+    assert not _SlowPin.gate.is_set() and not ready.done()
+    assert _pinned_on_the_pool_thread()
     assert (
         _cost(root, 1)["live_bytes"] > 0
     )  # read live this once (the documented wait), never a sync save
-    assert ready.result(timeout=10) > 0 and _SlowPin.threads == ["ckptguard-pin-pool"]
+    _SlowPin.gate.set()
+    safety.cancel()
+    assert ready.result(timeout=30) > 0 and _SlowPin.threads == ["ckptguard-pin-pool"]
     second = mgr.save_async(2, state)
     second.wait()
     cost = _cost(root, 2)
     assert cost["live_bytes"] == 0 and cost["staged_host_bytes"] == 64 * 64 * 4 + 64 * 4
     # Without prepare_async, the first save_async starts the pool in the background too.
-    _SlowPin.threads = []
+    safety = _closed_gate()
     other = cg.CheckpointManager(
         tmp_path / "o", config=cg.CheckpointConfig(async_save=cg.AsyncOptions(host_bytes=1 << 20))
     )
-    t0 = time.monotonic()
     other.save_async(1, state).wait()
-    assert time.monotonic() - t0 < 1.0 and _SlowPin.threads == ["ckptguard-pin-pool"]
+    assert not _SlowPin.gate.is_set() and _pinned_on_the_pool_thread()
+    _SlowPin.gate.set()
+    safety.cancel()
     other.close()
     mgr.close()
 
 
 def test_a_deletion_runs_after_the_commit_and_never_holds_the_next_save(tmp_path, monkeypatch):
-    started, order = threading.Event(), []
+    started, release, order = threading.Event(), threading.Event(), []
     apply = _retention.apply
 
     def slow_apply(*args, **kwargs):
         started.set()
         order.append("deletion starts")
-        time.sleep(1.5)
+        release.wait(60)  # held until the next save returned (a save that waited for it fails)
         order.append("deletion ends")
         return apply(*args, **kwargs)
 
@@ -186,17 +214,16 @@ def test_a_deletion_runs_after_the_commit_and_never_holds_the_next_save(tmp_path
     second = mgr.save_async(2, _state(2.0))
     assert started.wait(10)  # step 2 is published; its cleanup (deleting step 1) runs now
     assert not second.busy()
-    t0 = time.monotonic()
     third = mgr.save_async(3, _state(3.0))
     order.append("next snapshot taken")
-    assert (
-        third is not None and time.monotonic() - t0 < 1.0
-    )  # not skipped, not held by the deletion
+    assert third is not None and not release.is_set()  # not skipped, not held by the deletion
+    time.sleep(0.5)  # the deletion lasts at least this: its cleanup's figure says so
+    release.set()
     third.wait()
     assert order[:3] == ["deletion starts", "next snapshot taken", "deletion ends"]
-    assert mgr.committed_steps() == [3] and second.cleanup_seconds >= 1.5
+    assert mgr.committed_steps() == [3] and second.cleanup_seconds >= 0.5
     cleanups = [r for r in read_records(root)[0] if r["event"] == "cleanup"]
-    assert [r["deleted"] for r in cleanups] == [[1], [2]] and cleanups[0]["seconds"] >= 1.5
+    assert [r["deleted"] for r in cleanups] == [[1], [2]] and cleanups[0]["seconds"] >= 0.5
     assert _layout.read_tracker(root) == 3
 
 

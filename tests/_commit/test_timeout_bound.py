@@ -3,13 +3,14 @@ stuck, the others raise within ``timeout_s`` of reaching ``save.written`` (``Che
 ``run.written`` (``RunCheckpoint``), naming the stuck rank, not after twice that (one deadline for
 the phase: rank 0's gather and everyone's wait for its verdict share it).
 
-Two gloo ranks; rank 1 sleeps 3 x timeout_s at the fault point right before the phase; rank 0
-measures from the moment it reaches the phase to its raise.
+Two gloo ranks; rank 1 is stuck at the fault point right before the phase until rank 0 raised (3 x
+timeout_s at most); rank 0 measures from the moment it reaches the phase to its raise.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -17,15 +18,24 @@ import ckptguard as cg
 from ckptguard import ProofPlan
 from ckptguard.testing import run_ranks, set_fault_hook, values
 
-TIMEOUT_S = 4.0
-SLACK = 1.25  # the measured wait may pass timeout_s by this factor (a loaded 2-core machine), not reach 2x
+TIMEOUT_S = 8.0
+SLACK = 1.5  # the measured wait may pass timeout_s by this factor (a loaded 2-core machine), not reach 2x
 
 
 def _job(rank: int, world: int, root: str, run: bool) -> dict:
     cfg = cg.CheckpointConfig(timeout_s=TIMEOUT_S, proof=ProofPlan(record=False), retention=None)
     point = "run.role_written" if run else "commit.rank_written"
     arrived: list[float] = []
-    stuck, arrive = (lambda: time.sleep(3 * TIMEOUT_S)), (lambda: arrived.append(time.monotonic()))
+    released = Path(f"{root}.rank0-raised")
+
+    def stuck() -> None:
+        deadline = time.monotonic() + 3 * TIMEOUT_S
+        while not released.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def arrive() -> None:
+        arrived.append(time.monotonic())
+
     set_fault_hook(point, stuck if rank == 1 else arrive)
     if run:
         mgr = cg.RunCheckpoint(root, [cg.Role("actor")], config=cfg)
@@ -36,7 +46,9 @@ def _job(rank: int, world: int, root: str, run: bool) -> dict:
     try:
         mgr.save(1, state)
     except cg.CheckpointError as exc:
-        return {"waited": time.monotonic() - arrived[-1] if arrived else None, "error": str(exc)}
+        waited = time.monotonic() - arrived[-1] if arrived else None
+        released.touch()
+        return {"waited": waited, "error": str(exc)}
     return {"waited": None, "error": None}
 
 

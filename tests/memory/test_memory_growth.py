@@ -103,6 +103,7 @@ def test_leak_found_within_10_percent_per_step_and_per_second_flat_not_flagged(t
         str(LEAK),
         str(STEPS),
         str(PERIOD),
+        str(watch_file),  # each step lasts until the watcher sampled it
     ]
     result = CliRunner().invoke(
         mem, ["watch", "--interval", "0.02", "--out", str(watch_file), "--", *cmd]

@@ -348,22 +348,21 @@ def read_owner(directory: Path) -> JsonObject | None:
 def owner_state(directory: Path, *, max_age_s: float) -> str:
     """ "dead", "alive" or "foreign" (no owner record: not ckptguard's, never removed).
 
-    Same host: dead when the PID is not running (or runs a different process). Another
-    host: we cannot look, so an owner counts as dead only once the directory is older
-    than ``max_age_s``."""
+    Whether its owner is gone is the rule of every writer (``tempfiles.writer_gone``): on this host its
+    process decides; on another host, or without the process's start time, an owner counts as dead only
+    once the directory is older than ``max_age_s``."""
     owner = read_owner(directory)
     if owner is None:
         return "foreign"
-    if owner["host"] != socket.gethostname():
-        try:
-            age = time.time() - directory.stat().st_mtime
-        except OSError:
-            return "alive"
-        return "dead" if age > max_age_s else "alive"
-    pid = owner["pid"]
-    if pid <= 0 or not Path(f"/proc/{pid}").exists():
-        return "dead"
-    return "alive" if proc_start(pid) == owner.get("start") else "dead"
+    try:
+        expired = time.time() - directory.stat().st_mtime > max_age_s
+    except OSError:
+        return "alive"
+    start = owner.get("start")
+    gone = _tempfiles.writer_gone(
+        owner["host"], owner["pid"], start if isinstance(start, str) else None, expired=expired
+    )
+    return "alive" if gone is None else "dead"
 
 
 def owner_is_dead(tmp: Path, *, max_age_s: float) -> bool:

@@ -29,7 +29,7 @@ from pathlib import Path
 from .._agree import Agreement, Wire, gather_decide
 from ..errors import CheckpointCorruptError, LeaseHeldError
 from .layout import atomic_write_bytes, fsync_dir, parse_json, read_small
-from .tempfiles import proc_start, temp_name
+from .tempfiles import proc_start, temp_name, writer_gone
 
 log = logging.getLogger("ckptguard")
 
@@ -68,36 +68,12 @@ class Owner:
 
 def holder_gone(host: str, pid: int, start: str | None, *, expired: bool) -> str | None:
     """Why a write lease's holder can no longer write, or None while it may: the one rule of every root's lease
-    (this module's ``lease.json`` and an object store's, ``_commit.storelease``). On this host the process decides,
-    however old the lease: gone once its PID is absent or runs another program (its start time differs; a
-    container restarted gets its PID back); on another host, and for another holder in this very process, the
-    lease's age decides (``expired``)."""
+    (this module's ``lease.json`` and an object store's, ``_commit.storelease``), which is the rule of every
+    writer (``tempfiles.writer_gone``) except for another holder in this very process (another manager of
+    it), whose lease's age decides: this process's liveness says nothing of that manager's."""
     if host == socket.gethostname() and pid == os.getpid() and start == proc_start(pid):
-        # This very process (another manager of it): its liveness says nothing of that manager's.
         return "it expired" if expired else None
-    if host == socket.gethostname():
-        if not _pid_exists(pid):
-            return "its process is dead"
-        if (
-            start is None
-        ):  # a record without the start time: the PID alone cannot tell, its age decides
-            return "it expired" if expired else None
-        if proc_start(pid) != start:
-            return "its process is dead (its PID now runs another program)"
-        return None
-    return "it expired" if expired else None
-
-
-def _pid_exists(pid: int) -> bool:
-    if Path("/proc/self").exists():
-        return Path(f"/proc/{pid}").exists()
-    try:  # no /proc (macOS): ask the kernel
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return writer_gone(host, pid, start, expired=expired)
 
 
 @dataclass(frozen=True)

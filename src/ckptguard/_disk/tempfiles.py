@@ -34,6 +34,40 @@ def proc_start(pid: int) -> str | None:
         return None
 
 
+def writer_gone(host: str, pid: int, start: str | None, *, expired: bool) -> str | None:
+    """Why the process that wrote something can no longer write it, or None while it may: the one rule of
+    every root for a writer of its own (a lease's holder, ``_disk.lease.holder_gone``; a save's temp directory
+    and an atomic write's temp file, ``owner_state`` here and in ``layout``; an object store's attempt,
+    ``ops.storegc``). On this host the process decides, however old its work: gone once its PID is absent or
+    runs another program (its start time differs: a restarted container gets its PID back); a record
+    without the start time, and a writer on another host, are judged by age (``expired``)."""
+    if host != socket.gethostname():
+        return "it expired" if expired else None
+    if not _pid_exists(pid):
+        return "its process is dead"
+    if (
+        start is None
+    ):  # the PID alone cannot tell a live writer from a recycled PID: its age decides
+        return "it expired" if expired else None
+    if proc_start(pid) != start:
+        return "its process is dead (its PID now runs another program)"
+    return None
+
+
+def _pid_exists(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    if Path("/proc/self").exists():
+        return Path(f"/proc/{pid}").exists()
+    try:  # no /proc (macOS): ask the kernel
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _host_tag(host: str) -> str:
     return xxhash.xxh3_64_hexdigest(host.encode())[:8]
 
@@ -66,12 +100,11 @@ def owner_state(path: Path, *, max_age_s: float) -> str:
     match = _TEMP.search(path.name)
     if match is None or match.group("pid") is None:
         return "unknown"
-    if match.group("host") != _host_tag(socket.gethostname()):
-        return "dead" if _age(path) > max_age_s else "alive"
-    pid = int(match.group("pid"))
-    if not Path(f"/proc/{pid}").exists():
-        return "dead"
-    return "alive" if (proc_start(pid) or "x") == match.group("start") else "dead"
+    here = socket.gethostname()
+    host = here if match.group("host") == _host_tag(here) else f"host tag {match.group('host')}"
+    start = None if match.group("start") == "x" else match.group("start")
+    gone = writer_gone(host, int(match.group("pid")), start, expired=_age(path) > max_age_s)
+    return "alive" if gone is None else "dead"
 
 
 def _age(path: Path) -> float:

@@ -335,7 +335,7 @@ def gc_remote(url: str, template: str, *, min_age_s: float, dry_run: bool, force
         except LeaseHeldError as exc:
             raise LeaseHeldError(
                 f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, or "
-                "pass --force (attempts younger than --min-age are kept anyway)"
+                "pass --force (attempts whose writer may still write are kept anyway)"
             ) from None
     return collect(store, min_age_s=min_age_s, dry_run=dry_run)
 

@@ -1,12 +1,14 @@
-"""gc on an object-store root: what ckptguard created and no marker names, older than a minimum age.
+"""gc on an object-store root: what ckptguard created, no marker names and no live writer may still write.
 
 The decision is the operator side's (``ckptguard gc s3://...``, ``ops.remote.gc_remote``); the store
 (``ckptguard.storage.s3.ObjectStore``) gives it its primitives only: the listing, the reads of the
 tracker and the markers, the deletes, the multipart uploads and their abort.
 
-``collect`` removes attempts that carry ckptguard's owner record, that no marker names and whose
-newest object is older than ``min_age_s``, aborts the multipart uploads of such attempts, and
-reports everything else under the prefix as foreign without touching it. It refuses a prefix
+``collect`` removes attempts that carry ckptguard's owner record, that no marker names and whose writer
+is gone, by the rule of every writer of every root (``_disk.tempfiles.writer_gone``, which also judges a
+directory root's temp directories and temp files and every lease): on the writer's host its process
+decides, elsewhere the attempt's newest object older than ``min_age_s``. It aborts the multipart uploads
+of such attempts, and reports everything else under the prefix as foreign without touching it. It refuses a prefix
 without the root record, and one whose tracker's step has no readable marker: resolve then asks
 the operator to restore that step's objects, which would look like a dead attempt's here.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .._disk.layout import MANIFEST_NAME, TRACKER_NAME, StepNaming
+from .._disk.tempfiles import writer_gone
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ..storage.s3 import StoreURL
 from ..storage.s3 import _objrecords as rec
@@ -32,9 +35,9 @@ class GcReport:
     foreign: list[str] = field(
         default_factory=list
     )  # keys under the prefix that ckptguard did not create
-    kept_young: list[str] = field(
-        default_factory=list
-    )  # unmarked attempts younger than min_age_s (maybe live)
+    kept_live: list[str] = field(default_factory=list)
+    """Unmarked attempts whose writer may still write: its process alive on this host, or, elsewhere,
+    younger than ``min_age_s``."""
 
 
 class Root(Protocol):
@@ -141,14 +144,28 @@ def _attempt(
         return
     if _marked(root, name) == attempt:
         return
-    if now - newest < min_age_s:
-        report.kept_young.append(f"{name}/{attempt}")
+    if _writer_gone(root, name, attempt, expired=now - newest >= min_age_s) is None:
+        report.kept_live.append(f"{name}/{attempt}")
         return
     report.removed_attempts.append(f"{name}/{attempt}")
     report.removed_objects += len(keys)
     if not dry_run:  # the owner record last: an interrupted gc still knows the rest is ours
         root.bucket.delete_many([k for k in keys if k != owner_key], step=root.naming.parse(name))
         root.bucket.delete(owner_key, what="attempt owner record")
+
+
+def _writer_gone(root: Root, name: str, attempt: str, *, expired: bool) -> str | None:
+    """Whether the attempt's writer is gone: the rule of every writer (``_disk.tempfiles.writer_gone``; on
+    the writer's host its process decides, elsewhere ``min_age_s``); an owner record that cannot be read
+    is judged by age alone."""
+    found = root.bucket.get(root.url.key(name, attempt, rec.OWNER), what="attempt owner record")
+    if found is None:
+        return "it expired" if expired else None
+    try:
+        writer = rec.Owner.from_bytes(found.data, root.where(name, attempt, rec.OWNER)).writer
+    except CheckpointError:
+        return "it expired" if expired else None
+    return writer_gone(writer.host, writer.pid, writer.start, expired=expired)
 
 
 def _uploads(root: Root, now: float, min_age_s: float, dry_run: bool, report: GcReport) -> None:
@@ -161,8 +178,6 @@ def _uploads(root: Root, now: float, min_age_s: float, dry_run: bool, report: Gc
         ):
             report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
             continue
-        if now - upload.initiated_unix < min_age_s:
-            continue
         if (
             root.bucket.get(
                 root.url.key(parts[0], parts[1], rec.OWNER), what="attempt owner record"
@@ -170,6 +185,9 @@ def _uploads(root: Root, now: float, min_age_s: float, dry_run: bool, report: Gc
             is None
         ):
             report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
+            continue
+        expired = now - upload.initiated_unix >= min_age_s
+        if _writer_gone(root, parts[0], parts[1], expired=expired) is None:
             continue
         report.aborted_uploads.append(f"{upload.key} ({upload.upload_id})")
         if not dry_run:

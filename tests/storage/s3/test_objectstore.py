@@ -607,9 +607,11 @@ def test_gc_removes_only_unmarked_attempts_it_owns(moto, tmp_path):
     data = tmp_path / "d.bin"
     data.write_bytes(b"y" * 100)
     store.upload(2, attempt, [("state/d.bin", data, 100)])
-    assert collect(store, min_age_s=3600).kept_young == [
-        f"step_00000002/{attempt}"
-    ]  # young: maybe a live writer
+    # Its writer is this process, alive: kept whatever its age, as a directory root's temp dir of a live owner.
+    assert collect(store, min_age_s=0).kept_live == [f"step_00000002/{attempt}"]
+    # A writer on another host: the attempt's age decides.
+    h.rewrite_owner(moto, url, 2, attempt, host="another-host", pid=os.getpid())
+    assert collect(store, min_age_s=3600).kept_live == [f"step_00000002/{attempt}"]
     dry = collect(store, min_age_s=0, dry_run=True)
     assert dry.removed_attempts == [
         f"step_00000002/{attempt}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -175,15 +176,16 @@ def test_gc_an_s3_root(moto, tmp_path):
     data.write_bytes(b"q" * 10)
     attempt = storepublish.begin(store, 2)
     store.upload(2, attempt, [("state/d.bin", data, 10)])  # an interrupted save: no marker
-    code, got = cli_json(
-        "gc", url
-    )  # the default --min-age keeps a young attempt (maybe a live save)
+    # This process wrote it and still runs: kept, however old (a live save's attempt).
+    code, got = cli_json("gc", url, "--min-age", "0")
     assert (
         code == 0
-        and got["kept_young"] == [f"step_00000002/{attempt}"]
+        and got["kept_live"] == [f"step_00000002/{attempt}"]
         and got["removed_attempts"] == []
     )
-    code, got = cli_json("gc", url, "--min-age", "0", "--dry-run")
+    # Its writer died on this host: removable at once, the default --min-age notwithstanding.
+    h.rewrite_owner(moto, url, 2, attempt, host=socket.gethostname(), pid=h.dead_pid())
+    code, got = cli_json("gc", url, "--dry-run")
     assert code == 0 and got["removed_attempts"] == [f"step_00000002/{attempt}"]
     assert any(attempt in k for k in keys(moto, name))
     storelease.acquire(store, "a-live-job")  # a live job (this process) holds the lease: refused
