@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -62,14 +63,26 @@ def test_preemption_guard_agrees_while_save_async_commits(tmp_path):
 
 
 def _two_managers(rank, world, base_a, base_b):
-    """Two managers' background commits agreeing at the same time on every rank."""
+    """Two managers' background commits agreeing at the same time on every rank. No rank's commits pass
+    their written point before every rank has seen both in flight (a flag file each); rank 1's then write
+    SLOW_S longer."""
     cfg = cg.CheckpointConfig(timeout_s=TIMEOUT_S)
     a, b = cg.CheckpointManager(base_a, config=cfg), cg.CheckpointManager(base_b, config=cfg)
-    _slow_rank_one(rank)
+    flags = [Path(f"{base_a}.rank{r}-saw-both") for r in range(world)]
+
+    def written() -> None:
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in flags) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if rank == 1:
+            time.sleep(SLOW_S)
+
+    _faults.set_hook("commit.rank_written", written)
     t0 = time.monotonic()
     pa = a.save_async(1, {"w": cg.PerRank(torch.full((1000,), float(rank)))})
     pb = b.save_async(7, {"v": cg.PerRank(torch.full((500,), float(rank) + 1))})
     both_pending = not pa.done() and not pb.done()
+    flags[rank].touch()
     return {
         "both_pending": both_pending,
         "a": str(a.wait()),
@@ -111,7 +124,7 @@ def _many_saves(rank, world, base, n):
     # On rank 0 the store's server closes its side of a dropped connection asynchronously; retention's
     # background delete (one thread while there is trash, gone when there is none) ends on its own too.
     assert retention.DELETER.wait(30)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a leaked connection or thread never settles
     while (_fds() > before or threading.active_count() > threads) and time.monotonic() < deadline:
         time.sleep(0.1)
     return {
@@ -137,20 +150,20 @@ def _manager_clone_dropped(rank, world, base):
 
     from ckptguard._dist import StoreAgreement
 
-    StoreAgreement(None, timeout_s=5, namespace="warmup").exchange("warm", rank)
+    StoreAgreement(None, timeout_s=30, namespace="warmup").exchange("warm", rank)
     gc.collect()
     before = _fds()
     held = []
     for i in range(5):
         # Spaced out: a burst of new connections stalls 5 s in torch 2.13's TCPStore.
         time.sleep(0.2)
-        held.append(StoreAgreement(None, timeout_s=5, namespace=f"n{i}"))
+        held.append(StoreAgreement(None, timeout_s=30, namespace=f"n{i}"))
         assert held[-1].exchange("hello", rank) == [0, 1]
     opened = _fds()
     del held
     gc.collect()
     t0 = time.monotonic()
-    while _fds() > before and time.monotonic() < t0 + 5:
+    while _fds() > before and time.monotonic() < t0 + 30:  # a leaked connection never settles
         time.sleep(0.1)
     settle = time.monotonic() - t0
     torch.distributed.barrier()

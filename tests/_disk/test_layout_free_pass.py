@@ -34,10 +34,18 @@ def test_the_caller_and_the_pool_both_sum_and_agree_with_one_thread(monkeypatch)
     expected, expected_a = _serial(tensors), _serial({"a": tensors["a"]})
     who: set[str] = set()
     real = d._words_sum_serial
+    pool_in, waited = threading.Event(), []
 
     def slow(words, j0):
-        who.add(threading.current_thread().name)
-        time.sleep(0.01)  # releases the GIL: the pool's thread gets pieces even on a busy machine
+        name = threading.current_thread().name
+        who.add(name)
+        if name.startswith("ckptguard-layout-free"):
+            pool_in.set()
+        elif (
+            not waited
+        ):  # the caller's first piece waits until the pool took one: both sum, on any machine
+            waited.append(pool_in.wait(30))
+        time.sleep(0.01)
         return real(words, j0)
 
     monkeypatch.setattr(d, "_words_sum_serial", slow)
@@ -48,6 +56,8 @@ def test_the_caller_and_the_pool_both_sum_and_agree_with_one_thread(monkeypatch)
     ), who
     assert d.layout_free_partials({"m": tensors}) == expected
     who.clear()
+    pool_in.clear()
+    waited.clear()
     items = capture({"m": tensors})
     digests, partials = digests_and_layout_free(
         items

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -155,21 +156,27 @@ def test_a_stall_names_the_reads_in_flight_and_does_not_wait_a_second_timeout(
     state = {f"w{i}": torch.randn(40_000) for i in range(6)}
     StreamingStorage(SMALL).write(tmp_path, state, CTX)
     real = _fastio_pool._preadv
+    unblock = threading.Event()
 
     def slow(fd, views, off):
         if off > 200_000:
-            time.sleep(3)
+            unblock.wait(20)  # stalled until the test has its figures
         return real(fd, views, off)
 
     monkeypatch.setattr(_fastio_pool, "_preadv", slow)
-    cfg = StreamingConfig(pool_bytes=4 * BUF, buffer_bytes=BUF, read_threads=2, stall_timeout_s=0.5)
+    cfg = StreamingConfig(pool_bytes=4 * BUF, buffer_bytes=BUF, read_threads=2, stall_timeout_s=2.0)
+    threads = threading.active_count()
     t0 = time.monotonic()
     with pytest.raises(StorageStallError, match=r"reads in flight: .*__0_0\.distcp at offset \d+"):
         StreamingStorage(cfg).read(
             tmp_path, {k: torch.zeros_like(v) for k, v in state.items()}, CTX
         )
-    assert time.monotonic() - t0 < 2.0  # the stall timeout plus a short grace, not two timeouts
-    time.sleep(3.2)  # the blocked threads finish and close their own files before the next test
+    took = time.monotonic() - t0
+    unblock.set()
+    assert took < 4.0, took  # the 2 s stall timeout and its 1 s grace (3 s), not two timeouts (5 s)
+    deadline = time.monotonic() + 20  # the blocked threads finish and close their own files
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_an_io_error_while_parsing_an_item_is_the_io_error_with_path_and_offset(

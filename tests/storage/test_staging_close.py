@@ -12,18 +12,18 @@ MiB = 1 << 20
 
 
 def test_stop_growing_maps_no_further_region(monkeypatch):
-    monkeypatch.setattr(
-        _staging, "YIELD_S", 0.2
-    )  # the pause between regions, long enough to see the stop
+    # The pause between regions: long enough that a stop right after the first region is seen before the
+    # third, however loaded the machine (the whole plan would take 10 s).
+    monkeypatch.setattr(_staging, "YIELD_S", 1.0)
     pool = _staging.StagingPool(pin=False)
     sizes = [40 * MiB] * 10  # one region each: two never share a 64 MiB region
-    began = time.monotonic()
     grown = pool.grow_async(sizes, budget=1 << 40)
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while not pool.grown_on and time.monotonic() < deadline:  # the first region is mapped
+        time.sleep(0.005)
     pool.stop_growing()
     added = grown.result(timeout=30)
-    took = time.monotonic() - began
-    assert 0 < added <= 2 * 40 * MiB and took < 1.0, (added, took)  # the whole plan: 400 MiB, 2 s
+    assert 0 < added <= 2 * 40 * MiB, added  # the whole plan: 400 MiB
     assert pool.grow_async(sizes, budget=1 << 40).result(timeout=5) == 0  # stopped for good
     pool.release()
     assert pool.held_bytes == 0
