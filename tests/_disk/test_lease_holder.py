@@ -9,8 +9,6 @@ import json
 import os
 import secrets
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,10 +20,10 @@ pytest.importorskip("moto.server", reason="moto[server] (dev extra) is not insta
 import objstore_helper as h
 from ckptguard._commit import storelease
 from ckptguard._disk import lease as dirlease
-from ckptguard._disk.tempfiles import proc_start
 from ckptguard.errors import LeaseHeldError
 from ckptguard.storage.s3 import ObjectStore, Writer
 from ckptguard.storage.s3._objrecords import Lease
+from liveproc import live_process
 
 TTL = 3600.0
 
@@ -39,16 +37,8 @@ def moto():
 @pytest.fixture(scope="module")
 def live():
     """A live process on this host besides the test's own: (pid, start time)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    try:
-        for _ in range(100):
-            if proc_start(proc.pid) is not None:
-                break
-            time.sleep(0.01)
-        yield proc.pid, proc_start(proc.pid)
-    finally:
-        proc.kill()
-        proc.wait()
+    with live_process() as found:
+        yield found
 
 
 class DirRootLease:

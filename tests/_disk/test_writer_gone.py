@@ -11,7 +11,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import pytest
 
 from ckptguard._disk import layout, tempfiles
 from ckptguard._disk.lease import holder_gone
-from ckptguard._disk.tempfiles import proc_start, writer_gone
+from ckptguard._disk.tempfiles import writer_gone
+from liveproc import live_process
 
 MAX_AGE_S = 3600.0
 
@@ -27,16 +27,8 @@ MAX_AGE_S = 3600.0
 @pytest.fixture(scope="module")
 def live():
     """A live process on this host besides the test's own: (pid, start time)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    try:
-        for _ in range(100):
-            if proc_start(proc.pid) is not None:
-                break
-            time.sleep(0.01)
-        yield proc.pid, proc_start(proc.pid)
-    finally:
-        proc.kill()
-        proc.wait()
+    with live_process() as found:
+        yield found
 
 
 def _dead_pid() -> int:
