@@ -764,8 +764,8 @@ def _gc_remote(
     for attempt in report.kept_live:
         click.echo(
             printable(
-                f"kept    {url}/{attempt}: its writer may still write (its process is alive on this "
-                f"host, or, elsewhere, the attempt is younger than --min-age {min_age_s:g} s)"
+                f"kept    {url}/{attempt}: its writer may still write (younger than --min-age "
+                f"{min_age_s:g} s, or its process still runs on this host)"
             )
         )
     for key in report.foreign:
@@ -794,8 +794,8 @@ def _gc_remote(
     type=click.FloatRange(0),
     default=3600.0,
     show_default=True,
-    help="s3:// roots: an unmarked attempt written on another host is removed once its newest object "
-    "is older than this (seconds); one written on this host, once its process is gone.",
+    help="s3:// roots: remove only unmarked attempts whose newest object is older than this (seconds) "
+    "and, written on this host, whose process is gone.",
 )
 @TEMPLATE
 @click.option(
@@ -816,7 +816,7 @@ def gc(
     """Remove what crashes left under ROOT: dead saves' temp directories, interrupted deletes, temp files.
 
     ROOT may be s3://bucket/prefix: attempts no marker names that carry ckptguard's owner record and
-    whose writer is gone (on this host its process; elsewhere older than --min-age) are removed (owner
+    are older than --min-age (and, written on this host, whose process is gone) are removed (owner
     record last) and their multipart uploads aborted; anything else under the prefix is listed as
     foreign and left alone.
 

@@ -195,13 +195,16 @@ def test_the_first_save_async_never_pins_on_the_callers_thread(tmp_path, monkeyp
 
 
 def test_a_deletion_runs_after_the_commit_and_never_holds_the_next_save(tmp_path, monkeypatch):
-    started, release, order = threading.Event(), threading.Event(), []
+    started, armed, release, order = threading.Event(), threading.Event(), threading.Event(), []
     apply = _retention.apply
 
     def slow_apply(*args, **kwargs):
         started.set()
         order.append("deletion starts")
-        release.wait(60)  # held until the next save returned (a save that waited for it fails)
+        if (
+            armed.is_set()
+        ):  # step 2's cleanup: held until the next save returned (one that waited fails)
+            release.wait(60)
         order.append("deletion ends")
         return apply(*args, **kwargs)
 
@@ -211,6 +214,7 @@ def test_a_deletion_runs_after_the_commit_and_never_holds_the_next_save(tmp_path
     mgr.save_async(1, _state()).wait()
     started.clear()
     order.clear()
+    armed.set()
     second = mgr.save_async(2, _state(2.0))
     assert started.wait(10)  # step 2 is published; its cleanup (deleting step 1) runs now
     assert not second.busy()

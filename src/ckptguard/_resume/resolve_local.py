@@ -146,7 +146,10 @@ def tracker_step(view: RootView, mode: ResumeMode) -> tuple[int, str]:
             raise ResumeError(
                 f"ResumeMode.MUST: the tracker in {view.where} says 0 (no step committed yet)"
             )
-        steps = view.uncommitted()
+        try:
+            steps = view.uncommitted()
+        except (CheckpointError, OSError):  # only named here: a listing refused changes no decision
+            steps = []
         orphans = f"; uncommitted steps {steps} are ignored" if steps else ""
         return 0, f"tracker in {view.where} says 0: fresh start declared by the first save{orphans}"
     try:

@@ -2,7 +2,8 @@
 local staging root (``fetch_step``).
 
 ``resolve`` follows the resume rule of every root (``resolve_local.tracker_step``): the tracker and
-that step's marker decide, never a listing: tracker 0 or none on a root with no marker is a fresh start
+that step's marker decide; a listing is read only where the tracker is missing or 0, to refuse markers
+that stand without a tracker or to name orphans: tracker 0 or none on a root with no marker is a fresh start
 (refused under ``ResumeMode.MUST``); a tracker whose marker is missing or unreadable, or markers without
 a tracker, raise ``ResumeError`` (ckptguard writes the marker before the tracker and rotation never
 deletes the tracker's step), never a guess.
@@ -76,7 +77,13 @@ class _StoreView:
         self.found: Marker | None = None
 
     def exists(self) -> bool:
-        return self.store.tracker()[0] is not None or self.store.has_root()
+        """A root record or a tracker, else any marker (a listing, only when both are gone: markers that
+        stand without them are a damaged root, refused, never a fresh start)."""
+        return (
+            self.store.tracker()[0] is not None
+            or self.store.has_root()
+            or bool(self.store.marked_steps())
+        )
 
     def tracker(self) -> int | None:
         return self.store.tracker()[0]

@@ -1,13 +1,14 @@
-"""gc on an object-store root: what ckptguard created, no marker names and no live writer may still write.
+"""gc on an object-store root: what ckptguard created, no marker names, older than a minimum age, whose
+writer is gone.
 
 The decision is the operator side's (``ckptguard gc s3://...``, ``ops.remote.gc_remote``); the store
 (``ckptguard.storage.s3.ObjectStore``) gives it its primitives only: the listing, the reads of the
 tracker and the markers, the deletes, the multipart uploads and their abort.
 
-``collect`` removes attempts that carry ckptguard's owner record, that no marker names and whose writer
-is gone, by the rule of every writer of every root (``_disk.tempfiles.writer_gone``, which also judges a
-directory root's temp directories and temp files and every lease): on the writer's host its process
-decides, elsewhere the attempt's newest object older than ``min_age_s``. It aborts the multipart uploads
+``collect`` removes attempts that carry ckptguard's owner record, that no marker names, whose newest
+object is older than ``min_age_s`` and whose writer is gone by the rule of every writer of every root
+(``_disk.tempfiles.writer_gone``, which also judges a directory root's temp directories and temp files
+and every lease): one whose process still runs on this host is kept however old. It aborts the multipart uploads
 of such attempts, and reports everything else under the prefix as foreign without touching it. It refuses a prefix
 without the root record, and one whose tracker's step has no readable marker: resolve then asks
 the operator to restore that step's objects, which would look like a dead attempt's here.
@@ -155,17 +156,21 @@ def _attempt(
 
 
 def _writer_gone(root: Root, name: str, attempt: str, *, expired: bool) -> str | None:
-    """Whether the attempt's writer is gone: the rule of every writer (``_disk.tempfiles.writer_gone``; on
-    the writer's host its process decides, elsewhere ``min_age_s``); an owner record that cannot be read
-    is judged by age alone."""
+    """Whether the attempt's writer is gone: never before ``min_age_s`` (``expired``), and then by the rule
+    of every writer (``_disk.tempfiles.writer_gone``), which keeps it while its process lives on this host.
+    Its liveness only lengthens an attempt's life, never shortens it: a writer in another PID namespace of
+    a host of the same name (a container with the host's network, a sidecar) looks dead from here while it
+    uploads. An owner record that cannot be read is judged by age alone."""
+    if not expired:
+        return None
     found = root.bucket.get(root.url.key(name, attempt, rec.OWNER), what="attempt owner record")
     if found is None:
-        return "it expired" if expired else None
+        return "it expired"
     try:
         writer = rec.Owner.from_bytes(found.data, root.where(name, attempt, rec.OWNER)).writer
     except CheckpointError:
-        return "it expired" if expired else None
-    return writer_gone(writer.host, writer.pid, writer.start, expired=expired)
+        return "it expired"
+    return writer_gone(writer.host, writer.pid, writer.start, expired=True)
 
 
 def _uploads(root: Root, now: float, min_age_s: float, dry_run: bool, report: GcReport) -> None:

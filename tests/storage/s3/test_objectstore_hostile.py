@@ -266,6 +266,21 @@ def test_markers_without_a_tracker_are_refused_as_on_a_directory_never_a_fresh_s
         resolve(ObjectStore(url, h.options(moto)))
 
 
+def test_markers_without_a_root_record_or_a_tracker_are_refused_never_a_fresh_start(moto, tmp_path):
+    """Both records of the root gone, its markers left: a damaged root, not a new one (the old rule, which
+    read only the tracker and the root record, started fresh and the next save replaced a committed step)."""
+    name = _bucket(moto)
+    url = f"s3://{name}/run"
+    h.write(moto, url, str(tmp_path / "w"), 2, None)
+    client = boto3.client("s3", endpoint_url=moto)
+    for key in ("run/latest_checkpointed_iteration.txt", "run/ckptguard-root.json"):
+        client.delete_object(Bucket=name, Key=key)
+    store = ObjectStore(url, h.options(moto))
+    assert not store.has_root() and store.tracker()[0] is None
+    with pytest.raises(ResumeError, match=r"holds steps \[(1, )?2\] but no tracker"):
+        resolve(store)
+
+
 @pytest.mark.parametrize("what", ["typo", "tracker deleted"])
 def test_verify_of_a_root_with_nothing_there_is_an_error_naming_the_path(moto, tmp_path, what):
     from click.testing import CliRunner
