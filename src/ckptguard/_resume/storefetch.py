@@ -75,18 +75,15 @@ class _StoreView:
     def __init__(self, store: ObjectStore) -> None:
         self.store, self.where = store, str(store.url)
         self.found: Marker | None = None
+        self._tracker = store.tracker()[0]  # read once: the rule asks twice (exists, then tracker)
 
     def exists(self) -> bool:
         """A root record or a tracker, else any marker (a listing, only when both are gone: markers that
         stand without them are a damaged root, refused, never a fresh start)."""
-        return (
-            self.store.tracker()[0] is not None
-            or self.store.has_root()
-            or bool(self.store.marked_steps())
-        )
+        return self._tracker is not None or self.store.has_root() or bool(self.store.marked_steps())
 
     def tracker(self) -> int | None:
-        return self.store.tracker()[0]
+        return self._tracker
 
     def uncommitted(self) -> list[int]:
         """The steps whose markers stand without a tracker (a listing: only ever to refuse or to say so)."""

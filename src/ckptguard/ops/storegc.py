@@ -25,7 +25,7 @@ from .._disk.tempfiles import writer_gone
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ..storage.s3 import StoreURL
 from ..storage.s3 import _objrecords as rec
-from ..storage.s3._bucket import Bucket
+from ..storage.s3._bucket import Bucket, Small
 
 
 @dataclass
@@ -145,7 +145,7 @@ def _attempt(
         return
     if _marked(root, name) == attempt:
         return
-    if _writer_gone(root, name, attempt, expired=now - newest >= min_age_s) is None:
+    if _writer_gone(root, name, attempt, None, expired=now - newest >= min_age_s) is None:
         report.kept_live.append(f"{name}/{attempt}")
         return
     report.removed_attempts.append(f"{name}/{attempt}")
@@ -155,7 +155,9 @@ def _attempt(
         root.bucket.delete(owner_key, what="attempt owner record")
 
 
-def _writer_gone(root: Root, name: str, attempt: str, *, expired: bool) -> str | None:
+def _writer_gone(
+    root: Root, name: str, attempt: str, found: Small | None, *, expired: bool
+) -> str | None:
     """Whether the attempt's writer is gone: never before ``min_age_s`` (``expired``), and then by the rule
     of every writer (``_disk.tempfiles.writer_gone``), which keeps it while its process lives on this host.
     Its liveness only lengthens an attempt's life, never shortens it: a writer in another PID namespace of
@@ -163,7 +165,8 @@ def _writer_gone(root: Root, name: str, attempt: str, *, expired: bool) -> str |
     uploads. An owner record that cannot be read is judged by age alone."""
     if not expired:
         return None
-    found = root.bucket.get(root.url.key(name, attempt, rec.OWNER), what="attempt owner record")
+    if found is None:  # ``found``: the owner record, where the caller has read it already
+        found = root.bucket.get(root.url.key(name, attempt, rec.OWNER), what="attempt owner record")
     if found is None:
         return "it expired"
     try:
@@ -184,15 +187,14 @@ def _uploads(root: Root, now: float, min_age_s: float, dry_run: bool, report: Gc
             report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
             continue
         if (
-            root.bucket.get(
+            owner := root.bucket.get(
                 root.url.key(parts[0], parts[1], rec.OWNER), what="attempt owner record"
             )
-            is None
-        ):
+        ) is None:
             report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
             continue
         expired = now - upload.initiated_unix >= min_age_s
-        if _writer_gone(root, parts[0], parts[1], expired=expired) is None:
+        if _writer_gone(root, parts[0], parts[1], owner, expired=expired) is None:
             continue
         report.aborted_uploads.append(f"{upload.key} ({upload.upload_id})")
         if not dry_run:
