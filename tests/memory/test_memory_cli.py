@@ -9,7 +9,7 @@ from ckptguard.memory.cli import mem
 
 FROZEN = {
     "watch": ["--interval", "--json", "--out"],
-    "growth": ["--interval", "--json", "--noise-s", "--noise-step", "--skip"],
+    "growth": ["--interval", "--json", "--min-rise", "--noise-s", "--noise-step", "--skip"],
     "plan": ["--from-records", "--json", "--ray-address"],
     "estimate": ["--as-dtype", "--json"],
     "report": ["--html", "--json", "--png", "--ray-log"],

@@ -89,6 +89,26 @@ def test_slow_rise_below_the_noise_floor_is_not_rising():
     assert not rep.processes[0].rising and "noise floor" in rep.processes[0].reason
 
 
+def test_a_steep_slope_of_a_few_kib_over_a_short_watch_is_not_rising():
+    # 30 KiB/s, well above the 4 KiB/s floor, for 1.1 s: 33 KiB in all, PSS jitter (a process
+    # sharing its libraries exits), as a flat process showed on a loaded CI runner.
+    short = analyze_growth(_synthetic({1: 3_000}, dt=0.1), GrowthConfig(interval_s=0.1))
+    assert not short.processes[0].rising and "over the span judged" in short.processes[0].reason
+    # The same slope kept up for a minute adds up to 1.8 MB: rising.
+    long = analyze_growth(_synthetic({1: 30_000}, n=60), GrowthConfig(interval_s=1.0))
+    assert long.processes[0].rising
+    assert (
+        analyze_growth(
+            _synthetic({1: 30_000}, n=60), GrowthConfig(interval_s=1.0, min_rise_bytes=2 << 20)
+        )
+        .processes[0]
+        .rising
+        is False
+    )
+    with pytest.raises(ConfigError, match="min_rise_bytes"):
+        GrowthConfig(min_rise_bytes=-1)
+
+
 def test_too_few_points_gives_no_verdict():
     rep = analyze_growth(_synthetic({1: 10**7}, n=3), GrowthConfig(interval_s=1.0))
     assert not rep.processes[0].rising and "fewer than" in rep.processes[0].reason

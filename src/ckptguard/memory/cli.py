@@ -137,6 +137,13 @@ def watch_cmd(interval: float, out: Path, as_json: bool, cmd: tuple[str, ...]) -
     show_default=True,
     help="Noise floor in bytes per second.",
 )
+@click.option(
+    "--min-rise",
+    type=int,
+    default=GrowthConfig().min_rise_bytes,
+    show_default=True,
+    help="Bytes a rise must add up to over the span judged to count (PSS jitter is not a leak).",
+)
 def growth(
     files: tuple[Path, ...],
     as_json: bool,
@@ -144,6 +151,7 @@ def growth(
     skip_s: float,
     noise_step: int,
     noise_s: int,
+    min_rise: int,
 ) -> None:
     """Per-process PSS floors and slopes from watch samples and/or phase records. Exit 1 if any is rising."""
     try:
@@ -152,6 +160,7 @@ def growth(
             skip_s=skip_s,
             noise_floor_bytes_per_step=noise_step,
             noise_floor_bytes_per_s=noise_s,
+            min_rise_bytes=min_rise,
         )
     except CheckpointError as exc:
         _fail(str(exc))

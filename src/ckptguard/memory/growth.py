@@ -57,6 +57,10 @@ class GrowthConfig:
     """A per-step slope whose lower bound stays at or below this is not rising."""
     noise_floor_bytes_per_s: int = 4 << 10
     """A per-second slope whose lower bound stays at or below this is not rising."""
+    min_rise_bytes: int = 1 << 20
+    """A lower-bound slope that adds up to no more than this over the span judged is not rising:
+    a process's PSS moves by tens of KiB as the processes sharing its libraries come and go, which
+    over a watch of a few seconds is a steep slope of nothing."""
     confidence: float = 0.95
     """Two-sided confidence of the slope interval."""
     min_points: int = 5
@@ -76,8 +80,11 @@ class GrowthConfig:
             raise ConfigError(f"GrowthConfig.interval_s must be > 0 or None, got {self.interval_s}")
         if self.skip_s < 0:
             raise ConfigError(f"GrowthConfig.skip_s must be >= 0 seconds, got {self.skip_s}")
-        if self.noise_floor_bytes_per_step < 0 or self.noise_floor_bytes_per_s < 0:
-            raise ConfigError("GrowthConfig noise floors must be >= 0 bytes")
+        if (
+            min(self.noise_floor_bytes_per_step, self.noise_floor_bytes_per_s, self.min_rise_bytes)
+            < 0
+        ):
+            raise ConfigError("GrowthConfig noise floors and min_rise_bytes must be >= 0 bytes")
 
 
 @dataclass(frozen=True)
@@ -290,9 +297,13 @@ def _verdict(g: ProcessGrowth, cfg: GrowthConfig) -> None:
     else:
         g.reason = f"fewer than {cfg.min_points} floors: no verdict"
         return
-    g.rising = slope.low > floor
-    cmp = ">" if g.rising else "<="
+    points = g.floors_per_step if g.basis == "per_step" else g.floors_per_interval
+    rise = slope.low * (points[-1][0] - points[0][0])  # the least the fit says was added
+    g.rising = slope.low > floor and rise > cfg.min_rise_bytes
+    cmp = ">" if slope.low > floor else "<="
     g.reason = f"slope {slope.value:.0f} {unit}, lower bound {slope.low:.0f} {cmp} noise floor {floor} {unit}"
+    if slope.low > floor and not g.rising:
+        g.reason += f", but {rise:.0f} B over the span judged <= {cfg.min_rise_bytes} B"
 
 
 def _node_growth(
