@@ -2,11 +2,12 @@
 
     python benchmarks/agent_ledger.py --rollouts 64 --turns 8 --tokens 512 --calls 2 --result-bytes 256
 
-Builds ``--rollouts`` in-flight rollouts of ``--turns`` completed turns each (``--tokens`` model tokens
-and ``--calls`` environment calls per turn, each answering ``--result-bytes`` of JSON text, one answer
-token per call), against an in-memory idempotent environment, then times ``state_dict()`` plus
-``torch.save`` (what a checkpoint's per-rank extras cost for this item) and ``torch.load(weights_only=True)``
-plus ``load_state_dict``, best of ``--repeat``. Prints one JSON line.
+Builds ``--rollouts`` in-flight rollouts of ``--turns`` completed turns each (``--tokens`` model
+tokens and ``--calls`` environment calls per turn, each answering ``--result-bytes`` of JSON text,
+one answer token per call), against an in-memory idempotent environment, then times ``state_dict()``
+plus ``torch.save`` (what a checkpoint's per-rank extras cost for this item) and
+``torch.load(weights_only=True)`` plus ``load_state_dict``, best of ``--repeat``. Prints one JSON
+line.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ckptguard.environments import Effect, EnvCall, EnvResult
 
 
 class MemoryEnv:
-    """Idempotent by call id, in memory: enough to build ledger state (not a measured environment)."""
+    """Idempotent by call id, in memory: enough to build ledger state (not a measured
+    environment)."""
 
     name = "tool"
     kind = cg.EnvKind.IDEMPOTENT

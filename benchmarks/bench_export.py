@@ -135,8 +135,8 @@ def main() -> None:
         make(a.dir, a.size, a.tensors)
         return
     shutil.rmtree(a.dir, ignore_errors=True)
-    # The step is written by another process: ru_maxrss survives fork and exec, so a parent that held
-    # the model would lend its peak to every child's figure.
+    # The step is written by another process: ru_maxrss survives fork and exec, so a parent that
+    # held the model would lend its peak to every child's figure.
     subprocess.run(
         [
             sys.executable,
@@ -187,16 +187,16 @@ def main() -> None:
         "",
         f"`{report['command']}`",
         "",
-        "| method | s | peak RSS above base (sampled 2 ms) | ru_maxrss above base | anon above base "
-        "| within budget |",
+        "| method | s | peak RSS above base (sampled 2 ms) | ru_maxrss above base | anon "
+        "above base | within budget |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         within = "yes" if r["ru_maxrss_above_base"] <= budget else "no"
         lines.append(
             f"| {r['method']} | {r['seconds']:.2f} | {r['peak_rss_above_base'] / _MiB:.0f} MiB | "
-            f"{r['ru_maxrss_above_base'] / _MiB:.0f} MiB | {r['peak_anon_above_base'] / _MiB:.0f} MiB | "
-            f"{within if r['method'] != 'naive' else '(no budget)'} |"
+            f"{r['ru_maxrss_above_base'] / _MiB:.0f} MiB | {r['peak_anon_above_base'] / _MiB:.0f} "
+            f"MiB | {within if r['method'] != 'naive' else '(no budget)'} |"
         )
     lines += [
         "",

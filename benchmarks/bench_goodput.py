@@ -1,12 +1,12 @@
 """The ETTR that ``ckptguard goodput`` computes against the one measured from outside the job (CPU).
 
-A toy job (restore, steps of ``--step-s`` seconds, a ``save_async`` every ``--every`` steps) is killed
-with SIGKILL at random steps, ``--kills`` times, then runs to ``--steps``. From outside the benchmark
-sees each launch's start (before Popen), every step line the job prints (with the job's wall time) and
-the step each launch restored. Its ETTR: (sum over launches of the time from the first step line after
-the restore to the launch's last step line, less the steps done again at the median step time) / (first
-start to the last step line). The same figure from the records: ``goodput(root).ettr``; both printed
-with the recovery times and lost steps side by side.
+A toy job (restore, steps of ``--step-s`` seconds, a ``save_async`` every ``--every`` steps) is
+killed with SIGKILL at random steps, ``--kills`` times, then runs to ``--steps``. From outside the
+benchmark sees each launch's start (before Popen), every step line the job prints (with the job's
+wall time) and the step each launch restored. Its ETTR: (sum over launches of the time from the
+first step line after the restore to the launch's last step line, less the steps done again at the
+median step time) / (first start to the last step line). The same figure from the records:
+``goodput(root).ettr``; both printed with the recovery times and lost steps side by side.
 
     python benchmarks/bench_goodput.py --out benchmarks/results/goodput_cpu.json
 """

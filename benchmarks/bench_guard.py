@@ -93,10 +93,10 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "guard_cost.json").write_text(json.dumps(result, indent=1) + "\n")
     (a.out / "guard_cost.md").write_text(
-        f"# Divergence guard cost ({gib:.2f} GiB per rank, 2 gloo ranks, EP=2, median of {a.reps} saves)\n\n"
-        f"| save (s) | guard (s) | guard s/GiB | guard share of save |\n|---|---|---|---|\n"
-        f"| {save:.2f} | {guard:.3f} | {guard / gib:.3f} | {100 * guard / save:.1f}% |\n\n"
-        f"{result['machine']}, {result['date']}\n"
+        f"# Divergence guard cost ({gib:.2f} GiB per rank, 2 gloo ranks, EP=2, median of {a.reps} "
+        f"saves)\n\n| save (s) | guard (s) | guard s/GiB | guard share of save "
+        f"|\n|---|---|---|---|\n| {save:.2f} | {guard:.3f} | {guard / gib:.3f} | "
+        f"{100 * guard / save:.1f}% |\n\n{result['machine']}, {result['date']}\n"
     )
     print(json.dumps({k: v for k, v in result.items() if k != "raw"}, indent=1))
 

@@ -127,7 +127,8 @@ def main() -> None:
     cpu_today, cpu_free, cpu_both, cpu_old = CPU_S[4::4], CPU_S[5::4], CPU_S[6::4], CPU_S[7::4]
     after = cpu_times()
     result = {
-        "what": "per-item digest pass of a save: today's xxh3 digests vs the layout-free digest, same tensors",
+        "what": "per-item digest pass of a save: today's xxh3 digests vs the "
+        "layout-free digest, same tensors",
         "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
@@ -142,7 +143,8 @@ def main() -> None:
         "ratio_save_pass_to_today": statistics.median(both) / statistics.median(today),
         "save_pass_before_s_median": statistics.median(old),
         "ratio_save_pass_before_to_today": statistics.median(old) / statistics.median(today),
-        "save_pass": "format 3: layout-free sums + xxh3 of each tensor item's structure (no tensor bytes)",
+        "save_pass": "format 3: layout-free sums + xxh3 of each tensor item's "
+        "structure (no tensor bytes)",
         "layout_free_threads": digest_mod._THREADS,
         "fused_chunk_bytes": digest_mod._FUSED_CHUNK,
         "today_s": today,

@@ -7,13 +7,12 @@ Starts an S3 server on 127.0.0.1 in its own process (moto's ``moto_server``, or 
   its default CRC32 checksums), into a scratch prefix;
 - publish: the store stage's publish (``_core.storestage.StoreStage.published``, what
   ``CheckpointManager("s3://...").save`` runs after its staging commit) of a newly committed local
-  step (parts with CRC32,
-  owner record, marker by conditional create, tracker by If-Match), then rotation (KeepLast(1)) timed
-  on its own;
+  step (parts with CRC32, owner record, marker by conditional create, tracker by If-Match), then
+  rotation (KeepLast(1)) timed on its own;
 - raw GET: boto3's ``download_file`` of the same objects;
 - fetch: ``ObjectStore.fetch`` of the committed step (ranged GETs with If-Match, xxh3 check, fsync);
-- restore: ``CheckpointManager("s3://...").restore`` end to end into an empty staging root (resolve, fetch,
-  then the local restore with its digest checks).
+- restore: ``CheckpointManager("s3://...").restore`` end to end into an empty staging root (resolve,
+  fetch, then the local restore with its digest checks).
 
 Reports medians, MiB/s and the ratios publish/PUT and fetch/GET (target >= 0.9).
 
@@ -134,14 +133,16 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
     )
     n = a.size * MIB // 4 // 4
     state = {f"t{i}": torch.randn(n) for i in range(4)}
-    # rotation is timed on its own (after publish): a listing, marker reads and deletes, no data transfer
+    # rotation is timed on its own (after publish): a listing, marker reads and deletes, no data
+    # transfer
     config = cg.CheckpointConfig(
         state=StateOptions(capture_rng=False),
         retention=None,
         storage=StorageOptions(object_store=options, object_staging=a.dir / "stage"),
     )
     keep = cg.KeepLast(1)
-    # The two halves of CheckpointManager("s3://bench/run").save, timed apart: the staging commit, the publish.
+    # The two halves of CheckpointManager("s3://bench/run").save, timed apart: the staging commit,
+    # the publish.
     stage = StoreStage(
         "s3://bench/run", a.dir / "stage", config, process_group=None, namespace="bench"
     )
@@ -179,7 +180,8 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
         t = time.perf_counter()
         stage.store.fetch(marker, a.dir / f"fetch-{rep}")
         times["fetch"].append(time.perf_counter() - t)
-        # the writer above still holds the write lease (as a live job would): the reader says it may read anyway
+        # the writer above still holds the write lease (as a live job would): the reader says it may
+        # read anyway
         fresh = cg.CheckpointManager(
             "s3://bench/run",
             config=dataclasses.replace(
@@ -216,7 +218,8 @@ def run(a: argparse.Namespace, endpoint: str) -> dict[str, object]:
         "publish_vs_put": med["raw_put"] / med["publish"],
         "fetch_vs_get": med["raw_get"] / med["fetch"],
         "restore_vs_get": med["raw_get"] / med["restore"],
-        "machine": f"{platform.node()} {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the end: "
+        "machine": f"{platform.node()} {os.cpu_count()} cores (load average "
+        f"{os.getloadavg()[0]:.1f} at the end: "
         f"a shared machine), torch {torch.__version__}, boto3 {boto3.__version__}",
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv),
@@ -231,10 +234,12 @@ def write(a: argparse.Namespace, r: dict[str, object]) -> None:
     assert isinstance(med, dict) and isinstance(mib, dict)
     rows = "\n".join(f"| {k} | {med[k]:.2f} | {mib[k]:.0f} |" for k in med)
     (a.out / f"{stem}.md").write_text(
-        f"# Object store ({r['server']}) vs raw PUT/GET of the same bytes ({int(r['bytes']) / MIB:.0f} MiB, "  # type: ignore[call-overload]
+        f"# Object store ({r['server']}) vs raw PUT/GET of the same bytes "
+        f"({int(r['bytes']) / MIB:.0f} MiB, "  # type: ignore[call-overload]
         f"median of {r['reps']}, part {a.part_mib} MiB, {a.threads} threads)\n\n"
         "| phase | median s | MiB/s |\n|---|---|---|\n" + rows + "\n\n"
-        f"publish / raw PUT throughput: **{r['publish_vs_put']:.3f}**; fetch / raw GET: **{r['fetch_vs_get']:.3f}** "
+        f"publish / raw PUT throughput: **{r['publish_vs_put']:.3f}**; fetch / raw GET: "
+        f"**{r['fetch_vs_get']:.3f}** "
         f"(target >= 0.9); restore end to end / raw GET: {r['restore_vs_get']:.3f}\n\n"
         f"{r['machine']}, {r['date']}\n\n`{r['command']}`\n"
     )

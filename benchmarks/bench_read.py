@@ -6,7 +6,8 @@ with the page cache dropped before every run, reads the checkpoint's data files:
 - ``probe``: bench_train_loop's disk probe (one thread, 64 MiB buffered reads) over these files;
 - ``buffered:T:C``: T threads pread interleaved C MiB spans (the pattern of ckptguard's reader);
 - ``regions:T:C``: T threads, each through its own descriptor, read one contiguous stretch each;
-- ``direct:T:C``: the same with ``O_DIRECT`` into page-aligned buffers (no page cache, no readahead);
+- ``direct:T:C``: the same with ``O_DIRECT`` into page-aligned buffers (no page cache, no
+  readahead);
 - ``direct_h2d:T:C``: ``O_DIRECT`` into pinned buffers, each span copied to one GPU tensor (a load's
   whole pipeline without the planning);
 
@@ -187,7 +188,8 @@ def main() -> None:
         f"restore:{t}" for t in a.restores.split(",") if t
     ]
     for r in range(a.rounds):
-        # Rotated each round: the disk's speed drifts (a virtual disk), so every variant sees each phase.
+        # Rotated each round: the disk's speed drifts (a virtual disk), so every variant sees each
+        # phase.
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
             kind, *rest = v.split(":")

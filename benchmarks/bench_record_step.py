@@ -1,5 +1,5 @@
-"""Cost of ``CheckpointManager.record_step`` per call: a 64 x 2048 int64 token batch, its sample ids,
-loss, grad_norm and one extra, appended to the proof log under an existing root.
+"""Cost of ``CheckpointManager.record_step`` per call: a 64 x 2048 int64 token batch, its sample
+ids, loss, grad_norm and one extra, appended to the proof log under an existing root.
 
 CALLS calls after WARMUP; the per-call times' median, p90, p99 and mean. The batch lives on
 ``--device`` (cpu: hashed in place; cuda: through the overlapped pinned chunks).
@@ -62,7 +62,8 @@ def main() -> None:
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     lines = (root / "proof" / "rank_00000.jsonl").read_text().splitlines()
     result = {
-        "what": "CheckpointManager.record_step per call: 64 x 2048 int64 batch + 64 sample ids + loss, grad_norm, lr",
+        "what": "CheckpointManager.record_step per call: 64 x 2048 int64 batch + 64 sample "
+        "ids + loss, grad_norm, lr",
         "device": a.device,
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,

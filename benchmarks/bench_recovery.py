@@ -1,4 +1,5 @@
-"""Recovery time from the in-memory tier against the persistent tier, and what the fast tier's saves cost.
+"""Recovery time from the in-memory tier against the persistent tier, and what the fast tier's saves
+cost.
 
 A GPT-style transformer (fp32 parameters, bf16 autocast, fused AdamW; the default config is issue
 19's, ~553M parameters, 6.2 GiB of model + optimizer) trains on one GPU under a
@@ -49,7 +50,8 @@ def sync(device: torch.device) -> None:
 
 
 def drop_cache(path: Path) -> int:
-    """fsync and POSIX_FADV_DONTNEED every file under ``path``: the next read comes from the disk."""
+    """fsync and POSIX_FADV_DONTNEED every file under ``path``: the next read comes from the
+    disk."""
     n = 0
     for f in path.rglob("*"):
         if f.is_file():
@@ -110,9 +112,10 @@ def tier_of_last_restore(root: Path) -> str:
 
 
 def plain_restores(job: Job, ref: dict[str, torch.Tensor], directory: Path) -> dict[str, Any]:
-    """The same tensors saved and restored without ckptguard, on the same disk, each read with a cold cache:
-    plain DCP (``dcp.save``/``dcp.load`` into the live tensors) and ``torch.save``/``torch.load`` (to the CPU,
-    then copied into the live tensors, as a user's resume does)."""
+    """The same tensors saved and restored without ckptguard, on the same disk, each read with a
+    cold cache: plain DCP (``dcp.save``/``dcp.load`` into the live tensors) and
+    ``torch.save``/``torch.load`` (to the CPU, then copied into the live tensors, as a user's resume
+    does)."""
     import torch.distributed.checkpoint as dcp
 
     out: dict[str, Any] = {}
@@ -164,13 +167,15 @@ def main() -> None:
         "--async",
         dest="use_async",
         action="store_true",
-        help="the loop saves with TieredCheckpoint.save_async (both tiers' pools prepared first with "
+        help="the loop saves with TieredCheckpoint.save_async (both tiers' "
+        "pools prepared first with "
         "TieredCheckpoint.prepare_async) instead of the synchronous save",
     )
     ap.add_argument(
         "--references",
         action="store_true",
-        help="also restore the same tensors with plain DCP (dcp.save/dcp.load) and torch.save/torch.load "
+        help="also restore the same tensors with plain DCP (dcp.save/dcp.load) "
+        "and torch.save/torch.load "
         "on the same disk, cold cache, in this run",
     )
     a = ap.parse_args()

@@ -395,8 +395,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"- machine: {env['host']}, {env['cpu']}; torch {env['torch']}; python {env['python']}",
         f"- state: {result['state_gib']:.2f} GiB of fp32 in all ({env['state_layout']}); "
         f"pool {env['pool_mib']} MiB of {env['buffer_mib']} MiB buffers; target dir {env['dir']}",
-        f"- {env['when']}; medians over interleaved repetitions; extra host = RssAnon+RssShmem over the "
-        "value before the call (per rank, max over ranks); page cache (Cached) reported separately",
+        f"- {env['when']}; medians over interleaved repetitions; extra host = "
+        f"RssAnon+RssShmem over the value before the call (per rank, max over ranks); page "
+        f"cache (Cached) reported separately",
         "",
     ]
     for phase in ("save", "load"):
@@ -407,7 +408,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         lines += [
             f"## {phase}",
             "",
-            "| method | reps | time s | GiB/s | x raw | extra host peak | left after | page cache + | notes |",
+            "| method | reps | time s | GiB/s | x raw | extra host peak | left "
+            "after | page cache + | notes |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for method, r in rows.items():
@@ -421,8 +423,8 @@ def to_markdown(result: dict[str, Any]) -> str:
                 notes.append("warm cache (not root)")
             lines.append(
                 f"| {method} | {r['reps']} | {r['seconds']:.2f} | {r['gib_per_s']:.2f} | {ratio} | "
-                f"{_mib(r['extra_host_peak_bytes_max_rank'])} | {_mib(r['extra_host_left_bytes'])} | "
-                f"{_mib(r['page_cache_delta_bytes'])} | {'; '.join(notes)} |"
+                f"{_mib(r['extra_host_peak_bytes_max_rank'])} | {_mib(r['extra_host_left_bytes'])} "
+                f"| {_mib(r['page_cache_delta_bytes'])} | {'; '.join(notes)} |"
             )
         lines.append("")
     return "\n".join(lines)

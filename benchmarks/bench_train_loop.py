@@ -8,22 +8,23 @@ with each method in turn:
     dcp_async (DefaultStager: pinned, async staging, non-blocking copies), torch_save
 
 Every method runs the loop a user writes: a new job (model and an optimizer with no state yet), the
-manager's ``restore`` on a fresh root, then training from step 1 with a save every K steps, the first
-save inside the timed loop like every later one. cg_async is ``save_async`` with the default options
-(``OnBusy.SKIP``: a save requested while a commit runs is skipped, counted in ``skipped_steps``);
-cg_async_prepared the same after ``prepare_async`` (the optional hint); cg_async_wait waits for the
-previous commit (``OnBusy.WAIT``); cg_async_gpu snapshots into spare GPU memory; cg_tiers is a
-``TieredCheckpoint`` with the fast tier in ``--fast-dir`` (``/dev/shm``) every ``--fast-every`` steps
-and the persistent tier every ``--persistent-every``, through ``save_async``.
+manager's ``restore`` on a fresh root, then training from step 1 with a save every K steps, the
+first save inside the timed loop like every later one. cg_async is ``save_async`` with the default
+options (``OnBusy.SKIP``: a save requested while a commit runs is skipped, counted in
+``skipped_steps``); cg_async_prepared the same after ``prepare_async`` (the optional hint);
+cg_async_wait waits for the previous commit (``OnBusy.WAIT``); cg_async_gpu snapshots into spare GPU
+memory; cg_tiers is a ``TieredCheckpoint`` with the fast tier in ``--fast-dir`` (``/dev/shm``) every
+``--fast-every`` steps and the persistent tier every ``--persistent-every``, through ``save_async``.
 
-Per method: the time each save blocked the loop (for the async methods also the wait of the
-next optimizer step), p50/p95 step time while a background write runs against the steps
-without one, the loop's total overhead against `none`, the host memory the method added (peak
-while the loop ran, and what is left after its last save), each save's throughput and the
-restore's (cold page cache) against this disk's own write+fsync and cold read of as many bytes,
-measured in the same run, and whether the restore is bitwise exact. The copy of the state the bitwise
-check compares with, taken at each save, is the benchmark's own instrument: its time is taken off the loop's
-(``reference_copies_s_excluded``; figures committed before 2026-12-06 16:55 UTC counted it against the saves).
+Per method: the time each save blocked the loop (for the async methods also the wait of the next
+optimizer step), p50/p95 step time while a background write runs against the steps without one, the
+loop's total overhead against `none`, the host memory the method added (peak while the loop ran, and
+what is left after its last save), each save's throughput and the restore's (cold page cache)
+against this disk's own write+fsync and cold read of as many bytes, measured in the same run, and
+whether the restore is bitwise exact. The copy of the state the bitwise check compares with, taken
+at each save, is the benchmark's own instrument: its time is taken off the loop's
+(``reference_copies_s_excluded``; figures committed before 2026-12-06 16:55 UTC counted it against
+the saves).
 
     python benchmarks/bench_train_loop.py --out $OUT/train_loop.json --dir /tmp/cg-loop
     torchrun --nproc-per-node 2 benchmarks/bench_train_loop.py ...   # FSDP2, any rank count
@@ -156,12 +157,14 @@ class Job:
 
 
 MODEL_ARGS = {"d_model": 2048, "layers": 10, "heads": 16, "vocab": 12288, "seq": 1024, "batch": 16}
-"""The 556M-param GPT of the issue (6.21 GiB of fp32 model + AdamW on one rank), and the batch it trains on."""
+"""The 556M-param GPT of the issue (6.21 GiB of fp32 model + AdamW on one rank), and the batch it
+trains on."""
 TINY_MODEL = {"d_model": 32, "layers": 2, "heads": 2, "vocab": 64, "seq": 8, "batch": 2}
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """--d-model, --layers, --heads, --vocab, --seq, --batch: the Job's shape (every benchmark that trains it)."""
+    """--d-model, --layers, --heads, --vocab, --seq, --batch: the Job's shape (every benchmark that
+    trains it)."""
     for name, default in MODEL_ARGS.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
 
@@ -289,7 +292,8 @@ class Method:
 
 
 class CgMethod(Method):
-    """ckptguard as a user's loop calls it: ``restore`` first (a fresh root), then ``save``/``save_async``."""
+    """ckptguard as a user's loop calls it: ``restore`` first (a fresh root), then
+    ``save``/``save_async``."""
 
     def __init__(self, root: Path, job: Job, *, mode: str, a: argparse.Namespace) -> None:
         super().__init__(root, job)
@@ -339,7 +343,8 @@ class CgMethod(Method):
         return self._save_or_skip(step)
 
     def _save_or_skip(self, step: int) -> float:
-        """The save as the loop calls it; a request while a commit runs is skipped (OnBusy.SKIP, on every rank)."""
+        """The save as the loop calls it; a request while a commit runs is skipped (OnBusy.SKIP, on
+        every rank)."""
         if self.pending is not None and self.pending.done():
             self.finish()
         t = time.perf_counter()
@@ -409,7 +414,8 @@ class CgMethod(Method):
 
 
 def _newest(paths: dict[Any, Path]) -> Path | None:
-    """A tiered save's persistent directory where it wrote one (what a restore after losing the node reads)."""
+    """A tiered save's persistent directory where it wrote one (what a restore after losing the node
+    reads)."""
     by_name = {getattr(k, "name", str(k)).lower(): v for k, v in paths.items()}
     return by_name.get("persistent") or by_name.get("fast")
 
@@ -430,9 +436,9 @@ class DcpMethod(Method):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         m, o = get_state_dict(job.model, job.opt)
-        # The tensors only, in plain dicts: torch 2.11's DefaultStager deep-copies the state and fails
-        # on any object it must rebuild from a class (KeyError: <class 'type'>); the hyperparameters
-        # are the run's own.
+        # The tensors only, in plain dicts: torch 2.11's DefaultStager deep-copies the state and
+        # fails on any object it must rebuild from a class (KeyError: <class 'type'>); the
+        # hyperparameters are the run's own.
         return _plain({"model": m, "optim": {"state": o["state"]}})
 
     def save(self, step: int) -> float:
@@ -453,9 +459,9 @@ class DcpMethod(Method):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self.stager is None or not self.reuse_stager:
-            # One stager, whose pinned buffers every save reuses, where torch allows: 2.11's fails on
-            # its second save (KeyError: <class 'type'> in its deep copy), so there each save gets a
-            # new one and pins its buffers anew (what a 2.11 user of DefaultStager gets).
+            # One stager, whose pinned buffers every save reuses, where torch allows: 2.11's fails
+            # on its second save (KeyError: <class 'type'> in its deep copy), so there each save
+            # gets a new one and pins its buffers anew (what a 2.11 user of DefaultStager gets).
             if self.stager is not None:
                 self.stager.close()
             cuda = torch.cuda.is_available()
@@ -579,8 +585,9 @@ def make(name: str, root: Path, job: Job, a: argparse.Namespace) -> Method | Non
 def run_method(
     name: str, a: argparse.Namespace, device: torch.device, disk: dict[str, float]
 ) -> dict:
-    """The user's loop for one method: a new job, the method's start (a restore on a fresh root), then
-    ``every * (saves + 1)`` steps saving every ``every`` steps from the first interval on, all timed."""
+    """The user's loop for one method: a new job, the method's start (a restore on a fresh root),
+    then ``every * (saves + 1)`` steps saving every ``every`` steps from the first interval on, all
+    timed."""
     root = a.dir / name
     if rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -685,9 +692,10 @@ def run_method(
 
 
 def _reference(job: Job) -> tuple[dict[str, torch.Tensor], float]:
-    """A copy of every saved tensor for the bitwise check of the restore, and the seconds it took. The loop's
-    step has just ended on the host (``loss.item()``), so the device is idle before it; it is synchronized
-    after, and the time is taken off the loop's: the loop without saves takes no such copy."""
+    """A copy of every saved tensor for the bitwise check of the restore, and the seconds it took.
+    The loop's step has just ended on the host (``loss.item()``), so the device is idle before it;
+    it is synchronized after, and the time is taken off the loop's: the loop without saves takes no
+    such copy."""
     t = time.perf_counter()
     ref = {k: v.detach().clone() for k, v in job.tensors().items()}
     if job.device.type == "cuda":
@@ -748,7 +756,8 @@ def restore(
         )
     settings = [x for x in a.alt_read.split(",") if x.strip()]  # --alt-read '': none
     for setting in settings if isinstance(method, CgMethod) and method.mode == "sync" else []:
-        # The same restore with other read settings (threads:buffer MiB:pool MiB): what they are worth on this disk.
+        # The same restore with other read settings (threads:buffer MiB:pool MiB): what they are
+        # worth on this disk.
         alt = [int(x) for x in setting.split(":")]
         if rank() == 0:
             drop_cache(method.last_dir)
@@ -764,8 +773,9 @@ def restore(
             )
         extra.setdefault("read_alt", []).append(got_alt)
     if isinstance(method, CgMethod) and method.last_dir is not None and nbytes:
-        # The acceptance's yardstick: a cold sequential read of the same files, right after the restore; and the
-        # restore until the state is loaded (the close that releases the staging restore prepared, apart).
+        # The acceptance's yardstick: a cold sequential read of the same files, right after the
+        # restore; and the restore until the state is loaded (the close that releases the staging
+        # restore prepared, apart).
         same = same_files_read(method.last_dir)
         ready_s = restore_s - float(extra["read"].get("close_s", 0.0))
         extra.update(
@@ -794,7 +804,8 @@ def restore(
 def cg_restore(
     root: Path, job: Job, threads: int, buffer_mib: int = 0, pool_mib: int = 0
 ) -> dict[str, Any]:
-    """Restore through a new manager (as a new process would: no cache of the saving one); the read's figures."""
+    """Restore through a new manager (as a new process would: no cache of the saving one); the
+    read's figures."""
     from ckptguard.storage.streaming import StreamingConfig, StreamingStorage
 
     sizes = (
@@ -821,7 +832,8 @@ def cg_restore(
 
 
 def same_files_read(step_dir: Path) -> dict[str, Any]:
-    """A cold sequential read (64 MiB reads, one stream, file after file) of every file of the step."""
+    """A cold sequential read (64 MiB reads, one stream, file after file) of every file of the
+    step."""
     if rank() == 0:
         drop_cache(step_dir)
     barrier()
@@ -910,10 +922,10 @@ def markdown(res: dict) -> str:
     ]
     lines = [
         f"# bench_train_loop: {res['device']}, {res['params'] / 1e6:.0f}M params, "
-        f"{res['state_bytes'] / GiB:.2f} GiB state per rank, {res['world_size']} rank(s), "
-        f"save every {res['config']['every']} steps (cg_tiers: fast every {res['config']['fast_every']}, "
-        f"persistent every {res['config']['persistent_every']}), the first save inside the loop, "
-        f"{res['config']['saves']} saves",
+        f"{res['state_bytes'] / GiB:.2f} GiB state per rank, {res['world_size']} rank(s), save "
+        f"every {res['config']['every']} steps (cg_tiers: fast every "
+        f"{res['config']['fast_every']}, persistent every {res['config']['persistent_every']}), "
+        f"the first save inside the loop, {res['config']['saves']} saves",
         "",
         f"disk: write+fsync {res['disk']['write_fsync_gib_s']:.2f} GiB/s, cold read "
         f"{res['disk']['cold_read_gib_s']:.2f} GiB/s; step p50 without saves "

@@ -86,12 +86,12 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "verify_deep.json").write_text(json.dumps(result, indent=1) + "\n")
     (a.out / "verify_deep.md").write_text(
-        f"# verify --deep vs plain cold read ({gib:.2f} GiB, median of {a.reps}, page cache dropped before each)\n\n"
-        "| method | median s | GiB/s |\n|---|---|---|\n"
-        f"| plain read | {statistics.median(plain):.2f} | {result['plain_read_gib_s_median']:.2f} |\n"
-        f"| verify --deep | {statistics.median(deep):.2f} | {result['verify_deep_gib_s_median']:.2f} |\n\n"
-        f"ratio verify/plain throughput: **{result['ratio_verify_over_plain']:.3f}** (target >= 0.9)\n\n"
-        f"{result['machine']}, torch {result['torch']}, {result['date']}\n"
+        f"# verify --deep vs plain cold read ({gib:.2f} GiB, median of {a.reps}, page cache "
+        f"dropped before each)\n\n| method | median s | GiB/s |\n|---|---|---|\n| plain read | "
+        f"{statistics.median(plain):.2f} | {result['plain_read_gib_s_median']:.2f} |\n| verify "
+        f"--deep | {statistics.median(deep):.2f} | {result['verify_deep_gib_s_median']:.2f} "
+        f"|\n\nratio verify/plain throughput: **{result['ratio_verify_over_plain']:.3f}** (target "
+        f">= 0.9)\n\n{result['machine']}, torch {result['torch']}, {result['date']}\n"
     )
     shutil.rmtree(a.dir, ignore_errors=True)
     print(json.dumps(result, indent=1))

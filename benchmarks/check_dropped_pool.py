@@ -1,6 +1,7 @@
-"""A manager whose pinned staging pool is dropped without ``close()``, then a save and a restore in the same
-process: both must succeed (issue 41: the dropped pool's range stayed registered, the next pinned read
-buffer there failed with cudaError 712 and the restore called a sound checkpoint corrupt).
+"""A manager whose pinned staging pool is dropped without ``close()``, then a save and a restore in
+the same process: both must succeed (issue 41: the dropped pool's range stayed registered, the next
+pinned read buffer there failed with cudaError 712 and the restore called a sound checkpoint
+corrupt).
 
     python benchmarks/check_dropped_pool.py --out $OUT/dropped_pool.json      # a CUDA machine
 """
@@ -38,7 +39,8 @@ def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, width: int) -> N
 
 
 def _registered_count() -> list[int]:
-    """Counts every cudaHostRegister/Unregister ckptguard makes (its one seam), to show the pairs balance."""
+    """Counts every cudaHostRegister/Unregister ckptguard makes (its one seam), to show the pairs
+    balance."""
     calls = [0, 0]
     real = _pool._cudart
 

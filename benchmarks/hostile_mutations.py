@@ -1,4 +1,5 @@
-"""Random mutations of a committed step's ``.metadata``, manifest and tracker (issue 42's acceptance).
+"""Random mutations of a committed step's ``.metadata``, manifest and tracker (issue 42's
+acceptance).
 
 For each mutation: a fresh copy of a one-step root is damaged in one file (a ``.metadata`` change
 has its checksum and size in the manifest fixed to match, as an attacker with write access would),
@@ -6,16 +7,17 @@ then the operator commands (``list``, ``verify``, ``verify --deep``, ``preflight
 in this process through click, and a real ``CheckpointManager.restore`` runs too. A mutation fails
 the bar when
 
-- an operator command calls the step good (committed, OK, READY, resolved to it) and restore refuses,
-  unless the damage is one that only reading the tensor bytes can show (a digest string edited in the
-  manifest, a chunk moved inside its file) and ``verify --deep`` (or ``--deep --restore``, which
-  restores in a new process) catches it: those are listed apart as ``bytes_only``, with what caught them;
+- an operator command calls the step good (committed, OK, READY, resolved to it) and restore
+  refuses, unless the damage is one that only reading the tensor bytes can show (a digest string
+  edited in the manifest, a chunk moved inside its file) and ``verify --deep`` (or ``--deep
+  --restore``, which restores in a new process) catches it: those are listed apart as
+  ``bytes_only``, with what caught them;
 - a command shows a traceback (an exception escapes click) or calls its error a ckptguard bug;
 - restore raises anything but a ``CheckpointError`` (a bare ``AttributeError``);
-- anything runs past ``--timeout-s`` (a hang), or asks for more memory than the process may map
-  (the address space is capped at its size at the start plus ``--headroom-gib``: a declared 4 TiB
-  tensor is then a MemoryError/RuntimeError naming the allocation, counted as an allocation failure),
-  or the process's peak RSS grows by more than 256 MiB during one mutation (the step holds 33 kB).
+- anything runs past ``--timeout-s`` (a hang), or asks for more memory than the process may map (the
+  address space is capped at its size at the start plus ``--headroom-gib``: a declared 4 TiB tensor
+  is then a MemoryError/RuntimeError naming the allocation, counted as an allocation failure), or
+  the process's peak RSS grows by more than 256 MiB during one mutation (the step holds 33 kB).
 
     python benchmarks/hostile_mutations.py --n 400 --seed 42 --out benchmarks/results/hostile_mutations.json
 """
@@ -227,7 +229,8 @@ def operator_verdicts(root: Path) -> tuple[dict[str, bool], list[str]]:
 
 def restore_verdict(root: Path, path: Path | None) -> tuple[int | None, str]:
     """(the step restored, or None when restore refused; what happened). ``path``: restore that step
-    directory (what ``list`` and ``verify`` speak of), else the root as a job would (``resolve``, ``preflight``)."""
+    directory (what ``list`` and ``verify`` speak of), else the root as a job would (``resolve``,
+    ``preflight``)."""
     state = _state()
     try:
         step = cg.CheckpointManager(root).restore(state, path=path)
@@ -278,7 +281,8 @@ def _judge(root: Path, what: str, i: int) -> dict[str, Any]:
             problems.append(f"restore raised a bare exception: {how}")
         if "MemoryError" in how or "can't allocate" in how:
             problems.append(f"restore allocated beyond the real bytes: {how}")
-    # list and verify speak of step 1 itself; resolve and preflight of what a job's restore would load.
+    # list and verify speak of step 1 itself; resolve and preflight of what a job's restore would
+    # load.
     lying = [k for k in ("list", "verify", "verify --deep") if good[k] and step_restored != 1]
     lying += [
         k

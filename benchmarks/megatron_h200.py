@@ -1,19 +1,21 @@
-"""Megatron-core GPT through ckptguard on one GPU: kills at every point of a save, exact resumes, figures.
+"""Megatron-core GPT through ckptguard on one GPU: kills at every point of a save, exact resumes,
+figures.
 
     python benchmarks/megatron_h200.py campaign --work /tmp/mg --out $OUT   # >= 5 SIGKILLs, resume checks, prove
     python benchmarks/megatron_h200.py bench --work /tmp/mgb --out $OUT     # save/commit/restore vs ckptguard's own
     python benchmarks/megatron_h200.py fixture --work /tmp/mgf --out $OUT   # the tiny committed root of the tests
 
-Each training process is one rank (TP=PP=DP=1, NCCL), a GPT from ``megatron.core.models.gpt`` with the
-local (non-Transformer-Engine) layer spec, bf16, Megatron's DistributedOptimizer, dropout on (so Megatron's
-CUDA RNG tracker matters), saved by ``ckptguard.integrations.megatron.MegatronCheckpoint``. ``campaign``
-runs a reference without kills, then one chain of processes on one root, each SIGKILLed at another point:
-between saves, inside Megatron's writer (a writer process killed the trainer after its first item, so the
-data file is torn and ``.metadata`` absent), before Megatron's ``metadata.json``, and at ckptguard's
-``commit.before_manifest`` / ``before_rename`` / ``before_tracker``. After every kill the next process must
-restore the last committed step, with every Megatron shard bitwise equal to the reference at that step,
-and replay the reference's losses bitwise; the last one runs to the end and ``ckptguard prove`` must say
-PROVEN. Needs CUDA and megatron-core 0.16.1.
+Each training process is one rank (TP=PP=DP=1, NCCL), a GPT from ``megatron.core.models.gpt`` with
+the local (non-Transformer-Engine) layer spec, bf16, Megatron's DistributedOptimizer, dropout on (so
+Megatron's CUDA RNG tracker matters), saved by
+``ckptguard.integrations.megatron.MegatronCheckpoint``. ``campaign`` runs a reference without kills,
+then one chain of processes on one root, each SIGKILLed at another point: between saves, inside
+Megatron's writer (a writer process killed the trainer after its first item, so the data file is
+torn and ``.metadata`` absent), before Megatron's ``metadata.json``, and at ckptguard's
+``commit.before_manifest`` / ``before_rename`` / ``before_tracker``. After every kill the next
+process must restore the last committed step, with every Megatron shard bitwise equal to the
+reference at that step, and replay the reference's losses bitwise; the last one runs to the end and
+``ckptguard prove`` must say PROVEN. Needs CUDA and megatron-core 0.16.1.
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ def build(size: dict[str, int], seed: int = 1234) -> tuple[Any, Any, Any]:
 
 
 def make_scheduler(opt: Any) -> Any:
-    """A fresh scheduler: Megatron's ``OptimizerParamScheduler.load_state_dict`` adds the saved ``num_steps`` to
-    its own (``step(increment=num_steps)``), so a restore into one that already stepped would double it."""
+    """A fresh scheduler: Megatron's ``OptimizerParamScheduler.load_state_dict`` adds the saved
+    ``num_steps`` to its own (``step(increment=num_steps)``), so a restore into one that already
+    stepped would double it."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
@@ -116,7 +119,8 @@ def make_scheduler(opt: Any) -> Any:
 
 
 class Batches:
-    """The data iterator: batch ``position`` is a pure function of the position (saved and restored)."""
+    """The data iterator: batch ``position`` is a pure function of the position (saved and
+    restored)."""
 
     def __init__(self, vocab: int, batch: int) -> None:
         self.vocab, self.batch, self.position = vocab, batch, 0
@@ -172,7 +176,8 @@ def _arm(kind: str) -> None:
 
         orig = fa._write_item
 
-        # wraps: Megatron passes serialization_format only when inspect.signature(_write_item) names it
+        # wraps: Megatron passes serialization_format only when inspect.signature(_write_item) names
+        # it
         @functools.wraps(orig)
         def write_then_kill(*a: Any, **k: Any) -> Any:  # in Megatron's forked writer process
             out = orig(*a, **k)
@@ -394,7 +399,8 @@ def campaign(args: argparse.Namespace) -> int:
 
 
 class TreePss:
-    """The peak over time of this process tree's summed PSS (Megatron forks its writers), at ~10 Hz."""
+    """The peak over time of this process tree's summed PSS (Megatron forks its writers), at ~10
+    Hz."""
 
     def __init__(self) -> None:
         import threading
@@ -419,7 +425,8 @@ class TreePss:
 
 
 def save_peaks(path: Path) -> list[dict[str, Any]]:
-    """Per save phase: the host's used memory at its start and its in-phase peak (20 Hz), the process's RSS."""
+    """Per save phase: the host's used memory at its start and its in-phase peak (20 Hz), the
+    process's RSS."""
     recs = [json.loads(x) for x in path.read_text().splitlines()]
     starts = {(r["policy_version"], r["step"]): r for r in recs if r["kind"] == "phase_start"}
     rows = []
@@ -493,8 +500,9 @@ def bench(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # The save step's host memory, Megatron's writer (its forked writer processes included: the host figure
-    # is the machine's, which runs nothing else) against ckptguard's own writer on the same tensors.
+    # The save step's host memory, Megatron's writer (its forked writer processes included: the host
+    # figure is the machine's, which runs nothing else) against ckptguard's own writer on the same
+    # tensors.
     mem_path = out / "megatron_mem.jsonl"
     recorder = PhaseRecorder(RecorderConfig(path=mem_path, pss_every_s=0.0, sample_hz=20.0))
     trees: list[dict[str, Any]] = []
@@ -632,7 +640,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def _globals_named(path: Path) -> list[str]:
-    """Every global a pickle (or a torch zip's data.pkl) names; our own fresh file, on the device."""
+    """Every global a pickle (or a torch zip's data.pkl) names; our own fresh file, on the
+    device."""
     import io
     import pickle
     import zipfile
@@ -656,8 +665,8 @@ def _globals_named(path: Path) -> list[str]:
 
 
 def fixture(args: argparse.Namespace) -> int:
-    """Tiny committed roots for the CPU tests (model + DistributedOptimizer, steps 2 and 4; the model
-    alone, step 4), plus what Megatron's pickled files name."""
+    """Tiny committed roots for the CPU tests (model + DistributedOptimizer, steps 2 and 4; the
+    model alone, step 4), plus what Megatron's pickled files name."""
     import ckptguard as cg
     from ckptguard.integrations.megatron import MegatronCheckpoint
 
@@ -714,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         "--async",
         dest="async_save",
         action="store_true",
-        help="campaign/child: MegatronCheckpoint.save_async (Megatron's async writer) and finalize() "
+        help="campaign/child: MegatronCheckpoint.save_async (Megatron's "
+        "async writer) and finalize() "
         "at every step; bench: adds its rows",
     )
     p.add_argument(

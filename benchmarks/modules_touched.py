@@ -1,14 +1,15 @@
 """How many ckptguard modules one single-rank ``save`` and one ``restore`` pass through (issue 40).
 
 A newcomer follows a save by reading the modules it enters; this counts them. In a fresh process
-(one rank, no process group), the toy job's state is saved once untraced (step 1: the root is created,
-the staging decided), then ``sys.setprofile`` and ``threading.setprofile`` record the module of every
-Python function entered, in every thread, during ``save(2, state)`` and, on a new manager over the same
-root, during ``restore(state)``. A module counts once however often it is entered; ``ckptguard.*``
-modules only (torch, DCP and the standard library are not counted, nor ``ckptguard.demo``: the user's job,
-whose ``state_dict`` the save calls). Threads the call started and left running when it returned (the
-save_async staging a restore prepares in the background) are followed to their end, so the figure does not
-depend on how far they got; the modules only they entered are listed apart (``*``, ``*_background``).
+(one rank, no process group), the toy job's state is saved once untraced (step 1: the root is
+created, the staging decided), then ``sys.setprofile`` and ``threading.setprofile`` record the
+module of every Python function entered, in every thread, during ``save(2, state)`` and, on a new
+manager over the same root, during ``restore(state)``. A module counts once however often it is
+entered; ``ckptguard.*`` modules only (torch, DCP and the standard library are not counted, nor
+``ckptguard.demo``: the user's job, whose ``state_dict`` the save calls). Threads the call started
+and left running when it returned (the save_async staging a restore prepares in the background) are
+followed to their end, so the figure does not depend on how far they got; the modules only they
+entered are listed apart (``*``, ``*_background``).
 
     python benchmarks/modules_touched.py [--json]
 """
@@ -29,9 +30,10 @@ from ckptguard.demo.toyjob import build_job, train_step
 
 
 def touched(call: Callable[[], Any]) -> tuple[list[str], list[str]]:
-    """The ckptguard modules whose functions ``call`` entered, in any thread, sorted; and those of them that only
-    the background work it left running entered (threads it started that were still alive when it returned,
-    followed to their end, so the figure does not depend on how far they got by then)."""
+    """The ckptguard modules whose functions ``call`` entered, in any thread, sorted; and those of
+    them that only the background work it left running entered (threads it started that were still
+    alive when it returned, followed to their end, so the figure does not depend on how far they got
+    by then)."""
     seen: dict[str, set[int]] = {}
     before = set(threading.enumerate())
 
@@ -88,7 +90,8 @@ def main() -> None:
     for what in ("save", "restore"):
         modules, background = found[what], set(found[f"{what}_background"])
         print(
-            f"{what}: {len(modules)} modules ({len(background)} only in background work it left running, marked *)"
+            f"{what}: {len(modules)} modules ({len(background)} only in background "
+            f"work it left running, marked *)"
         )
         for m in modules:
             print(f"  {m}{' *' if m in background else ''}")

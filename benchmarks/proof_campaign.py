@@ -1,4 +1,5 @@
-"""SIGKILL exact example jobs at random moments and count how ``ckptguard prove`` judges every resume.
+"""SIGKILL exact example jobs at random moments and count how ``ckptguard prove`` judges every
+resume.
 
 The acceptance of issue 39: an exact resume is never called ``NOT proven`` (a gate FAILs only on a
 difference), and ``EVIDENCE MISSING`` comes only where no rank recorded anything past the restored
@@ -7,29 +8,32 @@ or the resumed run itself was killed before its first step). Each such case is c
 
 Jobs (each 2 ranks on the CPU under torchrun, gloo):
 
-- ``demo``: the embedded RL job (``python -m ckptguard.demo``): FSDP2, FP8 export with a scale cache,
-  old-logprobs, Adam and a scheduler; ``ProofPlan(rl=True, deterministic=True)``.
+- ``demo``: the embedded RL job (``python -m ckptguard.demo``): FSDP2, FP8 export with a scale
+  cache, old-logprobs, Adam and a scheduler; ``ProofPlan(rl=True, deterministic=True)``.
 - ``ddp``: a DDP job in this file (``ddp-job``): Dropout, AdamW, a scheduler, ``DistributedSampler``
   with ``set_epoch`` over many short epochs, a ``DataLoader`` with its own generator, fast-forwarded
   after a restore; ``ProofPlan(deterministic=True)`` and ``record_step(..., epoch=)``.
-- ``nanogpt``: ``examples/nanogpt.py`` (nanoGPT's train.py loop: memmap'd tokens, ``get_batch`` from torch's
-  global RNG with a prefetch, grad accumulation, cosine lr, eval on rank 0).
-- ``grpo_vllm``: ``examples/grpo_vllm.py`` with a real vLLM engine, in the vLLM venv (.venv-vllm), one rank,
-  runs of 12 steps; its kill moments are ``VLLM_KINDS`` (``mid_generation``: the example's own SIGKILL inside
-  the engine's generate; no ``rank_ahead``). A launch that ends its run starts a new root.
+- ``nanogpt``: ``examples/nanogpt.py`` (nanoGPT's train.py loop: memmap'd tokens, ``get_batch`` from
+  torch's global RNG with a prefetch, grad accumulation, cosine lr, eval on rank 0).
+- ``grpo_vllm``: ``examples/grpo_vllm.py`` with a real vLLM engine, in the vLLM venv (.venv-vllm),
+  one rank, runs of 12 steps; its kill moments are ``VLLM_KINDS`` (``mid_generation``: the example's
+  own SIGKILL inside the engine's generate; no ``rank_ahead``). A launch that ends its run starts a
+  new root.
 
-After the kills, the same job runs once never killed, as far as the killed one got: every step record of
-every launch, and the final checkpoint's digests, are compared with it (``compare_records``,
-``compare_final``; grpo_vllm: each completed run's RESULT). Every resume is judged by ``evaluate`` and by
-``ckptguard prove --all --json``. ``--combine`` sums campaigns run side by side into one JSON and markdown
-(benchmarks/results/proof_campaign.md says how the committed figures were made).
+After the kills, the same job runs once never killed, as far as the killed one got: every step
+record of every launch, and the final checkpoint's digests, are compared with it
+(``compare_records``, ``compare_final``; grpo_vllm: each completed run's RESULT). Every resume is
+judged by ``evaluate`` and by ``ckptguard prove --all --json``. ``--combine`` sums campaigns run
+side by side into one JSON and markdown (benchmarks/results/proof_campaign.md says how the committed
+figures were made).
 
-Kill moments, drawn at random per launch: ``after_commit`` (as soon as the tracker moves), ``mid_save``
-(a save paused mid-write, ``_faults.PAUSE_ENV``), ``random`` (a uniform delay after the launch's first
-step), ``rank_ahead`` (rank 1's worker SIGSTOPped, rank 0 runs on until it blocks, then the whole tree is
-killed), and ``crash_loop`` (3 launches in a row killed before their next commit: the same step resumed
-three times). Every kill takes the whole process tree (``ops._proctree``, as ``ckptguard rehearse``).
-A last launch runs until it recorded steps past a new commit, so the last resume has evidence.
+Kill moments, drawn at random per launch: ``after_commit`` (as soon as the tracker moves),
+``mid_save`` (a save paused mid-write, ``_faults.PAUSE_ENV``), ``random`` (a uniform delay after the
+launch's first step), ``rank_ahead`` (rank 1's worker SIGSTOPped, rank 0 runs on until it blocks,
+then the whole tree is killed), and ``crash_loop`` (3 launches in a row killed before their next
+commit: the same step resumed three times). Every kill takes the whole process tree
+(``ops._proctree``, as ``ckptguard rehearse``). A last launch runs until it recorded steps past a
+new commit, so the last resume has evidence.
 
     python benchmarks/proof_campaign.py --kills 30 --jobs nanogpt --seed 50 --out /tmp/nanogpt.json
 """
@@ -68,7 +72,8 @@ EXAMPLES = REPO / "examples"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
-# ---------------------------------------------------------------- the DDP job (one rank, under torchrun)
+# ---------------------------------------------------------------- the DDP job (one rank, under
+# torchrun)
 
 
 def ddp_job(root: str, steps: int, save_every: int, sleep_s: float) -> None:
@@ -166,7 +171,8 @@ class Kill:
 def _rank_main(
     job: str, rank: int, port: int, root: str, steps: int, env: dict[str, str], log: str
 ) -> None:
-    """One rank of a launch, forked from a server that imported torch once: what torchrun's worker runs."""
+    """One rank of a launch, forked from a server that imported torch once: what torchrun's worker
+    runs."""
     os.environ.update(
         {
             **env,
@@ -271,7 +277,8 @@ def _since_rank(root: Path, since: float, event: str, rank: int) -> list[dict[st
 
 
 class Launch:
-    """One launch of a job: its ranks forked at once; a kill stops them all, then SIGKILLs them all."""
+    """One launch of a job: its ranks forked at once; a kill stops them all, then SIGKILLs them
+    all."""
 
     def __init__(self, job: str, root: Path, steps: int, env: dict[str, str], log: Path) -> None:
         with socket.socket() as s:
@@ -383,8 +390,8 @@ def _finish(job: str, root: Path, steps: int, env: dict[str, str], log: Path) ->
 
 
 def _plan(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> list[str]:
-    """Kill kinds in a random order: each kind about equally often; a crash loop is 3 kills in a row.
-    The first kill comes right after a commit: the later ones then have a step to resume."""
+    """Kill kinds in a random order: each kind about equally often; a crash loop is 3 kills in a
+    row. The first kill comes right after a commit: the later ones then have a step to resume."""
     out: list[str] = ["after_commit"]
     kinds = tuple(k for k in kinds if k in ONLY) if ONLY else kinds
     while len(out) < kills:
@@ -393,7 +400,8 @@ def _plan(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> lis
     return out[:kills]
 
 
-# ---------------------------------------------------------------- examples/grpo_vllm.py (vLLM venv, one process)
+# ---------------------------------------------------------------- examples/grpo_vllm.py (vLLM venv,
+# one process)
 
 GRPO_EPOCHS = (
     3  # 4 steps an epoch (4 prompts x 4 completions), a save every 2 steps: 12 steps a run
@@ -405,8 +413,9 @@ GRPO_RANKS = {
 
 
 def _vllm_env() -> dict[str, str]:
-    """tests/venvs.vllm_env: this repository's source first, one thread, offline, a 1 GiB KV cache, and none
-    of a launcher's rank variables or VLLM_* settings (the example sets VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    """tests/venvs.vllm_env: this repository's source first, one thread, offline, a 1 GiB KV cache,
+    and none of a launcher's rank variables or VLLM_* settings (the example sets
+    VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -429,8 +438,8 @@ def _vllm_env() -> dict[str, str]:
 
 
 class VllmLaunch:
-    """One launch of examples/grpo_vllm.py, in a session of its own: a kill takes the session (the trainer and
-    its in-process engine), as a scheduler ends a job."""
+    """One launch of examples/grpo_vllm.py, in a session of its own: a kill takes the session (the
+    trainer and its in-process engine), as a scheduler ends a job."""
 
     def __init__(
         self,
@@ -443,7 +452,8 @@ class VllmLaunch:
     ) -> None:
         self.since = time.time()
         self.out = out
-        # --nproc 2: the example starts its ranks in this session; its own kills take the whole process group
+        # --nproc 2: the example starts its ranks in this session; its own kills take the whole
+        # process group
         ranks = [f"--nproc={nproc}", "--epochs=2"] if nproc > 1 else [f"--epochs={GRPO_EPOCHS}"]
         cmd = [
             str(VLLM_PYTHON),
@@ -559,9 +569,9 @@ def _grpo_kill(
 def run_grpo(
     job: str, kills: int, rng: random.Random, work: Path, deadline: float | None
 ) -> dict[str, Any]:
-    """Runs of 12 steps, each launch killed at a drawn moment; a launch that ends by itself ends its run (a
-    new root then); the last run is completed by a launch left alone. Each completed run's RESULT (params,
-    AdamW state, completions) is compared with an uninterrupted run's."""
+    """Runs of 12 steps, each launch killed at a drawn moment; a launch that ends by itself ends its
+    run (a new root then); the last run is completed by a launch left alone. Each completed run's
+    RESULT (params, AdamW state, completions) is compared with an uninterrupted run's."""
     nproc = GRPO_RANKS[job]
     base = work / job
     base.mkdir(parents=True, exist_ok=True)
@@ -629,8 +639,9 @@ def run_grpo(
 def _grpo_run(
     run: int, root: Path, result: dict[str, Any] | None, reference: dict[str, Any], nproc: int = 1
 ) -> dict[str, Any]:
-    """A completed run against the uninterrupted one: final parameters, AdamW state, and the completions of
-    every step its last launch generated; and every step record against the reference's."""
+    """A completed run against the uninterrupted one: final parameters, AdamW state, and the
+    completions of every step its last launch generated; and every step record against the
+    reference's."""
     out: dict[str, Any] = {"run": run, "root": str(root), "completed": result is not None}
     if result is not None:
         out["final_params_equal"] = result["params"] == reference["params"]
@@ -648,10 +659,11 @@ COMPARED = ("sample_ids", "ids_sum", "samples", "batch", "loss", "grad_norm", "e
 
 
 def compare_records(root: Path, ref: Path, world: int = WORLD) -> dict[str, Any]:
-    """Every step record of every launch in ``root`` against the uninterrupted run's record of the same rank and
-    step: the data read and every value produced, bitwise (the JSON floats are exact), and the CPU RNG digest
-    where both recorded one (the first step after a restore). Python's and numpy's global RNGs are left out:
-    these jobs never use them, and each process starts them from OS entropy."""
+    """Every step record of every launch in ``root`` against the uninterrupted run's record of the
+    same rank and step: the data read and every value produced, bitwise (the JSON floats are exact),
+    and the CPU RNG digest where both recorded one (the first step after a restore). Python's and
+    numpy's global RNGs are left out: these jobs never use them, and each process starts them from
+    OS entropy."""
     compared, differ, missing = 0, [], 0
     for rank in range(world):
         want = {r["step"]: r for r in _records(ref, rank) if r.get("event") == "step"}
@@ -674,9 +686,9 @@ def compare_records(root: Path, ref: Path, world: int = WORLD) -> dict[str, Any]
 
 
 def compare_final(root: Path, ref: Path) -> dict[str, Any]:
-    """The newest committed step of ``root`` against the uninterrupted run's checkpoint of that step: every
-    item's per-rank digest and every tensor's layout-free digest from the two manifests, and the CPU RNG
-    state in each rank's extras file (loaded with weights_only=True)."""
+    """The newest committed step of ``root`` against the uninterrupted run's checkpoint of that
+    step: every item's per-rank digest and every tensor's layout-free digest from the two manifests,
+    and the CPU RNG state in each rank's extras file (loaded with weights_only=True)."""
     import torch
 
     step = _tracker(root)
@@ -715,8 +727,8 @@ def compare_final(root: Path, ref: Path) -> dict[str, Any]:
 def reference_run(
     job: str, root: Path, ref: Path, steps: int, env: dict[str, str], log: Path
 ) -> None:
-    """The same job never killed, in ``ref``, until every rank recorded the killed run's last step and the
-    tracker reached its newest commit; then stopped."""
+    """The same job never killed, in ``ref``, until every rank recorded the killed run's last step
+    and the tracker reached its newest commit; then stopped."""
     last = {
         rank: max([r["step"] for r in _records(root, rank) if r.get("event") == "step"], default=0)
         for rank in range(WORLD)
@@ -740,7 +752,8 @@ def reference_run(
 
 
 def cli_prove(root: Path) -> dict[int, dict[str, Any]]:
-    """``ckptguard prove --all --json ROOT``, as a user runs it: each resume's outcome and exit code."""
+    """``ckptguard prove --all --json ROOT``, as a user runs it: each resume's outcome and exit
+    code."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run(
         [sys.executable, "-m", "ckptguard.cli", "prove", "--all", "--json", str(root)],
@@ -767,10 +780,10 @@ def cli_prove(root: Path) -> dict[int, dict[str, Any]]:
 
 
 def _past(root: Path, k: int, before: float, pid_of: dict[int, int], world: int = WORLD) -> bool:
-    """Whether any rank recorded a step past k before the resume at ``before``, in a process that saved or
-    restored k (or, no save record of k left by a kill, one that recorded step k itself). The step records
-    are compared whatever their order with the save record: an async save's record comes after the steps
-    that ran while it was written."""
+    """Whether any rank recorded a step past k before the resume at ``before``, in a process that
+    saved or restored k (or, no save record of k left by a kill, one that recorded step k itself).
+    The step records are compared whatever their order with the save record: an async save's record
+    comes after the steps that ran while it was written."""
     for rank in range(world):
         recs = [
             r
@@ -860,8 +873,8 @@ def run_job(
             break
         done.append(_one_kill(job, kind, root, steps, env, log, rng, n, work / "pause"))
         print(
-            f"{job} kill {n}/{kills} {kind}: restored {done[-1].restored}, tracker {done[-1].tracker}, "
-            f"{done[-1].seconds} s",
+            f"{job} kill {n}/{kills} {kind}: restored {done[-1].restored}, tracker "
+            f"{done[-1].tracker}, {done[-1].seconds} s",
             flush=True,
         )
     _finish(job, root, steps, env, log)
@@ -879,7 +892,8 @@ def run_job(
 
 
 def rejudge(res: dict[str, Any], work: Path) -> dict[str, Any]:
-    """A job of an earlier campaign judged again by this prove (its kills and reference comparisons kept)."""
+    """A job of an earlier campaign judged again by this prove (its kills and reference comparisons
+    kept)."""
     if res["job"] not in GRPO_RANKS:
         return {**res, "resumes": judge(res["job"], work / res["job"] / "ck")}
     rows = []
@@ -895,8 +909,8 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     rows = [r for res in results for r in res["resumes"]]
     kills = [k for res in results for k in res["kills"]]
     missing = [r for r in rows if r["outcome"] == "evidence missing"]
-    # Missing evidence is allowed only where nothing past the restored step was recorded by a run before
-    # the resume, or the resumed run itself recorded nothing past it
+    # Missing evidence is allowed only where nothing past the restored step was recorded by a run
+    # before the resume, or the resumed run itself recorded nothing past it
     unexplained = [r for r in missing if r["recorded_past_before"] and r["resumed_recorded"]]
     crash_steps = Counter((r["job"], r.get("run"), r["step"]) for r in rows)
     cli = [r.get("cli", {}) for r in rows]
@@ -909,7 +923,8 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
             }
             for res in results
         },
-        # what `ckptguard prove --all --json` said of each resume, and where it disagrees with evaluate()
+        # what `ckptguard prove --all --json` said of each resume, and where it disagrees with
+        # evaluate()
         "cli_outcomes": dict(Counter(c.get("outcome", "error") for c in cli)),
         "cli_disagrees": [
             {k: r.get(k) for k in ("job", "run", "resume", "outcome", "cli")}
@@ -920,8 +935,9 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "kills": len(kills),
         "kills_by_kind": dict(Counter(k["kind"] for k in kills)),
         "survivors": sum(len(k["survivors"]) for k in kills),
-        # a launch whose process ended before the campaign's kill: a crash of its own (grpo_vllm's mid_generation
-        # kills are the example's own SIGKILL, 50 ms into the engine's generate, and counted apart)
+        # a launch whose process ended before the campaign's kill: a crash of its own (grpo_vllm's
+        # mid_generation kills are the example's own SIGKILL, 50 ms into the engine's generate, and
+        # counted apart)
         "ended_before_kill": [
             {k: x[k] for k in ("job", "launch", "kind", "exited_before_kill")}
             for x in kills
@@ -966,8 +982,9 @@ def _self_killed(kill: dict[str, Any]) -> bool:
 
 
 def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per job: the step records compared with the uninterrupted run's and those that differ; the final
-    checkpoint's items and tensors (or, for grpo_vllm, each completed run's RESULT) and what differs."""
+    """Per job: the step records compared with the uninterrupted run's and those that differ; the
+    final checkpoint's items and tensors (or, for grpo_vllm, each completed run's RESULT) and what
+    differs."""
     out: dict[str, Any] = {}
     for res in results:
         if res["job"] in GRPO_RANKS:
@@ -995,7 +1012,8 @@ def _against(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------- several campaigns summed, in markdown
+# ---------------------------------------------------------------- several campaigns summed, in
+# markdown
 
 JOB_TITLES = {
     "demo": "demo (RL: FSDP2, FP8 export, old-logprobs)",
@@ -1007,7 +1025,8 @@ JOB_TITLES = {
 
 
 def combine(paths: list[str]) -> dict[str, Any]:
-    """Campaigns run side by side (one JSON each), summed: every job's kills and resumes, one summary."""
+    """Campaigns run side by side (one JSON each), summed: every job's kills and resumes, one
+    summary."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     jobs = [{**res, "seed": part["seed"]} for part in parts for res in part["jobs"]]
     names = Counter(res["job"] for res in jobs)
@@ -1098,14 +1117,15 @@ def markdown(out: dict[str, Any], head: str) -> str:
     for job, v in out["summary"]["against_uninterrupted"].items():
         if "runs_completed" in v:
             final = (
-                f"{v['final_equal']} of {v['runs_completed']} completed runs: parameters, AdamW state and the "
-                "last launch's completions equal"
+                f"{v['final_equal']} of {v['runs_completed']} completed runs: parameters, AdamW "
+                f"state and the last launch's completions equal"
             )
         elif v["final"]["compared"]:
             f = v["final"]
             final = (
-                f"step {f['step']}: {f['items']} per-rank item digests, {f['tensors']} layout-free tensor "
-                f"digests, the CPU RNG of each rank: {'all equal' if not f['differ'] else f['differ']}"
+                f"step {f['step']}: {f['items']} per-rank item digests, {f['tensors']} layout-free "
+                f"tensor digests, the CPU RNG of each rank: "
+                f"{'all equal' if not f['differ'] else f['differ']}"
             )
         else:
             final = f"not compared: {v['final']['why']}"
@@ -1117,19 +1137,21 @@ def markdown(out: dict[str, Any], head: str) -> str:
         "",
         "## Every EVIDENCE MISSING case",
         "",
-        "| job | run | resume | restored step | gates with nothing to compare | an earlier run recorded past the "
-        "step | the resumed run recorded past it |",
+        "| job | run | resume | restored step | gates with nothing to compare | an earlier run "
+        "recorded past the step | the resumed run recorded past it |",
         "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['job']} | {r.get('run', '')} | {r['resume']} | {r['step']} | {', '.join(r['missing'])} | "
-        f"{'yes' if r['recorded_past_before'] else 'no'} | {'yes' if r['resumed_recorded'] else 'no'} |"
+        f"| {r['job']} | {r.get('run', '')} | {r['resume']} | {r['step']} | "
+        f"{', '.join(r['missing'])} | {'yes' if r['recorded_past_before'] else 'no'} | "
+        f"{'yes' if r['resumed_recorded'] else 'no'} |"
         for r in missing
     ]
     failed = [r for res in out["jobs"] for r in res["resumes"] if r["outcome"] == "diverged"]
     lines += ["", "## Every NOT proven case", ""]
     lines += [
-        f"- {r['job']} run {r.get('run', '-')} resume {r['resume']} (step {r['step']}): {r['failed']}"
+        f"- {r['job']} run {r.get('run', '-')} resume {r['resume']} (step "
+        f"{r['step']}): {r['failed']}"
         for r in failed
     ] or ["None."]
     ended = out["summary"]["ended_before_kill"]
@@ -1175,7 +1197,8 @@ def main() -> None:
         nargs="+",
         default=None,
         metavar="JSON",
-        help="sum campaigns run side by side into --out (JSON) and --markdown, with --head's text first",
+        help="sum campaigns run side by side into --out (JSON) and --markdown, "
+        "with --head's text first",
     )
     p.add_argument("--markdown", default=None)
     p.add_argument(

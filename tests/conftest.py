@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-# Test helpers and fixture generators are imported by name, also in spawned ranks; so are test modules by other
-# test modules (``from test_tiers import ...``) wherever under tests/ each lives (its folders mirror src/ckptguard/).
+# Test helpers and fixture generators are imported by name, also in spawned ranks; so are test
+# modules by other test modules (``from test_tiers import ...``) wherever under tests/ each lives
+# (its folders mirror src/ckptguard/).
 _TESTS = Path(__file__).parent
 for path in [
     str(_TESTS),
@@ -83,12 +84,13 @@ SLOW_MODULES = {
 }
 
 
-# ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``. The modules that start a
-# local Ray cluster run on one worker, one after the other (two local clusters on one host collide); the tests
-# sharing an expensive module fixture (SHARED_FIXTURES below) go as one unit; every other test is handed out alone
-# to whichever worker is free, so a module's other fixtures are built on each worker that runs one of its tests.
-# (Whole modules as units made the vLLM tests one serial chain on one worker: the suite took 22 min from a fresh
-# clone, against 16 with the tests handed out one by one. Two vLLM engines on the CPU at once only share the cores;
+# ``make test`` runs the suite on two pytest-xdist workers with ``--dist loadgroup``. The modules
+# that start a local Ray cluster run on one worker, one after the other (two local clusters on one
+# host collide); the tests sharing an expensive module fixture (SHARED_FIXTURES below) go as one
+# unit; every other test is handed out alone to whichever worker is free, so a module's other
+# fixtures are built on each worker that runs one of its tests. (Whole modules as units made the
+# vLLM tests one serial chain on one worker: the suite took 22 min from a fresh clone, against 16
+# with the tests handed out one by one. Two vLLM engines on the CPU at once only share the cores;
 # each TRL job takes a free MASTER_PORT.)
 GROUPS = {
     "test_examples": "ray",
@@ -100,7 +102,8 @@ GROUPS = {
     "test_turns_vllm": "vllm",
 }
 TOGETHER = {"ray", *filter(None, os.environ.get("CKPTGUARD_TEST_TOGETHER", "").split(","))}
-"""The groups whose tests run on one worker (the environment variable adds some: tests/test_suite_groups.py)."""
+"""The groups whose tests run on one worker (the environment variable adds some:
+tests/test_suite_groups.py)."""
 
 
 def group_of(nodeid: str) -> str:
@@ -108,10 +111,11 @@ def group_of(nodeid: str) -> str:
     return GROUPS.get(module, module)
 
 
-# Module-scoped fixtures that start real jobs (an engine, a multi-rank run, S3 servers): the tests taking one (or a
-# fixture of their module that takes one) are handed out as one unit, so the fixture runs once in the suite. Handed
-# out alone, its tests landed on both workers and each built it (fresh 3 of session 8: test_export's transformers
-# job, 32 s, and the object store's races, 37 s, set up on both).
+# Module-scoped fixtures that start real jobs (an engine, a multi-rank run, S3 servers): the tests
+# taking one (or a fixture of their module that takes one) are handed out as one unit, so the
+# fixture runs once in the suite. Handed out alone, its tests landed on both workers and each built
+# it (fresh 3 of session 8: test_export's transformers job, 32 s, and the object store's races, 37
+# s, set up on both).
 SHARED_FIXTURES = {
     "test_vllm_integration": ("reference",),
     "test_vllm_trl": ("probe",),
@@ -150,9 +154,9 @@ def unit_of(nodeid: str) -> str:
 
 @functools.cache
 def shared_units(path: str) -> dict[str, str]:
-    """Test function name -> its unit, for the tests of the module at ``path`` (relative to the repository) that take
-    one of its SHARED_FIXTURES. Read from the source: xdist's controller, which hands the units out, sees node ids
-    only, never a collected test's fixtures."""
+    """Test function name -> its unit, for the tests of the module at ``path`` (relative to the
+    repository) that take one of its SHARED_FIXTURES. Read from the source: xdist's controller,
+    which hands the units out, sees node ids only, never a collected test's fixtures."""
     module = Path(path).stem
     if module not in SHARED_FIXTURES or not (_TESTS.parent / path).is_file():
         return {}
@@ -187,7 +191,8 @@ def units_in(source: str, module: str, shared: tuple[str, ...]) -> dict[str, str
         for f in functions
         if f.name.startswith("test") and f.name not in fixtures
     }
-    # fixtures taken together by one test are one unit: union them, then name each unit by its fixtures
+    # fixtures taken together by one test are one unit: union them, then name each unit by its
+    # fixtures
     owner = {name: name for name in shared}
     for taken in uses.values():
         for name in taken:
@@ -213,10 +218,11 @@ def _root(owner: dict[str, str], name: str) -> str:
     return name
 
 
-# xdist hands the units out in collection order. ``make test`` builds the framework venvs in the background
-# for the first minutes of the suite, so the heavy groups that need none go first, then the groups that need one
-# (the longest first: the suite ends no sooner than the vLLM tests do) and the Ray group (a local Ray cluster
-# started while the venvs build timed out starting its actors), then the rest in file order.
+# xdist hands the units out in collection order. ``make test`` builds the framework venvs in the
+# background for the first minutes of the suite, so the heavy groups that need none go first, then
+# the groups that need one (the longest first: the suite ends no sooner than the vLLM tests do) and
+# the Ray group (a local Ray cluster started while the venvs build timed out starting its actors),
+# then the rest in file order.
 FIRST_GROUPS = (
     "test_preempt",
     "test_rehearse",
@@ -252,9 +258,10 @@ def pytest_collection_modifyitems(config, items):
     optionalhook=True
 )  # xdist's hook: a run without xdist (-p no:xdist) has no such hookspec
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` by ``unit_of``, on the controller: xdist's own loadgroup reads ``xdist_group``
-    marks by appending them to each node id, which pytest 9.2's structured node ids ignore
-    (pytest-xdist#1386), so its groups silently fell apart (the Ray modules ran on both workers)."""
+    """``--dist loadgroup`` by ``unit_of``, on the controller: xdist's own loadgroup reads
+    ``xdist_group`` marks by appending them to each node id, which pytest 9.2's structured node ids
+    ignore (pytest-xdist#1386), so its groups silently fell apart (the Ray modules ran on both
+    workers)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -272,7 +279,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Outside the test's timeout: wait for a framework venv ``make test`` still builds (tests/venvs.py)."""
+    """Outside the test's timeout: wait for a framework venv ``make test`` still builds
+    (tests/venvs.py)."""
     for mark in item.iter_markers("needs_venv"):
         venvs.wait_for(mark.args[0])
     yield

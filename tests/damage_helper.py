@@ -71,7 +71,8 @@ def no_traceback(result: Result, what: str) -> None:
     case, for the failure message)."""
     exc = result.exception
     assert exc is None or isinstance(exc, SystemExit), (
-        f"{what}: the command raised {type(exc).__name__}: {exc} instead of a clear message\n{result.output}"
+        f"{what}: the command raised {type(exc).__name__}: {exc} instead of a clear "
+        f"message\n{result.output}"
     )
     assert "Traceback" not in result.output, f"{what}: a traceback in the output\n{result.output}"
 
@@ -87,7 +88,8 @@ def refused(result: Result, what: str) -> None:
 def run_py(
     code: str, *args: object, timeout: float = 60.0, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``python -c code args...`` with this test run's interpreter and sources; killed on timeout."""
+    """``python -c code args...`` with this test run's interpreter and sources; killed on
+    timeout."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-c", code, *map(str, args)],

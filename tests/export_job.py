@@ -1,11 +1,12 @@
-"""Run in .venv-hf (transformers): train a tiny Llama under FSDP2 (2 gloo ranks) or hold a tiny Mixtral's
-experts expert-parallel (4 ranks, EP 2 x FSDP 2), commit a step, export it with the `ckptguard export`
-command, load the export with transformers' from_pretrained and compare logits with the trainer's.
+"""Run in .venv-hf (transformers): train a tiny Llama under FSDP2 (2 gloo ranks) or hold a tiny
+Mixtral's experts expert-parallel (4 ranks, EP 2 x FSDP 2), commit a step, export it with the
+`ckptguard export` command, load the export with transformers' from_pretrained and compare logits
+with the trainer's.
 
 A third job exports a one-rank Llama with tied input and output embeddings.
 
-``python tests/export_job.py {fsdp2|expert|tied|all} WORKDIR`` prints one JSON object (the figures the test
-asserts on)."""
+``python tests/export_job.py {fsdp2|expert|tied|all} WORKDIR`` prints one JSON object (the figures
+the test asserts on)."""
 
 from __future__ import annotations
 
@@ -175,7 +176,8 @@ def fsdp2(work: Path) -> dict:
     loaded = _pretrained(work / "fp32", dtype=torch.float32)
     loaded16 = _pretrained(work / "bf16", dtype=torch.float32)
     auto16 = _pretrained(work / "bf16")
-    # The trainer's weights rounded to bf16 as the cast rounds them, run in fp32: what the bf16 export must give.
+    # The trainer's weights rounded to bf16 as the cast rounds them, run in fp32: what the bf16
+    # export must give.
     torch.manual_seed(0)
     rounded = AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32)
     rounded.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in ranks[0]["state"].items()})
@@ -213,7 +215,8 @@ def expert(work: Path) -> dict:
 
 
 def tied(work: Path) -> dict:
-    """A model whose LM head is its input embedding (tie_word_embeddings): one rank, trained, exported."""
+    """A model whose LM head is its input embedding (tie_word_embeddings): one rank, trained,
+    exported."""
     from transformers import AutoModelForCausalLM
 
     config = tied_config()

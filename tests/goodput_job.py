@@ -1,8 +1,8 @@
-"""A toy training job for the goodput test: restore, then steps of a fixed time, a save every 5 steps (sync:
-the kill steps then know what is committed).
+"""A toy training job for the goodput test: restore, then steps of a fixed time, a save every 5
+steps (sync: the kill steps then know what is committed).
 
-argv: ROOT LAST_STEP HANG_AT (0: never). At HANG_AT it prints the step and waits to be killed, so the
-test kills it at a step boundary it knows. Every line it prints carries its wall-clock time."""
+argv: ROOT LAST_STEP HANG_AT (0: never). At HANG_AT it prints the step and waits to be killed, so
+the test kills it at a step boundary it knows. Every line it prints carries its wall-clock time."""
 
 import sys
 import time

@@ -11,9 +11,10 @@
   line per kill done, so a relaunch arms the next one. ``WHERE`` is a ckptguard fault point
   (``commit.before_rename``...), ``hf:FILE`` (while HF's torch.save is about to write FILE of
   that step's folder) or ``step`` (at the end of that optimizer step, between saves).
-- ``epochs``, ``save_steps``, ``save_total_limit``; ckptguard mode: ``resume_mode``, ``deterministic``
-  (the ProofPlan), ``rng_consumer`` (the save draws a random number between ckptguard's RNG capture
-  and HF's); GRPO: ``num_iterations``, ``own_sampler`` (TRL's sampler hidden in a sampler of ours)
+- ``epochs``, ``save_steps``, ``save_total_limit``; ckptguard mode: ``resume_mode``,
+  ``deterministic`` (the ProofPlan), ``rng_consumer`` (the save draws a random number between
+  ckptguard's RNG capture and HF's); GRPO: ``num_iterations``, ``own_sampler`` (TRL's sampler hidden
+  in a sampler of ours)
 """
 
 from __future__ import annotations

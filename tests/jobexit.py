@@ -1,12 +1,13 @@
-"""The exit of a test job's process (tests/*_job.py): its interpreter's teardown without full collections of the
-heap that torch, transformers and vLLM build.
+"""The exit of a test job's process (tests/*_job.py): its interpreter's teardown without full
+collections of the heap that torch, transformers and vLLM build.
 
-A process ending normally collects its whole heap several times while it tears down (Py_FinalizeEx, each module's
-clearing); vLLM's engine shutdown (an atexit finalizer) first undoes the ``gc.freeze()`` of its start and collects
-too. For a job of .venv-vllm on a loaded 2-core host that is 7-10 s after its last line (tests/trl_vllm_job.py's
-training itself takes 5), on every launch that exits. Frozen after every other finalizer, the heap is left to the
-process's end; atexit handlers, module teardown and reference-counted destructors all still run, and the job's
-results were written before any of it."""
+A process ending normally collects its whole heap several times while it tears down (Py_FinalizeEx,
+each module's clearing); vLLM's engine shutdown (an atexit finalizer) first undoes the
+``gc.freeze()`` of its start and collects too. For a job of .venv-vllm on a loaded 2-core host that
+is 7-10 s after its last line (tests/trl_vllm_job.py's training itself takes 5), on every launch
+that exits. Frozen after every other finalizer, the heap is left to the process's end; atexit
+handlers, module teardown and reference-counted destructors all still run, and the job's results
+were written before any of it."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import weakref
 
 
 def freeze_at_exit() -> None:
-    """Call first in the job, before any engine is made: ``weakref.finalize`` runs the newest finalizer first at
-    exit, so this one runs after the engine's shutdown has unfrozen and collected. A torch.distributed default
-    group still up is destroyed first: frozen, a group held in a reference cycle would meet the process's static
-    destructors with its gloo threads running (``terminate called without an active exception``, SIGABRT: once,
-    in the two-rank HF job of a fresh-clone run)."""
+    """Call first in the job, before any engine is made: ``weakref.finalize`` runs the newest
+    finalizer first at exit, so this one runs after the engine's shutdown has unfrozen and
+    collected. A torch.distributed default group still up is destroyed first: frozen, a group held
+    in a reference cycle would meet the process's static destructors with its gloo threads running
+    (``terminate called without an active exception``, SIGABRT: once, in the two-rank HF job of a
+    fresh-clone run)."""
     weakref.finalize(gc, _teardown)
 
 

@@ -1,7 +1,7 @@
-"""Run in .venv-hf (transformers + peft): a LoRA job on a tiny Llama saved adapter-only with LoraCheckpoint,
-resumed in a fresh model (bitwise), refused on another base, another adapter config and a base merged in
-memory, exported merged once (`ckptguard export --merged`) and compared with peft's own merge; a merge
-applied twice and a base replaced by a merged one are caught.
+"""Run in .venv-hf (transformers + peft): a LoRA job on a tiny Llama saved adapter-only with
+LoraCheckpoint, resumed in a fresh model (bitwise), refused on another base, another adapter config
+and a base merged in memory, exported merged once (`ckptguard export --merged`) and compared with
+peft's own merge; a merge applied twice and a base replaced by a merged one are caught.
 
 ``python tests/lora_job.py WORKDIR`` prints one JSON object."""
 
@@ -117,7 +117,8 @@ def main(work: Path) -> dict:
     model, optim = lora(work / "base")
     again = cpeft.LoraCheckpoint(cg.CheckpointManager(root), model, optim, base_dir=work / "base")
     again.restore()
-    model.merge_adapter()  # merged into the base weights in memory, then the adapter restored again on top
+    # merged into the base weights in memory, then the adapter restored again on top
+    model.merge_adapter()
     out["merged_in_memory"] = refused(again.restore)
 
     # Merged once: the export equals peft's own merge of the restored step, bit for bit.

@@ -1,9 +1,9 @@
-"""Helpers of tests/storage/s3/test_objectstore.py: S3 servers on 127.0.0.1, a deterministic state, and writer
-processes.
+"""Helpers of tests/storage/s3/test_objectstore.py: S3 servers on 127.0.0.1, a deterministic state,
+and writer processes.
 
-``python tests/objstore_helper.py write ENDPOINT URL STAGING LAST [POINT]`` saves steps 1..LAST to an
-object-store root through ``CheckpointManager(URL)`` and, when POINT is given, is SIGKILLed at that
-fault point of the last step's publish (``ckptguard.testing.kill_at``).
+``python tests/objstore_helper.py write ENDPOINT URL STAGING LAST [POINT]`` saves steps 1..LAST to
+an object-store root through ``CheckpointManager(URL)`` and, when POINT is given, is SIGKILLed at
+that fault point of the last step's publish (``ckptguard.testing.kill_at``).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ MINISTACK = Path(__file__).resolve().parent.parent / ".venv-ministack" / "bin" /
 
 @contextlib.contextmanager
 def moto_endpoint(*, set_endpoint: bool = True) -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 in this process (its objects outlive a writer's restart), with the fake
-    credentials set while it runs and, with ``set_endpoint``, boto3's ``AWS_ENDPOINT_URL`` (the CLI and a bare
-    ``ObjectStoreOptions()`` read it); the environment is put back after."""
+    """A moto S3 server on 127.0.0.1 in this process (its objects outlive a writer's restart), with
+    the fake credentials set while it runs and, with ``set_endpoint``, boto3's ``AWS_ENDPOINT_URL``
+    (the CLI and a bare ``ObjectStoreOptions()`` read it); the environment is put back after."""
     from moto import server as moto_server
 
     saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
@@ -65,7 +65,8 @@ def moto_endpoint(*, set_endpoint: bool = True) -> Iterator[str]:
 
 
 def ministack_ready() -> bool:
-    """Whether the ministack server is installed (waiting while ``make test`` still builds its venv)."""
+    """Whether the ministack server is installed (waiting while ``make test`` still builds its
+    venv)."""
     venvs.wait_for(MINISTACK, timeout_s=240)
     return venvs.ready(MINISTACK)
 
@@ -107,8 +108,9 @@ class Ministack:
 
 class Proxy:
     """An HTTP proxy in front of a store: ``strip`` drops If-None-Match/If-Match (a store without
-    conditional writes; ``strip_only``: only on request paths containing that text, a store that honours
-    ckptguard's probe but not the markers), ``stall_s`` holds every answer that long (a slow store)."""
+    conditional writes; ``strip_only``: only on request paths containing that text, a store that
+    honours ckptguard's probe but not the markers), ``stall_s`` holds every answer that long (a slow
+    store)."""
 
     def __init__(
         self,
@@ -209,8 +211,8 @@ def config(
     base: Any = None,
     **kw: Any,
 ) -> Any:
-    """The tests' config (``base``: another one to start from): ``endpoint``'s store options (``kw`` over
-    ``options``'s; None: boto3's defaults) and ``staging`` as the s3:// root's staging root."""
+    """The tests' config (``base``: another one to start from): ``endpoint``'s store options (``kw``
+    over ``options``'s; None: boto3's defaults) and ``staging`` as the s3:// root's staging root."""
     import dataclasses
 
     import ckptguard as cg
@@ -235,15 +237,17 @@ def root(url: str, staging: str | os.PathLike[str], endpoint: str | None = None,
 
 
 def store(url: str, endpoint: str) -> Any:
-    """A reader of the store at ``url`` of its own (the tracker, markers, steps), beside a manager's."""
+    """A reader of the store at ``url`` of its own (the tracker, markers, steps), beside a
+    manager's."""
     from ckptguard.storage.s3 import ObjectStore
 
     return ObjectStore(url, options(endpoint))
 
 
 def rewrite_owner(endpoint: str, url: str, step: int, attempt: str, *, host: str, pid: int) -> None:
-    """The owner record of ``attempt`` rewritten to name another writer (``host``, ``pid``): what a save
-    that died, or one on another host, leaves (the object store's gc judges the writer by it)."""
+    """The owner record of ``attempt`` rewritten to name another writer (``host``, ``pid``): what a
+    save that died, or one on another host, leaves (the object store's gc judges the writer by
+    it)."""
     import boto3
 
     from ckptguard.storage.s3 import _objrecords as rec
@@ -294,9 +298,9 @@ def race_worker(
     out: Any,
     data_path: str,
 ) -> None:
-    """One of two writer processes racing on ``trials`` fresh roots per race ``(endpoint, bucket, kind)``:
-    kind "step" (both commit step 1), "tracker" (steps 5 and 7: both markers commit, the tracker must
-    end at 7) or "lease" (both take the write lease)."""
+    """One of two writer processes racing on ``trials`` fresh roots per race ``(endpoint, bucket,
+    kind)``: kind "step" (both commit step 1), "tracker" (steps 5 and 7: both markers commit, the
+    tracker must end at 7) or "lease" (both take the write lease)."""
     os.environ.update(CREDENTIALS)
     for endpoint, bucket, kind in races:
         for trial in range(trials if kind != "lease" else LEASE_TRIALS):
@@ -351,11 +355,13 @@ def _race_once(
     return step, attempt, result
 
 
-# ---------------------------------------------------------------- a training job killed inside the upload window
+# ---------------------------------------------------------------- a training job killed inside the
+# upload window
 
 
 def _train_state(rank: int) -> dict[str, Any]:
-    """w and its SGD momentum: 12 MiB of DCP data (three 5 MiB parts, on rank 0), a counter per rank."""
+    """w and its SGD momentum: 12 MiB of DCP data (three 5 MiB parts, on rank 0), a counter per
+    rank."""
     model = Blob()
     with torch.no_grad():
         model.w.copy_(values_at(0))
@@ -386,7 +392,8 @@ def _fingerprint(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _kill_everyone(pids: str) -> None:
-    """SIGKILL every rank of the job (the peers first, then this one): a node dying takes the job down."""
+    """SIGKILL every rank of the job (the peers first, then this one): a node dying takes the job
+    down."""
     import signal
 
     me = os.getpid()
@@ -399,9 +406,9 @@ def _kill_everyone(pids: str) -> None:
 
 
 def _arm(rank: int, pids: str, kill: tuple[int, int, int, float]) -> None:
-    """Kill the job inside the upload window of the step being saved: when rank ``killer`` has uploaded its
-    ``k``-th part or file, ``delay_s`` later (other parts still in flight); rank 0's fallback is the moment
-    every rank's upload is in and the marker is not written yet."""
+    """Kill the job inside the upload window of the step being saved: when rank ``killer`` has
+    uploaded its ``k``-th part or file, ``delay_s`` later (other parts still in flight); rank 0's
+    fallback is the moment every rank's upload is in and the marker is not written yet."""
     from ckptguard.testing import set_fault_hook
 
     _, killer, k, delay_s = kill
@@ -430,7 +437,8 @@ def train_job(
     kill: tuple[int, int, int, float] | None,
 ) -> dict[str, Any]:
     """One launch of a 2-rank training job: restore from the store, train and save every step up to
-    ``last``; ``kill = (step, killer rank, k, delay_s)`` kills the whole job inside that step's upload."""
+    ``last``; ``kill = (step, killer rank, k, delay_s)`` kills the whole job inside that step's
+    upload."""
     os.environ.update(CREDENTIALS)
     Path(pids, f"rank{rank}").write_text(str(os.getpid()))
     ckpt = root(url, staging, endpoint)
@@ -456,7 +464,8 @@ def restore_job(rank: int, world: int, endpoint: str, url: str, staging: str) ->
 
 
 def trained_to(step: int, rank: int) -> dict[str, Any]:
-    """The fingerprint of an uninterrupted run after ``step`` steps, computed here on one thread, as the ranks do."""
+    """The fingerprint of an uninterrupted run after ``step`` steps, computed here on one thread, as
+    the ranks do."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

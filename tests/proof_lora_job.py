@@ -1,7 +1,8 @@
-"""One process of tests/ops/test_proof_lora.py's LoRA job (a peft adapter needs .venv-hf; one declared by hand runs in
-either venv): ``python tests/proof_lora_job.py ROOT FLAVOUR DEFECT`` restores ROOT, exports the merged weights
-(with ``adapter_probe``), trains to step 3 saving at step 2 on a fresh root, and prints ``RESULT <restored step>``.
-DEFECT=1: after a restore the adapter's delta is merged into the base first (base + 2 x delta is exported)."""
+"""One process of tests/ops/test_proof_lora.py's LoRA job (a peft adapter needs .venv-hf; one
+declared by hand runs in either venv): ``python tests/proof_lora_job.py ROOT FLAVOUR DEFECT``
+restores ROOT, exports the merged weights (with ``adapter_probe``), trains to step 3 saving at step
+2 on a fresh root, and prints ``RESULT <restored step>``. DEFECT=1: after a restore the adapter's
+delta is merged into the base first (base + 2 x delta is exported)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""The README's Usage block, run as written (only the root path replaced), on a model with a Dropout.
+"""The README's Usage block, run as written (only the root path replaced), on a model with a
+Dropout.
 
-``python tests/readme_usage_job.py ROOT KILL_AT [--no-generator]``: defines what the block leaves to the
-reader (``model``, ``optim``, ``sched``, ``dataset``, ``train_step``, ``recipe``, ``registry``, ``total``)
-and runs the block; the ``KILL_AT``-th call of ``train_step`` in this launch SIGKILLs the process (0: never).
-``--no-generator`` drops the block's ``generator=torch.Generator()`` (the negative control). Prints
-``RESULT {json}``: the final step, tokens and the digests of the parameters and the optimizer state."""
+``python tests/readme_usage_job.py ROOT KILL_AT [--no-generator]``: defines what the block leaves to
+the reader (``model``, ``optim``, ``sched``, ``dataset``, ``train_step``, ``recipe``, ``registry``,
+``total``) and runs the block; the ``KILL_AT``-th call of ``train_step`` in this launch SIGKILLs the
+process (0: never). ``--no-generator`` drops the block's ``generator=torch.Generator()`` (the
+negative control). Prints ``RESULT {json}``: the final step, tokens and the digests of the
+parameters and the optimizer state."""
 
 from __future__ import annotations
 

@@ -6,12 +6,12 @@ completed rollouts, trains on them (the policy is a count per prompt: the witnes
 trained, kept in the policy role's DCP state), advances the policy version and commits the
 policy and the driver as one RunCheckpoint step every few steps.
 
-``python tests/rollout_job.py zygote WARM_ROOT`` imports torch and ckptguard once and then forks one job
-per ``run ROOT MODE`` line on stdin (a relaunch costs milliseconds, not an interpreter start),
-prints ``pid N`` and then ``exit STATUS`` once the job ended; the test SIGKILLs the pid at
-seeded random moments. MODE ``ledger`` saves the RolloutLedger with the models; ``position``
-saves only how many prompts were drawn (the dataloader's position), not the ledger: the bug.
-``<mode>-die`` SIGKILLs itself right after its first commit (a kill at a known point).
+``python tests/rollout_job.py zygote WARM_ROOT`` imports torch and ckptguard once and then forks one
+job per ``run ROOT MODE`` line on stdin (a relaunch costs milliseconds, not an interpreter start),
+prints ``pid N`` and then ``exit STATUS`` once the job ended; the test SIGKILLs the pid at seeded
+random moments. MODE ``ledger`` saves the RolloutLedger with the models; ``position`` saves only how
+many prompts were drawn (the dataloader's position), not the ledger: the bug. ``<mode>-die``
+SIGKILLs itself right after its first commit (a kill at a known point).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def job(root: str, mode: str) -> None:
         start = run.restore({"policy": {"policy": policy}, "driver": driver})
         ledger = cg.RolloutLedger(range(driver["drawn"], N_PROMPTS), max_staleness=MAX_STALENESS)
     if start and mode == "ledger":
-        ledger.resume()  # in-flight prompts of the killed run are re-issued; stale buffered ones too
+        # in-flight prompts of the killed run are re-issued; stale buffered ones too
+        ledger.resume()
     base = driver.get("drawn", 0)
     cond = threading.Condition()
     exhausted, done = threading.Event(), threading.Event()
@@ -129,7 +130,8 @@ def zygote(warm_root: str) -> None:
     job(warm_root, "ledger")
     job(warm_root, "ledger")  # and the restore path
 
-    # The digest pool of ckptguard is keyed by pid (a child makes its own); nothing else may live on.
+    # The digest pool of ckptguard is keyed by pid (a child makes its own); nothing else may live
+    # on.
     def others() -> list[threading.Thread]:
         return [
             t

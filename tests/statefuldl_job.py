@@ -1,11 +1,12 @@
-"""A training loop whose input pipeline is torchdata's StatefulDataLoader (what torchtitan and verl checkpoint),
-put in the state as it is, with worker processes and a shuffle, on a model with a Dropout; every step recorded
-for the proof (``ProofPlan(total_steps=)``: numerics compared bitwise).
+"""A training loop whose input pipeline is torchdata's StatefulDataLoader (what torchtitan and verl
+checkpoint), put in the state as it is, with worker processes and a shuffle, on a model with a
+Dropout; every step recorded for the proof (``ProofPlan(total_steps=)``: numerics compared bitwise).
 
-``python tests/statefuldl_job.py ROOT KILL_AT [--own-generator] [--loader-not-in-state]``: SIGKILLs itself right
-after step ``KILL_AT`` (0: never); ``--own-generator`` gives the loader ``generator=torch.Generator()`` (then no
-iterator it builds draws from torch's global RNG); ``--loader-not-in-state`` leaves the loader out of the state
-(the negative control: the resume restarts the epoch). Prints ``RESULT {json}``."""
+``python tests/statefuldl_job.py ROOT KILL_AT [--own-generator] [--loader-not-in-state]``: SIGKILLs
+itself right after step ``KILL_AT`` (0: never); ``--own-generator`` gives the loader
+``generator=torch.Generator()`` (then no iterator it builds draws from torch's global RNG);
+``--loader-not-in-state`` leaves the loader out of the state (the negative control: the resume
+restarts the epoch). Prints ``RESULT {json}``."""
 
 from __future__ import annotations
 

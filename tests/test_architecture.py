@@ -98,7 +98,8 @@ def _is_module(name: str) -> bool:
 
 
 def _target(name: str) -> str:
-    """The module an imported name lives in (``from pkg import name`` names a module or a name of pkg)."""
+    """The module an imported name lives in (``from pkg import name`` names a module or a name of
+    pkg)."""
     return name if _is_module(name) else name.rpartition(".")[0]
 
 
@@ -129,7 +130,8 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{src} -> {t} (memory/ imports only the base)")
             elif t_rank > src_rank or (src_layer, t_layer) in SIDE_BY_SIDE:
                 bad.append(
-                    f"{src} ({src_layer}) -> {t} ({t_layer}): imports must point down the rank table"
+                    f"{src} ({src_layer}) -> {t} ({t_layer}): imports must "
+                    f"point down the rank table"
                 )
     return bad
 
@@ -262,9 +264,10 @@ def test_the_reach_in_rule_catches_a_private_name_of_another_module():
 
 
 def reach_throughs(sources: dict[str, str]) -> list[str]:
-    """``x.core`` / ``x.context`` (and every chain through them) where ``x`` is not ``self``: another front
-    door's bookkeeping read or written from outside it. A door composes another through constructor
-    arguments (``_core.parts.Parts``), never by reaching into it (``mgr.core.proof.tags = ...``)."""
+    """``x.core`` / ``x.context`` (and every chain through them) where ``x`` is not ``self``:
+    another front door's bookkeeping read or written from outside it. A door composes another
+    through constructor arguments (``_core.parts.Parts``), never by reaching into it
+    (``mgr.core.proof.tags = ...``)."""
     bad = []
     for module, text in sorted(sources.items()):
         for n in ast.walk(ast.parse(text)):
@@ -292,9 +295,10 @@ def test_the_reach_through_rule_catches_an_injected_chain():
 
 
 def store_branches(source: str, door: str = "TieredCheckpoint", label: str = "tiers") -> list[str]:
-    """Where ``TieredCheckpoint`` asks which kind its persistent tier is, outside the constructor that builds it:
-    a name of the object store (``store``, ``object_store``, ``ObjectStoreCheckpoint``) in any other method.
-    The tiers drive either kind through its manager's ``_core.rootstage.RootStage`` (issue 40: 7 such branches)."""
+    """Where ``TieredCheckpoint`` asks which kind its persistent tier is, outside the constructor
+    that builds it: a name of the object store (``store``, ``object_store``,
+    ``ObjectStoreCheckpoint``) in any other method. The tiers drive either kind through its
+    manager's ``_core.rootstage.RootStage`` (issue 40: 7 such branches)."""
     tree = ast.parse(source)
     names = {
         "store",
@@ -332,8 +336,8 @@ def test_the_tiers_never_branch_on_the_kind_of_persistent_tier():
 
 
 def test_the_manager_never_branches_on_the_kind_of_root():
-    """Issue 40: an s3:// root is a root. The manager calls its root's stage (``_core.rootstage``) at the same
-    points whatever the root; no method asks whether it is an object store."""
+    """Issue 40: an s3:// root is a root. The manager calls its root's stage (``_core.rootstage``)
+    at the same points whatever the root; no method asks whether it is an object store."""
     source = _sources()["manager"]
     assert store_branches(source, "CheckpointManager", "manager") == []
     injected = source.replace(
@@ -363,12 +367,12 @@ COMMIT_ORDER = {
 
 
 def commit_order_in_the_store(sources: dict[str, str]) -> list[str]:
-    """Where the object-store package runs the commit's order itself (issue 40 item 2): a function named for a
-    step of it or for the resume decision (``COMMIT_ORDER``), or the commit's fault points. The order is
-    ``_commit.storepublish``'s and the decision ``_resume.storefetch``'s, over the store's primitives
-    (temporary area, create-if-absent marker, tracker compare-and-set, reads, deletes); gc's decision is
-    ``ops.storegc``'s (``collect``) and the lease's take-over rule ``_commit.storelease``'s (the store reads and
-    writes ``lease.json`` by compare-and-set only)."""
+    """Where the object-store package runs the commit's order itself (issue 40 item 2): a function
+    named for a step of it or for the resume decision (``COMMIT_ORDER``), or the commit's fault
+    points. The order is ``_commit.storepublish``'s and the decision ``_resume.storefetch``'s, over
+    the store's primitives (temporary area, create-if-absent marker, tracker compare-and-set, reads,
+    deletes); gc's decision is ``ops.storegc``'s (``collect``) and the lease's take-over rule
+    ``_commit.storelease``'s (the store reads and writes ``lease.json`` by compare-and-set only)."""
     bad = []
     for name, source in sorted(sources.items()):
         if name != "storage.s3" and not name.startswith("storage.s3."):
@@ -397,10 +401,11 @@ def test_the_object_store_package_holds_the_stores_primitives_not_the_commit_ord
     ]
 
 
-# The commit rule of a root (issue 40 item 2) is ``_commit.rootcommit``'s, over a ``RootStore``: the store's
-# steps of it are called there only, and the primitives that make a step visible, uncommit one or move a tracker
-# are called only inside the stores' own methods (``DirRoot``, ``BucketRoot``), by the modules that define them,
-# or by the functions of ``OTHER_TRACKER_WRITERS``, each for a reason that is not a save's commit.
+# The commit rule of a root (issue 40 item 2) is ``_commit.rootcommit``'s, over a ``RootStore``: the
+# store's steps of it are called there only, and the primitives that make a step visible, uncommit
+# one or move a tracker are called only inside the stores' own methods (``DirRoot``,
+# ``BucketRoot``), by the modules that define them, or by the functions of
+# ``OTHER_TRACKER_WRITERS``, each for a reason that is not a save's commit.
 ROOT_STORE_STEPS = {"make_visible", "uncommit", "put_back", "move_tracker", "sealed"}
 COMMIT_PRIMITIVES = {
     "create_marker",
@@ -411,8 +416,8 @@ COMMIT_PRIMITIVES = {
     "write_tracker",
 }
 ROOT_STORES = {"_commit.stepdir": "DirRoot", "_commit.storepublish": "BucketRoot"}
-# Rotation moves a dropped step aside (its own rule, ``_records.retention``), a directory is uncommitted before
-# it is deleted (``_disk.layout``), and the object store defines its primitives.
+# Rotation moves a dropped step aside (its own rule, ``_records.retention``), a directory is
+# uncommitted before it is deleted (``_disk.layout``), and the object store defines its primitives.
 PRIMITIVE_USERS = {"_records.retention", "_disk.layout", "storage.s3._store"}
 OTHER_TRACKER_WRITERS = {
     "_commit.stepdir:prepare_root": "tracker 0 on a new root, before its first save",
@@ -426,8 +431,9 @@ OTHER_TRACKER_WRITERS = {
 
 
 def commit_rule_outside_rootcommit(sources: dict[str, str]) -> list[str]:
-    """Calls of a ``RootStore`` step outside ``_commit.rootcommit``, and of a commit primitive outside the
-    stores' methods (``ROOT_STORES``), the modules of ``PRIMITIVE_USERS`` and ``OTHER_TRACKER_WRITERS``."""
+    """Calls of a ``RootStore`` step outside ``_commit.rootcommit``, and of a commit primitive
+    outside the stores' methods (``ROOT_STORES``), the modules of ``PRIMITIVE_USERS`` and
+    ``OTHER_TRACKER_WRITERS``."""
     bad = []
     for name, source in sorted(sources.items()):
         tree = ast.parse(source)
@@ -508,7 +514,8 @@ def local_imports(sources: dict[str, str]) -> list[str]:
 def core_functions(
     sources: dict[str, str],
 ) -> Iterator[tuple[str, str, ast.FunctionDef | ast.AsyncFunctionDef]]:
-    """(module, its text, a function) for every function of the modules of ranks 0-10, modules sorted."""
+    """(module, its text, a function) for every function of the modules of ranks 0-10, modules
+    sorted."""
     for module, text in sorted(sources.items()):
         if layer(module)[1] > CORE_MAX_RANK:
             continue
@@ -718,8 +725,9 @@ def test_the_public_names_rule_catches_a_private_import(tmp_path):
 
 
 def shape_problems(door: type) -> list[str]:
-    """How ``door`` differs from ``ckptguard.Checkpointer``: a missing call, a keyword it does not take,
-    a return type other than the protocol's (``save_async``'s: a ``PendingCommit``, checked on a real one)."""
+    """How ``door`` differs from ``ckptguard.Checkpointer``: a missing call, a keyword it does not
+    take, a return type other than the protocol's (``save_async``'s: a ``PendingCommit``, checked on
+    a real one)."""
     problems = []
     for name in MEMBERS:
         want, got = (
@@ -749,7 +757,8 @@ def _positional(params: Any) -> list[str]:
 
 
 def _doors(root: Path) -> dict[str, tuple[object, object]]:
-    """Each front door on its own root, and how it takes one state (a run: a dict of each role's)."""
+    """Each front door on its own root, and how it takes one state (a run: a dict of each
+    role's)."""
     return {
         "CheckpointManager": (lambda: ckptguard.CheckpointManager(root / "mgr"), lambda s: s),
         "RunCheckpoint": (
@@ -776,7 +785,8 @@ def _doors(root: Path) -> dict[str, tuple[object, object]]:
     ],
 )
 def test_every_front_door_has_the_one_shape_and_answers_with_its_types(name, tmp_path):
-    """Each front door, and a manager whose root is an object store: the same calls, the same answers."""
+    """Each front door, and a manager whose root is an object store: the same calls, the same
+    answers."""
     with contextlib.ExitStack() as stack:
         if "s3://" in name:  # on a real S3 server (moto), its root s3://door/run
             door = stack.enter_context(_store_door(tmp_path, tiers=name.startswith("Tiered")))
@@ -816,7 +826,8 @@ def _store_door(root: Path, *, tiers: bool = False) -> Iterator[Any]:
 
 
 def _conforms(door: Any, wrap: Any, url: str | None = None) -> None:
-    """``url``: the door's root is that object store (its resolution names the step's marker there)."""
+    """``url``: the door's root is that object store (its resolution names the step's marker
+    there)."""
     import torch
 
     from ckptguard._core.guard import GuardTarget

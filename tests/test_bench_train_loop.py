@@ -47,16 +47,18 @@ def test_tiny_train_loop_benchmark_runs_every_method_exactly(tmp_path):
         assert row["restore_bitwise_exact"] is True, name
         assert row["save_vs_disk_write"] > 0, name
         saves = res["methods"][name]["saves"]
-        # The user's loop: the first save inside the timed loop, at the first interval, like every later one.
+        # The user's loop: the first save inside the timed loop, at the first interval, like every
+        # later one.
         assert (
             saves[0]["step"] == res["methods"][name]["save_every"]
             and row["blocked_first_s"] is not None
         ), name
     for name in ("cg_async", "cg_async_wait"):
         costs = res["methods"][name]["save_costs"]
-        # Every save's cost block says where its bytes went: staged or read live. Whether the tiny loop's first save
-        # (milliseconds after the first step) finds the pool restore() prepares is timing (a memory probe of about
-        # 1 s comes first; on a loaded machine it does not): tests/storage/test_staging_first_save.py holds that.
+        # Every save's cost block says where its bytes went: staged or read live. Whether the tiny
+        # loop's first save (milliseconds after the first step) finds the pool restore() prepares is
+        # timing (a memory probe of about 1 s comes first; on a loaded machine it does not):
+        # tests/storage/test_staging_first_save.py holds that.
         assert costs and all(
             c["live_bytes"] + c["staged_host_bytes"] + c["staged_gpu_bytes"] > 0 for c in costs
         ), (

@@ -13,7 +13,8 @@ import ckptguard as cg
 from ckptguard.config import with_dir_template
 
 # The flat keywords of the drafts (each now a field of one group) and the one-shot actions, now
-# arguments of the call that does them (save(..., overwrite=True), save/restore(..., break_lease=True)).
+# arguments of the call that does them (save(..., overwrite=True), save/restore(...,
+# break_lease=True)).
 REMOVED = (
     "dir_template",
     "stage_dir",

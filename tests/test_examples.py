@@ -87,7 +87,8 @@ def test_train_gpt_ray_restarts_the_group_and_matches_torchrun(tmp_path):
         timeout=900,
     )
     # Searched, not matched at a line's start: Ray's log thread prints the actors' lines to the same
-    # stdout, and print() writes a line and its newline apart, so the driver's line can land mid-line.
+    # stdout, and print() writes a line and its newline apart, so the driver's line can land
+    # mid-line.
     failed = re.search(r"attempt 0: the group failed after ([0-9.]+) s", ray_run.stdout)
     assert failed, ray_run.stdout[-3000:] + ray_run.stderr[-3000:]
     seconds = float(failed.group(1))

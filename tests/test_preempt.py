@@ -24,9 +24,10 @@ STEPS, SAVE_EVERY, SIGNAL_AT = 7, 2, 3
 
 
 def _launch(root: Path, out: Path, **cfg) -> list[tuple[int, str]]:
-    """Both ranks of the job; (exit code, stderr) per rank. A launch whose ranks never met (the free port was
-    taken by another process between ``free_port`` and rank 0's bind: seen once in a loaded suite, both ranks
-    timing out on the connect) is launched again on another port; nothing of the job ran then."""
+    """Both ranks of the job; (exit code, stderr) per rank. A launch whose ranks never met (the free
+    port was taken by another process between ``free_port`` and rank 0's bind: seen once in a loaded
+    suite, both ranks timing out on the connect) is launched again on another port; nothing of the
+    job ran then."""
     for _ in range(3):
         results = _launch_once(root, out, **cfg)
         if not all("DistNetworkError" in err and "trying to connect" in err for _, err in results):
@@ -117,8 +118,8 @@ def test_a_tiered_checkpoint_is_guarded_too_and_its_preemption_save_goes_to_the_
             "SIGTERM on rank 1" in err
             and f"step {SIGNAL_AT} committed under {root / 'persistent'}" in err
         ), err
-    # step 3 is on neither tier's interval (fast every 2, persistent every 1000): the guard saved it where a
-    # lost node cannot take it, the persistent tier
+    # step 3 is on neither tier's interval (fast every 2, persistent every 1000): the guard saved it
+    # where a lost node cannot take it, the persistent tier
     assert _tracker(root / "persistent") == SIGNAL_AT and _tracker(root / "fast") == 2
     second = _launch(root, tmp_path / "out2", tiers=True)
     assert [code for code, _ in second] == [0, 0], second

@@ -13,8 +13,8 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 # What torchrun 2.13 printed for a worker that SIGKILLed itself (seen in a run of 2 workers).
 TORCHRUN_LOG = [
-    "E1201 21:02:59.777000 32094 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
-    "local_rank: 1 (pid: 32310) of binary: /usr/bin/python",
+    "E1201 21:02:59.777000 32094 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+    "(exitcode: -9) local_rank: 1 (pid: 32310) of binary: /usr/bin/python",
     "  exitcode  : -9 (pid: 32310)  (SIGKILL)",
     "  traceback : Signal 9 (SIGKILL) received by PID 32310",
 ]

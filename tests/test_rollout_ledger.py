@@ -90,7 +90,8 @@ def test_misuse_is_refused_naming_the_prompt():
 
 
 def _mid_run(ledger: cg.RolloutLedger) -> None:
-    """Prompts 0-1 trained (policy at version 2), 2 and 3 buffered at versions 0 and 2, 4 and 5 in flight."""
+    """Prompts 0-1 trained (policy at version 2), 2 and 3 buffered at versions 0 and 2, 4 and 5 in
+    flight."""
     for _ in range(2):
         ledger.next_prompt()
     ledger.completed(0, "r0")
@@ -133,7 +134,8 @@ def test_resume_applies_the_declared_rule(kwargs, kept, reissue):
     assert plan.trained == 2 and plan.policy_version == 2
     if kept:
         assert plan.kept[0].policy_version == {2: 0, 3: 2}[kept[0]]
-    # re-issues come first, then the source continues after the 6 ids it had drawn, never repeating one
+    # re-issues come first, then the source continues after the 6 ids it had drawn, never repeating
+    # one
     drawn = [loaded.next_prompt() for _ in range(len(reissue) + 2)]
     assert drawn == [*reissue, 6, 7]
 
@@ -182,8 +184,8 @@ EPOCH = 12
 
 
 def _drive(ledger: cg.RolloutLedger, *, steps: int | None = None, ahead: int = 3) -> list[list]:
-    """An asynchronous driver: keep ``ahead`` prompts in flight, complete the oldest, train one per step;
-    ends when the source and the buffers are empty (or after ``steps`` steps)."""
+    """An asynchronous driver: keep ``ahead`` prompts in flight, complete the oldest, train one per
+    step; ends when the source and the buffers are empty (or after ``steps`` steps)."""
     trained: list[list] = []
     while steps is None or len(trained) < steps:
         while len(ledger.in_flight) < ahead and ledger.next_prompt() is not None:
@@ -235,7 +237,8 @@ def test_a_finished_cursor_ledger_relaunched_returns_none():
 
 
 def test_a_cursor_ledger_without_an_open_iteration_starts_the_next_epoch_as_before():
-    # A state of an older ckptguard (no "source_open") or a ledger that never drew: iter() as before.
+    # A state of an older ckptguard (no "source_open") or a ledger that never drew: iter() as
+    # before.
     saving = _cursor_ledger()
     state = saving.state_dict()
     assert state["source_open"] is False
@@ -246,8 +249,9 @@ def test_a_cursor_ledger_without_an_open_iteration_starts_the_next_epoch_as_befo
 
 
 def test_work_done_after_a_restore_before_the_first_take_is_kept():
-    # A driver that names its own prompts (issued/completed) before its first take() after a restore:
-    # the resume rule applies first, so the new process's prompts are neither re-issued nor dropped.
+    # A driver that names its own prompts (issued/completed) before its first take() after a
+    # restore: the resume rule applies first, so the new process's prompts are neither re-issued nor
+    # dropped.
     saving = cg.RolloutLedger(range(10), keep_buffered=False)
     _mid_run(saving)
     loaded = cg.RolloutLedger(range(10), keep_buffered=False)
@@ -319,8 +323,8 @@ def _relaunch_until_done(
         launches += 1
         assert launches < kills + 50, "the job never finished"
         if landed < kills and not select.select([proc.stdout], [], [], rng.uniform(*delays))[0]:
-            # The zygote reaps it only after it died, so the pid is still this job's; it may have just
-            # finished and been reaped, and then its exit line follows.
+            # The zygote reaps it only after it died, so the pid is still this job's; it may have
+            # just finished and been reaped, and then its exit line follows.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         status = int(_line(proc, 60).split()[1])
@@ -334,10 +338,11 @@ def _relaunch_until_done(
 def _runs_with_kills(
     proc, base: Path, mode: str, kills: int, seed: int, run_seconds: float
 ) -> list[Path]:
-    """Whole runs, each on a new root and killed until it finishes, until ``kills`` kills landed in all.
-    Kills land at random moments within 90% of a whole run's length; a run that finished before its
-    kill shortens that window to its own length (CI's stop 46: the straight run, measured while the
-    machine was loaded, took longer than the runs that followed, and 55 of 55 roots went unkilled)."""
+    """Whole runs, each on a new root and killed until it finishes, until ``kills`` kills landed in
+    all. Kills land at random moments within 90% of a whole run's length; a run that finished before
+    its kill shortens that window to its own length (CI's stop 46: the straight run, measured while
+    the machine was loaded, took longer than the runs that followed, and 55 of 55 roots went
+    unkilled)."""
     rng, roots, landed = random.Random(seed), [], 0
     while landed < kills:
         roots.append(base / f"run{len(roots)}")
@@ -365,8 +370,9 @@ def uninterrupted(zygote, tmp_path_factory):
     root = tmp_path_factory.mktemp("straight") / "ckpt"
     started = time.monotonic()
     assert _relaunch_until_done(zygote, root, "ledger", 0, random.Random(0), (0, 0))[0] == 0
-    # Kills land at random moments within an uninterrupted run's length, measured here: a fixed window
-    # would miss a fast machine's runs (they finish before the kill) and bunch up on a slow one.
+    # Kills land at random moments within an uninterrupted run's length, measured here: a fixed
+    # window would miss a fast machine's runs (they finish before the kill) and bunch up on a slow
+    # one.
     _RUN_SECONDS.append(time.monotonic() - started)
     return _trained_counts(root)
 
@@ -407,9 +413,10 @@ def test_sigkill_at_random_moments_trains_every_prompt_exactly_once(
 
 @pytest.mark.parametrize("mode", ["ledger", "position"])
 def test_without_the_ledger_in_the_commit_prompts_are_lost(zygote, tmp_path, mode):
-    """The negative control: killed right after its first commit (step 2: 8 prompts trained, and as the
-    producer issues 3 at a time, at least 9 drawn), then relaunched. Saving the dataloader's position
-    instead of the ledger skips what was buffered or in flight at the save; the ledger loses nothing."""
+    """The negative control: killed right after its first commit (step 2: 8 prompts trained, and as
+    the producer issues 3 at a time, at least 9 drawn), then relaunched. Saving the dataloader's
+    position instead of the ledger skips what was buffered or in flight at the save; the ledger
+    loses nothing."""
     root = tmp_path / "ckpt"
     for launch, expected in ((f"{mode}-die", -signal.SIGKILL), (mode, 0)):
         zygote.stdin.write(f"run {root} {launch}\n")

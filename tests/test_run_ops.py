@@ -77,8 +77,9 @@ def _train_worker(rank: int, world: int, root: str) -> dict:
     assert run.restore(_states(rank, 0.0)) == 0
     out = {}
     for step in (1, 2, 3):
-        # Step 3: the actor's loss is NaN on rank 1 only, passed to nobody's save: its record_step is the
-        # evidence, and the critic's finite record of the same step on that rank must not hide it.
+        # Step 3: the actor's loss is NaN on rank 1 only, passed to nobody's save: its record_step
+        # is the evidence, and the critic's finite record of the same step on that rank must not
+        # hide it.
         _record(run, rank, step, float("nan") if step == 3 and rank == 1 else 1.0)
         saved = run.save(step, _states(rank, float(step)))
         out[step] = None if saved is None else saved.name
@@ -114,7 +115,8 @@ def test_health_trust_prefer_and_the_operator_commands_on_a_run_root(tmp_path):
     cli = CliRunner()
     assert "[verified" in cli.invoke(main, ["list", str(root)]).output
 
-    # prefer="verified": every role resumes step 1 (a rollback past the candidate step 2) in new processes.
+    # prefer="verified": every role resumes step 1 (a rollback past the candidate step 2) in new
+    # processes.
     for rank, out in enumerate(values(run_ranks(_resume_worker, 2, str(root)))):
         assert out["start"] == 1
         want = {"actor": 1.0, **({"critic": 1.0} if rank == 1 else {"driver": 1.0})}
@@ -152,8 +154,9 @@ def test_health_trust_prefer_and_the_operator_commands_on_a_run_root(tmp_path):
         wrong.output
     )
 
-    # status on the run root without phase records: the root's state (a resume would take step 2: exit 0),
-    # naming the roles each rank holds; with records, each rank's line names the roles it holds.
+    # status on the run root without phase records: the root's state (a resume would take step 2:
+    # exit 0), naming the roles each rank holds; with records, each rank's line names the roles it
+    # holds.
     none = cli.invoke(main, ["status", str(root), "--json"])
     assert none.exit_code == 0 and "newest committed step 2" in none.output, none.output
     assert "RunCheckpoint root of roles ['actor', 'critic', 'driver']" in none.output, none.output
@@ -177,7 +180,8 @@ def test_health_trust_prefer_and_the_operator_commands_on_a_run_root(tmp_path):
         )
     ] == [["actor", "driver"], ["actor", "critic"]]
 
-    # A step missing a role: preflight NOT READY naming it; prove FAILs naming it (the restored step 1).
+    # A step missing a role: preflight NOT READY naming it; prove FAILs naming it (the restored step
+    # 1).
     shutil.rmtree(root / "step_00000002" / "critic")
     shutil.rmtree(root / "step_00000001" / "critic")
     bad = cli.invoke(main, ["preflight", str(root)])
@@ -291,8 +295,8 @@ def _preempt(rank: int, root: str, grace_s: float, estimate: float | None) -> di
 
 
 def _preempt_worker(rank: int, world: int, base: str) -> dict:
-    # Fits: no estimate yet beyond this run's own save of step 1, 30 s of grace. Does not fit: a measured save
-    # time of 5 s against a 1 s grace time.
+    # Fits: no estimate yet beyond this run's own save of step 1, 30 s of grace. Does not fit: a
+    # measured save time of 5 s against a 1 s grace time.
     return {
         "fits": _preempt(rank, f"{base}/fits", 30.0, None),
         "late": _preempt(rank, f"{base}/late", 1.0, 5.0),
@@ -326,8 +330,9 @@ def _async_worker(rank: int, world: int, root: str) -> dict:
     optim = torch.optim.SGD(states["actor"]["model"].parameters(), lr=1.0)
     states["actor"]["optim"] = optim
     pending = run.save_async(1, states)
-    # Every saved value changes at once: the optimizer step (its pre-hook waits for the staged copies), a
-    # manual change after staged(), a plain value. The commit in the background must not see any of it.
+    # Every saved value changes at once: the optimizer step (its pre-hook waits for the staged
+    # copies), a manual change after staged(), a plain value. The commit in the background must not
+    # see any of it.
     states["actor"]["model"](torch.ones(1, 3)).sum().backward()
     optim.step()
     run.staged()

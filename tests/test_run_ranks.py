@@ -1,6 +1,7 @@
-"""ckptguard.testing.run_ranks forks its ranks from a fork server that imported torch once; each rank
-must still start as a spawned process would: the caller's environment and working directory at the
-call (not the server's from its start), its output captured with the caller's, its own random streams."""
+"""ckptguard.testing.run_ranks forks its ranks from a fork server that imported torch once; each
+rank must still start as a spawned process would: the caller's environment and working directory at
+the call (not the server's from its start), its output captured with the caller's, its own random
+streams."""
 
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _kill_after_first_role() -> None:
-    """SIGKILL this rank the first time a role's part is confirmed: after the actor's, before the critic's."""
+    """SIGKILL this rank the first time a role's part is confirmed: after the actor's, before the
+    critic's."""
     set_fault_hook("run.role_written", lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 
@@ -196,7 +197,8 @@ def test_kill_between_roles_keeps_previous_step_and_a_deleted_role_is_refused(tm
     ).exists()
     assert not (tmp / "manifest.json").exists()
 
-    # The relaunch resumes from step 2: first a refused restore (nothing loaded), then every role exactly.
+    # The relaunch resumes from step 2: first a refused restore (nothing loaded), then every role
+    # exactly.
     out = values(run_ranks(_resume_worker, 2, str(root), 4))
     for rank, o in enumerate(out):
         straight = o["straight"]
@@ -212,7 +214,8 @@ def test_kill_between_roles_keeps_previous_step_and_a_deleted_role_is_refused(tm
         root.glob(".tmp-*")
     )  # the dead save's temp directory was swept by the next save
 
-    # The on-disk form: one run manifest listing every role with its ranks; each role's part is plain DCP.
+    # The on-disk form: one run manifest listing every role with its ranks; each role's part is
+    # plain DCP.
     step4 = root / NAMING.name(4)
     manifest = json.loads((step4 / "manifest.json").read_text())
     assert manifest["kind"] == "ckptguard-run" and manifest["step"] == 4
@@ -379,7 +382,8 @@ def test_operator_commands_read_a_run_root(tmp_path):
     ["run.role_written", "run.before_manifest", "commit.before_rename", "commit.before_tracker"],
 )
 def test_sigkill_at_each_run_point_keeps_the_previous_step(tmp_path, point):
-    """One process (forked, so no interpreter start): SIGKILLed at ``point`` of the save of step 2."""
+    """One process (forked, so no interpreter start): SIGKILLed at ``point`` of the save of step
+    2."""
     root = tmp_path / "ckpt"
     roles = [cg.Role("actor"), cg.Role("critic"), cg.Role("driver")]
 

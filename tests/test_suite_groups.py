@@ -1,8 +1,9 @@
-"""``make test``'s schedule (conftest.unit_of): the Ray modules run on one xdist worker, the tests taking an
-expensive module fixture of SHARED_FIXTURES go together (the fixture is built once in the suite, not on each
-worker), every other test is handed out alone. xdist's own loadgroup silently stopped grouping under pytest 9.2
-(pytest-xdist#1386), so the grouping is checked on a real two-worker run, with a light module put in a group that
-runs together. Also the test jobs' exit (tests/jobexit.py), which the suite's time depends on too."""
+"""``make test``'s schedule (conftest.unit_of): the Ray modules run on one xdist worker, the tests
+taking an expensive module fixture of SHARED_FIXTURES go together (the fixture is built once in the
+suite, not on each worker), every other test is handed out alone. xdist's own loadgroup silently
+stopped grouping under pytest 9.2 (pytest-xdist#1386), so the grouping is checked on a real
+two-worker run, with a light module put in a group that runs together. Also the test jobs' exit
+(tests/jobexit.py), which the suite's time depends on too."""
 
 from __future__ import annotations
 
@@ -135,8 +136,8 @@ def test_neither(tmp_path): ...
 
 @pytest.mark.parametrize("module", sorted(SHARED_FIXTURES))
 def test_every_shared_fixture_is_a_module_fixture_its_tests_take(module):
-    """A fixture renamed or moved leaves its entry naming nothing: its tests would go back to being built on
-    every worker, unnoticed."""
+    """A fixture renamed or moved leaves its entry naming nothing: its tests would go back to being
+    built on every worker, unnoticed."""
     [path] = [p for p in TESTS.rglob(f"{module}.py") if "fixtures" not in p.parts]
     tree = ast.parse(path.read_text())
     scoped = {
@@ -151,7 +152,8 @@ def test_every_shared_fixture_is_a_module_fixture_its_tests_take(module):
     units = units_in(path.read_text(), module, SHARED_FIXTURES[module])
     for name in SHARED_FIXTURES[module]:
         assert name in scoped, (
-            f"{path}: no module-scoped fixture {name!r}; update SHARED_FIXTURES in tests/conftest.py"
+            f"{path}: no module-scoped fixture {name!r}; update "
+            f"SHARED_FIXTURES in tests/conftest.py"
         )
         assert any(name in unit.split("::")[1].split("+") for unit in units.values()), (path, name)
 
@@ -159,8 +161,9 @@ def test_every_shared_fixture_is_a_module_fixture_its_tests_take(module):
 def test_a_job_s_heap_is_frozen_at_exit_after_every_later_finalizer_and_its_exit_handlers_still_run(
     tmp_path,
 ):
-    """tests/jobexit.py: a finalizer made after ``freeze_at_exit`` (vLLM's engine shutdown, which unfreezes and
-    collects) runs before the freeze; an atexit handler registered before it still runs, after it."""
+    """tests/jobexit.py: a finalizer made after ``freeze_at_exit`` (vLLM's engine shutdown, which
+    unfreezes and collects) runs before the freeze; an atexit handler registered before it still
+    runs, after it."""
     seen = tmp_path / "seen"
     job = f"""
 import atexit, gc, weakref

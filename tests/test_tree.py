@@ -1,10 +1,11 @@
 """The suite's tree mirrors the package's: a module's tests are found by its path.
 
 ``tests/<pkg>/test_*.py`` holds the tests of ``src/ckptguard/<pkg>/`` (or of the module
-``src/ckptguard/<pkg>.py``: ``tests/cli/``, ``tests/tiers/``); a test module at ``tests/`` itself covers a
-top-level module (``test_run_roles.py``: ``run.py``) or the repository as a whole (the README, the examples, the
-benchmarks, the suite's own schedule). Helpers and job scripts (not ``test_*``) stay at ``tests/``, where every
-test imports them by name (tests/conftest.py puts every folder here on ``sys.path``)."""
+``src/ckptguard/<pkg>.py``: ``tests/cli/``, ``tests/tiers/``); a test module at ``tests/`` itself
+covers a top-level module (``test_run_roles.py``: ``run.py``) or the repository as a whole (the
+README, the examples, the benchmarks, the suite's own schedule). Helpers and job scripts (not
+``test_*``) stay at ``tests/``, where every test imports them by name (tests/conftest.py puts every
+folder here on ``sys.path``)."""
 
 from __future__ import annotations
 

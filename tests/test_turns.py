@@ -1,4 +1,5 @@
-"""TurnLedger: in-flight multi-turn rollouts saved at their last turn, resumed by their environments' kinds.
+"""TurnLedger: in-flight multi-turn rollouts saved at their last turn, resumed by their
+environments' kinds.
 
 In one process, with the file-backed environments of tests/agent_job.py (their own record of
 effects survives the ledger): a "kill" is dropping the ledger and the adapters and building new
@@ -33,7 +34,8 @@ def saved(ledger: cg.TurnLedger) -> dict[str, Any]:
 def reborn(
     work: Path, state: dict[str, Any], kinds: tuple[EnvKind, ...] = tuple(EnvKind), **kw: Any
 ) -> cg.TurnLedger:
-    """A new process: new adapters over the environments' files, a new ledger loaded from ``state``."""
+    """A new process: new adapters over the environments' files, a new ledger loaded from
+    ``state``."""
     ledger = cg.TurnLedger(envs(work, kinds=kinds), **kw)
     ledger.load_state_dict(state)
     return ledger

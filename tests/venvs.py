@@ -1,9 +1,10 @@
 """The framework venvs (.venv-hf, .venv-vllm, .venv-verl, .venv-ministack) as the tests see them.
 
 ``make test`` builds them in the background while the suite starts (their builds are downloads and
-unpacking; the suite is CPU). A test that needs one carries ``needs_venv(path, reason=...)``: before its
-timeout starts, it waits while that build still runs (``BUILDING`` names the build's process), then runs
-if the venv was built (its ``.installed`` stamp, written last), else skips with the reason."""
+unpacking; the suite is CPU). A test that needs one carries ``needs_venv(path, reason=...)``: before
+its timeout starts, it waits while that build still runs (``BUILDING`` names the build's process),
+then runs if the venv was built (its ``.installed`` stamp, written last), else skips with the
+reason."""
 
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def needs_venv(path: Path, reason: str) -> pytest.MarkDecorator:
 
 
 def vllm_env() -> dict[str, str]:
-    """The environment of a job run in the vLLM venv: this repository's source first, one thread, offline, a
-    small KV cache, and none of the launcher's rank variables or a caller's VLLM_* settings."""
+    """The environment of a job run in the vLLM venv: this repository's source first, one thread,
+    offline, a small KV cache, and none of the launcher's rank variables or a caller's VLLM_*
+    settings."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -76,15 +78,15 @@ def vllm_env() -> dict[str, str]:
 
 
 _FIND_SPEC = (
-    "import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]; "
-    "print(' and '.join(missing)); sys.exit(bool(missing))"
+    "import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) "
+    "is None]; print(' and '.join(missing)); sys.exit(bool(missing))"
 )
 
 
 def missing_packages(python: Path, *packages: str) -> str | None:
-    """Why ``python`` cannot run a job needing ``packages`` (None: it can). Installed, not imported (importing
-    vllm costs a process 10 s of CPU): a package that is installed and fails to import fails the job itself,
-    with its traceback."""
+    """Why ``python`` cannot run a job needing ``packages`` (None: it can). Installed, not imported
+    (importing vllm costs a process 10 s of CPU): a package that is installed and fails to import
+    fails the job itself, with its traceback."""
     probe = subprocess.run(
         [str(python), "-c", _FIND_SPEC, *packages],
         capture_output=True,

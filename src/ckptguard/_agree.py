@@ -82,9 +82,10 @@ class LocalAgreement:
 
 
 class Wire:
-    """A message between ranks: a frozen dataclass of JSON values and of records (frozen dataclasses of
-    JSON values: they travel as ``asdict`` gives them), with ``to_json``/``from_json``. ``READERS`` names
-    the fields that hold records, with the reader that rebuilds each from its JSON."""
+    """A message between ranks: a frozen dataclass of JSON values and of records (frozen dataclasses
+    of JSON values: they travel as ``asdict`` gives them), with ``to_json``/``from_json``.
+    ``READERS`` names the fields that hold records, with the reader that rebuilds each from its
+    JSON."""
 
     READERS: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
 
@@ -105,7 +106,8 @@ T = TypeVar("T")
 def on_every_rank(
     agreement: Agreement, phase: str, fn: Callable[[], T], *, patience: float = 1.0
 ) -> T:
-    """``fn()`` on every rank; if it raised on any rank, every rank raises the lowest failing rank's error.
+    """``fn()`` on every rank; if it raised on any rank, every rank raises the lowest failing rank's
+    error.
 
     A local error is shipped instead of raised at once, so no rank waits at a later agreement
     for a peer that already gave up. The failing rank re-raises its own exception (traceback kept).
@@ -140,9 +142,9 @@ def gather_decide(
     decision: type[D],
     patience: float = 1.0,
 ) -> D:
-    """Every rank posts ``mine``; rank 0 gathers every rank's message, runs ``decide`` and broadcasts
-    the decision. If rank 0 found a rank missing, or ``decide`` raised, every rank raises that error,
-    and rank 0 waits only for the ranks it saw. Only rank 0 runs ``decide``."""
+    """Every rank posts ``mine``; rank 0 gathers every rank's message, runs ``decide`` and
+    broadcasts the decision. If rank 0 found a rank missing, or ``decide`` raised, every rank raises
+    that error, and rank 0 waits only for the ranks it saw. Only rank 0 runs ``decide``."""
     head: dict[str, Any] = {}
     own: BaseException | None = None
     try:
@@ -176,5 +178,6 @@ class _Text(Wire):
 
 
 def rank0_does(agreement: Agreement, phase: str, fn: Callable[[], str]) -> str:
-    """Rank 0 runs ``fn`` (a root-level write, say); every rank returns its result or raises its error."""
+    """Rank 0 runs ``fn`` (a root-level write, say); every rank returns its result or raises its
+    error."""
     return gather_decide(agreement, phase, _Nothing(), lambda _: _Text(fn()), decision=_Text).text

@@ -35,7 +35,8 @@ def fn_name(fn: Callable[..., Any]) -> str:
 @dataclass(frozen=True)
 class Actions:
     """One-shot actions of one save: arguments of the call that asks for them, never config that
-    survives a restart of the job (``save(..., overwrite=True)``, ``save(..., break_lease=True)``)."""
+    survives a restart of the job (``save(..., overwrite=True)``, ``save(...,
+    break_lease=True)``)."""
 
     overwrite: bool = False
     """Replace a committed step, or save a step older than the tracker (a deliberate rollback)."""
@@ -73,7 +74,8 @@ class Context:
         group: Any,
         expert: ExpertParallel | None,
     ) -> Context:
-        """The context of ``root`` for the ranks of ``agreement``, DCP's collectives over ``group``."""
+        """The context of ``root`` for the ranks of ``agreement``, DCP's collectives over
+        ``group``."""
         info = agreement.info
         return cls(
             root=root,
@@ -96,7 +98,8 @@ class Context:
         return self.agreement.info.world_size
 
     def topology(self) -> dict[str, int]:
-        """This run's world: its size and the layout's sizes (what ``Topology.shape`` gives of a saved one)."""
+        """This run's world: its size and the layout's sizes (what ``Topology.shape`` gives of a
+        saved one)."""
         declared = self.config.reshard.layout
         layout = declared.as_dict() if declared else {"dp": self.world, "tp": 1, "pp": 1, "ep": 1}
         if self.expert is not None:
@@ -104,8 +107,8 @@ class Context:
         return {"world_size": self.world, **layout}
 
     def declared_rules(self, state: Any) -> dict[str, JsonObject]:
-        """The reshard rule of every item of ``state`` that has one under this root's config (JSON, as the
-        manifest records it)."""
+        """The reshard rule of every item of ``state`` that has one under this root's config (JSON,
+        as the manifest records it)."""
         seed = self.config.reshard.rng_seed
         rules: dict[str, JsonObject] = {}
         for name, value in state.items():

@@ -1,10 +1,11 @@
-"""How ranks agree over torch.distributed: the c10d store's all-gather with timeouts that name ranks.
+"""How ranks agree over torch.distributed: the c10d store's all-gather with timeouts that name
+ranks.
 
-Contract of the primitive: ``exchange(phase, payload)`` returns every rank's payload, in rank order, or
-raises on every rank that is still alive. A plain gloo/NCCL collective that times out
-names no rank and a dead peer can leave it waiting until the process-group timeout, so
-agreement goes through the c10d store instead: each rank sets one key per phase and
-waits for the others' keys with our own timeout, then says which keys never arrived.
+Contract of the primitive: ``exchange(phase, payload)`` returns every rank's payload, in rank order,
+or raises on every rank that is still alive. A plain gloo/NCCL collective that times out names no
+rank and a dead peer can leave it waiting until the process-group timeout, so agreement goes through
+the c10d store instead: each rank sets one key per phase and waits for the others' keys with our own
+timeout, then says which keys never arrived.
 
 Each ``StoreAgreement`` talks to the store over a connection of its own (``Store.clone()``):
 a c10d client serializes its operations, so a background commit blocked in ``wait`` on a
@@ -67,7 +68,8 @@ def own_connection(store: dist.Store) -> dist.Store:
 
 
 class StoreAgreement:
-    """All-gather through the c10d store of the default process group, on a connection of its own."""
+    """All-gather through the c10d store of the default process group, on a connection of its
+    own."""
 
     def __init__(self, group: Any | None, *, timeout_s: float, namespace: str) -> None:
         store = own_connection(dist.distributed_c10d._get_default_store())

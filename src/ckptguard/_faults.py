@@ -9,7 +9,8 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``commit.before_rename``: manifest in place inside the temp directory
 - ``commit.before_tracker``: step directory published, tracker not yet moved
 - ``run.role_written``: one role's part of a run step is written and confirmed by the role's ranks
-  (its manifest is in the run's temp directory); reached on every rank of the role, before the next role
+  (its manifest is in the run's temp directory); reached on every rank of the role, before the next
+  role
 - ``run.before_manifest``: every role on every rank confirmed; the run manifest is not written yet
 - ``commit.rank_written``: this rank wrote all its files and is about to report them
 - ``node.files_verified``: (node-local roots) this node's publishing rank checked its node's files,
@@ -20,13 +21,17 @@ hook for that point (typically one that SIGKILLs its own process). The points:
 - ``node.after_tracker``: this node's tracker is moved; other nodes' may not be
 - ``transfer.file_copied``: ``ckptguard transfer`` copied one file of several
 - ``transfer.before_tracker``: the transferred step directory is renamed in, the tracker not yet set
-- ``store.part_uploaded``: (object stores) one part or small file of a step's upload is in; others may not be
-- ``store.before_marker``: (object stores) every file of the attempt is uploaded; no commit marker yet
+- ``store.part_uploaded``: (object stores) one part or small file of a step's upload is in; others
+  may not be
+- ``store.before_marker``: (object stores) every file of the attempt is uploaded; no commit marker
+  yet
 - ``store.before_tracker``: (object stores) the commit marker is created; the tracker not yet moved
-- ``transfer.before_rename``: ``ckptguard transfer s3://... DEST`` downloaded and checked the step into its temp
-  directory; not renamed to the step name yet
-- ``export.shard_written``: ``ckptguard export`` wrote and fsynced one safetensors file, not yet read back
-- ``export.before_manifest``: every export file is written and checked; the export manifest is not written
+- ``transfer.before_rename``: ``ckptguard transfer s3://... DEST`` downloaded and checked the step
+  into its temp directory; not renamed to the step name yet
+- ``export.shard_written``: ``ckptguard export`` wrote and fsynced one safetensors file, not yet
+  read back
+- ``export.before_manifest``: every export file is written and checked; the export manifest is not
+  written
 
 ``ckptguard rehearse`` sets ``PAUSE_ENV`` for one launch of the user's command: the first
 save of each process then stops at ``storage.data_written`` (mid-write, nothing committed),
@@ -98,12 +103,14 @@ PAUSE_POINT = "storage.data_written"
 
 
 def arm_pause_from_env(rank: int) -> None:
-    """Pause this process's first save mid-write when ``ckptguard rehearse`` asked for it (``PAUSE_ENV``)."""
+    """Pause this process's first save mid-write when ``ckptguard rehearse`` asked for it
+    (``PAUSE_ENV``)."""
     where = os.environ.get(PAUSE_ENV)
     if not where or PAUSE_POINT in _hooks:
         return
     logging.getLogger("ckptguard").warning(
-        "ckptguard: %s is set: the first save of this process stops mid-write for `ckptguard rehearse`",
+        "ckptguard: %s is set: the first save of this process stops mid-write "
+        "for `ckptguard rehearse`",
         PAUSE_ENV,
     )
 

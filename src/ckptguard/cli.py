@@ -50,14 +50,16 @@ def _progress(length: int, label: str, as_json: bool = False) -> Any:
 
 
 _OS_HINTS = {
-    _errno.ENOSPC: "the filesystem is full: free space there (or pick another destination) and retry; "
+    _errno.ENOSPC: "the filesystem is full: free space there (or pick another "
+    "destination) and retry; "
     "ckptguard publishes nothing half-written",
     _errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota, then retry",
     _errno.EROFS: "the filesystem is mounted read-only",
     _errno.EACCES: "check the permissions of that path",
     _errno.EPERM: "check the permissions of that path",
     _errno.ENOENT: "check the path",
-    _errno.EIO: "the storage reported an I/O error: check the device, then `ckptguard verify --deep`",
+    _errno.EIO: "the storage reported an I/O error: check the device, then "
+    "`ckptguard verify --deep`",
 }
 
 
@@ -99,14 +101,14 @@ def _mapped(call: Callable[[], Any], as_json: bool) -> Any:
             ),
         ):
             _fail(
-                f"malformed input ({type(exc).__name__}: {str(exc)[:300]}); a file this command read is not "
-                "what ckptguard writes: run `ckptguard verify` on the root, and set CKPTGUARD_DEBUG=1 for the "
-                "traceback if you think the file is fine",
+                f"malformed input ({type(exc).__name__}: {str(exc)[:300]}); a file this command "
+                f"read is not what ckptguard writes: run `ckptguard verify` on the root, and set "
+                f"CKPTGUARD_DEBUG=1 for the traceback if you think the file is fine",
                 as_json,
             )
         _fail(
-            f"unexpected {type(exc).__name__}: {str(exc)[:300]}; this is a bug in ckptguard: rerun with "
-            "CKPTGUARD_DEBUG=1 and report the traceback",
+            f"unexpected {type(exc).__name__}: {str(exc)[:300]}; this is a bug in ckptguard: rerun "
+            f"with CKPTGUARD_DEBUG=1 and report the traceback",
             as_json,
         )
 
@@ -164,25 +166,28 @@ class _Group(click.Group):
 # The commands' modules are imported when a command runs, or are torch-free: ``ckptguard --help``,
 # ``list``, ``resolve``, ``status``, ``preflight``, ``hold``, ``release``, ``gc``, ``adopt`` and
 # ``goodput`` start without torch (1-2 s of CPU alone, 20-60 s on the loaded node an operator is on
-# during an incident). tests/cli/test_cli_start.py holds that line; benchmarks/bench_cli_start.py measures it.
+# during an incident). tests/cli/test_cli_start.py holds that line; benchmarks/bench_cli_start.py
+# measures it.
 
 
 class _Local(click.Path):
-    """A local path; an object-store URL is refused by name (never taken as a local path named ``s3:``)."""
+    """A local path; an object-store URL is refused by name (never taken as a local path named
+    ``s3:``)."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and value[:3].lower() == "s3:" and not value.startswith("s3://"):
             self.fail(
-                f"{value!r} reads like an object-store URL but is not one: write s3://bucket/prefix "
-                "(lower-case scheme, two slashes)",
+                f"{value!r} reads like an object-store URL but is not one: write "
+                f"s3://bucket/prefix (lower-case scheme, two slashes)",
                 param,
                 ctx,
             )
         if isinstance(value, str) and "://" in value:
             command = ctx.info_name if ctx is not None else "this command"
             self.fail(
-                f"{value}: `ckptguard {command}` works on local paths only; on object-store roots (s3://) "
-                "ckptguard runs list, verify, preflight, gc, transfer and prove (docs/objectstore.md)",
+                f"{value}: `ckptguard {command}` works on local paths only; on "
+                f"object-store roots (s3://) ckptguard runs list, verify, preflight, gc, "
+                f"transfer and prove (docs/objectstore.md)",
                 param,
                 ctx,
             )
@@ -223,7 +228,8 @@ def main() -> None:
     type=click.Choice(["latest", "verified"]),
     default="latest",
     show_default=True,
-    help="latest: the tracker's step; verified: the newest verified step (restore(prefer='verified')).",
+    help="latest: the tracker's step; verified: the newest verified step "
+    "(restore(prefer='verified')).",
 )
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -311,7 +317,8 @@ def list_steps(root: Path | str, template: str, as_json: bool) -> None:
 
 
 def _size(n: float) -> str:
-    """Bytes in the largest unit that keeps the figure at least 1 (``512 B``, ``19.4 KiB``, ``4 GiB``)."""
+    """Bytes in the largest unit that keeps the figure at least 1 (``512 B``, ``19.4 KiB``, ``4
+    GiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return (
@@ -419,8 +426,9 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
     costs = {str(p): _verify.cost(p) for p in steps}
     costs_json = {k: c.to_json() if c else None for k, c in costs.items()}
     # What was compared, said plainly: checksums compare the files with the manifest, so a file
-    # rewritten together with its manifest entry passes them; the tensor pass compares each tensor with
-    # its layout-free digest, as restore does; the other items' digests are recomputed only by --restore.
+    # rewritten together with its manifest entry passes them; the tensor pass compares each tensor
+    # with its layout-free digest, as restore does; the other items' digests are recomputed only by
+    # --restore.
     all_tensors = bool(tensors) and all(t["not_checked"] is None for t in tensors.values())
     compared = [
         "files",
@@ -445,7 +453,8 @@ def verify(path: Path | str, deep: bool, do_restore: bool, template: str, as_jso
                 click.echo(printable(f"cost    {Path(key).name}: {_cost_line(c)}"))
     if not as_json:
         verdict = "FAIL" if _verify.worst(findings) else "OK"
-        # Exactly what was compared: without --deep, the files' presence and sizes and the DCP metadata only.
+        # Exactly what was compared: without --deep, the files' presence and sizes and the DCP
+        # metadata only.
         how = (
             " with checksums"
             if deep
@@ -478,7 +487,8 @@ def _verify_remote(url: str, deep: bool, do_restore: bool, template: str, as_jso
 
     if do_restore:
         raise ConfigError(
-            "verify --restore reads a local root; for s3:// use --deep (every object downloaded and "
+            "verify --restore reads a local root; for s3:// use --deep "
+            "(every object downloaded and "
             'checked), or restore it with CheckpointManager("s3://...").restore'
         )
     checked, findings = _remote.verify_remote(url, template, deep=deep)
@@ -519,7 +529,8 @@ def _verify_export(path: Path, deep: bool, as_json: bool) -> NoReturn:
         if check.not_compared:
             how += f"; tensor digests NOT compared: {check.not_compared}"
         click.echo(
-            f"{'FAIL' if _verify.worst(findings) else 'OK'}: export checked ({how}), {len(findings)} finding(s)"
+            f"{'FAIL' if _verify.worst(findings) else 'OK'}: export checked ({how}), "
+            f"{len(findings)} finding(s)"
         )
     sys.exit(_verify.worst(findings))
 
@@ -560,7 +571,8 @@ def _restore_with_progress(_verify: Any, steps: list[Path], as_json: bool) -> li
     type=int,
     default=2 << 30,
     show_default=True,
-    help="Host bytes of tensors held at once (one output file, one tensor before its cast, the reader).",
+    help="Host bytes of tensors held at once (one output file, one tensor "
+    "before its cast, the reader).",
 )
 @TEMPLATE
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -575,7 +587,8 @@ def export(
     template: str,
     as_json: bool,
 ) -> None:
-    """Export STEP (default: the tracker's) of ROOT (or the step directory ROOT) as Hugging Face safetensors.
+    """Export STEP (default: the tracker's) of ROOT (or the step directory ROOT) as Hugging Face
+    safetensors.
 
     Every tensor is checked against the step's layout-free digest as it is read (before a cast) and
     again as written; OUT appears only once all of it is written and checked, its manifest last.
@@ -650,7 +663,8 @@ def preflight(
     template: str,
     as_json: bool,
 ) -> None:
-    """Before a launch: the resume step and path, its completeness, and each rank's files on its host.
+    """Before a launch: the resume step and path, its completeness, and each rank's files on its
+    host.
 
     ROOT may be s3://bucket/prefix: the tracker's step, each of its objects present with the size
     and ETag its marker recorded, and the store's write lease (a live job holding it is a WARNING).
@@ -773,7 +787,8 @@ def _gc_remote(
     click.echo(
         f"{len(report.removed_attempts)} attempt(s), {report.removed_objects} object(s) "
         f"{'to remove' if dry_run else 'removed'}, {len(report.aborted_uploads)} upload(s) "
-        f"{'to abort' if dry_run else 'aborted'}, {len(report.kept_live) + len(report.foreign)} left in place"
+        f"{'to abort' if dry_run else 'aborted'}, "
+        f"{len(report.kept_live) + len(report.foreign)} left in place"
     )
 
 
@@ -794,7 +809,8 @@ def _gc_remote(
     type=click.FloatRange(0),
     default=3600.0,
     show_default=True,
-    help="s3:// roots: remove only unmarked attempts whose newest object is older than this (seconds) "
+    help="s3:// roots: remove only unmarked attempts whose newest object is "
+    "older than this (seconds) "
     "and, written on this host, whose process is gone.",
 )
 @TEMPLATE
@@ -813,7 +829,8 @@ def gc(
     template: str,
     as_json: bool,
 ) -> None:
-    """Remove what crashes left under ROOT: dead saves' temp directories, interrupted deletes, temp files.
+    """Remove what crashes left under ROOT: dead saves' temp directories, interrupted deletes, temp
+    files.
 
     ROOT may be s3://bucket/prefix: attempts no marker names that carry ckptguard's owner record and
     are older than --min-age (and, written on this host, whose process is gone) are removed (owner
@@ -934,8 +951,8 @@ def adopt(root: Path, step: int, template: str, as_json: bool) -> None:
 def hold(
     root: Path, step: int, reason: str, ttl_s: float | None, template: str, as_json: bool
 ) -> None:
-    """Pin STEP under ROOT against rotation and gc (e.g. for evaluation); survives restarts. In Python,
-    `with ckptguard.open_step(root, step):` holds a step while a block reads it."""
+    """Pin STEP under ROOT against rotation and gc (e.g. for evaluation); survives restarts. In
+    Python, `with ckptguard.open_step(root, step):` holds a step while a block reads it."""
     try:
         where = _inspect.hold(root, template, step, reason, ttl_s)
     except CheckpointError as exc:
@@ -961,8 +978,8 @@ def release(root: Path, step: int, as_json: bool) -> None:
         _fail(f"could not remove the hold of step {step} under {root}: {exc}", as_json)
     if not released:
         _fail(
-            f"step {step} has no hold under {root}: nothing was released (`ckptguard list {root}` shows the "
-            "steps; holds live in ROOT/holds/)",
+            f"step {step} has no hold under {root}: nothing was released (`ckptguard list {root}` "
+            f"shows the steps; holds live in ROOT/holds/)",
             as_json,
         )
     if as_json:
@@ -989,13 +1006,15 @@ def _gate_table(gates: list[Any]) -> None:
     type=click.IntRange(1),
     default=None,
     metavar="N",
-    help="Judge resume N (1 is the oldest restore of a non-zero step) instead of the newest with evidence.",
+    help="Judge resume N (1 is the oldest restore of a non-zero step) instead of "
+    "the newest with evidence.",
 )
 @click.option(
     "--all", "every", is_flag=True, help="Judge each resume in turn: a verdict line per resume."
 )
 def prove(root: Path | str, as_json: bool, resume: int | None, every: bool) -> None:
-    """Evaluate the resume-proof gates from ROOT/proof records, with evidence, and a one-line verdict.
+    """Evaluate the resume-proof gates from ROOT/proof records, with evidence, and a one-line
+    verdict.
 
     ROOT may be s3://bucket/prefix: the records are the copies every rank puts in its proof/ at each
     save and at close (a lost node's records included); a staging root holds the live ones.
@@ -1031,8 +1050,9 @@ def _refuse_step_for_root(path: Path, command: str, as_json: bool) -> None:
     """``path`` is a step directory where ``command`` takes the root."""
     if _inspect.level(path) == "step":
         _fail(
-            f"{path} is a step directory (it holds manifest.json); {command} takes the checkpoint root that "
-            f"holds it and its proof/ records: `ckptguard {command} {path.absolute().parent}`",
+            f"{path} is a step directory (it holds manifest.json); {command} takes the checkpoint "
+            f"root that holds it and its proof/ records: `ckptguard {command} "
+            f"{path.absolute().parent}`",
             as_json,
             code=2,
         )
@@ -1047,8 +1067,8 @@ def _refuse_root_for_step(path: Path, command: str, as_json: bool) -> None:
             newest = None
         name = _inspect.naming("step_{step:08d}").name(newest) if newest else "step_<N>"
         _fail(
-            f"{path} is a checkpoint root (it holds the tracker, which says {newest}); {command} takes one "
-            f"committed step directory under it, e.g. {path / name}",
+            f"{path} is a checkpoint root (it holds the tracker, which says {newest}); {command} "
+            f"takes one committed step directory under it, e.g. {path / name}",
             as_json,
             code=2,
         )
@@ -1068,7 +1088,8 @@ def _prove(root: Path, as_json: bool, resume: int | None, every: bool) -> NoRetu
         ):  # a number the records do not hold is bad usage
             shown = ", ".join(f"{r.number}: step {r.step}" for r in found)
             _fail(
-                f"--resume {resume}: the records under {root}/proof hold resumes 1-{len(found)} ({shown})",
+                f"--resume {resume}: the records under {root}/proof hold resumes "
+                f"1-{len(found)} ({shown})",
                 as_json,
                 code=2,
             )
@@ -1130,7 +1151,8 @@ def _prove_all(root: Path, as_json: bool) -> None:
     default="demo-run",
     show_default=True,
     type=_Local(path_type=Path),
-    help="Working directory: new or empty, or one an earlier demo created (wiped first); any other is refused.",
+    help="Working directory: new or empty, or one an earlier demo created (wiped "
+    "first); any other is refused.",
 )
 @click.option(
     "--world-size",
@@ -1151,7 +1173,8 @@ def _prove_all(root: Path, as_json: bool) -> None:
 @click.option(
     "--no-derived-fix",
     is_flag=True,
-    help="Negative control: the restore does not invalidate the FP8 scale cache; the proof must FAIL.",
+    help="Negative control: the restore does not invalidate the FP8 scale "
+    "cache; the proof must FAIL.",
 )
 @click.option(
     "--json",
@@ -1256,8 +1279,9 @@ def repro_save(
     ) in paths.items():  # before any round: a typo must not cost the other path's rounds first
         if not path.absolute().parent.is_dir():
             _fail(
-                f"--{label} {path}: its parent {path.absolute().parent} is not a directory; name a directory on "
-                "the filesystem under test (it is made if only its last part is missing)",
+                f"--{label} {path}: its parent {path.absolute().parent} is not a "
+                f"directory; name a directory on the filesystem under test (it is made if "
+                f"only its last part is missing)",
                 as_json,
                 code=2,
             )
@@ -1265,7 +1289,8 @@ def repro_save(
     for label, path in paths.items():
         if not as_json:
             click.echo(
-                f"{label}: {rounds} round(s) of {size_gib:g} GiB on {ranks} rank(s) under {path} ...",
+                f"{label}: {rounds} round(s) of {size_gib:g} GiB on {ranks} "
+                f"rank(s) under {path} ...",
                 err=True,
             )
         with _progress(rounds, f"{label}: rounds", as_json) as bar:
@@ -1381,9 +1406,9 @@ def transfer(
         _fail(str(exc), as_json)
     except OSError as exc:  # ENOSPC, EACCES...: the tracker moves last, so it was not moved
         _fail(
-            f"transfer of {step_dir} to {dest_root} failed: {_os_message(exc)}; the destination's tracker moves "
-            "only once every file is verified. Fix the cause and run the same transfer again (it finishes a "
-            "complete copy)",
+            f"transfer of {step_dir} to {dest_root} failed: {_os_message(exc)}; the destination's "
+            f"tracker moves only once every file is verified. Fix the cause and run the same "
+            f"transfer again (it finishes a complete copy)",
             as_json,
         )
     if as_json:
@@ -1458,7 +1483,8 @@ def _transfer_remote(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per rank.")
 def status(path: Path, sample_s: float, as_json: bool) -> None:
-    """Each rank's current phase, for how long, against its typical duration, and whether it is busy.
+    """Each rank's current phase, for how long, against its typical duration, and whether it is
+    busy.
 
     PATH is a phase-records file (PhaseRecorder) or a directory holding them. Tells a stalled
     rank (no CPU, no I/O, overdue) from a slow one: slow is not a hang. On a RunCheckpoint root
@@ -1502,8 +1528,8 @@ def status(path: Path, sample_s: float, as_json: bool) -> None:
             _json_out(state.resumable, root=state.lines, ranks=[])
         else:
             click.echo(
-                "no phase records here: no rank's phase was checked (ckptguard.memory.PhaseRecorder "
-                "writes them)"
+                "no phase records here: no rank's phase was checked "
+                "(ckptguard.memory.PhaseRecorder writes them)"
             )
         sys.exit(0 if state.resumable else 1)
     if not files:
@@ -1569,7 +1595,8 @@ def _roles_by_rank(roles: dict[int, list[str]]) -> str:
 )
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def rehearse(root: Path, timeout_s: float, as_json: bool, cmd: tuple[str, ...]) -> None:
-    """Run CMD past a save and kill it, resume it and kill it mid-save, resume and save again; prove both resumes.
+    """Run CMD past a save and kill it, resume it and kill it mid-save, resume and save again; prove
+    both resumes.
 
     CMD must be the long run's command (same save path, same layout) and call
     CheckpointManager.record_step every step. Every kill takes the whole process tree, torchrun's
@@ -1639,10 +1666,10 @@ def goodput(root: Path, mtbf_s: float | None, as_json: bool) -> None:
     """What checkpointing and failures cost the run under ROOT, from its proof records.
 
     Per launch: the time to recover (process start to the first step after the restore: start-up,
-    restore, first step), the steps lost to the failure before it, the seconds saves held the loop and
-    the saves skipped while a commit ran. In total: the ETTR (effective training time ratio) and the
-    Young/Daly save interval sqrt(2 x save cost x MTBF), printed with the inputs it used. Exit 1 if
-    ROOT has no proof records (nothing measured).
+    restore, first step), the steps lost to the failure before it, the seconds saves held the loop
+    and the saves skipped while a commit ran. In total: the ETTR (effective training time ratio) and
+    the Young/Daly save interval sqrt(2 x save cost x MTBF), printed with the inputs it used. Exit 1
+    if ROOT has no proof records (nothing measured).
     """
     from dataclasses import asdict
 
@@ -1673,27 +1700,28 @@ def goodput(root: Path, mtbf_s: float | None, as_json: bool) -> None:
     for i, x in enumerate(g.launches):
         click.echo(
             f"{i:<7} {x.pid:>8} {x.restored_step if x.restored_step is not None else '-':>8} "
-            f"{x.lost_steps if x.lost_steps is not None else '-':>5} {s(x.recover_s):>9} {s(x.startup_s):>8} "
-            f"{s(x.restore_s):>8} {s(x.to_first_step_s):>8} {x.steps:>6} {x.blocked_s:>9.3f} "
-            f"{x.skipped_saves:>7}"
+            f"{x.lost_steps if x.lost_steps is not None else '-':>5} {s(x.recover_s):>9} "
+            f"{s(x.startup_s):>8} {s(x.restore_s):>8} {s(x.to_first_step_s):>8} {x.steps:>6} "
+            f"{x.blocked_s:>9.3f} {x.skipped_saves:>7}"
         )
     ettr = "-" if g.ettr is None else f"{100 * g.ettr:.1f}%"
     click.echo(
-        f"\ntotal: {g.wall_s:.1f} s wall, {g.failures} failure(s), {g.recover_s:.2f} s recovering, "
-        f"{g.lost_steps} step(s) lost ({g.lost_s:.2f} s), {g.blocked_s:.3f} s blocked by saves, "
-        f"{g.skipped_saves} save(s) skipped{_busy_more(g)}, {g.cleanup_s:.3f} s of retention off the loop; "
-        f"ETTR {ettr}"
+        f"\ntotal: {g.wall_s:.1f} s wall, {g.failures} failure(s), {g.recover_s:.2f} s "
+        f"recovering, {g.lost_steps} step(s) lost ({g.lost_s:.2f} s), {g.blocked_s:.3f} s "
+        f"blocked by saves, {g.skipped_saves} save(s) skipped{_busy_more(g)}, "
+        f"{g.cleanup_s:.3f} s of retention off the loop; ETTR {ettr}"
     )
     if g.interval_s is None:
         click.echo(
-            f"Young/Daly interval: not computed (save cost {s(g.save_cost_s)} s, MTBF {s(g.mtbf_s)} s: "
-            "needs a recorded save and a failure, or --mtbf)"
+            f"Young/Daly interval: not computed (save cost {s(g.save_cost_s)} s, MTBF "
+            f"{s(g.mtbf_s)} s: needs a recorded save and a failure, or --mtbf)"
         )
     else:
         steps = f" = {g.interval_steps} steps of {g.step_s:.3f} s" if g.interval_steps else ""
         click.echo(
-            f"Young/Daly interval: {g.interval_s:.1f} s{steps} (sqrt(2 x {g.save_cost_s:.4f} s per save x "
-            f"MTBF {g.mtbf_s:.1f} s, {g.mtbf_source}); never below one commit ({s(g.commit_s)} s)"
+            f"Young/Daly interval: {g.interval_s:.1f} s{steps} (sqrt(2 x "
+            f"{g.save_cost_s:.4f} s per save x MTBF {g.mtbf_s:.1f} s, {g.mtbf_source}); "
+            f"never below one commit ({s(g.commit_s)} s)"
         )
 
 

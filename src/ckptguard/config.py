@@ -1,4 +1,5 @@
-"""Configuration: frozen, keyword-only option groups composed into one CheckpointConfig, validated on construction."""
+"""Configuration: frozen, keyword-only option groups composed into one CheckpointConfig, validated
+on construction."""
 
 from __future__ import annotations
 
@@ -29,53 +30,63 @@ class ResumeMode(enum.Enum):
 
 
 class OnBusy(enum.Enum):
-    """What a ``save_async`` requested while the previous one still commits does (every rank alike: rank 0
-    decides from every rank's view, before any rank snapshots). Every save not committed is logged with its
-    reason, counted, and recorded in the next committed step's cost block (``ckptguard verify`` shows it)."""
+    """What a ``save_async`` requested while the previous one still commits does (every rank alike:
+    rank 0 decides from every rank's view, before any rank snapshots). Every save not committed is
+    logged with its reason, counted, and recorded in the next committed step's cost block
+    (``ckptguard verify`` shows it)."""
 
     SKIP = "skip"
-    """Skip it: nothing is snapshotted, the caller is not held; the reason is logged (with the interval
-    that fits the measured commit time), counted, and recorded in the next committed step's cost block."""
+    """Skip it: nothing is snapshotted, the caller is not held; the reason is logged (with the
+    interval that fits the measured commit time), counted, and recorded in the next committed step's
+    cost block."""
     WAIT = "wait"
     """Wait for the commit in flight, then save (the caller is held for the rest of that commit)."""
     COALESCE = "coalesce"
-    """Snapshot it now into a second host staging set and queue it (not started); a later request while it is
-    still queued replaces it (the newest wins; the replaced step is recorded as coalesced). The queued save
-    starts only at an agreed point of the caller's thread, once every rank's commit ended: the next
-    ``save_async`` (which then replaces it: the newest wins), ``poll()`` or ``wait()`` (which commits it too).
-    A request whose snapshot the second set cannot hold whole in host memory (it never reads live tensors:
-    they change before it starts) is skipped instead, with the reason. ``CheckpointManager`` only:
-    ``RunCheckpoint`` and ``TieredCheckpoint`` refuse it (``ConfigError``)."""
+    """Snapshot it now into a second host staging set and queue it (not started); a later request
+    while it is still queued replaces it (the newest wins; the replaced step is recorded as
+    coalesced). The queued save starts only at an agreed point of the caller's thread, once every
+    rank's commit ended: the next ``save_async`` (which then replaces it: the newest wins),
+    ``poll()`` or ``wait()`` (which commits it too). A request whose snapshot the second set cannot
+    hold whole in host memory (it never reads live tensors: they change before it starts) is skipped
+    instead, with the reason. ``CheckpointManager`` only: ``RunCheckpoint`` and ``TieredCheckpoint``
+    refuse it (``ConfigError``)."""
     FAST_TIER = "fast_tier"
-    """``TieredCheckpoint`` only (the others refuse it): a save requested while only the persistent tier still
-    commits is written to the fast tier alone, at once, beside that commit, recorded as redirected (skipped if
-    the fast tier commits too). A redirected step lives on node-local storage only (and peers with ``replicas=1``):
-    a restore on the same nodes resumes from it, one after a lost node from the newest persistent step."""
+    """``TieredCheckpoint`` only (the others refuse it): a save requested while only the persistent
+    tier still commits is written to the fast tier alone, at once, beside that commit, recorded as
+    redirected (skipped if the fast tier commits too). A redirected step lives on node-local storage
+    only (and peers with ``replicas=1``): a restore on the same nodes resumes from it, one after a
+    lost node from the newest persistent step."""
 
 
 class OverBudget(enum.Enum):
-    """What a synchronous ``save`` whose estimated blocking exceeds its ``BlockingBudget`` does (every rank alike)."""
+    """What a synchronous ``save`` whose estimated blocking exceeds its ``BlockingBudget`` does
+    (every rank alike)."""
 
     WARN = "warn"
-    """Save it synchronously and say so first (a warning naming the estimate, the budget and the timeout).
-    ckptguard's own waits inside a save never enter the caller's group, so its watchdog cannot fire there;
-    this is the default because ``save``'s callers expect the step directory back."""
+    """Save it synchronously and say so first (a warning naming the estimate, the budget and the
+    timeout). ckptguard's own waits inside a save never enter the caller's group, so its watchdog
+    cannot fire there; this is the default because ``save``'s callers expect the step directory
+    back."""
     BACKGROUND = "background"
-    """Commit it in the background, as ``save_async`` does: the caller is held only for the copies; ``save``
-    returns None (logged as a warning), and ``wait()`` or the next save joins the commit."""
+    """Commit it in the background, as ``save_async`` does: the caller is held only for the copies;
+    ``save`` returns None (logged as a warning), and ``wait()`` or the next save joins the
+    commit."""
     REFUSE = "refuse"
-    """Raise ``SaveBudgetError`` on every rank, naming the estimate and the timeout; nothing is written."""
+    """Raise ``SaveBudgetError`` on every rank, naming the estimate and the timeout; nothing is
+    written."""
 
 
 @dataclass(frozen=True)
 class BlockingBudget:
-    """How long a synchronous ``save`` may hold the caller: ``fraction`` of the process group's collective
-    timeout (``timeout_s`` declared, else read from the group). Applies with more than one rank."""
+    """How long a synchronous ``save`` may hold the caller: ``fraction`` of the process group's
+    collective timeout (``timeout_s`` declared, else read from the group). Applies with more than
+    one rank."""
 
     fraction: float | None = 0.5
     """Of the collective timeout; None: no budget."""
     timeout_s: float | None = None
-    """The collective timeout to plan against (seconds); None: the smallest of the process group's backends."""
+    """The collective timeout to plan against (seconds); None: the smallest of the process group's
+    backends."""
     over: OverBudget = OverBudget.WARN
     """What a save estimated above the budget does."""
 
@@ -90,7 +101,8 @@ class BlockingBudget:
             )
         if not isinstance(self.over, OverBudget):
             raise ConfigError(
-                f"BlockingBudget.over must be an OverBudget (WARN, BACKGROUND, REFUSE): {self.over!r}"
+                f"BlockingBudget.over must be an OverBudget (WARN, "
+                f"BACKGROUND, REFUSE): {self.over!r}"
             )
 
 
@@ -100,9 +112,10 @@ class ReshardRule(enum.Enum):
     REFUSE = "refuse"
     """A different world size or layout raises TopologyMismatchError."""
     BY_ITEM = "by_item"
-    """DCP reshards tensors; every other item by its declared rule (a ``DataCursor`` is re-partitioned,
-    ``replicated`` items are checked equal and copied, ``PerRank(value, reshard=f)`` runs ``f``, the RNG
-    streams are re-derived from ``rng_seed``, step and new rank); an item without a rule refuses the restore."""
+    """DCP reshards tensors; every other item by its declared rule (a ``DataCursor`` is
+    re-partitioned, ``replicated`` items are checked equal and copied, ``PerRank(value, reshard=f)``
+    runs ``f``, the RNG streams are re-derived from ``rng_seed``, step and new rank); an item
+    without a rule refuses the restore."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +143,8 @@ class ParallelLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class ProofPlan:
-    """Which resume-proof gates apply to this job; recorded with every save and read by ``ckptguard prove``.
+    """Which resume-proof gates apply to this job; recorded with every save and read by ``ckptguard
+    prove``.
 
     A gate that applies and did not run leaves the resume NOT proven; a gate that does not
     apply is shown as N/A, so a plain training job is proven without faking exports.
@@ -150,7 +164,8 @@ class ProofPlan:
     differences are then INFO and the verdict says the numerics were not compared."""
     replay_steps: int = 1
     """Steps after the restored step that the killed run and the resumed run must both record
-    (``record_step``); fewer is MISSING (not a FAIL). ``ckptguard rehearse`` runs this many past a save."""
+    (``record_step``); fewer is MISSING (not a FAIL). ``ckptguard rehearse`` runs this many past a
+    save."""
     total_steps: int | None = None
     """The step the job ends at. A resumed run that records no step before its process exits while
     the restored step is below it is a FAIL (``resumed run trained``); None: only the records tell
@@ -205,7 +220,8 @@ def _byte_count(owner: str, name: str, value: object, *, none_ok: bool = False) 
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(
-            f"{owner}.{name} must be an int >= 0 (bytes){' or None' if none_ok else ''}, got {value!r}"
+            f"{owner}.{name} must be an int >= 0 "
+            f"(bytes){' or None' if none_ok else ''}, got {value!r}"
         )
 
 
@@ -218,15 +234,17 @@ class StorageOptions:
     stage_dir: Path | None = None
     """Node-local directory to serialize into before copying to the root (None: write in place)."""
     keep_failed: bool = False
-    """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting it."""
+    """Keep a failed save's temp directory (renamed .failed-...) as evidence instead of deleting
+    it."""
     publish_checksums: bool | None = None
-    """Before the commit, the publishing rank (rank 0, or each node's first rank on node-local roots)
-    reads every reported file back and compares its xxh3 with the writer's; the sizes (and that each
-    file is there) are always checked. None (the default): on node-local roots, where files are placed
-    and copied per node, and not on a shared root, where the placement round has already shown every
-    rank sees rank 0's temp directory. The read-back costs one read of the published bytes after the
-    writer dropped them from the page cache: on a shared root, O(all ranks' bytes) on rank 0 at every
-    save (a 6 GiB state at 1.9 GiB/s cold read: about +3 s on a 5 s save). True: always; False: never."""
+    """Before the commit, the publishing rank (rank 0, or each node's first rank on node-local
+    roots) reads every reported file back and compares its xxh3 with the writer's; the sizes (and
+    that each file is there) are always checked. None (the default): on node-local roots, where
+    files are placed and copied per node, and not on a shared root, where the placement round has
+    already shown every rank sees rank 0's temp directory. The read-back costs one read of the
+    published bytes after the writer dropped them from the page cache: on a shared root, O(all
+    ranks' bytes) on rank 0 at every save (a 6 GiB state at 1.9 GiB/s cold read: about +3 s on a 5 s
+    save). True: always; False: never."""
     allow_newer_torch: bool = False
     """Read checkpoints written by a newer torch (refused by default, before any read)."""
     stale_temp_age_s: float = 24 * 3600.0
@@ -234,14 +252,16 @@ class StorageOptions:
     lease_ttl_s: float = 6 * 3600.0
     """A lease from another host not renewed (by a save) for this long counts as abandoned."""
     object_store: ObjectStoreOptions | None = None
-    """How an ``s3://bucket/prefix`` root's store is talked to (endpoint, parts, lease, consistency); None:
-    ``ObjectStoreOptions()`` (boto3's configuration). Unused for a filesystem root."""
+    """How an ``s3://bucket/prefix`` root's store is talked to (endpoint, parts, lease,
+    consistency); None: ``ObjectStoreOptions()`` (boto3's configuration). Unused for a filesystem
+    root."""
     object_staging: Path | None = None
-    """An ``s3://`` root's local root: each step is committed there before its upload and downloaded there
-    before a restore (node-local or shared, the same path on every node, room for one step). None:
-    ``$TMPDIR/ckptguard-staging-<uid>/<endpoint hash>/<bucket>/<prefix>`` (node-local). A directory that holds
-    anything but this store's staging (an existing root, another store's staging) or is a link is refused
-    (``ckptguard-staging.json`` names the store). Unused for a filesystem root."""
+    """An ``s3://`` root's local root: each step is committed there before its upload and downloaded
+    there before a restore (node-local or shared, the same path on every node, room for one step).
+    None: ``$TMPDIR/ckptguard-staging-<uid>/<endpoint hash>/<bucket>/<prefix>`` (node-local). A
+    directory that holds anything but this store's staging (an existing root, another store's
+    staging) or is a link is refused (``ckptguard-staging.json`` names the store). Unused for a
+    filesystem root."""
 
     def __post_init__(self) -> None:
         StepNaming(self.dir_template)  # raises ConfigError naming the field
@@ -255,7 +275,8 @@ class StorageOptions:
             )
         if self.publish_checksums is not None and not isinstance(self.publish_checksums, bool):
             raise ConfigError(
-                f"StorageOptions.publish_checksums must be True, False or None (auto), got {self.publish_checksums!r}"
+                f"StorageOptions.publish_checksums must be True, False or None (auto), got "
+                f"{self.publish_checksums!r}"
             )
         for name in ("keep_failed", "allow_newer_torch"):
             if not isinstance(getattr(self, name), bool):
@@ -275,9 +296,9 @@ class StateOptions:
     restore_rng: bool = True
     """Put the saved RNG streams back on restore (off only to show what breaks without it)."""
     verify_restored: bool = True
-    """After restore, compare every item with the save and raise if it differs: tensor items by their
-    layout-free digest (on the device for GPU tensors) and, on the same layout, their structure and
-    non-tensor values; other items by their per-rank digest."""
+    """After restore, compare every item with the save and raise if it differs: tensor items by
+    their layout-free digest (on the device for GPU tensors) and, on the same layout, their
+    structure and non-tensor values; other items by their per-rank digest."""
 
     def __post_init__(self) -> None:
         for name in ("capture_rng", "restore_rng", "verify_restored"):
@@ -289,21 +310,25 @@ class StateOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class AsyncOptions:
-    """``save_async``: the memory its snapshot may take and what a save requested during a commit does."""
+    """``save_async``: the memory its snapshot may take and what a save requested during a commit
+    does."""
 
     gpu_bytes: int = 0
-    """Spare GPU memory a ``save_async`` snapshot may take (bytes); 0: never snapshot into GPU memory."""
+    """Spare GPU memory a ``save_async`` snapshot may take (bytes); 0: never snapshot into GPU
+    memory."""
     host_bytes: int | None = None
-    """Host memory a ``save_async`` snapshot may stage into (bytes, per rank); None: derived from the memory
-    contract (cgroup memory.max x the Ray threshold, minus what is resident and a margin). What does not fit
-    is read from the live tensors by the background writer, and the next optimizer step waits for it."""
+    """Host memory a ``save_async`` snapshot may stage into (bytes, per rank); None: derived from
+    the memory contract (cgroup memory.max x the Ray threshold, minus what is resident and a
+    margin). What does not fit is read from the live tensors by the background writer, and the next
+    optimizer step waits for it."""
     pool_idle_s: float | None = 600.0
-    """Release the pinned staging pool after this many seconds without a ``save_async`` (None: keep it until
-    ``close()``); the pool is reused by every save meanwhile and reported in each manifest's cost block."""
+    """Release the pinned staging pool after this many seconds without a ``save_async`` (None: keep
+    it until ``close()``); the pool is reused by every save meanwhile and reported in each
+    manifest's cost block."""
     on_busy: OnBusy = OnBusy.SKIP
-    """A ``save_async`` requested while the previous commit is still running: skipped (the default), waited
-    for, coalesced into one queued save, or written to a ``TieredCheckpoint``'s fast tier (``OnBusy``); decided
-    alike on every rank, before any rank snapshots."""
+    """A ``save_async`` requested while the previous commit is still running: skipped (the default),
+    waited for, coalesced into one queued save, or written to a ``TieredCheckpoint``'s fast tier
+    (``OnBusy``); decided alike on every rank, before any rank snapshots."""
 
     def __post_init__(self) -> None:
         _byte_count("AsyncOptions", "gpu_bytes", self.gpu_bytes)
@@ -325,11 +350,12 @@ class ReshardOptions:
     layout: ParallelLayout | None = None
     """Parallel sizes recorded in the manifest and compared on restore; None: pure data parallel."""
     rng_seed: int | None = None
-    """The job's base seed, recorded with every save: a ``BY_ITEM`` resharded restore seeds new rank r's
-    RNG streams from (this seed, the restored step, r). None: the RNG streams have no reshard rule."""
+    """The job's base seed, recorded with every save: a ``BY_ITEM`` resharded restore seeds new rank
+    r's RNG streams from (this seed, the restored step, r). None: the RNG streams have no reshard
+    rule."""
     replicated: tuple[str, ...] = ()
-    """State items equal on every rank (a scheduler, a step counter): a ``BY_ITEM`` resharded restore checks
-    that every saving rank saved the same value and gives it to every new rank."""
+    """State items equal on every rank (a scheduler, a step counter): a ``BY_ITEM`` resharded
+    restore checks that every saving rank saved the same value and gives it to every new rank."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rule, ReshardRule):
@@ -343,7 +369,8 @@ class ReshardOptions:
             raise ConfigError(f"ReshardOptions.rng_seed must be an int >= 0 or None, got {seed!r}")
         if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
             raise ConfigError(
-                f"ReshardOptions.replicated must be a tuple of state item names, got {self.replicated!r}"
+                f"ReshardOptions.replicated must be a tuple of state item "
+                f"names, got {self.replicated!r}"
             )
         object.__setattr__(self, "replicated", tuple(self.replicated))
 
@@ -367,15 +394,17 @@ class CheckpointConfig:
     async_save: AsyncOptions = field(default_factory=AsyncOptions)
     """``save_async``: its memory and what a save requested during a commit does."""
     blocking: BlockingBudget = field(default_factory=BlockingBudget)
-    """How long a synchronous ``save`` may hold the caller (a fraction of the collective timeout) and what a
-    save estimated above it does (``BlockingBudget``): by default it warns and saves."""
+    """How long a synchronous ``save`` may hold the caller (a fraction of the collective timeout)
+    and what a save estimated above it does (``BlockingBudget``): by default it warns and saves."""
     reshard: ReshardOptions = field(default_factory=ReshardOptions)
     """The recorded parallel layout and what a restore onto another one does."""
     proof: ProofPlan = field(default_factory=ProofPlan)
-    """Whether proof records are written and which gates apply (RL gates, bitwise replay, replayed steps)."""
+    """Whether proof records are written and which gates apply (RL gates, bitwise replay, replayed
+    steps)."""
     health: HealthPolicy = field(default_factory=HealthPolicy)
     """Which steps may be committed (finite loss and grad norm, a user check), when a committed step
-    is verified, and whether AUTO resumes prefer the newest verified step (``ckptguard._records.trust``)."""
+    is verified, and whether AUTO resumes prefer the newest verified step
+    (``ckptguard._records.trust``)."""
     retention: RetentionPolicy | None = field(default_factory=default_policy)
     """Which committed steps survive rotation (default: last 3 + every 20th); None keeps all."""
     contract: RunContract | None = None
@@ -397,8 +426,8 @@ class CheckpointConfig:
             )
 
 
-# Every option group and its type: a group given as anything else (a flat value, a bare ReshardRule) is
-# refused naming the group, not read as an option group later.
+# Every option group and its type: a group given as anything else (a flat value, a bare ReshardRule)
+# is refused naming the group, not read as an option group later.
 _GROUPS: dict[str, type[Any]] = {
     "storage": StorageOptions,
     "state": StateOptions,
@@ -411,8 +440,9 @@ _GROUPS: dict[str, type[Any]] = {
 
 
 def with_dir_template(template: str, options: Mapping[str, Any]) -> CheckpointConfig:
-    """A config of ``options`` (``CheckpointConfig`` keywords) whose steps are named by ``template``: an
-    integration's directory names, kept whatever ``StorageOptions`` the caller passed."""
+    """A config of ``options`` (``CheckpointConfig`` keywords) whose steps are named by
+    ``template``: an integration's directory names, kept whatever ``StorageOptions`` the caller
+    passed."""
     options = dict(options)
     storage = options.pop("storage", None) or StorageOptions()
     if not isinstance(storage, StorageOptions):

@@ -47,8 +47,8 @@ class DataCursor:
 
     ``rank``/``world_size`` are the data-parallel rank and size; they default to the default process
     group's (0 and 1 without one), which is right for pure data parallelism; with tensor or pipeline
-    parallelism pass the DP rank and size (the ranks of one DP replica read the same ids). Put the cursor
-    in the state (``state["data"] = cursor``): on a restore onto another world size it is
+    parallelism pass the DP rank and size (the ranks of one DP replica read the same ids). Put the
+    cursor in the state (``state["data"] = cursor``): on a restore onto another world size it is
     re-partitioned over the new ranks (``ReshardRule.BY_ITEM``).
     """
 
@@ -88,9 +88,9 @@ class DataCursor:
         self._order: tuple[int, list[int]] | None = None
 
     def __iter__(self) -> Iterator[int]:
-        """One id at a time, for a single consumer (an RL driver's prompt stream, ``RolloutLedger(cursor)``):
-        build it with ``rank=0, world_size=1`` there, or each rank's share is all it yields. Ends with the
-        epoch; iterating again continues with the next one."""
+        """One id at a time, for a single consumer (an RL driver's prompt stream,
+        ``RolloutLedger(cursor)``): build it with ``rank=0, world_size=1`` there, or each rank's
+        share is all it yields. Ends with the epoch; iterating again continues with the next one."""
         if self.exhausted(1):
             self.epoch, self.consumed = self.epoch + 1, 0
         epoch = self.epoch
@@ -101,8 +101,9 @@ class DataCursor:
 
     def rest(self) -> Iterator[int]:
         """The rest of the current epoch, one id at a time, never starting the next one: what an
-        iteration that was open at a save still yields after the restore (``RolloutLedger`` continues
-        its source so; at the end of an epoch it yields nothing, as the uninterrupted iteration)."""
+        iteration that was open at a save still yields after the restore (``RolloutLedger``
+        continues its source so; at the end of an epoch it yields nothing, as the uninterrupted
+        iteration)."""
         epoch = self.epoch
         while self.epoch == epoch and not self.exhausted(1):
             ids = self.take(1)
@@ -112,7 +113,8 @@ class DataCursor:
     # ------------------------------------------------------------ the global order
 
     def order(self, epoch: int | None = None) -> list[int]:
-        """The global order of ``epoch`` (default: the current one); the same on every rank and world size."""
+        """The global order of ``epoch`` (default: the current one); the same on every rank and
+        world size."""
         epoch = self.epoch if epoch is None else epoch
         if self._order is None or self._order[0] != epoch:
             if self.shuffle:
@@ -162,7 +164,8 @@ class DataCursor:
 
     def sampler(self, batch_size: int) -> CursorSampler:
         """A ``torch.utils.data.Sampler`` of this rank's ids, for ``DataLoader(sampler=...,
-        generator=torch.Generator())`` (see ``CursorSampler`` for why the loader needs its own generator)."""
+        generator=torch.Generator())`` (see ``CursorSampler`` for why the loader needs its own
+        generator)."""
         return CursorSampler(self, batch_size)
 
     # ------------------------------------------------------------ state
@@ -182,13 +185,15 @@ class DataCursor:
             raise ConfigError(
                 f"DataCursor: not a DataCursor state of version {STATE_VERSION}: {sd!r:.200}"
             )
-        # A position in another order (other dataset size, seed or shuffling) would read other samples.
+        # A position in another order (other dataset size, seed or shuffling) would read other
+        # samples.
         for name in ("num_samples", "seed", "shuffle"):
             if sd.get(name) != getattr(self, name):
                 raise ConfigError(
-                    f"DataCursor: the saved position is in an order with {name}={sd.get(name)!r}, this cursor has "
-                    f"{name}={getattr(self, name)!r}; build the cursor as the saving run did (same dataset size, "
-                    "seed and shuffle), or declare a new contract phase for a new dataset"
+                    f"DataCursor: the saved position is in an order with {name}={sd.get(name)!r}, "
+                    f"this cursor has {name}={getattr(self, name)!r}; build the cursor as the "
+                    f"saving run did (same dataset size, seed and shuffle), or declare a new "
+                    f"contract phase for a new dataset"
                 )
         epoch, consumed = sd.get("epoch"), sd.get("consumed")
         if (
@@ -197,19 +202,21 @@ class DataCursor:
             or not 0 <= consumed <= self.num_samples
         ):
             raise ConfigError(
-                f"DataCursor: saved epoch {epoch!r} / consumed {consumed!r} are not a valid position"
+                f"DataCursor: saved epoch {epoch!r} / consumed {consumed!r} "
+                f"are not a valid position"
             )
         self.epoch, self.consumed = epoch, consumed
 
     def __repr__(self) -> str:
         return (
-            f"DataCursor(num_samples={self.num_samples}, epoch={self.epoch}, consumed={self.consumed}, "
-            f"rank={self.rank}/{self.world_size})"
+            f"DataCursor(num_samples={self.num_samples}, epoch={self.epoch}, "
+            f"consumed={self.consumed}, rank={self.rank}/{self.world_size})"
         )
 
 
 class CursorSampler(torch.utils.data.Sampler[int]):
-    """This rank's ids for the rest of the current epoch, taken from a ``DataCursor`` batch by batch.
+    """This rank's ids for the rest of the current epoch, taken from a ``DataCursor`` batch by
+    batch.
 
     Use with ``DataLoader(dataset, batch_size=batch_size, sampler=cursor.sampler(batch_size))``.
     The cursor advances when the loader draws a batch's first id, so with ``num_workers=0`` its
@@ -218,9 +225,10 @@ class CursorSampler(torch.utils.data.Sampler[int]):
     workers, call ``cursor.take(n)`` in the loop instead and index the dataset with the ids.
     Each ``iter()`` starts the next epoch when the current one is exhausted.
 
-    Give the loader a generator of its own (``generator=torch.Generator()``): ``iter(DataLoader)`` draws
-    its base seed from it, and without one from torch's global RNG, before step 1 in a fresh run but right
-    after ``restore()`` put the saved RNG back in a resumed one, so every later draw (dropout) shifts.
+    Give the loader a generator of its own (``generator=torch.Generator()``): ``iter(DataLoader)``
+    draws its base seed from it, and without one from torch's global RNG, before step 1 in a fresh
+    run but right after ``restore()`` put the saved RNG back in a resumed one, so every later draw
+    (dropout) shifts.
     """
 
     def __init__(self, cursor: DataCursor, batch_size: int) -> None:
@@ -231,12 +239,14 @@ class CursorSampler(torch.utils.data.Sampler[int]):
             and not (cursor.drop_last or cursor.pad)
             and cursor.num_samples % (batch_size * cursor.world_size)
         ):
-            # The default end of an epoch gives some ranks fewer ids, possibly none: a loader with no last
-            # batch on one rank while the others enter one more all-reduce hangs a data-parallel loop.
+            # The default end of an epoch gives some ranks fewer ids, possibly none: a loader with
+            # no last batch on one rank while the others enter one more all-reduce hangs a
+            # data-parallel loop.
             log.warning(
-                "ckptguard: DataCursor(num_samples=%d).sampler(%d) on %d ranks: the last batch of an epoch leaves "
-                "some ranks with fewer ids or none, so their loaders yield a different number of batches; in a "
-                "data-parallel loop (equal collectives per step) use DataCursor(..., pad=True) or drop_last=True",
+                "ckptguard: DataCursor(num_samples=%d).sampler(%d) on %d ranks: the last batch of "
+                "an epoch leaves some ranks with fewer ids or none, so their loaders yield a "
+                "different number of batches; in a data-parallel loop (equal collectives per step) "
+                "use DataCursor(..., pad=True) or drop_last=True",
                 cursor.num_samples,
                 batch_size,
                 cursor.world_size,

@@ -50,8 +50,9 @@ def args_digest(args: Any) -> str:
 
 @dataclass(frozen=True)
 class EnvCall:
-    """One call, as the adapter receives it. ``call_id`` is stable: a re-issued call carries the same.
-    ``epoch``: the fence revision the attempt runs under (restart-only; 0 for the other kinds)."""
+    """One call, as the adapter receives it. ``call_id`` is stable: a re-issued call carries the
+    same. ``epoch``: the fence revision the attempt runs under (restart-only; 0 for the other
+    kinds)."""
 
     call_id: str
     rollout: str
@@ -65,9 +66,9 @@ class EnvCall:
 
 @dataclass(frozen=True)
 class EnvResult:
-    """What a call returned: ``result`` (JSON values only: it is saved in the checkpoint), the rollout's
-    resource ``revision`` after the call, and the digest of the arguments the call id was first issued
-    with (an idempotent environment answering a repeat returns the first call's)."""
+    """What a call returned: ``result`` (JSON values only: it is saved in the checkpoint), the
+    rollout's resource ``revision`` after the call, and the digest of the arguments the call id was
+    first issued with (an idempotent environment answering a repeat returns the first call's)."""
 
     result: Any
     revision: int
@@ -76,8 +77,9 @@ class EnvResult:
 
 @dataclass(frozen=True)
 class Effect:
-    """One line of an environment's own record: a call that took effect, at which revision, and whether
-    its effect still stands (``live``: False once a restore undid it or a fence discarded it)."""
+    """One line of an environment's own record: a call that took effect, at which revision, and
+    whether its effect still stands (``live``: False once a restore undid it or a fence discarded
+    it)."""
 
     call_id: str
     rollout: str
@@ -100,7 +102,8 @@ class Effect:
 
     @classmethod
     def from_json(cls, raw: Any) -> Effect:
-        """An effect from a record line; ValueError naming the field that is missing or of a wrong type."""
+        """An effect from a record line; ValueError naming the field that is missing or of a wrong
+        type."""
         if not isinstance(raw, dict):
             raise ValueError(f"an effect is a JSON object, got {type(raw).__name__}")
         for key, kind in (
@@ -130,15 +133,16 @@ class Effect:
 
 @runtime_checkable
 class Environment(Protocol):
-    """What a user's environment adapter provides. ``name`` is unique within a ``TurnLedger``; ``kind`` says
-    how a resume treats it. Methods a kind does not use may raise ``NotImplementedError``."""
+    """What a user's environment adapter provides. ``name`` is unique within a ``TurnLedger``;
+    ``kind`` says how a resume treats it. Methods a kind does not use may raise
+    ``NotImplementedError``."""
 
     name: str
     kind: EnvKind
 
     def call(self, call: EnvCall) -> EnvResult:
-        """Perform ``call`` (idempotent: answer a known call id with its first result, no new effect;
-        restart-only: refuse a call whose ``epoch`` is not the rollout's newest fence)."""
+        """Perform ``call`` (idempotent: answer a known call id with its first result, no new
+        effect; restart-only: refuse a call whose ``epoch`` is not the rollout's newest fence)."""
         ...
 
     def revision(self, rollout: str) -> int:
@@ -146,8 +150,8 @@ class Environment(Protocol):
         ...
 
     def restore(self, rollout: str, revision: int) -> int:
-        """Restorable: put ``rollout``'s resource back at ``revision`` (0: its initial state); returns the
-        revision it holds now."""
+        """Restorable: put ``rollout``'s resource back at ``revision`` (0: its initial state);
+        returns the revision it holds now."""
         ...
 
     def fence(self, rollout: str) -> int:

@@ -189,8 +189,9 @@ class WriteFailure:
 
     def cause_order(self) -> tuple[bool, bool, int, int]:
         """The key that picks "the first error" across ranks: a rank's own failure before one that
-        only followed another rank's (its time is pushed past 10**18), an OS error (errno set) before
-        a symptom without one (a serializer's "unexpected pos", a peer's timeout), then wall clock, rank."""
+        only followed another rank's (its time is pushed past 10**18), an OS error (errno set)
+        before a symptom without one (a serializer's "unexpected pos", a peer's timeout), then wall
+        clock, rank."""
         return self.time_ns >= 10**18, self.errno is None, self.time_ns, self.rank
 
     @classmethod
@@ -253,7 +254,8 @@ class StorageStallError(CheckpointError, TimeoutError):
 
 
 class StorageFormatError(CheckpointError, RuntimeError):
-    """torch.save framed a tensor in a way the streaming writer cannot place (an internal invariant)."""
+    """torch.save framed a tensor in a way the streaming writer cannot place (an internal
+    invariant)."""
 
 
 class SaveStillRunningError(CheckpointError, TimeoutError):
@@ -267,9 +269,9 @@ class SaveStillRunningError(CheckpointError, TimeoutError):
 
 
 class SaveBudgetError(CheckpointError, RuntimeError):
-    """A synchronous save would hold the caller longer than its blocking budget (``BlockingBudget``, a fraction
-    of the process group's collective timeout) and ``OverBudget.REFUSE`` applies: raised on every rank before
-    anything is captured."""
+    """A synchronous save would hold the caller longer than its blocking budget (``BlockingBudget``,
+    a fraction of the process group's collective timeout) and ``OverBudget.REFUSE`` applies: raised
+    on every rank before anything is captured."""
 
     fields = ("step", "seconds", "budget_s")
 
@@ -296,7 +298,8 @@ class RehearsalError(CheckpointError, RuntimeError):
 
 
 class RecordFormatError(CheckpointError, ValueError):
-    """A memory records file holds a line that is not a record (and is not a truncated last line)."""
+    """A memory records file holds a line that is not a record (and is not a truncated last
+    line)."""
 
 
 class PinnedMemoryUnavailableError(CheckpointError, RuntimeError):
@@ -327,8 +330,9 @@ class ObjectStoreError(CheckpointError, OSError):
 
 
 class ConditionalWriteUnsupportedError(ObjectStoreError):
-    """The store accepted a conditional write it should have refused (If-None-Match / If-Match ignored):
-    two writers could both commit a step there. Refused unless a weaker mode is asked for by name."""
+    """The store accepted a conditional write it should have refused (If-None-Match / If-Match
+    ignored): two writers could both commit a step there. Refused unless a weaker mode is asked for
+    by name."""
 
 
 class CommitConflictError(CheckpointError, FileExistsError):

@@ -75,8 +75,9 @@ class CheckpointManager:
         parts: Parts | None = None,
     ) -> None:
         base = checked_config(config)
-        # Managers are created collectively, in the same order on every rank, so a counter names this one's
-        # store keys alike everywhere; the root path would not (node-local roots may differ per node).
+        # Managers are created collectively, in the same order on every rank, so a counter names
+        # this one's store keys alike everywhere; the root path would not (node-local roots may
+        # differ per node).
         CheckpointManager._created += 1
         name = f"manager-{CheckpointManager._created}"
         self.root, self.config, self._stage, self._ctx = open_context(
@@ -85,7 +86,8 @@ class CheckpointManager:
         ctx = self._ctx
         self._pending: PendingSave | None = None
         self.process_group = process_group
-        """The group this manager agrees over (None: the default group); a PreemptionGuard agrees over it too."""
+        """The group this manager agrees over (None: the default group); a PreemptionGuard agrees
+        over it too."""
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         _faults.arm_pause_from_env(ctx.rank)  # only under `ckptguard rehearse`
@@ -93,7 +95,8 @@ class CheckpointManager:
         self.core = Root(
             self.root, self.config, ctx.naming, ctx.agreement, proof=proof, health=health
         )
-        """The bookkeeping of this root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
+        """The bookkeeping of this root (lease, health, trust, retention, trajectory):
+        ``ckptguard._core``."""
         self._background = BackgroundCommits(
             ctx,
             self._stage,
@@ -108,7 +111,8 @@ class CheckpointManager:
             start=self._start_commit,
         )
         self.busy = self._background.busy
-        """The ``on_busy`` decisions of ``save_async``: ``busy.skipped_total``, ``busy.last_commit_s``."""
+        """The ``on_busy`` decisions of ``save_async``: ``busy.skipped_total``,
+        ``busy.last_commit_s``."""
         self.queue = self._background.queue
         """``OnBusy.COALESCE``'s queued save (``queue.queued_step``) and its second staging set."""
         self.blocking = self._background.blocking
@@ -118,12 +122,14 @@ class CheckpointManager:
 
     @property
     def last_health(self) -> _trust.HealthVerdict | None:
-        """The health verdict of the last ``save``/``save_async`` call (``.skip``: it was not committed)."""
+        """The health verdict of the last ``save``/``save_async`` call (``.skip``: it was not
+        committed)."""
         return self.core.last_health
 
     @property
     def context(self) -> Context:
-        """What the commit protocol and the restore run on for this root (``ckptguard._context``)."""
+        """What the commit protocol and the restore run on for this root
+        (``ckptguard._context``)."""
         return self._ctx
 
     def preemption_target(self) -> GuardTarget:
@@ -141,10 +147,10 @@ class CheckpointManager:
     # ------------------------------------------------------------ queries
 
     def committed_steps(self) -> list[int]:
-        """Steps with a valid manifest and no newer than the tracker, ascending: this rank's reading of
-        the disk now, not agreed. While a rotation deletes (after a commit, in the background) two ranks
-        can list different steps; ``resolve()`` is the agreed answer of which step a restore loads. An ``s3://``
-        root's are the store's."""
+        """Steps with a valid manifest and no newer than the tracker, ascending: this rank's reading
+        of the disk now, not agreed. While a rotation deletes (after a commit, in the background)
+        two ranks can list different steps; ``resolve()`` is the agreed answer of which step a
+        restore loads. An ``s3://`` root's are the store's."""
         return _acts.committed_steps(self.core, self._stage)
 
     def resolve(
@@ -255,7 +261,8 @@ class CheckpointManager:
         )
 
     def poll(self) -> PendingSave | None:
-        """``OnBusy.COALESCE``: start the queued save once every rank's commit ended (collective: every step, say)."""
+        """``OnBusy.COALESCE``: start the queued save once every rank's commit ended (collective:
+        every step, say)."""
         return self._start_queued(self.queue.poll(self._pending, self._healthy), self._pending)
 
     def _start_queued(self, queued: Queued | None, after: PendingSave | None) -> PendingSave | None:
@@ -266,44 +273,49 @@ class CheckpointManager:
         return self._pending
 
     def _start_commit(self, step: int, prepared: Staged, resumed: float) -> PendingSave:
-        """Start in the background the commit ``Parts.commits.stage`` prepared (``resumed``: when the caller got
-        control back); an integration whose own writer finishes later (Megatron's async save) starts it then."""
+        """Start in the background the commit ``Parts.commits.stage`` prepared (``resumed``: when
+        the caller got control back); an integration whose own writer finishes later (Megatron's
+        async save) starts it then."""
         self._pending = self._background.begin(step, prepared, resumed)
         return self._pending
 
     def _in_background(
         self, step: int, state: StateDict, actions: Actions, *health: Any, measure: bool = False
     ) -> PendingSave | None:
-        """A save committed in the background, through the ``on_busy`` round: its commit, now the save in flight;
-        None: skipped or queued (``CheckpointConfig.async_save.on_busy``) or unhealthy, alike on every rank."""
+        """A save committed in the background, through the ``on_busy`` round: its commit, now the
+        save in flight; None: skipped or queued (``CheckpointConfig.async_save.on_busy``) or
+        unhealthy, alike on every rank."""
         started = self._background.request(step, state, actions, health, self._pending, measure)
         if started is not None:
             self._pending = started
         return started
 
     def prepare_async(self, state: StateDict) -> Future[int]:
-        """Optional (``restore`` does it): pin the staging pool(s) for ``state`` in the background; no collective."""
+        """Optional (``restore`` does it): pin the staging pool(s) for ``state`` in the background;
+        no collective."""
         check_state(state, "prepare_async")
         return self.queue.prepare(capture(state, self._ctx.keyfn()), self.config)
 
     def staged(self) -> float:
-        """Make later changes of the saved tensors safe for the last ``save_async`` (and a queued one): later work on
-        the current CUDA stream runs after its copies, and what did not fit the pool has been read (the CPU waits
-        for that). Call it before changing saved tensors outside an optimizer step (a manual ``p.add_()``, a weight
-        sync into the model). Returns the seconds it blocked."""
+        """Make later changes of the saved tensors safe for the last ``save_async`` (and a queued
+        one): later work on the current CUDA stream runs after its copies, and what did not fit the
+        pool has been read (the CPU waits for that). Call it before changing saved tensors outside
+        an optimizer step (a manual ``p.add_()``, a weight sync into the model). Returns the seconds
+        it blocked."""
         return self.queue.staged(self._pending)
 
     def close(self) -> None:
-        """Wait for a pending save (raising its error) and release the host staging pools now (an ``s3://`` root:
-        the proof records copied to the store, its lease released)."""
+        """Wait for a pending save (raising its error) and release the host staging pools now (an
+        ``s3://`` root: the proof records copied to the store, its lease released)."""
         try:
             self.queue.close(self.wait)  # both staging sets, also when wait raised
         finally:
             self._stage.close()
 
     def wait(self) -> Path | None:
-        """Wait for a pending ``save_async`` and its cleanup, then commit a queued one (``OnBusy.COALESCE``) and
-        wait for it too; returns the last step directory, raises the first error."""
+        """Wait for a pending ``save_async`` and its cleanup, then commit a queued one
+        (``OnBusy.COALESCE``) and wait for it too; returns the last step directory, raises the first
+        error."""
         pending, self._pending = self._pending, None
         path = pending.wait() if pending is not None and not pending.reported else None
         # Every rank's commit ended: agreed.
@@ -311,8 +323,9 @@ class CheckpointManager:
         return self.wait() if started is not None else path
 
     def _published(self, path: Path, step: int, *, blocked_s: float, began: float) -> Path:
-        """What follows a commit before the caller may go on: the log line, the save record (with the
-        seconds the caller was held, ``ckptguard goodput``), trust, and an ``s3://`` root's publish to the store."""
+        """What follows a commit before the caller may go on: the log line, the save record (with
+        the seconds the caller was held, ``ckptguard goodput``), trust, and an ``s3://`` root's
+        publish to the store."""
         log.info("ckptguard: committed step %d at %s", step, path)
         self.core.proof.record(
             "save",
@@ -331,11 +344,13 @@ class CheckpointManager:
         return path
 
     def _cleanup_after(self, step: int) -> None:
-        """Retention and proof pruning after the commit of ``step`` (``Root.cleanup``; off the caller's path)."""
+        """Retention and proof pruning after the commit of ``step`` (``Root.cleanup``; off the
+        caller's path)."""
         self.core.cleanup(step, rotate=self.rank == 0 or self._ctx.node_publisher)
 
     def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
-        """The health agreement of a save (``Root.health_round``); an unhealthy step is logged and recorded."""
+        """The health agreement of a save (``Root.health_round``); an unhealthy step is logged and
+        recorded."""
         verdict = self.core.health_round(
             step,
             healthy,
@@ -379,7 +394,8 @@ class CheckpointManager:
         if res.url is not None:
             fetched = self._stage.bring(res.step)
             res = dataclasses.replace(self.resolve(mode=mode, path=fetched), url=res.url)
-        # What ``ckptguard goodput`` splits the time to recover by: start-up, this restore, the first step.
+        # What ``ckptguard goodput`` splits the time to recover by: start-up, this restore, the
+        # first step.
         timing: dict[str, Any] = {"process_start": process_start(), "began_mono": began}
         if res.fresh:
             _events.fresh_start(self.core.proof, res, self.world_size, began, timing)
@@ -431,18 +447,20 @@ class CheckpointManager:
     ) -> ExportFingerprint:
         """Record the weights exported for rollout at ``step`` (after ``step`` updates).
 
-        ``payload`` is what the rollout receives (tensors or bytes); ``scales`` the quantization scales sent
-        with it. The first export after a restore must equal the export the saving run recorded for the same
-        step. ``details``: JSON fields kept with the record (an integration's per-tensor digests, its
-        read-back gates, the LoRA probe ``integrations.peft.adapter_probe``).
+        ``payload`` is what the rollout receives (tensors or bytes); ``scales`` the quantization
+        scales sent with it. The first export after a restore must equal the export the saving run
+        recorded for the same step. ``details``: JSON fields kept with the record (an integration's
+        per-tensor digests, its read-back gates, the LoRA probe
+        ``integrations.peft.adapter_probe``).
         """
         return _events.record_export(self.core.proof, step, payload, scales, **details)
 
     def record_logprobs(
         self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, **details: Any
     ) -> dict[str, float]:
-        """Record the trainer's old-logprob against the rollout's for the same tokens. ``details``: JSON
-        fields kept with the record (an integration's digests of the sampled token ids and seeds)."""
+        """Record the trainer's old-logprob against the rollout's for the same tokens. ``details``:
+        JSON fields kept with the record (an integration's digests of the sampled token ids and
+        seeds)."""
         return _events.record_logprobs(
             self.core.proof, step, trainer_logprobs, rollout_logprobs, **details
         )

@@ -62,7 +62,8 @@ from .errors import CheckpointError, ConfigError
 log = _log.logger()
 
 EXIT_SAVED = 75
-"""Exit code after a preemption whose step was committed (EX_TEMPFAIL: retry; the resume loses nothing)."""
+"""Exit code after a preemption whose step was committed (EX_TEMPFAIL: retry; the resume loses
+nothing)."""
 EXIT_NOT_SAVED = 76
 """Exit code after a preemption with no save (it did not fit the grace budget, or the step was
 unhealthy): the resume starts from the tracker's step, which did not move."""
@@ -125,8 +126,8 @@ class PreemptionGuard:
         target = getattr(manager, "preemption_target", None)
         if not callable(target):
             raise ConfigError(
-                "PreemptionGuard(manager=...): a CheckpointManager, RunCheckpoint or TieredCheckpoint, got "
-                f"{type(manager).__name__}"
+                f"PreemptionGuard(manager=...): a CheckpointManager, RunCheckpoint or "
+                f"TieredCheckpoint, got {type(manager).__name__}"
             )
         for name, value in (
             ("grace_s", grace_s),
@@ -139,7 +140,8 @@ class PreemptionGuard:
                 raise ConfigError(f"PreemptionGuard({name}={value!r}): a number of seconds > 0")
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError(
-                "PreemptionGuard must be created in the main thread: Python delivers signals only there"
+                "PreemptionGuard must be created in the main thread: Python "
+                "delivers signals only there"
             )
         self.manager = manager
         self._target: GuardTarget = target()
@@ -147,7 +149,8 @@ class PreemptionGuard:
         self.safety = float(safety)
         self.save_estimate_s = save_estimate_s
         self.outcome: Preempted | None = None
-        """The ``Preempted`` of the boundary that stopped the run (``should_stop`` returned True)."""
+        """The ``Preempted`` of the boundary that stopped the run (``should_stop`` returned
+        True)."""
         self._got: tuple[int, float] | None = None  # (signal, monotonic time) of the first signal
         PreemptionGuard._created += 1
         self._agreement = make_agreement(
@@ -212,12 +215,14 @@ class PreemptionGuard:
             return None
         checked = time.monotonic()
         try:
-            self._target.wait()  # a background save in flight finishes first (its time counts against the budget)
+            # a background save in flight finishes first (its time counts against the budget)
+            self._target.wait()
         except (
             CheckpointError
         ) as exc:  # raised on every rank alike: that save is lost, this step may still fit
             log.error(
-                "ckptguard: preempted: the pending save_async failed (%s: %s); planning a save of step %d",
+                "ckptguard: preempted: the pending save_async failed (%s: %s); "
+                "planning a save of step %d",
                 type(exc).__name__,
                 exc,
                 step,
@@ -240,8 +245,9 @@ class PreemptionGuard:
             log.error("ckptguard: preempted: %s; exiting with code %d", plan.reason, EXIT_NOT_SAVED)
             return Preempted(EXIT_NOT_SAVED, step=step, saved=False, reason=plan.reason)
         log.warning("ckptguard: preempted: %s", plan.reason)
-        # A save its blocking budget sent to the background returns None too: wait for it before judging.
-        # (a TieredCheckpoint's wait() gives {} when nothing was pending: falsy, as a manager's None)
+        # A save its blocking budget sent to the background returns None too: wait for it before
+        # judging. (a TieredCheckpoint's wait() gives {} when nothing was pending: falsy, as a
+        # manager's None)
         if (
             not plan.skip_save
             and self._target.save(step, state, **save_kwargs) is None
@@ -278,8 +284,9 @@ class PreemptionGuard:
             if speed:
                 estimate = nbytes / speed
                 source = (
-                    f"estimated: {nbytes / 2**20:.1f} MiB of state on {ranks} rank(s) at {speed / 2**20:.0f} "
-                    f"MiB/s, a write probe of {self._target.root}; no save measured on this root yet"
+                    f"estimated: {nbytes / 2**20:.1f} MiB of state on {ranks} rank(s) at "
+                    f"{speed / 2**20:.0f} MiB/s, a write probe of {self._target.root}; no save "
+                    f"measured on this root yet"
                 )
         left = self.grace_s - ago - (time.monotonic() - checked)
         if estimate is None and left <= 0:
@@ -287,16 +294,17 @@ class PreemptionGuard:
                 False,
                 (
                     f"{what}: NOT saving step {step}: the grace budget grace_s={self.grace_s:g} is "
-                    f"spent ({-left:.3f} s over) before the save could start ({probe}); nothing was "
-                    f"written, the tracker stays at step {tracker}. Raise grace_s (the scheduler's "
-                    "grace period) or call step_boundary more often"
+                    f"spent ({-left:.3f} s over) before the save could start ({probe}); nothing "
+                    f"was written, the tracker stays at step {tracker}. Raise grace_s (the "
+                    f"scheduler's grace period) or call step_boundary more often"
                 ),
             )
         if estimate is None:
             return _Plan(
                 True,
-                f"{what}: no save time measured on this root and {probe}; saving step {step} in the "
-                f"{left:.2f} s left of grace_s={self.grace_s:g} (a kill mid-save commits nothing)",
+                f"{what}: no save time measured on this root and {probe}; saving step "
+                f"{step} in the {left:.2f} s left of grace_s={self.grace_s:g} (a kill "
+                f"mid-save commits nothing)",
             )
         needed = estimate * self.safety
         kind = "estimated" if source.startswith("estimated") else "measured"
@@ -304,10 +312,11 @@ class PreemptionGuard:
             return _Plan(
                 False,
                 (
-                    f"{what}: NOT saving step {step}: the {kind} save time {estimate:.3f} s ({source}) x safety "
-                    f"{self.safety:g} = {needed:.3f} s does not fit the {left:.3f} s left of the grace budget "
-                    f"grace_s={self.grace_s:g}; nothing was written, the tracker stays at step {tracker}, the resume "
-                    "starts there. Raise grace_s (the scheduler's grace period) or save more often"
+                    f"{what}: NOT saving step {step}: the {kind} save time {estimate:.3f} s "
+                    f"({source}) x safety {self.safety:g} = {needed:.3f} s does not fit the "
+                    f"{left:.3f} s left of the grace budget grace_s={self.grace_s:g}; nothing was "
+                    f"written, the tracker stays at step {tracker}, the resume starts there. Raise "
+                    f"grace_s (the scheduler's grace period) or save more often"
                 ),
             )
         return _Plan(
@@ -339,8 +348,8 @@ class PreemptionGuard:
 
 
 def state_bytes(state: Mapping[str, Any]) -> int:
-    """This rank's tensor bytes in ``state`` (a DTensor counts its local shard); a ``RunCheckpoint``'s
-    states (role -> state) are summed over the roles."""
+    """This rank's tensor bytes in ``state`` (a DTensor counts its local shard); a
+    ``RunCheckpoint``'s states (role -> state) are summed over the roles."""
     total = 0
     for name, value in state.items():
         if (

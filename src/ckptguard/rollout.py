@@ -1,18 +1,20 @@
-"""RolloutLedger: what an asynchronous RL driver owes each prompt, saved in the same commit as the models.
+"""RolloutLedger: what an asynchronous RL driver owes each prompt, saved in the same commit as the
+models.
 
-An asynchronous pipeline has prompts in three places at any save: in flight (sent to generation,
-no rollout yet), buffered (a rollout is back, not trained on) and trained. A resume that restores
-the models and the dataloader but not these loses the buffered and in-flight prompts (the
-dataloader is already past them) or trains some twice. The ledger is a state item
-(``state_dict``/``load_state_dict``): put it in the driver's state, e.g.
-``RunCheckpoint.save(step, {..., "driver": {"ledger": ledger}})``, and it is committed with the models.
+An asynchronous pipeline has prompts in three places at any save: in flight (sent to generation, no
+rollout yet), buffered (a rollout is back, not trained on) and trained. A resume that restores the
+models and the dataloader but not these loses the buffered and in-flight prompts (the dataloader is
+already past them) or trains some twice. The ledger is a state item
+(``state_dict``/``load_state_dict``): put it in the driver's state, e.g. ``RunCheckpoint.save(step,
+{..., "driver": {"ledger": ledger}})``, and it is committed with the models.
 
 The driver feeds it: ``issued(prompt_id, policy_version)`` (or ``next_prompt()``, which draws and
-issues in one step), ``completed(prompt_id, rollout_ref)``, ``take(n)`` and ``trained(prompt_ids, step)``.
-After a restore, ``resume()`` (called by the first ``next_prompt``/``take`` if not before) applies the
-declared rule once: prompts in flight at the save are re-issued (their producer is gone); buffered
-rollouts are kept with their policy version, unless older than ``max_staleness`` policy versions, or
-unless ``keep_buffered=False`` (the rollouts lived in memory), and then dropped and re-issued.
+issues in one step), ``completed(prompt_id, rollout_ref)``, ``take(n)`` and ``trained(prompt_ids,
+step)``. After a restore, ``resume()`` (called by the first ``next_prompt``/``take`` if not before)
+applies the declared rule once: prompts in flight at the save are re-issued (their producer is
+gone); buffered rollouts are kept with their policy version, unless older than ``max_staleness``
+policy versions, or unless ``keep_buffered=False`` (the rollouts lived in memory), and then dropped
+and re-issued.
 
 Prompt sources: ``source`` is any iterable of prompt ids (ints or strings, unique within the run).
 A source with ``state_dict``/``load_state_dict`` (e.g. a ``DataCursor``) is saved inside the ledger
@@ -73,11 +75,13 @@ class ResumePlan:
     """What ``resume`` decided after a restore."""
 
     reissue: list[PromptId]
-    """Prompts to generate again, first: in flight at the save, or buffered and dropped by the rule."""
+    """Prompts to generate again, first: in flight at the save, or buffered and dropped by the
+    rule."""
     kept: list[Rollout]
     """Buffered rollouts kept, with their policy version."""
     dropped_stale: list[PromptId] = field(default_factory=list)
-    """The buffered ones dropped for being more than ``max_staleness`` versions old (also in ``reissue``)."""
+    """The buffered ones dropped for being more than ``max_staleness`` versions old (also in
+    ``reissue``)."""
     trained: int = 0
     policy_version: int = 0
 
@@ -85,13 +89,15 @@ class ResumePlan:
 def _check_id(prompt_id: Any, where: str) -> PromptId:
     if isinstance(prompt_id, bool) or not isinstance(prompt_id, (int, str)):
         raise ConfigError(
-            f"{where}: a prompt id is an int or a str, got {type(prompt_id).__name__} {prompt_id!r:.40}"
+            f"{where}: a prompt id is an int or a str, got "
+            f"{type(prompt_id).__name__} {prompt_id!r:.40}"
         )
     return prompt_id
 
 
 class RolloutLedger:
-    """The prompts of an asynchronous RL run: in flight, buffered (with their policy version), trained.
+    """The prompts of an asynchronous RL run: in flight, buffered (with their policy version),
+    trained.
 
     Thread-safe: a producer thread may issue and complete while the trainer takes, trains and saves.
     """
@@ -139,7 +145,8 @@ class RolloutLedger:
     # ------------------------------------------------------------ feeding
 
     def issued(self, prompt_id: PromptId, policy_version: int | None = None) -> None:
-        """``prompt_id`` went to generation with the policy of ``policy_version`` (default: the current one)."""
+        """``prompt_id`` went to generation with the policy of ``policy_version`` (default: the
+        current one)."""
         _check_id(prompt_id, "issued")
         with self._lock:
             self._resume_if_pending()  # the first use after a restore applies the rule first
@@ -153,8 +160,9 @@ class RolloutLedger:
                 )
             if prompt_id in self._trained:
                 raise ConfigError(
-                    f"issued({prompt_id!r}): the prompt was already trained on; prompt ids are unique within a run "
-                    "(for several epochs use e.g. epoch * len(dataset) + index)"
+                    f"issued({prompt_id!r}): the prompt was already trained on; "
+                    f"prompt ids are unique within a run (for several epochs use "
+                    f"e.g. epoch * len(dataset) + index)"
                 )
             if prompt_id in self._reissue:
                 self._reissue.remove(prompt_id)
@@ -169,8 +177,9 @@ class RolloutLedger:
             self._resume_if_pending()  # the first use after a restore applies the rule first
             if prompt_id not in self._in_flight:
                 raise ConfigError(
-                    f"completed({prompt_id!r}): the prompt is not in flight (never issued, completed twice, or "
-                    "issued before a restore: its producer is gone and it is re-issued)"
+                    f"completed({prompt_id!r}): the prompt is not in flight (never "
+                    f"issued, completed twice, or issued before a restore: its "
+                    f"producer is gone and it is re-issued)"
                 )
             self._buffered[prompt_id] = (self._in_flight.pop(prompt_id), rollout_ref)
             self._counts["completed"] += 1
@@ -207,8 +216,8 @@ class RolloutLedger:
             unknown = [p for p in ids if p not in self._taken and p not in self._buffered]
             if unknown or len(set(ids)) != len(ids):
                 raise ConfigError(
-                    f"trained(step={step}): prompts {unknown[:8] or ids} were not completed (or are named twice); "
-                    "a prompt is trained once, after completed()"
+                    f"trained(step={step}): prompts {unknown[:8] or ids} were not completed (or "
+                    f"are named twice); a prompt is trained once, after completed()"
                 )
             for pid in ids:
                 version, _ref = (
@@ -247,7 +256,8 @@ class RolloutLedger:
         """The source's iteration: a plain source restarts and skips what was drawn; a stateful one
         resumes itself, and one that was being iterated at the save continues that iteration
         (``DataCursor.rest``: a cursor restored at the end of its epoch yields nothing, as the
-        uninterrupted iteration, instead of starting the next epoch over prompts already trained)."""
+        uninterrupted iteration, instead of starting the next epoch over prompts already
+        trained)."""
         assert self._source is not None
         if not self._stateful:
             return itertools.islice(iter(self._source), self._drawn, None)
@@ -285,8 +295,9 @@ class RolloutLedger:
                 policy_version=self.policy_version,
             )
         log.info(
-            "ckptguard: rollout ledger resumed at policy version %d: %d prompt(s) trained, %d buffered rollout(s) "
-            "kept, %d prompt(s) re-issued (%d in flight at the save, %d stale beyond %s version(s)%s)",
+            "ckptguard: rollout ledger resumed at policy version %d: %d prompt(s) trained, %d "
+            "buffered rollout(s) kept, %d prompt(s) re-issued (%d in flight at the save, %d "
+            "stale beyond %s version(s)%s)",
             plan.policy_version,
             plan.trained,
             len(plan.kept),
@@ -360,7 +371,8 @@ class RolloutLedger:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> StateDict:
-        """Plain values (and the source's state), so ``torch.load(weights_only=True)`` reads them back."""
+        """Plain values (and the source's state), so ``torch.load(weights_only=True)`` reads them
+        back."""
         with self._lock:
             out: dict[str, Any] = {
                 "version": STATE_VERSION,
@@ -381,11 +393,13 @@ class RolloutLedger:
             return out
 
     def load_state_dict(self, state: StateDict) -> None:
-        """Exactly the saved state; the rule is applied by ``resume`` (a restore checks the digest first)."""
+        """Exactly the saved state; the rule is applied by ``resume`` (a restore checks the digest
+        first)."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise StateMismatchError(
                 f"RolloutLedger.load_state_dict: not a ledger state of version {STATE_VERSION} "
-                f"(got {type(state).__name__} with version {getattr(state, 'get', lambda k: None)('version')!r})"
+                f"(got {type(state).__name__} with version "
+                f"{getattr(state, 'get', lambda k: None)('version')!r})"
             )
         if self._stateful != ("source" in state):
             raise StateMismatchError(

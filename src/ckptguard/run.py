@@ -1,12 +1,13 @@
 """RunCheckpoint: every role of one run (actor, critic, ref, driver, ...) committed as one step.
 
-An RL run is several models and a driver, each on its own ranks (colocated or disaggregated). Saved by separate
-managers, a half-written step (the actor's files, not the critic's) could be picked as the latest. Here every
-role's part is written by the single-role commit protocol into one run temp directory, the role's ranks
-confirming its part (its manifest); then every rank of the run reports, and rank 0 writes the run manifest
-listing every role (written last), renames the directory to the step name and moves the one tracker. A crash
-anywhere before that leaves the previous step as the resume target; a step missing a role is never restored.
-On-disk form: ``_records.runmanifest`` (each role's part is a step directory that plain DCP reads).
+An RL run is several models and a driver, each on its own ranks (colocated or disaggregated). Saved
+by separate managers, a half-written step (the actor's files, not the critic's) could be picked as
+the latest. Here every role's part is written by the single-role commit protocol into one run temp
+directory, the role's ranks confirming its part (its manifest); then every rank of the run reports,
+and rank 0 writes the run manifest listing every role (written last), renames the directory to the
+step name and moves the one tracker. A crash anywhere before that leaves the previous step as the
+resume target; a step missing a role is never restored. On-disk form: ``_records.runmanifest`` (each
+role's part is a step directory that plain DCP reads).
 
 As a CheckpointManager: healthy steps only (one verdict over every rank of every role), one trust
 record for the run (``prefer="verified"`` resumes one step for every role), proof records per role
@@ -94,19 +95,22 @@ class RunCheckpoint:
             raise ConfigError(
                 f"config must be a CheckpointConfig, got {type(self.config).__name__}"
             )
-        # COALESCE would queue every role's snapshot in a second pool per role; FAST_TIER needs two tiers.
+        # COALESCE would queue every role's snapshot in a second pool per role; FAST_TIER needs two
+        # tiers.
         check_policy(self.config.async_save.on_busy, "RunCheckpoint", (OnBusy.SKIP, OnBusy.WAIT))
         roles = check_roles(roles)
         if is_store(root):  # Path() would read it as a local directory named "s3:"
             raise ConfigError(
-                f"RunCheckpoint({root!r}): give a directory; an s3:// root takes a CheckpointManager"
+                f"RunCheckpoint({root!r}): give a directory; an s3:// root "
+                f"takes a CheckpointManager"
             )
         self.root = Path(root).absolute()
         self._naming = _layout.StepNaming(self.config.storage.dir_template)
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
         self._ranks = role_ranks(roles, world)
-        # Created collectively, in the same order on every rank: the counter names the store keys alike.
+        # Created collectively, in the same order on every rank: the counter names the store keys
+        # alike.
         RunCheckpoint._created += 1
         ns = f"run-{RunCheckpoint._created}"
         run_agreement = make_agreement(None, timeout_s=self.config.timeout_s, namespace=ns)
@@ -128,13 +132,15 @@ class RunCheckpoint:
         # save_async: one host pool per role this rank holds.
         self._staging: dict[str, _async.AsyncStaging] = {}
         self._budget: tuple[int, str] | None = None
-        # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
+        # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its
+        # own.
         self.busy = BusyRound(
             make_agreement(None, timeout_s=self.config.timeout_s, namespace=f"{ns}-busy"),
             label="run step",
             policy=self.config.async_save.on_busy,
         )
-        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``), as ``CheckpointManager.busy``."""
+        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``), as
+        ``CheckpointManager.busy``."""
         self.core = Root(
             self.root,
             self.config,
@@ -143,7 +149,8 @@ class RunCheckpoint:
             label="run step",
             lease_key="run.lease",
         )
-        """The bookkeeping of the run's root (lease, health, trust, retention, trajectory): ``ckptguard._core``."""
+        """The bookkeeping of the run's root (lease, health, trust, retention, trajectory):
+        ``ckptguard._core``."""
         self.core.check_lease("create")
 
     @property
@@ -152,7 +159,8 @@ class RunCheckpoint:
         return self.core.last_health
 
     def preemption_target(self) -> GuardTarget:
-        """What a ``PreemptionGuard`` guards: the run's save over every role, its commits and save times."""
+        """What a ``PreemptionGuard`` guards: the run's save over every role, its commits and save
+        times."""
         return GuardTarget(
             root=self.root,
             timeout_s=self.config.timeout_s,
@@ -175,7 +183,8 @@ class RunCheckpoint:
 
     @property
     def my_roles(self) -> list[str]:
-        """The roles this rank holds, in declared order: the keys ``save`` and ``restore`` expect."""
+        """The roles this rank holds, in declared order: the keys ``save`` and ``restore``
+        expect."""
         return list(self._roles)
 
     # ------------------------------------------------------------ queries
@@ -229,7 +238,8 @@ class RunCheckpoint:
         or ``grad_norm`` (these arguments, else that rank's ``record_step`` of ``step``) is not
         finite, ``healthy=False`` was passed or the policy's check fails, no role commits on any
         rank: nothing is written, the tracker stays, every rank returns None (``last_health``).
-        ``overwrite`` and ``break_lease`` act on this call only, as in ``CheckpointManager.save``."""
+        ``overwrite`` and ``break_lease`` act on this call only, as in
+        ``CheckpointManager.save``."""
         if not self._begin(step, states, "save", healthy, loss, grad_norm):
             return None
         started = time.monotonic()
@@ -260,8 +270,8 @@ class RunCheckpoint:
         ``CheckpointManager.save_async`` does for one state: the copies go to spare GPU memory or to
         a pinned host pool per role (this rank's host budget split between the roles it holds), the
         next optimizer step or forward, or ``staged()``, waits for them; the tracker moves when the
-        background commit of every role completed; its error is raised by ``wait()`` or by the
-        next save, restore or wait, on every rank. The health agreement runs first, as in ``save``."""
+        background commit of every role completed; its error is raised by ``wait()`` or by the next
+        save, restore or wait, on every rank. The health agreement runs first, as in ``save``."""
         if not self._begin(step, states, "save_async", healthy, loss, grad_norm):
             return None
         started, actions = time.monotonic(), Actions(overwrite, break_lease)
@@ -289,7 +299,8 @@ class RunCheckpoint:
                 for pool in pools:
                     pool.done()
 
-        # The fence PendingSave and staged() use: host_wait, live_read, before_mutation, waited_s (duck-typed).
+        # The fence PendingSave and staged() use: host_wait, live_read, before_mutation, waited_s
+        # (duck-typed).
         self._pending = PendingSave(
             step,
             run,
@@ -301,8 +312,8 @@ class RunCheckpoint:
         return self._pending
 
     def staged(self) -> float:
-        """As ``CheckpointManager.staged``: later changes of the saved tensors of every role are safe for the
-        last ``save_async``. Returns the seconds it blocked."""
+        """As ``CheckpointManager.staged``: later changes of the saved tensors of every role are
+        safe for the last ``save_async``. Returns the seconds it blocked."""
         pending = self._pending
         if pending is None or pending.fence is None:
             return 0.0
@@ -314,7 +325,8 @@ class RunCheckpoint:
         return pending.wait() if pending is not None and not pending.reported else None
 
     def close(self) -> None:
-        """Wait for a pending save (raising its error) and release every role's host staging pool now."""
+        """Wait for a pending save (raising its error) and release every role's host staging pool
+        now."""
         try:
             self.wait()
         finally:
@@ -336,7 +348,8 @@ class RunCheckpoint:
             wait=self.wait,
             record=self._record_all,
         ):
-            return False  # CheckpointConfig.async_save.on_busy: skipped on every rank, logged and recorded
+            # CheckpointConfig.async_save.on_busy: skipped on every rank, logged and recorded
+            return False
         self.wait()
         self._check_shared_root(step)
         return self._healthy(step, healthy, loss, grad_norm)
@@ -344,8 +357,8 @@ class RunCheckpoint:
     def _commit_roles(
         self, step: int, snaps: dict[str, Snapshot], started: float, actions: Actions
     ) -> Path:
-        """Prepare the run step, write every role's part, publish (``_core.runsave``): in the caller's or a
-        background thread; then the commit and its trust record are the run root's."""
+        """Prepare the run step, write every role's part, publish (``_core.runsave``): in the
+        caller's or a background thread; then the commit and its trust record are the run root's."""
         path = commit_roles(self._run, self._roles, self._ranks, self._proofs, step, snaps, actions)
         self.core.committed(step, seconds=time.monotonic() - started)
         if self.rank == 0:
@@ -353,8 +366,9 @@ class RunCheckpoint:
         return path
 
     def _cleanup_after(self, step: int) -> None:
-        """The core's retention (whole run steps: one missing a role is incomplete, ``verify_step``) and every role's
-        proof records pruned, after the commit of ``step``: for ``save_async`` in its thread, off the caller's path."""
+        """The core's retention (whole run steps: one missing a role is incomplete, ``verify_step``)
+        and every role's proof records pruned, after the commit of ``step``: for ``save_async`` in
+        its thread, off the caller's path."""
         self.core.cleanup(step, rotate=self.rank == 0, sinks=list(self._proofs.sinks.values()))
 
     # ------------------------------------------------------------ shared root, health, trust
@@ -366,20 +380,21 @@ class RunCheckpoint:
             self._shared_root = True
 
     def _save_seconds(self, step: int) -> float | None:
-        """How long the run save of ``step`` took: measured by this process, else from the run step's roles."""
+        """How long the run save of ``step`` took: measured by this process, else from the run
+        step's roles."""
         if step in self.core.save_times:
             return self.core.save_times[step]
         return recorded_run_save_seconds(self.root / self._naming.name(step))
 
     def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
-        """The health agreement of a save over every rank of the run (every role); rank 0 updates the trust
-        record, one for the whole run."""
+        """The health agreement of a save over every rank of the run (every role); rank 0 updates
+        the trust record, one for the whole run."""
         verdict = self.core.health_round(step, healthy, loss, grad_norm, key="run.health")
         if not verdict.skip:
             return True
         log.error(
-            "ckptguard: run step %d NOT committed (no role): unhealthy on %d of %d rank(s): %s. Nothing was "
-            "written; the tracker stays under %s",
+            "ckptguard: run step %d NOT committed (no role): unhealthy on %d of %d rank(s): %s. "
+            "Nothing was written; the tracker stays under %s",
             step,
             len(verdict.reasons),
             self._run.world,
@@ -408,9 +423,9 @@ class RunCheckpoint:
         **extra: Any,
     ) -> JsonObject:
         """Record what training step ``step`` of ``role`` consumed and produced on this rank, as
-        ``CheckpointManager.record_step`` (``ckptguard prove`` compares a resumed run's replayed steps
-        with the killed run's, role by role); its loss and grad_norm are health evidence for the save. ``role``:
-        which role's step (None: the one role this rank holds)."""
+        ``CheckpointManager.record_step`` (``ckptguard prove`` compares a resumed run's replayed
+        steps with the killed run's, role by role); its loss and grad_norm are health evidence for
+        the save. ``role``: which role's step (None: the one role this rank holds)."""
         return self._proofs.step(
             role,
             step,
@@ -425,13 +440,15 @@ class RunCheckpoint:
     def record_update(
         self, step: int, *, grad_norm: float, params_changed: bool, role: str | None = None
     ) -> None:
-        """Record an optimizer update of ``role``: its gradient norm and whether the parameters moved."""
+        """Record an optimizer update of ``role``: its gradient norm and whether the parameters
+        moved."""
         self._proofs.update(role, step, grad_norm=grad_norm, params_changed=params_changed)
 
     def record_export(
         self, step: int, payload: Any, *, scales: Any = None, role: str | None = None
     ) -> ExportFingerprint:
-        """Record the weights ``role`` exported for rollout at ``step`` (see CheckpointManager.record_export)."""
+        """Record the weights ``role`` exported for rollout at ``step`` (see
+        CheckpointManager.record_export)."""
         return self._proofs.export(role, step, payload, scales=scales)
 
     def record_logprobs(

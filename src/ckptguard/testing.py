@@ -146,8 +146,9 @@ def _child(
     result: dict[str, Any] = {}
     try:
         if world > 0:
-            # The rendezvous waits as long as a loaded machine takes to start every rank, whatever the group's
-            # own timeout (a test's 3 s group timeout failed its rendezvous when a rank started late).
+            # The rendezvous waits as long as a loaded machine takes to start every rank, whatever
+            # the group's own timeout (a test's 3 s group timeout failed its rendezvous when a rank
+            # started late).
             store = dist.TCPStore(
                 "127.0.0.1",
                 port,
@@ -162,8 +163,9 @@ def _child(
                 world_size=world,
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
             )
-            # Every rank past gloo's connect before any runs ``fn``: a rank that failed at once and exited
-            # would otherwise reset the connect of a peer still in it (a DistNetworkError, not the test's error).
+            # Every rank past gloo's connect before any runs ``fn``: a rank that failed at once and
+            # exited would otherwise reset the connect of a peer still in it (a DistNetworkError,
+            # not the test's error).
             dist.barrier()
         result["value"] = fn(rank, max(world, 1), *args)
     except BaseException as exc:

@@ -1,4 +1,5 @@
-"""Tiered checkpoints: a fast node-local tier often, a persistent shared tier less often, one manager.
+"""Tiered checkpoints: a fast node-local tier often, a persistent shared tier less often, one
+manager.
 
 Contract. ``TieredCheckpoint.save(step, state)`` commits ``step`` to the fast tier when
 ``step % fast_every == 0`` and to the persistent tier when ``step % persistent_every == 0``,
@@ -19,12 +20,12 @@ never chosen; when the choice falls back past it, the log says which files were 
 which rank. Nothing loadable but something committed somewhere is refused, naming the
 missing files; a fresh start stays what it is for one manager (an absent root, tracker 0).
 
-``persistent="s3://bucket/prefix"``: the persistent tier is a ``CheckpointManager`` on that root, which
-commits into its staging root (``StorageOptions.object_staging``) and publishes each commit to the store
-(in ``save_async``'s thread too); the store's lease is the one held, and the persistent step a restore
-can load is the store's (downloaded into the staging root when chosen). docs/objectstore.md. The tiers
-drive either kind of persistent root through its manager's stage (``_core.rootstage.RootStage``: the
-lease, the restore's checks, the fetch), never by asking which.
+``persistent="s3://bucket/prefix"``: the persistent tier is a ``CheckpointManager`` on that root,
+which commits into its staging root (``StorageOptions.object_staging``) and publishes each commit to
+the store (in ``save_async``'s thread too); the store's lease is the one held, and the persistent
+step a restore can load is the store's (downloaded into the staging root when chosen).
+docs/objectstore.md. The tiers drive either kind of persistent root through its manager's stage
+(``_core.rootstage.RootStage``: the lease, the restore's checks, the fetch), never by asking which.
 
 The restore record (``ROOT/proof``) carries the tier it used (``tier``, ``tier_detail``) and
 ``ckptguard prove`` shows it. Proof records of both tiers go to one log: the persistent
@@ -79,13 +80,14 @@ log = logging.getLogger("ckptguard")
 class TieredCheckpoint:
     """A fast node-local tier and a persistent shared tier under one object.
 
-    ``root`` (the fast tier) is a root on node-local storage (the same path on every node, e.g. ``/dev/shm/run1``
-    or NVMe) or, for a single node, any directory; ``persistent`` a root on the shared filesystem or an
-    object store (``"s3://bucket/prefix"``, as ``CheckpointManager`` takes it: its staging root and store
-    options are ``config.storage``'s), or None for a fast tier alone (then ``replicas=1`` is what survives a lost node).
-    ``fast_retention`` and ``persistent_retention`` rotate each tier on its own. ``config`` is
-    the base ``CheckpointConfig`` of both tiers (its ``retention`` is replaced per tier).
-    Every method is collective, like ``CheckpointManager``'s.
+    ``root`` (the fast tier) is a root on node-local storage (the same path on every node, e.g.
+    ``/dev/shm/run1`` or NVMe) or, for a single node, any directory; ``persistent`` a root on the
+    shared filesystem or an object store (``"s3://bucket/prefix"``, as ``CheckpointManager`` takes
+    it: its staging root and store options are ``config.storage``'s), or None for a fast tier alone
+    (then ``replicas=1`` is what survives a lost node). ``fast_retention`` and
+    ``persistent_retention`` rotate each tier on its own. ``config`` is the base
+    ``CheckpointConfig`` of both tiers (its ``retention`` is replaced per tier). Every method is
+    collective, like ``CheckpointManager``'s.
     """
 
     _created = 0
@@ -115,14 +117,16 @@ class TieredCheckpoint:
         self.fast_every, self.persistent_every = plan.fast_every, plan.persistent_every
         self.replicas = plan.replicas
         TieredCheckpoint._created += 1
-        # The tiers' own agreement (the hosts, the persistent lease, the restore's choice, the replicas), created
-        # collectively like the managers' own; never shared with a manager's background commit.
+        # The tiers' own agreement (the hosts, the persistent lease, the restore's choice, the
+        # replicas), created collectively like the managers' own; never shared with a manager's
+        # background commit.
         self._agreement = make_agreement(
             process_group, timeout_s=base.timeout_s, namespace=f"tiers-{TieredCheckpoint._created}"
         )
         self._naming = _layout.StepNaming(base.storage.dir_template)
-        # One proof log for both tiers, in the root every rank can read (prove sees the whole run), and one
-        # health log (a record_step of either tier is evidence for both): passed to each tier's manager.
+        # One proof log for both tiers, in the root every rank can read (prove sees the whole run),
+        # and one health log (a record_step of either tier is evidence for both): passed to each
+        # tier's manager.
         proof = ProofSink.open(home, self._agreement.info.rank, base)
         health = _trust.HealthLog()
         shared = plan.staging()  # one pool for both tiers, except under FAST_TIER
@@ -155,8 +159,10 @@ class TieredCheckpoint:
             self._tier = self._parts[Tier.PERSISTENT].bound_stage()
         self._pending: TieredSave | None = None
         self.last_saved: dict[Tier, Path] = {}
-        """Each tier's directory of the last ``save`` (or of the ``save_async`` the last ``wait`` joined)."""
-        # Created collectively like the managers: the busy round agrees while a commit agrees in its own thread.
+        """Each tier's directory of the last ``save`` (or of the ``save_async`` the last ``wait``
+        joined)."""
+        # Created collectively like the managers: the busy round agrees while a commit agrees in its
+        # own thread.
         self.busy = BusyRound(
             make_agreement(
                 process_group,
@@ -165,7 +171,8 @@ class TieredCheckpoint:
             ),
             policy=self.on_busy,
         )
-        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``, ``busy.redirected_total``)."""
+        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``,
+        ``busy.redirected_total``)."""
         agreement = self._agreement
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
         self._peers = _replica.peers(self._hosts)
@@ -179,9 +186,9 @@ class TieredCheckpoint:
         plan.check_peers(self._hosts, self._peers)
 
     def preemption_target(self) -> GuardTarget:
-        """What a ``PreemptionGuard`` guards: a save of the step now, to the persistent tier when there is
-        one (the node may not come back), else to the fast tier (with its peer replicas), whatever the
-        tiers' intervals."""
+        """What a ``PreemptionGuard`` guards: a save of the step now, to the persistent tier when
+        there is one (the node may not come back), else to the fast tier (with its peer replicas),
+        whatever the tiers' intervals."""
         return dataclasses.replace(
             self._home().preemption_target(), save=self._save_now, wait=self.wait
         )
@@ -212,13 +219,14 @@ class TieredCheckpoint:
         overwrite: bool = False,
         break_lease: bool = False,
     ) -> Path | None:
-        """Commit ``step`` to the tiers whose interval it is on; returns its directory in the most durable tier
-        it reached (the persistent tier's when it was saved there, else the fast tier's), as every front door's
-        ``save`` returns one directory; None for a step on no tier's interval or one the health policy skipped
-        on every rank. ``last_saved`` holds each tier's directory of the last save (or ``wait``).
+        """Commit ``step`` to the tiers whose interval it is on; returns its directory in the most
+        durable tier it reached (the persistent tier's when it was saved there, else the fast
+        tier's), as every front door's ``save`` returns one directory; None for a step on no tier's
+        interval or one the health policy skipped on every rank. ``last_saved`` holds each tier's
+        directory of the last save (or ``wait``).
 
-        The fast tier first (and its peer replicas), then the persistent tier; a failure of
-        either raises on every rank, like ``CheckpointManager.save`` (``overwrite`` and ``break_lease``
+        The fast tier first (and its peer replicas), then the persistent tier; a failure of either
+        raises on every rank, like ``CheckpointManager.save`` (``overwrite`` and ``break_lease``
         too: one-shot actions of this call, for each tier it saves)."""
         check_step(step, "save")
         self.wait()
@@ -273,13 +281,14 @@ class TieredCheckpoint:
         ``save_async`` does (the health agreement; copies queued into its pinned staging pool; the
         next optimizer step, the next forward of a module with buffers, or ``staged()`` waits for
         them), then one background thread commits the fast tier, pushes its peer replicas once that
-        commit completed (a replica is never made of an uncommitted step), and commits the persistent
-        tier, then the tiers' retention. Returns a ``TieredSave``; None for a step the health policy
-        skipped on every rank, or one requested while the tiers still commit (``CheckpointConfig.async_save.on_busy``,
-        as in ``CheckpointManager.save_async``; ``OnBusy.FAST_TIER``: one requested while only the persistent
-        tier still commits is written to the fast tier alone, at once, beside that commit). ``save``,
-        ``restore``, ``wait`` or ``close`` wait for it first and raise its error: a restore chooses its step
-        with every pending save ended, on every rank."""
+        commit completed (a replica is never made of an uncommitted step), and commits the
+        persistent tier, then the tiers' retention. Returns a ``TieredSave``; None for a step the
+        health policy skipped on every rank, or one requested while the tiers still commit
+        (``CheckpointConfig.async_save.on_busy``, as in ``CheckpointManager.save_async``;
+        ``OnBusy.FAST_TIER``: one requested while only the persistent tier still commits is written
+        to the fast tier alone, at once, beside that commit). ``save``, ``restore``, ``wait`` or
+        ``close`` wait for it first and raise its error: a restore chooses its step with every
+        pending save ended, on every rank."""
         check_step(step, "save_async")
         check_state(state, "save_async")
         began = time.monotonic()
@@ -311,8 +320,8 @@ class TieredCheckpoint:
         return due
 
     def wait(self) -> Path | None:
-        """Wait for a pending ``save_async`` (both tiers, the replica push); returns its directory in the most
-        durable tier it reached (``last_saved``: each tier's), raises its error."""
+        """Wait for a pending ``save_async`` (both tiers, the replica push); returns its directory
+        in the most durable tier it reached (``last_saved``: each tier's), raises its error."""
         pending, self._pending = self._pending, None
         if pending is None or pending.reported:
             return None
@@ -321,10 +330,11 @@ class TieredCheckpoint:
         return durable(self.last_saved)
 
     def prepare_async(self, state: StateDict) -> Future[int]:
-        """``CheckpointManager.prepare_async`` for both tiers at once (after ``restore``): the tiers' host staging
-        pool (one for both; a pool per tier under ``OnBusy.FAST_TIER``) mapped and pinned in the background, so
-        the first ``save_async`` of each tier is as cheap as later ones. Local (no collective); a future of the
-        bytes added (an error of either is its exception)."""
+        """``CheckpointManager.prepare_async`` for both tiers at once (after ``restore``): the
+        tiers' host staging pool (one for both; a pool per tier under ``OnBusy.FAST_TIER``) mapped
+        and pinned in the background, so the first ``save_async`` of each tier is as cheap as later
+        ones. Local (no collective); a future of the bytes added (an error of either is its
+        exception)."""
         # One pool for both tiers: prepared once.
         shared = self._parts[Tier.FAST].staging is not None
         futures = [
@@ -335,15 +345,16 @@ class TieredCheckpoint:
         return joined(futures)
 
     def staged(self) -> float:
-        """``CheckpointManager.staged`` for both tiers of the last ``save_async``: call it before changing
-        saved tensors outside an optimizer step. Returns the seconds it blocked."""
+        """``CheckpointManager.staged`` for both tiers of the last ``save_async``: call it before
+        changing saved tensors outside an optimizer step. Returns the seconds it blocked."""
         pending = self._pending
         return (
             sum(f.before_mutation() for f in pending.all_fences()) if pending is not None else 0.0
         )
 
     def close(self) -> None:
-        """Wait for a pending save (raising its error) and release both tiers' host staging pools."""
+        """Wait for a pending save (raising its error) and release both tiers' host staging
+        pools."""
         try:
             self.wait()
         finally:
@@ -352,7 +363,8 @@ class TieredCheckpoint:
                     closing.close()
 
     def _hold_persistent(self, break_lease: bool = False) -> None:
-        """Rank 0 takes (or renews) the persistent root's write lease at every save (``_core.tierleases.hold``)."""
+        """Rank 0 takes (or renews) the persistent root's write lease at every save
+        (``_core.tierleases.hold``)."""
         hold(self._agreement, self._tier, self.rank, break_lease)
 
     def _push(self, step: int) -> None:
@@ -371,10 +383,12 @@ class TieredCheckpoint:
         self, state: StateDict, *, mode: ResumeMode = ResumeMode.AUTO, break_lease: bool = False
     ) -> int:
         """Load the newest step every rank can load from some tier; return it (0: fresh start).
-        ``HealthPolicy(prefer="verified")`` is refused here: the tier choice takes the newest step."""
+        ``HealthPolicy(prefer="verified")`` is refused here: the tier choice takes the newest
+        step."""
         check_restore(mode, self.fast.config.health.prefer)
         home = self.persistent or self.fast
-        self.wait()  # a pending save_async ends first: the choice below sees its step, or its error is raised
+        # a pending save_async ends first: the choice below sees its step, or its error is raised
+        self.wait()
         # The first save_async ahead, per tier (one pool for both: armed after the load's read).
         for tier, known in ((Tier.FAST, self.fast), (Tier.PERSISTENT, self.persistent)):
             if known is not None and self._parts[tier].staging is None:
@@ -438,10 +452,11 @@ class TieredCheckpoint:
         )
 
     def resolve(self, *, mode: ResumeMode = ResumeMode.AUTO) -> Resolution:
-        """Which step ``restore`` would load and from which tier, agreed by every rank; loads nothing (no
-        peer replica is fetched, no object-store step downloaded): the newest step every rank can load from
-        some tier, as ``restore`` chooses it. With nothing committed in any tier, or ``ResumeMode.NEVER``,
-        the home tier's own answer (a declared fresh start, or MUST's refusal)."""
+        """Which step ``restore`` would load and from which tier, agreed by every rank; loads
+        nothing (no peer replica is fetched, no object-store step downloaded): the newest step every
+        rank can load from some tier, as ``restore`` chooses it. With nothing committed in any tier,
+        or ``ResumeMode.NEVER``, the home tier's own answer (a declared fresh start, or MUST's
+        refusal)."""
         check_restore(mode)
         self.wait()
         if mode is ResumeMode.NEVER:
@@ -471,8 +486,9 @@ class TieredCheckpoint:
         grad_norm: Any = None,
         **extra: Any,
     ) -> JsonObject:
-        """``CheckpointManager.record_step`` into the one proof log of both tiers; both tiers' health
-        checks see it (one health log: a NaN recorded at a step keeps that step out of either tier)."""
+        """``CheckpointManager.record_step`` into the one proof log of both tiers; both tiers'
+        health checks see it (one health log: a NaN recorded at a step keeps that step out of either
+        tier)."""
         return self._home().record_step(
             step, sample_ids=sample_ids, batch=batch, loss=loss, grad_norm=grad_norm, **extra
         )

@@ -1,4 +1,5 @@
-"""TurnLedger: every in-flight multi-turn rollout at its last completed turn, saved in the same commit as the models.
+"""TurnLedger: every in-flight multi-turn rollout at its last completed turn, saved in the same
+commit as the models.
 
 An agentic rollout is many turns of model calls and environment calls (``environments``), minutes
 to hours long. ``RolloutLedger`` makes prompts exactly-once, but a rollout in flight at a kill is in
@@ -23,14 +24,14 @@ The rollout loop drives it::
     done = ledger.finish(rollout_id)               # done: no longer resumable work
     ledger.acknowledge([rollout_id])               # its consumer (RolloutLedger.completed) holds it
 
-After a restore, ``resume()`` (also run by the first use) decides each in-flight rollout by the kinds
-of the environments its committed turns called: continue at its last turn (restorable: resources
-restored at their committed revisions; idempotent: checked to hold them; restart-only ones it did
-not call yet: fenced), or restart from its prompt under a new attempt when it called a restart-only
-environment (that one fenced, restorable ones restored to revision 0). A revision that does not
-match, a call re-issued with other arguments, or a handle of an older attempt fails closed, naming
-the rollout and the turn. A finished rollout is never also resumable: ``finish`` takes it out of the
-in-flight set in the same step, and a state holding one rollout in both is refused.
+After a restore, ``resume()`` (also run by the first use) decides each in-flight rollout by the
+kinds of the environments its committed turns called: continue at its last turn (restorable:
+resources restored at their committed revisions; idempotent: checked to hold them; restart-only ones
+it did not call yet: fenced), or restart from its prompt under a new attempt when it called a
+restart-only environment (that one fenced, restorable ones restored to revision 0). A revision that
+does not match, a call re-issued with other arguments, or a handle of an older attempt fails closed,
+naming the rollout and the turn. A finished rollout is never also resumable: ``finish`` takes it out
+of the in-flight set in the same step, and a state holding one rollout in both is refused.
 
 With ``root``, the ledger appends its evidence to ``ROOT/proof/turns_rank_NNNNN.jsonl`` (a turn, a
 finish, a resume, the environments' own records of their effects): ``ckptguard prove`` reads it
@@ -77,11 +78,13 @@ log = logging.getLogger("ckptguard")
 
 
 class TurnLedger:
-    """The in-flight multi-turn rollouts of one rank, each at its last completed turn (see the module doc).
+    """The in-flight multi-turn rollouts of one rank, each at its last completed turn (see the
+    module doc).
 
-    ``envs``: the environment adapters, by their names. ``prompts``: the run's ``RolloutLedger``, if any:
-    ``resume`` marks the prompts of the rollouts it continues or restarts as issued again there (else
-    that ledger re-issues them as new work). ``root`` and ``rank``: where the evidence goes."""
+    ``envs``: the environment adapters, by their names. ``prompts``: the run's ``RolloutLedger``, if
+    any: ``resume`` marks the prompts of the rollouts it continues or restarts as issued again there
+    (else that ledger re-issues them as new work). ``root`` and ``rank``: where the evidence
+    goes."""
 
     def __init__(
         self,
@@ -115,8 +118,9 @@ class TurnLedger:
     # ------------------------------------------------------------ the rollout loop
 
     def start(self, rollout: str, prompt: int | str, prompt_tokens: Sequence[int]) -> None:
-        """Open ``rollout`` (of ``prompt``): restorable resources back at revision 0, restart-only ones fenced
-        (a run killed after this rollout started may have left effects there that no save holds)."""
+        """Open ``rollout`` (of ``prompt``): restorable resources back at revision 0, restart-only
+        ones fenced (a run killed after this rollout started may have left effects there that no
+        save holds)."""
         with self._lock:
             self._resume_if_pending()
             if rollout in self._flight or rollout in self._finished:
@@ -130,8 +134,9 @@ class TurnLedger:
             self._seq += 1
 
     def next_turn(self, rollout: str, *, step: int) -> Turn:
-        """The handle of ``rollout``'s next turn at training step ``step``; a turn left open is dropped
-        (its calls stay pending: the next ones must be re-issued with the same call ids and arguments)."""
+        """The handle of ``rollout``'s next turn at training step ``step``; a turn left open is
+        dropped (its calls stay pending: the next ones must be re-issued with the same call ids and
+        arguments)."""
         with self._lock:
             self._resume_if_pending()
             r = self._in_flight(rollout, "next_turn")
@@ -161,8 +166,9 @@ class TurnLedger:
             return cid
 
     def env_call(self, turn: Turn, env: str, args: Any) -> Any:
-        """Call environment ``env`` with ``args`` under a stable call id (rollout, turn, index): a call of a
-        committed turn is never made (its result is in the ledger); a re-issued call carries its first id."""
+        """Call environment ``env`` with ``args`` under a stable call id (rollout, turn, index): a
+        call of a committed turn is never made (its result is in the ledger); a re-issued call
+        carries its first id."""
         with self._lock:
             o = self._current(turn, "env_call")
             adapter = self.envs.get(env)
@@ -198,10 +204,11 @@ class TurnLedger:
             self._current(turn, "env_call")
             if result.args_digest != call.args_digest:
                 raise StateMismatchError(
-                    f"rollout {turn.rollout!r}, turn {turn.turn}: environment {env!r} answered call id "
-                    f"{call.call_id!r} with the result of other arguments (first issued with {result.args_digest}, "
-                    f"now {call.args_digest}): the turn did not replay as the killed run ran it; seed sampling per "
-                    "rollout and turn (TurnLedger.next_turn's seed), or start a new rollout id"
+                    f"rollout {turn.rollout!r}, turn {turn.turn}: environment {env!r} answered "
+                    f"call id {call.call_id!r} with the result of other arguments (first issued "
+                    f"with {result.args_digest}, now {call.args_digest}): the turn did not replay "
+                    f"as the killed run ran it; seed sampling per rollout and turn "
+                    f"(TurnLedger.next_turn's seed), or start a new rollout id"
                 )
             call.result = json_text(
                 lambda v: json.dumps(v, sort_keys=True, allow_nan=False),
@@ -212,8 +219,9 @@ class TurnLedger:
             return result.result
 
     def end_turn(self, turn: Turn, env_tokens: Sequence[int] = ()) -> None:
-        """The turn completed: its model tokens, then ``env_tokens`` (the environments' answers as the model
-        reads them), its model calls and its environment calls with their results are committed."""
+        """The turn completed: its model tokens, then ``env_tokens`` (the environments' answers as
+        the model reads them), its model calls and its environment calls with their results are
+        committed."""
         with self._lock:
             o = self._current(turn, "end_turn")
             r = self._flight[turn.rollout]
@@ -235,15 +243,15 @@ class TurnLedger:
             self._record_turn(r, turn, o)
 
     def finish(self, rollout: str) -> Conversation:
-        """``rollout`` is done: out of the in-flight set (never resumed again), held as finished until
-        ``acknowledge``; returns its conversation (prompt, tokens, spans, attempt, turns)."""
+        """``rollout`` is done: out of the in-flight set (never resumed again), held as finished
+        until ``acknowledge``; returns its conversation (prompt, tokens, spans, attempt, turns)."""
         with self._lock:
             self._resume_if_pending()
             r = self._in_flight(rollout, "finish")
             if r.rollout in self._open:
                 raise ConfigError(
-                    f"finish({rollout!r}): turn {self._open[r.rollout].turn.turn} is still open; end it "
-                    "first (an unfinished turn is not part of the rollout)"
+                    f"finish({rollout!r}): turn {self._open[r.rollout].turn.turn} is still open; "
+                    f"end it first (an unfinished turn is not part of the rollout)"
                 )
             del self._flight[r.rollout]
             self._finished[r.rollout] = r
@@ -260,8 +268,8 @@ class TurnLedger:
             return conversation_of(r)
 
     def acknowledge(self, rollouts: Iterable[str]) -> None:
-        """Their consumer holds these finished rollouts now (e.g. ``RolloutLedger.completed(prompt, ref)``
-        in the same step, before the next save): the ledger lets them go."""
+        """Their consumer holds these finished rollouts now (e.g. ``RolloutLedger.completed(prompt,
+        ref)`` in the same step, before the next save): the ledger lets them go."""
         ids = list(rollouts)
         with self._lock:
             unknown = [r for r in ids if r not in self._finished]
@@ -290,7 +298,8 @@ class TurnLedger:
             return conversation_of(self._in_flight(rollout, "conversation"))
 
     def result(self, call_id: str) -> Any:
-        """The committed result of ``call_id`` (a committed turn's call is never made again: read it here)."""
+        """The committed result of ``call_id`` (a committed turn's call is never made again: read it
+        here)."""
         with self._lock:
             for r in [*self._flight.values(), *self._finished.values()]:
                 for c in r.calls:
@@ -301,8 +310,8 @@ class TurnLedger:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> StateDict:
-        """Plain values only: every in-flight rollout at its last completed turn, the finished ones not yet
-        acknowledged, and the record sequence number."""
+        """Plain values only: every in-flight rollout at its last completed turn, the finished ones
+        not yet acknowledged, and the record sequence number."""
         with self._lock:
             flight = {rid: r.to_state() for rid, r in self._flight.items()}
             # Calls of a turn in progress: issued, no committed result.
@@ -321,7 +330,8 @@ class TurnLedger:
             }
 
     def load_state_dict(self, state: StateDict) -> None:
-        """Exactly the saved state; the rules are applied by ``resume`` (run by the first use if not called)."""
+        """Exactly the saved state; the rules are applied by ``resume`` (run by the first use if not
+        called)."""
         flight, finished = checked_state(state, self.run_seed)
         with self._lock:
             self._flight = {r.rollout: r for r in flight}
@@ -334,7 +344,8 @@ class TurnLedger:
     # ------------------------------------------------------------ after a restore
 
     def resume(self) -> TurnResumePlan:
-        """Decide and prepare every in-flight rollout (once after each restore; see the module doc)."""
+        """Decide and prepare every in-flight rollout (once after each restore; see the module
+        doc)."""
         with self._lock:
             self._pending_resume = False
             continued: list[tuple[str, int]] = []
@@ -365,8 +376,8 @@ class TurnLedger:
                 if pid in self.prompts.pending_reissue:
                     self.prompts.issued(pid)
         log.info(
-            "ckptguard: turn ledger resumed: %d rollout(s) continued at their last turn, %d restarted from "
-            "their prompt (restart-only environments), %d finished kept",
+            "ckptguard: turn ledger resumed: %d rollout(s) continued at their last turn, %d "
+            "restarted from their prompt (restart-only environments), %d finished kept",
             len(continued),
             len(restarted),
             len(plan.finished),
@@ -374,7 +385,8 @@ class TurnLedger:
         return plan
 
     def record_effects(self) -> None:
-        """Append every environment's own record of its effects to the evidence (``prove`` reads the newest)."""
+        """Append every environment's own record of its effects to the evidence (``prove`` reads the
+        newest)."""
         for name, env in self.envs.items():
             effects: list[Effect] = env.effects()
             self._records.write(
@@ -403,7 +415,8 @@ class TurnLedger:
         return env
 
     def _continue(self, r: InFlight) -> None:
-        """Resources back at the revisions of the last committed turn; restart-only ones not called yet fenced."""
+        """Resources back at the revisions of the last committed turn; restart-only ones not called
+        yet fenced."""
         committed = r.revisions()
         for name, env in self.envs.items():
             want, turn = committed.get(name, (0, r.turn))
@@ -417,7 +430,8 @@ class TurnLedger:
                 r.epochs[name] = env.fence(r.rollout)
 
     def _restart(self, r: InFlight) -> None:
-        """From the prompt under a new attempt: committed calls forgotten, resources fresh (fenced or at 0)."""
+        """From the prompt under a new attempt: committed calls forgotten, resources fresh (fenced
+        or at 0)."""
         r.tokens = r.tokens[: r.prompt_len]
         r.attempt += 1
         r.turn = 0
@@ -440,7 +454,8 @@ class TurnLedger:
         return r
 
     def _current(self, turn: Turn, what: str) -> OpenTurn:
-        """The open turn of this handle; a handle of an older attempt or of before a restore fails closed."""
+        """The open turn of this handle; a handle of an older attempt or of before a restore fails
+        closed."""
         return check_handle(
             turn,
             self._flight.get(turn.rollout),

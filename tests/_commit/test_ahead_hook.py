@@ -1,7 +1,8 @@
-"""The staging prepared ahead of the first save (``_commit/ahead``) never changes the training: its post-step
-hook reads only the items whose tensors size the pool (a stateful item's ``state_dict()`` may draw from the
-global RNG: torchdata's StatefulDataLoader builds an iterator there, which shifted every dropout mask of a run
-that never saved), and nothing it does raises into the user's ``optimizer.step()``."""
+"""The staging prepared ahead of the first save (``_commit/ahead``) never changes the training: its
+post-step hook reads only the items whose tensors size the pool (a stateful item's ``state_dict()``
+may draw from the global RNG: torchdata's StatefulDataLoader builds an iterator there, which shifted
+every dropout mask of a run that never saved), and nothing it does raises into the user's
+``optimizer.step()``."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _train(root, with_ckptguard: bool, shuffle_eval: bool) -> torch.Tensor:
     train = stateful.StatefulDataLoader(
         torch.randn(64, 4), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)
     )
-    # An evaluation loader in the state, not iterated yet: its state_dict() builds an iterator and draws a seed.
+    # An evaluation loader in the state, not iterated yet: its state_dict() builds an iterator and
+    # draws a seed.
     evaluation = stateful.StatefulDataLoader(torch.randn(16, 4), batch_size=8, shuffle=shuffle_eval)
     state = {"model": model, "optim": optim, "train": train, "eval": evaluation}
     mgr = cg.CheckpointManager(root) if with_ckptguard else None

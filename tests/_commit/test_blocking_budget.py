@@ -1,10 +1,10 @@
 """The blocking budget of a synchronous save (issue 32 item 4), on real gloo ranks.
 
-A ``save`` estimated to hold the slowest rank longer than ``BlockingBudget.fraction`` of the collective
-timeout commits in the background (``OverBudget.BACKGROUND``, the default) or is refused on every rank
-(``OverBudget.REFUSE``) before anything is captured; and ckptguard's own waits inside a save never use a
-collective of the caller's process group, so a rank held in a save longer than the group's timeout
-does not fail the group's next collective.
+A ``save`` estimated to hold the slowest rank longer than ``BlockingBudget.fraction`` of the
+collective timeout commits in the background (``OverBudget.BACKGROUND``, the default) or is refused
+on every rank (``OverBudget.REFUSE``) before anything is captured; and ckptguard's own waits inside
+a save never use a collective of the caller's process group, so a rank held in a save longer than
+the group's timeout does not fail the group's next collective.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def _budget_rank(rank: int, world: int, root: str, over: str) -> dict[str, Any]:
         Path(root) / "roomy", config=cg.CheckpointConfig(blocking=cg.BlockingBudget(timeout_s=1e6))
     )
     out["roomy"] = roomy.save(1, state) is not None  # far under the budget: a synchronous save
-    # A declared timeout of 2 ms: any save of 2 MiB is over half of it (the first from the write probe,
-    # the second from the measured first save, which goes through the background).
+    # A declared timeout of 2 ms: any save of 2 MiB is over half of it (the first from the write
+    # probe, the second from the measured first save, which goes through the background).
     tight = cg.BlockingBudget(timeout_s=0.002, over=cg.OverBudget(over))
     mgr = cg.CheckpointManager(Path(root) / "tight", config=cg.CheckpointConfig(blocking=tight))
     out["budget_s"] = mgr.blocking.budget_s
@@ -114,7 +114,8 @@ def test_a_save_over_the_budget_goes_to_the_background_or_is_refused_on_every_ra
 
 def _held_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     # Rank 1 is held 6 s inside the save, past the group's 3 s timeout, while rank 0 waits for it in
-    # ckptguard's agreement: a store wait with CheckpointConfig.timeout_s, not a collective of the group.
+    # ckptguard's agreement: a store wait with CheckpointConfig.timeout_s, not a collective of the
+    # group.
     if rank == 1:
         set_fault_hook("commit.rank_written", lambda: time.sleep(6.0))
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=60.0))
@@ -149,8 +150,8 @@ def test_no_budget_on_one_rank_or_without_a_timeout() -> None:
 
 
 def _collective_held_rank(rank: int, world: int) -> dict[str, Any]:
-    # The control: the same 6 s hold on rank 1, but rank 0 waits in a collective of the group (as a save
-    # that agrees over the caller's group would): the group's 3 s timeout fires.
+    # The control: the same 6 s hold on rank 1, but rank 0 waits in a collective of the group (as a
+    # save that agrees over the caller's group would): the group's 3 s timeout fires.
     if rank == 1:
         time.sleep(6.0)
     started = time.monotonic()
@@ -170,11 +171,12 @@ def test_control_a_rank_held_past_the_timeout_fails_a_collective_of_the_group() 
 
 
 def _background_hold_rank(rank: int, world: int, root: str, then_save: bool) -> dict[str, Any]:
-    """A 3.0 s budget (half of a declared 6 s timeout) and a first commit that takes 3.5 s on every rank: the
-    first save measures the speed (synchronous: it fits at the floor's speed), the second is over the budget
-    and goes to the background, where its commit is held until the loop's figures are taken (a save that
-    waited for it could not return before). Its hold is the call plus what the next mutation waits for its
-    copies (``staged()``); each is timed from a barrier, so a rank never counts its peer's late start."""
+    """A 3.0 s budget (half of a declared 6 s timeout) and a first commit that takes 3.5 s on every
+    rank: the first save measures the speed (synchronous: it fits at the floor's speed), the second
+    is over the budget and goes to the background, where its commit is held until the loop's figures
+    are taken (a save that waited for it could not return before). Its hold is the call plus what
+    the next mutation waits for its copies (``staged()``); each is timed from a barrier, so a rank
+    never counts its peer's late start."""
     release, commits = threading.Event(), []
 
     def slow_commit() -> None:
@@ -224,7 +226,8 @@ def test_background_releases_the_loop_within_its_budget(tmp_path: Path) -> None:
 def test_the_next_save_while_a_background_commit_runs_is_skipped_within_the_budget(
     tmp_path: Path,
 ) -> None:
-    # Before issue 41's fix, save() waited for the commit in flight first: held for the rest of it (7.7 s there).
+    # Before issue 41's fix, save() waited for the commit in flight first: held for the rest of it
+    # (7.7 s there).
     results = cgt.values(cgt.run_ranks(_background_hold_rank, 2, str(tmp_path / "ck"), True))
     for r in results:
         assert r["third_held_s"] < r["budget_s"] and r["commit_held"], r

@@ -1,10 +1,12 @@
-"""A save_async that finds the host staging still being prepared (``OnBusy.SKIP``) is skipped, alike on every rank.
+"""A save_async that finds the host staging still being prepared (``OnBusy.SKIP``) is skipped, alike
+on every rank.
 
-Reading a 6.2 GiB state live because its pinned pool was still being prepared held an H100 training loop 2.19 s at
-its first fast-tier save (benchmarks/results/issue41_h100); under SKIP such a save is skipped as one is while a
-commit runs (agreed in the busy round, logged, counted), past ``busy.UNREADY_LIVE_BYTES`` still to prepare on any
-rank. Below it, or under ``WAIT``, the save starts and reads the rest live, as before. The preparation is held back
-here by a gate around ``StagingPool.grow_async`` (the real one runs once the gate opens).
+Reading a 6.2 GiB state live because its pinned pool was still being prepared held an H100 training
+loop 2.19 s at its first fast-tier save (benchmarks/results/issue41_h100); under SKIP such a save is
+skipped as one is while a commit runs (agreed in the busy round, logged, counted), past
+``busy.UNREADY_LIVE_BYTES`` still to prepare on any rank. Below it, or under ``WAIT``, the save
+starts and reads the rest live, as before. The preparation is held back here by a gate around
+``StagingPool.grow_async`` (the real one runs once the gate opens).
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def test_a_save_starts_while_the_staging_is_prepared_below_the_bound_or_under_wa
 def test_a_preparation_past_its_patience_no_longer_skips_saves(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:
-    """A hung preparation (a pin that never returns) must not skip every save_async for the rest of the run."""
+    """A hung preparation (a pin that never returns) must not skip every save_async for the rest of
+    the run."""
     from ckptguard._commit import pending as _pending
 
     gate = threading.Event()

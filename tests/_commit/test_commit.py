@@ -21,8 +21,8 @@ from ckptguard.storage.dcp import DCPStorage, _CheckedWriter
 from ckptguard.testing import run_ranks, values
 
 NAMING = _layout.StepNaming("step_{step:08d}")
-# Of a save a rank dies in: long above a live peer's skew on a loaded 2-core machine (5 s was not always),
-# and waited once per commit point.
+# Of a save a rank dies in: long above a live peer's skew on a loaded 2-core machine (5 s was not
+# always), and waited once per commit point.
 TIMEOUT_S = 12
 
 
@@ -36,7 +36,8 @@ def _crash_worker(rank: int, world: int, root: str, point: str, crash_rank: int)
     for _ in range(2):
         train_step(job)
     mgr.save(2, job.state())
-    # The crashing save: the survivor waits for its dead peer up to this timeout at each of the points.
+    # The crashing save: the survivor waits for its dead peer up to this timeout at each of the
+    # points.
     mgr = cg.CheckpointManager(root, config=cg.CheckpointConfig(timeout_s=TIMEOUT_S))
     at_two = fingerprint(job)
     with open(f"{root}/fp2_rank{rank}.pkl", "wb") as f:

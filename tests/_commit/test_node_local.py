@@ -67,7 +67,8 @@ def test_publish_reads_every_reported_file_back_with_size_and_checksum(tmp_path,
         assert _layout.read_tracker(root) == 2
 
 
-# ---------------------------------------------------------------- two fake nodes, each with its own disk
+# ---------------------------------------------------------------- two fake nodes, each with its own
+# disk
 
 NODES = 2  # 4 ranks: ranks 0, 1 on node0 and 2, 3 on node1
 
@@ -221,7 +222,8 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
         assert not o["verify"], (rank, o["verify"])
         checks = o["checks"]
         other = 1 - rank // 2
-        # Preflight on this node checks this disk: its own ranks pass, the other node's are not checked.
+        # Preflight on this node checks this disk: its own ranks pass, the other node's are not
+        # checked.
         assert checks["same"] == ["WARNING not-checked"], (rank, checks["same"])
         # A rank of the other node placed here would not find its extras on this disk.
         assert (
@@ -230,7 +232,8 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
         )
         assert f"rank_{2 * other:05d}.pt" in checks["moved"][0], checks["moved"]
         assert checks["absent"] == ["no-root"]
-        # Every node keeps its own trust record (prefer="verified" must resolve alike on every node).
+        # Every node keeps its own trust record (prefer="verified" must resolve alike on every
+        # node).
         assert o["trust"] is not None and 2 in o["trust"], (rank, o["trust"])
         if rank % 2 == 0:
             assert checks["transferred"] == [], (rank, checks["transferred"])
@@ -244,13 +247,15 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
         assert sorted(
             p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-", ".trash-"))
         ) == ["step_00000002"], (
-            f"node {node}: a temp directory is left, a step is missing, or retention did not run on this node"
+            f"node {node}: a temp directory is left, a step is missing, or retention "
+            f"did not run on this node"
         )
         held = set(out[2 * node]["listing"]["step_00000002"])
         mine = {f["path"] for f in manifest["files"] if f["rank"] in (2 * node, 2 * node + 1)}
         copies = set(manifest["nodes"][node]["copies"])
         assert held == mine | copies | {"manifest.json", "node_manifest.json"}, (node, held)
-        # Only its own ranks' extras; another node's data file only where it holds a replicated value.
+        # Only its own ranks' extras; another node's data file only where it holds a replicated
+        # value.
         assert {p for p in held if p.startswith("rank_")} == {
             f"rank_{r:05d}.pt" for r in (2 * node, 2 * node + 1)
         }
@@ -265,7 +270,8 @@ def test_node_local_roots_commit_on_every_node_each_holding_its_part(tmp_path):
     ], "DCP spread no replicated value across the nodes: the test shows nothing about the copies"
 
 
-# ---------------------------------------------------------------- SIGKILL of one node at each per-node point
+# ---------------------------------------------------------------- SIGKILL of one node at each
+# per-node point
 
 # (point, node whose ranks are killed there, each node's tracker afterwards, the step both agree on)
 CRASHES = [
@@ -311,8 +317,10 @@ def _crash_worker(rank: int, world: int, base: str, point: str, victim: int) -> 
     state["model"].weight.data += 1.0
     cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=30)).save(1, state)
     mgr = cg.CheckpointManager(
-        shared / "ck", config=cg.CheckpointConfig(timeout_s=8)
-    )  # survivors give up soon (a live rank's skew on 2 loaded cores stays far below it; 5 s did not)
+        shared / "ck",
+        config=cg.CheckpointConfig(timeout_s=8),
+        # survivors give up soon (a live rank's skew on 2 loaded cores stays far below it; 5 s did not)
+    )
     if node == victim:
         siblings = [pids[r] for r in range(world) if r // 2 == node and r != rank]
 
@@ -348,7 +356,8 @@ def _recover_worker(rank: int, world: int, bases: list[str]) -> list[dict]:
         expected = state["model"].weight.detach().clone()
         step = mgr.restore(state)
         for _ in range(step):
-            expected += 1.0  # as the saving run did, one addition per step (x + 1 + 1 is not x + 2 in floats)
+            # as the saving run did, one addition per step (x + 1 + 1 is not x + 2 in floats)
+            expected += 1.0
         exact = torch.equal(state["model"].weight, expected)
         mgr.save(
             step + 2, state
@@ -376,7 +385,8 @@ def test_sigkill_of_one_node_at_each_point_leaves_both_nodes_agreeing(tmp_path):
         for r in results:
             if r.rank // 2 == victim:
                 assert r.exitcode == -signal.SIGKILL, (point, r)
-            else:  # the survivors raised a ckptguard error within the timeout, never committed silently
+            # the survivors raised a ckptguard error within the timeout, never committed silently
+            else:
                 assert r.ok and r.value["error"] is not None and r.value["elapsed"] < 60, (point, r)
         seen = tuple(_layout.read_tracker(base / f"disk{n}" / "ck") for n in range(NODES))
         assert seen == trackers, f"{point}: trackers {seen}, expected {trackers}"
@@ -389,7 +399,8 @@ def test_sigkill_of_one_node_at_each_point_leaves_both_nodes_agreeing(tmp_path):
             assert r["step"] == agreed and r["exact"], (
                 f"{point}: rank {rank} resumed {r}, expected step {agreed}"
             )
-            # Preflight on a node sees its own tracker, and is told when this node holds a newer step published.
+            # Preflight on a node sees its own tracker, and is told when this node holds a newer
+            # step published.
             own = trackers_of[point][rank // 2]
             newer = ["published-newer"] if (point, rank // 2) in PUBLISHED_NEWER else []
             assert r["preflight"] == (own, newer), (point, rank, r["preflight"])

@@ -31,8 +31,8 @@ def _cost(root, step: int) -> dict:
 
 
 def _disagreeing_ranks(rank, world, base):
-    """Rank 0 is still in its commit's bookkeeping (after every agreement) while rank 1's commit is done:
-    their local views differ, the decision must not."""
+    """Rank 0 is still in its commit's bookkeeping (after every agreement) while rank 1's commit is
+    done: their local views differ, the decision must not."""
     mgr = cg.CheckpointManager(base, config=cg.CheckpointConfig(timeout_s=20))
     if rank == 0:
         trust = mgr.core.trust_committed
@@ -91,7 +91,8 @@ def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path,
         assert first.wait() == tmp_path / "ck" / "step_00000002"
     finally:
         _faults.set_hook("commit.before_tracker", None)
-    # status on the root says what is held back: step 4, which no committed step's cost block carries yet
+    # status on the root says what is held back: step 4, which no committed step's cost block
+    # carries yet
     held = CliRunner().invoke(main, ["status", str(tmp_path / "ck")])
     assert (
         "held back by a commit in flight after step 2: 1 skipped (skipped steps [4])" in held.output
@@ -129,8 +130,9 @@ def test_skip_says_which_interval_fits_the_commit_and_wait_still_waits(tmp_path,
 
 
 class _SlowPin(_staging.Buffer):
-    """A region whose pinning lasts until the test opens ``gate`` (6 GiB took 1.26-1.38 s on the H200): a
-    save that waited for it could only return once the gate opened, which ``_closed_gate`` does after 60 s."""
+    """A region whose pinning lasts until the test opens ``gate`` (6 GiB took 1.26-1.38 s on the
+    H200): a save that waited for it could only return once the gate opened, which ``_closed_gate``
+    does after 60 s."""
 
     threads: list[str] = []
     gate = threading.Event()
@@ -264,8 +266,9 @@ def test_a_tiered_save_async_during_the_tiers_commit_is_skipped_and_retention_st
 
 
 def _run_busy_ranks(rank, world, base):
-    """A RunCheckpoint's save_async requested while the run step before it still commits (held at the
-    tracker on every rank): skipped on every rank, recorded for every role, in the next run step's cost."""
+    """A RunCheckpoint's save_async requested while the run step before it still commits (held at
+    the tracker on every rank): skipped on every rank, recorded for every role, in the next run
+    step's cost."""
     gate = threading.Event()
     _faults.set_hook("commit.before_tracker", gate.wait)
     roles = [cg.Role("actor", ranks=[0, 1]), cg.Role("critic", ranks=[1])]

@@ -1,7 +1,7 @@
-"""A save_async requested while a commit is in flight, per CheckpointConfig.on_busy, on real gloo ranks:
-COALESCE queues the newest request (snapshotted then, restored bitwise) and starts it only where every
-rank agrees; FAST_TIER writes it beside a TieredCheckpoint's persistent commit, to the fast tier alone;
-the front doors refuse the policies they cannot follow."""
+"""A save_async requested while a commit is in flight, per CheckpointConfig.on_busy, on real gloo
+ranks: COALESCE queues the newest request (snapshotted then, restored bitwise) and starts it only
+where every rank agrees; FAST_TIER writes it beside a TieredCheckpoint's persistent commit, to the
+fast tier alone; the front doors refuse the policies they cannot follow."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def _state(rank: int) -> dict[str, Any]:
 
 
 def _bump(state: dict[str, Any], rank: int, step: int) -> dict[str, torch.Tensor]:
-    """The training step ``step`` in place; returns a copy of what a save requested now must hold."""
+    """The training step ``step`` in place; returns a copy of what a save requested now must
+    hold."""
     state["w"].value.fill_(100.0 * rank + step)
     state["shared"].fill_(float(step))
     return {"w": state["w"].value.clone(), "shared": state["shared"].clone()}
@@ -108,8 +109,9 @@ def test_coalesce_queues_the_newest_request_and_restores_it_bitwise(tmp_path: Pa
 
 
 def _uneven(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Rank 1's commit of step 1 ends long before rank 0's (held in its bookkeeping after every agreement):
-    rank 1 is idle with step 2 queued while rank 0 replaces... nothing: both replace it together, later."""
+    """Rank 1's commit of step 1 ends long before rank 0's (held in its bookkeeping after every
+    agreement): rank 1 is idle with step 2 queued while rank 0 replaces... nothing: both replace it
+    together, later."""
     mgr = cg.CheckpointManager(
         root,
         config=cg.CheckpointConfig(
@@ -167,7 +169,8 @@ def test_no_rank_starts_a_queued_save_that_another_rank_replaced(tmp_path: Path)
 
 
 def _cannot_hold(rank: int, world: int, root: str) -> dict[str, Any]:
-    # Rank 1's host staging budget holds one snapshot's tensors (128 B) but not a second: a queued one would read live.
+    # Rank 1's host staging budget holds one snapshot's tensors (128 B) but not a second: a queued
+    # one would read live.
     budget = 1 << 20 if rank == 0 else 200
     gate = threading.Event()
     set_fault_hook("commit.before_tracker", gate.wait)
@@ -227,7 +230,8 @@ def _redirecting(rank: int, world: int, base: str) -> dict[str, Any]:
     fast_gate, pers_gate = threading.Event(), threading.Event()
     if (
         rank == 0
-    ):  # rank 0's commits end late: its fast one when fast_gate is set, its persistent one on pers_gate
+        # rank 0's commits end late: its fast one when fast_gate is set, its persistent one on pers_gate
+    ):
         for mgr, gate in ((tiers.fast, fast_gate), (tiers.persistent, pers_gate)):
 
             def slow(
@@ -329,8 +333,9 @@ def test_each_front_door_refuses_a_policy_it_cannot_follow(tmp_path: Path) -> No
 
 
 def test_coalesce_stays_within_its_host_factor_or_skips_with_the_figure(tmp_path: Path) -> None:
-    """Under the derived host budget, COALESCE never holds a second staging set beside a full first one
-    (2.0x the state, issue 41): the request is skipped, its reason naming the figure, and nothing is staged."""
+    """Under the derived host budget, COALESCE never holds a second staging set beside a full first
+    one (2.0x the state, issue 41): the request is skipped, its reason naming the figure, and
+    nothing is staged."""
     root = tmp_path / "ck"
     gate = threading.Event()
     mgr = cg.CheckpointManager(

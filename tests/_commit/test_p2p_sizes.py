@@ -1,9 +1,10 @@
-"""A peer whose record of a file has another size than the receiver's: refused on both sides, never a crash.
+"""A peer whose record of a file has another size than the receiver's: refused on both sides, never
+a crash.
 
 gloo aborts the receiving process (SIGABRT) on a message longer than the buffer it lands in, and the
-abort left the receiver's ``.part`` file behind. The block header now travels alone at a fixed length and
-the bytes follow at the length it announced, so a block of an unexpected length is drained and refused
-(issue 33 item 3), on real gloo ranks.
+abort left the receiver's ``.part`` file behind. The block header now travels alone at a fixed
+length and the bytes follow at the length it announced, so a block of an unexpected length is
+drained and refused (issue 33 item 3), on real gloo ranks.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def _pair(rank: int, world: int, base: str, sent_size: int, expected_size: int) 
 CHUNK = 64 << 20
 
 
-# The last case: the sender's size a multiple of the block size, smaller than the receiver's: every block of the
-# sender's has the length the receiver expects; only the sizes that travel in the header tell them apart.
+# The last case: the sender's size a multiple of the block size, smaller than the receiver's: every
+# block of the sender's has the length the receiver expects; only the sizes that travel in the
+# header tell them apart.
 @pytest.mark.parametrize(("sent", "expected"), [(4096, 1000), (1000, 4096), (CHUNK, CHUNK + 10)])
 def test_a_block_of_another_size_is_refused_on_both_sides_and_the_pair_goes_on(
     tmp_path: Path, sent: int, expected: int
@@ -77,8 +79,9 @@ def test_a_block_of_another_size_is_refused_on_both_sides_and_the_pair_goes_on(
 
 
 def _liar(rank: int, world: int, base: str, lie: str) -> dict:
-    """Rank 0 sends crafted messages instead of the protocol's; rank 1 receives a 1000-byte file, then an
-    honest one. The receiver must refuse (never die inside gloo), remove its .part file, and name rank 0."""
+    """Rank 0 sends crafted messages instead of the protocol's; rank 1 receives a 1000-byte file,
+    then an honest one. The receiver must refuse (never die inside gloo), remove its .part file, and
+    name rank 0."""
     import struct
 
     import torch

@@ -75,7 +75,8 @@ def restore_local(rank: int, world: int, base: str, kw: dict, then_save: bool) -
     from ckptguard.ops.preflight import preflight
 
     become_node(base, rank, local_disk=True)
-    # What `ckptguard preflight` says of this node's fast root before the restore (which may rebuild it).
+    # What `ckptguard preflight` says of this node's fast root before the restore (which may rebuild
+    # it).
     checked = preflight(Path(base, "disk", "fast"), StepNaming("step_{step:08d}"))
     ready = [f.code for f in checked.findings if f.severity is Severity.ERROR]
     mgr = tiers(base, **kw)
@@ -227,8 +228,9 @@ def save_killed_mid_push(rank: int, world: int, base: str, kw: dict) -> str:
 
 def test_a_node_killed_mid_replica_push_leaves_no_replica_that_counts(tmp_path):
     disks(tmp_path)
-    # The live ranks wait up to 3 timeouts for the dead rank (the transfer, then its view): 10 s each is
-    # still far above the arrival skew of live ranks, and a 20 s timeout made this test a minute of waiting.
+    # The live ranks wait up to 3 timeouts for the dead rank (the transfer, then its view): 10 s
+    # each is still far above the arrival skew of live ranks, and a 20 s timeout made this test a
+    # minute of waiting.
     kw = {"fast_every": 1, "replicas": 1, "timeout_s": 10}
     results = run_ranks(save_killed_mid_push, WORLD, str(tmp_path), kw, timeout=240)
     assert results[2].exitcode == -9, results[2]
@@ -237,7 +239,8 @@ def test_a_node_killed_mid_replica_push_leaves_no_replica_that_counts(tmp_path):
         assert "[2]" in results[r].value, results[r].value
     held = tmp_path / "node0" / "fast" / "replicas" / "step_00000002"
     assert not (held / "rank_00002").exists()  # rank 2's replica never sealed: it does not count
-    # The step itself committed on both nodes before the push; the restarted job resumes from it exactly.
+    # The step itself committed on both nodes before the push; the restarted job resumes from it
+    # exactly.
     out = values(
         run_ranks(
             restore_local,

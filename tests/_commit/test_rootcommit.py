@@ -1,7 +1,8 @@
-"""One commit rule for every root (``_commit.rootcommit``), the same cases run on its two stores: a directory
-(``stepdir.DirRoot``) and an object store on a moto server (``storepublish.BucketRoot``, through ``begin`` and
-``commit`` as the store's publish calls them). Which step a save may take, and what a commit does to the tracker
-and to a step already there, must not depend on the kind of root."""
+"""One commit rule for every root (``_commit.rootcommit``), the same cases run on its two stores: a
+directory (``stepdir.DirRoot``) and an object store on a moto server (``storepublish.BucketRoot``,
+through ``begin`` and ``commit`` as the store's publish calls them). Which step a save may take, and
+what a commit does to the tracker and to a step already there, must not depend on the kind of
+root."""
 
 from __future__ import annotations
 
@@ -160,8 +161,9 @@ def test_a_step_behind_the_tracker_or_committed_is_refused_before_anything_is_wr
 def test_a_step_the_tracker_moved_past_while_it_was_written_is_not_published(case):
     three, four = case.begin(3), case.begin(4)
     case.commit(4, four, "four")
-    # Before, an object store created the marker of 3 below the tracker and kept the tracker ("committed but the
-    # tracker stays"); a directory refused it. Now both refuse, and step 3 never becomes visible.
+    # Before, an object store created the marker of 3 below the tracker and kept the tracker
+    # ("committed but the tracker stays"); a directory refused it. Now both refuse, and step 3 never
+    # becomes visible.
     with pytest.raises(case.refused, match="tracker moved to step 4"):
         case.commit(3, three, "three")
     assert (case.who(3), case.who(4), case.tracker()) == (None, "four", 4)
@@ -177,8 +179,9 @@ def test_an_orphan_is_replaced_by_the_next_save_of_its_step_and_never_counted_be
 
 
 def test_a_commit_needs_the_lease_still_its_own(case):
-    # Before, an object store's commit only asked whether another *live* holder had the lease: a lease another
-    # job held after this one's was released (or judged expired or dead) let both commit.
+    # Before, an object store's commit only asked whether another *live* holder had the lease: a
+    # lease another job held after this one's was released (or judged expired or dead) let both
+    # commit.
     staged = case.begin(1)
     case.lose_lease()
     with pytest.raises(LeaseHeldError):

@@ -45,7 +45,8 @@ def _tracker(root: Path) -> int | None:
     return int(path.read_text()) if path.is_file() else None
 
 
-# ---------------------------------------------------------------- one writer: two relaunches on a stale lease, transfer
+# ---------------------------------------------------------------- one writer: two relaunches on a
+# stale lease, transfer
 
 TRIALS = 20
 SPACING_S = 0.3
@@ -268,12 +269,14 @@ def test_a_transfer_killed_before_the_tracker_is_resumable(tmp_path):
     )
 
 
-# ---------------------------------------------------------------- two ranks: node-local roots, mixed items, bad extras
+# ---------------------------------------------------------------- two ranks: node-local roots,
+# mixed items, bad extras
 
 
 def _own_disk(disk: str, shared: str) -> str | None:
-    """This rank sees ``disk`` at ``shared`` (``fake_node``, the node identity unchanged): a node with
-    its own local disk, while the other rank keeps its own view. Returns why not, if it cannot."""
+    """This rank sees ``disk`` at ``shared`` (``fake_node``, the node identity unchanged): a node
+    with its own local disk, while the other rank keeps its own view. Returns why not, if it
+    cannot."""
     try:
         fake_node(disks={shared: disk})
     except OSError as exc:
@@ -423,7 +426,8 @@ def test_node_local_roots_never_commit(two_ranks, scene):
     )
 
 
-# ---------------------------------------------------------------- the resume line without logging configured
+# ---------------------------------------------------------------- the resume line without logging
+# configured
 
 RESUME_LINES = """
 import logging, sys, torch, ckptguard as cg

@@ -22,8 +22,9 @@ from ckptguard._disk import layout as _layout
 from ckptguard._records import retention
 from ckptguard.testing import run_ranks, values
 
-# The shared-client deadlock ends in a CollectiveTimeoutError after it (the old code failed so); a correct
-# run takes about SLOW_S plus 28 boundary agreements, far below it even on a loaded machine (4 s was not).
+# The shared-client deadlock ends in a CollectiveTimeoutError after it (the old code failed so); a
+# correct run takes about SLOW_S plus 28 boundary agreements, far below it even on a loaded machine
+# (4 s was not).
 TIMEOUT_S = 15.0
 SLOW_S = 1.5
 
@@ -63,9 +64,9 @@ def test_preemption_guard_agrees_while_save_async_commits(tmp_path):
 
 
 def _two_managers(rank, world, base_a, base_b):
-    """Two managers' background commits agreeing at the same time on every rank. No rank's commits pass
-    their written point before every rank has seen both in flight (a flag file each); rank 1's then write
-    SLOW_S longer."""
+    """Two managers' background commits agreeing at the same time on every rank. No rank's commits
+    pass their written point before every rank has seen both in flight (a flag file each); rank 1's
+    then write SLOW_S longer."""
     cfg = cg.CheckpointConfig(timeout_s=TIMEOUT_S)
     a, b = cg.CheckpointManager(base_a, config=cfg), cg.CheckpointManager(base_b, config=cfg)
     flags = [Path(f"{base_a}.rank{r}-saw-both") for r in range(world)]
@@ -121,8 +122,9 @@ def _many_saves(rank, world, base, n):
         mgr.save_async(step, state)
         guard.step_boundary(step, state)  # agrees on its own connection while the commit runs
     mgr.wait()
-    # On rank 0 the store's server closes its side of a dropped connection asynchronously; retention's
-    # background delete (one thread while there is trash, gone when there is none) ends on its own too.
+    # On rank 0 the store's server closes its side of a dropped connection asynchronously;
+    # retention's background delete (one thread while there is trash, gone when there is none) ends
+    # on its own too.
     assert retention.DELETER.wait(30)
     deadline = time.monotonic() + 30  # a leaked connection or thread never settles
     while (_fds() > before or threading.active_count() > threads) and time.monotonic() < deadline:

@@ -1,7 +1,8 @@
-"""``CheckpointConfig.timeout_s`` is the longest a rank waits at a phase of the commit: with one rank
-stuck, the others raise within ``timeout_s`` of reaching ``save.written`` (``CheckpointManager``) or
-``run.written`` (``RunCheckpoint``), naming the stuck rank, not after twice that (one deadline for
-the phase: rank 0's gather and everyone's wait for its verdict share it).
+"""``CheckpointConfig.timeout_s`` is the longest a rank waits at a phase of the commit: with one
+rank stuck, the others raise within ``timeout_s`` of reaching ``save.written``
+(``CheckpointManager``) or ``run.written`` (``RunCheckpoint``), naming the stuck rank, not after
+twice that (one deadline for the phase: rank 0's gather and everyone's wait for its verdict share
+it).
 
 Two gloo ranks; rank 1 is stuck at the fault point right before the phase until rank 0 raised (3 x
 timeout_s at most); rank 0 measures from the moment it reaches the phase to its raise.
@@ -19,7 +20,8 @@ from ckptguard import ProofPlan
 from ckptguard.testing import run_ranks, set_fault_hook, values
 
 TIMEOUT_S = 8.0
-SLACK = 1.5  # the measured wait may pass timeout_s by this factor (a loaded 2-core machine), not reach 2x
+# the measured wait may pass timeout_s by this factor (a loaded 2-core machine), not reach 2x
+SLACK = 1.5
 
 
 def _job(rank: int, world: int, root: str, run: bool) -> dict:

@@ -1,6 +1,6 @@
-"""ckptguard never changes the training it checkpoints: every public entry point, called where a user
-calls it (before the first optimizer step too), leaves the run bitwise equal to the same run without it:
-parameters, optimizer state, the four RNG streams and the data order."""
+"""ckptguard never changes the training it checkpoints: every public entry point, called where a
+user calls it (before the first optimizer step too), leaves the run bitwise equal to the same run
+without it: parameters, optimizer state, the four RNG streams and the data order."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from ckptguard.testing import run_ranks, values
 
 STEPS = 6
 Hook = Callable[[int, dict[str, Any]], None]
-"""Called with the number of updates done so far (0: before the first); saves number their step one higher
-(step 0 is reserved for a fresh start)."""
+"""Called with the number of updates done so far (0: before the first); saves number their step one
+higher (step 0 is reserved for a fresh start)."""
 
 
 def _train(hook: Hook | None) -> dict[str, Any]:
-    """A small run with Dropout (the torch RNG), AdamW (its step count drives the bias correction), a data
-    order drawn from torch's RNG and noise from NumPy's and Python's; ``hook(step, state)`` after each step
-    and once before the first (step 0, the optimizer still empty)."""
+    """A small run with Dropout (the torch RNG), AdamW (its step count drives the bias correction),
+    a data order drawn from torch's RNG and noise from NumPy's and Python's; ``hook(step, state)``
+    after each step and once before the first (step 0, the optimizer still empty)."""
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
@@ -136,8 +136,8 @@ def test_a_run_with_ckptguard_equals_the_run_without(tmp_path, entry):
 
 
 def test_a_saved_unstepped_optimizer_restores_unstepped(tmp_path):
-    """A save before the first step holds no moments (none exist); restoring it leaves a fresh optimizer fresh,
-    and the run from there equals a run that never saved."""
+    """A save before the first step holds no moments (none exist); restoring it leaves a fresh
+    optimizer fresh, and the run from there equals a run that never saved."""
     want = _train(None)
     mgr = cg.CheckpointManager(tmp_path / "ck")
     _train(_at({0}, lambda s, st: mgr.save(1, st)))
@@ -158,7 +158,8 @@ def test_a_stepped_optimizer_restores_exactly(tmp_path):
 
 
 def _budget_rank(rank: int, world: int, root: str) -> bool:
-    """Two ranks, a blocking budget so small that every save goes to the background (OverBudget.BACKGROUND)."""
+    """Two ranks, a blocking budget so small that every save goes to the background
+    (OverBudget.BACKGROUND)."""
     want = _train(None)
     config = CheckpointConfig(
         blocking=BlockingBudget(fraction=0.001, timeout_s=1.0, over=OverBudget.BACKGROUND)

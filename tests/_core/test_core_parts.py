@@ -1,5 +1,6 @@
-"""A door that composes a CheckpointManager does it through the Parts it passes in: the manager binds
-its context and staged-commit calls into them, one manager per Parts, and nothing else can stage."""
+"""A door that composes a CheckpointManager does it through the Parts it passes in: the manager
+binds its context and staged-commit calls into them, one manager per Parts, and nothing else can
+stage."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""A root that only reads like an object-store URL is refused by name, never made a local directory named s3:.
+"""A root that only reads like an object-store URL is refused by name, never made a local directory
+named s3:.
 
-``s3:/bkt/x`` (one slash), ``S3://bkt/x`` and ``Path("s3://bkt/x")`` (which drops a slash) would otherwise commit to
-``./s3:/bkt/x`` on the node's disk while the job believes it checkpoints to the store."""
+``s3:/bkt/x`` (one slash), ``S3://bkt/x`` and ``Path("s3://bkt/x")`` (which drops a slash) would
+otherwise commit to ``./s3:/bkt/x`` on the node's disk while the job believes it checkpoints to the
+store."""
 
 from __future__ import annotations
 

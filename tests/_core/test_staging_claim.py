@@ -1,6 +1,7 @@
-"""An s3:// root's staging root is claimed, never taken: an existing checkpoint root, another store's staging or
-a planted link is refused when the manager is made, before anything there is written or deleted (the staging keeps
-only its newest step: before this, a save through it deleted the other root's committed steps)."""
+"""An s3:// root's staging root is claimed, never taken: an existing checkpoint root, another
+store's staging or a planted link is refused when the manager is made, before anything there is
+written or deleted (the staging keeps only its newest step: before this, a save through it deleted
+the other root's committed steps)."""
 
 from __future__ import annotations
 

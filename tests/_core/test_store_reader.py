@@ -1,7 +1,8 @@
-"""An evaluation job beside a training job on one ``s3://`` root: its restore is refused by the writer's lease (a
-duplicate launch must stop before it trains), and the refusal says how to read a step without taking the lease.
-The advice is followed here as written: the step copied out with ``storetransfer.from_store``, then restored from
-a manager of the copy, bitwise, while the trainer keeps its lease and saves on."""
+"""An evaluation job beside a training job on one ``s3://`` root: its restore is refused by the
+writer's lease (a duplicate launch must stop before it trains), and the refusal says how to read a
+step without taking the lease. The advice is followed here as written: the step copied out with
+``storetransfer.from_store``, then restored from a manager of the copy, bitwise, while the trainer
+keeps its lease and saves on."""
 
 from __future__ import annotations
 

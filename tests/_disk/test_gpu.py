@@ -60,8 +60,8 @@ def test_gpu_layout_free_digest_equals_cpu_and_record_step_hashes_on_the_gpu(tmp
     from ckptguard._disk import boxsum as d
 
     torch.manual_seed(2)
-    # tiny, odd byte counts (partial words), an unaligned view, a box at an unaligned offset, and more
-    # than one pass of the GPU's bounded product (d._LF_GPU_WORDS words)
+    # tiny, odd byte counts (partial words), an unaligned view, a box at an unaligned offset, and
+    # more than one pass of the GPU's bounded product (d._LF_GPU_WORDS words)
     cases = [
         torch.randn(5, 3),
         torch.randint(0, 255, (4097,), dtype=torch.uint8),

@@ -1,7 +1,8 @@
-"""One rule for whether a write lease's holder is gone (``_disk.lease.holder_gone``), the same cases on a directory
-root's ``lease.json`` and an object store's (moto): on this host the holder's process decides, however old its
-lease (a PID now running another program, as in a restarted container, is gone); on another host the lease's age.
-Before, the object store judged a process on this host by its PID alone and took over any expired lease."""
+"""One rule for whether a write lease's holder is gone (``_disk.lease.holder_gone``), the same cases
+on a directory root's ``lease.json`` and an object store's (moto): on this host the holder's process
+decides, however old its lease (a PID now running another program, as in a restarted container, is
+gone); on another host the lease's age. Before, the object store judged a process on this host by
+its PID alone and took over any expired lease."""
 
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def test_a_live_process_on_this_host_keeps_its_lease_however_old(root, live):
 
 @pytest.mark.parametrize("age_s, taken", [(60, False), (2 * TTL, True)])
 def test_a_record_without_a_start_time_on_this_host_is_judged_by_its_age(root, live, age_s, taken):
-    # Written before records carried the start time: the PID alone cannot tell the holder from a later process.
+    # Written before records carried the start time: the PID alone cannot tell the holder from a
+    # later process.
     root.held_by(socket.gethostname(), live[0], None, age_s=age_s)
     if taken:
         note = root.acquire()

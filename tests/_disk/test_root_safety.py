@@ -75,7 +75,8 @@ def _dead_lease(root: Path) -> None:
     )
 
 
-# ---------------------------------------------------------------- gc and retention keep committed steps
+# ---------------------------------------------------------------- gc and retention keep committed
+# steps
 
 
 @pytest.mark.parametrize("template", ["step_{step:08d}", "global_step_{step}"])
@@ -144,7 +145,8 @@ def test_adopt_points_the_tracker_at_a_verified_orphan(tmp_path):
     assert bad.exit_code == 1 and "rank_00000.pt" in bad.output and _layout.read_tracker(root) == 1
 
 
-# ---------------------------------------------------------------- one writer, tracker never backwards
+# ---------------------------------------------------------------- one writer, tracker never
+# backwards
 
 RELAUNCH = r"""
 import json, sys, time
@@ -304,7 +306,8 @@ def test_the_lease_is_checked_at_creation_and_at_restore(tmp_path, caplog):
     assert early.restore(_w(0)) == 2  # the owner is dead now: the check passes
 
 
-# ---------------------------------------------------------------- only roots, only ckptguard's entries
+# ---------------------------------------------------------------- only roots, only ckptguard's
+# entries
 
 
 def _old(path: Path) -> None:

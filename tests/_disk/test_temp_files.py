@@ -1,6 +1,6 @@
-"""Temp files of atomic writes (``NAME.tmp-...`` next to the tracker, ``lease.json``, ``trust.json``, a
-hold) are swept at the next save once their owner is dead, never while it lives; ``verify`` reports
-them and a clean run leaves none.
+"""Temp files of atomic writes (``NAME.tmp-...`` next to the tracker, ``lease.json``,
+``trust.json``, a hold) are swept at the next save once their owner is dead, never while it lives;
+``verify`` reports them and a clean run leaves none.
 
 The owner is recorded in the name (``_disk/tempfiles.py``); a name of the older form, without an
 owner, counts as dead once older than ``stale_temp_age_s``.
@@ -41,10 +41,12 @@ def _temp_files(root: Path) -> list[str]:
 
 
 def _dead_writer(root: Path) -> list[str]:
-    """A process that starts an atomic write of each name and dies before the rename (its temp names)."""
+    """A process that starts an atomic write of each name and dies before the rename (its temp
+    names)."""
     code = (
-        "import sys; from pathlib import Path; from ckptguard._disk import tempfiles as t\n"
-        "for n in sys.argv[2:]:\n    p = t.temp_name(Path(sys.argv[1]) / n); p.write_bytes(b'torn'); print(p)\n"
+        "import sys; from pathlib import Path; from ckptguard._disk import tempfiles as t\nfor "
+        "n in sys.argv[2:]:\n    p = t.temp_name(Path(sys.argv[1]) / n); "
+        "p.write_bytes(b'torn'); print(p)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(root), *NAMES], check=True, capture_output=True, text=True
@@ -60,7 +62,8 @@ def test_temp_files_of_dead_writers_are_reported_and_swept_and_a_live_writers_ke
     mgr.save(1, {"w": torch.zeros(3)})
     (root / "holds").mkdir(exist_ok=True)
     dead = _dead_writer(root)
-    # Older names without an owner, from before the owner was recorded: dead once past stale_temp_age_s.
+    # Older names without an owner, from before the owner was recorded: dead once past
+    # stale_temp_age_s.
     old = [f"{n}.tmp-0badf00d" for n in NAMES if "/" not in n]
     for rel in old:
         (root / rel).write_bytes(b"torn")

@@ -1,9 +1,9 @@
-"""One rule for whether a writer is gone (``_disk.tempfiles.writer_gone``), judged alike for a save's temp
-directory (its owner record), an atomic write's temp file (its name) and a lease's holder: on this host the
-process decides however old its work (a PID now running another program is gone); without the process's
-start time, or on another host, the age. Before, a temp directory whose owner record had no start time was
-judged dead while its process ran. An object store's attempts follow the same rule
-(tests/storage/s3/test_objectstore.py, test_objectstore_ops.py)."""
+"""One rule for whether a writer is gone (``_disk.tempfiles.writer_gone``), judged alike for a
+save's temp directory (its owner record), an atomic write's temp file (its name) and a lease's
+holder: on this host the process decides however old its work (a PID now running another program is
+gone); without the process's start time, or on another host, the age. Before, a temp directory whose
+owner record had no start time was judged dead while its process ran. An object store's attempts
+follow the same rule (tests/storage/s3/test_objectstore.py, test_objectstore_ops.py)."""
 
 from __future__ import annotations
 

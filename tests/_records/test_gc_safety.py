@@ -63,7 +63,8 @@ def test_gc_keeps_committed_steps_when_the_tracker_says_zero(tmp_path):
     result = cli("gc", root)
     no_traceback(result, "gc with tracker 0")
     assert committed_on_disk(root) == ["step_00000001", "step_00000002", "step_00000003"], (
-        f"gc with tracker 0 deleted committed steps, left {committed_on_disk(root)}\n{result.output}"
+        f"gc with tracker 0 deleted committed steps, left "
+        f"{committed_on_disk(root)}\n{result.output}"
     )
 
 
@@ -150,7 +151,8 @@ def test_gc_in_a_root_removes_only_what_ckptguard_created(tmp_path):
     assert not ours.exists(), f"gc no longer removes a dead save's temp dir {ours}"
 
 
-# ---------------------------------------------------------------- one bad entry never disables retention
+# ---------------------------------------------------------------- one bad entry never disables
+# retention
 
 
 def test_a_deep_hold_file_does_not_disable_retention(tmp_path, caplog):
@@ -263,8 +265,9 @@ def test_crash_leftovers_are_reported_by_verify_and_removed_by_gc(tmp_path):
 def test_gc_removing_trash_that_a_background_delete_empties_meanwhile_succeeds(
     tmp_path, monkeypatch
 ):
-    """A job's background trash delete (retention.DELETER) and ``gc`` may empty the same trash directory at once:
-    a file the other removed first is what gc wanted, never an error (seen: FileNotFoundError out of gc)."""
+    """A job's background trash delete (retention.DELETER) and ``gc`` may empty the same trash
+    directory at once: a file the other removed first is what gc wanted, never an error (seen:
+    FileNotFoundError out of gc)."""
     from ckptguard.ops import gc as _gc
 
     root = tiny_root(tmp_path / "ck", (1, 2))

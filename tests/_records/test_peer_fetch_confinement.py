@@ -36,7 +36,8 @@ def _cases(spec_type: type, manifest_spec: object, first_file: object) -> dict[s
     mk = spec_type
     size, xxh = first_file.size, first_file.xxh3  # type: ignore[attr-defined]
     cases = {f"root:{p}": {"spec": mk(p, size, xxh, "root")} for p in PLANTED}
-    # Inside the temp directory but not the rank's part: the marker files of the step, another rank's extras.
+    # Inside the temp directory but not the rank's part: the marker files of the step, another
+    # rank's extras.
     cases["step:node_manifest.json"] = {"spec": mk("node_manifest.json", size, xxh, "step")}
     cases["step:rank_00000.pt"] = {"spec": mk("rank_00000.pt", size, xxh, "step")}
     cases["step:owner.json"] = {"spec": mk("owner.json", size, xxh, "step")}
@@ -117,7 +118,8 @@ def _job(rank: int, world: int, base: str) -> dict:
             }
         # Both ranks start the next case together (the sender may stop early).
         torch.distributed.barrier()
-    # An honest part still arrives whole: the receiver's checks refuse only what the manifest does not list.
+    # An honest part still arrives whole: the receiver's checks refuse only what the manifest does
+    # not list.
     if rank == 0:
         out["honest"] = replica.send_part(specs, paths, 1, None, step=STEP, timeout_s=TIMEOUT_S)
     else:

@@ -1,8 +1,10 @@
-"""A fresh run's proof records, held in memory until the first save creates the root (issue 39, item 2).
+"""A fresh run's proof records, held in memory until the first save creates the root (issue 39, item
+2).
 
-They are written as soon as the save's prepare created the root, so a job-wide kill right after the first
-commit (before the save record) leaves the steps the run recorded; prove then finds the process that
-trained the saved step. The held records are bounded: the first ones and the newest, the rest counted.
+They are written as soon as the save's prepare created the root, so a job-wide kill right after the
+first commit (before the save record) leaves the steps the run recorded; prove then finds the
+process that trained the saved step. The held records are bounded: the first ones and the newest,
+the rest counted.
 """
 
 from __future__ import annotations

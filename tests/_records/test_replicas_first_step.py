@@ -1,12 +1,12 @@
-"""Replicas compared again at the first step after a restore, and a divergence at a later save recorded
-(issue 39, item 3; the writing side), on 2 gloo ranks of a real DDP job.
+"""Replicas compared again at the first step after a restore, and a divergence at a later save
+recorded (issue 39, item 3; the writing side), on 2 gloo ranks of a real DDP job.
 
 Drift that appears after ``restore()`` returned (a hook, a late broadcast) passes the restore's own
-replica check. The first ``record_step`` after the restore carries each rank's layout-free partials of
-its replicated tensors (``replica_partials``), which ``replica_report`` turns into the differing tensor
-and the ranks on each side; a ``save_async`` whose background guard then raises
-``ReplicatedDivergenceError`` leaves a ``replicas`` record naming the tensor, and prove's replica gate
-FAILs. An exact resume records the same digests on every rank.
+replica check. The first ``record_step`` after the restore carries each rank's layout-free partials
+of its replicated tensors (``replica_partials``), which ``replica_report`` turns into the differing
+tensor and the ranks on each side; a ``save_async`` whose background guard then raises
+``ReplicatedDivergenceError`` leaves a ``replicas`` record naming the tensor, and prove's replica
+gate FAILs. An exact resume records the same digests on every rank.
 """
 
 from __future__ import annotations

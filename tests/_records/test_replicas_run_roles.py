@@ -1,6 +1,7 @@
-"""A RunCheckpoint role's replicas compared again at its first step after a restore, and a divergence
-its save_async's guard finds recorded in the role's proof records (issue 39, item 3), on 2 gloo ranks
-holding one DDP actor role: as ``CheckpointManager`` does (tests/_records/test_replicas_first_step.py).
+"""A RunCheckpoint role's replicas compared again at its first step after a restore, and a
+divergence its save_async's guard finds recorded in the role's proof records (issue 39, item 3), on
+2 gloo ranks holding one DDP actor role: as ``CheckpointManager`` does
+(tests/_records/test_replicas_first_step.py).
 """
 
 from __future__ import annotations

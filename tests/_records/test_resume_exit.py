@@ -1,6 +1,7 @@
-"""A resumed process that dies on an uncaught exception before its first step records the exception in its
-``exit`` record (``raised``), and ``prove`` says so instead of blaming an exhausted loader (H3's finding F2 in
-issue 39's campaign: a loop that saved the restored step again died on ConfigError)."""
+"""A resumed process that dies on an uncaught exception before its first step records the exception
+in its ``exit`` record (``raised``), and ``prove`` says so instead of blaming an exhausted loader
+(H3's finding F2 in issue 39's campaign: a loop that saved the restored step again died on
+ConfigError)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ mgr.close()
 
 
 def test_a_resumed_job_that_saves_without_record_step_is_not_called_idle(tmp_path):
-    """The README's Usage loop saves and never calls record_step: a resume that saved two more steps trained."""
+    """The README's Usage loop saves and never calls record_step: a resume that saved two more steps
+    trained."""
     root = tmp_path / "ck"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     for _ in range(2):

@@ -1,7 +1,8 @@
-"""Nothing committed is deleted by a mistake of ours, from a cold review of retention's background delete and
-the overwrite's publish: a publish that fails after the old step was moved aside puts it back; a reader whose
-lease lands while rotation runs keeps its step; a step moved aside by a kill is never swept (gc says how to put
-it back); a directory that only looks like trash is never swept; ``release`` never deletes through a link."""
+"""Nothing committed is deleted by a mistake of ours, from a cold review of retention's background
+delete and the overwrite's publish: a publish that fails after the old step was moved aside puts it
+back; a reader whose lease lands while rotation runs keeps its step; a step moved aside by a kill is
+never swept (gc says how to put it back); a directory that only looks like trash is never swept;
+``release`` never deletes through a link."""
 
 from __future__ import annotations
 

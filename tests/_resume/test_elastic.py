@@ -150,7 +150,8 @@ def _resume(rank: int, world: int, root: str) -> dict:
 
 
 def _derived(rank: int) -> list[bytes]:
-    """The rule's derivation as the README states it: xxh3_64("ckptguard-rng:{seed}:{step}:{rank}") & (2**63 - 1)."""
+    """The rule's derivation as the README states it: xxh3_64("ckptguard-rng:{seed}:{step}:{rank}")
+    & (2**63 - 1)."""
     s = xxhash.xxh3_64_intdigest(f"ckptguard-rng:{SEED}:{K}:{rank}".encode()) & ((1 << 63) - 1)
     torch.manual_seed(s)
     np.random.seed(s % (1 << 32))
@@ -200,14 +201,16 @@ def test_resume_on_another_world_size_is_exact_and_proven(saved, tmp_path, old, 
     for r in out:
         assert r["full"].keys() == at_save[0]["full"].keys()
         assert all(torch.equal(r["full"][k], at_save[0]["full"][k]) for k in r["full"])
-    # One uninterrupted epoch order over the whole run: steps 1-K on the old ranks, then the rest on the new.
+    # One uninterrupted epoch order over the whole run: steps 1-K on the old ranks, then the rest on
+    # the new.
     order = cg.DataCursor(N, seed=SEED).order(0)
     before = [i for s in range(K) for rank in at_save for i in rank["ids"][s]]
     after = [i for s in range(len(out[0]["ids"])) for r in out for i in r["ids"][s]]
     assert before + after == order and sorted(before + after) == list(range(N))
     # The user rule kept the total of the per-rank counter at the save.
     assert sum(r["tokens"] for r in out) == sum(rank["tokens"] for rank in at_save) == K * B * old
-    # Each rank's streams are the rule's derivation from (seed, step, rank), and no two ranks share them.
+    # Each rank's streams are the rule's derivation from (seed, step, rank), and no two ranks share
+    # them.
     assert [r["streams"] for r in out] == [_derived(rank) for rank in range(new)]
     assert len({tuple(r["streams"]) for r in out}) == new
     for rank, r in enumerate(
@@ -258,7 +261,8 @@ def _replay_step_one(path: Path, ids: list[int]) -> None:
 
 
 def _format1(rank: int, world: int, v1_root: str) -> dict:
-    # A checkpoint written before reshard rules (format 1 fixture, one rank) reshards under the rules declared now.
+    # A checkpoint written before reshard rules (format 1 fixture, one rank) reshards under the
+    # rules declared now.
     torch.manual_seed(1)
     model = torch.nn.Linear(4, 2)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)

@@ -1,4 +1,5 @@
-"""The proof's "replicas equal after load" gate (issue 29, item 3) on 2 gloo ranks of a real DDP job.
+"""The proof's "replicas equal after load" gate (issue 29, item 3) on 2 gloo ranks of a real DDP
+job.
 
 Every tensor that several ranks hold (DDP parameters, their Adam moments) must have one value
 across its holders after the restore, equal to the save's. A load that leaves rank 1 with another
@@ -193,8 +194,8 @@ def test_an_item_declared_replicated_must_hold_one_value_on_every_rank(tmp_path)
     # rank 1 loads another value: its own digest check names the item
     out = values(run_ranks(_counter_job, 2, exact, 1, False))
     assert all("rank 1: " in t and "state item 'counter' (stateful) differs" in t for t in out), out
-    # the replicas diverged before the save: each rank restores what it saved (its own check passes),
-    # and only the replica check sees that the declared-replicated item has two values
+    # the replicas diverged before the save: each rank restores what it saved (its own check
+    # passes), and only the replica check sees that the declared-replicated item has two values
     diverged = str(tmp_path / "diverged")
     values(run_ranks(_counter_job, 2, diverged, 1, True))
     out = values(run_ranks(_counter_job, 2, diverged, None, False))

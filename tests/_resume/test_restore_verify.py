@@ -94,7 +94,8 @@ def test_a_flipped_tensor_byte_is_caught_by_the_layout_free_pass_and_names_the_f
 
 
 class _ForgetfulAdamW(torch.optim.AdamW):
-    """Loads the tensors but keeps its own learning rate: a load_state_dict bug ckptguard must catch."""
+    """Loads the tensors but keeps its own learning rate: a load_state_dict bug ckptguard must
+    catch."""
 
     def load_state_dict(self, state_dict):  # type: ignore[no-untyped-def]
         lrs = [g["lr"] for g in self.param_groups]
@@ -184,7 +185,8 @@ def test_the_save_records_structure_digests_for_tensor_items(tmp_path):
 
 def test_the_fallback_catches_a_flipped_byte_through_the_layout_free_digests(tmp_path, monkeypatch):
     """The extras file no longer matching the manifest sends the items to the fallback; for format 3
-    tensor items it compares their structure digest, and their bytes still by the layout-free pass."""
+    tensor items it compares their structure digest, and their bytes still by the layout-free
+    pass."""
     model, optim = _job()
     cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim})
     step = tmp_path / "step_00000001"
@@ -226,8 +228,9 @@ def test_a_format3_manifest_without_layout_free_digests_never_passes(tmp_path):
 
 @pytest.mark.parametrize(("item", "kind"), [("model", "bytes"), ("n", "structure")])
 def test_an_edited_digest_kind_is_refused_alike_by_verify_and_restore(tmp_path, item, kind) -> None:
-    # Before: with model's kind edited to "bytes", verify --deep --restore compared a bytes digest with the saved
-    # structure digest (FAIL) while restore, which compares tensor items by their layout-free digests, passed.
+    # Before: with model's kind edited to "bytes", verify --deep --restore compared a bytes digest
+    # with the saved structure digest (FAIL) while restore, which compares tensor items by their
+    # layout-free digests, passed.
     from click.testing import CliRunner
 
     from ckptguard.cli import main
@@ -255,9 +258,10 @@ def test_an_edited_digest_kind_is_refused_alike_by_verify_and_restore(tmp_path, 
 
 
 def test_the_restored_state_is_read_once_after_the_load(tmp_path, monkeypatch):
-    """The checks after the load (item digests, the layout-free pass, replicas) compare one read of the live
-    objects (``read_back``), not one read each (it was two per tensor item: the skeleton and the layout-free pass).
-    Counted inside the restore of the step, from the load on (what the manager does after it is not counted)."""
+    """The checks after the load (item digests, the layout-free pass, replicas) compare one read of
+    the live objects (``read_back``), not one read each (it was two per tensor item: the skeleton
+    and the layout-free pass). Counted inside the restore of the step, from the load on (what the
+    manager does after it is not counted)."""
     model, optim = _job()
     cg.CheckpointManager(tmp_path).save(1, {"model": model, "optim": optim, "cursor": {"at": 3}})
     after: dict[str, int] = {}

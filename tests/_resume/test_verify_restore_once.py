@@ -1,5 +1,6 @@
-"""``verify --restore`` restores every step in one new process (torch imported once), not one per step;
-a child that dies fails the step it was on, and the steps after it are still checked in a new one."""
+"""``verify --restore`` restores every step in one new process (torch imported once), not one per
+step; a child that dies fails the step it was on, and the steps after it are still checked in a new
+one."""
 
 from __future__ import annotations
 

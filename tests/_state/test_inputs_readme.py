@@ -1,7 +1,8 @@
-"""The README's Usage block runs exact as written: a DataLoader over a ``DataCursor`` sampler with its own
-generator, a model with a Dropout, SIGKILLed mid-epoch and resumed, ends bitwise equal to the uninterrupted
-run. Without the loader's own generator it does not (``iter(DataLoader)`` draws its base seed from torch's
-global RNG, after ``restore()`` put it back in a resumed run): the negative control."""
+"""The README's Usage block runs exact as written: a DataLoader over a ``DataCursor`` sampler with
+its own generator, a model with a Dropout, SIGKILLed mid-epoch and resumed, ends bitwise equal to
+the uninterrupted run. Without the loader's own generator it does not (``iter(DataLoader)`` draws
+its base seed from torch's global RNG, after ``restore()`` put it back in a resumed run): the
+negative control."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
 
 
 def _killed_and_resumed(tmp: Path, name: str, *flags: str) -> tuple[dict, dict]:
-    """The uninterrupted run, and a run SIGKILLed at step 73 (saved at 50, mid-epoch) then relaunched."""
+    """The uninterrupted run, and a run SIGKILLed at step 73 (saved at 50, mid-epoch) then
+    relaunched."""
     ref = _result(_launch(tmp, tmp / f"{name}-ref", 0, *flags))
     (tmp / f"{name}-killed").mkdir()
     first = _launch(tmp, tmp / f"{name}-killed", 73, *flags)

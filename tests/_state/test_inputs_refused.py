@@ -1,6 +1,6 @@
-"""A state item that ckptguard cannot save is refused at ``restore()``, before any training, naming the fix;
-never first at the first save (issue 39: a plain DataLoader was accepted at the fresh start and the run died at
-its first save, after training up to it)."""
+"""A state item that ckptguard cannot save is refused at ``restore()``, before any training, naming
+the fix; never first at the first save (issue 39: a plain DataLoader was accepted at the fresh start
+and the run died at its first save, after training up to it)."""
 
 from __future__ import annotations
 
@@ -82,8 +82,9 @@ class _Counted:
 
 
 def test_the_restore_check_does_not_call_a_stateful_item_s_state_dict():
-    """Its content is checked at the save: a StatefulDataLoader's state_dict() without an iterator starts the
-    workers and draws its seeds (torchdata 0.11), which the check before the load must not do."""
+    """Its content is checked at the save: a StatefulDataLoader's state_dict() without an iterator
+    starts the workers and draws its seeds (torchdata 0.11), which the check before the load must
+    not do."""
     from ckptguard._state.state import check_items
 
     _Counted.calls = 0

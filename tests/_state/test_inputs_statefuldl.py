@@ -1,7 +1,8 @@
-"""torchdata's StatefulDataLoader (what torchtitan and verl checkpoint) as a state item, with worker processes
-and a shuffle, on a model with a Dropout: SIGKILLed mid-epoch (batches in flight in the workers) and resumed,
-the run ends bitwise equal to the uninterrupted one and ``ckptguard prove`` says PROVEN; left out of the state,
-the resume re-reads the epoch and ``prove`` FAILs "data order identical"."""
+"""torchdata's StatefulDataLoader (what torchtitan and verl checkpoint) as a state item, with worker
+processes and a shuffle, on a model with a Dropout: SIGKILLed mid-epoch (batches in flight in the
+workers) and resumed, the run ends bitwise equal to the uninterrupted one and ``ckptguard prove``
+says PROVEN; left out of the state, the resume re-reads the epoch and ``prove`` FAILs "data order
+identical"."""
 
 from __future__ import annotations
 
@@ -76,9 +77,10 @@ def _killed_and_resumed(tmp: Path, *flags: str) -> tuple[dict, dict]:
 def test_a_stateful_dataloader_with_workers_killed_mid_epoch_resumes_bitwise_and_is_proven(
     tmp_path, flags
 ):
-    """Both with the loader's own generator (the recipe) and without one: its iterator rebuilt from the loaded
-    state draws a seed from torch's global RNG (torchdata 0.11), and the digest check after the restore, which
-    builds it, puts the global RNG back, so the dropout masks after the resume are the uninterrupted run's."""
+    """Both with the loader's own generator (the recipe) and without one: its iterator rebuilt from
+    the loaded state draws a seed from torch's global RNG (torchdata 0.11), and the digest check
+    after the restore, which builds it, puts the global RNG back, so the dropout masks after the
+    resume are the uninterrupted run's."""
     ref, resumed = _killed_and_resumed(tmp_path, *flags)
     assert resumed["start"] == 15 and resumed["step"] == ref["step"] == 25
     assert (
@@ -108,8 +110,9 @@ def test_a_stateful_dataloader_left_out_of_the_state_fails_the_data_order_gate(t
 def test_a_fresh_run_with_a_stateful_dataloader_draws_what_it_draws_without_ckptguard(
     tmp_path, own_generator
 ):
-    """ckptguard never changes the training: a restore (fresh start) and a save read the loader's state_dict()
-    before its first iteration, which builds the iterator the loop's iter() then reuses, drawing the same."""
+    """ckptguard never changes the training: a restore (fresh start) and a save read the loader's
+    state_dict() before its first iteration, which builds the iterator the loop's iter() then
+    reuses, drawing the same."""
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 

@@ -458,8 +458,9 @@ def test_verify_restore_holds_one_item_at_a_time(tmp_path):
     ckpt = ITEMS * ITEM_MIB << 20
     extra = peaks["big"] - peaks["small"]
     assert extra < ckpt // 2, (
-        f"verify --restore held {extra >> 20} MiB more for a {ckpt >> 20} MiB checkpoint than for "
-        f"a tiny one (peaks {peaks['big'] >> 20} / {peaks['small'] >> 20} MiB): it materialises the whole checkpoint"
+        f"verify --restore held {extra >> 20} MiB more for a {ckpt >> 20} MiB checkpoint than "
+        f"for a tiny one (peaks {peaks['big'] >> 20} / {peaks['small'] >> 20} MiB): it "
+        f"materialises the whole checkpoint"
     )
 
 

@@ -1,5 +1,6 @@
-"""``--json``, one style for every command a script reads: one object on stdout, ``ok`` in it, and on a
-failure ``error`` (what, where, what to do) and the exit code of the text mode; nothing else on stdout.
+"""``--json``, one style for every command a script reads: one object on stdout, ``ok`` in it, and
+on a failure ``error`` (what, where, what to do) and the exit code of the text mode; nothing else on
+stdout.
 
 Covers transfer (success and error, both JSON), hold, release, gc, adopt, demo (its usage errors: a
 demo run itself takes a minute), mem watch and mem report.

@@ -68,8 +68,9 @@ COMMANDS = {
 }
 
 
-# What a command needs done first, in this process: each test stands alone (under xdist a module fixture may
-# be set up again between two tests of the module, so ``release`` cannot count on ``hold``'s test).
+# What a command needs done first, in this process: each test stands alone (under xdist a module
+# fixture may be set up again between two tests of the module, so ``release`` cannot count on
+# ``hold``'s test).
 BEFORE = {"release": ["hold", "{one}", "1", "--reason", "eval"]}
 
 

@@ -1,6 +1,7 @@
-"""A path one level off is named as such: a step directory given where the root is taken, a root where a step is
-taken, a step that does not exist, each with the command to run instead (exit 2 for the usage, 1 for hold's
-refusal), never a verdict computed from the wrong place ("no proof records", "never committed")."""
+"""A path one level off is named as such: a step directory given where the root is taken, a root
+where a step is taken, a step that does not exist, each with the command to run instead (exit 2 for
+the usage, 1 for hold's refusal), never a verdict computed from the wrong place ("no proof records",
+"never committed")."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ from ckptguard.testing import run_ranks, values
 
 def _writer(rank: int):
     def write(directory: Path) -> None:
-        # rank 0 writes the framework's optimizer file, every rank its own RNG file (as HF under DDP)
+        # rank 0 writes the framework's optimizer file, every rank its own RNG file (as HF under
+        # DDP)
         if rank == 0:
             torch.save({"exp_avg": torch.arange(256.0)}, directory / "optimizer.pt")
             (directory / "config.json").write_text('{"n_layer": 1}')

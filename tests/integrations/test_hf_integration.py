@@ -181,8 +181,10 @@ def test_grpo_killed_five_times_incl_mid_save_ends_bitwise_equal_and_proven(
 ):
     plan = [
         "storage.data_written@4",  # mid-save: ckptguard's part written, HF's folder not yet
-        "hf:optimizer.pt@6",  # mid-save: HF has written the weights into the step, not the optimizer
-        "commit.before_rename@8",  # mid-save: manifest in place, step not published (epoch 1's last step)
+        # mid-save: HF has written the weights into the step, not the optimizer
+        "hf:optimizer.pt@6",
+        # mid-save: manifest in place, step not published (epoch 1's last step)
+        "commit.before_rename@8",
         "commit.before_tracker@10",  # published, tracker not moved: resume at 8, the epoch boundary
         "step@14",  # between saves inside epoch 2: resume at 12, mid-epoch 2
     ]
@@ -210,9 +212,9 @@ def test_grpo_killed_five_times_incl_mid_save_ends_bitwise_equal_and_proven(
     out = Path(json.loads(cfg.read_text())["out"])
     assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]  # swept, never picked
     print(f"6 launches, 5 kills: {elapsed:.1f} s")
-    # prove judges the newest resume: killed in a callback's on_step_end of step 14, the mixin's own on_step_end
-    # ran first and recorded the step, so the resume from 12 replays steps 13-14 against the killed segment's
-    # records of both
+    # prove judges the newest resume: killed in a callback's on_step_end of step 14, the mixin's own
+    # on_step_end ran first and recorded the step, so the resume from 12 replays steps 13-14 against
+    # the killed segment's records of both
     rc, proof = _prove(str(out))
     gates = {g["gate"]: g for g in proof["gates"]}
     assert rc == 0 and proof["verdict"] == "resume PROVEN", proof
@@ -237,7 +239,8 @@ def _hf_control(
 def test_negative_control_hf_checkpoints_torn_folder_and_epoch2_divergence(
     tmp_path, grpo_reference
 ):
-    # 1. killed mid-save: HF leaves checkpoint-6 with weights and no trainer state, picks it, and crashes
+    # 1. killed mid-save: HF leaves checkpoint-6 with weights and no trainer state, picks it, and
+    #    crashes
     cfg, runs = _hf_control(tmp_path, "torn", ["hf:optimizer.pt@6"])
     assert runs[0].returncode == -9 and runs[1].returncode not in (0, -9)
     torn = Path(json.loads(cfg.read_text())["out"]) / "checkpoint-6"
@@ -300,9 +303,9 @@ def test_grpo_resumed_inside_a_generation_block_is_exact(tmp_path):
 
 @needs_hf
 def test_prove_fails_data_order_of_an_hf_run_whose_sampler_hides_trl_s_generator(tmp_path):
-    # The same kill as the last of the five above (whose root prove says PROVEN): a sampler that hides TRL's
-    # generator under its own name is not saved, epoch 2's order is replayed wrong, and prove says so at the
-    # first replayed step
+    # The same kill as the last of the five above (whose root prove says PROVEN): a sampler that
+    # hides TRL's generator under its own name is not saved, epoch 2's order is replayed wrong, and
+    # prove says so at the first replayed step
     cfg = _config(
         tmp_path,
         "own",
@@ -344,7 +347,8 @@ def test_ddp_two_processes_killed_mid_save_resume_exact(tmp_path):
     # 12 samples, 2 per process and step: 3 steps per epoch, 6 in all
     ref = _config(tmp_path, "ref", trainer="causal", mode="ckptguard", epochs=2, save_steps=3)
     _until_done(ref, nproc=2, max_launches=1)
-    # rank 1 dies while HF writes its RNG file into step 4 (rank 0 has written weights and optimizer)
+    # rank 1 dies while HF writes its RNG file into step 4 (rank 0 has written weights and
+    # optimizer)
     cfg = _config(
         tmp_path,
         "killed",
@@ -361,7 +365,8 @@ def test_ddp_two_processes_killed_mid_save_resume_exact(tmp_path):
     assert "resume from step 3" in runs[1].stderr
     assert _differences(_result(cfg), _result(ref)) == []
     out = Path(json.loads(cfg.read_text())["out"])
-    # save_total_limit=2 -> KeepLast(2) after each commit, from the disk; step 3, restored from, is kept
+    # save_total_limit=2 -> KeepLast(2) after each commit, from the disk; step 3, restored from, is
+    # kept
     assert sorted(p.name for p in out.glob("checkpoint-*")) == [
         "checkpoint-3",
         "checkpoint-5",
@@ -379,8 +384,9 @@ def test_ddp_two_processes_killed_mid_save_resume_exact(tmp_path):
     # both ranks recorded step 4 before the kill; the resume from 3 replayed it
     rc, proof = _prove(str(out))
     gates = {g["gate"]: g for g in proof["gates"]}
-    # the causal job attaches with the default plan (not RL: deterministic), so the replayed loss and
-    # grad norm are compared bitwise across the two DDP processes, and the verdict carries no qualifier
+    # the causal job attaches with the default plan (not RL: deterministic), so the replayed loss
+    # and grad norm are compared bitwise across the two DDP processes, and the verdict carries no
+    # qualifier
     assert rc == 0 and proof["verdict"] == "resume PROVEN", proof
     assert gates["replayed steps identical"]["status"] == "PASS", gates["replayed steps identical"]
     assert (

@@ -1,5 +1,6 @@
-"""The HF/TRL mixin's proof plan is the plan of the job it runs (issue 39: a TRL GRPO job with its colocated vLLM
-engine synced through ckptguard showed ``proof plan rl=False`` and then evaluated the RL gates)."""
+"""The HF/TRL mixin's proof plan is the plan of the job it runs (issue 39: a TRL GRPO job with its
+colocated vLLM engine synced through ckptguard showed ``proof plan rl=False`` and then evaluated the
+RL gates)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A save that ckptguard skips as unhealthy does not look saved to a real HF Trainer (transformers in
-.venv-hf): no on_save callback hears of it, no folder of it exists, the next save commits."""
+"""A save that ckptguard skips as unhealthy does not look saved to a real HF Trainer (transformers
+in .venv-hf): no on_save callback hears of it, no folder of it exists, the next save commits."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """ckptguard.integrations.megatron on the real, pinned megatron-core (0.16.1) on the CPU.
 
-Megatron-core's writer and its DistributedOptimizer need CUDA, so the suite takes what the CPU allows:
-the sharded state dict of a real GPTModel, Megatron's files of a checkpoint written and committed on an
-H200 (tests/fixtures/megatron, by ``benchmarks/megatron_h200.py fixture``) checked, restored through
-Megatron's own ``dist_checkpointing.load`` and compared shard by shard, torn and tampered copies of it
-refused, and the error a CPU save gets. The kill campaign is the H200's (benchmarks/results/megatron_h200.md).
+Megatron-core's writer and its DistributedOptimizer need CUDA, so the suite takes what the CPU
+allows: the sharded state dict of a real GPTModel, Megatron's files of a checkpoint written and
+committed on an H200 (tests/fixtures/megatron, by ``benchmarks/megatron_h200.py fixture``) checked,
+restored through Megatron's own ``dist_checkpointing.load`` and compared shard by shard, torn and
+tampered copies of it refused, and the error a CPU save gets. The kill campaign is the H200's
+(benchmarks/results/megatron_h200.md).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from ckptguard.errors import (
 from ckptguard.integrations import megatron as mg  # imports no megatron: check_files needs none
 from ckptguard.storage.unpickler import read_dcp_metadata
 
-# Only the tests that build a model or call Megatron's load need megatron-core (imported by the rank process).
+# Only the tests that build a model or call Megatron's load need megatron-core (imported by the rank
+# process).
 needs_megatron = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None,
-    reason="megatron-core not installed: `make venv` installs it with the dev extra (megatron-core==0.16.1, psutil)",
+    reason="megatron-core not installed: `make venv` installs it with the dev extra "
+    "(megatron-core==0.16.1, psutil)",
 )
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "megatron"
@@ -58,7 +61,8 @@ def _copy(root: Path, tmp: Path) -> Path:
     return dst
 
 
-# ---------------------------------------------------------------- Megatron's files, checked (no process group)
+# ---------------------------------------------------------------- Megatron's files, checked (no
+# process group)
 
 
 def test_check_files_reads_the_gpu_written_checkpoint() -> None:
@@ -71,8 +75,9 @@ def test_check_files_reads_the_gpu_written_checkpoint() -> None:
 
 
 def test_metadata_with_save_plans_is_allowed_exactly(tmp_path: Path) -> None:
-    """megatron-core under torch 2.13 adds every rank's save plan to ``.metadata`` (``all_local_plans``;
-    the H200's torch 2.11 file has none): read with ``METADATA_EXTRA``, nothing else let through."""
+    """megatron-core under torch 2.13 adds every rank's save plan to ``.metadata``
+    (``all_local_plans``; the H200's torch 2.11 file has none): read with ``METADATA_EXTRA``,
+    nothing else let through."""
     import collections
 
     from torch.distributed.checkpoint.planner import SavePlan
@@ -138,8 +143,9 @@ def test_check_files_refuses_torn_and_tampered_files(
 
 
 def test_torn_megatron_save_is_never_picked_as_latest(tmp_path: Path) -> None:
-    """What a kill inside Megatron's writer leaves (an in-flight directory: a torn data file, no .metadata,
-    no metadata.json) and what a kill before the tracker leaves (a published step newer than the tracker)."""
+    """What a kill inside Megatron's writer leaves (an in-flight directory: a torn data file, no
+    .metadata, no metadata.json) and what a kill before the tracker leaves (a published step newer
+    than the tracker)."""
     root = _copy(OPT_ROOT, tmp_path)
     step4 = root / "iter_0000004"
     torn = root / ".tmp-iter_0000006-deadbeef" / "megatron"
@@ -184,7 +190,8 @@ def test_ckptguard_verify_checks_megatron_files_by_checksum(tmp_path: Path) -> N
     assert bad.returncode == 1 and "megatron/__0_1.distcp" in bad.stdout
 
 
-# ---------------------------------------------------------------- one CPU rank: a real GPTModel, Megatron's load
+# ---------------------------------------------------------------- one CPU rank: a real GPTModel,
+# Megatron's load
 
 
 def _gpt(hidden: int = SIZE["hidden"]) -> Any:
@@ -215,7 +222,8 @@ def _gpt(hidden: int = SIZE["hidden"]) -> Any:
 
 
 class Position:
-    """The fixture's data iterator item (benchmarks/megatron_h200.py Batches): its state is the position."""
+    """The fixture's data iterator item (benchmarks/megatron_h200.py Batches): its state is the
+    position."""
 
     def __init__(self) -> None:
         self.position = -1
@@ -250,7 +258,8 @@ def _cpu_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     )  # raises if torch.load(weights_only=True) could not read it
     out["shards"] = len(saved["shards"])
 
-    # A save on the CPU: Megatron's writer calls CUDA; the error names the call, nothing is committed.
+    # A save on the CPU: Megatron's writer calls CUDA; the error names the call, nothing is
+    # committed.
     root = Path(tmp) / "cpu_save"
     ck = mg.MegatronCheckpoint(root, model)
     try:
@@ -261,7 +270,8 @@ def _cpu_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["save_committed"] = ck.manager.committed_steps()
     out["save_tracker"] = (root / "latest_checkpointed_iteration.txt").read_text().strip()
 
-    # Megatron's synchronous writer must not run in a background commit (it runs the group's collectives).
+    # Megatron's synchronous writer must not run in a background commit (it runs the group's
+    # collectives).
     try:
         ck.manager.save_async(2, {"megatron": ck.megatron}).wait()
         out["bg_error"] = None
@@ -384,7 +394,8 @@ def test_a_changed_megatron_file_is_refused_before_megatron_reads_it(cpu: dict[s
 
 
 def test_object_leaves_name_the_hyperparameter_a_load_changed() -> None:
-    # What the restore's error names when a ShardedObject (the DistributedOptimizer's param_groups) differs.
+    # What the restore's error names when a ShardedObject (the DistributedOptimizer's param_groups)
+    # differs.
     saved = {
         "optimizer": {
             "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "step": 5.0, "wd_mult": 1.0}]
@@ -411,8 +422,9 @@ def test_object_leaves_name_the_hyperparameter_a_load_changed() -> None:
 def test_adam_steps_lost_in_megatrons_load_are_put_back_one_tensor_each(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # megatron-core 0.16's torch fallback: its load leaves one shared step tensor holding the loading
-    # template's step (seen on the H200: saved 5.0, loaded 1.0). The saved step comes back, a tensor each.
+    # megatron-core 0.16's torch fallback: its load leaves one shared step tensor holding the
+    # loading template's step (seen on the H200: saved 5.0, loaded 1.0). The saved step comes back,
+    # a tensor each.
     params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
     inner = torch.optim.AdamW(params, lr=0.1)
     for p in params:
@@ -422,7 +434,8 @@ def test_adam_steps_lost_in_megatrons_load_are_put_back_one_tensor_each(
     for st in inner.state.values():
         st["step"] = shared
 
-    class Distributed:  # what the integration reads of a DistributedOptimizer: its inner torch optimizer
+    # what the integration reads of a DistributedOptimizer: its inner torch optimizer
+    class Distributed:
         optimizer = inner
 
     state = object.__new__(mg.MegatronState)

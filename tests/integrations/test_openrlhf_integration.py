@@ -127,9 +127,11 @@ def test_fresh_start_then_resume_from_an_explicit_tag_and_bad_tag_is_refused(tmp
 
 # Copied from openrlhf 0.11.2, openrlhf/utils/deepspeed/deepspeed.py (DeepspeedStrategy).
 PINNED = {
-    "save_ckpt": "(self, model, save_dir, tag=None, max_num=3, max_mem=1000, client_state=None, save_latest=True, "
+    "save_ckpt": "(self, model, save_dir, tag=None, max_num=3, max_mem=1000, "
+    "client_state=None, save_latest=True, "
     "metric_value=None, metric_key=None)",
-    "load_ckpt": "(self, model, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True, "
+    "load_ckpt": "(self, model, load_dir, tag=None, load_module_strict=True, "
+    "load_optimizer_states=True, "
     "load_lr_scheduler_states=True, load_module_only=False)",
 }
 
@@ -140,6 +142,7 @@ def test_signatures_match_pinned_openrlhf():
     try:
         from openrlhf.utils.deepspeed import DeepspeedStrategy
     except ImportError:
-        return  # not installable here (deepspeed, flash-attn pins); the copied signatures above stand in
+        # not installable here (deepspeed, flash-attn pins); the copied signatures above stand in
+        return
     for name, sig in PINNED.items():
         assert str(inspect.signature(getattr(DeepspeedStrategy, name))) == sig

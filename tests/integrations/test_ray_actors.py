@@ -25,7 +25,8 @@ from ckptguard.ops import prove as proof  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 THRESHOLD = 0.93  # the cluster's own setting, distinct from Ray's 0.95 default
-GET_TIMEOUT = 300  # a bound on a hang: an actor's start (its torch import) took over 60 s on a loaded 2-core host
+# a bound on a hang: an actor's start (its torch import) took over 60 s on a loaded 2-core host
+GET_TIMEOUT = 300
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,8 @@ def test_mem_plan_reads_the_threshold_from_the_running_cluster(cluster):
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class RoleRankActor:
-    """One rank of a run of two roles inside a Ray actor: the actor model on both, the driver on rank 0."""
+    """One rank of a run of two roles inside a Ray actor: the actor model on both, the driver on
+    rank 0."""
 
     def __init__(self, rank: int, world: int) -> None:
         import torch
@@ -264,7 +266,8 @@ def test_run_checkpoint_of_two_roles_inside_ray_actors(cluster, tmp_path):
     actors = [RoleRankActor.remote(r, 2) for r in range(2)]
     address = ray.get(actors[0].open.remote(30.0), timeout=GET_TIMEOUT)
     ray.get([a.join.remote(address, 30.0) for a in actors], timeout=GET_TIMEOUT)
-    # Saves of steps 1-2, then a second RunCheckpoint (its own role groups) restores into new objects.
+    # Saves of steps 1-2, then a second RunCheckpoint (its own role groups) restores into new
+    # objects.
     first, second = (
         ray.get([a.run_roles.remote(root, n) for a in actors], timeout=GET_TIMEOUT) for n in (2, 3)
     )

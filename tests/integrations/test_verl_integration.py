@@ -24,7 +24,8 @@ VERL_PIN = "0.9.1"
 
 
 class FakeWorkerGroup:
-    """verl's worker-group API for checkpoints: writes per-rank shard files like its FSDP manager."""
+    """verl's worker-group API for checkpoints: writes per-rank shard files like its FSDP
+    manager."""
 
     def __init__(self, world: int = 2, fail_at: int | None = None) -> None:
         self.world, self.fail_at = world, fail_at

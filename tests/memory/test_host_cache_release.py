@@ -1,11 +1,12 @@
-"""The host staging pool of ``save_async`` is released after a save, measured, and the release is in the
-phase records (guide, key rules: "verify per save path that the host cache is released after save").
+"""The host staging pool of ``save_async`` is released after a save, measured, and the release is in
+the phase records (guide, key rules: "verify per save path that the host cache is released after
+save").
 
-A real CheckpointManager stages a 16 MiB state through ``save_async`` under an open PhaseRecorder; the
-pool goes at ``close()`` (and, in the second test, after ``AsyncOptions.pool_idle_s`` without a save).
-The ``host_cache_release`` record names the bytes unmapped, how, the step of the save phase it followed,
-and the process RSS drop measured around the unmapping (the staged pages were touched by the copy, so
-they were resident and leave with the mapping).
+A real CheckpointManager stages a 16 MiB state through ``save_async`` under an open PhaseRecorder;
+the pool goes at ``close()`` (and, in the second test, after ``AsyncOptions.pool_idle_s`` without a
+save). The ``host_cache_release`` record names the bytes unmapped, how, the step of the save phase
+it followed, and the process RSS drop measured around the unmapping (the staged pages were touched
+by the copy, so they were resident and leave with the mapping).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ MIB = 1 << 20
 
 
 def _save_async(root: Path, records: Path, idle_s: float | None) -> list[dict]:
-    """One save_async of step 7 inside a save phase; returns the host_cache_release records once the pool
-    went (close(), or the idle timer when ``idle_s`` is set)."""
+    """One save_async of step 7 inside a save phase; returns the host_cache_release records once the
+    pool went (close(), or the idle timer when ``idle_s`` is set)."""
     cfg = cg.CheckpointConfig(async_save=AsyncOptions(host_bytes=64 * MIB, pool_idle_s=idle_s))
     mgr = cg.CheckpointManager(root, config=cfg)
     state = {"w": torch.randn(4 * MIB)}  # 16 MiB of float32

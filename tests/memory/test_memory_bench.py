@@ -1,4 +1,5 @@
-"""The benchmark scripts' CPU-safe parts: the GPU script skips cleanly without CUDA, its helpers measure."""
+"""The benchmark scripts' CPU-safe parts: the GPU script skips cleanly without CUDA, its helpers
+measure."""
 
 from __future__ import annotations
 

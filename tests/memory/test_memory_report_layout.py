@@ -116,7 +116,8 @@ def test_a_one_floor_chart_is_not_an_empty_frame(tmp_path):
     assert re.search(r'<tr data-pid="100" data-verdict="flat">', page)  # the table stays
     full = render_html(read_records([spike]))
     assert 'data-chart="process-floors"' in full and '<polyline data-series="100 leaky"' in full
-    # The recording process itself has one floor among the longer series: a dot, not an invisible line.
+    # The recording process itself has one floor among the longer series: a dot, not an invisible
+    # line.
     single = re.findall(r'<circle data-series="([^"]+)"', full)
     lines = re.findall(r'<polyline data-series="([^"]+)"', full)
     assert not set(single) & set(lines)
@@ -151,8 +152,8 @@ WIDTH_FACTS = """JSON.stringify((() => {
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_the_report_is_whole_and_no_label_is_struck_at_800_and_1600_px(tmp_path):
-    """At 800 px the chart was cut off on the right; with the limits far above the data the "(above the
-    scale)" labels sat on the plot's top border and the save peak's line ran through them."""
+    """At 800 px the chart was cut off on the right; with the limits far above the data the "(above
+    the scale)" labels sat on the plot's top border and the save peak's line ran through them."""
     import base64
 
     from test_memory_report import _Cdp

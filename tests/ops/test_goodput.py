@@ -1,5 +1,5 @@
-"""ckptguard goodput: recovery times and lost steps of a run killed three times, against what the test
-measured from outside the job."""
+"""ckptguard goodput: recovery times and lost steps of a run killed three times, against what the
+test measured from outside the job."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ JOB = Path(__file__).parents[1] / "goodput_job.py"
 
 
 def _launch(root: Path, last: int, hang_at: int) -> dict:
-    """Run the job until it hangs at ``hang_at`` (then SIGKILL) or ends; what the test saw from outside."""
+    """Run the job until it hangs at ``hang_at`` (then SIGKILL) or ends; what the test saw from
+    outside."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     proc = subprocess.Popen(
@@ -52,7 +53,8 @@ def killed_run(tmp_path_factory):
     return root, seen
 
 
-# Four job launches (each imports torch): a few seconds each on a quiet machine, a minute on a loaded one.
+# Four job launches (each imports torch): a few seconds each on a quiet machine, a minute on a
+# loaded one.
 @pytest.mark.timeout(900)
 def test_goodput_of_a_run_killed_three_times_matches_the_outside_view(killed_run):
     root, seen = killed_run
@@ -94,7 +96,8 @@ def test_goodput_command(killed_run, tmp_path):
 
 
 def test_saves_coalesced_or_sent_to_the_fast_tier_are_counted_and_said(tmp_path):
-    """Records as ``OnBusy.COALESCE`` and ``OnBusy.FAST_TIER`` write them: counted apart from the skipped ones."""
+    """Records as ``OnBusy.COALESCE`` and ``OnBusy.FAST_TIER`` write them: counted apart from the
+    skipped ones."""
     proof = tmp_path / "proof"
     proof.mkdir()
     recs = [{"event": "step", "pid": 7, "time": 100.0 + s, "step": s} for s in range(1, 6)]

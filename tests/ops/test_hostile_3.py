@@ -1,5 +1,6 @@
-"""The third hostile review (issue 42): sizes and paths read from files an attacker or a bug controls are
-checked before they are trusted. One test per finding; each failed on the code before its fix."""
+"""The third hostile review (issue 42): sizes and paths read from files an attacker or a bug
+controls are checked before they are trusted. One test per finding; each failed on the code before
+its fix."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def _edit_export(out: Path, change) -> None:
 
 
 def _fix_checksum(step: Path, rel: str) -> None:
-    """An attacker with write access fixes the manifest's size and checksum of the file they changed."""
+    """An attacker with write access fixes the manifest's size and checksum of the file they
+    changed."""
     manifest = json.loads((step / "manifest.json").read_text())
     data = (step / rel).read_bytes()
     for entry in manifest["files"]:
@@ -66,7 +68,8 @@ def _fix_checksum(step: Path, rel: str) -> None:
     (step / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
-# ---------------------------------------------------------------- 1. verify --deep reads only inside the export
+# ---------------------------------------------------------------- 1. verify --deep reads only
+# inside the export
 
 
 def test_verify_deep_of_an_export_never_reads_a_file_outside_it(saved, tmp_path):
@@ -109,7 +112,8 @@ def test_verify_deep_of_an_export_refuses_a_symlinked_shard(saved, tmp_path):
     assert result.exit_code == 1 and "symlink" in result.output, result.output
 
 
-# ---------------------------------------------------------------- 2. declared sizes bounded by the real bytes
+# ---------------------------------------------------------------- 2. declared sizes bounded by the
+# real bytes
 
 
 def _st_file(path: Path, header: dict, data: bytes) -> None:
@@ -232,7 +236,8 @@ def test_a_pickle_declaring_a_huge_bytearray_or_memo_index_is_refused_before_unp
     read_dcp_metadata(state)
 
 
-# ---------------------------------------------------------------- 3. one reader: the commands agree with restore
+# ---------------------------------------------------------------- 3. one reader: the commands agree
+# with restore
 
 
 def test_a_metadata_entry_without_its_fields_is_refused_alike_by_the_commands_and_restore(

@@ -175,8 +175,9 @@ def test_manifest_records_size_and_save_time_per_step(tmp_path):
         mgr.save(step, _state(step))
     cost = json.loads((tmp_path / "ck/step_00000003/manifest.json").read_text())["cost"]
     assert cost["bytes"] > 0 and cost["save_seconds"] > 0
-    # The step time is the time between two saves (at least the 0.1 s slept); the fraction is the save's
-    # time over it, above 1 where a loaded machine's save outlasted the sleep (fresh 11: 0.112 s over 0.108 s).
+    # The step time is the time between two saves (at least the 0.1 s slept); the fraction is the
+    # save's time over it, above 1 where a loaded machine's save outlasted the sleep (fresh 11:
+    # 0.112 s over 0.108 s).
     assert 0.1 <= cost["step_seconds"] < 5
     # The figures are rounded to 1 ms: compared within 2 ms.
     assert cost["save_fraction_of_step"] > 0
@@ -276,7 +277,8 @@ def test_rehearse_passes_and_fails_on_the_right_gate(tmp_path, extra, code):
         assert not fails and proc.stdout.rstrip().endswith("rehearsal PASSED")
         assert proc.stdout.count(": PROVEN") == 2  # both resumes
     else:
-        # the RNG streams were not put back: the files are fine, the restored state and the trajectory are not
+        # the RNG streams were not put back: the files are fine, the restored state and the
+        # trajectory are not
         assert fails[0] == "digests equal, item by item" and "['rng']" in proc.stdout
         assert (
             "data order identical" in fails

@@ -104,5 +104,6 @@ def test_verify_deep_says_what_it_compared(tmp_path):
         out
     )
     code, out = _cli("verify", step, "--deep", "--json")
-    # a non-tensor item rewritten with its checksum: the tensors compare equal, the item only a restore sees
+    # a non-tensor item rewritten with its checksum: the tensors compare equal, the item only a
+    # restore sees
     assert code == 0 and json.loads(out)["compared"] == ["files", "checksums", "tensor digests"]

@@ -1,4 +1,5 @@
-"""Every public operator function that takes a local path takes it as ``str`` too (issue 42, item 7).
+"""Every public operator function that takes a local path takes it as ``str`` too (issue 42, item
+7).
 
 Each case calls one function of ``ckptguard.ops`` with plain ``str`` paths on a real root
 (tests/cli_roots.py) and checks it did its work, not only that it did not raise: a function that
@@ -52,7 +53,8 @@ def _adopt(roots: dict[str, Path], tmp: Path) -> None:
 
 
 def _merged(roots: dict[str, Path], tmp: Path) -> None:
-    # A step without a LoRA binding: refused by name once the step is read, which needs the paths as Paths.
+    # A step without a LoRA binding: refused by name once the step is read, which needs the paths as
+    # Paths.
     with pytest.raises(ConfigError, match="holds no LoRA binding"):
         _merge.export_merged(str(roots["one"] / "step_00000001"), str(tmp / "out"))
     assert not (tmp / "out").exists()
@@ -116,7 +118,8 @@ def test_the_store_transfers_and_proof_fetch_take_str_paths(
     assert (
         json.loads(record.read_text())["step"] == 2 and _layout.read_tracker(tmp_path / "dest") == 2
     )
-    # The store holds no proof records (to_store copies none): refused by name, after the destination was taken.
+    # The store holds no proof records (to_store copies none): refused by name, after the
+    # destination was taken.
     with pytest.raises(CheckpointError, match="holds no proof records"):
         _objectstore.fetch_proof(url, "step_{step:08d}", str(tmp_path / "proof"))
 

@@ -162,7 +162,8 @@ def test_a_real_engines_nonzero_probs_diff_is_aligned_only_when_bitwise_the_savi
     _write(
         tmp_path / "other", 0, records(3.5e-7, 3.5e-7, saver_pid=333)
     )  # not the saving process's record
-    # nothing to compare with is missing evidence (the saving run was killed before it), not a difference
+    # nothing to compare with is missing evidence (the saving run was killed before it), not a
+    # difference
     assert _gates(tmp_path / "other")["first old-logprob aligned"] is Status.MISSING
     assert "no run before this resume recorded an old-logprob of that step" in _evidence(
         tmp_path / "other", "first old-logprob aligned"

@@ -1,9 +1,10 @@
-"""Missing evidence is not a difference: where a kill lands decides what can be compared, never the verdict's kind.
+"""Missing evidence is not a difference: where a kill lands decides what can be compared, never the
+verdict's kind.
 
 Real loops (``ckptguard.demo.loops``) in segments, each a new process: a crash loop whose saving run
-recorded nothing past its save, and two gloo ranks that a job-wide kill left one record apart. Hand-written
-records for the gates whose reference a kill can cut off (an export, an update of a GRPO step whose
-rewards were all equal).
+recorded nothing past its save, and two gloo ranks that a job-wide kill left one record apart.
+Hand-written records for the gates whose reference a kill can cut off (an export, an update of a
+GRPO step whose rewards were all equal).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def _by_name(gates) -> dict:
 
 @pytest.fixture(scope="module")
 def loop_root(tmp_path_factory) -> Path:
-    """Saved step 5 and ended right after (nothing recorded past it); resumed from 5 and killed after
-    step 7; resumed from 5 again and killed after step 8."""
+    """Saved step 5 and ended right after (nothing recorded past it); resumed from 5 and killed
+    after step 7; resumed from 5 again and killed after step 8."""
     root = tmp_path_factory.mktemp("loop") / "ck"
     runs = [(5, None), (20, 7), (20, 8)]
     starts = [
@@ -84,7 +85,8 @@ def test_a_resume_whose_saving_run_recorded_nothing_past_the_save_is_missing_evi
 
 
 def _cut_last_step(path: Path, count: int = 1) -> None:
-    """What a job-wide SIGKILL between two ranks' appends leaves: this rank's last step record(s) never written."""
+    """What a job-wide SIGKILL between two ranks' appends leaves: this rank's last step record(s)
+    never written."""
     lines = path.read_text().splitlines(keepends=True)
     steps = [i for i, line in enumerate(lines) if json.loads(line)["event"] == "step"]
     for i in sorted(steps[-count:], reverse=True):
@@ -95,8 +97,8 @@ def _cut_last_step(path: Path, count: int = 1) -> None:
 @pytest.mark.parametrize(("cut", "expected"), [(1, Status.PASS), (2, Status.MISSING)])
 def test_ranks_one_record_apart_are_judged_by_the_ranks_that_recorded(tmp_path, cut, expected):
     root = tmp_path / "ck"
-    # rank 0 recorded one step past the save of step 5 (or two: then rank 1, with none, is two records behind,
-    # which no kill between two appends leaves)
+    # rank 0 recorded one step past the save of step 5 (or two: then rank 1, with none, is two
+    # records behind, which no kill between two appends leaves)
     stop = 6 if cut == 1 else 7
     assert values(run_ranks(_segment, 2, str(root), 20, stop)) == [0, 0]
     _cut_last_step(root / "proof" / "rank_00001.jsonl", count=cut)

@@ -1,8 +1,9 @@
-"""LoRA merged twice is named with the tensors and the multiple of the delta: a 1-process job saves at step 2
-and exports the merged weights after every step (``record_export(..., adapter=adapter_probe(...))``); a second
-process restores step 2 with the adapter's delta already merged into the base (a model rebuilt from a merged
-export) and exports base + delta again. ``prove``'s "first export byte-identical" must FAIL saying the engine
-holds base + 2.00 x delta for the targeted weight only, for a peft adapter and for one declared by hand."""
+"""LoRA merged twice is named with the tensors and the multiple of the delta: a 1-process job saves
+at step 2 and exports the merged weights after every step (``record_export(...,
+adapter=adapter_probe(...))``); a second process restores step 2 with the adapter's delta already
+merged into the base (a model rebuilt from a merged export) and exports base + delta again.
+``prove``'s "first export byte-identical" must FAIL saying the engine holds base + 2.00 x delta for
+the targeted weight only, for a peft adapter and for one declared by hand."""
 
 from __future__ import annotations
 
@@ -72,16 +73,18 @@ def test_the_probe_is_small_and_the_engines_count_is_read_without_a_reference_pr
     twice = {"adapter": adapter_probe({"w": w + 3 * d}, {"w": (w, d)})}
     assert "base + 3.00 x delta for ['w']" in merged_multiple({"adapter": probe}, twice)
     assert merged_multiple({"adapter": probe}, {"adapter": probe}) == ""
-    # another delta (the adapter not restored) is named as such, never as a multiple of the reference's
+    # another delta (the adapter not restored) is named as such, never as a multiple of the
+    # reference's
     other = {"adapter": adapter_probe({"w": w + d.flip(0)}, {"w": (w, d.flip(0))})}
     assert merged_multiple({"adapter": probe}, other) == (
-        "; the adapter's delta differs from the reference run's at sampled entries of ['w'] (the adapter, or its "
-        "scaling, not restored as saved)"
+        "; the adapter's delta differs from the reference run's at sampled entries of ['w'] (the "
+        "adapter, or its scaling, not restored as saved)"
     )
     # values that are not base + k x delta (another base, the same delta) are no multiple either
     noise = {"adapter": adapter_probe({"w": w + d + torch.randn(64, 64)}, {"w": (w, d)})}
     assert "x delta" not in merged_multiple({"adapter": probe}, noise)
-    # an engine's record (no exported values): base + count x delta; an older reference without a probe
+    # an engine's record (no exported values): base + count x delta; an older reference without a
+    # probe
     assert "base + 2.00 x delta for ['w']" in merged_multiple({}, {"lora": {"w": 2.0, "u": 1.0}})
     # a damaged record never raises: lists too long or not numbers are not read
     assert (

@@ -1,9 +1,10 @@
-"""Every FAIL names the object and the cause class: a defect injected into a real 2-rank gloo job, and the
-gate's evidence checked for the rank, tensor or cause it must name (a naming that regresses fails here).
+"""Every FAIL names the object and the cause class: a defect injected into a real 2-rank gloo job,
+and the gate's evidence checked for the rank, tensor or cause it must name (a naming that regresses
+fails here).
 
-The job: a model with a Dropout (torch's global RNG) behind a DataLoader, gradients all-reduced, a save
-every 3 steps. Segment 1 runs to step 4 and ends right after recording it (what a SIGKILL there leaves);
-segment 2, a new process per rank, resumes from step 3 and replays step 4.
+The job: a model with a Dropout (torch's global RNG) behind a DataLoader, gradients all-reduced, a
+save every 3 steps. Segment 1 runs to step 4 and ends right after recording it (what a SIGKILL there
+leaves); segment 2, a new process per rank, resumes from step 3 and replays step 4.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ SAMPLES, BATCH = 64, 4
 
 
 class _Position:
-    """How many batches this rank consumed: the loader is re-iterated and fast-forwarded after a restore."""
+    """How many batches this rank consumed: the loader is re-iterated and fast-forwarded after a
+    restore."""
 
     def __init__(self) -> None:
         self.batches = 0
@@ -235,7 +237,8 @@ def test_a_cursor_saved_ahead_of_training_is_named_apart_from_a_lost_prefetch(tm
         "was 1 batch(es) ahead of the steps trained" in ahead.evidence
         and "prefetch) was lost" not in ahead.evidence
     )
-    # the first replayed step is already ahead: a lost prefetch, or a cursor ahead with no prefetch at all
+    # the first replayed step is already ahead: a lost prefetch, or a cursor ahead with no prefetch
+    # at all
     lost = _gate(evaluate(_records(tmp_path / "lost", ["8", "9"])), "data order identical")
     assert (
         lost.status is Status.FAIL
@@ -255,8 +258,9 @@ def test_replicas_that_drift_after_the_restore_are_named_by_the_next_save(tmp_pa
 
 
 def test_a_micro_batch_prefetch_lost_within_a_step_is_named_with_the_shift(tmp_path):
-    # gradient accumulation, 2 micro-batches of 4 per step, the next drawn after each forward: the killed
-    # run's step 7 read [P, A] (P drawn before the save of 6), the resumed run's [A, B]: ahead by 4 samples
+    # gradient accumulation, 2 micro-batches of 4 per step, the next drawn after each forward: the
+    # killed run's step 7 read [P, A] (P drawn before the save of 6), the resumed run's [A, B]:
+    # ahead by 4 samples
     mb = {s: list(range(100 + 4 * s, 104 + 4 * s)) for s in range(12, 20)}
     plan = {"rl": False, "deterministic": True, "replay_steps": 1}
     killed = [
@@ -298,8 +302,8 @@ def test_a_micro_batch_prefetch_lost_within_a_step_is_named_with_the_shift(tmp_p
     data = _gate(evaluate(tmp_path), "data order identical")
     assert data.status is Status.FAIL and data.evidence.startswith("rank 0, step 7 "), data.evidence
     assert (
-        "Prefetch lost within the step: the resumed run's ids of step 7 start with the killed run's from "
-        "position 4 on, so 4 sample(s) drawn before the save point" in data.evidence
+        "Prefetch lost within the step: the resumed run's ids of step 7 start with the killed "
+        "run's from position 4 on, so 4 sample(s) drawn before the save point" in data.evidence
     ), data.evidence
     assert (
         "consumed ids [152, 153, 154, 155] ... (digest r7)" in data.evidence

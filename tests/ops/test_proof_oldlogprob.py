@@ -1,10 +1,11 @@
-"""The old-logprob gate tells the rollout engine's sampling state from its weights: a 1-process RL job with a
-stand-in engine (a categorical policy over 16 tokens; ``Colocated.record_old_logprobs`` records the logprobs
-with digests of the sampled token ids and seeds, ``record_export`` each push) saves at step 2 and stops after
-step 3; a second process restores step 2 and replays step 3. A push skipped after the restore (the engine keeps
-its start-up weights) must FAIL naming the engine's weights; an engine whose sampling state a restart lost (the
-requests unseeded, its own generator starting over) must FAIL naming the sampling state; a trainer whose
-old-logprob copy of the policy was not restored (the same tokens get other logprobs) names the weights too."""
+"""The old-logprob gate tells the rollout engine's sampling state from its weights: a 1-process RL
+job with a stand-in engine (a categorical policy over 16 tokens; ``Colocated.record_old_logprobs``
+records the logprobs with digests of the sampled token ids and seeds, ``record_export`` each push)
+saves at step 2 and stops after step 3; a second process restores step 2 and replays step 3. A push
+skipped after the restore (the engine keeps its start-up weights) must FAIL naming the engine's
+weights; an engine whose sampling state a restart lost (the requests unseeded, its own generator
+starting over) must FAIL naming the sampling state; a trainer whose old-logprob copy of the policy
+was not restored (the same tokens get other logprobs) names the weights too."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ VOCAB, PROMPTS, GROUP = 16, 2, 3
 
 
 class _Engine:
-    """A stand-in rollout engine: its own weights (what the last push put there) and its own generator."""
+    """A stand-in rollout engine: its own weights (what the last push put there) and its own
+    generator."""
 
     def __init__(self, weights: torch.Tensor) -> None:
         self.weights = weights.clone()
@@ -66,12 +68,14 @@ def _job(rank: int, world: int, root: str, defect: str | None) -> int:
         )  # the scale pushed with the weights (stale: the start-up one kept)
     if start and defect == "hidden":
         engine.hidden = 1
-    # what the engine holds (a skipped push: its start-up weights; a stale scale cache: its start-up scale)
+    # what the engine holds (a skipped push: its start-up weights; a stale scale cache: its start-up
+    # scale)
     mgr.record_export(start, {"w": engine.weights}, scales=engine.scale)
     for step in range(start + 1, 4):
         samples = engine.generate(step, seeded=defect != "sampling")
         tokens = torch.tensor([t for s in samples for t in s.token_ids])
-        # the trainer's kernels: float32; "old_policy": its logprob copy of the policy not restored (start-up weights)
+        # the trainer's kernels: float32; "old_policy": its logprob copy of the policy not restored
+        # (start-up weights)
         policy = torch.linspace(-1.0, 1.0, VOCAB) if start and defect == "old_policy" else weights
         actor = torch.log_softmax(policy.float(), 0).double()[tokens]
         colocated.record_old_logprobs(step, actor, samples)
@@ -112,8 +116,8 @@ def test_a_push_skipped_after_the_restore_is_named_as_the_engines_weights(tmp_pa
     assert gate.status is Status.FAIL, gate.evidence
     assert "first old-logprob of step 3" in gate.evidence, gate.evidence
     assert (
-        "Cause: the rollout engine's weights: its export of step 2 differs in ['bytes'] from the reference's"
-        in gate.evidence
+        "Cause: the rollout engine's weights: its export of step 2 differs in "
+        "['bytes'] from the reference's" in gate.evidence
     ), gate.evidence
     assert "sampling state" not in gate.evidence
 
@@ -132,8 +136,9 @@ def test_the_same_tokens_with_other_logprobs_are_named_as_weights(tmp_path):
     gate = _gate(tmp_path, "old_policy")
     assert gate.status is Status.FAIL, gate.evidence
     assert (
-        "Cause: weights (or scales): the same sampled token ids got other logprobs; its export of step 2 "
-        "equals the reference's: the trainer's recompute holds other weights" in gate.evidence
+        "Cause: weights (or scales): the same sampled token ids got other "
+        "logprobs; its export of step 2 equals the reference's: the trainer's "
+        "recompute holds other weights" in gate.evidence
     ), gate.evidence
 
 
@@ -141,8 +146,8 @@ def test_a_stale_scale_after_the_restore_is_named_as_the_engines_weights(tmp_pat
     gate = _gate(tmp_path, "stale_scale")
     assert gate.status is Status.FAIL, gate.evidence
     assert (
-        "Cause: the rollout engine's weights: its export of step 2 differs in ['scales'] from the reference's"
-        in gate.evidence
+        "Cause: the rollout engine's weights: its export of step 2 differs in "
+        "['scales'] from the reference's" in gate.evidence
     ), gate.evidence
 
 

@@ -61,7 +61,8 @@ def test_pruned_records_still_prove_every_resume_and_keep_the_killed_segment(tmp
     assert passed(gates), verdict(gates)
     second = _records(root)
     pids = list(dict.fromkeys(r["pid"] for r in second))
-    # step 25 stays on disk while the run restored from it lives (retention protects it): kept from step 21
+    # step 25 stays on disk while the run restored from it lives (retention protects it): kept from
+    # step 21
     assert _steps(second, pids[0]) == [*range(21, 29)] and _steps(second, pids[1]) == [
         *range(26, 54)
     ]
@@ -72,7 +73,8 @@ def test_pruned_records_still_prove_every_resume_and_keep_the_killed_segment(tmp
     replay = next(g for g in gates if g.name == "data order identical")
     assert "steps 51-53 replayed after the restore of step 50" in replay.evidence
     third = _records(root)
-    # on disk 50 (restored), 55 and 60: from the interval before save 50 on, the killed segment 51-53 in it
+    # on disk 50 (restored), 55 and 60: from the interval before save 50 on, the killed segment
+    # 51-53 in it
     assert [r["step"] for r in third if r["event"] == "restore"] == [50]
     assert _steps(third, pids[1]) == [*range(46, 54)] and pids[0] not in {r["pid"] for r in third}
     assert [r["step"] for r in third if r["event"] == "save"] == [50, 55, 60]
@@ -122,6 +124,7 @@ def test_a_restore_older_than_every_checkpoint_keeps_its_window():
         rec("save", 6, 2),
         rec("step", 7, 2),
     ]
-    # kept: step 2 .. the restore (the interval before save 2, the killed 3-4), after it up to its first
-    # save, step 4 (killed up to 4) and the first export; then from the interval before save 6 on
+    # kept: step 2 .. the restore (the interval before save 2, the killed 3-4), after it up to its
+    # first save, step 4 (killed up to 4) and the first export; then from the interval before save 6
+    # on
     assert proofwriter.prunable(recs, 6) == [(0, 2), (11, 13)]

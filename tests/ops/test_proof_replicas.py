@@ -1,10 +1,11 @@
-"""prove's "replicas equal after load" compares the replicas again at the first step after a restore (the
-``replica_partials`` each rank's first step record carries), on 2 gloo ranks of a real DDP job. Replicas that
-differ there (rank 1's weight moved after ``restore()`` returned) are judged by the resumed run's later saves:
-some jobs keep replicas equal only at save points (local SGD averages there), so a process killed before any
-later save leaves them MISSING naming the tensor and the ranks on each side, and a later save that found them
-equal again (the job averaged them) PASSes saying so. A save that refuses them FAILs (tests/ops/test_proof_naming.py).
-An exact resume PASSes saying the replicas were compared again."""
+"""prove's "replicas equal after load" compares the replicas again at the first step after a restore
+(the ``replica_partials`` each rank's first step record carries), on 2 gloo ranks of a real DDP job.
+Replicas that differ there (rank 1's weight moved after ``restore()`` returned) are judged by the
+resumed run's later saves: some jobs keep replicas equal only at save points (local SGD averages
+there), so a process killed before any later save leaves them MISSING naming the tensor and the
+ranks on each side, and a later save that found them equal again (the job averaged them) PASSes
+saying so. A save that refuses them FAILs (tests/ops/test_proof_naming.py). An exact resume PASSes
+saying the replicas were compared again."""
 
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def test_replicas_equal_again_at_a_later_save_pass_as_a_job_that_syncs_at_save_p
     assert gate.status is Status.PASS, gate.evidence
     assert "'model.weight' (item 'model'): ranks [0] vs ranks [1]" in gate.evidence, gate.evidence
     assert (
-        "the save of step 4 found them equal again: this job keeps its replicas equal at save points only"
-        in gate.evidence
+        "the save of step 4 found them equal again: this job keeps its replicas "
+        "equal at save points only" in gate.evidence
     )
 
 

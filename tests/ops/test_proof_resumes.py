@@ -1,8 +1,9 @@
-"""PROVEN means exact: numerics compared by default, zero-step resumes refused, any resume judged, hints that fit.
+"""PROVEN means exact: numerics compared by default, zero-step resumes refused, any resume judged,
+hints that fit.
 
-Each scenario runs a loop of ``ckptguard.demo.loops`` in segments, each a new process (a spawned rank
-for the in-process cases, a real interpreter where the exit hook must run): the first stops right
-after recording a step past its last save (what a SIGKILL there leaves), the next resumes.
+Each scenario runs a loop of ``ckptguard.demo.loops`` in segments, each a new process (a spawned
+rank for the in-process cases, a real interpreter where the exit hook must run): the first stops
+right after recording a step past its last save (what a SIGKILL there leaves), the next resumes.
 """
 
 from __future__ import annotations
@@ -227,8 +228,9 @@ def test_a_resume_that_trains_zero_steps_fails_and_says_so_at_exit(tmp_path):
     assert values(
         run_ranks(_killed_after_14, 1, str(root), {"stop_after": 14}, distributed=False)
     ) == [0]
-    # The relaunch (a real interpreter: the exit hook runs at its exit) restores step 12, the end of an
-    # epoch of 12 steps, and iterates the loader of that epoch: exhausted, it trains nothing and exits 0.
+    # The relaunch (a real interpreter: the exit hook runs at its exit) restores step 12, the end of
+    # an epoch of 12 steps, and iterates the loader of that epoch: exhausted, it trains nothing and
+    # exits 0.
     cmd = [
         sys.executable,
         "-m",
@@ -252,8 +254,8 @@ def test_a_resume_that_trains_zero_steps_fails_and_says_so_at_exit(tmp_path):
     gate = _by_name(gates)["resumed run trained"]
     assert gate.status is Status.FAIL
     assert (
-        "rank 0: resumed at step 12 of 20 and trained 0 steps, then the process exited (the plan's total_steps "
-        "is 20)"
+        "rank 0: resumed at step 12 of 20 and trained 0 steps, then the process exited (the "
+        "plan's total_steps is 20)"
     ) in gate.evidence
     assert verdict(gates) == "resume NOT proven: resumed run trained (FAIL)"
     # the same relaunch with a loader that goes on to the next epoch
@@ -367,7 +369,8 @@ def test_restore_and_save_records_name_their_code_and_prove_says_when_it_changed
     replayed, tmp_path
 ):
     code = _by_name(evaluate(replayed / "exact"))["code identity"]
-    # equal versions without a code hash say nothing of the training code: prove says it was not compared
+    # equal versions without a code hash say nothing of the training code: prove says it was not
+    # compared
     assert code.status is Status.INFO and code.evidence.startswith(
         "the code was NOT compared: no code hash was "
         "declared; step 5 was saved and resumed under the "

@@ -1,9 +1,10 @@
 """A diverged resume is never PROVEN, and a difference the records show is never missing evidence.
 
-Hand-written records in the format ``record_*`` appends (``ROOT/proof/rank_NNNNN.jsonl``), each a case
-a cold review found: a crash loop whose resumes share a restore bug, a rank judged by another rank, an
-optimizer that never stepped past the reference, a reference update recorded after its step record,
-and a ``save_async`` save record lost with the kill. Each case has an exact twin that must still PASS.
+Hand-written records in the format ``record_*`` appends (``ROOT/proof/rank_NNNNN.jsonl``), each a
+case a cold review found: a crash loop whose resumes share a restore bug, a rank judged by another
+rank, an optimizer that never stepped past the reference, a reference update recorded after its step
+record, and a ``save_async`` save record lost with the kill. Each case has an exact twin that must
+still PASS.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def _gate(gates, name: str):
 
 
 def _crash_loop(root: Path, resumed: list[str], epochs: list[int] | None = None) -> None:
-    """Steps 1-6 trained and saved; two resumes of step 6 consume ``resumed`` at steps 7-8 (the saving
-    run recorded nothing past the save)."""
+    """Steps 1-6 trained and saved; two resumes of step 6 consume ``resumed`` at steps 7-8 (the
+    saving run recorded nothing past the save)."""
 
     def ep(i: int) -> dict[str, Any]:
         return {"epoch": epochs[i]} if epochs is not None else {}
@@ -118,7 +119,8 @@ def test_a_crash_loop_whose_resumes_share_a_restore_bug_is_not_proven(tmp_path):
     assert outcome(gates) is not Outcome.PROVEN, verdict(gates)
     assert data.status is Status.MISSING, data.evidence
     assert (
-        "step 7: the resumed run consumed sample_ids ids1, which step 1 consumed before the save of step 6"
+        "step 7: the resumed run consumed sample_ids ids1, which step 1 consumed "
+        "before the save of step 6"
         in data.evidence
         and "record_step(..., epoch=)" in data.evidence
     )
@@ -132,8 +134,8 @@ def test_a_crash_loop_repeating_data_of_the_same_epoch_fails(tmp_path):
     data = _gate(gates, "data order identical")
     assert outcome(gates) is Outcome.DIVERGED and data.status is Status.FAIL, data.evidence
     assert (
-        "rank 0, step 7: the resumed run consumed sample_ids ids3, already consumed at step 3 in the same "
-        "epoch 0" in data.evidence
+        "rank 0, step 7: the resumed run consumed sample_ids ids3, already consumed at "
+        "step 3 in the same epoch 0" in data.evidence
     )
 
 
@@ -153,7 +155,8 @@ def test_an_exact_crash_loop_is_still_proven_and_says_what_it_rests_on(tmp_path)
 def _two_ranks(
     root: Path, plan: dict[str, Any], rank1_ids: list[str], rank1_history: bool = True
 ) -> None:
-    """A job-wide kill after rank 0 recorded step 6 and before rank 1 did; both resumed from step 5."""
+    """A job-wide kill after rank 0 recorded step 6 and before rank 1 did; both resumed from step
+    5."""
     _write(
         root,
         0,
@@ -173,7 +176,8 @@ def _two_ranks(
 
 
 def test_a_rank_judged_by_another_under_a_non_deterministic_plan_is_missing_evidence(tmp_path):
-    # CE2: rank 1 consumed the wrong data; only rank 0 has a reference, and its numbers say nothing bitwise
+    # CE2: rank 1 consumed the wrong data; only rank 0 has a reference, and its numbers say nothing
+    # bitwise
     _two_ranks(tmp_path, {**PLAN, "deterministic": False}, ["b1", "b2"])
     gates = evaluate(tmp_path)
     data = _gate(gates, "data order identical")
@@ -206,8 +210,9 @@ def test_ranks_one_record_apart_under_a_deterministic_plan_pass_with_what_it_res
 
 
 def test_a_rank_that_consumed_another_ranks_samples_is_not_judged_by_it(tmp_path):
-    # the lead's review 2: rank 1 consumed rank 0's samples at steps 6-7 (its data shard lost), one record behind
-    # rank 0 at the kill; data parallel at the restored step (a5 vs b5), so rank 0's replay cannot stand for it
+    # the lead's review 2: rank 1 consumed rank 0's samples at steps 6-7 (its data shard lost), one
+    # record behind rank 0 at the kill; data parallel at the restored step (a5 vs b5), so rank 0's
+    # replay cannot stand for it
     _two_ranks(tmp_path, PLAN, ["a6", "a7"])
     gates = evaluate(tmp_path)
     data = _gate(gates, "data order identical")
@@ -217,7 +222,8 @@ def test_a_rank_that_consumed_another_ranks_samples_is_not_judged_by_it(tmp_path
         "not judged by rank(s) [0]: at step 6 it consumed the data a judged rank consumed there"
         in data.evidence
     )
-    # ranks that share their data (tensor parallel: the same samples at the restored step too) stay symmetric
+    # ranks that share their data (tensor parallel: the same samples at the restored step too) stay
+    # symmetric
     _write(
         tmp_path / "tp",
         0,
@@ -247,7 +253,8 @@ def test_a_rank_that_consumed_another_ranks_samples_is_not_judged_by_it(tmp_path
 
 
 def test_a_replayed_update_whose_grad_norm_differs_fails_the_numbers(tmp_path):
-    # the step records' loss is this rank's, before the all-reduce; the update's grad_norm carries every rank's data
+    # the step records' loss is this rank's, before the all-reduce; the update's grad_norm carries
+    # every rank's data
     _write(
         tmp_path,
         0,
@@ -269,7 +276,8 @@ def test_a_replayed_update_whose_grad_norm_differs_fails_the_numbers(tmp_path):
 
 
 def test_a_container_restart_that_reuses_the_pid_is_a_new_process(tmp_path):
-    # the lead's review 3: pid 1 as the entrypoint, one hostname; the restore records' process_start differ
+    # the lead's review 3: pid 1 as the entrypoint, one hostname; the restore records' process_start
+    # differ
     first, second = (
         {**_restore(1, 0), "process_start": 100.0},
         {**_restore(1, 5), "process_start": 200.0},
@@ -282,7 +290,8 @@ def test_a_container_restart_that_reuses_the_pid_is_a_new_process(tmp_path):
     gates = evaluate(tmp_path)
     assert outcome(gates) is Outcome.PROVEN, verdict(gates)
     assert "pid 1, its reuse 1" in _gate(gates, "resume judged").evidence
-    # without process_start (an older record) one pid is one process, as before: restored in the same process
+    # without process_start (an older record) one pid is one process, as before: restored in the
+    # same process
     _write(
         tmp_path / "old",
         0,
@@ -292,8 +301,9 @@ def test_a_container_restart_that_reuses_the_pid_is_a_new_process(tmp_path):
 
 
 def test_a_resume_after_a_rollback_whose_step_was_saved_twice_is_missing_evidence(tmp_path):
-    # the lead's review 4: run A saves 5 and 10 and trains to 12; run B rolls back to 5 and records step 10 (its
-    # save record lost with a kill); run C restores step 10: A's or B's, nothing says which
+    # the lead's review 4: run A saves 5 and 10 and trains to 12; run B rolls back to 5 and records
+    # step 10 (its save record lost with a kill); run C restores step 10: A's or B's, nothing says
+    # which
     a = [
         _restore(1, 0),
         *(_step(1, s, f"a{s}") for s in range(4, 6)),
@@ -337,7 +347,8 @@ def test_a_resumed_process_that_died_on_an_exception_is_not_called_an_exhausted_
 
 
 def test_an_optimizer_that_never_steps_past_the_reference_is_not_a_pass(tmp_path):
-    # CE3: the reference had a zero update at step 7; the resumed run's optimizer changes no parameter from then on
+    # CE3: the reference had a zero update at step 7; the resumed run's optimizer changes no
+    # parameter from then on
     resumed = [
         r
         for s in range(7, 30)
@@ -412,7 +423,8 @@ def test_the_reference_update_is_found_whatever_the_order_of_its_records(tmp_pat
     [(["ids1", "ids2"], Outcome.DIVERGED), (["ids7", "ids8"], Outcome.PROVEN)],
 )
 def test_a_lost_async_save_record_keeps_the_saving_runs_own_steps(tmp_path, resumed, expected):
-    # CE5: save_async of step 6 committed while steps 7-8 trained; the kill landed before its save record
+    # CE5: save_async of step 6 committed while steps 7-8 trained; the kill landed before its save
+    # record
     _write(
         tmp_path,
         0,

@@ -1,4 +1,5 @@
-"""``ckptguard rehearse`` on a 2-rank torchrun job: two kills of the whole process tree, two proven resumes.
+"""``ckptguard rehearse`` on a 2-rank torchrun job: two kills of the whole process tree, two proven
+resumes.
 
 torchrun (2.13) starts its workers in their own sessions; a kill of the launcher's process group
 would leave them running. Every kill here must leave no process of the killed run alive.
@@ -64,8 +65,9 @@ def test_rehearse_kills_whole_torchrun_trees_and_fails_a_lost_prefetch(tmp_path)
         data = next(g for g in resume["gates"] if g["gate"] == "data order identical")
         first = out["step"] + 1
         assert f"step {first} (first replayed step {first})" in data["evidence"], data["evidence"]
-        # The hint names the state to add. Which kind it guesses needs two replayed steps to tell a lost
-        # prefetch from a replayed stream; under load the killed run may have recorded only one.
+        # The hint names the state to add. Which kind it guesses needs two replayed steps to tell a
+        # lost prefetch from a replayed stream; under load the killed run may have recorded only
+        # one.
         assert "state[" in data["evidence"], data["evidence"]
 
 
@@ -106,8 +108,9 @@ def _rehearse_shuffled(tmp_path, sampler: str) -> dict:
 
 
 def test_rehearse_goes_past_an_epoch_boundary_where_a_lost_sampler_generator_shows(tmp_path):
-    # 3 steps per epoch, a save every 2: a kill right after the save's replay step would replay a step of
-    # the same epoch, where a sampler whose generator is not in the state still draws the right order
+    # 3 steps per epoch, a save every 2: a kill right after the save's replay step would replay a
+    # step of the same epoch, where a sampler whose generator is not in the state still draws the
+    # right order
     lost = _rehearse_shuffled(tmp_path, "shuffle")
     assert "into the next epoch" in lost["kills"][0]["when"], lost["kills"][0]
     assert lost["passed"] is False, lost["verdict"]

@@ -108,7 +108,8 @@ def test_resharded_resumes_are_proven_and_a_flipped_byte_is_caught(tmp_path):
 
     for root, how in ((two, "resharded 2 -> 1 ranks"), (one, "resharded 1 -> 2 ranks")):
         gates = evaluate(root)
-        # The toy job records no sample ids: exactly-once over the union of ranks is unchecked (test_elastic.py).
+        # The toy job records no sample ids: exactly-once over the union of ranks is unchecked
+        # (test_elastic.py).
         data = _gate(root, "data order identical")
         assert data.status is Status.MISSING and "sample_ids" in data.evidence
         others = [g for g in gates if g.required and g.name != data.name]
@@ -161,7 +162,8 @@ def test_layout_free_digest_ignores_the_sharding_and_sees_every_byte():
             d.box_sum(flipped, (0,) * t.dim(), shape),
             d.box_sum(moved, (0,) * t.dim(), shape),
         )
-    # the save's pass: tensor items get their structure digest (no byte read) and the layout-free partials
+    # the save's pass: tensor items get their structure digest (no byte read) and the layout-free
+    # partials
     big = {"w": torch.randn(3 << 20), "v": torch.randn(9, 7)[1:, 2:], "tied": [torch.ones(3)] * 2}
     items = capture({"model": torch.nn.Linear(8, 4), "t": big})
     assert digests_and_layout_free(items) == (

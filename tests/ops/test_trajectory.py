@@ -108,7 +108,8 @@ def test_an_unsaved_sampler_generator_replays_the_first_epoch(one_rank):
     assert passed(gates["shuffle_saved"]), [
         (g.name, g.status, g.evidence) for g in gates["shuffle_saved"]
     ]
-    # 3 steps per epoch: the replayed steps 6-8 cross into epoch 3 at step 7, and the coverage line says so
+    # 3 steps per epoch: the replayed steps 6-8 cross into epoch 3 at step 7, and the coverage line
+    # says so
     cover = _by_name(gates["shuffle_saved"])["replay coverage"].evidence
     assert cover.startswith(
         "3 replayed step(s) compared on each of 1 rank(s); they crossed into the data's next "
@@ -129,7 +130,8 @@ def test_non_deterministic_rl_step_data_exact_numbers_informational(one_rank):
     assert verdict(gates["rl_sampling"]) == (
         "resume PROVEN (replayed numerics not compared: the plan declares non-deterministic steps)"
     )
-    # the same records under a deterministic plan: not proven, the first differing step named with both values
+    # the same records under a deterministic plan: not proven, the first differing step named with
+    # both values
     strict = evaluate(base / "rl_sampling", plan=cg.ProofPlan(deterministic=True))
     gate = _by_name(strict)["replayed steps identical"]
     assert gate.status is Status.FAIL and gate.evidence.startswith("rank 0, step 6: loss ")

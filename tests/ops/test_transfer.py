@@ -46,11 +46,13 @@ def _private_mounts() -> None:
 
 
 def _read_only(path: Path) -> None:
-    """Remount the bind mount at ``path`` read-only (root ignores chmod; a read-only mount it does not)."""
+    """Remount the bind mount at ``path`` read-only (root ignores chmod; a read-only mount it does
+    not)."""
     _mount(None, path, None, 32 | 0x1000 | 1)  # MS_REMOUNT | MS_BIND | MS_RDONLY
 
 
-# ---------------------------------------------------------------- one pair, every way a file can fail
+# ---------------------------------------------------------------- one pair, every way a file can
+# fail
 
 
 def _xxh(data: bytes) -> str:
@@ -70,7 +72,8 @@ def _pair_cases(rank: int, world: int, base: str) -> dict:
     link = t.Link(None, step=7, what="test copy", retry="try again", timeout_s=TIMEOUT_S)
     small = base_p / "small"
     if rank == 1:
-        # Rank 1's target for the "full" case: a 64 KiB tmpfs, full after four of the file's 16 blocks.
+        # Rank 1's target for the "full" case: a 64 KiB tmpfs, full after four of the file's 16
+        # blocks.
         _private_mounts()
         _mount(b"tmpfs", small, b"tmpfs", 0, b"size=64k")
     cases = {
@@ -96,7 +99,8 @@ def _pair_cases(rank: int, world: int, base: str) -> dict:
         ),
         # The receiver cannot create its file: its parent is a regular file.
         "blocked": (base_p / "src.bin", good, base_p / "blocker" / "x"),
-        # A path from the peer that leaves the receiver's directory: refused before anything is written.
+        # A path from the peer that leaves the receiver's directory: refused before anything is
+        # written.
         "escape": (
             base_p / "src.bin",
             t.FileSpec("../outside.bin", good.size, good.xxh3),
@@ -208,7 +212,8 @@ def test_a_failed_transfer_reaches_both_ranks_at_once_with_the_same_problem(tmp_
     assert push1["held"] == {} and push0["held"] == {7: [1]}, (push0["held"], push1["held"])
 
 
-# ---------------------------------------------------------------- per-node publish: a node that cannot take its copy
+# ---------------------------------------------------------------- per-node publish: a node that
+# cannot take its copy
 
 
 def _save_onto_read_only_node(rank: int, world: int, base: str) -> dict:
@@ -216,7 +221,8 @@ def _save_onto_read_only_node(rank: int, world: int, base: str) -> dict:
 
     shared = _own_disk(Path(base), rank)  # one rank per node: rank 0 on node0, rank 1 on node1
     torch.manual_seed(0)
-    # Replicated values: DCP stores each once, so the node without it gets a copy (and .metadata) at publish.
+    # Replicated values: DCP stores each once, so the node without it gets a copy (and .metadata) at
+    # publish.
     state = {"model": torch.nn.Linear(32, 32), "n": cg.PerRank(rank), "table": torch.arange(2048.0)}
     mgr = cg.CheckpointManager(shared / "ck", config=cg.CheckpointConfig(timeout_s=TIMEOUT_S))
     mgr.save(1, state)
@@ -264,7 +270,8 @@ def test_a_copy_that_cannot_land_on_its_node_fails_the_save_on_both_nodes_at_onc
         assert o["tracker"] == 1, (rank, o["tracker"])
 
 
-# ---------------------------------------------------------------- per-node publish: a failed node-tracker round
+# ---------------------------------------------------------------- per-node publish: a failed
+# node-tracker round
 
 
 def _read_write(path: Path) -> None:
@@ -272,8 +279,8 @@ def _read_write(path: Path) -> None:
 
 
 def _trackers_apart(rank: int, world: int, base: str) -> dict:
-    """Per-node saves whose tracker round fails on node1, on both nodes, and after every tracker moved;
-    after each, what a fresh restore really resumes from."""
+    """Per-node saves whose tracker round fails on node1, on both nodes, and after every tracker
+    moved; after each, what a fresh restore really resumes from."""
     from test_node_local import _own_disk, _state
 
     shared = _own_disk(Path(base), rank)
@@ -290,7 +297,8 @@ def _trackers_apart(rank: int, world: int, base: str) -> dict:
 
                 def hook() -> None:
                     raise OSError(5, "injected: the disk failed right after the tracker moved")
-            else:  # the node's disk turns read-only before its tracker moves: its write fails for real
+            # the node's disk turns read-only before its tracker moves: its write fails for real
+            else:
 
                 def hook() -> None:
                     _read_only(shared)
@@ -333,12 +341,13 @@ def test_a_failed_tracker_round_says_which_nodes_moved_and_what_a_restore_takes(
     out = values(run_ranks(_trackers_apart, 2, str(base), timeout=180))
     for rank, o in enumerate(out):
         assert o["first"] == "committed", (rank, o["first"])
-        # node0's tracker moved to step 2, node1's did not: the step IS the resume target everywhere.
+        # node0's tracker moved to step 2, node1's did not: the step IS the resume target
+        # everywhere.
         msg = o["lagging"]["error"]
         assert "failed at node tracker" in msg and "Read-only file system" in msg, (rank, msg)
         assert (
-            "the trackers of node0 (ranks 0) moved to step 2; those of node1 (ranks 1) at step 1 did not"
-            in msg
+            "the trackers of node0 (ranks 0) moved to step 2; those of node1 "
+            "(ranks 1) at step 1 did not" in msg
         ), (rank, msg)
         assert "A restore (prefer='latest', the default) agrees on step 2 on every node" in msg, (
             rank,
@@ -350,7 +359,8 @@ def test_a_failed_tracker_round_says_which_nodes_moved_and_what_a_restore_takes(
             o["lagging"],
         )
         assert o["after_lagging"] == {"save": "committed", "tracker": 3}, (rank, o["after_lagging"])
-        # No node's tracker moved: the previous step stays, and the next save removes the published step 4.
+        # No node's tracker moved: the previous step stays, and the next save removes the published
+        # step 4.
         msg = o["none"]["error"]
         assert (
             "no node's tracker moved (node0 (ranks 0) at step 3, node1 (ranks 1) at step 3)" in msg
@@ -361,14 +371,15 @@ def test_a_failed_tracker_round_says_which_nodes_moved_and_what_a_restore_takes(
         # Every tracker moved and a failure came after: the step is committed, and said so.
         msg = o["all"]["error"]
         assert (
-            "every node's tracker moved to step 6 (node0 (ranks 0), node1 (ranks 1)), so step 6 is committed"
-            in (msg)
+            "every node's tracker moved to step 6 (node0 (ranks 0), node1 (ranks "
+            "1)), so step 6 is committed" in (msg)
         ), (rank, msg)
         assert "injected" in msg, (rank, msg)
         assert o["all"]["restore"] == {"step": 6, "exact": True, "tracker": 6}, (rank, o["all"])
 
 
-# ---------------------------------------------------------------- gc --orphans on a node whose tracker lags
+# ---------------------------------------------------------------- gc --orphans on a node whose
+# tracker lags
 
 
 def _gc_on_the_lagging_node(rank: int, world: int, base: str) -> dict:
@@ -431,7 +442,8 @@ def test_gc_orphans_on_a_lagging_node_keeps_the_agreed_step_and_removes_true_orp
     (base,) = _bases(tmp_path, ["run"])
     node0, node1 = values(run_ranks(_gc_on_the_lagging_node, 2, str(base), timeout=120))
     assert node0["tracker"] == 2 and node1["tracker"] == 1, (node0, node1)
-    # Before, --orphans took step 2 as an orphan of node1 (newer than its own tracker) and deleted it.
+    # Before, --orphans took step 2 as an orphan of node1 (newer than its own tracker) and deleted
+    # it.
     assert node1["step2"], ("gc --orphans deleted the agreed step on the lagging node", node1)
     assert "step_00000002" not in node1["removed"], node1["removed"]
     why = node1["kept"]["step_00000002"]

@@ -1,6 +1,7 @@
-"""A transfer holds its source step with a reader lease: the source root's rotation while the copy runs keeps the
-step (before, a rotation mid-copy deleted it and the transfer failed on a missing file), and frees it after. A
-source the transfer cannot hold (its root not writable here) is copied all the same, said once."""
+"""A transfer holds its source step with a reader lease: the source root's rotation while the copy
+runs keeps the step (before, a rotation mid-copy deleted it and the transfer failed on a missing
+file), and frees it after. A source the transfer cannot hold (its root not writable here) is copied
+all the same, said once."""
 
 from __future__ import annotations
 

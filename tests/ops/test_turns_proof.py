@@ -1,4 +1,5 @@
-"""The turn gates (ops.prove_turns) on real kills of tests/agent_job.py, and their negative controls.
+"""The turn gates (ops.prove_turns) on real kills of tests/agent_job.py, and their negative
+controls.
 
 The job SIGKILLs itself after a turn's environment calls took effect and before the turn is
 recorded (``--die-at-seq``), is relaunched, and finishes; the gates read the turn records and
@@ -84,7 +85,8 @@ def test_the_ledger_left_out_of_the_state_fails_the_kind_gate(tmp_path):
 
 @pytest.fixture(scope="module")
 def new_ids(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The root of a job killed once that re-issues a call under a new call id on its relaunch (read only)."""
+    """The root of a job killed once that re-issues a call under a new call id on its relaunch (read
+    only)."""
     tmp = tmp_path_factory.mktemp("new-ids")
     campaign(tmp, [9], control="new-ids")
     return tmp / "root"
@@ -112,7 +114,8 @@ def test_a_restorable_environment_restored_to_the_wrong_revision_fails_the_exact
 
 
 def test_ckptguard_prove_shows_the_turn_gates(new_ids):
-    """``ckptguard prove`` judges the turn gates with the others (prove.evaluate adds ``prove_turns.rows``)."""
+    """``ckptguard prove`` judges the turn gates with the others (prove.evaluate adds
+    ``prove_turns.rows``)."""
     from click.testing import CliRunner
 
     from ckptguard.cli import main

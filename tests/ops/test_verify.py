@@ -110,7 +110,8 @@ def test_restore_check_catches_what_checksums_cannot(ckpt):
 
 def test_restore_check_catches_a_tensor_byte_through_the_layout_free_digests(ckpt):
     """Format 3 records no xxh3 of tensor bytes per rank: a flipped byte in a data file whose
-    manifest entry was updated is caught by the layout-free digests the offline restore recomputes."""
+    manifest entry was updated is caught by the layout-free digests the offline restore
+    recomputes."""
     step = ckpt / "step_00000001"
     state_dir = step / "state"
     infos = [
@@ -249,9 +250,9 @@ def test_retention_across_restart_with_hold_orphan_and_corrupt(tmp_path):
     assert mgr.release(6)
     mgr.save(13, _state(13))
     assert mgr.committed_steps() == [5, 10, 12, 13]
-    # gc never removes a complete checkpoint (the orphan 99) or a directory it did not
-    # create (3: no manifest, no owner record); --orphans removes the orphan. (The dropped steps' trash is
-    # deleted off the commit's path: waited for here, so gc finds none of it left.)
+    # gc never removes a complete checkpoint (the orphan 99) or a directory it did not create (3: no
+    # manifest, no owner record); --orphans removes the orphan. (The dropped steps' trash is deleted
+    # off the commit's path: waited for here, so gc finds none of it left.)
     assert retention.DELETER.wait(30)
     report = gc(root, NAMING)
     assert report.removed == [] and {p.name for p, _ in report.kept} == {

@@ -1,6 +1,7 @@
-"""``verify`` of a root that a training job rotates meanwhile: the step being checked is held with a reader lease
-(its files are never deleted under ``verify --deep``, which read them as missing and called the root damaged),
-and a step the rotation removed after verify listed it is said as that, never an ERROR."""
+"""``verify`` of a root that a training job rotates meanwhile: the step being checked is held with a
+reader lease (its files are never deleted under ``verify --deep``, which read them as missing and
+called the root damaged), and a step the rotation removed after verify listed it is said as that,
+never an ERROR."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""``verify --deep`` compares what restore compares: each tensor against the save's layout-free digest.
+"""``verify --deep`` compares what restore compares: each tensor against the save's layout-free
+digest.
 
-A data file rewritten together with its size and xxh3 in the manifest passes the file checks; the tensor
-pass reads every tensor back and refuses the changed one, naming its key, as restore does (issue 33 item 3).
+A data file rewritten together with its size and xxh3 in the manifest passes the file checks; the
+tensor pass reads every tensor back and refuses the changed one, naming its key, as restore does
+(issue 33 item 3).
 """
 
 from __future__ import annotations

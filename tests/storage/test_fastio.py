@@ -382,7 +382,8 @@ def test_an_item_whose_frame_head_differs_is_parsed_and_read_again(tmp_path, mon
     StreamingStorage(SMALL).read(tmp_path, out, CTX)
     for key, want in state.items():
         assert _bitwise(out[key], want), key
-    # head: the two large items parsed after their check failed, the small one as always; tail: the small one
+    # head: the two large items parsed after their check failed, the small one as always; tail: the
+    # small one
     assert parsed["n"] == (3 if part == "head" else 1)
 
 

@@ -1,6 +1,7 @@
-"""Parsers of what a root holds refuse what ckptguard never writes: a tracker of "+3" or "0_3" (Python's
-``int`` takes both), and, in the restricted unpicklers, a refused ``torch.X`` global is refused before
-anything is imported for it (``getattr(torch, X)`` imports torch's lazy submodules first).
+"""Parsers of what a root holds refuse what ckptguard never writes: a tracker of "+3" or "0_3"
+(Python's ``int`` takes both), and, in the restricted unpicklers, a refused ``torch.X`` global is
+refused before anything is imported for it (``getattr(torch, X)`` imports torch's lazy submodules
+first).
 """
 
 from __future__ import annotations

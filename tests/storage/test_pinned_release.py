@@ -1,10 +1,11 @@
-"""Pinned host buffers have one owner and one release: unregistered before they are unmapped on every path
-(close, a pool dropped without close, an exception midway, the interpreter's exit), and a refused
-registration is reported as what it is (CUDA's error), the I/O going on with pageable buffers.
+"""Pinned host buffers have one owner and one release: unregistered before they are unmapped on
+every path (close, a pool dropped without close, an exception midway, the interpreter's exit), and a
+refused registration is reported as what it is (CUDA's error), the I/O going on with pageable
+buffers.
 
 CUDA is faked here with a runtime that behaves like the driver: a range stays registered until
-unregistered, and registering an overlapping range fails with 712. The real driver: test_staging_gpu.py
-and the GPU figures in benchmarks/results."""
+unregistered, and registering an overlapping range fails with 712. The real driver:
+test_staging_gpu.py and the GPU figures in benchmarks/results."""
 
 from __future__ import annotations
 
@@ -182,7 +183,8 @@ def test_the_interpreter_exit_unregisters_a_pool_never_closed(tmp_path):
 
 
 def test_a_dropped_manager_s_prepared_pool_is_unregistered(tmp_path, cudart, monkeypatch):
-    """Neither the idle timer's thread nor an optimizer's prepare-ahead hook keeps a dropped manager's pool."""
+    """Neither the idle timer's thread nor an optimizer's prepare-ahead hook keeps a dropped
+    manager's pool."""
     import torch
 
     import ckptguard as cg

@@ -1,8 +1,10 @@
-"""A restore reads the start of its data file while it checks and plans, and leaves no page cache behind.
+"""A restore reads the start of its data file while it checks and plans, and leaves no page cache
+behind.
 
-``storage._pool.ReadAhead``: one regular file, at most ``limit`` bytes, halted before the restore's own read,
-its pages dropped at close; a link or a FIFO planted in the file's place is never read (and never hangs it).
-Page-cache residency is read with ``mincore`` (not meaningful on tmpfs, where every page is resident: skipped).
+``storage._pool.ReadAhead``: one regular file, at most ``limit`` bytes, halted before the restore's
+own read, its pages dropped at close; a link or a FIFO planted in the file's place is never read
+(and never hangs it). Page-cache residency is read with ``mincore`` (not meaningful on tmpfs, where
+every page is resident: skipped).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _pages(path, offset: int = 0, length: int | None = None) -> list[bool]:
-    """Which pages of ``path`` in [offset, offset + length) are in the page cache now (``mincore`` over a
-    read-only mapping: nothing is read)."""
+    """Which pages of ``path`` in [offset, offset + length) are in the page cache now (``mincore``
+    over a read-only mapping: nothing is read)."""
     length = os.path.getsize(path) - offset if length is None else length
     fd = os.open(path, os.O_RDONLY)
     try:

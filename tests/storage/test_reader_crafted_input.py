@@ -74,7 +74,8 @@ def _rewrite_data_pkl(archive: bytes, change) -> bytes:
 def test_a_data_pkl_that_builds_on_the_rebuild_function_is_refused_and_changes_nothing():
     buf = io.BytesIO()
     torch.save(torch.arange(6.0), buf)
-    # BUILD on the allowed rebuild function: sets its __defaults__ so every later item reads as negated.
+    # BUILD on the allowed rebuild function: sets its __defaults__ so every later item reads as
+    # negated.
     evil = b"ctorch._utils\n_rebuild_tensor_v2\nN}X\x0c\x00\x00\x00__defaults__NN}X\x03\x00\x00\x00neg\x88s\x87s\x86b0"
     bad = _rewrite_data_pkl(buf.getvalue(), lambda d: d[:2] + evil + d[2:])
     with pytest.raises(UnsafeCheckpointError, match="BUILD"):
@@ -99,7 +100,8 @@ def test_a_metadata_that_builds_on_a_dcp_class_is_refused_and_the_class_restored
 
 
 def test_a_layout_that_overruns_its_storage_is_refused_not_read_from_the_next_item(tmp_path):
-    # One byte of item a's data.pkl: stride 256 -> 512 (its view now reaches past its storage into item b).
+    # One byte of item a's data.pkl: stride 256 -> 512 (its view now reaches past its storage into
+    # item b).
     a, b = torch.randn(128, 256), torch.randn(64, 256)
     _plain_save({"a": a, "b": b}, tmp_path)
     md = read_dcp_metadata(tmp_path)

@@ -56,7 +56,8 @@ def _save(root: Path, step: int = 1, value: float = 1.0) -> Path:
 
 
 def _cli(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    """The real command line in a new process: a hang becomes a TimeoutExpired, not a stuck suite."""
+    """The real command line in a new process: a hang becomes a TimeoutExpired, not a stuck
+    suite."""
     return run_cli(*args, timeout=timeout)
 
 
@@ -739,7 +740,8 @@ def test_restore_check_stays_within_a_host_budget(tmp_path):
         "result"
     ]  # one line per step: {"step_dir", "result"}
     assert result["ranks"]["0"] and not result["unverifiable"]
-    # The largest tensor is 48 MiB and the whole state 192 MiB: one tensor at a time, plus the reader's pool.
+    # The largest tensor is 48 MiB and the whole state 192 MiB: one tensor at a time, plus the
+    # reader's pool.
     assert used - base < 120 << 20, (used >> 20, base >> 20)
     assert result["peak_tensor_bytes"] <= 48 << 20
     cli = _invoke("verify", tmp_path / "big", "--restore")

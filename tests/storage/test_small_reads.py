@@ -45,8 +45,8 @@ def _run_root(tmp_path: Path) -> Path:
 
 
 def _bounded(fn, fifo: Path) -> tuple[bool, object]:
-    """Run ``fn`` in a thread; if it is still blocked after PROMPT_S, release the FIFO (open its write
-    end and close it: the reader sees end of file) and report the hang."""
+    """Run ``fn`` in a thread; if it is still blocked after PROMPT_S, release the FIFO (open its
+    write end and close it: the reader sees end of file) and report the hang."""
     out: dict = {}
 
     def body() -> None:
@@ -108,7 +108,8 @@ def test_a_fifo_as_a_role_manifest_is_refused_at_once_by_restore_verify_list_and
         assert "Traceback" not in text, (name, text)
 
 
-# ---------------------------------------------------------------- every read outside the bounded reader
+# ---------------------------------------------------------------- every read outside the bounded
+# reader
 
 # (module, function, call): why this read is not a small file of a checkpoint root, or how it
 # stays safe on a FIFO. Anything else that opens a file for reading must use read_small.
@@ -253,7 +254,8 @@ def _all_reads() -> dict[tuple[str, str, str], list[int]]:
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
         if rel == "cli.py":
-            continue  # the command line: it reads only through the library (no file of a root itself)
+            # the command line: it reads only through the library (no file of a root itself)
+            continue
         for fn, call, line in _reads(path):
             sites.setdefault((rel, fn, call), []).append(line)
     return sites
@@ -263,8 +265,9 @@ def test_every_read_of_a_file_outside_the_bounded_reader_is_listed_with_its_reas
     sites = _all_reads()
     new = {k: v for k, v in sites.items() if k not in ALLOWED}
     assert not new, (
-        "files opened for reading outside _disk.layout.read_small (a FIFO there hangs, a huge file is read "
-        f"whole): {new}; read small files with read_small, or add the site to ALLOWED with the reason it is safe"
+        f"files opened for reading outside _disk.layout.read_small (a FIFO there hangs, a huge "
+        f"file is read whole): {new}; read small files with read_small, or add the site to ALLOWED "
+        f"with the reason it is safe"
     )
     gone = sorted(set(ALLOWED) - set(sites))
     assert not gone, f"ALLOWED lists reads that no longer exist (remove them): {gone}"

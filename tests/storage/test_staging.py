@@ -425,7 +425,8 @@ def test_parallel_reads_fill_every_span_bitwise(tmp_path):
     got = {k: torch.zeros_like(v) for k, v in state.items()}
     storage.read(tmp_path, got, ctx)
     assert all(torch.equal(got[k], v) for k, v in state.items())
-    # The pool makes its buffers as the reads need them (3 threads and the copy: at least 2, never past 6).
+    # The pool makes its buffers as the reads need them (3 threads and the copy: at least 2, never
+    # past 6).
     assert 2 * 61 * 4096 <= storage.last_stats.pool_bytes <= 6 * 61 * 4096, storage.last_stats
     assert storage.last_stats.bytes >= big.numel() * 8
     with pytest.raises(cg.ConfigError, match="read_threads"):

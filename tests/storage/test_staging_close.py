@@ -1,6 +1,7 @@
-"""A manager closed while its staging pool is still being prepared in the background (a restore, then
-close) stops the preparation between regions: close waits for the region in flight, not for the whole
-pool to be mapped and pinned only to be released (issue 41: 2.2 s of a 6.2 GiB pool on the H100)."""
+"""A manager closed while its staging pool is still being prepared in the background (a restore,
+then close) stops the preparation between regions: close waits for the region in flight, not for the
+whole pool to be mapped and pinned only to be released (issue 41: 2.2 s of a 6.2 GiB pool on the
+H100)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ MiB = 1 << 20
 
 
 def test_stop_growing_maps_no_further_region(monkeypatch):
-    # The pause between regions: long enough that a stop right after the first region is seen before the
-    # third, however loaded the machine (the whole plan would take 10 s).
+    # The pause between regions: long enough that a stop right after the first region is seen before
+    # the third, however loaded the machine (the whole plan would take 10 s).
     monkeypatch.setattr(_staging, "YIELD_S", 1.0)
     pool = _staging.StagingPool(pin=False)
     sizes = [40 * MiB] * 10  # one region each: two never share a 64 MiB region

@@ -1,6 +1,7 @@
-"""The first save_async costs what later ones cost: the staging pool is prepared off the caller's thread from
-the moment the state is known (``restore``; a fresh optimizer after its first step), never by touching the
-optimizer, and the pool's regions are packed so that the save fills them exactly."""
+"""The first save_async costs what later ones cost: the staging pool is prepared off the caller's
+thread from the moment the state is known (``restore``; a fresh optimizer after its first step),
+never by touching the optimizer, and the pool's regions are packed so that the save fills them
+exactly."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def _state_bytes(model, optim):
 
 
 def test_a_fresh_run_is_staged_whole_at_its_first_save(tmp_path):
-    """restore() on a fresh root; the optimizer has no state: the pool is sized after its first step, in the
-    background; the first save_async finds it and reads nothing live."""
+    """restore() on a fresh root; the optimizer has no state: the pool is sized after its first
+    step, in the background; the first save_async finds it and reads nothing live."""
     model, optim = _job()
     state = {"model": model, "optim": optim}
     mgr = cg.CheckpointManager(tmp_path / "ck")
@@ -73,8 +74,9 @@ def test_a_resumed_run_is_prepared_after_the_restore_s_read(tmp_path):
     again = {"model": model2, "optim": optim2}
     mgr = cg.CheckpointManager(tmp_path / "ck")
     assert mgr.restore(again) == 1
-    # Prepared after the restore's read (834227a), from the loaded state: the optimizer's moments are there, so
-    # the pool is sized as the first save needs it, and the read itself never competed with the pinning.
+    # Prepared after the restore's read (834227a), from the loaded state: the optimizer's moments
+    # are there, so the pool is sized as the first save needs it, and the read itself never competed
+    # with the pinning.
     assert mgr._staging.preparing is not None and mgr._staging.preparing.result(timeout=60) > 0
     _step(model2, optim2)
     mgr.save_async(2, again).wait()
@@ -120,8 +122,8 @@ def test_packed_regions_are_filled_exactly_by_the_next_place(monkeypatch, seed):
 
 
 def test_a_grow_asked_for_while_one_runs_follows_it(monkeypatch):
-    """prepare_async for a fresh model, then the optimizer's state after its first step: the second grow is
-    not dropped while the first still pins."""
+    """prepare_async for a fresh model, then the optimizer's state after its first step: the second
+    grow is not dropped while the first still pins."""
     gate = threading.Event()
     real = _staging.Buffer
 

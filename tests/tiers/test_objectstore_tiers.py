@@ -1,12 +1,13 @@
-"""TieredCheckpoint with its persistent tier on an object store (``persistent="s3://..."``), on gloo ranks.
+"""TieredCheckpoint with its persistent tier on an object store (``persistent="s3://..."``), on gloo
+ranks.
 
 Two fake nodes of two ranks each (``test_tiers.become_node``: each node its own disk at the shared
 path, so the fast tier and the persistent tier's staging root are node-local), one moto server on
-127.0.0.1 for the module (as tests/storage/s3/test_objectstore.py starts it). A node loss is its disk gone
-(fast tier and staging root): the restore falls back to the object store's step exactly, on every
-rank; with ``save_async`` the store's publish runs in the background thread, and training goes on
-after the fallback (the next persistent step commits on the store). The proof records reach the
-store's ``proof/`` and ``prove`` judges the run from there.
+127.0.0.1 for the module (as tests/storage/s3/test_objectstore.py starts it). A node loss is its
+disk gone (fast tier and staging root): the restore falls back to the object store's step exactly,
+on every rank; with ``save_async`` the store's publish runs in the background thread, and training
+goes on after the fallback (the next persistent step commits on the store). The proof records reach
+the store's ``proof/`` and ``prove`` judges the run from there.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def _save(
         else:
             tiers.save(step, state)
             saved.append(sorted(t.value for t in tiers.last_saved))
-    tiers.close()  # waits for a pending save_async, releases the store's lease, copies the proof records
+    # waits for a pending save_async, releases the store's lease, copies the proof records
+    tiers.close()
     return saved
 
 
@@ -137,7 +139,8 @@ def test_a_lost_node_falls_back_to_the_object_store_exactly(moto, tmp_path):
     ]
     assert out[0]["store"] == [2, 4]  # steps 3 and 4 trained again; 4 committed on the store
     assert store.tracker()[0] == 4
-    # The proof records of every rank (node 1's staging root was lost) reached the store's proof/: prove reads them.
+    # The proof records of every rank (node 1's staging root was lost) reached the store's proof/:
+    # prove reads them.
     judged = tmp_path / "judged"
     assert store.fetch_proof(judged) == [f"rank_{r:05d}.jsonl" for r in range(WORLD)]
     gate = next(g for g in evaluate(judged) if g.name == "restored from tier")
@@ -176,7 +179,8 @@ def test_save_async_publishes_in_the_background_and_every_node_lost_restores_fro
 
 
 def _budgeted(rank: int, world: int, base: str, endpoint: str, url: str) -> dict:
-    """A blocking budget every save exceeds (1 ms): the tiers' and the staging manager's saves stay whole."""
+    """A blocking budget every save exceeds (1 ms): the tiers' and the staging manager's saves stay
+    whole."""
     os.environ.update(h.CREDENTIALS)
     config = cg.CheckpointConfig(
         timeout_s=60, blocking=cg.BlockingBudget(fraction=1.0, timeout_s=0.001)

@@ -1,4 +1,5 @@
-"""TieredCheckpoint: a fast tier and a persistent tier, restore from the newest step every rank can load.
+"""TieredCheckpoint: a fast tier and a persistent tier, restore from the newest step every rank can
+load.
 
 Two fake nodes of two gloo ranks each: every rank gets its node's hostname (a private UTS
 namespace) and, for node-local roots, its node's own disk at the shared path (a private mount
@@ -28,9 +29,9 @@ WORLD, PER_NODE = 4, 2
 
 
 def become_node(base: str, rank: int, *, local_disk: bool) -> int:
-    """Become a rank of node ``rank // PER_NODE`` (``ckptguard.testing.fake_node``): its node name and
-    hostname, and with ``local_disk`` its own disk at ``base/disk`` (``base/node<n>`` seen there).
-    Returns the node index."""
+    """Become a rank of node ``rank // PER_NODE`` (``ckptguard.testing.fake_node``): its node name
+    and hostname, and with ``local_disk`` its own disk at ``base/disk`` (``base/node<n>`` seen
+    there). Returns the node index."""
     import socket
 
     node = rank // PER_NODE
@@ -39,7 +40,8 @@ def become_node(base: str, rank: int, *, local_disk: bool) -> int:
     fake_node(f"node{node}", disks=disks, hostname=True)
     assert socket.gethostname() == f"node{node}"
     if local_disk:
-        # The check that this node sees only its own disk is real: the other node's marker is not here.
+        # The check that this node sees only its own disk is real: the other node's marker is not
+        # here.
         assert Path(shared, "marker").read_text() == str(node)
     return node
 
@@ -149,8 +151,9 @@ def test_both_fast_tiers_lost_restores_the_older_persistent_step(tmp_path):
 
 
 def node_files(step_dir: Path, node: int) -> list[Path]:
-    """The files only ``node`` holds of a step on node-local disks: those its ranks wrote, less the ones
-    the other node's ranks read too (DCP stores a replicated tensor once; each node keeps a copy)."""
+    """The files only ``node`` holds of a step on node-local disks: those its ranks wrote, less the
+    ones the other node's ranks read too (DCP stores a replicated tensor once; each node keeps a
+    copy)."""
     from ckptguard._records import manifest as _manifest
     from ckptguard._records.manifest import files_needed
 
@@ -164,7 +167,8 @@ def node_files(step_dir: Path, node: int) -> list[Path]:
 
 def test_replicas_on_a_shared_fast_root_fill_in_lost_files_exactly(tmp_path):
     """A fast tier on storage every node shares (no per-node publish): a node's files lost from the
-    step directory are filled in from the peer replicas, the directory's other files left in place."""
+    step directory are filled in from the peer replicas, the directory's other files left in
+    place."""
     (tmp_path / "disk").mkdir()
     kw = {"fast_every": 1, "replicas": 1}
     values(run_ranks(save_run, WORLD, str(tmp_path), 2, False, kw, timeout=180))

@@ -27,8 +27,8 @@ needs_root = pytest.mark.skipif(
 
 
 def _tiers(base: str, host_bytes: int = 1 << 20, **kw) -> cg.TieredCheckpoint:
-    """``host_bytes=0``: nothing fits the staging pools, the writers read the live tensors and the next
-    optimizer step waits until both tiers' writers have read them."""
+    """``host_bytes=0``: nothing fits the staging pools, the writers read the live tensors and the
+    next optimizer step waits until both tiers' writers have read them."""
     return cg.TieredCheckpoint(
         os.path.join(base, kw.pop("fast", "fast")),
         persistent=os.path.join(base, "pers"),
@@ -102,9 +102,9 @@ def restore_run(rank: int, world: int, base: str) -> tuple[int, bool]:
 def replica_run(rank: int, world: int, base: str) -> dict:
     """Fake nodes, each with its own fast disk: while a fast step is published on a node but its
     tracker not yet moved (uncommitted), the node holds no replica of it; after wait() every rank's
-    part of both steps is on the other node. Nothing fits the staging pools: the optimizer steps after
-    each save_async wait for the writers' reads. Then node 1 loses its fast tier and restores step 2
-    from the replicas on node 0."""
+    part of both steps is on the other node. Nothing fits the staging pools: the optimizer steps
+    after each save_async wait for the writers' reads. Then node 1 loses its fast tier and restores
+    step 2 from the replicas on node 0."""
     import shutil
     import time
 
@@ -165,8 +165,8 @@ def test_save_async_pushes_replicas_only_after_the_commit(tmp_path):
         return [f"replicas/step_0000000{s}/rank_0000{r}/replica.json" for s in steps for r in ranks]
 
     for leader, node in ((0, 0), (PER_NODE, 1)):
-        # Each fast publish sees only the older steps' replicas; the persistent commit of step 2 (rank 0,
-        # the shared root) comes after step 2's push.
+        # Each fast publish sees only the older steps' replicas; the persistent commit of step 2
+        # (rank 0, the shared root) comes after step 2's push.
         want = [["node.before_tracker", []], ["node.before_tracker", markers([1], node)]]
         if leader == 0:
             want.append(["commit.before_tracker", markers([1, 2], node)])
@@ -233,8 +233,9 @@ def test_a_step_on_neither_interval_touches_nothing(tmp_path):
 
 
 def test_prepare_async_pins_the_tiers_one_pool_in_the_background(tmp_path):
-    # One process: TieredCheckpoint.prepare_async is local (no collective); its future is the bytes both
-    # tiers' pools added, and the first save_async of each tier then stages into a pool that is ready.
+    # One process: TieredCheckpoint.prepare_async is local (no collective); its future is the bytes
+    # both tiers' pools added, and the first save_async of each tier then stages into a pool that is
+    # ready.
     tiers = cg.TieredCheckpoint(
         tmp_path / "fast",
         persistent=tmp_path / "pers",

@@ -30,7 +30,8 @@ def views(a: dict, b: dict, persistent: int = 0) -> list[View]:
 
 @pytest.fixture
 def tiers(tmp_path):
-    """The restore side of a TieredCheckpoint (its collective choice, run here on synthetic views)."""
+    """The restore side of a TieredCheckpoint (its collective choice, run here on synthetic
+    views)."""
     tc = cg.TieredCheckpoint(tmp_path / "fast", persistent=tmp_path / "persistent")
     assert tc.persistent is not None
     fast = tc.fast.context
@@ -98,7 +99,8 @@ def test_config_is_checked():
 
 
 def test_recovery_benchmark_runs_at_tiny_size(tmp_path):
-    """benchmarks/bench_recovery.py --tiny on the CPU: both restores exact, each from its own tier."""
+    """benchmarks/bench_recovery.py --tiny on the CPU: both restores exact, each from its own
+    tier."""
     import json
     import os
     import subprocess
@@ -136,8 +138,8 @@ def test_recovery_benchmark_runs_at_tiny_size(tmp_path):
 
 
 def test_fast_steps_without_a_tracker_are_refused_not_ignored(tmp_path):
-    """A fast root holding steps but no tracker was changed outside ckptguard: refused like a manager's
-    restore does, never read as an empty tier (which would fall back or start fresh)."""
+    """A fast root holding steps but no tracker was changed outside ckptguard: refused like a
+    manager's restore does, never read as an empty tier (which would fall back or start fresh)."""
     import torch
 
     state = {"w": torch.nn.Linear(2, 2)}

@@ -1,4 +1,5 @@
-"""Does pinning 6 GiB in a background thread hold the training thread? torch's cudart binding vs ctypes."""
+"""Does pinning 6 GiB in a background thread hold the training thread? torch's cudart binding vs
+ctypes."""
 
 import ctypes
 import json

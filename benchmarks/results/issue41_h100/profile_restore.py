@@ -1,6 +1,7 @@
-"""Where a restore's time goes besides the read (issue 41 item 5): the 556M model of bench_train_loop.py saved
-once, the page cache dropped, then the restore as the bench times it (a new manager, restore, close) under
-cProfile, with the read's own seconds, the restore call and the close timed apart.
+"""Where a restore's time goes besides the read (issue 41 item 5): the 556M model of
+bench_train_loop.py saved once, the page cache dropped, then the restore as the bench times it (a
+new manager, restore, close) under cProfile, with the read's own seconds, the restore call and the
+close timed apart.
 
     python benchmarks/results/issue41_h100/profile_restore.py --out $OUT/profile_restore.txt
 """
@@ -76,9 +77,9 @@ def main() -> None:
         prof.disable()
         read = storage.last_stats.seconds if storage.last_stats else float("nan")
         lines.append(
-            f"run {run} ({variant}): construct {t1 - t0:.3f} s, restore {t2 - t1:.3f} s (read {read:.3f} s), "
-            f"close {t3 - t2:.3f} s; a cold read of the same files just before: {same['seconds']:.3f} s "
-            f"(restore {same['seconds'] / (t2 - t1):.3f}x)"
+            f"run {run} ({variant}): construct {t1 - t0:.3f} s, restore {t2 - t1:.3f} s (read "
+            f"{read:.3f} s), close {t3 - t2:.3f} s; a cold read of the same files just before: "
+            f"{same['seconds']:.3f} s (restore {same['seconds'] / (t2 - t1):.3f}x)"
         )
         print(lines[-1], flush=True)
         if variant == "profiled":

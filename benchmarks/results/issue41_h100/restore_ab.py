@@ -1,13 +1,15 @@
-"""Restore against a cold read of the same files, with and without this session's two changes (issue 41 item 5):
-the read-ahead of the rank's data file while the restore checks and plans (``storage._pool.ReadAhead``), and the
-I/O pool making its buffers on demand. The 556M model of bench_train_loop.py saved once; then, in rounds, each
-variant restores through a new manager (as a new process would), the page cache dropped before it, and a cold
-sequential read of the same step's files (64 MiB reads, one stream: bench_train_loop's yardstick) right before
-it. Variants, alternated so the disk's drift hits them alike:
+"""Restore against a cold read of the same files, with and without this session's two changes (issue
+41 item 5): the read-ahead of the rank's data file while the restore checks and plans
+(``storage._pool.ReadAhead``), and the I/O pool making its buffers on demand. The 556M model of
+bench_train_loop.py saved once; then, in rounds, each variant restores through a new manager (as a
+new process would), the page cache dropped before it, and a cold sequential read of the same step's
+files (64 MiB reads, one stream: bench_train_loop's yardstick) right before it. Variants, alternated
+so the disk's drift hits them alike:
 
 - ``committed``: the code as committed;
 - ``no read-ahead``: ``_resume.restore._read_ahead`` replaced by a no-op;
-- ``before``: no read-ahead, and every pool buffer made (pinned) at the pool's construction, as before.
+- ``before``: no read-ahead, and every pool buffer made (pinned) at the pool's construction, as
+  before.
 
     python benchmarks/results/issue41_h100/restore_ab.py --rounds 4 --out $OUT/restore_ab.json
     python benchmarks/results/issue41_h100/restore_ab.py --rounds 6 --variants committed,before --out $OUT/ab3.json

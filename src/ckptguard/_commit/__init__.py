@@ -1,1 +1,2 @@
-"""The File contract: the commit protocol, the on-disk layout, manifest, lease, rotation and step checks."""
+"""The File contract: the commit protocol, the on-disk layout, manifest, lease, rotation and step
+checks."""

@@ -1,13 +1,15 @@
-"""The first save_async's staging, prepared ahead: from the moment the state is known, off the caller's path.
+"""The first save_async's staging, prepared ahead: from the moment the state is known, off the
+caller's path.
 
-Contract: ``Ahead.arm(state, keyfn, prepare, *args)`` calls ``prepare(items, *args)`` with the state's captured items
-(their tensor sizes size the pinned pool) as soon as every optimizer in the state has state: at once, or
-after the first step of the optimizers that have none yet, from a post-step hook that only reads. It never
-touches an optimizer (reading one without state would step it, ``_state.state.read_optimizer``), never calls a
-stateful item's ``state_dict()`` (it may draw from the global RNG), never raises into
-the user's step (a state the save cannot capture is reported by the save), and arms once. It holds the
-bound method ``prepare`` weakly: the optimizer's hook never keeps a dropped manager's pool alive. ``stop()``
-removes the hooks (never inside one: torch iterates its hook dicts while calling them).
+Contract: ``Ahead.arm(state, keyfn, prepare, *args)`` calls ``prepare(items, *args)`` with the
+state's captured items (their tensor sizes size the pinned pool) as soon as every optimizer in the
+state has state: at once, or after the first step of the optimizers that have none yet, from a
+post-step hook that only reads. It never touches an optimizer (reading one without state would step
+it, ``_state.state.read_optimizer``), never calls a stateful item's ``state_dict()`` (it may draw
+from the global RNG), never raises into the user's step (a state the save cannot capture is reported
+by the save), and arms once. It holds the bound method ``prepare`` weakly: the optimizer's hook
+never keeps a dropped manager's pool alive. ``stop()`` removes the hooks (never inside one: torch
+iterates its hook dicts while calling them).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class Ahead:
         fired = [False]
 
         def after_step(*_: Any) -> None:
-            # lr 0 in every group: DCP's own initialising step inside a restore's load, not training yet.
+            # lr 0 in every group: DCP's own initialising step inside a restore's load, not training
+            # yet.
             if fired[0] or any(not o.state for o in empty) or all(_zero_lr(o) for o in empty):
                 return
             fired[0] = (
@@ -74,8 +77,9 @@ def _prepare(
     if prepare is None:
         return  # the manager is gone
     try:
-        # Only the items whose tensors size the pool: a stateful item's state_dict() may draw from the global
-        # RNG (torchdata's StatefulDataLoader builds an iterator there), shifting a run that never saves.
+        # Only the items whose tensors size the pool: a stateful item's state_dict() may draw from
+        # the global RNG (torchdata's StatefulDataLoader builds an iterator there), shifting a run
+        # that never saves.
         sized = {name: v for name, v in state.items() if classify(v) in _SIZED}
         items: dict[str, Captured] = capture(sized, keyfn)
         prepare(items, *args)

@@ -1,21 +1,22 @@
-"""The blocking budget of a synchronous save: below a fraction of the process group's collective timeout.
+"""The blocking budget of a synchronous save: below a fraction of the process group's collective
+timeout.
 
 Contract. A rank held in a save is a rank whose next collective is late: when one rank is held
-longer than the process group's timeout while its peers already wait in a collective, the
-collective watchdog kills the job (VeOmni PR#1164: 11 minutes blocked, a 600 s NCCL timeout,
-a restart from step 0 in a loop). ckptguard's own cross-rank waits inside a save go through the
-c10d store with ``CheckpointConfig.timeout_s``, never through a collective of the process group,
-so no watchdog can fire inside ckptguard; what is left is how long ``save`` holds the caller.
-``BudgetRound.over`` estimates that, before anything is captured: this manager's measured
-seconds per byte of its last synchronous save, or, before the first, a probe of the root's write
-speed; every rank's estimate is gathered and rank 0 decides for all with the slowest. Over the
-budget (``BlockingBudget.fraction`` of the group's timeout, read from the group or declared),
-``save`` warns and saves (``OverBudget.WARN``, the default), commits in the background as
-``save_async`` does (``OverBudget.BACKGROUND``) or raises ``SaveBudgetError`` on every rank
-(``OverBudget.REFUSE``), before any rank snapshots. A save sent to the background feeds its measured
-time (request to published, what a synchronous save would have held the caller) to the next estimate,
-as a synchronous save does: the estimate never stays on the probe's figure. One rank,
-or no readable timeout and none declared: no budget, no round.
+longer than the process group's timeout while its peers already wait in a collective, the collective
+watchdog kills the job (VeOmni PR#1164: 11 minutes blocked, a 600 s NCCL timeout, a restart from
+step 0 in a loop). ckptguard's own cross-rank waits inside a save go through the c10d store with
+``CheckpointConfig.timeout_s``, never through a collective of the process group, so no watchdog can
+fire inside ckptguard; what is left is how long ``save`` holds the caller. ``BudgetRound.over``
+estimates that, before anything is captured: this manager's measured seconds per byte of its last
+synchronous save, or, before the first, a probe of the root's write speed; every rank's estimate is
+gathered and rank 0 decides for all with the slowest. Over the budget (``BlockingBudget.fraction``
+of the group's timeout, read from the group or declared), ``save`` warns and saves
+(``OverBudget.WARN``, the default), commits in the background as ``save_async`` does
+(``OverBudget.BACKGROUND``) or raises ``SaveBudgetError`` on every rank (``OverBudget.REFUSE``),
+before any rank snapshots. A save sent to the background feeds its measured time (request to
+published, what a synchronous save would have held the caller) to the next estimate, as a
+synchronous save does: the estimate never stays on the probe's figure. One rank, or no readable
+timeout and none declared: no budget, no round.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ log = logging.getLogger("ckptguard")
 
 PROBE_BYTES = 16 << 20
 FLOOR_BYTES_PER_S = 50 << 20
-"""Before a manager's first measured save: a state that fits the budget at this speed is not probed (a probe
-of every rank's disk at the first save of a thousand ranks would write 16 GiB for nothing)."""
+"""Before a manager's first measured save: a state that fits the budget at this speed is not probed
+(a probe of every rank's disk at the first save of a thousand ranks would write 16 GiB for
+nothing)."""
 
 
 def write_speed(root: Path, nbytes: int = PROBE_BYTES) -> float:
-    """Bytes per second of an fsynced write of ``nbytes`` into ``root`` (created if missing: the save
-    it plans for would create it), through a temp file named for this process and removed after."""
+    """Bytes per second of an fsynced write of ``nbytes`` into ``root`` (created if missing: the
+    save it plans for would create it), through a temp file named for this process and removed
+    after."""
     root.mkdir(parents=True, exist_ok=True)
     path = _tempfiles.temp_name(root / ".ckptguard-disk-probe")
     block = os.urandom(
@@ -66,9 +69,10 @@ def write_speed(root: Path, nbytes: int = PROBE_BYTES) -> float:
 
 
 def tensor_bytes(value: Any) -> int:
-    """This rank's tensor bytes in ``value`` read without ``state_dict()`` (which would hash or all-gather in the
-    time being estimated): tensors (a DTensor's local shard), a module's parameters and buffers, an optimizer's
-    state tensors, containers of them, a ``PerRank``'s value. Other items count 0 (their writers are not seen)."""
+    """This rank's tensor bytes in ``value`` read without ``state_dict()`` (which would hash or
+    all-gather in the time being estimated): tensors (a DTensor's local shard), a module's
+    parameters and buffers, an optimizer's state tensors, containers of them, a ``PerRank``'s value.
+    Other items count 0 (their writers are not seen)."""
     if isinstance(value, torch.Tensor):
         local = value.to_local() if hasattr(value, "to_local") else value
         return int(local.numel() * local.element_size())
@@ -86,9 +90,10 @@ def tensor_bytes(value: Any) -> int:
 
 
 def group_timeout_s(group: Any | None) -> float | None:
-    """The smallest collective timeout of ``group``'s backends (None: the default group), in seconds; None
-    when there is no process group or torch does not expose it (``ProcessGroup._get_backend(device)
-    .options._timeout``, read in torch 2.13 for gloo and NCCL)."""
+    """The smallest collective timeout of ``group``'s backends (None: the default group), in
+    seconds; None when there is no process group or torch does not expose it
+    (``ProcessGroup._get_backend(device) .options._timeout``, read in torch 2.13 for gloo and
+    NCCL)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -106,7 +111,8 @@ def group_timeout_s(group: Any | None) -> float | None:
 
 @dataclass(frozen=True)
 class _Estimate(Wire):
-    """One rank's estimate of the synchronous save it is asked for (seconds; None: none) and its bytes."""
+    """One rank's estimate of the synchronous save it is asked for (seconds; None: none) and its
+    bytes."""
 
     seconds: float | None
     nbytes: int
@@ -138,8 +144,8 @@ class BudgetRound:
         storage: Any = None,
     ) -> None:
         self.agreement, self.world, self.budget, self.root = agreement, world, budget, root
-        # A storage whose writers run a framework's own collective save (ExternalFiles: HF, DeepSpeed, Megatron)
-        # never writes in a background commit: BACKGROUND is WARN there.
+        # A storage whose writers run a framework's own collective save (ExternalFiles: HF,
+        # DeepSpeed, Megatron) never writes in a background commit: BACKGROUND is WARN there.
         self.background_ok = not getattr(storage, "foreground_only", False)
         self.timeout_s = (
             budget.timeout_s if budget.timeout_s is not None else group_timeout_s(group)
@@ -149,11 +155,14 @@ class BudgetRound:
         )
         self._bytes_per_s: float | None = None
         self.measured_by = ""
-        """Which save the estimate's speed was measured on (``synchronous``, ``background``); empty: none yet."""
+        """Which save the estimate's speed was measured on (``synchronous``, ``background``); empty:
+        none yet."""
         self._asked_bytes = 0
-        """The tensor bytes of the save the last round estimated (what ``observe`` measures it against)."""
+        """The tensor bytes of the save the last round estimated (what ``observe`` measures it
+        against)."""
         self.redirected = 0
-        """Synchronous saves this manager committed in the background instead (``OverBudget.BACKGROUND``)."""
+        """Synchronous saves this manager committed in the background instead
+        (``OverBudget.BACKGROUND``)."""
 
     @property
     def budget_s(self) -> float | None:
@@ -162,24 +171,25 @@ class BudgetRound:
         return self.timeout_s * self.budget.fraction
 
     def observe(self, snap: Snapshot, seconds: float, *, by: str = "synchronous") -> None:
-        """A save of ``snap`` took ``seconds`` (a synchronous one held the caller that long; ``by="background"``:
-        a save ``OverBudget.BACKGROUND`` sent to the background, from its request until it was published):
-        the speed the next estimate uses."""
+        """A save of ``snap`` took ``seconds`` (a synchronous one held the caller that long;
+        ``by="background"``: a save ``OverBudget.BACKGROUND`` sent to the background, from its
+        request until it was published): the speed the next estimate uses."""
         local = [
             t.to_local() if hasattr(t, "to_local") else t
             for c in snap.items.values()
             for t in c.tensors.values()
         ]
-        # A committed snapshot may have let its tensors go (a synchronous save's items are empty after the
-        # write): then the bytes this round estimated for the same save, or the speed would never be learnt.
+        # A committed snapshot may have let its tensors go (a synchronous save's items are empty
+        # after the write): then the bytes this round estimated for the same save, or the speed
+        # would never be learnt.
         nbytes = sum(t.numel() * t.element_size() for t in local) or self._asked_bytes
         if nbytes > 0 and seconds > 0:
             self._bytes_per_s = nbytes / seconds
             self.measured_by = by
 
     def _estimate(self, state: Mapping[str, Any], budget_s: float) -> _Estimate:
-        """Never raises: a rank that cannot estimate posts None (the others' estimates decide), so no rank
-        leaves the round that every rank walks."""
+        """Never raises: a rank that cannot estimate posts None (the others' estimates decide), so
+        no rank leaves the round that every rank walks."""
         try:
             return self._estimated(state, budget_s)
         except Exception as exc:  # a probe that cannot write, an item that cannot be walked
@@ -203,9 +213,9 @@ class BudgetRound:
         )
 
     def over(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Collective (when a budget applies): True on every rank when the save of ``step`` would hold the
-        slowest rank longer than the budget and ``OverBudget.BACKGROUND`` applies; raises ``SaveBudgetError``
-        on every rank under ``OverBudget.REFUSE``."""
+        """Collective (when a budget applies): True on every rank when the save of ``step`` would
+        hold the slowest rank longer than the budget and ``OverBudget.BACKGROUND`` applies; raises
+        ``SaveBudgetError`` on every rank under ``OverBudget.REFUSE``."""
         budget_s = self.budget_s
         if budget_s is None:
             return False
@@ -219,7 +229,8 @@ class BudgetRound:
             seconds, rank, source = max(known)
             return BudgetVerdict(
                 over=seconds > budget_s,
-                seconds=seconds,  # unrounded: the error's figures keep seconds > budget_s for a tiny budget
+                # unrounded: the error's figures keep seconds > budget_s for a tiny budget
+                seconds=seconds,
                 rank=rank,
                 source=source,
                 budget_s=budget_s,
@@ -236,34 +247,37 @@ class BudgetRound:
         if not verdict.over:
             return False
         what = (
-            f"the save of step {step} would hold rank {verdict.rank} about {verdict.seconds:.1f} s (from "
-            f"{verdict.source}), above the blocking budget of {verdict.budget_s:.1f} s "
-            f"({self.budget.fraction:.0%} of the {verdict.timeout_s:.0f} s collective timeout, "
-            f"{self.timeout_source})"
+            f"the save of step {step} would hold rank {verdict.rank} about "
+            f"{verdict.seconds:.1f} s (from {verdict.source}), above the blocking budget of "
+            f"{verdict.budget_s:.1f} s ({self.budget.fraction:.0%} of the "
+            f"{verdict.timeout_s:.0f} s collective timeout, {self.timeout_source})"
         )
         if self.budget.over is OverBudget.REFUSE:
             raise SaveBudgetError(
-                f"{self.root}: {what}; nothing was written and the tracker did not move. Use save_async (it holds "
-                "the caller only for the copies), raise the process group's timeout, or "
-                "CheckpointConfig(blocking=BlockingBudget(over=OverBudget.BACKGROUND))",
+                f"{self.root}: {what}; nothing was written and the tracker did not move. Use "
+                f"save_async (it holds the caller only for the copies), raise the process group's "
+                f"timeout, or "
+                f"CheckpointConfig(blocking=BlockingBudget(over=OverBudget.BACKGROUND))",
                 step=step,
                 seconds=verdict.seconds,
                 budget_s=verdict.budget_s,
             )
         if self.budget.over is OverBudget.WARN or not self.background_ok:
             why = (
-                "BlockingBudget(over=OverBudget.WARN); OverBudget.BACKGROUND commits it in the background instead, "
-                "OverBudget.REFUSE refuses it"
+                "BlockingBudget(over=OverBudget.WARN); OverBudget.BACKGROUND commits it in the "
+                "background instead, OverBudget.REFUSE refuses it"
                 if self.background_ok
                 else "its storage's writers are a framework's "
-                "own collective save, which never runs in a background commit; OverBudget.REFUSE refuses it"
+                "own collective save, which never runs in a background commit; "
+                "OverBudget.REFUSE refuses it"
             )
             log.warning("ckptguard: %s: saving synchronously (%s)", what, why)
             return False
         self.redirected += 1
         log.warning(
-            "ckptguard: %s: committed in the background instead, as save_async does (mgr.wait() joins it; "
-            "%d so far). CheckpointConfig(blocking=BlockingBudget(over=OverBudget.REFUSE)) refuses instead",
+            "ckptguard: %s: committed in the background instead, as save_async does (mgr.wait() "
+            "joins it; %d so far). "
+            "CheckpointConfig(blocking=BlockingBudget(over=OverBudget.REFUSE)) refuses instead",
             what,
             self.redirected,
         )

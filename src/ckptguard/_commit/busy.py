@@ -1,16 +1,17 @@
-"""A ``save_async`` requested while the previous commit still runs: one decision, alike on every rank.
+"""A ``save_async`` requested while the previous commit still runs: one decision, alike on every
+rank.
 
 Contract. Whether a commit is in flight differs per rank (a rank's commit thread ends when it has
 read the outcome; another's a moment later), so no rank may act on its own view: ``BusyRound``
 gathers every rank's view through an agreement of its own (the commit thread uses the manager's
-agreement meanwhile, and one agreement numbers its phases in one thread only) and rank 0 decides
-for all, before any rank snapshots. ``OnBusy.SKIP``: nothing is snapshotted; the skip is logged
-with the interval that fits the measured commit time, counted, and handed to the next committed
-step's cost block (``pending_cost``) and to the proof log. ``OnBusy.WAIT`` needs no round.
-``OnBusy.COALESCE`` (``_commit.coalesce``) and ``OnBusy.FAST_TIER`` (``ckptguard.tiers``) decide from
-the same round: the views also carry the step queued on each rank (every rank must hold the same one,
-checked here) and whether only a tiered save's persistent part still runs there; coalesced and
-redirected saves are counted and reported like skips.
+agreement meanwhile, and one agreement numbers its phases in one thread only) and rank 0 decides for
+all, before any rank snapshots. ``OnBusy.SKIP``: nothing is snapshotted; the skip is logged with the
+interval that fits the measured commit time, counted, and handed to the next committed step's cost
+block (``pending_cost``) and to the proof log. ``OnBusy.WAIT`` needs no round. ``OnBusy.COALESCE``
+(``_commit.coalesce``) and ``OnBusy.FAST_TIER`` (``ckptguard.tiers``) decide from the same round:
+the views also carry the step queued on each rank (every rank must hold the same one, checked here)
+and whether only a tiered save's persistent part still runs there; coalesced and redirected saves
+are counted and reported like skips.
 """
 
 from __future__ import annotations
@@ -32,23 +33,27 @@ log = logging.getLogger("ckptguard")
 
 @dataclass(frozen=True)
 class BusyView(Wire):
-    """One rank's view: the step whose commit is in flight here (None: idle) and since when (seconds)."""
+    """One rank's view: the step whose commit is in flight here (None: idle) and since when
+    (seconds)."""
 
     running: int | None
     running_s: float
     queued: int | None = None
     """The step of a coalesced save queued here, not started (``OnBusy.COALESCE``)."""
     fast_busy: bool = False
-    """A tiered save's fast part (commit, replica push) still runs here, not only its persistent part."""
+    """A tiered save's fast part (commit, replica push) still runs here, not only its persistent
+    part."""
     unready_bytes: int = 0
-    """Host staging bytes still being prepared here in the background (0: ready, or none being prepared)."""
+    """Host staging bytes still being prepared here in the background (0: ready, or none being
+    prepared)."""
 
 
 @dataclass(frozen=True)
 class BusyDecision(Wire):
     """Rank 0's verdict: ``busy`` when a commit is in flight on any rank (``ranks``, ``running``);
-    ``fast_busy`` when a tiered save's fast part still runs on any rank; ``queued``: the step queued on
-    rank 0, ``queue_differs``: the ranks that hold another (never expected; every rank raises)."""
+    ``fast_busy`` when a tiered save's fast part still runs on any rank; ``queued``: the step queued
+    on rank 0, ``queue_differs``: the ranks that hold another (never expected; every rank
+    raises)."""
 
     busy: bool
     running: int | None = None
@@ -61,9 +66,10 @@ class BusyDecision(Wire):
     unready_bytes: int = 0  # the most any of them still lacks
 
 
-# A save may read this much of its state live while the staging is still being prepared (tens of ms of the next
-# optimizer step's wait); past it, under OnBusy.SKIP, it is skipped instead: on an H100 the first fast-tier save,
-# 1.2 s after the first step, held the loop 2.19 s reading 6.2 GiB live (benchmarks/results/issue41_h100).
+# A save may read this much of its state live while the staging is still being prepared (tens of ms
+# of the next optimizer step's wait); past it, under OnBusy.SKIP, it is skipped instead: on an H100
+# the first fast-tier save, 1.2 s after the first step, held the loop 2.19 s reading 6.2 GiB live
+# (benchmarks/results/issue41_h100).
 UNREADY_LIVE_BYTES = 64 << 20
 
 
@@ -116,8 +122,8 @@ def decide(views: list[BusyView]) -> BusyDecision:
 
 @dataclass
 class Skipped:
-    """A save not committed as requested: ``kind`` is ``skipped``, ``coalesced`` (a newer one replaced it
-    in the queue) or ``redirected`` (written to the fast tier only)."""
+    """A save not committed as requested: ``kind`` is ``skipped``, ``coalesced`` (a newer one
+    replaced it in the queue) or ``redirected`` (written to the fast tier only)."""
 
     step: int
     running: int | None
@@ -144,7 +150,8 @@ class BusyRound:
         self.coalesced_total = 0
         """Queued saves a newer request replaced before they started (``OnBusy.COALESCE``)."""
         self.redirected_total = 0
-        """Saves written to the fast tier only while the persistent tier committed (``OnBusy.FAST_TIER``)."""
+        """Saves written to the fast tier only while the persistent tier committed
+        (``OnBusy.FAST_TIER``)."""
         self.since_commit: list[Skipped] = []
         """Skips not yet reported in a committed step's cost block."""
         self.last_commit_s: float | None = None
@@ -165,19 +172,21 @@ class BusyRound:
         fast_busy: bool = False,
         unready: int = 0,
     ) -> BusyDecision:
-        """Collective: every rank's view, rank 0's verdict. Ranks holding different queued saves (never
-        expected: they are queued and replaced only on this round's verdicts) raise alike on every rank.
-        ``unready``: this rank's staging bytes still being prepared (``AsyncStaging.unready_bytes``)."""
+        """Collective: every rank's view, rank 0's verdict. Ranks holding different queued saves
+        (never expected: they are queued and replaced only on this round's verdicts) raise alike on
+        every rank. ``unready``: this rank's staging bytes still being prepared
+        (``AsyncStaging.unready_bytes``)."""
         view = BusyView(
             running, round(running_s, 3), queued=queued, fast_busy=fast_busy, unready_bytes=unready
         )
         decision = gather_decide(self.agreement, "save.busy", view, decide, decision=BusyDecision)
         if decision.queue_differs:
             raise CheckpointError(
-                f"save_async of {self.label} {step}: rank 0 holds queued {self.label} {decision.queued} and ranks "
-                f"{decision.queue_differs} another (this rank: {queued}); a queued save would start on some ranks "
-                "only. This is a ckptguard bug: report it; CheckpointConfig(async_save=AsyncOptions("
-                "on_busy=OnBusy.SKIP)) avoids the queue"
+                f"save_async of {self.label} {step}: rank 0 holds queued {self.label} "
+                f"{decision.queued} and ranks {decision.queue_differs} another (this rank: "
+                f"{queued}); a queued save would start on some ranks only. This is a ckptguard "
+                f"bug: report it; CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.SKIP)) "
+                f"avoids the queue"
             )
         return decision
 
@@ -191,13 +200,15 @@ class BusyRound:
         return (t1 - t0) / (s1 - s0)
 
     def fitting_interval(self, decision: BusyDecision) -> tuple[int, float] | None:
-        """(steps, commit seconds): the smallest save interval in steps the measured commit time fits."""
+        """(steps, commit seconds): the smallest save interval in steps the measured commit time
+        fits."""
         step_s = self.step_seconds()
         commit_s = max(self.last_commit_s or 0.0, decision.running_s)
         if step_s is None or step_s <= 0 or commit_s <= 0:
             return None
-        # Strictly more steps than one commit lasts, and more than the interval that was just too short: a
-        # job saving every 4 steps was told "4 fits" (ceil of 3.9) after a skip at that very interval.
+        # Strictly more steps than one commit lasts, and more than the interval that was just too
+        # short: a job saving every 4 steps was told "4 fits" (ceil of 3.9) after a skip at that
+        # very interval.
         (s0, _t0), (s1, _t1) = self._requests
         return max(math.floor(commit_s / step_s) + 1, s1 - s0 + 1), commit_s
 
@@ -213,7 +224,8 @@ class BusyRound:
         )
 
     def skip(self, step: int, decision: BusyDecision, why: str = "") -> Skipped:
-        """Count, log and keep a skipped request (``OnBusy.SKIP``; ``why``: what kept another policy from it)."""
+        """Count, log and keep a skipped request (``OnBusy.SKIP``; ``why``: what kept another policy
+        from it)."""
         fit = self.fitting_interval(decision)
         reason = self.running_reason(decision) + (f"; {why}" if why else "")
         skipped = Skipped(step, decision.running, reason)
@@ -223,12 +235,14 @@ class BusyRound:
         if fit is not None:
             every, commit_s = fit
             advice = (
-                f"; one commit takes {commit_s:.2f} s, saves come every {self.step_seconds() or 0:.2f} s per "
-                f"{self.label}: an interval of {every} {self.label}s or more fits it"
+                f"; one commit takes {commit_s:.2f} s, saves come every "
+                f"{self.step_seconds() or 0:.2f} s per {self.label}: an interval of {every} "
+                f"{self.label}s or more fits it"
             )
         message = (
-            f"ckptguard: save_async of {self.label} {step} SKIPPED ({self.skipped_total} so far): {reason}"
-            f"{advice}. CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.WAIT)) waits instead"
+            f"ckptguard: save_async of {self.label} {step} SKIPPED ({self.skipped_total} so "
+            f"far): {reason}{advice}. "
+            f"CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.WAIT)) waits instead"
         )
         interval = fit[0] if fit is not None else None
         if self.skipped_total == 1 or interval != self._warned_interval:
@@ -239,7 +253,8 @@ class BusyRound:
         return skipped
 
     def coalesce(self, step: int, by: int, reason: str) -> Skipped:
-        """Count, log and keep a queued save that ``by`` replaced before it started (``OnBusy.COALESCE``)."""
+        """Count, log and keep a queued save that ``by`` replaced before it started
+        (``OnBusy.COALESCE``)."""
         self.coalesced_total += 1
         gone = Skipped(
             step, None, f"replaced in the queue by {self.label} {by}: {reason}", kind="coalesced"
@@ -274,8 +289,8 @@ class BusyRound:
         return moved
 
     def pending_cost(self) -> dict[str, Figure]:
-        """The skipped, coalesced and redirected saves since the last committed step, for the next one's cost
-        block (then forgotten)."""
+        """The skipped, coalesced and redirected saves since the last committed step, for the next
+        one's cost block (then forgotten)."""
         totals = {
             "skipped": self.skipped_total,
             "coalesced": self.coalesced_total,
@@ -299,9 +314,10 @@ def unready_reason(decision: BusyDecision) -> str:
     ranks = decision.unready_ranks
     where = f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]}"
     return (
-        f"the host staging is still being prepared in the background on {where} ({decision.unready_bytes} B "
-        "to go, since the state was first known): this save would read that much live and hold the next "
-        "optimizer step until it had; prepare_async(state) early in the job starts it sooner"
+        f"the host staging is still being prepared in the background on {where} "
+        f"({decision.unready_bytes} B to go, since the state was first known): this save would "
+        f"read that much live and hold the next optimizer step until it had; prepare_async(state) "
+        f"early in the job starts it sooner"
     )
 
 
@@ -309,9 +325,10 @@ def check_policy(policy: OnBusy, front_door: str, able: tuple[OnBusy, ...]) -> N
     """Refuse an ``on_busy`` policy ``front_door`` cannot follow, naming the ones it can."""
     if policy not in able:
         raise ConfigError(
-            f"{front_door}: CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.{policy.name})) is not a policy "
-            "it can follow "
-            f"({policy.name}: see the OnBusy docstring); use one of {', '.join('OnBusy.' + p.name for p in able)}"
+            f"{front_door}: "
+            f"CheckpointConfig(async_save=AsyncOptions(on_busy=OnBusy.{policy.name})) is not a "
+            f"policy it can follow ({policy.name}: see the OnBusy docstring); use one of "
+            f"{', '.join('OnBusy.' + p.name for p in able)}"
         )
 
 
@@ -325,11 +342,12 @@ def may_start(
     record: Callable[..., None],
     unready: int = 0,
 ) -> bool:
-    """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: False when it is skipped, on every rank
-    alike. Otherwise every rank's previous commit is published (its error is raised here, alike on every
-    rank); its cleanup may still run, and the new commit starts after it. ``record``: the proof record.
-    ``unready``: this rank's staging bytes still being prepared; past ``UNREADY_LIVE_BYTES`` on any rank, a save
-    under ``OnBusy.SKIP`` is skipped as one is while a commit runs (``WAIT`` reads them live, as before)."""
+    """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: False when it is
+    skipped, on every rank alike. Otherwise every rank's previous commit is published (its error is
+    raised here, alike on every rank); its cleanup may still run, and the new commit starts after
+    it. ``record``: the proof record. ``unready``: this rank's staging bytes still being prepared;
+    past ``UNREADY_LIVE_BYTES`` on any rank, a save under ``OnBusy.SKIP`` is skipped as one is while
+    a commit runs (``WAIT`` reads them live, as before)."""
     busy.request(step)
     if policy is OnBusy.WAIT:
         wait()
@@ -357,7 +375,8 @@ def may_start(
 
 
 def settle(busy: BusyRound, pending: InFlight | None) -> None:
-    """Every rank's commit ended: note how long it took, and raise its error (alike on every rank)."""
+    """Every rank's commit ended: note how long it took, and raise its error (alike on every
+    rank)."""
     if pending is not None:
         if pending.commit_seconds is not None:
             busy.commit_took(pending.commit_seconds)
@@ -373,9 +392,10 @@ def route_tiered(
     record: Callable[..., None],
     unready: int = 0,
 ) -> str:
-    """``OnBusy.FAST_TIER`` for a tiered ``save_async`` of ``step``, alike on every rank: ``"start"`` (no commit in
-    flight on any rank; its error raised here, as ``may_start``), ``"fast"`` (only persistent commits run: write
-    it to the fast tier alone, recorded as redirected) or ``"skip"`` (the fast tier still commits on some rank)."""
+    """``OnBusy.FAST_TIER`` for a tiered ``save_async`` of ``step``, alike on every rank:
+    ``"start"`` (no commit in flight on any rank; its error raised here, as ``may_start``),
+    ``"fast"`` (only persistent commits run: write it to the fast tier alone, recorded as
+    redirected) or ``"skip"`` (the fast tier still commits on some rank)."""
     busy.request(step)
     running = pending if pending is not None and pending.busy() else None
     decision = busy.round(

@@ -1,4 +1,5 @@
-"""``OnBusy.COALESCE``: at most one save staged while a commit runs, started only at an agreed point.
+"""``OnBusy.COALESCE``: at most one save staged while a commit runs, started only at an agreed
+point.
 
 Contract. A ``save_async`` that the busy round finds busy (a commit in flight on any rank) is
 snapshotted now, on the busy round's agreement (the commit thread agrees on the manager's), into the
@@ -6,18 +7,19 @@ staging set that the running commit does not read, whole or not at all, and queu
 Every rank first places its slots and says whether its whole snapshot fits (``save.queue``); rank 0
 decides for all, so the queue is the same on every rank: when any rank cannot hold its snapshot (it
 must never read live tensors: they change before it starts), every rank skips the request, with the
-reason, and keeps what it had queued. A request while one is queued replaces it (the newest wins; the
-replaced step is counted and recorded as coalesced, with its reason). The queued save starts only in
-the caller's thread, at a point every rank reaches alike: a busy round that finds every rank's commit
-ended (``poll``; a ``save_async`` there replaces it by its newer step instead), or ``wait()``, which
-every rank calls, after its own commit ended. No commit thread starts it on its own, so no rank can
-have started a queued save that another rank replaced; the busy round also checks that every rank
-holds the same queued step.
+reason, and keeps what it had queued. A request while one is queued replaces it (the newest wins;
+the replaced step is counted and recorded as coalesced, with its reason). The queued save starts
+only in the caller's thread, at a point every rank reaches alike: a busy round that finds every
+rank's commit ended (``poll``; a ``save_async`` there replaces it by its newer step instead), or
+``wait()``, which every rank calls, after its own commit ended. No commit thread starts it on its
+own, so no rank can have started a queued save that another rank replaced; the busy round also
+checks that every rank holds the same queued step.
 
-Host memory. Under the derived host budget (``AsyncOptions.host_bytes`` None), both sets together stay
-within ``HOST_FACTOR`` (1.05x) the state's bytes: a request whose snapshot would take them beyond it is
-skipped, its reason naming the figure (a second set beside a full first one is 2.0x, issue 41). An explicit
-``host_bytes`` is the caller's allowance for both sets together (twice the state lets every request queue).
+Host memory. Under the derived host budget (``AsyncOptions.host_bytes`` None), both sets together
+stay within ``HOST_FACTOR`` (1.05x) the state's bytes: a request whose snapshot would take them
+beyond it is skipped, its reason naming the figure (a second set beside a full first one is 2.0x,
+issue 41). An explicit ``host_bytes`` is the caller's allowance for both sets together (twice the
+state lets every request queue).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from .snapshot import Snapshot, snapshot
 T = TypeVar("T")
 
 HOST_FACTOR = 1.05
-"""Host staging of both sets together, as a multiple of the state, under the derived budget (issue 41)."""
+"""Host staging of both sets together, as a multiple of the state, under the derived budget (issue
+41)."""
 
 
 def state_bytes(items: Mapping[str, Captured]) -> int:
@@ -68,7 +71,8 @@ class HoldView(Wire):
 
 @dataclass(frozen=True)
 class HoldVerdict(Wire):
-    """Rank 0's: queue the request on every rank, or skip it on every rank (``why``: which rank, why)."""
+    """Rank 0's: queue the request on every rank, or skip it on every rank (``why``: which rank,
+    why)."""
 
     whole: bool
     why: str = ""
@@ -98,7 +102,8 @@ class Queued:
     blocked_s: float
     """How long the request held the caller (the snapshot and its copies)."""
     health: tuple[bool | None, Any, Any]
-    """The request's ``healthy``, ``loss`` and ``grad_norm``: the health agreement runs when it starts."""
+    """The request's ``healthy``, ``loss`` and ``grad_norm``: the health agreement runs when it
+    starts."""
 
     @property
     def resumed(self) -> float:
@@ -108,8 +113,8 @@ class Queued:
     def prepared(
         self, cost: Mapping[str, Figure], commit: Callable[[Snapshot, float, float, bool], Path]
     ) -> tuple[Callable[[], Path], Fence, float]:
-        """What ``CheckpointManager.start_commit`` starts: its commit (its cost block gets ``cost`` and the seconds
-        it waited in the queue), its fence, its request time."""
+        """What ``CheckpointManager.start_commit`` starts: its commit (its cost block gets ``cost``
+        and the seconds it waited in the queue), its fence, its request time."""
         self.snap.cost.update({**cost, "queued_s": round(time.monotonic() - self.resumed, 4)})
         return (
             committer(commit, self.snap, self.requested, self.staging.pool),
@@ -118,7 +123,8 @@ class Queued:
         )
 
     def drop(self, *, unguard: bool = True) -> None:
-        """Release its slots (and the mutation hooks of its set, unless a newer save of that set holds them)."""
+        """Release its slots (and the mutation hooks of its set, unless a newer save of that set
+        holds them)."""
         self.staged.fence.live_read()
         if self.staging.pool is not None:
             self.staging.pool.done()
@@ -145,9 +151,10 @@ class Placement:
 def place_whole(
     staging: AsyncStaging, snap: Snapshot, config: CheckpointConfig, budget: int
 ) -> Placement | str:
-    """A host slot for every tensor of ``snap`` in this set's pool (within ``budget``), or why not (nothing
-    placed then; the pool grows toward it in the background). Copies nothing: ``fill`` does, once agreed.
-    Placing resets the pool's slots: what this set held before stays intact until ``fill`` runs."""
+    """A host slot for every tensor of ``snap`` in this set's pool (within ``budget``), or why not
+    (nothing placed then; the pool grows toward it in the background). Copies nothing: ``fill``
+    does, once agreed. Placing resets the pool's slots: what this set held before stays intact until
+    ``fill`` runs."""
     pool = staging.pool_for(snap.items, config)
     for item in snap.items.values():
         item.skeleton = copy.deepcopy(
@@ -174,14 +181,15 @@ def place_whole(
         pool.grow_async(sizes, budget)
         return f"its host staging set for {want} B was not allocated yet (now being allocated in the background)"
     return (
-        f"it needs {want} B of host staging beside the commit's, and {budget} B of the host staging budget "
-        "are left (raise CheckpointConfig.async_save.host_bytes to twice the state's bytes)"
+        f"it needs {want} B of host staging beside the commit's, and {budget} B of the "
+        f"host staging budget are left (raise CheckpointConfig.async_save.host_bytes to "
+        f"twice the state's bytes)"
     )
 
 
 def fill(staging: AsyncStaging, placed: Placement, state: StateDict, timeout_s: float) -> Staged:
-    """Copy ``placed``'s tensors into their slots; the next mutation waits for the copies (never for a
-    live read: there is none)."""
+    """Copy ``placed``'s tensors into their slots; the next mutation waits for the copies (never for
+    a live read: there is none)."""
     copier = copier_for([local for _, _, _, local, _ in placed.entries])
     out = Staged(
         fence=HostCopier().fence(live=False, timeout_s=timeout_s), host_budget=placed.budget
@@ -199,8 +207,9 @@ def fill(staging: AsyncStaging, placed: Placement, state: StateDict, timeout_s: 
 
 
 class SaveQueue:
-    """One front door's queue of ``OnBusy.COALESCE`` and its two staging sets: ``primary`` (the front door's
-    own) and a spare one; a queued save stages into whichever set the running commit does not read."""
+    """One front door's queue of ``OnBusy.COALESCE`` and its two staging sets: ``primary`` (the
+    front door's own) and a spare one; a queued save stages into whichever set the running commit
+    does not read."""
 
     def __init__(self, busy: BusyRound, primary: AsyncStaging, record: Callable[..., None]) -> None:
         self.busy = busy
@@ -226,8 +235,9 @@ class SaveQueue:
         *,
         wait: Callable[[], Any],
     ) -> bool:
-        """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: True when it starts now; False
-        when it was skipped or queued, alike on every rank (``may_start``, or ``request`` under ``OnBusy.COALESCE``)."""
+        """``CheckpointConfig.async_save.on_busy`` for a ``save_async`` of ``step``: True when it
+        starts now; False when it was skipped or queued, alike on every rank (``may_start``, or
+        ``request`` under ``OnBusy.COALESCE``)."""
         if ctx.config.async_save.on_busy is not OnBusy.COALESCE:
             return may_start(
                 self.busy,
@@ -251,9 +261,9 @@ class SaveQueue:
         *,
         start: Callable[[], T],
     ) -> T | None:
-        """A ``save_async`` of ``step`` under ``OnBusy.COALESCE``: ``start()`` at once when every rank's commit
-        ended (a queued save is replaced by it), else snapshotted and queued, or skipped, alike on every rank;
-        None when not started."""
+        """A ``save_async`` of ``step`` under ``OnBusy.COALESCE``: ``start()`` at once when every
+        rank's commit ended (a queued save is replaced by it), else snapshotted and queued, or
+        skipped, alike on every rank; None when not started."""
         config = ctx.config
         self.busy.request(step)
         decision = self._round(step, pending)
@@ -269,7 +279,8 @@ class SaveQueue:
             return start()
         began = time.monotonic()
         target = self.spare()
-        # The commit thread agrees on the front door's agreement: this snapshot's round runs on the busy one.
+        # The commit thread agrees on the front door's agreement: this snapshot's round runs on the
+        # busy one.
         snap = snapshot(
             dataclasses.replace(ctx, agreement=self.busy.agreement),
             step,
@@ -304,8 +315,8 @@ class SaveQueue:
         return None
 
     def poll(self, pending: InFlight | None, healthy: Callable[..., bool]) -> Queued | None:
-        """Collective when a save is queued (on every rank alike, then): when every rank's commit ended, the queued
-        save taken out to be started (``take``); None otherwise."""
+        """Collective when a save is queued (on every rank alike, then): when every rank's commit
+        ended, the queued save taken out to be started (``take``); None otherwise."""
         if (
             self.queued is None
         ):  # the same on every rank: queued and replaced only on agreed verdicts
@@ -316,8 +327,9 @@ class SaveQueue:
         return None
 
     def take(self, healthy: Callable[..., bool]) -> Queued | None:
-        """The queued save, out of the queue, once its request's health agreement (``healthy(step, healthy, loss,
-        grad_norm)``, collective) passed; an unhealthy one is dropped. ``wait()``: every rank's own commit ended."""
+        """The queued save, out of the queue, once its request's health agreement (``healthy(step,
+        healthy, loss, grad_norm)``, collective) passed; an unhealthy one is dropped. ``wait()``:
+        every rank's own commit ended."""
         queued, self.queued = self.queued, None
         if queued is None:
             return None
@@ -331,9 +343,9 @@ class SaveQueue:
         return self.sets[1] if self.reading is self.sets[0] else self.sets[0]
 
     def budget(self, target: AsyncStaging, config: CheckpointConfig, want: int) -> int | str:
-        """The host bytes ``target`` may hold for a snapshot of ``want`` bytes: the front door's host staging
-        budget less what the other set holds (both are alive at once); under the derived budget also within
-        ``HOST_FACTOR`` the state, or why not (with the figure)."""
+        """The host bytes ``target`` may hold for a snapshot of ``want`` bytes: the front door's
+        host staging budget less what the other set holds (both are alive at once); under the
+        derived budget also within ``HOST_FACTOR`` the state, or why not (with the figure)."""
         other = self.sets[1] if target is self.sets[0] else self.sets[0]
         held = other.pool.held_bytes if other.pool is not None else 0
         if config.async_save.host_bytes is not None:
@@ -341,10 +353,11 @@ class SaveQueue:
         cap = int(HOST_FACTOR * want)
         if held + want > cap:
             return (
-                f"its snapshot ({want} B) beside the {held} B the commit's staging set holds would keep "
-                f"{(held + want) / max(want, 1):.2f}x the state in host memory, over OnBusy.COALESCE's "
-                f"{HOST_FACTOR}x ({cap} B); set CheckpointConfig.async_save.host_bytes to {held + want} B or more "
-                "to allow it, or use OnBusy.SKIP"
+                f"its snapshot ({want} B) beside the {held} B the commit's staging set "
+                f"holds would keep {(held + want) / max(want, 1):.2f}x the state in host "
+                f"memory, over OnBusy.COALESCE's {HOST_FACTOR}x ({cap} B); set "
+                f"CheckpointConfig.async_save.host_bytes to {held + want} B or more to "
+                f"allow it, or use OnBusy.SKIP"
             )
         total = self.sets[0].budget
         if total is None:
@@ -357,8 +370,9 @@ class SaveQueue:
         self.sets[0].known(state, ctx.keyfn(), ctx.config)
 
     def prepare(self, items: dict[str, Captured], config: CheckpointConfig) -> Future[int]:
-        """``prepare_async``: the primary set's ``prepare``; under ``OnBusy.COALESCE`` then the spare set grown to
-        ``items`` (all to the host) within what the budget leaves, in the background; a future of the bytes added."""
+        """``prepare_async``: the primary set's ``prepare``; under ``OnBusy.COALESCE`` then the
+        spare set grown to ``items`` (all to the host) within what the budget leaves, in the
+        background; a future of the bytes added."""
         first = self.sets[0].prepare(items, config)
         if config.async_save.on_busy is not OnBusy.COALESCE:
             return first
@@ -380,15 +394,16 @@ class SaveQueue:
         return done
 
     def staged(self, pending: PendingSave | None) -> float:
-        """``staged()`` for the save in flight and the queued one's copies; the seconds it blocked."""
+        """``staged()`` for the save in flight and the queued one's copies; the seconds it
+        blocked."""
         waited = self.queued.staged.fence.before_mutation() if self.queued is not None else 0.0
         return waited + (
             pending.fence.before_mutation() if pending is not None and pending.fence else 0.0
         )
 
     def close(self, wait: Callable[[], Any]) -> None:
-        """``wait()`` (it commits a queued save), then drop what is still queued (its error stopped it) and release
-        both sets, also when it raised."""
+        """``wait()`` (it commits a queued save), then drop what is still queued (its error stopped
+        it) and release both sets, also when it raised."""
         try:
             wait()
         finally:

@@ -60,7 +60,8 @@ class PrepareRequest(Wire):
 
 @dataclass(frozen=True)
 class Prepared(Wire):
-    """Rank 0's reply to prepare: the temp directory and the contract phase in force, or its failure."""
+    """Rank 0's reply to prepare: the temp directory and the contract phase in force, or its
+    failure."""
 
     tmp: str = ""
     chain_id: str = ""
@@ -75,7 +76,8 @@ class Prepared(Wire):
 
 @dataclass(frozen=True)
 class RankReport(Wire):
-    """What one rank wrote (files with sizes and checksums, per-item digests), or its first error."""
+    """What one rank wrote (files with sizes and checksums, per-item digests), or its first
+    error."""
 
     host: str
     files: list[FileEntry] = field(
@@ -105,7 +107,8 @@ class Outcome(Wire):
 
 @dataclass(frozen=True)
 class PlaceView(Wire):
-    """Whether this rank finds rank 0's temp directory at its own root: the same disk, or another."""
+    """Whether this rank finds rank 0's temp directory at its own root: the same disk, or
+    another."""
 
     sees: bool
 
@@ -116,7 +119,8 @@ class NodeReport(Wire):
 
     failure: WriteFailure | None = None
     tracker: int | None = (
-        None  # the publishing rank's tracker on its node's root (at prepare; after the tracker round)
+        # the publishing rank's tracker on its node's root (at prepare; after the tracker round)
+        None
     )
     tracker_error: str = ""  # after the tracker round: why the tracker could not be read back
     READERS = {"failure": read_failure}
@@ -133,7 +137,8 @@ class NodesSeen(Wire):
 
 @dataclass(frozen=True)
 class NodePlan(Wire):
-    """Rank 0's verdict on the write: the failures, or the global manifest and the copies to make."""
+    """Rank 0's verdict on the write: the failures, or the global manifest and the copies to
+    make."""
 
     failures: list[WriteFailure] = field(default_factory=list)
     manifest: dict[str, Any] = field(default_factory=dict)
@@ -169,8 +174,8 @@ def failure_from(exc: BaseException, *, rank: int, phase: str) -> WriteFailure:
 
 
 NOT_MOVED = (
-    "the tracker was not moved, so the previous committed step stays the resume target. Fix the cause (disk "
-    "space, permissions, storage health) and save again."
+    "the tracker was not moved, so the previous committed step stays the resume target. Fix the "
+    "cause (disk space, permissions, storage health) and save again."
 )
 
 

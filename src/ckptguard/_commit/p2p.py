@@ -12,16 +12,16 @@ sequence of messages that both sides walk in step (``max(1, ceil(size / CHUNK))`
 
 1. for each block: sender -> receiver: one message, a 24-byte header (ok with the block's length, or
    failed with the length of the description; and the sender's size of the file) followed by the
-   block's bytes (or the description); receiver -> sender (every block but the last): written, or why
-   not (its temp file could not be created, a write failed), as one message of the same form;
+   block's bytes (or the description); receiver -> sender (every block but the last): written, or
+   why not (its temp file could not be created, a write failed), as one message of the same form;
 2. receiver -> sender: the file is in place, or why not (fsync, checksum, rename).
 
 Every message is checked on both sides. The sender sends exactly the header and the length it
 announces; the receiver posts every receive at the largest message the protocol has (``HEADER`` +
 ``CHUNK``: gloo aborts the process, uncatchably, on a message longer than the buffer it lands in,
 and accepts a shorter one), then checks the header against its own plan: a block of another length
-or a file of another size than its spec, a length beyond ``CHUNK`` or a status that is neither ok nor
-failed is refused on both sides, its ``.part`` file removed, naming the peer's rank. A peer that
+or a file of another size than its spec, a length beyond ``CHUNK`` or a status that is neither ok
+nor failed is refused on both sides, its ``.part`` file removed, naming the peer's rank. A peer that
 sends more than ``HEADER`` + ``CHUNK`` bytes in one message still ends the receiving process inside
 gloo: no receive can be posted larger than the largest message a peer may send.
 
@@ -111,10 +111,11 @@ def _inbox() -> torch.Tensor:
 def _recv_msg(
     link: Link, src: int, inbox: torch.Tensor, ok_max: int = CHUNK
 ) -> tuple[int, int, int]:
-    """(status, body length, total) of the next message from ``src``, its body at ``inbox[HEADER:]``.
-    Checked before the body is used: the header's status and length, and the real length of the message
-    (gloo does not report it): random canaries just past the body this side expects (``ok_max`` bytes
-    for an ok message, ``_TEXT_MAX`` for a failure) must survive a message that announces no more."""
+    """(status, body length, total) of the next message from ``src``, its body at
+    ``inbox[HEADER:]``. Checked before the body is used: the header's status and length, and the
+    real length of the message (gloo does not report it): random canaries just past the body this
+    side expects (``ok_max`` bytes for an ok message, ``_TEXT_MAX`` for a failure) must survive a
+    message that announces no more."""
     view = inbox.numpy()
     spots = sorted({min(ok_max, CHUNK), _TEXT_MAX})
     # Overlapping windows would overwrite each other: keep the later one.
@@ -130,8 +131,9 @@ def _recv_msg(
             f"a message with status {code} and a body of {count} bytes (at most {CHUNK} bytes of "
             f"data or {_TEXT_MAX} of a failure's description are allowed)"
         )
-    # The smallest canary at or past the announced length: overwritten, the message was longer than it says.
-    # (A length past every canary is another size than this side expects: the caller refuses it as such.)
+    # The smallest canary at or past the announced length: overwritten, the message was longer than
+    # it says. (A length past every canary is another size than this side expects: the caller
+    # refuses it as such.)
     past = next((a for a in spots if a >= count), None)
     if past is not None and not numpy.array_equal(
         view[HEADER + past : HEADER + past + _CANARY], canary
@@ -160,7 +162,8 @@ def _send_fail(link: Link, dst: int, problem: Problem) -> None:
 
 
 def _recv_answer(link: Link, src: int, inbox: torch.Tensor) -> int:
-    """The peer's next answer: raises its problem where it failed, else returns the answer's count."""
+    """The peer's next answer: raises its problem where it failed, else returns the answer's
+    count."""
     code, n, _ = _recv_msg(link, src, inbox, ok_max=0)
     if code == _OK:
         if n:
@@ -195,8 +198,8 @@ def recv_json(link: Link, src: int, limit: int = 1 << 30) -> Any:
         code, n, total = _recv_msg(link, src, inbox)
         if code != _OK or not 0 <= total <= limit or len(got) + n > total:
             raise OutOfStep(
-                f"a JSON piece of {n} bytes of {total} (status {code}, {len(got)} received, at most "
-                f"{limit})"
+                f"a JSON piece of {n} bytes of {total} (status {code}, {len(got)} "
+                f"received, at most {limit})"
             )
         got += bytes(inbox[HEADER : HEADER + n].numpy())
         if len(got) == total:
@@ -209,7 +212,8 @@ def recv_json(link: Link, src: int, limit: int = 1 << 30) -> Any:
 
 
 def _tell(link: Link, peer: int, problem: Problem) -> None:
-    """Best effort: an honest peer that is out of step hears why; a lying one may not be listening."""
+    """Best effort: an honest peer that is out of step hears why; a lying one may not be
+    listening."""
     with contextlib.suppress(RuntimeError):
         _send_fail(link, peer, problem)
 
@@ -218,7 +222,8 @@ def _tell(link: Link, peer: int, problem: Problem) -> None:
 
 
 def _read_block(f: Any, buf: torch.Tensor, at: int, size: int) -> str | None:
-    """Fill ``buf`` from ``f`` (at byte ``at`` of a ``size``-byte file); why not, if it could not."""
+    """Fill ``buf`` from ``f`` (at byte ``at`` of a ``size``-byte file); why not, if it could
+    not."""
     view = buf.numpy().data
     got = 0
     try:
@@ -240,8 +245,9 @@ def _blocks(size: int) -> int:
 def _send_block(
     link: Link, dst: int, buf: torch.Tensor, n: int, total: int, problem: Problem | None = None
 ) -> None:
-    """``buf[HEADER:HEADER + n]`` holds the block: sent with its header as one message of exactly the length
-    the header announces. With ``problem`` the message says it failed and carries the description instead."""
+    """``buf[HEADER:HEADER + n]`` holds the block: sent with its header as one message of exactly
+    the length the header announces. With ``problem`` the message says it failed and carries the
+    description instead."""
     if problem is not None:
         _send_msg(link, dst, _FAIL, json.dumps(problem.__dict__).encode()[:_TEXT_MAX], total)
         return
@@ -250,8 +256,8 @@ def _send_block(
 
 
 def send_file(link: Link, path: Path, spec: FileSpec, dst: int) -> Problem | None:
-    """Send ``spec.size`` bytes of ``path`` to ``dst`` (which calls ``recv_file``); returns the problem,
-    this side's or the receiver's, if the file did not arrive in place."""
+    """Send ``spec.size`` bytes of ``path`` to ``dst`` (which calls ``recv_file``); returns the
+    problem, this side's or the receiver's, if the file did not arrive in place."""
     me = dist.get_rank(link.group)
     started = time.monotonic()
     f = None
@@ -354,10 +360,12 @@ def recv_file(
         if refuse is None and (
             not spec.path or os.path.isabs(spec.path) or ".." in Path(spec.path).parts
         ):
-            # The path comes from the peer: one that leaves the receiver's directory is never written.
+            # The path comes from the peer: one that leaves the receiver's directory is never
+            # written.
             refuse = (
                 "the path: it leaves the directory it is received into (absolute or '..')",
-                f"the sender's manifest or plan is damaged or crafted; check rank {src}'s checkpoint root",
+                f"the sender's manifest or plan is damaged or crafted; check "
+                f"rank {src}'s checkpoint root",
             )
         if refuse is not None:
             problem = describe(
@@ -396,8 +404,8 @@ def recv_file(
                     me,
                     f"rank {src} sends {total} bytes of it, rank {me} expects {spec.size} "
                     f"(a block of {count} bytes where {n} were due, block {i + 1} of {blocks})",
-                    "the two ranks' records of this file disagree (a damaged or crafted manifest or plan): check "
-                    f"rank {src}'s checkpoint root",
+                    f"the two ranks' records of this file disagree (a damaged or crafted manifest "
+                    f"or plan): check rank {src}'s checkpoint root",
                     at=me,
                     exc_type="CheckpointCorruptError",
                 )

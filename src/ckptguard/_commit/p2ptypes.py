@@ -5,7 +5,8 @@ process group, the step, the kind of transfer and what to do after a failure, a 
 message). A transfer that fails returns a ``Problem``, the same on both sides: ``describe`` words it
 (what failed: the file, the step, the sending and receiving rank; what to do), ``peer_lost`` for a
 peer that died or hangs, ``peer_broke`` for one that broke the protocol (``OutOfStep``). A peer's
-own failure arrives as its ``Problem`` (``PeerProblem``). None of it runs unless ranks exchange files.
+own failure arrives as its ``Problem`` (``PeerProblem``). None of it runs unless ranks exchange
+files.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class PeerProblem(Exception):
 
 
 class OutOfStep(RuntimeError):
-    """The peer sent a message the protocol does not allow at this point (a lying or broken peer)."""
+    """The peer sent a message the protocol does not allow at this point (a lying or broken
+    peer)."""
 
 
 def describe(
@@ -77,13 +79,13 @@ def describe(
     exc_type: str = "OSError",
     path: Path | str | None = None,
 ) -> Problem:
-    """The problem rank ``at`` hit: the transfer, the step, the file and both ranks, the ``cause``; what
-    to do (``todo``), then the link's retry."""
+    """The problem rank ``at`` hit: the transfer, the step, the file and both ranks, the ``cause``;
+    what to do (``todo``), then the link's retry."""
     step = f"step {link.step}" if link.step is not None else "step unknown"
     oserr = exc if isinstance(exc, OSError) else None
     return Problem(
-        f"{link.what}, {step}: {spec.path} ({spec.size} bytes) from rank {src} to rank {dst}: {cause}; "
-        f"{todo}, then {link.retry}",
+        f"{link.what}, {step}: {spec.path} ({spec.size} bytes) from rank {src} to rank {dst}: "
+        f"{cause}; {todo}, then {link.retry}",
         rank=at,
         exc_type=type(exc).__name__ if exc is not None else exc_type,
         errno=oserr.errno if oserr is not None else None,
@@ -102,9 +104,10 @@ def peer_lost(
         spec,
         src,
         dst,
-        f"rank {peer} stopped answering after {time.monotonic() - started:.1f} s ({type(exc).__name__}: "
-        f"{str(exc)[:300]})",
-        f"rank {peer} died or hangs (its node's log says why); restart the job once every rank runs",
+        f"rank {peer} stopped answering after {time.monotonic() - started:.1f} s "
+        f"({type(exc).__name__}: {str(exc)[:300]})",
+        f"rank {peer} died or hangs (its node's log says why); restart the "
+        f"job once every rank runs",
         at=src if peer == dst else dst,
         exc=exc,
     )
@@ -113,15 +116,16 @@ def peer_lost(
 def peer_broke(
     link: Link, spec: FileSpec, src: int, dst: int, peer: int, exc: OutOfStep
 ) -> Problem:
-    """The peer broke the protocol: refused here (the caller's ``finally`` removes the ``.part`` file),
-    naming the peer; the pair cannot go on in step, so the transfers with that peer stop."""
+    """The peer broke the protocol: refused here (the caller's ``finally`` removes the ``.part``
+    file), naming the peer; the pair cannot go on in step, so the transfers with that peer stop."""
     return describe(
         link,
         spec,
         src,
         dst,
         f"rank {peer} broke the transfer protocol: it sent {exc}",
-        f"rank {peer} runs other code or is compromised; check that every rank runs the same ckptguard",
+        f"rank {peer} runs other code or is compromised; check that every "
+        f"rank runs the same ckptguard",
         at=src if peer == dst else dst,
         exc_type="CheckpointCorruptError",
     )

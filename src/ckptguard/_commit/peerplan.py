@@ -1,8 +1,9 @@
-"""A peer's fetch plan, checked before a byte of it is written (a replacement node fetching its rank's part of a
-step from a peer replica, ``replica.recv_part``): the header's file specs (``header_specs``), then each file
-against the manifest that came first (``Admission``: only this rank's extras, the DCP metadata and the shards
-the metadata says it reads, with the manifest's size and xxh3; only contract phases the manifest names, linked
-into the root never over one). A plan that names anything else is refused within the exchange."""
+"""A peer's fetch plan, checked before a byte of it is written (a replacement node fetching its
+rank's part of a step from a peer replica, ``replica.recv_part``): the header's file specs
+(``header_specs``), then each file against the manifest that came first (``Admission``: only this
+rank's extras, the DCP metadata and the shards the metadata says it reads, with the manifest's size
+and xxh3; only contract phases the manifest names, linked into the root never over one). A plan that
+names anything else is refused within the exchange."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ CRAFTED = "the peer's plan is damaged or crafted; check rank {src}'s checkpoint 
 
 
 def header_specs(header: Any, step: int) -> tuple[list[FileSpec], tuple[str, str] | None]:
-    """The specs of a fetch header, and why it is refused (None: it is not): the specs read up to the
-    first that does not parse, so the first file's exchange can still carry the refusal."""
+    """The specs of a fetch header, and why it is refused (None: it is not): the specs read up to
+    the first that does not parse, so the first file's exchange can still carry the refusal."""
     todo = "the sender runs another ckptguard version, or its plan is damaged or crafted"
     raw = header.get("files") if isinstance(header, dict) else None
     if not isinstance(raw, list):
@@ -107,8 +108,8 @@ class Admission:
             )
             if phase is None or int(phase.group(1)) > self.phases:
                 return (
-                    f"of the root it is none of the contract phases 0..{self.phases} the step's manifest "
-                    "names"
+                    f"of the root it is none of the contract phases 0..{self.phases} "
+                    f"the step's manifest names"
                 )
             return None
         if spec.where != "step":
@@ -121,8 +122,8 @@ class Admission:
         )
         if spec.path not in mine:
             return (
-                f"it is not part of rank {self.rank}'s files of the step (its extras, the DCP metadata "
-                "and the shards the metadata says it reads; the metadata comes first)"
+                f"it is not part of rank {self.rank}'s files of the step (its extras, the DCP "
+                f"metadata and the shards the metadata says it reads; the metadata comes first)"
             )
         return None
 
@@ -133,7 +134,8 @@ class Admission:
             self.reads = set()
 
     def finish(self, root: Path) -> list[str]:
-        """Every file the rank reads arrived; then the contract phases go into the root (never over one)."""
+        """Every file the rank reads arrived; then the contract phases go into the root (never over
+        one)."""
         step = self.manifest.step
         got = {s.path for s in self.received if s.where == "step"}
         need = {_layout.extras_name(self.rank), f"{_layout.STATE_DIR}/{DCP_METADATA}"} | (
@@ -141,8 +143,9 @@ class Admission:
         )
         if need - got:
             return [
-                f"fetch from a peer replica, step {step}: rank {self.src} sent rank {self.rank}'s part without "
-                f"{sorted(need - got)[:5]}; {FETCH_RETRY} (the peer's replica is incomplete)"
+                f"fetch from a peer replica, step {step}: rank {self.src} sent rank "
+                f"{self.rank}'s part without {sorted(need - got)[:5]}; {FETCH_RETRY} (the "
+                f"peer's replica is incomplete)"
             ]
         problems: list[str] = []
         for spec in (s for s in self.received if s.where == "root"):
@@ -156,8 +159,9 @@ class Admission:
             except FileExistsError:  # a root of this run already holds its contract: the same bytes
                 if file_digest(str(dest))[1] != spec.xxh3:
                     problems.append(
-                        f"{dest} differs from the run's contract file on rank {self.src}: this node's "
-                        "root holds another run; give the replacement node an empty root (or this run's)"
+                        f"{dest} differs from the run's contract file on rank {self.src}: "
+                        f"this node's root holds another run; give the replacement node an "
+                        f"empty root (or this run's)"
                     )
             except OSError as exc:
                 problems.append(f"fetch from a peer replica, step {step}: placing {dest}: {exc}")

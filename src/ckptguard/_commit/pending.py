@@ -71,7 +71,8 @@ def rewrap(staged: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Staged:
-    """What ``stage`` did with a snapshot: where its bytes went and what a mutation must wait for."""
+    """What ``stage`` did with a snapshot: where its bytes went and what a mutation must wait
+    for."""
 
     fence: Fence
     gpu_bytes: int = 0
@@ -104,10 +105,11 @@ def stage(
 ) -> Staged:
     """Make the snapshot independent of the live tensors, within the byte budgets.
 
-    GPU tensors go to spare GPU memory when all of them fit ``gpu_bytes`` (a clone on the
-    caller's stream: later kernels are ordered after it); the rest into ``pool`` slots, at most
-    ``host_bytes`` in all (``grow``: bytes the pool may map and pin here, on the caller's thread); what fits
-    neither stays live and is read by the writer, the fence then holding the next mutation until it was."""
+    GPU tensors go to spare GPU memory when all of them fit ``gpu_bytes`` (a clone on the caller's
+    stream: later kernels are ordered after it); the rest into ``pool`` slots, at most
+    ``host_bytes`` in all (``grow``: bytes the pool may map and pin here, on the caller's thread);
+    what fits neither stays live and is read by the writer, the fence then holding the next mutation
+    until it was."""
     tensors = [(c, k, t) for c in snap.items.values() for k, t in c.tensors.items()]
     on_gpu = sum(nbytes(t) for _, _, t in tensors if _local(t).is_cuda)
     gpu_fits = on_gpu > 0 and on_gpu <= gpu_bytes and torch.cuda.mem_get_info()[0] > on_gpu
@@ -134,7 +136,8 @@ def stage(
     if to_host and pool is not None:
         sizes = [nbytes(t) for _, _, t, _ in to_host]
         # Never map or pin on the caller's thread: what the pool cannot hold yet is read live this
-        # time (the fence holds the next mutation until it was), and the pool grows in the background.
+        # time (the fence holds the next mutation until it was), and the pool grows in the
+        # background.
         slots = pool.place(sizes, host_bytes, grow=grow)
         if host_bytes and any(s is None for s in slots) and not pool.growing:
             pool.grow_async(sizes, host_bytes)  # the state grew: more room, off this thread
@@ -174,8 +177,9 @@ class AsyncStaging:
         self.ahead = Ahead()
 
     def unready_bytes(self) -> int:
-        """Bytes the staging being prepared in the background still lacks (0: none being prepared, or a
-        preparation past ``PREPARE_PATIENCE_S``: saves then read live rather than be skipped without end)."""
+        """Bytes the staging being prepared in the background still lacks (0: none being prepared,
+        or a preparation past ``PREPARE_PATIENCE_S``: saves then read live rather than be skipped
+        without end)."""
         pool = self.pool
         if pool is None or not (
             pool.growing or (self.preparing is not None and not self.preparing.done())
@@ -185,8 +189,8 @@ class AsyncStaging:
             if not self._patience_said:
                 self._patience_said = True
                 log.warning(
-                    "ckptguard: the host staging has been prepared for over %d s (%d of %d B): save_async "
-                    "stops waiting for it and reads the rest live",
+                    "ckptguard: the host staging has been prepared for over %d s (%d of %d B): "
+                    "save_async stops waiting for it and reads the rest live",
                     PREPARE_PATIENCE_S,
                     pool.held_bytes,
                     self._preparing_bytes,
@@ -214,9 +218,10 @@ class AsyncStaging:
     def prepare(
         self, items: dict[str, Captured], config: CheckpointConfig, *, gpu_bytes: int | None = None
     ) -> Future[int]:
-        """Derive the host budget (a memory probe: about 1 s) and grow the pool to what ``items`` stage into
-        the host, in the background (``prepare_async``, or the first ``save_async`` without it). ``gpu_bytes``:
-        what may go to spare GPU memory instead (None: ``async_gpu_bytes``; 0: everything to the host)."""
+        """Derive the host budget (a memory probe: about 1 s) and grow the pool to what ``items``
+        stage into the host, in the background (``prepare_async``, or the first ``save_async``
+        without it). ``gpu_bytes``: what may go to spare GPU memory instead (None:
+        ``async_gpu_bytes``; 0: everything to the host)."""
         pool = self.pool_for(items, config)
         tensors = [t for c in items.values() for t in c.tensors.values()]
         on_gpu = sum(nbytes(t) for t in tensors if _local(t).is_cuda)
@@ -242,9 +247,9 @@ class AsyncStaging:
         return done
 
     def known(self, state: StateDict, keyfn: KeyFn, config: CheckpointConfig) -> None:
-        """The state is known (``restore``): prepare the pool for it in the background (``ahead.Ahead``: a fresh
-        optimizer after its first step), so the first ``save_async`` costs what later ones cost. Unused, the
-        pool goes after ``AsyncOptions.pool_idle_s``."""
+        """The state is known (``restore``): prepare the pool for it in the background
+        (``ahead.Ahead``: a fresh optimizer after its first step), so the first ``save_async`` costs
+        what later ones cost. Unused, the pool goes after ``AsyncOptions.pool_idle_s``."""
         if self.preparing is None and not (self.pool is not None and self.pool.held_bytes):
             self.ahead.arm(state, keyfn, self._prepared_ahead, config)
 
@@ -272,7 +277,8 @@ class AsyncStaging:
                 snap.items, config
             )  # no prepare_async: this first save reads live, never pins here
         budget = self.budget if self.budget is not None else 0
-        # A pool being prepared in the background is waited for by nothing: what it lacks is read live this once.
+        # A pool being prepared in the background is waited for by nothing: what it lacks is read
+        # live this once.
         preparing = pool.growing or (self.preparing is not None and not self.preparing.done())
         staged = stage(
             snap,
@@ -295,14 +301,16 @@ class AsyncStaging:
         }
         self.guard(staged.fence, state)
         if staged.live_bytes:
-            # Growing in the background (the first save_async): this once, the documented wait, said quietly.
+            # Growing in the background (the first save_async): this once, the documented wait, said
+            # quietly.
             ready = pool.growing or (self.preparing is not None and not self.preparing.done())
             log.log(
                 logging.INFO if ready else logging.WARNING,
-                "ckptguard: step %d: %d of %d B are not staged (host staging budget %d B, pool %d B%s): the "
-                "background writer reads them from the live tensors, and the next optimizer step waits until it "
-                "has (see PendingSave.mutation_wait_seconds); raise CheckpointConfig.async_save.host_bytes to stage "
-                "them, or call prepare_async(state) ahead of the first save_async",
+                "ckptguard: step %d: %d of %d B are not staged (host staging budget %d B, pool %d "
+                "B%s): the background writer reads them from the live tensors, and the next "
+                "optimizer step waits until it has (see PendingSave.mutation_wait_seconds); raise "
+                "CheckpointConfig.async_save.host_bytes to stage them, or call "
+                "prepare_async(state) ahead of the first save_async",
                 snap.step,
                 staged.live_bytes,
                 staged.live_bytes + snap.staged_bytes,
@@ -313,8 +321,9 @@ class AsyncStaging:
         return staged
 
     def guard(self, fence: Fence, state: StateDict) -> None:
-        """Hold the next optimizer step (any optimizer), and the next forward of a module whose saved
-        state has buffers (running statistics change in forward), until ``fence`` allows mutation."""
+        """Hold the next optimizer step (any optimizer), and the next forward of a module whose
+        saved state has buffers (running statistics change in forward), until ``fence`` allows
+        mutation."""
         self.unguard()
         handles: list[Any] = []
         armed = [True]
@@ -370,8 +379,8 @@ def staged_snapshot(
     actions: Actions,
     cost: Callable[[], Mapping[str, Figure]],
 ) -> tuple[Snapshot, Fence]:
-    """The snapshot of ``state`` with its copies queued into ``staging`` (a run stages each role's), and the fence
-    the next mutation waits on."""
+    """The snapshot of ``state`` with its copies queued into ``staging`` (a run stages each role's),
+    and the fence the next mutation waits on."""
     # The divergence guard hashes every tensor: on the staged copies, in the background.
     snap = snapshot(ctx, step, state, guard=False, actions=actions)
     staged = staging.stage(snap, state, ctx.config)

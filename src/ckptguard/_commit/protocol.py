@@ -62,19 +62,22 @@ def prepare(ctx: Context, step: int, actions: Actions = NO_ACTIONS) -> Prepared:
         steps = [r.step for r in requests]
         if len(set(steps)) > 1:
             raise ConfigError(
-                f"ranks called save with different steps {steps} (index = rank); every rank must save the same step"
+                f"ranks called save with different steps {steps} (index = rank); every "
+                f"rank must save the same step"
             )
         for rank, r in enumerate(requests):
             nodes.setdefault(r.node, []).append(rank)
         for node, ranks in nodes.items():
             roots = {requests[r].root for r in ranks}
             if len(roots) > 1:
-                # One node, one disk: ranks of a node write into the one temp directory of that node.
+                # One node, one disk: ranks of a node write into the one temp directory of that
+                # node.
                 listing = "; ".join(f"rank {r}: {requests[r].root}" for r in ranks)
                 raise ConfigError(
-                    f"save of step {step}: ranks of node {node} passed different checkpoint roots ({listing}). "
-                    "Every rank of a node must pass the same root: storage they all share, or the node's own "
-                    "node-local disk (each node then publishes its own ranks' files)"
+                    f"save of step {step}: ranks of node {node} passed different checkpoint "
+                    f"roots ({listing}). Every rank of a node must pass the same root: storage "
+                    f"they all share, or the node's own node-local disk (each node then "
+                    f"publishes its own ranks' files)"
                 )
         try:
             return prepare_root(ctx, step, actions=actions)
@@ -88,7 +91,8 @@ def prepare(ctx: Context, step: int, actions: Actions = NO_ACTIONS) -> Prepared:
     request = PrepareRequest(step, str(ctx.root.absolute()), ctx.agreement.info.host)
     prep = gather_decide(ctx.agreement, "save.prepare", request, decide, decision=Prepared)
     raise_if_failed(ctx, [prep.failure] if prep.failure else [], step=step, phase="prepare")
-    write_held()  # a fresh run's proof records, held until now: a kill right after this commit keeps them
+    # a fresh run's proof records, held until now: a kill right after this commit keeps them
+    write_held()
     if ctx.world == 1:
         return prep
     prep = place(ctx, step, prep, nodes)
@@ -191,7 +195,8 @@ def _write_and_digest(
 
     def run() -> None:
         try:
-            # Both digests in one pass over the bytes: the per-rank one and the one no sharding changes.
+            # Both digests in one pass over the bytes: the per-rank one and the one no sharding
+            # changes.
             box["digests"] = digests_and_layout_free(items)
         except BaseException as exc:  # raised below, in the commit's thread
             box["error"] = exc
@@ -207,7 +212,8 @@ def _write_and_digest(
     return written, box["digests"]
 
 
-# ---------------------------------------------------------------- steps 3 and 4: confirm and publish
+# ---------------------------------------------------------------- steps 3 and 4: confirm and
+# publish
 
 
 def save(ctx: Context, step: int, state: StateDict, actions: Actions = NO_ACTIONS) -> Path:
@@ -223,7 +229,8 @@ def write_part(ctx: Context, step: int, tmp: Path, snap: Snapshot) -> RankReport
             )
         finally:
             if snap.read_done is not None:
-                snap.read_done()  # live tensors (a state larger than the staging pool) may change now
+                # live tensors (a state larger than the staging pool) may change now
+                snap.read_done()
         if snap.rng is not None:
             digests[RNG_ITEM] = digest(snap.rng)
         report = RankReport(
@@ -246,9 +253,10 @@ def write_part(ctx: Context, step: int, tmp: Path, snap: Snapshot) -> RankReport
 def commit(ctx: Context, snap: Snapshot, *, part: Prepared | None = None) -> Path:
     """Steps 1 to 4 of the protocol for a snapshot; in the caller's or a background thread.
 
-    ``part``: write the snapshot as one role's part of a run step into ``part.tmp`` (prepared by
-    the run's commit, ``ckptguard.run``) and stop after its manifest: the run commit renames the
-    step directory and moves the tracker once every role on every rank confirmed. Returns ``part.tmp``."""
+    ``part``: write the snapshot as one role's part of a run step into ``part.tmp`` (prepared by the
+    run's commit, ``ckptguard.run``) and stop after its manifest: the run commit renames the step
+    directory and moves the tracker once every role on every rank confirmed. Returns
+    ``part.tmp``."""
     if not snap.guarded:
         check_replicated(
             ctx, snap.items, snap.step

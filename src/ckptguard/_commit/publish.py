@@ -2,8 +2,9 @@
 
 Two publishers are here: ``SharedRootPublisher`` (one root every rank sees: rank 0 checks every
 rank's reported files, writes the manifest, renames the temp directory to the step name, fsyncs the
-root and moves the tracker) and ``RolePartPublisher`` (one role's part of a run step, ``ckptguard.run``:
-the part's manifest, then nothing; the run publishes). Node-local roots: ``publish_nodes``.
+root and moves the tracker) and ``RolePartPublisher`` (one role's part of a run step,
+``ckptguard.run``: the part's manifest, then nothing; the run publishes). Node-local roots:
+``publish_nodes``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def save_cost(
     files: Sequence[FileEntry],
     extra: Mapping[str, Figure] | None = None,
 ) -> Cost:
-    """Size and save time, and the save as a fraction of step time (docs/practices.md, 7); ``extra``: the
-    async path's and the busy policy's figures."""
+    """Size and save time, and the save as a fraction of step time (docs/practices.md, 7);
+    ``extra``: the async path's and the busy policy's figures."""
     now = time.monotonic()
     step_s = None
     if ctx.last_save is not None and step > ctx.last_save[0]:
@@ -86,12 +87,14 @@ def build_manifest(
         cost=save_cost(
             ctx, step, started, files, extra_cost
         ),  # optional in format 1: older manifests lack it
-        # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded restore compares it).
+        # Optional in format 1 too: per item and key, the digest no sharding changes (a resharded
+        # restore compares it).
         layout_free=combine_layout_free([rep.layout_free for rep in reports]),
         reshard=reports[0].reshard
         or None,  # optional in format 1: how each item crosses a world-size change
         nodes=nodes,
-        # Format 3: tensor items' per-rank digests cover their structure; their bytes, layout_free above.
+        # Format 3: tensor items' per-rank digests cover their structure; their bytes, layout_free
+        # above.
         digest_kind={name: digest_kind(kind) for name, kind in kinds.items()},
     )
 
@@ -102,8 +105,9 @@ class Publisher(Protocol):
     ``run`` is called on every rank with the prepared temp directory; it calls ``write`` (this
     rank's part, a ``RankReport`` that never raises), confirms every rank's part across ranks,
     publishes, and returns the step's directory, or raises the same error on every rank. The
-    implementations: ``SharedRootPublisher`` (one root every rank sees), ``publish_nodes`` (node-local
-    roots, each node publishing its ranks' part), ``RolePartPublisher`` (one role's part of a run step).
+    implementations: ``SharedRootPublisher`` (one root every rank sees), ``publish_nodes``
+    (node-local roots, each node publishing its ranks' part), ``RolePartPublisher`` (one role's part
+    of a run step).
     """
 
     def run(
@@ -124,11 +128,12 @@ def write_marker_or_fail(
     reports: list[RankReport],
     then: Callable[[], None],
 ) -> Outcome:
-    """Rank 0: write the commit marker if every rank wrote its part, then ``then()`` (the publisher's
-    rename and tracker, or nothing for a role's part); else discard. The outcome every rank raises on."""
+    """Rank 0: write the commit marker if every rank wrote its part, then ``then()`` (the
+    publisher's rename and tracker, or nothing for a role's part); else discard. The outcome every
+    rank raises on."""
     # A shared root: sizes unless asked (publish_checksums None: the placement round already showed
-    # every rank sees this temp directory, and a read-back of every rank's bytes on rank 0 would cost
-    # one more read of the whole state per save).
+    # every rank sees this temp directory, and a read-back of every rank's bytes on rank 0 would
+    # cost one more read of the whole state per save).
     failures = [r.failure for r in reports if r.failure] or _unseen_files(
         tmp, reports, checksums=ctx.config.storage.publish_checksums is True
     )
@@ -169,7 +174,8 @@ def confirm_and_publish(
     write: Callable[[], RankReport],
     then: Callable[[], None],
 ) -> None:
-    """Every rank writes its part and reports; rank 0 writes the marker and runs ``then``; all raise alike."""
+    """Every rank writes its part and reports; rank 0 writes the marker and runs ``then``; all raise
+    alike."""
     outcome = gather_decide(  # file lists and digests are for rank 0's manifest only
         ctx.agreement,
         "save.written",
@@ -199,10 +205,12 @@ def _unseen_files(
             rel, why = bad[0]
             missing = all(w == "absent" for _r, w in bad)
             where = (
-                "the root is node-local storage (a separate disk per node) but the ranks report one node: "
-                "give each node its own identity (its host name), or use a root on storage every rank shares"
+                "the root is node-local storage (a separate disk per node) but the ranks report "
+                "one node: give each node its own identity (its host name), or use a root on "
+                "storage every rank shares"
                 if missing
-                else "the bytes on disk are not what the rank wrote (another writer, or a storage fault): check "
+                else "the bytes on disk are not what the rank wrote (another writer, "
+                "or a storage fault): check "
                 "the storage, then save again"
             )
             out.append(
@@ -211,8 +219,9 @@ def _unseen_files(
                     phase="publish check",
                     exc_type="FileNotFoundError" if missing else "CheckpointCorruptError",
                     message=(
-                        f"rank {rank} (node {rep.host}) reported {len(rep.files)} file(s) of which {len(bad)} are not "
-                        f"under {tmp} as rank {publisher} (the publishing rank) reads them, e.g. {rel}: {why}; {where}"
+                        f"rank {rank} (node {rep.host}) reported {len(rep.files)} file(s) of which "
+                        f"{len(bad)} are not under {tmp} as rank {publisher} (the publishing rank) "
+                        f"reads them, e.g. {rel}: {why}; {where}"
                     ),
                     errno=_errno.ENOENT if missing else _errno.EIO,
                     path=str(tmp / rel),
@@ -244,8 +253,9 @@ class SharedRootPublisher:
 
 
 class RolePartPublisher:
-    """``Publisher`` of one role's part of a run step: the role's ranks write into ``<run temp>/<role>/``, rank 0 of
-    the role writes the part's manifest as a single-role step would; nothing is renamed and no tracker moves."""
+    """``Publisher`` of one role's part of a run step: the role's ranks write into ``<run
+    temp>/<role>/``, rank 0 of the role writes the part's manifest as a single-role step would;
+    nothing is renamed and no tracker moves."""
 
     def run(
         self,

@@ -79,15 +79,17 @@ def place(ctx: Context, step: int, prep: Prepared, nodes: dict[str, list[int]]) 
             if seeing and len(seeing) < len(ranks):
                 blind = [r for r in ranks if not views[r].sees]
                 problems.append(
-                    f"{_ranks(blind)} of node {node} cannot see rank 0's temp directory {name} under its root, "
-                    f"which {_ranks(seeing)} of the same node see: node-local storage (a separate disk per "
-                    "process at one path) under one node identity, so no node would hold its ranks' files. Give "
-                    "each node its own identity (its host name) and its ranks one disk, or use one shared root"
+                    f"{_ranks(blind)} of node {node} cannot see rank 0's temp directory {name} "
+                    f"under its root, which {_ranks(seeing)} of the same node see: node-local "
+                    f"storage (a separate disk per process at one path) under one node identity, "
+                    f"so no node would hold its ranks' files. Give each node its own identity (its "
+                    f"host name) and its ranks one disk, or use one shared root"
                 )
             elif seeing and 0 not in ranks:
                 problems.append(
-                    f"node {node} (ranks {ranks}) shares rank 0's disk while other nodes do not: a mix of shared "
-                    "and node-local roots; give every node its own disk, or every rank the same shared root"
+                    f"node {node} (ranks {ranks}) shares rank 0's disk while other nodes do not: a "
+                    f"mix of shared and node-local roots; give every node its own disk, or every "
+                    f"rank the same shared root"
                 )
         if problems:
             discard(ctx, Path(prep.tmp))
@@ -121,7 +123,8 @@ def my_node(ctx: Context, prep: Prepared) -> list[int]:
 
 
 def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> None:
-    """Every other node's publishing rank prepares its own root like rank 0 did; all raise on a failure."""
+    """Every other node's publishing rank prepares its own root like rank 0 did; all raise on a
+    failure."""
     mine = my_node(ctx, prep)
     leader = mine[0] == ctx.rank and ctx.rank != 0
     report = NodeReport()
@@ -139,8 +142,9 @@ def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> 
     )
     tmp = ctx.root.absolute() / Path(prep.tmp).name
     if not outcome.failures:
-        # Every rank of a node must see the temp directory its node's first rank created on the node's
-        # disk; one that does not (two disks under one node identity) would write where nobody publishes.
+        # Every rank of a node must see the temp directory its node's first rank created on the
+        # node's disk; one that does not (two disks under one node identity) would write where
+        # nobody publishes.
         owner = _layout.read_owner(tmp) or {}
         seen = NodeReport()
         if owner.get("node") != ctx.agreement.info.host:
@@ -152,9 +156,12 @@ def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> 
                     exc_type="ConfigError",
                     path=str(tmp),
                     time_ns=time.time_ns(),
-                    message=f"rank {ctx.rank} of node {ctx.agreement.info.host} finds {found} temp directory at {tmp}, "
-                    f"not the one rank {mine[0]} of its node created: node-local storage (a separate disk per process "
-                    "at one path) under one node identity. Give each node its own identity (its host name) and its "
+                    message=f"rank {ctx.rank} of node {ctx.agreement.info.host} finds {found} "
+                    f"temp directory at {tmp}, "
+                    f"not the one rank {mine[0]} of its node created: node-local storage (a "
+                    f"separate disk per process "
+                    f"at one path) under one node identity. Give each node its own identity "
+                    f"(its host name) and its "
                     "ranks one disk",
                 )
             )
@@ -192,8 +199,8 @@ def _sweep_unagreed(ctx: Context, newest: int, step: int) -> None:
             log.warning("ckptguard: could not remove %s (%s); it is not a resume target", path, exc)
             continue
         log.warning(
-            "ckptguard: removed %s: published on this node by a save that no node's tracker reached (killed "
-            "between the nodes' publish and their trackers)",
+            "ckptguard: removed %s: published on this node by a save that no node's tracker "
+            "reached (killed between the nodes' publish and their trackers)",
             path,
         )
 
@@ -375,9 +382,10 @@ def _tracker_round(
 
 
 def _trackers_after(step: int, nodes: list[tuple[str, list[int], NodeReport]]) -> str:
-    """Where the resume target stands after a failed tracker round (every node had published ``step``
-    with its global manifest), as ``restore`` resolves it: the newest step any node's tracker names,
-    on every node, when every other node holds that step published (``_resume/restore.py``)."""
+    """Where the resume target stands after a failed tracker round (every node had published
+    ``step`` with its global manifest), as ``restore`` resolves it: the newest step any node's
+    tracker names, on every node, when every other node holds that step published
+    (``_resume/restore.py``)."""
 
     def listing(group: list[tuple[str, list[int], NodeReport]], *, at: bool) -> str:
         return ", ".join(
@@ -391,29 +399,34 @@ def _trackers_after(step: int, nodes: list[tuple[str, list[int], NodeReport]]) -
     if unread:
         why = "; ".join(f"{name}: {rep.tracker_error}" for name, _r, rep in unread)
         return (
-            f"the trackers of {listing(moved, at=False) or 'no node'} moved to step {step}; "
-            f"{listing(behind, at=True) or 'no other node'} did not move; the tracker of {listing(unread, at=False)} "
-            f"cannot be read back ({why}). A restore refuses, naming that node's error, until every node's tracker "
-            "reads: check that node's disk, then restore."
+            f"the trackers of {listing(moved, at=False) or 'no node'} moved to step "
+            f"{step}; {listing(behind, at=True) or 'no other node'} did not move; the "
+            f"tracker of {listing(unread, at=False)} cannot be read back ({why}). A "
+            f"restore refuses, naming that node's error, until every node's tracker reads: "
+            f"check that node's disk, then restore."
         )
     if not behind:
         return (
-            f"every node's tracker moved to step {step} ({listing(moved, at=False)}), so step {step} is committed and "
-            "a restore resumes from it; the failure came after the tracker moved. Fix its cause before the next save."
+            f"every node's tracker moved to step {step} ({listing(moved, at=False)}), so step "
+            f"{step} is committed and a restore resumes from it; the failure came after the "
+            f"tracker moved. Fix its cause before the next save."
         )
     if not moved:
         return (
-            f"no node's tracker moved ({listing(behind, at=True)}), so the previous committed step stays the resume "
-            f"target on every node; the step {step} directories every node published are no resume target, and the "
-            "next save removes them. Fix the cause (disk space, permissions, storage health) and save again."
+            f"no node's tracker moved ({listing(behind, at=True)}), so the previous committed step "
+            f"stays the resume target on every node; the step {step} directories every node "
+            f"published are no resume target, and the next save removes them. Fix the cause (disk "
+            f"space, permissions, storage health) and save again."
         )
     return (
-        f"the trackers of {listing(moved, at=False)} moved to step {step}; those of {listing(behind, at=True)} did "
-        f"not, and those nodes hold step {step} published (its global manifest, written after every node "
-        f"confirmed). A restore (prefer='latest', the default) agrees on step {step} on every node: it takes the "
-        "newest step a node's tracker names when every other node holds it published, and the lagging nodes log "
-        f"that their tracker is older. Fix the cause on {', '.join(n[0] for n in behind)}, then train on: the next "
-        f"save moves every tracker (step {step} cannot be saved again: it is committed where the tracker moved)."
+        f"the trackers of {listing(moved, at=False)} moved to step {step}; those of "
+        f"{listing(behind, at=True)} did not, and those nodes hold step {step} published (its "
+        f"global manifest, written after every node confirmed). A restore (prefer='latest', "
+        f"the default) agrees on step {step} on every node: it takes the newest step a node's "
+        f"tracker names when every other node holds it published, and the lagging nodes log "
+        f"that their tracker is older. Fix the cause on {', '.join(n[0] for n in behind)}, "
+        f"then train on: the next save moves every tracker (step {step} cannot be saved again: "
+        f"it is committed where the tracker moved)."
     )
 
 
@@ -433,8 +446,8 @@ def _confirm_node(
             rel, why = bad[0]
             raise OSError(
                 _errno.EIO,
-                f"node {node['name']} (ranks {sorted(ranks)}): {len(bad)} of its {len(files)} file(s) "
-                f"are not under {tmp} with their recorded size and xxh3, e.g. {rel}: {why}",
+                f"node {node['name']} (ranks {sorted(ranks)}): {len(bad)} of its {len(files)} "
+                f"file(s) are not under {tmp} with their recorded size and xxh3, e.g. {rel}: {why}",
                 str(tmp / rel),
             )
         _faults.reached("node.files_verified")

@@ -1,10 +1,11 @@
-"""The run publisher: a run step of several roles, published once every role on every rank confirmed.
+"""The run publisher: a run step of several roles, published once every role on every rank
+confirmed.
 
-Each role's part was written and marked by the role-part publisher (``publish.RolePartPublisher``); rank 0 then
-checks that every role was written by exactly its declared ranks, writes the run manifest (the
-commit marker, listing every role), renames the run's temp directory to the step name and moves
-the one tracker. A run commits on one shared root only: ``check_shared_root`` refuses node-local
-roots before anything of a save is written.
+Each role's part was written and marked by the role-part publisher (``publish.RolePartPublisher``);
+rank 0 then checks that every role was written by exactly its declared ranks, writes the run
+manifest (the commit marker, listing every role), renames the run's temp directory to the step name
+and moves the one tracker. A run commits on one shared root only: ``check_shared_root`` refuses
+node-local roots before anything of a save is written.
 """
 
 from __future__ import annotations
@@ -52,17 +53,18 @@ class Placed(Wire):
 
 def node_local_message(root: Path, step: int, blind: list[int]) -> str:
     return (
-        f"RunCheckpoint save of step {step} under {root}: ranks {blind} do not see rank 0's disk at that "
-        "path (node-local disks, not one shared root); a run of several roles commits on a shared filesystem "
-        "only. Nothing was written. Put the root on shared storage, or give each role its own "
-        "CheckpointManager (per-node publish)."
+        f"RunCheckpoint save of step {step} under {root}: ranks {blind} do not see rank 0's disk "
+        f"at that path (node-local disks, not one shared root); a run of several roles commits on "
+        f"a shared filesystem only. Nothing was written. Put the root on shared storage, or give "
+        f"each role its own CheckpointManager (per-node publish)."
     )
 
 
 def check_shared_root(ctx: Context, step: int) -> None:
-    """Refuse node-local roots before anything of the save is written, with one verdict on every rank:
-    rank 0 makes a probe directory (a temp directory, swept if this process dies) under the root, every
-    rank looks for it, rank 0 removes it (and the root, if it made it for the probe and refuses)."""
+    """Refuse node-local roots before anything of the save is written, with one verdict on every
+    rank: rank 0 makes a probe directory (a temp directory, swept if this process dies) under the
+    root, every rank looks for it, rank 0 removes it (and the root, if it made it for the probe and
+    refuses)."""
     made_root: list[bool] = []
 
     def make(_: list[Probe]) -> Probe:
@@ -100,7 +102,8 @@ def publish_run_step(
     declared: dict[str, list[int]],
     actions: Actions,
 ) -> Outcome:
-    """Rank 0: the run manifest, the rename and the tracker if every role on every rank confirmed."""
+    """Rank 0: the run manifest, the rename and the tracker if every role on every rank
+    confirmed."""
     failures = [r.failure for r in reports if r.failure]
     if failures:
         _stepdir.discard(ctx, tmp)
@@ -112,8 +115,9 @@ def publish_run_step(
         for name, ranks in held.items():
             if ranks != sorted(declared[name]):
                 raise ConfigError(
-                    f"role {name!r} was written by ranks {ranks} but is declared on {declared[name]}: "
-                    "every rank must create the RunCheckpoint with the same roles"
+                    f"role {name!r} was written by ranks {ranks} but is declared "
+                    f"on {declared[name]}: every rank must create the "
+                    f"RunCheckpoint with the same roles"
                 )
         _faults.reached("run.before_manifest")
         manifest = runmanifest.build(

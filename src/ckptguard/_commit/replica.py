@@ -98,8 +98,8 @@ def _marker(directory: Path) -> JsonObject | None:
 
 
 def prune(root: Path, naming: _layout.StepNaming, keep: set[int], sources: list[int]) -> list[int]:
-    """Delete this rank's replicas (of ``sources``) of steps not in ``keep``, and the temp directories
-    of its pushes that a kill left behind; returns the steps pruned."""
+    """Delete this rank's replicas (of ``sources``) of steps not in ``keep``, and the temp
+    directories of its pushes that a kill left behind; returns the steps pruned."""
     pruned = []
     try:
         entries = list(os.scandir(root / REPLICA_DIR))
@@ -123,7 +123,8 @@ def prune(root: Path, naming: _layout.StepNaming, keep: set[int], sources: list[
     return sorted(set(pruned))
 
 
-# ---------------------------------------------------------------- files over torch.distributed (``p2p``)
+# ---------------------------------------------------------------- files over torch.distributed
+# (``p2p``)
 
 
 def _link(
@@ -133,7 +134,8 @@ def _link(
 
 
 def send_file(path: Path, spec: FileSpec, dst: int, link: _p2p.Link) -> str | None:
-    """Send one file of a push or fetch (the receiver calls ``recv_file``); the problem, if it did not arrive."""
+    """Send one file of a push or fetch (the receiver calls ``recv_file``); the problem, if it did
+    not arrive."""
     problem = _p2p.send_file(link, path, spec, dst)
     return None if problem is None else str(problem)
 
@@ -177,7 +179,8 @@ def push(
     timeout_s: float | None = None,
 ) -> list[str]:
     """Every rank sends its own files of ``step`` to its peer; returns this rank's problems. After a
-    failed file both ranks of the pair skip the rest of it (a replica missing one file does not count)."""
+    failed file both ranks of the pair skip the rest of it (a replica missing one file does not
+    count)."""
     link = _link(
         group,
         step,
@@ -309,11 +312,11 @@ def recv_part(
     step: int,
     timeout_s: float | None = None,
 ) -> list[str]:
-    """Receive ``rank``'s part of ``step`` (the step every rank agreed) into ``tmp`` (a temp directory
-    of this node's root): the manifest first, as ``fetched_manifest(tmp, rank)``, then only the files
-    it lists for ``rank`` (its extras, the DCP metadata and the shards the metadata says it reads),
-    under ``tmp``, and the contract phases it names, staged in ``tmp`` and linked into the root once the
-    whole part arrived (where present they must be the same bytes).
+    """Receive ``rank``'s part of ``step`` (the step every rank agreed) into ``tmp`` (a temp
+    directory of this node's root): the manifest first, as ``fetched_manifest(tmp, rank)``, then
+    only the files it lists for ``rank`` (its extras, the DCP metadata and the shards the metadata
+    says it reads), under ``tmp``, and the contract phases it names, staged in ``tmp`` and linked
+    into the root once the whole part arrived (where present they must be the same bytes).
 
     The header and its paths come from the peer: one that names any other file (a tracker, the trust
     record, a hold, another step's marker, another rank's extras) or does not parse plants nothing;
@@ -328,8 +331,9 @@ def recv_part(
     specs, refusal = header_specs(header, step)
     if not specs:  # not even the first file's size: no exchange can follow, the sender times out
         return [
-            f"fetch from a peer replica, step {step}: rank {rank} refuses rank {src}'s header: {refusal}; "
-            f"rank {src}'s ckptguard is another version, or the peer is not this job's; {FETCH_RETRY}"
+            f"fetch from a peer replica, step {step}: rank {rank} refuses rank {src}'s "
+            f"header: {refusal}; rank {src}'s ckptguard is another version, or the peer is "
+            f"not this job's; {FETCH_RETRY}"
         ]
     staged = fetched_manifest(tmp, rank).parent
     if (
@@ -344,7 +348,8 @@ def recv_part(
         shutil.rmtree(staged, ignore_errors=True)
         return [
             _refuse_next(specs[1:], tmp, src, link, (f"the part: {exc}", CRAFTED.format(src=src)))
-            or f"fetch from a peer replica, step {step}: rank {rank} refuses rank {src}'s manifest: {exc}"
+            or f"fetch from a peer replica, step {step}: rank {rank} refuses "
+            f"rank {src}'s manifest: {exc}"
         ]
     admit = Admission(manifest, rank, tmp, staged, src)
     for spec in specs[1:]:

@@ -20,12 +20,13 @@ upload) is each store's; which step a save may take and the order that makes it 
   4. s made visible (the commit point); what step 3 moved aside can no longer come back;
   5. the tracker moved to s: forward only, unless ``overwrite``;
   6. what step 3 moved aside deleted.
-Without ``overwrite``, a kill between any two of these leaves either the old step committed or s visible and
-newer than the tracker (an orphan the next save of s replaces, ``admit``'s third case); never a partial step as
-latest. With ``overwrite`` (directory roots only) a kill can leave less: a rollback killed before step 5 leaves s
-rewritten below the tracker; an overwrite of the tracker's own step killed between steps 3 and 4 leaves the
-tracker naming a step that is gone from its place (a restore refuses it, naming the step), its old directory
-kept whole, manifest included, in the root's trash until put back by hand.
+Without ``overwrite``, a kill between any two of these leaves either the old step committed or s
+visible and newer than the tracker (an orphan the next save of s replaces, ``admit``'s third case);
+never a partial step as latest. With ``overwrite`` (directory roots only) a kill can leave less: a
+rollback killed before step 5 leaves s rewritten below the tracker; an overwrite of the tracker's
+own step killed between steps 3 and 4 leaves the tracker naming a step that is gone from its place
+(a restore refuses it, naming the step), its old directory kept whole, manifest included, in the
+root's trash until put back by hand.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class RootStore(Protocol):
         ...
 
     def uncommit(self, step: int) -> object | None:
-        """Make whatever is under ``step`` invisible (marker first); a handle for ``put_back``/``finish``, or None."""
+        """Make whatever is under ``step`` invisible (marker first); a handle for
+        ``put_back``/``finish``, or None."""
         ...
 
     def put_back(self, step: int, undo: object) -> None:
@@ -77,7 +79,8 @@ class RootStore(Protocol):
         ...
 
     def make_visible(self, step: int, staged: object) -> None:
-        """The commit point: ``staged`` (the store's own handle of the written step) becomes ``step``."""
+        """The commit point: ``staged`` (the store's own handle of the written step) becomes
+        ``step``."""
         ...
 
     def sealed(self, step: int, undo: object | None) -> None:
@@ -85,11 +88,13 @@ class RootStore(Protocol):
         ...
 
     def move_tracker(self, step: int, *, back: bool) -> None:
-        """The tracker set to ``step``: only forward, unless ``back`` (a rollback the store admitted)."""
+        """The tracker set to ``step``: only forward, unless ``back`` (a rollback the store
+        admitted)."""
         ...
 
     def finish(self, step: int, undo: object | None) -> None:
-        """After the tracker moved: delete what ``uncommit`` moved aside; check the commit stands."""
+        """After the tracker moved: delete what ``uncommit`` moved aside; check the commit
+        stands."""
         ...
 
 
@@ -135,7 +140,8 @@ def complete(store: RootStore, step: int, undo: object | None, *, overwrite: boo
 
 
 def publish(store: RootStore, step: int, staged: object, *, overwrite: bool = False) -> None:
-    """Steps 1 to 6 in one go (a root every writer sees; node-local roots run the two halves in rounds)."""
+    """Steps 1 to 6 in one go (a root every writer sees; node-local roots run the two halves in
+    rounds)."""
     undo = make_visible(store, step, staged, overwrite=overwrite)
     _faults.reached(store.BEFORE_TRACKER)
     complete(store, step, undo, overwrite=overwrite)

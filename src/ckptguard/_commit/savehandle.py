@@ -1,6 +1,7 @@
-"""``PendingSave``, what ``save_async`` returns: the background thread that commits a staged snapshot (after the
-previous save's cleanup, once the staged copies landed, at a lowered CPU and I/O priority), its figures, and the
-wait that raises the commit's error once; ``committer``, the commit it runs."""
+"""``PendingSave``, what ``save_async`` returns: the background thread that commits a staged
+snapshot (after the previous save's cleanup, once the staged copies landed, at a lowered CPU and I/O
+priority), its figures, and the wait that raises the commit's error once; ``committer``, the commit
+it runs."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def committer(
     pool: StagingPool | None,
     measure: bool = False,
 ) -> Callable[[], Path]:
-    """The background commit of a staged ``snap``: ``commit(snap, start, blocked_s, measure)``, then the pool's
-    slots are free for the next save (also when it failed)."""
+    """The background commit of a staged ``snap``: ``commit(snap, start, blocked_s, measure)``, then
+    the pool's slots are free for the next save (also when it failed)."""
     blocked_s = (snap.resumed if snap.resumed is not None else time.monotonic()) - start
 
     def run() -> Path:
@@ -44,7 +45,8 @@ class PendingSave:
 
     ``cleanup`` (retention, proof pruning) runs in the same thread once the commit is published:
     ``busy()`` is False from then on, so a deletion never holds the next ``save_async``, whose
-    snapshot goes on while it runs; its commit (``after``: this save) starts when the cleanup ended."""
+    snapshot goes on while it runs; its commit (``after``: this save) starts when the cleanup
+    ended."""
 
     def __init__(
         self,
@@ -59,14 +61,17 @@ class PendingSave:
     ) -> None:
         self.step = step
         self.blocked_seconds = blocked_s
-        """How long ``save_async`` held the caller (the copies queued; into GPU memory, the clones)."""
+        """How long ``save_async`` held the caller (the copies queued; into GPU memory, the
+        clones)."""
         self.fence = fence
         self.staged_seconds: float | None = None
-        """From the ``save_async`` call until every staged copy had landed (set by the background thread)."""
+        """From the ``save_async`` call until every staged copy had landed (set by the background
+        thread)."""
         self.commit_seconds: float | None = None
         """From the ``save_async`` call until the commit was published (or failed)."""
         self.cleanup_seconds: float | None = None
-        """How long the cleanup after the commit (retention, proof pruning) took, off the caller's path."""
+        """How long the cleanup after the commit (retention, proof pruning) took, off the caller's
+        path."""
         self.priority: list[str] = []
         """What the background thread lowered (nice, ioprio); empty where the system refused."""
         self._started = started if started is not None else time.monotonic()
@@ -149,14 +154,16 @@ class PendingSave:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise SaveStillRunningError(
-                f"the background save of step {self.step} is still running after {time.monotonic() - start:.0f} s; "
-                "call wait() again (without a timeout to block until it ends)",
+                f"the background save of step {self.step} is still running after "
+                f"{time.monotonic() - start:.0f} s; call wait() again (without a "
+                f"timeout to block until it ends)",
                 step=self.step,
             )
         return self.outcome()
 
     def outcome(self) -> Path:
-        """The published commit's directory, or its error raised (once the commit ended; see ``busy``)."""
+        """The published commit's directory, or its error raised (once the commit ended; see
+        ``busy``)."""
         self._published.wait()
         if self._error is not None:
             self.reported = True

@@ -1,4 +1,5 @@
-"""Step 0 of a save: the snapshot of the state (taken in the caller's thread) and the divergence guard.
+"""Step 0 of a save: the snapshot of the state (taken in the caller's thread) and the divergence
+guard.
 
 DCP keeps one copy per (key, offset): a replicated tensor that differs across ranks would come
 back as one rank's bytes, so the guard refuses it before anything is written.
@@ -43,7 +44,8 @@ class Snapshot:
     read_done: Callable[[], None] | None = None
     """Called once the write and the digest pass no longer read the snapshot's tensors."""
     resumed: float | None = None
-    """monotonic time the caller got control back (async saves), for the step time in the cost block."""
+    """monotonic time the caller got control back (async saves), for the step time in the cost
+    block."""
     guarded: bool = True
     """False: the divergence guard has not run yet; ``commit`` runs it first."""
     actions: Actions = NO_ACTIONS
@@ -54,7 +56,8 @@ def snapshot(
     ctx: Context, step: int, state: StateDict, *, guard: bool = True, actions: Actions = NO_ACTIONS
 ) -> Snapshot:
     """Capture every item and the RNG streams, and run the divergence guard (``guard=False``: the
-    commit runs it, on the staged copies, so an async save's caller does not wait for its digests)."""
+    commit runs it, on the staged copies, so an async save's caller does not wait for its
+    digests)."""
     started = time.monotonic()
 
     def take() -> tuple[dict[str, Captured], Any]:
@@ -98,8 +101,9 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
             for item, by in verdict.kinds
         )
         raise StateMismatchError(
-            f"save of step {step}: state items differ in kind across ranks ({listing}); every rank must pass "
-            "the same items with the same kinds (wrap per-rank values in ckptguard.PerRank(...))"
+            f"save of step {step}: state items differ in kind across ranks ({listing}); "
+            f"every rank must pass the same items with the same kinds (wrap per-rank "
+            f"values in ckptguard.PerRank(...))"
         )
     bad = [(c, g) for c, g in verdict.bad]
     if not bad:
@@ -116,11 +120,12 @@ def check_replicated(ctx: Context, items: dict[str, Captured], step: int) -> Non
         else [f"{c} (ranks grouped by content: {g})" for c, g in bad]
     )
     raise ReplicatedDivergenceError(
-        f"save of step {step}: {len(bad)} tensor chunk(s) are held by several ranks with different bytes, and DCP "
-        f"stores one copy per key and offset, so restore would hand them one rank's copy: {'; '.join(shown[:10])}"
-        f"{' ...' if len(bad) > 10 else ''}. Wrap per-rank values in ckptguard.PerRank(...), make them DTensors, "
-        "or, for expert-parallel state, pass CheckpointManager(expert_parallel=ExpertParallel(group=ep_group)) "
-        "so expert keys carry the EP rank."
+        f"save of step {step}: {len(bad)} tensor chunk(s) are held by several ranks with different "
+        f"bytes, and DCP stores one copy per key and offset, so restore would hand them one rank's "
+        f"copy: {'; '.join(shown[:10])}{' ...' if len(bad) > 10 else ''}. Wrap per-rank values in "
+        f"ckptguard.PerRank(...), make them DTensors, or, for expert-parallel state, pass "
+        f"CheckpointManager(expert_parallel=ExpertParallel(group=ep_group)) so expert keys carry "
+        f"the EP rank."
     )
 
 

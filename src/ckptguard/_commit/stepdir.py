@@ -2,8 +2,8 @@
 
 ``prepare_root`` makes the temp directory (the lease, tracker 0 and phase 0 first on a new root);
 ``rename_in`` publishes a temp directory whose marker is in place; ``publish_dir`` then moves the
-tracker. Every publisher (``publish.SharedRootPublisher``, ``publish_nodes``, ``publish.RolePartPublisher``)
-runs on these.
+tracker. Every publisher (``publish.SharedRootPublisher``, ``publish_nodes``,
+``publish.RolePartPublisher``) runs on these.
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def prepare_root(
     phase = _contract.check(root, ctx.config.contract, where=f"save of step {step}")
     if like is not None and (phase.chain_id, phase.phase) != (like.chain_id, like.phase):
         raise ConfigError(
-            f"save of step {step}: this node's root {root} is at run chain {phase.chain_id} phase {phase.phase}, "
-            f"rank 0's at chain {like.chain_id} phase {like.phase}: the node-local roots belong to different runs. "
-            "Give every node of this run the root of this run (or empty ones for a new run)."
+            f"save of step {step}: this node's root {root} is at run chain {phase.chain_id} phase "
+            f"{phase.phase}, rank 0's at chain {like.chain_id} phase {like.phase}: the node-local "
+            f"roots belong to different runs. Give every node of this run the root of this run (or "
+            f"empty ones for a new run)."
         )
     _layout.sweep_temp_dirs(root, max_age_s=ctx.config.storage.stale_temp_age_s)
     # The temp files of killed writers (tracker, lease, trust record, holds); never a live writer's.
@@ -71,7 +72,8 @@ def prepare_root(
     _tempfiles.sweep(root / _retention.HOLDS_DIR, max_age_s=ctx.config.storage.stale_temp_age_s)
     name = ctx.naming.name(step)
     rootcommit.admit(DirRoot.of(ctx), step, overwrite=actions.overwrite)
-    # Node-local roots: every node's temp directory has rank 0's name (and, once published, the step's).
+    # Node-local roots: every node's temp directory has rank 0's name (and, once published, the
+    # step's).
     tmp = root / (
         Path(like.tmp).name
         if like is not None
@@ -114,7 +116,8 @@ def copy_verified(src: Path, dst: Path, *, expect: str | None = None) -> str:
 
 
 def publish_dir(ctx: Context, step: int, tmp: Path, actions: Actions = NO_ACTIONS) -> None:
-    """Rename a temp directory whose commit marker is in place to its step name, then move the tracker."""
+    """Rename a temp directory whose commit marker is in place to its step name, then move the
+    tracker."""
     rootcommit.publish(DirRoot.of(ctx), step, tmp, overwrite=actions.overwrite)
 
 
@@ -127,8 +130,9 @@ def rename_in(ctx: Context, step: int, tmp: Path, actions: Actions = NO_ACTIONS)
 
 
 class DirRoot:
-    """``rootcommit.RootStore`` of a directory root: a step is committed when its directory, holding its manifest,
-    has the step's name and the tracker covers it; the write lease is ``ROOT/lease.json``."""
+    """``rootcommit.RootStore`` of a directory root: a step is committed when its directory, holding
+    its manifest, has the step's name and the tracker covers it; the write lease is
+    ``ROOT/lease.json``."""
 
     # publish.py reaches "commit.before_rename" before the lease check
     BEFORE_VISIBLE: str | None = None
@@ -154,34 +158,36 @@ class DirRoot:
     def refuse(self, why: rootcommit.Refusal, step: int, tracker: int | None) -> Exception:
         if why is rootcommit.Refusal.RESERVED:
             return ConfigError(
-                f"save of step {step} under {self.root}: step 0 is reserved for 'fresh start' (the tracker of a "
-                "new root); save steps >= 1"
+                f"save of step {step} under {self.root}: step 0 is reserved for 'fresh start' (the "
+                f"tracker of a new root); save steps >= 1"
             )
         if why is rootcommit.Refusal.BEHIND:
             return ConfigError(
-                f"save of step {step} under {self.root}: the tracker is at step {tracker}; saving an older step "
-                "would move it back and orphan the newer ones. If this is a deliberate rollback, set "
-                "save(..., overwrite=True); otherwise check the step counter after restore."
+                f"save of step {step} under {self.root}: the tracker is at step {tracker}; "
+                f"saving an older step would move it back and orphan the newer ones. If this "
+                f"is a deliberate rollback, set save(..., overwrite=True); otherwise check the "
+                f"step counter after restore."
             )
         if why is rootcommit.Refusal.COMMITTED:
             return ConfigError(
-                f"step {step} is already committed at {self._dir(step)}; saving it again would replace "
-                "it. Save a different step, or pass save(..., overwrite=True) to replace it "
-                "(it is uncommitted first, then rewritten)."
+                f"step {step} is already committed at {self._dir(step)}; saving it again would "
+                f"replace it. Save a different step, or pass save(..., overwrite=True) to replace "
+                f"it (it is uncommitted first, then rewritten)."
             )
         return ConfigError(
-            f"save of step {step} under {self.root} is not published: the tracker moved to step {tracker} while "
-            "it was written (another writer on this root); publishing would move it back and orphan the newer "
-            "step. Stop the other writer; for a deliberate rollback pass save(..., overwrite=True)."
+            f"save of step {step} under {self.root} is not published: the tracker moved to step "
+            f"{tracker} while it was written (another writer on this root); publishing would move "
+            f"it back and orphan the newer step. Stop the other writer; for a deliberate rollback "
+            f"pass save(..., overwrite=True)."
         )
 
     def confirm_lease(self, step: int) -> None:
         _lease.confirm(self.root, step=step)
 
     def uncommit(self, step: int) -> Path | None:
-        # An orphan (crash between rename and tracker) or an explicit overwrite: its old files must never pair
-        # with the new ones, so it is moved aside first; deleting it waits until after the tracker (a slow
-        # delete must not hold the other ranks at the publish agreement).
+        # An orphan (crash between rename and tracker) or an explicit overwrite: its old files must
+        # never pair with the new ones, so it is moved aside first; deleting it waits until after
+        # the tracker (a slow delete must not hold the other ranks at the publish agreement).
         final = self._dir(step)
         return _layout.uncommit_to_trash(final, keep_manifest=True) if final.exists() else None
 

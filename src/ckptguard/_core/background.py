@@ -1,12 +1,14 @@
-"""A ``CheckpointManager``'s commits in the background: ``save_async``'s, a queued one's, an over-budget save's.
+"""A ``CheckpointManager``'s commits in the background: ``save_async``'s, a queued one's, an
+over-budget save's.
 
-``stage`` runs the caller's part (the health agreement, the snapshot with its copies queued into spare GPU
-memory or the host staging pool: ``_commit.pending``), ``begin`` starts the commit in a ``PendingSave``'s
-thread, ``queued`` starts the save ``OnBusy.COALESCE`` queued once every rank's commit ended, and
-``request`` is a ``save_async`` through the ``on_busy`` round (``_commit.coalesce``), or a synchronous
-``save`` estimated over ``CheckpointConfig.blocking`` (``_commit.budget``). The manager keeps the save in
-flight, which its ``wait`` reads on every save's walk: each call here hands back the ``PendingSave`` it
-started. A synchronous save within its budget and a restore never enter this module.
+``stage`` runs the caller's part (the health agreement, the snapshot with its copies queued into
+spare GPU memory or the host staging pool: ``_commit.pending``), ``begin`` starts the commit in a
+``PendingSave``'s thread, ``queued`` starts the save ``OnBusy.COALESCE`` queued once every rank's
+commit ended, and ``request`` is a ``save_async`` through the ``on_busy`` round
+(``_commit.coalesce``), or a synchronous ``save`` estimated over ``CheckpointConfig.blocking``
+(``_commit.budget``). The manager keeps the save in flight, which its ``wait`` reads on every save's
+walk: each call here hands back the ``PendingSave`` it started. A synchronous save within its budget
+and a restore never enter this module.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ class BackgroundCommits:
     """The rounds, the staging sets and the calls a manager's background commits run on.
 
     ``healthy`` is the manager's health agreement of a save, ``published`` what follows its commits,
-    ``cleanup`` its retention after one, ``wait`` its wait for the save in flight (the ``WAIT`` policy),
-    ``start`` its start of a staged commit (it keeps the save in flight). A door that made the manager with
-    its ``Parts`` (the tiers, Megatron's async save) gets ``stage``, ``start`` and ``cleanup`` bound into them."""
+    ``cleanup`` its retention after one, ``wait`` its wait for the save in flight (the ``WAIT``
+    policy), ``start`` its start of a staged commit (it keeps the save in flight). A door that made
+    the manager with its ``Parts`` (the tiers, Megatron's async save) gets ``stage``, ``start`` and
+    ``cleanup`` bound into them."""
 
     def __init__(
         self,
@@ -57,7 +60,8 @@ class BackgroundCommits:
         self.ctx, self.root_stage, self.core = ctx, stage, core
         self.healthy, self.published, self.cleanup, self.wait = healthy, published, cleanup, wait
         config = ctx.config
-        # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its own.
+        # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its
+        # own.
         busy = make_agreement(process_group, timeout_s=config.timeout_s, namespace=f"{name}-busy")
         self.busy = BusyRound(busy, policy=config.async_save.on_busy)
         self.staging = (
@@ -66,7 +70,8 @@ class BackgroundCommits:
             else _async.AsyncStaging()
         )
         self.queue = SaveQueue(self.busy, self.staging, core.proof.record)
-        # On the busy agreement: a save over the budget runs its round beside the commit in flight (issue 41).
+        # On the busy agreement: a save over the budget runs its round beside the commit in flight
+        # (issue 41).
         self.blocking = BudgetRound(
             self.busy.agreement, ctx.world, process_group, config.blocking, ctx.root, ctx.storage
         )
@@ -82,9 +87,9 @@ class BackgroundCommits:
         previous: PendingSave | None,
         measure: bool = False,
     ) -> PendingSave | None:
-        """A save to commit in the background, through the ``on_busy`` round (``health``: its ``healthy``,
-        ``loss`` and ``grad_norm``): the commit started, or None (skipped, queued or unhealthy, alike on every
-        rank)."""
+        """A save to commit in the background, through the ``on_busy`` round (``health``: its
+        ``healthy``, ``loss`` and ``grad_norm``): the commit started, or None (skipped, queued or
+        unhealthy, alike on every rank)."""
         healthy, loss, grad_norm = health
         health_args = (healthy, loss, grad_norm)
         if not self.queue.admit(
@@ -106,8 +111,8 @@ class BackgroundCommits:
     def begin(
         self, step: int, prepared: Staged, resumed: float, *, after: PendingSave | None = None
     ) -> PendingSave:
-        """The commit ``stage`` prepared, started in the background (``resumed``: when the caller got control
-        back; ``after``: the save whose commit it follows)."""
+        """The commit ``stage`` prepared, started in the background (``resumed``: when the caller
+        got control back; ``after``: the save whose commit it follows)."""
         run, fence, start = prepared
         return PendingSave(
             step,
@@ -131,9 +136,9 @@ class BackgroundCommits:
         busy: BusyRound | None = None,
         measure: bool = False,
     ) -> Staged | None:
-        """The caller's part of ``save_async`` (health agreement, snapshot, copies queued): the background commit,
-        its fence, its start; None: unhealthy. ``busy``: whose skips the cost block reports; ``measure``: see
-        budget.py."""
+        """The caller's part of ``save_async`` (health agreement, snapshot, copies queued): the
+        background commit, its fence, its start; None: unhealthy. ``busy``: whose skips the cost
+        block reports; ``measure``: see budget.py."""
         actions = self.root_stage.before_save(step, actions)
         if not self.healthy(step, healthy, loss, grad_norm):
             return None

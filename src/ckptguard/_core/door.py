@@ -1,12 +1,12 @@
 """The one shape every front door has: ``Checkpointer``, a small protocol (docs/architecture.md).
 
-``CheckpointManager`` (one state, on a directory or an ``s3://`` root: there its ``save`` returns the
-step's directory in the staging root and its ``Resolution.url`` names the store's marker),
+``CheckpointManager`` (one state, on a directory or an ``s3://`` root: there its ``save`` returns
+the step's directory in the staging root and its ``Resolution.url`` names the store's marker),
 ``RunCheckpoint`` (every role of a run) and ``TieredCheckpoint`` (a fast and a persistent tier)
-differ in what they commit, not in how a training loop talks to them: the same calls, the same return
-types. A loop, a ``PreemptionGuard`` or an integration written
-against ``Checkpointer`` takes any of them. ``tests/test_architecture.py`` runs one conformance test
-against each door, so a door that drifts (a ``save`` returning a dict, a missing ``resolve``) fails.
+differ in what they commit, not in how a training loop talks to them: the same calls, the same
+return types. A loop, a ``PreemptionGuard`` or an integration written against ``Checkpointer`` takes
+any of them. ``tests/test_architecture.py`` runs one conformance test against each door, so a door
+that drifts (a ``save`` returning a dict, a missing ``resolve``) fails.
 
 The state argument is positional: a manager and the tiers take one state dict, a run takes a dict of
 each role's state dict (``{"actor": {...}, "critic": {...}}``). A run's ``record_*`` calls name the
@@ -43,9 +43,10 @@ class PendingCommit(Protocol):
 
 @runtime_checkable
 class Checkpointer(Protocol):
-    """What a training loop calls on a front door. Every call is collective: all ranks call it in the
-    same order. ``save`` returns the committed step directory (None: the step was not committed: the health
-    policy skipped it, or it is on no tier's interval); ``restore`` returns the restored step (0: fresh)."""
+    """What a training loop calls on a front door. Every call is collective: all ranks call it in
+    the same order. ``save`` returns the committed step directory (None: the step was not committed:
+    the health policy skipped it, or it is on no tier's interval); ``restore`` returns the restored
+    step (0: fresh)."""
 
     def save(
         self,

@@ -23,18 +23,21 @@ class GuardTarget:
     """A front door as a ``PreemptionGuard`` sees it."""
 
     root: Path
-    """The root whose tracker a preemption save moves (a ``TieredCheckpoint``'s persistent tier, if any)."""
+    """The root whose tracker a preemption save moves (a ``TieredCheckpoint``'s persistent tier, if
+    any)."""
     timeout_s: float
     process_group: Any
     """The group the front door agrees over (None: the default group)."""
     save: Callable[..., Any]
-    """``save(step, state, **kwargs)``: commits ``step`` on every rank; None when the step was unhealthy."""
+    """``save(step, state, **kwargs)``: commits ``step`` on every rank; None when the step was
+    unhealthy."""
     wait: Callable[[], Any]
     """Waits for a pending background save, raising its error."""
     committed_here: Callable[[], list[int]]
     """The steps this process committed, oldest first."""
     save_seconds: Callable[[int], float | None]
-    """How long the save of a step took (measured, or from its manifest's cost block); None if unknown."""
+    """How long the save of a step took (measured, or from its manifest's cost block); None if
+    unknown."""
 
 
 class Preemptible(Protocol):
@@ -45,7 +48,8 @@ class Preemptible(Protocol):
 
 
 def recorded_save_seconds(step_dir: Path) -> float | None:
-    """The ``save_seconds`` of a committed step's cost block; None when rotated out, damaged or absent."""
+    """The ``save_seconds`` of a committed step's cost block; None when rotated out, damaged or
+    absent."""
     try:
         cost = _manifest.read(step_dir).cost
     except CheckpointError:
@@ -54,8 +58,8 @@ def recorded_save_seconds(step_dir: Path) -> float | None:
 
 
 def recorded_run_save_seconds(step_dir: Path) -> float | None:
-    """A run step's save time: the sum of its roles' recorded ``save_seconds`` (the roles are written one
-    after another); None when rotated out, damaged, or a role's figure is missing."""
+    """A run step's save time: the sum of its roles' recorded ``save_seconds`` (the roles are
+    written one after another); None when rotated out, damaged, or a role's figure is missing."""
     try:
         parts = [_manifest.read(step_dir / name).cost for name in _runmanifest.read(step_dir).roles]
     except CheckpointError:

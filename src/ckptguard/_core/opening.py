@@ -1,11 +1,12 @@
-"""What a ``CheckpointManager``'s constructor opens before its bookkeeping: its root, config and ``Context``.
+"""What a ``CheckpointManager``'s constructor opens before its bookkeeping: its root, config and
+``Context``.
 
-``checked_config`` refuses a config that is not a ``CheckpointConfig`` or whose ``on_busy`` a manager
-does not take, before the manager is numbered. ``open_context`` opens the root's stage
+``checked_config`` refuses a config that is not a ``CheckpointConfig`` or whose ``on_busy`` a
+manager does not take, before the manager is numbered. ``open_context`` opens the root's stage
 (``_core.rootstage.open_stage``: an ``s3://`` root commits into a staging root), makes the agreement
 its ranks decide over (namespaced by the manager's creation number, alike on every rank) and, with
-several ranks, the dedicated gloo group DCP's collectives run on with the manager's timeout.
-The manager builds its ``Root`` and its background commits on what it returns.
+several ranks, the dedicated gloo group DCP's collectives run on with the manager's timeout. The
+manager builds its ``Root`` and its background commits on what it returns.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from .rootstage import RootStage, open_stage
 
 
 def checked_config(config: CheckpointConfig | None) -> CheckpointConfig:
-    """``config`` (None: the defaults), refused unless it is a ``CheckpointConfig`` with a manager's ``on_busy``."""
+    """``config`` (None: the defaults), refused unless it is a ``CheckpointConfig`` with a manager's
+    ``on_busy``."""
     base = config or CheckpointConfig()
     if not isinstance(base, CheckpointConfig):
         raise ConfigError(f"config must be a CheckpointConfig, got {type(base).__name__}")
@@ -67,9 +69,10 @@ def open_context(
     expert_parallel: ExpertParallel | None,
     namespace: str,
 ) -> tuple[Path, CheckpointConfig, RootStage, Context]:
-    """The local root, the config, the root's stage and the ``Context`` of a manager whose agreement keys
-    are named ``namespace`` (``config``: as ``checked_config`` returned it)."""
-    # Its local root and stage: an s3:// root commits into a staging root, then publishes (_core.rootstage).
+    """The local root, the config, the root's stage and the ``Context`` of a manager whose agreement
+    keys are named ``namespace`` (``config``: as ``checked_config`` returned it)."""
+    # Its local root and stage: an s3:// root commits into a staging root, then publishes
+    # (_core.rootstage).
     local, opened, stage = open_stage(
         root, config, process_group=process_group, namespace=namespace
     )

@@ -1,11 +1,13 @@
-"""What a front door that composes a ``CheckpointManager`` hands to its constructor (docs/architecture.md).
+"""What a front door that composes a ``CheckpointManager`` hands to its constructor
+(docs/architecture.md).
 
-A ``TieredCheckpoint`` runs two managers as one door: both tiers' proof records go to one log (tagged
-with the tier), both tiers' health checks read the same step metrics, and its background thread
-commits both tiers' staged saves. Megatron's async save starts the commit only once Megatron's own
-writer finished. Neither reaches into the manager: they pass ``Parts`` in, holding the sink and the
-health log they share, and the manager binds its staged-commit calls into ``Parts.commits``. Only a
-door that made the manager with its ``Parts`` can stage a commit apart from ``save_async``.
+A ``TieredCheckpoint`` runs two managers as one door: both tiers' proof records go to one log
+(tagged with the tier), both tiers' health checks read the same step metrics, and its background
+thread commits both tiers' staged saves. Megatron's async save starts the commit only once
+Megatron's own writer finished. Neither reaches into the manager: they pass ``Parts`` in, holding
+the sink and the health log they share, and the manager binds its staged-commit calls into
+``Parts.commits``. Only a door that made the manager with its ``Parts`` can stage a commit apart
+from ``save_async``.
 """
 
 from __future__ import annotations
@@ -66,15 +68,16 @@ class CommitHooks:
         busy: BusyRound | None = None,
         measure: bool = False,
     ) -> Staged | None:
-        """``save_async``'s part in the caller's thread (health agreement, snapshot, copies queued): the
-        background commit, its fence, its start; None: the step is unhealthy (on every rank)."""
+        """``save_async``'s part in the caller's thread (health agreement, snapshot, copies queued):
+        the background commit, its fence, its start; None: the step is unhealthy (on every rank)."""
         staged: Staged | None = self._bound(self._stage)(
             step, state, healthy, loss, grad_norm, actions, busy=busy, measure=measure
         )
         return staged
 
     def start(self, step: int, staged: Staged, resumed: float) -> PendingSave:
-        """Start in the background the commit ``stage`` prepared (``resumed``: when the caller got control back)."""
+        """Start in the background the commit ``stage`` prepared (``resumed``: when the caller got
+        control back)."""
         pending: PendingSave = self._bound(self._start)(step, staged, resumed)
         return pending
 
@@ -83,38 +86,43 @@ class CommitHooks:
         self._bound(self._cleanup)(step)
 
     def resumed(self, step: int) -> None:
-        """This process's training goes on from ``step``, restored through another manager of the same run
-        (the tiers' other tier): trust vouches for steps up to it, retention keeps it, later commits start
-        a new trajectory there."""
+        """This process's training goes on from ``step``, restored through another manager of the
+        same run (the tiers' other tier): trust vouches for steps up to it, retention keeps it,
+        later commits start a new trajectory there."""
         self._bound(self._resumed)(step)
 
     @staticmethod
     def _bound(call: Any) -> Any:
         if call is None:
             raise ConfigError(
-                "these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))"
+                "these Parts were not given to a CheckpointManager "
+                "(CheckpointManager(..., parts=...))"
             )
         return call
 
 
 @dataclass
 class Parts:
-    """The parts a composing door shares with a manager it makes (``CheckpointManager(root, parts=...)``)."""
+    """The parts a composing door shares with a manager it makes (``CheckpointManager(root,
+    parts=...)``)."""
 
     proof: ProofSink | None = None
-    """Where the manager's proof records go (the tiers: one log, tagged by tier); None: its own, ROOT/proof."""
+    """Where the manager's proof records go (the tiers: one log, tagged by tier); None: its own,
+    ROOT/proof."""
     health: HealthLog | None = None
-    """The step metrics its health checks read (the tiers: one, fed by either tier's record_step); None: its own."""
+    """The step metrics its health checks read (the tiers: one, fed by either tier's record_step);
+    None: its own."""
     staging: AsyncStaging | None = None
-    """The host staging set the manager's ``save_async`` copies into (the tiers: one pool for both tiers, not a
-    pool per tier); None: its own."""
+    """The host staging set the manager's ``save_async`` copies into (the tiers: one pool for both
+    tiers, not a pool per tier); None: its own."""
     commits: CommitHooks = field(default_factory=CommitHooks)
     """Bound by the manager: its staged-commit calls, for the door that made it."""
     context: Context | None = None
-    """Bound by the manager: the context of its root (the tiers' restore and replica push run on it)."""
+    """Bound by the manager: the context of its root (the tiers' restore and replica push run on
+    it)."""
     root_stage: RootStage | None = None
-    """Bound by the manager: what its root holds beyond the local directory (the tiers' persistent lease,
-    restore checks and fetch: ``_core.rootstage``)."""
+    """Bound by the manager: what its root holds beyond the local directory (the tiers' persistent
+    lease, restore checks and fetch: ``_core.rootstage``)."""
 
     def bind(
         self,
@@ -125,7 +133,8 @@ class Parts:
         cleanup: Callable[[int], None],
         resumed: Callable[[int], None],
     ) -> None:
-        """The manager made with these parts hands over its context, its root's stage and its staged-commit calls."""
+        """The manager made with these parts hands over its context, its root's stage and its
+        staged-commit calls."""
         self.commits.bind(stage, start, cleanup, resumed)
         self.context, self.root_stage = context, root_stage
 
@@ -133,7 +142,8 @@ class Parts:
         """The root stage of the manager these parts were given to."""
         if self.root_stage is None:
             raise ConfigError(
-                "these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))"
+                "these Parts were not given to a CheckpointManager "
+                "(CheckpointManager(..., parts=...))"
             )
         return self.root_stage
 
@@ -141,6 +151,7 @@ class Parts:
         """The context of the manager these parts were given to."""
         if self.context is None:
             raise ConfigError(
-                "these Parts were not given to a CheckpointManager (CheckpointManager(..., parts=...))"
+                "these Parts were not given to a CheckpointManager "
+                "(CheckpointManager(..., parts=...))"
             )
         return self.context

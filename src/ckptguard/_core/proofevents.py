@@ -2,9 +2,9 @@
 
 What the training loop reports (``record_step``, ``record_update``, ``record_export``,
 ``record_logprobs``: ``ckptguard prove`` compares a resumed run's with the killed run's), a step the
-health round skipped, and a restore that loaded nothing (a fresh start) or failed. A save's record and
-a loaded restore's are written by the manager on its walk (docs/architecture.md); none of these is.
-Each goes to the root's ``ProofSink`` (``_core.root``), written as every record is.
+health round skipped, and a restore that loaded nothing (a fresh start) or failed. A save's record
+and a loaded restore's are written by the manager on its walk (docs/architecture.md); none of these
+is. Each goes to the root's ``ProofSink`` (``_core.root``), written as every record is.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def record_step(
     grad_norm: Any,
     extra: Mapping[str, Any],
 ) -> JsonObject:
-    """``CheckpointManager.record_step``: the step's fields, noted as health evidence and recorded."""
+    """``CheckpointManager.record_step``: the step's fields, noted as health evidence and
+    recorded."""
     check_step(step, "record_step")
     fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
     # Judged now, shipped with the next save: the evidence of healthy and unhealthy steps.
@@ -43,7 +44,8 @@ def record_step(
 
 
 def record_update(proof: ProofSink, step: int, grad_norm: float, params_changed: bool) -> None:
-    """``CheckpointManager.record_update``: an optimizer update's gradient norm, whether it moved anything."""
+    """``CheckpointManager.record_update``: an optimizer update's gradient norm, whether it moved
+    anything."""
     proof.record(
         "update", step=step, grad_norm=float(grad_norm), params_changed=bool(params_changed)
     )
@@ -61,7 +63,8 @@ def record_export(
 def record_logprobs(
     proof: ProofSink, step: int, trainer: Any, rollout: Any, **details: Any
 ) -> dict[str, float]:
-    """``CheckpointManager.record_logprobs``: the trainer's old-logprob against the rollout's, recorded."""
+    """``CheckpointManager.record_logprobs``: the trainer's old-logprob against the rollout's,
+    recorded."""
     diff = logprob_diff(trainer, rollout)
     proof.record("logprobs", step=step, **details, **dict[str, Any](diff))
     return diff
@@ -70,8 +73,8 @@ def record_logprobs(
 def skipped(root: Root, step: int, verdict: HealthVerdict, world_size: int) -> None:
     """A save the health round skipped (``verdict.skip``): logged as an error and recorded."""
     log.error(
-        "ckptguard: step %d NOT committed: unhealthy on %d of %d rank(s): %s. Nothing was written; the "
-        "tracker stays at %s under %s",
+        "ckptguard: step %d NOT committed: unhealthy on %d of %d rank(s): %s. Nothing was written; "
+        "the tracker stays at %s under %s",
         step,
         len(verdict.reasons),
         world_size,
@@ -106,7 +109,8 @@ def failed_restore(
     exc: BaseException,
     where: JsonObject,
 ) -> None:
-    """A restore that raised ``exc`` after the verified items in ``seen``: recorded (prove shows it as FAIL)."""
+    """A restore that raised ``exc`` after the verified items in ``seen``: recorded (prove shows it
+    as FAIL)."""
     proof.record(
         "restore",
         step=res.step,

@@ -1,9 +1,10 @@
-"""The roles of a run (``ckptguard.RunCheckpoint``): what a role is, the run's roles checked and each
-one's context (its group and agreement) made, what a rank reports of its roles.
+"""The roles of a run (``ckptguard.RunCheckpoint``): what a role is, the run's roles checked and
+each one's context (its group and agreement) made, what a rank reports of its roles.
 
 A ``Role`` names the ranks that hold one model or the driver of a run; every role's part of a step
-is written by the single-role protocol into the run's temp directory (``_commit.publish.RolePartPublisher``), and
-the run step is published once every role on every rank confirmed (``_commit.publish_run``).
+is written by the single-role protocol into the run's temp directory
+(``_commit.publish.RolePartPublisher``), and the run step is published once every role on every rank
+confirmed (``_commit.publish_run``).
 """
 
 from __future__ import annotations
@@ -89,12 +90,14 @@ def check_roles(roles: Sequence[Role]) -> list[Role]:
 
 
 def role_ranks(roles: Sequence[Role], world: int) -> dict[str, list[int]]:
-    """Every role's ranks (None: every rank), in declared order, each a rank of the default process group."""
+    """Every role's ranks (None: every rank), in declared order, each a rank of the default process
+    group."""
     held = {r.name: list(r.ranks) if r.ranks is not None else list(range(world)) for r in roles}
     for name, ranks in held.items():
         if max(ranks) >= world:
             raise ConfigError(
-                f"role {name!r} lists ranks {ranks}, but the default process group has {world} ranks"
+                f"role {name!r} lists ranks {ranks}, but the default "
+                f"process group has {world} ranks"
             )
     return held
 
@@ -107,16 +110,17 @@ def role_contexts(
     *,
     distributed: bool,
 ) -> tuple[dict[str, Context], dict[str, int]]:
-    """The context of each role this rank holds, in declared order, and this rank's rank in each (its
-    proof records: ``ROOT/proof/<role>/``). Created collectively: every rank creates every role's group."""
+    """The context of each role this rank holds, in declared order, and this rank's rank in each
+    (its proof records: ``ROOT/proof/<role>/``). Created collectively: every rank creates every
+    role's group."""
     contexts: dict[str, Context] = {}
     held: dict[str, int] = {}
     timeout_s = run.config.timeout_s
     for role in roles:
         group = None
         if distributed:
-            # Every rank creates every role's group (new_group's rule); a dedicated gloo group with our
-            # timeout, so DCP's own collectives of a stalled role fail within timeout_s too.
+            # Every rank creates every role's group (new_group's rule); a dedicated gloo group with
+            # our timeout, so DCP's own collectives of a stalled role fail within timeout_s too.
             group = dist.new_group(
                 ranks[role.name], backend="gloo", timeout=_dt.timedelta(seconds=timeout_s)
             )
@@ -139,7 +143,8 @@ def role_contexts(
 
 
 class Fences:
-    """The fences of every role of one save_async, as one (what PendingSave and ``staged`` wait on)."""
+    """The fences of every role of one save_async, as one (what PendingSave and ``staged`` wait
+    on)."""
 
     def __init__(self, fences: list[Any]) -> None:
         self._fences = fences
@@ -161,7 +166,8 @@ class Fences:
 
 
 def in_role(exc: BaseException, role: str) -> BaseException:
-    """The same error, its message naming the role (fields kept, so every rank rebuilds it alike)."""
+    """The same error, its message naming the role (fields kept, so every rank rebuilds it
+    alike)."""
     if not isinstance(exc, CheckpointError) or str(exc).startswith("role "):
         return exc
     named = type(exc).from_wire(f"role {role!r}: {exc}", exc.wire_fields())
@@ -254,20 +260,21 @@ def load_role_part(
 def check_states(
     states: Any, *, mine: set[str], ranks: dict[str, list[int]], rank: int, where: str
 ) -> None:
-    """A run's ``states`` argument: a non-empty state dict for each role this rank holds, no other."""
+    """A run's ``states`` argument: a non-empty state dict for each role this rank holds, no
+    other."""
     if not isinstance(states, dict):
         raise ConfigError(
             f"{where}(states): a dict of role name -> state dict, got {type(states).__name__}"
         )
     if missing := sorted(mine - set(states)):
         raise ConfigError(
-            f"{where}(states) on rank {rank}: this rank holds roles {sorted(mine)} and got no state for "
-            f"{missing}; pass a state dict for every role of my_roles"
+            f"{where}(states) on rank {rank}: this rank holds roles {sorted(mine)} and got no "
+            f"state for {missing}; pass a state dict for every role of my_roles"
         )
     if extra := sorted(set(states) - mine):
         raise ConfigError(
-            f"{where}(states) on rank {rank}: role(s) {extra} are not held by this rank (roles and their "
-            f"ranks: {ranks}); pass only the states of my_roles"
+            f"{where}(states) on rank {rank}: role(s) {extra} are not held by this rank (roles and "
+            f"their ranks: {ranks}); pass only the states of my_roles"
         )
     for name, state in states.items():
         if not isinstance(state, dict) or not state:
@@ -279,8 +286,8 @@ def check_states(
 
 
 class RoleProofs:
-    """The proof records of the roles this rank holds: ``ROOT/proof/<role>/``, one core ``ProofSink`` per role
-    (written as a CheckpointManager's are; ``Root.cleanup`` prunes them)."""
+    """The proof records of the roles this rank holds: ``ROOT/proof/<role>/``, one core
+    ``ProofSink`` per role (written as a CheckpointManager's are; ``Root.cleanup`` prunes them)."""
 
     def __init__(self, sinks: dict[str, ProofSink], *, health: HealthPolicy, rank: int) -> None:
         self.sinks = sinks
@@ -291,7 +298,8 @@ class RoleProofs:
     def open(
         cls, root: Path, ranks: dict[str, int], config: CheckpointConfig, *, rank: int
     ) -> RoleProofs:
-        """The sinks of the roles this rank holds (``ranks``: role -> this rank's rank in the role)."""
+        """The sinks of the roles this rank holds (``ranks``: role -> this rank's rank in the
+        role)."""
         sinks = {}
         for name, role_rank in ranks.items():
             log = ProofLog(root, role_rank, role=name)
@@ -310,8 +318,8 @@ class RoleProofs:
             )
         if role not in self.sinks:
             raise ConfigError(
-                f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles {list(self.sinks)}; "
-                "record a role's events on the ranks that hold it"
+                f"{where}(role={role!r}) on rank {self.rank}: this rank holds roles "
+                f"{list(self.sinks)}; record a role's events on the ranks that hold it"
             )
         return str(role)
 
@@ -330,7 +338,8 @@ class RoleProofs:
         grad_norm: Any,
         **extra: Any,
     ) -> JsonObject:
-        """A step record of ``role``; its loss and grad_norm are health evidence for the next save."""
+        """A step record of ``role``; its loss and grad_norm are health evidence for the next
+        save."""
         role = self.held(role, "record_step")
         check_step(step, "record_step")
         fields = fingerprint(sample_ids, batch, loss, grad_norm, extra)
@@ -368,7 +377,8 @@ class RoleProofs:
 
 
 def role_budget(config: CheckpointConfig, roles: int) -> tuple[int, str]:
-    """This rank's host staging budget for ``save_async``, split evenly between the ``roles`` it holds."""
+    """This rank's host staging budget for ``save_async``, split evenly between the ``roles`` it
+    holds."""
     total = _async.AsyncStaging().host_budget(config)
     n = max(1, roles)
     return total // n, f"this rank's host staging budget {total} B split between its {n} role(s)"

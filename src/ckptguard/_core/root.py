@@ -47,16 +47,18 @@ def check_step(step: Any, where: str) -> None:
 def check_state(state: Any, where: str) -> None:
     if not isinstance(state, dict) or not state:
         raise ConfigError(
-            f"{where}(state): state must be a non-empty dict of named items, got {type(state).__name__}"
+            f"{where}(state): state must be a non-empty dict of named items, "
+            f"got {type(state).__name__}"
         )
 
 
 class ProofSink:
-    """Where a front door's proof records go: a ``ProofLog`` (``ROOT/proof``), tagged; written as every
-    record is (``ProofLog.keep``: held until the root exists, a failure logged, never raised).
+    """Where a front door's proof records go: a ``ProofLog`` (``ROOT/proof``), tagged; written as
+    every record is (``ProofLog.keep``: held until the root exists, a failure logged, never raised).
 
     A ``TieredCheckpoint`` gives both tiers a sink into one log (the root every rank can read), each
-    tagging its save and restore records with its tier (``tagged``), through ``_core.parts.Parts``."""
+    tagging its save and restore records with its tier (``tagged``), through
+    ``_core.parts.Parts``."""
 
     def __init__(
         self,
@@ -72,11 +74,13 @@ class ProofSink:
             tags or {}
         )  # a tier, the replicas a restore read
         self.plan = plan
-        """``ProofPlan.as_dict()``: on every save record and every restore record of a step (prove reads it)."""
+        """``ProofPlan.as_dict()``: on every save record and every restore record of a step (prove
+        reads it)."""
 
     @classmethod
     def open(cls, home: Path, rank: int, config: CheckpointConfig) -> ProofSink:
-        """The sink of ``rank``'s records under ``home``/proof, as ``config`` asks (on or off, the code hash)."""
+        """The sink of ``rank``'s records under ``home``/proof, as ``config`` asks (on or off, the
+        code hash)."""
         log = ProofLog(home, rank)
         log.code = config.contract.code if config.contract is not None else None
         return cls(log, enabled=config.proof.record, plan=config.proof.as_dict())
@@ -87,7 +91,8 @@ class ProofSink:
 
     @contextlib.contextmanager
     def adding(self, tags: Mapping[str, str | list[int]]) -> Iterator[None]:
-        """``tags`` on the save and restore records made inside the block (where a restore read from)."""
+        """``tags`` on the save and restore records made inside the block (where a restore read
+        from)."""
         before = self.tags
         self.tags = {**before, **tags}
         try:
@@ -107,9 +112,10 @@ class ProofSink:
 
     @contextlib.contextmanager
     def divergence(self, step: int) -> Iterator[None]:
-        """A ``ReplicatedDivergenceError`` raised in the block (a save's guard: in the caller's thread for
-        ``save``, in the background commit for ``save_async`` and the tiers) is recorded, then raised: a
-        ``replicas`` record (``ok`` False, ``error`` naming the tensors), which prove's replica gate reads."""
+        """A ``ReplicatedDivergenceError`` raised in the block (a save's guard: in the caller's
+        thread for ``save``, in the background commit for ``save_async`` and the tiers) is recorded,
+        then raised: a ``replicas`` record (``ok`` False, ``error`` naming the tensors), which
+        prove's replica gate reads."""
         try:
             yield
         except ReplicatedDivergenceError as exc:
@@ -119,10 +125,10 @@ class ProofSink:
     def after_restore(
         self, state: Mapping[str, Any], keyfn: KeyFn, replicas: Mapping[str, Any]
     ) -> None:
-        """The first step record after this restore carries this rank's replica digests (``replica_fields``)
-        when the restore compared replicas (``replicas``: its ``replica_report``, some chunk held by 2+ ranks);
-        else none is computed (one rank, every tensor sharded, no layout-free digests, FSDP1:
-        ``read_alone``)."""
+        """The first step record after this restore carries this rank's replica digests
+        (``replica_fields``) when the restore compared replicas (``replicas``: its
+        ``replica_report``, some chunk held by 2+ ranks); else none is computed (one rank, every
+        tensor sharded, no layout-free digests, FSDP1: ``read_alone``)."""
         due = self.enabled and bool(replicas.get("checked")) and read_alone(state)
         self.log.after_restore((lambda: replica_fields(state, keyfn)) if due else None)
 
@@ -191,14 +197,15 @@ class Root:
     # ------------------------------------------------------------ trajectory
 
     def eligible(self) -> Callable[[int], bool]:
-        """Steps this process's trajectory vouches for: its own commits and what it restored from."""
+        """Steps this process's trajectory vouches for: its own commits and what it restored
+        from."""
         mine, restored = set(self.committed_here), self.restored_step or 0
         return lambda k: k in mine or k <= restored
 
     def restarted_at(self, step: int) -> None:
-        """A restore (a rollback within this process included) starts a new trajectory from ``step``:
-        the commits and skips above it belong to the abandoned one (a preemption save must not take
-        step N as "committed already", and trust must not promote those steps)."""
+        """A restore (a rollback within this process included) starts a new trajectory from
+        ``step``: the commits and skips above it belong to the abandoned one (a preemption save must
+        not take step N as "committed already", and trust must not promote those steps)."""
         self.restored_step = step
         self.committed_here = [s for s in self.committed_here if s <= step]
         self.skipped = {s: why for s, why in self.skipped.items() if s <= step}
@@ -262,8 +269,8 @@ class Root:
         return verdict
 
     def observe_held(self, *, publisher: bool) -> None:
-        """A node's publisher (rank != 0, node-local roots) records the health verdicts rank 0 recorded,
-        in the same order; on a shared root (not a publisher) they are dropped."""
+        """A node's publisher (rank != 0, node-local roots) records the health verdicts rank 0
+        recorded, in the same order; on a shared root (not a publisher) they are dropped."""
         held, self._unobserved = self._unobserved, []
         if self.rank == 0 or not publisher:
             return
@@ -288,7 +295,8 @@ class Root:
         )
 
     def trust_write(self, what: str, write: Callable[[], Any]) -> Any:
-        """The trust record's updates; a failure is logged, never raised (the commit is what matters)."""
+        """The trust record's updates; a failure is logged, never raised (the commit is what
+        matters)."""
         try:
             return write()
         except (OSError, CheckpointError) as exc:
@@ -313,9 +321,10 @@ class Root:
     # ------------------------------------------------------------ retention
 
     def cleanup(self, step: int, *, rotate: bool, sinks: Sequence[ProofSink] = ()) -> None:
-        """After the commit of ``step``: retention (``rotate``: this rank applies it) and the proof records no
-        retained checkpoint's proof reads again; what retention deleted is recorded with its seconds. ``sinks``:
-        the proof sinks pruned and told (a run's roles); none given, this root's own."""
+        """After the commit of ``step``: retention (``rotate``: this rank applies it) and the proof
+        records no retained checkpoint's proof reads again; what retention deleted is recorded with
+        its seconds. ``sinks``: the proof sinks pruned and told (a run's roles); none given, this
+        root's own."""
         began = time.monotonic()
         deleted = self.rotate(step) if rotate else []
         for sink in sinks or (self.proof,):
@@ -330,8 +339,9 @@ class Root:
                 )
 
     def rotate(self, step: int) -> list[int]:
-        """Apply retention after the commit of ``step`` (the caller decides which rank does); a failure
-        is logged, never raised: rotation must never stop training. Returns the steps deleted."""
+        """Apply retention after the commit of ``step`` (the caller decides which rank does); a
+        failure is logged, never raised: rotation must never stop training. Returns the steps
+        deleted."""
         policy = self.config.retention
         if policy is None:
             return []
@@ -360,8 +370,8 @@ class Root:
 
 
 class LocalStage:
-    """The stage of a filesystem root (``_core.rootstage.RootStage``): the local root's commit is the whole
-    story; ``hold`` is the tiers' lease of a persistent directory root."""
+    """The stage of a filesystem root (``_core.rootstage.RootStage``): the local root's commit is
+    the whole story; ``hold`` is the tiers' lease of a persistent directory root."""
 
     def __init__(self, root: Path, naming: _layout.StepNaming, lease_ttl_s: float) -> None:
         self.root = root

@@ -1,11 +1,12 @@
-"""What a ``CheckpointManager`` does on its root on request, between saves: phases, holds, a guard's target.
+"""What a ``CheckpointManager`` does on its root on request, between saves: phases, holds, a guard's
+target.
 
 ``adopt`` (a phase that adopts another run's chain, so a restore may continue from its step) and
 ``declare_phase`` (the only way to extend training or change data) append to the root's contract
 phases (``_records.contract``): rank 0 writes, every rank returns the path or raises the same error.
 ``hold`` pins a committed step against rotation (``_records.retention``). ``committed_steps`` is the
-list a hold is checked against: this rank's reading of the root now, not agreed. ``preemption_target``
-is what a ``PreemptionGuard`` guards of the manager (``_core.guard``).
+list a hold is checked against: this rank's reading of the root now, not agreed.
+``preemption_target`` is what a ``PreemptionGuard`` guards of the manager (``_core.guard``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ log = logging.getLogger("ckptguard")
 
 
 def committed_steps(root: Root, stage: RootStage) -> list[int]:
-    """Steps with a valid manifest and no newer than the tracker, ascending (an ``s3://`` root's: the store's)."""
+    """Steps with a valid manifest and no newer than the tracker, ascending (an ``s3://`` root's:
+    the store's)."""
     stored = stage.committed_steps()
     return (
         stored
@@ -46,7 +48,8 @@ def on_rank0(root: Root, phase: str, write: Callable[[], Path], wait: Callable[[
 
 
 def adopt(root: Root, path: str | os.PathLike[str], reason: str, wait: Callable[[], Any]) -> Path:
-    """A contract phase that adopts the run chain of the checkpoint at ``path`` (``CheckpointManager.adopt``)."""
+    """A contract phase that adopts the run chain of the checkpoint at ``path``
+    (``CheckpointManager.adopt``)."""
     chain = _manifest.read(Path(path)).chain_id
 
     def write() -> Path:
@@ -60,7 +63,8 @@ def adopt(root: Root, path: str | os.PathLike[str], reason: str, wait: Callable[
 
 
 def declare_phase(root: Root, reason: str, changes: Iterable[str], wait: Callable[[], Any]) -> Path:
-    """Append a contract phase naming the contract items that changed (``CheckpointManager.declare_phase``)."""
+    """Append a contract phase naming the contract items that changed
+    (``CheckpointManager.declare_phase``)."""
     changed = sorted(changes)
     written = on_rank0(
         root,
@@ -82,7 +86,8 @@ def hold(root: Root, step: int, reason: str, committed: list[int]) -> Path:
 def preemption_target(
     root: Root, process_group: Any, save: Callable[..., Any], wait: Callable[[], Any]
 ) -> GuardTarget:
-    """A manager as a ``PreemptionGuard`` sees it: its ``save`` and ``wait``, its commits and save times."""
+    """A manager as a ``PreemptionGuard`` sees it: its ``save`` and ``wait``, its commits and save
+    times."""
     return GuardTarget(
         root=root.path,
         timeout_s=root.config.timeout_s,

@@ -33,7 +33,8 @@ def resolve_run(
     path: str | os.PathLike[str] | None,
     prefer: Prefer,
 ) -> Resolution:
-    """The run step a restore would load, agreed by every rank: a step holding every role of ``names``."""
+    """The run step a restore would load, agreed by every rank: a step holding every role of
+    ``names``."""
     res: Resolution | None = None
     try:
         res = resolve_local(
@@ -64,8 +65,9 @@ def restore_roles(
     derived: dict[str, DerivedState],
     proofs: RoleProofs,
 ) -> None:
-    """Load run step ``res`` into the state of every role this rank holds (``roles``), each recorded in
-    its role's proof records; every part is checked on every rank before any role reads a tensor."""
+    """Load run step ``res`` into the state of every role this rank holds (``roles``), each recorded
+    in its role's proof records; every part is checked on every rank before any role reads a
+    tensor."""
     assert res.path is not None
     parts = {
         n: Resolution(res.step, res.path / n, f"role {n!r} of run step {res.step}", res.mode)

@@ -1,4 +1,5 @@
-"""A run step's save (``ckptguard.RunCheckpoint``): every role's snapshot, then one commit of them all.
+"""A run step's save (``ckptguard.RunCheckpoint``): every role's snapshot, then one commit of them
+all.
 
 ``snapshots`` takes the snapshot of every role this rank holds, in declared order on every rank (no
 cross-role wait cycle), each inside its role's divergence records; ``staged_snapshots`` does it for
@@ -43,7 +44,8 @@ def snapshots(
     step: int,
 ) -> dict[str, Snapshot]:
     """Every role's snapshot, in declared order on every rank (no cross-role wait cycle); the later
-    roles still run after a failure, so their other ranks are not stranded; every rank raises alike."""
+    roles still run after a failure, so their other ranks are not stranded; every rank raises
+    alike."""
     snaps: dict[str, Snapshot] = {}
 
     def take(name: str, ctx: Context) -> None:
@@ -66,14 +68,16 @@ def staged_snapshots(
     budget: tuple[int, str],
     cost: Callable[[], Mapping[str, Figure]],
 ) -> tuple[dict[str, Snapshot], list[Fence], list[StagingPool]]:
-    """``save_async``'s snapshots: every role's copies queued into its own host pool (``staging``, one per
-    role, ``budget`` this rank's share for each); with the fences the next mutation waits on and the pools
-    whose placed slots the commit reads. A failure releases both before it is raised."""
+    """``save_async``'s snapshots: every role's copies queued into its own host pool (``staging``,
+    one per role, ``budget`` this rank's share for each); with the fences the next mutation waits on
+    and the pools whose placed slots the commit reads. A failure releases both before it is
+    raised."""
     fences: list[Fence] = []
     pools: list[StagingPool] = []
 
     def stage(name: str, ctx: Context) -> Snapshot:
-        # The core's staging (CheckpointManager's): one host pool per role, this rank's budget split between them.
+        # The core's staging (CheckpointManager's): one host pool per role, this rank's budget split
+        # between them.
         held = staging.setdefault(name, _async.AsyncStaging())
         held.budget, held.budget_why = budget
         snap, fence = _async.staged_snapshot(ctx, held, step, states[name], actions, cost)
@@ -102,8 +106,9 @@ def commit_roles(
     snaps: dict[str, Snapshot],
     actions: Actions,
 ) -> Path:
-    """Prepare the run step, write every role's part into its temp directory, publish once every rank of
-    every role reported; every rank raises alike or gets the step's directory, each role's save recorded."""
+    """Prepare the run step, write every role's part into its temp directory, publish once every
+    rank of every role reported; every rank raises alike or gets the step's directory, each role's
+    save recorded."""
     prep = _commit.prepare(run, step, actions)
     if prep.nodes:  # the probe's verdict changed since (a remount): every rank raises alike
         others = [r for node in prep.nodes[1:] for r in node]

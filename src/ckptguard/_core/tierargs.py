@@ -1,12 +1,13 @@
 """``TieredCheckpoint``'s constructor arguments, checked, and what they make of the tiers.
 
-``fast_root`` and ``separate_roots``: which root is the fast tier, and that the persistent tier's local
-root is another one. ``TierPlan.of`` checks the intervals (``fast_every``, ``persistent_every``: ints >= 1)
-and ``replicas`` (0 or 1), and derives from the ``CheckpointConfig`` passed the one each tier's manager
-gets: its saves whole (no blocking budget of its own) and, under the tiers' ``OnBusy.FAST_TIER``, a manager
-that skips (the tiers route a busy ``save_async``, not the manager). ``staging``: one host staging pool for
-both tiers, except under ``FAST_TIER``. ``check_peers``: a peer replica lives on another node.
-``check_restore``: a restore's ``mode``, and the health policy a choice across tiers can follow.
+``fast_root`` and ``separate_roots``: which root is the fast tier, and that the persistent tier's
+local root is another one. ``TierPlan.of`` checks the intervals (``fast_every``,
+``persistent_every``: ints >= 1) and ``replicas`` (0 or 1), and derives from the
+``CheckpointConfig`` passed the one each tier's manager gets: its saves whole (no blocking budget of
+its own) and, under the tiers' ``OnBusy.FAST_TIER``, a manager that skips (the tiers route a busy
+``save_async``, not the manager). ``staging``: one host staging pool for both tiers, except under
+``FAST_TIER``. ``check_peers``: a peer replica lives on another node. ``check_restore``: a restore's
+``mode``, and the health policy a choice across tiers can follow.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from .rootstage import is_store
 
 
 def fast_root(root: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
-    """The fast tier's root: the first argument, as ``CheckpointManager(root)`` and ``RunCheckpoint(root, roles)``
-    take theirs."""
+    """The fast tier's root: the first argument, as ``CheckpointManager(root)`` and
+    ``RunCheckpoint(root, roles)`` take theirs."""
     if root is None or is_store(root):
         raise ConfigError(
             f"TieredCheckpoint({root!r}, persistent=...): give the fast tier's root (node-local "
@@ -41,8 +42,9 @@ def separate_roots(
     persistent: str | os.PathLike[str] | None,
     persistent_local: Path | None,
 ) -> Path:
-    """The root of the tiers' one proof log: the persistent tier's local root (``persistent_local``: an
-    ``s3://`` root's staging root) when there is one, else the fast root; the two tiers' roots checked apart."""
+    """The root of the tiers' one proof log: the persistent tier's local root (``persistent_local``:
+    an ``s3://`` root's staging root) when there is one, else the fast root; the two tiers' roots
+    checked apart."""
     fast_dir = Path(fast).absolute()
     if persistent is None or persistent_local is None:
         return fast_dir
@@ -81,14 +83,17 @@ class TierPlan:
                 )
         if replicas not in (0, 1):
             raise ConfigError(
-                f"TieredCheckpoint(replicas={replicas!r}): 0 or 1 (one peer copy of each node's part)"
+                f"TieredCheckpoint(replicas={replicas!r}): 0 or 1 (one peer "
+                f"copy of each node's part)"
             )
-        # The tiers' saves are whole: a manager whose own blocking budget moved its save to the background
-        # would return None, read here as a skipped step (no persistent save). TieredCheckpoint.save stays
-        # synchronous; save_async is the non-blocking path (docs/tiers.md).
+        # The tiers' saves are whole: a manager whose own blocking budget moved its save to the
+        # background would return None, read here as a skipped step (no persistent save).
+        # TieredCheckpoint.save stays synchronous; save_async is the non-blocking path
+        # (docs/tiers.md).
         if config is not None and not isinstance(config, CheckpointConfig):
             raise ConfigError(
-                f"TieredCheckpoint(config=...) must be a CheckpointConfig, got {type(config).__name__}"
+                f"TieredCheckpoint(config=...) must be a CheckpointConfig, "
+                f"got {type(config).__name__}"
             )
         base = dataclasses.replace(
             config or CheckpointConfig(), blocking=BlockingBudget(fraction=None)
@@ -108,27 +113,31 @@ class TierPlan:
         return cls(fast_every, persistent_every, replicas, on_busy, base)
 
     def staging(self) -> AsyncStaging | None:
-        """One staging pool for both tiers (a step due on both stages the same bytes into the same slots; host 1x the
-        state, not 2x), except under FAST_TIER, whose fast save runs beside a persistent commit reading its pool."""
+        """One staging pool for both tiers (a step due on both stages the same bytes into the same
+        slots; host 1x the state, not 2x), except under FAST_TIER, whose fast save runs beside a
+        persistent commit reading its pool."""
         return AsyncStaging() if self.on_busy is not OnBusy.FAST_TIER else None
 
     def check_peers(self, hosts: list[str], peers: list[int | None]) -> None:
         """With ``replicas=1``, every rank's peer on another node (``_commit.replica.peers``)."""
         if self.replicas and peers[0] is None:
             raise ConfigError(
-                f"TieredCheckpoint(replicas=1): all {len(hosts)} ranks run on host {hosts[0]}; a peer "
-                "replica must live on another node. Run on two or more nodes, or use replicas=0"
+                f"TieredCheckpoint(replicas=1): all {len(hosts)} ranks run on host "
+                f"{hosts[0]}; a peer replica must live on another node. Run on two or more "
+                f"nodes, or use replicas=0"
             )
 
 
 def check_restore(mode: ResumeMode, prefer: Prefer = Prefer.LATEST) -> None:
-    """``TieredCheckpoint.restore``'s (and ``resolve``'s) ``mode``; ``prefer``: the tiers' health policy, whose
-    ``prefer='verified'`` a restore refuses (the tier choice takes the newest step every rank can load)."""
+    """``TieredCheckpoint.restore``'s (and ``resolve``'s) ``mode``; ``prefer``: the tiers' health
+    policy, whose ``prefer='verified'`` a restore refuses (the tier choice takes the newest step
+    every rank can load)."""
     if not isinstance(mode, ResumeMode):
         raise ConfigError(f"mode must be a ResumeMode (AUTO, MUST, NEVER), got {mode!r}")
     if prefer is not Prefer.LATEST:
         raise ConfigError(
-            "TieredCheckpoint.restore: CheckpointConfig(health=HealthPolicy(prefer='verified')) is not "
-            "supported across tiers (the choice is the newest step every rank can load); use prefer='latest', "
+            "TieredCheckpoint.restore: "
+            "CheckpointConfig(health=HealthPolicy(prefer='verified')) is not supported across "
+            "tiers (the choice is the newest step every rank can load); use prefer='latest', "
             "or restore the persistent tier with a CheckpointManager(..., prefer='verified')"
         )

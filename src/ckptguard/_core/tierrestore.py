@@ -44,7 +44,8 @@ class Tier(str, enum.Enum):
 
 @dataclass(frozen=True)
 class View(Wire):
-    """What one rank can load: fast steps complete on its disk, replicas it holds, the persistent step."""
+    """What one rank can load: fast steps complete on its disk, replicas it holds, the persistent
+    step."""
 
     host: str
     complete: list[int] = field(default_factory=list)
@@ -64,7 +65,8 @@ class View(Wire):
 
 @dataclass(frozen=True)
 class Choice(Wire):
-    tier: str = ""  # "fast", "persistent", or "" (nothing committed anywhere: the managers' own fresh start)
+    # "fast", "persistent", or "" (nothing committed anywhere: the managers' own fresh start)
+    tier: str = ""
     step: int = 0
     senders: dict[str, int] = field(default_factory=dict)  # str(receiver rank) -> sender rank
     detail: str = ""
@@ -72,8 +74,9 @@ class Choice(Wire):
 
 
 class TierRestore:
-    """The restore side of the tiers, over the fast tier's context and the persistent tier's (``stage``: its
-    root's stage; an object store's committed step is the store's, not its staging root's)."""
+    """The restore side of the tiers, over the fast tier's context and the persistent tier's
+    (``stage``: its root's stage; an object store's committed step is the store's, not its staging
+    root's)."""
 
     def __init__(
         self,
@@ -119,17 +122,18 @@ class TierRestore:
         return View(host, complete, published, missing, replicas, persistent, perror)
 
     def _fast_steps(self) -> tuple[list[int], list[int], dict[str, list[str]]]:
-        """Fast steps whose files this rank has on its own disk (sizes as the manifest says): committed
-        ones (up to the tracker), and published ones past it (node-local roots: a save stopped between
-        the nodes' trackers; they count only where another node's tracker names them). For the
-        others, the files this rank lacks."""
+        """Fast steps whose files this rank has on its own disk (sizes as the manifest says):
+        committed ones (up to the tracker), and published ones past it (node-local roots: a save
+        stopped between the nodes' trackers; they count only where another node's tracker names
+        them). For the others, the files this rank lacks."""
         root, naming, rank = self.fast.root, self.fast.naming, self.rank
         tracker = _layout.read_tracker(root) if root.is_dir() else None
         complete: list[int] = []
         published: list[int] = []
         missing: dict[str, list[str]] = {}
         if tracker is None:
-            # Steps but no tracker was never written by ckptguard: raised as the manager's resolve does.
+            # Steps but no tracker was never written by ckptguard: raised as the manager's resolve
+            # does.
             resolve_local(root, naming, ResumeMode.AUTO, None)
             return complete, published, missing
         for step, path in sorted(_layout.step_dirs(root, naming).items()):
@@ -151,8 +155,8 @@ class TierRestore:
         return complete, published, missing
 
     def choose(self, views: list[View], broken: dict[int, str]) -> Choice:
-        """Rank 0: the newest step every rank can load, preferring the fast tier at equal steps; a fast
-        step in ``broken`` (its fetch failed) is loadable only where no rank needs a fetch."""
+        """Rank 0: the newest step every rank can load, preferring the fast tier at equal steps; a
+        fast step in ``broken`` (its fetch failed) is loadable only where no rank needs a fetch."""
         errors = {r: v.error for r, v in enumerate(views) if v.error}
         if errors:
             r = min(errors)
@@ -230,13 +234,15 @@ class TierRestore:
                     if self.replicas
                     else "Without replicas=1 the files of a lost node exist nowhere else. "
                 )
-                + "Copy the missing files back (ckptguard transfer), or restore(path=...) a step you trust"
+                + "Copy the missing files back (ckptguard transfer), or "
+                "restore(path=...) a step you trust"
             )
         return Choice()
 
     @staticmethod
     def _senders(views: list[View], step: int) -> dict[str, int] | None:
-        """For every rank that lacks ``step``, a rank on another node that holds its replica and the step."""
+        """For every rank that lacks ``step``, a rank on another node that holds its replica and the
+        step."""
         senders: dict[str, int] = {}
         for r, v in enumerate(views):
             if step in v.complete or step in v.published:
@@ -257,8 +263,8 @@ class TierRestore:
         return senders
 
     def _gap(self, views: list[View], step: int) -> str:
-        """Which rank lacks which files of ``step`` (for a rank whose disk has no trace of the step, rank 0
-        names the files from its own copy of the step, where it has one)."""
+        """Which rank lacks which files of ``step`` (for a rank whose disk has no trace of the step,
+        rank 0 names the files from its own copy of the step, where it has one)."""
         lacking = []
         for r, v in enumerate(views):
             if step in v.complete or step in v.published:
@@ -279,9 +285,10 @@ class TierRestore:
         return [str(path / p) for p in sorted(needed)[:5]] + (["..."] if len(needed) > 5 else [])
 
     def fetch(self, choice: Choice) -> None:
-        """Rebuild the lacking ranks' part of the chosen fast step from their peers' replicas: into a
-        temp directory of the node's root, checked against the manifest, then sealed (node manifest,
-        manifest, rename) by the node's first receiving rank once every rank's part arrived."""
+        """Rebuild the lacking ranks' part of the chosen fast step from their peers' replicas: into
+        a temp directory of the node's root, checked against the manifest, then sealed (node
+        manifest, manifest, rename) by the node's first receiving rank once every rank's part
+        arrived."""
         ctx = self.fast
         name = ctx.naming.name(choice.step)
         group = ctx.storage_ctx.process_group
@@ -334,8 +341,8 @@ class TierRestore:
 
         def failed(bad: list[str]) -> CheckpointIncompleteError:
             return CheckpointIncompleteError(
-                f"fetching step {choice.step} from peer replicas failed ({' | '.join(bad)}); nothing was "
-                "loaded. Check the disks of the ranks named, then restore again"
+                f"fetching step {choice.step} from peer replicas failed ({' | '.join(bad)}); "
+                f"nothing was loaded. Check the disks of the ranks named, then restore again"
             )
 
         try:
@@ -364,7 +371,8 @@ class TierRestore:
         if bad := after_transfers(ctx.agreement, "tiers.fetch_sealed", failure):
             raise failed(bad)
         log.info(
-            "ckptguard: rebuilt step %d on ranks %s from peer replicas (xxh3 checked against the manifest)",
+            "ckptguard: rebuilt step %d on ranks %s from peer replicas (xxh3 "
+            "checked against the manifest)",
             choice.step,
             receivers,
         )
@@ -385,8 +393,9 @@ class TierRestore:
         )
 
     def resolution(self, choice: Choice, mode: ResumeMode) -> Resolution:
-        """The step ``choice`` names as a ``Resolution``: its directory in the chosen tier (nothing fetched); a
-        persistent step on an object store carries its marker's URL (``url``) beside the staging directory."""
+        """The step ``choice`` names as a ``Resolution``: its directory in the chosen tier (nothing
+        fetched); a persistent step on an object store carries its marker's URL (``url``) beside the
+        staging directory."""
         ctx = self.fast if choice.tier == Tier.FAST.value else self.persistent
         assert ctx is not None
         name = ctx.naming.name(choice.step)
@@ -395,11 +404,11 @@ class TierRestore:
         return Resolution(choice.step, ctx.root / name, choice.detail, mode, url=url)
 
     def align_fast(self, step: int, tier: Tier) -> None:
-        """After a restore of ``step``, one rank per node points its fast tracker at the step where the
-        node holds it committed (a node rebuilt from replicas, one a stopped save left behind), or, when
-        its tracker is past it (a newer step only part of the job had), back at the newest step it holds
-        up to ``step``, so the next fast saves are not refused as going backwards. Newer steps stay on
-        disk as orphans (``ckptguard gc --orphans`` removes them)."""
+        """After a restore of ``step``, one rank per node points its fast tracker at the step where
+        the node holds it committed (a node rebuilt from replicas, one a stopped save left behind),
+        or, when its tracker is past it (a newer step only part of the job had), back at the newest
+        step it holds up to ``step``, so the next fast saves are not refused as going backwards.
+        Newer steps stay on disk as orphans (``ckptguard gc --orphans`` removes them)."""
         root = self.fast.root
         if self.hosts.index(self.hosts[self.rank]) != self.rank or not root.is_dir():
             return
@@ -419,8 +428,8 @@ class TierRestore:
             return
         _layout.write_tracker(root, target)
         log.warning(
-            "ckptguard: fast tier %s: tracker moved from step %d to %d after the restore of step %d from "
-            "the %s tier%s",
+            "ckptguard: fast tier %s: tracker moved from step %d to %d after the restore of "
+            "step %d from the %s tier%s",
             root,
             tracker,
             target,
@@ -433,9 +442,9 @@ class TierRestore:
 
 
 def after_transfers(agreement: Any, phase: str, problems: list[str]) -> list[str]:
-    """Every rank's problems, on every rank. An all-gather, not rank 0's verdict: a rank still blocked
-    in a transfer with a dead peer arrives up to one timeout late, and every live rank must then name
-    the dead one (waiting 2x the timeout for it), not the late one."""
+    """Every rank's problems, on every rank. An all-gather, not rank 0's verdict: a rank still
+    blocked in a transfer with a dead peer arrives up to one timeout late, and every live rank must
+    then name the dead one (waiting 2x the timeout for it), not the late one."""
     views = agreement.exchange(phase, problems[:5], patience=2.0)
     return [f"rank {r}: {'; '.join(v)}" for r, v in enumerate(views) if v]
 

@@ -1,19 +1,19 @@
 """A ``TieredCheckpoint.save_async``: how it starts in the caller's thread, and its commits in one
 background thread.
 
-``start``: the tiers' ``on_busy`` round decides alike on every rank whether the requested step starts
-(``_commit.busy.may_start``; ``OnBusy.FAST_TIER``: ``route_tiered``, which may write it to the fast tier
-alone, beside the persistent commit in flight), then each due tier's snapshot is staged through its
-manager's hooks (``Parts.commits``) and one ``TieredSave`` commits them in the background.
-``joined``: the tiers' ``prepare_async`` futures as one.
+``start``: the tiers' ``on_busy`` round decides alike on every rank whether the requested step
+starts (``_commit.busy.may_start``; ``OnBusy.FAST_TIER``: ``route_tiered``, which may write it to
+the fast tier alone, beside the persistent commit in flight), then each due tier's snapshot is
+staged through its manager's hooks (``Parts.commits``) and one ``TieredSave`` commits them in the
+background. ``joined``: the tiers' ``prepare_async`` futures as one.
 
 ``TieredSave`` runs the due tiers' staged commits one after the other (the fast tier, its replica
 push and its cleanup, then the persistent tier and its cleanup); ``wait()`` returns the committed
-directories or raises the first failure.
-A save redirected to the fast tier (``OnBusy.FAST_TIER``) ``overlaps`` the save in flight: its commit
-starts once that save's fast part and cleanup ended on this rank (the caller's busy round has seen
-it ended on every rank), beside that save's persistent commit; waiting for it (``wait``, ``join``,
-``busy``) waits for the save it overlaps too, and raises that one's error first.
+directories or raises the first failure. A save redirected to the fast tier (``OnBusy.FAST_TIER``)
+``overlaps`` the save in flight: its commit starts once that save's fast part and cleanup ended on
+this rank (the caller's busy round has seen it ended on every rank), beside that save's persistent
+commit; waiting for it (``wait``, ``join``, ``busy``) waits for the save it overlaps too, and raises
+that one's error first.
 """
 
 from __future__ import annotations
@@ -44,15 +44,16 @@ log = logging.getLogger("ckptguard")
 
 
 def durable(paths: dict[Tier, Path]) -> Path | None:
-    """A step's directory in the most durable tier it reached: the persistent tier's, else the fast tier's."""
+    """A step's directory in the most durable tier it reached: the persistent tier's, else the fast
+    tier's."""
     return paths.get(Tier.PERSISTENT, paths.get(Tier.FAST))
 
 
 class TieredSave:
-    """A ``TieredCheckpoint.save_async`` in flight: the tiers' background commits, one after the other
-    in one thread (the fast tier, its replica push with ``replicas=1``, then the persistent tier).
-    ``wait()`` returns the step's directory as ``save`` does (``outcome()``: each tier's) and raises the first
-    failure."""
+    """A ``TieredCheckpoint.save_async`` in flight: the tiers' background commits, one after the
+    other in one thread (the fast tier, its replica push with ``replicas=1``, then the persistent
+    tier). ``wait()`` returns the step's directory as ``save`` does (``outcome()``: each tier's) and
+    raises the first failure."""
 
     def __init__(
         self,
@@ -79,15 +80,18 @@ class TieredSave:
         self.commit_seconds: float | None = None
         """From the ``save_async`` call until every tier's commit (and the replica push) ended."""
         self.cleanup_seconds: float | None = None
-        """How long the tiers' retention and proof pruning took after the commits, off the caller's path."""
+        """How long the tiers' retention and proof pruning took after the commits, off the caller's
+        path."""
         self.reported = False
         """True once ``wait()`` raised: ``TieredCheckpoint`` does not raise it a second time."""
         self.overlaps = overlaps
         """The save in flight this one (redirected to the fast tier) was started beside."""
         self.fast_committed = threading.Event()
-        """Set once the fast part (commit, replica push) ended, or there is none: the fast tier is idle here."""
+        """Set once the fast part (commit, replica push) ended, or there is none: the fast tier is
+        idle here."""
         self.fast_settled = threading.Event()
-        """Set once the fast part and the fast tier's cleanup ended: a redirected save may commit there now."""
+        """Set once the fast part and the fast tier's cleanup ended: a redirected save may commit
+        there now."""
         if Tier.FAST not in self.tiers:
             self.fast_committed.set()
             self.fast_settled.set()
@@ -123,7 +127,8 @@ class TieredSave:
         if after is not None:
             after.join()  # the previous save's cleanup ends before these commits touch the roots
         if overlaps is not None:
-            overlaps.fast_settled.wait()  # its fast cleanup ends before this commit touches the fast root
+            # its fast cleanup ends before this commit touches the fast root
+            overlaps.fast_settled.wait()
         began = 0.0
         try:
             for i, (tier, run, fence) in enumerate(parts):
@@ -169,8 +174,8 @@ class TieredSave:
         except BaseException as exc:  # kept for wait(); the next tier still saves (its own commit)
             self._error = self._error or exc
             log.error(
-                "ckptguard: the background save of step %d to the %s tier failed: %s: %s (raised by the "
-                "next save, restore or wait)",
+                "ckptguard: the background save of step %d to the %s tier failed: %s: %s (raised "
+                "by the next save, restore or wait)",
                 self.step,
                 tier.value,
                 type(exc).__name__,
@@ -183,11 +188,13 @@ class TieredSave:
         return not self._thread.is_alive()
 
     def busy(self) -> bool:
-        """True until every tier's commit ended, this save's and the one it overlaps (cleanups do not count)."""
+        """True until every tier's commit ended, this save's and the one it overlaps (cleanups do
+        not count)."""
         return not self._published.is_set() or (self.overlaps is not None and self.overlaps.busy())
 
     def fast_busy(self) -> bool:
-        """True until the fast part (commit, replica push) ended, this save's and the one it overlaps."""
+        """True until the fast part (commit, replica push) ended, this save's and the one it
+        overlaps."""
         return not self.fast_committed.is_set() or (
             self.overlaps is not None and self.overlaps.fast_busy()
         )
@@ -202,23 +209,25 @@ class TieredSave:
             self.overlaps.join()
 
     def wait(self, timeout: float | None = None) -> Path | None:
-        """Block until every tier's commit (and the replica push) and their cleanup ended; raise the first error.
-        Returns the step's directory in the most durable tier it reached (``outcome()``: each tier's)."""
+        """Block until every tier's commit (and the replica push) and their cleanup ended; raise the
+        first error. Returns the step's directory in the most durable tier it reached
+        (``outcome()``: each tier's)."""
         if self.overlaps is not None and not self.overlaps.reported:
             self.overlaps.wait(timeout)  # its error first: it was requested first
         if self.tiers:
             self._thread.join(timeout)
         if self._thread.is_alive():
             raise SaveStillRunningError(
-                f"the background save of step {self.step} ({', '.join(t.value for t in self.tiers)} tier) is still "
-                "running; call wait() again (without a timeout to block until it ends)",
+                f"the background save of step {self.step} "
+                f"({', '.join(t.value for t in self.tiers)} tier) is still running; call wait() "
+                f"again (without a timeout to block until it ends)",
                 step=self.step,
             )
         return durable(self.outcome())
 
     def outcome(self) -> dict[Tier, Path]:
-        """The tiers' committed directories once the commits ended, or the first error raised (the overlapped
-        save's first)."""
+        """The tiers' committed directories once the commits ended, or the first error raised (the
+        overlapped save's first)."""
         if self.overlaps is not None and not self.overlaps.reported:
             self.overlaps.outcome()
         self._published.wait()
@@ -231,8 +240,9 @@ class TieredSave:
 def push_replicas(
     ctx: Context, agreement: Agreement, step: int, peers: list[int | None], committed: set[int]
 ) -> None:
-    """Send this rank's files of the fast tier's ``step`` to its peer; a failed replica is a loud warning on
-    every rank (the step is committed; only its protection against a lost node is missing)."""
+    """Send this rank's files of the fast tier's ``step`` to its peer; a failed replica is a loud
+    warning on every rank (the step is committed; only its protection against a lost node is
+    missing)."""
     name = ctx.naming.name(step)
     problems: list[str] = []
     try:
@@ -283,10 +293,11 @@ def start(
     push: Callable[[], None] | None,
     adopt: Callable[[TieredSave], None],
 ) -> TieredSave | None:
-    """A tiered ``save_async`` of ``step`` to the ``due`` tiers, started: its ``TieredSave`` (also handed to
-    ``adopt``, the tiers' save in flight from now on); None when skipped on every rank, or unhealthy.
-    ``pending``: the save in flight before it; ``hold``: the persistent lease taken (not beside a commit in
-    flight, whose lease is held already); ``push``: the replica push after the fast commit."""
+    """A tiered ``save_async`` of ``step`` to the ``due`` tiers, started: its ``TieredSave`` (also
+    handed to ``adopt``, the tiers' save in flight from now on); None when skipped on every rank, or
+    unhealthy. ``pending``: the save in flight before it; ``hold``: the persistent lease taken (not
+    beside a commit in flight, whose lease is held already); ``push``: the replica push after the
+    fast commit."""
     previous: TieredSave | None = pending
     overlaps: TieredSave | None = None
     # The tiers' one pool: while it is still being prepared, a save is skipped.
@@ -312,7 +323,8 @@ def start(
         for tier in due:
             hooks = parts[tier].commits
             prepared = hooks.stage(step, state, healthy, loss, grad_norm, actions, busy=busy)
-            # None: an unhealthy step, skipped on every rank (the fast tier's verdict: every tier's).
+            # None: an unhealthy step, skipped on every rank (the fast tier's verdict: every
+            # tier's).
             if prepared is None:
                 if tier is Tier.FAST or not staged:
                     return None
@@ -338,7 +350,8 @@ def start(
 
 
 def joined(futures: list[Future[int]]) -> Future[int]:
-    """One future over the tiers' ``prepare_async`` futures: the bytes they added, or the first error."""
+    """One future over the tiers' ``prepare_async`` futures: the bytes they added, or the first
+    error."""
     done: Future[int] = Future()
     lock = threading.Lock()  # the tiers' futures complete in their own threads
 

@@ -176,7 +176,8 @@ class _Shared:
             self._run(entry)
 
     def help_through(self, batch: int) -> None:
-        """Sum in this thread the oldest pieces tagged ``batch`` or earlier that the pool has not taken."""
+        """Sum in this thread the oldest pieces tagged ``batch`` or earlier that the pool has not
+        taken."""
         while True:
             with self._cv:
                 if not self._items or self._items[0][3] > batch or self._error is not None:

@@ -64,9 +64,9 @@ def update_with_tensor(h: xxhash.xxh3_64, t: torch.Tensor, feed: Feed | None = N
 
 
 def release_host_cache() -> None:
-    """Hand torch's caching host allocator's free pinned blocks back after a save's or a restore's digests (the
-    digests of GPU tensors go through pinned chunks, ``_update_from_cuda``; freed, they stay cached otherwise:
-    docs/practices.md, memory budget)."""
+    """Hand torch's caching host allocator's free pinned blocks back after a save's or a restore's
+    digests (the digests of GPU tensors go through pinned chunks, ``_update_from_cuda``; freed, they
+    stay cached otherwise: docs/practices.md, memory budget)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
         if empty is not None:
@@ -148,8 +148,9 @@ STRUCTURE_SEED = (
 
 
 def structure_digest(obj: Any) -> str:
-    """xxh3-64 of ``obj``'s structure: keys, containers, every non-tensor leaf, and each tensor's dtype and
-    (local) shape, not its bytes. A tensor item's bytes are covered by its layout-free digest instead."""
+    """xxh3-64 of ``obj``'s structure: keys, containers, every non-tensor leaf, and each tensor's
+    dtype and (local) shape, not its bytes. A tensor item's bytes are covered by its layout-free
+    digest instead."""
     h = xxhash.xxh3_64()
     h.update(STRUCTURE_SEED)
     update_digest(h, obj, structure=True)

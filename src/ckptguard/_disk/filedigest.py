@@ -40,8 +40,8 @@ def file_digest(path: str, *, chunk: int = 8 << 20) -> tuple[int, str]:
                 else "a device"
             )
             raise UnsafeCheckpointError(
-                f"{path} is not a regular file ({kind}); ckptguard hashes only regular files: replace it with "
-                "the real file or remove it"
+                f"{path} is not a regular file ({kind}); ckptguard hashes only regular files: "
+                f"replace it with the real file or remove it"
             )
         if os.fstat(fd).st_size <= chunk:
             with open(fd, "rb", closefd=False) as f:

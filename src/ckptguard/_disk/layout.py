@@ -120,13 +120,15 @@ def atomic_write_json(path: Path, obj: Any, **kw: Any) -> None:
 # ---------------------------------------------------------------- bounded reads
 
 SMALL_FILE_BYTES = 1 << 20
-"""Default bound of ``read_small``: trackers, leases, holds, owner and phase records are bytes long."""
+"""Default bound of ``read_small``: trackers, leases, holds, owner and phase records are bytes
+long."""
 JSON_MAX_DEPTH = 64
 """Deepest JSON nesting ckptguard accepts; what it writes nests a few levels."""
 
 
 def read_small(path: Path, *, limit: int = SMALL_FILE_BYTES, what: str = "file") -> bytes:
-    """The bytes of a small regular file: never through a symlink, never a FIFO or device, never past ``limit``.
+    """The bytes of a small regular file: never through a symlink, never a FIFO or device, never
+    past ``limit``.
 
     A FIFO would block the reader forever and ``/dev/zero`` never ends, so the entry is
     checked with ``lstat`` before it is opened, and again with ``fstat`` on the descriptor
@@ -147,8 +149,9 @@ def read_small(path: Path, *, limit: int = SMALL_FILE_BYTES, what: str = "file")
         _regular(path, info.st_mode, what)
         if info.st_size > limit:
             raise CheckpointCorruptError(
-                f"{path} ({what}) has {info.st_size} bytes, more than the {limit} bytes such a file can "
-                "hold; it was not written by ckptguard: inspect it, then fix or remove it by hand"
+                f"{path} ({what}) has {info.st_size} bytes, more than the {limit} bytes "
+                f"such a file can hold; it was not written by ckptguard: inspect it, then "
+                f"fix or remove it by hand"
             )
         parts, total = [], 0
         while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
@@ -176,8 +179,9 @@ def _regular(path: Path, mode: int, what: str) -> None:
     elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         kind = "not a regular file (a device)"
     raise UnsafeCheckpointError(
-        f"{path} ({what}) is {kind}; ckptguard reads such files only as regular files inside the root, "
-        "never through links or from pipes and devices: replace it with the real file or remove it"
+        f"{path} ({what}) is {kind}; ckptguard reads such files only as regular files "
+        f"inside the root, never through links or from pipes and devices: replace it with "
+        f"the real file or remove it"
     )
 
 
@@ -230,11 +234,13 @@ def read_json(path: Path, *, limit: int = SMALL_FILE_BYTES, what: str = "file") 
 
 
 def refuse_link(path: Path, what: str) -> None:
-    """Raise if ``path`` is a symlink: ckptguard never reads or writes root entries through links."""
+    """Raise if ``path`` is a symlink: ckptguard never reads or writes root entries through
+    links."""
     if path.is_symlink():
         raise UnsafeCheckpointError(
-            f"{path} ({what}) is a symlink; ckptguard never reads or writes through links inside a "
-            "checkpoint root (it could reach outside the root): replace it with the real directory or file"
+            f"{path} ({what}) is a symlink; ckptguard never reads or writes through links "
+            f"inside a checkpoint root (it could reach outside the root): replace it with "
+            f"the real directory or file"
         )
 
 
@@ -319,7 +325,8 @@ _TEMP_DIR = re.compile(re.escape(TMP_PREFIX) + r".+-[0-9a-f]{12}\Z")
 
 def write_owner(tmp: Path, *, node: str | None = None) -> None:
     """``node``: the node identity of the creating rank (a save's temp directory), so a rank of
-    another node that finds this directory at its own root's path knows it is not its node's disk."""
+    another node that finds this directory at its own root's path knows it is not its node's
+    disk."""
     owner: dict[str, Any] = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -348,9 +355,9 @@ def read_owner(directory: Path) -> JsonObject | None:
 def owner_state(directory: Path, *, max_age_s: float) -> str:
     """ "dead", "alive" or "foreign" (no owner record: not ckptguard's, never removed).
 
-    Whether its owner is gone is the rule of every writer (``tempfiles.writer_gone``): on this host its
-    process decides; on another host, or without the process's start time, an owner counts as dead only
-    once the directory is older than ``max_age_s``."""
+    Whether its owner is gone is the rule of every writer (``tempfiles.writer_gone``): on this host
+    its process decides; on another host, or without the process's start time, an owner counts as
+    dead only once the directory is older than ``max_age_s``."""
     owner = read_owner(directory)
     if owner is None:
         return "foreign"
@@ -377,7 +384,8 @@ def describe_owner(directory: Path) -> str:
 
 
 def sweep_temp_dirs(root: Path, *, max_age_s: float) -> list[Path]:
-    """Remove ckptguard's temporary step directories whose owner is dead; returns what was removed."""
+    """Remove ckptguard's temporary step directories whose owner is dead; returns what was
+    removed."""
     removed = []
     for entry in sorted(root.glob(f"{TMP_PREFIX}*")):
         if is_own_temp_dir(entry) and owner_is_dead(entry, max_age_s=max_age_s):
@@ -412,9 +420,10 @@ def remove_step_dir(path: Path) -> None:
 
 
 def uncommit_to_trash(path: Path, *, keep_manifest: bool = False) -> Path:
-    """Move a step directory into the trash (it stops counting as a step at once: discovery matches exact
-    step names), then remove its manifest; returns the trash path, to delete when convenient. ``keep_manifest``:
-    the caller may still put it back (``restore_from_trash``; never swept until ``drop_manifest``)."""
+    """Move a step directory into the trash (it stops counting as a step at once: discovery matches
+    exact step names), then remove its manifest; returns the trash path, to delete when convenient.
+    ``keep_manifest``: the caller may still put it back (``restore_from_trash``; never swept until
+    ``drop_manifest``)."""
     if path.is_symlink():
         raise OSError(f"{path} is a symlink; ckptguard never deletes through links")
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
@@ -442,8 +451,9 @@ def restore_from_trash(trash: Path, path: Path) -> None:
 
 
 def moved_aside(path: Path) -> bool:
-    """A trash directory still holding its manifest: a step moved aside by an overwrite or a rotation cut short
-    (a kill between two renames); never swept, it may be the only copy of the tracker's step."""
+    """A trash directory still holding its manifest: a step moved aside by an overwrite or a
+    rotation cut short (a kill between two renames); never swept, it may be the only copy of the
+    tracker's step."""
     return is_trash_dir(path) and (path / MANIFEST_NAME).is_file()
 
 

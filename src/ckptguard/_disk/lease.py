@@ -67,10 +67,11 @@ class Owner:
 
 
 def holder_gone(host: str, pid: int, start: str | None, *, expired: bool) -> str | None:
-    """Why a write lease's holder can no longer write, or None while it may: the one rule of every root's lease
-    (this module's ``lease.json`` and an object store's, ``_commit.storelease``), which is the rule of every
-    writer (``tempfiles.writer_gone``) except for another holder in this very process (another manager of
-    it), whose lease's age decides: this process's liveness says nothing of that manager's."""
+    """Why a write lease's holder can no longer write, or None while it may: the one rule of every
+    root's lease (this module's ``lease.json`` and an object store's, ``_commit.storelease``), which
+    is the rule of every writer (``tempfiles.writer_gone``) except for another holder in this very
+    process (another manager of it), whose lease's age decides: this process's liveness says nothing
+    of that manager's."""
     if host == socket.gethostname() and pid == os.getpid() and start == proc_start(pid):
         return "it expired" if expired else None
     return writer_gone(host, pid, start, expired=expired)
@@ -89,8 +90,9 @@ class _Seen:
     def refuse_foreign(self, path: Path) -> None:
         if self.foreign:
             raise CheckpointCorruptError(
-                f"{path} is not ckptguard's lease ({self.problem}); ckptguard writes it as a small regular "
-                "file and never opens anything else there. Find out what put it there, then remove it by hand."
+                f"{path} is not ckptguard's lease ({self.problem}); ckptguard writes it as a "
+                f"small regular file and never opens anything else there. Find out what put it "
+                f"there, then remove it by hand."
             )
 
     def describe(self) -> str:
@@ -212,8 +214,8 @@ def _take_over(path: Path, seen: _Seen, me: Owner) -> bool:
                     time.sleep(0.01)
                 if _look(marker).fingerprint == other.fingerprint:
                     raise LeaseHeldError(
-                        f"{path} is being taken over by {other.describe()} and that has not finished in 5 s; "
-                        "two runs must not write one root: stop one of them"
+                        f"{path} is being taken over by {other.describe()} and that has not "
+                        f"finished in 5 s; two runs must not write one root: stop one of them"
                     )
                 return False
             stale.append((marker, other.fingerprint))
@@ -270,11 +272,10 @@ def acquire(root: Path, *, ttl_s: float, override: bool = False) -> str | None:
 
 def _held(root: Path, owner: Owner) -> LeaseHeldError:
     return LeaseHeldError(
-        f"{root} is being written by another run: {owner.describe()}. Two runs must not write one root. "
-        "Stop that run, point this one at another root, or, if you are sure it is gone, pass "
-        "break_lease=True to the save (and the restore) that takes it over. To only read one of its steps, "
-        "restore(path=...) from a "
-        "manager of another root."
+        f"{root} is being written by another run: {owner.describe()}. Two runs must not write one "
+        f"root. Stop that run, point this one at another root, or, if you are sure it is gone, "
+        f"pass break_lease=True to the save (and the restore) that takes it over. To only read one "
+        f"of its steps, restore(path=...) from a manager of another root."
     )
 
 
@@ -301,8 +302,9 @@ def check_idle(root: Path, *, ttl_s: float) -> None:
     held = live_holder(root, ttl_s=ttl_s)
     if held is not None:
         raise LeaseHeldError(
-            f"{root} is being written by {held.describe()}; a step newer than the tracker may be a commit in "
-            "flight. Run gc when that run has stopped, or pass --force if you are sure it is gone."
+            f"{root} is being written by {held.describe()}; a step newer than the tracker "
+            f"may be a commit in flight. Run gc when that run has stopped, or pass --force "
+            f"if you are sure it is gone."
         )
 
 
@@ -322,9 +324,10 @@ def confirm(root: Path, *, step: int) -> None:
     if seen.owner is not None and seen.owner.same_process(me):
         return
     raise LeaseHeldError(
-        f"save of step {step} under {root} is not published: this run no longer holds the write lease, "
-        f"{seen.describe() if seen.fingerprint else 'nobody'} does (broken with break_lease, or taken over "
-        "as expired). Two runs must not write one root: stop one of them, then restore and save again."
+        f"save of step {step} under {root} is not published: this run no longer holds the write "
+        f"lease, {seen.describe() if seen.fingerprint else 'nobody'} does (broken with "
+        f"break_lease, or taken over as expired). Two runs must not write one root: stop one of "
+        f"them, then restore and save again."
     )
 
 

@@ -35,12 +35,13 @@ def proc_start(pid: int) -> str | None:
 
 
 def writer_gone(host: str, pid: int, start: str | None, *, expired: bool) -> str | None:
-    """Why the process that wrote something can no longer write it, or None while it may: the one rule of
-    every root for a writer of its own (a lease's holder, ``_disk.lease.holder_gone``; a save's temp directory
-    and an atomic write's temp file, ``owner_state`` here and in ``layout``; an object store's attempt,
-    ``ops.storegc``). On this host the process decides, however old its work: gone once its PID is absent or
-    runs another program (its start time differs: a restarted container gets its PID back); a record
-    without the start time, and a writer on another host, are judged by age (``expired``)."""
+    """Why the process that wrote something can no longer write it, or None while it may: the one
+    rule of every root for a writer of its own (a lease's holder, ``_disk.lease.holder_gone``; a
+    save's temp directory and an atomic write's temp file, ``owner_state`` here and in ``layout``;
+    an object store's attempt, ``ops.storegc``). On this host the process decides, however old its
+    work: gone once its PID is absent or runs another program (its start time differs: a restarted
+    container gets its PID back); a record without the start time, and a writer on another host, are
+    judged by age (``expired``)."""
     if host != socket.gethostname():
         return "it expired" if expired else None
     if not _pid_exists(pid):
@@ -84,7 +85,8 @@ def temp_name(path: Path) -> Path:
 
 
 def is_temp_file(path: Path, *, of: str | None = None) -> bool:
-    """A temp file an atomic write left (of ``of``, or of any name when the name records its owner)."""
+    """A temp file an atomic write left (of ``of``, or of any name when the name records its
+    owner)."""
     if path.is_symlink():
         return False
     name = path.name
@@ -96,7 +98,8 @@ def is_temp_file(path: Path, *, of: str | None = None) -> bool:
 
 def owner_state(path: Path, *, max_age_s: float) -> str:
     """ "dead", "alive" or "unknown" (an older name that records no owner): whether the process that
-    wrote this temp file may still rename it. Another host's owner counts as dead past ``max_age_s``."""
+    wrote this temp file may still rename it. Another host's owner counts as dead past
+    ``max_age_s``."""
     match = _TEMP.search(path.name)
     if match is None or match.group("pid") is None:
         return "unknown"
@@ -122,9 +125,9 @@ def describe_owner(path: Path) -> str:
 
 
 def sweep(directory: Path, *, max_age_s: float, names: tuple[str, ...] = ()) -> list[Path]:
-    """Remove the temp files of atomic writes in ``directory`` whose owner is dead: names that record
-    an owner, and the older form only for ``names`` (ckptguard's own files: a foreign ``x.tmp-...``
-    file is never ours to remove); returns what was removed."""
+    """Remove the temp files of atomic writes in ``directory`` whose owner is dead: names that
+    record an owner, and the older form only for ``names`` (ckptguard's own files: a foreign
+    ``x.tmp-...`` file is never ours to remove); returns what was removed."""
     removed: list[Path] = []
     try:
         entries = list(os.scandir(directory))

@@ -51,7 +51,8 @@ def _check_files(
                 finding(
                     "unsafe-path",
                     step_dir / _layout.MANIFEST_NAME,
-                    f"lists {rel!r}, which leaves the step directory (absolute, '..' or a symlink out)",
+                    f"lists {rel!r}, which leaves the step directory "
+                    f"(absolute, '..' or a symlink out)",
                     "do not restore or delete through this checkpoint; inspect it by hand",
                 )
             )
@@ -134,8 +135,8 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
                 finding(
                     "unreferenced-shard",
                     step_dir / rel,
-                    "the manifest lists this data file but the DCP metadata points at none of its bytes "
-                    "(the metadata lost its tensor entries)",
+                    "the manifest lists this data file but the DCP metadata points at none of its "
+                    "bytes (the metadata lost its tensor entries)",
                     RESTORE_HINT,
                 )
             )
@@ -143,9 +144,9 @@ def _check_shard_set(step_dir: Path, manifest: _manifest.Manifest) -> list[Findi
 
 
 def _missing_keys(state: Path, manifest: _manifest.Manifest, md: Any) -> list[Finding]:
-    """A tensor the save recorded (its layout-free digest) that the DCP metadata does not hold: a key
-    renamed or dropped in ``.metadata`` (its checksum fixed to match) would otherwise pass every check
-    here and be refused only by the restore, which expects it."""
+    """A tensor the save recorded (its layout-free digest) that the DCP metadata does not hold: a
+    key renamed or dropped in ``.metadata`` (its checksum fixed to match) would otherwise pass every
+    check here and be refused only by the restore, which expects it."""
     table = md.state_dict_metadata
     recorded = manifest.layout_free or {}
     lost = sorted(
@@ -154,8 +155,8 @@ def _missing_keys(state: Path, manifest: _manifest.Manifest, md: Any) -> list[Fi
         for key in keys
         if type(table.get(key)).__name__ != "TensorStorageMetadata"
     )
-    # The other way round: a tensor of a recorded item (or of an item whose tensors only the table covers,
-    # digest kind "structure") that the table lacks: restore compares both sets.
+    # The other way round: a tensor of a recorded item (or of an item whose tensors only the table
+    # covers, digest kind "structure") that the table lacks: restore compares both sets.
     covered = set(recorded) | {
         n for n, k in (manifest.digest_kind or {}).items() if k != _manifest.DIGEST_BYTES
     }
@@ -176,9 +177,10 @@ def _item_of(key: str, items: list[str]) -> str | None:
 
 
 def step_problem(step_dir: Path, step: int, found: Any) -> str | None:
-    """Why restore would refuse the step directory of ``step`` whose manifest (or run manifest) ``found``
-    was read: the first ERROR of the check ``verify`` runs without ``--deep``, or a manifest that names
-    another step; None when there is none (what ``list`` checks before it calls a step committed)."""
+    """Why restore would refuse the step directory of ``step`` whose manifest (or run manifest)
+    ``found`` was read: the first ERROR of the check ``verify`` runs without ``--deep``, or a
+    manifest that names another step; None when there is none (what ``list`` checks before it calls
+    a step committed)."""
     if found.step != step:
         return f"its manifest says step {found.step}, the directory's name step {step}"
     errors = [f for f in verify_step(step_dir) if f.severity is Severity.ERROR]
@@ -228,7 +230,8 @@ def verify_step(
                 "symlink",
                 step_dir,
                 "the step directory is a symlink",
-                "replace it with the real directory; ckptguard never reads or deletes through links",
+                "replace it with the real directory; ckptguard never reads "
+                "or deletes through links",
             )
         ]
     try:
@@ -294,8 +297,9 @@ def deep_bytes(step_dir: Path) -> int:
 
 
 def cost(step_dir: Path) -> Cost | None:
-    """The manifest's size and save-time record, when it has one of the shape ckptguard writes (a save time
-    included); read alone, so that a step whose manifest is damaged elsewhere still shows what it cost."""
+    """The manifest's size and save-time record, when it has one of the shape ckptguard writes (a
+    save time included); read alone, so that a step whose manifest is damaged elsewhere still shows
+    what it cost."""
     try:
         path = Path(step_dir) / _layout.MANIFEST_NAME
         data = _layout.read_json(path, limit=_manifest.MANIFEST_BYTES, what="manifest")
@@ -309,7 +313,8 @@ def cost(step_dir: Path) -> Cost | None:
 
 
 def role_problem(step_dir: Path, run: RunManifest, role: str) -> str | None:
-    """Why ``role``'s part of the run step is not there as committed (None: it is): the quick check."""
+    """Why ``role``'s part of the run step is not there as committed (None: it is): the quick
+    check."""
     part = step_dir / role
     if part.is_symlink() or not part.is_dir():
         return f"its part {part} is {'a symlink' if part.is_symlink() else 'missing'}"
@@ -325,8 +330,9 @@ def role_problem(step_dir: Path, run: RunManifest, role: str) -> str | None:
         return str(exc).split(";")[0]
     if (size, xxh3) != (entry.manifest_bytes, entry.manifest_xxh3):
         return (
-            f"{part / _layout.MANIFEST_NAME} has {size} bytes and xxh3 {xxh3}, the run manifest recorded "
-            f"{entry.manifest_bytes} bytes and xxh3 {entry.manifest_xxh3} (replaced after the commit)"
+            f"{part / _layout.MANIFEST_NAME} has {size} bytes and xxh3 {xxh3}, the run "
+            f"manifest recorded {entry.manifest_bytes} bytes and xxh3 {entry.manifest_xxh3} "
+            f"(replaced after the commit)"
         )
     errors = [
         f for f in verify_step(part) if f.severity.value == "ERROR" and f.code != "unexpected-file"
@@ -351,14 +357,15 @@ def checked_run_step(step_dir: Path, *, roles: list[str] | None = None) -> RunMa
         why = role_problem(step_dir, run, role)
         if why is not None:
             raise CheckpointIncompleteError(
-                f"{where} is missing role {role!r}: {why}. A step missing a role is not committed; restore an "
-                "earlier step (restore(path=...)) or copy the role's files back, then `ckptguard verify` it"
+                f"{where} is missing role {role!r}: {why}. A step missing a role is not "
+                f"committed; restore an earlier step (restore(path=...)) or copy the role's "
+                f"files back, then `ckptguard verify` it"
             )
         part = _manifest.read(step_dir / role)
         if part.step != run.step or part.chain_id != run.chain_id:
             raise CheckpointCorruptError(
-                f"{where}: role {role!r} holds step {part.step} of chain {part.chain_id!r}, the run manifest "
-                f"step {run.step} of chain {run.chain_id!r}; restore an earlier step"
+                f"{where}: role {role!r} holds step {part.step} of chain {part.chain_id!r}, the "
+                f"run manifest step {run.step} of chain {run.chain_id!r}; restore an earlier step"
             )
     return run
 
@@ -453,8 +460,9 @@ def verify_run_step(
 
 
 def read_any(step_dir: Path) -> Any:
-    """The commit marker of a single-role step (``manifest.read``) or of a run step (``checked_run_step``:
-    every role's part in place); what the operator tools read to call a step committed."""
+    """The commit marker of a single-role step (``manifest.read``) or of a run step
+    (``checked_run_step``: every role's part in place); what the operator tools read to call a step
+    committed."""
     try:
         return _manifest.read(step_dir)
     except RunStepError:

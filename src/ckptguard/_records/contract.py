@@ -91,7 +91,8 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, str]
                     out.append(
                         (
                             item,
-                            f"recipe.{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}",
+                            f"recipe.{key}: {a.get(key, '<absent>')!r} -> "
+                            f"{b.get(key, '<absent>')!r}",
                         )
                     )
         else:
@@ -103,7 +104,8 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, str]
 
 
 def hash_git_tree(repo: str | os.PathLike[str] = ".") -> str:
-    """``git:<commit>`` plus ``+dirty:<hash>`` of the uncommitted diff (untracked files included)."""
+    """``git:<commit>`` plus ``+dirty:<hash>`` of the uncommitted diff (untracked files
+    included)."""
 
     def git(*args: str) -> bytes:
         return subprocess.run(
@@ -152,7 +154,8 @@ def hash_imported_files(packages: Iterable[str]) -> str:
             found += 1
     if not found:
         raise ConfigError(
-            f"hash_imported_files: no Python source files found for {prefixes}; pass importable package names"
+            f"hash_imported_files: no Python source files found for {prefixes}; pass "
+            f"importable package names"
         )
     return f"sources:{found}:{h.hexdigest()}"
 
@@ -197,8 +200,9 @@ def phase_files(root: Path) -> list[Path]:
 @dataclass(frozen=True)
 class Phase:
     """One ``phase_NNNN.json``: its number, the run chain, the contract in force from it on (the
-    ``RunContract.items()`` of its writer) and why it was declared. ``adopted_chains`` is None where the
-    file has no such key (every phase but an ``adopt``'s); ``extra`` keeps keys a later release wrote."""
+    ``RunContract.items()`` of its writer) and why it was declared. ``adopted_chains`` is None where
+    the file has no such key (every phase but an ``adopt``'s); ``extra`` keeps keys a later release
+    wrote."""
 
     phase: int
     chain_id: str
@@ -281,7 +285,8 @@ def _phase(
 
 
 def read_phases(root: Path) -> list[Phase]:
-    """The phase records in order; each bounded, link-free, and shaped as ``write_phase`` writes them."""
+    """The phase records in order; each bounded, link-free, and shaped as ``write_phase`` writes
+    them."""
     refuse_link(root / CONTRACT_DIR, "contract directory")
     phases = []
     for path in phase_files(root):
@@ -293,7 +298,8 @@ def read_phases(root: Path) -> list[Phase]:
             ) from None
         except ValueError as exc:
             raise CheckpointCorruptError(
-                f"{path} {exc}; phase files are append-only and must not be edited: restore it from a backup"
+                f"{path} {exc}; phase files are append-only and must not be edited: "
+                f"restore it from a backup"
             ) from None
     return phases
 
@@ -391,9 +397,9 @@ def check_chain(root: Path, chain_id: str, *, where: str) -> None:
         return
     raise ChainMismatchError(
         f"{where}: the checkpoint belongs to run chain {chain_id}, but {root} is "
-        f"{'chain ' + own if own else 'not a run root yet'}. A checkpoint copied in for evaluation or from the "
-        "other arm of an experiment is not this run's past. If you mean to continue from it, adopt it "
-        "explicitly: manager.adopt(path, reason) (a new contract phase)."
+        f"{'chain ' + own if own else 'not a run root yet'}. A checkpoint copied in for evaluation "
+        f"or from the other arm of an experiment is not this run's past. If you mean to continue "
+        f"from it, adopt it explicitly: manager.adopt(path, reason) (a new contract phase)."
     )
 
 

@@ -16,7 +16,8 @@ from .._types import JsonObject
 
 Scalar = int | float | str | bool | None
 Figure = Scalar | list[int]
-"""A value of the cost block's extra figures (staging, skipped and queued saves; the skipped steps)."""
+"""A value of the cost block's extra figures (staging, skipped and queued saves; the skipped
+steps)."""
 
 
 def is_int(value: object) -> bool:
@@ -29,8 +30,9 @@ def is_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a step: its path relative to the step directory, size, xxh3, and the rank that wrote it
-    (None: a file no one rank owns, e.g. in an export or a manifest of earlier releases)."""
+    """One file of a step: its path relative to the step directory, size, xxh3, and the rank that
+    wrote it (None: a file no one rank owns, e.g. in an export or a manifest of earlier
+    releases)."""
 
     path: str
     size: int
@@ -73,8 +75,8 @@ def files_to_json(files: Iterable[FileEntry]) -> list[JsonObject]:
 
 @dataclass(frozen=True)
 class NodeEntry:
-    """One node of a node-local root (format 2): its name, its ranks, and the files copied to it (replicated
-    DCP files another node's rank wrote)."""
+    """One node of a node-local root (format 2): its name, its ranks, and the files copied to it
+    (replicated DCP files another node's rank wrote)."""
 
     name: str
     ranks: tuple[int, ...]
@@ -99,8 +101,9 @@ class NodeEntry:
 
 @dataclass(frozen=True)
 class Topology:
-    """The world a step was saved by: its size, the parallel layout, each rank's host and (expert parallel)
-    each rank's EP rank. ``layout`` holds the layout's sizes (``dp``, ``tp``, ``pp``, ``ep``) as written."""
+    """The world a step was saved by: its size, the parallel layout, each rank's host and (expert
+    parallel) each rank's EP rank. ``layout`` holds the layout's sizes (``dp``, ``tp``, ``pp``,
+    ``ep``) as written."""
 
     world_size: int
     layout: Mapping[str, int] = field(default_factory=dict)
@@ -112,7 +115,8 @@ class Topology:
         return int(self.layout.get("ep", 1))
 
     def shape(self) -> dict[str, int]:
-        """What a restore compares with its own world: the size and the layout (not where the ranks ran)."""
+        """What a restore compares with its own world: the size and the layout (not where the ranks
+        ran)."""
         return {"world_size": self.world_size, **self.layout}
 
     def to_json(self) -> JsonObject:
@@ -157,9 +161,9 @@ _COST_FIELDS = ("bytes", "save_seconds", "step_seconds", "save_fraction_of_step"
 
 @dataclass(frozen=True)
 class Cost:
-    """What a save cost: its bytes and seconds, the step time it was measured against and the save as a
-    fraction of it; ``extra``: the figures of the async path and the busy policy (staging, skipped and
-    queued saves), by name, as written."""
+    """What a save cost: its bytes and seconds, the step time it was measured against and the save
+    as a fraction of it; ``extra``: the figures of the async path and the busy policy (staging,
+    skipped and queued saves), by name, as written."""
 
     bytes: int
     save_seconds: float | None = None
@@ -182,8 +186,8 @@ class Cost:
 
     @classmethod
     def from_json(cls, value: object) -> Cost | None:
-        """The cost block, or None for a manifest without one (format 1) or with one this release cannot read
-        (the cost is informative: a step is never refused over it)."""
+        """The cost block, or None for a manifest without one (format 1) or with one this release
+        cannot read (the cost is informative: a step is never refused over it)."""
         if not isinstance(value, dict) or not is_int(value.get("bytes")):
             return None
         if not all(value.get(k) is None or is_number(value.get(k)) for k in _COST_FIELDS[1:]):

@@ -1,5 +1,6 @@
-"""What ``record_export`` and ``record_logprobs`` compute for a proof record: an export's fingerprint (its bytes'
-digest, its scales', each tensor's by name) and the trainer-against-rollout logprob comparison."""
+"""What ``record_export`` and ``record_logprobs`` compute for a proof record: an export's
+fingerprint (its bytes' digest, its scales', each tensor's by name) and the trainer-against-rollout
+logprob comparison."""
 
 from __future__ import annotations
 
@@ -18,16 +19,17 @@ class _Fingerprint(TypedDict):
 
 
 class ExportFingerprint(_Fingerprint, total=False):
-    """What ``record_export`` records and returns: ``tensors`` only for a payload that maps names to tensors."""
+    """What ``record_export`` records and returns: ``tensors`` only for a payload that maps names to
+    tensors."""
 
     tensors: dict[str, str]  # each tensor's digest, by name
 
 
 def export_fingerprint(payload: Any, scales: Any = None) -> ExportFingerprint:
-    """Digests of exported bytes and of the quantization scales that go with them. A payload that is a
-    mapping of tensors also keeps each tensor's digest (``tensors``), so ``prove`` names the tensors a
-    first export after a restore differs in; its ``bytes`` is then the digest of those digests (each
-    tensor read once)."""
+    """Digests of exported bytes and of the quantization scales that go with them. A payload that is
+    a mapping of tensors also keeps each tensor's digest (``tensors``), so ``prove`` names the
+    tensors a first export after a restore differs in; its ``bytes`` is then the digest of those
+    digests (each tensor read once)."""
     tensors = _tensor_digests(payload)
     whole = digest(sorted(tensors.items())) if tensors is not None else digest(payload)
     out = ExportFingerprint(bytes=whole, scales=digest(scales) if scales is not None else "none")

@@ -1,6 +1,6 @@
-"""Crash leftovers in a root (``leftovers``: temp directories, trash, temp files, each with what ``gc`` does with
-it) and as findings, with lease take-over markers, foreign temp-like entries and unreadable hold files
-(``ckptguard verify``, ``gc``).
+"""Crash leftovers in a root (``leftovers``: temp directories, trash, temp files, each with what
+``gc`` does with it) and as findings, with lease take-over markers, foreign temp-like entries and
+unreadable hold files (``ckptguard verify``, ``gc``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def leftover_findings(root: Path, *, max_age_s: float = 24 * 3600.0) -> list[Fin
                     "bad-hold",
                     str(root / _retention.HOLDS_DIR / f"{step}.json"),
                     f"cannot be read, so step {step} stays held",
-                    f"rewrite it with `ckptguard hold ROOT {step} --reason ...`, or `ckptguard release ROOT {step}`",
+                    f"rewrite it with `ckptguard hold ROOT {step} --reason ...`, or "
+                    f"`ckptguard release ROOT {step}`",
                 )
             )
     return findings
@@ -109,8 +110,8 @@ def leftovers(
                         path,
                         "temp-dir",
                         False,
-                        f"a save's temp directory whose owner ({who}) is alive: a save in flight, or one that "
-                        "timed out and left it",
+                        f"a save's temp directory whose owner ({who}) is alive: a save in flight, "
+                        f"or one that timed out and left it",
                     )
                 )
             else:
@@ -124,9 +125,9 @@ def leftovers(
                     path,
                     "moved-aside",
                     False,
-                    "a committed step moved aside by an overwrite or a "
-                    f"rotation that did not finish (its manifest is still there): if no {name} exists "
-                    f"and the tracker names its step, rename it back to {name}; else delete it by hand",
+                    f"a committed step moved aside by an overwrite or a rotation that did not "
+                    f"finish (its manifest is still there): if no {name} exists and the tracker "
+                    f"names its step, rename it back to {name}; else delete it by hand",
                 )
             )
         elif entry.name.startswith(_layout.TRASH_PREFIX) and _layout.is_trash_dir(path):

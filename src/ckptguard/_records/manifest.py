@@ -17,11 +17,12 @@ Format 3 adds ``digest_kind`` (required): for every item, what its per-rank dige
 value, not the tensor bytes, which the item's ``layout_free`` digests cover (tensor items:
 modules, optimizers, tensor dicts). The save then reads each tensor byte once.
 
-The files the manifest lists are also answered here: which of them each node holds (``node_part``: what
-verify checks on a node-local root) and each rank reads on the same layout (``files_needed``,
+The files the manifest lists are also answered here: which of them each node holds (``node_part``:
+what verify checks on a node-local root) and each rank reads on the same layout (``files_needed``,
 ``rank_reads``: what a restore fetches, what a node publishes); every listed path is opened through
-``safe_member``. Names and entries only: nothing but the node manifest and DCP's ``.metadata`` (through the
-torch-free ``storage.dcpindex``) is read, and a node part that differs from the manifest is a finding.
+``safe_member``. Names and entries only: nothing but the node manifest and DCP's ``.metadata``
+(through the torch-free ``storage.dcpindex``) is read, and a node part that differs from the
+manifest is a finding.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ DIGEST_BYTES = "bytes"
 DIGEST_STRUCTURE = "structure"
 _DIGEST_KINDS = (DIGEST_BYTES, DIGEST_STRUCTURE)
 _TENSOR_KINDS = ("module", "optimizer", "tensors")
-"""The item kinds (``_state.state.ItemKind`` values) whose per-rank digest is a structure digest (format 3)."""
+"""The item kinds (``_state.state.ItemKind`` values) whose per-rank digest is a structure digest
+(format 3)."""
 RUN_KIND = "ckptguard-run"
-"""The ``kind`` of a run step's manifest (``_records.runmanifest``): its roles' parts are steps of this format."""
+"""The ``kind`` of a run step's manifest (``_records.runmanifest``): its roles' parts are steps of
+this format."""
 
 
 def ckptguard_version() -> str:
@@ -76,8 +79,9 @@ def ckptguard_version() -> str:
 
 
 def safe_member(step_dir: Path, rel: str) -> Path | None:
-    """``step_dir/rel`` if it stays inside ``step_dir`` without following a symlink out: every path a manifest
-    lists (``FileEntry.path``) is opened through this, so an edited manifest cannot point outside the step."""
+    """``step_dir/rel`` if it stays inside ``step_dir`` without following a symlink out: every path
+    a manifest lists (``FileEntry.path``) is opened through this, so an edited manifest cannot point
+    outside the step."""
     if not rel or os.path.isabs(rel) or ".." in Path(rel).parts:
         return None
     path = step_dir / rel
@@ -120,7 +124,8 @@ class Manifest:
     )
 
     def digest_covers_bytes(self, item: str) -> bool:
-        """Whether ``item``'s per-rank digests cover its tensor bytes (formats 1 and 2: every item)."""
+        """Whether ``item``'s per-rank digests cover its tensor bytes (formats 1 and 2: every
+        item)."""
         return (self.digest_kind or {}).get(item, DIGEST_BYTES) == DIGEST_BYTES
 
     @property
@@ -128,7 +133,8 @@ class Manifest:
         return self.topology.world_size
 
     def node_of(self, rank: int) -> int | None:
-        """The index of the node that holds ``rank``'s files (None: one shared root holds every file)."""
+        """The index of the node that holds ``rank``'s files (None: one shared root holds every
+        file)."""
         for index, node in enumerate(self.nodes or ()):
             if rank in node.ranks:
                 return index
@@ -141,7 +147,8 @@ class Manifest:
         return [f for f in self.files if f.rank in ranks or f.path in copies]
 
     def to_json(self) -> JsonObject:
-        """The ``manifest.json`` object: every field but the path; the optional ones only when set."""
+        """The ``manifest.json`` object: every field but the path; the optional ones only when
+        set."""
         out: dict[str, Any] = {
             "format_version": self.format_version,
             "step": self.step,
@@ -210,7 +217,8 @@ _LAYOUT = ("dp", "tp", "pp", "ep")
 
 
 def _digest_table(table: object) -> bool:
-    """The ``layout_free`` shape: item -> key -> digest (restore and verify --deep iterate it as such)."""
+    """The ``layout_free`` shape: item -> key -> digest (restore and verify --deep iterate it as
+    such)."""
     return isinstance(table, dict) and all(
         isinstance(keys, dict)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())
@@ -223,7 +231,8 @@ _REQUIRED = ("format_version", "step", "topology", "versions", "items", "files",
 MANIFEST_BYTES = 256 << 20
 """Bound of one manifest read: about a million file entries."""
 MAX_WORLD_SIZE = 1 << 20
-"""Largest world size a manifest may claim; per-rank checks then stay bounded by the files listed."""
+"""Largest world size a manifest may claim; per-rank checks then stay bounded by the files
+listed."""
 
 
 def _str_map(value: Any) -> bool:
@@ -258,7 +267,8 @@ def _shape_problem(data: JsonObject) -> str | None:
             or set(kinds) != set(data["items"])
             or not set(kinds.values()) <= set(_DIGEST_KINDS)
         ):
-            # A reader that took a missing table as "bytes" would compare structure digests with bytes digests.
+            # A reader that took a missing table as "bytes" would compare structure digests with
+            # bytes digests.
             return f"'digest_kind' must map every item to one of {list(_DIGEST_KINDS)} (format 3)"
         wrong = sorted(
             n
@@ -267,10 +277,12 @@ def _shape_problem(data: JsonObject) -> str | None:
             and kinds[n] != (DIGEST_STRUCTURE if k in _TENSOR_KINDS else DIGEST_BYTES)
         )
         if wrong:
-            # The save writes one kind per item kind; an edited kind would make restore and verify compare
-            # differently (one a structure digest, the other the bytes): refused alike, on read.
+            # The save writes one kind per item kind; an edited kind would make restore and verify
+            # compare differently (one a structure digest, the other the bytes): refused alike, on
+            # read.
             return (
-                f"'digest_kind' of {wrong} disagrees with the item kind (tensor items record \"structure\", "
+                f"'digest_kind' of {wrong} disagrees with the item kind (tensor "
+                f'items record "structure", '
                 'every other item "bytes")'
             )
         if DIGEST_STRUCTURE in kinds.values() and not isinstance(data.get("layout_free"), dict):
@@ -305,12 +317,13 @@ def read(step_dir: Path) -> Manifest:
             f"{path} holds a JSON {type(data).__name__}, not a manifest object"
         )
     if data.get("kind") == RUN_KIND:
-        # A run step is committed as a whole; one role's part read as the step would miss the others.
+        # A run step is committed as a whole; one role's part read as the step would miss the
+        # others.
         roles = sorted(data["roles"]) if isinstance(data.get("roles"), dict) else []
         raise RunStepError(
-            f"{step_dir} is a run step of several roles ({', '.join(map(str, roles[:8]))}) written by "
-            "ckptguard.RunCheckpoint: restore it with RunCheckpoint(...).restore, or one role's part alone "
-            f"with restore(path='{step_dir}/<role>')"
+            f"{step_dir} is a run step of several roles ({', '.join(map(str, roles[:8]))}) written "
+            f"by ckptguard.RunCheckpoint: restore it with RunCheckpoint(...).restore, or one "
+            f"role's part alone with restore(path='{step_dir}/<role>')"
         )
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
@@ -330,8 +343,8 @@ def read(step_dir: Path) -> Manifest:
         if problem is not None:
             raise ValueError(problem)
         topology = Topology.from_json(data["topology"], max_world=MAX_WORLD_SIZE)
-        # Every format writes the four sizes; one missing would make every restore refuse the step as
-        # saved by another layout, after verify had passed it.
+        # Every format writes the four sizes; one missing would make every restore refuse the step
+        # as saved by another layout, after verify had passed it.
         lacking = [
             k
             for k in _LAYOUT
@@ -375,7 +388,8 @@ def read(step_dir: Path) -> Manifest:
 
 
 def _rules(value: Any) -> dict[str, JsonObject] | None:
-    """The optional per-item reshard rules; a malformed table reads as none (the restore then asks for rules)."""
+    """The optional per-item reshard rules; a malformed table reads as none (the restore then asks
+    for rules)."""
     if isinstance(value, dict) and all(
         isinstance(v, dict) and isinstance(v.get("rule"), str) for v in value.values()
     ):
@@ -386,18 +400,21 @@ def _rules(value: Any) -> dict[str, JsonObject] | None:
 def node_manifest(
     *, step: int, index: int, name: str, ranks: Iterable[int], files: Iterable[FileEntry]
 ) -> NodeManifest:
-    """The node manifest of node ``index`` (written with ``to_json``): what that node verified it holds."""
+    """The node manifest of node ``index`` (written with ``to_json``): what that node verified it
+    holds."""
     return nodemanifest.build(
         step=step, index=index, name=name, ranks=ranks, files=files, format_version=FORMAT_VERSION
     )
 
 
 def read_node(step_dir: Path) -> NodeManifest | None:
-    """This disk's node manifest of ``step_dir`` (None when absent); CheckpointCorruptError if malformed."""
+    """This disk's node manifest of ``step_dir`` (None when absent); CheckpointCorruptError if
+    malformed."""
     return nodemanifest.read(step_dir, limit=MANIFEST_BYTES, format_version=FORMAT_VERSION)
 
 
-# ---------------------------------------------------------------- the files each node holds, each rank reads
+# ---------------------------------------------------------------- the files each node holds, each
+# rank reads
 
 
 def node_part(step_dir: Path, manifest: Manifest) -> tuple[list[FileEntry] | None, list[Finding]]:
@@ -418,9 +435,11 @@ def node_part(step_dir: Path, manifest: Manifest) -> tuple[list[FileEntry] | Non
             finding(
                 "no-node-manifest",
                 where,
-                f"is absent: the step was saved on node-local roots ({len(manifest.nodes)} nodes), and this disk "
-                "holds no node's part of it (its node manifest is written with the node's files)",
-                "run this on a node that saved the step, or copy that node's part here (`ckptguard transfer`)",
+                f"is absent: the step was saved on node-local roots ({len(manifest.nodes)} "
+                f"nodes), and this disk holds no node's part of it (its node manifest is "
+                f"written with the node's files)",
+                "run this on a node that saved the step, or copy that node's part "
+                "here (`ckptguard transfer`)",
             )
         ]
     index = node.node
@@ -443,8 +462,8 @@ def node_part(step_dir: Path, manifest: Manifest) -> tuple[list[FileEntry] | Non
             finding(
                 "bad-node-manifest",
                 where,
-                f"lists other files than the global manifest gives node {index} ({manifest.nodes[index].name}) "
-                f"of step {manifest.step}",
+                f"lists other files than the global manifest gives node {index} "
+                f"({manifest.nodes[index].name}) of step {manifest.step}",
                 RESTORE_HINT,
             )
         ]

@@ -1,4 +1,5 @@
-"""Reading the proof records of a root (``ROOT/proof/rank_*.jsonl``, per role on a run root), without torch.
+"""Reading the proof records of a root (``ROOT/proof/rank_*.jsonl``, per role on a run root),
+without torch.
 
 ``ProofLog`` (``proofwriter``) writes them and imports torch for the facts it records; the readers
 (``ckptguard prove``, ``goodput``, ``rehearse``) only parse JSON lines, so they live here and
@@ -32,10 +33,10 @@ class ProofRecord(Mapping[str, Any]):
 
     ``event`` and ``pid`` are in every record; ``rank``, ``host``, ``time`` and ``mono`` in every
     record ``ProofLog`` writes (records written by hand in tests may lack them); ``step`` in all but
-    a few events: None where absent or not an int (``record_export`` and ``record_update`` of earlier
-    releases did not check it; the raw object keeps what was written). The event's own fields (a
-    save's ``plan``, a step's ``sample_ids``) are the rest of the object; which event has which is
-    ``ProofLog``'s callers'. ``raw`` is not to be changed: records are append-only.
+    a few events: None where absent or not an int (``record_export`` and ``record_update`` of
+    earlier releases did not check it; the raw object keeps what was written). The event's own
+    fields (a save's ``plan``, a step's ``sample_ids``) are the rest of the object; which event has
+    which is ``ProofLog``'s callers'. ``raw`` is not to be changed: records are append-only.
     """
 
     event: str
@@ -49,19 +50,21 @@ class ProofRecord(Mapping[str, Any]):
 
     @classmethod
     def from_json(cls, obj: object, *, where: str) -> ProofRecord:
-        """The record in ``obj``; CheckpointCorruptError naming ``where`` when its header is not one."""
+        """The record in ``obj``; CheckpointCorruptError naming ``where`` when its header is not
+        one."""
         problem = header_problem(obj)
         if problem:
             raise CheckpointCorruptError(
-                f"{where} is not a proof record ({problem}); proof records are written by ckptguard only: "
-                "restore that line from a copy or cut it, then prove again"
+                f"{where} is not a proof record ({problem}); proof records are written by "
+                f"ckptguard only: restore that line from a copy or cut it, then prove again"
             )
         assert isinstance(obj, dict)
         return cls.of(dict(obj))
 
     @classmethod
     def of(cls, raw: JsonObject) -> ProofRecord:
-        """The record of ``raw``, an object ``header_problem`` passed; the record keeps it (not a copy)."""
+        """The record of ``raw``, an object ``header_problem`` passed; the record keeps it (not a
+        copy)."""
         step = raw.get("step")
         return cls(
             event=raw["event"],
@@ -129,8 +132,8 @@ _ROLE = re.compile(r"[a-z][a-z0-9_-]{0,63}\Z")  # runmanifest's role names
 def read_records(
     root: Path, role: str | None = None, *, rank: int | None = None
 ) -> dict[int, list[ProofRecord]]:
-    """Every rank's proof records (of ``role``, numbered by its ranks), checked for the shape ``evaluate``
-    relies on; ``rank``: that rank's file only.
+    """Every rank's proof records (of ``role``, numbered by its ranks), checked for the shape
+    ``evaluate`` relies on; ``rank``: that rank's file only.
 
     Never through a symlinked ``proof/`` or record file, never from a FIFO, bounded in size
     and JSON depth; a malformed line is one CheckpointCorruptError naming file and line."""
@@ -149,7 +152,8 @@ def read_records(
             text = read_small(path, limit=PROOF_BYTES, what="proof records").decode("utf-8")
         except UnicodeDecodeError as exc:
             raise CheckpointCorruptError(
-                f"{path} is not UTF-8 text (byte {exc.start}); proof records are written by ckptguard only"
+                f"{path} is not UTF-8 text (byte {exc.start}); proof records are "
+                f"written by ckptguard only"
             ) from None
         lines = text.splitlines()
         records = []
@@ -158,7 +162,8 @@ def read_records(
                 rec = parse_json(line, where=f"{path}:{n}")
             except CheckpointCorruptError as exc:
                 if (n == len(lines) or line.startswith("{")) and "deeper" not in str(exc):
-                    continue  # a record torn by a kill mid-append (the next process starts a new line)
+                    # a record torn by a kill mid-append (the next process starts a new line)
+                    continue
                 raise CheckpointCorruptError(f"{exc}; proof records are append-only") from None
             records.append(ProofRecord.from_json(rec, where=f"{path}:{n}"))
         out[number] = distinct_processes(records)
@@ -166,8 +171,8 @@ def read_records(
 
 
 REUSED_PID = 1 << 32
-"""Added to an OS pid that a later process reused (more than any OS pid): the records of that process
-read with ``pid + n * REUSED_PID`` (``os_pid`` keeps the one written)."""
+"""Added to an OS pid that a later process reused (more than any OS pid): the records of that
+process read with ``pid + n * REUSED_PID`` (``os_pid`` keeps the one written)."""
 
 
 def shown_pid(pid: Any) -> str:
@@ -178,10 +183,11 @@ def shown_pid(pid: Any) -> str:
 
 
 def distinct_processes(records: list[ProofRecord]) -> list[ProofRecord]:
-    """One rank's records with one pid per process: a container restarted with the same entrypoint reuses the
-    pid (pid 1, one hostname), and every gate that tells the saving process from the resumed one keys by pid.
-    A restore record (every launch's first) whose host or ``process_start`` differs from the previous process's
-    of that pid starts a new process; records without ``process_start`` (older releases) keep their pid."""
+    """One rank's records with one pid per process: a container restarted with the same entrypoint
+    reuses the pid (pid 1, one hostname), and every gate that tells the saving process from the
+    resumed one keys by pid. A restore record (every launch's first) whose host or ``process_start``
+    differs from the previous process's of that pid starts a new process; records without
+    ``process_start`` (older releases) keep their pid."""
     current: dict[
         int, tuple[Any, Any]
     ] = {}  # os pid -> (host, process_start) of the process now using it

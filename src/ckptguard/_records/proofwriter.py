@@ -72,8 +72,9 @@ class ProofLog:
         self.dropped = 0
         self._tail_checked = False
         self._pruned_to = 0  # the file's size after the last prune: the next waits until it doubled
-        # A save_async commits (and prunes, and writes the held records) in a background thread while
-        # training appends step records: a record appended between a read and its rewrite would be lost.
+        # A save_async commits (and prunes, and writes the held records) in a background thread
+        # while training appends step records: a record appended between a read and its rewrite
+        # would be lost.
         self._lock = threading.Lock()
         self.watch = ResumeWatch(
             rank, str(self.path), lambda event, **fields: self.keep(self.build(event, **fields))
@@ -89,8 +90,8 @@ class ProofLog:
         )
 
     def build(self, event: str, **fields: Any) -> ProofRecord:
-        """The record of ``event`` with the header every record carries; ConfigError for a field that
-        would make it unreadable (a ``time`` that is not a number)."""
+        """The record of ``event`` with the header every record carries; ConfigError for a field
+        that would make it unreadable (a ``time`` that is not a number)."""
         if event == "step":  # the thread count splits CPU reductions: prove names a change of it
             fields.setdefault("threads", torch.get_num_threads())
             if (
@@ -134,9 +135,9 @@ class ProofLog:
         return record
 
     def after_restore(self, fields: Callable[[], JsonObject] | None) -> None:
-        """The next step record carries ``fields()`` (``replica_fields`` of the restored state): replicas
-        that drift after ``restore()`` returned (a hook, a late broadcast) are in the first step's records,
-        named by tensor, before any save. None: nothing more in it."""
+        """The next step record carries ``fields()`` (``replica_fields`` of the restored state):
+        replicas that drift after ``restore()`` returned (a hook, a late broadcast) are in the first
+        step's records, named by tensor, before any save. None: nothing more in it."""
         self._first_step = fields
 
     def hold(self, record: ProofRecord) -> None:
@@ -174,7 +175,8 @@ class ProofLog:
             json.dumps(r.raw, sort_keys=True) + "\n" for r in (*held, *([record] if record else []))
         ]
         if not self._tail_checked:
-            # A process killed mid-append leaves a torn last line: end it, so our records start on their own.
+            # A process killed mid-append leaves a torn last line: end it, so our records start on
+            # their own.
             self._tail_checked = True
             if self.path.exists() and self.path.stat().st_size:
                 with open(self.path, "rb") as f:
@@ -192,8 +194,8 @@ class ProofLog:
             _HOLDING.discard(self)
         if self.dropped:
             log.warning(
-                "ckptguard: %d proof records made before %s existed were dropped (the first %d and the "
-                "newest %d were held)",
+                "ckptguard: %d proof records made before %s existed were dropped (the first %d and "
+                "the newest %d were held)",
                 self.dropped,
                 self.root,
                 self.HELD_HEAD,
@@ -220,8 +222,8 @@ class ProofLog:
         self.write(self.build(event, **fields))
 
     def keep(self, record: ProofRecord, *, durable: bool = True) -> None:
-        """Write ``record`` (after the held ones), or hold it while the root does not exist; never raises:
-        a read-only or full root, or a symlinked proof/, is logged and training goes on."""
+        """Write ``record`` (after the held ones), or hold it while the root does not exist; never
+        raises: a read-only or full root, or a symlinked proof/, is logged and training goes on."""
         with self._lock:
             if (
                 not self.root.is_dir()
@@ -241,7 +243,8 @@ class ProofLog:
     PRUNE_BYTES = 8 << 20
     """A records file smaller than this is never rewritten (the rewrite reads the whole file)."""
     PRUNE_GROWTH = 2.0
-    """After a prune the next waits until the file grew this much: the rewrites cost O(1) per record."""
+    """After a prune the next waits until the file grew this much: the rewrites cost O(1) per
+    record."""
 
     def prune(self, naming: StepNaming) -> int:
         """Rewrite this rank's file without the records no proof can read again (``prunable``);
@@ -325,8 +328,8 @@ def replica_fields(state: Mapping[str, Any], keyfn: KeyFn) -> JsonObject:
 
 
 def read_alone(state: Mapping[str, Any]) -> bool:
-    """Whether this rank reads ``state``'s tensors without a collective (``replica_fields`` runs in a
-    ``record_step``, which need not be called on every rank): not under FSDP1, whose optimizer
+    """Whether this rank reads ``state``'s tensors without a collective (``replica_fields`` runs in
+    a ``record_step``, which need not be called on every rank): not under FSDP1, whose optimizer
     ``state_dict`` gathers keys across ranks (torch's ``_map_param_key_to_optim_keys``)."""
     modules = [v for v in state.values() if isinstance(v, torch.nn.Module)]
     return not any(isinstance(m, FullyShardedDataParallel) for v in modules for m in v.modules())
@@ -338,8 +341,8 @@ def _maybe_replicated(t: torch.Tensor) -> bool:
 
 
 _HOLDING: weakref.WeakSet[ProofLog] = weakref.WeakSet()  # this process's logs holding records
-# A save_async's prepare lists them in its thread while training holds a record in another: a set that
-# changes size while it is listed raises (RuntimeError), which would fail the save.
+# A save_async's prepare lists them in its thread while training holds a record in another: a set
+# that changes size while it is listed raises (RuntimeError), which would fail the save.
 _HOLDING_LOCK = threading.Lock()
 
 

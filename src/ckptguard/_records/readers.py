@@ -1,15 +1,15 @@
 """Reader leases: a step that an evaluation or export process is reading is never rotated away.
 
 Contract. A reader writes ``ROOT/readers/<step>-<owner>.json`` before it opens the step
-(``open_step``, a context manager; ``ckptguard hold --ttl`` for scripts) and removes it when
-done. A lease is live while its expiry (``expires_unix``) is in the future or, on the host that
-wrote it, while its process runs (PID and process start time, as the temp files record them);
-``open_step`` renews its expiry from a thread every third of ``ttl_s``, so a reader on another
-host whose process died frees its step once ``ttl_s`` passed, and one on the same host at once
-(there its process decides, not the expiry).
-``live`` reports the live leases by step (retention and gc keep those steps, ``holds`` counts
-them); retention and gc also remove the dead ones. A lease file that cannot be read holds its step (the name gives it)
-until it is older than ``UNREADABLE_AGE_S``: a damaged lease never frees a step early.
+(``open_step``, a context manager; ``ckptguard hold --ttl`` for scripts) and removes it when done. A
+lease is live while its expiry (``expires_unix``) is in the future or, on the host that wrote it,
+while its process runs (PID and process start time, as the temp files record them); ``open_step``
+renews its expiry from a thread every third of ``ttl_s``, so a reader on another host whose process
+died frees its step once ``ttl_s`` passed, and one on the same host at once (there its process
+decides, not the expiry). ``live`` reports the live leases by step (retention and gc keep those
+steps, ``holds`` counts them); retention and gc also remove the dead ones. A lease file that cannot
+be read holds its step (the name gives it) until it is older than ``UNREADABLE_AGE_S``: a damaged
+lease never frees a step early.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def acquire(
     key: str | None = None,
 ) -> Path:
     """Write a lease on ``step``. ``bind_process``: live while this process runs (on its host), else
-    by its expiry alone (a script's ``hold --ttl``; ``key`` then names it, so the same call renews it)."""
+    by its expiry alone (a script's ``hold --ttl``; ``key`` then names it, so the same call renews
+    it)."""
     if ttl_s is not None and not ttl_s > 0:
         raise ConfigError(f"a reader lease needs ttl_s > 0 seconds, got {ttl_s!r}")
     if not bind_process and ttl_s is None:
@@ -113,8 +114,8 @@ def _alive(data: dict[str, object]) -> bool:
 
 
 def live(root: Path, *, sweep: bool = True) -> dict[int, str]:
-    """Steps with a live reader lease, and who reads them; ``sweep``: dead leases are removed (a read-only
-    command such as ``list`` passes False and leaves them)."""
+    """Steps with a live reader lease, and who reads them; ``sweep``: dead leases are removed (a
+    read-only command such as ``list`` passes False and leaves them)."""
     out: dict[int, str] = {}
     directory = root / READERS_DIR
     _layout.refuse_link(directory, "readers directory")  # never read through a link
@@ -125,7 +126,8 @@ def live(root: Path, *, sweep: bool = True) -> dict[int, str]:
     for entry in entries:
         match = _NAME.match(entry.name)
         if match is None or not entry.is_file(follow_symlinks=False):
-            continue  # a temp file of a lease being written, or something ckptguard never writes here
+            # a temp file of a lease being written, or something ckptguard never writes here
+            continue
         step, path = int(match.group(1)), Path(entry.path)
         try:
             data = _layout.read_json(path, limit=64 << 10, what="reader lease")
@@ -169,8 +171,9 @@ def open_step(
     text = os.fspath(root)
     if isinstance(text, str) and text[:3].lower() == "s3:":  # never a local directory named "s3:"
         raise ConfigError(
-            f"open_step({text!r}): open_step holds a step of a local root; on an s3:// root hold it with "
-            "CheckpointManager(url).hold(step) (kept by the store's rotation until released)"
+            f"open_step({text!r}): open_step holds a step of a local root; on an s3:// "
+            f"root hold it with CheckpointManager(url).hold(step) (kept by the store's "
+            f"rotation until released)"
         )
     root = Path(root)
     if step is None:
@@ -204,10 +207,11 @@ def open_step(
 
 @contextlib.contextmanager
 def reading(step_dir: Path, *, who: str, ttl_s: float = 600.0) -> Iterator[str | None]:
-    """``open_step`` for a step given by its directory (a transfer's source): rotation and gc of its root keep the
-    step while the block runs. Yields None, or why no lease could be taken (a root this process cannot write,
-    a directory that is not a committed step of its root's naming): the block then runs unprotected, and a
-    rotation meanwhile fails it loudly (files missing), never silently."""
+    """``open_step`` for a step given by its directory (a transfer's source): rotation and gc of its
+    root keep the step while the block runs. Yields None, or why no lease could be taken (a root
+    this process cannot write, a directory that is not a committed step of its root's naming): the
+    block then runs unprotected, and a rotation meanwhile fails it loudly (files missing), never
+    silently."""
     stack = contextlib.ExitStack()
     try:
         manifest = _layout.read_json(step_dir / _layout.MANIFEST_NAME, what="manifest")

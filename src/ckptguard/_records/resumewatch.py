@@ -1,13 +1,13 @@
-"""Whether a resumed process trained: the zero-step resume (an exhausted loader at an epoch boundary,
-a loop whose range ended) exits 0 and looks like success.
+"""Whether a resumed process trained: the zero-step resume (an exhausted loader at an epoch
+boundary, a loop whose range ended) exits 0 and looks like success.
 
 Contract: a ``ResumeWatch`` sees every proof record its rank's ``ProofLog`` builds. A restore of a
 non-zero step arms it (a later restore in the same process re-arms it); a ``step`` or ``update``
 record past that step counts as trained. At interpreter exit, an armed watch appends an ``exit``
-record (the restored step, the steps trained, the plan's ``total_steps``, and ``raised``: the uncaught
-exception the process died on, where one did) and, when nothing was trained, logs one loud line:
-``resumed at step 120 of 200 and trained 0 steps``. ``ckptguard prove`` reads the ``exit`` record (gate
-``resumed run trained``). It only logs and records; it never raises.
+record (the restored step, the steps trained, the plan's ``total_steps``, and ``raised``: the
+uncaught exception the process died on, where one did) and, when nothing was trained, logs one loud
+line: ``resumed at step 120 of 200 and trained 0 steps``. ``ckptguard prove`` reads the ``exit``
+record (gate ``resumed run trained``). It only logs and records; it never raises.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ _HOOKED: list[bool] = []
 
 
 def _watch_uncaught() -> None:
-    """Chain ``sys.excepthook`` once an armed watch exists: a resumed process that dies on an exception before
-    its first step (a save of the restored step refused, a bad config) is then recorded as that, not taken for
-    an exhausted loader. The previous hook still runs; nothing else is changed."""
+    """Chain ``sys.excepthook`` once an armed watch exists: a resumed process that dies on an
+    exception before its first step (a save of the restored step refused, a bad config) is then
+    recorded as that, not taken for an exhausted loader. The previous hook still runs; nothing else
+    is changed."""
     if _HOOKED:
         return
     _HOOKED.append(True)
@@ -52,7 +53,8 @@ class ResumeWatch:
     """One rank's restored step and the steps trained after it, in this process."""
 
     def __init__(self, rank: int, where: str, keep: Callable[..., None]) -> None:
-        """``keep(event, **fields)`` appends a record of this rank (``ProofLog``'s build and keep)."""
+        """``keep(event, **fields)`` appends a record of this rank (``ProofLog``'s build and
+        keep)."""
         self.rank, self.where, self.keep = rank, where, keep
         self.restored: int | None = None
         self.total: int | None = None
@@ -116,16 +118,17 @@ class ResumeWatch:
             return
         if self.total is None:  # whether steps were left is for prove to tell from the records
             log.warning(
-                "ckptguard: rank %d %s before the process exited (%s); declare ProofPlan(total_steps=) to "
-                "have a zero-step resume called out here",
+                "ckptguard: rank %d %s before the process exited (%s); declare "
+                "ProofPlan(total_steps=) to have a zero-step resume called out here",
                 self.rank,
                 self.line(),
                 self.where,
             )
             return
         log.error(
-            "ckptguard: rank %d %s before the process exited: the data loader or the step range ended right "
-            "after the restore (an exhausted loader at an epoch boundary?); the run made no progress (%s)",
+            "ckptguard: rank %d %s before the process exited: the data loader or the step "
+            "range ended right after the restore (an exhausted loader at an epoch boundary?); "
+            "the run made no progress (%s)",
             self.rank,
             self.line(),
             self.where,

@@ -164,10 +164,12 @@ def _own_holds(root: Path) -> dict[int, str]:
         except (OSError, ValueError, KeyError) as exc:
             why = str(exc).split(";")[0][:200]
             out[step] = (
-                f"UNREADABLE hold file {path} ({why}): treated as held; fix or `ckptguard release` it"
+                f"UNREADABLE hold file {path} ({why}): treated as held; "
+                f"fix or `ckptguard release` it"
             )
             log.warning(
-                "ckptguard: hold file %s is unreadable (%s); step %d stays held until it is fixed or released",
+                "ckptguard: hold file %s is unreadable (%s); step %d stays held "
+                "until it is fixed or released",
                 path,
                 why,
                 step,
@@ -208,15 +210,16 @@ def orphan_hint(path: Path, step: int, tracker: int | None, naming: _layout.Step
     where = "there is no tracker" if tracker is None else f"newer than the tracker ({tracker})"
     template = "" if naming.template == "step_{step:08d}" else f" --template '{naming.template}'"
     return (
-        f"a complete checkpoint, {where}: never deleted by rotation or plain gc. Resume from it with "
-        f"restore(path={str(path)!r}), point the tracker at it with `ckptguard adopt {path.parent} {step}{template}`, "
-        f"or delete it with `ckptguard gc {path.parent} --orphans{template}`"
+        f"a complete checkpoint, {where}: never deleted by rotation or plain gc. Resume "
+        f"from it with restore(path={str(path)!r}), point the tracker at it with "
+        f"`ckptguard adopt {path.parent} {step}{template}`, or delete it with `ckptguard "
+        f"gc {path.parent} --orphans{template}`"
     )
 
 
 INCOMPLETE_HINT = (
-    "inspect it with `ckptguard verify ROOT`; copy the missing files back (node-local storage keeps some on "
-    "other nodes), or delete it by hand if it cannot be repaired"
+    "inspect it with `ckptguard verify ROOT`; copy the missing files back (node-local storage "
+    "keeps some on other nodes), or delete it by hand if it cannot be repaired"
 )
 
 
@@ -228,7 +231,8 @@ def kept(
     protect: Iterable[int] = (),
 ) -> set[int]:
     """The committed steps a rotation keeps, on a directory root (``apply``) and on an object store
-    (``_commit.storepublish.rotate``) alike: the policy's, the protected ones, and the tracker's step."""
+    (``_commit.storepublish.rotate``) alike: the policy's, the protected ones, and the tracker's
+    step."""
     return policy.keep(committed) | set(protect) | ({tracker} if tracker is not None else set())
 
 
@@ -277,7 +281,8 @@ def apply(
     for step in committed:
         if step in keep:
             continue
-        try:  # cheap: a rename; the manifest stays until no reader turned up meanwhile (_confirm_moved)
+        # cheap: a rename; the manifest stays until no reader turned up meanwhile (_confirm_moved)
+        try:
             moved[step] = _layout.uncommit_to_trash(dirs[step], keep_manifest=True)
         except OSError as exc:
             report.failed[step] = f"{type(exc).__name__}: {exc}"
@@ -296,9 +301,10 @@ def apply(
 def _confirm_moved(
     root: Path, moved: dict[int, Path], dirs: dict[int, Path], report: RetentionReport
 ) -> list[int]:
-    """The holds and reader leases again, after the renames: a reader whose lease landed between the first look
-    and its step's rename (``open_step`` writes its lease, then checks the manifest) gets the step back,
-    committed as before; the others lose their manifest and become plain trash. Returns the steps deleted."""
+    """The holds and reader leases again, after the renames: a reader whose lease landed between the
+    first look and its step's rename (``open_step`` writes its lease, then checks the manifest) gets
+    the step back, committed as before; the others lose their manifest and become plain trash.
+    Returns the steps deleted."""
     late = holds(root) if moved else {}
     deleted = []
     for step, trash in sorted(moved.items()):
@@ -308,8 +314,9 @@ def _confirm_moved(
                 report.kept.append(step)
             except OSError as exc:
                 log.warning(
-                    "ckptguard: step %d gained a reader (%s) while rotation moved it aside, and could not "
-                    "be put back (%s); it is kept at %s, its manifest intact: rename it back to %s",
+                    "ckptguard: step %d gained a reader (%s) while rotation moved it "
+                    "aside, and could not be put back (%s); it is kept at %s, its manifest "
+                    "intact: rename it back to %s",
                     step,
                     late[step],
                     exc,
@@ -327,9 +334,9 @@ def _confirm_moved(
 
 
 def _trash_dirs(root: Path) -> list[Path]:
-    """The trash an earlier kill or failed delete left: ckptguard's own (its owner record inside, which
-    ``_delete`` removes last), never a directory that only looks like it, never a step moved aside whose
-    manifest is still there (``moved_aside``)."""
+    """The trash an earlier kill or failed delete left: ckptguard's own (its owner record inside,
+    which ``_delete`` removes last), never a directory that only looks like it, never a step moved
+    aside whose manifest is still there (``moved_aside``)."""
     try:
         return [
             p
@@ -348,7 +355,8 @@ def _delete(path: Path, what: str = "") -> None:
     ):  # never through a link, never a whole step
         return
     try:
-        # the owner record last: a delete cut short stays recognisably ckptguard's trash (``_trash_dirs``)
+        # the owner record last: a delete cut short stays recognisably ckptguard's trash
+        # (``_trash_dirs``)
         for child in sorted(path.iterdir(), key=lambda c: c.name == _layout.OWNER_NAME):
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
@@ -357,8 +365,8 @@ def _delete(path: Path, what: str = "") -> None:
         path.rmdir()
     except OSError as exc:
         log.warning(
-            "ckptguard: could not delete %s%s (%s: %s); it is uncommitted (never resumed from), and the "
-            "next save retries the delete",
+            "ckptguard: could not delete %s%s (%s: %s); it is uncommitted (never resumed from), "
+            "and the next save retries the delete",
             what or path,
             f" at {path}" if what else "",
             type(exc).__name__,
@@ -377,7 +385,8 @@ class Deleter:
         self._thread: threading.Thread | None = None
 
     def submit(self, paths: Iterable[Path], what: Mapping[Path, str] | None = None) -> None:
-        """Delete ``paths`` (trash directories) in the background; ``what`` names them in a warning (``step 3``)."""
+        """Delete ``paths`` (trash directories) in the background; ``what`` names them in a warning
+        (``step 3``)."""
         with self._cv:
             for path in paths:
                 if (

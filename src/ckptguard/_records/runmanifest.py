@@ -51,8 +51,9 @@ def check_role_name(name: Any) -> str:
     """A role name is a directory name inside the step: lowercase, short, not one of ours."""
     if not isinstance(name, str) or not _ROLE_NAME.match(name) or name in _RESERVED:
         raise ConfigError(
-            f"role name {name!r} must match [a-z][a-z0-9_-]* (at most 64 characters) and not be one of "
-            f"{sorted(_RESERVED)}: it names the role's directory inside each step, e.g. 'actor' or 'critic'"
+            f"role name {name!r} must match [a-z][a-z0-9_-]* (at most 64 characters) and not "
+            f"be one of {sorted(_RESERVED)}: it names the role's directory inside each step, "
+            f"e.g. 'actor' or 'critic'"
         )
     return name
 
@@ -172,15 +173,15 @@ def read(step_dir: Path) -> RunManifest:
             sorted(p.name for p in step_dir.iterdir() if p.is_dir()) if step_dir.is_dir() else []
         )
         raise CheckpointIncompleteError(
-            f"{step_dir} has no {_layout.MANIFEST_NAME}: the run step was never committed (a save died before "
-            f"every role confirmed; role parts present: {present or 'none'}) and must not be restored; resume "
-            "from the tracker's step"
+            f"{step_dir} has no {_layout.MANIFEST_NAME}: the run step was never committed (a save "
+            f"died before every role confirmed; role parts present: {present or 'none'}) and must "
+            f"not be restored; resume from the tracker's step"
         ) from None
     data = _layout.parse_json(raw, where=str(path))
     if not isinstance(data, dict) or data.get("kind") != RUN_KIND:
         raise CheckpointCorruptError(
-            f"{path} is not a run manifest (no kind {RUN_KIND!r}): the step was written by a single-role "
-            "CheckpointManager; restore it with CheckpointManager, not RunCheckpoint"
+            f"{path} is not a run manifest (no kind {RUN_KIND!r}): the step was written by a "
+            f"single-role CheckpointManager; restore it with CheckpointManager, not RunCheckpoint"
         )
     version = data.get("run_format_version")
     if not _int(version):
@@ -189,8 +190,9 @@ def read(step_dir: Path) -> RunManifest:
         )
     if version not in READABLE_RUN_VERSIONS:
         raise VersionMismatchError(
-            f"{path} has run format version {version}; this ckptguard {_manifest.ckptguard_version()} reads "
-            f"versions {list(READABLE_RUN_VERSIONS)}. Upgrade ckptguard to read it."
+            f"{path} has run format version {version}; this ckptguard "
+            f"{_manifest.ckptguard_version()} reads versions {list(READABLE_RUN_VERSIONS)}. "
+            f"Upgrade ckptguard to read it."
         )
     roles = data.get("roles")
     problem = None

@@ -150,7 +150,8 @@ class HealthView(Wire):
 
 @dataclass(frozen=True)
 class HealthVerdict(Wire):
-    """Rank 0's decision: the step's unhealthy reasons by rank (none: commit), and the steps seen."""
+    """Rank 0's decision: the step's unhealthy reasons by rank (none: commit), and the steps
+    seen."""
 
     reasons: dict[str, list[str]] = field(default_factory=dict)
     healthy: list[int] = field(default_factory=list)
@@ -166,7 +167,8 @@ class HealthVerdict(Wire):
 
 
 def agree(views: list[HealthView], step: int) -> HealthVerdict:
-    """Rank 0: one rank's reason skips the step everywhere; a step is healthy only if no rank saw it unhealthy."""
+    """Rank 0: one rank's reason skips the step everywhere; a step is healthy only if no rank saw it
+    unhealthy."""
     bad = {u for v in views for u in v.unhealthy}
     why = {str(r): v.reasons for r, v in enumerate(views) if v.reasons}
     if why:
@@ -178,7 +180,8 @@ def agree(views: list[HealthView], step: int) -> HealthVerdict:
 class HealthLog:
     """One rank's in-memory record of the steps it saw since the last save agreement."""
 
-    HELD_MAX = 100_000  # steps held between two saves; beyond it the oldest are forgotten (they only verify)
+    # steps held between two saves; beyond it the oldest are forgotten (they only verify)
+    HELD_MAX = 100_000
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[dict[str, Any], list[str]]] = {}
@@ -189,9 +192,10 @@ class HealthLog:
     def note(
         self, policy: HealthPolicy, step: int, metrics: Metrics, *, role: str | None = None
     ) -> None:
-        """A ``record_step``: judged now, shipped at the next save (the latest record of a step wins).
-        ``role`` (a RunCheckpoint rank holding several roles): each role's latest record wins, and the
-        step is unhealthy if any role's is (a critic's finite loss must not hide the actor's NaN)."""
+        """A ``record_step``: judged now, shipped at the next save (the latest record of a step
+        wins). ``role`` (a RunCheckpoint rank holding several roles): each role's latest record
+        wins, and the step is unhealthy if any role's is (a critic's finite loss must not hide the
+        actor's NaN)."""
         source = (
             f"record_step of step {step}"
             if role is None
@@ -203,7 +207,8 @@ class HealthLog:
             why = [r for rs in self._roles[step].values() for r in rs]
         self._seen[step] = (metrics, why)
         if len(self._seen) > self.HELD_MAX:
-            # Forget the older half of the healthy ones (amortized): an unhealthy step must still block candidates.
+            # Forget the older half of the healthy ones (amortized): an unhealthy step must still
+            # block candidates.
             healthy = sorted(s for s, (_, why) in self._seen.items() if not why)
             for old in healthy[: len(healthy) // 2]:
                 del self._seen[old]
@@ -218,8 +223,9 @@ class HealthLog:
         grad_norm: Any,
         earlier: str | None,
     ) -> HealthView:
-        """This rank's view of ``save(step, healthy=, loss=, grad_norm=)``: the arguments as scalars (a bad one
-        raises, failing the save on every rank) and ``earlier``, why an earlier save of the step was skipped."""
+        """This rank's view of ``save(step, healthy=, loss=, grad_norm=)``: the arguments as scalars
+        (a bad one raises, failing the save on every rank) and ``earlier``, why an earlier save of
+        the step was skipped."""
 
         metrics = {
             n: scalar(n, v) for n, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None
@@ -277,8 +283,9 @@ def _path(root: Path) -> Path:
 
 @dataclass(frozen=True)
 class TrustEntry:
-    """One committed step's entry in ``trust.json``: its state, when it was committed (and verified), the
-    N later healthy steps it needs, the ones seen so far, and the unhealthy step that stopped it."""
+    """One committed step's entry in ``trust.json``: its state, when it was committed (and
+    verified), the N later healthy steps it needs, the ones seen so far, and the unhealthy step that
+    stopped it."""
 
     state: Trust = Trust.CANDIDATE
     committed_unix: float = 0.0
@@ -301,7 +308,8 @@ class TrustEntry:
 
     @classmethod
     def from_json(cls, value: object) -> TrustEntry:
-        """An entry as written; ValueError naming the field when it is not of the shape ckptguard writes."""
+        """An entry as written; ValueError naming the field when it is not of the shape ckptguard
+        writes."""
         if not isinstance(value, dict):
             raise ValueError("an entry is not an object")
         healthy, bad, need = (
@@ -328,7 +336,8 @@ class TrustEntry:
 
 
 def read(root: Path) -> dict[int, TrustEntry]:
-    """Every step's trust entry; {} without a sidecar. Raises CheckpointCorruptError when it cannot be read."""
+    """Every step's trust entry; {} without a sidecar. Raises CheckpointCorruptError when it cannot
+    be read."""
     path = _path(root)
     try:
         data = _layout.read_json(path, limit=TRUST_BYTES, what="trust record")
@@ -336,8 +345,8 @@ def read(root: Path) -> dict[int, TrustEntry]:
         return {}
     except (OSError, ValueError) as exc:
         raise CheckpointCorruptError(
-            f"{path} cannot be read ({exc}); it is written only by ckptguard (rank 0, atomically): move it "
-            "away to treat every step as a candidate again"
+            f"{path} cannot be read ({exc}); it is written only by ckptguard (rank 0, atomically): "
+            f"move it away to treat every step as a candidate again"
         ) from None
     steps = data.get("steps") if isinstance(data, dict) else None
     if not isinstance(steps, dict) or not all(isinstance(v, dict) for v in steps.values()):
@@ -429,6 +438,7 @@ def observe(
 
 
 def newest_verified(root: Path, steps: Iterable[int]) -> int | None:
-    """The newest of ``steps`` that is verified (raises CheckpointCorruptError for an unreadable sidecar)."""
+    """The newest of ``steps`` that is verified (raises CheckpointCorruptError for an unreadable
+    sidecar)."""
     trust = read(root)
     return max((s for s in steps if state(trust.get(s)) is Trust.VERIFIED), default=None)

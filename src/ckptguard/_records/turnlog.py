@@ -1,4 +1,5 @@
-"""Append-only turn records of a TurnLedger: ``ROOT/proof/turns_rank_NNNNN.jsonl`` (``ops.prove_turns`` reads them)."""
+"""Append-only turn records of a TurnLedger: ``ROOT/proof/turns_rank_NNNNN.jsonl``
+(``ops.prove_turns`` reads them)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ HELD_MAX = 100_000  # records made before the root exists; older ones are droppe
 
 
 class TurnLog:
-    """Append-only JSON lines under ROOT/proof/, held in memory until the root exists (a record never creates it)."""
+    """Append-only JSON lines under ROOT/proof/, held in memory until the root exists (a record
+    never creates it)."""
 
     def __init__(self, root: Path | None, rank: int) -> None:
         self.root = None if root is None else Path(root)
@@ -70,7 +72,8 @@ class TurnLog:
         refuse_link(path, "turn records")
         with open(path, "a+b") as f:
             if not self._tail_checked:
-                # A process killed mid-append leaves a torn last line: end it, so our records start on their own.
+                # A process killed mid-append leaves a torn last line: end it, so our records start
+                # on their own.
                 self._tail_checked = True
                 size = f.seek(0, os.SEEK_END)
                 if size:

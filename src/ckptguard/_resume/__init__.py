@@ -1,1 +1,2 @@
-"""The Resume-state contract: resolve, restore, captured state, RNG, digests, derived state and proof records."""
+"""The Resume-state contract: resolve, restore, captured state, RNG, digests, derived state and
+proof records."""

@@ -77,11 +77,11 @@ def replica_report(
     """Which chunks several ranks hold, and which of those their holders hold differently.
 
     ``views`` are the ranks' ``layout_free_partials`` in rank order; ``replicated`` each rank's
-    digests of the items ``CheckpointConfig(reshard=ReshardOptions(replicated=...))`` names (one value on every rank by
-    the user's word), compared like chunks (key ``(item)``, offset ``-``). Returns ``{"world": ranks,
-    "checked": chunks held by 2+ ranks, "most": the most holders of one chunk, "differing": count,
-    "differ": [{"item", "key", "offset", "ranks": [[ranks with one value], ...]}, ...]}`` (the
-    first ``REPLICAS_SHOWN`` differing chunks, by item and key)."""
+    digests of the items ``CheckpointConfig(reshard=ReshardOptions(replicated=...))`` names (one
+    value on every rank by the user's word), compared like chunks (key ``(item)``, offset ``-``).
+    Returns ``{"world": ranks, "checked": chunks held by 2+ ranks, "most": the most holders of one
+    chunk, "differing": count, "differ": [{"item", "key", "offset", "ranks": [[ranks with one
+    value], ...]}, ...]}`` (the first ``REPLICAS_SHOWN`` differing chunks, by item and key)."""
     holders: dict[str, dict[str, list[int]]] = {}
     names: dict[str, tuple[str, str]] = {}
     for rank, view in enumerate(views):
@@ -118,8 +118,8 @@ def replica_report(
 
 
 def differing_chunks(report: JsonObject, *, short: bool = False) -> str:
-    """The report's differing chunks, each with the ranks on each side; ``short`` leaves the offsets out
-    (the proof's line)."""
+    """The report's differing chunks, each with the ranks on each side; ``short`` leaves the offsets
+    out (the proof's line)."""
 
     def name(d: JsonObject) -> str:
         if d.get("offset") == "-":
@@ -140,8 +140,8 @@ def describe_replicas(report: JsonObject) -> str:
     shown = differing_chunks(report)
     more = report["differing"] - len(report.get("differ", []))
     return (
-        f"{report['differing']} tensor chunk(s) held by several ranks differ between their replicas after "
-        f"the load: {shown}{f' (and {more} more)' if more > 0 else ''}"
+        f"{report['differing']} tensor chunk(s) held by several ranks differ between their "
+        f"replicas after the load: {shown}{f' (and {more} more)' if more > 0 else ''}"
     )
 
 
@@ -193,8 +193,9 @@ def verify(
     expected: dict[str, str] | None = None,
     explain: Callable[[], list[str]] | None = None,
 ) -> Checked:
-    """Collective: compare the live objects (``now``: read back once after the load, by DCP key as the save
-    captured them), record through ``on_verified``, and raise on every rank if anything differs.
+    """Collective: compare the live objects (``now``: read back once after the load, by DCP key as
+    the save captured them), record through ``on_verified``, and raise on every rank if anything
+    differs.
 
     ``explain`` (same layout): what the files say when a tensor item differs, e.g. which data file
     changed on disk since the save; called only then, as it hashes the files."""
@@ -213,7 +214,8 @@ def verify(
     }
 
     def decide(views: list[_Pieces]) -> _Verdict:
-        # Format 3: an empty table is compared too (its tensor items' bytes are covered by nothing else).
+        # Format 3: an empty table is compared too (its tensor items' bytes are covered by nothing
+        # else).
         compare = saved is not None and (bool(saved) or manifest.format_version >= 3)
         now = combine_layout_free([v.partials for v in views]) if compare else {}
         differ = _compare(saved or {}, now, tensor_items) if compare else {}
@@ -226,7 +228,8 @@ def verify(
             differ, {str(r): v.problems for r, v in enumerate(views) if v.problems}, replicas
         )
 
-    # Rank 0 decides without raising: every rank records the outcome for the proof, then all raise alike.
+    # Rank 0 decides without raising: every rank records the outcome for the proof, then all raise
+    # alike.
     mine = _Pieces(partials, problems, replicated)
     head = gather_decide(ctx.agreement, "restore.layout_free", mine, decide, decision=_Verdict)
     differ = head.differ
@@ -260,8 +263,8 @@ def verify(
             ([split] if split else [])
             + (
                 [
-                    f"the save's own replicas of {unsaved[:8]} already differed (no restore can give them one value: "
-                    "restore an earlier step)"
+                    f"the save's own replicas of {unsaved[:8]} already differed (no restore can "
+                    f"give them one value: restore an earlier step)"
                 ]
                 if unsaved
                 else []
@@ -279,12 +282,14 @@ def verify(
         culprit = (
             "the resharding read is at fault"
             if resharded
-            else "the read on this same layout is at fault (no resharding ran), or the manifest's digests were "
+            else "the read on this same layout is at fault (no resharding ran), or the "
+            "manifest's digests were "
             "edited"
         )
         raise StateMismatchError(
-            f"restore of step {manifest.step} {how}: {' | '.join(parts)}. The bytes now in the model and "
-            "optimizer are not the bytes that were saved: do not train on. Run `ckptguard verify --deep` on "
-            f"{manifest.path.parent}; if the files are intact, {culprit}."
+            f"restore of step {manifest.step} {how}: {' | '.join(parts)}. The bytes "
+            f"now in the model and optimizer are not the bytes that were saved: do not "
+            f"train on. Run `ckptguard verify --deep` on {manifest.path.parent}; if "
+            f"the files are intact, {culprit}."
         )
     return checked

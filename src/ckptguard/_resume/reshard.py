@@ -7,8 +7,8 @@ each save (``manifest.json`` field ``reshard``: item -> ``{"rule": ..., ...}``):
 - ``data_cursor``: a ``ckptguard.DataCursor`` counts the global position, equal on every saving
   rank (checked against the manifest's per-rank digests); each new rank loads it and takes its
   share of the rest of the epoch under the new world size;
-- ``replicated``: an item named in ``CheckpointConfig(reshard=ReshardOptions(replicated=...))`` (a scheduler, a step
-  counter) is equal on every saving rank (checked); each new rank takes it;
+- ``replicated``: an item named in ``CheckpointConfig(reshard=ReshardOptions(replicated=...))`` (a
+  scheduler, a step counter) is equal on every saving rank (checked); each new rank takes it;
 - ``user``: ``PerRank(value, reshard=f)``; ``f(old_values_by_rank, new_world)`` returns the list of
   new values, one per new rank; every new rank runs it and the results must agree (checked);
 - ``rng_rederive``: the four RNG streams of new rank r are seeded from
@@ -63,7 +63,8 @@ def seed_streams(seed: int) -> None:
 
 
 def derived_streams(seed: int, step: int, rank: int) -> StateDict:
-    """The four streams the rule gives ``rank`` (as ``rng.capture()`` would hold them), leaving ours alone."""
+    """The four streams the rule gives ``rank`` (as ``rng.capture()`` would hold them), leaving ours
+    alone."""
     keep = _rng.capture()
     try:
         seed_streams(derived_seed(seed, step, rank))
@@ -85,9 +86,9 @@ def _would_apply(value: Any) -> str:
         )
     what = "object's state_dict()" if kind is _state.ItemKind.STATEFUL else "value"
     return (
-        "CheckpointConfig(reshard=ReshardOptions(replicated=(...))) if it is equal on every rank, a "
-        "ckptguard.DataCursor for a data "
-        f"position, or, if it differs per rank, pass its {what} as PerRank(value, reshard=f)"
+        f"CheckpointConfig(reshard=ReshardOptions(replicated=(...))) if it is equal on every rank, "
+        f"a ckptguard.DataCursor for a data position, or, if it differs per rank, pass its {what} "
+        f"as PerRank(value, reshard=f)"
     )
 
 
@@ -142,7 +143,8 @@ def _rules(
         rule, was = live.get(name), saved.get(name)
         if rule is None:
             problems.append(
-                f"item {name!r} ({manifest.items[name]}) has no rule: declare {_would_apply(state[name])}"
+                f"item {name!r} ({manifest.items[name]}) has no rule: declare "
+                f"{_would_apply(state[name])}"
             )
         elif was is not None and was.get("rule") != rule["rule"]:
             problems.append(
@@ -168,26 +170,28 @@ def _rules(
         else:
             if ctx.config.reshard.rng_seed not in (None, seed):
                 log.warning(
-                    "ckptguard: the RNG streams are re-derived from the seed recorded at save (%d), not "
-                    "from CheckpointConfig(reshard=ReshardOptions(rng_seed=%d))",
+                    "ckptguard: the RNG streams are re-derived from the seed recorded at save "
+                    "(%d), not from CheckpointConfig(reshard=ReshardOptions(rng_seed=%d))",
                     seed,
                     ctx.config.reshard.rng_seed,
                 )
             rules[RNG_ITEM] = {"rule": RNG, "seed": int(seed)}
     if problems:
         raise TopologyMismatchError(
-            f"restore of step {manifest.step} from {manifest.path.parent} onto {ctx.world} ranks (saved on "
-            f"{manifest.world_size}) is refused before anything is loaded: {len(problems)} per-rank item(s) cannot "
-            f"be resharded: {'; '.join(problems)}. Tensor items are resharded by DCP; every other item needs a "
-            "declared rule (ckptguard.DataCursor, CheckpointConfig(reshard=ReshardOptions(replicated=...)), "
-            "PerRank(value, reshard=f), "
-            "CheckpointConfig(reshard=ReshardOptions(rng_seed=...))), or restore on the saved world size."
+            f"restore of step {manifest.step} from {manifest.path.parent} onto {ctx.world} ranks "
+            f"(saved on {manifest.world_size}) is refused before anything is loaded: "
+            f"{len(problems)} per-rank item(s) cannot be resharded: {'; '.join(problems)}. Tensor "
+            f"items are resharded by DCP; every other item needs a declared rule "
+            f"(ckptguard.DataCursor, CheckpointConfig(reshard=ReshardOptions(replicated=...)), "
+            f"PerRank(value, reshard=f), CheckpointConfig(reshard=ReshardOptions(rng_seed=...))), "
+            f"or restore on the saved world size."
         )
     return rules
 
 
 def _check_equal(manifest: _manifest.Manifest, name: str, rule: str) -> str:
-    """The saved digest of an item every saving rank must have saved alike; raise naming the ranks if not."""
+    """The saved digest of an item every saving rank must have saved alike; raise naming the ranks
+    if not."""
     by_digest: dict[str, list[int]] = {}
     for r in range(manifest.world_size):
         by_digest.setdefault(manifest.digests.get(str(r), {}).get(name, ""), []).append(r)
@@ -197,14 +201,15 @@ def _check_equal(manifest: _manifest.Manifest, name: str, rule: str) -> str:
             "a DataCursor counts the global position, so every rank must call take(n) alike"
             if rule == DATA_CURSOR
             else (
-                "it was declared replicated (CheckpointConfig(reshard=ReshardOptions(replicated=...))) but "
-                "differs per rank"
+                "it was declared replicated "
+                "(CheckpointConfig(reshard=ReshardOptions(replicated=...))) but differs per rank"
             )
         )
         raise StateMismatchError(
-            f"restore of step {manifest.step} from {manifest.path.parent}: item {name!r} (rule {rule}) was saved "
-            f"with different values on the saving ranks (alike: {groups}): {what}. Give it a rule that merges "
-            "the per-rank values (PerRank(value, reshard=f)), or restore on the saved world size."
+            f"restore of step {manifest.step} from {manifest.path.parent}: item {name!r} (rule "
+            f"{rule}) was saved with different values on the saving ranks (alike: {groups}): "
+            f"{what}. Give it a rule that merges the per-rank values (PerRank(value, reshard=f)), "
+            f"or restore on the saved world size."
         )
     return next(iter(by_digest))
 
@@ -225,7 +230,8 @@ def prepare(
     extras = dict(base, items=dict(base["items"]), rank=ctx.rank)
     users = [n for n, r in rules.items() if r["rule"] == USER]
     if users:
-        # Every old rank's extras, on every new rank: small files, and only for items with a user rule.
+        # Every old rank's extras, on every new rank: small files, and only for items with a user
+        # rule.
         old = [load(r) for r in range(manifest.world_size)]
         for name in users:
             extras["items"][name] = _run_user_rule(
@@ -251,7 +257,8 @@ def generators(rules: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 
 def _derived_generator(item: Any, seed: int, step: int, rank: int, name: str) -> StateDict:
-    """The state a ``GeneratorState`` item gets: a fresh generator of its device seeded by the rule."""
+    """The state a ``GeneratorState`` item gets: a fresh generator of its device seeded by the
+    rule."""
     gen = torch.Generator(device=item.generator.device).manual_seed(
         derived_seed(seed, step, rank, name)
     )
@@ -280,8 +287,9 @@ def _run_user_rule(
             else type(new).__name__
         )
         raise StateMismatchError(
-            f"{where} returned {got}; it must return a list of {ctx.world} values, one per new rank "
-            f"(it is called as f(old_values_by_rank, new_world) with the {manifest.world_size} saved values)"
+            f"{where} returned {got}; it must return a list of {ctx.world} values, one per new "
+            f"rank (it is called as f(old_values_by_rank, new_world) with the "
+            f"{manifest.world_size} saved values)"
         )
     _state.check_weights_only(list(new), f"the values the reshard rule of item {name!r} returned")
     plan.user_digests[name] = digest(list(new))
@@ -323,8 +331,8 @@ def confirm(ctx: Context, plan: Plan) -> str | None:
         for name in plan.user_digests:
             if len({v.users.get(name) for v in views}) > 1:
                 problems.append(
-                    f"the reshard rule of item {name!r} returned different lists on different ranks: "
-                    "it must be a deterministic function of (old_values_by_rank, new_world)"
+                    f"the reshard rule of item {name!r} returned different lists on different "
+                    f"ranks: it must be a deterministic function of (old_values_by_rank, new_world)"
                 )
         if problems:
             raise StateMismatchError(

@@ -84,8 +84,9 @@ def resolve(
     res: Resolution | None = None
     try:
         res = resolve_local(ctx.root, ctx.naming, mode, path, prefer)
-        # Only for the tracker's step: under prefer="verified" a node resolving an older verified step
-        # holds newer committed steps by design, which are no sign of a save stopped between trackers.
+        # Only for the tracker's step: under prefer="verified" a node resolving an older verified
+        # step holds newer committed steps by design, which are no sign of a save stopped between
+        # trackers.
         latest = path is None and mode is not ResumeMode.NEVER and prefer is _trust.Prefer.LATEST
         newer = _published_newer(ctx, res) if latest else []
         view = ResolveView(res.step, str(res.path) if res.path else None, published=newer)
@@ -101,8 +102,8 @@ def resolve(
         res = Resolution(
             agreed.step,
             ctx.root / ctx.naming.name(agreed.step),
-            f"the other nodes' trackers say {agreed.step}; this node's says {res.step}, and it holds step "
-            f"{agreed.step} published (a save was stopped between the nodes' trackers)",
+            f"the other nodes' trackers say {agreed.step}; this node's says {res.step}, and it "
+            f"holds step {agreed.step} published (a save was stopped between the nodes' trackers)",
             mode,
         )
     if not res.fresh:
@@ -145,7 +146,8 @@ def same_checkpoint(views: list[ResolveView]) -> AgreedStep:
         raise RankDisagreementError(
             "ranks could not all resolve a checkpoint: "
             + "; ".join(f"rank {r}: {e['message']}" for r, e in errors.items())
-            + ". Every rank must see the same root (shared storage, or the same files on each node)."
+            + ". Every rank must see the same root (shared storage, or the "
+            "same files on each node)."
         )
     newest = max(v.step for v in views)
     if all(v.step == newest or newest in v.published for v in views) and any(
@@ -156,7 +158,8 @@ def same_checkpoint(views: list[ResolveView]) -> AgreedStep:
     if len({(v.step, v.path and Path(v.path).name) for v in views}) > 1:
         listing = "; ".join(f"rank {r}: step {v.step} at {v.path}" for r, v in enumerate(views))
         raise RankDisagreementError(
-            f"ranks resolved different checkpoints ({listing}); fix the storage so every rank sees the same tracker"
+            f"ranks resolved different checkpoints ({listing}); fix the storage so every "
+            f"rank sees the same tracker"
         )
     return AgreedStep(newest)
 
@@ -209,7 +212,8 @@ def agree_files(ctx: Context, res: Resolution) -> None:
                 + "; ".join(
                     f"rank {r} (host {v.host}): {', '.join(v.problems)}" for r, v in bad.items()
                 )
-                + ". With node-local checkpoints every rank's node needs its files: copy them there before launch."
+                + ". With node-local checkpoints every rank's node needs its files: copy "
+                "them there before launch."
             )
         return Agreed()
 
@@ -231,27 +235,29 @@ def by_item(ctx: Context, manifest: _manifest.Manifest) -> bool:
 
 
 def check_topology(ctx: Context, manifest: _manifest.Manifest) -> None:
-    """The saved topology against this run's: equal, or a change the reshard rule allows (logged); else raised."""
+    """The saved topology against this run's: equal, or a change the reshard rule allows (logged);
+    else raised."""
     saved = manifest.topology.shape()
     now = ctx.topology()
     if saved == now:
         return
     if saved.get("ep", 1) != now.get("ep", 1):
         raise TopologyMismatchError(
-            f"{manifest.path.parent} was saved with {saved}; this run has {now}. The expert-parallel size changed "
-            f"({saved.get('ep', 1)} -> {now.get('ep', 1)}), which is never resharded: experts are stored per EP "
-            "rank (<key>#ep<r>), and a new EP size would need a rule that regroups the experts of every old EP "
-            "rank onto the new ones, with their optimizer state, and re-derives the expert-parallel RNG. "
-            f"Restore with ep={saved.get('ep', 1)} (the data-parallel size may change under "
-            "ReshardRule.BY_ITEM), or convert the checkpoint offline."
+            f"{manifest.path.parent} was saved with {saved}; this run has {now}. The "
+            f"expert-parallel size changed ({saved.get('ep', 1)} -> {now.get('ep', 1)}), which is "
+            f"never resharded: experts are stored per EP rank (<key>#ep<r>), and a new EP size "
+            f"would need a rule that regroups the experts of every old EP rank onto the new ones, "
+            f"with their optimizer state, and re-derives the expert-parallel RNG. Restore with "
+            f"ep={saved.get('ep', 1)} (the data-parallel size may change under "
+            f"ReshardRule.BY_ITEM), or convert the checkpoint offline."
         )
     if ctx.config.reshard.rule is ReshardRule.REFUSE:
         raise TopologyMismatchError(
             f"{manifest.path.parent} was saved with {saved}; this run has {now}. Restore with the "
-            "same world size and layout, or set "
-            "CheckpointConfig(reshard=ReshardOptions(rule=ReshardRule.BY_ITEM)) to let "
-            "DCP reshard tensor state and every per-rank item follow its declared rule (a DataCursor, "
-            "replicated=..., PerRank(value, reshard=f), rng_seed=...)."
+            f"same world size and layout, or set "
+            f"CheckpointConfig(reshard=ReshardOptions(rule=ReshardRule.BY_ITEM)) to let DCP "
+            f"reshard tensor state and every per-rank item follow its declared rule (a DataCursor, "
+            f"replicated=..., PerRank(value, reshard=f), rng_seed=...)."
         )
     log.warning(
         "ckptguard: resharding %s -> %s: tensors through DCP, per-rank items by their rules",

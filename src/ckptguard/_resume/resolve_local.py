@@ -40,8 +40,9 @@ class Resolution:
     """One sentence: why this step."""
     mode: ResumeMode
     url: str | None = None
-    """Where the step is committed when that is not ``path`` (an object store's marker, ``s3://...``);
-    ``path`` is then the staging directory a restore loads it into (downloaded there first)."""
+    """Where the step is committed when that is not ``path`` (an object store's marker,
+    ``s3://...``); ``path`` is then the staging directory a restore loads it into (downloaded there
+    first)."""
 
     @property
     def fresh(self) -> bool:
@@ -65,8 +66,8 @@ def resolve_local(
 ) -> Resolution:
     """What this rank sees on disk; raises ResumeError rather than guessing.
 
-    ``read_manifest`` reads a step's commit marker (an object with ``step``) or raises: a run
-    of several roles passes its own, which also refuses a step missing a role (``ckptguard.run``)."""
+    ``read_manifest`` reads a step's commit marker (an object with ``step``) or raises: a run of
+    several roles passes its own, which also refuses a step missing a role (``ckptguard.run``)."""
     if path is not None:
         step_dir = Path(path)
         _layout.refuse_link(step_dir, "step directory")  # a link may lead outside every root
@@ -110,14 +111,15 @@ class RootView(Protocol):
         ...
 
     def marker(self, step: int) -> int:
-        """The step ``step``'s commit marker says; raises ``CheckpointError`` where there is none or it is
-        unreadable, ``UnsafeCheckpointError`` where a link or a FIFO stands in its place."""
+        """The step ``step``'s commit marker says; raises ``CheckpointError`` where there is none or
+        it is unreadable, ``UnsafeCheckpointError`` where a link or a FIFO stands in its place."""
         ...
 
 
 def tracker_step(view: RootView, mode: ResumeMode) -> tuple[int, str]:
-    """The step the tracker names, its marker read (0: a fresh start), and why; raises ResumeError rather
-    than guess, for every kind of root alike. ``mode`` is AUTO or MUST (MUST refuses a fresh start)."""
+    """The step the tracker names, its marker read (0: a fresh start), and why; raises ResumeError
+    rather than guess, for every kind of root alike. ``mode`` is AUTO or MUST (MUST refuses a fresh
+    start)."""
     must = mode is ResumeMode.MUST
     if not view.exists():
         if must:
@@ -126,7 +128,8 @@ def tracker_step(view: RootView, mode: ResumeMode) -> tuple[int, str]:
                 "check the path (it is never created by restore)"
             )
         return 0, (
-            f"checkpoint root {view.where} does not exist (it was not created; the first save creates it)"
+            f"checkpoint root {view.where} does not exist (it was not created; "
+            f"the first save creates it)"
         )
     tracker = view.tracker()
     if tracker is None:
@@ -159,8 +162,8 @@ def tracker_step(view: RootView, mode: ResumeMode) -> tuple[int, str]:
     except CheckpointError as exc:
         raise ResumeError(
             f"the tracker in {view.where} points at step {tracker}, but that step is not committed "
-            f"({exc}). ckptguard never moves the tracker before the commit, so the step was changed "
-            f"afterwards. {view.repair}"
+            f"({exc}). ckptguard never moves the tracker before the commit, so the step was "
+            f"changed afterwards. {view.repair}"
         ) from exc
     if committed != tracker:
         raise ResumeError(
@@ -174,8 +177,8 @@ class _DirView:
     """A checkpoint root directory as the resume rule reads it."""
 
     repair = (
-        "Restore the files (deleted, copied partially, a node-local disk?), or restore(path=...) an "
-        "older committed step explicitly."
+        "Restore the files (deleted, copied partially, a node-local disk?), or restore(path=...) "
+        "an older committed step explicitly."
     )
 
     def __init__(self, root: Path, naming: _layout.StepNaming, read: Callable[[Path], Any]) -> None:
@@ -202,7 +205,8 @@ def _prefer_verified(
     res: Resolution,
     read_manifest: Callable[[Path], Any] = _manifest.read,
 ) -> Resolution:
-    """prefer='verified': the newest verified committed step no newer than the tracker (module doc of trust)."""
+    """prefer='verified': the newest verified committed step no newer than the tracker (module doc
+    of trust)."""
     try:
         trust = _trust.read(root)
     except CheckpointCorruptError as exc:
@@ -220,8 +224,8 @@ def _prefer_verified(
             ""
             if step == res.step
             else (
-                f"; the tracker's step {res.step} and the steps between are not verified: resuming here is a "
-                "rollback (saving those steps again needs save(..., overwrite=True))"
+                f"; the tracker's step {res.step} and the steps between are not verified: resuming "
+                f"here is a rollback (saving those steps again needs save(..., overwrite=True))"
             )
         )
         return Resolution(
@@ -233,9 +237,9 @@ def _prefer_verified(
     entry = trust.get(res.step)
     if entry is not None and entry.unhealthy_after is not None:
         raise ResumeError(
-            f"prefer='verified' under {root}: no committed step is verified, and the tracker's step {res.step} was "
-            f"followed by the unhealthy step {entry.unhealthy_after}. Restore an older step with "
-            "restore(path=...), or resume it anyway with prefer='latest'"
+            f"prefer='verified' under {root}: no committed step is verified, and the tracker's "
+            f"step {res.step} was followed by the unhealthy step {entry.unhealthy_after}. Restore "
+            f"an older step with restore(path=...), or resume it anyway with prefer='latest'"
         )
     return Resolution(
         res.step,

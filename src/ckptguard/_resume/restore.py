@@ -99,11 +99,13 @@ def plan_targets(
     problems = []
     if missing := sorted(set(state) - set(manifest.items)):
         problems.append(
-            f"items requested but absent from the checkpoint: {missing} (there is never a silent fresh start for them)"
+            f"items requested but absent from the checkpoint: {missing} (there is never a "
+            f"silent fresh start for them)"
         )
     if unexpected := sorted(set(manifest.items) - set(state)):
         problems.append(
-            f"items in the checkpoint not given to restore: {unexpected} (pass them, or they are lost)"
+            f"items in the checkpoint not given to restore: {unexpected} "
+            f"(pass them, or they are lost)"
         )
     try:
         stepped = frozenset(n for n in manifest.items if _state.tensor_keys(extras["items"][n]))
@@ -140,8 +142,8 @@ def plan_targets(
 class Restored:
     step: int
     format_version: int
-    # per rank (tensor items on the same layout: their skeleton; their tensors are in layout_free_match);
-    # resharded: the extras items against their source rank
+    # per rank (tensor items on the same layout: their skeleton; their tensors are in
+    # layout_free_match); resharded: the extras items against their source rank
     digests_match: dict[str, bool]
     layout_free_match: dict[str, bool] = field(default_factory=dict)  # tensor items, any layout
     source_rank: int = 0  # whose extras (and RNG) this rank took
@@ -185,16 +187,17 @@ def precheck(
 
 
 class Extras(dict[str, Any]):
-    """A rank's extras file as loaded; ``intact``: the bytes loaded had the size and xxh3 the manifest lists
-    for the file (then the skeleton check may compare against it: ``_layout_free_items``)."""
+    """A rank's extras file as loaded; ``intact``: the bytes loaded had the size and xxh3 the
+    manifest lists for the file (then the skeleton check may compare against it:
+    ``_layout_free_items``)."""
 
     intact = False
 
 
 def _listed_bytes(path: Path, entry: FileEntry | None) -> bytes | None:
-    """The file's bytes when the manifest lists it and the sizes agree (read once, bounded by that size: loaded
-    and hashed from memory), else None: a link, another size or an unlisted file is read by torch.load itself,
-    and the full digests judge what it holds."""
+    """The file's bytes when the manifest lists it and the sizes agree (read once, bounded by that
+    size: loaded and hashed from memory), else None: a link, another size or an unlisted file is
+    read by torch.load itself, and the full digests judge what it holds."""
     if entry is None:
         return None
     st = os.lstat(path)
@@ -206,7 +209,8 @@ def _listed_bytes(path: Path, entry: FileEntry | None) -> bytes | None:
 def _load_extras(
     ctx: Context, step_dir: Path | None, manifest: _manifest.Manifest, rank: int
 ) -> Extras:
-    """Rank ``rank``'s extras file of the step, loaded with weights_only and checked against the manifest."""
+    """Rank ``rank``'s extras file of the step, loaded with weights_only and checked against the
+    manifest."""
     assert step_dir is not None
     extras_path = step_dir / _layout.extras_name(rank)
     entry = next((f for f in manifest.files if f.path == _layout.extras_name(rank)), None)
@@ -218,7 +222,8 @@ def _load_extras(
         items = extras.get("items") if isinstance(extras, dict) else None
         items = items if isinstance(items, dict) else {}
         if not set(manifest.items) <= set(items):
-            # Checked here, inside the precheck every rank agrees on: a KeyError later would strand the others.
+            # Checked here, inside the precheck every rank agrees on: a KeyError later would strand
+            # the others.
             raise extras_foreign(
                 extras_path, ctx.rank, sorted(set(manifest.items) - set(items))[:4]
             )
@@ -297,8 +302,8 @@ def _refuse_unlisted(step_dir: Path, manifest: _manifest.Manifest, folders: set[
 
 
 def _read_ahead(ctx: Context, manifest: _manifest.Manifest, into: list[ReadAhead]) -> None:
-    """This rank's data file read ahead while the checks and the plan run (``ReadAhead``); on the saving world
-    size only, where the file a rank wrote is the file it reads first."""
+    """This rank's data file read ahead while the checks and the plan run (``ReadAhead``); on the
+    saving world size only, where the file a rank wrote is the file it reads first."""
     mine = [
         f
         for f in manifest.files
@@ -310,7 +315,8 @@ def _read_ahead(ctx: Context, manifest: _manifest.Manifest, into: list[ReadAhead
         if big and manifest.world_size == ctx.world
         else None
     )
-    # The streaming storage's read threads and page-cache choice (plain DCP's reader keeps the cache).
+    # The streaming storage's read threads and page-cache choice (plain DCP's reader keeps the
+    # cache).
     cfg = ctx.storage.config if isinstance(ctx.storage, StreamingStorage) else None
     if big is not None and path is not None:
         into.append(
@@ -360,8 +366,8 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
         now = _state.read_back(state, targets, ctx.keyfn())
         if manifest.world_size == ctx.world:
             matches = _verify_digests(ctx, now, manifest, extras, on_verified)
-        # Any layout: tensor items through the layout-free digest; resharded: extras against their source
-        # rank, or (BY_ITEM) against what their rule gives.
+        # Any layout: tensor items through the layout-free digest; resharded: extras against their
+        # source rank, or (BY_ITEM) against what their rule gives.
         expected = plan.expected if plan is not None else None
         same = manifest.world_size == ctx.world
         checked = _layoutcheck.verify(
@@ -392,8 +398,8 @@ def restore(ctx: Context, state: StateDict, res: Resolution, on_verified: Any = 
 def _resharded_record(
     ctx: Context, manifest: _manifest.Manifest, plan: _reshard.Plan | None
 ) -> JsonObject | None:
-    """The proof record's ``reshard`` field: old -> new world, the rules, and this rank's RNG streams.
-    Under BY_ITEM the streams are checked distinct across ranks first (collective)."""
+    """The proof record's ``reshard`` field: old -> new world, the rules, and this rank's RNG
+    streams. Under BY_ITEM the streams are checked distinct across ranks first (collective)."""
     # A plan exists whenever the world changed (BY_ITEM).
     if manifest.world_size == ctx.world or plan is None:
         return None
@@ -407,7 +413,8 @@ def _verify_digests(
     extras: StateDict,
     on_verified: Any,
 ) -> dict[str, bool]:
-    """Every item's digest from the live objects (``now``: read back once); all ranks raise if any differs."""
+    """Every item's digest from the live objects (``now``: read back once); all ranks raise if any
+    differs."""
     saved = manifest.digests.get(str(ctx.rank), {})
     problems = []
     matches: dict[str, bool] = {}
@@ -415,9 +422,9 @@ def _verify_digests(
     for name, item in now.items():
         kind = item.kind
         if name in by_layout_free:
-            # Its tensors are compared by the layout-free pass that follows (on the GPU for GPU tensors);
-            # here everything else: the structure, the keys and every non-tensor leaf, against the
-            # extras file whose xxh3 matched the manifest.
+            # Its tensors are compared by the layout-free pass that follows (on the GPU for GPU
+            # tensors); here everything else: the structure, the keys and every non-tensor leaf,
+            # against the extras file whose xxh3 matched the manifest.
             matches[name] = digest(item.skeleton) == digest(extras["items"][name])
             if not matches[name]:
                 problems.append(
@@ -426,7 +433,8 @@ def _verify_digests(
             continue
         structure = not manifest.digest_covers_bytes(name)
         if structure and manifest.layout_free is None:
-            # Its saved digest does not cover the tensor bytes and nothing else recorded does: never a pass.
+            # Its saved digest does not cover the tensor bytes and nothing else recorded does: never
+            # a pass.
             raise structure_only(manifest, name)
         try:
             # structure: the tensor bytes are compared by the layout-free pass that follows
@@ -473,7 +481,8 @@ def _layout_free_items(
     the full xxh3 digest is compared, as before."""
     lf = manifest.layout_free
     if not lf or not getattr(extras, "intact", False):
-        return set()  # the full digests below then say which items differ (the file was hashed as it was loaded)
+        # the full digests below then say which items differ (the file was hashed as it was loaded)
+        return set()
     return {
         name
         for name, item in now.items()

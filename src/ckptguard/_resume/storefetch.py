@@ -1,12 +1,12 @@
-"""The restore side of an object-store root: which step (``resolve``), and that step brought into the
-local staging root (``fetch_step``).
+"""The restore side of an object-store root: which step (``resolve``), and that step brought into
+the local staging root (``fetch_step``).
 
 ``resolve`` follows the resume rule of every root (``resolve_local.tracker_step``): the tracker and
-that step's marker decide; a listing is read only where the tracker is missing or 0, to refuse markers
-that stand without a tracker or to name orphans: tracker 0 or none on a root with no marker is a fresh start
-(refused under ``ResumeMode.MUST``); a tracker whose marker is missing or unreadable, or markers without
-a tracker, raise ``ResumeError`` (ckptguard writes the marker before the tracker and rotation never
-deletes the tracker's step), never a guess.
+that step's marker decide; a listing is read only where the tracker is missing or 0, to refuse
+markers that stand without a tracker or to name orphans: tracker 0 or none on a root with no marker
+is a fresh start (refused under ``ResumeMode.MUST``); a tracker whose marker is missing or
+unreadable, or markers without a tracker, raise ``ResumeError`` (ckptguard writes the marker before
+the tracker and rotation never deletes the tracker's step), never a guess.
 
 Contract: every rank calls ``fetch_step`` with the same step; each host whose staging root does not
 already hold exactly that step (its manifest equal to the marker's) clears its stale copy (manifest
@@ -56,9 +56,9 @@ class Resolved:
 
 
 def resolve(store: ObjectStore, *, must: bool = False) -> Resolved:
-    """The step to restore, decided by the resume rule every root follows (``resolve_local.tracker_step``:
-    the tracker and that step's marker, this process's reads); ``must``: nothing there raises
-    (``ResumeMode.MUST``) instead of a declared fresh start."""
+    """The step to restore, decided by the resume rule every root follows
+    (``resolve_local.tracker_step``: the tracker and that step's marker, this process's reads);
+    ``must``: nothing there raises (``ResumeMode.MUST``) instead of a declared fresh start."""
     view = _StoreView(store)
     step, reason = tracker_step(view, ResumeMode.MUST if must else ResumeMode.AUTO)
     return Resolved(step, view.found if step else None, reason)
@@ -78,15 +78,16 @@ class _StoreView:
         self._tracker = store.tracker()[0]  # read once: the rule asks twice (exists, then tracker)
 
     def exists(self) -> bool:
-        """A root record or a tracker, else any marker (a listing, only when both are gone: markers that
-        stand without them are a damaged root, refused, never a fresh start)."""
+        """A root record or a tracker, else any marker (a listing, only when both are gone: markers
+        that stand without them are a damaged root, refused, never a fresh start)."""
         return self._tracker is not None or self.store.has_root() or bool(self.store.marked_steps())
 
     def tracker(self) -> int | None:
         return self._tracker
 
     def uncommitted(self) -> list[int]:
-        """The steps whose markers stand without a tracker (a listing: only ever to refuse or to say so)."""
+        """The steps whose markers stand without a tracker (a listing: only ever to refuse or to say
+        so)."""
         return self.store.marked_steps()
 
     def marker(self, step: int) -> int:
@@ -110,8 +111,8 @@ class _Have(Wire):
 def fetch_step(
     agreement: Agreement, store: ObjectStore, root: Path, step: int, *, host: str
 ) -> Path:
-    """The committed ``step`` of ``store`` in the staging ``root``: downloaded, each host's ranks a share,
-    unless there already (collective); returns its directory."""
+    """The committed ``step`` of ``store`` in the staging ``root``: downloaded, each host's ranks a
+    share, unless there already (collective); returns its directory."""
     rank = agreement.info.rank
     marker = store.marker(step)
     if marker is None:
@@ -127,8 +128,8 @@ def fetch_step(
     peers = [r for r, v in enumerate(views) if v.host == host]
     if all(v.same for v in views):
         return step_dir
-    # The rounds below are every rank's (the same views everywhere); a host that holds the step already
-    # takes part without downloading anything.
+    # The rounds below are every rank's (the same views everywhere); a host that holds the step
+    # already takes part without downloading anything.
     here = not all(views[r].same for r in peers)
     leader = here and rank == peers[0]
     on_every_rank(agreement, "store.clear", lambda: _clear(step_dir) if leader else None)
@@ -144,13 +145,15 @@ def fetch_step(
 
 
 def _finish(store: ObjectStore, root: Path, marker: Marker, step_dir: Path) -> None:
-    """The chain's contract phases (the staging root continues the store's chain), then the manifest."""
+    """The chain's contract phases (the staging root continues the store's chain), then the
+    manifest."""
     own = {p.name: read_json(p, what="contract phase") for p in _contract.phase_files(root)}
     for name, record in sorted(marker.phases.items()):
         if name in own and own[name] != record:
             raise ContractMismatchError(
-                f"{root}/{CONTRACT_DIR}/{name} differs from the phase step {marker.step} on {store.url} carries: "
-                "the staging root belongs to another run; give this run its own staging directory"
+                f"{root}/{CONTRACT_DIR}/{name} differs from the phase step {marker.step} on "
+                f"{store.url} carries: the staging root belongs to another run; give this run "
+                f"its own staging directory"
             )
         if name not in own:
             (root / CONTRACT_DIR).mkdir(parents=True, exist_ok=True)
@@ -166,7 +169,8 @@ def _same(step_dir: Path, manifest: JsonObject) -> bool:
 
 
 def _clear(step_dir: Path) -> None:
-    """A stale copy of the step in the staging root goes, marker first (it never looks committed half-deleted)."""
+    """A stale copy of the step in the staging root goes, marker first (it never looks committed
+    half-deleted)."""
     manifest = step_dir / MANIFEST_NAME
     if manifest.exists():
         manifest.unlink()

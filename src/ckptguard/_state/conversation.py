@@ -31,7 +31,8 @@ __all__ = [
 
 
 def turn_seed(run_seed: int, rollout: str, turn: int) -> int:
-    """The sampling seed of ``turn`` of ``rollout``: the same in the killed run, a continued one and a restart."""
+    """The sampling seed of ``turn`` of ``rollout``: the same in the killed run, a continued one and
+    a restart."""
     key = f"ckptguard.turn|{int(run_seed)}|{rollout}|{int(turn)}".encode()
     digest = hashlib.blake2b(key, digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
@@ -43,9 +44,9 @@ def tokens_digest(tokens: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class Conversation:
-    """A rollout's conversation at its last completed turn: the prompt's and every turn's tokens (``spans``:
-    per turn, how many came from the model, then from the environments), its attempt (restarts), its
-    turns, and the committed result of every environment call by call id."""
+    """A rollout's conversation at its last completed turn: the prompt's and every turn's tokens
+    (``spans``: per turn, how many came from the model, then from the environments), its attempt
+    (restarts), its turns, and the committed result of every environment call by call id."""
 
     rollout: str
     prompt: int | str
@@ -80,8 +81,8 @@ def conversation_of(r: InFlight) -> Conversation:
 
 @dataclass(frozen=True)
 class Turn:
-    """The handle of one turn in progress: the rollout, its attempt, the turn number (1 = first), the
-    sampling seed of this turn's model call, and the conversation's token ids before it."""
+    """The handle of one turn in progress: the rollout, its attempt, the turn number (1 = first),
+    the sampling seed of this turn's model call, and the conversation's token ids before it."""
 
     rollout: str
     prompt: int | str
@@ -103,8 +104,8 @@ class OpenTurn:
 
 
 def merged_calls(old: list[Call], new: list[Call]) -> list[Call]:
-    """The pending calls ``old`` with an open turn's ``new`` ones, issued without a result (a call id
-    issued again keeps its place among the new ones)."""
+    """The pending calls ``old`` with an open turn's ``new`` ones, issued without a result (a call
+    id issued again keeps its place among the new ones)."""
     ids = {c.call_id for c in new}
     issued = [Call(c.call_id, c.env, c.turn, c.index, c.args_digest) for c in new]
     return [*[c for c in old if c.call_id not in ids], *issued]
@@ -112,8 +113,9 @@ def merged_calls(old: list[Call], new: list[Call]) -> list[Call]:
 
 @dataclass(frozen=True)
 class TurnResumePlan:
-    """What ``resume`` did: rollouts continued at their last turn (id, turn), restarted from their prompt
-    (id, the turns that are redone, the restart-only environment that forced it), and finished ones kept."""
+    """What ``resume`` did: rollouts continued at their last turn (id, turn), restarted from their
+    prompt (id, the turns that are redone, the restart-only environment that forced it), and
+    finished ones kept."""
 
     continued: list[tuple[str, int]]
     restarted: list[tuple[str, int, str]]

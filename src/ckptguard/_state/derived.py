@@ -55,9 +55,10 @@ class DerivedState:
             raise ConfigError(f"derived state {name!r} is not registered; register it before use")
         if self.checks and built_for != self.version:
             raise StaleDerivedStateError(
-                f"derived state {name!r} was built for parameter version {built_for}, but the parameters are at "
-                f"version {self.version} (last change: {self.history[-1][1] if self.history else 'none'}). Its "
-                "invalidation callback did not rebuild it: fix the callback, do not wait a step for it to recover."
+                f"derived state {name!r} was built for parameter version {built_for}, but the "
+                f"parameters are at version {self.version} (last change: "
+                f"{self.history[-1][1] if self.history else 'none'}). Its invalidation callback "
+                f"did not rebuild it: fix the callback, do not wait a step for it to recover."
             )
 
     def mark_updated(self) -> int:

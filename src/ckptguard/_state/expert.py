@@ -1,13 +1,13 @@
 """Expert-parallel state that survives DCP: per-EP-rank keys.
 
-Contract: under expert parallelism, ranks of different EP groups hold different experts
-under the same FQN, and with FSDP inside each EP group even the same chunk offsets. DCP
-stores one chunk per (key, offset), so after a restore one EP group silently holds
-another's experts (measured on torch 2.13, and the EP4 + FSDP2 key rule of expert-parallel checkpoints). Keys
-that match ``patterns`` get the EP rank appended (``<key>#ep<r>``), so every EP group's
-experts (and their optimizer state) are stored and restored separately. The manifest
-records the EP size and each rank's EP rank; restoring with another EP size raises
-TopologyMismatchError (no reshard of experts across EP sizes is implemented).
+Contract: under expert parallelism, ranks of different EP groups hold different experts under the
+same FQN, and with FSDP inside each EP group even the same chunk offsets. DCP stores one chunk per
+(key, offset), so after a restore one EP group silently holds another's experts (measured on torch
+2.13, and the EP4 + FSDP2 key rule of expert-parallel checkpoints). Keys that match ``patterns`` get
+the EP rank appended (``<key>#ep<r>``), so every EP group's experts (and their optimizer state) are
+stored and restored separately. The manifest records the EP size and each rank's EP rank; restoring
+with another EP size raises TopologyMismatchError (no reshard of experts across EP sizes is
+implemented).
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ def restore(saved: StateDict, *, where: str) -> None:
 
 
 class GeneratorState:
-    """A ``torch.Generator`` as a state item: ``state["sampler_gen"] = GeneratorState(sampler.generator)``.
+    """A ``torch.Generator`` as a state item: ``state["sampler_gen"] =
+    GeneratorState(sampler.generator)``.
 
     The four global streams are saved by default; a generator a sampler or a rollout holds
     is not, and a resume then replays the order of its first epoch. This wraps one so that
@@ -97,9 +98,10 @@ class GeneratorState:
             or saved.numel() != now.numel()
         ):
             raise ConfigError(
-                f"GeneratorState: the saved state is of a {sd.get('device')} generator with {saved.numel()} bytes; "
-                f"this one is a {self.generator.device} generator with {now.numel()} bytes. Restore into a "
-                "generator of the same device as the one saved."
+                f"GeneratorState: the saved state is of a {sd.get('device')} generator "
+                f"with {saved.numel()} bytes; this one is a {self.generator.device} "
+                f"generator with {now.numel()} bytes. Restore into a generator of the same "
+                f"device as the one saved."
             )
         # A loaded tensor can be a view into a shared storage with an offset, and set_state on such
         # a view segfaults (torch 2.13): always hand it a fresh contiguous ByteTensor.

@@ -1,4 +1,5 @@
-"""One exact scalar of a step's record (loss, grad_norm, an extra), without importing torch or numpy.
+"""One exact scalar of a step's record (loss, grad_norm, an extra), without importing torch or
+numpy.
 
 A torch tensor or a NumPy value can only exist once its library was imported, so the checks look
 the libraries up in ``sys.modules`` instead of importing them: the trust record (``_records.trust``)
@@ -15,7 +16,8 @@ from typing import Any
 from ..errors import ConfigError
 
 Metrics = dict[str, float | int | bool | str]
-"""A step's produced values by name (loss, grad_norm, the extras), each an exact scalar (``scalar``)."""
+"""A step's produced values by name (loss, grad_norm, the extras), each an exact scalar
+(``scalar``)."""
 
 __all__ = ["scalar"]
 
@@ -28,8 +30,8 @@ def scalar(name: str, value: Any) -> float | int | bool | str:
         count = value.numel() if tensor else value.size
         if count != 1:
             raise ConfigError(
-                f"record_step({name}=...): a {type(value).__name__} of {count} elements is not a scalar; pass "
-                "the tensors the step consumed as batch=..."
+                f"record_step({name}=...): a {type(value).__name__} of {count} elements is not a "
+                f"scalar; pass the tensors the step consumed as batch=..."
             )
         value = value.item()
     elif np is not None and isinstance(value, np.generic):
@@ -41,6 +43,6 @@ def scalar(name: str, value: Any) -> float | int | bool | str:
     if isinstance(value, numbers.Real):
         return float(value)
     raise ConfigError(
-        f"record_step({name}=...): {type(value).__name__} is not a number or string; extras are the "
-        "step's scalar outputs (reward, lr, tokens, ...), compared exactly on replay"
+        f"record_step({name}=...): {type(value).__name__} is not a number or string; extras are "
+        f"the step's scalar outputs (reward, lr, tokens, ...), compared exactly on replay"
     )

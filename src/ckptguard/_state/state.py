@@ -75,11 +75,13 @@ class Captured:
         return digest(_unflatten(self.skeleton, self.tensors))
 
     def structure_digest(self) -> str:
-        """The item's structure digest (what format 3 records for a tensor item): no tensor byte read."""
+        """The item's structure digest (what format 3 records for a tensor item): no tensor byte
+        read."""
         return structure_digest(_unflatten(self.skeleton, self.tensors))
 
     def digest_and_layout_free(self) -> tuple[str, dict[str, list[str]]]:
-        """``digest()`` and the layout-free partials of the item's tensors, reading their bytes once."""
+        """``digest()`` and the layout-free partials of the item's tensors, reading their bytes
+        once."""
         return digest_with_layout_free(
             _unflatten(self.skeleton, self.tensors), self.tensors, self.name
         )
@@ -147,31 +149,35 @@ def _fix_for(obj: Any) -> str:
     if isinstance(obj, data.DataLoader):
         return (
             "a DataLoader keeps no position to save. Put the position in the state instead: a "
-            "ckptguard.DataCursor (cursor = ckptguard.DataCursor(len(dataset), seed=...); DataLoader(dataset, "
-            "batch_size=b, sampler=cursor.sampler(b), generator=torch.Generator()); state['data'] = cursor: the "
-            "loader's own generator keeps its base-seed draw off the global RNG), or torchdata's "
-            "StatefulDataLoader (it has state_dict()/load_state_dict())"
+            "ckptguard.DataCursor (cursor = ckptguard.DataCursor(len(dataset), seed=...); "
+            "DataLoader(dataset, batch_size=b, sampler=cursor.sampler(b), "
+            "generator=torch.Generator()); state['data'] = cursor: the loader's own generator "
+            "keeps its base-seed draw off the global RNG), or torchdata's StatefulDataLoader (it "
+            "has state_dict()/load_state_dict())"
         )
     if isinstance(obj, torch.Generator):
         return "put ckptguard.GeneratorState(generator) in the state (its state as a tensor)"
     if type(obj).__name__.endswith("DataLoaderIter") or hasattr(obj, "__next__"):
         return (
-            "an iterator's position cannot be saved; save what produces it (a ckptguard.DataCursor, a sampler "
-            "with state_dict(), torchdata's StatefulDataLoader) and rebuild the iterator after restore()"
+            "an iterator's position cannot be saved; save what produces it (a "
+            "ckptguard.DataCursor, a sampler with state_dict(), torchdata's StatefulDataLoader) "
+            "and rebuild the iterator after restore()"
         )
     return "convert it to tensors and plain Python types (int, float, str, list, dict) in its state_dict()"
 
 
 def check_items(state: Mapping[str, Any], where: str) -> None:
-    """Refuse, before anything is loaded or trained, an item that a save could not write (``capture``'s
-    checks): a run must not train until its first save to learn that its state cannot be checkpointed."""
+    """Refuse, before anything is loaded or trained, an item that a save could not write
+    (``capture``'s checks): a run must not train until its first save to learn that its state cannot
+    be checkpointed."""
     for name, value in state.items():
         check_name(name)
         kind = classify(value)
         if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.STATEFUL):
-            # torch's state dicts of modules and optimizers hold tensors and plain values only; a stateful
-            # object's state_dict() is not called before its load (a StatefulDataLoader would start its
-            # workers and draw its seeds there), so its content is checked at the save
+            # torch's state dicts of modules and optimizers hold tensors and plain values only; a
+            # stateful object's state_dict() is not called before its load (a StatefulDataLoader
+            # would start its workers and draw its seeds there), so its content is checked at the
+            # save
             continue
         check_weights_only(
             current_state(name, value, kind, state), f"{where}: state item {name!r} ({kind.value})"
@@ -251,8 +257,9 @@ def _model_for(optim: torch.optim.Optimizer, state: Mapping[str, Any], name: str
 def current_state(
     name: str, value: Any, kind: ItemKind, state: Mapping[str, Any], *, loaded: bool = False
 ) -> Any:
-    """The item's state dict as it is now (tensors are live references where possible). ``loaded``: read
-    right after a load, to check it; the global RNG streams are then left as the load put them."""
+    """The item's state dict as it is now (tensors are live references where possible). ``loaded``:
+    read right after a load, to check it; the global RNG streams are then left as the load put
+    them."""
     if kind is ItemKind.MODULE:
         return get_model_state_dict(value)
     if kind is ItemKind.OPTIMIZER:  # never stepped to be read (read_optimizer)
@@ -265,22 +272,25 @@ def current_state(
 
 
 def read_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> StateDict:
-    """``optim``'s state dict by FQN, as DCP's ``get_optimizer_state_dict`` gives it, without changing ``optim``.
+    """``optim``'s state dict by FQN, as DCP's ``get_optimizer_state_dict`` gives it, without
+    changing ``optim``.
 
-    DCP initialises an optimizer that has no state yet by running ``step()`` with zero gradients and lr 0
-    (``_init_optim_state``): Adam's ``step`` would become 1 before the first real step, so every later update
-    would use a bias correction off by one and the run would diverge bitwise from the same run without
-    ckptguard. An optimizer that never stepped has no moments to save: its param groups and an empty state.
-    (A restore loads into DCP's own read, ``restore_targets``: the loaded state replaces what it set.)"""
+    DCP initialises an optimizer that has no state yet by running ``step()`` with zero gradients and
+    lr 0 (``_init_optim_state``): Adam's ``step`` would become 1 before the first real step, so
+    every later update would use a bias correction off by one and the run would diverge bitwise from
+    the same run without ckptguard. An optimizer that never stepped has no moments to save: its
+    param groups and an empty state. (A restore loads into DCP's own read, ``restore_targets``: the
+    loaded state replaces what it set.)"""
     if optim.state:  # DCP initialises only an optimizer whose state is empty
         return get_optimizer_state_dict(model, optim)
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        # FSDP1 renames flat parameters inside its own optim_state_dict; only DCP's path knows how, and that
-        # path steps the optimizer first.
+        # FSDP1 renames flat parameters inside its own optim_state_dict; only DCP's path knows how,
+        # and that path steps the optimizer first.
         raise ConfigError(
-            f"optimizer {name!r} has never stepped and its model is wrapped in FSDP1 (FullyShardedDataParallel): "
-            "its state can only be read by stepping it, which would change the training. Save after the first "
-            "optimizer step, or shard the model with FSDP2 (fully_shard)"
+            f"optimizer {name!r} has never stepped and its model is wrapped in FSDP1 "
+            f"(FullyShardedDataParallel): its state can only be read by stepping it, which "
+            f"would change the training. Save after the first optimizer step, or shard the "
+            f"model with FSDP2 (fully_shard)"
         )
     osd = optim.state_dict()  # param indices mapped to FQNs, as DCP maps them
     index = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
@@ -294,11 +304,12 @@ def read_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, name: s
 
 
 def _rng_untouched(read: Callable[[], Any]) -> Any:
-    """``read()`` with the four global RNG streams put back after it. torchdata's StatefulDataLoader builds
-    an iterator in ``state_dict()`` when it has none, and that draws from torch's global RNG: right after a
-    restore (the digest check) the draw would shift every dropout mask of the resumed run. Only there: before
-    the first iteration of a fresh run the loop's ``iter()`` reuses that iterator, so a save's (or a staging
-    plan's) ``state_dict()`` must draw what the loop's ``iter()`` would have drawn."""
+    """``read()`` with the four global RNG streams put back after it. torchdata's StatefulDataLoader
+    builds an iterator in ``state_dict()`` when it has none, and that draws from torch's global RNG:
+    right after a restore (the digest check) the draw would shift every dropout mask of the resumed
+    run. Only there: before the first iteration of a fresh run the loop's ``iter()`` reuses that
+    iterator, so a save's (or a staging plan's) ``state_dict()`` must draw what the loop's
+    ``iter()`` would have drawn."""
     streams = _rng.capture()
     try:
         return read()
@@ -347,20 +358,23 @@ _TENSOR_ITEMS = (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS)
 
 
 def digest_kind(kind: str) -> str:
-    """What the per-rank digest of an item of kind ``kind`` (an ItemKind value) covers, from format 3 on."""
+    """What the per-rank digest of an item of kind ``kind`` (an ItemKind value) covers, from format
+    3 on."""
     return DIGEST_STRUCTURE if kind in {k.value for k in _TENSOR_ITEMS} else DIGEST_BYTES
 
 
 Target = tuple[ItemKind, Any, dict[str, torch.Tensor]]
-"""What a restore loads one item into: its kind, its current state dict, and the flat tensors DCP fills."""
+"""What a restore loads one item into: its kind, its current state dict, and the flat tensors DCP
+fills."""
 Targets = dict[str, Target]
 
 
 def restore_targets(
     state: Mapping[str, Any], keyfn: KeyFn = _same, stepped: frozenset[str] = frozenset()
 ) -> Targets:
-    """For each item: its kind, its current state dict, and the flat tensors DCP fills. ``stepped``: the
-    optimizer items whose saved state holds tensors (DCP's load target initialises them; the load replaces it)."""
+    """For each item: its kind, its current state dict, and the flat tensors DCP fills. ``stepped``:
+    the optimizer items whose saved state holds tensors (DCP's load target initialises them; the
+    load replaces it)."""
     targets = {}
     for name, value in state.items():
         kind = classify(value)
@@ -380,9 +394,10 @@ def restore_targets(
 def read_back(
     state: Mapping[str, Any], targets: Targets, keyfn: KeyFn = _same
 ) -> dict[str, Captured]:
-    """Every restored item read once from the live objects after the load, as ``capture`` takes it: the checks
-    after a restore (digests, layout-free sums, replicas) all compare this one read. A stateful item's read leaves
-    the RNG streams as the load put them (``current_state(loaded=True)``)."""
+    """Every restored item read once from the live objects after the load, as ``capture`` takes it:
+    the checks after a restore (digests, layout-free sums, replicas) all compare this one read. A
+    stateful item's read leaves the RNG streams as the load put them
+    (``current_state(loaded=True)``)."""
     out = {}
     for name, (kind, _sd, _flat) in targets.items():
         sd = current_state(name, state[name], kind, state, loaded=True)
@@ -456,10 +471,11 @@ def _merge_into(target: Any, rebuilt: Any, where: str) -> None:
 
 
 def check_restored(item: Captured, saved: str, *, structure: bool = False) -> None:
-    """Raise if the item, read back from the live object (``read_back``), differs from what was saved.
+    """Raise if the item, read back from the live object (``read_back``), differs from what was
+    saved.
 
-    ``structure``: the saved digest is a structure digest (format 3 tensor items; their bytes are the
-    layout-free pass's to compare)."""
+    ``structure``: the saved digest is a structure digest (format 3 tensor items; their bytes are
+    the layout-free pass's to compare)."""
     name, kind = item.name, item.kind
     now = item.structure_digest() if structure else item.digest()
     if now != saved:

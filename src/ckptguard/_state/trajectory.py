@@ -23,7 +23,8 @@ from .._types import JsonObject
 from .rng import capture as _capture_rng
 from .scalars import Metrics, scalar
 
-_HEAD = 16  # ids kept per step (prove shows 4): a shift within a step (a lost micro-batch) is seen in them
+# ids kept per step (prove shows 4): a shift within a step (a lost micro-batch) is seen in them
+_HEAD = 16
 
 
 def _ids_array(ids: Any) -> np.ndarray | None:
@@ -103,7 +104,8 @@ NUMERIC_FIELDS = ("loss", "grad_norm")
 
 
 def step_metrics(fields: Mapping[str, Any]) -> Metrics:
-    """The health evidence of a step record's fields (``fingerprint``): its extras, its loss and grad_norm."""
+    """The health evidence of a step record's fields (``fingerprint``): its extras, its loss and
+    grad_norm."""
     return {**fields.get("extra", {}), **{k: fields[k] for k in NUMERIC_FIELDS if k in fields}}
 
 

@@ -1,4 +1,5 @@
-"""The checks a TurnLedger (``ckptguard.turns``) fails closed on, each naming the rollout and the turn.
+"""The checks a TurnLedger (``ckptguard.turns``) fails closed on, each naming the rollout and the
+turn.
 
 A state a load refuses (another version, a rollout both finished and in flight, another run seed), a
 handle of an older attempt or of before a restore (``check_handle``), a call re-issued with other
@@ -30,13 +31,14 @@ STATE_VERSION = 1
 
 
 def json_text(fn: Callable[[Any], str], value: Any, what: str) -> str:
-    """``fn(value)`` for a JSON value; a value that is not one is a ConfigError naming ``what`` (it is saved)."""
+    """``fn(value)`` for a JSON value; a value that is not one is a ConfigError naming ``what`` (it
+    is saved)."""
     try:
         out: str = fn(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(
-            f"{what} must be JSON values (str, int, float, bool, None, lists, dicts): they are saved "
-            f"in the checkpoint ({exc})"
+            f"{what} must be JSON values (str, int, float, bool, None, lists, dicts): they are "
+            f"saved in the checkpoint ({exc})"
         ) from None
     return out
 
@@ -70,34 +72,39 @@ def checked_state(state: StateDict, run_seed: int) -> tuple[list[InFlight], list
 def check_handle(
     turn: Turn, r: InFlight | None, o: OpenTurn | None, generation: int, what: str
 ) -> OpenTurn:
-    """The open turn ``o`` of this handle (``r``: its rollout in flight, ``generation``: the ledger's
-    now); a handle of an older attempt or of before a restore fails closed."""
+    """The open turn ``o`` of this handle (``r``: its rollout in flight, ``generation``: the
+    ledger's now); a handle of an older attempt or of before a restore fails closed."""
     if r is None or o is None or o.turn != turn or turn.generation != generation:
         now = "not in flight" if r is None else f"at attempt {r.attempt}, turn {r.turn} committed"
         raise StateMismatchError(
-            f"{what}: stale attempt: rollout {turn.rollout!r}, turn {turn.turn} (attempt {turn.attempt}) is not "
-            f"the turn in progress (the rollout is {now}; a restore or a newer next_turn superseded it): drop "
-            "the work of this handle, ask next_turn for the turn to run"
+            f"{what}: stale attempt: rollout {turn.rollout!r}, turn {turn.turn} (attempt "
+            f"{turn.attempt}) is not the turn in progress (the rollout is {now}; a restore "
+            f"or a newer next_turn superseded it): drop the work of this handle, ask "
+            f"next_turn for the turn to run"
         )
     return o
 
 
 def check_reissue(r: InFlight, call: Call) -> None:
-    """A call of the turn in progress at the save, issued again: with the arguments it was first issued with."""
+    """A call of the turn in progress at the save, issued again: with the arguments it was first
+    issued with."""
     first = next((c for c in r.pending if c.call_id == call.call_id), None)
     if first is not None and first.args_digest != call.args_digest:
         raise StateMismatchError(
-            f"rollout {r.rollout!r}, turn {call.turn}: call id {call.call_id!r} was issued before the restore "
-            f"with other arguments (digest {first.args_digest}, now {call.args_digest}): the turn did not "
-            "replay; its sampling must be seeded per rollout and turn (Turn.seed)"
+            f"rollout {r.rollout!r}, turn {call.turn}: call id {call.call_id!r} was issued before "
+            f"the restore with other arguments (digest {first.args_digest}, now "
+            f"{call.args_digest}): the turn did not replay; its sampling must be seeded per "
+            f"rollout and turn (Turn.seed)"
         )
 
 
 def check_revision(r: InFlight, env: str, turn: int, want: int, got: int, ok: bool) -> None:
-    """An environment's resource of ``r`` at revision ``got`` where the committed turns left ``want``."""
+    """An environment's resource of ``r`` at revision ``got`` where the committed turns left
+    ``want``."""
     if not ok:
         raise StateMismatchError(
-            f"rollout {r.rollout!r}, turn {turn}: environment {env!r} holds revision {got} of the rollout's "
-            f"resource, the checkpoint committed revision {want}: continuing would build on other state than "
-            "the committed turns saw; restore the environment's data of this checkpoint (or start over)"
+            f"rollout {r.rollout!r}, turn {turn}: environment {env!r} holds revision {got} of the "
+            f"rollout's resource, the checkpoint committed revision {want}: continuing would build "
+            f"on other state than the committed turns saw; restore the environment's data of this "
+            f"checkpoint (or start over)"
         )

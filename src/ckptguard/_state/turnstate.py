@@ -1,10 +1,11 @@
-"""The saved form of a TurnLedger's rollouts: plain lists, dicts and bytes, so ``weights_only`` loads read them.
+"""The saved form of a TurnLedger's rollouts: plain lists, dicts and bytes, so ``weights_only``
+loads read them.
 
-Token ids are saved as base64 text of little-endian int32s: a pickled list of ints loads at about 5 us
-per token through ``torch.load(weights_only=True)``'s unpickler (180 ms for one 33k-token rollout,
-measured), a str at memory speed (``bytes`` would pickle, at torch.save's protocol 2, as latin-1 text
-that grows by half). Not a tensor: a tensor in a state item would be saved as replicated DCP state,
-merged across ranks, and each rank's rollouts are its own.
+Token ids are saved as base64 text of little-endian int32s: a pickled list of ints loads at about 5
+us per token through ``torch.load(weights_only=True)``'s unpickler (180 ms for one 33k-token
+rollout, measured), a str at memory speed (``bytes`` would pickle, at torch.save's protocol 2, as
+latin-1 text that grows by half). Not a tensor: a tensor in a state item would be saved as
+replicated DCP state, merged across ranks, and each rank's rollouts are its own.
 """
 
 from __future__ import annotations

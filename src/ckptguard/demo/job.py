@@ -1,12 +1,12 @@
 """The embedded main job: a tiny RL loop that is killed mid-save, resumes, and is proven.
 
-The loop has the shape of LLM RL post-training, on the CPU: a small transformer policy
-(FSDP2 over gloo ranks), a rollout engine that receives exported weights quantized to
-FP8 with a per-tensor scale cache, a toy reward and a policy-gradient update with Adam
-and a scheduler. The scale cache is the derived state: as in the derived-state chain of docs/practices.md (5) it
-is built at start-up from the initial weights, before the restore. With the fix (the
-default) the restore invalidates it through ``DerivedState``; with ``--no-derived-fix``
-it does not, and the first step after the restore mismatches.
+The loop has the shape of LLM RL post-training, on the CPU: a small transformer policy (FSDP2 over
+gloo ranks), a rollout engine that receives exported weights quantized to FP8 with a per-tensor
+scale cache, a toy reward and a policy-gradient update with Adam and a scheduler. The scale cache is
+the derived state: as in the derived-state chain of docs/practices.md (5) it is built at start-up
+from the initial weights, before the restore. With the fix (the default) the restore invalidates it
+through ``DerivedState``; with ``--no-derived-fix`` it does not, and the first step after the
+restore mismatches.
 
 ``run_demo`` launches the job with torchrun, kills it mid-save with SIGKILL, relaunches
 it with ResumeMode.AUTO, and evaluates the proof gates (``ckptguard.ops.prove``).
@@ -204,7 +204,8 @@ def build_trainer(*, rank: int, world: int) -> Trainer:
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
     registry = DerivedState()
     trainer = Trainer(model, optim, sched, registry, ScaleCache(registry), RolloutEngine(), world)
-    trainer.export()  # DS4's order: the scale cache is built from the initial weights, before restore
+    # DS4's order: the scale cache is built from the initial weights, before restore
+    trainer.export()
     torch.manual_seed(1000 + rank)
     return trainer
 
@@ -238,7 +239,8 @@ def worker(
     logging.getLogger("ckptguard").setLevel(logging.WARNING if rank else logging.INFO)
     say = logging.getLogger("ckptguard.demo").info
     trainer = build_trainer(rank=rank, world=world)
-    # An RL job whose resume is bitwise on the CPU: the RL gates apply and replayed steps must match exactly.
+    # An RL job whose resume is bitwise on the CPU: the RL gates apply and replayed steps must match
+    # exactly.
     plan = ProofPlan(rl=True, deterministic=True)
     cfg = CheckpointConfig(
         retention=retention.KeepLast(2), state=StateOptions(restore_rng=restore_rng), proof=plan
@@ -257,7 +259,8 @@ def worker(
         reward = float((tokens[:, 1:] == TARGET_TOKEN).float().mean())
         mgr.record_step(step, batch=prompts, loss=loss, grad_norm=norm, reward=reward)
         say(
-            f"step {step:>2}: reward {reward:.3f}  grad_norm {norm:.4f}  probs_diff {diff['probs_diff']:.3g}"
+            f"step {step:>2}: reward {reward:.3f}  grad_norm {norm:.4f}  probs_diff "
+            f"{diff['probs_diff']:.3g}"
         )
         if step % save_every == 0:
             if step == kill_at:
@@ -362,8 +365,9 @@ def prepare_workdir(workdir: str | Path) -> Path:
     if base.exists() and any(base.iterdir()):
         if not (base / WORKDIR_MARKER).is_file():
             raise ConfigError(
-                f"demo --workdir {base}: the directory is not empty and was not created by `ckptguard demo` "
-                f"(no {WORKDIR_MARKER} in it); the demo wipes its working directory, so give it a new or empty one"
+                f"demo --workdir {base}: the directory is not empty and was not created by "
+                f"`ckptguard demo` (no {WORKDIR_MARKER} in it); the demo wipes its working "
+                f"directory, so give it a new or empty one"
             )
         shutil.rmtree(base)
     base.mkdir(parents=True, exist_ok=True)
@@ -400,12 +404,13 @@ def run_demo(
     }
     fsdp = " (FSDP2 over gloo)" if world > 1 else ""
     echo(
-        f"[1/3] RL job on {world} CPU rank(s){fsdp}: FP8 rollout export, saves every {save_every} steps; "
-        f"the save of step {kill_at} is SIGKILLed mid-write"
+        f"[1/3] RL job on {world} CPU rank(s){fsdp}: FP8 rollout export, saves every {save_every} "
+        f"steps; the save of step {kill_at} is SIGKILLed mid-write"
     )
     code, output = _launch(kill_at=kill_at, **common)
     echo(
-        f"      the job died ({describe_exit(code, output)}); the tracker still points at the last committed step"
+        f"      the job died ({describe_exit(code, output)}); the tracker still points "
+        f"at the last committed step"
     )
     fix = (
         "restore invalidates the FP8 scale cache"

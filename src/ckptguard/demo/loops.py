@@ -63,7 +63,8 @@ class Cursor:
 
 
 class RandomSampler:
-    """Ids drawn from torch's global RNG (which ckptguard saves and restores), as nanoGPT's get_batch."""
+    """Ids drawn from torch's global RNG (which ckptguard saves and restores), as nanoGPT's
+    get_batch."""
 
     def next(self) -> torch.Tensor:
         return torch.randint(0, SAMPLES, (BATCH,))
@@ -76,7 +77,8 @@ class RandomSampler:
 
 
 class ShuffleSampler:
-    """Each epoch a permutation drawn from ``self.generator``; the state holds everything but the generator."""
+    """Each epoch a permutation drawn from ``self.generator``; the state holds everything but the
+    generator."""
 
     def __init__(self, rank: int, world: int, seed: int = 0) -> None:
         self.rank, self.world = rank, world
@@ -132,7 +134,8 @@ def _rollout_loss(
         for _ in range(SEQ - prompts.shape[1]):
             probs = torch.softmax(model(tokens)[:, -1], dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=gen)], dim=1)
-    # A reward that varies across samples: a zero advantage would make the update zero (docs/practices.md, 6.4).
+    # A reward that varies across samples: a zero advantage would make the update zero
+    # (docs/practices.md, 6.4).
     reward = tokens[:, prompts.shape[1] :].float().mean(dim=1) / VOCAB
     logp = (
         torch.log_softmax(model(tokens[:, :-1]), dim=-1)
@@ -161,9 +164,9 @@ def run(
     stop_after: int | None = None,
     sleep_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One segment: restore (AUTO), train to ``steps`` with a step record each, save every ``save_every``.
-    ``stop_after`` at or below the restored step ends the segment right after the restore (a relaunch
-    killed before its first step)."""
+    """One segment: restore (AUTO), train to ``steps`` with a step record each, save every
+    ``save_every``. ``stop_after`` at or below the restored step ends the segment right after the
+    restore (a relaunch killed before its first step)."""
     import ckptguard as cg
 
     if prefetch not in ("none", "lost", "saved", "before_restore") or sampler not in (

@@ -18,9 +18,9 @@ the package to install.
   own loader plus what HF does not save (the sampler's generator, RNG streams).
 - ``ckptguard.integrations.openrlhf``: the same for ``DeepspeedStrategy.save_ckpt``/``load_ckpt``
   and the ``--ckpt.*`` flags.
-- ``ckptguard.integrations.megatron``: Megatron-core's ``dist_checkpointing`` save of a model and its
-  ``DistributedOptimizer`` committed inside the atomic step, its files checked without unrestricted
-  unpickling, every shard compared with its saved xxh3 after Megatron's own load.
+- ``ckptguard.integrations.megatron``: Megatron-core's ``dist_checkpointing`` save of a model and
+  its ``DistributedOptimizer`` committed inside the atomic step, its files checked without
+  unrestricted unpickling, every shard compared with its saved xxh3 after Megatron's own load.
 """
 
 from __future__ import annotations

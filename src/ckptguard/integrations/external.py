@@ -42,8 +42,8 @@ class ExternalFiles:
     """A ``Storage`` that adds the files of named writers to the step being committed."""
 
     foreground_only = True
-    """Its writers are a framework's own (collective) save: a blocking budget never moves it to a background
-    commit (``OverBudget.BACKGROUND`` acts as ``WARN``)."""
+    """Its writers are a framework's own (collective) save: a blocking budget never moves it to a
+    background commit (``OverBudget.BACKGROUND`` acts as ``WARN``)."""
 
     def __init__(
         self, inner: Storage, writers: Mapping[str, Writer], *, barrier_timeout_s: float = 600.0
@@ -56,8 +56,8 @@ class ExternalFiles:
                 or name in ("state", "manifest.json")
             ):
                 raise ConfigError(
-                    f"ExternalFiles: writer name {name!r} must be a plain directory name other than "
-                    "'state' (e.g. 'actor', 'critic')"
+                    f"ExternalFiles: writer name {name!r} must be a plain directory name other "
+                    f"than 'state' (e.g. 'actor', 'critic')"
                 )
         self.inner = inner
         self.writers = dict(writers)

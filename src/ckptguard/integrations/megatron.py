@@ -1,4 +1,5 @@
-"""Megatron-core: ``dist_checkpointing`` saves committed atomically by ckptguard, checked before every load.
+"""Megatron-core: ``dist_checkpointing`` saves committed atomically by ckptguard, checked before
+every load.
 
 Contract: ``MegatronCheckpoint(root, model, optimizer)`` saves a Megatron-core model (one module or
 a list of model chunks) and its optimizer (``DistributedOptimizer`` included) through Megatron's own
@@ -23,17 +24,19 @@ megatron-core 0.16.1. What ckptguard adds:
   reader will unpickle were just read through the allow-list) and Megatron's own
   ``dist_checkpointing.load``; each shard's xxh3 after the load must equal the saved one, or the
   restore raises ``StateMismatchError`` naming the keys (the proof's digest gate records it).
-- Megatron-core 0.16's writer needs CUDA (``filesystem_async.py`` calls ``torch.cuda.synchronize()``,
-  ``state_dict_saver.py`` ``torch.cuda.current_device()``): on a machine without it the save fails on
-  every rank with an error naming the CUDA call Megatron made; nothing is committed.
+- Megatron-core 0.16's writer needs CUDA (``filesystem_async.py`` calls
+  ``torch.cuda.synchronize()``, ``state_dict_saver.py`` ``torch.cuda.current_device()``): on a
+  machine without it the save fails on every rank with an error naming the CUDA call Megatron made;
+  nothing is committed.
 - ``save_async``: Megatron's own async save (``async_sharded_save=True``, its writer process) into
-  ``ROOT/.megatron-async-NNNNNNN/``; ``finalize()`` at each step boundary runs Megatron's finalization
-  (collectives of the training's group: in the caller's thread) once every rank's write is done, and
-  only then ckptguard's commit starts in the background: the folder moved into the in-flight step,
-  ``check_files``, the manifest, the rename, the tracker. A kill before that leaves the previous step.
-- not covered: Megatron's persistent async worker (``AsyncCallsQueue(persistent=True)``); ``ckpt_format``
-  other than ``torch_dist``; a resume with another TP/PP/DP layout (Megatron reshards its files, but the
-  per-shard digests are then refused as a changed layout).
+  ``ROOT/.megatron-async-NNNNNNN/``; ``finalize()`` at each step boundary runs Megatron's
+  finalization (collectives of the training's group: in the caller's thread) once every rank's write
+  is done, and only then ckptguard's commit starts in the background: the folder moved into the
+  in-flight step, ``check_files``, the manifest, the rename, the tracker. A kill before that leaves
+  the previous step.
+- not covered: Megatron's persistent async worker (``AsyncCallsQueue(persistent=True)``);
+  ``ckpt_format`` other than ``torch_dist``; a resume with another TP/PP/DP layout (Megatron
+  reshards its files, but the per-shard digests are then refused as a changed layout).
 
 Layout of a committed step (``DIR_TEMPLATE``: Megatron-LM's ``iter_0000100``)::
 
@@ -109,12 +112,14 @@ METADATA_EXTRA = frozenset(
     ("torch.distributed.checkpoint.planner", n)
     for n in ("SavePlan", "WriteItem", "TensorWriteData")
 )
-"""What Megatron's ``.metadata`` names beyond plain DCP's: every rank's save plan (``Metadata.all_local_plans``,
-for its cached-plan reuse); torch's own dataclasses, allowed by exact name."""
+"""What Megatron's ``.metadata`` names beyond plain DCP's: every rank's save plan
+(``Metadata.all_local_plans``, for its cached-plan reuse); torch's own dataclasses, allowed by exact
+name."""
 _FORMAT = 2
-"""The ``megatron`` item's format: 2 adds ``object_leaves`` (each ShardedObject's leaves by path, what names the
-value that differs after a load). Format 1 is read too: during its restore the item answers in format 1, so
-the restore's digest check compares like with like; the next save writes format 2."""
+"""The ``megatron`` item's format: 2 adds ``object_leaves`` (each ShardedObject's leaves by path,
+what names the value that differs after a load). Format 1 is read too: during its restore the item
+answers in format 1, so the restore's digest check compares like with like; the next save writes
+format 2."""
 _FORMATS = (1, 2)
 
 
@@ -172,13 +177,14 @@ def _plain_file(path: Path, what: str) -> os.stat_result:
         st = path.lstat()
     except FileNotFoundError:
         raise CheckpointIncompleteError(
-            f"{path} ({what}) is missing: Megatron's save of this step never finished (it writes {CONFIG_FILE} "
-            "last); resume from an earlier committed step"
+            f"{path} ({what}) is missing: Megatron's save of this step never finished (it writes "
+            f"{CONFIG_FILE} last); resume from an earlier committed step"
         ) from None
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeCheckpointError(
-            f"{path} ({what}) is not a plain file (a link, a FIFO or a directory): Megatron writes plain files, "
-            "so it was put there by something else; do not load this step, restore an earlier one"
+            f"{path} ({what}) is not a plain file (a link, a FIFO or a directory): Megatron "
+            f"writes plain files, so it was put there by something else; do not load this "
+            f"step, restore an earlier one"
         )
     return st
 
@@ -199,8 +205,8 @@ def _check_config(path: Path) -> str:
     for key, want in _BACKENDS.items():
         if cfg.get(key) != want:
             raise CheckpointCorruptError(
-                f"{path}: {key} is {cfg.get(key)!r}; ckptguard checks Megatron's {want!r} format only "
-                f"(megatron-core 0.16's default): save with dist_ckpt_format='torch_dist'"
+                f"{path}: {key} is {cfg.get(key)!r}; ckptguard checks Megatron's {want!r} format "
+                f"only (megatron-core 0.16's default): save with dist_ckpt_format='torch_dist'"
             )
     return str(cfg["sharded_backend"])
 
@@ -209,8 +215,9 @@ def _check_data_file(path: Path, need: int) -> None:
     size = _plain_file(path, "a Megatron data file named in .metadata").st_size
     if size < need:
         raise CheckpointIncompleteError(
-            f"{path} has {size} bytes but DCP's {DCP_METADATA} names byte ranges up to {need}: the file is torn "
-            "(a save killed while writing it, or a truncated copy); resume from an earlier committed step"
+            f"{path} has {size} bytes but DCP's {DCP_METADATA} names byte ranges up to {need}: "
+            f"the file is torn (a save killed while writing it, or a truncated copy); resume "
+            f"from an earlier committed step"
         )
 
 
@@ -230,9 +237,9 @@ def _check_common(path: Path) -> Mapping[Any, Any]:
                 text.splitlines()[0],
             )
             raise UnsafeCheckpointError(
-                f"{path} names a class outside torch's safe-load allow-list ({first.strip()}): it could run code if "
-                "unpickled, so ckptguard will not read it, and Megatron would be handed it only after this check; "
-                "do not load this step, restore an earlier one"
+                f"{path} names a class outside torch's safe-load allow-list ({first.strip()}): it "
+                f"could run code if unpickled, so ckptguard will not read it, and Megatron would "
+                f"be handed it only after this check; do not load this step, restore an earlier one"
             ) from None
         raise CheckpointCorruptError(
             f"{path} is not a readable torch file: {type(exc).__name__}: {exc}"
@@ -248,7 +255,8 @@ def _check_common(path: Path) -> Mapping[Any, Any]:
 
 
 def cuda_call(exc: BaseException) -> str | None:
-    """``file:line: source`` of the line in Megatron's code that called CUDA in ``exc``'s traceback, if any.
+    """``file:line: source`` of the line in Megatron's code that called CUDA in ``exc``'s traceback,
+    if any.
 
     Megatron-core 0.16's writer calls CUDA unconditionally (``torch.cuda.synchronize()``,
     ``torch.cuda.current_device()``); on a machine without a GPU that line is what to report."""
@@ -269,8 +277,9 @@ def _explain(exc: BaseException, what: str) -> BaseException:
         return exc
     return ConfigError(
         f"Megatron's dist_checkpointing.{what} cannot run without CUDA: {call} raised "
-        f"{type(exc).__name__}: {exc}. Megatron-core's torch_dist writer needs a GPU on every rank; run the "
-        "save on GPU ranks, or save this state through ckptguard's own path (CheckpointManager) on the CPU"
+        f"{type(exc).__name__}: {exc}. Megatron-core's torch_dist writer needs a GPU on every "
+        f"rank; run the save on GPU ranks, or save this state through ckptguard's own path "
+        f"(CheckpointManager) on the CPU"
     )
 
 
@@ -278,9 +287,9 @@ def _explain(exc: BaseException, what: str) -> BaseException:
 
 
 def _unwrap(chunk: Any) -> Any:
-    """The model under Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``), as Megatron-LM's
-    ``unwrap_model``: a wrapper's default ``sharded_state_dict`` prefixes every key with ``module.``, which the
-    wrapped model's ``load_state_dict`` then refuses."""
+    """The model under Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``), as
+    Megatron-LM's ``unwrap_model``: a wrapper's default ``sharded_state_dict`` prefixes every key
+    with ``module.``, which the wrapped model's ``load_state_dict`` then refuses."""
     _megatron()  # a ConfigError naming the package when it is missing
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
@@ -296,8 +305,9 @@ def _chunks(model: Any) -> list[Any]:
     for i, chunk in enumerate(chunks):
         if not callable(getattr(chunk, "sharded_state_dict", None)):
             raise ConfigError(
-                f"model chunk {i} is a {type(chunk).__name__}, which has no sharded_state_dict(): pass Megatron-core "
-                "modules (GPTModel, or its DistributedDataParallel wrapper), one or a list of model chunks"
+                f"model chunk {i} is a {type(chunk).__name__}, which has no sharded_state_dict(): "
+                f"pass Megatron-core modules (GPTModel, or its DistributedDataParallel wrapper), "
+                f"one or a list of model chunks"
             )
     return chunks
 
@@ -312,26 +322,29 @@ def _shard_name(sh: Any) -> str:
 class MegatronState:
     """The Megatron part of a step, as a ckptguard ``Stateful`` item (``ITEM``).
 
-    ``state_dict()`` is what ckptguard keeps in the extras: the CUDA RNG tracker's states and the xxh3
-    of every local shard of ``sharded_state_dict()``. ``load_state_dict`` loads Megatron's files from
-    ``load_from`` (set by ``MegatronCheckpoint.restore``) into the model and optimizer, sets the
-    tracker's states, and raises if a shard differs from the save. ``metadata`` goes to Megatron's
-    ``sharded_state_dict(metadata=...)`` (e.g. ``{"distrib_optim_sharding_type": "dp_reshardable"}``)."""
+    ``state_dict()`` is what ckptguard keeps in the extras: the CUDA RNG tracker's states and the
+    xxh3 of every local shard of ``sharded_state_dict()``. ``load_state_dict`` loads Megatron's
+    files from ``load_from`` (set by ``MegatronCheckpoint.restore``) into the model and optimizer,
+    sets the tracker's states, and raises if a shard differs from the save. ``metadata`` goes to
+    Megatron's ``sharded_state_dict(metadata=...)`` (e.g. ``{"distrib_optim_sharding_type":
+    "dp_reshardable"}``)."""
 
     def __init__(
         self, model: Any, optimizer: Any = None, *, metadata: dict[str, Any] | None = None
     ) -> None:
         self.chunks = _chunks(model)
         self.optimizer = optimizer
-        # megatron-core 0.16 refuses its own default (fully_sharded_model_space: "flattened_range is not
-        # supported"); dp_reshardable is Megatron-LM's default: fully parallel, reshardable in DP only.
+        # megatron-core 0.16 refuses its own default (fully_sharded_model_space: "flattened_range is
+        # not supported"); dp_reshardable is Megatron-LM's default: fully parallel, reshardable in
+        # DP only.
         self.metadata = {"distrib_optim_sharding_type": "dp_reshardable", **(metadata or {})}
         self.load_from: Path | None = None
         self._loaded = False  # set by load_state_dict during a restore
         self._format = _FORMAT  # the restored step's, once one is restored
 
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict[str, Any]:
-        """Megatron-LM's layout: ``model`` (``model0``, ``model1``, ... for several chunks), ``optimizer``."""
+        """Megatron-LM's layout: ``model`` (``model0``, ``model1``, ... for several chunks),
+        ``optimizer``."""
         sd: dict[str, Any] = {}
         if len(self.chunks) == 1:
             sd["model"] = self.chunks[0].sharded_state_dict(metadata=self.metadata)
@@ -347,13 +360,14 @@ class MegatronState:
         return sd
 
     def shard_digests(self) -> dict[str, str]:
-        """xxh3 of every local piece Megatron saves: ``key@offset[range]`` -> digest; the non-sharded
-        values (optimizer hyperparameters) under ``(common)``."""
+        """xxh3 of every local piece Megatron saves: ``key@offset[range]`` -> digest; the
+        non-sharded values (optimizer hyperparameters) under ``(common)``."""
         return self._fingerprint()[0]
 
     def _fingerprint(self) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-        """``shard_digests()`` and, for each non-tensor ``ShardedObject`` (the ``DistributedOptimizer``'s
-        param_groups, the step), its leaves by path: what names the value that differs after a load."""
+        """``shard_digests()`` and, for each non-tensor ``ShardedObject`` (the
+        ``DistributedOptimizer``'s param_groups, the step), its leaves by path: what names the value
+        that differs after a load."""
         from megatron.core.dist_checkpointing.mapping import (
             LocalNonpersistentObject,
             ShardedBase,
@@ -386,8 +400,9 @@ class MegatronState:
 
     def state_dict(self) -> dict[str, Any]:
         if self.load_from is not None and not self._loaded:
-            # ckptguard reads the item's structure before loading it: a fresh DistributedOptimizer has no
-            # state to build a sharded state dict from yet (Megatron asserts), and none is needed for it.
+            # ckptguard reads the item's structure before loading it: a fresh DistributedOptimizer
+            # has no state to build a sharded state dict from yet (Megatron asserts), and none is
+            # needed for it.
             return {"format": _FORMAT, "loading": str(self.load_from)}
         tracker = _tracker()
         states = (
@@ -401,13 +416,14 @@ class MegatronState:
         directory = self.load_from
         if directory is None:
             raise ConfigError(
-                f"the {ITEM!r} item loads Megatron's files of the step being restored: restore it through "
-                "MegatronCheckpoint.restore, not CheckpointManager.restore"
+                f"the {ITEM!r} item loads Megatron's files of the step being restored: restore it "
+                f"through MegatronCheckpoint.restore, not CheckpointManager.restore"
             )
         if saved.get("format") not in _FORMATS:
             raise CheckpointCorruptError(
-                f"{directory.parent}: the {ITEM!r} item has format {saved.get('format')!r}, this ckptguard reads "
-                f"{', '.join(map(str, _FORMATS))}: restore with the ckptguard version that saved it"
+                f"{directory.parent}: the {ITEM!r} item has format {saved.get('format')!r}, "
+                f"this ckptguard reads {', '.join(map(str, _FORMATS))}: restore with the "
+                f"ckptguard version that saved it"
             )
         self._format = int(saved["format"])
         check_files(
@@ -438,10 +454,11 @@ class MegatronState:
         )
 
     def _init_fresh_optimizer(self) -> None:
-        """A DistributedOptimizer that never stepped has no state: megatron-core 0.16's torch fallback (no Apex,
-        no Transformer Engine) then asserts in ``state_dict()`` (``assert len(steps) == 1``) while building the
-        loading sharded state dict. Megatron's own dummy-state initialization (what it runs before an
-        ``fsdp_dtensor`` load) gives it state, which the load then overwrites; the shard digests check that."""
+        """A DistributedOptimizer that never stepped has no state: megatron-core 0.16's torch
+        fallback (no Apex, no Transformer Engine) then asserts in ``state_dict()`` (``assert
+        len(steps) == 1``) while building the loading sharded state dict. Megatron's own dummy-state
+        initialization (what it runs before an ``fsdp_dtensor`` load) gives it state, which the load
+        then overwrites; the shard digests check that."""
         chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
         for opt in chained:
             inner = getattr(opt, "optimizer", None)
@@ -450,13 +467,14 @@ class MegatronState:
                 init()
 
     def _restore_adam_steps(self, loaded: Any, directory: Path) -> None:
-        """Put back the Adam step that megatron-core 0.16's torch fallback (no Apex, no Transformer Engine)
-        loses in a ``dp_reshardable`` load: ``load_state_dict`` sets every parameter's ``step`` to one tensor
-        holding the saved step (from the param_groups), then ``_set_main_param_and_optimizer_states``
-        copies the loading template's ``step`` (the fresh optimizer's, 1) into that shared tensor. Seen on
-        the H200: saved 5.0, after the load 1.0 in every parameter, so the bias correction would restart and,
-        the tensor being shared, advance once per parameter per step. Each parameter gets a tensor of its
-        own holding the saved step (as an optimizer that stepped has); the shard digests then check it."""
+        """Put back the Adam step that megatron-core 0.16's torch fallback (no Apex, no Transformer
+        Engine) loses in a ``dp_reshardable`` load: ``load_state_dict`` sets every parameter's
+        ``step`` to one tensor holding the saved step (from the param_groups), then
+        ``_set_main_param_and_optimizer_states`` copies the loading template's ``step`` (the fresh
+        optimizer's, 1) into that shared tensor. Seen on the H200: saved 5.0, after the load 1.0 in
+        every parameter, so the bias correction would restart and, the tensor being shared, advance
+        once per parameter per step. Each parameter gets a tensor of its own holding the saved step
+        (as an optimizer that stepped has); the shard digests then check it."""
         chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
         parts = [loaded] if len(chained) == 1 else [v for _, v in sorted(loaded.items())]
         for i, (opt, part) in enumerate(zip(chained, parts, strict=True)):
@@ -487,9 +505,9 @@ class MegatronState:
                         float(step), dtype=st["step"].dtype, device=st["step"].device
                     )
             log.warning(
-                "%s: Megatron's load left Adam's step at %s in %d of %d parameters of optimizer %d (saved "
-                "%s%s); ckptguard set each parameter's step to the saved one (megatron-core 0.16's torch "
-                "fallback)",
+                "%s: Megatron's load left Adam's step at %s in %d of %d parameters of "
+                "optimizer %d (saved %s%s); ckptguard set each parameter's step to the saved "
+                "one (megatron-core 0.16's torch fallback)",
                 directory,
                 found or float(step),
                 len(wrong),
@@ -525,20 +543,23 @@ class MegatronState:
                 f"{k} saved xxh3 {saved[k]}, now {now[k]}" for k in changed if k not in saved_leaves
             ][:3]
             raise StateMismatchError(
-                f"Megatron's load of {directory} did not reproduce the saved shards ({'; '.join(parts)})"
+                f"Megatron's load of {directory} did not reproduce the saved "
+                f"shards ({'; '.join(parts)})"
                 + (f"; {'; '.join(where)}" if where else "")
-                + ": build the model and optimizer with the saving run's configuration and parallel layout, then "
+                + ": build the model and optimizer with the saving run's configuration "
+                "and parallel layout, then "
                 "restore again"
             )
 
 
 _LEAF_REPR = 64
-"""A leaf whose repr is this short (a learning rate, a step count) is kept as its repr, else as a digest."""
+"""A leaf whose repr is this short (a learning rate, a step count) is kept as its repr, else as a
+digest."""
 
 
 def object_leaves(obj: Any, path: str = "") -> dict[str, str]:
-    """Every leaf of a nested structure by path (``param_groups.0.lr``): ``type:repr`` for a short leaf,
-    ``type|digest`` otherwise (a tensor: its dtype and shape with the digest)."""
+    """Every leaf of a nested structure by path (``param_groups.0.lr``): ``type:repr`` for a short
+    leaf, ``type|digest`` otherwise (a tensor: its dtype and shape with the digest)."""
     if isinstance(obj, Mapping):
         out: dict[str, str] = {}
         for key in sorted(obj, key=repr):
@@ -573,7 +594,8 @@ def leaf_differences(saved: Mapping[str, str], now: Mapping[str, str]) -> list[s
 
 
 _ASYNC_PREFIX = ".megatron-async-"
-"""Megatron's async writes go to ``ROOT/.megatron-async-NNNNNNN/`` until ckptguard moves them into the step."""
+"""Megatron's async writes go to ``ROOT/.megatron-async-NNNNNNN/`` until ckptguard moves them into
+the step."""
 
 
 @dataclass
@@ -627,7 +649,8 @@ class MegatronCheckpoint:
         self.last_files: MegatronFiles | None = None
         """What ``check_files`` found in the last save's Megatron directory."""
         self.last_write_seconds = 0.0
-        """Seconds the last save spent in Megatron's own ``dist_checkpointing.save`` (the rest is ckptguard's)."""
+        """Seconds the last save spent in Megatron's own ``dist_checkpointing.save`` (the rest is
+        ckptguard's)."""
         self._queue: Any = None  # Megatron's AsyncCallsQueue, made at the first save_async
         self._inflight: _AsyncWrite | None = (
             None  # a save_async whose Megatron write is not finalized yet
@@ -642,8 +665,9 @@ class MegatronCheckpoint:
             None  # the host copies of Megatron's async write in flight (see _keeping_staged)
         )
         storage = ExternalFiles(StreamingStorage(), {SUBDIR: self._write})
-        # ExternalFiles is foreground-only: a blocking budget never sends Megatron's collective writer to a
-        # background commit (BACKGROUND acts as WARN; MegatronCheckpoint.save_async is the background path).
+        # ExternalFiles is foreground-only: a blocking budget never sends Megatron's collective
+        # writer to a background commit (BACKGROUND acts as WARN; MegatronCheckpoint.save_async is
+        # the background path).
         config = config or CheckpointConfig(storage=StorageOptions(dir_template=DIR_TEMPLATE))
         self._parts = (
             Parts()
@@ -662,15 +686,17 @@ class MegatronCheckpoint:
         return items
 
     def _write(self, directory: Path) -> Any:
-        """``ExternalFiles`` writer: Megatron's own save into ``<tmp step>/megatron/``, then its files checked;
-        for a ``save_async``, Megatron's finished files are moved in instead (rank 0, once every rank is here)."""
+        """``ExternalFiles`` writer: Megatron's own save into ``<tmp step>/megatron/``, then its
+        files checked; for a ``save_async``, Megatron's finished files are moved in instead (rank 0,
+        once every rank is here)."""
         staged = self._staged_dir
         if staged is not None:
             return lambda: self._move_in(staged, directory)
         if not self._saving:
             raise ConfigError(
-                f"{directory}: Megatron's synchronous save runs collectives of the training's process group and "
-                "cannot run in a background commit: use MegatronCheckpoint.save_async, not manager.save_async"
+                f"{directory}: Megatron's synchronous save runs collectives of the training's "
+                f"process group and cannot run in a background commit: use "
+                f"MegatronCheckpoint.save_async, not manager.save_async"
             )
         dcp = _megatron()
         started = time.perf_counter()
@@ -688,12 +714,13 @@ class MegatronCheckpoint:
             # from None: the commit reports the innermost cause, and this message already names it
             raise explained from None
         self.last_write_seconds = time.perf_counter() - started
-        # Megatron's save ends with a barrier after rank 0 wrote metadata.json: every rank's files are complete.
+        # Megatron's save ends with a barrier after rank 0 wrote metadata.json: every rank's files
+        # are complete.
         self.last_files = check_files(directory)
 
     def save(self, step: int, state: Mapping[str, Any] | None = None, **health: Any) -> Path | None:
-        """Commit step ``step`` (Megatron's files and ``state``) on every rank, or raise on every rank.
-        ``health``: ``CheckpointManager.save``'s ``healthy``/``loss``/``grad_norm``."""
+        """Commit step ``step`` (Megatron's files and ``state``) on every rank, or raise on every
+        rank. ``health``: ``CheckpointManager.save``'s ``healthy``/``loss``/``grad_norm``."""
         self.wait()  # a save_async in flight: finalized and committed first
         self._saving = True
         try:
@@ -702,20 +729,22 @@ class MegatronCheckpoint:
             self._saving = False
 
     def _move_in(self, staged: Path, directory: Path) -> None:
-        """Rank 0, after every rank's writer: Megatron's finalized async files become ``<tmp step>/megatron/``."""
+        """Rank 0, after every rank's writer: Megatron's finalized async files become ``<tmp
+        step>/megatron/``."""
         directory.rmdir()  # made empty by ExternalFiles
         os.rename(staged, directory)
         self.last_files = check_files(directory)
 
     def save_async(self, step: int, state: Mapping[str, Any] | None = None, **health: Any) -> bool:
-        """Start step ``step``: Megatron's own async save (``async_sharded_save=True``: the tensors are staged
-        to the host before it returns, its writer process writes them) into a staging folder under the root,
-        and ckptguard's capture of ``state`` and the ``megatron`` item now. Collective, in the training
-        thread. The step is committed only after Megatron's write finished on every rank: call ``finalize()``
-        at each step boundary (as Megatron-LM's ``maybe_finalize_async_save``; Megatron's finalization runs
-        collectives of the training's group, so it runs in the caller's thread), then ckptguard checks the
-        files and publishes in the background. A save_async while an earlier one is not finalized finalizes
-        it first (blocking). False: the step is unhealthy and nothing was started. ``wait()`` joins all."""
+        """Start step ``step``: Megatron's own async save (``async_sharded_save=True``: the tensors
+        are staged to the host before it returns, its writer process writes them) into a staging
+        folder under the root, and ckptguard's capture of ``state`` and the ``megatron`` item now.
+        Collective, in the training thread. The step is committed only after Megatron's write
+        finished on every rank: call ``finalize()`` at each step boundary (as Megatron-LM's
+        ``maybe_finalize_async_save``; Megatron's finalization runs collectives of the training's
+        group, so it runs in the caller's thread), then ckptguard checks the files and publishes in
+        the background. A save_async while an earlier one is not finalized finalizes it first
+        (blocking). False: the step is unhealthy and nothing was started. ``wait()`` joins all."""
         self.wait()  # an earlier save_async: finalized and committed first
         dcp = _megatron()
         from megatron.core.dist_checkpointing.strategies.async_utils import (
@@ -761,8 +790,9 @@ class MegatronCheckpoint:
         return True
 
     def _make_staging(self, staging: Path, step: int) -> None:
-        """Rank 0 makes Megatron's async folder (a killed run's are removed first); every rank hears whether it
-        could (a broadcast, collective), so a failure raises on every rank instead of stranding them."""
+        """Rank 0 makes Megatron's async folder (a killed run's are removed first); every rank hears
+        whether it could (a broadcast, collective), so a failure raises on every rank instead of
+        stranding them."""
         problem: list[str | None] = [None]
         if _rank() == 0:
             try:
@@ -777,19 +807,20 @@ class MegatronCheckpoint:
             torch.distributed.broadcast_object_list(problem, src=0)
         if problem[0] is not None:
             raise CheckpointWriteError(
-                f"step {step}: rank 0 cannot make Megatron's async folder {staging} ({problem[0]}); nothing was "
-                "written and the tracker did not move: free space or fix permissions under the root, then save "
-                "again",
+                f"step {step}: rank 0 cannot make Megatron's async folder {staging} "
+                f"({problem[0]}); nothing was written and the tracker did not move: free space or "
+                f"fix permissions under the root, then save again",
                 step=step,
                 failures=[],
             )
 
     def _keeping_staged(self, request: Any) -> Any:
-        """Megatron's request with its host copies kept alive here until ``finalize``. Megatron 0.16 stages the
-        tensors into pinned host memory, forks its writer and drops its own references (``Process.start``
-        deletes the args): the pinned blocks go back to torch's caching host allocator, whose next pinned
-        allocation in this process (a data loader's, a digest's) overwrites what the writer has not written
-        yet. Seen on the H200: step 5's file held step 6's position embeddings (refused by the shard gate)."""
+        """Megatron's request with its host copies kept alive here until ``finalize``. Megatron 0.16
+        stages the tensors into pinned host memory, forks its writer and drops its own references
+        (``Process.start`` deletes the args): the pinned blocks go back to torch's caching host
+        allocator, whose next pinned allocation in this process (a data loader's, a digest's)
+        overwrites what the writer has not written yet. Seen on the H200: step 5's file held step
+        6's position embeddings (refused by the shard gate)."""
         preload = getattr(request, "preload_fn", None)
         if preload is None:
             return request
@@ -802,9 +833,10 @@ class MegatronCheckpoint:
         return request._replace(preload_fn=preload_and_keep)
 
     def finalize(self, *, blocking: bool = False) -> PendingSave | None:
-        """Collective, at a step boundary: finalize Megatron's async write if it is done on every rank (or wait
-        for it: ``blocking``), then start ckptguard's commit of its step in the background (its
-        ``PendingSave``); None while the write still runs. Megatron's writer error is raised on every rank."""
+        """Collective, at a step boundary: finalize Megatron's async write if it is done on every
+        rank (or wait for it: ``blocking``), then start ckptguard's commit of its step in the
+        background (its ``PendingSave``); None while the write still runs. Megatron's writer error
+        is raised on every rank."""
         inflight = self._inflight
         if inflight is None or self._queue is None:
             return None
@@ -827,7 +859,8 @@ class MegatronCheckpoint:
         return self._parts.commits.start(inflight.step, inflight.prepared, inflight.resumed)
 
     def wait(self) -> Path | None:
-        """Finalize a Megatron async write in flight and wait for its commit; the committed step directory."""
+        """Finalize a Megatron async write in flight and wait for its commit; the committed step
+        directory."""
         if self._inflight is not None:
             self.finalize(blocking=True)
         try:
@@ -842,8 +875,9 @@ class MegatronCheckpoint:
         mode: ResumeMode = ResumeMode.AUTO,
         path: str | os.PathLike[str] | None = None,
     ) -> int:
-        """Load the resolved step into the model, optimizer and ``state``; return its step (0: fresh).
-        ``state``'s plain values are replaced in the mapping, as ``CheckpointManager.restore`` does."""
+        """Load the resolved step into the model, optimizer and ``state``; return its step (0:
+        fresh). ``state``'s plain values are replaced in the mapping, as
+        ``CheckpointManager.restore`` does."""
         items = self._items(state)
         res = self.manager.resolve(mode=mode, path=path)
         if res.fresh:
@@ -853,7 +887,8 @@ class MegatronCheckpoint:
         try:
             step = self.manager.restore(items, mode=mode, path=path)
         finally:
-            # the restore compared the item in the restored step's format; saves write the current one
+            # the restore compared the item in the restored step's format; saves write the current
+            # one
             self.megatron.load_from, self.megatron._loaded, self.megatron._format = (
                 None,
                 False,
@@ -863,8 +898,9 @@ class MegatronCheckpoint:
             step != res.step
         ):  # cannot happen under the write lease; the shard comparison would fail first
             raise ResumeError(
-                f"{self.manager.root}: resolve chose step {res.step} but restore loaded step {step}; another "
-                "process changed the root while this one restored: stop it, then restore again"
+                f"{self.manager.root}: resolve chose step {res.step} but restore loaded "
+                f"step {step}; another process changed the root while this one restored: "
+                f"stop it, then restore again"
             )
         if state is not None:
             for name in state:

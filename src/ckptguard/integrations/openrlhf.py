@@ -53,8 +53,8 @@ def step_of(tag: str) -> tuple[int, bool]:
     m = _TAG.match(tag or "")
     if m is None or int(m["step"]) < 1:
         raise ConfigError(
-            f"save_ckpt(tag={tag!r}): ckptguard needs OpenRLHF's tag 'global_step{{N}}' (or 'best_global_step{{N}}') "
-            "with N >= 1, the step it commits"
+            f"save_ckpt(tag={tag!r}): ckptguard needs OpenRLHF's tag 'global_step{{N}}' (or "
+            f"'best_global_step{{N}}') with N >= 1, the step it commits"
         )
     return int(m["step"]), bool(m["best"])
 

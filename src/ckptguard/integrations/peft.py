@@ -1,32 +1,34 @@
-"""LoRA/PEFT checkpoints: the adapter and its optimizer state only, bound to the base model they belong to.
+"""LoRA/PEFT checkpoints: the adapter and its optimizer state only, bound to the base model they
+belong to.
 
 Contract: ``LoraCheckpoint(manager, model, optim, base_dir=...)`` saves, as one ckptguard step, the
 trainable parameters of a ``peft`` model (``AdapterModule``: a module item holding exactly those
 parameters, so DCP, the layout-free digests and the optimizer's FQNs see nothing else), their
 optimizer's state, and ``LoraBinding``: the base model's identity and the adapter config.
 
-The base identity is what ``base_dir`` (the base model's Hugging Face folder) holds: each weights file's
-size and xxh3 and each base tensor's layout-free digest. It is computed once per set of file contents and
-cached in ``<root>/lora_base_cache.json``, keyed by each file's path, size, mtime and inode (a file is
-hashed again only when one of those changes) and, for the tensor digests, by the files' xxh3.
+The base identity is what ``base_dir`` (the base model's Hugging Face folder) holds: each weights
+file's size and xxh3 and each base tensor's layout-free digest. It is computed once per set of file
+contents and cached in ``<root>/lora_base_cache.json``, keyed by each file's path, size, mtime and
+inode (a file is hashed again only when one of those changes) and, for the tensor digests, by the
+files' xxh3.
 
 ``restore`` refuses, before any tensor is read, a base whose files differ from the saved identity
-(naming the files), an adapter config that differs (naming the fields), and after the restore a model
-whose in-memory base weights differ from the base files' (naming the tensors: a base with an adapter
-already merged into it, the "merged twice" failure, is refused here). ``ckptguard export --merged``
-writes base + adapter merged once (``ckptguard.ops.merge``).
+(naming the files), an adapter config that differs (naming the fields), and after the restore a
+model whose in-memory base weights differ from the base files' (naming the tensors: a base with an
+adapter already merged into it, the "merged twice" failure, is refused here). ``ckptguard export
+--merged`` writes base + adapter merged once (``ckptguard.ops.merge``).
 
-For a rollout engine (``integrations.vllm.push_weights``): ``merged_state(model)`` is the base model's
-state with every LoRA-targeted weight replaced by ``W + delta`` computed out of place by peft's own
-``get_delta_weight`` (bitwise what ``merge_adapter`` would put there; the model is left unmerged), and
-refused on a model whose adapter is merged already (merging it again would add the delta twice) or, with
-a ``LoraBinding``, whose in-memory base differs from the base files (a merge whose flag was lost).
-``merge_count(...)`` measures, independently of peft's computation, how many times the adapter's delta
-is in a weight: ``(W_e - W) x`` against ``scaling * B (A x)`` in float64 for a random probe ``x``.
-``adapter_probe(payload, adapter)`` samples a few fixed entries of each targeted weight's base, delta and
-exported value into an export record (``mgr.record_export(step, payload, adapter=adapter_probe(payload,
-model))``), so ``prove`` can name a first
-export after a restore that holds ``base + k x delta`` (k = 2: merged twice) against the saving run's base.
+For a rollout engine (``integrations.vllm.push_weights``): ``merged_state(model)`` is the base
+model's state with every LoRA-targeted weight replaced by ``W + delta`` computed out of place by
+peft's own ``get_delta_weight`` (bitwise what ``merge_adapter`` would put there; the model is left
+unmerged), and refused on a model whose adapter is merged already (merging it again would add the
+delta twice) or, with a ``LoraBinding``, whose in-memory base differs from the base files (a merge
+whose flag was lost). ``merge_count(...)`` measures, independently of peft's computation, how many
+times the adapter's delta is in a weight: ``(W_e - W) x`` against ``scaling * B (A x)`` in float64
+for a random probe ``x``. ``adapter_probe(payload, adapter)`` samples a few fixed entries of each
+targeted weight's base, delta and exported value into an export record (``mgr.record_export(step,
+payload, adapter=adapter_probe(payload, model))``), so ``prove`` can name a first export after a
+restore that holds ``base + k x delta`` (k = 2: merged twice) against the saving run's base.
 
 Pinned and checked: peft 0.21.2 (plain LoRA on Linear layers; DoRA, rank/alpha patterns and LoRA
 biases are refused by the merge). The in-memory base check covers plain (non-DTensor) base weights.
@@ -85,7 +87,8 @@ class AdapterModule(torch.nn.Module):
             if param.requires_grad:
                 if _SEP in name:
                     raise ConfigError(
-                        f"parameter {name!r} has a {_SEP!r} in its name; AdapterModule uses it for '.'"
+                        f"parameter {name!r} has a {_SEP!r} in its name; "
+                        f"AdapterModule uses it for '.'"
                     )
                 self.register_parameter(name.replace(".", _SEP), param)
         if not list(self.parameters()):
@@ -93,7 +96,8 @@ class AdapterModule(torch.nn.Module):
 
 
 def original_name(key: str) -> str:
-    """An AdapterModule parameter's name (or its DCP key without the item) as the PEFT model names it."""
+    """An AdapterModule parameter's name (or its DCP key without the item) as the PEFT model names
+    it."""
     return key.replace(_SEP, ".")
 
 
@@ -123,7 +127,8 @@ def adapter_config(model: Any, adapter: str = "default") -> dict[str, Any]:
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, Mapping) or adapter not in configs:
         raise ConfigError(
-            f"the model is not a peft model with an adapter {adapter!r} (no peft_config[{adapter!r}])"
+            f"the model is not a peft model with an adapter {adapter!r} (no "
+            f"peft_config[{adapter!r}])"
         )
     plain = _plain(configs[adapter].to_dict())
     assert isinstance(plain, dict)
@@ -159,7 +164,8 @@ def _cache(cache_dir: Path | None) -> tuple[Path | None, dict[str, Any]]:
 
 
 def base_identity(base_dir: Path, *, cache_dir: Path | None = None) -> dict[str, Any]:
-    """``{"dir", "files": {name: [size, xxh3]}, "tensors": {name: layout-free digest}}`` of a base model folder."""
+    """``{"dir", "files": {name: [size, xxh3]}, "tensors": {name: layout-free digest}}`` of a base
+    model folder."""
     identity, cache = _identity_and_cache(base_dir, cache_dir)
     write_cache(cache_dir, cache)
     return identity
@@ -245,7 +251,8 @@ class LoraBinding:
         return self._identity
 
     def write_cache(self) -> None:
-        """Keep the identity for the next process (a first save computed it before the root existed)."""
+        """Keep the identity for the next process (a first save computed it before the root
+        existed)."""
         if (
             self._cache
             and self.cache_dir is not None
@@ -261,7 +268,8 @@ class LoraBinding:
         }
 
     def problems(self, saved: Mapping[str, Any]) -> list[str]:
-        """What differs between a saved binding and this model, its base folder and adapter config."""
+        """What differs between a saved binding and this model, its base folder and adapter
+        config."""
         now = self.state_dict()
         found = _differences(
             saved.get("adapter_config", {}), now["adapter_config"], "adapter config field"
@@ -284,7 +292,8 @@ class LoraBinding:
             raise _refusal(problems, self.base_dir, saved)
 
     def live_problems(self) -> list[str]:
-        """Frozen base weights in memory that differ from the base files' (a base merged in place)."""
+        """Frozen base weights in memory that differ from the base files' (a base merged in
+        place)."""
         expected = self.identity()["tensors"]
         bad = []
         for name, param in self.model.named_parameters():
@@ -299,10 +308,10 @@ class LoraBinding:
 def _refusal(problems: list[str], base_dir: Path, saved: Mapping[str, Any]) -> StateMismatchError:
     where = saved.get("base", {}).get("dir", "?")
     return StateMismatchError(
-        f"the LoRA checkpoint does not belong to this model: {'; '.join(problems[:8])}"
-        f"{' ...' if len(problems) > 8 else ''}. It was saved on the base at {where}, with the adapter config "
-        f"recorded in it; this run has the base at {base_dir}. Load the same base and adapter config (or start "
-        "a new run for the new ones)"
+        f"the LoRA checkpoint does not belong to this model: "
+        f"{'; '.join(problems[:8])}{' ...' if len(problems) > 8 else ''}. It was saved on the base "
+        f"at {where}, with the adapter config recorded in it; this run has the base at {base_dir}. "
+        f"Load the same base and adapter config (or start a new run for the new ones)"
     )
 
 
@@ -318,7 +327,8 @@ def read_binding(step_dir: Path) -> dict[str, Any] | None:
 
 
 class LoraCheckpoint:
-    """Adapter-only saves of a peft model through ``manager``, restores refused on another base or config."""
+    """Adapter-only saves of a peft model through ``manager``, restores refused on another base or
+    config."""
 
     def __init__(
         self,
@@ -342,7 +352,8 @@ class LoraCheckpoint:
         return committed
 
     def restore(self, **kwargs: Any) -> int:
-        """Restore the adapter and its optimizer; refused, before a tensor is read, on another base or config."""
+        """Restore the adapter and its optimizer; refused, before a tensor is read, on another base
+        or config."""
         resolution = self.manager.resolve(**kwargs)
         if resolution.path is not None:
             saved = read_binding(resolution.path)
@@ -358,18 +369,21 @@ class LoraCheckpoint:
         bad = self.binding.live_problems()
         if bad:
             raise StateMismatchError(
-                f"the model's base weights in memory differ from the base files at {self.binding.base_dir} for "
-                f"{bad[:6]}{' ...' if len(bad) > 6 else ''}: an adapter was merged into them (or they were "
-                "changed); rebuild the model from the base files before restoring the adapter"
+                f"the model's base weights in memory differ from the base files at "
+                f"{self.binding.base_dir} for {bad[:6]}{' ...' if len(bad) > 6 else ''}: an "
+                f"adapter was merged into them (or they were changed); rebuild the model from the "
+                f"base files before restoring the adapter"
             )
         return step
 
 
-# ---------------------------------------------------------------- merged weights for a rollout engine
+# ---------------------------------------------------------------- merged weights for a rollout
+# engine
 
 
 class LoraFactors:
-    """One LoRA-targeted weight: the base weight, its adapter factors and scaling (float64 checks use them)."""
+    """One LoRA-targeted weight: the base weight, its adapter factors and scaling (float64 checks
+    use them)."""
 
     def __init__(
         self,
@@ -384,7 +398,8 @@ class LoraFactors:
         self.scaling, self.fan_in_fan_out = float(scaling), bool(fan_in_fan_out)
 
     def delta64(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(delta @ x, |delta| @ |x|)`` bound, in float64, from the factors (never from a merged weight)."""
+        """``(delta @ x, |delta| @ |x|)`` bound, in float64, from the factors (never from a merged
+        weight)."""
         a, b, xa = self.a.double(), self.b.double(), x.double()
         if self.fan_in_fan_out:  # delta = (B @ A).T
             return (a.T @ (b.T @ xa)) * self.scaling, (
@@ -401,7 +416,8 @@ def is_peft_model(obj: Any) -> bool:
 
 
 def _lora_modules(model: Any, adapter: str) -> list[tuple[str, Any]]:
-    """``[(base weight name, peft LoRA layer)]`` of the adapter; DoRA and LoRA biases refused, naming the layer."""
+    """``[(base weight name, peft LoRA layer)]`` of the adapter; DoRA and LoRA biases refused,
+    naming the layer."""
     if not is_peft_model(model):
         raise ConfigError(
             "expected a peft model (peft.get_peft_model(...)); got "
@@ -441,7 +457,8 @@ def _lora_modules(model: Any, adapter: str) -> list[tuple[str, Any]]:
 
 
 def lora_factors(model: Any, adapter: str = "default") -> dict[str, LoraFactors]:
-    """``{base weight name: LoraFactors}`` of every LoRA layer of ``adapter`` (names as the base model's)."""
+    """``{base weight name: LoraFactors}`` of every LoRA layer of ``adapter`` (names as the base
+    model's)."""
     out = {}
     for name, module in _lora_modules(model, adapter):
         out[name] = LoraFactors(
@@ -458,27 +475,31 @@ def lora_factors(model: Any, adapter: str = "default") -> dict[str, LoraFactors]
 def merged_state(
     model: Any, adapter: str = "default", *, binding: LoraBinding | None = None
 ) -> dict[str, torch.Tensor]:
-    """The base model's state with the adapter merged exactly once, out of place (see the module doc).
+    """The base model's state with the adapter merged exactly once, out of place (see the module
+    doc).
 
-    Keys are the base model's (``model.layers.0.self_attn.q_proj.weight``); tied weights keep sharing
-    storage. Refused, naming the layers, when the adapter is merged already (``merge_adapter`` was called and
-    not undone: unmerge first); with ``binding``, when the in-memory base differs from the base files."""
+    Keys are the base model's (``model.layers.0.self_attn.q_proj.weight``); tied weights keep
+    sharing storage. Refused, naming the layers, when the adapter is merged already
+    (``merge_adapter`` was called and not undone: unmerge first); with ``binding``, when the
+    in-memory base differs from the base files."""
     modules = _lora_modules(model, adapter)
     merged_now = [n for n, m in modules if getattr(m, "merged", False)]
     if merged_now:
         raise StateMismatchError(
-            f"the adapter {adapter!r} is merged into the base weights already ({merged_now[:4]}"
-            f"{' ...' if len(merged_now) > 4 else ''}): merging it for the push would add its delta twice. "
-            "Call model.unmerge_adapter() before the push (merged_state merges, out of place, once)"
+            f"the adapter {adapter!r} is merged into the base weights already "
+            f"({merged_now[:4]}{' ...' if len(merged_now) > 4 else ''}): merging it for the push "
+            f"would add its delta twice. Call model.unmerge_adapter() before the push "
+            f"(merged_state merges, out of place, once)"
         )
     if binding is not None:
         bad = binding.live_problems()
         if bad:
             raise StateMismatchError(
-                f"the model's base weights in memory differ from the base files at {binding.base_dir} for "
-                f"{bad[:6]}{' ...' if len(bad) > 6 else ''}: an adapter is merged into them already (a merge whose "
-                "flag was lost, e.g. a model rebuilt from a merged export); pushing base + adapter would merge it "
-                "twice. Rebuild the model from the base files"
+                f"the model's base weights in memory differ from the base files at "
+                f"{binding.base_dir} for {bad[:6]}{' ...' if len(bad) > 6 else ''}: an adapter "
+                f"is merged into them already (a merge whose flag was lost, e.g. a model "
+                f"rebuilt from a merged export); pushing base + adapter would merge it twice. "
+                f"Rebuild the model from the base files"
             )
     state: dict[str, torch.Tensor] = {}
     targets = {name: module for name, module in modules}
@@ -494,7 +515,8 @@ def merged_state(
                     adapter
                 )  # peft's merge, out of place
             else:
-                # tied weights (an embedding used as the head) keep one storage: the engine folds the alias
+                # tied weights (an embedding used as the head) keep one storage: the engine folds
+                # the alias
                 ident = (t.data_ptr(), tuple(t.shape))
                 state[name] = by_storage.setdefault(ident, t.detach())
     return state
@@ -508,10 +530,11 @@ def merge_count(
 ) -> dict[str, float | None]:
     """How many times each adapter's delta is in the held weight ``W_e`` (1.0: merged once).
 
-    ``products[name]`` is ``W_e @ probes[name]`` in float64, computed where ``W_e`` lives (the engine's
-    worker); the base ``W`` and the factors are the actor's. ``eps``: the held weight's dtype's epsilon.
-    None: the delta is zero (an untrained LoRA B), so no count is observable. A weight whose residual
-    exceeds one rounding of ``W + delta`` for any count is reported as its least-squares count."""
+    ``products[name]`` is ``W_e @ probes[name]`` in float64, computed where ``W_e`` lives (the
+    engine's worker); the base ``W`` and the factors are the actor's. ``eps``: the held weight's
+    dtype's epsilon. None: the delta is zero (an untrained LoRA B), so no count is observable. A
+    weight whose residual exceeds one rounding of ``W + delta`` for any count is reported as its
+    least-squares count."""
     out: dict[str, float | None] = {}
     for name, f in factors.items():
         x = probes[name].double()
@@ -527,20 +550,22 @@ def merge_count(
     return out
 
 
-# ---------------------------------------------------------------- the export's adapter probe (prove's evidence)
+# ---------------------------------------------------------------- the export's adapter probe
+# (prove's evidence)
 
 
 PROBE_POINTS = 8
-"""Entries of each LoRA-targeted weight sampled into an export record: enough for a least-squares multiple of
-the delta, small enough that a record never holds a tensor (3 x 8 numbers per weight)."""
+"""Entries of each LoRA-targeted weight sampled into an export record: enough for a least-squares
+multiple of the delta, small enough that a record never holds a tensor (3 x 8 numbers per
+weight)."""
 
 Probe = dict[str, dict[str, Any]]
 
 
 def _points(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The flat positions sampled of weight ``name``: a hash of its name, shape and the point's index only (no
-    RNG whose algorithm a torch upgrade may change), so every run, the saving one and each resume, samples the
-    same entries whatever its process, device or library version."""
+    """The flat positions sampled of weight ``name``: a hash of its name, shape and the point's
+    index only (no RNG whose algorithm a torch upgrade may change), so every run, the saving one and
+    each resume, samples the same entries whatever its process, device or library version."""
     numel = 1
     for n in shape:
         numel *= int(n)
@@ -560,7 +585,8 @@ def _values(t: torch.Tensor, at: torch.Tensor) -> list[float | None]:
 
 
 def _peft_pairs(model: Any, adapter: str) -> dict[str, tuple[torch.Tensor, Any]]:
-    """``{base weight name: (base weight, factors)}``: the delta is sampled from the factors, never built whole."""
+    """``{base weight name: (base weight, factors)}``: the delta is sampled from the factors, never
+    built whole."""
     return {n: (f.base, f) for n, f in lora_factors(model, adapter).items()}
 
 
@@ -585,14 +611,16 @@ def adapter_probe(
     adapter_name: str = "default",
     names: Callable[[str], str] | None = None,
 ) -> Probe:
-    """What ``prove`` needs to say how many times a LoRA delta is in an exported weight: for each targeted weight,
-    ``PROBE_POINTS`` sampled entries of its base (``base``), of the delta (``delta``) and, where ``payload`` maps
-    the weight's name to a tensor, of what was exported (``sent``), with the base's dtype epsilon (``eps``).
+    """What ``prove`` needs to say how many times a LoRA delta is in an exported weight: for each
+    targeted weight, ``PROBE_POINTS`` sampled entries of its base (``base``), of the delta
+    (``delta``) and, where ``payload`` maps the weight's name to a tensor, of what was exported
+    (``sent``), with the base's dtype epsilon (``eps``).
 
-    ``adapter``: a peft model (its LoRA layers: base weight and factors, names as the base model's) or, for an
-    adapter declared by hand, ``{name: (base, delta)}`` with tensors of one shape. ``names``: the export's name
-    of a base model's weight (an engine's name map). ConfigError for a hand-declared pair that does not fit.
-    A sharded (DTensor) weight is left out: prove then names its tensor, not the multiple."""
+    ``adapter``: a peft model (its LoRA layers: base weight and factors, names as the base model's)
+    or, for an adapter declared by hand, ``{name: (base, delta)}`` with tensors of one shape.
+    ``names``: the export's name of a base model's weight (an engine's name map). ConfigError for a
+    hand-declared pair that does not fit. A sharded (DTensor) weight is left out: prove then names
+    its tensor, not the multiple."""
     pairs: dict[str, tuple[torch.Tensor, Any]]
     if is_peft_model(adapter):
         pairs = _peft_pairs(adapter, adapter_name)
@@ -620,7 +648,9 @@ def adapter_probe(
     for name, (base, delta) in pairs.items():
         key = names(name) if names is not None else name
         if any(hasattr(t, "placements") for t in (base, delta, sent.get(key))):
-            continue  # a DTensor's entries live on other ranks: reading them is a collective not every rank makes
+            # a DTensor's entries live on other ranks: reading them is a collective not every rank
+            # makes
+            continue
         shape = tuple(base.shape)
         at = _points(key, shape)
         entry: dict[str, Any] = {

@@ -45,8 +45,8 @@ def open_rendezvous(*, timeout_s: float = 600.0, host: str | None = None) -> str
     """Start the group's TCP store in this process (rank 0); return ``"ip:port"`` for the others."""
     if _master_store:
         raise ConfigError(
-            "open_rendezvous: this process already holds a rendezvous store; call it once per group, "
-            "on rank 0's actor, and restart the actor to form a new group"
+            "open_rendezvous: this process already holds a rendezvous store; call it once per "
+            "group, on rank 0's actor, and restart the actor to form a new group"
         )
     ip = host or node_ip()
     store = dist.TCPStore(
@@ -77,8 +77,8 @@ def join_process_group(
     """Join the default process group through rank 0's store; blocks until every rank joined."""
     if dist.is_initialized():
         raise ConfigError(
-            f"join_process_group(rank={rank}): torch.distributed is already initialized in this actor; "
-            "a Ray actor belongs to one group for its lifetime (restart it to join another)"
+            f"join_process_group(rank={rank}): torch.distributed is already initialized in this "
+            f"actor; a Ray actor belongs to one group for its lifetime (restart it to join another)"
         )
     if not 0 <= rank < world_size:
         raise ConfigError(f"join_process_group: rank {rank} is outside world_size {world_size}")

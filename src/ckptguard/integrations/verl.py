@@ -1,4 +1,5 @@
-"""verl: replace ``RayPPOTrainer._save_checkpoint``/``_load_checkpoint`` with committed, proven ones.
+"""verl: replace ``RayPPOTrainer._save_checkpoint``/``_load_checkpoint`` with committed, proven
+ones.
 
 Contract: ``CkptguardTrainerMixin`` goes before ``RayPPOTrainer`` (legacy) or the v1
 ``PPOTrainerSync`` in the bases (or use ``trainer_class(base)``); pinned and checked: verl
@@ -74,7 +75,8 @@ def _keep(trainer_cfg: Any) -> int | None:
     for n in limits:
         if not isinstance(n, int) or n < 1:
             raise ConfigError(
-                f"trainer.max_*_ckpt_to_keep={n!r}: give an int >= 1, or null to keep every checkpoint"
+                f"trainer.max_*_ckpt_to_keep={n!r}: give an int >= 1, or null "
+                f"to keep every checkpoint"
             )
     return max(limits) if limits else None
 
@@ -99,8 +101,8 @@ def resume_args(trainer_cfg: Any, cwd: str | os.PathLike[str] | None = None) -> 
     path = _get(trainer_cfg, "resume_from_path")
     if not isinstance(path, str) or "global_step_" not in path:
         raise ConfigError(
-            f"trainer.resume_from_path={path!r}: with resume_mode=resume_path give the step directory, "
-            "e.g. checkpoints/run/global_step_120"
+            f"trainer.resume_from_path={path!r}: with resume_mode=resume_path give the step "
+            f"directory, e.g. checkpoints/run/global_step_120"
         )
     p = Path(path)
     return {"mode": ResumeMode.AUTO, "path": p if p.is_absolute() else Path(cwd or os.getcwd()) / p}
@@ -167,7 +169,8 @@ class CkptguardTrainerMixin:
             )
         if _get(trainer_cfg, "del_local_ckpt_after_load", False):
             log.warning(
-                "ckptguard: trainer.del_local_ckpt_after_load is ignored; a load never deletes a step"
+                "ckptguard: trainer.del_local_ckpt_after_load is ignored; a "
+                "load never deletes a step"
             )
         args = resume_args(trainer_cfg)
         state = self._ckptguard_state()
@@ -191,9 +194,9 @@ class CkptguardTrainerMixin:
         mode = getattr(self, "trainer_mode", "sync")
         if mode != "sync":
             raise ConfigError(
-                f"trainer_mode={mode!r}: the ckptguard mixin covers verl's sync trainers (RayPPOTrainer, "
-                "PPOTrainerSync); the async modes also save TransferQueue state, which it does not commit yet. "
-                "Use the sync trainer or verl's own checkpointing"
+                f"trainer_mode={mode!r}: the ckptguard mixin covers verl's sync trainers "
+                f"(RayPPOTrainer, PPOTrainerSync); the async modes also save TransferQueue state, "
+                f"which it does not commit yet. Use the sync trainer or verl's own checkpointing"
             )
 
     def _ckptguard_root(self) -> Path:

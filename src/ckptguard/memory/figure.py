@@ -157,7 +157,8 @@ def _host_axes(ax: Any, n: NodeStory, story: Story, axes_px: tuple[float, float]
 
 
 def _bands(ax: Any, spans: list[Any], tx: Any) -> None:
-    """Phase bands as two collections (ended, died): one axvspan per phase takes minutes for a long run."""
+    """Phase bands as two collections (ended, died): one axvspan per phase takes minutes for a long
+    run."""
     for died, color, alpha in ((False, "#999", 0.12), (True, "#e15759", 0.22)):
         ranges = [(tx(s.t0), tx(s.t1) - tx(s.t0)) for s in spans if s.died is died]
         if ranges:
@@ -315,7 +316,8 @@ def build_figure(
     ray_log: str | None = None,
     title: str = "ckptguard memory report",
 ) -> Any:
-    """The matplotlib figure of ``render_png``; ``records`` sorted by time, as read_records returns them."""
+    """The matplotlib figure of ``render_png``; ``records`` sorted by time, as read_records returns
+    them."""
     return _build(records, ray_log, title)[0]
 
 
@@ -332,12 +334,13 @@ def _build(records: list[dict[str, Any]], ray_log: str | None, title: str) -> tu
         notes.append("No host chart: no record carries host figures.")
     if one_floor:
         notes.append(
-            "No per-process floor chart: the records give each process one PSS floor only (one interval), "
-            "no line to draw."
+            "No per-process floor chart: the records give each process one PSS floor only (one "
+            "interval), no line to draw."
         )
     elif not has_floors:
         notes.append(
-            "No per-process floor chart: no PSS readings in the records (run the job under mem watch)."
+            "No per-process floor chart: no PSS readings in the records (run "
+            "the job under mem watch)."
         )
     if not has_gpu:
         why = "; ".join(sorted(reasons)) or "no record carries GPU figures"

@@ -18,10 +18,10 @@ Noise floors (documented defaults, override in ``GrowthConfig``): 256 KiB per st
 (about 14 MiB per hour). Below them a rise is not told apart from allocator arena churn and from
 shared pages being re-divided when a sibling process starts or exits.
 
-Where a limit is known (Ray's threshold in bytes, from the records), the node's floor slope
-gives a time and step at which the node would reach it. That figure is a HINT only: docs/practices.md
-warns that OOMs do not follow a short timeline linearly; continue from a verified checkpoint and
-observe instead of trusting it.
+Where a limit is known (Ray's threshold in bytes, from the records), the node's floor slope gives a
+time and step at which the node would reach it. That figure is a HINT only: docs/practices.md warns
+that OOMs do not follow a short timeline linearly; continue from a verified checkpoint and observe
+instead of trusting it.
 """
 
 from __future__ import annotations
@@ -258,7 +258,8 @@ def _fit(
 def analyze_growth(
     records: list[dict[str, Any]], config: GrowthConfig | None = None
 ) -> GrowthReport:
-    """Growth verdicts for every process in ``records`` (sorted by time, as read_records returns)."""
+    """Growth verdicts for every process in ``records`` (sorted by time, as read_records
+    returns)."""
     cfg = config or GrowthConfig()
     starts = _step_starts(records)
     if starts:

@@ -77,7 +77,8 @@ class HostProbeConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class HostSnapshot:
-    """Host memory figures at one instant, in bytes; None means not obtained (see ``not_obtained``)."""
+    """Host memory figures at one instant, in bytes; None means not obtained (see
+    ``not_obtained``)."""
 
     source: CgroupVersion
     cgroup_dir: str | None = None

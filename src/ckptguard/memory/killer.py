@@ -103,9 +103,10 @@ def _oom_kill_rise(records: list[dict[str, Any]]) -> str | None:
         if key in seen and count > seen[key][0]:
             before = seen[key][1]
             return (
-                f"oom_kill count rose {seen[key][0]} -> {count} on {r.get('node')} "
-                f"(source {host.get('source')}, {host.get('cgroup_dir') or 'node-wide'}) between "
-                f"{before['kind']} at {before['mono_ns'] / 1e9:.3f}s and {r['kind']} at {r['mono_ns'] / 1e9:.3f}s"
+                f"oom_kill count rose {seen[key][0]} -> {count} on {r.get('node')} (source "
+                f"{host.get('source')}, {host.get('cgroup_dir') or 'node-wide'}) between "
+                f"{before['kind']} at {before['mono_ns'] / 1e9:.3f}s and {r['kind']} at "
+                f"{r['mono_ns'] / 1e9:.3f}s"
             )
         seen[key] = (count, r)
     return None
@@ -131,10 +132,12 @@ def classify_failure(records: list[dict[str, Any]], *, ray_log: str | None = Non
             (
                 Killer.CUDA_OOM,
                 (
-                    f"{failure['error']['type']} in phase {failure['phase']!r} (step {failure.get('step')}): requested "
-                    f"{_gib(failure.get('requested_bytes'))}, allocated {_gib(failure.get('allocated'))}, reserved "
-                    f"{_gib(failure.get('reserved'))}, device free {_gib(failure.get('device_free'))}; "
-                    f"failing call {failure['error'].get('failing_call')}"
+                    f"{failure['error']['type']} in phase {failure['phase']!r} (step "
+                    f"{failure.get('step')}): requested {_gib(failure.get('requested_bytes'))}, "
+                    f"allocated {_gib(failure.get('allocated'))}, reserved "
+                    f"{_gib(failure.get('reserved'))}, device free "
+                    f"{_gib(failure.get('device_free'))}; failing call "
+                    f"{failure['error'].get('failing_call')}"
                 ),
             )
         )
@@ -151,15 +154,17 @@ def classify_failure(records: list[dict[str, Any]], *, ray_log: str | None = Non
             (
                 Killer.RAY,
                 (
-                    f"Ray's figure {_gib(ray['used'])} was over its threshold {_gib(ray['threshold_bytes'])} "
-                    f"in the last {before[-1]['kind']} record ({ray['reported']})"
+                    f"Ray's figure {_gib(ray['used'])} was over its threshold "
+                    f"{_gib(ray['threshold_bytes'])} in the last {before[-1]['kind']} "
+                    f"record ({ray['reported']})"
                 ),
             )
         )
     retries = [((r.get("gpu") or {}).get("num_alloc_retries") or 0) for r in records]
     if retries and max(retries) > 0:
         notes.append(
-            f"num_alloc_retries reached {max(retries)}: allocator pressure (cache flush and retry), not a terminal OOM"
+            f"num_alloc_retries reached {max(retries)}: allocator pressure (cache flush and "
+            f"retry), not a terminal OOM"
         )
     if watch_end and watch_end.get("signal") == 9 and not found:
         notes.append(
@@ -178,7 +183,7 @@ def classify_failure(records: list[dict[str, Any]], *, ray_log: str | None = Non
     )
     if verdict.killer is Killer.UNKNOWN:
         verdict.evidence.append(
-            "the job died (a phase never ended or the command failed) without an exception record, an oom_kill "
-            "rise or a Ray kill line; check dmesg and the scheduler's log"
+            "the job died (a phase never ended or the command failed) without an exception record, "
+            "an oom_kill rise or a Ray kill line; check dmesg and the scheduler's log"
         )
     return verdict

@@ -50,8 +50,8 @@ from .sampler import Sampler, SamplerConfig, WindowPeak, self_rss
 __all__ = ["PhaseKind", "PhaseRecorder", "RecorderConfig", "host_cache_released"]
 
 _ACTIVE: list[weakref.ref[PhaseRecorder]] = []
-"""The open recorders of this process, newest last; the newest one records host cache releases. Weak: a
-recorder dropped without ``close()`` is not kept alive by this list."""
+"""The open recorders of this process, newest last; the newest one records host cache releases.
+Weak: a recorder dropped without ``close()`` is not kept alive by this list."""
 
 
 class PhaseKind(Enum):
@@ -116,7 +116,8 @@ def _gpu_reader(name: str):  # type: ignore[no-untyped-def]
 
 
 class PhaseRecorder:
-    """Writes phase records; see the module docstring. Close it (or use ``with``) to stop sampling."""
+    """Writes phase records; see the module docstring. Close it (or use ``with``) to stop
+    sampling."""
 
     def __init__(
         self,
@@ -143,7 +144,8 @@ class PhaseRecorder:
         self.last_completed: dict[str, Any] | None = None
         self.load_peak: dict[str, Any] | None = None
         self.last_save: dict[str, Any] | None = None
-        """The save phase this recorder ended last (step, mono_ns): what a host cache release follows."""
+        """The save phase this recorder ended last (step, mono_ns): what a host cache release
+        follows."""
         _ACTIVE.append(weakref.ref(self))
 
     def phase(
@@ -223,8 +225,8 @@ class PhaseRecorder:
 def host_cache_released(
     released_bytes: int, how: str, *, pinned: bool, rss_before: int | None, rss_after: int | None
 ) -> bool:
-    """Write a measured host staging release into the active recorder (module docstring); False when no
-    recorder is open. ``rss_before``/``rss_after``: this process's RSS around the unmapping."""
+    """Write a measured host staging release into the active recorder (module docstring); False when
+    no recorder is open. ``rss_before``/``rss_after``: this process's RSS around the unmapping."""
     live = [r for r in (ref() for ref in _ACTIVE) if r is not None]
     if not live:
         return False

@@ -68,8 +68,8 @@ class _CudartRegistrar:
         err = self._rt.cudaHostRegister(ptr, nbytes, self.FLAGS)
         if int(err) != 0:
             raise PinnedMemoryUnavailableError(
-                f"cudaHostRegister({nbytes} bytes) failed with CUDA error {int(err)}; the host may be "
-                "out of lockable memory (check ulimit -l and the cgroup limit)"
+                f"cudaHostRegister({nbytes} bytes) failed with CUDA error {int(err)}; the host may "
+                f"be out of lockable memory (check ulimit -l and the cgroup limit)"
             )
 
     def unregister(self, ptr: int) -> None:

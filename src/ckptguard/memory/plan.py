@@ -126,7 +126,8 @@ class PlanInputs:
     limit_source: str = "configured in PLAN.toml"
     """Where memory.max / MemTotal came from, as the plan prints it."""
     threshold_source: str = "default"
-    """Where the Ray threshold came from: "default" (0.95), PLAN.toml, the records or the cluster."""
+    """Where the Ray threshold came from: "default" (0.95), PLAN.toml, the records or the
+    cluster."""
     notes: tuple[str, ...] = ()
     """Findings of assembling the inputs, printed with the plan."""
 
@@ -170,7 +171,8 @@ def compute_plan(inputs: PlanInputs) -> Plan:
     notes: list[str] = list(inputs.notes)
     if inputs.sampled_peak is not None and inputs.sampled_peak > peak:
         notes.append(
-            f"the sampled save-phase peak ({inputs.sampled_peak} B) exceeds the sum of terms; it is used"
+            f"the sampled save-phase peak ({inputs.sampled_peak} B) exceeds the "
+            f"sum of terms; it is used"
         )
         peak = inputs.sampled_peak
     if inputs.memory_max is not None:
@@ -337,7 +339,8 @@ def plan_from_records(records: list[dict[str, Any]], base: PlanInputs | None = N
         )
     if not ends:
         notes.append(
-            "the records hold no completed save phase: no measured term, PLAN.toml's estimates are summed"
+            "the records hold no completed save phase: no measured term, "
+            "PLAN.toml's estimates are summed"
         )
     by_class = {t.lands_in: t for t in terms}
     joined = list(terms)
@@ -348,8 +351,9 @@ def plan_from_records(records: list[dict[str, Any]], base: PlanInputs | None = N
         est = sum(t.bytes for t in base.terms if t.lands_in == cls)
         if est > m.bytes:
             notes.append(
-                f"PLAN.toml estimates {_gib(est)} in {cls}, the records measured {_gib(m.bytes)} at the "
-                f"end of save step {ends[-1].get('step')}: was all it lists alive in the recorded save?"
+                f"PLAN.toml estimates {_gib(est)} in {cls}, the records measured "
+                f"{_gib(m.bytes)} at the end of save step {ends[-1].get('step')}: was all it "
+                f"lists alive in the recorded save?"
             )
     for name, why in missing.items():
         notes.append(f"{name} was not measured ({why}): PLAN.toml's estimate is summed instead")
@@ -401,7 +405,8 @@ def _measured_terms(
     add(
         "pinned and shared memory (shmem)",
         h_end.get("shmem"),
-        "memory.stat shmem at the end of save: pinned optimizer, staging kept in the pinned cache, serving backup",
+        "memory.stat shmem at the end of save: pinned optimizer, staging kept in the "
+        "pinned cache, serving backup",
         SHMEM,
     )
     rec_end, rec_start = h_end.get("reclaimable"), (start or {}).get("host", {}).get("reclaimable")

@@ -1,11 +1,11 @@
 """Per-process memory: PSS from smaps_rollup, threads, file descriptors, and the process tree.
 
-Contract: ``read_process(pid)`` returns a ``ProcessSnapshot`` or None when the process is gone.
-PSS is used, never a sum of RSS: RSS counts every shared page (plasma, /dev/shm, pinned buffers
-mapped by several workers) once per mapper. Only ``comm`` and ``argv0`` are kept of the command
-line (docs/practices.md: record comm/argv0 only; arguments may hold secrets). Reading smaps_rollup walks
-the page tables, so it is sampled at a few Hz at most, never in a tight loop. Fields missing on
-an old kernel (Pss_Anon/File/Shmem need 5.3) are None with a reason.
+Contract: ``read_process(pid)`` returns a ``ProcessSnapshot`` or None when the process is gone. PSS
+is used, never a sum of RSS: RSS counts every shared page (plasma, /dev/shm, pinned buffers mapped
+by several workers) once per mapper. Only ``comm`` and ``argv0`` are kept of the command line
+(docs/practices.md: record comm/argv0 only; arguments may hold secrets). Reading smaps_rollup walks
+the page tables, so it is sampled at a few Hz at most, never in a tight loop. Fields missing on an
+old kernel (Pss_Anon/File/Shmem need 5.3) are None with a reason.
 """
 
 from __future__ import annotations

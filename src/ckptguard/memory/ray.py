@@ -196,8 +196,8 @@ def ray_figure(snap: HostSnapshot, config: RayConfig | None = None) -> RayFigure
 _N = r"\d+(?:\.\d+)?"
 _KILL_PATTERNS = (
     re.compile(
-        rf"was (?P<used>{_N})GB / (?P<total>{_N})GB \((?P<frac>{_N})\), which exceeds the memory usage "
-        rf"threshold of (?P<thr>{_N})"
+        rf"was (?P<used>{_N})GB / (?P<total>{_N})GB \((?P<frac>{_N})\), which exceeds the memory "
+        rf"usage threshold of (?P<thr>{_N})"
     ),
     re.compile(r"exceeded threshold of (?P<thr_bytes>\d+)B \((?P<pct>\d+(?:\.\d+)?)%"),
     re.compile(r"killed due to (?:the node running low on memory|memory pressure \(OOM\))"),

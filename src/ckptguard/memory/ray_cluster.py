@@ -1,4 +1,5 @@
-"""Ray's memory-monitor settings as the running cluster has them, and the object store's share of a PSS.
+"""Ray's memory-monitor settings as the running cluster has them, and the object store's share of a
+PSS.
 
 Contract: ``cluster_ray_config()`` returns the ``RayConfig`` (``ckptguard.memory.ray``) in force
 and says where each value came from: the cluster's system config held by its GCS (what

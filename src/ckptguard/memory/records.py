@@ -77,7 +77,8 @@ def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
                 ) from None
             if rec.get("v", FORMAT_VERSION) > FORMAT_VERSION:
                 raise RecordFormatError(
-                    f"{path}:{i + 1}: record format v{rec['v']} is newer than this ckptguard reads (v{FORMAT_VERSION})"
+                    f"{path}:{i + 1}: record format v{rec['v']} is newer than this ckptguard "
+                    f"reads (v{FORMAT_VERSION})"
                 )
             out.append(rec)
     out.sort(key=lambda r: r["mono_ns"])

@@ -133,8 +133,9 @@ def _host_chart(n: NodeStory, t0: float, t1: float) -> str:
         if lim.bytes is None
     )
     return (
-        f'<svg data-chart="host-memory" data-node="{esc(n.node)}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
-        f'class="chart" role="img">{"".join(out)}</svg><p class="legend">{legend}</p>{missing}'
+        f'<svg data-chart="host-memory" data-node="{esc(n.node)}" viewBox="0 0 {W} {H}" '
+        f'width="{W}" height="{H}" class="chart" role="img">{"".join(out)}</svg><p '
+        f'class="legend">{legend}</p>{missing}'
     )
 
 
@@ -163,21 +164,26 @@ def _phase_table(n: NodeStory) -> str:
             ' class="save"' if n.save and s is n.save.span else (' class="died"' if s.died else "")
         )
         rows.append(
-            f'<tr data-phase="{esc(s.phase)}" data-step="{esc(s.step)}" data-peak="{s.peak or ""}"{cls}>'
-            f"<td>{esc(s.phase)} {esc(state)}</td><td>{esc(s.step)}</td><td>{esc(s.rank)}</td><td>{esc(s.pid)}</td>"
+            f'<tr data-phase="{esc(s.phase)}" data-step="{esc(s.step)}" '
+            f'data-peak="{s.peak or ""}"{cls}>'
+            f"<td>{esc(s.phase)} "
+            f"{esc(state)}</td><td>{esc(s.step)}</td><td>{esc(s.rank)}</td><td>{esc(s.pid)}</td>"
             f"<td>{s.t1 - s.t0:.2f} s</td><td>{fmt_bytes(s.start_current)}</td><td>{end}"
             f"</td><td><b>{fmt_bytes(s.peak)}</b></td><td>{esc(s.peak_source)}</td><td>{room}</td></tr>"
         )
     hp = (
         ""
         if n.memory_peak is None
-        else f'<p class="legend">cgroup memory.peak at the last record: {fmt_bytes(n.memory_peak)} (high-water mark '
+        else f'<p class="legend">cgroup memory.peak at the last record: '
+        f"{fmt_bytes(n.memory_peak)} (high-water mark "
         "since the cgroup was created or reset, not per phase).</p>"
     )
     return (
-        f'<table class="phases"><caption>{caption}; limit {fmt_bytes(limit)} = {esc(n.budget.derivation)}'
+        f'<table class="phases"><caption>{caption}; limit {fmt_bytes(limit)} = '
+        f"{esc(n.budget.derivation)}"
         f"</caption><tr><th>phase</th><th>step</th><th>rank</th><th>pid</th><th>duration</th>"
-        f"<th>{esc(n.current_name)} at start</th><th>at end</th><th>in-phase peak</th><th>peak from</th>"
+        f"<th>{esc(n.current_name)} at start</th><th>at end</th><th>in-phase "
+        f"peak</th><th>peak from</th>"
         f"<th>headroom</th></tr>{''.join(rows)}</table>{hp}"
     )
 
@@ -215,13 +221,15 @@ def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
         per_s = "n/a" if p.per_second is None else f"{p.per_second.value / 1024:.1f} KiB/s"
         per_step = "n/a" if p.per_step is None else f"{p.per_step.value / 2**20:.2f} MiB/step"
         rows.append(
-            f'<tr data-pid="{p.pid}" data-verdict="{verdict}"><td><span class="key" style="background:{color}">'
+            f'<tr data-pid="{p.pid}" data-verdict="{verdict}"><td><span class="key" '
+            f'style="background:{color}">'
             f"</span>{p.pid}</td><td>{esc(p.comm)}</td><td>{esc(p.argv0)}</td><td>{fmt_bytes(p.last_floor)}</td>"
             f'<td>{per_s}</td><td>{per_step}</td><td class="{verdict}">{verdict}</td>'
             f"<td>{esc(p.reason)}</td></tr>"
         )
     table = (
-        '<table class="verdicts"><tr><th>pid</th><th>comm</th><th>argv0</th><th>last floor</th><th>slope/s</th>'
+        '<table class="verdicts"><tr><th>pid</th><th>comm</th><th>argv0</th><th>last '
+        "floor</th><th>slope/s</th>"
         "<th>slope/step</th><th>verdict</th><th>why</th></tr>" + "".join(rows) + "</table>"
     )
     hint = ""
@@ -233,11 +241,15 @@ def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
             f"~{n.hint_steps_to_limit or float('nan'):.0f} steps.</p>"
         )
     if all(len(p.floors_per_interval) < 2 for p in procs):
-        # A chart of single points over the whole run says nothing the table does not: say why instead.
+        # A chart of single points over the whole run says nothing the table does not: say why
+        # instead.
         why = (
-            '<p class="note" data-not-obtained="floors-chart">No PSS floor chart: the records give each process '
-            "one floor only (their PSS samples fall in one interval), so there is no line to draw; the table "
-            "below gives each floor. Sample longer or more often (mem watch --interval) for a chart.</p>"
+            '<p class="note" data-not-obtained="floors-chart">No PSS floor chart: the '
+            "records give each process "
+            "one floor only (their PSS samples fall in one interval), so there is no "
+            "line to draw; the table "
+            "below gives each floor. Sample longer or more often (mem watch "
+            "--interval) for a chart.</p>"
         )
         return why + table + hint
     return _svg("process-floors", out) + table + hint
@@ -271,8 +283,10 @@ def _gpu_chart(story: Story, records: list[dict[str, Any]]) -> str:
     if near:
         y = ax.y(near[0])
         out.append(
-            f'<g data-limit="device total" data-bytes="{near[0]}"><line x1="{L}" y1="{y:.1f}" x2="{W - R}" '
-            f'y2="{y:.1f}" class="limit"/><text x="{L + 6}" y="{y - 4:.1f}" class="limit-label">device total '
+            f'<g data-limit="device total" data-bytes="{near[0]}"><line x1="{L}" '
+            f'y1="{y:.1f}" x2="{W - R}" '
+            f'y2="{y:.1f}" class="limit"/><text x="{L + 6}" y="{y - 4:.1f}" '
+            f'class="limit-label">device total '
             f"{fmt_bytes(near[0])}</text></g>"
         )
     legend = "".join(
@@ -315,10 +329,12 @@ def _budget_box(story: Story) -> str:
             parts.append(f'<li data-save-peak="" data-node="{esc(n.node)}">{esc(n.save_note)}</li>')
     if not parts:
         parts.append(
-            '<li data-save-peak="">No host figures in the records: no save-step peak, no limit.</li>'
+            '<li data-save-peak="">No host figures in the records: no '
+            "save-step peak, no limit.</li>"
         )
     return (
-        f'<div class="budget"><b>Save-step peak against the limit</b> (guide: limit = cgroup memory.max x '
+        f'<div class="budget"><b>Save-step peak against the limit</b> (guide: '
+        f"limit = cgroup memory.max x "
         f"RAY_memory_usage_threshold)<ul>{''.join(parts)}</ul></div>"
     )
 
@@ -347,7 +363,8 @@ def render_html(
     )
     return (
         '<!DOCTYPE html><html><head><meta charset="utf-8">'
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "style-src 'unsafe-inline'\">"
         f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"
         f"<h1>{esc(title)}</h1><p>{len(records)} records from node(s) {esc(', '.join(nodes))}; "
         f"{growth.steps_seen} steps.</p>{head}{_budget_box(story)}"

@@ -43,7 +43,8 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class WindowPeak:
-    """Peaks of one window: per reader, the max seen (None if never obtained), and the sample count."""
+    """Peaks of one window: per reader, the max seen (None if never obtained), and the sample
+    count."""
 
     peaks: dict[str, int | None]
     samples: int

@@ -1,6 +1,7 @@
-"""The SVG drawing of the memory report (``report``): a chart's axes and frame, phase bands, peak bars, limit
-lines and the save mark, with labels placed so that none overlaps another or is struck through by a line
-(the geometry Chromium lays 10-11px labels out with). Strings of SVG only; the page is ``report``'s."""
+"""The SVG drawing of the memory report (``report``): a chart's axes and frame, phase bands, peak
+bars, limit lines and the save mark, with labels placed so that none overlaps another or is struck
+through by a line (the geometry Chromium lays 10-11px labels out with). Strings of SVG only; the
+page is ``report``'s."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def scaled(t0: float, t1: float, vmax: float) -> tuple[Axes, str, int, list[floa
 def frame(ax: Axes, title: str, unit: str, div: int, ticks: list[float]) -> list[str]:
     out = [
         f'<text x="{L}" y="14" class="title">{esc(title)}</text>',
-        f'<rect data-plot-area="" x="{L}" y="{T}" width="{W - L - R}" height="{H - T - B}" class="plot-area"/>',
+        f'<rect data-plot-area="" x="{L}" y="{T}" width="{W - L - R}" '
+        f'height="{H - T - B}" class="plot-area"/>',
         f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" class="axis"/>',
         f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" class="axis"/>',
     ]
@@ -82,7 +84,8 @@ def frame(ax: Axes, title: str, unit: str, div: int, ticks: list[float]) -> list
         # The last tick may sit on the right edge: anchor it at its end so it is not cut off.
         anchor = "end" if x > W - R - 20 else "middle"
         out.append(
-            f'<text x="{x:.1f}" y="{H - B + 16}" class="tick" text-anchor="{anchor}">{v:g} {tu}</text>'
+            f'<text x="{x:.1f}" y="{H - B + 16}" class="tick" '
+            f'text-anchor="{anchor}">{v:g} {tu}</text>'
         )
     out.append(f'<text x="{L - 6}" y="{T - 8}" class="tick" text-anchor="end">{unit}</text>')
     return out
@@ -96,13 +99,15 @@ def bands(spans: list[Span], ax: Axes) -> list[str]:
         state = "never ended" if s.never_ended else ("failed" if s.failed else "ended")
         out.append(
             f'<g data-phase="{esc(s.phase)}" data-step="{esc(s.step)}" data-state="{state}">'
-            f'<rect x="{x0:.1f}" y="{T}" width="{max(1.0, x1 - x0):.1f}" height="{H - T - B}" class="{cls}"/>'
+            f'<rect x="{x0:.1f}" y="{T}" width="{max(1.0, x1 - x0):.1f}" '
+            f'height="{H - T - B}" class="{cls}"/>'
             f"<title>{esc(s.phase)} step {esc(s.step)} (pid {esc(s.pid)}): {state}</title></g>"
         )
     for x, text, s in phase_labels(spans, ax.x, CHAR_PX, W - R):
         cls = "phase-label fail" if "died" in text else "phase-label"
         out.append(
-            f'<text data-phase-label="{esc(s.phase)}" x="{x:.1f}" y="{T - 6}" class="{cls}">{esc(text)}</text>'
+            f'<text data-phase-label="{esc(s.phase)}" x="{x:.1f}" y="{T - 6}" '
+            f'class="{cls}">{esc(text)}</text>'
         )
     return out
 
@@ -137,7 +142,9 @@ LABEL_UP, LABEL_DOWN = (
     10,
     4,
 )  # a 11px label's extent above and below its baseline, as Chromium lays it out
-CLEAR = 3  # pixels kept free between a label and any line (a limit, a peak bar): a label is never struck through
+# pixels kept free between a label and any line (a limit, a peak bar): a label is never struck
+# through
+CLEAR = 3
 ROW = LABEL_UP + LABEL_DOWN + 1  # one label row
 
 
@@ -149,7 +156,8 @@ def hline(y: float, x0: float = L, x1: float = W - R) -> Box:
 def limit_lines(
     n: NodeStory, ax: Axes, arrow_x: float | None, obstacles: list[Box]
 ) -> tuple[list[str], list[Box]]:
-    """The limit lines and their labels; the boxes returned are the labels' and the lines' (for the save mark).
+    """The limit lines and their labels; the boxes returned are the labels' and the lines' (for the
+    save mark).
 
     Each label goes above its line, else below it, at the right end, else the left end, else beside
     the save mark's arrow, the first of those where it crosses no line (limits, peak bars) and no
@@ -222,7 +230,8 @@ def label_box(x0: float, baseline: float, width: float) -> Box:
 
 
 def fits(box: Box, taken: list[Box]) -> bool:
-    # CLEAR inside the plot's frame too: its border is a line like any other (it ran through a label at the top)
+    # CLEAR inside the plot's frame too: its border is a line like any other (it ran through a label
+    # at the top)
     return box[1] >= T + CLEAR and box[3] <= H - B - CLEAR and not overlaps(box, taken)
 
 
@@ -240,7 +249,8 @@ def save_mark(n: NodeStory, ax: Axes, taken: list[Box]) -> list[str]:
     tip = 5 if yl < yp else -5
     arrow = (
         f'<line x1="{xa:.1f}" y1="{yp:.1f}" x2="{xa:.1f}" y2="{yl:.1f}" class="headroom"/>'
-        f'<polygon points="{xa - 4:.1f},{yl + tip:.1f} {xa + 4:.1f},{yl + tip:.1f} {xa:.1f},{yl:.1f}" '
+        f'<polygon points="{xa - 4:.1f},{yl + tip:.1f} '
+        f'{xa + 4:.1f},{yl + tip:.1f} {xa:.1f},{yl:.1f}" '
         'class="headroom-head"/>'
     )
     died = ", died in it" if s.died else ""
@@ -266,12 +276,14 @@ def save_mark(n: NodeStory, ax: Axes, taken: list[Box]) -> list[str]:
     anchor, tx, ty, _ = spot or fallback
     cls = "mark-label over" if room < 0 else "mark-label"
     text = "".join(
-        f'<text x="{tx:.1f}" y="{ty + 13 * i:.1f}" text-anchor="{anchor}" class="{cls}">{esc(t)}</text>'
+        f'<text x="{tx:.1f}" y="{ty + 13 * i:.1f}" text-anchor="{anchor}" '
+        f'class="{cls}">{esc(t)}</text>'
         for i, t in enumerate(lines)
     )
     return [
-        f'<g data-mark="save-peak" data-step="{esc(s.step)}" data-bytes="{s.peak}" data-limit-bytes="{limit}" '
-        f'data-headroom="{room}">{arrow}<circle cx="{xa:.1f}" cy="{yp:.1f}" r="4" class="save-dot"/>{text}</g>'
+        f'<g data-mark="save-peak" data-step="{esc(s.step)}" data-bytes="{s.peak}" '
+        f'data-limit-bytes="{limit}" data-headroom="{room}">{arrow}<circle cx="{xa:.1f}" '
+        f'cy="{yp:.1f}" r="4" class="save-dot"/>{text}</g>'
     ]
 
 

@@ -1,11 +1,11 @@
 """``mem watch``: run a command and sample the node and every process of its tree.
 
 Contract: ``watch(cmd, config)`` starts ``cmd``, writes a ``watch_start`` record, then one
-``sample`` record every ``interval_s`` (host figures, Ray's figure, and per process pid, ppid,
-comm, argv0 basename, PSS split, threads and FDs) until the command exits, then a ``watch_end``
-record with its exit status (negative: killed by that signal; -9 is what the OOM killer and
-Ray leave). It returns the command's exit status. Only /proc is read: the watched processes are
-never attached to or signalled (docs/practices.md, memory budget: on a running job, only read /proc), except that an
+``sample`` record every ``interval_s`` (host figures, Ray's figure, and per process pid, ppid, comm,
+argv0 basename, PSS split, threads and FDs) until the command exits, then a ``watch_end`` record
+with its exit status (negative: killed by that signal; -9 is what the OOM killer and Ray leave). It
+returns the command's exit status. Only /proc is read: the watched processes are never attached to
+or signalled (docs/practices.md, memory budget: on a running job, only read /proc), except that an
 interrupt of the watcher is passed on to the command.
 """
 
@@ -36,8 +36,8 @@ class WatchConfig:
     out: Path
     """The JSONL file to append records to."""
     interval_s: float = 1.0
-    """Seconds between samples. docs/practices.md samples PSS once a minute on long runs; smaps_rollup
-    walks page tables, so below ~0.05 s the watcher itself becomes the load."""
+    """Seconds between samples. docs/practices.md samples PSS once a minute on long runs;
+    smaps_rollup walks page tables, so below ~0.05 s the watcher itself becomes the load."""
     proc_root: Path = Path("/proc")
     """procfs mount point."""
     ray: RayConfig = field(default_factory=RayConfig.from_env)

@@ -1,15 +1,16 @@
-"""A real restore without model code: ``python -m ckptguard.ops._offline STEP_DIR... [--budget-bytes N]``.
+"""A real restore without model code: ``python -m ckptguard.ops._offline STEP_DIR... [--budget-bytes
+N]``.
 
-Contract: in a fresh process, rank by rank and, within a rank, item by item, allocate the
-tensors that rank held (the chunk it wrote, or a replicated key's one full chunk) from the
-checkpoint's own DCP metadata, load them with ``dcp.load`` through ckptguard's streaming
-reader and restricted metadata reader, rebuild the item from the rank's extras, recompute
-its digest for comparison with the manifest, and drop the tensors. A correct save digest
-is not a restore test (docs/practices.md, 3.5); this is one. Host memory stays within the budget:
-tensors are loaded in batches of at most ``budget_bytes`` (a single tensor larger than the
-budget alone), through a reader pool of ``POOL_BYTES``, with one rank's extras at a time;
-never the whole checkpoint. Prints one JSON line per item done (``{"progress": ..., "step_dir": ...}``)
-and then one per step (``{"step_dir": ..., "result": ...}``) on stdout; one process checks every step given.
+Contract: in a fresh process, rank by rank and, within a rank, item by item, allocate the tensors
+that rank held (the chunk it wrote, or a replicated key's one full chunk) from the checkpoint's own
+DCP metadata, load them with ``dcp.load`` through ckptguard's streaming reader and restricted
+metadata reader, rebuild the item from the rank's extras, recompute its digest for comparison with
+the manifest, and drop the tensors. A correct save digest is not a restore test (docs/practices.md,
+3.5); this is one. Host memory stays within the budget: tensors are loaded in batches of at most
+``budget_bytes`` (a single tensor larger than the budget alone), through a reader pool of
+``POOL_BYTES``, with one rank's extras at a time; never the whole checkpoint. Prints one JSON line
+per item done (``{"progress": ..., "step_dir": ...}``) and then one per step (``{"step_dir": ...,
+"result": ...}``) on stdout; one process checks every step given.
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ class _Layout:
             match = _DATA_FILE.match(info.relative_path)
             if chunk is None or match is None:
                 raise CheckpointCorruptError(
-                    f"{state_dir / '.metadata'}: key {index.fqn!r} at offset {list(index.offset)} has "
-                    f"{'no chunk' if chunk is None else 'the data file ' + repr(info.relative_path)}; DCP writes "
-                    "a chunk per stored offset in files named __RANK_N.distcp: restore an earlier step"
+                    f"{state_dir / '.metadata'}: key {index.fqn!r} at offset {list(index.offset)} "
+                    f"has {'no chunk' if chunk is None else 'the data file ' + repr(info.relative_path)}; "
+                    f"DCP writes a chunk per stored offset in files named __RANK_N.distcp: restore "
+                    f"an earlier step"
                 )
             self.boxes.setdefault(index.fqn, {})[int(match.group(1))] = (
                 tuple(chunk.offsets),
@@ -86,7 +88,8 @@ class _Layout:
             )
 
     def box(self, key: str, rank: int) -> Box | None:
-        """What ``rank`` held of ``key``: the chunk it wrote, or the one full chunk of a replicated key."""
+        """What ``rank`` held of ``key``: the chunk it wrote, or the one full chunk of a replicated
+        key."""
         per_writer = self.boxes.get(key)
         if per_writer is None:
             return None
@@ -109,7 +112,8 @@ class _Layout:
 
 
 class _BoxPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, asked for one box (offsets, sizes) of each key instead of the whole tensor."""
+    """DCP's default load planner, asked for one box (offsets, sizes) of each key instead of the
+    whole tensor."""
 
     def __init__(self, offsets: dict[str, tuple[int, ...]]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -145,7 +149,8 @@ class _CachedReader(StreamingReader):
 
 
 class _Loader:
-    """Loads a rank's tensors in budget-sized batches, in the order the digest walk asks for them."""
+    """Loads a rank's tensors in budget-sized batches, in the order the digest walk asks for
+    them."""
 
     def __init__(
         self, layout: _Layout, rank: int, keys: list[str], budget: int, storage: StreamingStorage
@@ -206,9 +211,11 @@ def _refs(node: Any) -> Iterator[str]:
 
 
 def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor], structure: bool = False) -> None:
-    """``digest.update_digest`` over the skeleton, each tensor fetched when reached (same bytes, same order).
+    """``digest.update_digest`` over the skeleton, each tensor fetched when reached (same bytes,
+    same order).
 
-    ``structure``: as ``structure_digest`` (format 3 tensor items): a tensor's dtype and shape only."""
+    ``structure``: as ``structure_digest`` (format 3 tensor items): a tensor's dtype and shape
+    only."""
     if isinstance(node, Mapping):
         if set(node) == {TENSOR_REF}:
             t = get(node[TENSOR_REF])
@@ -235,8 +242,8 @@ def _walk(h: Any, node: Any, get: Callable[[str], torch.Tensor], structure: bool
 def skeleton_digest(
     skeleton: Any, get: Callable[[str], torch.Tensor], *, structure: bool = False
 ) -> str:
-    """``digest(_unflatten(skeleton, tensors))`` (``structure``: ``structure_digest(...)``) without holding
-    every tensor at once."""
+    """``digest(_unflatten(skeleton, tensors))`` (``structure``: ``structure_digest(...)``) without
+    holding every tensor at once."""
     h = xxhash.xxh3_64()
     if structure:
         h.update(STRUCTURE_SEED)
@@ -325,7 +332,8 @@ def recompute(
             if manifest.digest_covers_bytes(name):
                 digests[name] = skeleton_digest(skeleton, loader.get)
             else:
-                # Format 3: the per-rank digest covers the structure; the bytes go into the layout-free sums.
+                # Format 3: the per-rank digest covers the structure; the bytes go into the
+                # layout-free sums.
                 digests[name] = skeleton_digest(
                     skeleton, _summing(layout, rank, name, loader.get, partials), structure=True
                 )
@@ -338,7 +346,8 @@ def recompute(
         result["ranks"][str(rank)] = digests
         del extras
     if any(not manifest.digest_covers_bytes(n) for n in manifest.items):
-        # Every rank's chunks are needed for a key's total: on node-local roots it is not checked here.
+        # Every rank's chunks are needed for a key's total: on node-local roots it is not checked
+        # here.
         result["layout_free"] = None if result.get("elsewhere") else combine_layout_free([partials])
     return result
 
@@ -350,7 +359,8 @@ def _summing(
     get: Callable[[str], torch.Tensor],
     partials: dict[str, list[str]],
 ) -> Callable[[str], torch.Tensor]:
-    """``get``, also adding each loaded chunk's layout-free sum to ``partials`` (as the save's pass did)."""
+    """``get``, also adding each loaded chunk's layout-free sum to ``partials`` (as the save's pass
+    did)."""
 
     def fetch(key: str) -> torch.Tensor:
         t = get(key)
@@ -381,18 +391,21 @@ def compare(step_dir: Path, recomputed: dict[str, Any]) -> list[str]:
                 )
     structure = sorted(n for n in manifest.items if not manifest.digest_covers_bytes(n))
     if structure and recomputed.get("layout_free") is not None:
-        # Format 3: those items' per-rank digests cover no tensor byte; their layout-free digests do.
+        # Format 3: those items' per-rank digests cover no tensor byte; their layout-free digests
+        # do.
         saved_lf, now_lf = manifest.layout_free or {}, recomputed["layout_free"]
         for item in structure:
             a, b = saved_lf.get(item, {}), now_lf.get(item, {})
             keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             if keys:
                 problems.append(
-                    f"item {item}: restored layout-free digests differ from the save's for keys {keys[:8]}"
+                    f"item {item}: restored layout-free digests differ from the "
+                    f"save's for keys {keys[:8]}"
                 )
     elif structure and not recomputed.get("elsewhere"):
         problems.append(
-            f"items {structure}: their tensor bytes were not compared (no layout-free digests recomputed)"
+            f"items {structure}: their tensor bytes were not compared (no "
+            f"layout-free digests recomputed)"
         )
     return problems
 

@@ -113,7 +113,8 @@ class Tree:
     def kill(
         self, *, frozen: list[int] | None = None, timeout_s: float = 20.0
     ) -> tuple[list[int], list[int]]:
-        """SIGKILL the whole tree; returns (killed pids, survivors). Survivors are an error for the caller."""
+        """SIGKILL the whole tree; returns (killed pids, survivors). Survivors are an error for the
+        caller."""
         pids = sorted(set(frozen or []) | set(self.freeze()))
         for pid in pids:
             if alive(pid, self.known.get(pid)):
@@ -128,8 +129,9 @@ class Tree:
                 with contextlib.suppress(ChildProcessError, OSError):
                     os.waitpid(pid, os.WNOHANG)
             survivors = [p for p in pids if alive(p, self.known.get(p))]
-            # A zombie still holds its pid, and a pid check (e.g. of the root's write lease) would take it
-            # for a live run: wait until they are reaped (orphans come to us as subreaper; others to init).
+            # A zombie still holds its pid, and a pid check (e.g. of the root's write lease) would
+            # take it for a live run: wait until they are reaped (orphans come to us as subreaper;
+            # others to init).
             zombies = [p for p in pids if not alive(p) and start_time(p) == self.known.get(p)]
             now = time.monotonic()
             if (not survivors and (not zombies or now > reaped_by)) or now > deadline:

@@ -1,10 +1,11 @@
-"""Export a committed step's model to Hugging Face safetensors, every tensor checked as it is written.
+"""Export a committed step's model to Hugging Face safetensors, every tensor checked as it is
+written.
 
 Contract: ``export_hf(step_dir, out)`` consolidates one module item of a committed step (any world
-size, FSDP2/DTensor shards, expert-parallel ``#ep<r>`` keys) into ``model-0000i-of-0000n.safetensors``
-files and ``model.safetensors.index.json`` under ``out``, with the model's config and tokenizer
-files when the step holds them (``hf/`` of the HF integration, or any ``ExternalFiles`` writer named
-``hf``). The export:
+size, FSDP2/DTensor shards, expert-parallel ``#ep<r>`` keys) into
+``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json`` under ``out``, with
+the model's config and tokenizer files when the step holds them (``hf/`` of the HF integration, or
+any ``ExternalFiles`` writer named ``hf``). The export:
 
 - streams: each output tensor is read from the step's DCP files through ckptguard's streaming
   reader into its place in the current output file, and the files are planned from the DCP
@@ -159,7 +160,8 @@ class Planned:
 
     @property
     def held_besides(self) -> int:
-        """Bytes held while this tensor is filled, besides the output tensors: its source before a cast."""
+        """Bytes held while this tensor is filled, besides the output tensors: its source before a
+        cast."""
         return (self.src_bytes if self.cast else 0) + self.extra_bytes
 
 
@@ -168,20 +170,22 @@ def _module_item(manifest: _manifest.Manifest, item: str | None) -> str:
     if item is not None:
         if manifest.items.get(item) != "module":
             raise ConfigError(
-                f"step {manifest.step} ({manifest.path.parent}) has no model item {item!r}; its model items: "
-                f"{modules or 'none'}; pass one of them with --item"
+                f"step {manifest.step} ({manifest.path.parent}) has no model item {item!r}; its "
+                f"model items: {modules or 'none'}; pass one of them with --item"
             )
         return item
     if len(modules) == 1:
         return modules[0]
     if not modules:
         raise ConfigError(
-            f"step {manifest.step} ({manifest.path.parent}) holds no model item in its DCP state (items: "
-            f"{sorted(manifest.items)}); a step of the HF integration keeps the weights in HF's own files under "
-            f"{HF_DIR}/, which are usable as they are (checked by `ckptguard verify`)"
+            f"step {manifest.step} ({manifest.path.parent}) holds no model item in its DCP "
+            f"state (items: {sorted(manifest.items)}); a step of the HF integration keeps "
+            f"the weights in HF's own files under {HF_DIR}/, which are usable as they are "
+            f"(checked by `ckptguard verify`)"
         )
     raise ConfigError(
-        f"step {manifest.step} holds several model items {modules}: pass the one to export with --item"
+        f"step {manifest.step} holds several model items {modules}: pass the "
+        f"one to export with --item"
     )
 
 
@@ -189,9 +193,9 @@ def _expected(manifest: _manifest.Manifest, item: str) -> dict[str, str]:
     table = (manifest.layout_free or {}).get(item)
     if not table:
         raise CheckpointCorruptError(
-            f"step {manifest.step} ({manifest.path}) records no layout-free digests for item {item!r} (written by an "
-            "older ckptguard): its tensors cannot be checked as they are exported; restore it and save it again "
-            "with this version"
+            f"step {manifest.step} ({manifest.path}) records no layout-free digests for item "
+            f"{item!r} (written by an older ckptguard): its tensors cannot be checked as they are "
+            f"exported; restore it and save it again with this version"
         )
     return table
 
@@ -207,8 +211,8 @@ def _ep_sources(
     ranks = sorted(per_rank)
     if ranks != list(range(ep)):
         raise CheckpointCorruptError(
-            f"expert key {base!r}: the step holds EP ranks {ranks}, not 0..{ep - 1}; the experts of the missing "
-            "EP ranks are in no file: restore an earlier step"
+            f"expert key {base!r}: the step holds EP ranks {ranks}, not 0..{ep - 1}; the experts "
+            f"of the missing EP ranks are in no file: restore an earlier step"
         )
     shapes = [per_rank[r][1] for r in ranks]
     if any(len(s) == 0 or s[1:] != shapes[0][1:] for s in shapes):
@@ -224,7 +228,8 @@ def _ep_sources(
 
 
 def _expert_index(parts: list[str]) -> int | None:
-    """Where the per-expert index sits in a key's parts: the first number after a part naming experts."""
+    """Where the per-expert index sits in a key's parts: the first number after a part naming
+    experts."""
     for i in range(1, len(parts)):
         if parts[i].isdigit() and "expert" in parts[i - 1]:
             return i
@@ -234,7 +239,8 @@ def _expert_index(parts: list[str]) -> int | None:
 def _renumbered(
     item: str, keys: dict[str, dict[int, tuple[str, tuple[int, ...]]]]
 ) -> dict[str, tuple[str, int]]:
-    """Per-expert keys: DCP key -> (HF name, EP rank), the local index i of EP rank r made r * n + i."""
+    """Per-expert keys: DCP key -> (HF name, EP rank), the local index i of EP rank r made r * n +
+    i."""
     local: dict[tuple[str, int], set[int]] = {}
     for base, per_rank in keys.items():
         parts = base.split(".")
@@ -270,7 +276,8 @@ def _renumbered(
 def plan_export(
     step_dir: str | os.PathLike[str], *, item: str | None = None, dtype: torch.dtype | None = None
 ) -> list[Planned]:
-    """Every output tensor of ``item`` (default: the step's one model item), from the DCP metadata alone."""
+    """Every output tensor of ``item`` (default: the step's one model item), from the DCP metadata
+    alone."""
     step_dir = Path(step_dir)
     manifest = _manifest.read(step_dir)
     item = _module_item(manifest, item)
@@ -324,7 +331,8 @@ def plan_export(
 
 @dataclass(frozen=True)
 class Budget:
-    """How ``max_host_bytes`` is spent: the reader's pool, one output file, one source tensor before its cast."""
+    """How ``max_host_bytes`` is spent: the reader's pool, one output file, one source tensor before
+    its cast."""
 
     total: int
     pool: int
@@ -342,18 +350,18 @@ class Budget:
         if need > total:
             big = max(planned, key=lambda p: p.out_bytes + p.held_besides)
             raise ConfigError(
-                f"--max-host-bytes {total} is too small: tensor {big.name!r} ({big.out_bytes} bytes"
-                f"{f', and {big.held_besides} bytes while it is read' if big.held_besides else ''}) and the "
-                f"reader's pool "
-                f"({pool} bytes) need {need} bytes at once; pass --max-host-bytes {need} or more"
+                f"--max-host-bytes {total} is too small: tensor {big.name!r} ({big.out_bytes} "
+                f"bytes{f', and {big.held_besides} bytes while it is read' if big.held_besides else ''}) "
+                f"and the reader's pool ({pool} bytes) need {need} bytes at once; pass "
+                f"--max-host-bytes {need} or more"
             )
         return cls(total, pool, total - pool - cast - _slack(total), cast)
 
 
 def _slack(total: int) -> int:
-    """Bytes kept for what is not a tensor (DCP's plans and metadata, the digest threads' heap arenas,
-    fragments between files): measured at up to 55 MiB above the tensors with a 256 MiB budget
-    (benchmarks/results/export_memory.md)."""
+    """Bytes kept for what is not a tensor (DCP's plans and metadata, the digest threads' heap
+    arenas, fragments between files): measured at up to 55 MiB above the tensors with a 256 MiB
+    budget (benchmarks/results/export_memory.md)."""
     return 48 * _MiB + total // 32
 
 
@@ -379,9 +387,10 @@ def _check_sources(step_dir: Path, step: int, p: Planned, out: torch.Tensor) -> 
     for s in p.sources:
         if now[s.key] != s.digest:
             raise CheckpointCorruptError(
-                f"{step_dir / _layout.STATE_DIR}: key {s.key!r} of step {step} reads back with layout-free digest "
-                f"{now[s.key]}, the save recorded {s.digest}: a shard file changed after the commit. Nothing was "
-                f"exported; run `ckptguard verify --deep {step_dir}` to find the file, and export an earlier step"
+                f"{step_dir / _layout.STATE_DIR}: key {s.key!r} of step {step} reads back with "
+                f"layout-free digest {now[s.key]}, the save recorded {s.digest}: a shard file "
+                f"changed after the commit. Nothing was exported; run `ckptguard verify --deep "
+                f"{step_dir}` to find the file, and export an earlier step"
             )
 
 
@@ -412,7 +421,8 @@ Progress = Callable[[dict[str, Any]], None]
 
 
 class _Reader:
-    """Source tensors from the step's DCP files, through ckptguard's streaming reader and restricted metadata."""
+    """Source tensors from the step's DCP files, through ckptguard's streaming reader and restricted
+    metadata."""
 
     def __init__(self, step_dir: Path, pool: int) -> None:
         self._state = step_dir / _layout.STATE_DIR
@@ -431,7 +441,8 @@ class _Reader:
 
 
 Fill = Callable[[Planned, torch.Tensor], None]
-"""Reads ``p``'s bytes into a tensor of its source dtype and shape, and checks them (raises if they differ)."""
+"""Reads ``p``'s bytes into a tensor of its source dtype and shape, and checks them (raises if they
+differ)."""
 
 
 def _load_shard(
@@ -479,16 +490,17 @@ def check_file(path: Path, meant: dict[str, str], planned: dict[str, Planned]) -
         trim()  # one tensor read back at a time, its pages given back before the next
         if now != meant[name]:
             raise CheckpointCorruptError(
-                f"{path}: tensor {name!r} reads back from the written file with digest {now}, the bytes handed "
-                f"to the serializer had {meant[name]}; the write was damaged (disk or filesystem): nothing was "
-                "published, retry the export on healthy storage"
+                f"{path}: tensor {name!r} reads back from the written file with digest {now}, the "
+                f"bytes handed to the serializer had {meant[name]}; the write was damaged (disk or "
+                f"filesystem): nothing was published, retry the export on healthy storage"
             )
 
 
 def copy_configs(
     step_dir: Path, manifest: _manifest.Manifest, tmp: Path, dtype: torch.dtype | None
 ) -> list[str]:
-    """The step's config/tokenizer files (``hf/``), checked against the manifest's size and xxh3 as copied."""
+    """The step's config/tokenizer files (``hf/``), checked against the manifest's size and xxh3 as
+    copied."""
     copied = []
     for entry in manifest.files:
         rel = entry.path
@@ -514,7 +526,8 @@ def copy_configs(
 
 
 def retyped_config(src: Path, data: bytes, dtype: torch.dtype) -> bytes:
-    """config.json with the exported dtype, so ``from_pretrained(dtype="auto")`` loads what was written."""
+    """config.json with the exported dtype, so ``from_pretrained(dtype="auto")`` loads what was
+    written."""
     config = _layout.parse_json(data, where=str(src))
     if not isinstance(config, dict):
         raise CheckpointCorruptError(f"{src}: not a JSON object")
@@ -529,7 +542,8 @@ def retyped_config(src: Path, data: bytes, dtype: torch.dtype) -> bytes:
 
 
 def _temp_dir(out: Path) -> Path:
-    """A new hidden directory beside ``out``; dead exports' temp directories of the same ``out`` swept first."""
+    """A new hidden directory beside ``out``; dead exports' temp directories of the same ``out``
+    swept first."""
     prefix = f".{out.name}{_TMP_MARK}"
     for old in sorted(out.parent.glob(prefix + "*")):
         ours = (
@@ -562,7 +576,8 @@ def _target(out: Path) -> Path:
 def step_dir_of(
     root: str | os.PathLike[str], step: int | None, template: str = "step_{step:08d}"
 ) -> Path:
-    """The committed step to export: ``root`` itself when it is a step directory, else ``step`` or the tracker's."""
+    """The committed step to export: ``root`` itself when it is a step directory, else ``step`` or
+    the tracker's."""
     root = Path(root)
     root = root.absolute()
     if (root / _layout.MANIFEST_NAME).exists():
@@ -650,7 +665,8 @@ def publish(
     progress: Progress | None,
     extra: dict[str, Any] | None = None,
 ) -> ExportResult:
-    """Write ``planned`` (bytes from ``fill``) into a temp directory beside ``out``, check, and publish it."""
+    """Write ``planned`` (bytes from ``fill``) into a temp directory beside ``out``, check, and
+    publish it."""
     t0 = time.perf_counter()
     out = _target(out)
     budget = Budget.of(max_host_bytes, planned)
@@ -828,8 +844,9 @@ def verify_export(path: str | os.PathLike[str], *, deep: bool = False) -> list[F
 
 
 def check_export(path: str | os.PathLike[str], *, deep: bool = False) -> ExportCheck:
-    """``verify_export``'s findings and what was compared. Every file read is one the export manifest
-    lists, inside ``path`` (no absolute name, no '..', no symlink, no FIFO): nothing outside is read."""
+    """``verify_export``'s findings and what was compared. Every file read is one the export
+    manifest lists, inside ``path`` (no absolute name, no '..', no symlink, no FIFO): nothing
+    outside is read."""
     path = Path(path)
     try:
         data = read_export_manifest(path)

@@ -1,16 +1,15 @@
 """Clean a checkpoint root of what crashes leave, without ever losing a checkpoint.
 
-Contract: ``gc`` acts only on a root it can identify (a tracker or contract phase files)
-and only on entries ckptguard created: its temp directories (named ``.tmp-<step>-<nonce>``
-with an owner record) once their owner is dead, its trash, the temp files of its atomic
-writes and stale lease take-over markers. A step directory with a complete checkpoint is
-never removed, whatever the tracker says; one newer than the tracker (or with no tracker)
-is reported with what to do, and removed only with ``orphans=True``; never one of per-node publish
-(node-local roots, a global manifest naming the nodes), whose node's tracker may lag the step the other
-nodes' trackers agreed on (gc sees one node). Anything else (a
-foreign directory, an incomplete step) is reported and left alone. It refuses while a
-live run holds the root's lease unless ``force``. ``adopt_step`` points the tracker at a
-verified orphan instead.
+Contract: ``gc`` acts only on a root it can identify (a tracker or contract phase files) and only on
+entries ckptguard created: its temp directories (named ``.tmp-<step>-<nonce>`` with an owner record)
+once their owner is dead, its trash, the temp files of its atomic writes and stale lease take-over
+markers. A step directory with a complete checkpoint is never removed, whatever the tracker says;
+one newer than the tracker (or with no tracker) is reported with what to do, and removed only with
+``orphans=True``; never one of per-node publish (node-local roots, a global manifest naming the
+nodes), whose node's tracker may lag the step the other nodes' trackers agreed on (gc sees one
+node). Anything else (a foreign directory, an incomplete step) is reported and left alone. It
+refuses while a live run holds the root's lease unless ``force``. ``adopt_step`` points the tracker
+at a verified orphan instead.
 """
 
 from __future__ import annotations
@@ -51,9 +50,10 @@ def identify(root: str | os.PathLike[str]) -> None:
     if tracker.exists() or tracker.is_symlink() or _contract.phase_files(root):
         return
     raise ConfigError(
-        f"{root} is not a checkpoint root: it has neither a tracker ({_layout.TRACKER_NAME}) nor "
-        f"{_layout.CONTRACT_DIR}/phase_*.json files. gc acts only on roots ckptguard wrote, and removed "
-        "nothing; pass the directory the run saves to (the root given to CheckpointManager)."
+        f"{root} is not a checkpoint root: it has neither a tracker "
+        f"({_layout.TRACKER_NAME}) nor {_layout.CONTRACT_DIR}/phase_*.json files. gc acts "
+        f"only on roots ckptguard wrote, and removed nothing; pass the directory the run "
+        f"saves to (the root given to CheckpointManager)."
     )
 
 
@@ -78,7 +78,8 @@ def _has_run_manifest(path: Path) -> bool:
 
 
 def _per_node(path: Path) -> bool:
-    """A step published by per-node publish (node-local roots): its global manifest names the nodes."""
+    """A step published by per-node publish (node-local roots): its global manifest names the
+    nodes."""
     try:
         return bool(_manifest.read(path).nodes)
     except Exception:  # not a per-node step (or unreadable: handled as before)
@@ -98,12 +99,13 @@ def _per_node_hint(
     )
     template = "" if naming.template == "step_{step:08d}" else f" --template '{naming.template}'"
     return (
-        f"step {step} was published on this node by a per-node save (node-local roots; {state}), and {where}. "
-        "Its global manifest is written only after every node confirmed its part, so "
-        f"another node's tracker may already be at step {step}: a restore then agrees on step {step} on every "
-        "node, this one included. gc sees one node only and never removes it, also not with --orphans; the next "
-        f"save removes it where no node's tracker reached step {step}. Where the other nodes' trackers are at "
-        f"step {step}, `ckptguard adopt {path.parent} {step}{template}` moves this node's tracker there too"
+        f"step {step} was published on this node by a per-node save (node-local roots; {state}), "
+        f"and {where}. Its global manifest is written only after every node confirmed its part, so "
+        f"another node's tracker may already be at step {step}: a restore then agrees on step "
+        f"{step} on every node, this one included. gc sees one node only and never removes it, "
+        f"also not with --orphans; the next save removes it where no node's tracker reached step "
+        f"{step}. Where the other nodes' trackers are at step {step}, `ckptguard adopt "
+        f"{path.parent} {step}{template}` moves this node's tracker there too"
         + ("" if why is None else f"; {_retention.INCOMPLETE_HINT}")
     )
 
@@ -129,8 +131,8 @@ def gc(
     tracker = _layout.read_tracker(root)
     if orphans and tracker is None:
         raise ConfigError(
-            f"gc --orphans: {root} has no tracker, so every step would look like an orphan; point the "
-            "tracker at the step you trust with `ckptguard adopt ROOT STEP` first"
+            f"gc --orphans: {root} has no tracker, so every step would look like an orphan; point "
+            f"the tracker at the step you trust with `ckptguard adopt ROOT STEP` first"
         )
     if not (force or dry_run):
         _lease.check_idle(root, ttl_s=ttl_s)
@@ -159,8 +161,9 @@ def gc(
             report.kept.append(
                 (
                     path,
-                    "not created by ckptguard, or no longer recognisable (no readable manifest.json): left "
-                    "alone; delete it by hand if you know it is a checkpoint's remains",
+                    "not created by ckptguard, or no longer recognisable (no "
+                    "readable manifest.json): left alone; delete it by hand if you "
+                    "know it is a checkpoint's remains",
                 )
             )
             continue
@@ -189,7 +192,8 @@ def gc(
             report.kept.append(
                 (
                     path,
-                    f"incomplete ({why}), newer than the tracker; {_retention.INCOMPLETE_HINT}, or --orphans",
+                    f"incomplete ({why}), newer than the tracker; "
+                    f"{_retention.INCOMPLETE_HINT}, or --orphans",
                 )
             )
         elif why is not None:
@@ -228,8 +232,9 @@ def gc(
 def _gone_is_fine(
     func: object, path: str, exc_info: tuple[type[BaseException], BaseException, object]
 ) -> None:
-    """rmtree's error handler: an entry someone else removed meanwhile is what was wanted (a job's background
-    trash delete, retention.DELETER, empties the same trash directory gc found); any other failure raises."""
+    """rmtree's error handler: an entry someone else removed meanwhile is what was wanted (a job's
+    background trash delete, retention.DELETER, empties the same trash directory gc found); any
+    other failure raises."""
     if not isinstance(exc_info[1], FileNotFoundError):
         raise exc_info[1]
 
@@ -256,14 +261,16 @@ def adopt_step(
     ]
     if errors:
         raise CheckpointCorruptError(
-            f"adopt: {path} is not a complete checkpoint, the tracker stays where it is: {errors[0].line()}"
+            f"adopt: {path} is not a complete checkpoint, the tracker stays where "
+            f"it is: {errors[0].line()}"
         )
     _contract.check_chain(root, _manifest.read(path).chain_id, where=f"adopt of step {step}")
     tracker = _layout.read_tracker(root)
     if tracker is not None and step <= tracker:
         raise ConfigError(
-            f"adopt: the tracker of {root} is at step {tracker}; moving it back to {step} would orphan the newer "
-            f"steps. To resume from step {step}, restore(path={str(path)!r}) instead"
+            f"adopt: the tracker of {root} is at step {tracker}; moving it back to {step} "
+            f"would orphan the newer steps. To resume from step {step}, "
+            f"restore(path={str(path)!r}) instead"
         )
     _lease.acquire(root, ttl_s=ttl_s)
     try:

@@ -1,4 +1,5 @@
-"""Goodput from the proof records: what checkpointing and failures cost a run, per launch and in total.
+"""Goodput from the proof records: what checkpointing and failures cost a run, per launch and in
+total.
 
 Contract. ``goodput(root)`` reads rank 0's proof records (``ROOT/proof``) and splits them into
 launches (one process id each, in time order). For each launch:
@@ -176,7 +177,8 @@ def launches(records: list[ProofRecord]) -> list[Launch]:
 
 
 def goodput(root: str | os.PathLike[str], *, mtbf_s: float | None = None) -> Goodput:
-    """The figures of the module docstring for ``root`` (``mtbf_s``: a declared mean time between failures)."""
+    """The figures of the module docstring for ``root`` (``mtbf_s``: a declared mean time between
+    failures)."""
     root = Path(os.fspath(root))
     records = read_records(root).get(0, [])
     runs = launches(records)
@@ -201,8 +203,8 @@ def goodput(root: str | os.PathLike[str], *, mtbf_s: float | None = None) -> Goo
             None,
             None,
         )
-    # To the end of training (the last step), not to the last record: a final wait for the last commit
-    # after the loop is not training time lost to checkpointing's failures.
+    # To the end of training (the last step), not to the last record: a final wait for the last
+    # commit after the loop is not training time lost to checkpointing's failures.
     ends = [x.last_step_time for x in runs if x.last_step_time is not None]
     wall = (max(ends) if ends else max(x.end for x in runs)) - runs[0].start
     step_times = [x.step_s for x in runs if x.step_s]

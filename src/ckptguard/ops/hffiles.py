@@ -1,11 +1,11 @@
 """Safetensors files as the export writes and checks them: Hugging Face's serializer to write, an
-independent reader of the format (8 bytes of little-endian header length, the JSON header, the data) to
-read back with plain reads and no mmap, and the layout-free digest of whole tensors.
+independent reader of the format (8 bytes of little-endian header length, the JSON header, the data)
+to read back with plain reads and no mmap, and the layout-free digest of whole tensors.
 
 Contract: ``write_shard`` writes and fsyncs one file and returns the digests of what it was handed;
 ``read_tensors`` yields each tensor of a file, validated against the header and the file's size (a
-malformed file is a CheckpointCorruptError, never a crash); ``trim`` gives freed heap pages back to the
-OS so a budget measured as RSS holds.
+malformed file is a CheckpointCorruptError, never a crash); ``trim`` gives freed heap pages back to
+the OS so a budget measured as RSS holds.
 """
 
 from __future__ import annotations
@@ -51,16 +51,17 @@ ST_DTYPES = {
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """The layout-free digest of each whole tensor (what a save records for a tensor held by one rank)."""
+    """The layout-free digest of each whole tensor (what a save records for a tensor held by one
+    rank)."""
     if not tensors:
         return {}
     return combine_layout_free([layout_free_partials({"x": tensors})]).get("x", {})
 
 
 def trim() -> None:
-    """Give freed heap memory back to the OS. glibc raises its mmap threshold after a large free, so the
-    next tensors of that size come from the heap, whose freed pages stay in the RSS unless trimmed
-    (measured: the budget overrun by a file's worth of tensors without this)."""
+    """Give freed heap memory back to the OS. glibc raises its mmap threshold after a large free, so
+    the next tensors of that size come from the heap, whose freed pages stay in the RSS unless
+    trimmed (measured: the budget overrun by a file's worth of tensors without this)."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -84,12 +85,14 @@ def _libc() -> Any:
 
 
 def _plain_file(path: str, flags: int) -> int:
-    """``open``'s opener: never through a symlink, never blocking on a FIFO (checked regular after)."""
+    """``open``'s opener: never through a symlink, never blocking on a FIFO (checked regular
+    after)."""
     return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
 
 
 def _check_regular(path: Path, fd: int) -> int:
-    """The size of the file open on ``fd``; a FIFO, device or directory named as a safetensors file is refused."""
+    """The size of the file open on ``fd``; a FIFO, device or directory named as a safetensors file
+    is refused."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointCorruptError(
@@ -99,7 +102,8 @@ def _check_regular(path: Path, fd: int) -> int:
 
 
 def read_header(path: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
-    """(data start, header) of a safetensors file: 8 bytes of little-endian header length, then the JSON."""
+    """(data start, header) of a safetensors file: 8 bytes of little-endian header length, then the
+    JSON."""
     path = Path(path)
     try:
         f = open(path, "rb", opener=_plain_file)  # noqa: SIM115 (closed by the with below: the open's error is ours)
@@ -129,8 +133,9 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
 def tensor_span(
     path: Path, name: str, info: object, data_bytes: int
 ) -> tuple[int, int, list[int], torch.dtype]:
-    """(start, end, shape, dtype) of one header entry, every declared size checked against the others and
-    against the ``data_bytes`` the file really holds after its header, before anything is allocated."""
+    """(start, end, shape, dtype) of one header entry, every declared size checked against the
+    others and against the ``data_bytes`` the file really holds after its header, before anything is
+    allocated."""
     ok = isinstance(info, dict) and info.get("dtype") in ST_DTYPES
     shape, offsets = (
         (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
@@ -166,9 +171,10 @@ def read_tensors(
     names: list[str] | None = None,
     into: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of a safetensors file, one at a time, read with plain file reads (no mmap); into the
-    tensor ``into[name]`` when given (its dtype and shape must be the file's). Never through a symlink or
-    from a FIFO; every span checked against the file's size before its tensor is allocated."""
+    """Each tensor of a safetensors file, one at a time, read with plain file reads (no mmap); into
+    the tensor ``into[name]`` when given (its dtype and shape must be the file's). Never through a
+    symlink or from a FIFO; every span checked against the file's size before its tensor is
+    allocated."""
     path = Path(path)
     start, header = read_header(path)
     with open(path, "rb", buffering=0, opener=_plain_file) as f:
@@ -199,7 +205,8 @@ def read_tensors(
 
 
 def write_shard(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Write one safetensors file with Hugging Face's serializer, fsync it; the digests meant to be in it."""
+    """Write one safetensors file with Hugging Face's serializer, fsync it; the digests meant to be
+    in it."""
     path = Path(path)
     from safetensors.torch import save_file
 

@@ -64,13 +64,15 @@ def resolve(
     steps = naming(template)
     if path is None and mode is not ResumeMode.NEVER and _layout.read_tracker(root) is None:
         dirs = _layout.step_dirs(root, steps)
-        if dirs:  # the core's message blames "something outside ckptguard"; a killed transfer does this too
+        # the core's message blames "something outside ckptguard"; a killed transfer does this too
+        if dirs:
             raise ResumeError(
-                f"{root} holds step directories {sorted(dirs)[-3:]} but no tracker {_layout.TRACKER_NAME}. "
-                "A `ckptguard transfer` into this root that was killed before its last step leaves exactly this: "
-                "run the same transfer again (it finishes the copy and sets the tracker). Otherwise something "
-                "outside ckptguard removed the tracker or wrote these steps: inspect the root, then "
-                "restore(path=...) the step you trust or `ckptguard adopt ROOT STEP` it"
+                f"{root} holds step directories {sorted(dirs)[-3:]} but no tracker "
+                f"{_layout.TRACKER_NAME}. A `ckptguard transfer` into this root that was killed "
+                f"before its last step leaves exactly this: run the same transfer again (it "
+                f"finishes the copy and sets the tracker). Otherwise something outside ckptguard "
+                f"removed the tracker or wrote these steps: inspect the root, then "
+                f"restore(path=...) the step you trust or `ckptguard adopt ROOT STEP` it"
             )
     res = resolve_local(
         root,
@@ -88,7 +90,8 @@ def resolve(
         ]
         if errors:
             raise ResumeError(
-                f"a restore would refuse step {res.step} at {res.path} ({res.reason}): {errors[0].line()}"
+                f"a restore would refuse step {res.step} at {res.path} "
+                f"({res.reason}): {errors[0].line()}"
                 + (
                     f" (and {len(errors) - 1} more: `ckptguard verify {res.path}`)"
                     if len(errors) > 1
@@ -114,7 +117,8 @@ class Listing:
 
 
 def list_steps(root: str | os.PathLike[str], template: str) -> Listing:
-    """Every step directory under ``root`` (committed, orphan, not committed) and the temp directories."""
+    """Every step directory under ``root`` (committed, orphan, not committed) and the temp
+    directories."""
     root = Path(root)
     steps = naming(template)
     tracker = _layout.read_tracker(root)
@@ -184,17 +188,19 @@ def world_size(step_dir: str | os.PathLike[str]) -> int:
 def hold(
     root: str | os.PathLike[str], template: str, step: int, reason: str, ttl_s: float | None = None
 ) -> Path:
-    """Pin a committed step against rotation; refuses a step that is not committed. With ``ttl_s``, a
-    reader lease that expires after it (the same reason renews it) instead of a hold kept until released."""
+    """Pin a committed step against rotation; refuses a step that is not committed. With ``ttl_s``,
+    a reader lease that expires after it (the same reason renews it) instead of a hold kept until
+    released."""
     root = Path(root)
     steps = naming(template)
     where = root / steps.name(step)
     if not os.path.lexists(where):  # not a step that died before its commit: there is none
         found = sorted(_layout.step_dirs(root, steps))
         raise ConfigError(
-            f"step {step} has no directory under {root} ({where.name} is absent; the step directories there: "
-            f"{found[-10:] or 'none'}, the tracker says {_layout.read_tracker(root)}): name a committed step "
-            "(`ckptguard list ROOT` shows them)"
+            f"step {step} has no directory under {root} ({where.name} is absent; "
+            f"the step directories there: {found[-10:] or 'none'}, the tracker "
+            f"says {_layout.read_tracker(root)}): name a committed step "
+            f"(`ckptguard list ROOT` shows them)"
         )
     _checks.read_any(where)
     if step > (_layout.read_tracker(root) or 0):
@@ -205,15 +211,17 @@ def hold(
 
 
 def release(root: str | os.PathLike[str], step: int) -> bool:
-    """Remove the hold on ``step`` and its leases taken with ``hold --ttl``; True if there was one."""
+    """Remove the hold on ``step`` and its leases taken with ``hold --ttl``; True if there was
+    one."""
     root = Path(root)
     leases = _readers.release_ttl(root, step)
     return _retention.release(root, step) or leases > 0
 
 
 def level(path: str | os.PathLike[str]) -> str | None:
-    """``"step"`` for a step directory (its manifest, no tracker), ``"root"`` for a checkpoint root (its tracker,
-    no manifest), else None: what a command told the wrong one of the two says instead of a verdict."""
+    """``"step"`` for a step directory (its manifest, no tracker), ``"root"`` for a checkpoint root
+    (its tracker, no manifest), else None: what a command told the wrong one of the two says instead
+    of a verdict."""
     path = Path(path)
     manifest, tracked = (
         (path / _layout.MANIFEST_NAME).is_file(),

@@ -1,15 +1,16 @@
-"""``ckptguard export --merged``: a LoRA step's base + adapter as one Hugging Face model, merged exactly once.
+"""``ckptguard export --merged``: a LoRA step's base + adapter as one Hugging Face model, merged
+exactly once.
 
 Contract: for a step saved by ``integrations.peft.LoraCheckpoint``, every tensor of the base model's
 safetensors files (the folder the step's binding names) is read, checked against the base identity
 the step recorded (a base whose weights changed since the save, e.g. one with an adapter already
 merged into it, is refused naming the tensor), and written under its own name; a tensor that the
-adapter targets is written as ``W + (B @ A) * scaling`` (transposed for ``fan_in_fan_out``), computed as
-peft's own merge computes it. Each merged tensor is then checked against a merge computed
-independently, in float64 from the checked adapter tensors: ``merged - W`` must be that delta within
-the rounding of one addition in the weight's dtype, so a delta added twice (or not at all) is refused
-before anything is published. The adapter tensors are checked against the step's layout-free digests.
-Files, read-back checks and the atomic publish are ``ops.export``'s.
+adapter targets is written as ``W + (B @ A) * scaling`` (transposed for ``fan_in_fan_out``),
+computed as peft's own merge computes it. Each merged tensor is then checked against a merge
+computed independently, in float64 from the checked adapter tensors: ``merged - W`` must be that
+delta within the rounding of one addition in the weight's dtype, so a delta added twice (or not at
+all) is refused before anything is published. The adapter tensors are checked against the step's
+layout-free digests. Files, read-back checks and the atomic publish are ``ops.export``'s.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ _CHECK_ROWS_ELEMENTS = 1 << 20  # elements of one float64 block of the independe
 
 
 def _lora_config(binding: dict[str, Any], step_dir: Path) -> tuple[float, bool]:
-    """(scaling, fan_in_fan_out) of a plain LoRA adapter; anything else refused, naming the field."""
+    """(scaling, fan_in_fan_out) of a plain LoRA adapter; anything else refused, naming the
+    field."""
     config = binding["adapter_config"]
     unsupported = {
         "use_dora": False,
@@ -58,7 +60,8 @@ def _lora_config(binding: dict[str, Any], step_dir: Path) -> tuple[float, bool]:
 def _adapter(
     step_dir: Path, manifest: _manifest.Manifest, adapter: str
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """``{base tensor name: {"A", "B"}}``: the step's adapter tensors, each checked against its layout-free digest."""
+    """``{base tensor name: {"A", "B"}}``: the step's adapter tensors, each checked against its
+    layout-free digest."""
     expected = (manifest.layout_free or {}).get(_peft.ADAPTER_ITEM)
     if not expected:
         raise CheckpointCorruptError(
@@ -99,7 +102,8 @@ def _adapter(
 def merge_delta(
     w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool
 ) -> None:
-    """``w += (B @ A) * scaling`` in place, as peft's ``Linear.merge`` does (``get_delta_weight``)."""
+    """``w += (B @ A) * scaling`` in place, as peft's ``Linear.merge`` does
+    (``get_delta_weight``)."""
     cast = a.dtype in (
         torch.float16,
         torch.bfloat16,
@@ -121,7 +125,8 @@ def _check_merge(
     scaling: float,
     fan_in_fan_out: bool,
 ) -> None:
-    """``merged - base`` equals the adapter's delta, computed again in float64, within one rounding."""
+    """``merged - base`` equals the adapter's delta, computed again in float64, within one
+    rounding."""
     eps_w = torch.finfo(merged.dtype).eps
     eps_a = torch.finfo(a.dtype).eps
     a64, b64 = a.double(), b.double()
@@ -143,10 +148,10 @@ def _check_merge(
         if bool(((got - delta).abs() > tol + 1e-30).any()):
             times = float((got * delta).sum() / (delta * delta).sum().clamp_min(1e-300))
             raise CheckpointCorruptError(
-                f"merged tensor {name!r}: merged - base is {times:.2f} x the adapter's delta, not 1 x (checked in "
-                "float64 against the step's adapter): the adapter was merged "
+                f"merged tensor {name!r}: merged - base is {times:.2f} x the adapter's delta, not "
+                f"1 x (checked in float64 against the step's adapter): the adapter was merged "
                 f"{'twice or more' if times > 1.5 else 'not at all' if abs(times) < 0.5 else 'wrongly'}; "
-                "nothing was published"
+                f"nothing was published"
             )
 
 
@@ -158,14 +163,15 @@ def export_merged(
     max_host_bytes: int = _export.DEFAULT_BUDGET,
     progress: _export.Progress | None = None,
 ) -> _export.ExportResult:
-    """Export the LoRA step ``step_dir`` as its base model with the adapter merged once (module docstring)."""
+    """Export the LoRA step ``step_dir`` as its base model with the adapter merged once (module
+    docstring)."""
     step_dir, out = Path(os.fspath(step_dir)), Path(os.fspath(out))
     manifest = _manifest.read(step_dir)
     binding = _peft.read_binding(step_dir)
     if binding is None:
         raise ConfigError(
-            f"{step_dir} holds no LoRA binding (item {_peft.BINDING_ITEM!r}): --merged exports steps "
-            "saved by ckptguard.integrations.peft.LoraCheckpoint; export it without --merged"
+            f"{step_dir} holds no LoRA binding (item {_peft.BINDING_ITEM!r}): --merged exports "
+            f"steps saved by ckptguard.integrations.peft.LoraCheckpoint; export it without --merged"
         )
     scaling, fan = _lora_config(binding, step_dir)
     base_dir = Path(binding["base"]["dir"])
@@ -183,9 +189,10 @@ def export_merged(
             pass
         if _files.digests({p.name: target})[p.name] != recorded[p.name]:
             raise CheckpointCorruptError(
-                f"{where[p.name]}: base tensor {p.name!r} differs from the base step {manifest.step} was trained on "
-                "(its identity is in the step): the base files changed since, e.g. an adapter was merged into "
-                "them. Nothing was exported; point the export at the original base"
+                f"{where[p.name]}: base tensor {p.name!r} differs from the base step "
+                f"{manifest.step} was trained on (its identity is in the step): the base files "
+                f"changed since, e.g. an adapter was merged into them. Nothing was exported; point "
+                f"the export at the original base"
             )
         ab = adapter.get(p.name)
         if ab is not None:
@@ -242,7 +249,8 @@ def _plan(
                 (_export.Source(f"base:{path.name}:{name}", recorded[name], shape),),
             )
             if name in adapter:
-                # the base weight's copy, and one float64 block of the independent check (six arrays)
+                # the base weight's copy, and one float64 block of the independent check (six
+                # arrays)
                 extra = p.src_bytes + 48 * min(p.numel, _CHECK_ROWS_ELEMENTS)
                 p = _export.Planned(name, shape, src, out, p.sources, extra_bytes=extra)
             planned.append(p)
@@ -258,7 +266,8 @@ def _base_configs(
     tmp: Path,
     dtype: torch.dtype | None,
 ) -> list[str]:
-    """The step's own config/tokenizer files; else the base's config.json, checked against the binding."""
+    """The step's own config/tokenizer files; else the base's config.json, checked against the
+    binding."""
     copied = _export.copy_configs(step_dir, manifest, tmp, dtype)
     if "config.json" not in copied and (base_dir / "config.json").exists():
         data = (base_dir / "config.json").read_bytes()

@@ -101,7 +101,8 @@ def preflight(
     expect_step: int | None = None,
     node: str | None = None,
 ) -> PreflightReport:
-    """``node``: the node this runs on, as the ranks name it (default: ``CKPTGUARD_NODE`` or the host name)."""
+    """``node``: the node this runs on, as the ranks name it (default: ``CKPTGUARD_NODE`` or the
+    host name)."""
     root = Path(root)
     report = PreflightReport()
     if not root.is_dir():
@@ -110,10 +111,10 @@ def preflight(
                 Severity.ERROR,
                 "no-root",
                 str(root),
-                "does not exist on this node (or is not a directory), so a launch with resume 'auto' would start "
-                "from step 0",
-                "point the launch at the root that holds the checkpoint, or copy this node's part of it here "
-                "(`ckptguard transfer`) before launching",
+                "does not exist on this node (or is not a directory), so a launch with resume "
+                "'auto' would start from step 0",
+                "point the launch at the root that holds the checkpoint, or copy this node's part "
+                "of it here (`ckptguard transfer`) before launching",
             )
         )
         return report
@@ -197,9 +198,10 @@ def _lagging(root: Path, naming: _layout.StepNaming, step: int) -> list[Finding]
                     Severity.WARNING,
                     "published-newer",
                     str(path),
-                    f"step {found} is published on this node (node-local roots) but this node's tracker says {step}: "
-                    f"a save stopped between the nodes' trackers; the job resumes step {found} if another node's "
-                    "tracker says so, else it is removed by the next save",
+                    f"step {found} is published on this node (node-local roots) but this "
+                    f"node's tracker says {step}: a save stopped between the nodes' trackers; "
+                    f"the job resumes step {found} if another node's tracker says so, else it "
+                    f"is removed by the next save",
                     "run preflight on the other nodes; the launch itself agrees on one step",
                 )
             )
@@ -223,8 +225,8 @@ def _world_mismatch(step_dir: Path, world: int, rank_hosts: dict[int, str]) -> l
 def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Finding]:
     found = _checks.read_any(step_dir)
     if isinstance(found, _runmanifest.RunManifest):
-        # A run step is on one shared root (RunCheckpoint refuses node-local ones): every role's ranks read
-        # this disk. Role rank i is run rank ranks[i]; each finding names the role.
+        # A run step is on one shared root (RunCheckpoint refuses node-local ones): every role's
+        # ranks read this disk. Role rank i is run rank ranks[i]; each finding names the role.
         if bad := _world_mismatch(step_dir, found.world_size, rank_hosts):
             return bad
         out = []
@@ -272,10 +274,10 @@ def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Fi
                     Severity.ERROR,
                     "missing-on-host",
                     f"{rank_hosts[rank]}:{step_dir}",
-                    f"rank {rank} will run on {rank_hosts[rank]} but {len(lost)} file(s) it reads are not on this "
-                    f"disk: {', '.join(lost[:4])}{' ...' if len(lost) > 4 else ''}",
-                    "copy them here before launch (`ckptguard transfer` of the node that holds them), or keep the "
-                    "old rank-to-host placement",
+                    f"rank {rank} will run on {rank_hosts[rank]} but {len(lost)} file(s) it reads "
+                    f"are not on this disk: {', '.join(lost[:4])}{' ...' if len(lost) > 4 else ''}",
+                    "copy them here before launch (`ckptguard transfer` of the node that holds "
+                    "them), or keep the old rank-to-host placement",
                 )
             )
     others = sorted({h for r, h in rank_hosts.items() if r not in here})
@@ -286,8 +288,8 @@ def _placement(step_dir: Path, rank_hosts: dict[int, str], node: str) -> list[Fi
                 Severity.WARNING,
                 "not-checked",
                 f"{host}:{step_dir}",
-                f"ranks {ranks} will run on {host}, whose disk this preflight on {node} cannot see (node-local "
-                "roots), so their files were not checked",
+                f"ranks {ranks} will run on {host}, whose disk this preflight on {node} cannot see "
+                f"(node-local roots), so their files were not checked",
                 f"run `ckptguard preflight` on {host} too",
             )
         )

@@ -1,13 +1,13 @@
 """Proof that a resume is exact: append-only records, and the gates of docs/practices.md, section 6.
 
-Contract: each rank appends JSON lines to ``ROOT/proof/rank_NNNNN.jsonl`` (one record
-per event: save, restore, step, export, logprobs, update), never rewriting earlier lines.
-``evaluate`` reads them and decides each gate as PASS, FAIL, MISSING, INFO or N/A, with
-evidence. FAIL means a difference was found; MISSING that the gate had nothing to compare
-(an event never recorded, or a kill that landed before the reference was recorded): never
-PASS, never FAIL. A gate the job's ``ProofPlan`` (recorded with the save) says does not
-apply is N/A. ``outcome`` turns the gates into PROVEN, DIVERGED or EVIDENCE_MISSING. A run segment is one PID;
-the gates look at the newest restore of a non-zero step on each rank of the newest run.
+Contract: each rank appends JSON lines to ``ROOT/proof/rank_NNNNN.jsonl`` (one record per event:
+save, restore, step, export, logprobs, update), never rewriting earlier lines. ``evaluate`` reads
+them and decides each gate as PASS, FAIL, MISSING, INFO or N/A, with evidence. FAIL means a
+difference was found; MISSING that the gate had nothing to compare (an event never recorded, or a
+kill that landed before the reference was recorded): never PASS, never FAIL. A gate the job's
+``ProofPlan`` (recorded with the save) says does not apply is N/A. ``outcome`` turns the gates into
+PROVEN, DIVERGED or EVIDENCE_MISSING. A run segment is one PID; the gates look at the newest restore
+of a non-zero step on each rank of the newest run.
 
 The replay gates compare the steps the resumed run runs again (restored step + 1 up to the
 last step the killed run recorded) with the ``step`` records of the same step and rank
@@ -43,7 +43,8 @@ LEGACY_PLAN = ProofPlan(rl=True)
 """The plan of records written before plans were recorded: every gate applied."""
 
 DATA_FIELDS = ("sample_ids", "batch")
-IDS_SHOWN = 4  # ids of a step shown in evidence (a record keeps more: a shift within a step is seen in them)
+# ids of a step shown in evidence (a record keeps more: a shift within a step is seen in them)
+IDS_SHOWN = 4
 
 
 class Status(str, enum.Enum):
@@ -61,7 +62,8 @@ class Gate:
     evidence: str
     required: bool = True
     qualifies: str = ""
-    """What the verdict must say with ``resume PROVEN`` because of this gate (numerics not compared)."""
+    """What the verdict must say with ``resume PROVEN`` because of this gate (numerics not
+    compared)."""
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -88,7 +90,8 @@ class _Segment:
 
 
 def _segment(rank: int, records: list[ProofRecord], at: int | None = -1) -> _Segment:
-    """The segment around restore record ``at`` (-1: the newest; None: none, every record is before)."""
+    """The segment around restore record ``at`` (-1: the newest; None: none, every record is
+    before)."""
     idx = (
         max((i for i, r in enumerate(records) if r["event"] == "restore"), default=None)
         if at == -1
@@ -228,7 +231,8 @@ def _gate_digests(seg: _Segment) -> tuple[Status, str]:
 
 
 def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
-    """Every tensor chunk that several ranks hold had one value across its holders after the load."""
+    """Every tensor chunk that several ranks hold had one value across its holders after the
+    load."""
     if not _restored(seg):
         return Status.MISSING, "no restore of a non-zero step"
     assert seg.restore is not None
@@ -251,8 +255,8 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
         return Status.MISSING, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"
     if not rep:
         why = (
-            "the restore compared no layout-free digests (verify_restored off, or a save written before "
-            "them)"
+            "the restore compared no layout-free digests (verify_restored off, or a "
+            "save written before them)"
             if "replicas" in seg.restore
             else "not recorded (a restore by an older ckptguard)"
         )
@@ -269,8 +273,9 @@ def _gate_replicas(seg: _Segment) -> tuple[Status, str]:
 
 
 def _partials(seg: _Segment) -> tuple[int, dict[str, list[str]]] | None:
-    """A rank's replica partials from its first step record after the restore (``replica_partials``: what
-    ``layout_free_partials`` gave of its live replicated tensors), checked before use; None: not recorded."""
+    """A rank's replica partials from its first step record after the restore (``replica_partials``:
+    what ``layout_free_partials`` gave of its live replicated tensors), checked before use; None:
+    not recorded."""
     if not _restored(seg) or _raised(seg):
         return None
     first = seg.first("step")
@@ -287,12 +292,14 @@ def _partials(seg: _Segment) -> tuple[int, dict[str, list[str]]] | None:
 def _first_step_drift(
     segments: list[_Segment], step: int, report: dict[str, Any]
 ) -> tuple[Status, str]:
-    """Replicas that differ at the first step after the restore, judged by what the resumed run's later saves
-    found: some jobs keep replicas equal only at save points (local SGD / DiLoCo averaging there, BatchNorm
-    stats synced before each save), so a difference between saves is a FAIL only where a save refused it."""
+    """Replicas that differ at the first step after the restore, judged by what the resumed run's
+    later saves found: some jobs keep replicas equal only at save points (local SGD / DiLoCo
+    averaging there, BatchNorm stats synced before each save), so a difference between saves is a
+    FAIL only where a save refused it."""
     seen = (
-        f"at the first step after the restore (step {step}) {report['differing']} tensor chunk(s) held by "
-        f"several ranks differ between their replicas: {differing_chunks(report, short=True)}"
+        f"at the first step after the restore (step {step}) {report['differing']} tensor chunk(s) "
+        f"held by several ranks differ between their replicas: "
+        f"{differing_chunks(report, short=True)}"
     )
     k = max(int(s.restore["step"]) for s in segments if s.restore is not None)
     refused = [
@@ -325,10 +332,12 @@ def _first_step_drift(
 
 
 def _first_step_replicas(segments: list[_Segment]) -> list[tuple[Status, str]]:
-    """Replicas compared again at the first step after the restore, across the ranks that recorded their
-    partials at the same step: drift that appeared after restore() returned (a hook, a late broadcast)."""
+    """Replicas compared again at the first step after the restore, across the ranks that recorded
+    their partials at the same step: drift that appeared after restore() returned (a hook, a late
+    broadcast)."""
     found = {s.rank: p for s in segments if (p := _partials(s)) is not None}
-    # The load's own comparison stands without this one: a digest that failed here is said, not MISSING.
+    # The load's own comparison stands without this one: a digest that failed here is said, not
+    # MISSING.
     errors = [
         (
             Status.PASS,
@@ -363,7 +372,8 @@ def _first_step_replicas(segments: list[_Segment]) -> list[tuple[Status, str]]:
 
 
 def _export_tensors(ref: ProofRecord, first: ProofRecord) -> str:
-    """The tensors two export records differ in, where both recorded per-tensor digests (a rollout engine's)."""
+    """The tensors two export records differ in, where both recorded per-tensor digests (a rollout
+    engine's)."""
     a = ref.get("tensors") or (ref.get("fingerprint") or {}).get("tensors")
     b = first.get("tensors") or (first.get("fingerprint") or {}).get("tensors")
     if not (isinstance(a, dict) and isinstance(b, dict)):
@@ -402,14 +412,16 @@ UNSEEDED = "unseeded"  # a logprobs record's seeds where no request had a seed (
 
 
 def _differ(a: Mapping[str, Any], b: Mapping[str, Any], key: str) -> bool | None:
-    """Whether two records' digests ``key`` differ (None: one of them recorded none, e.g. an older record)."""
+    """Whether two records' digests ``key`` differ (None: one of them recorded none, e.g. an older
+    record)."""
     x, y = a.get(key), b.get(key)
     return x != y if isinstance(x, str) and isinstance(y, str) else None
 
 
 def _engine_weights(seg: _Segment, step: int) -> tuple[bool | None, str]:
-    """Whether the engine that generated ``step``'s rollouts held the reference run's weights: its export of
-    step - 1 (the weights after step - 1 updates) against the earliest earlier run's export of that step."""
+    """Whether the engine that generated ``step``'s rollouts held the reference run's weights: its
+    export of step - 1 (the weights after step - 1 updates) against the earliest earlier run's
+    export of that step."""
     assert seg.restore is not None
     k, pid = int(seg.restore["step"]), seg.restore["pid"]
     mine = next((r for r in seg.after if r["event"] == "export" and r["step"] == step - 1), None)
@@ -426,14 +438,15 @@ def _engine_weights(seg: _Segment, step: int) -> tuple[bool | None, str]:
 
 
 def _logprob_cause(seg: _Segment, ref: ProofRecord, first: ProofRecord) -> str:
-    """The cause class of an old-logprob that differs: the engine's weights, or its sampling state."""
+    """The cause class of an old-logprob that differs: the engine's weights, or its sampling
+    state."""
     step = int(first["step"])
     weights, said = _engine_weights(seg, step)
     tokens, seeds = _differ(ref, first, "sampled"), _differ(ref, first, "seeds")
     if weights is False:
         return (
-            f"Cause: the rollout engine's weights: {said} (see 'first export byte-identical'): a push skipped "
-            "or stale after the restore"
+            f"Cause: the rollout engine's weights: {said} (see 'first export byte-identical'): a "
+            f"push skipped or stale after the restore"
         )
     if tokens is False:
         return (
@@ -453,26 +466,29 @@ def _logprob_cause(seg: _Segment, ref: ProofRecord, first: ProofRecord) -> str:
         if first.get("seeds") == UNSEEDED:
             seeded = "requests unseeded: the engine's own generator drew them"
         if weights and seeds is False and first.get("seeds") != UNSEEDED:
-            # same weights, scales and request seeds: not the seeds; what the export does not hold differs
+            # same weights, scales and request seeds: not the seeds; what the export does not hold
+            # differs
             return (
-                f"Cause: the rollout engine, beyond what its export records: same weights and scales ({said}) "
-                "and the same request seeds, yet other sampled token ids: engine state the export does not "
-                "hold differs (a cached quantized copy or scale, a kernel whose result depends on the batch), "
-                "or the sampled tokens depend on more than the request seed"
+                f"Cause: the rollout engine, beyond what its export records: same weights and "
+                f"scales ({said}) and the same request seeds, yet other sampled token ids: "
+                f"engine state the export does not hold differs (a cached quantized copy or "
+                f"scale, a kernel whose result depends on the batch), or the sampled tokens "
+                f"depend on more than the request seed"
             )
         if weights:
             return (
-                f"Cause: the rollout engine's sampling state: same weights ({said}) but other sampled token ids, "
-                f"{seeded}: seed each request from (run seed, step, prompt, sample) (integrations.vllm."
-                "request_seed), never from the engine's own generator, which a restart does not put back"
+                f"Cause: the rollout engine's sampling state: same weights ({said}) but other "
+                f"sampled token ids, {seeded}: seed each request from (run seed, step, prompt, "
+                f"sample) (integrations.vllm.request_seed), never from the engine's own generator, "
+                f"which a restart does not put back"
             )
         return (
-            f"Cause: other sampled token ids ({seeded}) and {said}: the engine's sampling state or its weights; "
-            "record the export of each push to tell them apart"
+            f"Cause: other sampled token ids ({seeded}) and {said}: the engine's sampling state or "
+            f"its weights; record the export of each push to tell them apart"
         )
     return (
-        "The rollout engine or the trainer holds other weights (or scales) than before the kill (no sampled "
-        "token ids recorded to tell the engine's sampling state apart)"
+        "The rollout engine or the trainer holds other weights (or scales) than before the kill "
+        "(no sampled token ids recorded to tell the engine's sampling state apart)"
     )
 
 
@@ -505,8 +521,8 @@ def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
     )
     if not same or _differ(ref, first, "sampled"):
         return Status.FAIL, (
-            f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, {who} of "
-            f"the same step {ref['probs_diff']:.3g}. {_logprob_cause(seg, ref, first)}"
+            f"rank {seg.rank}: first old-logprob of step {step} has probs_diff {diff:.3g}, {who} "
+            f"of the same step {ref['probs_diff']:.3g}. {_logprob_cause(seg, ref, first)}"
         )
     return Status.PASS, (
         f"first old-logprob of step {step}: probs_diff {diff:.3g} over {first['tokens']} tokens, "
@@ -516,7 +532,8 @@ def _gate_logprobs(seg: _Segment) -> tuple[Status, str]:
 
 
 def _updates(records: list[ProofRecord]) -> list[dict[str, Any]]:
-    """The updates a run recorded, in order: its update records, else its step records with a grad_norm."""
+    """The updates a run recorded, in order: its update records, else its step records with a
+    grad_norm."""
     found = [
         {
             "step": r["step"],
@@ -550,9 +567,9 @@ def _zero(update: Mapping[str, Any]) -> bool:
 
 
 def _gate_update(seg: _Segment, plan: ProofPlan) -> tuple[Status, str]:
-    """The first non-zero update after the restore; a zero one is judged against what the reference run
-    (``ops.reference``) did at that step: zero there too is the trajectory (a GRPO group whose rewards
-    were all equal), non-zero there is a failure, not recorded there is missing evidence."""
+    """The first non-zero update after the restore; a zero one is judged against what the reference
+    run (``ops.reference``) did at that step: zero there too is the trajectory (a GRPO group whose
+    rewards were all equal), non-zero there is a failure, not recorded there is missing evidence."""
     if (missing := _needs_restore(seg)) is not None:
         return missing
     assert seg.restore is not None
@@ -590,8 +607,8 @@ def _gate_update(seg: _Segment, plan: ProofPlan) -> tuple[Status, str]:
             )
         if not _zero(ref_update):
             return Status.FAIL, (
-                f"{shown}, where {chosen.describe()} had grad_norm {ref_update['grad_norm']:.3g} at "
-                "the same step: the optimizer or the gradients were lost in the restore"
+                f"{shown}, where {chosen.describe()} had grad_norm {ref_update['grad_norm']:.3g} "
+                f"at the same step: the optimizer or the gradients were lost in the restore"
             )
         zeros.append(int(u["step"]))
     return Status.PASS, (
@@ -608,24 +625,26 @@ def _exact_zero(update: Mapping[str, Any]) -> bool:
 def _past_reference(
     seg: _Segment, zeros: list[int], rest: list[dict[str, Any]], plan: ProofPlan
 ) -> tuple[Status, str]:
-    """The updates past the last one an earlier run recorded, after zero updates that matched it. A zero
-    gradient there continues the trajectory's (a converged GRPO policy); an optimizer that changed no
-    parameter with a non-zero gradient is what a lost optimizer looks like, which nothing recorded
-    can tell from a learning rate of zero (a warmup), so it is never a PASS."""
+    """The updates past the last one an earlier run recorded, after zero updates that matched it. A
+    zero gradient there continues the trajectory's (a converged GRPO policy); an optimizer that
+    changed no parameter with a non-zero gradient is what a lost optimizer looks like, which nothing
+    recorded can tell from a learning rate of zero (a warmup), so it is never a PASS."""
     matched = f"the updates of steps {zeros[0]}-{zeros[-1]} were zero, as the reference run's at the same steps"
     unrecorded: list[int] = []
     for u in rest:
         if not _zero(u):
             return Status.PASS, (
-                f"first non-zero update: grad_norm {u['grad_norm']:.3g} at step {u['step']} ({matched}"
-                f"; steps {unrecorded} past what any earlier run recorded had a zero gradient)"
+                f"first non-zero update: grad_norm {u['grad_norm']:.3g} at step "
+                f"{u['step']} ({matched}; steps {unrecorded} past what any earlier run "
+                f"recorded had a zero gradient)"
             )
         if not _exact_zero(u):
             return Status.MISSING, (
-                f"rank {seg.rank}: {matched}, then step {u['step']}, which no earlier run recorded, had grad_norm "
-                f"{u['grad_norm']} and params_changed={u['params_changed']}: the optimizer changed no parameter with "
-                "a non-zero gradient, a lost optimizer state or a learning rate of zero (nothing recorded tells "
-                "which); kill a run later, so that an earlier run records that step"
+                f"rank {seg.rank}: {matched}, then step {u['step']}, which no earlier run "
+                f"recorded, had grad_norm {u['grad_norm']} and "
+                f"params_changed={u['params_changed']}: the optimizer changed no parameter with a "
+                f"non-zero gradient, a lost optimizer state or a learning rate of zero (nothing "
+                f"recorded tells which); kill a run later, so that an earlier run records that step"
             )
         unrecorded.append(int(u["step"]))
     if len(zeros) < plan.replay_steps:
@@ -649,15 +668,16 @@ def _no_update(seg: _Segment) -> str:
     steps = [int(r["step"]) for r in seg.after if r["event"] == "step"]
     if steps:
         return (
-            f"rank {seg.rank}: steps {min(steps)}-{max(steps)} were recorded after the restore without grad_norm, "
-            f"so no update was recorded: pass {calls}"
+            f"rank {seg.rank}: steps {min(steps)}-{max(steps)} were recorded after the restore "
+            f"without grad_norm, so no update was recorded: pass {calls}"
         )
     return f"rank {seg.rank}: no update recorded after the restore: call {calls}"
 
 
 def _gate_trained(seg: _Segment, plan: ProofPlan) -> tuple[Status, str]:
-    """A resume that trains zero steps and exits 0 looks like success (an exhausted loader at an epoch
-    boundary): after the restore the process must record a step, unless the job had no steps left."""
+    """A resume that trains zero steps and exits 0 looks like success (an exhausted loader at an
+    epoch boundary): after the restore the process must record a step, unless the job had no steps
+    left."""
     if (missing := _needs_restore(seg)) is not None:
         return missing
     assert seg.restore is not None
@@ -734,7 +754,8 @@ def _code_text(code: dict[str, Any]) -> str:
 
 
 def _code(segments: list[_Segment]) -> Gate | None:
-    """Which code saved the restored step and which resumed it (recorded with saves and restores), as information."""
+    """Which code saved the restored step and which resumed it (recorded with saves and restores),
+    as information."""
     seg = next(
         (s for s in segments if _restored(s) and s.restore is not None and "code" in s.restore),
         None,
@@ -782,8 +803,9 @@ def _code(segments: list[_Segment]) -> Gate | None:
         "code identity",
         Status.INFO,
         (
-            f"the saving and the resumed runs ran different code ({', '.join(changed)} differ): saved by "
-            f"{_code_text(saved)}, resumed by {_code_text(resumed)}; the replay compares the two{hint}"
+            f"the saving and the resumed runs ran different code ({', '.join(changed)} "
+            f"differ): saved by {_code_text(saved)}, resumed by {_code_text(resumed)}; the "
+            f"replay compares the two{hint}"
         ),
         required=False,
     )
@@ -893,9 +915,10 @@ def _drawn_before_restore(
     ref: dict[int, list[Any]],
     after: dict[int, list[Any]],
 ) -> str | None:
-    """A batch drawn before ``restore`` (nanoGPT's naive loop: ``X, Y = get_batch()`` above the loop)
-    comes from an RNG not yet restored: the first replayed step consumes what a fresh process's first
-    step consumed, and the next step, drawn after the restore, is the killed run's again."""
+    """A batch drawn before ``restore`` (nanoGPT's naive loop: ``X, Y = get_batch()`` above the
+    loop) comes from an RNG not yet restored: the first replayed step consumes what a fresh
+    process's first step consumed, and the next step, drawn after the restore, is the killed run's
+    again."""
     if step != k + 1 or key not in firsts:
         return None
     nxt_a, nxt_b = ref.get(step + 1), after.get(step + 1)
@@ -903,22 +926,23 @@ def _drawn_before_restore(
         return None  # the next step differs too: not one batch drawn early
     if nxt_a and nxt_b:
         return (
-            f"The resumed run consumed at its first step after the restore (step {step}) what a freshly started "
-            f"process consumed at its first step (step {firsts[key]}); step {step + 1} matches the killed run's "
-            "again: the batch was drawn before restore(), from an RNG not yet restored. Draw the first batch "
-            "after restore() (or keep the batch drawn ahead in the state: state['batch'] = "
-            "ckptguard.PerRank(batch))"
+            f"The resumed run consumed at its first step after the restore (step {step}) what a "
+            f"freshly started process consumed at its first step (step {firsts[key]}); step "
+            f"{step + 1} matches the killed run's again: the batch was drawn before restore(), "
+            f"from an RNG not yet restored. Draw the first batch after restore() (or keep the "
+            f"batch drawn ahead in the state: state['batch'] = ckptguard.PerRank(batch))"
         )
-    # No next step to tell the two apart: a sampler without its generator that starts a new pass right
-    # after the restore draws the fresh process's first order too.
+    # No next step to tell the two apart: a sampler without its generator that starts a new pass
+    # right after the restore draws the fresh process's first order too.
     return (
-        f"The resumed run consumed at its first step after the restore (step {step}) what a freshly started "
-        f"process consumed at its first step (step {firsts[key]}); step {step + 1} was not recorded by both "
-        "runs, so two causes fit: the batch was drawn before restore(), from an RNG not yet restored (draw it "
-        "after restore(), or keep it in the state: state['batch'] = ckptguard.PerRank(batch)), or a sampler "
-        "whose torch.Generator is not in the state began a new epoch in its first order (add "
-        "state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)); more replayed steps, "
-        "ProofPlan(replay_steps=2), tell which"
+        f"The resumed run consumed at its first step after the restore (step {step}) what a "
+        f"freshly started process consumed at its first step (step {firsts[key]}); step {step + 1} "
+        f"was not recorded by both runs, so two causes fit: the batch was drawn before restore(), "
+        f"from an RNG not yet restored (draw it after restore(), or keep it in the state: "
+        f"state['batch'] = ckptguard.PerRank(batch)), or a sampler whose torch.Generator is not in "
+        f"the state began a new epoch in its first order (add state['sampler_gen'] = "
+        f"ckptguard.GeneratorState(sampler.generator)); more replayed steps, "
+        f"ProofPlan(replay_steps=2), tell which"
     )
 
 
@@ -928,9 +952,10 @@ _GENERIC_HINT = (
 
 
 def _shift_within(killed: ProofRecord, resumed: ProofRecord) -> int | None:
-    """How many samples the resumed step's ids are ahead of the killed step's within the step: the resumed ids
-    start with the killed ids from position m on (a micro-batch drawn before the save point, lost), seen in
-    the ids each record keeps (``ids_head``); None: no such shift (at least 2 ids overlapping)."""
+    """How many samples the resumed step's ids are ahead of the killed step's within the step: the
+    resumed ids start with the killed ids from position m on (a micro-batch drawn before the save
+    point, lost), seen in the ids each record keeps (``ids_head``); None: no such shift (at least 2
+    ids overlapping)."""
     a, b = killed.get("ids_head"), resumed.get("ids_head")
     if not (isinstance(a, list) and isinstance(b, list)) or len(a) != len(b) or a == b:
         return None
@@ -962,10 +987,11 @@ def _hint(
     shift = _shift_within(ref[step][0], resumed) if ref.get(step) else None
     if shift is not None:
         return (
-            f"Prefetch lost within the step: the resumed run's ids of step {step} start with the killed run's "
-            f"from position {shift} on, so {shift} sample(s) drawn before the save point (a prefetched "
-            "micro-batch, e.g. gradient accumulation's next batch drawn after each forward) were not in the "
-            "state; keep the prefetched batch in the state, e.g. state['prefetched'] = ckptguard.PerRank(batch)"
+            f"Prefetch lost within the step: the resumed run's ids of step {step} start with the "
+            f"killed run's from position {shift} on, so {shift} sample(s) drawn before the save "
+            f"point (a prefetched micro-batch, e.g. gradient accumulation's next batch drawn after "
+            f"each forward) were not in the state; keep the prefetched batch in the state, e.g. "
+            f"state['prefetched'] = ckptguard.PerRank(batch)"
         )
     key = tuple(sorted(_data(resumed).items()))
     ahead = [
@@ -974,29 +1000,31 @@ def _hint(
         if s > step and any(tuple(sorted(_data(r).items())) == key for r in recs)
     ]
     if ahead and restored is not None and step > restored + 1:
-        # The first replayed step(s) matched: the batch drawn before the save point was kept; the data
-        # position that feeds the later steps was saved ahead of the training
+        # The first replayed step(s) matched: the batch drawn before the save point was kept; the
+        # data position that feeds the later steps was saved ahead of the training
         later = min(ahead)
         return (
-            f"Cursor saved ahead of training: steps {restored + 1}-{step - 1} matched the killed run's, then the "
-            f"resumed run consumed at step {step} what the killed run consumed at step {later}: the data "
-            f"position saved with step {restored} was {later - step} batch(es) ahead of the steps trained (a "
-            "cursor advanced before the save point, or saved after a batch was drawn for a later step); save "
-            "the position of the last batch trained (ckptguard.DataCursor counts consumed samples)"
+            f"Cursor saved ahead of training: steps {restored + 1}-{step - 1} matched the killed "
+            f"run's, then the resumed run consumed at step {step} what the killed run consumed at "
+            f"step {later}: the data position saved with step {restored} was {later - step} "
+            f"batch(es) ahead of the steps trained (a cursor advanced before the save point, or "
+            f"saved after a batch was drawn for a later step); save the position of the last batch "
+            f"trained (ckptguard.DataCursor counts consumed samples)"
         )
     if ahead:
         later = min(ahead)
         return (
-            f"The resumed run consumed at step {step} what the killed run consumed at step {later}: a batch "
-            "drawn before the save point (a prefetch) was lost, or the data cursor was saved ahead of the "
-            "training; keep a prefetched batch in the state, e.g. state['prefetched'] = "
-            "ckptguard.PerRank(batch), and save the position of the last batch trained"
+            f"The resumed run consumed at step {step} what the killed run consumed at step "
+            f"{later}: a batch drawn before the save point (a prefetch) was lost, or the "
+            f"data cursor was saved ahead of the training; keep a prefetched batch in the "
+            f"state, e.g. state['prefetched'] = ckptguard.PerRank(batch), and save the "
+            f"position of the last batch trained"
         )
     if key in history and history[key] < step:
         return (
-            f"The resumed run consumed at step {step} the data of step {history[key]} again: an epoch or a "
-            "stream replayed, typically a sampler whose torch.Generator is not in the state; add "
-            "state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)"
+            f"The resumed run consumed at step {step} the data of step {history[key]} again: an "
+            f"epoch or a stream replayed, typically a sampler whose torch.Generator is not in the "
+            f"state; add state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)"
         )
     more = (
         " (with more replayed steps, ProofPlan(replay_steps=2), the gate tells which)"
@@ -1004,18 +1032,18 @@ def _hint(
         else ""
     )
     return (
-        f"{_GENERIC_HINT} a batch drawn before the save point (a prefetch: "
-        "state['prefetched'] = ckptguard.PerRank(batch)), a sampler's torch.Generator "
-        "(state['sampler_gen'] = ckptguard.GeneratorState(sampler.generator)), a data iterator's position "
-        f"(a loader without state_dict/load_state_dict){more}"
+        f"{_GENERIC_HINT} a batch drawn before the save point (a prefetch: state['prefetched'] = "
+        f"ckptguard.PerRank(batch)), a sampler's torch.Generator (state['sampler_gen'] = "
+        f"ckptguard.GeneratorState(sampler.generator)), a data iterator's position (a loader "
+        f"without state_dict/load_state_dict){more}"
     )
 
 
 def _reference(
     seg: _Segment, before: list[ProofRecord]
 ) -> tuple[_reference_mod.Candidate | None, dict[int, list[Any]], dict[tuple[Any, ...], int]]:
-    """The run the replay compares with (``ops.reference``: the saving run, else the earliest resume of
-    the same step that recorded past it), its step records after the restored step, and every
+    """The run the replay compares with (``ops.reference``: the saving run, else the earliest resume
+    of the same step that recorded past it), its step records after the restored step, and every
     earlier step's data (for hints)."""
     assert seg.restore is not None
     k, pid = int(seg.restore["step"]), seg.restore["pid"]
@@ -1032,13 +1060,14 @@ def _against(chosen: _reference_mod.Candidate | None) -> str:
     if chosen is None or chosen.saved:
         return ""
     return (
-        f" (compared with {chosen.describe()}, the earliest run that recorded past it: the run that saved it "
-        "recorded nothing past it)"
+        f" (compared with {chosen.describe()}, the earliest run that recorded past it: the run "
+        f"that saved it recorded nothing past it)"
     )
 
 
 def _first_steps(before: list[ProofRecord], pid: Any) -> dict[tuple[Any, ...], int]:
-    """The data of each earlier process's first step record, by its data (the first batch a fresh process draws)."""
+    """The data of each earlier process's first step record, by its data (the first batch a fresh
+    process draws)."""
     seen: set[Any] = set()
     out: dict[tuple[Any, ...], int] = {}
     for r in before:
@@ -1073,17 +1102,19 @@ def _consumed_again(
     before: list[ProofRecord],
     pid: Any,
 ) -> tuple[Status | None, str, int | None]:
-    """Exactly once: whether a replayed step consumed data already consumed at or before step k. An earlier
-    resume shares a restore bug that replays the same way every time (a data position put back to the
-    pass's start), so where no run that trained step k recorded past it, this is the check left. A repeat
-    in the same recorded epoch is a FAIL; without ``epoch=`` a repeat is also what a new pass beginning
-    right after step k consumes, so it is missing evidence, never a PASS. Returns (status, why, the step):
-    status None when nothing was found (why says what was checked)."""
+    """Exactly once: whether a replayed step consumed data already consumed at or before step k. An
+    earlier resume shares a restore bug that replays the same way every time (a data position put
+    back to the pass's start), so where no run that trained step k recorded past it, this is the
+    check left. A repeat in the same recorded epoch is a FAIL; without ``epoch=`` a repeat is also
+    what a new pass beginning right after step k consumes, so it is missing evidence, never a PASS.
+    Returns (status, why, the step): status None when nothing was found (why says what was
+    checked)."""
     history = _history(before, pid, k)
     if not history:
         return (
             None,
-            f"rank {rank}: no step up to {k} recorded with its data: data consumed twice not checked",
+            f"rank {rank}: no step up to {k} recorded with its data: data "
+            f"consumed twice not checked",
             None,
         )
     keys = {step: _key(r) for step, r in history.items()}
@@ -1116,8 +1147,9 @@ def _consumed_again(
             return (
                 None,
                 (
-                    f"rank {rank}: data consumed twice not checked: steps up to {k} consumed the same data more "
-                    "than once (passes over the data) and no epoch was recorded (record_step(..., epoch=))"
+                    f"rank {rank}: data consumed twice not checked: steps up to {k} consumed the "
+                    f"same data more than once (passes over the data) and no epoch was recorded "
+                    f"(record_step(..., epoch=))"
                 ),
                 None,
             )
@@ -1139,8 +1171,8 @@ def _consumed_again(
 def _compare_update(
     out: _Replay, seg: _Segment, before: list[ProofRecord], k: int, step: int
 ) -> None:
-    """The replayed update's grad_norm (``record_update``: after the all-reduce, so it carries every rank's data)
-    against the reference run's of the same step, where both recorded one."""
+    """The replayed update's grad_norm (``record_update``: after the all-reduce, so it carries every
+    rank's data) against the reference run's of the same step, where both recorded one."""
     assert seg.restore is not None
     _chosen, ref = _reference_mod.at_step(before, k, seg.restore["pid"], ("update",), step)
     mine = next((r for r in seg.after if r["event"] == "update" and r["step"] == step), None)
@@ -1177,9 +1209,11 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
     if not found:
         out.no_reference = True
         lost = (
-            "no record of any run before this resume on this rank (its records lost, e.g. with its node)"
+            "no record of any run before this resume on this rank (its records "
+            "lost, e.g. with its node)"
             if not any(r.pid != seg.restore["pid"] for r in before)
-            else f"no record of the process that saved step {k} (its save record lost with a kill right after the "
+            else f"no record of the process that saved step {k} (its save record lost "
+            f"with a kill right after the "
             "commit) and no earlier resume of it"
         )
         out.evidence = f"rank {seg.rank}: {lost}: no killed run to compare with"
@@ -1188,8 +1222,8 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
         out.no_reference = True
         out.evidence = (
             f"rank {seg.rank}: no run before this resume recorded a step past step {k} "
-            f"({_reference_mod.nothing_past(before, k, seg.restore['pid'], 'step')}; killed right after "
-            "the save, or record_step not called): nothing to compare the replay with"
+            f"({_reference_mod.nothing_past(before, k, seg.restore['pid'], 'step')}; killed right "
+            f"after the save, or record_step not called): nothing to compare the replay with"
         )
         return _unreferenced(out, k, resumed, before, seg.restore["pid"])
     if not resumed:
@@ -1223,8 +1257,8 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
             if set(da) != set(db):
                 out.status, out.first_bad = Status.FAIL, s
                 out.evidence = (
-                    f"rank {seg.rank}, step {s}: the killed run recorded {sorted(da) or 'no data'}, "
-                    f"the resumed run {sorted(db) or 'no data'}"
+                    f"rank {seg.rank}, step {s}: the killed run recorded "
+                    f"{sorted(da) or 'no data'}, the resumed run {sorted(db) or 'no data'}"
                 )
                 return out
             if da != db:
@@ -1235,8 +1269,8 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
                 hint = _hint(seg.rank, s, b, ref, history, early, k)
                 out.data_cause = not hint.startswith(_GENERIC_HINT)
                 out.evidence = (
-                    f"rank {seg.rank}, step {s} (first replayed step {min(out.steps)}): the resumed run "
-                    f"consumed {_show(b)}, the killed run {_show(a)}. {hint}"
+                    f"rank {seg.rank}, step {s} (first replayed step {min(out.steps)}): the "
+                    f"resumed run consumed {_show(b)}, the killed run {_show(a)}. {hint}"
                 )
                 return out
             out.threads.setdefault(s, (a.get("threads"), b.get("threads")))
@@ -1254,8 +1288,8 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
         )
     elif not data_seen:
         out.evidence = (
-            f"rank {seg.rank}: steps {out.steps[0]}-{out.steps[-1]} were recorded without sample_ids or "
-            "batch: the data order was not compared"
+            f"rank {seg.rank}: steps {out.steps[0]}-{out.steps[-1]} were recorded without "
+            f"sample_ids or batch: the data order was not compared"
         )
     elif len(out.steps) < plan.replay_steps:
         out.evidence = (
@@ -1283,9 +1317,10 @@ def _replay(seg: _Segment, before: list[ProofRecord], plan: ProofPlan) -> _Repla
 def _unreferenced(
     out: _Replay, k: int, resumed: dict[int, list[ProofRecord]], before: list[ProofRecord], pid: Any
 ) -> _Replay:
-    """A rank with no run to compare its replay with is still checked for data consumed twice in one epoch
-    (any step), and its first replayed step for a repeat that may also be a new pass (what another rank
-    judges it by, ``_symmetric``; a later step may begin the next pass, as a wrapping cursor's does)."""
+    """A rank with no run to compare its replay with is still checked for data consumed twice in one
+    epoch (any step), and its first replayed step for a repeat that may also be a new pass (what
+    another rank judges it by, ``_symmetric``; a later step may begin the next pass, as a wrapping
+    cursor's does)."""
     once, out.once, step = _consumed_again(out.rank, k, sorted(resumed), resumed, before, pid)
     if once is not Status.FAIL:
         first = [s for s in resumed if s == k + 1]
@@ -1308,9 +1343,10 @@ def _epoch_of(r: ProofRecord) -> Any:
 def _epoch_crossing(
     k: int, compared: list[ProofRecord], before: list[ProofRecord]
 ) -> tuple[bool | None, str]:
-    """Whether the compared steps (the killed run's records) reach the data's next pass: exactly from a
-    recorded ``epoch`` extra, else when a compared step consumes an id already consumed in the pass of step
-    k (found back from k to the first repeated id; only each step's first ids are recorded)."""
+    """Whether the compared steps (the killed run's records) reach the data's next pass: exactly
+    from a recorded ``epoch`` extra, else when a compared step consumes an id already consumed in
+    the pass of step k (found back from k to the first repeated id; only each step's first ids are
+    recorded)."""
     if not compared:
         return None, ""
     at_k = next((r for r in reversed(before) if r["event"] == "step" and r["step"] == k), None)
@@ -1322,7 +1358,8 @@ def _epoch_crossing(
             if prev is not None and _epoch_of(prev) is not None and _epoch_of(r) != _epoch_of(prev):
                 return (
                     True,
-                    f"epoch {_epoch_of(prev)} -> {_epoch_of(r)} at step {r['step']} (record_step epoch=)",
+                    f"epoch {_epoch_of(prev)} -> {_epoch_of(r)} at step "
+                    f"{r['step']} (record_step epoch=)",
                 )
         return False, f"all in epoch {epochs[-1]} (record_step epoch=)"
     heads = {
@@ -1343,19 +1380,21 @@ def _epoch_crossing(
             first = seen[again[0]]
             return (
                 True,
-                f"step {r['step']} consumed sample {again[0]!r} again (also consumed at step {first})",
+                f"step {r['step']} consumed sample {again[0]!r} again (also "
+                f"consumed at step {first})",
             )
         seen.update({i: int(r["step"]) for i in r.get("ids_head") or []})
     if not any("ids_head" in r for r in compared):
         return None, "not known (record_step(..., epoch=) or integer/string sample_ids tell)"
     return None, (
-        "not seen: no compared step's first recorded ids were consumed before (only the first ids of each "
-        "step are recorded; record_step(..., epoch=) tells exactly)"
+        "not seen: no compared step's first recorded ids were consumed before (only the first ids "
+        "of each step are recorded; record_step(..., epoch=) tells exactly)"
     )
 
 
 def _coverage(replays: list[_Replay]) -> Gate | None:
-    """How much the replay compared, and whether a state used only at the next epoch could have shown."""
+    """How much the replay compared, and whether a state used only at the next epoch could have
+    shown."""
     compared = [r for r in replays if r.steps]
     if not compared:
         return None
@@ -1379,19 +1418,20 @@ def _coverage(replays: list[_Replay]) -> Gate | None:
         "replay coverage",
         Status.INFO,
         (
-            f"{per_rank}; epoch boundary: {known[1] or 'not known'}. The replay could not have seen "
-            "a state that acts only at the next pass over the data (a sampler's torch.Generator "
-            "left out of the state, a per-epoch seed or set_epoch): kill a run past an epoch "
-            "boundary, with ProofPlan(replay_steps=) reaching it, to compare there"
+            f"{per_rank}; epoch boundary: {known[1] or 'not known'}. The replay could not have "
+            f"seen a state that acts only at the next pass over the data (a sampler's "
+            f"torch.Generator left out of the state, a per-epoch seed or set_epoch): kill a run "
+            f"past an epoch boundary, with ProofPlan(replay_steps=) reaching it, to compare there"
         ),
         required=False,
     )
 
 
 def _same_data_as(lacking: _Replay, judged: list[_Replay]) -> bool:
-    """Whether ``lacking`` consumed after the restore the data a judged rank consumed at that step although, at
-    the restored step, the two ranks consumed different data (data parallel): its shard of the data was lost.
-    Ranks that share their data (tensor parallel: equal at the restored step too) stay symmetric."""
+    """Whether ``lacking`` consumed after the restore the data a judged rank consumed at that step
+    although, at the restored step, the two ranks consumed different data (data parallel): its shard
+    of the data was lost. Ranks that share their data (tensor parallel: equal at the restored step
+    too) stay symmetric."""
     return bool(lacking.key_next) and any(
         lacking.key_next == j.key_next
         and lacking.key_at_k
@@ -1431,25 +1471,29 @@ def _symmetric(replays: list[_Replay], plan: ProofPlan) -> str | None:
     if not plan.deterministic or any(not r.saver_recorded or r.once_missing for r in lacking):
         return None  # the lacking ranks stay MISSING: nothing stands for their data
     shared = [r for r in lacking if _same_data_as(r, judged)]
-    for r in shared:  # a rank that consumed another rank's samples does not run "the same step on its own samples"
+    # a rank that consumed another rank's samples does not run "the same step on its own samples"
+    for r in shared:
         r.evidence += (
-            f"; not judged by rank(s) {[j.rank for j in judged]}: at step {k + 1} it consumed the data "
-            f"a judged rank consumed there, although at step {k} the ranks consumed different data (its "
-            "own shard of the data lost, e.g. a sampler's rank or world size not restored)"
+            f"; not judged by rank(s) {[j.rank for j in judged]}: at step {k + 1} it "
+            f"consumed the data a judged rank consumed there, although at step {k} the "
+            f"ranks consumed different data (its own shard of the data lost, e.g. a "
+            f"sampler's rank or world size not restored)"
         )
     if shared:
         return None
     ranks, others = [r.rank for r in lacking], [r.rank for r in judged]
     return (
-        f"; rank(s) {ranks}: the killed run had recorded nothing past step {k} there when the job-wide kill "
-        f"landed, one record behind rank(s) {others}, which had recorded step {k + 1}: judged by rank(s) "
-        f"{others}, whose replay of step {k + 1} matched (ranks taken as symmetric: one world size, one "
-        "restored step, each rank running the same step on its own samples)"
+        f"; rank(s) {ranks}: the killed run had recorded nothing past step {k} there when the "
+        f"job-wide kill landed, one record behind rank(s) {others}, which had recorded step "
+        f"{k + 1}: judged by rank(s) {others}, whose replay of step {k + 1} matched (ranks "
+        f"taken as symmetric: one world size, one restored step, each rank running the same "
+        f"step on its own samples)"
     )
 
 
 def _qualifies(replays: list[_Replay], sym: str | None) -> str:
-    """What a data order PASS rests on besides each rank's own comparison with the run that saved the step."""
+    """What a data order PASS rests on besides each rank's own comparison with the run that saved
+    the step."""
     notes = []
     loop = [
         r
@@ -1459,10 +1503,10 @@ def _qualifies(replays: list[_Replay], sym: str | None) -> str:
     if loop:
         k = loop[0].restored
         notes.append(
-            f"data order of rank(s) {[r.rank for r in loop]} compared with an earlier resume of step {k}, "
-            "not with the run that saved it (which recorded nothing past it): a restore bug every resume "
-            "repeats would match; checked instead that no replayed step consumed data consumed up to "
-            f"step {k}"
+            f"data order of rank(s) {[r.rank for r in loop]} compared with an earlier resume of "
+            f"step {k}, not with the run that saved it (which recorded nothing past it): a restore "
+            f"bug every resume repeats would match; checked instead that no replayed step consumed "
+            f"data consumed up to step {k}"
         )
     if sym is not None:
         lacking = [r.rank for r in replays if r.status is not Status.PASS]
@@ -1526,7 +1570,8 @@ def _deterministic_numbers(
 ) -> Gate:
     """Bitwise: the first differing value FAILs, with the likely causes in order."""
     if diffs:
-        # A rank whose own RNG streams differ is the cause even where an all-reduce spread it to the others' numbers
+        # A rank whose own RNG streams differ is the cause even where an all-reduce spread it to the
+        # others' numbers
         by_rank = {r.rank: r for r in replays}
         s, rank, what, a, b = next((d for d in diffs if _rng_streams(by_rank[d[1]])), diffs[0])
         replay = by_rank[rank]
@@ -1561,10 +1606,11 @@ def _numbers_hint(replay: _Replay, step: int) -> str:
             "torch.set_num_threads alike in both."
         )
     batch = (
-        "a changed batch composition (padding, packing, collate order: only sample ids were recorded, "
-        "record_step(..., batch=...) compares the tensors too)"
+        "a changed batch composition (padding, packing, collate order: only sample ids were "
+        "recorded, record_step(..., batch=...) compares the tensors too)"
         if "batch" not in replay.fields
-        else "a changed batch composition inside the step (the batch tensors recorded are equal, so after them)"
+        else "a changed batch composition inside the step (the batch tensors recorded "
+        "are equal, so after them)"
     )
     streams = _rng_streams(replay)
     which = (
@@ -1573,11 +1619,12 @@ def _numbers_hint(replay: _Replay, step: int) -> str:
         else "or torch's global RNG drawn at another point than in the killed run"
     )
     return (
-        "Likely causes, in order: (1) a generator used inside the step and not in the state (dropout, noise, "
-        f"sampling; {which}: add state['gen'] = ckptguard.GeneratorState(gen)); (2) a different thread count "
-        "or kernel (OMP_NUM_THREADS, torch.set_num_threads, "
-        f"torch.use_deterministic_algorithms, another device or library version); (3) {batch}. Steps that "
-        "are legitimately not bitwise (rollouts sampled across processes) declare ProofPlan(deterministic=False)."
+        f"Likely causes, in order: (1) a generator used inside the step and not in the state "
+        f"(dropout, noise, sampling; {which}: add state['gen'] = ckptguard.GeneratorState(gen)); "
+        f"(2) a different thread count or kernel (OMP_NUM_THREADS, torch.set_num_threads, "
+        f"torch.use_deterministic_algorithms, another device or library version); (3) {batch}. "
+        f"Steps that are legitimately not bitwise (rollouts sampled across processes) declare "
+        f"ProofPlan(deterministic=False)."
     )
 
 
@@ -1591,9 +1638,10 @@ def _rng_streams(replay: _Replay) -> list[str] | None:
 
 
 def _rng_hint(replays: list[_Replay], replay: _Replay, data: bool = False) -> str | None:
-    """The cause a difference of the global RNG streams names: one rank's streams not put back, or on
-    every rank a draw made at another point than in the killed run (a DataLoader iterator; for a data
-    order that differs, first a batch drawn from the global RNG before the save point and not kept)."""
+    """The cause a difference of the global RNG streams names: one rank's streams not put back, or
+    on every rank a draw made at another point than in the killed run (a DataLoader iterator; for a
+    data order that differs, first a batch drawn from the global RNG before the save point and not
+    kept)."""
     mine = _rng_streams(replay)
     if not mine or replay.rng is None:
         return None
@@ -1602,32 +1650,34 @@ def _rng_hint(replays: list[_Replay], replay: _Replay, data: bool = False) -> st
     same = [r.rank for r in compared if not _rng_streams(r)]
     if same:
         return (
-            f"Cause: rank {replay.rank}'s RNG stream: its global RNG streams ({', '.join(mine)}) after step {step} "
-            f"differ from the killed run's, while rank(s) {same} match: the restore did not put back rank "
-            f"{replay.rank}'s own streams (each rank's RNG is its own: restore every rank's, not rank 0's on all, "
-            "and do not reseed after restore())."
+            f"Cause: rank {replay.rank}'s RNG stream: its global RNG streams ({', '.join(mine)}) "
+            f"after step {step} differ from the killed run's, while rank(s) {same} match: the "
+            f"restore did not put back rank {replay.rank}'s own streams (each rank's RNG is its "
+            f"own: restore every rank's, not rank 0's on all, and do not reseed after restore())."
         )
     prefetch = (
-        "a batch drawn from the global RNG before the save point (a prefetch, e.g. get_batch() after "
-        "the forward) and not kept in the state, so the resumed run draws it again at another point (keep "
-        "it: state['prefetched'] = ckptguard.PerRank(batch)), or "
+        "a batch drawn from the global RNG before the save point (a prefetch, e.g. get_batch() "
+        "after the forward) and not kept in the state, so the resumed run draws it again at "
+        "another point (keep it: state['prefetched'] = ckptguard.PerRank(batch)), or "
         if data
         else ""
     )
     return (
-        f"Cause: the global RNG streams ({', '.join(mine)}) after step {step} differ from the "
-        f"killed run's on every rank ({[r.rank for r in compared]}) although restore() put them "
-        "back: something drew from them at another point than in the killed run: "
-        f"{prefetch or 'typically '}a DataLoader iterator created after restore() (iter(DataLoader) "
-        "draws its base seed, and a shuffling sampler without a generator its order, from torch's "
-        "global RNG: before step 1 in a fresh run, after the restore in a resumed one). Fix: give "
-        "the loader its own generator, DataLoader(..., generator=g) with state['loader_gen'] = "
-        "ckptguard.GeneratorState(g), or feed it from a ckptguard.DataCursor."
+        f"Cause: the global RNG streams ({', '.join(mine)}) after step {step} differ from "
+        f"the killed run's on every rank ({[r.rank for r in compared]}) although restore() "
+        f"put them back: something drew from them at another point than in the killed run: "
+        f"{prefetch or 'typically '}a DataLoader iterator created after restore() "
+        f"(iter(DataLoader) draws its base seed, and a shuffling sampler without a "
+        f"generator its order, from torch's global RNG: before step 1 in a fresh run, "
+        f"after the restore in a resumed one). Fix: give the loader its own generator, "
+        f"DataLoader(..., generator=g) with state['loader_gen'] = "
+        f"ckptguard.GeneratorState(g), or feed it from a ckptguard.DataCursor."
     )
 
 
 def _declared_numbers(name: str, diffs: list[Any], count: int) -> Gate:
-    """The plan declares non-deterministic steps: the numbers are information, and the verdict says so."""
+    """The plan declares non-deterministic steps: the numbers are information, and the verdict says
+    so."""
     plan_note = "information only: ProofPlan(deterministic=False)"
     if not count:
         return Gate(
@@ -1664,7 +1714,8 @@ def _declared_numbers(name: str, diffs: list[Any], count: int) -> Gate:
 
 
 def _resharded(segments: list[_Segment]) -> tuple[int, int, int] | None:
-    """(restored step, old world, new world) when the newest run restored onto another world size."""
+    """(restored step, old world, new world) when the newest run restored onto another world
+    size."""
     for seg in segments:
         r = seg.restore
         if (
@@ -1723,10 +1774,10 @@ def _gate_rng_distinct(segments: list[_Segment]) -> Gate:
             name,
             Status.FAIL,
             (
-                f"ranks {same[0]} hold the same RNG streams after the resharded restore (mode {mode}): their dropout "
-                "masks and sampling are identical. Restore under ReshardRule.BY_ITEM with "
-                "CheckpointConfig(reshard=ReshardOptions(rng_seed=<the job's seed>)): each rank's streams are "
-                "re-derived from (seed, step, rank)"
+                f"ranks {same[0]} hold the same RNG streams after the resharded restore (mode "
+                f"{mode}): their dropout masks and sampling are identical. Restore under "
+                f"ReshardRule.BY_ITEM with CheckpointConfig(reshard=ReshardOptions(rng_seed=<the "
+                f"job's seed>)): each rank's streams are re-derived from (seed, step, rank)"
             ),
         )
     how = "re-derived from (seed, step, rank)" if mode == "by_item" else f"under {mode}"
@@ -1738,8 +1789,8 @@ def _gate_rng_distinct(segments: list[_Segment]) -> Gate:
 def _killed_steps(
     records: dict[int, list[ProofRecord]], k: int, old: int, new_pids: set[Any]
 ) -> tuple[dict[int, dict[int, list[ProofRecord]]], list[int]]:
-    """Per step and old rank, the step records of the processes that saved step k and ran on; and the
-    old ranks without a record of that save."""
+    """Per step and old rank, the step records of the processes that saved step k and ran on; and
+    the old ranks without a record of that save."""
     out: dict[int, dict[int, list[ProofRecord]]] = {}
     missing = []
     for r in range(old):
@@ -1764,8 +1815,8 @@ def _killed_steps(
 def _spans(
     by_step: dict[int, dict[int, list[ProofRecord]]], k: int, world: int
 ) -> list[tuple[int, int, int]] | None:
-    """(step, samples so far, multiset sum so far) over the steps after k that every rank recorded, in
-    order; None when a record lacks the order-free digest of its sample ids."""
+    """(step, samples so far, multiset sum so far) over the steps after k that every rank recorded,
+    in order; None when a record lacks the order-free digest of its sample ids."""
     out: list[tuple[int, int, int]] = []
     count = total = 0
     step = k + 1
@@ -1815,9 +1866,9 @@ def _union_data(
         return Gate(
             name,
             Status.MISSING,
-            f"resharded {old} -> {new} ranks: steps after {k} were recorded without "
-            "integer or string sample_ids (or by an older ckptguard): exactly-once consumption over the "
-            "union of ranks was not checked",
+            f"resharded {old} -> {new} ranks: steps after {k} were recorded without integer or "
+            f"string sample_ids (or by an older ckptguard): exactly-once consumption over the "
+            f"union of ranks was not checked",
         )
     if not a or not b:
         who = "the run that saved" if not a else "the resumed run"
@@ -1847,12 +1898,12 @@ def _union_data(
                 name,
                 Status.FAIL,
                 (
-                    f"resharded {old} -> {new} ranks: the {count} samples the resumed run consumed "
-                    f"in steps {k + 1}-{step} over its {new} ranks are not, as a multiset, the "
-                    f"{count} the killed run consumed in steps {k + 1}-{killed_step} over its {old} "
-                    "ranks: a sample was repeated or skipped. A per-rank data position does not "
-                    "survive a change of world size: count the global position with "
-                    "ckptguard.DataCursor"
+                    f"resharded {old} -> {new} ranks: the {count} samples the resumed run "
+                    f"consumed in steps {k + 1}-{step} over its {new} ranks are not, as a "
+                    f"multiset, the {count} the killed run consumed in steps "
+                    f"{k + 1}-{killed_step} over its {old} ranks: a sample was repeated or "
+                    f"skipped. A per-rank data position does not survive a change of world "
+                    f"size: count the global position with ckptguard.DataCursor"
                 ),
             )
     count, step, _total = common[-1]
@@ -1867,9 +1918,10 @@ def _union_data(
         name,
         Status.PASS,
         (
-            f"resharded {old} -> {new} ranks: the {count} samples the killed run consumed in steps "
-            f"{k + 1}-{at_a[count][0]} over {old} ranks are exactly, as a multiset over the union of ranks, the "
-            f"{count} the resumed run consumed in steps {k + 1}-{step} over {new} ranks: each sample once"
+            f"resharded {old} -> {new} ranks: the {count} samples the killed run consumed in "
+            f"steps {k + 1}-{at_a[count][0]} over {old} ranks are exactly, as a multiset over "
+            f"the union of ranks, the {count} the resumed run consumed in steps {k + 1}-{step} "
+            f"over {new} ranks: each sample once"
         ),
     )
 
@@ -1887,8 +1939,8 @@ def _resharded_gates(
         "replayed steps identical",
         Status.INFO,
         (
-            f"resharded {old} -> {new} ranks: each rank's batches differ from the killed run's, so loss and grad_norm "
-            "are not compared step by step"
+            f"resharded {old} -> {new} ranks: each rank's batches differ from the killed run's, so "
+            f"loss and grad_norm are not compared step by step"
         ),
         required=False,
         qualifies=f"replayed numerics not compared: resharded {old} -> {new} ranks",
@@ -1900,7 +1952,8 @@ def _resharded_gates(
 
 
 def _newest_run(segments: list[_Segment]) -> list[_Segment]:
-    """The ranks of the newest run: a resharded resume onto fewer ranks leaves the others' files behind."""
+    """The ranks of the newest run: a resharded resume onto fewer ranks leaves the others' files
+    behind."""
     restores = [s for s in segments if s.restore is not None]
     if not restores:
         return segments
@@ -1935,9 +1988,9 @@ def _plan(records: dict[int, list[ProofRecord]], segments: list[_Segment]) -> tu
 
 
 def _behind(segments: list[_Segment]) -> tuple[list[int], list[int], int] | None:
-    """(behind, ahead, k) where a job-wide kill caught the resumed run's ranks one record apart: the ranks
-    ``behind`` recorded nothing after their restore of step k (and no exit), while every other rank
-    recorded step k+1 and nothing past it. None otherwise."""
+    """(behind, ahead, k) where a job-wide kill caught the resumed run's ranks one record apart: the
+    ranks ``behind`` recorded nothing after their restore of step k (and no exit), while every other
+    rank recorded step k+1 and nothing past it. None otherwise."""
     if len(segments) < 2 or not all(_restored(s) and not _raised(s) for s in segments):
         return None
     steps = {int(s.restore["step"]) for s in segments if s.restore is not None}
@@ -1967,17 +2020,17 @@ def _behind(segments: list[_Segment]) -> tuple[list[int], list[int], int] | None
 def _behind_note(behind: tuple[list[int], list[int], int]) -> str:
     ranks, ahead, k = behind
     return (
-        f"; rank(s) {ranks} recorded nothing after the restore when the job-wide kill landed, one record behind "
-        f"rank(s) {ahead}, which recorded step {k + 1}: judged by those (ranks taken as symmetric: one world "
-        "size, one restored step, each rank running the same step)"
+        f"; rank(s) {ranks} recorded nothing after the restore when the job-wide kill landed, one "
+        f"record behind rank(s) {ahead}, which recorded step {k + 1}: judged by those (ranks taken "
+        f"as symmetric: one world size, one restored step, each rank running the same step)"
     )
 
 
 def _by_ranks_ahead(
     name: str, segments: list[_Segment], gate: Any, behind: tuple[list[int], list[int], int] | None
 ) -> Gate:
-    """A gate over every rank, where a rank a kill caught one record behind (``_behind``) and that has
-    nothing to show is judged by the ranks that recorded the step."""
+    """A gate over every rank, where a rank a kill caught one record behind (``_behind``) and that
+    has nothing to show is judged by the ranks that recorded the step."""
     judged = [(s.rank, _judged(gate, s)) for s in segments]
     if behind is None or not any(
         rank in behind[0] and res[0] is Status.MISSING for rank, res in judged
@@ -1991,8 +2044,9 @@ def _by_ranks_ahead(
 
 
 def _resumes_agree(gate: Gate) -> Gate:
-    """A PASS against an earlier resume (the saving run recorded nothing past the save) shows two resumes
-    agree, which a restore bug every resume repeats (an adapter merged twice) also gives: the verdict says so."""
+    """A PASS against an earlier resume (the saving run recorded nothing past the save) shows two
+    resumes agree, which a restore bug every resume repeats (an adapter merged twice) also gives:
+    the verdict says so."""
     if gate.status is not Status.PASS or "that of an earlier resume of step" not in gate.evidence:
         return gate
     return dataclasses.replace(
@@ -2013,22 +2067,24 @@ def _not_rl(
 
 
 def _judged(gate: Any, seg: _Segment) -> tuple[Status, str]:
-    """A gate over records missing a field or of the wrong type FAILs with that as evidence, never raises."""
+    """A gate over records missing a field or of the wrong type FAILs with that as evidence, never
+    raises."""
     try:
         judged: tuple[Status, str] = gate(seg)
         return judged
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         return Status.FAIL, (
-            f"rank {seg.rank}: malformed proof record ({type(exc).__name__}: {exc}); the records under proof/ "
-            "were edited or damaged, so nothing can be proven from them"
+            f"rank {seg.rank}: malformed proof record ({type(exc).__name__}: {exc}); the records "
+            f"under proof/ were edited or damaged, so nothing can be proven from them"
         )
 
 
 def evaluate(
     root: str | os.PathLike[str], *, plan: ProofPlan | None = None, resume: int | None = None
 ) -> list[Gate]:
-    """Every gate, in order. ``plan`` overrides the recorded plan (to read the same records under another).
-    ``resume`` judges that resume (1 the oldest, ``ops.resumes``); None the newest with evidence.
+    """Every gate, in order. ``plan`` overrides the recorded plan (to read the same records under
+    another). ``resume`` judges that resume (1 the oldest, ``ops.resumes``); None the newest with
+    evidence.
 
     A RunCheckpoint root (``run_roles``): a required gate that every role restored one run step
     holding every role, then every role's gates, each named ``<role>: <gate>``; a role without
@@ -2038,8 +2094,9 @@ def evaluate(
     gates = (
         _evaluate_run(root, roles, plan, resume) if roles else _evaluate(root, plan, None, resume)
     )
-    # A TurnLedger's gates (ops.prove_turns): every environment call once, every in-flight rollout continued or
-    # restarted as its environment's kind says, continued turns' tokens equal; none where no ledger recorded.
+    # A TurnLedger's gates (ops.prove_turns): every environment call once, every in-flight rollout
+    # continued or restarted as its environment's kind says, continued turns' tokens equal; none
+    # where no ledger recorded.
     return gates + [Gate(n, Status(s), e, q) for n, s, e, q in turn_rows(root)]
 
 
@@ -2053,7 +2110,8 @@ def resume_count(root: str | os.PathLike[str]) -> list[_resumes.Resume]:
 def _chosen_segments(
     records: dict[int, list[ProofRecord]], resume: int | None
 ) -> tuple[list[_Segment], Gate | None]:
-    """Each rank's segment around the judged resume, and the line saying which one (None: no resume)."""
+    """Each rank's segment around the judged resume, and the line saying which one (None: no
+    resume)."""
     try:
         chosen, why = _resumes.pick(records, resume)
     except ValueError as exc:
@@ -2089,7 +2147,8 @@ def _evaluate(
     by_rank = {s.rank: s for s in all_segments}
 
     def before(seg: _Segment) -> list[ProofRecord]:
-        """The killed run's records this rank replays: its own, or under resharding its source rank's."""
+        """The killed run's records this rank replays: its own, or under resharding its source
+        rank's."""
         if seg.restore is None:
             return []
         src = seg.restore.get("source_rank", seg.rank)
@@ -2102,12 +2161,12 @@ def _evaluate(
     events = {r["event"] for recs in records.values() for r in recs}
     total = f", total_steps={plan.total_steps}" if plan.total_steps is not None else ""
     rl_events = sorted(events & {"export", "logprobs"})
-    # A job that records exports or old-logprobs under a plan without rl=True gets those gates judged:
-    # the table says so rather than showing rl=False above gates it then evaluates.
+    # A job that records exports or old-logprobs under a plan without rl=True gets those gates
+    # judged: the table says so rather than showing rl=False above gates it then evaluates.
     judged_rl = (
         (
-            f"; the records hold {' and '.join(rl_events)} records, so their gates are judged as under "
-            "rl=True (declare ProofPlan(rl=True) for an RL job)"
+            f"; the records hold {' and '.join(rl_events)} records, so their gates are judged as "
+            f"under rl=True (declare ProofPlan(rl=True) for an RL job)"
         )
         if rl_events and not plan.rl
         else ""
@@ -2133,8 +2192,9 @@ def _evaluate(
         ("addresses unchanged", _gate_addresses),
     ):
         gates.append(_combine(name, [_judged(fn, s) for s in segments]))
-    # Required once a restore compared replicas; a restore that could not (older ckptguard, a save without
-    # layout-free digests) shows MISSING without holding back a verdict the other gates earn.
+    # Required once a restore compared replicas; a restore that could not (older ckptguard, a save
+    # without layout-free digests) shows MISSING without holding back a verdict the other gates
+    # earn.
     compared = any(s.restore is not None and s.restore.get("replicas") for s in segments)
     replicas = [_judged(_gate_replicas, s) for s in segments] + _first_step_replicas(segments)
     gates.insert(len(gates) - 1, _combine("replicas equal after load", replicas, required=compared))
@@ -2204,12 +2264,14 @@ class Outcome(str, enum.Enum):
 
 
 EXIT_CODES = {Outcome.PROVEN: 0, Outcome.DIVERGED: 1, Outcome.EVIDENCE_MISSING: 3}
-"""``ckptguard prove`` and ``rehearse``'s exit code of each outcome (2 is bad usage, as in every command)."""
+"""``ckptguard prove`` and ``rehearse``'s exit code of each outcome (2 is bad usage, as in every
+command)."""
 
 
 def outcome(gates: list[Gate]) -> Outcome:
-    """DIVERGED when any gate found a difference (FAIL); PROVEN when every required gate passed; else
-    EVIDENCE_MISSING: nothing differed, but a required gate had nothing to compare (MISSING)."""
+    """DIVERGED when any gate found a difference (FAIL); PROVEN when every required gate passed;
+    else EVIDENCE_MISSING: nothing differed, but a required gate had nothing to compare
+    (MISSING)."""
     if any(g.status is Status.FAIL for g in gates):
         return Outcome.DIVERGED
     if all(g.status is Status.PASS for g in gates if g.required):
@@ -2218,7 +2280,8 @@ def outcome(gates: list[Gate]) -> Outcome:
 
 
 def worst(outcomes: list[Outcome]) -> Outcome:
-    """The outcome of several resumes together: any DIVERGED, else any EVIDENCE_MISSING, else PROVEN."""
+    """The outcome of several resumes together: any DIVERGED, else any EVIDENCE_MISSING, else
+    PROVEN."""
     order = [Outcome.DIVERGED, Outcome.EVIDENCE_MISSING]
     return next((o for o in order if o in outcomes), Outcome.PROVEN)
 
@@ -2237,9 +2300,9 @@ def missing(gates: list[Gate]) -> list[Gate]:
 
 
 def verdict(gates: list[Gate]) -> str:
-    """One line: ``resume PROVEN`` (with what was not compared, in parentheses); ``resume NOT proven:
-    <first failing gate> (FAIL)``; or ``resume EVIDENCE MISSING (...)`` naming each gate that had
-    nothing to compare and why."""
+    """One line: ``resume PROVEN`` (with what was not compared, in parentheses); ``resume NOT
+    proven: <first failing gate> (FAIL)``; or ``resume EVIDENCE MISSING (...)`` naming each gate
+    that had nothing to compare and why."""
     result = outcome(gates)
     if result is Outcome.PROVEN:
         notes = list(dict.fromkeys(g.qualifies for g in gates if g.qualifies))
@@ -2253,7 +2316,8 @@ def verdict(gates: list[Gate]) -> str:
 
 
 def to_json(gates: list[Gate]) -> dict[str, Any]:
-    """The verdict, the outcome and its exit code, the FAILed and the MISSING gates, and every gate."""
+    """The verdict, the outcome and its exit code, the FAILed and the MISSING gates, and every
+    gate."""
     result = outcome(gates)
     return {
         "verdict": verdict(gates),
@@ -2270,8 +2334,8 @@ def to_json(gates: list[Gate]) -> dict[str, Any]:
 
 
 def run_roles(root: str | os.PathLike[str]) -> list[str]:
-    """The roles of a RunCheckpoint root: those with records under ``proof/<role>/`` and those of the
-    tracker's run step; empty for a root of a single CheckpointManager."""
+    """The roles of a RunCheckpoint root: those with records under ``proof/<role>/`` and those of
+    the tracker's run step; empty for a root of a single CheckpointManager."""
     root = Path(os.fspath(root))
     roles = set(record_roles(root))
     step_dir = tracker_run_step(root)

@@ -42,7 +42,8 @@ SHOWN = 4  # findings named per gate; the count says how many there are
 
 
 class Row(NamedTuple):
-    """One gate: name, status (PASS, FAIL, MISSING, INFO), evidence, whether the verdict needs it to pass."""
+    """One gate: name, status (PASS, FAIL, MISSING, INFO), evidence, whether the verdict needs it to
+    pass."""
 
     name: str
     status: str
@@ -87,8 +88,8 @@ _FIELDS = {
 
 
 def read_turn_records(root: Path) -> dict[int, list[Record]]:
-    """Every rank's turn records, in the order written; a torn last line (a kill mid-append) is left out,
-    any other bad line is one CheckpointCorruptError naming file and line."""
+    """Every rank's turn records, in the order written; a torn last line (a kill mid-append) is left
+    out, any other bad line is one CheckpointCorruptError naming file and line."""
     directory = Path(root) / PROOF_DIR
     if not directory.is_dir():
         return {}
@@ -147,7 +148,8 @@ def _runs(records: list[Record]) -> list[_Run]:
 
 
 def _committed(runs: list[_Run], i: int, seq: int) -> list[Record]:
-    """The turn and finish records the state of sequence number ``seq`` holds, as seen before run ``i``."""
+    """The turn and finish records the state of sequence number ``seq`` holds, as seen before run
+    ``i``."""
     out: list[Record] = []
     while seq > 0:
         j = next((j for j in range(i - 1, -1, -1) if runs[j].base < seq <= runs[j].top), None)
@@ -163,7 +165,8 @@ def _committed(runs: list[_Run], i: int, seq: int) -> list[Record]:
 
 
 def _history(runs: list[_Run], i: int) -> list[Record]:
-    """What run ``i`` built on (its restored state's records) and its own turn and finish records."""
+    """What run ``i`` built on (its restored state's records) and its own turn and finish
+    records."""
     return _committed(runs, i, runs[i].base) + runs[i].turns()
 
 
@@ -205,7 +208,8 @@ def rows(root: Path) -> list[Row]:
     try:
         records = read_turn_records(Path(root))
     except (CheckpointCorruptError, OSError) as exc:
-        # evidence that cannot be read is missing evidence, never a difference found (prove's MISSING)
+        # evidence that cannot be read is missing evidence, never a difference found (prove's
+        # MISSING)
         return [
             Row(g, "MISSING", f"turn records unreadable: {exc}")
             for g in (GATE_ONCE, GATE_KIND, GATE_TOKENS)
@@ -225,7 +229,8 @@ def rows(root: Path) -> list[Row]:
 
 
 def _restores(root: Path) -> dict[int, dict[int, int]]:
-    """Rank -> pid -> the step its restore put back (prove's records; none where they are unreadable)."""
+    """Rank -> pid -> the step its restore put back (prove's records; none where they are
+    unreadable)."""
     try:
         recs = read_records(root)
     except (CheckpointCorruptError, OSError):
@@ -265,7 +270,8 @@ def _gate_once(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
         (i for i, run in enumerate(runs) if run.turns() or run.resume is not None), default=None
     )
     history = [] if last is None else _history(runs, last)
-    # a restarted rollout's newer attempt re-issues its earlier calls' ids: the newest issue of each id counts
+    # a restarted rollout's newer attempt re-issues its earlier calls' ids: the newest issue of each
+    # id counts
     calls = list(
         {c["call_id"]: (r, c) for r in history if r["event"] == "turn" for c in r["calls"]}.values()
     )
@@ -279,8 +285,8 @@ def _gate_once(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
         return (
             "MISSING",
             (
-                f"rank {rank}: {len(calls)} environment call(s), and no environment reported its own "
-                "record of effects (TurnLedger.record_effects)"
+                f"rank {rank}: {len(calls)} environment call(s), and no environment reported its "
+                f"own record of effects (TurnLedger.record_effects)"
             ),
             True,
         )
@@ -294,8 +300,8 @@ def _gate_once(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
     return (
         "PASS",
         (
-            f"rank {rank}: {len(calls)} committed call(s) each took effect once in the environments' own "
-            f"records ({', '.join(sorted(effects))}: {counted} effect(s), "
+            f"rank {rank}: {len(calls)} committed call(s) each took effect once in the "
+            f"environments' own records ({', '.join(sorted(effects))}: {counted} effect(s), "
             f"{sum(not e.live for _, got in effects.values() for e in got)} undone or fenced)"
         ),
         True,
@@ -310,14 +316,14 @@ def _twice(rank: int, env: str, effects: list[Effect]) -> list[str]:
         by_id[e.call_id].append(e)
         by_call[(e.rollout, e.turn, e.index)].add(e.call_id)
     out = [
-        f"rank {rank}, rollout {es[0].rollout!r}, turn {es[0].turn}: call id {cid!r} took effect {len(es)} times "
-        f"in {env!r} (revisions {[e.revision for e in es]})"
+        f"rank {rank}, rollout {es[0].rollout!r}, turn {es[0].turn}: call id {cid!r} took effect "
+        f"{len(es)} times in {env!r} (revisions {[e.revision for e in es]})"
         for cid, es in by_id.items()
         if len(es) > 1
     ]
     out += [
-        f"rank {rank}, rollout {rid!r}, turn {turn}: call {index} took effect in {env!r} under {len(ids)} call "
-        f"ids {sorted(ids)} (re-issued with a new call id)"
+        f"rank {rank}, rollout {rid!r}, turn {turn}: call {index} took effect in {env!r} under "
+        f"{len(ids)} call ids {sorted(ids)} (re-issued with a new call id)"
         for (rid, turn, index), ids in by_call.items()
         if len(ids) > 1
     ]
@@ -341,8 +347,8 @@ def _missing(
                 else "absent from its record"
             )
             out.append(
-                f"rank {rank}, rollout {r['rollout']!r}, turn {r['turn']}: committed call id {c['call_id']!r} "
-                f"has {len(live)} standing effect(s) in {env!r}: {why}"
+                f"rank {rank}, rollout {r['rollout']!r}, turn {r['turn']}: committed call id "
+                f"{c['call_id']!r} has {len(live)} standing effect(s) in {env!r}: {why}"
             )
     return out
 
@@ -364,8 +370,8 @@ def _gate_kind(rank: int, runs: list[_Run], restores: dict[int, int]) -> tuple[s
     return (
         "PASS",
         (
-            f"rank {rank}: {judged} resume(s): every in-flight rollout continued at its last turn or "
-            "restarted where a restart-only environment said so; no committed turn run again"
+            f"rank {rank}: {judged} resume(s): every in-flight rollout continued at its last turn "
+            f"or restarted where a restart-only environment said so; no committed turn run again"
         ),
         True,
     )
@@ -385,22 +391,23 @@ def _judge_resume(rank: int, runs: list[_Run], i: int) -> list[str]:
     for rid, f in flight.items():
         if rid not in continued and rid not in restarted:
             out.append(
-                f"{where}: rollout {rid!r} (turn {f.turn} committed) was neither continued nor restarted: lost"
+                f"{where}: rollout {rid!r} (turn {f.turn} committed) was neither "
+                f"continued nor restarted: lost"
             )
         elif rid in continued and f.forced is not None:
             out.append(
-                f"{where}: rollout {rid!r}, turn {f.turn}: continued although its committed turns called "
-                f"restart-only {f.forced}"
+                f"{where}: rollout {rid!r}, turn {f.turn}: continued although its committed turns "
+                f"called restart-only {f.forced}"
             )
         elif rid in restarted and f.forced is None and f.turn > 0:
             out.append(
-                f"{where}: rollout {rid!r}: restarted from its prompt although its environments let it "
-                f"continue at turn {f.turn} (calls {f.calls[:3]} re-executed)"
+                f"{where}: rollout {rid!r}: restarted from its prompt although its environments "
+                f"let it continue at turn {f.turn} (calls {f.calls[:3]} re-executed)"
             )
         elif rid in continued and continued[rid] != (f.attempt, f.turn):
             out.append(
-                f"{where}: rollout {rid!r} continued at attempt/turn {continued[rid]}, the save held "
-                f"{(f.attempt, f.turn)}"
+                f"{where}: rollout {rid!r} continued at attempt/turn {continued[rid]}, the save "
+                f"held {(f.attempt, f.turn)}"
             )
     out += [
         f"{where}: rollout {rid!r} resumed but was not in flight at the save (finished or unknown)"
@@ -433,7 +440,8 @@ def _rerun(
 
 
 def _unrestored(rank: int, runs: list[_Run], i: int, step: int) -> list[str]:
-    """A run that restored step ``step`` of the trainer but no turn ledger: the turns it runs again."""
+    """A run that restored step ``step`` of the trainer but no turn ledger: the turns it runs
+    again."""
     before = [
         r
         for run in runs[:i]
@@ -451,14 +459,14 @@ def _unrestored(rank: int, runs: list[_Run], i: int, step: int) -> list[str]:
     ]
     where = f"rank {rank}, pid {runs[i].pid} (restored step {step} without a turn ledger)"
     out = [
-        f"{where}: rollout {r['rollout']!r}, turn {r['turn']}: a committed turn was run again (call ids "
-        f"{[c['call_id'] for c in r['calls']]})"
+        f"{where}: rollout {r['rollout']!r}, turn {r['turn']}: a committed turn was run again "
+        f"(call ids {[c['call_id'] for c in r['calls']]})"
         for r in again
     ]
     if flight and not again:
         out.append(
-            f"{where}: rollouts {sorted(flight)[:SHOWN]} were in flight at step {step} and no turn ledger "
-            "put them back"
+            f"{where}: rollouts {sorted(flight)[:SHOWN]} were in flight at step {step} and no "
+            f"turn ledger put them back"
         )
     return out
 
@@ -478,8 +486,8 @@ def _gate_tokens(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
         if len({t for _, t, _ in got}) > 1:
             shown = ", ".join(f"pid {pid}: {t}" for pid, t, _ in got[:3])
             findings.append(
-                f"rank {rank}, rollout {rid!r}, turn {turn} (seed {seed}, call ids {got[-1][2]}): tokens "
-                f"differ between runs ({shown})"
+                f"rank {rank}, rollout {rid!r}, turn {turn} (seed {seed}, call ids {got[-1][2]}): "
+                f"tokens differ between runs ({shown})"
             )
     if findings:
         return "FAIL", _named(findings), True
@@ -492,8 +500,8 @@ def _gate_tokens(rank: int, runs: list[_Run]) -> tuple[str, str, bool]:
     return (
         "PASS",
         (
-            f"rank {rank}: {len(again)} turn(s) run again with the same seed after a kill produced the "
-            "same tokens"
+            f"rank {rank}: {len(again)} turn(s) run again with the same seed after a kill "
+            f"produced the same tokens"
         ),
         True,
     )

@@ -23,14 +23,16 @@ __all__ = ["Candidate", "at_step", "candidates", "earliest", "nothing_past"]
 
 @dataclass(frozen=True)
 class Candidate:
-    """One earlier run of this rank that ran on from step k: records ``[start, end)`` of the rank's file."""
+    """One earlier run of this rank that ran on from step k: records ``[start, end)`` of the rank's
+    file."""
 
     pid: int
     saved: bool  # the run that saved step k (else a resume of it)
     start: int  # its save (or restore) record of step k
     end: int  # the next launch's restore record
     step: int
-    launch: int  # its own launch's restore record (-1: none recorded): an export of step k precedes the save
+    # its own launch's restore record (-1: none recorded): an export of step k precedes the save
+    launch: int
     save_recorded: bool = True  # its save record is there (False: found by its record of step k)
 
     def describe(self) -> str:
@@ -48,8 +50,8 @@ def _next_launch(before: Sequence[ProofRecord], i: int) -> int:
 
 
 def _rolled_back(before: Sequence[ProofRecord], k: int, pid: int, save: int | None) -> int | None:
-    """The index of the last record of step k, where a process launched after the last save record of k with a
-    restore of an earlier step (a rollback) recorded it; None: no such process."""
+    """The index of the last record of step k, where a process launched after the last save record
+    of k with a restore of an earlier step (a rollback) recorded it; None: no such process."""
     if save is None:
         return None
     last = next(
@@ -77,10 +79,11 @@ def _rolled_back(before: Sequence[ProofRecord], k: int, pid: int, save: int | No
 
 
 def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidate]:
-    """The runs that ran on from step k before the resumed run (``pid``), oldest first. A kill between the
-    commit of step k and the append of its save record leaves no save record: the process that recorded
-    step k last is then taken as the saving run (a ``save_async`` commit lands while steps past k train,
-    so that process may have recorded them: the killed run's own evidence), then the resumes of k after it."""
+    """The runs that ran on from step k before the resumed run (``pid``), oldest first. A kill
+    between the commit of step k and the append of its save record leaves no save record: the
+    process that recorded step k last is then taken as the saving run (a ``save_async`` commit lands
+    while steps past k train, so that process may have recorded them: the killed run's own
+    evidence), then the resumes of k after it."""
     save = next(
         (
             i
@@ -92,9 +95,9 @@ def candidates(before: Sequence[ProofRecord], k: int, pid: int) -> list[Candidat
     out: list[Candidate] = []
     rolled = _rolled_back(before, k, pid, save)
     if rolled is not None:
-        # A later process rolled back past k and recorded step k again, and no save record of its step k is
-        # there: which of the two step-k checkpoints the resumed run restored is unknown, so neither run is
-        # the reference (missing evidence); resumes of k after it still are.
+        # A later process rolled back past k and recorded step k again, and no save record of its
+        # step k is there: which of the two step-k checkpoints the resumed run restored is unknown,
+        # so neither run is the reference (missing evidence); resumes of k after it still are.
         save = rolled
     elif save is not None:
         launch = next((i for i in range(save - 1, -1, -1) if before[i].event == "restore"), -1)
@@ -160,7 +163,8 @@ def at_step(
     recorded there, whatever the order of its appends (None, None: no run recorded it)."""
     for c in candidates(before, k, pid):
         recorded = [r for r in _of(before, c, events) if r.step == step]
-        # record_step before record_update of one step: the update record, not the step's, is the update
+        # record_step before record_update of one step: the update record, not the step's, is the
+        # update
         found = next((r for ev in events for r in recorded if r.event == ev), None)
         if found is not None:
             return c, found
@@ -168,7 +172,8 @@ def at_step(
 
 
 def nothing_past(before: Sequence[ProofRecord], k: int, pid: int, what: str) -> str:
-    """Why no run before the resumed one recorded ``what`` past step k: what each candidate did record."""
+    """Why no run before the resumed one recorded ``what`` past step k: what each candidate did
+    record."""
     found = candidates(before, k, pid)
     if not found:
         return f"no record of the run that saved step {k} (its save record lost with a kill right after the commit)"

@@ -1,4 +1,5 @@
-"""Rehearse a long run's resume before the long run (docs/practices.md, 3.2 and 6): kill, resume, save again.
+"""Rehearse a long run's resume before the long run (docs/practices.md, 3.2 and 6): kill, resume,
+save again.
 
 Contract: run the user's training command (which uses ckptguard on ``root`` and records its
 steps with ``record_step``) three times, each time killing its whole process tree with
@@ -79,7 +80,8 @@ class Rehearsal:
 
     @property
     def outcome(self) -> Outcome:
-        """DIVERGED if a resume's gate FAILed, EVIDENCE_MISSING if one had nothing to compare, else PROVEN."""
+        """DIVERGED if a resume's gate FAILed, EVIDENCE_MISSING if one had nothing to compare, else
+        PROVEN."""
         if not self.resumes:
             return Outcome.EVIDENCE_MISSING
         return worst([outcome(r.gates) for r in self.resumes])
@@ -136,7 +138,8 @@ class _Run:
     def wait(self, what: str, ready: Callable[[], bool], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            self.tree.scan()  # follow the tree while it runs: a worker whose parent dies stays known
+            # follow the tree while it runs: a worker whose parent dies stays known
+            self.tree.scan()
             if ready():
                 return
             if self.proc.poll() is not None:
@@ -154,7 +157,8 @@ class _Run:
             time.sleep(0.2)
 
     def kill_when(self, what: str, ready: Callable[[], bool], timeout_s: float) -> Kill:
-        """Wait for ``ready``, then freeze the tree, check again (a save may have committed), and kill it."""
+        """Wait for ``ready``, then freeze the tree, check again (a save may have committed), and
+        kill it."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.wait(what, ready, max(1.0, deadline - time.monotonic()))
@@ -222,7 +226,8 @@ class _EpochWait:
 
     def done(self, tracker: int, per_rank: dict[int, list[ProofRecord]]) -> bool:
         """True once the recorded steps past the committed step cross an epoch, none is recorded
-        (nothing to wait for), or ``reach`` steps past the first committed save went by without one."""
+        (nothing to wait for), or ``reach`` steps past the first committed save went by without
+        one."""
         self.first_save = self.first_save or tracker
         steps = {r["step"]: r for r in per_rank.get(0, []) if r["event"] == "step"}
         base = steps.get(tracker)
@@ -289,7 +294,8 @@ def rehearse(
         kills.append(kill)
         if kill.survivors:
             raise RehearsalError(
-                f"rehearse: processes {kill.survivors} of the command survived SIGKILL ({kill.when})"
+                f"rehearse: processes {kill.survivors} of the command "
+                f"survived SIGKILL ({kill.when})"
             )
         return kill
 
@@ -326,8 +332,8 @@ def rehearse(
             if epochs.crossed_at is not None:
                 kill.when += f", into the next epoch (step {epochs.crossed_at})"
             echo(
-                f"      SIGKILLed the whole process tree ({_count(kill.pids)}) {n}+ step(s) past the "
-                f"committed step {saved}{crossing}; none survived"
+                f"      SIGKILLed the whole process tree ({_count(kill.pids)}) {n}+ step(s) past "
+                f"the committed step {saved}{crossing}; none survived"
             )
 
             echo("[2/4] relaunching: it resumes and replays; its next save is SIGKILLed mid-write")
@@ -348,12 +354,13 @@ def rehearse(
                     "was killed mid-write; the commit protocol is broken on this storage"
                 )
             echo(
-                f"      resumed from step {step_b}; SIGKILLed the whole process tree ({_count(kill.pids)}) "
-                f"in the middle of a save; the tracker still says {saved}"
+                f"      resumed from step {step_b}; SIGKILLed the whole process tree "
+                f"({_count(kill.pids)}) in the middle of a save; the tracker still says {saved}"
             )
 
             echo(
-                "[3/4] relaunching: it resumes from the same step, replays, and must commit a save again"
+                "[3/4] relaunching: it resumes from the same step, replays, and "
+                "must commit a save again"
             )
             third = launch("the third run")
             third.wait(
@@ -364,8 +371,8 @@ def rehearse(
             step_c = _newest_restore(root, third.since)
             kill = check(third.kill("after the resumed run saved again"))
             echo(
-                f"      resumed from step {step_c}, committed step {kill.tracker} again; stopped the whole "
-                f"process tree ({_count(kill.pids)})"
+                f"      resumed from step {step_c}, committed step {kill.tracker} again; stopped "
+                f"the whole process tree ({_count(kill.pids)})"
             )
     finally:
         shutil.rmtree(pause_dir, ignore_errors=True)  # a paused process left behind ends itself

@@ -1,5 +1,5 @@
-"""What ``ckptguard list``, ``verify``, ``preflight``, ``gc`` and ``prove`` do on an object-store root
-(``s3://bucket/prefix``); ``transfer`` is ``ops.storetransfer``.
+"""What ``ckptguard list``, ``verify``, ``preflight``, ``gc`` and ``prove`` do on an object-store
+root (``s3://bucket/prefix``); ``transfer`` is ``ops.storetransfer``.
 
 ``list_remote``: the tracker and every step prefix under the root with its state (committed,
 orphan: a marker newer than the tracker, or not committed: objects without a marker).
@@ -105,8 +105,8 @@ def _check_objects(store: ObjectStore, marker: Marker) -> list[Finding]:
             _err(
                 "marker-files",
                 store.where(base[0], "manifest.json"),
-                f"the marker's objects {sorted(set(marker.objects) ^ set(files))[:5]} differ from its "
-                "manifest's files",
+                f"the marker's objects {sorted(set(marker.objects) ^ set(files))[:5]} differ "
+                f"from its manifest's files",
                 "the marker is not ckptguard's: restore an earlier step",
             )
         )
@@ -145,7 +145,8 @@ def _check_objects(store: ObjectStore, marker: Marker) -> list[Finding]:
 
 
 def _no_tracker(store: ObjectStore) -> Finding:
-    """A root without a tracker: nothing there (a mistyped URL), or a root whose tracker was deleted."""
+    """A root without a tracker: nothing there (a mistyped URL), or a root whose tracker was
+    deleted."""
     if store.empty():
         return _err(
             "no-root",
@@ -160,7 +161,8 @@ def _no_tracker(store: ObjectStore) -> Finding:
             "step-not-root",
             str(store.url),
             f"names step {store.naming.parse(last)} of the root {root}, not a root",
-            f"give the root: `ckptguard verify {root}` (never create a tracker under a step's prefix)",
+            f"give the root: `ckptguard verify {root}` (never create a "
+            f"tracker under a step's prefix)",
         )
     return _err(
         "no-tracker",
@@ -172,8 +174,8 @@ def _no_tracker(store: ObjectStore) -> Finding:
 
 
 def _unreadable_markers(store: ObjectStore, tracker: int) -> list[Finding]:
-    """Steps at or below the tracker whose marker exists but does not parse: ``committed_steps`` leaves
-    them out (with a warning), so verify says them instead of passing over them."""
+    """Steps at or below the tracker whose marker exists but does not parse: ``committed_steps``
+    leaves them out (with a warning), so verify says them instead of passing over them."""
     found = []
     for name in sorted(store.bucket.children()):
         step = store.naming.parse(name)
@@ -266,7 +268,8 @@ class RemotePreflight:
 
 
 def preflight_remote(url: str, template: str, *, expect_step: int | None = None) -> RemotePreflight:
-    """Before a launch on an object-store root: what it resumes and whether every object is there."""
+    """Before a launch on an object-store root: what it resumes and whether every object is
+    there."""
     store = _store(url, template)
     tracker, _ = store.tracker()
     if tracker is None:
@@ -327,26 +330,29 @@ def preflight_remote(url: str, template: str, *, expect_step: int | None = None)
 
 
 def gc_remote(url: str, template: str, *, min_age_s: float, dry_run: bool, force: bool) -> GcReport:
-    """``storegc.collect`` under the root; refused while a live job holds its lease unless ``force``."""
+    """``storegc.collect`` under the root; refused while a live job holds its lease unless
+    ``force``."""
     store = _store(url, template)
     if not force:
         try:
             storelease.check(store, "ckptguard-gc")
         except LeaseHeldError as exc:
             raise LeaseHeldError(
-                f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, or "
-                "pass --force (attempts whose writer may still write are kept anyway)"
+                f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, "
+                f"or pass --force (attempts whose writer may still write are kept anyway)"
             ) from None
     return collect(store, min_age_s=min_age_s, dry_run=dry_run)
 
 
 def fetch_proof(url: str, template: str, dest: str | os.PathLike[str]) -> list[str]:
-    """Every rank's proof log from ``<url>/proof/`` into ``dest/proof``; raises when there is none."""
+    """Every rank's proof log from ``<url>/proof/`` into ``dest/proof``; raises when there is
+    none."""
     store = _store(url, template)
     names = store.fetch_proof(Path(os.fspath(dest)))
     if not names:
         raise CheckpointError(
-            f"{store.where(PROOF_DIR)}/ holds no proof records: each rank copies its log there at every save and at "
-            "close (ckptguard >= this version); `ckptguard prove STAGING` reads a staging root's own records"
+            f"{store.where(PROOF_DIR)}/ holds no proof records: each rank copies its log there at "
+            f"every save and at close (ckptguard >= this version); `ckptguard prove STAGING` reads "
+            f"a staging root's own records"
         )
     return names

@@ -35,7 +35,8 @@ class ReproConfig:
     """One repro run."""
 
     rounds: int = 10
-    """Most saves to attempt; size it to the failure probability (the failures it was built for came by round 2-6)."""
+    """Most saves to attempt; size it to the failure probability (the failures it was built for came
+    by round 2-6)."""
     size_gib: float = 1.0
     """Tensor state per save, in GiB, split evenly across ranks."""
     ranks: int = 1
@@ -155,8 +156,9 @@ def run_repro(
         not target.parent.is_dir()
     ):  # a typo must not become a tree of new directories on the suspect filesystem
         raise ConfigError(
-            f"repro-save target {target}: its parent {target.parent} is not a directory; name a "
-            "directory on the filesystem under suspicion (it is made if only its last part is missing)"
+            f"repro-save target {target}: its parent {target.parent} is not a "
+            f"directory; name a directory on the filesystem under suspicion (it is "
+            f"made if only its last part is missing)"
         )
     target.mkdir(exist_ok=True)
     before = {"fs": filesystem(target), "oom_kill": _oom_kills()}

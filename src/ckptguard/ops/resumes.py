@@ -1,4 +1,5 @@
-"""Which restore ``ckptguard prove`` judges: the resumes of a root, numbered, and each rank's record of one.
+"""Which restore ``ckptguard prove`` judges: the resumes of a root, numbered, and each rank's record
+of one.
 
 Contract: every launch of a job appends one ``restore`` record per rank (step 0 for a fresh start).
 The launches are the restore records of the lowest rank that has any, in time order; a resume is a
@@ -81,7 +82,8 @@ def _nearest(times: list[float], t: float) -> float:
 
 
 def record_of(recs: list[ProofRecord], launch: float, times: list[float]) -> int | None:
-    """The index of this rank's restore record of the launch at ``launch`` (None: it took no part)."""
+    """The index of this rank's restore record of the launch at ``launch`` (None: it took no
+    part)."""
     mine = _restores(recs)
     if not mine:
         return None
@@ -90,7 +92,8 @@ def record_of(recs: list[ProofRecord], launch: float, times: list[float]) -> int
 
 
 def evidence(records: Records, resume: Resume, times: list[float]) -> bool:
-    """Whether a resume left anything to judge: a step or update after the restore, or an exit that trained nothing."""
+    """Whether a resume left anything to judge: a step or update after the restore, or an exit that
+    trained nothing."""
     for recs in records.values():
         idx = record_of(recs, resume.time, times)
         if idx is None:
@@ -111,7 +114,8 @@ def _left(exit_record: ProofRecord) -> bool:
 
 
 def pick(records: Records, number: int | None) -> tuple[Resume | None, str]:
-    """The resume to judge (``number``, else the newest with evidence) and a line saying which and why."""
+    """The resume to judge (``number``, else the newest with evidence) and a line saying which and
+    why."""
     found = resumes(records)
     if not found:
         return None, "no restore of a non-zero step recorded"
@@ -137,6 +141,6 @@ def pick(records: Records, number: int | None) -> tuple[Resume | None, str]:
     skipped = ", ".join(f"{r.number} (step {r.step})" for r in newer)
     return chosen, (
         f"{chosen.describe()} of {len(found)}: the newest with evidence; newer resume(s) {skipped} "
-        "recorded no step after the restore (killed before training, or a finished job relaunched): "
-        "`ckptguard prove --resume N` judges one, `--all` each"
+        f"recorded no step after the restore (killed before training, or a finished job "
+        f"relaunched): `ckptguard prove --resume N` judges one, `--all` each"
     )

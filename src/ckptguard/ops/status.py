@@ -52,7 +52,8 @@ class RankStatus:
 
     @property
     def needs_attention(self) -> bool:
-        """Stalled, or died inside a phase: what a watchdog acts on (``ckptguard status`` exits 1)."""
+        """Stalled, or died inside a phase: what a watchdog acts on (``ckptguard status`` exits
+        1)."""
         return self.verdict.startswith("STALLED") or self.verdict.startswith("EXITED inside")
 
 
@@ -93,7 +94,8 @@ def _typical(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _check(records: list[dict[str, Any]]) -> None:
-    """Rank records carry what ``status`` relies on; a damaged one is one clear error, not a KeyError."""
+    """Rank records carry what ``status`` relies on; a damaged one is one clear error, not a
+    KeyError."""
     for rec in records:
         if rec.get("rank") is None:
             continue
@@ -120,8 +122,9 @@ def _check(records: list[dict[str, Any]]) -> None:
         ]
         if bad:
             raise CheckpointCorruptError(
-                f"a {rec.get('kind')} record of rank {rec.get('rank')!r} has no valid {bad} (ints for rank, pid and "
-                "mono_ns, a number for wall_time); it was not written by PhaseRecorder: fix or cut that line"
+                f"a {rec.get('kind')} record of rank {rec.get('rank')!r} has no valid {bad} (ints "
+                f"for rank, pid and mono_ns, a number for wall_time); it was not written by "
+                f"PhaseRecorder: fix or cut that line"
             )
 
 
@@ -134,9 +137,10 @@ BUSY_KINDS = {"busy_skip": "skipped", "busy_coalesced": "coalesced", "busy_redir
 
 @dataclass(frozen=True)
 class BusySaves:
-    """Saves requested while a commit was in flight, from rank 0's proof records (the first role's on a run
-    root): those no committed step's cost block carries yet, the ones after the newest step this launch saved
-    (``since_step``; None: it saved none yet), and the count in all its records."""
+    """Saves requested while a commit was in flight, from rank 0's proof records (the first role's
+    on a run root): those no committed step's cost block carries yet, the ones after the newest step
+    this launch saved (``since_step``; None: it saved none yet), and the count in all its
+    records."""
 
     since_step: int | None
     pending: dict[str, list[int]]  # skipped / coalesced / redirected -> the steps, since since_step
@@ -159,20 +163,22 @@ class BusySaves:
         now = said({k: len(v) for k, v in self.pending.items()})
         hint = (
             (
-                ": a save was requested while the previous commit ran; space the saves wider than one commit "
-                "(ckptguard goodput ROOT prints the interval)"
+                ": a save was requested while the previous commit ran; space the saves wider than "
+                "one commit (ckptguard goodput ROOT prints the interval)"
             )
             if any(self.pending.values())
             else ""
         )
         return (
-            f"saves held back by a commit in flight {since}: {now}{f' ({steps})' if steps else ''}; in all the "
-            f"proof records: {said(self.totals)}{hint}"
+            f"saves held back by a commit in flight {since}: "
+            f"{now}{f' ({steps})' if steps else ''}; in all the proof records: "
+            f"{said(self.totals)}{hint}"
         )
 
 
 def busy_saves(root: str | os.PathLike[str]) -> BusySaves | None:
-    """What a commit in flight kept from the disk (``BusySaves``), or None where ``root`` has no proof records."""
+    """What a commit in flight kept from the disk (``BusySaves``), or None where ``root`` has no
+    proof records."""
     root = Path(root)
     if not _proofreader.records_dir(root).is_dir():
         return None
@@ -180,8 +186,9 @@ def busy_saves(root: str | os.PathLike[str]) -> BusySaves | None:
     records = _proofreader.read_records(root, roles[0] if roles else None, rank=0).get(0, [])
     if not records:
         return None
-    # This launch's records (from its restore on): a skip made while step k committed is carried by the
-    # next committed step's cost block, so what is still held back is what came after the newest saved step.
+    # This launch's records (from its restore on): a skip made while step k committed is carried by
+    # the next committed step's cost block, so what is still held back is what came after the newest
+    # saved step.
     launch = max((i for i, r in enumerate(records) if r.event == "restore"), default=0)
     saved = max(
         (r.step for r in records[launch:] if r.event == "save" and r.step is not None), default=None
@@ -199,7 +206,8 @@ def busy_saves(root: str | os.PathLike[str]) -> BusySaves | None:
 
 
 def run_rank_roles(path: str | os.PathLike[str]) -> dict[int, list[str]] | None:
-    """A RunCheckpoint root: each run rank and the roles it holds (the tracker's run step), else None."""
+    """A RunCheckpoint root: each run rank and the roles it holds (the tracker's run step), else
+    None."""
     path = Path(path)
     from .._records import runmanifest
     from .inspect import tracker_run_step
@@ -268,7 +276,8 @@ def _mib(n: Any) -> str | None:
 
 
 def _released(rec: dict[str, Any]) -> str:
-    """One line for a host_cache_release record (memory.records): what was released, after which save."""
+    """One line for a host_cache_release record (memory.records): what was released, after which
+    save."""
     after, drop = rec.get("after_save_s"), _mib(rec.get("rss_drop"))
     save = (
         f"{after:.1f} s after the save of step {rec.get('step')}"
@@ -322,8 +331,8 @@ def _judge(
         st.verdict = f"between phases ({activity})"
     elif overdue and not busy:
         st.verdict = (
-            f"STALLED: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s) with no CPU and no "
-            "I/O; look at what it waits for (a peer, a lock, the filesystem)"
+            f"STALLED: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s) with no CPU and "
+            f"no I/O; look at what it waits for (a peer, a lock, the filesystem)"
         )
     elif overdue:
         st.verdict = f"SLOW, not hung: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s), {activity}"
@@ -333,8 +342,9 @@ def _judge(
 
 
 def record_files(path: str | os.PathLike[str]) -> list[Path]:
-    """A records file, or every regular *.jsonl with phase records under a directory; a file that holds
-    no phase records (its head shows none) is not one, named on the command line or found below.
+    """A records file, or every regular *.jsonl with phase records under a directory; a file that
+    holds no phase records (its head shows none) is not one, named on the command line or found
+    below.
 
     Only regular files are opened (a FIFO would block forever), and only their first
     2000 bytes are read to tell records from other JSONL."""
@@ -359,8 +369,8 @@ def record_files(path: str | os.PathLike[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class RootState:
-    """A checkpoint root in words, for ``status ROOT`` after a crash: its newest committed step, what a
-    resume would do now, and the steps a resume skips (orphans, damaged)."""
+    """A checkpoint root in words, for ``status ROOT`` after a crash: its newest committed step,
+    what a resume would do now, and the steps a resume skips (orphans, damaged)."""
 
     lines: list[str]
     resumable: bool
@@ -368,7 +378,8 @@ class RootState:
 
 
 def root_state(root: str | os.PathLike[str], template: str = "step_{step:08d}") -> RootState | None:
-    """``RootState`` of a checkpoint root, or None where ``root`` holds no tracker and no step directory."""
+    """``RootState`` of a checkpoint root, or None where ``root`` holds no tracker and no step
+    directory."""
     from .._disk import layout as _layout
     from ..config import ResumeMode
     from ..errors import CheckpointError

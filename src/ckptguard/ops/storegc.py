@@ -1,17 +1,18 @@
-"""gc on an object-store root: what ckptguard created, no marker names, older than a minimum age, whose
-writer is gone.
+"""gc on an object-store root: what ckptguard created, no marker names, older than a minimum age,
+whose writer is gone.
 
 The decision is the operator side's (``ckptguard gc s3://...``, ``ops.remote.gc_remote``); the store
 (``ckptguard.storage.s3.ObjectStore``) gives it its primitives only: the listing, the reads of the
 tracker and the markers, the deletes, the multipart uploads and their abort.
 
 ``collect`` removes attempts that carry ckptguard's owner record, that no marker names, whose newest
-object is older than ``min_age_s`` and whose writer is gone by the rule of every writer of every root
-(``_disk.tempfiles.writer_gone``, which also judges a directory root's temp directories and temp files
-and every lease): one whose process still runs on this host is kept however old. It aborts the multipart uploads
-of such attempts, and reports everything else under the prefix as foreign without touching it. It refuses a prefix
-without the root record, and one whose tracker's step has no readable marker: resolve then asks
-the operator to restore that step's objects, which would look like a dead attempt's here.
+object is older than ``min_age_s`` and whose writer is gone by the rule of every writer of every
+root (``_disk.tempfiles.writer_gone``, which also judges a directory root's temp directories and
+temp files and every lease): one whose process still runs on this host is kept however old. It
+aborts the multipart uploads of such attempts, and reports everything else under the prefix as
+foreign without touching it. It refuses a prefix without the root record, and one whose tracker's
+step has no readable marker: resolve then asks the operator to restore that step's objects, which
+would look like a dead attempt's here.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ class GcReport:
         default_factory=list
     )  # keys under the prefix that ckptguard did not create
     kept_live: list[str] = field(default_factory=list)
-    """Unmarked attempts whose writer may still write: its process alive on this host, or, elsewhere,
-    younger than ``min_age_s``."""
+    """Unmarked attempts whose writer may still write: its process alive on this host, or,
+    elsewhere, younger than ``min_age_s``."""
 
 
 class Root(Protocol):
-    """What gc uses of an ``ObjectStore``: its bucket prefix's primitives and the reads of its records."""
+    """What gc uses of an ``ObjectStore``: its bucket prefix's primitives and the reads of its
+    records."""
 
     bucket: Bucket
     url: StoreURL
@@ -56,12 +58,13 @@ class Root(Protocol):
 
 
 def collect(root: Root, *, min_age_s: float = 3600.0, dry_run: bool = False) -> GcReport:
-    """gc of ``root`` (the module docstring says what it removes, aborts and reports); ``dry_run``: only report."""
+    """gc of ``root`` (the module docstring says what it removes, aborts and reports); ``dry_run``:
+    only report."""
     found = root.bucket.get(root.url.key(rec.ROOT_RECORD), what="root record")
     if found is None:
         raise ConfigError(
-            f"{root.url} holds no {rec.ROOT_RECORD}: it is not a ckptguard root (or not yet); gc removes only "
-            "what ckptguard created under its own roots. Check the URL"
+            f"{root.url} holds no {rec.ROOT_RECORD}: it is not a ckptguard root (or not yet); gc "
+            f"removes only what ckptguard created under its own roots. Check the URL"
         )
     rec.RootRecord.from_bytes(found.data, root.where(rec.ROOT_RECORD))
     tracker_step_whole(root, "gc")
@@ -102,8 +105,9 @@ def collect(root: Root, *, min_age_s: float = 3600.0, dry_run: bool = False) -> 
 
 
 def tracker_step_whole(root: Root, doing: str) -> None:
-    """Refuse ``doing`` while the tracker's step has no readable marker: resolve then tells the operator to
-    restore that step's objects, and gc would delete them as attempts no marker names."""
+    """Refuse ``doing`` while the tracker's step has no readable marker: resolve then tells the
+    operator to restore that step's objects, and gc would delete them as attempts no marker
+    names."""
     step, _ = root.tracker()
     if not step:
         return
@@ -115,10 +119,10 @@ def tracker_step_whole(root: Root, doing: str) -> None:
     except CheckpointError as exc:
         why = f"is unreadable ({str(exc)[:300]})"
     raise CheckpointCorruptError(
-        f"{doing} refused on {root.url}: the tracker says {step}, but its marker {marker_at} {why}; restoring "
-        f"needs that step's objects, which {doing} would delete as attempts no marker names. Restore the marker "
-        "(or set the tracker to an older committed step by hand: `ckptguard list` shows them), then run "
-        f"{doing} again"
+        f"{doing} refused on {root.url}: the tracker says {step}, but its marker {marker_at} "
+        f"{why}; restoring needs that step's objects, which {doing} would delete as attempts no "
+        f"marker names. Restore the marker (or set the tracker to an older committed step by hand: "
+        f"`ckptguard list` shows them), then run {doing} again"
     )
 
 
@@ -158,11 +162,12 @@ def _attempt(
 def _writer_gone(
     root: Root, name: str, attempt: str, found: Small | None, *, expired: bool
 ) -> str | None:
-    """Whether the attempt's writer is gone: never before ``min_age_s`` (``expired``), and then by the rule
-    of every writer (``_disk.tempfiles.writer_gone``), which keeps it while its process lives on this host.
-    Its liveness only lengthens an attempt's life, never shortens it: a writer in another PID namespace of
-    a host of the same name (a container with the host's network, a sidecar) looks dead from here while it
-    uploads. An owner record that cannot be read is judged by age alone."""
+    """Whether the attempt's writer is gone: never before ``min_age_s`` (``expired``), and then by
+    the rule of every writer (``_disk.tempfiles.writer_gone``), which keeps it while its process
+    lives on this host. Its liveness only lengthens an attempt's life, never shortens it: a writer
+    in another PID namespace of a host of the same name (a container with the host's network, a
+    sidecar) looks dead from here while it uploads. An owner record that cannot be read is judged by
+    age alone."""
     if not expired:
         return None
     if found is None:  # ``found``: the owner record, where the caller has read it already

@@ -63,8 +63,8 @@ def to_store(
     template: str = "step_{step:08d}",
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Commit the committed local ``step_dir`` as its step on the store at ``url`` (the local root's rotation and
-    gc keep the step meanwhile: a reader lease)."""
+    """Commit the committed local ``step_dir`` as its step on the store at ``url`` (the local root's
+    rotation and gc keep the step meanwhile: a reader lease)."""
     step_dir = Path(os.fspath(step_dir)).absolute()
     with _readers.reading(step_dir, who=f"transfer to {url} in pid {os.getpid()}") as unheld:
         if unheld is not None:
@@ -85,9 +85,10 @@ def _to_store_read(
     manifest = _manifest.read(step_dir)
     if manifest.nodes:
         raise ConfigError(
-            f"transfer: {step_dir} was saved on node-local roots and holds only this node's part of step "
-            f"{manifest.step}; the store needs the whole step: restore it once (every node), or transfer each node's "
-            "part into one shared root first, then transfer that step"
+            f"transfer: {step_dir} was saved on node-local roots and holds only this "
+            f"node's part of step {manifest.step}; the store needs the whole step: restore "
+            f"it once (every node), or transfer each node's part into one shared root "
+            f"first, then transfer that step"
         )
     raw = _layout.read_json(step_dir / _layout.MANIFEST_NAME, what="manifest")
     store = ObjectStore(url, ObjectStoreOptions(), dir_template=template)
@@ -138,8 +139,8 @@ def _same_chain_on_store(
     theirs, ours = _chain(marker.phases) if marker else None, _chain(phases)
     if theirs and ours and theirs != ours:
         raise ConfigError(
-            f"transfer: {store.url} holds run chain {theirs} (step {tracker}), {step_dir} belongs to chain {ours}; "
-            "transfer into an empty prefix"
+            f"transfer: {store.url} holds run chain {theirs} (step {tracker}), {step_dir} belongs "
+            f"to chain {ours}; transfer into an empty prefix"
         )
 
 
@@ -153,8 +154,9 @@ def from_store(
     ttl_s: float = 6 * 3600.0,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Copy the store's committed ``step`` (None: the tracker's) into the local root ``dest_root``; the
-    transfer record goes to ``record`` (default ``dest_root/transfers/``), as a local transfer's does."""
+    """Copy the store's committed ``step`` (None: the tracker's) into the local root ``dest_root``;
+    the transfer record goes to ``record`` (default ``dest_root/transfers/``), as a local transfer's
+    does."""
     store = ObjectStore(url, ObjectStoreOptions(), dir_template=template)
     marker = _committed(store, step)
     dest_root = Path(os.fspath(dest_root)).absolute()
@@ -233,8 +235,8 @@ def _into(
             same = False
         if not same or any(f.severity.value == "ERROR" for f in verify_step(final, deep=True)):
             raise ConfigError(
-                f"transfer: {final} already exists and is not a complete copy of step {marker.step} "
-                f"of {store.url}; remove it or pick another destination root"
+                f"transfer: {final} already exists and is not a complete copy of step "
+                f"{marker.step} of {store.url}; remove it or pick another destination root"
             )
         _phases(store, marker, dest_root)
         return True  # killed between its rename and the tracker: only the tracker is left

@@ -1,13 +1,14 @@
-"""``verify --deep``'s tensor pass: every tensor of a step read back and compared with its layout-free digest.
+"""``verify --deep``'s tensor pass: every tensor of a step read back and compared with its
+layout-free digest.
 
-Contract: ``tensor_findings(step_dir)`` reads each tensor the manifest's ``layout_free`` table lists,
-one at a time, from the step's DCP files through ckptguard's streaming reader, and compares its
-layout-free digest with the one the save recorded: what ``restore`` compares after a load. The
-file checksums alone pass a data file rewritten together with its checksum in the manifest;
-this pass does not (the digests were computed from the live tensors at the save, and a rewrite
-that also fixed them would have to recompute the layout-free digest of every changed tensor).
-Host memory: the largest tensor plus the reader's pool. A step written before the table existed,
-a run step, or a step whose files already failed, is reported as not checked, never as passed.
+Contract: ``tensor_findings(step_dir)`` reads each tensor the manifest's ``layout_free`` table
+lists, one at a time, from the step's DCP files through ckptguard's streaming reader, and compares
+its layout-free digest with the one the save recorded: what ``restore`` compares after a load. The
+file checksums alone pass a data file rewritten together with its checksum in the manifest; this
+pass does not (the digests were computed from the live tensors at the save, and a rewrite that also
+fixed them would have to recompute the layout-free digest of every changed tensor). Host memory: the
+largest tensor plus the reader's pool. A step written before the table existed, a run step, or a
+step whose files already failed, is reported as not checked, never as passed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ _POOL = 16 << 20
 
 @dataclass
 class TensorCheck:
-    """What the tensor pass of one step found: ERROR findings, the tensors compared, or why it could not run."""
+    """What the tensor pass of one step found: ERROR findings, the tensors compared, or why it could
+    not run."""
 
     findings: list[Finding] = field(default_factory=list)
     checked: int = 0
@@ -45,8 +47,9 @@ class TensorCheck:
 
 
 def tensor_findings(step_dir: str | os.PathLike[str]) -> TensorCheck:
-    """ERROR ``tensor-digest`` findings for each tensor whose bytes read back differ from the save's layout-free
-    digest, and how many were compared; ``not_checked`` says why none could be (never a pass)."""
+    """ERROR ``tensor-digest`` findings for each tensor whose bytes read back differ from the save's
+    layout-free digest, and how many were compared; ``not_checked`` says why none could be (never a
+    pass)."""
     step_dir = Path(step_dir)
     try:
         manifest = _manifest.read(step_dir)
@@ -54,7 +57,8 @@ def tensor_findings(step_dir: str | os.PathLike[str]) -> TensorCheck:
         return TensorCheck(not_checked=f"no plain step manifest ({exc})")
     if manifest.nodes:
         return TensorCheck(
-            not_checked="a node-local step: its shards live on several nodes, this one holds its part"
+            not_checked="a node-local step: its shards live on several "
+            "nodes, this one holds its part"
         )
     table = manifest.layout_free or {}
     if not table:
@@ -89,14 +93,17 @@ def tensor_findings(step_dir: str | os.PathLike[str]) -> TensorCheck:
         for key, expected in sorted(keys.items()):
             meta = md.state_dict_metadata.get(key)
             if expected == REPLICAS_DIFFER:
-                continue  # the save found replicas that differ: no true value to compare with (verify says so)
+                # the save found replicas that differ: no true value to compare with (verify says
+                # so)
+                continue
             if not isinstance(meta, TensorStorageMetadata):
                 findings.append(
                     Finding(
                         Severity.ERROR,
                         "tensor-digest",
                         str(state_dir),
-                        f"item {item!r}: key {key!r} has a layout-free digest but no tensor in the DCP metadata",
+                        f"item {item!r}: key {key!r} has a layout-free digest but no "
+                        f"tensor in the DCP metadata",
                         "the step's metadata and manifest disagree: restore an earlier step",
                     )
                 )
@@ -128,7 +135,8 @@ def tensor_findings(step_dir: str | os.PathLike[str]) -> TensorCheck:
                         f"{expected}: its bytes changed after the commit (a data file rewritten "
                         "together with its checksum in the manifest passes the file checks, not "
                         "this one)",
-                        "restore refuses this step: restore an earlier one, and find what rewrote the files",
+                        "restore refuses this step: restore an earlier one, and "
+                        "find what rewrote the files",
                     )
                 )
     return TensorCheck(findings, checked)

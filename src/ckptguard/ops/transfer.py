@@ -120,8 +120,8 @@ def _transfer_locked(
     if final.exists() or final.is_symlink():
         if not _same_copy(step_dir, final):
             raise ConfigError(
-                f"transfer: {final} already exists and is not a complete copy of {step_dir}; remove it or pick "
-                "another destination root"
+                f"transfer: {final} already exists and is not a complete copy of {step_dir}; "
+                f"remove it or pick another destination root"
             )
         resumed = (
             True  # killed between its rename and the tracker: only the tracker and record are left
@@ -157,9 +157,10 @@ def _transfer_locked(
 
 @contextlib.contextmanager
 def publishing(dest_root: Path, final: Path) -> Iterator[Path]:
-    """A temp directory for the step ``final`` under ``dest_root``, with an owner record (the destination's gc
-    sweeps it if this process dies); published as ``final`` when the block ends (the owner record removed, one
-    rename, the root fsynced), removed when it raises. Every transfer into a local root goes through it."""
+    """A temp directory for the step ``final`` under ``dest_root``, with an owner record (the
+    destination's gc sweeps it if this process dies); published as ``final`` when the block ends
+    (the owner record removed, one rename, the root fsynced), removed when it raises. Every transfer
+    into a local root goes through it."""
     tmp = dest_root / _layout.temp_dir_name(final.name, secrets.token_hex(6))
     tmp.mkdir()
     _layout.write_owner(tmp)

@@ -63,7 +63,8 @@ def verify_root(
     on_step: Callable[[Path], None] | None = None,
 ) -> tuple[list[Path], list[Finding]]:
     """(committed step directories checked, findings) for a whole root, tracker included.
-    ``progress`` gets the bytes hashed (``deep``), ``on_step`` each step directory as its check starts.
+    ``progress`` gets the bytes hashed (``deep``), ``on_step`` each step directory as its check
+    starts.
 
     A root that holds no checkpoint at all is an ERROR finding (``no-checkpoint``) that
     names the root the caller probably meant, never an "OK" over zero steps."""
@@ -73,7 +74,8 @@ def verify_root(
             "symlink",
             root / name,
             f"the root's {what} entry is a symlink",
-            "replace it with the real file or directory; ckptguard never reads or writes through links",
+            "replace it with the real file or directory; ckptguard never "
+            "reads or writes through links",
         )
         for name, what in _ROOT_ENTRIES.items()
         if (root / name).is_symlink()
@@ -114,7 +116,8 @@ def verify_root(
                     "symlink",
                     path,
                     "the step directory is a symlink",
-                    "replace it with the real directory; ckptguard never reads or deletes through links",
+                    "replace it with the real directory; ckptguard never reads "
+                    "or deletes through links",
                 )
             )
             continue
@@ -124,14 +127,17 @@ def verify_root(
                     Severity.WARNING,
                     "orphan",
                     str(path),
-                    f"is newer than the tracker ({tracker}): a save died between publish and tracker",
-                    "ignored for resume: resume from it with restore(path=...), point the tracker at it with "
-                    "`ckptguard adopt ROOT STEP`, or delete it with `ckptguard gc ROOT --orphans`",
+                    f"is newer than the tracker ({tracker}): a save died "
+                    f"between publish and tracker",
+                    "ignored for resume: resume from it with restore(path=...), point the "
+                    "tracker at it with `ckptguard adopt ROOT STEP`, or delete it with "
+                    "`ckptguard gc ROOT --orphans`",
                 )
             )
             continue
-        # A reader lease: the root's rotation or gc keeps the step while its bytes are checked (none is
-        # taken where the root is not writable here; then a step removed meanwhile is said as that).
+        # A reader lease: the root's rotation or gc keeps the step while its bytes are checked (none
+        # is taken where the root is not writable here; then a step removed meanwhile is said as
+        # that).
         with _readers.reading(path, who=f"verify in pid {os.getpid()}") as unheld:
             if unheld is not None and not path.exists():
                 findings.append(
@@ -139,7 +145,8 @@ def verify_root(
                         Severity.WARNING,
                         "removed-while-verified",
                         str(path),
-                        "was removed by the root's rotation or gc after verify listed it: not checked",
+                        "was removed by the root's rotation or gc after "
+                        "verify listed it: not checked",
                         "nothing to do: rotation removes only steps its policy drops",
                     )
                 )
@@ -176,7 +183,8 @@ def _named_step(path: Path, step: int) -> list[Finding]:
         finding(
             "wrong-step",
             path / _layout.MANIFEST_NAME,
-            f"says step {said}, but its directory is step {step}'s: a restore would resume at step {said}",
+            f"says step {said}, but its directory is step {step}'s: a restore "
+            f"would resume at step {said}",
             "the manifest was edited or copied from another step: restore an earlier step",
         )
     ]
@@ -251,8 +259,8 @@ def _template_hint(root: Path, naming: _layout.StepNaming) -> str | None:
 
 
 def tensor_findings(step_dir: str | os.PathLike[str]) -> Any:
-    """``ops.tensorcheck.tensor_findings`` (``verify --deep``'s tensor pass), imported when it runs: it needs
-    torch, which the operator commands do not import."""
+    """``ops.tensorcheck.tensor_findings`` (``verify --deep``'s tensor pass), imported when it runs:
+    it needs torch, which the operator commands do not import."""
     step_dir = Path(step_dir)
     from .tensorcheck import tensor_findings as run  # lazy: torch
 
@@ -307,7 +315,8 @@ def _restore_process(
     budget_bytes: int | None,
     progress: Callable[[Path, dict[str, Any]], None] | None,
 ) -> tuple[dict[Path, dict[str, Any]], str]:
-    """Run ``_offline`` once over ``step_dirs``: the results it printed, in order, and its last stderr line."""
+    """Run ``_offline`` once over ``step_dirs``: the results it printed, in order, and its last
+    stderr line."""
     import json
     import subprocess
     import sys
@@ -323,7 +332,8 @@ def _restore_process(
         str(budget_bytes or DEFAULT_BUDGET),
     ]
     results: dict[Path, dict[str, Any]] = {}
-    # stderr goes to a file: a pipe nobody reads while stdout is followed could fill and stall the child.
+    # stderr goes to a file: a pipe nobody reads while stdout is followed could fill and stall the
+    # child.
     with tempfile.TemporaryFile(mode="w+") as err:
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
             assert proc.stdout is not None
@@ -385,10 +395,12 @@ def _restore_findings(
                 Severity.WARNING,
                 "not-checked",
                 str(step_dir),
-                f"saved on node-local roots: ranks {elsewhere} are on other nodes' disks, not restored here"
+                f"saved on node-local roots: ranks {elsewhere} are on other nodes' "
+                f"disks, not restored here"
                 + (
-                    "; the tensor bytes of format-3 tensor items (covered only by their layout-free digests, "
-                    "which need every rank's chunks) were not compared on any rank"
+                    "; the tensor bytes of format-3 tensor items (covered only by "
+                    "their layout-free digests, which need every rank's chunks) were "
+                    "not compared on any rank"
                     if "layout_free" in result
                     else ""
                 ),

@@ -22,7 +22,8 @@ if (
     from .unpickler import read_dcp_metadata
 
 # Each name is imported on first use (PEP 562): the checks of a step directory import
-# ``storage.base`` and ``storage.dcpindex``, which need no torch, and must not pay for the backends'.
+# ``storage.base`` and ``storage.dcpindex``, which need no torch, and must not pay for the
+# backends'.
 _WHERE = {
     "DCP_METADATA": ".base",
     "Storage": ".base",

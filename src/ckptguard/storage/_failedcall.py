@@ -22,15 +22,19 @@ TRUNCATED = "the file ends before the bytes its DCP metadata points at; it was t
 
 _CUDA_ERRORS = {
     1: "cudaErrorInvalidValue",
-    2: "cudaErrorMemoryAllocation: the system refused to page-lock more memory (ulimit -l, or memory is short)",
-    712: "cudaErrorHostMemoryAlreadyRegistered: part of this range is still registered, left by a pinned buffer "
-    "that was unmapped without cudaHostUnregister (by code outside ckptguard, or an older ckptguard)",
+    2: "cudaErrorMemoryAllocation: the system refused to page-lock more memory "
+    "(ulimit -l, or memory is short)",
+    712: "cudaErrorHostMemoryAlreadyRegistered: part of this range is still registered, "
+    "left by a pinned buffer "
+    "that was unmapped without cudaHostUnregister (by code outside "
+    "ckptguard, or an older ckptguard)",
     801: "cudaErrorNotSupported",
 }
 
 
 class PinError(OSError):
-    """``cudaHostRegister`` refused a host buffer: a CUDA/system condition, never a checkpoint's fault."""
+    """``cudaHostRegister`` refused a host buffer: a CUDA/system condition, never a checkpoint's
+    fault."""
 
 
 def pin_refused(rc: int, size: int) -> PinError:
@@ -73,6 +77,6 @@ def stalled(timeout_s: float, what: str) -> StorageStallError:
     """No host buffer came free within ``timeout_s`` while ``what``: the storage stalled."""
     return StorageStallError(
         _errno.ETIMEDOUT,
-        f"no host buffer came free within {timeout_s} s while {what}: the storage stalled "
-        "(a hung filesystem or device); raise StreamingConfig.stall_timeout_s only if it is just slow",
+        f"no host buffer came free within {timeout_s} s while {what}: the storage stalled (a hung "
+        f"filesystem or device); raise StreamingConfig.stall_timeout_s only if it is just slow",
     )

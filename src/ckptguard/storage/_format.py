@@ -92,7 +92,8 @@ def item_frame(shape: tuple[int, ...], dtype: torch.dtype) -> Frame:
         if frame is None:
             frame = _build_frame(*key)
             if len(_frames) >= _FRAME_CACHE_MAX:
-                _frames.clear()  # bounded: shapes of one model repeat, a stream of new ones must not grow us
+                # bounded: shapes of one model repeat, a stream of new ones must not grow us
+                _frames.clear()
             _frames[key] = frame
         return frame
 
@@ -228,7 +229,8 @@ class _DescriptorUnpickler(pickle.Unpickler):
             if name in _LEGACY_STORAGES:
                 return _StorageType(_LEGACY_STORAGES[name])
         raise UnsafeCheckpointError(
-            f"global {module}.{name} in a tensor item's data.pkl: not a plain tensor; ckptguard will not unpickle it"
+            f"global {module}.{name} in a tensor item's data.pkl: not a plain tensor; "
+            f"ckptguard will not unpickle it"
         )
 
     def persistent_load(self, pid: Any) -> _StorageRef:
@@ -289,8 +291,9 @@ def _check_opcodes(data: bytes, where: str) -> None:
     extra = sorted(ops - _DATA_PKL_OPCODES)
     if extra:
         raise UnsafeCheckpointError(
-            f"{where}: data.pkl uses pickle opcodes {extra}, which torch.save never writes for a tensor; "
-            "ckptguard will not unpickle it: the file was crafted or damaged, restore an earlier step"
+            f"{where}: data.pkl uses pickle opcodes {extra}, which torch.save never writes "
+            f"for a tensor; ckptguard will not unpickle it: the file was crafted or "
+            f"damaged, restore an earlier step"
         )
 
 
@@ -312,7 +315,8 @@ def read_record(f: io.IOBase, where: str) -> Record:
     except Exception as exc:
         failed = getattr(f, "error", None)
         if isinstance(failed, OSError):
-            raise failed from None  # the storage failed (errno, path, offset), not the item's format
+            # the storage failed (errno, path, offset), not the item's format
+            raise failed from None
         raise CheckpointCorruptError(
             f"{where}: not a readable tensor item ({type(exc).__name__}: {exc})"
         ) from None

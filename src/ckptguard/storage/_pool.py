@@ -1,17 +1,17 @@
 """A bounded pool of exact-size host buffers, and the system calls that move their bytes.
 
 Contract: a ``BufferPool`` owns up to ``count`` buffers of exactly ``size`` bytes (made as ``get``
-needs them), each its own anonymous mapping (page-aligned, no allocator rounding, no cache that outlives us), page
-locked with ``cudaHostRegister`` when CUDA is available and pinning is asked for.
+needs them), each its own anonymous mapping (page-aligned, no allocator rounding, no cache that
+outlives us), page locked with ``cudaHostRegister`` when CUDA is available and pinning is asked for.
 ``close()`` unregisters and unmaps every buffer: after it, the pool holds no host memory. A buffer
-has one release, run once on whichever path comes first: ``release()``, its garbage collection
-(a pool dropped without ``close()``) or the interpreter's exit (``weakref.finalize``), always
+has one release, run once on whichever path comes first: ``release()``, its garbage collection (a
+pool dropped without ``close()``) or the interpreter's exit (``weakref.finalize``), always
 ``cudaHostUnregister`` before ``munmap``: a range unmapped while still registered stays registered
-in the driver, and every later buffer the kernel maps there fails ``cudaHostRegister`` with
-error 712. A refused registration raises ``PinError`` (an ``OSError`` naming the CUDA error);
-a pool given ``pin=True`` then falls back to pageable buffers, logged: pinning only speeds the
-copies up, and a read or write must never fail, let alone look like a damaged checkpoint, for it.
-``get`` waits at most a timeout for a free buffer and raises ``StorageStallError`` (a ``TimeoutError``) naming what
+in the driver, and every later buffer the kernel maps there fails ``cudaHostRegister`` with error
+712. A refused registration raises ``PinError`` (an ``OSError`` naming the CUDA error); a pool given
+``pin=True`` then falls back to pageable buffers, logged: pinning only speeds the copies up, and a
+read or write must never fail, let alone look like a damaged checkpoint, for it. ``get`` waits at
+most a timeout for a free buffer and raises ``StorageStallError`` (a ``TimeoutError``) naming what
 it waited for.
 
 ``write_all`` and ``read_into`` turn every failed or short system call into an
@@ -168,7 +168,8 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing these dirty pages to the device now, without waiting (Linux ``sync_file_range``).
+    """Start writing these dirty pages to the device now, without waiting (Linux
+    ``sync_file_range``).
 
     Without it the disk idles until the next fdatasync while the page cache fills, and a save
     runs below the disk's speed. Only a hint: a refusal (a filesystem without it) changes nothing,
@@ -206,7 +207,8 @@ _RUNNING_LOCK = threading.Lock()
 
 
 def default_limit() -> int:
-    """2 GiB, or an eighth of the memory the system has free now if that is less (page cache, dropped at close)."""
+    """2 GiB, or an eighth of the memory the system has free now if that is less (page cache,
+    dropped at close)."""
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -224,7 +226,8 @@ def halt_reads_ahead(directory: str | os.PathLike[str]) -> None:
 
 
 class ReadAhead:
-    """One rank's read-ahead of one data file (``path``: checked to lie in the step directory by the caller)."""
+    """One rank's read-ahead of one data file (``path``: checked to lie in the step directory by the
+    caller)."""
 
     def __init__(
         self, path: Path, *, limit: int | None = None, streams: int = 4, drop: bool = True
@@ -240,8 +243,8 @@ class ReadAhead:
         self._key = os.path.realpath(path)
 
     def start(self) -> ReadAhead:
-        """Registered, and the streams started by one thread of its own: the caller (the restore) waits for one
-        thread's start, not for each stream's."""
+        """Registered, and the streams started by one thread of its own: the caller (the restore)
+        waits for one thread's start, not for each stream's."""
         if self.limit > 0:
             with _RUNNING_LOCK:
                 _RUNNING[self._key] = self
@@ -299,7 +302,8 @@ class ReadAhead:
                     self.done += got
         except OSError as exc:
             log.info(
-                "ckptguard: read-ahead of %s stopped at offset %d (%s); the restore reads it itself",
+                "ckptguard: read-ahead of %s stopped at offset %d (%s); "
+                "the restore reads it itself",
                 self.path,
                 pos,
                 exc,
@@ -319,7 +323,8 @@ class ReadAhead:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
-        """Halted, and the file's pages dropped from the page cache (after the restore's read, which drops its own)."""
+        """Halted, and the file's pages dropped from the page cache (after the restore's read, which
+        drops its own)."""
         self.halt()
         with _RUNNING_LOCK:
             if _RUNNING.get(self._key) is self:
@@ -340,11 +345,12 @@ class Buffer:
 
     def __init__(self, size: int, pin: bool) -> None:
         self.size = size
-        # Pages faulted in by the kernel first (MAP_POPULATE), not inside cudaHostRegister: registering faulted
-        # pages holds the driver 4x shorter, and a training thread's CUDA calls wait on it (measured on an H100:
-        # 6.5 GiB pinned beside a loop cost it 1.43 s unpopulated, 0.19 s populated in 16 MiB pieces).
-        # (2 MiB pages populated with MADV_POPULATE_WRITE instead: the loop beside it ran slower, 5.9% against
-        # 2.2% at saves every 45 steps, benchmarks/results/issue41_h100.)
+        # Pages faulted in by the kernel first (MAP_POPULATE), not inside cudaHostRegister:
+        # registering faulted pages holds the driver 4x shorter, and a training thread's CUDA calls
+        # wait on it (measured on an H100: 6.5 GiB pinned beside a loop cost it 1.43 s unpopulated,
+        # 0.19 s populated in 16 MiB pieces). (2 MiB pages populated with MADV_POPULATE_WRITE
+        # instead: the loop beside it ran slower, 5.9% against 2.2% at saves every 45 steps,
+        # benchmarks/results/issue41_h100.)
         populate = getattr(mmap, "MAP_POPULATE", 0) if pin else 0
         self._map: mmap.mmap | None = mmap.mmap(
             -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
@@ -366,7 +372,8 @@ class Buffer:
         return self._registered[0]
 
     def release(self) -> None:
-        """Unregister now and unmap (once; later calls, the collection and the exit do nothing more)."""
+        """Unregister now and unmap (once; later calls, the collection and the exit do nothing
+        more)."""
         if self._map is None:
             return
         mapping, self._map = self._map, None
@@ -374,10 +381,11 @@ class Buffer:
         del self.tensor
         self.view.release()
         self._unpin()
-        # munmap: the pages go back to the system now, not at some later GC. torch.frombuffer holds no
-        # buffer export, so close() would unmap under a slot still in use (measured: a segfault on its
-        # next write); such a slot keeps the mapping, which goes with it (frombuffer's reference). A
-        # memoryview slice still alive (a failed read's traceback) refuses (BufferError): the same.
+        # munmap: the pages go back to the system now, not at some later GC. torch.frombuffer holds
+        # no buffer export, so close() would unmap under a slot still in use (measured: a segfault
+        # on its next write); such a slot keeps the mapping, which goes with it (frombuffer's
+        # reference). A memoryview slice still alive (a failed read's traceback) refuses
+        # (BufferError): the same.
         if not shared:
             with contextlib.suppress(BufferError):
                 mapping.close()
@@ -393,8 +401,9 @@ def _views_beyond(tensor: torch.Tensor) -> bool:
 
 
 def _unpin(address: int, registered: list[bool]) -> None:
-    """A buffer's one unregistration, before its pages can go: by ``release()``, its collection (the mapping
-    is unmapped after this, when the buffer's references are cleared) or the interpreter's exit."""
+    """A buffer's one unregistration, before its pages can go: by ``release()``, its collection (the
+    mapping is unmapped after this, when the buffer's references are cleared) or the interpreter's
+    exit."""
     if registered[0]:
         registered[0] = False
         # At the interpreter's exit CUDA may already be torn down.
@@ -405,10 +414,10 @@ def _unpin(address: int, registered: list[bool]) -> None:
 class BufferPool:
     """At most ``count`` buffers of ``size`` bytes; ``get`` blocks until one is free.
 
-    The first buffer is made at construction (a pool that cannot allocate fails there); the others when a ``get``
-    finds none free: pinning a buffer holds the driver 20-45 ms (an H100 machine, 32 MiB), so made up front, a
-    restore's or save's first byte waited for all of them (0.18-0.36 s for eight); made on demand, the first read or
-    write runs while the next buffer is pinned."""
+    The first buffer is made at construction (a pool that cannot allocate fails there); the others
+    when a ``get`` finds none free: pinning a buffer holds the driver 20-45 ms (an H100 machine, 32
+    MiB), so made up front, a restore's or save's first byte waited for all of them (0.18-0.36 s for
+    eight); made on demand, the first read or write runs while the next buffer is pinned."""
 
     def __init__(self, *, count: int, size: int, pin: bool, timeout_s: float) -> None:
         self.size = size
@@ -426,7 +435,8 @@ class BufferPool:
             raise
 
     def _add(self) -> Buffer:
-        """One more buffer (the caller holds the lock, or none can run yet); pageable from the first refusal on."""
+        """One more buffer (the caller holds the lock, or none can run yet); pageable from the first
+        refusal on."""
         buf = self._buffer(self.size, self._pin)
         self._pin = buf.pinned
         self._all.append(buf)
@@ -463,8 +473,8 @@ class BufferPool:
                     # No memory for one more: go on with those made.
                     self.count = len(self._all)
                     log.warning(
-                        "ckptguard: one more %d B I/O buffer could not be made (%s) while %s; going on "
-                        "with the %d made",
+                        "ckptguard: one more %d B I/O buffer could not be made (%s) while %s; "
+                        "going on with the %d made",
                         self.size,
                         exc,
                         what,

@@ -13,15 +13,14 @@ an item's tensor record lies comes from one of two places:
   places nothing; the file digests of ``verify`` cover it;
 - any other item: its archive is parsed (``_format.read_record``) before the read.
 
-The bytes move in spans: neighbouring pieces of one file (frames, tensor blocks, small
-items, gaps of at most ``MERGE_GAP``) read by one ``preadv`` into one pool buffer, each
-piece at a 64-byte aligned place in it, so a load issues requests of about a buffer's
-size whatever the tensors' sizes. ``threads`` threads each read one contiguous stretch of
-the spans through an open file of their own (the disk sees that many sequential streams)
-while the caller's thread copies finished spans to the targets (on a side stream, asynchronously, for a GPU
-target). Host memory: the pool. Targets come from the planner's ``resolve_tensor`` up
-front, as DCP's default planner returns views of the state; ``commit_tensor`` follows the
-copies.
+The bytes move in spans: neighbouring pieces of one file (frames, tensor blocks, small items, gaps
+of at most ``MERGE_GAP``) read by one ``preadv`` into one pool buffer, each piece at a 64-byte
+aligned place in it, so a load issues requests of about a buffer's size whatever the tensors' sizes.
+``threads`` threads each read one contiguous stretch of the spans through an open file of their own
+(the disk sees that many sequential streams) while the caller's thread copies finished spans to the
+targets (on a side stream, asynchronously, for a GPU target). Host memory: the pool. Targets come
+from the planner's ``resolve_tensor`` up front, as DCP's default planner returns views of the state;
+``commit_tensor`` follows the copies.
 """
 
 from __future__ import annotations
@@ -116,8 +115,9 @@ class ItemReader:
             )  # from here the threads below read; they drop what they read
             self._run(group_spans(pieces, self._pool.size))
             if self._failed_checks:
-                # Items whose head is not ckptguard's frame (a strided view by plain dcp.save, another
-                # torch's writer): parse their archives and read them again over what the guess wrote.
+                # Items whose head is not ckptguard's frame (a strided view by plain dcp.save,
+                # another torch's writer): parse their archives and read them again over what the
+                # guess wrote.
                 again = set(self._failed_checks)
                 self._failed_checks.clear()
                 self._cancel.clear()
@@ -130,19 +130,20 @@ class ItemReader:
         finally:
             stuck = [t.name for t in self._threads_run if t.is_alive()]
             if stuck:
-                # A thread still blocked in a read of a hung filesystem: closing its descriptor now would let
-                # the number be reused under it. The descriptors stay open (a few per load, named here).
+                # A thread still blocked in a read of a hung filesystem: closing its descriptor now
+                # would let the number be reused under it. The descriptors stay open (a few per
+                # load, named here).
                 log.warning(
-                    "ckptguard: read threads %s still blocked in the storage; %d data file descriptor(s) "
-                    "left open for them: %s",
+                    "ckptguard: read threads %s still blocked in the storage; %d data file "
+                    "descriptor(s) left open for them: %s",
                     stuck,
                     len(fds),
                     sorted(fds),
                 )
             else:
                 for fd in fds.values():
-                    # Each span dropped its own pages; this catches the readahead past the last span and the
-                    # pages of parsed archives (a no-op where nothing is cached).
+                    # Each span dropped its own pages; this catches the readahead past the last span
+                    # and the pages of parsed archives (a no-op where nothing is cached).
                     if self._drop:
                         with contextlib.suppress(OSError):
                             drop_cached(fd)
@@ -154,8 +155,8 @@ class ItemReader:
         # The name comes from the checkpoint's metadata: it must name a plain file in state_dir.
         if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
             raise UnsafeCheckpointError(
-                f"{state_dir}/.metadata names the data file {rel!r}, which is not a file inside {state_dir}; "
-                "the checkpoint was not written by DCP or was changed: do not read it"
+                f"{state_dir}/.metadata names the data file {rel!r}, which is not a file inside "
+                f"{state_dir}; the checkpoint was not written by DCP or was changed: do not read it"
             )
         path = str(state_dir / rel)
         if rel not in fds:
@@ -164,7 +165,8 @@ class ItemReader:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise UnsafeCheckpointError(
-                    f"{path} is not a regular file; the checkpoint's data files are: restore an earlier step"
+                    f"{path} is not a regular file; the checkpoint's data files "
+                    f"are: restore an earlier step"
                 )
             fds[rel] = fd
             self._stats.files += 1
@@ -183,8 +185,9 @@ class ItemReader:
         dests: dict[int, torch.Tensor],
         only: set[int] | None = None,
     ) -> list[tuple[int, str, Piece]]:
-        """The pieces to read for ``ordered`` (those in ``only``), each naming its item by index in ``ordered``;
-        every tensor item's target in ``dests``. ``metadata`` None: every item's archive is parsed."""
+        """The pieces to read for ``ordered`` (those in ``only``), each naming its item by index in
+        ``ordered``; every tensor item's target in ``dests``. ``metadata`` None: every item's
+        archive is parsed."""
         pieces: list[tuple[int, str, Piece]] = []
         limit_bytes = self._pool.size - ALIGN
         for n, req in enumerate(ordered):
@@ -195,15 +198,17 @@ class ItemReader:
             where = f"{path} item {req.storage_index.fqn!r} at offset {info.offset}"
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointCorruptError(
-                    f"{where} was written through DCP stream extensions {list(info.transform_descriptors)}; "
-                    "StreamingStorage reads plain items only: read this checkpoint with DCPStorage"
+                    f"{where} was written through DCP stream extensions "
+                    f"{list(info.transform_descriptors)}; StreamingStorage reads plain items only: "
+                    f"read this checkpoint with DCPStorage"
                 )
             if req.type == LoadItemType.BYTE_IO:
-                # DCP's load_bytes unpickles with weights_only=False; this reader only ever fills tensors.
+                # DCP's load_bytes unpickles with weights_only=False; this reader only ever fills
+                # tensors.
                 raise UnsafeCheckpointError(
-                    f"{where} is stored as pickled bytes, where a tensor is asked for: unpickling it could run "
-                    "code, so ckptguard will not read it; the checkpoint was tampered with or written for "
-                    "another state: restore an earlier step"
+                    f"{where} is stored as pickled bytes, where a tensor is asked for: unpickling "
+                    f"it could run code, so ckptguard will not read it; the checkpoint was "
+                    f"tampered with or written for another state: restore an earlier step"
                 )
             if n not in dests:
                 dests[n] = planner.resolve_tensor(req).detach()
@@ -325,7 +330,8 @@ class ItemReader:
             self._cancel.set()
             while pending:
                 self._release(*pending.popleft())
-            # After a stall the caller's thread has already waited a whole timeout: a short grace, not another.
+            # After a stall the caller's thread has already waited a whole timeout: a short grace,
+            # not another.
             grace = min(1.0, self._pool.timeout_s) if self._stalled else self._pool.timeout_s
             deadline = time.monotonic() + grace
             for thread in threads:
@@ -341,7 +347,8 @@ class ItemReader:
             raise self._error
 
     def _deliver(self, span: Span, buf: Any, events: list[Any]) -> None:
-        """Each piece of a read span to its place; ``events`` gets one event per GPU its H2D copies went to."""
+        """Each piece of a read span to its place; ``events`` gets one event per GPU its H2D copies
+        went to."""
         last: dict[Any, Any] = {}
         try:
             self._pieces_to_targets(span, buf, last)
@@ -377,9 +384,9 @@ class ItemReader:
                 waiting = sorted(f"{path} at offset {pos}" for path, pos in self._reading.values())
             raise StorageStallError(
                 _errno.ETIMEDOUT,
-                f"no data read within {self._pool.timeout_s} s: the storage stalled (reads in flight: "
-                f"{', '.join(waiting) or 'none'}); check the filesystem, or raise StreamingConfig.stall_timeout_s "
-                "only if it is just slow",
+                f"no data read within {self._pool.timeout_s} s: the storage stalled (reads in "
+                f"flight: {', '.join(waiting) or 'none'}); check the filesystem, or raise "
+                f"StreamingConfig.stall_timeout_s only if it is just slow",
             ) from None
         self._stats.stall_seconds += time.perf_counter() - t0
         if got is None and self._error is not None:
@@ -389,8 +396,8 @@ class ItemReader:
     def _copy_to_cuda(self, dest: torch.Tensor, src: torch.Tensor) -> Any:
         stream = self._streams.get(dest.device)
         if stream is None:
-            # One side stream per GPU: a copy queued inside another GPU's stream context would run on this
-            # GPU's current stream, which that stream's events do not cover.
+            # One side stream per GPU: a copy queued inside another GPU's stream context would run
+            # on this GPU's current stream, which that stream's events do not cover.
             stream = self._streams[dest.device] = torch.cuda.Stream(device=dest.device)
             # The targets may still be in use by kernels queued on the current stream.
             stream.wait_stream(torch.cuda.current_stream(dest.device))

@@ -34,7 +34,8 @@ class Piece:
 
     pos: int
     nbytes: int
-    kind: str  # "copy" (a block of a tensor), "check" (frame bytes to compare), "small" (a whole small item)
+    # "copy" (a block of a tensor), "check" (frame bytes to compare), "small" (a whole small item)
+    kind: str
     item: int  # index into the plan's items: a failed check re-reads that item
     dest: Any = None
     dtype: Any = None
@@ -65,7 +66,8 @@ def extent(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
 def file_blocks(
     size: tuple[int, ...], stride: tuple[int, ...], offset: int, dest: torch.Tensor, limit: int
 ) -> Iterator[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.Tensor]]:
-    """(first element, extent in elements, block size, block stride, dest view) covering a strided view.
+    """(first element, extent in elements, block size, block stride, dest view) covering a strided
+    view.
 
     Blocks run along the dimension of largest stride, so each is one file span of at most
     ``limit`` elements; a slice that alone exceeds the limit is split one level deeper.
@@ -100,7 +102,8 @@ def contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def chunk_of(metadata: Any, index: Any) -> Any:
-    """The saved chunk (offsets, sizes) and properties that a ReadItem's storage index names, or None."""
+    """The saved chunk (offsets, sizes) and properties that a ReadItem's storage index names, or
+    None."""
     entry = (
         getattr(metadata, "state_dict_metadata", {}).get(index.fqn)
         if metadata is not None
@@ -123,7 +126,8 @@ def chunk_of(metadata: Any, index: Any) -> Any:
 
 
 def reopen(fd: int) -> int:
-    """A second open file of the same inode (its own file position and readahead), else fd itself."""
+    """A second open file of the same inode (its own file position and readahead), else fd
+    itself."""
     try:
         # Through /proc/self/fd: the same file the checks accepted, not whatever the path names now.
         return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -145,7 +149,8 @@ def stretches(spans: list[Span], count: int) -> list[list[Span]]:
 
 
 def views(span: Span, buf: Any) -> list[memoryview]:
-    """The buffer ranges one preadv of the span's file range fills: pieces at their places, gaps between."""
+    """The buffer ranges one preadv of the span's file range fills: pieces at their places, gaps
+    between."""
     views: list[memoryview] = []
     pos, used = span.pos, 0
     for piece, at in span.pieces:
@@ -168,8 +173,9 @@ def check_record(rec: Record, length: int, where: str) -> None:
         or min(dims, default=0) < 0
     ):
         raise CheckpointCorruptError(
-            f"{where}: saved layout size {rec.size}, stride {rec.stride}, offset {rec.storage_offset} is not one "
-            "a tensor has (negative or not integers): the item was damaged; restore an earlier step"
+            f"{where}: saved layout size {rec.size}, stride {rec.stride}, offset "
+            f"{rec.storage_offset} is not one a tensor has (negative or not integers): the item "
+            f"was damaged; restore an earlier step"
         )
     if rec.storage_numel is None or type(rec.storage_numel) is not int or rec.storage_numel < 0:
         raise CheckpointCorruptError(
@@ -180,13 +186,15 @@ def check_record(rec: Record, length: int, where: str) -> None:
     )
     if 0 not in rec.size and last >= rec.storage_numel:
         raise CheckpointCorruptError(
-            f"{where}: the saved view (size {rec.size}, stride {rec.stride}, offset {rec.storage_offset}) reaches "
-            f"element {last} of a storage of {rec.storage_numel}: the item was damaged; restore an earlier step"
+            f"{where}: the saved view (size {rec.size}, stride {rec.stride}, offset "
+            f"{rec.storage_offset}) reaches element {last} of a storage of {rec.storage_numel}: "
+            f"the item was damaged; restore an earlier step"
         )
     if rec.data_offset < 0 or rec.data_offset + rec.storage_numel * rec.dtype.itemsize > length:
         raise CheckpointCorruptError(
-            f"{where}: the storage ({rec.storage_numel} x {rec.dtype.itemsize} B at {rec.data_offset}) runs past the "
-            f"item's {length} B: the item was damaged or truncated; restore an earlier step"
+            f"{where}: the storage ({rec.storage_numel} x {rec.dtype.itemsize} B at "
+            f"{rec.data_offset}) runs past the item's {length} B: the item was damaged or "
+            f"truncated; restore an earlier step"
         )
 
 
@@ -209,8 +217,8 @@ def check_box(size: tuple[int, ...], stride: tuple[int, ...], req: Any, where: s
 
 
 def guess_frame(metadata: Any, req: Any, info: Any, limit: int) -> tuple[Record, Frame] | None:
-    """The record ckptguard's writer gives this item, if its length is that frame's and its head fits ``limit``
-    bytes; else None (the item's own record is then read and checked)."""
+    """The record ckptguard's writer gives this item, if its length is that frame's and its head
+    fits ``limit`` bytes; else None (the item's own record is then read and checked)."""
     found = chunk_of(metadata, req.storage_index)
     if found is None:
         return None
@@ -237,7 +245,8 @@ def guess_frame(metadata: Any, req: Any, info: Any, limit: int) -> tuple[Record,
 
 
 def group_spans(pieces: list[tuple[int, str, Piece]], buffer_bytes: int) -> list[Span]:
-    """Neighbouring pieces of one file grouped into spans that fit one buffer (``buffer_bytes``) each."""
+    """Neighbouring pieces of one file grouped into spans that fit one buffer (``buffer_bytes``)
+    each."""
     spans: list[Span] = []
     cur: Span | None = None
     for fd, path, piece in pieces:

@@ -3,22 +3,21 @@ not hold the caller, and the fence every later mutation of the staged tensors wa
 
 Contract:
 
-- ``StagingPool`` holds host regions, each one anonymous mapping of exactly the bytes asked
-  for, page-locked with ``cudaHostRegister`` when it stages GPU tensors (the caching host
-  allocator would round a 6 GiB request up to 8 GiB and keep it cached). ``place(sizes,
-  budget)`` gives every tensor a 64-byte aligned slot: first fit, largest tensor first, in the
-  regions held, then ONE new region of exactly the bytes still missing, as far as ``budget`` (the
-  pool's total) and ``grow`` (the bytes the caller's thread may allocate) allow; a tensor that
-  does not fit gets None and stays live. Regions are reused by every later save and released by
-  ``release()``, or by ``idle_s`` seconds without use; either release is measured (bytes, RSS before and
-  after) into the open phase recorder (``memory.phases.host_cache_released``). ``held_bytes`` is what the
-  pool holds now.
-  ``grow_async(sizes, budget)`` maps and pins, in a thread of its own (pinning 6 GiB takes over
-  a second), the regions that hold what the pool cannot: packed largest first into regions of
-  at most ``CHUNK`` bytes (one region per larger tensor), each exactly the bytes its slots take,
-  so that the next ``place`` of the same sizes fills them exactly (the same first-fit order over
-  regions no larger than the packing's) and no single registration holds the driver for long.
-  While a region is being pinned nothing is placed in it.
+- ``StagingPool`` holds host regions, each one anonymous mapping of exactly the bytes asked for,
+  page-locked with ``cudaHostRegister`` when it stages GPU tensors (the caching host allocator would
+  round a 6 GiB request up to 8 GiB and keep it cached). ``place(sizes, budget)`` gives every tensor
+  a 64-byte aligned slot: first fit, largest tensor first, in the regions held, then ONE new region
+  of exactly the bytes still missing, as far as ``budget`` (the pool's total) and ``grow`` (the
+  bytes the caller's thread may allocate) allow; a tensor that does not fit gets None and stays
+  live. Regions are reused by every later save and released by ``release()``, or by ``idle_s``
+  seconds without use; either release is measured (bytes, RSS before and after) into the open phase
+  recorder (``memory.phases.host_cache_released``). ``held_bytes`` is what the pool holds now.
+  ``grow_async(sizes, budget)`` maps and pins, in a thread of its own (pinning 6 GiB takes over a
+  second), the regions that hold what the pool cannot: packed largest first into regions of at most
+  ``CHUNK`` bytes (one region per larger tensor), each exactly the bytes its slots take, so that the
+  next ``place`` of the same sizes fills them exactly (the same first-fit order over regions no
+  larger than the packing's) and no single registration holds the driver for long. While a region is
+  being pinned nothing is placed in it.
 - ``Copier`` fills slots: ``CudaCopier`` issues every GPU copy ``non_blocking`` on one side
   stream that first waits for the caller's current stream (the kernels that produced the
   tensors), and keeps the sources alive for that stream (``record_stream``); CPU sources are
@@ -53,7 +52,8 @@ log = logging.getLogger("ckptguard")
 ALIGN = 64  # every slot starts on a multiple of this: any dtype's view is aligned
 CHUNK = 64 << 20
 """The largest region ``grow_async`` packs several tensors into (a larger tensor gets its own): each
-registration holds the CUDA driver, and the training thread's calls wait for it, so it stays short."""
+registration holds the CUDA driver, and the training thread's calls wait for it, so it stays
+short."""
 YIELD_S = 0.001
 """The pause between two background registrations: the training thread's CUDA calls go first."""
 
@@ -78,7 +78,8 @@ class StagingPool:
         """How many times the idle timer released the pool."""
         self._growing: Future[int] | None = None
         self._stopped = threading.Event()
-        """Set by ``stop_growing``: a background grow maps no further region (a closing manager's pool)."""
+        """Set by ``stop_growing``: a background grow maps no further region (a closing manager's
+        pool)."""
         self.grown_on: list[str] = []
         """The names of the threads that allocated (and pinned) each region."""
 
@@ -92,9 +93,9 @@ class StagingPool:
         return self._growing is not None and not self._growing.done()
 
     def grow_async(self, sizes: Sequence[int], budget: int) -> Future[int]:
-        """Map (and pin) in a background thread the regions that hold what ``sizes`` cannot find room for in the
-        regions held (within ``budget`` less what is held); the future gives the bytes added (0: no room, or a
-        grow already running)."""
+        """Map (and pin) in a background thread the regions that hold what ``sizes`` cannot find
+        room for in the regions held (within ``budget`` less what is held); the future gives the
+        bytes added (0: no room, or a grow already running)."""
         with self._lock:
             running = self._growing if self.growing else None
         if running is not None:
@@ -122,8 +123,9 @@ class StagingPool:
         return done
 
     def _after(self, running: Future[int], sizes: Sequence[int], budget: int) -> Future[int]:
-        """A grow asked for while one runs: run once it ended, for what is still missing then (prepare_async's
-        pool for a fresh model, then the optimizer's state after its first step); the bytes both added."""
+        """A grow asked for while one runs: run once it ended, for what is still missing then
+        (prepare_async's pool for a fresh model, then the optimizer's state after its first step);
+        the bytes both added."""
         chained: Future[int] = Future()
 
         def again(first: Future[int]) -> None:
@@ -142,8 +144,8 @@ class StagingPool:
         return chained
 
     def stop_growing(self) -> None:
-        """Map no further region in the background (``close``: it then waits for at most the region in flight,
-        not for a whole 6 GiB pool to be pinned only to be unpinned)."""
+        """Map no further region in the background (``close``: it then waits for at most the region
+        in flight, not for a whole 6 GiB pool to be pinned only to be unpinned)."""
         self._stopped.set()
 
     def budget_room(self, budget: int) -> int:
@@ -155,7 +157,9 @@ class StagingPool:
         try:
             for need in plan:
                 if self._stopped.is_set():
-                    break  # closing: the regions mapped so far are released by the caller, the rest never mapped
+                    # closing: the regions mapped so far are released by the caller, the rest never
+                    # mapped
+                    break
                 region = Buffer(need, self.pin)
                 with self._lock:
                     self._regions.append(region)
@@ -188,15 +192,17 @@ class StagingPool:
         return bins
 
     def missing(self, sizes: Sequence[int]) -> int:
-        """Bytes the regions for ``sizes`` would need beyond what the pool holds (``grow_async``'s packing)."""
+        """Bytes the regions for ``sizes`` would need beyond what the pool holds (``grow_async``'s
+        packing)."""
         with self._lock:
             return sum(self._new_bins(sizes))
 
     def place(
         self, sizes: Sequence[int], budget: int, *, grow: int | None = None
     ) -> list[torch.Tensor | None]:
-        """A uint8 slot of each size (None where the pool and the budget have no room); marks the pool busy.
-        ``grow``: at most these bytes are mapped (and pinned) on the caller's thread (None: any)."""
+        """A uint8 slot of each size (None where the pool and the budget have no room); marks the
+        pool busy. ``grow``: at most these bytes are mapped (and pinned) on the caller's thread
+        (None: any)."""
         with self._lock:
             self._cancel_timer()
             self._busy += 1
@@ -253,7 +259,8 @@ class StagingPool:
             self._arm_idle()
 
     def idle_from_now(self) -> None:
-        """Start the idle timer of a pool no save has used yet (prepared ahead): an unused pool goes too."""
+        """Start the idle timer of a pool no save has used yet (prepared ahead): an unused pool goes
+        too."""
         with self._lock:
             if self._timer is None:
                 self._arm_idle()
@@ -262,7 +269,8 @@ class StagingPool:
         self._last_use = time.monotonic()
         if self._busy == 0 and self.idle_s is not None and self._regions:
             self._cancel_timer()
-            # A weak reference: a pool dropped without close() must not live on in its timer's thread.
+            # A weak reference: a pool dropped without close() must not live on in its timer's
+            # thread.
             self._timer = threading.Timer(self.idle_s, _idle_release, args=(weakref.ref(self),))
             self._timer.daemon = True
             self._timer.start()
@@ -300,15 +308,16 @@ class StagingPool:
 
 
 def _record_release(held: int, how: str, pinned: bool, before: int | None) -> None:
-    """The measured release in the active phase recorder (guide: verify the host cache is released after a
-    save); a recorder that cannot write never fails the release, it is logged."""
+    """The measured release in the active phase recorder (guide: verify the host cache is released
+    after a save); a recorder that cannot write never fails the release, it is logged."""
     try:
         _phases.host_cache_released(
             held, how, pinned=pinned, rss_before=before, rss_after=self_rss()
         )
     except (OSError, CheckpointError) as exc:
         log.warning(
-            "ckptguard: the release of %d B of host staging (%s) was not recorded in the phase records: %s",
+            "ckptguard: the release of %d B of host staging (%s) was not recorded "
+            "in the phase records: %s",
             held,
             how,
             exc,
@@ -316,8 +325,8 @@ def _record_release(held: int, how: str, pinned: bool, before: int | None) -> No
 
 
 def _fit(used: list[int], caps: list[int] | None, n: int) -> int | None:
-    """First fit of ``n`` bytes in bins of ``caps`` (None: ``CHUNK`` each) holding ``used`` bytes: the bin's
-    index, its ``used`` updated; None: no bin has room."""
+    """First fit of ``n`` bytes in bins of ``caps`` (None: ``CHUNK`` each) holding ``used`` bytes:
+    the bin's index, its ``used`` updated; None: no bin has room."""
     for b, u in enumerate(used):
         start = _aligned(u)
         if start + n <= (caps[b] if caps is not None else max(CHUNK, u)):
@@ -349,7 +358,8 @@ class Fence:
             self._live_read.set()
         self.timeout_s = timeout_s
         self.waited_s = 0.0
-        """Seconds the caller's thread waited in ``before_mutation`` (the live tensors being read)."""
+        """Seconds the caller's thread waited in ``before_mutation`` (the live tensors being
+        read)."""
         self._passed = False
         self._also: list[Any] = []
 
@@ -377,9 +387,9 @@ class Fence:
         t0 = time.monotonic()
         if not self._live_read.wait(self.timeout_s):
             raise CheckpointError(
-                f"the background save still reads the tensors that did not fit the staging pool after "
-                f"{self.timeout_s:.0f} s; the storage stalled. Check the checkpoint storage, or raise "
-                "CheckpointConfig.timeout_s if it is only slow"
+                f"the background save still reads the tensors that did not fit the staging pool "
+                f"after {self.timeout_s:.0f} s; the storage stalled. Check the checkpoint storage, "
+                f"or raise CheckpointConfig.timeout_s if it is only slow"
             )
         self._device_wait()
         self._passed = True

@@ -31,7 +31,8 @@ from ._pool import Buffer, BufferPool, IOStats, drop_cached, io_error, start_wri
 
 
 def tensor_pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
-    """Views of ``t`` in row-major order: contiguous ones of any size, others of at most ``limit`` bytes."""
+    """Views of ``t`` in row-major order: contiguous ones of any size, others of at most ``limit``
+    bytes."""
     if t.numel() == 0:
         return
     if t.is_contiguous() or t.dim() == 0:
@@ -251,7 +252,8 @@ class FileStreamer:
             if th.is_alive():
                 raise StorageStallError(
                     _errno.ETIMEDOUT,
-                    f"the {th.name} thread did not finish {self.path} within {self._pool.timeout_s} s",
+                    f"the {th.name} thread did not finish {self.path} within "
+                    f"{self._pool.timeout_s} s",
                 )
 
     def _raise_if_failed(self) -> None:

@@ -48,14 +48,16 @@ def current_versions() -> dict[str, str]:
 
 
 def check_torch_version(written: str, where: Path, *, allow_newer: bool) -> None:
-    """Refuse, before any read, a checkpoint (``where``) written by a newer torch (``written``) than ours."""
+    """Refuse, before any read, a checkpoint (``where``) written by a newer torch (``written``) than
+    ours."""
     if allow_newer or TorchVersion(written.split("+")[0]) <= torch.__version__.split("+")[0]:
         return
     raise VersionMismatchError(
         f"{where} was written by torch {written}; this process runs torch "
-        f"{torch.__version__}. Newer torch can write formats an older one misreads (e.g. "
-        "DTensor layouts). Restore with the image that wrote it, or pass "
-        "CheckpointConfig(storage=StorageOptions(allow_newer_torch=True)) after checking it reads correctly."
+        f"{torch.__version__}. Newer torch can write formats an older one misreads "
+        f"(e.g. DTensor layouts). Restore with the image that wrote it, or pass "
+        f"CheckpointConfig(storage=StorageOptions(allow_newer_torch=True)) after "
+        f"checking it reads correctly."
     )
 
 
@@ -87,9 +89,10 @@ class TensorsOnlyPlanner(DefaultLoadPlanner):
 
     def _refuse(self, fqn: str) -> UnsafeCheckpointError:
         return UnsafeCheckpointError(
-            f"{self._dir}/.metadata stores {fqn!r} as pickled bytes, where this state holds a tensor: loading it "
-            "would unpickle whatever the file holds (it can run code), so ckptguard will not. The checkpoint was "
-            "not written for this state, or was tampered with: restore an earlier step"
+            f"{self._dir}/.metadata stores {fqn!r} as pickled bytes, where this state holds a "
+            f"tensor: loading it would unpickle whatever the file holds (it can run code), so "
+            f"ckptguard will not. The checkpoint was not written for this state, or was tampered "
+            f"with: restore an earlier step"
         )
 
 

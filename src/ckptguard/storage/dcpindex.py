@@ -185,7 +185,8 @@ class MetadataView(_Record):
 
 
 class MetadataIndex(_Record):
-    """Stands in for ``MetadataIndex`` (a dict key: hashed and compared on fqn and offset, as DCP's is)."""
+    """Stands in for ``MetadataIndex`` (a dict key: hashed and compared on fqn and offset, as DCP's
+    is)."""
 
     offset: Any = None
     index: Any = None
@@ -298,7 +299,8 @@ assert set(_STANDINS) == ALLOWED_NAMES
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    """The restricted unpickler's allow-list, answered with stand-ins: no torch, and no code runs."""
+    """The restricted unpickler's allow-list, answered with stand-ins: no torch, and no code
+    runs."""
 
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name and (module, name) in ALLOWED_NAMES:
@@ -319,7 +321,8 @@ def read_bounded(path: Path) -> bytes:
         ) from None
 
 
-# ---------------------------------------------------------------- the pickle's declared sizes, before unpickling
+# ---------------------------------------------------------------- the pickle's declared sizes,
+# before unpickling
 
 _UNTIL_NEWLINE = pickletools.UP_TO_NEWLINE
 _COUNTED = {
@@ -328,9 +331,9 @@ _COUNTED = {
     pickletools.TAKEN_FROM_ARGUMENT4U: 4,
     pickletools.TAKEN_FROM_ARGUMENT8U: 8,
 }
-# Opcodes a DCP metadata pickle never holds and that would allocate or call out: out-of-band buffers and
-# bytearrays (the C unpickler allocates a bytearray8's declared length before reading it), persistent ids,
-# extension codes.
+# Opcodes a DCP metadata pickle never holds and that would allocate or call out: out-of-band buffers
+# and bytearrays (the C unpickler allocates a bytearray8's declared length before reading it),
+# persistent ids, extension codes.
 _NEVER = frozenset(
     {"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER", "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4"}
 )
@@ -344,7 +347,8 @@ _SIGNED = frozenset(
 
 def _arg_tables() -> tuple[bytes, bytes, dict[int, str]]:
     """Per opcode byte: how its argument is read (0 fixed, 1 counted, 2 newline-ended, 3 refused or
-    unknown, 4 a memo index, 5 STOP), its width (fixed bytes, or the count's bytes), and its name."""
+    unknown, 4 a memo index, 5 STOP), its width (fixed bytes, or the count's bytes), and its
+    name."""
     kinds, widths, names = bytearray([3] * 256), bytearray(256), {}
     for op in pickletools.opcodes:
         code, n = ord(op.code), (0 if op.arg is None else op.arg.n)
@@ -368,10 +372,11 @@ _KINDS, _WIDTHS, _NAMES = _arg_tables()
 
 
 def scan_pickle(path: Path, data: bytes) -> None:
-    """Refuse, before any unpickling, a pickle whose opcodes declare more than its bytes hold: a counted
-    string longer than what is left, a memo index beyond the number of bytes (the C unpickler grows its
-    memo array to twice the index and clears it: a 4-byte index asks for 32 GiB), or an opcode DCP never
-    writes. One pass over the opcodes; the payloads are skipped, never copied."""
+    """Refuse, before any unpickling, a pickle whose opcodes declare more than its bytes hold: a
+    counted string longer than what is left, a memo index beyond the number of bytes (the C
+    unpickler grows its memo array to twice the index and clears it: a 4-byte index asks for 32
+    GiB), or an opcode DCP never writes. One pass over the opcodes; the payloads are skipped, never
+    copied."""
     pos, end, kinds, widths = 0, len(data), _KINDS, _WIDTHS
     while pos < end:
         code = data[pos]
@@ -462,9 +467,10 @@ def confine(path: Path, md: Any) -> None:
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, str) or not plain_name(rel):
             raise UnsafeCheckpointError(
-                f"{path} names the data file {rel!r} for {getattr(index, 'fqn', index)!r}, which leaves "
-                f"{path.parent} (absolute, '..', a subdirectory): DCP writes plain names there, so the "
-                "file was crafted or damaged. Do not restore it; restore an earlier step."
+                f"{path} names the data file {rel!r} for {getattr(index, 'fqn', index)!r}, "
+                f"which leaves {path.parent} (absolute, '..', a subdirectory): DCP writes "
+                f"plain names there, so the file was crafted or damaged. Do not restore it; "
+                f"restore an earlier step."
             )
 
 

@@ -1,10 +1,11 @@
-"""One structure check of DCP's ``.metadata``, shared by both readers (``dcpindex.read_dcp_index`` for the
-operator commands, ``unpickler.read_dcp_metadata`` for restore), so no command calls a step good whose
-metadata restore refuses.
+"""One structure check of DCP's ``.metadata``, shared by both readers (``dcpindex.read_dcp_index``
+for the operator commands, ``unpickler.read_dcp_metadata`` for restore), so no command calls a step
+good whose metadata restore refuses.
 
-Contract: ``check_structure`` reads only the attributes DCP's classes and the torch-free stand-ins share, never
-imports torch, allocates nothing the metadata declares, and raises ``CheckpointCorruptError`` (``ShortDataFile``
-for a span past the end of its data file) naming the file and the key.
+Contract: ``check_structure`` reads only the attributes DCP's classes and the torch-free stand-ins
+share, never imports torch, allocates nothing the metadata declares, and raises
+``CheckpointCorruptError`` (``ShortDataFile`` for a span past the end of its data file) naming the
+file and the key.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from ..errors import CheckpointCorruptError
 
 __all__ = ["ITEMSIZE", "ShortDataFile", "check_structure"]
 
-# Bytes per element of each dtype ``TORCH_DTYPE_NAMES`` holds (torch 2.13's ``dtype.itemsize``; a test
-# compares the two): the sizes a ``.metadata`` declares are bounded without importing torch.
+# Bytes per element of each dtype ``TORCH_DTYPE_NAMES`` holds (torch 2.13's ``dtype.itemsize``; a
+# test compares the two): the sizes a ``.metadata`` declares are bounded without importing torch.
 ITEMSIZE = {
     "bfloat16": 2,
     "bit": 1,
@@ -82,7 +83,8 @@ _ABSENT = object()
 
 
 class _Bad(Exception):
-    """One structural fault of a ``.metadata``, said in words (raised as CheckpointCorruptError by the caller)."""
+    """One structural fault of a ``.metadata``, said in words (raised as CheckpointCorruptError by
+    the caller)."""
 
     def __init__(self, message: str, data_file: str | None = None) -> None:
         super().__init__(message)
@@ -90,8 +92,8 @@ class _Bad(Exception):
 
 
 class ShortDataFile(CheckpointCorruptError):
-    """The metadata stores bytes past the end of ``data_file`` as it is on disk (a truncated or swapped
-    data file, or a crafted span): nothing is read or allocated from it."""
+    """The metadata stores bytes past the end of ``data_file`` as it is on disk (a truncated or
+    swapped data file, or a crafted span): nothing is read or allocated from it."""
 
     fields: ClassVar[tuple[str, ...]] = ("data_file",)  # crosses ranks with the error
 
@@ -149,7 +151,8 @@ def _chunks(fqn: str, meta: Any) -> dict[tuple[int, ...], int]:
             or any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True))
         ):
             raise _Bad(
-                f"{where}: its chunk at {list(offsets)} of {list(sizes)} leaves its size {list(size)}"
+                f"{where}: its chunk at {list(offsets)} of {list(sizes)} "
+                f"leaves its size {list(size)}"
             )
         if offsets in out:
             raise _Bad(f"{where} lists the chunk at {list(offsets)} twice")
@@ -200,21 +203,22 @@ def _stored(md: Any) -> list[tuple[str, tuple[int, ...] | None, str, int, int, b
 
 
 def check_structure(path: Path, md: Any, *, data_files: bool = True) -> None:
-    """What restore relies on in a ``.metadata`` (``path``), checked before anything is read or allocated
-    from it, the same for DCP's classes and for the stand-ins: every key a tensor or bytes entry, every
-    tensor chunk inside its tensor and stored exactly once, every stored span a pair of non-negative
-    ints, and no chunk declared larger than its stored bytes. ``data_files``: every span also inside its
-    data file as it is on disk (the checks; restore's readers refuse a span past the end of its file
-    when they reach it, with that file's own error, before reading or allocating from it).
+    """What restore relies on in a ``.metadata`` (``path``), checked before anything is read or
+    allocated from it, the same for DCP's classes and for the stand-ins: every key a tensor or bytes
+    entry, every tensor chunk inside its tensor and stored exactly once, every stored span a pair of
+    non-negative ints, and no chunk declared larger than its stored bytes. ``data_files``: every
+    span also inside its data file as it is on disk (the checks; restore's readers refuse a span
+    past the end of its file when they reach it, with that file's own error, before reading or
+    allocating from it).
 
-    Both readers (``read_dcp_index`` for the operator commands, ``read_dcp_metadata`` for restore) call
-    it, so no command calls a step good whose metadata restore refuses."""
+    Both readers (``read_dcp_index`` for the operator commands, ``read_dcp_metadata`` for restore)
+    call it, so no command calls a step good whose metadata restore refuses."""
     try:
         _check(path, md, data_files)
     except _Bad as exc:
         message = (
-            f"{path}: {exc}: the metadata was crafted or damaged; nothing was allocated or read from it. "
-            "Restore an earlier step."
+            f"{path}: {exc}: the metadata was crafted or damaged; nothing was allocated or read "
+            f"from it. Restore an earlier step."
         )
         raise (
             CheckpointCorruptError(message)
@@ -253,13 +257,16 @@ def _check(path: Path, md: Any, data_files: bool) -> None:
             continue
         if offsets not in chunks[fqn]:
             raise _Bad(
-                f"the storage table names a chunk of key {fqn!r} at {offsets}, which the key does not have"
+                f"the storage table names a chunk of key {fqn!r} at {offsets}, "
+                f"which the key does not have"
             )
         declared = chunks[fqn][offsets]
-        # DCP stores a chunk raw or through torch.save, never in fewer bytes; a transform (compression) may.
+        # DCP stores a chunk raw or through torch.save, never in fewer bytes; a transform
+        # (compression) may.
         if not transformed and declared > length:
             raise _Bad(
-                f"key {fqn!r} at offset {list(offsets or ())} declares {declared} bytes stored in {length}"
+                f"key {fqn!r} at offset {list(offsets or ())} declares {declared} "
+                f"bytes stored in {length}"
             )
         stored[fqn] = stored.get(fqn, 0) + declared
         if transformed:
@@ -292,8 +299,8 @@ def _check_covered(
 
 
 def _file_size(path: Path) -> int | None:
-    """The size of a data file as it is on disk; None when it is absent or no plain file (the checks of
-    the step's files report that, and the readers refuse it when they open it)."""
+    """The size of a data file as it is on disk; None when it is absent or no plain file (the checks
+    of the step's files report that, and the readers refuse it when they open it)."""
     try:
         st = os.lstat(path)
     except OSError:

@@ -66,38 +66,46 @@ class StreamingConfig:
     """How much host memory the streaming storage may hold and what it does with the page cache."""
 
     pool_bytes: int = 256 * _MiB
-    """Host bytes of staging buffers per rank, in total (the pool holds pool_bytes // buffer_bytes buffers)."""
+    """Host bytes of staging buffers per rank, in total (the pool holds pool_bytes // buffer_bytes
+    buffers)."""
     buffer_bytes: int = 32 * _MiB
     """Size of one buffer, the largest piece a tensor is cut into; a multiple of 4096."""
     pin_memory: bool = True
-    """Page-lock the buffers when a tensor is on the GPU (async D2H/H2D); never on a CPU-only state."""
+    """Page-lock the buffers when a tensor is on the GPU (async D2H/H2D); never on a CPU-only
+    state."""
     drop_page_cache: bool = True
-    """posix_fadvise(DONTNEED) the files once synced, so the save/load does not leave page cache behind."""
+    """posix_fadvise(DONTNEED) the files once synced, so the save/load does not leave page cache
+    behind."""
     writeback_bytes: int | None = 1 << 30
     """fdatasync (and drop) every this many bytes while writing; None: only the final fsync."""
     read_threads: int = 4
-    """Threads that read a load's spans at once, each one contiguous stretch through its own open file and
-    into its own pool buffers (at most buffer_count - 1 run, so one buffer is always free for the copy to
-    the target). On the H200 machine's virtual disk (benchmarks/results/read_h200.md) a 6.2 GiB restore ran
-    at 1.00x the disk's own 64 MiB sequential reads with 4, 0.95x with 2 and 0.86x with 1."""
+    """Threads that read a load's spans at once, each one contiguous stretch through its own open
+    file and into its own pool buffers (at most buffer_count - 1 run, so one buffer is always free
+    for the copy to the target). On the H200 machine's virtual disk
+    (benchmarks/results/read_h200.md) a 6.2 GiB restore ran at 1.00x the disk's own 64 MiB
+    sequential reads with 4, 0.95x with 2 and 0.86x with 1."""
     stall_timeout_s: float = 600.0
-    """Longest wait for a free buffer or an I/O thread before raising StorageStallError (a TimeoutError)."""
+    """Longest wait for a free buffer or an I/O thread before raising StorageStallError (a
+    TimeoutError)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.buffer_bytes) or self.buffer_bytes < _PAGE or self.buffer_bytes % _PAGE:
             raise ConfigError(
-                f"StreamingConfig.buffer_bytes must be a positive multiple of {_PAGE}, got {self.buffer_bytes!r}"
+                f"StreamingConfig.buffer_bytes must be a positive multiple of {_PAGE}, "
+                f"got {self.buffer_bytes!r}"
             )
         if not _is_int(self.pool_bytes) or self.pool_bytes < 2 * self.buffer_bytes:
             raise ConfigError(
-                f"StreamingConfig.pool_bytes must be an int of at least 2 x buffer_bytes ({2 * self.buffer_bytes}) "
-                f"so copies and writes overlap, got {self.pool_bytes!r}; lower buffer_bytes or raise pool_bytes"
+                f"StreamingConfig.pool_bytes must be an int of at least 2 x buffer_bytes "
+                f"({2 * self.buffer_bytes}) so copies and writes overlap, got {self.pool_bytes!r}; "
+                f"lower buffer_bytes or raise pool_bytes"
             )
         if self.writeback_bytes is not None and (
             not _is_int(self.writeback_bytes) or self.writeback_bytes <= 0
         ):
             raise ConfigError(
-                f"StreamingConfig.writeback_bytes must be a positive int or None, got {self.writeback_bytes!r}"
+                f"StreamingConfig.writeback_bytes must be a positive int or None, got "
+                f"{self.writeback_bytes!r}"
             )
         if not _is_int(self.read_threads) or self.read_threads < 1:
             raise ConfigError(
@@ -114,7 +122,8 @@ class StreamingConfig:
             or (self.stall_timeout_s <= 0)
         ):
             raise ConfigError(
-                f"StreamingConfig.stall_timeout_s must be a positive number, got {self.stall_timeout_s!r}"
+                f"StreamingConfig.stall_timeout_s must be a positive number, got "
+                f"{self.stall_timeout_s!r}"
             )
 
     @property
@@ -127,7 +136,8 @@ def _is_int(value: Any) -> bool:
 
 
 class StreamingStorage:
-    """Standard DCP files through a bounded, exact-size host buffer pool (see the module docstring)."""
+    """Standard DCP files through a bounded, exact-size host buffer pool (see the module
+    docstring)."""
 
     def __init__(self, config: StreamingConfig | None = None) -> None:
         self.config = config or StreamingConfig()
@@ -135,7 +145,8 @@ class StreamingStorage:
             raise ConfigError(f"config must be a StreamingConfig, got {type(self.config).__name__}")
         if not hasattr(torch.serialization, "skip_data"):
             raise ConfigError(
-                f"StreamingStorage needs torch >= 2.5 (skip_data); this is torch {torch.__version__}"
+                f"StreamingStorage needs torch >= 2.5 (skip_data); this is "
+                f"torch {torch.__version__}"
             )
         self.last_stats: IOStats | None = None
 
@@ -174,7 +185,8 @@ class StreamingStorage:
         )
 
     def _run(self, ctx: StorageContext, stats: IOStats, call: Any) -> None:
-        """One DCP save or load over ``ctx``'s group, timed into ``stats``; our own error unwrapped."""
+        """One DCP save or load over ``ctx``'s group, timed into ``stats``; our own error
+        unwrapped."""
         t0 = time.perf_counter()
         try:
             with quiet_single_process(ctx):
@@ -232,7 +244,8 @@ def _write_item(out: FileStreamer, name: str, item: Any, planner: Any) -> WriteR
         planned = tuple(item.tensor_data.chunk.sizes)
         if tuple(t.shape) != planned:
             raise StateMismatchError(
-                f"item {item.index.fqn!r}: tensor shape {tuple(t.shape)} differs from the plan {planned}"
+                f"item {item.index.fqn!r}: tensor shape {tuple(t.shape)} "
+                f"differs from the plan {planned}"
             )
         frame = item_frame(planned, t.dtype)
         out.add_bytes(frame.head)

@@ -38,7 +38,8 @@ class SafeMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name and (module, name) in self._allowed:
             return super().find_class(module, name)
-        # vars(), never getattr: torch's lazy __getattr__ imports a module (torch.onnx, ...) before the refusal.
+        # vars(), never getattr: torch's lazy __getattr__ imports a module (torch.onnx, ...) before
+        # the refusal.
         obj = vars(torch).get(name) if module == "torch" else None
         if isinstance(obj, (torch.dtype, torch.memory_format)):
             return obj
@@ -109,8 +110,8 @@ def read_dcp_metadata(
 ) -> Metadata:
     """DCP's ``.metadata`` of ``state_dir``, unpickled only through the allow-list.
 
-    ``extra``: more exact ``(module, name)`` pairs a writer built on DCP puts there (Megatron-core adds
-    its ranks' save plans: ``planner.SavePlan``, ``WriteItem``, ``TensorWriteData``).
+    ``extra``: more exact ``(module, name)`` pairs a writer built on DCP puts there (Megatron-core
+    adds its ranks' save plans: ``planner.SavePlan``, ``WriteItem``, ``TensorWriteData``).
 
     The file is read bounded and never through a link or from a FIFO, and every data
     file it names must be a plain file name inside ``state_dir``: DCP's own reader joins

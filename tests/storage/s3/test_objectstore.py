@@ -90,7 +90,8 @@ def moto():
 def ministack():
     if not h.ministack_ready():
         pytest.skip(
-            f"{h.MINISTACK} is missing: `make ministack-venv` could not build it (ministack pins botocore)"
+            f"{h.MINISTACK} is missing: `make ministack-venv` could not build it "
+            f"(ministack pins botocore)"
         )
     server = h.Ministack()
     yield server.endpoint
@@ -126,7 +127,8 @@ def uploads(endpoint: str, name: str) -> list[str]:
 
 
 def restored_step(endpoint: str, url: str, staging: Path) -> int:
-    """Restore into a blank state in this process and check it is exactly the state saved at that step."""
+    """Restore into a blank state in this process and check it is exactly the state saved at that
+    step."""
     ckpt = h.root(url, staging, endpoint)
     state = h.blank()
     step = ckpt.restore(state)
@@ -385,7 +387,8 @@ def test_a_stalling_server_fails_after_the_bounded_retries(moto, tmp_path):
 
 
 class Races:
-    """Every race of this module in one pair of spawned writer processes (each start imports torch)."""
+    """Every race of this module in one pair of spawned writer processes (each start imports
+    torch)."""
 
     def __init__(self, moto: str, ministack: str | None, tmp: Path) -> None:
         self.buckets = {
@@ -431,7 +434,8 @@ class Races:
         self.seconds = time.monotonic() - started
 
     def _observe(self, moto: str, done: threading.Event) -> None:
-        """Tracker reads of the trial in progress during the tracker race: never a smaller value after a larger."""
+        """Tracker reads of the trial in progress during the tracker race: never a smaller value
+        after a larger."""
         client, name = boto3.client("s3", endpoint_url=moto), self.buckets[(moto, "tracker")]
         while not done.wait(0.005):
             finished = self.results.get((moto, "tracker"), {})
@@ -467,7 +471,8 @@ def test_two_writers_racing_for_one_step_exactly_one_commits(server, races, moto
     endpoint = moto if server == "moto" else next((e for e, k in races.buckets if e != moto), None)
     if endpoint is None:
         pytest.skip(
-            f"{h.MINISTACK} is missing: `make ministack-venv` could not build it (ministack pins botocore)"
+            f"{h.MINISTACK} is missing: `make ministack-venv` could not build it "
+            f"(ministack pins botocore)"
         )
     assert races.exitcodes == [0, 0]
     results = races.results[(endpoint, "step")]
@@ -545,8 +550,9 @@ def test_rotation_deletes_marker_first_and_every_object_of_the_step(moto, tmp_pa
 
 
 def test_rotation_keeps_the_same_steps_on_a_store_as_on_a_directory_root(moto, tmp_path):
-    """One rotation decision for both kinds of root (``_records.retention.kept``): the policy's steps, the
-    tracker's, and on the store the step this job restored (protected while it trains from it)."""
+    """One rotation decision for both kinds of root (``_records.retention.kept``): the policy's
+    steps, the tracker's, and on the store the step this job restored (protected while it trains
+    from it)."""
     config = cg.CheckpointConfig(timeout_s=60.0, retention=cg.KeepLast(1) | cg.KeepEvery(3))
     url = f"s3://{bucket(moto)}/run"
     roots = [
@@ -573,8 +579,8 @@ def test_rotation_keeps_the_same_steps_on_a_store_as_on_a_directory_root(moto, t
 
 
 def test_a_held_step_survives_the_stores_rotation_until_released(moto, tmp_path):
-    """``hold`` on an s3:// root pins a step of the store: kept in the staging root, honoured by the rotation on
-    the store after each publish; ``release`` lets the next rotation delete it."""
+    """``hold`` on an s3:// root pins a step of the store: kept in the staging root, honoured by the
+    rotation on the store after each publish; ``release`` lets the next rotation delete it."""
     config = cg.CheckpointConfig(timeout_s=60.0, retention=cg.KeepLast(1))
     ckpt = cg.CheckpointManager(
         f"s3://{bucket(moto)}/run", config=h.config(moto, tmp_path / "s", base=config)
@@ -607,7 +613,8 @@ def test_gc_removes_only_unmarked_attempts_it_owns(moto, tmp_path):
     data = tmp_path / "d.bin"
     data.write_bytes(b"y" * 100)
     store.upload(2, attempt, [("state/d.bin", data, 100)])
-    # Its writer is this process, alive: kept whatever its age, as a directory root's temp dir of a live owner.
+    # Its writer is this process, alive: kept whatever its age, as a directory root's temp dir of a
+    # live owner.
     assert collect(store, min_age_s=0).kept_live == [f"step_00000002/{attempt}"]
     # A writer on another host: the attempt's age decides.
     h.rewrite_owner(moto, url, 2, attempt, host="another-host", pid=os.getpid())
@@ -735,7 +742,8 @@ def test_a_bad_url_is_refused_naming_the_fix(url):
 
 
 def test_a_manager_on_a_bad_s3_root_or_with_a_policy_a_store_cannot_follow_is_refused(tmp_path):
-    """``CheckpointManager(url)`` checks its object-store root and options as it is made, before any request."""
+    """``CheckpointManager(url)`` checks its object-store root and options as it is made, before any
+    request."""
     with pytest.raises(ConfigError, match="give a prefix such as s3://bucket/runs/run1"):
         cg.CheckpointManager("s3://bucket")
     with pytest.raises(
@@ -755,8 +763,9 @@ def test_a_manager_on_a_bad_s3_root_or_with_a_policy_a_store_cannot_follow_is_re
 
 
 def test_without_boto3_a_directory_root_works_and_an_s3_root_names_the_extra(tmp_path):
-    """``import ckptguard`` and a directory root never need boto3; an s3:// root without it is refused when the
-    manager is made, naming the extra (not a ModuleNotFoundError at the first upload)."""
+    """``import ckptguard`` and a directory root never need boto3; an s3:// root without it is
+    refused when the manager is made, naming the extra (not a ModuleNotFoundError at the first
+    upload)."""
     script = f"""
 import sys
 class NoBoto:
@@ -866,10 +875,11 @@ def test_a_job_refused_by_the_stores_lease_changes_nothing_and_break_lease_reach
 def test_save_async_commits_the_staging_root_then_the_store_in_the_background_and_a_failed_publish_raises(
     moto, tmp_path
 ):
-    """The store door's one shape: ``save_async`` returns a pending commit whose ``wait()`` is the staging
-    directory once the store committed the step too; ``resolve`` a ``Resolution`` naming the marker; a publish
-    that fails in the background is raised by ``wait()`` (once), the store's tracker stays, and the next save of
-    that step replaces the staging copy the store never committed."""
+    """The store door's one shape: ``save_async`` returns a pending commit whose ``wait()`` is the
+    staging directory once the store committed the step too; ``resolve`` a ``Resolution`` naming the
+    marker; a publish that fails in the background is raised by ``wait()`` (once), the store's
+    tracker stays, and the next save of that step replaces the staging copy the store never
+    committed."""
     name = bucket(moto)
     url = f"s3://{name}/async"
     staging = (tmp_path / "stage").absolute()
@@ -916,8 +926,9 @@ def test_save_async_commits_the_staging_root_then_the_store_in_the_background_an
 def test_a_staging_step_that_is_a_symlink_is_refused_and_what_it_points_to_is_untouched(
     moto, tmp_path
 ):
-    """A restore that finds the staging copy of its step differing from the store's clears it first: through a
-    symlink that would uncommit another root's step (its manifest deleted), outside the staging root."""
+    """A restore that finds the staging copy of its step differing from the store's clears it first:
+    through a symlink that would uncommit another root's step (its manifest deleted), outside the
+    staging root."""
     from ckptguard.errors import UnsafeCheckpointError
 
     name = bucket(moto)
@@ -930,7 +941,8 @@ def test_a_staging_step_that_is_a_symlink_is_refused_and_what_it_points_to_is_un
     other.close()
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    record = "ckptguard-staging.json"  # a staging root of this store (claimed), into which a link was planted
+    # a staging root of this store (claimed), into which a link was planted
+    record = "ckptguard-staging.json"
     (fresh / record).write_bytes((tmp_path / "stage" / record).read_bytes())
     (fresh / "step_00000001").symlink_to(tmp_path / "other" / "step_00000001")
     ckpt = h.root(url, fresh, moto)
@@ -943,7 +955,8 @@ def test_a_staging_step_that_is_a_symlink_is_refused_and_what_it_points_to_is_un
 def test_an_existing_root_given_as_the_staging_root_is_refused_at_the_first_save_and_keeps_its_steps(
     moto, tmp_path
 ):
-    """Review finding: KeepLast(1) of the staging root deleted the steps of a root given as object_staging."""
+    """Review finding: KeepLast(1) of the staging root deleted the steps of a root given as
+    object_staging."""
     victim = tmp_path / "old-run"
     old = cg.CheckpointManager(victim)
     for step in (1, 2, 3):
@@ -961,8 +974,8 @@ def test_an_existing_root_given_as_the_staging_root_is_refused_at_the_first_save
 def test_a_long_runs_proof_log_is_read_past_16_mib_and_never_replaced_by_one_that_lacks_it(
     moto, tmp_path, monkeypatch, readable_later
 ):
-    """Review finding: a store's proof log over 16 MiB could not be read back, and after a lost node the next save
-    replaced it with the new node's few records (the killed run's evidence gone)."""
+    """Review finding: a store's proof log over 16 MiB could not be read back, and after a lost node
+    the next save replaced it with the new node's few records (the killed run's evidence gone)."""
     url = f"s3://{bucket(moto)}/run"
     ckpt = h.root(url, tmp_path / "node1", moto)
     ckpt.save(1, h.state_at(1))
@@ -997,7 +1010,8 @@ def test_a_long_runs_proof_log_is_read_past_16_mib_and_never_replaced_by_one_tha
 
 
 def test_a_read_that_cannot_reach_the_store_says_run_it_again_and_a_save_says_save_again():
-    """Review finding: list, verify, gc and prove on an unreachable store told the operator to "save again"."""
+    """Review finding: list, verify, gc and prove on an unreachable store told the operator to "save
+    again"."""
     from ckptguard.storage.s3._bucket import _READS, _hint
 
     assert all(

@@ -254,8 +254,9 @@ def test_gc_keeps_the_tracker_steps_data_when_its_marker_is_gone(moto, tmp_path)
 def test_markers_without_a_tracker_are_refused_as_on_a_directory_never_a_fresh_start(
     moto, tmp_path
 ):
-    """The resume rule is one for every root: steps committed under a root whose tracker is gone were
-    a fresh start on the store (the old rule read the tracker only) and are a ResumeError on a directory."""
+    """The resume rule is one for every root: steps committed under a root whose tracker is gone
+    were a fresh start on the store (the old rule read the tracker only) and are a ResumeError on a
+    directory."""
     name = _bucket(moto)
     url = f"s3://{name}/run"
     h.write(moto, url, str(tmp_path / "w"), 2, None)
@@ -267,8 +268,9 @@ def test_markers_without_a_tracker_are_refused_as_on_a_directory_never_a_fresh_s
 
 
 def test_markers_without_a_root_record_or_a_tracker_are_refused_never_a_fresh_start(moto, tmp_path):
-    """Both records of the root gone, its markers left: a damaged root, not a new one (the old rule, which
-    read only the tracker and the root record, started fresh and the next save replaced a committed step)."""
+    """Both records of the root gone, its markers left: a damaged root, not a new one (the old rule,
+    which read only the tracker and the root record, started fresh and the next save replaced a
+    committed step)."""
     name = _bucket(moto)
     url = f"s3://{name}/run"
     h.write(moto, url, str(tmp_path / "w"), 2, None)
@@ -342,8 +344,9 @@ def test_a_store_that_honours_conditions_for_the_probe_only_never_lets_two_write
     finally:
         proxy.stop()
     assert outcomes.count("won") <= 1, outcomes
-    # The first to commit creates its marker and finds the store does not refuse the same create again; the
-    # second finds that marker newer than the tracker and, holding no lease, never replaces it.
+    # The first to commit creates its marker and finds the store does not refuse the same create
+    # again; the second finds that marker newer than the tracker and, holding no lease, never
+    # replaces it.
     assert "run/step_00000003/manifest.json" in outcomes[0] and "If-None-Match" in outcomes[0], (
         outcomes
     )
@@ -365,7 +368,8 @@ def test_a_store_that_ignores_conditions_on_the_lease_never_lets_a_job_believe_i
 
     name = _bucket(moto)
     url = f"s3://{name}/run"
-    if not first:  # a lease there already (an earlier job's, released): this job's renewal is an If-Match replace
+    # a lease there already (an earlier job's, released): this job's renewal is an If-Match replace
+    if not first:
         earlier = ObjectStore(url, h.options(moto))
         earlier.ensure_root()
         storelease.acquire(earlier, "earlier-job")
@@ -411,7 +415,8 @@ def test_verify_names_a_committed_step_whose_marker_is_unreadable(moto, tmp_path
 
 
 class _Headed:
-    """A bucket whose HEAD answers with a given ETag spelling (stores quote it in one reply and not another)."""
+    """A bucket whose HEAD answers with a given ETag spelling (stores quote it in one reply and not
+    another)."""
 
     def __init__(self, etag: str) -> None:
         self.etag = etag

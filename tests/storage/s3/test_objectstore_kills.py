@@ -1,17 +1,18 @@
 """A 2-rank training job on an object store, SIGKILLed inside the upload window again and again.
 
-The upload window: the step is committed in the staging root (its tracker moved there), its files are
-going up to the store, the store's marker is not written. A relaunch restores the store's older step
-and must then save the killed step again, replacing the staging root's copy the store never committed
-(before the fix every relaunch raised "step N is already committed at STAGING/...", a crash loop).
+The upload window: the step is committed in the staging root (its tracker moved there), its files
+are going up to the store, the store's marker is not written. A relaunch restores the store's older
+step and must then save the killed step again, replacing the staging root's copy the store never
+committed (before the fix every relaunch raised "step N is already committed at STAGING/...", a
+crash loop).
 
-Both gloo ranks run through the public API (``CheckpointManager("s3://...")``) against a moto server on
-127.0.0.1; the kill takes the whole job down (every rank SIGKILLed) at a random moment: after a
+Both gloo ranks run through the public API (``CheckpointManager("s3://...")``) against a moto server
+on 127.0.0.1; the kill takes the whole job down (every rank SIGKILLed) at a random moment: after a
 random part of a random rank's upload plus a random delay, other parts still in flight, or at the
-latest when every upload is in and the marker is not written. After each kill: the staging root holds
-the killed step, the store does not, the store's latest step is complete (every object as its marker
-recorded) and restores exactly the state trained to that step. At the end the run has saved past
-every killed step and its final state is bitwise the state of an uninterrupted run.
+latest when every upload is in and the marker is not written. After each kill: the staging root
+holds the killed step, the store does not, the store's latest step is complete (every object as its
+marker recorded) and restores exactly the state trained to that step. At the end the run has saved
+past every killed step and its final state is bitwise the state of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ def test_a_job_killed_inside_the_upload_window_saves_on_and_ends_bitwise_as_an_u
     )  # it saved on past every killed step
     assert [_state(f) for f in final] == [_state(p) for p in plain], why
     print(
-        f"{len(killed_at)} kills at steps {killed_at} {why}, 2 ranks: every relaunch saved on, final state bitwise "
-        f"equal to the uninterrupted run's ({time.monotonic() - began:.0f} s for the kills and relaunches)"
+        f"{len(killed_at)} kills at steps {killed_at} {why}, 2 ranks: every relaunch saved on, "
+        f"final state bitwise equal to the uninterrupted run's ({time.monotonic() - began:.0f} s "
+        f"for the kills and relaunches)"
     )
     assert store.committed_steps() == list(range(1, LAST + 1)) and store.tracker()[0] == LAST
     again = values(run_ranks(h.restore_job, 2, moto, url, str(tmp_path / "last"), timeout=300))

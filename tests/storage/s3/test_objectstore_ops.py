@@ -1,10 +1,11 @@
-"""The operator commands on object-store roots: preflight, gc, transfer (both directions) and prove on
-``s3://`` roots, against one moto server started for the module on 127.0.0.1 (as in
+"""The operator commands on object-store roots: preflight, gc, transfer (both directions) and prove
+on ``s3://`` roots, against one moto server started for the module on 127.0.0.1 (as in
 tests/storage/s3/test_objectstore.py); every other command refuses an ``s3://`` argument by name.
 
-Each command: ``--json``, an error naming bucket/key/step, exit 1 (refused) or 2 (bad usage), never a
-traceback. Transfers killed (SIGKILL, in a subprocess) before the marker, between marker and tracker,
-and before the local rename leave nothing visible, and the same transfer run again finishes.
+Each command: ``--json``, an error naming bucket/key/step, exit 1 (refused) or 2 (bad usage), never
+a traceback. Transfers killed (SIGKILL, in a subprocess) before the marker, between marker and
+tracker, and before the local rename leave nothing visible, and the same transfer run again
+finishes.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def store_restores_exactly(endpoint: str, url: str, staging: Path) -> int:
 def killed_cli(point: str, *args: str) -> int:
     """``ckptguard ARGS`` in its own process, SIGKILLed at the fault point ``point``."""
     code = (
-        "import sys; from ckptguard.testing import kill_at; kill_at(sys.argv[1]); from ckptguard.cli import main; "
-        "sys.argv = ['ckptguard', *sys.argv[2:]]; main()"
+        "import sys; from ckptguard.testing import kill_at; kill_at(sys.argv[1]); from "
+        "ckptguard.cli import main; sys.argv = ['ckptguard', *sys.argv[2:]]; main()"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, point, *args],
@@ -183,8 +184,9 @@ def test_gc_an_s3_root(moto, tmp_path):
         and got["kept_live"] == [f"step_00000002/{attempt}"]
         and got["removed_attempts"] == []
     )
-    # Its owner record names a process of this host's name that is not running here: still kept while young
-    # (a writer in another PID namespace of a host of the same name looks dead from here while it uploads).
+    # Its owner record names a process of this host's name that is not running here: still kept
+    # while young (a writer in another PID namespace of a host of the same name looks dead from here
+    # while it uploads).
     h.rewrite_owner(moto, url, 2, attempt, host=socket.gethostname(), pid=h.dead_pid())
     code, got = cli_json("gc", url, "--dry-run")
     assert code == 0 and got["kept_live"] == [f"step_00000002/{attempt}"], got
@@ -285,7 +287,8 @@ def test_a_transfer_to_the_store_killed_leaves_nothing_visible_and_runs_again(
     assert code == 0 and got["tracker_set_to"] == 2, got
     assert store_restores_exactly(moto, url, tmp_path / "staging") == 2
     code, got = cli_json("gc", url, "--min-age", "0")
-    # the killed transfer's attempt (its orphan marker, if any, was replaced by the second transfer's): gone
+    # the killed transfer's attempt (its orphan marker, if any, was replaced by the second
+    # transfer's): gone
     assert code == 0 and [a.split("/")[0] for a in got["removed_attempts"]] == ["step_00000002"], (
         got
     )
@@ -367,7 +370,8 @@ def test_a_command_that_reads_local_paths_refuses_an_s3_url_by_name(command, tmp
 def test_verify_given_a_step_s_prefix_names_the_root_and_never_advises_a_tracker_there(
     moto, tmp_path
 ):
-    """Review finding: `verify s3://bkt/run/step_00000001` advised setting a tracker by hand under the step."""
+    """Review finding: `verify s3://bkt/run/step_00000001` advised setting a tracker by hand under
+    the step."""
     name = bucket(moto)
     url = f"s3://{name}/run"
     h.write(moto, url, str(tmp_path / "w"), 1, None)

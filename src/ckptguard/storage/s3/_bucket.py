@@ -1,4 +1,5 @@
-"""One bucket prefix over boto3: small reads, conditional writes, listings, deletes, every error named.
+"""One bucket prefix over boto3: small reads, conditional writes, listings, deletes, every error
+named.
 
 Why boto3: it is the S3 client AWS maintains, and it is the one that carries everything the commit
 needs: ``IfNoneMatch``/``IfMatch`` on PutObject (conditional create and compare-and-swap on the
@@ -29,7 +30,8 @@ from ._options import ObjectStoreOptions, StoreURL
 SMALL_OBJECT_BYTES = 16 << 20
 """The most a record read (marker, tracker, lease, owner) accepts; ckptguard writes kilobytes."""
 PROOF_LOG_BYTES = 1 << 30
-"""The most a rank's proof log read accepts: about 390 B a recorded step, 2.7 million steps (16 MiB was 43,000)."""
+"""The most a rank's proof log read accepts: about 390 B a recorded step, 2.7 million steps (16 MiB
+was 43,000)."""
 
 
 @dataclass(frozen=True)
@@ -75,13 +77,15 @@ def _hint(code: str, status: int | None, endpoint: str, reading: bool = False) -
         return "the multipart upload is incomplete or was aborted (by gc?); save again"
     if status is None and reading:
         return (
-            f"the store at {endpoint} did not answer after the bounded retries; check that it is reachable "
-            "and healthy (ObjectStoreOptions.endpoint_url, AWS_ENDPOINT_URL), then run the same again"
+            f"the store at {endpoint} did not answer after the bounded retries; check that "
+            f"it is reachable and healthy (ObjectStoreOptions.endpoint_url, "
+            f"AWS_ENDPOINT_URL), then run the same again"
         )
     if status is None:
         return (
-            f"the store at {endpoint} did not answer after the bounded retries; check that it is reachable "
-            "and healthy, then save again (nothing of this step is visible: its marker was not written)"
+            f"the store at {endpoint} did not answer after the bounded retries; check that "
+            f"it is reachable and healthy, then save again (nothing of this step is "
+            f"visible: its marker was not written)"
         )
     if status >= 500 or code in ("SlowDown", "RequestTimeout"):
         return (
@@ -160,8 +164,9 @@ class Bucket:
             if size > limit:
                 got["Body"].close()
                 raise ObjectStoreError(
-                    f"s3://{self.url.bucket}/{key} ({what}) has {size} bytes, more than the {limit} a "
-                    "ckptguard record holds: it was not written by ckptguard; inspect it",
+                    f"s3://{self.url.bucket}/{key} ({what}) has {size} bytes, more "
+                    f"than the {limit} a ckptguard record holds: it was not "
+                    f"written by ckptguard; inspect it",
                     bucket=self.url.bucket,
                     key=key,
                     step=step,
@@ -197,7 +202,8 @@ class Bucket:
         what: str = "object",
         conditional: bool = True,
     ) -> str | None:
-        """Create ``key`` only if absent (If-None-Match: *): its ETag, or None if it already exists."""
+        """Create ``key`` only if absent (If-None-Match: *): its ETag, or None if it already
+        exists."""
         return self._put(
             key, data, {"IfNoneMatch": "*"} if conditional else {}, step, f"creating the {what}"
         )
@@ -212,7 +218,8 @@ class Bucket:
         what: str = "object",
         conditional: bool = True,
     ) -> str | None:
-        """Replace ``key`` only if its ETag is still ``etag`` (If-Match): the new ETag, or None if it changed."""
+        """Replace ``key`` only if its ETag is still ``etag`` (If-Match): the new ETag, or None if
+        it changed."""
         return self._put(
             key, data, {"IfMatch": etag} if conditional else {}, step, f"replacing the {what}"
         )
@@ -252,14 +259,15 @@ class Bucket:
             for err in out.get("Errors") or []:
                 if err.get("Code") != "NoSuchKey":
                     raise ObjectStoreError(
-                        f"deleting s3://{self.url.bucket}/{err.get('Key')} (step {step}) failed: {err.get('Code')}: "
-                        f"{err.get('Message')}; run `ckptguard gc` again later",
+                        f"deleting s3://{self.url.bucket}/{err.get('Key')} (step {step}) failed: "
+                        f"{err.get('Code')}: {err.get('Message')}; run `ckptguard gc` again later",
                         bucket=self.url.bucket,
                         key=str(err.get("Key")),
                         step=step,
                     )
 
-    # ------------------------------------------------------------ listings (gc, rotation, list; never resolve)
+    # ------------------------------------------------------------ listings (gc, rotation, list;
+    # never resolve)
 
     def listing(self, rel: str = "") -> Iterator[Listed]:
         prefix = self.url.key(rel) if rel else self.url.prefix + "/"

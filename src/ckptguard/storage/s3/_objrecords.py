@@ -41,7 +41,8 @@ _XXH3 = re.compile(r"[0-9a-f]{1,64}\Z")
 
 
 def _load(data: bytes, where: str) -> JsonObject:
-    # parse_json bounds the nesting: a crafted record ends in CheckpointCorruptError, never RecursionError.
+    # parse_json bounds the nesting: a crafted record ends in CheckpointCorruptError, never
+    # RecursionError.
     value = parse_json(data, where=where)
     if not isinstance(value, dict):
         raise CheckpointCorruptError(f"{where} holds {type(value).__name__}, not a JSON object")
@@ -62,7 +63,8 @@ def _need(data: JsonObject, name: str, kind: type | tuple[type, ...], where: str
 
 
 def _seconds(data: JsonObject, name: str, where: str) -> float:
-    """A time field (unix seconds): a number a float holds (a crafted 10**400 is named, not an OverflowError)."""
+    """A time field (unix seconds): a number a float holds (a crafted 10**400 is named, not an
+    OverflowError)."""
     value = _need(data, name, (int, float), where)
     try:
         return float(value)
@@ -79,7 +81,8 @@ class Writer:
     host: str
     pid: int
     lease: str | None = None
-    # The process's start time: tells it from a later process given its PID (absent in older records).
+    # The process's start time: tells it from a later process given its PID (absent in older
+    # records).
     start: str | None = None
 
     @classmethod
@@ -88,7 +91,8 @@ class Writer:
 
     @classmethod
     def read(cls, raw: JsonObject, where: str) -> Writer:
-        """The ``writer`` field of a record, each part checked (a crafted one is named, never a bare ValueError)."""
+        """The ``writer`` field of a record, each part checked (a crafted one is named, never a bare
+        ValueError)."""
         writer = _need(raw, "writer", dict, where)
         host, pid, lease = writer.get("host"), writer.get("pid"), writer.get("lease")
         start = writer.get("start")
@@ -128,8 +132,8 @@ class Marker:
     objects: dict[str, StoredObject]
     manifest: dict[str, Any]
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The root's run-contract phases at commit time (``contract/phase_NNNN.json`` -> record): the chain
-    a restore continues travels with the step."""
+    """The root's run-contract phases at commit time (``contract/phase_NNNN.json`` -> record): the
+    chain a restore continues travels with the step."""
     created_unix: float = field(default_factory=time.time)
     format: int = FORMAT
 
@@ -143,8 +147,9 @@ class Marker:
         raw = _load(data, where)
         if raw.get("kind") != MARKER_KIND or raw.get("format") != FORMAT:
             raise CheckpointCorruptError(
-                f"{where}: kind {raw.get('kind')!r} format {raw.get('format')!r}, expected {MARKER_KIND!r} format "
-                f"{FORMAT}: not a ckptguard marker, or written by a newer ckptguard (upgrade it)"
+                f"{where}: kind {raw.get('kind')!r} format {raw.get('format')!r}, expected "
+                f"{MARKER_KIND!r} format {FORMAT}: not a ckptguard marker, or written by a "
+                f"newer ckptguard (upgrade it)"
             )
         objects = _need(raw, "objects", dict, where)
         who = Writer.read(raw, where)
@@ -166,7 +171,8 @@ class Marker:
 
 
 def _stored(name: str, entry: Any, where: str) -> StoredObject:
-    """One object entry of a marker, every field checked before anything is sized or requested from it."""
+    """One object entry of a marker, every field checked before anything is sized or requested from
+    it."""
     if not isinstance(entry, dict):
         raise CheckpointCorruptError(
             f"{where}: the entry of object {name!r} is {type(entry).__name__}, not a map"
@@ -174,13 +180,14 @@ def _stored(name: str, entry: Any, where: str) -> StoredObject:
     size, xxh3, etag = entry.get("size"), entry.get("xxh3"), entry.get("etag")
     if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_OBJECT_BYTES:
         raise CheckpointCorruptError(
-            f"{where}: object {name!r} declares size {size!r}; a size is an int from 0 to {MAX_OBJECT_BYTES} (5 TiB, "
-            "the largest object S3 stores): the marker is damaged or crafted, restore another step"
+            f"{where}: object {name!r} declares size {size!r}; a size is an int from 0 to "
+            f"{MAX_OBJECT_BYTES} (5 TiB, the largest object S3 stores): the marker is damaged or "
+            f"crafted, restore another step"
         )
     if not isinstance(xxh3, str) or not _XXH3.match(xxh3) or not isinstance(etag, str) or not etag:
         raise CheckpointCorruptError(
-            f"{where}: object {name!r} has xxh3 {xxh3!r} and ETag {etag!r} (hex digits and a non-empty ETag "
-            "expected): the marker is damaged or crafted, restore another step"
+            f"{where}: object {name!r} has xxh3 {xxh3!r} and ETag {etag!r} (hex digits and a "
+            f"non-empty ETag expected): the marker is damaged or crafted, restore another step"
         )
     return StoredObject(size, xxh3, etag)
 
@@ -208,7 +215,8 @@ def _relative(name: str, where: str) -> str:
 
 @dataclass(frozen=True)
 class RootRecord:
-    """``ckptguard-root.json``: written by conditional create before the tracker; gc works only under it."""
+    """``ckptguard-root.json``: written by conditional create before the tracker; gc works only
+    under it."""
 
     created_unix: float
     writer: Writer
@@ -235,7 +243,8 @@ class RootRecord:
 
 @dataclass(frozen=True)
 class Owner:
-    """``<step>/<attempt>/owner.json``: this attempt's objects are ckptguard's, gc may remove them."""
+    """``<step>/<attempt>/owner.json``: this attempt's objects are ckptguard's, gc may remove
+    them."""
 
     step: int
     attempt: str
@@ -290,7 +299,8 @@ def parse_tracker(data: bytes, where: str) -> int:
 
 
 def is_proof(rel: str) -> bool:
-    """``proof/rank_NNNNN.jsonl``: one rank's copy of its proof log (gc and rotation leave it alone)."""
+    """``proof/rank_NNNNN.jsonl``: one rank's copy of its proof log (gc and rotation leave it
+    alone)."""
     parts = rel.split("/")
     return (
         len(parts) == 2

@@ -14,14 +14,16 @@ Contract (``Consistency.CONDITIONAL``, the default):
   refuses the second create with 412 and that writer raises ``CommitConflictError``.
 - The tracker moves after the marker, by ``If-Match`` on the ETag it was read with, and only
   forward: a writer that finds it at or past its step leaves it. It never names an uncommitted step.
-- ``_resume.storefetch.resolve`` reads the tracker and that step's marker; nothing is decided from a listing.
+- ``_resume.storefetch.resolve`` reads the tracker and that step's marker; nothing is decided from a
+  listing.
 - Rotation deletes a step's marker first, then its objects: a half-deleted step is invisible.
 - gc (``ckptguard.ops.storegc``, over these primitives) removes only attempts that carry ckptguard's
   owner record, that no marker names, and
   that are older than ``min_age_s``, aborts multipart uploads of such attempts, and never runs on a
   prefix without the root record or while the tracker's step has no readable marker.
 - Every size a marker declares is checked (``_objrecords``: an int up to 5 TiB; ``fetch``: equal to
-  its manifest's; ``_transfer``: equal to the object's HEAD) before anything is allocated or requested.
+  its manifest's; ``_transfer``: equal to the object's HEAD) before anything is allocated or
+  requested.
 - A created marker is created again with the same bytes, which the store must refuse: a store that
   honours the probe's key but not the markers' never lets two writers both commit a step.
 - The write lease ``lease.json`` is created by conditional create and renewed by ``If-Match``.
@@ -64,7 +66,8 @@ _probed: dict[
 
 
 class ObjectStore:
-    """One checkpoint root ``s3://bucket/prefix``; every method is one process's part, without collectives."""
+    """One checkpoint root ``s3://bucket/prefix``; every method is one process's part, without
+    collectives."""
 
     def __init__(
         self,
@@ -116,10 +119,12 @@ class ObjectStore:
         if first is None or again is not None or stale is not None:
             ignored = "If-None-Match: *" if again is not None else "If-Match"
             raise ConditionalWriteUnsupportedError(
-                f"the store at {self.bucket.endpoint} accepted a write to s3://{self.url.bucket}/{key} that {ignored} "
-                "should have refused (HTTP 412): two writers could both commit a step there. Use a store with "
-                "conditional writes (S3, GCS, MinIO, R2, recent Ceph), or, with exactly one writer guaranteed by "
-                "you, ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) (docs/objectstore.md)",
+                f"the store at {self.bucket.endpoint} accepted a write to "
+                f"s3://{self.url.bucket}/{key} that {ignored} should have refused (HTTP 412): two "
+                f"writers could both commit a step there. Use a store with conditional writes (S3, "
+                f"GCS, MinIO, R2, recent Ceph), or, with exactly one writer guaranteed by you, "
+                f"ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) "
+                f"(docs/objectstore.md)",
                 bucket=self.url.bucket,
                 key=key,
             )
@@ -175,14 +180,15 @@ class ObjectStore:
         return self.bucket.get(self.url.key(rec.ROOT_RECORD), what="root record") is not None
 
     def empty(self) -> bool:
-        """Nothing under the prefix (no root record, no object at all): a mistyped URL, or a root not created yet."""
+        """Nothing under the prefix (no root record, no object at all): a mistyped URL, or a root
+        not created yet."""
         if self.has_root():
             return False
         return next(iter(self.bucket.listing()), None) is None
 
     def committed_steps(self) -> list[int]:
-        """Steps whose marker is valid and no newer than the tracker (a listing finds the candidates;
-        each step's marker decides)."""
+        """Steps whose marker is valid and no newer than the tracker (a listing finds the
+        candidates; each step's marker decides)."""
         tracker, _ = self.tracker()
         out = []
         for name in self.bucket.children():
@@ -197,8 +203,8 @@ class ObjectStore:
         return sorted(out)
 
     def marked_steps(self) -> list[int]:
-        """Every step with a marker object under the prefix, whatever the tracker says, a damaged one
-        included (a listing: the resume rule refuses markers that stand without a tracker)."""
+        """Every step with a marker object under the prefix, whatever the tracker says, a damaged
+        one included (a listing: the resume rule refuses markers that stand without a tracker)."""
         out = []
         for name in self.bucket.children():
             step = self.naming.parse(name)
@@ -208,10 +214,12 @@ class ObjectStore:
                 out.append(step)
         return sorted(out)
 
-    # ------------------------------------------------------------ the commit's primitives (_commit.storepublish)
+    # ------------------------------------------------------------ the commit's primitives
+    # (_commit.storepublish)
 
     def open_attempt(self, step: int) -> str:
-        """A new temporary area for ``step``: an attempt whose owner record is written first; returns its name."""
+        """A new temporary area for ``step``: an attempt whose owner record is written first;
+        returns its name."""
         attempt = f"{rec.ATTEMPT_PREFIX}{secrets.token_hex(8)}"
         owner = rec.Owner(step, attempt, rec.Writer.here(), time.time())
         self.bucket.create(
@@ -232,7 +240,8 @@ class ObjectStore:
     def upload(
         self, step: int, attempt: str, files: Sequence[tuple[str, Path, int]]
     ) -> dict[str, str]:
-        """Upload ``(relative name, local path, size)`` files into the attempt; returns name -> ETag."""
+        """Upload ``(relative name, local path, size)`` files into the attempt; returns name ->
+        ETag."""
         base = (self.naming.name(step), attempt)
         items = [
             _transfer.Outgoing(path, self.url.key(*base, rel), size) for rel, path, size in files
@@ -241,10 +250,10 @@ class ObjectStore:
         return {rel: etags[self.url.key(*base, rel)] for rel, _, _ in files}
 
     def create_marker(self, marker: rec.Marker) -> bool:
-        """Create the step's marker if absent (``If-None-Match: *``); True only where the store created it
-        under that condition (and refused the same create again: ``_check_refused``). False: refused (another
-        writer's, or this writer's own retried request that had landed) or written unconditionally; the
-        caller reads the marker back to know whose it is."""
+        """Create the step's marker if absent (``If-None-Match: *``); True only where the store
+        created it under that condition (and refused the same create again: ``_check_refused``).
+        False: refused (another writer's, or this writer's own retried request that had landed) or
+        written unconditionally; the caller reads the marker back to know whose it is."""
         key = self.url.key(self.naming.name(marker.step), MANIFEST_NAME)
         data = marker.to_bytes()
         created = self.bucket.create(
@@ -263,8 +272,9 @@ class ObjectStore:
         return True
 
     def swap_tracker(self, step: int, etag: str | None) -> bool:
-        """Write the tracker as ``step`` if it is still the version ``etag`` (None: only if absent); False: it
-        changed in between (compare-and-set; a plain PUT under ``SINGLE_WRITER_UNSAFE``)."""
+        """Write the tracker as ``step`` if it is still the version ``etag`` (None: only if absent);
+        False: it changed in between (compare-and-set; a plain PUT under
+        ``SINGLE_WRITER_UNSAFE``)."""
         key, data = self.url.key(TRACKER_NAME), f"{step}\n".encode()
         if etag is None:
             done = self.bucket.create(
@@ -286,11 +296,12 @@ class ObjectStore:
         risk: str,
         stale: str | None = None,
     ) -> None:
-        """The store honoured the condition on this very key: the same bytes written again under the same
-        condition (created again, or replacing the ETag just replaced: ``stale``) must be refused. A store
-        that honours the probe's key but not this one (a proxy, a bucket policy, a gateway rule per path)
-        would otherwise let a second writer overwrite what this one wrote while both believe they won. The
-        bytes are this writer's own, so a store that accepts them changes nothing of its own write."""
+        """The store honoured the condition on this very key: the same bytes written again under the
+        same condition (created again, or replacing the ETag just replaced: ``stale``) must be
+        refused. A store that honours the probe's key but not this one (a proxy, a bucket policy, a
+        gateway rule per path) would otherwise let a second writer overwrite what this one wrote
+        while both believe they won. The bytes are this writer's own, so a store that accepts them
+        changes nothing of its own write."""
         doing = "create" if stale is None else "replace"
         again = (
             self.bucket.create(key, data, step=step, what=f"{what} (check of If-None-Match)")
@@ -303,10 +314,12 @@ class ObjectStore:
             return
         header = "If-None-Match: *" if stale is None else "a stale If-Match"
         raise ConditionalWriteUnsupportedError(
-            f"the store at {self.bucket.endpoint} accepted a second {doing} of s3://{self.url.bucket}/{key} with "
-            f"{header} (it refused the probe's): it ignores conditional writes on this key, so {risk}. Fix the "
-            "store or the proxy in front of it, or with exactly one writer guaranteed by you use "
-            "ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) (docs/objectstore.md)",
+            f"the store at {self.bucket.endpoint} accepted a second {doing} of "
+            f"s3://{self.url.bucket}/{key} with {header} (it refused the probe's): it ignores "
+            f"conditional writes on this key, so {risk}. Fix the store or the proxy in front of "
+            f"it, or with exactly one writer guaranteed by you use "
+            f"ObjectStoreOptions(consistency=Consistency.SINGLE_WRITER_UNSAFE) "
+            f"(docs/objectstore.md)",
             bucket=self.url.bucket,
             key=key,
             step=step,
@@ -322,8 +335,8 @@ class ObjectStore:
         only: set[str] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """Download the marker's objects (or ``only`` those) into ``step_dir``; the caller writes the
-        manifest (``write_manifest``) once every process finished."""
+        """Download the marker's objects (or ``only`` those) into ``step_dir``; the caller writes
+        the manifest (``write_manifest``) once every process finished."""
         base = (self.naming.name(marker.step), marker.attempt)
         items = [
             _transfer.Incoming(self.url.key(*base, rel), step_dir / rel, o.size, o.etag, o.xxh3)
@@ -336,8 +349,8 @@ class ObjectStore:
         _transfer.download(self.bucket, items, step=marker.step, progress=progress)
 
     def _same_as_manifest(self, marker: rec.Marker, names: list[str]) -> None:
-        """The marker's objects are the files its manifest lists, with the same sizes and xxh3: the local
-        restore checks the files against the manifest, the download against the marker."""
+        """The marker's objects are the files its manifest lists, with the same sizes and xxh3: the
+        local restore checks the files against the manifest, the download against the marker."""
         files = marker.manifest.get("files")
         listed = (
             {f.get("path"): f for f in files if isinstance(f, dict)}
@@ -351,11 +364,13 @@ class ObjectStore:
                 said = (
                     "lists no such file"
                     if entry is None
-                    else f"says {str(entry.get('size'))[:40]} bytes, xxh3 {str(entry.get('xxh3'))[:70]}"
+                    else f"says {str(entry.get('size'))[:40]} bytes, xxh3 "
+                    f"{str(entry.get('xxh3'))[:70]}"
                 )
                 raise CheckpointCorruptError(
-                    f"{where} (step {marker.step}): the marker declares {obj.size} bytes, xxh3 {obj.xxh3}; its "
-                    f"manifest {said}: the marker is damaged or crafted, nothing was downloaded: restore another step"
+                    f"{where} (step {marker.step}): the marker declares {obj.size} bytes, xxh3 "
+                    f"{obj.xxh3}; its manifest {said}: the marker is damaged or crafted, nothing "
+                    f"was downloaded: restore another step"
                 )
 
     @staticmethod
@@ -376,8 +391,8 @@ class ObjectStore:
         self.bucket.delete_many(keys, step=step)
 
     def put_proof(self, name: str, data: bytes) -> None:
-        """One rank's proof log ``name`` (``rank_00000.jsonl``), copied whole to ``proof/<name>``: a plain PUT,
-        each rank writes only its own file (the lease holder's job)."""
+        """One rank's proof log ``name`` (``rank_00000.jsonl``), copied whole to ``proof/<name>``: a
+        plain PUT, each rank writes only its own file (the lease holder's job)."""
         if not rec.is_proof(f"{PROOF_DIR}/{name}"):
             raise ConfigError(f"{name!r} is not a proof log name (rank_NNNNN.jsonl)")
         self.bucket.create(
@@ -392,7 +407,8 @@ class ObjectStore:
         return None if found is None else found.data
 
     def fetch_proof(self, dest: Path) -> list[str]:
-        """Every ``proof/*.jsonl`` under the root, downloaded into ``dest/proof``; returns their names."""
+        """Every ``proof/*.jsonl`` under the root, downloaded into ``dest/proof``; returns their
+        names."""
         names = []
         (dest / PROOF_DIR).mkdir(parents=True, exist_ok=True)
         for obj in self.bucket.listing(PROOF_DIR + "/"):
@@ -409,18 +425,19 @@ class ObjectStore:
     # ------------------------------------------------------------ the write lease's primitives
 
     def lease(self) -> tuple[rec.Lease | None, str | None]:
-        """``lease.json`` as it is now and its ETag; (None, None) when there is none. Who may take it over is
-        the commit side's rule (``ckptguard._commit.storelease``)."""
+        """``lease.json`` as it is now and its ETag; (None, None) when there is none. Who may take
+        it over is the commit side's rule (``ckptguard._commit.storelease``)."""
         found = self.bucket.get(self.url.key(rec.LEASE), what="write lease")
         if found is None:
             return None, None
         return rec.Lease.from_bytes(found.data, self.where(rec.LEASE)), found.etag
 
     def put_lease(self, lease: rec.Lease, etag: str | None, *, verify: bool = True) -> bool:
-        """Write ``lease`` if ``lease.json`` is still the version ``etag`` (None: only if absent); False: it
-        changed in between (compare-and-set; a plain PUT under ``SINGLE_WRITER_UNSAFE``). With ``verify`` the
-        first write of this object is checked once: the store must refuse the same write again
-        (``ConditionalWriteUnsupportedError`` where it does not: two jobs could both hold the lease)."""
+        """Write ``lease`` if ``lease.json`` is still the version ``etag`` (None: only if absent);
+        False: it changed in between (compare-and-set; a plain PUT under ``SINGLE_WRITER_UNSAFE``).
+        With ``verify`` the first write of this object is checked once: the store must refuse the
+        same write again (``ConditionalWriteUnsupportedError`` where it does not: two jobs could
+        both hold the lease)."""
         key, data = self.url.key(rec.LEASE), lease.to_bytes()
         if etag is None:
             done = (

@@ -103,8 +103,9 @@ class _Multipart:
         )  # a store that checks part checksums echoes the one it verified
         if echoed is not None and echoed != crc:
             raise ObjectStoreError(
-                f"uploading part {number} of s3://{self.bucket.url.bucket}/{self.item.key} (step {self.step}): the "
-                f"store recorded CRC32 {echoed}, the part's bytes have {crc}; save again",
+                f"uploading part {number} of s3://{self.bucket.url.bucket}/{self.item.key} "
+                f"(step {self.step}): the store recorded CRC32 {echoed}, the part's bytes "
+                f"have {crc}; save again",
                 bucket=self.bucket.url.bucket,
                 key=self.item.key,
                 step=self.step,
@@ -180,9 +181,9 @@ def _part(multi: _Multipart, number: int, offset: int, length: int) -> None:
 
 
 class _Pool:
-    """Requests in parallel that stop at the first failure: a job that fails marks the pool stopped in its
-    own thread, so no worker starts another request after it (a stalled or lying object must not keep
-    thousands of requests going), and ``settle`` raises that first failure."""
+    """Requests in parallel that stop at the first failure: a job that fails marks the pool stopped
+    in its own thread, so no worker starts another request after it (a stalled or lying object must
+    not keep thousands of requests going), and ``settle`` raises that first failure."""
 
     def __init__(self, workers: int, name: str) -> None:
         self.pool = _cf.ThreadPoolExecutor(workers, thread_name_prefix=name)
@@ -248,8 +249,9 @@ def _get_span(
     except Exception as exc:
         if bucket.status(exc) == 412:
             raise ObjectStoreError(
-                f"s3://{bucket.url.bucket}/{item.key} (step {step}) was replaced after its step was committed "
-                f"(ETag is no longer {item.etag}): something outside ckptguard wrote it; restore another step",
+                f"s3://{bucket.url.bucket}/{item.key} (step {step}) was replaced after its step "
+                f"was committed (ETag is no longer {item.etag}): something outside ckptguard wrote "
+                f"it; restore another step",
                 bucket=bucket.url.bucket,
                 key=item.key,
                 step=step,
@@ -258,8 +260,9 @@ def _get_span(
         raise bucket.error(exc, item.key, "downloading", step) from exc
     if len(data) != length:
         raise ObjectStoreError(
-            f"s3://{bucket.url.bucket}/{item.key} (step {step}): got {len(data)} of {length} bytes at offset "
-            f"{offset}; the object is shorter than its marker says ({item.size} B): restore another step",
+            f"s3://{bucket.url.bucket}/{item.key} (step {step}): got {len(data)} of {length} "
+            f"bytes at offset {offset}; the object is shorter than its marker says "
+            f"({item.size} B): restore another step",
             bucket=bucket.url.bucket,
             key=item.key,
             step=step,
@@ -268,8 +271,9 @@ def _get_span(
         os.pwrite(fd, data, offset)
     except OSError as exc:
         raise ObjectStoreError(
-            f"writing s3://{bucket.url.bucket}/{item.key} (step {step}) into {item.path} at offset {offset} failed: "
-            f"{exc.strerror or exc}; free space or fix the staging disk, then restore again",
+            f"writing s3://{bucket.url.bucket}/{item.key} (step {step}) into {item.path} at "
+            f"offset {offset} failed: {exc.strerror or exc}; free space or fix the staging "
+            f"disk, then restore again",
             bucket=bucket.url.bucket,
             key=item.key,
             step=step,
@@ -330,15 +334,16 @@ def _head(bucket: Bucket, item: Incoming, step: int | None) -> None:
     size, etag = found
     if size != item.size:
         raise CheckpointCorruptError(
-            f"{where}: the marker declares {item.size} bytes, the object has {size}: the marker does not describe "
-            "this object (damaged or crafted); nothing was downloaded: restore another step"
+            f"{where}: the marker declares {item.size} bytes, the object has {size}: the "
+            f"marker does not describe this object (damaged or crafted); nothing was "
+            f"downloaded: restore another step"
         )
     if _unquoted(etag) != _unquoted(
         item.etag
     ):  # stores quote an ETag in one reply and not in another
         raise ObjectStoreError(
-            f"{where} was replaced after its step was committed (ETag {etag}, the marker recorded {item.etag}): "
-            "something outside ckptguard wrote it; restore another step",
+            f"{where} was replaced after its step was committed (ETag {etag}, the marker recorded "
+            f"{item.etag}): something outside ckptguard wrote it; restore another step",
             bucket=bucket.url.bucket,
             key=item.key,
             step=step,
@@ -346,14 +351,16 @@ def _head(bucket: Bucket, item: Incoming, step: int | None) -> None:
 
 
 def _unquoted(etag: str) -> str:
-    """An ETag without its quotes and weak prefix (RFC 9110 quotes it; some stores' HEAD and PUT replies differ)."""
+    """An ETag without its quotes and weak prefix (RFC 9110 quotes it; some stores' HEAD and PUT
+    replies differ)."""
     text = etag.strip()
     text = text[2:] if text.startswith("W/") else text
     return text.strip('"')
 
 
 def _room(items: list[Incoming], step: int | None, bucket: Bucket) -> None:
-    """The download fits the local disk: a full disk is said before the first byte, not as an OSError mid-way."""
+    """The download fits the local disk: a full disk is said before the first byte, not as an
+    OSError mid-way."""
     need: dict[int, tuple[int, Path]] = {}
     for item in items:
         base = item.path.parent
@@ -367,8 +374,9 @@ def _room(items: list[Incoming], step: int | None, bucket: Bucket) -> None:
         free = vfs.f_bavail * vfs.f_frsize
         if total > free:
             raise ObjectStoreError(
-                f"downloading step {step} from s3://{bucket.url.bucket}/{bucket.url.prefix} needs {total} bytes under "
-                f"{base}, which has {free} free: free space there or point the staging root at a larger disk",
+                f"downloading step {step} from s3://{bucket.url.bucket}/{bucket.url.prefix} needs "
+                f"{total} bytes under {base}, which has {free} free: free space there or point the "
+                f"staging root at a larger disk",
                 bucket=bucket.url.bucket,
                 key=items[0].key,
                 step=step,
@@ -382,6 +390,7 @@ def _check(item: Incoming, tmp: Path, step: int | None) -> None:
             digest.update(chunk)
     if digest.hexdigest() != item.xxh3:
         raise CheckpointCorruptError(
-            f"{item.key} (step {step}): downloaded {item.size} B whose xxh3 is {digest.hexdigest()}, the marker says "
-            f"{item.xxh3}: the object holds other bytes than were committed; restore another step"
+            f"{item.key} (step {step}): downloaded {item.size} B whose xxh3 is "
+            f"{digest.hexdigest()}, the marker says {item.xxh3}: the object holds other bytes than "
+            f"were committed; restore another step"
         )
