@@ -1,6 +1,7 @@
 """The TurnLedger's saved size and save cost per in-flight rollout, at agentic conversation lengths.
 
-    python benchmarks/agent_ledger.py --rollouts 64 --turns 8 --tokens 512 --calls 2 --result-bytes 256
+    python benchmarks/agent_ledger.py --rollouts 64 --turns 8 --tokens 512 --calls 2 \\
+        --result-bytes 256
 
 Builds ``--rollouts`` in-flight rollouts of ``--turns`` completed turns each (``--tokens`` model
 tokens and ``--calls`` environment calls per turn, each answering ``--result-bytes`` of JSON text,

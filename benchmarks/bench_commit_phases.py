@@ -10,7 +10,8 @@ commit's critical path), "background" the calls on other threads. Two modes in t
   background thread deletes it;
 - ``sync`` (what a commit did before): the same, then the commit waits for the delete.
 
-    python benchmarks/bench_commit_phases.py --gib 6 --saves 4 --dir /tmp/cg-commit --out $OUT/commit_phases.json
+    python benchmarks/bench_commit_phases.py --gib 6 --saves 4 --dir /tmp/cg-commit \\
+        --out $OUT/commit_phases.json
 """
 
 from __future__ import annotations

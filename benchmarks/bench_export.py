@@ -7,7 +7,8 @@ the end): ``export`` (``export_hf`` with ``--max-host-bytes BUDGET``, fp32 and w
 hand-written consolidation does). The figure that counts is the peak RSS above the process's RSS
 just before the call (imports done), compared with the budget.
 
-    python benchmarks/bench_export.py --dir /tmp/bench-export --size 1 --budget-mib 256 --out benchmarks/results
+    python benchmarks/bench_export.py --dir /tmp/bench-export --size 1 --budget-mib 256 \\
+        --out benchmarks/results
 """
 
 from __future__ import annotations

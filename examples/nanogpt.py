@@ -2,7 +2,8 @@
 
     python examples/nanogpt.py --out-dir /tmp/nano --max-iters 40
     torchrun --standalone --nproc-per-node 2 examples/nanogpt.py --out-dir /tmp/nano --max-iters 40
-    (kill it at any moment, run the same command again: it resumes; then ``ckptguard prove /tmp/nano/ckpt``)
+    (kill it at any moment, run the same command again: it resumes; then
+    ``ckptguard prove /tmp/nano/ckpt``)
 
 What upstream's loop does and this one keeps: a GPT (pre-LN blocks, causal self-attention, GELU MLP,
 a ``Dropout`` in every block, the LM head tied to the token embedding, GPT-2's init); the tokens of

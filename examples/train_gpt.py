@@ -1,8 +1,10 @@
 """A nanoGPT-sized character model trained on the CPU with ckptguard end to end.
 
     python examples/train_gpt.py --root /tmp/gpt-ckpt --steps 40 --save-every 10
-    python examples/train_gpt.py --root /tmp/gpt-ckpt --steps 40 --save-every 10 --kill-at 20   # dies mid-save
-    python examples/train_gpt.py --root /tmp/gpt-ckpt --steps 40 --save-every 10                # resumes, proves
+    python examples/train_gpt.py --root /tmp/gpt-ckpt --steps 40 --save-every 10 \\
+        --kill-at 20  # dies mid-save
+    # resumes, proves:
+    python examples/train_gpt.py --root /tmp/gpt-ckpt --steps 40 --save-every 10
 
 What it shows, in order of the loop:
 

@@ -1,6 +1,7 @@
 """The nanoGPT example with its ranks as Ray actors, and a driver that restarts the group.
 
-    python examples/train_gpt_ray.py --root /tmp/gpt-ray --world 2 --steps 40 --save-every 10 --kill-at 20
+    python examples/train_gpt_ray.py --root /tmp/gpt-ray --world 2 --steps 40 --save-every 10 \\
+        --kill-at 20
 
 This is how verl, OpenRLHF and NeMo-RL run training: no ``torchrun``; each rank is a Ray actor.
 Rank 0's actor opens the rendezvous (``ckptguard.integrations.ray.open_rendezvous``), every

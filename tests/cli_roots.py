@@ -29,10 +29,14 @@ for step in (1, 2, 3):
         model.weight.add_(1.0)
     mgr.save(step, {"model": model, "n": step})
 (base / "one" / "latest_checkpointed_iteration.txt").write_text("2\\n")
-run = cg.RunCheckpoint(base / "run", [cg.Role("actor"), cg.Role("driver")], config=cg.CheckpointConfig(retention=None))
+run = cg.RunCheckpoint(
+    base / "run", [cg.Role("actor"), cg.Role("driver")], config=cg.CheckpointConfig(retention=None)
+)
 run.save(1, {"actor": {"model": torch.nn.Linear(2, 2)}, "driver": {"n": 1}})
 (base / "phases").mkdir()
-with PhaseRecorder(RecorderConfig(path=base / "phases" / "rank0.jsonl")).phase(PhaseKind.SAVE, step=1):
+with PhaseRecorder(RecorderConfig(path=base / "phases" / "rank0.jsonl")).phase(
+    PhaseKind.SAVE, step=1
+):
     pass
 """
 

@@ -475,3 +475,27 @@ def trained_to(step: int, rank: int) -> dict[str, Any]:
         return _fingerprint(state)
     finally:
         torch.set_num_threads(threads)
+
+
+def gc(store: Any, *, min_age_s: float = 0.0, dry_run: bool = False) -> Any:
+    """gc of an object store's root: the one procedure (``ops.gc.collect``) over its survey
+    (``ops.storegc.StoreRoot``)."""
+    from ckptguard.ops.gc import collect
+    from ckptguard.ops.storegc import StoreRoot
+
+    return collect(StoreRoot(store, min_age_s=min_age_s), dry_run=dry_run)
+
+
+def attempts(store: Any, entries: list[tuple[Any, str]]) -> list[str]:
+    """The attempts among gc's entries (a report's ``removed`` or ``kept``), as ``step/attempt``
+    under the store's root; ``s3://...`` entries only (an upload's entry names its upload too)."""
+    head = store.where("")
+    found = [str(w)[len(head) :] for w, _ in entries if str(w).startswith(head)]
+    return [f for f in found if f.count("/") == 1 and " " not in f]
+
+
+def foreign(report: Any) -> list[str]:
+    """The bucket keys gc left alone as not ckptguard's."""
+    from ckptguard.ops.storegc import FOREIGN
+
+    return [str(w).split("/", 3)[3] for w, why in report.kept if why == FOREIGN]

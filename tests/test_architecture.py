@@ -371,8 +371,9 @@ def commit_order_in_the_store(sources: dict[str, str]) -> list[str]:
     named for a step of it or for the resume decision (``COMMIT_ORDER``), or the commit's fault
     points. The order is ``_commit.storepublish``'s and the decision ``_resume.storefetch``'s, over
     the store's primitives (temporary area, create-if-absent marker, tracker compare-and-set, reads,
-    deletes); gc's decision is ``ops.storegc``'s (``collect``) and the lease's take-over rule
-    ``_commit.storelease``'s (the store reads and writes ``lease.json`` by compare-and-set only)."""
+    deletes); gc is ``ops.gc.collect`` over ``ops.storegc.StoreRoot``'s survey, and the lease's
+    take-over rule ``_commit.storelease``'s (the store reads and writes ``lease.json`` by
+    compare-and-set only)."""
     bad = []
     for name, source in sorted(sources.items()):
         if name != "storage.s3" and not name.startswith("storage.s3."):

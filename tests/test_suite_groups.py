@@ -88,7 +88,10 @@ def test_the_tests_taking_a_shared_fixture_are_one_unit_and_the_others_alone():
         unit_of(export + "test_lora_exported_merged_once_equals_peft_merge")
         == "test_export::lora_job"
     )
-    parametrized = "tests/storage/s3/test_objectstore.py::test_two_writers_racing_for_one_step_exactly_one_commits"
+    parametrized = (
+        "tests/storage/s3/test_objectstore.py::"
+        "test_two_writers_racing_for_one_step_exactly_one_commits"
+    )
     assert (
         unit_of(parametrized + "[moto]")
         == unit_of(parametrized + "[ministack]")
@@ -168,12 +171,16 @@ def test_a_job_s_heap_is_frozen_at_exit_after_every_later_finalizer_and_its_exit
     job = f"""
 import atexit, gc, weakref
 from pathlib import Path
-atexit.register(lambda: Path({str(seen)!r}).open("a").write(f"atexit {{gc.get_freeze_count() > 0}}\\n"))
+atexit.register(
+    lambda: Path({str(seen)!r}).open("a").write(f"atexit {{gc.get_freeze_count() > 0}}\\n")
+)
 import jobexit
 jobexit.freeze_at_exit()
 class Engine: pass
 engine = Engine()
-weakref.finalize(engine, lambda: Path({str(seen)!r}).open("a").write(f"engine {{gc.get_freeze_count()}}\\n"))
+weakref.finalize(
+    engine, lambda: Path({str(seen)!r}).open("a").write(f"engine {{gc.get_freeze_count()}}\\n")
+)
 """
     proc = subprocess.run(
         [sys.executable, "-c", job],

@@ -1,6 +1,7 @@
 """Overhead of the memory records: a phase boundary (< 2 ms) and the sampler (< 1% of one core).
 
-    python benchmarks/memory/overhead.py [--out benchmarks/results/memory_overhead.json] [--seconds 10]
+    python benchmarks/memory/overhead.py [--out benchmarks/results/memory_overhead.json] \\
+        [--seconds 10]
 
 Phase boundary: the wall time of an empty ``with rec.phase(...)`` is two boundaries (start and
 end record: host probe, Ray figure, /proc/self/status, GPU probe, one JSON line written);

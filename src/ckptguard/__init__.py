@@ -2,15 +2,17 @@
 
 Public surface::
 
-    CheckpointManager(root, *, config=None, process_group=None, storage=None)   # root: a directory or s3://bucket/prefix
-        .save(step, state, *, healthy=None, loss=None, grad_norm=None) -> Path | None (None: unhealthy, skipped)
+    # root: a directory or s3://bucket/prefix
+    CheckpointManager(root, *, config=None, process_group=None, storage=None)
+        .save(step, state, *, healthy=None, loss=None, grad_norm=None) -> Path | None
+            (None: unhealthy, skipped)
         .restore(state, *, mode=ResumeMode.AUTO, path=None, prefer=None) -> int
         .record_step(step, *, sample_ids=None, batch=None, loss=None, grad_norm=None, **extra)
         .resolve(*, mode=..., path=None) -> Resolution
         .committed_steps() -> list[int]
         .declare_phase(reason, changes) -> Path
-    open_step(root, step=None, *, ttl_s=600) -> context manager of a step directory that rotation keeps
-    PreemptionGuard(mgr, grace_s=...).step_boundary(step, state)   # exits 75 after a save on SIGTERM
+    open_step(root, step=None, *, ttl_s=600) -> context manager of a step dir that rotation keeps
+    PreemptionGuard(mgr, grace_s=...).step_boundary(step, state)  # exits 75 after a save on SIGTERM
 """
 
 import importlib as _importlib

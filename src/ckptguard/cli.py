@@ -18,7 +18,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -27,6 +27,9 @@ from .config import ResumeMode
 from .errors import CheckpointError, ConfigError
 from .ops import inspect as _inspect
 from .ops.verify import Cost, printable
+
+if TYPE_CHECKING:
+    from .ops.gc import GcReport
 
 
 def _json_out(ok: bool, **fields: Any) -> None:
@@ -735,63 +738,6 @@ def _preflight_remote(url: str, expect_step: int | None, template: str, as_json:
     sys.exit(0 if report.ok else 1)
 
 
-def _gc_remote(
-    url: str,
-    dry_run: bool,
-    orphans: bool,
-    force: bool,
-    min_age_s: float,
-    template: str,
-    as_json: bool,
-) -> None:
-    from .ops import remote as _remote
-
-    if orphans:
-        raise click.UsageError(
-            "--orphans works on local roots; on s3:// an orphan marker (newer than the tracker) "
-            "is replaced by the next save of that step, and `ckptguard list` shows it"
-        )
-    report = _remote.gc_remote(url, template, min_age_s=min_age_s, dry_run=dry_run, force=force)
-    if as_json:
-        _json_out(
-            True,
-            root=url,
-            dry_run=dry_run,
-            removed_attempts=report.removed_attempts,
-            removed_objects=report.removed_objects,
-            aborted_uploads=report.aborted_uploads,
-            kept_live=report.kept_live,
-            foreign=report.foreign,
-        )
-        return
-    verb = "would remove" if dry_run else "removed"
-    for attempt in report.removed_attempts:
-        click.echo(
-            printable(
-                f"{verb} {url}/{attempt}: an attempt no marker names (a dead save or transfer)"
-            )
-        )
-    for upload in report.aborted_uploads:
-        click.echo(
-            printable(f"{'would abort' if dry_run else 'aborted'} multipart upload {upload}")
-        )
-    for attempt in report.kept_live:
-        click.echo(
-            printable(
-                f"kept    {url}/{attempt}: its writer may still write (younger than --min-age "
-                f"{min_age_s:g} s, or its process still runs on this host)"
-            )
-        )
-    for key in report.foreign:
-        click.echo(printable(f"kept    {key}: not created by ckptguard"))
-    click.echo(
-        f"{len(report.removed_attempts)} attempt(s), {report.removed_objects} object(s) "
-        f"{'to remove' if dry_run else 'removed'}, {len(report.aborted_uploads)} upload(s) "
-        f"{'to abort' if dry_run else 'aborted'}, "
-        f"{len(report.kept_live) + len(report.foreign)} left in place"
-    )
-
-
 @main.command()
 @click.argument("root", type=_RootOrURL())
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
@@ -809,9 +755,8 @@ def _gc_remote(
     type=click.FloatRange(0),
     default=3600.0,
     show_default=True,
-    help="s3:// roots: remove only unmarked attempts whose newest object is "
-    "older than this (seconds) "
-    "and, written on this host, whose process is gone.",
+    help="s3:// roots: remove only unmarked attempts whose newest object is older than this "
+    "(seconds) and, written on this host, whose process is gone.",
 )
 @TEMPLATE
 @click.option(
@@ -844,40 +789,30 @@ def gc(
     handles committed steps. Refused while a live run holds the root's lease (its newest step may
     be a commit in flight) unless --force. Exit 0 done, 1 refused, 2 bad usage (not a root).
     """
-    from .ops import gc as _gc
-
-    if isinstance(root, str):
-        return _gc_remote(root, dry_run, orphans, force, min_age_s, template, as_json)
     with _progress(1, "gc", as_json) as bar:
 
         def progress(phase: str, done: int, total: int) -> None:
-            bar.label = f"gc: {'checking steps' if phase == 'check' else 'removing'} {done}/{total}"
+            doing = "checking steps" if phase == "check" else "removing"
+            bar.label = f"gc: {doing} {done}/{total}"
             bar.length = max(total, 1)
             bar.update(done - bar.pos)
 
         try:
-            report = _gc.gc(
-                root.absolute(),
-                _inspect.naming(template),
-                dry_run=dry_run,
-                orphans=orphans,
-                force=force,
-                progress=progress,
-            )
+            report = _collect(root, template, dry_run, orphans, force, min_age_s, progress)
         except ConfigError as exc:
             if as_json:
                 _fail(str(exc), True, code=2)
             raise click.UsageError(str(exc)) from None
         except CheckpointError as exc:
             _fail(str(exc), as_json)
-        except (
-            OSError
-        ) as exc:  # e.g. a directory it may not delete: what is done stays done, rerun after fixing
+        except OSError as exc:
+            # e.g. a directory it may not delete: what is done stays done, rerun after fixing
             _fail(f"gc of {root} stopped: {exc}; fix the cause and run it again", as_json)
+    where = str(root.absolute()) if isinstance(root, Path) else root
     if as_json:
         _json_out(
             True,
-            root=str(root.absolute()),
+            root=where,
             dry_run=dry_run,
             removed=[{"path": str(p), "what": what} for p, what in report.removed],
             kept=[{"path": str(p), "why": why} for p, why in report.kept],
@@ -891,6 +826,36 @@ def gc(
     click.echo(
         f"{n} entr{'y' if n == 1 else 'ies'} {'to remove' if dry_run else 'removed'}, "
         f"{len(report.kept)} left in place (listed above)"
+    )
+
+
+def _collect(
+    root: Path | str,
+    template: str,
+    dry_run: bool,
+    orphans: bool,
+    force: bool,
+    min_age_s: float,
+    progress: Callable[[str, int, int], None],
+) -> GcReport:
+    """gc of either root kind: one procedure (``ops.gc.collect``), the root kind's survey."""
+    from .ops import gc as _gc
+
+    if isinstance(root, str):
+        from .ops import remote as _remote
+
+        return _remote.gc_remote(
+            root,
+            template,
+            min_age_s=min_age_s,
+            dry_run=dry_run,
+            force=force,
+            orphans=orphans,
+            progress=progress,
+        )
+    naming = _inspect.naming(template)
+    return _gc.gc(
+        root.absolute(), naming, dry_run=dry_run, orphans=orphans, force=force, progress=progress
     )
 
 

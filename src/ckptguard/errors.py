@@ -4,7 +4,7 @@ One root, and leaves that also subclass the builtin a caller would naturally cat
 
     CheckpointError
     +-- ConfigError (ValueError)                 a bad argument or config field
-    |   +-- RunStepError                         a single-role reader met a run step (RunCheckpoint's)
+    |   +-- RunStepError                         a single-role reader met a RunCheckpoint step
     +-- CheckpointNotFoundError (FileNotFoundError)
     |   +-- CheckpointIncompleteError            files or the commit marker are missing
     +-- CheckpointCorruptError (ValueError)      a file is present but unreadable or wrong
@@ -20,16 +20,16 @@ One root, and leaves that also subclass the builtin a caller would naturally cat
     +-- LeaseHeldError (RuntimeError)            another live run writes this root
     +-- CheckpointWriteError (OSError)           a rank failed to write; carries the first error
     +-- CollectiveTimeoutError (TimeoutError)    a rank did not arrive at an agreement point
-    +-- StorageStallError (TimeoutError)         a storage thread or buffer did not come back in time
-    +-- StorageFormatError (RuntimeError)        torch.save produced a layout the streaming writer cannot frame
-    +-- SaveStillRunningError (TimeoutError)     wait(timeout) returned while a background save still runs
-    +-- StaleDerivedStateError (RuntimeError)    a parameter-derived cache of an older version was about to be used
-    +-- RehearsalError (RuntimeError)            `ckptguard rehearse` could not reach a point it waits for
-    +-- RecordFormatError (ValueError)           a memory records file holds a line that is not a record
+    +-- StorageStallError (TimeoutError)         a storage thread or buffer did not return in time
+    +-- StorageFormatError (RuntimeError)        a torch.save layout the stream writer cannot frame
+    +-- SaveStillRunningError (TimeoutError)     wait(timeout) ended while a background save runs
+    +-- StaleDerivedStateError (RuntimeError)    a stale parameter-derived cache about to be used
+    +-- RehearsalError (RuntimeError)            `ckptguard rehearse` missed a point it waits for
+    +-- RecordFormatError (ValueError)           a line of a memory records file is not a record
     +-- PinnedMemoryUnavailableError (RuntimeError)  exact-size pinning needs CUDA
-    +-- ObjectStoreError (OSError)               an object-store request failed after its bounded retries
-    |   +-- ConditionalWriteUnsupportedError     the store ignores If-None-Match / If-Match (refused by default)
-    +-- CommitConflictError (FileExistsError)    another writer committed this step on the object store first
+    +-- ObjectStoreError (OSError)               an object-store request failed after its retries
+    |   +-- ConditionalWriteUnsupportedError     If-None-Match/If-Match ignored (refused by default)
+    +-- CommitConflictError (FileExistsError)    another writer won this step's commit on the store
 
 Errors cross ranks as JSON (``error_payload`` / ``rebuild``): a leaf's fields (``phase``,
 ``missing_ranks``, ``step``, ``failures``) are carried, and the leaf is rebuilt with them, so

@@ -75,9 +75,8 @@ class CheckpointManager:
         parts: Parts | None = None,
     ) -> None:
         base = checked_config(config)
-        # Managers are created collectively, in the same order on every rank, so a counter names
-        # this one's store keys alike everywhere; the root path would not (node-local roots may
-        # differ per node).
+        # Created collectively, in the same order on every rank: a counter names this one's store
+        # keys alike everywhere; the root path would not (node-local roots differ per node).
         CheckpointManager._created += 1
         name = f"manager-{CheckpointManager._created}"
         self.root, self.config, self._stage, self._ctx = open_context(
@@ -86,8 +85,7 @@ class CheckpointManager:
         ctx = self._ctx
         self._pending: PendingSave | None = None
         self.process_group = process_group
-        """The group this manager agrees over (None: the default group); a PreemptionGuard agrees
-        over it too."""
+        """The group this manager (and a PreemptionGuard) agrees over; None: the default group."""
         self.derived = derived
         """Parameter-derived caches; a restore invalidates them (``DerivedState.mark_restored``)."""
         _faults.arm_pause_from_env(ctx.rank)  # only under `ckptguard rehearse`
@@ -95,8 +93,7 @@ class CheckpointManager:
         self.core = Root(
             self.root, self.config, ctx.naming, ctx.agreement, proof=proof, health=health
         )
-        """The bookkeeping of this root (lease, health, trust, retention, trajectory):
-        ``ckptguard._core``."""
+        """This root's bookkeeping (lease, health, trust, retention, trajectory): ``_core``."""
         self._background = BackgroundCommits(
             ctx,
             self._stage,
@@ -111,8 +108,7 @@ class CheckpointManager:
             start=self._start_commit,
         )
         self.busy = self._background.busy
-        """The ``on_busy`` decisions of ``save_async``: ``busy.skipped_total``,
-        ``busy.last_commit_s``."""
+        """``save_async``'s ``on_busy`` choices: ``busy.skipped_total``, ``busy.last_commit_s``."""
         self.queue = self._background.queue
         """``OnBusy.COALESCE``'s queued save (``queue.queued_step``) and its second staging set."""
         self.blocking = self._background.blocking
@@ -122,14 +118,12 @@ class CheckpointManager:
 
     @property
     def last_health(self) -> _trust.HealthVerdict | None:
-        """The health verdict of the last ``save``/``save_async`` call (``.skip``: it was not
-        committed)."""
+        """The last ``save``/``save_async`` call's health verdict (``.skip``: not committed)."""
         return self.core.last_health
 
     @property
     def context(self) -> Context:
-        """What the commit protocol and the restore run on for this root
-        (``ckptguard._context``)."""
+        """What this root's commit protocol and restore run on (``ckptguard._context``)."""
         return self._ctx
 
     def preemption_target(self) -> GuardTarget:
@@ -191,18 +185,19 @@ class CheckpointManager:
     ) -> Path | None:
         """Commit ``state`` as step ``step`` on every rank, or raise on every rank.
 
-        Returns the committed step directory. On any failure the tracker does not move and the previous
-        committed step stays the resume target. Healthy steps only (``CheckpointConfig.health``): when, on any
-        rank, ``loss`` or ``grad_norm`` (these arguments, else that rank's ``record_step`` of ``step``) is not
-        finite, ``healthy=False`` was passed or the policy's check fails, no rank commits: the reasons are
-        logged as an error, nothing is written, the tracker stays, and every rank returns None (``last_health``
-        holds the verdict): a skipped step is the policy working, not a failed save (``if mgr.save(...) is
-        None`` tells the loop). ``overwrite=True`` replaces a committed step or saves one older than the
-        tracker (a deliberate rollback); ``break_lease=True`` takes the root's write lease from a live owner.
-        Both act on this call only (one-shot actions, never config that would act again on every restart).
-        With several ranks, a save estimated to hold the slowest one longer than ``CheckpointConfig.blocking``
-        (half the collective timeout) is warned about (``OverBudget.WARN``), committed in the background (None;
-        ``wait()`` joins it) or refused on every rank (``SaveBudgetError``), before anything is captured.
+        Returns the committed step directory. On failure the tracker stays: the previous committed
+        step stays the resume target. Healthy steps only (``CheckpointConfig.health``): when, on
+        any rank, ``loss`` or ``grad_norm`` (these arguments, else that rank's ``record_step`` of
+        ``step``) is not finite, ``healthy=False`` was passed or the policy's check fails, no rank
+        commits: the reasons are logged as an error, nothing is written, the tracker stays, every
+        rank returns None (``last_health`` holds the verdict): the policy working, not a failed
+        save (``if mgr.save(...) is None`` tells the loop). ``overwrite=True`` replaces a committed
+        step or saves one older than the tracker (a deliberate rollback); ``break_lease=True``
+        takes the root's write lease from a live owner. Both are one-shot: this call only, never
+        config acting again on every restart. With several ranks, a save estimated to hold the
+        slowest one longer than ``CheckpointConfig.blocking`` (half the collective timeout) is
+        warned about (``OverBudget.WARN``), committed in the background (None; ``wait()`` joins
+        it) or refused on every rank (``SaveBudgetError``), before anything is captured.
         """
         check_step(step, "save")
         check_state(state, "save")
@@ -240,19 +235,21 @@ class CheckpointManager:
     ) -> PendingSave | None:
         """Snapshot ``state`` now and commit step ``step`` in the background.
 
-        Requested while the previous commit still runs (on any rank), it follows
-        ``CheckpointConfig.async_save.on_busy``: ``SKIP`` (the default) returns None at once, logged with the
-        interval that fits the measured commit time, counted (``busy.skipped_total``) and recorded in the next
-        step's cost block (so a final save is ``wait()`` first); ``WAIT`` waits; ``COALESCE`` queues it
-        (``poll()``, ``wait()`` start it). The caller blocks only until the snapshot's copies are queued: into
-        spare GPU memory within ``AsyncOptions.gpu_bytes``, else into the reusable pinned host pool within
-        ``AsyncOptions.host_bytes`` (None: the budget the memory contract leaves), on a side stream. The next
-        optimizer step (a step pre-hook), the next forward of a module with buffers, or ``staged()`` waits for the
-        copies; what does not fit the pool is read live by the background writer and that wait lasts until it
-        was read (reported, never a silent synchronous save). The tracker moves when the commit completes; its error
-        is raised by ``wait()`` or the next save, save_async, restore or wait. The health agreement runs first, as in
-        ``save`` (for a queued save: when it starts). ``overwrite``, ``break_lease`` as in ``save``; ``prepare_async``
-        pins ahead. Retention runs after a commit, in its thread, and never holds the next ``save_async``.
+        Requested while the previous commit runs (on any rank), it follows
+        ``CheckpointConfig.async_save.on_busy``: ``SKIP`` (default) returns None at once, logged
+        with the interval that fits the measured commit time, counted (``busy.skipped_total``) and
+        recorded in the next step's cost block (so a final save is ``wait()`` first); ``WAIT``
+        waits; ``COALESCE`` queues it (``poll()``, ``wait()`` start it). The caller blocks only
+        until the snapshot's copies are queued, on a side stream: into spare GPU memory within
+        ``AsyncOptions.gpu_bytes``, else the reusable pinned host pool within
+        ``AsyncOptions.host_bytes`` (None: what the memory contract leaves). The next optimizer
+        step (a step pre-hook), the next forward of a module with buffers, or ``staged()`` waits
+        for the copies; what does not fit the pool the background writer reads live, and that
+        wait lasts until it was read (reported, never a silent synchronous save). The tracker
+        moves when the commit completes; its error is raised by ``wait()`` or the next save,
+        save_async, restore or wait. The health agreement runs first, as in ``save`` (queued: when
+        it starts). ``overwrite``, ``break_lease`` as in ``save``; ``prepare_async`` pins ahead.
+        Retention runs after a commit, in its thread, never holding the next ``save_async``.
         """
         check_step(step, "save_async")
         check_state(state, "save_async")
@@ -261,8 +258,7 @@ class CheckpointManager:
         )
 
     def poll(self) -> PendingSave | None:
-        """``OnBusy.COALESCE``: start the queued save once every rank's commit ended (collective:
-        every step, say)."""
+        """COALESCE: start the queued save once all commits ended (collective; e.g. every step)."""
         return self._start_queued(self.queue.poll(self._pending, self._healthy), self._pending)
 
     def _start_queued(self, queued: Queued | None, after: PendingSave | None) -> PendingSave | None:
@@ -282,9 +278,8 @@ class CheckpointManager:
     def _in_background(
         self, step: int, state: StateDict, actions: Actions, *health: Any, measure: bool = False
     ) -> PendingSave | None:
-        """A save committed in the background, through the ``on_busy`` round: its commit, now the
-        save in flight; None: skipped or queued (``CheckpointConfig.async_save.on_busy``) or
-        unhealthy, alike on every rank."""
+        """A save committed in the background via the ``on_busy`` round: its commit, now in flight;
+        None: skipped, queued (``async_save.on_busy``) or unhealthy, alike on every rank."""
         started = self._background.request(step, state, actions, health, self._pending, measure)
         if started is not None:
             self._pending = started
@@ -313,9 +308,8 @@ class CheckpointManager:
             self._stage.close()
 
     def wait(self) -> Path | None:
-        """Wait for a pending ``save_async`` and its cleanup, then commit a queued one
-        (``OnBusy.COALESCE``) and wait for it too; returns the last step directory, raises the first
-        error."""
+        """Wait for a pending ``save_async`` and its cleanup, then commit a queued one (COALESCE)
+        and wait for it too; returns the last step directory, raises the first error."""
         pending, self._pending = self._pending, None
         path = pending.wait() if pending is not None and not pending.reported else None
         # Every rank's commit ended: agreed.
@@ -323,9 +317,8 @@ class CheckpointManager:
         return self.wait() if started is not None else path
 
     def _published(self, path: Path, step: int, *, blocked_s: float, began: float) -> Path:
-        """What follows a commit before the caller may go on: the log line, the save record (with
-        the seconds the caller was held, ``ckptguard goodput``), trust, and an ``s3://`` root's
-        publish to the store."""
+        """What follows a commit before the caller goes on: the log line, the save record (with the
+        seconds the caller was held: ``ckptguard goodput``), trust, an ``s3://`` root's publish."""
         log.info("ckptguard: committed step %d at %s", step, path)
         self.core.proof.record(
             "save",
@@ -344,13 +337,11 @@ class CheckpointManager:
         return path
 
     def _cleanup_after(self, step: int) -> None:
-        """Retention and proof pruning after the commit of ``step`` (``Root.cleanup``; off the
-        caller's path)."""
+        """Retention, proof pruning after ``step``'s commit (``Root.cleanup``; off the caller)."""
         self.core.cleanup(step, rotate=self.rank == 0 or self._ctx.node_publisher)
 
     def _healthy(self, step: int, healthy: bool | None, loss: Any, grad_norm: Any) -> bool:
-        """The health agreement of a save (``Root.health_round``); an unhealthy step is logged and
-        recorded."""
+        """A save's health agreement (``Root.health_round``); unhealthy: logged and recorded."""
         verdict = self.core.health_round(
             step,
             healthy,
@@ -377,9 +368,8 @@ class CheckpointManager:
         ``break_lease=True``: restore even while another live run holds the root's write lease (the
         next ``save(..., break_lease=True)`` takes it); otherwise such a restore is refused.
 
-        Tensors are written into the existing tensors; plain values are replaced in
-        ``state``. Logs one line with the resolved path and step before returning.
-        ``prefer`` as in ``resolve``.
+        Tensors are written into the existing tensors; plain values are replaced in ``state``. Logs
+        one line with the resolved path and step before returning. ``prefer`` as in ``resolve``.
         """
         check_state(state, "restore")
         # An item no save could write: refused before the run trains on it.
@@ -394,8 +384,7 @@ class CheckpointManager:
         if res.url is not None:
             fetched = self._stage.bring(res.step)
             res = dataclasses.replace(self.resolve(mode=mode, path=fetched), url=res.url)
-        # What ``ckptguard goodput`` splits the time to recover by: start-up, this restore, the
-        # first step.
+        # ``ckptguard goodput`` splits the time to recover by: start-up, this restore, first step.
         timing: dict[str, Any] = {"process_start": process_start(), "began_mono": began}
         if res.fresh:
             _events.fresh_start(self.core.proof, res, self.world_size, began, timing)
@@ -450,8 +439,7 @@ class CheckpointManager:
         ``payload`` is what the rollout receives (tensors or bytes); ``scales`` the quantization
         scales sent with it. The first export after a restore must equal the export the saving run
         recorded for the same step. ``details``: JSON fields kept with the record (an integration's
-        per-tensor digests, its read-back gates, the LoRA probe
-        ``integrations.peft.adapter_probe``).
+        per-tensor digests, read-back gates, LoRA probe ``integrations.peft.adapter_probe``).
         """
         return _events.record_export(self.core.proof, step, payload, scales, **details)
 
@@ -459,8 +447,7 @@ class CheckpointManager:
         self, step: int, trainer_logprobs: Any, rollout_logprobs: Any, **details: Any
     ) -> dict[str, float]:
         """Record the trainer's old-logprob against the rollout's for the same tokens. ``details``:
-        JSON fields kept with the record (an integration's digests of the sampled token ids and
-        seeds)."""
+        JSON fields kept with the record (an integration's digests of sampled token ids, seeds)."""
         return _events.record_logprobs(
             self.core.proof, step, trainer_logprobs, rollout_logprobs, **details
         )

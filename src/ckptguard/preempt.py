@@ -253,10 +253,16 @@ class PreemptionGuard:
             and self._target.save(step, state, **save_kwargs) is None
             and not self._target.wait()
         ):
-            reason = f"{what}: step {step} is unhealthy and was not saved (see the error above); the tracker stays"
+            reason = (
+                f"{what}: step {step} is unhealthy and was not saved (see the error above); "
+                "the tracker stays"
+            )
             log.error("ckptguard: preempted: %s; exiting with code %d", reason, EXIT_NOT_SAVED)
             return Preempted(EXIT_NOT_SAVED, step=step, saved=False, reason=reason)
-        reason = f"{what}: step {step} committed under {self._target.root}; exiting with code {EXIT_SAVED}"
+        reason = (
+            f"{what}: step {step} committed under {self._target.root}; "
+            f"exiting with code {EXIT_SAVED}"
+        )
         log.warning("ckptguard: preempted: %s", reason)
         return Preempted(EXIT_SAVED, step=step, saved=True, reason=reason)
 

@@ -95,8 +95,7 @@ class RunCheckpoint:
             raise ConfigError(
                 f"config must be a CheckpointConfig, got {type(self.config).__name__}"
             )
-        # COALESCE would queue every role's snapshot in a second pool per role; FAST_TIER needs two
-        # tiers.
+        # COALESCE would queue each role's snapshot in a 2nd pool per role; FAST_TIER needs 2 tiers.
         check_policy(self.config.async_save.on_busy, "RunCheckpoint", (OnBusy.SKIP, OnBusy.WAIT))
         roles = check_roles(roles)
         if is_store(root):  # Path() would read it as a local directory named "s3:"
@@ -109,8 +108,7 @@ class RunCheckpoint:
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
         self._ranks = role_ranks(roles, world)
-        # Created collectively, in the same order on every rank: the counter names the store keys
-        # alike.
+        # Created collectively, in the same order on every rank: the counter names store keys alike.
         RunCheckpoint._created += 1
         ns = f"run-{RunCheckpoint._created}"
         run_agreement = make_agreement(None, timeout_s=self.config.timeout_s, namespace=ns)
@@ -132,15 +130,13 @@ class RunCheckpoint:
         # save_async: one host pool per role this rank holds.
         self._staging: dict[str, _async.AsyncStaging] = {}
         self._budget: tuple[int, str] | None = None
-        # Its own agreement: the busy round runs in the caller's thread while a commit agrees in its
-        # own.
+        # Own agreement: the busy round runs in the caller's thread, a commit's round in its own.
         self.busy = BusyRound(
             make_agreement(None, timeout_s=self.config.timeout_s, namespace=f"{ns}-busy"),
             label="run step",
             policy=self.config.async_save.on_busy,
         )
-        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``), as
-        ``CheckpointManager.busy``."""
+        """``save_async``'s ``on_busy`` choices (``busy.skipped_total``), as the manager's."""
         self.core = Root(
             self.root,
             self.config,
@@ -149,8 +145,7 @@ class RunCheckpoint:
             label="run step",
             lease_key="run.lease",
         )
-        """The bookkeeping of the run's root (lease, health, trust, retention, trajectory):
-        ``ckptguard._core``."""
+        """The run root's bookkeeping (lease, health, trust, retention, trajectory): ``_core``."""
         self.core.check_lease("create")
 
     @property
@@ -159,8 +154,7 @@ class RunCheckpoint:
         return self.core.last_health
 
     def preemption_target(self) -> GuardTarget:
-        """What a ``PreemptionGuard`` guards: the run's save over every role, its commits and save
-        times."""
+        """What a ``PreemptionGuard`` guards: the run's save (all roles), commits, save times."""
         return GuardTarget(
             root=self.root,
             timeout_s=self.config.timeout_s,
@@ -183,8 +177,7 @@ class RunCheckpoint:
 
     @property
     def my_roles(self) -> list[str]:
-        """The roles this rank holds, in declared order: the keys ``save`` and ``restore``
-        expect."""
+        """The roles this rank holds, in declared order: the keys ``save``, ``restore`` expect."""
         return list(self._roles)
 
     # ------------------------------------------------------------ queries
@@ -299,8 +292,8 @@ class RunCheckpoint:
                 for pool in pools:
                     pool.done()
 
-        # The fence PendingSave and staged() use: host_wait, live_read, before_mutation, waited_s
-        # (duck-typed).
+        # PendingSave's and staged()'s fence (duck-typed): host_wait, live_read, before_mutation,
+        # waited_s.
         self._pending = PendingSave(
             step,
             run,
@@ -325,8 +318,7 @@ class RunCheckpoint:
         return pending.wait() if pending is not None and not pending.reported else None
 
     def close(self) -> None:
-        """Wait for a pending save (raising its error) and release every role's host staging pool
-        now."""
+        """Wait for a pending save (raising its error); free every role's host staging pool now."""
         try:
             self.wait()
         finally:
@@ -380,8 +372,7 @@ class RunCheckpoint:
             self._shared_root = True
 
     def _save_seconds(self, step: int) -> float | None:
-        """How long the run save of ``step`` took: measured by this process, else from the run
-        step's roles."""
+        """How long ``step``'s run save took: measured here, else from the run step's roles."""
         if step in self.core.save_times:
             return self.core.save_times[step]
         return recorded_run_save_seconds(self.root / self._naming.name(step))
@@ -440,15 +431,13 @@ class RunCheckpoint:
     def record_update(
         self, step: int, *, grad_norm: float, params_changed: bool, role: str | None = None
     ) -> None:
-        """Record an optimizer update of ``role``: its gradient norm and whether the parameters
-        moved."""
+        """Record an optimizer update of ``role``: its gradient norm, whether parameters moved."""
         self._proofs.update(role, step, grad_norm=grad_norm, params_changed=params_changed)
 
     def record_export(
         self, step: int, payload: Any, *, scales: Any = None, role: str | None = None
     ) -> ExportFingerprint:
-        """Record the weights ``role`` exported for rollout at ``step`` (see
-        CheckpointManager.record_export)."""
+        """Record the weights ``role`` exported for rollout at ``step`` (as CheckpointManager's)."""
         return self._proofs.export(role, step, payload, scales=scales)
 
     def record_logprobs(

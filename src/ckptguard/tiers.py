@@ -1,5 +1,4 @@
-"""Tiered checkpoints: a fast node-local tier often, a persistent shared tier less often, one
-manager.
+"""Tiered checkpoints: a fast node-local tier often, a persistent shared one rarely, one manager.
 
 Contract. ``TieredCheckpoint.save(step, state)`` commits ``step`` to the fast tier when
 ``step % fast_every == 0`` and to the persistent tier when ``step % persistent_every == 0``,
@@ -117,16 +116,14 @@ class TieredCheckpoint:
         self.fast_every, self.persistent_every = plan.fast_every, plan.persistent_every
         self.replicas = plan.replicas
         TieredCheckpoint._created += 1
-        # The tiers' own agreement (the hosts, the persistent lease, the restore's choice, the
-        # replicas), created collectively like the managers' own; never shared with a manager's
-        # background commit.
+        # The tiers' own agreement (hosts, persistent lease, restore's choice, replicas), created
+        # collectively like the managers' own; never shared with a manager's background commit.
         self._agreement = make_agreement(
             process_group, timeout_s=base.timeout_s, namespace=f"tiers-{TieredCheckpoint._created}"
         )
         self._naming = _layout.StepNaming(base.storage.dir_template)
-        # One proof log for both tiers, in the root every rank can read (prove sees the whole run),
-        # and one health log (a record_step of either tier is evidence for both): passed to each
-        # tier's manager.
+        # Passed to each tier's manager: one proof log, in the root every rank reads (prove sees the
+        # whole run), and one health log (either tier's record_step is evidence for both).
         proof = ProofSink.open(home, self._agreement.info.rank, base)
         health = _trust.HealthLog()
         shared = plan.staging()  # one pool for both tiers, except under FAST_TIER
@@ -159,10 +156,8 @@ class TieredCheckpoint:
             self._tier = self._parts[Tier.PERSISTENT].bound_stage()
         self._pending: TieredSave | None = None
         self.last_saved: dict[Tier, Path] = {}
-        """Each tier's directory of the last ``save`` (or of the ``save_async`` the last ``wait``
-        joined)."""
-        # Created collectively like the managers: the busy round agrees while a commit agrees in its
-        # own thread.
+        """Each tier's directory of the last ``save`` (or ``save_async`` last ``wait`` joined)."""
+        # Own agreement (collective): the busy round agrees while a commit agrees in its own thread.
         self.busy = BusyRound(
             make_agreement(
                 process_group,
@@ -171,8 +166,7 @@ class TieredCheckpoint:
             ),
             policy=self.on_busy,
         )
-        """The ``on_busy`` decisions of ``save_async`` (``busy.skipped_total``,
-        ``busy.redirected_total``)."""
+        """``save_async``'s ``on_busy`` choices: ``busy.skipped_total``, ``.redirected_total``."""
         agreement = self._agreement
         self._hosts = [str(h) for h in agreement.exchange("tiers.hosts", agreement.info.host)]
         self._peers = _replica.peers(self._hosts)
@@ -353,8 +347,7 @@ class TieredCheckpoint:
         )
 
     def close(self) -> None:
-        """Wait for a pending save (raising its error) and release both tiers' host staging
-        pools."""
+        """Wait for a pending save (raising its error); release both tiers' host staging pools."""
         try:
             self.wait()
         finally:
@@ -363,8 +356,7 @@ class TieredCheckpoint:
                     closing.close()
 
     def _hold_persistent(self, break_lease: bool = False) -> None:
-        """Rank 0 takes (or renews) the persistent root's write lease at every save
-        (``_core.tierleases.hold``)."""
+        """Rank 0 takes (or renews) the persistent root's write lease at every save (``hold``)."""
         hold(self._agreement, self._tier, self.rank, break_lease)
 
     def _push(self, step: int) -> None:
@@ -474,7 +466,9 @@ class TieredCheckpoint:
         return self.persistent or self.fast
 
     def _home_sink(self) -> ProofSink:
-        return self._parts[Tier.PERSISTENT if self.persistent is not None else Tier.FAST].proof  # type: ignore
+        return self._parts[  # type: ignore
+            Tier.PERSISTENT if self.persistent is not None else Tier.FAST
+        ].proof
 
     def record_step(
         self,

@@ -319,7 +319,8 @@ def _crash_worker(rank: int, world: int, base: str, point: str, victim: int) -> 
     mgr = cg.CheckpointManager(
         shared / "ck",
         config=cg.CheckpointConfig(timeout_s=8),
-        # survivors give up soon (a live rank's skew on 2 loaded cores stays far below it; 5 s did not)
+        # survivors give up soon (a live rank's skew on 2 loaded cores stays far below it; 5 s
+        # did not)
     )
     if node == victim:
         siblings = [pids[r] for r in range(world) if r // 2 == node and r != rank]

@@ -230,7 +230,8 @@ def _redirecting(rank: int, world: int, base: str) -> dict[str, Any]:
     fast_gate, pers_gate = threading.Event(), threading.Event()
     if (
         rank == 0
-        # rank 0's commits end late: its fast one when fast_gate is set, its persistent one on pers_gate
+        # rank 0's commits end late: its fast one when fast_gate is set, its persistent one on
+        # pers_gate
     ):
         for mgr, gate in ((tiers.fast, fast_gate), (tiers.persistent, pers_gate)):
 
@@ -311,7 +312,10 @@ def test_fast_tier_writes_a_save_beside_the_persistent_commit_and_records_it(
 
 def test_each_front_door_refuses_a_policy_it_cannot_follow(tmp_path: Path) -> None:
     fast_tier = cg.CheckpointConfig(async_save=cg.AsyncOptions(on_busy=cg.OnBusy.FAST_TIER))
-    said = r"CheckpointManager: CheckpointConfig\(async_save=AsyncOptions\(on_busy=OnBusy.FAST_TIER\)\)"
+    said = (
+        r"CheckpointManager: CheckpointConfig\(async_save="
+        r"AsyncOptions\(on_busy=OnBusy.FAST_TIER\)\)"
+    )
     with pytest.raises(cg.ConfigError, match=said):
         cg.CheckpointManager(tmp_path / "m", config=fast_tier)
     with pytest.raises(

@@ -58,7 +58,8 @@ import ckptguard as cg
 
 who, step, base = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 trials, spacing = int(sys.argv[4]), float(sys.argv[5])
-cg.CheckpointManager(base / f"warm-{who}").save(1, {"w": torch.ones(4)})  # first-use costs, outside the race
+# first-use costs, outside the race
+cg.CheckpointManager(base / f"warm-{who}").save(1, {"w": torch.ones(4)})
 (base / f"ready-{who}").touch()
 while not (base / "go").exists():
     time.sleep(0.001)
@@ -68,7 +69,9 @@ for i in range(trials):
     while time.time() < t0 + i * spacing:
         pass  # both relaunches leave this loop within microseconds of each other
     try:
-        cg.CheckpointManager(base / f"trial{i:02d}").save(step, {"w": torch.full((4,), float(step))})
+        cg.CheckpointManager(base / f"trial{i:02d}").save(
+            step, {"w": torch.full((4,), float(step))}
+        )
         out[i] = "committed"
     except cg.CheckpointError as exc:
         out[i] = f"{type(exc).__name__}: {exc}"
@@ -437,7 +440,9 @@ cg.CheckpointManager(root).restore({"w": torch.zeros(4)})
 cg.CheckpointManager(root).save(1, {"w": torch.ones(4)})
 cg.CheckpointManager(root).restore({"w": torch.zeros(4)})
 root_logger = logging.getLogger()
-print("root logger:", len(root_logger.handlers), logging.getLevelName(root_logger.level), flush=True)
+print(
+    "root logger:", len(root_logger.handlers), logging.getLevelName(root_logger.level), flush=True
+)
 logging.getLogger("ckptguard").setLevel(logging.CRITICAL)
 print("--- silenced ---", file=sys.stderr, flush=True)
 cg.CheckpointManager(root).restore({"w": torch.zeros(4)})

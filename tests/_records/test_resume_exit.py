@@ -19,7 +19,9 @@ import sys, torch, ckptguard as cg
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 state = {"model": model}
-mgr = cg.CheckpointManager(sys.argv[1], config=cg.CheckpointConfig(proof=cg.ProofPlan(total_steps=4)))
+mgr = cg.CheckpointManager(
+    sys.argv[1], config=cg.CheckpointConfig(proof=cg.ProofPlan(total_steps=4))
+)
 start = mgr.restore(state)
 if start:
     raise RuntimeError("a bad config after the restore")

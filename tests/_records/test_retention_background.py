@@ -82,14 +82,21 @@ from ckptguard.ops.verify import verify_root
 
 def partial_delete(path, what=""):
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != "owner.json")
-    files[0].unlink()  # a real delete under way: one file gone, the rest (the owner record last) still there
+    # a real delete under way: one file gone, the rest (the owner record last) still there
+    files[0].unlink()
     Path(sys.argv[2]).write_text("mid-delete")
     time.sleep(120)  # killed here by the test
 
 retention._delete = partial_delete
 mgr = cg.CheckpointManager(sys.argv[1], config=cg.CheckpointConfig(retention=cg.KeepLast(1)))
 for step in (1, 2):
-    mgr.save(step, {"w": torch.full((4,), float(step)), "big": torch.arange(1 << 16, dtype=torch.float32) * step})
+    mgr.save(
+        step,
+        {
+            "w": torch.full((4,), float(step)),
+            "big": torch.arange(1 << 16, dtype=torch.float32) * step,
+        },
+    )
 time.sleep(120)
 """
 

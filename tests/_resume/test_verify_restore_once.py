@@ -61,7 +61,10 @@ _DIES_AT_SECOND = """
 import json, os, sys
 steps = [a for a in sys.argv[1:] if not a.startswith("--") and not a.isdigit()]
 if len(steps) == 3:  # the first process: step 1 restored, then it dies inside step 2
-    print(json.dumps({"step_dir": steps[0], "result": {"step": 1, "ranks": {}, "failed": []}}), flush=True)
+    print(
+        json.dumps({"step_dir": steps[0], "result": {"step": 1, "ranks": {}, "failed": []}}),
+        flush=True,
+    )
     sys.stderr.write("Fatal Python error: Segmentation fault\\n")
     sys.stderr.flush()
     os.kill(os.getpid(), 9)

@@ -408,7 +408,8 @@ def test_verify_prints_a_readable_size_for_small_checkpoints(root):
 HASH_TWICE = """
 import ckptguard as cg
 first = cg.hash_imported_files(["ckptguard"])
-import ckptguard.cli, ckptguard.ops.transfer, ckptguard.memory.report  # lazily imported by real runs
+# lazily imported by real runs
+import ckptguard.cli, ckptguard.ops.transfer, ckptguard.memory.report
 print(first == cg.hash_imported_files(["ckptguard"]))
 print(repr(cg.hash_imported_files.__doc__))
 """

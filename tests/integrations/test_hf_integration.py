@@ -410,13 +410,15 @@ out = {
     "versions": [transformers.__version__, trl.__version__],
     "ours_first": all(getattr(cls, n) is getattr(CkptguardHFMixin, n)
                       for n in ("train", "_save_checkpoint", "_get_output_dir", "_load_rng_state")),
-    "sigs": [str(inspect.signature(getattr(Trainer, n))) for n in ("_save_checkpoint", "_get_output_dir",
-                                                                     "_load_rng_state")],
+    "sigs": [str(inspect.signature(getattr(Trainer, n)))
+             for n in ("_save_checkpoint", "_get_output_dir", "_load_rng_state")],
     "save_uses_output_dir": "run_dir = self._get_output_dir(trial=trial)"
                             in inspect.getsource(Trainer._save_checkpoint),
     "per_epoch_rule": "len_dataloader // args.gradient_accumulation_steps" in src,
-    "epoch_begin_then_iter": src.index("on_epoch_begin(") < src.index("epoch_iterator = iter(train_dataloader)"),
-    "repeat_sampler_generator": "self.generator = torch.Generator()" in inspect.getsource(RepeatSampler.__init__),
+    "epoch_begin_then_iter": src.index("on_epoch_begin(")
+                             < src.index("epoch_iterator = iter(train_dataloader)"),
+    "repeat_sampler_generator": "self.generator = torch.Generator()"
+                                in inspect.getsource(RepeatSampler.__init__),
     "finds": get_last_checkpoint(sys.argv[1]),
 }
 print("BOUNDARY" + json.dumps(out))

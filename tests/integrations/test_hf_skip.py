@@ -34,7 +34,8 @@ trainer.add_callback(Saved())
 attach(trainer, health=cg.HealthPolicy(check=lambda step, metrics: step != 4), timeout_s=60)
 trainer.train()
 mgr = trainer._ckptguard_manager()
-print("SKIP" + json.dumps({"saves": saves, "committed": mgr.committed_steps(), "skip": mgr.last_health.skip,
+print("SKIP" + json.dumps({"saves": saves, "committed": mgr.committed_steps(),
+                           "skip": mgr.last_health.skip,
                            "should_save": trainer.control.should_save}))
 """
 

@@ -219,9 +219,11 @@ out = {
     "save_sig": str(inspect.signature(RayPPOTrainer._save_checkpoint)),
     "load_sig": str(inspect.signature(RayPPOTrainer._load_checkpoint)),
     "critic_dir": str(Role.Critic),
-    "fit_calls": [n for n in ("_load_checkpoint()", "_save_checkpoint()", "update_weights(self.global_steps)")
+    "fit_calls": [n for n in ("_load_checkpoint()", "_save_checkpoint()",
+                              "update_weights(self.global_steps)")
                   if n in inspect.getsource(RayPPOTrainer.fit)],
-    "their_save_reads": [k for k in ("default_local_dir", "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep")
+    "their_save_reads": [k for k in ("default_local_dir", "max_actor_ckpt_to_keep",
+                                     "max_critic_ckpt_to_keep")
                          if k in inspect.getsource(RayPPOTrainer._save_checkpoint)],
     "their_load_reads": [k for k in ("resume_mode", "resume_from_path", "del_local_ckpt_after_load")
                          if k in inspect.getsource(RayPPOTrainer._load_checkpoint)],
@@ -229,10 +231,13 @@ out = {
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 v1 = trainer_class(PPOTrainerSync)
-out["v1_subclass"] = issubclass(v1, PPOTrainerSync) and v1._save_checkpoint is CkptguardTrainerMixin._save_checkpoint
-out["v1_sigs"] = [str(inspect.signature(getattr(PPOTrainer, n))) for n in ("_save_checkpoint", "_load_checkpoint")]
+out["v1_subclass"] = (issubclass(v1, PPOTrainerSync)
+                     and v1._save_checkpoint is CkptguardTrainerMixin._save_checkpoint)
+out["v1_sigs"] = [str(inspect.signature(getattr(PPOTrainer, n)))
+                  for n in ("_save_checkpoint", "_load_checkpoint")]
 src = inspect.getsource(PPOTrainer)
-wanted = ("self._load_checkpoint()", "self._save_checkpoint()", "trainer_mode", "checkpoint_callback.on_save(")
+wanted = ("self._load_checkpoint()", "self._save_checkpoint()", "trainer_mode",
+          "checkpoint_callback.on_save(")
 out["v1_calls"] = [n for n in wanted if n in src]
 out["v1_sync_weights"] = "update_weights(self.global_steps)" in inspect.getsource(PPOTrainerSync)
 # verl's own reader finds what ckptguard committed (a compatible tracker and directory name)

@@ -39,16 +39,19 @@ MiB = 1 << 20
 SPIKE = 600 * MiB
 # The resumed job of the kill scenario: its first record (load) sees the raised oom_kill count.
 _RESUMED = textwrap.dedent(
-    """
-    import sys
-    from pathlib import Path
-    from ckptguard.memory import HostProbe, HostProbeConfig, PhaseKind, PhaseRecorder, RecorderConfig
-    tree = Path(sys.argv[1])
-    probe = HostProbe(HostProbeConfig(proc_root=tree / "proc", cgroup_root=tree / "sys" / "fs" / "cgroup"))
-    with PhaseRecorder(RecorderConfig(path=Path(sys.argv[2]), node="n1", probe_gpu=False), host_probe=probe) as rec:
-        with rec.phase(PhaseKind.LOAD, step=6):
-            pass
-    """
+    "\n"
+    "    import sys\n"
+    "    from pathlib import Path\n"
+    "    from ckptguard.memory import HostProbe, HostProbeConfig, PhaseKind, PhaseRecorder, "
+    "RecorderConfig\n"
+    "    tree = Path(sys.argv[1])\n"
+    '    probe = HostProbe(HostProbeConfig(proc_root=tree / "proc", '
+    'cgroup_root=tree / "sys" / "fs" / "cgroup"))\n'
+    '    with PhaseRecorder(RecorderConfig(path=Path(sys.argv[2]), node="n1", probe_gpu=False), '
+    "host_probe=probe) as rec:\n"
+    "        with rec.phase(PhaseKind.LOAD, step=6):\n"
+    "            pass\n"
+    "    "
 )
 
 
@@ -450,32 +453,43 @@ class _Cdp:
         os.close(self._from_r)
 
 
-DOM_FACTS = """JSON.stringify((() => {
-  const q = (sel, root) => [...(root || document).querySelectorAll(sel)];
-  const chart = (name) => `svg[data-chart="${name}"]`;
-  const box = (e) => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
-  const host = document.querySelector(chart('host-memory'));
-  return {
-    charts: q('svg[data-chart]').map(s => [s.dataset.chart, s.getBoundingClientRect().width]),
-    host_series: q(chart('host-memory') + ' [data-series]').map(
-      e => [e.dataset.series, e.getAttribute('points').trim().split(/\\s+/).length]),
-    phases: q(chart('host-memory') + ' [data-phase]').map(e => e.dataset.phase),
-    limits: q(chart('host-memory') + ' [data-limit]').map(e => [e.dataset.limit, e.dataset.bytes, e.textContent]),
-    plot: host && host.querySelector('[data-plot-area]') ? box(host.querySelector('[data-plot-area]')) : null,
-    svg: host ? box(host) : null,
-    limit_labels: q(chart('host-memory') + ' [data-limit] text').map(e => [e.textContent, box(e)]),
-    phase_labels: q(chart('host-memory') + ' [data-phase-label]').map(e => [e.textContent, box(e)]),
-    peaks: q(chart('host-memory') + ' [data-peak]').map(e => [e.dataset.peak, +e.dataset.bytes, box(e)]),
-    mark: q(chart('host-memory') + ' [data-mark="save-peak"] text').map(e => [e.textContent, box(e)]),
-    floor_series: q(chart('process-floors') + ' [data-series]').map(e => e.dataset.series),
-    verdicts: q('tr[data-verdict]').map(e => [e.dataset.pid, e.dataset.verdict]),
-    gpu_series: q(chart('gpu-memory') + ' [data-series]').map(e => [e.dataset.series, +e.dataset.points]),
-    killer: document.querySelector('[data-killer]').dataset.killer,
-    text: document.body.innerText,
-    height: document.documentElement.scrollHeight,
-    resources: performance.getEntriesByType('resource').map(e => e.name),
-  };
-})())"""
+DOM_FACTS = (
+    "JSON.stringify((() => {\n"
+    "  const q = (sel, root) => [...(root || document).querySelectorAll(sel)];\n"
+    '  const chart = (name) => `svg[data-chart="${name}"]`;\n'
+    "  const box = (e) => { const r = e.getBoundingClientRect(); "
+    "return [r.left, r.top, r.right, r.bottom]; };\n"
+    "  const host = document.querySelector(chart('host-memory'));\n"
+    "  return {\n"
+    "    charts: q('svg[data-chart]').map(s => [s.dataset.chart, "
+    "s.getBoundingClientRect().width]),\n"
+    "    host_series: q(chart('host-memory') + ' [data-series]').map(\n"
+    "      e => [e.dataset.series, e.getAttribute('points').trim().split(/\\s+/).length]),\n"
+    "    phases: q(chart('host-memory') + ' [data-phase]').map(e => e.dataset.phase),\n"
+    "    limits: q(chart('host-memory') + ' [data-limit]').map(e => [e.dataset.limit, "
+    "e.dataset.bytes, e.textContent]),\n"
+    "    plot: host && host.querySelector('[data-plot-area]') ? "
+    "box(host.querySelector('[data-plot-area]')) : null,\n"
+    "    svg: host ? box(host) : null,\n"
+    "    limit_labels: q(chart('host-memory') + ' [data-limit] text').map(e => [e.textContent, "
+    "box(e)]),\n"
+    "    phase_labels: q(chart('host-memory') + ' [data-phase-label]').map(e => [e.textContent, "
+    "box(e)]),\n"
+    "    peaks: q(chart('host-memory') + ' [data-peak]').map(e => [e.dataset.peak, "
+    "+e.dataset.bytes, box(e)]),\n"
+    "    mark: q(chart('host-memory') + ' [data-mark=\"save-peak\"] text').map(e => "
+    "[e.textContent, box(e)]),\n"
+    "    floor_series: q(chart('process-floors') + ' [data-series]').map(e => e.dataset.series),\n"
+    "    verdicts: q('tr[data-verdict]').map(e => [e.dataset.pid, e.dataset.verdict]),\n"
+    "    gpu_series: q(chart('gpu-memory') + ' [data-series]').map(e => [e.dataset.series, "
+    "+e.dataset.points]),\n"
+    "    killer: document.querySelector('[data-killer]').dataset.killer,\n"
+    "    text: document.body.innerText,\n"
+    "    height: document.documentElement.scrollHeight,\n"
+    "    resources: performance.getEntriesByType('resource').map(e => e.name),\n"
+    "  };\n"
+    "})())"
+)
 
 
 NO_CHROMIUM = "chromium is not installed (Debian package 'chromium'; make test installs it)"

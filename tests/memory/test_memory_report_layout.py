@@ -22,15 +22,20 @@ from ckptguard.memory.report import render_html
 
 GiB = 1 << 30
 
-LINES = """JSON.stringify((() => {
-  const box = (e) => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
-  const host = 'svg[data-chart="host-memory"] ';
-  return {
-    lines: [...document.querySelectorAll(host + '[data-limit] line, ' + host + '[data-peak] line')].map(box),
-    labels: [...document.querySelectorAll(host + '[data-limit] text, ' + host + '[data-mark] text')].map(
-      e => [e.textContent, box(e)]),
-  };
-})())"""
+LINES = (
+    "JSON.stringify((() => {\n"
+    "  const box = (e) => { const r = e.getBoundingClientRect(); "
+    "return [r.left, r.top, r.right, r.bottom]; };\n"
+    "  const host = 'svg[data-chart=\"host-memory\"] ';\n"
+    "  return {\n"
+    "    lines: [...document.querySelectorAll(host + '[data-limit] line, "
+    "' + host + '[data-peak] line')].map(box),\n"
+    "    labels: [...document.querySelectorAll(host + '[data-limit] text, "
+    "' + host + '[data-mark] text')].map(\n"
+    "      e => [e.textContent, box(e)]),\n"
+    "  };\n"
+    "})())"
+)
 
 
 def _with_limit(src, dst, limit: int):
@@ -134,19 +139,25 @@ def test_a_report_with_no_limit_near_the_data(tmp_path):
     assert 'data-chart="host-memory"' in page or "No host chart" in page
 
 
-WIDTH_FACTS = """JSON.stringify((() => {
-  const box = (e) => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
-  const host = document.querySelector('svg[data-chart="host-memory"]');
-  const plot = box(host.querySelector('[data-plot-area]'));
-  const edges = [[plot[0], plot[1], plot[2], plot[1]], [plot[0], plot[3], plot[2], plot[3]]];
-  return {
-    width: window.innerWidth, scroll: document.documentElement.scrollWidth, plot: plot,
-    svgs: [...document.querySelectorAll('svg[data-chart]')].map(box),
-    lines: [...host.querySelectorAll('[data-limit] line, [data-peak] line, [data-mark] line')].map(box).concat(edges),
-    labels: [...host.querySelectorAll('[data-limit] text, text[data-limit], [data-mark] text')].map(
-      e => [e.textContent, box(e)]),
-  };
-})())"""
+WIDTH_FACTS = (
+    "JSON.stringify((() => {\n"
+    "  const box = (e) => { const r = e.getBoundingClientRect(); "
+    "return [r.left, r.top, r.right, r.bottom]; };\n"
+    "  const host = document.querySelector('svg[data-chart=\"host-memory\"]');\n"
+    "  const plot = box(host.querySelector('[data-plot-area]'));\n"
+    "  const edges = [[plot[0], plot[1], plot[2], plot[1]], [plot[0], plot[3], plot[2], "
+    "plot[3]]];\n"
+    "  return {\n"
+    "    width: window.innerWidth, scroll: document.documentElement.scrollWidth, plot: plot,\n"
+    "    svgs: [...document.querySelectorAll('svg[data-chart]')].map(box),\n"
+    "    lines: [...host.querySelectorAll('[data-limit] line, [data-peak] line, "
+    "[data-mark] line')].map(box).concat(edges),\n"
+    "    labels: [...host.querySelectorAll('[data-limit] text, text[data-limit], "
+    "[data-mark] text')].map(\n"
+    "      e => [e.textContent, box(e)]),\n"
+    "  };\n"
+    "})())"
+)
 
 
 @pytest.mark.timeout(180)

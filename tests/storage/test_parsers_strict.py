@@ -38,7 +38,10 @@ assert lazy, "every lazy torch module is imported already"
 name = lazy[0]
 data = b"\x80\x02ctorch\n" + name.encode() + b"\nq\x00."
 refused = []
-for who in (lambda f: unpickler.SafeMetadataUnpickler(f), lambda f: _format._DescriptorUnpickler(f)):
+for who in (
+    lambda f: unpickler.SafeMetadataUnpickler(f),
+    lambda f: _format._DescriptorUnpickler(f),
+):
     try:
         who(io.BytesIO(data)).load()
     except Exception as exc:

@@ -76,7 +76,10 @@ def test_a_data_pkl_that_builds_on_the_rebuild_function_is_refused_and_changes_n
     torch.save(torch.arange(6.0), buf)
     # BUILD on the allowed rebuild function: sets its __defaults__ so every later item reads as
     # negated.
-    evil = b"ctorch._utils\n_rebuild_tensor_v2\nN}X\x0c\x00\x00\x00__defaults__NN}X\x03\x00\x00\x00neg\x88s\x87s\x86b0"
+    evil = (
+        b"ctorch._utils\n_rebuild_tensor_v2\nN}X\x0c\x00\x00\x00__defaults__"
+        b"NN}X\x03\x00\x00\x00neg\x88s\x87s\x86b0"
+    )
     bad = _rewrite_data_pkl(buf.getvalue(), lambda d: d[:2] + evil + d[2:])
     with pytest.raises(UnsafeCheckpointError, match="BUILD"):
         _format.read_record(io.BytesIO(bad), "evil item")

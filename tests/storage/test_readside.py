@@ -291,7 +291,9 @@ def test_fifo_small_files_hang_nothing(tmp_path, name):
         proc = _py(f"""
             import torch, ckptguard as cg
             try:
-                cg.CheckpointManager({str(root)!r}).save(2, {{"w": torch.zeros(16), "b": torch.zeros(4), "meta": {{}}}})
+                cg.CheckpointManager({str(root)!r}).save(
+                    2, {{"w": torch.zeros(16), "b": torch.zeros(4), "meta": {{}}}}
+                )
                 print("saved")
             except cg.CheckpointError as exc:
                 print("refused:", exc)

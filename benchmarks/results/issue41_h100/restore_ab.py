@@ -12,7 +12,8 @@ so the disk's drift hits them alike:
   before.
 
     python benchmarks/results/issue41_h100/restore_ab.py --rounds 4 --out $OUT/restore_ab.json
-    python benchmarks/results/issue41_h100/restore_ab.py --rounds 6 --variants committed,before --out $OUT/ab3.json
+    python benchmarks/results/issue41_h100/restore_ab.py --rounds 6 --variants committed,before \\
+        --out $OUT/ab3.json
 """
 
 from __future__ import annotations

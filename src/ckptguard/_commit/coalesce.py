@@ -179,7 +179,10 @@ def place_whole(
     pool.done()
     if budget >= pool.held_bytes + pool.missing(sizes):
         pool.grow_async(sizes, budget)
-        return f"its host staging set for {want} B was not allocated yet (now being allocated in the background)"
+        return (
+            f"its host staging set for {want} B was not allocated yet (now being allocated in "
+            "the background)"
+        )
     return (
         f"it needs {want} B of host staging beside the commit's, and {budget} B of the "
         f"host staging budget are left (raise CheckpointConfig.async_save.host_bytes to "
@@ -361,7 +364,10 @@ class SaveQueue:
             )
         total = self.sets[0].budget
         if total is None:
-            return "the host staging budget is still being derived (the first save_async's background probe)"
+            return (
+                "the host staging budget is still being derived (the first save_async's "
+                "background probe)"
+            )
         return max(0, min(total, cap) - held)
 
     def known(self, state: StateDict, ctx: Context) -> None:

@@ -69,9 +69,8 @@ def place(ctx: Context, step: int, prep: Prepared, nodes: dict[str, list[int]]) 
     def decide(views: list[PlaceView]) -> Prepared:
         if all(v.sees for v in views):
             return prep
-        order = sorted(
-            nodes.values(), key=min
-        )  # rank 0's node first; ranks ascending, the first publishes
+        # rank 0's node first; ranks ascending, the first publishes
+        order = sorted(nodes.values(), key=min)
         problems = []
         for ranks in order:
             seeing = [r for r in ranks if views[r].sees]
@@ -123,8 +122,7 @@ def my_node(ctx: Context, prep: Prepared) -> list[int]:
 
 
 def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> None:
-    """Every other node's publishing rank prepares its own root like rank 0 did; all raise on a
-    failure."""
+    """Each other node's publishing rank prepares its own root like rank 0; all raise on failure."""
     mine = my_node(ctx, prep)
     leader = mine[0] == ctx.rank and ctx.rank != 0
     report = NodeReport()
@@ -142,9 +140,8 @@ def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> 
     )
     tmp = ctx.root.absolute() / Path(prep.tmp).name
     if not outcome.failures:
-        # Every rank of a node must see the temp directory its node's first rank created on the
-        # node's disk; one that does not (two disks under one node identity) would write where
-        # nobody publishes.
+        # Every rank of a node must see the temp directory its first rank created on the node's
+        # disk; one that does not (two disks, one node identity) would write where none publishes.
         owner = _layout.read_owner(tmp) or {}
         seen = NodeReport()
         if owner.get("node") != ctx.agreement.info.host:
@@ -157,12 +154,10 @@ def prepare_nodes(ctx: Context, step: int, prep: Prepared, actions: Actions) -> 
                     path=str(tmp),
                     time_ns=time.time_ns(),
                     message=f"rank {ctx.rank} of node {ctx.agreement.info.host} finds {found} "
-                    f"temp directory at {tmp}, "
-                    f"not the one rank {mine[0]} of its node created: node-local storage (a "
-                    f"separate disk per process "
-                    f"at one path) under one node identity. Give each node its own identity "
-                    f"(its host name) and its "
-                    "ranks one disk",
+                    f"temp directory at {tmp}, not the one rank {mine[0]} of its node created: "
+                    f"node-local storage (a separate disk per process at one path) under one node "
+                    f"identity. Give each node its own identity (its host name) and its ranks one "
+                    "disk",
                 )
             )
         if mine[0] == ctx.rank:
@@ -488,15 +483,14 @@ def _copy_files(
             problems = [_p2p.recv_file(link, tmp / spec.path, spec, src)]
         for problem in problems:
             if problem is not None and first is None:
-                first = (
-                    WriteFailure(  # the rank that hit it: the same report on both ranks of the pair
-                        rank=problem.rank if problem.rank >= 0 else ctx.rank,
-                        phase=f"copy of {spec.path}",
-                        exc_type=problem.exc_type,
-                        message=problem.message,
-                        errno=problem.errno,
-                        path=problem.path,
-                        time_ns=problem.time_ns,
-                    )
+                # the rank that hit it: the same report on both ranks of the pair
+                first = WriteFailure(
+                    rank=problem.rank if problem.rank >= 0 else ctx.rank,
+                    phase=f"copy of {spec.path}",
+                    exc_type=problem.exc_type,
+                    message=problem.message,
+                    errno=problem.errno,
+                    path=problem.path,
+                    time_ns=problem.time_ns,
                 )
     return first

@@ -8,15 +8,17 @@ upload) is each store's; which step a save may take and the order that makes it 
 
 ``admit`` (before anything is written), with T the tracker (None: a new root) and s the step:
   - s < 1: refused (step 0 is the tracker of a new root: "fresh start");
-  - s < T: refused unless ``overwrite`` (a deliberate rollback, on a store whose ``ROLLBACK`` allows it);
+  - s < T: refused unless ``overwrite`` (a deliberate rollback, on a store whose ``ROLLBACK``
+    allows it);
   - s visible and s <= T: committed: refused unless ``overwrite``;
-  - s visible and s > T: an orphan, its writer killed between marker and tracker: replaced by this save.
+  - s visible and s > T: an orphan, its writer killed between marker and tracker: replaced by
+    this save.
 
 ``make_visible`` then ``complete`` (the write done and checked):
   1. the write lease is still this job's;
   2. the tracker has not moved past s (or onto a visible s) since ``admit``, unless ``overwrite``;
-  3. what is there under s (an orphan, or the step an overwrite replaces) is uncommitted first, put back
-     if step 4 fails;
+  3. what is there under s (an orphan, or the step an overwrite replaces) is uncommitted first,
+     put back if step 4 fails;
   4. s made visible (the commit point); what step 3 moved aside can no longer come back;
   5. the tracker moved to s: forward only, unless ``overwrite``;
   6. what step 3 moved aside deleted.

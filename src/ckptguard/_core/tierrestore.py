@@ -322,7 +322,10 @@ class TierRestore:
                         CheckpointError,
                         KeyError,
                     ) as exc:  # told to the receiver, which then stops
-                        why = f"rank {self.rank} cannot send step {choice.step}: {type(exc).__name__}: {exc}"
+                        why = (
+                            f"rank {self.rank} cannot send step {choice.step}: "
+                            f"{type(exc).__name__}: {exc}"
+                        )
                         _replica.send_json({"error": why}, receiver, group)
                         problems.append(why)
                         continue

@@ -390,7 +390,10 @@ def verify_run_step(
                 "this run step is not committed: never restore it; resume from the tracker's step",
             )
         ]
-    fix = "a step missing a role is not committed: restore an earlier step, or copy the role's files back"
+    fix = (
+        "a step missing a role is not committed: restore an earlier step, or copy the role's "
+        "files back"
+    )
     findings = []
     for role in sorted(run.roles):
         part = step_dir / role

@@ -202,7 +202,10 @@ class Cost:
 
 
 def nodes_from_json(value: object, world: int) -> tuple[NodeEntry, ...]:
-    shape = "'nodes' must be a list of {name: str, ranks: [int], copies: [str]} covering every rank once"
+    shape = (
+        "'nodes' must be a list of {name: str, ranks: [int], copies: [str]} covering every "
+        "rank once"
+    )
     if not isinstance(value, list) or not value:
         raise ValueError(shape)
     try:

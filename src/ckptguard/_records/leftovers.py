@@ -28,7 +28,10 @@ def leftover_findings(root: Path, *, max_age_s: float = 24 * 3600.0) -> list[Fin
         elif item.kind == "foreign":
             fix = "ckptguard never removes it; delete it by hand if it is yours and unneeded"
         else:
-            fix = "if that process is a stuck save, stop it; `ckptguard gc ROOT` removes it once the owner is gone"
+            fix = (
+                "if that process is a stuck save, stop it; `ckptguard gc ROOT` removes it once "
+                "the owner is gone"
+            )
         code = "foreign-entry" if item.kind == "foreign" else item.kind
         findings.append(Finding(Severity.WARNING, code, str(item.path), item.detail, fix))
     for marker, dead in _lease.leftover_markers(root):

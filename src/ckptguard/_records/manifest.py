@@ -287,7 +287,10 @@ def _shape_problem(data: JsonObject) -> str | None:
             )
         if DIGEST_STRUCTURE in kinds.values() and not isinstance(data.get("layout_free"), dict):
             # The tensor bytes of such items are covered by their layout-free digests alone.
-            return "items with 'digest_kind' \"structure\" need the 'layout_free' table, which is absent"
+            return (
+                "items with 'digest_kind' \"structure\" need the 'layout_free' table, which is "
+                "absent"
+            )
     return None
 
 

@@ -123,7 +123,10 @@ def differing_chunks(report: JsonObject, *, short: bool = False) -> str:
 
     def name(d: JsonObject) -> str:
         if d.get("offset") == "-":
-            return f"item {d.get('item')!r} (declared {'replicated' if short else 'in ReshardOptions.replicated'})"
+            return (
+                f"item {d.get('item')!r} "
+                f"(declared {'replicated' if short else 'in ReshardOptions.replicated'})"
+            )
         where = "" if short else f", offset {d.get('offset')}"
         return f"{d.get('key')!r} (item {d.get('item')!r}{where})"
 

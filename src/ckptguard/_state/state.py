@@ -1,12 +1,11 @@
 """What a state dict item is, where it goes on disk, and how it comes back.
 
-Contract: each named item is classified once (``ItemKind``). Tensor leaves of models,
-optimizers and tensor items go to DCP under ``<item>.<path>`` keys; everything else
-(plain values, stateful objects' state, ``PerRank`` values, the non-tensor leaves of
-optimizer state) goes to this rank's extras file, which ``torch.load(weights_only=True)``
-reads. Models and optimizers pass through ``torch.distributed.checkpoint.state_dict`` so
-FSDP2/DTensor parameters work. Restore writes tensors in place and replaces plain values
-in the caller's mapping.
+Contract: each named item is classified once (``ItemKind``). Tensor leaves of models, optimizers
+and tensor items go to DCP under ``<item>.<path>`` keys; everything else (plain values, stateful
+objects' state, ``PerRank`` values, optimizer state's non-tensor leaves) goes to this rank's extras
+file, which ``torch.load(weights_only=True)`` reads. Models and optimizers pass through
+``torch.distributed.checkpoint.state_dict`` so FSDP2/DTensor parameters work. Restore writes
+tensors in place and replaces plain values in the caller's mapping.
 """
 
 from __future__ import annotations
@@ -49,13 +48,12 @@ class ItemKind(str, enum.Enum):
 class PerRank:
     """Marks a value as different on each rank: kept in this rank's extras, never in DCP.
 
-    DCP stores a plain tensor once for all ranks (rank 1 silently gets rank 0's copy),
-    so anything that differs per rank must be wrapped in ``PerRank`` or be a DTensor.
+    DCP stores a plain tensor once for all ranks (rank 1 silently gets rank 0's copy), so
+    anything that differs per rank must be wrapped in ``PerRank`` or be a DTensor.
 
     ``reshard``: how the value crosses a change of world size (``ReshardRule.BY_ITEM``):
     ``reshard(old_values_by_rank, new_world) -> new_values_by_rank``, a deterministic function
-    (every new rank runs it); without one a resharded restore refuses the item.
-    """
+    (every new rank runs it); without one a resharded restore refuses the item."""
 
     value: Any
     reshard: Callable[[list[Any], int], list[Any]] | None = None
@@ -75,13 +73,11 @@ class Captured:
         return digest(_unflatten(self.skeleton, self.tensors))
 
     def structure_digest(self) -> str:
-        """The item's structure digest (what format 3 records for a tensor item): no tensor byte
-        read."""
+        """The item's structure digest (format 3's for a tensor item): no tensor byte read."""
         return structure_digest(_unflatten(self.skeleton, self.tensors))
 
     def digest_and_layout_free(self) -> tuple[str, dict[str, list[str]]]:
-        """``digest()`` and the layout-free partials of the item's tensors, reading their bytes
-        once."""
+        """``digest()`` and its tensors' layout-free partials, reading their bytes once."""
         return digest_with_layout_free(
             _unflatten(self.skeleton, self.tensors), self.tensors, self.name
         )
@@ -163,21 +159,22 @@ def _fix_for(obj: Any) -> str:
             "ckptguard.DataCursor, a sampler with state_dict(), torchdata's StatefulDataLoader) "
             "and rebuild the iterator after restore()"
         )
-    return "convert it to tensors and plain Python types (int, float, str, list, dict) in its state_dict()"
+    return (
+        "convert it to tensors and plain Python types (int, float, str, list, dict) in its "
+        "state_dict()"
+    )
 
 
 def check_items(state: Mapping[str, Any], where: str) -> None:
-    """Refuse, before anything is loaded or trained, an item that a save could not write
-    (``capture``'s checks): a run must not train until its first save to learn that its state cannot
-    be checkpointed."""
+    """Refuse, before anything loads or trains, an item no save could write (``capture``'s checks):
+    a run must not learn only at its first save that its state cannot be checkpointed."""
     for name, value in state.items():
         check_name(name)
         kind = classify(value)
         if kind in (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.STATEFUL):
-            # torch's state dicts of modules and optimizers hold tensors and plain values only; a
-            # stateful object's state_dict() is not called before its load (a StatefulDataLoader
-            # would start its workers and draw its seeds there), so its content is checked at the
-            # save
+            # torch's module/optimizer state dicts hold tensors and plain values only; a stateful
+            # object's state_dict() is not called before its load (a StatefulDataLoader would start
+            # its workers, draw its seeds there): its content is checked at the save
             continue
         check_weights_only(
             current_state(name, value, kind, state), f"{where}: state item {name!r} ({kind.value})"
@@ -257,9 +254,8 @@ def _model_for(optim: torch.optim.Optimizer, state: Mapping[str, Any], name: str
 def current_state(
     name: str, value: Any, kind: ItemKind, state: Mapping[str, Any], *, loaded: bool = False
 ) -> Any:
-    """The item's state dict as it is now (tensors are live references where possible). ``loaded``:
-    read right after a load, to check it; the global RNG streams are then left as the load put
-    them."""
+    """The item's state dict now (tensors: live references where possible). ``loaded``: read
+    right after a load, to check it; the global RNG streams are left as the load put them."""
     if kind is ItemKind.MODULE:
         return get_model_state_dict(value)
     if kind is ItemKind.OPTIMIZER:  # never stepped to be read (read_optimizer)
@@ -272,20 +268,17 @@ def current_state(
 
 
 def read_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> StateDict:
-    """``optim``'s state dict by FQN, as DCP's ``get_optimizer_state_dict`` gives it, without
-    changing ``optim``.
+    """``optim``'s state dict by FQN as ``get_optimizer_state_dict`` gives it; ``optim`` unchanged.
 
-    DCP initialises an optimizer that has no state yet by running ``step()`` with zero gradients and
-    lr 0 (``_init_optim_state``): Adam's ``step`` would become 1 before the first real step, so
-    every later update would use a bias correction off by one and the run would diverge bitwise from
-    the same run without ckptguard. An optimizer that never stepped has no moments to save: its
-    param groups and an empty state. (A restore loads into DCP's own read, ``restore_targets``: the
-    loaded state replaces what it set.)"""
+    DCP initialises a stateless optimizer by running ``step()`` with zero gradients and lr 0
+    (``_init_optim_state``): Adam's ``step`` would become 1 before the first real step, every
+    later update's bias correction off by one, the run diverging bitwise from the same run without
+    ckptguard. A never-stepped optimizer has no moments to save: its param groups, empty state.
+    (A restore loads into DCP's own read, ``restore_targets``, replacing what it set.)"""
     if optim.state:  # DCP initialises only an optimizer whose state is empty
         return get_optimizer_state_dict(model, optim)
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        # FSDP1 renames flat parameters inside its own optim_state_dict; only DCP's path knows how,
-        # and that path steps the optimizer first.
+        # FSDP1 renames flat params in its optim_state_dict: only DCP's path (it steps first) can.
         raise ConfigError(
             f"optimizer {name!r} has never stepped and its model is wrapped in FSDP1 "
             f"(FullyShardedDataParallel): its state can only be read by stepping it, which "
@@ -304,12 +297,11 @@ def read_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, name: s
 
 
 def _rng_untouched(read: Callable[[], Any]) -> Any:
-    """``read()`` with the four global RNG streams put back after it. torchdata's StatefulDataLoader
-    builds an iterator in ``state_dict()`` when it has none, and that draws from torch's global RNG:
-    right after a restore (the digest check) the draw would shift every dropout mask of the resumed
-    run. Only there: before the first iteration of a fresh run the loop's ``iter()`` reuses that
-    iterator, so a save's (or a staging plan's) ``state_dict()`` must draw what the loop's
-    ``iter()`` would have drawn."""
+    """``read()``, the four global RNG streams put back after it. torchdata's StatefulDataLoader
+    builds an iterator in ``state_dict()`` when it has none, drawing from torch's global RNG:
+    right after a restore (the digest check) that shifts every dropout mask of the resumed run.
+    Only there: before a fresh run's first iteration the loop's ``iter()`` reuses that iterator,
+    so a save's (or staging plan's) ``state_dict()`` must draw what ``iter()`` would have."""
     streams = _rng.capture()
     try:
         return read()
@@ -339,10 +331,9 @@ def digests_and_layout_free(
 ) -> tuple[dict[str, str], dict[str, list[str]]]:
     """Every item's per-rank digest and the layout-free partials of all tensor items.
 
-    A tensor item's per-rank digest is its structure digest (``digest_kind``): its tensor bytes are
-    covered by the layout-free partials alone, so the save reads them once, not twice (xxh3 of the
-    bytes as well cost the save's pass 1.4-1.6x the layout-free pass, layout_digest.md). Every
-    other item's digest covers its bytes."""
+    A tensor item's per-rank digest is its structure digest (``digest_kind``): the layout-free
+    partials alone cover its bytes, read once, not twice (xxh3 of them too cost the save's pass
+    1.4-1.6x the layout-free pass, layout_digest.md). Other items' digests cover their bytes."""
     digests: dict[str, str] = {}
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name, c in items.items():
@@ -358,30 +349,26 @@ _TENSOR_ITEMS = (ItemKind.MODULE, ItemKind.OPTIMIZER, ItemKind.TENSORS)
 
 
 def digest_kind(kind: str) -> str:
-    """What the per-rank digest of an item of kind ``kind`` (an ItemKind value) covers, from format
-    3 on."""
+    """What an item's per-rank digest covers from format 3 on (``kind``: an ItemKind value)."""
     return DIGEST_STRUCTURE if kind in {k.value for k in _TENSOR_ITEMS} else DIGEST_BYTES
 
 
 Target = tuple[ItemKind, Any, dict[str, torch.Tensor]]
-"""What a restore loads one item into: its kind, its current state dict, and the flat tensors DCP
-fills."""
+"""What a restore loads one item into: its kind, current state dict, the flat tensors DCP fills."""
 Targets = dict[str, Target]
 
 
 def restore_targets(
     state: Mapping[str, Any], keyfn: KeyFn = _same, stepped: frozenset[str] = frozenset()
 ) -> Targets:
-    """For each item: its kind, its current state dict, and the flat tensors DCP fills. ``stepped``:
-    the optimizer items whose saved state holds tensors (DCP's load target initialises them; the
-    load replaces it)."""
+    """Each item's ``Target``. ``stepped``: the optimizer items whose saved state holds tensors
+    (DCP's load target initialises them; the load replaces it)."""
     targets = {}
     for name, value in state.items():
         kind = classify(value)
         if kind is ItemKind.OPTIMIZER and name in stepped:
-            sd = get_optimizer_state_dict(
-                _model_for(value, state, name), value
-            )  # DCP's init: what it fills
+            # DCP's init: what it fills
+            sd = get_optimizer_state_dict(_model_for(value, state, name), value)
         else:
             sd = current_state(name, value, kind, state)
         flat: dict[str, torch.Tensor] = {}
@@ -394,10 +381,9 @@ def restore_targets(
 def read_back(
     state: Mapping[str, Any], targets: Targets, keyfn: KeyFn = _same
 ) -> dict[str, Captured]:
-    """Every restored item read once from the live objects after the load, as ``capture`` takes it:
-    the checks after a restore (digests, layout-free sums, replicas) all compare this one read. A
-    stateful item's read leaves the RNG streams as the load put them
-    (``current_state(loaded=True)``)."""
+    """Every restored item read once from the live objects after the load, as ``capture`` takes
+    it: a restore's checks (digests, layout-free sums, replicas) all compare this one read. A
+    stateful item's read leaves the RNG streams as the load put them (``loaded=True``)."""
     out = {}
     for name, (kind, _sd, _flat) in targets.items():
         sd = current_state(name, state[name], kind, state, loaded=True)
@@ -471,11 +457,9 @@ def _merge_into(target: Any, rebuilt: Any, where: str) -> None:
 
 
 def check_restored(item: Captured, saved: str, *, structure: bool = False) -> None:
-    """Raise if the item, read back from the live object (``read_back``), differs from what was
-    saved.
-
-    ``structure``: the saved digest is a structure digest (format 3 tensor items; their bytes are
-    the layout-free pass's to compare)."""
+    """Raise if the item, read back from the live object (``read_back``), differs from the save.
+    ``structure``: the saved digest is a structure digest (format 3 tensor items; the layout-free
+    pass compares their bytes)."""
     name, kind = item.name, item.kind
     now = item.structure_digest() if structure else item.digest()
     if now != saved:
@@ -487,7 +471,10 @@ def check_restored(item: Captured, saved: str, *, structure: bool = False) -> No
                 f"digest {saved}, now {now}."
             )
         elif structure:
-            hint = " Its structure, a tensor's dtype or shape, or a non-tensor value (a hyperparameter) changed."
+            hint = (
+                " Its structure, a tensor's dtype or shape, or a non-tensor value "
+                "(a hyperparameter) changed."
+            )
         raise StateMismatchError(
             f"state item {name!r} ({kind.value}) differs after restore from what was saved.{hint} "
             "Do not train on: fix the object's load_state_dict, or restore into an object "
@@ -498,9 +485,8 @@ def check_restored(item: Captured, saved: str, *, structure: bool = False) -> No
 def addresses(state: StateDict) -> dict[str, int]:
     """data_ptr of every parameter and buffer of the modules in ``state`` (local shard for DTensor).
 
-    CUDA graphs and colocated rollout engines hold these addresses; a restore must copy into
-    the existing storages, never swap in new tensors.
-    """
+    CUDA graphs and colocated rollout engines hold these addresses; a restore must copy into the
+    existing storages, never swap in new tensors."""
     out = {}
     for name, value in state.items():
         if isinstance(value, torch.nn.Module):

@@ -626,7 +626,10 @@ def request_seed(step: int, prompt_id: int | str, sample: int, *, run_seed: int 
     """The sampling seed of one request: a function of (run seed, step, prompt id, sample index)
     only, so a resumed run draws what the killed run drew whatever the batching or process
     layout."""
-    key = f"ckptguard.rollout|{int(run_seed)}|{int(step)}|{type(prompt_id).__name__}:{prompt_id}|{int(sample)}"
+    key = (
+        f"ckptguard.rollout|{int(run_seed)}|{int(step)}|"
+        f"{type(prompt_id).__name__}:{prompt_id}|{int(sample)}"
+    )
     return xxhash.xxh3_64(key.encode()).intdigest() & 0x7FFF_FFFF_FFFF_FFFF
 
 

@@ -11,12 +11,13 @@ Public surface::
     watch(cmd, WatchConfig(out=...)) -> exit status
     analyze_growth(records) -> GrowthReport                     floors, Theil-Sen slope, rising
     compute_plan(PlanInputs) -> Plan                            save-step peak vs the limit
-    estimate_dir(path) -> Estimate                              bytes per dtype from safetensors headers
+    estimate_dir(path) -> Estimate                              dtype bytes from safetensors headers
     classify_failure(records, ray_log=...) -> KillVerdict       cgroup OOM / Ray / CUDA OOM
     parse_vllm_log(text), check_recipe(recipe)                  GPU colocation
     render_html(records) -> str                                 the one-page report
     pinned_empty(nbytes) -> PinnedBuffer                        exact-size pinned host memory
-    host_budget(snapshot, ray) -> HostBudget                    bytes a save may stage (limit x Ray threshold)
+    host_budget(snapshot, ray) -> HostBudget                    bytes a save may stage
+                                                                (limit x Ray threshold)
 
 The CLI group ``mem`` lives in ``ckptguard.memory.cli``. Every figure is bytes as int, per
 process, per cgroup or per device as named; an unreadable source is None with a reason.

@@ -225,7 +225,10 @@ def _span(
     inside = vs[bisect.bisect_left(ts, t0) : bisect.bisect_right(ts, t1)]
     if inside and (peak is None or max(inside) > peak):
         if peak is None:
-            source = f"highest of {len(inside)} readings inside the phase (its start and mem watch samples)"
+            source = (
+                f"highest of {len(inside)} readings inside the phase (its start and mem watch "
+                "samples)"
+            )
         else:
             source += "; other records inside it read higher"
         peak = max(inside)
@@ -325,7 +328,10 @@ def _node_story(node: str, records: list[dict[str, Any]], spans: list[Span]) -> 
         top = max(measured, key=lambda s: (s.peak or 0, s.t0))  # of equal peaks, the latest
         mark = SaveMark(top, budget.bytes, budget.bytes - int(top.peak or 0))
     elif measured:
-        note = f"Save-step peak on {node}: {fmt_bytes(max(s.peak or 0 for s in measured))}; no limit was recorded"
+        note = (
+            f"Save-step peak on {node}: {fmt_bytes(max(s.peak or 0 for s in measured))}; "
+            "no limit was recorded"
+        )
     elif saves:
         note = f"Save step {saves[-1].step} on {node}: {saves[-1].peak_source}"
     else:

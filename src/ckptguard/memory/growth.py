@@ -302,7 +302,10 @@ def _verdict(g: ProcessGrowth, cfg: GrowthConfig) -> None:
     rise = slope.low * (points[-1][0] - points[0][0])  # the least the fit says was added
     g.rising = slope.low > floor and rise > cfg.min_rise_bytes
     cmp = ">" if slope.low > floor else "<="
-    g.reason = f"slope {slope.value:.0f} {unit}, lower bound {slope.low:.0f} {cmp} noise floor {floor} {unit}"
+    g.reason = (
+        f"slope {slope.value:.0f} {unit}, lower bound {slope.low:.0f} {cmp} noise floor "
+        f"{floor} {unit}"
+    )
     if slope.low > floor and not g.rising:
         g.reason += f", but {rise:.0f} B over the span judged <= {cfg.min_rise_bytes} B"
 

@@ -55,7 +55,8 @@ class _CudartRegistrar:
     FLAGS = 1
 
     def __init__(self) -> None:
-        import torch  # optional here: the memory wing imports without torch, so `ckptguard mem` starts fast
+        # The memory wing imports without torch, so `ckptguard mem` starts fast.
+        import torch  # optional here
 
         if not torch.cuda.is_available():
             raise PinnedMemoryUnavailableError(
@@ -84,7 +85,8 @@ class PinnedBuffer:
     """An exact-size, page-locked uint8 CPU tensor; close it (or use ``with``) to free it."""
 
     def __init__(self, nbytes: int, registrar: HostRegistrar) -> None:
-        import torch  # optional here: the memory wing imports without torch, so `ckptguard mem` starts fast
+        # The memory wing imports without torch, so `ckptguard mem` starts fast.
+        import torch  # optional here
 
         self.nbytes = nbytes
         self._registrar = registrar

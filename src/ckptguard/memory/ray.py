@@ -178,7 +178,10 @@ def ray_figure(snap: HostSnapshot, config: RayConfig | None = None) -> RayFigure
         else "/proc/meminfo (no cgroup limit below MemTotal)"
     )
     if cfg.accounting is RayAccounting.EXCLUDES_PAGE_CACHE:
-        why = f"reported as current Ray computes it from {where}: page cache (file LRU) excluded, shmem counted"
+        why = (
+            f"reported as current Ray computes it from {where}: page cache (file LRU) excluded, "
+            "shmem counted"
+        )
     else:
         why = f"reported with page cache counted, as older Ray did, from {where}"
     return RayFigure(

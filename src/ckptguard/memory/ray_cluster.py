@@ -123,7 +123,10 @@ def object_store_pss(pid: int, *, proc_root: Path = Path("/proc")) -> ObjectStor
     try:
         text = (proc_root / str(pid) / "smaps").read_text()
     except OSError as exc:
-        why = f"/proc/{pid}/smaps unreadable ({exc.strerror or exc}); run as the same user or with CAP_SYS_PTRACE"
+        why = (
+            f"/proc/{pid}/smaps unreadable ({exc.strerror or exc}); run as the same user or with "
+            "CAP_SYS_PTRACE"
+        )
         return ObjectStoreShare(pid=pid, pss=None, object_store_pss=None, why=why)
     total = plasma = 0
     current = ""

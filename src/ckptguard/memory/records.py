@@ -14,8 +14,9 @@ Kinds:
     sample                    one ``mem watch`` tick: host, ray and every process in the tree
     watch_start / watch_end   the watched command, and its exit status (-9: SIGKILL)
     host_cache_release        the host staging pool of async saves was unmapped: ``released_bytes``,
-                              ``how`` (``release()`` or the idle timer), ``step`` of the save phase it
-                              followed, the process RSS before and after (``rss_drop``), host figures
+                              ``how`` (``release()`` or the idle timer), ``step`` of the save
+                              phase it followed, the process RSS before and after (``rss_drop``),
+                              host figures
 
 ``read_records`` tolerates a truncated last line (the writer was killed mid-line), and refuses
 any other malformed line, naming file and line.

@@ -256,7 +256,10 @@ def _floors_chart(growth: GrowthReport, t0: float, t1: float) -> str:
 
 
 def _svg(name: str, parts: list[str]) -> str:
-    head = f'<svg data-chart="{name}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" class="chart" role="img">'
+    head = (
+        f'<svg data-chart="{name}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
+        'class="chart" role="img">'
+    )
     return head + "".join(parts) + "</svg>"
 
 
@@ -267,7 +270,10 @@ def _gpu_chart(story: Story, records: list[dict[str, Any]]) -> str:
             "; ".join(sorted(reasons))
             or "no record carries GPU figures (no CUDA, or probe_gpu off)"
         )
-        return f'<p class="note" data-not-obtained="gpu">No GPU chart: GPU figures not obtained ({esc(why)}).</p>'
+        return (
+            '<p class="note" data-not-obtained="gpu">No GPU chart: GPU figures not obtained '
+            f"({esc(why)}).</p>"
+        )
     totals = [g["device_total"] for r in records if (g := r.get("gpu")) and g.get("device_total")]
     top = max(v for s in series.values() for _, v in s)
     near = [totals[-1]] if totals and totals[-1] <= 1.5 * top else []
@@ -295,26 +301,35 @@ def _gpu_chart(story: Story, records: list[dict[str, Any]]) -> str:
     return _svg("gpu-memory", out) + f'<p class="legend">{legend}</p>'
 
 
-CSS = """body{font:14px sans-serif;margin:24px;color:#222}h1{font-size:20px}h2{font-size:16px;margin-top:28px}
-.axis{stroke:#444}.plot-area{fill:none;stroke:none}.grid{stroke:#000;stroke-opacity:.07}.tick{font-size:11px;fill:#444}
-.title{font-size:13px;font-weight:bold}.chart{max-width:100%;height:auto}
-.band{fill:#999;fill-opacity:.12;stroke:#888;stroke-opacity:.6;stroke-dasharray:2 2}
-.band.fail{fill:#e15759;fill-opacity:.22}
-.phase-label{font-size:10px;fill:#333}.phase-label.fail{fill:#c00;font-weight:bold}
-.current{fill:none;stroke:#222;stroke-width:1.2}.peak{stroke:#111;stroke-width:3}
-.limit{stroke:#c00;stroke-width:1.5;stroke-dasharray:6 3}
-.limit-label,.mark-label{font-size:11px;fill:#c00;paint-order:stroke;stroke:#fff;stroke-width:3px}
-.mark-label{fill:#111;font-weight:bold}.mark-label.over{fill:#c00}
-.headroom{stroke:#111;stroke-width:1.5}.headroom-head{fill:#111}.save-dot{fill:#fff;stroke:#111;stroke-width:2}
-.note{font-size:12px;fill:#a00;color:#a00}
-.key{display:inline-block;width:12px;height:12px;margin:0 4px 0 10px;vertical-align:middle}
-.key.line{height:2px;background:#222}.key.peak{height:4px;background:#111}
-.key.limit{height:0;border-top:2px dashed #c00}
-table{border-collapse:collapse;margin-top:8px}td,th{border:1px solid #ccc;padding:3px 8px;font-size:12px}
-caption{text-align:left;font-size:12px;padding:4px 0}tr.save{background:#fff3cd}tr.died{background:#fdd}
-.rising{color:#c00;font-weight:bold}.flat{color:#270}.verdict{padding:8px;border:2px solid #c00;background:#fee}
-.ok{border-color:#270;background:#efe}.hint{font-style:italic}
-.budget{padding:8px;border:2px solid #444;background:#f6f6f6;margin-top:10px}"""
+CSS = (
+    "body{font:14px sans-serif;margin:24px;color:#222}h1{font-size:20px}"
+    "h2{font-size:16px;margin-top:28px}\n"
+    ".axis{stroke:#444}.plot-area{fill:none;stroke:none}.grid{stroke:#000;stroke-opacity:.07}"
+    ".tick{font-size:11px;fill:#444}\n"
+    ".title{font-size:13px;font-weight:bold}.chart{max-width:100%;height:auto}\n"
+    ".band{fill:#999;fill-opacity:.12;stroke:#888;stroke-opacity:.6;stroke-dasharray:2 2}\n"
+    ".band.fail{fill:#e15759;fill-opacity:.22}\n"
+    ".phase-label{font-size:10px;fill:#333}.phase-label.fail{fill:#c00;font-weight:bold}\n"
+    ".current{fill:none;stroke:#222;stroke-width:1.2}.peak{stroke:#111;stroke-width:3}\n"
+    ".limit{stroke:#c00;stroke-width:1.5;stroke-dasharray:6 3}\n"
+    ".limit-label,.mark-label{font-size:11px;fill:#c00;paint-order:stroke;stroke:#fff;"
+    "stroke-width:3px}\n"
+    ".mark-label{fill:#111;font-weight:bold}.mark-label.over{fill:#c00}\n"
+    ".headroom{stroke:#111;stroke-width:1.5}.headroom-head{fill:#111}"
+    ".save-dot{fill:#fff;stroke:#111;stroke-width:2}\n"
+    ".note{font-size:12px;fill:#a00;color:#a00}\n"
+    ".key{display:inline-block;width:12px;height:12px;margin:0 4px 0 10px;vertical-align:middle}\n"
+    ".key.line{height:2px;background:#222}.key.peak{height:4px;background:#111}\n"
+    ".key.limit{height:0;border-top:2px dashed #c00}\n"
+    "table{border-collapse:collapse;margin-top:8px}"
+    "td,th{border:1px solid #ccc;padding:3px 8px;font-size:12px}\n"
+    "caption{text-align:left;font-size:12px;padding:4px 0}tr.save{background:#fff3cd}"
+    "tr.died{background:#fdd}\n"
+    ".rising{color:#c00;font-weight:bold}.flat{color:#270}"
+    ".verdict{padding:8px;border:2px solid #c00;background:#fee}\n"
+    ".ok{border-color:#270;background:#efe}.hint{font-style:italic}\n"
+    ".budget{padding:8px;border:2px solid #444;background:#f6f6f6;margin-top:10px}"
+)
 
 
 def _budget_box(story: Story) -> str:

@@ -76,9 +76,10 @@ class _Layout:
             chunk = next((c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset)), None)
             match = _DATA_FILE.match(info.relative_path)
             if chunk is None or match is None:
+                found = "no chunk" if chunk is None else "the data file " + repr(info.relative_path)
                 raise CheckpointCorruptError(
                     f"{state_dir / '.metadata'}: key {index.fqn!r} at offset {list(index.offset)} "
-                    f"has {'no chunk' if chunk is None else 'the data file ' + repr(info.relative_path)}; "
+                    f"has {found}; "
                     f"DCP writes a chunk per stored offset in files named __RANK_N.distcp: restore "
                     f"an earlier step"
                 )

@@ -349,9 +349,10 @@ class Budget:
         need = pool + cast + largest + _slack(total)
         if need > total:
             big = max(planned, key=lambda p: p.out_bytes + p.held_besides)
+            besides = f", and {big.held_besides} bytes while it is read" if big.held_besides else ""
             raise ConfigError(
                 f"--max-host-bytes {total} is too small: tensor {big.name!r} ({big.out_bytes} "
-                f"bytes{f', and {big.held_besides} bytes while it is read' if big.held_besides else ''}) "
+                f"bytes{besides}) "
                 f"and the reader's pool ({pool} bytes) need {need} bytes at once; pass "
                 f"--max-host-bytes {need} or more"
             )

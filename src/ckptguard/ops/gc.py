@@ -1,15 +1,20 @@
 """Clean a checkpoint root of what crashes leave, without ever losing a checkpoint.
 
-Contract: ``gc`` acts only on a root it can identify (a tracker or contract phase files) and only on
-entries ckptguard created: its temp directories (named ``.tmp-<step>-<nonce>`` with an owner record)
-once their owner is dead, its trash, the temp files of its atomic writes and stale lease take-over
-markers. A step directory with a complete checkpoint is never removed, whatever the tracker says;
-one newer than the tracker (or with no tracker) is reported with what to do, and removed only with
-``orphans=True``; never one of per-node publish (node-local roots, a global manifest naming the
-nodes), whose node's tracker may lag the step the other nodes' trackers agreed on (gc sees one
-node). Anything else (a foreign directory, an incomplete step) is reported and left alone. It
-refuses while a live run holds the root's lease unless ``force``. ``adopt_step`` points the tracker
-at a verified orphan instead.
+One procedure for every root kind (``collect``): identify the root, refuse while a live run holds
+its lease (unless ``force``), survey what the root kind finds, remove what the survey calls
+removable and report the rest with what to do. A root kind (``GcRoot``) says what it finds and how
+an entry is removed: a directory root here, an object store's prefix in ``ops.storegc``. Whether a
+writer is gone is one rule for both (``_disk.tempfiles.writer_gone``).
+
+A directory root (``gc``): gc acts only on a root it can identify (a tracker or contract phase
+files) and only on entries ckptguard created: its temp directories (named ``.tmp-<step>-<nonce>``
+with an owner record) once their owner is dead, its trash, the temp files of its atomic writes and
+stale lease take-over markers. A step directory with a complete checkpoint is never removed,
+whatever the tracker says; one newer than the tracker (or with no tracker) is reported with what to
+do, and removed only with ``orphans=True``; never one of per-node publish (node-local roots, a
+global manifest naming the nodes), whose node's tracker may lag the step the other nodes' trackers
+agreed on (gc sees one node). Anything else (a foreign directory, an incomplete step) is reported
+and left alone. ``adopt_step`` points the tracker at a verified orphan instead.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from .._disk import layout as _layout
 from .._disk import lease as _lease
@@ -35,12 +41,85 @@ LEASE_TTL_S = 6 * 3600.0
 STALE_TEMP_AGE_S = 24 * 3600.0
 
 
+Where = Path | str
+"""A path under a directory root, or an object's (or attempt's) URL under an object store's root."""
+Progress = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``: after each entry surveyed (``"check"``) and removed
+(``"remove"``)."""
+
+
 @dataclass
 class GcReport:
-    removed: list[tuple[Path, str]] = field(default_factory=list)  # (path, what it was)
-    kept: list[tuple[Path, str]] = field(
-        default_factory=list
-    )  # (path, why it stays and what to do)
+    removed: list[tuple[Where, str]] = field(default_factory=list)  # (where, what it was)
+    kept: list[tuple[Where, str]] = field(default_factory=list)  # (where, why, what to do)
+
+
+@dataclass(frozen=True)
+class Found:
+    """An entry a root kind's survey found: removable, or kept with why and what to do."""
+
+    where: Where
+    note: str
+    removable: bool
+    handle: object = None
+    """What the root kind needs to remove it (a step directory's flag, an attempt's keys)."""
+
+
+class GcRoot(Protocol):
+    """What gc needs of a root kind."""
+
+    def identify(self) -> None:
+        """Raise ConfigError unless this is a ckptguard root."""
+
+    def check_orphans(self) -> None:
+        """Raise ConfigError where ``orphans`` cannot be honoured."""
+
+    def check_idle(self) -> None:
+        """Raise LeaseHeldError while a live run holds the root's lease."""
+
+    def survey(self, *, orphans: bool, dry_run: bool, progress: Progress | None) -> list[Found]:
+        """Every entry gc has a word for; ``dry_run``: read only (no reader-lease sweep)."""
+
+    def remove(self, found: Found) -> None:
+        """Remove one removable entry (an entry already gone is fine)."""
+
+    def finish(self) -> None:
+        """After the last removal (a directory's fsync)."""
+
+
+def collect(
+    target: GcRoot,
+    *,
+    dry_run: bool = False,
+    orphans: bool = False,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> GcReport:
+    """The one gc procedure over any root kind; returns what it removed (or, ``dry_run``, would
+    remove) and what it kept."""
+    target.identify()
+    if orphans:
+        target.check_orphans()
+    if not (force or dry_run):
+        target.check_idle()
+    report = GcReport()
+    victims = []
+    for found in target.survey(orphans=orphans, dry_run=dry_run, progress=progress):
+        if found.removable:
+            victims.append(found)
+        else:
+            report.kept.append((found.where, found.note))
+    if dry_run:
+        report.removed = [(f.where, f.note) for f in victims]
+        return report
+    for done, found in enumerate(victims, 1):
+        if progress is not None:
+            progress("remove", done, len(victims))
+        target.remove(found)
+        report.removed.append((found.where, found.note))
+    if victims:
+        target.finish()
+    return report
 
 
 def identify(root: str | os.PathLike[str]) -> None:
@@ -119,114 +198,134 @@ def gc(
     force: bool = False,
     max_age_s: float = STALE_TEMP_AGE_S,
     ttl_s: float = LEASE_TTL_S,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> GcReport:
-    """Remove ckptguard's dead leftovers under ``root`` (and, with ``orphans``, the steps
-    newer than the tracker); report everything else it finds. Returns what it did.
+    """``collect`` on a directory root: remove ckptguard's dead leftovers under ``root`` (and, with
+    ``orphans``, the steps newer than the tracker); report everything else it finds."""
+    target = DirRoot(Path(os.fspath(root)).absolute(), naming, max_age_s=max_age_s, ttl_s=ttl_s)
+    return collect(target, dry_run=dry_run, orphans=orphans, force=force, progress=progress)
 
-    ``progress(phase, done, total)``: after each step directory checked (``"check"``) and each
-    entry removed (``"remove"``)."""
-    root = Path(os.fspath(root)).absolute()
-    identify(root)
-    tracker = _layout.read_tracker(root)
-    if orphans and tracker is None:
-        raise ConfigError(
-            f"gc --orphans: {root} has no tracker, so every step would look like an orphan; point "
-            f"the tracker at the step you trust with `ckptguard adopt ROOT STEP` first"
-        )
-    if not (force or dry_run):
-        _lease.check_idle(root, ttl_s=ttl_s)
-    report = GcReport()
-    victims: list[tuple[Path, str]] = []
-    steps: set[Path] = set()  # victims that are step directories: uncommitted through the trash
-    dirs = _layout.step_dirs(root, naming)
-    verified = _trust.newest_verified(
-        root, dirs
-    )  # an unreadable trust record stops gc, naming the file
-    readers = _readers.live(
-        root, sweep=not dry_run
-    )  # a step a live reader has open is never removed
-    for done, (step, path) in enumerate(sorted(dirs.items()), 1):
-        if progress is not None:
-            progress("check", done, len(dirs))
-        if path.is_symlink():
-            report.kept.append(
-                (path, "a symlink: never deleted through; replace it with the real directory")
+
+class DirRoot:
+    """A directory root as gc sees it (``GcRoot``)."""
+
+    def __init__(
+        self, root: Path, naming: _layout.StepNaming, *, max_age_s: float, ttl_s: float
+    ) -> None:
+        self.root, self.naming, self.max_age_s, self.ttl_s = root, naming, max_age_s, ttl_s
+
+    def identify(self) -> None:
+        identify(self.root)
+
+    def check_orphans(self) -> None:
+        if _layout.read_tracker(self.root) is None:
+            raise ConfigError(
+                f"gc --orphans: {self.root} has no tracker, so every step would look like an "
+                f"orphan; point the tracker at the step you trust with `ckptguard adopt ROOT STEP` "
+                f"first"
             )
-            continue
-        if step in readers:
-            report.kept.append((path, f"{readers[step]}: kept while that reader lease is live"))
-            continue
-        if not _has_manifest(path):
-            report.kept.append(
-                (
-                    path,
-                    "not created by ckptguard, or no longer recognisable (no "
-                    "readable manifest.json): left alone; delete it by hand if you "
-                    "know it is a checkpoint's remains",
+
+    def check_idle(self) -> None:
+        _lease.check_idle(self.root, ttl_s=self.ttl_s)
+
+    def survey(self, *, orphans: bool, dry_run: bool, progress: Progress | None) -> list[Found]:
+        root, naming = self.root, self.naming
+        tracker = _layout.read_tracker(root)
+        out: list[Found] = []
+        dirs = _layout.step_dirs(root, naming)
+        # an unreadable trust record stops gc, naming the file
+        verified = _trust.newest_verified(root, dirs)
+        # a step a live reader has open is never removed
+        readers = _readers.live(root, sweep=not dry_run)
+        for done, (step, path) in enumerate(sorted(dirs.items()), 1):
+            if progress is not None:
+                progress("check", done, len(dirs))
+            if path.is_symlink():
+                out.append(
+                    Found(
+                        path,
+                        "a symlink: never deleted through; replace it with the real directory",
+                        False,
+                    )
                 )
-            )
-            continue
+                continue
+            if step in readers:
+                out.append(
+                    Found(path, f"{readers[step]}: kept while that reader lease is live", False)
+                )
+                continue
+            if not _has_manifest(path):
+                out.append(
+                    Found(
+                        path,
+                        "not created by ckptguard, or no longer recognisable (no readable "
+                        "manifest.json): left alone; delete it by hand if you know it is a "
+                        "checkpoint's remains",
+                        False,
+                    )
+                )
+                continue
+            out += self._step(path, step, tracker, verified, orphans)
+        own_files = (_layout.TRACKER_NAME, _lease.LEASE_NAME, _trust.TRUST_NAME)
+        for item in _leftovers.leftovers(root, max_age_s=self.max_age_s, tmp_files=own_files):
+            if item.removable:
+                out.append(Found(item.path, item.detail, True))
+            elif item.kind == "foreign":
+                out.append(Found(item.path, f"{item.detail}: left alone", False))
+            else:
+                out.append(
+                    Found(
+                        item.path,
+                        f"{item.detail}; gc removes it once that process has exited",
+                        False,
+                    )
+                )
+        for marker, dead in _lease.leftover_markers(root):
+            if dead:
+                out.append(Found(marker, "a lease take-over marker whose writer is dead", True))
+        return out
+
+    def _step(
+        self, path: Path, step: int, tracker: int | None, verified: int | None, orphans: bool
+    ) -> list[Found]:
         why = _retention.check_step(path)
         newer = tracker is None or step > tracker
         if newer and _per_node(path):
-            # Node-local roots: the trackers move one node after another, so this node's may lag the
-            # agreed step; removing it would take that node's part of the resume target away.
-            report.kept.append((path, _per_node_hint(path, step, tracker, why, naming)))
-        elif newer and orphans and step == verified:
-            report.kept.append(
-                (
-                    path,
-                    f"the newest verified step ({_trust.TRUST_NAME}): never removed by gc, "
-                    "also not with --orphans; adopt it, or move it away by hand",
-                )
+            # Node-local roots: the trackers move one node after another, so this node's may lag
+            # the agreed step; removing it would take that node's part of the resume target away.
+            return [Found(path, _per_node_hint(path, step, tracker, why, self.naming), False)]
+        if newer and orphans and step == verified:
+            note = (
+                f"the newest verified step ({_trust.TRUST_NAME}): never removed by gc, also not "
+                "with --orphans; adopt it, or move it away by hand"
             )
-        elif newer and orphans:
-            victims.append(
-                (path, f"orphan step {step}, newer than the tracker ({tracker}); --orphans")
+            return [Found(path, note, False)]
+        if newer and orphans:
+            note = f"orphan step {step}, newer than the tracker ({tracker}); --orphans"
+            return [Found(path, note, True, handle="step")]
+        if newer and why is None:
+            return [Found(path, _retention.orphan_hint(path, step, tracker, self.naming), False)]
+        if newer:
+            note = (
+                f"incomplete ({why}), newer than the tracker; {_retention.INCOMPLETE_HINT}, or "
+                "--orphans"
             )
-            steps.add(path)
-        elif newer and why is None:
-            report.kept.append((path, _retention.orphan_hint(path, step, tracker, naming)))
-        elif newer:
-            report.kept.append(
-                (
-                    path,
-                    f"incomplete ({why}), newer than the tracker; "
-                    f"{_retention.INCOMPLETE_HINT}, or --orphans",
-                )
-            )
-        elif why is not None:
-            report.kept.append((path, f"incomplete ({why}); {_retention.INCOMPLETE_HINT}"))
-    own_files = (_layout.TRACKER_NAME, _lease.LEASE_NAME, _trust.TRUST_NAME)
-    for item in _leftovers.leftovers(root, max_age_s=max_age_s, tmp_files=own_files):
-        if item.removable:
-            victims.append((item.path, item.detail))
-        elif item.kind == "foreign":
-            report.kept.append((item.path, f"{item.detail}: left alone"))
-        else:
-            report.kept.append(
-                (item.path, f"{item.detail}; gc removes it once that process has exited")
-            )
-    for marker, dead in _lease.leftover_markers(root):
-        if dead:
-            victims.append((marker, "a lease take-over marker whose writer is dead"))
-    if dry_run:
-        report.removed = victims
-        return report
-    for done, (path, what) in enumerate(victims, 1):
-        if progress is not None:
-            progress("remove", done, len(victims))
-        if path in steps:
+            return [Found(path, note, False)]
+        if why is not None:
+            return [Found(path, f"incomplete ({why}); {_retention.INCOMPLETE_HINT}", False)]
+        return []
+
+    def remove(self, found: Found) -> None:
+        path = Path(found.where)
+        if found.handle == "step":
             _layout.remove_step_dir(path)
         elif path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, onerror=_gone_is_fine)
         else:
             path.unlink(missing_ok=True)
-        report.removed.append((path, what))
-    if victims:
-        _layout.fsync_dir(root)
-    return report
+
+    def finish(self) -> None:
+        _layout.fsync_dir(self.root)
 
 
 def _gone_is_fine(

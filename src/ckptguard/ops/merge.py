@@ -147,11 +147,13 @@ def _check_merge(
         )
         if bool(((got - delta).abs() > tol + 1e-30).any()):
             times = float((got * delta).sum() / (delta * delta).sum().clamp_min(1e-300))
+            how = (
+                "twice or more" if times > 1.5 else "not at all" if abs(times) < 0.5 else "wrongly"
+            )
             raise CheckpointCorruptError(
                 f"merged tensor {name!r}: merged - base is {times:.2f} x the adapter's delta, not "
                 f"1 x (checked in float64 against the step's adapter): the adapter was merged "
-                f"{'twice or more' if times > 1.5 else 'not at all' if abs(times) < 0.5 else 'wrongly'}; "
-                f"nothing was published"
+                f"{how}; nothing was published"
             )
 
 

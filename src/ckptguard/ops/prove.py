@@ -629,7 +629,10 @@ def _past_reference(
     zero gradient there continues the trajectory's (a converged GRPO policy); an optimizer that
     changed no parameter with a non-zero gradient is what a lost optimizer looks like, which nothing
     recorded can tell from a learning rate of zero (a warmup), so it is never a PASS."""
-    matched = f"the updates of steps {zeros[0]}-{zeros[-1]} were zero, as the reference run's at the same steps"
+    matched = (
+        f"the updates of steps {zeros[0]}-{zeros[-1]} were zero, as the reference run's at the "
+        "same steps"
+    )
     unrecorded: list[int] = []
     for u in rest:
         if not _zero(u):

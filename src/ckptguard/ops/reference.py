@@ -176,7 +176,10 @@ def nothing_past(before: Sequence[ProofRecord], k: int, pid: int, what: str) -> 
     record."""
     found = candidates(before, k, pid)
     if not found:
-        return f"no record of the run that saved step {k} (its save record lost with a kill right after the commit)"
+        return (
+            f"no record of the run that saved step {k} (its save record lost with a kill right "
+            "after the commit)"
+        )
     parts = []
     for c in found:
         steps = sorted(

@@ -29,7 +29,8 @@ from .._records.findings import Finding, Severity
 from .._resume.storefetch import resolve
 from ..errors import CheckpointError, LeaseHeldError
 from ..storage.s3 import Marker, ObjectStore, ObjectStoreOptions
-from .storegc import GcReport, collect
+from .gc import GcReport, Progress, collect
+from .storegc import StoreRoot
 
 __all__ = [
     "RemoteEntry",
@@ -329,19 +330,19 @@ def preflight_remote(url: str, template: str, *, expect_step: int | None = None)
     return RemotePreflight(found.step, where, found.reason, findings)
 
 
-def gc_remote(url: str, template: str, *, min_age_s: float, dry_run: bool, force: bool) -> GcReport:
-    """``storegc.collect`` under the root; refused while a live job holds its lease unless
-    ``force``."""
-    store = _store(url, template)
-    if not force:
-        try:
-            storelease.check(store, "ckptguard-gc")
-        except LeaseHeldError as exc:
-            raise LeaseHeldError(
-                f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, "
-                f"or pass --force (attempts whose writer may still write are kept anyway)"
-            ) from None
-    return collect(store, min_age_s=min_age_s, dry_run=dry_run)
+def gc_remote(
+    url: str,
+    template: str,
+    *,
+    min_age_s: float,
+    dry_run: bool,
+    force: bool,
+    orphans: bool = False,
+    progress: Progress | None = None,
+) -> GcReport:
+    """``gc.collect`` on the object store's root at ``url`` (``storegc.StoreRoot``)."""
+    target = StoreRoot(_store(url, template), min_age_s=min_age_s)
+    return collect(target, dry_run=dry_run, orphans=orphans, force=force, progress=progress)
 
 
 def fetch_proof(url: str, template: str, dest: str | os.PathLike[str]) -> list[str]:

@@ -285,7 +285,10 @@ def _released(rec: dict[str, Any]) -> str:
         else "after no recorded save phase"
     )
     rss = f"RSS -{drop}" if drop is not None else "RSS drop not measured"
-    return f"host staging {_mib(rec.get('released_bytes')) or '?'} released {save} ({rec.get('how')}; {rss})"
+    return (
+        f"host staging {_mib(rec.get('released_bytes')) or '?'} released {save} "
+        f"({rec.get('how')}; {rss})"
+    )
 
 
 def _judge(
@@ -335,7 +338,10 @@ def _judge(
             f"no I/O; look at what it waits for (a peer, a lock, the filesystem)"
         )
     elif overdue:
-        st.verdict = f"SLOW, not hung: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s), {activity}"
+        st.verdict = (
+            f"SLOW, not hung: {elapsed:.0f} s in {phase!r} (typical {st.typical_s:.1f} s), "
+            f"{activity}"
+        )
     else:
         st.verdict = f"in {phase!r} for {elapsed:.1f} s ({activity})"
     return st

@@ -1,110 +1,177 @@
-"""gc on an object-store root: what ckptguard created, no marker names, older than a minimum age,
-whose writer is gone.
+"""An object store's prefix as gc sees it (``StoreRoot``, a ``gc.GcRoot``): what ckptguard
+created, no marker names, older than a minimum age, whose writer is gone.
 
-The decision is the operator side's (``ckptguard gc s3://...``, ``ops.remote.gc_remote``); the store
-(``ckptguard.storage.s3.ObjectStore``) gives it its primitives only: the listing, the reads of the
-tracker and the markers, the deletes, the multipart uploads and their abort.
+The procedure is ``ops.gc.collect``'s, one for every root kind; the store
+(``ckptguard.storage.s3.ObjectStore``) gives this module its primitives only: the listing, the
+reads of the tracker and the markers, the deletes, the multipart uploads and their abort.
 
-``collect`` removes attempts that carry ckptguard's owner record, that no marker names, whose newest
-object is older than ``min_age_s`` and whose writer is gone by the rule of every writer of every
-root (``_disk.tempfiles.writer_gone``, which also judges a directory root's temp directories and
-temp files and every lease): one whose process still runs on this host is kept however old. It
-aborts the multipart uploads of such attempts, and reports everything else under the prefix as
-foreign without touching it. It refuses a prefix without the root record, and one whose tracker's
-step has no readable marker: resolve then asks the operator to restore that step's objects, which
-would look like a dead attempt's here.
+The survey calls removable the attempts that carry ckptguard's owner record, that no marker names,
+whose newest object is older than ``min_age_s`` and whose writer is gone by the rule of every
+writer of every root (``_disk.tempfiles.writer_gone``, which also judges a directory root's temp
+directories and temp files and every lease): one whose process still runs on this host is kept
+however old. The multipart uploads of such attempts are aborted; everything else under the prefix
+is reported as foreign and left alone. A prefix without the root record is refused, and so is one
+whose tracker's step has no readable marker: resolve then asks the operator to restore that step's
+objects, which would look like a dead attempt's here.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
-from .._disk.layout import MANIFEST_NAME, TRACKER_NAME, StepNaming
+from .._commit import storelease
+from .._disk.layout import MANIFEST_NAME, TRACKER_NAME
 from .._disk.tempfiles import writer_gone
-from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
-from ..storage.s3 import StoreURL
+from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, LeaseHeldError
+from ..storage.s3 import ObjectStore
 from ..storage.s3 import _objrecords as rec
-from ..storage.s3._bucket import Bucket, Small
+from ..storage.s3._bucket import Small, Upload
+from .gc import Found, Progress
+
+KEPT_LIVE = (
+    "its writer may still write (younger than --min-age, or its process still runs on this host)"
+)
+FOREIGN = "not created by ckptguard: left alone"
 
 
-@dataclass
-class GcReport:
-    removed_attempts: list[str] = field(default_factory=list)
-    removed_objects: int = 0
-    aborted_uploads: list[str] = field(default_factory=list)
-    foreign: list[str] = field(
-        default_factory=list
-    )  # keys under the prefix that ckptguard did not create
-    kept_live: list[str] = field(default_factory=list)
-    """Unmarked attempts whose writer may still write: its process alive on this host, or,
-    elsewhere, younger than ``min_age_s``."""
+@dataclass(frozen=True)
+class _Probe:
+    key: str
 
 
-class Root(Protocol):
-    """What gc uses of an ``ObjectStore``: its bucket prefix's primitives and the reads of its
-    records."""
-
-    bucket: Bucket
-    url: StoreURL
-    naming: StepNaming
-
-    def where(self, *parts: str) -> str: ...
-
-    def tracker(self) -> tuple[int | None, str | None]: ...
-
-    def marker(self, step: int) -> rec.Marker | None: ...
+@dataclass(frozen=True)
+class _Attempt:
+    step: int | None
+    keys: list[str]
+    owner_key: str
 
 
-def collect(root: Root, *, min_age_s: float = 3600.0, dry_run: bool = False) -> GcReport:
-    """gc of ``root`` (the module docstring says what it removes, aborts and reports); ``dry_run``:
-    only report."""
-    found = root.bucket.get(root.url.key(rec.ROOT_RECORD), what="root record")
-    if found is None:
+@dataclass(frozen=True)
+class _Abort:
+    upload: Upload
+    step: int | None
+
+
+class StoreRoot:
+    """An object store's prefix as gc sees it (``gc.GcRoot``)."""
+
+    def __init__(self, root: ObjectStore, *, min_age_s: float = 3600.0) -> None:
+        self.root, self.min_age_s = root, min_age_s
+
+    def identify(self) -> None:
+        root = self.root
+        found = root.bucket.get(root.url.key(rec.ROOT_RECORD), what="root record")
+        if found is None:
+            raise ConfigError(
+                f"{root.url} holds no {rec.ROOT_RECORD}: it is not a ckptguard root (or not yet); "
+                f"gc removes only what ckptguard created under its own roots. Check the URL"
+            )
+        rec.RootRecord.from_bytes(found.data, root.where(rec.ROOT_RECORD))
+        tracker_step_whole(root, "gc")
+
+    def check_orphans(self) -> None:
         raise ConfigError(
-            f"{root.url} holds no {rec.ROOT_RECORD}: it is not a ckptguard root (or not yet); gc "
-            f"removes only what ckptguard created under its own roots. Check the URL"
+            "--orphans works on local roots; on s3:// an orphan marker (newer than the tracker) "
+            "is replaced by the next save of that step, and `ckptguard list` shows it"
         )
-    rec.RootRecord.from_bytes(found.data, root.where(rec.ROOT_RECORD))
-    tracker_step_whole(root, "gc")
-    report, now = GcReport(), time.time()
-    attempts: dict[tuple[str, str], list[str]] = {}
-    newest: dict[tuple[str, str], float] = {}
-    for obj in root.bucket.listing():
-        rel = root.url.relative(obj.key) or ""
-        parts = rel.split("/")
-        if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE) or rec.is_proof(rel):
-            continue
+
+    def check_idle(self) -> None:
+        try:
+            storelease.check(self.root, "ckptguard-gc")
+        except LeaseHeldError as exc:
+            raise LeaseHeldError(
+                f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, "
+                f"or pass --force (attempts whose writer may still write are kept anyway)"
+            ) from None
+
+    def survey(self, *, orphans: bool, dry_run: bool, progress: Progress | None) -> list[Found]:
+        root, now = self.root, time.time()
+        out: list[Found] = []
+        attempts: dict[tuple[str, str], list[str]] = {}
+        newest: dict[tuple[str, str], float] = {}
+        for obj in root.bucket.listing():
+            rel = root.url.relative(obj.key) or ""
+            parts = rel.split("/")
+            if rel in (rec.ROOT_RECORD, TRACKER_NAME, rec.LEASE) or rec.is_proof(rel):
+                continue
+            where = f"s3://{root.url.bucket}/{obj.key}"
+            if rel.startswith(".ckptguard-probe-") and "/" not in rel:
+                # a probe whose process died before its delete
+                if now - obj.modified_unix >= self.min_age_s:
+                    note = "a conditional-write probe left behind"
+                    out.append(Found(where, note, True, _Probe(obj.key)))
+                continue
+            if len(parts) >= 2 and root.naming.parse(parts[0]) is not None:
+                if parts[1:] == [MANIFEST_NAME]:
+                    continue
+                if parts[1].startswith(rec.ATTEMPT_PREFIX) and len(parts) >= 3:
+                    at = (parts[0], parts[1])
+                    attempts.setdefault(at, []).append(obj.key)
+                    newest[at] = max(newest.get(at, 0.0), obj.modified_unix)
+                    continue
+            out.append(Found(where, FOREIGN, False))
+        # the uploads first: an attempt's owner record still says it is ours
+        out += [self._upload(u, now) for u in root.bucket.uploads()]
+        for done, ((name, attempt), keys) in enumerate(sorted(attempts.items()), 1):
+            if progress is not None:
+                progress("check", done, len(attempts))
+            out += self._attempt(name, attempt, keys, newest[(name, attempt)], now)
+        return out
+
+    def _attempt(
+        self, name: str, attempt: str, keys: list[str], newest: float, now: float
+    ) -> list[Found]:
+        root = self.root
+        owner_key = root.url.key(name, attempt, rec.OWNER)
+        if owner_key not in keys:  # no owner record: not ckptguard's to delete
+            return [Found(f"s3://{root.url.bucket}/{k}", FOREIGN, False) for k in keys]
+        if _marked(root, name) == attempt:
+            return []
+        where = root.where(name, attempt)
+        expired = now - newest >= self.min_age_s
+        if _writer_gone(root, name, attempt, None, expired=expired) is None:
+            return [Found(where, KEPT_LIVE, False)]
+        what = f"an attempt no marker names, its writer gone ({len(keys)} objects)"
+        return [Found(where, what, True, _Attempt(root.naming.parse(name), keys, owner_key))]
+
+    def _upload(self, upload: Upload, now: float) -> Found:
+        root = self.root
+        parts = (root.url.relative(upload.key) or "").split("/")
+        where = f"s3://{root.url.bucket}/{upload.key} (multipart upload {upload.upload_id})"
         if (
-            rel.startswith(".ckptguard-probe-") and "/" not in rel
-        ):  # a probe whose process died before its delete
-            if now - obj.modified_unix >= min_age_s:
-                report.removed_objects += 1
-                if not dry_run:
-                    root.bucket.delete(obj.key, what="conditional-write probe")
-            continue
-        if len(parts) >= 2 and root.naming.parse(parts[0]) is not None:
-            if parts[1:] == [MANIFEST_NAME]:
-                continue
-            if parts[1].startswith(rec.ATTEMPT_PREFIX) and len(parts) >= 3:
-                attempts.setdefault((parts[0], parts[1]), []).append(obj.key)
-                newest[(parts[0], parts[1])] = max(
-                    newest.get((parts[0], parts[1]), 0.0), obj.modified_unix
-                )
-                continue
-        report.foreign.append(obj.key)
-    _uploads(
-        root, now, min_age_s, dry_run, report
-    )  # first: an attempt's owner record still says it is ours
-    for (name, attempt), keys in sorted(attempts.items()):
-        _attempt(
-            root, name, attempt, keys, newest[(name, attempt)], now, min_age_s, dry_run, report
-        )
-    return report
+            len(parts) < 3
+            or root.naming.parse(parts[0]) is None
+            or not parts[1].startswith(rec.ATTEMPT_PREFIX)
+        ):
+            return Found(where, FOREIGN, False)
+        owner_key = root.url.key(parts[0], parts[1], rec.OWNER)
+        if (owner := root.bucket.get(owner_key, what="attempt owner record")) is None:
+            return Found(where, FOREIGN, False)
+        expired = now - upload.initiated_unix >= self.min_age_s
+        if _writer_gone(root, parts[0], parts[1], owner, expired=expired) is None:
+            return Found(where, KEPT_LIVE, False)
+        step = root.naming.parse(parts[0])
+        return Found(where, "a multipart upload of a dead attempt", True, _Abort(upload, step))
+
+    def remove(self, found: Found) -> None:
+        bucket, handle = self.root.bucket, found.handle
+        if isinstance(handle, _Probe):
+            bucket.delete(handle.key, what="conditional-write probe")
+        elif isinstance(handle, _Attempt):
+            # the owner record last: an interrupted gc still knows the rest is ours
+            bucket.delete_many([k for k in handle.keys if k != handle.owner_key], step=handle.step)
+            bucket.delete(handle.owner_key, what="attempt owner record")
+        elif isinstance(handle, _Abort):
+            bucket.abort(handle.upload, step=handle.step)
+        else:
+            raise TypeError(f"gc of {self.root.url}: no way to remove {found.where} ({handle!r})")
+
+    def finish(self) -> None:
+        """Nothing to sync: a store's delete is durable when it returns."""
 
 
-def tracker_step_whole(root: Root, doing: str) -> None:
+def tracker_step_whole(root: ObjectStore, doing: str) -> None:
     """Refuse ``doing`` while the tracker's step has no readable marker: resolve then tells the
     operator to restore that step's objects, and gc would delete them as attempts no marker
     names."""
@@ -126,41 +193,14 @@ def tracker_step_whole(root: Root, doing: str) -> None:
     )
 
 
-def _marked(root: Root, name: str) -> str | None:
+def _marked(root: ObjectStore, name: str) -> str | None:
     step = root.naming.parse(name)
     marker = root.marker(step) if step is not None else None
     return marker.attempt if marker is not None else None
 
 
-def _attempt(
-    root: Root,
-    name: str,
-    attempt: str,
-    keys: list[str],
-    newest: float,
-    now: float,
-    min_age_s: float,
-    dry_run: bool,
-    report: GcReport,
-) -> None:
-    owner_key = root.url.key(name, attempt, rec.OWNER)
-    if owner_key not in keys:
-        report.foreign += keys  # no owner record: not ckptguard's to delete
-        return
-    if _marked(root, name) == attempt:
-        return
-    if _writer_gone(root, name, attempt, None, expired=now - newest >= min_age_s) is None:
-        report.kept_live.append(f"{name}/{attempt}")
-        return
-    report.removed_attempts.append(f"{name}/{attempt}")
-    report.removed_objects += len(keys)
-    if not dry_run:  # the owner record last: an interrupted gc still knows the rest is ours
-        root.bucket.delete_many([k for k in keys if k != owner_key], step=root.naming.parse(name))
-        root.bucket.delete(owner_key, what="attempt owner record")
-
-
 def _writer_gone(
-    root: Root, name: str, attempt: str, found: Small | None, *, expired: bool
+    root: ObjectStore, name: str, attempt: str, found: Small | None, *, expired: bool
 ) -> str | None:
     """Whether the attempt's writer is gone: never before ``min_age_s`` (``expired``), and then by
     the rule of every writer (``_disk.tempfiles.writer_gone``), which keeps it while its process
@@ -179,28 +219,3 @@ def _writer_gone(
     except CheckpointError:
         return "it expired"
     return writer_gone(writer.host, writer.pid, writer.start, expired=True)
-
-
-def _uploads(root: Root, now: float, min_age_s: float, dry_run: bool, report: GcReport) -> None:
-    for upload in root.bucket.uploads():
-        parts = (root.url.relative(upload.key) or "").split("/")
-        if (
-            len(parts) < 3
-            or root.naming.parse(parts[0]) is None
-            or not parts[1].startswith(rec.ATTEMPT_PREFIX)
-        ):
-            report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
-            continue
-        if (
-            owner := root.bucket.get(
-                root.url.key(parts[0], parts[1], rec.OWNER), what="attempt owner record"
-            )
-        ) is None:
-            report.foreign.append(f"{upload.key} (multipart upload {upload.upload_id})")
-            continue
-        expired = now - upload.initiated_unix >= min_age_s
-        if _writer_gone(root, parts[0], parts[1], owner, expired=expired) is None:
-            continue
-        report.aborted_uploads.append(f"{upload.key} ({upload.upload_id})")
-        if not dry_run:
-            root.bucket.abort(upload, step=root.naming.parse(parts[0]))

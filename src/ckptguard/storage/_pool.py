@@ -14,11 +14,10 @@ read or write must never fail, let alone look like a damaged checkpoint, for it.
 most a timeout for a free buffer and raises ``StorageStallError`` (a ``TimeoutError``) naming what
 it waited for.
 
-``write_all`` and ``read_into`` turn every failed or short system call into an
-``OSError`` with ``errno``, ``filename`` and the attributes the commit protocol reports:
-``offset`` (file position of the failing call), ``requested_bytes`` and
-``returned_bytes`` (what the call returned: a short count, 0, or -1 for an errno). Those errors,
-``PinError`` and the stall's ``StorageStallError`` are built in ``_failedcall``.
+``write_all`` and ``read_into`` turn every failed or short system call into an ``OSError`` with
+``errno``, ``filename`` and the attributes the commit protocol reports: ``offset`` (file position
+of the failing call), ``requested_bytes`` and ``returned_bytes`` (what the call returned: a short
+count, 0, or -1 for an errno). ``_failedcall`` builds those, ``PinError`` and ``StorageStallError``.
 """
 
 from __future__ import annotations
@@ -168,8 +167,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing these dirty pages to the device now, without waiting (Linux
-    ``sync_file_range``).
+    """Start writing these dirty pages to the device now, not waiting (Linux ``sync_file_range``).
 
     Without it the disk idles until the next fdatasync while the page cache fills, and a save
     runs below the disk's speed. Only a hint: a refusal (a filesystem without it) changes nothing,
@@ -185,19 +183,20 @@ def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
 
 
 # ---------------------------------------------------------------- a restore's read-ahead
-# The disk kept busy while a restore checks and plans. A restore spends 0.3-0.6 s before its first byte of tensor
-# state is read (the manifest and extras, the state's own ``state_dict``, DCP's plan; an H100 machine, 6.2 GiB of
-# state: ``benchmarks/results/issue41_h100``); on a cold page cache the disk idled all that time and the restore
-# ended that much behind a plain read of its files. ``ReadAhead`` reads the data file the rank wrote meanwhile,
-# ``streams`` threads each from the start of one equal part (16 MiB reads into a scratch buffer): where the
-# restore's read threads will each start their stretch (``_spans.stretches``: parts of about equal bytes), so
-# every one of them finds its first bytes cached. (``posix_fadvise(WILLNEED)`` would not copy the bytes, but the
-# kernel caps one call at its readahead window, 8 MiB of a 32 MiB request on this machine, and tells nothing of
-# when they arrived.) Contract: one regular file (a link, a FIFO or an absent file: nothing is read), at most
-# ``limit`` bytes, never written; ``halt_reads_ahead`` (the reader, right before its threads start: they drop the
-# pages they read, and a read-ahead trailing them would read those again) stops it between two reads; ``close``
-# drops the file's pages (the restore leaves no page cache behind, as its reads do). A failed read is logged and
-# the restore reads the bytes itself.
+# The disk kept busy while a restore checks and plans. A restore spends 0.3-0.6 s before its
+# first byte of tensor state is read (manifest and extras, the state's ``state_dict``, DCP's
+# plan; an H100 machine, 6.2 GiB of state: ``benchmarks/results/issue41_h100``); on a cold page
+# cache the disk idled all that time, the restore ending that much behind a plain read of its
+# files. ``ReadAhead`` reads the rank's data file meanwhile, ``streams`` threads each from the
+# start of one equal part (16 MiB reads into a scratch buffer): where the restore's read threads
+# each start their stretch (``_spans.stretches``: parts of about equal bytes), so each finds its
+# first bytes cached. (``posix_fadvise(WILLNEED)`` would copy no bytes, but the kernel caps one
+# call at its readahead window, 8 MiB of a 32 MiB request here, and tells nothing of when they
+# arrived.) Contract: one regular file (a link, a FIFO or an absent file: nothing read), at most
+# ``limit`` bytes, never written; ``halt_reads_ahead`` (the reader, right before its threads
+# start: they drop the pages they read, a read-ahead trailing them would read them again) stops
+# it between two reads; ``close`` drops the file's pages (the restore leaves no page cache behind,
+# as its reads do). A failed read is logged and the restore reads the bytes itself.
 
 _CHUNK = 16 << 20
 _MAX = 2 << 30  # about 1 s of a fast disk: more than a restore spends before its read
@@ -226,8 +225,7 @@ def halt_reads_ahead(directory: str | os.PathLike[str]) -> None:
 
 
 class ReadAhead:
-    """One rank's read-ahead of one data file (``path``: checked to lie in the step directory by the
-    caller)."""
+    """One rank's read-ahead of one data file (``path``: in the step directory, caller-checked)."""
 
     def __init__(
         self, path: Path, *, limit: int | None = None, streams: int = 4, drop: bool = True
@@ -372,8 +370,7 @@ class Buffer:
         return self._registered[0]
 
     def release(self) -> None:
-        """Unregister now and unmap (once; later calls, the collection and the exit do nothing
-        more)."""
+        """Unregister now and unmap, once: later calls, the collection, the exit do nothing more."""
         if self._map is None:
             return
         mapping, self._map = self._map, None
@@ -435,8 +432,7 @@ class BufferPool:
             raise
 
     def _add(self) -> Buffer:
-        """One more buffer (the caller holds the lock, or none can run yet); pageable from the first
-        refusal on."""
+        """One more buffer (lock held, or none runs yet); pageable from the first pin refusal on."""
         buf = self._buffer(self.size, self._pin)
         self._pin = buf.pinned
         self._all.append(buf)

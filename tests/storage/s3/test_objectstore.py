@@ -52,7 +52,6 @@ from ckptguard.errors import (  # noqa: E402
     ConfigError,
     ObjectStoreError,
 )
-from ckptguard.ops.storegc import collect  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 from ckptguard.testing import run_ranks, set_fault_hook, values  # noqa: E402
 
@@ -280,7 +279,7 @@ def test_no_step_without_its_marker_and_the_tracker_never_moves_back(moto, tmp_p
         storepublish.begin(store, 3)
     assert store.tracker()[0] == 3
     with pytest.raises(ConfigError, match="not a ckptguard root"):
-        collect(ObjectStore(f"s3://{name}/other", h.options(moto)), min_age_s=0)
+        h.gc(ObjectStore(f"s3://{name}/other", h.options(moto)))
 
 
 # ---------------------------------------------------------------- kills
@@ -307,10 +306,10 @@ def test_a_writer_killed_mid_commit_leaves_the_last_committed_step(moto, tmp_pat
         assert any(
             "step_00000003" in k for k in uploads(moto, name)
         )  # the killed multipart upload is left
-    report = collect(store, min_age_s=0)
-    assert report.foreign == []
+    report = h.gc(store)
+    assert h.foreign(report) == []
     if point != "store.before_tracker":
-        assert [a.split("/")[0] for a in report.removed_attempts] == ["step_00000003"]
+        assert [a.split("/")[0] for a in h.attempts(store, report.removed)] == ["step_00000003"]
         assert not [k for k in keys(moto, name) if "step_00000003" in k]
         assert not uploads(moto, name)
     h.write(
@@ -615,17 +614,17 @@ def test_gc_removes_only_unmarked_attempts_it_owns(moto, tmp_path):
     store.upload(2, attempt, [("state/d.bin", data, 100)])
     # Its writer is this process, alive: kept whatever its age, as a directory root's temp dir of a
     # live owner.
-    assert collect(store, min_age_s=0).kept_live == [f"step_00000002/{attempt}"]
+    assert h.attempts(store, h.gc(store).kept) == [f"step_00000002/{attempt}"]
     # A writer on another host: the attempt's age decides.
     h.rewrite_owner(moto, url, 2, attempt, host="another-host", pid=os.getpid())
-    assert collect(store, min_age_s=3600).kept_live == [f"step_00000002/{attempt}"]
-    dry = collect(store, min_age_s=0, dry_run=True)
-    assert dry.removed_attempts == [
-        f"step_00000002/{attempt}"
-    ] and f"run/step_00000002/{attempt}/owner.json" in keys(moto, name)
-    report = collect(store, min_age_s=0)
-    assert report.removed_attempts == [f"step_00000002/{attempt}"] and report.removed_objects == 2
-    assert sorted(report.foreign) == ["run/notes.txt", "run/step_00000002/a-feedbeef/state/x"]
+    assert h.attempts(store, h.gc(store, min_age_s=3600).kept) == [f"step_00000002/{attempt}"]
+    dry = h.gc(store, dry_run=True)
+    assert h.attempts(store, dry.removed) == [f"step_00000002/{attempt}"]
+    assert f"run/step_00000002/{attempt}/owner.json" in keys(moto, name)
+    report = h.gc(store)
+    assert h.attempts(store, report.removed) == [f"step_00000002/{attempt}"]
+    assert "(2 objects)" in report.removed[0][1]
+    assert sorted(h.foreign(report)) == ["run/notes.txt", "run/step_00000002/a-feedbeef/state/x"]
     left = keys(moto, name)
     assert "run/notes.txt" in left and "elsewhere/step_00000002/a-1/owner.json" in left
     assert not [k for k in left if attempt in k]
@@ -872,7 +871,7 @@ def test_a_job_refused_by_the_stores_lease_changes_nothing_and_break_lease_reach
     assert restored_step(moto, url, tmp_path / "c") == 2
 
 
-def test_save_async_commits_the_staging_root_then_the_store_in_the_background_and_a_failed_publish_raises(
+def test_save_async_commits_staging_then_store_in_the_background_a_failed_publish_raises(
     moto, tmp_path
 ):
     """The store door's one shape: ``save_async`` returns a pending commit whose ``wait()`` is the
@@ -952,7 +951,7 @@ def test_a_staging_step_that_is_a_symlink_is_refused_and_what_it_points_to_is_un
     assert (tmp_path / "other" / "step_00000001" / "manifest.json").is_file()
 
 
-def test_an_existing_root_given_as_the_staging_root_is_refused_at_the_first_save_and_keeps_its_steps(
+def test_an_existing_root_as_staging_root_is_refused_at_the_first_save_and_keeps_its_steps(
     moto, tmp_path
 ):
     """Review finding: KeepLast(1) of the staging root deleted the steps of a root given as

@@ -24,7 +24,6 @@ from ckptguard.errors import (  # noqa: E402
     ObjectStoreError,
     ResumeError,
 )
-from ckptguard.ops.storegc import collect  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore, _transfer  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -248,7 +247,7 @@ def test_gc_keeps_the_tracker_steps_data_when_its_marker_is_gone(moto, tmp_path)
         k for k in _keys(moto, name) if "step_00000002/" in k
     ] == before  # every object of step 2 is there
     with pytest.raises(CheckpointCorruptError, match="gc refused"):
-        collect(store, min_age_s=0, dry_run=True)
+        h.gc(store, dry_run=True)
 
 
 def test_markers_without_a_tracker_are_refused_as_on_a_directory_never_a_fresh_start(

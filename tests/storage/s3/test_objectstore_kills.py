@@ -31,7 +31,6 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra
 import objstore_helper as h  # noqa: E402
 from ckptguard._disk.layout import read_tracker  # noqa: E402
 from ckptguard.ops.remote import verify_remote  # noqa: E402
-from ckptguard.ops.storegc import collect  # noqa: E402
 from ckptguard.storage.s3 import ObjectStore  # noqa: E402
 from ckptguard.testing import run_ranks, values  # noqa: E402
 
@@ -116,13 +115,11 @@ def test_a_job_killed_inside_the_upload_window_saves_on_and_ends_bitwise_as_an_u
     assert store.committed_steps() == list(range(1, LAST + 1)) and store.tracker()[0] == LAST
     again = values(run_ranks(h.restore_job, 2, moto, url, str(tmp_path / "last"), timeout=300))
     assert [_state(a) for a in again] == [_state(p) for p in plain], why
-    report = collect(
-        store, min_age_s=0
-    )  # each killed attempt is unmarked and removable; nothing foreign
-    assert sorted({a.split("/")[0] for a in report.removed_attempts}) == [
+    report = h.gc(store)  # each killed attempt is unmarked and removable; nothing foreign
+    assert sorted({a.split("/")[0] for a in h.attempts(store, report.removed)}) == [
         f"step_{s:08d}" for s in killed_at
     ]
-    assert report.foreign == []
+    assert h.foreign(report) == []
 
 
 def test_a_save_whose_upload_failed_is_saved_again_by_the_same_job(moto, tmp_path):

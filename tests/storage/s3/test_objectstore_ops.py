@@ -178,32 +178,27 @@ def test_gc_an_s3_root(moto, tmp_path):
     attempt = storepublish.begin(store, 2)
     store.upload(2, attempt, [("state/d.bin", data, 10)])  # an interrupted save: no marker
     # This process wrote it and still runs: kept, however old (a live save's attempt).
+    live = f"{url}/step_00000002/{attempt}"
     code, got = cli_json("gc", url, "--min-age", "0")
-    assert (
-        code == 0
-        and got["kept_live"] == [f"step_00000002/{attempt}"]
-        and got["removed_attempts"] == []
-    )
+    assert code == 0 and [k["path"] for k in got["kept"]] == [live] and got["removed"] == [], got
+    assert "its writer may still write" in got["kept"][0]["why"]
     # Its owner record names a process of this host's name that is not running here: still kept
     # while young (a writer in another PID namespace of a host of the same name looks dead from here
     # while it uploads).
     h.rewrite_owner(moto, url, 2, attempt, host=socket.gethostname(), pid=h.dead_pid())
     code, got = cli_json("gc", url, "--dry-run")
-    assert code == 0 and got["kept_live"] == [f"step_00000002/{attempt}"], got
+    assert code == 0 and [k["path"] for k in got["kept"]] == [live], got
     code, got = cli_json(
         "gc", url, "--min-age", "0", "--dry-run"
     )  # past the age, and dead: removable
-    assert code == 0 and got["removed_attempts"] == [f"step_00000002/{attempt}"]
+    assert code == 0 and [r["path"] for r in got["removed"]] == [live], got
     assert any(attempt in k for k in keys(moto, name))
     storelease.acquire(store, "a-live-job")  # a live job (this process) holds the lease: refused
     code, got = cli_json("gc", url, "--min-age", "0")
     assert code == 1 and "gc refused" in got["error"] and "--force" in got["error"]
     code, got = cli_json("gc", url, "--min-age", "0", "--force")
-    assert (
-        code == 0
-        and got["removed_attempts"] == [f"step_00000002/{attempt}"]
-        and got["removed_objects"] == 2
-    )
+    assert code == 0 and [r["path"] for r in got["removed"]] == [live], got
+    assert "(2 objects)" in got["removed"][0]["what"]
     assert not any(attempt in k for k in keys(moto, name))
     storelease.release(store, "a-live-job")
     assert store_restores_exactly(moto, url, tmp_path / "r") == 1
@@ -289,9 +284,8 @@ def test_a_transfer_to_the_store_killed_leaves_nothing_visible_and_runs_again(
     code, got = cli_json("gc", url, "--min-age", "0")
     # the killed transfer's attempt (its orphan marker, if any, was replaced by the second
     # transfer's): gone
-    assert code == 0 and [a.split("/")[0] for a in got["removed_attempts"]] == ["step_00000002"], (
-        got
-    )
+    removed = [r["path"][len(url) + 1 :].split("/")[0] for r in got["removed"]]
+    assert code == 0 and removed == ["step_00000002"], got
     assert (
         store.committed_steps() == [1, 2]
         and store_restores_exactly(moto, url, tmp_path / "again") == 2

@@ -70,9 +70,15 @@ def _hint(code: str, status: int | None, endpoint: str, reading: bool = False) -
     if code in ("NoSuchBucket",):
         return "create the bucket, or fix the bucket name in the URL"
     if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status == 403:
-        return "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket policy"
+        return (
+            "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) "
+            "and the bucket policy"
+        )
     if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidChecksum"):
-        return "the store saw other bytes than were sent (corrupted in transit or on the local disk); save again"
+        return (
+            "the store saw other bytes than were sent (corrupted in transit or on the local "
+            "disk); save again"
+        )
     if code in ("EntityTooSmall", "InvalidPart", "InvalidPartOrder", "NoSuchUpload"):
         return "the multipart upload is incomplete or was aborted (by gc?); save again"
     if status is None and reading:

@@ -3,11 +3,11 @@
 Layout under ``s3://bucket/prefix`` (the format ``objectstore`` 1)::
 
     ckptguard-root.json                 root record: this prefix is a ckptguard root (gc needs it)
-    latest_checkpointed_iteration.txt   tracker: "N\\n", replaced by If-Match on its ETag, never backwards
+    latest_checkpointed_iteration.txt   tracker: "N\\n", replaced by If-Match (ETag), forward only
     lease.json                          write lease: created by If-None-Match, renewed by If-Match
-    step_00000100/manifest.json         COMMIT MARKER: created by If-None-Match last; names its attempt
-    step_00000100/a-<nonce>/owner.json  attempt owner record, written before the attempt's first object
-    step_00000100/a-<nonce>/state/...   the step's files (plain DCP under state/), as in a local step
+    step_00000100/manifest.json         COMMIT MARKER: made last by If-None-Match; names its attempt
+    step_00000100/a-<nonce>/owner.json  attempt owner record, written before its first object
+    step_00000100/a-<nonce>/state/...   the step's files: plain DCP under state/, as in a local step
 
 A writer puts its files under an attempt of its own, so two writers of one step never overwrite
 each other's objects; the marker's conditional create picks the one attempt that is the step.
