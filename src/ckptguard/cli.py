@@ -786,13 +786,14 @@ def gc(
     created. A complete checkpoint is never removed, whatever the tracker says: a step newer than
     the tracker (or any step when the tracker is missing) is listed with what to do, and removed
     only with --orphans. Foreign entries and incomplete steps are listed and left alone; rotation
-    handles committed steps. Refused while a live run holds the root's lease (its newest step may
-    be a commit in flight) unless --force. Exit 0 done, 1 refused, 2 bad usage (not a root).
+    handles committed steps. Refused while a live run holds the root's lease (its newest step may be
+    a commit in flight) unless --force or --dry-run. Exit 0 done, 1 refused, 2 bad usage (not a
+    root).
     """
     with _progress(1, "gc", as_json) as bar:
 
         def progress(phase: str, done: int, total: int) -> None:
-            doing = "checking steps" if phase == "check" else "removing"
+            doing = "removing" if phase == "remove" else f"checking {phase}"
             bar.label = f"gc: {doing} {done}/{total}"
             bar.length = max(total, 1)
             bar.update(done - bar.pos)
@@ -839,8 +840,6 @@ def _collect(
     progress: Callable[[str, int, int], None],
 ) -> GcReport:
     """gc of either root kind: one procedure (``ops.gc.collect``), the root kind's survey."""
-    from .ops import gc as _gc
-
     if isinstance(root, str):
         from .ops import remote as _remote
 
@@ -853,6 +852,8 @@ def _collect(
             orphans=orphans,
             progress=progress,
         )
+    from .ops import gc as _gc
+
     naming = _inspect.naming(template)
     return _gc.gc(
         root.absolute(), naming, dry_run=dry_run, orphans=orphans, force=force, progress=progress

@@ -290,6 +290,26 @@ def test_gc_removing_trash_that_a_background_delete_empties_meanwhile_succeeds(
     assert committed_on_disk(root) == ["step_00000001", "step_00000002"]
 
 
+def test_orphans_never_removes_a_step_when_the_tracker_vanishes_after_the_early_check(tmp_path):
+    """gc --orphans refuses a root without a tracker up front; a tracker gone between that check
+    and the survey (a hand edit, a restore of the root meanwhile) must not turn every committed step
+    into an orphan: the survey judges against the tracker it reads itself (cold review)."""
+    from ckptguard.errors import ConfigError
+    from ckptguard.ops import gc as _gc
+
+    root = tiny_root(tmp_path / "ck", (1, 2, 3))
+
+    class Vanishing(_gc.DirRoot):
+        def check_idle(self) -> None:  # runs after check_orphans, before the survey
+            super().check_idle()
+            (root / TRACKER).unlink()
+
+    target = Vanishing(root, _layout.StepNaming("step_{step:08d}"), max_age_s=3600, ttl_s=3600)
+    with pytest.raises(ConfigError, match="has no tracker"):
+        _gc.collect(target, orphans=True)
+    assert committed_on_disk(root) == ["step_00000001", "step_00000002", "step_00000003"]
+
+
 # ---------------------------------------------------------------- the retention warning
 
 

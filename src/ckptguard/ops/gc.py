@@ -44,14 +44,15 @@ STALE_TEMP_AGE_S = 24 * 3600.0
 Where = Path | str
 """A path under a directory root, or an object's (or attempt's) URL under an object store's root."""
 Progress = Callable[[str, int, int], None]
-"""``progress(phase, done, total)``: after each entry surveyed (``"check"``) and removed
-(``"remove"``)."""
+"""``progress(phase, done, total)``: after each unit the survey checks, the phase naming them
+(``"steps"`` for a directory root's step directories, ``"attempts"`` for an object store's), and
+after each entry removed (``"remove"``)."""
 
 
 @dataclass
 class GcReport:
     removed: list[tuple[Where, str]] = field(default_factory=list)  # (where, what it was)
-    kept: list[tuple[Where, str]] = field(default_factory=list)  # (where, why, what to do)
+    kept: list[tuple[Where, str]] = field(default_factory=list)  # (where, why and what to do)
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,16 @@ class Found:
     """What the root kind needs to remove it (a step directory's flag, an attempt's keys)."""
 
 
+STEP_DIR = object()
+"""A directory root's ``Found.handle`` for a step directory (removed through the trash)."""
+
+
 class GcRoot(Protocol):
     """What gc needs of a root kind."""
 
     def identify(self) -> None:
-        """Raise ConfigError unless this is a ckptguard root."""
+        """Raise ConfigError unless this is a ckptguard root (a CheckpointError where it is one gc
+        must not touch now, such as an object store whose tracker's marker is missing)."""
 
     def check_orphans(self) -> None:
         """Raise ConfigError where ``orphans`` cannot be honoured."""
@@ -80,8 +86,9 @@ class GcRoot(Protocol):
     def survey(self, *, orphans: bool, dry_run: bool, progress: Progress | None) -> list[Found]:
         """Every entry gc has a word for; ``dry_run``: read only (no reader-lease sweep)."""
 
-    def remove(self, found: Found) -> None:
-        """Remove one removable entry (an entry already gone is fine)."""
+    def remove(self, found: Found) -> str | None:
+        """Remove one removable entry (an entry already gone is fine); or, where it changed since
+        the survey so that it must stay, say why (it is then reported as kept)."""
 
     def finish(self) -> None:
         """After the last removal (a directory's fsync)."""
@@ -96,7 +103,9 @@ def collect(
     progress: Progress | None = None,
 ) -> GcReport:
     """The one gc procedure over any root kind; returns what it removed (or, ``dry_run``, would
-    remove) and what it kept."""
+    remove) and what it kept. Entries are removed in the order the survey found them (an object
+    store's survey lists an attempt's multipart uploads before the attempt, so an interrupted gc
+    never leaves an upload whose owner record is gone)."""
     target.identify()
     if orphans:
         target.check_orphans()
@@ -115,8 +124,10 @@ def collect(
     for done, found in enumerate(victims, 1):
         if progress is not None:
             progress("remove", done, len(victims))
-        target.remove(found)
-        report.removed.append((found.where, found.note))
+        if (why := target.remove(found)) is None:
+            report.removed.append((found.where, found.note))
+        else:
+            report.kept.append((found.where, why))
     if victims:
         target.finish()
     return report
@@ -230,7 +241,9 @@ class DirRoot:
 
     def survey(self, *, orphans: bool, dry_run: bool, progress: Progress | None) -> list[Found]:
         root, naming = self.root, self.naming
-        tracker = _layout.read_tracker(root)
+        tracker = _layout.read_tracker(root)  # read once: every step's verdict is against it
+        if orphans and tracker is None:  # gone since check_orphans: every step would be an orphan
+            self.check_orphans()
         out: list[Found] = []
         dirs = _layout.step_dirs(root, naming)
         # an unreadable trust record stops gc, naming the file
@@ -239,7 +252,7 @@ class DirRoot:
         readers = _readers.live(root, sweep=not dry_run)
         for done, (step, path) in enumerate(sorted(dirs.items()), 1):
             if progress is not None:
-                progress("check", done, len(dirs))
+                progress("steps", done, len(dirs))
             if path.is_symlink():
                 out.append(
                     Found(
@@ -259,8 +272,8 @@ class DirRoot:
                     Found(
                         path,
                         "not created by ckptguard, or no longer recognisable (no readable "
-                        "manifest.json): left alone; delete it by hand if you know it is a "
-                        "checkpoint's remains",
+                        "manifest.json): left alone; `ckptguard verify ROOT` says what is wrong "
+                        "with it; delete it by hand if you know it is a checkpoint's remains",
                         False,
                     )
                 )
@@ -302,7 +315,7 @@ class DirRoot:
             return [Found(path, note, False)]
         if newer and orphans:
             note = f"orphan step {step}, newer than the tracker ({tracker}); --orphans"
-            return [Found(path, note, True, handle="step")]
+            return [Found(path, note, True, handle=STEP_DIR)]
         if newer and why is None:
             return [Found(path, _retention.orphan_hint(path, step, tracker, self.naming), False)]
         if newer:
@@ -315,14 +328,17 @@ class DirRoot:
             return [Found(path, f"incomplete ({why}); {_retention.INCOMPLETE_HINT}", False)]
         return []
 
-    def remove(self, found: Found) -> None:
+    def remove(self, found: Found) -> str | None:
         path = Path(found.where)
-        if found.handle == "step":
+        if found.handle is STEP_DIR:  # uncommitted through the trash, as rotation does
             _layout.remove_step_dir(path)
+        elif found.handle is not None:
+            raise TypeError(f"gc of {self.root}: no way to remove {path} ({found.handle!r})")
         elif path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, onerror=_gone_is_fine)
         else:
             path.unlink(missing_ok=True)
+        return None
 
     def finish(self) -> None:
         _layout.fsync_dir(self.root)

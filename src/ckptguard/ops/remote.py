@@ -8,8 +8,10 @@ size and ETag the marker recorded, the marker's objects equal to the manifest's 
 tracker's step committed; ``deep`` also downloads each step (xxh3 of every object checked) and
 runs the local step checks on the copy. ``preflight_remote``: the step a launch would resume
 (tracker and marker), its objects present as the marker recorded, the write lease (a live job's is
-said). ``gc_remote``: ``ObjectStore.gc`` (unmarked attempts with ckptguard's owner record, older
-than ``min_age_s``, and their multipart uploads), refused while a live job holds the lease.
+said). ``gc_remote``: the one gc procedure (``ops.gc.collect``) over the store's survey
+(``ops.storegc.StoreRoot``: unmarked attempts with ckptguard's owner record, older than
+``min_age_s``, whose writer is gone, and their multipart uploads), refused while a live job holds
+the lease unless ``force`` or ``dry_run``.
 ``fetch_proof``: every rank's proof log copied from the store's ``proof/`` (each rank's copy is
 updated at every save and at close) into a local directory ``prove`` judges. Endpoint and
 credentials come from boto3's configuration (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...).

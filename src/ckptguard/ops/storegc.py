@@ -30,7 +30,8 @@ from ..storage.s3._bucket import Small, Upload
 from .gc import Found, Progress
 
 KEPT_LIVE = (
-    "its writer may still write (younger than --min-age, or its process still runs on this host)"
+    "its writer may still write (younger than --min-age {age:g} s, or its process still runs on "
+    "this host)"
 )
 FOREIGN = "not created by ckptguard: left alone"
 
@@ -42,6 +43,8 @@ class _Probe:
 
 @dataclass(frozen=True)
 class _Attempt:
+    name: str
+    attempt: str
     step: int | None
     keys: list[str]
     owner_key: str
@@ -56,11 +59,11 @@ class _Abort:
 class StoreRoot:
     """An object store's prefix as gc sees it (``gc.GcRoot``)."""
 
-    def __init__(self, root: ObjectStore, *, min_age_s: float = 3600.0) -> None:
-        self.root, self.min_age_s = root, min_age_s
+    def __init__(self, store: ObjectStore, *, min_age_s: float = 3600.0) -> None:
+        self.store, self.min_age_s = store, min_age_s
 
     def identify(self) -> None:
-        root = self.root
+        root = self.store
         found = root.bucket.get(root.url.key(rec.ROOT_RECORD), what="root record")
         if found is None:
             raise ConfigError(
@@ -78,7 +81,7 @@ class StoreRoot:
 
     def check_idle(self) -> None:
         try:
-            storelease.check(self.root, "ckptguard-gc")
+            storelease.check(self.store, "ckptguard-gc")
         except LeaseHeldError as exc:
             raise LeaseHeldError(
                 f"gc refused: {exc}; its newest attempt may be a commit in flight. Stop the job, "
@@ -86,7 +89,7 @@ class StoreRoot:
             ) from None
 
     def survey(self, *, orphans: bool, dry_run: bool, progress: Progress | None) -> list[Found]:
-        root, now = self.root, time.time()
+        root, now = self.store, time.time()
         out: list[Found] = []
         attempts: dict[tuple[str, str], list[str]] = {}
         newest: dict[tuple[str, str], float] = {}
@@ -111,18 +114,19 @@ class StoreRoot:
                     newest[at] = max(newest.get(at, 0.0), obj.modified_unix)
                     continue
             out.append(Found(where, FOREIGN, False))
-        # the uploads first: an attempt's owner record still says it is ours
+        # an attempt's uploads before the attempt: removed in this order, an interrupted gc never
+        # leaves an upload whose owner record is gone (it would look foreign)
         out += [self._upload(u, now) for u in root.bucket.uploads()]
         for done, ((name, attempt), keys) in enumerate(sorted(attempts.items()), 1):
             if progress is not None:
-                progress("check", done, len(attempts))
+                progress("attempts", done, len(attempts))
             out += self._attempt(name, attempt, keys, newest[(name, attempt)], now)
         return out
 
     def _attempt(
         self, name: str, attempt: str, keys: list[str], newest: float, now: float
     ) -> list[Found]:
-        root = self.root
+        root = self.store
         owner_key = root.url.key(name, attempt, rec.OWNER)
         if owner_key not in keys:  # no owner record: not ckptguard's to delete
             return [Found(f"s3://{root.url.bucket}/{k}", FOREIGN, False) for k in keys]
@@ -131,12 +135,16 @@ class StoreRoot:
         where = root.where(name, attempt)
         expired = now - newest >= self.min_age_s
         if _writer_gone(root, name, attempt, None, expired=expired) is None:
-            return [Found(where, KEPT_LIVE, False)]
+            return [Found(where, KEPT_LIVE.format(age=self.min_age_s), False)]
         what = f"an attempt no marker names, its writer gone ({len(keys)} objects)"
-        return [Found(where, what, True, _Attempt(root.naming.parse(name), keys, owner_key))]
+        return [
+            Found(
+                where, what, True, _Attempt(name, attempt, root.naming.parse(name), keys, owner_key)
+            )
+        ]
 
     def _upload(self, upload: Upload, now: float) -> Found:
-        root = self.root
+        root = self.store
         parts = (root.url.relative(upload.key) or "").split("/")
         where = f"s3://{root.url.bucket}/{upload.key} (multipart upload {upload.upload_id})"
         if (
@@ -150,22 +158,27 @@ class StoreRoot:
             return Found(where, FOREIGN, False)
         expired = now - upload.initiated_unix >= self.min_age_s
         if _writer_gone(root, parts[0], parts[1], owner, expired=expired) is None:
-            return Found(where, KEPT_LIVE, False)
+            return Found(where, KEPT_LIVE.format(age=self.min_age_s), False)
         step = root.naming.parse(parts[0])
         return Found(where, "a multipart upload of a dead attempt", True, _Abort(upload, step))
 
-    def remove(self, found: Found) -> None:
-        bucket, handle = self.root.bucket, found.handle
+    def remove(self, found: Found) -> str | None:
+        bucket, handle = self.store.bucket, found.handle
         if isinstance(handle, _Probe):
             bucket.delete(handle.key, what="conditional-write probe")
         elif isinstance(handle, _Attempt):
+            # a marker published since the survey (a writer on another host that only looked gone,
+            # under --force) makes it a committed step's objects: read it again, right before
+            if handle.step is not None and _marked(self.store, handle.name) == handle.attempt:
+                return "a marker names it now (committed since gc looked): kept"
             # the owner record last: an interrupted gc still knows the rest is ours
             bucket.delete_many([k for k in handle.keys if k != handle.owner_key], step=handle.step)
             bucket.delete(handle.owner_key, what="attempt owner record")
         elif isinstance(handle, _Abort):
             bucket.abort(handle.upload, step=handle.step)
         else:
-            raise TypeError(f"gc of {self.root.url}: no way to remove {found.where} ({handle!r})")
+            raise TypeError(f"gc of {self.store.url}: no way to remove {found.where} ({handle!r})")
+        return None
 
     def finish(self) -> None:
         """Nothing to sync: a store's delete is durable when it returns."""

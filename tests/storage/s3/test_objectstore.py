@@ -306,8 +306,21 @@ def test_a_writer_killed_mid_commit_leaves_the_last_committed_step(moto, tmp_pat
         assert any(
             "step_00000003" in k for k in uploads(moto, name)
         )  # the killed multipart upload is left
+    calls: list[str] = []
+
+    def logging_call(name: str, real):
+        def logged(*args, **kwargs):
+            calls.append(f"{name} {str(args[0]).rsplit('/', 1)[-1]}" if name == "delete" else name)
+            return real(*args, **kwargs)
+
+        return logged
+
+    for method in ("abort", "delete", "delete_many"):  # the order gc removes in
+        setattr(store.bucket, method, logging_call(method, getattr(store.bucket, method)))
     report = h.gc(store)
     assert h.foreign(report) == []
+    if point == "store.part_uploaded":  # the upload aborted before its owner record goes
+        assert calls.index("abort") < calls.index("delete owner.json"), calls
     if point != "store.before_tracker":
         assert [a.split("/")[0] for a in h.attempts(store, report.removed)] == ["step_00000003"]
         assert not [k for k in keys(moto, name) if "step_00000003" in k]
@@ -629,6 +642,37 @@ def test_gc_removes_only_unmarked_attempts_it_owns(moto, tmp_path):
     assert "run/notes.txt" in left and "elsewhere/step_00000002/a-1/owner.json" in left
     assert not [k for k in left if attempt in k]
     assert restored_step(moto, url, tmp_path / "r") == 1
+
+
+def test_gc_keeps_an_attempt_committed_between_its_survey_and_its_removal(moto, tmp_path):
+    """``--force`` on a writer of another host that only looked gone: its marker published after
+    gc's survey makes the attempt a committed step's objects; gc reads the marker again right
+    before deleting (cold review)."""
+    from ckptguard.ops.gc import collect
+    from ckptguard.ops.storegc import StoreRoot
+
+    name = bucket(moto)
+    url = f"s3://{name}/run"
+    h.write(moto, url, str(tmp_path / "w"), 1, None)
+    store = ObjectStore(url, h.options(moto))
+    attempt = storepublish.begin(store, 2)
+    data = tmp_path / "d.bin"
+    data.write_bytes(b"z" * 10)
+    store.upload(2, attempt, [("state/d.bin", data, 10)])
+    h.rewrite_owner(moto, url, 2, attempt, host="another-host", pid=os.getpid())
+
+    class Late(StoreRoot):
+        def survey(self, **kwargs):  # its writer commits while gc has looked but not deleted
+            found = super().survey(**kwargs)
+            storepublish.commit(store, 2, attempt, {}, {"any": "manifest"})
+            return found
+
+    report = collect(Late(store, min_age_s=0), force=True)
+    assert h.attempts(store, report.removed) == [], report
+    kept = [w for w, why in report.kept if "a marker names it now" in why]
+    assert kept == [store.where("step_00000002", attempt)], report
+    assert store.marker(2) is not None
+    assert f"run/step_00000002/{attempt}/state/d.bin" in keys(moto, name)
 
 
 def _ranks_save(rank: int, world: int, endpoint: str, url: str, staging: str, fresh: str) -> dict:

@@ -3,9 +3,9 @@ commit.
 
 ``ObjectStore`` is one root and the primitives its commit runs on: a temporary area per attempt,
 conditional create of each step's marker, the tracker's compare-and-set on its ETag, the reads, step
-deletion marker-first, the listings and deletes gc (``ckptguard.ops.storegc``) decides over, and a
-write lease. The commit's order over them is ``ckptguard._commit.storepublish`` (``begin`` /
-``commit`` / ``rotate``), the restore's ``ckptguard._resume.storefetch`` (``resolve`` /
+deletion marker-first, the listings and deletes gc (``ckptguard.ops.gc``, ``ops.storegc``) decides
+over, and a write lease. The commit's order over them is ``ckptguard._commit.storepublish``
+(``begin`` / ``commit`` / ``rotate``), the restore's ``ckptguard._resume.storefetch`` (``resolve`` /
 ``fetch_step``); ``ckptguard._core.storestage`` composes them into the stage a
 ``CheckpointManager("s3://bucket/prefix")`` publishes each commit through. Needs the ``s3`` extra
 (boto3): ``pip install 'ckptguard[s3]'``. The options and the URL need nothing beyond the standard

@@ -17,10 +17,11 @@ Contract (``Consistency.CONDITIONAL``, the default):
 - ``_resume.storefetch.resolve`` reads the tracker and that step's marker; nothing is decided from a
   listing.
 - Rotation deletes a step's marker first, then its objects: a half-deleted step is invisible.
-- gc (``ckptguard.ops.storegc``, over these primitives) removes only attempts that carry ckptguard's
-  owner record, that no marker names, and
-  that are older than ``min_age_s``, aborts multipart uploads of such attempts, and never runs on a
-  prefix without the root record or while the tracker's step has no readable marker.
+- gc (``ckptguard.ops.gc.collect`` over ``ops.storegc.StoreRoot``'s survey of these primitives)
+  removes only attempts that carry ckptguard's owner record, that no marker names, that are older
+  than ``min_age_s`` and whose writer is gone (``_disk.tempfiles.writer_gone``), aborts multipart
+  uploads of such attempts, and never runs on a prefix without the root record or while the
+  tracker's step has no readable marker.
 - Every size a marker declares is checked (``_objrecords``: an int up to 5 TiB; ``fetch``: equal to
   its manifest's; ``_transfer``: equal to the object's HEAD) before anything is allocated or
   requested.
