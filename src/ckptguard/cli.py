@@ -117,6 +117,21 @@ def _mapped(call: Callable[[], Any], as_json: bool) -> Any:
 
 
 class _Command(click.Command):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Bad usage under ``--json`` (a path that does not exist, an unknown option) is one JSON
+        object on stdout too, exit 2, as every other failure of a command a script reads."""
+        given = list(args)  # click's parser consumes the list it is given
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if "--json" not in given:
+                raise
+            _fail(
+                f"{exc.format_message()} (`ckptguard {ctx.info_name} --help` says what it takes)",
+                True,
+                code=2,
+            )
+
     def invoke(self, ctx: click.Context) -> Any:
         return _mapped(lambda: super(_Command, self).invoke(ctx), bool(ctx.params.get("as_json")))
 

@@ -38,6 +38,22 @@ def _json(*args: object, code: int = 0) -> dict:
     return out
 
 
+def test_bad_usage_under_json_is_one_json_object_for_every_command(tmp_path):
+    """A path that does not exist or an unknown option, with ``--json``: the JSON object of a
+    failure on stdout (exit 2, click's message in ``error``), never click's usage text alone."""
+    commands = [
+        name for name, cmd in main.commands.items() if any("--json" in p.opts for p in cmd.params)
+    ]
+    assert {"gc", "verify", "list", "transfer", "adopt"} <= set(commands)
+    for name in commands:
+        out = _json(name, "--json", "--no-such-option", code=2)
+        # click's own words: the unknown option, or a required one missing, checked first
+        assert "option" in out["error"].lower(), out
+        assert f"ckptguard {name} --help" in out["error"], out
+    out = _json("gc", tmp_path / "missing", "--json", code=2)
+    assert "does not exist" in out["error"], out
+
+
 def test_transfer_json_on_success_and_on_error(root, tmp_path):
     out = _json("transfer", root / "step_00000002", tmp_path / "dest", "--json")
     assert (
