@@ -841,7 +841,7 @@ def gc(
     n = len(report.removed)
     click.echo(
         f"{n} entr{'y' if n == 1 else 'ies'} {'to remove' if dry_run else 'removed'}, "
-        f"{len(report.kept)} left in place (listed above)"
+        f"{len(report.kept)} left in place{' (listed above)' if report.kept else ''}"
     )
 
 

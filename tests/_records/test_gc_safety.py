@@ -290,6 +290,20 @@ def test_gc_removing_trash_that_a_background_delete_empties_meanwhile_succeeds(
     assert committed_on_disk(root) == ["step_00000001", "step_00000002"]
 
 
+def test_gc_says_what_carries_a_step_name_without_being_a_step_directory(tmp_path):
+    root = tiny_root(tmp_path / "ck", (1, 2))
+    (root / "step_00000007").write_text("notes")  # a file with a step's name
+    (root / "step_00000008").symlink_to(root / "step_00000007")  # a link to a file
+    result = cli("gc", root)
+    assert result.exit_code == 0, result.output
+    for name in ("step_00000007", "step_00000008"):
+        assert f"kept    {root / name}: a step's name on something that is not a directory" in (
+            result.output
+        )
+    assert (root / "step_00000007").read_text() == "notes" and (root / "step_00000008").is_symlink()
+    assert committed_on_disk(root) == ["step_00000001", "step_00000002"]
+
+
 def test_orphans_never_removes_a_step_when_the_tracker_vanishes_after_the_early_check(tmp_path):
     """gc --orphans refuses a root without a tracker up front; a tracker gone between that check
     and the survey (a hand edit, a restore of the root meanwhile) must not turn every committed step

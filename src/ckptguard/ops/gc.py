@@ -279,6 +279,7 @@ class DirRoot:
                 )
                 continue
             out += self._step(path, step, tracker, verified, orphans)
+        out += _not_dirs(root, naming)
         own_files = (_layout.TRACKER_NAME, _lease.LEASE_NAME, _trust.TRUST_NAME)
         for item in _leftovers.leftovers(root, max_age_s=self.max_age_s, tmp_files=own_files):
             if item.removable:
@@ -342,6 +343,21 @@ class DirRoot:
 
     def finish(self) -> None:
         _layout.fsync_dir(self.root)
+
+
+def _not_dirs(root: Path, naming: _layout.StepNaming) -> list[Found]:
+    """Entries with a step's name that are not directories: said, never touched (a step
+    directory's name on a file is no checkpoint ckptguard wrote, and is easily missed)."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return []
+    note = "a step's name on something that is not a directory: not ckptguard's; left alone"
+    return [
+        Found(Path(e.path), note, False)
+        for e in entries
+        if naming.parse(e.name) is not None and not e.is_dir()
+    ]
 
 
 def _gone_is_fine(
