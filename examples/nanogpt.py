@@ -295,7 +295,8 @@ def train(out_dir: str, c: Config, *, data_dir: str | None = None, root: str | N
         read, total = [], torch.zeros(())
         for micro_step in range(accum):
             if ddp:
-                model.require_backward_grad_sync = micro_step == accum - 1  # type: ignore[assignment]
+                last = micro_step == accum - 1
+                model.require_backward_grad_sync = last  # type: ignore[assignment]
             read.append((x, ix))
             _, loss = model(x, y)
             loss = loss / accum

@@ -210,7 +210,8 @@ class StoreAgreement:
         """
         acks = [f"{base}ack/{r}" for r in range(self.info.world_size)]
         try:
-            self._store.set(acks[self.info.rank], b"")  # type: ignore[arg-type]  # bytes work; stub: str
+            # bytes work; stub: str
+            self._store.set(acks[self.info.rank], b"")  # type: ignore[arg-type]
             self._store.wait(acks, wait)
         except Exception:
             pass

@@ -102,7 +102,8 @@ def group_timeout_s(group: Any | None) -> float | None:
     for device in ("cpu", "cuda"):
         try:
             options = pg._get_backend(torch.device(device)).options
-            timeout = getattr(options, "_timeout")  # noqa: B009 - torch's private field, no public reader in 2.13
+            # torch's private field, no public reader in 2.13
+            timeout = getattr(options, "_timeout")  # noqa: B009
         except Exception:  # no backend for that device, or a torch without these names
             continue
         found.append(timeout.total_seconds())

@@ -381,7 +381,8 @@ def recv_file(
         else:
             try:
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                out = open(part, "wb")  # noqa: SIM115 (kept open across the block loop, closed below)
+                # kept open across the block loop, closed below
+                out = open(part, "wb")  # noqa: SIM115
             except OSError as exc:
                 problem = refused("creating", exc)
         h = xxhash.xxh3_64()

@@ -133,7 +133,8 @@ def _write_extras(path: Path, extras: StateDict) -> WrittenFile:
     try:
         out = _ExtrasFile(fd, str(path))
         try:
-            torch.save(extras, out)  # type: ignore[arg-type]  # write and flush are all torch.save calls
+            # write and flush are all torch.save calls
+            torch.save(extras, out)  # type: ignore[arg-type]
         except Exception as exc:
             if out.error is not None:  # the OS error, not the serializer's symptom of it
                 raise out.error from exc

@@ -57,7 +57,8 @@ def _mix_blocks(first: int, count: int) -> np.ndarray:
     mixed = _splitmix(
         np.arange(first, first + count, dtype=np.uint64) ^ np.uint64(0xD1B54A32D192ED03)
     )
-    return mixed | np.uint64(1)  # type: ignore[no-any-return]  # numpy types uint64 operators as Any
+    # numpy types uint64 operators as Any
+    return mixed | np.uint64(1)  # type: ignore[no-any-return]
 
 
 _BLOCKS_CACHED = (
@@ -306,7 +307,8 @@ def _weights_at(j: np.ndarray) -> np.ndarray:
         bw = _splitmix(blocks ^ np.uint64(0xD1B54A32D192ED03)) | np.uint64(1)
     else:
         bw = _BW[blocks]
-    return _POS[j % np.uint64(_LF_BLOCK)] * bw  # type: ignore[no-any-return]  # wraps modulo 2**64, as the sum does
+    # wraps modulo 2**64, as the sum does
+    return _POS[j % np.uint64(_LF_BLOCK)] * bw  # type: ignore[no-any-return]
 
 
 def _global_offset(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

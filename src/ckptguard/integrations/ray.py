@@ -36,7 +36,8 @@ def node_ip() -> str:
     except ImportError:
         return "127.0.0.1"
     try:
-        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]  # ray: unannotated
+        # ray: unannotated
+        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
     except Exception:  # not inside a Ray worker or driver
         return socket.gethostbyname(socket.gethostname())
 

@@ -116,7 +116,8 @@ def should_save(trainer_cfg: Any, step: int, *, is_last_step: bool) -> bool:
 
 def _critic_dir() -> str:
     try:
-        from verl.trainer.ppo.utils import Role  # type: ignore[import-not-found]  # optional, often absent
+        # optional, often absent
+        from verl.trainer.ppo.utils import Role  # type: ignore[import-not-found]
 
         return str(Role.Critic)
     except ImportError:

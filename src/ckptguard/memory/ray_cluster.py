@@ -60,7 +60,8 @@ def _cluster_system_config() -> tuple[dict[str, Any] | None, str]:
         from ray._private.state import state  # optional: ray's private state API, when ray is there
 
         # ray's private API carries no annotations.
-        return dict(state.get_system_config()), "read from the cluster's GCS"  # type: ignore[no-untyped-call]
+        config = state.get_system_config()  # type: ignore[no-untyped-call]
+        return dict(config), "read from the cluster's GCS"
     except Exception as exc:  # a private API: say so instead of guessing
         return None, f"the cluster's system config could not be read ({type(exc).__name__}: {exc})"
 

@@ -106,7 +106,8 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
     JSON."""
     path = Path(path)
     try:
-        f = open(path, "rb", opener=_plain_file)  # noqa: SIM115 (closed by the with below: the open's error is ours)
+        # closed by the with below: the open's error is ours
+        f = open(path, "rb", opener=_plain_file)  # noqa: SIM115
     except OSError as exc:
         raise CheckpointCorruptError(
             f"{path} cannot be opened as a plain file ({exc.strerror or exc}): a "

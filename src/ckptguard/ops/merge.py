@@ -72,7 +72,8 @@ def _adapter(
     tensors = {}
     for key in expected:
         meta = md.state_dict_metadata[key]
-        tensors[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)  # type: ignore[union-attr]
+        size, dtype = meta.size, meta.properties.dtype  # type: ignore[union-attr]
+        tensors[key] = torch.empty(tuple(size), dtype=dtype)
     StreamingStorage().read(
         step_dir / "state", tensors, StorageContext(rank=0, world_size=1, process_group=None)
     )

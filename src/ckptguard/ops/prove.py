@@ -136,7 +136,8 @@ def _needs_restore(seg: _Segment) -> tuple[Status, str] | None:
     if not _restored(seg):
         return Status.MISSING, "no restore of a non-zero step"
     if _raised(seg):
-        return Status.MISSING, f"rank {seg.rank}: the restore of step {seg.restore['step']} raised"  # type: ignore[index]
+        step = seg.restore["step"]  # type: ignore[index]
+        return Status.MISSING, f"rank {seg.rank}: the restore of step {step} raised"
     return None
 
 

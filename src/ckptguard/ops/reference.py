@@ -151,7 +151,8 @@ def earliest(
         if found:
             by_step: dict[int, list[ProofRecord]] = {}
             for r in found:
-                by_step.setdefault(int(r.step), []).append(r)  # type: ignore[arg-type]  # _of kept int steps
+                # _of kept int steps
+                by_step.setdefault(int(r.step), []).append(r)  # type: ignore[arg-type]
             return c, by_step
     return None, {}
 

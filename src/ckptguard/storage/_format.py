@@ -109,7 +109,8 @@ def _build_frame(shape: tuple[int, ...], dtype: torch.dtype) -> Frame:
         fake = torch.empty(shape, dtype=dtype)
     rec = _Recorder()
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(fake, rec)  # type: ignore[arg-type]  # torch needs only write(); its stub says IO[bytes]
+        # torch needs only write(); its stub says IO[bytes]
+        torch.save(fake, rec)  # type: ignore[arg-type]
     nbytes = fake.numel() * fake.element_size()
     if nbytes == 0 and not rec.gaps:
         rec.gaps.append((rec.pos, 0))  # torch's writer skips nothing for an empty storage
@@ -300,7 +301,8 @@ def _check_opcodes(data: bytes, where: str) -> None:
 def read_record(f: io.IOBase, where: str) -> Record:
     """Locate the tensor record in one item's archive; ``f`` is seekable over that item only."""
     try:
-        zf = torch._C.PyTorchFileReader(f)  # type: ignore[call-overload]  # any seekable reader works
+        # any seekable reader works
+        zf = torch._C.PyTorchFileReader(f)  # type: ignore[call-overload]
         if zf.has_record("byteorder") and zf.get_record("byteorder").decode() != sys.byteorder:
             raise CheckpointCorruptError(
                 f"{where}: written on a {zf.get_record('byteorder')!r}-endian machine"

@@ -212,7 +212,8 @@ class FileStreamer:
         # Written from the tensor's own memory: a copy would only cost bandwidth here.
         self._flush()
         flat = t.reshape(-1).view(torch.uint8)
-        mv = memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy's stub: buffer only on 3.12+
+        # numpy's stub: buffer only on 3.12+
+        mv = memoryview(flat.numpy())  # type: ignore[arg-type]
         for start in range(0, nbytes, self._pool.size):
             self._raise_if_failed()
             self._emit(_Chunk(mv[start : start + self._pool.size], None, None, keep=flat))

@@ -157,7 +157,7 @@ class _CheckedWriter(FileSystemWriter):
     def record(self, exc: OSError, path: str, offset: int, requested: int, returned: int) -> None:
         if self.first_error is None:  # the first error, not the last message
             err = OSError(exc.errno, exc.strerror or str(exc), path)
-            err.offset, err.requested_bytes, err.returned_bytes = offset, requested, returned  # type: ignore[attr-defined]
+            err.__dict__.update(offset=offset, requested_bytes=requested, returned_bytes=returned)
             self.first_error = err
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -189,7 +189,9 @@ class _CheckedWriter(FileSystemWriter):
     def _write(self, plan: Any, planner: Any) -> list[Any]:
         future = super().write_data(plan, planner)
         # A future without wait() is a concurrent.futures one: torch's stub does not know that type.
-        return future.wait() if hasattr(future, "wait") else future.result()  # type: ignore[attr-defined]
+        if hasattr(future, "wait"):
+            return future.wait()
+        return future.result()  # type: ignore[attr-defined,no-any-return]
 
     def _check_lengths(self, results: list[Any]) -> None:
         """A short write that went unnoticed leaves a file shorter than its items' extent."""
@@ -206,7 +208,7 @@ class _CheckedWriter(FileSystemWriter):
                 exc = OSError(
                     errno.EIO, f"short write: {have} of {need} bytes on disk after fsync", path
                 )
-                exc.offset, exc.requested_bytes, exc.returned_bytes = have, need, have  # type: ignore[attr-defined]
+                exc.__dict__.update(offset=have, requested_bytes=need, returned_bytes=have)
                 raise exc
 
 

@@ -191,7 +191,8 @@ class MetadataIndex(_Record):
     offset: Any = None
     index: Any = None
 
-    def __hash__(self) -> int:  # type: ignore[override]  # frozen in DCP: hashable, unlike the others
+    # frozen in DCP: hashable, unlike the others
+    def __hash__(self) -> int:  # type: ignore[override]
         return hash((self.__dict__.get("fqn"), self.offset))
 
     def __eq__(self, other: object) -> bool:
