@@ -34,20 +34,22 @@ def _disagreeing_ranks(rank, world, base):
     """Rank 0 is still in its commit's bookkeeping (after every agreement) while rank 1's commit is
     done: their local views differ, the decision must not."""
     mgr = cg.CheckpointManager(base, config=cg.CheckpointConfig(timeout_s=20))
+    asked = threading.Event()  # rank 0's save_async(2) returned: its commit may end now
     if rank == 0:
         trust = mgr.core.trust_committed
 
         def slow(step):
-            time.sleep(2.0)
+            asked.wait(60)  # bounded: a save_async(2) that waited for the commit ends, and fails
             trust(step)
 
         mgr.core.trust_committed = slow
     state = {"w": cg.PerRank(torch.full((64,), float(rank)))}
     first = mgr.save_async(1, state)
     if rank == 1:
-        first.wait()  # rank 1 is idle now; rank 0 is not
+        first.wait()  # rank 1 is idle now; rank 0 is not (held until its save_async(2) returned)
     busy_here = first.busy()
     skipped = mgr.save_async(2, state)
+    asked.set()
     mgr.wait()
     third = mgr.save_async(3, state)
     path = third.wait() if third is not None else None

@@ -27,6 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 THRESHOLD = 0.93  # the cluster's own setting, distinct from Ray's 0.95 default
 # a bound on a hang: an actor's start (its torch import) took over 60 s on a loaded 2-core host
 GET_TIMEOUT = 300
+# the rendezvous and the process group's own timeout, once every actor has started: generous, as
+# no test measures it (the timeouts a test measures are CheckpointConfig.timeout_s of its runs)
+GROUP_TIMEOUT = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -137,18 +140,24 @@ class RankActor:
         }
 
 
-def _start_group(world: int, timeout_s: float) -> list:
+def _form_group(actors: list) -> list[int]:
+    """Wait until every actor has started (its torch import: a minute on a loaded host), then
+    form their process group; the actors' pids."""
+    pids = ray.get([a.pid.remote() for a in actors], timeout=GET_TIMEOUT)
+    address = ray.get(actors[0].open.remote(GROUP_TIMEOUT), timeout=GET_TIMEOUT)
+    ray.get([a.join.remote(address, GROUP_TIMEOUT) for a in actors], timeout=GET_TIMEOUT)
+    return pids
+
+
+def _start_group(world: int) -> tuple[list, list[int]]:
     actors = [RankActor.remote(r, world) for r in range(world)]
-    address = ray.get(actors[0].open.remote(timeout_s), timeout=GET_TIMEOUT)
-    ray.get([a.join.remote(address, timeout_s) for a in actors], timeout=GET_TIMEOUT)
-    return actors
+    return actors, _form_group(actors)
 
 
 def test_actor_killed_mid_save_then_restart_restore_and_prove(cluster, tmp_path):
     root = str(tmp_path / "ckpt")
-    timeout_s = 6.0
-    first = _start_group(2, timeout_s)
-    pids = ray.get([a.pid.remote() for a in first])
+    timeout_s = 6.0  # the checkpoint collectives' timeout, measured by rank 0's elapsed below
+    first, pids = _start_group(2)
     refs = [a.run.remote(root, 6, 2, 4, timeout_s) for a in first]
     r0 = ray.get(refs[0], timeout=GET_TIMEOUT)
     with pytest.raises(ray.exceptions.RayActorError):  # rank 1 SIGKILLed itself mid-write
@@ -160,8 +169,8 @@ def test_actor_killed_mid_save_then_restart_restore_and_prove(cluster, tmp_path)
     assert cg.CheckpointManager(root).committed_steps() == [2]
     ray.kill(first[0])
 
-    second = _start_group(2, 30.0)
-    assert not set(ray.get([a.pid.remote() for a in second])) & set(pids)
+    second, second_pids = _start_group(2)
+    assert not set(second_pids) & set(pids)
     outs = ray.get([a.run.remote(root, 8, 2, None, 30.0) for a in second], timeout=GET_TIMEOUT)
     assert [o["start"] for o in outs] == [2, 2]
     # retention (KeepLast(2)) ran after each commit; the step this run restored from stays protected
@@ -211,6 +220,9 @@ class RoleRankActor:
 
         torch.set_num_threads(1)
         self.rank, self.world = rank, world
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def open(self, timeout_s: float) -> str:
         from ckptguard.integrations.ray import open_rendezvous
@@ -264,8 +276,7 @@ class RoleRankActor:
 def test_run_checkpoint_of_two_roles_inside_ray_actors(cluster, tmp_path):
     root = str(tmp_path / "run")
     actors = [RoleRankActor.remote(r, 2) for r in range(2)]
-    address = ray.get(actors[0].open.remote(30.0), timeout=GET_TIMEOUT)
-    ray.get([a.join.remote(address, 30.0) for a in actors], timeout=GET_TIMEOUT)
+    _form_group(actors)
     # Saves of steps 1-2, then a second RunCheckpoint (its own role groups) restores into new
     # objects.
     first, second = (

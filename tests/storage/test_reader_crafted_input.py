@@ -21,6 +21,7 @@ from ckptguard.errors import CheckpointCorruptError, StorageStallError, UnsafeCh
 from ckptguard.storage import _format
 from ckptguard.storage import _pool as _fastio_pool
 from ckptguard.storage._pool import IOStats
+from ckptguard.storage._reader import ItemReader
 from ckptguard.storage.base import StorageContext
 from ckptguard.storage.dcp import DCPStorage
 from ckptguard.storage.streaming import StreamingConfig, StreamingReader, StreamingStorage
@@ -169,16 +170,28 @@ def test_a_stall_names_the_reads_in_flight_and_does_not_wait_a_second_timeout(
         return real(fd, views, off)
 
     monkeypatch.setattr(_fastio_pool, "_preadv", slow)
-    cfg = StreamingConfig(pool_bytes=4 * BUF, buffer_bytes=BUF, read_threads=2, stall_timeout_s=2.0)
+    raised: list[float] = []  # when the reader's wait for data gave up
+    real_next = ItemReader._next
+
+    def timed_next(self, ready):
+        try:
+            return real_next(self, ready)
+        except StorageStallError:
+            raised.append(time.monotonic())
+            raise
+
+    monkeypatch.setattr(ItemReader, "_next", timed_next)
+    cfg = StreamingConfig(pool_bytes=4 * BUF, buffer_bytes=BUF, read_threads=2, stall_timeout_s=6.0)
     threads = threading.active_count()
-    t0 = time.monotonic()
     with pytest.raises(StorageStallError, match=r"reads in flight: .*__0_0\.distcp at offset \d+"):
         StreamingStorage(cfg).read(
             tmp_path, {k: torch.zeros_like(v) for k, v in state.items()}, CTX
         )
-    took = time.monotonic() - t0
+    ended = time.monotonic()
     unblock.set()
-    assert took < 4.0, took  # the 2 s stall timeout and its 1 s grace (3 s), not two timeouts (5 s)
+    assert len(raised) == 1, raised
+    # After the stall only the 1 s grace for the stalled threads, not a second 6 s timeout.
+    assert ended - raised[0] < 4.0, ended - raised[0]
     deadline = time.monotonic() + 20  # the blocked threads finish and close their own files
     while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -203,7 +216,6 @@ def test_an_io_error_while_parsing_an_item_is_the_io_error_with_path_and_offset(
 
 def test_a_reader_reads_again_when_reused(tmp_path):
     from ckptguard.storage._pool import BufferPool
-    from ckptguard.storage._reader import ItemReader
 
     state = {"a": torch.randn(50_000), "b": torch.randn(10)}
     StreamingStorage(SMALL).write(tmp_path, state, CTX)
