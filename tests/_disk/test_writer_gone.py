@@ -82,3 +82,57 @@ def test_a_writer_is_gone_by_one_rule_for_every_record_of_it(tmp_path, live, cas
         return
     state = (_temp_dir if what == "temp dir" else _temp_file)(tmp_path, host, pid, start, age_s)
     assert state == ("dead" if gone else "alive")
+
+
+OTHER_NS = 4026532999  # a PID namespace's inode other than the host's own (0xEFFFFFFC) and ours
+
+
+@pytest.mark.parametrize("what", ["temp dir", "temp file", "rule"])
+def test_a_writer_in_another_pid_namespace_of_this_host_name_is_judged_by_age(
+    tmp_path, monkeypatch, what
+):
+    """Two containers of one host name (with the host's network, say) number their processes
+    apart: a PID read in one says nothing of a writer in the other, whose records are judged by
+    age, as another host's. Before, a young temp directory of a live save in the other container
+    looked dead here (its PID not running) and gc removed it; a lease's holder there was taken over.
+    """
+    monkeypatch.setattr(tempfiles, "_pid_ns", lambda: 4026532000)  # this test, in a container
+    name = socket.gethostname()
+    here = tempfiles.this_host()
+    assert here == f"{name}#pidns4026532000"
+    dead = _dead_pid()
+    cases = [
+        (f"{name}#pidns{OTHER_NS}", 0.0, False),  # another container of this host name, young
+        (name, 0.0, False),  # the host's own namespace, young
+        (f"{name}#pidns{OTHER_NS}", 10 * MAX_AGE_S, True),  # ... past the age: gone
+        (here, 0.0, True),  # this namespace: the PID decides, at once
+    ]
+    for i, (host, age_s, gone) in enumerate(cases):
+        if what == "rule":
+            verdict = writer_gone(host, dead, "1", expired=age_s > MAX_AGE_S)
+            assert (verdict is not None) == gone, (host, verdict)
+            assert holder_gone(host, dead, "1", expired=age_s > MAX_AGE_S) == verdict
+            continue
+        (tmp_path / str(i)).mkdir()
+        make = _temp_dir if what == "temp dir" else _temp_file
+        state = make(tmp_path / str(i), host, dead, "1", age_s)
+        assert state == ("dead" if gone else "alive"), (host, age_s)
+
+
+def test_records_name_this_process_s_pid_namespace_where_it_is_not_the_host_s(
+    tmp_path, monkeypatch
+):
+    from ckptguard._disk.lease import Owner
+    from ckptguard.storage.s3._objrecords import Writer
+
+    assert tempfiles.this_host() == socket.gethostname() or "#pidns" in tempfiles.this_host()
+    monkeypatch.setattr(tempfiles, "_pid_ns", lambda: tempfiles.INIT_PID_NS)
+    assert tempfiles.this_host() == socket.gethostname()  # outside any container: as before
+    monkeypatch.setattr(tempfiles, "_pid_ns", lambda: 4026532000)
+    layout.write_owner(tmp_path)
+    recorded = json.loads((tmp_path / layout.OWNER_NAME).read_text())["host"]
+    assert recorded == Owner.me().host == Writer.here().host == tempfiles.this_host()
+    assert layout.owner_state(tmp_path, max_age_s=MAX_AGE_S) == "alive"  # this very process
+    assert tempfiles.owner_state(tempfiles.temp_name(tmp_path / "x"), max_age_s=MAX_AGE_S) == (
+        "alive"
+    )

@@ -15,10 +15,10 @@ again.
 
 from __future__ import annotations
 
-import socket
 import time
 
 from .._disk.lease import holder_gone
+from .._disk.tempfiles import this_host
 from ..errors import ConditionalWriteUnsupportedError, LeaseHeldError
 from ..storage.s3 import ObjectStore
 from ..storage.s3._objrecords import LEASE, Lease, Writer
@@ -97,7 +97,7 @@ def _takeover(
     why = why or holder_gone(w.host, w.pid, w.start, expired=lease.expires_unix < now)
     if why is not None:
         return f"took over the write lease of {lease.holder} ({w.describe()}; {why})"
-    if w.host == socket.gethostname():  # alive here: its lease's age does not free it
+    if w.host == this_host():  # alive here: its lease's age does not free it
         raise LeaseHeldError(
             f"{store.where(LEASE)} is held by {lease.holder} ({w.describe()}), a live process on "
             f"this host: another job writes this root. Stop it, or pass break_lease=True if you "

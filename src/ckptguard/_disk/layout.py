@@ -17,7 +17,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import stat
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import Any
 from .._types import JsonObject
 from ..errors import CheckpointCorruptError, CheckpointError, ConfigError, UnsafeCheckpointError
 from . import tempfiles as _tempfiles
-from .tempfiles import proc_start
+from .tempfiles import proc_start, this_host
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MANIFEST_NAME = "manifest.json"
@@ -328,7 +327,7 @@ def write_owner(tmp: Path, *, node: str | None = None) -> None:
     another node that finds this directory at its own root's path knows it is not its node's
     disk."""
     owner: dict[str, Any] = {
-        "host": socket.gethostname(),
+        "host": this_host(),
         "pid": os.getpid(),
         "start": proc_start(os.getpid()),
     }

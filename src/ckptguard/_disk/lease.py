@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import stat
 import time
 from dataclasses import asdict, dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 from .._agree import Agreement, Wire, gather_decide
 from ..errors import CheckpointCorruptError, LeaseHeldError
 from .layout import atomic_write_bytes, fsync_dir, parse_json, read_small
-from .tempfiles import proc_start, temp_name, writer_gone
+from .tempfiles import proc_start, temp_name, this_host, writer_gone
 
 log = logging.getLogger("ckptguard")
 
@@ -53,7 +52,7 @@ class Owner:
     @classmethod
     def me(cls) -> Owner:
         now = time.time()
-        return cls(socket.gethostname(), os.getpid(), proc_start(os.getpid()), now, now)
+        return cls(this_host(), os.getpid(), proc_start(os.getpid()), now, now)
 
     def same_process(self, other: Owner) -> bool:
         return (self.host, self.pid, self.start) == (other.host, other.pid, other.start)
@@ -72,7 +71,7 @@ def holder_gone(host: str, pid: int, start: str | None, *, expired: bool) -> str
     is the rule of every writer (``tempfiles.writer_gone``) except for another holder in this very
     process (another manager of it), whose lease's age decides: this process's liveness says nothing
     of that manager's."""
-    if host == socket.gethostname() and pid == os.getpid() and start == proc_start(pid):
+    if host == this_host() and pid == os.getpid() and start == proc_start(pid):
         return "it expired" if expired else None
     return writer_gone(host, pid, start, expired=expired)
 

@@ -34,15 +34,37 @@ def proc_start(pid: int) -> str | None:
         return None
 
 
+INIT_PID_NS = 0xEFFFFFFC
+"""The inode of the kernel's initial PID namespace (``PROC_PID_INIT_INO``): a process outside any
+container."""
+
+
+def _pid_ns() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc (macOS): one namespace
+        return None
+
+
+def this_host() -> str:
+    """This process's host as a writer's record names it: where its PID means this process. The
+    host name, and beside it the PID namespace when that is not the host's own: two containers of
+    one host name (with the host's network, say) number their processes apart, so a PID read in
+    one says nothing of the other, whose records are then judged by age, as another host's."""
+    host = socket.gethostname()
+    ns = _pid_ns()
+    return host if ns is None or ns == INIT_PID_NS else f"{host}#pidns{ns}"
+
+
 def writer_gone(host: str, pid: int, start: str | None, *, expired: bool) -> str | None:
     """Why the process that wrote something can no longer write it, or None while it may: the one
     rule of every root for a writer of its own (a lease's holder, ``_disk.lease.holder_gone``; a
     save's temp directory and an atomic write's temp file, ``owner_state`` here and in ``layout``;
     an object store's attempt, ``ops.storegc``). On this host the process decides, however old its
     work: gone once its PID is absent or runs another program (its start time differs: a restarted
-    container gets its PID back); a record without the start time, and a writer on another host, are
-    judged by age (``expired``)."""
-    if host != socket.gethostname():
+    container gets its PID back); a record without the start time, and a writer on another host or
+    in another PID namespace of this one (``this_host``), are judged by age (``expired``)."""
+    if host != this_host():
         return "it expired" if expired else None
     if not _pid_exists(pid):
         return "its process is dead"
@@ -76,7 +98,7 @@ def _host_tag(host: str) -> str:
 def owner_tag() -> str:
     """This process as the names of its files record it: ``<pid>.<start time>.<host tag>``."""
     pid = os.getpid()
-    return f"{pid}.{proc_start(pid) or 'x'}.{_host_tag(socket.gethostname())}"
+    return f"{pid}.{proc_start(pid) or 'x'}.{_host_tag(this_host())}"
 
 
 def temp_name(path: Path) -> Path:
@@ -103,7 +125,7 @@ def owner_state(path: Path, *, max_age_s: float) -> str:
     match = _TEMP.search(path.name)
     if match is None or match.group("pid") is None:
         return "unknown"
-    here = socket.gethostname()
+    here = this_host()
     host = here if match.group("host") == _host_tag(here) else f"host tag {match.group('host')}"
     start = None if match.group("start") == "x" else match.group("start")
     gone = writer_gone(host, int(match.group("pid")), start, expired=_age(path) > max_age_s)

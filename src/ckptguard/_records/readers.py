@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ _NAME = re.compile(r"(\d+)-[0-9a-z.]+\.json\Z")
 
 
 def _host() -> str:
-    return socket.gethostname()
+    return _tempfiles.this_host()
 
 
 def _path(root: Path, step: int, owner: str) -> Path:

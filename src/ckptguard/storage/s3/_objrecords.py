@@ -18,13 +18,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..._disk.layout import PROOF_DIR, parse_json
-from ..._disk.tempfiles import proc_start
+from ..._disk.tempfiles import proc_start, this_host
 from ..._types import JsonObject
 from ...errors import CheckpointCorruptError
 
@@ -87,7 +86,7 @@ class Writer:
 
     @classmethod
     def here(cls, lease: str | None = None) -> Writer:
-        return cls(socket.gethostname(), os.getpid(), lease, proc_start(os.getpid()))
+        return cls(this_host(), os.getpid(), lease, proc_start(os.getpid()))
 
     @classmethod
     def read(cls, raw: JsonObject, where: str) -> Writer:
