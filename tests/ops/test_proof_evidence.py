@@ -291,6 +291,36 @@ def test_a_save_record_lost_with_a_kill_right_after_the_commit_still_leaves_a_re
     ), first.evidence
 
 
+@pytest.mark.parametrize(
+    ("resumed_start", "expected"),
+    [
+        ("900", Status.PASS),  # a restarted container gave the PID back: a new process
+        ("100", Status.FAIL),  # the very process that saved restored in place
+        (None, Status.FAIL),  # records without a start time: the PID and host decide, as before
+    ],
+)
+def test_a_relaunch_given_the_saving_process_s_pid_back_is_told_apart_by_its_start(
+    tmp_path, resumed_start, expected
+):
+    """A restarted container numbers its processes from 1 again: the relaunch can have the PID
+    and the host name of the process that saved, and was called "restored in the same process"
+    (a false alarm). Each record carries its process's start time, which tells them apart."""
+    saved = "100" if resumed_start else None
+    _write(
+        tmp_path,
+        [
+            {"event": "restore", "pid": OLD, "step": 0, "ok": True, "start": saved},
+            {**_step(OLD, 6, 0.5), "start": saved},
+            {**_restore(OLD), "start": resumed_start},
+            {**_step(OLD, 7, 0.25), "start": resumed_start},
+        ],
+    )
+    gate = _by_name(evaluate(tmp_path))["all PIDs changed"]
+    assert gate.status is expected, gate.evidence
+    if expected is Status.FAIL:
+        assert f"restored in the same process (pid {OLD})" in gate.evidence
+
+
 def test_the_plan_line_says_when_rl_gates_are_judged_under_a_plan_without_rl(tmp_path):
     plain = {"rl": False, "deterministic": True, "replay_steps": 1}
     fp = {"bytes": "b6", "scales": "none"}

@@ -8,6 +8,7 @@ before the oldest checkpoint on disk, except what the proof of the newest restor
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from .._disk.layout import (
     refuse_link,
     step_dirs,
 )
+from .._disk.tempfiles import proc_start
 from .._log import NAME
 from .._state.state import ItemKind, KeyFn, classify, current_state, flatten
 from .._state.trajectory import rng_digests
@@ -44,6 +46,15 @@ from .proofreader import PROOF_BYTES, ProofRecord, header_problem, records_dir
 from .resumewatch import ResumeWatch
 
 _HOST = socket.gethostname()
+
+
+@functools.lru_cache(maxsize=4)
+def _start(pid: int) -> str | None:
+    """The process's start time (``/proc``), read once per process: with the PID it tells a
+    relaunch from the process that saved where a restarted container gives the PID back."""
+    return proc_start(pid)
+
+
 log = logging.getLogger(NAME)
 
 
@@ -120,6 +131,7 @@ class ProofLog:
             "rank": self.rank,
             "pid": os.getpid(),
             "host": _HOST,
+            "start": _start(os.getpid()),
             "time": time.time(),
             "mono": time.monotonic(),
             **fields,

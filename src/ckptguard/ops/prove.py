@@ -188,7 +188,11 @@ def _gate_pids(seg: _Segment) -> tuple[Status, str]:
         )
     if saver is None:
         return Status.MISSING, f"rank {seg.rank}: no record of the process that saved step {step}"
-    if saver["pid"] == seg.restore["pid"] and saver.get("host") == seg.restore.get("host"):
+    same = saver["pid"] == seg.restore["pid"] and saver.get("host") == seg.restore.get("host")
+    starts = saver.get("start"), seg.restore.get("start")
+    if same and None not in starts and starts[0] != starts[1]:
+        same = False  # the PID given back to a relaunch (a restarted container): a new process
+    if same:
         return (
             Status.FAIL,
             f"rank {seg.rank}: restored in the same process (pid {saver['pid']}) that saved",
