@@ -124,30 +124,11 @@ def _fresh_process(env: dict[str, str], streams: _StdStreams) -> None:
         sys.modules["numpy.random"].seed()
 
 
-def _publish_port(path: Path, port: int) -> None:
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text(str(port))
-    os.replace(tmp, path)
-
-
-def _read_port(path: Path, wait_s: float) -> int:
-    """The port rank 0's store listens on, once rank 0 published it (``wait_s`` at most)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return int(path.read_text())
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"rank 0 did not publish its store's port in {wait_s:.0f} s ({path})"
-                ) from None
-            time.sleep(0.02)
-
-
 def _child(
     fn: Callable[..., Any],
     rank: int,
     world: int,
+    port: int,
     out: str,
     pg_timeout_s: float,
     args: tuple[Any, ...],
@@ -168,28 +149,13 @@ def _child(
             # The rendezvous waits as long as a loaded machine takes to start every rank, whatever
             # the group's own timeout (a test's 3 s group timeout failed its rendezvous when a rank
             # started late).
-            wait = max(60.0, pg_timeout_s)
-            if rank == 0:
-                # Port 0: rank 0 holds the port the kernel gave it from the start and publishes it
-                # (a port chosen by the launcher and bound only here could be taken meanwhile by
-                # any process of a loaded machine: seen once in the suite).
-                store = dist.TCPStore(
-                    "127.0.0.1",
-                    0,
-                    world,
-                    is_master=True,
-                    timeout=datetime.timedelta(seconds=wait),
-                    wait_for_workers=False,  # they connect once the port is published, below
-                )
-                _publish_port(Path(out).with_name("port"), store.port)
-            else:
-                store = dist.TCPStore(
-                    "127.0.0.1",
-                    _read_port(Path(out).with_name("port"), wait),
-                    world,
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=wait),
-                )
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                world,
+                is_master=rank == 0,
+                timeout=datetime.timedelta(seconds=max(60.0, pg_timeout_s)),
+            )
             dist.init_process_group(
                 "gloo",
                 store=store,
@@ -223,6 +189,7 @@ def run_ranks(
     runs one plain process with no process group (world must be 1)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
+    port = free_port()
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="ckptguard-ranks-") as tmp:
         procs = []
@@ -234,6 +201,7 @@ def run_ranks(
                     fn,
                     rank,
                     world if distributed else 0,
+                    port,
                     out,
                     pg_timeout_s,
                     args,

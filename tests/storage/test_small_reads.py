@@ -153,9 +153,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "open",
     ): "the last byte of a proof log (not yet through read_small)",
     ("testing.py", "run_ranks", "open"): "the result pickle of a test rank (testing only)",
-    ("testing.py", "_read_port", "read_text"): (
-        "the port rank 0 of a test's ranks wrote in the run's own temp directory (testing only)"
-    ),
     ("storage/s3/_transfer.py", "_read", "open"): "a data file of the staging root (upload)",
     ("storage/s3/_transfer.py", "_check", "open"): "a downloaded data file it just wrote",
     # Operator tools and the memory wing: files the user names on the command line, /proc and /sys.
