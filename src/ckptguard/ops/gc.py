@@ -230,11 +230,14 @@ class DirRoot:
 
     def check_orphans(self) -> None:
         if _layout.read_tracker(self.root) is None:
-            raise ConfigError(
-                f"gc --orphans: {self.root} has no tracker, so every step would look like an "
-                f"orphan; point the tracker at the step you trust with `ckptguard adopt ROOT STEP` "
-                f"first"
-            )
+            raise self._no_tracker()
+
+    def _no_tracker(self) -> ConfigError:
+        return ConfigError(
+            f"gc --orphans: {self.root} has no tracker, so every step would look like an "
+            f"orphan; point the tracker at the step you trust with `ckptguard adopt ROOT STEP` "
+            f"first"
+        )
 
     def check_idle(self) -> None:
         _lease.check_idle(self.root, ttl_s=self.ttl_s)
@@ -243,7 +246,7 @@ class DirRoot:
         root, naming = self.root, self.naming
         tracker = _layout.read_tracker(root)  # read once: every step's verdict is against it
         if orphans and tracker is None:  # gone since check_orphans: every step would be an orphan
-            self.check_orphans()
+            raise self._no_tracker()  # judged on this read, not on another one
         out: list[Found] = []
         dirs = _layout.step_dirs(root, naming)
         # an unreadable trust record stops gc, naming the file
